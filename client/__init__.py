@@ -1,0 +1,1 @@
+"""swap-state trainer side: device layer, swap optimizers, the remote container."""

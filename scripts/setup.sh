@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Creates .venv and installs swap-state with its client and dev extras.
+# torch is installed first, pinned, so nothing later can resolve a newer (CUDA, multi-GB) build.
+# Idempotent: a second run only reinstalls when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+TORCH_VERSION="${SWAP_STATE_TORCH_VERSION:-2.13.0}"
+VENV="${SWAP_STATE_VENV:-.venv}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.swap-state-installed"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) torch==$TORCH_VERSION"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
+pip_install "torch==$TORCH_VERSION"
+# The constraint keeps every later resolution on the torch just installed.
+constraint="$VENV/torch-constraint.txt"
+echo "torch==$TORCH_VERSION" > "$constraint"
+pip_install -c "$constraint" -e ".[client,dev]"
+echo "$want" > "$stamp"

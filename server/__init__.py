@@ -1,0 +1,1 @@
+"""swap-state-server: the per-host state server. Never imports torch."""
