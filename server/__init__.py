@@ -1,1 +1,16 @@
-"""swap-state-server: the per-host state server. Never imports torch."""
+"""swap-state-server: the per-host state server. Never imports torch.
+
+In-process use (tests, the client's embedded mode)::
+
+    from swap_state.server import ServerConfig, start_server
+
+    running = await start_server(ServerConfig(shm_size=8 << 30, listen="unix:///tmp/s.sock"))
+    ...  # grpc.aio.insecure_channel(running.address)
+    await running.stop()
+"""
+
+from .config import ServerConfig
+from .errors import StartupError
+from .runtime import RunningServer, start_server
+
+__all__ = ["RunningServer", "ServerConfig", "StartupError", "start_server"]

@@ -1,0 +1,114 @@
+"""Pure helpers of the swap optimizer: slice planning and the fused Adam/AdamW call.
+
+:func:`fused_adam_update` is torch's ``torch.optim.adam._fused_adam`` restated for
+tensors the caller has already gathered (device buffers or the host cache): the same
+grouping by device and dtype, the same ``grad_scale`` / ``found_inf`` / tensor-``lr``
+handling, the same step increment and the same kernel arguments, so results are
+bit-identical to ``torch.optim.Adam(..., fused=True)`` / ``AdamW(..., fused=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.optimizer import _to_scalar
+
+__all__ = ["fused_adam_update", "plan_slices"]
+
+
+def plan_slices(sizes: Sequence[int], times: int) -> list[range]:
+    """Split items of the given byte sizes into at most ``times`` contiguous runs.
+
+    Whole items only, balanced by bytes: an item goes to the slice its byte midpoint
+    falls in, so each run holds about ``sum(sizes) / times`` bytes and the order of
+    the items (the update order) is kept. Empty runs are dropped.
+    """
+    if times < 1:
+        raise ValueError(f"times must be >= 1, got {times}")
+    total = sum(sizes)
+    if not sizes:
+        return []
+    if total == 0:
+        return [range(len(sizes))]
+    slices: list[range] = []
+    start, current, before = 0, 0, 0
+    for index, size in enumerate(sizes):
+        target = min(times - 1, int((before + size / 2) * times // total))
+        if target != current:
+            slices.append(range(start, index))
+            start, current = index, target
+        before += size
+    slices.append(range(start, len(sizes)))
+    return [run for run in slices if len(run)]
+
+
+def fused_adam_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    *,
+    group: Mapping[str, Any],
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """One fused Adam/AdamW update of plain (local) tensors with ``group``'s settings.
+
+    ``max_exp_avg_sqs`` is empty unless ``group["amsgrad"]``. Steps are incremented
+    here, before the kernel, exactly as torch does; with ``found_inf`` they are
+    decremented again afterwards.
+    """
+    if not params:
+        return
+    if group.get("differentiable", False):
+        raise RuntimeError("Adam with fused=True does not support differentiable=True")
+    beta1, beta2 = (_to_scalar(beta) for beta in group["betas"])
+    lr = group["lr"]
+    kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
+    # As torch: a tensor lr on an accelerator is moved to each device; on CPU it is
+    # passed as it is.
+    lr_by_device: dict[torch.device, torch.Tensor] | None = (
+        {lr.device: lr} if isinstance(lr, torch.Tensor) and str(lr.device) != "cpu" else None
+    )
+    scale_by_device: dict[torch.device, torch.Tensor] = {}
+    inf_by_device: dict[torch.device, torch.Tensor] = {}
+    grouped = Optimizer._group_tensors_by_device_and_dtype(
+        [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps]  # type: ignore[list-item]
+    )
+    for (device, _), ((d_params, d_grads, d_avgs, d_sqs, d_max, d_steps), _) in grouped.items():
+        device_lr: Any = lr if lr_by_device is None else _on_device(lr_by_device, lr, device)
+        device_scale = None if grad_scale is None else _on_device(scale_by_device, grad_scale, device)
+        device_inf = None if found_inf is None else _on_device(inf_by_device, found_inf, device)
+        torch._foreach_add_(d_steps, 1)
+        kernel(
+            d_params,
+            d_grads,
+            d_avgs,
+            d_sqs,
+            d_max,
+            d_steps,
+            amsgrad=group["amsgrad"],
+            lr=device_lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            grad_scale=device_scale,
+            found_inf=device_inf,
+        )
+        if device_inf is not None:
+            torch._foreach_sub_(d_steps, [device_inf] * len(d_steps))
+
+
+def _on_device(
+    cache: dict[torch.device, torch.Tensor], tensor: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    if device not in cache:
+        cache[device] = tensor.to(device=device, non_blocking=True)
+    return cache[device]

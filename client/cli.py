@@ -1,0 +1,126 @@
+"""``swap-state``: the operator's command line (status, snapshots, export).
+
+Examples::
+
+    swap-state status --server unix:///run/swap-state/swap-state.sock
+    swap-state snapshots --server unix:///run/swap-state/swap-state.sock --job-id run1
+    swap-state export /snapshots/run1/step-000000001000 --format torch out.pt
+
+``status`` and ``snapshots`` talk to a running server; ``export`` reads a snapshot directory
+and needs neither the server nor anything of swap-state at load time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--server",
+        default=os.environ.get("SWAP_STATE_SERVER", ""),
+        help="server address, e.g. unix:///run/swap-state/swap-state.sock "
+        "(default: $SWAP_STATE_SERVER)",
+    )
+    parser.add_argument(
+        "--token-file", default=None, help="file holding the server's --token-file secret"
+    )
+    parser.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swap-state", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    status = sub.add_parser("status", help="sessions, budget and running snapshots")
+    _add_server_args(status)
+    snaps = sub.add_parser("snapshots", help="list durable snapshots")
+    _add_server_args(snaps)
+    snaps.add_argument("--job-id", default="", help="only this job (default: all)")
+    export = sub.add_parser(
+        "export", help="write a snapshot as a standard torch or DCP checkpoint"
+    )
+    export.add_argument("snapshot", help="a snapshot directory, e.g. /snapshots/run1/step-000000001000")
+    export.add_argument("out", help="output file (torch) or directory (dcp)")
+    export.add_argument("--format", choices=("torch", "dcp"), default="torch")
+    return parser
+
+
+def _client(args):
+    from swap_state.client.rpc import ClientConfig, SwapStateClient
+
+    if not args.server:
+        raise SystemExit("swap-state: give --server or set SWAP_STATE_SERVER")
+    token = None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    return SwapStateClient(ClientConfig(args.server, token=token, timeout_s=args.timeout))
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.3f} GiB"
+
+
+def _status(args) -> int:
+    client = _client(args)
+    try:
+        stats = client.stats()
+    finally:
+        client.close()
+    print(
+        f"budget: used {_gib(stats.budget_used_bytes)} / {_gib(stats.budget_total_bytes)} "
+        f"(free {_gib(stats.budget_free_bytes)}); steps committed: {stats.steps_committed_total}"
+    )
+    print(f"sessions: {len(stats.sessions)}")
+    for s in stats.sessions:
+        step = s.last_committed_step if s.has_committed_step else "-"
+        print(
+            f"  {s.job_id}/rank {s.rank}/{s.world_size} gen {s.generation} {s.state} "
+            f"{_gib(s.segment_bytes)} last step {step}"
+        )
+    for snap in stats.snapshots_in_progress:
+        pct = 100.0 * snap.bytes_persisted / max(1, snap.bytes_total)
+        print(f"  snapshot {snap.snapshot_id} rank {snap.rank}: {snap.state} {pct:.1f}%")
+    return 0
+
+
+def _snapshots(args) -> int:
+    client = _client(args)
+    try:
+        reply = client.list_snapshots(args.job_id)
+    finally:
+        client.close()
+    for snap in reply.snapshots:
+        marker = " (latest)" if snap.latest else ""
+        print(f"{snap.snapshot_id}\t{snap.world_size} ranks\t{_gib(snap.bytes)}\t{snap.path}{marker}")
+    if not reply.snapshots:
+        print("no snapshots")
+    return 0
+
+
+def _export(args) -> int:
+    from swap_state.client.export import export_snapshot
+
+    export_snapshot(args.snapshot, args.out, format=args.format)
+    print(f"wrote {args.format} checkpoint {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from swap_state.client.rpc import SwapStateError
+
+    handlers = {"status": _status, "snapshots": _snapshots, "export": _export}
+    try:
+        return handlers[args.command](args)
+    except SwapStateError as e:
+        print(f"swap-state: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

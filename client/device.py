@@ -1,0 +1,509 @@
+"""One small accelerator layer for Ascend NPU, CUDA and CPU.
+
+Everything in swap-state that touches a device goes through a :class:`DeviceBackend`:
+the current device, side streams, events, a stream context, synchronize, empty_cache,
+host allocations (pinned only where an accelerator exists) and DMA registration of an
+existing host mapping (:meth:`DeviceBackend.register_host_memory`).
+
+Selection order is NPU (``torch_npu``, imported lazily and only when installed), CUDA,
+CPU. ``SWAP_STATE_DEVICE=npu|cuda|cpu`` forces one; forcing a device that is not there
+is an error, never a silent fallback.
+
+On CPU, streams and events are :class:`NullStream` / :class:`NullEvent`: objects with the
+API of ``torch.cuda.Stream`` / ``torch.cuda.Event`` that do nothing, because every CPU op
+is synchronous. Code written for the pipelined accelerator path therefore runs
+unchanged on CPU.
+
+Typical use::
+
+    backend = get_device_backend()
+    side = backend.stream()
+    with backend.use_stream(side):
+        buf = host.to(backend.current_device(), non_blocking=True)
+        ready = backend.event()
+        ready.record(side)
+    backend.current_stream().wait_event(ready)
+
+Host registration (``register_host_memory(ptr, nbytes)``) wants a page-aligned pointer,
+rounds the size up to whole pages and registers in chunks of at most
+:data:`REGISTER_CHUNK_BYTES`, because single registrations of ~100 GiB are reported to fail
+on both CUDA and Ascend. Every return code is checked; a failure unregisters the chunks
+already registered and raises :class:`HostRegistrationError` with the code and the range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import importlib.util
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal, cast
+
+import torch
+
+__all__ = [
+    "DEVICE_ENV_VAR",
+    "REGISTER_CHUNK_BYTES",
+    "DeviceBackend",
+    "DeviceType",
+    "HostRegistration",
+    "HostRegistrationError",
+    "NullEvent",
+    "NullStream",
+    "PAGE_SIZE",
+    "get_device_backend",
+    "page_chunks",
+    "register_host_memory",
+    "select_device_type",
+    "unregister_host_memory",
+]
+
+logger = logging.getLogger(__name__)
+
+DeviceType = Literal["npu", "cuda", "cpu"]
+
+#: Environment variable that forces the backend: ``npu``, ``cuda`` or ``cpu``.
+DEVICE_ENV_VAR = "SWAP_STATE_DEVICE"
+
+#: Largest single host registration call. Calls of ~100 GiB are reported to fail on
+#: CUDA and Ascend; 32 GiB is a multiple of every page size in use (4 KiB .. 1 GiB).
+REGISTER_CHUNK_BYTES = 32 << 30
+
+#: The host page size; registration pointers must be aligned to it.
+PAGE_SIZE = mmap.PAGESIZE
+
+_DEVICE_TYPES: tuple[DeviceType, ...] = ("npu", "cuda", "cpu")
+
+# cudaHostRegisterPortable: the range counts as pinned for every CUDA context of the
+# process, not only the current one.
+_CUDA_HOST_REGISTER_PORTABLE = 1
+# ACL_HOST_REGISTER_MAPPED: the only aclrtHostRegisterType.
+_ACL_HOST_REGISTER_MAPPED = 0
+
+
+class HostRegistrationError(RuntimeError):
+    """A host register/unregister call returned an error code.
+
+    ``return_code`` is the runtime's code, ``ptr``/``nbytes`` the chunk that failed.
+    """
+
+    def __init__(self, message: str, *, return_code: int, ptr: int, nbytes: int) -> None:
+        super().__init__(message)
+        self.return_code = return_code
+        self.ptr = ptr
+        self.nbytes = nbytes
+
+
+class NullEvent:
+    """``torch.cuda.Event`` look-alike for CPU: every method returns at once."""
+
+    def record(self, stream: Any = None) -> None:
+        """Nothing to record: CPU work is complete when the call returns."""
+
+    def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        """Always complete."""
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
+class NullStream:
+    """``torch.cuda.Stream`` look-alike for CPU: every method returns at once."""
+
+    def wait_event(self, event: Any) -> None:
+        """Nothing to wait for."""
+
+    def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for."""
+
+    def record_event(self, event: Any = None) -> Any:
+        """Return ``event`` (or a new :class:`NullEvent`), already complete."""
+        return NullEvent() if event is None else event
+
+    def query(self) -> bool:
+        """Always idle."""
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
+@dataclass(frozen=True)
+class HostRegistration:
+    """A registered host range: page-rounded size and the chunks it was registered in."""
+
+    ptr: int
+    nbytes: int
+    chunks: tuple[tuple[int, int], ...]
+
+
+def page_chunks(
+    ptr: int, nbytes: int, chunk_bytes: int = REGISTER_CHUNK_BYTES, page_size: int = PAGE_SIZE
+) -> list[tuple[int, int]]:
+    """Split ``[ptr, ptr + nbytes)`` into page-aligned ``(ptr, size)`` chunks.
+
+    ``ptr`` must be page-aligned; ``nbytes`` is rounded up to whole pages (a mapping
+    always covers whole pages); every chunk but the last is ``chunk_bytes`` rounded down
+    to whole pages (at least one page).
+    """
+    if ptr % page_size:
+        raise ValueError(
+            f"host pointer {ptr:#x} is not aligned to the {page_size}-byte page size; "
+            "DMA registration needs a page-aligned pointer (map the region with mmap)"
+        )
+    if nbytes <= 0:
+        raise ValueError(f"cannot register {nbytes} bytes at {ptr:#x}: size must be positive")
+    total = -(-nbytes // page_size) * page_size
+    step = max(page_size, chunk_bytes - chunk_bytes % page_size)
+    return [(ptr + off, min(step, total - off)) for off in range(0, total, step)]
+
+
+class DeviceBackend:
+    """The accelerator of this process (or the CPU), behind one small API.
+
+    ``type`` is ``"npu"``, ``"cuda"`` or ``"cpu"``; ``module`` is ``torch.npu`` /
+    ``torch.cuda`` (``None`` on CPU). Stream and event objects are the module's own on an
+    accelerator and :class:`NullStream` / :class:`NullEvent` on CPU.
+
+    Subclasses for other runtimes (or tests) override ``_register_chunk``,
+    ``_unregister_chunk`` and ``_describe_return_code``; the chunking, alignment checks,
+    rollback and bookkeeping of :meth:`register_host_memory` stay here.
+    """
+
+    def __init__(
+        self,
+        device_type: DeviceType,
+        module: ModuleType | None = None,
+        *,
+        chunk_bytes: int = REGISTER_CHUNK_BYTES,
+    ) -> None:
+        if device_type not in _DEVICE_TYPES:
+            raise ValueError(f"unknown device type {device_type!r}; expected one of {_DEVICE_TYPES}")
+        if device_type != "cpu" and module is None:
+            module = _device_module(device_type)
+        self.type: DeviceType = device_type
+        self.module: ModuleType | None = module
+        self.chunk_bytes = chunk_bytes
+        self._null_stream = NullStream()
+        self._registrations: dict[int, HostRegistration] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"DeviceBackend(type={self.type!r})"
+
+    @property
+    def is_accelerator(self) -> bool:
+        """True on NPU and CUDA: copies are asynchronous and streams are real."""
+        return self.type != "cpu"
+
+    @property
+    def pin_memory_available(self) -> bool:
+        """Pinned host memory exists only where an accelerator does."""
+        return self.is_accelerator
+
+    # -- devices, streams, events -------------------------------------------------------
+    def _accel(self) -> Any:
+        if self.module is None:
+            raise RuntimeError(f"{self!r} has no accelerator module")
+        return self.module
+
+    def current_device(self) -> torch.device:
+        """The device new tensors of this backend go to."""
+        if not self.is_accelerator:
+            return torch.device("cpu")
+        return torch.device(self.type, self._accel().current_device())
+
+    def stream(self) -> Any:
+        """A new side stream (a :class:`NullStream` on CPU)."""
+        return self._accel().Stream() if self.is_accelerator else NullStream()
+
+    def current_stream(self) -> Any:
+        """The stream work is enqueued on now (the compute stream outside a context)."""
+        return self._accel().current_stream() if self.is_accelerator else self._null_stream
+
+    def event(self) -> Any:
+        """A new event (a :class:`NullEvent` on CPU)."""
+        return self._accel().Event() if self.is_accelerator else NullEvent()
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Context that makes ``stream`` current (does nothing on CPU)."""
+        if not self.is_accelerator:
+            return contextlib.nullcontext(stream)
+        return cast(contextlib.AbstractContextManager[Any], self._accel().stream(stream))
+
+    def synchronize(self) -> None:
+        """Wait for all work on the current device."""
+        if self.is_accelerator:
+            self._accel().synchronize()
+
+    def empty_cache(self) -> None:
+        """Return cached, unused device memory to the runtime."""
+        if self.is_accelerator:
+            self._accel().empty_cache()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the caching allocator that ``tensor`` is in use on ``stream``.
+
+        Needed for buffers allocated on one stream and used on another, so that freeing
+        them on the host does not hand their memory out before ``stream`` is done.
+        """
+        if self.is_accelerator:
+            tensor.record_stream(stream)
+
+    # -- host memory ---------------------------------------------------------------------
+    def alloc_host(self, shape: Sequence[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled host tensor, pinned when an accelerator exists."""
+        return torch.zeros(tuple(shape), dtype=dtype, pin_memory=self.pin_memory_available)
+
+    def register_host_memory(self, ptr: int, nbytes: int) -> HostRegistration:
+        """Register ``[ptr, ptr + nbytes)`` of an existing mapping for DMA.
+
+        The pointer must be page-aligned; the size is rounded up to whole pages and
+        registered in chunks of at most ``self.chunk_bytes``. On CPU nothing is called
+        (the same checks and bookkeeping apply, so CPU runs catch misuse). Raises
+        :class:`HostRegistrationError` with the return code and range when a call fails,
+        after unregistering the chunks already registered.
+        """
+        chunks = page_chunks(ptr, nbytes, self.chunk_bytes)
+        with self._lock:
+            if ptr in self._registrations:
+                raise ValueError(f"host range at {ptr:#x} is already registered")
+            done: list[tuple[int, int]] = []
+            for chunk_ptr, chunk_size in chunks:
+                rc = self._register_chunk(chunk_ptr, chunk_size)
+                if rc != 0:
+                    self._unregister_chunks(done, quiet=True)
+                    end = chunks[-1][0] + chunks[-1][1]
+                    raise HostRegistrationError(
+                        f"{self.type} host register of chunk [{chunk_ptr:#x}, "
+                        f"{chunk_ptr + chunk_size:#x}) ({chunk_size} bytes) failed with return "
+                        f"code {rc} ({self._describe_return_code(rc)}) while registering "
+                        f"[{ptr:#x}, {end:#x}) in {len(chunks)} chunk(s)",
+                        return_code=rc,
+                        ptr=chunk_ptr,
+                        nbytes=chunk_size,
+                    )
+                done.append((chunk_ptr, chunk_size))
+            registration = HostRegistration(ptr, sum(size for _, size in chunks), tuple(chunks))
+            self._registrations[ptr] = registration
+        logger.debug("registered %d bytes at %#x in %d chunk(s)", registration.nbytes, ptr, len(chunks))
+        return registration
+
+    def unregister_host_memory(self, ptr: int) -> None:
+        """Unregister a range registered by :meth:`register_host_memory` at ``ptr``.
+
+        Every chunk is unregistered even if one fails; the first failure is raised.
+        """
+        with self._lock:
+            registration = self._registrations.pop(ptr, None)
+            if registration is None:
+                raise KeyError(f"no host range registered at {ptr:#x}")
+            self._unregister_chunks(list(registration.chunks), quiet=False)
+
+    def registered_ranges(self) -> list[HostRegistration]:
+        """The live registrations, in registration order."""
+        with self._lock:
+            return list(self._registrations.values())
+
+    def _unregister_chunks(self, chunks: list[tuple[int, int]], *, quiet: bool) -> None:
+        first: HostRegistrationError | None = None
+        for chunk_ptr, chunk_size in chunks:
+            rc = self._unregister_chunk(chunk_ptr)
+            if rc != 0 and first is None:
+                first = HostRegistrationError(
+                    f"{self.type} host unregister of [{chunk_ptr:#x}, {chunk_ptr + chunk_size:#x}) "
+                    f"failed with return code {rc} ({self._describe_return_code(rc)})",
+                    return_code=rc,
+                    ptr=chunk_ptr,
+                    nbytes=chunk_size,
+                )
+        if first is not None:
+            if not quiet:
+                raise first
+            # Rolling back after a failed register: the register error is the one to report.
+            logger.error("%s", first)
+
+    def _register_chunk(self, ptr: int, nbytes: int) -> int:
+        """Register one page-aligned chunk; return the runtime's code (0 = success)."""
+        if self.type == "cuda":
+            return _cuda_host_register(ptr, nbytes)
+        if self.type == "npu":
+            self._ensure_npu_context()
+            return _acl_host_register(ptr, nbytes)
+        return 0
+
+    def _unregister_chunk(self, ptr: int) -> int:
+        """Unregister one chunk; return the runtime's code (0 = success)."""
+        if self.type == "cuda":
+            return _cuda_host_unregister(ptr)
+        if self.type == "npu":
+            self._ensure_npu_context()
+            return _acl_host_unregister(ptr)
+        return 0
+
+    def _describe_return_code(self, rc: int) -> str:
+        if self.type == "cuda":
+            return _cuda_error_string(rc)
+        if self.type == "npu":
+            return "aclError; see the CANN error code list"
+        return "no-op backend"
+
+    def _ensure_npu_context(self) -> None:
+        # ACL calls act on the calling thread's context; torch_npu creates it lazily.
+        module = self._accel()
+        module.set_device(module.current_device())
+
+
+# -- CUDA through torch.cuda.cudart() -------------------------------------------------------
+def _cudart() -> Any:
+    return torch.cuda.cudart()
+
+
+def _cuda_host_register(ptr: int, nbytes: int) -> int:
+    rc = int(_cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+    if rc != 0:
+        _clear_cuda_error()
+    return rc
+
+
+def _cuda_host_unregister(ptr: int) -> int:
+    rc = int(_cudart().cudaHostUnregister(ptr))
+    if rc != 0:
+        _clear_cuda_error()
+    return rc
+
+
+def _cuda_error_string(rc: int) -> str:
+    try:
+        cudart = _cudart()
+        return str(cudart.cudaGetErrorString(cudart.cudaError(rc)))
+    except Exception:  # the description is best effort; the code is what counts
+        return "cudaError"
+
+
+def _clear_cuda_error() -> None:
+    # A failed runtime call leaves its code as the "last error"; torch checks
+    # cudaGetLastError after kernel launches and would blame an unrelated kernel.
+    clear = getattr(_cudart(), "cudaGetLastError", None)
+    if clear is not None:
+        clear()
+
+
+# -- Ascend through libascendcl ----------------------------------------------------------------
+_ACL_LIB: ctypes.CDLL | None = None
+
+
+def _acl() -> ctypes.CDLL:
+    global _ACL_LIB
+    if _ACL_LIB is None:
+        # torch_npu has already loaded libascendcl.so; this finds that copy.
+        lib = ctypes.CDLL("libascendcl.so", mode=ctypes.RTLD_GLOBAL)
+        lib.aclrtHostRegister.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_void_p),
+        ]
+        lib.aclrtHostRegister.restype = ctypes.c_int
+        lib.aclrtHostUnregister.argtypes = [ctypes.c_void_p]
+        lib.aclrtHostUnregister.restype = ctypes.c_int
+        _ACL_LIB = lib
+    return _ACL_LIB
+
+
+def _acl_host_register(ptr: int, nbytes: int) -> int:
+    device_ptr = ctypes.c_void_p()
+    return int(
+        _acl().aclrtHostRegister(
+            ctypes.c_void_p(ptr), nbytes, _ACL_HOST_REGISTER_MAPPED, ctypes.byref(device_ptr)
+        )
+    )
+
+
+def _acl_host_unregister(ptr: int) -> int:
+    return int(_acl().aclrtHostUnregister(ctypes.c_void_p(ptr)))
+
+
+# -- selection ------------------------------------------------------------------------------------
+def _import_torch_npu() -> ModuleType:
+    importlib.import_module("torch_npu")
+    return cast(ModuleType, getattr(torch, "npu"))
+
+
+def _device_module(device_type: DeviceType) -> ModuleType:
+    if device_type == "cuda":
+        return torch.cuda
+    if device_type == "npu":
+        return _import_torch_npu()
+    raise ValueError("the CPU backend has no device module")
+
+
+def _npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        return bool(_import_torch_npu().is_available())
+    except Exception as exc:  # a broken CANN install must not hide CUDA or CPU
+        logger.warning("torch_npu is installed but unusable: %s", exc)
+        return False
+
+
+def _available(device_type: DeviceType) -> bool:
+    if device_type == "npu":
+        return _npu_available()
+    if device_type == "cuda":
+        return torch.cuda.is_available()
+    return True
+
+
+def select_device_type() -> DeviceType:
+    """The backend this process uses: ``$SWAP_STATE_DEVICE`` if set, else NPU, CUDA, CPU."""
+    forced = os.environ.get(DEVICE_ENV_VAR, "").strip().lower()
+    if forced:
+        if forced not in _DEVICE_TYPES:
+            raise ValueError(f"{DEVICE_ENV_VAR}={forced!r}: expected one of {', '.join(_DEVICE_TYPES)}")
+        device_type = cast(DeviceType, forced)
+        if not _available(device_type):
+            raise RuntimeError(
+                f"{DEVICE_ENV_VAR}={forced} but no {forced} device is available in this process"
+            )
+        return device_type
+    for device_type in _DEVICE_TYPES:
+        if _available(device_type):
+            return device_type
+    return "cpu"
+
+
+_BACKEND: DeviceBackend | None = None
+_BACKEND_LOCK = threading.Lock()
+
+
+def get_device_backend(*, refresh: bool = False) -> DeviceBackend:
+    """The process-wide backend, chosen on first call (``refresh=True`` chooses again)."""
+    global _BACKEND
+    with _BACKEND_LOCK:
+        if _BACKEND is None or refresh:
+            _BACKEND = DeviceBackend(select_device_type())
+            logger.info("swap-state device backend: %s", _BACKEND.type)
+        return _BACKEND
+
+
+def register_host_memory(ptr: int, nbytes: int) -> HostRegistration:
+    """:meth:`DeviceBackend.register_host_memory` on the process-wide backend."""
+    return get_device_backend().register_host_memory(ptr, nbytes)
+
+
+def unregister_host_memory(ptr: int) -> None:
+    """:meth:`DeviceBackend.unregister_host_memory` on the process-wide backend."""
+    get_device_backend().unregister_host_memory(ptr)

@@ -1,0 +1,151 @@
+"""The embedded default: a private local swap-state-server owned by one container.
+
+Used when neither ``server=`` nor ``SWAP_STATE_SERVER`` names a server. The server runs as a
+subprocess with its socket and snapshots in a private temp directory; ``stop()`` (also run at
+interpreter exit) terminates it, which removes its socket and segments, then the directory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+__all__ = ["EmbeddedServerConfig", "EmbeddedServer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EmbeddedServerConfig:
+    shm_size_bytes: int = 256 << 20
+    """Budget of the private server (--shm-size)."""
+    grace_s: float = 5.0
+    """--grace of the private server: its sessions die with their owner."""
+    chunk_bytes: int = 4 << 20
+    """--chunk-bytes: small, since embedded states are small."""
+    start_timeout_s: float = 30.0
+    """How long to wait for the server to report SERVING."""
+    stop_timeout_s: float = 10.0
+    """How long SIGTERM may take before SIGKILL."""
+    extra_args: tuple[str, ...] = ()
+    """More swap-state-server flags."""
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the trainer dies, so a killed trainer leaks no server."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except OSError:  # not Linux: the atexit hook still stops it on a normal exit
+        pass
+
+
+class EmbeddedServer:
+    """Start with :meth:`start`; ``address`` is then a ``unix://`` address; :meth:`stop` ends it."""
+
+    def __init__(self, config: EmbeddedServerConfig | None = None):
+        self.config = config or EmbeddedServerConfig()
+        self.workdir: str | None = None
+        self.address: str | None = None
+        self.snapshot_dir: str | None = None
+        self._proc: subprocess.Popen | None = None
+        self._log_path: str | None = None
+
+    def start(self) -> EmbeddedServer:
+        cfg = self.config
+        self.workdir = tempfile.mkdtemp(prefix="swap-state-embedded-")
+        socket_path = os.path.join(self.workdir, "swap-state.sock")
+        self.snapshot_dir = os.path.join(self.workdir, "snapshots")
+        self.address = f"unix://{socket_path}"
+        self._log_path = os.path.join(self.workdir, "server.log")
+        cmd = [
+            sys.executable, "-m", "swap_state.server.cli",
+            "--listen", self.address,
+            "--shm-size", str(cfg.shm_size_bytes),
+            "--snapshot-dir", self.snapshot_dir,
+            "--grace", str(cfg.grace_s),
+            "--chunk-bytes", str(cfg.chunk_bytes),
+            "--cow-budget", str(max(cfg.chunk_bytes * 4, cfg.shm_size_bytes // 8)),
+            *cfg.extra_args,
+        ]  # fmt: skip
+        with open(self._log_path, "wb") as log_file:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a Ctrl-C for the trainer must not kill it first
+                preexec_fn=_die_with_parent,
+            )
+        atexit.register(self.stop)
+        try:
+            self._wait_serving(socket_path)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("started embedded swap-state-server pid=%d at %s", self._proc.pid, self.address)
+        return self
+
+    def _wait_serving(self, socket_path: str) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(
+                    f"embedded swap-state-server exited with {self._proc.returncode}:\n"
+                    f"{self.log_text()}"
+                )
+            if os.path.exists(socket_path) and self._health_ok():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(
+            f"embedded swap-state-server not serving after {self.config.start_timeout_s}s:\n"
+            f"{self.log_text()}"
+        )
+
+    def _health_ok(self) -> bool:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            except grpc.RpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def log_text(self) -> str:
+        if self._log_path and os.path.exists(self._log_path):
+            with open(self._log_path, errors="replace") as f:
+                return f.read()[-4000:]
+        return ""
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after the timeout; remove the private directory."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.config.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("embedded swap-state-server ignored SIGTERM; killing it")
+                proc.kill()
+                proc.wait(timeout=self.config.stop_timeout_s)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+        atexit.unregister(self.stop)

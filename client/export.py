@@ -1,0 +1,256 @@
+"""``swap-state export``: a snapshot as a standard checkpoint, loadable without swap-state.
+
+Reads a complete snapshot directory (verifying every checksum first, with the server's own
+reader, which is pure Python) and writes the seed's flat optimizer state dict::
+
+    state.<fqn>.<key>           tensors (exp_avg, exp_avg_sq, ...), full (global) shape
+    state.<fqn>.step            0-dim float32 tensor (as torch's Adam keeps it)
+    param_groups.<fqn>.<hp>     hyperparameters (floats, tuples, bools, None, tensors)
+
+either as one ``torch.save`` file (``torch.load(out, weights_only=True)`` reads it) or as a
+``torch.distributed.checkpoint`` directory (``dcp.load`` into a template, any sharding).
+
+DTensor shards of all ranks are assembled into global tensors from the manifest's global
+shape and offsets; every element must be covered by some shard. That describes Shard and
+Replicate placements; a ``_StridedShard`` shard is not a box at an offset, and exporting one
+would place its rows wrongly, so do not export such snapshots. A tensor the trainer gave no
+fqn/key for is written as ``state.<segment tensor name>``. Everything is assembled in host
+memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import sys
+import warnings
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from swap_state.server.snapshot_errors import SnapshotError
+from swap_state.server.snapshot_format import RankManifest, TensorRecord
+from swap_state.server.snapshot_metadata import TENSOR_TAG
+from swap_state.server.snapshot_store import SnapshotInfo, SnapshotStore
+
+__all__ = ["FORMATS", "ExportError", "ExportResult", "load_flat_state_dict", "export_snapshot", "main"]
+
+FORMATS = ("torch", "dcp")
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+}
+
+
+class ExportError(SnapshotError):
+    """The snapshot cannot be expressed as a flat state dict (e.g. shards leave holes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_snapshot` wrote."""
+
+    snapshot_id: str
+    """The exported snapshot."""
+    out: pathlib.Path
+    """The file (torch) or directory (dcp) written."""
+    format: str
+    """``torch`` or ``dcp``."""
+    tensors: int
+    """Number of ``state.<fqn>.<key>`` tensors."""
+    entries: int
+    """Number of keys in the state dict."""
+
+
+def _decode(value: Any) -> Any:
+    """Manifest JSON -> state-dict value: tagged 0-dim tensors, lists back to tuples (JSON has
+    no tuples; torch optimizers keep betas as one)."""
+    if isinstance(value, dict):
+        if TENSOR_TAG in value:
+            return torch.tensor(value[TENSOR_TAG], dtype=_TORCH_DTYPES[value.get("dtype", "float32")])
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_decode(v) for v in value)
+    return value
+
+
+def _decode_step(value: Any) -> torch.Tensor:
+    decoded = _decode(value)
+    if isinstance(decoded, torch.Tensor):
+        return decoded
+    return torch.tensor(float(decoded), dtype=torch.float32)
+
+
+def _state_key(tensor: TensorRecord) -> str:
+    if tensor.fqn and tensor.key:
+        return f"state.{tensor.fqn}.{tensor.key}"
+    return f"state.{tensor.name}"
+
+
+class _Assembler:
+    """Global tensors built from shards, with a coverage mask per sharded tensor."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, torch.Tensor] = {}
+        self.covered: dict[str, torch.Tensor] = {}
+        self.sources: dict[str, str] = {}
+
+    def add(self, key: str, record: TensorRecord, local: torch.Tensor, where: str) -> None:
+        if record.global_shape is None:
+            if key in self.values:
+                # A plain tensor on several ranks is replicated (DDP); the lowest rank wins.
+                if tuple(self.values[key].shape) != tuple(local.shape):
+                    raise ExportError(
+                        f"{where}: {key} has shape {list(local.shape)}, another rank's is "
+                        f"{list(self.values[key].shape)} ({self.sources[key]})"
+                    )
+                return
+            self.values[key] = local
+            self.sources[key] = where
+            return
+        shape = record.global_shape
+        if key not in self.values:
+            self.values[key] = torch.zeros(shape, dtype=local.dtype)
+            self.covered[key] = torch.zeros(shape, dtype=torch.bool)
+            self.sources[key] = where
+        target = self.values[key]
+        if tuple(target.shape) != tuple(shape) or key not in self.covered:
+            raise ExportError(f"{where}: {key} has global shape {list(shape)}, another rank disagrees")
+        offset = record.global_offset or (0,) * len(shape)
+        if any(o + s > g for o, s, g in zip(offset, local.shape, shape)):
+            raise ExportError(
+                f"{where}: shard {record.name!r} of shape {list(local.shape)} at offset "
+                f"{list(offset)} exceeds global shape {list(shape)}"
+            )
+        region = tuple(slice(o, o + s) for o, s in zip(offset, local.shape))
+        target[region] = local
+        self.covered[key][region] = True
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        for key, mask in self.covered.items():
+            if not bool(mask.all()):
+                raise ExportError(
+                    f"{key}: the shards of all ranks cover {int(mask.sum())} of "
+                    f"{mask.numel()} elements of the global tensor"
+                )
+        return self.values
+
+
+def _resolve(snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str] | None) -> tuple[SnapshotStore, SnapshotInfo]:
+    if snapshot_dir is not None:
+        store = SnapshotStore(snapshot_dir)
+        return store, store.resolve(os.fspath(snapshot))
+    path = pathlib.Path(os.path.abspath(snapshot))
+    if not path.is_dir():
+        raise ExportError(f"{path} is not a snapshot directory (<snapshot-dir>/<job>/step-<N>)")
+    store = SnapshotStore(path.parent.parent)
+    return store, store.resolve(f"{path.parent.name}/{path.name}")
+
+
+def _build(
+    snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str] | None
+) -> tuple[SnapshotInfo, dict[str, torch.Tensor], dict[str, Any]]:
+    """(info, state tensors, steps and param groups) of a verified snapshot."""
+    store, info = _resolve(snapshot, snapshot_dir)
+    manifests: list[RankManifest] = []
+    for rank in range(info.world_size):
+        manifest = store.read_manifest(info, rank)
+        store.verify_data(info, manifest)
+        manifests.append(manifest)
+    assembler = _Assembler()
+    extras: dict[str, Any] = {}
+    for manifest in manifests:
+        path = info.path / manifest.data_file
+        with safe_open(str(path), framework="pt") as file:
+            for record in manifest.tensors:
+                assembler.add(_state_key(record), record, file.get_tensor(record.name), str(path))
+        for fqn, value in manifest.steps.items():
+            extras.setdefault(f"state.{fqn}.step", _decode_step(value))
+        for fqn, group in manifest.param_groups.items():
+            for hp, value in group.items():
+                extras.setdefault(f"param_groups.{fqn}.{hp}", _decode(value))
+    state = assembler.finish()
+    clash = set(state) & set(extras)
+    if clash:
+        raise ExportError(f"tensor keys collide with step/param-group keys: {sorted(clash)[:5]}")
+    return info, state, extras
+
+
+def load_flat_state_dict(
+    snapshot: str | os.PathLike[str], *, snapshot_dir: str | os.PathLike[str] | None = None
+) -> tuple[SnapshotInfo, dict[str, Any]]:
+    """Verify a snapshot and build its flat state dict (see the module docstring).
+
+    ``snapshot``: a snapshot directory, or with ``snapshot_dir`` an id
+    (``<job>/step-<N>``, ``<job>/latest``)."""
+    info, state, extras = _build(snapshot, snapshot_dir)
+    return info, {**state, **extras}
+
+
+def export_snapshot(
+    snapshot: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    format: str = "torch",
+    *,
+    snapshot_dir: str | os.PathLike[str] | None = None,
+) -> ExportResult:
+    """Write ``snapshot`` to ``out`` as a torch file (``format="torch"``) or a DCP directory
+    (``format="dcp"``). Raises SnapshotError subclasses (not found, corrupt, ExportError)."""
+    if format not in FORMATS:
+        raise ExportError(f"format {format!r} is not one of {FORMATS}")
+    info, tensors, extras = _build(snapshot, snapshot_dir)
+    state = {**tensors, **extras}
+    out_path = pathlib.Path(out)
+    if format == "torch":
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_path.with_name(out_path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, out_path)  # never a half-written checkpoint under the final name
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        out_path.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            # no_dist=True is the point here; DCP still warns that it assumes one process.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, checkpoint_id=str(out_path), no_dist=True)
+    return ExportResult(info.snapshot_id, out_path, format, len(tensors), len(state))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``swap-state export SNAPSHOT OUT [--format torch|dcp] [--snapshot-dir DIR]``."""
+    parser = argparse.ArgumentParser(
+        prog="swap-state export", description="write a snapshot as a standard torch or DCP checkpoint"
+    )
+    parser.add_argument(
+        "snapshot",
+        help="a snapshot directory (e.g. /snapshots/run1/step-000000001000), or with "
+        "--snapshot-dir an id such as run1/step-1000 or run1/latest",
+    )
+    parser.add_argument("out", help="output file (torch) or directory (dcp)")
+    parser.add_argument("--format", choices=FORMATS, default="torch")
+    parser.add_argument("--snapshot-dir", default=None, help="the server's --snapshot-dir")
+    args = parser.parse_args(argv)
+    try:
+        result = export_snapshot(args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir)
+    except SnapshotError as exc:
+        print(f"swap-state export: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"exported {result.snapshot_id} ({result.tensors} tensors, {result.entries} entries) "
+        f"to {result.out} ({result.format})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""torchtitan 0.2.x custom config module: the ``[optimizer]`` switches of swap-state.
+
+Use it with ``--job.custom_config_module=swap_state.client.torchtitan_config`` (or
+``custom_config_module`` under ``[job]`` in the TOML)::
+
+    [optimizer]
+    name = "AdamW"
+    swap_optimizer = true
+    swap_optimizer_times = 16
+    swap_optimizer_backend = "remote"          # "local": in-process pinned host cache
+    swap_state_server = "unix:///run/swap-state/swap-state.sock"   # "" -> $SWAP_STATE_SERVER
+    swap_state_job_id = "llama3-8b-run1"       # "" -> derived from the job's dump folder
+    swap_state_checkpoint = "snapshot"         # "full": the seed's full-tensor state dict
+
+Importing this module installs the ``build_optimizers`` wrapper (through
+:mod:`swap_state.client.swap_optimizer`), so torchtitan's trainer builds the swap container
+when ``swap_optimizer`` is true and torch's own optimizers otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+from swap_state.client import swap_optimizer
+
+__all__ = ["Optimizer", "JobConfig"]
+
+
+@dataclass
+class Optimizer:
+    swap_optimizer: bool = False
+    """Keep Adam moments in host memory and stream them to the device during step()."""
+
+    swap_optimizer_times: int = 16
+    """Number of slices the parameters are split into for the load/update/offload pipeline."""
+
+    swap_optimizer_backend: Literal["local", "remote"] = "local"
+    """'local': pinned memory inside the trainer; 'remote': the host's swap-state-server."""
+
+    swap_state_server: str = ""
+    """Server address (unix:///path or tcp://host:port). Empty: $SWAP_STATE_SERVER, else a
+    private server started for this trainer (the embedded default)."""
+
+    swap_state_job_id: str = ""
+    """Job id shared by all ranks of the run; a restarted trainer with the same job id and
+    rank reattaches to its state. Empty: $SWAP_STATE_JOB_ID, else derived from the dump folder."""
+
+    swap_state_checkpoint: Literal["full", "snapshot"] = "full"
+    """'full': state_dict() returns the moments (seed format). 'snapshot': state_dict() asks
+    the server for a snapshot and returns a small reference; load_state_dict() restores it."""
+
+
+@dataclass
+class JobConfig:
+    optimizer: Optimizer = field(default_factory=Optimizer)
+
+
+def _rebind_imported_model_specs() -> None:
+    """Model packages imported before this module captured the unwrapped builder: rebind."""
+    original = swap_optimizer._original_build_optimizers
+    wrapped = swap_optimizer.tt_optimizer.build_optimizers
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torchtitan.") and getattr(module, "build_optimizers", None) is original:
+            module.build_optimizers = wrapped
+
+
+_rebind_imported_model_specs()

@@ -1,0 +1,7 @@
+"""``python -m swap_state.server``: the same as the ``swap-state-server`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

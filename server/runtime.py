@@ -1,0 +1,300 @@
+"""Starting and stopping the server in-process: :func:`start_server` -> :class:`RunningServer`.
+
+Used by the CLI, by tests, and by the client's embedded mode. Start-up order matters:
+
+1. read the token and TLS files, resolve the group, prepare the snapshot directory;
+2. take the Unix socket path (lock file; a live server there -> refuse, a stale file -> replace);
+3. bind (grpc), so that for TCP a second server on the same port fails here;
+4. remove segment files a dead server on the same address left behind, then check that the
+   shm directory is a tmpfs with room for the whole budget (exit non-zero otherwise);
+5. start serving, health SERVING, reaper, metrics; one ``started`` log line.
+
+Stop (SIGTERM/SIGINT in the CLI): health NOT_SERVING, KeepAlive streams end with a notice, no
+new RPCs, in-flight ones get ``shutdown_grace`` seconds, then every segment is unmapped and
+unlinked and the socket removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import grp
+import hashlib
+import logging
+import os
+import pathlib
+import secrets
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from swap_state.proto import swap_state_pb2 as pb
+from swap_state.proto import swap_state_pb2_grpc as pb_grpc
+
+from .arena import Arena, check_shm_dir
+from .auth import TokenAuthInterceptor, read_token_file
+from .config import ListenAddress, ServerConfig, format_size
+from .errors import StartupError
+from .listener import SocketGuard
+from .logs import log_event
+from .metrics import MetricsServer, render_metrics
+from .service import SwapStateService
+from .sessions import SessionRegistry
+from .statuses import RpcCounters
+
+__all__ = ["RunningServer", "SERVICE_NAME", "grpc_server_options", "start_server"]
+
+log = logging.getLogger("swap_state.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SwapState"].full_name  # "swap_state.v1.SwapState"
+
+
+def grpc_server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        # An Allocate reply repeats the request's tensors with offsets: a bit larger.
+        ("grpc.max_send_message_length", 2 * config.max_message_bytes),
+        # Dead peers over TCP are noticed within ~30 s, so their sessions become orphaned.
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        # Linux default is SO_REUSEPORT on: a second server on the same TCP port would bind
+        # "successfully" and steal half the connections.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+@dataclasses.dataclass(eq=False)
+class RunningServer:
+    """A started server. ``address`` is a gRPC channel target (``unix:///...`` or host:port)."""
+
+    config: ServerConfig
+    address: str
+    listen: ListenAddress
+    socket_path: pathlib.Path | None
+    metrics_address: tuple[str, int] | None
+    arena: Arena
+    sessions: SessionRegistry
+    service: SwapStateService
+    health: health_aio.HealthServicer
+    _grpc: grpc.aio.Server
+    _guard: SocketGuard | None
+    _metrics: MetricsServer | None
+    _stop_task: asyncio.Task[None] | None = None
+    _stopped: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop serving; idempotent. ``grace``: seconds in-flight RPCs may still run
+        (default ``config.shutdown_grace``)."""
+        if self._stop_task is None:
+            self._stop_task = asyncio.get_running_loop().create_task(self._stop(grace))
+        await asyncio.shield(self._stop_task)
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def _stop(self, grace: float | None) -> None:
+        grace = self.config.shutdown_grace if grace is None else grace
+        log_event(log, "stopping", grace_seconds=grace, sessions=len(self.sessions.sessions))
+        try:
+            await self.health.enter_graceful_shutdown()
+            self.sessions.begin_shutdown()
+            await self._grpc.stop(grace)
+            if self._metrics is not None:
+                await self._metrics.stop()
+            await self.sessions.close()
+        finally:
+            if self._guard is not None:
+                self._guard.release()
+            self._stopped.set()
+            log_event(log, "stopped", budget_used=self.arena.used_bytes)
+
+
+def _resolve_group(name: str | None) -> int | None:
+    if name is None:
+        return None
+    if name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise StartupError(f"--shm-group {name}: no such group") from None
+
+
+def _read_tls(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    try:
+        cert = config.tls_cert.read_bytes()
+        key = config.tls_key.read_bytes()
+    except OSError as exc:
+        raise StartupError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from None
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def _prepare_snapshot_dir(path: pathlib.Path | None) -> None:
+    if path is None:
+        return
+    try:
+        path.mkdir(mode=0o750, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"--snapshot-dir {path}: {exc.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StartupError(f"--snapshot-dir {path} is not writable by this user")
+
+
+def _segment_tag(listen: ListenAddress) -> str:
+    # Segment names carry a tag of the address, so a restarted server can find and remove what
+    # a killed one on the same address left in /dev/shm. An ephemeral TCP port has no stable
+    # identity: random tag, no cleanup.
+    if listen.scheme == "tcp" and listen.port == 0:
+        return secrets.token_hex(6)
+    return hashlib.sha256(listen.url.encode()).hexdigest()[:12]
+
+
+def _bind(server: grpc.aio.Server, listen: ListenAddress, creds: grpc.ServerCredentials | None) -> int:
+    target = listen.bind_target()
+    try:
+        if listen.scheme == "unix":
+            # The socket must never be world-accessible, not even between bind and chmod.
+            old = os.umask(0o117)
+            try:
+                port = server.add_insecure_port(target)
+            finally:
+                os.umask(old)
+        elif creds is not None:
+            port = server.add_secure_port(target, creds)
+        else:
+            port = server.add_insecure_port(target)
+    except RuntimeError as exc:
+        raise StartupError(f"cannot listen on {listen.url}: {exc}") from None
+    if listen.scheme == "tcp" and port == 0:
+        raise StartupError(f"cannot listen on {listen.url} (address in use or not available)")
+    return port
+
+
+async def start_server(config: ServerConfig) -> RunningServer:
+    """Start a server on ``config.listen``; raises :class:`StartupError` with an actionable
+    message when the environment does not allow it."""
+    listen = config.listen_address
+    token = read_token_file(config.token_file) if config.token_file else None
+    gid = _resolve_group(config.shm_group)
+    creds = _read_tls(config)
+    _prepare_snapshot_dir(config.snapshot_dir)
+
+    async with contextlib.AsyncExitStack() as undo:
+        guard: SocketGuard | None = None
+        if listen.scheme == "unix":
+            assert listen.path is not None
+            guard = SocketGuard(listen.path)
+            guard.acquire()
+            undo.callback(guard.release)
+
+        arena = Arena(
+            shm_dir=config.shm_dir,
+            total_bytes=config.shm_size,
+            cow_pool_bytes=config.cow_pool_bytes,
+            chunk_bytes=config.chunk_bytes,
+            tag=_segment_tag(listen),
+            gid=gid,
+            mlock=config.mlock,
+        )
+        registry = SessionRegistry(
+            arena,
+            grace=config.grace,
+            stream_wait=config.stream_wait,
+            max_tensors=config.max_tensors,
+        )
+        counters = RpcCounters()
+        service = SwapStateService(
+            registry, arena, keepalive_interval=config.keepalive_interval, counters=counters
+        )
+        health = health_aio.HealthServicer()
+        interceptors = [TokenAuthInterceptor(token)] if token else []
+        server = grpc.aio.server(interceptors=interceptors, options=grpc_server_options(config))
+        pb_grpc.add_SwapStateServicer_to_server(service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        port = _bind(server, listen, creds)
+        undo.push_async_callback(server.stop, None)
+        if guard is not None:
+            guard.bound(gid)
+
+        removed, removed_bytes = arena.remove_leftovers()
+        if removed:
+            log_event(log, "leftover_segments_removed", logging.WARNING, files=removed,
+                      bytes=removed_bytes, shm_dir=config.shm_dir)
+        check_shm_dir(config.shm_dir, config.shm_size)
+        if arena.cow_pool_slots == 0:
+            log_event(log, "cow_pool_empty", logging.WARNING, cow_budget=config.cow_pool_bytes,
+                      chunk_bytes=config.chunk_bytes,
+                      detail="no copy-before-write slots: snapshots will make the trainer wait "
+                      "until each chunk is persisted")
+
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        registry.start()
+        metrics: MetricsServer | None = None
+        started_at = time.time()
+        if config.metrics_port:
+            metrics = MetricsServer(
+                lambda: render_metrics(arena, registry, counters, started_at=started_at),
+                config.metrics_host,
+                config.metrics_port,
+            )
+            try:
+                await metrics.start()
+            except OSError as exc:
+                await registry.close()
+                raise StartupError(
+                    f"--metrics-port {config.metrics_host}:{config.metrics_port}: {exc.strerror}"
+                ) from None
+        undo.pop_all()
+
+    if listen.scheme == "unix":
+        address = f"unix://{listen.path}"
+    else:
+        host = listen.host if listen.host not in ("0.0.0.0", "::", "") else "localhost"
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    running = RunningServer(
+        config=config,
+        address=address,
+        listen=listen,
+        socket_path=listen.path,
+        metrics_address=metrics.address if metrics else None,
+        arena=arena,
+        sessions=registry,
+        service=service,
+        health=health,
+        _grpc=server,
+        _guard=guard,
+        _metrics=metrics,
+    )
+    log_event(
+        log,
+        "started",
+        listen=address if listen.scheme == "unix" else f"tcp://{address}",
+        socket=listen.path or "",
+        shm_dir=config.shm_dir,
+        budget_bytes=config.shm_size,
+        budget=format_size(config.shm_size),
+        cow_pool_bytes=arena.cow_reserve_bytes,
+        cow_slots=arena.cow_pool_slots,
+        chunk_bytes=config.chunk_bytes,
+        grace_seconds=config.grace,
+        snapshot_dir=config.snapshot_dir or "",
+        auth="token" if token else "none",
+        tls=creds is not None,
+        metrics=f"{metrics.address[0]}:{metrics.address[1]}" if metrics and metrics.address else "off",
+        pid=os.getpid(),
+    )
+    return running

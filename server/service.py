@@ -1,0 +1,168 @@
+"""The gRPC servicer: protobuf <-> domain, nothing else.
+
+Validation and state live in :mod:`.sessions` / :mod:`.arena` / :mod:`.validation`; status
+codes are mapped by :func:`~swap_state.server.statuses.rpc_boundary`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from swap_state.proto import swap_state_pb2 as pb
+from swap_state.proto import swap_state_pb2_grpc as pb_grpc
+
+from .arena import Arena, Segment
+from .errors import Unimplemented
+from .sessions import Session, SessionRegistry
+from .statuses import RpcCounters, rpc_boundary
+
+__all__ = ["SwapStateService", "segment_info"]
+
+# Building a reply for this many tensors takes long enough to do it off the loop.
+_OFFLOAD_TENSORS = 4096
+
+
+def segment_info(segment: Segment) -> pb.SegmentInfo:
+    layout = segment.layout
+    return pb.SegmentInfo(
+        path=str(segment.path),
+        size=segment.size,
+        header_bytes=layout.header_bytes,
+        tensors=[
+            pb.TensorPlacement(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset,
+                               nbytes=t.nbytes)
+            for t in layout.tensors
+        ],
+        chunk_bytes=layout.chunk_bytes,
+        cow_slots=layout.cow_slots,
+        cow_slots_offset=layout.cow_slots_offset,
+        layout_hash=segment.layout_hash,
+    )
+
+
+async def _segment_info(segment: Segment) -> pb.SegmentInfo:
+    if len(segment.layout.tensors) > _OFFLOAD_TENSORS:
+        return await asyncio.to_thread(segment_info, segment)
+    return segment_info(segment)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class SwapStateService(pb_grpc.SwapStateServicer):
+    def __init__(
+        self,
+        registry: SessionRegistry,
+        arena: Arena,
+        *,
+        keepalive_interval: float,
+        counters: RpcCounters,
+    ) -> None:
+        self.registry = registry
+        self.arena = arena
+        self.keepalive_interval = keepalive_interval
+        self.counters = counters  # used by rpc_boundary
+
+    @rpc_boundary
+    async def Attach(self, request: pb.AttachRequest, context) -> pb.AttachReply:
+        session, reattached = await self.registry.attach(
+            request.job_id,
+            request.rank,
+            request.world_size,
+            client_pid=request.client_pid,
+            client_host=request.client_host,
+        )
+        reply = pb.AttachReply(
+            session_id=session.session_id,
+            generation=session.generation,
+            reattached=reattached,
+            has_segment=session.segment is not None,
+            has_committed_step=session.last_committed_step is not None,
+            last_committed_step=session.last_committed_step or 0,
+            keepalive_interval_ms=int(self.keepalive_interval * 1000),
+        )
+        if session.segment is not None:
+            reply.segment.CopyFrom(await _segment_info(session.segment))
+        return reply
+
+    @rpc_boundary
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context):
+        stream = self.registry.open_stream(request.session_id, request.generation)
+        try:
+            while True:
+                yield pb.KeepAliveEvent(server_time_ms=_now_ms())
+                reason = await stream.wait_end(self.keepalive_interval)
+                if reason is not None:
+                    # A last event says why, then the stream ends with OK.
+                    yield pb.KeepAliveEvent(server_time_ms=_now_ms(), notice=reason)
+                    return
+        finally:
+            self.registry.close_stream(stream)
+
+    @rpc_boundary
+    async def Allocate(self, request: pb.AllocateRequest, context) -> pb.AllocateReply:
+        # A generator: the O(tensors) conversion happens in the validation worker thread.
+        specs = ((t.name, t.dtype, t.shape) for t in request.tensors)
+        segment, reused = await self.registry.allocate(request.session_id, request.generation, specs)
+        return pb.AllocateReply(segment=await _segment_info(segment), reused=reused)
+
+    @rpc_boundary
+    async def CommitStep(self, request: pb.CommitStepRequest, context) -> pb.CommitStepReply:
+        step = self.registry.commit_step(request.session_id, request.generation, request.step)
+        return pb.CommitStepReply(committed_step=step)
+
+    @rpc_boundary
+    async def Detach(self, request: pb.DetachRequest, context) -> pb.DetachReply:
+        await self.registry.detach(request.session_id, request.generation, keep=request.keep)
+        return pb.DetachReply()
+
+    @rpc_boundary
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
+        return pb.StatsReply(
+            budget_total_bytes=self.arena.total_bytes,
+            budget_used_bytes=self.arena.used_bytes,
+            budget_free_bytes=self.arena.free_bytes,
+            sessions=[self._session_stats(s) for s in self.registry.sessions],
+            steps_committed_total=self.registry.steps_committed_total,
+        )
+
+    def _session_stats(self, session: Session) -> pb.SessionStats:
+        return pb.SessionStats(
+            session_id=session.session_id,
+            job_id=session.job_id,
+            rank=session.rank,
+            world_size=session.world_size,
+            generation=session.generation,
+            state=session.state.value,
+            segment_bytes=session.segment.size if session.segment else 0,
+            last_committed_step=session.last_committed_step or 0,
+            has_committed_step=session.last_committed_step is not None,
+            steps_committed=session.steps_committed,
+            orphaned_seconds=self.registry.orphaned_seconds(session),
+        )
+
+    # Snapshot and restore: the domain (server/snapshot*.py, server/restore*.py) is being
+    # written separately; these answer UNIMPLEMENTED until it is wired in here.
+    @rpc_boundary
+    async def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
+        raise Unimplemented(_NOT_YET.format(rpc="Snapshot"))
+
+    @rpc_boundary
+    async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context) -> pb.SnapshotStatusReply:
+        raise Unimplemented(_NOT_YET.format(rpc="SnapshotStatus"))
+
+    @rpc_boundary
+    async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
+        raise Unimplemented(_NOT_YET.format(rpc="ListSnapshots"))
+
+    @rpc_boundary
+    async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
+        raise Unimplemented(_NOT_YET.format(rpc="Restore"))
+
+
+_NOT_YET = (
+    "{rpc} is not implemented by this server build yet (snapshots and restore are the next "
+    "milestone); sessions, segments and CommitStep work"
+)

@@ -1,0 +1,602 @@
+"""Snapshots of committed steps, taken without pausing the trainer: the coordinator.
+
+Call order (the servicer):
+
+1. ``coordinator = SnapshotCoordinator(snapshot_dir, keep_latest=K, max_bandwidth=B)`` once at
+   server start (it removes what a killed writer left behind).
+2. Snapshot RPC: ``handle = coordinator.start(SnapshotSource(...))``. It validates, publishes
+   the snapshot epoch in the segment header and returns: the snapshot is *consistent*, the
+   trainer may mutate the segment again. A background thread persists the rank.
+3. SnapshotStatus RPC: ``coordinator.status(snapshot_id, rank, wait_s)`` (or ``handle.wait``):
+   ``durable`` once *all* ``world_size`` ranks of the job are on disk and the snapshot is
+   committed (``snapshot.json``, atomic rename, ``latest``, retention), ``failed`` with an
+   error otherwise. ``in_progress()`` feeds Stats.
+4. Before unmapping a segment whose rank may be persisting: ``handle.cancel(reason)`` (when
+   the snapshot must not complete) and ``handle.wait_segment_released()``.
+5. Server shutdown: ``coordinator.close()``.
+
+One rank's snapshot is held by one :class:`SnapshotHandle`; the ranks of a (job, step) form a
+group that commits together or fails together (a failed rank cancels the others, and their
+partial files are removed). Thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import pathlib
+import threading
+import time
+
+from swap_state.proto.segment import Word
+
+from .snapshot_errors import (
+    SnapshotBusy,
+    SnapshotError,
+    SnapshotExists,
+    SnapshotFailed,
+    SnapshotInvalid,
+    SnapshotNotFound,
+    from_os_error,
+)
+from .snapshot_format import FileRecord, SnapshotIndex, snapshot_id_for
+from .snapshot_metadata import MAX_METADATA_BYTES, parse_metadata
+from .snapshot_store import CommitResult, SnapshotStore, validate_job_id
+from .snapshot_writer import BandwidthLimiter, Cancelled, RankResult, RankWriter, SnapshotSource
+
+__all__ = [
+    "SnapshotSource",
+    "SnapshotState",
+    "SnapshotStatus",
+    "SnapshotHandle",
+    "SnapshotCoordinator",
+]
+
+
+class SnapshotState(str, enum.Enum):
+    """The protocol's state strings (``SnapshotStatusReply.state``)."""
+
+    PERSISTING = "persisting"
+    DURABLE = "durable"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotStatus:
+    """One rank's view of a snapshot; field for field a SnapshotStatusReply, plus a few."""
+
+    snapshot_id: str
+    """``<job_id>/step-<step>``."""
+    job_id: str
+    """The job."""
+    step: int
+    """The committed step."""
+    rank: int
+    """The rank this status is about."""
+    world_size: int
+    """Ranks that must be durable before the snapshot is."""
+    state: SnapshotState
+    """persisting until the whole snapshot is committed, then durable; or failed."""
+    bytes_total: int
+    """Tensor bytes of this rank."""
+    bytes_persisted: int
+    """Tensor bytes of this rank written so far."""
+    error: str
+    """Why it failed (empty unless failed); names the directory for disk-full errors."""
+    cow_copies: int
+    """Chunks the trainer copied before writing, during this snapshot (this rank)."""
+    backpressure_waits: int
+    """Times the trainer waited for a free copy slot, during this snapshot (this rank)."""
+    backpressure_wait_seconds: float
+    """Seconds the trainer spent in those waits."""
+    path: str
+    """The snapshot directory (the partial one until durable)."""
+    ranks_joined: int
+    """Ranks that have started this snapshot."""
+    ranks_persisted: int
+    """Ranks whose files are written and fsynced."""
+    segment_released: bool
+    """Whether the server is done reading this rank's segment."""
+    warnings: tuple[str, ...] = ()
+    """Problems after the commit (latest pointer, retention) that did not fail the snapshot."""
+
+    @property
+    def terminal(self) -> bool:
+        return self.state is not SnapshotState.PERSISTING
+
+
+class _Group:
+    """The ranks of one (job, step). Its condition guards every field below."""
+
+    def __init__(self, store: SnapshotStore, job_id: str, step: int, world_size: int, partial: pathlib.Path):
+        self.store = store
+        self.job_id = job_id
+        self.step = step
+        self.world_size = world_size
+        self.partial = partial
+        self.snapshot_id = snapshot_id_for(job_id, step)
+        self.cond = threading.Condition()
+        self.cancel = threading.Event()
+        self.handles: dict[int, SnapshotHandle] = {}
+        self.results: dict[int, RankResult] = {}
+        self.rank_errors: dict[int, SnapshotError] = {}
+        self.state = SnapshotState.PERSISTING
+        self.error: SnapshotError | None = None
+        self.commit: CommitResult | None = None
+        self.live_threads = 0
+        self.discarded = False  # failed, and one thread has claimed removing its files
+        self.discarded_done = False  # ... and they are gone
+        self.timer: threading.Timer | None = None
+        self.finished_monotonic: float | None = None
+
+    def fail(self, error: SnapshotError, rank: int | None = None) -> None:
+        """First failure wins; cancels the other ranks; removes files once no thread writes."""
+        with self.cond:
+            if rank is not None:
+                self.rank_errors.setdefault(rank, error)
+            if self.state is not SnapshotState.PERSISTING:
+                return
+            self.state = SnapshotState.FAILED
+            prefix = f"rank {rank}: " if rank is not None and self.world_size > 1 else ""
+            self.error = type(error)(prefix + str(error))
+            self.finished_monotonic = time.monotonic()
+            self.cancel.set()
+            if self.timer is not None:
+                self.timer.cancel()
+            self.cond.notify_all()
+        self.discard_if_idle()
+
+    def discard_if_idle(self) -> None:
+        with self.cond:
+            if self.state is not SnapshotState.FAILED or self.live_threads or self.discarded:
+                return
+            self.discarded = True  # claimed: exactly one caller removes the directory
+        self.store.discard(self.partial)
+        with self.cond:
+            self.discarded_done = True
+            self.cond.notify_all()
+
+
+class SnapshotHandle:
+    """One rank's snapshot. Thread-safe; obtained from :meth:`SnapshotCoordinator.start`."""
+
+    def __init__(self, group: _Group, rank: int, writer: RankWriter):
+        self._group = group
+        self._writer = writer
+        self.rank = rank
+        self.thread: threading.Thread | None = None
+
+    @property
+    def snapshot_id(self) -> str:
+        return self._group.snapshot_id
+
+    @property
+    def job_id(self) -> str:
+        return self._group.job_id
+
+    @property
+    def step(self) -> int:
+        return self._group.step
+
+    @property
+    def world_size(self) -> int:
+        return self._group.world_size
+
+    @property
+    def epoch(self) -> int:
+        """The SNAP_EPOCH this rank's snapshot published."""
+        return self._writer.epoch
+
+    @property
+    def exception(self) -> SnapshotError | None:
+        """The error to report (its class names the gRPC code), None unless failed."""
+        group = self._group
+        with group.cond:
+            if group.state is not SnapshotState.FAILED:
+                return None
+            return group.rank_errors.get(self.rank) or group.error
+
+    def status(self) -> SnapshotStatus:
+        group = self._group
+        writer = self._writer
+        cow_copies, bp_waits, bp_wait_ns = writer.counters()
+        with group.cond:
+            state = group.state
+            error = ""
+            if state is SnapshotState.FAILED:
+                error = str(group.rank_errors.get(self.rank) or group.error)
+            durable = state is SnapshotState.DURABLE and group.commit is not None
+            return SnapshotStatus(
+                snapshot_id=group.snapshot_id,
+                job_id=group.job_id,
+                step=group.step,
+                rank=self.rank,
+                world_size=group.world_size,
+                state=state,
+                bytes_total=writer.bytes_total,
+                bytes_persisted=writer.bytes_persisted,
+                error=error,
+                cow_copies=cow_copies,
+                backpressure_waits=bp_waits,
+                backpressure_wait_seconds=bp_wait_ns / 1e9,
+                path=str(group.commit.path if durable else group.partial),
+                ranks_joined=len(group.handles),
+                ranks_persisted=len(group.results),
+                segment_released=writer.segment_released.is_set(),
+                warnings=group.commit.warnings if durable else (),
+            )
+
+    def wait(self, timeout: float | None = None) -> SnapshotStatus:
+        """Block until durable, or failed *and* cleaned up (no partial files, no segment
+        held), or ``timeout`` seconds; the status either way."""
+        group = self._group
+
+        def settled() -> bool:
+            return group.state is SnapshotState.DURABLE or (
+                group.state is SnapshotState.FAILED and group.discarded_done
+            )
+
+        with group.cond:
+            group.cond.wait_for(settled, timeout)
+        return self.status()
+
+    def wait_segment_released(self, timeout: float | None = None) -> bool:
+        """True once the server no longer reads this rank's segment (safe to unmap)."""
+        return self._writer.segment_released.wait(timeout)
+
+    def cancel(self, reason: str) -> None:
+        """Fail the whole snapshot (all ranks); a no-op once it is durable."""
+        self._group.fail(SnapshotFailed(f"cancelled: {reason}"), self.rank)
+
+
+class SnapshotCoordinator:
+    """Starts, tracks and commits snapshots under one snapshot directory."""
+
+    def __init__(
+        self,
+        snapshot_dir: str | os.PathLike[str],
+        *,
+        keep_latest: int | None = 2,
+        max_bandwidth: float | None = None,
+        assemble_timeout_s: float = 300.0,
+        max_metadata_bytes: int = MAX_METADATA_BYTES,
+        history: int = 64,
+        clean_stale: bool = True,
+    ):
+        """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
+        ``max_bandwidth``: bytes/s for all snapshot I/O together (None: no cap).
+        ``assemble_timeout_s``: a snapshot fails when not all ``world_size`` ranks have
+        started it this long after the first. ``history``: finished snapshots whose status
+        stays in memory (older ones are answered from disk). ``clean_stale``: remove partial
+        snapshots of a previous run now (set False only when another live server shares the
+        directory)."""
+        if keep_latest is not None and keep_latest < 2:
+            raise ValueError("keep_latest must be >= 2 (or None to keep all snapshots)")
+        if assemble_timeout_s <= 0:
+            raise ValueError("assemble_timeout_s must be > 0")
+        self.store = SnapshotStore(snapshot_dir)
+        self.keep_latest = keep_latest
+        self.assemble_timeout_s = assemble_timeout_s
+        self.max_metadata_bytes = max_metadata_bytes
+        self.history = history
+        self._limiter = BandwidthLimiter(max_bandwidth)
+        self._lock = threading.Lock()
+        self._groups: dict[tuple[str, int], _Group] = {}
+        self._holding: dict[tuple[str, int], SnapshotHandle] = {}  # (job, rank) -> reads a segment
+        self._last_epoch = 0
+        self._closed = False
+        try:
+            self.store.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SnapshotError(f"cannot create snapshot directory {self.store.root}: {exc}") from None
+        if clean_stale:
+            self.store.clean_stale()
+
+    @property
+    def snapshot_dir(self) -> pathlib.Path:
+        return self.store.root
+
+    # ------------------------------------------------------------------------------ start
+
+    @staticmethod
+    def _check_source(source: SnapshotSource) -> None:
+        validate_job_id(source.job_id)
+        if not 1 <= source.world_size or not 0 <= source.rank < source.world_size:
+            raise SnapshotInvalid(f"rank {source.rank} / world_size {source.world_size} is invalid")
+        if source.step < 0:
+            raise SnapshotInvalid(f"step {source.step} is negative")
+        layout, header = source.layout, source.header
+        try:
+            header.check()
+        except ValueError as exc:
+            raise SnapshotInvalid(f"segment header: {exc}") from None
+        if (
+            header[Word.N_CHUNKS] != layout.n_chunks
+            or header[Word.CHUNK_BYTES] != layout.chunk_bytes
+            or header[Word.COW_SLOTS] != layout.cow_slots
+            or header[Word.COW_SLOTS_OFFSET] != layout.cow_slots_offset
+            or header.n_chunks != layout.n_chunks
+            or header.cow_slots != layout.cow_slots
+        ):
+            raise SnapshotInvalid("the segment header does not describe the given layout")
+        if memoryview(source.buffer).nbytes < layout.size:
+            raise SnapshotInvalid(f"the segment buffer is smaller than its layout ({layout.size} bytes)")
+        names = [t.name for t in layout.tensors]
+        if len(set(names)) != len(names):
+            raise SnapshotInvalid("segment tensor names are not unique")
+
+    def _next_epoch(self, source: SnapshotSource) -> int:
+        # Increasing per segment even across coordinators: above every COW_EPOCH in the header.
+        header = source.header
+        highest = max((header.cow_epoch(c) for c in range(source.layout.n_chunks)), default=0)
+        self._last_epoch = max(self._last_epoch, highest) + 1
+        return self._last_epoch
+
+    def start(self, source: SnapshotSource) -> SnapshotHandle:
+        """Begin (or join) the snapshot of ``source.step`` for ``source.job_id``; returns once it
+        is consistent. Idempotent for a rank that already joined a live or durable snapshot.
+
+        Raises SnapshotInvalid (arguments, metadata_json), SnapshotBusy (the segment is being
+        persisted or written by the trainer), SnapshotExists (the step is already on disk),
+        SnapshotFailed (another rank's attempt at this step failed), SnapshotDiskFull.
+        """
+        self._check_source(source)
+        metadata = parse_metadata(source.metadata_json, source.layout.tensors, self.max_metadata_bytes)
+        key = (source.job_id, source.step)
+        with self._lock:
+            if self._closed:
+                raise SnapshotBusy("the snapshot coordinator is shut down")
+            group = self._groups.get(key)
+            if group is not None:
+                group = self._reuse_group(group, source)
+                if isinstance(group, SnapshotHandle):
+                    return group
+            holder = self._holding.get((source.job_id, source.rank))
+            if holder is not None:
+                raise SnapshotBusy(
+                    f"rank {source.rank} of job {source.job_id} is still persisting {holder.snapshot_id}"
+                )
+            if source.header[Word.SNAP_EPOCH] != 0:
+                raise SnapshotBusy("the segment is being snapshotted (SNAP_EPOCH is set)")
+            writing = source.header[Word.WRITING_STEP]
+            if writing:
+                raise SnapshotBusy(
+                    f"the trainer is writing step {writing - 1}; snapshot between steps, "
+                    "after CommitStep"
+                )
+            if group is None:
+                partial = self.store.prepare_partial(source.job_id, source.step)
+                group = _Group(self.store, source.job_id, source.step, source.world_size, partial)
+                self._groups[key] = group
+                self._prune_history()
+                if source.world_size > 1:
+                    group.timer = threading.Timer(self.assemble_timeout_s, self._assemble_expired, (group,))
+                    group.timer.daemon = True
+                    group.timer.start()
+            writer = RankWriter(
+                source,
+                metadata,
+                self._next_epoch(source),
+                group.partial,
+                self._limiter,
+                group.cancel,
+                self.store.root,
+                time.monotonic(),
+            )
+            handle = SnapshotHandle(group, source.rank, writer)
+            thread = threading.Thread(
+                target=self._run,
+                args=(group, handle),
+                name=f"snapshot-{source.job_id}-{source.step}-r{source.rank}",
+                daemon=True,
+            )
+            handle.thread = thread
+            with group.cond:
+                group.handles[source.rank] = handle
+                group.live_threads += 1
+                if len(group.handles) == group.world_size and group.timer is not None:
+                    group.timer.cancel()
+            self._holding[(source.job_id, source.rank)] = handle
+            writer.publish()  # consistent from here on
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread: the trainer must not wait on this epoch
+                writer.release_segment()
+                del self._holding[(source.job_id, source.rank)]
+                with group.cond:
+                    group.live_threads -= 1
+                error = SnapshotError(f"cannot start a snapshot writer thread: {exc}")
+                group.fail(error, source.rank)
+                raise error from None
+        return handle
+
+    def _reuse_group(self, group: _Group, source: SnapshotSource) -> _Group | SnapshotHandle | None:
+        """Decide what a start for an existing (job, step) group means; under self._lock.
+        Returns the handle to hand back (a retry), the group to join, or None (new attempt)."""
+        with group.cond:
+            state = group.state
+            joined = source.rank in group.handles
+            drained = group.discarded_done
+            error = group.error
+        if group.world_size != source.world_size:
+            raise SnapshotInvalid(
+                f"{group.snapshot_id} has world_size {group.world_size}, not {source.world_size}"
+            )
+        if joined and state is not SnapshotState.FAILED:
+            return group.handles[source.rank]  # a retry of this rank's Snapshot call
+        if state is SnapshotState.PERSISTING:
+            return group
+        if state is SnapshotState.DURABLE:
+            raise SnapshotExists(f"snapshot {group.snapshot_id} is already durable")
+        if not joined:
+            # This rank missed the failed attempt: joining a new one alone would only time out.
+            raise SnapshotFailed(f"{group.snapshot_id} failed: {error}")
+        if not drained:
+            raise SnapshotBusy(f"the failed attempt at {group.snapshot_id} is still being cleaned up")
+        del self._groups[(group.job_id, group.step)]
+        return None  # a participant retries: a fresh attempt
+
+    def _prune_history(self) -> None:
+        finished = [
+            (g.finished_monotonic, key)
+            for key, g in self._groups.items()
+            if g.finished_monotonic is not None and (g.state is SnapshotState.DURABLE or g.discarded_done)
+        ]
+        finished.sort()
+        for _, key in finished[: max(0, len(finished) - self.history)]:
+            del self._groups[key]
+
+    def _assemble_expired(self, group: _Group) -> None:
+        with group.cond:
+            if len(group.handles) == group.world_size:
+                return
+            joined = sorted(group.handles)
+        group.fail(
+            SnapshotFailed(
+                f"only ranks {joined} of world_size {group.world_size} started "
+                f"{group.snapshot_id} within {self.assemble_timeout_s:g} s"
+            )
+        )
+
+    # ------------------------------------------------------------------------------ threads
+
+    def _run(self, group: _Group, handle: SnapshotHandle) -> None:
+        try:
+            error: SnapshotError | None = None
+            result: RankResult | None = None
+            try:
+                result = handle._writer.run()
+            except Cancelled:
+                pass  # the group already failed for a reason of its own
+            except SnapshotError as exc:
+                error = exc
+            except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
+                error = SnapshotError(f"unexpected error persisting rank {handle.rank}: {exc!r}")
+            with self._lock:
+                if self._holding.get((group.job_id, handle.rank)) is handle:
+                    del self._holding[(group.job_id, handle.rank)]
+            if error is not None:
+                group.fail(error, handle.rank)
+            commit = False
+            if result is not None:
+                with group.cond:
+                    if group.state is SnapshotState.PERSISTING:
+                        group.results[handle.rank] = result
+                        commit = len(group.results) == group.world_size
+            if commit:
+                self._commit(group)
+        finally:
+            with group.cond:
+                group.live_threads -= 1
+            group.discard_if_idle()
+
+    def _commit(self, group: _Group) -> None:
+        """In the thread of the last rank to finish: index, rename, latest, retention."""
+        with group.cond:
+            results = dict(group.results)
+        files: list[FileRecord] = []
+        for rank in range(group.world_size):
+            files.extend(results[rank].files)
+        index = SnapshotIndex(
+            job_id=group.job_id,
+            step=group.step,
+            world_size=group.world_size,
+            ranks=tuple(range(group.world_size)),
+            files=tuple(files),
+            created_unix=time.time(),
+        )
+        try:
+            commit = self.store.commit(group.partial, index, self.keep_latest)
+        except SnapshotError as exc:
+            group.fail(exc)
+            return
+        except OSError as exc:
+            group.fail(from_os_error(exc, f"committing {group.snapshot_id}", self.store.root))
+            return
+        except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
+            group.fail(SnapshotError(f"unexpected error committing {group.snapshot_id}: {exc!r}"))
+            return
+        with group.cond:
+            group.commit = commit
+            group.state = SnapshotState.DURABLE
+            group.finished_monotonic = time.monotonic()
+            group.cond.notify_all()
+
+    # ------------------------------------------------------------------------------ queries
+
+    def handle(self, snapshot_id: str, rank: int) -> SnapshotHandle | None:
+        """The in-memory handle of a rank's snapshot (``<job>/step-<N>``), if any."""
+        key = _parse_step_id(snapshot_id)
+        with self._lock:
+            group = self._groups.get(key)
+        if group is None:
+            return None
+        with group.cond:
+            return group.handles.get(rank)
+
+    def status(self, snapshot_id: str, rank: int, wait_s: float = 0.0) -> SnapshotStatus:
+        """A rank's status, waiting up to ``wait_s`` for a terminal state. Snapshots no longer
+        (or never) in memory are answered from disk when complete; else SnapshotNotFound."""
+        handle = self.handle(snapshot_id, rank)
+        if handle is not None:
+            return handle.wait(wait_s) if wait_s > 0 else handle.status()
+        info = self.store.resolve(snapshot_id)
+        manifest = self.store.read_manifest(info, rank)
+        total = sum(t.nbytes for t in manifest.tensors)
+        return SnapshotStatus(
+            snapshot_id=info.snapshot_id,
+            job_id=info.job_id,
+            step=info.step,
+            rank=rank,
+            world_size=info.world_size,
+            state=SnapshotState.DURABLE,
+            bytes_total=total,
+            bytes_persisted=total,
+            error="",
+            cow_copies=manifest.cow_copies,
+            backpressure_waits=manifest.backpressure_waits,
+            backpressure_wait_seconds=manifest.backpressure_wait_seconds,
+            path=str(info.path),
+            ranks_joined=info.world_size,
+            ranks_persisted=info.world_size,
+            segment_released=True,
+        )
+
+    def in_progress(self) -> list[SnapshotStatus]:
+        """Statuses of every rank of every snapshot still persisting (for Stats)."""
+        with self._lock:
+            groups = list(self._groups.values())
+        statuses = []
+        for group in groups:
+            with group.cond:
+                if group.state is not SnapshotState.PERSISTING:
+                    continue
+                handles = list(group.handles.values())
+            statuses.extend(h.status() for h in handles)
+        return statuses
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Fail every running snapshot ("server shutting down"), wait for the writer threads
+        (their segments are released and partial files removed), refuse new snapshots."""
+        with self._lock:
+            self._closed = True
+            groups = list(self._groups.values())
+        threads = []
+        for group in groups:
+            group.fail(SnapshotFailed("the server is shutting down"))
+            with group.cond:
+                threads.extend(h.thread for h in group.handles.values() if h.thread is not None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def _parse_step_id(snapshot_id: str) -> tuple[str, int]:
+    """``<job>/step-<N>`` -> (job, N); SnapshotInvalid for anything else (no ``latest`` here:
+    a status is about one specific snapshot)."""
+    job, _, rest = snapshot_id.partition("/")
+    if not rest.startswith("step-") or not rest[5:].isdigit() or not rest[5:].isascii():
+        raise SnapshotInvalid(f"snapshot id {snapshot_id!r} is not '<job>/step-<N>'")
+    return validate_job_id(job), int(rest[5:])
+

@@ -1,0 +1,443 @@
+"""The on-disk format of a snapshot: names, the safetensors header, manifests and the index.
+
+A complete snapshot of step N of a job is the directory ``<dir>/<job>/step-<N:012d>/``::
+
+    rank-00000.safetensors      the rank's segment tensors, in segment order
+    rank-00000.manifest.json    a RankManifest: per tensor fqn/key/dtype/shapes/crc32, ...
+    ...                         (one pair per rank)
+    snapshot.json               a SnapshotIndex, written last: ranks, files, their crc32s
+
+The safetensors file is streamed: its header depends only on the segment layout (and on the
+job, step and rank, stored as string metadata), so it is written before any data. Tensors
+follow each other without gaps, in segment order, which is what the format requires.
+Pure Python, no torch; ``json`` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .checksum import format_crc, parse_crc
+
+__all__ = [
+    "FORMAT_VERSION",
+    "INDEX_NAME",
+    "LATEST_NAME",
+    "SAFETENSORS_DTYPES",
+    "MANIFEST_FORMAT",
+    "INDEX_FORMAT",
+    "TensorRecord",
+    "RankManifest",
+    "FileRecord",
+    "SnapshotIndex",
+    "snapshot_id_for",
+    "step_dir_name",
+    "partial_dir_name",
+    "parse_step_dir_name",
+    "rank_data_name",
+    "rank_manifest_name",
+    "safetensors_header",
+    "safetensors_metadata",
+    "dumps_json",
+]
+
+FORMAT_VERSION = 1
+MANIFEST_FORMAT = "swap-state-rank-manifest"
+INDEX_FORMAT = "swap-state-snapshot"
+INDEX_NAME = "snapshot.json"
+LATEST_NAME = "latest"
+
+# Segment dtype name -> safetensors dtype code.
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float64": "F64",
+    "int64": "I64",
+    "int32": "I32",
+    "uint8": "U8",
+}
+
+_STEP_DIR = re.compile(r"step-(\d{12,})")
+_PARTIAL_PREFIX = ".partial-"
+
+
+def snapshot_id_for(job_id: str, step: int) -> str:
+    """The id the protocol uses: ``<job_id>/step-<step>`` (no zero padding)."""
+    return f"{job_id}/step-{step}"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def partial_dir_name(step: int) -> str:
+    return _PARTIAL_PREFIX + step_dir_name(step)
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    """The step of a complete-snapshot directory name, or None for anything else."""
+    match = _STEP_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def rank_data_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def rank_manifest_name(rank: int) -> str:
+    return f"rank-{rank:05d}.manifest.json"
+
+
+def dumps_json(value: Any) -> bytes:
+    """Deterministic, standard JSON (no NaN/Infinity), newline-terminated."""
+    return (json.dumps(value, indent=1, sort_keys=False, allow_nan=False) + "\n").encode()
+
+
+def safetensors_metadata(job_id: str, step: int, rank: int, world_size: int) -> dict[str, str]:
+    """The ``__metadata__`` of a rank file (safetensors allows string values only)."""
+    return {
+        "format": "pt",
+        "swap_state.job_id": job_id,
+        "swap_state.step": str(step),
+        "swap_state.rank": str(rank),
+        "swap_state.world_size": str(world_size),
+    }
+
+
+def safetensors_header(
+    tensors: Sequence[tuple[str, str, Sequence[int], int]],
+    metadata: Mapping[str, str],
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """The bytes before the data (8-byte little-endian length + JSON padded with spaces so the
+    data starts 8-byte aligned) and each tensor's ``data_offsets``, for tensors given as
+    ``(name, dtype, shape, nbytes)`` in file order. Deterministic: restore recomputes it from
+    the manifest and compares byte for byte."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offsets: list[tuple[int, int]] = []
+    position = 0
+    for name, dtype, shape, nbytes in tensors:
+        if name in header:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        code = SAFETENSORS_DTYPES.get(dtype)
+        if code is None:
+            raise ValueError(f"dtype {dtype!r} of {name!r} has no safetensors code")
+        offsets.append((position, position + nbytes))
+        header[name] = {
+            "dtype": code,
+            "shape": [int(d) for d in shape],
+            "data_offsets": [position, position + nbytes],
+        }
+        position += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text, offsets
+
+
+# ---------------------------------------------------------------------------- manifests
+
+
+def _int(value: Any, what: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _dims(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list of integers, got {value!r}")
+    return tuple(_int(d, what) for d in value)
+
+
+def _opt_dims(value: Any, what: str) -> tuple[int, ...] | None:
+    return None if value is None else _dims(value, what)
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a string, got {value!r}")
+    return value
+
+
+def _opt_str(value: Any, what: str) -> str | None:
+    return None if value is None else _str(value, what)
+
+
+def _float(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRecord:
+    """One tensor of a rank file, as its manifest records it."""
+
+    name: str
+    """The segment tensor name (also the tensor's name in the safetensors file)."""
+    dtype: str
+    """Segment dtype name (``float32``, ``bfloat16``, ...), see ``SAFETENSORS_DTYPES``."""
+    shape: tuple[int, ...]
+    """Local shape (the shard this rank holds)."""
+    nbytes: int
+    """Byte size of the tensor's data."""
+    data_offsets: tuple[int, int]
+    """[begin, end) within the safetensors data section."""
+    crc32: int
+    """zlib CRC-32 of the tensor's bytes."""
+    fqn: str | None = None
+    """Parameter fqn from the trainer's metadata, None when it gave none."""
+    key: str | None = None
+    """State key (``exp_avg``, ``exp_avg_sq``, ...), None when the trainer gave none."""
+    global_shape: tuple[int, ...] | None = None
+    """DTensor global shape, None for a plain tensor."""
+    global_offset: tuple[int, ...] | None = None
+    """DTensor offset of this shard in the global tensor, None for a plain tensor."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "fqn": self.fqn,
+            "key": self.key,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "global_shape": None if self.global_shape is None else list(self.global_shape),
+            "global_offset": None if self.global_offset is None else list(self.global_offset),
+            "nbytes": self.nbytes,
+            "data_offsets": list(self.data_offsets),
+            "crc32": format_crc(self.crc32),
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any) -> TensorRecord:
+        raw = _object(raw, "tensor entry")
+        name = _str(raw.get("name"), "tensor name")
+        offsets = _dims(raw.get("data_offsets"), f"data_offsets of {name}")
+        if len(offsets) != 2 or offsets[0] > offsets[1]:
+            raise ValueError(f"data_offsets of {name} must be [begin, end]")
+        dtype = _str(raw.get("dtype"), f"dtype of {name}")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"dtype {dtype!r} of {name} is not supported")
+        return cls(
+            name=name,
+            dtype=dtype,
+            shape=_dims(raw.get("shape"), f"shape of {name}"),
+            nbytes=_int(raw.get("nbytes"), f"nbytes of {name}"),
+            data_offsets=(offsets[0], offsets[1]),
+            crc32=parse_crc(raw.get("crc32")),
+            fqn=_opt_str(raw.get("fqn"), f"fqn of {name}"),
+            key=_opt_str(raw.get("key"), f"key of {name}"),
+            global_shape=_opt_dims(raw.get("global_shape"), f"global_shape of {name}"),
+            global_offset=_opt_dims(raw.get("global_offset"), f"global_offset of {name}"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RankManifest:
+    """``rank-XXXXX.manifest.json``: everything about one rank's file except the bytes."""
+
+    job_id: str
+    """The job the snapshot belongs to."""
+    step: int
+    """The committed step whose moments the file holds."""
+    rank: int
+    """This file's rank."""
+    world_size: int
+    """Number of ranks of the snapshot (and of the job when it was taken)."""
+    data_file: str
+    """Name of the safetensors file, relative to the snapshot directory."""
+    data_file_bytes: int
+    """Size of the safetensors file."""
+    data_start: int
+    """Offset of the data section in the safetensors file (8 + header length)."""
+    chunk_bytes: int
+    """Snapshot granularity the segment used (informational)."""
+    tensors: tuple[TensorRecord, ...]
+    """The tensors in segment (= file) order."""
+    param_groups: dict[str, Any]
+    """Per fqn, the param-group hyperparameters from the trainer's metadata."""
+    steps: dict[str, Any]
+    """Per fqn, the optimizer step count from the trainer's metadata."""
+    metadata_json: str
+    """The trainer's metadata_json, verbatim (Restore returns it unchanged)."""
+    cow_copies: int
+    """Chunks the trainer copied before writing while this rank persisted."""
+    backpressure_waits: int
+    """Times the trainer waited for a free copy slot while this rank persisted."""
+    backpressure_wait_seconds: float
+    """Seconds the trainer spent in those waits."""
+    persist_seconds: float
+    """Wall time from consistent to this rank's data being durable."""
+
+    @property
+    def snapshot_id(self) -> str:
+        return snapshot_id_for(self.job_id, self.step)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "version": FORMAT_VERSION,
+            "snapshot_id": self.snapshot_id,
+            "job_id": self.job_id,
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "data_file": self.data_file,
+            "data_file_bytes": self.data_file_bytes,
+            "data_start": self.data_start,
+            "chunk_bytes": self.chunk_bytes,
+            "checksum": "crc32",
+            "tensors": [t.to_json() for t in self.tensors],
+            "param_groups": self.param_groups,
+            "steps": self.steps,
+            "cow_copies": self.cow_copies,
+            "backpressure_waits": self.backpressure_waits,
+            "backpressure_wait_seconds": self.backpressure_wait_seconds,
+            "persist_seconds": self.persist_seconds,
+            "metadata_json": self.metadata_json,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any) -> RankManifest:
+        raw = _object(raw, "manifest")
+        if raw.get("format") != MANIFEST_FORMAT or raw.get("version") != FORMAT_VERSION:
+            raise ValueError(f"not a {MANIFEST_FORMAT} of version {FORMAT_VERSION}")
+        tensors = raw.get("tensors")
+        if not isinstance(tensors, list):
+            raise ValueError("tensors must be a list")
+        return cls(
+            job_id=_str(raw.get("job_id"), "job_id"),
+            step=_int(raw.get("step"), "step"),
+            rank=_int(raw.get("rank"), "rank"),
+            world_size=_int(raw.get("world_size"), "world_size", 1),
+            data_file=_str(raw.get("data_file"), "data_file"),
+            data_file_bytes=_int(raw.get("data_file_bytes"), "data_file_bytes"),
+            data_start=_int(raw.get("data_start"), "data_start", 8),
+            chunk_bytes=_int(raw.get("chunk_bytes"), "chunk_bytes"),
+            tensors=tuple(TensorRecord.from_json(t) for t in tensors),
+            param_groups=_object(raw.get("param_groups"), "param_groups"),
+            steps=_object(raw.get("steps"), "steps"),
+            metadata_json=_str(raw.get("metadata_json"), "metadata_json"),
+            cow_copies=_int(raw.get("cow_copies"), "cow_copies"),
+            backpressure_waits=_int(raw.get("backpressure_waits"), "backpressure_waits"),
+            backpressure_wait_seconds=_float(
+                raw.get("backpressure_wait_seconds"), "backpressure_wait_seconds"
+            ),
+            persist_seconds=_float(raw.get("persist_seconds"), "persist_seconds"),
+        )
+
+    def header_bytes(self) -> bytes:
+        """The safetensors header this manifest implies (restore compares it to the file)."""
+        header, _ = safetensors_header(
+            [(t.name, t.dtype, t.shape, t.nbytes) for t in self.tensors],
+            safetensors_metadata(self.job_id, self.step, self.rank, self.world_size),
+        )
+        return header
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """One file of a snapshot as ``snapshot.json`` lists it."""
+
+    name: str
+    """File name relative to the snapshot directory."""
+    rank: int
+    """The rank the file belongs to."""
+    bytes: int
+    """File size."""
+    crc32: int
+    """zlib CRC-32 of the whole file."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "rank": self.rank, "bytes": self.bytes, "crc32": format_crc(self.crc32)}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> FileRecord:
+        raw = _object(raw, "file entry")
+        name = _str(raw.get("name"), "file name")
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"file name {name!r} is not a plain name")
+        return cls(
+            name=name,
+            rank=_int(raw.get("rank"), f"rank of {name}"),
+            bytes=_int(raw.get("bytes"), f"bytes of {name}"),
+            crc32=parse_crc(raw.get("crc32")),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotIndex:
+    """``snapshot.json``: written last; its presence marks a snapshot complete."""
+
+    job_id: str
+    """The job."""
+    step: int
+    """The committed step."""
+    world_size: int
+    """Number of ranks; ``ranks`` is exactly ``range(world_size)``."""
+    ranks: tuple[int, ...]
+    """The ranks whose files the snapshot holds."""
+    files: tuple[FileRecord, ...]
+    """Every data file and manifest, with size and checksum."""
+    created_unix: float
+    """Wall-clock time of the commit (informational)."""
+
+    @property
+    def snapshot_id(self) -> str:
+        return snapshot_id_for(self.job_id, self.step)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    def file(self, name: str) -> FileRecord | None:
+        for record in self.files:
+            if record.name == name:
+                return record
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": INDEX_FORMAT,
+            "version": FORMAT_VERSION,
+            "snapshot_id": self.snapshot_id,
+            "job_id": self.job_id,
+            "step": self.step,
+            "world_size": self.world_size,
+            "ranks": list(self.ranks),
+            "created_unix": self.created_unix,
+            "files": [f.to_json() for f in self.files],
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any) -> SnapshotIndex:
+        raw = _object(raw, "snapshot index")
+        if raw.get("format") != INDEX_FORMAT or raw.get("version") != FORMAT_VERSION:
+            raise ValueError(f"not a {INDEX_FORMAT} of version {FORMAT_VERSION}")
+        world_size = _int(raw.get("world_size"), "world_size", 1)
+        ranks = _dims(raw.get("ranks"), "ranks")
+        if ranks != tuple(range(world_size)):
+            raise ValueError(f"ranks {list(ranks)} are not 0..{world_size - 1}")
+        files = raw.get("files")
+        if not isinstance(files, list):
+            raise ValueError("files must be a list")
+        return cls(
+            job_id=_str(raw.get("job_id"), "job_id"),
+            step=_int(raw.get("step"), "step"),
+            world_size=world_size,
+            ranks=ranks,
+            files=tuple(FileRecord.from_json(f) for f in files),
+            created_unix=_float(raw.get("created_unix"), "created_unix"),
+        )

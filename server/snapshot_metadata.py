@@ -1,0 +1,183 @@
+"""The trainer's ``metadata_json`` of a snapshot: schema and validation.
+
+The server cannot know what a segment tensor *is* (which parameter, which optimizer state,
+which shard of a DTensor); the trainer says so in ``SnapshotRequest.metadata_json``. It is
+stored verbatim in every rank manifest (Restore returns it unchanged), and the parts below are
+also lifted into the manifest's typed fields. Schema (every top-level key is optional; unknown
+keys are kept verbatim but not interpreted)::
+
+    {
+      "tensors": {                       # keyed by *segment tensor name*
+        "<name>": {"fqn": "layers.0.attn.wq.weight", "key": "exp_avg",
+                   "global_shape": [4096, 4096],   # DTensor only
+                   "global_offset": [0, 2048]}     # DTensor only, same length
+      },
+      "param_groups": {"<fqn>": {"lr": 0.001, "betas": [0.9, 0.95], "step": <value>, ...}},
+      "steps": {"<fqn>": <value>}        # the optimizer step count of that parameter
+    }
+
+A ``<value>`` is plain JSON, or a 0-dim tensor written as ``{"__tensor__": 5.0, "dtype":
+"float32"}`` (``swap-state export`` turns it back into a tensor; a plain number in
+``steps`` becomes a float32 tensor, as torch's Adam keeps it). Standard JSON only: NaN and
+Infinity are refused, and the whole text is bounded (``MAX_METADATA_BYTES`` by default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from swap_state.proto.segment import DTYPE_ITEMSIZE, TensorLayout
+
+from .snapshot_errors import SnapshotInvalid
+
+__all__ = [
+    "MAX_METADATA_BYTES",
+    "TENSOR_TAG",
+    "TensorMetadata",
+    "SnapshotMetadata",
+    "parse_metadata",
+]
+
+MAX_METADATA_BYTES = 16 << 20
+TENSOR_TAG = "__tensor__"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMetadata:
+    """What the trainer says about one segment tensor."""
+
+    fqn: str | None = None
+    """Parameter fqn, None when not given."""
+    key: str | None = None
+    """Optimizer state key (``exp_avg``, ...), None when not given."""
+    global_shape: tuple[int, ...] | None = None
+    """DTensor global shape, None for a plain tensor."""
+    global_offset: tuple[int, ...] | None = None
+    """Offset of the local shard in the global tensor, None for a plain tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotMetadata:
+    """A validated ``metadata_json``."""
+
+    raw: str
+    """The text exactly as the trainer sent it."""
+    tensors: Mapping[str, TensorMetadata]
+    """Per segment tensor name; tensors the trainer did not describe are absent."""
+    param_groups: dict[str, Any]
+    """Per fqn, the hyperparameters (JSON values)."""
+    steps: dict[str, Any]
+    """Per fqn, the step count (JSON value)."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not standard JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # "1e999" parses to inf, which no manifest may hold
+        raise ValueError(f"{text} is out of the range of a double")
+    return value
+
+
+def _dims(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
+    ):
+        raise SnapshotInvalid(f"metadata_json: {what} must be a list of non-negative integers")
+    return tuple(value)
+
+
+def _check_value(value: Any, what: str) -> None:
+    """A JSON value, or the tagged 0-dim tensor form."""
+    if isinstance(value, dict) and TENSOR_TAG in value:
+        number = value[TENSOR_TAG]
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise SnapshotInvalid(f"metadata_json: {what}: {TENSOR_TAG} must be a number")
+        if value.get("dtype", "float32") not in DTYPE_ITEMSIZE:
+            raise SnapshotInvalid(
+                f"metadata_json: {what}: dtype must be one of {sorted(DTYPE_ITEMSIZE)}"
+            )
+
+
+def _tensor_entry(name: str, raw: Any, layout: TensorLayout) -> TensorMetadata:
+    if not isinstance(raw, dict):
+        raise SnapshotInvalid(f"metadata_json: tensors[{name!r}] must be an object")
+    fqn, key = raw.get("fqn"), raw.get("key")
+    for field, value in (("fqn", fqn), ("key", key)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise SnapshotInvalid(f"metadata_json: tensors[{name!r}].{field} must be a string")
+    global_shape = global_offset = None
+    if raw.get("global_shape") is not None:
+        global_shape = _dims(raw["global_shape"], f"tensors[{name!r}].global_shape")
+        if len(global_shape) != len(layout.shape):
+            raise SnapshotInvalid(
+                f"metadata_json: tensors[{name!r}].global_shape has {len(global_shape)} dims, "
+                f"the local shape {list(layout.shape)} has {len(layout.shape)}"
+            )
+    if raw.get("global_offset") is not None:
+        if global_shape is None:
+            raise SnapshotInvalid(
+                f"metadata_json: tensors[{name!r}].global_offset needs global_shape"
+            )
+        global_offset = _dims(raw["global_offset"], f"tensors[{name!r}].global_offset")
+        if len(global_offset) != len(global_shape):
+            raise SnapshotInvalid(
+                f"metadata_json: tensors[{name!r}].global_offset and global_shape differ in length"
+            )
+    return TensorMetadata(fqn, key, global_shape, global_offset)
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SnapshotInvalid(f"metadata_json: {what} must be an object")
+    return value
+
+
+def parse_metadata(
+    metadata_json: str,
+    tensors: Sequence[TensorLayout],
+    max_bytes: int = MAX_METADATA_BYTES,
+) -> SnapshotMetadata:
+    """Validate ``metadata_json`` against the segment's tensors; SnapshotInvalid if it is not
+    JSON of bounded size in the schema above. Empty text means ``{}``."""
+    size = len(metadata_json.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise SnapshotInvalid(f"metadata_json is {size} bytes, more than the limit of {max_bytes}")
+    try:
+        raw = (
+            json.loads(metadata_json, parse_constant=_reject_constant, parse_float=_finite_float)
+            if metadata_json.strip()
+            else {}
+        )
+    except (ValueError, RecursionError) as exc:
+        raise SnapshotInvalid(f"metadata_json is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise SnapshotInvalid("metadata_json must be a JSON object")
+    by_name = {t.name: t for t in tensors}
+    entries: dict[str, TensorMetadata] = {}
+    for name, entry in _object(raw.get("tensors"), "tensors").items():
+        if name not in by_name:
+            raise SnapshotInvalid(f"metadata_json: tensors names {name!r}, not a segment tensor")
+        entries[name] = _tensor_entry(name, entry, by_name[name])
+    param_groups = _object(raw.get("param_groups"), "param_groups")
+    for fqn, group in param_groups.items():
+        for hp, value in _object(group, f"param_groups[{fqn!r}]").items():
+            _check_value(value, f"param_groups[{fqn!r}][{hp!r}]")
+    steps = _object(raw.get("steps"), "steps")
+    for fqn, value in steps.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise SnapshotInvalid(f"metadata_json: steps[{fqn!r}] must be finite")
+            continue
+        if not (isinstance(value, dict) and TENSOR_TAG in value):
+            raise SnapshotInvalid(f"metadata_json: steps[{fqn!r}] must be a number or a tensor")
+        _check_value(value, f"steps[{fqn!r}]")
+    return SnapshotMetadata(metadata_json, entries, param_groups, steps)

@@ -1,0 +1,142 @@
+"""The trainer's side of the copy-before-write protocol (``swap_state.proto.segment``, step 3).
+
+Pure Python over a mapped segment: no torch, no grpc, so the client can use it as is and the
+server's tests can play the trainer. Call order, from the *one* thread that writes the segment
+(the header words it stores have a single writer)::
+
+    protector = TrainerProtector(segment_mmap, layout)
+    for each write of bytes [offset, offset + nbytes) into the tensor area:
+        protector.before_write(offset, nbytes)   # may copy chunks, may wait (back-pressure)
+        ... write ...
+    protector.close()                            # before unmapping
+
+``before_write`` costs one header word read when no snapshot is persisting. While one is, a
+chunk the server has not read yet is copied into a free spare slot before it is overwritten;
+with no free slot the caller waits until a slot is freed or the server has read the chunk,
+and the wait is counted in the header (``BP_WAITS``, ``BP_WAIT_NS``), never hidden.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+from swap_state.proto.segment import Chunk, SegmentHeader, SegmentLayout, Word, chunk_table
+
+__all__ = ["BackPressureTimeout", "protect_chunk", "TrainerProtector"]
+
+_POLL_FIRST_S = 20e-6
+_POLL_MAX_S = 1e-3
+
+
+class BackPressureTimeout(TimeoutError):
+    """The trainer waited longer than ``max_wait_s`` for a free copy slot (a stuck server)."""
+
+
+def _needs_copy(header: SegmentHeader, chunk: int, epoch: int) -> bool:
+    return (
+        epoch != 0
+        and header[Word.PERSISTED_UPTO] <= chunk
+        and header.cow_epoch(chunk) != epoch
+    )
+
+
+def protect_chunk(
+    header: SegmentHeader,
+    view: memoryview,
+    layout: SegmentLayout,
+    chunk: Chunk,
+    *,
+    max_wait_s: float | None = None,
+) -> bool:
+    """Make chunk ``chunk`` safe to overwrite; True when it was copied into a slot.
+
+    ``view`` is a writable memoryview over the whole segment. Reads ``SNAP_EPOCH`` itself: a
+    snapshot can only begin between steps, and only end during one.
+    """
+    epoch = header[Word.SNAP_EPOCH]
+    if not _needs_copy(header, chunk.index, epoch):
+        return False
+    waited_since: int | None = None
+    poll = _POLL_FIRST_S
+    try:
+        while True:
+            slot = header.free_slot()
+            if slot is not None:
+                break
+            now = time.monotonic_ns()
+            if waited_since is None:
+                waited_since = now
+            elif max_wait_s is not None and now - waited_since > max_wait_s * 1e9:
+                raise BackPressureTimeout(
+                    f"waited {max_wait_s} s for a free copy slot for chunk {chunk.index} "
+                    f"(server persisted {header[Word.PERSISTED_UPTO]} of {layout.n_chunks} chunks)"
+                )
+            time.sleep(poll)
+            poll = min(poll * 2, _POLL_MAX_S)
+            # While waiting the server may have read this chunk or finished the snapshot.
+            epoch = header[Word.SNAP_EPOCH]
+            if not _needs_copy(header, chunk.index, epoch):
+                return False
+    finally:
+        if waited_since is not None:
+            header[Word.BP_WAITS] = header[Word.BP_WAITS] + 1
+            header[Word.BP_WAIT_NS] = header[Word.BP_WAIT_NS] + time.monotonic_ns() - waited_since
+    start = layout.cow_slots_offset + slot * layout.chunk_bytes
+    view[start : start + chunk.nbytes] = view[chunk.offset : chunk.offset + chunk.nbytes]
+    # Publication order matters: the server trusts the slot once it sees COW_EPOCH == epoch.
+    header.set_cow_slot(chunk.index, slot + 1)
+    header.set_slot_taken(slot, header.slot_taken(slot) + 1)
+    header.set_cow_epoch(chunk.index, epoch)
+    header[Word.COW_COPIES] = header[Word.COW_COPIES] + 1
+    return True
+
+
+class TrainerProtector:
+    """Byte-range front end of :func:`protect_chunk` for one mapped segment."""
+
+    def __init__(
+        self,
+        buffer,
+        layout: SegmentLayout,
+        *,
+        header: SegmentHeader | None = None,
+        max_wait_s: float | None = None,
+    ):
+        """``buffer``: a writable buffer over the whole segment (mmap or memoryview);
+        ``header``: an existing SegmentHeader over it, else one is made here;
+        ``max_wait_s``: raise BackPressureTimeout after waiting this long (None: no limit)."""
+        self._view = memoryview(buffer)
+        self._own_header = header is None
+        self.header = SegmentHeader(buffer, layout.n_chunks, layout.cow_slots) if header is None else header
+        self.layout = layout
+        self.max_wait_s = max_wait_s
+        self.chunks = chunk_table(layout.tensors, layout.chunk_bytes)
+        self._starts = [c.offset for c in self.chunks]
+
+    def before_write(self, offset: int, nbytes: int) -> int:
+        """Protect every chunk overlapping ``[offset, offset + nbytes)``; returns copies made."""
+        if nbytes <= 0 or self.header[Word.SNAP_EPOCH] == 0:
+            return 0
+        end = offset + nbytes
+        index = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        copies = 0
+        while index < len(self.chunks) and self.chunks[index].offset < end:
+            chunk = self.chunks[index]
+            if chunk.offset + chunk.nbytes > offset:
+                copies += protect_chunk(
+                    self.header, self._view, self.layout, chunk, max_wait_s=self.max_wait_s
+                )
+            index += 1
+        return copies
+
+    def before_write_tensor(self, tensor_index: int) -> int:
+        """Protect all chunks of one tensor of the layout."""
+        tensor = self.layout.tensors[tensor_index]
+        return self.before_write(tensor.offset, tensor.nbytes)
+
+    def close(self) -> None:
+        """Release the views (an mmap cannot be closed while they exist)."""
+        if self._own_header:
+            self.header.release()
+        self._view.release()

@@ -1,0 +1,128 @@
+"""The one place where domain errors become gRPC status codes.
+
+:func:`rpc_boundary` wraps every servicer method (unary and server-streaming): a
+:class:`~swap_state.server.errors.DomainError` becomes its status code with the error's message;
+anything unexpected becomes INTERNAL with a reference id that is also logged with the traceback,
+so a bug in one request never crashes the server or leaves the caller hanging. The token
+interceptor uses :func:`status_for` too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from .errors import (
+    DomainError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    Unimplemented,
+)
+from .logs import log_event
+
+__all__ = ["STATUS_FOR_ERROR", "RpcCounters", "rpc_boundary", "status_for"]
+
+log = logging.getLogger("swap_state.server.rpc")
+
+STATUS_FOR_ERROR: dict[type[DomainError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+# grpc.aio raises this from context.abort(); it must pass through untouched.
+_AbortError: type[BaseException] = grpc.aio.AbortError
+
+
+def status_for(exc: DomainError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        code = STATUS_FOR_ERROR.get(cls)  # type: ignore[arg-type]
+        if code is not None:
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+class RpcCounters:
+    """Calls per (method, status code) and their total seconds, for the metrics endpoint."""
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[str, str], int] = {}
+        self.seconds: dict[str, float] = {}
+
+    def record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        key = (method, code.name)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        self.seconds[method] = self.seconds.get(method, 0.0) + seconds
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def rpc_boundary(method: F) -> F:
+    """Decorate a servicer method ``(self, request, context)``; the servicer must have a
+    ``counters: RpcCounters`` attribute."""
+    name = method.__name__
+
+    async def fail(context: grpc.aio.ServicerContext, exc: BaseException) -> grpc.StatusCode:
+        if isinstance(exc, DomainError):
+            code = status_for(exc)
+            log_event(log, "rpc_refused", logging.DEBUG, method=name, code=code.name, error=str(exc))
+            await context.abort(code, str(exc))
+        ref = secrets.token_hex(4)
+        log_event(log, "rpc_internal_error", logging.ERROR, method=name, ref=ref,
+                  error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (ref {ref}; see the server log)")
+        raise AssertionError("unreachable")  # abort() raises
+
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
+            started = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except (_AbortError, asyncio.CancelledError, GeneratorExit):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:  # noqa: BLE001 - the boundary
+                code = status_for(exc) if isinstance(exc, DomainError) else grpc.StatusCode.INTERNAL
+                await fail(context, exc)
+            finally:
+                self.counters.record(name, code, time.perf_counter() - started)
+
+        return stream_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            return await method(self, request, context)
+        except (_AbortError, asyncio.CancelledError):
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:  # noqa: BLE001 - the boundary
+            code = status_for(exc) if isinstance(exc, DomainError) else grpc.StatusCode.INTERNAL
+            await fail(context, exc)
+        finally:
+            self.counters.record(name, code, time.perf_counter() - started)
+
+    return unary_wrapper  # type: ignore[return-value]

@@ -1,0 +1,142 @@
+"""Validation of request values, before any of them reaches the domain.
+
+Every check raises :class:`~swap_state.server.errors.InvalidArgument` with a message naming the
+field and the rule. Nothing a client sends becomes part of a file name in the shm directory
+(segment names are built from the server's own ids); job ids may become a directory name under
+the snapshot directory, hence the strict charset and no leading dot.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+
+from swap_state.proto.segment import DTYPE_ITEMSIZE
+
+from .errors import InvalidArgument
+
+__all__ = [
+    "MAX_NDIM",
+    "MAX_SEGMENT_BYTES",
+    "MAX_STEP",
+    "MAX_WORLD_SIZE",
+    "TensorSpecTuple",
+    "validate_client_host",
+    "validate_generation",
+    "validate_job_id",
+    "validate_rank",
+    "validate_session_id",
+    "validate_step",
+    "validate_tensor_specs",
+]
+
+TensorSpecTuple = tuple[str, str, tuple[int, ...]]
+
+_JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_TENSOR_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,512}")
+_SESSION_ID = re.compile(r"[0-9a-f]{32}")
+MAX_WORLD_SIZE = 1 << 20
+MAX_NDIM = 32
+# Above this a request is nonsense rather than merely over budget (1 PiB).
+MAX_SEGMENT_BYTES = 1 << 50
+# COMMITTED_STEP stores step + 1 in a uint64 header word; int64 range keeps clients sane.
+MAX_STEP = (1 << 63) - 2
+
+
+def _shorten(value: str, limit: int = 80) -> str:
+    return repr(value if len(value) <= limit else value[:limit] + "...")
+
+
+def validate_job_id(job_id: str) -> str:
+    if not _JOB_ID.fullmatch(job_id):
+        raise InvalidArgument(
+            f"job_id {_shorten(job_id)} is invalid: use 1-128 characters of [A-Za-z0-9_.-]"
+        )
+    if job_id.startswith("."):
+        # '.', '..' and hidden names would be dangerous or confusing as directory names.
+        raise InvalidArgument(f"job_id {_shorten(job_id)} must not start with '.'")
+    return job_id
+
+
+def validate_rank(rank: int, world_size: int) -> None:
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise InvalidArgument(f"world_size {world_size} must be in [1, {MAX_WORLD_SIZE}]")
+    if not 0 <= rank < world_size:
+        raise InvalidArgument(f"rank {rank} must be < world_size {world_size}")
+
+
+def validate_session_id(session_id: str) -> str:
+    if not _SESSION_ID.fullmatch(session_id):
+        raise InvalidArgument(
+            f"session_id {_shorten(session_id)} is not a session id issued by this server"
+        )
+    return session_id
+
+
+def validate_generation(generation: int) -> int:
+    if generation <= 0:
+        raise InvalidArgument("generation is required (the value Attach returned)")
+    return generation
+
+
+def validate_step(step: int) -> int:
+    if not 0 <= step <= MAX_STEP:
+        raise InvalidArgument(f"step {step} out of range [0, {MAX_STEP}]")
+    return step
+
+
+def validate_client_host(host: str) -> str:
+    if len(host) > 255 or not host.isprintable():
+        raise InvalidArgument("client_host must be at most 255 printable characters")
+    return host
+
+
+def validate_tensor_specs(
+    specs: Iterable[tuple[str, str, Sequence[int]]],
+    *,
+    max_tensors: int,
+    max_total_bytes: int = MAX_SEGMENT_BYTES,
+) -> list[TensorSpecTuple]:
+    """Names unique and well formed, dtypes known, dims >= 0, sizes bounded.
+
+    ``max_total_bytes`` bounds the raw tensor bytes; going over it is nonsense (INVALID_ARGUMENT);
+    going over the free budget is decided later by the arena (RESOURCE_EXHAUSTED).
+    """
+    out: list[TensorSpecTuple] = []
+    seen: set[str] = set()
+    total = 0
+    name_ok = _TENSOR_NAME.fullmatch
+    # Hot loop (up to max_tensors iterations): checks are ordered so the common, valid case
+    # does as little work as possible.
+    for index, (name, dtype, shape) in enumerate(specs):
+        if index >= max_tensors:
+            raise InvalidArgument(f"too many tensors: at most {max_tensors} per segment")
+        if name in seen or not name_ok(name):
+            if name in seen:
+                raise InvalidArgument(f"tensors[{index}].name {name!r} is duplicated")
+            raise InvalidArgument(
+                f"tensors[{index}].name {_shorten(name)} is invalid: use 1-512 characters of "
+                "[A-Za-z0-9_.:/-]"
+            )
+        seen.add(name)
+        itemsize = DTYPE_ITEMSIZE.get(dtype)
+        if itemsize is None:
+            raise InvalidArgument(
+                f"tensors[{index}] ({name}): unknown dtype {_shorten(dtype)}; "
+                f"expected one of {', '.join(DTYPE_ITEMSIZE)}"
+            )
+        dims = tuple(map(int, shape))
+        if len(dims) > MAX_NDIM:
+            raise InvalidArgument(f"tensors[{index}] ({name}): more than {MAX_NDIM} dims")
+        if dims and min(dims) < 0:
+            raise InvalidArgument(f"tensors[{index}] ({name}): negative dim in shape {list(dims)}")
+        # At most 32 dims below 2**63 each: the product is a big int, never an overflow.
+        total += math.prod(dims) * itemsize
+        if total > max_total_bytes:
+            raise InvalidArgument(
+                f"tensors[{index}] ({name}) shape {list(dims)[:8]}: the tensors exceed the "
+                f"largest possible segment ({max_total_bytes} bytes)"
+            )
+        out.append((name, dtype, dims))
+    return out

@@ -1,0 +1,186 @@
+"""The arena without gRPC: budget, segment files, pre-faulting, mlock, leftovers, borrowing."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+
+import grpc
+import pytest
+from swap_server_testkit import Trainer, spec
+
+from swap_state.proto.segment import MAGIC, PAGE_BYTES, SegmentHeader, Word
+from swap_state.server import arena as arena_mod
+from swap_state.server.arena import Arena, check_shm_dir
+from swap_state.server.errors import ResourceExhausted, StartupError, Unavailable
+
+CHUNK = 64 << 10
+SPECS = [("a", "float32", (3000,)), ("b", "bfloat16", (10, 10)), ("c", "uint8", (0,))]
+
+
+def make_arena(shm_dir, total=16 << 20, cow=4 * CHUNK, **kw) -> Arena:
+    return Arena(shm_dir=shm_dir, total_bytes=total, cow_pool_bytes=cow, chunk_bytes=CHUNK,
+                 tag="t3st", **kw)
+
+
+def test_segment_file_layout_header_and_accounting(shm_dir):
+    arena = make_arena(shm_dir)
+    seg = arena.create_segment("abc123", SPECS, world_size=1)
+    try:
+        assert seg.path.parent == shm_dir and seg.path.name.startswith("swap-state.t3st.abc123.")
+        info = os.stat(seg.path)
+        assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_size == seg.size
+        assert info.st_blocks * 512 >= seg.size  # every page committed
+        assert all(t.offset % PAGE_BYTES == 0 for t in seg.layout.tensors)
+        assert seg.header[Word.MAGIC] == MAGIC
+        assert seg.header[Word.CHUNK_BYTES] == CHUNK
+        # Another mapping of the file sees the server's header.
+        with open(seg.path, "rb") as f:
+            assert int.from_bytes(f.read(8), "little") == MAGIC
+        assert arena.used_bytes == seg.size
+        assert arena.free_bytes == (16 << 20) - 4 * CHUNK - seg.layout.cow_slots_offset
+        assert arena.cow_slots_used == seg.cow_slots == seg.layout.n_chunks == 2  # no more than chunks
+    finally:
+        arena.free(seg)
+    assert not seg.path.exists() and arena.used_bytes == 0 and arena.segments == []
+
+
+def test_cow_share_splits_the_pool_between_local_ranks(shm_dir):
+    arena = make_arena(shm_dir, cow=16 * CHUNK)
+    assert arena.cow_share(1) == 16
+    assert arena.cow_share(8) == 2
+    assert arena.cow_share(64) == 2  # a host holds at most ~8 ranks of a big job
+    assert make_arena(shm_dir, cow=0).cow_share(1) == 0
+
+
+def test_group_makes_segments_0660(shm_dir):
+    arena = make_arena(shm_dir, gid=os.getgid())
+    seg = arena.create_segment("g1", SPECS, world_size=1)
+    assert stat.S_IMODE(os.stat(seg.path).st_mode) == 0o660
+    assert os.stat(seg.path).st_gid == os.getgid()
+    arena.free(seg)
+
+
+def test_full_tmpfs_fails_the_allocation_not_a_later_page_fault(shm_dir, monkeypatch):
+    def enospc(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(arena_mod.os, "posix_fallocate", enospc)
+    arena = make_arena(shm_dir)
+    with pytest.raises(ResourceExhausted) as err:
+        arena.create_segment("full1", SPECS, world_size=1)
+    message = str(err.value)
+    assert "docker run --shm-size" in message and "shm_size" in message
+    assert "requested" in message and "free" in message and "total" in message
+    assert arena.used_bytes == 0 and os.listdir(shm_dir) == []
+    assert arena.allocation_failures == 1
+
+
+async def test_full_tmpfs_is_resource_exhausted_over_grpc(server, stub, monkeypatch, shm_dir):
+    def enospc(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(arena_mod.os, "posix_fallocate", enospc)
+    trainer = Trainer(stub)
+    await trainer.attach()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await trainer.allocate([spec("m", (100,))])
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert server.arena.used_bytes == 0 and os.listdir(shm_dir) == []
+
+
+def test_fallocate_unsupported_falls_back_to_writing_pages(shm_dir, monkeypatch):
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(arena_mod.os, "posix_fallocate", unsupported)
+    arena = make_arena(shm_dir)
+    seg = arena.create_segment("nofa", SPECS, world_size=1)
+    assert os.stat(seg.path).st_blocks * 512 >= seg.size
+    arena.free(seg)
+
+
+def test_mlock_refusal_warns_once_naming_the_fix(shm_dir, monkeypatch, caplog):
+    monkeypatch.setattr(arena_mod, "_mlock", lambda address, length: errno.EPERM)
+    caplog.set_level(logging.DEBUG, logger="swap_state")
+    arena = make_arena(shm_dir)
+    first = arena.create_segment("ml1", SPECS, world_size=1)
+    second = arena.create_segment("ml2", SPECS, world_size=1)
+    assert not first.locked and not second.locked and arena.mlock_failures == 2
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.msg == "mlock_refused"]
+    assert len(warnings) == 1
+    hint = warnings[0].swap_state_fields["hint"]
+    assert "RLIMIT_MEMLOCK" in hint and "CAP_IPC_LOCK" in hint
+    arena.free(first)
+    arena.free(second)
+
+
+def test_mlock_success_marks_the_segment_locked(shm_dir):
+    arena = make_arena(shm_dir)
+    seg = arena.create_segment("ml3", SPECS, world_size=1)
+    # Root (or CAP_IPC_LOCK, or a big enough RLIMIT_MEMLOCK) locks; otherwise it is counted.
+    assert seg.locked or arena.mlock_failures == 1
+    arena.free(seg)
+
+
+def test_free_waits_for_borrowers(shm_dir):
+    arena = make_arena(shm_dir)
+    seg = arena.create_segment("br1", SPECS, world_size=1)
+    with seg.borrow() as buffer:
+        arena.free(seg)
+        assert seg.freed and seg.path.exists()  # still being read: not gone yet
+        assert buffer[:8] == MAGIC.to_bytes(8, "little")
+        with pytest.raises(Unavailable):
+            with seg.borrow():
+                pass
+    assert not seg.path.exists() and arena.used_bytes == 0 and seg.buffer is None
+
+
+def test_close_frees_everything_and_refuses_more(shm_dir):
+    arena = make_arena(shm_dir)
+    arena.create_segment("c1", SPECS, world_size=1)
+    arena.create_segment("c2", SPECS, world_size=1)
+    arena.close()
+    assert os.listdir(shm_dir) == [] and arena.used_bytes == 0
+    with pytest.raises(Unavailable):
+        arena.create_segment("c3", SPECS, world_size=1)
+
+
+def test_leftovers_of_the_same_tag_only_are_removed(shm_dir):
+    (shm_dir / "swap-state.t3st.dead.1").write_bytes(b"x" * 4096)
+    (shm_dir / "swap-state.other.dead.1").write_bytes(b"x")
+    (shm_dir / "unrelated").write_bytes(b"x")
+    os.symlink("/etc/passwd", shm_dir / "swap-state.t3st.link")
+    files, nbytes = make_arena(shm_dir).remove_leftovers()
+    assert files == 1 and nbytes >= 4096
+    assert sorted(os.listdir(shm_dir)) == ["swap-state.other.dead.1", "swap-state.t3st.link", "unrelated"]
+
+
+def test_shm_dir_check(shm_dir, tmp_path):
+    assert check_shm_dir(shm_dir, 1 << 20) >= 1 << 20
+    with pytest.raises(StartupError) as err:
+        check_shm_dir(shm_dir, 100 << 40)
+    assert "docker run --shm-size 102400g" in str(err.value) and "shm_size" in str(err.value)
+    with pytest.raises(StartupError):
+        check_shm_dir(shm_dir / "missing", 1)
+    if arena_mod.filesystem_type(tmp_path) not in arena_mod.MEMORY_FILESYSTEMS:
+        with pytest.raises(StartupError) as err:
+            check_shm_dir(tmp_path, 1)
+        assert "not tmpfs" in str(err.value)
+
+
+def test_header_reads_back_through_segment_header(shm_dir):
+    arena = make_arena(shm_dir)
+    seg = arena.create_segment("hd1", SPECS, world_size=1)
+    with open(seg.path, "r+b") as f:
+        import mmap
+
+        mapping = mmap.mmap(f.fileno(), seg.size)
+        header = SegmentHeader(mapping)
+        header.check()
+        assert header.n_chunks == seg.layout.n_chunks and header.cow_slots == seg.cow_slots
+        header.release()
+        mapping.close()
+    arena.free(seg)

@@ -1,0 +1,204 @@
+"""The swap-state-server command as a process: flags, start-up checks, signals, shared memory."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import pytest
+from swap_server_testkit import Trainer, spec
+
+from swap_state.proto import swap_state_pb2 as pb
+from swap_state.proto import swap_state_pb2_grpc as pb_grpc
+from swap_state.server.cli import build_parser
+
+pytestmark = pytest.mark.integration
+
+
+def run_cli(args: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swap_state.server", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def base_args(shm_dir, sock) -> list[str]:
+    return ["--shm-size", "32M", "--listen", f"unix://{sock}", "--shm-dir", str(shm_dir),
+            "--chunk-bytes", "64K", "--grace", "5"]
+
+
+def test_help_explains_every_flag_with_an_example():
+    result = run_cli(["--help"])
+    assert result.returncode == 0
+    flags = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+    expected = {"--shm-size", "--listen", "--token-file", "--snapshot-dir", "--grace",
+                "--metrics-port", "--log-level", "--shm-dir", "--shm-group", "--chunk-bytes",
+                "--cow-budget", "--persist-max-bandwidth", "--keep-latest", "--tls-cert",
+                "--tls-key", "--insecure"}
+    assert {a.option_strings[0] for a in flags} == expected
+    for action in flags:
+        assert action.option_strings[0] in result.stdout
+        assert "e.g." in action.help, f"{action.option_strings[0]} help has no example"
+    assert "docker run --shm-size" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--listen", "unix:///tmp/x.sock"], "--shm-size"),  # required
+        (["--shm-size", "12Q"], "not a size"),
+        (["--shm-size", "1G", "--listen", "tcp://127.0.0.1:7070"], "--insecure"),
+        (["--shm-size", "1G", "--listen", "http://x"], "expected unix:///path"),
+        (["--shm-size", "1G", "--chunk-bytes", "1000"], "multiple of the page size"),
+        (["--shm-size", "1G", "--keep-latest", "1"], "--keep-latest must be >= 2"),
+        (["--shm-size", "1G", "--cow-budget", "2G"], "exceeds --shm-size"),
+        (["--shm-size", "1G", "--grace", "-1"], "must be >= 0"),
+        (["--shm-size", "1G", "--metrics-port", "70000"], "out of range"),
+        (["--shm-size", "1G", "--log-level", "loud"], "invalid choice"),
+        (["--shm-size", "1G", "--no-such-flag"], "unrecognized arguments"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_usage_message(args, message):
+    result = run_cli(args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "usage: swap-state-server" in result.stderr
+
+
+def test_shm_too_small_exits_non_zero_naming_the_docker_flag(shm_dir, sock_dir):
+    sock = sock_dir / "s.sock"
+    result = run_cli(["--shm-size", "100T", "--listen", f"unix://{sock}", "--shm-dir", str(shm_dir)])
+    assert result.returncode == 1
+    assert "docker run --shm-size" in result.stderr and "shm_size" in result.stderr
+    assert "never falls back to disk" in result.stderr
+    assert not sock.exists() and os.listdir(shm_dir) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_signal_stops_cleanly(server_process, shm_dir, sock_dir, connect, signum):
+    sock = sock_dir / "s.sock"
+    proc = server_process(base_args(shm_dir, sock))
+    proc.wait_ready(sock)
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660
+    trainer = Trainer(connect(f"unix://{sock}"))
+    await trainer.attach()
+    await trainer.keep_alive()
+    seg = (await trainer.allocate([spec("m", (4096,))])).segment
+    assert os.path.exists(seg.path)
+
+    proc.proc.send_signal(signum)
+    assert proc.wait(15) == 0, proc.output
+    assert not sock.exists()
+    assert os.listdir(shm_dir) == []
+    assert "event=started" in proc.output and "event=stopped" in proc.output
+    trainer.close()
+
+
+def test_second_server_on_the_same_socket_is_refused(server_process, shm_dir, sock_dir):
+    sock = sock_dir / "s.sock"
+    first = server_process(base_args(shm_dir, sock))
+    first.wait_ready(sock)
+    second = server_process(base_args(shm_dir, sock))
+    assert second.wait(20) == 1
+    assert "already running" in second.output
+    first.wait_ready(sock, timeout=5)  # untouched and still serving
+    assert first.terminate() == 0
+
+
+def test_stale_socket_is_replaced_and_a_foreign_file_is_not(server_process, shm_dir, sock_dir):
+    sock = sock_dir / "s.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(sock))
+    stale.close()  # the file stays; nobody listens: what a killed server leaves behind
+    proc = server_process(base_args(shm_dir, sock))
+    proc.wait_ready(sock)
+    assert "stale_socket_replaced" in proc.output
+    assert proc.terminate() == 0
+
+    sock.write_text("not a socket")
+    result = run_cli(base_args(shm_dir, sock))
+    assert result.returncode == 1 and "not a socket" in result.stderr
+    assert sock.read_text() == "not a socket"
+
+
+def test_leftover_segments_of_a_killed_server_are_removed(server_process, shm_dir, sock_dir):
+    sock = sock_dir / "s.sock"
+    first = server_process(base_args(shm_dir, sock))
+    first.wait_ready(sock)
+    with grpc.insecure_channel(f"unix://{sock}") as channel:
+        stub = pb_grpc.SwapStateStub(channel)
+        reply = stub.Attach(pb.AttachRequest(job_id="j", rank=0, world_size=1), timeout=10)
+        seg = stub.Allocate(pb.AllocateRequest(session_id=reply.session_id, generation=1,
+                                               tensors=[spec("m", (1024,))]), timeout=10).segment
+    first.proc.send_signal(signal.SIGKILL)
+    first.wait(10)
+    assert os.path.exists(seg.path)  # SIGKILL: no chance to clean up
+    second = server_process(base_args(shm_dir, sock))
+    second.wait_ready(sock)
+    assert not os.path.exists(seg.path)
+    assert "leftover_segments_removed" in second.output
+    assert second.terminate() == 0
+
+
+def test_wrong_token_is_unauthenticated(server_process, shm_dir, sock_dir, tmp_path):
+    sock = sock_dir / "s.sock"
+    token_file = tmp_path / "token"
+    token_file.write_text("t0ken\n")
+    proc = server_process([*base_args(shm_dir, sock), "--token-file", str(token_file)])
+    proc.wait_ready(sock)  # health needs no token
+    with grpc.insecure_channel(f"unix://{sock}") as channel:
+        stub = pb_grpc.SwapStateStub(channel)
+        request = pb.AttachRequest(job_id="j", rank=0, world_size=1)
+        for metadata in ((), (("authorization", "Bearer nope"),), (("authorization", "t0ken"),)):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Attach(request, timeout=10, metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        reply = stub.Attach(request, timeout=10, metadata=(("authorization", "Bearer t0ken"),))
+        assert reply.generation == 1
+    assert proc.terminate() == 0
+
+
+_READER = textwrap.dedent(
+    """
+    import hashlib, mmap, os, sys
+    from swap_state.proto.segment import SegmentHeader, Word
+    path, offset, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    fd = os.open(path, os.O_RDONLY)
+    m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    header = SegmentHeader(m)
+    header.check()
+    print(header[Word.COMMITTED_STEP], hashlib.sha256(m[offset:offset + length]).hexdigest())
+    """
+)
+
+
+async def test_another_process_maps_the_segment_and_reads_what_one_wrote(
+    server_process, shm_dir, sock_dir, connect
+):
+    sock = sock_dir / "s.sock"
+    proc = server_process(base_args(shm_dir, sock))
+    proc.wait_ready(sock)
+    trainer = Trainer(connect(f"unix://{sock}"))
+    await trainer.attach()
+    await trainer.keep_alive()
+    seg = (await trainer.allocate([spec("exp_avg", (64, 1024)), spec("exp_avg_sq", (64, 1024))])).segment
+    placement = seg.tensors[1]
+    payload = os.urandom(placement.nbytes)
+    mapping = trainer.map()
+    mapping[placement.offset : placement.offset + placement.nbytes] = payload
+    await trainer.commit(7)  # the server process writes COMMITTED_STEP = 8 into the header
+
+    reader = subprocess.run(
+        [sys.executable, "-c", _READER, seg.path, str(placement.offset), str(placement.nbytes)],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert reader.returncode == 0, reader.stderr
+    committed, digest = reader.stdout.split()
+    assert committed == "8"
+    assert digest == hashlib.sha256(payload).hexdigest()
+    trainer.close()
+    assert proc.terminate() == 0

@@ -1,0 +1,117 @@
+"""Malformed and oversize requests: the right status code each, and the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import grpc
+import pytest
+from swap_server_testkit import Trainer, spec
+
+from swap_state.proto import swap_state_pb2 as pb
+from swap_state.server.validation import validate_job_id, validate_tensor_specs
+from swap_state.server.errors import InvalidArgument
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(
+    "job_id",
+    ["", "../x", "..", ".", ".hidden", "a/b", "a b", "x" * 129, "job\x00", "jöb", "\\..\\x"],
+)
+def test_bad_job_ids_are_rejected(job_id):
+    with pytest.raises(InvalidArgument):
+        validate_job_id(job_id)
+
+
+def test_good_ids_and_specs_pass():
+    assert validate_job_id("llama-3.1_8b") == "llama-3.1_8b"
+    checked = validate_tensor_specs(
+        [("model.layers.0:exp_avg/x-1", "bfloat16", [0, 4]), ("s", "int64", [])], max_tensors=2
+    )
+    assert checked == [("model.layers.0:exp_avg/x-1", "bfloat16", (0, 4)), ("s", "int64", ())]
+
+
+async def test_burst_of_malformed_requests_leaves_the_server_serving(start, connect, shm_dir):
+    server = await start(max_message_bytes=1 << 20, max_tensors=1000)
+    stub = connect(server)
+    owner = Trainer(stub, "owner")
+    await owner.attach()
+    sid, gen = owner.session_id, owner.generation
+
+    def alloc(tensors, session_id=sid, generation=gen):
+        return stub.Allocate(pb.AllocateRequest(session_id=session_id, generation=generation,
+                                                tensors=tensors), timeout=10)
+
+    def attach(job_id="j", rank=0, world_size=1, host="h"):
+        return stub.Attach(pb.AttachRequest(job_id=job_id, rank=rank, world_size=world_size,
+                                            client_host=host), timeout=10)
+
+    cases = [
+        (attach(job_id="../x"), INVALID),
+        (attach(job_id="../../etc/passwd"), INVALID),
+        (attach(job_id=".."), INVALID),
+        (attach(job_id=""), INVALID),
+        (attach(job_id="x" * 129), INVALID),
+        (attach(job_id="a\nb"), INVALID),
+        (attach(rank=4, world_size=4), INVALID),
+        (attach(world_size=0), INVALID),
+        (attach(host="\x00" * 10), INVALID),
+        (attach(host="h" * 300), INVALID),
+        (alloc([spec("huge", (1 << 62, 1 << 62))]), INVALID),
+        (alloc([spec("huge", (1 << 40,) * 8)]), INVALID),
+        (alloc([spec("neg", (4, -1))]), INVALID),
+        (alloc([spec("dtype", (4,), "complex128")]), INVALID),
+        (alloc([spec("dtype", (4,), "")]), INVALID),
+        (alloc([spec("..\\\\etc shadow", (4,))]), INVALID),  # "/" and ".." are legal in names
+        (alloc([spec("", (4,))]), INVALID),
+        (alloc([spec("a" * 513, (4,))]), INVALID),
+        (alloc([spec("dup", (4,)), spec("dup", (4,))]), INVALID),
+        (alloc([spec("ndim", (1,) * 33)]), INVALID),
+        (alloc([spec(f"t{i}", (1,)) for i in range(1001)]), INVALID),  # > max_tensors
+        (alloc([spec("big", (1 << 40,))]), grpc.StatusCode.RESOURCE_EXHAUSTED),  # 4 TiB > budget
+        (alloc([spec(f"n{i}-" + "x" * 500, (1,)) for i in range(2500)]),
+         grpc.StatusCode.RESOURCE_EXHAUSTED),  # > 1 MiB message
+        (alloc([spec("x", (1,))], session_id="f" * 32), grpc.StatusCode.NOT_FOUND),
+        (alloc([spec("x", (1,))], session_id="../" * 10), INVALID),
+        (alloc([spec("x", (1,))], session_id=""), INVALID),
+        (alloc([spec("x", (1,))], generation=0), INVALID),
+        (alloc([spec("x", (1,))], generation=gen + 7), grpc.StatusCode.FAILED_PRECONDITION),
+        (stub.CommitStep(pb.CommitStepRequest(session_id=sid, generation=gen, step=1 << 63)), INVALID),
+        (stub.CommitStep(pb.CommitStepRequest(session_id="0" * 32, generation=1, step=1)),
+         grpc.StatusCode.NOT_FOUND),
+        (stub.Detach(pb.DetachRequest(session_id="nope", generation=1)), INVALID),
+        (stub.KeepAlive(pb.KeepAliveRequest(session_id="0" * 32, generation=1)).read(),
+         grpc.StatusCode.NOT_FOUND),
+        (stub.KeepAlive(pb.KeepAliveRequest(session_id=sid, generation=0)).read(), INVALID),
+    ]
+    results = await asyncio.gather(*(call for call, _ in cases), return_exceptions=True)
+    for index, ((_, expected), result) in enumerate(zip(cases, results)):
+        assert isinstance(result, grpc.aio.AioRpcError), (index, result)
+        assert result.code() == expected, (index, result.code(), result.details())
+
+    # Bytes that are not a protobuf message at all, and a method that does not exist.
+    raw = stub.channel.unary_unary("/swap_state.v1.SwapState/Allocate")
+    with pytest.raises(grpc.aio.AioRpcError):
+        await raw(b"\xff\xff\xff\xff garbage", timeout=5)
+    unknown = stub.channel.unary_unary("/swap_state.v1.SwapState/Explode")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await unknown(b"", timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # Not even HTTP/2 on the socket.
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(server.socket_path))
+    sock.sendall(os.urandom(4096))
+    sock.close()
+
+    # Nothing was allocated, no file appeared, and a well-formed trainer works.
+    assert server.arena.used_bytes == 0 and os.listdir(shm_dir) == []
+    trainer = Trainer(connect(server), "good", rank=0, world_size=1)
+    await trainer.attach()
+    await trainer.keep_alive()
+    await trainer.allocate([spec("m", (1024,))])
+    assert (await trainer.commit(0)).committed_step == 0
+    assert (await owner.allocate([spec("m", (8,))])).segment.size > 0
+    trainer.close()

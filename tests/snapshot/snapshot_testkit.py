@@ -1,0 +1,168 @@
+"""Test helpers for snapshots: a real mapped segment in a temp file, and a trainer thread.
+
+No gRPC, no server process: the segment is built exactly as the server builds one
+(``plan_segment`` + ``SegmentHeader.initialize`` on a zero-filled mapped file).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import pathlib
+import random
+import threading
+
+from swap_state.proto.segment import PAGE_BYTES, SegmentHeader, Word, chunk_table, plan_segment
+from swap_state.server.snapshot import SnapshotSource
+from swap_state.server.snapshot_protocol import TrainerProtector
+
+__all__ = ["SPECS", "Segment", "Trainer", "metadata_for", "flip_byte"]
+
+# Mixed dtypes, a tensor that is not a multiple of the chunk size, and an empty one.
+SPECS: list[tuple[str, str, tuple[int, ...]]] = [
+    ("layers.0.w.exp_avg", "float32", (32, 256)),
+    ("layers.0.w.exp_avg_sq", "float32", (32, 256)),
+    ("layers.0.b.exp_avg", "bfloat16", (50, 100)),
+    ("layers.0.b.exp_avg_sq", "bfloat16", (50, 100)),
+    ("emb.exp_avg", "uint8", (5000,)),
+    ("empty.exp_avg", "float32", (0, 16)),
+]
+
+
+class Segment:
+    """A mapped segment file with an initialized header."""
+
+    def __init__(
+        self,
+        path: pathlib.Path,
+        specs=SPECS,
+        *,
+        chunk_bytes: int = PAGE_BYTES,
+        cow_slots: int = 4,
+    ):
+        self.path = path
+        self.specs = list(specs)
+        self.layout = plan_segment(self.specs, chunk_bytes, cow_slots)
+        with open(path, "wb") as f:
+            f.truncate(self.layout.size)
+        self._file = open(path, "r+b")
+        self.mm = mmap.mmap(self._file.fileno(), self.layout.size)
+        self.header = SegmentHeader(self.mm, self.layout.n_chunks, self.layout.cow_slots)
+        self.header.initialize(self.layout)
+        self.chunks = chunk_table(self.layout.tensors, self.layout.chunk_bytes)
+
+    def fill(self, seed: int) -> dict[str, bytes]:
+        """Random contents for every tensor; returns them by name."""
+        rng = random.Random(seed)
+        for tensor in self.layout.tensors:
+            self.mm[tensor.offset : tensor.offset + tensor.nbytes] = rng.randbytes(tensor.nbytes)
+        return self.tensors()
+
+    def tensors(self) -> dict[str, bytes]:
+        return {t.name: bytes(self.mm[t.offset : t.offset + t.nbytes]) for t in self.layout.tensors}
+
+    def tensor_area(self) -> bytes:
+        """Everything between the header and the copy slots (tensors and padding)."""
+        return bytes(self.mm[self.layout.header_bytes : self.layout.cow_slots_offset])
+
+    def source(self, job_id: str, step: int, *, rank: int = 0, world_size: int = 1, metadata_json: str = "") -> SnapshotSource:
+        return SnapshotSource(
+            buffer=self.mm,
+            layout=self.layout,
+            header=self.header,
+            job_id=job_id,
+            rank=rank,
+            world_size=world_size,
+            step=step,
+            metadata_json=metadata_json,
+        )
+
+    def slots_all_free(self) -> bool:
+        return all(
+            self.header.slot_taken(j) == self.header.slot_freed(j) for j in range(self.layout.cow_slots)
+        )
+
+    def close(self) -> None:
+        self.header.release()
+        self.mm.close()
+        self._file.close()
+
+
+def metadata_for(segment: Segment, *, step: int = 7, global_shapes: dict | None = None) -> str:
+    """Trainer metadata in the documented schema: fqn/key from ``<fqn>.<key>`` names."""
+    tensors = {}
+    fqns = []
+    for name, _, _ in segment.specs:
+        fqn, _, key = name.rpartition(".")
+        entry = {"fqn": fqn, "key": key}
+        if global_shapes and name in global_shapes:
+            entry["global_shape"], entry["global_offset"] = global_shapes[name]
+        tensors[name] = entry
+        if fqn not in fqns:
+            fqns.append(fqn)
+    groups = {
+        fqn: {
+            "lr": 0.001,
+            "betas": [0.9, 0.95],
+            "eps": 1e-8,
+            "weight_decay": 0.1,
+            "amsgrad": False,
+            "foreach": None,
+            "step": {"__tensor__": float(step), "dtype": "float32"},
+        }
+        for fqn in fqns
+    }
+    return json.dumps({"tensors": tensors, "param_groups": groups, "steps": {f: step for f in fqns}})
+
+
+class Trainer(threading.Thread):
+    """Plays the trainer side of the protocol: ``n_steps`` steps after ``first_step``, each
+    overwriting every chunk (in update order) after ``TrainerProtector.before_write``."""
+
+    def __init__(self, segment: Segment, first_step: int, n_steps: int, *, max_wait_s: float = 30.0):
+        super().__init__(daemon=True)
+        self.segment = segment
+        self.first_step = first_step
+        self.n_steps = n_steps
+        self.max_wait_s = max_wait_s
+        self.error: BaseException | None = None
+        self.copies = 0
+
+    @staticmethod
+    def pattern(step: int, chunk_index: int, nbytes: int) -> bytes:
+        return bytes([(step * 7 + chunk_index * 13 + 1) % 256]) * nbytes
+
+    def run(self) -> None:
+        seg = self.segment
+        protector = TrainerProtector(seg.mm, seg.layout, header=seg.header, max_wait_s=self.max_wait_s)
+        try:
+            for step in range(self.first_step, self.first_step + self.n_steps):
+                seg.header[Word.WRITING_STEP] = step + 1
+                for chunk in seg.chunks:
+                    self.copies += protector.before_write(chunk.offset, chunk.nbytes)
+                    seg.mm[chunk.offset : chunk.offset + chunk.nbytes] = self.pattern(
+                        step, chunk.index, chunk.nbytes
+                    )
+                seg.header[Word.WRITING_STEP] = 0
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+        finally:
+            protector.close()
+
+    def expected_final(self) -> dict[str, bytes]:
+        """Every tensor's bytes after the last step, built from the patterns alone."""
+        last = self.first_step + self.n_steps - 1
+        parts: dict[str, list[bytes]] = {t.name: [] for t in self.segment.layout.tensors}
+        for chunk in self.segment.chunks:
+            name = self.segment.layout.tensors[chunk.tensor_index].name
+            parts[name].append(self.pattern(last, chunk.index, chunk.nbytes))
+        return {name: b"".join(p) for name, p in parts.items()}
+
+
+def flip_byte(path: os.PathLike[str], offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        value = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([value ^ 0x5A]))

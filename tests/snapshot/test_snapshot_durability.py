@@ -1,0 +1,242 @@
+"""Durability order, retention, killed writers, disk full, and paths confined to the root."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from snapshot_testkit import Trainer
+
+from swap_state.proto.segment import Word
+from swap_state.server.restore import restore
+from swap_state.server.snapshot import SnapshotState
+from swap_state.server.snapshot_errors import (
+    SnapshotDiskFull,
+    SnapshotExists,
+    SnapshotInvalid,
+    SnapshotNotFound,
+)
+from swap_state.server.snapshot_format import INDEX_NAME, LATEST_NAME, rank_data_name
+
+TESTKIT_DIR = pathlib.Path(__file__).resolve().parent
+
+
+def _snapshot(coordinator, seg, step: int) -> None:
+    status = coordinator.start(seg.source("job", step)).wait(20)
+    assert status.state is SnapshotState.DURABLE, status.error
+
+
+def _steps(coordinator) -> list[int]:
+    return [info.step for info in coordinator.store.list("job")]
+
+
+def test_durability_order_and_retention(make_segment, make_coordinator, monkeypatch):
+    seg = make_segment()
+    seg.fill(1)
+    coordinator = make_coordinator(keep_latest=2)
+    _snapshot(coordinator, seg, 1)
+    _snapshot(coordinator, seg, 2)
+    job_dir = coordinator.store.job_dir("job")
+
+    trace: list[tuple[str, str]] = []
+    real_fsync, real_rename, real_replace, real_rmtree = os.fsync, os.rename, os.replace, shutil.rmtree
+
+    def fsync(fd):
+        trace.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(src, dst):
+        if pathlib.Path(dst).name.startswith(".deleting-"):
+            # Retention may only run once the new snapshot is complete and latest names it.
+            assert (job_dir / "step-000000000003" / INDEX_NAME).exists()
+            assert (job_dir / LATEST_NAME).read_text().strip() == "step-000000000003"
+        trace.append(("rename", f"{pathlib.Path(src).name}->{pathlib.Path(dst).name}"))
+        return real_rename(src, dst)
+
+    def replace(src, dst):
+        trace.append(("replace", f"{pathlib.Path(src).name}->{pathlib.Path(dst).name}"))
+        return real_replace(src, dst)
+
+    def rmtree(path, *args, **kwargs):
+        trace.append(("rmtree", pathlib.Path(path).name))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    _snapshot(coordinator, seg, 3)
+    monkeypatch.undo()
+
+    def at(event: tuple[str, str]) -> int:
+        return trace.index(event)
+
+    partial = job_dir / ".partial-step-000000000003"
+    data = at(("fsync", str(partial / rank_data_name(0))))
+    manifest = at(("fsync", str(partial / "rank-00000.manifest.json")))
+    index = at(("fsync", str(partial / INDEX_NAME)))
+    partial_dir = at(("fsync", str(partial)))
+    publish = at(("rename", ".partial-step-000000000003->step-000000000003"))
+    parent = trace.index(("fsync", str(job_dir)), publish)
+    latest = at(("replace", ".latest.tmp->latest"))
+    trash = at(("rename", "step-000000000001->.deleting-step-000000000001"))
+    delete = at(("rmtree", ".deleting-step-000000000001"))
+    assert data < manifest < index < partial_dir < publish < parent < latest < trash < delete
+    assert _steps(coordinator) == [2, 3]
+    assert [i.step for i in coordinator.store.list("job") if i.latest] == [3]
+    _snapshot(coordinator, seg, 4)
+    assert _steps(coordinator) == [3, 4]
+
+
+def test_retention_keep_three_and_keep_all(make_segment, make_coordinator, tmp_path):
+    seg = make_segment()
+    seg.fill(2)
+    keep3 = make_coordinator(tmp_path / "k3", keep_latest=3)
+    keep_all = make_coordinator(tmp_path / "all", keep_latest=None)
+    for step in range(1, 6):
+        _snapshot(keep3, seg, step)
+        _snapshot(keep_all, seg, step)
+    assert _steps(keep3) == [3, 4, 5]
+    assert _steps(keep_all) == [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match=">= 2"):
+        make_coordinator(tmp_path / "k1", keep_latest=1)
+    # A retried RPC gets its durable handle back; a restarted server refuses to redo the step.
+    assert keep3.start(seg.source("job", 5)).status().state is SnapshotState.DURABLE
+    with pytest.raises(SnapshotExists):
+        make_coordinator(tmp_path / "k3").start(seg.source("job", 5))
+    assert seg.header[Word.SNAP_EPOCH] == 0
+
+
+def test_latest_pointer_and_its_fallback(make_segment, make_coordinator):
+    seg = make_segment()
+    seg.fill(3)
+    coordinator = make_coordinator(keep_latest=None)
+    store = coordinator.store
+    with pytest.raises(SnapshotNotFound):
+        store.resolve("latest", job_id="job")
+    _snapshot(coordinator, seg, 20)
+    _snapshot(coordinator, seg, 10)  # e.g. after rolling back: latest is the last taken
+    assert store.resolve("latest", job_id="job").step == 10
+    assert store.resolve("job/latest").step == 10
+    assert store.resolve("job/step-20").step == 20
+    assert store.resolve("job/step-000000000020").step == 20
+    (store.job_dir("job") / LATEST_NAME).unlink()
+    assert store.resolve("job/latest").step == 20  # no pointer: the highest step
+
+
+_KILLED_WRITER = """
+import pathlib, sys, time
+from snapshot_testkit import Trainer
+from swap_state.server.snapshot import SnapshotCoordinator
+seg = Segment(pathlib.Path(sys.argv[1]))
+seg.fill(99)
+coordinator = SnapshotCoordinator(sys.argv[2], max_bandwidth=20_000)
+coordinator.start(seg.source("job", 2))
+print("consistent", flush=True)
+time.sleep(60)
+"""
+
+
+def test_killed_writer_leaves_nothing_listed_and_previous_loads(make_segment, make_coordinator, tmp_path):
+    seg = make_segment()
+    at_step_1 = seg.fill(1)
+    snapshots = tmp_path / "snapshots"
+    _snapshot(make_coordinator(snapshots), seg, 1)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTKIT_DIR), os.environ.get("PYTHONPATH", "")]))
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(tmp_path / "other.shm"), str(snapshots)],
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert writer.stdout.readline().strip() == b"consistent"
+        partial_file = snapshots / "job" / ".partial-step-000000000002" / rank_data_name(0)
+        deadline = time.monotonic() + 10
+        while not (partial_file.exists() and partial_file.stat().st_size > 8192):
+            assert time.monotonic() < deadline, "the writer never started writing"
+            time.sleep(0.02)
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    # A directory that merely looks like a snapshot (no snapshot.json) is no snapshot either.
+    shutil.copytree(snapshots / "job" / "step-000000000001", snapshots / "job" / "step-000000000005")
+    (snapshots / "job" / "step-000000000005" / INDEX_NAME).unlink()
+
+    reader = make_coordinator(snapshots, clean_stale=False)
+    assert _steps(reader) == [1]
+    with pytest.raises(SnapshotNotFound):
+        reader.store.resolve("job/step-2")
+    with pytest.raises(SnapshotNotFound):
+        reader.store.resolve("job/step-5")
+    target = make_segment("target")
+    result = restore(reader.store, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1)
+    assert result.step == 1 and target.tensors() == at_step_1
+    # A restarted server removes the killed writer's leftovers.
+    assert (snapshots / "job" / ".partial-step-000000000002").exists()
+    make_coordinator(snapshots)
+    assert not (snapshots / "job" / ".partial-step-000000000002").exists()
+    assert _steps(reader) == [1]
+
+
+def test_disk_full_fails_clearly_and_leaves_the_segment_alone(make_segment, make_coordinator, small_tmpfs):
+    coordinator = make_coordinator(small_tmpfs)
+    small = make_segment("small")
+    small.fill(4)
+    _snapshot(coordinator, small, 1)  # ~100 KiB: fits into the 1 MiB tmpfs
+
+    big = make_segment("big", specs=[("big.exp_avg", "float32", (512, 1024))], cow_slots=2)
+    big.fill(5)
+    before = big.tensor_area()
+    handle = coordinator.start(big.source("job", 2))
+    status = handle.wait(20)
+    assert status.state is SnapshotState.FAILED
+    assert isinstance(handle.exception, SnapshotDiskFull)
+    assert str(small_tmpfs) in status.error and "full" in status.error
+    assert big.tensor_area() == before
+    assert big.header[Word.SNAP_EPOCH] == 0 and big.slots_all_free()
+    assert _steps(coordinator) == [1]
+    assert coordinator.store.resolve("job/latest").step == 1
+    assert sorted(p.name for p in (small_tmpfs / "job").iterdir()) == [LATEST_NAME, "step-000000000001"]
+
+    # Training goes on: a trainer held up by the (slowed) failing snapshot is released by it.
+    slow = make_coordinator(small_tmpfs, max_bandwidth=3_000_000)
+    handle = slow.start(big.source("job", 2))
+    trainer = Trainer(big, first_step=3, n_steps=3)
+    trainer.start()
+    status = handle.wait(20)
+    assert status.state is SnapshotState.FAILED and "is full" in status.error
+    assert status.backpressure_waits > 0
+    trainer.join(20)
+    assert trainer.error is None and big.tensors() == trainer.expected_final()
+    assert big.header[Word.SNAP_EPOCH] == 0 and big.slots_all_free()
+    assert _steps(coordinator) == [1]
+
+
+@pytest.mark.parametrize("job_id", ["..", ".", "../x", "a/b", ".hidden", "", "x" * 129])
+def test_job_ids_that_would_escape_are_refused(make_segment, make_coordinator, job_id):
+    seg = make_segment()
+    coordinator = make_coordinator()
+    with pytest.raises(SnapshotInvalid):
+        coordinator.start(seg.source(job_id, 1))
+    with pytest.raises(SnapshotInvalid):
+        coordinator.store.job_dir(job_id)
+    assert seg.header[Word.SNAP_EPOCH] == 0
+
+
+def test_symlinked_job_dir_is_refused(make_coordinator, make_segment, tmp_path):
+    coordinator = make_coordinator()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (coordinator.snapshot_dir / "job").symlink_to(outside)
+    seg = make_segment()
+    with pytest.raises(SnapshotInvalid, match="outside"):
+        coordinator.start(seg.source("job", 1))
+    assert list(outside.iterdir()) == []
+    with pytest.raises(SnapshotInvalid):
+        coordinator.store.resolve("../../outside/step-1")

@@ -1,0 +1,139 @@
+"""Restore: verified first, then copied; every refusal names the file and leaves the segment."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from snapshot_testkit import SPECS, flip_byte, metadata_for
+
+from swap_state.proto.segment import Word
+from swap_state.server.restore import restore
+from swap_state.server.snapshot import SnapshotState
+from swap_state.server.snapshot_errors import (
+    SnapshotBusy,
+    SnapshotCorrupt,
+    SnapshotLayoutMismatch,
+    SnapshotNotFound,
+)
+from swap_state.server.snapshot_format import INDEX_NAME, rank_data_name, rank_manifest_name
+
+
+@pytest.fixture
+def snapshot(make_segment, make_coordinator):
+    """A durable job/step-8 of a filled segment; returns (store, info, contents, metadata)."""
+    seg = make_segment("source")
+    contents = seg.fill(8)
+    metadata = metadata_for(seg, step=8)
+    coordinator = make_coordinator()
+    status = coordinator.start(seg.source("job", 8, metadata_json=metadata)).wait(20)
+    assert status.state is SnapshotState.DURABLE
+    return coordinator.store, coordinator.store.resolve("job/step-8"), contents, metadata
+
+
+def _target(make_segment, specs=SPECS):
+    seg = make_segment("target", specs=specs)
+    seg.fill(1234)
+    return seg, seg.tensor_area()
+
+
+def _restore(store, seg, snapshot_id="job/step-8", world_size=1):
+    return restore(store, snapshot_id, seg.mm, seg.layout, job_id="job", rank=0, world_size=world_size)
+
+
+def test_restore_roundtrip_returns_step_and_metadata(snapshot, make_segment):
+    store, _, contents, metadata = snapshot
+    seg, _ = _target(make_segment)
+    result = _restore(store, seg, "latest")
+    assert (result.snapshot_id, result.step, result.metadata_json) == ("job/step-8", 8, metadata)
+    assert result.bytes_restored == sum(len(b) for b in contents.values())
+    assert seg.tensors() == contents
+
+
+def _tensor_data_offset(info, name: str) -> int:
+    manifest = json.loads((info.path / rank_manifest_name(0)).read_bytes())
+    [entry] = [t for t in manifest["tensors"] if t["name"] == name]
+    return manifest["data_start"] + entry["data_offsets"][0] + entry["nbytes"] // 2
+
+
+def test_flipped_data_byte_is_refused_naming_file_and_tensor(snapshot, make_segment):
+    store, info, _, _ = snapshot
+    flip_byte(info.path / rank_data_name(0), _tensor_data_offset(info, "layers.0.b.exp_avg_sq"))
+    seg, before = _target(make_segment)
+    with pytest.raises(SnapshotCorrupt) as caught:
+        _restore(store, seg)
+    assert str(info.path / rank_data_name(0)) in str(caught.value)
+    assert "'layers.0.b.exp_avg_sq'" in str(caught.value)
+    assert seg.tensor_area() == before
+
+
+@pytest.mark.parametrize(
+    "file, offset, message",
+    [
+        (rank_data_name(0), 20, "header does not match"),
+        (rank_manifest_name(0), 40, "does not match its checksum"),
+    ],
+)
+def test_flipped_header_or_manifest_byte_is_refused(snapshot, make_segment, file, offset, message):
+    store, info, _, _ = snapshot
+    flip_byte(info.path / file, offset)
+    seg, before = _target(make_segment)
+    with pytest.raises(SnapshotCorrupt, match=message) as caught:
+        _restore(store, seg)
+    assert file in str(caught.value)
+    assert seg.tensor_area() == before
+
+
+def test_truncated_or_missing_file_is_refused(snapshot, make_segment):
+    store, info, _, _ = snapshot
+    path = info.path / rank_data_name(0)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 1)
+    seg, before = _target(make_segment)
+    with pytest.raises(SnapshotCorrupt, match="bytes"):
+        _restore(store, seg)
+    path.unlink()
+    with pytest.raises(SnapshotCorrupt, match="missing"):
+        _restore(store, seg)
+    assert seg.tensor_area() == before
+
+
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        (SPECS[:-1], "has no tensor|is not in the segment"),
+        ([(n, "float16" if n == "emb.exp_avg" else d, s) for n, d, s in SPECS], "'emb.exp_avg' is uint8"),
+        ([(n, d, (16, 512) if n == "layers.0.w.exp_avg" else s) for n, d, s in SPECS], r"float32\[32, 256\]"),
+        ([SPECS[1], SPECS[0], *SPECS[2:]], "update order differs"),
+    ],
+    ids=["missing-tensor", "dtype", "shape", "order"],
+)
+def test_layout_mismatch_is_refused(snapshot, make_segment, specs, message):
+    store, info, _, _ = snapshot
+    seg, before = _target(make_segment, specs)
+    with pytest.raises(SnapshotLayoutMismatch, match=message) as caught:
+        _restore(store, seg)
+    assert str(info.path / rank_data_name(0)) in str(caught.value)
+    assert seg.tensor_area() == before
+
+
+def test_world_size_mismatch_and_unknown_ids(snapshot, make_segment):
+    store, info, _, _ = snapshot
+    seg, before = _target(make_segment)
+    with pytest.raises(SnapshotLayoutMismatch, match="world_size 1, this job has 2") as caught:
+        _restore(store, seg, world_size=2)
+    assert INDEX_NAME in str(caught.value)
+    with pytest.raises(SnapshotNotFound):
+        _restore(store, seg, "job/step-9")
+    with pytest.raises(SnapshotNotFound):
+        _restore(store, seg, "other/latest")
+    assert seg.tensor_area() == before
+
+
+def test_restore_refused_while_the_segment_is_being_snapshotted(snapshot, make_segment):
+    store, _, _, _ = snapshot
+    seg, before = _target(make_segment)
+    seg.header[Word.SNAP_EPOCH] = 5
+    with pytest.raises(SnapshotBusy):
+        _restore(store, seg)
+    assert seg.tensor_area() == before
