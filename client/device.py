@@ -393,11 +393,27 @@ def _cuda_error_string(rc: int) -> str:
 
 
 def _clear_cuda_error() -> None:
-    # A failed runtime call leaves its code as the "last error"; torch checks
+    # A failed runtime call leaves its code as the thread's "last error"; torch checks
     # cudaGetLastError after kernel launches and would blame an unrelated kernel.
     clear = getattr(_cudart(), "cudaGetLastError", None)
+    if clear is None:
+        library = _loaded_library("libcudart.so")
+        clear = None if library is None else library.cudaGetLastError
     if clear is not None:
         clear()
+
+
+def _loaded_library(name: str) -> ctypes.CDLL | None:
+    """The copy of ``name`` this process has already loaded (same runtime state), if any."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if name in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if path.startswith("/"):
+            return ctypes.CDLL(path)
+    return None
 
 
 # -- Ascend through libascendcl ----------------------------------------------------------------

@@ -32,8 +32,10 @@ class EmbeddedServerConfig:
     """Budget of the private server (--shm-size)."""
     grace_s: float = 5.0
     """--grace of the private server: its sessions die with their owner."""
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int = 1 << 20
     """--chunk-bytes: small, since embedded states are small."""
+    shm_dir: str | None = None
+    """--shm-dir; None: the server's default (/dev/shm)."""
     start_timeout_s: float = 30.0
     """How long to wait for the server to report SERVING."""
     stop_timeout_s: float = 10.0
@@ -80,6 +82,7 @@ class EmbeddedServer:
             "--grace", str(cfg.grace_s),
             "--chunk-bytes", str(cfg.chunk_bytes),
             "--cow-budget", str(max(cfg.chunk_bytes * 4, cfg.shm_size_bytes // 8)),
+            *(("--shm-dir", cfg.shm_dir) if cfg.shm_dir else ()),
             *cfg.extra_args,
         ]  # fmt: skip
         with open(self._log_path, "wb") as log_file:
@@ -133,6 +136,12 @@ class EmbeddedServer:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
+
+    def kill(self) -> None:
+        """SIGKILL the server (tests of a dying server); :meth:`stop` still cleans up."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=self.config.stop_timeout_s)
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after the timeout; remove the private directory."""

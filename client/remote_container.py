@@ -72,6 +72,8 @@ class RemoteConfig:
     """None: the contents of $SWAP_STATE_TOKEN_FILE when set."""
     rpc_timeout_s: float = 10.0
     """Deadline of every control RPC."""
+    connect_timeout_s: float = 10.0
+    """How long attach waits for an unreachable server before failing."""
     backpressure_timeout_s: float = 300.0
     """Longest wait for a free copy-before-write slot during a snapshot before failing."""
     embedded: EmbeddedServerConfig | None = None
@@ -178,7 +180,12 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             config.job_id = f"job-{uuid.uuid4().hex[:12]}"
         rank, world_size = _resolve_rank_world(config)
         self.client = SwapStateClient(
-            ClientConfig(config.server, token=_read_token(config), timeout_s=config.rpc_timeout_s)
+            ClientConfig(
+                config.server,
+                token=_read_token(config),
+                timeout_s=config.rpc_timeout_s,
+                connect_timeout_s=config.connect_timeout_s,
+            )
         )
         try:
             return self.client.attach(config.job_id, rank, world_size)

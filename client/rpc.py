@@ -220,7 +220,7 @@ class RemoteSession:
             try:
                 for event in self._stream:
                     if event.notice:
-                        log.warning("swap-state-server: %s", event.notice)
+                        log.info("swap-state-server: %s", event.notice)
             except grpc.RpcError as e:
                 if self._closing.is_set() or e.code() == grpc.StatusCode.CANCELLED:
                     return

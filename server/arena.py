@@ -175,6 +175,7 @@ class Segment:
         self.locked = False
         self._arena = arena
         self._refs = 0
+        self._created = False
         self._freeing = False
         self._closed = False
 
@@ -281,11 +282,17 @@ class Arena:
 
     # ------------------------------------------------------------------ segments
     def create_segment(
-        self, owner: str, specs: Sequence[TensorSpecTuple], world_size: int
+        self,
+        owner: str,
+        specs: Sequence[TensorSpecTuple],
+        world_size: int,
+        *,
+        specs_hash: str | None = None,
     ) -> Segment:
         """Plan, charge, create, pre-fault, map and initialise a segment (blocking).
 
-        ``owner`` is a server-issued id (hex), part of the file name.
+        ``owner`` is a server-issued id (hex), part of the file name. ``specs_hash``: the
+        caller's ``layout_hash(specs)`` when it has one (O(tensors) to compute again).
         """
         if not owner.isalnum():
             raise ValueError("segment owner must be a server-issued alphanumeric id")
@@ -317,14 +324,16 @@ class Arena:
             self._seq += 1
             name = f"{self.prefix}{owner}.{self._seq}"
         path = self.shm_dir / name
-        segment = Segment(self, name, path, layout, layout_hash(specs), charge)
+        digest = specs_hash if specs_hash is not None else layout_hash(specs)
+        segment = Segment(self, name, path, layout, digest, charge)
         try:
             self._materialize(segment)
         except BaseException:
             self._release_charge(segment)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
             segment._unmap()
+            if segment._created:  # never unlink a file this call did not create
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             with self._lock:
                 self.allocation_failures += 1
             raise
@@ -342,6 +351,7 @@ class Arena:
         # O_EXCL|O_NOFOLLOW: never reuse or follow something another process put there.
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(segment.path, flags, 0o600)
+        segment._created = True
         try:
             if self.gid is not None:
                 os.fchown(fd, -1, self.gid)

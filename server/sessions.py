@@ -382,7 +382,11 @@ class SessionRegistry:
                 )
             started = time.perf_counter()
             segment = await asyncio.to_thread(
-                self.arena.create_segment, session.session_id, checked, session.world_size
+                self.arena.create_segment,
+                session.session_id,
+                checked,
+                session.world_size,
+                specs_hash=wanted_hash,
             )
             session.segment = segment
             log_event(log, "segment_allocated", **session._describe(), path=segment.path,

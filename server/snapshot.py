@@ -320,8 +320,9 @@ class SnapshotCoordinator:
             or header.cow_slots != layout.cow_slots
         ):
             raise SnapshotInvalid("the segment header does not describe the given layout")
-        if memoryview(source.buffer).nbytes < layout.size:
-            raise SnapshotInvalid(f"the segment buffer is smaller than its layout ({layout.size} bytes)")
+        with memoryview(source.buffer) as view:
+            if view.nbytes < layout.size:
+                raise SnapshotInvalid(f"the segment buffer is smaller than its layout ({layout.size} bytes)")
         names = [t.name for t in layout.tensors]
         if len(set(names)) != len(names):
             raise SnapshotInvalid("segment tensor names are not unique")

@@ -364,6 +364,9 @@ class SnapshotStore:
         final = self.final_dir(job_id, step)
         if self._load_index(job_id, final, step) is not None:
             raise SnapshotExists(f"snapshot {snapshot_id_for(job_id, step)} already exists at {final}")
+        if os.path.lexists(final):
+            # Not ours (we only ever rename complete snapshots there): refuse to touch it.
+            raise SnapshotExists(f"{final} exists but is not a complete snapshot; remove it to snapshot step {step}")
         partial = self.partial_dir(job_id, step)
         try:
             partial.parent.mkdir(parents=True, exist_ok=True)
@@ -422,7 +425,11 @@ class SnapshotStore:
         fsync_dir(job_dir)
 
     def _retain(self, job_id: str, new_step: int, keep: int, warnings: list[str]) -> list[str]:
-        complete = self._complete(job_id)
+        try:
+            complete = self._complete(job_id)
+        except OSError as exc:
+            warnings.append(f"retention could not list {self.job_dir(job_id)}: {exc}")
+            return []
         keep_steps = {step for step, _, _ in complete[-keep:]} | {new_step}
         deleted = []
         for step, path, _ in complete:

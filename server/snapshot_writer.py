@@ -144,21 +144,21 @@ class RankWriter:
     def counters(self) -> tuple[int, int, int]:
         """(cow copies, back-pressure waits, wait ns) of this snapshot: live while the
         segment is held, frozen from its release on (the segment may be gone after that)."""
-        if self._final is not None:
-            return self._final
+        final = self._final
+        if final is not None:
+            return final
         header = self.source.header
         now = (header[Word.COW_COPIES], header[Word.BP_WAITS], header[Word.BP_WAIT_NS])
-        if self._final is not None:  # released while reading: the frozen values are exact
-            return self._final
-        return tuple(a - b for a, b in zip(now, self._base))  # type: ignore[return-value]
+        return (now[0] - self._base[0], now[1] - self._base[1], now[2] - self._base[2])
 
     # --------------------------------------------------------------------- protocol
 
     def _free_all_slots(self) -> None:
-        # Only while the trainer cannot be taking a slot for this epoch: before the epoch is
-        # published (between steps), or after it is cleared (a late taker then holds a stale
-        # epoch that no reader will trust). Reclaims slots a racing trainer took for a chunk
-        # the server had already read (see the module docstring of segment.py, step 3/4).
+        # A trainer that checked PERSISTED_UPTO <= c just before the server stored c + 1
+        # takes a slot whose COW_EPOCH the server never sees, so never frees: reclaim such
+        # slots whenever no trainer can be taking one for a live epoch, i.e. before SNAP_EPOCH
+        # is published and after it is cleared (a late taker then holds an epoch no reader
+        # trusts any more).
         header = self.source.header
         for slot in range(self.source.layout.cow_slots):
             header.set_slot_freed(slot, header.slot_taken(slot))
@@ -179,8 +179,7 @@ class RankWriter:
         header = self.source.header
         header[Word.SNAP_EPOCH] = 0
         self._free_all_slots()
-        now = (header[Word.COW_COPIES], header[Word.BP_WAITS], header[Word.BP_WAIT_NS])
-        self._final = tuple(a - b for a, b in zip(now, self._base))  # type: ignore[assignment]
+        self._final = self.counters()
         self.segment_released.set()
 
     # --------------------------------------------------------------------- persisting

@@ -165,6 +165,9 @@ def build_root(spec: dict[str, Any]) -> None:
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", root, "tmpfs", 0, "mode=755,size=16m")
     _system_links(root)
+    # /tmp first: binds below it (a checkout under /tmp, say) must land on top, not be hidden.
+    os.makedirs(f"{root}/tmp", exist_ok=True)
+    mount("tmpfs", f"{root}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={spec['tmp_size']}")
     for source, target in spec["ro_binds"]:
         bind(source, f"{root}{target}", read_only=True)
     for source, target, read_only in spec["volumes"]:
@@ -173,8 +176,6 @@ def build_root(spec: dict[str, Any]) -> None:
     os.makedirs(f"{root}/proc", exist_ok=True)
     mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     _mount_sys(root)
-    os.makedirs(f"{root}/tmp", exist_ok=True)
-    mount("tmpfs", f"{root}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={spec['tmp_size']}")
     pivot_root(root)
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import stat
+import tempfile
 import textwrap
 import time
 import uuid
@@ -165,7 +166,8 @@ def test_network_isolation_only_the_socket_connects(pod: Pod) -> None:
 def test_filesystem_view(pod: Pod) -> None:
     """Only the image-like read-only binds, the given volumes and private /tmp; own hostname."""
     snapshots, state = pod.volume("snapshots"), pod.volume("state")
-    (pod.root / "host-secret").write_text("not for containers")
+    host_tmp_file = Path(tempfile.gettempdir()) / f"host-only-{uuid.uuid4().hex}"
+    host_tmp_file.write_text("not for containers")
     out = json_line(run(pod, "trainer", f"""
         import errno, json, os, socket
         def write(path):
@@ -177,7 +179,8 @@ def test_filesystem_view(pod: Pod) -> None:
                 return errno.errorcode[e.errno]
         print(json.dumps({{
             "hostname": socket.gethostname(), "uid": os.getuid(),
-            "tmp": os.listdir("/tmp"), "pod_root_visible": os.path.exists("{pod.root}"),
+            "host_tmp_visible": os.path.exists("{host_tmp_file}"),
+            "pod_root_visible": os.path.exists("{pod.root}"),
             "root": sorted(os.listdir("/")),
             "repo_write": write("{REPO_ROOT}/should-not-exist"),
             "snapshots_write": write("{SNAPSHOT_DIR}/x"), "state_write": write("/state/x"),
@@ -186,7 +189,8 @@ def test_filesystem_view(pod: Pod) -> None:
     """, volumes=(Volume(snapshots, SNAPSHOT_DIR, read_only=True), Volume(state, "/state"))))
     assert out["hostname"] == "trainer"
     assert out["uid"] == pod.support.uid
-    assert out["tmp"] == []
+    host_tmp_file.unlink()
+    assert out["host_tmp_visible"] is False
     assert out["pod_root_visible"] is False
     assert "snapshots" in out["root"] and "state" in out["root"]
     assert out["repo_write"] == "EROFS"

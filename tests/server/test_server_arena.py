@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import resource
 import stat
 
 import grpc
@@ -117,12 +118,31 @@ def test_mlock_refusal_warns_once_naming_the_fix(shm_dir, monkeypatch, caplog):
     arena.free(second)
 
 
-def test_mlock_success_marks_the_segment_locked(shm_dir):
+def _proc_status(field: str) -> str:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return line.split()[1]
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _locked_kib() -> int:
+    return int(_proc_status("VmLck"))
+
+
+def test_mlock_locks_the_pages_when_allowed(shm_dir):
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     arena = make_arena(shm_dir)
+    before = _locked_kib()
     seg = arena.create_segment("ml3", SPECS, world_size=1)
-    # Root (or CAP_IPC_LOCK, or a big enough RLIMIT_MEMLOCK) locks; otherwise it is counted.
-    assert seg.locked or arena.mlock_failures == 1
+    cap_ipc_lock = bool(int(_proc_status("CapEff"), 16) & (1 << 14))
+    allowed = cap_ipc_lock or soft == resource.RLIM_INFINITY or soft >= seg.size + (before << 10)
+    if allowed:
+        assert seg.locked and arena.mlock_failures == 0
+        assert _locked_kib() - before >= seg.size >> 10
+    else:
+        assert not seg.locked and arena.mlock_failures == 1
     arena.free(seg)
+    assert _locked_kib() == before  # unmapping unlocks
 
 
 def test_free_waits_for_borrowers(shm_dir):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import signal
@@ -202,3 +203,22 @@ async def test_another_process_maps_the_segment_and_reads_what_one_wrote(
     assert digest == hashlib.sha256(payload).hexdigest()
     trainer.close()
     assert proc.terminate() == 0
+
+
+async def _healthcheck(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "swap_state.server.healthcheck", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    return proc.returncode, out.decode()
+
+
+async def test_healthcheck_command(start, sock_dir, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("tok")
+    server = await start(token_file=token_file)  # health needs no token
+    code, out = await _healthcheck("--listen", server.address)
+    assert code == 0 and "SERVING" in out
+    code, out = await _healthcheck("--listen", f"unix://{sock_dir}/missing.sock", "--timeout", "1")
+    assert code == 1 and "UNAVAILABLE" in out

@@ -132,7 +132,7 @@ def test_latest_pointer_and_its_fallback(make_segment, make_coordinator):
 
 _KILLED_WRITER = """
 import pathlib, sys, time
-from snapshot_testkit import Trainer
+from snapshot_testkit import Segment
 from swap_state.server.snapshot import SnapshotCoordinator
 seg = Segment(pathlib.Path(sys.argv[1]))
 seg.fill(99)

@@ -208,9 +208,12 @@ def test_failure_while_committing_restores_every_dict(monkeypatch: pytest.Monkey
 def test_load_hooks_and_single_empty_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     _, _, checkpoint = _trained()
     events: list[Any] = []
+    snapshot: dict[torch.Tensor, torch.Tensor] = {}
 
     class Hooked(SwapOptimizersContainer):
         def _before_host_write(self, params: Sequence[torch.Tensor]) -> None:
+            if not snapshot:
+                return  # training before the load
             unchanged = all(
                 torch.equal(self.param_to_cpu_states_map[p]["exp_avg"], snapshot[p]) for p in params
             )
@@ -221,8 +224,7 @@ def test_load_hooks_and_single_empty_cache(monkeypatch: pytest.MonkeyPatch) -> N
 
     target, model, _, _ = swap_and_reference(torch.optim.AdamW, KWARGS, container_cls=Hooked, seed=1)
     train(model, target, range(1), seed=7)
-    snapshot = {p: target.param_to_cpu_states_map[p]["exp_avg"].clone() for p in model.parameters()}
-    events.clear()
+    snapshot.update({p: target.param_to_cpu_states_map[p]["exp_avg"].clone() for p in model.parameters()})
     device = types.SimpleNamespace(empty_cache=lambda: events.append(("empty_cache",)))
     monkeypatch.setattr(swap_optimizer, "get_torch_device", lambda: device)
     hosts_before = {p: dict(h) for p, h in target.param_to_cpu_states_map.items()}

@@ -1,0 +1,67 @@
+"""``python -m swap_state.server.healthcheck --listen URI``: exit 0 when the server is SERVING.
+
+For Docker ``HEALTHCHECK`` / compose ``healthcheck`` and Kubernetes exec probes. Uses the gRPC
+health service, which needs no token even when the server runs with --token-file. Exit codes:
+0 SERVING, 1 anything else (message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .config import default_listen, parse_listen
+from .errors import ConfigError
+
+__all__ = ["check", "main"]
+
+
+def check(listen: str, *, timeout: float = 3.0, service: str = "",
+          tls_ca: pathlib.Path | None = None) -> tuple[bool, str]:
+    """(serving, what was seen) for the server at ``listen`` (unix:///path or tcp://host:port)."""
+    address = parse_listen(listen)
+    target = address.bind_target()
+    if address.scheme == "tcp" and tls_ca is not None:
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(tls_ca.read_bytes()))
+    else:
+        channel = grpc.insecure_channel(target)
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError as exc:
+            return False, f"{address.url}: {exc.code().name}: {exc.details()}"
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING, f"{address.url}: {status}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m swap_state.server.healthcheck",
+        description="Exit 0 when the swap-state-server at --listen reports SERVING.",
+    )
+    parser.add_argument("--listen", default=default_listen(),
+                        help=f"the server's --listen address (default {default_listen()})")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    parser.add_argument("--service", default="",
+                        help="health service name (default '': the whole server)")
+    parser.add_argument("--tls-ca", type=pathlib.Path, default=None,
+                        help="PEM roots for a tcp:// server with TLS")
+    args = parser.parse_args(argv)
+    try:
+        serving, seen = check(args.listen, timeout=args.timeout, service=args.service,
+                              tls_ca=args.tls_ca)
+    except (ConfigError, OSError) as exc:
+        print(f"healthcheck: {exc}", file=sys.stderr)
+        return 1
+    print(seen, file=sys.stdout if serving else sys.stderr)
+    return 0 if serving else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Integration fixtures: a real swap-state-server process on a temp Unix socket, with its
+segments in a private directory of /dev/shm; torn down (SIGTERM, then SIGKILL) after each test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig
+
+
+@pytest.fixture
+def private_shm_dir():
+    path = tempfile.mkdtemp(prefix="swap-state-test-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def start_server(private_shm_dir):
+    """``start_server(shm_size_bytes=..., grace_s=..., extra_args=(...))`` -> EmbeddedServer."""
+    started: list[EmbeddedServer] = []
+
+    def start(**overrides) -> EmbeddedServer:
+        config = EmbeddedServerConfig(
+            shm_size_bytes=overrides.pop("shm_size_bytes", 256 << 20),
+            grace_s=overrides.pop("grace_s", 30.0),
+            shm_dir=private_shm_dir,
+            **overrides,
+        )
+        server = EmbeddedServer(config).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def server(start_server) -> EmbeddedServer:
+    return start_server()
+
+
+@pytest.fixture
+def no_server_env(monkeypatch):
+    monkeypatch.delenv("SWAP_STATE_SERVER", raising=False)
+    monkeypatch.delenv("SWAP_STATE_JOB_ID", raising=False)
+
+
+def shm_files(path: str) -> set[str]:
+    return set(os.listdir(path))

@@ -1,0 +1,190 @@
+"""RemoteSwapOptimizersContainer against a real server process, socket and shared memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from swap_state.client.rpc import ServerUnavailableError, SwapStateError
+
+from .conftest import shm_files
+from .workload import Workload, build, mismatches, reference_optimizer, remote, train
+
+WORKLOAD = os.path.join(os.path.dirname(__file__), "workload.py")
+
+
+def _spawn_trainer(server, job: str, rank: int, world: int, w: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, WORKLOAD, server.address, job, str(rank), str(world), json.dumps(w)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def test_two_trainer_processes_share_one_server_bitwise(server):
+    specs = [{"two_groups": True}, {"amsgrad": True, "seed": 1}]
+    procs = [_spawn_trainer(server, "two", rank, 2, w) for rank, w in enumerate(specs)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result == {"mismatches": [], "committed": 10}
+
+
+@pytest.mark.parametrize("w", [Workload(), Workload(amsgrad=True, two_groups=True)], ids=["adamw", "amsgrad-2groups"])
+def test_in_process_bitwise_and_one_commit_per_step(server, w):
+    model, ref_model = build(w), build(w)
+    container = remote(w, model, server.address, "one")
+    calls = []
+    real_call = container.client.call
+    container.client.call = lambda name, *a, **k: calls.append(name) or real_call(name, *a, **k)
+    ref = reference_optimizer(w, ref_model)
+    train(model, container, w, range(1, 11))
+    train(ref_model, ref, w, range(1, 11))
+    assert mismatches(model, container, ref_model, ref) == []
+    assert calls == ["CommitStep"] * 10  # no RPC per tensor or chunk
+    container.close()
+
+
+def test_state_dict_round_trip_through_fresh_container_and_fresh_server(start_server):
+    w = Workload()
+    first = start_server()
+    model = build(w)
+    container = remote(w, model, first.address, "rt")
+    train(model, container, w, range(1, 6))
+    # The state dict's moments are views of shared memory: copy before the server goes.
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in container.state_dict().items()}
+    saved_params = {k: v.clone() for k, v in model.state_dict().items()}
+    container.close()
+    first.stop()
+
+    second = start_server()
+    model2 = build(w)
+    model2.load_state_dict(saved_params)
+    fresh = remote(w, model2, second.address, "rt")
+    fresh.load_state_dict(saved)
+    train(model2, fresh, w, range(6, 11))
+
+    ref_model = build(w)
+    ref = reference_optimizer(w, ref_model)
+    train(ref_model, ref, w, range(1, 11))
+    assert mismatches(model2, fresh, ref_model, ref) == []
+    fresh.close()
+
+
+def _demo(server, tmp_path, *args, timeout=120):
+    cmd = [sys.executable, "-m", "swap_state.client.demo", "--server", server.address,
+           "--state-dir", str(tmp_path / "state"), "--report", str(tmp_path / "report.json"),
+           "--steps", "10", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_reattach_after_sigkill_finishes_bitwise(server, tmp_path):
+    crashed = _demo(server, tmp_path, "--job-id", "crash", "--crash-after-step", "5")
+    assert crashed.returncode == -9, crashed.stderr
+    assert "step    5" in crashed.stdout and "step    6" not in crashed.stdout
+    resumed = _demo(server, tmp_path, "--job-id", "crash", "--resume", "reattach")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "reattached: the server kept the moments of step 5" in resumed.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["digest"] == report["reference_digest"]
+
+
+def test_server_killed_mid_run_raises_clear_error_within_deadline(server):
+    w = Workload()
+    model = build(w)
+    container = remote(w, model, server.address, "dies", rpc_timeout_s=5.0)
+    train(model, container, w, range(1, 3))
+    server.kill()
+    start = time.monotonic()
+    with pytest.raises(SwapStateError) as info:
+        train(model, container, w, range(3, 4))
+    assert time.monotonic() - start < 5.0 + 2.0
+    assert server.address in str(info.value)
+    container.close()
+
+
+def test_unreachable_server_names_address_and_command(tmp_path):
+    address = f"unix://{tmp_path}/nobody.sock"
+    w = Workload()
+    with pytest.raises(ServerUnavailableError) as info:
+        remote(w, build(w), address, "x", connect_timeout_s=1.0)
+    assert address in str(info.value)
+    assert "swap-state-server --shm-size" in str(info.value)
+
+
+def test_wrong_token_message_reaches_user(start_server, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("right-token\n")
+    guarded = start_server(extra_args=("--token-file", str(token_file)))
+    w = Workload()
+    with pytest.raises(SwapStateError) as info:
+        remote(w, build(w), guarded.address, "tok", token="wrong")
+    assert "UNAUTHENTICATED" in str(info.value)
+    ok = remote(w, build(w), guarded.address, "tok", token="right-token")
+    ok.close()
+
+
+def test_budget_exhausted_message_reaches_user(start_server):
+    small = start_server(shm_size_bytes=8 << 20)
+    torch.manual_seed(0)
+    big = torch.nn.Linear(1024, 1024)  # 8 MiB of moments: more than the budget
+    from swap_state.client.remote_container import RemoteSwapOptimizersContainer
+
+    with pytest.raises(SwapStateError) as info:
+        RemoteSwapOptimizersContainer([big], torch.optim.AdamW, {"lr": 1e-3}, 2, server=small.address, job_id="big")
+    assert "RESOURCE_EXHAUSTED" in str(info.value)
+    assert "--shm-size" in str(info.value) or "free" in str(info.value)
+
+
+def test_budget_returns_to_zero_after_close(server):
+    w = Workload()
+    container = remote(w, build(w), server.address, "budget")
+    assert container.server_stats().budget_used_bytes > 0
+    container.close()
+    from swap_state.client.rpc import ClientConfig, SwapStateClient
+
+    client = SwapStateClient(ClientConfig(server.address))
+    stats = client.stats()
+    client.close()
+    assert stats.sessions == [] or all(s.segment_bytes == 0 for s in stats.sessions)
+    assert stats.budget_used_bytes == 0
+
+
+def test_embedded_default_leaves_nothing_behind(no_server_env):
+    before = shm_files("/dev/shm")
+    w = Workload()
+    model = build(w)
+    container = remote(w, model, None, None)
+    embedded = container._embedded
+    assert embedded is not None
+    pid, workdir = embedded.pid, embedded.workdir
+    train(model, container, w, range(1, 3))
+    assert container.session.last_committed_step == 2
+    container.close()
+    assert not os.path.exists(workdir)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert shm_files("/dev/shm") - before == set()
+
+
+def test_two_containers_in_one_process_share_nothing(server):
+    w = Workload()
+    a_model, b_model = build(w), build(Workload(seed=3))
+    a = remote(w, a_model, server.address, "a")
+    b = remote(w, b_model, server.address, "b")
+    plain_model = build(w)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    train(a_model, a, w, range(1, 3))
+    assert not set(a.param_to_cpu_states_map) & set(b.param_to_cpu_states_map)
+    assert all(float(h["step"]) == 0 for h in b.param_to_cpu_states_map.values())
+    train(plain_model, plain, w, range(1, 3))
+    assert all(s["exp_avg"].untyped_storage().size() > 0 for s in plain.state.values())
+    assert type(plain).step is torch.optim.AdamW.step
+    a.close()
+    b.close()
