@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 PARAM_STEPS = "swap_state.param_steps"
 GROUP_STEPS = "swap_state.group_steps"
+#: Keys of a snapshot-mode state dict (beside the seed's ``param_groups.*`` / ``state.*.step``).
+SNAPSHOT_REF_KEY = "swap_state.snapshot_id"
+SNAPSHOT_JOB_KEY = "swap_state.job_id"
 
 
 @dataclasses.dataclass
@@ -78,6 +81,10 @@ class RemoteConfig:
     """Longest wait for a free copy-before-write slot during a snapshot before failing."""
     embedded: EmbeddedServerConfig | None = None
     """Settings of the embedded server; None: sized from the model."""
+    checkpoint: str = "full"
+    """'full': state_dict() holds the moments (the seed's format). 'snapshot': state_dict()
+    takes a server-side snapshot and holds only a reference, param groups and step counts;
+    load_state_dict() of such a dict restores the snapshot on the server."""
 
 
 @dataclasses.dataclass
@@ -346,6 +353,45 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
                 if key != STEP_KEY and key in group:
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
+    # -- torchtitan checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Seed format in 'full' mode. In 'snapshot' mode: a reference to a server-side
+        snapshot of the last committed step (taken now, unless one of that step exists),
+        plus param groups and step counts; no moment bytes pass through the trainer.
+
+        Safe as a load template: a container that has committed no step takes no snapshot.
+        """
+        if self.remote_config.checkpoint != "snapshot":
+            return super().state_dict()
+        flat = {k: v for k, v in super().state_dict().items() if not _is_moment_key(k)}
+        step = self.session.last_committed_step
+        if step is not None and step != getattr(self, "_snapshot_step", None):
+            self._snapshot_handle = self.snapshot()
+            self._snapshot_step = step
+        handle = getattr(self, "_snapshot_handle", None)
+        flat[SNAPSHOT_REF_KEY] = handle.snapshot_id if handle is not None else ""
+        flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
+        return flat
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A snapshot reference is restored on the server (verified before any byte
+        changes); a full dict goes through the seed's validated load."""
+        snapshot_id = state_dict.get(SNAPSHOT_REF_KEY)
+        if snapshot_id is None:
+            super().load_state_dict(state_dict)
+            return
+        if not snapshot_id:
+            return  # saved before the first committed step: nothing to restore
+        self.restore(str(snapshot_id))
+        groups = {k: v for k, v in state_dict.items() if k.startswith("param_groups.")}
+        for entry in self._entries:
+            group = self.optimizers[entry.optimizer_index].param_groups[entry.group_index]
+            prefix = f"param_groups.{entry.fqn}."
+            for key, value in groups.items():
+                name = key[len(prefix) :]
+                if key.startswith(prefix) and name not in ("params", STEP_KEY) and name in group:
+                    group[name] = value
+
     # -- lifetime ----------------------------------------------------------------------------
     def server_stats(self):
         return self.client.stats()
@@ -380,6 +426,10 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             self._guard = None
         self._mapping.close()
         self._mapping = None
+
+
+def _is_moment_key(key: str) -> bool:
+    return key.startswith("state.") and not key.endswith("." + STEP_KEY)
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
