@@ -42,6 +42,7 @@ from .listener import SocketGuard
 from .logs import log_event
 from .metrics import MetricsServer, render_metrics
 from .service import SwapStateService
+from .snapshot import SnapshotCoordinator
 from .sessions import SessionRegistry
 from .statuses import RpcCounters
 
@@ -111,6 +112,9 @@ class RunningServer:
             await self._grpc.stop(grace)
             if self._metrics is not None:
                 await self._metrics.stop()
+            if self.service.snapshots is not None:
+                # Let running snapshots finish (bounded) before their segments are freed.
+                await asyncio.to_thread(self.service.snapshots.close)
             await self.sessions.close()
         finally:
             if self._guard is not None:
@@ -215,8 +219,20 @@ async def start_server(config: ServerConfig) -> RunningServer:
             max_tensors=config.max_tensors,
         )
         counters = RpcCounters()
+        snapshots = None
+        if config.snapshot_dir is not None:
+            snapshots = SnapshotCoordinator(
+                config.snapshot_dir,
+                keep_latest=config.keep_latest,
+                max_bandwidth=config.persist_max_bandwidth or None,
+            )
+            undo.callback(snapshots.close)
         service = SwapStateService(
-            registry, arena, keepalive_interval=config.keepalive_interval, counters=counters
+            registry,
+            arena,
+            keepalive_interval=config.keepalive_interval,
+            counters=counters,
+            snapshots=snapshots,
         )
         health = health_aio.HealthServicer()
         interceptors = [TokenAuthInterceptor(token)] if token else []

@@ -13,8 +13,9 @@ from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
 from .arena import Arena, Segment
-from .errors import Unimplemented
 from .sessions import Session, SessionRegistry
+from .snapshot import SnapshotCoordinator
+from .snapshot_service import SnapshotRpcs, status_reply
 from .statuses import RpcCounters, rpc_boundary
 
 __all__ = ["SwapStateService", "segment_info"]
@@ -51,7 +52,7 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-class SwapStateService(pb_grpc.SwapStateServicer):
+class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
     def __init__(
         self,
         registry: SessionRegistry,
@@ -59,8 +60,10 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         *,
         keepalive_interval: float,
         counters: RpcCounters,
+        snapshots: SnapshotCoordinator | None = None,
     ) -> None:
         self.registry = registry
+        self.snapshots = snapshots
         self.arena = arena
         self.keepalive_interval = keepalive_interval
         self.counters = counters  # used by rpc_boundary
@@ -126,6 +129,9 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             budget_free_bytes=self.arena.free_bytes,
             sessions=[self._session_stats(s) for s in self.registry.sessions],
             steps_committed_total=self.registry.steps_committed_total,
+            snapshots_in_progress=[
+                status_reply(s) for s in (self.snapshots.in_progress() if self.snapshots else ())
+            ],
         )
 
     def _session_stats(self, session: Session) -> pb.SessionStats:
@@ -142,27 +148,3 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             steps_committed=session.steps_committed,
             orphaned_seconds=self.registry.orphaned_seconds(session),
         )
-
-    # Snapshot and restore: the domain (server/snapshot*.py, server/restore*.py) is being
-    # written separately; these answer UNIMPLEMENTED until it is wired in here.
-    @rpc_boundary
-    async def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
-        raise Unimplemented(_NOT_YET.format(rpc="Snapshot"))
-
-    @rpc_boundary
-    async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context) -> pb.SnapshotStatusReply:
-        raise Unimplemented(_NOT_YET.format(rpc="SnapshotStatus"))
-
-    @rpc_boundary
-    async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
-        raise Unimplemented(_NOT_YET.format(rpc="ListSnapshots"))
-
-    @rpc_boundary
-    async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
-        raise Unimplemented(_NOT_YET.format(rpc="Restore"))
-
-
-_NOT_YET = (
-    "{rpc} is not implemented by this server build yet (snapshots and restore are the next "
-    "milestone); sessions, segments and CommitStep work"
-)

@@ -51,6 +51,9 @@ _AbortError: type[BaseException] = grpc.aio.AbortError
 
 
 def status_for(exc: DomainError) -> grpc.StatusCode:
+    explicit = getattr(exc, "grpc_code", None)  # e.g. DATA_LOSS, which no base class covers
+    if explicit is not None and explicit != "INTERNAL":
+        return grpc.StatusCode[explicit]
     for cls in type(exc).__mro__:
         code = STATUS_FOR_ERROR.get(cls)  # type: ignore[arg-type]
         if code is not None:

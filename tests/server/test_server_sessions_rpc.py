@@ -307,7 +307,7 @@ async def test_cow_slots_come_out_of_the_pool_and_go_back(start, connect):
     assert server.arena.cow_slots_used == 4
 
 
-async def test_snapshot_rpcs_answer_unimplemented(server, stub):
+async def test_snapshot_rpcs_without_snapshot_dir_name_the_flag(server, stub):
     calls = [
         stub.Snapshot(pb.SnapshotRequest(session_id="0" * 32, generation=1, step=0)),
         stub.SnapshotStatus(pb.SnapshotStatusRequest(snapshot_id="j/step-1")),
@@ -317,8 +317,8 @@ async def test_snapshot_rpcs_answer_unimplemented(server, stub):
     for call in calls:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await call
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert "not implemented" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--snapshot-dir" in err.value.details()
 
 
 async def test_unexpected_error_is_internal_and_server_keeps_serving(server, stub, monkeypatch, caplog):

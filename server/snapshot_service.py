@@ -1,0 +1,132 @@
+"""Snapshot and restore RPCs: protobuf <-> the snapshot domain (:mod:`.snapshot`, :mod:`.restore`).
+
+A mixin of :class:`~swap_state.server.service.SwapStateService`, so status codes are mapped by
+the same ``rpc_boundary``. Blocking work (waiting on a writer, verifying and copying a restore)
+runs in worker threads; the event loop only converts and dispatches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from swap_state.proto import swap_state_pb2 as pb
+
+from .errors import FailedPrecondition
+from .restore import restore
+from .sessions import Session
+from .snapshot import SnapshotCoordinator, SnapshotHandle, SnapshotStatus
+from .snapshot_writer import SnapshotSource
+from .statuses import rpc_boundary
+
+__all__ = ["SnapshotRpcs", "status_reply", "MAX_STATUS_WAIT_S"]
+
+MAX_STATUS_WAIT_S = 60.0
+
+
+def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
+    return pb.SnapshotStatusReply(
+        snapshot_id=status.snapshot_id,
+        rank=status.rank,
+        state=status.state.value,
+        bytes_total=status.bytes_total,
+        bytes_persisted=status.bytes_persisted,
+        error=status.error,
+        cow_copies=status.cow_copies,
+        backpressure_waits=status.backpressure_waits,
+        backpressure_wait_seconds=status.backpressure_wait_seconds,
+        path=status.path,
+        step=status.step,
+    )
+
+
+class SnapshotRpcs:
+    """Needs ``self.registry`` and ``self.snapshots`` (a coordinator, or None without
+    --snapshot-dir)."""
+
+    snapshots: SnapshotCoordinator | None
+
+    def _coordinator(self) -> SnapshotCoordinator:
+        if self.snapshots is None:
+            raise FailedPrecondition(
+                "this server keeps no snapshots: start it with --snapshot-dir DIR"
+            )
+        return self.snapshots
+
+    def _segment_session(self, session_id: str, generation: int) -> Session:
+        session = self.registry.lookup(session_id, generation)
+        if session.segment is None:
+            raise FailedPrecondition(
+                f"session {session_id} has no segment yet: call Allocate first"
+            )
+        return session
+
+    @rpc_boundary
+    async def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
+        coordinator = self._coordinator()
+        session = self._segment_session(request.session_id, request.generation)
+        async with session.lock:
+            if session.last_committed_step != request.step:
+                raise FailedPrecondition(
+                    f"snapshot of step {request.step} refused: the last committed step of "
+                    f"{session.job_id}/rank {session.rank} is {session.last_committed_step}"
+                )
+            # The writer reads the segment after this reply; borrow() keeps the mapping
+            # alive (a detach or grace expiry waits) until the writer lets go.
+            borrow = session.segment.borrow()
+            buffer = borrow.__enter__()
+            try:
+                source = SnapshotSource(
+                    buffer, session.layout, session.header, session.job_id, session.rank,
+                    session.world_size, request.step, request.metadata_json,
+                )
+                handle = await asyncio.to_thread(coordinator.start, source)
+            except BaseException:
+                borrow.__exit__(None, None, None)
+                raise
+        asyncio.get_running_loop().create_task(_release_when_done(handle, borrow))
+        return pb.SnapshotReply(snapshot_id=handle.snapshot_id, consistent=True)
+
+    @rpc_boundary
+    async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context) -> pb.SnapshotStatusReply:
+        coordinator = self._coordinator()
+        wait_s = min(max(request.wait_seconds, 0.0), MAX_STATUS_WAIT_S)
+        status = await asyncio.to_thread(coordinator.status, request.snapshot_id, request.rank, wait_s)
+        return status_reply(status)
+
+    @rpc_boundary
+    async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
+        coordinator = self._coordinator()
+        infos = await asyncio.to_thread(coordinator.store.list, request.job_id or None)
+        return pb.ListSnapshotsReply(
+            snapshots=[
+                pb.SnapshotInfo(
+                    snapshot_id=i.snapshot_id, job_id=i.job_id, step=i.step,
+                    world_size=i.world_size, path=str(i.path), bytes=i.bytes, latest=i.latest,
+                )
+                for i in infos
+            ]
+        )
+
+    @rpc_boundary
+    async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
+        coordinator = self._coordinator()
+        session = self._segment_session(request.session_id, request.generation)
+        async with session.lock:
+            with session.segment.borrow() as buffer:
+                result = await asyncio.to_thread(
+                    restore, coordinator.store, request.snapshot_id or "latest", buffer,
+                    session.layout, rank=session.rank, world_size=session.world_size,
+                    job_id=session.job_id, header=session.header,
+                )
+            session.record_commit(result.step, force=True)
+        return pb.RestoreReply(
+            snapshot_id=result.snapshot_id, step=result.step, metadata_json=result.metadata_json
+        )
+
+
+async def _release_when_done(handle: SnapshotHandle, borrow: contextlib.AbstractContextManager) -> None:
+    try:
+        await asyncio.to_thread(handle.wait_segment_released, None)
+    finally:
+        borrow.__exit__(None, None, None)
