@@ -1,1 +1,25 @@
-"""swap-state trainer side: device layer, swap optimizers, the remote container."""
+"""swap-state trainer side: device layer, swap optimizers, the remote container.
+
+``RemoteSwapOptimizersContainer`` and ``SwapOptimizersContainer`` are imported lazily, so
+``import swap_state.client.rpc`` (used by the ``swap-state`` CLI) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["RemoteSwapOptimizersContainer", "RemoteConfig", "SwapOptimizersContainer"]
+
+_LAZY = {
+    "RemoteSwapOptimizersContainer": "swap_state.client.remote_container",
+    "RemoteConfig": "swap_state.client.remote_container",
+    "SwapOptimizersContainer": "swap_state.client.swap_optimizer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'swap_state.client' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -498,7 +498,10 @@ class SwapOptimizersContainer(OptimizersContainer):
         """Step every optimizer through the swap pipeline, then call ``_after_step()`` once."""
         self._in_container_step = True
         try:
-            super().step(*args, **kwargs)
+            # Not super().step(): once any plain OptimizersContainer exists, torch has
+            # wrapped that method with the step hooks, which would then run twice.
+            for optimizer in self.optimizers:
+                optimizer.step(*args, **kwargs)
         finally:
             self._in_container_step = False
         self._after_step()

@@ -19,13 +19,18 @@ when ``swap_optimizer`` is true and torch's own optimizers otherwise.
 
 from __future__ import annotations
 
+import os
 import sys
+import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+import torch.distributed as dist
+import torchtitan.components.optimizer as tt_optimizer
 
 from swap_state.client import swap_optimizer
 
-__all__ = ["Optimizer", "JobConfig"]
+__all__ = ["Optimizer", "JobConfig", "build_remote_container", "shared_job_id"]
 
 
 @dataclass
@@ -57,10 +62,44 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
 
 
+def shared_job_id(configured: str) -> str:
+    """The configured id, else $SWAP_STATE_JOB_ID, else one id chosen by rank 0 and
+    broadcast, so every rank of the run names the same job (snapshots span all ranks)."""
+    job_id = configured or os.environ.get("SWAP_STATE_JOB_ID", "")
+    if job_id:
+        return job_id
+    candidate = [f"job-{uuid.uuid4().hex[:12]}"]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(candidate, src=0)
+    return candidate[0]
+
+
+def build_remote_container(
+    model_parts: list[Any],
+    optimizer_cls: type,
+    optimizer_kwargs: dict[str, Any],
+    swap_times: int,
+    optimizer_config: Any,
+):
+    """The ``swap_optimizer_backend = "remote"`` branch of the ``build_optimizers`` wrapper."""
+    from swap_state.client.remote_container import RemoteConfig, RemoteSwapOptimizersContainer
+
+    config = RemoteConfig(checkpoint=getattr(optimizer_config, "swap_state_checkpoint", "full"))
+    return RemoteSwapOptimizersContainer(
+        model_parts,
+        optimizer_cls,
+        optimizer_kwargs,
+        swap_times,
+        server=getattr(optimizer_config, "swap_state_server", "") or None,
+        job_id=shared_job_id(getattr(optimizer_config, "swap_state_job_id", "")),
+        config=config,
+    )
+
+
 def _rebind_imported_model_specs() -> None:
     """Model packages imported before this module captured the unwrapped builder: rebind."""
     original = swap_optimizer._original_build_optimizers
-    wrapped = swap_optimizer.tt_optimizer.build_optimizers
+    wrapped = tt_optimizer.build_optimizers
     for name, module in list(sys.modules.items()):
         if name.startswith("torchtitan.") and getattr(module, "build_optimizers", None) is original:
             module.build_optimizers = wrapped
