@@ -238,18 +238,23 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
 
     def _check_resumable(self, reused: bool) -> None:
         header = self._mapping.header
+        self._torn_step: int | None = None
         if reused and header[Word.WRITING_STEP] != 0:
-            step = header[Word.WRITING_STEP] - 1
-            raise SwapStateError(
-                f"the kept optimizer state of {self.remote_config.job_id}/rank "
-                f"{self.session.rank} is torn: the previous trainer died while writing step "
-                f"{step}. Restore from a snapshot (container.restore('latest')) or start a "
-                "new job id"
-            )
-        if reused and self.session.last_committed_step is not None:
+            # The previous trainer died mid-step: some moments are of step S, some of S-1.
+            self._torn_step = header[Word.WRITING_STEP] - 1
+            log.warning("%s", self._torn_message())
+        elif reused and self.session.last_committed_step is not None:
             self.resumed_step = self.session.last_committed_step
             log.info("reattached to swap-state at step %d", self.resumed_step)
         header[Word.TRAINER_GENERATION] = self.session.generation
+
+    def _torn_message(self) -> str:
+        return (
+            f"the kept optimizer state of {self.remote_config.job_id}/rank {self.session.rank} "
+            f"is torn: the previous trainer died while writing step {self._torn_step}. "
+            "Restore a snapshot (container.restore('latest')) or load a full checkpoint "
+            "before stepping, or use a new job id"
+        )
 
     def _resume_group_steps(self) -> None:
         """After a reattach, the group steps come back from the segment like the moments."""
@@ -260,6 +265,8 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             group[STEP_KEY] = group_steps[index].clone()
 
     def _before_host_write(self, params: Sequence[torch.Tensor]) -> None:
+        if self._torn_step is not None:
+            raise SwapStateError(self._torn_message())
         # The step tensors change with every slice, so they are guarded every time.
         names = [PARAM_STEPS, GROUP_STEPS]
         names += [n for p in params for n in self._tensor_names.get(p, ())]
@@ -328,6 +335,8 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         raises and the current state is untouched. Call between steps.
         """
         reply = self.session.restore(snapshot_id)
+        self._torn_step = None
+        self._guard.end_write()
         self._apply_restored_metadata(reply.metadata_json)
         self._resume_from_segment()
         self.session.commit(reply.step)
@@ -378,7 +387,12 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         changes); a full dict goes through the seed's validated load."""
         snapshot_id = state_dict.get(SNAPSHOT_REF_KEY)
         if snapshot_id is None:
-            super().load_state_dict(state_dict)
+            torn, self._torn_step = self._torn_step, None  # a full load rewrites every byte
+            try:
+                super().load_state_dict(state_dict)
+            except BaseException:
+                self._torn_step = torn
+                raise
             return
         if not snapshot_id:
             return  # saved before the first committed step: nothing to restore

@@ -188,3 +188,33 @@ def test_two_containers_in_one_process_share_nothing(server):
     assert type(plain).step is torch.optim.AdamW.step
     a.close()
     b.close()
+
+
+def test_trainer_dead_mid_step_leaves_torn_state_that_must_be_restored(server):
+    from swap_state.proto.segment import Word
+
+    w = Workload()
+    model = build(w)
+    first = remote(w, model, server.address, "torn")
+    train(model, first, w, range(1, 4))
+    first.snapshot().wait_durable(timeout_s=30)
+    params_at_3 = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, first, w, range(4, 5))
+    # What a trainer killed while writing step 5 leaves behind: the writing mark.
+    first._mapping.header[Word.WRITING_STEP] = 5 + 1
+    first.close(keep=True)
+
+    model2 = build(w)
+    second = remote(w, model2, server.address, "torn")
+    assert second.resumed_step is None
+    with pytest.raises(SwapStateError, match="torn"):
+        train(model2, second, w, range(5, 6))
+    second.zero_grad()  # the refused step's gradients
+    assert second.restore("latest") == 3
+    model2.load_state_dict(params_at_3)
+    train(model2, second, w, range(4, 11))
+    ref_model = build(w)
+    ref = reference_optimizer(w, ref_model)
+    train(ref_model, ref, w, range(1, 11))
+    assert mismatches(model2, second, ref_model, ref) == []
+    second.close()
