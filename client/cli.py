@@ -104,9 +104,17 @@ def _snapshots(args) -> int:
 
 def _export(args) -> int:
     from swap_state.client.export import export_snapshot
+    from swap_state.server.snapshot_errors import SnapshotError
 
-    export_snapshot(args.snapshot, args.out, format=args.format)
-    print(f"wrote {args.format} checkpoint {args.out}")
+    try:
+        result = export_snapshot(args.snapshot, args.out, format=args.format)
+    except SnapshotError as e:  # not found, corrupt, not exportable: a message, no traceback
+        print(f"swap-state export: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"exported {result.snapshot_id} ({result.tensors} tensors, {result.entries} entries) "
+        f"to {result.out} ({result.format})"
+    )
     return 0
 
 

@@ -50,6 +50,7 @@ import torch
 
 __all__ = [
     "DEVICE_ENV_VAR",
+    "PAGE_SIZE",
     "REGISTER_CHUNK_BYTES",
     "DeviceBackend",
     "DeviceType",
@@ -57,7 +58,6 @@ __all__ = [
     "HostRegistrationError",
     "NullEvent",
     "NullStream",
-    "PAGE_SIZE",
     "get_device_backend",
     "page_chunks",
     "register_host_memory",
@@ -454,7 +454,7 @@ def _acl_host_unregister(ptr: int) -> int:
 # -- selection ------------------------------------------------------------------------------------
 def _import_torch_npu() -> ModuleType:
     importlib.import_module("torch_npu")
-    return cast(ModuleType, getattr(torch, "npu"))
+    return cast(ModuleType, torch.npu)  # type: ignore[attr-defined]
 
 
 def _device_module(device_type: DeviceType) -> ModuleType:

@@ -14,7 +14,8 @@ DTensor shards of all ranks are assembled into global tensors from the manifest'
 shape and offsets; every element must be covered by some shard. That describes Shard and
 Replicate placements; a ``_StridedShard`` shard is not a box at an offset, and exporting one
 would place its rows wrongly, so do not export such snapshots. A tensor the trainer gave no
-fqn/key for is written as ``state.<segment tensor name>``. Everything is assembled in host
+fqn/key for is written as ``state.<segment tensor name>``, except the container's own
+``swap_state.*`` step vectors (their values are the ``step`` entries above). Everything is assembled in host
 memory.
 """
 
@@ -88,6 +89,16 @@ def _decode_step(value: Any) -> torch.Tensor:
     if isinstance(decoded, torch.Tensor):
         return decoded
     return torch.tensor(float(decoded), dtype=torch.float32)
+
+
+#: Segment tensors of RemoteSwapOptimizersContainer's own bookkeeping (``swap_state.param_steps``,
+#: ``swap_state.group_steps``): the manifest's ``steps`` and ``param_groups`` carry the same
+#: values as ``state.<fqn>.step`` / ``param_groups.<fqn>.step``, so they are not exported.
+_BOOKKEEPING_PREFIX = "swap_state."
+
+
+def _is_bookkeeping(tensor: TensorRecord) -> bool:
+    return not (tensor.fqn and tensor.key) and tensor.name.startswith(_BOOKKEEPING_PREFIX)
 
 
 def _state_key(tensor: TensorRecord) -> str:
@@ -172,6 +183,8 @@ def _build(
         path = info.path / manifest.data_file
         with safe_open(str(path), framework="pt") as file:
             for record in manifest.tensors:
+                if _is_bookkeeping(record):
+                    continue
                 assembler.add(_state_key(record), record, file.get_tensor(record.name), str(path))
         for fqn, value in manifest.steps.items():
             extras.setdefault(f"state.{fqn}.step", _decode_step(value))

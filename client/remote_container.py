@@ -32,6 +32,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -78,7 +79,8 @@ class RemoteConfig:
     connect_timeout_s: float = 10.0
     """How long attach waits for an unreachable server before failing."""
     backpressure_timeout_s: float = 300.0
-    """Longest wait for a free copy-before-write slot during a snapshot before failing."""
+    """Longest wait for a free copy-before-write slot during a snapshot, and for a snapshot
+    still persisting (before a new snapshot, a restore, or loading a reference to it)."""
     embedded: EmbeddedServerConfig | None = None
     """Settings of the embedded server; None: sized from the model."""
     checkpoint: str = "full"
@@ -325,8 +327,79 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         step = self.session.last_committed_step
         if step is None:
             step = self._publish_step()
-        reply = self.session.snapshot(step, self.snapshot_metadata())
-        return SnapshotHandle(reply.snapshot_id, step, self.session.rank, self.client)
+        metadata = self.snapshot_metadata()
+        try:
+            reply = self.session.snapshot(step, metadata)
+        except SwapStateError as e:
+            # The server persists one snapshot of a segment at a time: a previous one (this
+            # trainer's, or a restarted trainer's predecessor's) may still be persisting. Wait
+            # for it and try once more; any other refusal comes back the same.
+            if e.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            self._wait_for_persisting_snapshot(f"snapshot of step {step}")
+            reply = self.session.snapshot(step, metadata)
+        handle = SnapshotHandle(reply.snapshot_id, step, self.session.rank, self.client)
+        self._snapshot_step, self._snapshot_handle = step, handle
+        return handle
+
+    def _snapshot_handle_for(self, snapshot_id: str) -> SnapshotHandle | None:
+        """A handle on ``<job>/step-<N>`` for this rank (None for other forms, e.g. latest)."""
+        job, _, step = snapshot_id.rpartition("/step-")
+        if not job or not step.isdigit():
+            return None
+        return SnapshotHandle(snapshot_id, int(step), self.session.rank, self.client)
+
+    def _wait_for_persisting_snapshot(self, why: str) -> None:
+        """If the snapshot this segment's header names (``SNAP_STEP``) is still persisting,
+        wait until it is durable or failed (bounded by ``backpressure_timeout_s``; logged)."""
+        snap_step = self._mapping.header[Word.SNAP_STEP]
+        previous = self._snapshot_handle_for(f"{self.remote_config.job_id}/step-{snap_step}")
+        try:
+            status = previous.status()
+        except SwapStateError:
+            return  # no such snapshot
+        if status.state != "persisting":
+            return
+        timeout_s = self.remote_config.backpressure_timeout_s
+        begin = time.monotonic()
+        log.warning(
+            "%s waits for snapshot %s to finish persisting (%d of %d bytes written)",
+            why, previous.snapshot_id, status.bytes_persisted, status.bytes_total,
+        )  # fmt: skip
+        while status.state == "persisting":
+            remaining = begin + timeout_s - time.monotonic()
+            if remaining <= 0:
+                raise SwapStateError(
+                    f"{why}: snapshot {previous.snapshot_id} is still persisting after "
+                    f"{timeout_s:g} s ({status.bytes_persisted} of {status.bytes_total} bytes)"
+                )
+            status = previous.status(wait_s=min(remaining, 5.0))
+        log.warning(
+            "%s waited %.3f s for snapshot %s (%s)",
+            why, time.monotonic() - begin, previous.snapshot_id, status.state,
+        )  # fmt: skip
+
+    def _wait_segment_released(self, why: str) -> None:
+        """Wait (bounded, logged) until no snapshot reads this segment (``SNAP_EPOCH == 0``,
+        the server's condition for writing into it)."""
+        header = self._mapping.header
+        if header[Word.SNAP_EPOCH] == 0:
+            return
+        timeout_s = self.remote_config.backpressure_timeout_s
+        begin = time.monotonic()
+        poll = 1e-3
+        while header[Word.SNAP_EPOCH] != 0:
+            if time.monotonic() - begin > timeout_s:
+                raise SwapStateError(
+                    f"{why}: the snapshot of step {header[Word.SNAP_STEP]} still reads this "
+                    f"segment after {timeout_s:g} s"
+                )
+            time.sleep(poll)
+            poll = min(poll * 2, 0.05)
+        log.warning(
+            "%s waited %.3f s for the snapshot of step %d to release the segment",
+            why, time.monotonic() - begin, header[Word.SNAP_STEP],
+        )  # fmt: skip
 
     def restore(self, snapshot_id: str = "latest") -> int:
         """Replace the moments and steps with a durable snapshot's; returns its step.
@@ -334,6 +407,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         The server verifies layout and checksums before it writes a byte; on a mismatch it
         raises and the current state is untouched. Call between steps.
         """
+        self._wait_segment_released(f"restore of {snapshot_id}")
         reply = self.session.restore(snapshot_id)
         self._torn_step = None
         self._guard.end_write()
@@ -341,6 +415,10 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         self._resume_from_segment()
         self.session.commit(reply.step)
         self.resumed_step = reply.step
+        # The state is now that snapshot's: a state_dict() of this step refers to it (a new
+        # snapshot of the step would copy the same bytes, or be refused as existing).
+        self._snapshot_step = reply.step
+        self._snapshot_handle = SnapshotHandle(reply.snapshot_id, reply.step, self.session.rank, self.client)
         log.info("restored %s (step %d)", reply.snapshot_id, reply.step)
         return reply.step
 
@@ -374,9 +452,10 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             return super().state_dict()
         flat = {k: v for k, v in super().state_dict().items() if not _is_moment_key(k)}
         step = self.session.last_committed_step
+        if self._torn_step is not None:
+            step = None  # no consistent state to refer to (a load template, before a restore)
         if step is not None and step != getattr(self, "_snapshot_step", None):
-            self._snapshot_handle = self.snapshot()
-            self._snapshot_step = step
+            self.snapshot()  # sets _snapshot_step and _snapshot_handle
         handle = getattr(self, "_snapshot_handle", None)
         flat[SNAPSHOT_REF_KEY] = handle.snapshot_id if handle is not None else ""
         flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
@@ -396,7 +475,17 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             return
         if not snapshot_id:
             return  # saved before the first committed step: nothing to restore
-        self.restore(str(snapshot_id))
+        snapshot_id = str(snapshot_id)
+        # The reference was saved once its snapshot was consistent; it may not be durable yet
+        # (a save, then at once a load): wait for it, or for its failure.
+        pending = self._snapshot_handle_for(snapshot_id)
+        if pending is not None:
+            try:
+                pending.wait_durable(timeout_s=self.remote_config.backpressure_timeout_s)
+            except SwapStateError as e:
+                if e.code != grpc.StatusCode.NOT_FOUND:
+                    raise  # failed: its message says why (NOT_FOUND: Restore says where it looked)
+        self.restore(snapshot_id)
         groups = {k: v for k, v in state_dict.items() if k.startswith("param_groups.")}
         for entry in self._entries:
             group = self.optimizers[entry.optimizer_index].param_groups[entry.group_index]

@@ -51,11 +51,11 @@ except ImportError:  # pragma: no cover - every torch this project supports has 
 
 __all__ = [
     "DEFAULT_SWAP_TIMES",
-    "DTensor",
-    "HostCacheEntry",
     "MOMENT_KEYS",
     "STEP_DTYPE",
     "STEP_KEY",
+    "DTensor",
+    "HostCacheEntry",
     "SwapOptimizersContainer",
     "build_optimizers",
     "get_torch_device",
@@ -309,8 +309,8 @@ class SwapOptimizersContainer(OptimizersContainer):
 
     # The seed's tests build containers with __new__ and patch these; __init__ shadows
     # them with per-instance dicts, and every method goes through ``self.``.
-    param_to_cpu_states_map: dict[torch.Tensor, HostCache] = {}
-    param_to_device_states_map: dict[torch.Tensor, dict[str, Any]] = {}
+    param_to_cpu_states_map: dict[torch.Tensor, HostCache] = {}  # noqa: RUF012
+    param_to_device_states_map: dict[torch.Tensor, dict[str, Any]] = {}  # noqa: RUF012
     state_keys: tuple[str, ...] = MOMENT_KEYS
 
     swap_optimizer_times: int = DEFAULT_SWAP_TIMES
@@ -331,7 +331,9 @@ class SwapOptimizersContainer(OptimizersContainer):
         pipeline: bool | None = None,
     ) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Adam)):
-            raise NotImplementedError(f"Optimizer {getattr(optimizer_cls, '__name__', optimizer_cls)} not added.")
+            raise NotImplementedError(
+                f"Optimizer {getattr(optimizer_cls, '__name__', optimizer_cls)} not added."
+            )
         if int(swap_optimizer_times) < 1:
             raise ValueError(f"swap_optimizer_times must be >= 1, got {swap_optimizer_times}")
         self.param_to_cpu_states_map = {}
@@ -364,11 +366,12 @@ class SwapOptimizersContainer(OptimizersContainer):
         self._post_init(all_params, optimizer_kwargs)
 
     def _init_swap_state(self) -> None:
+        """Group steps, host caches, placeholders and bound steps for every optimizer."""
         entries: list[HostCacheEntry] = []
         for index, (model, optim) in enumerate(zip(self.model_parts, self.optimizers, strict=True)):
             optim.param_to_group_map = _group_map(optim)  # type: ignore[attr-defined]
             for group in optim.param_groups:
-                group.setdefault("step", _step_tensor(0))
+                group.setdefault(STEP_KEY, _step_tensor(0))
             pairs = [(gi, p) for gi, g in enumerate(optim.param_groups) for p in g["params"]]
             entries.extend(self._host_cache_entries(index, model, optim, pairs))
         seen: set[int] = set()
@@ -388,7 +391,9 @@ class SwapOptimizersContainer(OptimizersContainer):
         )
 
     # -- hooks for subclasses ------------------------------------------------------------
-    def _allocate_host_cache(self, entries: Sequence[HostCacheEntry]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+    def _allocate_host_cache(
+        self, entries: Sequence[HostCacheEntry]
+    ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """Allocate the host cache of ``entries`` (in update order); return ``{param: {key: tensor}}``.
 
         Each dict holds every key of ``entry.keys`` (CPU, ``entry.shape``, ``entry.dtype``,
@@ -434,7 +439,11 @@ class SwapOptimizersContainer(OptimizersContainer):
         return self._backend.is_accelerator if self._pipeline is None else self._pipeline
 
     def _host_cache_entries(
-        self, optimizer_index: int, model: nn.Module, optim: Optimizer, pairs: Iterable[tuple[int, torch.Tensor]]
+        self,
+        optimizer_index: int,
+        model: nn.Module,
+        optim: Optimizer,
+        pairs: Iterable[tuple[int, torch.Tensor]],
     ) -> list[HostCacheEntry]:
         """Entries for ``(group_index, param)`` pairs of ``optim``, in the given order."""
         fqns = self._fqns_by_param(model)
@@ -445,10 +454,14 @@ class SwapOptimizersContainer(OptimizersContainer):
             if not local.is_contiguous():
                 # The fused kernel walks memory linearly: a host cache laid out differently
                 # from the parameter would pair the wrong elements.
-                raise ValueError(f"parameter {fqn!r} is not contiguous; the swap optimizer needs contiguous parameters")
+                raise ValueError(
+                    f"parameter {fqn!r} is not contiguous; the swap optimizer needs contiguous parameters"
+                )
             group = optim.param_groups[group_index]
             entries.append(
-                HostCacheEntry(param, fqn, _moment_keys(group), local.shape, local.dtype, optimizer_index, group_index)
+                HostCacheEntry(
+                    param, fqn, _moment_keys(group), local.shape, local.dtype, optimizer_index, group_index
+                )
             )
         return entries
 
@@ -469,9 +482,9 @@ class SwapOptimizersContainer(OptimizersContainer):
                 )
             if not tensor.is_contiguous() or not _has_data(tensor):
                 raise ValueError(f"host cache {entry.fqn!r}.{key} must be contiguous and have storage")
-        return {key: tensors.get(key) if key in entry.keys else None for key in MOMENT_KEYS} | {
-            STEP_KEY: tensors[STEP_KEY]
-        }
+        host: HostCache = {key: tensors[key] if key in entry.keys else None for key in MOMENT_KEYS}
+        host[STEP_KEY] = tensors[STEP_KEY]
+        return host
 
     def _install_host_caches(self, entries: Sequence[HostCacheEntry]) -> None:
         """Allocate caches for ``entries`` and install them with fresh placeholders."""
@@ -489,7 +502,9 @@ class SwapOptimizersContainer(OptimizersContainer):
     def _device_placeholders(self, param: torch.Tensor, host: HostCache) -> dict[str, Any]:
         """Zero-storage stand-ins for ``optimizer.state[param]`` (None where no moment)."""
         return {
-            key: None if host.get(key) is None else self._clone_loaded_state_for_device_placeholder(param, host[key])
+            key: None
+            if host.get(key) is None
+            else self._clone_loaded_state_for_device_placeholder(param, host[key])
             for key in MOMENT_KEYS
         }
 
@@ -546,9 +561,10 @@ class SwapOptimizersContainer(OptimizersContainer):
 
     def _collect_step_work(self, optim: Optimizer) -> list[list[_StepItem]]:
         """The parameters with gradients, per slice; validates them all before any change."""
-        group_map = _group_map(optim)
+        planned = self._slices_for(optim)  # also refreshes optim.param_to_group_map
+        group_map: dict[torch.Tensor, dict[str, Any]] = optim.param_to_group_map  # type: ignore[attr-defined]
         slices: list[list[_StepItem]] = []
-        for params in self._slices_for(optim):
+        for params in planned:
             items = []
             for param in params:
                 if param.grad is None:
@@ -576,7 +592,7 @@ class SwapOptimizersContainer(OptimizersContainer):
             if item.host.get(STEP_KEY) is None:
                 # A cache built without a per-param step (the seed's layout): every
                 # parameter has taken the group's steps so far.
-                item.host[STEP_KEY] = _step_tensor(_number(item.group.get("step", 0)))
+                item.host[STEP_KEY] = _step_tensor(_number(item.group.get(STEP_KEY, 0)))
 
     def _inplace_update(self, optim: Optimizer, slices: list[list[_StepItem]]) -> None:
         """CPU: the fused kernel updates the host cache directly, slice by slice."""
@@ -649,7 +665,9 @@ class SwapOptimizersContainer(OptimizersContainer):
                     backend.record_stream(buffer, stream)
         loaded.buffers.clear()
 
-    def _fused_update(self, optim: Optimizer, items: list[_StepItem], states: Sequence[Mapping[str, Any]]) -> None:
+    def _fused_update(
+        self, optim: Optimizer, items: list[_StepItem], states: Sequence[Mapping[str, Any]]
+    ) -> None:
         """One fused kernel call per param group over ``items`` with state tensors ``states``."""
         by_group: dict[int, list[int]] = {}
         for index, item in enumerate(items):
@@ -757,7 +775,12 @@ class SwapOptimizersContainer(OptimizersContainer):
 
     @staticmethod
     def _move_step_to_device(step: Any) -> Any:
-        """``step`` on the current device if it is a CPU tensor, else unchanged."""
+        """``step`` on the current device if it is a CPU tensor, else unchanged.
+
+        The seed's helper for a device-resident group step. This container keeps group and
+        per-parameter steps on the host; the pipeline copies per-parameter steps to the
+        device with their slice.
+        """
         if isinstance(step, torch.Tensor) and step.device.type == "cpu":
             return step.to(get_torch_device().current_device())
         return step
@@ -769,7 +792,9 @@ class SwapOptimizersContainer(OptimizersContainer):
         Wrapped like ``param`` only when ``param``'s local tensor is on the same device.
         """
         local = unwrap_dtensor(tensor)
-        placeholder = torch.empty_strided(local.size(), local.stride(), dtype=local.dtype, device=local.device)
+        placeholder = torch.empty_strided(
+            local.size(), local.stride(), dtype=local.dtype, device=local.device
+        )
         placeholder.untyped_storage().resize_(0)
         if placeholder.device != unwrap_dtensor(param).device:
             return placeholder
@@ -792,6 +817,7 @@ class SwapOptimizersContainer(OptimizersContainer):
         self._after_load_state_dict()
 
     def _plan_load(self, state_dict: Mapping[str, Any]) -> _LoadPlan:
+        """Validate ``state_dict`` against every group and parameter; prepare the load."""
         index = _FlatIndex(state_dict)
         plan = _LoadPlan()
         for optimizer_index, (model, optim) in enumerate(zip(self.model_parts, self.optimizers, strict=True)):
@@ -838,13 +864,24 @@ class SwapOptimizersContainer(OptimizersContainer):
             for key in keys:
                 hit = hits[key]
                 if hit is None:
-                    raise KeyError(f"optimizer state dict has no 'state.{fqn}.{key}' (aliases tried: {list(aliases)})")
+                    raise KeyError(
+                        f"optimizer state dict has no 'state.{fqn}.{key}' (aliases tried: {list(aliases)})"
+                    )
                 sources[key] = _checked_state_tensor(hit[0], hit[1], local_param)
             step = _checked_step(hits[STEP_KEY], group_load, fqn)
         host = self.param_to_cpu_states_map.get(param)
         ready = host is not None and _host_cache_ready(host, group_load.group, local_param)
         return _ParamLoad(
-            optimizer_index, group_index, optim, group_load.group, param, fqn, keys, sources, step, host if ready else None
+            optimizer_index,
+            group_index,
+            optim,
+            group_load.group,
+            param,
+            fqn,
+            keys,
+            sources,
+            step,
+            host if ready else None,
         )
 
     def _prepare_load(self, plan: _LoadPlan) -> None:
@@ -878,7 +915,7 @@ class SwapOptimizersContainer(OptimizersContainer):
     def _commit_load(self, plan: _LoadPlan) -> None:
         """Apply a prepared plan. On an error, dict-level state is restored (bytes already
         copied into the host cache are not: validation leaves nothing expected to fail)."""
-        saved = self._rollback_point(plan)
+        saved = self._rollback_point()
         try:
             for load in plan.params:
                 self._commit_param_load(load)
@@ -891,6 +928,7 @@ class SwapOptimizersContainer(OptimizersContainer):
             raise
 
     def _commit_param_load(self, load: _ParamLoad) -> None:
+        """Copy one parameter's state into its host cache and install its placeholders."""
         host = load.host
         assert host is not None
         for key in load.keys:
@@ -912,7 +950,7 @@ class SwapOptimizersContainer(OptimizersContainer):
         state.update(load.placeholders)
         self.param_to_device_states_map[load.param] = state
 
-    def _rollback_point(self, plan: _LoadPlan) -> Callable[[], None]:
+    def _rollback_point(self) -> Callable[[], None]:
         """Snapshot every dict ``_commit_load`` mutates; the returned callable restores them."""
         groups = [(g, dict(g)) for optim in self.optimizers for g in optim.param_groups]
         states = [(optim, dict(optim.state)) for optim in self.optimizers]
@@ -929,7 +967,10 @@ class SwapOptimizersContainer(OptimizersContainer):
             for optim, saved_state in states:
                 optim.state.clear()
                 optim.state.update(saved_state)
-            for live, saved_map in ((self.param_to_cpu_states_map, cpu_map), (self.param_to_device_states_map, device_map)):
+            for live, saved_map in (
+                (self.param_to_cpu_states_map, cpu_map),
+                (self.param_to_device_states_map, device_map),
+            ):
                 live.clear()
                 live.update(saved_map)
             for optim, group_map in group_maps:
@@ -964,7 +1005,9 @@ def _advance_group_step(group: dict[str, Any]) -> None:
         group[STEP_KEY] = _step_tensor(_number(step or 0) + 1)
 
 
-def _host_cache_ready(host: Mapping[str, Any] | None, group: Mapping[str, Any], local_param: Any = None) -> bool:
+def _host_cache_ready(
+    host: Mapping[str, Any] | None, group: Mapping[str, Any], local_param: Any = None
+) -> bool:
     """Whether ``host`` holds every moment ``group`` needs, with data (and the right layout)."""
     if not host:
         return False
@@ -972,7 +1015,9 @@ def _host_cache_ready(host: Mapping[str, Any] | None, group: Mapping[str, Any], 
         tensor = host.get(key)
         if not isinstance(tensor, torch.Tensor) or not _has_data(tensor):
             return False
-        if local_param is not None and (tensor.shape != local_param.shape or tensor.dtype != local_param.dtype):
+        if local_param is not None and (
+            tensor.shape != local_param.shape or tensor.dtype != local_param.dtype
+        ):
             return False
     return True
 
@@ -981,15 +1026,18 @@ def _checked_param_and_grad(
     param: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if grad.is_sparse:
-        raise RuntimeError("SwapOptimizersContainer does not support sparse gradients, please consider SparseAdam instead")
+        raise RuntimeError(
+            "SwapOptimizersContainer does not support sparse gradients, please consider SparseAdam instead"
+        )
     if group.get("differentiable", False):
         raise RuntimeError("SwapOptimizersContainer does not support differentiable=True")
-    if isinstance(param, DTensor) or isinstance(grad, DTensor):
-        if not (isinstance(param, DTensor) and isinstance(grad, DTensor)) or grad.placements != param.placements:
-            raise RuntimeError(
-                "SwapOptimizersContainer updates local shards: the gradient must be a DTensor with the "
-                f"parameter's placements ({getattr(param, 'placements', None)}), got {getattr(grad, 'placements', type(grad).__name__)}"
-            )
+    param_layout = getattr(param, "placements", None) if isinstance(param, DTensor) else None
+    grad_layout = getattr(grad, "placements", None) if isinstance(grad, DTensor) else None
+    if param_layout != grad_layout:
+        raise RuntimeError(
+            "SwapOptimizersContainer updates local shards: the gradient must have the parameter's "
+            f"placements ({param_layout}), got {grad_layout if grad_layout else 'a plain tensor'}"
+        )
     local_param, local_grad = unwrap_dtensor(param), unwrap_dtensor(grad)
     _device_dtype_check_for_fused(local_param)
     return local_param, local_grad
@@ -1027,7 +1075,9 @@ def _check_amsgrad(hit: tuple[str, Any] | None, group: Mapping[str, Any]) -> Non
 
 def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"optimizer state dict key {flat_key!r}: expected a tensor, got {type(value).__name__}")
+        raise TypeError(
+            f"optimizer state dict key {flat_key!r}: expected a tensor, got {type(value).__name__}"
+        )
     local = unwrap_dtensor(value)
     if local.is_meta or not _has_data(local):
         raise ValueError(f"optimizer state dict key {flat_key!r}: the tensor has no data")
@@ -1038,7 +1088,8 @@ def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor) 
         )
     if local.dtype != local_param.dtype:
         raise ValueError(
-            f"optimizer state dict key {flat_key!r}: dtype {local.dtype} does not match the parameter's {local_param.dtype}"
+            f"optimizer state dict key {flat_key!r}: dtype {local.dtype} does not match "
+            f"the parameter's {local_param.dtype}"
         )
     return local
 
@@ -1052,7 +1103,9 @@ def _checked_step(hit: tuple[str, Any] | None, group_load: _GroupLoad, fqn: str)
     try:
         return _number(value)
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise ValueError(f"optimizer state dict key {flat_key!r}: expected a number or one-element tensor") from exc
+        raise ValueError(
+            f"optimizer state dict key {flat_key!r}: expected a number or one-element tensor"
+        ) from exc
 
 
 def _bind_swap_step(container: SwapOptimizersContainer, optim: Optimizer) -> Callable[..., Any]:
@@ -1087,7 +1140,10 @@ def build_optimizers(
 
     Without ``swap_optimizer`` (or with it False) this is torchtitan's function. With it:
     ``name`` must be ``Adam`` or ``AdamW``; ``swap_optimizer_times`` (default 16) sets the
-    slice count; optimizers-in-backward and TorchFT are not supported.
+    slice count; ``swap_optimizer_backend = "remote"`` builds a
+    :class:`~swap_state.client.remote_container.RemoteSwapOptimizersContainer` (settings in
+    :mod:`swap_state.client.torchtitan_config`); optimizers-in-backward and TorchFT are not
+    supported.
     """
     if not getattr(optimizer_config, "swap_optimizer", False):
         return _original_build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
@@ -1109,6 +1165,13 @@ def build_optimizers(
         "foreach": implementation == "foreach",
     }
     swap_times = int(getattr(optimizer_config, "swap_optimizer_times", DEFAULT_SWAP_TIMES))
+    backend = getattr(optimizer_config, "swap_optimizer_backend", "local")
+    if backend == "remote":
+        from swap_state.client.torchtitan_config import build_remote_container
+
+        return build_remote_container(model_parts, optimizer_cls, optimizer_kwargs, swap_times, optimizer_config)
+    if backend != "local":
+        raise ValueError(f"optimizer.swap_optimizer_backend must be 'local' or 'remote', got {backend!r}")
     # Looked up at call time, so that a patched module attribute is what gets built.
     return SwapOptimizersContainer(model_parts, optimizer_cls, optimizer_kwargs, swap_times)
 

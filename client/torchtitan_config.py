@@ -17,8 +17,8 @@ Importing this module installs the ``build_optimizers`` wrapper (through
 when ``swap_optimizer`` is true and torch's own optimizers otherwise.
 """
 
-from __future__ import annotations
-
+# No "from __future__ import annotations": torchtitan merges these dataclasses by their
+# field types, which must be real classes, not strings.
 import os
 import sys
 import uuid

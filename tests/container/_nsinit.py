@@ -10,10 +10,11 @@ host directory (visible only in this namespace and in the containers made from i
 test process even when that is killed.
 
 ``container``: forks PID 1 of a container into the new PID namespace, reports its host PID and
-waits for it, ending the same way (exit status or signal). PID 1 builds a fresh root (a tmpfs holding read-only binds of the
-interpreter, the repo and system dirs, the volumes, a private /tmp, /proc, a minimal /dev with the
-shared /dev/shm), pivots into it, sets the hostname, brings up ``lo``, drops to the image user,
-and execs the command, which stays PID 1 like a Docker container's entrypoint.
+waits for it, ending the same way (exit status or signal). PID 1 builds a fresh root (a tmpfs
+holding a private /tmp, read-only binds of the interpreter, the repo and system dirs, the
+volumes, /proc, /sys, a minimal /dev with the shared /dev/shm), pivots into it, sets the
+hostname, brings up ``lo``, drops to the image user, and execs the command, which stays PID 1
+like a Docker container's entrypoint.
 """
 
 from __future__ import annotations

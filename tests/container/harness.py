@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -146,8 +146,11 @@ def _readline(stream: IO[str], timeout: float) -> str:
 
 def _read_only_binds() -> list[str]:
     """What a container needs to run this interpreter and the repo: its 'image layers'."""
-    wanted = [Path("/usr"), Path("/etc"), REPO_ROOT, Path(sys.prefix).resolve(),
-              Path(sys.base_prefix).resolve(), Path(sys.executable).resolve().parent.parent]
+    # Both spellings of the prefixes: scripts' shebangs and PATH use the one the venv was
+    # made with, symlinks resolve to the other.
+    prefixes = [Path(p) for p in (sys.prefix, sys.base_prefix)]
+    wanted = [Path("/usr"), Path("/etc"), REPO_ROOT, *prefixes, *(p.resolve() for p in prefixes),
+              Path(sys.executable).resolve().parent.parent]
     kept: list[Path] = []
     for path in sorted(set(wanted), key=lambda p: len(p.parts)):
         if not any(path.is_relative_to(k) for k in kept):
@@ -169,7 +172,7 @@ class Container:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, cmd: Sequence[str], env: Mapping[str, str] | None = None) -> Container:
-        """Run ``cmd`` as PID 1 of a new container; returns once PID 1 exists."""
+        """Run ``cmd`` as PID 1 of a new container; returns once PID 1 has exec'd it."""
         if self._proc is not None:
             raise RuntimeError(f"container {self.name} was already started; make a new one")
         self.env = self.pod.default_env(self.name) | dict(env or {})
@@ -244,9 +247,14 @@ class Container:
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to PID 1 (dropped by the kernel unless PID 1 handles it, as in Docker)."""
-        if self.running:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+        if not self.running:
+            return
+        assert self._proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            if self._pid is None:  # setup failed and is exiting: signal the waiter instead
+                self._proc.send_signal(sig)
+            else:
+                os.kill(self._pid, sig)
 
     def kill(self) -> None:
         """SIGKILL: PID 1 dies and the kernel kills everything else in the container."""

@@ -10,11 +10,12 @@ What the scenario relies on (the lead's interfaces):
   --snapshot-dir /snapshots --grace 30``: exits non-zero at once, naming ``shm_size``, when
   /dev/shm is smaller than S; exits 0 on SIGTERM (as PID 1, so it must handle SIGTERM).
 - ``python -m swap_state.server.healthcheck --listen URI``: exit 0 when SERVING.
+- A durable snapshot shows as a ``latest`` pointer somewhere under the snapshot volume.
 - ``python -m swap_state.client.demo --server URI --job-id J --steps N --snapshot-every K
-  --state-dir DIR --report FILE [--resume reattach|latest]``: writes its model-parameter
-  checkpoint into DIR at each snapshot step (atomically: a temporary name starting with ``.`` or
-  ending ``.tmp``, then a rename), after that step's snapshot is consistent; writes FILE as JSON
-  with ``step``, ``digest`` and ``reference_digest``; exits non-zero naming the server when the
+  --state-dir DIR --report FILE [--resume reattach|latest]``: keeps in DIR the model
+  parameters it needs to resume from the server's moments (``reattach``: the step the server
+  kept; ``latest``: the latest snapshot's step), creating DIR if needed; writes FILE as JSON with
+  ``step``, ``digest`` and ``reference_digest``; exits non-zero naming the server when the
   server goes away.
 """
 
@@ -40,6 +41,8 @@ __all__ = [
     "SMALL_POD_SHM_SIZE",
     "SMALL_SERVER_SHM_SIZE",
     "HEALTHCHECK_CMD",
+    "CKPT_DIR",
+    "REPORT",
     "DEMO_MISSING",
     "DEMO_MISSING_REASON",
     "requires_demo",
@@ -53,7 +56,7 @@ __all__ = [
     "small_shm_server_refuses",
 ]
 
-STEPS = 30
+STEPS = 20
 SNAPSHOT_EVERY = 5
 SERVER_SHM_SIZE = "128M"  # the server's --shm-size
 POD_SHM_SIZE = "256m"  # the /dev/shm it gets (compose: shm_size): room to spare
@@ -62,7 +65,7 @@ SMALL_SERVER_SHM_SIZE = "64M"
 
 HEALTHY_TIMEOUT_S = 60.0
 RUN_TIMEOUT_S = 90.0  # one trainer container: torch import plus STEPS tiny steps
-CHECKPOINT_TIMEOUT_S = 60.0
+SNAPSHOT_TIMEOUT_S = 60.0
 SERVER_STOP_TIMEOUT_S = 30.0
 FAIL_FAST_S = 15.0  # a trainer whose server stopped must exit within this
 SHM_REFUSAL_S = 10.0  # "at once": python start-up plus the size check
@@ -114,6 +117,7 @@ class Stack(Protocol):
     """A server volume set (socket, snapshots, trainer state) and the containers using it."""
 
     state_dir: Path  # the trainer-state volume (/state) as the test process sees it
+    snapshot_dir: Path  # the snapshot volume (/snapshots) as the test process sees it
 
     def start_server(self, shm_size: str) -> Service: ...
 
@@ -206,27 +210,23 @@ def start_healthy_server(stack: Stack, shm_size: str = SERVER_SHM_SIZE) -> Servi
     return server
 
 
-def _checkpoints(state_dir: Path) -> list[Path]:
-    """Finished checkpoint files: temporary names (dot-prefixed, .tmp) don't count."""
-    ckpt = state_dir / "ckpt"
-    if not ckpt.is_dir():
-        return []
-    return [p for p in ckpt.rglob("*") if p.is_file() and not p.name.startswith(".")
-            and not p.name.endswith((".tmp", ".partial"))]
+def _durable_snapshots(snapshot_dir: Path) -> list[Path]:
+    """The server's `latest` pointers: one appears (per job) once a snapshot is durable."""
+    return list(snapshot_dir.rglob("latest"))
 
 
-def wait_first_checkpoint(stack: Stack, trainer: Service) -> None:
-    """Return as soon as the trainer has checkpointed (step SNAPSHOT_EVERY), still running.
+def wait_first_snapshot(stack: Stack, trainer: Service) -> None:
+    """Return as soon as the trainer's first snapshot (step SNAPSHOT_EVERY) is durable.
 
     Polled tightly: the caller kills or freezes the trainer right after, while it still has
     most of its STEPS to go.
     """
-    deadline = time.monotonic() + CHECKPOINT_TIMEOUT_S
-    while not _checkpoints(stack.state_dir):
+    deadline = time.monotonic() + SNAPSHOT_TIMEOUT_S
+    while not _durable_snapshots(stack.snapshot_dir):
         if trainer.poll() is not None:
-            pytest.fail(f"trainer exited {trainer.poll()} before its first checkpoint" + _tail(trainer))
+            pytest.fail(f"trainer exited {trainer.poll()} before its first snapshot" + _tail(trainer))
         if time.monotonic() > deadline:
-            pytest.fail(f"no checkpoint in {stack.state_dir / 'ckpt'} after {CHECKPOINT_TIMEOUT_S}s"
+            pytest.fail(f"no durable snapshot in {stack.snapshot_dir} after {SNAPSHOT_TIMEOUT_S}s"
                         + _tail(trainer))
         time.sleep(0.002)
 
@@ -256,12 +256,12 @@ def trainer_sigkill_then_reattach(stack: Stack) -> None:
     reattaches (or restores) and finishes bitwise equal to an uninterrupted run."""
     server = start_healthy_server(stack)
     first = stack.start_trainer(demo_cmd())
-    wait_first_checkpoint(stack, first)
+    wait_first_snapshot(stack, first)
     first.kill()
     rc = first.wait(10)
     assert rc == -signal.SIGKILL, (
         f"the first trainer exited {rc} before it could be killed: its {STEPS} steps took less "
-        f"than the harness's reaction time after the first checkpoint" + _tail(first))
+        f"than the harness's reaction time after the first snapshot" + _tail(first))
     second = stack.start_trainer(demo_cmd(resume="reattach"))
     _assert_bitwise_equal(_finish(stack, second), second)
     assert server.poll() is None, "the server must outlive its trainer" + _tail(server)
@@ -272,7 +272,7 @@ def server_stop_then_restore(stack: Stack) -> None:
     A new server container restores the latest snapshot; a new trainer finishes bitwise equal."""
     server = start_healthy_server(stack)
     trainer = stack.start_trainer(demo_cmd())
-    wait_first_checkpoint(stack, trainer)
+    wait_first_snapshot(stack, trainer)
     # Freeze the trainer mid-run, so the server is gone before its next call, whatever the timing.
     trainer.pause()
     assert trainer.poll() is None, "trainer finished before the server could be stopped" + _tail(trainer)

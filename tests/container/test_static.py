@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import re
 import shlex
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # python 3.10: the dev extra installs tomli
+    import tomli as tomllib  # type: ignore[no-redef]
 
 from .harness import IMAGE_UID, REPO_ROOT, SNAPSHOT_DIR, SOCKET_DIR, SOCKET_URI, STATE_DIR
 from .scenario import CKPT_DIR, HEALTHCHECK_CMD, REPORT, server_args

@@ -26,9 +26,7 @@ def free_port() -> int:
 def cpu_mesh() -> DeviceMesh:
     """A 1-rank gloo mesh; the process group is created once, on a free port."""
     if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-        )
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return DeviceMesh("cpu", [0])
 
 

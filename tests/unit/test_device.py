@@ -37,6 +37,12 @@ needs_npu = pytest.mark.skipif(not _npu_available(), reason="needs an Ascend NPU
 
 
 @pytest.fixture
+def keep_process_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests that choose the backend again must not leave their choice to later tests."""
+    monkeypatch.setattr(device, "_BACKEND", device._BACKEND)
+
+
+@pytest.fixture
 def mapping() -> Iterator[tuple[mmap.mmap, int]]:
     """An anonymous, page-aligned mapping of 3 pages and its address."""
     region = mmap.mmap(-1, 3 * PAGE_SIZE)
@@ -80,6 +86,7 @@ def test_unknown_device_type() -> None:
         DeviceBackend("tpu")  # type: ignore[arg-type]
 
 
+@pytest.mark.usefixtures("keep_process_backend")
 def test_selection_and_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(DEVICE_ENV_VAR, raising=False)
     expected = "npu" if _npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,7 +118,11 @@ def test_page_chunks() -> None:
         (5 * page, page),
     ]
     # chunk sizes are whole pages, at least one
-    assert page_chunks(0, 3 * page, chunk_bytes=page + 7, page_size=page) == [(0, page), (page, page), (2 * page, page)]
+    assert page_chunks(0, 3 * page, chunk_bytes=page + 7, page_size=page) == [
+        (0, page),
+        (page, page),
+        (2 * page, page),
+    ]
     assert page_chunks(0, 2 * page, chunk_bytes=1, page_size=page) == [(0, page), (page, page)]
     assert REGISTER_CHUNK_BYTES % PAGE_SIZE == 0 and REGISTER_CHUNK_BYTES <= 32 << 30
     with pytest.raises(ValueError, match="not aligned"):
@@ -187,6 +198,7 @@ def test_failed_unregister_still_unregisters_every_chunk_and_raises() -> None:
     ]
 
 
+@pytest.mark.usefixtures("keep_process_backend")
 def test_module_level_registration_uses_the_process_backend(
     monkeypatch: pytest.MonkeyPatch, mapping: tuple[mmap.mmap, int]
 ) -> None:
@@ -197,8 +209,6 @@ def test_module_level_registration_uses_the_process_backend(
     assert [r.ptr for r in backend.registered_ranges()] == [ptr]
     device.unregister_host_memory(ptr)
     assert backend.registered_ranges() == []
-    monkeypatch.delenv(DEVICE_ENV_VAR)
-    device.get_device_backend(refresh=True)
 
 
 @pytest.mark.cuda

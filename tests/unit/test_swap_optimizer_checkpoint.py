@@ -31,10 +31,14 @@ KWARGS = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 PIPELINES = [pytest.param(False, id="inplace"), pytest.param(True, id="pipelined")]
 
 
-def _resume(model: torch.nn.Module, state_dict: dict[str, Any], kwargs: dict[str, Any], pipeline: bool) -> tuple[Any, Any]:
+def _resume(
+    model: torch.nn.Module, state_dict: dict[str, Any], kwargs: dict[str, Any], pipeline: bool
+) -> tuple[Any, Any]:
     """A fresh model with ``model``'s weights and a fresh container loaded from ``state_dict``."""
     fresh = copy.deepcopy(model)
-    container = SwapOptimizersContainer([fresh], torch.optim.AdamW, dict(kwargs), 3, param_groups=two_groups, pipeline=pipeline)
+    container = SwapOptimizersContainer(
+        [fresh], torch.optim.AdamW, dict(kwargs), 3, param_groups=two_groups, pipeline=pipeline
+    )
     container.load_state_dict(state_dict)
     return container, fresh
 
@@ -89,7 +93,9 @@ def test_loads_torchtitan_default_container_checkpoint() -> None:
     ref = reference_optimizer(ref_model, torch.optim.AdamW, KWARGS, None)
     train(ref_model, ref, range(10))
     # the checkpoint had one group: both resumed groups took its hyperparameters
-    assert all(g["lr"] == KWARGS["lr"] and g["weight_decay"] == 0.1 for g in resumed.optimizers[0].param_groups)
+    assert all(
+        g["lr"] == KWARGS["lr"] and g["weight_decay"] == 0.1 for g in resumed.optimizers[0].param_groups
+    )
     assert_matches_reference(resumed, fresh, ref, ref_model)
 
 
@@ -109,7 +115,9 @@ def test_state_dict_after_steps_carries_per_param_step_and_group_values() -> Non
 def _trained(steps: int = 3) -> tuple[SwapOptimizersContainer, torch.nn.Module, dict[str, Any]]:
     container, model, _, _ = swap_and_reference(torch.optim.AdamW, KWARGS)
     train(model, container, range(steps))
-    checkpoint = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in container.state_dict().items()}
+    checkpoint = {
+        k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in container.state_dict().items()
+    }
     return container, model, checkpoint
 
 
@@ -143,7 +151,9 @@ def _broken(checkpoint: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
         ("param_groups.never.amsgrad", lambda v: True, ValueError, "param_groups.never.amsgrad"),
     ],
 )
-def test_failing_load_leaves_container_exactly_as_before(key: str, make_value: Any, error: type, message: str) -> None:
+def test_failing_load_leaves_container_exactly_as_before(
+    key: str, make_value: Any, error: type, message: str
+) -> None:
     _, _, checkpoint = _trained()
     target = _target()
     assert key in checkpoint  # "never" is the last parameter loaded
@@ -160,7 +170,7 @@ def test_unknown_parameter_names_the_key() -> None:
     target = _target()
     renamed = {k.replace(".never.", ".other."): v for k, v in checkpoint.items()}
     before = container_snapshot(target)
-    with pytest.raises(KeyError, match="state.never.exp_avg"):
+    with pytest.raises(KeyError, match=r"state\.never\.exp_avg"):
         target.load_state_dict(renamed)
     assert_unchanged(target, before)
 
@@ -176,7 +186,9 @@ def test_failure_while_preparing_changes_nothing(monkeypatch: pytest.MonkeyPatch
             raise MemoryError("placeholder allocation failed")
         return original(param, tensor)
 
-    monkeypatch.setattr(SwapOptimizersContainer, "_clone_loaded_state_for_device_placeholder", staticmethod(flaky))
+    monkeypatch.setattr(
+        SwapOptimizersContainer, "_clone_loaded_state_for_device_placeholder", staticmethod(flaky)
+    )
     before = container_snapshot(target)
     with pytest.raises(MemoryError):
         target.load_state_dict(checkpoint)

@@ -11,7 +11,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torchtitan.components.optimizer as tt_optimizer
-from _swap_testing import ParityModel, apply_grads, assert_matches_reference, make_grads, swap_and_reference, train
+from _swap_testing import (
+    ParityModel,
+    apply_grads,
+    assert_matches_reference,
+    make_grads,
+    swap_and_reference,
+    train,
+)
 from torchtitan.config import Optimizer as OptimizerConfig
 
 from swap_state.client import swap_optimizer
@@ -47,7 +54,9 @@ def test_state_maps_are_per_instance() -> None:
     value = first._state_value_for_state_dict(param, {}, "exp_avg")
     assert value.data_ptr() == first.param_to_cpu_states_map[param]["exp_avg"].data_ptr()
     with pytest.raises(RuntimeError, match="without CPU cache"):
-        SwapOptimizersContainer._state_value_for_state_dict(param, first.optimizers[0].state[param], "exp_avg")
+        SwapOptimizersContainer._state_value_for_state_dict(
+            param, first.optimizers[0].state[param], "exp_avg"
+        )
 
 
 def test_torch_adamw_is_left_alone() -> None:
@@ -64,7 +73,7 @@ def test_torch_adamw_is_left_alone() -> None:
     other = nn.Linear(3, 3)
     twin = copy.deepcopy(other)
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (other, twin)]
-    for m, optim in zip((other, twin), optims):
+    for m, optim in zip((other, twin), optims, strict=True):
         for p in m.parameters():
             p.grad = torch.full_like(p, 0.3)
         optim.step()
@@ -120,7 +129,7 @@ def test_jit_scripting_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     container, model = _container()
     apply_grads(model, {n: torch.ones_like(p) for n, p in model.named_parameters()})
     monkeypatch.setattr(torch.jit, "is_scripting", lambda: True)
-    with pytest.raises(RuntimeError, match="torch.jit.script"):
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.script"):
         container.step()
 
 
@@ -156,7 +165,9 @@ def test_non_contiguous_parameter_is_rejected() -> None:
 class FlatArenaContainer(SwapOptimizersContainer):
     """Host cache carved from one flat buffer, as a shared-memory segment would be."""
 
-    def _allocate_host_cache(self, entries: Sequence[HostCacheEntry]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+    def _allocate_host_cache(
+        self, entries: Sequence[HostCacheEntry]
+    ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         self.entries = list(entries)
         total = sum(len(e.keys) * e.shape.numel() + 1 for e in entries)
         self.arena = torch.zeros(total, dtype=torch.float32)
@@ -181,7 +192,11 @@ def test_subclass_host_cache_is_used_in_place(pipeline: bool) -> None:
     entries = container.entries  # type: ignore[attr-defined]
     order = [p for g in container.optimizers[0].param_groups for p in g["params"]]
     assert [e.param for e in entries] == order
-    assert entries[0].fqn == "embedding.weight" and entries[0].keys == ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    assert entries[0].fqn == "embedding.weight" and entries[0].keys == (
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+    )
     assert all(e.shape == e.param.shape and e.dtype == e.param.dtype for e in entries)
     train(model, container, range(10))
     train(ref_model, ref, range(10))
@@ -194,7 +209,9 @@ def test_subclass_host_cache_is_used_in_place(pipeline: bool) -> None:
 
 def test_bad_host_cache_from_subclass_names_the_parameter() -> None:
     class Wrong(SwapOptimizersContainer):
-        def _allocate_host_cache(self, entries: Sequence[HostCacheEntry]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        def _allocate_host_cache(
+            self, entries: Sequence[HostCacheEntry]
+        ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
             cache = super()._allocate_host_cache(entries)
             cache[entries[-1].param]["exp_avg_sq"] = torch.zeros(1)
             return cache
@@ -243,7 +260,10 @@ def test_wrapper_installation_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> 
     assert tt_optimizer.build_optimizers is swap_optimizer.build_optimizers
     assert swap_optimizer.build_optimizers.__swap_state_original__ is original  # type: ignore[attr-defined]
     # a module reload computes the original through an installed wrapper, not the wrapper
-    assert getattr(tt_optimizer.build_optimizers, "__swap_state_original__", tt_optimizer.build_optimizers) is original
+    assert (
+        getattr(tt_optimizer.build_optimizers, "__swap_state_original__", tt_optimizer.build_optimizers)
+        is original
+    )
 
 
 def test_parity_with_default_backend_settings() -> None:

@@ -87,10 +87,16 @@ class HookedContainer(SwapOptimizersContainer):
         for param in params:
             expected = self.expected_host.get(param)
             if expected is not None:
-                assert torch.equal(self.param_to_cpu_states_map[param]["exp_avg"], expected), "host written before hook"
+                assert torch.equal(self.param_to_cpu_states_map[param]["exp_avg"], expected), (
+                    "host written before hook"
+                )
 
     def _after_step(self) -> None:
         self._backend.log.append(("after_step",))  # type: ignore[attr-defined]
+
+    def _fused_update(self, optim: Any, items: Any, states: Any) -> None:
+        self._backend.log.append(("update", tuple(self.names[i.param] for i in items)))  # type: ignore[attr-defined]
+        super()._fused_update(optim, items, states)
 
 
 def _model() -> nn.Module:
@@ -101,7 +107,9 @@ def _model() -> nn.Module:
 def _container(pipeline: bool, times: int = 3) -> tuple[HookedContainer, nn.Module, RecordingBackend]:
     backend = RecordingBackend()
     model = _model()
-    container = HookedContainer([model], torch.optim.AdamW, {"lr": 1e-2}, times, device_backend=backend, pipeline=pipeline)
+    container = HookedContainer(
+        [model], torch.optim.AdamW, {"lr": 1e-2}, times, device_backend=backend, pipeline=pipeline
+    )
     container.names = {p: n for n, p in model.named_parameters()}  # type: ignore[attr-defined]
     container.expected_host = {}  # type: ignore[attr-defined]
     return container, model, backend
@@ -135,13 +143,19 @@ def test_pipelined_step_protocol() -> None:
     updates = [e[2] for e in log if e[:2] == ("record", "compute")]
     assert len(loads) == len(updates) == 3
     for k in range(3):
+        update = log.index(("update", slices[k]))
         waited_load = log.index(("wait", "compute", loads[k]))
-        assert log.index(("record", "load", loads[k])) < waited_load < log.index(("record", "compute", updates[k]))
+        assert (
+            log.index(("record", "load", loads[k]))
+            < waited_load
+            < update
+            < log.index(("record", "compute", updates[k]))
+        )
         offload_wait = log.index(("wait", "offload", updates[k]))
         hook = log.index(("before_host_write", slices[k]))
         assert log.index(("record", "compute", updates[k])) < hook < offload_wait
-        if k + 1 < 3:  # the next slice is already loading while this one updates
-            assert log.index(("record", "load", loads[k + 1])) < log.index(("record", "compute", updates[k]))
+        if k + 1 < 3:  # the next slice is already loading when this one's update is enqueued
+            assert log.index(("record", "load", loads[k + 1])) < update
     assert log[-2:] == [("sync", "offload"), ("after_step",)]
     assert log.count(("after_step",)) == 1
     # every device buffer is recorded on compute and offload, and freed after the step
@@ -165,7 +179,9 @@ def test_params_without_grad_are_not_loaded_or_written() -> None:
     apply_grads(model, make_grads(model, 0))
     model[2].weight.grad = None
     model[3].weight.grad = None
-    before = {p: container.param_to_cpu_states_map[p]["exp_avg"].clone() for p in (model[2].weight, model[3].weight)}
+    before = {
+        p: container.param_to_cpu_states_map[p]["exp_avg"].clone() for p in (model[2].weight, model[3].weight)
+    }
     container.step()
     hooks = [e[1] for e in backend.log if e[0] == "before_host_write"]
     assert hooks == [("0.weight", "1.weight"), ("4.weight", "5.weight")]
@@ -188,5 +204,5 @@ def test_failed_validation_changes_nothing() -> None:
     with pytest.raises(RuntimeError, match="sparse gradients"):
         container.step()
     assert float(container.optimizers[0].param_groups[0]["step"]) == 0.0
-    assert all(torch.equal(p, old) for p, old in zip(model.parameters(), params_before))
+    assert all(torch.equal(p, old) for p, old in zip(model.parameters(), params_before, strict=True))
     assert not any(e[0] in ("before_host_write", "after_step", "record") for e in backend.log)

@@ -73,7 +73,10 @@ def test_build_optimizers_wrapper_uses_swap_container(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(swap_optimizer, "SwapOptimizersContainer", fake)
     result = tt_optimizer.build_optimizers(
-        model_parts=["model_part"], optimizer_config=_swap_config("AdamW", 16), parallel_dims=None, ft_manager=None
+        model_parts=["model_part"],
+        optimizer_config=_swap_config("AdamW", 16),
+        parallel_dims=None,
+        ft_manager=None,
     )
     assert result == "swap_container"
     assert calls[0][0] == ["model_part"]
@@ -104,7 +107,9 @@ def test_state_dict_uses_cpu_cache_snapshot_and_restores_swap_state(swapped_opti
     assert "step" not in state
 
 
-def test_state_dict_preserves_dtensor_layout_for_cpu_cache(monkeypatch: pytest.MonkeyPatch, cpu_mesh: Any) -> None:
+def test_state_dict_preserves_dtensor_layout_for_cpu_cache(
+    monkeypatch: pytest.MonkeyPatch, cpu_mesh: Any
+) -> None:
     local_param = torch.randn(2, 2)
     param = DTensor.from_local(local_param, cpu_mesh, [Replicate()])
     live_exp_avg = DTensor.from_local(torch.zeros_like(local_param), cpu_mesh, [Replicate()])
@@ -146,7 +151,9 @@ def test_load_state_dict_rebuilds_swap_state_without_mutating_checkpoint(swapped
     target = swapped_optimizer(exp_avg=0.0, exp_avg_sq=0.0)
     target.container.load_state_dict(checkpoint)
     for key, original in originals.items():
-        assert checkpoint[f"state.weight.{key}"].untyped_storage().size() == storage_sizes[key], f"{key} storage mutated"
+        assert checkpoint[f"state.weight.{key}"].untyped_storage().size() == storage_sizes[key], (
+            f"{key} storage mutated"
+        )
         assert torch.equal(checkpoint[f"state.weight.{key}"], original), f"{key} checkpoint value mutated"
     assert target.optimizer.param_to_group_map[target.param] is target.optimizer.param_groups[0]
     assert target.optimizer.param_groups[0]["step"].item() == 5
@@ -174,7 +181,9 @@ def _to_alias(state_dict: dict[str, Any], canonical: str, alias: str) -> dict[st
 
 def test_shared_parameter_aliases_use_canonical_save_and_alias_load(swapped_optimizer: Any) -> None:
     source_model = TiedEmbeddingModel()
-    source = swapped_optimizer(exp_avg=3.0, exp_avg_sq=4.0, step=5, model=source_model, param=source_model.embedding.weight)
+    source = swapped_optimizer(
+        exp_avg=3.0, exp_avg_sq=4.0, step=5, model=source_model, param=source_model.embedding.weight
+    )
     fqns_by_param = Container._fqns_by_param(source_model)
     assert fqns_by_param[source_model.embedding.weight] == ("embedding.weight", "lm_head.weight")
     checkpoint = source.container.state_dict()
@@ -184,7 +193,9 @@ def test_shared_parameter_aliases_use_canonical_save_and_alias_load(swapped_opti
     assert "param_groups.lm_head.weight.lr" not in checkpoint
     alias_state_dict = _to_alias(checkpoint, "embedding.weight", "lm_head.weight")
     target_model = TiedEmbeddingModel()
-    target = swapped_optimizer(exp_avg=0.0, exp_avg_sq=0.0, model=target_model, param=target_model.embedding.weight)
+    target = swapped_optimizer(
+        exp_avg=0.0, exp_avg_sq=0.0, model=target_model, param=target_model.embedding.weight
+    )
     target.optimizer.param_groups[0]["lr"] = 0.5
     target.container.load_state_dict(alias_state_dict)
     assert target.optimizer.param_groups[0]["lr"] == 1e-3

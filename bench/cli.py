@@ -1,0 +1,320 @@
+"""``python -m bench``: one command, every number of issue 7, side by side, in one run.
+
+Per state size of the sweep (default: --params/16, --params/4, --params):
+
+1. step time of plain fused AdamW, the in-process swap container and the remote container
+   (interleaved, median and p10–p90, ratios);
+2. step time while a snapshot persists vs without; copy-before-write and back-pressure counts;
+3. trainer-visible checkpoint stall and time-to-durable: torch.save, DCP save, DCP
+   async_save, swap-state snapshot();
+4. persist and restore throughput;
+5. RPCs per step and CommitStep latency in the training loop;
+6. memory: server RSS split into shared memory and the rest, segment vs state bytes, trainer RSS.
+
+Once per run: disk sequential write/read bandwidth, host memcpy and crc32 (the ceilings),
+CommitStep latency on an idle session, and the CUDA section when a GPU is present.
+
+Output under --out: bench.md (tables), bench.json (everything, raw samples included),
+bench.png (step time and stall vs state size; skipped with a reason without matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shlex
+import shutil
+import sys
+import time
+from typing import Any
+
+from bench.util import (
+    cpu_jiffies,
+    fmt_bytes,
+    fmt_count,
+    fmt_ms,
+    loadavg,
+    own_cpu_seconds,
+    parse_size,
+    summarize,
+)
+
+__all__ = ["main"]
+
+MOMENT_BYTES_PER_PARAM = 8  # fp32 exp_avg + exp_avg_sq
+
+
+def _log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--params", default="8M", help="parameters of the largest (main) size; K/M/G suffixes (binary)")
+    p.add_argument("--sweep", default="auto",
+                   help="comma-separated parameter counts for the sweep ('auto': params/16, params/4, params; "
+                        "'none': only --params)")
+    p.add_argument("--out", default="results", help="folder for bench.md, bench.json, bench.png")
+    p.add_argument("--work-dir", default=None,
+                   help="scratch folder on the disk under test: checkpoints, snapshots, the disk probe "
+                        "(default: <out>/.work, removed at the end)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per optimizer and size")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per optimizer before timing")
+    p.add_argument("--block", type=int, default=5, help="steps per optimizer per interleaving round")
+    p.add_argument("--batch", type=int, default=8, help="rows of the synthetic input per step")
+    p.add_argument("--swap-times", type=int, default=16, help="slices of the swap pipeline (swap_optimizer_times)")
+    p.add_argument("--snapshot-steps", type=int, default=None,
+                   help="steps to time while a snapshot persists (default: --steps)")
+    p.add_argument("--snapshot-seconds", type=float, default=60.0,
+                   help="longest time spent on the snapshot-overlap measurement per size")
+    p.add_argument("--ckpt-reps", type=int, default=3, help="repetitions of each checkpoint method")
+    p.add_argument("--restore-reps", type=int, default=2, help="repetitions of restore (cold and warm each)")
+    p.add_argument("--disk-reps", type=int, default=3, help="repetitions of the disk probe")
+    p.add_argument("--commit-samples", type=int, default=1000, help="CommitStep round trips on an idle session")
+    p.add_argument("--chunk-bytes", default="1M", help="server --chunk-bytes (snapshot granularity, copy slot size)")
+    p.add_argument("--cow-budget", default=None,
+                   help="server --cow-budget (default: the embedded server's rule, max(4 chunks, shm-size/8))")
+    p.add_argument("--persist-max-bandwidth", default="0", help="server --persist-max-bandwidth (0: unlimited)")
+    p.add_argument("--cuda-params", default=None, help="parameters of the CUDA step section (default: --params)")
+    p.add_argument("--no-cuda", action="store_true", help="skip the CUDA section even with a GPU")
+    p.add_argument("--no-plot", action="store_true", help="do not write bench.png")
+    p.add_argument("--keep-work", action="store_true", help="keep --work-dir afterwards")
+    return p
+
+
+def _sizes(args: argparse.Namespace) -> list[int]:
+    main = parse_size(args.params)
+    if args.sweep == "none":
+        sizes = [main]
+    elif args.sweep == "auto":
+        sizes = [main // 16, main // 4, main]
+    else:
+        sizes = [parse_size(s) for s in args.sweep.split(",") if s.strip()] + [main]
+    return sorted({max(4096, s) for s in sizes})
+
+
+def _start_server(args: argparse.Namespace, largest_state: int, work_dir: str):
+    from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig
+
+    chunk = parse_size(args.chunk_bytes)
+    # Room for two of the largest segments: a closed session's segment is freed by the
+    # server asynchronously, and the budget is only taken by segments that exist.
+    shm_size = 2 * largest_state + (64 << 20)
+    cow = parse_size(args.cow_budget) if args.cow_budget else max(chunk * 4, shm_size // 8)
+    shm_size += cow
+    snapshot_dir = os.path.join(work_dir, "snapshots")
+    config = EmbeddedServerConfig(
+        shm_size_bytes=shm_size,
+        grace_s=5.0,
+        chunk_bytes=chunk,
+        extra_args=(
+            "--cow-budget", str(cow),
+            "--snapshot-dir", snapshot_dir,
+            "--persist-max-bandwidth", str(parse_size(args.persist_max_bandwidth)),
+            "--log-level", "warning",
+        ),
+    )  # fmt: skip
+    server = EmbeddedServer(config).start()
+    return server, snapshot_dir, {"shm_size": shm_size, "chunk_bytes": chunk, "cow_budget": cow}
+
+
+def _step_stats(raw: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+    return {v: {k: summarize(samples) for k, samples in kinds.items()} for v, kinds in raw.items()}
+
+
+def run_size(args: argparse.Namespace, params: int, server: Any, snapshot_dir: str, work_dir: str) -> dict[str, Any]:
+    import torch
+
+    from bench import measure
+    from bench.workload import VARIANTS, build_model, build_variant, model_shape, timed_steps
+
+    device = torch.device("cpu")
+    width, layers = model_shape(params)
+    base = build_model(params, device)
+    actual = sum(p.numel() for p in base.parameters())
+    state_bytes = actual * MOMENT_BYTES_PER_PARAM
+    _log(f"size {fmt_count(actual)} params ({layers} x {width}^2), state {fmt_bytes(state_bytes)}: building optimizers")
+    job_id = f"bench-{actual}-{os.getpid()}"
+    variants = [build_variant(v, base, args.batch, device, args.swap_times, server.address, job_id) for v in VARIANTS]
+    by_name = {v.name: v for v in variants}
+    remote = by_name["remote"]
+    try:
+        _log(f"  step time: {args.steps} steps x {len(variants)} optimizers")
+        raw = timed_steps(variants, args.steps, args.warmup, args.block)
+        step = _step_stats(raw)
+        rpc = remote.rpc
+        rpc.enabled = False
+        n_steps = len(raw["remote"]["train"])
+        rpc_result = {
+            "steps": n_steps,
+            "per_step": {name: count / n_steps for name, count in rpc.counts.items()},
+            "counts": dict(rpc.counts),
+            "commit_in_loop_s": summarize(rpc.latency.get("CommitStep", [])),
+        }
+        _log("  " + ", ".join(f"{v}: train {fmt_ms(step[v]['train']['median'])} opt {fmt_ms(step[v]['opt']['median'])}"
+                              for v in VARIANTS))
+
+        _log("  step time while snapshots persist")
+        overlap = measure.snapshot_overlap(
+            remote, args.snapshot_steps or args.steps, args.snapshot_seconds, server.pid
+        )
+        _log(f"  {overlap['snapshots']} snapshots, {overlap['steps_with']} steps overlapped; "
+             f"cow copies {overlap['cow_copies']}, back-pressure waits {overlap['backpressure_waits']}")
+
+        _log(f"  checkpoint stall: torch.save, DCP save, DCP async_save, swap-state ({args.ckpt_reps} reps)")
+        stall = measure.checkpoint_stalls(by_name["inproc"], remote, os.path.join(work_dir, "ckpt"), args.ckpt_reps)
+        _log("  stall: " + ", ".join(f"{k} {fmt_ms(stall[k]['stall_s']['median'])}"
+                                      for k in ("torch_save", "dcp_save", "dcp_async_save", "swap_state")))
+
+        memory = measure.memory(remote, server.pid, state_bytes)
+
+        _log(f"  restore ({args.restore_reps} reps, cold and warm)")
+        restore = measure.restore_throughput(
+            remote, stall["swap_state"]["snapshot_ids"][-1], snapshot_dir,
+            stall["swap_state"]["bytes_total"], args.restore_reps,
+        )  # fmt: skip
+        return {
+            "params": actual,
+            "requested_params": params,
+            "state_bytes": state_bytes,
+            "model": {"width": width, "layers": layers},
+            "step": step,
+            "step_raw": raw,
+            "rpc": rpc_result,
+            "snapshot_overlap": overlap,
+            "stall": stall,
+            "restore": restore,
+            "memory": memory,
+            "rss_delta": {v.name: v.rss_delta for v in variants},
+        }
+    finally:
+        for variant in variants:
+            variant.close()
+        del variants, by_name, remote, base
+        gc.collect()
+
+
+def run_cuda(args: argparse.Namespace, server: Any) -> dict[str, Any]:
+    from bench import cuda
+
+    reason = "disabled with --no-cuda" if args.no_cuda else cuda.skip_reason()
+    if reason:
+        _log(f"CUDA section skipped: {reason}")
+        return {"skipped": reason}
+    import torch
+
+    from bench.workload import VARIANTS, build_model, build_variant, timed_steps
+
+    params = parse_size(args.cuda_params or args.params)
+    _log("CUDA: H2D/D2H bandwidth")
+    copy = cuda.copy_bandwidth(max(64 << 20, min(params * MOMENT_BYTES_PER_PARAM, 1 << 30)))
+    device = torch.device("cuda", torch.cuda.current_device())
+    base = build_model(params, device)
+    _log(f"CUDA: pipelined step, {fmt_count(params)} params")
+    variants = [build_variant(v, base, args.batch, device, args.swap_times, server.address, f"bench-cuda-{os.getpid()}")
+                for v in VARIANTS]
+    try:
+        raw = timed_steps(variants, args.steps, args.warmup, args.block)
+    finally:
+        for v in variants:
+            v.close()
+    return {"params": sum(p.numel() for p in base.parameters()), "copy": copy, "step": _step_stats(raw), "step_raw": raw}
+
+
+def _contention(cpu_start: dict[str, float], own_start: float, load_start: list[float], wall: float) -> dict[str, Any]:
+    """How busy the machine was with other work during the run: machine-wide busy CPU time
+    minus this process's and its server's, per second of the run."""
+    cpu_end = cpu_jiffies()
+    if not cpu_start or not cpu_end or wall <= 0:
+        return {}
+    own = own_cpu_seconds() - own_start
+    busy = cpu_end["busy"] - cpu_start["busy"]
+    return {
+        "own_cpu_s_per_s": own / wall,
+        "other_cpu_s_per_s": max(0.0, busy - own) / wall,
+        "steal_s_per_s": (cpu_end["steal"] - cpu_start["steal"]) / wall,
+        "iowait_s_per_s": (cpu_end["iowait"] - cpu_start["iowait"]) / wall,
+        "loadavg_start": load_start,
+        "loadavg_end": loadavg(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    started = time.perf_counter()
+    from bench import hardware, measure, report
+
+    sizes = _sizes(args)
+    out_dir = os.path.abspath(args.out)
+    work_dir = os.path.abspath(args.work_dir or os.path.join(out_dir, ".work"))
+    os.makedirs(out_dir, exist_ok=True)
+    shutil.rmtree(work_dir, ignore_errors=True)
+    os.makedirs(work_dir)
+    command = "python -m bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = command.strip()
+    largest_state = max(sizes) * MOMENT_BYTES_PER_PARAM
+    server_state = largest_state
+    if not args.no_cuda and args.cuda_params:
+        server_state = max(server_state, parse_size(args.cuda_params) * MOMENT_BYTES_PER_PARAM)
+    results: dict[str, Any] = {"machine": hardware.machine(work_dir)}
+    cpu_start, own_start, load_start = cpu_jiffies(), own_cpu_seconds(), loadavg()
+    _log(f"sizes {', '.join(fmt_count(s) for s in sizes)} params; out {out_dir}; scratch {work_dir}")
+    try:
+        _log("ceilings: host memcpy, crc32, disk sequential write/read")
+        results["memcpy"] = hardware.memcpy_bandwidth(max(64 << 20, min(largest_state, 256 << 20)))
+        results["crc32"] = hardware.crc32_bandwidth(min(max(largest_state, 1 << 20), 64 << 20))
+        results["disk"] = hardware.disk_bandwidth(os.path.join(work_dir, "probe"), max(largest_state, 8 << 20), args.disk_reps)
+        _log(f"  memcpy {results['memcpy']['torch_copy_gbps']['median']:.2f} GB/s, "
+             f"disk write+fsync {results['disk']['write_fsync_gbps']['median']:.2f} GB/s, "
+             f"cold read {results['disk']['read_cold_gbps']['median']:.2f} GB/s")
+        server, snapshot_dir, server_cfg = _start_server(args, server_state, work_dir)
+        try:
+            results["sizes"] = [run_size(args, s, server, snapshot_dir, work_dir) for s in sizes]
+            _log(f"control plane: {args.commit_samples} CommitStep round trips on an idle session")
+            results["control_plane"] = measure.commit_latency(server.address, args.commit_samples)
+            results["cuda"] = run_cuda(args, server)
+        finally:
+            server.stop()
+    finally:
+        if not args.keep_work:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    results["runtime_s"] = time.perf_counter() - started
+    results["machine"]["contention"] = _contention(cpu_start, own_start, load_start, results["runtime_s"])
+    results["config"] = {
+        "command": command,
+        "params": parse_size(args.params),
+        "sizes": sizes,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "block": args.block,
+        "batch": args.batch,
+        "swap_times": args.swap_times,
+        "ckpt_reps": args.ckpt_reps,
+        "restore_reps": args.restore_reps,
+        "persist_max_bandwidth": parse_size(args.persist_max_bandwidth),
+        **server_cfg,
+    }
+    results["goals"] = report.evaluate_goals(results)
+
+    md = report.markdown(results)
+    with open(os.path.join(out_dir, "bench.md"), "w") as f:
+        f.write(md)
+    report.write_json(results, os.path.join(out_dir, "bench.json"))
+    plot_note = "disabled with --no-plot" if args.no_plot else report.plot(results, os.path.join(out_dir, "bench.png"))
+
+    print(md)
+    print("Summary against the issue's goals:")
+    for g in results["goals"]:
+        mark = {True: "REACHED", False: "SHORT  ", None: "n/a    "}[g["reached"]]
+        print(f"  [{mark}] {g['goal']}: {g['measured']}")
+        if g["why"]:
+            print(f"            why: {g['why']}")
+    print(f"\nwrote {os.path.join(out_dir, 'bench.md')}, {os.path.join(out_dir, 'bench.json')}"
+          + (f"; bench.png skipped: {plot_note}" if plot_note else f", {os.path.join(out_dir, 'bench.png')}"))
+    print(f"runtime {results['runtime_s']:.0f} s")
+    return 0

@@ -1,0 +1,284 @@
+"""The measurements of one state size, on variants built by :mod:`bench.workload`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+
+from bench.hardware import drop_tree_cache
+from bench.util import gbps, proc_status, summarize
+from bench.workload import Variant
+
+__all__ = ["checkpoint_stalls", "commit_latency", "memory", "restore_throughput", "snapshot_overlap"]
+
+
+def _counters(reply: Any) -> dict[str, float]:
+    return {
+        "cow_copies": int(reply.cow_copies),
+        "backpressure_waits": int(reply.backpressure_waits),
+        "backpressure_wait_s": float(reply.backpressure_wait_seconds),
+    }
+
+
+def _cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of ``pid`` so far (NaN when unreadable)."""
+    if pid is None:
+        return float("nan")
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def snapshot_overlap(remote: Variant, target_steps: int, max_seconds: float, server_pid: int | None = None) -> dict[str, Any]:
+    """Step time while a snapshot persists vs without, on the remote container.
+
+    Repeats: ``snapshot()`` (its own cost is the stall, measured elsewhere), then steps until
+    the snapshot is durable (a step counts as "with" when the snapshot was not yet durable as
+    it began; the status poll is outside the timed step), then as many steps without a
+    snapshot. Copy-before-write and back-pressure counts are the SnapshotStatus reply's.
+    """
+    container = remote.optimizer
+    with_train, with_opt, without_train, without_opt = [], [], [], []
+    totals = {"cow_copies": 0, "backpressure_waits": 0, "backpressure_wait_s": 0.0}
+    durable_s: list[float] = []
+    steps_per_snapshot: list[int] = []
+    snapshots = 0
+    deadline = time.monotonic() + max_seconds
+    persisting_wall = 0.0
+    persisting_cpu = 0.0
+    while len(with_train) < target_steps and time.monotonic() < deadline:
+        cpu0 = _cpu_seconds(server_pid)
+        t0 = time.perf_counter()
+        handle = container.snapshot()
+        n = 0
+        while True:
+            reply = handle.status(0.0)
+            if reply.state == "failed":
+                raise RuntimeError(f"snapshot {handle.snapshot_id} failed: {reply.error}")
+            if reply.state == "durable":
+                break
+            train, opt = remote.step()
+            with_train.append(train)
+            with_opt.append(opt)
+            n += 1
+        durable_s.append(time.perf_counter() - t0)
+        persisting_wall += durable_s[-1]
+        persisting_cpu += _cpu_seconds(server_pid) - cpu0
+        snapshots += 1
+        steps_per_snapshot.append(n)
+        for key, value in _counters(reply).items():
+            totals[key] += value
+        for _ in range(max(1, n)):
+            train, opt = remote.step()
+            without_train.append(train)
+            without_opt.append(opt)
+    return {
+        "snapshots": snapshots,
+        "steps_with": len(with_train),
+        "steps_without": len(without_train),
+        "steps_per_snapshot": steps_per_snapshot,
+        "with_train_s": summarize(with_train),
+        "with_opt_s": summarize(with_opt),
+        "without_train_s": summarize(without_train),
+        "without_opt_s": summarize(without_opt),
+        "snapshot_to_durable_while_training_s": summarize(durable_s),
+        "server_cpu_s_per_s": persisting_cpu / persisting_wall if persisting_wall else float("nan"),
+        **totals,
+        "raw": {"with_train": with_train, "without_train": without_train, "with_opt": with_opt, "without_opt": without_opt},
+    }
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fresh(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.exists(path):
+        os.unlink(path)
+    os.sync()  # earlier writes' writeback must not land in the next measurement
+
+
+def checkpoint_stalls(inproc: Variant, remote: Variant, work_dir: str, reps: int) -> dict[str, Any]:
+    """Trainer-visible stall and time-to-durable of one optimizer state, four ways.
+
+    torch.save / DCP save / DCP async_save get the in-process swap container's
+    ``state_dict()`` (the seed's flat dict: every moment, views of the host cache, plus steps
+    and param groups): the bytes a torchtitan checkpoint of it carries. swap-state gets the
+    remote container's ``snapshot()``: the same moments, already in the server's memory.
+    """
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    state = inproc.optimizer.state_dict()
+    state_bytes = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    results: dict[str, dict[str, list[float]]] = {
+        m: {"stall": [], "durable": []} for m in ("torch_save", "dcp_save", "dcp_async_save", "swap_state")
+    }
+    metadata_s: list[float] = []
+    snapshot_bytes: list[int] = []
+    snapshot_ids: list[str] = []
+    os.makedirs(work_dir, exist_ok=True)
+    for rep in range(reps):
+        # torch.save returns once the bytes are in the page cache; durable needs an fsync,
+        # which the trainer would also have to wait for.
+        path = os.path.join(work_dir, "torch_save.pt")
+        _fresh(path)
+        t0 = time.perf_counter()
+        torch.save(state, path)
+        t1 = time.perf_counter()
+        _fsync_path(path)
+        _fsync_path(work_dir)
+        t2 = time.perf_counter()
+        results["torch_save"]["stall"].append(t1 - t0)
+        results["torch_save"]["durable"].append(t2 - t0)
+        _fresh(path)
+
+        # DCP save blocks until written and fsynced (FileSystemWriter sync_files=True).
+        path = os.path.join(work_dir, "dcp_save")
+        _fresh(path)
+        t0 = time.perf_counter()
+        dcp.save(state, checkpoint_id=path, no_dist=True)
+        t1 = time.perf_counter()
+        results["dcp_save"]["stall"].append(t1 - t0)
+        results["dcp_save"]["durable"].append(t1 - t0)
+        _fresh(path)
+
+        # DCP async_save blocks while it stages a copy, then writes in the background.
+        path = os.path.join(work_dir, "dcp_async")
+        _fresh(path)
+        t0 = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=path, no_dist=True)
+        t1 = time.perf_counter()
+        upload = getattr(future, "upload_completion", future)
+        upload.result()
+        t2 = time.perf_counter()
+        results["dcp_async_save"]["stall"].append(t1 - t0)
+        results["dcp_async_save"]["durable"].append(t2 - t0)
+        del future, upload
+        _fresh(path)
+
+        # swap-state: a new committed step, then the trainer's one call.
+        remote.step()
+        t0 = time.perf_counter()
+        remote.optimizer.snapshot_metadata()  # the part of snapshot() done in the trainer
+        metadata_s.append(time.perf_counter() - t0)
+        os.sync()
+        t0 = time.perf_counter()
+        handle = remote.optimizer.snapshot()
+        t1 = time.perf_counter()
+        reply = handle.wait_durable()
+        t2 = time.perf_counter()
+        results["swap_state"]["stall"].append(t1 - t0)
+        results["swap_state"]["durable"].append(t2 - t0)
+        snapshot_bytes.append(int(reply.bytes_total))
+        snapshot_ids.append(handle.snapshot_id)
+    out: dict[str, Any] = {"state_dict_tensor_bytes": state_bytes, "reps": reps}
+    for method, samples in results.items():
+        out[method] = {
+            "stall_s": summarize(samples["stall"]),
+            "durable_s": summarize(samples["durable"]),
+            "raw": samples,
+        }
+    persist = [gbps(b, t) for b, t in zip(snapshot_bytes, results["swap_state"]["durable"])]
+    out["swap_state"]["bytes_total"] = snapshot_bytes[-1] if snapshot_bytes else 0
+    out["swap_state"]["persist_gbps"] = summarize(persist)
+    out["swap_state"]["snapshot_ids"] = snapshot_ids
+    out["swap_state"]["metadata_s"] = summarize(metadata_s)
+    return out
+
+
+def restore_throughput(remote: Variant, snapshot_id: str, snapshot_dir: str, nbytes: int, reps: int) -> dict[str, Any]:
+    """``container.restore(id)`` as the trainer sees it: cold (the snapshot's pages dropped
+    from the page cache first) and warm (just read). The server verifies every checksum
+    before it writes a byte, so a restore reads the file twice: once to verify (cold), once
+    to copy (then warm)."""
+    container = remote.optimizer
+    cold, warm = [], []
+    for _ in range(reps):
+        drop_tree_cache(snapshot_dir)
+        t0 = time.perf_counter()
+        container.restore(snapshot_id)
+        cold.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        container.restore(snapshot_id)
+        warm.append(time.perf_counter() - t0)
+    return {
+        "snapshot_id": snapshot_id,
+        "bytes": nbytes,
+        "cold_s": summarize(cold),
+        "warm_s": summarize(warm),
+        "cold_gbps": summarize([gbps(nbytes, t) for t in cold]),
+        "warm_gbps": summarize([gbps(nbytes, t) for t in warm]),
+    }
+
+
+def memory(remote: Variant, server_pid: int, state_bytes: int) -> dict[str, Any]:
+    """Server RSS split into shared memory (the segments it maps) and the rest; shm used vs
+    state bytes; the trainer's RSS split the same way."""
+    container = remote.optimizer
+    info = container.session.segment
+    stats = container.client.stats()
+    try:
+        st = os.stat(info.path)
+        allocated = st.st_blocks * 512
+    except OSError:
+        allocated = None
+    server = proc_status(server_pid)
+    trainer = proc_status()
+    return {
+        "state_bytes": state_bytes,
+        "segment_bytes": int(info.size),
+        "segment_allocated_bytes": allocated,
+        "cow_slots": int(info.cow_slots),
+        "chunk_bytes": int(info.chunk_bytes),
+        "cow_slot_bytes": int(info.cow_slots) * int(info.chunk_bytes),
+        "header_bytes": int(info.header_bytes),
+        "server_budget_used_bytes": int(stats.budget_used_bytes),
+        "server_budget_total_bytes": int(stats.budget_total_bytes),
+        "server": server,
+        "server_rss_outside_shm_bytes": server.get("RssAnon", 0) + server.get("RssFile", 0),
+        "trainer": trainer,
+    }
+
+
+def commit_latency(server: str, samples: int) -> dict[str, Any]:
+    """CommitStep round trips on an otherwise idle session (a one-layer model), so the
+    number is the control plane alone: gRPC over the Unix socket plus the server's work."""
+    from swap_state.client.device import DeviceBackend
+    from swap_state.client.remote_container import RemoteSwapOptimizersContainer
+
+    model = torch.nn.Linear(8, 8)
+    model(torch.randn(2, 8)).sum().backward()
+    container = RemoteSwapOptimizersContainer(
+        [model], torch.optim.AdamW, {"lr": 1e-3}, 1,
+        server=server, job_id=f"bench-commit-{os.getpid()}", device_backend=DeviceBackend("cpu"),
+    )  # fmt: skip
+    try:
+        container.step()
+        session = container.session
+        base = int(session.last_committed_step or 0) + 1
+        for i in range(min(50, samples)):  # warm the channel
+            session.commit(base + i)
+        base += 50
+        latencies = []
+        for i in range(samples):
+            t0 = time.perf_counter()
+            session.commit(base + i)
+            latencies.append(time.perf_counter() - t0)
+    finally:
+        container.close()
+    return {"samples": samples, "commit_s": summarize(latencies)}

@@ -1,0 +1,415 @@
+"""Results -> markdown tables, JSON, a PNG plot, and the summary against the issue's goals.
+
+Goals are reported against (reached or not, with the measured reason where short); nothing
+here asserts a threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from bench.util import fmt_bytes, fmt_count, fmt_ms
+
+__all__ = ["evaluate_goals", "markdown", "plot", "write_json"]
+
+
+def _med(stats: dict[str, float] | None) -> float:
+    return stats.get("median", float("nan")) if stats else float("nan")
+
+
+def _spread(stats: dict[str, float]) -> str:
+    if not stats or not stats.get("n"):
+        return "n/a"
+    return f"{fmt_ms(stats['median'])} [{fmt_ms(stats['p10'])}–{fmt_ms(stats['p90'])}]"
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(a) and not math.isnan(b) else float("nan")
+
+
+def _x(value: float, digits: int = 3) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _gb(stats: dict[str, float] | None) -> str:
+    if not stats or not stats.get("n"):
+        return "n/a"
+    return f"{stats['median']:.2f}"
+
+
+def _pct(value: float) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{100 * value:.0f}%"
+
+
+# --------------------------------------------------------------------------- goals
+def _disk_write(disk: dict[str, Any]) -> float:
+    return _med(disk.get("write_fsync_gbps"))
+
+
+def _disk_read(disk: dict[str, Any]) -> float:
+    return _med(disk.get("read_cold_gbps"))
+
+
+def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One entry per goal of the issue: what was measured, whether it is reached, and where
+    short, the measured facts that explain it."""
+    sizes = results["sizes"]
+    main = sizes[-1]
+    goals: list[dict[str, Any]] = []
+    label = f"at {fmt_count(main['params'])} params"
+    step = main["step"]
+    commit_p50 = _med(main["rpc"]["commit_in_loop_s"])
+
+    def add(goal: str, measured: str, reached: bool | None, why: str = "") -> None:
+        goals.append({"goal": goal, "measured": measured, "reached": reached, "why": "" if reached else why})
+
+    for kind, name in (("opt", "optimizer step"), ("train", "train step")):
+        remote, inproc, plain = (_med(step[v][kind]) for v in ("remote", "inproc", "plain"))
+        medians = (f"medians {label}: plain {fmt_ms(plain)}, in-process {fmt_ms(inproc)}, "
+                   f"remote {fmt_ms(remote)}")
+        r = _ratio(remote, inproc)
+        add(
+            f"remote / in-process {name} time <= 1.05",
+            f"{_x(r)} {label} (sweep: {', '.join(_x(_ratio(_med(s['step']['remote'][kind]), _med(s['step']['inproc'][kind]))) for s in sizes)})",
+            r <= 1.05 if not math.isnan(r) else None,
+            f"{medians}; the remote step differs by one CommitStep RPC (p50 {fmt_ms(commit_p50)} "
+            "in this loop) and a segment-header read per slice",
+        )
+        r = _ratio(remote, plain)
+        add(
+            f"on CPU, remote / plain fused AdamW {name} time <= 1.1",
+            f"{_x(r)} {label} (sweep: {', '.join(_x(_ratio(_med(s['step']['remote'][kind]), _med(s['step']['plain'][kind]))) for s in sizes)})",
+            r <= 1.1 if not math.isnan(r) else None,
+            f"{medians}; in-process / plain = {_x(_ratio(inproc, plain))} (the swap container without "
+            f"any server), remote / in-process = {_x(_ratio(remote, inproc))}",
+        )
+
+    ov = main["snapshot_overlap"]
+    for kind, name in (("train", "train step"), ("opt", "optimizer step")):
+        r = _ratio(_med(ov[f"with_{kind}_s"]), _med(ov[f"without_{kind}_s"]))
+        add(
+            f"{name} time with a snapshot persisting / without <= 1.05",
+            f"{_x(r)} {label} ({ov['steps_with']} steps over {ov['snapshots']} snapshots)",
+            r <= 1.05 if not math.isnan(r) else None,
+            f"during those snapshots the trainer made {ov['cow_copies']} copy-before-write copies "
+            f"({fmt_bytes(ov['cow_copies'] * main['memory']['chunk_bytes'])}) and waited "
+            f"{ov['backpressure_waits']} times for {ov['backpressure_wait_s'] * 1e3:.1f} ms (back-pressure); "
+            f"the server used {ov.get('server_cpu_s_per_s', float('nan')):.2f} CPU-seconds per second "
+            f"persisting, on a machine with {results['machine']['cpus_usable']} CPUs shared with the trainer",
+        )
+
+    stalls = [s["stall"]["swap_state"]["stall_s"] for s in sizes]
+    worst = max(_med(s) for s in stalls)
+    add(
+        "trainer-visible snapshot stall <= 5 ms at every size",
+        "median " + ", ".join(f"{fmt_ms(_med(s))} ({fmt_count(z['params'])})" for s, z in zip(stalls, sizes)),
+        worst <= 5e-3,
+        "the stall is the trainer's snapshot() call: building the metadata JSON "
+        f"({fmt_ms(_med(main['stall']['swap_state'].get('metadata_s')))} {label}) plus one Snapshot RPC",
+    )
+    factors = [
+        _ratio(_med(s["stall"]["dcp_async_save"]["stall_s"]), _med(s["stall"]["swap_state"]["stall_s"])) for s in sizes
+    ]
+    add(
+        "snapshot stall >= 100x below DCP async_save's blocking part",
+        ", ".join(f"{_x(f, 0)}x ({fmt_count(z['params'])})" for f, z in zip(factors, sizes)),
+        all(f >= 100 for f in factors),
+        "DCP async_save's blocking part (staging a copy) grows with the state; at small states it is "
+        "itself only a few ms, so the factor is smallest there",
+    )
+
+    disk = results["disk"]
+    persist = _med(main["stall"]["swap_state"]["persist_gbps"])
+    write = _disk_write(disk)
+    frac = _ratio(persist, write)
+    crc = _med(results["crc32"]["gbps"])
+    memmove = _med(results["memcpy"]["memmove_1thread_gbps"])
+    serial = 1 / (1 / memmove + 1 / crc + 1 / write) if all(v > 0 for v in (memmove, crc, write)) else float("nan")
+    add(
+        "persist >= 80% of the disk's sequential write bandwidth (with fsync)",
+        f"{persist:.2f} GB/s = {_pct(frac)} of {write:.2f} GB/s {label}",
+        frac >= 0.8 if not math.isnan(frac) else None,
+        f"the writer does, per chunk on one thread, a copy out of shared memory (memmove "
+        f"{memmove:.2f} GB/s), crc32 ({crc:.2f} GB/s) and the write; those measured rates in series "
+        f"bound it at ~{serial:.2f} GB/s ({_pct(_ratio(serial, write))} of the disk); the time also "
+        "covers the fsync, manifest, atomic rename and retention",
+    )
+    restore = _med(main["restore"]["cold_gbps"])
+    read = _disk_read(disk)
+    frac = _ratio(restore, read)
+    add(
+        "restore >= 80% of the disk's sequential read bandwidth (cold)",
+        f"{restore:.2f} GB/s = {_pct(frac)} of {read:.2f} GB/s {label}",
+        frac >= 0.8 if not math.isnan(frac) else None,
+        f"restore verifies every crc32 before writing a byte ({crc:.2f} GB/s), then reads the file a "
+        "second time (from the page cache) to copy it into the segment",
+    )
+    return goals
+
+
+# --------------------------------------------------------------------------- markdown
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    disk = m["disk"]
+    sizes = results["sizes"]
+    main = sizes[-1]
+    lines: list[str] = []
+    add = lines.append
+    disk_desc = ", ".join(
+        str(x)
+        for x in (
+            disk.get("model"), disk.get("bus"), fmt_bytes(disk["size_bytes"]) if disk.get("size_bytes") else None,
+            f"{disk.get('fstype')} on {disk.get('device')}",
+            None if str(disk.get("bus", "")).startswith("virtio")
+            else ("rotational" if disk.get("rotational") else ("non-rotational" if disk.get("rotational") is False else None)),
+        )
+        if x
+    )
+    add("# swap-state benchmark")
+    add("")
+    add(f"- **Machine**: {m['cpu_model']}, {m['cpus_usable']} CPUs usable (torch threads {m['torch_threads']}), "
+        f"{fmt_bytes(m['ram_bytes'])} RAM, /dev/shm {fmt_bytes(m['dev_shm_bytes'] or 0)}; disk: {disk_desc}; "
+        f"GPU: {m['cuda'] or 'none'}")
+    add(f"- **Software**: Linux {m['kernel']}, Python {m['python']}, torch {m['torch']}, torchtitan {m['torchtitan']}, "
+        f"swap-state {m['swap_state']}")
+    c = m.get("contention") or {}
+    if c:
+        add(f"- **Other load during the run**: other processes used {c['other_cpu_s_per_s']:.2f} CPU-s/s of the "
+            f"{m['cpus_usable']} CPUs (this benchmark and its server {c['own_cpu_s_per_s']:.2f}); steal "
+            f"{c['steal_s_per_s']:.2f}, iowait {c['iowait_s_per_s']:.2f} CPU-s/s; load average "
+            f"{' '.join(f'{v:.1f}' for v in c['loadavg_start'][:1])} at start, "
+            f"{' '.join(f'{v:.1f}' for v in c['loadavg_end'][:1])} at end")
+    cfg = results["config"]
+    add(f"- **Run**: `{cfg['command']}` — {results['runtime_s']:.0f} s; {cfg['steps']} timed steps per optimizer "
+        f"(after {cfg['warmup']} warm-up, interleaved in blocks of {cfg['block']}), batch {cfg['batch']}, "
+        f"swap slices {cfg['swap_times']}; server: --chunk-bytes {fmt_bytes(cfg['chunk_bytes'])}, "
+        f"--cow-budget {fmt_bytes(cfg['cow_budget'])}, --persist-max-bandwidth "
+        f"{cfg['persist_max_bandwidth'] or 'unlimited'}")
+    add(f"- **Main size**: {fmt_count(main['params'])} parameters ({main['model']['layers']} × Linear "
+        f"{main['model']['width']}²), {fmt_bytes(main['state_bytes'])} of Adam moments (fp32 exp_avg + exp_avg_sq). "
+        "Times: median [p10–p90]. One process, CPU device unless the CUDA section says otherwise.")
+    add("")
+
+    add(f"## Step time ({fmt_count(main['params'])} params)")
+    add("")
+    add("| | plain fused AdamW (moments resident) | in-process swap container | remote container (swap-state) |")
+    add("|---|---|---|---|")
+    st = main["step"]
+    for kind, name in (("train", "train step (fwd+bwd+step+zero_grad)"), ("opt", "optimizer step only")):
+        add(f"| {name} | {_spread(st['plain'][kind])} | {_spread(st['inproc'][kind])} | {_spread(st['remote'][kind])} |")
+        p = _med(st["plain"][kind])
+        add(f"| {kind} ratio vs plain | 1.000 | {_x(_ratio(_med(st['inproc'][kind]), p))} | "
+            f"{_x(_ratio(_med(st['remote'][kind]), p))} (vs in-process: "
+            f"{_x(_ratio(_med(st['remote'][kind]), _med(st['inproc'][kind])))}) |")
+    add("")
+
+    ov = main["snapshot_overlap"]
+    add("## Step time while a snapshot persists (remote container)")
+    add("")
+    add("| | without snapshot | while a snapshot persists | ratio |")
+    add("|---|---|---|---|")
+    for kind, name in (("train", "train step"), ("opt", "optimizer step")):
+        add(f"| {name} | {_spread(ov[f'without_{kind}_s'])} | {_spread(ov[f'with_{kind}_s'])} | "
+            f"{_x(_ratio(_med(ov[f'with_{kind}_s']), _med(ov[f'without_{kind}_s'])))} |")
+    add("")
+    add(f"{ov['snapshots']} snapshots, {ov['steps_with']} steps overlapped a persisting snapshot "
+        f"(per snapshot: {', '.join(map(str, ov['steps_per_snapshot'][:12]))}{'…' if len(ov['steps_per_snapshot']) > 12 else ''}); "
+        f"snapshot → durable while training: {_spread(ov['snapshot_to_durable_while_training_s'])}. "
+        f"SnapshotStatus counters, summed: copy-before-write copies **{ov['cow_copies']}**, back-pressure waits "
+        f"**{ov['backpressure_waits']}** ({ov['backpressure_wait_s'] * 1e3:.1f} ms). "
+        f"Server CPU while persisting: {ov.get('server_cpu_s_per_s', float('nan')):.2f} CPU-s/s.")
+    add("")
+
+    sk = main["stall"]
+    add(f"## Checkpoint of the same optimizer state ({fmt_bytes(sk['state_dict_tensor_bytes'])} of tensors, "
+        f"median of {sk['reps']})")
+    add("")
+    add("| method | trainer-visible stall | until durable |")
+    add("|---|---|---|")
+    names = {
+        "torch_save": "`torch.save` (durable after the trainer's own fsync)",
+        "dcp_save": "DCP `save` (fsyncs)",
+        "dcp_async_save": "DCP `async_save` (blocking part = staging)",
+        "swap_state": "swap-state `snapshot()` (one RPC)",
+    }
+    for key, name in names.items():
+        add(f"| {name} | {_spread(sk[key]['stall_s'])} | {_spread(sk[key]['durable_s'])} |")
+    add("")
+
+    d = results["disk"]
+    mc = results["memcpy"]
+    rs = main["restore"]
+    persist = sk["swap_state"]["persist_gbps"]
+    add(f"## Throughput vs the hardware (GB/s = 10⁹ B/s; disk probe file {fmt_bytes(d['bytes'])}, median of {d['reps']})")
+    add("")
+    add("| | GB/s | note |")
+    add("|---|---|---|")
+    add(f"| disk sequential write, buffered + fsync | {_gb(d.get('write_fsync_gbps'))} | the reference for persist |")
+    add(f"| disk sequential write, page cache only (no fsync) | {_gb(d.get('write_pagecache_only_gbps'))} | not durable: memory speed |")
+    if d.get("write_direct_gbps"):
+        add(f"| disk sequential write, O_DIRECT + fsync | {_gb(d.get('write_direct_gbps'))} | |")
+    add(f"| disk sequential read, cold (fadvise DONTNEED first) | {_gb(d.get('read_cold_gbps'))} | the reference for restore |")
+    if d.get("read_direct_gbps"):
+        add(f"| disk sequential read, O_DIRECT | {_gb(d.get('read_direct_gbps'))} | |")
+    add(f"| disk sequential read, warm (page cache) | {_gb(d.get('read_warm_gbps'))} | |")
+    ceiling = max(_med(mc["torch_copy_gbps"]), _med(mc["memmove_1thread_gbps"]))
+    add(f"| host memcpy, torch `copy_` ({mc['torch_threads']} threads) | {_gb(mc['torch_copy_gbps'])} | "
+        f"{fmt_bytes(mc['bytes'])} buffers |")
+    add(f"| host memmove, 1 thread | {_gb(mc['memmove_1thread_gbps'])} | |")
+    add(f"| zlib crc32, 1 thread | {_gb(results['crc32']['gbps'])} | every persisted/restored byte |")
+    add(f"| **swap-state persist** (snapshot() → durable, idle trainer) | **{_gb(persist)}** | "
+        f"{_pct(_ratio(_med(persist), _disk_write(d)))} of disk write, {_pct(_ratio(_med(persist), ceiling))} of the memcpy ceiling ({ceiling:.2f}) |")
+    add(f"| **swap-state restore**, cold page cache | **{_gb(rs['cold_gbps'])}** | "
+        f"{_pct(_ratio(_med(rs['cold_gbps']), _disk_read(d)))} of cold disk read |")
+    add(f"| swap-state restore, warm page cache | {_gb(rs['warm_gbps'])} | "
+        f"{_pct(_ratio(_med(rs['warm_gbps']), _med(d.get('read_warm_gbps'))))} of warm read |")
+    if d.get("notes"):
+        add("")
+        add("Disk notes: " + "; ".join(d["notes"]))
+    add("")
+
+    rpc = main["rpc"]
+    cl = results["control_plane"]
+    per_step = ", ".join(f"{k} {v:.2f}" for k, v in sorted(rpc["per_step"].items())) or "none"
+    add("## Control plane (gRPC over the Unix socket)")
+    add("")
+    add("| | value |")
+    add("|---|---|")
+    add(f"| unary RPCs per training step (by name) | {per_step} (+ one KeepAlive stream per session, not per step) |")
+    add(f"| CommitStep latency in the training loop, p50 / p99 (n={rpc['commit_in_loop_s'].get('n', 0)}) | "
+        f"{fmt_ms(rpc['commit_in_loop_s'].get('median'))} / {fmt_ms(rpc['commit_in_loop_s'].get('p99'))} |")
+    add(f"| CommitStep latency, idle session, p50 / p99 / max (n={cl['samples']}) | "
+        f"{fmt_ms(cl['commit_s']['median'])} / {fmt_ms(cl['commit_s']['p99'])} / {fmt_ms(cl['commit_s']['max'])} |")
+    add("")
+
+    mem = main["memory"]
+    srv, tr = mem["server"], mem["trainer"]
+    deltas = main["rss_delta"]
+    add(f"## Memory ({fmt_count(main['params'])} params, remote container attached)")
+    add("")
+    add("| | bytes |")
+    add("|---|---|")
+    add(f"| Adam state (exp_avg + exp_avg_sq) | {fmt_bytes(mem['state_bytes'])} |")
+    add(f"| shared-memory segment (header {fmt_bytes(mem['header_bytes'])} + tensors + {mem['cow_slots']} copy slots × "
+        f"{fmt_bytes(mem['chunk_bytes'])}) | {fmt_bytes(mem['segment_bytes'])} "
+        f"({_x(_ratio(mem['segment_bytes'], mem['state_bytes']), 3)}× state); server budget used "
+        f"{fmt_bytes(mem['server_budget_used_bytes'])} |")
+    add(f"| server RSS outside shm (RssAnon + RssFile) | {fmt_bytes(mem['server_rss_outside_shm_bytes'])} "
+        f"(anon {fmt_bytes(srv.get('RssAnon', 0))}, file {fmt_bytes(srv.get('RssFile', 0))}) |")
+    add(f"| server RssShmem (its mapping of the segments) | {fmt_bytes(srv.get('RssShmem', 0))} |")
+    add(f"| trainer RSS (all three optimizers' models alive) | {fmt_bytes(tr.get('VmRSS', 0))} "
+        f"(anon {fmt_bytes(tr.get('RssAnon', 0))}, shmem {fmt_bytes(tr.get('RssShmem', 0))}) |")
+    add(f"| trainer RSS growth for the optimizer state (anon / shmem) | plain {fmt_bytes(deltas['plain'].get('RssAnon', 0))} / "
+        f"{fmt_bytes(deltas['plain'].get('RssShmem', 0))}; in-process {fmt_bytes(deltas['inproc'].get('RssAnon', 0))} / "
+        f"{fmt_bytes(deltas['inproc'].get('RssShmem', 0))}; remote {fmt_bytes(deltas['remote'].get('RssAnon', 0))} / "
+        f"{fmt_bytes(deltas['remote'].get('RssShmem', 0))} |")
+    add("")
+
+    add("## Sweep over state sizes")
+    add("")
+    add("| params | state | train step plain / in-proc / remote | remote÷in-proc | remote÷plain | "
+        "stall: torch.save / DCP save / DCP async / swap-state | durable: torch.save+fsync / DCP / DCP async / swap-state | "
+        "persist GB/s | restore cold GB/s |")
+    add("|---|---|---|---|---|---|---|---|---|")
+    for s in sizes:
+        st, sk = s["step"], s["stall"]
+        med = {v: _med(st[v]["train"]) for v in ("plain", "inproc", "remote")}
+        stalls = " / ".join(fmt_ms(_med(sk[k]["stall_s"])) for k in names)
+        durables = " / ".join(fmt_ms(_med(sk[k]["durable_s"])) for k in names)
+        add(f"| {fmt_count(s['params'])} | {fmt_bytes(s['state_bytes'])} | "
+            f"{' / '.join(fmt_ms(med[v]) for v in ('plain', 'inproc', 'remote'))} | "
+            f"{_x(_ratio(med['remote'], med['inproc']))} | {_x(_ratio(med['remote'], med['plain']))} | "
+            f"{stalls} | {durables} | {_gb(sk['swap_state']['persist_gbps'])} | {_gb(s['restore']['cold_gbps'])} |")
+    add("")
+
+    add("## CUDA")
+    add("")
+    cuda = results["cuda"]
+    if cuda.get("skipped"):
+        add(f"Skipped: {cuda['skipped']}.")
+    else:
+        bw = cuda["copy"]
+        add(f"| host memory ({fmt_bytes(bw['bytes'])}) | H2D GB/s | D2H GB/s |")
+        add("|---|---|---|")
+        for key, name in (("registered_shm", "/dev/shm mapping, cudaHostRegister"), ("pin_memory", "pin_memory"), ("pageable", "pageable")):
+            add(f"| {name} | {_gb(bw[key]['h2d_gbps'])} | {_gb(bw[key]['d2h_gbps'])} |")
+        add("")
+        st = cuda["step"]
+        add(f"Pipelined step on {m['cuda']} ({fmt_count(cuda['params'])} params):")
+        add("")
+        add("| | plain fused AdamW (moments on GPU) | in-process swap | remote swap |")
+        add("|---|---|---|---|")
+        for kind in ("train", "opt"):
+            add(f"| {kind} step | {_spread(st['plain'][kind])} | {_spread(st['inproc'][kind])} | {_spread(st['remote'][kind])} |")
+    add("")
+
+    add("## Against the issue's goals")
+    add("")
+    add("| goal | measured | reached | why short (measured) |")
+    add("|---|---|---|---|")
+    for g in results["goals"]:
+        reached = {True: "yes", False: "**no**", None: "n/a"}[g["reached"]]
+        add(f"| {g['goal']} | {g['measured']} | {reached} | {g['why']} |")
+    add("")
+    add("Page cache: persist and DCP/torch.save times include fsync, so they are disk-bound; restore is "
+        "shown cold (the snapshot's pages evicted with posix_fadvise first) and warm. On a virtual disk the "
+        "hypervisor may cache below the guest, which the guest cannot evict.")
+    return "\n".join(lines) + "\n"
+
+
+def write_json(results: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+        f.write("\n")
+
+
+def plot(results: dict[str, Any], path: str) -> str | None:
+    """PNG of step time and checkpoint stall vs state size; None when written, else why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib, or the 'bench' extra)"
+    sizes = results["sizes"]
+    x = [s["state_bytes"] / (1 << 20) for s in sizes]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for variant, label, color in (("plain", "plain fused AdamW", "C0"), ("inproc", "in-process swap", "C1"),
+                                  ("remote", "remote (swap-state)", "C2")):
+        for kind, style in (("train", "-o"), ("opt", "--s")):
+            med = [_med(s["step"][variant][kind]) * 1e3 for s in sizes]
+            lo = [m - s["step"][variant][kind]["p10"] * 1e3 for m, s in zip(med, sizes)]
+            hi = [s["step"][variant][kind]["p90"] * 1e3 - m for m, s in zip(med, sizes)]
+            ax1.errorbar(x, med, yerr=[lo, hi], fmt=style, color=color, capsize=3,
+                         label=f"{label} ({'train step' if kind == 'train' else 'optimizer step'})")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_xticks(x, [fmt_bytes(s["state_bytes"]) for s in sizes])
+        ax.minorticks_off()
+    ax1.set_yscale("log")
+    ax1.set_xlabel("Adam state (fp32 moments)")
+    ax1.set_ylabel("step time (ms), median, p10–p90")
+    ax1.set_title("Step time vs state size")
+    ax1.legend(fontsize=7)
+    for key, label, color in (("torch_save", "torch.save", "C3"), ("dcp_save", "DCP save", "C4"),
+                              ("dcp_async_save", "DCP async_save (blocking)", "C5"),
+                              ("swap_state", "swap-state snapshot()", "C2")):
+        ax2.plot(x, [_med(s["stall"][key]["stall_s"]) * 1e3 for s in sizes], "-o", color=color, label=f"{label}: stall")
+        ax2.plot(x, [_med(s["stall"][key]["durable_s"]) * 1e3 for s in sizes], ":", color=color, label=f"{label}: durable")
+    ax2.axhline(5, color="grey", lw=0.8, ls="--", label="5 ms goal")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("Adam state (fp32 moments)")
+    ax2.set_ylabel("ms (median)")
+    ax2.set_title("Checkpoint: trainer-visible stall (solid), time to durable (dotted)")
+    ax2.legend(fontsize=7)
+    m = results["machine"]
+    fig.suptitle(f"swap-state bench — {m['cpu_model']}, {m['cpus_usable']} CPUs, {fmt_bytes(m['ram_bytes'])} RAM", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

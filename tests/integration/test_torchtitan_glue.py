@@ -1,0 +1,60 @@
+"""torchtitan 0.2.x glue: the custom config module and the build_optimizers dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchtitan.components.optimizer as tt_optimizer
+from torchtitan.config import ConfigManager
+
+import swap_state.client.torchtitan_config  # noqa: F401  (installs the wrapper)
+from swap_state.client.remote_container import RemoteSwapOptimizersContainer
+from swap_state.client.swap_optimizer import SwapOptimizersContainer
+
+from .workload import Workload, build, mismatches, train
+
+
+def _parse(tmp_path, optimizer_toml: str):
+    toml = tmp_path / "job.toml"
+    toml.write_text(
+        '[job]\ncustom_config_module = "swap_state.client.torchtitan_config"\n'
+        f"[optimizer]\n{optimizer_toml}\n"
+    )
+    return ConfigManager().parse_args([f"--job.config_file={toml}"])
+
+
+def test_toml_switches_build_the_remote_container_bitwise(server, tmp_path):
+    config = _parse(
+        tmp_path,
+        'name = "AdamW"\nlr = 0.01\nbeta1 = 0.9\nbeta2 = 0.95\nweight_decay = 0.1\n'
+        'swap_optimizer = true\nswap_optimizer_times = 2\nswap_optimizer_backend = "remote"\n'
+        f'swap_state_server = "{server.address}"\nswap_state_job_id = "tt-glue"\n',
+    )
+    assert config.optimizer.swap_state_checkpoint == "full"
+    w = Workload()
+    model, ref_model = build(w), build(w)
+    container = tt_optimizer.build_optimizers([model], config.optimizer, None, None)
+    assert isinstance(container, RemoteSwapOptimizersContainer)
+    assert container.remote_config.job_id == "tt-glue"
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.1, fused=True)
+    train(model, container, w, range(1, 6))
+    train(ref_model, ref, w, range(1, 6))
+    assert mismatches(model, container, ref_model, ref) == []
+    container.close()
+
+
+def test_local_backend_and_swap_off(tmp_path):
+    config = _parse(tmp_path, 'name = "Adam"\nswap_optimizer = true\nswap_optimizer_backend = "local"\n')
+    local = tt_optimizer.build_optimizers([build(Workload())], config.optimizer, None, None)
+    assert type(local) is SwapOptimizersContainer
+    config = _parse(tmp_path, 'name = "AdamW"\nswap_optimizer = false\n')
+    plain = tt_optimizer.build_optimizers([build(Workload())], config.optimizer, None, None)
+    assert not isinstance(plain, SwapOptimizersContainer)
+
+
+def test_unknown_backend_is_a_clear_error(tmp_path):
+    config = _parse(tmp_path, 'swap_optimizer = true\nswap_optimizer_backend = "local"\n')
+    config.optimizer.swap_optimizer_backend = "nvme"
+    with pytest.raises(ValueError, match="swap_optimizer_backend"):
+        tt_optimizer.build_optimizers([build(Workload())], config.optimizer, None, None)
