@@ -43,6 +43,7 @@ from .logs import log_event
 from .metrics import MetricsServer, render_metrics
 from .service import SwapStateService
 from .snapshot import SnapshotCoordinator
+from .snapshot_service import snapshot_metrics
 from .sessions import SessionRegistry
 from .statuses import RpcCounters
 
@@ -263,7 +264,13 @@ async def start_server(config: ServerConfig) -> RunningServer:
         started_at = time.time()
         if config.metrics_port:
             metrics = MetricsServer(
-                lambda: render_metrics(arena, registry, counters, started_at=started_at),
+                lambda: render_metrics(
+                    arena,
+                    registry,
+                    counters,
+                    started_at=started_at,
+                    extra=[snapshot_metrics(service.snapshot_counters, snapshots)],
+                ),
                 config.metrics_host,
                 config.metrics_port,
             )

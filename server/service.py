@@ -15,7 +15,7 @@ from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 from .arena import Arena, Segment
 from .sessions import Session, SessionRegistry
 from .snapshot import SnapshotCoordinator
-from .snapshot_service import SnapshotRpcs, status_reply
+from .snapshot_service import SnapshotCounters, SnapshotRpcs, status_reply
 from .statuses import RpcCounters, rpc_boundary
 
 __all__ = ["SwapStateService", "segment_info"]
@@ -64,6 +64,7 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
     ) -> None:
         self.registry = registry
         self.snapshots = snapshots
+        self.snapshot_counters = SnapshotCounters()
         self.arena = arena
         self.keepalive_interval = keepalive_interval
         self.counters = counters  # used by rpc_boundary

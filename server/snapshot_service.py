@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 from swap_state.proto import swap_state_pb2 as pb
 
@@ -19,7 +20,7 @@ from .snapshot import SnapshotCoordinator, SnapshotHandle, SnapshotStatus
 from .snapshot_writer import SnapshotSource
 from .statuses import rpc_boundary
 
-__all__ = ["SnapshotRpcs", "status_reply", "MAX_STATUS_WAIT_S"]
+__all__ = ["SnapshotRpcs", "SnapshotCounters", "status_reply", "snapshot_metrics", "MAX_STATUS_WAIT_S"]
 
 MAX_STATUS_WAIT_S = 60.0
 
@@ -40,11 +41,64 @@ def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
     )
 
 
+@dataclasses.dataclass
+class SnapshotCounters:
+    """Totals over finished snapshot ranks, for the metrics endpoint."""
+
+    started: int = 0
+    """Snapshot RPCs that started persisting a rank."""
+    durable: int = 0
+    """Ranks whose snapshot became durable."""
+    failed: int = 0
+    """Ranks whose snapshot failed (disk full, I/O error, cancelled)."""
+    bytes_persisted: int = 0
+    """Bytes written to snapshot files."""
+    cow_copies: int = 0
+    """Chunks the trainers copied before overwriting them (copy-before-write)."""
+    backpressure_waits: int = 0
+    """Times a trainer waited for a free copy slot."""
+    backpressure_wait_seconds: float = 0.0
+    """Seconds trainers spent in those waits."""
+
+    def record(self, status: SnapshotStatus) -> None:
+        if status.state.value == "durable":
+            self.durable += 1
+        else:
+            self.failed += 1
+        self.bytes_persisted += status.bytes_persisted
+        self.cow_copies += status.cow_copies
+        self.backpressure_waits += status.backpressure_waits
+        self.backpressure_wait_seconds += status.backpressure_wait_seconds
+
+
+def snapshot_metrics(counters: SnapshotCounters, coordinator: SnapshotCoordinator | None):
+    """A ``render_metrics`` extra writing the snapshot families."""
+
+    def write(out) -> None:
+        running = coordinator.in_progress() if coordinator is not None else []
+        out.one("swap_state_snapshots_in_progress", "gauge", "Snapshot ranks persisting now.", len(running))
+        out.one("swap_state_snapshots_started_total", "counter", "Snapshot ranks started.", counters.started)
+        out.one("swap_state_snapshots_durable_total", "counter", "Snapshot ranks made durable.", counters.durable)
+        out.one("swap_state_snapshots_failed_total", "counter", "Snapshot ranks that failed.", counters.failed)
+        out.one("swap_state_snapshot_bytes_total", "counter", "Bytes persisted by snapshots.",
+                counters.bytes_persisted)
+        out.one("swap_state_snapshot_cow_copies_total", "counter",
+                "Chunks copied before write while a snapshot persisted.", counters.cow_copies)
+        out.one("swap_state_snapshot_backpressure_waits_total", "counter",
+                "Trainer waits for a free copy-before-write slot.", counters.backpressure_waits)
+        out.one("swap_state_snapshot_backpressure_wait_seconds_total", "counter",
+                "Seconds trainers waited for a free copy-before-write slot.",
+                counters.backpressure_wait_seconds)
+
+    return write
+
+
 class SnapshotRpcs:
-    """Needs ``self.registry`` and ``self.snapshots`` (a coordinator, or None without
-    --snapshot-dir)."""
+    """Needs ``self.registry``, ``self.snapshots`` (a coordinator, or None without
+    --snapshot-dir) and ``self.snapshot_counters``."""
 
     snapshots: SnapshotCoordinator | None
+    snapshot_counters: SnapshotCounters
 
     def _coordinator(self) -> SnapshotCoordinator:
         if self.snapshots is None:
@@ -84,7 +138,8 @@ class SnapshotRpcs:
             except BaseException:
                 borrow.__exit__(None, None, None)
                 raise
-        asyncio.get_running_loop().create_task(_release_when_done(handle, borrow))
+        self.snapshot_counters.started += 1
+        asyncio.get_running_loop().create_task(_finish(handle, borrow, self.snapshot_counters))
         return pb.SnapshotReply(snapshot_id=handle.snapshot_id, consistent=True)
 
     @rpc_boundary
@@ -125,8 +180,12 @@ class SnapshotRpcs:
         )
 
 
-async def _release_when_done(handle: SnapshotHandle, borrow: contextlib.AbstractContextManager) -> None:
+async def _finish(
+    handle: SnapshotHandle, borrow: contextlib.AbstractContextManager, counters: SnapshotCounters
+) -> None:
+    """Return the borrowed mapping once the writer is done with it, then count the result."""
     try:
         await asyncio.to_thread(handle.wait_segment_released, None)
     finally:
         borrow.__exit__(None, None, None)
+    counters.record(await asyncio.to_thread(handle.wait, None))
