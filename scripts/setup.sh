@@ -16,7 +16,12 @@ want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) torch==
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
+# pip warns once per package about this machine's unused local index folders: noise, dropped.
+pip_install() {
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  return "${PIPESTATUS[0]}"
+}
 pip_install "torch==$TORCH_VERSION"
 # The constraint keeps every later resolution on the torch just installed.
 constraint="$VENV/torch-constraint.txt"

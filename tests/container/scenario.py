@@ -12,7 +12,7 @@ What the scenario relies on (the lead's interfaces):
 - ``python -m swap_state.server.healthcheck --listen URI``: exit 0 when SERVING.
 - A durable snapshot shows as a ``latest`` pointer somewhere under the snapshot volume.
 - ``python -m swap_state.client.demo --server URI --job-id J --steps N --snapshot-every K
-  --state-dir DIR --report FILE [--resume reattach|latest]``: keeps in DIR the model
+  --state-dir DIR --report FILE [--resume reattach|latest|auto]``: keeps in DIR the model
   parameters it needs to resume from the server's moments (``reattach``: the step the server
   kept; ``latest``: the latest snapshot's step), creating DIR if needed; writes FILE as JSON with
   ``step``, ``digest`` and ``reference_digest``; exits non-zero naming the server when the
@@ -262,8 +262,12 @@ def trainer_sigkill_then_reattach(stack: Stack) -> None:
     assert rc == -signal.SIGKILL, (
         f"the first trainer exited {rc} before it could be killed: its {STEPS} steps took less "
         f"than the harness's reaction time after the first snapshot" + _tail(first))
-    second = stack.start_trainer(demo_cmd(resume="reattach"))
+    # A kill between steps leaves the server's moments whole (reattach); a kill while the
+    # trainer was writing a step leaves them torn, and the demo restores the latest snapshot.
+    second = stack.start_trainer(demo_cmd(resume="auto"))
     _assert_bitwise_equal(_finish(stack, second), second)
+    resumed_by = second.logs
+    assert "reattached:" in resumed_by or "restored the latest snapshot" in resumed_by, resumed_by
     assert server.poll() is None, "the server must outlive its trainer" + _tail(server)
 
 
