@@ -192,6 +192,8 @@ def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> 
         step = container.resumed_step
         print(f"reattached: the server kept the moments of step {step}")
     elif mode == "reattach":
+        if container._torn_step is not None:
+            raise SystemExit(f"demo: --resume reattach: {container._torn_message()} (--resume auto does that)")
         raise SystemExit("demo: --resume reattach, but the server has no state for this job/rank")
     elif mode in ("latest", "auto") and _has_snapshot(container):
         step = container.restore("latest")
