@@ -240,6 +240,24 @@ def disk_bandwidth(directory: str, nbytes: int, reps: int = 3) -> dict[str, obje
     return out
 
 
+def write_read_once(path: str, nbytes: int) -> tuple[float, float]:
+    """One buffered write + fsync and one cold read (fadvise DONTNEED) of ``nbytes`` at
+    ``path``, in GB/s: the disk reference taken next to each checkpoint measurement."""
+    nbytes = max(BLOCK, -(-nbytes // BLOCK) * BLOCK)
+    buf = _aligned_buffer(BLOCK)
+    try:
+        w, s = _write_file(path, nbytes, buf, direct=False)
+        drop_file_cache(path)
+        n, t = _read_file(path, buf, direct=False)
+    finally:
+        buf.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return gbps(nbytes, w + s), gbps(n, t)
+
+
 def memcpy_bandwidth(nbytes: int, reps: int = 5) -> dict[str, object]:
     """Host memcpy GB/s: torch ``copy_`` (torch's threads) and one-thread ``memmove``
     (what the server's Python writer does per chunk). Bytes copied, not read + written."""

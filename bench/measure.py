@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import time
 from typing import Any
 
 import torch
 
-from bench.hardware import drop_tree_cache
-from bench.util import gbps, proc_status, summarize
+from bench.hardware import drop_tree_cache, write_read_once
+from bench.util import gbps, median_ci, proc_status, summarize
 from bench.workload import Variant
 
 __all__ = ["checkpoint_stalls", "commit_latency", "memory", "restore_throughput", "snapshot_overlap"]
@@ -49,6 +50,7 @@ def snapshot_overlap(remote: Variant, target_steps: int, max_seconds: float, ser
     totals = {"cow_copies": 0, "backpressure_waits": 0, "backpressure_wait_s": 0.0}
     durable_s: list[float] = []
     steps_per_snapshot: list[int] = []
+    paired: dict[str, list[float]] = {"train": [], "opt": []}
     snapshots = 0
     deadline = time.monotonic() + max_seconds
     persisting_wall = 0.0
@@ -79,6 +81,10 @@ def snapshot_overlap(remote: Variant, target_steps: int, max_seconds: float, ser
             train, opt = remote.step()
             without_train.append(train)
             without_opt.append(opt)
+        if n:  # this snapshot's steps against the steps right after it
+            m = max(1, n)
+            for kind, w, wo in (("train", with_train, without_train), ("opt", with_opt, without_opt)):
+                paired[kind].append(statistics.fmean(w[-n:]) / statistics.fmean(wo[-m:]))
     return {
         "snapshots": snapshots,
         "steps_with": len(with_train),
@@ -89,6 +95,8 @@ def snapshot_overlap(remote: Variant, target_steps: int, max_seconds: float, ser
         "without_train_s": summarize(without_train),
         "without_opt_s": summarize(without_opt),
         "snapshot_to_durable_while_training_s": summarize(durable_s),
+        "paired_ratio_train": {**summarize(paired["train"]), "ci95": list(median_ci(paired["train"]))},
+        "paired_ratio_opt": {**summarize(paired["opt"]), "ci95": list(median_ci(paired["opt"]))},
         "server_cpu_s_per_s": persisting_cpu / persisting_wall if persisting_wall else float("nan"),
         **totals,
         "raw": {"with_train": with_train, "without_train": without_train, "with_opt": with_opt, "without_opt": without_opt},
@@ -129,10 +137,23 @@ def checkpoint_stalls(inproc: Variant, remote: Variant, work_dir: str, reps: int
         m: {"stall": [], "durable": []} for m in ("torch_save", "dcp_save", "dcp_async_save", "swap_state")
     }
     metadata_s: list[float] = []
+    disk_write: list[float] = []
+    disk_read: list[float] = []
     snapshot_bytes: list[int] = []
     snapshot_ids: list[str] = []
     os.makedirs(work_dir, exist_ok=True)
+    rpc = remote.rpc
+    if rpc is not None:  # times the Snapshot RPC itself, inside snapshot()
+        rpc.reset()
+        rpc.enabled = True
     for rep in range(reps):
+        # The disk's own rate for the same byte count, at the same moment (it drifts on a
+        # shared or virtual disk): the reference for persist and restore.
+        _fresh(os.path.join(work_dir, "disk-ref.bin"))
+        w, r = write_read_once(os.path.join(work_dir, "disk-ref.bin"), state_bytes)
+        disk_write.append(w)
+        disk_read.append(r)
+
         # torch.save returns once the bytes are in the page cache; durable needs an fsync,
         # which the trainer would also have to wait for.
         path = os.path.join(work_dir, "torch_save.pt")
@@ -186,7 +207,11 @@ def checkpoint_stalls(inproc: Variant, remote: Variant, work_dir: str, reps: int
         results["swap_state"]["durable"].append(t2 - t0)
         snapshot_bytes.append(int(reply.bytes_total))
         snapshot_ids.append(handle.snapshot_id)
-    out: dict[str, Any] = {"state_dict_tensor_bytes": state_bytes, "reps": reps}
+    out: dict[str, Any] = {
+        "state_dict_tensor_bytes": state_bytes,
+        "reps": reps,
+        "disk_ref": {"write_fsync_gbps": summarize(disk_write), "read_cold_gbps": summarize(disk_read)},
+    }
     for method, samples in results.items():
         out[method] = {
             "stall_s": summarize(samples["stall"]),
@@ -198,6 +223,9 @@ def checkpoint_stalls(inproc: Variant, remote: Variant, work_dir: str, reps: int
     out["swap_state"]["persist_gbps"] = summarize(persist)
     out["swap_state"]["snapshot_ids"] = snapshot_ids
     out["swap_state"]["metadata_s"] = summarize(metadata_s)
+    if rpc is not None:
+        rpc.enabled = False
+        out["swap_state"]["snapshot_rpc_s"] = summarize(rpc.latency.get("Snapshot", []))
     return out
 
 

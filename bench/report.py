@@ -40,6 +40,13 @@ def _gb(stats: dict[str, float] | None) -> str:
     return f"{stats['median']:.2f}"
 
 
+def _ci(stats: dict[str, Any]) -> str:
+    if not stats or not stats.get("n"):
+        return "n/a"
+    lo, hi = stats.get("ci95", (float("nan"), float("nan")))
+    return f"{_x(stats['median'])} [{_x(lo)}–{_x(hi)}]"
+
+
 def _pct(value: float) -> str:
     return "n/a" if value is None or math.isnan(value) else f"{100 * value:.0f}%"
 
@@ -63,89 +70,118 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     step = main["step"]
     commit_p50 = _med(main["rpc"]["commit_in_loop_s"])
 
-    def add(goal: str, measured: str, reached: bool | None, why: str = "") -> None:
-        goals.append({"goal": goal, "measured": measured, "reached": reached, "why": "" if reached else why})
+    def add(goal: str, measured: str, reached: bool | None, why: str = "", resolved: bool = True) -> None:
+        goals.append({"goal": goal, "measured": measured, "reached": reached, "resolved": resolved,
+                      "why": "" if reached else why})
+
+
+    def ci_text(stats: dict[str, Any]) -> str:
+        lo, hi = stats.get("ci95", (float("nan"), float("nan")))
+        return f"95% CI {_x(lo)}–{_x(hi)}"
+
+    def verdict(stats: dict[str, Any], target: float) -> tuple[bool | None, bool]:
+        """(reached by the median, resolved: the 95% interval lies on one side of the goal)."""
+        r = stats.get("median", float("nan"))
+        lo, hi = stats.get("ci95", (float("nan"), float("nan")))
+        if math.isnan(r):
+            return None, False
+        return r <= target, not (math.isnan(lo) or lo <= target < hi)
 
     for kind, name in (("opt", "optimizer step"), ("train", "train step")):
         remote, inproc, plain = (_med(step[v][kind]) for v in ("remote", "inproc", "plain"))
         medians = (f"medians {label}: plain {fmt_ms(plain)}, in-process {fmt_ms(inproc)}, "
                    f"remote {fmt_ms(remote)}")
-        r = _ratio(remote, inproc)
-        add(
-            f"remote / in-process {name} time <= 1.05",
-            f"{_x(r)} {label} (sweep: {', '.join(_x(_ratio(_med(s['step']['remote'][kind]), _med(s['step']['inproc'][kind]))) for s in sizes)})",
-            r <= 1.05 if not math.isnan(r) else None,
-            f"{medians}; the remote step differs by one CommitStep RPC (p50 {fmt_ms(commit_p50)} "
-            "in this loop) and a segment-header read per slice",
-        )
-        r = _ratio(remote, plain)
-        add(
-            f"on CPU, remote / plain fused AdamW {name} time <= 1.1",
-            f"{_x(r)} {label} (sweep: {', '.join(_x(_ratio(_med(s['step']['remote'][kind]), _med(s['step']['plain'][kind]))) for s in sizes)})",
-            r <= 1.1 if not math.isnan(r) else None,
-            f"{medians}; in-process / plain = {_x(_ratio(inproc, plain))} (the swap container without "
-            f"any server), remote / in-process = {_x(_ratio(remote, inproc))}",
-        )
+        for pair, target, goal, why in (
+            ("remote/inproc", 1.05, f"remote / in-process {name} time <= 1.05",
+             f"{medians}; the remote step differs by one CommitStep RPC (p50 {fmt_ms(commit_p50)} in this "
+             "loop) and a segment-header read per slice"),
+            ("remote/plain", 1.1, f"on CPU, remote / plain fused AdamW {name} time <= 1.1",
+             f"{medians}; paired in-process / plain = "
+             f"{_x(_med(main['step_paired_ratios']['inproc/plain'][kind]))} (the swap container without any "
+             f"server), remote / in-process = {_x(_med(main['step_paired_ratios']['remote/inproc'][kind]))}"),
+        ):
+            stats = main["step_paired_ratios"][pair][kind]
+            reached, ok = verdict(stats, target)
+            sweep = ", ".join(_x(_med(s["step_paired_ratios"][pair][kind])) for s in sizes)
+            add(goal, f"{_x(_med(stats))} {label} ({ci_text(stats)}; sweep: {sweep})", reached, why, ok)
 
     ov = main["snapshot_overlap"]
+    contention = results["machine"].get("contention") or {}
+    opt_ratio = _med(ov["paired_ratio_opt"])
     for kind, name in (("train", "train step"), ("opt", "optimizer step")):
-        r = _ratio(_med(ov[f"with_{kind}_s"]), _med(ov[f"without_{kind}_s"]))
-        add(
-            f"{name} time with a snapshot persisting / without <= 1.05",
-            f"{_x(r)} {label} ({ov['steps_with']} steps over {ov['snapshots']} snapshots)",
-            r <= 1.05 if not math.isnan(r) else None,
+        stats = ov[f"paired_ratio_{kind}"]
+        reached, ok = verdict(stats, 1.05)
+        why = (
             f"during those snapshots the trainer made {ov['cow_copies']} copy-before-write copies "
             f"({fmt_bytes(ov['cow_copies'] * main['memory']['chunk_bytes'])}) and waited "
-            f"{ov['backpressure_waits']} times for {ov['backpressure_wait_s'] * 1e3:.1f} ms (back-pressure); "
-            f"the server used {ov.get('server_cpu_s_per_s', float('nan')):.2f} CPU-seconds per second "
-            f"persisting, on a machine with {results['machine']['cpus_usable']} CPUs shared with the trainer",
+            f"{ov['backpressure_waits']} times ({ov['backpressure_wait_s'] * 1e3:.1f} ms) for a copy slot; "
+            f"the server used {ov.get('server_cpu_s_per_s', float('nan')):.2f} CPU-s/s persisting, on "
+            f"{results['machine']['cpus_usable']} CPUs"
+        )
+        if contention:
+            why += f" that other processes also used at {contention['other_cpu_s_per_s']:.2f} CPU-s/s"
+        if kind == "train" and not math.isnan(opt_ratio):
+            why += f"; the optimizer step alone was {_x(opt_ratio)}× (the rest is forward/backward)"
+        add(
+            f"{name} time with a snapshot persisting / without <= 1.05",
+            f"{_x(_med(stats))} {label} ({ci_text(stats)}; {ov['snapshots']} snapshots, {ov['steps_with']} steps "
+            "with, each snapshot's steps against the steps right after it)",
+            reached, why, ok,
         )
 
     stalls = [s["stall"]["swap_state"]["stall_s"] for s in sizes]
     worst = max(_med(s) for s in stalls)
+    sw = main["stall"]["swap_state"]
     add(
         "trainer-visible snapshot stall <= 5 ms at every size",
         "median " + ", ".join(f"{fmt_ms(_med(s))} ({fmt_count(z['params'])})" for s, z in zip(stalls, sizes)),
         worst <= 5e-3,
-        "the stall is the trainer's snapshot() call: building the metadata JSON "
-        f"({fmt_ms(_med(main['stall']['swap_state'].get('metadata_s')))} {label}) plus one Snapshot RPC",
+        f"snapshot() {label} = metadata JSON built in the trainer ({fmt_ms(_med(sw.get('metadata_s')))}) + the "
+        f"Snapshot RPC round trip ({fmt_ms(_med(sw.get('snapshot_rpc_s')))}); an idle CommitStep round trip is "
+        f"{fmt_ms(_med(results['control_plane']['commit_s']))}, so the rest is the server's synchronous part of "
+        "Snapshot and scheduling on a loaded machine",
     )
     factors = [
         _ratio(_med(s["stall"]["dcp_async_save"]["stall_s"]), _med(s["stall"]["swap_state"]["stall_s"])) for s in sizes
     ]
+    async_block = _med(main["stall"]["dcp_async_save"]["stall_s"])
     add(
         "snapshot stall >= 100x below DCP async_save's blocking part",
         ", ".join(f"{_x(f, 0)}x ({fmt_count(z['params'])})" for f, z in zip(factors, sizes)),
         all(f >= 100 for f in factors),
-        "DCP async_save's blocking part (staging a copy) grows with the state; at small states it is "
-        "itself only a few ms, so the factor is smallest there",
+        f"DCP async_save blocked {fmt_ms(async_block)} {label} (it stages a copy, so it grows with the state); "
+        f"100x below that is {fmt_ms(async_block / 100)}, under the snapshot() stall measured here "
+        f"({fmt_ms(_med(sw['stall_s']))})",
     )
 
     disk = results["disk"]
+    ref = main["stall"]["disk_ref"]
     persist = _med(main["stall"]["swap_state"]["persist_gbps"])
-    write = _disk_write(disk)
+    write = _med(ref["write_fsync_gbps"])
     frac = _ratio(persist, write)
     crc = _med(results["crc32"]["gbps"])
     memmove = _med(results["memcpy"]["memmove_1thread_gbps"])
-    serial = 1 / (1 / memmove + 1 / crc + 1 / write) if all(v > 0 for v in (memmove, crc, write)) else float("nan")
     add(
         "persist >= 80% of the disk's sequential write bandwidth (with fsync)",
-        f"{persist:.2f} GB/s = {_pct(frac)} of {write:.2f} GB/s {label}",
+        f"{persist:.2f} GB/s = {_pct(frac)} of {write:.2f} GB/s {label} (disk write + fsync of the same "
+        f"bytes, between the checkpoint repetitions; the run's first disk probe gave {_disk_write(disk):.2f} GB/s)",
         frac >= 0.8 if not math.isnan(frac) else None,
-        f"the writer does, per chunk on one thread, a copy out of shared memory (memmove "
-        f"{memmove:.2f} GB/s), crc32 ({crc:.2f} GB/s) and the write; those measured rates in series "
-        f"bound it at ~{serial:.2f} GB/s ({_pct(_ratio(serial, write))} of the disk); the time also "
-        "covers the fsync, manifest, atomic rename and retention",
+        f"the writer copies each chunk out of shared memory (memmove {memmove:.2f} GB/s) and crc32s it "
+        f"({crc:.2f} GB/s) on one thread before writing it; snapshot() → durable also covers the Snapshot RPC, "
+        "the fsync, the manifest, the atomic rename and retention",
     )
     restore = _med(main["restore"]["cold_gbps"])
-    read = _disk_read(disk)
+    read = _med(ref["read_cold_gbps"])
+    warm = _med(disk.get("read_warm_gbps"))
     frac = _ratio(restore, read)
     add(
         "restore >= 80% of the disk's sequential read bandwidth (cold)",
-        f"{restore:.2f} GB/s = {_pct(frac)} of {read:.2f} GB/s {label}",
+        f"{restore:.2f} GB/s = {_pct(frac)} of {read:.2f} GB/s {label} (cold read of the same bytes, "
+        f"between the checkpoint repetitions; the run's first disk probe gave {_disk_read(disk):.2f} GB/s)",
         frac >= 0.8 if not math.isnan(frac) else None,
-        f"restore verifies every crc32 before writing a byte ({crc:.2f} GB/s), then reads the file a "
-        "second time (from the page cache) to copy it into the segment",
+        f"restore reads every byte twice: a verify pass (cold read, crc32 at {crc:.2f} GB/s on one thread) "
+        f"before it writes a byte, then a copy pass from the page cache (warm read {warm:.2f} GB/s) into the "
+        "segment",
     )
     return goals
 
@@ -198,22 +234,24 @@ def markdown(results: dict[str, Any]) -> str:
     add("| | plain fused AdamW (moments resident) | in-process swap container | remote container (swap-state) |")
     add("|---|---|---|---|")
     st = main["step"]
+    pr = main["step_paired_ratios"]
     for kind, name in (("train", "train step (fwd+bwd+step+zero_grad)"), ("opt", "optimizer step only")):
         add(f"| {name} | {_spread(st['plain'][kind])} | {_spread(st['inproc'][kind])} | {_spread(st['remote'][kind])} |")
-        p = _med(st["plain"][kind])
-        add(f"| {kind} ratio vs plain | 1.000 | {_x(_ratio(_med(st['inproc'][kind]), p))} | "
-            f"{_x(_ratio(_med(st['remote'][kind]), p))} (vs in-process: "
-            f"{_x(_ratio(_med(st['remote'][kind]), _med(st['inproc'][kind])))}) |")
+        add(f"| {kind} step ÷ plain, paired [95% CI] | 1 | {_ci(pr['inproc/plain'][kind])} | "
+            f"{_ci(pr['remote/plain'][kind])}; ÷ in-process: {_ci(pr['remote/inproc'][kind])} |")
     add("")
-
+    add("Ratios are paired: the median over rounds of the ratio of two optimizers' steps taken back to back "
+        "(round-robin, the order rotating), with a bootstrap 95% interval; load from other processes comes "
+        "and goes on this machine and hits both steps of a pair alike, which a ratio of medians does not.")
+    add("")
     ov = main["snapshot_overlap"]
     add("## Step time while a snapshot persists (remote container)")
     add("")
-    add("| | without snapshot | while a snapshot persists | ratio |")
+    add("| | without snapshot | while a snapshot persists | ratio, paired per snapshot [95% CI] |")
     add("|---|---|---|---|")
     for kind, name in (("train", "train step"), ("opt", "optimizer step")):
         add(f"| {name} | {_spread(ov[f'without_{kind}_s'])} | {_spread(ov[f'with_{kind}_s'])} | "
-            f"{_x(_ratio(_med(ov[f'with_{kind}_s']), _med(ov[f'without_{kind}_s'])))} |")
+            f"{_ci(ov[f'paired_ratio_{kind}'])} |")
     add("")
     add(f"{ov['snapshots']} snapshots, {ov['steps_with']} steps overlapped a persisting snapshot "
         f"(per snapshot: {', '.join(map(str, ov['steps_per_snapshot'][:12]))}{'…' if len(ov['steps_per_snapshot']) > 12 else ''}); "
@@ -243,15 +281,16 @@ def markdown(results: dict[str, Any]) -> str:
     mc = results["memcpy"]
     rs = main["restore"]
     persist = sk["swap_state"]["persist_gbps"]
-    add(f"## Throughput vs the hardware (GB/s = 10⁹ B/s; disk probe file {fmt_bytes(d['bytes'])}, median of {d['reps']})")
+    add(f"## Throughput vs the hardware ({fmt_count(main['params'])} params; GB/s = 10⁹ B/s; disk probe file "
+        f"{fmt_bytes(d['bytes'])} at the start of the run, median of {d['reps']})")
     add("")
     add("| | GB/s | note |")
     add("|---|---|---|")
-    add(f"| disk sequential write, buffered + fsync | {_gb(d.get('write_fsync_gbps'))} | the reference for persist |")
+    add(f"| disk sequential write, buffered + fsync | {_gb(d.get('write_fsync_gbps'))} | |")
     add(f"| disk sequential write, page cache only (no fsync) | {_gb(d.get('write_pagecache_only_gbps'))} | not durable: memory speed |")
     if d.get("write_direct_gbps"):
         add(f"| disk sequential write, O_DIRECT + fsync | {_gb(d.get('write_direct_gbps'))} | |")
-    add(f"| disk sequential read, cold (fadvise DONTNEED first) | {_gb(d.get('read_cold_gbps'))} | the reference for restore |")
+    add(f"| disk sequential read, cold (fadvise DONTNEED first) | {_gb(d.get('read_cold_gbps'))} | |")
     if d.get("read_direct_gbps"):
         add(f"| disk sequential read, O_DIRECT | {_gb(d.get('read_direct_gbps'))} | |")
     add(f"| disk sequential read, warm (page cache) | {_gb(d.get('read_warm_gbps'))} | |")
@@ -260,10 +299,16 @@ def markdown(results: dict[str, Any]) -> str:
         f"{fmt_bytes(mc['bytes'])} buffers |")
     add(f"| host memmove, 1 thread | {_gb(mc['memmove_1thread_gbps'])} | |")
     add(f"| zlib crc32, 1 thread | {_gb(results['crc32']['gbps'])} | every persisted/restored byte |")
+    ref = sk["disk_ref"]
+    add(f"| disk write + fsync, {fmt_bytes(sk['state_dict_tensor_bytes'])}, between the checkpoint reps | "
+        f"{_gb(ref['write_fsync_gbps'])} | the reference for persist (same bytes, same moment) |")
+    add(f"| disk cold read, {fmt_bytes(sk['state_dict_tensor_bytes'])}, between the checkpoint reps | "
+        f"{_gb(ref['read_cold_gbps'])} | the reference for restore |")
     add(f"| **swap-state persist** (snapshot() → durable, idle trainer) | **{_gb(persist)}** | "
-        f"{_pct(_ratio(_med(persist), _disk_write(d)))} of disk write, {_pct(_ratio(_med(persist), ceiling))} of the memcpy ceiling ({ceiling:.2f}) |")
+        f"{_pct(_ratio(_med(persist), _med(ref['write_fsync_gbps'])))} of disk write, "
+        f"{_pct(_ratio(_med(persist), ceiling))} of the memcpy ceiling ({ceiling:.2f}) |")
     add(f"| **swap-state restore**, cold page cache | **{_gb(rs['cold_gbps'])}** | "
-        f"{_pct(_ratio(_med(rs['cold_gbps']), _disk_read(d)))} of cold disk read |")
+        f"{_pct(_ratio(_med(rs['cold_gbps']), _med(ref['read_cold_gbps'])))} of cold disk read |")
     add(f"| swap-state restore, warm page cache | {_gb(rs['warm_gbps'])} | "
         f"{_pct(_ratio(_med(rs['warm_gbps']), _med(d.get('read_warm_gbps'))))} of warm read |")
     if d.get("notes"):
@@ -310,9 +355,9 @@ def markdown(results: dict[str, Any]) -> str:
 
     add("## Sweep over state sizes")
     add("")
-    add("| params | state | train step plain / in-proc / remote | remote÷in-proc | remote÷plain | "
+    add("| params | state | train step plain / in-proc / remote (medians) | remote÷in-proc (paired) | remote÷plain (paired) | "
         "stall: torch.save / DCP save / DCP async / swap-state | durable: torch.save+fsync / DCP / DCP async / swap-state | "
-        "persist GB/s | restore cold GB/s |")
+        "persist GB/s (% of disk write) | restore cold GB/s (% of cold read) |")
     add("|---|---|---|---|---|---|---|---|---|")
     for s in sizes:
         st, sk = s["step"], s["stall"]
@@ -321,8 +366,12 @@ def markdown(results: dict[str, Any]) -> str:
         durables = " / ".join(fmt_ms(_med(sk[k]["durable_s"])) for k in names)
         add(f"| {fmt_count(s['params'])} | {fmt_bytes(s['state_bytes'])} | "
             f"{' / '.join(fmt_ms(med[v]) for v in ('plain', 'inproc', 'remote'))} | "
-            f"{_x(_ratio(med['remote'], med['inproc']))} | {_x(_ratio(med['remote'], med['plain']))} | "
-            f"{stalls} | {durables} | {_gb(sk['swap_state']['persist_gbps'])} | {_gb(s['restore']['cold_gbps'])} |")
+            f"{_x(_med(s['step_paired_ratios']['remote/inproc']['train']))} | "
+            f"{_x(_med(s['step_paired_ratios']['remote/plain']['train']))} | "
+            f"{stalls} | {durables} | {_gb(sk['swap_state']['persist_gbps'])} "
+            f"({_pct(_ratio(_med(sk['swap_state']['persist_gbps']), _med(sk['disk_ref']['write_fsync_gbps'])))}) | "
+            f"{_gb(s['restore']['cold_gbps'])} "
+            f"({_pct(_ratio(_med(s['restore']['cold_gbps']), _med(sk['disk_ref']['read_cold_gbps'])))}) |")
     add("")
 
     add("## CUDA")
@@ -342,8 +391,11 @@ def markdown(results: dict[str, Any]) -> str:
         add("")
         add("| | plain fused AdamW (moments on GPU) | in-process swap | remote swap |")
         add("|---|---|---|---|")
+        pr = cuda["step_paired_ratios"]
         for kind in ("train", "opt"):
             add(f"| {kind} step | {_spread(st['plain'][kind])} | {_spread(st['inproc'][kind])} | {_spread(st['remote'][kind])} |")
+            add(f"| {kind} ÷ plain, paired [95% CI] | 1 | {_ci(pr['inproc/plain'][kind])} | "
+                f"{_ci(pr['remote/plain'][kind])}; ÷ in-process: {_ci(pr['remote/inproc'][kind])} |")
     add("")
 
     add("## Against the issue's goals")
@@ -352,8 +404,14 @@ def markdown(results: dict[str, Any]) -> str:
     add("|---|---|---|---|")
     for g in results["goals"]:
         reached = {True: "yes", False: "**no**", None: "n/a"}[g["reached"]]
+        if g["reached"] is not None and not g.get("resolved", True):
+            reached += " (unresolved†)"
         add(f"| {g['goal']} | {g['measured']} | {reached} | {g['why']} |")
     add("")
+    if any(not g.get("resolved", True) for g in results["goals"]):
+        add("† unresolved: the goal lies inside the 95% interval of the measured ratio, so this run cannot "
+            "tell reached from short (more steps, or a quieter machine, would).")
+        add("")
     add("Page cache: persist and DCP/torch.save times include fsync, so they are disk-bound; restore is "
         "shown cold (the snapshot's pages evicted with posix_fadvise first) and warm. On a virtual disk the "
         "hypervisor may cache below the guest, which the guest cannot evict.")
@@ -394,7 +452,7 @@ def plot(results: dict[str, Any], path: str) -> str | None:
     ax1.set_xlabel("Adam state (fp32 moments)")
     ax1.set_ylabel("step time (ms), median, p10–p90")
     ax1.set_title("Step time vs state size")
-    ax1.legend(fontsize=7)
+    ax1.legend(fontsize=7, loc="upper left")
     for key, label, color in (("torch_save", "torch.save", "C3"), ("dcp_save", "DCP save", "C4"),
                               ("dcp_async_save", "DCP async_save (blocking)", "C5"),
                               ("swap_state", "swap-state snapshot()", "C2")):
@@ -405,7 +463,7 @@ def plot(results: dict[str, Any], path: str) -> str | None:
     ax2.set_xlabel("Adam state (fp32 moments)")
     ax2.set_ylabel("ms (median)")
     ax2.set_title("Checkpoint: trainer-visible stall (solid), time to durable (dotted)")
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=7, loc="upper left")
     m = results["machine"]
     fig.suptitle(f"swap-state bench — {m['cpu_model']}, {m['cpus_usable']} CPUs, {fmt_bytes(m['ram_bytes'])} RAM", fontsize=9)
     fig.tight_layout()

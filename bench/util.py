@@ -92,6 +92,29 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def median_ci(values: Sequence[float], confidence: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap confidence interval of the median of ``values`` (deterministic seed)."""
+    import random
+
+    data = list(values)
+    if len(data) < 2:
+        return (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(data, k=len(data))) for _ in range(resamples))
+    tail = (1 - confidence) / 2 * 100
+    return percentile(medians, tail), percentile(medians, 100 - tail)
+
+
+def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> dict[str, float]:
+    """Per-pair ratios (pairs taken close together in time, so that load on the machine
+    hits both alike) summarized, with a 95% bootstrap interval of their median."""
+    ratios = [a / b for a, b in zip(numerator, denominator) if b > 0]
+    out = summarize(ratios)
+    if ratios:
+        out["ci95"] = list(median_ci(ratios))
+    return out
+
+
 def proc_status(pid: int | str = "self") -> dict[str, int]:
     """VmRSS, VmHWM, RssAnon, RssFile, RssShmem of a process, in bytes."""
     out: dict[str, int] = {}

@@ -446,9 +446,17 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         snapshot of the last committed step (taken now, unless one of that step exists),
         plus param groups and step counts; no moment bytes pass through the trainer.
 
-        Safe as a load template: a container that has committed no step takes no snapshot.
+        Safe as a load template: a container that has committed no step (or whose kept state
+        is torn) takes no snapshot; one that has (a reattached trainer) takes one, and the
+        load then restores the referenced snapshot after it. In 'full' mode the returned
+        moments are views that DCP loads into, so a snapshot still reading the segment is
+        waited for first.
         """
         if self.remote_config.checkpoint != "snapshot":
+            # The moments are views of the segment, and DCP loads *into* a template's tensors:
+            # no write may land under a snapshot still reading the segment (a restarted
+            # trainer's predecessor's, say), so such a snapshot's read is waited for first.
+            self._wait_segment_released("state_dict()")
             return super().state_dict()
         flat = {k: v for k, v in super().state_dict().items() if not _is_moment_key(k)}
         step = self.session.last_committed_step

@@ -59,4 +59,4 @@ def test_bench_runs_end_to_end_at_a_tiny_size(tmp_path):
                     "## Sweep", "## CUDA", "## Against the issue's goals"):
         assert heading in md
     assert (out / "bench.png").exists() or "bench.png skipped:" in proc.stdout
-    assert not (out / ".work").exists()  # scratch (checkpoints, snapshots, probe) removed
+    assert not list(out.glob(".bench-work-*"))  # scratch (checkpoints, snapshots, probe) removed

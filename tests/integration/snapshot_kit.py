@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from .workload import Workload, build, kwargs, train
+from .workload import Workload, kwargs, train
 
 #: Chunk size the servers of these tests use: a multiple of the page size, far below the
 #: default, so one moment tensor of :class:`WideNet` is several chunks.
@@ -135,7 +134,6 @@ __all__ = [
     "CHUNK",
     "SWAP_STATE_CLI",
     "WideNet",
-    "build",
     "build_wide",
     "moment_bytes",
     "reference",

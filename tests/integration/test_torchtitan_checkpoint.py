@@ -10,21 +10,33 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.config import Checkpoint as CheckpointConfig
 
-from swap_state.client.remote_container import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY
+from swap_state.client.remote_container import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, SnapshotHandle
 from swap_state.proto.segment import Word
 
-from .snapshot_kit import CHUNK, build_wide, moment_bytes, params_copy, reference
+from .snapshot_kit import (
+    CHUNK,
+    bitwise_diff,
+    build_wide,
+    data_file,
+    moment_bytes,
+    params_copy,
+    record_state,
+    reference,
+)
 from .workload import Workload, mismatches, remote, train
 
 pytestmark = pytest.mark.integration
 
 W = Workload()
+#: Writer cap that makes persisting a WideNet (~0.55 MiB of moments) take ~1 s.
+SLOW = "512K"
 
 
 @pytest.fixture
@@ -180,7 +192,7 @@ def test_snapshot_reference_loads_while_persisting_and_from_a_restarted_server(s
     saved = container.state_dict()
     ref = saved[SNAPSHOT_REF_KEY]
     assert ref == "tt-ref/step-5" and saved[SNAPSHOT_JOB_KEY] == "tt-ref"
-    assert container._snapshot_handle.status().state == "persisting"
+    assert container.client.snapshot_status(ref, 0).state == "persisting"
     container.close()
 
     again = build_wide(Workload(seed=7))
@@ -200,4 +212,41 @@ def test_snapshot_reference_loads_while_persisting_and_from_a_restarted_server(s
     calls = _spy_rpcs(fresh)
     assert fresh.state_dict()[SNAPSHOT_REF_KEY] == ref
     assert calls == []
+    fresh.close()
+
+
+def test_full_mode_load_template_does_not_write_under_a_persisting_snapshot(
+    start_server, gloo_one_rank, tmp_path
+):
+    """Full mode: DCP loads into the tensors state_dict() returns, i.e. into the segment. A
+    restarted trainer that reattaches while its predecessor's snapshot still persists must
+    not let that load overwrite bytes the snapshot has yet to read."""
+    server = start_server(chunk_bytes=CHUNK, extra_args=("--persist-max-bandwidth", SLOW))
+    model = build_wide(W)
+    container = remote(W, model, server.address, "tt-full-restart", checkpoint="full")
+    state = TrainState()
+    manager = _manager(tmp_path, model, container, state)
+    train(model, container, W, range(1, 6))
+    state.step = 5
+    manager.save(curr_step=5)
+    train(model, container, W, range(6, 8))
+    at_7 = record_state(model, container)
+    snapshot_id = container.snapshot().snapshot_id
+    manager.close()
+    container.close(keep=True)
+
+    fresh_model = build_wide(Workload(seed=7))
+    fresh = remote(W, fresh_model, server.address, "tt-full-restart", checkpoint="full")
+    assert fresh.resumed_step == 7
+    handle = SnapshotHandle(snapshot_id, 7, 0, fresh.client)
+    assert handle.status().state == "persisting"
+    fresh_state = TrainState()
+    fresh_manager = _manager(tmp_path, fresh_model, fresh, fresh_state)
+    assert fresh_manager.load() is True
+    status = handle.wait_durable(timeout_s=60)
+    assert bitwise_diff(at_7, load_file(str(data_file(status.path)))) == []
+    train(fresh_model, fresh, W, range(6, 11))
+    ref_model, ref_opt = reference(W, build_wide, 10)
+    assert mismatches(fresh_model, fresh, ref_model, ref_opt) == []
+    fresh_manager.close()
     fresh.close()
