@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from bench.hardware import drop_tree_cache, write_read_once
-from bench.util import gbps, median_ci, proc_status, summarize
+from bench.util import cpu_jiffies, gbps, median_ci, proc_status, summarize
 from bench.workload import Variant
 
 __all__ = ["checkpoint_stalls", "commit_latency", "memory", "restore_throughput", "snapshot_overlap"]
@@ -55,8 +55,19 @@ def snapshot_overlap(remote: Variant, target_steps: int, max_seconds: float, ser
     deadline = time.monotonic() + max_seconds
     persisting_wall = 0.0
     persisting_cpu = 0.0
+    # Machine-wide busy CPU (trainer, server, kernel writeback, everyone else) per phase.
+    busy = {"with": [0.0, 0.0], "without": [0.0, 0.0]}  # [cpu seconds, wall seconds]
+
+    def account(phase: str, since: tuple[dict[str, float], float]) -> tuple[dict[str, float], float]:
+        now = (cpu_jiffies(), time.perf_counter())
+        if since[0] and now[0]:
+            busy[phase][0] += now[0]["busy"] - since[0]["busy"]
+            busy[phase][1] += now[1] - since[1]
+        return now
+
     while len(with_train) < target_steps and time.monotonic() < deadline:
         cpu0 = _cpu_seconds(server_pid)
+        mark = (cpu_jiffies(), time.perf_counter())
         t0 = time.perf_counter()
         handle = container.snapshot()
         n = 0
@@ -71,6 +82,7 @@ def snapshot_overlap(remote: Variant, target_steps: int, max_seconds: float, ser
             with_opt.append(opt)
             n += 1
         durable_s.append(time.perf_counter() - t0)
+        mark = account("with", mark)
         persisting_wall += durable_s[-1]
         persisting_cpu += _cpu_seconds(server_pid) - cpu0
         snapshots += 1
@@ -81,6 +93,7 @@ def snapshot_overlap(remote: Variant, target_steps: int, max_seconds: float, ser
             train, opt = remote.step()
             without_train.append(train)
             without_opt.append(opt)
+        account("without", mark)
         if n:  # this snapshot's steps against the steps right after it
             m = max(1, n)
             for kind, w, wo in (("train", with_train, without_train), ("opt", with_opt, without_opt)):
@@ -98,6 +111,8 @@ def snapshot_overlap(remote: Variant, target_steps: int, max_seconds: float, ser
         "paired_ratio_train": {**summarize(paired["train"]), "ci95": list(median_ci(paired["train"]))},
         "paired_ratio_opt": {**summarize(paired["opt"]), "ci95": list(median_ci(paired["opt"]))},
         "server_cpu_s_per_s": persisting_cpu / persisting_wall if persisting_wall else float("nan"),
+        "machine_busy_cpu_s_per_s_with": busy["with"][0] / busy["with"][1] if busy["with"][1] else float("nan"),
+        "machine_busy_cpu_s_per_s_without": busy["without"][0] / busy["without"][1] if busy["without"][1] else float("nan"),
         **totals,
         "raw": {"with_train": with_train, "without_train": without_train, "with_opt": with_opt, "without_opt": without_opt},
     }

@@ -120,6 +120,10 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         )
         if contention:
             why += f" that other processes also used at {contention['other_cpu_s_per_s']:.2f} CPU-s/s"
+        busy_with, busy_without = ov.get("machine_busy_cpu_s_per_s_with"), ov.get("machine_busy_cpu_s_per_s_without")
+        if busy_with is not None:
+            why += (f"; the whole machine was busy {busy_with:.2f} CPU-s/s while snapshots persisted and "
+                    f"{busy_without:.2f} without (kernel writeback included)")
         if kind == "train" and not math.isnan(opt_ratio):
             why += f"; the optimizer step alone was {_x(opt_ratio)}× (the rest is forward/backward)"
         add(
@@ -258,7 +262,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"snapshot → durable while training: {_spread(ov['snapshot_to_durable_while_training_s'])}. "
         f"SnapshotStatus counters, summed: copy-before-write copies **{ov['cow_copies']}**, back-pressure waits "
         f"**{ov['backpressure_waits']}** ({ov['backpressure_wait_s'] * 1e3:.1f} ms). "
-        f"Server CPU while persisting: {ov.get('server_cpu_s_per_s', float('nan')):.2f} CPU-s/s.")
+        f"Server CPU while persisting: {ov.get('server_cpu_s_per_s', float('nan')):.2f} CPU-s/s; whole machine busy "
+        f"{ov.get('machine_busy_cpu_s_per_s_with', float('nan')):.2f} CPU-s/s while persisting, "
+        f"{ov.get('machine_busy_cpu_s_per_s_without', float('nan')):.2f} without.")
     add("")
 
     sk = main["stall"]
@@ -418,9 +424,20 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _finite(value: Any) -> Any:
+    """NaN/inf -> None, so that the file is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write_json(results: dict[str, Any], path: str) -> None:
     with open(path, "w") as f:
-        json.dump(results, f, indent=1, default=str)
+        json.dump(_finite(results), f, indent=1, default=str, allow_nan=False)
         f.write("\n")
 
 
@@ -452,7 +469,7 @@ def plot(results: dict[str, Any], path: str) -> str | None:
     ax1.set_xlabel("Adam state (fp32 moments)")
     ax1.set_ylabel("step time (ms), median, p10–p90")
     ax1.set_title("Step time vs state size")
-    ax1.legend(fontsize=7, loc="upper left")
+    ax1.legend(fontsize=7, loc="lower right")
     for key, label, color in (("torch_save", "torch.save", "C3"), ("dcp_save", "DCP save", "C4"),
                               ("dcp_async_save", "DCP async_save (blocking)", "C5"),
                               ("swap_state", "swap-state snapshot()", "C2")):
