@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from swap_state.client.shm import TORCH_DTYPES
 from swap_state.server.snapshot_errors import SnapshotError
 from swap_state.server.snapshot_format import RankManifest, TensorRecord
 from swap_state.server.snapshot_metadata import TENSOR_TAG
@@ -41,15 +42,7 @@ __all__ = ["FORMATS", "ExportError", "ExportResult", "load_flat_state_dict", "ex
 
 FORMATS = ("torch", "dcp")
 
-_TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-}
+_TORCH_DTYPES = TORCH_DTYPES
 
 
 class ExportError(SnapshotError):
