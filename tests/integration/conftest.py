@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 
 import pytest
+import torch.distributed as dist
 
 from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig
 
@@ -53,3 +55,17 @@ def no_server_env(monkeypatch):
 
 def shm_files(path: str) -> set[str]:
     return set(os.listdir(path))
+
+
+@pytest.fixture
+def gloo_one_rank():
+    """A 1-rank gloo process group on a free port (reused if the process already has one)."""
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -218,3 +218,35 @@ def test_trainer_dead_mid_step_leaves_torn_state_that_must_be_restored(server):
     train(ref_model, ref, w, range(1, 11))
     assert mismatches(model2, second, ref_model, ref) == []
     second.close()
+
+
+def test_dtensor_parameter_bitwise_and_layout_in_snapshot_manifest(server, gloo_one_rank):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from swap_state.client.remote_container import RemoteSwapOptimizersContainer
+
+    mesh = DeviceMesh("cpu", [0])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 6, bias=False)
+    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))
+    ref = torch.nn.Parameter(model.weight.to_local().detach().clone())
+    kw = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    container = RemoteSwapOptimizersContainer([model], torch.optim.AdamW, dict(kw), 2, server=server.address, job_id="dt")
+    ref_opt = torch.optim.AdamW([ref], fused=True, **kw)
+    for step in range(1, 6):
+        grad = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+        model.weight.grad = DTensor.from_local(grad.clone(), mesh, [Shard(0)])
+        ref.grad = grad.clone()
+        container.step()
+        ref_opt.step()
+    assert torch.equal(model.weight.to_local(), ref)
+    host = container.param_to_cpu_states_map[model.weight]
+    assert torch.equal(host["exp_avg"], ref_opt.state[ref]["exp_avg"])
+    assert torch.equal(host["exp_avg_sq"], ref_opt.state[ref]["exp_avg_sq"])
+    reply = container.snapshot().wait_durable(timeout_s=30)
+    manifest = json.loads(open(os.path.join(reply.path, "rank-00000.manifest.json")).read())
+    records = {t["name"]: t for t in manifest["tensors"]}
+    assert records["state.weight.exp_avg"]["global_shape"] == [6, 8]
+    assert records["state.weight.exp_avg"]["global_offset"] == [0, 0]
+    container.close()

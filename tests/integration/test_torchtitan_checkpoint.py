@@ -5,7 +5,6 @@ server-side snapshot) and in ``"full"`` mode (the seed's full-tensor state dict)
 from __future__ import annotations
 
 import pathlib
-import socket
 
 import pytest
 import torch
@@ -37,17 +36,6 @@ pytestmark = pytest.mark.integration
 W = Workload()
 #: Writer cap that makes persisting a WideNet (~0.55 MiB of moments) take ~1 s.
 SLOW = "512K"
-
-
-@pytest.fixture
-def gloo_one_rank():
-    assert not dist.is_initialized()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class TrainState(Stateful):
