@@ -41,7 +41,7 @@ class DemoConfig:
     """Job id (a restart with the same id and rank reattaches)."""
     steps: int = 10
     """Optimizer steps to reach (a resumed run continues up to this step)."""
-    snapshot_every: int = 0
+    snapshot_every: int = 5
     """Take a server-side snapshot every N steps (0: never)."""
     resume: str = "none"
     """none | reattach | latest | auto."""
