@@ -142,6 +142,8 @@ class _Group:
             self.error = type(error)(prefix + str(error))
             self.finished_monotonic = time.monotonic()
             self.cancel.set()
+            for handle in self.handles.values():
+                handle.proceed()  # a held writer sees the cancel now, not after HOLD_MAX_S
             if self.timer is not None:
                 self.timer.cancel()
             self.cond.notify_all()
@@ -245,6 +247,10 @@ class SnapshotHandle:
         """True once the server no longer reads this rank's segment (safe to unmap)."""
         return self._writer.segment_released.wait(timeout)
 
+    def proceed(self) -> None:
+        """Let a writer started with ``hold=True`` stream (idempotent; see RankWriter.go)."""
+        self._writer.go()
+
     def cancel(self, reason: str) -> None:
         """Fail the whole snapshot (all ranks); a no-op once it is durable."""
         self._group.fail(SnapshotFailed(f"cancelled: {reason}"), self.rank)
@@ -334,9 +340,13 @@ class SnapshotCoordinator:
         self._last_epoch = max(self._last_epoch, highest) + 1
         return self._last_epoch
 
-    def start(self, source: SnapshotSource) -> SnapshotHandle:
+    def start(self, source: SnapshotSource, *, hold: bool = False) -> SnapshotHandle:
         """Begin (or join) the snapshot of ``source.step`` for ``source.job_id``; returns once it
         is consistent. Idempotent for a rank that already joined a live or durable snapshot.
+
+        ``hold``: the writer thread waits for ``handle.proceed()`` (at most
+        ``snapshot_writer.HOLD_MAX_S``) before it streams, so a caller can get its reply out
+        first; the snapshot is consistent on return either way.
 
         Raises SnapshotInvalid (arguments, metadata_json), SnapshotBusy (the segment is being
         persisted or written by the trainer), SnapshotExists (the step is already on disk),
@@ -385,6 +395,8 @@ class SnapshotCoordinator:
                 self.store.root,
                 time.monotonic(),
             )
+            if not hold:
+                writer.go()
             handle = SnapshotHandle(group, source.rank, writer)
             thread = threading.Thread(
                 target=self._run,

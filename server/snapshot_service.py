@@ -134,10 +134,16 @@ class SnapshotRpcs:
                     buffer, session.layout, session.header, session.job_id, session.rank,
                     session.world_size, request.step, request.metadata_json,
                 )
-                handle = await asyncio.to_thread(coordinator.start, source)
+                # hold: the writer streams once this reply is sent (the trainer's stall is
+                # this RPC; a writer already streaming would compete for the GIL and CPUs).
+                handle = await asyncio.to_thread(coordinator.start, source, hold=True)
             except BaseException:
                 borrow.__exit__(None, None, None)
                 raise
+        try:
+            context.add_done_callback(lambda _context: handle.proceed())
+        except Exception:  # no termination callback: let the writer go now
+            handle.proceed()
         self.snapshot_counters.started += 1
         asyncio.get_running_loop().create_task(_finish(handle, borrow, self.snapshot_counters))
         return pb.SnapshotReply(snapshot_id=handle.snapshot_id, consistent=True)

@@ -6,10 +6,12 @@ Call order (the coordinator does this, :mod:`swap_state.server.snapshot`):
    frees leftover copy slots, stores ``SNAP_STEP``, ``PERSISTED_UPTO = 0`` and last
    ``SNAP_EPOCH = e``. From its return the snapshot is *consistent*.
 2. :meth:`RankWriter.run` in a background thread: streams the chunks in update order into
-   ``rank-XXXXX.safetensors`` in the partial directory, storing ``PERSISTED_UPTO = c + 1``
-   as soon as chunk c is *read* (before its disk write, so the trainer is held up by memory
-   speed and the bandwidth cap, not by the disk); then releases the segment (``SNAP_EPOCH =
-   0``), fsyncs the file and writes the rank manifest. On any error or cancellation the
+   ``rank-XXXXX.safetensors`` in the partial directory, straight from the segment
+   (``os.pwrite`` of a memoryview, no staging copy), storing ``PERSISTED_UPTO = c + 1`` as
+   soon as chunk c is in the page cache and checksummed (before it reaches the disk, so the
+   trainer is held up by memory speed and the bandwidth cap, not by the disk; the kernel's
+   dirty-page throttling can still slow a pwrite on a snapshot many GB large); then releases
+   the segment (``SNAP_EPOCH = 0``), fsyncs the file and writes the rank manifest. On any error or cancellation the
    segment is released all the same (it is only ever read, never written, apart from the
    server's header words), and the error propagates.
 
@@ -43,6 +45,52 @@ from .snapshot_metadata import SnapshotMetadata, TensorMetadata
 from .snapshot_store import write_durable
 
 __all__ = ["BandwidthLimiter", "Cancelled", "RankResult", "RankWriter", "SnapshotSource"]
+
+HOLD_MAX_S = 0.25
+"""How long a writer started with ``hold`` waits for :meth:`RankWriter.go` at most."""
+
+_WRITEBACK_BYTES = 8 << 20
+"""Start the disk writeback of every this many streamed bytes (see :func:`_start_writeback`)."""
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``os.pwrite`` until all of ``data`` is at ``offset`` (it may write short). Releases
+    the GIL for the copy into the page cache."""
+    done = 0
+    total = data.nbytes
+    while done < total:
+        if done:
+            with data[done:] as rest:
+                done += os.pwrite(fd, rest, offset + done)
+        else:
+            done += os.pwrite(fd, data, offset)
+
+
+def _load_sync_file_range():
+    """libc's ``sync_file_range`` through ctypes (Linux), or None where there is none."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.sync_file_range
+    except (OSError, AttributeError, ImportError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    return function
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do not wait
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset + nbytes)`` to disk now, without
+    waiting for it (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, GIL released by ctypes), so the
+    disk works while the rest streams and the final fsync only waits for the tail. A hint:
+    durability still comes from that fsync alone, and any failure here is ignored."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 class Cancelled(Exception):
@@ -135,6 +183,8 @@ class RankWriter:
         self.bytes_total = sum(t.nbytes for t in layout.tensors)
         self.bytes_persisted = 0  # written by the writer thread only
         self.segment_released = threading.Event()
+        self.go_event = threading.Event()
+        """Set: ``run`` may start streaming (see :meth:`go`)."""
         header = source.header
         self._base = (header[Word.COW_COPIES], header[Word.BP_WAITS], header[Word.BP_WAIT_NS])
         self._final: tuple[int, int, int] | None = None
@@ -171,6 +221,15 @@ class RankWriter:
         header[Word.PERSISTED_UPTO] = 0
         header[Word.SNAP_EPOCH] = self.epoch  # last: the trainer keys everything on it
 
+    def go(self) -> None:
+        """Let ``run`` start streaming. The coordinator sets it at once, unless the caller
+        asked to *hold* the writer until its reply is out (the Snapshot RPC does: the reply is
+        the trainer's stall, and a writer already streaming competes with it for the GIL and
+        the CPUs). Holding is safe at any length: the snapshot is consistent from
+        :meth:`publish` on, a late writer only means the trainer copies more chunks first.
+        ``run`` waits ``HOLD_MAX_S`` at most, should nobody call this."""
+        self.go_event.set()
+
     def release_segment(self) -> None:
         """Clear the epoch (the trainer stops copying), free every slot, freeze the counters.
         Idempotent; ``run`` calls it on every path, the coordinator only if ``run`` never ran."""
@@ -184,19 +243,44 @@ class RankWriter:
 
     # --------------------------------------------------------------------- persisting
 
-    def _stream(self, fd: int, view: memoryview) -> list[int]:
-        """Copy every chunk (or its slot) to ``fd``; per-tensor crc32s."""
+    def _stream(self, fd: int, view: memoryview, data_start: int) -> list[int]:
+        """Write every chunk (or its slot) to ``fd`` at its place after the safetensors
+        header, straight from the segment; per-tensor crc32s.
+
+        Zero-copy and GIL-friendly: ``os.pwrite`` copies from the mapped segment into the
+        page cache and ``zlib.crc32`` checksums the same memoryview, both with the GIL
+        released (the loop itself only slices views and reads header words), so the event
+        loop answers RPCs while a snapshot streams.
+
+        Why this stays exact (step N's bytes, bit for bit, in the file and in the crc):
+        while chunk c is being written and checksummed here, ``PERSISTED_UPTO <= c`` (it is
+        stored only after the check below), so a trainer that overwrites chunk c in this
+        epoch first copies it into a slot and stores ``COW_EPOCH[c] = e``, *then* overwrites
+        (protocol step 3; the slot holds step N's bytes: it was copied before the first
+        overwrite, and the trainer does not touch it again until we free it). Hence:
+
+        - ``COW_EPOCH[c] != e`` *after* both reads: no overwrite of chunk c began before the
+          check, so neither the pwrite nor the crc32 saw anything but step N's bytes, and
+          they saw the same bytes.
+        - ``COW_EPOCH[c] == e``: the pwrite and/or the crc32 may have seen torn bytes, so
+          both are redone from the slot: the slot's bytes are pwritten over the same file
+          range (all ``n`` bytes, so nothing of the first write survives) and the chunk's crc
+          is recomputed from the slot, continuing the tensor's running crc from before the
+          chunk. File and crc agree again, and both are step N's.
+        """
         layout = self.source.layout
         header = self.source.header
-        staging = memoryview(bytearray(layout.chunk_bytes))
         crcs = [0] * len(layout.tensors)
+        position = data_start
+        kicked = 0  # file bytes [0, kicked) have had writeback started
         for chunk in self.chunks:
             if not self.limiter.acquire(chunk.nbytes, self.cancel):
                 raise Cancelled()
             n = chunk.nbytes
-            staging[:n] = view[chunk.offset : chunk.offset + n]
-            # After the read: a trainer that overwrote the chunk meanwhile published a slot
-            # with step N's bytes before writing (COW_EPOCH last), so the slot is the truth.
+            before = crcs[chunk.tensor_index]
+            with view[chunk.offset : chunk.offset + n] as data:
+                _pwrite_all(fd, data, position)
+                value = crc32(data, before)
             if header.cow_epoch(chunk.index) == self.epoch:
                 slot = header.cow_slot(chunk.index) - 1
                 if not 0 <= slot < layout.cow_slots:
@@ -205,14 +289,19 @@ class RankWriter:
                         f"the segment has {layout.cow_slots}"
                     )
                 start = layout.cow_slots_offset + slot * layout.chunk_bytes
-                staging[:n] = view[start : start + n]
+                # Not charged to the limiter again: the trainer is waiting on this chunk,
+                # and the disk sees the range once (the same dirty pages, rewritten).
+                with view[start : start + n] as data:
+                    _pwrite_all(fd, data, position)  # the same range: replaces every byte
+                    value = crc32(data, before)
                 header.set_slot_freed(slot, header.slot_taken(slot))
             header[Word.PERSISTED_UPTO] = chunk.index + 1
-            data = staging[:n]
-            crcs[chunk.tensor_index] = crc32(data, crcs[chunk.tensor_index])
-            while data:
-                data = data[os.write(fd, data) :]
+            crcs[chunk.tensor_index] = value
+            position += n
             self.bytes_persisted += n
+            if position - kicked >= _WRITEBACK_BYTES:
+                _start_writeback(fd, kicked, position - kicked)
+                kicked = position
         return crcs
 
     def _tensor_records(self, offsets: list[tuple[int, int]], crcs: list[int]) -> tuple[TensorRecord, ...]:
@@ -238,6 +327,7 @@ class RankWriter:
     def run(self) -> RankResult:
         """Persist; in the writer thread. Raises Cancelled or SnapshotError; the segment is
         released (``segment_released`` set) before this returns or raises."""
+        self.go_event.wait(HOLD_MAX_S)
         source = self.source
         layout = source.layout
         data_name = rank_data_name(source.rank)
@@ -256,7 +346,7 @@ class RankWriter:
                         view = view[os.write(fd, view) :]
                     segment = memoryview(source.buffer)
                     try:
-                        crcs = self._stream(fd, segment)
+                        crcs = self._stream(fd, segment, len(header_bytes))
                     finally:
                         segment.release()  # the caller's mmap cannot close while it exists
                         self.release_segment()
