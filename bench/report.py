@@ -170,9 +170,9 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         f"{persist:.2f} GB/s = {_pct(frac)} of {write:.2f} GB/s {label} (disk write + fsync of the same "
         f"bytes, between the checkpoint repetitions; the run's first disk probe gave {_disk_write(disk):.2f} GB/s)",
         frac >= 0.8 if not math.isnan(frac) else None,
-        f"the writer copies each chunk out of shared memory (memmove {memmove:.2f} GB/s) and crc32s it "
-        f"({crc:.2f} GB/s) on one thread before writing it; snapshot() → durable also covers the Snapshot RPC, "
-        "the fsync, the manifest, the atomic rename and retention",
+        f"one writer thread per rank pwrites each chunk straight from shared memory and crc32s it "
+        f"({crc:.2f} GB/s; memmove would be {memmove:.2f} GB/s), chunk after chunk; snapshot() → durable "
+        "also covers the Snapshot RPC, the fsync, the manifest, the atomic rename and retention",
     )
     restore = _med(main["restore"]["cold_gbps"])
     read = _med(ref["read_cold_gbps"])
