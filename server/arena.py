@@ -31,8 +31,10 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from swap_state.proto.segment import (
+    PAGE_BYTES,
     SegmentHeader,
     SegmentLayout,
+    align_up,
     layout_hash,
     plan_segment,
     tensor_nbytes,
@@ -244,6 +246,7 @@ class Arena:
         self._segments: dict[str, Segment] = {}
         self._tensor_used = 0
         self._cow_used_slots = 0
+        self._cow_used_bytes = 0
         self._seq = 0
         self._closed = False
         self._warned_mlock = False
@@ -257,7 +260,7 @@ class Arena:
     def used_bytes(self) -> int:
         """Bytes of all live segment files (tensors, headers, padding and their cow slots)."""
         with self._lock:
-            return self._tensor_used + self._cow_used_slots * self.chunk_bytes
+            return self._tensor_used + self._cow_used_bytes
 
     @property
     def free_bytes(self) -> int:
@@ -273,6 +276,14 @@ class Arena:
     def segments(self) -> list[Segment]:
         with self._lock:
             return list(self._segments.values())
+
+    def segment_chunk_bytes(self, specs: Sequence[TensorSpecTuple]) -> int:
+        """``--chunk-bytes``, or less for a segment whose largest tensor is smaller: its chunks
+        (and so its cow slots, which hold one chunk each) never need more than that tensor,
+        page aligned. A small model's segment then carries small spare slots; each still
+        counts as one slot of the pool, so the pool is never over-committed."""
+        largest = max((tensor_nbytes(dtype, shape) for _, dtype, shape in specs), default=0)
+        return max(PAGE_BYTES, min(self.chunk_bytes, align_up(largest)))
 
     def cow_share(self, world_size: int) -> int:
         """Most cow slots one session of a job with ``world_size`` ranks may take."""
@@ -296,16 +307,16 @@ class Arena:
         """
         if not owner.isalnum():
             raise ValueError("segment owner must be a server-issued alphanumeric id")
-        chunk = self.chunk_bytes
+        chunk = self.segment_chunk_bytes(specs)
         n_chunks = sum(-(-tensor_nbytes(dtype, shape) // chunk) for _, dtype, shape in specs)
         want = min(self.cow_share(world_size), n_chunks)
-        layout = plan_segment(specs, self.chunk_bytes, want)
+        layout = plan_segment(specs, chunk, want)
         with self._lock:
             if self._closed:
                 raise Unavailable("the server is shutting down")
             slots = min(want, self.cow_pool_slots - self._cow_used_slots)
             if slots != layout.cow_slots:
-                layout = plan_segment(specs, self.chunk_bytes, slots)
+                layout = plan_segment(specs, chunk, slots)
             charge = layout.cow_slots_offset  # header + tensors + page padding
             free = self.total_bytes - self.cow_reserve_bytes - self._tensor_used
             if charge > free:
@@ -321,6 +332,7 @@ class Arena:
                 )
             self._tensor_used += charge
             self._cow_used_slots += layout.cow_slots
+            self._cow_used_bytes += layout.cow_slots * layout.chunk_bytes
             self._seq += 1
             name = f"{self.prefix}{owner}.{self._seq}"
         path = self.shm_dir / name
@@ -427,6 +439,7 @@ class Arena:
         with self._lock:
             self._tensor_used -= segment.charge
             self._cow_used_slots -= segment.cow_slots
+            self._cow_used_bytes -= segment.cow_slots * segment.layout.chunk_bytes
 
     def free(self, segment: Segment) -> None:
         """Unmap, unlink and return the bytes; deferred while someone borrows the segment."""

@@ -36,7 +36,8 @@ def test_segment_file_layout_header_and_accounting(shm_dir):
         assert info.st_blocks * 512 >= seg.size  # every page committed
         assert all(t.offset % PAGE_BYTES == 0 for t in seg.layout.tensors)
         assert seg.header[Word.MAGIC] == MAGIC
-        assert seg.header[Word.CHUNK_BYTES] == CHUNK
+        # The largest tensor (12000 bytes) is smaller than --chunk-bytes: page-aligned chunks.
+        assert seg.header[Word.CHUNK_BYTES] == seg.layout.chunk_bytes == 3 * PAGE_BYTES
         # Another mapping of the file sees the server's header.
         with open(seg.path, "rb") as f:
             assert int.from_bytes(f.read(8), "little") == MAGIC
@@ -46,6 +47,21 @@ def test_segment_file_layout_header_and_accounting(shm_dir):
     finally:
         arena.free(seg)
     assert not seg.path.exists() and arena.used_bytes == 0 and arena.segments == []
+
+
+def test_small_segments_get_small_chunks_and_slots_large_ones_chunk_bytes(shm_dir):
+    arena = make_arena(shm_dir)
+    small = arena.create_segment("small1", [("x", "float32", (10,))], world_size=1)
+    big = arena.create_segment("big1", [("y", "float32", (3 * CHUNK // 4,))], world_size=1)
+    try:
+        assert small.layout.chunk_bytes == PAGE_BYTES and small.cow_slots == 1
+        assert big.layout.chunk_bytes == CHUNK and big.cow_slots == 3
+        assert arena.used_bytes == small.size + big.size  # exact: the files' bytes
+        assert arena.cow_slots_used == 4  # each slot still counts as one slot of the pool
+    finally:
+        arena.free(small)
+        arena.free(big)
+    assert arena.used_bytes == 0 and arena.cow_slots_used == 0
 
 
 def test_cow_share_splits_the_pool_between_local_ranks(shm_dir):
