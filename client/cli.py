@@ -96,7 +96,12 @@ def _snapshots(args) -> int:
         client.close()
     for snap in reply.snapshots:
         marker = " (latest)" if snap.latest else ""
-        print(f"{snap.snapshot_id}\t{snap.world_size} ranks\t{_gib(snap.bytes)}\t{snap.path}{marker}")
+        held = list(snap.ranks)
+        if held and len(held) < snap.world_size:
+            ranks = f"ranks {','.join(map(str, held))} of {snap.world_size}"
+        else:
+            ranks = f"{snap.world_size} ranks"
+        print(f"{snap.snapshot_id}\t{ranks}\t{_gib(snap.bytes)}\t{snap.path}{marker}")
     if not reply.snapshots:
         print("no snapshots")
     return 0

@@ -10,8 +10,12 @@ reader, which is pure Python) and writes the seed's flat optimizer state dict::
 either as one ``torch.save`` file (``torch.load(out, weights_only=True)`` reads it) or as a
 ``torch.distributed.checkpoint`` directory (``dcp.load`` into a template, any sharding).
 
-DTensor shards of all ranks are assembled into global tensors from the manifest's global
-shape and offsets; every element must be covered by some shard. That describes Shard and
+DTensor shards of all ranks present are assembled into global tensors from the manifest's
+global shape and offsets; every element must be covered by some shard. A snapshot of one host
+of a multi-host job (one server per host) holds that host's ranks only (``snapshot.json``:
+``ranks`` < ``world_size``): it exports those ranks, which is complete for replicated (DDP)
+state; a sharded tensor whose other shards are on other hosts' servers is refused, naming the
+ranks present, rather than exported with holes. That describes Shard and
 Replicate placements; a ``_StridedShard`` shard is not a box at an offset, and exporting one
 would place its rows wrongly, so do not export such snapshots. A tensor the trainer gave no
 fqn/key for is written as ``state.<segment tensor name>``, except the container's own
@@ -63,6 +67,10 @@ class ExportResult:
     """Number of ``state.<fqn>.<key>`` tensors."""
     entries: int
     """Number of keys in the state dict."""
+    ranks: tuple[int, ...] = ()
+    """The ranks exported: those the snapshot directory holds."""
+    world_size: int = 0
+    """The job's world size (above ``len(ranks)``: one host's snapshot of a multi-host job)."""
 
 
 def _decode(value: Any) -> Any:
@@ -139,13 +147,22 @@ class _Assembler:
         target[region] = local
         self.covered[key][region] = True
 
-    def finish(self) -> dict[str, torch.Tensor]:
+    def finish(self, info: SnapshotInfo | None = None) -> dict[str, torch.Tensor]:
         for key, mask in self.covered.items():
             if not bool(mask.all()):
-                raise ExportError(
+                message = (
                     f"{key}: the shards of all ranks cover {int(mask.sum())} of "
                     f"{mask.numel()} elements of the global tensor"
                 )
+                if info is not None and not info.index.complete_job:
+                    message = (
+                        f"{key}: the shards of the {info.describe_ranks()} in {info.path} "
+                        f"cover {int(mask.sum())} of {mask.numel()} elements of the global "
+                        "tensor; the other ranks' shards are in the snapshots of the same step "
+                        "on the other hosts' servers, so this host's snapshot alone cannot be "
+                        "exported as a full state dict"
+                    )
+                raise ExportError(message)
         return self.values
 
 
@@ -166,7 +183,7 @@ def _build(
     """(info, state tensors, steps and param groups) of a verified snapshot."""
     store, info = _resolve(snapshot, snapshot_dir)
     manifests: list[RankManifest] = []
-    for rank in range(info.world_size):
+    for rank in info.ranks:  # all of the job's, or one host's share of a multi-host job
         manifest = store.read_manifest(info, rank)
         store.verify_data(info, manifest)
         manifests.append(manifest)
@@ -184,7 +201,7 @@ def _build(
         for fqn, group in manifest.param_groups.items():
             for hp, value in group.items():
                 extras.setdefault(f"param_groups.{fqn}.{hp}", _decode(value))
-    state = assembler.finish()
+    state = assembler.finish(info)
     clash = set(state) & set(extras)
     if clash:
         raise ExportError(f"tensor keys collide with step/param-group keys: {sorted(clash)[:5]}")
@@ -229,7 +246,9 @@ def export_snapshot(
             # no_dist=True is the point here; DCP still warns that it assumes one process.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(state, checkpoint_id=str(out_path), no_dist=True)
-    return ExportResult(info.snapshot_id, out_path, format, len(tensors), len(state))
+    return ExportResult(
+        info.snapshot_id, out_path, format, len(tensors), len(state), info.ranks, info.world_size
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,9 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     except SnapshotError as exc:
         print(f"swap-state export: {exc}", file=sys.stderr)
         return 1
+    share = ""
+    if len(result.ranks) < result.world_size:
+        share = f", ranks {list(result.ranks)} of world_size {result.world_size}"
     print(
-        f"exported {result.snapshot_id} ({result.tensors} tensors, {result.entries} entries) "
-        f"to {result.out} ({result.format})"
+        f"exported {result.snapshot_id} ({result.tensors} tensors, {result.entries} entries"
+        f"{share}) to {result.out} ({result.format})"
     )
     return 0
 

@@ -72,6 +72,11 @@ class RemoteConfig:
     """None: torch.distributed's rank when initialised, else $RANK, else 0."""
     world_size: int | None = None
     """None: torch.distributed's world size when initialised, else $WORLD_SIZE, else 1."""
+    local_world_size: int | None = None
+    """Ranks of the job that attach to the same server as this one (one server per host), in
+    1..world_size; a snapshot on that server is durable once they all have persisted it.
+    None: $LOCAL_WORLD_SIZE (torchrun sets it) when set, else world_size (all on one host);
+    with the embedded server (private to this process) always 1."""
     token: str | None = None
     """None: the contents of $SWAP_STATE_TOKEN_FILE when set."""
     rpc_timeout_s: float = 10.0
@@ -123,6 +128,28 @@ def _resolve_rank_world(config: RemoteConfig) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _resolve_local_world_size(config: RemoteConfig, world_size: int, embedded: bool) -> int:
+    """RemoteConfig.local_world_size, else $LOCAL_WORLD_SIZE, else world_size (1 for the
+    embedded server: it serves this process only)."""
+    if config.local_world_size is not None:
+        return config.local_world_size
+    if embedded:
+        return 1
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env:
+        try:
+            local = int(env)
+        except ValueError:
+            raise ValueError(f"$LOCAL_WORLD_SIZE {env!r} is not an integer") from None
+        if not 1 <= local <= world_size:
+            raise ValueError(
+                f"$LOCAL_WORLD_SIZE {local} is not in [1, world_size {world_size}]: set "
+                "RemoteConfig.local_world_size to the number of ranks attached to this server"
+            )
+        return local
+    return world_size
 
 
 def _read_token(config: RemoteConfig) -> str | None:
@@ -188,6 +215,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         if config.job_id is None:
             config.job_id = f"job-{uuid.uuid4().hex[:12]}"
         rank, world_size = _resolve_rank_world(config)
+        local_world_size = _resolve_local_world_size(config, world_size, self._embedded is not None)
         self.client = SwapStateClient(
             ClientConfig(
                 config.server,
@@ -197,7 +225,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             )
         )
         try:
-            return self.client.attach(config.job_id, rank, world_size)
+            return self.client.attach(config.job_id, rank, world_size, local_world_size)
         except BaseException:
             self.client.close()
             if self._embedded is not None:

@@ -146,7 +146,12 @@ class SwapStateClient:
             ) from e
 
     # -- session-less calls ---------------------------------------------------------------
-    def attach(self, job_id: str, rank: int, world_size: int) -> RemoteSession:
+    def attach(
+        self, job_id: str, rank: int, world_size: int, local_world_size: int = 0
+    ) -> RemoteSession:
+        """Attach (job_id, rank) of a job of ``world_size`` ranks. ``local_world_size``: the
+        job's ranks that attach to this server (this host); 0 means all ``world_size`` (one
+        host). The server completes a snapshot once that many ranks have persisted."""
         self.wait_ready()
         reply = self.call(
             "Attach",
@@ -154,11 +159,14 @@ class SwapStateClient:
                 job_id=job_id,
                 rank=rank,
                 world_size=world_size,
+                local_world_size=local_world_size,
                 client_pid=os.getpid(),
                 client_host=socket.gethostname(),
             ),
         )
-        return RemoteSession(self, job_id, rank, world_size, reply)
+        return RemoteSession(
+            self, job_id, rank, world_size, reply, local_world_size=local_world_size or world_size
+        )
 
     def stats(self) -> pb.StatsReply:
         return self.call("Stats", pb.StatsRequest())
@@ -191,11 +199,14 @@ class RemoteSession:
         rank: int,
         world_size: int,
         reply: pb.AttachReply,
+        *,
+        local_world_size: int = 0,
     ):
         self.client = client
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
+        self.local_world_size = local_world_size or world_size
         self.session_id = reply.session_id
         self.generation = reply.generation
         self.reattached = reply.reattached

@@ -51,18 +51,20 @@ class SegmentInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., header_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorPlacement, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., cow_slots: _Optional[int] = ..., cow_slots_offset: _Optional[int] = ..., layout_hash: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "client_pid", "client_host")
+    __slots__ = ("job_id", "rank", "world_size", "client_pid", "client_host", "local_world_size")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_PID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_HOST_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
     client_pid: int
     client_host: str
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_host: _Optional[str] = ...) -> None: ...
+    local_world_size: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_host: _Optional[str] = ..., local_world_size: _Optional[int] = ...) -> None: ...
 
 class AttachReply(_message.Message):
     __slots__ = ("session_id", "generation", "reattached", "has_segment", "segment", "last_committed_step", "has_committed_step", "keepalive_interval_ms")
@@ -153,7 +155,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("session_id", "job_id", "rank", "world_size", "generation", "state", "segment_bytes", "last_committed_step", "has_committed_step", "steps_committed", "orphaned_seconds")
+    __slots__ = ("session_id", "job_id", "rank", "world_size", "generation", "state", "segment_bytes", "last_committed_step", "has_committed_step", "steps_committed", "orphaned_seconds", "local_world_size")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +167,7 @@ class SessionStats(_message.Message):
     HAS_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     ORPHANED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     job_id: str
     rank: int
@@ -176,7 +179,8 @@ class SessionStats(_message.Message):
     has_committed_step: bool
     steps_committed: int
     orphaned_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., has_committed_step: _Optional[bool] = ..., steps_committed: _Optional[int] = ..., orphaned_seconds: _Optional[float] = ...) -> None: ...
+    local_world_size: int
+    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., has_committed_step: _Optional[bool] = ..., steps_committed: _Optional[int] = ..., orphaned_seconds: _Optional[float] = ..., local_world_size: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("budget_total_bytes", "budget_used_bytes", "budget_free_bytes", "sessions", "steps_committed_total", "snapshots_in_progress")
@@ -251,7 +255,7 @@ class SnapshotStatusReply(_message.Message):
     def __init__(self, snapshot_id: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_persisted: _Optional[int] = ..., error: _Optional[str] = ..., cow_copies: _Optional[int] = ..., backpressure_waits: _Optional[int] = ..., backpressure_wait_seconds: _Optional[float] = ..., path: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
-    __slots__ = ("snapshot_id", "job_id", "step", "world_size", "path", "bytes", "latest")
+    __slots__ = ("snapshot_id", "job_id", "step", "world_size", "path", "bytes", "latest", "ranks", "local_world_size")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +263,8 @@ class SnapshotInfo(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     job_id: str
     step: int
@@ -266,7 +272,9 @@ class SnapshotInfo(_message.Message):
     path: str
     bytes: int
     latest: bool
-    def __init__(self, snapshot_id: _Optional[str] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., latest: _Optional[bool] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    local_world_size: int
+    def __init__(self, snapshot_id: _Optional[str] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., latest: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., local_world_size: _Optional[int] = ...) -> None: ...
 
 class ListSnapshotsRequest(_message.Message):
     __slots__ = ("job_id",)

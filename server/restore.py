@@ -6,9 +6,12 @@ world_size=...)``; on success it has written the tensors and returns the snapsho
 the trainer's ``metadata_json`` (the servicer then records the restored step as committed).
 
 Everything is checked before the first byte of the segment changes: the snapshot is complete,
-its world size and this rank's tensors (names, dtypes, shapes, order) match the target
-layout, the manifest matches ``snapshot.json`` and every tensor's crc32 matches. Any mismatch
-raises (SnapshotLayoutMismatch, SnapshotCorrupt, naming the file and the tensor) and leaves the
+its (global) world size matches the job's, it holds this rank (on a multi-host job each
+server's snapshot holds the ranks attached to it: a rank missing here is SnapshotNotFound,
+naming the ranks present and pointing at the other hosts' servers), this rank's tensors
+(names, dtypes, shapes, order) match the target layout, the manifest matches
+``snapshot.json`` and every tensor's crc32 matches. Any mismatch raises
+(SnapshotLayoutMismatch, SnapshotCorrupt, naming the file and the tensor) and leaves the
 segment untouched.
 """
 
@@ -46,9 +49,10 @@ def _describe(dtype: str, shape: tuple[int, ...]) -> str:
 
 def _check_world_size(info: SnapshotInfo, world_size: int) -> None:
     if info.world_size != world_size:
+        held = "" if info.index.complete_job else f" (this server holds its {info.describe_ranks()})"
         raise SnapshotLayoutMismatch(
             f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with world_size "
-            f"{info.world_size}, this job has {world_size}"
+            f"{info.world_size}, this job has {world_size}{held}"
         )
 
 
@@ -113,7 +117,8 @@ def restore(
     against ``layout``, then copy it into ``buffer`` (the writable mapped segment).
 
     ``header``: the segment's SegmentHeader if the caller has one (else made here); the
-    segment must not be under a snapshot (SnapshotBusy). Raises SnapshotNotFound,
+    segment must not be under a snapshot (SnapshotBusy). ``world_size`` is the job's global
+    one; ``rank`` must be among the snapshot's ranks. Raises SnapshotNotFound,
     SnapshotLayoutMismatch, SnapshotCorrupt, SnapshotBusy; the segment is untouched then.
     """
     own_header = header is None
@@ -127,7 +132,7 @@ def restore(
             raise SnapshotBusy("a snapshot of this segment is persisting; restore after it ends")
         info = store.resolve(snapshot_id, job_id)
         _check_world_size(info, world_size)  # before the manifest: rank may not exist there
-        manifest = store.read_manifest(info, rank)
+        manifest = store.read_manifest(info, rank)  # SnapshotNotFound: the rank is elsewhere
         check_layout(info, manifest, layout, world_size)
         store.verify_data(info, manifest)
         # Verified: only now the segment changes.

@@ -77,6 +77,7 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
             request.world_size,
             client_pid=request.client_pid,
             client_host=request.client_host,
+            local_world_size=request.local_world_size,
         )
         reply = pb.AttachReply(
             session_id=session.session_id,
@@ -141,6 +142,7 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
             job_id=session.job_id,
             rank=session.rank,
             world_size=session.world_size,
+            local_world_size=session.local_world_size,
             generation=session.generation,
             state=session.state.value,
             segment_bytes=session.segment.size if session.segment else 0,

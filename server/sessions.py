@@ -39,6 +39,7 @@ from .validation import (
     validate_client_host,
     validate_generation,
     validate_job_id,
+    validate_local_world_size,
     validate_rank,
     validate_session_id,
     validate_step,
@@ -84,14 +85,19 @@ class Session:
     """One trainer rank's state on this host.
 
     For snapshot/restore code: ``segment`` (with ``segment.borrow()``), ``buffer``, ``layout``,
-    ``header``, ``job_id``, ``rank``, ``world_size``, ``generation``, ``last_committed_step``.
+    ``header``, ``job_id``, ``rank``, ``world_size``, ``local_world_size``, ``generation``,
+    ``last_committed_step``.
     """
 
     session_id: str
     job_id: str
     rank: int
     world_size: int
+    """The job's (global) world size."""
     generation: int
+    local_world_size: int = 0
+    """Ranks of the job on this server (this host); 0 given means ``world_size``. A snapshot
+    on this server is complete when this many ranks have persisted."""
     client_pid: int = 0
     client_host: str = ""
     segment: Segment | None = None
@@ -109,6 +115,10 @@ class Session:
     """True once removed from the registry (its segment freed or being freed)."""
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock, repr=False)
     streams: set[LivenessStream] = dataclasses.field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.local_world_size == 0:
+            self.local_world_size = self.world_size
 
     @property
     def buffer(self) -> mmap.mmap | None:
@@ -229,10 +239,13 @@ class SessionRegistry:
         *,
         client_pid: int = 0,
         client_host: str = "",
+        local_world_size: int = 0,
     ) -> tuple[Session, bool]:
-        """Open or re-open the session of (job_id, rank). Returns (session, reattached)."""
+        """Open or re-open the session of (job_id, rank). Returns (session, reattached).
+        ``local_world_size``: ranks of the job on this server, 0 meaning ``world_size``."""
         validate_job_id(job_id)
         validate_rank(rank, world_size)
+        local_world_size = validate_local_world_size(local_world_size, world_size)
         validate_client_host(client_host)
         self._check_open()
         existing = self._by_key.get((job_id, rank))
@@ -241,9 +254,14 @@ class SessionRegistry:
             async with existing.lock:  # waits for an in-flight Allocate of the old generation
                 self._check_open()
                 self._refuse_if_live(existing)
-                if not existing.closed and existing.world_size != world_size:
+                if not existing.closed and (
+                    existing.world_size != world_size
+                    or existing.local_world_size != local_world_size
+                ):
                     log_event(log, "session_replaced", logging.WARNING, **existing._describe(),
                               old_world_size=existing.world_size, new_world_size=world_size,
+                              old_local_world_size=existing.local_world_size,
+                              new_local_world_size=local_world_size,
                               detail="world size changed; the kept segment does not fit the new job")
                     await self._remove(existing, "world_size_changed")
                 elif not existing.closed:
@@ -255,7 +273,8 @@ class SessionRegistry:
                     self.attaches += 1
                     self.reattaches += 1
                     log_event(log, "session_attached", **existing._describe(),
-                              world_size=world_size, reattached=True, client_pid=client_pid,
+                              world_size=world_size, local_world_size=local_world_size,
+                              reattached=True, client_pid=client_pid,
                               client_host=client_host, has_segment=existing.segment is not None)
                     return existing, True
         session = Session(
@@ -264,6 +283,7 @@ class SessionRegistry:
             rank=rank,
             world_size=world_size,
             generation=1,
+            local_world_size=local_world_size,
             client_pid=client_pid,
             client_host=client_host,
         )
@@ -272,7 +292,8 @@ class SessionRegistry:
         self._by_key[(job_id, rank)] = session
         self.attaches += 1
         log_event(log, "session_attached", **session._describe(), world_size=world_size,
-                  reattached=False, client_pid=client_pid, client_host=client_host)
+                  local_world_size=local_world_size, reattached=False, client_pid=client_pid,
+                  client_host=client_host)
         return session, False
 
     def _check_open(self) -> None:

@@ -8,16 +8,19 @@ Call order (the servicer):
    the snapshot epoch in the segment header and returns: the snapshot is *consistent*, the
    trainer may mutate the segment again. A background thread persists the rank.
 3. SnapshotStatus RPC: ``coordinator.status(snapshot_id, rank, wait_s)`` (or ``handle.wait``):
-   ``durable`` once *all* ``world_size`` ranks of the job are on disk and the snapshot is
-   committed (``snapshot.json``, atomic rename, ``latest``, retention), ``failed`` with an
-   error otherwise. ``in_progress()`` feeds Stats.
+   ``durable`` once the ``local_world_size`` ranks of the job on this server (all
+   ``world_size`` ranks unless the job spans several hosts, one server each) are on disk and
+   the snapshot is committed (``snapshot.json``, atomic rename, ``latest``, retention),
+   ``failed`` with an error otherwise. ``in_progress()`` feeds Stats.
 4. Before unmapping a segment whose rank may be persisting: ``handle.cancel(reason)`` (when
    the snapshot must not complete) and ``handle.wait_segment_released()``.
 5. Server shutdown: ``coordinator.close()``.
 
-One rank's snapshot is held by one :class:`SnapshotHandle`; the ranks of a (job, step) form a
-group that commits together or fails together (a failed rank cancels the others, and their
-partial files are removed). Thread-safe.
+One rank's snapshot is held by one :class:`SnapshotHandle`; the ranks of a (job, step) on this
+server form a group that commits together or fails together (a failed rank cancels the
+others, and their partial files are removed). On a multi-host job each host's server commits
+its own ranks' group; ``snapshot.json`` records the job's ``world_size`` and the ``ranks``
+present. Thread-safe.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class SnapshotStatus:
     rank: int
     """The rank this status is about."""
     world_size: int
-    """Ranks that must be durable before the snapshot is."""
+    """The job's (global) world size."""
     state: SnapshotState
     """persisting until the whole snapshot is committed, then durable; or failed."""
     bytes_total: int
@@ -100,6 +103,10 @@ class SnapshotStatus:
     """Whether the server is done reading this rank's segment."""
     warnings: tuple[str, ...] = ()
     """Problems after the commit (latest pointer, retention) that did not fail the snapshot."""
+    local_world_size: int = 0
+    """Ranks that must be durable on this server before the snapshot is (0: ``world_size``)."""
+    ranks: tuple[int, ...] = ()
+    """The ranks that have joined (in memory) or that the durable snapshot holds (from disk)."""
 
     @property
     def terminal(self) -> bool:
@@ -109,11 +116,21 @@ class SnapshotStatus:
 class _Group:
     """The ranks of one (job, step). Its condition guards every field below."""
 
-    def __init__(self, store: SnapshotStore, job_id: str, step: int, world_size: int, partial: pathlib.Path):
+    def __init__(
+        self,
+        store: SnapshotStore,
+        job_id: str,
+        step: int,
+        world_size: int,
+        local_world_size: int,
+        partial: pathlib.Path,
+    ):
         self.store = store
         self.job_id = job_id
         self.step = step
         self.world_size = world_size
+        self.local_world_size = local_world_size
+        """Distinct ranks that complete the group (this server's share of ``world_size``)."""
         self.partial = partial
         self.snapshot_id = snapshot_id_for(job_id, step)
         self.cond = threading.Condition()
@@ -138,7 +155,7 @@ class _Group:
             if self.state is not SnapshotState.PERSISTING:
                 return
             self.state = SnapshotState.FAILED
-            prefix = f"rank {rank}: " if rank is not None and self.world_size > 1 else ""
+            prefix = f"rank {rank}: " if rank is not None and self.local_world_size > 1 else ""
             self.error = type(error)(prefix + str(error))
             self.finished_monotonic = time.monotonic()
             self.cancel.set()
@@ -186,6 +203,10 @@ class SnapshotHandle:
         return self._group.world_size
 
     @property
+    def local_world_size(self) -> int:
+        return self._group.local_world_size
+
+    @property
     def epoch(self) -> int:
         """The SNAP_EPOCH this rank's snapshot published."""
         return self._writer.epoch
@@ -227,6 +248,8 @@ class SnapshotHandle:
                 ranks_persisted=len(group.results),
                 segment_released=writer.segment_released.is_set(),
                 warnings=group.commit.warnings if durable else (),
+                local_world_size=group.local_world_size,
+                ranks=tuple(sorted(group.handles)),
             )
 
     def wait(self, timeout: float | None = None) -> SnapshotStatus:
@@ -272,8 +295,8 @@ class SnapshotCoordinator:
     ):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
         ``max_bandwidth``: bytes/s for all snapshot I/O together (None: no cap).
-        ``assemble_timeout_s``: a snapshot fails when not all ``world_size`` ranks have
-        started it this long after the first. ``history``: finished snapshots whose status
+        ``assemble_timeout_s``: a snapshot fails when not all ``local_world_size`` ranks
+        have started it this long after the first. ``history``: finished snapshots whose status
         stays in memory (older ones are answered from disk). ``clean_stale``: remove partial
         snapshots of a previous run now (set False only when another live server shares the
         directory)."""
@@ -310,6 +333,11 @@ class SnapshotCoordinator:
         validate_job_id(source.job_id)
         if not 1 <= source.world_size or not 0 <= source.rank < source.world_size:
             raise SnapshotInvalid(f"rank {source.rank} / world_size {source.world_size} is invalid")
+        if not 0 <= source.local_world_size <= source.world_size:
+            raise SnapshotInvalid(
+                f"local_world_size {source.local_world_size} must be in [1, world_size "
+                f"{source.world_size}] (0: = world_size)"
+            )
         if source.step < 0:
             raise SnapshotInvalid(f"step {source.step} is negative")
         layout, header = source.layout, source.header
@@ -378,10 +406,13 @@ class SnapshotCoordinator:
                 )
             if group is None:
                 partial = self.store.prepare_partial(source.job_id, source.step)
-                group = _Group(self.store, source.job_id, source.step, source.world_size, partial)
+                group = _Group(
+                    self.store, source.job_id, source.step, source.world_size,
+                    source.expected_ranks, partial,
+                )
                 self._groups[key] = group
                 self._prune_history()
-                if source.world_size > 1:
+                if group.local_world_size > 1:
                     group.timer = threading.Timer(self.assemble_timeout_s, self._assemble_expired, (group,))
                     group.timer.daemon = True
                     group.timer.start()
@@ -408,7 +439,7 @@ class SnapshotCoordinator:
             with group.cond:
                 group.handles[source.rank] = handle
                 group.live_threads += 1
-                if len(group.handles) == group.world_size and group.timer is not None:
+                if len(group.handles) == group.local_world_size and group.timer is not None:
                     group.timer.cancel()
             self._holding[(source.job_id, source.rank)] = handle
             writer.publish()  # consistent from here on
@@ -432,13 +463,26 @@ class SnapshotCoordinator:
             joined = source.rank in group.handles
             drained = group.discarded_done
             error = group.error
+            members = sorted(group.handles)
         if group.world_size != source.world_size:
             raise SnapshotInvalid(
                 f"{group.snapshot_id} has world_size {group.world_size}, not {source.world_size}"
             )
+        if group.local_world_size != source.expected_ranks:
+            raise SnapshotInvalid(
+                f"{group.snapshot_id} was started with local_world_size {group.local_world_size} "
+                f"(ranks of the job on this server), rank {source.rank} attached with "
+                f"{source.expected_ranks}: all ranks of a job on one server must agree"
+            )
         if joined and state is not SnapshotState.FAILED:
             return group.handles[source.rank]  # a retry of this rank's Snapshot call
         if state is SnapshotState.PERSISTING:
+            if len(members) >= group.local_world_size:
+                raise SnapshotInvalid(
+                    f"{group.snapshot_id} already has its local_world_size "
+                    f"{group.local_world_size} ranks {members} on this server; rank "
+                    f"{source.rank} is one more: is local_world_size right for this host?"
+                )
             return group
         if state is SnapshotState.DURABLE:
             raise SnapshotExists(f"snapshot {group.snapshot_id} is already durable")
@@ -462,12 +506,19 @@ class SnapshotCoordinator:
 
     def _assemble_expired(self, group: _Group) -> None:
         with group.cond:
-            if len(group.handles) == group.world_size:
+            if len(group.handles) == group.local_world_size:
                 return
             joined = sorted(group.handles)
+        if group.local_world_size == group.world_size:
+            expected = f"world_size {group.world_size}"
+        else:
+            expected = (
+                f"the {group.local_world_size} ranks expected on this server (local_world_size; "
+                f"world_size {group.world_size})"
+            )
         group.fail(
             SnapshotFailed(
-                f"only ranks {joined} of world_size {group.world_size} started "
+                f"only ranks {joined} of {expected} started "
                 f"{group.snapshot_id} within {self.assemble_timeout_s:g} s"
             )
         )
@@ -496,7 +547,7 @@ class SnapshotCoordinator:
                 with group.cond:
                     if group.state is SnapshotState.PERSISTING:
                         group.results[handle.rank] = result
-                        commit = len(group.results) == group.world_size
+                        commit = len(group.results) == group.local_world_size
             if commit:
                 self._commit(group)
         finally:
@@ -508,14 +559,15 @@ class SnapshotCoordinator:
         """In the thread of the last rank to finish: index, rename, latest, retention."""
         with group.cond:
             results = dict(group.results)
+        ranks = tuple(sorted(results))
         files: list[FileRecord] = []
-        for rank in range(group.world_size):
+        for rank in ranks:
             files.extend(results[rank].files)
         index = SnapshotIndex(
             job_id=group.job_id,
             step=group.step,
             world_size=group.world_size,
-            ranks=tuple(range(group.world_size)),
+            ranks=ranks,
             files=tuple(files),
             created_unix=time.time(),
         )
@@ -571,9 +623,11 @@ class SnapshotCoordinator:
             backpressure_waits=manifest.backpressure_waits,
             backpressure_wait_seconds=manifest.backpressure_wait_seconds,
             path=str(info.path),
-            ranks_joined=info.world_size,
-            ranks_persisted=info.world_size,
+            ranks_joined=info.local_world_size,
+            ranks_persisted=info.local_world_size,
             segment_released=True,
+            local_world_size=info.local_world_size,
+            ranks=info.ranks,
         )
 
     def in_progress(self) -> list[SnapshotStatus]:

@@ -7,6 +7,10 @@ A complete snapshot of step N of a job is the directory ``<dir>/<job>/step-<N:01
     ...                         (one pair per rank)
     snapshot.json               a SnapshotIndex, written last: ranks, files, their crc32s
 
+A multi-host job has one server per host, and each server's directory holds the ranks attached
+to it (``snapshot.json``: the job's ``world_size``, this directory's ``ranks`` and
+``local_world_size``); the snapshots of the same step on all hosts together form the job's.
+
 The safetensors file is streamed: its header depends only on the segment layout (and on the
 job, step and rank, stored as string metadata), so it is written before any data. Tensors
 follow each other without gaps, in segment order, which is what the format requires.
@@ -386,9 +390,11 @@ class SnapshotIndex:
     step: int
     """The committed step."""
     world_size: int
-    """Number of ranks; ``ranks`` is exactly ``range(world_size)``."""
+    """The job's (global) number of ranks."""
     ranks: tuple[int, ...]
-    """The ranks whose files the snapshot holds."""
+    """The ranks whose files this directory holds, ascending: ``range(world_size)`` for a job
+    on one server; on a multi-host job, the ranks attached to this host's server (the other
+    ranks' snapshots of the same step are on the other hosts' servers)."""
     files: tuple[FileRecord, ...]
     """Every data file and manifest, with size and checksum."""
     created_unix: float
@@ -397,6 +403,16 @@ class SnapshotIndex:
     @property
     def snapshot_id(self) -> str:
         return snapshot_id_for(self.job_id, self.step)
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks held here (``len(ranks)``); below ``world_size`` for one host of several."""
+        return len(self.ranks)
+
+    @property
+    def complete_job(self) -> bool:
+        """Whether this directory holds every rank of the job."""
+        return len(self.ranks) == self.world_size
 
     @property
     def total_bytes(self) -> int:
@@ -416,6 +432,7 @@ class SnapshotIndex:
             "job_id": self.job_id,
             "step": self.step,
             "world_size": self.world_size,
+            "local_world_size": self.local_world_size,
             "ranks": list(self.ranks),
             "created_unix": self.created_unix,
             "files": [f.to_json() for f in self.files],
@@ -428,16 +445,27 @@ class SnapshotIndex:
             raise ValueError(f"not a {INDEX_FORMAT} of version {FORMAT_VERSION}")
         world_size = _int(raw.get("world_size"), "world_size", 1)
         ranks = _dims(raw.get("ranks"), "ranks")
-        if ranks != tuple(range(world_size)):
-            raise ValueError(f"ranks {list(ranks)} are not 0..{world_size - 1}")
+        if not ranks or list(ranks) != sorted(set(ranks)) or ranks[-1] >= world_size:
+            raise ValueError(
+                f"ranks {list(ranks)[:16]} are not distinct ascending ranks of 0..{world_size - 1}"
+            )
+        # Absent in snapshots written before multi-host support: they hold every rank.
+        local = raw.get("local_world_size", len(ranks))
+        if _int(local, "local_world_size", 1) != len(ranks):
+            raise ValueError(f"local_world_size {local} is not the number of ranks {len(ranks)}")
         files = raw.get("files")
         if not isinstance(files, list):
             raise ValueError("files must be a list")
+        records = tuple(FileRecord.from_json(f) for f in files)
+        present = set(ranks)
+        for record in records:
+            if record.rank not in present:
+                raise ValueError(f"file {record.name} belongs to rank {record.rank}, not in ranks")
         return cls(
             job_id=_str(raw.get("job_id"), "job_id"),
             step=_int(raw.get("step"), "step"),
             world_size=world_size,
             ranks=ranks,
-            files=tuple(FileRecord.from_json(f) for f in files),
+            files=records,
             created_unix=_float(raw.get("created_unix"), "created_unix"),
         )

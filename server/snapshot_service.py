@@ -133,6 +133,7 @@ class SnapshotRpcs:
                 source = SnapshotSource(
                     buffer, session.layout, session.header, session.job_id, session.rank,
                     session.world_size, request.step, request.metadata_json,
+                    local_world_size=session.local_world_size,
                 )
                 # hold: the writer streams once this reply is sent (the trainer's stall is
                 # this RPC; a writer already streaming would compete for the GIL and CPUs).
@@ -164,6 +165,7 @@ class SnapshotRpcs:
                 pb.SnapshotInfo(
                     snapshot_id=i.snapshot_id, job_id=i.job_id, step=i.step,
                     world_size=i.world_size, path=str(i.path), bytes=i.bytes, latest=i.latest,
+                    ranks=i.ranks, local_world_size=i.local_world_size,
                 )
                 for i in infos
             ]

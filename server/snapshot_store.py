@@ -113,7 +113,7 @@ class SnapshotInfo:
     step: int
     """The committed step."""
     world_size: int
-    """Number of ranks."""
+    """The job's (global) number of ranks."""
     path: pathlib.Path
     """The snapshot directory."""
     bytes: int
@@ -122,6 +122,20 @@ class SnapshotInfo:
     """Whether ``latest`` of its job resolves to it."""
     index: SnapshotIndex = dataclasses.field(repr=False, compare=False)
     """The parsed ``snapshot.json``."""
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks whose files this directory holds (a subset on one host of several)."""
+        return self.index.ranks
+
+    @property
+    def local_world_size(self) -> int:
+        """How many ranks this directory holds."""
+        return self.index.local_world_size
+
+    def describe_ranks(self) -> str:
+        """``ranks [2, 3] of world_size 4`` (ranges shortened for big jobs)."""
+        return f"ranks {_rank_ranges(self.ranks)} of world_size {self.world_size}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,9 +278,19 @@ class SnapshotStore:
         raise SnapshotNotFound(f"no complete snapshot {snapshot_id_for(job, step)} in {self.root}")
 
     def read_manifest(self, info: SnapshotInfo, rank: int) -> RankManifest:
-        """The rank's manifest, checked against ``snapshot.json`` (size, crc32, job, step)."""
-        if not 0 <= rank < info.world_size:
-            raise SnapshotNotFound(f"{info.snapshot_id} has ranks 0..{info.world_size - 1}, not {rank}")
+        """The rank's manifest, checked against ``snapshot.json`` (size, crc32, job, step).
+        SnapshotNotFound when the rank is not in this directory (on a multi-host job, its
+        snapshot is on the server of the host the rank runs on)."""
+        if rank not in info.ranks:
+            if not 0 <= rank < info.world_size:
+                raise SnapshotNotFound(
+                    f"{info.snapshot_id} has world_size {info.world_size}: there is no rank {rank}"
+                )
+            raise SnapshotNotFound(
+                f"{info.snapshot_id} at {info.path} holds {info.describe_ranks()}, not rank "
+                f"{rank}: the snapshot of rank {rank} is on another host's server (the one "
+                f"rank {rank} attaches to)"
+            )
         name = rank_manifest_name(rank)
         path = info.path / name
         record = info.index.file(name)
@@ -446,6 +470,23 @@ class SnapshotStore:
                 continue
             deleted.append(snapshot_id_for(job_id, step))
         return deleted
+
+
+def _rank_ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``[0-2, 5]``; ``[2, 3]`` stays ``[2, 3]``."""
+    parts: list[str] = []
+    start = prev = None
+    for rank in list(ranks) + [None]:
+        if start is not None and (rank is None or rank != prev + 1):
+            if prev - start >= 2:
+                parts.append(f"{start}-{prev}")
+            else:
+                parts.extend(str(r) for r in range(start, prev + 1))
+            start = None
+        if rank is not None and start is None:
+            start = rank
+        prev = rank
+    return "[" + ", ".join(parts) + "]"
 
 
 def _read_exact(file, nbytes: int) -> bytes:

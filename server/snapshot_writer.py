@@ -139,11 +139,19 @@ class SnapshotSource:
     rank: int
     """The session's rank."""
     world_size: int
-    """Ranks of the job; the snapshot is complete when this many ranks are durable."""
+    """Ranks of the job (global, across hosts); recorded in the snapshot, checked on restore."""
     step: int
     """The committed step the segment holds (the caller checks it is the last committed)."""
     metadata_json: str = ""
     """The trainer's description of the tensors (``snapshot_metadata`` schema); may be empty."""
+    local_world_size: int = 0
+    """Ranks of the job on this server (this host), 1..world_size; 0 means ``world_size``.
+    This server's snapshot is complete when this many distinct ranks are durable."""
+
+    @property
+    def expected_ranks(self) -> int:
+        """The number of ranks this server's snapshot of the step waits for."""
+        return self.local_world_size or self.world_size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ __all__ = [
     "validate_client_host",
     "validate_generation",
     "validate_job_id",
+    "validate_local_world_size",
     "validate_rank",
     "validate_session_id",
     "validate_step",
@@ -64,6 +65,19 @@ def validate_rank(rank: int, world_size: int) -> None:
         raise InvalidArgument(f"world_size {world_size} must be in [1, {MAX_WORLD_SIZE}]")
     if not 0 <= rank < world_size:
         raise InvalidArgument(f"rank {rank} must be < world_size {world_size}")
+
+
+def validate_local_world_size(local_world_size: int, world_size: int) -> int:
+    """The ranks of the job attaching to this server (one host); 0 means ``world_size`` (the
+    whole job on one host, what clients without the field send). Returns the effective value."""
+    if local_world_size == 0:
+        return world_size
+    if not 1 <= local_world_size <= world_size:
+        raise InvalidArgument(
+            f"local_world_size {local_world_size} must be in [1, world_size {world_size}] "
+            "(0: the whole job on this server)"
+        )
+    return local_world_size
 
 
 def validate_session_id(session_id: str) -> str:

@@ -66,7 +66,10 @@ class Segment:
         """Everything between the header and the copy slots (tensors and padding)."""
         return bytes(self.mm[self.layout.header_bytes : self.layout.cow_slots_offset])
 
-    def source(self, job_id: str, step: int, *, rank: int = 0, world_size: int = 1, metadata_json: str = "") -> SnapshotSource:
+    def source(
+        self, job_id: str, step: int, *, rank: int = 0, world_size: int = 1, metadata_json: str = "",
+        local_world_size: int = 0,
+    ) -> SnapshotSource:
         return SnapshotSource(
             buffer=self.mm,
             layout=self.layout,
@@ -76,6 +79,7 @@ class Segment:
             world_size=world_size,
             step=step,
             metadata_json=metadata_json,
+            local_world_size=local_world_size,
         )
 
     def slots_all_free(self) -> bool:

@@ -1,0 +1,188 @@
+"""One host of a multi-host job: the coordinator completes the snapshot of the ranks attached
+to its server (local_world_size of them) and records which ranks its directory holds; restore
+of a rank held by another host's server says so."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from snapshot_testkit import metadata_for
+
+from swap_state.client.export import ExportError, export_snapshot
+from swap_state.server.restore import restore
+from swap_state.server.snapshot import SnapshotCoordinator, SnapshotState
+from swap_state.server.snapshot_errors import SnapshotInvalid, SnapshotLayoutMismatch, SnapshotNotFound
+from swap_state.server.snapshot_format import INDEX_NAME, SnapshotIndex, rank_data_name
+
+WORLD = 4
+LOCAL = (1, 2)  # this host's ranks
+
+
+def _source(seg, rank, *, step=5, world_size=WORLD, local_world_size=len(LOCAL), metadata=None):
+    return seg.source("job", step, rank=rank, world_size=world_size, local_world_size=local_world_size,
+                      metadata_json=metadata if metadata is not None else metadata_for(seg, step=step))
+
+
+@pytest.fixture
+def host_snapshot(make_segment, make_coordinator):
+    """job/step-5 of ranks 1 and 2 of a world_size-4 job; returns (coordinator, contents)."""
+    coordinator = make_coordinator()
+    contents, handles = {}, []
+    for rank in LOCAL:
+        seg = make_segment(f"r{rank}")
+        contents[rank] = seg.fill(100 + rank)
+        handles.append(coordinator.start(_source(seg, rank)))
+    statuses = [h.wait(20) for h in handles]
+    assert [s.state for s in statuses] == [SnapshotState.DURABLE] * 2, [s.error for s in statuses]
+    return coordinator, contents
+
+
+def test_local_ranks_make_the_snapshot_durable_and_it_records_them(host_snapshot):
+    coordinator, _ = host_snapshot
+    [info] = coordinator.store.list("job")
+    assert (info.world_size, info.ranks, info.local_world_size) == (WORLD, LOCAL, 2)
+    raw = json.loads((info.path / INDEX_NAME).read_bytes())
+    assert (raw["world_size"], raw["ranks"], raw["local_world_size"]) == (WORLD, [1, 2], 2)
+    assert sorted({f["rank"] for f in raw["files"]}) == [1, 2]
+    assert sorted(p.name for p in info.path.iterdir()) == sorted(
+        [INDEX_NAME] + [f"rank-0000{r}.{ext}" for r in LOCAL for ext in ("safetensors", "manifest.json")]
+    )
+    # The rank files keep the job's world size.
+    manifest = coordinator.store.read_manifest(info, 2)
+    assert (manifest.rank, manifest.world_size) == (2, WORLD)
+    # A status answered from disk (another server on the same directory) says the same.
+    reader = SnapshotCoordinator(coordinator.snapshot_dir, clean_stale=False)
+    status = reader.status("job/step-5", 1)
+    assert (status.state, status.world_size, status.local_world_size, status.ranks) == (
+        SnapshotState.DURABLE, WORLD, 2, LOCAL,
+    )
+    assert (status.ranks_joined, status.ranks_persisted) == (2, 2)
+    with pytest.raises(SnapshotNotFound, match="another host's server"):
+        reader.status("job/step-5", 0)
+    reader.close()
+
+
+def test_restore_of_a_present_rank_works_and_of_another_hosts_rank_is_a_clear_error(
+    host_snapshot, make_segment
+):
+    coordinator, contents = host_snapshot
+    store = coordinator.store
+    target = make_segment("target")
+    target.fill(7)
+    result = restore(store, "latest", target.mm, target.layout, job_id="job", rank=2, world_size=WORLD)
+    assert (result.snapshot_id, result.step) == ("job/step-5", 5)
+    assert target.tensors() == contents[2]
+
+    before = target.tensor_area()
+    with pytest.raises(SnapshotNotFound) as caught:
+        restore(store, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=WORLD)
+    message = str(caught.value)
+    assert "holds ranks [1, 2] of world_size 4, not rank 0" in message
+    assert "the snapshot of rank 0 is on another host's server" in message
+    # The global world size must still match.
+    with pytest.raises(SnapshotLayoutMismatch, match="world_size 4, this job has 2"):
+        restore(store, "latest", target.mm, target.layout, job_id="job", rank=1, world_size=2)
+    assert target.tensor_area() == before
+
+
+def test_ranks_of_one_server_must_agree_and_not_exceed_local_world_size(make_segment, make_coordinator):
+    coordinator = make_coordinator()
+    segs = {rank: make_segment(f"r{rank}") for rank in (0, 1, 2)}
+    for seg in segs.values():
+        seg.fill(1)
+    first = coordinator.start(_source(segs[1], 1))
+    with pytest.raises(SnapshotInvalid, match="local_world_size 2 .*rank 0 attached with 3"):
+        coordinator.start(_source(segs[0], 0, local_world_size=3))
+    second = coordinator.start(_source(segs[2], 2))
+    assert first.wait(20).state is SnapshotState.DURABLE and second.wait(20).state is SnapshotState.DURABLE
+    # A third rank of the job on this server at a step still persisting would be one too many;
+    # at a durable step it is refused as existing.
+    third = _source(segs[0], 0, step=6)
+    handles = [coordinator.start(third)]
+    with pytest.raises(SnapshotInvalid, match=r"already has its local_world_size 2 ranks \[0, 1\]"):
+        handles.append(coordinator.start(_source(segs[1], 1, step=6)))
+        coordinator.start(_source(segs[2], 2, step=6))
+    assert all(h.wait(20).state is SnapshotState.DURABLE for h in handles)
+    assert coordinator.store.resolve("job/step-6").ranks == (0, 1)
+
+
+def test_a_missing_local_rank_times_out_naming_local_world_size(make_segment, make_coordinator):
+    coordinator = make_coordinator(assemble_timeout_s=0.3)
+    seg = make_segment("r1")
+    seg.fill(3)
+    status = coordinator.start(_source(seg, 1)).wait(20)
+    assert status.state is SnapshotState.FAILED
+    assert "only ranks [1] of the 2 ranks expected on this server (local_world_size" in status.error
+    assert coordinator.store.list("job") == []
+
+
+def test_local_world_size_one_completes_alone(make_segment, make_coordinator):
+    coordinator = make_coordinator()
+    seg = make_segment("r3")
+    seg.fill(4)
+    assert coordinator.start(_source(seg, 3, local_world_size=1)).wait(20).state is SnapshotState.DURABLE
+    [info] = coordinator.store.list("job")
+    assert (info.world_size, info.ranks) == (WORLD, (3,))
+
+
+def test_index_without_local_world_size_still_reads_and_bad_ranks_are_refused():
+    base = {
+        "format": "swap-state-snapshot", "version": 1, "job_id": "j", "step": 1,
+        "created_unix": 0.0, "files": [],
+    }
+    old = SnapshotIndex.from_json({**base, "world_size": 2, "ranks": [0, 1]})  # before this field
+    assert (old.local_world_size, old.complete_job) == (2, True)
+    part = SnapshotIndex.from_json({**base, "world_size": 4, "ranks": [2, 3], "local_world_size": 2})
+    assert (part.local_world_size, part.complete_job) == (2, False)
+    for ranks, local in (([], 0), ([3, 2], 2), ([2, 2], 2), ([2, 4], 2), ([2, 3], 3)):
+        with pytest.raises(ValueError):
+            SnapshotIndex.from_json({**base, "world_size": 4, "ranks": ranks, "local_world_size": local})
+
+
+# -- export of one host's snapshot ------------------------------------------------------------
+
+EXPORT_SPECS = [("w.exp_avg", "float32", (2, 4)), ("b.exp_avg", "float32", (4,))]
+
+
+def _export_snapshot(make_segment, make_coordinator, *, sharded: bool):
+    """Ranks 2 and 3 of 4 on this host: a replicated bias moment and, if ``sharded``, a row
+    shard of an 8x4 weight moment (ranks 0 and 1 hold rows 0-3 on another host)."""
+    coordinator = make_coordinator()
+    bias = torch.arange(4, dtype=torch.float32)
+    handles = []
+    for rank in (2, 3):
+        seg = make_segment(f"x{rank}", specs=EXPORT_SPECS)
+        rows = torch.full((2, 4), float(rank))
+        for tensor, value in zip(seg.layout.tensors, (rows, bias)):
+            seg.mm[tensor.offset : tensor.offset + tensor.nbytes] = value.numpy().tobytes()
+        w = {"fqn": "m.w", "key": "exp_avg"}
+        if sharded:
+            w.update(global_shape=[8, 4], global_offset=[2 * rank, 0])
+        meta = json.dumps({"tensors": {"w.exp_avg": w, "b.exp_avg": {"fqn": "m.b", "key": "exp_avg"}},
+                           "param_groups": {}, "steps": {"m.w": 3, "m.b": 3}})
+        handles.append(coordinator.start(_source(seg, rank, step=3, metadata=meta)))
+    assert all(h.wait(20).state is SnapshotState.DURABLE for h in handles)
+    return coordinator.store.resolve("job/step-3").path, bias
+
+
+def test_export_of_one_hosts_replicated_snapshot_exports_its_ranks(make_segment, make_coordinator, tmp_path):
+    path, bias = _export_snapshot(make_segment, make_coordinator, sharded=False)
+    result = export_snapshot(path, tmp_path / "out.pt")
+    assert (result.ranks, result.world_size) == ((2, 3), 4)
+    state = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert torch.equal(state["state.m.b.exp_avg"], bias)
+    assert torch.equal(state["state.m.w.exp_avg"], torch.full((2, 4), 2.0))  # lowest rank present
+    assert float(state["state.m.w.step"]) == 3.0
+
+
+def test_export_of_one_hosts_shards_says_the_rest_is_on_other_hosts(make_segment, make_coordinator, tmp_path):
+    path, _ = _export_snapshot(make_segment, make_coordinator, sharded=True)
+    with pytest.raises(ExportError) as caught:
+        export_snapshot(path, tmp_path / "out.pt")
+    message = str(caught.value)
+    assert "state.m.w.exp_avg" in message and "ranks [2, 3] of world_size 4" in message
+    assert "cover 16 of 32 elements" in message and "other hosts' servers" in message
+    assert not (tmp_path / "out.pt").exists()
+    assert rank_data_name(2) in {p.name for p in path.iterdir()}
