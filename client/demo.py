@@ -155,55 +155,89 @@ def _moments_of(container, model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class ModelStore:
-    """Model parameters by step under ``state_dir`` (atomic writes, bounded count)."""
+    """Model parameters by step under ``state_dir``: the last two steps (a reattach needs the
+    step the server committed last) and the last few snapshot steps (a restore needs the
+    snapshot's step), kept across restarts. Writes are atomic (temp file + rename)."""
+
+    KEEP_SNAPSHOTS = 3  # more than the server's default --keep-latest 2
 
     def __init__(self, state_dir: str | None):
         self.dir = state_dir
         if state_dir:
             os.makedirs(state_dir, exist_ok=True)
 
-    def path(self, step: int) -> str:
-        return os.path.join(self.dir, f"model-step-{step:08d}.pt")
+    def _path(self, kind: str, step: int) -> str:
+        return os.path.join(self.dir, f"model-{kind}-{step:08d}.pt")
 
-    def save(self, model: nn.Module, step: int, keep_steps: set[int]) -> None:
+    def _steps(self, kind: str) -> list[int]:
+        prefix = f"model-{kind}-"
+        names = (n for n in os.listdir(self.dir) if n.startswith(prefix) and n.endswith(".pt"))
+        return sorted(int(n[len(prefix) : -3]) for n in names)
+
+    def _write(self, model: nn.Module, kind: str, step: int) -> None:
+        tmp = self._path(kind, step) + ".tmp"
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, self._path(kind, step))
+
+    def save(self, model: nn.Module, step: int, snapshot: bool = False) -> None:
         if not self.dir:
             return
-        tmp = self.path(step) + ".tmp"
-        torch.save(model.state_dict(), tmp)
-        os.replace(tmp, self.path(step))
-        for name in os.listdir(self.dir):
-            if name.startswith("model-step-") and name.endswith(".pt"):
-                old = int(name[len("model-step-") : -3])
-                if old < step - 1 and old not in keep_steps:
-                    os.unlink(os.path.join(self.dir, name))
+        self._write(model, "step", step)
+        if snapshot:
+            self._write(model, "snap", step)
+        for old in self._steps("step"):
+            if old < step - 1:
+                os.unlink(self._path("step", old))
+        for old in self._steps("snap")[: -self.KEEP_SNAPSHOTS]:
+            os.unlink(self._path("snap", old))
+
+    def has(self, step: int) -> bool:
+        return bool(self.dir) and any(os.path.exists(self._path(k, step)) for k in ("step", "snap"))
 
     def load(self, model: nn.Module, step: int) -> None:
-        if not self.dir or not os.path.exists(self.path(step)):
-            raise SystemExit(
-                f"demo: no model parameters for step {step} in --state-dir {self.dir!r}; "
-                "cannot resume there"
-            )
-        model.load_state_dict(torch.load(self.path(step), weights_only=True))
+        for kind in ("step", "snap"):
+            if self.dir and os.path.exists(self._path(kind, step)):
+                model.load_state_dict(torch.load(self._path(kind, step), weights_only=True))
+                return
+        raise SystemExit(
+            f"demo: no model parameters for step {step} in --state-dir {self.dir!r}; cannot resume there"
+        )
 
 
 def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> int:
+    """Where a restarted demo continues: the server's kept moments when the model parameters
+    of that step were saved too, else (``auto``/``latest``) the latest snapshot."""
     mode = cfg.resume
-    if mode in ("reattach", "auto") and container.resumed_step is not None:
-        step = container.resumed_step
-        print(f"reattached: the server kept the moments of step {step}")
+    if mode == "none":
+        return 0
+    kept = container.resumed_step
+    if kept is not None and mode in ("reattach", "auto"):
+        if store.has(kept):
+            print(f"reattached: the server kept the moments of step {kept}")
+            store.load(model, kept)
+            return kept
+        why = (
+            f"the server kept the moments of step {kept}, but --state-dir has no model "
+            "parameters of that step (the trainer died between its commit and its save)"
+        )
+        if mode == "reattach":
+            raise SystemExit(f"demo: --resume reattach: {why}; --resume auto restores the latest snapshot")
+        print(f"{why}: restoring the latest snapshot")
     elif mode == "reattach":
         if container._torn_step is not None:
             raise SystemExit(f"demo: --resume reattach: {container._torn_message()} (--resume auto does that)")
         raise SystemExit("demo: --resume reattach, but the server has no state for this job/rank")
-    elif mode in ("latest", "auto") and _has_snapshot(container):
+    if _has_snapshot(container):
         step = container.restore("latest")
         print(f"restored the latest snapshot: step {step}")
-    elif mode == "latest":
-        raise SystemExit(f"demo: --resume latest, but job {cfg.job_id!r} has no snapshot")
-    else:
-        return 0
-    store.load(model, step)
-    return step
+        store.load(model, step)
+        return step
+    if mode == "latest" or kept is not None or container._torn_step is not None:
+        raise SystemExit(
+            f"demo: --resume {mode}: job {cfg.job_id!r} has no snapshot to restore; "
+            "start over with a new --job-id"
+        )
+    return 0
 
 
 def _segment_bytes(container) -> int:
@@ -237,19 +271,19 @@ def run(cfg: DemoConfig) -> dict:
     print(f"swap-state-server: {where}")
     store = ModelStore(cfg.state_dir)
     start_step = _resume(container, cfg, model, store)
-    snapshot_steps: set[int] = set()
     handles = []
     times = []
     for step in range(start_step + 1, cfg.steps + 1):
         begin = time.perf_counter()
         loss = train_step(model, container, cfg, step)
         times.append(time.perf_counter() - begin)
+        is_snapshot = bool(cfg.snapshot_every) and step % cfg.snapshot_every == 0
+        # Parameters first: a snapshot is only useful with the parameters of its step.
+        store.save(model, step, snapshot=is_snapshot)
         note = ""
-        if cfg.snapshot_every and step % cfg.snapshot_every == 0:
+        if is_snapshot:
             handles.append(container.snapshot())
-            snapshot_steps.add(step)
             note = f"  snapshot {handles[-1].snapshot_id} (consistent)"
-        store.save(model, step, snapshot_steps)
         held = _segment_bytes(container)
         print(f"step {step:4d}  loss {loss:.4f}  {times[-1] * 1e3:7.2f} ms  server holds {held / 2**20:.2f} MiB{note}")
         if step == cfg.crash_after_step:
