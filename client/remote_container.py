@@ -273,10 +273,27 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             # The previous trainer died mid-step: some moments are of step S, some of S-1.
             self._torn_step = header[Word.WRITING_STEP] - 1
             log.warning("%s", self._torn_message())
-        elif reused and self.session.last_committed_step is not None:
-            self.resumed_step = self.session.last_committed_step
-            log.info("reattached to swap-state at step %d", self.resumed_step)
+        elif reused:
+            self._resume_kept_step()
         header[Word.TRAINER_GENERATION] = self.session.generation
+
+    def _resume_kept_step(self) -> None:
+        """The step the kept segment holds is the one its group steps say (written with the
+        moments, before the commit). A trainer killed between its last write and its
+        CommitStep leaves one step more than the server recorded: complete, so it is
+        committed now rather than mistaken for the step before."""
+        held = int(max(self._views[GROUP_STEPS].tolist(), default=0))
+        committed = self.session.last_committed_step
+        if held == 0 and committed is None:
+            return  # nothing was ever written
+        if held != committed:
+            log.warning(
+                "the previous trainer wrote step %d completely but the server recorded step %d "
+                "(killed before its commit): resuming at step %d", held, committed, held,
+            )  # fmt: skip
+            self.session.commit(held)
+        self.resumed_step = held
+        log.info("reattached to swap-state at step %d", held)
 
     def _torn_message(self) -> str:
         return (

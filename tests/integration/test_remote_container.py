@@ -252,3 +252,26 @@ def test_dtensor_parameter_bitwise_and_layout_in_snapshot_manifest(server, gloo_
     assert records["state.weight.exp_avg"]["global_shape"] == [6, 8]
     assert records["state.weight.exp_avg"]["global_offset"] == [0, 0]
     container.close()
+
+
+def test_trainer_killed_between_its_last_write_and_its_commit_resumes_at_the_written_step(server):
+    w = Workload()
+    model = build(w)
+    first = remote(w, model, server.address, "lost-commit")
+    train(model, first, w, range(1, 4))
+    first.session.commit = lambda step: step  # step 4's CommitStep never reaches the server
+    train(model, first, w, range(4, 5))
+    params_at_4 = {k: v.clone() for k, v in model.state_dict().items()}
+    first.close(keep=True)
+
+    model2 = build(w)
+    second = remote(w, model2, server.address, "lost-commit")
+    assert second.resumed_step == 4
+    assert second.session.last_committed_step == 4  # committed on reattach
+    model2.load_state_dict(params_at_4)
+    train(model2, second, w, range(5, 11))
+    ref_model = build(w)
+    ref = reference_optimizer(w, ref_model)
+    train(ref_model, ref, w, range(1, 11))
+    assert mismatches(model2, second, ref_model, ref) == []
+    second.close()
