@@ -452,6 +452,9 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         The server verifies layout and checksums before it writes a byte; on a mismatch it
         raises and the current state is untouched. Call between steps.
         """
+        # A snapshot of this segment still persisting (a killed predecessor's, say) may be the
+        # newest: let it become durable first, so "latest" means it.
+        self._wait_for_persisting_snapshot(f"restore of {snapshot_id}")
         self._wait_segment_released(f"restore of {snapshot_id}")
         reply = self.session.restore(snapshot_id)
         self._torn_step = None
