@@ -14,7 +14,7 @@ import torch
 from swap_state.client.rpc import ServerUnavailableError, SwapStateError
 
 from .conftest import shm_files
-from .workload import Workload, build, mismatches, reference_optimizer, remote, train
+from .workload import Workload, build, mismatches, reference_mismatches, reference_optimizer, remote, train
 
 WORKLOAD = os.path.join(os.path.dirname(__file__), "workload.py")
 
@@ -70,10 +70,7 @@ def test_state_dict_round_trip_through_fresh_container_and_fresh_server(start_se
     fresh.load_state_dict(saved)
     train(model2, fresh, w, range(6, 11))
 
-    ref_model = build(w)
-    ref = reference_optimizer(w, ref_model)
-    train(ref_model, ref, w, range(1, 11))
-    assert mismatches(model2, fresh, ref_model, ref) == []
+    assert reference_mismatches(model2, fresh, w) == []
     fresh.close()
 
 
@@ -215,10 +212,7 @@ def test_trainer_dead_mid_step_leaves_torn_state_that_must_be_restored(server):
     assert second.restore("latest") == 3
     model2.load_state_dict(params_at_3)
     train(model2, second, w, range(4, 11))
-    ref_model = build(w)
-    ref = reference_optimizer(w, ref_model)
-    train(ref_model, ref, w, range(1, 11))
-    assert mismatches(model2, second, ref_model, ref) == []
+    assert reference_mismatches(model2, second, w) == []
     second.close()
 
 
@@ -270,8 +264,5 @@ def test_trainer_killed_between_its_last_write_and_its_commit_resumes_at_the_wri
     assert second.session.last_committed_step == 4  # committed on reattach
     model2.load_state_dict(params_at_4)
     train(model2, second, w, range(5, 11))
-    ref_model = build(w)
-    ref = reference_optimizer(w, ref_model)
-    train(ref_model, ref, w, range(1, 11))
-    assert mismatches(model2, second, ref_model, ref) == []
+    assert reference_mismatches(model2, second, w) == []
     second.close()

@@ -87,6 +87,14 @@ def mismatches(model: Net, container, ref_model: Net, ref_opt) -> list[str]:
     return bad
 
 
+def reference_mismatches(model: Net, container, w: Workload, steps: int = 10) -> list[str]:
+    """``mismatches`` against an uninterrupted torch fused AdamW run of ``steps`` steps."""
+    ref_model = build(w)
+    ref = reference_optimizer(w, ref_model)
+    train(ref_model, ref, w, range(1, steps + 1))
+    return mismatches(model, container, ref_model, ref)
+
+
 def main() -> None:
     """Subprocess entry: ``workload.py SERVER JOB RANK WORLD JSON`` prints a JSON result."""
     server, job, rank, world, spec = sys.argv[1:6]
