@@ -10,6 +10,7 @@ interceptor uses :func:`status_for` too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -93,39 +94,35 @@ def rpc_boundary(method: F) -> F:
         await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (ref {ref}; see the server log)")
         raise AssertionError("unreachable")  # abort() raises
 
-    if inspect.isasyncgenfunction(method):
-
-        @functools.wraps(method)
-        async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
-            started = time.perf_counter()
-            code = grpc.StatusCode.OK
-            try:
-                async for item in method(self, request, context):
-                    yield item
-            except (_AbortError, asyncio.CancelledError, GeneratorExit):
-                code = grpc.StatusCode.CANCELLED
-                raise
-            except Exception as exc:  # noqa: BLE001 - the boundary
-                code = status_for(exc) if isinstance(exc, DomainError) else grpc.StatusCode.INTERNAL
-                await fail(context, exc)
-            finally:
-                self.counters.record(name, code, time.perf_counter() - started)
-
-        return stream_wrapper  # type: ignore[return-value]
-
-    @functools.wraps(method)
-    async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
+    @contextlib.asynccontextmanager
+    async def boundary(counters: RpcCounters, context: grpc.aio.ServicerContext):
+        """Map what escapes the call to a status (fail() always aborts) and count the call."""
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            return await method(self, request, context)
-        except (_AbortError, asyncio.CancelledError):
+            yield
+        except (_AbortError, asyncio.CancelledError, GeneratorExit):
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:  # noqa: BLE001 - the boundary
             code = status_for(exc) if isinstance(exc, DomainError) else grpc.StatusCode.INTERNAL
             await fail(context, exc)
         finally:
-            self.counters.record(name, code, time.perf_counter() - started)
+            counters.record(name, code, time.perf_counter() - started)
+
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
+            async with boundary(self.counters, context):
+                async for item in method(self, request, context):
+                    yield item
+
+        return stream_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
+        async with boundary(self.counters, context):
+            return await method(self, request, context)
 
     return unary_wrapper  # type: ignore[return-value]
