@@ -109,7 +109,7 @@ def _snapshots(args) -> int:
 
 def _export(args) -> int:
     from swap_state.client.export import export_snapshot
-    from swap_state.server.snapshot_errors import SnapshotError
+    from swap_state.common.snapshot_errors import SnapshotError
 
     try:
         result = export_snapshot(args.snapshot, args.out, format=args.format)

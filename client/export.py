@@ -37,16 +37,16 @@ import torch
 from safetensors import safe_open
 
 from swap_state.client.shm import TORCH_DTYPES
-from swap_state.server.snapshot_errors import SnapshotError
-from swap_state.server.snapshot_format import RankManifest, TensorRecord
-from swap_state.server.snapshot_metadata import TENSOR_TAG
-from swap_state.server.snapshot_store import SnapshotInfo, SnapshotStore
+from swap_state.common.names import STATE_PREFIX, param_group_key, state_key
+from swap_state.common.snapshot_errors import SnapshotError
+from swap_state.common.snapshot_format import RankManifest, TensorRecord
+from swap_state.common.snapshot_metadata import TENSOR_TAG
+from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
 
 __all__ = ["FORMATS", "ExportError", "ExportResult", "load_flat_state_dict", "export_snapshot", "main"]
 
 FORMATS = ("torch", "dcp")
 
-_TORCH_DTYPES = TORCH_DTYPES
 
 
 class ExportError(SnapshotError):
@@ -78,7 +78,7 @@ def _decode(value: Any) -> Any:
     no tuples; torch optimizers keep betas as one)."""
     if isinstance(value, dict):
         if TENSOR_TAG in value:
-            return torch.tensor(value[TENSOR_TAG], dtype=_TORCH_DTYPES[value.get("dtype", "float32")])
+            return torch.tensor(value[TENSOR_TAG], dtype=TORCH_DTYPES[value.get("dtype", "float32")])
         return {k: _decode(v) for k, v in value.items()}
     if isinstance(value, list):
         return tuple(_decode(v) for v in value)
@@ -104,8 +104,8 @@ def _is_bookkeeping(tensor: TensorRecord) -> bool:
 
 def _state_key(tensor: TensorRecord) -> str:
     if tensor.fqn and tensor.key:
-        return f"state.{tensor.fqn}.{tensor.key}"
-    return f"state.{tensor.name}"
+        return state_key(tensor.fqn, tensor.key)
+    return STATE_PREFIX + tensor.name
 
 
 class _Assembler:
@@ -166,15 +166,15 @@ class _Assembler:
         return self.values
 
 
-def _resolve(snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str] | None) -> tuple[SnapshotStore, SnapshotInfo]:
+def _resolve(snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str] | None) -> tuple[SnapshotReader, SnapshotInfo]:
     if snapshot_dir is not None:
-        store = SnapshotStore(snapshot_dir)
-        return store, store.resolve(os.fspath(snapshot))
+        reader = SnapshotReader(snapshot_dir)
+        return reader, reader.resolve(os.fspath(snapshot))
     path = pathlib.Path(os.path.abspath(snapshot))
     if not path.is_dir():
         raise ExportError(f"{path} is not a snapshot directory (<snapshot-dir>/<job>/step-<N>)")
-    store = SnapshotStore(path.parent.parent)
-    return store, store.resolve(f"{path.parent.name}/{path.name}")
+    reader = SnapshotReader(path.parent.parent)
+    return reader, reader.resolve(f"{path.parent.name}/{path.name}")
 
 
 def _build(
@@ -197,10 +197,10 @@ def _build(
                     continue
                 assembler.add(_state_key(record), record, file.get_tensor(record.name), str(path))
         for fqn, value in manifest.steps.items():
-            extras.setdefault(f"state.{fqn}.step", _decode_step(value))
+            extras.setdefault(state_key(fqn, "step"), _decode_step(value))
         for fqn, group in manifest.param_groups.items():
             for hp, value in group.items():
-                extras.setdefault(f"param_groups.{fqn}.{hp}", _decode(value))
+                extras.setdefault(param_group_key(fqn, hp), _decode(value))
     state = assembler.finish(info)
     clash = set(state) & set(extras)
     if clash:

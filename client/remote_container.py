@@ -32,13 +32,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import grpc
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.optim import Optimizer
 
 from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig
+from swap_state.client.errors import NotFoundError, SnapshotBusyError
 from swap_state.client.rpc import ClientConfig, RemoteSession, SwapStateClient, SwapStateError
 from swap_state.client.shm import SegmentMapping, dtype_name
 from swap_state.client.snapshot_guard import SnapshotGuard
@@ -49,7 +49,7 @@ from swap_state.client.swap_optimizer import (
     HostCacheEntry,
     SwapOptimizersContainer,
 )
-from swap_state.proto.segment import Word
+from swap_state.common.segment import Word
 
 __all__ = ["RemoteConfig", "RemoteSwapOptimizersContainer", "SnapshotHandle"]
 
@@ -375,12 +375,10 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         metadata = self.snapshot_metadata()
         try:
             reply = self.session.snapshot(step, metadata)
-        except SwapStateError as e:
+        except SnapshotBusyError:
             # The server persists one snapshot of a segment at a time: a previous one (this
             # trainer's, or a restarted trainer's predecessor's) may still be persisting. Wait
-            # for it and try once more; any other refusal comes back the same.
-            if e.code != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
+            # for it and try once more; any other refusal comes back as it is.
             self._wait_for_persisting_snapshot(f"snapshot of step {step}")
             reply = self.session.snapshot(step, metadata)
         handle = SnapshotHandle(reply.snapshot_id, step, self.session.rank, self.client)
@@ -538,9 +536,8 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         if pending is not None:
             try:
                 pending.wait_durable(timeout_s=self.remote_config.backpressure_timeout_s)
-            except SwapStateError as e:
-                if e.code != grpc.StatusCode.NOT_FOUND:
-                    raise  # failed: its message says why (NOT_FOUND: Restore says where it looked)
+            except NotFoundError:
+                pass  # not (or no longer) known to the server: Restore says where it looked
         self.restore(snapshot_id)
         groups = {k: v for k, v in state_dict.items() if k.startswith("param_groups.")}
         for entry in self._entries:

@@ -26,6 +26,15 @@ from typing import TypeVar
 
 import grpc
 
+from swap_state.common.addresses import parse_address
+from swap_state.common.errors import ConfigError
+from swap_state.client.errors import (  # noqa: F401 - re-exported: the client's exceptions
+    ServerUnavailableError,
+    SessionLostError,
+    SwapStateError,
+    error_for,
+    reason_of,
+)
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
@@ -47,22 +56,6 @@ _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _Reply = TypeVar("_Reply")
 
 
-class SwapStateError(RuntimeError):
-    """A swap-state RPC failed; ``code`` is the gRPC status code (None for local errors)."""
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
-        super().__init__(message)
-        self.code = code
-
-
-class ServerUnavailableError(SwapStateError):
-    """The server could not be reached within the deadline."""
-
-
-class SessionLostError(SwapStateError):
-    """The session's keep-alive stream ended: the server died or dropped the session."""
-
-
 @dataclasses.dataclass
 class ClientConfig:
     address: str
@@ -78,17 +71,12 @@ class ClientConfig:
 
 
 def normalize_target(address: str) -> str:
-    """Map a user-facing address onto a gRPC target string."""
-    if address.startswith("unix://"):
-        return address
-    if address.startswith("tcp://"):
-        return address[len("tcp://") :]
-    if address.startswith("/") or address.startswith("."):
-        return "unix://" + os.path.abspath(address)
-    raise SwapStateError(
-        f"swap-state server address {address!r} is not unix:///path or tcp://host:port "
-        "(set --optimizer.swap_state_server or SWAP_STATE_SERVER)"
-    )
+    """Map a user-facing address (the rules of :mod:`swap_state.common.addresses`, the same as
+    the server's ``--listen``) onto a gRPC target string."""
+    try:
+        return parse_address(address, flag="swap-state server address").bind_target()
+    except ConfigError as e:
+        raise SwapStateError(f"{e} (set --optimizer.swap_state_server or SWAP_STATE_SERVER)") from e
 
 
 class SwapStateClient:
@@ -131,7 +119,7 @@ class SwapStateClient:
                 f"{name}: {where} is not reachable ({code.name}: {details}); {hint}", code
             )
         code_name = code.name if code is not None else "UNKNOWN"
-        return SwapStateError(f"{name} failed at {where}: {code_name}: {details}", code)
+        return error_for(reason_of(e), f"{name} failed at {where}: {code_name}: {details}", code)
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         timeout_s = timeout_s or self.config.connect_timeout_s

@@ -19,20 +19,14 @@ import os
 
 import torch
 
+from swap_state.common.dtypes import DTYPE_NAMES
 from swap_state.proto import swap_state_pb2 as pb
-from swap_state.proto.segment import SegmentHeader, TensorLayout, chunk_table
+from swap_state.common.segment import SegmentHeader, TensorLayout, chunk_table
 
 __all__ = ["TORCH_DTYPES", "SegmentMapping"]
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
+"""The common dtype table's names as torch dtypes."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,5 +1,5 @@
 """The trainer's guard on its segment: marks steps being written and protects the bytes a
-persisting snapshot still needs (copy-before-write, see :mod:`swap_state.proto.segment`).
+persisting snapshot still needs (copy-before-write, see :mod:`swap_state.common.segment`).
 
 Call order, per step, from the one thread that writes the segment::
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from swap_state.client.shm import SegmentMapping
-from swap_state.proto.segment import SegmentLayout, Word
-from swap_state.server.snapshot_protocol import TrainerProtector
+from swap_state.common.segment import SegmentLayout, Word
+from swap_state.common.copy_before_write import TrainerProtector
 
 __all__ = ["SnapshotGuard", "layout_of"]
 

@@ -1,2 +1,2 @@
 """The swap-state protocol: gRPC messages (generated from ``swap_state.proto``) and the
-shared-memory segment layout (:mod:`swap_state.proto.segment`)."""
+shared-memory segment layout (:mod:`swap_state.common.segment`)."""

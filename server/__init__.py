@@ -9,8 +9,8 @@ In-process use (tests, the client's embedded mode)::
     await running.stop()
 """
 
-from .config import ServerConfig
-from .errors import StartupError
+from swap_state.common.server_config import ServerConfig
+from swap_state.common.errors import StartupError
 from .runtime import RunningServer, start_server
 
 __all__ = ["RunningServer", "ServerConfig", "StartupError", "start_server"]

@@ -30,7 +30,7 @@ import stat
 import threading
 from collections.abc import Iterator, Sequence
 
-from swap_state.proto.segment import (
+from swap_state.common.segment import (
     PAGE_BYTES,
     SegmentHeader,
     SegmentLayout,
@@ -40,8 +40,8 @@ from swap_state.proto.segment import (
     tensor_nbytes,
 )
 
-from .config import format_size
-from .errors import ResourceExhausted, StartupError, Unavailable
+from swap_state.common.sizes import format_size
+from swap_state.common.errors import ResourceExhausted, StartupError, Unavailable
 from .logs import log_event
 from .validation import TensorSpecTuple
 

@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from .errors import StartupError, Unauthenticated
+from swap_state.common.errors import StartupError, Unauthenticated
 from .logs import log_event
-from .statuses import status_for
+from .statuses import reason_metadata, status_for
 
 __all__ = ["EXEMPT_PREFIXES", "TokenAuthInterceptor", "read_token_file"]
 
@@ -83,7 +83,7 @@ def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.response_streaming:
 
         async def deny_stream(request, context):
-            await context.abort(code, str(error))
+            await context.abort(code, str(error), trailing_metadata=reason_metadata(error))
             yield  # pragma: no cover - makes this an async generator
 
         if handler.request_streaming:
@@ -91,7 +91,7 @@ def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         return grpc.unary_stream_rpc_method_handler(deny_stream)
 
     async def deny_unary(request, context):
-        await context.abort(code, str(error))
+        await context.abort(code, str(error), trailing_metadata=reason_metadata(error))
 
     if handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(deny_unary)

@@ -14,8 +14,10 @@ import signal
 import sys
 import textwrap
 
-from .config import LOG_LEVELS, ServerConfig, default_listen, parse_size
-from .errors import ConfigError, StartupError
+from swap_state.common.addresses import default_listen
+from swap_state.common.server_config import LOG_LEVELS, ServerConfig
+from swap_state.common.sizes import parse_size
+from swap_state.common.errors import ConfigError, StartupError
 from .logs import configure_logging, log_event
 from .runtime import start_server
 

@@ -14,8 +14,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .config import default_listen, parse_listen
-from .errors import ConfigError
+from swap_state.common.addresses import default_listen, parse_address
+from swap_state.common.errors import ConfigError
 
 __all__ = ["check", "main"]
 
@@ -23,7 +23,7 @@ __all__ = ["check", "main"]
 def check(listen: str, *, timeout: float = 3.0, service: str = "",
           tls_ca: pathlib.Path | None = None) -> tuple[bool, str]:
     """(serving, what was seen) for the server at ``listen`` (unix:///path or tcp://host:port)."""
-    address = parse_listen(listen)
+    address = parse_address(listen)
     target = address.bind_target()
     if address.scheme == "tcp" and tls_ca is not None:
         channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(tls_ca.read_bytes()))

@@ -17,7 +17,7 @@ import pathlib
 import socket
 import stat
 
-from .errors import StartupError
+from swap_state.common.errors import StartupError
 from .logs import log_event
 
 __all__ = ["SocketGuard", "SOCKET_MODE"]

@@ -20,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from swap_state.proto.segment import SegmentHeader, SegmentLayout, Word
+from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
 
-from .snapshot_errors import SnapshotBusy, SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
-from .snapshot_format import INDEX_NAME, RankManifest
+from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
+from swap_state.common.snapshot_format import INDEX_NAME, RankManifest
 from .snapshot_store import SnapshotInfo, SnapshotStore
 
 __all__ = ["RestoreResult", "check_layout", "restore"]

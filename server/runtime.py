@@ -36,8 +36,10 @@ from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
 from .arena import Arena, check_shm_dir
 from .auth import TokenAuthInterceptor, read_token_file
-from .config import ListenAddress, ServerConfig, format_size
-from .errors import StartupError
+from swap_state.common.addresses import ListenAddress
+from swap_state.common.server_config import ServerConfig
+from swap_state.common.sizes import format_size
+from swap_state.common.errors import StartupError
 from .listener import SocketGuard
 from .logs import log_event
 from .metrics import MetricsServer, render_metrics

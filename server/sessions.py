@@ -30,10 +30,18 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from swap_state.proto.segment import SegmentHeader, SegmentLayout, Word, layout_hash
+from swap_state.common.segment import SegmentHeader, SegmentLayout, Word, layout_hash
 
 from .arena import Arena, Segment
-from .errors import FailedPrecondition, NotFound, Unavailable
+from swap_state.common.errors import (
+    FailedPrecondition,
+    LayoutMismatch,
+    NoSegment,
+    NotFound,
+    SessionLive,
+    StaleGeneration,
+    Unavailable,
+)
 from .logs import log_event
 from .validation import (
     validate_client_host,
@@ -138,7 +146,7 @@ class Session:
         the last step (idempotent retry). Going backwards needs ``force`` (restore) or the
         one-time allowance after a reattach."""
         if self.segment is None or self.segment.header is None:
-            raise FailedPrecondition(
+            raise NoSegment(
                 f"session {self.session_id} has no segment: call Allocate before CommitStep"
             )
         last = self.last_committed_step
@@ -215,12 +223,12 @@ class SessionRegistry:
         if session.closed:
             raise NotFound(f"session {session.session_id} was freed: Attach again")
         if generation > session.generation:
-            raise FailedPrecondition(
+            raise StaleGeneration(
                 f"generation {generation} was never issued for job {session.job_id} rank "
                 f"{session.rank} (current: {session.generation})"
             )
         if generation != session.generation:
-            raise FailedPrecondition(
+            raise StaleGeneration(
                 f"stale generation {generation} for job {session.job_id} rank {session.rank}: "
                 f"the session was re-attached as generation {session.generation}"
             )
@@ -302,7 +310,7 @@ class SessionRegistry:
 
     def _refuse_if_live(self, session: Session) -> None:
         if session.state is SessionState.LIVE and not session.closed:
-            raise FailedPrecondition(
+            raise SessionLive(
                 f"job {session.job_id} rank {session.rank} is attached and live (client pid "
                 f"{session.client_pid} on {session.client_host or '?'}, generation "
                 f"{session.generation}): another trainer with the same job id and rank? Close "
@@ -396,7 +404,7 @@ class SessionRegistry:
             if session.segment is not None:
                 if session.segment.layout_hash == wanted_hash:
                     return session.segment, True
-                raise FailedPrecondition(
+                raise LayoutMismatch(
                     f"job {session.job_id} rank {session.rank} already has a segment with another "
                     f"layout (hash {session.segment.layout_hash[:12]}, requested "
                     f"{wanted_hash[:12]}): Detach with keep=false, then Attach and Allocate again"

@@ -32,9 +32,9 @@ import pathlib
 import threading
 import time
 
-from swap_state.proto.segment import Word
+from swap_state.common.segment import Word
 
-from .snapshot_errors import (
+from swap_state.common.snapshot_errors import (
     SnapshotBusy,
     SnapshotError,
     SnapshotExists,
@@ -43,9 +43,11 @@ from .snapshot_errors import (
     SnapshotNotFound,
     from_os_error,
 )
-from .snapshot_format import FileRecord, SnapshotIndex, snapshot_id_for
-from .snapshot_metadata import MAX_METADATA_BYTES, parse_metadata
-from .snapshot_store import CommitResult, SnapshotStore, validate_job_id
+from swap_state.common.snapshot_format import FileRecord, SnapshotIndex, snapshot_id_for
+from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, parse_metadata
+from swap_state.common.names import parse_snapshot_id, shorten, validate_job_id
+
+from .snapshot_store import CommitResult, SnapshotStore
 from .snapshot_writer import BandwidthLimiter, Cancelled, RankResult, RankWriter, SnapshotSource
 
 __all__ = [
@@ -330,7 +332,7 @@ class SnapshotCoordinator:
 
     @staticmethod
     def _check_source(source: SnapshotSource) -> None:
-        validate_job_id(source.job_id)
+        validate_job_id(source.job_id, SnapshotInvalid)
         if not 1 <= source.world_size or not 0 <= source.rank < source.world_size:
             raise SnapshotInvalid(f"rank {source.rank} / world_size {source.world_size} is invalid")
         if not 0 <= source.local_world_size <= source.world_size:
@@ -662,8 +664,7 @@ class SnapshotCoordinator:
 def _parse_step_id(snapshot_id: str) -> tuple[str, int]:
     """``<job>/step-<N>`` -> (job, N); SnapshotInvalid for anything else (no ``latest`` here:
     a status is about one specific snapshot)."""
-    job, _, rest = snapshot_id.partition("/")
-    if not rest.startswith("step-") or not rest[5:].isdigit() or not rest[5:].isascii():
-        raise SnapshotInvalid(f"snapshot id {snapshot_id!r} is not '<job>/step-<N>'")
-    return validate_job_id(job), int(rest[5:])
-
+    ref = parse_snapshot_id(snapshot_id, None, SnapshotInvalid)
+    if ref.step is None:
+        raise SnapshotInvalid(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
+    return ref.job_id, ref.step

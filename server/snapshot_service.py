@@ -13,7 +13,7 @@ import dataclasses
 
 from swap_state.proto import swap_state_pb2 as pb
 
-from .errors import FailedPrecondition
+from swap_state.common.errors import FailedPrecondition, NoSegment, SnapshotsDisabled
 from .restore import restore
 from .sessions import Session
 from .snapshot import SnapshotCoordinator, SnapshotHandle, SnapshotStatus
@@ -102,7 +102,7 @@ class SnapshotRpcs:
 
     def _coordinator(self) -> SnapshotCoordinator:
         if self.snapshots is None:
-            raise FailedPrecondition(
+            raise SnapshotsDisabled(
                 "this server keeps no snapshots: start it with --snapshot-dir DIR"
             )
         return self.snapshots
@@ -110,7 +110,7 @@ class SnapshotRpcs:
     def _segment_session(self, session_id: str, generation: int) -> Session:
         session = self.registry.lookup(session_id, generation)
         if session.segment is None:
-            raise FailedPrecondition(
+            raise NoSegment(
                 f"session {session_id} has no segment yet: call Allocate first"
             )
         return session

@@ -27,11 +27,11 @@ import threading
 import time
 from typing import Any
 
-from swap_state.proto.segment import SegmentHeader, SegmentLayout, Word, chunk_table
+from swap_state.common.segment import SegmentHeader, SegmentLayout, Word, chunk_table
 
-from .checksum import crc32, crc32_combine
-from .snapshot_errors import SnapshotError, from_os_error
-from .snapshot_format import (
+from swap_state.common.checksum import crc32, crc32_combine
+from swap_state.common.snapshot_errors import SnapshotError, from_os_error
+from swap_state.common.snapshot_format import (
     FileRecord,
     RankManifest,
     TensorRecord,
@@ -41,7 +41,7 @@ from .snapshot_format import (
     safetensors_header,
     safetensors_metadata,
 )
-from .snapshot_metadata import SnapshotMetadata, TensorMetadata
+from swap_state.common.snapshot_metadata import SnapshotMetadata, TensorMetadata
 from .snapshot_store import write_durable
 
 __all__ = ["BandwidthLimiter", "Cancelled", "RankResult", "RankWriter", "SnapshotSource"]

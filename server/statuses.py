@@ -1,7 +1,7 @@
 """The one place where domain errors become gRPC status codes.
 
 :func:`rpc_boundary` wraps every servicer method (unary and server-streaming): a
-:class:`~swap_state.server.errors.DomainError` becomes its status code with the error's message;
+:class:`~swap_state.common.errors.DomainError` becomes its status code with the error's message;
 anything unexpected becomes INTERNAL with a reference id that is also logged with the traceback,
 so a bug in one request never crashes the server or leaves the caller hanging. The token
 interceptor uses :func:`status_for` too.
@@ -21,45 +21,25 @@ from typing import Any, TypeVar
 
 import grpc
 
-from .errors import (
-    DomainError,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    Unauthenticated,
-    Unavailable,
-    Unimplemented,
-)
+from swap_state.common.errors import REASON_METADATA_KEY, DomainError
 from .logs import log_event
 
-__all__ = ["STATUS_FOR_ERROR", "RpcCounters", "rpc_boundary", "status_for"]
+__all__ = ["RpcCounters", "rpc_boundary", "status_for", "reason_metadata"]
 
 log = logging.getLogger("swap_state.server.rpc")
-
-STATUS_FOR_ERROR: dict[type[DomainError], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-}
 
 # grpc.aio raises this from context.abort(); it must pass through untouched.
 _AbortError: type[BaseException] = grpc.aio.AbortError
 
 
 def status_for(exc: DomainError) -> grpc.StatusCode:
-    explicit = getattr(exc, "grpc_code", None)  # e.g. DATA_LOSS, which no base class covers
-    if explicit is not None and explicit != "INTERNAL":
-        return grpc.StatusCode[explicit]
-    for cls in type(exc).__mro__:
-        code = STATUS_FOR_ERROR.get(cls)  # type: ignore[arg-type]
-        if code is not None:
-            return code
-    return grpc.StatusCode.INTERNAL
+    """The status code the error class names (``DomainError.code``)."""
+    return grpc.StatusCode[exc.code]
+
+
+def reason_metadata(exc: DomainError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that carries the error's machine-readable reason."""
+    return ((REASON_METADATA_KEY, exc.reason),)
 
 
 class RpcCounters:
@@ -87,7 +67,7 @@ def rpc_boundary(method: F) -> F:
         if isinstance(exc, DomainError):
             code = status_for(exc)
             log_event(log, "rpc_refused", logging.DEBUG, method=name, code=code.name, error=str(exc))
-            await context.abort(code, str(exc))
+            await context.abort(code, str(exc), trailing_metadata=reason_metadata(exc))
         ref = secrets.token_hex(4)
         log_event(log, "rpc_internal_error", logging.ERROR, method=name, ref=ref,
                   error=f"{type(exc).__name__}: {exc}", exc_info=exc)

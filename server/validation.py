@@ -1,6 +1,6 @@
 """Validation of request values, before any of them reaches the domain.
 
-Every check raises :class:`~swap_state.server.errors.InvalidArgument` with a message naming the
+Every check raises :class:`~swap_state.common.errors.InvalidArgument` with a message naming the
 field and the rule. Nothing a client sends becomes part of a file name in the shm directory
 (segment names are built from the server's own ids); job ids may become a directory name under
 the snapshot directory, hence the strict charset and no leading dot.
@@ -12,9 +12,9 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 
-from swap_state.proto.segment import DTYPE_ITEMSIZE
-
-from .errors import InvalidArgument
+from swap_state.common.dtypes import DTYPE_ITEMSIZE
+from swap_state.common.errors import InvalidArgument
+from swap_state.common.names import shorten, validate_job_id
 
 __all__ = [
     "MAX_NDIM",
@@ -34,7 +34,6 @@ __all__ = [
 
 TensorSpecTuple = tuple[str, str, tuple[int, ...]]
 
-_JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,512}")
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")
 MAX_WORLD_SIZE = 1 << 20
@@ -45,19 +44,6 @@ MAX_SEGMENT_BYTES = 1 << 50
 MAX_STEP = (1 << 63) - 2
 
 
-def _shorten(value: str, limit: int = 80) -> str:
-    return repr(value if len(value) <= limit else value[:limit] + "...")
-
-
-def validate_job_id(job_id: str) -> str:
-    if not _JOB_ID.fullmatch(job_id):
-        raise InvalidArgument(
-            f"job_id {_shorten(job_id)} is invalid: use 1-128 characters of [A-Za-z0-9_.-]"
-        )
-    if job_id.startswith("."):
-        # '.', '..' and hidden names would be dangerous or confusing as directory names.
-        raise InvalidArgument(f"job_id {_shorten(job_id)} must not start with '.'")
-    return job_id
 
 
 def validate_rank(rank: int, world_size: int) -> None:
@@ -83,7 +69,7 @@ def validate_local_world_size(local_world_size: int, world_size: int) -> int:
 def validate_session_id(session_id: str) -> str:
     if not _SESSION_ID.fullmatch(session_id):
         raise InvalidArgument(
-            f"session_id {_shorten(session_id)} is not a session id issued by this server"
+            f"session_id {shorten(session_id)} is not a session id issued by this server"
         )
     return session_id
 
@@ -130,14 +116,14 @@ def validate_tensor_specs(
             if name in seen:
                 raise InvalidArgument(f"tensors[{index}].name {name!r} is duplicated")
             raise InvalidArgument(
-                f"tensors[{index}].name {_shorten(name)} is invalid: use 1-512 characters of "
+                f"tensors[{index}].name {shorten(name)} is invalid: use 1-512 characters of "
                 "[A-Za-z0-9_.:/-]"
             )
         seen.add(name)
         itemsize = DTYPE_ITEMSIZE.get(dtype)
         if itemsize is None:
             raise InvalidArgument(
-                f"tensors[{index}] ({name}): unknown dtype {_shorten(dtype)}; "
+                f"tensors[{index}] ({name}): unknown dtype {shorten(dtype)}; "
                 f"expected one of {', '.join(DTYPE_ITEMSIZE)}"
             )
         dims = tuple(map(int, shape))

@@ -190,7 +190,7 @@ def test_two_containers_in_one_process_share_nothing(server):
 
 
 def test_trainer_dead_mid_step_leaves_torn_state_that_must_be_restored(server):
-    from swap_state.proto.segment import Word
+    from swap_state.common.segment import Word
 
     w = Workload()
     model = build(w)

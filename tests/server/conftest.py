@@ -20,7 +20,7 @@ from swap_server_testkit import ServerProcess  # noqa: E402
 
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc  # noqa: E402
 from swap_state.server import ServerConfig, start_server  # noqa: E402
-from swap_state.server.config import KiB, MiB  # noqa: E402
+from swap_state.common.sizes import KiB, MiB  # noqa: E402
 
 
 @pytest.fixture

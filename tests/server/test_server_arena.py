@@ -12,10 +12,10 @@ import grpc
 import pytest
 from swap_server_testkit import Trainer, spec
 
-from swap_state.proto.segment import MAGIC, PAGE_BYTES, SegmentHeader, Word
+from swap_state.common.segment import MAGIC, PAGE_BYTES, SegmentHeader, Word
 from swap_state.server import arena as arena_mod
 from swap_state.server.arena import Arena, check_shm_dir
-from swap_state.server.errors import ResourceExhausted, StartupError, Unavailable
+from swap_state.common.errors import ResourceExhausted, StartupError, Unavailable
 
 CHUNK = 64 << 10
 SPECS = [("a", "float32", (3000,)), ("b", "bfloat16", (10, 10)), ("c", "uint8", (0,))]

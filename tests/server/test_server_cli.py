@@ -166,7 +166,7 @@ def test_wrong_token_is_unauthenticated(server_process, shm_dir, sock_dir, tmp_p
 _READER = textwrap.dedent(
     """
     import hashlib, mmap, os, sys
-    from swap_state.proto.segment import SegmentHeader, Word
+    from swap_state.common.segment import SegmentHeader, Word
     path, offset, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     fd = os.open(path, os.O_RDONLY)
     m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)

@@ -11,8 +11,10 @@ import textwrap
 import pytest
 
 from swap_state.proto import swap_state_pb2 as pb
-from swap_state.server.config import ServerConfig, parse_listen, parse_size
-from swap_state.server.errors import ConfigError
+from swap_state.common.addresses import parse_address as parse_listen
+from swap_state.common.server_config import ServerConfig
+from swap_state.common.sizes import parse_size
+from swap_state.common.errors import ConfigError
 from swap_state.server.service import SwapStateService
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

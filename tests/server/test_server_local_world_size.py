@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from swap_state.proto import swap_state_pb2 as pb
-from swap_state.server.errors import InvalidArgument
+from swap_state.common.errors import InvalidArgument
 from swap_state.server.validation import validate_local_world_size
 
 

@@ -12,7 +12,7 @@ from swap_server_testkit import Trainer, spec
 
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.server.validation import validate_job_id, validate_tensor_specs
-from swap_state.server.errors import InvalidArgument
+from swap_state.common.errors import InvalidArgument
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 

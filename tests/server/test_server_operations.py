@@ -18,7 +18,7 @@ from swap_server_testkit import Trainer, spec
 
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
-from swap_state.server.errors import StartupError
+from swap_state.common.errors import StartupError
 from swap_state.server.logs import LogfmtFormatter, log_event
 
 

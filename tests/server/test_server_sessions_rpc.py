@@ -12,7 +12,7 @@ import pytest
 from swap_server_testkit import Trainer, spec, wait_until
 
 from swap_state.proto import swap_state_pb2 as pb
-from swap_state.proto.segment import MAGIC, PAGE_BYTES, SegmentHeader, Word, layout_hash
+from swap_state.common.segment import MAGIC, PAGE_BYTES, SegmentHeader, Word, layout_hash
 
 TENSORS = [spec("layers.0.exp_avg", (1000, 33)), spec("layers.0.exp_avg_sq", (1000, 33)),
            spec("step", (), "int64")]

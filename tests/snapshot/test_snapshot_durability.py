@@ -13,16 +13,16 @@ import time
 import pytest
 from snapshot_testkit import Trainer
 
-from swap_state.proto.segment import Word
+from swap_state.common.segment import Word
 from swap_state.server.restore import restore
 from swap_state.server.snapshot import SnapshotState
-from swap_state.server.snapshot_errors import (
+from swap_state.common.snapshot_errors import (
     SnapshotDiskFull,
     SnapshotExists,
     SnapshotInvalid,
     SnapshotNotFound,
 )
-from swap_state.server.snapshot_format import INDEX_NAME, LATEST_NAME, rank_data_name
+from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, rank_data_name
 
 TESTKIT_DIR = pathlib.Path(__file__).resolve().parent
 

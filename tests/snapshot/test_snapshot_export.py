@@ -12,7 +12,7 @@ from snapshot_testkit import flip_byte
 
 from swap_state.client.export import export_snapshot, main
 from swap_state.server.snapshot import SnapshotState
-from swap_state.server.snapshot_format import rank_data_name
+from swap_state.common.snapshot_format import rank_data_name
 
 # Per rank: a row shard of w (global 8x8) and a replicated plain bias moment.
 SPECS = [

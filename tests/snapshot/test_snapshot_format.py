@@ -14,8 +14,8 @@ import torch
 from snapshot_testkit import SPECS, metadata_for
 
 from swap_state.server.snapshot import SnapshotState
-from swap_state.server.snapshot_errors import SnapshotInvalid
-from swap_state.server.snapshot_format import INDEX_NAME, rank_data_name, rank_manifest_name
+from swap_state.common.snapshot_errors import SnapshotInvalid
+from swap_state.common.snapshot_format import INDEX_NAME, rank_data_name, rank_manifest_name
 
 _NUMPY = {"float32": np.float32, "uint8": np.uint8}
 

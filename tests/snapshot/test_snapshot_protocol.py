@@ -9,9 +9,9 @@ import zlib
 
 import pytest
 
-from swap_state.proto.segment import Word
-from swap_state.server.checksum import crc32_combine, format_crc, parse_crc
-from swap_state.server.snapshot_protocol import BackPressureTimeout, TrainerProtector, protect_chunk
+from swap_state.common.segment import Word
+from swap_state.common.checksum import crc32_combine, format_crc, parse_crc
+from swap_state.common.copy_before_write import BackPressureTimeout, TrainerProtector, protect_chunk
 from swap_state.server.snapshot_writer import BandwidthLimiter
 
 

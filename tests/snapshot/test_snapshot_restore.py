@@ -7,16 +7,16 @@ import json
 import pytest
 from snapshot_testkit import SPECS, flip_byte, metadata_for
 
-from swap_state.proto.segment import Word
+from swap_state.common.segment import Word
 from swap_state.server.restore import restore
 from swap_state.server.snapshot import SnapshotState
-from swap_state.server.snapshot_errors import (
+from swap_state.common.snapshot_errors import (
     SnapshotBusy,
     SnapshotCorrupt,
     SnapshotLayoutMismatch,
     SnapshotNotFound,
 )
-from swap_state.server.snapshot_format import INDEX_NAME, rank_data_name, rank_manifest_name
+from swap_state.common.snapshot_format import INDEX_NAME, rank_data_name, rank_manifest_name
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from swap_state.proto.segment import Word
+from swap_state.common.segment import Word
 from swap_state.server import snapshot_writer
 from swap_state.server.snapshot import SnapshotState
-from swap_state.server.snapshot_format import rank_data_name
-from swap_state.server.snapshot_protocol import protect_chunk
+from swap_state.common.snapshot_format import rank_data_name
+from swap_state.common.copy_before_write import protect_chunk
 
 from test_snapshot_consistency import _file_tensors
 

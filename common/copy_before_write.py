@@ -1,4 +1,4 @@
-"""The trainer's side of the copy-before-write protocol (``swap_state.proto.segment``, step 3).
+"""The trainer's side of the copy-before-write protocol (``swap_state.common.segment``, step 3).
 
 Pure Python over a mapped segment: no torch, no grpc, so the client can use it as is and the
 server's tests can play the trainer. Call order, from the *one* thread that writes the segment
@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import time
 
-from swap_state.proto.segment import Chunk, SegmentHeader, SegmentLayout, Word, chunk_table
+from swap_state.common.segment import Chunk, SegmentHeader, SegmentLayout, Word, chunk_table
 
 __all__ = ["BackPressureTimeout", "protect_chunk", "TrainerProtector"]
 

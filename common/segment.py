@@ -38,6 +38,8 @@ import hashlib
 import mmap
 from collections.abc import Sequence
 
+from .dtypes import DTYPE_ITEMSIZE
+
 __all__ = [
     "MAGIC",
     "LAYOUT_VERSION",
@@ -59,15 +61,6 @@ LAYOUT_VERSION = 1
 PAGE_BYTES = mmap.PAGESIZE
 FIXED_WORDS = 32
 
-DTYPE_ITEMSIZE: dict[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float64": 8,
-    "int64": 8,
-    "int32": 4,
-    "uint8": 1,
-}
 
 
 class Word(enum.IntEnum):

@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .checksum import format_crc, parse_crc
+from .dtypes import SAFETENSORS_DTYPES
+from .names import parse_step_dir_name, snapshot_id_for, step_dir_name
 
 __all__ = [
     "FORMAT_VERSION",
@@ -57,38 +59,12 @@ INDEX_FORMAT = "swap-state-snapshot"
 INDEX_NAME = "snapshot.json"
 LATEST_NAME = "latest"
 
-# Segment dtype name -> safetensors dtype code.
-SAFETENSORS_DTYPES: dict[str, str] = {
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "float64": "F64",
-    "int64": "I64",
-    "int32": "I32",
-    "uint8": "U8",
-}
 
-_STEP_DIR = re.compile(r"step-(\d{12,})")
 _PARTIAL_PREFIX = ".partial-"
-
-
-def snapshot_id_for(job_id: str, step: int) -> str:
-    """The id the protocol uses: ``<job_id>/step-<step>`` (no zero padding)."""
-    return f"{job_id}/step-{step}"
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:012d}"
 
 
 def partial_dir_name(step: int) -> str:
     return _PARTIAL_PREFIX + step_dir_name(step)
-
-
-def parse_step_dir_name(name: str) -> int | None:
-    """The step of a complete-snapshot directory name, or None for anything else."""
-    match = _STEP_DIR.fullmatch(name)
-    return int(match.group(1)) if match else None
 
 
 def rank_data_name(rank: int) -> str:

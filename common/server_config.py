@@ -1,6 +1,8 @@
-"""Typed configuration of the state server.
+"""Typed configuration of the state server: the one declaration of its flags.
 
-:class:`ServerConfig` is what the CLI parses into and what :func:`start_server` takes; it
+:class:`ServerConfig` is what the CLI is generated from and parses into, what
+:func:`swap_state.server.start_server` takes, and what the trainer's embedded server builds its
+argv from (so it lives in ``common``, importable without the server); it
 validates itself (values only) on construction. Checks against the environment (is the shm
 directory big enough, is the socket free) happen at start-up, in :mod:`.runtime`.
 """
@@ -8,131 +10,16 @@ directory big enough, is the socket free) happen at start-up, in :mod:`.runtime`
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
-import re
-from typing import Literal
 
-from swap_state.proto.segment import PAGE_BYTES
-
+from .addresses import ListenAddress, default_listen, parse_address
 from .errors import ConfigError
+from .segment import PAGE_BYTES
+from .sizes import GiB, KiB, MiB, format_size
 
-__all__ = [
-    "KiB",
-    "MiB",
-    "GiB",
-    "TiB",
-    "LOG_LEVELS",
-    "ListenAddress",
-    "ServerConfig",
-    "default_listen",
-    "default_socket_path",
-    "format_size",
-    "parse_listen",
-    "parse_size",
-]
-
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
-TiB = 1 << 40
+__all__ = ["LOG_LEVELS", "ServerConfig"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-_UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": TiB}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
-# Linux sun_path is 108 bytes including the terminating NUL.
-_MAX_UNIX_PATH = 107
-
-
-def parse_size(text: str) -> int:
-    """``"64G"`` -> 68719476736. Binary units (K=1024, like ``docker run --shm-size``);
-    ``K``/``KiB``/``KB`` are all accepted; a bare number is bytes."""
-    match = _SIZE_RE.match(str(text))
-    if not match:
-        raise ConfigError(f"not a size: {text!r} (expected e.g. 512M, 64G, 1T or a byte count)")
-    number, unit = match.groups()
-    value = float(number) * _UNITS[unit.upper()]
-    if value != value or value > (1 << 62):  # NaN cannot happen with the regex; bound anyway
-        raise ConfigError(f"size too large: {text!r}")
-    return int(value)
-
-
-def format_size(nbytes: int) -> str:
-    """Human-readable binary size for messages and logs (``1.5GiB``)."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)}{unit}" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def default_socket_path() -> pathlib.Path:
-    """$XDG_RUNTIME_DIR/swap-state/swap-state.sock, else /run/swap-state/swap-state.sock."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = pathlib.Path(runtime) if runtime else pathlib.Path("/run")
-    return base / "swap-state" / "swap-state.sock"
-
-
-def default_listen() -> str:
-    return f"unix://{default_socket_path()}"
-
-
-@dataclasses.dataclass(frozen=True)
-class ListenAddress:
-    """A parsed ``--listen`` value."""
-
-    scheme: Literal["unix", "tcp"]
-    path: pathlib.Path | None = None
-    """The socket file (unix only)."""
-    host: str = ""
-    """Host or address to bind (tcp only); ``[::1]`` brackets removed."""
-    port: int = 0
-    """TCP port; 0 picks a free one."""
-
-    @property
-    def url(self) -> str:
-        if self.scheme == "unix":
-            return f"unix://{self.path}"
-        return f"tcp://{self._host_port()}"
-
-    def _host_port(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-    def bind_target(self, port: int | None = None) -> str:
-        """The address string grpc's ``add_*_port`` takes."""
-        if self.scheme == "unix":
-            return f"unix://{self.path}"
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port if port is None else port}"
-
-
-def parse_listen(text: str) -> ListenAddress:
-    """``unix:///run/x.sock`` (or a bare absolute path) or ``tcp://host:port``."""
-    text = text.strip()
-    if text.startswith("unix://") or text.startswith("/"):
-        raw = text[len("unix://") :] if text.startswith("unix://") else text
-        if not raw.startswith("/"):
-            raise ConfigError(f"--listen {text!r}: the unix socket path must be absolute (unix:///path)")
-        path = pathlib.Path(os.path.normpath(raw))
-        if len(os.fsencode(str(path))) > _MAX_UNIX_PATH:
-            raise ConfigError(
-                f"--listen {text!r}: a unix socket path may have at most {_MAX_UNIX_PATH} bytes"
-            )
-        return ListenAddress("unix", path=path)
-    if text.startswith("tcp://"):
-        rest = text[len("tcp://") :]
-        match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([A-Za-z0-9_.-]+):(\d+)", rest)
-        if not match:
-            raise ConfigError(f"--listen {text!r}: expected tcp://HOST:PORT (IPv6: tcp://[::1]:PORT)")
-        host = match.group(1) or match.group(3)
-        port = int(match.group(2) or match.group(4))
-        if port > 65535:
-            raise ConfigError(f"--listen {text!r}: port out of range")
-        return ListenAddress("tcp", host=host, port=port)
-    raise ConfigError(f"--listen {text!r}: expected unix:///path or tcp://host:port")
 
 
 def _auto_cow_budget(shm_size: int, chunk_bytes: int) -> int:
@@ -227,7 +114,7 @@ class ServerConfig:
 
         if not isinstance(self.shm_size, int) or self.shm_size <= 0:
             fail("--shm-size must be a positive size, e.g. --shm-size 64G")
-        listen = parse_listen(self.listen)  # raises ConfigError
+        listen = parse_address(self.listen)  # raises ConfigError
         if listen.scheme == "tcp":
             if (self.tls_cert is None) != (self.tls_key is None):
                 fail("--tls-cert and --tls-key go together")
@@ -271,7 +158,7 @@ class ServerConfig:
 
     @property
     def listen_address(self) -> ListenAddress:
-        return parse_listen(self.listen)
+        return parse_address(self.listen)
 
     @property
     def cow_pool_bytes(self) -> int:

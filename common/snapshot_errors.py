@@ -1,17 +1,15 @@
 """Domain errors of snapshots and restore.
 
 Every error derives from :class:`SnapshotError` and from the matching base class of
-:mod:`swap_state.server.errors`, so the servicer's one mapping to gRPC codes covers them; the
-``grpc_code`` class attribute names the intended code explicitly (as the name of a
-``grpc.StatusCode`` member) for the one case that base classes do not cover (DATA_LOSS).
-This module imports neither grpc nor torch.
+:mod:`swap_state.common.errors`, whose ``code`` and ``reason`` it refines (DATA_LOSS for a
+corrupt file, which no base class covers). This module imports neither grpc nor torch.
 """
 
 from __future__ import annotations
 
 import errno
 
-from .errors import DomainError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from .errors import DomainError, FailedPrecondition, InvalidArgument, LayoutMismatch, NotFound, ResourceExhausted
 
 __all__ = [
     "SnapshotError",
@@ -30,57 +28,66 @@ __all__ = [
 class SnapshotError(DomainError):
     """Base of every snapshot/restore error; also used for I/O failures without a better class."""
 
-    grpc_code = "INTERNAL"
+    code = "INTERNAL"
+    reason = "SNAPSHOT_ERROR"
 
 
 class SnapshotInvalid(SnapshotError, InvalidArgument):
     """A malformed request: job id, snapshot id, metadata_json, rank/world size."""
 
-    grpc_code = "INVALID_ARGUMENT"
+    code = "INVALID_ARGUMENT"
+    reason = "INVALID_ARGUMENT"
 
 
 class SnapshotNotFound(SnapshotError, NotFound):
     """No complete snapshot (or no in-memory snapshot record) under that id."""
 
-    grpc_code = "NOT_FOUND"
+    code = "NOT_FOUND"
+    reason = "SNAPSHOT_NOT_FOUND"
 
 
 class SnapshotBusy(SnapshotError, FailedPrecondition):
     """The segment cannot be snapshotted or restored now (a snapshot of it is persisting,
     the trainer is writing a step, or a failed attempt is still being cleaned up)."""
 
-    grpc_code = "FAILED_PRECONDITION"
+    code = "FAILED_PRECONDITION"
+    reason = "SNAPSHOT_BUSY"
 
 
 class SnapshotExists(SnapshotError, FailedPrecondition):
     """A complete snapshot of that job and step is already on disk."""
 
-    grpc_code = "FAILED_PRECONDITION"
+    code = "FAILED_PRECONDITION"
+    reason = "SNAPSHOT_EXISTS"
 
 
 class SnapshotFailed(SnapshotError, FailedPrecondition):
     """The snapshot this rank tries to join has already failed (another rank's error)."""
 
-    grpc_code = "FAILED_PRECONDITION"
+    code = "FAILED_PRECONDITION"
+    reason = "SNAPSHOT_FAILED"
 
 
 class SnapshotCorrupt(SnapshotError):
     """A snapshot file does not verify (checksum, size, header); the message names the file
     and, where it applies, the tensor."""
 
-    grpc_code = "DATA_LOSS"
+    code = "DATA_LOSS"
+    reason = "SNAPSHOT_CORRUPT"
 
 
-class SnapshotLayoutMismatch(SnapshotError, FailedPrecondition):
+class SnapshotLayoutMismatch(SnapshotError, LayoutMismatch):
     """The snapshot does not fit the target: other world size, tensor names, dtypes or shapes."""
 
-    grpc_code = "FAILED_PRECONDITION"
+    code = "FAILED_PRECONDITION"
+    reason = "LAYOUT_MISMATCH"
 
 
 class SnapshotDiskFull(SnapshotError, ResourceExhausted):
     """The snapshot directory ran out of space (ENOSPC/EDQUOT); the message names the directory."""
 
-    grpc_code = "RESOURCE_EXHAUSTED"
+    code = "RESOURCE_EXHAUSTED"
+    reason = "DISK_FULL"
 
 
 def from_os_error(exc: OSError, action: str, directory: object) -> SnapshotError:

@@ -1,4 +1,4 @@
-"""The trainer's ``metadata_json`` of a snapshot: schema and validation.
+"""The trainer's ``metadata_json`` of a snapshot: schema, encoding (trainer) and parsing (server).
 
 The server cannot know what a segment tensor *is* (which parameter, which optimizer state,
 which shard of a DTensor); the trainer says so in ``SnapshotRequest.metadata_json``. It is
@@ -30,7 +30,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from swap_state.proto.segment import DTYPE_ITEMSIZE, TensorLayout
+from .dtypes import DTYPE_ITEMSIZE
+from .segment import TensorLayout
 
 from .snapshot_errors import SnapshotInvalid
 
@@ -40,6 +41,8 @@ __all__ = [
     "TensorMetadata",
     "SnapshotMetadata",
     "parse_metadata",
+    "encode_metadata",
+    "tagged_scalar",
 ]
 
 MAX_METADATA_BYTES = 16 << 20
@@ -58,6 +61,11 @@ class TensorMetadata:
     """DTensor global shape, None for a plain tensor."""
     global_offset: tuple[int, ...] | None = None
     """Offset of the local shard in the global tensor, None for a plain tensor."""
+
+
+def tagged_scalar(value: float, dtype: str) -> dict[str, Any]:
+    """The JSON form of a 0-dim tensor: ``{"__tensor__": value, "dtype": dtype}``."""
+    return {TENSOR_TAG: float(value), "dtype": dtype}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,3 +189,27 @@ def parse_metadata(
             raise SnapshotInvalid(f"metadata_json: steps[{fqn!r}] must be a number or a tensor")
         _check_value(value, f"steps[{fqn!r}]")
     return SnapshotMetadata(metadata_json, entries, param_groups, steps)
+
+
+def encode_metadata(
+    tensors: Mapping[str, TensorMetadata],
+    param_groups: Mapping[str, Mapping[str, Any]],
+    steps: Mapping[str, Any],
+) -> str:
+    """The ``metadata_json`` a trainer sends: the inverse of :func:`parse_metadata` (values
+    already JSON-ready: numbers, lists, strings, or :func:`tagged_scalar`)."""
+    entries: dict[str, dict[str, Any]] = {}
+    for name, tensor in tensors.items():
+        entry: dict[str, Any] = {}
+        if tensor.fqn is not None:
+            entry["fqn"] = tensor.fqn
+        if tensor.key is not None:
+            entry["key"] = tensor.key
+        if tensor.global_shape is not None:
+            entry["global_shape"] = list(tensor.global_shape)
+            entry["global_offset"] = list(tensor.global_offset or ())
+        entries[name] = entry
+    return json.dumps(
+        {"tensors": entries, "steps": dict(steps), "param_groups": {k: dict(v) for k, v in param_groups.items()}},
+        allow_nan=False,
+    )

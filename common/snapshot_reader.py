@@ -1,0 +1,311 @@
+"""Read-only access to a snapshot directory: list, resolve, read manifests, verify.
+
+Directory layout under the snapshot root (``--snapshot-dir``)::
+
+    <root>/<job_id>/step-<N:012d>/          complete snapshots (snapshot.json present)
+    <root>/<job_id>/.partial-step-<N:012d>/ a snapshot being written (never listed)
+    <root>/<job_id>/.deleting-step-<N>/     an old snapshot being removed by retention
+    <root>/<job_id>/latest                  "step-<N:012d>": the last committed snapshot
+
+Call order: :meth:`SnapshotReader.list` or :meth:`~SnapshotReader.resolve`, then per rank
+:meth:`~SnapshotReader.read_manifest` and :meth:`~SnapshotReader.verify_data`. A directory is
+listed only when its ``snapshot.json`` parses and names the same job and step, so a
+half-written snapshot is never listed or loaded. Used as is by the client's export (offline,
+no server) and extended by the server's store, which adds the commit sequence. Reading needs
+no lock: the writer publishes by atomic rename.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Sequence
+
+from .checksum import crc32, crc32_combine
+from .dtypes import DTYPE_ITEMSIZE
+from .names import is_job_id, parse_snapshot_id, parse_step_dir_name, snapshot_id_for, step_dir_name, validate_job_id
+from .snapshot_errors import SnapshotCorrupt, SnapshotError, SnapshotInvalid, SnapshotNotFound
+from .snapshot_format import INDEX_NAME, LATEST_NAME, RankManifest, SnapshotIndex, rank_data_name, rank_manifest_name
+
+__all__ = ["SnapshotInfo", "SnapshotReader", "READ_BLOCK_BYTES"]
+
+READ_BLOCK_BYTES = 8 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotInfo:
+    """A complete snapshot as listed."""
+
+    snapshot_id: str
+    """``<job_id>/step-<step>``."""
+    job_id: str
+    """The job."""
+    step: int
+    """The committed step."""
+    world_size: int
+    """The job's (global) number of ranks."""
+    path: pathlib.Path
+    """The snapshot directory."""
+    bytes: int
+    """Total size of its files."""
+    latest: bool
+    """Whether ``latest`` of its job resolves to it."""
+    index: SnapshotIndex = dataclasses.field(repr=False, compare=False)
+    """The parsed ``snapshot.json``."""
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks whose files this directory holds (a subset on one host of several)."""
+        return self.index.ranks
+
+    @property
+    def local_world_size(self) -> int:
+        """How many ranks this directory holds."""
+        return self.index.local_world_size
+
+    def describe_ranks(self) -> str:
+        """``ranks [2, 3] of world_size 4`` (ranges shortened for big jobs)."""
+        return f"ranks {_rank_ranges(self.ranks)} of world_size {self.world_size}"
+
+
+class SnapshotReader:
+    """A snapshot root directory, read only."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = pathlib.Path(os.path.abspath(root))
+
+    def job_dir(self, job_id: str) -> pathlib.Path:
+        """``<root>/<job_id>``; refuses ids and symlinks that would leave the root."""
+        validate_job_id(job_id, SnapshotInvalid)
+        path = self.root / job_id
+        real_root = os.path.realpath(self.root)
+        if os.path.dirname(os.path.realpath(path)) != real_root:
+            raise SnapshotInvalid(f"job directory {path} resolves outside {self.root}")
+        return path
+
+    def final_dir(self, job_id: str, step: int) -> pathlib.Path:
+        return self.job_dir(job_id) / step_dir_name(step)
+
+    def jobs(self) -> list[str]:
+        try:
+            names = sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return []
+        return [
+            name
+            for name in names
+            if is_job_id(name)
+            and (self.root / name).is_dir()
+            and not (self.root / name).is_symlink()
+        ]
+
+    def _load_index(self, job_id: str, path: pathlib.Path, step: int) -> SnapshotIndex | None:
+        """The index of a complete snapshot directory, None when it is not one."""
+        try:
+            raw = (path / INDEX_NAME).read_bytes()
+            index = SnapshotIndex.from_json(json.loads(raw))
+        except (OSError, ValueError):
+            return None
+        if index.job_id != job_id or index.step != step:
+            return None
+        return index
+
+    def _complete(self, job_id: str) -> list[tuple[int, pathlib.Path, SnapshotIndex]]:
+        job_dir = self.job_dir(job_id)
+        try:
+            names = os.listdir(job_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        found = []
+        for name in names:
+            step = parse_step_dir_name(name)
+            if step is None:
+                continue
+            index = self._load_index(job_id, job_dir / name, step)
+            if index is not None:
+                found.append((step, job_dir / name, index))
+        found.sort(key=lambda item: item[0])
+        return found
+
+    def _latest_step(self, job_id: str, complete: Sequence[tuple[int, pathlib.Path, SnapshotIndex]]) -> int | None:
+        """The pointer's step when it names a complete snapshot, else the highest step."""
+        if not complete:
+            return None
+        try:
+            pointer = (self.job_dir(job_id) / LATEST_NAME).read_text().strip()
+        except OSError:
+            pointer = ""
+        step = parse_step_dir_name(pointer)
+        if step is not None and any(s == step for s, _, _ in complete):
+            return step
+        return complete[-1][0]
+
+    def list(self, job_id: str | None = None) -> list[SnapshotInfo]:
+        """Complete snapshots of one job (or of all jobs), ordered by job, then step."""
+        infos: list[SnapshotInfo] = []
+        for job in [validate_job_id(job_id, SnapshotInvalid)] if job_id is not None else self.jobs():
+            complete = self._complete(job)
+            latest = self._latest_step(job, complete)
+            for step, path, index in complete:
+                infos.append(
+                    SnapshotInfo(
+                        snapshot_id=snapshot_id_for(job, step),
+                        job_id=job,
+                        step=step,
+                        world_size=index.world_size,
+                        path=path,
+                        bytes=index.total_bytes,
+                        latest=step == latest,
+                        index=index,
+                    )
+                )
+        return infos
+
+    def resolve(self, snapshot_id: str, job_id: str | None = None) -> SnapshotInfo:
+        """``<job>/step-<N>`` (any zero padding), ``<job>/latest``, or ``latest`` / ``step-<N>``
+        of ``job_id``. SnapshotNotFound when no complete snapshot matches."""
+        ref = parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid)
+        job = ref.job_id
+        snapshots = self.list(job)
+        if ref.latest:
+            for info in snapshots:
+                if info.latest:
+                    return info
+            raise SnapshotNotFound(f"job {job!r} has no complete snapshot in {self.root}")
+        step = ref.step
+        for info in snapshots:
+            if info.step == step:
+                return info
+        raise SnapshotNotFound(f"no complete snapshot {snapshot_id_for(job, step)} in {self.root}")
+
+    def read_manifest(self, info: SnapshotInfo, rank: int) -> RankManifest:
+        """The rank's manifest, checked against ``snapshot.json`` (size, crc32, job, step).
+        SnapshotNotFound when the rank is not in this directory (on a multi-host job, its
+        snapshot is on the server of the host the rank runs on)."""
+        if rank not in info.ranks:
+            if not 0 <= rank < info.world_size:
+                raise SnapshotNotFound(
+                    f"{info.snapshot_id} has world_size {info.world_size}: there is no rank {rank}"
+                )
+            raise SnapshotNotFound(
+                f"{info.snapshot_id} at {info.path} holds {info.describe_ranks()}, not rank "
+                f"{rank}: the snapshot of rank {rank} is on another host's server (the one "
+                f"rank {rank} attaches to)"
+            )
+        name = rank_manifest_name(rank)
+        path = info.path / name
+        record = info.index.file(name)
+        if record is None:
+            raise SnapshotCorrupt(f"{info.path / INDEX_NAME} does not list {name}")
+        try:
+            if path.stat().st_size != record.bytes:  # before reading: a bad file may be huge
+                raise SnapshotCorrupt(f"{path} is not the size {INDEX_NAME} records")
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise SnapshotCorrupt(f"{path} is missing") from None
+        except OSError as exc:
+            raise SnapshotError(f"cannot read {path}: {exc}") from None
+        if len(raw) != record.bytes or crc32(raw) != record.crc32:
+            raise SnapshotCorrupt(f"{path} does not match its checksum in {INDEX_NAME}")
+        try:
+            manifest = RankManifest.from_json(json.loads(raw))
+        except ValueError as exc:
+            raise SnapshotCorrupt(f"{path} is not a valid manifest: {exc}") from None
+        if (manifest.job_id, manifest.step, manifest.rank, manifest.world_size) != (
+            info.job_id, info.step, rank, info.world_size,
+        ) or manifest.data_file != rank_data_name(rank):
+            raise SnapshotCorrupt(f"{path} describes another snapshot or rank")
+        return manifest
+
+    def verify_data(self, info: SnapshotInfo, manifest: RankManifest) -> None:
+        """Read the rank's safetensors file once: size, header (recomputed from the manifest,
+        byte for byte) and every tensor's crc32. SnapshotCorrupt names the file and tensor."""
+        path = info.path / manifest.data_file
+        record = info.index.file(manifest.data_file)
+        if record is None:
+            raise SnapshotCorrupt(f"{info.path / INDEX_NAME} does not list {manifest.data_file}")
+        header = manifest.header_bytes()
+        expected_size = len(header) + sum(t.nbytes for t in manifest.tensors)
+        position = 0
+        for tensor in manifest.tensors:
+            count = 1
+            for dim in tensor.shape:
+                count *= dim
+            if tensor.nbytes != count * DTYPE_ITEMSIZE[tensor.dtype] or tensor.data_offsets != (
+                position, position + tensor.nbytes,
+            ):
+                raise SnapshotCorrupt(f"{path}: manifest entry of tensor {tensor.name!r} is inconsistent")
+            position += tensor.nbytes
+        if manifest.data_start != len(header) or manifest.data_file_bytes != expected_size:
+            raise SnapshotCorrupt(f"{path}: manifest sizes do not match its tensors")
+        try:
+            with open(path, "rb", buffering=0) as file:
+                size = os.fstat(file.fileno()).st_size
+                if size != expected_size or size != record.bytes:
+                    raise SnapshotCorrupt(
+                        f"{path} is {size} bytes; its manifest implies {expected_size} "
+                        f"and {INDEX_NAME} says {record.bytes}"
+                    )
+                if _read_exact(file, len(header)) != header:
+                    raise SnapshotCorrupt(f"{path}: safetensors header does not match its manifest")
+                file_crc = crc32(header)
+                block = bytearray(min(READ_BLOCK_BYTES, max((t.nbytes for t in manifest.tensors), default=0)) or 1)
+                for tensor in manifest.tensors:
+                    value = _crc_of_range(file, tensor.nbytes, block, path)
+                    if value != tensor.crc32:
+                        raise SnapshotCorrupt(
+                            f"{path}: tensor {tensor.name!r} fails its checksum "
+                            f"(crc32 {value:08x}, manifest says {tensor.crc32:08x})"
+                        )
+                    file_crc = crc32_combine(file_crc, value, tensor.nbytes)
+        except FileNotFoundError:
+            raise SnapshotCorrupt(f"{path} is missing") from None
+        except OSError as exc:
+            raise SnapshotError(f"cannot read {path}: {exc}") from None
+        if file_crc != record.crc32:
+            raise SnapshotCorrupt(f"{path} does not match its checksum in {INDEX_NAME}")
+
+
+def _rank_ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``[0-2, 5]``; ``[2, 3]`` stays ``[2, 3]``."""
+    parts: list[str] = []
+    start = prev = None
+    for rank in list(ranks) + [None]:
+        if start is not None and (rank is None or rank != prev + 1):
+            if prev - start >= 2:
+                parts.append(f"{start}-{prev}")
+            else:
+                parts.extend(str(r) for r in range(start, prev + 1))
+            start = None
+        if rank is not None and start is None:
+            start = rank
+        prev = rank
+    return "[" + ", ".join(parts) + "]"
+
+
+def _read_exact(file, nbytes: int) -> bytes:
+    """Up to ``nbytes`` (fewer only at end of file): raw reads may return short."""
+    parts = []
+    while nbytes:
+        data = file.read(nbytes)
+        if not data:
+            break
+        parts.append(data)
+        nbytes -= len(data)
+    return b"".join(parts)
+
+
+def _crc_of_range(file, nbytes: int, block: bytearray, path: pathlib.Path) -> int:
+    """crc32 of the next ``nbytes`` of ``file``, read in blocks."""
+    value = 0
+    view = memoryview(block)
+    remaining = nbytes
+    while remaining:
+        got = file.readinto(view[: min(remaining, len(view))])
+        if not got:
+            raise SnapshotCorrupt(f"{path} ends early")
+        value = crc32(view[:got], value)
+        remaining -= got
+    return value
