@@ -16,7 +16,6 @@ import os
 import platform
 import shutil
 import time
-import zlib
 
 from bench.util import cpu_count, gbps, summarize
 
@@ -285,14 +284,17 @@ def memcpy_bandwidth(nbytes: int, reps: int = 5) -> dict[str, object]:
 
 
 def crc32_bandwidth(nbytes: int = 64 << 20, reps: int = 3) -> dict[str, object]:
-    """zlib.crc32 GB/s: the snapshot writer checksums every byte it persists, and restore
+    """GB/s of the crc32 the snapshot writer and restore use (``swap_state.common.checksum``:
+    isal where installed, else zlib): the writer checksums every byte it persists, and restore
     verifies every byte before copying."""
+    from swap_state.common.checksum import IMPLEMENTATION, crc32
+
     data = bytearray(os.urandom(1 << 20)) * max(1, nbytes >> 20)
     view = memoryview(data)
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        zlib.crc32(view)
+        crc32(view)
         samples.append(gbps(len(data), time.perf_counter() - t0))
     view.release()
-    return {"bytes": len(data), "gbps": summarize(samples)}
+    return {"bytes": len(data), "implementation": IMPLEMENTATION, "gbps": summarize(samples)}

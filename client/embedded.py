@@ -3,6 +3,9 @@
 Used when neither ``server=`` nor ``SWAP_STATE_SERVER`` names a server. The server runs as a
 subprocess with its socket and snapshots in a private temp directory; ``stop()`` (also run at
 interpreter exit) terminates it, which removes its socket and segments, then the directory.
+Its flags come from a :class:`~swap_state.common.server_config.ServerConfig`
+(:func:`~swap_state.common.server_flags.config_to_argv`), so every default not set here, the
+copy-before-write pool among them, is the server's own.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -20,6 +24,9 @@ import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from swap_state.common.server_config import ServerConfig
+from swap_state.common.server_flags import config_to_argv
 
 __all__ = ["EmbeddedServerConfig", "EmbeddedServer"]
 
@@ -41,7 +48,19 @@ class EmbeddedServerConfig:
     stop_timeout_s: float = 10.0
     """How long SIGTERM may take before SIGKILL."""
     extra_args: tuple[str, ...] = ()
-    """More swap-state-server flags."""
+    """More swap-state-server flags, after the ones above (so a repeated flag wins)."""
+
+    def server_config(self, listen: str, snapshot_dir: str) -> ServerConfig:
+        """The private server's config; everything not named here (the copy-before-write pool
+        included) is :class:`ServerConfig`'s own default. Raises ConfigError for bad values."""
+        return ServerConfig(
+            shm_size=self.shm_size_bytes,
+            listen=listen,
+            snapshot_dir=pathlib.Path(snapshot_dir),
+            grace=float(self.grace_s),
+            chunk_bytes=self.chunk_bytes,
+            **({"shm_dir": pathlib.Path(self.shm_dir)} if self.shm_dir else {}),
+        )
 
 
 def _die_with_parent() -> None:
@@ -64,6 +83,8 @@ class EmbeddedServer:
         self.workdir: str | None = None
         self.address: str | None = None
         self.snapshot_dir: str | None = None
+        self.server_config: ServerConfig | None = None
+        """What the server was started with (``extra_args`` aside), once :meth:`start` ran."""
         self._proc: subprocess.Popen | None = None
         self._log_path: str | None = None
 
@@ -74,15 +95,14 @@ class EmbeddedServer:
         self.snapshot_dir = os.path.join(self.workdir, "snapshots")
         self.address = f"unix://{socket_path}"
         self._log_path = os.path.join(self.workdir, "server.log")
+        try:
+            self.server_config = cfg.server_config(self.address, self.snapshot_dir)
+        except BaseException:  # a ConfigError names the flag; leave no directory behind
+            self.stop()
+            raise
         cmd = [
             sys.executable, "-m", "swap_state.server.cli",
-            "--listen", self.address,
-            "--shm-size", str(cfg.shm_size_bytes),
-            "--snapshot-dir", self.snapshot_dir,
-            "--grace", str(cfg.grace_s),
-            "--chunk-bytes", str(cfg.chunk_bytes),
-            "--cow-budget", str(max(cfg.chunk_bytes * 4, cfg.shm_size_bytes // 8)),
-            *(("--shm-dir", cfg.shm_dir) if cfg.shm_dir else ()),
+            *config_to_argv(self.server_config),
             *cfg.extra_args,
         ]  # fmt: skip
         with open(self._log_path, "wb") as log_file:

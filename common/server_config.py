@@ -2,7 +2,8 @@
 
 :class:`ServerConfig` is what the CLI is generated from and parses into, what
 :func:`swap_state.server.start_server` takes, and what the trainer's embedded server builds its
-argv from (so it lives in ``common``, importable without the server); it
+argv from (so it lives in ``common``, importable without the server): a field with a
+:class:`Flag` is a flag, its docstring the help (:mod:`.server_flags` does both directions). It
 validates itself (values only) on construction. Checks against the environment (is the shm
 directory big enough, is the socket free) happen at start-up, in :mod:`.runtime`.
 """
@@ -11,15 +12,51 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from typing import Any
 
 from .addresses import ListenAddress, default_listen, parse_address
 from .errors import ConfigError
 from .segment import PAGE_BYTES
 from .sizes import GiB, KiB, MiB, format_size
 
-__all__ = ["LOG_LEVELS", "ServerConfig"]
+__all__ = ["FLAG", "LOG_LEVELS", "Flag", "ServerConfig"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+FLAG = "swap_state.flag"
+"""``dataclasses.field`` metadata key of a field that is a command-line flag: its :class:`Flag`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """How a :class:`ServerConfig` field appears on the command line.
+
+    The flag is ``--`` + the field name with ``-`` for ``_``; its help text is the field's
+    docstring, then its default, then :attr:`example`. Fields without a ``Flag`` are not user
+    flags. :mod:`swap_state.common.server_flags` turns these into the parser and back into argv.
+    """
+
+    example: str
+    """``--help``'s example: the value (``"64G"``), or a whole command fragment when it starts
+    with ``--`` (``"--listen tcp://127.0.0.1:7070 --insecure"``); ``" or "`` joins several."""
+    metavar: str | None = None
+    """Placeholder in ``--help``; None: by kind and type (SIZE, SECONDS, PATH, N, ...)."""
+    kind: str | None = None
+    """``"size"`` (bytes; K/M/G/T suffixes, a trailing ``/s`` allowed), ``"seconds"`` (a number
+    >= 0), ``"host_port"`` (``[HOST:]PORT``; the host goes into :attr:`host_field`); None: by
+    the field's type (int, float, str, pathlib.Path, bool as a switch, ``X | None``)."""
+    choices: tuple[str, ...] | None = None
+    """The only values accepted."""
+    default_text: str | None = None
+    """``--help``'s default when the field's own default does not say it (None resolved later)."""
+    host_field: str | None = None
+    """For ``kind="host_port"``: the field the HOST part sets (the flag's port sets this one)."""
+
+
+def _flag(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+          **spec: Any) -> Any:
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={FLAG: Flag(**spec)})
 
 
 def _auto_cow_budget(shm_size: int, chunk_bytes: int) -> int:
@@ -30,64 +67,81 @@ def _auto_cow_budget(shm_size: int, chunk_bytes: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """Everything the server needs to start. The CLI only parses flags into this."""
+    """Everything the server needs to start. The CLI only parses flags into this.
 
-    shm_size: int
-    """The whole host budget in bytes (``--shm-size``): all segments together, copy-before-write
-    slots included, never exceed it."""
+    Each field's docstring is also its ``--help`` text (fields with a :class:`Flag` are flags;
+    the others can only be set in code). Write them for the person starting the server.
+    """
 
-    listen: str = dataclasses.field(default_factory=default_listen)
-    """``unix:///path`` or ``tcp://host:port`` (``--listen``)."""
+    shm_size: int = _flag(kind="size", example="64G")
+    """Whole host budget for all segments, the copy-before-write pool included (bytes; K/M/G/T
+    suffixes, binary). Checked against the shm directory at start; the server exits with an
+    error if it does not fit and never falls back to disk."""
 
-    token_file: pathlib.Path | None = None
-    """File holding the bearer token clients must present (``--token-file``); None: no auth."""
+    listen: str = _flag(
+        default_factory=default_listen, metavar="ADDRESS", example="unix:///run/swap-state/s.sock",
+        default_text="unix://$XDG_RUNTIME_DIR/swap-state/swap-state.sock if XDG_RUNTIME_DIR is "
+        "set, else unix:///run/swap-state/swap-state.sock",
+    )
+    """Where to serve: unix:///path (socket file mode 0660) or tcp://host:port (needs
+    --tls-cert/--tls-key or --insecure)."""
 
-    snapshot_dir: pathlib.Path | None = None
-    """Where snapshots are persisted (``--snapshot-dir``); None: snapshots are refused."""
+    token_file: pathlib.Path | None = _flag(None, example="/etc/swap-state/token")
+    """File holding a bearer token; clients must send 'authorization: Bearer <token>' or get
+    UNAUTHENTICATED (the health service is exempt). Without it, no authentication."""
 
-    grace: float = 30.0
-    """Seconds an orphaned session keeps its segment for a reattach (``--grace``)."""
+    snapshot_dir: pathlib.Path | None = _flag(None, metavar="DIR", example="/ckpt/swap-state")
+    """Directory for durable snapshots (safetensors + manifest per job and step); created if
+    missing. Without it, snapshots are refused."""
 
-    metrics_port: int = 0
-    """Prometheus text endpoint port (``--metrics-port``); 0: off."""
+    grace: float = _flag(30.0, kind="seconds", example="120")
+    """Seconds a session whose trainer vanished (KeepAlive stream closed) keeps its segment for
+    the same job/rank to reattach."""
+
+    metrics_port: int = _flag(0, kind="host_port", host_field="metrics_host", metavar="[HOST:]PORT",
+                              example="9464 or 127.0.0.1:9464")
+    """Serve Prometheus metrics (text format) at http://HOST:PORT/metrics; 0 turns them off.
+    HOST defaults to all interfaces."""
 
     metrics_host: str = "0.0.0.0"
-    """Interface for the metrics endpoint (``--metrics-port HOST:PORT``)."""
+    """Interface for the metrics endpoint: the HOST of ``--metrics-port HOST:PORT``."""
 
-    log_level: str = "info"
-    """debug | info | warning | error (``--log-level``)."""
+    log_level: str = _flag("info", choices=LOG_LEVELS, example="debug")
+    """Structured (key=value) log verbosity on stderr."""
 
-    shm_dir: pathlib.Path = pathlib.Path("/dev/shm")
-    """Memory filesystem holding the segment files (``--shm-dir``)."""
+    shm_dir: pathlib.Path = _flag(pathlib.Path("/dev/shm"), metavar="DIR", example="/dev/shm")
+    """Memory filesystem (tmpfs) for the segment files; the trainers must see the same
+    directory."""
 
-    shm_group: str | None = None
-    """Group (name or gid) given to segment files and the socket; segments become 0660 instead
-    of 0600 (``--shm-group``)."""
+    shm_group: str | None = _flag(None, metavar="GROUP", example="trainers")
+    """Group (name or gid) given to segment files and the socket; segments become 0660 instead of
+    0600 so trainers running as another user in that group can map them."""
 
-    chunk_bytes: int = 64 * MiB
-    """Snapshot granularity and copy-before-write slot size; a multiple of the page size
-    (``--chunk-bytes``)."""
+    chunk_bytes: int = _flag(64 * MiB, kind="size", example="32M")
+    """Snapshot granularity and copy-before-write slot size; a multiple of the page size."""
 
-    cow_budget: int | None = None
-    """Host-wide copy-before-write pool in bytes, split into per-session slots of
-    ``chunk_bytes`` and held back from ``shm_size`` (``--cow-budget``). None: min(1 GiB,
-    shm_size / 8), rounded down to whole chunks."""
+    cow_budget: int | None = _flag(None, kind="size", example="2G",
+                                   default_text="min(1G, shm-size/8), in whole chunks")
+    """Host-wide copy-before-write pool in bytes that lets snapshots run while trainers keep
+    stepping; split into per-session slots of --chunk-bytes and held back from --shm-size."""
 
-    persist_max_bandwidth: int = 0
-    """Upper bound for snapshot writes in bytes/s (``--persist-max-bandwidth``); 0: unlimited."""
+    persist_max_bandwidth: int = _flag(0, kind="size", metavar="BYTES_PER_S", example="2G")
+    """Upper bound for snapshot writes to --snapshot-dir in bytes/s (size suffixes allowed);
+    0 means unlimited."""
 
-    keep_latest: int = 2
-    """Durable snapshots kept per job (``--keep-latest``); at least 2, so the previous one
-    survives until the next is durable."""
+    keep_latest: int = _flag(2, metavar="K", example="3")
+    """Durable snapshots kept per job, at least 2: older ones are removed only after a newer one
+    is durable."""
 
-    tls_cert: pathlib.Path | None = None
-    """PEM certificate chain for ``tcp://`` (``--tls-cert``)."""
+    tls_cert: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/server.pem")
+    """TLS certificate chain for --listen tcp://..."""
 
-    tls_key: pathlib.Path | None = None
-    """PEM private key for ``tcp://`` (``--tls-key``)."""
+    tls_key: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/server.key")
+    """TLS private key for --listen tcp://..."""
 
-    insecure: bool = False
-    """Allow ``tcp://`` without TLS (``--insecure``)."""
+    insecure: bool = _flag(False, example="--listen tcp://127.0.0.1:7070 --insecure")
+    """Allow --listen tcp://... without TLS (tokens and control messages in plaintext; bulk data
+    never crosses gRPC)."""
 
     mlock: bool = True
     """Try to mlock segments (best effort; a refusal is logged once, never fatal)."""

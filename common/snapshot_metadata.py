@@ -33,6 +33,7 @@ from typing import Any
 from .dtypes import DTYPE_ITEMSIZE
 from .segment import TensorLayout
 
+from .names import shorten
 from .snapshot_errors import SnapshotInvalid
 
 __all__ = [
@@ -115,28 +116,28 @@ def _check_value(value: Any, what: str) -> None:
 
 def _tensor_entry(name: str, raw: Any, layout: TensorLayout) -> TensorMetadata:
     if not isinstance(raw, dict):
-        raise SnapshotInvalid(f"metadata_json: tensors[{name!r}] must be an object")
+        raise SnapshotInvalid(f"metadata_json: tensors[{shorten(name)}] must be an object")
     fqn, key = raw.get("fqn"), raw.get("key")
     for field, value in (("fqn", fqn), ("key", key)):
         if value is not None and (not isinstance(value, str) or not value):
-            raise SnapshotInvalid(f"metadata_json: tensors[{name!r}].{field} must be a string")
+            raise SnapshotInvalid(f"metadata_json: tensors[{shorten(name)}].{field} must be a string")
     global_shape = global_offset = None
     if raw.get("global_shape") is not None:
-        global_shape = _dims(raw["global_shape"], f"tensors[{name!r}].global_shape")
+        global_shape = _dims(raw["global_shape"], f"tensors[{shorten(name)}].global_shape")
         if len(global_shape) != len(layout.shape):
             raise SnapshotInvalid(
-                f"metadata_json: tensors[{name!r}].global_shape has {len(global_shape)} dims, "
+                f"metadata_json: tensors[{shorten(name)}].global_shape has {len(global_shape)} dims, "
                 f"the local shape {list(layout.shape)} has {len(layout.shape)}"
             )
     if raw.get("global_offset") is not None:
         if global_shape is None:
             raise SnapshotInvalid(
-                f"metadata_json: tensors[{name!r}].global_offset needs global_shape"
+                f"metadata_json: tensors[{shorten(name)}].global_offset needs global_shape"
             )
-        global_offset = _dims(raw["global_offset"], f"tensors[{name!r}].global_offset")
+        global_offset = _dims(raw["global_offset"], f"tensors[{shorten(name)}].global_offset")
         if len(global_offset) != len(global_shape):
             raise SnapshotInvalid(
-                f"metadata_json: tensors[{name!r}].global_offset and global_shape differ in length"
+                f"metadata_json: tensors[{shorten(name)}].global_offset and global_shape differ in length"
             )
     return TensorMetadata(fqn, key, global_shape, global_offset)
 
@@ -173,21 +174,21 @@ def parse_metadata(
     entries: dict[str, TensorMetadata] = {}
     for name, entry in _object(raw.get("tensors"), "tensors").items():
         if name not in by_name:
-            raise SnapshotInvalid(f"metadata_json: tensors names {name!r}, not a segment tensor")
+            raise SnapshotInvalid(f"metadata_json: tensors names {shorten(name)}, not a segment tensor")
         entries[name] = _tensor_entry(name, entry, by_name[name])
     param_groups = _object(raw.get("param_groups"), "param_groups")
     for fqn, group in param_groups.items():
-        for hp, value in _object(group, f"param_groups[{fqn!r}]").items():
-            _check_value(value, f"param_groups[{fqn!r}][{hp!r}]")
+        for hp, value in _object(group, f"param_groups[{shorten(fqn)}]").items():
+            _check_value(value, f"param_groups[{shorten(fqn)}][{shorten(hp)}]")
     steps = _object(raw.get("steps"), "steps")
     for fqn, value in steps.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):
-                raise SnapshotInvalid(f"metadata_json: steps[{fqn!r}] must be finite")
+                raise SnapshotInvalid(f"metadata_json: steps[{shorten(fqn)}] must be finite")
             continue
         if not (isinstance(value, dict) and TENSOR_TAG in value):
-            raise SnapshotInvalid(f"metadata_json: steps[{fqn!r}] must be a number or a tensor")
-        _check_value(value, f"steps[{fqn!r}]")
+            raise SnapshotInvalid(f"metadata_json: steps[{shorten(fqn)}] must be a number or a tensor")
+        _check_value(value, f"steps[{shorten(fqn)}]")
     return SnapshotMetadata(metadata_json, entries, param_groups, steps)
 
 

@@ -1,5 +1,8 @@
 """``swap-state-server``: parse flags into :class:`ServerConfig`, run until SIGTERM/SIGINT.
 
+The flags are generated from :class:`ServerConfig` (:mod:`swap_state.common.server_flags`);
+this module adds only the description and examples around them.
+
 Exit codes: 0 after a clean stop (signal), 1 when the environment does not allow starting
 (shm too small, socket taken, unreadable token file, ...), 2 for bad flags.
 """
@@ -9,15 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import pathlib
 import signal
 import sys
 import textwrap
 
-from swap_state.common.addresses import default_listen
-from swap_state.common.server_config import LOG_LEVELS, ServerConfig
-from swap_state.common.sizes import parse_size
-from swap_state.common.errors import ConfigError, StartupError
+from swap_state.common.errors import StartupError
+from swap_state.common.server_config import ServerConfig
+from swap_state.common.server_flags import add_server_flags, config_from_args, parse_server_argv
 from .logs import configure_logging, log_event
 from .runtime import start_server
 
@@ -41,35 +42,17 @@ _EPILOG = textwrap.dedent(
 )
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text.removesuffix("/s"))
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps description and epilog as written; wraps help without breaking at hyphens, so
+    paths and flags (/etc/swap-state/token, --tls-cert) stay whole."""
 
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
-    return value
-
-
-def _metrics(text: str) -> tuple[str | None, int]:
-    host, sep, port = text.rpartition(":")
-    try:
-        number = int(port)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected PORT or HOST:PORT, got {text!r}") from None
-    if not 0 <= number <= 65535:
-        raise argparse.ArgumentTypeError(f"port out of range: {text!r}")
-    return (host.strip("[]") if sep else None), number
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``swap-state-server`` parser: one flag per :class:`ServerConfig` field marked as a
+    flag, its help from the field's docstring (:mod:`swap_state.common.server_flags`)."""
     parser = argparse.ArgumentParser(
         prog="swap-state-server",
         description=textwrap.fill(
@@ -79,101 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
             width=78,
         ),
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
-    add = parser.add_argument
-    add("--shm-size", type=_size, required=True, metavar="SIZE",
-        help="Whole host budget for all segments (K/M/G/T suffixes, binary). Checked against "
-        "the shm directory at start; the server exits with an error if it does not fit and "
-        "never falls back to disk. e.g. --shm-size 64G")
-    add("--listen", default=None, metavar="ADDRESS",
-        help=f"Where to serve: unix:///path (socket file mode 0660) or tcp://host:port (needs "
-        f"--tls-cert/--tls-key or --insecure). Default: {default_listen()} "
-        "(under $XDG_RUNTIME_DIR if set, else /run). e.g. --listen unix:///run/swap-state/s.sock")
-    add("--token-file", type=pathlib.Path, default=None, metavar="PATH",
-        help="File holding a bearer token; clients must send 'authorization: Bearer <token>' "
-        "or get UNAUTHENTICATED (the health service is exempt). e.g. --token-file "
-        "/etc/swap-state/token")
-    add("--snapshot-dir", type=pathlib.Path, default=None, metavar="DIR",
-        help="Directory for durable snapshots (safetensors + manifest per job and step); "
-        "created if missing. Without it, snapshots are refused. e.g. --snapshot-dir "
-        "/ckpt/swap-state")
-    add("--grace", type=_seconds, default=30.0, metavar="SECONDS",
-        help="How long a session whose trainer vanished (KeepAlive stream closed) keeps its "
-        "segment for the same job/rank to reattach (default 30). e.g. --grace 120")
-    add("--metrics-port", type=_metrics, default=(None, 0), metavar="[HOST:]PORT",
-        help="Serve Prometheus metrics (text format) at http://HOST:PORT/metrics; 0 turns "
-        "them off (default). HOST defaults to all interfaces. e.g. --metrics-port 9464 or "
-        "--metrics-port 127.0.0.1:9464")
-    add("--log-level", choices=LOG_LEVELS, default="info",
-        help="Structured (key=value) log verbosity on stderr (default info). "
-        "e.g. --log-level debug")
-    add("--shm-dir", type=pathlib.Path, default=pathlib.Path("/dev/shm"), metavar="DIR",
-        help="Memory filesystem (tmpfs) for the segment files (default /dev/shm); the trainers "
-        "must see the same directory. e.g. --shm-dir /dev/shm")
-    add("--shm-group", default=None, metavar="GROUP",
-        help="Group (name or gid) given to segment files and the socket; segments become "
-        "0660 instead of 0600 so trainers running as another user in that group can map "
-        "them. e.g. --shm-group trainers")
-    add("--chunk-bytes", type=_size, default=64 << 20, metavar="SIZE",
-        help="Snapshot granularity and copy-before-write slot size; a multiple of the page "
-        "size (default 64M). e.g. --chunk-bytes 32M")
-    add("--cow-budget", type=_size, default=None, metavar="SIZE",
-        help="Host-wide copy-before-write pool that lets snapshots run while trainers keep "
-        "stepping; split into per-session slots of --chunk-bytes and held back from "
-        "--shm-size (default min(1G, shm-size/8)). e.g. --cow-budget 2G")
-    add("--persist-max-bandwidth", type=_size, default=0, metavar="BYTES_PER_S",
-        help="Upper bound for snapshot writes to --snapshot-dir in bytes/s (suffixes allowed); "
-        "0 means unlimited (default). e.g. --persist-max-bandwidth 2G")
-    add("--keep-latest", type=int, default=2, metavar="K",
-        help="Durable snapshots kept per job, at least 2 (older ones are removed only after "
-        "a newer one is durable; default 2). e.g. --keep-latest 3")
-    add("--tls-cert", type=pathlib.Path, default=None, metavar="PEM",
-        help="TLS certificate chain for --listen tcp://... e.g. --tls-cert /etc/swap-state/server.pem")
-    add("--tls-key", type=pathlib.Path, default=None, metavar="PEM",
-        help="TLS private key for --listen tcp://... e.g. --tls-key /etc/swap-state/server.key")
-    add("--insecure", action="store_true",
-        help="Allow --listen tcp://... without TLS (tokens and control messages in plaintext; "
-        "bulk data never crosses gRPC). e.g. --listen tcp://127.0.0.1:7070 --insecure")
+    add_server_flags(parser)
     return parser
-
-
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    metrics_host, metrics_port = args.metrics_port
-    extra: dict[str, object] = {}
-    if args.listen is not None:
-        extra["listen"] = args.listen
-    if metrics_host:
-        extra["metrics_host"] = metrics_host
-    return ServerConfig(
-        shm_size=args.shm_size,
-        token_file=args.token_file,
-        snapshot_dir=args.snapshot_dir,
-        grace=args.grace,
-        metrics_port=metrics_port,
-        log_level=args.log_level,
-        shm_dir=args.shm_dir,
-        shm_group=args.shm_group,
-        chunk_bytes=args.chunk_bytes,
-        cow_budget=args.cow_budget,
-        persist_max_bandwidth=args.persist_max_bandwidth,
-        keep_latest=args.keep_latest,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        insecure=args.insecure,
-        **extra,  # type: ignore[arg-type]
-    )
 
 
 def parse_config(argv: list[str] | None = None) -> ServerConfig:
     """Flags -> config; exits 2 with a usage message on bad flags."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return config_from_args(args)
-    except ConfigError as exc:
-        parser.error(str(exc))
-        raise AssertionError("unreachable")  # parser.error exits
+    return parse_server_argv(argv, build_parser())
 
 
 async def _serve(config: ServerConfig) -> int:

@@ -1,142 +1,167 @@
-"""Prometheus metrics: the text exposition format (0.0.4), served over plain asyncio HTTP.
+"""Prometheus metrics: a ``prometheus_client`` collector over the domain objects, served over
+plain asyncio HTTP.
 
 Values are read from the domain objects at scrape time (no second bookkeeping that could
-drift). The HTTP side is deliberately tiny: ``GET /metrics`` only, bounded request size and
-time, one response per connection.
+drift): :class:`ServerCollector` (arena, sessions, RPC counters) and the snapshot collector of
+:func:`~swap_state.server.snapshot_service.snapshot_metrics` are registered on a private
+:class:`~prometheus_client.CollectorRegistry` (never the process-global one, so embedded
+servers and tests do not collide), and each scrape renders it with
+:func:`prometheus_client.generate_latest` (text format 0.0.4).
+
+The HTTP side is deliberately tiny: ``GET /metrics`` only (404 elsewhere), bounded request size
+and time, one response per connection, on the server's own event loop (the collectors read
+loop-owned state).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.registry import Collector
 
 from .arena import Arena
 from .logs import log_event
 from .sessions import SessionRegistry, SessionState
 from .statuses import RpcCounters
 
-__all__ = ["CONTENT_TYPE", "MetricsServer", "render_metrics"]
+__all__ = [
+    "CONTENT_TYPE",
+    "MetricsServer",
+    "ServerCollector",
+    "counter",
+    "gauge",
+    "metrics_registry",
+    "render_metrics",
+]
 
 log = logging.getLogger("swap_state.server.metrics")
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # "text/plain; version=0.0.4; charset=utf-8"
 _MAX_REQUEST_BYTES = 8192
 _REQUEST_TIMEOUT = 5.0
 
 
-def _escape(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def gauge(name: str, help_text: str, value: float | None = None,
+          labels: Iterable[str] | None = None) -> GaugeMetricFamily:
+    """A gauge family: one unlabelled ``value``, or ``labels`` and ``add_metric`` calls."""
+    return GaugeMetricFamily(name, help_text, value=value,
+                             labels=None if labels is None else list(labels))
 
 
-def _number(value: float) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
+def counter(name: str, help_text: str, value: float | None = None,
+            labels: Iterable[str] | None = None) -> CounterMetricFamily:
+    """A counter family. ``name`` must end in ``_total``: prometheus_client stores it without
+    the suffix and renders ``<name>_total``, so the exposed name is exactly ``name``."""
+    if not name.endswith("_total"):
+        raise ValueError(f"counter {name} must end in _total (it is rendered with it)")
+    return CounterMetricFamily(name, help_text, value=value,
+                               labels=None if labels is None else list(labels))
 
 
-class _Writer:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
+class ServerCollector(Collector):
+    """Arena, session and RPC families, read from the live objects on every ``collect()``."""
 
-    def family(
-        self,
-        name: str,
-        kind: str,
-        help_text: str,
-        samples: Iterable[tuple[dict[str, object], float]],
-    ) -> None:
-        self.lines.append(f"# HELP {name} {help_text}")
-        self.lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            if labels:
-                rendered = ",".join(f'{key}="{_escape(val)}"' for key, val in labels.items())
-                self.lines.append(f"{name}{{{rendered}}} {_number(value)}")
-            else:
-                self.lines.append(f"{name} {_number(value)}")
+    def __init__(self, arena: Arena, registry: SessionRegistry, counters: RpcCounters, *,
+                 started_at: float) -> None:
+        self.arena = arena
+        self.registry = registry
+        self.counters = counters
+        self.started_at = started_at
 
-    def one(self, name: str, kind: str, help_text: str, value: float) -> None:
-        self.family(name, kind, help_text, [({}, value)])
+    def collect(self) -> Iterator[Metric]:
+        arena, registry, counters = self.arena, self.registry, self.counters
+        yield gauge("swap_state_up", "1 while the server serves.", 1)
+        yield gauge("swap_state_start_time_seconds", "Unix time the server started.", self.started_at)
+        yield gauge("swap_state_budget_total_bytes", "The --shm-size budget.", arena.total_bytes)
+        yield gauge("swap_state_budget_used_bytes",
+                    "Bytes of all segment files (tensors, headers, padding, cow slots).",
+                    arena.used_bytes)
+        yield gauge("swap_state_budget_free_bytes",
+                    "Bytes a new segment may still take (the cow pool held back).", arena.free_bytes)
+        yield gauge("swap_state_cow_pool_slots", "Copy-before-write slots in the host pool.",
+                    arena.cow_pool_slots)
+        yield gauge("swap_state_cow_pool_slots_used", "Copy-before-write slots given to segments.",
+                    arena.cow_slots_used)
+        yield counter("swap_state_segment_allocations_total", "Segments created.", arena.allocations)
+        yield counter("swap_state_segment_allocation_failures_total",
+                      "Segment creations refused (budget) or failed (shm full).",
+                      arena.allocation_failures)
+        yield counter("swap_state_mlock_failures_total",
+                      "Segments that could not be mlock'd (RLIMIT_MEMLOCK / CAP_IPC_LOCK).",
+                      arena.mlock_failures)
+
+        sessions = registry.sessions
+        by_state = gauge("swap_state_sessions", "Sessions by state.", labels=["state"])
+        for state in SessionState:
+            by_state.add_metric([state.value], sum(1 for s in sessions if s.state is state))
+        yield by_state
+        segment_bytes = gauge("swap_state_session_segment_bytes", "Segment bytes per session.",
+                              labels=["job_id", "rank"])
+        last_step = gauge("swap_state_session_last_committed_step",
+                          "Last committed step per session (sessions with a committed step only).",
+                          labels=["job_id", "rank"])
+        generation = gauge("swap_state_session_generation", "Current generation per session.",
+                           labels=["job_id", "rank"])
+        for s in sessions:
+            key = [s.job_id, str(s.rank)]
+            segment_bytes.add_metric(key, s.segment.size if s.segment else 0)
+            if s.last_committed_step is not None:
+                last_step.add_metric(key, s.last_committed_step)
+            generation.add_metric(key, s.generation)
+        yield segment_bytes
+        yield last_step
+        yield generation
+        yield counter("swap_state_steps_committed_total", "Steps committed, all sessions.",
+                      registry.steps_committed_total)
+        yield counter("swap_state_attaches_total", "Attach calls that succeeded.", registry.attaches)
+        yield counter("swap_state_reattaches_total", "Attaches that got a kept session back.",
+                      registry.reattaches)
+        yield counter("swap_state_sessions_freed_total", "Sessions freed (any reason).",
+                      registry.sessions_freed)
+        yield counter("swap_state_sessions_expired_total",
+                      "Orphaned sessions freed after the grace period.", registry.sessions_expired)
+        calls = counter("swap_state_rpc_total", "RPCs by method and status code.",
+                        labels=["method", "code"])
+        for (method, code), n in sorted(counters.calls.items()):
+            calls.add_metric([method, code], n)
+        yield calls
+        seconds = counter("swap_state_rpc_seconds_total", "Seconds spent in RPCs by method.",
+                          labels=["method"])
+        for method, spent in sorted(counters.seconds.items()):
+            seconds.add_metric([method], spent)
+        yield seconds
 
 
-def render_metrics(
+def metrics_registry(
     arena: Arena,
     registry: SessionRegistry,
     counters: RpcCounters,
     *,
     started_at: float,
-    extra: Iterable[Callable[[_Writer], None]] = (),
-) -> str:
-    out = _Writer()
-    out.one("swap_state_up", "gauge", "1 while the server serves.", 1)
-    out.one("swap_state_start_time_seconds", "gauge", "Unix time the server started.", started_at)
-    out.one("swap_state_budget_total_bytes", "gauge", "The --shm-size budget.", arena.total_bytes)
-    out.one("swap_state_budget_used_bytes", "gauge",
-            "Bytes of all segment files (tensors, headers, padding, cow slots).", arena.used_bytes)
-    out.one("swap_state_budget_free_bytes", "gauge",
-            "Bytes a new segment may still take (the cow pool held back).", arena.free_bytes)
-    out.one("swap_state_cow_pool_slots", "gauge", "Copy-before-write slots in the host pool.",
-            arena.cow_pool_slots)
-    out.one("swap_state_cow_pool_slots_used", "gauge", "Copy-before-write slots given to segments.",
-            arena.cow_slots_used)
-    out.one("swap_state_segment_allocations_total", "counter", "Segments created.", arena.allocations)
-    out.one("swap_state_segment_allocation_failures_total", "counter",
-            "Segment creations refused (budget) or failed (shm full).", arena.allocation_failures)
-    out.one("swap_state_mlock_failures_total", "counter",
-            "Segments that could not be mlock'd (RLIMIT_MEMLOCK / CAP_IPC_LOCK).", arena.mlock_failures)
+    extra: Iterable[Collector] = (),
+) -> CollectorRegistry:
+    """A private registry with the server's collector, then ``extra`` collectors, in order."""
+    metrics = CollectorRegistry(auto_describe=False)
+    metrics.register(ServerCollector(arena, registry, counters, started_at=started_at))
+    for collector in extra:
+        metrics.register(collector)
+    return metrics
 
-    sessions = registry.sessions
-    out.family(
-        "swap_state_sessions", "gauge", "Sessions by state.",
-        [({"state": state.value}, sum(1 for s in sessions if s.state is state)) for state in SessionState],
-    )
-    out.family(
-        "swap_state_session_segment_bytes", "gauge", "Segment bytes per session.",
-        [({"job_id": s.job_id, "rank": s.rank}, s.segment.size if s.segment else 0) for s in sessions],
-    )
-    out.family(
-        "swap_state_session_last_committed_step", "gauge",
-        "Last committed step per session (sessions with a committed step only).",
-        [({"job_id": s.job_id, "rank": s.rank}, s.last_committed_step)
-         for s in sessions if s.last_committed_step is not None],
-    )
-    out.family(
-        "swap_state_session_generation", "gauge", "Current generation per session.",
-        [({"job_id": s.job_id, "rank": s.rank}, s.generation) for s in sessions],
-    )
-    out.one("swap_state_steps_committed_total", "counter", "Steps committed, all sessions.",
-            registry.steps_committed_total)
-    out.one("swap_state_attaches_total", "counter", "Attach calls that succeeded.", registry.attaches)
-    out.one("swap_state_reattaches_total", "counter",
-            "Attaches that got a kept session back.", registry.reattaches)
-    out.one("swap_state_sessions_freed_total", "counter", "Sessions freed (any reason).",
-            registry.sessions_freed)
-    out.one("swap_state_sessions_expired_total", "counter",
-            "Orphaned sessions freed after the grace period.", registry.sessions_expired)
-    out.family(
-        "swap_state_rpc_total", "counter", "RPCs by method and status code.",
-        [({"method": m, "code": c}, n) for (m, c), n in sorted(counters.calls.items())],
-    )
-    out.family(
-        "swap_state_rpc_seconds_total", "counter", "Seconds spent in RPCs by method.",
-        [({"method": m}, s) for m, s in sorted(counters.seconds.items())],
-    )
-    for add in extra:
-        add(out)
-    return "\n".join(out.lines) + "\n"
+
+def render_metrics(metrics: CollectorRegistry) -> bytes:
+    """The scrape body: the registry in the Prometheus text format 0.0.4."""
+    return generate_latest(metrics)
 
 
 class MetricsServer:
     """``GET /metrics`` on host:port; ``render`` builds the body on each scrape."""
 
-    def __init__(self, render: Callable[[], str], host: str, port: int) -> None:
+    def __init__(self, render: Callable[[], bytes], host: str, port: int) -> None:
         self._render = render
         self._host = host
         self._port = port
@@ -163,12 +188,11 @@ class MetricsServer:
             method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
             path = target.split("?", 1)[0]
             if method not in ("GET", "HEAD"):
-                status, body, ctype = "405 Method Not Allowed", "only GET\n", "text/plain"
+                status, data, ctype = "405 Method Not Allowed", b"only GET\n", "text/plain"
             elif path != "/metrics":
-                status, body, ctype = "404 Not Found", "try /metrics\n", "text/plain"
+                status, data, ctype = "404 Not Found", b"try /metrics\n", "text/plain"
             else:
-                status, body, ctype = "200 OK", self._render(), CONTENT_TYPE
-            data = body.encode()
+                status, data, ctype = "200 OK", self._render(), CONTENT_TYPE
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(data)}\r\n"
                 "Connection: close\r\n\r\n".encode()

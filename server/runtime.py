@@ -42,9 +42,9 @@ from swap_state.common.sizes import format_size
 from swap_state.common.errors import StartupError
 from .listener import SocketGuard
 from .logs import log_event
-from .metrics import MetricsServer, render_metrics
+from .metrics import MetricsServer, metrics_registry, render_metrics
 from .service import SwapStateService
-from .snapshot import SnapshotCoordinator
+from .snapshot_coordinator import SnapshotCoordinator
 from .snapshot_service import snapshot_metrics
 from .sessions import SessionRegistry
 from .statuses import RpcCounters
@@ -90,11 +90,6 @@ class RunningServer:
     _guard: SocketGuard | None
     _metrics: MetricsServer | None
     _stop_task: asyncio.Task[None] | None = None
-    _stopped: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-
-    @property
-    def stopped(self) -> bool:
-        return self._stopped.is_set()
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop serving; idempotent. ``grace``: seconds in-flight RPCs may still run
@@ -102,9 +97,6 @@ class RunningServer:
         if self._stop_task is None:
             self._stop_task = asyncio.get_running_loop().create_task(self._stop(grace))
         await asyncio.shield(self._stop_task)
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
 
     async def _stop(self, grace: float | None) -> None:
         grace = self.config.shutdown_grace if grace is None else grace
@@ -122,7 +114,6 @@ class RunningServer:
         finally:
             if self._guard is not None:
                 self._guard.release()
-            self._stopped.set()
             log_event(log, "stopped", budget_used=self.arena.used_bytes)
 
 
@@ -265,16 +256,15 @@ async def start_server(config: ServerConfig) -> RunningServer:
         metrics: MetricsServer | None = None
         started_at = time.time()
         if config.metrics_port:
+            collectors = metrics_registry(
+                arena,
+                registry,
+                counters,
+                started_at=started_at,
+                extra=[snapshot_metrics(service.snapshot_counters, snapshots)],
+            )
             metrics = MetricsServer(
-                lambda: render_metrics(
-                    arena,
-                    registry,
-                    counters,
-                    started_at=started_at,
-                    extra=[snapshot_metrics(service.snapshot_counters, snapshots)],
-                ),
-                config.metrics_host,
-                config.metrics_port,
+                lambda: render_metrics(collectors), config.metrics_host, config.metrics_port
             )
             try:
                 await metrics.start()

@@ -1,7 +1,8 @@
 """The gRPC servicer: protobuf <-> domain, nothing else.
 
-Validation and state live in :mod:`.sessions` / :mod:`.arena` / :mod:`.validation`; status
-codes are mapped by :func:`~swap_state.server.statuses.rpc_boundary`.
+Every id a request carries is validated here, first thing, with :mod:`.validation` (the one
+place for bad input; the domain trusts what it gets). State lives in :mod:`.sessions` /
+:mod:`.arena`; status codes are mapped by :func:`~swap_state.server.statuses.rpc_boundary`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,17 @@ from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
 from .arena import Arena, Segment
 from .sessions import Session, SessionRegistry
-from .snapshot import SnapshotCoordinator
+from .snapshot_coordinator import SnapshotCoordinator
 from .snapshot_service import SnapshotCounters, SnapshotRpcs, status_reply
 from .statuses import RpcCounters, rpc_boundary
+from .validation import (
+    validate_client_host,
+    validate_job_id,
+    validate_local_world_size,
+    validate_rank,
+    validate_session,
+    validate_step,
+)
 
 __all__ = ["SwapStateService", "segment_info"]
 
@@ -71,13 +80,17 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
 
     @rpc_boundary
     async def Attach(self, request: pb.AttachRequest, context) -> pb.AttachReply:
+        validate_job_id(request.job_id)
+        validate_rank(request.rank, request.world_size)
+        local_world_size = validate_local_world_size(request.local_world_size, request.world_size)
+        validate_client_host(request.client_host)
         session, reattached = await self.registry.attach(
             request.job_id,
             request.rank,
             request.world_size,
             client_pid=request.client_pid,
             client_host=request.client_host,
-            local_world_size=request.local_world_size,
+            local_world_size=local_world_size,
         )
         reply = pb.AttachReply(
             session_id=session.session_id,
@@ -94,6 +107,7 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
 
     @rpc_boundary
     async def KeepAlive(self, request: pb.KeepAliveRequest, context):
+        validate_session(request.session_id, request.generation)
         stream = self.registry.open_stream(request.session_id, request.generation)
         try:
             while True:
@@ -108,6 +122,7 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
 
     @rpc_boundary
     async def Allocate(self, request: pb.AllocateRequest, context) -> pb.AllocateReply:
+        validate_session(request.session_id, request.generation)
         # A generator: the O(tensors) conversion happens in the validation worker thread.
         specs = ((t.name, t.dtype, t.shape) for t in request.tensors)
         segment, reused = await self.registry.allocate(request.session_id, request.generation, specs)
@@ -115,11 +130,14 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
 
     @rpc_boundary
     async def CommitStep(self, request: pb.CommitStepRequest, context) -> pb.CommitStepReply:
+        validate_step(request.step)
+        validate_session(request.session_id, request.generation)
         step = self.registry.commit_step(request.session_id, request.generation, request.step)
         return pb.CommitStepReply(committed_step=step)
 
     @rpc_boundary
     async def Detach(self, request: pb.DetachRequest, context) -> pb.DetachReply:
+        validate_session(request.session_id, request.generation)
         await self.registry.detach(request.session_id, request.generation, keep=request.keep)
         return pb.DetachReply()
 

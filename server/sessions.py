@@ -15,8 +15,10 @@ Lifecycle::
 * A live session (stream open) is never taken over: a second trainer with the same job id and
   rank is refused instead of silently stealing the first one's memory.
 
-Every request value is validated here (so the in-process API is as strict as gRPC). The
-registry is used from one asyncio loop; blocking arena work runs in worker threads.
+Ids and numbers a request carries (job id, session id, rank, generation, step) are validated
+once, by the servicer, before they get here (:mod:`.validation`); the registry trusts them.
+Tensor specs are checked here (off the loop, they are O(tensors)). The registry is used from
+one asyncio loop; blocking arena work runs in worker threads.
 """
 
 from __future__ import annotations
@@ -43,16 +45,7 @@ from swap_state.common.errors import (
     Unavailable,
 )
 from .logs import log_event
-from .validation import (
-    validate_client_host,
-    validate_generation,
-    validate_job_id,
-    validate_local_world_size,
-    validate_rank,
-    validate_session_id,
-    validate_step,
-    validate_tensor_specs,
-)
+from .validation import validate_tensor_specs
 
 __all__ = ["LivenessStream", "Session", "SessionRegistry", "SessionState"]
 
@@ -206,9 +199,9 @@ class SessionRegistry:
         return self._by_key.get((job_id, rank))
 
     def lookup(self, session_id: str, generation: int) -> Session:
-        """The session, if ``generation`` is its current one (else FAILED_PRECONDITION)."""
-        validate_session_id(session_id)
-        validate_generation(generation)
+        """The session, if ``generation`` is its current one (else FAILED_PRECONDITION).
+        ``session_id`` and ``generation`` are validated (the servicer's
+        :func:`~.validation.validate_session`)."""
         session = self._sessions.get(session_id)
         if session is None:
             raise NotFound(
@@ -250,11 +243,9 @@ class SessionRegistry:
         local_world_size: int = 0,
     ) -> tuple[Session, bool]:
         """Open or re-open the session of (job_id, rank). Returns (session, reattached).
-        ``local_world_size``: ranks of the job on this server, 0 meaning ``world_size``."""
-        validate_job_id(job_id)
-        validate_rank(rank, world_size)
-        local_world_size = validate_local_world_size(local_world_size, world_size)
-        validate_client_host(client_host)
+        ``local_world_size``: ranks of the job on this server, 0 meaning ``world_size``. The
+        values are validated (the servicer does it, :mod:`.validation`)."""
+        local_world_size = local_world_size or world_size
         self._check_open()
         existing = self._by_key.get((job_id, rank))
         if existing is not None:
@@ -426,8 +417,8 @@ class SessionRegistry:
             return segment, False
 
     def commit_step(self, session_id: str, generation: int, step: int) -> int:
-        """Record ``step`` as committed (its moments are completely in the segment)."""
-        validate_step(step)
+        """Record ``step`` as committed (its moments are completely in the segment); ``step``
+        is validated (the servicer's :func:`~.validation.validate_step`)."""
         session = self.lookup(session_id, generation)
         if session.record_commit(step):
             self.steps_committed_total += 1

@@ -1,8 +1,10 @@
-"""Snapshot and restore RPCs: protobuf <-> the snapshot domain (:mod:`.snapshot`, :mod:`.restore`).
+"""Snapshot and restore RPCs: protobuf <-> the snapshot domain (:mod:`.snapshot_coordinator`,
+:mod:`.restore`).
 
 A mixin of :class:`~swap_state.server.service.SwapStateService`, so status codes are mapped by
-the same ``rpc_boundary``. Blocking work (waiting on a writer, verifying and copying a restore)
-runs in worker threads; the event loop only converts and dispatches.
+the same ``rpc_boundary`` and ids are validated the same way, first thing (:mod:`.validation`).
+Blocking work (waiting on a writer, verifying and copying a restore) runs in worker threads;
+the event loop only converts and dispatches.
 """
 
 from __future__ import annotations
@@ -10,17 +12,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import Iterator
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from swap_state.proto import swap_state_pb2 as pb
 
 from swap_state.common.errors import FailedPrecondition, NoSegment, SnapshotsDisabled
+from .metrics import counter, gauge
 from .restore import restore
 from .sessions import Session
-from .snapshot import SnapshotCoordinator, SnapshotHandle, SnapshotStatus
+from .snapshot_coordinator import SnapshotCoordinator, SnapshotHandle, SnapshotStatus
 from .snapshot_writer import SnapshotSource
 from .statuses import rpc_boundary
+from .validation import (
+    validate_job_id_filter,
+    validate_session,
+    validate_snapshot_id,
+    validate_snapshot_rank,
+    validate_step,
+)
 
-__all__ = ["SnapshotRpcs", "SnapshotCounters", "status_reply", "snapshot_metrics", "MAX_STATUS_WAIT_S"]
+__all__ = [
+    "MAX_STATUS_WAIT_S",
+    "SnapshotCollector",
+    "SnapshotCounters",
+    "SnapshotRpcs",
+    "snapshot_metrics",
+    "status_reply",
+]
 
 MAX_STATUS_WAIT_S = 60.0
 
@@ -71,26 +92,38 @@ class SnapshotCounters:
         self.backpressure_wait_seconds += status.backpressure_wait_seconds
 
 
-def snapshot_metrics(counters: SnapshotCounters, coordinator: SnapshotCoordinator | None):
-    """A ``render_metrics`` extra writing the snapshot families."""
+class SnapshotCollector(Collector):
+    """The snapshot families, read from the counters and the coordinator on every scrape."""
 
-    def write(out) -> None:
-        running = coordinator.in_progress() if coordinator is not None else []
-        out.one("swap_state_snapshots_in_progress", "gauge", "Snapshot ranks persisting now.", len(running))
-        out.one("swap_state_snapshots_started_total", "counter", "Snapshot ranks started.", counters.started)
-        out.one("swap_state_snapshots_durable_total", "counter", "Snapshot ranks made durable.", counters.durable)
-        out.one("swap_state_snapshots_failed_total", "counter", "Snapshot ranks that failed.", counters.failed)
-        out.one("swap_state_snapshot_bytes_total", "counter", "Bytes persisted by snapshots.",
-                counters.bytes_persisted)
-        out.one("swap_state_snapshot_cow_copies_total", "counter",
-                "Chunks copied before write while a snapshot persisted.", counters.cow_copies)
-        out.one("swap_state_snapshot_backpressure_waits_total", "counter",
-                "Trainer waits for a free copy-before-write slot.", counters.backpressure_waits)
-        out.one("swap_state_snapshot_backpressure_wait_seconds_total", "counter",
-                "Seconds trainers waited for a free copy-before-write slot.",
-                counters.backpressure_wait_seconds)
+    def __init__(self, counters: SnapshotCounters, coordinator: SnapshotCoordinator | None) -> None:
+        self.counters = counters
+        self.coordinator = coordinator
 
-    return write
+    def collect(self) -> Iterator[Metric]:
+        counters = self.counters
+        running = self.coordinator.in_progress() if self.coordinator is not None else []
+        yield gauge("swap_state_snapshots_in_progress", "Snapshot ranks persisting now.", len(running))
+        yield counter("swap_state_snapshots_started_total", "Snapshot ranks started.", counters.started)
+        yield counter("swap_state_snapshots_durable_total", "Snapshot ranks made durable.",
+                      counters.durable)
+        yield counter("swap_state_snapshots_failed_total", "Snapshot ranks that failed.", counters.failed)
+        yield counter("swap_state_snapshot_bytes_total", "Bytes persisted by snapshots.",
+                      counters.bytes_persisted)
+        yield counter("swap_state_snapshot_cow_copies_total",
+                      "Chunks copied before write while a snapshot persisted.", counters.cow_copies)
+        yield counter("swap_state_snapshot_backpressure_waits_total",
+                      "Trainer waits for a free copy-before-write slot.", counters.backpressure_waits)
+        yield counter("swap_state_snapshot_backpressure_wait_seconds_total",
+                      "Seconds trainers waited for a free copy-before-write slot.",
+                      counters.backpressure_wait_seconds)
+
+
+def snapshot_metrics(
+    counters: SnapshotCounters, coordinator: SnapshotCoordinator | None
+) -> SnapshotCollector:
+    """The collector of the snapshot families (an ``extra`` of
+    :func:`~swap_state.server.metrics.metrics_registry`)."""
+    return SnapshotCollector(counters, coordinator)
 
 
 class SnapshotRpcs:
@@ -117,6 +150,8 @@ class SnapshotRpcs:
 
     @rpc_boundary
     async def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
+        validate_session(request.session_id, request.generation)
+        validate_step(request.step)
         coordinator = self._coordinator()
         session = self._segment_session(request.session_id, request.generation)
         async with session.lock:
@@ -151,6 +186,8 @@ class SnapshotRpcs:
 
     @rpc_boundary
     async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context) -> pb.SnapshotStatusReply:
+        validate_snapshot_id(request.snapshot_id, relative=False, latest=False)
+        validate_snapshot_rank(request.rank)
         coordinator = self._coordinator()
         wait_s = min(max(request.wait_seconds, 0.0), MAX_STATUS_WAIT_S)
         status = await asyncio.to_thread(coordinator.status, request.snapshot_id, request.rank, wait_s)
@@ -158,8 +195,9 @@ class SnapshotRpcs:
 
     @rpc_boundary
     async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
+        job_id = validate_job_id_filter(request.job_id)
         coordinator = self._coordinator()
-        infos = await asyncio.to_thread(coordinator.store.list, request.job_id or None)
+        infos = await asyncio.to_thread(coordinator.store.list, job_id)
         return pb.ListSnapshotsReply(
             snapshots=[
                 pb.SnapshotInfo(
@@ -173,12 +211,14 @@ class SnapshotRpcs:
 
     @rpc_boundary
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
+        validate_session(request.session_id, request.generation)
+        snapshot_id = validate_snapshot_id(request.snapshot_id or "latest", relative=True, latest=True)
         coordinator = self._coordinator()
         session = self._segment_session(request.session_id, request.generation)
         async with session.lock:
             with session.segment.borrow() as buffer:
                 result = await asyncio.to_thread(
-                    restore, coordinator.store, request.snapshot_id or "latest", buffer,
+                    restore, coordinator.store, snapshot_id, buffer,
                     session.layout, rank=session.rank, world_size=session.world_size,
                     job_id=session.job_id, header=session.header,
                 )

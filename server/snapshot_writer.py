@@ -1,6 +1,6 @@
 """The server's side of the copy-before-write protocol: persist one rank's segment.
 
-Call order (the coordinator does this, :mod:`swap_state.server.snapshot`):
+Call order (the coordinator does this, :mod:`swap_state.server.snapshot_coordinator`):
 
 1. ``RankWriter(...)`` then, synchronously in the Snapshot call, :meth:`RankWriter.publish`:
    frees leftover copy slots, stores ``SNAP_STEP``, ``PERSISTED_UPTO = 0`` and last
@@ -256,9 +256,10 @@ class RankWriter:
         header, straight from the segment; per-tensor crc32s.
 
         Zero-copy and GIL-friendly: ``os.pwrite`` copies from the mapped segment into the
-        page cache and ``zlib.crc32`` checksums the same memoryview, both with the GIL
-        released (the loop itself only slices views and reads header words), so the event
-        loop answers RPCs while a snapshot streams.
+        page cache and ``crc32`` (:mod:`swap_state.common.checksum`: ISA-L, or zlib)
+        checksums the same memoryview, both with the GIL released (the loop itself only
+        slices views and reads header words), so the event loop answers RPCs while a
+        snapshot streams.
 
         Why this stays exact (step N's bytes, bit for bit, in the file and in the crc):
         while chunk c is being written and checksummed here, ``PERSISTED_UPTO <= c`` (it is

@@ -1,9 +1,14 @@
 """Validation of request values, before any of them reaches the domain.
 
-Every check raises :class:`~swap_state.common.errors.InvalidArgument` with a message naming the
-field and the rule. Nothing a client sends becomes part of a file name in the shm directory
-(segment names are built from the server's own ids); job ids may become a directory name under
-the snapshot directory, hence the strict charset and no leading dot.
+The servicer (:mod:`.service`, :mod:`.snapshot_service`) calls these once, first thing in every
+RPC, for every id a client sends (job_id, session_id, snapshot_id, rank, generation, step);
+the domain below trusts them. Every check raises
+:class:`~swap_state.common.errors.InvalidArgument` with a message naming the field and the
+rule, quoting the value with :func:`~swap_state.common.names.shorten`: the message travels
+back as gRPC metadata, which a hostile 20,000-character id must not overflow (that would turn
+INVALID_ARGUMENT into RESOURCE_EXHAUSTED). Nothing a client sends becomes part of a file name in
+the shm directory (segment names are built from the server's own ids); job ids may become a
+directory name under the snapshot directory, hence the strict charset and no leading dot.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.errors import InvalidArgument
-from swap_state.common.names import shorten, validate_job_id
+from swap_state.common.names import parse_snapshot_id, shorten, validate_job_id
 
 __all__ = [
     "MAX_NDIM",
@@ -25,9 +30,13 @@ __all__ = [
     "validate_client_host",
     "validate_generation",
     "validate_job_id",
+    "validate_job_id_filter",
     "validate_local_world_size",
     "validate_rank",
+    "validate_session",
     "validate_session_id",
+    "validate_snapshot_id",
+    "validate_snapshot_rank",
     "validate_step",
     "validate_tensor_specs",
 ]
@@ -42,8 +51,8 @@ MAX_NDIM = 32
 MAX_SEGMENT_BYTES = 1 << 50
 # COMMITTED_STEP stores step + 1 in a uint64 header word; int64 range keeps clients sane.
 MAX_STEP = (1 << 63) - 2
-
-
+# Stands in for the session's job while only the form of a relative snapshot id is checked.
+_SOME_JOB = "job"
 
 
 def validate_rank(rank: int, world_size: int) -> None:
@@ -80,6 +89,34 @@ def validate_generation(generation: int) -> int:
     return generation
 
 
+def validate_session(session_id: str, generation: int) -> None:
+    """The (session_id, generation) pair every call after Attach carries."""
+    validate_session_id(session_id)
+    validate_generation(generation)
+
+
+def validate_snapshot_rank(rank: int) -> int:
+    """A rank named without its world size (SnapshotStatus): at least in range."""
+    if not 0 <= rank < MAX_WORLD_SIZE:
+        raise InvalidArgument(f"rank {rank} must be in [0, {MAX_WORLD_SIZE})")
+    return rank
+
+
+def validate_job_id_filter(job_id: str) -> str | None:
+    """ListSnapshots' job_id: empty means all jobs (None), else a valid job id."""
+    return validate_job_id(job_id) if job_id else None
+
+
+def validate_snapshot_id(snapshot_id: str, *, relative: bool, latest: bool) -> str:
+    """The form of a snapshot id, before anything is looked up: ``<job>/step-<N>``, and
+    ``<job>/latest`` when ``latest``; ``step-<N>`` (and ``latest``) of the session's job too
+    when ``relative``. Returns it unchanged (the store resolves it)."""
+    ref = parse_snapshot_id(snapshot_id, _SOME_JOB if relative else None)
+    if ref.latest and not latest:
+        raise InvalidArgument(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
+    return snapshot_id
+
+
 def validate_step(step: int) -> int:
     if not 0 <= step <= MAX_STEP:
         raise InvalidArgument(f"step {step} out of range [0, {MAX_STEP}]")
@@ -114,7 +151,7 @@ def validate_tensor_specs(
             raise InvalidArgument(f"too many tensors: at most {max_tensors} per segment")
         if name in seen or not name_ok(name):
             if name in seen:
-                raise InvalidArgument(f"tensors[{index}].name {name!r} is duplicated")
+                raise InvalidArgument(f"tensors[{index}].name {shorten(name)} is duplicated")
             raise InvalidArgument(
                 f"tensors[{index}].name {shorten(name)} is invalid: use 1-512 characters of "
                 "[A-Za-z0-9_.:/-]"

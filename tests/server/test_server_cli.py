@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
+import pathlib
 import signal
 import socket
 import stat
@@ -16,9 +18,11 @@ import grpc
 import pytest
 from swap_server_testkit import Trainer, spec
 
+from swap_state.common.server_config import ServerConfig
+from swap_state.common.server_flags import config_to_argv, user_flags
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
-from swap_state.server.cli import build_parser
+from swap_state.server.cli import build_parser, parse_config
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +50,84 @@ def test_help_explains_every_flag_with_an_example():
         assert action.option_strings[0] in result.stdout
         assert "e.g." in action.help, f"{action.option_strings[0]} help has no example"
     assert "docker run --shm-size" in result.stdout
+
+
+HIDDEN = ("mlock", "keepalive_interval", "stream_wait", "shutdown_grace", "max_tensors",
+          "max_message_bytes", "metrics_host")
+
+
+def test_flags_are_the_config_fields_with_their_docstrings_defaults_and_examples():
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    assert set(actions) == {f.name for f in dataclasses.fields(ServerConfig)} - set(HIDDEN)
+    for name, action in actions.items():
+        assert action.option_strings == ["--" + name.replace("_", "-")]
+    help_text = parser.format_help()
+    for name in HIDDEN:
+        assert "--" + name.replace("_", "-") not in help_text
+    assert actions["shm_size"].required
+    assert "never falls back to disk" in actions["shm_size"].help  # the field's docstring
+    assert "Default: 64M." in actions["chunk_bytes"].help
+    assert "Default: 30." in actions["grace"].help
+    assert "Default: min(1G, shm-size/8)" in actions["cow_budget"].help
+    assert "Default: /dev/shm." in actions["shm_dir"].help
+    assert actions["log_level"].choices == ("debug", "info", "warning", "error")
+    assert "``" not in help_text
+
+
+def test_flag_spellings_parse_into_the_config():
+    config = parse_config([
+        "--shm-size", "2G", "--listen", "tcp://127.0.0.1:7070", "--insecure",
+        "--metrics-port", "[::1]:9464", "--persist-max-bandwidth", "2G/s", "--grace", "1.5",
+        "--chunk-bytes", "32M", "--cow-budget", "64M", "--keep-latest", "3",
+        "--token-file", "/etc/t", "--snapshot-dir", "/ckpt", "--shm-dir", "/dev/shm",
+        "--shm-group", "trainers", "--log-level", "debug",
+    ])
+    assert config == ServerConfig(
+        shm_size=2 << 30, listen="tcp://127.0.0.1:7070", insecure=True, metrics_host="::1",
+        metrics_port=9464, persist_max_bandwidth=2 << 30, grace=1.5, chunk_bytes=32 << 20,
+        cow_budget=64 << 20, keep_latest=3, token_file=pathlib.Path("/etc/t"),
+        snapshot_dir=pathlib.Path("/ckpt"), shm_group="trainers", log_level="debug",
+    )
+    assert parse_config(["--shm-size", "1G", "--metrics-port", "9464"]).metrics_host == "0.0.0.0"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ServerConfig(shm_size=1 << 30),
+        ServerConfig(shm_size=256 << 20, listen="unix:///tmp/x y/s.sock", grace=0.1,
+                     chunk_bytes=1 << 20, snapshot_dir=pathlib.Path("/tmp/snap shots")),
+        ServerConfig(shm_size=(3 << 30) + 4096, listen="tcp://[::1]:7070",
+                     tls_cert=pathlib.Path("c.pem"), tls_key=pathlib.Path("k.pem"),
+                     metrics_port=9464, metrics_host="::1", log_level="warning"),
+        ServerConfig(shm_size=8 << 30, listen="tcp://0.0.0.0:1", insecure=True, cow_budget=0,
+                     persist_max_bandwidth=123457, keep_latest=5, shm_group="-odd",
+                     token_file=pathlib.Path("/etc/token"), shm_dir=pathlib.Path("/mnt/shm")),
+        ServerConfig(shm_size=1 << 30, metrics_host="127.0.0.1"),  # metrics off, host kept
+        ServerConfig(shm_size=1 << 30, cow_budget=128 << 20),  # the auto value, given
+    ],
+    ids=["defaults", "unix-small", "tls-v6", "insecure-everything", "metrics-host", "auto-cow"],
+)
+def test_argv_from_a_config_parses_back_into_it(config):
+    argv = config_to_argv(config)
+    assert parse_config(argv) == config
+    assert argv[0].startswith("--shm-size=") and argv[1] == f"--listen={config.listen}"
+
+
+def test_argv_names_only_what_differs_from_the_defaults():
+    config = ServerConfig(shm_size=64 << 30, listen="unix:///tmp/s.sock", chunk_bytes=32 << 20,
+                          grace=120)
+    assert config_to_argv(config) == [
+        "--shm-size=64G", "--listen=unix:///tmp/s.sock", "--grace=120", "--chunk-bytes=32M",
+    ]  # no --cow-budget: the server derives the same pool from these flags
+    assert {f.name for f in user_flags()} == {f.name for f in dataclasses.fields(ServerConfig)} - set(HIDDEN)
+
+
+@pytest.mark.parametrize("setting", [{"mlock": False}, {"stream_wait": 1.0}, {"max_tensors": 10}])
+def test_argv_refuses_a_setting_that_has_no_flag(setting):
+    with pytest.raises(ValueError, match="no command-line flag"):
+        config_to_argv(ServerConfig(shm_size=1 << 30, **setting))
 
 
 @pytest.mark.parametrize(

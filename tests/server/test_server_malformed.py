@@ -115,3 +115,84 @@ async def test_burst_of_malformed_requests_leaves_the_server_serving(start, conn
     assert (await trainer.commit(0)).committed_step == 0
     assert (await owner.allocate([spec("m", (8,))])).segment.size > 0
     trainer.close()
+
+
+LONG = "x" * 20_000
+
+
+async def test_a_huge_id_is_invalid_argument_with_a_short_message_in_every_rpc(
+    start, connect, tmp_path
+):
+    """Every id field of every RPC (not only Attach): a 20,000-character value is refused as
+    INVALID_ARGUMENT quoting it shortened, never RESOURCE_EXHAUSTED (an error message that
+    repeats the id overflows the gRPC metadata limit)."""
+    server = await start(snapshot_dir=tmp_path / "snapshots")
+    stub = connect(server)
+    trainer = Trainer(stub, "huge-ids")
+    await trainer.attach()
+    await trainer.keep_alive()
+    await trainer.allocate([spec("m", (16,))])
+    await trainer.commit(0)
+    sid, gen = trainer.session_id, trainer.generation
+    long_digits = "1" * 20_000
+    cases = {
+        ("Attach", "job_id"): stub.Attach(pb.AttachRequest(job_id=LONG, rank=0, world_size=1)),
+        ("Attach", "client_host"): stub.Attach(
+            pb.AttachRequest(job_id="j", rank=0, world_size=1, client_host=LONG)),
+        ("KeepAlive", "session_id"): stub.KeepAlive(
+            pb.KeepAliveRequest(session_id=LONG, generation=gen)).read(),
+        ("Allocate", "session_id"): stub.Allocate(
+            pb.AllocateRequest(session_id=LONG, generation=gen, tensors=[spec("m", (16,))])),
+        ("Allocate", "tensors.name"): stub.Allocate(
+            pb.AllocateRequest(session_id=sid, generation=gen, tensors=[spec(LONG, (16,))])),
+        ("Allocate", "tensors.dtype"): stub.Allocate(
+            pb.AllocateRequest(session_id=sid, generation=gen, tensors=[spec("m", (16,), LONG)])),
+        ("CommitStep", "session_id"): stub.CommitStep(
+            pb.CommitStepRequest(session_id=LONG, generation=gen, step=1)),
+        ("Detach", "session_id"): stub.Detach(pb.DetachRequest(session_id=LONG, generation=gen)),
+        ("Snapshot", "session_id"): stub.Snapshot(
+            pb.SnapshotRequest(session_id=LONG, generation=gen, step=0)),
+        ("SnapshotStatus", "snapshot_id"): stub.SnapshotStatus(
+            pb.SnapshotStatusRequest(snapshot_id=LONG)),
+        ("SnapshotStatus", "snapshot_id job"): stub.SnapshotStatus(
+            pb.SnapshotStatusRequest(snapshot_id=f"{LONG}/step-0")),
+        ("SnapshotStatus", "snapshot_id step"): stub.SnapshotStatus(
+            pb.SnapshotStatusRequest(snapshot_id=f"huge-ids/step-{long_digits}")),
+        ("ListSnapshots", "job_id"): stub.ListSnapshots(pb.ListSnapshotsRequest(job_id=LONG)),
+        ("Restore", "session_id"): stub.Restore(
+            pb.RestoreRequest(session_id=LONG, generation=gen, snapshot_id="latest")),
+        ("Restore", "snapshot_id"): stub.Restore(
+            pb.RestoreRequest(session_id=sid, generation=gen, snapshot_id=LONG)),
+        ("Restore", "snapshot_id job"): stub.Restore(
+            pb.RestoreRequest(session_id=sid, generation=gen, snapshot_id=f"{LONG}/latest")),
+        # The numbers among the ids: out of range, refused at the same place.
+        ("Attach", "rank"): stub.Attach(pb.AttachRequest(job_id="j", rank=(1 << 32) - 1, world_size=1)),
+        ("KeepAlive", "generation"): stub.KeepAlive(
+            pb.KeepAliveRequest(session_id=sid, generation=0)).read(),
+        ("Snapshot", "generation"): stub.Snapshot(
+            pb.SnapshotRequest(session_id=sid, generation=0, step=0)),
+        ("Snapshot", "step"): stub.Snapshot(
+            pb.SnapshotRequest(session_id=sid, generation=gen, step=(1 << 64) - 1)),
+        ("SnapshotStatus", "rank"): stub.SnapshotStatus(
+            pb.SnapshotStatusRequest(snapshot_id="huge-ids/step-0", rank=(1 << 32) - 1)),
+        ("Restore", "generation"): stub.Restore(
+            pb.RestoreRequest(session_id=sid, generation=0, snapshot_id="latest")),
+    }
+    # Every RPC that carries an id is covered (Stats carries none).
+    methods = set(pb.DESCRIPTOR.services_by_name["SwapState"].methods_by_name) - {"Stats"}
+    assert {method for method, _ in cases} == methods
+
+    results = await asyncio.gather(*cases.values(), return_exceptions=True)
+    for case, result in zip(cases, results):
+        assert isinstance(result, grpc.aio.AioRpcError), (case, result)
+        details = result.details() or ""
+        assert result.code() == INVALID, (case, result.code(), details[:200])
+        assert len(details) < 400 and LONG not in details and long_digits not in details, (case, details)
+        if case[1] not in ("client_host", "rank", "generation", "step"):
+            assert "...'" in details, (case, details)  # the id is quoted, cut by shorten()
+        reasons = dict(result.trailing_metadata() or ())
+        assert reasons.get("swap-state-reason") == "INVALID_ARGUMENT", (case, reasons)
+
+    # Nothing changed for the well-formed session.
+    assert (await trainer.commit(1)).committed_step == 1
+    trainer.close()

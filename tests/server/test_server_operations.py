@@ -12,6 +12,7 @@ import subprocess
 import time
 
 import grpc
+import prometheus_client
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from swap_server_testkit import Trainer, spec
@@ -87,6 +88,24 @@ async def _http_get(port: int, path: str) -> tuple[str, str]:
 
 
 _SAMPLE = re.compile(r'^[a-z_:][a-z0-9_:]*(\{([a-z_]+="([^"\\]|\\.)*",?)*\})? [-+0-9.eEInfNa]+$')
+_LABEL = re.compile(r'([a-z_]+)="((?:[^"\\]|\\.)*)"')
+
+
+def _samples(lines: list[str]) -> dict[tuple[str, frozenset], float]:
+    """``{(name, frozenset(labels)): value}``: label order and number spelling (``3``,
+    ``3.0``, ``3e+00``) are the exposition's business, not the metric's."""
+    samples = {}
+    for line in lines:
+        if line.startswith("#"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        name, _, labels = series.partition("{")
+        samples[(name, frozenset(_LABEL.findall(labels)))] = float(value)
+    return samples
+
+
+def _sample(samples, name: str, **labels: str) -> float:
+    return samples[(name, frozenset(labels.items()))]
 
 
 async def test_metrics_endpoint_serves_prometheus_text(start, connect):
@@ -106,16 +125,79 @@ async def test_metrics_endpoint_serves_prometheus_text(start, connect):
     lines = body.splitlines()
     for line in lines:
         assert line.startswith("# HELP ") or line.startswith("# TYPE ") or _SAMPLE.match(line), line
-    samples = dict(line.rsplit(" ", 1) for line in lines if not line.startswith("#"))
-    assert samples["swap_state_budget_used_bytes"] == str(seg.size)
-    assert samples["swap_state_steps_committed_total"] == "3"
-    assert samples['swap_state_sessions{state="live"}'] == "1"
-    assert samples['swap_state_session_last_committed_step{job_id="jobwith-quote",rank="2"}'] == "2"
-    assert samples['swap_state_rpc_total{method="CommitStep",code="OK"}'] == "3"
-    assert samples['swap_state_rpc_total{method="CommitStep",code="FAILED_PRECONDITION"}'] == "1"
+    samples = _samples(lines)
+    assert _sample(samples, "swap_state_budget_used_bytes") == seg.size
+    assert _sample(samples, "swap_state_steps_committed_total") == 3
+    assert _sample(samples, "swap_state_sessions", state="live") == 1
+    assert _sample(samples, "swap_state_session_last_committed_step", job_id="jobwith-quote",
+                   rank="2") == 2
+    assert _sample(samples, "swap_state_rpc_total", method="CommitStep", code="OK") == 3
+    assert _sample(samples, "swap_state_rpc_total", method="CommitStep",
+                   code="FAILED_PRECONDITION") == 1
 
     head, _ = await _http_get(port, "/nope")
     assert head.startswith("HTTP/1.1 404")
+    trainer.close()
+
+
+# The families /metrics served before the move to prometheus_client (hand-rendered then):
+# (name, type, label names), in order. Scrapers and dashboards depend on these names.
+_FAMILIES = [
+    ("swap_state_up", "gauge", ()),
+    ("swap_state_start_time_seconds", "gauge", ()),
+    ("swap_state_budget_total_bytes", "gauge", ()),
+    ("swap_state_budget_used_bytes", "gauge", ()),
+    ("swap_state_budget_free_bytes", "gauge", ()),
+    ("swap_state_cow_pool_slots", "gauge", ()),
+    ("swap_state_cow_pool_slots_used", "gauge", ()),
+    ("swap_state_segment_allocations_total", "counter", ()),
+    ("swap_state_segment_allocation_failures_total", "counter", ()),
+    ("swap_state_mlock_failures_total", "counter", ()),
+    ("swap_state_sessions", "gauge", ("state",)),
+    ("swap_state_session_segment_bytes", "gauge", ("job_id", "rank")),
+    ("swap_state_session_last_committed_step", "gauge", ("job_id", "rank")),
+    ("swap_state_session_generation", "gauge", ("job_id", "rank")),
+    ("swap_state_steps_committed_total", "counter", ()),
+    ("swap_state_attaches_total", "counter", ()),
+    ("swap_state_reattaches_total", "counter", ()),
+    ("swap_state_sessions_freed_total", "counter", ()),
+    ("swap_state_sessions_expired_total", "counter", ()),
+    ("swap_state_rpc_total", "counter", ("code", "method")),
+    ("swap_state_rpc_seconds_total", "counter", ("method",)),
+    ("swap_state_snapshots_in_progress", "gauge", ()),
+    ("swap_state_snapshots_started_total", "counter", ()),
+    ("swap_state_snapshots_durable_total", "counter", ()),
+    ("swap_state_snapshots_failed_total", "counter", ()),
+    ("swap_state_snapshot_bytes_total", "counter", ()),
+    ("swap_state_snapshot_cow_copies_total", "counter", ()),
+    ("swap_state_snapshot_backpressure_waits_total", "counter", ()),
+    ("swap_state_snapshot_backpressure_wait_seconds_total", "counter", ()),
+]
+
+
+async def test_metrics_keep_their_names_types_and_labels(start, connect, tmp_path):
+    server = await start(metrics_port=_free_port(), metrics_host="127.0.0.1",
+                         snapshot_dir=tmp_path / "snapshots")
+    trainer = Trainer(connect(server), "names", rank=0, world_size=1)
+    await trainer.attach()
+    await trainer.keep_alive()
+    await trainer.allocate([spec("m", (16,))])
+    await trainer.commit(0)
+
+    head, body = await _http_get(server.metrics_address[1], "/metrics")
+    assert head.startswith("HTTP/1.1 200")
+    lines = body.splitlines()
+    types = [tuple(line.split(" ")[2:4]) for line in lines if line.startswith("# TYPE ")]
+    helps = [line.split(" ")[2] for line in lines if line.startswith("# HELP ")]
+    assert types == [(name, kind) for name, kind, _ in _FAMILIES]
+    assert helps == [name for name, _, _ in _FAMILIES]
+    labels: dict[str, set[tuple[str, ...]]] = {}
+    for (name, pairs), _ in _samples(lines).items():
+        labels.setdefault(name, set()).add(tuple(sorted(key for key, _ in pairs)))
+    # Every family has samples here, each with exactly its label names (no _created series).
+    assert labels == {name: {names} for name, _, names in _FAMILIES}
+    # A private registry: nothing lands in prometheus_client's process-global one.
+    assert b"swap_state_" not in prometheus_client.generate_latest(prometheus_client.REGISTRY)
     trainer.close()
 
 

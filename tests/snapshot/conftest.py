@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from snapshot_testkit import Segment
 
-from swap_state.server.snapshot import SnapshotCoordinator
+from swap_state.server.snapshot_coordinator import SnapshotCoordinator
 
 
 @pytest.fixture

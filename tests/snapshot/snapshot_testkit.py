@@ -14,7 +14,7 @@ import random
 import threading
 
 from swap_state.common.segment import PAGE_BYTES, SegmentHeader, Word, chunk_table, plan_segment
-from swap_state.server.snapshot import SnapshotSource
+from swap_state.server.snapshot_coordinator import SnapshotSource
 from swap_state.common.copy_before_write import TrainerProtector
 
 __all__ = ["SPECS", "Segment", "Trainer", "metadata_for", "flip_byte"]

@@ -15,7 +15,7 @@ from snapshot_testkit import Trainer
 
 from swap_state.common.segment import Word
 from swap_state.server.restore import restore
-from swap_state.server.snapshot import SnapshotState
+from swap_state.server.snapshot_coordinator import SnapshotState
 from swap_state.common.snapshot_errors import (
     SnapshotDiskFull,
     SnapshotExists,
@@ -133,7 +133,7 @@ def test_latest_pointer_and_its_fallback(make_segment, make_coordinator):
 _KILLED_WRITER = """
 import pathlib, sys, time
 from snapshot_testkit import Segment
-from swap_state.server.snapshot import SnapshotCoordinator
+from swap_state.server.snapshot_coordinator import SnapshotCoordinator
 seg = Segment(pathlib.Path(sys.argv[1]))
 seg.fill(99)
 coordinator = SnapshotCoordinator(sys.argv[2], max_bandwidth=20_000)

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from snapshot_testkit import flip_byte
 
 from swap_state.client.export import export_snapshot, main
-from swap_state.server.snapshot import SnapshotState
+from swap_state.server.snapshot_coordinator import SnapshotState
 from swap_state.common.snapshot_format import rank_data_name
 
 # Per rank: a row shard of w (global 8x8) and a replicated plain bias moment.

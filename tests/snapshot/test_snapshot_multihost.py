@@ -12,7 +12,7 @@ from snapshot_testkit import metadata_for
 
 from swap_state.client.export import ExportError, export_snapshot
 from swap_state.server.restore import restore
-from swap_state.server.snapshot import SnapshotCoordinator, SnapshotState
+from swap_state.server.snapshot_coordinator import SnapshotCoordinator, SnapshotState
 from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotLayoutMismatch, SnapshotNotFound
 from swap_state.common.snapshot_format import INDEX_NAME, SnapshotIndex, rank_data_name
 

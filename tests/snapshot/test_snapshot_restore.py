@@ -9,7 +9,7 @@ from snapshot_testkit import SPECS, flip_byte, metadata_for
 
 from swap_state.common.segment import Word
 from swap_state.server.restore import restore
-from swap_state.server.snapshot import SnapshotState
+from swap_state.server.snapshot_coordinator import SnapshotState
 from swap_state.common.snapshot_errors import (
     SnapshotBusy,
     SnapshotCorrupt,

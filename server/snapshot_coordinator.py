@@ -110,10 +110,6 @@ class SnapshotStatus:
     ranks: tuple[int, ...] = ()
     """The ranks that have joined (in memory) or that the durable snapshot holds (from disk)."""
 
-    @property
-    def terminal(self) -> bool:
-        return self.state is not SnapshotState.PERSISTING
-
 
 class _Group:
     """The ranks of one (job, step). Its condition guards every field below."""

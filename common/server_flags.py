@@ -1,0 +1,321 @@
+"""The server's command line, generated from :class:`~.server_config.ServerConfig`, both ways.
+
+:func:`add_server_flags` declares one argparse option per field that carries a
+:class:`~.server_config.Flag` (``shm_size`` -> ``--shm-size``), with the field's docstring as its
+help, then its default and an example; :func:`config_from_args` turns the parsed namespace into
+a ``ServerConfig``; :func:`config_to_argv` is the reverse, for whoever starts a server process
+(the trainer's embedded server), so that ``parse(config_to_argv(c)) == c``.
+
+Imports neither grpc nor the server: the client builds its server's argv with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import pathlib
+import textwrap
+import types
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .errors import ConfigError
+from .server_config import FLAG, Flag, ServerConfig
+from .sizes import KiB, MiB, GiB, TiB, parse_size
+
+__all__ = [
+    "UserFlag",
+    "add_server_flags",
+    "config_from_args",
+    "config_to_argv",
+    "field_docs",
+    "format_size_flag",
+    "parse_server_argv",
+    "user_flags",
+]
+
+
+# ---------------------------------------------------------------------------------- the fields
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: docstring}`` of a dataclass's attribute docstrings (the string literal right
+    after each annotated field), whitespace collapsed. Empty where the source is unavailable."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source shipped: help without descriptions, still examples
+        return {}
+    body = ast.parse(source).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs: dict[str, str] = {}
+    for node, after in zip(body.body, body.body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+@dataclasses.dataclass(frozen=True)
+class UserFlag:
+    """One command-line flag: the field it sets, its declaration, and its value type."""
+
+    field: dataclasses.Field
+    spec: Flag
+    type: type
+    """The field's type without ``| None``."""
+    optional: bool
+    """The field's type includes None (a flag left out means None)."""
+
+    @property
+    def name(self) -> str:
+        return self.field.name
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def kind(self) -> str:
+        if self.spec.kind is not None:
+            return self.spec.kind
+        if self.type is bool:
+            return "switch"
+        return {int: "int", float: "float", str: "str", pathlib.Path: "path"}[self.type]
+
+    @property
+    def required(self) -> bool:
+        return (self.field.default is dataclasses.MISSING
+                and self.field.default_factory is dataclasses.MISSING)
+
+    @property
+    def metavar(self) -> str | None:
+        if self.spec.metavar is not None or self.spec.choices is not None:
+            return self.spec.metavar
+        return {"size": "SIZE", "seconds": "SECONDS", "int": "N", "float": "X", "path": "PATH",
+                "str": self.name.upper(), "switch": None}.get(self.kind)
+
+    def default_text(self) -> str | None:
+        """The default as ``--help`` shows it, None when there is nothing to show."""
+        if self.spec.default_text is not None:
+            return self.spec.default_text
+        if self.required:
+            return None
+        if self.field.default_factory is not dataclasses.MISSING:
+            value = self.field.default_factory()
+        else:
+            value = self.field.default
+        if value is None or self.kind == "switch":
+            return None
+        return self.format(value)
+
+    # -- values: text -> value (argparse's type=) and value -> text (argv) ----------------------
+    def parse(self, text: str) -> Any:
+        return _PARSERS.get(self.kind, self.type)(text)
+
+    def format(self, value: Any) -> str:
+        if self.kind == "size":
+            return format_size_flag(value)
+        if self.kind in ("seconds", "float"):
+            number = repr(float(value))
+            return number.removesuffix(".0")
+        return str(value)
+
+    def help(self) -> str:
+        parts = [field_docs(ServerConfig).get(self.name, "").replace("``", "")]
+        if self.required:
+            parts.append("Required.")
+        default = self.default_text()
+        if default is not None:
+            parts.append(f"Default: {default}.")
+        examples = [e if e.startswith("--") else f"{self.option} {e}"
+                    for e in self.spec.example.split(" or ")]
+        parts.append("e.g. " + " or ".join(examples))
+        return " ".join(p for p in parts if p).replace("%", "%%")  # argparse %-formats help
+
+
+def _resolve_type(hint: Any) -> tuple[type, bool]:
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            raise TypeError(f"unsupported flag type {hint!r}")
+        return rest[0], True
+    return hint, False
+
+
+@functools.cache
+def user_flags() -> tuple[UserFlag, ...]:
+    """The flags, in field order: every :class:`ServerConfig` field with a ``Flag``."""
+    hints = typing.get_type_hints(ServerConfig)
+    flags = []
+    for field in dataclasses.fields(ServerConfig):
+        spec = field.metadata.get(FLAG)
+        if spec is not None:
+            flags.append(UserFlag(field, spec, *_resolve_type(hints[field.name])))
+    return tuple(flags)
+
+
+# ---------------------------------------------------------------------------------- parsing
+def format_size_flag(nbytes: int) -> str:
+    """Bytes as the shortest exact size flag value: ``67108864`` -> ``"64M"``."""
+    for suffix, unit in (("T", TiB), ("G", GiB), ("M", MiB), ("K", KiB)):
+        if nbytes and nbytes % unit == 0:
+            return f"{nbytes // unit}{suffix}"
+    return str(nbytes)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text.removesuffix("/s"))
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return value
+
+
+def _host_port(text: str) -> tuple[str | None, int]:
+    host, sep, port = text.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected PORT or HOST:PORT, got {text!r}") from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"port out of range: {text!r}")
+    return (host.strip("[]") if sep else None), number
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "size": _size,
+    "seconds": _seconds,
+    "host_port": _host_port,
+}
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """Declare every user flag on ``parser``. A flag not given leaves no attribute in the
+    namespace, so :func:`config_from_args` takes ``ServerConfig``'s own default."""
+    for flag in user_flags():
+        options: dict[str, Any] = {"dest": flag.name, "default": argparse.SUPPRESS,
+                                   "help": flag.help()}
+        if flag.kind == "switch":
+            if flag.field.default is not False:
+                raise TypeError(f"{flag.name}: a switch flag must default to False")
+            options["action"] = "store_true"
+        else:
+            options.update(type=flag.parse, metavar=flag.metavar, required=flag.required)
+            if flag.spec.choices is not None:
+                options["choices"] = flag.spec.choices
+        parser.add_argument(flag.option, **options)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The namespace of a parser built with :func:`add_server_flags` -> config.
+
+    Raises :class:`ConfigError` for values the config refuses."""
+    values: dict[str, Any] = {}
+    for flag in user_flags():
+        if not hasattr(args, flag.name):
+            continue
+        value = getattr(args, flag.name)
+        if flag.kind == "host_port":
+            host, value = value
+            if host and flag.spec.host_field:
+                values[flag.spec.host_field] = host
+        values[flag.name] = value
+    return ServerConfig(**values)
+
+
+def parse_server_argv(
+    argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> ServerConfig:
+    """Flags (None: ``sys.argv[1:]``) -> config, exiting 2 with a usage message on bad flags
+    (argparse's way). ``parser``: one built with :func:`add_server_flags`; None: a bare one."""
+    if parser is None:
+        parser = argparse.ArgumentParser(prog="swap-state-server")
+        add_server_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+        raise AssertionError("unreachable") from None  # parser.error exits
+
+
+# ---------------------------------------------------------------------------------- the reverse
+def _argv_items(config: ServerConfig) -> Iterator[tuple[UserFlag, Any]]:
+    flagged = {f.name for f in user_flags()}
+    carried = {f.spec.host_field for f in user_flags() if f.spec.host_field}
+    for field in dataclasses.fields(ServerConfig):
+        if field.name in flagged or field.name in carried:
+            continue
+        if getattr(config, field.name) != field.default:
+            raise ValueError(
+                f"ServerConfig.{field.name}={getattr(config, field.name)!r} has no command-line "
+                "flag: a server started from argv cannot reproduce it"
+            )
+    for flag in user_flags():
+        value = getattr(config, flag.name)
+        field = flag.field
+        if flag.kind == "host_port" and flag.spec.host_field:
+            host = getattr(config, flag.spec.host_field)
+            host_field = ServerConfig.__dataclass_fields__[flag.spec.host_field]
+            if value == field.default and host == host_field.default:
+                continue
+            yield flag, (host if host != host_field.default else None, value)
+            continue
+        if field.default_factory is not dataclasses.MISSING:
+            # e.g. --listen: the default depends on the environment ($XDG_RUNTIME_DIR), which
+            # may differ where the argv runs; say it.
+            yield flag, value
+            continue
+        if not flag.required and value == field.default:
+            continue
+        if field.default is None and value is not None and _resolves_to(config, flag.name, value):
+            continue  # e.g. --cow-budget: the same value comes back from the other flags
+        if value is None:
+            raise ValueError(f"ServerConfig.{flag.name}=None cannot be written as {flag.option}")
+        yield flag, value
+
+
+def _resolves_to(config: ServerConfig, name: str, value: Any) -> bool:
+    """Whether leaving ``name`` out (None) gives ``value`` again, resolved on construction."""
+    try:
+        return getattr(dataclasses.replace(config, **{name: None}), name) == value
+    except ConfigError:
+        return False
+
+
+def config_to_argv(config: ServerConfig) -> list[str]:
+    """The ``swap-state-server`` flags that reproduce ``config``: ``--shm-size`` and ``--listen``
+    always, the other flags where they differ from their default, as ``--flag=value`` (so a
+    value starting with ``-`` cannot read as a flag). ``ValueError`` for a setting that has no
+    flag (``mlock``, ``stream_wait``, ...) away from its default."""
+    argv: list[str] = []
+    for flag, value in _argv_items(config):
+        if flag.kind == "switch":
+            if value:
+                argv.append(flag.option)
+            continue
+        if flag.kind == "host_port":
+            host, port = value
+            text = str(port) if host is None else f"{f'[{host}]' if ':' in host else host}:{port}"
+        else:
+            text = flag.format(value)
+        argv.append(f"{flag.option}={text}")
+    return argv
