@@ -1,0 +1,48 @@
+"""Fixtures for torchtitan's own trainer on the CPU (see titan_testkit.py and launcher.py).
+
+    titan_assets                      session: tokenizer + c4_test dataset, generated offline
+    run_trainer(dump, *flags, steps=6, env=None, timeout=240, expect_returncode=0, check=True)
+        -> Losses                     a list of float.hex() strings, one per step run, with
+                                      .steps (step numbers) and .run (TrainerRun: output,
+                                      returncode, wall_s, argv)
+
+``dump`` is the run's ``--job.dump_folder`` (checkpoints go to ``dump/<checkpoint.folder>``,
+so a rerun with the same ``dump`` resumes). ``flags`` come after the base job's and override
+them, e.g. ``"--checkpoint.enable", "--checkpoint.interval=4"``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="torchtitan (the client extra) is not installed")
+pytest.importorskip("tokenizers")
+pytest.importorskip("datasets")
+
+from titan_testkit import TitanAssets, TrainerRun, build_titan_assets, launch  # noqa: E402
+
+
+class Losses(list):
+    """The per-step losses (float.hex()) of one run; compares equal to a plain list."""
+
+    steps: list[int]
+    run: TrainerRun
+
+
+@pytest.fixture(scope="session")
+def titan_assets(tmp_path_factory) -> TitanAssets:
+    return build_titan_assets(tmp_path_factory.mktemp("titan-assets"))
+
+
+@pytest.fixture
+def run_trainer(titan_assets):
+    def run(dump_folder, *flags: str, steps: int = 6, env: dict[str, str] | None = None,
+            timeout: float = 240.0, expect_returncode: int = 0, check: bool = True) -> Losses:
+        result = launch(titan_assets, dump_folder, *flags, steps=steps, env=env,
+                        timeout=timeout, expect_returncode=expect_returncode, check=check)
+        losses = Losses(result.losses)
+        losses.steps = result.steps
+        losses.run = result
+        return losses
+
+    return run

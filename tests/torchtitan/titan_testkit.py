@@ -1,0 +1,240 @@
+"""Offline assets and a subprocess runner for torchtitan's own trainer on the CPU.
+
+* :func:`build_titan_assets`: a WordLevel tokenizer (tokenizer.json + tokenizer_config.json,
+  what torchtitan 0.2.2's ``HuggingFaceTokenizer`` loads from ``--model.hf_assets_path``) whose
+  vocabulary is exactly llama3 ``debugmodel``'s 2048, and a dataset in torchtitan's ``c4_test``
+  layout (a folder with ``data.json``, one ``{"text", "timestamp", "url"}`` object per line, as
+  in torchtitan's repo ``tests/assets/c4_test``, which the wheel does not ship) for
+  ``--training.dataset c4_test --training.dataset_path DIR``. Text and vocabulary are
+  generated from a fixed seed (a sparse Markov chain, so the loss visibly falls).
+* :func:`base_flags`: the tiny llama3 debugmodel job (seq 64, batch 2, fp32, no compile, no
+  activation checkpointing, checkpoints off, log every step, fixed seed, deterministic).
+* :func:`launch`: runs ``tests/torchtitan/launcher.py`` in a subprocess and returns the
+  per-step losses it recorded (``float.hex()`` strings), raising with the output's tail on a
+  failure or a timeout.
+
+Named ``titan_testkit`` (not ``conftest`` helpers) so other test folders can import it once
+``tests/torchtitan`` is on ``sys.path``; the folder has no ``__init__.py`` on purpose: pytest
+would name it package ``torchtitan`` and shadow the real one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent.parent
+LAUNCHER = HERE / "launcher.py"
+
+LOSS_FILE_ENV = "SWAP_STATE_TEST_LOSS_FILE"
+STOP_AFTER_STEP_ENV = "SWAP_STATE_TEST_STOP_AFTER_STEP"
+STOP_MODE_ENV = "SWAP_STATE_TEST_STOP_MODE"
+STOP_EXIT_CODE_ENV = "SWAP_STATE_TEST_STOP_EXIT_CODE"
+
+VOCAB_SIZE = 2048  # llama3 "debugmodel" vocab_size (torchtitan/models/llama3/__init__.py)
+BOS, EOS, UNK = "<|begin_of_text|>", "<|end_of_text|>", "<unk>"
+SEQ_LEN = 64
+BATCH = 2
+DEFAULT_TIMEOUT_S = 240.0
+
+
+@dataclass(frozen=True)
+class TitanAssets:
+    root: Path
+    tokenizer_dir: Path  # --model.hf_assets_path
+    dataset_dir: Path  # --training.dataset_path (with --training.dataset c4_test)
+    hf_cache_dir: Path  # HF_HOME for the runs: datasets' arrow cache stays in the test tree
+    vocab_size: int = VOCAB_SIZE
+
+
+@dataclass
+class TrainerRun:
+    losses: list[str]  # float.hex() per step, in the order the steps ran
+    steps: list[int]  # the step number of each loss
+    returncode: int
+    output: str  # stdout and stderr, interleaved
+    wall_s: float
+    argv: list[str] = field(default_factory=list)
+
+    def by_step(self) -> dict[int, str]:
+        return dict(zip(self.steps, self.losses))
+
+
+class TrainerRunError(AssertionError):
+    pass
+
+
+def _words(n: int) -> list[str]:
+    return [f"w{i:04d}" for i in range(n)]
+
+
+def build_titan_assets(root: str | os.PathLike, *, seed: int = 1234, docs: int = 120) -> TitanAssets:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    root = Path(root)
+    tokenizer_dir, dataset_dir, hf_cache = root / "tokenizer", root / "c4_test", root / "hf_home"
+    for d in (tokenizer_dir, dataset_dir, hf_cache):
+        d.mkdir(parents=True, exist_ok=True)
+
+    specials = [BOS, EOS, UNK]
+    words = _words(VOCAB_SIZE - len(specials))
+    vocab = {tok: i for i, tok in enumerate(specials + words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tokenizer_dir / "tokenizer.json"))
+    added = {
+        str(vocab[tok]): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
+                          "single_word": False, "special": True}
+        for tok in specials
+    }
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "unk_token": UNK,
+        "add_bos_token": True,
+        "add_eos_token": True,
+        "added_tokens_decoder": added,
+        "model_max_length": SEQ_LEN,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }, indent=1))
+
+    # A sparse Markov chain over the words: each word has 3 successors, so there is
+    # something to learn and the loss drops within a few steps.
+    rng = random.Random(seed)
+    successors = [[rng.randrange(len(words)) for _ in range(3)] for _ in words]
+    with open(dataset_dir / "data.json", "w") as f:
+        for doc in range(docs):
+            w = rng.randrange(len(words))
+            out = []
+            for _ in range(rng.randint(40, 160)):
+                out.append(words[w])
+                w = rng.choice(successors[w])
+            f.write(json.dumps({
+                "text": " ".join(out),
+                "timestamp": f"2019-04-{1 + doc % 28:02d}T00:00:00Z",
+                "url": f"https://example.invalid/doc/{doc}",
+            }) + "\n")
+    return TitanAssets(root=root, tokenizer_dir=tokenizer_dir, dataset_dir=dataset_dir,
+                       hf_cache_dir=hf_cache)
+
+
+def base_flags(assets: TitanAssets, dump_folder: str | os.PathLike, *, steps: int = 6) -> list[str]:
+    """The tiny debugmodel job; later flags (``launch``'s) override these."""
+    return [
+        f"--job.dump_folder={dump_folder}",
+        "--model.name=llama3",
+        "--model.flavor=debugmodel",
+        f"--model.hf_assets_path={assets.tokenizer_dir}",
+        "--training.dataset=c4_test",
+        f"--training.dataset_path={assets.dataset_dir}",
+        f"--training.seq_len={SEQ_LEN}",
+        f"--training.local_batch_size={BATCH}",
+        f"--training.steps={steps}",
+        "--training.dtype=float32",
+        "--training.mixed_precision_param=float32",
+        "--training.max_norm=1.0",
+        "--optimizer.name=AdamW",
+        "--optimizer.implementation=fused",
+        "--optimizer.lr=0.008",
+        "--lr_scheduler.warmup_steps=2",
+        "--activation_checkpoint.mode=none",
+        "--compile.no-enable",
+        "--checkpoint.no-enable",
+        "--metrics.log_freq=1",
+        "--metrics.disable_color_printing",
+        "--comm.trace_buf_size=0",
+        "--debug.seed=42",
+        "--debug.deterministic",
+    ]
+
+
+def _tail(text: str, n: int = 6000) -> str:
+    return text if len(text) <= n else "...\n" + text[-n:]
+
+
+def read_losses(path: str | os.PathLike) -> tuple[list[int], list[str]]:
+    steps, losses = [], []
+    p = Path(path)
+    if p.exists():
+        for line in p.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                steps.append(int(rec["step"]))
+                losses.append(rec["loss"])
+    return steps, losses
+
+
+def launch(
+    assets: TitanAssets,
+    dump_folder: str | os.PathLike,
+    *flags: str,
+    steps: int = 6,
+    env: dict[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    check: bool = True,
+    expect_returncode: int = 0,
+    loss_file: str | os.PathLike | None = None,
+) -> TrainerRun:
+    """Run the CPU launcher on ``base_flags(assets, dump_folder, steps=steps) + flags``.
+
+    ``env`` is added to (and overrides) this process's environment. The loss file defaults
+    to ``<dump_folder>/losses-<n>.jsonl`` (a fresh one per call). With ``check`` a return
+    code other than ``expect_returncode`` or a timeout raises :class:`TrainerRunError`
+    carrying the output's tail.
+    """
+    dump_folder = Path(dump_folder)
+    dump_folder.mkdir(parents=True, exist_ok=True)
+    if loss_file is None:
+        n = 0
+        while (dump_folder / f"losses-{n}.jsonl").exists():
+            n += 1
+        loss_file = dump_folder / f"losses-{n}.jsonl"
+    loss_file = Path(loss_file)
+    loss_file.write_text("")
+
+    argv = [sys.executable, str(LAUNCHER), *base_flags(assets, dump_folder, steps=steps), *flags]
+    run_env = dict(os.environ)
+    # A fresh port per run, and nothing torchrun-ish inherited from the test process.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                STOP_AFTER_STEP_ENV, STOP_MODE_ENV, STOP_EXIT_CODE_ENV):
+        run_env.pop(key, None)
+    run_env.update({
+        "HF_HOME": str(assets.hf_cache_dir),
+        "HF_DATASETS_CACHE": str(assets.hf_cache_dir / "datasets"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        LOSS_FILE_ENV: str(loss_file),
+    })
+    run_env.setdefault("OMP_NUM_THREADS", "2")
+    run_env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT)] + ([run_env["PYTHONPATH"]] if run_env.get("PYTHONPATH") else [])
+    )
+    run_env.update(env or {})
+
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(argv, cwd=str(REPO_ROOT), env=run_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
+        raise TrainerRunError(f"trainer timed out after {timeout}s: {' '.join(argv)}\n{_tail(out)}")
+    wall = time.monotonic() - start
+    steps_done, losses = read_losses(loss_file)
+    run = TrainerRun(losses=losses, steps=steps_done, returncode=proc.returncode,
+                     output=proc.stdout, wall_s=wall, argv=argv)
+    if check and proc.returncode != expect_returncode:
+        raise TrainerRunError(
+            f"trainer exited {proc.returncode} (expected {expect_returncode}) after {wall:.1f}s: "
+            f"{' '.join(argv)}\n{_tail(proc.stdout)}"
+        )
+    return run
