@@ -273,13 +273,19 @@ class RemoteSession:
         self.last_committed_step = reply.committed_step
         return reply.committed_step
 
-    def snapshot(self, step: int, metadata_json: str) -> pb.SnapshotReply:
+    def snapshot(
+        self, step: int, metadata_json: str, keep_latest: int = 0, keep_all: bool = False
+    ) -> pb.SnapshotReply:
+        """Snapshot committed ``step``. ``keep_latest``/``keep_all``: the job's own retention
+        (the server keeps at least its --keep-latest)."""
         self.check_alive()
         request = pb.SnapshotRequest(
             session_id=self.session_id,
             generation=self.generation,
             step=step,
             metadata_json=metadata_json,
+            keep_latest=keep_latest,
+            keep_all=keep_all,
         )
         return self._call("Snapshot", request)
 

@@ -173,12 +173,35 @@ class SnapshotReader:
             for info in snapshots:
                 if info.latest:
                     return info
-            raise SnapshotNotFound(f"job {job!r} has no complete snapshot in {self.root}")
+            raise SnapshotNotFound(
+                f"job {job!r} has no complete snapshot in {self.root}: {self._elsewhere_hint()}"
+            )
         step = ref.step
         for info in snapshots:
             if info.step == step:
                 return info
-        raise SnapshotNotFound(f"no complete snapshot {snapshot_id_for(job, step)} in {self.root}")
+        raise SnapshotNotFound(
+            f"no complete snapshot {snapshot_id_for(job, step)} in {self.root}: "
+            + self._why_missing(step, [info.step for info in snapshots])
+        )
+
+    def _elsewhere_hint(self) -> str:
+        return (
+            "was it taken by another server (another host, or an embedded server with its own "
+            "snapshot directory) or with another --snapshot-dir? Point the server (or "
+            "swap-state export --snapshot-dir) at that directory"
+        )
+
+    def _why_missing(self, step: int, kept: list[int]) -> str:
+        """Why a step the caller expects is not here, and which setting to change."""
+        if kept and step < kept[0]:
+            return (
+                f"the job's oldest snapshot kept is step {kept[0]}, so retention removed it. The "
+                "server keeps the larger of its --keep-latest and the job's own retention (the "
+                "trainer sends torchtitan's checkpoint.keep_latest_k); raise that to keep more"
+            )
+        listed = ", ".join(str(s) for s in kept) or "none"
+        return f"the job's snapshots here are steps [{listed}]; {self._elsewhere_hint()}"
 
     def read_manifest(self, info: SnapshotInfo, rank: int) -> RankManifest:
         """The rank's manifest, checked against ``snapshot.json`` (size, crc32, job, step).

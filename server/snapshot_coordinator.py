@@ -122,8 +122,11 @@ class _Group:
         world_size: int,
         local_world_size: int,
         partial: pathlib.Path,
+        keep: int | None,
     ):
         self.store = store
+        self.keep = keep
+        """Retention applied at commit: the job's wish, never below the server's floor."""
         self.job_id = job_id
         self.step = step
         self.world_size = world_size
@@ -406,7 +409,7 @@ class SnapshotCoordinator:
                 partial = self.store.prepare_partial(source.job_id, source.step)
                 group = _Group(
                     self.store, source.job_id, source.step, source.world_size,
-                    source.expected_ranks, partial,
+                    source.expected_ranks, partial, self._retention_for(source),
                 )
                 self._groups[key] = group
                 self._prune_history()
@@ -492,6 +495,13 @@ class SnapshotCoordinator:
         del self._groups[(group.job_id, group.step)]
         return None  # a participant retries: a fresh attempt
 
+    def _retention_for(self, source: SnapshotSource) -> int | None:
+        """Snapshots of the job kept at commit (None: all): the job's own retention where it
+        asks for more than the server's ``keep_latest``, so every checkpoint it keeps loads."""
+        if source.keep_all or self.keep_latest is None:
+            return None
+        return max(self.keep_latest, source.keep_latest)
+
     def _prune_history(self) -> None:
         finished = [
             (g.finished_monotonic, key)
@@ -570,7 +580,7 @@ class SnapshotCoordinator:
             created_unix=time.time(),
         )
         try:
-            commit = self.store.commit(group.partial, index, self.keep_latest)
+            commit = self.store.commit(group.partial, index, group.keep)
         except SnapshotError as exc:
             group.fail(exc)
             return

@@ -147,6 +147,11 @@ class SnapshotSource:
     local_world_size: int = 0
     """Ranks of the job on this server (this host), 1..world_size; 0 means ``world_size``.
     This server's snapshot is complete when this many distinct ranks are durable."""
+    keep_latest: int = 0
+    """Durable snapshots the job asks to keep (its own checkpoint retention); the server keeps
+    at least its ``--keep-latest``. 0: just that."""
+    keep_all: bool = False
+    """The job keeps every checkpoint: retention removes none of its snapshots."""
 
     @property
     def expected_ranks(self) -> int:

@@ -68,7 +68,7 @@ class Segment:
 
     def source(
         self, job_id: str, step: int, *, rank: int = 0, world_size: int = 1, metadata_json: str = "",
-        local_world_size: int = 0,
+        local_world_size: int = 0, keep_latest: int = 0, keep_all: bool = False,
     ) -> SnapshotSource:
         return SnapshotSource(
             buffer=self.mm,
@@ -79,6 +79,8 @@ class Segment:
             world_size=world_size,
             step=step,
             metadata_json=metadata_json,
+            keep_latest=keep_latest,
+            keep_all=keep_all,
             local_world_size=local_world_size,
         )
 

@@ -113,6 +113,28 @@ def test_retention_keep_three_and_keep_all(make_segment, make_coordinator, tmp_p
     assert seg.header[Word.SNAP_EPOCH] == 0
 
 
+def test_the_job_retention_raises_the_floor_and_a_missing_step_says_why(make_segment, make_coordinator):
+    seg = make_segment()
+    seg.fill(2)
+    coordinator = make_coordinator(keep_latest=2)
+    for step in range(1, 6):
+        coordinator.start(seg.source("job", step, keep_latest=4)).wait(20)
+    assert _steps(coordinator) == [2, 3, 4, 5]
+    # Asking for less than the server's floor keeps the floor; keep_all removes nothing.
+    for step in range(6, 8):
+        coordinator.start(seg.source("job", step, keep_latest=1)).wait(20)
+    assert _steps(coordinator) == [6, 7]
+    for step in range(8, 11):
+        coordinator.start(seg.source("job", step, keep_all=True)).wait(20)
+    assert _steps(coordinator) == [6, 7, 8, 9, 10]
+    with pytest.raises(SnapshotNotFound, match="retention removed it.*keep_latest_k"):
+        coordinator.store.resolve("job/step-3")
+    with pytest.raises(SnapshotNotFound, match=r"steps \[6, 7, 8, 9, 10\].*another --snapshot-dir"):
+        coordinator.store.resolve("job/step-99")
+    with pytest.raises(SnapshotNotFound, match="another --snapshot-dir"):
+        coordinator.store.resolve("other/latest")
+
+
 def test_latest_pointer_and_its_fallback(make_segment, make_coordinator):
     seg = make_segment()
     seg.fill(3)
