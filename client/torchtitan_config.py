@@ -12,23 +12,22 @@ Use it with ``--job.custom_config_module=swap_state.client.torchtitan_config`` (
     swap_state_job_id = "llama3-8b-run1"       # "" -> derived from the job's dump folder
     swap_state_checkpoint = "snapshot"         # "full": the seed's full-tensor state dict
 
-Importing this module installs the ``build_optimizers`` wrapper (through
-:mod:`swap_state.client.swap_optimizer`), so torchtitan's trainer builds the swap container
-when ``swap_optimizer`` is true and torch's own optimizers otherwise.
+Importing this module installs the ``build_optimizers`` wrapper
+(:mod:`swap_state.client.torchtitan_glue`) and rebinds model packages imported before it, so
+torchtitan's trainer builds the swap container when ``swap_optimizer`` is true and torch's
+own optimizers otherwise.
 """
 
 # No "from __future__ import annotations": torchtitan merges these dataclasses by their
 # field types, which must be real classes, not strings.
 import os
-import sys
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch.distributed as dist
-import torchtitan.components.optimizer as tt_optimizer
 
-from swap_state.client import swap_optimizer
+from swap_state.client.torchtitan_glue import install_build_optimizers_wrapper, rebind_imported_model_specs
 
 __all__ = ["Optimizer", "JobConfig", "build_remote_container", "shared_job_id"]
 
@@ -96,13 +95,5 @@ def build_remote_container(
     )
 
 
-def _rebind_imported_model_specs() -> None:
-    """Model packages imported before this module captured the unwrapped builder: rebind."""
-    original = swap_optimizer._original_build_optimizers
-    wrapped = tt_optimizer.build_optimizers
-    for name, module in list(sys.modules.items()):
-        if name.startswith("torchtitan.") and getattr(module, "build_optimizers", None) is original:
-            module.build_optimizers = wrapped
-
-
-_rebind_imported_model_specs()
+install_build_optimizers_wrapper()
+rebind_imported_model_specs()

@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import copy
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from swap_state.client import swap_optimizer
 from swap_state.client.swap_optimizer import STEP_KEY, SwapOptimizersContainer
-
-
-class TiedEmbeddingModel(nn.Module):
-    """The seed's tied model: ``lm_head.weight`` is ``embedding.weight``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(4, 2)
-        self.lm_head = nn.Linear(2, 4, bias=False)
-        self.lm_head.weight = self.embedding.weight
 
 
 class ParityModel(nn.Module):
@@ -166,52 +153,6 @@ def swap_and_reference(
         [model], optimizer_cls, dict(kwargs), times, param_groups=groups, pipeline=pipeline
     )
     return container, model, reference_optimizer(ref_model, optimizer_cls, kwargs, groups), ref_model
-
-
-def build_swapped_optimizer(
-    monkeypatch: pytest.MonkeyPatch,
-    *,
-    exp_avg: float,
-    exp_avg_sq: float,
-    step: int | None = None,
-    model: nn.Module | None = None,
-    param: torch.Tensor | None = None,
-) -> types.SimpleNamespace:
-    """The seed's fixture: a ``__new__``-built container over one swapped parameter."""
-    if model is None:
-        model = nn.Linear(2, 2, bias=False)
-    if param is None:
-        param = model.weight
-    optimizer = torch.optim.AdamW([param], lr=1e-3)
-    if step is not None:
-        optimizer.param_groups[0]["step"] = torch.tensor(float(step))
-    optimizer.param_to_group_map = {param: optimizer.param_groups[0]}  # type: ignore[attr-defined]
-    state = optimizer.state[param]
-    live_exp_avg = torch.zeros_like(param)
-    live_exp_avg_sq = torch.zeros_like(param)
-    live_exp_avg.untyped_storage().resize_(0)
-    live_exp_avg_sq.untyped_storage().resize_(0)
-    state.update(exp_avg=live_exp_avg, exp_avg_sq=live_exp_avg_sq, max_exp_avg_sq=None)
-    cpu_state = {
-        "exp_avg": torch.full_like(param, exp_avg, device="cpu"),
-        "exp_avg_sq": torch.full_like(param, exp_avg_sq, device="cpu"),
-        "max_exp_avg_sq": None,
-    }
-    container_cls = swap_optimizer.SwapOptimizersContainer
-    monkeypatch.setattr(container_cls, "param_to_cpu_states_map", {param: cpu_state})
-    monkeypatch.setattr(container_cls, "param_to_device_states_map", {param: state})
-    container = container_cls.__new__(container_cls)
-    container.model_parts = [model]
-    container.optimizers = [optimizer]
-    return types.SimpleNamespace(
-        container=container,
-        model=model,
-        optimizer=optimizer,
-        param=param,
-        cpu_state=cpu_state,
-        live_exp_avg=live_exp_avg,
-        live_exp_avg_sq=live_exp_avg_sq,
-    )
 
 
 class Opaque:

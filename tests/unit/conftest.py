@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -28,14 +27,3 @@ def cpu_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return DeviceMesh("cpu", [0])
-
-
-@pytest.fixture
-def swapped_optimizer(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The seed's ``_build_swapped_optimizer`` with ``monkeypatch`` bound."""
-    from _swap_testing import build_swapped_optimizer
-
-    def build(**kwargs: Any) -> Any:
-        return build_swapped_optimizer(monkeypatch, **kwargs)
-
-    return build

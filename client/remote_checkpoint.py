@@ -1,0 +1,133 @@
+"""Checkpoint modes of a remote container: ``RemoteConfig.checkpoint`` = 'full' or 'snapshot'.
+
+'full'
+    ``state_dict()`` is the seed's flat dict with the moments (views of the segment);
+    ``load_state_dict()`` the seed's validated load.
+'snapshot'
+    ``state_dict()`` takes a server-side snapshot of the last committed step (unless one of
+    that step exists) and holds only a reference to it (:data:`SNAPSHOT_REF_KEY`,
+    :data:`SNAPSHOT_JOB_KEY`) plus param groups and step counts: no moment bytes pass through
+    the trainer. ``load_state_dict()`` of such a dict restores that snapshot on the server.
+
+Which way a load goes depends on the dict (a reference or not), not on the mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from swap_state.client.errors import NotFoundError
+from swap_state.client.host_cache import STEP_KEY
+from swap_state.common.names import STATE_PREFIX, param_group_key
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+    from swap_state.client.host_cache import HostCacheEntry
+    from swap_state.client.remote_config import RemoteConfig
+    from swap_state.client.remote_snapshots import SnapshotHandle
+    from swap_state.client.rpc import RemoteSession
+
+__all__ = ["SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY", "RemoteCheckpointMixin", "is_moment_key"]
+
+#: Keys of a snapshot-mode state dict (beside the seed's ``param_groups.*`` / ``state.*.step``).
+SNAPSHOT_REF_KEY = "swap_state.snapshot_id"
+SNAPSHOT_JOB_KEY = "swap_state.job_id"
+
+
+class RemoteCheckpointMixin:
+    """``state_dict()`` / ``load_state_dict()`` of ``RemoteSwapOptimizersContainer``.
+
+    Must come before ``SwapOptimizersContainer`` in the bases: ``super()`` here is the
+    seed's flat state dict and load. Uses the snapshot and reattach mixins.
+    """
+
+    if TYPE_CHECKING:  # provided by the container and the other mixins
+        session: RemoteSession
+        remote_config: RemoteConfig
+        optimizers: list[Optimizer]
+        _torn_step: int | None
+        _snapshot_step: int | None
+        _snapshot_handle: SnapshotHandle | None
+        _entries: list[HostCacheEntry]
+
+        def snapshot(self) -> SnapshotHandle: ...
+        def restore(self, snapshot_id: str = "latest") -> int: ...
+        def _snapshot_handle_for(self, snapshot_id: str) -> SnapshotHandle | None: ...
+        def _wait_segment_released(self, why: str) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Seed format in 'full' mode. In 'snapshot' mode: a reference to a server-side
+        snapshot of the last committed step (taken now, unless one of that step exists),
+        plus param groups and step counts; no moment bytes pass through the trainer.
+
+        Safe as a load template: a container that has committed no step (or whose kept state
+        is torn) takes no snapshot; one that has (a reattached trainer) takes one, and the
+        load then restores the referenced snapshot after it. In 'full' mode the returned
+        moments are views that DCP loads into, so a snapshot still reading the segment is
+        waited for first.
+        """
+        if self.remote_config.checkpoint != "snapshot":
+            # The moments are views of the segment, and DCP loads *into* a template's tensors:
+            # no write may land under a snapshot still reading the segment (a restarted
+            # trainer's predecessor's, say), so such a snapshot's read is waited for first.
+            self._wait_segment_released("state_dict()")
+            return super().state_dict()  # type: ignore[misc]
+        flat = {k: v for k, v in super().state_dict().items() if not is_moment_key(k)}  # type: ignore[misc]
+        step = self.session.last_committed_step
+        if self._torn_step is not None:
+            step = None  # no consistent state to refer to (a load template, before a restore)
+        if step is not None and step != self._snapshot_step:
+            self.snapshot()  # sets _snapshot_step and _snapshot_handle
+        handle = self._snapshot_handle
+        flat[SNAPSHOT_REF_KEY] = handle.snapshot_id if handle is not None else ""
+        flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
+        return flat
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A snapshot reference is restored on the server (verified before any byte
+        changes); a full dict goes through the seed's validated load."""
+        snapshot_id = state_dict.get(SNAPSHOT_REF_KEY)
+        if snapshot_id is None:
+            self._load_full_state_dict(state_dict)
+        elif snapshot_id:  # empty: saved before the first committed step, nothing to restore
+            self._load_snapshot_reference(str(snapshot_id), state_dict)
+
+    def _load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The seed's load; it rewrites every byte, so torn state is no longer torn (unless
+        the load fails)."""
+        torn, self._torn_step = self._torn_step, None
+        try:
+            super().load_state_dict(state_dict)  # type: ignore[misc]
+        except BaseException:
+            self._torn_step = torn
+            raise
+
+    def _load_snapshot_reference(self, snapshot_id: str, state_dict: Mapping[str, Any]) -> None:
+        """Wait for the snapshot to be durable, restore it, then apply the dict's groups."""
+        # The reference was saved once its snapshot was consistent; it may not be durable yet
+        # (a save, then at once a load): wait for it, or for its failure.
+        pending = self._snapshot_handle_for(snapshot_id)
+        if pending is not None:
+            try:
+                pending.wait_durable(timeout_s=self.remote_config.backpressure_timeout_s)
+            except NotFoundError:
+                pass  # not (or no longer) known to the server: Restore says where it looked
+        self.restore(snapshot_id)
+        self._apply_saved_param_groups(state_dict)
+
+    def _apply_saved_param_groups(self, state_dict: Mapping[str, Any]) -> None:
+        """The dict's hyperparameters (not ``params``, not ``step``: the snapshot has the
+        steps) into the live groups, per parameter in update order."""
+        for entry in self._entries:
+            group = self.optimizers[entry.optimizer_index].param_groups[entry.group_index]
+            for name in list(group):
+                key = param_group_key(entry.fqn, name)
+                if name not in ("params", STEP_KEY) and key in state_dict:
+                    group[name] = state_dict[key]
+
+
+def is_moment_key(key: str) -> bool:
+    """A ``state.<fqn>.<moment>`` key (not a step): left out of a snapshot-mode dict."""
+    return key.startswith(STATE_PREFIX) and not key.endswith("." + STEP_KEY)

@@ -1,0 +1,168 @@
+"""Settings of a remote container and how they are resolved: arguments, environment, defaults.
+
+Order for each setting: the constructor argument, then :class:`RemoteConfig`, then the
+environment (torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` and swap-state's
+``SWAP_STATE_*``), then a default. Without a server address a private embedded server is
+started, sized from the model (:func:`connect`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from swap_state.client.dtensor_utils import unwrap_dtensor
+from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig
+from swap_state.client.rpc import ClientConfig, RemoteSession, SwapStateClient
+
+__all__ = [
+    "ENV_JOB_ID",
+    "ENV_SERVER",
+    "ENV_TOKEN_FILE",
+    "Connection",
+    "RemoteConfig",
+    "connect",
+    "resolve_config",
+]
+
+ENV_SERVER = "SWAP_STATE_SERVER"
+ENV_JOB_ID = "SWAP_STATE_JOB_ID"
+ENV_TOKEN_FILE = "SWAP_STATE_TOKEN_FILE"
+
+
+@dataclasses.dataclass
+class RemoteConfig:
+    server: str | None = None
+    """Server address; None: $SWAP_STATE_SERVER, else the embedded default (a private server)."""
+    job_id: str | None = None
+    """Shared by all ranks of a run; None: $SWAP_STATE_JOB_ID, else a fresh id (no reattach)."""
+    rank: int | None = None
+    """None: torch.distributed's rank when initialised, else $RANK, else 0."""
+    world_size: int | None = None
+    """None: torch.distributed's world size when initialised, else $WORLD_SIZE, else 1."""
+    local_world_size: int | None = None
+    """Ranks of the job that attach to the same server as this one (one server per host), in
+    1..world_size; a snapshot on that server is durable once they all have persisted it.
+    None: $LOCAL_WORLD_SIZE (torchrun sets it) when set, else world_size (all on one host);
+    with the embedded server (private to this process) always 1."""
+    token: str | None = None
+    """None: the contents of $SWAP_STATE_TOKEN_FILE when set."""
+    rpc_timeout_s: float = 10.0
+    """Deadline of every control RPC."""
+    connect_timeout_s: float = 10.0
+    """How long attach waits for an unreachable server before failing."""
+    backpressure_timeout_s: float = 300.0
+    """Longest wait for a free copy-before-write slot during a snapshot, and for a snapshot
+    still persisting (before a new snapshot, a restore, or loading a reference to it)."""
+    embedded: EmbeddedServerConfig | None = None
+    """Settings of the embedded server; None: sized from the model."""
+    checkpoint: str = "full"
+    """'full': state_dict() holds the moments (the seed's format). 'snapshot': state_dict()
+    takes a server-side snapshot and holds only a reference, param groups and step counts;
+    load_state_dict() of such a dict restores the snapshot on the server."""
+
+
+@dataclasses.dataclass
+class Connection:
+    """What :func:`connect` opened; the container owns (and closes) all of it."""
+
+    client: SwapStateClient
+    session: RemoteSession
+    embedded: EmbeddedServer | None
+
+
+def resolve_config(config: RemoteConfig | None, server: str | None, job_id: str | None) -> RemoteConfig:
+    """A copy of ``config`` with the address and job id from the arguments or environment
+    (still None where neither gives one: :func:`connect` decides then)."""
+    config = dataclasses.replace(config or RemoteConfig())
+    config.server = server or config.server or os.environ.get(ENV_SERVER) or None
+    config.job_id = job_id or config.job_id or os.environ.get(ENV_JOB_ID) or None
+    return config
+
+
+def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kwargs: dict[str, Any]) -> Connection:
+    """Start the embedded server if ``config.server`` is None, pick a job id if none, attach.
+
+    Fills in ``config.server`` and ``config.job_id``. On a failed attach the client is
+    closed and an embedded server stopped before the error propagates.
+    """
+    embedded = None
+    if config.server is None:
+        embedded_config = config.embedded or EmbeddedServerConfig(
+            shm_size_bytes=max(64 << 20, int(_state_bytes(model_parts, optimizer_kwargs) * 1.5) + (32 << 20))
+        )
+        embedded = EmbeddedServer(embedded_config).start()
+        config.server = embedded.address
+    if config.job_id is None:
+        config.job_id = f"job-{uuid.uuid4().hex[:12]}"
+    rank, world_size = _resolve_rank_world(config)
+    local_world_size = _resolve_local_world_size(config, world_size, embedded is not None)
+    client = SwapStateClient(
+        ClientConfig(
+            config.server,
+            token=_read_token(config),
+            timeout_s=config.rpc_timeout_s,
+            connect_timeout_s=config.connect_timeout_s,
+        )
+    )
+    try:
+        session = client.attach(config.job_id, rank, world_size, local_world_size)
+    except BaseException:
+        client.close()
+        if embedded is not None:
+            embedded.stop()
+        raise
+    return Connection(client, session, embedded)
+
+
+def _resolve_rank_world(config: RemoteConfig) -> tuple[int, int]:
+    if config.rank is not None and config.world_size is not None:
+        return config.rank, config.world_size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _resolve_local_world_size(config: RemoteConfig, world_size: int, embedded: bool) -> int:
+    """RemoteConfig.local_world_size, else $LOCAL_WORLD_SIZE, else world_size (1 for the
+    embedded server: it serves this process only)."""
+    if config.local_world_size is not None:
+        return config.local_world_size
+    if embedded:
+        return 1
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if not env:
+        return world_size
+    try:
+        local = int(env)
+    except ValueError:
+        raise ValueError(f"$LOCAL_WORLD_SIZE {env!r} is not an integer") from None
+    if not 1 <= local <= world_size:
+        raise ValueError(
+            f"$LOCAL_WORLD_SIZE {local} is not in [1, world_size {world_size}]: set "
+            "RemoteConfig.local_world_size to the number of ranks attached to this server"
+        )
+    return local
+
+
+def _read_token(config: RemoteConfig) -> str | None:
+    if config.token is not None:
+        return config.token
+    path = os.environ.get(ENV_TOKEN_FILE)
+    if not path:
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _state_bytes(model_parts: Sequence[nn.Module], kwargs: dict[str, Any]) -> int:
+    """The segment bytes the model's moments need, with a page of slack per tensor."""
+    keys = 3 if kwargs.get("amsgrad") else 2
+    local = (unwrap_dtensor(p) for m in model_parts for p in m.parameters())
+    return sum(keys * t.numel() * t.element_size() + 4096 for t in local)
