@@ -54,6 +54,7 @@ __all__ = [
     "layout_hash",
     "plan_segment",
     "chunk_table",
+    "committed_step",
 ]
 
 MAGIC = int.from_bytes(b"SWAPST01", "little")
@@ -77,12 +78,33 @@ class Word(enum.IntEnum):
     SNAP_EPOCH = 8  # server: id of the snapshot being persisted, 0 when none
     SNAP_STEP = 9  # server: the step that snapshot holds
     PERSISTED_UPTO = 10  # server: chunks [0, n) of SNAP_EPOCH are read and need no copy
-    COMMITTED_STEP = 11  # server: last committed step + 1 (0: none)
+    COMMITTED_STEP = 11  # server: step + 1 recorded by a CommitStep RPC or a Restore (0: none)
+    RESTORED_SEQ = 15  # server: restores into this segment so far
     TRAINER_GENERATION = 16  # trainer: the generation that owns the segment now
     WRITING_STEP = 17  # trainer: step + 1 being written (0: not mutating)
     COW_COPIES = 18  # trainer: chunks copied before write, all snapshots
     BP_WAITS = 19  # trainer: waits for a free cow slot, all snapshots
     BP_WAIT_NS = 20  # trainer: nanoseconds spent in those waits
+    TRAINER_COMMITTED = 24  # trainer: last committed step + 1 (0: none): the per-step commit
+    TRAINER_RESTORED_SEQ = 25  # trainer: the RESTORED_SEQ its last commit came after
+    TRAINER_COMMITS = 26  # trainer: steps committed, all generations
+    PARAMS_FINGERPRINT = 27  # trainer: fingerprint of the parameters of the committed step
+    STATE_DROPS = 28  # trainer: kept states dropped as not belonging to the parameters
+
+
+def committed_step(header: "SegmentHeader") -> int | None:
+    """The last committed step the segment holds, None when none.
+
+    The trainer commits a step by storing ``TRAINER_COMMITTED = step + 1`` (no RPC) after
+    its writes of the step are complete and ``WRITING_STEP`` is cleared; it stores
+    ``TRAINER_RESTORED_SEQ = RESTORED_SEQ`` before. A Restore (or a CommitStep RPC) is the
+    server's: ``COMMITTED_STEP``, then ``RESTORED_SEQ += 1``. Whichever came last holds: the
+    server's value until the trainer commits again after it.
+    """
+    if header[Word.TRAINER_RESTORED_SEQ] == header[Word.RESTORED_SEQ] and header[Word.TRAINER_COMMITTED]:
+        return header[Word.TRAINER_COMMITTED] - 1
+    server = header[Word.COMMITTED_STEP]
+    return server - 1 if server else None
 
 
 def align_up(value: int, alignment: int = PAGE_BYTES) -> int:
