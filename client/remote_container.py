@@ -13,7 +13,7 @@ Call order::
         # attach -> allocate -> map -> register for DMA (once) -> views become the cache
         # (a reattach within the server's --grace finds the moments of c.resumed_step)
     for step in ...:
-        loss.backward(); c.step(); c.zero_grad()    # exactly one CommitStep RPC per step
+        loss.backward(); c.step(); c.zero_grad()    # no RPC: the commit is a header word
         if step % 100 == 0:
             c.snapshot()                             # one RPC; returns when consistent
     c.close()                                        # detach (also at interpreter exit)
@@ -126,6 +126,7 @@ class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, Reatta
         self._mapping = SegmentMapping.open(reply.segment)
         self._mapping.register_for_dma(self._backend)
         self._views = self._mapping.tensor_views()
+        self.session.bind_header(self._mapping.header)
         self._check_resumable(reply.reused)
         self._guard = SnapshotGuard(self._mapping, self.remote_config.backpressure_timeout_s)
         self._tensor_names: dict[torch.Tensor, list[str]] = {}
@@ -150,22 +151,34 @@ class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, Reatta
         steps = [g[STEP_KEY] for g in all_param_groups(self.optimizers) if STEP_KEY in g]
         return int(max((float(s) for s in steps), default=0))
 
-    def _publish_step(self) -> int:
-        """Group steps into the segment, clear the writing mark, commit: in that order."""
+    def _publish_step(self, params_known: bool = True) -> int:
+        """Group steps and the parameters' fingerprint into the segment, clear the writing
+        mark, commit (header words, no RPC): in that order."""
         step = self._current_step()
         group_steps = self._views[GROUP_STEPS]
         for index, group in enumerate(all_param_groups(self.optimizers)):
             group_steps[index] = float(group.get(STEP_KEY, 0))
+        if params_known:
+            self._write_fingerprint()
         self._guard.end_write()
         self.session.commit(step)
         return step
+
+    def _swap_step(self, optim: Optimizer, closure: Any = None) -> Any:
+        self._verify_kept_state()  # first step after a reattach: is the kept state ours?
+        return super()._swap_step(optim, closure)
 
     def _after_step(self) -> None:
         self._publish_step()
 
     def _after_load_state_dict(self) -> None:
         self._guard.before_write(self._current_step(), [GROUP_STEPS])
-        self._publish_step()
+        self._state_replaced()
+        self._publish_step(params_known=False)  # the model may be loaded after the optimizer
+
+    def restore(self, snapshot_id: str = "latest") -> int:
+        self._state_replaced()  # first: a trainer killed mid-restore leaves nothing to trust
+        return super().restore(snapshot_id)
 
     # -- lifetime ----------------------------------------------------------------------------
     def server_stats(self):
@@ -194,6 +207,8 @@ class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, Reatta
         if self._mapping is None:
             return
         # Drop every reference to the views before unmapping.
+        if getattr(self, "session", None) is not None:
+            self.session.bind_header(None)
         self.param_to_cpu_states_map.clear()
         self._views = {}
         if self._guard is not None:

@@ -5,7 +5,8 @@ Call order for a trainer session::
     client = SwapStateClient(address, token=...)
     session = client.attach(job_id, rank, world_size)   # starts the keep-alive stream
     segment = session.allocate(specs)                    # once (reused on reattach)
-    session.commit(step)                                 # once per optimizer step
+    session.bind_header(mapping.header)                  # once mapped: commits need no RPC
+    session.commit(step)                                 # once per optimizer step (header words)
     handle = session.snapshot(step, metadata_json)       # optional, between steps
     session.close(keep=False)                            # detach, stop keep-alive
     client.close()
@@ -31,10 +32,12 @@ from swap_state.common.errors import ConfigError
 from swap_state.client.errors import (  # noqa: F401 - re-exported: the client's exceptions
     ServerUnavailableError,
     SessionLostError,
+    StaleGenerationError,
     SwapStateError,
     error_for,
     reason_of,
 )
+from swap_state.common.segment import SegmentHeader, Word
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
@@ -203,6 +206,7 @@ class RemoteSession:
             reply.last_committed_step if reply.has_committed_step else None
         )
         self._lost: SwapStateError | None = None
+        self._header: SegmentHeader | None = None
         self._closing = threading.Event()
         self._stream = None
         self._thread = threading.Thread(
@@ -264,8 +268,32 @@ class RemoteSession:
         self.segment = reply.segment
         return reply
 
+    def bind_header(self, header: SegmentHeader | None) -> None:
+        """Commit through ``header`` (the mapped segment's) from now on: no RPC per step;
+        None before the segment is unmapped."""
+        self._header = header
+
     def commit(self, step: int) -> int:
+        """Commit ``step``: its writes are complete. With a bound header this stores the
+        header words (:func:`swap_state.common.segment.committed_step` says how the server
+        reads them) and makes no RPC; refused when another trainer took the segment over."""
         self.check_alive()
+        header = self._header
+        if header is None:
+            return self._commit_rpc(step)
+        if header[Word.TRAINER_GENERATION] != self.generation:
+            raise StaleGenerationError(
+                f"job {self.job_id} rank {self.rank} was re-attached by another trainer "
+                f"(generation {header[Word.TRAINER_GENERATION]}, this one {self.generation}): "
+                "this trainer must stop"
+            )
+        header[Word.TRAINER_COMMITTED] = step + 1
+        header[Word.TRAINER_RESTORED_SEQ] = header[Word.RESTORED_SEQ]
+        header[Word.TRAINER_COMMITS] += 1
+        self.last_committed_step = step
+        return step
+
+    def _commit_rpc(self, step: int) -> int:
         request = pb.CommitStepRequest(
             session_id=self.session_id, generation=self.generation, step=step
         )

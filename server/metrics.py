@@ -118,6 +118,9 @@ class ServerCollector(Collector):
         yield generation
         yield counter("swap_state_steps_committed_total", "Steps committed, all sessions.",
                       registry.steps_committed_total)
+        yield counter("swap_state_kept_states_dropped_total",
+                      "Reattached optimizer states a trainer dropped: not its parameters' state.",
+                      registry.kept_states_dropped_total)
         yield counter("swap_state_attaches_total", "Attach calls that succeeded.", registry.attaches)
         yield counter("swap_state_reattaches_total", "Attaches that got a kept session back.",
                       registry.reattaches)

@@ -32,7 +32,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from swap_state.common.segment import SegmentHeader, SegmentLayout, Word, layout_hash
+from swap_state.common.segment import SegmentHeader, SegmentLayout, Word, committed_step, layout_hash
 
 from .arena import Arena, Segment
 from swap_state.common.errors import (
@@ -102,9 +102,8 @@ class Session:
     client_pid: int = 0
     client_host: str = ""
     segment: Segment | None = None
-    last_committed_step: int | None = None
-    """Last step committed (None: none yet); mirrored as step + 1 in header COMMITTED_STEP."""
-    steps_committed: int = 0
+    rpc_commits: int = 0
+    """Steps committed through the CommitStep RPC (trainers commit through the header)."""
     state: SessionState = SessionState.PENDING
     orphaned_since: float | None = None
     """Monotonic time the session became orphaned (None unless orphaned)."""
@@ -134,6 +133,25 @@ class Session:
     def header(self) -> SegmentHeader | None:
         return self.segment.header if self.segment else None
 
+    @property
+    def last_committed_step(self) -> int | None:
+        """The last committed step the segment holds (None: none yet), read from the header
+        words the trainer commits through (:func:`~swap_state.common.segment.committed_step`)."""
+        header = self.header
+        return committed_step(header) if header is not None else None
+
+    @property
+    def kept_states_dropped(self) -> int:
+        """Reattached states the trainer dropped (not its parameters' state; header word)."""
+        header = self.header
+        return header[Word.STATE_DROPS] if header is not None else 0
+
+    @property
+    def steps_committed(self) -> int:
+        """Steps committed to this session's segment, through the header or the RPC."""
+        header = self.header
+        return self.rpc_commits + (header[Word.TRAINER_COMMITS] if header is not None else 0)
+
     def record_commit(self, step: int, *, force: bool = False) -> bool:
         """Record a committed step and publish it in the header. Returns False for a repeat of
         the last step (idempotent retry). Going backwards needs ``force`` (restore) or the
@@ -151,9 +169,10 @@ class Session:
         self.rewind_allowed = False
         if step == last:
             return False
-        self.last_committed_step = step
-        self.segment.header[Word.COMMITTED_STEP] = step + 1
-        self.steps_committed += 1
+        header = self.segment.header
+        header[Word.COMMITTED_STEP] = step + 1
+        header[Word.RESTORED_SEQ] += 1  # last: from now on the server's value holds
+        self.rpc_commits += 1
         return True
 
     def _describe(self) -> dict[str, object]:
@@ -184,13 +203,24 @@ class SessionRegistry:
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[tuple[Segment, bool]]] = set()
         # Counters for Stats and metrics.
-        self.steps_committed_total = 0
+        self._retired_commits = 0
+        self._retired_drops = 0
         self.attaches = 0
         self.reattaches = 0
         self.sessions_freed = 0
         self.sessions_expired = 0
 
     # ------------------------------------------------------------------ queries
+    @property
+    def steps_committed_total(self) -> int:
+        """Steps committed, all sessions, freed ones included (read from the headers)."""
+        return self._retired_commits + sum(s.steps_committed for s in self._sessions.values())
+
+    @property
+    def kept_states_dropped_total(self) -> int:
+        """Reattached states trainers dropped, all sessions, freed ones included."""
+        return self._retired_drops + sum(s.kept_states_dropped for s in self._sessions.values())
+
     @property
     def sessions(self) -> list[Session]:
         return list(self._sessions.values())
@@ -421,7 +451,6 @@ class SessionRegistry:
         is validated (the servicer's :func:`~.validation.validate_step`)."""
         session = self.lookup(session_id, generation)
         if session.record_commit(step):
-            self.steps_committed_total += 1
             log_event(log, "step_committed", logging.DEBUG, **session._describe(), step=step)
         return step
 
@@ -432,6 +461,8 @@ class SessionRegistry:
         self._sessions.pop(session.session_id, None)
         if self._by_key.get((session.job_id, session.rank)) is session:
             del self._by_key[(session.job_id, session.rank)]
+        self._retired_commits += session.steps_committed
+        self._retired_drops += session.kept_states_dropped
         segment, session.segment = session.segment, None
         freed = 0
         if segment is not None:

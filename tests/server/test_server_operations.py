@@ -158,6 +158,7 @@ _FAMILIES = [
     ("swap_state_session_last_committed_step", "gauge", ("job_id", "rank")),
     ("swap_state_session_generation", "gauge", ("job_id", "rank")),
     ("swap_state_steps_committed_total", "counter", ()),
+    ("swap_state_kept_states_dropped_total", "counter", ()),
     ("swap_state_attaches_total", "counter", ()),
     ("swap_state_reattaches_total", "counter", ()),
     ("swap_state_sessions_freed_total", "counter", ()),
