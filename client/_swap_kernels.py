@@ -1,10 +1,26 @@
-"""Pure helpers of the swap optimizer: slice planning and the fused Adam/AdamW call.
+"""Pure helpers of the swap optimizer: slice planning and the Adam/AdamW update calls.
 
-:func:`fused_adam_update` is torch's ``torch.optim.adam._fused_adam`` restated for
-tensors the caller has already gathered (device buffers or the host cache): the same
-grouping by device and dtype, the same ``grad_scale`` / ``found_inf`` / tensor-``lr``
-handling, the same step increment and the same kernel arguments, so results are
-bit-identical to ``torch.optim.Adam(..., fused=True)`` / ``AdamW(..., fused=True)``.
+A param group's *implementation* is torch's (and torchtitan's ``optimizer.implementation``):
+``"fused"``, ``"foreach"`` or ``"for-loop"``, read from the group's ``fused`` / ``foreach``
+flags exactly as ``torch.optim.Adam.step`` reads them (:func:`group_implementation`), so a
+checkpoint's flags take effect on load as they do for torch. One exception, documented: a
+group with neither flag set (both None) runs the fused kernel, where torch would pick by
+device (the container records it as ``fused=True``, :func:`pin_default_implementation`, so
+that its checkpoints resume on the same kernel under torch). :func:`adam_update` runs the
+group's implementation:
+
+- ``"fused"``: :func:`fused_adam_update`, torch's ``torch.optim.adam._fused_adam`` restated for
+  tensors the caller has already gathered (device buffers or the host cache): the same
+  grouping by device and dtype, the same ``grad_scale`` / ``found_inf`` / tensor-``lr``
+  handling, the same step increment and the same kernel arguments, so results are
+  bit-identical to ``torch.optim.Adam(..., fused=True)`` / ``AdamW(..., fused=True)``;
+- ``"foreach"`` / ``"for-loop"``: torch's functional ``torch.optim.adam.adam`` (what
+  ``Adam.step`` itself calls) with ``foreach=True`` / ``foreach=False``, ``fused=False``; the
+  step counts are CPU tensors then, as torch keeps them without ``fused`` or ``capturable``
+  (:func:`steps_on_device`).
+
+Adam's update is elementwise per tensor, so running it slice by slice gives the same bits as
+one call over the whole group.
 """
 
 from __future__ import annotations
@@ -14,9 +30,56 @@ from typing import Any
 
 import torch
 from torch.optim import Optimizer
+from torch.optim.adam import adam as torch_functional_adam
 from torch.optim.optimizer import _to_scalar
 
-__all__ = ["fused_adam_update", "plan_slices"]
+__all__ = [
+    "DEFAULT_IMPLEMENTATION",
+    "IMPLEMENTATIONS",
+    "adam_update",
+    "fused_adam_update",
+    "group_implementation",
+    "pin_default_implementation",
+    "plan_slices",
+    "steps_on_device",
+]
+
+#: torchtitan's ``optimizer.implementation`` values, each run as torch runs it.
+IMPLEMENTATIONS: tuple[str, ...] = ("fused", "foreach", "for-loop")
+#: What a group with ``fused=None`` and ``foreach=None`` runs (torch would pick by device).
+DEFAULT_IMPLEMENTATION = "fused"
+
+
+def group_implementation(group: Mapping[str, Any]) -> str:
+    """``"fused"``, ``"foreach"`` or ``"for-loop"``: the update ``group``'s flags select.
+
+    As ``torch.optim.adam.adam``: ``fused`` wins, then ``foreach``; an explicit False for
+    both is the for-loop. Both None: :data:`DEFAULT_IMPLEMENTATION`.
+    """
+    fused, foreach = group.get("fused"), group.get("foreach")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    if fused:
+        return "fused"
+    if foreach:
+        return "foreach"
+    if fused is None and foreach is None:
+        return DEFAULT_IMPLEMENTATION
+    return "for-loop"
+
+
+def pin_default_implementation(group: dict[str, Any]) -> None:
+    """A group with neither ``fused`` nor ``foreach`` set gets ``fused=True``: what it runs,
+    recorded, so that a checkpoint of it resumes on the same kernel under torch's own
+    optimizer (which would pick by device for None/None)."""
+    if group.get("fused") is None and group.get("foreach") is None:
+        group["fused"] = DEFAULT_IMPLEMENTATION == "fused"
+
+
+def steps_on_device(group: Mapping[str, Any]) -> bool:
+    """Whether torch keeps ``group``'s step counts on the parameter's device (fused or
+    capturable) rather than on the CPU."""
+    return group_implementation(group) == "fused" or bool(group.get("capturable", False))
 
 
 def plan_slices(sizes: Sequence[int], times: int) -> list[range]:
@@ -104,6 +167,59 @@ def fused_adam_update(
         )
         if device_inf is not None:
             torch._foreach_sub_(d_steps, [device_inf] * len(d_steps))
+
+
+def adam_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    *,
+    group: Mapping[str, Any],
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """One Adam/AdamW update of plain (local) tensors with ``group``'s settings and
+    implementation (:func:`group_implementation`); steps are incremented here."""
+    if not params:
+        return
+    implementation = group_implementation(group)
+    if implementation == "fused":
+        fused_adam_update(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+            group=group, grad_scale=grad_scale, found_inf=found_inf,
+        )  # fmt: skip
+        return
+    capturable = bool(group.get("capturable", False))
+    if implementation == "foreach" and isinstance(group["lr"], torch.Tensor) and not capturable:
+        # Adam._init_group's check, word for word.
+        raise RuntimeError("lr as a Tensor is not supported for capturable=False and foreach=True")
+    beta1, beta2 = group["betas"]
+    torch_functional_adam(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        state_steps,
+        foreach=implementation == "foreach",
+        capturable=capturable,
+        differentiable=bool(group.get("differentiable", False)),
+        fused=False,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+        has_complex=any(torch.is_complex(p) for p in params),
+        decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
+        amsgrad=group["amsgrad"],
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+    )
 
 
 def _on_device(

@@ -1,8 +1,17 @@
 """The embedded default: a private local swap-state-server owned by one container.
 
 Used when neither ``server=`` nor ``SWAP_STATE_SERVER`` names a server. The server runs as a
-subprocess with its socket and snapshots in a private temp directory; ``stop()`` (also run at
-interpreter exit) terminates it, which removes its socket and segments, then the directory.
+subprocess with its socket and log in a private temp directory; ``stop()`` (also run at
+interpreter exit) terminates it, which removes its socket and segments, then that directory.
+
+Its snapshots outlive it, so that a rerun's embedded server restores them:
+``EmbeddedServerConfig.snapshot_dir``, by default (None) :func:`default_snapshot_dir`, a
+per-user folder: ``$XDG_STATE_HOME/swap-state/snapshots``, else
+``~/.local/state/swap-state/snapshots``. Under torchtitan the glue sets it to
+``<job.dump_folder>/swap-state-snapshots`` (:mod:`swap_state.client.torchtitan_config`), and a
+container of a job with several ranks gives each rank's server ``<dir>/rank-<rank>``
+(:func:`swap_state.client.remote_config.embedded_config_for`). Snapshots there are the server's
+usual layout (``<job_id>/step-<N>``); ``swap-state export`` reads them.
 Its flags come from a :class:`~swap_state.common.server_config.ServerConfig`
 (:func:`~swap_state.common.server_flags.config_to_argv`), so every default not set here, the
 copy-before-write pool among them, is the server's own.
@@ -28,21 +37,39 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from swap_state.common.server_config import ServerConfig
 from swap_state.common.server_flags import config_to_argv
 
-__all__ = ["EmbeddedServerConfig", "EmbeddedServer"]
+__all__ = ["DEFAULT_SHM_SIZE_BYTES", "EmbeddedServerConfig", "EmbeddedServer", "default_snapshot_dir"]
+
+#: Budget of an embedded server started on its own (a container sizes it from the model).
+DEFAULT_SHM_SIZE_BYTES = 256 << 20
+
+
+def default_snapshot_dir() -> str:
+    """Where an embedded server keeps snapshots when none is configured: a per-user folder,
+    ``$XDG_STATE_HOME/swap-state/snapshots`` (when that is an absolute path, as the XDG spec
+    asks), else ``~/.local/state/swap-state/snapshots``."""
+    state_home = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(state_home):
+        state_home = os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state_home, "swap-state", "snapshots")
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class EmbeddedServerConfig:
-    shm_size_bytes: int = 256 << 20
-    """Budget of the private server (--shm-size)."""
+    shm_size_bytes: int | None = None
+    """Budget of the private server (--shm-size). None: sized from the model by the container
+    that starts it; :data:`DEFAULT_SHM_SIZE_BYTES` for a server started on its own."""
     grace_s: float = 5.0
     """--grace of the private server: its sessions die with their owner."""
     chunk_bytes: int = 1 << 20
     """--chunk-bytes: small, since embedded states are small."""
     shm_dir: str | None = None
     """--shm-dir; None: the server's default (/dev/shm)."""
+    snapshot_dir: str | None = None
+    """--snapshot-dir: where snapshots go and stay after the server stops, so that a later
+    embedded server with the same directory restores them. None: :func:`default_snapshot_dir`
+    (a per-user folder); under torchtitan ``<job.dump_folder>/swap-state-snapshots``."""
     start_timeout_s: float = 30.0
     """How long to wait for the server to report SERVING."""
     stop_timeout_s: float = 10.0
@@ -54,7 +81,7 @@ class EmbeddedServerConfig:
         """The private server's config; everything not named here (the copy-before-write pool
         included) is :class:`ServerConfig`'s own default. Raises ConfigError for bad values."""
         return ServerConfig(
-            shm_size=self.shm_size_bytes,
+            shm_size=DEFAULT_SHM_SIZE_BYTES if self.shm_size_bytes is None else self.shm_size_bytes,
             listen=listen,
             snapshot_dir=pathlib.Path(snapshot_dir),
             grace=float(self.grace_s),
@@ -92,7 +119,7 @@ class EmbeddedServer:
         cfg = self.config
         self.workdir = tempfile.mkdtemp(prefix="swap-state-embedded-")
         socket_path = os.path.join(self.workdir, "swap-state.sock")
-        self.snapshot_dir = os.path.join(self.workdir, "snapshots")
+        self.snapshot_dir = os.path.abspath(os.path.expanduser(cfg.snapshot_dir or default_snapshot_dir()))
         self.address = f"unix://{socket_path}"
         self._log_path = os.path.join(self.workdir, "server.log")
         try:
@@ -119,7 +146,10 @@ class EmbeddedServer:
         except BaseException:
             self.stop()
             raise
-        log.info("started embedded swap-state-server pid=%d at %s", self._proc.pid, self.address)
+        log.info(
+            "started embedded swap-state-server pid=%d at %s (snapshots in %s)",
+            self._proc.pid, self.address, self.snapshot_dir,
+        )  # fmt: skip
         return self
 
     def _wait_serving(self, socket_path: str) -> None:
@@ -164,7 +194,8 @@ class EmbeddedServer:
             self._proc.wait(timeout=self.config.stop_timeout_s)
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after the timeout; remove the private directory."""
+        """SIGTERM, then SIGKILL after the timeout; remove the private directory (socket and
+        log; the snapshot directory stays)."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from swap_state.client import patch_points
+from swap_state.client.checkpoint_template import CheckpointTemplateMixin
 from swap_state.client.dtensor_utils import DTensor, wrap_like_param_without_device_move
 from swap_state.client.host_cache import MOMENT_KEYS, STEP_KEY, HostCache, step_tensor
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
@@ -92,10 +93,12 @@ class FlatIndex:
         return None
 
 
-class FlatStateDictMixin:
+class FlatStateDictMixin(CheckpointTemplateMixin):
     """``state_dict()`` and the parameter naming of ``SwapOptimizersContainer``.
 
     Uses the container's ``model_parts``, ``optimizers`` and ``param_to_cpu_states_map``.
+    Inside ``loading_checkpoint(keys)`` (:mod:`swap_state.client.checkpoint_template`)
+    ``state_dict()`` is the load template of that checkpoint.
     """
 
     if TYPE_CHECKING:  # provided by the container
@@ -109,6 +112,8 @@ class FlatStateDictMixin:
         Moments are views of the host cache (DTensor-wrapped like their parameter, never
         copied to a device); ``step`` values and group values are copies. Tied parameters
         appear once, under their canonical name. torchtitan's own conversion is not used.
+        While a checkpoint load announced its keys (``loading_checkpoint``), the keys torch's
+        format lacks and that checkpoint does not hold are left out (the load derives them).
         """
         flat: dict[str, Any] = {}
         for model, optim in zip(self.model_parts, self.optimizers, strict=True):
@@ -125,7 +130,7 @@ class FlatStateDictMixin:
                     for key, value in group.items():
                         if key != "params":
                             flat[param_group_key(fqn, key)] = clone_value(value)
-        return flat
+        return self._template_for_loading(flat)
 
     @_instance_or_class_method
     def _state_value_for_state_dict(self, param: Any, state: Mapping[str, Any], key: str) -> Any:

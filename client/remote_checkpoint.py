@@ -9,7 +9,8 @@
     :data:`SNAPSHOT_JOB_KEY`) plus param groups and step counts: no moment bytes pass through
     the trainer. ``load_state_dict()`` of such a dict restores that snapshot on the server.
 
-Which way a load goes depends on the dict (a reference or not), not on the mode.
+Which way a load goes depends on the dict (a reference or not), not on the mode; with the
+checkpoint's keys known (:mod:`swap_state.client.checkpoint_template`) so does the template.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from swap_state.client.checkpoint_template import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, holds_snapshot_reference
 from swap_state.client.errors import NotFoundError
 from swap_state.client.host_cache import STEP_KEY
 from swap_state.common.names import STATE_PREFIX, param_group_key
@@ -31,9 +33,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY", "RemoteCheckpointMixin", "is_moment_key"]
 
-#: Keys of a snapshot-mode state dict (beside the seed's ``param_groups.*`` / ``state.*.step``).
-SNAPSHOT_REF_KEY = "swap_state.snapshot_id"
-SNAPSHOT_JOB_KEY = "swap_state.job_id"
 
 
 class RemoteCheckpointMixin:
@@ -43,7 +42,11 @@ class RemoteCheckpointMixin:
     seed's flat state dict and load. Uses the snapshot and reattach mixins.
     """
 
+    _checkpoint_snapshot: SnapshotHandle | None = None
+    """The snapshot the last snapshot-mode state_dict() referred to (what a checkpoint holds)."""
+
     if TYPE_CHECKING:  # provided by the container and the other mixins
+        _checkpoint_keys: frozenset[str] | None
         session: RemoteSession
         remote_config: RemoteConfig
         optimizers: list[Optimizer]
@@ -62,12 +65,25 @@ class RemoteCheckpointMixin:
         snapshot of the last committed step (taken now, unless one of that step exists),
         plus param groups and step counts; no moment bytes pass through the trainer.
 
-        Safe as a load template: a container that has committed no step (or whose kept state
-        is torn) takes no snapshot; one that has (a reattached trainer) takes one, and the
-        load then restores the referenced snapshot after it. In 'full' mode the returned
-        moments are views that DCP loads into, so a snapshot still reading the segment is
-        waited for first.
+        While a load announced the checkpoint's keys (``loading_checkpoint``, as the
+        torchtitan glue does around ``CheckpointManager.dcp_load``), this is that
+        checkpoint's template, whatever the mode: a reference (no snapshot taken) for a
+        snapshot-mode checkpoint, else the full dict matched to its keys (a plain torch
+        checkpoint loads its moments, also in 'snapshot' mode).
+
+        Otherwise, still safe as a load template: a container that has committed no step (or
+        whose kept state is torn) takes no snapshot; one that has (a reattached trainer) takes
+        one, and the load then restores the referenced snapshot after it. In 'full' mode the
+        returned moments are views that DCP loads into, so a snapshot still reading the
+        segment is waited for first.
         """
+        held = self._checkpoint_keys
+        if held is not None:
+            # A load template of a known checkpoint: its form follows the checkpoint.
+            if holds_snapshot_reference(held):
+                return self._reference_template()
+            self._wait_segment_released("state_dict()")
+            return super().state_dict()  # type: ignore[misc]  # matched to the checkpoint
         if self.remote_config.checkpoint != "snapshot":
             # The moments are views of the segment, and DCP loads *into* a template's tensors:
             # no write may land under a snapshot still reading the segment (a restarted
@@ -82,6 +98,28 @@ class RemoteCheckpointMixin:
             self.snapshot()  # sets _snapshot_step and _snapshot_handle
         handle = self._snapshot_handle
         flat[SNAPSHOT_REF_KEY] = handle.snapshot_id if handle is not None else ""
+        flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
+        self._checkpoint_snapshot = handle
+        return flat
+
+    def wait_checkpoint_durable(self, timeout_s: float | None = None) -> None:
+        """Block until the snapshot the last snapshot-mode ``state_dict()`` referred to is
+        durable; raise if it failed. A checkpoint holds that reference, and a server that
+        stops (the embedded one stops with its trainer) or a segment that is freed ends a
+        snapshot still persisting: call it before the trainer exits (torchtitan's
+        ``CheckpointManager.close`` does, through the glue). Nothing to wait for in 'full'
+        mode, or after ``close()``."""
+        handle = self._checkpoint_snapshot
+        if handle is None or getattr(self, "_closed", False):
+            return
+        timeout_s = self.remote_config.backpressure_timeout_s if timeout_s is None else timeout_s
+        handle.wait_durable(timeout_s=timeout_s)
+
+    def _reference_template(self) -> dict[str, Any]:
+        """The template of a snapshot-mode checkpoint: its keys, no moments, and no snapshot
+        taken (the reference it holds replaces the placeholder)."""
+        flat = {k: v for k, v in super().state_dict().items() if not is_moment_key(k)}  # type: ignore[misc]
+        flat[SNAPSHOT_REF_KEY] = ""
         flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
         return flat
 

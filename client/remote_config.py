@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from swap_state.client.dtensor_utils import unwrap_dtensor
-from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig
+from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig, default_snapshot_dir
 from swap_state.client.rpc import ClientConfig, RemoteSession, SwapStateClient
 
 __all__ = [
@@ -28,7 +28,9 @@ __all__ = [
     "Connection",
     "RemoteConfig",
     "connect",
+    "embedded_config_for",
     "resolve_config",
+    "validate_config",
 ]
 
 ENV_SERVER = "SWAP_STATE_SERVER"
@@ -65,7 +67,15 @@ class RemoteConfig:
     checkpoint: str = "full"
     """'full': state_dict() holds the moments (the seed's format). 'snapshot': state_dict()
     takes a server-side snapshot and holds only a reference, param groups and step counts;
-    load_state_dict() of such a dict restores the snapshot on the server."""
+    load_state_dict() of such a dict restores the snapshot on the server. (Which way a load
+    goes follows the checkpoint, not this setting: a checkpoint with the moments loads them.)"""
+    snapshot_keep_latest: int | None = None
+    """How many of this job's durable snapshots the server must keep, sent with every
+    snapshot: the job's own checkpoint retention, so that each checkpoint it still keeps can
+    be loaded (the server keeps max(this, its --keep-latest)). 0: keep them all (torchtitan's
+    ``checkpoint.keep_latest_k = 0``). None: the server's --keep-latest alone. Under
+    torchtitan the glue sets it, when left None, to ``checkpoint.keep_latest_k + 1`` (0 stays
+    0): torchtitan keeps one checkpoint more than k after its last-step save."""
 
 
 @dataclasses.dataclass
@@ -77,10 +87,28 @@ class Connection:
     embedded: EmbeddedServer | None
 
 
+CHECKPOINT_MODES: tuple[str, ...] = ("full", "snapshot")
+
+
+def validate_config(config: RemoteConfig) -> None:
+    """ValueError naming the field for a setting outside its allowed values."""
+    if config.checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(
+            f"RemoteConfig.checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, "
+            f"got {config.checkpoint!r}"
+        )
+    keep = config.snapshot_keep_latest
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+        raise ValueError(
+            f"RemoteConfig.snapshot_keep_latest must be None or an integer >= 0 (0: keep all), got {keep!r}"
+        )
+
+
 def resolve_config(config: RemoteConfig | None, server: str | None, job_id: str | None) -> RemoteConfig:
-    """A copy of ``config`` with the address and job id from the arguments or environment
-    (still None where neither gives one: :func:`connect` decides then)."""
+    """A validated copy of ``config`` with the address and job id from the arguments or
+    environment (still None where neither gives one: :func:`connect` decides then)."""
     config = dataclasses.replace(config or RemoteConfig())
+    validate_config(config)
     config.server = server or config.server or os.environ.get(ENV_SERVER) or None
     config.job_id = job_id or config.job_id or os.environ.get(ENV_JOB_ID) or None
     return config
@@ -93,15 +121,13 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
     closed and an embedded server stopped before the error propagates.
     """
     embedded = None
+    rank, world_size = _resolve_rank_world(config)
     if config.server is None:
-        embedded_config = config.embedded or EmbeddedServerConfig(
-            shm_size_bytes=max(64 << 20, int(_state_bytes(model_parts, optimizer_kwargs) * 1.5) + (32 << 20))
-        )
-        embedded = EmbeddedServer(embedded_config).start()
+        embedded = EmbeddedServer(embedded_config_for(config, model_parts, optimizer_kwargs, rank, world_size))
+        embedded.start()
         config.server = embedded.address
     if config.job_id is None:
         config.job_id = f"job-{uuid.uuid4().hex[:12]}"
-    rank, world_size = _resolve_rank_world(config)
     local_world_size = _resolve_local_world_size(config, world_size, embedded is not None)
     client = SwapStateClient(
         ClientConfig(
@@ -119,6 +145,23 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
             embedded.stop()
         raise
     return Connection(client, session, embedded)
+
+
+def embedded_config_for(
+    config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kwargs: dict[str, Any], rank: int, world_size: int
+) -> EmbeddedServerConfig:
+    """``config.embedded`` completed for this trainer: sized from the model when it names
+    no size, and, in a job of several ranks, a snapshot directory of this rank's own
+    (``<snapshot dir>/rank-<rank>``: each rank's private server is a server of its own,
+    and two servers must not write one directory)."""
+    embedded = config.embedded or EmbeddedServerConfig()
+    if embedded.shm_size_bytes is None:
+        size = max(64 << 20, int(_state_bytes(model_parts, optimizer_kwargs) * 1.5) + (32 << 20))
+        embedded = dataclasses.replace(embedded, shm_size_bytes=size)
+    if world_size > 1:
+        root = embedded.snapshot_dir or default_snapshot_dir()
+        embedded = dataclasses.replace(embedded, snapshot_dir=os.path.join(root, f"rank-{rank:05d}"))
+    return embedded
 
 
 def _resolve_rank_world(config: RemoteConfig) -> tuple[int, int]:

@@ -189,6 +189,12 @@ class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, Reatta
         embedded server. Idempotent; also run at interpreter exit."""
         if self._closed:
             return
+        try:
+            # A checkpoint may refer to a snapshot still persisting; detaching (or stopping
+            # the embedded server) would end it.
+            self.wait_checkpoint_durable()
+        except SwapStateError as e:
+            log.warning("the snapshot the last checkpoint refers to is not durable: %s", e)
         self._closed = True
         try:
             if getattr(self, "session", None) is not None:

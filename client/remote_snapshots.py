@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -88,6 +89,7 @@ class SnapshotMixin:
     _snapshot_step: int | None = None
     """The step the last snapshot taken (or restored) holds."""
     _snapshot_handle: SnapshotHandle | None = None
+    _snapshot_location_logged: bool = False
 
     if TYPE_CHECKING:  # provided by the container and ReattachMixin
         session: RemoteSession
@@ -137,17 +139,53 @@ class SnapshotMixin:
         if step is None:
             step = self._publish_step()
         metadata = self.snapshot_metadata()
+        retention = self.snapshot_retention()
         try:
-            reply = self.session.snapshot(step, metadata)
+            reply = self.session.snapshot(step, metadata, **retention)
         except SnapshotBusyError:
             # The server persists one snapshot of a segment at a time: a previous one (this
             # trainer's, or a restarted trainer's predecessor's) may still be persisting. Wait
             # for it and try once more; any other refusal comes back as it is.
             self._wait_for_persisting_snapshot(f"snapshot of step {step}")
-            reply = self.session.snapshot(step, metadata)
+            reply = self.session.snapshot(step, metadata, **retention)
         handle = SnapshotHandle(reply.snapshot_id, step, self.session.rank, self.client)
+        if not self._snapshot_location_logged:
+            self._snapshot_location_logged = True
+            log.info("first snapshot %s goes to %s", reply.snapshot_id, self.snapshot_location())
         self._snapshot_step, self._snapshot_handle = step, handle
         return handle
+
+    def snapshot_retention(self) -> dict[str, Any]:
+        """The ``keep_latest`` / ``keep_all`` this job's snapshots carry
+        (``RemoteConfig.snapshot_keep_latest``; {}: the server's --keep-latest alone)."""
+        keep = self.remote_config.snapshot_keep_latest
+        if keep is None:
+            return {}
+        return {"keep_all": True} if keep == 0 else {"keep_latest": int(keep)}
+
+    def follow_checkpoint_retention(self, keep_latest_k: int) -> None:
+        """Keep at least the snapshots the job's checkpoints still refer to: its checkpoint
+        retention (torchtitan's ``keep_latest_k``; 0: all) becomes
+        ``RemoteConfig.snapshot_keep_latest``, unless that was set explicitly."""
+        if self.remote_config.snapshot_keep_latest is not None:
+            return
+        keep = int(keep_latest_k)
+        if keep < 0:
+            raise ValueError(f"checkpoint.keep_latest_k must be >= 0, got {keep_latest_k!r}")
+        self.remote_config.snapshot_keep_latest = keep
+        log.info(
+            "snapshots of job %s follow the checkpoint retention: %s",
+            self.remote_config.job_id, "keep all" if keep == 0 else f"keep the latest {keep}",
+        )  # fmt: skip
+
+    def snapshot_location(self) -> str:
+        """Where this job's snapshots are persisted, in words (the directory when the server
+        is this container's embedded one)."""
+        embedded = getattr(self, "_embedded", None)
+        job = self.remote_config.job_id
+        if embedded is not None and embedded.snapshot_dir:
+            return os.path.join(embedded.snapshot_dir, str(job))
+        return f"the --snapshot-dir of server {self.remote_config.server} (folder {job})"
 
     def restore(self, snapshot_id: str = "latest") -> int:
         """Replace the moments and steps with a durable snapshot's; returns its step.

@@ -6,9 +6,12 @@ byte-balanced slices. On an accelerator, per slice::
     load (H2D, load stream) -> fused Adam/AdamW (compute stream) -> offload (D2H, offload stream)
 
 with events between the streams, so slice k+1 loads while slice k updates and slice k-1
-offloads. On a CPU-only process the fused kernel runs directly on the host cache. The
-kernel is torch's fused Adam (:mod:`swap_state.client._swap_kernels`), so results are
-bit-identical to ``fused=True``.
+offloads. On a CPU-only process the update runs directly on the host cache. The update is
+the param group's implementation, as torch picks it from the group's ``fused`` /
+``foreach`` flags (torchtitan's ``optimizer.implementation``: "fused", "foreach" or
+"for-loop"; :mod:`swap_state.client._swap_kernels`), so results are bit-identical to torch's
+Adam/AdamW with the same implementation. Without ``fused`` or ``capturable`` torch keeps
+step counts on the CPU: so does the pipeline (a CPU copy per slice instead of a device one).
 
 Each optimizer's ``step`` is bound to :meth:`StepPipelineMixin._swap_step`
 (:func:`bind_swap_step`); ``torch.optim.Adam.step`` itself is never patched.
@@ -28,7 +31,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
 from swap_state.client import patch_points
-from swap_state.client._swap_kernels import fused_adam_update, plan_slices
+from swap_state.client._swap_kernels import adam_update, group_implementation, plan_slices, steps_on_device
 from swap_state.client.device import DeviceBackend
 from swap_state.client.dtensor_utils import DTensor
 from swap_state.client.host_cache import (
@@ -212,7 +215,7 @@ class StepPipelineMixin:
             self._fused_update(optim, current.items, current.buffers)
             for buffers in current.buffers:
                 for buffer in buffers.values():
-                    backend.record_stream(buffer, compute)
+                    _record_stream(backend, buffer, compute)
             updated = backend.event()
             updated.record(compute)
             self._offload_slice(current, updated, offload_stream)
@@ -237,8 +240,11 @@ class StepPipelineMixin:
                     buffer = torch.empty_like(item.local_param, memory_format=torch.contiguous_format)
                     buffer.copy_(item.host[key], non_blocking=True)
                     device_state[key] = buffer
-                step = torch.empty((), dtype=STEP_DTYPE, device=item.local_param.device)
-                step.copy_(item.host[STEP_KEY], non_blocking=True)
+                if steps_on_device(item.group):
+                    step = torch.empty((), dtype=STEP_DTYPE, device=item.local_param.device)
+                    step.copy_(item.host[STEP_KEY], non_blocking=True)
+                else:  # torch's layout without fused/capturable: the step stays on the CPU
+                    step = item.host[STEP_KEY].clone()  # type: ignore[union-attr]
                 device_state[STEP_KEY] = step
                 buffers.append(device_state)
             ready = backend.event()
@@ -254,19 +260,21 @@ class StepPipelineMixin:
             for item, buffers in zip(loaded.items, loaded.buffers, strict=True):
                 for key, buffer in buffers.items():
                     item.host[key].copy_(buffer, non_blocking=True)  # type: ignore[union-attr]
-                    backend.record_stream(buffer, stream)
+                    _record_stream(backend, buffer, stream)
         loaded.buffers.clear()
 
     def _fused_update(
         self, optim: Optimizer, items: list[_StepItem], states: Sequence[Mapping[str, Any]]
     ) -> None:
-        """One fused kernel call per param group over ``items`` with state tensors ``states``."""
+        """One update call per param group over ``items`` with state tensors ``states``, in
+        the group's implementation (fused unless its flags say foreach or for-loop; the
+        name is the seed's)."""
         by_group: dict[int, list[int]] = {}
         for index, item in enumerate(items):
             by_group.setdefault(id(item.group), []).append(index)
         for indices in by_group.values():
             group = items[indices[0]].group
-            fused_adam_update(
+            adam_update(
                 [items[i].local_param for i in indices],
                 [items[i].local_grad for i in indices],
                 [states[i]["exp_avg"] for i in indices],
@@ -277,6 +285,13 @@ class StepPipelineMixin:
                 grad_scale=getattr(optim, "grad_scale", None),
                 found_inf=getattr(optim, "found_inf", None),
             )
+
+
+def _record_stream(backend: DeviceBackend, tensor: torch.Tensor, stream: Any) -> None:
+    """``backend.record_stream``, except for a CPU step copy next to accelerator buffers
+    (no stream uses it)."""
+    if not (backend.is_accelerator and tensor.device.type == "cpu"):
+        backend.record_stream(tensor, stream)
 
 
 def advance_group_step(group: dict[str, Any]) -> None:
@@ -306,7 +321,8 @@ def _checked_param_and_grad(
             f"placements ({param_layout}), got {grad_layout if grad_layout else 'a plain tensor'}"
         )
     local_param, local_grad = patch_points.unwrap_dtensor(param), patch_points.unwrap_dtensor(grad)
-    _device_dtype_check_for_fused(local_param)
+    if group_implementation(group) == "fused":
+        _device_dtype_check_for_fused(local_param)
     return local_param, local_grad
 
 

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer
 
 from swap_state.client import patch_points
+from swap_state.client._swap_kernels import pin_default_implementation
 from swap_state.client.device import DeviceBackend
 from swap_state.client.flat_state_dict import FlatStateDictMixin
 from swap_state.client.host_cache import (
@@ -46,8 +47,12 @@ class SwapOptimizersContainer(
 
     ``SwapOptimizersContainer(model_parts, optimizer_cls, optimizer_kwargs, swap_optimizer_times)``
     builds one ``optimizer_cls`` per model part as torchtitan does; ``optimizer_cls`` must
-    be ``torch.optim.Adam`` or ``AdamW`` (or a subclass). The update is always torch's fused
-    kernel (bit-identical to ``fused=True``), whatever ``foreach``/``fused`` say.
+    be ``torch.optim.Adam`` or ``AdamW`` (or a subclass). The update is the implementation
+    the param group's flags select, as torch selects it: ``fused=True`` the fused kernel,
+    ``foreach=True`` torch's foreach update, both False its for-loop (torchtitan's
+    ``optimizer.implementation``), each bit-identical to torch's Adam/AdamW with the same
+    flags; neither given (both None) runs the fused kernel and records ``fused=True`` in
+    the group (:mod:`swap_state.client._swap_kernels`).
 
     Keyword-only extras: ``param_groups(model_part) -> list[dict]`` to build param groups
     (default: one group of every trainable parameter), ``device_backend`` (default:
@@ -141,6 +146,7 @@ class SwapOptimizersContainer(
             optim.param_to_group_map = group_map(optim)  # type: ignore[attr-defined]
             for group in optim.param_groups:
                 group.setdefault(STEP_KEY, step_tensor(0))
+                pin_default_implementation(group)
             pairs = [(gi, p) for gi, g in enumerate(optim.param_groups) for p in g["params"]]
             entries.extend(self._host_cache_entries(index, model, optim, pairs))
         seen: set[int] = set()

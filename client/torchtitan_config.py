@@ -15,7 +15,23 @@ Use it with ``--job.custom_config_module=swap_state.client.torchtitan_config`` (
 Importing this module installs the ``build_optimizers`` wrapper
 (:mod:`swap_state.client.torchtitan_glue`) and rebinds model packages imported before it, so
 torchtitan's trainer builds the swap container when ``swap_optimizer`` is true and torch's
-own optimizers otherwise.
+own optimizers otherwise. It also wraps ``Trainer.__init__`` (the job config is current while
+it builds the optimizers) and ``CheckpointManager.__init__`` / ``dcp_load``, so that:
+
+- the embedded server (no ``swap_state_server``, no ``$SWAP_STATE_SERVER``) keeps its
+  snapshots in ``<job.dump_folder>/swap-state-snapshots`` (``rank-<r>`` below it with several
+  ranks), where a rerun of the job finds them;
+- snapshot retention follows ``checkpoint.keep_latest_k`` (0: keep all), so every checkpoint
+  torchtitan keeps can be loaded: the server keeps ``keep_latest_k + 1`` (torchtitan's
+  last-step save does not purge) or its own --keep-latest, whichever is more;
+- ``CheckpointManager.close`` (at the trainer's end) waits until the snapshot the last
+  checkpoint refers to is durable;
+- the load template matches the checkpoint: a plain torch AdamW checkpoint resumes under
+  swap-state ('full' or 'snapshot'), a 'full' one under torch's AdamW, and a 'snapshot' one
+  loaded with ``swap_optimizer = false`` fails naming ``swap-state export``.
+
+Bad values (``swap_optimizer_backend``, ``swap_state_checkpoint``, ``implementation``,
+``swap_optimizer_times`` < 1) raise ValueError naming the field and the allowed values.
 """
 
 # No "from __future__ import annotations": torchtitan merges these dataclasses by their
@@ -27,7 +43,13 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from swap_state.client.torchtitan_glue import install_build_optimizers_wrapper, rebind_imported_model_specs
+from swap_state.client.torchtitan_glue import (
+    current_job_config,
+    embedded_snapshot_dir,
+    install_build_optimizers_wrapper,
+    install_job_hooks,
+    rebind_imported_model_specs,
+)
 
 __all__ = ["Optimizer", "JobConfig", "build_remote_container", "shared_job_id"]
 
@@ -49,11 +71,13 @@ class Optimizer:
 
     swap_state_job_id: str = ""
     """Job id shared by all ranks of the run; a restarted trainer with the same job id and
-    rank reattaches to its state. Empty: $SWAP_STATE_JOB_ID, else derived from the dump folder."""
+    rank reattaches to its state. Empty: $SWAP_STATE_JOB_ID, else one chosen by rank 0."""
 
     swap_state_checkpoint: Literal["full", "snapshot"] = "full"
     """'full': state_dict() returns the moments (seed format). 'snapshot': state_dict() asks
-    the server for a snapshot and returns a small reference; load_state_dict() restores it."""
+    the server for a snapshot and returns a small reference; load_state_dict() restores it
+    (needs swap_optimizer_backend = "remote"). Loading follows the checkpoint: a plain or
+    'full' checkpoint loads its moments in either mode."""
 
 
 @dataclass
@@ -81,9 +105,16 @@ def build_remote_container(
     optimizer_config: Any,
 ):
     """The ``swap_optimizer_backend = "remote"`` branch of the ``build_optimizers`` wrapper."""
+    from swap_state.client.embedded import EmbeddedServerConfig
     from swap_state.client.remote_container import RemoteConfig, RemoteSwapOptimizersContainer
 
-    config = RemoteConfig(checkpoint=getattr(optimizer_config, "swap_state_checkpoint", "full"))
+    # Snapshots of the embedded server (used when no server is named) last with the job:
+    # under its dump folder, so that a rerun of the job restores them.
+    snapshot_dir = embedded_snapshot_dir(current_job_config())
+    config = RemoteConfig(
+        checkpoint=getattr(optimizer_config, "swap_state_checkpoint", "full"),
+        embedded=EmbeddedServerConfig(snapshot_dir=snapshot_dir) if snapshot_dir else None,
+    )
     return RemoteSwapOptimizersContainer(
         model_parts,
         optimizer_cls,
@@ -97,3 +128,4 @@ def build_remote_container(
 
 install_build_optimizers_wrapper()
 rebind_imported_model_specs()
+install_job_hooks()

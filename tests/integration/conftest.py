@@ -22,8 +22,11 @@ def private_shm_dir():
 
 
 @pytest.fixture
-def start_server(private_shm_dir):
-    """``start_server(shm_size_bytes=..., grace_s=..., extra_args=(...))`` -> EmbeddedServer."""
+def start_server(private_shm_dir, tmp_path_factory):
+    """``start_server(shm_size_bytes=..., grace_s=..., extra_args=(...))`` -> EmbeddedServer.
+
+    Each server's snapshots go to a fresh temp directory (``snapshot_dir=`` to choose one),
+    never to the per-user default of an embedded server."""
     started: list[EmbeddedServer] = []
 
     def start(**overrides) -> EmbeddedServer:
@@ -31,6 +34,7 @@ def start_server(private_shm_dir):
             shm_size_bytes=overrides.pop("shm_size_bytes", 256 << 20),
             grace_s=overrides.pop("grace_s", 30.0),
             shm_dir=private_shm_dir,
+            snapshot_dir=overrides.pop("snapshot_dir", None) or str(tmp_path_factory.mktemp("snapshots")),
             **overrides,
         )
         server = EmbeddedServer(config).start()

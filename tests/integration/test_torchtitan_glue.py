@@ -58,3 +58,25 @@ def test_unknown_backend_is_a_clear_error(tmp_path):
     config.optimizer.swap_optimizer_backend = "nvme"
     with pytest.raises(ValueError, match="swap_optimizer_backend"):
         tt_optimizer.build_optimizers([build(Workload())], config.optimizer, None, None)
+
+
+@pytest.mark.parametrize(
+    ("toml", "match"),
+    [
+        ('swap_state_checkpoint = "bogus"', r"optimizer\.swap_state_checkpoint must be one of 'full', 'snapshot', got 'bogus'"),
+        ('swap_optimizer_backend = "nvme"', r"optimizer\.swap_optimizer_backend must be one of 'local', 'remote', got 'nvme'"),
+        ("swap_optimizer_times = 0", r"optimizer\.swap_optimizer_times must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_toml_values_name_the_field_and_the_allowed_values(tmp_path, toml, match):
+    """torchtitan checks Literal fields on the command line only; a TOML value reaches the
+    wrapper as written, which refuses it before building anything."""
+    config = _parse(tmp_path, f'name = "AdamW"\nswap_optimizer = true\n{toml}\n')
+    with pytest.raises(ValueError, match=match):
+        tt_optimizer.build_optimizers([build(Workload())], config.optimizer, None, None)
+
+
+def test_unknown_optimizer_name_from_toml(tmp_path):
+    config = _parse(tmp_path, 'name = "Lion"\nswap_optimizer = true\n')
+    with pytest.raises(NotImplementedError, match="Optimizer Lion not added."):
+        tt_optimizer.build_optimizers([build(Workload())], config.optimizer, None, None)

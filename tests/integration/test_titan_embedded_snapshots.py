@@ -1,0 +1,54 @@
+"""The embedded server's snapshots last: they go to ``EmbeddedServerConfig.snapshot_dir`` (not
+the server's temp directory, which keeps only the socket and log), so a new embedded server
+with the same directory restores them; the first snapshot says (INFO) where it goes."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from swap_state.client.embedded import EmbeddedServerConfig
+from swap_state.client.remote_checkpoint import SNAPSHOT_REF_KEY
+
+from .snapshot_kit import CHUNK, params_copy
+from .workload import Workload, build, reference_mismatches, remote, train
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+W = Workload()
+
+
+def _embedded(snapshot_dir, shm_dir) -> EmbeddedServerConfig:
+    return EmbeddedServerConfig(snapshot_dir=str(snapshot_dir), shm_dir=shm_dir, chunk_bytes=CHUNK)
+
+
+def test_snapshots_of_an_embedded_server_outlive_it(no_server_env, private_shm_dir, tmp_path, caplog):
+    snapshots = tmp_path / "snapshots"
+    model = build(W)
+    first = remote(W, model, None, "lasting", checkpoint="snapshot", embedded=_embedded(snapshots, private_shm_dir))
+    workdir = first._embedded.workdir
+    assert first._embedded.snapshot_dir == str(snapshots)
+    train(model, first, W, range(1, 6))
+    params_at_5 = params_copy(model)
+    with caplog.at_level(logging.INFO, logger="swap_state.client.remote_container"):
+        saved = first.state_dict()
+        first._snapshot_handle.wait_durable(timeout_s=60)
+    assert saved[SNAPSHOT_REF_KEY] == "lasting/step-5"
+    where = [r.getMessage() for r in caplog.records if "first snapshot" in r.getMessage()]
+    assert where == [f"first snapshot lasting/step-5 goes to {snapshots / 'lasting'}"]
+    assert set(os.listdir(workdir)) <= {"server.log", "swap-state.sock", "swap-state.sock.lock"}
+    first.close()  # stops the embedded server
+    assert not os.path.exists(workdir)
+    assert (snapshots / "lasting" / "step-000000000005").is_dir()
+
+    again = build(Workload(seed=7))
+    again.load_state_dict(params_at_5)
+    second = remote(W, again, None, "rerun", checkpoint="snapshot", embedded=_embedded(snapshots, private_shm_dir))
+    assert second._embedded.address != first.remote_config.server
+    second.load_state_dict(saved)
+    assert second.session.last_committed_step == 5
+    train(again, second, W, range(6, 11))
+    assert reference_mismatches(again, second, W) == []
+    second.close()
