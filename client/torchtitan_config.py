@@ -9,7 +9,7 @@ Use it with ``--job.custom_config_module=swap_state.client.torchtitan_config`` (
     swap_optimizer_times = 16
     swap_optimizer_backend = "remote"          # "local": in-process pinned host cache
     swap_state_server = "unix:///run/swap-state/swap-state.sock"   # "" -> $SWAP_STATE_SERVER
-    swap_state_job_id = "llama3-8b-run1"       # "" -> derived from the job's dump folder
+    swap_state_job_id = "llama3-8b-run1"       # "" -> $SWAP_STATE_JOB_ID, else a uuid from rank 0
     swap_state_checkpoint = "snapshot"         # "full": the seed's full-tensor state dict
 
 Importing this module installs the ``build_optimizers`` wrapper
