@@ -1,0 +1,184 @@
+"""swap-state under torchtitan's own Trainer on the CPU: the same numbers as torch's AdamW.
+
+Every run is a subprocess of tests/torchtitan/launcher.py on the tiny llama3 debugmodel job of
+titan_testkit.base_flags; per-step losses are compared as float.hex() strings (bitwise) against
+one uninterrupted plain AdamW (fused) run of 2N steps. Every run shares that run's lr schedule
+(``--lr_scheduler.total_steps=2N``) whatever its ``--training.steps``.
+
+1. plain AdamW == swap-state remote (a real server process) == the embedded default (no
+   server configured) == the local backend, for 2N steps;
+2. stop at N (checkpoint) and rerun to 2N, "full" and "snapshot";
+3. the 2N-step job dies (os._exit) right after step N's checkpoint and reruns with the same
+   job id: it reattaches to the kept segment but must use the checkpoint, "full" and "snapshot";
+4. "snapshot": the server is restarted (same --snapshot-dir) between the stop and the rerun;
+5. a rerun with the same job id and no checkpoint (the kept segment of a finished run) trains
+   fresh and says that it drops the kept state.
+
+The servers are real ``swap-state-server`` processes (EmbeddedServer, started here, with their
+segments in a private directory of /dev/shm), one per test, stopped at its end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig
+from titan_testkit import STOP_AFTER_STEP_ENV, STOP_EXIT_CODE_ENV, STOP_MODE_ENV, launch
+
+pytestmark = pytest.mark.integration
+
+N = 3  # steps before the stop; the full run is 2N
+SCHEDULE = f"--lr_scheduler.total_steps={2 * N}"
+CHECKPOINT = (
+    "--checkpoint.enable",
+    "--checkpoint.folder=ckpt",
+    f"--checkpoint.interval={N}",
+    "--checkpoint.no-last_save_model_only",
+)
+SWAP = (
+    "--job.custom_config_module=swap_state.client.torchtitan_config",
+    "--optimizer.swap_optimizer",
+    "--optimizer.swap_optimizer_times=3",
+)
+CRASH = {STOP_AFTER_STEP_ENV: str(N), STOP_MODE_ENV: "exit", STOP_EXIT_CODE_ENV: "43"}
+DROP_WARNING = "dropping the swap-state optimizer state kept for job"
+
+
+def remote(server: EmbeddedServer | None, mode: str = "full", job_id: str | None = None) -> tuple[str, ...]:
+    flags = (*SWAP, "--optimizer.swap_optimizer_backend=remote", f"--optimizer.swap_state_checkpoint={mode}")
+    if server is not None:
+        flags += (f"--optimizer.swap_state_server={server.address}",)
+    if job_id is not None:
+        flags += (f"--optimizer.swap_state_job_id={job_id}",)
+    return flags
+
+
+@pytest.fixture(autouse=True)
+def no_server_env(monkeypatch):
+    """Nothing inherited: a run names its server and job id, or gets the embedded default."""
+    monkeypatch.delenv("SWAP_STATE_SERVER", raising=False)
+    monkeypatch.delenv("SWAP_STATE_JOB_ID", raising=False)
+
+
+@pytest.fixture(scope="module")
+def reference(titan_assets, tmp_path_factory):
+    """Plain AdamW (fused) for 2N steps, no checkpoints."""
+    run = launch(titan_assets, tmp_path_factory.mktemp("reference"), SCHEDULE, steps=2 * N)
+    assert run.steps == list(range(1, 2 * N + 1))
+    return run.losses
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    """``start_server(snapshot_dir=None)`` -> a started swap-state-server process (--grace 30,
+    256M, segments in a private /dev/shm directory); every one is stopped at the test's end."""
+    shm_dir = tempfile.mkdtemp(prefix="swap-state-titan-", dir="/dev/shm")
+    started: list[EmbeddedServer] = []
+
+    def start(snapshot_dir: str | os.PathLike | None = None) -> EmbeddedServer:
+        config = EmbeddedServerConfig(
+            shm_size_bytes=256 << 20,
+            grace_s=30.0,
+            shm_dir=shm_dir,
+            snapshot_dir=str(snapshot_dir or tmp_path / f"server-snapshots-{len(started)}"),
+        )
+        server = EmbeddedServer(config).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+    shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def _server_log(server: EmbeddedServer) -> str:
+    return f"\n--- server log ---\n{server.log_text()}"
+
+
+@pytest.mark.timeout(240)
+def test_the_same_losses_with_every_backend(reference, run_trainer, start_server, tmp_path):
+    server = start_server()
+    with_server = run_trainer(tmp_path / "remote", *remote(server), SCHEDULE, steps=2 * N)
+    assert with_server == reference, with_server.run.output[-3000:] + _server_log(server)
+    embedded = run_trainer(tmp_path / "embedded", *remote(None), SCHEDULE, steps=2 * N)
+    assert "started embedded swap-state-server" in embedded.run.output
+    assert embedded == reference
+    local = run_trainer(
+        tmp_path / "local", *SWAP, "--optimizer.swap_optimizer_backend=local", SCHEDULE, steps=2 * N
+    )
+    assert local == reference
+
+
+def _loaded(output: str, dump: Path) -> bool:
+    return f"Loading the checkpoint from {dump / 'ckpt' / f'step-{N}'}" in output
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["full", "snapshot"])
+def test_stop_and_resume(mode, reference, run_trainer, start_server, tmp_path):
+    server = start_server()
+    first = run_trainer(tmp_path, *CHECKPOINT, *remote(server, mode), SCHEDULE, steps=N)
+    assert first == reference[:N]
+    assert (tmp_path / "ckpt" / f"step-{N}").is_dir()
+    resumed = run_trainer(tmp_path, *CHECKPOINT, *remote(server, mode), SCHEDULE, steps=2 * N)
+    assert _loaded(resumed.run.output, tmp_path), resumed.run.output[-3000:]
+    if mode == "snapshot":
+        assert f"/step-{N} (step {N})" in resumed.run.output, resumed.run.output[-3000:]
+    assert resumed.steps == list(range(N + 1, 2 * N + 1))
+    assert resumed == reference[N:], resumed.run.output[-3000:] + _server_log(server)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["full", "snapshot"])
+def test_killed_after_a_checkpoint_and_rerun(mode, reference, run_trainer, start_server, tmp_path):
+    server = start_server()
+    flags = (*CHECKPOINT, *remote(server, mode, job_id=f"killed-{mode}"), SCHEDULE)
+    first = run_trainer(tmp_path, *flags, steps=2 * N, env=CRASH, expect_returncode=43)
+    assert first.steps == list(range(1, N + 1))
+    assert "Training completed" not in first.run.output
+    assert first == reference[:N]
+    rerun = run_trainer(tmp_path, *flags, steps=2 * N)
+    assert _loaded(rerun.run.output, tmp_path), rerun.run.output[-3000:]
+    # It found the dead trainer's kept segment, and the checkpoint's load replaced it.
+    assert f"reattached to swap-state at step {N}" in rerun.run.output, rerun.run.output[-3000:]
+    assert DROP_WARNING not in rerun.run.output
+    if mode == "snapshot":
+        assert f"restored killed-{mode}/step-{N}" in rerun.run.output, rerun.run.output[-3000:]
+    assert rerun.steps == list(range(N + 1, 2 * N + 1))
+    assert rerun == reference[N:], rerun.run.output[-3000:] + _server_log(server)
+
+
+@pytest.mark.timeout(240)
+def test_snapshot_resume_after_a_server_restart(reference, run_trainer, start_server, tmp_path):
+    snapshots = tmp_path / "server-snapshots"
+    server_a = start_server(snapshot_dir=snapshots)
+    first = run_trainer(tmp_path / "job", *CHECKPOINT, *remote(server_a, "snapshot"), SCHEDULE, steps=N)
+    assert first == reference[:N]
+    server_a.stop()  # SIGTERM: its socket and segments go; its snapshots stay
+    assert any(p.name.startswith("step-") for p in snapshots.glob("*/*")), sorted(snapshots.rglob("*"))
+    server_b = start_server(snapshot_dir=snapshots)
+    resumed = run_trainer(tmp_path / "job", *CHECKPOINT, *remote(server_b, "snapshot"), SCHEDULE, steps=2 * N)
+    assert _loaded(resumed.run.output, tmp_path / "job"), resumed.run.output[-3000:]
+    assert "restored " in resumed.run.output and f"/step-{N} (step {N})" in resumed.run.output
+    assert resumed.steps == list(range(N + 1, 2 * N + 1))
+    assert resumed == reference[N:], resumed.run.output[-3000:] + _server_log(server_b)
+
+
+@pytest.mark.timeout(240)
+def test_a_rerun_with_the_same_job_id_and_no_checkpoint_trains_fresh(reference, run_trainer, start_server, tmp_path):
+    server = start_server()
+    flags = (*remote(server, job_id="rerun-no-checkpoint"), SCHEDULE)
+    first = run_trainer(tmp_path / "first", *flags, steps=N)
+    assert first == reference[:N]
+    assert DROP_WARNING not in first.run.output
+    # The first run's exit hook kept its segment (within --grace); a rerun from fresh weights
+    # finds it and must not train on it.
+    second = run_trainer(tmp_path / "second", *flags, steps=N)
+    assert f"{DROP_WARNING} rerun-no-checkpoint rank 0 at step {N}" in second.run.output, second.run.output[-3000:]
+    assert second == first
