@@ -9,11 +9,11 @@ Per state size of the sweep (default: --params/16, --params/4, --params):
 3. trainer-visible checkpoint stall and time-to-durable: torch.save, DCP save, DCP
    async_save, swap-state snapshot();
 4. persist and restore throughput;
-5. RPCs per step and CommitStep latency in the training loop;
+5. unary RPCs per step (none: the step commit is a header word);
 6. memory: server RSS split into shared memory and the rest, segment vs state bytes, trainer RSS.
 
 Once per run: disk sequential write/read bandwidth, host memcpy and crc32 (the ceilings),
-CommitStep latency on an idle session, and the CUDA section when a GPU is present.
+the step commit's cost on an idle session, and the CUDA section when a GPU is present.
 
 Output under --out: bench.md (tables), bench.json (everything, raw samples included),
 bench.png (step time and stall vs state size; skipped with a reason without matplotlib).
@@ -80,10 +80,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-reps", type=int, default=5, help="repetitions of each checkpoint method")
     p.add_argument("--restore-reps", type=int, default=3, help="repetitions of restore (cold and warm each)")
     p.add_argument("--disk-reps", type=int, default=3, help="repetitions of the disk probe")
-    p.add_argument("--commit-samples", type=int, default=1000, help="CommitStep round trips on an idle session")
+    p.add_argument("--commit-samples", type=int, default=1000, help="step commits (header words) timed on an idle session")
     p.add_argument("--chunk-bytes", default="1M", help="server --chunk-bytes (snapshot granularity, copy slot size)")
     p.add_argument("--cow-budget", default=None,
-                   help="server --cow-budget (default: the embedded server's rule, max(4 chunks, shm-size/8))")
+                   help="server --cow-budget (default: the embedded server's rule, max(4 chunks, shm-size/8)); "
+                        "'state': the largest state's bytes (a pause-free snapshot at any disk speed)")
+    p.add_argument("--isolate", action="store_true",
+                   help="pin the server to its own CPU(s) and this process (the trainer) to the rest, torch "
+                        "threads to match, as on a GPU host (os.sched_setaffinity; needs >= 2 usable CPUs)")
+    p.add_argument("--server-cpus", type=int, default=1, help="CPUs the server gets with --isolate (the last ones)")
     p.add_argument("--persist-max-bandwidth", default="0", help="server --persist-max-bandwidth (0: unlimited)")
     p.add_argument("--cuda-params", default=None, help="parameters of the CUDA step section (default: --params)")
     p.add_argument("--no-cuda", action="store_true", help="skip the CUDA section even with a GPU")
@@ -110,7 +115,10 @@ def _start_server(args: argparse.Namespace, largest_state: int, work_dir: str):
     # Room for two of the largest segments: a closed session's segment is freed by the
     # server asynchronously, and the budget is only taken by segments that exist.
     shm_size = 2 * largest_state + (64 << 20)
-    cow = parse_size(args.cow_budget) if args.cow_budget else max(chunk * 4, shm_size // 8)
+    if args.cow_budget == "state":
+        cow = -(-largest_state // chunk) * chunk
+    else:
+        cow = parse_size(args.cow_budget) if args.cow_budget else max(chunk * 4, shm_size // 8)
     shm_size += cow
     snapshot_dir = os.path.join(work_dir, "snapshots")
     config = EmbeddedServerConfig(
@@ -124,8 +132,47 @@ def _start_server(args: argparse.Namespace, largest_state: int, work_dir: str):
             "--log-level", "warning",
         ),
     )  # fmt: skip
-    server = EmbeddedServer(config).start()
-    return server, snapshot_dir, {"shm_size": shm_size, "chunk_bytes": chunk, "cow_budget": cow}
+    isolation = None
+    if args.isolate:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2 or not 1 <= args.server_cpus < len(cpus):
+            raise SystemExit(f"--isolate needs more usable CPUs than --server-cpus {args.server_cpus}: "
+                             f"this process may use {cpus}")
+        isolation = {"server_cpus": cpus[-args.server_cpus:], "trainer_cpus": cpus[: -args.server_cpus]}
+        os.sched_setaffinity(0, isolation["server_cpus"])  # the server process inherits this
+    try:
+        server = EmbeddedServer(config).start()
+    finally:
+        if isolation is not None:
+            os.sched_setaffinity(0, cpus)
+    if isolation is not None:
+        isolation.update(_isolate(server.pid, isolation["server_cpus"], isolation["trainer_cpus"]))
+    cfg = {"shm_size": shm_size, "chunk_bytes": chunk, "cow_budget": cow, "isolation": isolation}
+    return server, snapshot_dir, cfg
+
+
+def _pin_process(pid: int | str, cpus: list[int]) -> int:
+    """Every thread of ``pid`` onto ``cpus`` (threads started later inherit it); threads pinned."""
+    pinned = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+            pinned += 1
+        except (ProcessLookupError, PermissionError):
+            pass
+    return pinned
+
+
+def _isolate(server_pid: int, server_cpus: list[int], trainer_cpus: list[int]) -> dict[str, Any]:
+    """The server on its own CPU(s), the trainer (this process) and torch's threads on the rest."""
+    import torch
+
+    server_threads = _pin_process(server_pid, server_cpus)
+    trainer_threads = _pin_process("self", trainer_cpus)
+    torch.set_num_threads(len(trainer_cpus))
+    _log(f"isolated: server pid {server_pid} ({server_threads} threads) on CPUs {server_cpus}; trainer on "
+         f"{trainer_cpus} ({trainer_threads} threads), torch threads {torch.get_num_threads()}")
+    return {"server_threads_pinned": server_threads, "torch_threads": torch.get_num_threads()}
 
 
 def _step_stats(raw: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
@@ -175,7 +222,10 @@ def run_size(args: argparse.Namespace, params: int, server: Any, snapshot_dir: s
             remote, args.snapshot_steps or args.steps, args.snapshot_seconds, server.pid
         )
         _log(f"  {overlap['snapshots']} snapshots, {overlap['steps_with']} steps overlapped; "
-             f"cow copies {overlap['cow_copies']}, back-pressure waits {overlap['backpressure_waits']}")
+             f"opt step mean {fmt_ms(overlap['with_opt_s'].get('mean'))} with, {fmt_ms(overlap['without_opt_s'].get('mean'))} "
+             f"without, max {fmt_ms(overlap['with_opt_s'].get('max'))}; trainer copies {overlap['cow_copies']} "
+             f"({fmt_bytes(overlap['trainer_copied_bytes'])}), server staged {fmt_bytes(overlap['server_staged_bytes'])}, "
+             f"back-pressure waits {overlap['backpressure_waits']}")
 
         _log(f"  checkpoint stall: torch.save, DCP save, DCP async_save, swap-state ({args.ckpt_reps} reps)")
         stall = measure.checkpoint_stalls(by_name["inproc"], remote, os.path.join(work_dir, "ckpt"), args.ckpt_reps)
@@ -297,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         server, snapshot_dir, server_cfg = _start_server(args, server_state, work_dir)
         try:
             results["sizes"] = [run_size(args, s, server, snapshot_dir, work_dir) for s in sizes]
-            _log(f"control plane: {args.commit_samples} CommitStep round trips on an idle session")
+            _log(f"control plane: {args.commit_samples} step commits on an idle session")
             results["control_plane"] = measure.commit_latency(server.address, args.commit_samples)
             results["cuda"] = run_cuda(args, server)
         finally:

@@ -22,6 +22,9 @@ def _counters(reply: Any) -> dict[str, float]:
         "cow_copies": int(reply.cow_copies),
         "backpressure_waits": int(reply.backpressure_waits),
         "backpressure_wait_s": float(reply.backpressure_wait_seconds),
+        "trainer_copied_bytes": int(getattr(reply, "trainer_copied_bytes", 0)),
+        "server_staged_bytes": int(getattr(reply, "server_staged_bytes", 0)),
+        "server_staged_chunks": int(getattr(reply, "server_staged_chunks", 0)),
     }
 
 
@@ -43,11 +46,29 @@ def snapshot_overlap(remote: Variant, target_steps: int, max_seconds: float, ser
     Repeats: ``snapshot()`` (its own cost is the stall, measured elsewhere), then steps until
     the snapshot is durable (a step counts as "with" when the snapshot was not yet durable as
     it began; the status poll is outside the timed step), then as many steps without a
-    snapshot. Copy-before-write and back-pressure counts are the SnapshotStatus reply's.
+    snapshot. Copy-before-write and back-pressure counts, the trainer's and the server's
+    copied bytes are the SnapshotStatus reply's. Unary RPCs are counted inside the timed
+    steps only (the bench's own status polls and snapshot() calls are not the trainer's step).
     """
     container = remote.optimizer
     with_train, with_opt, without_train, without_opt = [], [], [], []
-    totals = {"cow_copies": 0, "backpressure_waits": 0, "backpressure_wait_s": 0.0}
+    first_train, first_opt, stall = [], [], []
+    totals = {"cow_copies": 0, "backpressure_waits": 0, "backpressure_wait_s": 0.0,
+              "trainer_copied_bytes": 0, "server_staged_bytes": 0, "server_staged_chunks": 0}
+    rpc = remote.rpc
+    if rpc is not None:
+        rpc.enabled = False
+        rpc.reset()
+
+    def step() -> tuple[float, float]:
+        if rpc is not None:
+            rpc.enabled = True
+        try:
+            return remote.step()
+        finally:
+            if rpc is not None:
+                rpc.enabled = False
+
     durable_s: list[float] = []
     steps_per_snapshot: list[int] = []
     paired: dict[str, list[float]] = {"train": [], "opt": []}
@@ -70,6 +91,7 @@ def snapshot_overlap(remote: Variant, target_steps: int, max_seconds: float, ser
         mark = (cpu_jiffies(), time.perf_counter())
         t0 = time.perf_counter()
         handle = container.snapshot()
+        stall.append(time.perf_counter() - t0)
         n = 0
         while True:
             reply = handle.status(0.0)
@@ -77,9 +99,12 @@ def snapshot_overlap(remote: Variant, target_steps: int, max_seconds: float, ser
                 raise RuntimeError(f"snapshot {handle.snapshot_id} failed: {reply.error}")
             if reply.state == "durable":
                 break
-            train, opt = remote.step()
+            train, opt = step()
             with_train.append(train)
             with_opt.append(opt)
+            if n == 0:
+                first_train.append(train)
+                first_opt.append(opt)
             n += 1
         durable_s.append(time.perf_counter() - t0)
         mark = account("with", mark)
@@ -90,7 +115,7 @@ def snapshot_overlap(remote: Variant, target_steps: int, max_seconds: float, ser
         for key, value in _counters(reply).items():
             totals[key] += value
         for _ in range(max(1, n)):
-            train, opt = remote.step()
+            train, opt = step()
             without_train.append(train)
             without_opt.append(opt)
         account("without", mark)
@@ -98,9 +123,27 @@ def snapshot_overlap(remote: Variant, target_steps: int, max_seconds: float, ser
             m = max(1, n)
             for kind, w, wo in (("train", with_train, without_train), ("opt", with_opt, without_opt)):
                 paired[kind].append(statistics.fmean(w[-n:]) / statistics.fmean(wo[-m:]))
+    steps_timed = len(with_train) + len(without_train)
+    rpcs = {name: count / steps_timed for name, count in rpc.counts.items()} if rpc is not None and steps_timed else {}
+    without_opt_mean = statistics.fmean(without_opt) if without_opt else float("nan")
+    without_train_mean = statistics.fmean(without_train) if without_train else float("nan")
     return {
         "snapshots": snapshots,
         "steps_with": len(with_train),
+        "first_step_after_snapshot_train_s": summarize(first_train),
+        "first_step_after_snapshot_opt_s": summarize(first_opt),
+        "snapshot_call_s": summarize(stall),
+        "ratio_opt": {
+            "mean": statistics.fmean(with_opt) / without_opt_mean if with_opt else float("nan"),
+            "p99": (summarize(with_opt).get("p99", float("nan")) / without_opt_mean) if with_opt else float("nan"),
+            "max": max(with_opt) / without_opt_mean if with_opt else float("nan"),
+        },
+        "ratio_train": {
+            "mean": statistics.fmean(with_train) / without_train_mean if with_train else float("nan"),
+            "p99": (summarize(with_train).get("p99", float("nan")) / without_train_mean) if with_train else float("nan"),
+            "max": max(with_train) / without_train_mean if with_train else float("nan"),
+        },
+        "unary_rpcs_per_step": rpcs,
         "steps_without": len(without_train),
         "steps_per_snapshot": steps_per_snapshot,
         "with_train_s": summarize(with_train),
@@ -244,14 +287,33 @@ def checkpoint_stalls(inproc: Variant, remote: Variant, work_dir: str, reps: int
     return out
 
 
+def _cold_read(paths: list[str], snapshot_dir: str) -> float:
+    """Seconds to read ``paths`` sequentially (8 MiB reads) with their pages dropped first."""
+    drop_tree_cache(snapshot_dir)
+    block = memoryview(bytearray(8 << 20))
+    t0 = time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while os.readv(fd, [block]) > 0:
+                pass
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
 def restore_throughput(remote: Variant, snapshot_id: str, snapshot_dir: str, nbytes: int, reps: int) -> dict[str, Any]:
     """``container.restore(id)`` as the trainer sees it: cold (the snapshot's pages dropped
-    from the page cache first) and warm (just read). The server verifies every checksum
-    before it writes a byte, so a restore reads the file twice: once to verify (cold), once
-    to copy (then warm)."""
+    from the page cache first) and warm (just read). The server reads the file once, verifies
+    every checksum, and only then copies the staged bytes into the segment. Next to each cold
+    restore, a plain cold read of the same files (same disk, same moment): the reference."""
     container = remote.optimizer
-    cold, warm = [], []
+    job, _, step = snapshot_id.partition("/step-")
+    step_dir = os.path.join(snapshot_dir, job, f"step-{int(step):012d}")
+    files = sorted(os.path.join(step_dir, f) for f in os.listdir(step_dir) if f.endswith(".safetensors"))
+    cold, warm, read = [], [], []
     for _ in range(reps):
+        read.append(_cold_read(files, snapshot_dir))
         drop_tree_cache(snapshot_dir)
         t0 = time.perf_counter()
         container.restore(snapshot_id)
@@ -259,6 +321,7 @@ def restore_throughput(remote: Variant, snapshot_id: str, snapshot_dir: str, nby
         t0 = time.perf_counter()
         container.restore(snapshot_id)
         warm.append(time.perf_counter() - t0)
+    file_bytes = sum(os.path.getsize(f) for f in files)
     return {
         "snapshot_id": snapshot_id,
         "bytes": nbytes,
@@ -266,6 +329,7 @@ def restore_throughput(remote: Variant, snapshot_id: str, snapshot_dir: str, nby
         "warm_s": summarize(warm),
         "cold_gbps": summarize([gbps(nbytes, t) for t in cold]),
         "warm_gbps": summarize([gbps(nbytes, t) for t in warm]),
+        "file_cold_read_gbps": summarize([gbps(file_bytes, t) for t in read]),
     }
 
 
@@ -299,8 +363,8 @@ def memory(remote: Variant, server_pid: int, state_bytes: int) -> dict[str, Any]
 
 
 def commit_latency(server: str, samples: int) -> dict[str, Any]:
-    """CommitStep round trips on an otherwise idle session (a one-layer model), so the
-    number is the control plane alone: gRPC over the Unix socket plus the server's work."""
+    """Step commits on an otherwise idle session (a one-layer model): the container's commit
+    is header words in the segment, no RPC, so this is the cost a step pays to commit."""
     from swap_state.client.device import DeviceBackend
     from swap_state.client.remote_container import RemoteSwapOptimizersContainer
 

@@ -75,16 +75,35 @@ def _status(args) -> int:
         f"budget: used {_gib(stats.budget_used_bytes)} / {_gib(stats.budget_total_bytes)} "
         f"(free {_gib(stats.budget_free_bytes)}); steps committed: {stats.steps_committed_total}"
     )
+    if stats.stage_threads or stats.persist_bytes_per_second:
+        how = "measured" if stats.persist_bandwidth_measured else "assumed"
+        print(
+            f"snapshots: persist {stats.persist_bytes_per_second / 1e9:.2f} GB/s ({how}), forward/backward "
+            f"{stats.assumed_fwd_bwd_seconds:g} s (assumed), {stats.stage_threads} staging thread(s)"
+        )
     print(f"sessions: {len(stats.sessions)}")
+    warnings = []
     for s in stats.sessions:
         step = s.last_committed_step if s.has_committed_step else "-"
+        budget = ""
+        if s.copy_slot_bytes or s.copy_budget_needed_bytes:
+            budget = (f" copy slots {_gib(s.copy_slot_bytes)} (needed {_gib(s.copy_budget_needed_bytes)}"
+                      f"{', SHORT' if s.copy_budget_warning else ''})")
         print(
             f"  {s.job_id}/rank {s.rank}/{s.world_size} gen {s.generation} {s.state} "
-            f"{_gib(s.segment_bytes)} last step {step}"
+            f"{_gib(s.segment_bytes)} last step {step}{budget}"
         )
+        if s.copy_budget_warning:
+            warnings.append(f"{s.job_id}/rank {s.rank}: {s.copy_budget_warning}")
     for snap in stats.snapshots_in_progress:
         pct = 100.0 * snap.bytes_persisted / max(1, snap.bytes_total)
-        print(f"  snapshot {snap.snapshot_id} rank {snap.rank}: {snap.state} {pct:.1f}%")
+        print(
+            f"  snapshot {snap.snapshot_id} rank {snap.rank}: {snap.state} {pct:.1f}%; server staged "
+            f"{snap.server_staged_chunks} chunks, trainer copied {snap.cow_copies}, "
+            f"back-pressure waits {snap.backpressure_waits}"
+        )
+    for warning in warnings:
+        print(f"WARNING {warning}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The trainer's side of the copy-before-write protocol (``swap_state.common.segment``, step 3).
+"""The trainer's side of the copy-before-write protocol (``swap_state.common.segment``, step 4).
 
 Pure Python over a mapped segment: no torch, no grpc, so the client can use it as is and the
 server's tests can play the trainer. Call order, from the *one* thread that writes the segment
@@ -11,9 +11,12 @@ server's tests can play the trainer. Call order, from the *one* thread that writ
     protector.close()                            # before unmapping
 
 ``before_write`` costs one header word read when no snapshot is persisting. While one is, a
-chunk the server has not read yet is copied into a free spare slot before it is overwritten;
-with no free slot the caller waits until a slot is freed or the server has read the chunk,
-and the wait is counted in the header (``BP_WAITS``, ``BP_WAIT_NS``), never hidden.
+chunk is safe when the server's writer has read it (``PERSISTED_UPTO``) or its stager has
+copied it (``STAGED_UPTO``), which it does ahead of the trainer; only a chunk that neither
+has reached is copied here, into a free slot of the trainer's own (``[STAGE_SLOTS,
+COW_SLOTS)``), before it is overwritten. With no free slot of its own the caller waits until
+one is freed or the server has made the chunk safe, and the wait is counted in the header
+(``BP_WAITS``, ``BP_WAIT_NS``), never hidden.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class BackPressureTimeout(TimeoutError):
 def _needs_copy(header: SegmentHeader, chunk: int, epoch: int) -> bool:
     return (
         epoch != 0
+        and header[Word.STAGED_UPTO] <= chunk
         and header[Word.PERSISTED_UPTO] <= chunk
         and header.cow_epoch(chunk) != epoch
     )
@@ -70,11 +74,12 @@ def protect_chunk(
             elif max_wait_s is not None and now - waited_since > max_wait_s * 1e9:
                 raise BackPressureTimeout(
                     f"waited {max_wait_s} s for a free copy slot for chunk {chunk.index} "
-                    f"(server persisted {header[Word.PERSISTED_UPTO]} of {layout.n_chunks} chunks)"
+                    f"(server persisted {header[Word.PERSISTED_UPTO]} and staged "
+                    f"{header[Word.STAGED_UPTO]} of {layout.n_chunks} chunks)"
                 )
             time.sleep(poll)
             poll = min(poll * 2, _POLL_MAX_S)
-            # While waiting the server may have read this chunk or finished the snapshot.
+            # While waiting the server may have read or staged this chunk, or finished.
             epoch = header[Word.SNAP_EPOCH]
             if not _needs_copy(header, chunk.index, epoch):
                 return False

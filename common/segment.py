@@ -8,24 +8,59 @@ The header is an array of little-endian uint64 words. Every word has exactly one
 (the server or the trainer), so no locks are needed; a reader may see an old value, never a
 torn one (aligned 8-byte stores).
 
-Snapshot protocol (copy-before-write), for a snapshot of committed step N:
+Snapshot protocol (copy-before-write, made safe ahead of the trainer by the server), for a
+snapshot of committed step N. Chunk order is the tensor order of the segment, which is the
+order the trainer updates them; the spare slots (``COW_SLOTS`` of them, ``CHUNK_BYTES`` each)
+are split, per snapshot, between the server's *stager* and the trainer's *fallback*:
 
-1. The trainer calls Snapshot(step=N) between steps. Before replying, the server publishes
-   ``SNAP_STEP = N``, ``PERSISTED_UPTO = 0`` and then ``SNAP_EPOCH = e`` (e > 0, increasing).
-   From the reply on, the snapshot is *consistent*: the trainer may mutate again.
-2. The server persists chunks in order (the chunk order is the tensor order of the segment,
-   which is the order the trainer updates them). After it has finished reading chunk c it
-   stores ``PERSISTED_UPTO = c + 1``. When done it stores ``SNAP_EPOCH = 0``.
-3. Before the trainer overwrites chunk c while ``SNAP_EPOCH == e != 0`` and
-   ``PERSISTED_UPTO <= c`` and ``COW_EPOCH[c] != e``, it copies the chunk into a free spare
-   slot j (free: ``SLOT_TAKEN[j] == SLOT_FREED[j]``), then stores ``COW_SLOT[c] = j + 1``,
-   ``SLOT_TAKEN[j] += 1`` and last ``COW_EPOCH[c] = e``; only then it overwrites the chunk.
-   With no free slot it waits (back-pressure) and counts the wait in ``BP_WAITS`` and
+1. The trainer calls Snapshot(step=N) between steps. Before replying, the server frees every
+   trainer slot (``SLOT_FREED[j] = SLOT_TAKEN[j]``) and publishes ``SNAP_STEP = N``,
+   ``PERSISTED_UPTO = 0``, ``STAGED_UPTO = 0``, ``STAGE_SLOTS = k`` (0 <= k <= COW_SLOTS)
+   and last ``SNAP_EPOCH = e`` (e > 0, increasing). Slots ``[0, k)`` are the stager's for
+   this epoch, slots ``[k, COW_SLOTS)`` the trainer's; neither side touches the other's, and
+   ``STAGE_SLOTS`` only changes while ``SNAP_EPOCH == 0``. From the reply on, the snapshot is
+   *consistent*: the trainer may mutate again.
+2. The server's stager copies chunks, at memory speed, into its slots in update order, chunk
+   c into stager slot ``c % k`` (a ring): it copies chunk c only once the writer is done with
+   chunk ``c - k`` (``PERSISTED_UPTO > c - k``), skips chunks the writer is already done with
+   (``c < PERSISTED_UPTO``; never the one being read) and the copy of chunks the trainer
+   copied itself (``COW_EPOCH[c] == e``), and after each copy stores ``STAGED_UPTO = c + 1``:
+   every chunk below ``STAGED_UPTO`` is persisted, in its stager slot, or in a trainer slot.
+3. The server's writer persists chunks in order. For chunk c it reads stager slot ``c % k``
+   when ``c < STAGED_UPTO`` (read before), else the chunk in the segment (zero copy). After
+   the read it checks ``COW_EPOCH[c]``: if it equals e, the trainer copied the chunk (its
+   overwrite may have torn the read, or the stager's), so it rewrites from trainer slot
+   ``COW_SLOT[c] - 1`` and frees it with ``SLOT_FREED[j] = SLOT_TAKEN[j]``. Else, if it read
+   the segment and now ``c < STAGED_UPTO``, the stager staged the chunk during the read and
+   the trainer may have overwritten it since, so it rewrites from the stager slot. Then it
+   stores ``PERSISTED_UPTO = c + 1`` (which also frees the chunk's stager slot). When done it
+   stops the stager and stores ``SNAP_EPOCH = 0``.
+4. Before the trainer overwrites chunk c while ``SNAP_EPOCH == e != 0`` and
+   ``PERSISTED_UPTO <= c`` and ``STAGED_UPTO <= c`` and ``COW_EPOCH[c] != e`` (neither side
+   of the server has made it safe), it copies the chunk into a free slot j of its own
+   (``STAGE_SLOTS <= j < COW_SLOTS``; free: ``SLOT_TAKEN[j] == SLOT_FREED[j]``), then stores
+   ``COW_SLOT[c] = j + 1``, ``SLOT_TAKEN[j] += 1`` and last ``COW_EPOCH[c] = e``; only then
+   it overwrites the chunk. With no free slot of its own it waits (back-pressure) until one
+   is freed or the server made the chunk safe, and counts the wait in ``BP_WAITS`` and
    ``BP_WAIT_NS``; every copy is counted in ``COW_COPIES``.
-4. The server reads chunk c from the segment, and *after* the read checks ``COW_EPOCH[c]``:
-   if it equals e, the trainer may have overwritten the chunk during the read, so the server
-   reads slot ``COW_SLOT[c] - 1`` instead (which holds step N's bytes), then frees it with
-   ``SLOT_FREED[j] = SLOT_TAKEN[j]``.
+
+Why the bytes persisted are step N's: the trainer overwrites chunk c in epoch e only after
+its own copy (``COW_EPOCH[c] = e`` first) or once ``PERSISTED_UPTO > c`` (nobody needs it) or
+``STAGED_UPTO > c`` (stored after the stager's copy ended). So a stager copy or writer read
+of chunk c that may be torn is followed by ``COW_EPOCH[c] == e`` (the trainer's copy wins) or
+by ``STAGED_UPTO > c`` with a clean stager copy; step 3 checks both after its read. A stager
+slot is reused for chunk c + k only after the writer is done with chunk c.
+
+Server-side writers, one at a time per word: ``PERSISTED_UPTO`` and ``SLOT_FREED`` are the
+writer thread's, ``STAGED_UPTO`` the stager thread's (joined before ``SNAP_EPOCH = 0``);
+the Snapshot call (step 1) and the writer's release (step 3's end) store ``SNAP_STEP``,
+``STAGE_SLOTS``, ``SNAP_EPOCH`` and free every slot, while no stager or writer of the
+segment runs. ``k`` is :func:`stager_slot_count` (none below 3 slots; the trainer always
+keeps at least one).
+
+Memory rule: a snapshot does not slow the trainer when the stager's slots cover what the
+writer cannot persist before the trainer's next optimizer step reaches it, i.e. about
+``state bytes - persist bandwidth x forward/backward time`` (:func:`copy_budget_needed`).
 
 This module imports neither torch nor grpc.
 """
@@ -55,13 +90,17 @@ __all__ = [
     "plan_segment",
     "chunk_table",
     "committed_step",
+    "ASSUMED_FWD_BWD_S",
+    "ASSUMED_PERSIST_BYTES_PER_S",
+    "CopyBudget",
+    "copy_budget_needed",
+    "stager_slot_count",
 ]
 
 MAGIC = int.from_bytes(b"SWAPST01", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: STAGE_SLOTS / STAGED_UPTO, the server stages ahead of the trainer
 PAGE_BYTES = mmap.PAGESIZE
 FIXED_WORDS = 32
-
 
 
 class Word(enum.IntEnum):
@@ -77,8 +116,10 @@ class Word(enum.IntEnum):
     COW_SLOTS_OFFSET = 7  # server, at creation
     SNAP_EPOCH = 8  # server: id of the snapshot being persisted, 0 when none
     SNAP_STEP = 9  # server: the step that snapshot holds
-    PERSISTED_UPTO = 10  # server: chunks [0, n) of SNAP_EPOCH are read and need no copy
+    PERSISTED_UPTO = 10  # server (writer): chunks [0, n) of SNAP_EPOCH are read, need no copy
     COMMITTED_STEP = 11  # server: step + 1 recorded by a CommitStep RPC or a Restore (0: none)
+    STAGE_SLOTS = 12  # server: slots [0, n) are the stager's this epoch, the rest the trainer's
+    STAGED_UPTO = 13  # server (stager): chunks [0, n) of SNAP_EPOCH are safe (staged/persisted)
     RESTORED_SEQ = 15  # server: restores into this segment so far
     TRAINER_GENERATION = 16  # trainer: the generation that owns the segment now
     WRITING_STEP = 17  # trainer: step + 1 being written (0: not mutating)
@@ -96,15 +137,79 @@ def committed_step(header: "SegmentHeader") -> int | None:
     """The last committed step the segment holds, None when none.
 
     The trainer commits a step by storing ``TRAINER_COMMITTED = step + 1`` (no RPC) after
-    its writes of the step are complete and ``WRITING_STEP`` is cleared; it stores
-    ``TRAINER_RESTORED_SEQ = RESTORED_SEQ`` before. A Restore (or a CommitStep RPC) is the
-    server's: ``COMMITTED_STEP``, then ``RESTORED_SEQ += 1``. Whichever came last holds: the
-    server's value until the trainer commits again after it.
+    its writes of the step are complete and ``WRITING_STEP`` is cleared, then
+    ``TRAINER_RESTORED_SEQ = RESTORED_SEQ``. A Restore (or a CommitStep RPC) is the server's:
+    ``COMMITTED_STEP``, then ``RESTORED_SEQ += 1``. Whichever came last holds: the server's
+    value until the trainer has committed after it (in between a reader sees the older step,
+    never a wrong one).
     """
-    if header[Word.TRAINER_RESTORED_SEQ] == header[Word.RESTORED_SEQ] and header[Word.TRAINER_COMMITTED]:
-        return header[Word.TRAINER_COMMITTED] - 1
+    if header[Word.TRAINER_RESTORED_SEQ] == header[Word.RESTORED_SEQ]:
+        trainer = header[Word.TRAINER_COMMITTED]
+        return trainer - 1 if trainer else None
     server = header[Word.COMMITTED_STEP]
     return server - 1 if server else None
+
+
+def stager_slot_count(cow_slots: int) -> int:
+    """Slots the server's stager takes of a segment's ``cow_slots`` (protocol step 1); the
+    rest (at least one) stay the trainer's fallback."""
+    if cow_slots <= 2:
+        # A ring of one slot could only stage the chunk the writer is reading right now: the
+        # slots are worth more as the trainer's fallback.
+        return 0
+    return cow_slots - max(1, cow_slots // 32)
+
+
+ASSUMED_PERSIST_BYTES_PER_S = 1e9
+"""Persist bandwidth assumed until a snapshot was measured (the writer's pace into the page
+cache, checksummed: what moves ``PERSISTED_UPTO``)."""
+ASSUMED_FWD_BWD_S = 0.1
+"""Forward + backward time assumed between a snapshot's consistency and the trainer's next
+optimizer step (the server never sees the model; short on purpose: the warning errs early)."""
+
+
+def copy_budget_needed(state_bytes: int, persist_bytes_per_s: float, fwd_bwd_s: float) -> int:
+    """Copy-slot bytes a pause-free snapshot needs: what the writer cannot persist during one
+    forward/backward (the trainer's next optimizer step then overwrites the rest)."""
+    return max(0, int(state_bytes - persist_bytes_per_s * fwd_bwd_s))
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyBudget:
+    """The memory rule for one segment (see the protocol above): do its copy slots cover what
+    the disk cannot persist within one forward/backward?"""
+
+    state_bytes: int
+    """Tensor bytes of the segment."""
+    slot_bytes: int
+    """Bytes of its copy slots (stager's and trainer's)."""
+    persist_bytes_per_s: float
+    """The persist bandwidth the estimate uses."""
+    persist_measured: bool
+    """Whether that bandwidth was measured on this server (else assumed)."""
+    fwd_bwd_s: float
+    """The forward/backward time the estimate assumes."""
+
+    @property
+    def needed_bytes(self) -> int:
+        return copy_budget_needed(self.state_bytes, self.persist_bytes_per_s, self.fwd_bwd_s)
+
+    @property
+    def short_bytes(self) -> int:
+        return max(0, self.needed_bytes - self.slot_bytes)
+
+    def warning(self) -> str:
+        """Empty when the budget covers the need, else the numbers and what to do."""
+        if not self.short_bytes:
+            return ""
+        how = "measured" if self.persist_measured else "assumed"
+        return (
+            f"copy budget short by {self.short_bytes} bytes: {self.slot_bytes} bytes of copy "
+            f"slots, {self.needed_bytes} needed = state {self.state_bytes} bytes - persist "
+            f"{self.persist_bytes_per_s / 1e9:.2f} GB/s ({how}) x forward/backward "
+            f"{self.fwd_bwd_s:g} s (assumed); snapshots will make the trainer copy or wait: "
+            f"raise --cow-budget by {self.short_bytes} bytes"
+        )
 
 
 def align_up(value: int, alignment: int = PAGE_BYTES) -> int:
@@ -232,7 +337,7 @@ class SegmentHeader:
 
     def check(self) -> None:
         if self._all[Word.MAGIC] != MAGIC or self._all[Word.VERSION] != LAYOUT_VERSION:
-            raise ValueError("not a swap-state segment of layout version 1")
+            raise ValueError(f"not a swap-state segment of layout version {LAYOUT_VERSION}")
 
     def __getitem__(self, word: Word) -> int:
         return self._all[word]
@@ -265,8 +370,9 @@ class SegmentHeader:
         self._all[self._slot_freed + slot] = count
 
     def free_slot(self) -> int | None:
-        """A slot the trainer may take now, or None."""
-        for slot in range(self.cow_slots):
+        """A slot the trainer may take now (one of its own, ``[STAGE_SLOTS, COW_SLOTS)``), or
+        None."""
+        for slot in range(min(self._all[Word.STAGE_SLOTS], self.cow_slots), self.cow_slots):
             if self.slot_taken(slot) == self.slot_freed(slot):
                 return slot
         return None

@@ -129,6 +129,10 @@ class ServerConfig:
     """Upper bound for snapshot writes to --snapshot-dir in bytes/s (size suffixes allowed);
     0 means unlimited."""
 
+    stage_threads: int = _flag(1, metavar="N", example="2")
+    """Threads per persisting snapshot that copy chunks into spare slots ahead of the trainer,
+    so it rarely copies or waits itself; 0: the trainer copies what the writer has not read."""
+
     keep_latest: int = _flag(2, metavar="K", example="3")
     """Durable snapshots kept per job, at least 2: older ones are removed only after a newer one
     is durable."""
@@ -198,6 +202,8 @@ class ServerConfig:
             )
         if self.persist_max_bandwidth < 0:
             fail("--persist-max-bandwidth must be >= 0 (0: unlimited)")
+        if not 0 <= self.stage_threads <= 64:
+            fail("--stage-threads must be between 0 and 64")
         if self.keep_latest < 2:
             fail("--keep-latest must be >= 2 (the previous snapshot must survive the next)")
         if not self.shm_dir.is_absolute():

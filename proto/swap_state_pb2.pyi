@@ -155,7 +155,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("session_id", "job_id", "rank", "world_size", "generation", "state", "segment_bytes", "last_committed_step", "has_committed_step", "steps_committed", "orphaned_seconds", "local_world_size")
+    __slots__ = ("session_id", "job_id", "rank", "world_size", "generation", "state", "segment_bytes", "last_committed_step", "has_committed_step", "steps_committed", "orphaned_seconds", "local_world_size", "copy_slot_bytes", "copy_budget_needed_bytes", "copy_budget_warning")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,9 @@ class SessionStats(_message.Message):
     STEPS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     ORPHANED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COPY_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COPY_BUDGET_NEEDED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COPY_BUDGET_WARNING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     job_id: str
     rank: int
@@ -180,23 +183,34 @@ class SessionStats(_message.Message):
     steps_committed: int
     orphaned_seconds: float
     local_world_size: int
-    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., has_committed_step: _Optional[bool] = ..., steps_committed: _Optional[int] = ..., orphaned_seconds: _Optional[float] = ..., local_world_size: _Optional[int] = ...) -> None: ...
+    copy_slot_bytes: int
+    copy_budget_needed_bytes: int
+    copy_budget_warning: str
+    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., has_committed_step: _Optional[bool] = ..., steps_committed: _Optional[int] = ..., orphaned_seconds: _Optional[float] = ..., local_world_size: _Optional[int] = ..., copy_slot_bytes: _Optional[int] = ..., copy_budget_needed_bytes: _Optional[int] = ..., copy_budget_warning: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("budget_total_bytes", "budget_used_bytes", "budget_free_bytes", "sessions", "steps_committed_total", "snapshots_in_progress")
+    __slots__ = ("budget_total_bytes", "budget_used_bytes", "budget_free_bytes", "sessions", "steps_committed_total", "snapshots_in_progress", "persist_bytes_per_second", "persist_bandwidth_measured", "assumed_fwd_bwd_seconds", "stage_threads")
     BUDGET_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     STEPS_COMMITTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_BANDWIDTH_MEASURED_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_FWD_BWD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_THREADS_FIELD_NUMBER: _ClassVar[int]
     budget_total_bytes: int
     budget_used_bytes: int
     budget_free_bytes: int
     sessions: _containers.RepeatedCompositeFieldContainer[SessionStats]
     steps_committed_total: int
     snapshots_in_progress: _containers.RepeatedCompositeFieldContainer[SnapshotStatusReply]
-    def __init__(self, budget_total_bytes: _Optional[int] = ..., budget_used_bytes: _Optional[int] = ..., budget_free_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., steps_committed_total: _Optional[int] = ..., snapshots_in_progress: _Optional[_Iterable[_Union[SnapshotStatusReply, _Mapping]]] = ...) -> None: ...
+    persist_bytes_per_second: float
+    persist_bandwidth_measured: bool
+    assumed_fwd_bwd_seconds: float
+    stage_threads: int
+    def __init__(self, budget_total_bytes: _Optional[int] = ..., budget_used_bytes: _Optional[int] = ..., budget_free_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., steps_committed_total: _Optional[int] = ..., snapshots_in_progress: _Optional[_Iterable[_Union[SnapshotStatusReply, _Mapping]]] = ..., persist_bytes_per_second: _Optional[float] = ..., persist_bandwidth_measured: _Optional[bool] = ..., assumed_fwd_bwd_seconds: _Optional[float] = ..., stage_threads: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ("session_id", "generation", "step", "metadata_json", "keep_latest", "keep_all")
@@ -233,7 +247,7 @@ class SnapshotStatusRequest(_message.Message):
     def __init__(self, snapshot_id: _Optional[str] = ..., rank: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class SnapshotStatusReply(_message.Message):
-    __slots__ = ("snapshot_id", "rank", "state", "bytes_total", "bytes_persisted", "error", "cow_copies", "backpressure_waits", "backpressure_wait_seconds", "path", "step")
+    __slots__ = ("snapshot_id", "rank", "state", "bytes_total", "bytes_persisted", "error", "cow_copies", "backpressure_waits", "backpressure_wait_seconds", "path", "step", "server_staged_chunks", "server_staged_bytes", "trainer_copied_bytes")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +259,9 @@ class SnapshotStatusReply(_message.Message):
     BACKPRESSURE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SERVER_STAGED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_COPIED_BYTES_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     rank: int
     state: str
@@ -256,7 +273,10 @@ class SnapshotStatusReply(_message.Message):
     backpressure_wait_seconds: float
     path: str
     step: int
-    def __init__(self, snapshot_id: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_persisted: _Optional[int] = ..., error: _Optional[str] = ..., cow_copies: _Optional[int] = ..., backpressure_waits: _Optional[int] = ..., backpressure_wait_seconds: _Optional[float] = ..., path: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    server_staged_chunks: int
+    server_staged_bytes: int
+    trainer_copied_bytes: int
+    def __init__(self, snapshot_id: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_persisted: _Optional[int] = ..., error: _Optional[str] = ..., cow_copies: _Optional[int] = ..., backpressure_waits: _Optional[int] = ..., backpressure_wait_seconds: _Optional[float] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., server_staged_chunks: _Optional[int] = ..., server_staged_bytes: _Optional[int] = ..., trainer_copied_bytes: _Optional[int] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
     __slots__ = ("snapshot_id", "job_id", "step", "world_size", "path", "bytes", "latest", "ranks", "local_world_size")

@@ -12,6 +12,16 @@ of ``chunk_bytes``) is held back from it; each segment takes its slots out of th
 its header + tensors (+ page padding) out of the rest. So tensors can never eat the spare
 slots snapshots rely on, and the sum of all segment files never exceeds ``total``.
 
+Copy budget: a snapshot pauses nobody only when a segment's slots cover what the disk cannot
+persist within one forward/backward (:class:`~swap_state.common.segment.CopyBudget`); a new
+segment that falls short is logged (``copy_budget_short``, with the numbers), using
+``persist_estimate`` (the snapshot service keeps it at the coordinator's measured rate; the
+assumed ``ASSUMED_PERSIST_BYTES_PER_S`` before any snapshot) and ``assumed_fwd_bwd_s``.
+
+Restore staging: :meth:`Arena.reserve_staging` takes bytes out of the free budget for the
+duration of a restore (the verified bytes it holds before the segment changes), and gives
+them back after; it refuses (False) when the free budget cannot hold them.
+
 Blocking methods (``create_segment``, ``free``) are thread-safe and meant for a worker thread:
 committing tens of GiB takes seconds and must not stall liveness streams.
 """
@@ -31,7 +41,10 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from swap_state.common.segment import (
+    ASSUMED_FWD_BWD_S,
+    ASSUMED_PERSIST_BYTES_PER_S,
     PAGE_BYTES,
+    CopyBudget,
     SegmentHeader,
     SegmentLayout,
     align_up,
@@ -250,6 +263,10 @@ class Arena:
         self._seq = 0
         self._closed = False
         self._warned_mlock = False
+        self._staging_used = 0
+        self.persist_estimate: tuple[float, bool] = (ASSUMED_PERSIST_BYTES_PER_S, False)
+        """(bytes/s, measured) of the snapshot writer, for the copy-budget warning."""
+        self.assumed_fwd_bwd_s = ASSUMED_FWD_BWD_S
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -266,7 +283,39 @@ class Arena:
     def free_bytes(self) -> int:
         """Bytes a new segment's header and tensors may still take (cow pool held back)."""
         with self._lock:
-            return self.total_bytes - self.cow_reserve_bytes - self._tensor_used
+            return self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self._staging_used
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes restores hold right now (see :meth:`reserve_staging`)."""
+        return self._staging_used
+
+    @contextlib.contextmanager
+    def reserve_staging(self, nbytes: int) -> Iterator[bool]:
+        """Hold ``nbytes`` of the free budget for the block (a restore's staged bytes); yields
+        False, holding nothing, when they are not free."""
+        with self._lock:
+            free = self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self._staging_used
+            granted = 0 <= nbytes <= free
+            if granted:
+                self._staging_used += nbytes
+        try:
+            yield granted
+        finally:
+            if granted:
+                with self._lock:
+                    self._staging_used -= nbytes
+
+    def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
+        """The memory rule for a segment of ``layout`` with the arena's estimates."""
+        rate, measured = self.persist_estimate
+        return CopyBudget(
+            state_bytes=sum(t.nbytes for t in layout.tensors),
+            slot_bytes=layout.cow_slots * layout.chunk_bytes,
+            persist_bytes_per_s=rate,
+            persist_measured=measured,
+            fwd_bwd_s=self.assumed_fwd_bwd_s,
+        )
 
     @property
     def cow_slots_used(self) -> int:
@@ -318,7 +367,7 @@ class Arena:
             if slots != layout.cow_slots:
                 layout = plan_segment(specs, chunk, slots)
             charge = layout.cow_slots_offset  # header + tensors + page padding
-            free = self.total_bytes - self.cow_reserve_bytes - self._tensor_used
+            free = self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self._staging_used
             if charge > free:
                 self.allocation_failures += 1
                 raise ResourceExhausted(
@@ -357,6 +406,15 @@ class Arena:
         if closed:  # shut down while we were faulting pages in
             self._destroy(segment)
             raise Unavailable("the server is shutting down")
+        budget = self.copy_budget(layout)
+        if budget.short_bytes:
+            log_event(
+                log, "copy_budget_short", logging.WARNING, segment=name,
+                state_bytes=budget.state_bytes, slot_bytes=budget.slot_bytes,
+                needed_bytes=budget.needed_bytes, persist_bytes_per_s=int(budget.persist_bytes_per_s),
+                persist_measured=budget.persist_measured, assumed_fwd_bwd_s=budget.fwd_bwd_s,
+                cow_pool_slots=self.cow_pool_slots, detail=budget.warning(),
+            )
         return segment
 
     def _materialize(self, segment: Segment) -> None:

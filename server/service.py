@@ -143,6 +143,11 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
 
     @rpc_boundary
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
+        if self.snapshots is not None:
+            persist, measured = self.snapshots.persist_bandwidth()
+            fwd_bwd, stage_threads = self.snapshots.assumed_fwd_bwd_s, self.snapshots.stage_threads
+        else:
+            persist, measured, fwd_bwd, stage_threads = 0.0, False, 0.0, 0
         return pb.StatsReply(
             budget_total_bytes=self.arena.total_bytes,
             budget_used_bytes=self.arena.used_bytes,
@@ -152,9 +157,17 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
             snapshots_in_progress=[
                 status_reply(s) for s in (self.snapshots.in_progress() if self.snapshots else ())
             ],
+            persist_bytes_per_second=persist,
+            persist_bandwidth_measured=measured,
+            assumed_fwd_bwd_seconds=fwd_bwd,
+            stage_threads=stage_threads,
         )
 
     def _session_stats(self, session: Session) -> pb.SessionStats:
+        budget = None
+        if session.segment is not None:
+            layout = session.segment.layout
+            budget = self.snapshots.copy_budget(layout) if self.snapshots else self.arena.copy_budget(layout)
         return pb.SessionStats(
             session_id=session.session_id,
             job_id=session.job_id,
@@ -168,4 +181,7 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
             has_committed_step=session.last_committed_step is not None,
             steps_committed=session.steps_committed,
             orphaned_seconds=self.registry.orphaned_seconds(session),
+            copy_slot_bytes=budget.slot_bytes if budget else 0,
+            copy_budget_needed_bytes=budget.needed_bytes if budget else 0,
+            copy_budget_warning=budget.warning() if budget and self.snapshots else "",
         )

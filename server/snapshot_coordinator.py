@@ -2,11 +2,15 @@
 
 Call order (the servicer):
 
-1. ``coordinator = SnapshotCoordinator(snapshot_dir, keep_latest=K, max_bandwidth=B)`` once at
-   server start (it removes what a killed writer left behind).
+1. ``coordinator = SnapshotCoordinator(snapshot_dir, keep_latest=K, max_bandwidth=B,
+   stage_threads=T)`` once at server start (it removes what a killed writer left behind).
 2. Snapshot RPC: ``handle = coordinator.start(SnapshotSource(...))``. It validates, publishes
    the snapshot epoch in the segment header and returns: the snapshot is *consistent*, the
-   trainer may mutate the segment again. A background thread persists the rank.
+   trainer may mutate the segment again. A background thread persists the rank, and a stager
+   thread (``stage_threads``) copies ahead of the trainer the chunks the writer will not
+   reach in time (:class:`~.snapshot_writer.Stager`). It logs ``copy_budget_short`` when the
+   segment's copy slots cannot cover what the disk cannot persist within one
+   forward/backward (:meth:`SnapshotCoordinator.copy_budget`).
 3. SnapshotStatus RPC: ``coordinator.status(snapshot_id, rank, wait_s)`` (or ``handle.wait``):
    ``durable`` once the ``local_world_size`` ranks of the job on this server (all
    ``world_size`` ranks unless the job spans several hosts, one server each) are on disk and
@@ -27,12 +31,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
 import pathlib
 import threading
 import time
 
-from swap_state.common.segment import Word
+from swap_state.common.segment import (
+    ASSUMED_FWD_BWD_S,
+    ASSUMED_PERSIST_BYTES_PER_S,
+    CopyBudget,
+    SegmentLayout,
+    Word,
+)
 
 from swap_state.common.snapshot_errors import (
     SnapshotBusy,
@@ -47,8 +58,11 @@ from swap_state.common.snapshot_format import FileRecord, SnapshotIndex, snapsho
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, parse_metadata
 from swap_state.common.names import parse_snapshot_id, shorten, validate_job_id
 
+from .logs import log_event
 from .snapshot_store import CommitResult, SnapshotStore
 from .snapshot_writer import BandwidthLimiter, Cancelled, RankResult, RankWriter, SnapshotSource
+
+log = logging.getLogger("swap_state.server.snapshot_coordinator")
 
 __all__ = [
     "SnapshotSource",
@@ -109,6 +123,12 @@ class SnapshotStatus:
     """Ranks that must be durable on this server before the snapshot is (0: ``world_size``)."""
     ranks: tuple[int, ...] = ()
     """The ranks that have joined (in memory) or that the durable snapshot holds (from disk)."""
+    server_staged_chunks: int = 0
+    """Chunks the server's stager copied ahead of the trainer (this rank; 0 from disk)."""
+    server_staged_bytes: int = 0
+    """Bytes of those chunks."""
+    trainer_copied_bytes: int = 0
+    """Bytes of the chunks the trainer copied itself (``cow_copies`` of them; 0 from disk)."""
 
 
 class _Group:
@@ -225,6 +245,7 @@ class SnapshotHandle:
         group = self._group
         writer = self._writer
         cow_copies, bp_waits, bp_wait_ns = writer.counters()
+        staged_chunks, staged_bytes, trainer_bytes = writer.server_counters()
         with group.cond:
             state = group.state
             error = ""
@@ -251,6 +272,9 @@ class SnapshotHandle:
                 warnings=group.commit.warnings if durable else (),
                 local_world_size=group.local_world_size,
                 ranks=tuple(sorted(group.handles)),
+                server_staged_chunks=staged_chunks,
+                server_staged_bytes=staged_bytes,
+                trainer_copied_bytes=trainer_bytes,
             )
 
     def wait(self, timeout: float | None = None) -> SnapshotStatus:
@@ -293,6 +317,9 @@ class SnapshotCoordinator:
         max_metadata_bytes: int = MAX_METADATA_BYTES,
         history: int = 64,
         clean_stale: bool = True,
+        stage_threads: int = 1,
+        assumed_fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
+        assumed_persist_bandwidth: float = ASSUMED_PERSIST_BYTES_PER_S,
     ):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
         ``max_bandwidth``: bytes/s for all snapshot I/O together (None: no cap).
@@ -300,11 +327,22 @@ class SnapshotCoordinator:
         have started it this long after the first. ``history``: finished snapshots whose status
         stays in memory (older ones are answered from disk). ``clean_stale``: remove partial
         snapshots of a previous run now (set False only when another live server shares the
-        directory)."""
+        directory). ``stage_threads``: threads per persisting rank that copy chunks ahead of
+        the trainer into the copy slots (0: none; the trainer then copies every chunk the
+        writer has not reached). ``assumed_fwd_bwd_s`` / ``assumed_persist_bandwidth``: the
+        forward/backward time and (until a snapshot measured it) the persist bytes/s of the
+        copy-budget warning."""
         if keep_latest is not None and keep_latest < 2:
             raise ValueError("keep_latest must be >= 2 (or None to keep all snapshots)")
         if assemble_timeout_s <= 0:
             raise ValueError("assemble_timeout_s must be > 0")
+        if stage_threads < 0:
+            raise ValueError("stage_threads must be >= 0")
+        self.stage_threads = stage_threads
+        self.assumed_fwd_bwd_s = assumed_fwd_bwd_s
+        self.assumed_persist_bandwidth = assumed_persist_bandwidth
+        self.max_bandwidth = max_bandwidth
+        self._measured_persist: float | None = None  # bytes/s, smoothed over snapshots
         self.store = SnapshotStore(snapshot_dir)
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
@@ -320,12 +358,61 @@ class SnapshotCoordinator:
             self.store.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise SnapshotError(f"cannot create snapshot directory {self.store.root}: {exc}") from None
-        if clean_stale:
+        try:
+            alone = self.store.hold()
+        except OSError as exc:
+            raise SnapshotError(f"cannot lock snapshot directory {self.store.root}: {exc}") from None
+        if clean_stale and alone:
             self.store.clean_stale()
+        elif clean_stale:
+            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(self.store.root),
+                      note="another live server uses this directory: its partial snapshots are "
+                           "left alone")
 
     @property
     def snapshot_dir(self) -> pathlib.Path:
         return self.store.root
+
+    # ------------------------------------------------------------------------------ copy budget
+
+    def persist_bandwidth(self) -> tuple[float, bool]:
+        """(bytes/s, measured): the pace chunks persisted at in recent snapshots, or the
+        assumed one before any; never above ``max_bandwidth``."""
+        measured = self._measured_persist
+        rate = measured if measured is not None else self.assumed_persist_bandwidth
+        if self.max_bandwidth is not None:
+            rate = min(rate, self.max_bandwidth)
+        return rate, measured is not None
+
+    def _record_persist_rate(self, rate: float | None) -> None:
+        if rate is None or rate <= 0:
+            return
+        with self._lock:
+            old = self._measured_persist
+            self._measured_persist = rate if old is None else 0.5 * old + 0.5 * rate
+
+    def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
+        """The memory rule for a segment of ``layout``: its copy slots against what the disk
+        cannot persist within one (assumed) forward/backward."""
+        rate, measured = self.persist_bandwidth()
+        return CopyBudget(
+            state_bytes=sum(t.nbytes for t in layout.tensors),
+            slot_bytes=layout.cow_slots * layout.chunk_bytes,
+            persist_bytes_per_s=rate,
+            persist_measured=measured,
+            fwd_bwd_s=self.assumed_fwd_bwd_s,
+        )
+
+    def _warn_copy_budget(self, source: SnapshotSource) -> None:
+        budget = self.copy_budget(source.layout)
+        if budget.short_bytes:
+            log_event(
+                log, "copy_budget_short", logging.WARNING, job_id=source.job_id, rank=source.rank,
+                step=source.step, state_bytes=budget.state_bytes, slot_bytes=budget.slot_bytes,
+                needed_bytes=budget.needed_bytes, persist_bytes_per_s=int(budget.persist_bytes_per_s),
+                persist_measured=budget.persist_measured, assumed_fwd_bwd_s=budget.fwd_bwd_s,
+                detail=budget.warning(),
+            )
 
     # ------------------------------------------------------------------------------ start
 
@@ -426,6 +513,7 @@ class SnapshotCoordinator:
                 group.cancel,
                 self.store.root,
                 time.monotonic(),
+                stage_threads=self.stage_threads,
             )
             if not hold:
                 writer.go()
@@ -454,6 +542,7 @@ class SnapshotCoordinator:
                 error = SnapshotError(f"cannot start a snapshot writer thread: {exc}")
                 group.fail(error, source.rank)
                 raise error from None
+        self._warn_copy_budget(source)  # after the publish: the trainer's stall is not for this
         return handle
 
     def _reuse_group(self, group: _Group, source: SnapshotSource) -> _Group | SnapshotHandle | None:
@@ -548,6 +637,8 @@ class SnapshotCoordinator:
             with self._lock:
                 if self._holding.get((group.job_id, handle.rank)) is handle:
                     del self._holding[(group.job_id, handle.rank)]
+            if result is not None:
+                self._record_persist_rate(handle._writer.persist_rate())
             if error is not None:
                 group.fail(error, handle.rank)
             commit = False
@@ -665,6 +756,7 @@ class SnapshotCoordinator:
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.store.release()
 
 
 def _parse_step_id(snapshot_id: str) -> tuple[str, int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
@@ -59,6 +59,9 @@ def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
         backpressure_wait_seconds=status.backpressure_wait_seconds,
         path=status.path,
         step=status.step,
+        server_staged_chunks=status.server_staged_chunks,
+        server_staged_bytes=status.server_staged_bytes,
+        trainer_copied_bytes=status.trainer_copied_bytes,
     )
 
 
@@ -80,6 +83,8 @@ class SnapshotCounters:
     """Times a trainer waited for a free copy slot."""
     backpressure_wait_seconds: float = 0.0
     """Seconds trainers spent in those waits."""
+    server_staged_chunks: int = 0
+    """Chunks the server copied ahead of the trainers (so they did not have to)."""
 
     def record(self, status: SnapshotStatus) -> None:
         if status.state.value == "durable":
@@ -90,6 +95,7 @@ class SnapshotCounters:
         self.cow_copies += status.cow_copies
         self.backpressure_waits += status.backpressure_waits
         self.backpressure_wait_seconds += status.backpressure_wait_seconds
+        self.server_staged_chunks += status.server_staged_chunks
 
 
 class SnapshotCollector(Collector):
@@ -182,8 +188,15 @@ class SnapshotRpcs:
         except Exception:  # no termination callback: let the writer go now
             handle.proceed()
         self.snapshot_counters.started += 1
-        asyncio.get_running_loop().create_task(_finish(handle, borrow, self.snapshot_counters))
+        asyncio.get_running_loop().create_task(
+            _finish(handle, borrow, self.snapshot_counters, self._note_persist_rate)
+        )
         return pb.SnapshotReply(snapshot_id=handle.snapshot_id, consistent=True)
+
+    def _note_persist_rate(self) -> None:
+        """The arena's copy-budget warning (at allocate) uses the coordinator's measured rate."""
+        if self.snapshots is not None:
+            self.arena.persist_estimate = self.snapshots.persist_bandwidth()
 
     @rpc_boundary
     async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context) -> pb.SnapshotStatusReply:
@@ -222,6 +235,8 @@ class SnapshotRpcs:
                     restore, coordinator.store, snapshot_id, buffer,
                     session.layout, rank=session.rank, world_size=session.world_size,
                     job_id=session.job_id, header=session.header,
+                    reserve_staging=self.arena.reserve_staging,
+                    staging_free_bytes=lambda: self.arena.free_bytes,
                 )
             session.record_commit(result.step, force=True)
         return pb.RestoreReply(
@@ -230,7 +245,10 @@ class SnapshotRpcs:
 
 
 async def _finish(
-    handle: SnapshotHandle, borrow: contextlib.AbstractContextManager, counters: SnapshotCounters
+    handle: SnapshotHandle,
+    borrow: contextlib.AbstractContextManager,
+    counters: SnapshotCounters,
+    finished: Callable[[], None],
 ) -> None:
     """Return the borrowed mapping once the writer is done with it, then count the result."""
     try:
@@ -238,3 +256,4 @@ async def _finish(
     finally:
         borrow.__exit__(None, None, None)
     counters.record(await asyncio.to_thread(handle.wait, None))
+    finished()

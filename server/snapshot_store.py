@@ -19,6 +19,7 @@ Writing (the coordinator, in this order): :meth:`~SnapshotStore.clean_stale` onc
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import pathlib
 import shutil
@@ -31,6 +32,7 @@ from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
 
 __all__ = ["SnapshotInfo", "CommitResult", "SnapshotStore", "fsync_dir", "write_durable"]
 
+LOCK_NAME = ".swap-state.lock"
 _DELETING_PREFIX = ".deleting-"
 _LATEST_TMP = ".latest.tmp"
 
@@ -75,13 +77,36 @@ class SnapshotStore(SnapshotReader):
         super().__init__(root)
         # Commits of different snapshots serialize here: latest and retention read the job dir.
         self._commit_lock = threading.Lock()
+        self._lock_fd: int | None = None
 
     def partial_dir(self, job_id: str, step: int) -> pathlib.Path:
         return self.job_dir(job_id) / partial_dir_name(step)
 
+    def hold(self) -> bool:
+        """Take this server's share of the root (a shared ``flock`` on ``.swap-state.lock``,
+        held until :meth:`release`). True when no other live server shares the directory
+        (an exclusive lock was free first): only then may :meth:`clean_stale` run, since the
+        partial snapshots of another live server are not stale (two embedded servers may share
+        the per-user default directory)."""
+        self._lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alone = True
+        except BlockingIOError:
+            alone = False
+        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)  # converts an exclusive lock, or waits for one
+        return alone
+
+    def release(self) -> None:
+        """Drop the share :meth:`hold` took (closing the file releases the lock)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
+
     def clean_stale(self) -> list[pathlib.Path]:
         """Remove what a killed writer left behind (``.partial-*``, ``.deleting-*``, the
-        latest pointer's temp file). Call once at server start, before any snapshot."""
+        latest pointer's temp file). Call once at server start, before any snapshot, and only
+        when :meth:`hold` says no other live server shares the directory."""
         removed = []
         for job in self.jobs():
             job_dir = self.job_dir(job)

@@ -1,33 +1,47 @@
-"""The server's side of the copy-before-write protocol: persist one rank's segment.
+"""The server's side of the copy-before-write protocol: persist one rank's segment, and stage
+the chunks the trainer would reach first (:mod:`swap_state.common.segment`, steps 1-3).
 
 Call order (the coordinator does this, :mod:`swap_state.server.snapshot_coordinator`):
 
 1. ``RankWriter(...)`` then, synchronously in the Snapshot call, :meth:`RankWriter.publish`:
-   frees leftover copy slots, stores ``SNAP_STEP``, ``PERSISTED_UPTO = 0`` and last
-   ``SNAP_EPOCH = e``. From its return the snapshot is *consistent*.
-2. :meth:`RankWriter.run` in a background thread: streams the chunks in update order into
-   ``rank-XXXXX.safetensors`` in the partial directory, straight from the segment
-   (``os.pwrite`` of a memoryview, no staging copy), storing ``PERSISTED_UPTO = c + 1`` as
-   soon as chunk c is in the page cache and checksummed (before it reaches the disk, so the
-   trainer is held up by memory speed and the bandwidth cap, not by the disk; the kernel's
-   dirty-page throttling can still slow a pwrite on a snapshot many GB large); then releases
-   the segment (``SNAP_EPOCH = 0``), fsyncs the file and writes the rank manifest. On any error or cancellation the
-   segment is released all the same (it is only ever read, never written, apart from the
-   server's header words), and the error propagates.
+   frees leftover copy slots, stores ``SNAP_STEP``, ``PERSISTED_UPTO = 0``, ``STAGED_UPTO =
+   0``, ``STAGE_SLOTS = k`` and last ``SNAP_EPOCH = e``. From its return the snapshot is
+   *consistent*.
+2. :meth:`RankWriter.run` in a background thread. Once let go (:meth:`RankWriter.go`) it
+   starts a :class:`Stager` thread, which copies chunks in update order into the stager's
+   ``k`` slots (a ring, ``ctypes.memmove`` with the GIL released, ``stage_threads`` threads)
+   as far ahead of the writer as the ring allows and publishes ``STAGED_UPTO``: so the
+   trainer's next optimizer step finds them safe instead of copying them itself. The writer
+   yields to a stager that can still copy (:meth:`Stager.yield_to`: its copies are the
+   urgent ones, and the writer then reads the staged chunks from the slots), and once every
+   chunk is staged, to the trainer's optimizer steps (:meth:`RankWriter._yield_to_trainer`:
+   it persists during forward/backward instead); otherwise ``run`` streams the chunks in update order into ``rank-XXXXX.safetensors`` in the partial
+   directory, from the stager's slot when the chunk is staged, else straight from the
+   segment (``os.pwrite`` of a memoryview, no copy of its own), storing ``PERSISTED_UPTO =
+   c + 1`` as soon as chunk c is in the page cache and checksummed (before it reaches the
+   disk, so the trainer is held up by memory speed and the bandwidth cap, not by the disk;
+   the kernel's dirty-page throttling can still slow a pwrite on a snapshot many GB large);
+   then stops the stager, releases the segment (``SNAP_EPOCH = 0``), fsyncs the file and
+   writes the rank manifest. On any error or cancellation the stager is stopped and the
+   segment released all the same (its tensor area is only ever read, never written; the
+   server writes only its header words and its slots), and the error propagates.
 
 Bytes never leave through anything but this file; the segment's tensor area is read-only here.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import logging
 import os
 import pathlib
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from swap_state.common.segment import SegmentHeader, SegmentLayout, Word, chunk_table
+from swap_state.common.segment import SegmentHeader, SegmentLayout, Word, chunk_table, stager_slot_count
 
 from swap_state.common.checksum import crc32, crc32_combine
 from swap_state.common.snapshot_errors import SnapshotError, from_os_error
@@ -44,7 +58,9 @@ from swap_state.common.snapshot_format import (
 from swap_state.common.snapshot_metadata import SnapshotMetadata, TensorMetadata
 from .snapshot_store import write_durable
 
-__all__ = ["BandwidthLimiter", "Cancelled", "RankResult", "RankWriter", "SnapshotSource"]
+__all__ = ["BandwidthLimiter", "Cancelled", "RankResult", "RankWriter", "SnapshotSource", "Stager"]
+
+log = logging.getLogger("swap_state.server.snapshot_writer")
 
 HOLD_MAX_S = 0.25
 """How long a writer started with ``hold`` waits for :meth:`RankWriter.go` at most."""
@@ -124,6 +140,157 @@ class BandwidthLimiter:
         return not cancel.is_set()
 
 
+def buffer_address(buffer) -> int:
+    """Address of the first byte of a writable buffer (an mmap or a memoryview of one). The
+    temporary ctypes object holds a buffer export only for this expression."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+_STAGE_WAIT_S = 0.005
+"""Longest nap of a stager whose ring is full before it looks at ``PERSISTED_UPTO`` again
+(the writer also wakes it after every chunk)."""
+
+_YIELD_MAX_S = 0.5
+"""Longest a writer waits, per chunk, for a busy stager (see :meth:`Stager.yield_to`)."""
+
+TRAINER_YIELD_MAX_S = 2.0
+"""Longest a writer with nothing left at risk pauses for one optimizer step of the trainer
+(``WRITING_STEP`` set); a step that takes longer (a trainer killed mid-step, say) ends the
+pausing for the rest of the snapshot (see :meth:`RankWriter._yield_to_trainer`)."""
+
+TRAINER_YIELD_SHARE = 0.5
+"""Most of its streaming time a writer spends paused for the trainer's steps: a trainer
+whose steps leave little time between them delays durability by 2x at most."""
+
+
+class Stager:
+    """Copies the chunks of one rank's snapshot into the stager's slots ahead of the trainer
+    (protocol step 2); one per :class:`RankWriter`, run in a thread of its own.
+
+    A ring of ``slots`` slots: chunk c goes to slot ``c % slots`` once the writer is done with
+    chunk ``c - slots``, so the staged chunks are always the ones right after the writer's,
+    which the trainer's next optimizer step reaches before the writer does. ``threads``
+    threads copy (``ctypes.memmove``, GIL released); ``STAGED_UPTO`` is stored after each
+    copied batch, by this thread only."""
+
+    def __init__(self, writer: "RankWriter", slots: int, threads: int):
+        self.writer = writer
+        self.slots = slots
+        self.threads = max(1, threads)
+        self.stop_event = threading.Event()
+        self.progress = threading.Condition()
+        self.staged_chunks = 0
+        """Chunks copied into a stager slot (this thread only)."""
+        self.staged_bytes = 0
+        """Bytes of those chunks."""
+        self.skipped_chunks = 0
+        """Chunks not copied: the writer was done with them, or the trainer had copied them."""
+        self.seconds = 0.0
+        """Wall time from start until the last chunk was staged (or the stager stopped)."""
+        self.thread: threading.Thread | None = None
+        self.idle = threading.Event()
+        """Set while the stager has nothing to copy: done, stopped, or its ring is full."""
+        self._base = 0
+
+    def start(self, segment: memoryview) -> None:
+        self._base = buffer_address(segment)
+        self.idle.clear()
+        self.thread = threading.Thread(target=self._run, name=f"{threading.current_thread().name}-stage",
+                                       daemon=True)
+        self.thread.start()
+
+    def wake(self) -> None:
+        """The writer stored a new ``PERSISTED_UPTO`` (or is done): a full ring may move on."""
+        with self.progress:
+            self.progress.notify_all()
+
+    def yield_to(self) -> None:
+        """The writer's courtesy before each chunk: while the stager can copy, let it (up to
+        ``_YIELD_MAX_S``). Its copies are what the trainer's next step needs; the writer's
+        pwrite (a copy into the page cache) and crc32 would compete with them for the server's
+        CPU and memory bandwidth, and the writer reads the staged chunks from the slots anyway.
+        A full ring makes the stager idle, so the writer moves on whenever the stager waits
+        for it."""
+        if self.thread is not None and not self.idle.is_set():
+            self.idle.wait(_YIELD_MAX_S)
+
+    def stop(self) -> None:
+        """Stop and wait for the thread: no stager store or slot write happens after this."""
+        self.stop_event.set()
+        self.wake()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
+
+    def _stopped(self) -> bool:
+        return self.stop_event.is_set() or self.writer.cancel.is_set()
+
+    def _copy(self, chunks) -> int:
+        header = self.writer.source.header
+        layout = self.writer.source.layout
+        epoch = self.writer.epoch
+        copied = count = 0
+        for chunk in chunks:
+            if header.cow_epoch(chunk.index) == epoch:
+                continue  # the trainer copied it: its slot wins (protocol step 3)
+            slot = chunk.index % self.slots
+            ctypes.memmove(
+                self._base + layout.cow_slots_offset + slot * layout.chunk_bytes,
+                self._base + chunk.offset,
+                chunk.nbytes,
+            )
+            copied += chunk.nbytes
+            count += 1
+        return copied, count
+
+    def _run(self) -> None:
+        writer = self.writer
+        header = writer.source.header
+        chunks = writer.chunks
+        n, k = len(chunks), self.slots
+        started = time.monotonic()
+        batch = 1 if self.threads == 1 else 4 * self.threads
+        pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="stage") if self.threads > 1 else None
+        position = 0  # next chunk to stage
+        try:
+            while position < n and not self._stopped():
+                persisted = header[Word.PERSISTED_UPTO]
+                if position < persisted:  # the writer is done with those (never the one it reads)
+                    self.skipped_chunks += persisted - position
+                    position = persisted
+                limit = min(n, persisted + k)  # the ring slots of [persisted, limit) are free
+                if position >= limit:
+                    self.idle.set()  # the writer's turn
+                    with self.progress:
+                        self.progress.wait(_STAGE_WAIT_S)
+                    continue
+                self.idle.clear()
+                end = min(limit, position + batch)
+                todo = chunks[position:end]
+                if pool is None:
+                    nbytes, copied = self._copy(todo)
+                else:
+                    step = -(-len(todo) // self.threads)
+                    parts = [todo[i : i + step] for i in range(0, len(todo), step)]
+                    futures = [pool.submit(self._copy, part) for part in parts[1:]]
+                    results = [self._copy(parts[0])] + [f.result() for f in futures]
+                    nbytes, copied = sum(r[0] for r in results), sum(r[1] for r in results)
+                header[Word.STAGED_UPTO] = end  # after the copies: the trainer trusts them now
+                self.staged_bytes += nbytes
+                self.staged_chunks += copied
+                self.skipped_chunks += len(todo) - copied
+                if end == n:
+                    self.seconds = time.monotonic() - started
+                position = end
+        except Exception as exc:  # staging is an optimisation: the trainer still copies itself
+            log.warning("snapshot stager of %s stopped: %r", writer.source.job_id, exc)
+        finally:
+            self.idle.set()
+            if position < n:
+                self.seconds = time.monotonic() - started
+            if pool is not None:
+                pool.shutdown(wait=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class SnapshotSource:
     """One rank's segment to snapshot, as the servicer hands it to the coordinator."""
@@ -182,7 +349,10 @@ class RankWriter:
         cancel: threading.Event,
         snapshot_root: pathlib.Path,
         started_monotonic: float,
+        stage_threads: int = 1,
     ):
+        """``stage_threads``: threads of the :class:`Stager` (0: no staging, the trainer
+        copies every chunk the writer has not reached, as before the stager existed)."""
         self.source = source
         self.metadata = metadata
         self.epoch = epoch
@@ -195,6 +365,16 @@ class RankWriter:
         self.chunks = chunk_table(layout.tensors, layout.chunk_bytes)
         self.bytes_total = sum(t.nbytes for t in layout.tensors)
         self.bytes_persisted = 0  # written by the writer thread only
+        self.trainer_copied_bytes = 0  # chunks the trainer copied itself (writer thread)
+        self.stream_seconds = 0.0  # time spent streaming the chunks (writer thread)
+        self.stage_threads = stage_threads
+        self.stage_slots = stager_slot_count(source.layout.cow_slots) if stage_threads > 0 else 0
+        self.stager: Stager | None = (
+            Stager(self, self.stage_slots, stage_threads) if self.stage_slots else None
+        )
+        self._trainer_yield = self.stager is not None
+        self._paused_s = 0.0  # time the writer paused for the trainer's steps (writer thread)
+        self._stream_started = 0.0
         self.segment_released = threading.Event()
         self.go_event = threading.Event()
         """Set: ``run`` may start streaming (see :meth:`go`)."""
@@ -214,6 +394,20 @@ class RankWriter:
         now = (header[Word.COW_COPIES], header[Word.BP_WAITS], header[Word.BP_WAIT_NS])
         return (now[0] - self._base[0], now[1] - self._base[1], now[2] - self._base[2])
 
+    def server_counters(self) -> tuple[int, int, int]:
+        """(chunks the stager copied, their bytes, bytes the trainer copied itself) so far."""
+        stager = self.stager
+        if stager is None:
+            return (0, 0, self.trainer_copied_bytes)
+        return (stager.staged_chunks, stager.staged_bytes, self.trainer_copied_bytes)
+
+    def persist_rate(self) -> float | None:
+        """Bytes/s the chunks streamed at (page cache, checksummed; what moves
+        ``PERSISTED_UPTO``), once done; None before."""
+        if not self.segment_released.is_set() or self.stream_seconds <= 0 or not self.bytes_persisted:
+            return None
+        return self.bytes_persisted / self.stream_seconds
+
     # --------------------------------------------------------------------- protocol
 
     def _free_all_slots(self) -> None:
@@ -232,6 +426,8 @@ class RankWriter:
         self._free_all_slots()
         header[Word.SNAP_STEP] = self.source.step
         header[Word.PERSISTED_UPTO] = 0
+        header[Word.STAGED_UPTO] = 0
+        header[Word.STAGE_SLOTS] = self.stage_slots  # the trainer's slots: [stage_slots, cow_slots)
         header[Word.SNAP_EPOCH] = self.epoch  # last: the trainer keys everything on it
 
     def go(self) -> None:
@@ -248,6 +444,8 @@ class RankWriter:
         Idempotent; ``run`` calls it on every path, the coordinator only if ``run`` never ran."""
         if self.segment_released.is_set():
             return
+        if self.stager is not None:
+            self.stager.stop()  # no stager store after the epoch ends
         header = self.source.header
         header[Word.SNAP_EPOCH] = 0
         self._free_all_slots()
@@ -256,9 +454,37 @@ class RankWriter:
 
     # --------------------------------------------------------------------- persisting
 
+    def _yield_to_trainer(self, n_chunks: int) -> None:
+        """Once every chunk is staged (``STAGED_UPTO == n``), the trainer needs nothing more
+        from the writer: pause while it writes a step (``WRITING_STEP`` set), so that its
+        optimizer step, bound by host memory bandwidth (on a GPU host: its H2D/D2H copies),
+        does not share it with the writer's pwrite into the page cache, its crc32 and the
+        kernel's writeback; persist during the forward/backward instead. Bounded by
+        ``TRAINER_YIELD_MAX_S`` per step."""
+        header = self.source.header
+        if not self._trainer_yield or header[Word.STAGED_UPTO] < n_chunks:
+            return
+        writing = header[Word.WRITING_STEP]
+        if not writing:
+            return
+        began = time.monotonic()
+        deadline = began + TRAINER_YIELD_MAX_S
+        try:
+            while header[Word.WRITING_STEP] == writing:
+                now = time.monotonic()
+                if now >= deadline:
+                    self._trainer_yield = False  # a stuck step: stop pausing for it
+                    return
+                if self._paused_s + (now - began) > TRAINER_YIELD_SHARE * (now - self._stream_started):
+                    return  # durability must not wait on the trainer's pace for ever
+                if self.cancel.wait(0.001):
+                    return
+        finally:
+            self._paused_s += time.monotonic() - began
+
     def _stream(self, fd: int, view: memoryview, data_start: int) -> list[int]:
-        """Write every chunk (or its slot) to ``fd`` at its place after the safetensors
-        header, straight from the segment; per-tensor crc32s.
+        """Write every chunk (from the segment, its stager slot or the trainer's slot) to
+        ``fd`` at its place after the safetensors header; per-tensor crc32s.
 
         Zero-copy and GIL-friendly: ``os.pwrite`` copies from the mapped segment into the
         page cache and ``crc32`` (:mod:`swap_state.common.checksum`: ISA-L, or zlib)
@@ -268,54 +494,81 @@ class RankWriter:
 
         Why this stays exact (step N's bytes, bit for bit, in the file and in the crc):
         while chunk c is being written and checksummed here, ``PERSISTED_UPTO <= c`` (it is
-        stored only after the check below), so a trainer that overwrites chunk c in this
-        epoch first copies it into a slot and stores ``COW_EPOCH[c] = e``, *then* overwrites
-        (protocol step 3; the slot holds step N's bytes: it was copied before the first
-        overwrite, and the trainer does not touch it again until we free it). Hence:
+        stored only after the checks below), so the trainer overwrites chunk c in this epoch
+        only after its own copy into a slot of its own with ``COW_EPOCH[c] = e`` stored
+        first, or after the stager published ``STAGED_UPTO > c`` (stored once its copy of c
+        ended; protocol steps 2 and 4). The source read first is the stager slot when
+        ``STAGED_UPTO > c`` already (its bytes are step N's unless the trainer had copied
+        the chunk first, which the next check sees), else the segment. Then:
 
-        - ``COW_EPOCH[c] != e`` *after* both reads: no overwrite of chunk c began before the
-          check, so neither the pwrite nor the crc32 saw anything but step N's bytes, and
-          they saw the same bytes.
-        - ``COW_EPOCH[c] == e``: the pwrite and/or the crc32 may have seen torn bytes, so
-          both are redone from the slot: the slot's bytes are pwritten over the same file
-          range (all ``n`` bytes, so nothing of the first write survives) and the chunk's crc
-          is recomputed from the slot, continuing the tensor's running crc from before the
-          chunk. File and crc agree again, and both are step N's.
+        - ``COW_EPOCH[c] == e`` *after* both reads: the trainer's slot holds step N's bytes
+          (copied before its first overwrite) and what was read may be torn, so both the
+          pwrite and the crc are redone from that slot: all ``n`` bytes over the same file
+          range (nothing of the first write survives), the crc continuing the tensor's
+          running crc from before the chunk. The slot is then freed.
+        - else, read from the segment and now ``STAGED_UPTO > c``: the stager copied the
+          chunk meanwhile (cleanly: the trainer's copy did not exist) and the trainer may
+          have overwritten it since: both are redone from the stager slot.
+        - else: no overwrite of chunk c began before the checks, so the pwrite and the
+          crc32 saw step N's bytes, the same bytes.
         """
         layout = self.source.layout
         header = self.source.header
+        stager = self.stager
+        ring = self.stage_slots
+        slots_at = layout.cow_slots_offset
         crcs = [0] * len(layout.tensors)
         position = data_start
         kicked = 0  # file bytes [0, kicked) have had writeback started
-        for chunk in self.chunks:
-            if not self.limiter.acquire(chunk.nbytes, self.cancel):
-                raise Cancelled()
-            n = chunk.nbytes
-            before = crcs[chunk.tensor_index]
-            with view[chunk.offset : chunk.offset + n] as data:
-                _pwrite_all(fd, data, position)
-                value = crc32(data, before)
-            if header.cow_epoch(chunk.index) == self.epoch:
-                slot = header.cow_slot(chunk.index) - 1
-                if not 0 <= slot < layout.cow_slots:
-                    raise SnapshotError(
-                        f"trainer published copy slot {slot} for chunk {chunk.index}; "
-                        f"the segment has {layout.cow_slots}"
-                    )
-                start = layout.cow_slots_offset + slot * layout.chunk_bytes
-                # Not charged to the limiter again: the trainer is waiting on this chunk,
-                # and the disk sees the range once (the same dirty pages, rewritten).
+        started = self._stream_started = time.monotonic()
+        try:
+            for chunk in self.chunks:
+                if stager is not None:
+                    stager.yield_to()
+                    self._yield_to_trainer(len(self.chunks))
+                if not self.limiter.acquire(chunk.nbytes, self.cancel):
+                    raise Cancelled()
+                n = chunk.nbytes
+                c = chunk.index
+                before = crcs[chunk.tensor_index]
+                staged = ring > 0 and c < header[Word.STAGED_UPTO]
+                stage_at = slots_at + (c % ring) * layout.chunk_bytes if ring else 0
+                start = stage_at if staged else chunk.offset
                 with view[start : start + n] as data:
-                    _pwrite_all(fd, data, position)  # the same range: replaces every byte
+                    _pwrite_all(fd, data, position)
                     value = crc32(data, before)
-                header.set_slot_freed(slot, header.slot_taken(slot))
-            header[Word.PERSISTED_UPTO] = chunk.index + 1
-            crcs[chunk.tensor_index] = value
-            position += n
-            self.bytes_persisted += n
-            if position - kicked >= _WRITEBACK_BYTES:
-                _start_writeback(fd, kicked, position - kicked)
-                kicked = position
+                redo = None
+                trainer_slot = None
+                if header.cow_epoch(c) == self.epoch:
+                    trainer_slot = header.cow_slot(c) - 1
+                    if not ring <= trainer_slot < layout.cow_slots:
+                        raise SnapshotError(
+                            f"trainer published copy slot {trainer_slot} for chunk {c}; its "
+                            f"slots are [{ring}, {layout.cow_slots})"
+                        )
+                    redo = slots_at + trainer_slot * layout.chunk_bytes
+                    self.trainer_copied_bytes += n
+                elif not staged and ring and c < header[Word.STAGED_UPTO]:
+                    redo = stage_at
+                if redo is not None:
+                    # Not charged to the limiter again: the trainer may be waiting on this
+                    # chunk, and the disk sees the range once (the same dirty pages, rewritten).
+                    with view[redo : redo + n] as data:
+                        _pwrite_all(fd, data, position)  # the same range: replaces every byte
+                        value = crc32(data, before)
+                if trainer_slot is not None:
+                    header.set_slot_freed(trainer_slot, header.slot_taken(trainer_slot))
+                header[Word.PERSISTED_UPTO] = c + 1  # also frees the chunk's stager slot
+                if stager is not None:
+                    stager.wake()
+                crcs[chunk.tensor_index] = value
+                position += n
+                self.bytes_persisted += n
+                if position - kicked >= _WRITEBACK_BYTES:
+                    _start_writeback(fd, kicked, position - kicked)
+                    kicked = position
+        finally:
+            self.stream_seconds = time.monotonic() - started
         return crcs
 
     def _tensor_records(self, offsets: list[tuple[int, int]], crcs: list[int]) -> tuple[TensorRecord, ...]:
@@ -360,8 +613,12 @@ class RankWriter:
                         view = view[os.write(fd, view) :]
                     segment = memoryview(source.buffer)
                     try:
+                        if self.stager is not None and not self.cancel.is_set():
+                            self.stager.start(segment)
                         crcs = self._stream(fd, segment, len(header_bytes))
                     finally:
+                        if self.stager is not None:
+                            self.stager.stop()  # before the view goes: it copies from it
                         segment.release()  # the caller's mmap cannot close while it exists
                         self.release_segment()
                     os.fsync(fd)

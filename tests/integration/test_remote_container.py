@@ -101,8 +101,13 @@ def test_server_killed_mid_run_raises_clear_error_within_deadline(server):
     train(model, container, w, range(1, 3))
     server.kill()
     start = time.monotonic()
+    # No RPC per step: the KeepAlive stream notices the dead server, and the next step after
+    # that (the trainer may get one more in before it does) fails.
     with pytest.raises(SwapStateError) as info:
-        train(model, container, w, range(3, 4))
+        for step in range(3, 10_000):
+            train(model, container, w, range(step, step + 1))
+            assert time.monotonic() - start < 5.0 + 2.0, "still training on a dead server"
+            time.sleep(0.01)
     assert time.monotonic() - start < 5.0 + 2.0
     assert server.address in str(info.value)
     container.close()

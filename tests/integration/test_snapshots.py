@@ -78,7 +78,8 @@ def test_snapshot_holds_step_n_bitwise_while_trainer_steps_on(start_server, cow_
     # group steps of the snapshot are step 3's too
     assert stored["swap_state.group_steps"].tolist() == [3.0]
 
-    assert status.cow_copies > 0  # the old bytes survived through copy-before-write
+    # the old bytes survived: the server staged them ahead of the trainer, or the trainer copied
+    assert status.cow_copies + status.server_staged_chunks > 0
     if cow_budget is None:
         assert status.backpressure_waits == 0  # a slot for every chunk: the trainer never waited
     else:

@@ -40,16 +40,20 @@ class Segment:
         *,
         chunk_bytes: int = PAGE_BYTES,
         cow_slots: int = 4,
+        attach: bool = False,
     ):
+        """``attach``: map an existing segment file (another process made it) as it is."""
         self.path = path
         self.specs = list(specs)
         self.layout = plan_segment(self.specs, chunk_bytes, cow_slots)
-        with open(path, "wb") as f:
-            f.truncate(self.layout.size)
+        if not attach:
+            with open(path, "wb") as f:
+                f.truncate(self.layout.size)
         self._file = open(path, "r+b")
         self.mm = mmap.mmap(self._file.fileno(), self.layout.size)
         self.header = SegmentHeader(self.mm, self.layout.n_chunks, self.layout.cow_slots)
-        self.header.initialize(self.layout)
+        if not attach:
+            self.header.initialize(self.layout)
         self.chunks = chunk_table(self.layout.tensors, self.layout.chunk_bytes)
 
     def fill(self, seed: int) -> dict[str, bytes]:
@@ -126,14 +130,19 @@ class Trainer(threading.Thread):
     """Plays the trainer side of the protocol: ``n_steps`` steps after ``first_step``, each
     overwriting every chunk (in update order) after ``TrainerProtector.before_write``."""
 
-    def __init__(self, segment: Segment, first_step: int, n_steps: int, *, max_wait_s: float = 30.0):
+    def __init__(self, segment: Segment, first_step: int, n_steps: int, *, max_wait_s: float = 30.0,
+                 before_step=None):
+        """``before_step(step)``: called before each step's writes (e.g. a forward/backward's
+        worth of sleep)."""
         super().__init__(daemon=True)
         self.segment = segment
         self.first_step = first_step
         self.n_steps = n_steps
         self.max_wait_s = max_wait_s
+        self.before_step = before_step
         self.error: BaseException | None = None
         self.copies = 0
+        self.steps_done = 0
 
     @staticmethod
     def pattern(step: int, chunk_index: int, nbytes: int) -> bytes:
@@ -144,6 +153,8 @@ class Trainer(threading.Thread):
         protector = TrainerProtector(seg.mm, seg.layout, header=seg.header, max_wait_s=self.max_wait_s)
         try:
             for step in range(self.first_step, self.first_step + self.n_steps):
+                if self.before_step is not None:
+                    self.before_step(step)
                 seg.header[Word.WRITING_STEP] = step + 1
                 for chunk in seg.chunks:
                     self.copies += protector.before_write(chunk.offset, chunk.nbytes)
@@ -151,6 +162,7 @@ class Trainer(threading.Thread):
                         step, chunk.index, chunk.nbytes
                     )
                 seg.header[Word.WRITING_STEP] = 0
+                self.steps_done += 1
         except BaseException as exc:  # reported by the test
             self.error = exc
         finally:

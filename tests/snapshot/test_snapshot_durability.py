@@ -169,7 +169,8 @@ def test_killed_writer_leaves_nothing_listed_and_previous_loads(make_segment, ma
     seg = make_segment()
     at_step_1 = seg.fill(1)
     snapshots = tmp_path / "snapshots"
-    _snapshot(make_coordinator(snapshots), seg, 1)
+    first = make_coordinator(snapshots)
+    _snapshot(first, seg, 1)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTKIT_DIR), os.environ.get("PYTHONPATH", "")]))
     writer = subprocess.Popen(
         [sys.executable, "-c", _KILLED_WRITER, str(tmp_path / "other.shm"), str(snapshots)],
@@ -199,8 +200,10 @@ def test_killed_writer_leaves_nothing_listed_and_previous_loads(make_segment, ma
     target = make_segment("target")
     result = restore(reader.store, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1)
     assert result.step == 1 and target.tensors() == at_step_1
-    # A restarted server removes the killed writer's leftovers.
+    # A restarted server removes the killed writer's leftovers (once no other server is live).
     assert (snapshots / "job" / ".partial-step-000000000002").exists()
+    first.close()
+    reader.close()
     make_coordinator(snapshots)
     assert not (snapshots / "job" / ".partial-step-000000000002").exists()
     assert _steps(reader) == [1]
@@ -262,3 +265,15 @@ def test_symlinked_job_dir_is_refused(make_coordinator, make_segment, tmp_path):
     assert list(outside.iterdir()) == []
     with pytest.raises(SnapshotInvalid):
         coordinator.store.resolve("../../outside/step-1")
+
+
+def test_a_second_live_server_on_the_directory_leaves_its_partials_alone(make_coordinator, tmp_path):
+    root = tmp_path / "shared"
+    first = make_coordinator(root)
+    partial = first.store.prepare_partial("job", 7)  # a snapshot the first server is writing
+    second = make_coordinator(root)  # e.g. a second embedded server on the per-user default
+    assert partial.is_dir()
+    first.close()
+    second.close()
+    make_coordinator(root)  # alone again: what the others left behind is stale now
+    assert not partial.exists()
