@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any

@@ -44,7 +44,7 @@ from typing import ContextManager
 
 from swap_state.common.checksum import crc32, crc32_combine
 from swap_state.common.dtypes import DTYPE_ITEMSIZE
-from swap_state.common.segment import PAGE_BYTES, SegmentHeader, SegmentLayout, Word
+from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
 
 from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import INDEX_NAME, RankManifest
