@@ -13,7 +13,7 @@ import pytest
 
 from swap_state.client.rpc import ClientConfig, SwapStateClient, SwapStateError
 
-from .snapshot_kit import params_copy, reference, swap_state_cli
+from snapshot_kit import params_copy, reference, swap_state_cli
 from .workload import Workload, build, mismatches, remote, train
 
 pytestmark = pytest.mark.integration

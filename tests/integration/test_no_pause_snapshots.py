@@ -9,7 +9,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from .snapshot_kit import (
+from snapshot_kit import (
     CHUNK,
     bitwise_diff,
     build_wide,

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from swap_state.client import cli
 from swap_state.client.rpc import ClientConfig, SwapStateClient, SwapStateError
 
-from .snapshot_kit import (
+from snapshot_kit import (
     CHUNK,
     bitwise_diff,
     build_wide,

@@ -26,7 +26,7 @@ from swap_state.client.remote_container import SNAPSHOT_REF_KEY
 from swap_state.client.rpc import ClientConfig, SwapStateClient
 from swap_state.client.swap_container import SwapOptimizersContainer
 
-from .snapshot_kit import CHUNK, build_wide
+from snapshot_kit import CHUNK, build_wide
 from .test_torchtitan_checkpoint import TrainState
 from .workload import Workload, build, kwargs, mismatches, remote, train
 

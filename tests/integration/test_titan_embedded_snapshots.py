@@ -12,7 +12,7 @@ import pytest
 from swap_state.client.embedded import EmbeddedServerConfig
 from swap_state.client.remote_checkpoint import SNAPSHOT_REF_KEY
 
-from .snapshot_kit import CHUNK, params_copy
+from snapshot_kit import CHUNK, params_copy
 from .workload import Workload, build, reference_mismatches, remote, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -19,7 +19,7 @@ from torchtitan.config import Checkpoint as CheckpointConfig
 from swap_state.client.remote_container import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, SnapshotHandle
 from swap_state.common.segment import Word
 
-from .snapshot_kit import (
+from snapshot_kit import (
     CHUNK,
     bitwise_diff,
     build_wide,

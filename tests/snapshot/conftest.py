@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
-from snapshot_testkit import Segment
+from snapshot_kit import Segment, tiny_tmpfs
 
 from swap_state.server.snapshot_coordinator import SnapshotCoordinator
 
@@ -42,16 +39,5 @@ def make_coordinator(tmp_path):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 1 MiB tmpfs mounted in the test's temp dir (needs root / CAP_SYS_ADMIN)."""
-    mount_point = tmp_path / "tmpfs"
-    mount_point.mkdir()
-    if shutil.which("mount") is None:
-        pytest.skip("no mount(8) binary: cannot create a small tmpfs to fill")
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {done.stderr.strip()}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+    with tiny_tmpfs(tmp_path / "tmpfs", "1M") as mount_point:
+        yield mount_point

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors import safe_open
-from snapshot_testkit import Trainer, metadata_for
+from snapshot_kit import Trainer, metadata_for
 
 from swap_state.common.segment import Word
 from swap_state.server.snapshot_coordinator import SnapshotState

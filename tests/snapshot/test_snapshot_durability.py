@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from snapshot_testkit import Trainer
+from snapshot_kit import Trainer
 
 from swap_state.common.segment import Word
 from swap_state.server.restore import restore
@@ -24,7 +24,7 @@ from swap_state.common.snapshot_errors import (
 )
 from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, rank_data_name
 
-TESTKIT_DIR = pathlib.Path(__file__).resolve().parent
+TESTKIT_DIR = pathlib.Path(__file__).resolve().parents[1]  # tests/: snapshot_kit, integration
 
 
 def _snapshot(coordinator, seg, step: int) -> None:
@@ -154,7 +154,7 @@ def test_latest_pointer_and_its_fallback(make_segment, make_coordinator):
 
 _KILLED_WRITER = """
 import pathlib, sys, time
-from snapshot_testkit import Segment
+from snapshot_kit import Segment
 from swap_state.server.snapshot_coordinator import SnapshotCoordinator
 seg = Segment(pathlib.Path(sys.argv[1]))
 seg.fill(99)

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from snapshot_testkit import flip_byte
+from snapshot_kit import flip_byte
 
 from swap_state.client.export import export_snapshot, main
 from swap_state.server.snapshot_coordinator import SnapshotState

@@ -11,7 +11,7 @@ import pytest
 import safetensors.numpy
 import safetensors.torch
 import torch
-from snapshot_testkit import SPECS, metadata_for
+from snapshot_kit import SPECS, metadata_for
 
 from swap_state.server.snapshot_coordinator import SnapshotState
 from swap_state.common.snapshot_errors import SnapshotInvalid

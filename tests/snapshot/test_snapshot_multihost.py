@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from snapshot_testkit import metadata_for
+from snapshot_kit import metadata_for
 
 from swap_state.client.export import ExportError, export_snapshot
 from swap_state.server.restore import restore

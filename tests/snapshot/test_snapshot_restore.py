@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from snapshot_testkit import SPECS, flip_byte, metadata_for
+from snapshot_kit import SPECS, flip_byte, metadata_for
 
 from swap_state.common.segment import Word
 from swap_state.server.restore import restore

@@ -8,7 +8,7 @@ import errno
 import logging
 
 import pytest
-from snapshot_testkit import flip_byte, metadata_for
+from snapshot_kit import flip_byte, metadata_for
 
 from swap_state.common.snapshot_errors import SnapshotCorrupt
 from swap_state.common.snapshot_format import rank_data_name

@@ -9,7 +9,7 @@ import logging
 import time
 
 import pytest
-from snapshot_testkit import SPECS, Trainer, metadata_for
+from snapshot_kit import SPECS, Trainer, metadata_for
 
 from swap_state.common.copy_before_write import protect_chunk
 from swap_state.common.segment import CopyBudget, Word, plan_segment, stager_slot_count

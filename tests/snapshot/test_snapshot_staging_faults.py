@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from snapshot_testkit import Trainer
+from snapshot_kit import Trainer
 
 from swap_state.common.copy_before_write import BackPressureTimeout
 from swap_state.common.segment import Word
@@ -25,11 +25,13 @@ from swap_state.server.snapshot_coordinator import SnapshotState
 from test_snapshot_consistency import _file_tensors
 from test_snapshot_staging import WIDE
 
-TESTKIT_DIR = pathlib.Path(__file__).resolve().parent
+HERE = pathlib.Path(__file__).resolve().parent
+TESTKIT_DIR = HERE.parent  # tests/: snapshot_kit, integration
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTKIT_DIR), os.environ.get("PYTHONPATH", "")]))
+    path = [str(TESTKIT_DIR), str(HERE), os.environ.get("PYTHONPATH", "")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
 
 
 def _durable(coordinator, seg, step: int) -> None:
@@ -43,7 +45,7 @@ def _steps(coordinator) -> list[int]:
 
 _TRAINER = """
 import pathlib, sys, time
-from snapshot_testkit import Segment, Trainer
+from snapshot_kit import Segment, Trainer
 from test_snapshot_staging import WIDE
 from swap_state.common.segment import Word
 seg = Segment(pathlib.Path(sys.argv[1]), WIDE, cow_slots=int(sys.argv[2]), attach=True)
@@ -87,7 +89,7 @@ def test_trainer_killed_while_the_server_stages(make_segment, make_coordinator):
 
 _SERVER = """
 import pathlib, sys, time
-from snapshot_testkit import Segment
+from snapshot_kit import Segment
 from test_snapshot_staging import WIDE
 from swap_state.server.snapshot_coordinator import SnapshotCoordinator
 seg = Segment(pathlib.Path(sys.argv[1]), WIDE, cow_slots=96, attach=True)
