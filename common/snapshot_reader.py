@@ -29,7 +29,7 @@ from .names import is_job_id, parse_snapshot_id, parse_step_dir_name, snapshot_i
 from .snapshot_errors import SnapshotCorrupt, SnapshotError, SnapshotInvalid, SnapshotNotFound
 from .snapshot_format import INDEX_NAME, LATEST_NAME, RankManifest, SnapshotIndex, rank_data_name, rank_manifest_name
 
-__all__ = ["SnapshotInfo", "SnapshotReader", "READ_BLOCK_BYTES"]
+__all__ = ["SnapshotInfo", "SnapshotReader", "READ_BLOCK_BYTES", "check_manifest_sizes"]
 
 READ_BLOCK_BYTES = 8 << 20
 
@@ -247,22 +247,7 @@ class SnapshotReader:
         byte for byte) and every tensor's crc32. SnapshotCorrupt names the file and tensor."""
         path = info.path / manifest.data_file
         record = info.index.file(manifest.data_file)
-        if record is None:
-            raise SnapshotCorrupt(f"{info.path / INDEX_NAME} does not list {manifest.data_file}")
-        header = manifest.header_bytes()
-        expected_size = len(header) + sum(t.nbytes for t in manifest.tensors)
-        position = 0
-        for tensor in manifest.tensors:
-            count = 1
-            for dim in tensor.shape:
-                count *= dim
-            if tensor.nbytes != count * DTYPE_ITEMSIZE[tensor.dtype] or tensor.data_offsets != (
-                position, position + tensor.nbytes,
-            ):
-                raise SnapshotCorrupt(f"{path}: manifest entry of tensor {tensor.name!r} is inconsistent")
-            position += tensor.nbytes
-        if manifest.data_start != len(header) or manifest.data_file_bytes != expected_size:
-            raise SnapshotCorrupt(f"{path}: manifest sizes do not match its tensors")
+        header, expected_size = check_manifest_sizes(info, manifest)
         try:
             with open(path, "rb", buffering=0) as file:
                 size = os.fstat(file.fileno()).st_size
@@ -289,6 +274,30 @@ class SnapshotReader:
             raise SnapshotError(f"cannot read {path}: {exc}") from None
         if file_crc != record.crc32:
             raise SnapshotCorrupt(f"{path} does not match its checksum in {INDEX_NAME}")
+
+
+def check_manifest_sizes(info: SnapshotInfo, manifest: RankManifest) -> tuple[bytes, int]:
+    """(safetensors header, data file size) the manifest implies, checked for consistency
+    before a byte of the data file is read: listed in ``snapshot.json``, each tensor's size
+    from its dtype and shape, offsets without gaps. SnapshotCorrupt names file and tensor."""
+    path = info.path / manifest.data_file
+    if info.index.file(manifest.data_file) is None:
+        raise SnapshotCorrupt(f"{info.path / INDEX_NAME} does not list {manifest.data_file}")
+    header = manifest.header_bytes()
+    position = 0
+    for tensor in manifest.tensors:
+        count = 1
+        for dim in tensor.shape:
+            count *= dim
+        if tensor.nbytes != count * DTYPE_ITEMSIZE[tensor.dtype] or tensor.data_offsets != (
+            position, position + tensor.nbytes,
+        ):
+            raise SnapshotCorrupt(f"{path}: manifest entry of tensor {tensor.name!r} is inconsistent")
+        position += tensor.nbytes
+    expected = len(header) + position
+    if manifest.data_start != len(header) or manifest.data_file_bytes != expected:
+        raise SnapshotCorrupt(f"{path}: manifest sizes do not match its tensors")
+    return header, expected
 
 
 def _rank_ranges(ranks: Sequence[int]) -> str:

@@ -43,11 +43,11 @@ from collections.abc import Callable
 from typing import ContextManager
 
 from swap_state.common.checksum import crc32, crc32_combine
-from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
-
 from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import INDEX_NAME, RankManifest
+from swap_state.common.snapshot_reader import check_manifest_sizes
+
 from .logs import log_event
 from .snapshot_store import SnapshotInfo, SnapshotStore
 
@@ -156,29 +156,6 @@ def _copy_into(path: os.PathLike[str], manifest: RankManifest, view: memoryview,
     return copied
 
 
-def _check_manifest_sizes(info: SnapshotInfo, manifest: RankManifest) -> tuple[bytes, int]:
-    """(safetensors header, data file size) the manifest implies, checked for consistency."""
-    path = info.path / manifest.data_file
-    record = info.index.file(manifest.data_file)
-    if record is None:
-        raise SnapshotCorrupt(f"{info.path / INDEX_NAME} does not list {manifest.data_file}")
-    header = manifest.header_bytes()
-    position = 0
-    for tensor in manifest.tensors:
-        count = 1
-        for dim in tensor.shape:
-            count *= dim
-        if tensor.nbytes != count * DTYPE_ITEMSIZE[tensor.dtype] or tensor.data_offsets != (
-            position, position + tensor.nbytes,
-        ):
-            raise SnapshotCorrupt(f"{path}: manifest entry of tensor {tensor.name!r} is inconsistent")
-        position += tensor.nbytes
-    expected = len(header) + position
-    if manifest.data_start != len(header) or manifest.data_file_bytes != expected:
-        raise SnapshotCorrupt(f"{path}: manifest sizes do not match its tensors")
-    return header, expected
-
-
 class _Staged:
     """A read-only mapping of a snapshot's data file whose regions a reader thread reads from
     the disk and pins, in order; :meth:`wait` returns once ``[0, end)`` is in memory."""
@@ -267,7 +244,7 @@ def _restore_staged(info: SnapshotInfo, manifest: RankManifest, view: memoryview
     """Read the rank's data file once, verify it all, then copy it: (bytes, pinned)."""
     path = info.path / manifest.data_file
     record = info.index.file(manifest.data_file)
-    header, expected = _check_manifest_sizes(info, manifest)
+    header, expected = check_manifest_sizes(info, manifest)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
