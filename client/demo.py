@@ -24,11 +24,14 @@ import os
 import signal
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from swap_state.client.embedded import EmbeddedServerConfig
 
 __all__ = ["DemoConfig", "TinyLM", "main", "run"]
 
@@ -256,15 +259,28 @@ def run(cfg: DemoConfig) -> dict:
     token = open(cfg.token_file).read().strip() if cfg.token_file else None
     reference_digest, plain_times = reference_run(cfg)
     model = build_model(cfg)
-    container = RemoteSwapOptimizersContainer(
-        [model],
-        torch.optim.AdamW,
-        dict(OPTIMIZER_KWARGS),
-        cfg.swap_times,
-        server=cfg.server,
-        job_id=cfg.job_id,
-        config=RemoteConfig(token=token),
-    )
+    with tempfile.TemporaryDirectory(prefix="swap-state-demo-") as scratch:
+        container = RemoteSwapOptimizersContainer(
+            [model],
+            torch.optim.AdamW,
+            dict(OPTIMIZER_KWARGS),
+            cfg.swap_times,
+            server=cfg.server,
+            job_id=cfg.job_id,
+            config=RemoteConfig(token=token, embedded=_embedded_config(cfg, scratch)),
+        )
+        return _train(cfg, container, model, reference_digest, plain_times)
+
+
+def _embedded_config(cfg: DemoConfig, scratch: str) -> EmbeddedServerConfig:
+    """A private server's snapshots go with the demo's state: under ``--state-dir`` (so a
+    restarted demo restores them), else into a scratch folder removed at the end (the fixed
+    job id ``demo`` would otherwise meet the previous run's snapshots of the same steps)."""
+    root = os.path.join(cfg.state_dir, "snapshots") if cfg.state_dir else scratch
+    return EmbeddedServerConfig(shm_size_bytes=None, snapshot_dir=root)
+
+
+def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> dict:
     where = container.remote_config.server
     if container._embedded is not None:
         where += " (a private server started for this demo)"
