@@ -69,6 +69,11 @@ class RemoteConfig:
     takes a server-side snapshot and holds only a reference, param groups and step counts;
     load_state_dict() of such a dict restores the snapshot on the server. (Which way a load
     goes follows the checkpoint, not this setting: a checkpoint with the moments loads them.)"""
+    snapshot_replace_existing: bool = False
+    """A snapshot of a step that already has a durable one from an earlier attempt (the job
+    retrained the step, e.g. after loading an older checkpoint) replaces it; False: refused
+    with SnapshotExistsError. torchtitan's glue sets it, as torchtitan overwrites its
+    checkpoint of that step."""
     snapshot_keep_latest: int | None = None
     """How many of this job's durable snapshots the server must keep, sent with every
     snapshot: the job's own checkpoint retention, so that each checkpoint it still keeps can

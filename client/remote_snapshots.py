@@ -156,17 +156,23 @@ class SnapshotMixin:
         return handle
 
     def snapshot_retention(self) -> dict[str, Any]:
-        """The ``keep_latest`` / ``keep_all`` this job's snapshots carry
-        (``RemoteConfig.snapshot_keep_latest``; {}: the server's --keep-latest alone)."""
-        keep = self.remote_config.snapshot_keep_latest
-        if keep is None:
-            return {}
-        return {"keep_all": True} if keep == 0 else {"keep_latest": int(keep)}
+        """The ``keep_latest`` / ``keep_all`` / ``replace_existing`` this job's snapshots carry
+        (``RemoteConfig.snapshot_keep_latest`` and ``snapshot_replace_existing``; {}: the
+        server's --keep-latest alone, and no replacing)."""
+        config = self.remote_config
+        retention: dict[str, Any] = {"replace_existing": True} if config.snapshot_replace_existing else {}
+        keep = config.snapshot_keep_latest
+        if keep is not None:
+            retention.update({"keep_all": True} if keep == 0 else {"keep_latest": int(keep)})
+        return retention
 
     def follow_checkpoint_retention(self, keep_latest_k: int) -> None:
         """Keep at least the snapshots the job's checkpoints still refer to: its checkpoint
         retention (torchtitan's ``keep_latest_k``; 0: all) becomes
         ``RemoteConfig.snapshot_keep_latest``, unless that was set explicitly."""
+        # A checkpointing framework overwrites the checkpoint of a step it trains again (after
+        # loading an older one): the snapshot that checkpoint refers to is overwritten with it.
+        self.remote_config.snapshot_replace_existing = True
         if self.remote_config.snapshot_keep_latest is not None:
             return
         keep = int(keep_latest_k)

@@ -302,10 +302,12 @@ class RemoteSession:
         return reply.committed_step
 
     def snapshot(
-        self, step: int, metadata_json: str, keep_latest: int = 0, keep_all: bool = False
+        self, step: int, metadata_json: str, keep_latest: int = 0, keep_all: bool = False,
+        replace_existing: bool = False,
     ) -> pb.SnapshotReply:
         """Snapshot committed ``step``. ``keep_latest``/``keep_all``: the job's own retention
-        (the server keeps at least its --keep-latest)."""
+        (the server keeps at least its --keep-latest). ``replace_existing``: a durable
+        snapshot of this step from an earlier attempt is replaced, not refused."""
         self.check_alive()
         request = pb.SnapshotRequest(
             session_id=self.session_id,
@@ -314,6 +316,7 @@ class RemoteSession:
             metadata_json=metadata_json,
             keep_latest=keep_latest,
             keep_all=keep_all,
+            replace_existing=replace_existing,
         )
         return self._call("Snapshot", request)
 

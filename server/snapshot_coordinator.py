@@ -260,11 +260,12 @@ class SnapshotCoordinator:
                     "after CommitStep"
                 )
             if group is None:
-                partial = self.store.prepare_partial(source.job_id, source.step)
+                partial = self.store.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
                 group = SnapshotGroup(
                     self.store, source.job_id, source.step, source.world_size,
                     source.expected_ranks, partial, self._retention_for(source),
                 )
+                group.replace = source.replace_existing
                 self._groups[key] = group
                 self._prune_history()
                 if group.local_world_size > 1:
@@ -285,6 +286,7 @@ class SnapshotCoordinator:
             if not hold:
                 writer.go()
             handle = SnapshotHandle(group, source.rank, writer)
+            handle.commits_at_start = source.header[Word.TRAINER_COMMITS]
             thread = threading.Thread(
                 target=self._run,
                 args=(group, handle),
@@ -331,8 +333,18 @@ class SnapshotCoordinator:
                 f"(ranks of the job on this server), rank {source.rank} attached with "
                 f"{source.expected_ranks}: all ranks of a job on one server must agree"
             )
-        if joined and state is not SnapshotState.FAILED:
+        rerun = joined and group.handles[source.rank].commits_at_start != source.header[Word.TRAINER_COMMITS]
+        if joined and not rerun and state is not SnapshotState.FAILED:
             return group.handles[source.rank]  # a retry of this rank's Snapshot call
+        if rerun and state is SnapshotState.PERSISTING:
+            raise SnapshotBusy(f"the previous attempt at {group.snapshot_id} is still persisting")
+        if state is SnapshotState.DURABLE and (rerun or not joined):
+            # The trainer committed since that snapshot: it retrained the step (after loading
+            # an older checkpoint); the durable bytes are not this state's.
+            if not source.replace_existing:
+                raise SnapshotExists(_exists_message(group.snapshot_id))
+            del self._groups[(group.job_id, group.step)]
+            return None  # a fresh attempt, which replaces the durable one at its commit
         if state is SnapshotState.PERSISTING:
             if len(members) >= group.local_world_size:
                 raise SnapshotInvalid(
@@ -341,8 +353,6 @@ class SnapshotCoordinator:
                     f"{source.rank} is one more: is local_world_size right for this host?"
                 )
             return group
-        if state is SnapshotState.DURABLE:
-            raise SnapshotExists(f"snapshot {group.snapshot_id} is already durable")
         if not joined:
             # This rank missed the failed attempt: joining a new one alone would only time out.
             raise SnapshotFailed(f"{group.snapshot_id} failed: {error}")
@@ -438,7 +448,7 @@ class SnapshotCoordinator:
             created_unix=time.time(),
         )
         try:
-            commit = self.store.commit(group.partial, index, group.keep)
+            commit = self.store.commit(group.partial, index, group.keep, replace=group.replace)
         except SnapshotError as exc:
             group.fail(exc)
             return
@@ -524,6 +534,15 @@ class SnapshotCoordinator:
         for thread in threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self.store.release()
+
+
+def _exists_message(snapshot_id: str) -> str:
+    return (
+        f"snapshot {snapshot_id} is already durable, from an earlier attempt at that step (the "
+        "trainer retrained it, e.g. after loading an older checkpoint): its bytes are not this "
+        "state's. Use a new job id, or let the snapshot replace it (SnapshotRequest."
+        "replace_existing; torchtitan's glue does, as it overwrites its checkpoint)"
+    )
 
 
 def _parse_step_id(snapshot_id: str) -> tuple[str, int]:

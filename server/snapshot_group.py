@@ -115,6 +115,8 @@ class SnapshotGroup:
         self.live_threads = 0
         self.discarded = False  # failed, and one thread has claimed removing its files
         self.discarded_done = False  # ... and they are gone
+        self.replace = False
+        """At commit, replace a durable snapshot of the same step (an earlier attempt's)."""
         self.timer: threading.Timer | None = None
         self.finished_monotonic: float | None = None
 
@@ -156,6 +158,9 @@ class SnapshotHandle:
         self._writer = writer
         self.rank = rank
         self.thread: threading.Thread | None = None
+        self.commits_at_start = 0
+        """The segment's TRAINER_COMMITS when the snapshot began: a later Snapshot call of the
+        same step with the same count is a retry, with another a retrained step."""
 
     @property
     def snapshot_id(self) -> str:

@@ -120,15 +120,24 @@ class SnapshotStore(SnapshotReader):
                     removed.append(path)
         return removed
 
-    def prepare_partial(self, job_id: str, step: int) -> pathlib.Path:
+    def prepare_partial(self, job_id: str, step: int, replace: bool = False) -> pathlib.Path:
         """Create an empty ``.partial-step-<N>`` (replacing a stale one). SnapshotExists when
-        that step is already complete."""
+        that step is already complete, unless ``replace`` (then :meth:`commit` replaces it)."""
         final = self.final_dir(job_id, step)
         if self._load_index(job_id, final, step) is not None:
-            raise SnapshotExists(f"snapshot {snapshot_id_for(job_id, step)} already exists at {final}")
+            if not replace:
+                raise SnapshotExists(
+                    f"snapshot {snapshot_id_for(job_id, step)} already exists at {final}, from an "
+                    "earlier attempt at that step: use a new job id, or let the snapshot replace "
+                    "it (SnapshotRequest.replace_existing; torchtitan's glue does)"
+                )
+            return self._fresh_partial(job_id, step)
         if os.path.lexists(final):
             # Not ours (we only ever rename complete snapshots there): refuse to touch it.
             raise SnapshotExists(f"{final} exists but is not a complete snapshot; remove it to snapshot step {step}")
+        return self._fresh_partial(job_id, step)
+
+    def _fresh_partial(self, job_id: str, step: int) -> pathlib.Path:
         partial = self.partial_dir(job_id, step)
         try:
             partial.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +153,9 @@ class SnapshotStore(SnapshotReader):
         """Remove a failed snapshot's partial directory (best effort; clean_stale retries)."""
         shutil.rmtree(partial, ignore_errors=True)
 
-    def commit(self, partial: pathlib.Path, index: SnapshotIndex, keep_latest: int | None) -> CommitResult:
+    def commit(
+        self, partial: pathlib.Path, index: SnapshotIndex, keep_latest: int | None, replace: bool = False
+    ) -> CommitResult:
         """Publish a partial snapshot whose rank files are written and fsynced: write
         ``snapshot.json``, fsync it and the directory, rename to ``step-<N>``, fsync the job
         directory, point ``latest`` at it, then apply retention (keep the ``keep_latest``
@@ -155,8 +166,14 @@ class SnapshotStore(SnapshotReader):
         write_durable(partial / INDEX_NAME, dumps_json(index.to_json()))
         fsync_dir(partial)
         with self._commit_lock:
+            replaced = None
             if final.exists():
-                raise SnapshotExists(f"snapshot {index.snapshot_id} already exists at {final}")
+                if not replace:
+                    raise SnapshotExists(f"snapshot {index.snapshot_id} already exists at {final}")
+                # Out of the way first, by rename: a directory removed halfway must not look
+                # complete, and between the two renames the step is absent, never mixed.
+                replaced = final.with_name(_DELETING_PREFIX + final.name + f".{os.getpid()}")
+                os.rename(final, replaced)
             os.rename(partial, final)
             # From here on the snapshot is complete: what fails now is reported, not fatal.
             warnings: list[str] = []
@@ -174,6 +191,10 @@ class SnapshotStore(SnapshotReader):
                 except OSError:
                     pass
                 warnings.append(f"could not update {job_dir / LATEST_NAME}: {exc}")
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+                if replaced.exists():
+                    warnings.append(f"could not remove the replaced snapshot {replaced}")
             deleted: list[str] = []
             if keep_latest is not None:
                 deleted = self._retain(index.job_id, index.step, keep_latest, warnings)

@@ -319,6 +319,9 @@ class SnapshotSource:
     at least its ``--keep-latest``. 0: just that."""
     keep_all: bool = False
     """The job keeps every checkpoint: retention removes none of its snapshots."""
+    replace_existing: bool = False
+    """A durable snapshot of this step from an earlier attempt is replaced (atomically, once
+    the new one is durable) instead of refused."""
 
     @property
     def expected_ranks(self) -> int:

@@ -109,6 +109,7 @@ class Segment:
     def source(
         self, job_id: str, step: int, *, rank: int = 0, world_size: int = 1, metadata_json: str = "",
         local_world_size: int = 0, keep_latest: int = 0, keep_all: bool = False,
+        replace_existing: bool = False,
     ) -> SnapshotSource:
         return SnapshotSource(
             buffer=self.mm,
@@ -121,6 +122,7 @@ class Segment:
             metadata_json=metadata_json,
             keep_latest=keep_latest,
             keep_all=keep_all,
+            replace_existing=replace_existing,
             local_world_size=local_world_size,
         )
 

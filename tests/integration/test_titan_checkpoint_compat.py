@@ -194,7 +194,7 @@ def test_keep_latest_k_zero_keeps_every_snapshot(start_server, gloo_one_rank, tm
     container = remote(W, model, server.address, "keep-all", checkpoint="snapshot")
     state = TrainState()
     manager = _manager(tmp_path, model, container, state, keep_latest_k=0)
-    assert container.snapshot_retention() == {"keep_all": True}
+    assert container.snapshot_retention() == {"keep_all": True, "replace_existing": True}
     for step in range(1, 5):
         train(model, container, W, range(step, step + 1))
         state.step = step

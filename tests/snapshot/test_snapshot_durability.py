@@ -277,3 +277,29 @@ def test_a_second_live_server_on_the_directory_leaves_its_partials_alone(make_co
     second.close()
     make_coordinator(root)  # alone again: what the others left behind is stale now
     assert not partial.exists()
+
+
+def test_a_retrained_step_is_refused_or_replaced_never_answered_with_old_bytes(make_segment, make_coordinator):
+    seg = make_segment()
+    seg.fill(1)
+    coordinator = make_coordinator(keep_latest=None)
+    first = coordinator.start(seg.source("job", 3))
+    assert first.wait(20).state is SnapshotState.DURABLE
+    assert coordinator.start(seg.source("job", 3)) is first  # a retry: nothing committed since
+    # The trainer loads an older checkpoint and trains step 3 again: other bytes, a commit.
+    retrained = seg.fill(2)
+    seg.header[Word.TRAINER_COMMITS] += 1
+    with pytest.raises(SnapshotExists, match="earlier attempt.*replace_existing"):
+        coordinator.start(seg.source("job", 3))
+    again = coordinator.start(seg.source("job", 3, replace_existing=True))
+    assert again is not first and again.wait(20).state is SnapshotState.DURABLE
+    assert _steps(coordinator) == [3]
+    target = make_segment("target")
+    restore(coordinator.store, "job/step-3", target.mm, target.layout, job_id="job", rank=0, world_size=1)
+    assert target.tensors() == retrained
+    # A restarted server (nothing in memory) decides the same from the disk.
+    coordinator.close()
+    restarted = make_coordinator(coordinator.store.root, keep_latest=None)
+    with pytest.raises(SnapshotExists, match="earlier attempt"):
+        restarted.start(seg.source("job", 3))
+    assert restarted.start(seg.source("job", 3, replace_existing=True)).wait(20).state is SnapshotState.DURABLE

@@ -12,7 +12,9 @@ one uninterrupted plain AdamW (fused) run of 2N steps. Every run shares that run
    job id: it reattaches to the kept segment but must use the checkpoint, "full" and "snapshot";
 4. "snapshot": the server is restarted (same --snapshot-dir) between the stop and the rerun;
 5. a rerun with the same job id and no checkpoint (the kept segment of a finished run) trains
-   fresh and says that it drops the kept state.
+   fresh and says that it drops the kept state;
+6. training again from an older checkpoint with a fixed job id overwrites the checkpoints of
+   those steps, and their snapshots with them.
 
 The servers are real ``swap-state-server`` processes (EmbeddedServer, started here, with their
 segments in a private directory of /dev/shm), one per test, stopped at its end.
@@ -115,8 +117,8 @@ def test_the_same_losses_with_every_backend(reference, run_trainer, start_server
     assert local == reference
 
 
-def _loaded(output: str, dump: Path) -> bool:
-    return f"Loading the checkpoint from {dump / 'ckpt' / f'step-{N}'}" in output
+def _loaded(output: str, dump: Path, step: int = N) -> bool:
+    return f"Loading the checkpoint from {dump / 'ckpt' / f'step-{step}'}" in output
 
 
 @pytest.mark.timeout(240)
@@ -182,3 +184,21 @@ def test_a_rerun_with_the_same_job_id_and_no_checkpoint_trains_fresh(reference, 
     second = run_trainer(tmp_path / "second", *flags, steps=N)
     assert f"{DROP_WARNING} rerun-no-checkpoint rank 0 at step {N}" in second.run.output, second.run.output[-3000:]
     assert second == first
+
+
+@pytest.mark.timeout(240)
+def test_training_again_from_an_older_checkpoint_overwrites_its_snapshots(reference, run_trainer, start_server, tmp_path):
+    """A fixed job id, checkpoints every step, then ``--checkpoint.load_step`` of an older one
+    and the same steps again: torchtitan overwrites those checkpoints, and their snapshots are
+    replaced with them (not refused as existing, not answered with the first attempt's)."""
+    server = start_server()
+    every_step = (*CHECKPOINT[:2], "--checkpoint.interval=1", CHECKPOINT[3], "--checkpoint.keep_latest_k=0")
+    flags = (*every_step, *remote(server, "snapshot", job_id="trained-again"), SCHEDULE)
+    first = run_trainer(tmp_path, *flags, steps=N)
+    assert first == reference[:N]
+    again = run_trainer(tmp_path, *flags, "--checkpoint.load_step=1", steps=N)
+    assert _loaded(again.run.output, tmp_path, step=1), again.run.output[-3000:]
+    assert again.steps == list(range(2, N + 1)) and again == reference[1:N]
+    resumed = run_trainer(tmp_path, *flags, steps=2 * N)
+    assert f"restored trained-again/step-{N}" in resumed.run.output, resumed.run.output[-3000:]
+    assert resumed == reference[N:], resumed.run.output[-3000:] + _server_log(server)
