@@ -20,6 +20,8 @@ from snapshot_kit import (
     reference,
     swap_state_cli,
 )
+from swap_state.common.segment import Word
+
 from .workload import Workload, mismatches, remote, train
 
 pytestmark = pytest.mark.integration
@@ -37,7 +39,13 @@ def test_server_stages_ahead_so_the_trainer_copies_nothing(start_server):
     at_3 = record_state(model, container)
     params_at_3 = params_copy(model)
     handle = container.snapshot()
-    time.sleep(0.3)  # a forward/backward's worth: the server stages the state meanwhile
+    # A forward/backward's worth of time: the server stages the state meanwhile (waited for,
+    # bounded, rather than slept: a loaded CI machine may take longer than a real step).
+    header, n_chunks = container._mapping.header, len(container._mapping.chunks)
+    deadline = time.monotonic() + 10
+    while header[Word.STAGED_UPTO] < n_chunks and header[Word.PERSISTED_UPTO] < n_chunks:
+        assert time.monotonic() < deadline, "the server never staged the state"
+        time.sleep(0.01)
     train(model, container, W, range(4, 7))  # while the capped writer still persists step 3
     status = handle.status()
     assert status.state == "persisting"
