@@ -187,18 +187,22 @@ def test_a_rerun_with_the_same_job_id_and_no_checkpoint_trains_fresh(reference, 
 
 
 @pytest.mark.timeout(240)
-def test_training_again_from_an_older_checkpoint_overwrites_its_snapshots(reference, run_trainer, start_server, tmp_path):
-    """A fixed job id, checkpoints every step, then ``--checkpoint.load_step`` of an older one
-    and the same steps again: torchtitan overwrites those checkpoints, and their snapshots are
-    replaced with them (not refused as existing, not answered with the first attempt's)."""
+@pytest.mark.parametrize("mode", ["full", "snapshot"])
+def test_training_again_from_an_older_checkpoint(mode, reference, run_trainer, start_server, tmp_path):
+    """A fixed job id, checkpoints every step, then ``--checkpoint.load_step`` of an older kept
+    one and the same steps again: torchtitan overwrites those checkpoints (in snapshot mode
+    their snapshots are replaced with them, not refused as existing nor answered with the
+    first attempt's), and a resume from the newest is bitwise."""
     server = start_server()
     every_step = (*CHECKPOINT[:2], "--checkpoint.interval=1", CHECKPOINT[3], "--checkpoint.keep_latest_k=0")
-    flags = (*every_step, *remote(server, "snapshot", job_id="trained-again"), SCHEDULE)
+    flags = (*every_step, *remote(server, mode, job_id=f"trained-again-{mode}"), SCHEDULE)
     first = run_trainer(tmp_path, *flags, steps=N)
     assert first == reference[:N]
     again = run_trainer(tmp_path, *flags, "--checkpoint.load_step=1", steps=N)
     assert _loaded(again.run.output, tmp_path, step=1), again.run.output[-3000:]
     assert again.steps == list(range(2, N + 1)) and again == reference[1:N]
     resumed = run_trainer(tmp_path, *flags, steps=2 * N)
-    assert f"restored trained-again/step-{N}" in resumed.run.output, resumed.run.output[-3000:]
+    assert _loaded(resumed.run.output, tmp_path), resumed.run.output[-3000:]
+    if mode == "snapshot":
+        assert f"restored trained-again-{mode}/step-{N}" in resumed.run.output, resumed.run.output[-3000:]
     assert resumed == reference[N:], resumed.run.output[-3000:] + _server_log(server)
