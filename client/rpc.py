@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 START_HINT = "start one with: swap-state-server --shm-size 64G --listen {address}"
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _Reply = TypeVar("_Reply")
+_POLLER_SETTLE_S = 0.25
 
 
 @dataclasses.dataclass
@@ -95,6 +97,7 @@ class SwapStateClient:
         else:
             self._channel = grpc.insecure_channel(self.target, options=options)
         self._stub = pb_grpc.SwapStateStub(self._channel)
+        self._ready_at = float("-inf")
         self._metadata = (
             (("authorization", f"Bearer {config.token}"),) if config.token else ()
         )
@@ -128,6 +131,7 @@ class SwapStateClient:
         timeout_s = timeout_s or self.config.connect_timeout_s
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+            self._ready_at = time.monotonic()
         except grpc.FutureTimeoutError as e:
             hint = START_HINT.format(address=self.config.address)
             raise ServerUnavailableError(
@@ -177,6 +181,11 @@ class SwapStateClient:
         return self._stub.KeepAlive(request, timeout=24 * 3600, metadata=self._metadata)
 
     def close(self) -> None:
+        # grpc's connectivity poller (started by wait_ready) notices its unsubscription only
+        # after up to 0.2 s; closing the channel before that makes it die with a traceback.
+        settle = _POLLER_SETTLE_S - (time.monotonic() - self._ready_at)
+        if settle > 0:
+            time.sleep(settle)
         self._channel.close()
 
 
