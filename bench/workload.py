@@ -7,7 +7,7 @@ Variants (same model, same data, same AdamW hyperparameters):
 * ``inproc``: :class:`swap_state.client.swap_optimizer.SwapOptimizersContainer`
   (moments in process-local host memory, pinned where an accelerator exists);
 * ``remote``: :class:`swap_state.client.remote_container.RemoteSwapOptimizersContainer`
-  (moments in the swap-state-server's shared memory, one CommitStep RPC per step).
+  (moments in the swap-state-server's shared memory, the step committed through a header word).
 """
 
 from __future__ import annotations
