@@ -62,7 +62,7 @@ class ReattachMixin:
     """The step a reattach (or a restore) resumed at; None for a fresh segment."""
     _verify_pending: bool = False
     """A reattach kept state that is not yet checked against the model's parameters."""
-    _fresh_group_steps: list[Any] = []
+    _fresh_group_steps: tuple[Any, ...] = ()
     """Every param group's step as a fresh container has it (what a dropped state gets)."""
 
     if TYPE_CHECKING:  # provided by the container
@@ -119,7 +119,7 @@ class ReattachMixin:
     def _resume_group_steps(self) -> None:
         """After a reattach, the group steps come back from the segment like the moments."""
         self._fingerprint = ParamFingerprint([entry.param for entry in self._entries])
-        self._fresh_group_steps = [_clone(g.get(STEP_KEY)) for g in all_param_groups(self.optimizers)]
+        self._fresh_group_steps = tuple(_clone(g.get(STEP_KEY)) for g in all_param_groups(self.optimizers))
         if self.resumed_step is not None:
             self._load_group_steps_from_segment()
             self._verify_pending = True

@@ -190,6 +190,17 @@ class CopyBudget:
     fwd_bwd_s: float
     """The forward/backward time the estimate assumes."""
 
+    @classmethod
+    def of(cls, layout: "SegmentLayout", persist_bytes_per_s: float, measured: bool, fwd_bwd_s: float) -> "CopyBudget":
+        """The rule for a segment of ``layout``: its tensors against all its copy slots."""
+        return cls(
+            state_bytes=sum(t.nbytes for t in layout.tensors),
+            slot_bytes=layout.cow_slots * layout.chunk_bytes,
+            persist_bytes_per_s=persist_bytes_per_s,
+            persist_measured=measured,
+            fwd_bwd_s=fwd_bwd_s,
+        )
+
     @property
     def needed_bytes(self) -> int:
         return copy_budget_needed(self.state_bytes, self.persist_bytes_per_s, self.fwd_bwd_s)

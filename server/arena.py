@@ -15,8 +15,9 @@ slots snapshots rely on, and the sum of all segment files never exceeds ``total`
 Copy budget: a snapshot pauses nobody only when a segment's slots cover what the disk cannot
 persist within one forward/backward (:class:`~swap_state.common.segment.CopyBudget`); a new
 segment that falls short is logged (``copy_budget_short``, with the numbers), using
-``persist_estimate`` (the snapshot service keeps it at the coordinator's measured rate; the
-assumed ``ASSUMED_PERSIST_BYTES_PER_S`` before any snapshot) and ``assumed_fwd_bwd_s``.
+``persist_estimate`` (asked of the snapshot coordinator at need: its measured rate, capped by
+``--persist-max-bandwidth``; the assumed ``ASSUMED_PERSIST_BYTES_PER_S`` before any snapshot)
+and ``assumed_fwd_bwd_s``.
 
 Restore staging: :meth:`Arena.reserve_staging` takes bytes out of the free budget for the
 duration of a restore (the verified bytes it holds before the segment changes), and gives
@@ -38,7 +39,7 @@ import os
 import pathlib
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from swap_state.common.segment import (
     ASSUMED_FWD_BWD_S,
@@ -264,8 +265,9 @@ class Arena:
         self._closed = False
         self._warned_mlock = False
         self._staging_used = 0
-        self.persist_estimate: tuple[float, bool] = (ASSUMED_PERSIST_BYTES_PER_S, False)
-        """(bytes/s, measured) of the snapshot writer, for the copy-budget warning."""
+        self.persist_rate: Callable[[], tuple[float, bool]] = lambda: (ASSUMED_PERSIST_BYTES_PER_S, False)
+        """(bytes/s, measured) of the snapshot writer, asked at need for the copy-budget
+        warning: the snapshot coordinator's ``persist_bandwidth`` once the server has one."""
         self.assumed_fwd_bwd_s = ASSUMED_FWD_BWD_S
 
     # ------------------------------------------------------------------ accounting
@@ -306,16 +308,18 @@ class Arena:
                 with self._lock:
                     self._staging_used -= nbytes
 
+    @property
+    def persist_estimate(self) -> tuple[float, bool]:
+        """(bytes/s, measured) the copy-budget warning uses now; set to fix one."""
+        return self.persist_rate()
+
+    @persist_estimate.setter
+    def persist_estimate(self, value: tuple[float, bool]) -> None:
+        self.persist_rate = lambda: value
+
     def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
         """The memory rule for a segment of ``layout`` with the arena's estimates."""
-        rate, measured = self.persist_estimate
-        return CopyBudget(
-            state_bytes=sum(t.nbytes for t in layout.tensors),
-            slot_bytes=layout.cow_slots * layout.chunk_bytes,
-            persist_bytes_per_s=rate,
-            persist_measured=measured,
-            fwd_bwd_s=self.assumed_fwd_bwd_s,
-        )
+        return CopyBudget.of(layout, *self.persist_estimate, self.assumed_fwd_bwd_s)
 
     @property
     def cow_slots_used(self) -> int:

@@ -221,11 +221,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
                 max_bandwidth=config.persist_max_bandwidth or None,
                 stage_threads=config.stage_threads,
             )
-            if config.persist_max_bandwidth:
-                # The copy-budget warning at allocate must know the cap before any snapshot.
-                arena.persist_estimate = (
-                    min(arena.persist_estimate[0], float(config.persist_max_bandwidth)), False,
-                )
+            arena.persist_rate = snapshots.persist_bandwidth  # measured, and never above the cap
             undo.callback(snapshots.close)
         service = SwapStateService(
             registry,

@@ -161,14 +161,7 @@ class SnapshotCoordinator:
     def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
         """The memory rule for a segment of ``layout``: its copy slots against what the disk
         cannot persist within one (assumed) forward/backward."""
-        rate, measured = self.persist_bandwidth()
-        return CopyBudget(
-            state_bytes=sum(t.nbytes for t in layout.tensors),
-            slot_bytes=layout.cow_slots * layout.chunk_bytes,
-            persist_bytes_per_s=rate,
-            persist_measured=measured,
-            fwd_bwd_s=self.assumed_fwd_bwd_s,
-        )
+        return CopyBudget.of(layout, *self.persist_bandwidth(), self.assumed_fwd_bwd_s)
 
     def _warn_copy_budget(self, source: SnapshotSource) -> None:
         budget = self.copy_budget(source.layout)

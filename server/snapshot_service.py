@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
@@ -190,14 +190,9 @@ class SnapshotRpcs:
             handle.proceed()
         self.snapshot_counters.started += 1
         asyncio.get_running_loop().create_task(
-            _finish(handle, borrow, self.snapshot_counters, self._note_persist_rate)
+            _finish(handle, borrow, self.snapshot_counters)
         )
         return pb.SnapshotReply(snapshot_id=handle.snapshot_id, consistent=True)
-
-    def _note_persist_rate(self) -> None:
-        """The arena's copy-budget warning (at allocate) uses the coordinator's measured rate."""
-        if self.snapshots is not None:
-            self.arena.persist_estimate = self.snapshots.persist_bandwidth()
 
     @rpc_boundary
     async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context) -> pb.SnapshotStatusReply:
@@ -249,7 +244,6 @@ async def _finish(
     handle: SnapshotHandle,
     borrow: contextlib.AbstractContextManager,
     counters: SnapshotCounters,
-    finished: Callable[[], None],
 ) -> None:
     """Return the borrowed mapping once the writer is done with it, then count the result."""
     try:
@@ -257,4 +251,3 @@ async def _finish(
     finally:
         borrow.__exit__(None, None, None)
     counters.record(await asyncio.to_thread(handle.wait, None))
-    finished()

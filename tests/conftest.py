@@ -1,12 +1,58 @@
-"""Makes the shared test kits under tests/ importable (``snapshot_kit``, and the
-``integration`` package it builds on) from every test folder and from the child processes
-tests start with ``PYTHONPATH`` set to this folder."""
+"""Shared by every test folder: the test kits under tests/ become importable (``snapshot_kit``,
+and the ``integration`` package it builds on, also for child processes started with
+``PYTHONPATH`` set to this folder), and the fixtures that start real swap-state-server
+processes on a temp Unix socket, with their segments in a private directory of /dev/shm,
+torn down (SIGTERM, then SIGKILL) after each test."""
 
 from __future__ import annotations
 
 import pathlib
+import shutil
 import sys
+import tempfile
+
+import pytest
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
+
+from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig  # noqa: E402
+
+
+@pytest.fixture
+def private_shm_dir():
+    path = tempfile.mkdtemp(prefix="swap-state-test-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def start_server(private_shm_dir, tmp_path_factory):
+    """``start_server(shm_size_bytes=..., grace_s=..., extra_args=(...))`` -> EmbeddedServer.
+
+    Each server's snapshots go to a fresh temp directory (``snapshot_dir=`` to choose one),
+    never to the per-user default of an embedded server."""
+    started: list[EmbeddedServer] = []
+
+    def start(**overrides) -> EmbeddedServer:
+        config = EmbeddedServerConfig(
+            shm_size_bytes=overrides.pop("shm_size_bytes", 256 << 20),
+            grace_s=overrides.pop("grace_s", 30.0),
+            shm_dir=private_shm_dir,
+            snapshot_dir=str(overrides.pop("snapshot_dir", None) or tmp_path_factory.mktemp("snapshots")),
+            **overrides,
+        )
+        server = EmbeddedServer(config).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def no_server_env(monkeypatch):
+    monkeypatch.delenv("SWAP_STATE_SERVER", raising=False)
+    monkeypatch.delenv("SWAP_STATE_JOB_ID", raising=False)

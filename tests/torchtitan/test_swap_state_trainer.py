@@ -16,23 +16,21 @@ one uninterrupted plain AdamW (fused) run of 2N steps. Every run shares that run
 6. training again from an older checkpoint with a fixed job id overwrites the checkpoints of
    those steps, and their snapshots with them.
 
-The servers are real ``swap-state-server`` processes (EmbeddedServer, started here, with their
-segments in a private directory of /dev/shm), one per test, stopped at its end.
+The servers are real ``swap-state-server`` processes (tests/conftest.py's ``start_server``,
+segments in a private directory of /dev/shm), stopped at the end of each test.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig
+from swap_state.client.embedded import EmbeddedServer
 from titan_testkit import STOP_AFTER_STEP_ENV, STOP_EXIT_CODE_ENV, STOP_MODE_ENV, launch
 
-pytestmark = pytest.mark.integration
+# Nothing inherited: a run names its server and job id, or gets the embedded default.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_server_env")]
 
 N = 3  # steps before the stop; the full run is 2N
 SCHEDULE = f"--lr_scheduler.total_steps={2 * N}"
@@ -60,43 +58,12 @@ def remote(server: EmbeddedServer | None, mode: str = "full", job_id: str | None
     return flags
 
 
-@pytest.fixture(autouse=True)
-def no_server_env(monkeypatch):
-    """Nothing inherited: a run names its server and job id, or gets the embedded default."""
-    monkeypatch.delenv("SWAP_STATE_SERVER", raising=False)
-    monkeypatch.delenv("SWAP_STATE_JOB_ID", raising=False)
-
-
 @pytest.fixture(scope="module")
 def reference(titan_assets, tmp_path_factory):
     """Plain AdamW (fused) for 2N steps, no checkpoints."""
     run = launch(titan_assets, tmp_path_factory.mktemp("reference"), SCHEDULE, steps=2 * N)
     assert run.steps == list(range(1, 2 * N + 1))
     return run.losses
-
-
-@pytest.fixture
-def start_server(tmp_path):
-    """``start_server(snapshot_dir=None)`` -> a started swap-state-server process (--grace 30,
-    256M, segments in a private /dev/shm directory); every one is stopped at the test's end."""
-    shm_dir = tempfile.mkdtemp(prefix="swap-state-titan-", dir="/dev/shm")
-    started: list[EmbeddedServer] = []
-
-    def start(snapshot_dir: str | os.PathLike | None = None) -> EmbeddedServer:
-        config = EmbeddedServerConfig(
-            shm_size_bytes=256 << 20,
-            grace_s=30.0,
-            shm_dir=shm_dir,
-            snapshot_dir=str(snapshot_dir or tmp_path / f"server-snapshots-{len(started)}"),
-        )
-        server = EmbeddedServer(config).start()
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
-    shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def _server_log(server: EmbeddedServer) -> str:

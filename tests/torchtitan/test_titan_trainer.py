@@ -15,13 +15,10 @@ Losses are compared as float.hex() strings against one uninterrupted plain AdamW
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torchtitan"))
-from titan_testkit import build_titan_assets, launch  # noqa: E402
+from titan_testkit import launch
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -39,17 +36,6 @@ SWAP = (
 )
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return build_titan_assets(tmp_path_factory.mktemp("titan-assets"))
-
-
-@pytest.fixture
-def no_server(monkeypatch):
-    for name in ("SWAP_STATE_SERVER", "SWAP_STATE_JOB_ID"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _snapshot_steps(dump: Path) -> dict[str, list[int]]:
     root = dump / "swap-state-snapshots"
     return {
@@ -59,15 +45,15 @@ def _snapshot_steps(dump: Path) -> dict[str, list[int]]:
     }
 
 
-def test_plain_checkpoint_then_swap_state_snapshots_then_the_oldest_kept(assets, no_server, tmp_path):
-    reference = launch(assets, tmp_path / "reference", SCHEDULE, steps=STEPS)
+def test_plain_checkpoint_then_swap_state_snapshots_then_the_oldest_kept(titan_assets, no_server_env, tmp_path):
+    reference = launch(titan_assets, tmp_path / "reference", SCHEDULE, steps=STEPS)
     assert reference.steps == list(range(1, STEPS + 1))
 
     dump = tmp_path / "job"
-    plain = launch(assets, dump, *CHECKPOINT, SCHEDULE, "--checkpoint.interval=4", steps=4)
+    plain = launch(titan_assets, dump, *CHECKPOINT, SCHEDULE, "--checkpoint.interval=4", steps=4)
     assert plain.losses == reference.losses[:4]
 
-    swap = launch(assets, dump, *CHECKPOINT, SCHEDULE, *SWAP, steps=STEPS)
+    swap = launch(titan_assets, dump, *CHECKPOINT, SCHEDULE, *SWAP, steps=STEPS)
     assert f"Loading the checkpoint from {dump / 'ckpt' / 'step-4'}" in swap.output
     assert swap.steps == list(range(5, STEPS + 1))
     assert swap.losses == reference.losses[4:]
@@ -79,7 +65,7 @@ def test_plain_checkpoint_then_swap_state_snapshots_then_the_oldest_kept(assets,
     assert steps == kept
     assert f"first snapshot {job}/step-5 goes to {dump / 'swap-state-snapshots' / job}" in swap.output
 
-    oldest = launch(assets, dump, *CHECKPOINT, SCHEDULE, *SWAP, "--checkpoint.load_step=5", steps=STEPS)
+    oldest = launch(titan_assets, dump, *CHECKPOINT, SCHEDULE, *SWAP, "--checkpoint.load_step=5", steps=STEPS)
     assert f"Loading the checkpoint from {dump / 'ckpt' / 'step-5'}" in oldest.output
     assert f"restored {job}/step-5" in oldest.output
     assert oldest.steps == [6, 7, 8]
