@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from swap_state.client.dtensor_utils import unwrap_dtensor
+from swap_state.client.model_area import model_state_bytes
 from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig, default_snapshot_dir
 from swap_state.client.rpc import ClientConfig, RemoteSession, SwapStateClient
 
@@ -30,6 +31,7 @@ __all__ = [
     "connect",
     "embedded_config_for",
     "resolve_config",
+    "snapshots_model",
     "validate_config",
 ]
 
@@ -69,6 +71,12 @@ class RemoteConfig:
     takes a server-side snapshot and holds only a reference, param groups and step counts;
     load_state_dict() of such a dict restores the snapshot on the server. (Which way a load
     goes follows the checkpoint, not this setting: a checkpoint with the moments loads them.)"""
+    snapshot_model: bool | None = None
+    """Whole-state snapshots: the segment also holds the model's parameters and persistent
+    buffers, copied in after every step (on an accelerator overlapped with the next forward
+    and backward), so a snapshot of step N holds the parameters of step N too, a restore puts
+    them back into the model, and a snapshot-mode checkpoint needs no model tensors. Costs
+    the model's bytes of the server's budget. None: on with ``checkpoint = 'snapshot'``."""
     snapshot_replace_existing: bool = False
     """A snapshot of a step that already has a durable one from an earlier attempt (the job
     retrained the step, e.g. after loading an older checkpoint) replaces it; False: refused
@@ -107,6 +115,11 @@ def validate_config(config: RemoteConfig) -> None:
         raise ValueError(
             f"RemoteConfig.snapshot_keep_latest must be None or an integer >= 0 (0: keep all), got {keep!r}"
         )
+
+
+def snapshots_model(config: RemoteConfig) -> bool:
+    """Whether the segment holds the model too (``RemoteConfig.snapshot_model``)."""
+    return config.checkpoint == "snapshot" if config.snapshot_model is None else bool(config.snapshot_model)
 
 
 def resolve_config(config: RemoteConfig | None, server: str | None, job_id: str | None) -> RemoteConfig:
@@ -161,7 +174,10 @@ def embedded_config_for(
     and two servers must not write one directory)."""
     embedded = config.embedded or EmbeddedServerConfig()
     if embedded.shm_size_bytes is None:
-        size = max(64 << 20, int(_state_bytes(model_parts, optimizer_kwargs) * 1.5) + (32 << 20))
+        state = _state_bytes(model_parts, optimizer_kwargs)
+        if snapshots_model(config):
+            state += model_state_bytes(model_parts)
+        size = max(64 << 20, int(state * 1.5) + (32 << 20))
         embedded = dataclasses.replace(embedded, shm_size_bytes=size)
     if world_size > 1:
         root = embedded.snapshot_dir or default_snapshot_dir()

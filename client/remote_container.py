@@ -44,7 +44,8 @@ from swap_state.client.embedded import EmbeddedServer
 from swap_state.client.errors import SwapStateError
 from swap_state.client.host_cache import STEP_KEY, HostCacheEntry
 from swap_state.client.remote_checkpoint import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, RemoteCheckpointMixin
-from swap_state.client.remote_config import RemoteConfig, connect, resolve_config
+from swap_state.client.model_area import ModelArea, plan_model_tensors
+from swap_state.client.remote_config import RemoteConfig, connect, resolve_config, snapshots_model
 from swap_state.client.remote_reattach import GROUP_STEPS, PARAM_STEPS, ReattachMixin, all_param_groups
 from swap_state.client.remote_snapshots import SnapshotHandle, SnapshotMixin
 from swap_state.client.rpc import RemoteSession
@@ -86,6 +87,7 @@ class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, Reatta
         self._embedded: EmbeddedServer | None = None
         self._mapping: SegmentMapping | None = None
         self._guard: SnapshotGuard | None = None
+        self._model_area: ModelArea | None = None
         self._views: dict[str, torch.Tensor] = {}
         self._closed = False
         self.session = self._connect(model_parts, optimizer_kwargs)
@@ -122,6 +124,10 @@ class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, Reatta
             specs.extend(
                 (state_key(entry.fqn, key), dtype_name(entry.dtype), list(entry.shape)) for key in entry.keys
             )
+        model_tensors = []
+        if snapshots_model(self.remote_config):
+            model_tensors = plan_model_tensors(self.model_parts, [e.param for e in entries])
+            specs.extend(t.spec() for t in model_tensors)  # last: protocol step 5
         reply = self.session.allocate(specs)
         self._mapping = SegmentMapping.open(reply.segment)
         self._mapping.register_for_dma(self._backend)
@@ -129,6 +135,8 @@ class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, Reatta
         self.session.bind_header(self._mapping.header)
         self._check_resumable(reply.reused)
         self._guard = SnapshotGuard(self._mapping, self.remote_config.backpressure_timeout_s)
+        if model_tensors:
+            self._model_area = ModelArea(model_tensors, self._views, self._guard, self._mapping.header, self._backend)
         self._tensor_names: dict[torch.Tensor, list[str]] = {}
         cache: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         param_steps = self._views[PARAM_STEPS]
@@ -166,14 +174,20 @@ class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, Reatta
 
     def _swap_step(self, optim: Optimizer, closure: Any = None) -> Any:
         self._verify_kept_state()  # first step after a reattach: is the kept state ours?
+        if self._model_area is not None:
+            self._model_area.wait_copy()  # the copy of the last step has read the parameters
         return super()._swap_step(optim, closure)
 
     def _after_step(self) -> None:
-        self._publish_step()
+        step = self._publish_step()
+        if self._model_area is not None:
+            self._model_area.copy_from_model(step)
 
     def _after_load_state_dict(self) -> None:
         self._guard.before_write(self._current_step(), [GROUP_STEPS])
         self._state_replaced()
+        if self._model_area is not None:
+            self._model_area.invalidate()  # the model is loaded after the optimizer, if at all
         self._publish_step(params_known=False)  # the model may be loaded after the optimizer
 
     def restore(self, snapshot_id: str = "latest") -> int:
@@ -217,6 +231,9 @@ class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, Reatta
             self.session.bind_header(None)
         self.param_to_cpu_states_map.clear()
         self._views = {}
+        if self._model_area is not None:
+            self._model_area.close()
+            self._model_area = None
         if self._guard is not None:
             self._guard.close()
             self._guard = None

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from swap_state.client.host_cache import HostCache, HostCacheEntry
+    from swap_state.client.model_area import ModelArea
     from swap_state.client.remote_config import RemoteConfig
     from swap_state.client.rpc import RemoteSession
     from swap_state.client.shm import SegmentMapping
@@ -101,6 +102,7 @@ class SnapshotMixin:
         _torn_step: int | None
         _mapping: SegmentMapping | None
         _guard: SnapshotGuard | None
+        _model_area: ModelArea | None
         _entries: list[HostCacheEntry]
         _tensor_names: dict[torch.Tensor, list[str]]
 
@@ -119,7 +121,11 @@ class SnapshotMixin:
                 tensors[name] = TensorMetadata(entry.fqn, key, global_shape, global_offset)
             steps[entry.fqn] = float(self.param_to_cpu_states_map[entry.param][STEP_KEY])
             param_groups[entry.fqn] = flat_groups[entry.fqn]
-        return encode_metadata(tensors, param_groups, steps)
+        area = self._model_area
+        if area is None:
+            return encode_metadata(tensors, param_groups, steps)
+        tensors.update(area.metadata())
+        return encode_metadata(tensors, param_groups, steps, area.aliases())
 
     def state_dict_param_groups(self) -> dict[str, dict[str, Any]]:
         """Per canonical fqn, the JSON form of its param group's hyperparameters."""
@@ -138,6 +144,9 @@ class SnapshotMixin:
         step = self.session.last_committed_step
         if step is None:
             step = self._publish_step()
+        area = self._model_area
+        if area is not None and area.copied_step != step:
+            area.copy_from_model(step)  # not copied since a load (or no step yet): now
         metadata = self.snapshot_metadata()
         retention = self.snapshot_retention()
         try:
@@ -206,6 +215,8 @@ class SnapshotMixin:
         reply = self.session.restore(snapshot_id)
         self._torn_step = None
         self._guard.end_write()
+        if self._model_area is not None:
+            self._model_area.copy_into_model(reply.step)  # the snapshot's parameters, buffers
         self._apply_restored_metadata(reply.metadata_json)
         self._load_group_steps_from_segment()
         self.session.commit(reply.step)

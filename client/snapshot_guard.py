@@ -52,6 +52,14 @@ class SnapshotGuard:
         for name in names:
             self._protector.before_write_tensor(self._index[name])
 
+    def protect(self, names: Iterable[str]) -> None:
+        """Make the chunks of ``names`` safe to overwrite without marking a step as being
+        written (the model tensors: copied after the commit, never torn moments)."""
+        if self.header[Word.SNAP_EPOCH] == 0:
+            return
+        for name in names:
+            self._protector.before_write_tensor(self._index[name])
+
     def end_write(self) -> None:
         self.header[Word.WRITING_STEP] = 0
 

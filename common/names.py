@@ -3,7 +3,9 @@
 Job ids become directory names and metric labels, so they are restricted; snapshot ids are
 ``<job>/step-<N>`` (the protocol form, no zero padding), ``<job>/latest``, or ``step-<N>`` /
 ``latest`` relative to a job. Flat keys are the seed's optimizer state-dict keys:
-``state.<fqn>.<key>`` and ``param_groups.<fqn>.<hyperparameter>``.
+``state.<fqn>.<key>`` and ``param_groups.<fqn>.<hyperparameter>``. A whole-state snapshot
+also holds the model: segment tensors ``model.<fqn>`` (a parameter or persistent buffer under
+its model state-dict fqn), after every other tensor of the segment.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ __all__ = [
     "param_group_key",
     "STATE_PREFIX",
     "PARAM_GROUPS_PREFIX",
+    "MODEL_PREFIX",
+    "MODEL_KEYS",
+    "model_tensor_name",
+    "is_model_tensor",
 ]
 
 MAX_JOB_ID_CHARS = 128
@@ -37,6 +43,9 @@ _SNAPSHOT_ID = re.compile(r"(?:(?P<job>[^/]+)/)?(?:step-(?P<step>\d{1,20})|(?P<l
 _STEP_DIR = re.compile(r"step-(\d{12,})")
 STATE_PREFIX = "state."
 PARAM_GROUPS_PREFIX = "param_groups."
+MODEL_PREFIX = "model."
+#: Manifest keys of a model tensor in a whole-state snapshot: a parameter or a persistent buffer.
+MODEL_KEYS: tuple[str, ...] = ("param", "buffer")
 
 
 def shorten(value: object, limit: int = 80) -> str:
@@ -115,3 +124,13 @@ def state_key(fqn: str, key: str) -> str:
 def param_group_key(fqn: str, hyperparameter: str) -> str:
     """``param_groups.<fqn>.<hyperparameter>``: the seed's per-parameter group entry."""
     return f"{PARAM_GROUPS_PREFIX}{fqn}.{hyperparameter}"
+
+
+def model_tensor_name(fqn: str) -> str:
+    """``model.<fqn>``: the segment tensor of one model parameter or persistent buffer."""
+    return f"{MODEL_PREFIX}{fqn}"
+
+
+def is_model_tensor(name: str) -> bool:
+    """Whether a segment tensor is part of the model (the whole-state part of a snapshot)."""
+    return name.startswith(MODEL_PREFIX)

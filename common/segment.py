@@ -44,6 +44,20 @@ are split, per snapshot, between the server's *stager* and the trainer's *fallba
    is freed or the server made the chunk safe, and counts the wait in ``BP_WAITS`` and
    ``BP_WAIT_NS``; every copy is counted in ``COW_COPIES``.
 
+5. Whole-state snapshots: the model tensors (``model.<fqn>``, the segment's last tensors,
+   from chunk :func:`first_model_chunk` on) change only *after* step N's commit, when the
+   trainer copies the parameters of step N into them (overlapped with the next forward and
+   backward). It protects their chunks by step 4 before each copy and stores ``MODEL_STEP
+   = N + 1`` once the copy of step N is complete (never before the copy's writes have
+   landed); a value above N when the copy begins (bytes of before a load or restore) is
+   withdrawn first (``MODEL_STEP = 0``), any other stays (a snapshot waiting for it must
+   not wait for a copy that may itself wait for that snapshot's writer to free a slot). The stager and the writer start on the first model chunk of a snapshot of step
+   N only once ``MODEL_STEP >= N + 1`` (bounded: a trainer that never publishes fails the
+   snapshot, never a wrong one). Since the trainer copies step N's parameters before it can
+   ask for step N's snapshot (it copies right after the commit, in the same ``step()``),
+   the epoch of a snapshot of step N never sees the copy of step N itself, only the copy of
+   N + 1, whose chunks step 4 protects.
+
 Why the bytes persisted are step N's: the trainer overwrites chunk c in epoch e only after
 its own copy (``COW_EPOCH[c] = e`` first) or once ``PERSISTED_UPTO > c`` (nobody needs it) or
 ``STAGED_UPTO > c`` (stored after the stager's copy ended). So a stager copy or writer read
@@ -74,6 +88,7 @@ import mmap
 from collections.abc import Sequence
 
 from .dtypes import DTYPE_ITEMSIZE
+from .names import is_model_tensor
 
 __all__ = [
     "MAGIC",
@@ -95,10 +110,12 @@ __all__ = [
     "CopyBudget",
     "copy_budget_needed",
     "stager_slot_count",
+    "first_model_chunk",
+    "model_bytes",
 ]
 
 MAGIC = int.from_bytes(b"SWAPST01", "little")
-LAYOUT_VERSION = 2  # 2: STAGE_SLOTS / STAGED_UPTO, the server stages ahead of the trainer
+LAYOUT_VERSION = 3  # 2: STAGE_SLOTS / STAGED_UPTO; 3: MODEL_STEP, whole-state snapshots
 PAGE_BYTES = mmap.PAGESIZE
 FIXED_WORDS = 32
 
@@ -131,6 +148,7 @@ class Word(enum.IntEnum):
     TRAINER_COMMITS = 26  # trainer: steps committed, all generations
     PARAMS_FINGERPRINT = 27  # trainer: fingerprint of the parameters of the committed step
     STATE_DROPS = 28  # trainer: kept states dropped as not belonging to the parameters
+    MODEL_STEP = 29  # trainer: step + 1 whose model tensors are completely copied (0: none)
 
 
 def committed_step(header: "SegmentHeader") -> int | None:
@@ -221,6 +239,22 @@ class CopyBudget:
             f"{self.fwd_bwd_s:g} s (assumed); snapshots will make the trainer copy or wait: "
             f"raise --cow-budget by {self.short_bytes} bytes"
         )
+
+
+def first_model_chunk(tensors: Sequence["TensorLayout"], chunk_bytes: int) -> int:
+    """Index of the first chunk of the model tensors (protocol step 5); the chunk count when
+    the segment has none."""
+    index = 0
+    for tensor in tensors:
+        if is_model_tensor(tensor.name):
+            return index
+        index += -(-tensor.nbytes // chunk_bytes)
+    return index
+
+
+def model_bytes(tensors: Sequence["TensorLayout"]) -> int:
+    """Bytes of a segment's model tensors (parameters and persistent buffers)."""
+    return sum(t.nbytes for t in tensors if is_model_tensor(t.name))
 
 
 def align_up(value: int, alignment: int = PAGE_BYTES) -> int:

@@ -133,6 +133,11 @@ class ServerConfig:
     """Threads per persisting snapshot that copy chunks into spare slots ahead of the trainer,
     so it rarely copies or waits itself; 0: the trainer copies what the writer has not read."""
 
+    model_copy_timeout: float = _flag(60.0, kind="seconds", example="120")
+    """Whole-state snapshots: seconds the writer waits for the trainer to finish copying the
+    model's parameters of the snapshot's step into its segment (it does so right after the
+    step, overlapped with the next forward/backward) before the snapshot fails."""
+
     keep_latest: int = _flag(2, metavar="K", example="3")
     """Durable snapshots kept per job, at least 2: older ones are removed only after a newer one
     is durable."""
@@ -204,6 +209,8 @@ class ServerConfig:
             fail("--persist-max-bandwidth must be >= 0 (0: unlimited)")
         if not 0 <= self.stage_threads <= 64:
             fail("--stage-threads must be between 0 and 64")
+        if not self.model_copy_timeout > 0:
+            fail("--model-copy-timeout must be > 0 seconds")
         if self.keep_latest < 2:
             fail("--keep-latest must be >= 2 (the previous snapshot must survive the next)")
         if not self.shm_dir.is_absolute():

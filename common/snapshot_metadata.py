@@ -13,8 +13,12 @@ keys are kept verbatim but not interpreted)::
                    "global_offset": [0, 2048]}     # DTensor only, same length
       },
       "param_groups": {"<fqn>": {"lr": 0.001, "betas": [0.9, 0.95], "step": <value>, ...}},
-      "steps": {"<fqn>": <value>}        # the optimizer step count of that parameter
-    }
+      "steps": {"<fqn>": <value>},       # the optimizer step count of that parameter
+      "model_aliases": {"<key>": "<fqn>"}  # whole-state: a tied model tensor's other
+    }                                      # state-dict key -> the fqn it is stored under
+
+In a whole-state snapshot the model tensors (``model.<fqn>``) have ``key`` ``"param"`` or
+``"buffer"`` and ``fqn`` their model state-dict key.
 
 A ``<value>`` is plain JSON, or a 0-dim tensor written as ``{"__tensor__": 5.0, "dtype":
 "float32"}`` (``swap-state export`` turns it back into a tensor; a plain number in
@@ -81,6 +85,8 @@ class SnapshotMetadata:
     """Per fqn, the hyperparameters (JSON values)."""
     steps: dict[str, Any]
     """Per fqn, the step count (JSON value)."""
+    model_aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Per model state-dict key of a tied tensor, the fqn its model tensor is stored under."""
 
 
 def _reject_constant(name: str) -> Any:
@@ -189,13 +195,18 @@ def parse_metadata(
         if not (isinstance(value, dict) and TENSOR_TAG in value):
             raise SnapshotInvalid(f"metadata_json: steps[{shorten(fqn)}] must be a number or a tensor")
         _check_value(value, f"steps[{shorten(fqn)}]")
-    return SnapshotMetadata(metadata_json, entries, param_groups, steps)
+    aliases = _object(raw.get("model_aliases"), "model_aliases")
+    for alias, fqn in aliases.items():
+        if not isinstance(fqn, str) or not fqn:
+            raise SnapshotInvalid(f"metadata_json: model_aliases[{shorten(alias)}] must be a string")
+    return SnapshotMetadata(metadata_json, entries, param_groups, steps, aliases)
 
 
 def encode_metadata(
     tensors: Mapping[str, TensorMetadata],
     param_groups: Mapping[str, Mapping[str, Any]],
     steps: Mapping[str, Any],
+    model_aliases: Mapping[str, str] | None = None,
 ) -> str:
     """The ``metadata_json`` a trainer sends: the inverse of :func:`parse_metadata` (values
     already JSON-ready: numbers, lists, strings, or :func:`tagged_scalar`)."""
@@ -210,7 +221,11 @@ def encode_metadata(
             entry["global_shape"] = list(tensor.global_shape)
             entry["global_offset"] = list(tensor.global_offset or ())
         entries[name] = entry
-    return json.dumps(
-        {"tensors": entries, "steps": dict(steps), "param_groups": {k: dict(v) for k, v in param_groups.items()}},
-        allow_nan=False,
-    )
+    raw: dict[str, Any] = {
+        "tensors": entries,
+        "steps": dict(steps),
+        "param_groups": {k: dict(v) for k, v in param_groups.items()},
+    }
+    if model_aliases:
+        raw["model_aliases"] = dict(model_aliases)
+    return json.dumps(raw, allow_nan=False)

@@ -220,6 +220,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
                 keep_latest=config.keep_latest,
                 max_bandwidth=config.persist_max_bandwidth or None,
                 stage_threads=config.stage_threads,
+                model_copy_timeout_s=config.model_copy_timeout,
             )
             arena.persist_rate = snapshots.persist_bandwidth  # measured, and never above the cap
             undo.callback(snapshots.close)

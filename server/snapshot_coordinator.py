@@ -85,6 +85,7 @@ class SnapshotCoordinator:
         history: int = 64,
         clean_stale: bool = True,
         stage_threads: int = 1,
+        model_copy_timeout_s: float = 60.0,
         assumed_fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
         assumed_persist_bandwidth: float = ASSUMED_PERSIST_BYTES_PER_S,
     ):
@@ -96,7 +97,8 @@ class SnapshotCoordinator:
         snapshots of a previous run now (set False only when another live server shares the
         directory). ``stage_threads``: threads per persisting rank that copy chunks ahead of
         the trainer into the copy slots (0: none; the trainer then copies every chunk the
-        writer has not reached). ``assumed_fwd_bwd_s`` / ``assumed_persist_bandwidth``: the
+        writer has not reached). ``model_copy_timeout_s``: how long a whole-state snapshot
+        waits for the trainer's copy of the model (protocol step 5). ``assumed_fwd_bwd_s`` / ``assumed_persist_bandwidth``: the
         forward/backward time and (until a snapshot measured it) the persist bytes/s of the
         copy-budget warning."""
         if keep_latest is not None and keep_latest < 2:
@@ -106,6 +108,7 @@ class SnapshotCoordinator:
         if stage_threads < 0:
             raise ValueError("stage_threads must be >= 0")
         self.stage_threads = stage_threads
+        self.model_copy_timeout_s = model_copy_timeout_s
         self.assumed_fwd_bwd_s = assumed_fwd_bwd_s
         self.assumed_persist_bandwidth = assumed_persist_bandwidth
         self.max_bandwidth = max_bandwidth
@@ -275,6 +278,7 @@ class SnapshotCoordinator:
                 self.store.root,
                 time.monotonic(),
                 stage_threads=self.stage_threads,
+                model_copy_timeout_s=self.model_copy_timeout_s,
             )
             if not hold:
                 writer.go()

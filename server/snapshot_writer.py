@@ -41,7 +41,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from swap_state.common.segment import SegmentHeader, SegmentLayout, Word, chunk_table, stager_slot_count
+from swap_state.common.segment import (
+    SegmentHeader,
+    SegmentLayout,
+    Word,
+    chunk_table,
+    first_model_chunk,
+    stager_slot_count,
+)
 
 from swap_state.common.checksum import crc32, crc32_combine
 from swap_state.common.snapshot_errors import SnapshotError, from_os_error
@@ -258,6 +265,8 @@ class Stager:
                     self.skipped_chunks += persisted - position
                     position = persisted
                 limit = min(n, persisted + k)  # the ring slots of [persisted, limit) are free
+                if not writer.model_published():
+                    limit = min(limit, writer.model_from)  # protocol step 5
                 if position >= limit:
                     self.idle.set()  # the writer's turn
                     with self.progress:
@@ -353,9 +362,12 @@ class RankWriter:
         snapshot_root: pathlib.Path,
         started_monotonic: float,
         stage_threads: int = 1,
+        model_copy_timeout_s: float = 60.0,
     ):
         """``stage_threads``: threads of the :class:`Stager` (0: no staging, the trainer
-        copies every chunk the writer has not reached, as before the stager existed)."""
+        copies every chunk the writer has not reached, as before the stager existed).
+        ``model_copy_timeout_s``: how long the writer waits for the trainer's copy of the
+        model tensors of the step (protocol step 5) before the snapshot fails."""
         self.source = source
         self.metadata = metadata
         self.epoch = epoch
@@ -366,6 +378,11 @@ class RankWriter:
         self.started_monotonic = started_monotonic
         layout = source.layout
         self.chunks = chunk_table(layout.tensors, layout.chunk_bytes)
+        self.model_from = first_model_chunk(layout.tensors, layout.chunk_bytes)
+        """The first chunk of the model tensors (the chunk count when there are none)."""
+        self.model_copy_timeout_s = model_copy_timeout_s
+        self.model_wait_seconds = 0.0
+        """How long the writer waited for the trainer's copy of the model (writer thread)."""
         self.bytes_total = sum(t.nbytes for t in layout.tensors)
         self.bytes_persisted = 0  # written by the writer thread only
         self.trainer_copied_bytes = 0  # chunks the trainer copied itself (writer thread)
@@ -455,6 +472,33 @@ class RankWriter:
         self._final = self.counters()
         self.segment_released.set()
 
+    # --------------------------------------------------------------------- whole state
+
+    def model_published(self) -> bool:
+        """Whether the trainer has copied the model tensors of the snapshot's step (or a
+        later one, whose copy protected this step's bytes first): protocol step 5."""
+        return self.source.header[Word.MODEL_STEP] >= self.source.step + 1
+
+    def _wait_for_model(self) -> None:
+        """Before the first model chunk: wait (bounded, cancellable) for protocol step 5."""
+        began = time.monotonic()
+        poll = 1e-4
+        while not self.model_published():
+            waited = time.monotonic() - began
+            if waited > self.model_copy_timeout_s:
+                copied = self.source.header[Word.MODEL_STEP]
+                raise SnapshotError(
+                    f"the trainer did not copy the model's parameters of step "
+                    f"{self.source.step} into its segment within {self.model_copy_timeout_s:g} s "
+                    f"(it has copied {f'those of step {copied - 1}' if copied else 'none'}); "
+                    "a trainer that stopped or died after the step cannot complete the snapshot "
+                    "(server flag --model-copy-timeout)"
+                )
+            if self.cancel.wait(poll):
+                raise Cancelled()
+            poll = min(poll * 2, 0.01)
+        self.model_wait_seconds += time.monotonic() - began
+
     # --------------------------------------------------------------------- persisting
 
     def _yield_to_trainer(self, n_chunks: int) -> None:
@@ -526,6 +570,8 @@ class RankWriter:
         started = self._stream_started = time.monotonic()
         try:
             for chunk in self.chunks:
+                if chunk.index == self.model_from:
+                    self._wait_for_model()
                 if stager is not None:
                     stager.yield_to()
                     self._yield_to_trainer(len(self.chunks))

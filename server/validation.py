@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.errors import InvalidArgument
-from swap_state.common.names import parse_snapshot_id, shorten, validate_job_id
+from swap_state.common.names import MODEL_PREFIX, is_model_tensor, parse_snapshot_id, shorten, validate_job_id
 
 __all__ = [
     "MAX_NDIM",
@@ -142,6 +142,7 @@ def validate_tensor_specs(
     """
     out: list[TensorSpecTuple] = []
     seen: set[str] = set()
+    model_from: int | None = None  # the first model tensor's index (they must come last)
     total = 0
     name_ok = _TENSOR_NAME.fullmatch
     # Hot loop (up to max_tensors iterations): checks are ordered so the common, valid case
@@ -157,6 +158,13 @@ def validate_tensor_specs(
                 "[A-Za-z0-9_.:/-]"
             )
         seen.add(name)
+        if is_model_tensor(name):
+            model_from = index if model_from is None else model_from
+        elif model_from is not None:
+            raise InvalidArgument(
+                f"tensors[{index}] ({shorten(name)}) follows model tensor {model_from}: the "
+                f"model tensors ({MODEL_PREFIX}*) must come after every other tensor"
+            )
         itemsize = DTYPE_ITEMSIZE.get(dtype)
         if itemsize is None:
             raise InvalidArgument(

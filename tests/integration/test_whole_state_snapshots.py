@@ -1,0 +1,128 @@
+"""Whole-state snapshots against a real server process: the snapshot of step N holds the model's
+parameters (and persistent buffers) of step N beside the moments, while the trainer steps on;
+a restore puts them back into the model; the manifest describes them.
+
+The snapshot files are read with the ``safetensors`` library only; "bitwise" compares bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+
+from swap_state.client.errors import SwapStateError
+from swap_state.common.segment import Word
+
+from snapshot_kit import CHUNK, bitwise_diff, build_wide, data_file, rank_manifest, record_state, reference
+from .workload import Workload, mismatches, remote, train
+
+pytestmark = pytest.mark.integration
+
+W = Workload()
+SLOW = "512K"  # a writer cap that makes persisting a WideNet's state take about a second
+
+
+def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class TiedNet(nn.Module):
+    """Tied embedding and head, plus a persistent and a non-persistent buffer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 8)
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.full((8,), 0.5))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(self.embed(x)) * self.scale))
+
+
+def _train_tied(model, optimizer, steps):
+    for step in steps:
+        x = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(step))
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_snapshot_holds_the_parameters_of_its_step_while_training_goes_on(start_server):
+    server = start_server(chunk_bytes=CHUNK, extra_args=("--persist-max-bandwidth", SLOW, "--cow-budget", "128K"))
+    model = build_wide(W)
+    container = remote(W, model, server.address, "whole", checkpoint="snapshot")
+    train(model, container, W, range(1, 4))
+    at_n = {**record_state(model, container), **_model_state(model)}
+    handle = container.snapshot()
+    train(model, container, W, range(4, 7))  # overwrites parameters while the writer is slow
+    assert not torch.equal(model.body.weight, at_n["model.body.weight"])
+    status = handle.wait_durable(timeout_s=120)
+    stored = load_file(str(data_file(status.path)))
+    assert bitwise_diff(at_n, stored) == []
+    manifest = rank_manifest(status.path)
+    entries = {t["name"]: t for t in manifest["tensors"]}
+    assert entries["model.body.weight"]["fqn"] == "body.weight"
+    assert entries["model.body.weight"]["key"] == "param"
+    assert set(entries) >= set(at_n)
+    container.close()
+
+
+def test_restore_puts_the_parameters_back_and_training_continues_bitwise(start_server):
+    server = start_server()
+    model = build_wide(W)
+    container = remote(W, model, server.address, "restore-whole", checkpoint="snapshot")
+    train(model, container, W, range(1, 6))
+    container.snapshot().wait_durable(timeout_s=60)
+    train(model, container, W, range(6, 9))  # steps that the restore takes back
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # and a model that is not step 5's at all
+    assert container.restore("latest") == 5
+    train(model, container, W, range(6, W.steps + 1))
+    assert mismatches(model, container, *reference(W, build_wide, W.steps)) == []
+    container.close()
+
+
+def test_tied_weights_are_stored_once_and_persistent_buffers_with_them(start_server):
+    server = start_server()
+    model = TiedNet()
+    container = remote(W, model, server.address, "tied", checkpoint="snapshot")
+    _train_tied(model, container, range(1, 3))
+    status = container.snapshot().wait_durable(timeout_s=60)
+    stored = load_file(str(data_file(status.path)))
+    model_keys = sorted(k for k in stored if k.startswith("model."))
+    assert model_keys == ["model.body.bias", "model.body.weight", "model.embed.weight", "model.scale"]
+    assert torch.equal(stored["model.embed.weight"], model.head.weight.detach())
+    entries = {t["name"]: t for t in rank_manifest(status.path)["tensors"]}
+    assert entries["model.scale"]["key"] == "buffer"
+    assert '"model_aliases": {"head.weight": "embed.weight"}' in rank_manifest(status.path)["metadata_json"]
+    container.close()
+
+
+def test_full_mode_keeps_the_moments_only(start_server):
+    server = start_server()
+    model = build_wide(W)
+    container = remote(W, model, server.address, "full-only")
+    train(model, container, W, range(1, 3))
+    stored = load_file(str(data_file(container.snapshot().wait_durable(timeout_s=60).path)))
+    assert not [k for k in stored if k.startswith("model.")]
+    container.close()
+
+
+def test_a_trainer_that_never_copies_the_model_fails_the_snapshot_not_silently(start_server):
+    server = start_server(extra_args=("--model-copy-timeout", "1"))
+    model = build_wide(W)
+    container = remote(W, model, server.address, "no-copy", checkpoint="snapshot")
+    train(model, container, W, range(1, 3))
+    # As a trainer that died between its commit and the end of its copy would leave it.
+    container._mapping.header[Word.MODEL_STEP] = 0
+    handle = container.session.snapshot(2, container.snapshot_metadata())
+    with pytest.raises(SwapStateError, match="did not copy the model's parameters of step 2"):
+        container._snapshot_handle_for(handle.snapshot_id).wait_durable(timeout_s=30)
+    container.close()
