@@ -42,6 +42,7 @@ from swap_state.client.host_cache import STEP_KEY
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX
 
 __all__ = [
+    "MODEL_REF_KEY",
     "OPTIMIZER_KEY",
     "SNAPSHOT_CHECKPOINT_ERROR",
     "SNAPSHOT_JOB_KEY",
@@ -62,15 +63,20 @@ OPTIMIZER_KEY = "optimizer"
 #: :mod:`swap_state.client.remote_checkpoint` writes them.
 SNAPSHOT_REF_KEY = "swap_state.snapshot_id"
 SNAPSHOT_JOB_KEY = "swap_state.job_id"
+#: The model's entry of a whole-state snapshot-mode checkpoint (a top-level key: torchtitan
+#: flattens the model's state dict into the checkpoint): the same snapshot as the optimizer's.
+MODEL_REF_KEY = "swap_state.model_snapshot_id"
 
 SNAPSHOT_CHECKPOINT_ERROR = (
     "checkpoint {path} was saved with swap_state_checkpoint = 'snapshot': its optimizer entry is "
     "a reference to swap-state snapshot {snapshot} (key {key!r}), not the Adam moments, so this "
     "optimizer (torch's own: swap_optimizer is off) cannot load it. Either load it with "
     "swap_optimizer = true and swap_optimizer_backend = 'remote' (the server that holds the "
-    "snapshot, or one with its --snapshot-dir), or turn the snapshot into plain optimizer state "
-    "with `swap-state export <snapshot-dir>/<job>/step-<N> OUT --format dcp`, or leave the "
-    "optimizer out (checkpoint.exclude_from_loading = ['optimizer'])."
+    "snapshot, or one with its --snapshot-dir), or turn the checkpoint into a plain torchtitan "
+    "checkpoint with `swap-state export --format torchtitan {path} OUT_DIR --snapshot-dir "
+    "<snapshot-dir>` (the snapshot alone: `swap-state export <snapshot-dir>/<job>/step-<N> OUT "
+    "--format dcp`), or leave the optimizer out (checkpoint.exclude_from_loading = "
+    "['optimizer'], when the checkpoint holds the model's tensors)."
 )
 
 

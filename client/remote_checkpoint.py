@@ -6,7 +6,9 @@
 'snapshot'
     ``state_dict()`` takes a server-side snapshot of the last committed step (unless one of
     that step exists) and holds only a reference to it (:data:`SNAPSHOT_REF_KEY`,
-    :data:`SNAPSHOT_JOB_KEY`) plus param groups and step counts: no moment bytes pass through
+    :data:`SNAPSHOT_JOB_KEY`) plus param groups and step counts (with whole-state snapshots,
+    ``RemoteConfig.snapshot_model``, the reference only: the snapshot holds those and the
+    model's parameters too): no moment bytes pass through
     the trainer. ``load_state_dict()`` of such a dict restores that snapshot on the server.
 
 Which way a load goes depends on the dict (a reference or not), not on the mode; with the
@@ -44,6 +46,8 @@ class RemoteCheckpointMixin:
 
     _checkpoint_snapshot: SnapshotHandle | None = None
     """The snapshot the last snapshot-mode state_dict() referred to (what a checkpoint holds)."""
+    _restored_reference: str | None = None
+    """The reference the state was last restored from, until the next step."""
 
     if TYPE_CHECKING:  # provided by the container and the other mixins
         _checkpoint_keys: frozenset[str] | None
@@ -63,7 +67,8 @@ class RemoteCheckpointMixin:
     def state_dict(self) -> dict[str, Any]:
         """Seed format in 'full' mode. In 'snapshot' mode: a reference to a server-side
         snapshot of the last committed step (taken now, unless one of that step exists),
-        plus param groups and step counts; no moment bytes pass through the trainer.
+        plus param groups and step counts (whole-state snapshots: the reference only); no
+        moment bytes pass through the trainer.
 
         While a load announced the checkpoint's keys (``loading_checkpoint``, as the
         torchtitan glue does around ``CheckpointManager.dcp_load``), this is that
@@ -90,17 +95,41 @@ class RemoteCheckpointMixin:
             # trainer's predecessor's, say), so such a snapshot's read is waited for first.
             self._wait_segment_released("state_dict()")
             return super().state_dict()  # type: ignore[misc]
-        flat = {k: v for k, v in super().state_dict().items() if not is_moment_key(k)}  # type: ignore[misc]
+        if self.snapshots_model:
+            # The snapshot holds everything, param groups and steps included: the checkpoint
+            # needs the reference only (no per-parameter entries: a small checkpoint).
+            flat = {}
+        else:
+            flat = {k: v for k, v in super().state_dict().items() if not is_moment_key(k)}  # type: ignore[misc]
+        flat[SNAPSHOT_REF_KEY] = self.checkpoint_reference()
+        flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
+        return flat
+
+    def checkpoint_reference(self) -> str:
+        """The id of a server-side snapshot of the last committed step, taken now unless one
+        of that step exists ("" before the first committed step, or while the kept state is
+        torn): what a snapshot-mode checkpoint refers to, for the optimizer and, in a
+        whole-state snapshot, the model. Remembered for :meth:`wait_checkpoint_durable`."""
         step = self.session.last_committed_step
         if self._torn_step is not None:
             step = None  # no consistent state to refer to (a load template, before a restore)
         if step is not None and step != self._snapshot_step:
             self.snapshot()  # sets _snapshot_step and _snapshot_handle
         handle = self._snapshot_handle
-        flat[SNAPSHOT_REF_KEY] = handle.snapshot_id if handle is not None else ""
-        flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
         self._checkpoint_snapshot = handle
-        return flat
+        return handle.snapshot_id if handle is not None else ""
+
+    @property
+    def snapshots_model(self) -> bool:
+        """Whether the snapshots hold the model's parameters too (whole-state snapshots)."""
+        return getattr(self, "_model_area", None) is not None
+
+    def restore_reference(self, snapshot_id: str) -> None:
+        """Restore the snapshot a checkpoint refers to, unless this container's state already
+        is that snapshot's (the optimizer's entry of the same checkpoint restored it: the model
+        entry of a whole-state checkpoint refers to the same snapshot)."""
+        if snapshot_id and snapshot_id != self._restored_reference:
+            self._load_snapshot_reference(snapshot_id, {})
 
     def wait_checkpoint_durable(self, timeout_s: float | None = None) -> None:
         """Block until the snapshot the last snapshot-mode ``state_dict()`` referred to is
@@ -116,9 +145,12 @@ class RemoteCheckpointMixin:
         handle.wait_durable(timeout_s=timeout_s)
 
     def _reference_template(self) -> dict[str, Any]:
-        """The template of a snapshot-mode checkpoint: its keys, no moments, and no snapshot
-        taken (the reference it holds replaces the placeholder)."""
-        flat = {k: v for k, v in super().state_dict().items() if not is_moment_key(k)}  # type: ignore[misc]
+        """The template of a snapshot-mode checkpoint: the keys it holds (a whole-state one
+        holds the reference only; the hyperparameters and steps then come from the
+        snapshot), no moments, and no snapshot taken (the reference it holds replaces the
+        placeholder)."""
+        held = self._checkpoint_keys or frozenset()
+        flat = {k: v for k, v in super().state_dict().items() if k in held and not is_moment_key(k)}  # type: ignore[misc]
         flat[SNAPSHOT_REF_KEY] = ""
         flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
         return flat
@@ -153,6 +185,7 @@ class RemoteCheckpointMixin:
             except NotFoundError:
                 pass  # not (or no longer) known to the server: Restore says where it looked
         self.restore(snapshot_id)
+        self._restored_reference = snapshot_id
         self._apply_saved_param_groups(state_dict)
 
     def _apply_saved_param_groups(self, state_dict: Mapping[str, Any]) -> None:

@@ -179,6 +179,7 @@ class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, Reatta
         return super()._swap_step(optim, closure)
 
     def _after_step(self) -> None:
+        self._restored_reference = None
         step = self._publish_step()
         if self._model_area is not None:
             self._model_area.copy_from_model(step)

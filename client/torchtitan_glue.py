@@ -169,8 +169,12 @@ def rebind_imported_model_specs() -> None:
 #   inside): :func:`current_job_config`; the remote backend puts the embedded server's
 #   snapshots under ``<job.dump_folder>/swap-state-snapshots``.
 # - ``CheckpointManager.__init__`` tells a container with server-side snapshots the
-#   checkpoint retention (``keep_latest_k``, plus one: :func:`snapshots_to_keep`).
-# - ``CheckpointManager.dcp_load`` tells a swap container which optimizer keys the checkpoint
+#   checkpoint retention (``keep_latest_k``, plus one: :func:`snapshots_to_keep`), and with
+#   whole-state snapshots replaces the model's entry by a reference
+#   (:mod:`swap_state.client.torchtitan_model`); ``save`` / ``_save_last_step`` say when
+#   that entry is saved as the reference (not in a model-only last save).
+# - ``CheckpointManager.dcp_load`` matches the model's template to the checkpoint (a
+#   reference or tensors) and tells a swap container which optimizer keys the checkpoint
 #   holds, so that its load template matches (:mod:`swap_state.client.checkpoint_template`);
 #   a snapshot-mode checkpoint loaded into torch's own optimizer fails naming
 #   ``swap-state export``.
@@ -235,8 +239,34 @@ def _checkpoint_manager_init(original: Callable[..., Any]) -> Callable[..., Any]
         follow = getattr(optimizers, "follow_checkpoint_retention", None)
         if follow is not None and getattr(config, "enable", False) and not getattr(config, "load_only", False):
             follow(snapshots_to_keep(int(getattr(config, "keep_latest_k", 0))))
+        if getattr(optimizers, "snapshots_model", False) and isinstance(self.__dict__.get("states"), dict):
+            # Whole-state snapshots: the model's entry refers to the optimizer's snapshot.
+            from swap_state.client.torchtitan_model import SnapshotModelWrapper
+
+            self.states[_MODEL_KEY] = SnapshotModelWrapper(bound["model_parts"], optimizers)
 
     return __init__
+
+
+def _checkpoint_manager_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    from swap_state.client.torchtitan_model import saving_checkpoint
+
+    def save(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with saving_checkpoint():
+            return original(self, *args, **kwargs)
+
+    return save
+
+
+def _checkpoint_manager_save_last_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    from swap_state.client.torchtitan_model import saving_checkpoint
+
+    def _save_last_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # A model-only last save is for export and inference: the model's tensors, not a reference.
+        with saving_checkpoint(refer=not getattr(self, "last_save_model_only", False)):
+            return original(self, *args, **kwargs)
+
+    return _save_last_step
 
 
 def _checkpoint_manager_dcp_load(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -247,15 +277,21 @@ def _checkpoint_manager_dcp_load(original: Callable[..., Any]) -> Callable[..., 
         optimizer_keys,
     )
 
+    from swap_state.client.torchtitan_model import MODEL_REF_KEY, match_model_template
+
     def dcp_load(self: Any, state_dict: dict[str, Any], checkpoint_id: str, *args: Any, **kwargs: Any) -> Any:
         from_hf = bool(args[0]) if args else bool(kwargs.get("from_hf", False))
-        optimizer = state_dict.get(OPTIMIZER_KEY) if isinstance(state_dict, dict) else None
-        if from_hf or optimizer is None or not os.path.isdir(str(checkpoint_id)):
+        if from_hf or not isinstance(state_dict, dict) or not os.path.isdir(str(checkpoint_id)):
             return original(self, state_dict, checkpoint_id, *args, **kwargs)
         keys = checkpoint_keys(checkpoint_id)
+        optimizer = state_dict.get(OPTIMIZER_KEY)
         loading = getattr(optimizer, "loading_checkpoint", None)
+        if optimizer is not None and loading is None:
+            check_plain_optimizer_can_load(keys, checkpoint_id)  # its error names the snapshot
+        model = self.__dict__.get("states", {}).get(_MODEL_KEY)
+        if MODEL_REF_KEY in keys or MODEL_REF_KEY in state_dict:
+            match_model_template(state_dict, model, keys, checkpoint_id)
         if loading is None:
-            check_plain_optimizer_can_load(keys, checkpoint_id)
             return original(self, state_dict, checkpoint_id, *args, **kwargs)
         with loading(optimizer_keys(keys)):
             return original(self, state_dict, checkpoint_id, *args, **kwargs)
@@ -288,6 +324,7 @@ def _checkpoint_manager_del(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _OPTIMIZER_KEY = "optimizer"  # torchtitan's components.checkpoint.OPTIMIZER
+_MODEL_KEY = "model"  # torchtitan's components.checkpoint.MODEL
 
 
 def install_job_hooks() -> None:
@@ -298,6 +335,8 @@ def install_job_hooks() -> None:
 
     manager = tt_checkpoint.CheckpointManager
     _wrap_method(manager, "__init__", _checkpoint_manager_init)
+    _wrap_method(manager, "save", _checkpoint_manager_save)
+    _wrap_method(manager, "_save_last_step", _checkpoint_manager_save_last_step)
     _wrap_method(manager, "dcp_load", _checkpoint_manager_dcp_load)
     _wrap_method(manager, "close", _checkpoint_manager_close)
     _wrap_method(manager, "__del__", _checkpoint_manager_del)

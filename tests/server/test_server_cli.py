@@ -43,7 +43,8 @@ def test_help_explains_every_flag_with_an_example():
     flags = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
     expected = {"--shm-size", "--listen", "--token-file", "--snapshot-dir", "--grace",
                 "--metrics-port", "--log-level", "--shm-dir", "--shm-group", "--chunk-bytes",
-                "--cow-budget", "--persist-max-bandwidth", "--stage-threads", "--keep-latest", "--tls-cert",
+                "--cow-budget", "--persist-max-bandwidth", "--stage-threads", "--model-copy-timeout", "--keep-latest",
+                "--tls-cert",
                 "--tls-key", "--insecure"}
     assert {a.option_strings[0] for a in flags} == expected
     for action in flags:

@@ -29,9 +29,17 @@ def test_bad_job_ids_are_rejected(job_id):
 def test_good_ids_and_specs_pass():
     assert validate_job_id("llama-3.1_8b") == "llama-3.1_8b"
     checked = validate_tensor_specs(
-        [("model.layers.0:exp_avg/x-1", "bfloat16", [0, 4]), ("s", "int64", [])], max_tensors=2
+        [("state.layers.0:exp_avg/x-1", "bfloat16", [0, 4]), ("s", "int64", []), ("model.w", "float32", [2])],
+        max_tensors=3,
     )
-    assert checked == [("model.layers.0:exp_avg/x-1", "bfloat16", (0, 4)), ("s", "int64", ())]
+    assert checked == [
+        ("state.layers.0:exp_avg/x-1", "bfloat16", (0, 4)), ("s", "int64", ()), ("model.w", "float32", (2,))
+    ]
+
+
+def test_model_tensors_before_other_tensors_are_refused():
+    with pytest.raises(InvalidArgument, match=r"model tensors \(model\.\*\) must come after every other"):
+        validate_tensor_specs([("model.w", "float32", [2]), ("s", "int64", [])], max_tensors=2)
 
 
 async def test_burst_of_malformed_requests_leaves_the_server_serving(start, connect, shm_dir):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from swap_state.client.checkpoint_template import MODEL_REF_KEY, checkpoint_keys
 from swap_state.client.embedded import EmbeddedServer
 from titan_testkit import STOP_AFTER_STEP_ENV, STOP_EXIT_CODE_ENV, STOP_MODE_ENV, launch
 
@@ -94,7 +95,16 @@ def test_stop_and_resume(mode, reference, run_trainer, start_server, tmp_path):
     server = start_server()
     first = run_trainer(tmp_path, *CHECKPOINT, *remote(server, mode), SCHEDULE, steps=N)
     assert first == reference[:N]
-    assert (tmp_path / "ckpt" / f"step-{N}").is_dir()
+    step_dir = tmp_path / "ckpt" / f"step-{N}"
+    assert step_dir.is_dir()
+    keys = checkpoint_keys(step_dir)
+    if mode == "snapshot":
+        # The whole state is in the snapshot: the checkpoint holds references and small states.
+        assert MODEL_REF_KEY in keys and "tok_embeddings.weight" not in keys, sorted(keys)[:20]
+        size = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+        assert size < 1 << 20, size
+    else:
+        assert "tok_embeddings.weight" in keys and MODEL_REF_KEY not in keys
     resumed = run_trainer(tmp_path, *CHECKPOINT, *remote(server, mode), SCHEDULE, steps=2 * N)
     assert _loaded(resumed.run.output, tmp_path), resumed.run.output[-3000:]
     if mode == "snapshot":
