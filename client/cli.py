@@ -32,6 +32,34 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
 
 
+#: ``swap-state export --format``: swap_state.client.export.FORMATS, and a torchtitan checkpoint.
+EXPORT_FORMATS = ("torch", "dcp", "torchtitan")
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``swap-state export`` (also ``python -m swap_state.client.export``)."""
+    parser.add_argument(
+        "snapshot",
+        help="a snapshot directory (e.g. /snapshots/run1/step-000000001000), or with "
+        "--snapshot-dir an id such as run1/step-1000 or run1/latest; with --format torchtitan "
+        "a torchtitan checkpoint directory saved in snapshot mode (e.g. outputs/checkpoint/step-1000)",
+    )
+    parser.add_argument(
+        "out", help="output file (torch) or directory (dcp; torchtitan: must not exist yet)"
+    )
+    parser.add_argument(
+        "--format", choices=EXPORT_FORMATS, default="torch",
+        help="torch: one torch.save file of the optimizer state; dcp: a DCP directory of it; "
+        "torchtitan: a plain torchtitan checkpoint (model, optimizer, small states) that "
+        "torchtitan without swap-state resumes from (default: torch)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--snapshot-dir", default=None,
+        help="the --snapshot-dir of the server that took the snapshot (with --format "
+        "torchtitan: required; the embedded server's is <job.dump_folder>/swap-state-snapshots)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swap-state", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,11 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_args(snaps)
     snaps.add_argument("--job-id", default="", help="only this job (default: all)")
     export = sub.add_parser(
-        "export", help="write a snapshot as a standard torch or DCP checkpoint"
+        "export",
+        help="write a snapshot as a standard torch or DCP checkpoint, or a snapshot-mode "
+        "torchtitan checkpoint as a plain one (--format torchtitan)",
     )
-    export.add_argument("snapshot", help="a snapshot directory, e.g. /snapshots/run1/step-000000001000")
-    export.add_argument("out", help="output file (torch) or directory (dcp)")
-    export.add_argument("--format", choices=("torch", "dcp"), default="torch")
+    add_export_arguments(export)
     return parser
 
 
@@ -85,13 +113,14 @@ def _status(args) -> int:
     warnings = []
     for s in stats.sessions:
         step = s.last_committed_step if s.has_committed_step else "-"
+        model = f" (model {_gib(s.model_bytes)})" if s.model_bytes else ""  # whole-state snapshots
         budget = ""
         if s.copy_slot_bytes or s.copy_budget_needed_bytes:
             budget = (f" copy slots {_gib(s.copy_slot_bytes)} (needed {_gib(s.copy_budget_needed_bytes)}"
                       f"{', SHORT' if s.copy_budget_warning else ''})")
         print(
             f"  {s.job_id}/rank {s.rank}/{s.world_size} gen {s.generation} {s.state} "
-            f"{_gib(s.segment_bytes)} last step {step}{budget}"
+            f"{_gib(s.segment_bytes)}{model} last step {step}{budget}"
         )
         if s.copy_budget_warning:
             warnings.append(f"{s.job_id}/rank {s.rank}: {s.copy_budget_warning}")
@@ -127,19 +156,9 @@ def _snapshots(args) -> int:
 
 
 def _export(args) -> int:
-    from swap_state.client.export import export_snapshot
-    from swap_state.common.snapshot_errors import SnapshotError
+    from swap_state.client.export import run_export
 
-    try:
-        result = export_snapshot(args.snapshot, args.out, format=args.format)
-    except SnapshotError as e:  # not found, corrupt, not exportable: a message, no traceback
-        print(f"swap-state export: {e}", file=sys.stderr)
-        return 1
-    print(
-        f"exported {result.snapshot_id} ({result.tensors} tensors, {result.entries} entries) "
-        f"to {result.out} ({result.format})"
-    )
-    return 0
+    return run_export(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,10 @@ ranks present, rather than exported with holes. That describes Shard and
 Replicate placements; a ``_StridedShard`` shard is not a box at an offset, and exporting one
 would place its rows wrongly, so do not export such snapshots. A tensor the trainer gave no
 fqn/key for is written as ``state.<segment tensor name>``, except the container's own
-``swap_state.*`` step vectors (their values are the ``step`` entries above). Everything is assembled in host
-memory.
+``swap_state.*`` step vectors (their values are the ``step`` entries above). The model tensors
+of a whole-state snapshot (``model.<fqn>``) are not part of these formats: ``swap-state export
+--format torchtitan`` (:mod:`swap_state.client.export_torchtitan`) writes them with the rest of
+a torchtitan checkpoint. Everything is assembled in host memory.
 """
 
 from __future__ import annotations
@@ -31,19 +33,31 @@ import os
 import pathlib
 import sys
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from swap_state.client.shm import TORCH_DTYPES
-from swap_state.common.names import STATE_PREFIX, param_group_key, state_key
+from swap_state.common.names import MODEL_PREFIX, STATE_PREFIX, is_model_tensor, param_group_key, state_key
+from swap_state.common.segment import TensorLayout
 from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import RankManifest, TensorRecord
-from swap_state.common.snapshot_metadata import TENSOR_TAG
+from swap_state.common.snapshot_metadata import TENSOR_TAG, parse_metadata
 from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
 
-__all__ = ["FORMATS", "ExportError", "ExportResult", "load_flat_state_dict", "export_snapshot", "main"]
+__all__ = [
+    "FORMATS",
+    "ExportError",
+    "ExportResult",
+    "SnapshotState",
+    "export_snapshot",
+    "load_flat_state_dict",
+    "main",
+    "read_snapshot_state",
+    "run_export",
+]
 
 FORMATS = ("torch", "dcp")
 
@@ -177,35 +191,84 @@ def _resolve(snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[s
     return reader, reader.resolve(f"{path.parent.name}/{path.name}")
 
 
-def _build(
-    snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str] | None
-) -> tuple[SnapshotInfo, dict[str, torch.Tensor], dict[str, Any]]:
-    """(info, state tensors, steps and param groups) of a verified snapshot."""
-    store, info = _resolve(snapshot, snapshot_dir)
-    manifests: list[RankManifest] = []
-    for rank in info.ranks:  # all of the job's, or one host's share of a multi-host job
-        manifest = store.read_manifest(info, rank)
-        store.verify_data(info, manifest)
-        manifests.append(manifest)
+@dataclasses.dataclass
+class SnapshotState:
+    """A verified snapshot's contents as state dicts (global tensors assembled from shards)."""
+
+    info: SnapshotInfo
+    """The snapshot (the first location's, when several hold its ranks)."""
+    optimizer: dict[str, torch.Tensor]
+    """``state.<fqn>.<key>`` moments."""
+    extras: dict[str, Any]
+    """``state.<fqn>.step`` and ``param_groups.<fqn>.<hp>``."""
+    model: dict[str, torch.Tensor]
+    """Whole-state snapshots: the model state dict (parameters and persistent buffers, tied
+    weights under each of their keys); empty otherwise."""
+    ranks: tuple[int, ...]
+    """Every rank read."""
+
+
+def _model_aliases(manifest: RankManifest) -> dict[str, str]:
+    layouts = [TensorLayout(t.name, t.dtype, t.shape, 0, t.nbytes) for t in manifest.tensors]
+    return parse_metadata(manifest.metadata_json, layouts, max_bytes=sys.maxsize).model_aliases
+
+
+def read_snapshot_state(
+    locations: Sequence[tuple[SnapshotReader, SnapshotInfo]], progress: Any = None
+) -> SnapshotState:
+    """Verify every rank's files of the snapshot ``locations`` hold (one directory, or one
+    per rank's embedded server), then read and assemble them. ``progress``: a tqdm-like bar
+    (``update(nbytes)``), advanced by the bytes verified and the bytes read."""
+    manifests: list[tuple[SnapshotInfo, RankManifest]] = []
+    for store, info in locations:
+        for rank in info.ranks:  # all of the job's, or one host's share of a multi-host job
+            if any(m.rank == rank for _, m in manifests):
+                continue
+            manifest = store.read_manifest(info, rank)
+            store.verify_data(info, manifest)
+            if progress is not None:
+                progress.update(manifest.data_file_bytes)
+            manifests.append((info, manifest))
     assembler = _Assembler()
+    model = _Assembler()
     extras: dict[str, Any] = {}
-    for manifest in manifests:
+    aliases: dict[str, str] = {}
+    for info, manifest in manifests:
         path = info.path / manifest.data_file
         with safe_open(str(path), framework="pt") as file:
             for record in manifest.tensors:
-                if _is_bookkeeping(record):
-                    continue
-                assembler.add(_state_key(record), record, file.get_tensor(record.name), str(path))
+                if is_model_tensor(record.name):
+                    model.add(record.fqn or record.name[len(MODEL_PREFIX) :], record, file.get_tensor(record.name), str(path))
+                elif not _is_bookkeeping(record):
+                    assembler.add(_state_key(record), record, file.get_tensor(record.name), str(path))
+                if progress is not None:
+                    progress.update(record.nbytes)
         for fqn, value in manifest.steps.items():
             extras.setdefault(state_key(fqn, "step"), _decode_step(value))
         for fqn, group in manifest.param_groups.items():
             for hp, value in group.items():
                 extras.setdefault(param_group_key(fqn, hp), _decode(value))
-    state = assembler.finish(info)
+        aliases.update(_model_aliases(manifest))
+    first = locations[0][1]
+    state = assembler.finish(first)
     clash = set(state) & set(extras)
     if clash:
         raise ExportError(f"tensor keys collide with step/param-group keys: {sorted(clash)[:5]}")
-    return info, state, extras
+    model_state = model.finish(first)
+    for alias, fqn in aliases.items():
+        if fqn not in model_state:
+            raise ExportError(f"{first.path}: model key {alias!r} is an alias of {fqn!r}, which the snapshot lacks")
+        model_state[alias] = model_state[fqn]
+    ranks = tuple(sorted(m.rank for _, m in manifests))
+    return SnapshotState(first, state, extras, model_state, ranks)
+
+
+def _build(
+    snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str] | None
+) -> tuple[SnapshotInfo, dict[str, torch.Tensor], dict[str, Any]]:
+    """(info, state tensors, steps and param groups) of a verified snapshot."""
+    state = read_snapshot_state([_resolve(snapshot, snapshot_dir)])
+    return state.info, state.optimizer, state.extras
 
 
 def load_flat_state_dict(
@@ -251,23 +314,23 @@ def export_snapshot(
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``swap-state export SNAPSHOT OUT [--format torch|dcp] [--snapshot-dir DIR]``."""
-    parser = argparse.ArgumentParser(
-        prog="swap-state export", description="write a snapshot as a standard torch or DCP checkpoint"
-    )
-    parser.add_argument(
-        "snapshot",
-        help="a snapshot directory (e.g. /snapshots/run1/step-000000001000), or with "
-        "--snapshot-dir an id such as run1/step-1000 or run1/latest",
-    )
-    parser.add_argument("out", help="output file (torch) or directory (dcp)")
-    parser.add_argument("--format", choices=FORMATS, default="torch")
-    parser.add_argument("--snapshot-dir", default=None, help="the server's --snapshot-dir")
-    args = parser.parse_args(argv)
+def run_export(args: argparse.Namespace) -> int:
+    """Run parsed ``swap-state export`` arguments: 0, or 1 with the error on stderr."""
     try:
+        if args.format == "torchtitan":
+            from swap_state.client.export_torchtitan import export_torchtitan_checkpoint
+
+            if args.snapshot_dir is None:
+                raise ExportError("--format torchtitan needs --snapshot-dir (where the server keeps snapshots)")
+            titan = export_torchtitan_checkpoint(args.snapshot, args.out, args.snapshot_dir)
+            print(
+                f"exported {args.snapshot} with snapshot {titan.snapshot_id} (ranks "
+                f"{list(titan.ranks)}: {titan.model_tensors} model tensors, "
+                f"{titan.optimizer_entries} optimizer entries) to {titan.out} (torchtitan)"
+            )
+            return 0
         result = export_snapshot(args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir)
-    except SnapshotError as exc:
+    except SnapshotError as exc:  # not found, corrupt, not exportable: a message, no traceback
         print(f"swap-state export: {exc}", file=sys.stderr)
         return 1
     share = ""
@@ -278,6 +341,19 @@ def main(argv: list[str] | None = None) -> int:
         f"{share}) to {result.out} ({result.format})"
     )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``swap-state export SNAPSHOT OUT [--format torch|dcp|torchtitan] [--snapshot-dir DIR]``."""
+    parser = argparse.ArgumentParser(
+        prog="swap-state export",
+        description="write a snapshot as a standard torch or DCP checkpoint, or a snapshot-mode "
+        "torchtitan checkpoint as a plain one",
+    )
+    from swap_state.client.cli import add_export_arguments
+
+    add_export_arguments(parser)
+    return run_export(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("session_id", "job_id", "rank", "world_size", "generation", "state", "segment_bytes", "last_committed_step", "has_committed_step", "steps_committed", "orphaned_seconds", "local_world_size", "copy_slot_bytes", "copy_budget_needed_bytes", "copy_budget_warning")
+    __slots__ = ("session_id", "job_id", "rank", "world_size", "generation", "state", "segment_bytes", "last_committed_step", "has_committed_step", "steps_committed", "orphaned_seconds", "local_world_size", "copy_slot_bytes", "copy_budget_needed_bytes", "copy_budget_warning", "model_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class SessionStats(_message.Message):
     COPY_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     COPY_BUDGET_NEEDED_BYTES_FIELD_NUMBER: _ClassVar[int]
     COPY_BUDGET_WARNING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     job_id: str
     rank: int
@@ -186,7 +187,8 @@ class SessionStats(_message.Message):
     copy_slot_bytes: int
     copy_budget_needed_bytes: int
     copy_budget_warning: str
-    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., has_committed_step: _Optional[bool] = ..., steps_committed: _Optional[int] = ..., orphaned_seconds: _Optional[float] = ..., local_world_size: _Optional[int] = ..., copy_slot_bytes: _Optional[int] = ..., copy_budget_needed_bytes: _Optional[int] = ..., copy_budget_warning: _Optional[str] = ...) -> None: ...
+    model_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., has_committed_step: _Optional[bool] = ..., steps_committed: _Optional[int] = ..., orphaned_seconds: _Optional[float] = ..., local_world_size: _Optional[int] = ..., copy_slot_bytes: _Optional[int] = ..., copy_budget_needed_bytes: _Optional[int] = ..., copy_budget_warning: _Optional[str] = ..., model_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("budget_total_bytes", "budget_used_bytes", "budget_free_bytes", "sessions", "steps_committed_total", "snapshots_in_progress", "persist_bytes_per_second", "persist_bandwidth_measured", "assumed_fwd_bwd_seconds", "stage_threads")

@@ -50,6 +50,7 @@ from swap_state.common.segment import (
     SegmentLayout,
     align_up,
     layout_hash,
+    model_bytes,
     plan_segment,
     tensor_nbytes,
 )
@@ -158,12 +159,26 @@ def check_shm_dir(shm_dir: pathlib.Path, shm_size: int) -> int:
     return available
 
 
+def _model_share(layout: SegmentLayout) -> str:
+    """The over-budget message's clause on the model tensors, "" without: a whole-state
+    snapshot's parameters can be much of a segment, and the trainer can leave them out."""
+    nbytes = model_bytes(layout.tensors)
+    if not nbytes:
+        return ""
+    return (
+        f", of which {nbytes} bytes ({format_size(nbytes)}) are the model's parameters and "
+        "buffers (whole-state snapshots; RemoteConfig.snapshot_model=False or "
+        "swap_state_checkpoint='full' leaves them out),"
+    )
+
+
 class Segment:
     """One session's shared-memory file, mapped by the server.
 
     Attributes the snapshot/restore code and the servicer use: ``path``, ``size``, ``layout``
     (:class:`SegmentLayout`), ``layout_hash``, ``header`` (:class:`SegmentHeader`), ``buffer``
-    (the server's writable ``mmap`` of the whole file), ``cow_slots``, ``locked``.
+    (the server's writable ``mmap`` of the whole file), ``cow_slots``, ``locked``,
+    ``model_bytes`` (the model tensors' part of the tensors, for stats and metrics).
 
     Hold :meth:`borrow` while reading or writing ``buffer`` from code that may outlive the
     session (a snapshot still persisting when the session is freed): the file is unmapped,
@@ -185,6 +200,7 @@ class Segment:
         self.layout_hash = specs_hash
         self.size = layout.size
         self.cow_slots = layout.cow_slots
+        self.model_bytes = model_bytes(layout.tensors)  # once: stats and scrapes read it often
         self.charge = charge  # bytes counted against the tensor part of the budget
         self.buffer: mmap.mmap | None = None
         self.header: SegmentHeader | None = None
@@ -376,7 +392,8 @@ class Arena:
                 self.allocation_failures += 1
                 raise ResourceExhausted(
                     f"segment for {len(specs)} tensors needs {charge} bytes "
-                    f"({format_size(charge)}, header and page padding included) but only {free} "
+                    f"({format_size(charge)}, header and page padding included)"
+                    f"{_model_share(layout)} but only {free} "
                     f"bytes ({format_size(free)}) are free of {self.total_bytes} bytes total "
                     f"(--shm-size {format_size(self.total_bytes)}; {self._tensor_used} bytes in "
                     f"{len(self._segments)} segments, {self.cow_reserve_bytes} bytes held for the "

@@ -102,6 +102,11 @@ class ServerCollector(Collector):
         yield by_state
         segment_bytes = gauge("swap_state_session_segment_bytes", "Segment bytes per session.",
                               labels=["job_id", "rank"])
+        model_area = gauge(
+            "swap_state_session_model_area_bytes",
+            "Bytes of each session's segment that are model tensors: the parameters and "
+            "persistent buffers of whole-state snapshots (part of the segment bytes; 0 without).",
+            labels=["job_id", "rank"])
         last_step = gauge("swap_state_session_last_committed_step",
                           "Last committed step per session (sessions with a committed step only).",
                           labels=["job_id", "rank"])
@@ -110,10 +115,12 @@ class ServerCollector(Collector):
         for s in sessions:
             key = [s.job_id, str(s.rank)]
             segment_bytes.add_metric(key, s.segment.size if s.segment else 0)
+            model_area.add_metric(key, s.segment.model_bytes if s.segment else 0)
             if s.last_committed_step is not None:
                 last_step.add_metric(key, s.last_committed_step)
             generation.add_metric(key, s.generation)
         yield segment_bytes
+        yield model_area
         yield last_step
         yield generation
         yield counter("swap_state_steps_committed_total", "Steps committed, all sessions.",

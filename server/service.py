@@ -177,6 +177,7 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
             generation=session.generation,
             state=session.state.value,
             segment_bytes=session.segment.size if session.segment else 0,
+            model_bytes=session.segment.model_bytes if session.segment else 0,
             last_committed_step=session.last_committed_step or 0,
             has_committed_step=session.last_committed_step is not None,
             steps_committed=session.steps_committed,

@@ -155,6 +155,7 @@ _FAMILIES = [
     ("swap_state_mlock_failures_total", "counter", ()),
     ("swap_state_sessions", "gauge", ("state",)),
     ("swap_state_session_segment_bytes", "gauge", ("job_id", "rank")),
+    ("swap_state_session_model_area_bytes", "gauge", ("job_id", "rank")),
     ("swap_state_session_last_committed_step", "gauge", ("job_id", "rank")),
     ("swap_state_session_generation", "gauge", ("job_id", "rank")),
     ("swap_state_steps_committed_total", "counter", ()),

@@ -14,7 +14,10 @@ one uninterrupted plain AdamW (fused) run of 2N steps. Every run shares that run
 5. a rerun with the same job id and no checkpoint (the kept segment of a finished run) trains
    fresh and says that it drops the kept state;
 6. training again from an older checkpoint with a fixed job id overwrites the checkpoints of
-   those steps, and their snapshots with them.
+   those steps, and their snapshots with them;
+7. ``swap-state export --format torchtitan`` turns a snapshot-mode checkpoint into a plain one
+   that torchtitan without swap-state resumes from bitwise; a corrupt snapshot fails naming
+   the file and tensor and leaves no output.
 
 The servers are real ``swap-state-server`` processes (tests/conftest.py's ``start_server``,
 segments in a private directory of /dev/shm), stopped at the end of each test.
@@ -28,6 +31,7 @@ import pytest
 
 from swap_state.client.checkpoint_template import MODEL_REF_KEY, checkpoint_keys
 from swap_state.client.embedded import EmbeddedServer
+from snapshot_kit import flip_byte_of_tensor, swap_state_cli
 from titan_testkit import STOP_AFTER_STEP_ENV, STOP_EXIT_CODE_ENV, STOP_MODE_ENV, launch
 
 # Nothing inherited: a run names its server and job id, or gets the embedded default.
@@ -183,3 +187,44 @@ def test_training_again_from_an_older_checkpoint(mode, reference, run_trainer, s
     if mode == "snapshot":
         assert f"restored trained-again-{mode}/step-{N}" in resumed.run.output, resumed.run.output[-3000:]
     assert resumed == reference[N:], resumed.run.output[-3000:] + _server_log(server)
+
+
+def _export(step_dir: Path, out: Path, snapshot_dir: Path):
+    return swap_state_cli("export", "--format", "torchtitan", str(step_dir), str(out), "--snapshot-dir", str(snapshot_dir))
+
+
+@pytest.mark.timeout(300)
+def test_export_to_plain_torchtitan_resumes_bitwise_without_swap_state(reference, run_trainer, start_server, tmp_path):
+    snapshots = tmp_path / "server-snapshots"
+    server = start_server(snapshot_dir=snapshots)
+    first = run_trainer(tmp_path / "job", *CHECKPOINT, *remote(server, "snapshot", job_id="exported"), SCHEDULE, steps=N)
+    assert first == reference[:N]
+    server.stop()  # offline: the export needs no server
+    plain = tmp_path / "plain"
+    exported = _export(tmp_path / "job" / "ckpt" / f"step-{N}", plain / "ckpt" / f"step-{N}", snapshots)
+    assert exported.returncode == 0, exported.stderr
+    assert "exported/step-3" in exported.stdout
+    keys = checkpoint_keys(plain / "ckpt" / f"step-{N}")
+    assert "tok_embeddings.weight" in keys and "optimizer.state.tok_embeddings.weight.exp_avg" in keys
+    assert not [k for k in keys if k.startswith("swap_state.") or ".swap_state." in k]
+    resumed = run_trainer(plain, *CHECKPOINT, SCHEDULE, steps=2 * N)  # torch's own AdamW
+    assert _loaded(resumed.run.output, plain), resumed.run.output[-3000:]
+    assert resumed.steps == list(range(N + 1, 2 * N + 1))
+    assert resumed == reference[N:], resumed.run.output[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_export_of_a_corrupt_snapshot_names_file_and_tensor_and_writes_nothing(run_trainer, start_server, tmp_path):
+    snapshots = tmp_path / "server-snapshots"
+    server = start_server(snapshot_dir=snapshots)
+    run_trainer(tmp_path / "job", *CHECKPOINT, *remote(server, "snapshot", job_id="corrupt"), SCHEDULE, steps=N)
+    server.stop()
+    data = next(snapshots.glob(f"corrupt/step-*{N}/rank-00000.safetensors"))
+    flip_byte_of_tensor(data, "model.tok_embeddings.weight")
+    out = tmp_path / "plain" / "ckpt" / f"step-{N}"
+    result = _export(tmp_path / "job" / "ckpt" / f"step-{N}", out, snapshots)
+    assert result.returncode == 1
+    assert str(data) in result.stderr and "model.tok_embeddings.weight" in result.stderr, result.stderr
+    assert not out.exists() and not list(out.parent.glob(".*partial*")), sorted(out.parent.iterdir())
+    missing = _export(tmp_path / "job" / "ckpt" / f"step-{N}", out, tmp_path / "elsewhere")
+    assert missing.returncode == 1 and "elsewhere" in missing.stderr, missing.stderr
