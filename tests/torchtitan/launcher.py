@@ -34,7 +34,8 @@ The trainer class is a subclass of ``torchtitan.train.Trainer`` that only observ
   the run stops: ``SWAP_STATE_TEST_STOP_MODE=return`` (default) leaves the loop as if
   ``training.steps`` were reached (the trainer closes normally, without a last-step save);
   ``exit`` ends the process at once with ``os._exit(SWAP_STATE_TEST_STOP_EXIT_CODE``, default
-  43), like a crash: nothing is closed or flushed beyond the loss file.
+  43), like a crash: nothing is closed or flushed beyond the loss file; ``kill`` sends the
+  process SIGKILL (no exit code, no atexit, no finally: what the OOM killer does).
 
 Nothing here edits torchtitan's files or changes numerics.
 """
@@ -42,6 +43,7 @@ Nothing here edits torchtitan's files or changes numerics.
 import json
 import os
 import resource
+import signal
 import socket
 import sys
 import types
@@ -167,8 +169,8 @@ def make_trainer_class(tt_train):
     loss_file = os.environ.get(LOSS_FILE_ENV, "")
     stop_after = int(os.environ.get(STOP_AFTER_STEP_ENV, "0") or 0)
     stop_mode = os.environ.get(STOP_MODE_ENV, "return")
-    if stop_mode not in ("return", "exit"):
-        raise ValueError(f"{STOP_MODE_ENV} must be 'return' or 'exit', not {stop_mode!r}")
+    if stop_mode not in ("return", "exit", "kill"):
+        raise ValueError(f"{STOP_MODE_ENV} must be 'return', 'exit' or 'kill', not {stop_mode!r}")
     exit_code = int(os.environ.get(STOP_EXIT_CODE_ENV, str(DEFAULT_STOP_EXIT_CODE)))
 
     class CpuTestTrainer(tt_train.Trainer):
@@ -199,9 +201,11 @@ def make_trainer_class(tt_train):
         def should_continue_training(self) -> bool:
             if stop_after and self.step >= stop_after:
                 tt_train.logger.info(f"[cpu launcher] stopping after step {self.step} ({stop_mode})")
-                if stop_mode == "exit":
+                if stop_mode in ("exit", "kill"):
                     sys.stdout.flush()
                     sys.stderr.flush()
+                    if stop_mode == "kill":
+                        os.kill(os.getpid(), signal.SIGKILL)
                     os._exit(exit_code)
                 return False
             return super().should_continue_training()

@@ -8,8 +8,9 @@ one uninterrupted plain AdamW (fused) run of 2N steps. Every run shares that run
 1. plain AdamW == swap-state remote (a real server process) == the embedded default (no
    server configured) == the local backend, for 2N steps;
 2. stop at N (checkpoint) and rerun to 2N, "full" and "snapshot";
-3. the 2N-step job dies (os._exit) right after step N's checkpoint and reruns with the same
-   job id: it reattaches to the kept segment but must use the checkpoint, "full" and "snapshot";
+3. the 2N-step job dies (os._exit, or SIGKILL in snapshot mode: the snapshot the checkpoint
+   refers to completes on the server without the trainer) right after step N's checkpoint and
+   reruns with the same job id: it reattaches to the kept segment but must use the checkpoint, "full" and "snapshot";
 4. "snapshot": the server is restarted (same --snapshot-dir) between the stop and the rerun;
 5. a rerun with the same job id and no checkpoint (the kept segment of a finished run) trains
    fresh and says that it drops the kept state;
@@ -118,11 +119,12 @@ def test_stop_and_resume(mode, reference, run_trainer, start_server, tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["full", "snapshot"])
-def test_killed_after_a_checkpoint_and_rerun(mode, reference, run_trainer, start_server, tmp_path):
+@pytest.mark.parametrize("mode,how", [("full", "exit"), ("snapshot", "exit"), ("snapshot", "kill")])
+def test_killed_after_a_checkpoint_and_rerun(mode, how, reference, run_trainer, start_server, tmp_path):
     server = start_server()
     flags = (*CHECKPOINT, *remote(server, mode, job_id=f"killed-{mode}"), SCHEDULE)
-    first = run_trainer(tmp_path, *flags, steps=2 * N, env=CRASH, expect_returncode=43)
+    crash = {**CRASH, STOP_MODE_ENV: how}
+    first = run_trainer(tmp_path, *flags, steps=2 * N, env=crash, expect_returncode=43 if how == "exit" else -9)
     assert first.steps == list(range(1, N + 1))
     assert "Training completed" not in first.run.output
     assert first == reference[:N]
