@@ -172,6 +172,7 @@ class ReattachMixin:
         header = self._mapping.header
         header[Word.STATE_DROPS] += 1
         header[Word.PARAMS_FINGERPRINT] = UNKNOWN
+        header[Word.MODEL_STEP] = 0  # the model tensors were zeroed with the rest
         self.session.commit(-1)  # no committed step: the segment holds a fresh state
         self.session.last_committed_step = None
         self.resumed_step = None

@@ -108,6 +108,7 @@ class SnapshotMixin:
 
         def _publish_step(self) -> int: ...
         def _load_group_steps_from_segment(self) -> None: ...
+        def _verify_kept_state(self) -> None: ...
 
     def snapshot_metadata(self) -> str:
         """What the server cannot know: fqns, keys, DTensor layout, param groups, steps."""
@@ -141,6 +142,8 @@ class SnapshotMixin:
         Call between steps (after ``step()``). The trainer may step again at once; the
         handle's ``wait_durable()`` says when it is on disk.
         """
+        # Kept state of a reattach is checked against the model before anything refers to it.
+        self._verify_kept_state()
         step = self.session.last_committed_step
         if step is None:
             step = self._publish_step()
@@ -212,6 +215,8 @@ class SnapshotMixin:
         # newest: let it become durable first, so "latest" means it.
         self._wait_for_persisting_snapshot(f"restore of {snapshot_id}")
         self._wait_segment_released(f"restore of {snapshot_id}")
+        if self._model_area is not None:
+            self._model_area.wait_published()  # no copy of the model may land after the restore
         reply = self.session.restore(snapshot_id)
         self._torn_step = None
         self._guard.end_write()

@@ -1,0 +1,154 @@
+"""The model area (client/model_area.py) on its own: which tensors a whole-state snapshot holds,
+and the order of copy, event and ``MODEL_STEP`` on an accelerator, played by a fake backend
+whose events complete only when the test says so (no device here; the real streams run in
+the CUDA tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+from swap_state.client.model_area import ModelArea, plan_model_tensors
+from swap_state.common.segment import SegmentHeader, Word
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.head = nn.Linear(4, 6, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+
+def test_tied_weights_once_with_aliases_and_persistent_buffers_only():
+    model = Tied()
+    planned = {t.fqn: t for t in plan_model_tensors([model], list(model.parameters()))}
+    assert sorted(planned) == ["embed.weight", "scale"]
+    assert planned["embed.weight"].aliases == ("head.weight",)
+    assert planned["embed.weight"].key == "param" and planned["scale"].key == "buffer"
+    assert planned["embed.weight"].source is model.embed.weight  # the live parameter
+    assert planned["embed.weight"].spec() == ("model.embed.weight", "float32", [6, 4])
+
+
+def test_a_non_tensor_state_entry_is_refused_by_name():
+    class Extra(nn.Linear):
+        def get_extra_state(self):
+            return {"note": 1}
+
+        def set_extra_state(self, state):
+            pass
+
+    with pytest.raises(ValueError, match=r"'_extra_state' is a dict.*'full' checkpoint mode"):
+        plan_model_tensors([Extra(2, 2)])
+
+
+class _Event:
+    def __init__(self):
+        self.landed = threading.Event()
+        self.waited_by: list[object] = []
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        assert self.landed.wait(10)
+
+
+class _Stream:
+    def __init__(self):
+        self.waited: list[object] = []
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+class FakeAccelerator:
+    """Asynchronous as far as the area can tell: events land when the test sets them."""
+
+    is_accelerator = True
+
+    def __init__(self):
+        self.compute = _Stream()
+        self.events: list[_Event] = []
+
+    def stream(self):
+        return _Stream()
+
+    def current_stream(self):
+        return self.compute
+
+    def event(self):
+        self.events.append(_Event())
+        return self.events[-1]
+
+    def use_stream(self, stream):
+        return contextlib.nullcontext(stream)
+
+    def synchronize(self):
+        pass
+
+
+class FakeGuard:
+    def __init__(self):
+        self.protected: list[list[str]] = []
+
+    def protect(self, names):
+        self.protected.append(list(names))
+
+
+def _area(model, backend, header):
+    tensors = plan_model_tensors([model], list(model.parameters()))
+    views = {t.name: torch.zeros_like(t.local) for t in tensors}
+    return ModelArea(tensors, views, FakeGuard(), header, backend), views
+
+
+def test_accelerator_copy_publishes_only_after_its_event_and_the_next_update_waits_for_it():
+    model = nn.Linear(3, 2)
+    backend = FakeAccelerator()
+    header = SegmentHeader(bytearray(4096), n_chunks=0, cow_slots=0)
+    header[Word.MODEL_STEP] = 5  # step 4's parameters were copied before
+    area, views = _area(model, backend, header)
+    area.copy_from_model(5)
+    assert area._guard.protected == [["model.weight", "model.bias"]]  # before the copy
+    assert header[Word.MODEL_STEP] == 5  # not withdrawn: not a claim for step 5 or later
+    backend.events[0].landed.set()
+    area.wait_published()
+    assert header[Word.MODEL_STEP] == 6
+    assert torch.equal(views["model.weight"], model.weight.detach())
+    area.wait_copy()  # the next optimizer step's compute stream waits for the copy
+    assert backend.compute.waited == [backend.events[0]]
+    area.close()
+
+
+def test_a_stale_claim_is_withdrawn_while_the_copy_is_in_flight():
+    model = nn.Linear(3, 2)
+    backend = FakeAccelerator()
+    header = SegmentHeader(bytearray(4096), n_chunks=0, cow_slots=0)
+    header[Word.MODEL_STEP] = 9  # bytes of before a load: they are not step 3's
+    area, _ = _area(model, backend, header)
+    area.copy_from_model(3)
+    assert header[Word.MODEL_STEP] == 0
+    backend.events[0].landed.set()
+    area.close()  # waits for the publication
+    assert header[Word.MODEL_STEP] == 4
+
+
+def test_restore_copies_the_segment_into_the_model_and_claims_the_step():
+    model = nn.Linear(3, 2)
+    backend = FakeAccelerator()
+    header = SegmentHeader(bytearray(4096), n_chunks=0, cow_slots=0)
+    area, views = _area(model, backend, header)
+    views["model.weight"].fill_(0.25)
+    area.copy_into_model(7)
+    assert torch.equal(model.weight.detach(), torch.full((2, 3), 0.25))
+    assert header[Word.MODEL_STEP] == 8 and area.copied_step == 7
+    area.close()
