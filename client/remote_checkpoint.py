@@ -124,6 +124,13 @@ class RemoteCheckpointMixin:
         """Whether the snapshots hold the model's parameters too (whole-state snapshots)."""
         return getattr(self, "_model_area", None) is not None
 
+    @property
+    def whole_state_checkpoints(self) -> bool:
+        """Whether a checkpoint's model entry may be a reference too: snapshot mode with
+        whole-state snapshots (a 'full' checkpoint keeps the model's tensors, whatever the
+        snapshots hold)."""
+        return self.snapshots_model and self.remote_config.checkpoint == "snapshot"
+
     def restore_reference(self, snapshot_id: str) -> None:
         """Restore the snapshot a checkpoint refers to, unless this container's state already
         is that snapshot's (the optimizer's entry of the same checkpoint restored it: the model

@@ -239,7 +239,7 @@ def _checkpoint_manager_init(original: Callable[..., Any]) -> Callable[..., Any]
         follow = getattr(optimizers, "follow_checkpoint_retention", None)
         if follow is not None and getattr(config, "enable", False) and not getattr(config, "load_only", False):
             follow(snapshots_to_keep(int(getattr(config, "keep_latest_k", 0))))
-        if getattr(optimizers, "snapshots_model", False) and isinstance(self.__dict__.get("states"), dict):
+        if getattr(optimizers, "whole_state_checkpoints", False) and isinstance(self.__dict__.get("states"), dict):
             # Whole-state snapshots: the model's entry refers to the optimizer's snapshot.
             from swap_state.client.torchtitan_model import SnapshotModelWrapper
 

@@ -230,3 +230,17 @@ def test_export_of_a_corrupt_snapshot_names_file_and_tensor_and_writes_nothing(r
     assert not out.exists() and not list(out.parent.glob(".*partial*")), sorted(out.parent.iterdir())
     missing = _export(tmp_path / "job" / "ckpt" / f"step-{N}", out, tmp_path / "elsewhere")
     assert missing.returncode == 1 and "elsewhere" in missing.stderr, missing.stderr
+
+
+@pytest.mark.timeout(240)
+def test_snapshot_mode_with_torchtitans_async_checkpointing(reference, run_trainer, start_server, tmp_path):
+    """``checkpoint.async_mode = "async"``: DCP saves the references and small states on its
+    thread; the resume is the same."""
+    server = start_server()
+    flags = (*CHECKPOINT, "--checkpoint.async_mode=async", *remote(server, "snapshot"), SCHEDULE)
+    first = run_trainer(tmp_path, *flags, steps=N)
+    assert first == reference[:N]
+    assert MODEL_REF_KEY in checkpoint_keys(tmp_path / "ckpt" / f"step-{N}")
+    resumed = run_trainer(tmp_path, *flags, steps=2 * N)
+    assert _loaded(resumed.run.output, tmp_path), resumed.run.output[-3000:]
+    assert resumed == reference[N:], resumed.run.output[-3000:] + _server_log(server)
