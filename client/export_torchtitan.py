@@ -32,7 +32,6 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from swap_state.client.checkpoint_template import MODEL_REF_KEY, OPTIMIZER_KEY, SNAPSHOT_REF_KEY

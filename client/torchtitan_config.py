@@ -10,7 +10,7 @@ Use it with ``--job.custom_config_module=swap_state.client.torchtitan_config`` (
     swap_optimizer_backend = "remote"          # "local": in-process pinned host cache
     swap_state_server = "unix:///run/swap-state/swap-state.sock"   # "" -> $SWAP_STATE_SERVER
     swap_state_job_id = "llama3-8b-run1"       # "" -> $SWAP_STATE_JOB_ID, else a uuid from rank 0
-    swap_state_checkpoint = "snapshot"         # "full": the seed's full-tensor state dict
+    swap_state_checkpoint = "snapshot"         # whole-state snapshots; "full": the seed's state dict
 
 Importing this module installs the ``build_optimizers`` wrapper
 (:mod:`swap_state.client.torchtitan_glue`) and rebinds model packages imported before it, so
@@ -74,10 +74,13 @@ class Optimizer:
     rank reattaches to its state. Empty: $SWAP_STATE_JOB_ID, else one chosen by rank 0."""
 
     swap_state_checkpoint: Literal["full", "snapshot"] = "full"
-    """'full': state_dict() returns the moments (seed format). 'snapshot': state_dict() asks
-    the server for a snapshot and returns a small reference; load_state_dict() restores it
-    (needs swap_optimizer_backend = "remote"). Loading follows the checkpoint: a plain or
-    'full' checkpoint loads its moments in either mode."""
+    """'full': state_dict() returns the moments (seed format). 'snapshot': checkpoints are
+    whole-state server-side snapshots: the model's parameters are copied into the segment
+    after each step, CheckpointManager.save asks the server for one snapshot of model and
+    optimizer and stores two small references to it; a load restores it and puts the
+    parameters back (needs swap_optimizer_backend = "remote"; `swap-state export --format
+    torchtitan` makes a plain checkpoint of one). Loading follows the checkpoint: a plain
+    or 'full' checkpoint loads its tensors in either mode."""
 
 
 @dataclass

@@ -87,15 +87,13 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _rank_main(rank: int, port: int, server: str, folder: str) -> None:
+def init_ranks(rank: int, port: int):
+    """Join the gloo group of ``WORLD`` ranks; ``build(seed)``: a Net sharded with FSDP2."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torchtitan.components.optimizer import OptimizersContainer
 
     import swap_state.client.torchtitan_config  # noqa: F401  (the CheckpointManager hooks)
-    from swap_state.client.remote_container import RemoteConfig, RemoteSwapOptimizersContainer
-    from swap_state.client.swap_container import SwapOptimizersContainer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -106,6 +104,17 @@ def _rank_main(rank: int, port: int, server: str, folder: str) -> None:
         fully_shard(model, mesh=mesh)
         return model
 
+    return build
+
+
+def _rank_main(rank: int, port: int, server: str, folder: str) -> None:
+    import torch.distributed as dist
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    from swap_state.client.remote_container import RemoteConfig, RemoteSwapOptimizersContainer
+    from swap_state.client.swap_container import SwapOptimizersContainer
+
+    build = init_ranks(rank, port)
     model = build(0)
     plain = OptimizersContainer([model], torch.optim.AdamW, dict(KWARGS))
     state = _TrainState()
@@ -149,19 +158,17 @@ def _rank_main(rank: int, port: int, server: str, folder: str) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def spawn_ranks(rank_main, argv: list[str]) -> None:
+    """``rank_main(rank, port, SERVER, FOLDER)`` in ``WORLD`` spawned processes, from
+    ``argv = [script, SERVER, FOLDER]``."""
     import torch.multiprocessing as mp
 
-    server, folder = sys.argv[1:3]
+    server, folder = argv[1:3]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_spawned, args=(port, server, folder), nprocs=WORLD, start_method="spawn")
-
-
-def _spawned(rank: int, port: int, server: str, folder: str) -> None:
-    _rank_main(rank, port, server, folder)
+    mp.start_processes(rank_main, args=(port, server, folder), nprocs=WORLD, start_method="spawn")
 
 
 if __name__ == "__main__":
-    main()
+    spawn_ranks(_rank_main, sys.argv)

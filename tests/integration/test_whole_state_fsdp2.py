@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -66,23 +65,12 @@ def test_fsdp2_whole_state_snapshot_checkpoint_resumes_bitwise_and_exports(start
 
 def _rank_main(rank: int, port: int, server: str, folder: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torchtitan.components.optimizer import OptimizersContainer
 
-    import swap_state.client.torchtitan_config  # noqa: F401  (the CheckpointManager hooks)
     from swap_state.client.remote_container import RemoteConfig, RemoteSwapOptimizersContainer
-    from test_titan_fsdp2 import KWARGS, Net, _TrainState, _local, _manager, _train
+    from test_titan_fsdp2 import KWARGS, _TrainState, _local, _manager, _train, init_ranks
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    mesh = init_device_mesh("cpu", (WORLD,))
-
-    def build(seed: int) -> Net:
-        torch.manual_seed(seed)
-        model = Net()
-        fully_shard(model, mesh=mesh)
-        return model
-
+    build = init_ranks(rank, port)
     reference = build(0)
     plain = OptimizersContainer([reference], torch.optim.AdamW, dict(KWARGS))
     _train(reference, plain, rank, range(1, SAVED_AT + 1))
@@ -123,19 +111,7 @@ def _rank_main(rank: int, port: int, server: str, folder: str) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    import torch.multiprocessing as mp
-
-    server, folder = sys.argv[1:3]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_spawned, args=(port, server, folder), nprocs=WORLD, start_method="spawn")
-
-
-def _spawned(rank: int, port: int, server: str, folder: str) -> None:
-    _rank_main(rank, port, server, folder)
-
-
 if __name__ == "__main__":
-    main()
+    from test_titan_fsdp2 import spawn_ranks
+
+    spawn_ranks(_rank_main, sys.argv)
