@@ -51,8 +51,9 @@ are split, per snapshot, between the server's *stager* and the trainer's *fallba
    = N + 1`` once the copy of step N is complete (never before the copy's writes have
    landed); a value above N when the copy begins (bytes of before a load or restore) is
    withdrawn first (``MODEL_STEP = 0``), any other stays (a snapshot waiting for it must
-   not wait for a copy that may itself wait for that snapshot's writer to free a slot). The stager and the writer start on the first model chunk of a snapshot of step
-   N only once ``MODEL_STEP >= N + 1`` (bounded: a trainer that never publishes fails the
+   not wait for a copy that may itself wait for that snapshot's writer to free a slot).
+   The stager and the writer start on the first model chunk of a snapshot of step N only
+   once ``MODEL_STEP >= N + 1`` (bounded: a trainer that never publishes fails the
    snapshot, never a wrong one). Since the trainer copies step N's parameters before it can
    ask for step N's snapshot (it copies right after the commit, in the same ``step()``),
    the epoch of a snapshot of step N never sees the copy of step N itself, only the copy of

@@ -98,9 +98,9 @@ class SnapshotCoordinator:
         directory). ``stage_threads``: threads per persisting rank that copy chunks ahead of
         the trainer into the copy slots (0: none; the trainer then copies every chunk the
         writer has not reached). ``model_copy_timeout_s``: how long a whole-state snapshot
-        waits for the trainer's copy of the model (protocol step 5). ``assumed_fwd_bwd_s`` / ``assumed_persist_bandwidth``: the
-        forward/backward time and (until a snapshot measured it) the persist bytes/s of the
-        copy-budget warning."""
+        waits for the trainer's copy of the model (protocol step 5).
+        ``assumed_fwd_bwd_s`` / ``assumed_persist_bandwidth``: the forward/backward time
+        and (until a snapshot measured it) the persist bytes/s of the copy-budget warning."""
         if keep_latest is not None and keep_latest < 2:
             raise ValueError("keep_latest must be >= 2 (or None to keep all snapshots)")
         if assemble_timeout_s <= 0:
