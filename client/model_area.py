@@ -180,6 +180,13 @@ class ModelArea:
             header[Word.MODEL_STEP] = 0
         self._guard.protect(self._names)  # a persisting snapshot's bytes, copied first
         self.copied_step = step
+        with torch.no_grad():  # optimizer.step() may run with grad on: no graph into the segment
+            self._copy_into_segment(step)
+
+    def _copy_into_segment(self, step: int) -> None:
+        """CPU: copy and publish now. Accelerator: copy on the side stream after the work
+        queued so far; the helper thread publishes once the copy's event has completed."""
+        header = self._header
         if not self._backend.is_accelerator:
             for view, tensor in zip(self._views, self.tensors):
                 view.copy_(tensor.local)

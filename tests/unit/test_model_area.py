@@ -152,3 +152,17 @@ def test_restore_copies_the_segment_into_the_model_and_claims_the_step():
     assert torch.equal(model.weight.detach(), torch.full((2, 3), 0.25))
     assert header[Word.MODEL_STEP] == 8 and area.copied_step == 7
     area.close()
+
+
+def test_the_copy_builds_no_autograd_graph_into_the_segment():
+    """torchtitan steps the optimizer with grad mode on: a copy of a parameter that requires
+    grad must not make the segment view part of a graph (it would grow every step)."""
+    from swap_state.client.device import DeviceBackend
+
+    model = nn.Linear(3, 2)
+    header = SegmentHeader(bytearray(4096), n_chunks=0, cow_slots=0)
+    area, views = _area(model, DeviceBackend("cpu"), header)
+    with torch.enable_grad():
+        area.copy_from_model(1)
+    assert not views["model.weight"].requires_grad and views["model.weight"].grad_fn is None
+    assert header[Word.MODEL_STEP] == 2
