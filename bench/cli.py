@@ -16,7 +16,9 @@ Once per run: disk sequential write/read bandwidth, host memcpy and crc32 (the c
 the step commit's cost on an idle session, and the CUDA section when a GPU is present.
 
 Output under --out: bench.md (tables), bench.json (everything, raw samples included),
-bench.png (step time and stall vs state size; skipped with a reason without matplotlib).
+bench.png (step time and stall vs state size; skipped with a reason without matplotlib);
+with --titan-checkpoint also titan-checkpoint.md/.json (bench/titan_checkpoint.py: torchtitan's
+own trainer, CheckpointManager.save in snapshot mode vs plain sync and async).
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cuda", action="store_true", help="skip the CUDA section even with a GPU")
     p.add_argument("--no-plot", action="store_true", help="do not write bench.png")
     p.add_argument("--keep-work", action="store_true", help="keep --work-dir afterwards")
+    p.add_argument("--titan-checkpoint", nargs="?", const="debugmodel", default=None, metavar="SIZES",
+                   help="also run bench.titan_checkpoint (torchtitan's CheckpointManager.save blocking time, "
+                        "snapshot mode vs plain sync/async; minutes) at these sizes into --out "
+                        "(titan-checkpoint.md/.json); off by default")
     return p
 
 
@@ -390,4 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {os.path.join(out_dir, 'bench.md')}, {os.path.join(out_dir, 'bench.json')}"
           + (f"; bench.png skipped: {plot_note}" if plot_note else f", {os.path.join(out_dir, 'bench.png')}"))
     print(f"runtime {results['runtime_s']:.0f} s")
+    if args.titan_checkpoint:
+        from bench import titan_checkpoint
+
+        return titan_checkpoint.main(["--sizes", args.titan_checkpoint, "--out", out_dir,
+                                      "--work-dir", scratch_base])
     return 0

@@ -64,6 +64,10 @@ class EmbeddedServerConfig:
     """--grace of the private server: its sessions die with their owner."""
     chunk_bytes: int = 1 << 20
     """--chunk-bytes: small, since embedded states are small."""
+    cow_budget_bytes: int | None = None
+    """--cow-budget (held back from ``shm_size_bytes``); None: the server's default, or,
+    sized by a container with whole-state snapshots, the whole state (the memory rule's
+    worst case: a snapshot then never makes the trainer copy or wait)."""
     shm_dir: str | None = None
     """--shm-dir; None: the server's default (/dev/shm)."""
     snapshot_dir: str | None = None
@@ -87,6 +91,7 @@ class EmbeddedServerConfig:
             grace=float(self.grace_s),
             chunk_bytes=self.chunk_bytes,
             **({"shm_dir": pathlib.Path(self.shm_dir)} if self.shm_dir else {}),
+            **({"cow_budget": self.cow_budget_bytes} if self.cow_budget_bytes is not None else {}),
         )
 
 

@@ -355,7 +355,8 @@ class Arena:
         return max(PAGE_BYTES, min(self.chunk_bytes, align_up(largest)))
 
     def cow_share(self, world_size: int) -> int:
-        """Most cow slots one session of a job with ``world_size`` ranks may take."""
+        """Most cow slots one session of a job with ``world_size`` ranks on this server (its
+        local world size) may take."""
         if self.cow_pool_slots == 0:
             return 0
         return max(1, self.cow_pool_slots // min(max(world_size, 1), LOCAL_RANKS_HINT))

@@ -435,7 +435,7 @@ class SessionRegistry:
                 self.arena.create_segment,
                 session.session_id,
                 checked,
-                session.world_size,
+                session.local_world_size,  # the job's ranks sharing this server's copy pool
                 specs_hash=wanted_hash,
             )
             session.segment = segment

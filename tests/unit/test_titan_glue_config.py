@@ -96,6 +96,19 @@ def test_embedded_config_is_sized_and_per_rank(monkeypatch: pytest.MonkeyPatch, 
     assert default.snapshot_dir == str(tmp_path / "swap-state" / "snapshots" / "rank-00001")
 
 
+def test_embedded_server_for_whole_state_snapshots_has_copy_slots_for_the_whole_state() -> None:
+    """The memory rule's worst case: a whole-state snapshot (a checkpoint) never makes the
+    trainer copy or wait, whatever the disk; the budget holds the state and those slots."""
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of parameters, 8 MiB of moments
+    whole = embedded_config_for(RemoteConfig(checkpoint="snapshot"), [model], {}, rank=0, world_size=1)
+    state = 3 * sum(p.numel() * 4 for p in model.parameters())
+    assert whole.cow_budget_bytes is not None and whole.cow_budget_bytes >= state
+    assert whole.shm_size_bytes >= state + whole.cow_budget_bytes
+    server = whole.server_config("unix:///tmp/x.sock", "/tmp/snaps")
+    assert server.cow_budget == whole.cow_budget_bytes
+    assert embedded_config_for(RemoteConfig(), [model], {}, rank=0, world_size=1).cow_budget_bytes is None
+
+
 class _Retention(SnapshotMixin):
     def __init__(self, keep: int | None) -> None:
         self.remote_config = RemoteConfig(job_id="job", snapshot_keep_latest=keep)
