@@ -222,26 +222,14 @@ def _trainer_env(
     """The environment ``titan_testkit.launch`` gives the launcher, plus the recorder's."""
     kit = _testkit()
     pythonpath = [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-    env = dict(os.environ)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "SWAP_STATE_SERVER", "SWAP_STATE_JOB_ID",
-                kit.STOP_AFTER_STEP_ENV, kit.STOP_MODE_ENV, kit.STOP_EXIT_CODE_ENV, kit.LOSS_FILE_ENV):
-        env.pop(key, None)
-    env.update({
-        "HF_HOME": str(assets.hf_cache_dir),
-        "HF_DATASETS_CACHE": str(assets.hf_cache_dir / "datasets"),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "PYTHONUNBUFFERED": "1",
-        "TOKENIZERS_PARALLELISM": "false",
+    return kit.launcher_env(assets, {
         "PYTHONPATH": os.pathsep.join(pythonpath),
         kit.STOP_AFTER_STEP_ENV: str(stop_after),
         kit.STOP_MODE_ENV: "return",
         RECORD_ENV: str(record),
         FLAVORS_ENV: json.dumps(flavors),
-    })  # fmt: skip
-    env.update(extra)
-    return env
+        **extra,
+    }, drop=("SWAP_STATE_SERVER", "SWAP_STATE_JOB_ID"))  # fmt: skip
 
 
 def _start_pinned_server(state_bytes: int, snapshot_dir: Path, cpus: list[int]):

@@ -107,6 +107,19 @@ def init_ranks(rank: int, port: int):
     return build
 
 
+def shard_mismatches(model, container, reference_model, reference_optimizer) -> list[str]:
+    """This rank's parameters and moments that differ bitwise from the reference's."""
+    bad = []
+    for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):
+        if not torch.equal(_local(p), _local(q)):
+            bad.append(name)
+        host = container.param_to_cpu_states_map[p]
+        for key, value in reference_optimizer.state[q].items():
+            if not torch.equal(host[key].reshape(_local(value).shape), _local(value)):
+                bad.append(f"{name}.{key}")
+    return bad
+
+
 def _rank_main(rank: int, port: int, server: str, folder: str) -> None:
     import torch.distributed as dist
     from torchtitan.components.optimizer import OptimizersContainer
@@ -140,15 +153,7 @@ def _rank_main(rank: int, port: int, server: str, folder: str) -> None:
         fresh_manager = _manager(folder, fresh, container, fresh_state)
         assert fresh_manager.load(step=SAVED_AT) and fresh_state.step == SAVED_AT
         _train(fresh, container, rank, range(SAVED_AT + 1, LAST + 1))
-        bad = []
-        for (name, p), q in zip(fresh.named_parameters(), model.parameters()):
-            if not torch.equal(_local(p), _local(q)):
-                bad.append(name)
-            host = container.param_to_cpu_states_map[p]
-            for key, value in reference.state[q].items():
-                if not torch.equal(host[key].reshape(_local(value).shape), _local(value)):
-                    bad.append(f"{name}.{key}")
-        mismatches[kind] = bad
+        mismatches[kind] = shard_mismatches(fresh, container, model, reference)
         fresh_manager.close()
         if kind != "local":
             container.close()

@@ -68,7 +68,7 @@ def _rank_main(rank: int, port: int, server: str, folder: str) -> None:
     from torchtitan.components.optimizer import OptimizersContainer
 
     from swap_state.client.remote_container import RemoteConfig, RemoteSwapOptimizersContainer
-    from test_titan_fsdp2 import KWARGS, _TrainState, _local, _manager, _train, init_ranks
+    from test_titan_fsdp2 import KWARGS, _TrainState, _local, _manager, _train, init_ranks, shard_mismatches
 
     build = init_ranks(rank, port)
     reference = build(0)
@@ -94,15 +94,7 @@ def _rank_main(rank: int, port: int, server: str, folder: str) -> None:
     fresh_manager = _manager(folder, fresh, container, fresh_state)
     assert fresh_manager.load(step=SAVED_AT) and fresh_state.step == SAVED_AT
     _train(fresh, container, rank, range(SAVED_AT + 1, LAST + 1))
-    bad = []
-    optimizer = plain.optimizers[0]
-    for (name, p), q in zip(fresh.named_parameters(), reference.parameters()):
-        if not torch.equal(_local(p), _local(q)):
-            bad.append(name)
-        host = container.param_to_cpu_states_map[p]
-        for key, value in optimizer.state[q].items():
-            if not torch.equal(host[key].reshape(_local(value).shape), _local(value)):
-                bad.append(f"{name}.{key}")
+    bad = shard_mismatches(fresh, container, reference, plain.optimizers[0])
     fresh_manager.close()
     container.close()
     sharded = all(_local(p).shape[0] < p.shape[0] for p in reference.parameters())

@@ -171,6 +171,31 @@ def read_losses(path: str | os.PathLike) -> tuple[list[int], list[str]]:
     return steps, losses
 
 
+#: Inherited variables a launcher run must not see: torchrun's (a fresh port per run) and the
+#: launcher's own controls.
+_NOT_INHERITED = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", STOP_AFTER_STEP_ENV, STOP_MODE_ENV,
+    STOP_EXIT_CODE_ENV, LOSS_FILE_ENV,
+)  # fmt: skip
+
+
+def launcher_env(assets: TitanAssets, extra: dict[str, str], drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """This process's environment for a launcher run: offline HF caches of ``assets``, nothing
+    torchrun-ish or launcher-controlling inherited (nor ``drop``), then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED and k not in drop}
+    env.update({
+        "HF_HOME": str(assets.hf_cache_dir),
+        "HF_DATASETS_CACHE": str(assets.hf_cache_dir / "datasets"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    })  # fmt: skip
+    env.update(extra)
+    return env
+
+
 def launch(
     assets: TitanAssets,
     dump_folder: str | os.PathLike,
@@ -200,21 +225,7 @@ def launch(
     loss_file.write_text("")
 
     argv = [sys.executable, str(LAUNCHER), *base_flags(assets, dump_folder, steps=steps), *flags]
-    run_env = dict(os.environ)
-    # A fresh port per run, and nothing torchrun-ish inherited from the test process.
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
-                STOP_AFTER_STEP_ENV, STOP_MODE_ENV, STOP_EXIT_CODE_ENV):
-        run_env.pop(key, None)
-    run_env.update({
-        "HF_HOME": str(assets.hf_cache_dir),
-        "HF_DATASETS_CACHE": str(assets.hf_cache_dir / "datasets"),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "PYTHONUNBUFFERED": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        LOSS_FILE_ENV: str(loss_file),
-    })
+    run_env = launcher_env(assets, {LOSS_FILE_ENV: str(loss_file)})
     run_env.setdefault("OMP_NUM_THREADS", "2")
     run_env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT)] + ([run_env["PYTHONPATH"]] if run_env.get("PYTHONPATH") else [])
