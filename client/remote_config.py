@@ -175,17 +175,15 @@ def embedded_config_for(
     embedded = config.embedded or EmbeddedServerConfig()
     if embedded.shm_size_bytes is None:
         state = _state_bytes(model_parts, optimizer_kwargs)
-        size = max(64 << 20, int(state * 1.5) + (32 << 20))
+        cow = embedded.cow_budget_bytes
         if snapshots_model(config):
             # Whole-state snapshots are checkpoints: pause-free ones need copy slots for the
             # whole state (about what DCP's async save stages in the trainer's own memory).
             state += model_state_bytes(model_parts)
-            cow = embedded.cow_budget_bytes
             if cow is None:
                 cow = -(-state // embedded.chunk_bytes) * embedded.chunk_bytes
-            size = max(64 << 20, int(state * 1.5) + (32 << 20)) + cow
-            embedded = dataclasses.replace(embedded, cow_budget_bytes=cow)
-        embedded = dataclasses.replace(embedded, shm_size_bytes=size)
+        size = max(64 << 20, int(state * 1.5) + (32 << 20)) + (cow or 0)
+        embedded = dataclasses.replace(embedded, shm_size_bytes=size, cow_budget_bytes=cow)
     if world_size > 1:
         root = embedded.snapshot_dir or default_snapshot_dir()
         embedded = dataclasses.replace(embedded, snapshot_dir=os.path.join(root, f"rank-{rank:05d}"))
