@@ -14,7 +14,7 @@ from snapshot_kit import SPECS, Trainer, metadata_for
 from swap_state.common.copy_before_write import protect_chunk
 from swap_state.common.segment import CopyBudget, Word, plan_segment, stager_slot_count
 from swap_state.common.snapshot_format import rank_data_name
-from swap_state.server import snapshot_writer
+from swap_state.server import snapshot_stager, snapshot_writer
 from swap_state.server.snapshot_coordinator import SnapshotState
 
 from test_snapshot_consistency import _file_tensors
@@ -104,7 +104,7 @@ def test_a_stager_copy_torn_by_the_trainer_loses_to_the_trainers_copy(make_segme
     at_step_n = seg.fill(seed=4)
     victim = seg.chunks[5]
     source_address = []
-    real_memmove = snapshot_writer.ctypes.memmove
+    real_memmove = snapshot_stager.ctypes.memmove
     done = {"torn": False}
 
     def memmove(dst, src, n):
@@ -118,14 +118,14 @@ def test_a_stager_copy_torn_by_the_trainer_loses_to_the_trainers_copy(make_segme
             return real_memmove(dst + half, src + half, n - half)  # ... the rest is torn
         return real_memmove(dst, src, n)
 
-    real_start = snapshot_writer.Stager.start
+    real_start = snapshot_stager.Stager.start
 
     def start(self, segment):
-        source_address.append(snapshot_writer.buffer_address(segment))
+        source_address.append(snapshot_stager.buffer_address(segment))
         real_start(self, segment)
 
-    monkeypatch.setattr(snapshot_writer.Stager, "start", start)
-    monkeypatch.setattr(snapshot_writer.ctypes, "memmove", memmove)
+    monkeypatch.setattr(snapshot_stager.Stager, "start", start)
+    monkeypatch.setattr(snapshot_stager.ctypes, "memmove", memmove)
     coordinator = make_coordinator(max_bandwidth=200_000)
     status = coordinator.start(seg.source("job", 5)).wait(20)
     assert done["torn"]
@@ -144,7 +144,7 @@ def test_a_chunk_staged_while_the_writer_reads_it_is_rewritten_from_the_stager_s
     at_step_n = seg.fill(seed=5)
     victim = seg.chunks[7]
     k = stager_slot_count(seg.layout.cow_slots)
-    monkeypatch.setattr(snapshot_writer.Stager, "_run", lambda self: self.idle.set())  # this test stages
+    monkeypatch.setattr(snapshot_stager.Stager, "_run", lambda self: self.idle.set())  # this test stages
     real_pwrite = snapshot_writer._pwrite_all
     done = {"raced": False}
     at_victim = bytes(seg.mm[victim.offset : victim.offset + victim.nbytes])
@@ -216,13 +216,13 @@ def test_stager_and_trainer_slots_never_overlap(make_segment, make_coordinator, 
 
     monkeypatch.setattr(type(seg.header), "free_slot", free_slot)
     written: list[int] = []
-    real_copy = snapshot_writer.Stager._copy
+    real_copy = snapshot_stager.Stager._copy
 
     def copy(self, chunks):
         written.extend(c.index % self.slots for c in chunks)
         return real_copy(self, chunks)
 
-    monkeypatch.setattr(snapshot_writer.Stager, "_copy", copy)
+    monkeypatch.setattr(snapshot_stager.Stager, "_copy", copy)
     coordinator = make_coordinator(max_bandwidth=600_000)
     handle = coordinator.start(seg.source("job", 1))
     trainer = Trainer(seg, first_step=2, n_steps=2)
