@@ -89,7 +89,6 @@ def match_model_template(
     ModelReferenceError when the checkpoint's model is a reference that this job cannot
     restore: its optimizers keep no model in their snapshots, or the optimizer is left out
     of the load (the snapshot restores both together)."""
-    model_keys = list(ModelWrapper.state_dict(wrapper)) if isinstance(wrapper, ModelWrapper) else []
     if MODEL_REF_KEY not in keys:
         if state_dict.pop(MODEL_REF_KEY, None) is not None and isinstance(wrapper, ModelWrapper):
             state_dict.update(ModelWrapper.state_dict(wrapper))
@@ -110,6 +109,6 @@ def match_model_template(
             "'optimizer', or a model-only load); export it first with `swap-state export "
             f"--format torchtitan {path} OUT_DIR --snapshot-dir <the server's --snapshot-dir>`"
         )
-    for key in model_keys:
+    for key in ModelWrapper.state_dict(wrapper):  # the model's tensors: not in this checkpoint
         state_dict.pop(key, None)
     state_dict[MODEL_REF_KEY] = ""
