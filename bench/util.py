@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from fractions import Fraction
 import statistics
 from collections.abc import Sequence
 
@@ -28,7 +29,7 @@ def parse_size(text: str | int) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
     if not match:
         raise ValueError(f"not a size: {text!r} (e.g. 16M, 1G, 65536)")
-    return int(float(match.group(1)) * _SUFFIX[match.group(2).upper()])
+    return int(Fraction(match.group(1)) * _SUFFIX[match.group(2).upper()])  # exact, unlike a float
 
 
 def fmt_bytes(n: float) -> str:

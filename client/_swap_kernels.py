@@ -99,7 +99,9 @@ def plan_slices(sizes: Sequence[int], times: int) -> list[range]:
     slices: list[range] = []
     start, current, before = 0, 0, 0
     for index, size in enumerate(sizes):
-        target = min(times - 1, int((before + size / 2) * times // total))
+        # The midpoint's slice, (before + size / 2) * times // total, in integers: exact
+        # at any size (a float loses bytes above 2^53).
+        target = min(times - 1, (2 * before + size) * times // (2 * total))
         if target != current:
             slices.append(range(start, index))
             start, current = index, target

@@ -33,6 +33,7 @@ already registered and raises :class:`HostRegistrationError` with the code and t
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import importlib
@@ -149,13 +150,23 @@ class HostRegistration:
 
 
 def page_chunks(
-    ptr: int, nbytes: int, chunk_bytes: int = REGISTER_CHUNK_BYTES, page_size: int = PAGE_SIZE
+    ptr: int,
+    nbytes: int,
+    chunk_bytes: int = REGISTER_CHUNK_BYTES,
+    page_size: int = PAGE_SIZE,
+    cuts: Sequence[int] = (),
 ) -> list[tuple[int, int]]:
     """Split ``[ptr, ptr + nbytes)`` into page-aligned ``(ptr, size)`` chunks.
 
     ``ptr`` must be page-aligned; ``nbytes`` is rounded up to whole pages (a mapping
-    always covers whole pages); every chunk but the last is ``chunk_bytes`` rounded down
-    to whole pages (at least one page).
+    always covers whole pages). Without ``cuts`` every chunk but the last is
+    ``chunk_bytes`` rounded down to whole pages (at least one page).
+
+    ``cuts``: byte offsets from ``ptr`` where a chunk may end (where the tensors start, each
+    rounded down to its page). A chunk then ends at the last cut within ``chunk_bytes`` of
+    its start, or, where one span between cuts is longer, at the next cut: one copy never
+    spans two registrations (how a driver treats such a copy is not documented), and a
+    single tensor over ``chunk_bytes`` gets one registration of its own.
     """
     if ptr % page_size:
         raise ValueError(
@@ -166,7 +177,17 @@ def page_chunks(
         raise ValueError(f"cannot register {nbytes} bytes at {ptr:#x}: size must be positive")
     total = -(-nbytes // page_size) * page_size
     step = max(page_size, chunk_bytes - chunk_bytes % page_size)
-    return [(ptr + off, min(step, total - off)) for off in range(0, total, step)]
+    if not cuts:
+        return [(ptr + off, min(step, total - off)) for off in range(0, total, step)]
+    ends = sorted({cut - cut % page_size for cut in cuts if 0 < cut < total} | {total})
+    chunks: list[tuple[int, int]] = []
+    start = 0
+    while start < total:
+        within = bisect.bisect_right(ends, start + step) - 1
+        end = ends[within] if within >= 0 and ends[within] > start else ends[bisect.bisect_right(ends, start)]
+        chunks.append((ptr + start, end - start))
+        start = end
+    return chunks
 
 
 class DeviceBackend:
@@ -266,16 +287,17 @@ class DeviceBackend:
         """A zero-filled host tensor, pinned when an accelerator exists."""
         return torch.zeros(tuple(shape), dtype=dtype, pin_memory=self.pin_memory_available)
 
-    def register_host_memory(self, ptr: int, nbytes: int) -> HostRegistration:
+    def register_host_memory(self, ptr: int, nbytes: int, cuts: Sequence[int] = ()) -> HostRegistration:
         """Register ``[ptr, ptr + nbytes)`` of an existing mapping for DMA.
 
         The pointer must be page-aligned; the size is rounded up to whole pages and
-        registered in chunks of at most ``self.chunk_bytes``. On CPU nothing is called
+        registered in chunks of at most ``self.chunk_bytes``, ending only at ``cuts`` when
+        given (the offsets where tensors start: see :func:`page_chunks`). On CPU nothing is called
         (the same checks and bookkeeping apply, so CPU runs catch misuse). Raises
         :class:`HostRegistrationError` with the return code and range when a call fails,
         after unregistering the chunks already registered.
         """
-        chunks = page_chunks(ptr, nbytes, self.chunk_bytes)
+        chunks = page_chunks(ptr, nbytes, self.chunk_bytes, cuts=cuts)
         with self._lock:
             if ptr in self._registrations:
                 raise ValueError(f"host range at {ptr:#x} is already registered")

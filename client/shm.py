@@ -92,9 +92,11 @@ class SegmentMapping:
         return views
 
     def register_for_dma(self, backend) -> None:
-        """Pin the whole mapping for device DMA once (cudaHostRegister / aclrtHostRegister)."""
+        """Pin the whole mapping for device DMA once (cudaHostRegister / aclrtHostRegister),
+        in chunks that end where a tensor (or the copy slots) starts, never inside one."""
         if self._registered is None and backend.is_accelerator:
-            backend.register_host_memory(self.data_ptr, self.info.size)
+            cuts = [t.offset for t in self.tensors] + [self.info.cow_slots_offset]
+            backend.register_host_memory(self.data_ptr, self.info.size, cuts=cuts)
             self._registered = (backend, self.data_ptr)
 
     def close(self) -> None:

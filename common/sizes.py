@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from .errors import ConfigError
 
@@ -24,10 +25,11 @@ def parse_size(text: str) -> int:
     if not match:
         raise ConfigError(f"not a size: {text!r} (expected e.g. 512M, 64G, 1T or a byte count)")
     number, unit = match.groups()
-    value = float(number) * _UNITS[unit.upper()]
+    # Exact (a float rounds byte counts above 2^53); a fraction of a byte is rounded down.
+    value = int(Fraction(number) * _UNITS[unit.upper()])
     if value > (1 << 62):
         raise ConfigError(f"size too large: {text!r}")
-    return int(value)
+    return value
 
 
 def format_size(nbytes: int) -> str:

@@ -26,6 +26,7 @@ __all__ = [
     "MAX_SEGMENT_BYTES",
     "MAX_STEP",
     "MAX_WORLD_SIZE",
+    "SAFETENSORS_MAX_HEADER_BYTES",
     "TensorSpecTuple",
     "validate_client_host",
     "validate_generation",
@@ -51,6 +52,12 @@ MAX_NDIM = 32
 MAX_SEGMENT_BYTES = 1 << 50
 # COMMITTED_STEP stores step + 1 in a uint64 header word; int64 range keeps clients sane.
 MAX_STEP = (1 << 63) - 2
+# The safetensors library refuses a header over this many bytes (its N_MAX_HEADER).
+SAFETENSORS_MAX_HEADER_BYTES = 100_000_000
+# A header entry is '"<name>":{"dtype":"BF16","shape":[<dims>],"data_offsets":[<a>,<b>]},':
+# at most this much besides the name, with numbers of 20 digits at most.
+_HEADER_BYTES_PER_TENSOR = 50 + 2 * 20
+_HEADER_BYTES_PER_DIM = 21
 # Stands in for the session's job while only the form of a relative snapshot id is checked.
 _SOME_JOB = "job"
 
@@ -144,6 +151,7 @@ def validate_tensor_specs(
     seen: set[str] = set()
     model_from: int | None = None  # the first model tensor's index (they must come last)
     total = 0
+    header_bound = 0  # of the rank file's safetensors header (common.snapshot_format)
     name_ok = _TENSOR_NAME.fullmatch
     # Hot loop (up to max_tensors iterations): checks are ordered so the common, valid case
     # does as little work as possible.
@@ -183,5 +191,12 @@ def validate_tensor_specs(
                 f"tensors[{index}] ({name}) shape {list(dims)[:8]}: the tensors exceed the "
                 f"largest possible segment ({max_total_bytes} bytes)"
             )
+        header_bound += len(name) + _HEADER_BYTES_PER_TENSOR + _HEADER_BYTES_PER_DIM * len(dims)
         out.append((name, dtype, dims))
+    if header_bound > SAFETENSORS_MAX_HEADER_BYTES:
+        raise InvalidArgument(
+            f"{len(out)} tensors would give the snapshot file a safetensors header of up to "
+            f"{header_bound} bytes, over the {SAFETENSORS_MAX_HEADER_BYTES} bytes safetensors "
+            "readers accept: fewer tensors per rank (shard the model over more ranks)"
+        )
     return out

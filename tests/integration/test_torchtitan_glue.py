@@ -5,22 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torchtitan.components.optimizer as tt_optimizer
-from torchtitan.config import ConfigManager
 
 import swap_state.client.torchtitan_config  # noqa: F401  (installs the wrapper)
 from swap_state.client.remote_container import RemoteSwapOptimizersContainer
 from swap_state.client.swap_optimizer import SwapOptimizersContainer
 
-from .workload import Workload, build, mismatches, train
-
-
-def _parse(tmp_path, optimizer_toml: str):
-    toml = tmp_path / "job.toml"
-    toml.write_text(
-        '[job]\ncustom_config_module = "swap_state.client.torchtitan_config"\n'
-        f"[optimizer]\n{optimizer_toml}\n"
-    )
-    return ConfigManager().parse_args([f"--job.config_file={toml}"])
+from .workload import Workload, build, mismatches, parse_titan_toml as _parse, train
 
 
 def test_toml_switches_build_the_remote_container_bitwise(server, tmp_path):

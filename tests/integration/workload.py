@@ -95,6 +95,19 @@ def reference_mismatches(model: Net, container, w: Workload, steps: int = 10) ->
     return mismatches(model, container, ref_model, ref)
 
 
+def parse_titan_toml(tmp_path, optimizer_toml: str):
+    """torchtitan 0.2's JobConfig of a TOML with the custom config module and this
+    ``[optimizer]`` section (parsed by torchtitan's own ConfigManager)."""
+    from torchtitan.config import ConfigManager
+
+    toml = tmp_path / "job.toml"
+    toml.write_text(
+        '[job]\ncustom_config_module = "swap_state.client.torchtitan_config"\n'
+        f"[optimizer]\n{optimizer_toml}\n"
+    )
+    return ConfigManager().parse_args([f"--job.config_file={toml}"])
+
+
 def main() -> None:
     """Subprocess entry: ``workload.py SERVER JOB RANK WORLD JSON`` prints a JSON result."""
     server, job, rank, world, spec = sys.argv[1:6]

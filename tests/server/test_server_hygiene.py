@@ -56,13 +56,15 @@ def test_every_rpc_is_served_behind_the_status_boundary():
 @pytest.mark.parametrize(
     ("text", "value"),
     [("64G", 64 << 30), ("64g", 64 << 30), ("512M", 512 << 20), ("1T", 1 << 40), ("4096", 4096),
-     ("1.5K", 1536), ("2GiB", 2 << 30), ("8KB", 8 << 10)],
+     ("1.5K", 1536), ("2GiB", 2 << 30), ("8KB", 8 << 10),
+     # exact where a float is not: above 2^53 bytes, and fractions of a unit
+     ("9007199254740993", 2**53 + 1), ("1.1G", 1181116006), ("4611686018427387904", 2**62)],
 )
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "G", "-1G", "1P", "abc", "1 G B"])
+@pytest.mark.parametrize("text", ["", "G", "-1G", "1P", "abc", "1 G B", "4611686018427387905"])
 def test_parse_size_rejects(text):
     with pytest.raises(ConfigError):
         parse_size(text)

@@ -11,6 +11,9 @@ import pytest
 from swap_server_testkit import Trainer, spec
 
 from swap_state.proto import swap_state_pb2 as pb
+from swap_state.common.segment import tensor_nbytes
+from swap_state.common.snapshot_format import safetensors_header
+from swap_state.server import validation as vd
 from swap_state.server.validation import validate_job_id, validate_tensor_specs
 from swap_state.common.errors import InvalidArgument
 
@@ -40,6 +43,21 @@ def test_good_ids_and_specs_pass():
 def test_model_tensors_before_other_tensors_are_refused():
     with pytest.raises(InvalidArgument, match=r"model tensors \(model\.\*\) must come after every other"):
         validate_tensor_specs([("model.w", "float32", [2]), ("s", "int64", [])], max_tensors=2)
+
+
+def test_the_header_bound_holds_and_refuses_a_header_safetensors_would_not_read():
+    specs = [
+        ("state." + "w" * 200 + ".exp_avg", "bfloat16", [2**40, 3]),
+        ("s", "int64", []),
+        ("model." + "x" * 400, "float32", [7, 2**20, 1, 5]),
+    ]
+    names = [(name, dtype, shape, tensor_nbytes(dtype, shape)) for name, dtype, shape in specs]
+    header, _ = safetensors_header(names, {})
+    bound = sum(len(n) + vd._HEADER_BYTES_PER_TENSOR + vd._HEADER_BYTES_PER_DIM * len(d) for n, _, d in specs)
+    assert len(header) - len('{"__metadata__":{}}') - 8 <= bound
+    many = [(f"state.{i:0490d}.exp_avg", "float32", [1]) for i in range(200_000)]
+    with pytest.raises(InvalidArgument, match=r"safetensors header of up to .* \(shard the model over more ranks\)"):
+        validate_tensor_specs(many, max_tensors=1 << 20)
 
 
 async def test_burst_of_malformed_requests_leaves_the_server_serving(start, connect, shm_dir):

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from swap_state.common.segment import plan_segment
 from swap_state.client import device
 from swap_state.client.device import (
     DEVICE_ENV_VAR,
@@ -129,6 +130,43 @@ def test_page_chunks() -> None:
         page_chunks(page + 8, page, page_size=page)
     with pytest.raises(ValueError, match="must be positive"):
         page_chunks(0, 0, page_size=page)
+
+
+def test_page_chunks_end_only_where_a_tensor_starts() -> None:
+    page, gib = 4096, 1 << 30
+    # Without cuts a 32 GiB boundary falls inside the second tensor; with them it never does,
+    # and a tensor over the chunk size is registered alone.
+    starts = [page, 20 * gib, 40 * gib]
+    total = 80 * gib
+    assert page_chunks(0, total, chunk_bytes=32 * gib, page_size=page, cuts=starts) == [
+        (0, 20 * gib),
+        (20 * gib, 20 * gib),
+        (40 * gib, 40 * gib),
+    ]
+    # A cut that is not page aligned counts from its page.
+    assert page_chunks(0, 4 * page, chunk_bytes=2 * page, page_size=page, cuts=[page + 9, 3 * page]) == [
+        (0, page),
+        (page, 2 * page),
+        (3 * page, page),
+    ]
+
+
+def test_a_real_segment_registers_no_tensor_across_two_chunks() -> None:
+    """Llama-3-8B's embedding and MLP moments (over 2^31 bytes each) laid out as the server
+    lays them out: every registration chunk boundary is a tensor start."""
+    specs = [
+        (f"{fqn}.{key}", "float32", shape)
+        for fqn, shape in (("tok_embeddings", (128256, 4096)), ("w1", (14336, 4096)), ("w2", (4096, 14336)))
+        for key in ("exp_avg", "exp_avg_sq")
+    ]
+    layout = plan_segment(specs, 64 << 20, 4)
+    cuts = [t.offset for t in layout.tensors] + [layout.cow_slots_offset]
+    chunks = page_chunks(0, layout.size, chunk_bytes=3 << 30, cuts=cuts)
+    assert sum(size for _, size in chunks) == layout.size
+    for t in layout.tensors:
+        inside = [p for p, _ in chunks if t.offset < p < t.offset + t.nbytes]
+        assert not inside, (t.name, inside)
+    assert max(size for _, size in chunks) <= 3 << 30
 
 
 def test_cpu_registration_checks_and_bookkeeping(mapping: tuple[mmap.mmap, int]) -> None:

@@ -128,6 +128,11 @@ def test_plan_slices_balances_bytes_and_keeps_order() -> None:
     assert plan_slices([100, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]
     assert plan_slices([5, 5], 8) == [range(0, 1), range(1, 2)]
     assert plan_slices([0, 0], 3) == [range(0, 2)]
+    # Real sizes, integer arithmetic: Llama-3-8B's layer moments (bytes) in 4 slices, and
+    # sizes a float cannot hold exactly.
+    layer = [14336 * 4096 * 4] * 3 + [4096 * 4096 * 4] * 4
+    assert plan_slices(layer * 8, 4) == [range(i * 14, (i + 1) * 14) for i in range(4)]
+    assert plan_slices([2**53 + 1, 2**53 + 1], 2) == [range(0, 1), range(1, 2)]
     assert plan_slices([], 3) == []
     with pytest.raises(ValueError):
         plan_slices([1], 0)
