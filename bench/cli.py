@@ -115,7 +115,7 @@ def _sizes(args: argparse.Namespace) -> list[int]:
 
 
 def _start_server(args: argparse.Namespace, largest_state: int, work_dir: str):
-    from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig
+    from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig
 
     chunk = parse_size(args.chunk_bytes)
     # Room for two of the largest segments: a closed session's segment is freed by the

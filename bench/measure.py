@@ -366,7 +366,7 @@ def commit_latency(server: str, samples: int) -> dict[str, Any]:
     """Step commits on an otherwise idle session (a one-layer model): the container's commit
     is header words in the segment, no RPC, so this is the cost a step pays to commit."""
     from swap_state.client.device import DeviceBackend
-    from swap_state.client.remote_container import RemoteSwapOptimizersContainer
+    from swap_state.client.remote.container import RemoteSwapOptimizersContainer
 
     model = torch.nn.Linear(8, 8)
     model(torch.randn(2, 8)).sum().backward()

@@ -236,7 +236,7 @@ def _start_pinned_server(state_bytes: int, snapshot_dir: Path, cpus: list[int]):
     """A swap-state-server on ``cpus`` (it inherits this process's affinity while it starts),
     sized as the embedded default for whole-state snapshots is (1.5 x state + 32 MiB, plus
     copy slots for the whole state; 1 MiB chunks)."""
-    from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig
+    from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig
 
     cow = -(-state_bytes // (1 << 20)) << 20
     config = EmbeddedServerConfig(

@@ -6,7 +6,7 @@ Variants (same model, same data, same AdamW hyperparameters):
 * ``plain``: ``torch.optim.AdamW(fused=True)``, moments resident on the device;
 * ``inproc``: :class:`swap_state.client.swap_optimizer.SwapOptimizersContainer`
   (moments in process-local host memory, pinned where an accelerator exists);
-* ``remote``: :class:`swap_state.client.remote_container.RemoteSwapOptimizersContainer`
+* ``remote``: :class:`swap_state.client.remote.container.RemoteSwapOptimizersContainer`
   (moments in the swap-state-server's shared memory, the step committed through a header word).
 """
 
@@ -134,7 +134,7 @@ def build_variant(
     and its first ``step()`` (gradients already exist): the optimizer state, as far as the
     allocator hands out fresh pages (it may also reuse memory freed earlier)."""
     from swap_state.client.device import DeviceBackend
-    from swap_state.client.remote_container import RemoteConfig, RemoteSwapOptimizersContainer
+    from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
     from swap_state.client.swap_optimizer import SwapOptimizersContainer
 
     # The CPU section stays on the CPU even where a GPU exists (the containers would pick it).

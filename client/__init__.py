@@ -1,7 +1,7 @@
 """swap-state trainer side: device layer, swap optimizers, the remote container.
 
 ``RemoteSwapOptimizersContainer`` and ``SwapOptimizersContainer`` are imported lazily, so
-``import swap_state.client.rpc`` (used by the ``swap-state`` CLI) does not import torch.
+``import swap_state.client.remote.rpc`` (used by the ``swap-state`` CLI) does not import torch.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 __all__ = ["RemoteSwapOptimizersContainer", "RemoteConfig", "SwapOptimizersContainer"]
 
 _LAZY = {
-    "RemoteSwapOptimizersContainer": "swap_state.client.remote_container",
-    "RemoteConfig": "swap_state.client.remote_container",
+    "RemoteSwapOptimizersContainer": "swap_state.client.remote.container",
+    "RemoteConfig": "swap_state.client.remote.container",
     "SwapOptimizersContainer": "swap_state.client.swap_optimizer",
 }
 

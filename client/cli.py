@@ -16,6 +16,8 @@ import argparse
 import os
 import sys
 
+from swap_state.client.export.cli import add_export_arguments, run_export
+
 __all__ = ["main", "build_parser"]
 
 
@@ -30,34 +32,6 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "--token-file", default=None, help="file holding the server's --token-file secret"
     )
     parser.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
-
-
-#: ``swap-state export --format``: swap_state.client.export.FORMATS, and a torchtitan checkpoint.
-EXPORT_FORMATS = ("torch", "dcp", "torchtitan")
-
-
-def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``swap-state export`` (also ``python -m swap_state.client.export``)."""
-    parser.add_argument(
-        "snapshot",
-        help="a snapshot directory (e.g. /snapshots/run1/step-000000001000), or with "
-        "--snapshot-dir an id such as run1/step-1000 or run1/latest; with --format torchtitan "
-        "a torchtitan checkpoint directory saved in snapshot mode (e.g. outputs/checkpoint/step-1000)",
-    )
-    parser.add_argument(
-        "out", help="output file (torch) or directory (dcp; torchtitan: must not exist yet)"
-    )
-    parser.add_argument(
-        "--format", choices=EXPORT_FORMATS, default="torch",
-        help="torch: one torch.save file of the optimizer state; dcp: a DCP directory of it; "
-        "torchtitan: a plain torchtitan checkpoint (model, optimizer, small states) that "
-        "torchtitan without swap-state resumes from (default: torch)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--snapshot-dir", default=None,
-        help="the --snapshot-dir of the server that took the snapshot (with --format "
-        "torchtitan: required; the embedded server's is <job.dump_folder>/swap-state-snapshots)",
-    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _client(args):
-    from swap_state.client.rpc import ClientConfig, SwapStateClient
+    from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
 
     if not args.server:
         raise SystemExit("swap-state: give --server or set SWAP_STATE_SERVER")
@@ -156,14 +130,12 @@ def _snapshots(args) -> int:
 
 
 def _export(args) -> int:
-    from swap_state.client.export import run_export
-
     return run_export(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from swap_state.client.rpc import SwapStateError
+    from swap_state.client.remote.rpc import SwapStateError
 
     handlers = {"status": _status, "snapshots": _snapshots, "export": _export}
     try:

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from swap_state.client.embedded import EmbeddedServerConfig
+from swap_state.client.remote.embedded import EmbeddedServerConfig
 
 __all__ = ["DemoConfig", "TinyLM", "main", "run"]
 
@@ -254,7 +254,7 @@ def _has_snapshot(container) -> bool:
 
 
 def run(cfg: DemoConfig) -> dict:
-    from swap_state.client.remote_container import RemoteConfig, RemoteSwapOptimizersContainer
+    from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
 
     token = open(cfg.token_file).read().strip() if cfg.token_file else None
     reference_digest, plain_times = reference_run(cfg)
@@ -353,7 +353,7 @@ def parse_args(argv: list[str] | None) -> DemoConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from swap_state.client.rpc import SwapStateError
+    from swap_state.client.remote.rpc import SwapStateError
 
     cfg = parse_args(argv)
     try:

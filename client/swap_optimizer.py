@@ -9,13 +9,13 @@ streams the moments through the accelerator in ``swap_optimizer_times`` slices.
 
 The modules behind it:
 
-- :mod:`~swap_state.client.swap_container`: the container: construction, subclass hooks
-- :mod:`~swap_state.client.host_cache`: host cache layout, allocation checks, placeholders
-- :mod:`~swap_state.client.step_pipeline`: ``step()``: load -> fused update -> offload
-- :mod:`~swap_state.client.flat_state_dict`: ``state_dict()``, parameter FQNs, flat keys
-- :mod:`~swap_state.client.state_loading`: ``load_state_dict()``: plan, commit, rollback
-- :mod:`~swap_state.client.dtensor_utils`: DTensor unwrap / wrap
-- :mod:`~swap_state.client.torchtitan_glue`: the ``build_optimizers`` wrapper
+- :mod:`~swap_state.client.optim.container`: the container: construction, subclass hooks
+- :mod:`~swap_state.client.optim.host_cache`: host cache layout, allocation checks, placeholders
+- :mod:`~swap_state.client.optim.step_pipeline`: ``step()``: load -> fused update -> offload
+- :mod:`~swap_state.client.optim.flat_state_dict`: ``state_dict()``, parameter FQNs, flat keys
+- :mod:`~swap_state.client.optim.state_loading`: ``load_state_dict()``: plan, commit, rollback
+- :mod:`~swap_state.client.optim.dtensor_utils`: DTensor unwrap / wrap
+- :mod:`~swap_state.client.torchtitan.glue`: the ``build_optimizers`` wrapper
 
 Importing this module wraps ``torchtitan.components.optimizer.build_optimizers``:
 ``optimizer_config.swap_optimizer = True`` builds a :class:`SwapOptimizersContainer`,
@@ -25,7 +25,7 @@ swap pipeline (each gets a bound ``step``).
 
 The seed's tests patch ``get_torch_device``, ``wrap_like_param``, ``SwapOptimizersContainer``
 and ``_original_build_optimizers`` here; the code that uses them reads them from this module
-at call time (:mod:`swap_state.client.patch_points`), so the patches take effect.
+at call time (:mod:`swap_state.client.optim.patch_points`), so the patches take effect.
 
 Checkpoints are a flat dict (``state.<fqn>.<key>``, ``param_groups.<fqn>.<hyperparameter>``)
 read from the host cache; tied parameters are saved once under their canonical name and
@@ -34,17 +34,17 @@ load from any alias. See ``../shared/seed/`` for the behavioural spec.
 
 from __future__ import annotations
 
-from swap_state.client import torchtitan_glue as _glue
+from swap_state.client.torchtitan import glue as _glue
 from swap_state.client.device import DeviceBackend, get_device_backend
-from swap_state.client.dtensor_utils import (
+from swap_state.client.optim.dtensor_utils import (
     DTensor,
     unwrap_dtensor,
     wrap_like_param,
     wrap_like_param_without_device_move,
 )
-from swap_state.client.host_cache import MOMENT_KEYS, STEP_DTYPE, STEP_KEY, HostCache, HostCacheEntry  # noqa: F401 (HostCache: kept importable here)
-from swap_state.client.step_pipeline import DEFAULT_SWAP_TIMES
-from swap_state.client.swap_container import SwapOptimizersContainer
+from swap_state.client.optim.host_cache import MOMENT_KEYS, STEP_DTYPE, STEP_KEY, HostCache, HostCacheEntry  # noqa: F401 (HostCache: kept importable here)
+from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
+from swap_state.client.optim.container import SwapOptimizersContainer
 
 __all__ = [
     "DEFAULT_SWAP_TIMES",

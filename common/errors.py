@@ -1,7 +1,7 @@
 """Domain errors, and the machine-readable reason each one carries over the wire.
 
 The domain modules (arena, sessions, validation, snapshots) raise these; the server's transport
-layer maps them to gRPC status codes in exactly one place (:mod:`swap_state.server.statuses`)
+layer maps them to gRPC status codes in exactly one place (:mod:`swap_state.server.rpc.statuses`)
 and sends :attr:`DomainError.reason` in the trailing-metadata key :data:`REASON_METADATA_KEY`;
 the client turns the reason back into a typed exception (:mod:`swap_state.client.errors`).
 

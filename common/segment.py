@@ -92,6 +92,7 @@ from .dtypes import DTYPE_ITEMSIZE
 from .names import is_model_tensor
 
 __all__ = [
+    "TensorSpec",
     "MAGIC",
     "LAYOUT_VERSION",
     "PAGE_BYTES",
@@ -150,6 +151,10 @@ class Word(enum.IntEnum):
     PARAMS_FINGERPRINT = 27  # trainer: fingerprint of the parameters of the committed step
     STATE_DROPS = 28  # trainer: kept states dropped as not belonging to the parameters
     MODEL_STEP = 29  # trainer: step + 1 whose model tensors are completely copied (0: none)
+
+
+TensorSpec = tuple[str, str, tuple[int, ...]]
+"""A checked tensor of a segment: name, dtype name, shape (the server checks them on Allocate)."""
 
 
 def committed_step(header: "SegmentHeader") -> int | None:

@@ -11,6 +11,6 @@ In-process use (tests, the client's embedded mode)::
 
 from swap_state.common.server_config import ServerConfig
 from swap_state.common.errors import StartupError
-from .runtime import RunningServer, start_server
+from swap_state.server.runtime import RunningServer, start_server
 
 __all__ = ["RunningServer", "ServerConfig", "StartupError", "start_server"]

@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from swap_state.server.cli import main
 
 sys.exit(main())

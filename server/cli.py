@@ -19,8 +19,8 @@ import textwrap
 from swap_state.common.errors import StartupError
 from swap_state.common.server_config import ServerConfig
 from swap_state.common.server_flags import add_server_flags, config_from_args, parse_server_argv
-from .logs import configure_logging, log_event
-from .runtime import start_server
+from swap_state.server.logs import configure_logging, log_event
+from swap_state.server.runtime import start_server
 
 __all__ = ["build_parser", "config_from_args", "main", "parse_config"]
 

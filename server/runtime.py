@@ -34,20 +34,20 @@ from grpc_health.v1.health import aio as health_aio
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
-from .arena import Arena, check_shm_dir
-from .auth import TokenAuthInterceptor, read_token_file
+from swap_state.server.memory.arena import Arena, check_shm_dir
+from swap_state.server.rpc.auth import TokenAuthInterceptor, read_token_file
 from swap_state.common.addresses import ListenAddress
 from swap_state.common.server_config import ServerConfig
 from swap_state.common.sizes import format_size
 from swap_state.common.errors import StartupError
-from .listener import SocketGuard
-from .logs import log_event
-from .metrics import MetricsServer, metrics_registry, render_metrics
-from .service import SwapStateService
-from .snapshot_coordinator import SnapshotCoordinator
-from .snapshot_service import snapshot_metrics
-from .sessions import SessionRegistry
-from .statuses import RpcCounters
+from swap_state.server.rpc.listener import SocketGuard
+from swap_state.server.logs import log_event
+from swap_state.server.observability.metrics import MetricsServer, metrics_registry, render_metrics
+from swap_state.server.rpc.service import SwapStateService
+from swap_state.server.snapshot.coordinator import SnapshotCoordinator
+from swap_state.server.rpc.snapshot_service import snapshot_metrics
+from swap_state.server.memory.sessions import SessionRegistry
+from swap_state.server.observability.rpc_counters import RpcCounters
 
 __all__ = ["RunningServer", "SERVICE_NAME", "grpc_server_options", "start_server"]
 

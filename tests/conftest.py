@@ -17,7 +17,7 @@ TESTS_DIR = pathlib.Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
-from swap_state.client.embedded import EmbeddedServer, EmbeddedServerConfig  # noqa: E402
+from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig  # noqa: E402
 
 
 @pytest.fixture

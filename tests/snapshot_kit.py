@@ -31,7 +31,7 @@ from integration.workload import Workload, kwargs, train
 
 from swap_state.common.copy_before_write import TrainerProtector
 from swap_state.common.segment import PAGE_BYTES, SegmentHeader, Word, chunk_table, plan_segment
-from swap_state.server.snapshot_coordinator import SnapshotSource
+from swap_state.server.snapshot.coordinator import SnapshotSource
 
 __all__ = [
     "SPECS",

@@ -8,6 +8,7 @@ the namespace as grimp expects it and runs ``lint-imports`` on it.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import shutil
 import subprocess
@@ -48,17 +49,21 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def test_import_contracts_hold(staged: pathlib.Path):
     result = _lint(staged)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "3 kept, 0 broken" in result.stdout, result.stdout
+    assert "4 kept, 0 broken" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize(
     ("room", "line"),
     [
-        ("client", "from swap_state.server import arena"),
-        ("server", "import swap_state.client.rpc"),
+        ("client", "from swap_state.server.memory import arena"),
+        ("server", "import swap_state.client.remote.rpc"),
         ("common", "import grpc"),
         ("common", "from swap_state.server import runtime"),
         ("server", "import torch"),
+        # the server's layers: rpc > observability > snapshot | memory > logs | _posix
+        ("server/memory", "from swap_state.server.rpc import service"),
+        ("server/memory", "from swap_state.server.snapshot import writer"),
+        ("server/snapshot", "from swap_state.server.observability import metrics"),
     ],
 )
 def test_a_forbidden_import_breaks_a_contract(tmp_path: pathlib.Path, room: str, line: str):
@@ -66,6 +71,73 @@ def test_a_forbidden_import_breaks_a_contract(tmp_path: pathlib.Path, room: str,
     (root / "swap_state" / room / "_forbidden.py").write_text(line + "\n")
     result = _lint(root)
     assert result.returncode != 0 and "BROKEN" in result.stdout.upper(), result.stdout + result.stderr
+
+
+def _import_cycles(root: pathlib.Path) -> list[list[str]]:
+    """Groups of modules that import each other, directly or not: lazy imports inside functions
+    and ``if TYPE_CHECKING:`` imports count too (grimp reads every import statement)."""
+    code = (
+        "import grimp, json, sys\n"
+        "g = grimp.build_graph('swap_state')\n"
+        "edges = {m: sorted(i for i in g.find_modules_directly_imported_by(m) if i in g.modules) for m in g.modules}\n"
+        "json.dump(edges, sys.stdout)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env={"PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    return strongly_connected(json.loads(done.stdout))
+
+
+def strongly_connected(edges: dict[str, list[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one node (iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(edges[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(edges.get(child, ()))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_no_import_cycles(staged: pathlib.Path):
+    assert _import_cycles(staged) == []
+
+
+def test_a_planted_cycle_is_found(tmp_path: pathlib.Path):
+    root = _stage(tmp_path)
+    (root / "swap_state" / "server" / "_a.py").write_text("def f():\n    from swap_state.server import _b\n")
+    (root / "swap_state" / "server" / "_b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from swap_state.server import _a\n")
+    assert _import_cycles(root) == [["swap_state.server._a", "swap_state.server._b"]]
 
 
 def test_every_server_reason_has_a_client_exception():

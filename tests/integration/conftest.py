@@ -9,7 +9,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from swap_state.client.embedded import EmbeddedServer
+from swap_state.client.remote.embedded import EmbeddedServer
 
 
 @pytest.fixture

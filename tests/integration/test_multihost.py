@@ -11,7 +11,7 @@ import pathlib
 import grpc
 import pytest
 
-from swap_state.client.rpc import ClientConfig, SwapStateClient, SwapStateError
+from swap_state.client.remote.rpc import ClientConfig, SwapStateClient, SwapStateError
 
 from snapshot_kit import params_copy, reference, swap_state_cli
 from .workload import Workload, build, mismatches, remote, train

@@ -29,8 +29,8 @@ import torchtitan.components.optimizer as tt_optimizer
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from swap_state.client.export import export_snapshot
-from swap_state.client.remote_container import RemoteSwapOptimizersContainer
+from swap_state.client.export.snapshot import export_snapshot
+from swap_state.client.remote.container import RemoteSwapOptimizersContainer
 from swap_state.client.swap_optimizer import SwapOptimizersContainer
 from swap_state.common.checksum import crc32
 from swap_state.common.segment import Word

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from swap_state.client.rpc import ServerUnavailableError, SwapStateError
+from swap_state.client.remote.rpc import ServerUnavailableError, SwapStateError
 
 from .conftest import shm_files
 from .workload import Workload, build, mismatches, reference_mismatches, reference_optimizer, remote, train
@@ -138,7 +138,7 @@ def test_budget_exhausted_message_reaches_user(start_server):
     small = start_server(shm_size_bytes=8 << 20)
     torch.manual_seed(0)
     big = torch.nn.Linear(1024, 1024)  # 8 MiB of moments: more than the budget
-    from swap_state.client.remote_container import RemoteSwapOptimizersContainer
+    from swap_state.client.remote.container import RemoteSwapOptimizersContainer
 
     with pytest.raises(SwapStateError) as info:
         RemoteSwapOptimizersContainer([big], torch.optim.AdamW, {"lr": 1e-3}, 2, server=small.address, job_id="big")
@@ -151,7 +151,7 @@ def test_budget_returns_to_zero_after_close(server):
     container = remote(w, build(w), server.address, "budget")
     assert container.server_stats().budget_used_bytes > 0
     container.close()
-    from swap_state.client.rpc import ClientConfig, SwapStateClient
+    from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
 
     client = SwapStateClient(ClientConfig(server.address))
     stats = client.stats()
@@ -227,7 +227,7 @@ def test_dtensor_parameter_bitwise_and_layout_in_snapshot_manifest(server, gloo_
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from swap_state.client.remote_container import RemoteSwapOptimizersContainer
+    from swap_state.client.remote.container import RemoteSwapOptimizersContainer
 
     mesh = DeviceMesh("cpu", [0])
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from swap_state.client import cli
-from swap_state.client.rpc import ClientConfig, SwapStateClient, SwapStateError
+from swap_state.client.remote.rpc import ClientConfig, SwapStateClient, SwapStateError
 
 from snapshot_kit import (
     CHUNK,

@@ -20,11 +20,11 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import Checkpoint as CheckpointConfig
 
-import swap_state.client.torchtitan_config  # noqa: F401  (installs the CheckpointManager hooks)
-from swap_state.client.checkpoint_template import SnapshotCheckpointError, match_template
-from swap_state.client.remote_container import SNAPSHOT_REF_KEY
-from swap_state.client.rpc import ClientConfig, SwapStateClient
-from swap_state.client.swap_container import SwapOptimizersContainer
+import swap_state.client.torchtitan.config  # noqa: F401  (installs the CheckpointManager hooks)
+from swap_state.client.optim.checkpoint_template import SnapshotCheckpointError, match_template
+from swap_state.client.remote.container import SNAPSHOT_REF_KEY
+from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
+from swap_state.client.optim.container import SwapOptimizersContainer
 
 from snapshot_kit import CHUNK, build_wide
 from .test_torchtitan_checkpoint import TrainState

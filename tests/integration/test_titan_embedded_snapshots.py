@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from swap_state.client.embedded import EmbeddedServerConfig
-from swap_state.client.remote_checkpoint import SNAPSHOT_REF_KEY
+from swap_state.client.remote.embedded import EmbeddedServerConfig
+from swap_state.client.remote.checkpoint import SNAPSHOT_REF_KEY
 
 from snapshot_kit import CHUNK, params_copy
 from .workload import Workload, build, reference_mismatches, remote, train

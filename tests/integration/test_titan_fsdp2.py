@@ -93,7 +93,7 @@ def init_ranks(rank: int, port: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import swap_state.client.torchtitan_config  # noqa: F401  (the CheckpointManager hooks)
+    import swap_state.client.torchtitan.config  # noqa: F401  (the CheckpointManager hooks)
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -124,8 +124,8 @@ def _rank_main(rank: int, port: int, server: str, folder: str) -> None:
     import torch.distributed as dist
     from torchtitan.components.optimizer import OptimizersContainer
 
-    from swap_state.client.remote_container import RemoteConfig, RemoteSwapOptimizersContainer
-    from swap_state.client.swap_container import SwapOptimizersContainer
+    from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
+    from swap_state.client.optim.container import SwapOptimizersContainer
 
     build = init_ranks(rank, port)
     model = build(0)

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.config import Checkpoint as CheckpointConfig
 
-from swap_state.client.remote_container import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, SnapshotHandle
+from swap_state.client.remote.container import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, SnapshotHandle
 from swap_state.common.segment import Word
 
 from snapshot_kit import (

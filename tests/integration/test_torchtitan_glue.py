@@ -6,8 +6,8 @@ import pytest
 import torch
 import torchtitan.components.optimizer as tt_optimizer
 
-import swap_state.client.torchtitan_config  # noqa: F401  (installs the wrapper)
-from swap_state.client.remote_container import RemoteSwapOptimizersContainer
+import swap_state.client.torchtitan.config  # noqa: F401  (installs the wrapper)
+from swap_state.client.remote.container import RemoteSwapOptimizersContainer
 from swap_state.client.swap_optimizer import SwapOptimizersContainer
 
 from .workload import Workload, build, mismatches, parse_titan_toml as _parse, train

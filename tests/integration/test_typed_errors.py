@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from swap_state.client import errors
-from swap_state.client.rpc import ClientConfig, SwapStateClient
+from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

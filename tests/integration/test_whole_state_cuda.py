@@ -34,7 +34,7 @@ def _train(model, optimizer, steps):
 
 
 def test_cuda_whole_state_snapshot_and_restore_bitwise(start_server):
-    from swap_state.client.remote_container import RemoteConfig, RemoteSwapOptimizersContainer
+    from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
 
     server = start_server(shm_size_bytes=512 << 20)
     model = _model()

@@ -52,7 +52,7 @@ def test_fsdp2_whole_state_snapshot_checkpoint_resumes_bitwise_and_exports(start
     exported = swap_state_cli("export", "--format", "torchtitan", str(checkpoint), str(out), "--snapshot-dir", str(snapshots))
     assert exported.returncode == 0, exported.stderr
     assert "ranks [0, 1]" in exported.stdout
-    from swap_state.client.export_torchtitan import read_checkpoint
+    from swap_state.client.export.torchtitan import read_checkpoint
 
     plain = read_checkpoint(out)
     for name, values in full.items():
@@ -67,7 +67,7 @@ def _rank_main(rank: int, port: int, server: str, folder: str) -> None:
     import torch.distributed as dist
     from torchtitan.components.optimizer import OptimizersContainer
 
-    from swap_state.client.remote_container import RemoteConfig, RemoteSwapOptimizersContainer
+    from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
     from test_titan_fsdp2 import KWARGS, _TrainState, _local, _manager, _train, init_ranks, shard_mismatches
 
     build = init_ranks(rank, port)

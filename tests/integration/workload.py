@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from swap_state.client.remote_container import RemoteConfig, RemoteSwapOptimizersContainer
+from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
 
 
 @dataclasses.dataclass

@@ -13,8 +13,8 @@ import pytest
 from swap_server_testkit import Trainer, spec
 
 from swap_state.common.segment import MAGIC, PAGE_BYTES, SegmentHeader, Word
-from swap_state.server import arena as arena_mod
-from swap_state.server.arena import Arena, check_shm_dir
+from swap_state.server.memory import arena as arena_mod
+from swap_state.server.memory.arena import Arena, check_shm_dir
 from swap_state.common.errors import ResourceExhausted, StartupError, Unavailable
 
 CHUNK = 64 << 10

@@ -7,7 +7,7 @@ import logging
 from swap_server_testkit import Trainer, spec
 
 from swap_state.proto import swap_state_pb2 as pb
-from swap_state.server.arena import Arena
+from swap_state.server.memory.arena import Arena
 
 CHUNK = 64 << 10
 BIG = [("m.exp_avg", "float32", (64 * CHUNK // 4,))]  # 4 MiB: 64 chunks

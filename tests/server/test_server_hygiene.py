@@ -15,7 +15,7 @@ from swap_state.common.addresses import parse_address as parse_listen
 from swap_state.common.server_config import ServerConfig
 from swap_state.common.sizes import parse_size
 from swap_state.common.errors import ConfigError
-from swap_state.server.service import SwapStateService
+from swap_state.server.rpc.service import SwapStateService
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import pytest
 
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.common.errors import InvalidArgument
-from swap_state.server.validation import validate_local_world_size
+from swap_state.server.rpc.validation import validate_local_world_size
 
 
 def test_zero_means_world_size_and_the_range_is_one_to_world_size():

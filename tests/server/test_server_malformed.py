@@ -13,8 +13,8 @@ from swap_server_testkit import Trainer, spec
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.common.segment import tensor_nbytes
 from swap_state.common.snapshot_format import safetensors_header
-from swap_state.server import validation as vd
-from swap_state.server.validation import validate_job_id, validate_tensor_specs
+from swap_state.server.rpc import validation as vd
+from swap_state.server.rpc.validation import validate_job_id, validate_tensor_specs
 from swap_state.common.errors import InvalidArgument
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from snapshot_kit import Segment, tiny_tmpfs
 
-from swap_state.server.snapshot_coordinator import SnapshotCoordinator
+from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 
 
 @pytest.fixture

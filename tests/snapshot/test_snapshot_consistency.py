@@ -8,7 +8,7 @@ from safetensors import safe_open
 from snapshot_kit import Trainer, metadata_for
 
 from swap_state.common.segment import Word
-from swap_state.server.snapshot_coordinator import SnapshotState
+from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotFailed
 from swap_state.common.snapshot_format import rank_data_name
 

@@ -14,8 +14,8 @@ import pytest
 from snapshot_kit import Trainer
 
 from swap_state.common.segment import Word
-from swap_state.server.restore import restore
-from swap_state.server.snapshot_coordinator import SnapshotState
+from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_errors import (
     SnapshotDiskFull,
     SnapshotExists,
@@ -155,7 +155,7 @@ def test_latest_pointer_and_its_fallback(make_segment, make_coordinator):
 _KILLED_WRITER = """
 import pathlib, sys, time
 from snapshot_kit import Segment
-from swap_state.server.snapshot_coordinator import SnapshotCoordinator
+from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 seg = Segment(pathlib.Path(sys.argv[1]))
 seg.fill(99)
 coordinator = SnapshotCoordinator(sys.argv[2], max_bandwidth=20_000)

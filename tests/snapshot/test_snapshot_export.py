@@ -10,8 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from snapshot_kit import flip_byte
 
-from swap_state.client.export import export_snapshot, main
-from swap_state.server.snapshot_coordinator import SnapshotState
+from swap_state.client.export.cli import main
+from swap_state.client.export.snapshot import export_snapshot
+from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_format import rank_data_name
 
 # Per rank: a row shard of w (global 8x8) and a replicated plain bias moment.

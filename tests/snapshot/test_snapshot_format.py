@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 from snapshot_kit import SPECS, metadata_for
 
-from swap_state.server.snapshot_coordinator import SnapshotState
+from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_errors import SnapshotInvalid
 from swap_state.common.snapshot_format import INDEX_NAME, rank_data_name, rank_manifest_name
 

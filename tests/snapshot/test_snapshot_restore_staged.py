@@ -13,9 +13,9 @@ from snapshot_kit import flip_byte, metadata_for
 from swap_state.common.snapshot_errors import SnapshotCorrupt
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.common.snapshot_reader import SnapshotReader
-from swap_state.server import restore as restore_module
-from swap_state.server.restore import restore
-from swap_state.server.snapshot_coordinator import SnapshotState
+from swap_state.server.snapshot import restore as restore_module
+from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.coordinator import SnapshotState
 
 from test_snapshot_restore import _tensor_data_offset
 

@@ -14,8 +14,9 @@ from snapshot_kit import SPECS, Trainer, metadata_for
 from swap_state.common.copy_before_write import protect_chunk
 from swap_state.common.segment import CopyBudget, Word, plan_segment, stager_slot_count
 from swap_state.common.snapshot_format import rank_data_name
-from swap_state.server import snapshot_stager, snapshot_writer
-from swap_state.server.snapshot_coordinator import SnapshotState
+from swap_state.server.snapshot import stager as snapshot_stager
+from swap_state.server.snapshot import writer as snapshot_writer
+from swap_state.server.snapshot.coordinator import SnapshotState
 
 from test_snapshot_consistency import _file_tensors
 
@@ -104,7 +105,7 @@ def test_a_stager_copy_torn_by_the_trainer_loses_to_the_trainers_copy(make_segme
     at_step_n = seg.fill(seed=4)
     victim = seg.chunks[5]
     source_address = []
-    real_memmove = snapshot_stager.ctypes.memmove
+    real_memmove = snapshot_stager._posix.memmove
     done = {"torn": False}
 
     def memmove(dst, src, n):
@@ -125,7 +126,7 @@ def test_a_stager_copy_torn_by_the_trainer_loses_to_the_trainers_copy(make_segme
         real_start(self, segment)
 
     monkeypatch.setattr(snapshot_stager.Stager, "start", start)
-    monkeypatch.setattr(snapshot_stager.ctypes, "memmove", memmove)
+    monkeypatch.setattr(snapshot_stager._posix, "memmove", memmove)
     coordinator = make_coordinator(max_bandwidth=200_000)
     status = coordinator.start(seg.source("job", 5)).wait(20)
     assert done["torn"]

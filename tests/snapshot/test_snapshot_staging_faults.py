@@ -18,9 +18,9 @@ from swap_state.common.copy_before_write import BackPressureTimeout
 from swap_state.common.segment import Word
 from swap_state.common.snapshot_errors import SnapshotDiskFull, SnapshotNotFound
 from swap_state.common.snapshot_format import LATEST_NAME
-from swap_state.server import snapshot_writer
-from swap_state.server.restore import restore
-from swap_state.server.snapshot_coordinator import SnapshotState
+from swap_state.server.snapshot import writer as snapshot_writer
+from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.coordinator import SnapshotState
 
 from test_snapshot_consistency import _file_tensors
 from test_snapshot_staging import WIDE
@@ -91,7 +91,7 @@ _SERVER = """
 import pathlib, sys, time
 from snapshot_kit import Segment
 from test_snapshot_staging import WIDE
-from swap_state.server.snapshot_coordinator import SnapshotCoordinator
+from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 seg = Segment(pathlib.Path(sys.argv[1]), WIDE, cow_slots=96, attach=True)
 coordinator = SnapshotCoordinator(sys.argv[2], max_bandwidth=20_000, clean_stale=False)
 coordinator.start(seg.source("job", 2))

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from swap_state.common.segment import Word
-from swap_state.server import snapshot_writer
-from swap_state.server.snapshot_coordinator import SnapshotState
+from swap_state.server.snapshot import writer as snapshot_writer
+from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.common.copy_before_write import protect_chunk
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from swap_state.client.checkpoint_template import MODEL_REF_KEY, checkpoint_keys
-from swap_state.client.embedded import EmbeddedServer
+from swap_state.client.optim.checkpoint_template import MODEL_REF_KEY, checkpoint_keys
+from swap_state.client.remote.embedded import EmbeddedServer
 from snapshot_kit import flip_byte_of_tensor, swap_state_cli
 from titan_testkit import STOP_AFTER_STEP_ENV, STOP_EXIT_CODE_ENV, STOP_MODE_ENV, launch
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from swap_state.client.model_area import ModelArea, plan_model_tensors
+from swap_state.client.remote.model_area import ModelArea, plan_model_tensors
 from swap_state.common.segment import SegmentHeader, Word
 
 

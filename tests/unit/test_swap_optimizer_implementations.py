@@ -13,7 +13,7 @@ import torch
 import torchtitan.components.optimizer as tt_optimizer
 from _swap_testing import ParityModel, assert_matches_reference, train, two_groups
 
-from swap_state.client._swap_kernels import IMPLEMENTATIONS, group_implementation, steps_on_device
+from swap_state.client.optim.kernels import IMPLEMENTATIONS, group_implementation, steps_on_device
 from swap_state.client.swap_optimizer import STEP_KEY, SwapOptimizersContainer
 
 pytestmark = pytest.mark.timeout(60)

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from _swap_testing import apply_grads, make_grads
 
-from swap_state.client._swap_kernels import plan_slices
+from swap_state.client.optim.kernels import plan_slices
 from swap_state.client.device import DeviceBackend
 from swap_state.client.swap_optimizer import SwapOptimizersContainer
 

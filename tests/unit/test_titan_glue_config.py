@@ -17,11 +17,11 @@ import torchtitan.components.optimizer as tt_optimizer
 from _swap_testing import ParityModel, assert_matches_reference, reference_optimizer, train, two_groups
 from torchtitan.components.optimizer import OptimizersContainer
 
-from swap_state.client import torchtitan_glue
-from swap_state.client.checkpoint_template import SnapshotCheckpointError, load_template
-from swap_state.client.embedded import EmbeddedServerConfig, default_snapshot_dir
-from swap_state.client.remote_config import RemoteConfig, embedded_config_for, resolve_config
-from swap_state.client.remote_snapshots import SnapshotMixin
+from swap_state.client.torchtitan import glue as torchtitan_glue
+from swap_state.client.optim.checkpoint_template import SnapshotCheckpointError, load_template
+from swap_state.client.remote.embedded import EmbeddedServerConfig, default_snapshot_dir
+from swap_state.client.remote.config import RemoteConfig, embedded_config_for, resolve_config
+from swap_state.client.remote.snapshots import SnapshotMixin
 from swap_state.client.swap_optimizer import SwapOptimizersContainer
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,0 +1,182 @@
+"""``swap-state export --format torchtitan``: a snapshot-mode torchtitan checkpoint as a plain one.
+
+A torchtitan checkpoint saved with ``swap_state_checkpoint = "snapshot"`` (``.../step-N``)
+holds references to a whole-state snapshot (:data:`MODEL_REF_KEY` for the model and
+``optimizer.swap_state.snapshot_id`` for the optimizer) and torchtitan's small states
+(``lr_scheduler``, ``dataloader``, ``train_state``). The export, offline and without a server:
+
+1. reads that checkpoint (DCP, no template: it holds no big tensors) and the snapshot id;
+2. finds the snapshot under ``--snapshot-dir`` (``<dir>/<job>/step-<N>``, or one directory
+   per rank, ``<dir>/rank-<r>/<job>/step-<N>``, as the embedded servers of a multi-rank job
+   keep them), verifies every checksum of every rank, and assembles DTensor shards into
+   global tensors;
+3. writes a DCP checkpoint that plain torchtitan (``swap_optimizer = false``) loads: the
+   model's state dict at the top level (torchtitan flattens the model there), ``optimizer``
+   in torch's flattened optimizer format (``state.<fqn>.exp_avg`` ..., ``state.<fqn>.step``,
+   ``param_groups.<fqn>.<hp>``), the small states copied as they are.
+
+It writes into a hidden sibling directory and renames it into place at the end, so an error
+(a corrupt or missing snapshot names the file and tensor) leaves no partial output. A
+progress bar (``tqdm``, shown after a second, on a terminal) follows the bytes read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pathlib
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from tqdm import tqdm
+
+from swap_state.client.optim.checkpoint_template import MODEL_REF_KEY, OPTIMIZER_KEY, SNAPSHOT_REF_KEY
+from swap_state.client.export.snapshot import ExportError, read_snapshot_state
+from swap_state.common.names import parse_snapshot_id
+from swap_state.common.snapshot_errors import SnapshotNotFound
+from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
+
+__all__ = ["TorchtitanExportResult", "export_torchtitan_checkpoint", "read_checkpoint"]
+
+_SWAP_STATE_PREFIX = "swap_state."
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchtitanExportResult:
+    """What :func:`export_torchtitan_checkpoint` wrote."""
+
+    snapshot_id: str
+    """The snapshot the checkpoint referred to."""
+    out: pathlib.Path
+    """The plain torchtitan checkpoint directory."""
+    model_tensors: int
+    """Keys of the model's state dict written."""
+    optimizer_entries: int
+    """Keys of the optimizer's flattened state dict written."""
+    ranks: tuple[int, ...]
+    """The ranks whose shards were assembled."""
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    with warnings.catch_warnings():
+        # no_dist=True is the point here; DCP still warns that it assumes one process.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def read_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Everything a DCP checkpoint directory holds, nested as it was saved (no template)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    path = pathlib.Path(checkpoint_dir)
+    if not (path / ".metadata").is_file():
+        raise ExportError(f"{path} is not a DCP checkpoint directory (no .metadata): pass a torchtitan .../step-<N>")
+    # What torch's own dcp_to_torch_save does (the public dcp.load needs a template): torch
+    # has no public call that loads a whole checkpoint into a fresh dict.
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _snapshot_id(checkpoint: dict[str, Any], path: pathlib.Path) -> str:
+    """The snapshot both references name (they must agree)."""
+    optimizer = checkpoint.get(OPTIMIZER_KEY)
+    model_ref = checkpoint.get(MODEL_REF_KEY)
+    optimizer_ref = optimizer.get(SNAPSHOT_REF_KEY) if isinstance(optimizer, dict) else None
+    if model_ref is None:
+        raise ExportError(
+            f"{path} is not a whole-state snapshot-mode torchtitan checkpoint: it has no "
+            f"{MODEL_REF_KEY!r} (a plain or 'full' checkpoint needs no export; a snapshot of the "
+            "optimizer alone exports with --format dcp)"
+        )
+    if optimizer_ref is not None and _text(optimizer_ref) != _text(model_ref):
+        raise ExportError(
+            f"{path}: the model refers to snapshot {_text(model_ref)!r}, the optimizer to "
+            f"{_text(optimizer_ref)!r}"
+        )
+    if not _text(model_ref):
+        raise ExportError(f"{path} was saved before the first step: its snapshot reference is empty")
+    return _text(model_ref)
+
+
+def _locations(snapshot_id: str, snapshot_dir: pathlib.Path) -> list[tuple[SnapshotReader, SnapshotInfo]]:
+    """The snapshot in ``snapshot_dir`` itself, else in each ``rank-*`` directory below it."""
+    ref = parse_snapshot_id(snapshot_id, error=ExportError)
+    if not snapshot_dir.is_dir():
+        raise SnapshotNotFound(f"--snapshot-dir {snapshot_dir} is not a directory")
+    if (snapshot_dir / ref.job_id).is_dir():
+        reader = SnapshotReader(snapshot_dir)
+        return [(reader, reader.resolve(snapshot_id))]
+    found = []
+    for rank_dir in sorted(snapshot_dir.glob("rank-*")):
+        if (rank_dir / ref.job_id).is_dir():
+            reader = SnapshotReader(rank_dir)
+            found.append((reader, reader.resolve(snapshot_id)))
+    if not found:
+        raise SnapshotNotFound(
+            f"snapshot {snapshot_id} is not in {snapshot_dir} (no {ref.job_id}/ there, nor in "
+            "rank-*/ below it): pass the --snapshot-dir of the server that took it (an "
+            "embedded server under torchtitan keeps them in <job.dump_folder>/swap-state-snapshots)"
+        )
+    return found
+
+
+def _plain_checkpoint(checkpoint: dict[str, Any], model: dict[str, Any], optimizer: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in checkpoint.items() if k != OPTIMIZER_KEY and not k.startswith(_SWAP_STATE_PREFIX)}
+    clash = sorted(set(out) & set(model))
+    if clash:
+        raise ExportError(f"model keys collide with the checkpoint's other states: {clash[:5]}")
+    out.update(model)
+    out[OPTIMIZER_KEY] = optimizer
+    return out
+
+
+def export_torchtitan_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    snapshot_dir: str | os.PathLike[str],
+    *,
+    progress: bool | None = None,
+) -> TorchtitanExportResult:
+    """Write the plain torchtitan checkpoint of a whole-state snapshot-mode one (module
+    docstring). ``out_dir`` must not exist yet. ``progress``: None shows a bar on a terminal
+    once the export takes over a second; False never. Raises SnapshotError subclasses."""
+    import torch.distributed.checkpoint as dcp
+
+    source = pathlib.Path(checkpoint_dir)
+    out = pathlib.Path(out_dir)
+    if out.exists():
+        raise ExportError(f"{out} exists already: remove it or name another output directory")
+    checkpoint = read_checkpoint(source)
+    snapshot_id = _snapshot_id(checkpoint, source)
+    locations = _locations(snapshot_id, pathlib.Path(snapshot_dir))
+    total = 2 * sum(info.bytes for _, info in locations)  # verified once, then read
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"export {snapshot_id}", delay=1.0,
+              disable=False if progress else None if progress is None else True) as bar:
+        state = read_snapshot_state(locations, bar)
+    if not state.model:
+        raise ExportError(f"snapshot {snapshot_id} holds no model tensors (it was not taken with snapshot_model)")
+    plain = _plain_checkpoint(checkpoint, state.model, {**state.optimizer, **state.extras})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        with _single_process():
+            dcp.save(plain, checkpoint_id=str(partial), no_dist=True)
+        os.rename(partial, out)  # never a half-written checkpoint under the final name
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return TorchtitanExportResult(
+        snapshot_id, out, len(state.model), len(state.optimizer) + len(state.extras), state.ranks
+    )

@@ -1,0 +1,242 @@
+"""The host cache: where a parameter's Adam moments and step live between steps.
+
+Per parameter, ``param_to_cpu_states_map[param]`` is a dict with every key of
+:data:`MOMENT_KEYS` (a CPU tensor shaped like the local shard, or None where the group does
+not use it: ``max_exp_avg_sq`` without amsgrad) and :data:`STEP_KEY` (a 0-dim
+:data:`STEP_DTYPE` tensor). ``optimizer.state[param]`` only holds zero-storage placeholders of
+the same shapes, so that torch code inspecting the state sees the usual keys.
+
+:class:`HostCacheMixin` builds, checks and installs these caches for
+:class:`~swap_state.client.optim.container.SwapOptimizersContainer`; the container's
+``_allocate_host_cache`` hook decides where the tensors live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.optim import Optimizer
+
+from swap_state.client.optim import patch_points
+from swap_state.client.device import DeviceBackend
+from swap_state.client.optim.dtensor_utils import DTensor
+
+__all__ = [
+    "MOMENT_KEYS",
+    "STEP_DTYPE",
+    "STEP_KEY",
+    "HostCache",
+    "HostCacheEntry",
+    "HostCacheMixin",
+    "as_number",
+    "group_map",
+    "has_data",
+    "host_cache_ready",
+    "moment_keys",
+    "step_tensor",
+]
+
+#: Adam state tensors shaped like the parameter, in host-cache order.
+MOMENT_KEYS: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+#: Per-parameter step count, kept in the host cache next to the moments.
+STEP_KEY = "step"
+#: torch's fused Adam keeps ``step`` as a float32 scalar.
+STEP_DTYPE = torch.float32
+
+HostCache = dict[str, torch.Tensor | None]
+
+
+@dataclass(frozen=True, eq=False)
+class HostCacheEntry:
+    """What ``SwapOptimizersContainer._allocate_host_cache`` allocates for one parameter.
+
+    ``keys`` are the moment keys (``exp_avg``, ``exp_avg_sq``, and ``max_exp_avg_sq`` with
+    amsgrad), each of ``shape`` (the local shard's shape) and ``dtype``; a 0-dim
+    :data:`STEP_DTYPE` tensor under :data:`STEP_KEY` goes with them. ``fqn`` is the
+    canonical checkpoint name.
+    """
+
+    param: torch.Tensor
+    fqn: str
+    keys: tuple[str, ...]
+    shape: torch.Size
+    dtype: torch.dtype
+    optimizer_index: int
+    group_index: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the moments (the step is not counted)."""
+        return len(self.keys) * self.shape.numel() * self.dtype.itemsize
+
+
+def moment_keys(group: Mapping[str, Any]) -> tuple[str, ...]:
+    """The moments a param group's parameters have: ``max_exp_avg_sq`` only with amsgrad."""
+    return MOMENT_KEYS if group.get("amsgrad", False) else MOMENT_KEYS[:2]
+
+
+def group_map(optim: Optimizer) -> dict[torch.Tensor, dict[str, Any]]:
+    """``optim.param_to_group_map`` as torch builds it."""
+    return {param: group for group in optim.param_groups for param in group["params"]}
+
+
+def has_data(tensor: torch.Tensor) -> bool:
+    """False for a swapped-out placeholder (elements but no storage)."""
+    return tensor.numel() == 0 or tensor.untyped_storage().size() > 0
+
+
+def step_tensor(value: float) -> torch.Tensor:
+    """A new step count as torch's fused Adam keeps it."""
+    return torch.tensor(float(value), dtype=STEP_DTYPE)
+
+
+def as_number(value: Any) -> float:
+    """A step or hyperparameter (number or one-element tensor) as a float."""
+    if isinstance(value, torch.Tensor):
+        return float(patch_points.unwrap_dtensor(value).item())
+    return float(value)
+
+
+def host_cache_ready(
+    host: Mapping[str, Any] | None, group: Mapping[str, Any], local_param: Any = None
+) -> bool:
+    """Whether ``host`` holds every moment ``group`` needs, with data (and the right layout)."""
+    if not host:
+        return False
+    for key in moment_keys(group):
+        tensor = host.get(key)
+        if not isinstance(tensor, torch.Tensor) or not has_data(tensor):
+            return False
+        if local_param is not None and (
+            tensor.shape != local_param.shape or tensor.dtype != local_param.dtype
+        ):
+            return False
+    return True
+
+
+class HostCacheMixin:
+    """Host-cache construction for ``SwapOptimizersContainer``.
+
+    Uses the container's ``optimizers``, ``param_to_cpu_states_map``,
+    ``param_to_device_states_map``, ``_device_backend``, the ``_allocate_host_cache`` hook
+    and ``_fqns_by_param`` / ``_param_fqns`` (:mod:`swap_state.client.optim.flat_state_dict`).
+    """
+
+    _device_backend: DeviceBackend | None = None
+
+    if TYPE_CHECKING:  # provided by the container and the other mixins
+        optimizers: list[Optimizer]
+        param_to_cpu_states_map: dict[torch.Tensor, HostCache]
+        param_to_device_states_map: dict[torch.Tensor, dict[str, Any]]
+
+        def _allocate_host_cache(
+            self, entries: Sequence[HostCacheEntry]
+        ) -> dict[torch.Tensor, dict[str, torch.Tensor]]: ...
+        @staticmethod
+        def _fqns_by_param(model: nn.Module) -> dict[torch.Tensor, tuple[str, ...]]: ...
+        @staticmethod
+        def _param_fqns(
+            fqns: Mapping[torch.Tensor, tuple[str, ...]], param: torch.Tensor, optimizer_index: int | None = None
+        ) -> tuple[str, ...]: ...
+
+    @property
+    def device_backend(self) -> DeviceBackend:
+        """The backend this container moves state with."""
+        return self._backend
+
+    @property
+    def _backend(self) -> DeviceBackend:
+        # A container built with __new__ (the seed's tests) has no backend of its own.
+        return self._device_backend or patch_points.get_torch_device()
+
+    def _host_cache_entries(
+        self,
+        optimizer_index: int,
+        model: nn.Module,
+        optim: Optimizer,
+        pairs: Iterable[tuple[int, torch.Tensor]],
+    ) -> list[HostCacheEntry]:
+        """Entries for ``(group_index, param)`` pairs of ``optim``, in the given order."""
+        fqns = self._fqns_by_param(model)
+        entries = []
+        for group_index, param in pairs:
+            fqn = self._param_fqns(fqns, param, optimizer_index)[0]
+            local = patch_points.unwrap_dtensor(param)
+            if not local.is_contiguous():
+                # The fused kernel walks memory linearly: a host cache laid out differently
+                # from the parameter would pair the wrong elements.
+                raise ValueError(
+                    f"parameter {fqn!r} is not contiguous; the swap optimizer needs contiguous parameters"
+                )
+            group = optim.param_groups[group_index]
+            entries.append(
+                HostCacheEntry(
+                    param, fqn, moment_keys(group), local.shape, local.dtype, optimizer_index, group_index
+                )
+            )
+        return entries
+
+    def _checked_host_cache(self, entry: HostCacheEntry, tensors: Mapping[str, Any] | None) -> HostCache:
+        """``tensors`` from ``_allocate_host_cache`` checked against ``entry``, in map format."""
+        if tensors is None:
+            raise ValueError(f"_allocate_host_cache returned no cache for {entry.fqn!r}")
+        expected = {key: (entry.shape, entry.dtype) for key in entry.keys}
+        expected[STEP_KEY] = (torch.Size(()), STEP_DTYPE)
+        for key, (shape, dtype) in expected.items():
+            tensor = tensors.get(key)
+            if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
+                raise ValueError(f"host cache of {entry.fqn!r} has no tensor under {key!r}")
+            if tensor.device.type != "cpu" or tensor.shape != shape or tensor.dtype != dtype:
+                raise ValueError(
+                    f"host cache {entry.fqn!r}.{key}: expected a CPU {dtype} tensor of shape {tuple(shape)}, "
+                    f"got {tensor.device} {tensor.dtype} {tuple(tensor.shape)}"
+                )
+            if not tensor.is_contiguous() or not has_data(tensor):
+                raise ValueError(f"host cache {entry.fqn!r}.{key} must be contiguous and have storage")
+        host: HostCache = {key: tensors[key] if key in entry.keys else None for key in MOMENT_KEYS}
+        host[STEP_KEY] = tensors[STEP_KEY]
+        return host
+
+    def _install_host_caches(self, entries: Sequence[HostCacheEntry]) -> None:
+        """Allocate caches for ``entries`` and install them with fresh placeholders.
+
+        Every cache is checked before any is installed.
+        """
+        if not entries:
+            return
+        allocated = self._allocate_host_cache(entries)
+        checked = [(entry, self._checked_host_cache(entry, allocated.get(entry.param))) for entry in entries]
+        for entry, host in checked:
+            self.param_to_cpu_states_map[entry.param] = host
+            state = self.optimizers[entry.optimizer_index].state[entry.param]
+            state.clear()
+            state.update(self._device_placeholders(entry.param, host))
+            self.param_to_device_states_map[entry.param] = state
+
+    def _device_placeholders(self, param: torch.Tensor, host: HostCache) -> dict[str, Any]:
+        """Zero-storage stand-ins for ``optimizer.state[param]`` (None where no moment)."""
+        return {
+            key: None
+            if host.get(key) is None
+            else self._clone_loaded_state_for_device_placeholder(param, host[key])
+            for key in MOMENT_KEYS
+        }
+
+    @staticmethod
+    def _clone_loaded_state_for_device_placeholder(param: Any, tensor: torch.Tensor) -> Any:
+        """A zero-storage tensor shaped like ``tensor`` (on its device) for ``optimizer.state``.
+
+        Wrapped like ``param`` only when ``param``'s local tensor is on the same device.
+        """
+        local = patch_points.unwrap_dtensor(tensor)
+        placeholder = torch.empty_strided(
+            local.size(), local.stride(), dtype=local.dtype, device=local.device
+        )
+        placeholder.untyped_storage().resize_(0)
+        if placeholder.device != patch_points.unwrap_dtensor(param).device:
+            return placeholder
+        return patch_points.wrap_like_param(placeholder, param)

@@ -1,0 +1,352 @@
+"""``load_state_dict`` of the swap optimizer: validate and plan everything, then commit.
+
+Call order::
+
+    plan = container._plan_load(state_dict)    # validate every group and parameter;
+                                               # allocate missing host caches, placeholders
+    container._before_host_write(all params)   # hook, once
+    container._commit_load(plan)               # copy into the host cache; on an error the
+                                               # dict-level state is rolled back
+    get_torch_device().empty_cache()           # once
+    container._after_load_state_dict()         # hook
+
+Nothing live changes before ``_commit_load``, so a bad checkpoint (a missing key, a wrong
+shape or dtype, an amsgrad switch) raises naming the key and leaves the container as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.optim import Optimizer
+
+from swap_state.client.optim import patch_points
+from swap_state.client.optim.flat_state_dict import FlatIndex, clone_value
+from swap_state.client.optim.host_cache import (
+    MOMENT_KEYS,
+    STEP_KEY,
+    HostCache,
+    HostCacheEntry,
+    as_number,
+    group_map,
+    has_data,
+    host_cache_ready,
+    moment_keys,
+    step_tensor,
+)
+from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
+
+__all__ = ["StateLoadingMixin"]
+
+
+@dataclass(eq=False)
+class _ParamLoad:
+    """A validated, prepared load of one parameter; applied by ``_commit_load``."""
+
+    optimizer_index: int
+    group_index: int
+    optim: Optimizer
+    group: dict[str, Any]
+    param: torch.Tensor
+    fqn: str
+    keys: tuple[str, ...]
+    sources: dict[str, torch.Tensor | None]  # None: never stepped in the checkpoint -> zeros
+    step: float
+    host: HostCache | None
+    placeholders: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _GroupLoad:
+    """The checkpoint's hyperparameters for one live param group."""
+
+    group: dict[str, Any]
+    values: dict[str, Any]
+
+
+@dataclass(eq=False)
+class _LoadPlan:
+    params: list[_ParamLoad] = field(default_factory=list)
+    groups: list[_GroupLoad] = field(default_factory=list)
+
+
+class StateLoadingMixin:
+    """``load_state_dict()`` of ``SwapOptimizersContainer`` (call order in the module docstring).
+
+    Uses the container's maps, ``optimizers``, ``model_parts``, the naming of
+    :mod:`swap_state.client.optim.flat_state_dict`, the host-cache helpers of
+    :mod:`swap_state.client.optim.host_cache` and the ``_before_host_write`` /
+    ``_after_load_state_dict`` hooks.
+    """
+
+    if TYPE_CHECKING:  # provided by the container and the other mixins
+        model_parts: list[nn.Module]
+        optimizers: list[Optimizer]
+        param_to_cpu_states_map: dict[torch.Tensor, HostCache]
+        param_to_device_states_map: dict[torch.Tensor, dict[str, Any]]
+
+        def _before_host_write(self, params: Sequence[torch.Tensor]) -> None: ...
+        def _after_load_state_dict(self) -> None: ...
+        def _allocate_host_cache(self, entries: Sequence[HostCacheEntry]) -> dict[Any, Any]: ...
+        def _checked_host_cache(self, entry: HostCacheEntry, tensors: Any) -> HostCache: ...
+        @staticmethod
+        def _clone_loaded_state_for_device_placeholder(param: Any, tensor: torch.Tensor) -> Any: ...
+        @staticmethod
+        def _fqns_by_param(model: nn.Module) -> dict[torch.Tensor, tuple[str, ...]]: ...
+        @staticmethod
+        def _param_fqns(fqns: Any, param: torch.Tensor, optimizer_index: int | None = None) -> tuple[str, ...]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a flat state dict (from ``state_dict()``, any alias of tied parameters).
+
+        Everything is validated and prepared first; a bad key raises ``KeyError`` /
+        ``ValueError`` / ``TypeError`` naming it and leaves the container untouched. The
+        checkpoint's tensors are only read. A parameter with param-group entries but no
+        state was never stepped in the checkpoint (torch creates state lazily): it starts
+        from zeros and step 0.
+        """
+        plan = self._plan_load(state_dict)
+        self._before_host_write([load.param for load in plan.params])
+        self._commit_load(plan)
+        patch_points.get_torch_device().empty_cache()
+        self._after_load_state_dict()
+
+    def _plan_load(self, state_dict: Mapping[str, Any]) -> _LoadPlan:
+        """Validate ``state_dict`` against every group and parameter; prepare the load."""
+        index = FlatIndex(state_dict)
+        plan = _LoadPlan()
+        for optimizer_index, (model, optim) in enumerate(zip(self.model_parts, self.optimizers, strict=True)):
+            fqns = self._fqns_by_param(model)
+            for group_index, group in enumerate(optim.param_groups):
+                group_load = _plan_group_load(index, optim, group, fqns)
+                loads = [
+                    self._plan_param_load(index, optimizer_index, group_index, optim, group_load, param, fqns)
+                    for param in group["params"]
+                ]
+                if STEP_KEY not in group_load.values and STEP_KEY in group and loads:
+                    group_load.values[STEP_KEY] = step_tensor(max(load.step for load in loads))
+                plan.groups.append(group_load)
+                plan.params.extend(loads)
+        self._prepare_load(plan)
+        return plan
+
+    def _plan_param_load(
+        self,
+        index: FlatIndex,
+        optimizer_index: int,
+        group_index: int,
+        optim: Optimizer,
+        group_load: _GroupLoad,
+        param: torch.Tensor,
+        fqns: Mapping[torch.Tensor, tuple[str, ...]],
+    ) -> _ParamLoad:
+        """One parameter's load: its sources (under any alias), checked against its shard."""
+        aliases = self._param_fqns(fqns, param, optimizer_index)
+        keys = moment_keys(group_load.group)
+        local_param = patch_points.unwrap_dtensor(param)
+        _check_amsgrad(index.lookup(PARAM_GROUPS_PREFIX, aliases, "amsgrad"), group_load.group)
+        sources, step = _checked_sources(index, aliases, keys, group_load, local_param)
+        host = self.param_to_cpu_states_map.get(param)
+        ready = host is not None and host_cache_ready(host, group_load.group, local_param)
+        return _ParamLoad(
+            optimizer_index, group_index, optim, group_load.group, param, aliases[0], keys, sources, step,
+            host if ready else None,
+        )  # fmt: skip
+
+    def _prepare_load(self, plan: _LoadPlan) -> None:
+        """Allocate missing host caches and build placeholders; nothing live changes."""
+        missing = [load for load in plan.params if load.host is None]
+        if missing:
+            entries = [
+                HostCacheEntry(
+                    load.param,
+                    load.fqn,
+                    load.keys,
+                    patch_points.unwrap_dtensor(load.param).shape,
+                    patch_points.unwrap_dtensor(load.param).dtype,
+                    load.optimizer_index,
+                    load.group_index,
+                )
+                for load in missing
+            ]
+            allocated = self._allocate_host_cache(entries)
+            for load, entry in zip(missing, entries, strict=True):
+                load.host = self._checked_host_cache(entry, allocated.get(entry.param))
+        for load in plan.params:
+            assert load.host is not None
+            load.placeholders = {
+                key: self._clone_loaded_state_for_device_placeholder(load.param, load.host[key])
+                if key in load.keys
+                else None
+                for key in MOMENT_KEYS
+            }
+
+    def _commit_load(self, plan: _LoadPlan) -> None:
+        """Apply a prepared plan. On an error, dict-level state is restored (bytes already
+        copied into the host cache are not: validation leaves nothing expected to fail)."""
+        saved = self._rollback_point()
+        try:
+            for load in plan.params:
+                self._commit_param_load(load)
+            for group_load in plan.groups:
+                group_load.group.update(group_load.values)
+            for optim in self.optimizers:
+                optim.param_to_group_map = group_map(optim)  # type: ignore[attr-defined]
+        except BaseException:
+            saved()
+            raise
+
+    def _commit_param_load(self, load: _ParamLoad) -> None:
+        """Copy one parameter's state into its host cache and install its placeholders."""
+        host = load.host
+        assert host is not None
+        for key in load.keys:
+            source = load.sources[key]
+            target = host[key]
+            assert target is not None
+            if source is None:
+                target.zero_()
+            else:
+                target.copy_(source)
+        if host.get(STEP_KEY) is None:
+            host[STEP_KEY] = step_tensor(0)
+        host[STEP_KEY].fill_(load.step)  # type: ignore[union-attr]
+        for key in MOMENT_KEYS:
+            host.setdefault(key, None)
+        self.param_to_cpu_states_map[load.param] = host
+        state = load.optim.state[load.param]
+        state.clear()
+        state.update(load.placeholders)
+        self.param_to_device_states_map[load.param] = state
+
+    def _rollback_point(self) -> Callable[[], None]:
+        """Snapshot every dict ``_commit_load`` mutates; the returned callable restores them."""
+        groups = [(g, dict(g)) for optim in self.optimizers for g in optim.param_groups]
+        states = [(optim, dict(optim.state)) for optim in self.optimizers]
+        param_states = [(s, dict(s)) for optim in self.optimizers for s in optim.state.values()]
+        hosts = [(h, dict(h)) for h in self.param_to_cpu_states_map.values() if h is not None]
+        cpu_map = dict(self.param_to_cpu_states_map)
+        device_map = dict(self.param_to_device_states_map)
+        group_maps = [(optim, getattr(optim, "param_to_group_map", None)) for optim in self.optimizers]
+
+        def restore() -> None:
+            for target, saved in [*groups, *param_states, *hosts]:
+                target.clear()
+                target.update(saved)
+            for optim, saved_state in states:
+                optim.state.clear()
+                optim.state.update(saved_state)
+            for live, saved_map in (
+                (self.param_to_cpu_states_map, cpu_map),
+                (self.param_to_device_states_map, device_map),
+            ):
+                live.clear()
+                live.update(saved_map)
+            for optim, group_map_ in group_maps:
+                optim.param_to_group_map = group_map_  # type: ignore[attr-defined]
+
+        return restore
+
+
+def _plan_group_load(
+    index: FlatIndex, optim: Optimizer, group: dict[str, Any], fqns: Mapping[torch.Tensor, tuple[str, ...]]
+) -> _GroupLoad:
+    """The checkpoint's hyperparameters for ``group``, from the first of its parameters found.
+
+    Other parameters' group entries are not compared (a checkpoint may group differently),
+    except ``amsgrad``, which every parameter's load checks.
+    """
+    for param in group["params"]:
+        found = index.entries(PARAM_GROUPS_PREFIX, fqns.get(param, ()))
+        if found is not None:
+            break
+    else:
+        return _GroupLoad(group, {})
+    _, entries = found
+    values = {key: clone_value(value) for key, value in entries.items() if key != "params"}
+    if isinstance(optim, torch.optim.AdamW) and "decoupled_weight_decay" in values:
+        values["decoupled_weight_decay"] = True  # as AdamW.__setstate__
+    return _GroupLoad(group, values)
+
+
+def _checked_sources(
+    index: FlatIndex,
+    aliases: Sequence[str],
+    keys: tuple[str, ...],
+    group_load: _GroupLoad,
+    local_param: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor | None], float]:
+    """``({key: checkpoint tensor}, step)`` of one parameter (canonical name ``aliases[0]``).
+
+    No state at all but param-group entries: never stepped in the checkpoint, so zeros
+    (``None`` sources) and step 0. Neither: a KeyError.
+    """
+    fqn = aliases[0]
+    hits = {key: index.lookup(STATE_PREFIX, aliases, key) for key in (*keys, STEP_KEY)}
+    if not any(hits.values()):
+        if index.entries(PARAM_GROUPS_PREFIX, aliases) is None:
+            raise KeyError(
+                f"optimizer state dict has no entries for parameter {fqn!r}: "
+                f"no {state_key(fqn, 'exp_avg')!r} nor {param_group_key(fqn, '*')!r} "
+                f"(aliases tried: {list(aliases)})"
+            )
+        return dict.fromkeys(keys), 0.0
+    sources: dict[str, torch.Tensor | None] = {}
+    for key in keys:
+        hit = hits[key]
+        if hit is None:
+            raise KeyError(f"optimizer state dict has no {state_key(fqn, key)!r} (aliases tried: {list(aliases)})")
+        sources[key] = _checked_state_tensor(hit[0], hit[1], local_param)
+    return sources, _checked_step(hits[STEP_KEY], group_load, fqn)
+
+
+def _check_amsgrad(hit: tuple[str, Any] | None, group: Mapping[str, Any]) -> None:
+    """The host cache layout is fixed at construction: a checkpoint cannot switch amsgrad."""
+    if hit is not None and bool(hit[1]) != bool(group.get("amsgrad", False)):
+        raise ValueError(
+            f"optimizer state dict key {hit[0]!r} is {hit[1]} but this container was built with "
+            f"amsgrad={group.get('amsgrad', False)} (the host cache layout is fixed)"
+        )
+
+
+def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor) -> torch.Tensor:
+    """``value``'s local tensor if it can be copied into ``local_param``'s host cache."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"optimizer state dict key {flat_key!r}: expected a tensor, got {type(value).__name__}"
+        )
+    local = patch_points.unwrap_dtensor(value)
+    if local.is_meta or not has_data(local):
+        raise ValueError(f"optimizer state dict key {flat_key!r}: the tensor has no data")
+    if local.shape != local_param.shape:
+        raise ValueError(
+            f"optimizer state dict key {flat_key!r}: shape {tuple(local.shape)} does not match "
+            f"the parameter's local shape {tuple(local_param.shape)}"
+        )
+    if local.dtype != local_param.dtype:
+        raise ValueError(
+            f"optimizer state dict key {flat_key!r}: dtype {local.dtype} does not match "
+            f"the parameter's {local_param.dtype}"
+        )
+    return local
+
+
+def _checked_step(hit: tuple[str, Any] | None, group_load: _GroupLoad, fqn: str) -> float:
+    """The parameter's step: its own entry, else its param group's."""
+    if hit is None:
+        if STEP_KEY not in group_load.values:
+            raise KeyError(
+                f"optimizer state dict has no {state_key(fqn, STEP_KEY)!r} and no param group step"
+            )
+        hit = (param_group_key(fqn, STEP_KEY), group_load.values[STEP_KEY])
+    flat_key, value = hit
+    try:
+        return as_number(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(
+            f"optimizer state dict key {flat_key!r}: expected a number or one-element tensor"
+        ) from exc

@@ -1,0 +1,344 @@
+"""The swap step: moments stream through the accelerator in slices, or update in place on CPU.
+
+Per optimizer, the parameters (in update order) are cut into ``swap_optimizer_times``
+byte-balanced slices. On an accelerator, per slice::
+
+    load (H2D, load stream) -> fused Adam/AdamW (compute stream) -> offload (D2H, offload stream)
+
+with events between the streams, so slice k+1 loads while slice k updates and slice k-1
+offloads. On a CPU-only process the update runs directly on the host cache. The update is
+the param group's implementation, as torch picks it from the group's ``fused`` /
+``foreach`` flags (torchtitan's ``optimizer.implementation``: "fused", "foreach" or
+"for-loop"; :mod:`swap_state.client.optim.kernels`), so results are bit-identical to torch's
+Adam/AdamW with the same implementation. Without ``fused`` or ``capturable`` torch keeps
+step counts on the CPU: so does the pipeline (a CPU copy per slice instead of a device one).
+
+Each optimizer's ``step`` is bound to :meth:`StepPipelineMixin._swap_step`
+(:func:`bind_swap_step`); ``torch.optim.Adam.step`` itself is never patched.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.nn as nn
+from torch.optim import Optimizer
+from torch.optim.optimizer import _device_dtype_check_for_fused
+
+from swap_state.client.optim import patch_points
+from swap_state.client.optim.kernels import adam_update, group_implementation, plan_slices, steps_on_device
+from swap_state.client.device import DeviceBackend
+from swap_state.client.optim.dtensor_utils import DTensor
+from swap_state.client.optim.host_cache import (
+    STEP_DTYPE,
+    STEP_KEY,
+    HostCache,
+    HostCacheEntry,
+    as_number,
+    group_map,
+    host_cache_ready,
+    moment_keys,
+    step_tensor,
+)
+
+__all__ = ["DEFAULT_SWAP_TIMES", "StepPipelineMixin", "advance_group_step", "bind_swap_step"]
+
+DEFAULT_SWAP_TIMES = 16
+
+_T = TypeVar("_T")
+
+
+@dataclass(eq=False)
+class _StepItem:
+    """A parameter with a gradient in this step, with its host cache."""
+
+    param: torch.Tensor
+    group: dict[str, Any]
+    local_param: torch.Tensor
+    local_grad: torch.Tensor
+    host: HostCache
+
+
+@dataclass(eq=False)
+class _LoadedSlice:
+    """Device buffers of one slice (one dict per item) and the event their loads end with."""
+
+    items: list[_StepItem]
+    buffers: list[dict[str, torch.Tensor]]
+    ready: Any
+
+
+class StepPipelineMixin:
+    """``step()`` of ``SwapOptimizersContainer``.
+
+    Uses the container's ``optimizers``, ``model_parts``, ``param_to_cpu_states_map``,
+    ``_backend`` and ``_install_host_caches`` / ``_host_cache_entries``
+    (:mod:`swap_state.client.optim.host_cache`), and the ``_before_host_write`` / ``_after_step``
+    hooks. Call order of a step is in the container's docstring.
+    """
+
+    # Defaults for a container built with __new__ (the seed's tests); __init__ sets them.
+    swap_optimizer_times: int = DEFAULT_SWAP_TIMES
+    _pipeline: bool | None = None
+    _swap_streams: tuple[Any, Any] | None = None
+    _in_container_step: bool = False
+
+    if TYPE_CHECKING:  # provided by the container and the other mixins
+        optimizers: list[Optimizer]
+        model_parts: list[nn.Module]
+        param_to_cpu_states_map: dict[torch.Tensor, HostCache]
+        _backend: DeviceBackend
+
+        def _before_host_write(self, params: Sequence[torch.Tensor]) -> None: ...
+        def _after_step(self) -> None: ...
+        def _install_host_caches(self, entries: Sequence[HostCacheEntry]) -> None: ...
+        def _host_cache_entries(
+            self, optimizer_index: int, model: nn.Module, optim: Optimizer, pairs: Any
+        ) -> list[HostCacheEntry]: ...
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Step every optimizer through the swap pipeline, then call ``_after_step()`` once."""
+        self._in_container_step = True
+        try:
+            # Not super().step(): once any plain OptimizersContainer exists, torch has
+            # wrapped that method with the step hooks, which would then run twice.
+            for optimizer in self.optimizers:
+                optimizer.step(*args, **kwargs)
+        finally:
+            self._in_container_step = False
+        self._after_step()
+
+    def _swap_step(self, optim: Optimizer, closure: Callable[[], _T] | None = None) -> _T | None:
+        """``optim.step(closure)``: one optimizer's update through the host cache.
+
+        Called through the bound ``optim.step`` (torch's step hooks and LR-scheduler
+        tracking still apply). Outside ``container.step()`` it calls ``_after_step()``
+        itself.
+        """
+        if torch.jit.is_scripting():
+            raise RuntimeError("torch.jit.script is not supported by SwapOptimizersContainer")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            slices = self._collect_step_work(optim)
+            for group in optim.param_groups:
+                advance_group_step(group)
+            if self._swap_pipeline_enabled():
+                self._pipelined_update(optim, slices)
+            else:
+                self._inplace_update(optim, slices)
+        if not self._in_container_step:
+            self._after_step()
+        return loss
+
+    def _swap_pipeline_enabled(self) -> bool:
+        return self._backend.is_accelerator if self._pipeline is None else self._pipeline
+
+    def _slices_for(self, optim: Optimizer) -> list[list[torch.Tensor]]:
+        """``optim``'s parameters in update order, cut into byte-balanced slices (cached)."""
+        signature = tuple((id(group), tuple(map(id, group["params"]))) for group in optim.param_groups)
+        cache: dict[int, tuple[Any, list[list[torch.Tensor]]]] = self.__dict__.setdefault("_slice_cache", {})
+        cached = cache.get(id(optim))
+        if cached is None or cached[0] != signature:
+            params = [param for group in optim.param_groups for param in group["params"]]
+            sizes = [patch_points.unwrap_dtensor(p).numel() * p.element_size() for p in params]
+            slices = [[params[i] for i in run] for run in plan_slices(sizes, self.swap_optimizer_times)]
+            optim.param_to_group_map = group_map(optim)  # type: ignore[attr-defined]
+            cache[id(optim)] = cached = (signature, slices)
+        return cached[1]
+
+    def _collect_step_work(self, optim: Optimizer) -> list[list[_StepItem]]:
+        """The parameters with gradients, per slice; validates them all before any change."""
+        planned = self._slices_for(optim)  # also refreshes optim.param_to_group_map
+        groups: dict[torch.Tensor, dict[str, Any]] = optim.param_to_group_map  # type: ignore[attr-defined]
+        slices: list[list[_StepItem]] = []
+        for params in planned:
+            items = []
+            for param in params:
+                if param.grad is None:
+                    continue  # as torch: no gradient, no update, no step increment
+                group = groups[param]
+                local_param, local_grad = _checked_param_and_grad(param, param.grad, group)
+                host = self.param_to_cpu_states_map.get(param)
+                items.append(_StepItem(param, group, local_param, local_grad, host or {}))
+            if items:
+                slices.append(items)
+        self._complete_host_caches(optim, [item for items in slices for item in items])
+        return slices
+
+    def _complete_host_caches(self, optim: Optimizer, items: list[_StepItem]) -> None:
+        """Allocate caches for parameters that have none; add a missing per-param step."""
+        missing = [item for item in items if not host_cache_ready(item.host, item.group)]
+        if missing:
+            index = next(i for i, o in enumerate(self.optimizers) if o is optim)
+            group_index = {id(g): gi for gi, g in enumerate(optim.param_groups)}
+            pairs = [(group_index[id(item.group)], item.param) for item in missing]
+            self._install_host_caches(self._host_cache_entries(index, self.model_parts[index], optim, pairs))
+            for item in missing:
+                item.host = self.param_to_cpu_states_map[item.param]
+        for item in items:
+            if item.host.get(STEP_KEY) is None:
+                # A cache built without a per-param step (the seed's layout): every
+                # parameter has taken the group's steps so far.
+                item.host[STEP_KEY] = step_tensor(as_number(item.group.get(STEP_KEY, 0)))
+
+    def _inplace_update(self, optim: Optimizer, slices: list[list[_StepItem]]) -> None:
+        """CPU: the fused kernel updates the host cache directly, slice by slice."""
+        for items in slices:
+            self._before_host_write([item.param for item in items])
+            self._fused_update(optim, items, [item.host for item in items])
+
+    def _pipelined_update(self, optim: Optimizer, slices: list[list[_StepItem]]) -> None:
+        """Accelerator: load(k+1) || update(k) || offload(k-1), then wait for all offloads.
+
+        At most three slices hold device buffers at a time (one loading, one updating,
+        one offloading); each buffer is freed once its offload is done.
+        """
+        if not slices:
+            return
+        backend = self._backend
+        load_stream, offload_stream = self._streams()
+        compute = backend.current_stream()
+        upcoming = self._load_slice(slices[0], load_stream)
+        for index in range(len(slices)):
+            current = upcoming
+            if index + 1 < len(slices):
+                upcoming = self._load_slice(slices[index + 1], load_stream)
+            compute.wait_event(current.ready)
+            self._fused_update(optim, current.items, current.buffers)
+            for buffers in current.buffers:
+                for buffer in buffers.values():
+                    _record_stream(backend, buffer, compute)
+            updated = backend.event()
+            updated.record(compute)
+            self._offload_slice(current, updated, offload_stream)
+        offload_stream.synchronize()
+
+    def _streams(self) -> tuple[Any, Any]:
+        """``(load, offload)`` side streams, created on first use."""
+        if self._swap_streams is None:
+            self._swap_streams = (self._backend.stream(), self._backend.stream())
+        return self._swap_streams
+
+    def _load_slice(self, items: list[_StepItem], stream: Any) -> _LoadedSlice:
+        """Enqueue H2D copies of ``items``' host cache on ``stream``; record ``ready`` after."""
+        backend = self._backend
+        buffers = []
+        # Allocated while ``stream`` is current, so the caching allocator ties the blocks
+        # to the load stream; the compute and offload streams are recorded later.
+        with backend.use_stream(stream):
+            for item in items:
+                device_state = {}
+                for key in moment_keys(item.group):
+                    buffer = torch.empty_like(item.local_param, memory_format=torch.contiguous_format)
+                    buffer.copy_(item.host[key], non_blocking=True)
+                    device_state[key] = buffer
+                if steps_on_device(item.group):
+                    step = torch.empty((), dtype=STEP_DTYPE, device=item.local_param.device)
+                    step.copy_(item.host[STEP_KEY], non_blocking=True)
+                else:  # torch's layout without fused/capturable: the step stays on the CPU
+                    step = item.host[STEP_KEY].clone()  # type: ignore[union-attr]
+                device_state[STEP_KEY] = step
+                buffers.append(device_state)
+            ready = backend.event()
+            ready.record(stream)
+        return _LoadedSlice(items, buffers, ready)
+
+    def _offload_slice(self, loaded: _LoadedSlice, updated: Any, stream: Any) -> None:
+        """Enqueue D2H copies of ``loaded`` after ``updated``; drop the device buffers."""
+        self._before_host_write([item.param for item in loaded.items])
+        backend = self._backend
+        with backend.use_stream(stream):
+            stream.wait_event(updated)
+            for item, buffers in zip(loaded.items, loaded.buffers, strict=True):
+                for key, buffer in buffers.items():
+                    item.host[key].copy_(buffer, non_blocking=True)  # type: ignore[union-attr]
+                    _record_stream(backend, buffer, stream)
+        loaded.buffers.clear()
+
+    def _fused_update(
+        self, optim: Optimizer, items: list[_StepItem], states: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """One update call per param group over ``items`` with state tensors ``states``, in
+        the group's implementation (fused unless its flags say foreach or for-loop; the
+        name is the seed's)."""
+        by_group: dict[int, list[int]] = {}
+        for index, item in enumerate(items):
+            by_group.setdefault(id(item.group), []).append(index)
+        for indices in by_group.values():
+            group = items[indices[0]].group
+            adam_update(
+                [items[i].local_param for i in indices],
+                [items[i].local_grad for i in indices],
+                [states[i]["exp_avg"] for i in indices],
+                [states[i]["exp_avg_sq"] for i in indices],
+                [states[i]["max_exp_avg_sq"] for i in indices] if group["amsgrad"] else [],
+                [states[i][STEP_KEY] for i in indices],
+                group=group,
+                grad_scale=getattr(optim, "grad_scale", None),
+                found_inf=getattr(optim, "found_inf", None),
+            )
+
+
+def _record_stream(backend: DeviceBackend, tensor: torch.Tensor, stream: Any) -> None:
+    """``backend.record_stream``, except for a CPU step copy next to accelerator buffers
+    (no stream uses it)."""
+    if not (backend.is_accelerator and tensor.device.type == "cpu"):
+        backend.record_stream(tensor, stream)
+
+
+def advance_group_step(group: dict[str, Any]) -> None:
+    """The group's step counts container steps (the seed keeps it; checkpoints carry it)."""
+    step = group.get(STEP_KEY)
+    if isinstance(step, torch.Tensor):
+        step += 1
+    else:
+        group[STEP_KEY] = step_tensor(as_number(step or 0) + 1)
+
+
+def _checked_param_and_grad(
+    param: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local shards of ``param`` and ``grad``, after the checks torch's fused Adam makes."""
+    if grad.is_sparse:
+        raise RuntimeError(
+            "SwapOptimizersContainer does not support sparse gradients, please consider SparseAdam instead"
+        )
+    if group.get("differentiable", False):
+        raise RuntimeError("SwapOptimizersContainer does not support differentiable=True")
+    param_layout = getattr(param, "placements", None) if isinstance(param, DTensor) else None
+    grad_layout = getattr(grad, "placements", None) if isinstance(grad, DTensor) else None
+    if param_layout != grad_layout:
+        raise RuntimeError(
+            "SwapOptimizersContainer updates local shards: the gradient must have the parameter's "
+            f"placements ({param_layout}), got {grad_layout if grad_layout else 'a plain tensor'}"
+        )
+    local_param, local_grad = patch_points.unwrap_dtensor(param), patch_points.unwrap_dtensor(grad)
+    if group_implementation(group) == "fused":
+        _device_dtype_check_for_fused(local_param)
+    return local_param, local_grad
+
+
+def bind_swap_step(container: StepPipelineMixin, optim: Optimizer) -> Callable[..., Any]:
+    """``optim.step`` bound to the swap pipeline, with torch's step hooks around it.
+
+    A method (``__func__`` + ``__self__``) so that LR schedulers can wrap it; the
+    container is held weakly so that the optimizer does not keep it alive.
+    """
+    owner_ref = weakref.ref(container)
+
+    def swap_step(optimizer: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        owner = owner_ref()
+        if owner is None:
+            raise RuntimeError("the SwapOptimizersContainer of this optimizer no longer exists")
+        return owner._swap_step(optimizer, closure)
+
+    swap_step.__qualname__ = f"{type(optim).__name__}.swap_step"
+    return types.MethodType(Optimizer.profile_hook_step(swap_step), optim)

@@ -1,0 +1,237 @@
+"""Settings of a remote container and how they are resolved: arguments, environment, defaults.
+
+Order for each setting: the constructor argument, then :class:`RemoteConfig`, then the
+environment (torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` and swap-state's
+``SWAP_STATE_*``), then a default. Without a server address a private embedded server is
+started, sized from the model (:func:`connect`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from swap_state.client.optim.dtensor_utils import unwrap_dtensor
+from swap_state.client.remote.model_area import model_state_bytes
+from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig, default_snapshot_dir
+from swap_state.client.remote.rpc import ClientConfig, RemoteSession, SwapStateClient
+
+__all__ = [
+    "ENV_JOB_ID",
+    "ENV_SERVER",
+    "ENV_TOKEN_FILE",
+    "Connection",
+    "RemoteConfig",
+    "connect",
+    "embedded_config_for",
+    "resolve_config",
+    "snapshots_model",
+    "validate_config",
+]
+
+ENV_SERVER = "SWAP_STATE_SERVER"
+ENV_JOB_ID = "SWAP_STATE_JOB_ID"
+ENV_TOKEN_FILE = "SWAP_STATE_TOKEN_FILE"
+
+
+@dataclasses.dataclass
+class RemoteConfig:
+    server: str | None = None
+    """Server address; None: $SWAP_STATE_SERVER, else the embedded default (a private server)."""
+    job_id: str | None = None
+    """Shared by all ranks of a run; None: $SWAP_STATE_JOB_ID, else a fresh id (no reattach)."""
+    rank: int | None = None
+    """None: torch.distributed's rank when initialised, else $RANK, else 0."""
+    world_size: int | None = None
+    """None: torch.distributed's world size when initialised, else $WORLD_SIZE, else 1."""
+    local_world_size: int | None = None
+    """Ranks of the job that attach to the same server as this one (one server per host), in
+    1..world_size; a snapshot on that server is durable once they all have persisted it.
+    None: $LOCAL_WORLD_SIZE (torchrun sets it) when set, else world_size (all on one host);
+    with the embedded server (private to this process) always 1."""
+    token: str | None = None
+    """None: the contents of $SWAP_STATE_TOKEN_FILE when set."""
+    rpc_timeout_s: float = 10.0
+    """Deadline of every control RPC."""
+    connect_timeout_s: float = 10.0
+    """How long attach waits for an unreachable server before failing."""
+    backpressure_timeout_s: float = 300.0
+    """Longest wait for a free copy-before-write slot during a snapshot, and for a snapshot
+    still persisting (before a new snapshot, a restore, or loading a reference to it)."""
+    embedded: EmbeddedServerConfig | None = None
+    """Settings of the embedded server; None: sized from the model."""
+    checkpoint: str = "full"
+    """'full': state_dict() holds the moments (the seed's format). 'snapshot': state_dict()
+    takes a server-side snapshot and holds only a reference, param groups and step counts;
+    load_state_dict() of such a dict restores the snapshot on the server. (Which way a load
+    goes follows the checkpoint, not this setting: a checkpoint with the moments loads them.)"""
+    snapshot_model: bool | None = None
+    """Whole-state snapshots: the segment also holds the model's parameters and persistent
+    buffers, copied in after every step (on an accelerator overlapped with the next forward
+    and backward), so a snapshot of step N holds the parameters of step N too, a restore puts
+    them back into the model, and a snapshot-mode checkpoint needs no model tensors. Costs
+    the model's bytes of the server's budget. None: on with ``checkpoint = 'snapshot'``."""
+    snapshot_replace_existing: bool = False
+    """A snapshot of a step that already has a durable one from an earlier attempt (the job
+    retrained the step, e.g. after loading an older checkpoint) replaces it; False: refused
+    with SnapshotExistsError. torchtitan's glue sets it, as torchtitan overwrites its
+    checkpoint of that step."""
+    snapshot_keep_latest: int | None = None
+    """How many of this job's durable snapshots the server must keep, sent with every
+    snapshot: the job's own checkpoint retention, so that each checkpoint it still keeps can
+    be loaded (the server keeps max(this, its --keep-latest)). 0: keep them all (torchtitan's
+    ``checkpoint.keep_latest_k = 0``). None: the server's --keep-latest alone. Under
+    torchtitan the glue sets it, when left None, to ``checkpoint.keep_latest_k + 1`` (0 stays
+    0): torchtitan keeps one checkpoint more than k after its last-step save."""
+
+
+@dataclasses.dataclass
+class Connection:
+    """What :func:`connect` opened; the container owns (and closes) all of it."""
+
+    client: SwapStateClient
+    session: RemoteSession
+    embedded: EmbeddedServer | None
+
+
+CHECKPOINT_MODES: tuple[str, ...] = ("full", "snapshot")
+
+
+def validate_config(config: RemoteConfig) -> None:
+    """ValueError naming the field for a setting outside its allowed values."""
+    if config.checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(
+            f"RemoteConfig.checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, "
+            f"got {config.checkpoint!r}"
+        )
+    keep = config.snapshot_keep_latest
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+        raise ValueError(
+            f"RemoteConfig.snapshot_keep_latest must be None or an integer >= 0 (0: keep all), got {keep!r}"
+        )
+
+
+def snapshots_model(config: RemoteConfig) -> bool:
+    """Whether the segment holds the model too (``RemoteConfig.snapshot_model``)."""
+    return config.checkpoint == "snapshot" if config.snapshot_model is None else bool(config.snapshot_model)
+
+
+def resolve_config(config: RemoteConfig | None, server: str | None, job_id: str | None) -> RemoteConfig:
+    """A validated copy of ``config`` with the address and job id from the arguments or
+    environment (still None where neither gives one: :func:`connect` decides then)."""
+    config = dataclasses.replace(config or RemoteConfig())
+    validate_config(config)
+    config.server = server or config.server or os.environ.get(ENV_SERVER) or None
+    config.job_id = job_id or config.job_id or os.environ.get(ENV_JOB_ID) or None
+    return config
+
+
+def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kwargs: dict[str, Any]) -> Connection:
+    """Start the embedded server if ``config.server`` is None, pick a job id if none, attach.
+
+    Fills in ``config.server`` and ``config.job_id``. On a failed attach the client is
+    closed and an embedded server stopped before the error propagates.
+    """
+    embedded = None
+    rank, world_size = _resolve_rank_world(config)
+    if config.server is None:
+        embedded = EmbeddedServer(embedded_config_for(config, model_parts, optimizer_kwargs, rank, world_size))
+        embedded.start()
+        config.server = embedded.address
+    if config.job_id is None:
+        config.job_id = f"job-{uuid.uuid4().hex[:12]}"
+    local_world_size = _resolve_local_world_size(config, world_size, embedded is not None)
+    client = SwapStateClient(
+        ClientConfig(
+            config.server,
+            token=_read_token(config),
+            timeout_s=config.rpc_timeout_s,
+            connect_timeout_s=config.connect_timeout_s,
+        )
+    )
+    try:
+        session = client.attach(config.job_id, rank, world_size, local_world_size)
+    except BaseException:
+        client.close()
+        if embedded is not None:
+            embedded.stop()
+        raise
+    return Connection(client, session, embedded)
+
+
+def embedded_config_for(
+    config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kwargs: dict[str, Any], rank: int, world_size: int
+) -> EmbeddedServerConfig:
+    """``config.embedded`` completed for this trainer: sized from the model when it names
+    no size, and, in a job of several ranks, a snapshot directory of this rank's own
+    (``<snapshot dir>/rank-<rank>``: each rank's private server is a server of its own,
+    and two servers must not write one directory)."""
+    embedded = config.embedded or EmbeddedServerConfig()
+    if embedded.shm_size_bytes is None:
+        state = _state_bytes(model_parts, optimizer_kwargs)
+        cow = embedded.cow_budget_bytes
+        if snapshots_model(config):
+            # Whole-state snapshots are checkpoints: pause-free ones need copy slots for the
+            # whole state (about what DCP's async save stages in the trainer's own memory).
+            state += model_state_bytes(model_parts)
+            if cow is None:
+                cow = -(-state // embedded.chunk_bytes) * embedded.chunk_bytes
+        size = max(64 << 20, int(state * 1.5) + (32 << 20)) + (cow or 0)
+        embedded = dataclasses.replace(embedded, shm_size_bytes=size, cow_budget_bytes=cow)
+    if world_size > 1:
+        root = embedded.snapshot_dir or default_snapshot_dir()
+        embedded = dataclasses.replace(embedded, snapshot_dir=os.path.join(root, f"rank-{rank:05d}"))
+    return embedded
+
+
+def _resolve_rank_world(config: RemoteConfig) -> tuple[int, int]:
+    if config.rank is not None and config.world_size is not None:
+        return config.rank, config.world_size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _resolve_local_world_size(config: RemoteConfig, world_size: int, embedded: bool) -> int:
+    """RemoteConfig.local_world_size, else $LOCAL_WORLD_SIZE, else world_size (1 for the
+    embedded server: it serves this process only)."""
+    if config.local_world_size is not None:
+        return config.local_world_size
+    if embedded:
+        return 1
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if not env:
+        return world_size
+    try:
+        local = int(env)
+    except ValueError:
+        raise ValueError(f"$LOCAL_WORLD_SIZE {env!r} is not an integer") from None
+    if not 1 <= local <= world_size:
+        raise ValueError(
+            f"$LOCAL_WORLD_SIZE {local} is not in [1, world_size {world_size}]: set "
+            "RemoteConfig.local_world_size to the number of ranks attached to this server"
+        )
+    return local
+
+
+def _read_token(config: RemoteConfig) -> str | None:
+    if config.token is not None:
+        return config.token
+    path = os.environ.get(ENV_TOKEN_FILE)
+    if not path:
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _state_bytes(model_parts: Sequence[nn.Module], kwargs: dict[str, Any]) -> int:
+    """The segment bytes the model's moments need, with a page of slack per tensor."""
+    keys = 3 if kwargs.get("amsgrad") else 2
+    local = (unwrap_dtensor(p) for m in model_parts for p in m.parameters())
+    return sum(keys * t.numel() * t.element_size() + 4096 for t in local)

@@ -1,0 +1,248 @@
+"""``RemoteSwapOptimizersContainer``: the swap optimizer with its host cache in the host's
+swap-state-server.
+
+Same behaviour and checkpoint contract as :class:`SwapOptimizersContainer` (the seed's flat
+state dict, tied-parameter aliases, DTensor layout, rollback on a failed load); the host cache
+is a set of views on the session's shared-memory segment instead of process-local memory.
+
+Call order::
+
+    c = RemoteSwapOptimizersContainer(model_parts, torch.optim.AdamW, kwargs, 8,
+                                      server="unix:///run/swap-state/swap-state.sock",
+                                      job_id="run1")
+        # attach -> allocate -> map -> register for DMA (once) -> views become the cache
+        # (a reattach within the server's --grace finds the moments of c.resumed_step)
+    for step in ...:
+        loss.backward(); c.step(); c.zero_grad()    # no RPC: the commit is a header word
+        if step % 100 == 0:
+            c.snapshot()                             # one RPC; returns when consistent
+    c.close()                                        # detach (also at interpreter exit)
+
+The modules behind it:
+
+- :mod:`~swap_state.client.remote.config`: RemoteConfig, environment, server / embedded
+- :mod:`~swap_state.client.remote.reattach`: reattach to a kept segment, torn state
+- :mod:`~swap_state.client.remote.snapshots`: SnapshotHandle, snapshot / restore / waits
+- :mod:`~swap_state.client.remote.checkpoint`: 'full' vs 'snapshot' state_dict / load
+
+Importing this module patches nothing in torchtitan.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.optim import Optimizer
+
+from swap_state.client.remote.embedded import EmbeddedServer
+from swap_state.client.errors import SwapStateError
+from swap_state.client.optim.host_cache import STEP_KEY, HostCacheEntry
+from swap_state.client.remote.checkpoint import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, RemoteCheckpointMixin
+from swap_state.client.remote.model_area import ModelArea, plan_model_tensors
+from swap_state.client.remote.config import RemoteConfig, connect, resolve_config, snapshots_model
+from swap_state.client.remote.reattach import GROUP_STEPS, PARAM_STEPS, ReattachMixin, all_param_groups
+from swap_state.client.remote.snapshots import SnapshotHandle, SnapshotMixin
+from swap_state.client.remote.rpc import RemoteSession
+from swap_state.client.remote.segment_mapping import SegmentMapping, dtype_name
+from swap_state.client.remote.snapshot_guard import SnapshotGuard
+from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
+from swap_state.client.optim.container import SwapOptimizersContainer
+from swap_state.common.names import state_key
+
+__all__ = [
+    "GROUP_STEPS",
+    "PARAM_STEPS",
+    "SNAPSHOT_JOB_KEY",
+    "SNAPSHOT_REF_KEY",
+    "RemoteConfig",
+    "RemoteSwapOptimizersContainer",
+    "SnapshotHandle",
+]
+
+log = logging.getLogger("swap_state.client.remote_container")  # the name users configure
+
+
+class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, ReattachMixin, SwapOptimizersContainer):
+    """Swap optimizer whose host cache lives in swap-state-server's shared memory."""
+
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        optimizer_cls: type[Optimizer],
+        optimizer_kwargs: dict[str, Any],
+        swap_optimizer_times: int = DEFAULT_SWAP_TIMES,
+        *,
+        server: str | None = None,
+        job_id: str | None = None,
+        config: RemoteConfig | None = None,
+        **container_kwargs: Any,
+    ) -> None:
+        self.remote_config = resolve_config(config, server, job_id)
+        self._embedded: EmbeddedServer | None = None
+        self._mapping: SegmentMapping | None = None
+        self._guard: SnapshotGuard | None = None
+        self._model_area: ModelArea | None = None
+        self._views: dict[str, torch.Tensor] = {}
+        self._closed = False
+        self.session = self._connect(model_parts, optimizer_kwargs)
+        self.resumed_step = None
+        try:
+            super().__init__(model_parts, optimizer_cls, optimizer_kwargs, swap_optimizer_times, **container_kwargs)
+            self._resume_group_steps()
+        except BaseException:
+            self.close()
+            raise
+        # close() at exit without keeping the container alive
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _connect(self, model_parts: Sequence[nn.Module], kwargs: dict[str, Any]) -> RemoteSession:
+        """Attach (starting an embedded server when no address is configured)."""
+        connection = connect(self.remote_config, model_parts, kwargs)
+        self.client, self._embedded = connection.client, connection.embedded
+        return connection.session
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _allocate_host_cache(self, entries: Sequence[HostCacheEntry]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """One Allocate RPC for every moment, the per-param steps and the group steps."""
+        if self._mapping is not None:
+            raise NotImplementedError(
+                "RemoteSwapOptimizersContainer allocates its segment once: every parameter "
+                "and param group must exist when the container is built"
+            )
+        n_groups = sum(len(o.param_groups) for o in self.optimizers)
+        specs: list[tuple[str, str, list[int]]] = [
+            (PARAM_STEPS, "float32", [len(entries)]),
+            (GROUP_STEPS, "float32", [n_groups]),
+        ]
+        for entry in entries:
+            specs.extend(
+                (state_key(entry.fqn, key), dtype_name(entry.dtype), list(entry.shape)) for key in entry.keys
+            )
+        model_tensors = []
+        if snapshots_model(self.remote_config):
+            model_tensors = plan_model_tensors(self.model_parts, [e.param for e in entries])
+            specs.extend(t.spec() for t in model_tensors)  # last: protocol step 5
+        reply = self.session.allocate(specs)
+        self._mapping = SegmentMapping.open(reply.segment)
+        self._mapping.register_for_dma(self._backend)
+        self._views = self._mapping.tensor_views()
+        self.session.bind_header(self._mapping.header)
+        self._check_resumable(reply.reused)
+        self._guard = SnapshotGuard(self._mapping, self.remote_config.backpressure_timeout_s)
+        if model_tensors:
+            self._model_area = ModelArea(model_tensors, self._views, self._guard, self._mapping.header, self._backend)
+        self._tensor_names: dict[torch.Tensor, list[str]] = {}
+        cache: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        param_steps = self._views[PARAM_STEPS]
+        for index, entry in enumerate(entries):
+            names = [state_key(entry.fqn, key) for key in entry.keys]
+            cache[entry.param] = {key: self._views[n] for key, n in zip(entry.keys, names)}
+            cache[entry.param][STEP_KEY] = param_steps[index]
+            self._tensor_names[entry.param] = names
+        self._entries = list(entries)
+        return cache
+
+    def _before_host_write(self, params: Sequence[torch.Tensor]) -> None:
+        self._check_not_torn()
+        # The step tensors change with every slice, so they are guarded every time.
+        names = [PARAM_STEPS, GROUP_STEPS]
+        names += [n for p in params for n in self._tensor_names.get(p, ())]
+        self._guard.before_write(self._current_step(), names)
+
+    def _current_step(self) -> int:
+        steps = [g[STEP_KEY] for g in all_param_groups(self.optimizers) if STEP_KEY in g]
+        return int(max((float(s) for s in steps), default=0))
+
+    def _publish_step(self, params_known: bool = True) -> int:
+        """Group steps and the parameters' fingerprint into the segment, clear the writing
+        mark, commit (header words, no RPC): in that order."""
+        step = self._current_step()
+        group_steps = self._views[GROUP_STEPS]
+        for index, group in enumerate(all_param_groups(self.optimizers)):
+            group_steps[index] = float(group.get(STEP_KEY, 0))
+        if params_known:
+            self._write_fingerprint()
+        self._guard.end_write()
+        self.session.commit(step)
+        return step
+
+    def _swap_step(self, optim: Optimizer, closure: Any = None) -> Any:
+        self._verify_kept_state()  # first step after a reattach: is the kept state ours?
+        if self._model_area is not None:
+            self._model_area.wait_copy()  # the copy of the last step has read the parameters
+        return super()._swap_step(optim, closure)
+
+    def _after_step(self) -> None:
+        self._restored_reference = None
+        step = self._publish_step()
+        if self._model_area is not None:
+            self._model_area.copy_from_model(step)
+
+    def _after_load_state_dict(self) -> None:
+        self._guard.before_write(self._current_step(), [GROUP_STEPS])
+        self._state_replaced()
+        if self._model_area is not None:
+            self._model_area.invalidate()  # the model is loaded after the optimizer, if at all
+        self._publish_step(params_known=False)  # the model may be loaded after the optimizer
+
+    def restore(self, snapshot_id: str = "latest") -> int:
+        self._state_replaced()  # first: a trainer killed mid-restore leaves nothing to trust
+        return super().restore(snapshot_id)
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def server_stats(self):
+        return self.client.stats()
+
+    def close(self, keep: bool = False) -> None:
+        """Detach from the server (freeing the segment unless ``keep``), unmap, stop an
+        embedded server. Idempotent; also run at interpreter exit."""
+        if self._closed:
+            return
+        try:
+            # A checkpoint may refer to a snapshot still persisting; detaching (or stopping
+            # the embedded server) would end it.
+            self.wait_checkpoint_durable()
+        except SwapStateError as e:
+            log.warning("the snapshot the last checkpoint refers to is not durable: %s", e)
+        self._closed = True
+        try:
+            if getattr(self, "session", None) is not None:
+                try:
+                    self.session.close(keep=keep)
+                except SwapStateError as e:
+                    log.warning("detach failed: %s", e)
+        finally:
+            self._release_mapping()
+            if getattr(self, "client", None) is not None:
+                self.client.close()
+            if self._embedded is not None:
+                self._embedded.stop()
+
+    def _release_mapping(self) -> None:
+        if self._mapping is None:
+            return
+        # Drop every reference to the views before unmapping.
+        if getattr(self, "session", None) is not None:
+            self.session.bind_header(None)
+        self.param_to_cpu_states_map.clear()
+        self._views = {}
+        if self._model_area is not None:
+            self._model_area.close()
+            self._model_area = None
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
+        self._mapping.close()
+        self._mapping = None
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    container = ref()
+    if container is not None:
+        container.close(keep=True)

@@ -1,0 +1,216 @@
+"""The embedded default: a private local swap-state-server owned by one container.
+
+Used when neither ``server=`` nor ``SWAP_STATE_SERVER`` names a server. The server runs as a
+subprocess with its socket and log in a private temp directory; ``stop()`` (also run at
+interpreter exit) terminates it, which removes its socket and segments, then that directory.
+
+Its snapshots outlive it, so that a rerun's embedded server restores them:
+``EmbeddedServerConfig.snapshot_dir``, by default (None) :func:`default_snapshot_dir`, a
+per-user folder: ``$XDG_STATE_HOME/swap-state/snapshots``, else
+``~/.local/state/swap-state/snapshots``. Under torchtitan the glue sets it to
+``<job.dump_folder>/swap-state-snapshots`` (:mod:`swap_state.client.torchtitan.config`), and a
+container of a job with several ranks gives each rank's server ``<dir>/rank-<rank>``
+(:func:`swap_state.client.remote.config.embedded_config_for`). Snapshots there are the server's
+usual layout (``<job_id>/step-<N>``); ``swap-state export`` reads them.
+Its flags come from a :class:`~swap_state.common.server_config.ServerConfig`
+(:func:`~swap_state.common.server_flags.config_to_argv`), so every default not set here, the
+copy-before-write pool among them, is the server's own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from swap_state.common.server_config import ServerConfig
+from swap_state.common.server_flags import config_to_argv
+
+__all__ = ["DEFAULT_SHM_SIZE_BYTES", "EmbeddedServerConfig", "EmbeddedServer", "default_snapshot_dir"]
+
+#: Budget of an embedded server started on its own (a container sizes it from the model).
+DEFAULT_SHM_SIZE_BYTES = 256 << 20
+
+
+def default_snapshot_dir() -> str:
+    """Where an embedded server keeps snapshots when none is configured: a per-user folder,
+    ``$XDG_STATE_HOME/swap-state/snapshots`` (when that is an absolute path, as the XDG spec
+    asks), else ``~/.local/state/swap-state/snapshots``."""
+    state_home = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(state_home):
+        state_home = os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state_home, "swap-state", "snapshots")
+
+log = logging.getLogger("swap_state.client.embedded")  # the name users configure
+
+
+@dataclasses.dataclass
+class EmbeddedServerConfig:
+    shm_size_bytes: int | None = None
+    """Budget of the private server (--shm-size). None: sized from the model by the container
+    that starts it; :data:`DEFAULT_SHM_SIZE_BYTES` for a server started on its own."""
+    grace_s: float = 5.0
+    """--grace of the private server: its sessions die with their owner."""
+    chunk_bytes: int = 1 << 20
+    """--chunk-bytes: small, since embedded states are small."""
+    cow_budget_bytes: int | None = None
+    """--cow-budget (held back from ``shm_size_bytes``); None: the server's default, or,
+    sized by a container with whole-state snapshots, the whole state (the memory rule's
+    worst case: a snapshot then never makes the trainer copy or wait)."""
+    shm_dir: str | None = None
+    """--shm-dir; None: the server's default (/dev/shm)."""
+    snapshot_dir: str | None = None
+    """--snapshot-dir: where snapshots go and stay after the server stops, so that a later
+    embedded server with the same directory restores them. None: :func:`default_snapshot_dir`
+    (a per-user folder); under torchtitan ``<job.dump_folder>/swap-state-snapshots``."""
+    start_timeout_s: float = 30.0
+    """How long to wait for the server to report SERVING."""
+    stop_timeout_s: float = 10.0
+    """How long SIGTERM may take before SIGKILL."""
+    extra_args: tuple[str, ...] = ()
+    """More swap-state-server flags, after the ones above (so a repeated flag wins)."""
+
+    def server_config(self, listen: str, snapshot_dir: str) -> ServerConfig:
+        """The private server's config; everything not named here (the copy-before-write pool
+        included) is :class:`ServerConfig`'s own default. Raises ConfigError for bad values."""
+        return ServerConfig(
+            shm_size=DEFAULT_SHM_SIZE_BYTES if self.shm_size_bytes is None else self.shm_size_bytes,
+            listen=listen,
+            snapshot_dir=pathlib.Path(snapshot_dir),
+            grace=float(self.grace_s),
+            chunk_bytes=self.chunk_bytes,
+            **({"shm_dir": pathlib.Path(self.shm_dir)} if self.shm_dir else {}),
+            **({"cow_budget": self.cow_budget_bytes} if self.cow_budget_bytes is not None else {}),
+        )
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the trainer dies, so a killed trainer leaks no server."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except OSError:  # not Linux: the atexit hook still stops it on a normal exit
+        pass
+
+
+class EmbeddedServer:
+    """Start with :meth:`start`; ``address`` is then a ``unix://`` address; :meth:`stop` ends it."""
+
+    def __init__(self, config: EmbeddedServerConfig | None = None):
+        self.config = config or EmbeddedServerConfig()
+        self.workdir: str | None = None
+        self.address: str | None = None
+        self.snapshot_dir: str | None = None
+        self.server_config: ServerConfig | None = None
+        """What the server was started with (``extra_args`` aside), once :meth:`start` ran."""
+        self._proc: subprocess.Popen | None = None
+        self._log_path: str | None = None
+
+    def start(self) -> EmbeddedServer:
+        cfg = self.config
+        self.workdir = tempfile.mkdtemp(prefix="swap-state-embedded-")
+        socket_path = os.path.join(self.workdir, "swap-state.sock")
+        self.snapshot_dir = os.path.abspath(os.path.expanduser(cfg.snapshot_dir or default_snapshot_dir()))
+        self.address = f"unix://{socket_path}"
+        self._log_path = os.path.join(self.workdir, "server.log")
+        try:
+            self.server_config = cfg.server_config(self.address, self.snapshot_dir)
+        except BaseException:  # a ConfigError names the flag; leave no directory behind
+            self.stop()
+            raise
+        cmd = [
+            sys.executable, "-m", "swap_state.server.cli",
+            *config_to_argv(self.server_config),
+            *cfg.extra_args,
+        ]  # fmt: skip
+        with open(self._log_path, "wb") as log_file:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a Ctrl-C for the trainer must not kill it first
+                preexec_fn=_die_with_parent,
+            )
+        atexit.register(self.stop)
+        try:
+            self._wait_serving(socket_path)
+        except BaseException:
+            self.stop()
+            raise
+        log.info(
+            "started embedded swap-state-server pid=%d at %s (snapshots in %s)",
+            self._proc.pid, self.address, self.snapshot_dir,
+        )  # fmt: skip
+        return self
+
+    def _wait_serving(self, socket_path: str) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(
+                    f"embedded swap-state-server exited with {self._proc.returncode}:\n"
+                    f"{self.log_text()}"
+                )
+            if os.path.exists(socket_path) and self._health_ok():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(
+            f"embedded swap-state-server not serving after {self.config.start_timeout_s}s:\n"
+            f"{self.log_text()}"
+        )
+
+    def _health_ok(self) -> bool:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            except grpc.RpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def log_text(self) -> str:
+        if self._log_path and os.path.exists(self._log_path):
+            with open(self._log_path, errors="replace") as f:
+                return f.read()[-4000:]
+        return ""
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def kill(self) -> None:
+        """SIGKILL the server (tests of a dying server); :meth:`stop` still cleans up."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=self.config.stop_timeout_s)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after the timeout; remove the private directory (socket and
+        log; the snapshot directory stays)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.config.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("embedded swap-state-server ignored SIGTERM; killing it")
+                proc.kill()
+                proc.wait(timeout=self.config.stop_timeout_s)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+        atexit.unregister(self.stop)

@@ -1,0 +1,241 @@
+"""The model's part of a whole-state snapshot: its parameters and persistent buffers, copied
+into the trainer's segment after every step, so that the server's snapshot of step N holds
+the whole training state of step N (protocol step 5 of :mod:`swap_state.common.segment`).
+
+The model tensors are the segment's last tensors, ``model.<fqn>`` under the model
+state-dict fqn (what torchtitan's ``ModelWrapper`` and DCP use), one per distinct tensor: tied
+weights are stored once, their other keys recorded as aliases. A DTensor keeps its local
+shard, with its global shape and offset in the manifest.
+
+Call order (the remote container does this)::
+
+    tensors = plan_model_tensors(model_parts, optimizer_params)   # before the Allocate
+    area = ModelArea(tensors, views, guard, header, backend)      # after it
+    per step:  area.wait_copy()             # before the step's first update (accelerators)
+               ... update, commit step N ...
+               area.copy_from_model(N)      # protect (copy-before-write), copy, publish
+    restore:   ... the server restores the segment ...
+               area.copy_into_model(R)      # the snapshot's parameters into the model
+
+Between the commit of step N and the update of step N + 1 the parameters do not change: on an
+accelerator the copy runs on a side stream, overlapped with the next forward and backward,
+and the next update waits only for its event; ``MODEL_STEP`` is published from a helper
+thread once that event completes. On the CPU the copy is made at once, in ``step()``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from swap_state.client.device import DeviceBackend
+from swap_state.client.optim.dtensor_utils import global_layout, unwrap_dtensor
+from swap_state.client.remote.segment_mapping import dtype_name
+from swap_state.client.remote.snapshot_guard import SnapshotGuard
+from swap_state.common.names import model_tensor_name
+from swap_state.common.segment import SegmentHeader, Word
+from swap_state.common.snapshot_metadata import TensorMetadata
+
+__all__ = ["ModelArea", "ModelTensor", "plan_model_tensors", "model_state_bytes"]
+
+log = logging.getLogger("swap_state.client.remote_container")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelTensor:
+    """One distinct tensor of the model's state dict, as the segment keeps it."""
+
+    fqn: str
+    """Its first key in the model state dict."""
+    aliases: tuple[str, ...]
+    """Its other keys there (tied weights), possibly none."""
+    key: str
+    """``"param"`` or ``"buffer"`` (the manifest's key)."""
+    source: torch.Tensor
+    """The live parameter or buffer (a DTensor or a plain tensor)."""
+
+    @property
+    def name(self) -> str:
+        return model_tensor_name(self.fqn)
+
+    @property
+    def local(self) -> torch.Tensor:
+        return unwrap_dtensor(self.source)
+
+    def spec(self) -> tuple[str, str, list[int]]:
+        local = self.local
+        return (self.name, dtype_name(local.dtype), list(local.shape))
+
+
+def _identity(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
+    local = unwrap_dtensor(tensor)
+    return (local.data_ptr(), tuple(local.shape), local.dtype)
+
+
+def plan_model_tensors(model_parts: Sequence[nn.Module], params: Iterable[torch.Tensor] = ()) -> list[ModelTensor]:
+    """The distinct tensors of every model part's state dict (``get_model_state_dict``: the
+    fqns DCP and torchtitan checkpoint under), in state-dict order.
+
+    ``params``: the optimizer's parameter objects, preferred as the live source of a tensor
+    they share storage with (the state dict's values are detached views). A non-tensor entry
+    (``_extra_state``) cannot be snapshotted: ValueError naming it.
+    """
+    live: dict[tuple[int, tuple[int, ...], torch.dtype], tuple[torch.Tensor, str]] = {}
+    for part in model_parts:
+        for _, buffer in part.named_buffers(remove_duplicate=False):
+            live.setdefault(_identity(buffer), (buffer, "buffer"))
+        for _, param in part.named_parameters(remove_duplicate=False):
+            live[_identity(param)] = (param, "param")
+    for param in params:
+        live[_identity(param)] = (param, "param")
+    planned: dict[tuple[int, tuple[int, ...], torch.dtype], list[Any]] = {}
+    for part in model_parts:
+        for fqn, value in get_model_state_dict(part).items():
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"model state-dict entry {fqn!r} is a {type(value).__name__}, not a tensor: "
+                    "a whole-state snapshot cannot hold it (use the 'full' checkpoint mode)"
+                )
+            ident = _identity(value)
+            if ident in planned:
+                planned[ident][1].append(fqn)
+                continue
+            source, key = live.get(ident, (value, "buffer"))
+            planned[ident] = [fqn, [], key, source]
+    return [ModelTensor(fqn, tuple(aliases), key, source) for fqn, aliases, key, source in planned.values()]
+
+
+def model_state_bytes(model_parts: Sequence[nn.Module]) -> int:
+    """Bytes the model tensors take in a segment, a page of slack each (for sizing)."""
+    return sum(t.local.numel() * t.local.element_size() + 4096 for t in plan_model_tensors(model_parts))
+
+
+class ModelArea:
+    """The model tensors of one mapped segment; owned by the remote container."""
+
+    def __init__(
+        self,
+        tensors: Sequence[ModelTensor],
+        views: Mapping[str, torch.Tensor],
+        guard: SnapshotGuard,
+        header: SegmentHeader,
+        backend: DeviceBackend,
+    ):
+        self.tensors = list(tensors)
+        self._views = [views[t.name] for t in self.tensors]
+        self._names = [t.name for t in self.tensors]
+        self._guard = guard
+        self._header = header
+        self._backend = backend
+        self.copied_step: int | None = None
+        """The step whose parameters the last copy took (issued; None: none since a load)."""
+        self._stream: Any = None
+        self._done: Any = None  # the event of the copy in flight (accelerators)
+        self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
+        self._published: concurrent.futures.Future[None] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self._views)
+
+    def metadata(self) -> dict[str, TensorMetadata]:
+        """The manifest entries of the model tensors: fqn, key, DTensor layout."""
+        out = {}
+        for tensor in self.tensors:
+            shape, offset = global_layout(tensor.source) or (None, None)
+            out[tensor.name] = TensorMetadata(tensor.fqn, tensor.key, shape, offset)
+        return out
+
+    def aliases(self) -> dict[str, str]:
+        """Per alias key of a tied tensor, the fqn it is stored under."""
+        return {alias: t.fqn for t in self.tensors for alias in t.aliases}
+
+    def wait_copy(self) -> None:
+        """Before the parameters change again (the next update): the copy must have read
+        them. On an accelerator the current stream waits for the copy's event (the host does
+        not); on the CPU the copy is already done."""
+        if self._done is not None:
+            self._backend.current_stream().wait_event(self._done)
+            self._done = None
+
+    def copy_from_model(self, step: int) -> None:
+        """Copy the parameters and buffers of committed step ``step`` into the segment and
+        publish ``MODEL_STEP = step + 1`` once the bytes are there. Call after the commit and
+        before any snapshot of ``step`` is asked for (protocol step 5)."""
+        self.wait_published()
+        self.wait_copy()
+        header = self._header
+        if header[Word.MODEL_STEP] > step:
+            # A claim for this step or a later one the bytes do not hold (they are those of
+            # before a load or restore): withdrawn until this copy has landed. Otherwise the
+            # word stays: a snapshot waiting for it must not wait for this copy, which may
+            # itself wait for that snapshot's writer to free a copy slot.
+            header[Word.MODEL_STEP] = 0
+        self._guard.protect(self._names)  # a persisting snapshot's bytes, copied first
+        self.copied_step = step
+        with torch.no_grad():  # optimizer.step() may run with grad on: no graph into the segment
+            self._copy_into_segment(step)
+
+    def _copy_into_segment(self, step: int) -> None:
+        """CPU: copy and publish now. Accelerator: copy on the side stream after the work
+        queued so far; the helper thread publishes once the copy's event has completed."""
+        header = self._header
+        if not self._backend.is_accelerator:
+            for view, tensor in zip(self._views, self.tensors):
+                view.copy_(tensor.local)
+            header[Word.MODEL_STEP] = step + 1
+            return
+        if self._stream is None:
+            self._stream = self._backend.stream()
+            self._publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swap-state-model")
+        self._stream.wait_stream(self._backend.current_stream())
+        with self._backend.use_stream(self._stream):
+            for view, tensor in zip(self._views, self.tensors):
+                view.copy_(tensor.local, non_blocking=True)
+            done = self._backend.event()
+            done.record(self._stream)
+        self._done = done
+        self._published = self._publisher.submit(_publish_when_done, done, header, step)
+
+    def wait_published(self) -> None:
+        """Block until the copy in flight has landed and ``MODEL_STEP`` says so."""
+        published, self._published = self._published, None
+        if published is not None:
+            published.result()
+
+    def copy_into_model(self, step: int) -> None:
+        """After a restore: the segment's parameters and buffers (step ``step``'s) into the
+        model, then ``MODEL_STEP = step + 1`` (the segment holds them already)."""
+        self.wait_published()
+        self.wait_copy()
+        with torch.no_grad():
+            for view, tensor in zip(self._views, self.tensors):
+                tensor.local.copy_(view)
+        self._backend.synchronize()
+        self.copied_step = step
+        self._header[Word.MODEL_STEP] = step + 1
+
+    def invalidate(self) -> None:
+        """The model may be replaced (a checkpoint load): the next snapshot copies it first."""
+        self.copied_step = None
+
+    def close(self) -> None:
+        """Before the segment is unmapped: no copy may still write into it."""
+        try:
+            self.wait_published()
+        finally:
+            if self._publisher is not None:
+                self._publisher.shutdown(wait=True)
+                self._publisher = None
+
+
+def _publish_when_done(done: Any, header: SegmentHeader, step: int) -> None:
+    done.synchronize()
+    header[Word.MODEL_STEP] = step + 1

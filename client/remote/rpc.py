@@ -1,0 +1,352 @@
+"""The trainer's gRPC client for swap-state-server: one method per RPC, each with a deadline.
+
+Call order for a trainer session::
+
+    client = SwapStateClient(address, token=...)
+    session = client.attach(job_id, rank, world_size)   # starts the keep-alive stream
+    segment = session.allocate(specs)                    # once (reused on reattach)
+    session.bind_header(mapping.header)                  # once mapped: commits need no RPC
+    session.commit(step)                                 # once per optimizer step (header words)
+    handle = session.snapshot(step, metadata_json)       # optional, between steps
+    session.close(keep=False)                            # detach, stop keep-alive
+    client.close()
+
+Every transport error is re-raised as a :class:`SwapStateError` naming the address and, when
+the server cannot be reached, the command that starts one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import grpc
+
+from swap_state.common.addresses import parse_address
+from swap_state.common.errors import ConfigError
+from swap_state.client.errors import (  # noqa: F401 - re-exported: the client's exceptions
+    ServerUnavailableError,
+    SessionLostError,
+    StaleGenerationError,
+    SwapStateError,
+    error_for,
+    reason_of,
+)
+from swap_state.common.segment import SegmentHeader, Word
+from swap_state.proto import swap_state_pb2 as pb
+from swap_state.proto import swap_state_pb2_grpc as pb_grpc
+
+__all__ = [
+    "ClientConfig",
+    "SwapStateError",
+    "ServerUnavailableError",
+    "SessionLostError",
+    "SwapStateClient",
+    "RemoteSession",
+    "normalize_target",
+    "START_HINT",
+]
+
+log = logging.getLogger("swap_state.client.rpc")  # the name users configure
+
+START_HINT = "start one with: swap-state-server --shm-size 64G --listen {address}"
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_Reply = TypeVar("_Reply")
+_POLLER_SETTLE_S = 0.25
+
+
+@dataclasses.dataclass
+class ClientConfig:
+    address: str
+    """Server address: ``unix:///path/to/sock``, a bare socket path, or ``tcp://host:port``."""
+    token: str | None = None
+    """Shared secret sent as ``authorization: Bearer <token>`` (server's --token-file)."""
+    timeout_s: float = 10.0
+    """Deadline of every unary RPC, in seconds."""
+    connect_timeout_s: float = 10.0
+    """How long attach waits for the channel to become ready."""
+    tls_root_cert: bytes | None = None
+    """PEM roots for a tcp:// server with TLS; None means an insecure channel."""
+
+
+def normalize_target(address: str) -> str:
+    """Map a user-facing address (the rules of :mod:`swap_state.common.addresses`, the same as
+    the server's ``--listen``) onto a gRPC target string."""
+    try:
+        return parse_address(address, flag="swap-state server address").bind_target()
+    except ConfigError as e:
+        raise SwapStateError(f"{e} (set --optimizer.swap_state_server or SWAP_STATE_SERVER)") from e
+
+
+class SwapStateClient:
+    """A channel to one swap-state-server; thread-safe; cheap to keep for the process."""
+
+    def __init__(self, config: ClientConfig):
+        self.config = config
+        self.target = normalize_target(config.address)
+        options = [("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20)]
+        if config.tls_root_cert is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=config.tls_root_cert)
+            self._channel = grpc.secure_channel(self.target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(self.target, options=options)
+        self._stub = pb_grpc.SwapStateStub(self._channel)
+        self._ready_at = float("-inf")
+        self._metadata = (
+            (("authorization", f"Bearer {config.token}"),) if config.token else ()
+        )
+
+    # -- plumbing -------------------------------------------------------------------------
+    def call(self, name: str, request, timeout_s: float | None = None):
+        """Invoke unary RPC ``name`` with the deadline and error mapping every call gets."""
+        method: Callable = getattr(self._stub, name)
+        try:
+            return method(
+                request,
+                timeout=timeout_s or self.config.timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as e:
+            raise self._translate(name, e) from e
+
+    def _translate(self, name: str, e: grpc.RpcError) -> SwapStateError:
+        code = e.code() if hasattr(e, "code") else None
+        details = e.details() if hasattr(e, "details") else str(e)
+        where = f"swap-state-server at {self.config.address}"
+        if code in _UNREACHABLE:
+            hint = START_HINT.format(address=self.config.address)
+            return ServerUnavailableError(
+                f"{name}: {where} is not reachable ({code.name}: {details}); {hint}", code
+            )
+        code_name = code.name if code is not None else "UNKNOWN"
+        return error_for(reason_of(e), f"{name} failed at {where}: {code_name}: {details}", code)
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        timeout_s = timeout_s or self.config.connect_timeout_s
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+            self._ready_at = time.monotonic()
+        except grpc.FutureTimeoutError as e:
+            hint = START_HINT.format(address=self.config.address)
+            raise ServerUnavailableError(
+                f"swap-state-server at {self.config.address} is not reachable after "
+                f"{timeout_s:.0f}s; {hint}",
+                grpc.StatusCode.UNAVAILABLE,
+            ) from e
+
+    # -- session-less calls ---------------------------------------------------------------
+    def attach(
+        self, job_id: str, rank: int, world_size: int, local_world_size: int = 0
+    ) -> RemoteSession:
+        """Attach (job_id, rank) of a job of ``world_size`` ranks. ``local_world_size``: the
+        job's ranks that attach to this server (this host); 0 means all ``world_size`` (one
+        host). The server completes a snapshot once that many ranks have persisted."""
+        self.wait_ready()
+        reply = self.call(
+            "Attach",
+            pb.AttachRequest(
+                job_id=job_id,
+                rank=rank,
+                world_size=world_size,
+                local_world_size=local_world_size,
+                client_pid=os.getpid(),
+                client_host=socket.gethostname(),
+            ),
+        )
+        return RemoteSession(
+            self, job_id, rank, world_size, reply, local_world_size=local_world_size or world_size
+        )
+
+    def stats(self) -> pb.StatsReply:
+        return self.call("Stats", pb.StatsRequest())
+
+    def list_snapshots(self, job_id: str = "") -> pb.ListSnapshotsReply:
+        return self.call("ListSnapshots", pb.ListSnapshotsRequest(job_id=job_id))
+
+    def snapshot_status(
+        self, snapshot_id: str, rank: int, wait_s: float = 0.0
+    ) -> pb.SnapshotStatusReply:
+        request = pb.SnapshotStatusRequest(snapshot_id=snapshot_id, rank=rank, wait_seconds=wait_s)
+        return self.call("SnapshotStatus", request, timeout_s=self.config.timeout_s + wait_s)
+
+    def open_keepalive(self, session_id: str, generation: int):
+        """The server-streaming KeepAlive call; long deadline, renewed by the caller."""
+        request = pb.KeepAliveRequest(session_id=session_id, generation=generation)
+        return self._stub.KeepAlive(request, timeout=24 * 3600, metadata=self._metadata)
+
+    def close(self) -> None:
+        # grpc's connectivity poller (started by wait_ready) notices its unsubscription only
+        # after up to 0.2 s; closing the channel before that makes it die with a traceback.
+        settle = _POLLER_SETTLE_S - (time.monotonic() - self._ready_at)
+        if settle > 0:
+            time.sleep(settle)
+        self._channel.close()
+
+
+class RemoteSession:
+    """One attached (job_id, rank) session; owns the keep-alive thread."""
+
+    def __init__(
+        self,
+        client: SwapStateClient,
+        job_id: str,
+        rank: int,
+        world_size: int,
+        reply: pb.AttachReply,
+        *,
+        local_world_size: int = 0,
+    ):
+        self.client = client
+        self.job_id = job_id
+        self.rank = rank
+        self.world_size = world_size
+        self.local_world_size = local_world_size or world_size
+        self.session_id = reply.session_id
+        self.generation = reply.generation
+        self.reattached = reply.reattached
+        self.segment: pb.SegmentInfo | None = reply.segment if reply.has_segment else None
+        self.last_committed_step: int | None = (
+            reply.last_committed_step if reply.has_committed_step else None
+        )
+        self._lost: SwapStateError | None = None
+        self._header: SegmentHeader | None = None
+        self._closing = threading.Event()
+        self._stream = None
+        self._thread = threading.Thread(
+            target=self._keepalive_loop, name=f"swap-state-keepalive-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    # -- liveness ---------------------------------------------------------------------------
+    def _keepalive_loop(self) -> None:
+        while not self._closing.is_set():
+            self._stream = self.client.open_keepalive(self.session_id, self.generation)
+            if self._closing.is_set():  # close() ran between the check and the open
+                self._stream.cancel()
+            try:
+                for event in self._stream:
+                    if event.notice:
+                        log.info("swap-state-server: %s", event.notice)
+            except grpc.RpcError as e:
+                if self._closing.is_set() or e.code() == grpc.StatusCode.CANCELLED:
+                    return
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    continue  # the 24 h stream deadline: renew
+                self._lost = SessionLostError(
+                    f"lost the swap-state session {self.job_id}/rank {self.rank} at "
+                    f"{self.client.config.address}: {e.code().name}: {e.details()}; the "
+                    "optimizer state on the server may be gone: restore from a snapshot "
+                    "after restarting the server",
+                    e.code(),
+                )
+                return
+            if not self._closing.is_set():
+                self._lost = SessionLostError(
+                    f"swap-state-server at {self.client.config.address} closed the session "
+                    f"{self.job_id}/rank {self.rank}"
+                )
+                return
+
+    def check_alive(self) -> None:
+        """Raise the keep-alive failure, if any (cheap; called before each step)."""
+        if self._lost is not None:
+            raise self._lost
+
+    # -- RPCs -------------------------------------------------------------------------------
+    def _call(self, name: str, request, timeout_s: float | None = None):
+        try:
+            return self.client.call(name, request, timeout_s)
+        except ServerUnavailableError:
+            raise
+        except SwapStateError:
+            self.check_alive()  # a lost session explains the failure better
+            raise
+
+    def allocate(self, specs: Sequence[tuple[str, str, Sequence[int]]]) -> pb.AllocateReply:
+        tensors = [pb.TensorSpec(name=n, dtype=d, shape=list(s)) for n, d, s in specs]
+        request = pb.AllocateRequest(
+            session_id=self.session_id, generation=self.generation, tensors=tensors
+        )
+        reply = self._call("Allocate", request, timeout_s=max(60.0, self.client.config.timeout_s))
+        self.segment = reply.segment
+        return reply
+
+    def bind_header(self, header: SegmentHeader | None) -> None:
+        """Commit through ``header`` (the mapped segment's) from now on: no RPC per step;
+        None before the segment is unmapped."""
+        self._header = header
+
+    def commit(self, step: int) -> int:
+        """Commit ``step``: its writes are complete. With a bound header this stores the
+        header words (:func:`swap_state.common.segment.committed_step` says how the server
+        reads them) and makes no RPC; refused when another trainer took the segment over."""
+        self.check_alive()
+        header = self._header
+        if header is None:
+            return self._commit_rpc(step)
+        if header[Word.TRAINER_GENERATION] != self.generation:
+            raise StaleGenerationError(
+                f"job {self.job_id} rank {self.rank} was re-attached by another trainer "
+                f"(generation {header[Word.TRAINER_GENERATION]}, this one {self.generation}): "
+                "this trainer must stop"
+            )
+        header[Word.TRAINER_COMMITTED] = step + 1
+        header[Word.TRAINER_RESTORED_SEQ] = header[Word.RESTORED_SEQ]
+        header[Word.TRAINER_COMMITS] += 1
+        self.last_committed_step = step
+        return step
+
+    def _commit_rpc(self, step: int) -> int:
+        request = pb.CommitStepRequest(
+            session_id=self.session_id, generation=self.generation, step=step
+        )
+        reply = self._call("CommitStep", request)
+        self.last_committed_step = reply.committed_step
+        return reply.committed_step
+
+    def snapshot(
+        self, step: int, metadata_json: str, keep_latest: int = 0, keep_all: bool = False,
+        replace_existing: bool = False,
+    ) -> pb.SnapshotReply:
+        """Snapshot committed ``step``. ``keep_latest``/``keep_all``: the job's own retention
+        (the server keeps at least its --keep-latest). ``replace_existing``: a durable
+        snapshot of this step from an earlier attempt is replaced, not refused."""
+        self.check_alive()
+        request = pb.SnapshotRequest(
+            session_id=self.session_id,
+            generation=self.generation,
+            step=step,
+            metadata_json=metadata_json,
+            keep_latest=keep_latest,
+            keep_all=keep_all,
+            replace_existing=replace_existing,
+        )
+        return self._call("Snapshot", request)
+
+    def restore(self, snapshot_id: str = "latest") -> pb.RestoreReply:
+        request = pb.RestoreRequest(
+            session_id=self.session_id, generation=self.generation, snapshot_id=snapshot_id
+        )
+        return self._call("Restore", request, timeout_s=max(300.0, self.client.config.timeout_s))
+
+    def close(self, keep: bool = False) -> None:
+        """Detach (free the segment unless ``keep``) and stop the keep-alive stream."""
+        if self._closing.is_set():
+            return
+        try:
+            if self._lost is None:
+                request = pb.DetachRequest(
+                    session_id=self.session_id, generation=self.generation, keep=keep
+                )
+                self.client.call("Detach", request)
+        finally:
+            self._closing.set()
+            if self._stream is not None:
+                self._stream.cancel()
+            self._thread.join(timeout=5.0)

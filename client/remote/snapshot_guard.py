@@ -1,0 +1,67 @@
+"""The trainer's guard on its segment: marks steps being written and protects the bytes a
+persisting snapshot still needs (copy-before-write, see :mod:`swap_state.common.segment`).
+
+Call order, per step, from the one thread that writes the segment::
+
+    guard.before_write(step, tensor_names)   # per slice, before its host bytes change
+    ...                                      # (the write)
+    guard.end_write()                        # all writes of the step are complete
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from swap_state.client.remote.segment_mapping import SegmentMapping
+from swap_state.common.segment import SegmentLayout, Word
+from swap_state.common.copy_before_write import TrainerProtector
+
+__all__ = ["SnapshotGuard", "layout_of"]
+
+
+def layout_of(mapping: SegmentMapping) -> SegmentLayout:
+    info = mapping.info
+    return SegmentLayout(
+        header_bytes=info.header_bytes,
+        tensors=mapping.tensors,
+        chunk_bytes=info.chunk_bytes,
+        n_chunks=len(mapping.chunks),
+        cow_slots=info.cow_slots,
+        cow_slots_offset=info.cow_slots_offset,
+        size=info.size,
+    )
+
+
+class SnapshotGuard:
+    """One per mapped segment; owned by the trainer's optimizer container."""
+
+    def __init__(self, mapping: SegmentMapping, max_wait_s: float | None):
+        self.header = mapping.header
+        self._protector = TrainerProtector(
+            mapping.buffer, layout_of(mapping), header=mapping.header, max_wait_s=max_wait_s
+        )
+        self._index = {t.name: i for i, t in enumerate(mapping.tensors)}
+
+    def before_write(self, step: int, names: Iterable[str]) -> None:
+        """Mark ``step`` as being written (a reattach then knows the bytes are torn) and
+        make the chunks of ``names`` safe to overwrite; may wait (back-pressure)."""
+        if self.header[Word.WRITING_STEP] == 0:
+            self.header[Word.WRITING_STEP] = step + 1
+        if self.header[Word.SNAP_EPOCH] == 0:
+            return  # no snapshot persisting: the common case costs one word read
+        for name in names:
+            self._protector.before_write_tensor(self._index[name])
+
+    def protect(self, names: Iterable[str]) -> None:
+        """Make the chunks of ``names`` safe to overwrite without marking a step as being
+        written (the model tensors: copied after the commit, never torn moments)."""
+        if self.header[Word.SNAP_EPOCH] == 0:
+            return
+        for name in names:
+            self._protector.before_write_tensor(self._index[name])
+
+    def end_write(self) -> None:
+        self.header[Word.WRITING_STEP] = 0
+
+    def close(self) -> None:
+        self._protector.close()

@@ -1,0 +1,329 @@
+"""Server-side snapshots of a remote container: take, wait for, restore.
+
+Call order, between steps::
+
+    handle = c.snapshot()      # one RPC; returns once the snapshot is consistent
+    ...                        # the trainer may step again at once
+    handle.wait_durable()      # optional: blocks until it is on disk
+    c.restore("latest")        # replaces moments and steps; returns the step
+
+The trainer tells the server what it cannot know (fqns, keys, DTensor layout, param groups,
+steps) in the snapshot's metadata (:mod:`swap_state.common.snapshot_metadata`); a restore
+gives it back, and the param groups are applied from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from swap_state.client.optim.dtensor_utils import global_layout
+from swap_state.client.errors import SnapshotBusyError, SwapStateError
+from swap_state.client.optim.host_cache import STEP_KEY
+from swap_state.client.remote.rpc import SwapStateClient
+from swap_state.client.remote.segment_mapping import dtype_name
+from swap_state.common.errors import InvalidArgument
+from swap_state.common.names import parse_snapshot_id, snapshot_id_for
+from swap_state.common.segment import TensorLayout, Word
+from swap_state.common.snapshot_metadata import TensorMetadata, encode_metadata, parse_metadata, tagged_scalar
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+    from swap_state.client.optim.host_cache import HostCache, HostCacheEntry
+    from swap_state.client.remote.model_area import ModelArea
+    from swap_state.client.remote.config import RemoteConfig
+    from swap_state.client.remote.rpc import RemoteSession
+    from swap_state.client.remote.segment_mapping import SegmentMapping
+    from swap_state.client.remote.snapshot_guard import SnapshotGuard
+
+__all__ = ["SnapshotHandle", "SnapshotMixin", "json_value", "restored_param_groups"]
+
+# The facade's name: what users configure logging for.
+log = logging.getLogger("swap_state.client.remote_container")
+
+
+@dataclasses.dataclass
+class SnapshotHandle:
+    """A snapshot in progress; ``wait_durable()`` blocks until it is on disk."""
+
+    snapshot_id: str
+    step: int
+    rank: int
+    client: SwapStateClient
+
+    def status(self, wait_s: float = 0.0):
+        return self.client.snapshot_status(self.snapshot_id, self.rank, wait_s)
+
+    def wait_durable(self, timeout_s: float = 600.0):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            reply = self.status(wait_s=max(0.0, min(remaining, 5.0)))
+            if reply.state == "durable":
+                return reply
+            if reply.state == "failed":
+                raise SwapStateError(f"snapshot {self.snapshot_id} failed: {reply.error}")
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"snapshot {self.snapshot_id} not durable after {timeout_s}s "
+                    f"({reply.bytes_persisted}/{reply.bytes_total} bytes)"
+                )
+
+
+class SnapshotMixin:
+    """Snapshots of ``RemoteSwapOptimizersContainer`` (call order in the module docstring).
+
+    Uses the container's ``session``, ``client``, ``remote_config``, ``optimizers``,
+    ``_mapping``, ``_guard``, ``_entries`` / ``_tensor_names`` (set by its
+    ``_allocate_host_cache``), ``_publish_step`` and the reattach state
+    (:mod:`swap_state.client.remote.reattach`).
+    """
+
+    _snapshot_step: int | None = None
+    """The step the last snapshot taken (or restored) holds."""
+    _snapshot_handle: SnapshotHandle | None = None
+    _snapshot_location_logged: bool = False
+
+    if TYPE_CHECKING:  # provided by the container and ReattachMixin
+        session: RemoteSession
+        client: SwapStateClient
+        remote_config: RemoteConfig
+        optimizers: list[Optimizer]
+        param_to_cpu_states_map: dict[torch.Tensor, HostCache]
+        resumed_step: int | None
+        _torn_step: int | None
+        _mapping: SegmentMapping | None
+        _guard: SnapshotGuard | None
+        _model_area: ModelArea | None
+        _entries: list[HostCacheEntry]
+        _tensor_names: dict[torch.Tensor, list[str]]
+
+        def _publish_step(self) -> int: ...
+        def _load_group_steps_from_segment(self) -> None: ...
+        def _verify_kept_state(self) -> None: ...
+
+    def snapshot_metadata(self) -> str:
+        """What the server cannot know: fqns, keys, DTensor layout, param groups, steps."""
+        tensors: dict[str, TensorMetadata] = {}
+        steps: dict[str, float] = {}
+        param_groups: dict[str, dict[str, Any]] = {}
+        flat_groups = self.state_dict_param_groups()
+        for entry in self._entries:
+            global_shape, global_offset = global_layout(entry.param) or (None, None)
+            for key, name in zip(entry.keys, self._tensor_names[entry.param]):
+                tensors[name] = TensorMetadata(entry.fqn, key, global_shape, global_offset)
+            steps[entry.fqn] = float(self.param_to_cpu_states_map[entry.param][STEP_KEY])
+            param_groups[entry.fqn] = flat_groups[entry.fqn]
+        area = self._model_area
+        if area is None:
+            return encode_metadata(tensors, param_groups, steps)
+        tensors.update(area.metadata())
+        return encode_metadata(tensors, param_groups, steps, area.aliases())
+
+    def state_dict_param_groups(self) -> dict[str, dict[str, Any]]:
+        """Per canonical fqn, the JSON form of its param group's hyperparameters."""
+        out: dict[str, dict[str, Any]] = {}
+        for entry in self._entries:
+            group = self.optimizers[entry.optimizer_index].param_groups[entry.group_index]
+            out[entry.fqn] = {k: json_value(v) for k, v in group.items() if k != "params"}
+        return out
+
+    def snapshot(self) -> SnapshotHandle:
+        """Snapshot the last committed step on the server; returns once it is consistent.
+
+        Call between steps (after ``step()``). The trainer may step again at once; the
+        handle's ``wait_durable()`` says when it is on disk.
+        """
+        # Kept state of a reattach is checked against the model before anything refers to it.
+        self._verify_kept_state()
+        step = self.session.last_committed_step
+        if step is None:
+            step = self._publish_step()
+        area = self._model_area
+        if area is not None and area.copied_step != step:
+            area.copy_from_model(step)  # not copied since a load (or no step yet): now
+        metadata = self.snapshot_metadata()
+        retention = self.snapshot_retention()
+        try:
+            reply = self.session.snapshot(step, metadata, **retention)
+        except SnapshotBusyError:
+            # The server persists one snapshot of a segment at a time: a previous one (this
+            # trainer's, or a restarted trainer's predecessor's) may still be persisting. Wait
+            # for it and try once more; any other refusal comes back as it is.
+            self._wait_for_persisting_snapshot(f"snapshot of step {step}")
+            reply = self.session.snapshot(step, metadata, **retention)
+        handle = SnapshotHandle(reply.snapshot_id, step, self.session.rank, self.client)
+        if not self._snapshot_location_logged:
+            self._snapshot_location_logged = True
+            log.info("first snapshot %s goes to %s", reply.snapshot_id, self.snapshot_location())
+        self._snapshot_step, self._snapshot_handle = step, handle
+        return handle
+
+    def snapshot_retention(self) -> dict[str, Any]:
+        """The ``keep_latest`` / ``keep_all`` / ``replace_existing`` this job's snapshots carry
+        (``RemoteConfig.snapshot_keep_latest`` and ``snapshot_replace_existing``; {}: the
+        server's --keep-latest alone, and no replacing)."""
+        config = self.remote_config
+        retention: dict[str, Any] = {"replace_existing": True} if config.snapshot_replace_existing else {}
+        keep = config.snapshot_keep_latest
+        if keep is not None:
+            retention.update({"keep_all": True} if keep == 0 else {"keep_latest": int(keep)})
+        return retention
+
+    def follow_checkpoint_retention(self, keep_latest_k: int) -> None:
+        """Keep at least the snapshots the job's checkpoints still refer to: its checkpoint
+        retention (torchtitan's ``keep_latest_k``; 0: all) becomes
+        ``RemoteConfig.snapshot_keep_latest``, unless that was set explicitly."""
+        # A checkpointing framework overwrites the checkpoint of a step it trains again (after
+        # loading an older one): the snapshot that checkpoint refers to is overwritten with it.
+        self.remote_config.snapshot_replace_existing = True
+        if self.remote_config.snapshot_keep_latest is not None:
+            return
+        keep = int(keep_latest_k)
+        if keep < 0:
+            raise ValueError(f"checkpoint.keep_latest_k must be >= 0, got {keep_latest_k!r}")
+        self.remote_config.snapshot_keep_latest = keep
+        log.info(
+            "snapshots of job %s follow the checkpoint retention: %s",
+            self.remote_config.job_id, "keep all" if keep == 0 else f"keep the latest {keep}",
+        )  # fmt: skip
+
+    def snapshot_location(self) -> str:
+        """Where this job's snapshots are persisted, in words (the directory when the server
+        is this container's embedded one)."""
+        embedded = getattr(self, "_embedded", None)
+        job = self.remote_config.job_id
+        if embedded is not None and embedded.snapshot_dir:
+            return os.path.join(embedded.snapshot_dir, str(job))
+        return f"the --snapshot-dir of server {self.remote_config.server} (folder {job})"
+
+    def restore(self, snapshot_id: str = "latest") -> int:
+        """Replace the moments and steps with a durable snapshot's; returns its step.
+
+        The server verifies layout and checksums before it writes a byte; on a mismatch it
+        raises and the current state is untouched. Call between steps.
+        """
+        # A snapshot of this segment still persisting (a killed predecessor's, say) may be the
+        # newest: let it become durable first, so "latest" means it.
+        self._wait_for_persisting_snapshot(f"restore of {snapshot_id}")
+        self._wait_segment_released(f"restore of {snapshot_id}")
+        if self._model_area is not None:
+            self._model_area.wait_published()  # no copy of the model may land after the restore
+        reply = self.session.restore(snapshot_id)
+        self._torn_step = None
+        self._guard.end_write()
+        if self._model_area is not None:
+            self._model_area.copy_into_model(reply.step)  # the snapshot's parameters, buffers
+        self._apply_restored_metadata(reply.metadata_json)
+        self._load_group_steps_from_segment()
+        self.session.commit(reply.step)
+        self.resumed_step = reply.step
+        # The state is now that snapshot's: a state_dict() of this step refers to it (a new
+        # snapshot of the step would copy the same bytes, or be refused as existing).
+        self._snapshot_step = reply.step
+        self._snapshot_handle = SnapshotHandle(reply.snapshot_id, reply.step, self.session.rank, self.client)
+        log.info("restored %s (step %d)", reply.snapshot_id, reply.step)
+        return reply.step
+
+    def _apply_restored_metadata(self, metadata_json: str) -> None:
+        """The snapshot's hyperparameters into the live groups (steps come from the segment)."""
+        groups = restored_param_groups(metadata_json, self._mapping.tensors)
+        for entry in self._entries:
+            saved = groups.get(entry.fqn)
+            if not saved:
+                continue
+            group = self.optimizers[entry.optimizer_index].param_groups[entry.group_index]
+            for key, value in saved.items():
+                if key != STEP_KEY and key in group:
+                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
+
+    def _snapshot_handle_for(self, snapshot_id: str) -> SnapshotHandle | None:
+        """A handle on ``<job>/step-<N>`` for this rank (None for other forms, e.g. latest)."""
+        try:
+            ref = parse_snapshot_id(snapshot_id)
+        except InvalidArgument:
+            return None
+        if ref.step is None:
+            return None
+        return SnapshotHandle(snapshot_id, ref.step, self.session.rank, self.client)
+
+    def _wait_for_persisting_snapshot(self, why: str) -> None:
+        """If the snapshot this segment's header names (``SNAP_STEP``) is still persisting,
+        wait until it is durable or failed (bounded by ``backpressure_timeout_s``; logged)."""
+        snap_step = int(self._mapping.header[Word.SNAP_STEP])
+        snapshot_id = snapshot_id_for(self.remote_config.job_id, snap_step)
+        previous = SnapshotHandle(snapshot_id, snap_step, self.session.rank, self.client)
+        try:
+            status = previous.status()
+        except SwapStateError:
+            return  # no such snapshot
+        if status.state != "persisting":
+            return
+        timeout_s = self.remote_config.backpressure_timeout_s
+        begin = time.monotonic()
+        log.warning(
+            "%s waits for snapshot %s to finish persisting (%d of %d bytes written)",
+            why, previous.snapshot_id, status.bytes_persisted, status.bytes_total,
+        )  # fmt: skip
+        while status.state == "persisting":
+            remaining = begin + timeout_s - time.monotonic()
+            if remaining <= 0:
+                raise SwapStateError(
+                    f"{why}: snapshot {previous.snapshot_id} is still persisting after "
+                    f"{timeout_s:g} s ({status.bytes_persisted} of {status.bytes_total} bytes)"
+                )
+            status = previous.status(wait_s=min(remaining, 5.0))
+        log.warning(
+            "%s waited %.3f s for snapshot %s (%s)",
+            why, time.monotonic() - begin, previous.snapshot_id, status.state,
+        )  # fmt: skip
+
+    def _wait_segment_released(self, why: str) -> None:
+        """Wait (bounded, logged) until no snapshot reads this segment (``SNAP_EPOCH == 0``,
+        the server's condition for writing into it)."""
+        header = self._mapping.header
+        if header[Word.SNAP_EPOCH] == 0:
+            return
+        timeout_s = self.remote_config.backpressure_timeout_s
+        begin = time.monotonic()
+        poll = 1e-3
+        while header[Word.SNAP_EPOCH] != 0:
+            if time.monotonic() - begin > timeout_s:
+                raise SwapStateError(
+                    f"{why}: the snapshot of step {header[Word.SNAP_STEP]} still reads this "
+                    f"segment after {timeout_s:g} s"
+                )
+            time.sleep(poll)
+            poll = min(poll * 2, 0.05)
+        log.warning(
+            "%s waited %.3f s for the snapshot of step %d to release the segment",
+            why, time.monotonic() - begin, header[Word.SNAP_STEP],
+        )  # fmt: skip
+
+
+def json_value(value: Any) -> Any:
+    """A hyperparameter in the metadata's JSON form: a 0-dim tensor tagged, a tuple a list."""
+    if isinstance(value, torch.Tensor):
+        return tagged_scalar(float(value), dtype_name(value.dtype))
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def restored_param_groups(metadata_json: str, tensors: Sequence[TensorLayout]) -> dict[str, dict[str, Any]]:
+    """Per fqn, the hyperparameters in a restored snapshot's metadata ({} when it has none).
+
+    Parsed with the server's own parser. No size bound: the server accepted this text when
+    the snapshot was taken, possibly under a larger limit than the default.
+    """
+    if not metadata_json:
+        return {}
+    return parse_metadata(metadata_json, tensors, max_bytes=sys.maxsize).param_groups

@@ -1,0 +1,389 @@
+"""torchtitan glue: the ``build_optimizers`` wrapper that builds a swap container on request.
+
+Importing this module patches nothing. :func:`install_build_optimizers_wrapper` makes
+``torchtitan.components.optimizer.build_optimizers`` the wrapper; two modules call it at
+import: :mod:`swap_state.client.swap_optimizer` (the seed's tests expect that) and the
+custom config module :mod:`swap_state.client.torchtitan.config`, which then also calls
+:func:`rebind_imported_model_specs` and :func:`install_job_hooks` (the job config, checkpoint
+retention and checkpoint-matched load templates: see the end of this module).
+
+The wrapper reads ``SwapOptimizersContainer`` and ``_original_build_optimizers`` from the
+facade at call time (:mod:`swap_state.client.optim.patch_points`), so the seed's patches of those
+names take effect.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import os
+import sys
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torchtitan.components.optimizer as _tt_optimizer
+from torch.optim import Optimizer
+from torchtitan.components.optimizer import OptimizersContainer
+
+from swap_state.client.optim.kernels import IMPLEMENTATIONS
+from swap_state.client.optim.patch_points import facade_attr
+from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
+from swap_state.client.optim.container import SwapOptimizersContainer
+
+__all__ = [
+    "SNAPSHOT_SUBDIR",
+    "build_optimizers",
+    "build_remote_container",
+    "current_job_config",
+    "embedded_snapshot_dir",
+    "install_build_optimizers_wrapper",
+    "install_job_hooks",
+    "original_build_optimizers",
+    "rebind_imported_model_specs",
+    "shared_job_id",
+    "snapshots_to_keep",
+]
+
+_SWAP_OPTIMIZER_CLASSES: dict[str, type[Optimizer]] = {
+    "Adam": torch.optim.Adam,
+    "AdamW": torch.optim.AdamW,
+}
+_WRAPPED_ORIGINAL_ATTR = "__swap_state_original__"
+#: ``optimizer.swap_optimizer_backend`` values.
+BACKENDS: tuple[str, ...] = ("local", "remote")
+#: ``optimizer.swap_state_checkpoint`` values (see RemoteConfig.checkpoint).
+CHECKPOINT_MODES: tuple[str, ...] = ("full", "snapshot")
+
+
+def build_optimizers(
+    model_parts: list[nn.Module],
+    optimizer_config: Any,
+    parallel_dims: Any,
+    ft_manager: Any = None,
+) -> OptimizersContainer:
+    """torchtitan's ``build_optimizers`` plus ``optimizer_config.swap_optimizer``.
+
+    Without ``swap_optimizer`` (or with it False) this is torchtitan's function. With it:
+    ``name`` must be ``Adam`` or ``AdamW``; ``swap_optimizer_times`` (default 16) sets the
+    slice count; ``swap_optimizer_backend = "remote"`` builds a
+    :class:`~swap_state.client.remote.container.RemoteSwapOptimizersContainer` (settings in
+    :mod:`swap_state.client.torchtitan.config`); optimizers-in-backward and TorchFT are not
+    supported.
+    """
+    if not getattr(optimizer_config, "swap_optimizer", False):
+        original = facade_attr("_original_build_optimizers", original_build_optimizers)
+        return original(model_parts, optimizer_config, parallel_dims, ft_manager)
+    name = optimizer_config.name
+    optimizer_cls = _SWAP_OPTIMIZER_CLASSES.get(name)
+    if optimizer_cls is None:
+        raise NotImplementedError(f"Optimizer {name} not added.")
+    if getattr(optimizer_config, "early_step_in_backward", False):
+        raise NotImplementedError("swap_optimizer does not support early_step_in_backward")
+    if ft_manager is not None and getattr(ft_manager, "enabled", False):
+        raise NotImplementedError("swap_optimizer does not support TorchFT")
+    optimizer_kwargs = _optimizer_kwargs(optimizer_config)
+    swap_times = _swap_times(optimizer_config)
+    backend = _choice(optimizer_config, "swap_optimizer_backend", "local", BACKENDS)
+    checkpoint = _choice(optimizer_config, "swap_state_checkpoint", "full", CHECKPOINT_MODES)
+    if backend == "remote":
+        return build_remote_container(model_parts, optimizer_cls, optimizer_kwargs, swap_times, optimizer_config)
+    if checkpoint != "full":
+        raise ValueError(
+            f"optimizer.swap_state_checkpoint = {checkpoint!r} needs a swap-state server: set "
+            "optimizer.swap_optimizer_backend = 'remote' (the 'local' backend checkpoints 'full')"
+        )
+    container_cls = facade_attr("SwapOptimizersContainer", SwapOptimizersContainer)
+    return container_cls(model_parts, optimizer_cls, optimizer_kwargs, swap_times)
+
+
+def _choice(optimizer_config: Any, name: str, default: str, allowed: tuple[str, ...]) -> str:
+    """``optimizer.<name>``, which must be one of ``allowed`` (a ValueError names both)."""
+    value = getattr(optimizer_config, name, default)
+    if value not in allowed:
+        raise ValueError(
+            f"optimizer.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+        )
+    return value
+
+
+def _swap_times(optimizer_config: Any) -> int:
+    """``optimizer.swap_optimizer_times``: an integer >= 1."""
+    value = getattr(optimizer_config, "swap_optimizer_times", DEFAULT_SWAP_TIMES)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"optimizer.swap_optimizer_times must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _optimizer_kwargs(optimizer_config: Any) -> dict[str, Any]:
+    """The torch optimizer's keyword arguments from torchtitan's ``[optimizer]`` section;
+    ``implementation`` maps to ``fused`` / ``foreach`` as torchtitan maps it."""
+    implementation = _choice(optimizer_config, "implementation", "fused", IMPLEMENTATIONS)
+    return {
+        "lr": optimizer_config.lr,
+        "betas": (optimizer_config.beta1, optimizer_config.beta2),
+        "eps": optimizer_config.eps,
+        "weight_decay": optimizer_config.weight_decay,
+        "fused": implementation == "fused",
+        "foreach": implementation == "foreach",
+    }
+
+
+# torchtitan's own function, also when a wrapper was installed before this module was
+# (re)imported: a wrapper is never wrapped again.
+original_build_optimizers: Callable[..., OptimizersContainer] = getattr(
+    _tt_optimizer.build_optimizers, _WRAPPED_ORIGINAL_ATTR, _tt_optimizer.build_optimizers
+)
+setattr(build_optimizers, _WRAPPED_ORIGINAL_ATTR, original_build_optimizers)
+
+
+def install_build_optimizers_wrapper() -> None:
+    """Make ``torchtitan.components.optimizer.build_optimizers`` this module's wrapper.
+
+    Idempotent: a wrapper already installed (also by an earlier import of this module) is
+    replaced, never wrapped again. Call it before ``torchtitan.models`` is imported: its
+    TrainSpecs keep the function they saw at import (else see
+    :func:`rebind_imported_model_specs`).
+    """
+    _tt_optimizer.build_optimizers = build_optimizers
+
+
+def rebind_imported_model_specs() -> None:
+    """Model packages imported before the wrapper captured the unwrapped builder: rebind."""
+    original = facade_attr("_original_build_optimizers", original_build_optimizers)
+    wrapped = _tt_optimizer.build_optimizers
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torchtitan.") and getattr(module, "build_optimizers", None) is original:
+            module.build_optimizers = wrapped
+
+
+# -- the job around the optimizer: torchtitan's Trainer and CheckpointManager -------------------
+#
+# build_optimizers sees only the [optimizer] section. What the swap container also needs from
+# the job comes from wrappers, installed by the custom config module
+# (:func:`install_job_hooks`), each idempotent and transparent for torch's own optimizers:
+#
+# - ``Trainer.__init__`` makes the job config current while it runs (it builds the optimizers
+#   inside): :func:`current_job_config`; the remote backend puts the embedded server's
+#   snapshots under ``<job.dump_folder>/swap-state-snapshots``.
+# - ``CheckpointManager.__init__`` tells a container with server-side snapshots the
+#   checkpoint retention (``keep_latest_k``, plus one: :func:`snapshots_to_keep`), and with
+#   whole-state snapshots replaces the model's entry by a reference
+#   (:mod:`swap_state.client.torchtitan.model`); ``save`` / ``_save_last_step`` say when
+#   that entry is saved as the reference (not in a model-only last save).
+# - ``CheckpointManager.dcp_load`` matches the model's template to the checkpoint (a
+#   reference or tensors) and tells a swap container which optimizer keys the checkpoint
+#   holds, so that its load template matches (:mod:`swap_state.client.optim.checkpoint_template`);
+#   a snapshot-mode checkpoint loaded into torch's own optimizer fails naming
+#   ``swap-state export``.
+# - ``CheckpointManager.close`` (Trainer.close calls it) waits until the snapshot the last
+#   checkpoint refers to is durable, so that checkpoint stays loadable after the trainer (and
+#   with it an embedded server) is gone.
+
+_current_job_config: contextvars.ContextVar[Any] = contextvars.ContextVar("swap_state_job_config", default=None)
+
+#: Where the embedded server's snapshots go under torchtitan, relative to ``job.dump_folder``.
+SNAPSHOT_SUBDIR = "swap-state-snapshots"
+
+
+def current_job_config() -> Any:
+    """The JobConfig of the torchtitan ``Trainer`` being built in this context, else None."""
+    return _current_job_config.get()
+
+
+def embedded_snapshot_dir(job_config: Any) -> str | None:
+    """``<job.dump_folder>/swap-state-snapshots`` (absolute) of a torchtitan job config."""
+    dump_folder = getattr(getattr(job_config, "job", None), "dump_folder", None)
+    if not dump_folder:
+        return None
+    return os.path.join(os.path.abspath(os.path.expanduser(dump_folder)), SNAPSHOT_SUBDIR)
+
+
+def _wrap_method(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``cls.name`` by ``make(original)`` once (a wrapper is never wrapped again)."""
+    current = cls.__dict__.get(name)
+    original = getattr(current, _WRAPPED_ORIGINAL_ATTR, current)
+    wrapper = functools.wraps(original)(make(original))
+    setattr(wrapper, _WRAPPED_ORIGINAL_ATTR, original)
+    setattr(cls, name, wrapper)
+
+
+def _trainer_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, job_config: Any, *args: Any, **kwargs: Any) -> None:
+        token = _current_job_config.set(job_config)
+        try:
+            original(self, job_config, *args, **kwargs)
+        finally:
+            _current_job_config.reset(token)
+
+    return __init__
+
+
+def snapshots_to_keep(keep_latest_k: int) -> int:
+    """The snapshots a job must keep so that every checkpoint torchtitan 0.2.2 keeps loads:
+    ``keep_latest_k + 1`` (0: all). torchtitan keeps up to one more than ``keep_latest_k``:
+    its last-step save does not purge, and a save's purge runs after it, on a thread, so a
+    trainer that dies in between leaves k + 1 as well."""
+    return 0 if keep_latest_k <= 0 else keep_latest_k + 1
+
+
+def _checkpoint_manager_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs).arguments
+        config, optimizers = bound.get("checkpoint_config"), bound.get("optimizers")
+        follow = getattr(optimizers, "follow_checkpoint_retention", None)
+        if follow is not None and getattr(config, "enable", False) and not getattr(config, "load_only", False):
+            follow(snapshots_to_keep(int(getattr(config, "keep_latest_k", 0))))
+        if getattr(optimizers, "whole_state_checkpoints", False) and isinstance(self.__dict__.get("states"), dict):
+            # Whole-state snapshots: the model's entry refers to the optimizer's snapshot.
+            from swap_state.client.torchtitan.model import SnapshotModelWrapper
+
+            self.states[_MODEL_KEY] = SnapshotModelWrapper(bound["model_parts"], optimizers)
+
+    return __init__
+
+
+def _checkpoint_manager_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    from swap_state.client.torchtitan.model import saving_checkpoint
+
+    def save(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with saving_checkpoint():
+            return original(self, *args, **kwargs)
+
+    return save
+
+
+def _checkpoint_manager_save_last_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    from swap_state.client.torchtitan.model import saving_checkpoint
+
+    def _save_last_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # A model-only last save is for export and inference: the model's tensors, not a reference.
+        with saving_checkpoint(refer=not getattr(self, "last_save_model_only", False)):
+            return original(self, *args, **kwargs)
+
+    return _save_last_step
+
+
+def _checkpoint_manager_dcp_load(original: Callable[..., Any]) -> Callable[..., Any]:
+    from swap_state.client.optim.checkpoint_template import (
+        OPTIMIZER_KEY,
+        check_plain_optimizer_can_load,
+        checkpoint_keys,
+        optimizer_keys,
+    )
+
+    from swap_state.client.torchtitan.model import MODEL_REF_KEY, match_model_template
+
+    def dcp_load(self: Any, state_dict: dict[str, Any], checkpoint_id: str, *args: Any, **kwargs: Any) -> Any:
+        from_hf = bool(args[0]) if args else bool(kwargs.get("from_hf", False))
+        if from_hf or not isinstance(state_dict, dict) or not os.path.isdir(str(checkpoint_id)):
+            return original(self, state_dict, checkpoint_id, *args, **kwargs)
+        keys = checkpoint_keys(checkpoint_id)
+        optimizer = state_dict.get(OPTIMIZER_KEY)
+        loading = getattr(optimizer, "loading_checkpoint", None)
+        if optimizer is not None and loading is None:
+            check_plain_optimizer_can_load(keys, checkpoint_id)  # its error names the snapshot
+        model = self.__dict__.get("states", {}).get(_MODEL_KEY)
+        if MODEL_REF_KEY in keys or MODEL_REF_KEY in state_dict:
+            match_model_template(state_dict, model, keys, checkpoint_id)
+        if loading is None:
+            return original(self, state_dict, checkpoint_id, *args, **kwargs)
+        with loading(optimizer_keys(keys)):
+            return original(self, state_dict, checkpoint_id, *args, **kwargs)
+
+    return dcp_load
+
+
+def _checkpoint_manager_close(original: Callable[..., Any]) -> Callable[..., Any]:
+    def close(self: Any) -> None:
+        # The job's last checkpoint may refer to a server-side snapshot still persisting: it
+        # must be durable before the trainer goes (its embedded server stops with it). Once.
+        states = self.__dict__.get("states")
+        optimizer = states.get(_OPTIMIZER_KEY) if isinstance(states, dict) else None
+        finish = getattr(optimizer, "wait_checkpoint_durable", None)
+        if finish is not None and getattr(self, "enable", False) and not self.__dict__.get("_swap_state_closed"):
+            self._swap_state_closed = True
+            finish()
+        original(self)
+
+    return close
+
+
+def _checkpoint_manager_del(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __del__(self: Any) -> None:
+        # Garbage collection is no place for RPCs and waits: only an explicit close() waits.
+        self.__dict__["_swap_state_closed"] = True
+        original(self)
+
+    return __del__
+
+
+_OPTIMIZER_KEY = "optimizer"  # torchtitan's components.checkpoint.OPTIMIZER
+_MODEL_KEY = "model"  # torchtitan's components.checkpoint.MODEL
+
+
+def install_job_hooks() -> None:
+    """Wrap torchtitan's ``CheckpointManager.__init__`` / ``dcp_load`` / ``close`` and, when
+    ``torchtitan.train`` is imported (it is whenever torchtitan's ``main`` parses the config
+    that names the custom config module), ``Trainer.__init__``. Idempotent."""
+    import torchtitan.components.checkpoint as tt_checkpoint
+
+    manager = tt_checkpoint.CheckpointManager
+    _wrap_method(manager, "__init__", _checkpoint_manager_init)
+    _wrap_method(manager, "save", _checkpoint_manager_save)
+    _wrap_method(manager, "_save_last_step", _checkpoint_manager_save_last_step)
+    _wrap_method(manager, "dcp_load", _checkpoint_manager_dcp_load)
+    _wrap_method(manager, "close", _checkpoint_manager_close)
+    _wrap_method(manager, "__del__", _checkpoint_manager_del)
+    train_module = sys.modules.get("torchtitan.train")
+    trainer = getattr(train_module, "Trainer", None)
+    if isinstance(trainer, type):
+        _wrap_method(trainer, "__init__", _trainer_init)
+
+
+def shared_job_id(configured: str) -> str:
+    """The configured id, else $SWAP_STATE_JOB_ID, else one id chosen by rank 0 and
+    broadcast, so every rank of the run names the same job (snapshots span all ranks)."""
+    job_id = configured or os.environ.get("SWAP_STATE_JOB_ID", "")
+    if job_id:
+        return job_id
+    candidate = [f"job-{uuid.uuid4().hex[:12]}"]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(candidate, src=0)
+    return candidate[0]
+
+
+def build_remote_container(
+    model_parts: list[Any],
+    optimizer_cls: type,
+    optimizer_kwargs: dict[str, Any],
+    swap_times: int,
+    optimizer_config: Any,
+):
+    """The ``swap_optimizer_backend = "remote"`` branch of the ``build_optimizers`` wrapper."""
+    from swap_state.client.remote.embedded import EmbeddedServerConfig
+    from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
+
+    # Snapshots of the embedded server (used when no server is named) last with the job:
+    # under its dump folder, so that a rerun of the job restores them.
+    snapshot_dir = embedded_snapshot_dir(current_job_config())
+    config = RemoteConfig(
+        checkpoint=getattr(optimizer_config, "swap_state_checkpoint", "full"),
+        embedded=EmbeddedServerConfig(snapshot_dir=snapshot_dir) if snapshot_dir else None,
+    )
+    return RemoteSwapOptimizersContainer(
+        model_parts,
+        optimizer_cls,
+        optimizer_kwargs,
+        swap_times,
+        server=getattr(optimizer_config, "swap_state_server", "") or None,
+        job_id=shared_job_id(getattr(optimizer_config, "swap_state_job_id", "")),
+        config=config,
+    )

@@ -1,0 +1,95 @@
+"""libc calls the standard library does not expose, through ctypes, in one place.
+
+Why ctypes and not a library: Python's ``mmap`` has no ``mlock`` and no address of a mapping,
+``os`` has no ``sync_file_range``, and a copy between two mappings without holding the GIL
+needs ``memmove`` on raw addresses. ctypes releases the GIL for every foreign call, which is
+what lets the stager, the restore and the writer copy while the event loop keeps serving.
+Every function checks its return code; none of them imports anything of the server.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+
+__all__ = [
+    "buffer_address",
+    "memmove",
+    "mlock",
+    "mmap_read_only",
+    "munmap",
+    "start_writeback",
+    "view_at",
+]
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.mlock.restype = ctypes.c_int
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.munmap.restype = ctypes.c_int
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _load_sync_file_range():
+    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    try:
+        function = _libc.sync_file_range
+    except AttributeError:
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    return function
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do not wait
+
+
+def mlock(address: int, length: int) -> int:
+    """mlock(2) (reads the pages in and pins them); 0 on success, else the errno."""
+    if _libc.mlock(address, length) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def mmap_read_only(fd: int, size: int) -> int:
+    """The address of a read-only shared mapping of ``size`` bytes of ``fd``; OSError on
+    failure. Unlike :class:`mmap.mmap`, the mapping has an address the copies can use."""
+    address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address in (None, _MAP_FAILED):
+        raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed")
+    return address
+
+
+def munmap(address: int, size: int) -> None:
+    """Unmap (and so unpin) a mapping made by :func:`mmap_read_only`; OSError on failure."""
+    if _libc.munmap(address, size) != 0:
+        raise OSError(ctypes.get_errno(), f"munmap of {size} bytes at {address:#x} failed")
+
+
+def view_at(address: int, size: int) -> memoryview:
+    """A byte view of ``size`` bytes at ``address`` (release it before unmapping)."""
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+
+
+def buffer_address(buffer) -> int:
+    """Address of the first byte of a writable buffer (an mmap or a memoryview of one). The
+    temporary ctypes object holds a buffer export only for this expression, so the mapping
+    stays closable afterwards."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def memmove(destination: int, source: int, nbytes: int) -> None:
+    """Copy ``nbytes`` between raw addresses with the GIL released."""
+    ctypes.memmove(destination, source, nbytes)
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset + nbytes)`` to disk now, without
+    waiting (``sync_file_range(SYNC_FILE_RANGE_WRITE)``). A hint: durability still comes from
+    the caller's fsync alone, so a failure (or no such call on this system) is ignored."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)

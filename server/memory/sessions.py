@@ -1,0 +1,538 @@
+"""Sessions: one per (job id, rank), with a generation number and stream-based liveness.
+
+Lifecycle::
+
+    Attach ──> pending ──KeepAlive stream opens──> live ──stream closes──> orphaned
+                  │                                  ▲                       │
+                  └── no stream within stream_wait ──┼──> orphaned ──grace──> freed
+                                                     └── reattach / stream reopened
+
+* Liveness is the KeepAlive stream being open, nothing else: heavy work (committing a 64 GiB
+  segment, a snapshot) never delays or stands in for it.
+* An orphaned session keeps its segment for ``grace`` seconds. The same (job, rank) attaching in
+  time gets the same session id, segment and bytes back, with a new generation; calls carrying
+  an older generation then fail with FAILED_PRECONDITION, so a stale trainer cannot commit.
+* A live session (stream open) is never taken over: a second trainer with the same job id and
+  rank is refused instead of silently stealing the first one's memory.
+
+Ids and numbers a request carries (job id, session id, rank, generation, step) are validated
+once, by the servicer, before they get here (:mod:`.validation`); the registry trusts them.
+Tensor specs are checked here (off the loop, they are O(tensors)). The registry is used from
+one asyncio loop; blocking arena work runs in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import mmap
+import secrets
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from swap_state.common.segment import SegmentHeader, SegmentLayout, TensorSpec, Word, committed_step, layout_hash
+
+from swap_state.server.memory.arena import Arena, Segment
+from swap_state.common.errors import (
+    FailedPrecondition,
+    LayoutMismatch,
+    NoSegment,
+    NotFound,
+    SessionLive,
+    StaleGeneration,
+    Unavailable,
+)
+from swap_state.server.logs import log_event
+
+__all__ = ["LivenessStream", "Session", "SessionRegistry", "SessionState"]
+
+log = logging.getLogger("swap_state.server.sessions")
+
+
+class SessionState(str, enum.Enum):
+    PENDING = "pending"  # attached, KeepAlive stream not open yet
+    LIVE = "live"  # a KeepAlive stream of the current generation is open
+    ORPHANED = "orphaned"  # kept for the grace period, then freed
+
+
+class LivenessStream:
+    """One open KeepAlive stream; the server ends it by calling :meth:`end`."""
+
+    def __init__(self, session: Session, generation: int) -> None:
+        self.session = session
+        self.generation = generation
+        self.end_reason: str | None = None
+        self._ended = asyncio.Event()
+
+    def end(self, reason: str) -> None:
+        if self.end_reason is None:
+            self.end_reason = reason
+            self._ended.set()
+
+    async def wait_end(self, timeout: float) -> str | None:
+        """The end reason, or None when ``timeout`` passed first."""
+        try:
+            await asyncio.wait_for(self._ended.wait(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        return self.end_reason
+
+
+@dataclasses.dataclass(eq=False)
+class Session:
+    """One trainer rank's state on this host.
+
+    For snapshot/restore code: ``segment`` (with ``segment.borrow()``), ``buffer``, ``layout``,
+    ``header``, ``job_id``, ``rank``, ``world_size``, ``local_world_size``, ``generation``,
+    ``last_committed_step``.
+    """
+
+    session_id: str
+    job_id: str
+    rank: int
+    world_size: int
+    """The job's (global) world size."""
+    generation: int
+    local_world_size: int = 0
+    """Ranks of the job on this server (this host); 0 given means ``world_size``. A snapshot
+    on this server is complete when this many ranks have persisted."""
+    client_pid: int = 0
+    client_host: str = ""
+    segment: Segment | None = None
+    rpc_commits: int = 0
+    """Steps committed through the CommitStep RPC (trainers commit through the header)."""
+    state: SessionState = SessionState.PENDING
+    orphaned_since: float | None = None
+    """Monotonic time the session became orphaned (None unless orphaned)."""
+    stream_deadline: float | None = None
+    """Monotonic time by which a pending session must open its KeepAlive stream."""
+    rewind_allowed: bool = False
+    """After a reattach the trainer may commit an earlier step once (it restored a checkpoint)."""
+    closed: bool = False
+    """True once removed from the registry (its segment freed or being freed)."""
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock, repr=False)
+    streams: set[LivenessStream] = dataclasses.field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.local_world_size == 0:
+            self.local_world_size = self.world_size
+
+    @property
+    def buffer(self) -> mmap.mmap | None:
+        """The server's mapping of the whole segment file (None before Allocate)."""
+        return self.segment.buffer if self.segment else None
+
+    @property
+    def layout(self) -> SegmentLayout | None:
+        return self.segment.layout if self.segment else None
+
+    @property
+    def header(self) -> SegmentHeader | None:
+        return self.segment.header if self.segment else None
+
+    @property
+    def last_committed_step(self) -> int | None:
+        """The last committed step the segment holds (None: none yet), read from the header
+        words the trainer commits through (:func:`~swap_state.common.segment.committed_step`)."""
+        header = self.header
+        return committed_step(header) if header is not None else None
+
+    @property
+    def kept_states_dropped(self) -> int:
+        """Reattached states the trainer dropped (not its parameters' state; header word)."""
+        header = self.header
+        return header[Word.STATE_DROPS] if header is not None else 0
+
+    @property
+    def steps_committed(self) -> int:
+        """Steps committed to this session's segment, through the header or the RPC."""
+        header = self.header
+        return self.rpc_commits + (header[Word.TRAINER_COMMITS] if header is not None else 0)
+
+    def record_commit(self, step: int, *, force: bool = False) -> bool:
+        """Record a committed step and publish it in the header. Returns False for a repeat of
+        the last step (idempotent retry). Going backwards needs ``force`` (restore) or the
+        one-time allowance after a reattach."""
+        if self.segment is None or self.segment.header is None:
+            raise NoSegment(
+                f"session {self.session_id} has no segment: call Allocate before CommitStep"
+            )
+        last = self.last_committed_step
+        if last is not None and step < last and not (force or self.rewind_allowed):
+            raise FailedPrecondition(
+                f"step {step} goes backwards: step {last} is already committed for job "
+                f"{self.job_id} rank {self.rank} (an earlier step is accepted once after a reattach)"
+            )
+        self.rewind_allowed = False
+        if step == last:
+            return False
+        header = self.segment.header
+        header[Word.COMMITTED_STEP] = step + 1
+        header[Word.RESTORED_SEQ] += 1  # last: from now on the server's value holds
+        self.rpc_commits += 1
+        return True
+
+    def _describe(self) -> dict[str, object]:
+        return {"session_id": self.session_id, "job_id": self.job_id, "rank": self.rank,
+                "generation": self.generation}
+
+
+class SessionRegistry:
+    """All sessions of the server, with the reaper that frees expired orphans."""
+
+    def __init__(
+        self,
+        arena: Arena,
+        *,
+        grace: float,
+        stream_wait: float,
+        max_tensors: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.arena = arena
+        self.grace = grace
+        self.stream_wait = stream_wait
+        self.max_tensors = max_tensors
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}
+        self._by_key: dict[tuple[str, int], Session] = {}
+        self._shutting_down = False
+        self._reaper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[tuple[Segment, bool]]] = set()
+        # Counters for Stats and metrics.
+        self._retired_commits = 0
+        self._retired_drops = 0
+        self.attaches = 0
+        self.reattaches = 0
+        self.sessions_freed = 0
+        self.sessions_expired = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def steps_committed_total(self) -> int:
+        """Steps committed, all sessions, freed ones included (read from the headers)."""
+        return self._retired_commits + sum(s.steps_committed for s in self._sessions.values())
+
+    @property
+    def kept_states_dropped_total(self) -> int:
+        """Reattached states trainers dropped, all sessions, freed ones included."""
+        return self._retired_drops + sum(s.kept_states_dropped for s in self._sessions.values())
+
+    @property
+    def sessions(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def find(self, job_id: str, rank: int) -> Session | None:
+        return self._by_key.get((job_id, rank))
+
+    def lookup(self, session_id: str, generation: int) -> Session:
+        """The session, if ``generation`` is its current one (else FAILED_PRECONDITION).
+        ``session_id`` and ``generation`` are validated (the servicer's
+        :func:`~.validation.validate_session`)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(
+                f"no session {session_id} on this server (never attached, detached, or freed "
+                "after its grace period): Attach again"
+            )
+        self._check_generation(session, generation)
+        return session
+
+    @staticmethod
+    def _check_generation(session: Session, generation: int) -> None:
+        if session.closed:
+            raise NotFound(f"session {session.session_id} was freed: Attach again")
+        if generation > session.generation:
+            raise StaleGeneration(
+                f"generation {generation} was never issued for job {session.job_id} rank "
+                f"{session.rank} (current: {session.generation})"
+            )
+        if generation != session.generation:
+            raise StaleGeneration(
+                f"stale generation {generation} for job {session.job_id} rank {session.rank}: "
+                f"the session was re-attached as generation {session.generation}"
+            )
+
+    def orphaned_seconds(self, session: Session) -> float:
+        if session.state is not SessionState.ORPHANED or session.orphaned_since is None:
+            return 0.0
+        return max(0.0, self._clock() - session.orphaned_since)
+
+    # ------------------------------------------------------------------ attach / detach
+    async def attach(
+        self,
+        job_id: str,
+        rank: int,
+        world_size: int,
+        *,
+        client_pid: int = 0,
+        client_host: str = "",
+        local_world_size: int = 0,
+    ) -> tuple[Session, bool]:
+        """Open or re-open the session of (job_id, rank). Returns (session, reattached).
+        ``local_world_size``: ranks of the job on this server, 0 meaning ``world_size``. The
+        values are validated (the servicer does it, :mod:`.validation`)."""
+        local_world_size = local_world_size or world_size
+        self._check_open()
+        existing = self._by_key.get((job_id, rank))
+        if existing is not None:
+            self._refuse_if_live(existing)
+            async with existing.lock:  # waits for an in-flight Allocate of the old generation
+                self._check_open()
+                self._refuse_if_live(existing)
+                if not existing.closed and (
+                    existing.world_size != world_size
+                    or existing.local_world_size != local_world_size
+                ):
+                    log_event(log, "session_replaced", logging.WARNING, **existing._describe(),
+                              old_world_size=existing.world_size, new_world_size=world_size,
+                              old_local_world_size=existing.local_world_size,
+                              new_local_world_size=local_world_size,
+                              detail="world size changed; the kept segment does not fit the new job")
+                    await self._remove(existing, "world_size_changed")
+                elif not existing.closed:
+                    existing.generation += 1
+                    existing.client_pid = client_pid
+                    existing.client_host = client_host
+                    existing.rewind_allowed = True
+                    self._make_pending(existing)
+                    self.attaches += 1
+                    self.reattaches += 1
+                    log_event(log, "session_attached", **existing._describe(),
+                              world_size=world_size, local_world_size=local_world_size,
+                              reattached=True, client_pid=client_pid,
+                              client_host=client_host, has_segment=existing.segment is not None)
+                    return existing, True
+        session = Session(
+            session_id=secrets.token_hex(16),
+            job_id=job_id,
+            rank=rank,
+            world_size=world_size,
+            generation=1,
+            local_world_size=local_world_size,
+            client_pid=client_pid,
+            client_host=client_host,
+        )
+        self._make_pending(session)
+        self._sessions[session.session_id] = session
+        self._by_key[(job_id, rank)] = session
+        self.attaches += 1
+        log_event(log, "session_attached", **session._describe(), world_size=world_size,
+                  local_world_size=local_world_size, reattached=False, client_pid=client_pid,
+                  client_host=client_host)
+        return session, False
+
+    def _check_open(self) -> None:
+        if self._shutting_down:
+            raise Unavailable("the server is shutting down")
+
+    def _refuse_if_live(self, session: Session) -> None:
+        if session.state is SessionState.LIVE and not session.closed:
+            raise SessionLive(
+                f"job {session.job_id} rank {session.rank} is attached and live (client pid "
+                f"{session.client_pid} on {session.client_host or '?'}, generation "
+                f"{session.generation}): another trainer with the same job id and rank? Close "
+                "the old KeepAlive stream (or stop that trainer) first"
+            )
+
+    def _make_pending(self, session: Session) -> None:
+        session.state = SessionState.PENDING
+        session.orphaned_since = None
+        session.stream_deadline = self._clock() + self.stream_wait
+
+    async def detach(self, session_id: str, generation: int, *, keep: bool) -> None:
+        session = self.lookup(session_id, generation)
+        async with session.lock:
+            self._check_generation(session, generation)
+            self._end_streams(session, "detached")
+            if keep:
+                self._orphan(session, "detached_keep")
+            else:
+                await self._remove(session, "detached")
+
+    # ------------------------------------------------------------------ liveness
+    def open_stream(self, session_id: str, generation: int) -> LivenessStream:
+        """Register a KeepAlive stream: the session is live until it closes."""
+        self._check_open()
+        session = self.lookup(session_id, generation)
+        stream = LivenessStream(session, generation)
+        session.streams.add(stream)
+        if session.state is not SessionState.LIVE:
+            session.state = SessionState.LIVE
+            session.orphaned_since = None
+            session.stream_deadline = None
+            log_event(log, "session_live", **session._describe())
+        return stream
+
+    def close_stream(self, stream: LivenessStream) -> None:
+        """The stream ended (client gone, cancelled, or ended by the server)."""
+        session = stream.session
+        session.streams.discard(stream)
+        if session.closed or stream.generation != session.generation:
+            return
+        if session.state is SessionState.LIVE and not any(
+            s.generation == session.generation for s in session.streams
+        ):
+            self._orphan(session, stream.end_reason or "stream_closed")
+
+    def _orphan(self, session: Session, reason: str) -> None:
+        session.state = SessionState.ORPHANED
+        session.orphaned_since = self._clock()
+        session.stream_deadline = None
+        log_event(log, "session_orphaned", **session._describe(), reason=reason,
+                  grace_seconds=self.grace, has_segment=session.segment is not None)
+
+    @staticmethod
+    def _end_streams(session: Session, reason: str) -> None:
+        for stream in list(session.streams):
+            stream.end(reason)
+
+    # ------------------------------------------------------------------ segment and steps
+    async def allocate(
+        self, session_id: str, generation: int, checked: Sequence[TensorSpec]
+    ) -> tuple[Segment, bool]:
+        """Create the session's segment of ``checked`` tensors (the servicer validated them);
+        returns (segment, reused). Idempotent for the same layout (a reattached trainer gets
+        its bytes back); a different layout is refused."""
+        session = self.lookup(session_id, generation)
+        # Hashing is O(tensors) Python: off the loop, like the page faulting.
+        wanted_hash = await asyncio.to_thread(layout_hash, checked)
+        # Shielded: when the caller gives up (deadline, cancel) the creation still completes
+        # under the session lock and lands in the session, so a retry gets reused=True instead
+        # of a second segment, and no committed bytes are ever left without an owner.
+        task = asyncio.get_running_loop().create_task(
+            self._allocate_locked(session, generation, checked, wanted_hash)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return await asyncio.shield(task)
+
+    async def _allocate_locked(
+        self,
+        session: Session,
+        generation: int,
+        checked: list[tuple[str, str, tuple[int, ...]]],
+        wanted_hash: str,
+    ) -> tuple[Segment, bool]:
+        async with session.lock:
+            self._check_open()
+            self._check_generation(session, generation)
+            if session.segment is not None:
+                if session.segment.layout_hash == wanted_hash:
+                    return session.segment, True
+                raise LayoutMismatch(
+                    f"job {session.job_id} rank {session.rank} already has a segment with another "
+                    f"layout (hash {session.segment.layout_hash[:12]}, requested "
+                    f"{wanted_hash[:12]}): Detach with keep=false, then Attach and Allocate again"
+                )
+            started = time.perf_counter()
+            segment = await asyncio.to_thread(
+                self.arena.create_segment,
+                session.session_id,
+                checked,
+                session.local_world_size,  # the job's ranks sharing this server's copy pool
+                specs_hash=wanted_hash,
+            )
+            session.segment = segment
+            log_event(log, "segment_allocated", **session._describe(), path=segment.path,
+                      bytes=segment.size, tensors=len(checked), chunks=segment.layout.n_chunks,
+                      cow_slots=segment.cow_slots, mlocked=segment.locked,
+                      seconds=round(time.perf_counter() - started, 3),
+                      budget_free=self.arena.free_bytes)
+            return segment, False
+
+    def commit_step(self, session_id: str, generation: int, step: int) -> int:
+        """Record ``step`` as committed (its moments are completely in the segment); ``step``
+        is validated (the servicer's :func:`~.validation.validate_step`)."""
+        session = self.lookup(session_id, generation)
+        if session.record_commit(step):
+            log_event(log, "step_committed", logging.DEBUG, **session._describe(), step=step)
+        return step
+
+    # ------------------------------------------------------------------ freeing
+    async def _remove(self, session: Session, reason: str) -> None:
+        session.closed = True
+        self._end_streams(session, reason)
+        self._sessions.pop(session.session_id, None)
+        if self._by_key.get((session.job_id, session.rank)) is session:
+            del self._by_key[(session.job_id, session.rank)]
+        self._retired_commits += session.steps_committed
+        self._retired_drops += session.kept_states_dropped
+        segment, session.segment = session.segment, None
+        freed = 0
+        if segment is not None:
+            freed = segment.size
+            # Unmapping and unlinking a big tmpfs file returns its pages: seconds for tens of
+            # GiB, so off the loop.
+            await asyncio.to_thread(self.arena.free, segment)
+        self.sessions_freed += 1
+        log_event(log, "session_freed", **session._describe(), reason=reason, bytes=freed,
+                  budget_used=self.arena.used_bytes)
+
+    async def reap(self) -> int:
+        """Orphan pending sessions past their stream deadline; free orphans past the grace
+        period. Returns how many sessions were freed."""
+        now = self._clock()
+        freed = 0
+        for session in list(self._sessions.values()):
+            if (
+                session.state is SessionState.PENDING
+                and session.stream_deadline is not None
+                and now >= session.stream_deadline
+            ):
+                deadline = session.stream_deadline
+                self._orphan(session, "no_keepalive_stream")
+                session.orphaned_since = deadline  # the grace period runs from the deadline
+            if (
+                session.state is SessionState.ORPHANED
+                and session.orphaned_since is not None
+                and now - session.orphaned_since >= self.grace
+                and not session.lock.locked()  # an RPC is working on it; next round
+                and not session.closed
+            ):
+                self.sessions_expired += 1
+                await self._remove(session, "grace_expired")
+                freed += 1
+        return freed
+
+    def reap_interval(self) -> float:
+        return min(0.5, max(0.02, min(self.grace, self.stream_wait) / 4))
+
+    async def _reap_forever(self) -> None:
+        interval = self.reap_interval()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.reap()
+            except Exception:  # the reaper must survive anything; log and go on
+                log_event(log, "reaper_error", logging.ERROR, exc_info=True)
+
+    def start(self) -> None:
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(
+                self._reap_forever(), name="swap-state-reaper"
+            )
+
+    def begin_shutdown(self) -> None:
+        """Refuse new attaches and streams; end every KeepAlive stream with a notice."""
+        self._shutting_down = True
+        for session in self._sessions.values():
+            self._end_streams(session, "shutting down")
+
+    async def close(self) -> None:
+        """Stop the reaper and free every session (server shutdown)."""
+        self.begin_shutdown()
+        if self._reaper is not None:
+            self._reaper.cancel()
+            try:
+                await self._reaper
+            except asyncio.CancelledError:
+                pass
+            self._reaper = None
+        for session in list(self._sessions.values()):
+            async with session.lock:  # lets an in-flight Allocate finish first
+                if not session.closed:
+                    await self._remove(session, "shutdown")
+        await asyncio.to_thread(self.arena.close)

@@ -1,0 +1,1 @@
+"""Prometheus metrics read from the live domain objects."""

@@ -1,0 +1,223 @@
+"""Prometheus metrics: a ``prometheus_client`` collector over the domain objects, served over
+plain asyncio HTTP.
+
+Values are read from the domain objects at scrape time (no second bookkeeping that could
+drift): :class:`ServerCollector` (arena, sessions, RPC counters) and the snapshot collector of
+:func:`~swap_state.server.rpc.snapshot_service.snapshot_metrics` are registered on a private
+:class:`~prometheus_client.CollectorRegistry` (never the process-global one, so embedded
+servers and tests do not collide), and each scrape renders it with
+:func:`prometheus_client.generate_latest` (text format 0.0.4).
+
+The HTTP side is deliberately tiny: ``GET /metrics`` only (404 elsewhere), bounded request size
+and time, one response per connection, on the server's own event loop (the collectors read
+loop-owned state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.registry import Collector
+
+from swap_state.server.memory.arena import Arena
+from swap_state.server.logs import log_event
+from swap_state.server.memory.sessions import SessionRegistry, SessionState
+from swap_state.server.observability.rpc_counters import RpcCounters
+
+__all__ = [
+    "CONTENT_TYPE",
+    "MetricsServer",
+    "ServerCollector",
+    "counter",
+    "gauge",
+    "metrics_registry",
+    "render_metrics",
+]
+
+log = logging.getLogger("swap_state.server.metrics")
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # "text/plain; version=0.0.4; charset=utf-8"
+_MAX_REQUEST_BYTES = 8192
+_REQUEST_TIMEOUT = 5.0
+
+
+def gauge(name: str, help_text: str, value: float | None = None,
+          labels: Iterable[str] | None = None) -> GaugeMetricFamily:
+    """A gauge family: one unlabelled ``value``, or ``labels`` and ``add_metric`` calls."""
+    return GaugeMetricFamily(name, help_text, value=value,
+                             labels=None if labels is None else list(labels))
+
+
+def counter(name: str, help_text: str, value: float | None = None,
+            labels: Iterable[str] | None = None) -> CounterMetricFamily:
+    """A counter family. ``name`` must end in ``_total``: prometheus_client stores it without
+    the suffix and renders ``<name>_total``, so the exposed name is exactly ``name``."""
+    if not name.endswith("_total"):
+        raise ValueError(f"counter {name} must end in _total (it is rendered with it)")
+    return CounterMetricFamily(name, help_text, value=value,
+                               labels=None if labels is None else list(labels))
+
+
+class ServerCollector(Collector):
+    """Arena, session and RPC families, read from the live objects on every ``collect()``."""
+
+    def __init__(self, arena: Arena, registry: SessionRegistry, counters: RpcCounters, *,
+                 started_at: float) -> None:
+        self.arena = arena
+        self.registry = registry
+        self.counters = counters
+        self.started_at = started_at
+
+    def collect(self) -> Iterator[Metric]:
+        arena, registry, counters = self.arena, self.registry, self.counters
+        yield gauge("swap_state_up", "1 while the server serves.", 1)
+        yield gauge("swap_state_start_time_seconds", "Unix time the server started.", self.started_at)
+        yield gauge("swap_state_budget_total_bytes", "The --shm-size budget.", arena.total_bytes)
+        yield gauge("swap_state_budget_used_bytes",
+                    "Bytes of all segment files (tensors, headers, padding, cow slots).",
+                    arena.used_bytes)
+        yield gauge("swap_state_budget_free_bytes",
+                    "Bytes a new segment may still take (the cow pool held back).", arena.free_bytes)
+        yield gauge("swap_state_cow_pool_slots", "Copy-before-write slots in the host pool.",
+                    arena.cow_pool_slots)
+        yield gauge("swap_state_cow_pool_slots_used", "Copy-before-write slots given to segments.",
+                    arena.cow_slots_used)
+        yield counter("swap_state_segment_allocations_total", "Segments created.", arena.allocations)
+        yield counter("swap_state_segment_allocation_failures_total",
+                      "Segment creations refused (budget) or failed (shm full).",
+                      arena.allocation_failures)
+        yield counter("swap_state_mlock_failures_total",
+                      "Segments that could not be mlock'd (RLIMIT_MEMLOCK / CAP_IPC_LOCK).",
+                      arena.mlock_failures)
+
+        sessions = registry.sessions
+        by_state = gauge("swap_state_sessions", "Sessions by state.", labels=["state"])
+        for state in SessionState:
+            by_state.add_metric([state.value], sum(1 for s in sessions if s.state is state))
+        yield by_state
+        segment_bytes = gauge("swap_state_session_segment_bytes", "Segment bytes per session.",
+                              labels=["job_id", "rank"])
+        model_area = gauge(
+            "swap_state_session_model_area_bytes",
+            "Bytes of each session's segment that are model tensors: the parameters and "
+            "persistent buffers of whole-state snapshots (part of the segment bytes; 0 without).",
+            labels=["job_id", "rank"])
+        last_step = gauge("swap_state_session_last_committed_step",
+                          "Last committed step per session (sessions with a committed step only).",
+                          labels=["job_id", "rank"])
+        generation = gauge("swap_state_session_generation", "Current generation per session.",
+                           labels=["job_id", "rank"])
+        for s in sessions:
+            key = [s.job_id, str(s.rank)]
+            segment_bytes.add_metric(key, s.segment.size if s.segment else 0)
+            model_area.add_metric(key, s.segment.model_bytes if s.segment else 0)
+            if s.last_committed_step is not None:
+                last_step.add_metric(key, s.last_committed_step)
+            generation.add_metric(key, s.generation)
+        yield segment_bytes
+        yield model_area
+        yield last_step
+        yield generation
+        yield counter("swap_state_steps_committed_total", "Steps committed, all sessions.",
+                      registry.steps_committed_total)
+        yield counter("swap_state_kept_states_dropped_total",
+                      "Reattached optimizer states a trainer dropped: not its parameters' state.",
+                      registry.kept_states_dropped_total)
+        yield counter("swap_state_attaches_total", "Attach calls that succeeded.", registry.attaches)
+        yield counter("swap_state_reattaches_total", "Attaches that got a kept session back.",
+                      registry.reattaches)
+        yield counter("swap_state_sessions_freed_total", "Sessions freed (any reason).",
+                      registry.sessions_freed)
+        yield counter("swap_state_sessions_expired_total",
+                      "Orphaned sessions freed after the grace period.", registry.sessions_expired)
+        calls = counter("swap_state_rpc_total", "RPCs by method and status code.",
+                        labels=["method", "code"])
+        for (method, code), n in sorted(counters.calls.items()):
+            calls.add_metric([method, code], n)
+        yield calls
+        seconds = counter("swap_state_rpc_seconds_total", "Seconds spent in RPCs by method.",
+                          labels=["method"])
+        for method, spent in sorted(counters.seconds.items()):
+            seconds.add_metric([method], spent)
+        yield seconds
+
+
+def metrics_registry(
+    arena: Arena,
+    registry: SessionRegistry,
+    counters: RpcCounters,
+    *,
+    started_at: float,
+    extra: Iterable[Collector] = (),
+) -> CollectorRegistry:
+    """A private registry with the server's collector, then ``extra`` collectors, in order."""
+    metrics = CollectorRegistry(auto_describe=False)
+    metrics.register(ServerCollector(arena, registry, counters, started_at=started_at))
+    for collector in extra:
+        metrics.register(collector)
+    return metrics
+
+
+def render_metrics(metrics: CollectorRegistry) -> bytes:
+    """The scrape body: the registry in the Prometheus text format 0.0.4."""
+    return generate_latest(metrics)
+
+
+class MetricsServer:
+    """``GET /metrics`` on host:port; ``render`` builds the body on each scrape."""
+
+    def __init__(self, render: Callable[[], bytes], host: str, port: int) -> None:
+        self._render = render
+        self._host = host
+        self._port = port
+        self._server: asyncio.base_events.Server | None = None
+        self.address: tuple[str, int] | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, self._host, self._port,
+                                                  reuse_address=True)
+        sock = self._server.sockets[0].getsockname()
+        self.address = (sock[0], sock[1])
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT)
+            if len(head) > _MAX_REQUEST_BYTES:
+                raise ValueError("request too large")
+            method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            path = target.split("?", 1)[0]
+            if method not in ("GET", "HEAD"):
+                status, data, ctype = "405 Method Not Allowed", b"only GET\n", "text/plain"
+            elif path != "/metrics":
+                status, data, ctype = "404 Not Found", b"try /metrics\n", "text/plain"
+            else:
+                status, data, ctype = "200 OK", self._render(), CONTENT_TYPE
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(data)}\r\n"
+                "Connection: close\r\n\r\n".encode()
+            )
+            if method != "HEAD":
+                writer.write(data)
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ValueError, ConnectionError):
+            pass  # a broken scrape is the scraper's problem, never the server's
+        except Exception:
+            log_event(log, "metrics_error", logging.ERROR, exc_info=True)
+        finally:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except (ConnectionError, OSError):
+                pass

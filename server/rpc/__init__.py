@@ -1,0 +1,1 @@
+"""The gRPC surface: thin servicers, request validation, status mapping, auth, listener."""

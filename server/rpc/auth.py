@@ -1,0 +1,98 @@
+"""Bearer-token authentication (``--token-file``) as a grpc.aio server interceptor.
+
+Every call must carry the metadata ``authorization: Bearer <token>``; otherwise it fails with
+UNAUTHENTICATED before the request is even deserialised. The gRPC health service is exempt so
+that orchestrator probes (grpc_health_probe, Kubernetes) work without the secret; it reveals
+nothing but SERVING / NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import pathlib
+import stat
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from swap_state.common.errors import StartupError, Unauthenticated
+from swap_state.server.logs import log_event
+from swap_state.server.rpc.statuses import reason_metadata, status_for
+
+__all__ = ["EXEMPT_PREFIXES", "TokenAuthInterceptor", "read_token_file"]
+
+log = logging.getLogger("swap_state.server.auth")
+
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def read_token_file(path: pathlib.Path) -> str:
+    """The token (surrounding whitespace stripped). Warns when others may read the file."""
+    try:
+        info = path.stat()
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise StartupError(f"--token-file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise StartupError(f"--token-file {path}: not a text file") from None
+    if not token or any(ch.isspace() for ch in token) or not token.isprintable():
+        raise StartupError(f"--token-file {path}: expected one token without spaces")
+    if info.st_mode & stat.S_IROTH:
+        log_event(log, "token_file_world_readable", logging.WARNING, path=path,
+                  hint=f"chmod o-r {path}")
+    return token
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self.denied = 0
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(given, self._expected)
+        return False
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method or ""
+        if method.startswith(EXEMPT_PREFIXES) or self._authorized(handler_call_details):
+            return await continuation(handler_call_details)
+        self.denied += 1
+        log_event(log, "unauthenticated", logging.WARNING, method=method, denied_total=self.denied)
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: let grpc answer UNIMPLEMENTED as usual
+            return None
+        return _deny(handler)
+
+
+def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    error = Unauthenticated(
+        "missing or wrong token: send metadata 'authorization: Bearer <token>' with the "
+        "contents of the server's --token-file"
+    )
+    code = status_for(error)
+
+    # No request deserializer: the body of an unauthenticated call is never parsed.
+    if handler.response_streaming:
+
+        async def deny_stream(request, context):
+            await context.abort(code, str(error), trailing_metadata=reason_metadata(error))
+            yield  # pragma: no cover - makes this an async generator
+
+        if handler.request_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny_stream)
+        return grpc.unary_stream_rpc_method_handler(deny_stream)
+
+    async def deny_unary(request, context):
+        await context.abort(code, str(error), trailing_metadata=reason_metadata(error))
+
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny_unary)
+    return grpc.unary_unary_rpc_method_handler(deny_unary)

@@ -1,0 +1,117 @@
+"""Owning a Unix socket path: one live server per path, stale files replaced, 0660.
+
+A lock file next to the socket (``<socket>.lock``, flock'd for the server's lifetime) makes the
+check race-free: two servers started at the same moment cannot both pass it, and a server that
+died (even by SIGKILL) releases it. With the lock held, a socket file still at the path is stale
+(unless something that is not a swap-state server answers on it, which we refuse to clobber).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import pathlib
+import socket
+import stat
+
+from swap_state.common.errors import StartupError
+from swap_state.server.logs import log_event
+
+__all__ = ["SocketGuard", "SOCKET_MODE"]
+
+log = logging.getLogger("swap_state.server.listener")
+
+SOCKET_MODE = 0o660
+
+
+class SocketGuard:
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self.lock_path = path.with_name(path.name + ".lock")
+        self._lock_fd: int | None = None
+        self._inode: tuple[int, int] | None = None
+
+    def acquire(self) -> None:
+        """Take the path or raise :class:`StartupError` saying who has it."""
+        try:
+            # 0755: the directory only needs to be traversable; the socket's own mode guards it.
+            self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot create {self.path.parent} for the socket: {exc.strerror}; pass "
+                "--listen unix:///some/writable/dir/swap-state.sock"
+            ) from None
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise StartupError(f"cannot open lock file {self.lock_path}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise StartupError(
+                    f"another swap-state-server is already running on unix://{self.path} "
+                    f"(it holds {self.lock_path}); stop it first or pass another --listen"
+                ) from None
+            raise
+        self._lock_fd = fd
+        try:
+            self._clear_stale()
+        except BaseException:
+            self.release()
+            raise
+
+    def _clear_stale(self) -> None:
+        try:
+            info = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(info.st_mode):
+            raise StartupError(
+                f"{self.path} exists and is not a socket; refusing to replace it (remove it or "
+                "pass another --listen)"
+            )
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(self.path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            live = False
+        except OSError:
+            live = True  # timeouts and the like: something is there; do not clobber it
+        else:
+            live = True
+        finally:
+            probe.close()
+        if live:
+            raise StartupError(
+                f"something is listening on unix://{self.path} although no swap-state-server "
+                "holds its lock; refusing to replace a live socket (pass another --listen)"
+            )
+        os.unlink(self.path)
+        log_event(log, "stale_socket_replaced", logging.WARNING, path=self.path)
+
+    def bound(self, gid: int | None) -> None:
+        """After bind: set 0660 (+ group) and remember the inode, so we only ever unlink ours."""
+        os.chmod(self.path, SOCKET_MODE)
+        if gid is not None:
+            os.chown(self.path, -1, gid)
+        info = os.lstat(self.path)
+        self._inode = (info.st_dev, info.st_ino)
+
+    def release(self) -> None:
+        """Unlink the socket (if it is still ours) and drop the lock."""
+        if self._inode is not None:
+            with contextlib.suppress(FileNotFoundError):
+                info = os.lstat(self.path)
+                if (info.st_dev, info.st_ino) == self._inode:
+                    os.unlink(self.path)
+            self._inode = None
+        if self._lock_fd is not None:
+            # The lock file stays: unlinking it would let a racing starter lock a dead inode.
+            os.close(self._lock_fd)
+            self._lock_fd = None

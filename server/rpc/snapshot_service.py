@@ -1,0 +1,253 @@
+"""Snapshot and restore RPCs: protobuf <-> the snapshot domain (:mod:`.snapshot_coordinator`,
+:mod:`.restore`).
+
+A mixin of :class:`~swap_state.server.rpc.service.SwapStateService`, so status codes are mapped by
+the same ``rpc_boundary`` and ids are validated the same way, first thing (:mod:`.validation`).
+Blocking work (waiting on a writer, verifying and copying a restore) runs in worker threads;
+the event loop only converts and dispatches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from swap_state.proto import swap_state_pb2 as pb
+
+from swap_state.common.errors import FailedPrecondition, NoSegment, SnapshotsDisabled
+from swap_state.server.observability.metrics import counter, gauge
+from swap_state.server.snapshot.restore import restore
+from swap_state.server.memory.sessions import Session
+from swap_state.server.snapshot.coordinator import SnapshotCoordinator, SnapshotHandle, SnapshotStatus
+from swap_state.server.snapshot.writer import SnapshotSource
+from swap_state.server.rpc.statuses import rpc_boundary
+from swap_state.server.rpc.validation import (
+    validate_job_id_filter,
+    validate_session,
+    validate_snapshot_id,
+    validate_snapshot_rank,
+    validate_step,
+)
+
+__all__ = [
+    "MAX_STATUS_WAIT_S",
+    "SnapshotCollector",
+    "SnapshotCounters",
+    "SnapshotRpcs",
+    "snapshot_metrics",
+    "status_reply",
+]
+
+MAX_STATUS_WAIT_S = 60.0
+
+
+def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
+    return pb.SnapshotStatusReply(
+        snapshot_id=status.snapshot_id,
+        rank=status.rank,
+        state=status.state.value,
+        bytes_total=status.bytes_total,
+        bytes_persisted=status.bytes_persisted,
+        error=status.error,
+        cow_copies=status.cow_copies,
+        backpressure_waits=status.backpressure_waits,
+        backpressure_wait_seconds=status.backpressure_wait_seconds,
+        path=status.path,
+        step=status.step,
+        server_staged_chunks=status.server_staged_chunks,
+        server_staged_bytes=status.server_staged_bytes,
+        trainer_copied_bytes=status.trainer_copied_bytes,
+    )
+
+
+@dataclasses.dataclass
+class SnapshotCounters:
+    """Totals over finished snapshot ranks, for the metrics endpoint."""
+
+    started: int = 0
+    """Snapshot RPCs that started persisting a rank."""
+    durable: int = 0
+    """Ranks whose snapshot became durable."""
+    failed: int = 0
+    """Ranks whose snapshot failed (disk full, I/O error, cancelled)."""
+    bytes_persisted: int = 0
+    """Bytes written to snapshot files."""
+    cow_copies: int = 0
+    """Chunks the trainers copied before overwriting them (copy-before-write)."""
+    backpressure_waits: int = 0
+    """Times a trainer waited for a free copy slot."""
+    backpressure_wait_seconds: float = 0.0
+    """Seconds trainers spent in those waits."""
+    server_staged_chunks: int = 0
+    """Chunks the server copied ahead of the trainers (so they did not have to)."""
+
+    def record(self, status: SnapshotStatus) -> None:
+        if status.state.value == "durable":
+            self.durable += 1
+        else:
+            self.failed += 1
+        self.bytes_persisted += status.bytes_persisted
+        self.cow_copies += status.cow_copies
+        self.backpressure_waits += status.backpressure_waits
+        self.backpressure_wait_seconds += status.backpressure_wait_seconds
+        self.server_staged_chunks += status.server_staged_chunks
+
+
+class SnapshotCollector(Collector):
+    """The snapshot families, read from the counters and the coordinator on every scrape."""
+
+    def __init__(self, counters: SnapshotCounters, coordinator: SnapshotCoordinator | None) -> None:
+        self.counters = counters
+        self.coordinator = coordinator
+
+    def collect(self) -> Iterator[Metric]:
+        counters = self.counters
+        running = self.coordinator.in_progress() if self.coordinator is not None else []
+        yield gauge("swap_state_snapshots_in_progress", "Snapshot ranks persisting now.", len(running))
+        yield counter("swap_state_snapshots_started_total", "Snapshot ranks started.", counters.started)
+        yield counter("swap_state_snapshots_durable_total", "Snapshot ranks made durable.",
+                      counters.durable)
+        yield counter("swap_state_snapshots_failed_total", "Snapshot ranks that failed.", counters.failed)
+        yield counter("swap_state_snapshot_bytes_total", "Bytes persisted by snapshots.",
+                      counters.bytes_persisted)
+        yield counter("swap_state_snapshot_cow_copies_total",
+                      "Chunks copied before write while a snapshot persisted.", counters.cow_copies)
+        yield counter("swap_state_snapshot_backpressure_waits_total",
+                      "Trainer waits for a free copy-before-write slot.", counters.backpressure_waits)
+        yield counter("swap_state_snapshot_backpressure_wait_seconds_total",
+                      "Seconds trainers waited for a free copy-before-write slot.",
+                      counters.backpressure_wait_seconds)
+
+
+def snapshot_metrics(
+    counters: SnapshotCounters, coordinator: SnapshotCoordinator | None
+) -> SnapshotCollector:
+    """The collector of the snapshot families (an ``extra`` of
+    :func:`~swap_state.server.observability.metrics.metrics_registry`)."""
+    return SnapshotCollector(counters, coordinator)
+
+
+class SnapshotRpcs:
+    """Needs ``self.registry``, ``self.snapshots`` (a coordinator, or None without
+    --snapshot-dir) and ``self.snapshot_counters``."""
+
+    snapshots: SnapshotCoordinator | None
+    snapshot_counters: SnapshotCounters
+
+    def _coordinator(self) -> SnapshotCoordinator:
+        if self.snapshots is None:
+            raise SnapshotsDisabled(
+                "this server keeps no snapshots: start it with --snapshot-dir DIR"
+            )
+        return self.snapshots
+
+    def _segment_session(self, session_id: str, generation: int) -> Session:
+        session = self.registry.lookup(session_id, generation)
+        if session.segment is None:
+            raise NoSegment(
+                f"session {session_id} has no segment yet: call Allocate first"
+            )
+        return session
+
+    @rpc_boundary
+    async def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
+        validate_session(request.session_id, request.generation)
+        validate_step(request.step)
+        coordinator = self._coordinator()
+        session = self._segment_session(request.session_id, request.generation)
+        async with session.lock:
+            if session.last_committed_step != request.step:
+                raise FailedPrecondition(
+                    f"snapshot of step {request.step} refused: the last committed step of "
+                    f"{session.job_id}/rank {session.rank} is {session.last_committed_step}"
+                )
+            # The writer reads the segment after this reply; borrow() keeps the mapping
+            # alive (a detach or grace expiry waits) until the writer lets go.
+            borrow = session.segment.borrow()
+            buffer = borrow.__enter__()
+            try:
+                source = SnapshotSource(
+                    buffer, session.layout, session.header, session.job_id, session.rank,
+                    session.world_size, request.step, request.metadata_json,
+                    local_world_size=session.local_world_size,
+                    keep_latest=request.keep_latest, keep_all=request.keep_all,
+                    replace_existing=request.replace_existing,
+                )
+                # hold: the writer streams once this reply is sent (the trainer's stall is
+                # this RPC; a writer already streaming would compete for the GIL and CPUs).
+                handle = await asyncio.to_thread(coordinator.start, source, hold=True)
+            except BaseException:
+                borrow.__exit__(None, None, None)
+                raise
+        try:
+            context.add_done_callback(lambda _context: handle.proceed())
+        except Exception:  # no termination callback: let the writer go now
+            handle.proceed()
+        self.snapshot_counters.started += 1
+        asyncio.get_running_loop().create_task(
+            _finish(handle, borrow, self.snapshot_counters)
+        )
+        return pb.SnapshotReply(snapshot_id=handle.snapshot_id, consistent=True)
+
+    @rpc_boundary
+    async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context) -> pb.SnapshotStatusReply:
+        validate_snapshot_id(request.snapshot_id, relative=False, latest=False)
+        validate_snapshot_rank(request.rank)
+        coordinator = self._coordinator()
+        wait_s = min(max(request.wait_seconds, 0.0), MAX_STATUS_WAIT_S)
+        status = await asyncio.to_thread(coordinator.status, request.snapshot_id, request.rank, wait_s)
+        return status_reply(status)
+
+    @rpc_boundary
+    async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
+        job_id = validate_job_id_filter(request.job_id)
+        coordinator = self._coordinator()
+        infos = await asyncio.to_thread(coordinator.store.list, job_id)
+        return pb.ListSnapshotsReply(
+            snapshots=[
+                pb.SnapshotInfo(
+                    snapshot_id=i.snapshot_id, job_id=i.job_id, step=i.step,
+                    world_size=i.world_size, path=str(i.path), bytes=i.bytes, latest=i.latest,
+                    ranks=i.ranks, local_world_size=i.local_world_size,
+                )
+                for i in infos
+            ]
+        )
+
+    @rpc_boundary
+    async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
+        validate_session(request.session_id, request.generation)
+        snapshot_id = validate_snapshot_id(request.snapshot_id or "latest", relative=True, latest=True)
+        coordinator = self._coordinator()
+        session = self._segment_session(request.session_id, request.generation)
+        async with session.lock:
+            with session.segment.borrow() as buffer:
+                result = await asyncio.to_thread(
+                    restore, coordinator.store, snapshot_id, buffer,
+                    session.layout, rank=session.rank, world_size=session.world_size,
+                    job_id=session.job_id, header=session.header,
+                    reserve_staging=self.arena.reserve_staging,
+                    staging_free_bytes=lambda: self.arena.free_bytes,
+                )
+            session.record_commit(result.step, force=True)
+        return pb.RestoreReply(
+            snapshot_id=result.snapshot_id, step=result.step, metadata_json=result.metadata_json
+        )
+
+
+async def _finish(
+    handle: SnapshotHandle,
+    borrow: contextlib.AbstractContextManager,
+    counters: SnapshotCounters,
+) -> None:
+    """Return the borrowed mapping once the writer is done with it, then count the result."""
+    try:
+        await asyncio.to_thread(handle.wait_segment_released, None)
+    finally:
+        borrow.__exit__(None, None, None)
+    counters.record(await asyncio.to_thread(handle.wait, None))

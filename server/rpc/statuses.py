@@ -1,0 +1,96 @@
+"""The one place where domain errors become gRPC status codes.
+
+:func:`rpc_boundary` wraps every servicer method (unary and server-streaming): a
+:class:`~swap_state.common.errors.DomainError` becomes its status code with the error's message;
+anything unexpected becomes INTERNAL with a reference id that is also logged with the traceback,
+so a bug in one request never crashes the server or leaves the caller hanging. The token
+interceptor uses :func:`status_for` too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from swap_state.common.errors import REASON_METADATA_KEY, DomainError
+from swap_state.server.logs import log_event
+from swap_state.server.observability.rpc_counters import RpcCounters
+
+__all__ = ["RpcCounters", "rpc_boundary", "status_for", "reason_metadata"]
+
+log = logging.getLogger("swap_state.server.rpc")
+
+# grpc.aio raises this from context.abort(); it must pass through untouched.
+_AbortError: type[BaseException] = grpc.aio.AbortError
+
+
+def status_for(exc: DomainError) -> grpc.StatusCode:
+    """The status code the error class names (``DomainError.code``)."""
+    return grpc.StatusCode[exc.code]
+
+
+def reason_metadata(exc: DomainError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that carries the error's machine-readable reason."""
+    return ((REASON_METADATA_KEY, exc.reason),)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def rpc_boundary(method: F) -> F:
+    """Decorate a servicer method ``(self, request, context)``; the servicer must have a
+    ``counters: RpcCounters`` attribute."""
+    name = method.__name__
+
+    async def fail(context: grpc.aio.ServicerContext, exc: BaseException) -> grpc.StatusCode:
+        if isinstance(exc, DomainError):
+            code = status_for(exc)
+            log_event(log, "rpc_refused", logging.DEBUG, method=name, code=code.name, error=str(exc))
+            await context.abort(code, str(exc), trailing_metadata=reason_metadata(exc))
+        ref = secrets.token_hex(4)
+        log_event(log, "rpc_internal_error", logging.ERROR, method=name, ref=ref,
+                  error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (ref {ref}; see the server log)")
+        raise AssertionError("unreachable")  # abort() raises
+
+    @contextlib.asynccontextmanager
+    async def boundary(counters: RpcCounters, context: grpc.aio.ServicerContext):
+        """Map what escapes the call to a status (fail() always aborts) and count the call."""
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            yield
+        except (_AbortError, asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:  # noqa: BLE001 - the boundary
+            code = status_for(exc) if isinstance(exc, DomainError) else grpc.StatusCode.INTERNAL
+            await fail(context, exc)
+        finally:
+            counters.record(name, code, time.perf_counter() - started)
+
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
+            async with boundary(self.counters, context):
+                async for item in method(self, request, context):
+                    yield item
+
+        return stream_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
+        async with boundary(self.counters, context):
+            return await method(self, request, context)
+
+    return unary_wrapper  # type: ignore[return-value]

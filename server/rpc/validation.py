@@ -1,0 +1,203 @@
+"""Validation of request values, before any of them reaches the domain.
+
+The servicer (:mod:`.service`, :mod:`.snapshot_service`) calls these once, first thing in every
+RPC, for every id a client sends (job_id, session_id, snapshot_id, rank, generation, step);
+the domain below trusts them. Every check raises
+:class:`~swap_state.common.errors.InvalidArgument` with a message naming the field and the
+rule, quoting the value with :func:`~swap_state.common.names.shorten`: the message travels
+back as gRPC metadata, which a hostile 20,000-character id must not overflow (that would turn
+INVALID_ARGUMENT into RESOURCE_EXHAUSTED). Nothing a client sends becomes part of a file name in
+the shm directory (segment names are built from the server's own ids); job ids may become a
+directory name under the snapshot directory, hence the strict charset and no leading dot.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+
+from swap_state.common.dtypes import DTYPE_ITEMSIZE
+from swap_state.common.errors import InvalidArgument
+from swap_state.common.segment import TensorSpec
+from swap_state.common.names import MODEL_PREFIX, is_model_tensor, parse_snapshot_id, shorten, validate_job_id
+
+__all__ = [
+    "MAX_NDIM",
+    "MAX_SEGMENT_BYTES",
+    "MAX_STEP",
+    "MAX_WORLD_SIZE",
+    "SAFETENSORS_MAX_HEADER_BYTES",
+    "TensorSpecTuple",
+    "validate_client_host",
+    "validate_generation",
+    "validate_job_id",
+    "validate_job_id_filter",
+    "validate_local_world_size",
+    "validate_rank",
+    "validate_session",
+    "validate_session_id",
+    "validate_snapshot_id",
+    "validate_snapshot_rank",
+    "validate_step",
+    "validate_tensor_specs",
+]
+
+TensorSpecTuple = TensorSpec
+
+_TENSOR_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,512}")
+_SESSION_ID = re.compile(r"[0-9a-f]{32}")
+MAX_WORLD_SIZE = 1 << 20
+MAX_NDIM = 32
+# Above this a request is nonsense rather than merely over budget (1 PiB).
+MAX_SEGMENT_BYTES = 1 << 50
+# COMMITTED_STEP stores step + 1 in a uint64 header word; int64 range keeps clients sane.
+MAX_STEP = (1 << 63) - 2
+# The safetensors library refuses a header over this many bytes (its N_MAX_HEADER).
+SAFETENSORS_MAX_HEADER_BYTES = 100_000_000
+# A header entry is '"<name>":{"dtype":"BF16","shape":[<dims>],"data_offsets":[<a>,<b>]},':
+# at most this much besides the name, with numbers of 20 digits at most.
+_HEADER_BYTES_PER_TENSOR = 50 + 2 * 20
+_HEADER_BYTES_PER_DIM = 21
+# Stands in for the session's job while only the form of a relative snapshot id is checked.
+_SOME_JOB = "job"
+
+
+def validate_rank(rank: int, world_size: int) -> None:
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise InvalidArgument(f"world_size {world_size} must be in [1, {MAX_WORLD_SIZE}]")
+    if not 0 <= rank < world_size:
+        raise InvalidArgument(f"rank {rank} must be < world_size {world_size}")
+
+
+def validate_local_world_size(local_world_size: int, world_size: int) -> int:
+    """The ranks of the job attaching to this server (one host); 0 means ``world_size`` (the
+    whole job on one host, what clients without the field send). Returns the effective value."""
+    if local_world_size == 0:
+        return world_size
+    if not 1 <= local_world_size <= world_size:
+        raise InvalidArgument(
+            f"local_world_size {local_world_size} must be in [1, world_size {world_size}] "
+            "(0: the whole job on this server)"
+        )
+    return local_world_size
+
+
+def validate_session_id(session_id: str) -> str:
+    if not _SESSION_ID.fullmatch(session_id):
+        raise InvalidArgument(
+            f"session_id {shorten(session_id)} is not a session id issued by this server"
+        )
+    return session_id
+
+
+def validate_generation(generation: int) -> int:
+    if generation <= 0:
+        raise InvalidArgument("generation is required (the value Attach returned)")
+    return generation
+
+
+def validate_session(session_id: str, generation: int) -> None:
+    """The (session_id, generation) pair every call after Attach carries."""
+    validate_session_id(session_id)
+    validate_generation(generation)
+
+
+def validate_snapshot_rank(rank: int) -> int:
+    """A rank named without its world size (SnapshotStatus): at least in range."""
+    if not 0 <= rank < MAX_WORLD_SIZE:
+        raise InvalidArgument(f"rank {rank} must be in [0, {MAX_WORLD_SIZE})")
+    return rank
+
+
+def validate_job_id_filter(job_id: str) -> str | None:
+    """ListSnapshots' job_id: empty means all jobs (None), else a valid job id."""
+    return validate_job_id(job_id) if job_id else None
+
+
+def validate_snapshot_id(snapshot_id: str, *, relative: bool, latest: bool) -> str:
+    """The form of a snapshot id, before anything is looked up: ``<job>/step-<N>``, and
+    ``<job>/latest`` when ``latest``; ``step-<N>`` (and ``latest``) of the session's job too
+    when ``relative``. Returns it unchanged (the store resolves it)."""
+    ref = parse_snapshot_id(snapshot_id, _SOME_JOB if relative else None)
+    if ref.latest and not latest:
+        raise InvalidArgument(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
+    return snapshot_id
+
+
+def validate_step(step: int) -> int:
+    if not 0 <= step <= MAX_STEP:
+        raise InvalidArgument(f"step {step} out of range [0, {MAX_STEP}]")
+    return step
+
+
+def validate_client_host(host: str) -> str:
+    if len(host) > 255 or not host.isprintable():
+        raise InvalidArgument("client_host must be at most 255 printable characters")
+    return host
+
+
+def validate_tensor_specs(
+    specs: Iterable[tuple[str, str, Sequence[int]]],
+    *,
+    max_tensors: int,
+    max_total_bytes: int = MAX_SEGMENT_BYTES,
+) -> list[TensorSpecTuple]:
+    """Names unique and well formed, dtypes known, dims >= 0, sizes bounded.
+
+    ``max_total_bytes`` bounds the raw tensor bytes; going over it is nonsense (INVALID_ARGUMENT);
+    going over the free budget is decided later by the arena (RESOURCE_EXHAUSTED).
+    """
+    out: list[TensorSpecTuple] = []
+    seen: set[str] = set()
+    model_from: int | None = None  # the first model tensor's index (they must come last)
+    total = 0
+    header_bound = 0  # of the rank file's safetensors header (common.snapshot_format)
+    name_ok = _TENSOR_NAME.fullmatch
+    # Hot loop (up to max_tensors iterations): checks are ordered so the common, valid case
+    # does as little work as possible.
+    for index, (name, dtype, shape) in enumerate(specs):
+        if index >= max_tensors:
+            raise InvalidArgument(f"too many tensors: at most {max_tensors} per segment")
+        if name in seen or not name_ok(name):
+            if name in seen:
+                raise InvalidArgument(f"tensors[{index}].name {shorten(name)} is duplicated")
+            raise InvalidArgument(
+                f"tensors[{index}].name {shorten(name)} is invalid: use 1-512 characters of "
+                "[A-Za-z0-9_.:/-]"
+            )
+        seen.add(name)
+        if is_model_tensor(name):
+            model_from = index if model_from is None else model_from
+        elif model_from is not None:
+            raise InvalidArgument(
+                f"tensors[{index}] ({shorten(name)}) follows model tensor {model_from}: the "
+                f"model tensors ({MODEL_PREFIX}*) must come after every other tensor"
+            )
+        itemsize = DTYPE_ITEMSIZE.get(dtype)
+        if itemsize is None:
+            raise InvalidArgument(
+                f"tensors[{index}] ({name}): unknown dtype {shorten(dtype)}; "
+                f"expected one of {', '.join(DTYPE_ITEMSIZE)}"
+            )
+        dims = tuple(map(int, shape))
+        if len(dims) > MAX_NDIM:
+            raise InvalidArgument(f"tensors[{index}] ({name}): more than {MAX_NDIM} dims")
+        if dims and min(dims) < 0:
+            raise InvalidArgument(f"tensors[{index}] ({name}): negative dim in shape {list(dims)}")
+        # At most 32 dims below 2**63 each: the product is a big int, never an overflow.
+        total += math.prod(dims) * itemsize
+        if total > max_total_bytes:
+            raise InvalidArgument(
+                f"tensors[{index}] ({name}) shape {list(dims)[:8]}: the tensors exceed the "
+                f"largest possible segment ({max_total_bytes} bytes)"
+            )
+        header_bound += len(name) + _HEADER_BYTES_PER_TENSOR + _HEADER_BYTES_PER_DIM * len(dims)
+        out.append((name, dtype, dims))
+    if header_bound > SAFETENSORS_MAX_HEADER_BYTES:
+        raise InvalidArgument(
+            f"{len(out)} tensors would give the snapshot file a safetensors header of up to "
+            f"{header_bound} bytes, over the {SAFETENSORS_MAX_HEADER_BYTES} bytes safetensors "
+            "readers accept: fewer tensors per rank (shard the model over more ranks)"
+        )
+    return out

@@ -1,0 +1,1 @@
+"""Snapshots: coordinator, writer and stager, the on-disk store and restore."""

@@ -1,0 +1,551 @@
+"""Snapshots of committed steps, taken without pausing the trainer: the coordinator.
+
+Call order (the servicer):
+
+1. ``coordinator = SnapshotCoordinator(snapshot_dir, keep_latest=K, max_bandwidth=B,
+   stage_threads=T)`` once at server start (it removes what a killed writer left behind).
+2. Snapshot RPC: ``handle = coordinator.start(SnapshotSource(...))``. It validates, publishes
+   the snapshot epoch in the segment header and returns: the snapshot is *consistent*, the
+   trainer may mutate the segment again. A background thread persists the rank, and a stager
+   thread (``stage_threads``) copies ahead of the trainer the chunks the writer will not
+   reach in time (:class:`~.snapshot_writer.Stager`). It logs ``copy_budget_short`` when the
+   segment's copy slots cannot cover what the disk cannot persist within one
+   forward/backward (:meth:`SnapshotCoordinator.copy_budget`).
+3. SnapshotStatus RPC: ``coordinator.status(snapshot_id, rank, wait_s)`` (or ``handle.wait``):
+   ``durable`` once the ``local_world_size`` ranks of the job on this server (all
+   ``world_size`` ranks unless the job spans several hosts, one server each) are on disk and
+   the snapshot is committed (``snapshot.json``, atomic rename, ``latest``, retention),
+   ``failed`` with an error otherwise. ``in_progress()`` feeds Stats.
+4. Before unmapping a segment whose rank may be persisting: ``handle.cancel(reason)`` (when
+   the snapshot must not complete) and ``handle.wait_segment_released()``.
+5. Server shutdown: ``coordinator.close()``.
+
+One rank's snapshot is held by one :class:`SnapshotHandle`; the ranks of a (job, step) on this
+server form a group that commits together or fails together (a failed rank cancels the
+others, and their partial files are removed). On a multi-host job each host's server commits
+its own ranks' group; ``snapshot.json`` records the job's ``world_size`` and the ``ranks``
+present. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import threading
+import time
+
+from swap_state.common.segment import (
+    ASSUMED_FWD_BWD_S,
+    ASSUMED_PERSIST_BYTES_PER_S,
+    CopyBudget,
+    SegmentLayout,
+    Word,
+)
+
+from swap_state.common.snapshot_errors import (
+    SnapshotBusy,
+    SnapshotError,
+    SnapshotExists,
+    SnapshotFailed,
+    SnapshotInvalid,
+    from_os_error,
+)
+from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
+from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, parse_metadata
+from swap_state.common.names import parse_snapshot_id, shorten, validate_job_id
+
+from swap_state.server.logs import log_event
+from swap_state.server.snapshot.group import SnapshotGroup, SnapshotHandle, SnapshotState, SnapshotStatus
+from swap_state.server.snapshot.store import SnapshotStore
+from swap_state.server.snapshot.writer import BandwidthLimiter, Cancelled, RankResult, RankWriter, SnapshotSource
+
+log = logging.getLogger("swap_state.server.snapshot_coordinator")
+
+__all__ = [
+    "SnapshotSource",
+    "SnapshotState",
+    "SnapshotStatus",
+    "SnapshotHandle",
+    "SnapshotCoordinator",
+]
+
+
+class SnapshotCoordinator:
+    """Starts, tracks and commits snapshots under one snapshot directory."""
+
+    def __init__(
+        self,
+        snapshot_dir: str | os.PathLike[str],
+        *,
+        keep_latest: int | None = 2,
+        max_bandwidth: float | None = None,
+        assemble_timeout_s: float = 300.0,
+        max_metadata_bytes: int = MAX_METADATA_BYTES,
+        history: int = 64,
+        clean_stale: bool = True,
+        stage_threads: int = 1,
+        model_copy_timeout_s: float = 60.0,
+        assumed_fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
+        assumed_persist_bandwidth: float = ASSUMED_PERSIST_BYTES_PER_S,
+    ):
+        """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
+        ``max_bandwidth``: bytes/s for all snapshot I/O together (None: no cap).
+        ``assemble_timeout_s``: a snapshot fails when not all ``local_world_size`` ranks
+        have started it this long after the first. ``history``: finished snapshots whose status
+        stays in memory (older ones are answered from disk). ``clean_stale``: remove partial
+        snapshots of a previous run now (set False only when another live server shares the
+        directory). ``stage_threads``: threads per persisting rank that copy chunks ahead of
+        the trainer into the copy slots (0: none; the trainer then copies every chunk the
+        writer has not reached). ``model_copy_timeout_s``: how long a whole-state snapshot
+        waits for the trainer's copy of the model (protocol step 5).
+        ``assumed_fwd_bwd_s`` / ``assumed_persist_bandwidth``: the forward/backward time
+        and (until a snapshot measured it) the persist bytes/s of the copy-budget warning."""
+        if keep_latest is not None and keep_latest < 2:
+            raise ValueError("keep_latest must be >= 2 (or None to keep all snapshots)")
+        if assemble_timeout_s <= 0:
+            raise ValueError("assemble_timeout_s must be > 0")
+        if stage_threads < 0:
+            raise ValueError("stage_threads must be >= 0")
+        self.stage_threads = stage_threads
+        self.model_copy_timeout_s = model_copy_timeout_s
+        self.assumed_fwd_bwd_s = assumed_fwd_bwd_s
+        self.assumed_persist_bandwidth = assumed_persist_bandwidth
+        self.max_bandwidth = max_bandwidth
+        self._measured_persist: float | None = None  # bytes/s, smoothed over snapshots
+        self.store = SnapshotStore(snapshot_dir)
+        self.keep_latest = keep_latest
+        self.assemble_timeout_s = assemble_timeout_s
+        self.max_metadata_bytes = max_metadata_bytes
+        self.history = history
+        self._limiter = BandwidthLimiter(max_bandwidth)
+        self._lock = threading.Lock()
+        self._groups: dict[tuple[str, int], SnapshotGroup] = {}
+        self._holding: dict[tuple[str, int], SnapshotHandle] = {}  # (job, rank) -> reads a segment
+        self._last_epoch = 0
+        self._closed = False
+        try:
+            self.store.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SnapshotError(f"cannot create snapshot directory {self.store.root}: {exc}") from None
+        try:
+            alone = self.store.hold()
+        except OSError as exc:
+            raise SnapshotError(f"cannot lock snapshot directory {self.store.root}: {exc}") from None
+        if clean_stale and alone:
+            self.store.clean_stale()
+        elif clean_stale:
+            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(self.store.root),
+                      note="another live server uses this directory: its partial snapshots are "
+                           "left alone")
+
+    @property
+    def snapshot_dir(self) -> pathlib.Path:
+        return self.store.root
+
+    # ------------------------------------------------------------------------------ copy budget
+
+    def persist_bandwidth(self) -> tuple[float, bool]:
+        """(bytes/s, measured): the pace chunks persisted at in recent snapshots, or the
+        assumed one before any; never above ``max_bandwidth``."""
+        measured = self._measured_persist
+        rate = measured if measured is not None else self.assumed_persist_bandwidth
+        if self.max_bandwidth is not None:
+            rate = min(rate, self.max_bandwidth)
+        return rate, measured is not None
+
+    def _record_persist_rate(self, rate: float | None) -> None:
+        if rate is None or rate <= 0:
+            return
+        with self._lock:
+            old = self._measured_persist
+            self._measured_persist = rate if old is None else 0.5 * old + 0.5 * rate
+
+    def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
+        """The memory rule for a segment of ``layout``: its copy slots against what the disk
+        cannot persist within one (assumed) forward/backward."""
+        return CopyBudget.of(layout, *self.persist_bandwidth(), self.assumed_fwd_bwd_s)
+
+    def _warn_copy_budget(self, source: SnapshotSource) -> None:
+        budget = self.copy_budget(source.layout)
+        if budget.short_bytes:
+            log_event(
+                log, "copy_budget_short", logging.WARNING, job_id=source.job_id, rank=source.rank,
+                step=source.step, state_bytes=budget.state_bytes, slot_bytes=budget.slot_bytes,
+                needed_bytes=budget.needed_bytes, persist_bytes_per_s=int(budget.persist_bytes_per_s),
+                persist_measured=budget.persist_measured, assumed_fwd_bwd_s=budget.fwd_bwd_s,
+                detail=budget.warning(),
+            )
+
+    # ------------------------------------------------------------------------------ start
+
+    @staticmethod
+    def _check_source(source: SnapshotSource) -> None:
+        validate_job_id(source.job_id, SnapshotInvalid)
+        if not 1 <= source.world_size or not 0 <= source.rank < source.world_size:
+            raise SnapshotInvalid(f"rank {source.rank} / world_size {source.world_size} is invalid")
+        if not 0 <= source.local_world_size <= source.world_size:
+            raise SnapshotInvalid(
+                f"local_world_size {source.local_world_size} must be in [1, world_size "
+                f"{source.world_size}] (0: = world_size)"
+            )
+        if source.step < 0:
+            raise SnapshotInvalid(f"step {source.step} is negative")
+        layout, header = source.layout, source.header
+        try:
+            header.check()
+        except ValueError as exc:
+            raise SnapshotInvalid(f"segment header: {exc}") from None
+        if (
+            header[Word.N_CHUNKS] != layout.n_chunks
+            or header[Word.CHUNK_BYTES] != layout.chunk_bytes
+            or header[Word.COW_SLOTS] != layout.cow_slots
+            or header[Word.COW_SLOTS_OFFSET] != layout.cow_slots_offset
+            or header.n_chunks != layout.n_chunks
+            or header.cow_slots != layout.cow_slots
+        ):
+            raise SnapshotInvalid("the segment header does not describe the given layout")
+        with memoryview(source.buffer) as view:
+            if view.nbytes < layout.size:
+                raise SnapshotInvalid(f"the segment buffer is smaller than its layout ({layout.size} bytes)")
+        names = [t.name for t in layout.tensors]
+        if len(set(names)) != len(names):
+            raise SnapshotInvalid("segment tensor names are not unique")
+
+    def _next_epoch(self, source: SnapshotSource) -> int:
+        # Increasing per segment even across coordinators: above every COW_EPOCH in the header.
+        header = source.header
+        highest = max((header.cow_epoch(c) for c in range(source.layout.n_chunks)), default=0)
+        self._last_epoch = max(self._last_epoch, highest) + 1
+        return self._last_epoch
+
+    def start(self, source: SnapshotSource, *, hold: bool = False) -> SnapshotHandle:
+        """Begin (or join) the snapshot of ``source.step`` for ``source.job_id``; returns once it
+        is consistent. Idempotent for a rank that already joined a live or durable snapshot.
+
+        ``hold``: the writer thread waits for ``handle.proceed()`` (at most
+        ``snapshot_writer.HOLD_MAX_S``) before it streams, so a caller can get its reply out
+        first; the snapshot is consistent on return either way.
+
+        Raises SnapshotInvalid (arguments, metadata_json), SnapshotBusy (the segment is being
+        persisted or written by the trainer), SnapshotExists (the step is already on disk),
+        SnapshotFailed (another rank's attempt at this step failed), SnapshotDiskFull.
+        """
+        self._check_source(source)
+        metadata = parse_metadata(source.metadata_json, source.layout.tensors, self.max_metadata_bytes)
+        key = (source.job_id, source.step)
+        with self._lock:
+            if self._closed:
+                raise SnapshotBusy("the snapshot coordinator is shut down")
+            group = self._groups.get(key)
+            if group is not None:
+                group = self._reuse_group(group, source)
+                if isinstance(group, SnapshotHandle):
+                    return group
+            holder = self._holding.get((source.job_id, source.rank))
+            if holder is not None:
+                raise SnapshotBusy(
+                    f"rank {source.rank} of job {source.job_id} is still persisting {holder.snapshot_id}"
+                )
+            if source.header[Word.SNAP_EPOCH] != 0:
+                raise SnapshotBusy("the segment is being snapshotted (SNAP_EPOCH is set)")
+            writing = source.header[Word.WRITING_STEP]
+            if writing:
+                raise SnapshotBusy(
+                    f"the trainer is writing step {writing - 1}; snapshot between steps, "
+                    "after CommitStep"
+                )
+            if group is None:
+                partial = self.store.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
+                group = SnapshotGroup(
+                    self.store, source.job_id, source.step, source.world_size,
+                    source.expected_ranks, partial, self._retention_for(source),
+                )
+                group.replace = source.replace_existing
+                self._groups[key] = group
+                self._prune_history()
+                if group.local_world_size > 1:
+                    group.timer = threading.Timer(self.assemble_timeout_s, self._assemble_expired, (group,))
+                    group.timer.daemon = True
+                    group.timer.start()
+            writer = RankWriter(
+                source,
+                metadata,
+                self._next_epoch(source),
+                group.partial,
+                self._limiter,
+                group.cancel,
+                self.store.root,
+                time.monotonic(),
+                stage_threads=self.stage_threads,
+                model_copy_timeout_s=self.model_copy_timeout_s,
+            )
+            if not hold:
+                writer.go()
+            handle = SnapshotHandle(group, source.rank, writer)
+            handle.commits_at_start = source.header[Word.TRAINER_COMMITS]
+            thread = threading.Thread(
+                target=self._run,
+                args=(group, handle),
+                name=f"snapshot-{source.job_id}-{source.step}-r{source.rank}",
+                daemon=True,
+            )
+            handle.thread = thread
+            with group.cond:
+                group.handles[source.rank] = handle
+                group.live_threads += 1
+                if len(group.handles) == group.local_world_size and group.timer is not None:
+                    group.timer.cancel()
+            self._holding[(source.job_id, source.rank)] = handle
+            writer.publish()  # consistent from here on
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread: the trainer must not wait on this epoch
+                writer.release_segment()
+                del self._holding[(source.job_id, source.rank)]
+                with group.cond:
+                    group.live_threads -= 1
+                error = SnapshotError(f"cannot start a snapshot writer thread: {exc}")
+                group.fail(error, source.rank)
+                raise error from None
+        self._warn_copy_budget(source)  # after the publish: the trainer's stall is not for this
+        return handle
+
+    def _reuse_group(self, group: SnapshotGroup, source: SnapshotSource) -> SnapshotGroup | SnapshotHandle | None:
+        """Decide what a start for an existing (job, step) group means; under self._lock.
+        Returns the handle to hand back (a retry), the group to join, or None (new attempt)."""
+        with group.cond:
+            state = group.state
+            joined = source.rank in group.handles
+            drained = group.discarded_done
+            error = group.error
+            members = sorted(group.handles)
+        if group.world_size != source.world_size:
+            raise SnapshotInvalid(
+                f"{group.snapshot_id} has world_size {group.world_size}, not {source.world_size}"
+            )
+        if group.local_world_size != source.expected_ranks:
+            raise SnapshotInvalid(
+                f"{group.snapshot_id} was started with local_world_size {group.local_world_size} "
+                f"(ranks of the job on this server), rank {source.rank} attached with "
+                f"{source.expected_ranks}: all ranks of a job on one server must agree"
+            )
+        rerun = joined and group.handles[source.rank].commits_at_start != source.header[Word.TRAINER_COMMITS]
+        if joined and not rerun and state is not SnapshotState.FAILED:
+            return group.handles[source.rank]  # a retry of this rank's Snapshot call
+        if rerun and state is SnapshotState.PERSISTING:
+            raise SnapshotBusy(f"the previous attempt at {group.snapshot_id} is still persisting")
+        if state is SnapshotState.DURABLE and (rerun or not joined):
+            # The trainer committed since that snapshot: it retrained the step (after loading
+            # an older checkpoint); the durable bytes are not this state's.
+            if not source.replace_existing:
+                raise SnapshotExists(_exists_message(group.snapshot_id))
+            del self._groups[(group.job_id, group.step)]
+            return None  # a fresh attempt, which replaces the durable one at its commit
+        if state is SnapshotState.PERSISTING:
+            if len(members) >= group.local_world_size:
+                raise SnapshotInvalid(
+                    f"{group.snapshot_id} already has its local_world_size "
+                    f"{group.local_world_size} ranks {members} on this server; rank "
+                    f"{source.rank} is one more: is local_world_size right for this host?"
+                )
+            return group
+        if not joined:
+            # This rank missed the failed attempt: joining a new one alone would only time out.
+            raise SnapshotFailed(f"{group.snapshot_id} failed: {error}")
+        if not drained:
+            raise SnapshotBusy(f"the failed attempt at {group.snapshot_id} is still being cleaned up")
+        del self._groups[(group.job_id, group.step)]
+        return None  # a participant retries: a fresh attempt
+
+    def _retention_for(self, source: SnapshotSource) -> int | None:
+        """Snapshots of the job kept at commit (None: all): the job's own retention where it
+        asks for more than the server's ``keep_latest``, so every checkpoint it keeps loads."""
+        if source.keep_all or self.keep_latest is None:
+            return None
+        return max(self.keep_latest, source.keep_latest)
+
+    def _prune_history(self) -> None:
+        finished = [
+            (g.finished_monotonic, key)
+            for key, g in self._groups.items()
+            if g.finished_monotonic is not None and (g.state is SnapshotState.DURABLE or g.discarded_done)
+        ]
+        finished.sort()
+        for _, key in finished[: max(0, len(finished) - self.history)]:
+            del self._groups[key]
+
+    def _assemble_expired(self, group: SnapshotGroup) -> None:
+        with group.cond:
+            if len(group.handles) == group.local_world_size:
+                return
+            joined = sorted(group.handles)
+        if group.local_world_size == group.world_size:
+            expected = f"world_size {group.world_size}"
+        else:
+            expected = (
+                f"the {group.local_world_size} ranks expected on this server (local_world_size; "
+                f"world_size {group.world_size})"
+            )
+        group.fail(
+            SnapshotFailed(
+                f"only ranks {joined} of {expected} started "
+                f"{group.snapshot_id} within {self.assemble_timeout_s:g} s"
+            )
+        )
+
+    # ------------------------------------------------------------------------------ threads
+
+    def _run(self, group: SnapshotGroup, handle: SnapshotHandle) -> None:
+        try:
+            error: SnapshotError | None = None
+            result: RankResult | None = None
+            try:
+                result = handle._writer.run()
+            except Cancelled:
+                pass  # the group already failed for a reason of its own
+            except SnapshotError as exc:
+                error = exc
+            except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
+                error = SnapshotError(f"unexpected error persisting rank {handle.rank}: {exc!r}")
+            with self._lock:
+                if self._holding.get((group.job_id, handle.rank)) is handle:
+                    del self._holding[(group.job_id, handle.rank)]
+            if result is not None:
+                self._record_persist_rate(handle._writer.persist_rate())
+            if error is not None:
+                group.fail(error, handle.rank)
+            commit = False
+            if result is not None:
+                with group.cond:
+                    if group.state is SnapshotState.PERSISTING:
+                        group.results[handle.rank] = result
+                        commit = len(group.results) == group.local_world_size
+            if commit:
+                self._commit(group)
+        finally:
+            with group.cond:
+                group.live_threads -= 1
+            group.discard_if_idle()
+
+    def _commit(self, group: SnapshotGroup) -> None:
+        """In the thread of the last rank to finish: index, rename, latest, retention."""
+        with group.cond:
+            results = dict(group.results)
+        ranks = tuple(sorted(results))
+        files: list[FileRecord] = []
+        for rank in ranks:
+            files.extend(results[rank].files)
+        index = SnapshotIndex(
+            job_id=group.job_id,
+            step=group.step,
+            world_size=group.world_size,
+            ranks=ranks,
+            files=tuple(files),
+            created_unix=time.time(),
+        )
+        try:
+            commit = self.store.commit(group.partial, index, group.keep, replace=group.replace)
+        except SnapshotError as exc:
+            group.fail(exc)
+            return
+        except OSError as exc:
+            group.fail(from_os_error(exc, f"committing {group.snapshot_id}", self.store.root))
+            return
+        except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
+            group.fail(SnapshotError(f"unexpected error committing {group.snapshot_id}: {exc!r}"))
+            return
+        with group.cond:
+            group.commit = commit
+            group.state = SnapshotState.DURABLE
+            group.finished_monotonic = time.monotonic()
+            group.cond.notify_all()
+
+    # ------------------------------------------------------------------------------ queries
+
+    def handle(self, snapshot_id: str, rank: int) -> SnapshotHandle | None:
+        """The in-memory handle of a rank's snapshot (``<job>/step-<N>``), if any."""
+        key = _parse_step_id(snapshot_id)
+        with self._lock:
+            group = self._groups.get(key)
+        if group is None:
+            return None
+        with group.cond:
+            return group.handles.get(rank)
+
+    def status(self, snapshot_id: str, rank: int, wait_s: float = 0.0) -> SnapshotStatus:
+        """A rank's status, waiting up to ``wait_s`` for a terminal state. Snapshots no longer
+        (or never) in memory are answered from disk when complete; else SnapshotNotFound."""
+        handle = self.handle(snapshot_id, rank)
+        if handle is not None:
+            return handle.wait(wait_s) if wait_s > 0 else handle.status()
+        info = self.store.resolve(snapshot_id)
+        manifest = self.store.read_manifest(info, rank)
+        total = sum(t.nbytes for t in manifest.tensors)
+        return SnapshotStatus(
+            snapshot_id=info.snapshot_id,
+            job_id=info.job_id,
+            step=info.step,
+            rank=rank,
+            world_size=info.world_size,
+            state=SnapshotState.DURABLE,
+            bytes_total=total,
+            bytes_persisted=total,
+            error="",
+            cow_copies=manifest.cow_copies,
+            backpressure_waits=manifest.backpressure_waits,
+            backpressure_wait_seconds=manifest.backpressure_wait_seconds,
+            path=str(info.path),
+            ranks_joined=info.local_world_size,
+            ranks_persisted=info.local_world_size,
+            segment_released=True,
+            local_world_size=info.local_world_size,
+            ranks=info.ranks,
+        )
+
+    def in_progress(self) -> list[SnapshotStatus]:
+        """Statuses of every rank of every snapshot still persisting (for Stats)."""
+        with self._lock:
+            groups = list(self._groups.values())
+        statuses = []
+        for group in groups:
+            with group.cond:
+                if group.state is not SnapshotState.PERSISTING:
+                    continue
+                handles = list(group.handles.values())
+            statuses.extend(h.status() for h in handles)
+        return statuses
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Fail every running snapshot ("server shutting down"), wait for the writer threads
+        (their segments are released and partial files removed), refuse new snapshots."""
+        with self._lock:
+            self._closed = True
+            groups = list(self._groups.values())
+        threads = []
+        for group in groups:
+            group.fail(SnapshotFailed("the server is shutting down"))
+            with group.cond:
+                threads.extend(h.thread for h in group.handles.values() if h.thread is not None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.store.release()
+
+
+def _exists_message(snapshot_id: str) -> str:
+    return (
+        f"snapshot {snapshot_id} is already durable, from an earlier attempt at that step (the "
+        "trainer retrained it, e.g. after loading an older checkpoint): its bytes are not this "
+        "state's. Use a new job id, or let the snapshot replace it (SnapshotRequest."
+        "replace_existing; torchtitan's glue does, as it overwrites its checkpoint)"
+    )
+
+
+def _parse_step_id(snapshot_id: str) -> tuple[str, int]:
+    """``<job>/step-<N>`` -> (job, N); SnapshotInvalid for anything else (no ``latest`` here:
+    a status is about one specific snapshot)."""
+    ref = parse_snapshot_id(snapshot_id, None, SnapshotInvalid)
+    if ref.step is None:
+        raise SnapshotInvalid(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
+    return ref.job_id, ref.step

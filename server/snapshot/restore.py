@@ -1,0 +1,341 @@
+"""Restore: a durable snapshot's rank file into a session's segment, read once, verified first.
+
+Call order (the servicer, for Restore): resolve the session's segment, then
+``restore(coordinator.store, snapshot_id, segment_mmap, layout, job_id=..., rank=...,
+world_size=..., reserve_staging=arena.reserve_staging)``; on success it has written the
+tensors and returns the snapshot's step and the trainer's ``metadata_json`` (the servicer then
+records the restored step as committed).
+
+Everything is checked before the first byte of the segment changes: the snapshot is complete,
+its (global) world size matches the job's, it holds this rank (on a multi-host job each
+server's snapshot holds the ranks attached to it: a rank missing here is SnapshotNotFound,
+naming the ranks present and pointing at the other hosts' servers), this rank's tensors
+(names, dtypes, shapes, order) match the target layout, the manifest matches
+``snapshot.json`` and every tensor's crc32 matches. Any mismatch raises
+(SnapshotLayoutMismatch, SnapshotCorrupt, naming the file and the tensor) and leaves the
+segment untouched.
+
+Read once (*staged*): the data file is mapped read-only; a reader thread pulls it from the disk
+region by region (``posix_fadvise(WILLNEED)`` ahead, then ``mlock``, which pins the pages it
+read: the staged bytes cannot be evicted and read again) while this thread checksums the
+regions already read. Only when every checksum has passed are the staged bytes copied
+(``memmove``, GIL released) into the segment, and the pages unpinned. The staged bytes are
+accounted: ``reserve_staging(nbytes)`` (the arena's) holds them out of the budget's free bytes
+for the duration. When the budget cannot hold them, restore falls back to verifying the whole
+file and then reading it again into the segment (logged as ``restore_unstaged``, with the
+numbers). Where ``mlock`` is refused (RLIMIT_MEMLOCK), the bytes stay staged in the page
+cache unpinned and every copied chunk is checksummed again as it lands: a file that changed
+underneath fails the restore (SnapshotCorrupt, "restore again") instead of going unnoticed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import ContextManager
+
+from swap_state.common.checksum import crc32, crc32_combine
+from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
+from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
+from swap_state.common.snapshot_format import INDEX_NAME, RankManifest
+from swap_state.common.snapshot_reader import check_manifest_sizes
+
+from swap_state.server import _posix
+from swap_state.server.logs import log_event
+from swap_state.server.snapshot.store import SnapshotInfo, SnapshotStore
+
+__all__ = ["RestoreResult", "check_layout", "restore"]
+
+log = logging.getLogger("swap_state.server.restore")
+
+STAGE_REGION_BYTES = 16 << 20
+"""The reader thread pins and the checksum pass takes the file in regions of this size."""
+READ_AHEAD_REGIONS = 8
+"""Regions the reader asks the kernel to read ahead of the one it pins."""
+_COPY_BYTES = 8 << 20
+"""Unit of the copy into the segment (and of its re-check when the pages are not pinned)."""
+
+_mlock = _posix.mlock  # a module name, so that tests can replace it
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+    """What a successful restore loaded."""
+
+    snapshot_id: str
+    """The resolved id (``latest`` becomes ``<job>/step-<N>``)."""
+    step: int
+    """The step the segment now holds."""
+    metadata_json: str
+    """The trainer's metadata of that snapshot, verbatim."""
+    bytes_restored: int
+    """Tensor bytes copied into the segment."""
+    staged: bool = True
+    """Read once and staged (else verified, then read again: the budget could not hold it)."""
+    pinned: bool = True
+    """The staged pages were pinned (mlock); else each copied chunk was checked again."""
+
+
+def _describe(dtype: str, shape: tuple[int, ...]) -> str:
+    return f"{dtype}{list(shape)}"
+
+
+def _check_world_size(info: SnapshotInfo, world_size: int) -> None:
+    if info.world_size != world_size:
+        held = "" if info.index.complete_job else f" (this server holds its {info.describe_ranks()})"
+        raise SnapshotLayoutMismatch(
+            f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with world_size "
+            f"{info.world_size}, this job has {world_size}{held}"
+        )
+
+
+def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayout, world_size: int) -> None:
+    """SnapshotLayoutMismatch unless the snapshot fits a segment of ``layout`` in a job of
+    ``world_size`` ranks, naming the file and the first differing tensor."""
+    _check_world_size(info, world_size)
+    path = info.path / manifest.data_file
+    ours = {t.name: t for t in layout.tensors}
+    theirs = {t.name for t in manifest.tensors}
+    for tensor in manifest.tensors:
+        if tensor.name not in ours:
+            raise SnapshotLayoutMismatch(f"{path}: tensor {tensor.name!r} is not in the segment")
+    for target in layout.tensors:
+        if target.name not in theirs:
+            raise SnapshotLayoutMismatch(f"{path}: has no tensor {target.name!r} the segment holds")
+    for position, (tensor, target) in enumerate(zip(manifest.tensors, layout.tensors)):
+        if (tensor.dtype, tensor.shape) != (ours[tensor.name].dtype, ours[tensor.name].shape):
+            raise SnapshotLayoutMismatch(
+                f"{path}: tensor {tensor.name!r} is {_describe(tensor.dtype, tensor.shape)}, "
+                f"the segment's is {_describe(ours[tensor.name].dtype, ours[tensor.name].shape)}"
+            )
+        if tensor.name != target.name:
+            raise SnapshotLayoutMismatch(
+                f"{path}: tensor {tensor.name!r} is at position {position}, the segment has "
+                f"{target.name!r} there (the update order differs)"
+            )
+
+
+def _copy_into(path: os.PathLike[str], manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> int:
+    """Read each tensor straight into its place in the segment."""
+    copied = 0
+    with open(path, "rb", buffering=0) as file:
+        for tensor, target in zip(manifest.tensors, layout.tensors):
+            file.seek(manifest.data_start + tensor.data_offsets[0])
+            dest = view[target.offset : target.offset + target.nbytes]
+            done = 0
+            while done < target.nbytes:
+                got = file.readinto(dest[done:])
+                if not got:
+                    raise SnapshotCorrupt(
+                        f"{path} shrank while being restored (tensor {tensor.name!r}); the "
+                        "segment is partially overwritten: restore again"
+                    )
+                done += got
+            copied += done
+    return copied
+
+
+class _Staged:
+    """A read-only mapping of a snapshot's data file whose regions a reader thread reads from
+    the disk and pins, in order; :meth:`wait` returns once ``[0, end)`` is in memory."""
+
+    def __init__(self, fd: int, size: int):
+        self.size = size
+        self.fd = fd
+        self.address = _posix.mmap_read_only(fd, size)
+        self.view = _posix.view_at(self.address, size)
+        self.pinned = True
+        self.pin_errno = 0
+        self._ready = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="restore-stage", daemon=True)
+        self._thread.start()
+        self._upto = 0
+
+    def _read(self) -> None:
+        advised = 0
+        try:
+            for start in range(0, self.size, STAGE_REGION_BYTES):
+                if self._stop.is_set():
+                    return
+                length = min(STAGE_REGION_BYTES, self.size - start)
+                ahead = min(self.size, start + (READ_AHEAD_REGIONS + 1) * STAGE_REGION_BYTES)
+                if advised < ahead:
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(self.fd, advised, ahead - advised, os.POSIX_FADV_WILLNEED)
+                    advised = ahead
+                if self.pinned:
+                    err = _mlock(self.address + start, length)  # reads the region, pins it
+                    if err:
+                        self.pinned, self.pin_errno = False, err
+                self._ready.put(start + length)
+        except BaseException as exc:  # pragma: no cover - reported by wait()
+            self._ready.put(exc)
+        finally:
+            self._ready.put(None)
+
+    def wait(self, end: int) -> None:
+        """Until the reader has passed ``end`` (regions not pinned fault in on first touch)."""
+        while self._upto < end:
+            item = self._ready.get()
+            if item is None:
+                self._upto = self.size
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                self._upto = item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.view.release()
+        _posix.munmap(self.address, self.size)  # also unpins
+
+
+def _copy_staged(staged: _Staged, manifest: RankManifest, view: memoryview, layout: SegmentLayout,
+                 path: os.PathLike[str]) -> int:
+    """Every (verified) tensor from the staged mapping into its place in the segment; the
+    copies re-checked when the pages were not pinned."""
+    base = _posix.buffer_address(view)
+    copied = 0
+    for tensor, target in zip(manifest.tensors, layout.tensors):
+        source = manifest.data_start + tensor.data_offsets[0]
+        value = 0
+        for done in range(0, target.nbytes, _COPY_BYTES):
+            n = min(_COPY_BYTES, target.nbytes - done)
+            _posix.memmove(base + target.offset + done, staged.address + source + done, n)
+            if not staged.pinned:
+                with view[target.offset + done : target.offset + done + n] as landed:
+                    value = crc32(landed, value)
+        if not staged.pinned and value != tensor.crc32:
+            raise SnapshotCorrupt(
+                f"{path} changed while being restored (tensor {tensor.name!r} no longer matches "
+                "its checksum); the segment is partially overwritten: restore again"
+            )
+        copied += target.nbytes
+    return copied
+
+
+def _restore_staged(info: SnapshotInfo, manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> tuple[int, bool]:
+    """Read the rank's data file once, verify it all, then copy it: (bytes, pinned)."""
+    path = info.path / manifest.data_file
+    record = info.index.file(manifest.data_file)
+    header, expected = check_manifest_sizes(info, manifest)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SnapshotCorrupt(f"{path} is missing") from None
+    except OSError as exc:
+        raise SnapshotError(f"cannot read {path}: {exc}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != expected or size != record.bytes:
+            raise SnapshotCorrupt(
+                f"{path} is {size} bytes; its manifest implies {expected} and {INDEX_NAME} says {record.bytes}"
+            )
+        try:
+            staged = _Staged(fd, size)
+        except OSError as exc:
+            raise SnapshotError(f"cannot map {path}: {exc}") from None
+        try:
+            staged.wait(len(header))
+            if staged.view[: len(header)] != header:
+                raise SnapshotCorrupt(f"{path}: safetensors header does not match its manifest")
+            file_crc = crc32(header)
+            for tensor in manifest.tensors:
+                begin = manifest.data_start + tensor.data_offsets[0]
+                end = begin + tensor.nbytes
+                value = 0
+                position = begin
+                while position < end:  # checksum each region as soon as it is in memory
+                    upto = min(end, (position // STAGE_REGION_BYTES + 1) * STAGE_REGION_BYTES)
+                    staged.wait(upto)
+                    value = crc32(staged.view[position:upto], value)
+                    position = upto
+                if value != tensor.crc32:
+                    raise SnapshotCorrupt(
+                        f"{path}: tensor {tensor.name!r} fails its checksum "
+                        f"(crc32 {value:08x}, manifest says {tensor.crc32:08x})"
+                    )
+                file_crc = crc32_combine(file_crc, value, tensor.nbytes)
+            if file_crc != record.crc32:
+                raise SnapshotCorrupt(f"{path} does not match its checksum in {INDEX_NAME}")
+            if not staged.pinned:
+                log_event(log, "restore_unpinned", logging.WARNING, path=path, bytes=size,
+                          errno=staged.pin_errno,
+                          detail="mlock refused (RLIMIT_MEMLOCK?): the staged pages may be evicted; "
+                          "every copied chunk is checked again")
+            # Verified: only now the segment changes.
+            return _copy_staged(staged, manifest, view, layout, path), staged.pinned
+        finally:
+            staged.close()
+    except OSError as exc:
+        raise SnapshotError(f"cannot read {path}: {exc}") from None
+    finally:
+        os.close(fd)
+
+
+def restore(
+    store: SnapshotStore,
+    snapshot_id: str,
+    buffer,
+    layout: SegmentLayout,
+    *,
+    rank: int,
+    world_size: int,
+    job_id: str | None = None,
+    header: SegmentHeader | None = None,
+    reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
+    staging_free_bytes: Callable[[], int] | None = None,
+) -> RestoreResult:
+    """Verify ``snapshot_id`` (``<job>/step-<N>``, or ``latest`` of ``job_id``) for ``rank``
+    against ``layout``, then copy it into ``buffer`` (the writable mapped segment).
+
+    ``header``: the segment's SegmentHeader if the caller has one (else made here); the
+    segment must not be under a snapshot (SnapshotBusy). ``world_size`` is the job's global
+    one; ``rank`` must be among the snapshot's ranks. ``reserve_staging(nbytes)``: a context
+    manager yielding whether the budget holds the staged bytes (the arena's; None: always);
+    ``staging_free_bytes()``: the free budget, for the log line when it does not.
+    Raises SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt, SnapshotBusy; the
+    segment is untouched then.
+    """
+    own_header = header is None
+    if header is None:
+        header = SegmentHeader(buffer, layout.n_chunks, layout.cow_slots)
+    view = memoryview(buffer)
+    try:
+        if view.nbytes < layout.size:
+            raise SnapshotError(f"segment buffer is smaller than its layout ({layout.size} bytes)")
+        if header[Word.SNAP_EPOCH] != 0:
+            raise SnapshotBusy("a snapshot of this segment is persisting; restore after it ends")
+        info = store.resolve(snapshot_id, job_id)
+        _check_world_size(info, world_size)  # before the manifest: rank may not exist there
+        manifest = store.read_manifest(info, rank)  # SnapshotNotFound: the rank is elsewhere
+        check_layout(info, manifest, layout, world_size)
+        nbytes = sum(t.nbytes for t in manifest.tensors)
+        reserve = reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
+        with reserve as granted:
+            if granted:
+                copied, pinned = _restore_staged(info, manifest, view, layout)
+                return RestoreResult(info.snapshot_id, info.step, manifest.metadata_json, copied,
+                                     staged=True, pinned=pinned)
+        log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id,
+                  rank=rank, staged_bytes_needed=nbytes,
+                  budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
+                  detail="the budget's free bytes cannot hold the staged state: verifying the "
+                  "whole file, then reading it again into the segment")
+        store.verify_data(info, manifest)
+        # Verified: only now the segment changes.
+        copied = _copy_into(info.path / manifest.data_file, manifest, view, layout)
+        return RestoreResult(info.snapshot_id, info.step, manifest.metadata_json, copied,
+                             staged=False, pinned=False)
+    finally:
+        view.release()
+        if own_header:
+            header.release()
