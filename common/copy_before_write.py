@@ -25,6 +25,7 @@ import bisect
 import time
 
 from swap_state.common.segment import Chunk, SegmentHeader, SegmentLayout, Word, chunk_table
+from swap_state.common.trainer_header import TrainerHeader
 
 __all__ = ["BackPressureTimeout", "protect_chunk", "TrainerProtector"]
 
@@ -46,7 +47,7 @@ def _needs_copy(header: SegmentHeader, chunk: int, epoch: int) -> bool:
 
 
 def protect_chunk(
-    header: SegmentHeader,
+    header: SegmentHeader | TrainerHeader,
     view: memoryview,
     layout: SegmentLayout,
     chunk: Chunk,
@@ -58,6 +59,8 @@ def protect_chunk(
     ``view`` is a writable memoryview over the whole segment. Reads ``SNAP_EPOCH`` itself: a
     snapshot can only begin between steps, and only end during one.
     """
+    trainer = header if isinstance(header, TrainerHeader) else TrainerHeader(header)
+    header = trainer.segment
     epoch = header[Word.SNAP_EPOCH]
     if not _needs_copy(header, chunk.index, epoch):
         return False
@@ -85,15 +88,11 @@ def protect_chunk(
                 return False
     finally:
         if waited_since is not None:
-            header[Word.BP_WAITS] = header[Word.BP_WAITS] + 1
-            header[Word.BP_WAIT_NS] = header[Word.BP_WAIT_NS] + time.monotonic_ns() - waited_since
+            trainer.record_backpressure(time.monotonic_ns() - waited_since)
     start = layout.cow_slots_offset + slot * layout.chunk_bytes
     view[start : start + chunk.nbytes] = view[chunk.offset : chunk.offset + chunk.nbytes]
     # Publication order matters: the server trusts the slot once it sees COW_EPOCH == epoch.
-    header.set_cow_slot(chunk.index, slot + 1)
-    header.set_slot_taken(slot, header.slot_taken(slot) + 1)
-    header.set_cow_epoch(chunk.index, epoch)
-    header[Word.COW_COPIES] = header[Word.COW_COPIES] + 1
+    trainer.record_chunk_copy(chunk.index, slot, epoch)
     return True
 
 
@@ -105,7 +104,7 @@ class TrainerProtector:
         buffer,
         layout: SegmentLayout,
         *,
-        header: SegmentHeader | None = None,
+        header: SegmentHeader | TrainerHeader | None = None,
         max_wait_s: float | None = None,
     ):
         """``buffer``: a writable buffer over the whole segment (mmap or memoryview);

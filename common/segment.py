@@ -375,17 +375,6 @@ class SegmentHeader:
         self._slot_taken = FIXED_WORDS + 2 * n_chunks
         self._slot_freed = FIXED_WORDS + 2 * n_chunks + cow_slots
 
-    def initialize(self, layout: SegmentLayout) -> None:
-        """Server only, once, on a zero-filled segment."""
-        self._all[Word.VERSION] = LAYOUT_VERSION
-        self._all[Word.HEADER_BYTES] = layout.header_bytes
-        self._all[Word.N_TENSORS] = len(layout.tensors)
-        self._all[Word.N_CHUNKS] = layout.n_chunks
-        self._all[Word.CHUNK_BYTES] = layout.chunk_bytes
-        self._all[Word.COW_SLOTS] = layout.cow_slots
-        self._all[Word.COW_SLOTS_OFFSET] = layout.cow_slots_offset
-        self._all[Word.MAGIC] = MAGIC  # last: a reader seeing MAGIC sees the rest
-
     def check(self) -> None:
         if self._all[Word.MAGIC] != MAGIC or self._all[Word.VERSION] != LAYOUT_VERSION:
             raise ValueError(f"not a swap-state segment of layout version {LAYOUT_VERSION}")

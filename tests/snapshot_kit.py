@@ -31,6 +31,7 @@ from integration.workload import Workload, kwargs, train
 
 from swap_state.common.copy_before_write import TrainerProtector
 from swap_state.common.segment import PAGE_BYTES, SegmentHeader, Word, chunk_table, plan_segment
+from swap_state.common.server_header import ServerHeader
 from swap_state.server.snapshot.coordinator import SnapshotSource
 
 __all__ = [
@@ -89,7 +90,7 @@ class Segment:
         self.mm = mmap.mmap(self._file.fileno(), self.layout.size)
         self.header = SegmentHeader(self.mm, self.layout.n_chunks, self.layout.cow_slots)
         if not attach:
-            self.header.initialize(self.layout)
+            ServerHeader(self.header).initialize(self.layout)
         self.chunks = chunk_table(self.layout.tensors, self.layout.chunk_bytes)
 
     def fill(self, seed: int) -> dict[str, bytes]:

@@ -132,11 +132,11 @@ class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, Reatta
         self._mapping = SegmentMapping.open(reply.segment)
         self._mapping.register_for_dma(self._backend)
         self._views = self._mapping.tensor_views()
-        self.session.bind_header(self._mapping.header)
+        self.session.bind_header(self._mapping.trainer)
         self._check_resumable(reply.reused)
         self._guard = SnapshotGuard(self._mapping, self.remote_config.backpressure_timeout_s)
         if model_tensors:
-            self._model_area = ModelArea(model_tensors, self._views, self._guard, self._mapping.header, self._backend)
+            self._model_area = ModelArea(model_tensors, self._views, self._guard, self._mapping.trainer, self._backend)
         self._tensor_names: dict[torch.Tensor, list[str]] = {}
         cache: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         param_steps = self._views[PARAM_STEPS]

@@ -177,7 +177,7 @@ class ModelArea:
             # before a load or restore): withdrawn until this copy has landed. Otherwise the
             # word stays: a snapshot waiting for it must not wait for this copy, which may
             # itself wait for that snapshot's writer to free a copy slot.
-            header[Word.MODEL_STEP] = 0
+            header.withdraw_model()
         self._guard.protect(self._names)  # a persisting snapshot's bytes, copied first
         self.copied_step = step
         with torch.no_grad():  # optimizer.step() may run with grad on: no graph into the segment
@@ -190,7 +190,7 @@ class ModelArea:
         if not self._backend.is_accelerator:
             for view, tensor in zip(self._views, self.tensors):
                 view.copy_(tensor.local)
-            header[Word.MODEL_STEP] = step + 1
+            header.publish_model(step)
             return
         if self._stream is None:
             self._stream = self._backend.stream()
@@ -220,7 +220,7 @@ class ModelArea:
                 tensor.local.copy_(view)
         self._backend.synchronize()
         self.copied_step = step
-        self._header[Word.MODEL_STEP] = step + 1
+        self._header.publish_model(step)
 
     def invalidate(self) -> None:
         """The model may be replaced (a checkpoint load): the next snapshot copies it first."""
@@ -236,6 +236,6 @@ class ModelArea:
                 self._publisher = None
 
 
-def _publish_when_done(done: Any, header: SegmentHeader, step: int) -> None:
+def _publish_when_done(done: Any, header: TrainerHeader, step: int) -> None:
     done.synchronize()
-    header[Word.MODEL_STEP] = step + 1
+    header.publish_model(step)

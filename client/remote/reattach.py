@@ -76,7 +76,7 @@ class ReattachMixin:
         """Read the kept segment's header: torn, resumable, or fresh; claim the header."""
         header = self._mapping.header
         # Claim the segment first: a predecessor still running now fails its next commit.
-        header[Word.TRAINER_GENERATION] = self.session.generation
+        self._mapping.trainer.claim(self.session.generation)
         self._torn_step = None
         if reused and header[Word.WRITING_STEP] != 0:
             # The previous trainer died mid-step: some moments are of step S, some of S-1.
@@ -128,11 +128,11 @@ class ReattachMixin:
         """A load or a restore wrote the whole state: nothing kept is left to check, and the
         parameters that go with it are not known (a later reattach must not trust them)."""
         self._verify_pending = False
-        self._mapping.header[Word.PARAMS_FINGERPRINT] = UNKNOWN
+        self._mapping.trainer.set_fingerprint(UNKNOWN)
 
     def _write_fingerprint(self) -> None:
         """With each commit, before it: the parameters of the step being committed."""
-        self._mapping.header[Word.PARAMS_FINGERPRINT] = self._fingerprint.compute()
+        self._mapping.trainer.set_fingerprint(self._fingerprint.compute())
 
     def _verify_kept_state(self) -> None:
         """Before the first step after a reattach: keep the state only if the parameters are
@@ -169,10 +169,10 @@ class ReattachMixin:
             else:
                 group[STEP_KEY] = _clone(step)
         self._guard.end_write()
-        header = self._mapping.header
-        header[Word.STATE_DROPS] += 1
-        header[Word.PARAMS_FINGERPRINT] = UNKNOWN
-        header[Word.MODEL_STEP] = 0  # the model tensors were zeroed with the rest
+        trainer = self._mapping.trainer
+        trainer.count_state_drop()
+        trainer.set_fingerprint(UNKNOWN)
+        trainer.withdraw_model()  # the model tensors were zeroed with the rest
         self.session.commit(-1)  # no committed step: the segment holds a fresh state
         self.session.last_committed_step = None
         self.resumed_step = None

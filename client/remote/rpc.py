@@ -5,7 +5,7 @@ Call order for a trainer session::
     client = SwapStateClient(address, token=...)
     session = client.attach(job_id, rank, world_size)   # starts the keep-alive stream
     segment = session.allocate(specs)                    # once (reused on reattach)
-    session.bind_header(mapping.header)                  # once mapped: commits need no RPC
+    session.bind_header(mapping.trainer)                  # once mapped: commits need no RPC
     session.commit(step)                                 # once per optimizer step (header words)
     handle = session.snapshot(step, metadata_json)       # optional, between steps
     session.close(keep=False)                            # detach, stop keep-alive
@@ -38,7 +38,8 @@ from swap_state.client.errors import (  # noqa: F401 - re-exported: the client's
     error_for,
     reason_of,
 )
-from swap_state.common.segment import SegmentHeader, Word
+from swap_state.common.segment import Word
+from swap_state.common.trainer_header import TrainerHeader
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
@@ -277,7 +278,7 @@ class RemoteSession:
         self.segment = reply.segment
         return reply
 
-    def bind_header(self, header: SegmentHeader | None) -> None:
+    def bind_header(self, header: TrainerHeader | None) -> None:
         """Commit through ``header`` (the mapped segment's) from now on: no RPC per step;
         None before the segment is unmapped."""
         self._header = header
@@ -296,9 +297,7 @@ class RemoteSession:
                 f"(generation {header[Word.TRAINER_GENERATION]}, this one {self.generation}): "
                 "this trainer must stop"
             )
-        header[Word.TRAINER_COMMITTED] = step + 1
-        header[Word.TRAINER_RESTORED_SEQ] = header[Word.RESTORED_SEQ]
-        header[Word.TRAINER_COMMITS] += 1
+        header.commit(step)
         self.last_committed_step = step
         return step
 

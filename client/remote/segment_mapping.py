@@ -22,6 +22,7 @@ import torch
 from swap_state.common.dtypes import DTYPE_NAMES
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.common.segment import SegmentHeader, TensorLayout, chunk_table
+from swap_state.common.trainer_header import TrainerHeader
 
 __all__ = ["TORCH_DTYPES", "SegmentMapping"]
 
@@ -45,6 +46,8 @@ class SegmentMapping:
         self._base = torch.frombuffer(mm, dtype=torch.uint8)  # one export, all views derive
         self.header = SegmentHeader(mm)
         self.header.check()
+        self.trainer = TrainerHeader(self.header)
+        """The trainer's writes to the header (the only ones it makes)."""
         self.tensors = tuple(
             TensorLayout(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in info.tensors
         )

@@ -37,16 +37,16 @@ class SnapshotGuard:
 
     def __init__(self, mapping: SegmentMapping, max_wait_s: float | None):
         self.header = mapping.header
+        self._trainer = mapping.trainer
         self._protector = TrainerProtector(
-            mapping.buffer, layout_of(mapping), header=mapping.header, max_wait_s=max_wait_s
+            mapping.buffer, layout_of(mapping), header=mapping.trainer, max_wait_s=max_wait_s
         )
         self._index = {t.name: i for i, t in enumerate(mapping.tensors)}
 
     def before_write(self, step: int, names: Iterable[str]) -> None:
         """Mark ``step`` as being written (a reattach then knows the bytes are torn) and
         make the chunks of ``names`` safe to overwrite; may wait (back-pressure)."""
-        if self.header[Word.WRITING_STEP] == 0:
-            self.header[Word.WRITING_STEP] = step + 1
+        self._trainer.begin_write(step)
         if self.header[Word.SNAP_EPOCH] == 0:
             return  # no snapshot persisting: the common case costs one word read
         for name in names:
@@ -61,7 +61,7 @@ class SnapshotGuard:
             self._protector.before_write_tensor(self._index[name])
 
     def end_write(self) -> None:
-        self.header[Word.WRITING_STEP] = 0
+        self._trainer.end_write()
 
     def close(self) -> None:
         self._protector.close()

@@ -54,6 +54,7 @@ from swap_state.common.segment import (
     tensor_nbytes,
 )
 
+from swap_state.common.server_header import ServerHeader
 from swap_state.common.sizes import format_size
 from swap_state.common.errors import ResourceExhausted, StartupError, Unavailable
 from swap_state.server import _posix
@@ -437,7 +438,7 @@ class Arena:
         finally:
             os.close(fd)
         header = SegmentHeader(segment.buffer, segment.layout.n_chunks, segment.layout.cow_slots)
-        header.initialize(segment.layout)
+        ServerHeader(header).initialize(segment.layout)
         segment.header = header
         if self.mlock_enabled:
             self._lock_pages(segment)

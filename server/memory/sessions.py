@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from swap_state.common.segment import SegmentHeader, SegmentLayout, TensorSpec, Word, committed_step, layout_hash
 
+from swap_state.common.server_header import ServerHeader
 from swap_state.server.memory.arena import Arena, Segment
 from swap_state.common.errors import (
     FailedPrecondition,
@@ -168,9 +169,7 @@ class Session:
         self.rewind_allowed = False
         if step == last:
             return False
-        header = self.segment.header
-        header[Word.COMMITTED_STEP] = step + 1
-        header[Word.RESTORED_SEQ] += 1  # last: from now on the server's value holds
+        ServerHeader(self.segment.header).record_commit(step)  # the server's value holds now
         self.rpc_commits += 1
         return True
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from swap_state.common.segment import Chunk, SegmentHeader, SegmentLayout, Word
+from swap_state.common.server_header import ServerHeader
 from swap_state.server import _posix
 from swap_state.server._posix import buffer_address
 
@@ -165,7 +166,7 @@ class Stager:
                     futures = [pool.submit(self._copy, part) for part in parts[1:]]
                     results = [self._copy(parts[0])] + [f.result() for f in futures]
                     nbytes, copied = sum(r[0] for r in results), sum(r[1] for r in results)
-                header[Word.STAGED_UPTO] = end  # after the copies: the trainer trusts them now
+                ServerHeader(header).staged(end)  # after the copies: the trainer trusts them now
                 self.staged_bytes += nbytes
                 self.staged_chunks += copied
                 self.skipped_chunks += len(todo) - copied

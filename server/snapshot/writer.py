@@ -61,6 +61,7 @@ from swap_state.common.snapshot_format import (
     safetensors_metadata,
 )
 from swap_state.common.snapshot_metadata import SnapshotMetadata, TensorMetadata
+from swap_state.common.server_header import ServerHeader
 from swap_state.server import _posix
 from swap_state.server.snapshot.stager import Stager
 from swap_state.server.snapshot.store import write_durable
@@ -208,6 +209,8 @@ class RankWriter:
         self.snapshot_root = snapshot_root
         self.started_monotonic = started_monotonic
         layout = source.layout
+        self._header = ServerHeader(source.header)
+        """The server's writes to the segment's header (protocol steps 1 and 3)."""
         self.chunks = chunk_table(layout.tensors, layout.chunk_bytes)
         self.model_from = first_model_chunk(layout.tensors, layout.chunk_bytes)
         """The first chunk of the model tensors (the chunk count when there are none)."""
@@ -261,25 +264,13 @@ class RankWriter:
 
     # --------------------------------------------------------------------- protocol
 
-    def _free_all_slots(self) -> None:
-        # A trainer that checked PERSISTED_UPTO <= c just before the server stored c + 1
-        # takes a slot whose COW_EPOCH the server never sees, so never frees: reclaim such
-        # slots whenever no trainer can be taking one for a live epoch, i.e. before SNAP_EPOCH
-        # is published and after it is cleared (a late taker then holds an epoch no reader
-        # trusts any more).
-        header = self.source.header
-        for slot in range(self.source.layout.cow_slots):
-            header.set_slot_freed(slot, header.slot_taken(slot))
-
     def publish(self) -> None:
         """Make the snapshot consistent: after this the trainer may mutate the segment."""
-        header = self.source.header
-        self._free_all_slots()
-        header[Word.SNAP_STEP] = self.source.step
-        header[Word.PERSISTED_UPTO] = 0
-        header[Word.STAGED_UPTO] = 0
-        header[Word.STAGE_SLOTS] = self.stage_slots  # the trainer's slots: [stage_slots, cow_slots)
-        header[Word.SNAP_EPOCH] = self.epoch  # last: the trainer keys everything on it
+        # Every slot is freed first: a trainer that checked PERSISTED_UPTO <= c just before
+        # the server stored c + 1 takes a slot whose COW_EPOCH the server never sees, so never
+        # frees; such slots are reclaimed whenever no trainer can be taking one for a live
+        # epoch, i.e. before SNAP_EPOCH is published and after it is cleared.
+        self._header.open_snapshot(self.source.step, self.stage_slots, self.epoch, self.source.layout.cow_slots)
 
     def go(self) -> None:
         """Let ``run`` start streaming. The coordinator sets it at once, unless the caller
@@ -297,9 +288,7 @@ class RankWriter:
             return
         if self.stager is not None:
             self.stager.stop()  # no stager store after the epoch ends
-        header = self.source.header
-        header[Word.SNAP_EPOCH] = 0
-        self._free_all_slots()
+        self._header.close_snapshot(self.source.layout.cow_slots)
         self._final = self.counters()
         self.segment_released.set()
 
@@ -437,8 +426,8 @@ class RankWriter:
                         _pwrite_all(fd, data, position)  # the same range: replaces every byte
                         value = crc32(data, before)
                 if trainer_slot is not None:
-                    header.set_slot_freed(trainer_slot, header.slot_taken(trainer_slot))
-                header[Word.PERSISTED_UPTO] = c + 1  # also frees the chunk's stager slot
+                    self._header.free_slot(trainer_slot)
+                self._header.persisted(c + 1)  # also frees the chunk's stager slot
                 if stager is not None:
                     stager.wake()
                 crcs[chunk.tensor_index] = value

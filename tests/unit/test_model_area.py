@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from swap_state.client.remote.model_area import ModelArea, plan_model_tensors
 from swap_state.common.segment import SegmentHeader, Word
+from swap_state.common.trainer_header import TrainerHeader
 
 
 class Tied(nn.Module):
@@ -108,7 +109,7 @@ class FakeGuard:
 def _area(model, backend, header):
     tensors = plan_model_tensors([model], list(model.parameters()))
     views = {t.name: torch.zeros_like(t.local) for t in tensors}
-    return ModelArea(tensors, views, FakeGuard(), header, backend), views
+    return ModelArea(tensors, views, FakeGuard(), TrainerHeader(header), backend), views
 
 
 def test_accelerator_copy_publishes_only_after_its_event_and_the_next_update_waits_for_it():
