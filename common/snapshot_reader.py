@@ -29,7 +29,7 @@ from .names import is_job_id, parse_snapshot_id, parse_step_dir_name, snapshot_i
 from .snapshot_errors import SnapshotCorrupt, SnapshotError, SnapshotInvalid, SnapshotNotFound
 from .snapshot_format import INDEX_NAME, LATEST_NAME, RankManifest, SnapshotIndex, rank_data_name, rank_manifest_name
 
-__all__ = ["SnapshotInfo", "SnapshotReader", "READ_BLOCK_BYTES", "check_manifest_sizes"]
+__all__ = ["SnapshotInfo", "SnapshotReader", "RankFileVerifier", "READ_BLOCK_BYTES", "check_manifest_sizes"]
 
 READ_BLOCK_BYTES = 8 << 20
 
@@ -244,36 +244,96 @@ class SnapshotReader:
 
     def verify_data(self, info: SnapshotInfo, manifest: RankManifest) -> None:
         """Read the rank's safetensors file once: size, header (recomputed from the manifest,
-        byte for byte) and every tensor's crc32. SnapshotCorrupt names the file and tensor."""
-        path = info.path / manifest.data_file
-        record = info.index.file(manifest.data_file)
-        header, expected_size = check_manifest_sizes(info, manifest)
+        byte for byte) and every tensor's crc32 (:class:`RankFileVerifier`). SnapshotCorrupt
+        names the file and tensor."""
+        verifier = RankFileVerifier(info, manifest)
+        path = verifier.path
         try:
             with open(path, "rb", buffering=0) as file:
-                size = os.fstat(file.fileno()).st_size
-                if size != expected_size or size != record.bytes:
-                    raise SnapshotCorrupt(
-                        f"{path} is {size} bytes; its manifest implies {expected_size} "
-                        f"and {INDEX_NAME} says {record.bytes}"
-                    )
-                if _read_exact(file, len(header)) != header:
-                    raise SnapshotCorrupt(f"{path}: safetensors header does not match its manifest")
-                file_crc = crc32(header)
-                block = bytearray(min(READ_BLOCK_BYTES, max((t.nbytes for t in manifest.tensors), default=0)) or 1)
-                for tensor in manifest.tensors:
-                    value = _crc_of_range(file, tensor.nbytes, block, path)
-                    if value != tensor.crc32:
-                        raise SnapshotCorrupt(
-                            f"{path}: tensor {tensor.name!r} fails its checksum "
-                            f"(crc32 {value:08x}, manifest says {tensor.crc32:08x})"
-                        )
-                    file_crc = crc32_combine(file_crc, value, tensor.nbytes)
+                verifier.check_size(os.fstat(file.fileno()).st_size)
+                verifier.check_header(_read_exact(file, len(verifier.header)))
+                block = memoryview(bytearray(READ_BLOCK_BYTES))
+                while True:
+                    n = file.readinto(block)
+                    if not n:
+                        break
+                    verifier.feed(block[:n])
         except FileNotFoundError:
             raise SnapshotCorrupt(f"{path} is missing") from None
         except OSError as exc:
             raise SnapshotError(f"cannot read {path}: {exc}") from None
-        if file_crc != record.crc32:
-            raise SnapshotCorrupt(f"{path} does not match its checksum in {INDEX_NAME}")
+        verifier.finish()
+
+
+class RankFileVerifier:
+    """Checks a rank's data file as its bytes arrive, in file order: the safetensors header
+    (recomputed from the manifest, byte for byte), every tensor's crc32, then the file's crc32
+    in ``snapshot.json``. SnapshotCorrupt names the file and the tensor.
+
+    The one checksum check of the project: the reader's :meth:`SnapshotReader.verify_data`
+    feeds it from plain reads, the server's restore from its staged mapping. Call order::
+
+        verifier = RankFileVerifier(info, manifest)   # sizes checked, nothing read yet
+        verifier.check_size(os.fstat(fd).st_size)
+        verifier.check_header(first len(verifier.header) bytes)
+        verifier.feed(data) ...                        # the rest, in order, any pieces
+        verifier.finish()                              # every tensor seen, file crc32
+    """
+
+    def __init__(self, info: SnapshotInfo, manifest: RankManifest):
+        self.path = info.path / manifest.data_file
+        self._record = info.index.file(manifest.data_file)
+        self.header, self.expected_size = check_manifest_sizes(info, manifest)
+        self._tensors = manifest.tensors
+        self._index = 0  # the tensor the next byte belongs to
+        self._left = self._tensors[0].nbytes if self._tensors else 0
+        self._value = 0  # crc32 of the current tensor so far
+        self._file_crc = 0
+
+    def check_size(self, size: int) -> None:
+        if size != self.expected_size or size != self._record.bytes:
+            raise SnapshotCorrupt(
+                f"{self.path} is {size} bytes; its manifest implies {self.expected_size} "
+                f"and {INDEX_NAME} says {self._record.bytes}"
+            )
+
+    def check_header(self, data) -> None:
+        if data != self.header:
+            raise SnapshotCorrupt(f"{self.path}: safetensors header does not match its manifest")
+        self._file_crc = crc32(self.header)
+        self._skip_empty()
+
+    def feed(self, data) -> None:
+        """The next bytes after the header (a bytes-like object), in file order."""
+        view = memoryview(data)
+        while len(view):
+            if self._index >= len(self._tensors):
+                raise SnapshotCorrupt(f"{self.path} has bytes past its last tensor")
+            take = min(self._left, len(view))
+            self._value = crc32(view[:take], self._value)
+            view = view[take:]
+            self._left -= take
+            self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        """Close every tensor that has all its bytes (empty ones at once)."""
+        while self._index < len(self._tensors) and self._left == 0:
+            tensor = self._tensors[self._index]
+            if self._value != tensor.crc32:
+                raise SnapshotCorrupt(
+                    f"{self.path}: tensor {tensor.name!r} fails its checksum "
+                    f"(crc32 {self._value:08x}, manifest says {tensor.crc32:08x})"
+                )
+            self._file_crc = crc32_combine(self._file_crc, self._value, tensor.nbytes)
+            self._index += 1
+            self._value = 0
+            self._left = self._tensors[self._index].nbytes if self._index < len(self._tensors) else 0
+
+    def finish(self) -> None:
+        if self._index < len(self._tensors):
+            raise SnapshotCorrupt(f"{self.path} ends inside tensor {self._tensors[self._index].name!r}")
+        if self._file_crc != self._record.crc32:
+            raise SnapshotCorrupt(f"{self.path} does not match its checksum in {INDEX_NAME}")
 
 
 def check_manifest_sizes(info: SnapshotInfo, manifest: RankManifest) -> tuple[bytes, int]:
@@ -327,17 +387,3 @@ def _read_exact(file, nbytes: int) -> bytes:
         parts.append(data)
         nbytes -= len(data)
     return b"".join(parts)
-
-
-def _crc_of_range(file, nbytes: int, block: bytearray, path: pathlib.Path) -> int:
-    """crc32 of the next ``nbytes`` of ``file``, read in blocks."""
-    value = 0
-    view = memoryview(block)
-    remaining = nbytes
-    while remaining:
-        got = file.readinto(view[: min(remaining, len(view))])
-        if not got:
-            raise SnapshotCorrupt(f"{path} ends early")
-        value = crc32(view[:got], value)
-        remaining -= got
-    return value

@@ -40,11 +40,11 @@ import threading
 from collections.abc import Callable
 from typing import ContextManager
 
-from swap_state.common.checksum import crc32, crc32_combine
+from swap_state.common.checksum import crc32
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
 from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import INDEX_NAME, RankManifest
-from swap_state.common.snapshot_reader import check_manifest_sizes
+from swap_state.common.snapshot_reader import RankFileVerifier
 
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
@@ -224,9 +224,8 @@ def _copy_staged(staged: _Staged, manifest: RankManifest, view: memoryview, layo
 
 def _restore_staged(info: SnapshotInfo, manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> tuple[int, bool]:
     """Read the rank's data file once, verify it all, then copy it: (bytes, pinned)."""
-    path = info.path / manifest.data_file
-    record = info.index.file(manifest.data_file)
-    header, expected = check_manifest_sizes(info, manifest)
+    verifier = RankFileVerifier(info, manifest)  # the reader's checks, fed from the staged pages
+    path = verifier.path
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -235,37 +234,22 @@ def _restore_staged(info: SnapshotInfo, manifest: RankManifest, view: memoryview
         raise SnapshotError(f"cannot read {path}: {exc}") from None
     try:
         size = os.fstat(fd).st_size
-        if size != expected or size != record.bytes:
-            raise SnapshotCorrupt(
-                f"{path} is {size} bytes; its manifest implies {expected} and {INDEX_NAME} says {record.bytes}"
-            )
+        verifier.check_size(size)
         try:
             staged = _Staged(fd, size)
         except OSError as exc:
             raise SnapshotError(f"cannot map {path}: {exc}") from None
         try:
-            staged.wait(len(header))
-            if staged.view[: len(header)] != header:
-                raise SnapshotCorrupt(f"{path}: safetensors header does not match its manifest")
-            file_crc = crc32(header)
-            for tensor in manifest.tensors:
-                begin = manifest.data_start + tensor.data_offsets[0]
-                end = begin + tensor.nbytes
-                value = 0
-                position = begin
-                while position < end:  # checksum each region as soon as it is in memory
-                    upto = min(end, (position // STAGE_REGION_BYTES + 1) * STAGE_REGION_BYTES)
-                    staged.wait(upto)
-                    value = crc32(staged.view[position:upto], value)
-                    position = upto
-                if value != tensor.crc32:
-                    raise SnapshotCorrupt(
-                        f"{path}: tensor {tensor.name!r} fails its checksum "
-                        f"(crc32 {value:08x}, manifest says {tensor.crc32:08x})"
-                    )
-                file_crc = crc32_combine(file_crc, value, tensor.nbytes)
-            if file_crc != record.crc32:
-                raise SnapshotCorrupt(f"{path} does not match its checksum in {INDEX_NAME}")
+            header_end = len(verifier.header)
+            staged.wait(header_end)
+            verifier.check_header(staged.view[:header_end])
+            position = header_end
+            while position < size:  # checksum each region as soon as it is in memory
+                upto = min(size, (position // STAGE_REGION_BYTES + 1) * STAGE_REGION_BYTES)
+                staged.wait(upto)
+                verifier.feed(staged.view[position:upto])
+                position = upto
+            verifier.finish()
             if not staged.pinned:
                 log_event(log, "restore_unpinned", logging.WARNING, path=path, bytes=size,
                           errno=staged.pin_errno,
