@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import time
 
+from swap_state.common.retry import wait_until
 from swap_state.common.segment import Chunk, SegmentHeader, SegmentLayout, Word, chunk_table
 from swap_state.common.trainer_header import TrainerHeader
 
@@ -64,31 +65,30 @@ def protect_chunk(
     epoch = header[Word.SNAP_EPOCH]
     if not _needs_copy(header, chunk.index, epoch):
         return False
-    waited_since: int | None = None
-    poll = _POLL_FIRST_S
-    try:
-        while True:
-            slot = header.free_slot()
-            if slot is not None:
-                break
-            now = time.monotonic_ns()
-            if waited_since is None:
-                waited_since = now
-            elif max_wait_s is not None and now - waited_since > max_wait_s * 1e9:
-                raise BackPressureTimeout(
-                    f"waited {max_wait_s} s for a free copy slot for chunk {chunk.index} "
-                    f"(server persisted {header[Word.PERSISTED_UPTO]} and staged "
-                    f"{header[Word.STAGED_UPTO]} of {layout.n_chunks} chunks)"
-                )
-            time.sleep(poll)
-            poll = min(poll * 2, _POLL_MAX_S)
-            # While waiting the server may have read or staged this chunk, or finished.
-            epoch = header[Word.SNAP_EPOCH]
-            if not _needs_copy(header, chunk.index, epoch):
-                return False
-    finally:
-        if waited_since is not None:
+    slot = header.free_slot()
+    if slot is None:  # back-pressure: wait for a free slot, or for the server to make it safe
+        found: dict[str, int | None] = {"slot": None, "epoch": epoch}
+
+        def slot_or_safe() -> bool:
+            found["slot"] = header.free_slot()
+            found["epoch"] = header[Word.SNAP_EPOCH]
+            return found["slot"] is not None or not _needs_copy(header, chunk.index, found["epoch"])
+
+        waited_since = time.monotonic_ns()
+        try:
+            done = wait_until(slot_or_safe, timeout_s=max_wait_s, first_s=_POLL_FIRST_S, max_s=_POLL_MAX_S)
+        finally:
             trainer.record_backpressure(time.monotonic_ns() - waited_since)
+        if not done:
+            raise BackPressureTimeout(
+                f"waited {max_wait_s} s for a free copy slot for chunk {chunk.index} "
+                f"(server persisted {header[Word.PERSISTED_UPTO]} and staged "
+                f"{header[Word.STAGED_UPTO]} of {layout.n_chunks} chunks)"
+            )
+        # While waiting the server may have read or staged this chunk, or finished.
+        slot, epoch = found["slot"], found["epoch"]
+        if not _needs_copy(header, chunk.index, epoch):
+            return False
     start = layout.cow_slots_offset + slot * layout.chunk_bytes
     view[start : start + chunk.nbytes] = view[chunk.offset : chunk.offset + chunk.nbytes]
     # Publication order matters: the server trusts the slot once it sees COW_EPOCH == epoch.

@@ -27,7 +27,6 @@ a torchtitan checkpoint. Everything is assembled in host memory.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import pathlib

@@ -29,11 +29,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from swap_state.common.retry import wait_until
 from swap_state.common.server_config import ServerConfig
 from swap_state.common.server_flags import config_to_argv
 
@@ -158,16 +158,16 @@ class EmbeddedServer:
         return self
 
     def _wait_serving(self, socket_path: str) -> None:
-        deadline = time.monotonic() + self.config.start_timeout_s
-        while time.monotonic() < deadline:
+        def serving() -> bool:
             if self._proc.poll() is not None:
                 raise RuntimeError(
                     f"embedded swap-state-server exited with {self._proc.returncode}:\n"
                     f"{self.log_text()}"
                 )
-            if os.path.exists(socket_path) and self._health_ok():
-                return
-            time.sleep(0.05)
+            return os.path.exists(socket_path) and self._health_ok()
+
+        if wait_until(serving, timeout_s=self.config.start_timeout_s, first_s=0.01, max_s=0.05):
+            return
         raise RuntimeError(
             f"embedded swap-state-server not serving after {self.config.start_timeout_s}s:\n"
             f"{self.log_text()}"

@@ -40,7 +40,8 @@ from swap_state.client.optim.dtensor_utils import global_layout, unwrap_dtensor
 from swap_state.client.remote.segment_mapping import dtype_name
 from swap_state.client.remote.snapshot_guard import SnapshotGuard
 from swap_state.common.names import model_tensor_name
-from swap_state.common.segment import SegmentHeader, Word
+from swap_state.common.segment import Word
+from swap_state.common.trainer_header import TrainerHeader
 from swap_state.common.snapshot_metadata import TensorMetadata
 
 __all__ = ["ModelArea", "ModelTensor", "plan_model_tensors", "model_state_bytes"]
@@ -125,7 +126,7 @@ class ModelArea:
         tensors: Sequence[ModelTensor],
         views: Mapping[str, torch.Tensor],
         guard: SnapshotGuard,
-        header: SegmentHeader,
+        header: TrainerHeader,
         backend: DeviceBackend,
     ):
         self.tensors = list(tensors)

@@ -216,7 +216,7 @@ class RemoteSession:
             reply.last_committed_step if reply.has_committed_step else None
         )
         self._lost: SwapStateError | None = None
-        self._header: SegmentHeader | None = None
+        self._header: TrainerHeader | None = None
         self._closing = threading.Event()
         self._stream = None
         self._thread = threading.Thread(

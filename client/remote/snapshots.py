@@ -29,6 +29,7 @@ from swap_state.client.errors import SnapshotBusyError, SwapStateError
 from swap_state.client.optim.host_cache import STEP_KEY
 from swap_state.client.remote.rpc import SwapStateClient
 from swap_state.client.remote.segment_mapping import dtype_name
+from swap_state.common.retry import wait_until
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.segment import TensorLayout, Word
@@ -294,15 +295,11 @@ class SnapshotMixin:
             return
         timeout_s = self.remote_config.backpressure_timeout_s
         begin = time.monotonic()
-        poll = 1e-3
-        while header[Word.SNAP_EPOCH] != 0:
-            if time.monotonic() - begin > timeout_s:
-                raise SwapStateError(
-                    f"{why}: the snapshot of step {header[Word.SNAP_STEP]} still reads this "
-                    f"segment after {timeout_s:g} s"
-                )
-            time.sleep(poll)
-            poll = min(poll * 2, 0.05)
+        if not wait_until(lambda: header[Word.SNAP_EPOCH] == 0, timeout_s=timeout_s):
+            raise SwapStateError(
+                f"{why}: the snapshot of step {header[Word.SNAP_STEP]} still reads this "
+                f"segment after {timeout_s:g} s"
+            )
         log.warning(
             "%s waited %.3f s for the snapshot of step %d to release the segment",
             why, time.monotonic() - begin, header[Word.SNAP_STEP],

@@ -30,7 +30,7 @@ import logging
 import mmap
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from swap_state.common.segment import SegmentHeader, SegmentLayout, TensorSpec, Word, committed_step, layout_hash
 

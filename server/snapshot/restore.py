@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import mmap
 import os
 import queue
 import threading

@@ -61,6 +61,7 @@ from swap_state.common.snapshot_format import (
     safetensors_metadata,
 )
 from swap_state.common.snapshot_metadata import SnapshotMetadata, TensorMetadata
+from swap_state.common.retry import wait_until
 from swap_state.common.server_header import ServerHeader
 from swap_state.server import _posix
 from swap_state.server.snapshot.stager import Stager
@@ -302,22 +303,24 @@ class RankWriter:
     def _wait_for_model(self) -> None:
         """Before the first model chunk: wait (bounded, cancellable) for protocol step 5."""
         began = time.monotonic()
-        poll = 1e-4
-        while not self.model_published():
-            waited = time.monotonic() - began
-            if waited > self.model_copy_timeout_s:
-                copied = self.source.header[Word.MODEL_STEP]
-                raise SnapshotError(
-                    f"the trainer did not copy the model's parameters of step "
-                    f"{self.source.step} into its segment within {self.model_copy_timeout_s:g} s "
-                    f"(it has copied {f'those of step {copied - 1}' if copied else 'none'}); "
-                    "a trainer that stopped or died after the step cannot complete the snapshot "
-                    "(server flag --model-copy-timeout)"
-                )
-            if self.cancel.wait(poll):
+
+        def nap(seconds: float) -> None:
+            if self.cancel.wait(seconds):
                 raise Cancelled()
-            poll = min(poll * 2, 0.01)
+
+        published = wait_until(
+            self.model_published, timeout_s=self.model_copy_timeout_s, first_s=1e-4, max_s=0.01, sleep=nap
+        )
         self.model_wait_seconds += time.monotonic() - began
+        if not published:
+            copied = self.source.header[Word.MODEL_STEP]
+            raise SnapshotError(
+                f"the trainer did not copy the model's parameters of step "
+                f"{self.source.step} into its segment within {self.model_copy_timeout_s:g} s "
+                f"(it has copied {f'those of step {copied - 1}' if copied else 'none'}); "
+                "a trainer that stopped or died after the step cannot complete the snapshot "
+                "(server flag --model-copy-timeout)"
+            )
 
     # --------------------------------------------------------------------- persisting
 
