@@ -41,6 +41,7 @@ from swap_state.common.server_config import ServerConfig
 from swap_state.common.sizes import format_size
 from swap_state.common.errors import StartupError
 from swap_state.server.rpc.listener import SocketGuard
+from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
 from swap_state.server.observability.metrics import MetricsServer, metrics_registry, render_metrics
 from swap_state.server.rpc.service import SwapStateService
@@ -197,6 +198,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
             guard.acquire()
             undo.callback(guard.release)
 
+        copy_policy = CopyBudgetPolicy(max_bandwidth=config.persist_max_bandwidth or None)
         arena = Arena(
             shm_dir=config.shm_dir,
             total_bytes=config.shm_size,
@@ -205,6 +207,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
             tag=_segment_tag(listen),
             gid=gid,
             mlock=config.mlock,
+            copy_policy=copy_policy,
         )
         registry = SessionRegistry(
             arena,
@@ -221,8 +224,8 @@ async def start_server(config: ServerConfig) -> RunningServer:
                 max_bandwidth=config.persist_max_bandwidth or None,
                 stage_threads=config.stage_threads,
                 model_copy_timeout_s=config.model_copy_timeout,
+                copy_policy=copy_policy,
             )
-            arena.persist_rate = snapshots.persist_bandwidth  # measured, and never above the cap
             undo.callback(snapshots.close)
         service = SwapStateService(
             registry,

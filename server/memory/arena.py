@@ -37,12 +37,10 @@ import os
 import pathlib
 import stat
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from swap_state.common.segment import (
     TensorSpec,
-    ASSUMED_FWD_BWD_S,
-    ASSUMED_PERSIST_BYTES_PER_S,
     PAGE_BYTES,
     CopyBudget,
     SegmentHeader,
@@ -58,6 +56,7 @@ from swap_state.common.server_header import ServerHeader
 from swap_state.common.sizes import format_size
 from swap_state.common.errors import ResourceExhausted, StartupError, Unavailable
 from swap_state.server import _posix
+from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
 
 __all__ = [
@@ -244,6 +243,7 @@ class Arena:
         tag: str,
         gid: int | None = None,
         mlock: bool = True,
+        copy_policy: CopyBudgetPolicy | None = None,
     ) -> None:
         self.shm_dir = shm_dir
         self.total_bytes = total_bytes
@@ -266,10 +266,8 @@ class Arena:
         self._closed = False
         self._warned_mlock = False
         self._staging_used = 0
-        self.persist_rate: Callable[[], tuple[float, bool]] = lambda: (ASSUMED_PERSIST_BYTES_PER_S, False)
-        """(bytes/s, measured) of the snapshot writer, asked at need for the copy-budget
-        warning: the snapshot coordinator's ``persist_bandwidth`` once the server has one."""
-        self.assumed_fwd_bwd_s = ASSUMED_FWD_BWD_S
+        self.copy_policy = copy_policy or CopyBudgetPolicy()
+        """The server's memory-rule inputs (shared with its snapshot coordinator)."""
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -312,15 +310,19 @@ class Arena:
     @property
     def persist_estimate(self) -> tuple[float, bool]:
         """(bytes/s, measured) the copy-budget warning uses now; set to fix one."""
-        return self.persist_rate()
+        return self.copy_policy.rate()
 
     @persist_estimate.setter
     def persist_estimate(self, value: tuple[float, bool]) -> None:
-        self.persist_rate = lambda: value
+        self.copy_policy.fix(value)
+
+    @property
+    def assumed_fwd_bwd_s(self) -> float:
+        return self.copy_policy.fwd_bwd_s
 
     def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
-        """The memory rule for a segment of ``layout`` with the arena's estimates."""
-        return CopyBudget.of(layout, *self.persist_estimate, self.assumed_fwd_bwd_s)
+        """The memory rule for a segment of ``layout`` (the policy's)."""
+        return self.copy_policy.budget(layout)
 
     @property
     def cow_slots_used(self) -> int:

@@ -170,7 +170,7 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
         budget = None
         if session.segment is not None:
             layout = session.segment.layout
-            budget = self.snapshots.copy_budget(layout) if self.snapshots else self.arena.copy_budget(layout)
+            budget = self.arena.copy_budget(layout)  # the server's one policy, shared with its snapshots
         return pb.SessionStats(
             session_id=session.session_id,
             job_id=session.job_id,

@@ -55,6 +55,7 @@ from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, parse_metadata
 from swap_state.common.names import parse_snapshot_id, shorten, validate_job_id
 
+from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.group import SnapshotGroup, SnapshotHandle, SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.store import SnapshotStore
@@ -88,6 +89,7 @@ class SnapshotCoordinator:
         model_copy_timeout_s: float = 60.0,
         assumed_fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
         assumed_persist_bandwidth: float = ASSUMED_PERSIST_BYTES_PER_S,
+        copy_policy: CopyBudgetPolicy | None = None,
     ):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
         ``max_bandwidth``: bytes/s for all snapshot I/O together (None: no cap).
@@ -100,7 +102,8 @@ class SnapshotCoordinator:
         writer has not reached). ``model_copy_timeout_s``: how long a whole-state snapshot
         waits for the trainer's copy of the model (protocol step 5).
         ``assumed_fwd_bwd_s`` / ``assumed_persist_bandwidth``: the forward/backward time
-        and (until a snapshot measured it) the persist bytes/s of the copy-budget warning."""
+        and (until a snapshot measured it) the persist bytes/s of the copy-budget warning,
+        when no ``copy_policy`` (the server's, shared with its arena) is given."""
         if keep_latest is not None and keep_latest < 2:
             raise ValueError("keep_latest must be >= 2 (or None to keep all snapshots)")
         if assemble_timeout_s <= 0:
@@ -109,10 +112,11 @@ class SnapshotCoordinator:
             raise ValueError("stage_threads must be >= 0")
         self.stage_threads = stage_threads
         self.model_copy_timeout_s = model_copy_timeout_s
-        self.assumed_fwd_bwd_s = assumed_fwd_bwd_s
-        self.assumed_persist_bandwidth = assumed_persist_bandwidth
+        self.copy_policy = copy_policy or CopyBudgetPolicy(
+            assumed_bytes_per_s=assumed_persist_bandwidth, max_bandwidth=max_bandwidth, fwd_bwd_s=assumed_fwd_bwd_s
+        )
+        """Owns the memory rule's inputs; this coordinator records each snapshot's rate."""
         self.max_bandwidth = max_bandwidth
-        self._measured_persist: float | None = None  # bytes/s, smoothed over snapshots
         self.store = SnapshotStore(snapshot_dir)
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
@@ -145,26 +149,18 @@ class SnapshotCoordinator:
 
     # ------------------------------------------------------------------------------ copy budget
 
+    @property
+    def assumed_fwd_bwd_s(self) -> float:
+        return self.copy_policy.fwd_bwd_s
+
     def persist_bandwidth(self) -> tuple[float, bool]:
         """(bytes/s, measured): the pace chunks persisted at in recent snapshots, or the
-        assumed one before any; never above ``max_bandwidth``."""
-        measured = self._measured_persist
-        rate = measured if measured is not None else self.assumed_persist_bandwidth
-        if self.max_bandwidth is not None:
-            rate = min(rate, self.max_bandwidth)
-        return rate, measured is not None
-
-    def _record_persist_rate(self, rate: float | None) -> None:
-        if rate is None or rate <= 0:
-            return
-        with self._lock:
-            old = self._measured_persist
-            self._measured_persist = rate if old is None else 0.5 * old + 0.5 * rate
+        assumed one before any; never above ``max_bandwidth`` (the policy's)."""
+        return self.copy_policy.rate()
 
     def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
-        """The memory rule for a segment of ``layout``: its copy slots against what the disk
-        cannot persist within one (assumed) forward/backward."""
-        return CopyBudget.of(layout, *self.persist_bandwidth(), self.assumed_fwd_bwd_s)
+        """The memory rule for a segment of ``layout`` (the policy's)."""
+        return self.copy_policy.budget(layout)
 
     def _warn_copy_budget(self, source: SnapshotSource) -> None:
         budget = self.copy_budget(source.layout)
@@ -412,7 +408,7 @@ class SnapshotCoordinator:
                 if self._holding.get((group.job_id, handle.rank)) is handle:
                     del self._holding[(group.job_id, handle.rank)]
             if result is not None:
-                self._record_persist_rate(handle._writer.persist_rate())
+                self.copy_policy.record(handle._writer.persist_rate())
             if error is not None:
                 group.fail(error, handle.rank)
             commit = False

@@ -1,0 +1,63 @@
+"""The memory rule's inputs, owned once: the persist rate (measured by the snapshot writers,
+else assumed; never above ``--persist-max-bandwidth``) and the assumed forward/backward time.
+
+One :class:`CopyBudgetPolicy` per server, made by the runtime and handed to the arena (the
+warning at Allocate, Stats) and to the snapshot coordinator (which records each snapshot's
+rate, and warns at Snapshot): both ask it, neither computes its own.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S, CopyBudget, SegmentLayout
+
+__all__ = ["CopyBudgetPolicy"]
+
+
+class CopyBudgetPolicy:
+    """Persist rate and forward/backward time of the memory rule (``CopyBudget``)."""
+
+    def __init__(
+        self,
+        *,
+        assumed_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
+        max_bandwidth: float | None = None,
+        fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
+    ):
+        self.assumed_bytes_per_s = assumed_bytes_per_s
+        """The persist rate until a snapshot measured one."""
+        self.max_bandwidth = max_bandwidth
+        """The writers' cap (``--persist-max-bandwidth``): no rate is above it."""
+        self.fwd_bwd_s = fwd_bwd_s
+        """The forward/backward time assumed between a snapshot and the next optimizer step."""
+        self._measured: float | None = None  # bytes/s, smoothed over snapshots
+        self._fixed: tuple[float, bool] | None = None
+        self._lock = threading.Lock()
+
+    def record(self, bytes_per_s: float | None) -> None:
+        """A finished snapshot's persist rate (ignored when unknown)."""
+        if bytes_per_s is None or bytes_per_s <= 0:
+            return
+        with self._lock:
+            old = self._measured
+            self._measured = bytes_per_s if old is None else 0.5 * old + 0.5 * bytes_per_s
+
+    def fix(self, rate: tuple[float, bool]) -> None:
+        """Use ``(bytes/s, measured)`` from now on, whatever is recorded (tests, benchmarks)."""
+        self._fixed = rate
+
+    def rate(self) -> tuple[float, bool]:
+        """(bytes/s, measured) the rule uses now."""
+        if self._fixed is not None:
+            return self._fixed
+        measured = self._measured
+        rate = measured if measured is not None else self.assumed_bytes_per_s
+        if self.max_bandwidth is not None:
+            rate = min(rate, self.max_bandwidth)
+        return rate, measured is not None
+
+    def budget(self, layout: SegmentLayout) -> CopyBudget:
+        """The rule for a segment of ``layout``: its copy slots against what the disk cannot
+        persist within one forward/backward."""
+        return CopyBudget.of(layout, *self.rate(), self.fwd_bwd_s)
