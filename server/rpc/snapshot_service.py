@@ -23,7 +23,7 @@ from swap_state.common.errors import FailedPrecondition, NoSegment, SnapshotsDis
 from swap_state.server.observability.metrics import counter, gauge
 from swap_state.server.snapshot.restore import restore
 from swap_state.server.memory.sessions import Session
-from swap_state.server.snapshot.coordinator import SnapshotCoordinator, SnapshotHandle, SnapshotStatus
+from swap_state.server.snapshot.coordinator import SnapshotCoordinator, RankSnapshot, SnapshotStatus
 from swap_state.server.snapshot.writer import SnapshotSource
 from swap_state.server.rpc.statuses import rpc_boundary
 from swap_state.server.rpc.validation import (
@@ -46,23 +46,15 @@ __all__ = [
 MAX_STATUS_WAIT_S = 60.0
 
 
+_REPLY_FIELDS = tuple(field.name for field in pb.SnapshotStatusReply.DESCRIPTOR.fields)
+
+
 def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
-    return pb.SnapshotStatusReply(
-        snapshot_id=status.snapshot_id,
-        rank=status.rank,
-        state=status.state.value,
-        bytes_total=status.bytes_total,
-        bytes_persisted=status.bytes_persisted,
-        error=status.error,
-        cow_copies=status.cow_copies,
-        backpressure_waits=status.backpressure_waits,
-        backpressure_wait_seconds=status.backpressure_wait_seconds,
-        path=status.path,
-        step=status.step,
-        server_staged_chunks=status.server_staged_chunks,
-        server_staged_bytes=status.server_staged_bytes,
-        trainer_copied_bytes=status.trainer_copied_bytes,
-    )
+    """The protobuf of a status, at the boundary: every reply field from the status field of
+    the same name (the state as its string)."""
+    values = {name: getattr(status, name) for name in _REPLY_FIELDS}
+    values["state"] = status.state.value
+    return pb.SnapshotStatusReply(**values)
 
 
 @dataclasses.dataclass
@@ -241,7 +233,7 @@ class SnapshotRpcs:
 
 
 async def _finish(
-    handle: SnapshotHandle,
+    handle: RankSnapshot,
     borrow: contextlib.AbstractContextManager,
     counters: SnapshotCounters,
 ) -> None:

@@ -8,7 +8,7 @@ Call order (the servicer):
    the snapshot epoch in the segment header and returns: the snapshot is *consistent*, the
    trainer may mutate the segment again. A background thread persists the rank, and a stager
    thread (``stage_threads``) copies ahead of the trainer the chunks the writer will not
-   reach in time (:class:`~.snapshot_writer.Stager`). It logs ``copy_budget_short`` when the
+   reach in time (:class:`~swap_state.server.snapshot.stager.Stager`). It logs ``copy_budget_short`` when the
    segment's copy slots cannot cover what the disk cannot persist within one
    forward/backward (:meth:`SnapshotCoordinator.copy_budget`).
 3. SnapshotStatus RPC: ``coordinator.status(snapshot_id, rank, wait_s)`` (or ``handle.wait``):
@@ -20,7 +20,7 @@ Call order (the servicer):
    the snapshot must not complete) and ``handle.wait_segment_released()``.
 5. Server shutdown: ``coordinator.close()``.
 
-One rank's snapshot is held by one :class:`SnapshotHandle`; the ranks of a (job, step) on this
+One rank's snapshot is held by one :class:`RankSnapshot`; the ranks of a (job, step) on this
 server form a group that commits together or fails together (a failed rank cancels the
 others, and their partial files are removed). On a multi-host job each host's server commits
 its own ranks' group; ``snapshot.json`` records the job's ``world_size`` and the ``ranks``
@@ -57,7 +57,7 @@ from swap_state.common.names import parse_snapshot_id, shorten, validate_job_id
 
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.group import SnapshotGroup, SnapshotHandle, SnapshotState, SnapshotStatus
+from swap_state.server.snapshot.group import SnapshotGroup, RankSnapshot, SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.store import SnapshotStore
 from swap_state.server.snapshot.writer import BandwidthLimiter, Cancelled, RankResult, RankWriter, SnapshotSource
 
@@ -67,7 +67,7 @@ __all__ = [
     "SnapshotSource",
     "SnapshotState",
     "SnapshotStatus",
-    "SnapshotHandle",
+    "RankSnapshot",
     "SnapshotCoordinator",
 ]
 
@@ -125,7 +125,7 @@ class SnapshotCoordinator:
         self._limiter = BandwidthLimiter(max_bandwidth)
         self._lock = threading.Lock()
         self._groups: dict[tuple[str, int], SnapshotGroup] = {}
-        self._holding: dict[tuple[str, int], SnapshotHandle] = {}  # (job, rank) -> reads a segment
+        self._holding: dict[tuple[str, int], RankSnapshot] = {}  # (job, rank) -> reads a segment
         self._last_epoch = 0
         self._closed = False
         try:
@@ -215,12 +215,12 @@ class SnapshotCoordinator:
         self._last_epoch = max(self._last_epoch, highest) + 1
         return self._last_epoch
 
-    def start(self, source: SnapshotSource, *, hold: bool = False) -> SnapshotHandle:
+    def start(self, source: SnapshotSource, *, hold: bool = False) -> RankSnapshot:
         """Begin (or join) the snapshot of ``source.step`` for ``source.job_id``; returns once it
         is consistent. Idempotent for a rank that already joined a live or durable snapshot.
 
         ``hold``: the writer thread waits for ``handle.proceed()`` (at most
-        ``snapshot_writer.HOLD_MAX_S``) before it streams, so a caller can get its reply out
+        ``writer.HOLD_MAX_S``) before it streams, so a caller can get its reply out
         first; the snapshot is consistent on return either way.
 
         Raises SnapshotInvalid (arguments, metadata_json), SnapshotBusy (the segment is being
@@ -236,7 +236,7 @@ class SnapshotCoordinator:
             group = self._groups.get(key)
             if group is not None:
                 group = self._reuse_group(group, source)
-                if isinstance(group, SnapshotHandle):
+                if isinstance(group, RankSnapshot):
                     return group
             holder = self._holding.get((source.job_id, source.rank))
             if holder is not None:
@@ -278,7 +278,7 @@ class SnapshotCoordinator:
             )
             if not hold:
                 writer.go()
-            handle = SnapshotHandle(group, source.rank, writer)
+            handle = RankSnapshot(group, source.rank, writer)
             handle.commits_at_start = source.header[Word.TRAINER_COMMITS]
             thread = threading.Thread(
                 target=self._run,
@@ -307,7 +307,7 @@ class SnapshotCoordinator:
         self._warn_copy_budget(source)  # after the publish: the trainer's stall is not for this
         return handle
 
-    def _reuse_group(self, group: SnapshotGroup, source: SnapshotSource) -> SnapshotGroup | SnapshotHandle | None:
+    def _reuse_group(self, group: SnapshotGroup, source: SnapshotSource) -> SnapshotGroup | RankSnapshot | None:
         """Decide what a start for an existing (job, step) group means; under self._lock.
         Returns the handle to hand back (a retry), the group to join, or None (new attempt)."""
         with group.cond:
@@ -392,7 +392,7 @@ class SnapshotCoordinator:
 
     # ------------------------------------------------------------------------------ threads
 
-    def _run(self, group: SnapshotGroup, handle: SnapshotHandle) -> None:
+    def _run(self, group: SnapshotGroup, handle: RankSnapshot) -> None:
         try:
             error: SnapshotError | None = None
             result: RankResult | None = None
@@ -459,7 +459,7 @@ class SnapshotCoordinator:
 
     # ------------------------------------------------------------------------------ queries
 
-    def handle(self, snapshot_id: str, rank: int) -> SnapshotHandle | None:
+    def handle(self, snapshot_id: str, rank: int) -> RankSnapshot | None:
         """The in-memory handle of a rank's snapshot (``<job>/step-<N>``), if any."""
         key = _parse_step_id(snapshot_id)
         with self._lock:
@@ -476,28 +476,7 @@ class SnapshotCoordinator:
         if handle is not None:
             return handle.wait(wait_s) if wait_s > 0 else handle.status()
         info = self.store.resolve(snapshot_id)
-        manifest = self.store.read_manifest(info, rank)
-        total = sum(t.nbytes for t in manifest.tensors)
-        return SnapshotStatus(
-            snapshot_id=info.snapshot_id,
-            job_id=info.job_id,
-            step=info.step,
-            rank=rank,
-            world_size=info.world_size,
-            state=SnapshotState.DURABLE,
-            bytes_total=total,
-            bytes_persisted=total,
-            error="",
-            cow_copies=manifest.cow_copies,
-            backpressure_waits=manifest.backpressure_waits,
-            backpressure_wait_seconds=manifest.backpressure_wait_seconds,
-            path=str(info.path),
-            ranks_joined=info.local_world_size,
-            ranks_persisted=info.local_world_size,
-            segment_released=True,
-            local_world_size=info.local_world_size,
-            ranks=info.ranks,
-        )
+        return SnapshotStatus.from_disk(info, self.store.read_manifest(info, rank))
 
     def in_progress(self) -> list[SnapshotStatus]:
         """Statuses of every rank of every snapshot still persisting (for Stats)."""

@@ -1,5 +1,5 @@
 """One snapshot's state as the coordinator tracks it: the group of ranks of a (job, step) on
-this server, each rank's :class:`SnapshotHandle`, and the :class:`SnapshotStatus` they report.
+this server, each rank's :class:`RankSnapshot`, and the :class:`SnapshotStatus` they report.
 
 A group commits together or fails together: a failed rank cancels the others, and their
 partial files are removed. Handles are what the servicer holds: ``status()``, ``wait()``,
@@ -16,11 +16,13 @@ import time
 
 from swap_state.common.names import snapshot_id_for
 from swap_state.common.snapshot_errors import SnapshotError, SnapshotFailed
+from swap_state.common.snapshot_format import RankManifest
+from swap_state.common.snapshot_reader import SnapshotInfo
 
 from swap_state.server.snapshot.store import CommitResult, SnapshotStore
 from swap_state.server.snapshot.writer import RankResult, RankWriter
 
-__all__ = ["SnapshotState", "SnapshotStatus", "SnapshotGroup", "SnapshotHandle"]
+__all__ = ["SnapshotState", "SnapshotStatus", "SnapshotGroup", "RankSnapshot"]
 
 
 class SnapshotState(str, enum.Enum):
@@ -73,6 +75,31 @@ class SnapshotStatus:
     """Ranks that must be durable on this server before the snapshot is (0: ``world_size``)."""
     ranks: tuple[int, ...] = ()
     """The ranks that have joined (in memory) or that the durable snapshot holds (from disk)."""
+
+    @classmethod
+    def from_disk(cls, info: SnapshotInfo, manifest: RankManifest) -> "SnapshotStatus":
+        """A durable snapshot no longer in memory, as its index and the rank's manifest say."""
+        total = sum(t.nbytes for t in manifest.tensors)
+        return cls(
+            snapshot_id=info.snapshot_id,
+            job_id=info.job_id,
+            step=info.step,
+            rank=manifest.rank,
+            world_size=info.world_size,
+            state=SnapshotState.DURABLE,
+            bytes_total=total,
+            bytes_persisted=total,
+            error="",
+            cow_copies=manifest.cow_copies,
+            backpressure_waits=manifest.backpressure_waits,
+            backpressure_wait_seconds=manifest.backpressure_wait_seconds,
+            path=str(info.path),
+            ranks_joined=info.local_world_size,
+            ranks_persisted=info.local_world_size,
+            segment_released=True,
+            local_world_size=info.local_world_size,
+            ranks=info.ranks,
+        )
     server_staged_chunks: int = 0
     """Chunks the server's stager copied ahead of the trainer (this rank; 0 from disk)."""
     server_staged_bytes: int = 0
@@ -106,7 +133,7 @@ class SnapshotGroup:
         self.snapshot_id = snapshot_id_for(job_id, step)
         self.cond = threading.Condition()
         self.cancel = threading.Event()
-        self.handles: dict[int, SnapshotHandle] = {}
+        self.handles: dict[int, RankSnapshot] = {}
         self.results: dict[int, RankResult] = {}
         self.rank_errors: dict[int, SnapshotError] = {}
         self.state = SnapshotState.PERSISTING
@@ -150,7 +177,7 @@ class SnapshotGroup:
             self.cond.notify_all()
 
 
-class SnapshotHandle:
+class RankSnapshot:
     """One rank's snapshot. Thread-safe; obtained from :meth:`SnapshotCoordinator.start`."""
 
     def __init__(self, group: SnapshotGroup, rank: int, writer: RankWriter):
