@@ -111,6 +111,7 @@ class RunningServer:
             if self.service.snapshots is not None:
                 # Let running snapshots finish (bounded) before their segments are freed.
                 await asyncio.to_thread(self.service.snapshots.close)
+            await self.service.snapshot_rpcs.drain(timeout_s=grace + 5.0)  # borrowed segments back
             await self.sessions.close()
         finally:
             if self._guard is not None:

@@ -16,7 +16,7 @@ from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 from swap_state.server.memory.arena import Arena, Segment
 from swap_state.server.memory.sessions import Session, SessionRegistry
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
-from swap_state.server.rpc.snapshot_service import SnapshotCounters, SnapshotRpcs, status_reply
+from swap_state.server.rpc.snapshot_service import SnapshotRpcs, status_reply
 from swap_state.server.rpc.statuses import RpcCounters, rpc_boundary
 from swap_state.server.rpc.validation import (
     validate_client_host,
@@ -62,7 +62,7 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
+class SwapStateService(pb_grpc.SwapStateServicer):
     def __init__(
         self,
         registry: SessionRegistry,
@@ -74,7 +74,8 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
     ) -> None:
         self.registry = registry
         self.snapshots = snapshots
-        self.snapshot_counters = SnapshotCounters()
+        self.snapshot_rpcs = SnapshotRpcs(registry, arena, snapshots)
+        self.snapshot_counters = self.snapshot_rpcs.snapshot_counters
         self.arena = arena
         self.keepalive_interval = keepalive_interval
         self.counters = counters  # used by rpc_boundary
@@ -189,3 +190,21 @@ class SwapStateService(SnapshotRpcs, pb_grpc.SwapStateServicer):
             copy_budget_needed_bytes=budget.needed_bytes if budget else 0,
             copy_budget_warning=budget.warning() if budget and self.snapshots else "",
         )
+
+
+    # -- snapshots: SnapshotRpcs does the work, behind this service's boundary ------------
+    @rpc_boundary
+    async def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
+        return await self.snapshot_rpcs.Snapshot(request, context)
+
+    @rpc_boundary
+    async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context) -> pb.SnapshotStatusReply:
+        return await self.snapshot_rpcs.SnapshotStatus(request, context)
+
+    @rpc_boundary
+    async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
+        return await self.snapshot_rpcs.ListSnapshots(request, context)
+
+    @rpc_boundary
+    async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
+        return await self.snapshot_rpcs.Restore(request, context)

@@ -1,10 +1,12 @@
 """Snapshot and restore RPCs: protobuf <-> the snapshot domain (:mod:`.snapshot_coordinator`,
 :mod:`.restore`).
 
-A mixin of :class:`~swap_state.server.rpc.service.SwapStateService`, so status codes are mapped by
-the same ``rpc_boundary`` and ids are validated the same way, first thing (:mod:`.validation`).
-Blocking work (waiting on a writer, verifying and copying a restore) runs in worker threads;
-the event loop only converts and dispatches.
+:class:`SnapshotRpcs` is held by :class:`~swap_state.server.rpc.service.SwapStateService`,
+whose methods of the same names call it behind the one ``rpc_boundary`` (status codes); ids
+are validated here, first thing (:mod:`.validation`). Blocking work (waiting on a writer,
+verifying and copying a restore) runs in worker threads; the event loop only converts and
+dispatches. The task that returns a snapshot's borrowed segment is tracked, its errors
+logged, and :meth:`SnapshotRpcs.drain` awaits it at shutdown.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 
 from prometheus_client.core import Metric
@@ -22,10 +25,11 @@ from swap_state.proto import swap_state_pb2 as pb
 from swap_state.common.errors import FailedPrecondition, NoSegment, SnapshotsDisabled
 from swap_state.server.observability.metrics import counter, gauge
 from swap_state.server.snapshot.restore import restore
-from swap_state.server.memory.sessions import Session
+from swap_state.server.logs import log_event
+from swap_state.server.memory.arena import Arena
+from swap_state.server.memory.sessions import Session, SessionRegistry
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator, RankSnapshot, SnapshotStatus
 from swap_state.server.snapshot.writer import SnapshotSource
-from swap_state.server.rpc.statuses import rpc_boundary
 from swap_state.server.rpc.validation import (
     validate_job_id_filter,
     validate_session,
@@ -44,6 +48,8 @@ __all__ = [
 ]
 
 MAX_STATUS_WAIT_S = 60.0
+
+log = logging.getLogger("swap_state.server.rpc")
 
 
 _REPLY_FIELDS = tuple(field.name for field in pb.SnapshotStatusReply.DESCRIPTOR.fields)
@@ -125,11 +131,17 @@ def snapshot_metrics(
 
 
 class SnapshotRpcs:
-    """Needs ``self.registry``, ``self.snapshots`` (a coordinator, or None without
-    --snapshot-dir) and ``self.snapshot_counters``."""
+    """The snapshot RPCs' work, one method per RPC (the service's boundary wraps them).
 
-    snapshots: SnapshotCoordinator | None
-    snapshot_counters: SnapshotCounters
+    ``snapshots``: the coordinator, or None without --snapshot-dir (every call then fails
+    naming the flag)."""
+
+    def __init__(self, registry: SessionRegistry, arena: Arena, snapshots: SnapshotCoordinator | None):
+        self.registry = registry
+        self.arena = arena
+        self.snapshots = snapshots
+        self.snapshot_counters = SnapshotCounters()
+        self._finishing: set[asyncio.Task[None]] = set()
 
     def _coordinator(self) -> SnapshotCoordinator:
         if self.snapshots is None:
@@ -146,7 +158,6 @@ class SnapshotRpcs:
             )
         return session
 
-    @rpc_boundary
     async def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
         validate_session(request.session_id, request.generation)
         validate_step(request.step)
@@ -160,9 +171,8 @@ class SnapshotRpcs:
                 )
             # The writer reads the segment after this reply; borrow() keeps the mapping
             # alive (a detach or grace expiry waits) until the writer lets go.
-            borrow = session.segment.borrow()
-            buffer = borrow.__enter__()
-            try:
+            with contextlib.ExitStack() as stack:
+                buffer = stack.enter_context(session.segment.borrow())
                 source = SnapshotSource(
                     buffer, session.layout, session.header, session.job_id, session.rank,
                     session.world_size, request.step, request.metadata_json,
@@ -173,20 +183,28 @@ class SnapshotRpcs:
                 # hold: the writer streams once this reply is sent (the trainer's stall is
                 # this RPC; a writer already streaming would compete for the GIL and CPUs).
                 handle = await asyncio.to_thread(coordinator.start, source, hold=True)
-            except BaseException:
-                borrow.__exit__(None, None, None)
-                raise
+                held = stack.pop_all()  # started: _finish returns the mapping
         try:
             context.add_done_callback(lambda _context: handle.proceed())
         except Exception:  # no termination callback: let the writer go now
             handle.proceed()
         self.snapshot_counters.started += 1
-        asyncio.get_running_loop().create_task(
-            _finish(handle, borrow, self.snapshot_counters)
-        )
+        task = asyncio.get_running_loop().create_task(_finish(handle, held, self.snapshot_counters))
+        self._finishing.add(task)
+        task.add_done_callback(self._finished)
         return pb.SnapshotReply(snapshot_id=handle.snapshot_id, consistent=True)
 
-    @rpc_boundary
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._finishing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log_event(log, "snapshot_finish_failed", logging.ERROR, error=repr(task.exception()))
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Await the tasks that return borrowed segments (at shutdown, after the coordinator
+        has let its writers finish)."""
+        if self._finishing:
+            await asyncio.wait(set(self._finishing), timeout=timeout_s)
+
     async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context) -> pb.SnapshotStatusReply:
         validate_snapshot_id(request.snapshot_id, relative=False, latest=False)
         validate_snapshot_rank(request.rank)
@@ -195,7 +213,6 @@ class SnapshotRpcs:
         status = await asyncio.to_thread(coordinator.status, request.snapshot_id, request.rank, wait_s)
         return status_reply(status)
 
-    @rpc_boundary
     async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
         job_id = validate_job_id_filter(request.job_id)
         coordinator = self._coordinator()
@@ -211,7 +228,6 @@ class SnapshotRpcs:
             ]
         )
 
-    @rpc_boundary
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
         validate_session(request.session_id, request.generation)
         snapshot_id = validate_snapshot_id(request.snapshot_id or "latest", relative=True, latest=True)
@@ -232,14 +248,8 @@ class SnapshotRpcs:
         )
 
 
-async def _finish(
-    handle: RankSnapshot,
-    borrow: contextlib.AbstractContextManager,
-    counters: SnapshotCounters,
-) -> None:
+async def _finish(handle: RankSnapshot, held: contextlib.ExitStack, counters: SnapshotCounters) -> None:
     """Return the borrowed mapping once the writer is done with it, then count the result."""
-    try:
+    with held:
         await asyncio.to_thread(handle.wait_segment_released, None)
-    finally:
-        borrow.__exit__(None, None, None)
     counters.record(await asyncio.to_thread(handle.wait, None))
