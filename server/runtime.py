@@ -34,7 +34,8 @@ from grpc_health.v1.health import aio as health_aio
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
-from swap_state.server.memory.arena import Arena, check_shm_dir
+from swap_state.server.memory.arena import Arena
+from swap_state.server.memory.shm_dir import check_shm_dir
 from swap_state.server.rpc.auth import TokenAuthInterceptor, read_token_file
 from swap_state.common.addresses import ListenAddress
 from swap_state.common.server_config import ServerConfig

@@ -25,6 +25,9 @@ them back after; it refuses (False) when the free budget cannot hold them.
 
 Blocking methods (``create_segment``, ``free``) are thread-safe and meant for a worker thread:
 committing tens of GiB takes seconds and must not stall liveness streams.
+
+Elsewhere: the :class:`~.segment_file.Segment` a creation returns is in :mod:`.segment_file`,
+the start-up checks of the shm directory in :mod:`.shm_dir`.
 """
 
 from __future__ import annotations
@@ -54,25 +57,17 @@ from swap_state.common.segment import (
 
 from swap_state.common.server_header import ServerHeader
 from swap_state.common.sizes import format_size
-from swap_state.common.errors import ResourceExhausted, StartupError, Unavailable
+from swap_state.common.errors import ResourceExhausted, Unavailable
 from swap_state.server import _posix
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
+from swap_state.server.memory.segment_file import Segment
 
-__all__ = [
-    "LOCAL_RANKS_HINT",
-    "MEMORY_FILESYSTEMS",
-    "SEGMENT_PREFIX",
-    "Arena",
-    "Segment",
-    "check_shm_dir",
-    "filesystem_type",
-]
+__all__ = ["LOCAL_RANKS_HINT", "SEGMENT_PREFIX", "Arena"]
 
 log = logging.getLogger("swap_state.server.arena")
 
 SEGMENT_PREFIX = "swap-state"
-MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 # The cow pool is shared by the sessions of a host; a session takes at most
 # pool / min(world_size, LOCAL_RANKS_HINT) slots so that a typical 8-rank host leaves slots for
 # every rank, while a single-rank job gets the whole pool.
@@ -80,67 +75,6 @@ LOCAL_RANKS_HINT = 8
 _ZERO_BLOCK = bytes(1 << 20)
 
 _mlock = _posix.mlock  # a module name, so that tests can replace it
-
-
-def filesystem_type(path: pathlib.Path) -> str | None:
-    """The fs type of the mount holding ``path`` (from /proc/self/mountinfo), None if unknown."""
-    try:
-        lines = pathlib.Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return None
-    target = os.path.realpath(path)
-    best, best_type = "", None
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields = left.split()
-        if len(fields) < 5 or not right:
-            continue
-        mount_point = fields[4].encode().decode("unicode_escape")  # \040 for spaces etc.
-        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
-        if inside and len(mount_point) >= len(best):
-            best, best_type = mount_point, right.split()[0]
-    return best_type
-
-
-def _docker_size(nbytes: int) -> str:
-    """A size in the form docker's --shm-size takes, rounded up (``64g``, ``512m``)."""
-    gib, mib = 1 << 30, 1 << 20
-    if nbytes >= gib:
-        return f"{-(-nbytes // gib)}g"
-    return f"{-(-nbytes // mib)}m"
-
-
-def check_shm_dir(shm_dir: pathlib.Path, shm_size: int) -> int:
-    """Start-up check: a directory on a memory filesystem with room for the whole budget.
-
-    Returns the bytes available. Raises :class:`StartupError` naming the Docker/compose knob:
-    a too small /dev/shm is the usual cause (Docker's default is 64 MB), and we never fall back
-    to disk-backed files.
-    """
-    if not shm_dir.is_dir():
-        raise StartupError(f"--shm-dir {shm_dir} does not exist or is not a directory")
-    fstype = filesystem_type(shm_dir)
-    if fstype is not None and fstype not in MEMORY_FILESYSTEMS:
-        raise StartupError(
-            f"--shm-dir {shm_dir} is on a {fstype} filesystem, not tmpfs: segments there would be "
-            "backed by disk. Use /dev/shm (or another tmpfs mount)."
-        )
-    if fstype is None:
-        log_event(log, "shm_fs_unknown", logging.WARNING, shm_dir=shm_dir,
-                  detail="cannot read /proc/self/mountinfo; assuming a memory filesystem")
-    vfs = os.statvfs(shm_dir)
-    available = vfs.f_bavail * vfs.f_frsize
-    if available < shm_size:
-        raise StartupError(
-            f"{shm_dir} has {available} bytes ({format_size(available)}) available, less than "
-            f"--shm-size {shm_size} bytes ({format_size(shm_size)}). Give the container a larger "
-            f"shared-memory mount, e.g. `docker run --shm-size {_docker_size(shm_size)} ...` "
-            "or `shm_size:` in the compose service (Kubernetes: a Memory emptyDir at /dev/shm with "
-            "a sizeLimit), or lower --shm-size. The server never falls back to disk."
-        )
-    if not os.access(shm_dir, os.W_OK | os.X_OK):
-        raise StartupError(f"--shm-dir {shm_dir} is not writable by this user")
-    return available
 
 
 def _model_share(layout: SegmentLayout) -> str:
@@ -154,80 +88,6 @@ def _model_share(layout: SegmentLayout) -> str:
         "buffers (whole-state snapshots; RemoteConfig.snapshot_model=False or "
         "swap_state_checkpoint='full' leaves them out),"
     )
-
-
-class Segment:
-    """One session's shared-memory file, mapped by the server.
-
-    Attributes the snapshot/restore code and the servicer use: ``path``, ``size``, ``layout``
-    (:class:`SegmentLayout`), ``layout_hash``, ``header`` (:class:`SegmentHeader`), ``buffer``
-    (the server's writable ``mmap`` of the whole file), ``cow_slots``, ``locked``,
-    ``model_bytes`` (the model tensors' part of the tensors, for stats and metrics).
-
-    Hold :meth:`borrow` while reading or writing ``buffer`` from code that may outlive the
-    session (a snapshot still persisting when the session is freed): the file is unmapped,
-    unlinked and its bytes returned to the budget only after the last borrower is done.
-    """
-
-    def __init__(
-        self,
-        arena: Arena,
-        name: str,
-        path: pathlib.Path,
-        layout: SegmentLayout,
-        specs_hash: str,
-        charge: int,
-    ) -> None:
-        self.name = name
-        self.path = path
-        self.layout = layout
-        self.layout_hash = specs_hash
-        self.size = layout.size
-        self.cow_slots = layout.cow_slots
-        self.model_bytes = model_bytes(layout.tensors)  # once: stats and scrapes read it often
-        self.charge = charge  # bytes counted against the tensor part of the budget
-        self.buffer: mmap.mmap | None = None
-        self.header: SegmentHeader | None = None
-        self.locked = False
-        self._arena = arena
-        self._refs = 0
-        self._created = False
-        self._freeing = False
-        self._closed = False
-
-    @property
-    def freed(self) -> bool:
-        """True once :meth:`Arena.free` was called (the bytes may still be borrowed)."""
-        return self._freeing
-
-    @contextlib.contextmanager
-    def borrow(self) -> Iterator[mmap.mmap]:
-        """Keep the mapping alive for the duration of the block; yields ``buffer``."""
-        with self._arena._lock:
-            if self._freeing or self.buffer is None:
-                raise Unavailable(f"segment {self.name} was freed")
-            self._refs += 1
-        try:
-            yield self.buffer
-        finally:
-            with self._arena._lock:
-                self._refs -= 1
-                close_now = self._refs == 0 and self._freeing
-            if close_now:
-                self._arena._destroy(self)
-
-    def _unmap(self) -> None:
-        if self.header is not None:
-            self.header.release()
-            self.header = None
-        if self.buffer is not None:
-            try:
-                self.buffer.close()
-            except BufferError:
-                # Someone kept a memoryview without borrow(); the file is still unlinked and the
-                # mapping goes when that view does. Worth a loud line, never a crash.
-                log_event(log, "segment_unmap_deferred", logging.WARNING, segment=self.name)
-            self.buffer = None
 
 
 class Arena:
@@ -361,13 +221,30 @@ class Arena:
 
         ``owner`` is a server-issued id (hex), part of the file name. ``specs_hash``: the
         caller's ``layout_hash(specs)`` when it has one (O(tensors) to compute again).
+        Steps: :meth:`_charge` (budget and name, under the lock), :meth:`_materialize_or_undo`
+        (the file, outside it: seconds for tens of GiB), :meth:`_register`, then the
+        copy-budget warning.
         """
         if not owner.isalnum():
             raise ValueError("segment owner must be a server-issued alphanumeric id")
+        name, layout = self._charge(owner, specs, world_size)
+        digest = specs_hash if specs_hash is not None else layout_hash(specs)
+        segment = Segment(
+            name, self.shm_dir / name, layout, digest, layout.cow_slots_offset,
+            lock=self._lock, destroy=self._destroy,
+        )
+        self._materialize_or_undo(segment)
+        self._register(segment)
+        self._warn_copy_budget(segment)
+        return segment
+
+    def _charge(self, owner: str, specs: Sequence[TensorSpec], world_size: int) -> tuple[str, SegmentLayout]:
+        """Plan the segment, take its bytes and slots out of the budget and name its file:
+        (name, layout). ResourceExhausted when the free budget cannot hold it."""
         chunk = self.segment_chunk_bytes(specs)
         n_chunks = sum(-(-tensor_nbytes(dtype, shape) // chunk) for _, dtype, shape in specs)
         want = min(self.cow_share(world_size), n_chunks)
-        layout = plan_segment(specs, chunk, want)
+        layout = plan_segment(specs, chunk, want)  # planned outside the lock: O(tensors)
         with self._lock:
             if self._closed:
                 raise Unavailable("the server is shutting down")
@@ -378,24 +255,29 @@ class Arena:
             free = self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self._staging_used
             if charge > free:
                 self.allocation_failures += 1
-                raise ResourceExhausted(
-                    f"segment for {len(specs)} tensors needs {charge} bytes "
-                    f"({format_size(charge)}, header and page padding included)"
-                    f"{_model_share(layout)} but only {free} "
-                    f"bytes ({format_size(free)}) are free of {self.total_bytes} bytes total "
-                    f"(--shm-size {format_size(self.total_bytes)}; {self._tensor_used} bytes in "
-                    f"{len(self._segments)} segments, {self.cow_reserve_bytes} bytes held for the "
-                    "copy-before-write pool): requested "
-                    f"{charge}, free {free}, total {self.total_bytes}"
-                )
+                raise self._over_budget(len(specs), layout, charge, free)
             self._tensor_used += charge
             self._cow_used_slots += layout.cow_slots
             self._cow_used_bytes += layout.cow_slots * layout.chunk_bytes
             self._seq += 1
-            name = f"{self.prefix}{owner}.{self._seq}"
-        path = self.shm_dir / name
-        digest = specs_hash if specs_hash is not None else layout_hash(specs)
-        segment = Segment(self, name, path, layout, digest, charge)
+            return f"{self.prefix}{owner}.{self._seq}", layout
+
+    def _over_budget(self, n_tensors: int, layout: SegmentLayout, charge: int, free: int) -> ResourceExhausted:
+        """The refusal of a segment the budget cannot hold, with every number; under the lock."""
+        return ResourceExhausted(
+            f"segment for {n_tensors} tensors needs {charge} bytes "
+            f"({format_size(charge)}, header and page padding included)"
+            f"{_model_share(layout)} but only {free} "
+            f"bytes ({format_size(free)}) are free of {self.total_bytes} bytes total "
+            f"(--shm-size {format_size(self.total_bytes)}; {self._tensor_used} bytes in "
+            f"{len(self._segments)} segments, {self.cow_reserve_bytes} bytes held for the "
+            "copy-before-write pool): requested "
+            f"{charge}, free {free}, total {self.total_bytes}"
+        )
+
+    def _materialize_or_undo(self, segment: Segment) -> None:
+        """:meth:`_materialize`; on any failure give the charge back and remove what this call
+        created, then raise."""
         try:
             self._materialize(segment)
         except BaseException:
@@ -403,28 +285,32 @@ class Arena:
             segment._unmap()
             if segment._created:  # never unlink a file this call did not create
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                    os.unlink(segment.path)
             with self._lock:
                 self.allocation_failures += 1
             raise
+
+    def _register(self, segment: Segment) -> None:
+        """Make the segment one of the arena's, unless the server shut down meanwhile."""
         with self._lock:
             closed = self._closed
             if not closed:
-                self._segments[name] = segment
+                self._segments[segment.name] = segment
                 self.allocations += 1
         if closed:  # shut down while we were faulting pages in
             self._destroy(segment)
             raise Unavailable("the server is shutting down")
-        budget = self.copy_budget(layout)
+
+    def _warn_copy_budget(self, segment: Segment) -> None:
+        budget = self.copy_budget(segment.layout)
         if budget.short_bytes:
             log_event(
-                log, "copy_budget_short", logging.WARNING, segment=name,
+                log, "copy_budget_short", logging.WARNING, segment=segment.name,
                 state_bytes=budget.state_bytes, slot_bytes=budget.slot_bytes,
                 needed_bytes=budget.needed_bytes, persist_bytes_per_s=int(budget.persist_bytes_per_s),
                 persist_measured=budget.persist_measured, assumed_fwd_bwd_s=budget.fwd_bwd_s,
                 cow_pool_slots=self.cow_pool_slots, detail=budget.warning(),
             )
-        return segment
 
     def _materialize(self, segment: Segment) -> None:
         # O_EXCL|O_NOFOLLOW: never reuse or follow something another process put there.

@@ -18,164 +18,35 @@ Lifecycle::
 Ids and numbers a request carries (job id, session id, rank, generation, step) are validated
 once, by the servicer, before they get here (:mod:`.validation`); the registry trusts them.
 Tensor specs are checked here (off the loop, they are O(tensors)). The registry is used from
-one asyncio loop; blocking arena work runs in worker threads.
+one asyncio loop; blocking arena work runs in worker threads. The session types it hands out
+(:class:`~.session.Session`, :class:`~.session.SessionState`,
+:class:`~.session.LivenessStream`) are in :mod:`.session`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import enum
 import logging
-import mmap
 import secrets
 import time
 from collections.abc import Callable, Sequence
 
-from swap_state.common.segment import SegmentHeader, SegmentLayout, TensorSpec, Word, committed_step, layout_hash
-
-from swap_state.common.server_header import ServerHeader
-from swap_state.server.memory.arena import Arena, Segment
 from swap_state.common.errors import (
-    FailedPrecondition,
     LayoutMismatch,
-    NoSegment,
     NotFound,
     SessionLive,
     StaleGeneration,
     Unavailable,
 )
+from swap_state.common.segment import TensorSpec, layout_hash
 from swap_state.server.logs import log_event
+from swap_state.server.memory.arena import Arena
+from swap_state.server.memory.segment_file import Segment
+from swap_state.server.memory.session import LivenessStream, Session, SessionState
 
-__all__ = ["LivenessStream", "Session", "SessionRegistry", "SessionState"]
+__all__ = ["SessionRegistry"]
 
 log = logging.getLogger("swap_state.server.sessions")
-
-
-class SessionState(str, enum.Enum):
-    PENDING = "pending"  # attached, KeepAlive stream not open yet
-    LIVE = "live"  # a KeepAlive stream of the current generation is open
-    ORPHANED = "orphaned"  # kept for the grace period, then freed
-
-
-class LivenessStream:
-    """One open KeepAlive stream; the server ends it by calling :meth:`end`."""
-
-    def __init__(self, session: Session, generation: int) -> None:
-        self.session = session
-        self.generation = generation
-        self.end_reason: str | None = None
-        self._ended = asyncio.Event()
-
-    def end(self, reason: str) -> None:
-        if self.end_reason is None:
-            self.end_reason = reason
-            self._ended.set()
-
-    async def wait_end(self, timeout: float) -> str | None:
-        """The end reason, or None when ``timeout`` passed first."""
-        try:
-            await asyncio.wait_for(self._ended.wait(), timeout)
-        except asyncio.TimeoutError:
-            return None
-        return self.end_reason
-
-
-@dataclasses.dataclass(eq=False)
-class Session:
-    """One trainer rank's state on this host.
-
-    For snapshot/restore code: ``segment`` (with ``segment.borrow()``), ``buffer``, ``layout``,
-    ``header``, ``job_id``, ``rank``, ``world_size``, ``local_world_size``, ``generation``,
-    ``last_committed_step``.
-    """
-
-    session_id: str
-    job_id: str
-    rank: int
-    world_size: int
-    """The job's (global) world size."""
-    generation: int
-    local_world_size: int = 0
-    """Ranks of the job on this server (this host); 0 given means ``world_size``. A snapshot
-    on this server is complete when this many ranks have persisted."""
-    client_pid: int = 0
-    client_host: str = ""
-    segment: Segment | None = None
-    rpc_commits: int = 0
-    """Steps committed through the CommitStep RPC (trainers commit through the header)."""
-    state: SessionState = SessionState.PENDING
-    orphaned_since: float | None = None
-    """Monotonic time the session became orphaned (None unless orphaned)."""
-    stream_deadline: float | None = None
-    """Monotonic time by which a pending session must open its KeepAlive stream."""
-    rewind_allowed: bool = False
-    """After a reattach the trainer may commit an earlier step once (it restored a checkpoint)."""
-    closed: bool = False
-    """True once removed from the registry (its segment freed or being freed)."""
-    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock, repr=False)
-    streams: set[LivenessStream] = dataclasses.field(default_factory=set, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.local_world_size == 0:
-            self.local_world_size = self.world_size
-
-    @property
-    def buffer(self) -> mmap.mmap | None:
-        """The server's mapping of the whole segment file (None before Allocate)."""
-        return self.segment.buffer if self.segment else None
-
-    @property
-    def layout(self) -> SegmentLayout | None:
-        return self.segment.layout if self.segment else None
-
-    @property
-    def header(self) -> SegmentHeader | None:
-        return self.segment.header if self.segment else None
-
-    @property
-    def last_committed_step(self) -> int | None:
-        """The last committed step the segment holds (None: none yet), read from the header
-        words the trainer commits through (:func:`~swap_state.common.segment.committed_step`)."""
-        header = self.header
-        return committed_step(header) if header is not None else None
-
-    @property
-    def kept_states_dropped(self) -> int:
-        """Reattached states the trainer dropped (not its parameters' state; header word)."""
-        header = self.header
-        return header[Word.STATE_DROPS] if header is not None else 0
-
-    @property
-    def steps_committed(self) -> int:
-        """Steps committed to this session's segment, through the header or the RPC."""
-        header = self.header
-        return self.rpc_commits + (header[Word.TRAINER_COMMITS] if header is not None else 0)
-
-    def record_commit(self, step: int, *, force: bool = False) -> bool:
-        """Record a committed step and publish it in the header. Returns False for a repeat of
-        the last step (idempotent retry). Going backwards needs ``force`` (restore) or the
-        one-time allowance after a reattach."""
-        if self.segment is None or self.segment.header is None:
-            raise NoSegment(
-                f"session {self.session_id} has no segment: call Allocate before CommitStep"
-            )
-        last = self.last_committed_step
-        if last is not None and step < last and not (force or self.rewind_allowed):
-            raise FailedPrecondition(
-                f"step {step} goes backwards: step {last} is already committed for job "
-                f"{self.job_id} rank {self.rank} (an earlier step is accepted once after a reattach)"
-            )
-        self.rewind_allowed = False
-        if step == last:
-            return False
-        ServerHeader(self.segment.header).record_commit(step)  # the server's value holds now
-        self.rpc_commits += 1
-        return True
-
-    def _describe(self) -> dict[str, object]:
-        return {"session_id": self.session_id, "job_id": self.job_id, "rank": self.rank,
-                "generation": self.generation}
 
 
 class SessionRegistry:
@@ -279,30 +150,7 @@ class SessionRegistry:
         if existing is not None:
             self._refuse_if_live(existing)
             async with existing.lock:  # waits for an in-flight Allocate of the old generation
-                self._check_open()
-                self._refuse_if_live(existing)
-                if not existing.closed and (
-                    existing.world_size != world_size
-                    or existing.local_world_size != local_world_size
-                ):
-                    log_event(log, "session_replaced", logging.WARNING, **existing._describe(),
-                              old_world_size=existing.world_size, new_world_size=world_size,
-                              old_local_world_size=existing.local_world_size,
-                              new_local_world_size=local_world_size,
-                              detail="world size changed; the kept segment does not fit the new job")
-                    await self._remove(existing, "world_size_changed")
-                elif not existing.closed:
-                    existing.generation += 1
-                    existing.client_pid = client_pid
-                    existing.client_host = client_host
-                    existing.rewind_allowed = True
-                    self._make_pending(existing)
-                    self.attaches += 1
-                    self.reattaches += 1
-                    log_event(log, "session_attached", **existing._describe(),
-                              world_size=world_size, local_world_size=local_world_size,
-                              reattached=True, client_pid=client_pid,
-                              client_host=client_host, has_segment=existing.segment is not None)
+                if await self._reattach(existing, world_size, local_world_size, client_pid, client_host):
                     return existing, True
         session = Session(
             session_id=secrets.token_hex(16),
@@ -322,6 +170,36 @@ class SessionRegistry:
                   local_world_size=local_world_size, reattached=False, client_pid=client_pid,
                   client_host=client_host)
         return session, False
+
+    async def _reattach(
+        self, existing: Session, world_size: int, local_world_size: int, client_pid: int, client_host: str
+    ) -> bool:
+        """Under ``existing.lock``: give the kept session a new generation (True), or free it
+        when the job's world size changed (False: the caller opens a fresh session)."""
+        self._check_open()
+        self._refuse_if_live(existing)
+        if existing.closed:
+            return False
+        if existing.world_size != world_size or existing.local_world_size != local_world_size:
+            log_event(log, "session_replaced", logging.WARNING, **existing._describe(),
+                      old_world_size=existing.world_size, new_world_size=world_size,
+                      old_local_world_size=existing.local_world_size,
+                      new_local_world_size=local_world_size,
+                      detail="world size changed; the kept segment does not fit the new job")
+            await self._remove(existing, "world_size_changed")
+            return False
+        existing.generation += 1
+        existing.client_pid = client_pid
+        existing.client_host = client_host
+        existing.rewind_allowed = True
+        self._make_pending(existing)
+        self.attaches += 1
+        self.reattaches += 1
+        log_event(log, "session_attached", **existing._describe(),
+                  world_size=world_size, local_world_size=local_world_size,
+                  reattached=True, client_pid=client_pid,
+                  client_host=client_host, has_segment=existing.segment is not None)
+        return True
 
     def _check_open(self) -> None:
         if self._shutting_down:

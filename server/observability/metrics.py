@@ -26,7 +26,8 @@ from prometheus_client.registry import Collector
 
 from swap_state.server.memory.arena import Arena
 from swap_state.server.logs import log_event
-from swap_state.server.memory.sessions import SessionRegistry, SessionState
+from swap_state.server.memory.session import SessionState
+from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.observability.rpc_counters import RpcCounters
 
 __all__ = [

@@ -13,8 +13,10 @@ import time
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
-from swap_state.server.memory.arena import Arena, Segment
-from swap_state.server.memory.sessions import Session, SessionRegistry
+from swap_state.server.memory.arena import Arena
+from swap_state.server.memory.segment_file import Segment
+from swap_state.server.memory.session import Session
+from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 from swap_state.server.rpc.snapshot_service import SnapshotRpcs, status_reply
 from swap_state.server.rpc.statuses import RpcCounters, rpc_boundary

@@ -27,7 +27,8 @@ from swap_state.server.observability.metrics import counter, gauge
 from swap_state.server.snapshot.restore import restore
 from swap_state.server.logs import log_event
 from swap_state.server.memory.arena import Arena
-from swap_state.server.memory.sessions import Session, SessionRegistry
+from swap_state.server.memory.session import Session
+from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator, RankSnapshot, SnapshotStatus
 from swap_state.server.snapshot.writer import SnapshotSource
 from swap_state.server.rpc.validation import (

@@ -14,7 +14,9 @@ from swap_server_testkit import Trainer, spec
 
 from swap_state.common.segment import MAGIC, PAGE_BYTES, SegmentHeader, Word
 from swap_state.server.memory import arena as arena_mod
-from swap_state.server.memory.arena import Arena, check_shm_dir
+from swap_state.server.memory import shm_dir as shm_dir_mod
+from swap_state.server.memory.arena import Arena
+from swap_state.server.memory.shm_dir import check_shm_dir
 from swap_state.common.errors import ResourceExhausted, StartupError, Unavailable
 
 CHUNK = 64 << 10
@@ -201,7 +203,7 @@ def test_shm_dir_check(shm_dir, tmp_path):
     assert "docker run --shm-size 102400g" in str(err.value) and "shm_size" in str(err.value)
     with pytest.raises(StartupError):
         check_shm_dir(shm_dir / "missing", 1)
-    if arena_mod.filesystem_type(tmp_path) not in arena_mod.MEMORY_FILESYSTEMS:
+    if shm_dir_mod.filesystem_type(tmp_path) not in shm_dir_mod.MEMORY_FILESYSTEMS:
         with pytest.raises(StartupError) as err:
             check_shm_dir(tmp_path, 1)
         assert "not tmpfs" in str(err.value)

@@ -1,0 +1,106 @@
+"""One session's shared-memory segment file as the server holds it: :class:`Segment`.
+
+The arena (:mod:`.arena`) creates, maps and frees segments and owns their accounting; a
+segment only knows its file, its mapping and who is still borrowing it. Call order::
+
+    segment = arena.create_segment(...)       # file committed, mapped, header initialised
+    with segment.borrow() as buffer: ...      # read or write the mapping (snapshot, restore)
+    arena.free(segment)                       # unmapped and unlinked once the last borrow ends
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import pathlib
+import threading
+from collections.abc import Callable, Iterator
+
+from swap_state.common.errors import Unavailable
+from swap_state.common.segment import SegmentHeader, SegmentLayout, model_bytes
+from swap_state.server.logs import log_event
+
+__all__ = ["Segment"]
+
+log = logging.getLogger("swap_state.server.arena")  # the arena's logger: one place to look
+
+
+class Segment:
+    """One session's shared-memory file, mapped by the server.
+
+    Attributes the snapshot/restore code and the servicer use: ``path``, ``size``, ``layout``
+    (:class:`SegmentLayout`), ``layout_hash``, ``header`` (:class:`SegmentHeader`), ``buffer``
+    (the server's writable ``mmap`` of the whole file), ``cow_slots``, ``locked``,
+    ``model_bytes`` (the model tensors' part of the tensors, for stats and metrics).
+
+    Hold :meth:`borrow` while reading or writing ``buffer`` from code that may outlive the
+    session (a snapshot still persisting when the session is freed): the file is unmapped,
+    unlinked and its bytes returned to the budget only after the last borrower is done.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        path: pathlib.Path,
+        layout: SegmentLayout,
+        specs_hash: str,
+        charge: int,
+        *,
+        lock: threading.Lock,
+        destroy: Callable[[Segment], None],
+    ) -> None:
+        """``lock``: the arena's, which guards the borrow count and the freeing flags;
+        ``destroy``: the arena's, called (outside ``lock``) when the last borrower of a freed
+        segment is done."""
+        self.name = name
+        self.path = path
+        self.layout = layout
+        self.layout_hash = specs_hash
+        self.size = layout.size
+        self.cow_slots = layout.cow_slots
+        self.model_bytes = model_bytes(layout.tensors)  # once: stats and scrapes read it often
+        self.charge = charge  # bytes counted against the tensor part of the budget
+        self.buffer: mmap.mmap | None = None
+        self.header: SegmentHeader | None = None
+        self.locked = False
+        self._lock = lock
+        self._destroy = destroy
+        self._refs = 0
+        self._created = False
+        self._freeing = False
+        self._closed = False
+
+    @property
+    def freed(self) -> bool:
+        """True once :meth:`Arena.free` was called (the bytes may still be borrowed)."""
+        return self._freeing
+
+    @contextlib.contextmanager
+    def borrow(self) -> Iterator[mmap.mmap]:
+        """Keep the mapping alive for the duration of the block; yields ``buffer``."""
+        with self._lock:
+            if self._freeing or self.buffer is None:
+                raise Unavailable(f"segment {self.name} was freed")
+            self._refs += 1
+        try:
+            yield self.buffer
+        finally:
+            with self._lock:
+                self._refs -= 1
+                close_now = self._refs == 0 and self._freeing
+            if close_now:
+                self._destroy(self)
+
+    def _unmap(self) -> None:
+        if self.header is not None:
+            self.header.release()
+            self.header = None
+        if self.buffer is not None:
+            try:
+                self.buffer.close()
+            except BufferError:
+                # Someone kept a memoryview without borrow(); the file is still unlinked and the
+                # mapping goes when that view does. Worth a loud line, never a crash.
+                log_event(log, "segment_unmap_deferred", logging.WARNING, segment=self.name)
+            self.buffer = None

@@ -1,0 +1,84 @@
+"""Start-up checks of the shared-memory directory: a memory filesystem with room for the whole
+budget, or a :class:`StartupError` naming the Docker/compose knob.
+
+Called once by the runtime (:func:`check_shm_dir`) after leftover segments of a dead server
+were removed and before the first segment is created. The server never falls back to
+disk-backed files: segments there would make every optimizer step wait on the disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+
+from swap_state.common.errors import StartupError
+from swap_state.common.sizes import format_size
+from swap_state.server.logs import log_event
+
+__all__ = ["MEMORY_FILESYSTEMS", "check_shm_dir", "filesystem_type"]
+
+log = logging.getLogger("swap_state.server.arena")  # the arena's logger: one place to look
+
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def filesystem_type(path: pathlib.Path) -> str | None:
+    """The fs type of the mount holding ``path`` (from /proc/self/mountinfo), None if unknown."""
+    try:
+        lines = pathlib.Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, best_type = "", None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        mount_point = fields[4].encode().decode("unicode_escape")  # \040 for spaces etc.
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best):
+            best, best_type = mount_point, right.split()[0]
+    return best_type
+
+
+def _docker_size(nbytes: int) -> str:
+    """A size in the form docker's --shm-size takes, rounded up (``64g``, ``512m``)."""
+    gib, mib = 1 << 30, 1 << 20
+    if nbytes >= gib:
+        return f"{-(-nbytes // gib)}g"
+    return f"{-(-nbytes // mib)}m"
+
+
+def check_shm_dir(shm_dir: pathlib.Path, shm_size: int) -> int:
+    """Start-up check: a directory on a memory filesystem with room for the whole budget.
+
+    Returns the bytes available. Raises :class:`StartupError` naming the Docker/compose knob:
+    a too small /dev/shm is the usual cause (Docker's default is 64 MB), and we never fall back
+    to disk-backed files.
+    """
+    if not shm_dir.is_dir():
+        raise StartupError(f"--shm-dir {shm_dir} does not exist or is not a directory")
+    fstype = filesystem_type(shm_dir)
+    if fstype is not None and fstype not in MEMORY_FILESYSTEMS:
+        raise StartupError(
+            f"--shm-dir {shm_dir} is on a {fstype} filesystem, not tmpfs: segments there would be "
+            "backed by disk. Use /dev/shm (or another tmpfs mount)."
+        )
+    if fstype is None:
+        log_event(log, "shm_fs_unknown", logging.WARNING, shm_dir=shm_dir,
+                  detail="cannot read /proc/self/mountinfo; assuming a memory filesystem")
+    vfs = os.statvfs(shm_dir)
+    available = vfs.f_bavail * vfs.f_frsize
+    if available < shm_size:
+        raise StartupError(
+            f"{shm_dir} has {available} bytes ({format_size(available)}) available, less than "
+            f"--shm-size {shm_size} bytes ({format_size(shm_size)}). Give the container a larger "
+            f"shared-memory mount, e.g. `docker run --shm-size {_docker_size(shm_size)} ...` "
+            "or `shm_size:` in the compose service (Kubernetes: a Memory emptyDir at /dev/shm with "
+            "a sizeLimit), or lower --shm-size. The server never falls back to disk."
+        )
+    if not os.access(shm_dir, os.W_OK | os.X_OK):
+        raise StartupError(f"--shm-dir {shm_dir} is not writable by this user")
+    return available
