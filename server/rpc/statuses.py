@@ -66,7 +66,7 @@ def rpc_boundary(method: F) -> F:
     async def boundary(counters: RpcCounters, context: grpc.aio.ServicerContext):
         """Map what escapes the call to a status (fail() always aborts) and count the call."""
         started = time.perf_counter()
-        code = grpc.StatusCode.OK
+        code: grpc.StatusCode | None = grpc.StatusCode.OK
         try:
             yield
         except (_AbortError, asyncio.CancelledError, GeneratorExit):
@@ -74,9 +74,14 @@ def rpc_boundary(method: F) -> F:
             raise
         except Exception as exc:  # noqa: BLE001 - the boundary
             code = status_for(exc) if isinstance(exc, DomainError) else grpc.StatusCode.INTERNAL
+            # Counted before the status leaves: a client that reads the metrics as soon as
+            # its call has failed must find the call counted.
+            counters.record(name, code, time.perf_counter() - started)
+            code = None
             await fail(context, exc)
         finally:
-            counters.record(name, code, time.perf_counter() - started)
+            if code is not None:
+                counters.record(name, code, time.perf_counter() - started)
 
     if inspect.isasyncgenfunction(method):
 
