@@ -30,7 +30,7 @@ from swap_state.server.memory.arena import Arena
 from swap_state.server.memory.session import Session
 from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator, RankSnapshot, SnapshotStatus
-from swap_state.server.snapshot.writer import SnapshotSource
+from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.rpc.validation import (
     validate_job_id_filter,
     validate_session,

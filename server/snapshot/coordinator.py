@@ -25,6 +25,11 @@ server form a group that commits together or fails together (a failed rank cance
 others, and their partial files are removed). On a multi-host job each host's server commits
 its own ranks' group; ``snapshot.json`` records the job's ``world_size`` and the ``ranks``
 present. Thread-safe.
+
+Where the pieces are: the source and its checks :mod:`.source`; the group, its ranks and
+what a repeated start means :mod:`.group`; statuses :mod:`.status`; one rank's writer
+:mod:`.writer` (its files' plan :mod:`.plan`); the commit sequence :mod:`.store`; where the
+files go :mod:`.storage` (:mod:`.local_storage` on ``snapshot_dir``).
 """
 
 from __future__ import annotations
@@ -46,20 +51,24 @@ from swap_state.common.segment import (
 from swap_state.common.snapshot_errors import (
     SnapshotBusy,
     SnapshotError,
-    SnapshotExists,
     SnapshotFailed,
     SnapshotInvalid,
     from_os_error,
 )
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
-from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, parse_metadata
-from swap_state.common.names import parse_snapshot_id, shorten, validate_job_id
+from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, SnapshotMetadata, parse_metadata
+from swap_state.common.names import parse_snapshot_id, shorten
 
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.group import SnapshotGroup, RankSnapshot, SnapshotState, SnapshotStatus
+from swap_state.server.snapshot.bandwidth import BandwidthLimiter
+from swap_state.server.snapshot.group import RankSnapshot, SnapshotGroup
+from swap_state.server.snapshot.plan import RankResult
+from swap_state.server.snapshot.source import SnapshotSource, check_source
+from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
+from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.snapshot.store import SnapshotStore
-from swap_state.server.snapshot.writer import BandwidthLimiter, Cancelled, RankResult, RankWriter, SnapshotSource
+from swap_state.server.snapshot.writer import Cancelled, RankWriter
 
 log = logging.getLogger("swap_state.server.snapshot_coordinator")
 
@@ -90,6 +99,7 @@ class SnapshotCoordinator:
         assumed_fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
         assumed_persist_bandwidth: float = ASSUMED_PERSIST_BYTES_PER_S,
         copy_policy: CopyBudgetPolicy | None = None,
+        storage: SnapshotStorage | None = None,
     ):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
         ``max_bandwidth``: bytes/s for all snapshot I/O together (None: no cap).
@@ -103,7 +113,8 @@ class SnapshotCoordinator:
         waits for the trainer's copy of the model (protocol step 5).
         ``assumed_fwd_bwd_s`` / ``assumed_persist_bandwidth``: the forward/backward time
         and (until a snapshot measured it) the persist bytes/s of the copy-budget warning,
-        when no ``copy_policy`` (the server's, shared with its arena) is given."""
+        when no ``copy_policy`` (the server's, shared with its arena) is given.
+        ``storage``: where snapshot files go (default: the local directory ``snapshot_dir``)."""
         if keep_latest is not None and keep_latest < 2:
             raise ValueError("keep_latest must be >= 2 (or None to keep all snapshots)")
         if assemble_timeout_s <= 0:
@@ -117,7 +128,8 @@ class SnapshotCoordinator:
         )
         """Owns the memory rule's inputs; this coordinator records each snapshot's rate."""
         self.max_bandwidth = max_bandwidth
-        self.store = SnapshotStore(snapshot_dir)
+        self.store = SnapshotStore(snapshot_dir, storage)
+        self.storage = self.store.storage
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
         self.max_metadata_bytes = max_metadata_bytes
@@ -128,18 +140,23 @@ class SnapshotCoordinator:
         self._holding: dict[tuple[str, int], RankSnapshot] = {}  # (job, rank) -> reads a segment
         self._last_epoch = 0
         self._closed = False
+        self._open_storage(clean_stale)
+
+    def _open_storage(self, clean_stale: bool) -> None:
+        """Create the root, take this server's share of it, and remove what a killed writer
+        left, unless another live server shares the directory."""
         try:
-            self.store.root.mkdir(parents=True, exist_ok=True)
+            self.storage.create_root()
         except OSError as exc:
-            raise SnapshotError(f"cannot create snapshot directory {self.store.root}: {exc}") from None
+            raise SnapshotError(f"cannot create snapshot directory {self.storage.root}: {exc}") from None
         try:
-            alone = self.store.hold()
+            alone = self.storage.hold()
         except OSError as exc:
-            raise SnapshotError(f"cannot lock snapshot directory {self.store.root}: {exc}") from None
+            raise SnapshotError(f"cannot lock snapshot directory {self.storage.root}: {exc}") from None
         if clean_stale and alone:
-            self.store.clean_stale()
+            self.storage.clean_stale()
         elif clean_stale:
-            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(self.store.root),
+            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(self.storage.root),
                       note="another live server uses this directory: its partial snapshots are "
                            "left alone")
 
@@ -175,39 +192,6 @@ class SnapshotCoordinator:
 
     # ------------------------------------------------------------------------------ start
 
-    @staticmethod
-    def _check_source(source: SnapshotSource) -> None:
-        validate_job_id(source.job_id, SnapshotInvalid)
-        if not 1 <= source.world_size or not 0 <= source.rank < source.world_size:
-            raise SnapshotInvalid(f"rank {source.rank} / world_size {source.world_size} is invalid")
-        if not 0 <= source.local_world_size <= source.world_size:
-            raise SnapshotInvalid(
-                f"local_world_size {source.local_world_size} must be in [1, world_size "
-                f"{source.world_size}] (0: = world_size)"
-            )
-        if source.step < 0:
-            raise SnapshotInvalid(f"step {source.step} is negative")
-        layout, header = source.layout, source.header
-        try:
-            header.check()
-        except ValueError as exc:
-            raise SnapshotInvalid(f"segment header: {exc}") from None
-        if (
-            header[Word.N_CHUNKS] != layout.n_chunks
-            or header[Word.CHUNK_BYTES] != layout.chunk_bytes
-            or header[Word.COW_SLOTS] != layout.cow_slots
-            or header[Word.COW_SLOTS_OFFSET] != layout.cow_slots_offset
-            or header.n_chunks != layout.n_chunks
-            or header.cow_slots != layout.cow_slots
-        ):
-            raise SnapshotInvalid("the segment header does not describe the given layout")
-        with memoryview(source.buffer) as view:
-            if view.nbytes < layout.size:
-                raise SnapshotInvalid(f"the segment buffer is smaller than its layout ({layout.size} bytes)")
-        names = [t.name for t in layout.tensors]
-        if len(set(names)) != len(names):
-            raise SnapshotInvalid("segment tensor names are not unique")
-
     def _next_epoch(self, source: SnapshotSource) -> int:
         # Increasing per segment even across coordinators: above every COW_EPOCH in the header.
         header = source.header
@@ -226,133 +210,107 @@ class SnapshotCoordinator:
         Raises SnapshotInvalid (arguments, metadata_json), SnapshotBusy (the segment is being
         persisted or written by the trainer), SnapshotExists (the step is already on disk),
         SnapshotFailed (another rank's attempt at this step failed), SnapshotDiskFull.
+
+        Steps: checks and metadata, then under the lock :meth:`_group_for` (a retry's handle,
+        a group to join or a new one) and :meth:`_join` (writer, handle, thread, publish).
         """
-        self._check_source(source)
+        check_source(source)
         metadata = parse_metadata(source.metadata_json, source.layout.tensors, self.max_metadata_bytes)
-        key = (source.job_id, source.step)
         with self._lock:
             if self._closed:
                 raise SnapshotBusy("the snapshot coordinator is shut down")
-            group = self._groups.get(key)
-            if group is not None:
-                group = self._reuse_group(group, source)
-                if isinstance(group, RankSnapshot):
-                    return group
-            holder = self._holding.get((source.job_id, source.rank))
-            if holder is not None:
-                raise SnapshotBusy(
-                    f"rank {source.rank} of job {source.job_id} is still persisting {holder.snapshot_id}"
-                )
-            if source.header[Word.SNAP_EPOCH] != 0:
-                raise SnapshotBusy("the segment is being snapshotted (SNAP_EPOCH is set)")
-            writing = source.header[Word.WRITING_STEP]
-            if writing:
-                raise SnapshotBusy(
-                    f"the trainer is writing step {writing - 1}; snapshot between steps, "
-                    "after CommitStep"
-                )
-            if group is None:
-                partial = self.store.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
-                group = SnapshotGroup(
-                    self.store, source.job_id, source.step, source.world_size,
-                    source.expected_ranks, partial, self._retention_for(source),
-                )
-                group.replace = source.replace_existing
-                self._groups[key] = group
-                self._prune_history()
-                if group.local_world_size > 1:
-                    group.timer = threading.Timer(self.assemble_timeout_s, self._assemble_expired, (group,))
-                    group.timer.daemon = True
-                    group.timer.start()
-            writer = RankWriter(
-                source,
-                metadata,
-                self._next_epoch(source),
-                group.partial,
-                self._limiter,
-                group.cancel,
-                self.store.root,
-                time.monotonic(),
-                stage_threads=self.stage_threads,
-                model_copy_timeout_s=self.model_copy_timeout_s,
-            )
-            if not hold:
-                writer.go()
-            handle = RankSnapshot(group, source.rank, writer)
-            handle.commits_at_start = source.header[Word.TRAINER_COMMITS]
-            thread = threading.Thread(
-                target=self._run,
-                args=(group, handle),
-                name=f"snapshot-{source.job_id}-{source.step}-r{source.rank}",
-                daemon=True,
-            )
-            handle.thread = thread
-            with group.cond:
-                group.handles[source.rank] = handle
-                group.live_threads += 1
-                if len(group.handles) == group.local_world_size and group.timer is not None:
-                    group.timer.cancel()
-            self._holding[(source.job_id, source.rank)] = handle
-            writer.publish()  # consistent from here on
-            try:
-                thread.start()
-            except RuntimeError as exc:  # no thread: the trainer must not wait on this epoch
-                writer.release_segment()
-                del self._holding[(source.job_id, source.rank)]
-                with group.cond:
-                    group.live_threads -= 1
-                error = SnapshotError(f"cannot start a snapshot writer thread: {exc}")
-                group.fail(error, source.rank)
-                raise error from None
+            group = self._group_for(source)
+            if isinstance(group, RankSnapshot):
+                return group  # a retry of this rank's Snapshot call
+            handle = self._join(group, source, metadata, hold)
         self._warn_copy_budget(source)  # after the publish: the trainer's stall is not for this
         return handle
 
-    def _reuse_group(self, group: SnapshotGroup, source: SnapshotSource) -> SnapshotGroup | RankSnapshot | None:
-        """Decide what a start for an existing (job, step) group means; under self._lock.
-        Returns the handle to hand back (a retry), the group to join, or None (new attempt)."""
-        with group.cond:
-            state = group.state
-            joined = source.rank in group.handles
-            drained = group.discarded_done
-            error = group.error
-            members = sorted(group.handles)
-        if group.world_size != source.world_size:
-            raise SnapshotInvalid(
-                f"{group.snapshot_id} has world_size {group.world_size}, not {source.world_size}"
+    def _group_for(self, source: SnapshotSource) -> SnapshotGroup | RankSnapshot:
+        """Under self._lock: the handle of a retry, or the group ``source`` joins (a new one
+        when none runs, its partial snapshot prepared); refuses a segment that is busy."""
+        key = (source.job_id, source.step)
+        group = self._groups.get(key)
+        if group is not None:
+            group = group.decide_start(source)
+            if isinstance(group, RankSnapshot):
+                return group
+            if group is None:
+                del self._groups[key]  # a fresh attempt at the step
+        self._check_segment_free(source)
+        if group is None:
+            group = self._new_group(source)
+        return group
+
+    def _check_segment_free(self, source: SnapshotSource) -> None:
+        holder = self._holding.get((source.job_id, source.rank))
+        if holder is not None:
+            raise SnapshotBusy(
+                f"rank {source.rank} of job {source.job_id} is still persisting {holder.snapshot_id}"
             )
-        if group.local_world_size != source.expected_ranks:
-            raise SnapshotInvalid(
-                f"{group.snapshot_id} was started with local_world_size {group.local_world_size} "
-                f"(ranks of the job on this server), rank {source.rank} attached with "
-                f"{source.expected_ranks}: all ranks of a job on one server must agree"
+        if source.header[Word.SNAP_EPOCH] != 0:
+            raise SnapshotBusy("the segment is being snapshotted (SNAP_EPOCH is set)")
+        writing = source.header[Word.WRITING_STEP]
+        if writing:
+            raise SnapshotBusy(
+                f"the trainer is writing step {writing - 1}; snapshot between steps, "
+                "after CommitStep"
             )
-        rerun = joined and group.handles[source.rank].commits_at_start != source.header[Word.TRAINER_COMMITS]
-        if joined and not rerun and state is not SnapshotState.FAILED:
-            return group.handles[source.rank]  # a retry of this rank's Snapshot call
-        if rerun and state is SnapshotState.PERSISTING:
-            raise SnapshotBusy(f"the previous attempt at {group.snapshot_id} is still persisting")
-        if state is SnapshotState.DURABLE and (rerun or not joined):
-            # The trainer committed since that snapshot: it retrained the step (after loading
-            # an older checkpoint); the durable bytes are not this state's.
-            if not source.replace_existing:
-                raise SnapshotExists(_exists_message(group.snapshot_id))
-            del self._groups[(group.job_id, group.step)]
-            return None  # a fresh attempt, which replaces the durable one at its commit
-        if state is SnapshotState.PERSISTING:
-            if len(members) >= group.local_world_size:
-                raise SnapshotInvalid(
-                    f"{group.snapshot_id} already has its local_world_size "
-                    f"{group.local_world_size} ranks {members} on this server; rank "
-                    f"{source.rank} is one more: is local_world_size right for this host?"
-                )
-            return group
-        if not joined:
-            # This rank missed the failed attempt: joining a new one alone would only time out.
-            raise SnapshotFailed(f"{group.snapshot_id} failed: {error}")
-        if not drained:
-            raise SnapshotBusy(f"the failed attempt at {group.snapshot_id} is still being cleaned up")
-        del self._groups[(group.job_id, group.step)]
-        return None  # a participant retries: a fresh attempt
+
+    def _new_group(self, source: SnapshotSource) -> SnapshotGroup:
+        partial = self.store.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
+        group = SnapshotGroup(
+            self.storage, source.job_id, source.step, source.world_size,
+            source.expected_ranks, partial, self._retention_for(source),
+        )
+        group.replace = source.replace_existing
+        self._groups[(source.job_id, source.step)] = group
+        self._prune_history()
+        if group.local_world_size > 1:
+            group.timer = threading.Timer(self.assemble_timeout_s, self._assemble_expired, (group,))
+            group.timer.daemon = True
+            group.timer.start()
+        return group
+
+    def _join(self, group: SnapshotGroup, source: SnapshotSource, metadata: SnapshotMetadata,
+              hold: bool) -> RankSnapshot:
+        """Under self._lock: this rank's writer, handle and thread; publish (consistent from
+        there on), then start the thread."""
+        writer = RankWriter(
+            source,
+            metadata,
+            self._next_epoch(source),
+            storage=self.storage,
+            partial=group.partial,
+            limiter=self._limiter,
+            cancel=group.cancel,
+            started_monotonic=time.monotonic(),
+            stage_threads=self.stage_threads,
+            model_copy_timeout_s=self.model_copy_timeout_s,
+        )
+        if not hold:
+            writer.go()
+        handle = RankSnapshot(group, source.rank, writer)
+        handle.commits_at_start = source.header[Word.TRAINER_COMMITS]
+        handle.thread = threading.Thread(
+            target=self._run,
+            args=(group, handle),
+            name=f"snapshot-{source.job_id}-{source.step}-r{source.rank}",
+            daemon=True,
+        )
+        group.add_handle(handle)
+        self._holding[(source.job_id, source.rank)] = handle
+        handle.publish()  # consistent from here on
+        try:
+            handle.thread.start()
+        except RuntimeError as exc:  # no thread: the trainer must not wait on this epoch
+            handle.release_segment()
+            del self._holding[(source.job_id, source.rank)]
+            group.thread_done()
+            error = SnapshotError(f"cannot start a snapshot writer thread: {exc}")
+            group.fail(error, source.rank)
+            raise error from None
+        return handle
 
     def _retention_for(self, source: SnapshotSource) -> int | None:
         """Snapshots of the job kept at commit (None: all): the job's own retention where it
@@ -393,36 +351,33 @@ class SnapshotCoordinator:
     # ------------------------------------------------------------------------------ threads
 
     def _run(self, group: SnapshotGroup, handle: RankSnapshot) -> None:
+        """A rank's thread: persist, then fail the group, or commit it when last."""
         try:
-            error: SnapshotError | None = None
-            result: RankResult | None = None
-            try:
-                result = handle._writer.run()
-            except Cancelled:
-                pass  # the group already failed for a reason of its own
-            except SnapshotError as exc:
-                error = exc
-            except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
-                error = SnapshotError(f"unexpected error persisting rank {handle.rank}: {exc!r}")
+            result, error = self._persist(handle)
             with self._lock:
                 if self._holding.get((group.job_id, handle.rank)) is handle:
                     del self._holding[(group.job_id, handle.rank)]
             if result is not None:
-                self.copy_policy.record(handle._writer.persist_rate())
+                self.copy_policy.record(handle.persist_rate())
             if error is not None:
                 group.fail(error, handle.rank)
-            commit = False
-            if result is not None:
-                with group.cond:
-                    if group.state is SnapshotState.PERSISTING:
-                        group.results[handle.rank] = result
-                        commit = len(group.results) == group.local_world_size
-            if commit:
+            if result is not None and group.add_result(handle.rank, result):
                 self._commit(group)
         finally:
-            with group.cond:
-                group.live_threads -= 1
-            group.discard_if_idle()
+            group.thread_done()
+
+    @staticmethod
+    def _persist(handle: RankSnapshot) -> tuple[RankResult | None, SnapshotError | None]:
+        """(result, None), (None, the error that fails the group) or (None, None) when
+        cancelled: the group already failed for a reason of its own."""
+        try:
+            return handle.persist(), None
+        except Cancelled:
+            return None, None
+        except SnapshotError as exc:
+            return None, exc
+        except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
+            return None, SnapshotError(f"unexpected error persisting rank {handle.rank}: {exc!r}")
 
     def _commit(self, group: SnapshotGroup) -> None:
         """In the thread of the last rank to finish: index, rename, latest, retention."""
@@ -446,7 +401,7 @@ class SnapshotCoordinator:
             group.fail(exc)
             return
         except OSError as exc:
-            group.fail(from_os_error(exc, f"committing {group.snapshot_id}", self.store.root))
+            group.fail(from_os_error(exc, f"committing {group.snapshot_id}", self.storage.root))
             return
         except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
             group.fail(SnapshotError(f"unexpected error committing {group.snapshot_id}: {exc!r}"))
@@ -505,16 +460,7 @@ class SnapshotCoordinator:
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self.store.release()
-
-
-def _exists_message(snapshot_id: str) -> str:
-    return (
-        f"snapshot {snapshot_id} is already durable, from an earlier attempt at that step (the "
-        "trainer retrained it, e.g. after loading an older checkpoint): its bytes are not this "
-        "state's. Use a new job id, or let the snapshot replace it (SnapshotRequest."
-        "replace_existing; torchtitan's glue does, as it overwrites its checkpoint)"
-    )
+        self.storage.release()
 
 
 def _parse_step_id(snapshot_id: str) -> tuple[str, int]:

@@ -1,111 +1,38 @@
-"""One snapshot's state as the coordinator tracks it: the group of ranks of a (job, step) on
-this server, each rank's :class:`RankSnapshot`, and the :class:`SnapshotStatus` they report.
+"""One snapshot as the coordinator tracks it: the group of ranks of a (job, step) on this
+server (:class:`SnapshotGroup`) and each rank's :class:`RankSnapshot`.
 
 A group commits together or fails together: a failed rank cancels the others, and their
 partial files are removed. Handles are what the servicer holds: ``status()``, ``wait()``,
-``wait_segment_released()``, ``proceed()`` (let a held writer stream), ``cancel()``.
+``wait_segment_released()``, ``proceed()`` (let a held writer stream), ``cancel()``; the
+coordinator drives them: ``publish()``, then ``persist()`` in the rank's thread (or
+``release_segment()`` when that thread could not start). The statuses they report are
+:mod:`.status`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import pathlib
 import threading
 import time
 
 from swap_state.common.names import snapshot_id_for
-from swap_state.common.snapshot_errors import SnapshotError, SnapshotFailed
-from swap_state.common.snapshot_format import RankManifest
-from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.common.segment import Word
+from swap_state.common.snapshot_errors import (
+    SnapshotBusy,
+    SnapshotError,
+    SnapshotExists,
+    SnapshotFailed,
+    SnapshotInvalid,
+)
 
-from swap_state.server.snapshot.store import CommitResult, SnapshotStore
-from swap_state.server.snapshot.writer import RankResult, RankWriter
+from swap_state.server.snapshot.plan import RankResult
+from swap_state.server.snapshot.source import SnapshotSource
+from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
+from swap_state.server.snapshot.storage import SnapshotStorage
+from swap_state.server.snapshot.store import CommitResult
+from swap_state.server.snapshot.writer import RankWriter
 
-__all__ = ["SnapshotState", "SnapshotStatus", "SnapshotGroup", "RankSnapshot"]
-
-
-class SnapshotState(str, enum.Enum):
-    """The protocol's state strings (``SnapshotStatusReply.state``)."""
-
-    PERSISTING = "persisting"
-    DURABLE = "durable"
-    FAILED = "failed"
-
-
-@dataclasses.dataclass(frozen=True)
-class SnapshotStatus:
-    """One rank's view of a snapshot; field for field a SnapshotStatusReply, plus a few."""
-
-    snapshot_id: str
-    """``<job_id>/step-<step>``."""
-    job_id: str
-    """The job."""
-    step: int
-    """The committed step."""
-    rank: int
-    """The rank this status is about."""
-    world_size: int
-    """The job's (global) world size."""
-    state: SnapshotState
-    """persisting until the whole snapshot is committed, then durable; or failed."""
-    bytes_total: int
-    """Tensor bytes of this rank."""
-    bytes_persisted: int
-    """Tensor bytes of this rank written so far."""
-    error: str
-    """Why it failed (empty unless failed); names the directory for disk-full errors."""
-    cow_copies: int
-    """Chunks the trainer copied before writing, during this snapshot (this rank)."""
-    backpressure_waits: int
-    """Times the trainer waited for a free copy slot, during this snapshot (this rank)."""
-    backpressure_wait_seconds: float
-    """Seconds the trainer spent in those waits."""
-    path: str
-    """The snapshot directory (the partial one until durable)."""
-    ranks_joined: int
-    """Ranks that have started this snapshot."""
-    ranks_persisted: int
-    """Ranks whose files are written and fsynced."""
-    segment_released: bool
-    """Whether the server is done reading this rank's segment."""
-    warnings: tuple[str, ...] = ()
-    """Problems after the commit (latest pointer, retention) that did not fail the snapshot."""
-    local_world_size: int = 0
-    """Ranks that must be durable on this server before the snapshot is (0: ``world_size``)."""
-    ranks: tuple[int, ...] = ()
-    """The ranks that have joined (in memory) or that the durable snapshot holds (from disk)."""
-
-    @classmethod
-    def from_disk(cls, info: SnapshotInfo, manifest: RankManifest) -> "SnapshotStatus":
-        """A durable snapshot no longer in memory, as its index and the rank's manifest say."""
-        total = sum(t.nbytes for t in manifest.tensors)
-        return cls(
-            snapshot_id=info.snapshot_id,
-            job_id=info.job_id,
-            step=info.step,
-            rank=manifest.rank,
-            world_size=info.world_size,
-            state=SnapshotState.DURABLE,
-            bytes_total=total,
-            bytes_persisted=total,
-            error="",
-            cow_copies=manifest.cow_copies,
-            backpressure_waits=manifest.backpressure_waits,
-            backpressure_wait_seconds=manifest.backpressure_wait_seconds,
-            path=str(info.path),
-            ranks_joined=info.local_world_size,
-            ranks_persisted=info.local_world_size,
-            segment_released=True,
-            local_world_size=info.local_world_size,
-            ranks=info.ranks,
-        )
-    server_staged_chunks: int = 0
-    """Chunks the server's stager copied ahead of the trainer (this rank; 0 from disk)."""
-    server_staged_bytes: int = 0
-    """Bytes of those chunks."""
-    trainer_copied_bytes: int = 0
-    """Bytes of the chunks the trainer copied itself (``cow_copies`` of them; 0 from disk)."""
+__all__ = ["SnapshotGroup", "RankSnapshot"]
 
 
 class SnapshotGroup:
@@ -113,15 +40,15 @@ class SnapshotGroup:
 
     def __init__(
         self,
-        store: SnapshotStore,
+        storage: SnapshotStorage,
         job_id: str,
         step: int,
         world_size: int,
         local_world_size: int,
-        partial: pathlib.Path,
+        partial: pathlib.PurePath,
         keep: int | None,
     ):
-        self.store = store
+        self.storage = storage
         self.keep = keep
         """Retention applied at commit: the job's wish, never below the server's floor."""
         self.job_id = job_id
@@ -130,6 +57,7 @@ class SnapshotGroup:
         self.local_world_size = local_world_size
         """Distinct ranks that complete the group (this server's share of ``world_size``)."""
         self.partial = partial
+        """The partial snapshot the ranks write into (the storage's)."""
         self.snapshot_id = snapshot_id_for(job_id, step)
         self.cond = threading.Condition()
         self.cancel = threading.Event()
@@ -146,6 +74,77 @@ class SnapshotGroup:
         """At commit, replace a durable snapshot of the same step (an earlier attempt's)."""
         self.timer: threading.Timer | None = None
         self.finished_monotonic: float | None = None
+
+    def decide_start(self, source: SnapshotSource) -> SnapshotGroup | RankSnapshot | None:
+        """What a start of ``source`` for this (job, step) means; under the coordinator's
+        lock. Returns the handle to hand back (a retry), this group to join, or None (a new
+        attempt: the caller forgets this group). Raises when the start must be refused."""
+        with self.cond:
+            state = self.state
+            joined = source.rank in self.handles
+            drained = self.discarded_done
+            error = self.error
+            members = sorted(self.handles)
+        self._check_same_job(source)
+        rerun = joined and self.handles[source.rank].commits_at_start != source.header[Word.TRAINER_COMMITS]
+        if joined and not rerun and state is not SnapshotState.FAILED:
+            return self.handles[source.rank]  # a retry of this rank's Snapshot call
+        if rerun and state is SnapshotState.PERSISTING:
+            raise SnapshotBusy(f"the previous attempt at {self.snapshot_id} is still persisting")
+        if state is SnapshotState.DURABLE and (rerun or not joined):
+            # The trainer committed since that snapshot: it retrained the step (after loading
+            # an older checkpoint); the durable bytes are not this state's.
+            if not source.replace_existing:
+                raise SnapshotExists(exists_message(self.snapshot_id))
+            return None  # a fresh attempt, which replaces the durable one at its commit
+        if state is SnapshotState.PERSISTING:
+            if len(members) >= self.local_world_size:
+                raise SnapshotInvalid(
+                    f"{self.snapshot_id} already has its local_world_size "
+                    f"{self.local_world_size} ranks {members} on this server; rank "
+                    f"{source.rank} is one more: is local_world_size right for this host?"
+                )
+            return self
+        if not joined:
+            # This rank missed the failed attempt: joining a new one alone would only time out.
+            raise SnapshotFailed(f"{self.snapshot_id} failed: {error}")
+        if not drained:
+            raise SnapshotBusy(f"the failed attempt at {self.snapshot_id} is still being cleaned up")
+        return None  # a participant retries: a fresh attempt
+
+    def _check_same_job(self, source: SnapshotSource) -> None:
+        if self.world_size != source.world_size:
+            raise SnapshotInvalid(
+                f"{self.snapshot_id} has world_size {self.world_size}, not {source.world_size}"
+            )
+        if self.local_world_size != source.expected_ranks:
+            raise SnapshotInvalid(
+                f"{self.snapshot_id} was started with local_world_size {self.local_world_size} "
+                f"(ranks of the job on this server), rank {source.rank} attached with "
+                f"{source.expected_ranks}: all ranks of a job on one server must agree"
+            )
+
+    def add_handle(self, handle: RankSnapshot) -> None:
+        """A rank joined, its thread about to start; the assembly timer stops once all did."""
+        with self.cond:
+            self.handles[handle.rank] = handle
+            self.live_threads += 1
+            if len(self.handles) == self.local_world_size and self.timer is not None:
+                self.timer.cancel()
+
+    def add_result(self, rank: int, result: RankResult) -> bool:
+        """A rank's files are written; True when it was the last one (the caller commits)."""
+        with self.cond:
+            if self.state is not SnapshotState.PERSISTING:
+                return False
+            self.results[rank] = result
+            return len(self.results) == self.local_world_size
+
+    def thread_done(self) -> None:
+        """A rank's thread ends (or never started): a failed group's files go once none runs."""
+        with self.cond:
+            self.live_threads -= 1
+        self.discard_if_idle()
 
     def fail(self, error: SnapshotError, rank: int | None = None) -> None:
         """First failure wins; cancels the other ranks; removes files once no thread writes."""
@@ -170,11 +169,20 @@ class SnapshotGroup:
         with self.cond:
             if self.state is not SnapshotState.FAILED or self.live_threads or self.discarded:
                 return
-            self.discarded = True  # claimed: exactly one caller removes the directory
-        self.store.discard(self.partial)
+            self.discarded = True  # claimed: exactly one caller removes the partial snapshot
+        self.storage.discard(self.partial)
         with self.cond:
             self.discarded_done = True
             self.cond.notify_all()
+
+
+def exists_message(snapshot_id: str) -> str:
+    return (
+        f"snapshot {snapshot_id} is already durable, from an earlier attempt at that step (the "
+        "trainer retrained it, e.g. after loading an older checkpoint): its bytes are not this "
+        "state's. Use a new job id, or let the snapshot replace it (SnapshotRequest."
+        "replace_existing; torchtitan's glue does, as it overwrites its checkpoint)"
+    )
 
 
 class RankSnapshot:
@@ -272,6 +280,24 @@ class RankSnapshot:
         with group.cond:
             group.cond.wait_for(settled, timeout)
         return self.status()
+
+    def publish(self) -> None:
+        """Make the snapshot consistent (the writer's protocol step 1); the coordinator's,
+        synchronously in the Snapshot call."""
+        self._writer.publish()
+
+    def persist(self) -> RankResult:
+        """Write the rank's files (the writer's ``run``); in the rank's thread. Raises
+        Cancelled or SnapshotError; the segment is released either way."""
+        return self._writer.run()
+
+    def persist_rate(self) -> float | None:
+        """Bytes/s the rank's chunks streamed at, once persisted; None before."""
+        return self._writer.persist_rate()
+
+    def release_segment(self) -> None:
+        """End the epoch without persisting: only for a rank whose thread never started."""
+        self._writer.release_segment()
 
     def wait_segment_released(self, timeout: float | None = None) -> bool:
         """True once the server no longer reads this rank's segment (safe to unmap)."""

@@ -1,0 +1,245 @@
+"""Snapshots in a local (or locally mounted) directory: :class:`LocalFilesystemStorage`, the
+:class:`~swap_state.server.snapshot.storage.SnapshotStorage` behind ``--snapshot-dir``.
+
+Directory layout under the root::
+
+    <root>/<job_id>/step-<N:012d>/          complete snapshots (snapshot.json present)
+    <root>/<job_id>/.partial-step-<N:012d>/ a snapshot being written (never listed)
+    <root>/<job_id>/.deleting-step-<N>/     an old snapshot being removed by retention
+    <root>/<job_id>/latest                  "step-<N:012d>": the last committed snapshot
+    <root>/.swap-state.lock                 a shared flock per live server
+
+Durability: a file is fsynced before it counts (:func:`write_durable`, :meth:`LocalFile.fsync`),
+a directory after names were created in, renamed into or removed from it (:func:`fsync_dir`).
+Publication is a ``rename`` of the partial directory, removal a ``rename`` out of the listed
+names first: a directory removed halfway never looks complete. Every path is built here from
+the root, a job id and a step, and confined under the root (the reader's ``job_dir``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+import shutil
+
+from swap_state.common.names import snapshot_id_for, step_dir_name
+from swap_state.common.snapshot_errors import SnapshotExists
+from swap_state.common.snapshot_format import LATEST_NAME, partial_dir_name
+from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.server import _posix
+from swap_state.server.snapshot.storage import Published, SnapshotFile, SnapshotStorage, StepState
+
+__all__ = ["LOCK_NAME", "LocalFile", "LocalFilesystemStorage", "fsync_dir", "write_durable"]
+
+LOCK_NAME = ".swap-state.lock"
+_DELETING_PREFIX = ".deleting-"
+_LATEST_TMP = ".latest.tmp"
+
+
+def fsync_dir(path: pathlib.Path) -> None:
+    """Make the directory's entries (created, renamed, removed names) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: pathlib.Path, data: bytes) -> None:
+    """Create ``path`` (it must not exist), write ``data`` and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalFile(SnapshotFile):
+    """A new file in a partial snapshot directory (``O_EXCL``: never one already there)."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+
+    def fileno(self) -> int:
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
+        return self._fd
+
+    def start_writeback(self, offset: int, nbytes: int) -> None:
+        # sync_file_range: the kernel starts writing these pages now, so the fsync at the end
+        # finds little left and the dirty pages of a big snapshot do not pile up.
+        _posix.start_writeback(self.fileno(), offset, nbytes)
+
+    def fsync(self) -> None:
+        os.fsync(self.fileno())
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+class LocalFilesystemStorage(SnapshotStorage):
+    """A snapshot root directory on a filesystem with POSIX rename and fsync. Thread-safe."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        # The reader's path rules (job ids, confinement under the root, what counts as a
+        # complete snapshot) are the ones every reader of the directory applies: one copy.
+        self._reader = SnapshotReader(root)
+        self.root: pathlib.Path = self._reader.root
+        self._lock_fd: int | None = None
+
+    # ---------------------------------------------------------------- once per server
+
+    def create_root(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def hold(self) -> bool:
+        """A shared ``flock`` on ``.swap-state.lock``, held until :meth:`release`; True when an
+        exclusive one was free first (no other live server: two embedded servers may share
+        the per-user default directory, and another's partial snapshots are not stale)."""
+        self._lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alone = True
+        except BlockingIOError:
+            alone = False
+        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)  # converts an exclusive lock, or waits for one
+        return alone
+
+    def release(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the file releases the lock
+
+    def clean_stale(self) -> list[pathlib.PurePath]:
+        """``.partial-*``, ``.deleting-*`` and the latest pointer's temp file of every job."""
+        removed: list[pathlib.PurePath] = []
+        for job in self._reader.jobs():
+            job_dir = self._reader.job_dir(job)
+            for name in os.listdir(job_dir):
+                path = job_dir / name
+                if name.startswith((".partial-", _DELETING_PREFIX)) and path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+                elif name == _LATEST_TMP:
+                    path.unlink(missing_ok=True)
+                    removed.append(path)
+        return removed
+
+    # ---------------------------------------------------------------- writing a snapshot
+
+    def location(self, job_id: str, step: int | None = None) -> pathlib.Path:
+        if step is None:
+            return self._reader.job_dir(job_id)
+        return self._reader.final_dir(job_id, step)
+
+    def step_state(self, job_id: str, step: int) -> StepState:
+        final = self._reader.final_dir(job_id, step)
+        if self._reader._load_index(job_id, final, step) is not None:
+            return StepState.COMPLETE
+        if os.path.lexists(final):
+            return StepState.OTHER
+        return StepState.ABSENT
+
+    def open_partial(self, job_id: str, step: int) -> pathlib.Path:
+        partial = self._reader.job_dir(job_id) / partial_dir_name(step)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        self._reader.job_dir(job_id)  # re-check confinement now that it exists
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir()
+        return partial
+
+    def create_file(self, partial: pathlib.PurePath, name: str) -> LocalFile:
+        return LocalFile(self._inside(partial) / name)
+
+    def write_durable(self, partial: pathlib.PurePath, name: str, data: bytes) -> None:
+        write_durable(self._inside(partial) / name, data)
+
+    def seal(self, partial: pathlib.PurePath) -> None:
+        fsync_dir(self._inside(partial))
+
+    def commit(self, partial: pathlib.PurePath, job_id: str, step: int, *, replace: bool) -> Published:
+        """Rename the partial directory to ``step-<N>``, then fsync the job directory. An
+        existing ``step-<N>`` is renamed out of the way first: a directory removed halfway
+        must not look complete, and between the two renames the step is absent, never mixed."""
+        job_dir = self._reader.job_dir(job_id)
+        final = job_dir / step_dir_name(step)
+        replaced = None
+        if final.exists():
+            if not replace:
+                raise SnapshotExists(f"snapshot {snapshot_id_for(job_id, step)} already exists at {final}")
+            replaced = final.with_name(_DELETING_PREFIX + final.name + f".{os.getpid()}")
+            os.rename(final, replaced)
+        os.rename(self._inside(partial), final)
+        # From here on the snapshot is complete: what fails now is reported, not fatal.
+        warnings: list[str] = []
+        try:
+            fsync_dir(job_dir)
+        except OSError as exc:
+            warnings.append(f"could not fsync {job_dir} after the rename: {exc}")
+        return Published(final, replaced, tuple(warnings))
+
+    def set_latest(self, job_id: str, step: int) -> None:
+        """Write the pointer aside, fsync it, rename it over ``latest``, fsync the job dir."""
+        job_dir = self._reader.job_dir(job_id)
+        try:
+            tmp = job_dir / _LATEST_TMP
+            tmp.unlink(missing_ok=True)
+            write_durable(tmp, (step_dir_name(step) + "\n").encode())
+            os.replace(tmp, job_dir / LATEST_NAME)
+            fsync_dir(job_dir)
+        except OSError:
+            # A stale pointer would hide the new snapshot; without one, latest falls back to
+            # the highest step.
+            try:
+                (job_dir / LATEST_NAME).unlink(missing_ok=True)
+            except OSError:
+                pass
+            raise
+
+    def discard(self, where: pathlib.PurePath) -> bool:
+        path = self._inside(where)
+        shutil.rmtree(path, ignore_errors=True)
+        return not path.exists()
+
+    # ---------------------------------------------------------------- committed snapshots
+
+    def list(self, job_id: str) -> list[tuple[int, pathlib.PurePath]]:
+        return [(step, path) for step, path, _ in self._reader._complete(job_id)]
+
+    def remove(self, where: pathlib.PurePath) -> None:
+        path = self._inside(where)
+        trash = path.with_name(_DELETING_PREFIX + path.name)  # unlisted before anything goes
+        os.rename(path, trash)
+        fsync_dir(path.parent)
+        shutil.rmtree(trash)
+
+    def read_range(self, where: pathlib.PurePath, name: str, offset: int, nbytes: int) -> bytes:
+        fd = os.open(self._inside(where) / name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            parts: list[bytes] = []
+            while nbytes > 0:
+                data = os.pread(fd, nbytes, offset)
+                if not data:
+                    break
+                parts.append(data)
+                offset += len(data)
+                nbytes -= len(data)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
+
+    def _inside(self, where: pathlib.PurePath) -> pathlib.Path:
+        """``where`` as a path, refused unless it is under the root (every location this
+        storage hands out is)."""
+        path = pathlib.Path(where)
+        if self.root not in path.parents:
+            raise ValueError(f"{where} is not inside the snapshot directory {self.root}")
+        return path

@@ -1,0 +1,91 @@
+"""What the servicer hands the coordinator to snapshot one rank: :class:`SnapshotSource`, and
+:func:`check_source`, the coordinator's first step on it (nothing is published before it passed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from swap_state.common.names import validate_job_id
+from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
+from swap_state.common.snapshot_errors import SnapshotInvalid
+
+__all__ = ["SnapshotSource", "check_source"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotSource:
+    """One rank's segment to snapshot, as the servicer hands it to the coordinator."""
+
+    buffer: Any
+    """Writable buffer over the whole mapped segment (an mmap or a memoryview of it)."""
+    layout: SegmentLayout
+    """The segment's layout (``segment.plan_segment``); tensors in update order."""
+    header: SegmentHeader
+    """A SegmentHeader over the same buffer; owned (and released) by the caller."""
+    job_id: str
+    """The session's job id; becomes a directory name under the snapshot dir."""
+    rank: int
+    """The session's rank."""
+    world_size: int
+    """Ranks of the job (global, across hosts); recorded in the snapshot, checked on restore."""
+    step: int
+    """The committed step the segment holds (the caller checks it is the last committed)."""
+    metadata_json: str = ""
+    """The trainer's description of the tensors (``snapshot_metadata`` schema); may be empty."""
+    local_world_size: int = 0
+    """Ranks of the job on this server (this host), 1..world_size; 0 means ``world_size``.
+    This server's snapshot is complete when this many distinct ranks are durable."""
+    keep_latest: int = 0
+    """Durable snapshots the job asks to keep (its own checkpoint retention); the server keeps
+    at least its ``--keep-latest``. 0: just that."""
+    keep_all: bool = False
+    """The job keeps every checkpoint: retention removes none of its snapshots."""
+    replace_existing: bool = False
+    """A durable snapshot of this step from an earlier attempt is replaced (atomically, once
+    the new one is durable) instead of refused."""
+
+    @property
+    def expected_ranks(self) -> int:
+        """The number of ranks this server's snapshot of the step waits for."""
+        return self.local_world_size or self.world_size
+
+
+def check_source(source: SnapshotSource) -> None:
+    """SnapshotInvalid unless the ids and numbers are sane and the segment's header and
+    buffer describe its layout."""
+    validate_job_id(source.job_id, SnapshotInvalid)
+    if not 1 <= source.world_size or not 0 <= source.rank < source.world_size:
+        raise SnapshotInvalid(f"rank {source.rank} / world_size {source.world_size} is invalid")
+    if not 0 <= source.local_world_size <= source.world_size:
+        raise SnapshotInvalid(
+            f"local_world_size {source.local_world_size} must be in [1, world_size "
+            f"{source.world_size}] (0: = world_size)"
+        )
+    if source.step < 0:
+        raise SnapshotInvalid(f"step {source.step} is negative")
+    _check_segment(source)
+
+
+def _check_segment(source: SnapshotSource) -> None:
+    layout, header = source.layout, source.header
+    try:
+        header.check()
+    except ValueError as exc:
+        raise SnapshotInvalid(f"segment header: {exc}") from None
+    if (
+        header[Word.N_CHUNKS] != layout.n_chunks
+        or header[Word.CHUNK_BYTES] != layout.chunk_bytes
+        or header[Word.COW_SLOTS] != layout.cow_slots
+        or header[Word.COW_SLOTS_OFFSET] != layout.cow_slots_offset
+        or header.n_chunks != layout.n_chunks
+        or header.cow_slots != layout.cow_slots
+    ):
+        raise SnapshotInvalid("the segment header does not describe the given layout")
+    with memoryview(source.buffer) as view:
+        if view.nbytes < layout.size:
+            raise SnapshotInvalid(f"the segment buffer is smaller than its layout ({layout.size} bytes)")
+    names = [t.name for t in layout.tensors]
+    if len(set(names)) != len(names):
+        raise SnapshotInvalid("segment tensor names are not unique")
