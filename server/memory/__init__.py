@@ -1,1 +1,4 @@
-"""Host memory: the shm arena (budget, segments, copy pool) and the sessions that own segments."""
+"""Host memory: the shm arena (budget, copy pool) with its segment files and the shm-directory
+checks, and the sessions (registry and types) that own segments."""
+
+__all__: list[str] = []
