@@ -183,9 +183,121 @@ def _bind(server: grpc.aio.Server, listen: ListenAddress, creds: grpc.ServerCred
     return port
 
 
+@dataclasses.dataclass(eq=False)
+class _Domain:
+    """The objects one server is made of, before it serves."""
+
+    arena: Arena
+    registry: SessionRegistry
+    counters: RpcCounters
+    snapshots: SnapshotCoordinator | None
+    service: SwapStateService
+
+
+def _build_domain(config: ServerConfig, listen: ListenAddress, gid: int | None,
+                  undo: contextlib.AsyncExitStack) -> _Domain:
+    """Arena, session registry, snapshot coordinator (its close pushed on ``undo``), servicer."""
+    copy_policy = CopyBudgetPolicy(max_bandwidth=config.persist_max_bandwidth or None)
+    arena = Arena(
+        shm_dir=config.shm_dir,
+        total_bytes=config.shm_size,
+        cow_pool_bytes=config.cow_pool_bytes,
+        chunk_bytes=config.chunk_bytes,
+        tag=_segment_tag(listen),
+        gid=gid,
+        mlock=config.mlock,
+        copy_policy=copy_policy,
+    )
+    registry = SessionRegistry(
+        arena,
+        grace=config.grace,
+        stream_wait=config.stream_wait,
+        max_tensors=config.max_tensors,
+    )
+    counters = RpcCounters()
+    snapshots = None
+    if config.snapshot_dir is not None:
+        snapshots = SnapshotCoordinator(
+            config.snapshot_dir,
+            keep_latest=config.keep_latest,
+            max_bandwidth=config.persist_max_bandwidth or None,
+            stage_threads=config.stage_threads,
+            model_copy_timeout_s=config.model_copy_timeout,
+            copy_policy=copy_policy,
+        )
+        undo.callback(snapshots.close)
+    service = SwapStateService(
+        registry,
+        arena,
+        keepalive_interval=config.keepalive_interval,
+        counters=counters,
+        snapshots=snapshots,
+    )
+    return _Domain(arena, registry, counters, snapshots, service)
+
+
+def _grpc_server(config: ServerConfig, service: SwapStateService, health: health_aio.HealthServicer,
+                 token: str | None) -> grpc.aio.Server:
+    """The gRPC server with the servicer and health, not bound yet."""
+    interceptors = [TokenAuthInterceptor(token)] if token else []
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_server_options(config))
+    pb_grpc.add_SwapStateServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    return server
+
+
+def _prepare_shm(config: ServerConfig, arena: Arena) -> None:
+    """Remove what a dead server on this address left in the shm directory, then check the
+    directory (StartupError when it cannot hold the budget)."""
+    removed, removed_bytes = arena.remove_leftovers()
+    if removed:
+        log_event(log, "leftover_segments_removed", logging.WARNING, files=removed,
+                  bytes=removed_bytes, shm_dir=config.shm_dir)
+    check_shm_dir(config.shm_dir, config.shm_size)
+    if arena.cow_pool_slots == 0:
+        log_event(log, "cow_pool_empty", logging.WARNING, cow_budget=config.cow_pool_bytes,
+                  chunk_bytes=config.chunk_bytes,
+                  detail="no copy-before-write slots: snapshots will make the trainer wait "
+                  "until each chunk is persisted")
+
+
+async def _start_metrics(config: ServerConfig, domain: _Domain, started_at: float) -> MetricsServer | None:
+    """The metrics endpoint when ``--metrics-port`` asks for one; StartupError (the registry
+    closed) when it cannot listen."""
+    if not config.metrics_port:
+        return None
+    collectors = metrics_registry(
+        domain.arena,
+        domain.registry,
+        domain.counters,
+        started_at=started_at,
+        extra=[snapshot_metrics(domain.service.snapshot_counters, domain.snapshots)],
+    )
+    metrics = MetricsServer(
+        lambda: render_metrics(collectors), config.metrics_host, config.metrics_port
+    )
+    try:
+        await metrics.start()
+    except OSError as exc:
+        await domain.registry.close()
+        raise StartupError(
+            f"--metrics-port {config.metrics_host}:{config.metrics_port}: {exc.strerror}"
+        ) from None
+    return metrics
+
+
+def _channel_address(listen: ListenAddress, port: int) -> str:
+    """A gRPC channel target for the bound address (a wildcard host becomes localhost)."""
+    if listen.scheme == "unix":
+        return f"unix://{listen.path}"
+    host = listen.host if listen.host not in ("0.0.0.0", "::", "") else "localhost"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 async def start_server(config: ServerConfig) -> RunningServer:
     """Start a server on ``config.listen``; raises :class:`StartupError` with an actionable
-    message when the environment does not allow it."""
+    message when the environment does not allow it. Steps in the module docstring's order;
+    everything started is undone when a later step fails."""
     listen = config.listen_address
     token = read_token_file(config.token_file) if config.token_file else None
     gid = _resolve_group(config.shm_group)
@@ -199,109 +311,44 @@ async def start_server(config: ServerConfig) -> RunningServer:
             guard = SocketGuard(listen.path)
             guard.acquire()
             undo.callback(guard.release)
-
-        copy_policy = CopyBudgetPolicy(max_bandwidth=config.persist_max_bandwidth or None)
-        arena = Arena(
-            shm_dir=config.shm_dir,
-            total_bytes=config.shm_size,
-            cow_pool_bytes=config.cow_pool_bytes,
-            chunk_bytes=config.chunk_bytes,
-            tag=_segment_tag(listen),
-            gid=gid,
-            mlock=config.mlock,
-            copy_policy=copy_policy,
-        )
-        registry = SessionRegistry(
-            arena,
-            grace=config.grace,
-            stream_wait=config.stream_wait,
-            max_tensors=config.max_tensors,
-        )
-        counters = RpcCounters()
-        snapshots = None
-        if config.snapshot_dir is not None:
-            snapshots = SnapshotCoordinator(
-                config.snapshot_dir,
-                keep_latest=config.keep_latest,
-                max_bandwidth=config.persist_max_bandwidth or None,
-                stage_threads=config.stage_threads,
-                model_copy_timeout_s=config.model_copy_timeout,
-                copy_policy=copy_policy,
-            )
-            undo.callback(snapshots.close)
-        service = SwapStateService(
-            registry,
-            arena,
-            keepalive_interval=config.keepalive_interval,
-            counters=counters,
-            snapshots=snapshots,
-        )
+        domain = _build_domain(config, listen, gid, undo)
         health = health_aio.HealthServicer()
-        interceptors = [TokenAuthInterceptor(token)] if token else []
-        server = grpc.aio.server(interceptors=interceptors, options=grpc_server_options(config))
-        pb_grpc.add_SwapStateServicer_to_server(service, server)
-        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        server = _grpc_server(config, domain.service, health, token)
         port = _bind(server, listen, creds)
         undo.push_async_callback(server.stop, None)
         if guard is not None:
             guard.bound(gid)
-
-        removed, removed_bytes = arena.remove_leftovers()
-        if removed:
-            log_event(log, "leftover_segments_removed", logging.WARNING, files=removed,
-                      bytes=removed_bytes, shm_dir=config.shm_dir)
-        check_shm_dir(config.shm_dir, config.shm_size)
-        if arena.cow_pool_slots == 0:
-            log_event(log, "cow_pool_empty", logging.WARNING, cow_budget=config.cow_pool_bytes,
-                      chunk_bytes=config.chunk_bytes,
-                      detail="no copy-before-write slots: snapshots will make the trainer wait "
-                      "until each chunk is persisted")
+        _prepare_shm(config, domain.arena)
 
         await server.start()
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        registry.start()
-        metrics: MetricsServer | None = None
-        started_at = time.time()
-        if config.metrics_port:
-            collectors = metrics_registry(
-                arena,
-                registry,
-                counters,
-                started_at=started_at,
-                extra=[snapshot_metrics(service.snapshot_counters, snapshots)],
-            )
-            metrics = MetricsServer(
-                lambda: render_metrics(collectors), config.metrics_host, config.metrics_port
-            )
-            try:
-                await metrics.start()
-            except OSError as exc:
-                await registry.close()
-                raise StartupError(
-                    f"--metrics-port {config.metrics_host}:{config.metrics_port}: {exc.strerror}"
-                ) from None
+        domain.registry.start()
+        metrics = await _start_metrics(config, domain, started_at=time.time())
         undo.pop_all()
 
-    if listen.scheme == "unix":
-        address = f"unix://{listen.path}"
-    else:
-        host = listen.host if listen.host not in ("0.0.0.0", "::", "") else "localhost"
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = _channel_address(listen, port)
     running = RunningServer(
         config=config,
         address=address,
         listen=listen,
         socket_path=listen.path,
         metrics_address=metrics.address if metrics else None,
-        arena=arena,
-        sessions=registry,
-        service=service,
+        arena=domain.arena,
+        sessions=domain.registry,
+        service=domain.service,
         health=health,
         _grpc=server,
         _guard=guard,
         _metrics=metrics,
     )
+    _log_started(config, listen, address, domain.arena, auth=bool(token), tls=creds is not None, metrics=metrics)
+    return running
+
+
+def _log_started(config: ServerConfig, listen: ListenAddress, address: str, arena: Arena, *,
+                 auth: bool, tls: bool, metrics: MetricsServer | None) -> None:
+    """The one ``started`` line: where it listens, the budget, the snapshot dir, security."""
     log_event(
         log,
         "started",
@@ -315,9 +362,8 @@ async def start_server(config: ServerConfig) -> RunningServer:
         chunk_bytes=config.chunk_bytes,
         grace_seconds=config.grace,
         snapshot_dir=config.snapshot_dir or "",
-        auth="token" if token else "none",
-        tls=creds is not None,
+        auth="token" if auth else "none",
+        tls=tls,
         metrics=f"{metrics.address[0]}:{metrics.address[1]}" if metrics and metrics.address else "off",
         pid=os.getpid(),
     )
-    return running

@@ -75,9 +75,16 @@ class ServerCollector(Collector):
         self.started_at = started_at
 
     def collect(self) -> Iterator[Metric]:
-        arena, registry, counters = self.arena, self.registry, self.counters
+        """Every family, in a fixed order: server, arena, sessions, session counters, RPCs."""
         yield gauge("swap_state_up", "1 while the server serves.", 1)
         yield gauge("swap_state_start_time_seconds", "Unix time the server started.", self.started_at)
+        yield from self._arena_families()
+        yield from self._session_families()
+        yield from self._session_counters()
+        yield from self._rpc_families()
+
+    def _arena_families(self) -> Iterator[Metric]:
+        arena = self.arena
         yield gauge("swap_state_budget_total_bytes", "The --shm-size budget.", arena.total_bytes)
         yield gauge("swap_state_budget_used_bytes",
                     "Bytes of all segment files (tensors, headers, padding, cow slots).",
@@ -96,7 +103,9 @@ class ServerCollector(Collector):
                       "Segments that could not be mlock'd (RLIMIT_MEMLOCK / CAP_IPC_LOCK).",
                       arena.mlock_failures)
 
-        sessions = registry.sessions
+    def _session_families(self) -> Iterator[Metric]:
+        """Sessions by state, then the per-session gauges (labelled by job and rank)."""
+        sessions = self.registry.sessions
         by_state = gauge("swap_state_sessions", "Sessions by state.", labels=["state"])
         for state in SessionState:
             by_state.add_metric([state.value], sum(1 for s in sessions if s.state is state))
@@ -124,6 +133,9 @@ class ServerCollector(Collector):
         yield model_area
         yield last_step
         yield generation
+
+    def _session_counters(self) -> Iterator[Metric]:
+        registry = self.registry
         yield counter("swap_state_steps_committed_total", "Steps committed, all sessions.",
                       registry.steps_committed_total)
         yield counter("swap_state_kept_states_dropped_total",
@@ -136,6 +148,9 @@ class ServerCollector(Collector):
                       registry.sessions_freed)
         yield counter("swap_state_sessions_expired_total",
                       "Orphaned sessions freed after the grace period.", registry.sessions_expired)
+
+    def _rpc_families(self) -> Iterator[Metric]:
+        counters = self.counters
         calls = counter("swap_state_rpc_total", "RPCs by method and status code.",
                         labels=["method", "code"])
         for (method, code), n in sorted(counters.calls.items()):
