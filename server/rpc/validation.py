@@ -160,12 +160,7 @@ def validate_tensor_specs(
         if index >= max_tensors:
             raise InvalidArgument(f"too many tensors: at most {max_tensors} per segment")
         if name in seen or not name_ok(name):
-            if name in seen:
-                raise InvalidArgument(f"tensors[{index}].name {shorten(name)} is duplicated")
-            raise InvalidArgument(
-                f"tensors[{index}].name {shorten(name)} is invalid: use 1-512 characters of "
-                "[A-Za-z0-9_.:/-]"
-            )
+            raise _bad_name(index, name, seen)
         seen.add(name)
         if is_model_tensor(name):
             model_from = index if model_from is None else model_from
@@ -176,10 +171,7 @@ def validate_tensor_specs(
             )
         itemsize = DTYPE_ITEMSIZE.get(dtype)
         if itemsize is None:
-            raise InvalidArgument(
-                f"tensors[{index}] ({name}): unknown dtype {shorten(dtype)}; "
-                f"expected one of {', '.join(DTYPE_ITEMSIZE)}"
-            )
+            raise _unknown_dtype(index, name, dtype)
         dims = tuple(map(int, shape))
         if len(dims) > MAX_NDIM:
             raise InvalidArgument(f"tensors[{index}] ({name}): more than {MAX_NDIM} dims")
@@ -201,3 +193,20 @@ def validate_tensor_specs(
             "readers accept: fewer tensors per rank (shard the model over more ranks)"
         )
     return out
+
+
+# The refusals' messages, out of validate_tensor_specs' hot loop (called only on a refusal).
+def _bad_name(index: int, name: str, seen: set[str]) -> InvalidArgument:
+    if name in seen:
+        return InvalidArgument(f"tensors[{index}].name {shorten(name)} is duplicated")
+    return InvalidArgument(
+        f"tensors[{index}].name {shorten(name)} is invalid: use 1-512 characters of "
+        "[A-Za-z0-9_.:/-]"
+    )
+
+
+def _unknown_dtype(index: int, name: str, dtype: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"tensors[{index}] ({name}): unknown dtype {shorten(dtype)}; "
+        f"expected one of {', '.join(DTYPE_ITEMSIZE)}"
+    )
