@@ -7,13 +7,14 @@ weights must not train on them). The fingerprint is a 64-bit digest of up to
 bit: every optimizer step changes essentially every element, so fresh weights, weights of
 another step and weights of another model all differ from the kept step's in the sample.
 
-Cost per commit, whatever the number of parameters: one small asynchronous gather kernel per
-parameter, each writing into its own place of one preallocated buffer per device, then one
-copy of that buffer to the host (the only synchronisation). No pass over the parameters.
+Cost per commit, whatever the size of the parameters: each parameter's samples are a strided
+view (no kernel, no copy), the views of one device and dtype are gathered by one ``torch.cat``,
+and the gathered bytes of a device go to the host in one copy (the only synchronisation). No
+pass over the parameters.
 
-The sample indices are integers, ``i * (n - 1) // (count - 1)``, computed once on the host:
-exact at every size (a float32 ``linspace`` rounds its last index up to ``n`` above 2^24
-elements, which made every real LLM weight raise ``index out of range``).
+The samples are elements ``0, s, 2s, ...`` with the integer stride ``s = (n - 1) // (count -
+1)``: in range and exact at every size (a float32 ``linspace`` rounds its last index up to
+``n`` above 2^24 elements, which made every real LLM weight raise ``index out of range``).
 
 Call order: ``fp = ParamFingerprint(params)`` once, ``fp.compute()`` after each step's update
 (on the stream that updated the parameters) and before its commit; compare the value of a
@@ -24,88 +25,75 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from swap_state.client.optim.dtensor_utils import unwrap_dtensor
 
-__all__ = ["SAMPLES_PER_TENSOR", "UNKNOWN", "ParamFingerprint", "sample_indices"]
+__all__ = ["SAMPLES_PER_TENSOR", "UNKNOWN", "ParamFingerprint", "sample_indices", "sample_stride"]
 
 SAMPLES_PER_TENSOR = 64
 UNKNOWN = 0
 """The header value for "parameters not known" (after a load or restore): never matches."""
 
-_ALIGN = 8  # every sample run starts 8-byte aligned in the buffer, so it can be viewed as any dtype
+
+def sample_stride(numel: int, count: int = SAMPLES_PER_TENSOR) -> tuple[int, int]:
+    """``(samples, stride)`` of a tensor of ``numel`` elements: ``min(numel, count)`` samples
+    ``stride`` elements apart from element 0, all in range (Python ints: no bound on ``numel``)."""
+    count = min(numel, count)
+    if count <= 1:
+        return count, 1
+    return count, (numel - 1) // (count - 1)
 
 
 def sample_indices(numel: int, count: int = SAMPLES_PER_TENSOR) -> list[int]:
-    """``min(numel, count)`` evenly spaced indices into ``range(numel)``, first and last
-    included, in exact integer arithmetic (Python ints: no bound on ``numel``)."""
-    count = min(numel, count)
-    if count <= 1:
-        return [0] * count
-    return [i * (numel - 1) // (count - 1) for i in range(count)]
+    """The indices :func:`sample_stride` describes."""
+    samples, stride = sample_stride(numel, count)
+    return [i * stride for i in range(samples)]
 
 
-@dataclass
-class _DevicePlan:
-    """Where each parameter's samples go in one device's gather buffer."""
-
-    buffer: torch.Tensor  # uint8, on the device
-    runs: list[tuple[int, torch.Tensor, torch.Tensor, int]]  # (param, indices, out view, byte offset)
+def _samples(local: torch.Tensor) -> torch.Tensor | None:
+    """A strided view of ``local``'s samples (a copy only when ``local`` is not contiguous)."""
+    flat = local.detach().reshape(-1)
+    count, stride = sample_stride(flat.numel())
+    if count == 0:
+        return None
+    return flat.as_strided((count,), (stride,), flat.storage_offset())
 
 
 class ParamFingerprint:
-    """Fingerprint of a fixed list of parameters (their order is part of it)."""
+    """Fingerprint of a fixed list of parameters (their order is part of it).
+
+    The sample views are made once and kept while each parameter's local data stays where it
+    is (its data pointer, dtype and size, checked at every compute), so a compute costs one
+    cat per device and dtype, one copy per device and a few attribute reads per parameter."""
 
     def __init__(self, params: Sequence[torch.Tensor]):
         self._params = list(params)
-        self._plans: dict[torch.device, _DevicePlan] | None = None
-        self._key: tuple | None = None
+        self._keys: list[tuple[int, torch.dtype, int, torch.device] | None] = [None] * len(self._params)
+        self._views: list[torch.Tensor | None] = [None] * len(self._params)
 
-    def _layout_key(self, locals_: list[torch.Tensor]) -> tuple:
-        return tuple((t.device, t.dtype, t.numel()) for t in locals_)
-
-    def _plan(self, locals_: list[torch.Tensor]) -> dict[torch.device, _DevicePlan]:
-        """One buffer per device and each parameter's indices and place in it (built once;
-        again only if a parameter moves or changes dtype or size)."""
-        sizes: dict[torch.device, int] = {}
-        places: list[tuple[int, torch.device, int, list[int]]] = []
-        for index, local in enumerate(locals_):
-            picks = sample_indices(local.numel())
-            if not picks:
-                continue
-            offset = sizes.get(local.device, 0)
-            places.append((index, local.device, offset, picks))
-            sizes[local.device] = offset + -(-len(picks) * local.element_size() // _ALIGN) * _ALIGN
-        plans = {
-            device: _DevicePlan(torch.empty(size, dtype=torch.uint8, device=device), [])
-            for device, size in sizes.items()
-        }
-        for index, device, offset, picks in places:
-            dtype = locals_[index].dtype
-            nbytes = len(picks) * locals_[index].element_size()
-            out = plans[device].buffer[offset : offset + nbytes].view(dtype)
-            indices = torch.tensor(picks, dtype=torch.int64, device=device)
-            plans[device].runs.append((index, indices, out, offset))
-        return plans
+    def _current_views(self) -> list[torch.Tensor | None]:
+        for index, param in enumerate(self._params):
+            local = unwrap_dtensor(param)
+            key = (local.data_ptr(), local.dtype, local.numel(), local.device)
+            if key != self._keys[index]:
+                self._keys[index], self._views[index] = key, _samples(local)
+        return self._views
 
     def compute(self) -> int:
         """The digest (never :data:`UNKNOWN`) of the parameters as they are now."""
-        locals_ = [unwrap_dtensor(p).detach().reshape(-1) for p in self._params]
-        key = self._layout_key(locals_)
-        if self._plans is None or key != self._key:
-            self._plans, self._key = self._plan(locals_), key
+        by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
+        for view in self._current_views():
+            if view is not None:
+                by_device.setdefault(view.device, {}).setdefault(view.dtype, []).append(view)
         digest = hashlib.blake2b(digest_size=8)
-        # Devices in a fixed order; padding bytes are never written, so each run is hashed
-        # by itself (raw bytes: bit-exact whatever the dtype, bfloat16 included).
-        for device in sorted(self._plans, key=str):
-            plan = self._plans[device]
-            for index, indices, out, _ in plan.runs:
-                torch.index_select(locals_[index], 0, indices, out=out)
-            host = plan.buffer.cpu()  # the one copy to the host (and wait) per device
-            for _, _, out, start in plan.runs:
-                digest.update(host[start : start + out.numel() * out.element_size()].numpy())
+        # Devices and dtypes in a fixed order; within each, the parameters' order. Raw bytes:
+        # bit-exact whatever the dtype, bfloat16 included.
+        for device in sorted(by_device, key=str):
+            groups = by_device[device]
+            gathered = [torch.cat(groups[dtype]).view(torch.uint8) for dtype in sorted(groups, key=str)]
+            host = torch.cat(gathered).cpu()  # the one copy to the host (and wait) per device
+            digest.update(host.numpy().tobytes())
         value = int.from_bytes(digest.digest(), "little")
         return value or 1
