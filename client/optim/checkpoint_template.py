@@ -8,7 +8,7 @@ state_dict: optimizer.param_groups.<fqn>.step``. The design:
 
 - The loader tells the container which keys the checkpoint holds, read from its DCP metadata
   (``FileSystemReader(path).read_metadata().state_dict_metadata``, no tensor read), for the
-  duration of the load: :meth:`CheckpointTemplateMixin.loading_checkpoint`. The torchtitan
+  duration of the load: :meth:`LoadTemplate.loading` (the container's ``loading_checkpoint``). The torchtitan
   glue does so around ``CheckpointManager.dcp_load``; a plain ``dcp.load`` caller uses
   :func:`load_template`.
 - While it knows them, ``state_dict()`` is the template of *that* checkpoint
@@ -47,7 +47,7 @@ __all__ = [
     "SNAPSHOT_CHECKPOINT_ERROR",
     "SNAPSHOT_JOB_KEY",
     "SNAPSHOT_REF_KEY",
-    "CheckpointTemplateMixin",
+    "LoadTemplate",
     "SnapshotCheckpointError",
     "check_plain_optimizer_can_load",
     "checkpoint_keys",
@@ -163,30 +163,31 @@ def _read_reference(checkpoint_id: str | os.PathLike[str], flat_key: str) -> str
         return None
 
 
-class CheckpointTemplateMixin:
-    """``loading_checkpoint(keys)``: while active, ``state_dict()`` is that checkpoint's
-    template (:func:`match_template`; a remote container picks the reference or full form).
-    """
+class LoadTemplate:
+    """While a checkpoint load announced its keys, a container's ``state_dict()`` is that
+    checkpoint's template (:func:`match_template`; a remote container picks the reference or
+    full form). Held by the container; ``loading(keys)`` is its ``loading_checkpoint``."""
 
-    _checkpoint_keys: frozenset[str] | None = None
-    """The optimizer keys of the checkpoint being loaded (prefix stripped), else None."""
+    def __init__(self) -> None:
+        self.keys: frozenset[str] | None = None
+        """The optimizer keys of the checkpoint being loaded (prefix stripped), else None."""
 
     @contextlib.contextmanager
-    def loading_checkpoint(self, keys: Collection[str]) -> Iterator[None]:
+    def loading(self, keys: Collection[str]) -> Iterator[None]:
         """Make ``state_dict()`` the load template of a checkpoint whose optimizer entry holds
         ``keys`` (without ``optimizer.``) until the block ends."""
-        previous = self._checkpoint_keys
-        self._checkpoint_keys = frozenset(keys)
+        previous = self.keys
+        self.keys = frozenset(keys)
         try:
             yield
         finally:
-            self._checkpoint_keys = previous
+            self.keys = previous
 
-    def _template_for_loading(self, flat: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, flat: dict[str, Any]) -> dict[str, Any]:
         """``flat`` matched to the checkpoint being loaded, or as it is outside a load."""
-        if self._checkpoint_keys is None:
+        if self.keys is None:
             return flat
-        return match_template(flat, self._checkpoint_keys)
+        return match_template(flat, self.keys)
 
 
 @contextlib.contextmanager

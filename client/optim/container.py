@@ -1,16 +1,20 @@
 """``SwapOptimizersContainer``: torchtitan's ``OptimizersContainer`` with Adam moments in host memory.
 
-The class is assembled from one mixin per job: :mod:`~swap_state.client.optim.host_cache`,
-:mod:`~swap_state.client.optim.step_pipeline`, :mod:`~swap_state.client.optim.flat_state_dict` and
-:mod:`~swap_state.client.optim.state_loading`. This module holds construction and the hooks a
-subclass overrides. Importing it patches nothing in torchtitan (that is
+The container holds one object per job: the host caches (:mod:`.host_cache`), the step
+pipeline (:mod:`.step_pipeline`), the state loader (:mod:`.state_loading`) and the load
+template (:mod:`.checkpoint_template`); ``state_dict()`` is :func:`.flat_state_dict.flat_state_dict`.
+Each part sees the container through :class:`~swap_state.client.optim.owner.SwapContainer`.
+This module holds construction, the parts and the hooks a subclass overrides. Importing it patches nothing in torchtitan (that is
 :mod:`swap_state.client.swap_optimizer`'s job, the seed's module name).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,18 +25,21 @@ from torchtitan.components.optimizer import OptimizersContainer
 from swap_state.client.optim import patch_points
 from swap_state.client.optim.kernels import pin_default_implementation
 from swap_state.client.device import DeviceBackend
-from swap_state.client.optim.flat_state_dict import FlatStateDictMixin
+from swap_state.client.optim import flat_state_dict as _flat
+from swap_state.client.optim.checkpoint_template import LoadTemplate
 from swap_state.client.optim.host_cache import (
     STEP_DTYPE,
     STEP_KEY,
     HostCache,
     HostCacheEntry,
-    HostCacheMixin,
+    HostCaches,
     group_map,
+    placeholder_like,
     step_tensor,
 )
-from swap_state.client.optim.state_loading import StateLoadingMixin
-from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES, StepPipelineMixin, bind_swap_step
+from swap_state.client.optim.naming import fqns_by_param, param_fqns
+from swap_state.client.optim.state_loading import StateLoader
+from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES, StepPipeline, bind_swap_step
 
 __all__ = ["SwapOptimizersContainer"]
 
@@ -40,9 +47,22 @@ __all__ = ["SwapOptimizersContainer"]
 logger = logging.getLogger("swap_state.client.swap_optimizer")
 
 
-class SwapOptimizersContainer(
-    StepPipelineMixin, StateLoadingMixin, FlatStateDictMixin, HostCacheMixin, OptimizersContainer
-):
+class _instance_or_class_method:
+    """Method bound to the instance when looked up on one, to the class otherwise.
+
+    The seed calls some helpers on the class (``SwapOptimizersContainer._state_value_for_state_dict(...)``)
+    and expects the class-level maps; through an instance they must see its own maps.
+    """
+
+    def __init__(self, func: Callable[..., Any]) -> None:
+        self.__func__ = func
+        functools.update_wrapper(self, func)  # type: ignore[arg-type]
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Callable[..., Any]:
+        return types.MethodType(self.__func__, objtype if obj is None else obj)
+
+
+class SwapOptimizersContainer(OptimizersContainer):
     """torchtitan ``OptimizersContainer`` whose Adam/AdamW moments live in host memory.
 
     ``SwapOptimizersContainer(model_parts, optimizer_cls, optimizer_kwargs, swap_optimizer_times)``
@@ -81,7 +101,7 @@ class SwapOptimizersContainer(
         ``_before_host_write(all params)`` -> copy into the host cache (in place) ->
         ``empty_cache()`` once -> ``_after_load_state_dict()``.
 
-    A subclass overrides ``_allocate_host_cache`` to place the cache (for example views of
+    Override the hooks, not the parts: a subclass overrides ``_allocate_host_cache`` to place the cache (for example views of
     a registered shared-memory segment; the container only copies into these tensors,
     never replaces them), ``_before_host_write`` to guard bytes another reader still needs
     (it may block: back-pressure), ``_after_step`` to publish a finished step and
@@ -89,9 +109,14 @@ class SwapOptimizersContainer(
     """
 
     # The seed's tests build containers with __new__ and patch these; __init__ shadows
-    # them with per-instance dicts, and every method goes through ``self.``.
+    # them with per-instance dicts, and every method goes through ``self.``. The parts of such
+    # a container are built on first use.
     param_to_cpu_states_map: dict[torch.Tensor, HostCache] = {}  # noqa: RUF012
     param_to_device_states_map: dict[torch.Tensor, dict[str, Any]] = {}  # noqa: RUF012
+    swap_optimizer_times: int = DEFAULT_SWAP_TIMES
+    _device_backend: DeviceBackend | None = None
+    _pipeline: bool | None = None
+    _in_container_step: bool = False
 
     def __init__(
         self,
@@ -148,13 +173,13 @@ class SwapOptimizersContainer(
                 group.setdefault(STEP_KEY, step_tensor(0))
                 pin_default_implementation(group)
             pairs = [(gi, p) for gi, g in enumerate(optim.param_groups) for p in g["params"]]
-            entries.extend(self._host_cache_entries(index, model, optim, pairs))
+            entries.extend(self._host_caches.entries(index, model, optim, pairs))
         seen: set[int] = set()
         for entry in entries:
             if id(entry.param) in seen:
                 raise ValueError(f"parameter {entry.fqn!r} is in more than one optimizer or group")
             seen.add(id(entry.param))
-        self._install_host_caches(entries)
+        self._host_caches.install(entries)
         for optim in self.optimizers:
             optim.step = bind_swap_step(self, optim)  # type: ignore[method-assign]
         logger.info(
@@ -162,8 +187,99 @@ class SwapOptimizersContainer(
             len(entries),
             sum(e.nbytes for e in entries) / 2**20,
             self.swap_optimizer_times,
-            "pipelined" if self._swap_pipeline_enabled() else "in place on CPU",
+            "pipelined" if self._steps.enabled() else "in place on CPU",
         )
+
+    # -- the parts -----------------------------------------------------------------------
+    def _part(self, name: str, build: Callable[[], Any]) -> Any:
+        part = self.__dict__.get(name)
+        if part is None:
+            part = self.__dict__[name] = build()
+        return part
+
+    @property
+    def _host_caches(self) -> HostCaches:
+        return self._part("_host_caches_part", lambda: HostCaches(self))
+
+    @property
+    def _steps(self) -> StepPipeline:
+        return self._part("_steps_part", lambda: StepPipeline(self, self._host_caches, pipeline=self._pipeline))
+
+    @property
+    def _loader(self) -> StateLoader:
+        return self._part("_loader_part", lambda: StateLoader(self, self._host_caches))
+
+    @property
+    def _load_template(self) -> LoadTemplate:
+        return self._part("_load_template_part", LoadTemplate)
+
+    @property
+    def device_backend(self) -> DeviceBackend:
+        """The backend this container moves state with."""
+        return self._backend
+
+    @property
+    def _backend(self) -> DeviceBackend:
+        # A container built with __new__ (the seed's tests) has no backend of its own.
+        return self._device_backend or patch_points.get_torch_device()
+
+    # -- step ----------------------------------------------------------------------------
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Step every optimizer through the swap pipeline, then call ``_after_step()`` once."""
+        self._in_container_step = True
+        try:
+            # Not super().step(): once any plain OptimizersContainer exists, torch has
+            # wrapped that method with the step hooks, which would then run twice.
+            for optimizer in self.optimizers:
+                optimizer.step(*args, **kwargs)
+        finally:
+            self._in_container_step = False
+        self._after_step()
+
+    def _swap_step(self, optim: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        """``optim.step(closure)`` through the pipeline (the bound step of every optimizer);
+        outside ``step()`` it calls ``_after_step()`` itself. A subclass may run checks first."""
+        loss = self._steps.run(optim, closure)
+        if not self._in_container_step:
+            self._after_step()
+        return loss
+
+    def _swap_pipeline_enabled(self) -> bool:
+        return self._steps.enabled()
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Flat ``state.<fqn>.<key>`` / ``param_groups.<fqn>.<key>`` dict from the host cache
+        (:func:`~swap_state.client.optim.flat_state_dict.flat_state_dict`). While a checkpoint
+        load announced its keys (``loading_checkpoint``), the keys torch's format lacks and that
+        checkpoint does not hold are left out (the load derives them)."""
+        flat = _flat.flat_state_dict(self.model_parts, self.optimizers, self.param_to_cpu_states_map)
+        return self._load_template.apply(flat)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a flat state dict (from ``state_dict()``, any alias of tied parameters);
+        validated first, a failure leaves the container untouched (:class:`StateLoader`)."""
+        self._loader.load(state_dict)
+
+    def loading_checkpoint(self, keys: Collection[str]) -> contextlib.AbstractContextManager[None]:
+        """Make ``state_dict()`` the load template of a checkpoint whose optimizer entry holds
+        ``keys`` (without ``optimizer.``) until the block ends."""
+        return self._load_template.loading(keys)
+
+    # The seed's names for the state-dict helpers (its tests call some on the class).
+    @_instance_or_class_method
+    def _state_value_for_state_dict(self, param: Any, state: Mapping[str, Any], key: str) -> Any:
+        return _flat.state_value(self.param_to_cpu_states_map, param, state, key)
+
+    @_instance_or_class_method
+    def _state_step_for_state_dict(self, group: Mapping[str, Any], param: Any) -> torch.Tensor:
+        return _flat.state_step(self.param_to_cpu_states_map, group, param)
+
+    _tensor_for_state_dict = staticmethod(_flat.tensor_for_state_dict)
+    _move_step_to_device = staticmethod(_flat.move_step_to_device)
+    _fqns_by_param = staticmethod(fqns_by_param)
+    _param_fqns = staticmethod(param_fqns)
+    _clone_loaded_state_for_device_placeholder = staticmethod(placeholder_like)
 
     # -- hooks for subclasses ------------------------------------------------------------
     def _allocate_host_cache(

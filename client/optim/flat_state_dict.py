@@ -2,49 +2,35 @@
 
 Keys come from :func:`swap_state.common.names.state_key` / ``param_group_key``; a parameter
 is named by its canonical FQN (DCP's, first registered alias first), so tied parameters are
-saved once and load from any alias. :class:`FlatStateDictMixin` writes the dict from the host
-cache; :class:`FlatIndex` reads one for :mod:`swap_state.client.optim.state_loading`.
+saved once and load from any alias (:mod:`.naming`). :func:`flat_state_dict` writes the dict
+from the host cache; :class:`FlatIndex` reads one for :mod:`swap_state.client.optim.state_loading`.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
-import types
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
 from swap_state.client.optim import patch_points
-from swap_state.client.optim.checkpoint_template import CheckpointTemplateMixin
 from swap_state.client.optim.dtensor_utils import DTensor, wrap_like_param_without_device_move
 from swap_state.client.optim.host_cache import MOMENT_KEYS, STEP_KEY, HostCache, step_tensor
+from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 
-try:  # DCP's canonical FQNs (strips activation-checkpoint / compile / DDP prefixes)
-    from torch.distributed.checkpoint.state_dict import _get_fqns
-except ImportError:  # pragma: no cover - every torch this project supports has it
-    _get_fqns = None
-
-__all__ = ["FlatIndex", "FlatStateDictMixin", "clone_value"]
-
-
-class _instance_or_class_method:
-    """Method bound to the instance when looked up on one, to the class otherwise.
-
-    The seed calls some helpers on the class (``SwapOptimizersContainer._state_value_for_state_dict(...)``)
-    and expects the class-level maps; through an instance they must see its own maps.
-    """
-
-    def __init__(self, func: Callable[..., Any]) -> None:
-        self.__func__ = func
-        functools.update_wrapper(self, func)  # type: ignore[arg-type]
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Callable[..., Any]:
-        return types.MethodType(self.__func__, objtype if obj is None else obj)
+__all__ = [
+    "FlatIndex",
+    "clone_value",
+    "flat_state_dict",
+    "move_step_to_device",
+    "state_step",
+    "state_value",
+    "tensor_for_state_dict",
+]
 
 
 def clone_value(value: Any) -> Any:
@@ -93,128 +79,83 @@ class FlatIndex:
         return None
 
 
-class FlatStateDictMixin(CheckpointTemplateMixin):
-    """``state_dict()`` and the parameter naming of ``SwapOptimizersContainer``.
+def flat_state_dict(
+    model_parts: Sequence[nn.Module],
+    optimizers: Sequence[Optimizer],
+    cpu_states: Mapping[torch.Tensor, HostCache],
+) -> dict[str, Any]:
+    """Flat ``state.<fqn>.<key>`` / ``param_groups.<fqn>.<key>`` dict from the host cache.
 
-    Uses the container's ``model_parts``, ``optimizers`` and ``param_to_cpu_states_map``.
-    Inside ``loading_checkpoint(keys)`` (:mod:`swap_state.client.optim.checkpoint_template`)
-    ``state_dict()`` is the load template of that checkpoint.
+    Moments are views of the host cache (DTensor-wrapped like their parameter, never copied
+    to a device); ``step`` values and group values are copies. Tied parameters appear once,
+    under their canonical name. torchtitan's own conversion is not used.
     """
-
-    if TYPE_CHECKING:  # provided by the container
-        model_parts: list[nn.Module]
-        optimizers: list[Optimizer]
-        param_to_cpu_states_map: dict[torch.Tensor, HostCache]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Flat ``state.<fqn>.<key>`` / ``param_groups.<fqn>.<key>`` dict from the host cache.
-
-        Moments are views of the host cache (DTensor-wrapped like their parameter, never
-        copied to a device); ``step`` values and group values are copies. Tied parameters
-        appear once, under their canonical name. torchtitan's own conversion is not used.
-        While a checkpoint load announced its keys (``loading_checkpoint``), the keys torch's
-        format lacks and that checkpoint does not hold are left out (the load derives them).
-        """
-        flat: dict[str, Any] = {}
-        for model, optim in zip(self.model_parts, self.optimizers, strict=True):
-            fqns = self._fqns_by_param(model)
-            for group in optim.param_groups:
-                for param in group["params"]:
-                    fqn = self._param_fqns(fqns, param)[0]
-                    state = optim.state.get(param, {})
-                    for key in MOMENT_KEYS:
-                        value = self._state_value_for_state_dict(param, state, key)
-                        if value is not None:
-                            flat[state_key(fqn, key)] = value
-                    flat[state_key(fqn, STEP_KEY)] = self._state_step_for_state_dict(group, param)
-                    for key, value in group.items():
-                        if key != "params":
-                            flat[param_group_key(fqn, key)] = clone_value(value)
-        return self._template_for_loading(flat)
-
-    @_instance_or_class_method
-    def _state_value_for_state_dict(self, param: Any, state: Mapping[str, Any], key: str) -> Any:
-        """``key``'s checkpoint value for ``param``: its host cache, else its device state."""
-        host = self.param_to_cpu_states_map.get(param)
-        value = host.get(key) if host is not None else None
-        if value is None:
-            value = state.get(key)
-        if value is None:
-            return None
-        return self._tensor_for_state_dict(value, param)
-
-    @_instance_or_class_method
-    def _state_step_for_state_dict(self, group: Mapping[str, Any], param: Any) -> torch.Tensor:
-        """The per-param step when known, else the group's step, as a new CPU tensor."""
-        host = self.param_to_cpu_states_map.get(param) or {}
-        step = host.get(STEP_KEY)
-        if step is None:
-            step = group.get(STEP_KEY, 0)
-        if isinstance(step, torch.Tensor):
-            return patch_points.unwrap_dtensor(step).detach().cpu().clone()
-        return step_tensor(step)
-
-    @staticmethod
-    def _tensor_for_state_dict(tensor: Any, like_param: Any = None) -> Any:
-        """A CPU view of ``tensor`` for a checkpoint, DTensor-wrapped like ``like_param``.
-
-        A non-empty tensor without storage is a swapped-out placeholder: an error.
-        """
-        local = patch_points.unwrap_dtensor(tensor)
-        if local.numel() != 0 and local.untyped_storage().size() == 0:
-            raise RuntimeError(
-                "cannot checkpoint a swapped-out optimizer state without CPU cache: "
-                f"tensor of shape {tuple(local.shape)} has no storage"
-            )
-        value = local.detach()
-        if value.device.type != "cpu":
-            value = value.cpu()
-        if isinstance(like_param, DTensor):
-            return wrap_like_param_without_device_move(value, like_param)
-        return value
-
-    @staticmethod
-    def _fqns_by_param(model: nn.Module) -> dict[torch.Tensor, tuple[str, ...]]:
-        """Every parameter's checkpoint names, canonical (first registered) first."""
-        names: dict[torch.Tensor, list[str]] = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            names.setdefault(param, []).extend(_canonical_fqns(model, name))
-        return {param: tuple(dict.fromkeys(fqns)) for param, fqns in names.items()}
-
-    @staticmethod
-    def _param_fqns(
-        fqns: Mapping[torch.Tensor, tuple[str, ...]], param: torch.Tensor, optimizer_index: int | None = None
-    ) -> tuple[str, ...]:
-        """``param``'s names from :meth:`_fqns_by_param`; a clear error for a stranger."""
-        names = fqns.get(param)
-        if not names:
-            where = "" if optimizer_index is None else f" of optimizer {optimizer_index}"
-            raise ValueError(
-                f"a parameter{where} (shape {tuple(param.shape)}) is not in its model part; "
-                "swap optimizer state is keyed by parameter FQN"
-            )
-        return names
-
-    @staticmethod
-    def _move_step_to_device(step: Any) -> Any:
-        """``step`` on the current device if it is a CPU tensor, else unchanged.
-
-        The seed's helper for a device-resident group step. This container keeps group and
-        per-parameter steps on the host; the pipeline copies per-parameter steps to the
-        device with their slice.
-        """
-        if isinstance(step, torch.Tensor) and step.device.type == "cpu":
-            return step.to(patch_points.get_torch_device().current_device())
-        return step
+    flat: dict[str, Any] = {}
+    for model, optim in zip(model_parts, optimizers, strict=True):
+        fqns = fqns_by_param(model)
+        for group in optim.param_groups:
+            for param in group["params"]:
+                fqn = param_fqns(fqns, param)[0]
+                state = optim.state.get(param, {})
+                for key in MOMENT_KEYS:
+                    value = state_value(cpu_states, param, state, key)
+                    if value is not None:
+                        flat[state_key(fqn, key)] = value
+                flat[state_key(fqn, STEP_KEY)] = state_step(cpu_states, group, param)
+                for key, value in group.items():
+                    if key != "params":
+                        flat[param_group_key(fqn, key)] = clone_value(value)
+    return flat
 
 
-def _canonical_fqns(model: nn.Module, name: str) -> list[str]:
-    if _get_fqns is None:  # pragma: no cover
-        return [name]
-    fqns = _get_fqns(model, name)
-    if len(fqns) != 1:
-        raise NotImplementedError(
-            f"parameter {name!r} maps to several FQNs {sorted(fqns)} (a flattened FSDP1 parameter); "
-            "the swap optimizer needs one parameter per FQN"
+def state_value(cpu_states: Mapping[torch.Tensor, HostCache], param: Any, state: Mapping[str, Any], key: str) -> Any:
+    """``key``'s checkpoint value for ``param``: its host cache, else its device state."""
+    host = cpu_states.get(param)
+    value = host.get(key) if host is not None else None
+    if value is None:
+        value = state.get(key)
+    if value is None:
+        return None
+    return tensor_for_state_dict(value, param)
+
+
+def state_step(cpu_states: Mapping[torch.Tensor, HostCache], group: Mapping[str, Any], param: Any) -> torch.Tensor:
+    """The per-param step when known, else the group's step, as a new CPU tensor."""
+    host = cpu_states.get(param) or {}
+    step = host.get(STEP_KEY)
+    if step is None:
+        step = group.get(STEP_KEY, 0)
+    if isinstance(step, torch.Tensor):
+        return patch_points.unwrap_dtensor(step).detach().cpu().clone()
+    return step_tensor(step)
+
+
+def tensor_for_state_dict(tensor: Any, like_param: Any = None) -> Any:
+    """A CPU view of ``tensor`` for a checkpoint, DTensor-wrapped like ``like_param``.
+
+    A non-empty tensor without storage is a swapped-out placeholder: an error.
+    """
+    local = patch_points.unwrap_dtensor(tensor)
+    if local.numel() != 0 and local.untyped_storage().size() == 0:
+        raise RuntimeError(
+            "cannot checkpoint a swapped-out optimizer state without CPU cache: "
+            f"tensor of shape {tuple(local.shape)} has no storage"
         )
-    return list(fqns)
+    value = local.detach()
+    if value.device.type != "cpu":
+        value = value.cpu()
+    if isinstance(like_param, DTensor):
+        return wrap_like_param_without_device_move(value, like_param)
+    return value
+
+
+def move_step_to_device(step: Any) -> Any:
+    """``step`` on the current device if it is a CPU tensor, else unchanged.
+
+    The seed's helper for a device-resident group step. This container keeps group and
+    per-parameter steps on the host; the pipeline copies per-parameter steps to the device
+    with their slice.
+    """
+    if isinstance(step, torch.Tensor) and step.device.type == "cpu":
+        return step.to(patch_points.get_torch_device().current_device())
+    return step

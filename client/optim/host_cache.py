@@ -6,9 +6,9 @@ not use it: ``max_exp_avg_sq`` without amsgrad) and :data:`STEP_KEY` (a 0-dim
 :data:`STEP_DTYPE` tensor). ``optimizer.state[param]`` only holds zero-storage placeholders of
 the same shapes, so that torch code inspecting the state sees the usual keys.
 
-:class:`HostCacheMixin` builds, checks and installs these caches for
-:class:`~swap_state.client.optim.container.SwapOptimizersContainer`; the container's
-``_allocate_host_cache`` hook decides where the tensors live.
+:class:`HostCaches` builds, checks and installs these caches for the
+:class:`~swap_state.client.optim.container.SwapOptimizersContainer` that holds it; the
+container's ``_allocate_host_cache`` hook decides where the tensors live.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from swap_state.client.optim import patch_points
-from swap_state.client.device import DeviceBackend
 from swap_state.client.optim.dtensor_utils import DTensor
+from swap_state.client.optim.naming import fqns_by_param, param_fqns
+
+if TYPE_CHECKING:
+    from swap_state.client.optim.owner import SwapContainer
 
 __all__ = [
     "MOMENT_KEYS",
@@ -31,12 +34,14 @@ __all__ = [
     "STEP_KEY",
     "HostCache",
     "HostCacheEntry",
-    "HostCacheMixin",
+    "HostCaches",
     "as_number",
+    "device_placeholders",
     "group_map",
     "has_data",
     "host_cache_ready",
     "moment_keys",
+    "placeholder_like",
     "step_tensor",
 ]
 
@@ -118,42 +123,18 @@ def host_cache_ready(
     return True
 
 
-class HostCacheMixin:
-    """Host-cache construction for ``SwapOptimizersContainer``.
+class HostCaches:
+    """Builds, checks and installs host caches for a swap container (held by it).
 
-    Uses the container's ``optimizers``, ``param_to_cpu_states_map``,
-    ``param_to_device_states_map``, ``_device_backend``, the ``_allocate_host_cache`` hook
-    and ``_fqns_by_param`` / ``_param_fqns`` (:mod:`swap_state.client.optim.flat_state_dict`).
+    The container's ``_allocate_host_cache`` hook decides where the tensors live; this part
+    names the parameters, checks what the hook returns and installs it with fresh
+    zero-storage placeholders in ``optimizer.state``.
     """
 
-    _device_backend: DeviceBackend | None = None
+    def __init__(self, owner: SwapContainer):
+        self._owner = owner
 
-    if TYPE_CHECKING:  # provided by the container and the other mixins
-        optimizers: list[Optimizer]
-        param_to_cpu_states_map: dict[torch.Tensor, HostCache]
-        param_to_device_states_map: dict[torch.Tensor, dict[str, Any]]
-
-        def _allocate_host_cache(
-            self, entries: Sequence[HostCacheEntry]
-        ) -> dict[torch.Tensor, dict[str, torch.Tensor]]: ...
-        @staticmethod
-        def _fqns_by_param(model: nn.Module) -> dict[torch.Tensor, tuple[str, ...]]: ...
-        @staticmethod
-        def _param_fqns(
-            fqns: Mapping[torch.Tensor, tuple[str, ...]], param: torch.Tensor, optimizer_index: int | None = None
-        ) -> tuple[str, ...]: ...
-
-    @property
-    def device_backend(self) -> DeviceBackend:
-        """The backend this container moves state with."""
-        return self._backend
-
-    @property
-    def _backend(self) -> DeviceBackend:
-        # A container built with __new__ (the seed's tests) has no backend of its own.
-        return self._device_backend or patch_points.get_torch_device()
-
-    def _host_cache_entries(
+    def entries(
         self,
         optimizer_index: int,
         model: nn.Module,
@@ -161,10 +142,10 @@ class HostCacheMixin:
         pairs: Iterable[tuple[int, torch.Tensor]],
     ) -> list[HostCacheEntry]:
         """Entries for ``(group_index, param)`` pairs of ``optim``, in the given order."""
-        fqns = self._fqns_by_param(model)
+        fqns = fqns_by_param(model)
         entries = []
         for group_index, param in pairs:
-            fqn = self._param_fqns(fqns, param, optimizer_index)[0]
+            fqn = param_fqns(fqns, param, optimizer_index)[0]
             local = patch_points.unwrap_dtensor(param)
             if not local.is_contiguous():
                 # The fused kernel walks memory linearly: a host cache laid out differently
@@ -180,7 +161,8 @@ class HostCacheMixin:
             )
         return entries
 
-    def _checked_host_cache(self, entry: HostCacheEntry, tensors: Mapping[str, Any] | None) -> HostCache:
+    @staticmethod
+    def checked(entry: HostCacheEntry, tensors: Mapping[str, Any] | None) -> HostCache:
         """``tensors`` from ``_allocate_host_cache`` checked against ``entry``, in map format."""
         if tensors is None:
             raise ValueError(f"_allocate_host_cache returned no cache for {entry.fqn!r}")
@@ -201,42 +183,42 @@ class HostCacheMixin:
         host[STEP_KEY] = tensors[STEP_KEY]
         return host
 
-    def _install_host_caches(self, entries: Sequence[HostCacheEntry]) -> None:
+    def install(self, entries: Sequence[HostCacheEntry]) -> None:
         """Allocate caches for ``entries`` and install them with fresh placeholders.
 
         Every cache is checked before any is installed.
         """
         if not entries:
             return
-        allocated = self._allocate_host_cache(entries)
-        checked = [(entry, self._checked_host_cache(entry, allocated.get(entry.param))) for entry in entries]
+        owner = self._owner
+        allocated = owner._allocate_host_cache(entries)
+        checked = [(entry, self.checked(entry, allocated.get(entry.param))) for entry in entries]
         for entry, host in checked:
-            self.param_to_cpu_states_map[entry.param] = host
-            state = self.optimizers[entry.optimizer_index].state[entry.param]
+            owner.param_to_cpu_states_map[entry.param] = host
+            state = owner.optimizers[entry.optimizer_index].state[entry.param]
             state.clear()
-            state.update(self._device_placeholders(entry.param, host))
-            self.param_to_device_states_map[entry.param] = state
+            state.update(device_placeholders(entry.param, host))
+            owner.param_to_device_states_map[entry.param] = state
 
-    def _device_placeholders(self, param: torch.Tensor, host: HostCache) -> dict[str, Any]:
-        """Zero-storage stand-ins for ``optimizer.state[param]`` (None where no moment)."""
-        return {
-            key: None
-            if host.get(key) is None
-            else self._clone_loaded_state_for_device_placeholder(param, host[key])
-            for key in MOMENT_KEYS
-        }
 
-    @staticmethod
-    def _clone_loaded_state_for_device_placeholder(param: Any, tensor: torch.Tensor) -> Any:
-        """A zero-storage tensor shaped like ``tensor`` (on its device) for ``optimizer.state``.
+def device_placeholders(param: torch.Tensor, host: HostCache) -> dict[str, Any]:
+    """Zero-storage stand-ins for ``optimizer.state[param]`` (None where no moment)."""
+    return {
+        key: None if host.get(key) is None else placeholder_like(param, host[key])
+        for key in MOMENT_KEYS
+    }
 
-        Wrapped like ``param`` only when ``param``'s local tensor is on the same device.
-        """
-        local = patch_points.unwrap_dtensor(tensor)
-        placeholder = torch.empty_strided(
-            local.size(), local.stride(), dtype=local.dtype, device=local.device
-        )
-        placeholder.untyped_storage().resize_(0)
-        if placeholder.device != patch_points.unwrap_dtensor(param).device:
-            return placeholder
-        return patch_points.wrap_like_param(placeholder, param)
+
+def placeholder_like(param: Any, tensor: torch.Tensor) -> Any:
+    """A zero-storage tensor shaped like ``tensor`` (on its device) for ``optimizer.state``.
+
+    Wrapped like ``param`` only when ``param``'s local tensor is on the same device.
+    """
+    local = patch_points.unwrap_dtensor(tensor)
+    placeholder = torch.empty_strided(
+        local.size(), local.stride(), dtype=local.dtype, device=local.device
+    )
+    placeholder.untyped_storage().resize_(0)
+    if placeholder.device != patch_points.unwrap_dtensor(param).device:
+        return placeholder
+    return patch_points.wrap_like_param(placeholder, param)

@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn as nn
 from torch.optim import Optimizer
 
 from swap_state.client.optim import patch_points
 from swap_state.client.optim.flat_state_dict import FlatIndex, clone_value
+from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.client.optim.host_cache import (
+    HostCaches,
+    placeholder_like,
     MOMENT_KEYS,
     STEP_KEY,
     HostCache,
@@ -40,7 +42,10 @@ from swap_state.client.optim.host_cache import (
 )
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 
-__all__ = ["StateLoadingMixin"]
+if TYPE_CHECKING:
+    from swap_state.client.optim.owner import SwapContainer
+
+__all__ = ["StateLoader"]
 
 
 @dataclass(eq=False)
@@ -74,33 +79,16 @@ class _LoadPlan:
     groups: list[_GroupLoad] = field(default_factory=list)
 
 
-class StateLoadingMixin:
-    """``load_state_dict()`` of ``SwapOptimizersContainer`` (call order in the module docstring).
+class StateLoader:
+    """``load_state_dict()`` of a swap container (call order in the module docstring), held
+    by the container; the container's ``_before_host_write`` / ``_after_load_state_dict``
+    hooks are called around the copy, its ``_allocate_host_cache`` for missing caches."""
 
-    Uses the container's maps, ``optimizers``, ``model_parts``, the naming of
-    :mod:`swap_state.client.optim.flat_state_dict`, the host-cache helpers of
-    :mod:`swap_state.client.optim.host_cache` and the ``_before_host_write`` /
-    ``_after_load_state_dict`` hooks.
-    """
+    def __init__(self, owner: SwapContainer, host_caches: HostCaches):
+        self._owner = owner
+        self._host_caches = host_caches
 
-    if TYPE_CHECKING:  # provided by the container and the other mixins
-        model_parts: list[nn.Module]
-        optimizers: list[Optimizer]
-        param_to_cpu_states_map: dict[torch.Tensor, HostCache]
-        param_to_device_states_map: dict[torch.Tensor, dict[str, Any]]
-
-        def _before_host_write(self, params: Sequence[torch.Tensor]) -> None: ...
-        def _after_load_state_dict(self) -> None: ...
-        def _allocate_host_cache(self, entries: Sequence[HostCacheEntry]) -> dict[Any, Any]: ...
-        def _checked_host_cache(self, entry: HostCacheEntry, tensors: Any) -> HostCache: ...
-        @staticmethod
-        def _clone_loaded_state_for_device_placeholder(param: Any, tensor: torch.Tensor) -> Any: ...
-        @staticmethod
-        def _fqns_by_param(model: nn.Module) -> dict[torch.Tensor, tuple[str, ...]]: ...
-        @staticmethod
-        def _param_fqns(fqns: Any, param: torch.Tensor, optimizer_index: int | None = None) -> tuple[str, ...]: ...
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load(self, state_dict: Mapping[str, Any]) -> None:
         """Load a flat state dict (from ``state_dict()``, any alias of tied parameters).
 
         Everything is validated and prepared first; a bad key raises ``KeyError`` /
@@ -109,18 +97,19 @@ class StateLoadingMixin:
         state was never stepped in the checkpoint (torch creates state lazily): it starts
         from zeros and step 0.
         """
+        owner = self._owner
         plan = self._plan_load(state_dict)
-        self._before_host_write([load.param for load in plan.params])
+        owner._before_host_write([load.param for load in plan.params])
         self._commit_load(plan)
         patch_points.get_torch_device().empty_cache()
-        self._after_load_state_dict()
+        owner._after_load_state_dict()
 
     def _plan_load(self, state_dict: Mapping[str, Any]) -> _LoadPlan:
         """Validate ``state_dict`` against every group and parameter; prepare the load."""
         index = FlatIndex(state_dict)
         plan = _LoadPlan()
-        for optimizer_index, (model, optim) in enumerate(zip(self.model_parts, self.optimizers, strict=True)):
-            fqns = self._fqns_by_param(model)
+        for optimizer_index, (model, optim) in enumerate(zip(self._owner.model_parts, self._owner.optimizers, strict=True)):
+            fqns = fqns_by_param(model)
             for group_index, group in enumerate(optim.param_groups):
                 group_load = _plan_group_load(index, optim, group, fqns)
                 loads = [
@@ -145,12 +134,12 @@ class StateLoadingMixin:
         fqns: Mapping[torch.Tensor, tuple[str, ...]],
     ) -> _ParamLoad:
         """One parameter's load: its sources (under any alias), checked against its shard."""
-        aliases = self._param_fqns(fqns, param, optimizer_index)
+        aliases = param_fqns(fqns, param, optimizer_index)
         keys = moment_keys(group_load.group)
         local_param = patch_points.unwrap_dtensor(param)
         _check_amsgrad(index.lookup(PARAM_GROUPS_PREFIX, aliases, "amsgrad"), group_load.group)
         sources, step = _checked_sources(index, aliases, keys, group_load, local_param)
-        host = self.param_to_cpu_states_map.get(param)
+        host = self._owner.param_to_cpu_states_map.get(param)
         ready = host is not None and host_cache_ready(host, group_load.group, local_param)
         return _ParamLoad(
             optimizer_index, group_index, optim, group_load.group, param, aliases[0], keys, sources, step,
@@ -173,13 +162,13 @@ class StateLoadingMixin:
                 )
                 for load in missing
             ]
-            allocated = self._allocate_host_cache(entries)
+            allocated = self._owner._allocate_host_cache(entries)
             for load, entry in zip(missing, entries, strict=True):
-                load.host = self._checked_host_cache(entry, allocated.get(entry.param))
+                load.host = self._host_caches.checked(entry, allocated.get(entry.param))
         for load in plan.params:
             assert load.host is not None
             load.placeholders = {
-                key: self._clone_loaded_state_for_device_placeholder(load.param, load.host[key])
+                key: placeholder_like(load.param, load.host[key])
                 if key in load.keys
                 else None
                 for key in MOMENT_KEYS
@@ -194,7 +183,7 @@ class StateLoadingMixin:
                 self._commit_param_load(load)
             for group_load in plan.groups:
                 group_load.group.update(group_load.values)
-            for optim in self.optimizers:
+            for optim in self._owner.optimizers:
                 optim.param_to_group_map = group_map(optim)  # type: ignore[attr-defined]
         except BaseException:
             saved()
@@ -217,21 +206,22 @@ class StateLoadingMixin:
         host[STEP_KEY].fill_(load.step)  # type: ignore[union-attr]
         for key in MOMENT_KEYS:
             host.setdefault(key, None)
-        self.param_to_cpu_states_map[load.param] = host
+        self._owner.param_to_cpu_states_map[load.param] = host
         state = load.optim.state[load.param]
         state.clear()
         state.update(load.placeholders)
-        self.param_to_device_states_map[load.param] = state
+        self._owner.param_to_device_states_map[load.param] = state
 
     def _rollback_point(self) -> Callable[[], None]:
         """Snapshot every dict ``_commit_load`` mutates; the returned callable restores them."""
-        groups = [(g, dict(g)) for optim in self.optimizers for g in optim.param_groups]
-        states = [(optim, dict(optim.state)) for optim in self.optimizers]
-        param_states = [(s, dict(s)) for optim in self.optimizers for s in optim.state.values()]
-        hosts = [(h, dict(h)) for h in self.param_to_cpu_states_map.values() if h is not None]
-        cpu_map = dict(self.param_to_cpu_states_map)
-        device_map = dict(self.param_to_device_states_map)
-        group_maps = [(optim, getattr(optim, "param_to_group_map", None)) for optim in self.optimizers]
+        owner = self._owner
+        groups = [(g, dict(g)) for optim in owner.optimizers for g in optim.param_groups]
+        states = [(optim, dict(optim.state)) for optim in owner.optimizers]
+        param_states = [(s, dict(s)) for optim in owner.optimizers for s in optim.state.values()]
+        hosts = [(h, dict(h)) for h in owner.param_to_cpu_states_map.values() if h is not None]
+        cpu_map = dict(owner.param_to_cpu_states_map)
+        device_map = dict(owner.param_to_device_states_map)
+        group_maps = [(optim, getattr(optim, "param_to_group_map", None)) for optim in owner.optimizers]
 
         def restore() -> None:
             for target, saved in [*groups, *param_states, *hosts]:
@@ -241,8 +231,8 @@ class StateLoadingMixin:
                 optim.state.clear()
                 optim.state.update(saved_state)
             for live, saved_map in (
-                (self.param_to_cpu_states_map, cpu_map),
-                (self.param_to_device_states_map, device_map),
+                (owner.param_to_cpu_states_map, cpu_map),
+                (owner.param_to_device_states_map, device_map),
             ):
                 live.clear()
                 live.update(saved_map)

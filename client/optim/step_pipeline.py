@@ -13,8 +13,8 @@ the param group's implementation, as torch picks it from the group's ``fused`` /
 Adam/AdamW with the same implementation. Without ``fused`` or ``capturable`` torch keeps
 step counts on the CPU: so does the pipeline (a CPU copy per slice instead of a device one).
 
-Each optimizer's ``step`` is bound to :meth:`StepPipelineMixin._swap_step`
-(:func:`bind_swap_step`); ``torch.optim.Adam.step`` itself is never patched.
+Each optimizer's ``step`` is bound to its container's ``_swap_step`` (:func:`bind_swap_step`),
+which runs :meth:`StepPipeline.run`; ``torch.optim.Adam.step`` itself is never patched.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-import torch.nn as nn
 from torch.optim import Optimizer
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
@@ -35,10 +34,10 @@ from swap_state.client.optim.kernels import adam_update, group_implementation, p
 from swap_state.client.device import DeviceBackend
 from swap_state.client.optim.dtensor_utils import DTensor
 from swap_state.client.optim.host_cache import (
+    HostCaches,
     STEP_DTYPE,
     STEP_KEY,
     HostCache,
-    HostCacheEntry,
     as_number,
     group_map,
     host_cache_ready,
@@ -46,7 +45,10 @@ from swap_state.client.optim.host_cache import (
     step_tensor,
 )
 
-__all__ = ["DEFAULT_SWAP_TIMES", "StepPipelineMixin", "advance_group_step", "bind_swap_step"]
+if TYPE_CHECKING:
+    from swap_state.client.optim.owner import SwapContainer
+
+__all__ = ["DEFAULT_SWAP_TIMES", "StepPipeline", "advance_group_step", "bind_swap_step"]
 
 DEFAULT_SWAP_TIMES = 16
 
@@ -73,53 +75,28 @@ class _LoadedSlice:
     ready: Any
 
 
-class StepPipelineMixin:
-    """``step()`` of ``SwapOptimizersContainer``.
+class StepPipeline:
+    """The swap step of a container's optimizers, held by the container.
 
-    Uses the container's ``optimizers``, ``model_parts``, ``param_to_cpu_states_map``,
-    ``_backend`` and ``_install_host_caches`` / ``_host_cache_entries``
-    (:mod:`swap_state.client.optim.host_cache`), and the ``_before_host_write`` / ``_after_step``
-    hooks. Call order of a step is in the container's docstring.
+    ``run(optim, closure)`` is one optimizer's update; the container's ``step()`` runs it for
+    each optimizer and then its ``_after_step`` hook. The container's ``_before_host_write``
+    hook is called before each slice's host bytes change, and ``_allocate_host_cache`` (through
+    the host caches) for parameters without a cache. ``pipeline``: None runs the load/offload
+    pipeline iff the device is an accelerator; True runs it on CPU too, with CPU "device"
+    buffers.
     """
 
-    # Defaults for a container built with __new__ (the seed's tests); __init__ sets them.
-    swap_optimizer_times: int = DEFAULT_SWAP_TIMES
-    _pipeline: bool | None = None
-    _swap_streams: tuple[Any, Any] | None = None
-    _in_container_step: bool = False
+    def __init__(self, owner: SwapContainer, host_caches: HostCaches, *, pipeline: bool | None = None):
+        self._owner = owner
+        self._host_caches = host_caches
+        self._pipeline = pipeline
+        self._swap_streams: tuple[Any, Any] | None = None
+        self._slice_cache: dict[int, tuple[Any, list[list[torch.Tensor]]]] = {}
 
-    if TYPE_CHECKING:  # provided by the container and the other mixins
-        optimizers: list[Optimizer]
-        model_parts: list[nn.Module]
-        param_to_cpu_states_map: dict[torch.Tensor, HostCache]
-        _backend: DeviceBackend
-
-        def _before_host_write(self, params: Sequence[torch.Tensor]) -> None: ...
-        def _after_step(self) -> None: ...
-        def _install_host_caches(self, entries: Sequence[HostCacheEntry]) -> None: ...
-        def _host_cache_entries(
-            self, optimizer_index: int, model: nn.Module, optim: Optimizer, pairs: Any
-        ) -> list[HostCacheEntry]: ...
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        """Step every optimizer through the swap pipeline, then call ``_after_step()`` once."""
-        self._in_container_step = True
-        try:
-            # Not super().step(): once any plain OptimizersContainer exists, torch has
-            # wrapped that method with the step hooks, which would then run twice.
-            for optimizer in self.optimizers:
-                optimizer.step(*args, **kwargs)
-        finally:
-            self._in_container_step = False
-        self._after_step()
-
-    def _swap_step(self, optim: Optimizer, closure: Callable[[], _T] | None = None) -> _T | None:
-        """``optim.step(closure)``: one optimizer's update through the host cache.
-
-        Called through the bound ``optim.step`` (torch's step hooks and LR-scheduler
-        tracking still apply). Outside ``container.step()`` it calls ``_after_step()``
-        itself.
-        """
+    def run(self, optim: Optimizer, closure: Callable[[], _T] | None = None) -> _T | None:
+        """``optim.step(closure)``: one optimizer's update through the host cache (the
+        container calls it from the bound ``optim.step``, so torch's step hooks and
+        LR-scheduler tracking still apply)."""
         if torch.jit.is_scripting():
             raise RuntimeError("torch.jit.script is not supported by SwapOptimizersContainer")
         loss = None
@@ -130,26 +107,25 @@ class StepPipelineMixin:
             slices = self._collect_step_work(optim)
             for group in optim.param_groups:
                 advance_group_step(group)
-            if self._swap_pipeline_enabled():
+            if self.enabled():
                 self._pipelined_update(optim, slices)
             else:
                 self._inplace_update(optim, slices)
-        if not self._in_container_step:
-            self._after_step()
         return loss
 
-    def _swap_pipeline_enabled(self) -> bool:
-        return self._backend.is_accelerator if self._pipeline is None else self._pipeline
+    def enabled(self) -> bool:
+        """Whether the load/offload pipeline runs (else the update runs on the host cache)."""
+        return self._owner.device_backend.is_accelerator if self._pipeline is None else self._pipeline
 
     def _slices_for(self, optim: Optimizer) -> list[list[torch.Tensor]]:
         """``optim``'s parameters in update order, cut into byte-balanced slices (cached)."""
         signature = tuple((id(group), tuple(map(id, group["params"]))) for group in optim.param_groups)
-        cache: dict[int, tuple[Any, list[list[torch.Tensor]]]] = self.__dict__.setdefault("_slice_cache", {})
+        cache = self._slice_cache
         cached = cache.get(id(optim))
         if cached is None or cached[0] != signature:
             params = [param for group in optim.param_groups for param in group["params"]]
             sizes = [patch_points.unwrap_dtensor(p).numel() * p.element_size() for p in params]
-            slices = [[params[i] for i in run] for run in plan_slices(sizes, self.swap_optimizer_times)]
+            slices = [[params[i] for i in run] for run in plan_slices(sizes, self._owner.swap_optimizer_times)]
             optim.param_to_group_map = group_map(optim)  # type: ignore[attr-defined]
             cache[id(optim)] = cached = (signature, slices)
         return cached[1]
@@ -166,7 +142,7 @@ class StepPipelineMixin:
                     continue  # as torch: no gradient, no update, no step increment
                 group = groups[param]
                 local_param, local_grad = _checked_param_and_grad(param, param.grad, group)
-                host = self.param_to_cpu_states_map.get(param)
+                host = self._owner.param_to_cpu_states_map.get(param)
                 items.append(_StepItem(param, group, local_param, local_grad, host or {}))
             if items:
                 slices.append(items)
@@ -177,12 +153,13 @@ class StepPipelineMixin:
         """Allocate caches for parameters that have none; add a missing per-param step."""
         missing = [item for item in items if not host_cache_ready(item.host, item.group)]
         if missing:
-            index = next(i for i, o in enumerate(self.optimizers) if o is optim)
+            owner = self._owner
+            index = next(i for i, o in enumerate(owner.optimizers) if o is optim)
             group_index = {id(g): gi for gi, g in enumerate(optim.param_groups)}
             pairs = [(group_index[id(item.group)], item.param) for item in missing]
-            self._install_host_caches(self._host_cache_entries(index, self.model_parts[index], optim, pairs))
+            self._host_caches.install(self._host_caches.entries(index, owner.model_parts[index], optim, pairs))
             for item in missing:
-                item.host = self.param_to_cpu_states_map[item.param]
+                item.host = owner.param_to_cpu_states_map[item.param]
         for item in items:
             if item.host.get(STEP_KEY) is None:
                 # A cache built without a per-param step (the seed's layout): every
@@ -192,7 +169,7 @@ class StepPipelineMixin:
     def _inplace_update(self, optim: Optimizer, slices: list[list[_StepItem]]) -> None:
         """CPU: the fused kernel updates the host cache directly, slice by slice."""
         for items in slices:
-            self._before_host_write([item.param for item in items])
+            self._owner._before_host_write([item.param for item in items])
             self._fused_update(optim, items, [item.host for item in items])
 
     def _pipelined_update(self, optim: Optimizer, slices: list[list[_StepItem]]) -> None:
@@ -203,7 +180,7 @@ class StepPipelineMixin:
         """
         if not slices:
             return
-        backend = self._backend
+        backend = self._owner.device_backend
         load_stream, offload_stream = self._streams()
         compute = backend.current_stream()
         upcoming = self._load_slice(slices[0], load_stream)
@@ -224,12 +201,13 @@ class StepPipelineMixin:
     def _streams(self) -> tuple[Any, Any]:
         """``(load, offload)`` side streams, created on first use."""
         if self._swap_streams is None:
-            self._swap_streams = (self._backend.stream(), self._backend.stream())
+            backend = self._owner.device_backend
+            self._swap_streams = (backend.stream(), backend.stream())
         return self._swap_streams
 
     def _load_slice(self, items: list[_StepItem], stream: Any) -> _LoadedSlice:
         """Enqueue H2D copies of ``items``' host cache on ``stream``; record ``ready`` after."""
-        backend = self._backend
+        backend = self._owner.device_backend
         buffers = []
         # Allocated while ``stream`` is current, so the caching allocator ties the blocks
         # to the load stream; the compute and offload streams are recorded later.
@@ -253,8 +231,8 @@ class StepPipelineMixin:
 
     def _offload_slice(self, loaded: _LoadedSlice, updated: Any, stream: Any) -> None:
         """Enqueue D2H copies of ``loaded`` after ``updated``; drop the device buffers."""
-        self._before_host_write([item.param for item in loaded.items])
-        backend = self._backend
+        self._owner._before_host_write([item.param for item in loaded.items])
+        backend = self._owner.device_backend
         with backend.use_stream(stream):
             stream.wait_event(updated)
             for item, buffers in zip(loaded.items, loaded.buffers, strict=True):
@@ -326,7 +304,7 @@ def _checked_param_and_grad(
     return local_param, local_grad
 
 
-def bind_swap_step(container: StepPipelineMixin, optim: Optimizer) -> Callable[..., Any]:
+def bind_swap_step(container: Any, optim: Optimizer) -> Callable[..., Any]:
     """``optim.step`` bound to the swap pipeline, with torch's step hooks around it.
 
     A method (``__func__`` + ``__self__``) so that LR schedulers can wrap it; the

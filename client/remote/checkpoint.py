@@ -28,6 +28,7 @@ from swap_state.common.names import STATE_PREFIX, param_group_key
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
+    from swap_state.client.optim.checkpoint_template import LoadTemplate
     from swap_state.client.optim.host_cache import HostCacheEntry
     from swap_state.client.remote.config import RemoteConfig
     from swap_state.client.remote.snapshots import SnapshotHandle
@@ -50,7 +51,7 @@ class RemoteCheckpointMixin:
     """The reference the state was last restored from, until the next step."""
 
     if TYPE_CHECKING:  # provided by the container and the other mixins
-        _checkpoint_keys: frozenset[str] | None
+        _load_template: LoadTemplate
         session: RemoteSession
         remote_config: RemoteConfig
         optimizers: list[Optimizer]
@@ -82,7 +83,7 @@ class RemoteCheckpointMixin:
         returned moments are views that DCP loads into, so a snapshot still reading the
         segment is waited for first.
         """
-        held = self._checkpoint_keys
+        held = self._load_template.keys
         if held is not None:
             # A load template of a known checkpoint: its form follows the checkpoint.
             if holds_snapshot_reference(held):
@@ -156,7 +157,7 @@ class RemoteCheckpointMixin:
         holds the reference only; the hyperparameters and steps then come from the
         snapshot), no moments, and no snapshot taken (the reference it holds replaces the
         placeholder)."""
-        held = self._checkpoint_keys or frozenset()
+        held = self._load_template.keys or frozenset()
         flat = {k: v for k, v in super().state_dict().items() if k in held and not is_moment_key(k)}  # type: ignore[misc]
         flat[SNAPSHOT_REF_KEY] = ""
         flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id

@@ -24,6 +24,8 @@ from _swap_testing import (
 )
 from torchtitan.components.optimizer import OptimizersContainer
 
+from swap_state.client.optim import state_loading
+from swap_state.client.optim.state_loading import StateLoader
 from swap_state.client import swap_optimizer
 from swap_state.client.swap_optimizer import SwapOptimizersContainer
 
@@ -179,16 +181,14 @@ def test_failure_while_preparing_changes_nothing(monkeypatch: pytest.MonkeyPatch
     _, _, checkpoint = _trained()
     target = _target()
     calls = iter(range(100))
-    original = SwapOptimizersContainer._clone_loaded_state_for_device_placeholder
+    original = state_loading.placeholder_like  # what the container's state loader calls
 
     def flaky(param: Any, tensor: torch.Tensor) -> Any:
         if next(calls) == 5:
             raise MemoryError("placeholder allocation failed")
         return original(param, tensor)
 
-    monkeypatch.setattr(
-        SwapOptimizersContainer, "_clone_loaded_state_for_device_placeholder", staticmethod(flaky)
-    )
+    monkeypatch.setattr(state_loading, "placeholder_like", flaky)
     before = container_snapshot(target)
     with pytest.raises(MemoryError):
         target.load_state_dict(checkpoint)
@@ -199,7 +199,7 @@ def test_failure_while_committing_restores_every_dict(monkeypatch: pytest.Monkey
     """A runtime error mid-commit (not expected after validation) restores the dict-level state."""
     _, _, checkpoint = _trained()
     target = _target()
-    original = SwapOptimizersContainer._commit_param_load
+    original = StateLoader._commit_param_load
     calls = iter(range(100))
 
     def flaky(self: SwapOptimizersContainer, load: Any) -> None:
@@ -207,7 +207,7 @@ def test_failure_while_committing_restores_every_dict(monkeypatch: pytest.Monkey
             raise RuntimeError("copy failed")
         original(self, load)
 
-    monkeypatch.setattr(SwapOptimizersContainer, "_commit_param_load", flaky)
+    monkeypatch.setattr(StateLoader, "_commit_param_load", flaky)
     before = container_snapshot(target)
     for host in before["hosts"].values():  # bytes already copied are not restored
         for name, (tensor, _) in host.items():

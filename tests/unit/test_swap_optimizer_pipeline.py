@@ -94,9 +94,16 @@ class HookedContainer(SwapOptimizersContainer):
     def _after_step(self) -> None:
         self._backend.log.append(("after_step",))  # type: ignore[attr-defined]
 
-    def _fused_update(self, optim: Any, items: Any, states: Any) -> None:
-        self._backend.log.append(("update", tuple(self.names[i.param] for i in items)))  # type: ignore[attr-defined]
-        super()._fused_update(optim, items, states)
+    def log_updates(self) -> None:
+        """Log each fused update of the container's step pipeline (its part that runs them)."""
+        steps = self._steps
+        fused_update = steps._fused_update
+
+        def logged(optim: Any, items: Any, states: Any) -> None:
+            self._backend.log.append(("update", tuple(self.names[i.param] for i in items)))  # type: ignore[attr-defined]
+            fused_update(optim, items, states)
+
+        steps._fused_update = logged  # type: ignore[method-assign]
 
 
 def _model() -> nn.Module:
@@ -112,6 +119,7 @@ def _container(pipeline: bool, times: int = 3) -> tuple[HookedContainer, nn.Modu
     )
     container.names = {p: n for n, p in model.named_parameters()}  # type: ignore[attr-defined]
     container.expected_host = {}  # type: ignore[attr-defined]
+    container.log_updates()
     return container, model, backend
 
 
