@@ -1,15 +1,15 @@
 """Domain errors of snapshots and restore.
 
-Every error derives from :class:`SnapshotError` and from the matching base class of
-:mod:`swap_state.common.errors`, whose ``code`` and ``reason`` it refines (DATA_LOSS for a
-corrupt file, which no base class covers). This module imports neither grpc nor torch.
+Every error derives from :class:`SnapshotError` alone and names its own ``code`` (the status
+code the RPC boundary answers with) and ``reason`` (the client's exception), like the
+errors of :mod:`swap_state.common.errors` (DATA_LOSS for a corrupt file). This module imports neither grpc nor torch.
 """
 
 from __future__ import annotations
 
 import errno
 
-from .errors import DomainError, FailedPrecondition, InvalidArgument, LayoutMismatch, NotFound, ResourceExhausted
+from .errors import DomainError
 
 __all__ = [
     "SnapshotError",
@@ -32,21 +32,21 @@ class SnapshotError(DomainError):
     reason = "SNAPSHOT_ERROR"
 
 
-class SnapshotInvalid(SnapshotError, InvalidArgument):
+class SnapshotInvalid(SnapshotError):
     """A malformed request: job id, snapshot id, metadata_json, rank/world size."""
 
     code = "INVALID_ARGUMENT"
     reason = "INVALID_ARGUMENT"
 
 
-class SnapshotNotFound(SnapshotError, NotFound):
+class SnapshotNotFound(SnapshotError):
     """No complete snapshot (or no in-memory snapshot record) under that id."""
 
     code = "NOT_FOUND"
     reason = "SNAPSHOT_NOT_FOUND"
 
 
-class SnapshotBusy(SnapshotError, FailedPrecondition):
+class SnapshotBusy(SnapshotError):
     """The segment cannot be snapshotted or restored now (a snapshot of it is persisting,
     the trainer is writing a step, or a failed attempt is still being cleaned up)."""
 
@@ -54,14 +54,14 @@ class SnapshotBusy(SnapshotError, FailedPrecondition):
     reason = "SNAPSHOT_BUSY"
 
 
-class SnapshotExists(SnapshotError, FailedPrecondition):
+class SnapshotExists(SnapshotError):
     """A complete snapshot of that job and step is already on disk."""
 
     code = "FAILED_PRECONDITION"
     reason = "SNAPSHOT_EXISTS"
 
 
-class SnapshotFailed(SnapshotError, FailedPrecondition):
+class SnapshotFailed(SnapshotError):
     """The snapshot this rank tries to join has already failed (another rank's error)."""
 
     code = "FAILED_PRECONDITION"
@@ -76,14 +76,14 @@ class SnapshotCorrupt(SnapshotError):
     reason = "SNAPSHOT_CORRUPT"
 
 
-class SnapshotLayoutMismatch(SnapshotError, LayoutMismatch):
+class SnapshotLayoutMismatch(SnapshotError):
     """The snapshot does not fit the target: other world size, tensor names, dtypes or shapes."""
 
     code = "FAILED_PRECONDITION"
     reason = "LAYOUT_MISMATCH"
 
 
-class SnapshotDiskFull(SnapshotError, ResourceExhausted):
+class SnapshotDiskFull(SnapshotError):
     """The snapshot directory ran out of space (ENOSPC/EDQUOT); the message names the directory."""
 
     code = "RESOURCE_EXHAUSTED"

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from swap_state.client.device import DeviceBackend
-    from swap_state.client.optim.host_cache import HostCache, HostCacheEntry
 
 __all__ = ["SwapContainer"]
 
@@ -28,7 +27,7 @@ class SwapContainer(Protocol):
 
     model_parts: list[nn.Module]
     optimizers: list[Optimizer]
-    param_to_cpu_states_map: dict[torch.Tensor, HostCache]
+    param_to_cpu_states_map: dict[torch.Tensor, dict[str, Any]]  # host_cache.HostCache per parameter
     param_to_device_states_map: dict[torch.Tensor, dict[str, Any]]
     swap_optimizer_times: int
 
@@ -36,7 +35,7 @@ class SwapContainer(Protocol):
     def device_backend(self) -> DeviceBackend: ...
 
     # hooks (call order in the container's docstring)
-    def _allocate_host_cache(self, entries: Sequence[HostCacheEntry]) -> dict[torch.Tensor, dict[str, torch.Tensor]]: ...
+    def _allocate_host_cache(self, entries: Sequence[Any]) -> dict[torch.Tensor, dict[str, torch.Tensor]]: ...  # HostCacheEntry
     def _before_host_write(self, params: Sequence[torch.Tensor]) -> None: ...
     def _after_step(self) -> None: ...
     def _after_load_state_dict(self) -> None: ...

@@ -26,44 +26,24 @@ from swap_state.client.optim.host_cache import STEP_KEY
 from swap_state.common.names import STATE_PREFIX, param_group_key
 
 if TYPE_CHECKING:
-    from torch.optim import Optimizer
-
-    from swap_state.client.optim.checkpoint_template import LoadTemplate
-    from swap_state.client.optim.host_cache import HostCacheEntry
-    from swap_state.client.remote.config import RemoteConfig
     from swap_state.client.remote.snapshots import SnapshotHandle
-    from swap_state.client.remote.rpc import RemoteSession
 
-__all__ = ["SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY", "RemoteCheckpointMixin", "is_moment_key"]
-
+__all__ = ["SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY", "CheckpointMode", "is_moment_key"]
 
 
-class RemoteCheckpointMixin:
-    """``state_dict()`` / ``load_state_dict()`` of ``RemoteSwapOptimizersContainer``.
+class CheckpointMode:
+    """``state_dict()`` / ``load_state_dict()`` of a remote container in its checkpoint mode
+    ('full': the seed's flat dict; 'snapshot': a reference to a server-side snapshot), held by
+    the container. The seed's own dict and load are the container's ``_full_state_dict`` /
+    ``_full_load_state_dict``."""
 
-    Must come before ``SwapOptimizersContainer`` in the bases: ``super()`` here is the
-    seed's flat state dict and load. Uses the snapshot and reattach mixins.
-    """
+    def __init__(self, container: Any):
+        self._c = container
 
     _checkpoint_snapshot: SnapshotHandle | None = None
     """The snapshot the last snapshot-mode state_dict() referred to (what a checkpoint holds)."""
     _restored_reference: str | None = None
     """The reference the state was last restored from, until the next step."""
-
-    if TYPE_CHECKING:  # provided by the container and the other mixins
-        _load_template: LoadTemplate
-        session: RemoteSession
-        remote_config: RemoteConfig
-        optimizers: list[Optimizer]
-        _torn_step: int | None
-        _snapshot_step: int | None
-        _snapshot_handle: SnapshotHandle | None
-        _entries: list[HostCacheEntry]
-
-        def snapshot(self) -> SnapshotHandle: ...
-        def restore(self, snapshot_id: str = "latest") -> int: ...
-        def _snapshot_handle_for(self, snapshot_id: str) -> SnapshotHandle | None: ...
-        def _wait_segment_released(self, why: str) -> None: ...
 
     def state_dict(self) -> dict[str, Any]:
         """Seed format in 'full' mode. In 'snapshot' mode: a reference to a server-side
@@ -83,27 +63,27 @@ class RemoteCheckpointMixin:
         returned moments are views that DCP loads into, so a snapshot still reading the
         segment is waited for first.
         """
-        held = self._load_template.keys
+        held = self._c._load_template.keys
         if held is not None:
             # A load template of a known checkpoint: its form follows the checkpoint.
             if holds_snapshot_reference(held):
                 return self._reference_template()
-            self._wait_segment_released("state_dict()")
-            return super().state_dict()  # type: ignore[misc]  # matched to the checkpoint
-        if self.remote_config.checkpoint != "snapshot":
+            self._c._wait_segment_released("state_dict()")
+            return self._c._full_state_dict()  # matched to the checkpoint
+        if self._c.remote_config.checkpoint != "snapshot":
             # The moments are views of the segment, and DCP loads *into* a template's tensors:
             # no write may land under a snapshot still reading the segment (a restarted
             # trainer's predecessor's, say), so such a snapshot's read is waited for first.
-            self._wait_segment_released("state_dict()")
-            return super().state_dict()  # type: ignore[misc]
+            self._c._wait_segment_released("state_dict()")
+            return self._c._full_state_dict()
         if self.snapshots_model:
             # The snapshot holds everything, param groups and steps included: the checkpoint
             # needs the reference only (no per-parameter entries: a small checkpoint).
             flat = {}
         else:
-            flat = {k: v for k, v in super().state_dict().items() if not is_moment_key(k)}  # type: ignore[misc]
+            flat = {k: v for k, v in self._c._full_state_dict().items() if not is_moment_key(k)}  # type: ignore[misc]
         flat[SNAPSHOT_REF_KEY] = self.checkpoint_reference()
-        flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
+        flat[SNAPSHOT_JOB_KEY] = self._c.remote_config.job_id
         return flat
 
     def checkpoint_reference(self) -> str:
@@ -111,26 +91,26 @@ class RemoteCheckpointMixin:
         of that step exists ("" before the first committed step, or while the kept state is
         torn): what a snapshot-mode checkpoint refers to, for the optimizer and, in a
         whole-state snapshot, the model. Remembered for :meth:`wait_checkpoint_durable`."""
-        step = self.session.last_committed_step
-        if self._torn_step is not None:
+        step = self._c.session.last_committed_step
+        if self._c._torn_step is not None:
             step = None  # no consistent state to refer to (a load template, before a restore)
-        if step is not None and step != self._snapshot_step:
-            self.snapshot()  # sets _snapshot_step and _snapshot_handle
-        handle = self._snapshot_handle
+        if step is not None and step != self._c._snapshot_step:
+            self._c.snapshot()  # sets _snapshot_step and _snapshot_handle
+        handle = self._c._snapshot_handle
         self._checkpoint_snapshot = handle
         return handle.snapshot_id if handle is not None else ""
 
     @property
     def snapshots_model(self) -> bool:
         """Whether the snapshots hold the model's parameters too (whole-state snapshots)."""
-        return getattr(self, "_model_area", None) is not None
+        return getattr(self._c, "_model_area", None) is not None
 
     @property
     def whole_state_checkpoints(self) -> bool:
         """Whether a checkpoint's model entry may be a reference too: snapshot mode with
         whole-state snapshots (a 'full' checkpoint keeps the model's tensors, whatever the
         snapshots hold)."""
-        return self.snapshots_model and self.remote_config.checkpoint == "snapshot"
+        return self.snapshots_model and self._c.remote_config.checkpoint == "snapshot"
 
     def restore_reference(self, snapshot_id: str) -> None:
         """Restore the snapshot a checkpoint refers to, unless this container's state already
@@ -147,9 +127,9 @@ class RemoteCheckpointMixin:
         ``CheckpointManager.close`` does, through the glue). Nothing to wait for in 'full'
         mode, or after ``close()``."""
         handle = self._checkpoint_snapshot
-        if handle is None or getattr(self, "_closed", False):
+        if handle is None or getattr(self._c, "_closed", False):
             return
-        timeout_s = self.remote_config.backpressure_timeout_s if timeout_s is None else timeout_s
+        timeout_s = self._c.remote_config.backpressure_timeout_s if timeout_s is None else timeout_s
         handle.wait_durable(timeout_s=timeout_s)
 
     def _reference_template(self) -> dict[str, Any]:
@@ -157,10 +137,10 @@ class RemoteCheckpointMixin:
         holds the reference only; the hyperparameters and steps then come from the
         snapshot), no moments, and no snapshot taken (the reference it holds replaces the
         placeholder)."""
-        held = self._load_template.keys or frozenset()
-        flat = {k: v for k, v in super().state_dict().items() if k in held and not is_moment_key(k)}  # type: ignore[misc]
+        held = self._c._load_template.keys or frozenset()
+        flat = {k: v for k, v in self._c._full_state_dict().items() if k in held and not is_moment_key(k)}  # type: ignore[misc]
         flat[SNAPSHOT_REF_KEY] = ""
-        flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
+        flat[SNAPSHOT_JOB_KEY] = self._c.remote_config.job_id
         return flat
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -175,32 +155,32 @@ class RemoteCheckpointMixin:
     def _load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The seed's load; it rewrites every byte, so torn state is no longer torn (unless
         the load fails)."""
-        torn, self._torn_step = self._torn_step, None
+        torn, self._c._torn_step = self._c._torn_step, None
         try:
-            super().load_state_dict(state_dict)  # type: ignore[misc]
+            self._c._full_load_state_dict(state_dict)
         except BaseException:
-            self._torn_step = torn
+            self._c._torn_step = torn
             raise
 
     def _load_snapshot_reference(self, snapshot_id: str, state_dict: Mapping[str, Any]) -> None:
         """Wait for the snapshot to be durable, restore it, then apply the dict's groups."""
         # The reference was saved once its snapshot was consistent; it may not be durable yet
         # (a save, then at once a load): wait for it, or for its failure.
-        pending = self._snapshot_handle_for(snapshot_id)
+        pending = self._c._snapshot_handle_for(snapshot_id)
         if pending is not None:
             try:
-                pending.wait_durable(timeout_s=self.remote_config.backpressure_timeout_s)
+                pending.wait_durable(timeout_s=self._c.remote_config.backpressure_timeout_s)
             except NotFoundError:
                 pass  # not (or no longer) known to the server: Restore says where it looked
-        self.restore(snapshot_id)
+        self._c.restore(snapshot_id)
         self._restored_reference = snapshot_id
         self._apply_saved_param_groups(state_dict)
 
     def _apply_saved_param_groups(self, state_dict: Mapping[str, Any]) -> None:
         """The dict's hyperparameters (not ``params``, not ``step``: the snapshot has the
         steps) into the live groups, per parameter in update order."""
-        for entry in self._entries:
-            group = self.optimizers[entry.optimizer_index].param_groups[entry.group_index]
+        for entry in self._c._entries:
+            group = self._c.optimizers[entry.optimizer_index].param_groups[entry.group_index]
             for name in list(group):
                 key = param_group_key(entry.fqn, name)
                 if name not in ("params", STEP_KEY) and key in state_dict:

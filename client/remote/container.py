@@ -33,7 +33,7 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,11 +43,11 @@ from torch.optim import Optimizer
 from swap_state.client.remote.embedded import EmbeddedServer
 from swap_state.client.errors import SwapStateError
 from swap_state.client.optim.host_cache import STEP_KEY, HostCacheEntry
-from swap_state.client.remote.checkpoint import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, RemoteCheckpointMixin
+from swap_state.client.remote.checkpoint import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, CheckpointMode
 from swap_state.client.remote.model_area import ModelArea, plan_model_tensors
 from swap_state.client.remote.config import RemoteConfig, connect, resolve_config, snapshots_model
-from swap_state.client.remote.reattach import GROUP_STEPS, PARAM_STEPS, ReattachMixin, all_param_groups
-from swap_state.client.remote.snapshots import SnapshotHandle, SnapshotMixin
+from swap_state.client.remote.reattach import GROUP_STEPS, PARAM_STEPS, ReattachCheck, all_param_groups
+from swap_state.client.remote.snapshots import SnapshotClient, SnapshotHandle
 from swap_state.client.remote.rpc import RemoteSession
 from swap_state.client.remote.segment_mapping import SegmentMapping, dtype_name
 from swap_state.client.remote.snapshot_guard import SnapshotGuard
@@ -68,8 +68,16 @@ __all__ = [
 log = logging.getLogger("swap_state.client.remote_container")  # the name users configure
 
 
-class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, ReattachMixin, SwapOptimizersContainer):
-    """Swap optimizer whose host cache lives in swap-state-server's shared memory."""
+class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
+    """Swap optimizer whose host cache lives in swap-state-server's shared memory.
+
+    It holds, besides the in-process container's parts, one object per remote job: the
+    reattach check (:class:`~swap_state.client.remote.reattach.ReattachCheck`: torn state,
+    the resumed step, the fingerprint), the snapshot client
+    (:class:`~swap_state.client.remote.snapshots.SnapshotClient`), the checkpoint mode
+    (:class:`~swap_state.client.remote.checkpoint.CheckpointMode`) and, with whole-state
+    snapshots, the model area. It overrides the in-process container's hooks, not its parts.
+    """
 
     def __init__(
         self,
@@ -90,6 +98,9 @@ class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, Reatta
         self._model_area: ModelArea | None = None
         self._views: dict[str, torch.Tensor] = {}
         self._closed = False
+        self._reattach = ReattachCheck(self)
+        self._snapshots = SnapshotClient(self)
+        self._checkpoint = CheckpointMode(self)
         self.session = self._connect(model_parts, optimizer_kwargs)
         self.resumed_step = None
         try:
@@ -191,9 +202,133 @@ class RemoteSwapOptimizersContainer(RemoteCheckpointMixin, SnapshotMixin, Reatta
             self._model_area.invalidate()  # the model is loaded after the optimizer, if at all
         self._publish_step(params_known=False)  # the model may be loaded after the optimizer
 
+    # -- state owned by the parts, read by the others -------------------------------------
+    @property
+    def resumed_step(self) -> int | None:
+        """The step a reattach (or a restore) resumed at; None for a fresh segment."""
+        return self._reattach.resumed_step
+
+    @resumed_step.setter
+    def resumed_step(self, step: int | None) -> None:
+        self._reattach.resumed_step = step
+
+    @property
+    def _torn_step(self) -> int | None:
+        return self._reattach._torn_step
+
+    @_torn_step.setter
+    def _torn_step(self, step: int | None) -> None:
+        self._reattach._torn_step = step
+
+    @property
+    def _snapshot_step(self) -> int | None:
+        return self._snapshots._snapshot_step
+
+    @property
+    def _snapshot_handle(self) -> SnapshotHandle | None:
+        return self._snapshots._snapshot_handle
+
+    @property
+    def _checkpoint_snapshot(self) -> SnapshotHandle | None:
+        return self._checkpoint._checkpoint_snapshot
+
+    @property
+    def _restored_reference(self) -> str | None:
+        return self._checkpoint._restored_reference
+
+    @_restored_reference.setter
+    def _restored_reference(self, reference: str | None) -> None:
+        self._checkpoint._restored_reference = reference
+
+    # -- reattach (ReattachCheck) -----------------------------------------------------------
+    def _check_resumable(self, reused: bool) -> None:
+        self._reattach._check_resumable(reused)
+
+    def _check_not_torn(self) -> None:
+        self._reattach._check_not_torn()
+
+    def _resume_group_steps(self) -> None:
+        self._reattach._resume_group_steps()
+
+    def _state_replaced(self) -> None:
+        self._reattach._state_replaced()
+
+    def _write_fingerprint(self) -> None:
+        self._reattach._write_fingerprint()
+
+    def _verify_kept_state(self) -> None:
+        self._reattach._verify_kept_state()
+
+    def _load_group_steps_from_segment(self) -> None:
+        self._reattach._load_group_steps_from_segment()
+
+    # -- snapshots (SnapshotClient) ------------------------------------------------------------
+    def snapshot(self) -> SnapshotHandle:
+        """Snapshot the last committed step on the server; returns once it is consistent."""
+        return self._snapshots.snapshot()
+
     def restore(self, snapshot_id: str = "latest") -> int:
+        """Replace the moments and steps with a durable snapshot's; returns its step."""
         self._state_replaced()  # first: a trainer killed mid-restore leaves nothing to trust
-        return super().restore(snapshot_id)
+        return self._snapshots.restore(snapshot_id)
+
+    def snapshot_metadata(self) -> str:
+        return self._snapshots.snapshot_metadata()
+
+    def state_dict_param_groups(self) -> dict[str, dict[str, Any]]:
+        return self._snapshots.state_dict_param_groups()
+
+    def snapshot_retention(self) -> dict[str, Any]:
+        return self._snapshots.snapshot_retention()
+
+    def follow_checkpoint_retention(self, keep_latest_k: int) -> None:
+        self._snapshots.follow_checkpoint_retention(keep_latest_k)
+
+    def snapshot_location(self) -> str:
+        return self._snapshots.snapshot_location()
+
+    def _snapshot_handle_for(self, snapshot_id: str) -> SnapshotHandle | None:
+        return self._snapshots._snapshot_handle_for(snapshot_id)
+
+    def _wait_for_persisting_snapshot(self, why: str) -> None:
+        self._snapshots._wait_for_persisting_snapshot(why)
+
+    def _wait_segment_released(self, why: str) -> None:
+        self._snapshots._wait_segment_released(why)
+
+    # -- checkpoints (CheckpointMode) ---------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint mode's dict (:meth:`CheckpointMode.state_dict`)."""
+        return self._checkpoint.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A snapshot reference is restored on the server; a full dict is the seed's load."""
+        self._checkpoint.load_state_dict(state_dict)
+
+    def _full_state_dict(self) -> dict[str, Any]:
+        """The in-process container's (the seed's) flat state dict."""
+        return super().state_dict()
+
+    def _full_load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """The in-process container's (the seed's) validated load."""
+        super().load_state_dict(state_dict)
+
+    def checkpoint_reference(self) -> str:
+        return self._checkpoint.checkpoint_reference()
+
+    @property
+    def snapshots_model(self) -> bool:
+        return self._checkpoint.snapshots_model
+
+    @property
+    def whole_state_checkpoints(self) -> bool:
+        return self._checkpoint.whole_state_checkpoints
+
+    def restore_reference(self, snapshot_id: str) -> None:
+        self._checkpoint.restore_reference(snapshot_id)
+
+    def wait_checkpoint_durable(self, timeout_s: float | None = None) -> None:
+        self._checkpoint.wait_checkpoint_durable(timeout_s)
 
     # -- lifetime ----------------------------------------------------------------------------
     def server_stats(self):

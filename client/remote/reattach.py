@@ -24,22 +24,15 @@ first step)::
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from swap_state.client.errors import SwapStateError
 from swap_state.client.optim.host_cache import STEP_KEY
 from swap_state.client.remote.fingerprint import UNKNOWN, ParamFingerprint
 from swap_state.common.segment import Word
 
-if TYPE_CHECKING:
-    import torch
-    from torch.optim import Optimizer
 
-    from swap_state.client.remote.config import RemoteConfig
-    from swap_state.client.remote.rpc import RemoteSession
-    from swap_state.client.remote.segment_mapping import SegmentMapping
-
-__all__ = ["GROUP_STEPS", "PARAM_STEPS", "ReattachMixin", "all_param_groups"]
+__all__ = ["GROUP_STEPS", "PARAM_STEPS", "ReattachCheck", "all_param_groups"]
 
 # The facade's name: what users configure logging for.
 log = logging.getLogger("swap_state.client.remote_container")
@@ -49,12 +42,14 @@ PARAM_STEPS = "swap_state.param_steps"
 GROUP_STEPS = "swap_state.group_steps"
 
 
-class ReattachMixin:
-    """Reattach and torn-state logic of ``RemoteSwapOptimizersContainer``.
+class ReattachCheck:
+    """Reattach and torn state of a remote container, held by it (call order in the module
+    docstring). Owns the torn step, the step a reattach resumed at and the fingerprint check;
+    reads the container's session, segment mapping and views, and its optimizers."""
 
-    Uses the container's ``session``, ``remote_config``, ``optimizers``, ``_mapping`` and
-    ``_views`` (the segment's tensors by name).
-    """
+    def __init__(self, container: Any):
+        self._c = container
+        self._fingerprint: ParamFingerprint | None = None
 
     _torn_step: int | None = None
     """The step the previous trainer died writing, while the kept moments are torn."""
@@ -65,18 +60,11 @@ class ReattachMixin:
     _fresh_group_steps: tuple[Any, ...] = ()
     """Every param group's step as a fresh container has it (what a dropped state gets)."""
 
-    if TYPE_CHECKING:  # provided by the container
-        session: RemoteSession
-        remote_config: RemoteConfig
-        optimizers: list[Optimizer]
-        _mapping: SegmentMapping | None
-        _views: dict[str, torch.Tensor]
-
     def _check_resumable(self, reused: bool) -> None:
         """Read the kept segment's header: torn, resumable, or fresh; claim the header."""
-        header = self._mapping.header
+        header = self._c._mapping.header
         # Claim the segment first: a predecessor still running now fails its next commit.
-        self._mapping.trainer.claim(self.session.generation)
+        self._c._mapping.trainer.claim(self._c.session.generation)
         self._torn_step = None
         if reused and header[Word.WRITING_STEP] != 0:
             # The previous trainer died mid-step: some moments are of step S, some of S-1.
@@ -90,8 +78,8 @@ class ReattachMixin:
         moments, before the commit). A trainer killed between its last write and its
         commit leaves one step more than the server recorded: complete, so it is
         committed now rather than mistaken for the step before."""
-        held = int(max(self._views[GROUP_STEPS].tolist(), default=0))
-        committed = self.session.last_committed_step
+        held = int(max(self._c._views[GROUP_STEPS].tolist(), default=0))
+        committed = self._c.session.last_committed_step
         if held == 0 and committed is None:
             return  # nothing was ever written
         if held != committed:
@@ -99,13 +87,13 @@ class ReattachMixin:
                 "the previous trainer wrote step %d completely but the server recorded step %d "
                 "(killed before its commit): resuming at step %d", held, committed, held,
             )  # fmt: skip
-            self.session.commit(held)
+            self._c.session.commit(held)
         self.resumed_step = held
         log.info("reattached to swap-state at step %d", held)
 
     def _torn_message(self) -> str:
         return (
-            f"the kept optimizer state of {self.remote_config.job_id}/rank {self.session.rank} "
+            f"the kept optimizer state of {self._c.remote_config.job_id}/rank {self._c.session.rank} "
             f"is torn: the previous trainer died while writing step {self._torn_step}. "
             "Restore a snapshot (container.restore('latest')) or load a full checkpoint "
             "before stepping, or use a new job id"
@@ -118,8 +106,8 @@ class ReattachMixin:
 
     def _resume_group_steps(self) -> None:
         """After a reattach, the group steps come back from the segment like the moments."""
-        self._fingerprint = ParamFingerprint([entry.param for entry in self._entries])
-        self._fresh_group_steps = tuple(_clone(g.get(STEP_KEY)) for g in all_param_groups(self.optimizers))
+        self._fingerprint = ParamFingerprint([entry.param for entry in self._c._entries])
+        self._fresh_group_steps = tuple(_clone(g.get(STEP_KEY)) for g in all_param_groups(self._c.optimizers))
         if self.resumed_step is not None:
             self._load_group_steps_from_segment()
             self._verify_pending = True
@@ -128,11 +116,11 @@ class ReattachMixin:
         """A load or a restore wrote the whole state: nothing kept is left to check, and the
         parameters that go with it are not known (a later reattach must not trust them)."""
         self._verify_pending = False
-        self._mapping.trainer.set_fingerprint(UNKNOWN)
+        self._c._mapping.trainer.set_fingerprint(UNKNOWN)
 
     def _write_fingerprint(self) -> None:
         """With each commit, before it: the parameters of the step being committed."""
-        self._mapping.trainer.set_fingerprint(self._fingerprint.compute())
+        self._c._mapping.trainer.set_fingerprint(self._fingerprint.compute())
 
     def _verify_kept_state(self) -> None:
         """Before the first step after a reattach: keep the state only if the parameters are
@@ -140,7 +128,7 @@ class ReattachMixin:
         if not self._verify_pending:
             return
         self._verify_pending = False
-        kept = self._mapping.header[Word.PARAMS_FINGERPRINT]
+        kept = self._c._mapping.header[Word.PARAMS_FINGERPRINT]
         if kept != UNKNOWN and kept == self._fingerprint.compute():
             return
         why = (
@@ -153,34 +141,34 @@ class ReattachMixin:
         log.warning(
             "dropping the swap-state optimizer state kept for job %s rank %d at step %s: %s; "
             "training starts from a fresh optimizer state. Load a checkpoint (or use a new "
-            "job id) to continue a run", self.remote_config.job_id, self.session.rank,
+            "job id) to continue a run", self._c.remote_config.job_id, self._c.session.rank,
             self.resumed_step, why,
         )  # fmt: skip
         self._reset_to_fresh_state()
 
     def _reset_to_fresh_state(self) -> None:
         """Moments, step counts and group steps as a fresh container has them."""
-        self._guard.before_write(0, list(self._views))
-        for view in self._views.values():
+        self._c._guard.before_write(0, list(self._c._views))
+        for view in self._c._views.values():
             view.zero_()
-        for group, step in zip(all_param_groups(self.optimizers), self._fresh_group_steps):
+        for group, step in zip(all_param_groups(self._c.optimizers), self._fresh_group_steps):
             if step is None:
                 group.pop(STEP_KEY, None)
             else:
                 group[STEP_KEY] = _clone(step)
-        self._guard.end_write()
-        trainer = self._mapping.trainer
+        self._c._guard.end_write()
+        trainer = self._c._mapping.trainer
         trainer.count_state_drop()
         trainer.set_fingerprint(UNKNOWN)
         trainer.withdraw_model()  # the model tensors were zeroed with the rest
-        self.session.commit(-1)  # no committed step: the segment holds a fresh state
-        self.session.last_committed_step = None
+        self._c.session.commit(-1)  # no committed step: the segment holds a fresh state
+        self._c.session.last_committed_step = None
         self.resumed_step = None
 
     def _load_group_steps_from_segment(self) -> None:
         """Every param group's step := the segment's (copies: the group owns its tensor)."""
-        group_steps = self._views[GROUP_STEPS]
-        for index, group in enumerate(all_param_groups(self.optimizers)):
+        group_steps = self._c._views[GROUP_STEPS]
+        for index, group in enumerate(all_param_groups(self._c.optimizers)):
             group[STEP_KEY] = group_steps[index].clone()
 
 

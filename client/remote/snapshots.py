@@ -20,7 +20,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -35,17 +35,8 @@ from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.segment import TensorLayout, Word
 from swap_state.common.snapshot_metadata import TensorMetadata, encode_metadata, parse_metadata, tagged_scalar
 
-if TYPE_CHECKING:
-    from torch.optim import Optimizer
 
-    from swap_state.client.optim.host_cache import HostCache, HostCacheEntry
-    from swap_state.client.remote.model_area import ModelArea
-    from swap_state.client.remote.config import RemoteConfig
-    from swap_state.client.remote.rpc import RemoteSession
-    from swap_state.client.remote.segment_mapping import SegmentMapping
-    from swap_state.client.remote.snapshot_guard import SnapshotGuard
-
-__all__ = ["SnapshotHandle", "SnapshotMixin", "json_value", "restored_param_groups"]
+__all__ = ["SnapshotHandle", "SnapshotClient", "json_value", "restored_param_groups"]
 
 # The facade's name: what users configure logging for.
 log = logging.getLogger("swap_state.client.remote_container")
@@ -79,37 +70,18 @@ class SnapshotHandle:
                 )
 
 
-class SnapshotMixin:
-    """Snapshots of ``RemoteSwapOptimizersContainer`` (call order in the module docstring).
+class SnapshotClient:
+    """Snapshots and restores of a remote container, held by it (call order in the module
+    docstring). Owns the last snapshot taken or restored; reads the container's session,
+    client, config, segment, host cache and reattach state."""
 
-    Uses the container's ``session``, ``client``, ``remote_config``, ``optimizers``,
-    ``_mapping``, ``_guard``, ``_entries`` / ``_tensor_names`` (set by its
-    ``_allocate_host_cache``), ``_publish_step`` and the reattach state
-    (:mod:`swap_state.client.remote.reattach`).
-    """
+    def __init__(self, container: Any):
+        self._c = container
 
     _snapshot_step: int | None = None
     """The step the last snapshot taken (or restored) holds."""
     _snapshot_handle: SnapshotHandle | None = None
     _snapshot_location_logged: bool = False
-
-    if TYPE_CHECKING:  # provided by the container and ReattachMixin
-        session: RemoteSession
-        client: SwapStateClient
-        remote_config: RemoteConfig
-        optimizers: list[Optimizer]
-        param_to_cpu_states_map: dict[torch.Tensor, HostCache]
-        resumed_step: int | None
-        _torn_step: int | None
-        _mapping: SegmentMapping | None
-        _guard: SnapshotGuard | None
-        _model_area: ModelArea | None
-        _entries: list[HostCacheEntry]
-        _tensor_names: dict[torch.Tensor, list[str]]
-
-        def _publish_step(self) -> int: ...
-        def _load_group_steps_from_segment(self) -> None: ...
-        def _verify_kept_state(self) -> None: ...
 
     def snapshot_metadata(self) -> str:
         """What the server cannot know: fqns, keys, DTensor layout, param groups, steps."""
@@ -117,13 +89,13 @@ class SnapshotMixin:
         steps: dict[str, float] = {}
         param_groups: dict[str, dict[str, Any]] = {}
         flat_groups = self.state_dict_param_groups()
-        for entry in self._entries:
+        for entry in self._c._entries:
             global_shape, global_offset = global_layout(entry.param) or (None, None)
-            for key, name in zip(entry.keys, self._tensor_names[entry.param]):
+            for key, name in zip(entry.keys, self._c._tensor_names[entry.param]):
                 tensors[name] = TensorMetadata(entry.fqn, key, global_shape, global_offset)
-            steps[entry.fqn] = float(self.param_to_cpu_states_map[entry.param][STEP_KEY])
+            steps[entry.fqn] = float(self._c.param_to_cpu_states_map[entry.param][STEP_KEY])
             param_groups[entry.fqn] = flat_groups[entry.fqn]
-        area = self._model_area
+        area = self._c._model_area
         if area is None:
             return encode_metadata(tensors, param_groups, steps)
         tensors.update(area.metadata())
@@ -132,8 +104,8 @@ class SnapshotMixin:
     def state_dict_param_groups(self) -> dict[str, dict[str, Any]]:
         """Per canonical fqn, the JSON form of its param group's hyperparameters."""
         out: dict[str, dict[str, Any]] = {}
-        for entry in self._entries:
-            group = self.optimizers[entry.optimizer_index].param_groups[entry.group_index]
+        for entry in self._c._entries:
+            group = self._c.optimizers[entry.optimizer_index].param_groups[entry.group_index]
             out[entry.fqn] = {k: json_value(v) for k, v in group.items() if k != "params"}
         return out
 
@@ -144,24 +116,24 @@ class SnapshotMixin:
         handle's ``wait_durable()`` says when it is on disk.
         """
         # Kept state of a reattach is checked against the model before anything refers to it.
-        self._verify_kept_state()
-        step = self.session.last_committed_step
+        self._c._verify_kept_state()
+        step = self._c.session.last_committed_step
         if step is None:
-            step = self._publish_step()
-        area = self._model_area
+            step = self._c._publish_step()
+        area = self._c._model_area
         if area is not None and area.copied_step != step:
             area.copy_from_model(step)  # not copied since a load (or no step yet): now
         metadata = self.snapshot_metadata()
         retention = self.snapshot_retention()
         try:
-            reply = self.session.snapshot(step, metadata, **retention)
+            reply = self._c.session.snapshot(step, metadata, **retention)
         except SnapshotBusyError:
             # The server persists one snapshot of a segment at a time: a previous one (this
             # trainer's, or a restarted trainer's predecessor's) may still be persisting. Wait
             # for it and try once more; any other refusal comes back as it is.
             self._wait_for_persisting_snapshot(f"snapshot of step {step}")
-            reply = self.session.snapshot(step, metadata, **retention)
-        handle = SnapshotHandle(reply.snapshot_id, step, self.session.rank, self.client)
+            reply = self._c.session.snapshot(step, metadata, **retention)
+        handle = SnapshotHandle(reply.snapshot_id, step, self._c.session.rank, self._c.client)
         if not self._snapshot_location_logged:
             self._snapshot_location_logged = True
             log.info("first snapshot %s goes to %s", reply.snapshot_id, self.snapshot_location())
@@ -172,7 +144,7 @@ class SnapshotMixin:
         """The ``keep_latest`` / ``keep_all`` / ``replace_existing`` this job's snapshots carry
         (``RemoteConfig.snapshot_keep_latest`` and ``snapshot_replace_existing``; {}: the
         server's --keep-latest alone, and no replacing)."""
-        config = self.remote_config
+        config = self._c.remote_config
         retention: dict[str, Any] = {"replace_existing": True} if config.snapshot_replace_existing else {}
         keep = config.snapshot_keep_latest
         if keep is not None:
@@ -185,26 +157,26 @@ class SnapshotMixin:
         ``RemoteConfig.snapshot_keep_latest``, unless that was set explicitly."""
         # A checkpointing framework overwrites the checkpoint of a step it trains again (after
         # loading an older one): the snapshot that checkpoint refers to is overwritten with it.
-        self.remote_config.snapshot_replace_existing = True
-        if self.remote_config.snapshot_keep_latest is not None:
+        self._c.remote_config.snapshot_replace_existing = True
+        if self._c.remote_config.snapshot_keep_latest is not None:
             return
         keep = int(keep_latest_k)
         if keep < 0:
             raise ValueError(f"checkpoint.keep_latest_k must be >= 0, got {keep_latest_k!r}")
-        self.remote_config.snapshot_keep_latest = keep
+        self._c.remote_config.snapshot_keep_latest = keep
         log.info(
             "snapshots of job %s follow the checkpoint retention: %s",
-            self.remote_config.job_id, "keep all" if keep == 0 else f"keep the latest {keep}",
+            self._c.remote_config.job_id, "keep all" if keep == 0 else f"keep the latest {keep}",
         )  # fmt: skip
 
     def snapshot_location(self) -> str:
         """Where this job's snapshots are persisted, in words (the directory when the server
         is this container's embedded one)."""
-        embedded = getattr(self, "_embedded", None)
-        job = self.remote_config.job_id
+        embedded = getattr(self._c, "_embedded", None)
+        job = self._c.remote_config.job_id
         if embedded is not None and embedded.snapshot_dir:
             return os.path.join(embedded.snapshot_dir, str(job))
-        return f"the --snapshot-dir of server {self.remote_config.server} (folder {job})"
+        return f"the --snapshot-dir of server {self._c.remote_config.server} (folder {job})"
 
     def restore(self, snapshot_id: str = "latest") -> int:
         """Replace the moments and steps with a durable snapshot's; returns its step.
@@ -216,32 +188,32 @@ class SnapshotMixin:
         # newest: let it become durable first, so "latest" means it.
         self._wait_for_persisting_snapshot(f"restore of {snapshot_id}")
         self._wait_segment_released(f"restore of {snapshot_id}")
-        if self._model_area is not None:
-            self._model_area.wait_published()  # no copy of the model may land after the restore
-        reply = self.session.restore(snapshot_id)
-        self._torn_step = None
-        self._guard.end_write()
-        if self._model_area is not None:
-            self._model_area.copy_into_model(reply.step)  # the snapshot's parameters, buffers
+        if self._c._model_area is not None:
+            self._c._model_area.wait_published()  # no copy of the model may land after the restore
+        reply = self._c.session.restore(snapshot_id)
+        self._c._torn_step = None
+        self._c._guard.end_write()
+        if self._c._model_area is not None:
+            self._c._model_area.copy_into_model(reply.step)  # the snapshot's parameters, buffers
         self._apply_restored_metadata(reply.metadata_json)
-        self._load_group_steps_from_segment()
-        self.session.commit(reply.step)
-        self.resumed_step = reply.step
+        self._c._load_group_steps_from_segment()
+        self._c.session.commit(reply.step)
+        self._c.resumed_step = reply.step
         # The state is now that snapshot's: a state_dict() of this step refers to it (a new
         # snapshot of the step would copy the same bytes, or be refused as existing).
         self._snapshot_step = reply.step
-        self._snapshot_handle = SnapshotHandle(reply.snapshot_id, reply.step, self.session.rank, self.client)
+        self._snapshot_handle = SnapshotHandle(reply.snapshot_id, reply.step, self._c.session.rank, self._c.client)
         log.info("restored %s (step %d)", reply.snapshot_id, reply.step)
         return reply.step
 
     def _apply_restored_metadata(self, metadata_json: str) -> None:
         """The snapshot's hyperparameters into the live groups (steps come from the segment)."""
-        groups = restored_param_groups(metadata_json, self._mapping.tensors)
-        for entry in self._entries:
+        groups = restored_param_groups(metadata_json, self._c._mapping.tensors)
+        for entry in self._c._entries:
             saved = groups.get(entry.fqn)
             if not saved:
                 continue
-            group = self.optimizers[entry.optimizer_index].param_groups[entry.group_index]
+            group = self._c.optimizers[entry.optimizer_index].param_groups[entry.group_index]
             for key, value in saved.items():
                 if key != STEP_KEY and key in group:
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
@@ -254,21 +226,21 @@ class SnapshotMixin:
             return None
         if ref.step is None:
             return None
-        return SnapshotHandle(snapshot_id, ref.step, self.session.rank, self.client)
+        return SnapshotHandle(snapshot_id, ref.step, self._c.session.rank, self._c.client)
 
     def _wait_for_persisting_snapshot(self, why: str) -> None:
         """If the snapshot this segment's header names (``SNAP_STEP``) is still persisting,
         wait until it is durable or failed (bounded by ``backpressure_timeout_s``; logged)."""
-        snap_step = int(self._mapping.header[Word.SNAP_STEP])
-        snapshot_id = snapshot_id_for(self.remote_config.job_id, snap_step)
-        previous = SnapshotHandle(snapshot_id, snap_step, self.session.rank, self.client)
+        snap_step = int(self._c._mapping.header[Word.SNAP_STEP])
+        snapshot_id = snapshot_id_for(self._c.remote_config.job_id, snap_step)
+        previous = SnapshotHandle(snapshot_id, snap_step, self._c.session.rank, self._c.client)
         try:
             status = previous.status()
         except SwapStateError:
             return  # no such snapshot
         if status.state != "persisting":
             return
-        timeout_s = self.remote_config.backpressure_timeout_s
+        timeout_s = self._c.remote_config.backpressure_timeout_s
         begin = time.monotonic()
         log.warning(
             "%s waits for snapshot %s to finish persisting (%d of %d bytes written)",
@@ -290,10 +262,10 @@ class SnapshotMixin:
     def _wait_segment_released(self, why: str) -> None:
         """Wait (bounded, logged) until no snapshot reads this segment (``SNAP_EPOCH == 0``,
         the server's condition for writing into it)."""
-        header = self._mapping.header
+        header = self._c._mapping.header
         if header[Word.SNAP_EPOCH] == 0:
             return
-        timeout_s = self.remote_config.backpressure_timeout_s
+        timeout_s = self._c.remote_config.backpressure_timeout_s
         begin = time.monotonic()
         if not wait_until(lambda: header[Word.SNAP_EPOCH] == 0, timeout_s=timeout_s):
             raise SwapStateError(

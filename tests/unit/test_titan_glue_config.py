@@ -21,7 +21,7 @@ from swap_state.client.torchtitan import glue as torchtitan_glue
 from swap_state.client.optim.checkpoint_template import SnapshotCheckpointError, load_template
 from swap_state.client.remote.embedded import EmbeddedServerConfig, default_snapshot_dir
 from swap_state.client.remote.config import RemoteConfig, embedded_config_for, resolve_config
-from swap_state.client.remote.snapshots import SnapshotMixin
+from swap_state.client.remote.snapshots import SnapshotClient
 from swap_state.client.swap_optimizer import SwapOptimizersContainer
 
 pytestmark = pytest.mark.timeout(60)
@@ -109,9 +109,9 @@ def test_embedded_server_for_whole_state_snapshots_has_copy_slots_for_the_whole_
     assert embedded_config_for(RemoteConfig(), [model], {}, rank=0, world_size=1).cow_budget_bytes is None
 
 
-class _Retention(SnapshotMixin):
-    def __init__(self, keep: int | None) -> None:
-        self.remote_config = RemoteConfig(job_id="job", snapshot_keep_latest=keep)
+def _Retention(keep: int | None) -> SnapshotClient:
+    """A container's snapshot client, with only the config it reads for retention."""
+    return SnapshotClient(types.SimpleNamespace(remote_config=RemoteConfig(job_id="job", snapshot_keep_latest=keep)))
 
 
 @pytest.mark.parametrize(
