@@ -26,6 +26,7 @@ from swap_state.client.optim.host_cache import STEP_KEY
 from swap_state.common.names import STATE_PREFIX, param_group_key
 
 if TYPE_CHECKING:
+    from swap_state.client.remote.owner import RemoteContainer
     from swap_state.client.remote.snapshots import SnapshotHandle
 
 __all__ = ["SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY", "CheckpointMode", "is_moment_key"]
@@ -37,7 +38,7 @@ class CheckpointMode:
     the container. The seed's own dict and load are the container's ``_full_state_dict`` /
     ``_full_load_state_dict``."""
 
-    def __init__(self, container: Any):
+    def __init__(self, container: RemoteContainer):
         self._c = container
 
     _checkpoint_snapshot: SnapshotHandle | None = None

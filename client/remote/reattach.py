@@ -24,13 +24,16 @@ first step)::
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swap_state.client.errors import SwapStateError
 from swap_state.client.optim.host_cache import STEP_KEY
 from swap_state.client.remote.fingerprint import UNKNOWN, ParamFingerprint
 from swap_state.common.segment import Word
 
+
+if TYPE_CHECKING:
+    from swap_state.client.remote.owner import RemoteContainer
 
 __all__ = ["GROUP_STEPS", "PARAM_STEPS", "ReattachCheck", "all_param_groups"]
 
@@ -47,7 +50,7 @@ class ReattachCheck:
     docstring). Owns the torn step, the step a reattach resumed at and the fingerprint check;
     reads the container's session, segment mapping and views, and its optimizers."""
 
-    def __init__(self, container: Any):
+    def __init__(self, container: RemoteContainer):
         self._c = container
         self._fingerprint: ParamFingerprint | None = None
 

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,9 @@ from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.segment import TensorLayout, Word
 from swap_state.common.snapshot_metadata import TensorMetadata, encode_metadata, parse_metadata, tagged_scalar
 
+
+if TYPE_CHECKING:
+    from swap_state.client.remote.owner import RemoteContainer
 
 __all__ = ["SnapshotHandle", "SnapshotClient", "json_value", "restored_param_groups"]
 
@@ -75,7 +78,7 @@ class SnapshotClient:
     docstring). Owns the last snapshot taken or restored; reads the container's session,
     client, config, segment, host cache and reattach state."""
 
-    def __init__(self, container: Any):
+    def __init__(self, container: RemoteContainer):
         self._c = container
 
     _snapshot_step: int | None = None
