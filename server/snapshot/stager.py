@@ -135,6 +135,7 @@ class Stager:
     def _run(self) -> None:
         writer = self.writer
         header = writer.source.header
+        server_header = ServerHeader(header)  # the stager's one word: STAGED_UPTO
         chunks = writer.chunks
         n, k = len(chunks), self.slots
         started = time.monotonic()
@@ -166,7 +167,7 @@ class Stager:
                     futures = [pool.submit(self._copy, part) for part in parts[1:]]
                     results = [self._copy(parts[0])] + [f.result() for f in futures]
                     nbytes, copied = sum(r[0] for r in results), sum(r[1] for r in results)
-                ServerHeader(header).staged(end)  # after the copies: the trainer trusts them now
+                server_header.staged(end)  # after the copies: the trainer trusts them now
                 self.staged_bytes += nbytes
                 self.staged_chunks += copied
                 self.skipped_chunks += len(todo) - copied
