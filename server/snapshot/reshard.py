@@ -1,0 +1,363 @@
+"""Plans the byte copies that reshard a snapshot to another world size.
+
+A snapshot holds, per old rank, a safetensors file whose tensors its manifest describes
+(:class:`~swap_state.common.snapshot_format.TensorRecord`). A DTensor shard is the box
+``[global_offset, global_offset + shape)`` of its global tensor, stored row-major (C order).
+A job restarting at another world size needs, for each tensor of a *new* rank, bytes
+assembled from the old ranks' shards: :func:`plan_rank` says, for every tensor of the
+restoring rank, which old ranks' tensors to read (:class:`Piece`) and which contiguous byte
+ranges of them go where in the target tensor (:class:`Run`).
+
+The planner only plans: it reads no file and copies no byte. It is pure Python on plain ints
+(no torch, no numpy), since the server package must not import torch; the caller reads the
+source ranges (``data_offsets[0] + run.source_offset``) and writes them into the target.
+
+Rules, briefly: dtypes and global shapes must match; replicas (old ranks holding the same
+box) count once, the lowest rank serving; the chosen shards must not overlap and must cover
+the target box exactly. A plain (non-DTensor) tensor is taken whole from one old rank, which
+is only sound when all ranks hold the same bytes (equal crc32s), or when restoring at the
+snapshot's own world size, where each rank takes its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+
+from swap_state.common.dtypes import DTYPE_ITEMSIZE
+from swap_state.common.snapshot_errors import SnapshotLayoutMismatch
+from swap_state.common.snapshot_format import TensorRecord
+
+__all__ = ["Piece", "Run", "TargetTensor", "plan_rank", "plan_tensor", "ranks_needed"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A box of a global tensor as (offset, shape)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetTensor:
+    """One tensor of the restoring rank's segment."""
+
+    name: str
+    """The segment tensor name; the old ranks' records of this name are its sources."""
+    dtype: str
+    """Segment dtype name (``float32``, ``bfloat16``, ...); the sources must have the same."""
+    shape: tuple[int, ...]
+    """Local shape on the new rank."""
+    global_shape: tuple[int, ...] | None
+    """DTensor global shape; None for a plain (non-DTensor) tensor."""
+    global_offset: tuple[int, ...] | None
+    """DTensor offset of the new rank's shard in the global tensor; None for a plain tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One contiguous byte copy from a source tensor into the target tensor."""
+
+    source_offset: int
+    """Byte offset inside the source tensor's bytes (not the file: add ``data_offsets[0]``)."""
+    target_offset: int
+    """Byte offset inside the target tensor's bytes."""
+    nbytes: int
+    """Bytes to copy."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """What one old rank's tensor contributes to a target tensor."""
+
+    source_rank: int
+    """The old rank whose file holds the source tensor."""
+    source: TensorRecord
+    """That rank's record of the tensor (its ``data_offsets`` locate it in the file)."""
+    runs: tuple[Run, ...]
+    """Contiguous byte copies, ascending ``target_offset``."""
+
+
+def plan_tensor(
+    target: TargetTensor,
+    sources: Sequence[tuple[int, TensorRecord]],
+    *,
+    target_rank: int | None = None,
+    same_world: bool = False,
+) -> list[Piece]:
+    """The pieces that fill ``target``, ordered by source rank.
+
+    ``sources``: (old rank, that rank's record of the tensor with the same name), any order.
+    ``same_world`` with ``target_rank``: the restore keeps the snapshot's world size, so a
+    plain tensor whose bytes differ between ranks is taken from ``target_rank``'s own file.
+    Raises SnapshotLayoutMismatch when the sources cannot fill the target.
+    """
+    name = target.name
+    if not sources:
+        raise SnapshotLayoutMismatch(f"tensor {name}: no rank of the snapshot holds it")
+    itemsize = DTYPE_ITEMSIZE.get(target.dtype)
+    if itemsize is None:
+        raise SnapshotLayoutMismatch(f"tensor {name}: dtype {target.dtype!r} is not supported")
+    ordered = sorted(sources, key=lambda pair: pair[0])
+    for rank, record in ordered:
+        _check_source(target, rank, record, itemsize)
+    if target.global_shape is None:
+        return _plan_plain(target, ordered, itemsize, target_rank, same_world)
+    return _plan_dtensor(target, ordered, itemsize)
+
+
+def plan_rank(
+    targets: Sequence[TargetTensor],
+    manifests: Mapping[int, Sequence[TensorRecord]],
+    *,
+    target_rank: int,
+    same_world: bool,
+) -> dict[str, list[Piece]]:
+    """For every target tensor (by name) its pieces; ``manifests``: old rank -> its tensors.
+
+    Every target name must be in every old rank, and no old rank may hold a name the targets
+    lack: resharding moves the same tensors, it neither drops nor invents any.
+    """
+    if not manifests:
+        raise SnapshotLayoutMismatch("the snapshot has no ranks to restore from")
+    by_rank = {rank: _by_name(rank, records) for rank, records in manifests.items()}
+    names: set[str] = set()
+    for target in targets:
+        if target.name in names:
+            raise SnapshotLayoutMismatch(
+                f"tensor {target.name} appears twice in the restoring rank's segment"
+            )
+        names.add(target.name)
+    for rank in sorted(by_rank):
+        _check_names(rank, by_rank[rank], names)
+    plan: dict[str, list[Piece]] = {}
+    for target in targets:
+        sources = [(rank, records[target.name]) for rank, records in by_rank.items()]
+        plan[target.name] = plan_tensor(
+            target, sources, target_rank=target_rank, same_world=same_world
+        )
+    return plan
+
+
+def ranks_needed(plan: Mapping[str, list[Piece]]) -> list[int]:
+    """The distinct old ranks a plan reads from, sorted: the files a restore must open."""
+    return sorted({piece.source_rank for pieces in plan.values() for piece in pieces})
+
+
+def _by_name(rank: int, records: Sequence[TensorRecord]) -> dict[str, TensorRecord]:
+    found: dict[str, TensorRecord] = {}
+    for record in records:
+        if record.name in found:
+            raise SnapshotLayoutMismatch(
+                f"tensor {record.name} appears twice in the manifest of old rank {rank}"
+            )
+        found[record.name] = record
+    return found
+
+
+def _check_names(rank: int, records: Mapping[str, TensorRecord], names: set[str]) -> None:
+    missing = sorted(names - records.keys())
+    if missing:
+        raise SnapshotLayoutMismatch(
+            f"tensor {missing[0]} is not in old rank {rank} of the snapshot "
+            f"({len(missing)} missing in all); restore into a job with the same model and "
+            "optimizer state as the snapshot's"
+        )
+    extra = sorted(records.keys() - names)
+    if extra:
+        raise SnapshotLayoutMismatch(
+            f"old rank {rank} of the snapshot holds tensor {extra[0]}, which the restoring "
+            f"segment lacks ({len(extra)} such in all); restore into a job with the same "
+            "model and optimizer state as the snapshot's"
+        )
+
+
+def _check_source(target: TargetTensor, rank: int, record: TensorRecord, itemsize: int) -> None:
+    """Dtype, kind (DTensor or plain), global shape and byte size of one source."""
+    name = target.name
+    if record.dtype != target.dtype:
+        raise SnapshotLayoutMismatch(
+            f"tensor {name}: old rank {rank} saved it as {record.dtype} but the restoring "
+            f"segment has {target.dtype}; restore with the dtype the snapshot was taken with"
+        )
+    if record.global_shape != target.global_shape:
+        if record.global_shape is None or target.global_shape is None:
+            kinds = ("a plain tensor", "a DTensor")
+            saved, wanted = (kinds if record.global_shape is None else kinds[::-1])
+            raise SnapshotLayoutMismatch(
+                f"tensor {name}: old rank {rank} saved it as {saved} but the restoring "
+                f"segment has {wanted}"
+            )
+        raise SnapshotLayoutMismatch(
+            f"tensor {name}: global shape {record.global_shape} in old rank {rank} but "
+            f"{target.global_shape} in the restoring job; the model config must match"
+        )
+    # The runs address the source's bytes by its shape; a record whose size disagrees would
+    # send them past the tensor's end.
+    if record.nbytes != math.prod(record.shape) * itemsize:
+        raise SnapshotLayoutMismatch(
+            f"tensor {name}: old rank {rank} records {record.nbytes} bytes for shape "
+            f"{record.shape} of {record.dtype}"
+        )
+    if record.global_shape is None:
+        if record.shape != target.shape:
+            raise SnapshotLayoutMismatch(
+                f"tensor {name}: plain tensor of shape {record.shape} in old rank {rank} but "
+                f"{target.shape} in the restoring segment; the model config must match"
+            )
+        return
+    _check_box(name, f"old rank {rank}", record.global_shape, record.global_offset, record.shape)
+
+
+def _check_box(
+    name: str,
+    where: str,
+    global_shape: tuple[int, ...],
+    offset: tuple[int, ...] | None,
+    shape: tuple[int, ...],
+) -> None:
+    if offset is None or len(offset) != len(shape) or len(shape) != len(global_shape):
+        raise SnapshotLayoutMismatch(
+            f"tensor {name}: the DTensor shard of {where} has global shape {global_shape}, "
+            f"offset {offset} and local shape {shape}, which do not describe a box"
+        )
+    if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(offset, shape, global_shape)):
+        raise SnapshotLayoutMismatch(
+            f"tensor {name}: the DTensor shard of {where} (offset {offset}, shape {shape}) "
+            f"lies outside the global shape {global_shape}"
+        )
+
+
+def _plan_plain(
+    target: TargetTensor,
+    ordered: Sequence[tuple[int, TensorRecord]],
+    itemsize: int,
+    target_rank: int | None,
+    same_world: bool,
+) -> list[Piece]:
+    if target.global_offset is not None:
+        raise SnapshotLayoutMismatch(
+            f"tensor {target.name}: the restoring segment gives it a global offset "
+            f"{target.global_offset} but no global shape"
+        )
+    nbytes = math.prod(target.shape) * itemsize
+    if nbytes == 0:
+        return []
+    first_rank, first = ordered[0]
+    chosen = (first_rank, first)
+    differing = next((pair for pair in ordered if pair[1].crc32 != first.crc32), None)
+    if differing is not None:
+        own = [pair for pair in ordered if pair[0] == target_rank]
+        if not (same_world and own):
+            raise SnapshotLayoutMismatch(
+                f"tensor {target.name} is a plain (non-DTensor) tensor that differs between "
+                f"the snapshot's ranks ({first_rank} and {differing[0]}), so it cannot be "
+                "resharded to another world size; restore at the snapshot's world size"
+            )
+        chosen = own[0]
+    return [Piece(chosen[0], chosen[1], (Run(0, 0, nbytes),))]
+
+
+def _plan_dtensor(
+    target: TargetTensor, ordered: Sequence[tuple[int, TensorRecord]], itemsize: int
+) -> list[Piece]:
+    assert target.global_shape is not None
+    _check_box(target.name, "the restoring rank", target.global_shape, target.global_offset,
+               target.shape)
+    assert target.global_offset is not None
+    if math.prod(target.shape) == 0:
+        return []
+    target_box = (target.global_offset, target.shape)
+    # Replicas hold the same box; reading it once, from the lowest rank, is enough.
+    boxes: dict[Box, tuple[int, TensorRecord]] = {}
+    for rank, record in ordered:
+        assert record.global_offset is not None
+        box = (record.global_offset, record.shape)
+        if math.prod(record.shape) and box not in boxes:
+            boxes[box] = (rank, record)
+    chosen: list[tuple[int, TensorRecord, Box]] = []
+    for box, (rank, record) in boxes.items():
+        common = _intersect(box, target_box)
+        if common is not None:
+            chosen.append((rank, record, common))
+    _check_tiling(target, chosen)
+    return [
+        Piece(rank, record, _runs(common, (record.global_offset, record.shape), target_box,
+                                  itemsize))
+        for rank, record, common in sorted(chosen, key=lambda item: item[0])
+    ]
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    """The common box of ``a`` and ``b``; None when empty. A 0-dim box is one element."""
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
+    hi = tuple(min(x + m, y + n) for x, m, y, n in zip(a[0], a[1], b[0], b[1]))
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi))
+
+
+def _check_tiling(target: TargetTensor, chosen: Sequence[tuple[int, TensorRecord, Box]]) -> None:
+    """The chosen boxes must be disjoint and fill the target box exactly."""
+    for (rank_a, _, box_a), (rank_b, _, box_b) in itertools.combinations(chosen, 2):
+        if _intersect(box_a, box_b) is not None:
+            raise SnapshotLayoutMismatch(
+                f"tensor {target.name}: overlapping shards of old ranks {rank_a} and {rank_b} "
+                f"(offset {box_a[0]} shape {box_a[1]}, offset {box_b[0]} shape {box_b[1]}) "
+                "that are not replicas of each other; the snapshot's layout is inconsistent"
+            )
+    covered = sum(math.prod(box[1]) for _, _, box in chosen)
+    wanted = math.prod(target.shape)
+    if covered != wanted:
+        raise SnapshotLayoutMismatch(
+            f"tensor {target.name}: the restoring rank's box (offset {target.global_offset}, "
+            f"shape {target.shape}) is not covered: the snapshot's shards hold {covered} of "
+            f"its {wanted} elements; check that the snapshot holds every old rank"
+        )
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    """Row-major element strides."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return strides
+
+
+def _runs(common: Box, source: Box, target: Box, itemsize: int) -> tuple[Run, ...]:
+    """The contiguous copies that move box ``common`` from the source box into the target."""
+    lo, ext = common
+    ndim = len(ext)
+    if ndim == 0:
+        return (Run(0, 0, itemsize),)
+    (s_off, s_shape), (t_off, t_shape) = source, target
+    # Past dim k the common box spans whole rows of both local boxes, so each index prefix of
+    # the dims before k is one contiguous range in both; k is the smallest such dim.
+    k = 0
+    for d in range(ndim - 1, 0, -1):
+        if not ext[d] == s_shape[d] == t_shape[d]:
+            k = d
+            break
+    s_strides, t_strides = _strides(s_shape), _strides(t_shape)
+    nbytes = ext[k] * math.prod(ext[k + 1:]) * itemsize
+    # Dims past k start at the local boxes' own origin (they are spanned whole): they add 0.
+    s_base = (lo[k] - s_off[k]) * s_strides[k]
+    t_base = (lo[k] - t_off[k]) * t_strides[k]
+    axes = [
+        [((i - s_off[d]) * s_strides[d], (i - t_off[d]) * t_strides[d])
+         for i in range(lo[d], lo[d] + ext[d])]
+        for d in range(k)
+    ]
+    runs: list[Run] = []
+    cur_s = cur_t = cur_n = -1
+    for prefix in itertools.product(*axes):
+        s = (s_base + sum(p[0] for p in prefix)) * itemsize
+        t = (t_base + sum(p[1] for p in prefix)) * itemsize
+        if cur_n >= 0 and cur_s + cur_n == s and cur_t + cur_n == t:
+            # Adjacent in both: one copy does it. The minimal k leaves none such, but the
+            # check is cheap and keeps the runs minimal should the rule for k change.
+            cur_n += nbytes
+            continue
+        if cur_n >= 0:
+            runs.append(Run(cur_s, cur_t, cur_n))
+        cur_s, cur_t, cur_n = s, t, nbytes
+    runs.append(Run(cur_s, cur_t, cur_n))
+    return tuple(runs)
