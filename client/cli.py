@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="sessions, budget and running snapshots")
     _add_server_args(status)
-    snaps = sub.add_parser("snapshots", help="list durable snapshots")
+    snaps = sub.add_parser("snapshots", help="list durable snapshots, in the server's --snapshot-dir and its --snapshot-store")
     _add_server_args(snaps)
     snaps.add_argument("--job-id", default="", help="only this job (default: all)")
     export = sub.add_parser(
@@ -123,10 +123,20 @@ def _snapshots(args) -> int:
             ranks = f"ranks {','.join(map(str, held))} of {snap.world_size}"
         else:
             ranks = f"{snap.world_size} ranks"
-        print(f"{snap.snapshot_id}\t{ranks}\t{_gib(snap.bytes)}\t{snap.path}{marker}")
+        print(f"{snap.snapshot_id}\t{ranks}\t{_gib(snap.bytes)}\t{_where(snap)}{marker}")
     if not reply.snapshots:
         print("no snapshots")
     return 0
+
+
+def _where(snap) -> str:
+    """Which tiers hold the snapshot, and where: ``local <dir>``, ``store <uri>``, or both
+    (``local+store``); only the directory when the snapshot is not in a store."""
+    if not snap.stored:
+        return snap.path
+    if not snap.local:
+        return f"store {snap.store_path}"
+    return f"local+store {snap.path} {snap.store_path}"
 
 
 def _export(args) -> int:

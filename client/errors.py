@@ -31,6 +31,7 @@ __all__ = [
     "SnapshotExistsError",
     "SnapshotFailedError",
     "SnapshotCorruptError",
+    "StoreUnavailableError",
     "UnauthenticatedError",
     "ERROR_FOR_REASON",
     "error_for",
@@ -112,6 +113,10 @@ class SnapshotCorruptError(SwapStateError):
     """A snapshot file does not verify; the message names the file and tensor."""
 
 
+class StoreUnavailableError(SwapStateError):
+    """The server's snapshot store (--snapshot-store) cannot be reached; the message names it."""
+
+
 class UnauthenticatedError(SwapStateError):
     """Missing or wrong token (the server's --token-file, the trainer's $SWAP_STATE_TOKEN_FILE)."""
 
@@ -132,6 +137,7 @@ ERROR_FOR_REASON: dict[str, type[SwapStateError]] = {
     "SNAPSHOT_EXISTS": SnapshotExistsError,
     "SNAPSHOT_FAILED": SnapshotFailedError,
     "SNAPSHOT_CORRUPT": SnapshotCorruptError,
+    "STORE_UNAVAILABLE": StoreUnavailableError,
     "SNAPSHOT_ERROR": SwapStateError,
     "UNAUTHENTICATED": UnauthenticatedError,
     "UNAVAILABLE": ServerUnavailableError,

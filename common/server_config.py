@@ -94,6 +94,17 @@ class ServerConfig:
     """Directory for durable snapshots (safetensors + manifest per job and step); created if
     missing. Without it, snapshots are refused."""
 
+    snapshot_store: str | None = _flag(None, metavar="URI", example="s3://ckpt-bucket/swap-state")
+    """A second snapshot tier every host reaches: s3://BUCKET/PREFIX on any S3-compatible
+    store (endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... and the AWS
+    config), or a path (file:///PATH) on a filesystem all hosts mount. Each durable snapshot is
+    uploaded in the background; a rank this server does not hold (a lost host's, one of
+    another world size) is restored from it. Needs --snapshot-dir."""
+
+    snapshot_store_timeout: float = _flag(60.0, kind="seconds", example="120")
+    """Seconds one request to --snapshot-store may take, retries included, before the upload
+    or restore fails naming the store."""
+
     grace: float = _flag(30.0, kind="seconds", example="120")
     """Seconds a session whose trainer vanished (KeepAlive stream closed) keeps its segment for
     the same job/rank to reattach."""
@@ -213,6 +224,11 @@ class ServerConfig:
             fail("--model-copy-timeout must be > 0 seconds")
         if self.keep_latest < 2:
             fail("--keep-latest must be >= 2 (the previous snapshot must survive the next)")
+        if self.snapshot_store and self.snapshot_dir is None:
+            fail("--snapshot-store needs --snapshot-dir: snapshots become durable there first, "
+                 "then are uploaded")
+        if not self.snapshot_store_timeout > 0:
+            fail("--snapshot-store-timeout must be > 0 seconds")
         if not self.shm_dir.is_absolute():
             fail("--shm-dir must be an absolute path")
         for name in ("keepalive_interval", "stream_wait", "shutdown_grace"):

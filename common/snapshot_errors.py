@@ -21,6 +21,7 @@ __all__ = [
     "SnapshotCorrupt",
     "SnapshotLayoutMismatch",
     "SnapshotDiskFull",
+    "SnapshotStoreUnavailable",
     "from_os_error",
 ]
 
@@ -88,6 +89,14 @@ class SnapshotDiskFull(SnapshotError):
 
     code = "RESOURCE_EXHAUSTED"
     reason = "DISK_FULL"
+
+
+class SnapshotStoreUnavailable(SnapshotError):
+    """The snapshot store (``--snapshot-store``) failed a request: unreachable, refusing,
+    timed out; the message names the store and the object."""
+
+    code = "UNAVAILABLE"
+    reason = "STORE_UNAVAILABLE"
 
 
 def from_os_error(exc: OSError, action: str, directory: object) -> SnapshotError:

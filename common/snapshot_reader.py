@@ -27,9 +27,24 @@ from .checksum import crc32, crc32_combine
 from .dtypes import DTYPE_ITEMSIZE
 from .names import is_job_id, parse_snapshot_id, parse_step_dir_name, snapshot_id_for, step_dir_name, validate_job_id
 from .snapshot_errors import SnapshotCorrupt, SnapshotError, SnapshotInvalid, SnapshotNotFound
-from .snapshot_format import INDEX_NAME, LATEST_NAME, RankManifest, SnapshotIndex, rank_data_name, rank_manifest_name
+from .snapshot_format import (
+    INDEX_NAME,
+    LATEST_NAME,
+    FileRecord,
+    RankManifest,
+    SnapshotIndex,
+    rank_data_name,
+    rank_manifest_name,
+)
 
-__all__ = ["SnapshotInfo", "SnapshotReader", "RankFileVerifier", "READ_BLOCK_BYTES", "check_manifest_sizes"]
+__all__ = [
+    "SnapshotInfo",
+    "SnapshotReader",
+    "RankFileVerifier",
+    "READ_BLOCK_BYTES",
+    "check_manifest_sizes",
+    "parse_rank_manifest",
+]
 
 READ_BLOCK_BYTES = 8 << 20
 
@@ -230,17 +245,7 @@ class SnapshotReader:
             raise SnapshotCorrupt(f"{path} is missing") from None
         except OSError as exc:
             raise SnapshotError(f"cannot read {path}: {exc}") from None
-        if len(raw) != record.bytes or crc32(raw) != record.crc32:
-            raise SnapshotCorrupt(f"{path} does not match its checksum in {INDEX_NAME}")
-        try:
-            manifest = RankManifest.from_json(json.loads(raw))
-        except ValueError as exc:
-            raise SnapshotCorrupt(f"{path} is not a valid manifest: {exc}") from None
-        if (manifest.job_id, manifest.step, manifest.rank, manifest.world_size) != (
-            info.job_id, info.step, rank, info.world_size,
-        ) or manifest.data_file != rank_data_name(rank):
-            raise SnapshotCorrupt(f"{path} describes another snapshot or rank")
-        return manifest
+        return parse_rank_manifest(info, rank, raw, record, path)
 
     def verify_data(self, info: SnapshotInfo, manifest: RankManifest) -> None:
         """Read the rank's safetensors file once: size, header (recomputed from the manifest,
@@ -334,6 +339,23 @@ class RankFileVerifier:
             raise SnapshotCorrupt(f"{self.path} ends inside tensor {self._tensors[self._index].name!r}")
         if self._file_crc != self._record.crc32:
             raise SnapshotCorrupt(f"{self.path} does not match its checksum in {INDEX_NAME}")
+
+
+def parse_rank_manifest(info: SnapshotInfo, rank: int, raw: bytes, record: FileRecord, where: object) -> RankManifest:
+    """A rank's manifest from its bytes, checked against its ``record`` in the index (size,
+    crc32) and against the snapshot (job, step, rank, world size, data file name).
+    SnapshotCorrupt names ``where`` (the file or object read)."""
+    if len(raw) != record.bytes or crc32(raw) != record.crc32:
+        raise SnapshotCorrupt(f"{where} does not match its checksum in {INDEX_NAME}")
+    try:
+        manifest = RankManifest.from_json(json.loads(raw))
+    except ValueError as exc:
+        raise SnapshotCorrupt(f"{where} is not a valid manifest: {exc}") from None
+    if (manifest.job_id, manifest.step, manifest.rank, manifest.world_size) != (
+        info.job_id, info.step, rank, info.world_size,
+    ) or manifest.data_file != rank_data_name(rank):
+        raise SnapshotCorrupt(f"{where} describes another snapshot or rank")
+    return manifest
 
 
 def check_manifest_sizes(info: SnapshotInfo, manifest: RankManifest) -> tuple[bytes, int]:

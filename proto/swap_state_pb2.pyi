@@ -241,17 +241,19 @@ class SnapshotReply(_message.Message):
     def __init__(self, snapshot_id: _Optional[str] = ..., consistent: _Optional[bool] = ...) -> None: ...
 
 class SnapshotStatusRequest(_message.Message):
-    __slots__ = ("snapshot_id", "rank", "wait_seconds")
+    __slots__ = ("snapshot_id", "rank", "wait_seconds", "wait_stored")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_STORED_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     rank: int
     wait_seconds: float
-    def __init__(self, snapshot_id: _Optional[str] = ..., rank: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    wait_stored: bool
+    def __init__(self, snapshot_id: _Optional[str] = ..., rank: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., wait_stored: _Optional[bool] = ...) -> None: ...
 
 class SnapshotStatusReply(_message.Message):
-    __slots__ = ("snapshot_id", "rank", "state", "bytes_total", "bytes_persisted", "error", "cow_copies", "backpressure_waits", "backpressure_wait_seconds", "path", "step", "server_staged_chunks", "server_staged_bytes", "trainer_copied_bytes")
+    __slots__ = ("snapshot_id", "rank", "state", "bytes_total", "bytes_persisted", "error", "cow_copies", "backpressure_waits", "backpressure_wait_seconds", "path", "step", "server_staged_chunks", "server_staged_bytes", "trainer_copied_bytes", "store_state", "store_error", "store_path", "bytes_stored")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +268,10 @@ class SnapshotStatusReply(_message.Message):
     SERVER_STAGED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SERVER_STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRAINER_COPIED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_STATE_FIELD_NUMBER: _ClassVar[int]
+    STORE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    STORE_PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     rank: int
     state: str
@@ -280,10 +286,14 @@ class SnapshotStatusReply(_message.Message):
     server_staged_chunks: int
     server_staged_bytes: int
     trainer_copied_bytes: int
-    def __init__(self, snapshot_id: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_persisted: _Optional[int] = ..., error: _Optional[str] = ..., cow_copies: _Optional[int] = ..., backpressure_waits: _Optional[int] = ..., backpressure_wait_seconds: _Optional[float] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., server_staged_chunks: _Optional[int] = ..., server_staged_bytes: _Optional[int] = ..., trainer_copied_bytes: _Optional[int] = ...) -> None: ...
+    store_state: str
+    store_error: str
+    store_path: str
+    bytes_stored: int
+    def __init__(self, snapshot_id: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_persisted: _Optional[int] = ..., error: _Optional[str] = ..., cow_copies: _Optional[int] = ..., backpressure_waits: _Optional[int] = ..., backpressure_wait_seconds: _Optional[float] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., server_staged_chunks: _Optional[int] = ..., server_staged_bytes: _Optional[int] = ..., trainer_copied_bytes: _Optional[int] = ..., store_state: _Optional[str] = ..., store_error: _Optional[str] = ..., store_path: _Optional[str] = ..., bytes_stored: _Optional[int] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
-    __slots__ = ("snapshot_id", "job_id", "step", "world_size", "path", "bytes", "latest", "ranks", "local_world_size")
+    __slots__ = ("snapshot_id", "job_id", "step", "world_size", "path", "bytes", "latest", "ranks", "local_world_size", "local", "stored", "store_path")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +303,9 @@ class SnapshotInfo(_message.Message):
     LATEST_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    STORE_PATH_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     job_id: str
     step: int
@@ -302,7 +315,10 @@ class SnapshotInfo(_message.Message):
     latest: bool
     ranks: _containers.RepeatedScalarFieldContainer[int]
     local_world_size: int
-    def __init__(self, snapshot_id: _Optional[str] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., latest: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., local_world_size: _Optional[int] = ...) -> None: ...
+    local: bool
+    stored: bool
+    store_path: str
+    def __init__(self, snapshot_id: _Optional[str] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., latest: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., local_world_size: _Optional[int] = ..., local: _Optional[bool] = ..., stored: _Optional[bool] = ..., store_path: _Optional[str] = ...) -> None: ...
 
 class ListSnapshotsRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -317,21 +333,29 @@ class ListSnapshotsReply(_message.Message):
     def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("session_id", "generation", "snapshot_id")
+    __slots__ = ("session_id", "generation", "snapshot_id", "metadata_json")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     generation: int
     snapshot_id: str
-    def __init__(self, session_id: _Optional[str] = ..., generation: _Optional[int] = ..., snapshot_id: _Optional[str] = ...) -> None: ...
+    metadata_json: str
+    def __init__(self, session_id: _Optional[str] = ..., generation: _Optional[int] = ..., snapshot_id: _Optional[str] = ..., metadata_json: _Optional[str] = ...) -> None: ...
 
 class RestoreReply(_message.Message):
-    __slots__ = ("snapshot_id", "step", "metadata_json")
+    __slots__ = ("snapshot_id", "step", "metadata_json", "source", "snapshot_world_size", "source_ranks")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_RANKS_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     step: int
     metadata_json: str
-    def __init__(self, snapshot_id: _Optional[str] = ..., step: _Optional[int] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+    source: str
+    snapshot_world_size: int
+    source_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, snapshot_id: _Optional[str] = ..., step: _Optional[int] = ..., metadata_json: _Optional[str] = ..., source: _Optional[str] = ..., snapshot_world_size: _Optional[int] = ..., source_ranks: _Optional[_Iterable[int]] = ...) -> None: ...

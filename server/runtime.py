@@ -224,6 +224,8 @@ def _build_domain(config: ServerConfig, listen: ListenAddress, gid: int | None,
             stage_threads=config.stage_threads,
             model_copy_timeout_s=config.model_copy_timeout,
             copy_policy=copy_policy,
+            store_uri=config.snapshot_store,
+            store_timeout_s=config.snapshot_store_timeout,
         )
         undo.callback(snapshots.close)
     service = SwapStateService(

@@ -39,7 +39,7 @@ def start_server(private_shm_dir, tmp_path_factory):
         config = EmbeddedServerConfig(
             shm_size_bytes=overrides.pop("shm_size_bytes", 256 << 20),
             grace_s=overrides.pop("grace_s", 30.0),
-            shm_dir=private_shm_dir,
+            shm_dir=overrides.pop("shm_dir", private_shm_dir),
             snapshot_dir=str(overrides.pop("snapshot_dir", None) or tmp_path_factory.mktemp("snapshots")),
             **overrides,
         )
@@ -50,6 +50,28 @@ def start_server(private_shm_dir, tmp_path_factory):
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 endpoint for the whole session: moto's server, a process on 127.0.0.1."""
+    from store_kit import moto_endpoint
+
+    with moto_endpoint() as url:
+        yield url
+
+
+@pytest.fixture
+def s3_store(s3_endpoint, monkeypatch, request):
+    """``s3://<fresh bucket>/snapshots`` on :func:`s3_endpoint`, with the AWS variables set in
+    this process's environment (servers started afterwards inherit them)."""
+    from store_kit import aws_env, create_bucket
+
+    for name, value in aws_env(s3_endpoint).items():
+        monkeypatch.setenv(name, value)
+    bucket = "t-" + hex(abs(hash(request.node.nodeid)))[2:14]
+    create_bucket(s3_endpoint, bucket)
+    return f"s3://{bucket}/snapshots"
 
 
 @pytest.fixture

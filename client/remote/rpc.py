@@ -120,13 +120,14 @@ class SwapStateClient:
         code = e.code() if hasattr(e, "code") else None
         details = e.details() if hasattr(e, "details") else str(e)
         where = f"swap-state-server at {self.config.address}"
-        if code in _UNREACHABLE:
+        reason = reason_of(e)
+        if code in _UNREACHABLE and reason is None:  # with a reason, the server answered
             hint = START_HINT.format(address=self.config.address)
             return ServerUnavailableError(
                 f"{name}: {where} is not reachable ({code.name}: {details}); {hint}", code
             )
         code_name = code.name if code is not None else "UNKNOWN"
-        return error_for(reason_of(e), f"{name} failed at {where}: {code_name}: {details}", code)
+        return error_for(reason, f"{name} failed at {where}: {code_name}: {details}", code)
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         timeout_s = timeout_s or self.config.connect_timeout_s
@@ -171,9 +172,11 @@ class SwapStateClient:
         return self.call("ListSnapshots", pb.ListSnapshotsRequest(job_id=job_id))
 
     def snapshot_status(
-        self, snapshot_id: str, rank: int, wait_s: float = 0.0
+        self, snapshot_id: str, rank: int, wait_s: float = 0.0, wait_stored: bool = False
     ) -> pb.SnapshotStatusReply:
-        request = pb.SnapshotStatusRequest(snapshot_id=snapshot_id, rank=rank, wait_seconds=wait_s)
+        request = pb.SnapshotStatusRequest(
+            snapshot_id=snapshot_id, rank=rank, wait_seconds=wait_s, wait_stored=wait_stored
+        )
         return self.call("SnapshotStatus", request, timeout_s=self.config.timeout_s + wait_s)
 
     def open_keepalive(self, session_id: str, generation: int):
@@ -328,9 +331,12 @@ class RemoteSession:
         )
         return self._call("Snapshot", request)
 
-    def restore(self, snapshot_id: str = "latest") -> pb.RestoreReply:
+    def restore(self, snapshot_id: str = "latest", metadata_json: str = "") -> pb.RestoreReply:
+        """``metadata_json``: this rank's tensors' placement (the snapshot metadata's schema),
+        so that the server can reshard a snapshot taken at another world size."""
         request = pb.RestoreRequest(
-            session_id=self.session_id, generation=self.generation, snapshot_id=snapshot_id
+            session_id=self.session_id, generation=self.generation, snapshot_id=snapshot_id,
+            metadata_json=metadata_json,
         )
         return self._call("Restore", request, timeout_s=max(300.0, self.client.config.timeout_s))
 

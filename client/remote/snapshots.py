@@ -47,29 +47,46 @@ log = logging.getLogger("swap_state.client.remote_container")
 
 @dataclasses.dataclass
 class SnapshotHandle:
-    """A snapshot in progress; ``wait_durable()`` blocks until it is on disk."""
+    """A snapshot in progress: ``wait_durable()`` blocks until it is on the server's disk,
+    ``wait_stored()`` until it is in the server's ``--snapshot-store`` too."""
 
     snapshot_id: str
     step: int
     rank: int
     client: SwapStateClient
 
-    def status(self, wait_s: float = 0.0):
-        return self.client.snapshot_status(self.snapshot_id, self.rank, wait_s)
+    def status(self, wait_s: float = 0.0, wait_stored: bool = False):
+        return self.client.snapshot_status(self.snapshot_id, self.rank, wait_s, wait_stored)
 
     def wait_durable(self, timeout_s: float = 600.0):
+        """The status once durable (or stored); SwapStateError if it failed, TimeoutError."""
+        return self._wait(timeout_s, stored=False)
+
+    def wait_stored(self, timeout_s: float = 600.0):
+        """The status once this rank's files are in the store (every host reaches it):
+        SwapStateError when the upload failed (the message names the store; the snapshot is
+        still durable locally), or the server has no store; TimeoutError."""
+        return self._wait(timeout_s, stored=True)
+
+    def _wait(self, timeout_s: float, stored: bool):
         deadline = time.monotonic() + timeout_s
+        goal = ("stored",) if stored else ("durable", "stored")
         while True:
             remaining = deadline - time.monotonic()
-            reply = self.status(wait_s=max(0.0, min(remaining, 5.0)))
-            if reply.state == "durable":
+            reply = self.status(wait_s=max(0.0, min(remaining, 5.0)), wait_stored=stored)
+            if reply.state in goal:
                 return reply
             if reply.state == "failed":
                 raise SwapStateError(f"snapshot {self.snapshot_id} failed: {reply.error}")
+            if stored and reply.state == "durable" and reply.store_state in ("", "failed"):
+                why = reply.store_error or "the server has no --snapshot-store"
+                raise SwapStateError(f"snapshot {self.snapshot_id} is durable but not stored: {why}")
             if remaining <= 0:
+                what = "stored" if stored else "durable"
+                done = reply.bytes_stored if stored else reply.bytes_persisted
                 raise TimeoutError(
-                    f"snapshot {self.snapshot_id} not durable after {timeout_s}s "
-                    f"({reply.bytes_persisted}/{reply.bytes_total} bytes)"
+                    f"snapshot {self.snapshot_id} not {what} after {timeout_s}s "
+                    f"({done}/{reply.bytes_total} bytes)"
                 )
 
 
@@ -193,7 +210,7 @@ class SnapshotClient:
         self._wait_segment_released(f"restore of {snapshot_id}")
         if self._c._model_area is not None:
             self._c._model_area.wait_published()  # no copy of the model may land after the restore
-        reply = self._c.session.restore(snapshot_id)
+        reply = self._c.session.restore(snapshot_id, self.snapshot_metadata())
         self._c._torn_step = None
         self._c._guard.end_write()
         if self._c._model_area is not None:
@@ -206,7 +223,13 @@ class SnapshotClient:
         # snapshot of the step would copy the same bytes, or be refused as existing).
         self._snapshot_step = reply.step
         self._snapshot_handle = SnapshotHandle(reply.snapshot_id, reply.step, self._c.session.rank, self._c.client)
-        log.info("restored %s (step %d)", reply.snapshot_id, reply.step)
+        resharded = reply.snapshot_world_size not in (0, self._c.session.world_size)
+        log.info(
+            "restored %s (step %d) from the server's %s%s", reply.snapshot_id, reply.step,
+            "store" if reply.source == "store" else "snapshot directory",
+            f", resharded from world size {reply.snapshot_world_size} (ranks {list(reply.source_ranks)})"
+            if resharded else "",
+        )  # fmt: skip
         return reply.step
 
     def _apply_restored_metadata(self, metadata_json: str) -> None:

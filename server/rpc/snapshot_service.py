@@ -24,7 +24,9 @@ from swap_state.proto import swap_state_pb2 as pb
 
 from swap_state.common.errors import FailedPrecondition, NoSegment, SnapshotsDisabled
 from swap_state.server.observability.metrics import counter, gauge
+from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.tiers import list_both_tiers
 from swap_state.server.logs import log_event
 from swap_state.server.memory.arena import Arena
 from swap_state.server.memory.session import Session
@@ -86,7 +88,7 @@ class SnapshotCounters:
     """Chunks the server copied ahead of the trainers (so they did not have to)."""
 
     def record(self, status: SnapshotStatus) -> None:
-        if status.state.value == "durable":
+        if status.state.value in ("durable", "stored"):
             self.durable += 1
         else:
             self.failed += 1
@@ -211,23 +213,16 @@ class SnapshotRpcs:
         validate_snapshot_rank(request.rank)
         coordinator = self._coordinator()
         wait_s = min(max(request.wait_seconds, 0.0), MAX_STATUS_WAIT_S)
-        status = await asyncio.to_thread(coordinator.status, request.snapshot_id, request.rank, wait_s)
+        status = await asyncio.to_thread(
+            coordinator.status, request.snapshot_id, request.rank, wait_s, request.wait_stored
+        )
         return status_reply(status)
 
     async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
         job_id = validate_job_id_filter(request.job_id)
         coordinator = self._coordinator()
-        infos = await asyncio.to_thread(coordinator.store.list, job_id)
-        return pb.ListSnapshotsReply(
-            snapshots=[
-                pb.SnapshotInfo(
-                    snapshot_id=i.snapshot_id, job_id=i.job_id, step=i.step,
-                    world_size=i.world_size, path=str(i.path), bytes=i.bytes, latest=i.latest,
-                    ranks=i.ranks, local_world_size=i.local_world_size,
-                )
-                for i in infos
-            ]
-        )
+        listed = await asyncio.to_thread(list_both_tiers, coordinator, job_id)
+        return pb.ListSnapshotsReply(snapshots=[_info_reply(local, stored) for local, stored in listed])
 
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
         validate_session(request.session_id, request.generation)
@@ -242,11 +237,29 @@ class SnapshotRpcs:
                     job_id=session.job_id, header=session.header,
                     reserve_staging=self.arena.reserve_staging,
                     staging_free_bytes=lambda: self.arena.free_bytes,
+                    stored=coordinator.stored, placement_json=request.metadata_json,
                 )
             session.record_commit(result.step, force=True)
         return pb.RestoreReply(
-            snapshot_id=result.snapshot_id, step=result.step, metadata_json=result.metadata_json
+            snapshot_id=result.snapshot_id, step=result.step, metadata_json=result.metadata_json,
+            source=result.source, snapshot_world_size=result.snapshot_world_size,
+            source_ranks=result.source_ranks,
         )
+
+
+def _info_reply(local: SnapshotInfo | None, stored: SnapshotInfo | None) -> pb.SnapshotInfo:
+    """One listed snapshot: its local facts (path, this host's ranks) and where it is in the
+    store; ``latest`` as the tier the server would restore ``latest`` from says."""
+    first = local or stored
+    assert first is not None
+    reply = pb.SnapshotInfo(snapshot_id=first.snapshot_id, job_id=first.job_id, step=first.step,
+                            world_size=first.world_size, bytes=first.bytes, latest=first.latest,
+                            ranks=first.ranks, local_world_size=first.local_world_size)
+    if local is not None:
+        reply.local, reply.path = True, str(local.path)
+    if stored is not None:
+        reply.stored, reply.store_path = True, str(stored.path)
+    return reply
 
 
 async def _finish(handle: RankSnapshot, held: contextlib.ExitStack, counters: SnapshotCounters) -> None:

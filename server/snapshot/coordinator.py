@@ -34,6 +34,7 @@ files go :mod:`.storage` (:mod:`.local_storage` on ``snapshot_dir``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pathlib
@@ -53,8 +54,12 @@ from swap_state.common.snapshot_errors import (
     SnapshotError,
     SnapshotFailed,
     SnapshotInvalid,
+    SnapshotNotFound,
     from_os_error,
 )
+from swap_state.common.object_store import open_store
+from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, SnapshotMetadata, parse_metadata
 from swap_state.common.names import parse_snapshot_id, shorten
@@ -68,6 +73,7 @@ from swap_state.server.snapshot.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.snapshot.store import SnapshotStore
+from swap_state.server.snapshot.upload import SnapshotUploader, StoreState
 from swap_state.server.snapshot.writer import Cancelled, RankWriter
 
 log = logging.getLogger("swap_state.server.snapshot_coordinator")
@@ -100,6 +106,8 @@ class SnapshotCoordinator:
         assumed_persist_bandwidth: float = ASSUMED_PERSIST_BYTES_PER_S,
         copy_policy: CopyBudgetPolicy | None = None,
         storage: SnapshotStorage | None = None,
+        store_uri: str | None = None,
+        store_timeout_s: float = 60.0,
     ):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
         ``max_bandwidth``: bytes/s for all snapshot I/O together (None: no cap).
@@ -114,7 +122,9 @@ class SnapshotCoordinator:
         ``assumed_fwd_bwd_s`` / ``assumed_persist_bandwidth``: the forward/backward time
         and (until a snapshot measured it) the persist bytes/s of the copy-budget warning,
         when no ``copy_policy`` (the server's, shared with its arena) is given.
-        ``storage``: where snapshot files go (default: the local directory ``snapshot_dir``)."""
+        ``storage``: where snapshot files go (default: the local directory ``snapshot_dir``).
+        ``store_uri``: the second tier every host reaches (``--snapshot-store``): each durable
+        snapshot is uploaded there in the background (:mod:`.upload`); None: no store."""
         if keep_latest is not None and keep_latest < 2:
             raise ValueError("keep_latest must be >= 2 (or None to keep all snapshots)")
         if assemble_timeout_s <= 0:
@@ -141,6 +151,11 @@ class SnapshotCoordinator:
         self._last_epoch = 0
         self._closed = False
         self._open_storage(clean_stale)
+        self.stored: StoredSnapshots | None = None
+        self.uploader: SnapshotUploader | None = None
+        if store_uri:
+            self.stored = StoredSnapshots(open_store(store_uri, store_timeout_s))
+            self.uploader = SnapshotUploader(self.stored, self.store)
 
     def _open_storage(self, clean_stale: bool) -> None:
         """Create the root, take this server's share of it, and remove what a killed writer
@@ -406,6 +421,12 @@ class SnapshotCoordinator:
         except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
             group.fail(SnapshotError(f"unexpected error committing {group.snapshot_id}: {exc!r}"))
             return
+        if self.uploader is not None:  # before the waiters wake: their status says uploading
+            self.uploader.submit(
+                SnapshotInfo(index.snapshot_id, index.job_id, index.step, index.world_size,
+                             commit.path, index.total_bytes, True, index),  # type: ignore[arg-type]
+                group.keep,
+            )
         with group.cond:
             group.commit = commit
             group.state = SnapshotState.DURABLE
@@ -424,14 +445,29 @@ class SnapshotCoordinator:
         with group.cond:
             return group.handles.get(rank)
 
-    def status(self, snapshot_id: str, rank: int, wait_s: float = 0.0) -> SnapshotStatus:
-        """A rank's status, waiting up to ``wait_s`` for a terminal state. Snapshots no longer
-        (or never) in memory are answered from disk when complete; else SnapshotNotFound."""
+    def status(self, snapshot_id: str, rank: int, wait_s: float = 0.0, wait_stored: bool = False) -> SnapshotStatus:
+        """A rank's status, waiting up to ``wait_s`` for a terminal state (``wait_stored``:
+        for stored, when there is a store). Snapshots no longer (or never) in memory are
+        answered from disk when complete, else from the store; else SnapshotNotFound."""
+        deadline = time.monotonic() + wait_s
         handle = self.handle(snapshot_id, rank)
         if handle is not None:
-            return handle.wait(wait_s) if wait_s > 0 else handle.status()
-        info = self.store.resolve(snapshot_id)
-        return SnapshotStatus.from_disk(info, self.store.read_manifest(info, rank))
+            status = handle.wait(wait_s) if wait_s > 0 else handle.status()
+        else:
+            try:
+                info = self.store.resolve(snapshot_id)
+            except SnapshotNotFound:
+                if self.stored is None:
+                    raise
+                info = self.stored.resolve(snapshot_id)
+                return dataclasses.replace(SnapshotStatus.from_disk(info, self.stored.read_manifest(info, rank)),
+                                           state=SnapshotState.STORED, store_state=StoreState.STORED.value,
+                                           store_path=str(info.path), path="")
+            status = SnapshotStatus.from_disk(info, self.store.read_manifest(info, rank))
+        if self.uploader is None or status.state is not SnapshotState.DURABLE:
+            return status
+        remaining = deadline - time.monotonic() if wait_stored else 0.0
+        return self.uploader.annotate(status, max(0.0, remaining))
 
     def in_progress(self) -> list[SnapshotStatus]:
         """Statuses of every rank of every snapshot still persisting (for Stats)."""
@@ -460,6 +496,8 @@ class SnapshotCoordinator:
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self.uploader is not None:
+            self.uploader.close()
         self.storage.release()
 
 

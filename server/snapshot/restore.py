@@ -35,18 +35,28 @@ import dataclasses
 import logging
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import ContextManager
 
 from swap_state.common.checksum import crc32
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
-from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
+from swap_state.common.snapshot_errors import (
+    SnapshotBusy,
+    SnapshotCorrupt,
+    SnapshotError,
+    SnapshotLayoutMismatch,
+)
+from swap_state.common.snapshot_metadata import parse_metadata
+from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.common.snapshot_format import INDEX_NAME, RankManifest
 from swap_state.common.snapshot_reader import RankFileVerifier
 
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
+from swap_state.server.snapshot.assemble import LocalSource, StoreSource, assemble, restore_targets
+from swap_state.server.snapshot.tiers import resolve_source
 from swap_state.server.snapshot.store import SnapshotInfo, SnapshotStore
 
 __all__ = ["RestoreResult", "check_layout", "restore"]
@@ -79,6 +89,12 @@ class RestoreResult:
     """Read once and staged (else verified, then read again: the budget could not hold it)."""
     pinned: bool = True
     """The staged pages were pinned (mlock); else each copied chunk was checked again."""
+    source: str = "local"
+    """Where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)."""
+    snapshot_world_size: int = 0
+    """The world size the snapshot was taken at (resharded when not the job's)."""
+    source_ranks: tuple[int, ...] = ()
+    """The snapshot's ranks whose files were read."""
 
 
 def _describe(dtype: str, shape: tuple[int, ...]) -> str:
@@ -276,15 +292,23 @@ def restore(
     header: SegmentHeader | None = None,
     reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
     staging_free_bytes: Callable[[], int] | None = None,
+    stored: StoredSnapshots | None = None,
+    placement_json: str = "",
 ) -> RestoreResult:
     """Verify ``snapshot_id`` (``<job>/step-<N>``, or ``latest`` of ``job_id``) for ``rank``
     against ``layout``, then copy it into ``buffer`` (the writable mapped segment).
 
     ``header``: the segment's SegmentHeader if the caller has one (else made here); the
     segment must not be under a snapshot (SnapshotBusy). ``world_size`` is the job's global
-    one; ``rank`` must be among the snapshot's ranks. ``reserve_staging(nbytes)``: a context
-    manager yielding whether the budget holds the staged bytes (the arena's; None: always);
-    ``staging_free_bytes()``: the free budget, for the log line when it does not.
+    one. ``reserve_staging(nbytes)``: a context manager yielding whether the budget holds the
+    staged bytes (the arena's; None: always); ``staging_free_bytes()``: the free budget, for
+    the log line when it does not. ``stored``: the store (``--snapshot-store``), where a
+    snapshot this server does not hold (another host's rank, a lost host's) is read from;
+    ``placement_json``: the rank's tensors' DTensor placement (RestoreRequest.metadata_json),
+    needed to reshard a snapshot taken at another world size.
+
+    Which way (:func:`resolve_source`): the rank's own local file at the same world size is
+    copied whole (this module); anything else is assembled (:mod:`.assemble`).
     Raises SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt, SnapshotBusy; the
     segment is untouched then.
     """
@@ -297,28 +321,56 @@ def restore(
             raise SnapshotError(f"segment buffer is smaller than its layout ({layout.size} bytes)")
         if header[Word.SNAP_EPOCH] != 0:
             raise SnapshotBusy("a snapshot of this segment is persisting; restore after it ends")
-        info = store.resolve(snapshot_id, job_id)
-        _check_world_size(info, world_size)  # before the manifest: rank may not exist there
-        manifest = store.read_manifest(info, rank)  # SnapshotNotFound: the rank is elsewhere
-        check_layout(info, manifest, layout, world_size)
-        nbytes = sum(t.nbytes for t in manifest.tensors)
-        reserve = reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
-        with reserve as granted:
-            if granted:
-                copied, pinned = _restore_staged(info, manifest, view, layout)
-                return RestoreResult(info.snapshot_id, info.step, manifest.metadata_json, copied,
-                                     staged=True, pinned=pinned)
-        log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id,
-                  rank=rank, staged_bytes_needed=nbytes,
-                  budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
-                  detail="the budget's free bytes cannot hold the staged state: verifying the "
-                  "whole file, then reading it again into the segment")
-        store.verify_data(info, manifest)
-        # Verified: only now the segment changes.
-        copied = _copy_into(info.path / manifest.data_file, manifest, view, layout)
-        return RestoreResult(info.snapshot_id, info.step, manifest.metadata_json, copied,
-                             staged=False, pinned=False)
+        info, in_store = resolve_source(store, stored, snapshot_id, job_id, rank, world_size)
+        if not in_store and (info.world_size != world_size or rank not in info.ranks) and not info.index.complete_job:
+            _check_world_size(info, world_size)  # the errors of a host's own snapshot, as before
+        if in_store or info.world_size != world_size:
+            source = StoreSource(stored, info) if in_store else LocalSource(store, info)
+            return _assembled(source, view, layout, rank, world_size, placement_json, reserve_staging)
+        return _restore_own(store, info, view, layout, rank, world_size, reserve_staging, staging_free_bytes)
     finally:
         view.release()
         if own_header:
             header.release()
+
+
+def _restore_own(store: SnapshotStore, info: SnapshotInfo, view: memoryview, layout: SegmentLayout, rank: int,
+                 world_size: int, reserve_staging, staging_free_bytes) -> RestoreResult:
+    """The rank's own local file, copied whole (staged, or verified then read again)."""
+    manifest = store.read_manifest(info, rank)  # SnapshotNotFound: the rank is elsewhere
+    check_layout(info, manifest, layout, world_size)
+    nbytes = sum(t.nbytes for t in manifest.tensors)
+    reserve = reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
+    with reserve as granted:
+        if granted:
+            copied, pinned = _restore_staged(info, manifest, view, layout)
+            return RestoreResult(info.snapshot_id, info.step, manifest.metadata_json, copied,
+                                 staged=True, pinned=pinned, snapshot_world_size=info.world_size,
+                                 source_ranks=(rank,))
+    log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id,
+              rank=rank, staged_bytes_needed=nbytes,
+              budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
+              detail="the budget's free bytes cannot hold the staged state: verifying the "
+              "whole file, then reading it again into the segment")
+    store.verify_data(info, manifest)
+    # Verified: only now the segment changes.
+    copied = _copy_into(info.path / manifest.data_file, manifest, view, layout)
+    return RestoreResult(info.snapshot_id, info.step, manifest.metadata_json, copied,
+                         staged=False, pinned=False, snapshot_world_size=info.world_size, source_ranks=(rank,))
+
+
+def _assembled(source, view: memoryview, layout: SegmentLayout, rank: int, world_size: int,
+               placement_json: str, reserve_staging) -> RestoreResult:
+    """Assembled from the store, or resharded (:mod:`.assemble`), logged as such."""
+    info = source.info
+    placement = parse_metadata(placement_json, layout.tensors, sys.maxsize) if placement_json else None
+    own = source.read_manifest(rank) if info.world_size == world_size else None
+    targets = restore_targets(layout, placement, own, world_size, info)
+    done = assemble(source, targets, view, layout, rank=rank, world_size=world_size, placement=placement,
+                    reserve_staging=reserve_staging)
+    log_event(log, "restore_assembled", snapshot_id=info.snapshot_id, rank=rank, world_size=world_size,
+              snapshot_world_size=info.world_size, source=source.where, source_ranks=done.source_ranks,
+              bytes=done.bytes_restored, location=str(info.path))
+    return RestoreResult(info.snapshot_id, info.step, done.metadata_json, done.bytes_restored,
+                         staged=done.staged, pinned=False, source=source.where,
+                         snapshot_world_size=info.world_size, source_ranks=tuple(done.source_ranks))

@@ -20,6 +20,8 @@ class SnapshotState(str, enum.Enum):
 
     PERSISTING = "persisting"
     DURABLE = "durable"
+    STORED = "stored"
+    """Durable, and every file of the rank is in the ``--snapshot-store`` too."""
     FAILED = "failed"
 
 
@@ -71,6 +73,14 @@ class SnapshotStatus:
     """Bytes of those chunks."""
     trainer_copied_bytes: int = 0
     """Bytes of the chunks the trainer copied itself (``cow_copies`` of them; 0 from disk)."""
+    store_state: str = ""
+    """The upload to the store: "" (no store), uploading, stored or failed."""
+    store_error: str = ""
+    """Why the upload failed, naming the store (the local snapshot stays durable)."""
+    store_path: str = ""
+    """Where the snapshot is (or goes) in the store."""
+    bytes_stored: int = 0
+    """Bytes of this rank's files put in the store so far."""
 
     @classmethod
     def from_disk(cls, info: SnapshotInfo, manifest: RankManifest) -> "SnapshotStatus":

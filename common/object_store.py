@@ -1,0 +1,315 @@
+"""The snapshot store's transport: whole objects put, byte ranges read, keys listed.
+
+``--snapshot-store URI`` names a place every host reaches. Two kinds, behind one small
+interface (:class:`ObjectStore`), so that what goes where (:mod:`.stored_snapshots`) is written
+once:
+
+* ``s3://bucket/prefix``: any S3-compatible object store (AWS, MinIO, Ceph, Huawei OBS),
+  through `obstore <https://developmentseed.org/obstore>`_ (the Rust ``object_store`` crate
+  that Apache Arrow, Delta Lake and Polars use): endpoint, region and credentials from the
+  standard AWS variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_REGION``, ...).
+  Chosen over fsspec/s3fs because it is one self-contained wheel (s3fs pins aiobotocore,
+  which pins botocore: a fight with any boto3 the user has) and uploads large objects as
+  concurrent multipart parts by itself; see the README's store table for what it measured.
+* a path, or ``file://`` path, on a filesystem every host mounts (NFS, Lustre, GPFS): written
+  here by hand because no library gives what a shared filesystem needs for a reader on
+  another host: an object appears only whole (written to a temporary name, fsynced, renamed)
+  and its directory entry is durable (the directory fsynced).
+
+Objects are immutable once put; a put of an existing key replaces it whole. Errors: a missing
+object raises ``FileNotFoundError``; every other failure an ``OSError`` whose message names the
+store (:attr:`ObjectStore.uri`) and the key. Nothing here trusts what it reads: the callers
+verify sizes and checksums (:mod:`.stored_snapshots`).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import datetime
+import os
+import pathlib
+import secrets
+from collections.abc import Iterable, Iterator
+from urllib.parse import urlparse
+
+from .errors import ConfigError
+
+__all__ = ["ObjectInfo", "ObjectStore", "PosixObjectStore", "S3ObjectStore", "open_store", "STORE_FLAG"]
+
+STORE_FLAG = "--snapshot-store"
+_TMP_MARK = ".tmp-"
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object."""
+
+    key: str
+    """Its key relative to the store's root (``/``-separated)."""
+    size: int
+    """Its size in bytes."""
+
+
+class ObjectStore(abc.ABC):
+    """Whole objects under a root. Thread-safe. Keys are ``/``-separated, relative."""
+
+    uri: str
+    """The store as the user named it (messages name it)."""
+
+    @abc.abstractmethod
+    def put(self, key: str, chunks: bytes | Iterable[bytes | memoryview]) -> None:
+        """Store ``chunks`` (one bytes object, or pieces concatenated) under ``key``, visible
+        only once whole. An exception raised by the iterable aborts the put (nothing is
+        stored) and is raised as it is."""
+
+    @abc.abstractmethod
+    def get_range(self, key: str, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` of ``key`` from ``offset`` (fewer only at the object's end)."""
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int | None:
+        """The object's size; None when there is none."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (a folder ends with ``/``)."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; no error when it is already gone."""
+
+    def get(self, key: str) -> bytes:
+        """The whole object (small ones: markers, manifests)."""
+        size = self.size(key)
+        if size is None:
+            raise FileNotFoundError(f"{self.describe(key)} does not exist")
+        return self.get_range(key, 0, size)
+
+    def describe(self, key: str) -> str:
+        """The object's full name for messages: the store's URI joined with the key."""
+        return self.uri.rstrip("/") + "/" + key
+
+
+class PosixObjectStore(ObjectStore):
+    """A directory on a filesystem every host mounts. A put writes ``<key>.tmp-<random>``,
+    fsyncs it, renames it to ``<key>`` and fsyncs the directory: a reader on any host sees
+    the whole object or none. Leftover temporaries of a killed writer are never listed."""
+
+    def __init__(self, root: str | os.PathLike[str], uri: str | None = None):
+        self.root = pathlib.Path(os.path.abspath(root))
+        self.uri = uri or str(self.root)
+
+    def _path(self, key: str) -> pathlib.Path:
+        parts = key.split("/")
+        if not key or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"store key {key!r} is not a plain relative key")
+        return self.root.joinpath(*parts)
+
+    def put(self, key: str, chunks: bytes | Iterable[bytes | memoryview]) -> None:
+        if isinstance(chunks, bytes):
+            chunks = (chunks,)
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + _TMP_MARK + secrets.token_hex(4))
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                for chunk in chunks:
+                    view = memoryview(chunk)
+                    while view.nbytes:
+                        view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
+
+    def get_range(self, key: str, offset: int, nbytes: int) -> bytes:
+        fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            parts: list[bytes] = []
+            while nbytes > 0:
+                data = os.pread(fd, nbytes, offset)
+                if not data:
+                    break
+                parts.append(data)
+                offset += len(data)
+                nbytes -= len(data)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
+
+    def size(self, key: str) -> int | None:
+        try:
+            return os.stat(self._path(key)).st_size
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        folder, _, start = prefix.rpartition("/")
+        base = self._path(folder) if folder else self.root
+        found: list[ObjectInfo] = []
+        for directory, _dirs, files in os.walk(base):
+            rel = os.path.relpath(directory, self.root)
+            for name in files:
+                key = name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")
+                if _TMP_MARK in name or not key.startswith(prefix):
+                    continue
+                try:
+                    size = os.stat(os.path.join(directory, name)).st_size
+                except FileNotFoundError:
+                    continue  # removed while listing
+                found.append(ObjectInfo(key, size))
+        return sorted(found, key=lambda info: info.key)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        # Empty folders left behind are harmless but untidy: remove them up to the root.
+        parent = path.parent
+        while parent != self.root:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+
+
+class S3ObjectStore(ObjectStore):
+    """``s3://bucket/prefix`` through obstore, configured from the standard AWS environment.
+    A plain-http ``AWS_ENDPOINT_URL`` (a MinIO or test endpoint) is allowed as given. Every
+    request is bounded: ``timeout_s`` per request, a few retries within it."""
+
+    def __init__(self, uri: str, timeout_s: float = 60.0):
+        import obstore  # the one place it is imported: a server without a store never needs it
+        from obstore.store import S3Store
+
+        self.uri = uri
+        self._obs = obstore
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+        client_options = {
+            "allow_http": endpoint.startswith("http://"),
+            "connect_timeout": f"{max(1, int(min(timeout_s, 10)))}s",
+            "timeout": f"{max(1, int(timeout_s))}s",
+        }
+        retry = {
+            "max_retries": 3,
+            "retry_timeout": datetime.timedelta(seconds=timeout_s),
+            "backoff": {"init_backoff": datetime.timedelta(milliseconds=100),
+                        "max_backoff": datetime.timedelta(seconds=5), "base": 2},
+        }
+        try:
+            self._store = S3Store.from_url(uri, client_options=client_options, retry_config=retry)
+        except Exception as exc:  # obstore raises its own config errors
+            raise ConfigError(f"{STORE_FLAG} {uri}: {exc}") from exc
+
+    def put(self, key: str, chunks: Iterable[bytes | memoryview]) -> None:
+        if isinstance(chunks, bytes):
+            with self._errors(key):
+                self._obs.put(self._store, key, chunks)  # small: one request
+            return
+        raised: list[BaseException] = []
+
+        def feed() -> Iterator[bytes]:
+            try:
+                for chunk in chunks:
+                    yield chunk if isinstance(chunk, bytes) else bytes(chunk)
+            except BaseException as exc:
+                raised.append(exc)
+                raise
+
+        try:
+            with self._errors(key):
+                # An iterable goes up as a multipart upload with parts in flight; an exception
+                # from it aborts the upload (nothing becomes visible).
+                self._obs.put(self._store, key, feed(), chunk_size=8 << 20, max_concurrency=8)
+        except OSError:
+            if raised:  # the caller's own error (a checksum that failed), not the store's
+                raise raised[0] from None
+            raise
+
+    def get_range(self, key: str, offset: int, nbytes: int) -> bytes:
+        if nbytes <= 0:
+            return b""
+        with self._errors(key):
+            size = self._obs.head(self._store, key)["size"]
+            end = min(size, offset + nbytes)
+            if end <= offset:
+                return b""
+            return bytes(self._obs.get_range(self._store, key, start=offset, end=end))
+
+    def size(self, key: str) -> int | None:
+        try:
+            with self._errors(key):
+                return int(self._obs.head(self._store, key)["size"])
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        with self._errors(prefix):
+            found = [ObjectInfo(m["path"], int(m["size"]))
+                     for batch in self._obs.list(self._store, prefix=prefix or None) for m in batch]
+        return sorted((i for i in found if i.key.startswith(prefix)), key=lambda i: i.key)
+
+    def delete(self, key: str) -> None:
+        try:
+            with self._errors(key):
+                self._obs.delete(self._store, key)
+        except FileNotFoundError:
+            pass
+
+    def _errors(self, key: str) -> _StoreErrors:
+        return _StoreErrors(self, key)
+
+
+class _StoreErrors:
+    """Re-raises obstore's exceptions as ``OSError`` (``FileNotFoundError`` for a missing
+    object) naming the store and the key, with obstore's text (the HTTP status, the
+    endpoint) after it."""
+
+    def __init__(self, store: ObjectStore, key: str):
+        self._store, self._key = store, key
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, trace) -> bool:
+        if error is None or not isinstance(error, Exception):
+            return False
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        where = self._store.describe(self._key)
+        if isinstance(error, FileNotFoundError):
+            raise FileNotFoundError(f"{where} does not exist") from error
+        raise OSError(f"{where}: {first_line}") from error
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_store(uri: str, timeout_s: float = 60.0) -> ObjectStore:
+    """The store ``uri`` names: ``s3://bucket[/prefix]``, ``file:///path`` or a path.
+    ConfigError naming ``--snapshot-store`` for anything else."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ConfigError(f"{STORE_FLAG} {uri!r} names no bucket: use s3://BUCKET/PREFIX")
+        return S3ObjectStore(uri, timeout_s)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ConfigError(f"{STORE_FLAG} {uri!r}: a file:// URI has no host (file:///path)")
+        return PosixObjectStore(parsed.path, uri)
+    if parsed.scheme == "" and uri:
+        return PosixObjectStore(uri)
+    raise ConfigError(
+        f"{STORE_FLAG} {uri!r}: expected s3://BUCKET/PREFIX, file:///PATH or a path on a "
+        "filesystem every host mounts"
+    )

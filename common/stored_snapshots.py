@@ -1,0 +1,238 @@
+"""Snapshots in the store (``--snapshot-store``): the layout every host writes, every host reads.
+
+Layout under the store's root (an :class:`~.object_store.ObjectStore`)::
+
+    <job>/step-<N:012d>/rank-00000.safetensors    the rank's data file, byte for byte the local one
+    <job>/step-<N:012d>/rank-00000.manifest.json  its manifest
+    <job>/step-<N:012d>/rank-00000.stored.json    its marker, put last: a SnapshotIndex of
+                                                  ranks [0] listing those two files (size, crc32)
+
+Each host's server puts its own ranks' objects (data, manifest, then the marker); no object is
+ever renamed and none is changed once put. A step is *complete* in the store when the markers
+of every rank ``0..world_size-1`` are there and agree on the world size: a reader never sees a
+partial step, whatever order the hosts finish in. Removal (retention) deletes the markers
+first, so a step being removed stops being complete before any data goes.
+
+Nothing read is trusted: a marker must parse and name its own job, step and rank; a manifest
+must match its marker's size and crc32; each tensor read must match its manifest's crc32 and
+the data file's header must be the one its manifest implies (SnapshotCorrupt names the object
+and the tensor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+from .checksum import crc32
+from .names import parse_snapshot_id, parse_step_dir_name, snapshot_id_for, step_dir_name, validate_job_id
+from .object_store import ObjectInfo, ObjectStore
+from .snapshot_errors import SnapshotCorrupt, SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable
+from .snapshot_format import RankManifest, SnapshotIndex, TensorRecord, rank_data_name, rank_manifest_name
+from .snapshot_reader import SnapshotInfo, check_manifest_sizes, parse_rank_manifest
+
+__all__ = ["StorePath", "StoredSnapshots", "marker_name", "parse_marker_name"]
+
+_MARKER_SUFFIX = ".stored.json"
+
+
+def marker_name(rank: int) -> str:
+    return f"rank-{rank:05d}{_MARKER_SUFFIX}"
+
+
+def parse_marker_name(name: str) -> int | None:
+    """The rank of ``rank-XXXXX.stored.json``; None for any other name."""
+    if not (name.startswith("rank-") and name.endswith(_MARKER_SUFFIX)):
+        return None
+    digits = name[len("rank-") : -len(_MARKER_SUFFIX)]
+    return int(digits) if digits.isdigit() and len(digits) == 5 else None
+
+
+class StorePath(str):
+    """A snapshot's place in the store, printed as a URI and joined like a path (``/``), so
+    that messages built for local snapshots (``info.path / name``) name the object."""
+
+    def __truediv__(self, name: str) -> StorePath:
+        return StorePath(self.rstrip("/") + "/" + name)
+
+
+class StoredSnapshots:
+    """The snapshots in one store, read (and listed) by any host. Thread-safe."""
+
+    def __init__(self, store: ObjectStore):
+        self.store = store
+        self.uri = store.uri
+        self._markers: dict[tuple[str, int], SnapshotIndex | None] = {}  # (key, size) -> parsed
+        self._lock = threading.Lock()
+
+    def _reading(self, key: str) -> _Reading:
+        return _Reading(self, key)
+
+    # ---------------------------------------------------------------- names
+
+    @staticmethod
+    def step_prefix(job_id: str, step: int) -> str:
+        return f"{validate_job_id(job_id, SnapshotInvalid)}/{step_dir_name(step)}/"
+
+    def key(self, job_id: str, step: int, name: str) -> str:
+        return self.step_prefix(job_id, step) + name
+
+    def location(self, job_id: str, step: int) -> StorePath:
+        return StorePath(self.store.describe(self.step_prefix(job_id, step)).rstrip("/"))
+
+    # ---------------------------------------------------------------- listing
+
+    def objects(self, job_id: str | None = None) -> dict[tuple[str, int], list[ObjectInfo]]:
+        """Every object of a job (or of all jobs) by (job, step), complete or not."""
+        prefix = "" if job_id is None else validate_job_id(job_id, SnapshotInvalid) + "/"
+        steps: dict[tuple[str, int], list[ObjectInfo]] = {}
+        with self._reading(prefix):
+            listed = self.store.list(prefix)
+        for info in listed:
+            parts = info.key.split("/")
+            if len(parts) != 3:
+                continue
+            step = parse_step_dir_name(parts[1])
+            if step is not None:
+                steps.setdefault((parts[0], step), []).append(info)
+        return steps
+
+    def markers(self, job_id: str, step: int, objects: list[ObjectInfo]) -> dict[int, SnapshotIndex]:
+        """The valid markers among a step's objects, by rank (an invalid one counts as absent)."""
+        found: dict[int, SnapshotIndex] = {}
+        for info in objects:
+            rank = parse_marker_name(info.key.rsplit("/", 1)[-1])
+            if rank is None:
+                continue
+            index = self._marker(info, job_id, step, rank)
+            if index is not None:
+                found[rank] = index
+        return found
+
+    def _marker(self, info: ObjectInfo, job_id: str, step: int, rank: int) -> SnapshotIndex | None:
+        cache_key = (info.key, info.size)
+        with self._lock:
+            if cache_key in self._markers:
+                return self._markers[cache_key]
+        try:
+            index = SnapshotIndex.from_json(json.loads(self.store.get(info.key)))
+        except FileNotFoundError:
+            return None  # removed while listing: not cached
+        except ValueError:
+            index = None
+        if index is not None and not _is_marker_of(index, job_id, step, rank):
+            index = None
+        with self._lock:
+            self._markers[cache_key] = index
+        return index
+
+    def list(self, job_id: str | None = None) -> list[SnapshotInfo]:
+        """The complete steps of one job (or all), by job then step; ``latest`` is each job's
+        highest complete step (the store keeps no pointer: objects never change)."""
+        infos: list[SnapshotInfo] = []
+        for (job, step), objects in sorted(self.objects(job_id).items()):
+            info = self.complete_info(job, step, objects)
+            if info is not None:
+                infos.append(info)
+        for position, info in enumerate(infos):
+            last = position + 1 == len(infos) or infos[position + 1].job_id != info.job_id
+            if last:
+                infos[position] = _with_latest(info)
+        return infos
+
+    def complete_info(self, job_id: str, step: int, objects: list[ObjectInfo]) -> SnapshotInfo | None:
+        """The step as one snapshot when its ``objects`` hold a marker of every rank; else None."""
+        markers = self.markers(job_id, step, objects)
+        if not markers:
+            return None
+        world_sizes = {index.world_size for index in markers.values()}
+        if len(world_sizes) != 1:
+            return None  # markers of two attempts at different world sizes: not one snapshot
+        world_size = world_sizes.pop()
+        if sorted(markers) != list(range(world_size)):
+            return None
+        files = tuple(record for rank in sorted(markers) for record in markers[rank].files)
+        index = SnapshotIndex(job_id, step, world_size, tuple(range(world_size)), files,
+                              max(m.created_unix for m in markers.values()))
+        return SnapshotInfo(snapshot_id_for(job_id, step), job_id, step, world_size,
+                            self.location(job_id, step), index.total_bytes, False, index)  # type: ignore[arg-type]
+
+    def resolve(self, snapshot_id: str, job_id: str | None = None) -> SnapshotInfo:
+        """A complete snapshot in the store; SnapshotNotFound naming the store otherwise."""
+        ref = parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid)
+        snapshots = self.list(ref.job_id)
+        for info in snapshots:
+            if (ref.latest and info.latest) or info.step == ref.step:
+                return info
+        what = "no complete snapshot" if ref.latest else f"no complete snapshot {snapshot_id_for(ref.job_id, ref.step)}"
+        steps = ", ".join(str(i.step) for i in snapshots) or "none"
+        raise SnapshotNotFound(f"{what} of job {ref.job_id!r} in the store {self.uri} (complete steps: [{steps}])")
+
+    # ---------------------------------------------------------------- reading, verified
+
+    def read_manifest(self, info: SnapshotInfo, rank: int) -> RankManifest:
+        name = rank_manifest_name(rank)
+        record = info.index.file(name)
+        if record is None:
+            raise SnapshotCorrupt(f"the markers of {info.path} do not list {name}")
+        key = self.key(info.job_id, info.step, name)
+        with self._reading(key):
+            size = self.store.size(key)
+            if size != record.bytes:  # before reading: a bad object may be huge
+                raise SnapshotCorrupt(f"{info.path / name} is {size} bytes, its marker says {record.bytes}")
+            raw = self.store.get(key)
+        return parse_rank_manifest(info, rank, raw, record, info.path / name)
+
+    def check_data_header(self, info: SnapshotInfo, manifest: RankManifest) -> None:
+        """The data object's size and safetensors header, against the manifest."""
+        header, expected = check_manifest_sizes(info, manifest)
+        key = self.key(info.job_id, info.step, manifest.data_file)
+        with self._reading(key):
+            size = self.store.size(key)
+            first = self.store.get_range(key, 0, len(header)) if size == expected else b""
+        if size != expected:
+            raise SnapshotCorrupt(f"{info.path / manifest.data_file} is {size} bytes; its manifest implies {expected}")
+        if first != header:
+            raise SnapshotCorrupt(f"{info.path / manifest.data_file}: safetensors header does not match its manifest")
+
+    def read_tensor(self, info: SnapshotInfo, manifest: RankManifest, tensor: TensorRecord) -> bytes:
+        """One tensor's bytes, checked against its crc32 (SnapshotCorrupt names object and tensor)."""
+        key = self.key(info.job_id, info.step, manifest.data_file)
+        with self._reading(key):
+            data = self.store.get_range(key, manifest.data_start + tensor.data_offsets[0], tensor.nbytes)
+        if len(data) != tensor.nbytes or crc32(data) != tensor.crc32:
+            raise SnapshotCorrupt(
+                f"{info.path / manifest.data_file}: tensor {tensor.name!r} fails its checksum in the store"
+            )
+        return data
+
+
+class _Reading:
+    """A store request: a missing object is SnapshotCorrupt (a listed snapshot lost a file),
+    any other failure SnapshotStoreUnavailable; both name the object."""
+
+    def __init__(self, stored: StoredSnapshots, key: str):
+        self._where = stored.store.describe(key)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, trace) -> bool:
+        if isinstance(error, FileNotFoundError):
+            raise SnapshotCorrupt(f"{self._where} is missing from the store") from error
+        if isinstance(error, OSError):
+            raise SnapshotStoreUnavailable(f"reading {self._where} failed: {error}") from error
+        return False
+
+
+def _is_marker_of(index: SnapshotIndex, job_id: str, step: int, rank: int) -> bool:
+    names = {record.name for record in index.files}
+    return (
+        (index.job_id, index.step, index.ranks) == (job_id, step, (rank,))
+        and names == {rank_data_name(rank), rank_manifest_name(rank)}
+    )
+
+
+def _with_latest(info: SnapshotInfo) -> SnapshotInfo:
+    return dataclasses.replace(info, latest=True)

@@ -1,0 +1,93 @@
+"""Which tier a snapshot is read from: this server's ``--snapshot-dir`` or the ``--snapshot-store``.
+
+The same rule answers Restore (:func:`resolve_source`) and ListSnapshots' ``latest``
+(:func:`list_both_tiers`): a snapshot in the local directory is read locally when it holds
+the restoring rank at the job's world size, or every rank of its job; otherwise from the store.
+With a store, ``latest`` is the newest step complete for the whole job in either tier: one
+host's own snapshot of a multi-host job is not (its other ranks may never reach the store), so
+every rank of a job resolves ``latest`` to the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from swap_state.common.names import parse_snapshot_id
+from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable
+from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.common.stored_snapshots import StoredSnapshots
+from swap_state.server.logs import log_event
+from swap_state.server.snapshot.store import SnapshotStore
+
+__all__ = ["list_both_tiers", "resolve_source"]
+
+log = logging.getLogger("swap_state.server.restore")
+
+
+def resolve_source(store: SnapshotStore, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,
+                   rank: int, world_size: int) -> tuple[SnapshotInfo, bool]:
+    """(snapshot, whether it is read from the store). Local first when it holds this rank at
+    this world size, or every rank; else the store. ``latest``: with a store, the newest step
+    complete for the whole job in either tier (a host's own snapshot of a multi-host job is
+    not: its other ranks may never have reached the store); without one, the local latest."""
+    try:
+        local = store.resolve(snapshot_id, job_id)
+    except SnapshotNotFound:
+        if stored is None:
+            raise
+        local = None
+    if stored is None:
+        return local, False  # type: ignore[return-value]
+    try:
+        remote = stored.resolve(snapshot_id, job_id)
+    except SnapshotNotFound as exc:
+        if local is None:
+            raise SnapshotNotFound(f"{exc}; nor in this server's --snapshot-dir {store.root}") from None
+        return local, False
+    except SnapshotStoreUnavailable as exc:
+        if local is not None and (local.index.complete_job or rank in local.ranks):
+            log_event(log, "store_unreachable", logging.WARNING, store=stored.uri, error=str(exc),
+                      detail=f"restoring {local.snapshot_id} from the local --snapshot-dir")
+            return local, False
+        raise SnapshotStoreUnavailable(
+            f"{exc} (looking for {snapshot_id}); this server's --snapshot-dir {store.root} has no "
+            f"copy for rank {rank}"
+        ) from None
+    if local is None:
+        return remote, True
+    whole = local.index.complete_job
+    usable = whole or (local.world_size == world_size and rank in local.ranks)
+    if parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid).latest:
+        if whole and local.step >= remote.step:
+            return local, False
+        if usable and local.step == remote.step:
+            return local, False
+        return remote, True
+    return (local, False) if usable else (remote, True)
+
+
+def list_both_tiers(coordinator, job_id: str | None) -> list[tuple[SnapshotInfo | None, SnapshotInfo | None]]:
+    """Every snapshot in either tier as (local, stored), by job then step; ``latest`` marks
+    the step Restore's ``latest`` resolves to (for a rank of the job at its world size)."""
+    local = {(i.job_id, i.step): i for i in coordinator.store.list(job_id)}
+    stored = {}
+    if coordinator.stored is not None:
+        try:
+            stored = {(i.job_id, i.step): i for i in coordinator.stored.list(job_id)}
+        except SnapshotStoreUnavailable as exc:  # the local tier is still worth listing
+            log_event(log, "store_unreachable", logging.WARNING, store=coordinator.stored.uri, error=str(exc),
+                      detail="listing the local snapshots only")
+    if not stored:
+        return [(info, None) for _, info in sorted(local.items())]
+    newest: dict[str, int] = {}
+    for (job, step), info in [*local.items(), *stored.items()]:
+        if info.index.complete_job:
+            newest[job] = max(newest.get(job, step), step)
+    pairs = []
+    for key in sorted(set(local) | set(stored)):
+        latest = newest.get(key[0]) == key[1]
+        pair = tuple(None if i is None else dataclasses.replace(i, latest=latest)
+                     for i in (local.get(key), stored.get(key)))
+        pairs.append(pair)
+    return pairs  # type: ignore[return-value]

@@ -1,0 +1,283 @@
+"""The second tier: each durable local snapshot's ranks uploaded to the store in the background.
+
+Call order (the coordinator and the runtime)::
+
+    uploader = SnapshotUploader(StoredSnapshots(open_store(uri)), local_store)  # server start:
+                                         # its worker first resumes what a stopped or killed
+                                         # server had not finished (resume_pending)
+    uploader.submit(info, keep)          # after each local commit (the snapshot is durable)
+    uploader.status(job, step, rank)     # None: never submitted here; else its UploadStatus
+    uploader.wait(job, step, rank, t)    # until stored or failed (bounded)
+    uploader.close()                     # at shutdown: the running upload is abandoned
+
+One worker thread uploads, one snapshot at a time, reading the local files (never the
+segment: the trainer's step is not touched). Per rank: the data file streamed with its crc32
+computed on the way and checked against ``snapshot.json`` before the upload may complete (a
+mismatch aborts it: nothing corrupt reaches the store), the manifest, then the rank's marker.
+A rank whose marker is already there, equal, is skipped (a restarted server resumes). After a
+snapshot's ranks are stored, retention runs on the store: the job's ``keep`` newest complete
+steps stay, never the newest complete one goes, and steps newer than the oldest kept one are
+never touched (another host may still be uploading them). A store that fails (unreachable,
+full, refusing) fails the upload with an error naming the URI; the local snapshot and
+training go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+from swap_state.common.checksum import crc32
+from swap_state.common.object_store import STORE_FLAG
+from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
+from swap_state.common.snapshot_format import FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name
+from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.common.stored_snapshots import StoredSnapshots, marker_name, parse_marker_name
+from swap_state.server.logs import log_event
+from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
+from swap_state.server.snapshot.store import SnapshotStore
+
+__all__ = ["StoreState", "UploadStatus", "SnapshotUploader", "UPLOAD_BLOCK_BYTES"]
+
+log = logging.getLogger("swap_state.server.snapshot_upload")
+
+UPLOAD_BLOCK_BYTES = 8 << 20
+"""The local file is read, checksummed and handed to the store in blocks of this size."""
+
+
+class StoreState(str, enum.Enum):
+    """``SnapshotStatusReply.store_state``."""
+
+    UPLOADING = "uploading"
+    STORED = "stored"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass
+class UploadStatus:
+    """One rank's upload."""
+
+    state: StoreState
+    """uploading until its marker is in the store, then stored; or failed."""
+    bytes_total: int
+    """Bytes of the rank's files."""
+    bytes_stored: int = 0
+    """Bytes put so far."""
+    error: str = ""
+    """Why it failed, naming the store's URI (empty unless failed)."""
+
+
+class SnapshotUploader:
+    """Uploads durable local snapshots to the store, one worker thread (call order above)."""
+
+    def __init__(self, stored: StoredSnapshots, local: SnapshotStore):
+        self.stored = stored
+        self.uri = stored.uri
+        self._local = local
+        self._queue: queue.Queue[tuple[SnapshotInfo, int | None] | None] = queue.Queue()
+        self._statuses: dict[tuple[str, int], dict[int, UploadStatus]] = {}
+        self._cond = threading.Condition()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="snapshot-upload", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- the coordinator's side
+
+    def submit(self, info: SnapshotInfo, keep: int | None) -> None:
+        """Upload a durable local snapshot's ranks, then apply ``keep`` (None: keep all)."""
+        with self._cond:
+            self._statuses[(info.job_id, info.step)] = {
+                rank: UploadStatus(StoreState.UPLOADING, _rank_bytes(info, rank)) for rank in info.ranks
+            }
+            self._cond.notify_all()
+        self._queue.put((info, keep))
+
+    def status(self, job_id: str, step: int, rank: int) -> UploadStatus | None:
+        with self._cond:
+            found = self._statuses.get((job_id, step), {}).get(rank)
+            return dataclasses.replace(found) if found is not None else None
+
+    def wait(self, job_id: str, step: int, rank: int, timeout_s: float) -> UploadStatus | None:
+        """Until the rank's upload is stored or failed, at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                found = self._statuses.get((job_id, step), {}).get(rank)
+                remaining = deadline - time.monotonic()
+                if found is None or found.state is not StoreState.UPLOADING or remaining <= 0:
+                    return dataclasses.replace(found) if found is not None else None
+                self._cond.wait(remaining)
+
+    def annotate(self, status: SnapshotStatus, wait_s: float = 0.0) -> SnapshotStatus:
+        """A durable rank's status with the store's fields (waiting up to ``wait_s`` for its
+        upload to end): stored once its marker is in the store. One never uploaded by this
+        server (taken before it started) is stored when its marker is there."""
+        upload = self.wait(status.job_id, status.step, status.rank, wait_s)
+        if upload is None:
+            try:
+                objects = self.stored.objects(status.job_id).get((status.job_id, status.step), [])
+                present = status.rank in self.stored.markers(status.job_id, status.step, objects)
+                error = "" if present else f"not in the store {self.uri} (taken before this server started)"
+            except SnapshotError as exc:
+                present, error = False, str(exc)
+            upload = UploadStatus(StoreState.STORED if present else StoreState.FAILED, 0, error=error)
+        state = SnapshotState.STORED if upload.state is StoreState.STORED else status.state
+        return dataclasses.replace(status, state=state, store_state=upload.state.value, store_error=upload.error,
+                                   store_path=str(self.stored.location(status.job_id, status.step)),
+                                   bytes_stored=upload.bytes_stored)
+
+    def resume_pending(self) -> list[str]:
+        """At start: each job's newest local snapshot whose ranks are not all in the store
+        (a server stopped or killed mid-upload) is uploaded again; returns their ids."""
+        pending = []
+        newest: dict[str, SnapshotInfo] = {}
+        for info in self._local.list():
+            newest[info.job_id] = info
+        for info in newest.values():
+            objects = self.stored.objects(info.job_id).get((info.job_id, info.step), [])
+            if set(info.ranks) - set(self.stored.markers(info.job_id, info.step, objects)):
+                self.submit(info, None)
+                pending.append(info.snapshot_id)
+        return pending
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._closed.set()
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    # ---------------------------------------------------------------- the worker
+
+    def _work(self) -> None:
+        try:
+            resumed = self.resume_pending()
+        except (OSError, SnapshotError) as exc:
+            log_event(log, "store_unreachable", logging.ERROR, store=self.uri, error=str(exc),
+                      detail="could not check for uploads a previous server left unfinished")
+        else:
+            if resumed:
+                log_event(log, "store_upload_resumed", snapshot_ids=resumed, store=self.uri)
+        while not self._closed.is_set():
+            item = self._queue.get()
+            if item is None:
+                return
+            info, keep = item
+            self._upload(info, keep)
+
+    def _upload(self, info: SnapshotInfo, keep: int | None) -> None:
+        begin = time.monotonic()
+        for rank in info.ranks:
+            try:
+                self._upload_rank(info, rank)
+            except (OSError, SnapshotError) as exc:
+                self._fail(info, rank, exc)
+                return
+            self._set(info, rank, state=StoreState.STORED)
+        seconds = time.monotonic() - begin
+        log_event(log, "snapshot_stored", snapshot_id=info.snapshot_id, ranks=list(info.ranks),
+                  store=self.uri, bytes=info.bytes, seconds=round(seconds, 3),
+                  bytes_per_s=int(info.bytes / seconds) if seconds > 0 else None)
+        try:
+            self._retain(info.job_id, keep)
+        except (OSError, SnapshotError) as exc:
+            log_event(log, "store_retention_failed", logging.WARNING, job_id=info.job_id,
+                      store=self.uri, error=str(exc))
+
+    def _upload_rank(self, info: SnapshotInfo, rank: int) -> None:
+        data = _record(info, rank_data_name(rank))
+        manifest = _record(info, rank_manifest_name(rank))
+        marker = SnapshotIndex(info.job_id, info.step, info.world_size, (rank,), (data, manifest), time.time())
+        if self._already_stored(info, rank, (data, manifest)):
+            self._set(info, rank, bytes_stored=data.bytes + manifest.bytes)
+            return
+        key = lambda name: self.stored.key(info.job_id, info.step, name)  # noqa: E731
+        self.stored.store.put(key(data.name), self._verified_blocks(info, rank, data))
+        raw = (info.path / manifest.name).read_bytes()
+        if len(raw) != manifest.bytes or crc32(raw) != manifest.crc32:
+            raise SnapshotCorrupt(f"{info.path / manifest.name} no longer matches its checksum in snapshot.json")
+        self.stored.store.put(key(manifest.name), raw)
+        self.stored.store.put(key(marker_name(rank)), dumps_json(marker.to_json()))  # last
+        self._set(info, rank, bytes_stored=data.bytes + manifest.bytes)
+
+    def _already_stored(self, info: SnapshotInfo, rank: int, files: tuple[FileRecord, ...]) -> bool:
+        objects = self.stored.objects(info.job_id).get((info.job_id, info.step), [])
+        found = self.stored.markers(info.job_id, info.step, objects).get(rank)
+        return found is not None and found.world_size == info.world_size and found.files == files
+
+    def _verified_blocks(self, info: SnapshotInfo, rank: int, record: FileRecord) -> Iterator[bytes]:
+        """The local data file in blocks; raises (aborting the put) unless its size and crc32
+        are those ``snapshot.json`` records."""
+        path = info.path / record.name
+        value, size = 0, 0
+        with open(path, "rb", buffering=0) as file:
+            while block := file.read(UPLOAD_BLOCK_BYTES):
+                value = crc32(block, value)
+                size += len(block)
+                if size > record.bytes:
+                    break
+                self._set(info, rank, bytes_stored=size)
+                if size == record.bytes and value != record.crc32:
+                    break  # before the last block goes: the upload must not complete
+                yield block
+        if size != record.bytes or value != record.crc32:
+            raise SnapshotCorrupt(f"{path} no longer matches its checksum in snapshot.json: not uploaded")
+
+    # ---------------------------------------------------------------- retention
+
+    def _retain(self, job_id: str, keep: int | None) -> None:
+        if keep is None:
+            return
+        steps = self.stored.objects(job_id)
+        complete = sorted(
+            step for (job, step), objects in steps.items()
+            if self.stored.complete_info(job, step, objects) is not None
+        )
+        if not complete:
+            return
+        oldest_kept = complete[-keep:][0]
+        for (job, step), objects in sorted(steps.items()):
+            if step >= oldest_kept:
+                continue
+            markers = [o for o in objects if parse_marker_name(o.key.rsplit("/", 1)[-1]) is not None]
+            for info in markers + [o for o in objects if o not in markers]:  # markers first
+                self.stored.store.delete(info.key)
+            log_event(log, "store_retention_removed", snapshot_id=f"{job}/step-{step}", store=self.uri)
+
+    # ---------------------------------------------------------------- statuses
+
+    def _set(self, info: SnapshotInfo, rank: int, **changes) -> None:
+        with self._cond:
+            status = self._statuses.get((info.job_id, info.step), {}).get(rank)
+            if status is not None:
+                for name, value in changes.items():
+                    setattr(status, name, value)
+            self._cond.notify_all()
+
+    def _fail(self, info: SnapshotInfo, rank: int, exc: BaseException) -> None:
+        error = (
+            f"uploading rank {rank} of {info.snapshot_id} to the snapshot store {self.uri} failed: "
+            f"{exc}. The snapshot stays durable in {info.path} and training goes on; check the "
+            f"store ({STORE_FLAG}; for s3, AWS_ENDPOINT_URL and the credentials)"
+        )
+        log_event(log, "snapshot_store_failed", logging.ERROR, snapshot_id=info.snapshot_id,
+                  rank=rank, store=self.uri, error=str(exc))
+        with self._cond:
+            for status in self._statuses.get((info.job_id, info.step), {}).values():
+                if status.state is StoreState.UPLOADING:
+                    status.state, status.error = StoreState.FAILED, error
+            self._cond.notify_all()
+
+
+def _record(info: SnapshotInfo, name: str) -> FileRecord:
+    record = info.index.file(name)
+    if record is None:
+        raise SnapshotCorrupt(f"{info.path}/snapshot.json does not list {name}")
+    return record
+
+
+def _rank_bytes(info: SnapshotInfo, rank: int) -> int:
+    return sum(r.bytes for r in info.index.files if r.rank == rank)

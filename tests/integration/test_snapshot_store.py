@@ -1,0 +1,180 @@
+"""The snapshot store (``--snapshot-store``): several real server processes stand for hosts,
+each with its own shm and snapshot directories, all with one store: a directory (a shared
+filesystem) or a real S3 endpoint (moto's server, a process). A host is lost (its server
+stopped, its directories deleted) and its ranks resume on a new host from the store, bitwise
+as if uninterrupted; statuses, listings, a corrupt object and an unreachable store say what
+they should."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import tempfile
+
+import grpc
+import pytest
+
+from swap_state.client.remote.rpc import ClientConfig, SwapStateClient, SwapStateError
+from swap_state.common.object_store import open_store
+
+from snapshot_kit import params_copy, reference, swap_state_cli
+from .workload import Workload, build, mismatches, remote, train
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+WORLD = 4
+HOSTS = {"a": (0, 1), "b": (2, 3)}
+WORK = {rank: Workload(seed=rank) for rank in range(WORLD)}  # distinct data per rank
+
+
+@pytest.fixture
+def hosts_shm():
+    """A folder in /dev/shm for the hosts' shm directories, removed afterwards."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="swap-state-hosts-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _host(start_server, hosts_shm, tmp_path, name: str, store: str, **extra):
+    """A host: its own server, shm directory (in /dev/shm) and snapshot directory."""
+    shm = hosts_shm / name
+    shm.mkdir()
+    return start_server(snapshot_dir=tmp_path / f"{name}-snapshots", shm_dir=str(shm),
+                        extra_args=("--snapshot-store", store, "--snapshot-store-timeout", "5"), **extra)
+
+
+def _containers(servers: dict, job: str):
+    models, containers = {}, {}
+    for host, ranks in HOSTS.items():
+        for rank in ranks:
+            models[rank] = build(WORK[rank])
+            containers[rank] = remote(WORK[rank], models[rank], servers[host].address, job, rank=rank,
+                                      world_size=WORLD, local_world_size=len(ranks))
+    return models, containers
+
+
+def _list(address: str, job: str):
+    client = SwapStateClient(ClientConfig(address))
+    try:
+        return list(client.list_snapshots(job).snapshots)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("kind", ["path", "s3"])
+def test_a_lost_hosts_ranks_resume_from_the_store_on_a_new_host(kind, start_server, hosts_shm, tmp_path, request):
+    store = str(tmp_path / "store") if kind == "path" else request.getfixturevalue("s3_store")
+    servers = {host: _host(start_server, hosts_shm, tmp_path, host, store) for host in HOSTS}
+    models, containers = _containers(servers, "lost")
+    try:
+        for rank in range(WORLD):
+            train(models[rank], containers[rank], WORK[rank], range(1, 6))
+        params_at_5 = {rank: params_copy(models[rank]) for rank in range(WORLD)}
+        handles = {rank: containers[rank].snapshot() for rank in range(WORLD)}
+        for rank, handle in handles.items():
+            status = handle.wait_stored(timeout_s=60)
+            assert (status.state, status.store_state) == ("stored", "stored"), status
+            assert status.store_path.endswith("lost/step-000000000005"), status.store_path
+            assert status.bytes_stored == status.bytes_total or status.bytes_stored > 0
+        for rank in HOSTS["b"]:
+            containers.pop(rank).close()
+        servers["b"].stop()  # host b is lost, and its disks with it
+        shutil.rmtree(tmp_path / "b-snapshots")
+        shutil.rmtree(hosts_shm / "b")
+
+        servers["c"] = _host(start_server, hosts_shm, tmp_path, "c", store)
+        [listed] = _list(servers["c"].address, "lost")
+        assert (listed.snapshot_id, listed.local, listed.stored, listed.latest) == ("lost/step-5", False, True, True)
+        assert listed.ranks == list(range(WORLD)) and listed.store_path.startswith(store.rstrip("/"))
+        for rank in HOSTS["b"]:
+            models[rank] = build(WORK[rank])
+            containers[rank] = remote(WORK[rank], models[rank], servers["c"].address, "lost", rank=rank,
+                                      world_size=WORLD, local_world_size=2)
+        for rank in range(WORLD):
+            if rank in HOSTS["a"]:
+                train(models[rank], containers[rank], WORK[rank], range(6, 8))  # diverge, then go back
+            assert containers[rank].restore("latest") == 5
+            models[rank].load_state_dict(params_at_5[rank])
+            train(models[rank], containers[rank], WORK[rank], range(6, 11))
+            ref_model, ref_opt = reference(WORK[rank], build, 10)
+            assert mismatches(models[rank], containers[rank], ref_model, ref_opt) == [], rank
+        log = servers["c"].log_text()
+        assert "restore_assembled" in log and "source=store" in log, log[-3000:]
+    finally:
+        for container in containers.values():
+            container.close()
+
+
+def test_a_corrupt_object_fails_the_restore_with_data_loss_naming_it(start_server, hosts_shm, tmp_path):
+    store = tmp_path / "store"
+    servers = {host: _host(start_server, hosts_shm, tmp_path, host, str(store)) for host in HOSTS}
+    models, containers = _containers(servers, "rot")
+    try:
+        for rank in range(WORLD):
+            train(models[rank], containers[rank], WORK[rank], range(1, 3))
+        for handle in [containers[rank].snapshot() for rank in range(WORLD)]:
+            handle.wait_stored(timeout_s=60)
+        data = store / "rot" / "step-000000000002" / "rank-00003.safetensors"
+        raw = bytearray(data.read_bytes())
+        raw[-5] ^= 0x40  # inside the last tensor
+        data.write_bytes(bytes(raw))
+        containers.pop(3).close()
+        servers["c"] = _host(start_server, hosts_shm, tmp_path, "c", str(store))
+        model = build(WORK[3])
+        containers[3] = remote(WORK[3], model, servers["c"].address, "rot", rank=3, world_size=WORLD,
+                               local_world_size=2)
+        before = params_copy(model)
+        with pytest.raises(SwapStateError) as caught:
+            containers[3].restore("rot/step-2")
+        assert caught.value.code == grpc.StatusCode.DATA_LOSS, servers["c"].log_text()[-3000:]
+        assert "rank-00003.safetensors" in str(caught.value) and "fails its checksum" in str(caught.value)
+        assert "tensor" in str(caught.value)
+        assert all((params_copy(model)[k] == v).all() for k, v in before.items())
+    finally:
+        for container in containers.values():
+            container.close()
+
+
+def test_an_unreachable_store_fails_stored_naming_it_while_the_snapshot_stays_durable(start_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    store = "s3://nowhere-bucket/snapshots"
+    server = start_server(extra_args=("--snapshot-store", store, "--snapshot-store-timeout", "2"))
+    w = Workload()
+    model = build(w)
+    container = remote(w, model, server.address, "unreach")
+    try:
+        train(model, container, w, range(1, 3))
+        handle = container.snapshot()
+        assert handle.wait_durable(timeout_s=30).state in ("durable", "stored")
+        with pytest.raises(SwapStateError) as caught:
+            handle.wait_stored(timeout_s=60)
+        message = str(caught.value)
+        assert "durable but not stored" in message and store in message and "--snapshot-store" in message
+        train(model, container, w, range(3, 6))  # training goes on
+        assert container.restore("latest") == 2  # from the local tier
+    finally:
+        container.close()
+
+
+def test_snapshots_cli_shows_both_tiers(start_server, hosts_shm, tmp_path):
+    store = tmp_path / "store"
+    server = _host(start_server, hosts_shm, tmp_path, "solo", str(store))
+    w = Workload()
+    model = build(w)
+    container = remote(w, model, server.address, "tiers")
+    try:
+        train(model, container, w, range(1, 3))
+        container.snapshot().wait_stored(timeout_s=60)
+    finally:
+        container.close()
+    listed = swap_state_cli("snapshots", "--server", server.address, "--job-id", "tiers")
+    assert listed.returncode == 0, listed.stderr
+    assert "tiers/step-2" in listed.stdout and "local+store" in listed.stdout, listed.stdout
+    assert [o.key for o in open_store(str(store)).list("tiers/")] == [
+        "tiers/step-000000000002/rank-00000.manifest.json",
+        "tiers/step-000000000002/rank-00000.safetensors",
+        "tiers/step-000000000002/rank-00000.stored.json",
+    ]
