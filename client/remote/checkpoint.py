@@ -120,7 +120,7 @@ class CheckpointMode:
         if snapshot_id and snapshot_id != self._restored_reference:
             self._load_snapshot_reference(snapshot_id, {})
 
-    def wait_checkpoint_durable(self, timeout_s: float | None = None) -> None:
+    def wait_checkpoint_durable(self, timeout_s: float | None = None, stored: bool = False) -> None:
         """Block until the snapshot the last snapshot-mode ``state_dict()`` referred to is
         durable; raise if it failed. A checkpoint holds that reference, and a server that
         stops (the embedded one stops with its trainer) or a segment that is freed ends a
@@ -131,7 +131,10 @@ class CheckpointMode:
         if handle is None or getattr(self._c, "_closed", False):
             return
         timeout_s = self._c.remote_config.backpressure_timeout_s if timeout_s is None else timeout_s
-        handle.wait_durable(timeout_s=timeout_s)
+        if stored:  # in the server's --snapshot-store too
+            handle.wait_stored(timeout_s=timeout_s)
+        else:
+            handle.wait_durable(timeout_s=timeout_s)
 
     def _reference_template(self) -> dict[str, Any]:
         """The template of a snapshot-mode checkpoint: the keys it holds (a whole-state one

@@ -330,6 +330,11 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
     def wait_checkpoint_durable(self, timeout_s: float | None = None) -> None:
         self._checkpoint.wait_checkpoint_durable(timeout_s)
 
+    def wait_checkpoint_stored(self, timeout_s: float | None = None) -> None:
+        """Until the snapshot the last snapshot-mode checkpoint refers to is in the server's
+        ``--snapshot-store`` (every host reaches it): a lost host no longer loses it."""
+        self._checkpoint.wait_checkpoint_durable(timeout_s, stored=True)
+
     # -- lifetime ----------------------------------------------------------------------------
     def server_stats(self):
         return self.client.stats()

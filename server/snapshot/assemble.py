@@ -32,7 +32,7 @@ from typing import ContextManager, Protocol
 from swap_state.common.checksum import crc32
 from swap_state.common.segment import SegmentLayout
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
-from swap_state.common.snapshot_format import RankManifest, TensorRecord
+from swap_state.common.snapshot_format import INDEX_NAME, RankManifest, TensorRecord
 from swap_state.common.snapshot_metadata import SnapshotMetadata
 from swap_state.common.snapshot_reader import SnapshotInfo, check_manifest_sizes
 from swap_state.common.stored_snapshots import StoredSnapshots
@@ -133,7 +133,7 @@ def restore_targets(layout: SegmentLayout, placement: SnapshotMetadata | None, o
         described = {t.name: t for t in own.tensors}
     else:
         raise SnapshotLayoutMismatch(
-            f"{info.snapshot_id} was taken with world_size {info.world_size}, this job has "
+            f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with world_size {info.world_size}, this job has "
             f"{world_size}, and the trainer sent no placement of its tensors to reshard it "
             "(RestoreRequest.metadata_json): upgrade the swap-state client"
         )

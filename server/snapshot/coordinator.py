@@ -34,7 +34,6 @@ files go :mod:`.storage` (:mod:`.local_storage` on ``snapshot_dir``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import pathlib
@@ -57,9 +56,6 @@ from swap_state.common.snapshot_errors import (
     SnapshotNotFound,
     from_os_error,
 )
-from swap_state.common.object_store import open_store
-from swap_state.common.snapshot_reader import SnapshotInfo
-from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, SnapshotMetadata, parse_metadata
 from swap_state.common.names import parse_snapshot_id, shorten
@@ -73,7 +69,7 @@ from swap_state.server.snapshot.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.snapshot.store import SnapshotStore
-from swap_state.server.snapshot.upload import SnapshotUploader, StoreState
+from swap_state.server.snapshot.upload import SnapshotUploader
 from swap_state.server.snapshot.writer import Cancelled, RankWriter
 
 log = logging.getLogger("swap_state.server.snapshot_coordinator")
@@ -125,12 +121,7 @@ class SnapshotCoordinator:
         ``storage``: where snapshot files go (default: the local directory ``snapshot_dir``).
         ``store_uri``: the second tier every host reaches (``--snapshot-store``): each durable
         snapshot is uploaded there in the background (:mod:`.upload`); None: no store."""
-        if keep_latest is not None and keep_latest < 2:
-            raise ValueError("keep_latest must be >= 2 (or None to keep all snapshots)")
-        if assemble_timeout_s <= 0:
-            raise ValueError("assemble_timeout_s must be > 0")
-        if stage_threads < 0:
-            raise ValueError("stage_threads must be >= 0")
+        _check_arguments(keep_latest, assemble_timeout_s, stage_threads)
         self.stage_threads = stage_threads
         self.model_copy_timeout_s = model_copy_timeout_s
         self.copy_policy = copy_policy or CopyBudgetPolicy(
@@ -151,11 +142,8 @@ class SnapshotCoordinator:
         self._last_epoch = 0
         self._closed = False
         self._open_storage(clean_stale)
-        self.stored: StoredSnapshots | None = None
-        self.uploader: SnapshotUploader | None = None
-        if store_uri:
-            self.stored = StoredSnapshots(open_store(store_uri, store_timeout_s))
-            self.uploader = SnapshotUploader(self.stored, self.store)
+        self.uploader = SnapshotUploader.open(store_uri, store_timeout_s, self.store) if store_uri else None
+        self.stored = self.uploader.stored if self.uploader is not None else None
 
     def _open_storage(self, clean_stale: bool) -> None:
         """Create the root, take this server's share of it, and remove what a killed writer
@@ -422,11 +410,7 @@ class SnapshotCoordinator:
             group.fail(SnapshotError(f"unexpected error committing {group.snapshot_id}: {exc!r}"))
             return
         if self.uploader is not None:  # before the waiters wake: their status says uploading
-            self.uploader.submit(
-                SnapshotInfo(index.snapshot_id, index.job_id, index.step, index.world_size,
-                             commit.path, index.total_bytes, True, index),  # type: ignore[arg-type]
-                group.keep,
-            )
+            self.uploader.submit_committed(index, commit.path, group.keep)
         with group.cond:
             group.commit = commit
             group.state = SnapshotState.DURABLE
@@ -457,12 +441,9 @@ class SnapshotCoordinator:
             try:
                 info = self.store.resolve(snapshot_id)
             except SnapshotNotFound:
-                if self.stored is None:
+                if self.uploader is None:
                     raise
-                info = self.stored.resolve(snapshot_id)
-                return dataclasses.replace(SnapshotStatus.from_disk(info, self.stored.read_manifest(info, rank)),
-                                           state=SnapshotState.STORED, store_state=StoreState.STORED.value,
-                                           store_path=str(info.path), path="")
+                return self.uploader.stored_status(snapshot_id, rank)  # only in the store
             status = SnapshotStatus.from_disk(info, self.store.read_manifest(info, rank))
         if self.uploader is None or status.state is not SnapshotState.DURABLE:
             return status
@@ -499,6 +480,15 @@ class SnapshotCoordinator:
         if self.uploader is not None:
             self.uploader.close()
         self.storage.release()
+
+
+def _check_arguments(keep_latest: int | None, assemble_timeout_s: float, stage_threads: int) -> None:
+    if keep_latest is not None and keep_latest < 2:
+        raise ValueError("keep_latest must be >= 2 (or None to keep all snapshots)")
+    if assemble_timeout_s <= 0:
+        raise ValueError("assemble_timeout_s must be > 0")
+    if stage_threads < 0:
+        raise ValueError("stage_threads must be >= 0")
 
 
 def _parse_step_id(snapshot_id: str) -> tuple[str, int]:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 
 from swap_state.common.checksum import crc32
-from swap_state.common.object_store import STORE_FLAG
+from swap_state.common.object_store import STORE_FLAG, open_store
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name
 from swap_state.common.snapshot_reader import SnapshotInfo
@@ -86,7 +86,24 @@ class SnapshotUploader:
         self._thread = threading.Thread(target=self._work, name="snapshot-upload", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def open(cls, uri: str, timeout_s: float, local: SnapshotStore) -> SnapshotUploader:
+        """The uploader of ``--snapshot-store uri`` (each request bounded by ``timeout_s``)."""
+        return cls(StoredSnapshots(open_store(uri, timeout_s)), local)
+
     # ---------------------------------------------------------------- the coordinator's side
+
+    def submit_committed(self, index: SnapshotIndex, path, keep: int | None) -> None:
+        """:meth:`submit` of the snapshot the local store just committed at ``path``."""
+        self.submit(SnapshotInfo(index.snapshot_id, index.job_id, index.step, index.world_size,
+                                 path, index.total_bytes, True, index), keep)
+
+    def stored_status(self, snapshot_id: str, rank: int) -> SnapshotStatus:
+        """The status of a snapshot only the store holds (SnapshotNotFound naming it otherwise)."""
+        info = self.stored.resolve(snapshot_id)
+        status = SnapshotStatus.from_disk(info, self.stored.read_manifest(info, rank))
+        return dataclasses.replace(status, state=SnapshotState.STORED, store_state=StoreState.STORED.value,
+                                   store_path=str(info.path), path="")
 
     def submit(self, info: SnapshotInfo, keep: int | None) -> None:
         """Upload a durable local snapshot's ranks, then apply ``keep`` (None: keep all)."""

@@ -87,20 +87,20 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def init_ranks(rank: int, port: int):
-    """Join the gloo group of ``WORLD`` ranks; ``build(seed)``: a Net sharded with FSDP2."""
+def init_ranks(rank: int, port: int, world: int = WORLD, net: type[nn.Module] = Net):
+    """Join the gloo group of ``world`` ranks; ``build(seed)``: a ``net`` sharded with FSDP2."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import swap_state.client.torchtitan.config  # noqa: F401  (the CheckpointManager hooks)
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    mesh = init_device_mesh("cpu", (WORLD,))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
 
-    def build(seed: int) -> Net:
+    def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        model = Net()
+        model = net()
         fully_shard(model, mesh=mesh)
         return model
 
