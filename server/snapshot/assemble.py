@@ -22,6 +22,7 @@ the restore: "restore again").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import mmap
@@ -160,7 +161,8 @@ def assemble(
     info = source.info
     manifests = {r: source.read_manifest(r) for r in info.ranks}
     same_world = info.world_size == world_size
-    plan = plan_rank(targets, {r: m.tensors for r, m in manifests.items()}, target_rank=rank, same_world=same_world)
+    targets, records = _full_tensors_as_boxes(targets, {r: m.tensors for r, m in manifests.items()})
+    plan = plan_rank(targets, records, target_rank=rank, same_world=same_world)
     needed = ranks_needed(plan)
     for r in needed:
         source.check_data_header(manifests[r])
@@ -177,6 +179,35 @@ def assemble(
             _fill(source, manifests, plan, view, by_name, again=True)
     base = rank if same_world and rank in manifests else min(needed or list(manifests))
     return Assembled(nbytes, needed, _restored_metadata(manifests[base].metadata_json, placement), granted)
+
+
+def _full_tensors_as_boxes(targets: list[TargetTensor], records: dict[int, tuple[TensorRecord, ...]]):
+    """A plain tensor and a DTensor of the same global shape are the same tensor, whole: a job
+    sharded (FSDP) at one world size is not at another (torchtitan applies no FSDP on one rank).
+    A plain target whose sources are DTensors of its shape becomes the box of the whole
+    tensor; plain sources of a DTensor target's global shape become whole boxes, only when
+    every rank holds the same bytes (crc32): replicas, never one rank's guess."""
+    by_name: dict[str, list[TensorRecord]] = {}
+    for tensors in records.values():
+        for record in tensors:
+            by_name.setdefault(record.name, []).append(record)
+    promoted: set[str] = set()
+    out = []
+    for target in targets:
+        sources = by_name.get(target.name, [])
+        if target.global_shape is None and sources and all(
+            r.global_shape is not None and tuple(r.global_shape) == target.shape for r in sources
+        ):
+            target = dataclasses.replace(target, global_shape=target.shape, global_offset=(0,) * len(target.shape))
+        elif target.global_shape is not None and sources and len({r.crc32 for r in sources}) == 1 and all(
+            r.global_shape is None and tuple(r.shape) == tuple(target.global_shape) for r in sources
+        ):
+            promoted.add(target.name)
+        out.append(target)
+    if not promoted:
+        return out, records
+    whole = lambda r: dataclasses.replace(r, global_shape=r.shape, global_offset=(0,) * len(r.shape))  # noqa: E731
+    return out, {rank: tuple(whole(r) if r.name in promoted else r for r in tensors) for rank, tensors in records.items()}
 
 
 def _staged_copy(source: AssembleSource, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],

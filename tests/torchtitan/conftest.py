@@ -1,7 +1,8 @@
 """Fixtures for torchtitan's own trainer on the CPU (see titan_testkit.py and launcher.py).
 
     titan_assets                      session: tokenizer + c4_test dataset, generated offline
-    run_trainer(dump, *flags, steps=6, env=None, timeout=240, expect_returncode=0, check=True)
+    run_trainer(dump, *flags, steps=6, env=None, timeout=240, expect_returncode=0, check=True,
+                nproc=1)                      nproc > 1: under torchrun (gloo), rank 0's losses
         -> Losses                     a list of float.hex() strings, one per step run, with
                                       .steps (step numbers) and .run (TrainerRun: output,
                                       returncode, wall_s, argv)
@@ -37,9 +38,9 @@ def titan_assets(tmp_path_factory) -> TitanAssets:
 @pytest.fixture
 def run_trainer(titan_assets):
     def run(dump_folder, *flags: str, steps: int = 6, env: dict[str, str] | None = None,
-            timeout: float = 240.0, expect_returncode: int = 0, check: bool = True) -> Losses:
+            timeout: float = 240.0, expect_returncode: int = 0, check: bool = True, nproc: int = 1) -> Losses:
         result = launch(titan_assets, dump_folder, *flags, steps=steps, env=env,
-                        timeout=timeout, expect_returncode=expect_returncode, check=check)
+                        timeout=timeout, expect_returncode=expect_returncode, check=check, nproc=nproc)
         losses = Losses(result.losses)
         losses.steps = result.steps
         losses.run = result

@@ -29,7 +29,8 @@ The trainer class is a subclass of ``torchtitan.train.Trainer`` that only observ
 * ``SWAP_STATE_TEST_LOSS_FILE=path``: every step appends ``{"step": n, "loss": float.hex()}``
   to that JSON-lines file. The loss is the value torchtitan itself logs for a step without
   data parallelism: ``torch.sum(torch.stack(microbatch_losses)).item()`` of the detached
-  losses ``forward_backward_step`` returned, reduced exactly as ``train_step`` does.
+  losses ``forward_backward_step`` returned, reduced exactly as ``train_step`` does. Under
+  torchrun with several ranks, rank 0 writes its own (local) loss.
 * ``SWAP_STATE_TEST_STOP_AFTER_STEP=n``: after step n (its checkpoint, if due, is written),
   the run stops: ``SWAP_STATE_TEST_STOP_MODE=return`` (default) leaves the loop as if
   ``training.steps`` were reached (the trainer closes normally, without a last-step save);
@@ -188,7 +189,7 @@ def make_trainer_class(tt_train):
                 result = super().train_step(data_iterator)
             finally:
                 self._step_losses = None
-            if loss_file and losses:
+            if loss_file and losses and os.environ.get("RANK", "0") == "0":
                 # The reduction train_step applies before logging (1 rank: no all-reduce).
                 value = torch.sum(torch.stack(losses)).item()
                 record = {"step": self.step, "loss": float(value).hex()}

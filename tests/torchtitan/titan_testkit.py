@@ -206,8 +206,10 @@ def launch(
     check: bool = True,
     expect_returncode: int = 0,
     loss_file: str | os.PathLike | None = None,
+    nproc: int = 1,
 ) -> TrainerRun:
-    """Run the CPU launcher on ``base_flags(assets, dump_folder, steps=steps) + flags``.
+    """Run the CPU launcher on ``base_flags(assets, dump_folder, steps=steps) + flags``
+    (``nproc`` ranks under torchrun when above 1; rank 0 records the losses).
 
     ``env`` is added to (and overrides) this process's environment. The loss file defaults
     to ``<dump_folder>/losses-<n>.jsonl`` (a fresh one per call). With ``check`` a return
@@ -224,7 +226,11 @@ def launch(
     loss_file = Path(loss_file)
     loss_file.write_text("")
 
-    argv = [sys.executable, str(LAUNCHER), *base_flags(assets, dump_folder, steps=steps), *flags]
+    # Several ranks: torchrun (gloo on the CPU) runs the launcher once per rank.
+    runner = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    ]
+    argv = [*runner, str(LAUNCHER), *base_flags(assets, dump_folder, steps=steps), *flags]
     run_env = launcher_env(assets, {LOSS_FILE_ENV: str(loss_file)})
     run_env.setdefault("OMP_NUM_THREADS", "2")
     run_env["PYTHONPATH"] = os.pathsep.join(
