@@ -105,6 +105,10 @@ class ServerConfig:
     """Seconds one request to --snapshot-store may take, retries included, before the upload
     or restore fails naming the store."""
 
+    snapshot_store_max_bandwidth: int = _flag(0, kind="size", metavar="BYTES_PER_S", example="500M")
+    """Upper bound for uploads to --snapshot-store in bytes/s (size suffixes allowed), so that
+    they leave the network to the training job's collectives; 0 means unlimited."""
+
     grace: float = _flag(30.0, kind="seconds", example="120")
     """Seconds a session whose trainer vanished (KeepAlive stream closed) keeps its segment for
     the same job/rank to reattach."""
@@ -227,6 +231,8 @@ class ServerConfig:
         if self.snapshot_store and self.snapshot_dir is None:
             fail("--snapshot-store needs --snapshot-dir: snapshots become durable there first, "
                  "then are uploaded")
+        if self.snapshot_store_max_bandwidth < 0:
+            fail("--snapshot-store-max-bandwidth must be >= 0 (0: unlimited)")
         if not self.snapshot_store_timeout > 0:
             fail("--snapshot-store-timeout must be > 0 seconds")
         if not self.shm_dir.is_absolute():

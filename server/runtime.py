@@ -226,6 +226,7 @@ def _build_domain(config: ServerConfig, listen: ListenAddress, gid: int | None,
             copy_policy=copy_policy,
             store_uri=config.snapshot_store,
             store_timeout_s=config.snapshot_store_timeout,
+            store_max_bandwidth=config.snapshot_store_max_bandwidth or None,
         )
         undo.callback(snapshots.close)
     service = SwapStateService(

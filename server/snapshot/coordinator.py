@@ -8,28 +8,27 @@ Call order (the servicer):
    the snapshot epoch in the segment header and returns: the snapshot is *consistent*, the
    trainer may mutate the segment again. A background thread persists the rank, and a stager
    thread (``stage_threads``) copies ahead of the trainer the chunks the writer will not
-   reach in time (:class:`~swap_state.server.snapshot.stager.Stager`). It logs ``copy_budget_short`` when the
-   segment's copy slots cannot cover what the disk cannot persist within one
-   forward/backward (:meth:`SnapshotCoordinator.copy_budget`).
+   reach in time (:class:`~swap_state.server.snapshot.stager.Stager`). It logs
+   ``copy_budget_short`` when the copy slots cannot cover what the disk cannot persist within
+   one forward/backward (:meth:`SnapshotCoordinator.copy_budget`).
 3. SnapshotStatus RPC: ``coordinator.status(snapshot_id, rank, wait_s)`` (or ``handle.wait``):
    ``durable`` once the ``local_world_size`` ranks of the job on this server (all
    ``world_size`` ranks unless the job spans several hosts, one server each) are on disk and
    the snapshot is committed (``snapshot.json``, atomic rename, ``latest``, retention),
-   ``failed`` with an error otherwise. ``in_progress()`` feeds Stats.
+   ``failed`` with an error otherwise; ``stored`` once uploaded to the store, if there is one
+   (``wait_stored``). ``in_progress()`` feeds Stats.
 4. Before unmapping a segment whose rank may be persisting: ``handle.cancel(reason)`` (when
    the snapshot must not complete) and ``handle.wait_segment_released()``.
 5. Server shutdown: ``coordinator.close()``.
 
-One rank's snapshot is held by one :class:`RankSnapshot`; the ranks of a (job, step) on this
-server form a group that commits together or fails together (a failed rank cancels the
-others, and their partial files are removed). On a multi-host job each host's server commits
-its own ranks' group; ``snapshot.json`` records the job's ``world_size`` and the ``ranks``
-present. Thread-safe.
+One :class:`RankSnapshot` per rank; the ranks of a (job, step) on this server form a group
+that commits or fails together (a failed rank cancels the others, their partial files go). A
+multi-host job's server commits its own ranks' group; ``snapshot.json`` records the job's
+``world_size`` and the ``ranks`` present. Thread-safe.
 
-Where the pieces are: the source and its checks :mod:`.source`; the group, its ranks and
-what a repeated start means :mod:`.group`; statuses :mod:`.status`; one rank's writer
-:mod:`.writer` (its files' plan :mod:`.plan`); the commit sequence :mod:`.store`; where the
-files go :mod:`.storage` (:mod:`.local_storage` on ``snapshot_dir``).
+Pieces: source and checks :mod:`.source`; group, ranks, repeated starts :mod:`.group`;
+statuses :mod:`.status`; a rank's writer :mod:`.writer` (plan :mod:`.plan`); commit
+:mod:`.store` over :mod:`.storage`; the store tier :mod:`.upload`.
 """
 
 from __future__ import annotations
@@ -40,21 +39,9 @@ import pathlib
 import threading
 import time
 
-from swap_state.common.segment import (
-    ASSUMED_FWD_BWD_S,
-    ASSUMED_PERSIST_BYTES_PER_S,
-    CopyBudget,
-    SegmentLayout,
-    Word,
-)
-
+from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S, CopyBudget, SegmentLayout, Word
 from swap_state.common.snapshot_errors import (
-    SnapshotBusy,
-    SnapshotError,
-    SnapshotFailed,
-    SnapshotInvalid,
-    SnapshotNotFound,
-    from_os_error,
+    SnapshotBusy, SnapshotError, SnapshotFailed, SnapshotInvalid, SnapshotNotFound, from_os_error,
 )
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, SnapshotMetadata, parse_metadata
@@ -104,6 +91,7 @@ class SnapshotCoordinator:
         storage: SnapshotStorage | None = None,
         store_uri: str | None = None,
         store_timeout_s: float = 60.0,
+        store_max_bandwidth: float | None = None,
     ):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
         ``max_bandwidth``: bytes/s for all snapshot I/O together (None: no cap).
@@ -120,7 +108,8 @@ class SnapshotCoordinator:
         when no ``copy_policy`` (the server's, shared with its arena) is given.
         ``storage``: where snapshot files go (default: the local directory ``snapshot_dir``).
         ``store_uri``: the second tier every host reaches (``--snapshot-store``): each durable
-        snapshot is uploaded there in the background (:mod:`.upload`); None: no store."""
+        snapshot is uploaded there in the background (:mod:`.upload`, at most
+        ``store_max_bandwidth`` bytes/s); None: no store."""
         _check_arguments(keep_latest, assemble_timeout_s, stage_threads)
         self.stage_threads = stage_threads
         self.model_copy_timeout_s = model_copy_timeout_s
@@ -142,7 +131,8 @@ class SnapshotCoordinator:
         self._last_epoch = 0
         self._closed = False
         self._open_storage(clean_stale)
-        self.uploader = SnapshotUploader.open(store_uri, store_timeout_s, self.store) if store_uri else None
+        self.uploader = (SnapshotUploader.open(store_uri, store_timeout_s, self.store, store_max_bandwidth)
+                         if store_uri else None)
         self.stored = self.uploader.stored if self.uploader is not None else None
 
     def _open_storage(self, clean_stale: bool) -> None:

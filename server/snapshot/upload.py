@@ -39,6 +39,7 @@ from swap_state.common.snapshot_format import FileRecord, SnapshotIndex, dumps_j
 from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.common.stored_snapshots import StoredSnapshots, marker_name, parse_marker_name
 from swap_state.server.logs import log_event
+from swap_state.server.snapshot.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.store import SnapshotStore
 
@@ -75,10 +76,12 @@ class UploadStatus:
 class SnapshotUploader:
     """Uploads durable local snapshots to the store, one worker thread (call order above)."""
 
-    def __init__(self, stored: StoredSnapshots, local: SnapshotStore):
+    def __init__(self, stored: StoredSnapshots, local: SnapshotStore, max_bandwidth: float | None = None):
+        """``max_bandwidth``: bytes/s for all uploads (None: no cap)."""
         self.stored = stored
         self.uri = stored.uri
         self._local = local
+        self._limiter = BandwidthLimiter(max_bandwidth)
         self._queue: queue.Queue[tuple[SnapshotInfo, int | None] | None] = queue.Queue()
         self._statuses: dict[tuple[str, int], dict[int, UploadStatus]] = {}
         self._cond = threading.Condition()
@@ -87,9 +90,9 @@ class SnapshotUploader:
         self._thread.start()
 
     @classmethod
-    def open(cls, uri: str, timeout_s: float, local: SnapshotStore) -> SnapshotUploader:
+    def open(cls, uri: str, timeout_s: float, local: SnapshotStore, max_bandwidth: float | None = None) -> SnapshotUploader:
         """The uploader of ``--snapshot-store uri`` (each request bounded by ``timeout_s``)."""
-        return cls(StoredSnapshots(open_store(uri, timeout_s)), local)
+        return cls(StoredSnapshots(open_store(uri, timeout_s)), local, max_bandwidth)
 
     # ---------------------------------------------------------------- the coordinator's side
 
@@ -232,6 +235,8 @@ class SnapshotUploader:
         value, size = 0, 0
         with open(path, "rb", buffering=0) as file:
             while block := file.read(UPLOAD_BLOCK_BYTES):
+                if not self._limiter.acquire(len(block), self._closed):
+                    raise SnapshotError("the server is shutting down: upload abandoned")
                 value = crc32(block, value)
                 size += len(block)
                 if size > record.bytes:

@@ -13,9 +13,13 @@ import tempfile
 
 import grpc
 import pytest
+import torch
 
 from swap_state.client.remote.rpc import ClientConfig, SwapStateClient, SwapStateError
+from swap_state.client.remote.container import RemoteSwapOptimizersContainer
 from swap_state.common.object_store import open_store
+from swap_state.common.retry import wait_until
+from swap_state.common.stored_snapshots import StoredSnapshots
 
 from snapshot_kit import params_copy, reference, swap_state_cli
 from .workload import Workload, build, mismatches, remote, train
@@ -35,12 +39,13 @@ def hosts_shm():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _host(start_server, hosts_shm, tmp_path, name: str, store: str, **extra):
-    """A host: its own server, shm directory (in /dev/shm) and snapshot directory."""
+def _host(start_server, hosts_shm, tmp_path, name: str, store: str, *flags: str, **extra):
+    """Host ``name``: its own server, shm directory (in /dev/shm) and snapshot directory; the
+    same name again is the same host restarted (same directories)."""
     shm = hosts_shm / name
-    shm.mkdir()
+    shm.mkdir(exist_ok=True)
     return start_server(snapshot_dir=tmp_path / f"{name}-snapshots", shm_dir=str(shm),
-                        extra_args=("--snapshot-store", store, "--snapshot-store-timeout", "5"), **extra)
+                        extra_args=("--snapshot-store", store, "--snapshot-store-timeout", "5", *flags), **extra)
 
 
 def _containers(servers: dict, job: str):
@@ -178,3 +183,52 @@ def test_snapshots_cli_shows_both_tiers(start_server, hosts_shm, tmp_path):
         "tiers/step-000000000002/rank-00000.safetensors",
         "tiers/step-000000000002/rank-00000.stored.json",
     ]
+
+
+def _stored_steps(store: str, job: str) -> list[int]:
+    return [info.step for info in StoredSnapshots(open_store(store)).list(job)]
+
+
+def test_a_server_killed_mid_upload_leaves_nothing_partial_and_its_successor_uploads(start_server, hosts_shm, tmp_path):
+    """SIGKILL while the upload crawls (--snapshot-store-max-bandwidth): the store lists
+    nothing, and the next server on the same directories uploads the snapshot again."""
+    store = str(tmp_path / "store")
+    server = _host(start_server, hosts_shm, tmp_path, "k", store, "--snapshot-store-max-bandwidth", "4M")
+    torch_model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024))  # 32 MiB moments
+    container = RemoteSwapOptimizersContainer([torch_model], torch.optim.AdamW, {"lr": 1e-3}, 2,
+                                              server=server.address, job_id="killed")
+    try:
+        torch_model(torch.randn(4, 1024)).sum().backward()
+        container.step()
+        handle = container.snapshot()
+        assert handle.wait_durable(timeout_s=60).store_state == "uploading"
+        server.kill()
+    finally:
+        container.close()
+    assert _stored_steps(store, "killed") == []  # nothing complete, nothing listed
+    markers = [o.key for o in open_store(store).list("killed/") if o.key.endswith(".stored.json")]
+    assert markers == []
+
+    successor = _host(start_server, hosts_shm, tmp_path, "k", store)  # the same host, restarted
+    assert wait_until(lambda: _stored_steps(store, "killed") == [1], timeout_s=60), successor.log_text()[-3000:]
+    assert "store_upload_resumed" in successor.log_text()
+    [listed] = _list(successor.address, "killed")
+    assert (listed.local, listed.stored) == (True, True)
+
+
+def test_retention_applies_to_the_store_and_keeps_the_newest(start_server, hosts_shm, tmp_path):
+    store = str(tmp_path / "store")
+    server = _host(start_server, hosts_shm, tmp_path, "r", store)
+    w = Workload()
+    model = build(w)
+    container = remote(w, model, server.address, "kept")
+    try:
+        for step in (2, 4, 6):
+            train(model, container, w, range(step - 1, step + 1))
+            container.snapshot().wait_stored(timeout_s=60)
+    finally:
+        container.close()
+    # The server keeps 2 (--keep-latest): steps 4 and 6, in both tiers; nothing of step 2 left.
+    assert wait_until(lambda: _stored_steps(store, "kept") == [4, 6], timeout_s=30), _stored_steps(store, "kept")
+    assert not [o.key for o in open_store(store).list("kept/step-000000000002/")]
+    assert [s.step for s in _list(server.address, "kept")] == [4, 6]

@@ -44,7 +44,7 @@ def test_help_explains_every_flag_with_an_example():
     expected = {"--shm-size", "--listen", "--token-file", "--snapshot-dir", "--grace",
                 "--metrics-port", "--log-level", "--shm-dir", "--shm-group", "--chunk-bytes",
                 "--cow-budget", "--persist-max-bandwidth", "--stage-threads", "--model-copy-timeout", "--keep-latest",
-                "--snapshot-store", "--snapshot-store-timeout",
+                "--snapshot-store", "--snapshot-store-timeout", "--snapshot-store-max-bandwidth",
                 "--tls-cert",
                 "--tls-key", "--insecure"}
     assert {a.option_strings[0] for a in flags} == expected
