@@ -49,6 +49,8 @@ class ObjectInfo:
     """Its key relative to the store's root (``/``-separated)."""
     size: int
     """Its size in bytes."""
+    version: str = ""
+    """Changes whenever the object is put again (an ETag; a file's inode and mtime)."""
 
 
 class ObjectStore(abc.ABC):
@@ -125,6 +127,7 @@ class PosixObjectStore(ObjectStore):
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
+            self._prune(path.parent)
             raise
         _fsync_dir(path.parent)
 
@@ -160,18 +163,20 @@ class PosixObjectStore(ObjectStore):
                 if _TMP_MARK in name or not key.startswith(prefix):
                     continue
                 try:
-                    size = os.stat(os.path.join(directory, name)).st_size
+                    stat = os.stat(os.path.join(directory, name))
                 except FileNotFoundError:
                     continue  # removed while listing
-                found.append(ObjectInfo(key, size))
+                found.append(ObjectInfo(key, stat.st_size, f"{stat.st_ino}-{stat.st_mtime_ns}"))
         return sorted(found, key=lambda info: info.key)
 
     def delete(self, key: str) -> None:
         path = self._path(key)
         path.unlink(missing_ok=True)
-        # Empty folders left behind are harmless but untidy: remove them up to the root.
-        parent = path.parent
-        while parent != self.root:
+        self._prune(path.parent)
+
+    def _prune(self, parent: pathlib.Path) -> None:
+        """Empty folders left behind are harmless but untidy: removed up to the root."""
+        while parent != self.root and self.root in parent.parents:
             try:
                 parent.rmdir()
             except OSError:
@@ -251,7 +256,7 @@ class S3ObjectStore(ObjectStore):
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         with self._errors(prefix):
-            found = [ObjectInfo(m["path"], int(m["size"]))
+            found = [ObjectInfo(m["path"], int(m["size"]), str(m.get("e_tag") or ""))
                      for batch in self._obs.list(self._store, prefix=prefix or None) for m in batch]
         return sorted((i for i in found if i.key.startswith(prefix)), key=lambda i: i.key)
 

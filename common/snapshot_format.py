@@ -374,6 +374,10 @@ class SnapshotIndex:
     """Every data file and manifest, with size and checksum."""
     created_unix: float
     """Wall-clock time of the commit (informational)."""
+    attempt: int = 1
+    """How many times this host committed the step (a step trained again after loading an
+    older checkpoint replaces it: 2, 3, ...). Every host of a job counts the same attempts, so
+    the store's markers of one step must agree on it to form one snapshot."""
 
     @property
     def snapshot_id(self) -> str:
@@ -410,6 +414,7 @@ class SnapshotIndex:
             "local_world_size": self.local_world_size,
             "ranks": list(self.ranks),
             "created_unix": self.created_unix,
+            "attempt": self.attempt,
             "files": [f.to_json() for f in self.files],
         }
 
@@ -443,4 +448,5 @@ class SnapshotIndex:
             ranks=ranks,
             files=records,
             created_unix=_float(raw.get("created_unix"), "created_unix"),
+            attempt=_int(raw.get("attempt", 1), "attempt", 1),  # absent before the store tier
         )

@@ -8,9 +8,11 @@ Layout under the store's root (an :class:`~.object_store.ObjectStore`)::
                                                   ranks [0] listing those two files (size, crc32)
 
 Each host's server puts its own ranks' objects (data, manifest, then the marker); no object is
-ever renamed and none is changed once put. A step is *complete* in the store when the markers
-of every rank ``0..world_size-1`` are there and agree on the world size: a reader never sees a
-partial step, whatever order the hosts finish in. Removal (retention) deletes the markers
+ever renamed. A step is *complete* in the store when the markers of every rank
+``0..world_size-1`` are there and agree on the world size and the attempt (a step trained
+again replaces its snapshot on every host: each host deletes its old marker before its new
+data goes up): a reader never sees a partial step, nor one mixing two attempts, whatever
+order the hosts finish in. Removal (retention) deletes the markers
 first, so a step being removed stops being complete before any data goes.
 
 Nothing read is trusted: a marker must parse and name its own job, step and rank; a manifest
@@ -35,6 +37,7 @@ from .snapshot_reader import SnapshotInfo, check_manifest_sizes, parse_rank_mani
 __all__ = ["StorePath", "StoredSnapshots", "marker_name", "parse_marker_name"]
 
 _MARKER_SUFFIX = ".stored.json"
+_MAX_CACHED_MARKERS = 1 << 16
 
 
 def marker_name(rank: int) -> str:
@@ -63,7 +66,7 @@ class StoredSnapshots:
     def __init__(self, store: ObjectStore):
         self.store = store
         self.uri = store.uri
-        self._markers: dict[tuple[str, int], SnapshotIndex | None] = {}  # (key, size) -> parsed
+        self._markers: dict[tuple[str, int, str], SnapshotIndex | None] = {}  # (key, size, version) -> parsed
         self._lock = threading.Lock()
 
     def _reading(self, key: str) -> _Reading:
@@ -111,7 +114,7 @@ class StoredSnapshots:
         return found
 
     def _marker(self, info: ObjectInfo, job_id: str, step: int, rank: int) -> SnapshotIndex | None:
-        cache_key = (info.key, info.size)
+        cache_key = (info.key, info.size, info.version)  # a marker put again is read again
         with self._lock:
             if cache_key in self._markers:
                 return self._markers[cache_key]
@@ -124,6 +127,8 @@ class StoredSnapshots:
         if index is not None and not _is_marker_of(index, job_id, step, rank):
             index = None
         with self._lock:
+            if len(self._markers) >= _MAX_CACHED_MARKERS:  # bounded: markers removed stay cached
+                self._markers.clear()
             self._markers[cache_key] = index
         return index
 
@@ -146,15 +151,14 @@ class StoredSnapshots:
         markers = self.markers(job_id, step, objects)
         if not markers:
             return None
-        world_sizes = {index.world_size for index in markers.values()}
-        if len(world_sizes) != 1:
-            return None  # markers of two attempts at different world sizes: not one snapshot
-        world_size = world_sizes.pop()
+        if len({(index.world_size, index.attempt) for index in markers.values()}) != 1:
+            return None  # markers of two attempts at the step (re-uploading, or another world size)
+        world_size = next(iter(markers.values())).world_size
         if sorted(markers) != list(range(world_size)):
             return None
         files = tuple(record for rank in sorted(markers) for record in markers[rank].files)
         index = SnapshotIndex(job_id, step, world_size, tuple(range(world_size)), files,
-                              max(m.created_unix for m in markers.values()))
+                              max(m.created_unix for m in markers.values()), markers[0].attempt)
         return SnapshotInfo(snapshot_id_for(job_id, step), job_id, step, world_size,
                             self.location(job_id, step), index.total_bytes, False, index)  # type: ignore[arg-type]
 

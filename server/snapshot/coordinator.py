@@ -387,6 +387,7 @@ class SnapshotCoordinator:
             ranks=ranks,
             files=tuple(files),
             created_unix=time.time(),
+            attempt=self._attempt(group),
         )
         try:
             commit = self.store.commit(group.partial, index, group.keep, replace=group.replace)
@@ -406,6 +407,13 @@ class SnapshotCoordinator:
             group.state = SnapshotState.DURABLE
             group.finished_monotonic = time.monotonic()
             group.cond.notify_all()
+
+    def _attempt(self, group: SnapshotGroup) -> int:
+        """1, or one more than the snapshot of the step this commit replaces."""
+        try:
+            return self.store.resolve(group.snapshot_id).index.attempt + 1 if group.replace else 1
+        except SnapshotError:
+            return 1
 
     # ------------------------------------------------------------------------------ queries
 

@@ -210,11 +210,17 @@ class SnapshotUploader:
     def _upload_rank(self, info: SnapshotInfo, rank: int) -> None:
         data = _record(info, rank_data_name(rank))
         manifest = _record(info, rank_manifest_name(rank))
-        marker = SnapshotIndex(info.job_id, info.step, info.world_size, (rank,), (data, manifest), time.time())
-        if self._already_stored(info, rank, (data, manifest)):
+        marker = SnapshotIndex(info.job_id, info.step, info.world_size, (rank,), (data, manifest), time.time(),
+                               info.index.attempt)
+        key = lambda name: self.stored.key(info.job_id, info.step, name)  # noqa: E731
+        existing = self._stored_marker(info, rank)
+        if existing is not None and (existing.world_size, existing.attempt, existing.files) == (
+            info.world_size, info.index.attempt, (data, manifest),
+        ):
             self._set(info, rank, bytes_stored=data.bytes + manifest.bytes)
             return
-        key = lambda name: self.stored.key(info.job_id, info.step, name)  # noqa: E731
+        if existing is not None:  # an earlier attempt at the step: unlisted before its data changes
+            self.stored.store.delete(key(marker_name(rank)))
         self.stored.store.put(key(data.name), self._verified_blocks(info, rank, data))
         raw = (info.path / manifest.name).read_bytes()
         if len(raw) != manifest.bytes or crc32(raw) != manifest.crc32:
@@ -223,10 +229,9 @@ class SnapshotUploader:
         self.stored.store.put(key(marker_name(rank)), dumps_json(marker.to_json()))  # last
         self._set(info, rank, bytes_stored=data.bytes + manifest.bytes)
 
-    def _already_stored(self, info: SnapshotInfo, rank: int, files: tuple[FileRecord, ...]) -> bool:
+    def _stored_marker(self, info: SnapshotInfo, rank: int) -> SnapshotIndex | None:
         objects = self.stored.objects(info.job_id).get((info.job_id, info.step), [])
-        found = self.stored.markers(info.job_id, info.step, objects).get(rank)
-        return found is not None and found.world_size == info.world_size and found.files == files
+        return self.stored.markers(info.job_id, info.step, objects).get(rank)
 
     def _verified_blocks(self, info: SnapshotInfo, rank: int, record: FileRecord) -> Iterator[bytes]:
         """The local data file in blocks; raises (aborting the put) unless its size and crc32
