@@ -38,7 +38,9 @@ The trainer class is a subclass of ``torchtitan.train.Trainer`` that only observ
   43), like a crash: nothing is closed or flushed beyond the loss file; ``kill`` sends the
   process SIGKILL (no exit code, no atexit, no finally: what the OOM killer does).
 
-Nothing here edits torchtitan's files or changes numerics.
+Under torchrun with FSDP, gloo lacks the PREMUL_SUM reduction torchtitan's divide factor of
+1.0 asks for: FSDP is told to use SUM instead (:func:`sum_reductions_for_gloo`; multiplying by
+1.0 is exact). Nothing here edits torchtitan's files or changes numerics.
 """
 
 import json
@@ -147,6 +149,23 @@ def import_torchtitan_on_cpu():
     return tt_train
 
 
+def sum_reductions_for_gloo() -> None:
+    """FSDP on gloo: torchtitan sets every FSDP module's gradient divide factor to 1.0 (it
+    scales gradients itself), which FSDP turns into ``ReduceOp.PREMUL_SUM``, a NCCL-only op
+    ("Cannot use ReduceOp.PREMUL_SUM with Gloo"). Each such module is also told to use plain
+    SUM reductions (``set_force_sum_reduction_for_comms``), with the factor applied apart:
+    a factor of 1.0 either way, so the numbers are the same."""
+    from torch.distributed.fsdp import FSDPModule
+
+    original = FSDPModule.set_gradient_divide_factor
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        original(self, factor)
+        self.set_force_sum_reduction_for_comms(True)
+
+    FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
+
+
 def check_device_globals(cpu_module) -> None:
     """Every imported torchtitan module that copied the device globals holds the CPU ones."""
     wrong = []
@@ -221,6 +240,7 @@ def main(argv=None) -> None:
         sys.argv = [sys.argv[0], *argv]
     set_torchrun_env()
     tt_train = import_torchtitan_on_cpu()
+    sum_reductions_for_gloo()
     # torchtitan's own entry: init_logger, ConfigManager().parse_args() over sys.argv (custom
     # config modules included), Trainer(config), train() (with its CheckpointManager), close().
     tt_train.main(make_trainer_class(tt_train))

@@ -1,11 +1,11 @@
 """torchtitan's own trainer resumes a snapshot-mode checkpoint at another world size.
 
-2 ranks (torchrun, gloo, data parallel) train N steps and save a snapshot-mode checkpoint
-(whole-state snapshots: the server holds parameters and moments of each rank); plain torchtitan
-(AdamW, DCP) does the same beside it. Then each resumes on 1 rank and trains to 2N: swap-state's
-server restores the 1-rank segment from the 2-rank snapshot (the replicas' checksums agree, so
-either rank's tensors are the job's), and the losses equal plain torchtitan's resuming its own
-DCP checkpoint, bit for bit. The server is a real ``swap-state-server`` process with a ``--snapshot-store``.
+2 ranks (torchrun, gloo, FSDP2 over both) train N steps and save a snapshot-mode checkpoint
+(whole-state snapshots: the server holds each rank's shards of the parameters and moments);
+plain torchtitan (AdamW, DCP) does the same beside it. Then each resumes on 1 rank (no FSDP
+there: plain tensors) and trains to 2N: swap-state's server assembles the whole tensors from
+the two ranks' shards, and the losses equal plain torchtitan's resuming its own DCP checkpoint
+(resharded by DCP), bit for bit. The server is a real ``swap-state-server`` process with a ``--snapshot-store``.
 """
 
 from __future__ import annotations
@@ -16,14 +16,11 @@ from test_swap_state_trainer import CHECKPOINT, N, SCHEDULE, remote
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_server_env")]
 
-#: Data parallel over the 2 ranks by replication: torchtitan's FSDP reduces gradients with
-#: ReduceOp.PREMUL_SUM, which gloo (the CPU's backend) does not have. FSDP2 shards resharded on
-#: restore are tested through torchtitan's CheckpointManager in
-#: tests/integration/test_store_fsdp2.py.
 #: torchtitan 0.2 cannot reshard its dataloader's state ("dataloader resharding is not supported
 #: yet"): both resumes start the data afresh, the same way.
 NO_DATALOADER = "--checkpoint.exclude_from_loading=dataloader"
-DDP_2 = ("--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=1")
+#: FSDP over the 2 ranks: parameters and moments are DTensor shards of dim 0.
+FSDP_2 = ("--parallelism.data_parallel_shard_degree=2",)
 
 
 @pytest.mark.timeout(420)
@@ -32,8 +29,8 @@ def test_a_two_rank_snapshot_checkpoint_resumes_on_one_rank_with_plain_torchtita
 ):
     server = start_server(shm_size_bytes=512 << 20, extra_args=("--snapshot-store", str(tmp_path / "store")))
     swap = (*remote(server, "snapshot", job_id="titan-anywhere"),)
-    plain_2 = run_trainer(tmp_path / "plain", SCHEDULE, *CHECKPOINT, *DDP_2, steps=N, nproc=2)
-    swap_2 = run_trainer(tmp_path / "swap", SCHEDULE, *CHECKPOINT, *swap, *DDP_2, steps=N, nproc=2)
+    plain_2 = run_trainer(tmp_path / "plain", SCHEDULE, *CHECKPOINT, *FSDP_2, steps=N, nproc=2)
+    swap_2 = run_trainer(tmp_path / "swap", SCHEDULE, *CHECKPOINT, *swap, *FSDP_2, steps=N, nproc=2)
     assert swap_2.steps == list(range(1, N + 1)) and swap_2 == plain_2
 
     plain_1 = run_trainer(tmp_path / "plain", SCHEDULE, *CHECKPOINT, NO_DATALOADER, steps=2 * N)
