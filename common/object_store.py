@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 
 from .errors import ConfigError
 
-__all__ = ["ObjectInfo", "ObjectStore", "PosixObjectStore", "S3ObjectStore", "open_store", "STORE_FLAG"]
+__all__ = ["ObjectInfo", "ObjectStore", "PosixObjectStore", "S3ObjectStore", "open_store", "read_range", "STORE_FLAG"]
 
 STORE_FLAG = "--snapshot-store"
 _TMP_MARK = ".tmp-"
@@ -132,19 +132,7 @@ class PosixObjectStore(ObjectStore):
         _fsync_dir(path.parent)
 
     def get_range(self, key: str, offset: int, nbytes: int) -> bytes:
-        fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            parts: list[bytes] = []
-            while nbytes > 0:
-                data = os.pread(fd, nbytes, offset)
-                if not data:
-                    break
-                parts.append(data)
-                offset += len(data)
-                nbytes -= len(data)
-            return b"".join(parts)
-        finally:
-            os.close(fd)
+        return read_range(self._path(key), offset, nbytes)
 
     def size(self, key: str) -> int | None:
         try:
@@ -290,6 +278,23 @@ class _StoreErrors:
         if isinstance(error, FileNotFoundError):
             raise FileNotFoundError(f"{where} does not exist") from error
         raise OSError(f"{where}: {first_line}") from error
+
+
+def read_range(path: str | os.PathLike[str], offset: int, nbytes: int) -> bytes:
+    """``nbytes`` of a file from ``offset`` (fewer only at its end): ``pread`` until done."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parts: list[bytes] = []
+        while nbytes > 0:
+            data = os.pread(fd, nbytes, offset)
+            if not data:
+                break
+            parts.append(data)
+            offset += len(data)
+            nbytes -= len(data)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: pathlib.Path) -> None:

@@ -24,6 +24,7 @@ import pathlib
 import shutil
 
 from swap_state.common.names import snapshot_id_for, step_dir_name
+from swap_state.common.object_store import read_range
 from swap_state.common.snapshot_errors import SnapshotExists
 from swap_state.common.snapshot_format import LATEST_NAME, partial_dir_name
 from swap_state.common.snapshot_reader import SnapshotReader
@@ -222,19 +223,7 @@ class LocalFilesystemStorage(SnapshotStorage):
         shutil.rmtree(trash)
 
     def read_range(self, where: pathlib.PurePath, name: str, offset: int, nbytes: int) -> bytes:
-        fd = os.open(self._inside(where) / name, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            parts: list[bytes] = []
-            while nbytes > 0:
-                data = os.pread(fd, nbytes, offset)
-                if not data:
-                    break
-                parts.append(data)
-                offset += len(data)
-                nbytes -= len(data)
-            return b"".join(parts)
-        finally:
-            os.close(fd)
+        return read_range(self._inside(where) / name, offset, nbytes)
 
     def _inside(self, where: pathlib.PurePath) -> pathlib.Path:
         """``where`` as a path, refused unless it is under the root (every location this
