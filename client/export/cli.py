@@ -20,8 +20,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "snapshot",
         help="a snapshot directory (e.g. /snapshots/run1/step-000000001000), or with "
-        "--snapshot-dir an id such as run1/step-1000 or run1/latest; with --format torchtitan "
-        "a torchtitan checkpoint directory saved in snapshot mode (e.g. outputs/checkpoint/step-1000)",
+        "--snapshot-dir or --snapshot-store an id such as run1/step-1000 or run1/latest; with "
+        "--format torchtitan a torchtitan checkpoint directory saved in snapshot mode (e.g. "
+        "outputs/checkpoint/step-1000)",
     )
     parser.add_argument(
         "out", help="output file (torch) or directory (dcp; torchtitan: must not exist yet)"
@@ -35,7 +36,23 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--snapshot-dir", default=None,
         help="the --snapshot-dir of the server that took the snapshot (with --format "
-        "torchtitan: required; the embedded server's is <job.dump_folder>/swap-state-snapshots)",
+        "torchtitan: this or --snapshot-store is required; the embedded server's is "
+        "<job.dump_folder>/swap-state-snapshots)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--snapshot-store", default=None, metavar="URI",
+        help="read the snapshot from this snapshot store (the servers' --snapshot-store) "
+        "instead of a local directory: s3://BUCKET/PREFIX on any S3-compatible store, with "
+        "endpoint, region and credentials from the standard AWS environment (AWS_ENDPOINT_URL, "
+        "AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN), or "
+        "file:///PATH or a PATH on a shared filesystem. SNAPSHOT is then an id (run1/step-1000, "
+        "run1/latest); with --format torchtitan the checkpoint names it. The snapshot's files "
+        "are downloaded into a temporary directory beside OUT, every byte verified (sizes, "
+        "checksums), and removed afterwards. Not with --snapshot-dir",
+    )  # fmt: skip
+    parser.add_argument(
+        "--snapshot-store-timeout", type=float, default=60.0, metavar="SECONDS",
+        help="seconds one request to --snapshot-store may take, retries included (default: 60)",
     )  # fmt: skip
 
 
@@ -45,19 +62,25 @@ def run_export(args: argparse.Namespace) -> int:
     from swap_state.common.snapshot_errors import SnapshotError
 
     try:
+        if not args.snapshot_store_timeout > 0:
+            raise ExportError("--snapshot-store-timeout must be > 0 seconds")
         if args.format == "torchtitan":
             from swap_state.client.export.torchtitan import export_torchtitan_checkpoint
 
-            if args.snapshot_dir is None:
-                raise ExportError("--format torchtitan needs --snapshot-dir (where the server keeps snapshots)")
-            titan = export_torchtitan_checkpoint(args.snapshot, args.out, args.snapshot_dir)
+            titan = export_torchtitan_checkpoint(
+                args.snapshot, args.out, args.snapshot_dir, snapshot_store=args.snapshot_store,
+                store_timeout_s=args.snapshot_store_timeout,
+            )
             print(
                 f"exported {args.snapshot} with snapshot {titan.snapshot_id} (ranks "
                 f"{list(titan.ranks)}: {titan.model_tensors} model tensors, "
                 f"{titan.optimizer_entries} optimizer entries) to {titan.out} (torchtitan)"
             )
             return 0
-        result = export_snapshot(args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir)
+        result = export_snapshot(
+            args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir,
+            snapshot_store=args.snapshot_store, store_timeout_s=args.snapshot_store_timeout,
+        )
     except SnapshotError as exc:  # not found, corrupt, not exportable: a message, no traceback
         print(f"swap-state export: {exc}", file=sys.stderr)
         return 1
@@ -72,7 +95,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``swap-state export SNAPSHOT OUT [--format torch|dcp|torchtitan] [--snapshot-dir DIR]``."""
+    """``swap-state export SNAPSHOT OUT [--format torch|dcp|torchtitan] [--snapshot-dir DIR |
+    --snapshot-store URI]``."""
     parser = argparse.ArgumentParser(
         prog="swap-state export",
         description="write a snapshot as a standard torch or DCP checkpoint, or a snapshot-mode "

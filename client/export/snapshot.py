@@ -8,7 +8,9 @@ reader, which is pure Python) and writes the seed's flat optimizer state dict::
     param_groups.<fqn>.<hp>     hyperparameters (floats, tuples, bools, None, tensors)
 
 either as one ``torch.save`` file (``torch.load(out, weights_only=True)`` reads it) or as a
-``torch.distributed.checkpoint`` directory (``dcp.load`` into a template, any sharding).
+``torch.distributed.checkpoint`` directory (``dcp.load`` into a template, any sharding). A
+snapshot in a snapshot store (``--snapshot-store``) is downloaded and verified into a
+temporary local snapshot directory first (:mod:`.from_store`) and exported from there.
 
 DTensor shards of all ranks present are assembled into global tensors from the manifest's
 global shape and offsets; every element must be covered by some shard. A snapshot of one host
@@ -37,9 +39,14 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-
 from swap_state.client.remote.segment_mapping import TORCH_DTYPES
-from swap_state.common.names import MODEL_PREFIX, STATE_PREFIX, is_model_tensor, param_group_key, state_key
+from swap_state.common.names import (
+    MODEL_PREFIX,
+    STATE_PREFIX,
+    is_model_tensor,
+    param_group_key,
+    state_key,
+)
 from swap_state.common.segment import TensorLayout
 from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import RankManifest, TensorRecord
@@ -285,11 +292,29 @@ def export_snapshot(
     format: str = "torch",
     *,
     snapshot_dir: str | os.PathLike[str] | None = None,
+    snapshot_store: str | None = None,
+    store_timeout_s: float | None = None,
+    progress: bool | None = None,
 ) -> ExportResult:
     """Write ``snapshot`` to ``out`` as a torch file (``format="torch"``) or a DCP directory
-    (``format="dcp"``). Raises SnapshotError subclasses (not found, corrupt, ExportError)."""
+    (``format="dcp"``). Raises SnapshotError subclasses (not found, corrupt, ExportError).
+
+    ``snapshot_store``: read the snapshot (an id) from this snapshot store instead, downloaded
+    and verified into a temporary directory beside ``out`` (:mod:`.from_store`), removed
+    afterwards; ``store_timeout_s`` bounds each request, ``progress`` its progress bar."""
     if format not in FORMATS:
         raise ExportError(f"format {format!r} is not one of {FORMATS}")
+    if snapshot_store is not None:
+        from swap_state.client.export.from_store import (
+            STORE_TIMEOUT_S,
+            check_sources,
+            downloaded_snapshot,
+        )
+
+        check_sources(snapshot_dir, snapshot_store)
+        timeout_s = store_timeout_s or STORE_TIMEOUT_S
+        with downloaded_snapshot(snapshot_store, snapshot, out, timeout_s=timeout_s, progress=progress) as local:
+            return export_snapshot(local.path, out, format)
     info, tensors, extras = _build(snapshot, snapshot_dir)
     state = {**tensors, **extras}
     out_path = pathlib.Path(out)

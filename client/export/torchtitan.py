@@ -8,8 +8,9 @@ holds references to a whole-state snapshot (:data:`MODEL_REF_KEY` for the model 
 1. reads that checkpoint (DCP, no template: it holds no big tensors) and the snapshot id;
 2. finds the snapshot under ``--snapshot-dir`` (``<dir>/<job>/step-<N>``, or one directory
    per rank, ``<dir>/rank-<r>/<job>/step-<N>``, as the embedded servers of a multi-rank job
-   keep them), verifies every checksum of every rank, and assembles DTensor shards into
-   global tensors;
+   keep them), or downloads it from ``--snapshot-store`` (:mod:`.from_store`: verified as it
+   arrives, into a temporary directory beside the output, removed afterwards); verifies every
+   checksum of every rank, and assembles DTensor shards into global tensors;
 3. writes a DCP checkpoint that plain torchtitan (``swap_optimizer = false``) loads: the
    model's state dict at the top level (torchtitan flattens the model there), ``optimizer``
    in torch's flattened optimizer format (``state.<fqn>.exp_avg`` ..., ``state.<fqn>.step``,
@@ -32,13 +33,16 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from tqdm import tqdm
-
-from swap_state.client.optim.checkpoint_template import MODEL_REF_KEY, OPTIMIZER_KEY, SNAPSHOT_REF_KEY
 from swap_state.client.export.snapshot import ExportError, read_snapshot_state
+from swap_state.client.optim.checkpoint_template import (
+    MODEL_REF_KEY,
+    OPTIMIZER_KEY,
+    SNAPSHOT_REF_KEY,
+)
 from swap_state.common.names import parse_snapshot_id
 from swap_state.common.snapshot_errors import SnapshotNotFound
 from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
+from tqdm import tqdm
 
 __all__ = ["TorchtitanExportResult", "export_torchtitan_checkpoint", "read_checkpoint"]
 
@@ -142,41 +146,71 @@ def _plain_checkpoint(checkpoint: dict[str, Any], model: dict[str, Any], optimiz
     return out
 
 
+@contextlib.contextmanager
+def _snapshot_root(
+    snapshot_id: str, snapshot_dir: str | os.PathLike[str] | None, snapshot_store: str | None,
+    out: pathlib.Path, store_timeout_s: float | None, progress: bool | None,
+) -> Iterator[pathlib.Path]:
+    """The ``--snapshot-dir`` to find the snapshot in: the given one, or a temporary one the
+    snapshot is downloaded into from ``--snapshot-store`` (removed when the block ends)."""
+    if snapshot_store is None:
+        yield pathlib.Path(snapshot_dir)  # type: ignore[arg-type]  # check_sources: one of them
+        return
+    from swap_state.client.export.from_store import STORE_TIMEOUT_S, downloaded_snapshot
+
+    with downloaded_snapshot(snapshot_store, snapshot_id, out, timeout_s=store_timeout_s or STORE_TIMEOUT_S,
+                             progress=progress) as local:
+        yield local.root
+
+
 def export_torchtitan_checkpoint(
     checkpoint_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
-    snapshot_dir: str | os.PathLike[str],
+    snapshot_dir: str | os.PathLike[str] | None = None,
     *,
+    snapshot_store: str | None = None,
+    store_timeout_s: float | None = None,
     progress: bool | None = None,
 ) -> TorchtitanExportResult:
     """Write the plain torchtitan checkpoint of a whole-state snapshot-mode one (module
-    docstring). ``out_dir`` must not exist yet. ``progress``: None shows a bar on a terminal
-    once the export takes over a second; False never. Raises SnapshotError subclasses."""
-    import torch.distributed.checkpoint as dcp
+    docstring). ``out_dir`` must not exist yet. The snapshot is read from ``snapshot_dir`` or,
+    downloaded into a temporary directory beside ``out_dir`` and verified, from the snapshot
+    store ``snapshot_store`` (exactly one of them). ``progress``: None shows a bar on a
+    terminal once the export takes over a second; False never. Raises SnapshotError subclasses."""
+    from swap_state.client.export.from_store import check_sources
 
+    check_sources(snapshot_dir, snapshot_store, required="--format torchtitan")
     source = pathlib.Path(checkpoint_dir)
     out = pathlib.Path(out_dir)
     if out.exists():
         raise ExportError(f"{out} exists already: remove it or name another output directory")
     checkpoint = read_checkpoint(source)
     snapshot_id = _snapshot_id(checkpoint, source)
-    locations = _locations(snapshot_id, pathlib.Path(snapshot_dir))
-    total = 2 * sum(info.bytes for _, info in locations)  # verified once, then read
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"export {snapshot_id}", delay=1.0,
-              disable=False if progress else None if progress is None else True) as bar:
-        state = read_snapshot_state(locations, bar)
+    with _snapshot_root(snapshot_id, snapshot_dir, snapshot_store, out, store_timeout_s, progress) as root:
+        locations = _locations(snapshot_id, root)
+        total = 2 * sum(info.bytes for _, info in locations)  # verified once, then read
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"export {snapshot_id}", delay=1.0,
+                  disable=False if progress else None if progress is None else True) as bar:
+            state = read_snapshot_state(locations, bar)
     if not state.model:
         raise ExportError(f"snapshot {snapshot_id} holds no model tensors (it was not taken with snapshot_model)")
     plain = _plain_checkpoint(checkpoint, state.model, {**state.optimizer, **state.extras})
+    _write(plain, out)
+    return TorchtitanExportResult(
+        snapshot_id, out, len(state.model), len(state.optimizer) + len(state.extras), state.ranks
+    )
+
+
+def _write(plain: dict[str, Any], out: pathlib.Path) -> None:
+    """DCP into a hidden sibling, renamed into place: never a half-written checkpoint there."""
+    import torch.distributed.checkpoint as dcp
+
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         with _single_process():
             dcp.save(plain, checkpoint_id=str(partial), no_dist=True)
-        os.rename(partial, out)  # never a half-written checkpoint under the final name
+        os.rename(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return TorchtitanExportResult(
-        snapshot_id, out, len(state.model), len(state.optimizer) + len(state.extras), state.ranks
-    )
