@@ -123,6 +123,17 @@ class SnapshotCollector(Collector):
         yield counter("swap_state_snapshot_backpressure_wait_seconds_total",
                       "Seconds trainers waited for a free copy-before-write slot.",
                       counters.backpressure_wait_seconds)
+        uploader = self.coordinator.uploader if self.coordinator is not None else None
+        if uploader is not None:
+            uploads = uploader.counters
+            yield counter("swap_state_store_ranks_stored_total", "Snapshot ranks put in the --snapshot-store.",
+                          uploads.ranks_stored)
+            yield counter("swap_state_store_ranks_failed_total", "Snapshot ranks whose upload failed.",
+                          uploads.ranks_failed)
+            yield counter("swap_state_store_bytes_total", "Bytes uploaded to the --snapshot-store.",
+                          uploads.bytes_stored)
+            yield counter("swap_state_store_upload_seconds_total", "Seconds spent uploading snapshots.",
+                          uploads.seconds)
 
 
 def snapshot_metrics(

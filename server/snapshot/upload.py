@@ -43,12 +43,14 @@ from swap_state.server.snapshot.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.store import SnapshotStore
 
-__all__ = ["StoreState", "UploadStatus", "SnapshotUploader", "UPLOAD_BLOCK_BYTES"]
+__all__ = ["StoreState", "UploadStatus", "UploadCounters", "SnapshotUploader", "UPLOAD_BLOCK_BYTES", "HISTORY"]
 
 log = logging.getLogger("swap_state.server.snapshot_upload")
 
 UPLOAD_BLOCK_BYTES = 8 << 20
 """The local file is read, checksummed and handed to the store in blocks of this size."""
+HISTORY = 256
+"""Snapshots whose upload status stays in memory (older ones are answered from the store)."""
 
 
 class StoreState(str, enum.Enum):
@@ -73,6 +75,20 @@ class UploadStatus:
     """Why it failed, naming the store's URI (empty unless failed)."""
 
 
+@dataclasses.dataclass
+class UploadCounters:
+    """Totals since the server started, for the metrics endpoint."""
+
+    ranks_stored: int = 0
+    """Ranks whose files and marker were put in the store."""
+    ranks_failed: int = 0
+    """Ranks whose upload failed."""
+    bytes_stored: int = 0
+    """Bytes put in the store."""
+    seconds: float = 0.0
+    """Seconds spent uploading (snapshots' upload wall time)."""
+
+
 class SnapshotUploader:
     """Uploads durable local snapshots to the store, one worker thread (call order above)."""
 
@@ -83,7 +99,8 @@ class SnapshotUploader:
         self._local = local
         self._limiter = BandwidthLimiter(max_bandwidth)
         self._queue: queue.Queue[tuple[SnapshotInfo, int | None] | None] = queue.Queue()
-        self._statuses: dict[tuple[str, int], dict[int, UploadStatus]] = {}
+        self._statuses: dict[tuple[str, int], dict[int, UploadStatus]] = {}  # the last HISTORY
+        self.counters = UploadCounters()
         self._cond = threading.Condition()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._work, name="snapshot-upload", daemon=True)
@@ -111,9 +128,12 @@ class SnapshotUploader:
     def submit(self, info: SnapshotInfo, keep: int | None) -> None:
         """Upload a durable local snapshot's ranks, then apply ``keep`` (None: keep all)."""
         with self._cond:
+            self._statuses.pop((info.job_id, info.step), None)
             self._statuses[(info.job_id, info.step)] = {
                 rank: UploadStatus(StoreState.UPLOADING, _rank_bytes(info, rank)) for rank in info.ranks
             }
+            while len(self._statuses) > HISTORY:  # the oldest first (dicts keep insertion order)
+                del self._statuses[next(iter(self._statuses))]
             self._cond.notify_all()
         self._queue.put((info, keep))
 
@@ -197,7 +217,10 @@ class SnapshotUploader:
                 self._fail(info, rank, exc)
                 return
             self._set(info, rank, state=StoreState.STORED)
+            self.counters.ranks_stored += 1
         seconds = time.monotonic() - begin
+        self.counters.bytes_stored += info.bytes
+        self.counters.seconds += seconds
         log_event(log, "snapshot_stored", snapshot_id=info.snapshot_id, ranks=list(info.ranks),
                   store=self.uri, bytes=info.bytes, seconds=round(seconds, 3),
                   bytes_per_s=int(info.bytes / seconds) if seconds > 0 else None)
@@ -296,6 +319,7 @@ class SnapshotUploader:
             for status in self._statuses.get((info.job_id, info.step), {}).values():
                 if status.state is StoreState.UPLOADING:
                     status.state, status.error = StoreState.FAILED, error
+                    self.counters.ranks_failed += 1
             self._cond.notify_all()
 
 

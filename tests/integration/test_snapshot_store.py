@@ -22,6 +22,7 @@ from swap_state.common.retry import wait_until
 from swap_state.common.stored_snapshots import StoredSnapshots
 
 from snapshot_kit import params_copy, reference, swap_state_cli
+from .test_server_metrics import _free_port, _scrape
 from .workload import Workload, build, mismatches, remote, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -164,9 +165,10 @@ def test_an_unreachable_store_fails_stored_naming_it_while_the_snapshot_stays_du
         container.close()
 
 
-def test_snapshots_cli_shows_both_tiers(start_server, hosts_shm, tmp_path):
+def test_snapshots_cli_and_metrics_show_both_tiers(start_server, hosts_shm, tmp_path):
     store = tmp_path / "store"
-    server = _host(start_server, hosts_shm, tmp_path, "solo", str(store))
+    port = _free_port()
+    server = _host(start_server, hosts_shm, tmp_path, "solo", str(store), "--metrics-port", f"127.0.0.1:{port}")
     w = Workload()
     model = build(w)
     container = remote(w, model, server.address, "tiers")
@@ -175,6 +177,9 @@ def test_snapshots_cli_shows_both_tiers(start_server, hosts_shm, tmp_path):
         container.snapshot().wait_stored(timeout_s=60)
     finally:
         container.close()
+    metrics = _scrape(port)
+    assert (metrics["swap_state_store_ranks_stored_total"], metrics["swap_state_store_ranks_failed_total"]) == (1, 0)
+    assert metrics["swap_state_store_bytes_total"] > 0
     listed = swap_state_cli("snapshots", "--server", server.address, "--job-id", "tiers")
     assert listed.returncode == 0, listed.stderr
     assert "tiers/step-2" in listed.stdout and "local+store" in listed.stdout, listed.stdout
