@@ -19,11 +19,9 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Self
@@ -119,37 +117,10 @@ def _remote(base, address: str, job: str, rank: int = 0, world: int = 1) -> Vari
     return Variant("remote", model, optimizer, x, lambda: None)
 
 
-@contextlib.contextmanager
-def _moto(log_path: str):
-    """moto's S3 server as tests/store_kit starts it but logging to a file: store_kit's moto blocks once
-    its unread stderr pipe fills with ~64 KiB of request lines (~840 requests; a bench makes thousands)."""
-    url = f"http://127.0.0.1:{store_kit._free_port()}"
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", url.rsplit(":", 1)[1]],
-                                stdout=subprocess.DEVNULL, stderr=log_file)
-
-    def up() -> bool:
-        with contextlib.suppress(OSError):
-            urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
-            return True
-        return proc.poll() is not None
-
-    try:
-        if not wait_until(up, timeout_s=30.0) or proc.poll() is not None:
-            raise RuntimeError(f"moto server did not start: {Path(log_path).read_text()[-2000:]}")
-        yield url
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-        proc.kill()  # nothing when it has exited
-        proc.wait()
-
-
 def _store_uri(kind: str, work: str, stack: contextlib.ExitStack) -> str:
     if kind == "path":
         return os.path.join(work, "store")
-    endpoint = stack.enter_context(_moto(os.path.join(work, "moto.log")))
+    endpoint = stack.enter_context(store_kit.moto_endpoint(os.path.join(work, "moto.log")))
     os.environ.update(store_kit.aws_env(endpoint))  # the servers started afterwards inherit them
     bucket = f"swap-state-bench-{os.getpid()}"
     store_kit.create_bucket(endpoint, bucket)
