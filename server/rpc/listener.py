@@ -2,7 +2,8 @@
 
 A lock file next to the socket (``<socket>.lock``, flock'd for the server's lifetime) makes the
 check race-free: two servers started at the same moment cannot both pass it, and a server that
-died (even by SIGKILL) releases it. With the lock held, a socket file still at the path is stale
+died (even by SIGKILL) releases it. A clean stop removes it (a starter checks that the file it
+locked is still the one at the path). With the lock held, a socket file still at the path is stale
 (unless something that is not a swap-state server answers on it, which we refuse to clobber).
 """
 
@@ -44,26 +45,36 @@ class SocketGuard:
                 f"cannot create {self.path.parent} for the socket: {exc.strerror}; pass "
                 "--listen unix:///some/writable/dir/swap-state.sock"
             ) from None
-        try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        except OSError as exc:
-            raise StartupError(f"cannot open lock file {self.lock_path}: {exc.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise StartupError(
-                    f"another swap-state-server is already running on unix://{self.path} "
-                    f"(it holds {self.lock_path}); stop it first or pass another --listen"
-                ) from None
-            raise
+        fd = self._lock()
         self._lock_fd = fd
         try:
             self._clear_stale()
         except BaseException:
             self.release()
             raise
+
+    def _lock(self) -> int:
+        """An exclusive flock on the lock file that is at :attr:`lock_path` now: a file locked
+        but unlinked meanwhile (a server stopping) does not count, so take the new one."""
+        for _ in range(10):
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            except OSError as exc:
+                raise StartupError(f"cannot open lock file {self.lock_path}: {exc.strerror}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise StartupError(
+                        f"another swap-state-server is already running on unix://{self.path} "
+                        f"(it holds {self.lock_path}); stop it first or pass another --listen"
+                    ) from None
+                raise
+            if _same_file(fd, self.lock_path):
+                return fd
+            os.close(fd)  # unlinked by the server that held it: lock the file there now
+        raise StartupError(f"the lock file {self.lock_path} keeps changing; is another server starting?")
 
     def _clear_stale(self) -> None:
         try:
@@ -112,6 +123,20 @@ class SocketGuard:
                     os.unlink(self.path)
             self._inode = None
         if self._lock_fd is not None:
-            # The lock file stays: unlinking it would let a racing starter lock a dead inode.
+            # Unlinked while still locked: a starter that opened this file before the unlink
+            # sees it is no longer at the path once it gets the lock, and takes the new one.
+            if _same_file(self._lock_fd, self.lock_path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.lock_path)
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _same_file(fd: int, path: pathlib.Path) -> bool:
+    """Whether ``path`` still names the file open at ``fd``."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (info.st_dev, info.st_ino) == (mine.st_dev, mine.st_ino)

@@ -192,6 +192,10 @@ def test_second_server_on_the_same_socket_is_refused(server_process, shm_dir, so
     assert "already running" in second.output
     first.wait_ready(sock, timeout=5)  # untouched and still serving
     assert first.terminate() == 0
+    assert sorted(p.name for p in sock_dir.iterdir()) == []  # a clean stop leaves no socket, no lock
+    third = server_process(base_args(shm_dir, sock))  # and the path is free again
+    third.wait_ready(sock)
+    assert third.terminate() == 0
 
 
 def test_stale_socket_is_replaced_and_a_foreign_file_is_not(server_process, shm_dir, sock_dir):
