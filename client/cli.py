@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     snaps = sub.add_parser("snapshots", help="list durable snapshots, in the server's --snapshot-dir and its --snapshot-store")
     _add_server_args(snaps)
     snaps.add_argument("--job-id", default="", help="only this job (default: all)")
+    snaps.add_argument(
+        "snapshot", nargs="?", default="", metavar="SNAPSHOT",
+        help="only this snapshot: an id such as run1/step-1000 (the step with or without the "
+        "directory's zero padding: run1/step-000000001000 is the same) or run1/latest; "
+        "step-1000 or latest with --job-id",
+    )  # fmt: skip
     export = sub.add_parser(
         "export",
         help="write a snapshot as a standard torch or DCP checkpoint, or a snapshot-mode "
@@ -67,6 +73,31 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.3f} GiB"
 
 
+def _amount(n: int) -> str:
+    """GiB like the rest of the line, unless that would read 0.000 (small copy slots)."""
+    from swap_state.common.sizes import format_size
+
+    return _gib(n) if n == 0 or n >= (1 << 30) // 2000 else format_size(n)
+
+
+def budget_rest(stats) -> str:
+    """The budget that is neither used nor free, said: ``free F; P held for the
+    copy-before-write pool (--cow-budget)`` (the pool's slots sessions hold count as used), and
+    what restores hold while they run."""
+    parts = [f"free {_gib(stats.budget_free_bytes)}"]
+    held = stats.budget_total_bytes - stats.budget_used_bytes - stats.budget_free_bytes
+    pool_held = stats.cow_pool_bytes - stats.cow_pool_used_bytes
+    if stats.cow_pool_bytes:
+        pool = f"{_amount(pool_held)} held for the copy-before-write pool (--cow-budget)"
+        if stats.cow_pool_used_bytes:
+            pool += f", whose other {_amount(stats.cow_pool_used_bytes)} are sessions' copy slots (in used)"
+        parts.append(pool)
+    if held > pool_held:  # a server without the pool fields says nothing of it: all is "held"
+        what = "restores in progress" if stats.cow_pool_bytes else "the copy-before-write pool (--cow-budget) and restores"
+        parts.append(f"{_amount(held - pool_held)} held by {what}")
+    return "; ".join(parts)
+
+
 def _status(args) -> int:
     client = _client(args)
     try:
@@ -75,7 +106,7 @@ def _status(args) -> int:
         client.close()
     print(
         f"budget: used {_gib(stats.budget_used_bytes)} / {_gib(stats.budget_total_bytes)} "
-        f"(free {_gib(stats.budget_free_bytes)}); steps committed: {stats.steps_committed_total}"
+        f"({budget_rest(stats)}); steps committed: {stats.steps_committed_total}"
     )
     if stats.stage_threads or stats.persist_bytes_per_second:
         how = "measured" if stats.persist_bandwidth_measured else "assumed"
@@ -111,12 +142,23 @@ def _status(args) -> int:
 
 
 def _snapshots(args) -> int:
+    from swap_state.common.errors import InvalidArgument
+    from swap_state.common.names import parse_snapshot_id
+
+    ref = None
+    if args.snapshot:
+        try:
+            ref = parse_snapshot_id(args.snapshot, args.job_id or None)
+        except InvalidArgument as e:
+            print(f"swap-state snapshots: {e}", file=sys.stderr)
+            return 2
     client = _client(args)
     try:
-        reply = client.list_snapshots(args.job_id)
+        reply = client.list_snapshots(ref.job_id if ref else args.job_id)
     finally:
         client.close()
-    for snap in reply.snapshots:
+    snapshots = [s for s in reply.snapshots if ref is None or (s.latest if ref.latest else s.step == ref.step)]
+    for snap in snapshots:
         marker = " (latest)" if snap.latest else ""
         held = list(snap.ranks)
         if held and len(held) < snap.world_size:
@@ -124,8 +166,8 @@ def _snapshots(args) -> int:
         else:
             ranks = f"{snap.world_size} ranks"
         print(f"{snap.snapshot_id}\t{ranks}\t{_gib(snap.bytes)}\t{_where(snap)}{marker}")
-    if not reply.snapshots:
-        print("no snapshots")
+    if not snapshots:
+        print(f"no snapshot {ref}" if ref is not None else "no snapshots")
     return 0
 
 

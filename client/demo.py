@@ -10,8 +10,9 @@ bitwise equal to plain AdamW's.
 
 Restarting: ``--state-dir`` keeps the model parameters of recent steps and of every snapshot
 step, so a restarted trainer continues with ``--resume reattach`` (the server kept the
-moments: within --grace), ``--resume latest`` (restore the latest snapshot) or ``--resume
-auto`` (reattach, else latest, else from scratch).
+moments: within --grace), ``--resume latest`` (restore the latest snapshot), ``--resume
+auto`` (reattach, else latest, else from scratch) or ``--resume <job>/step-<N>`` (restore that
+snapshot; ``demo/step-25`` and ``demo/step-000000000025`` name the same one).
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from swap_state.client.remote.embedded import EmbeddedServerConfig
+from swap_state.common.errors import InvalidArgument
+from swap_state.common.names import parse_snapshot_id
 
 __all__ = ["DemoConfig", "TinyLM", "main", "run"]
+
+#: ``--resume`` besides a snapshot id.
+RESUME_MODES = ("none", "reattach", "latest", "auto")
 
 
 @dataclasses.dataclass
@@ -47,7 +53,7 @@ class DemoConfig:
     snapshot_every: int = 5
     """Take a server-side snapshot every N steps (0: never)."""
     resume: str = "none"
-    """none | reattach | latest | auto."""
+    """none | reattach | latest | auto, or a snapshot id (``demo/step-25``, ``step-25``)."""
     state_dir: str | None = None
     """Where model parameters are kept for restarts; None: nowhere."""
     report: str | None = None
@@ -197,28 +203,44 @@ class ModelStore:
     def has(self, step: int) -> bool:
         return bool(self.dir) and any(os.path.exists(self._path(k, step)) for k in ("step", "snap"))
 
-    def load(self, model: nn.Module, step: int) -> None:
+    def require(self, mode: str) -> None:
+        """Refuse to resume (``--resume mode``) without a --state-dir, saying what it is for."""
+        if not self.dir:
+            raise SystemExit(
+                f"demo: --resume {mode}: --state-dir was not given. It is the directory where "
+                "the demo keeps the model parameters of its recent steps and of its snapshot "
+                "steps (the server holds only the optimizer state), so a restarted demo needs "
+                "the --state-dir of the run it continues; --resume none starts over"
+            )
+
+    def load(self, model: nn.Module, step: int, mode: str = "auto") -> None:
+        self.require(mode)
         for kind in ("step", "snap"):
-            if self.dir and os.path.exists(self._path(kind, step)):
+            if os.path.exists(self._path(kind, step)):
                 model.load_state_dict(torch.load(self._path(kind, step), weights_only=True))
                 return
         raise SystemExit(
-            f"demo: no model parameters for step {step} in --state-dir {self.dir!r}; cannot resume there"
+            f"demo: --resume {mode}: --state-dir {self.dir} has no model parameters of step "
+            f"{step} (it keeps the last two steps and the last {self.KEEP_SNAPSHOTS} snapshot "
+            "steps of the run that used it): was it another run's --state-dir?"
         )
 
 
-def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> int:
-    """Where a restarted demo continues: the server's kept moments when the model parameters
-    of that step were saved too, else (``auto``/``latest``) the latest snapshot."""
+def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> tuple[int, str]:
+    """Where a restarted demo continues, and from what: the server's kept moments when the
+    model parameters of that step were saved too, else (``auto``/``latest``) the latest
+    snapshot, or the snapshot ``--resume`` names."""
     mode = cfg.resume
     if mode == "none":
-        return 0
+        return 0, "a fresh start"
+    if mode not in RESUME_MODES:
+        return _restore(container, cfg, model, store, mode)
     kept = container.resumed_step
     if kept is not None and mode in ("reattach", "auto"):
-        if store.has(kept):
+        if store.has(kept) or not store.dir:  # without --state-dir, load says what it is for
+            store.load(model, kept, mode)
             print(f"reattached: the server kept the moments of step {kept}")
-            store.load(model, kept)
-            return kept
+            return kept, "the moments the server kept"
         why = (
             f"the server kept the moments of step {kept}, but --state-dir has no model "
             "parameters of that step (the trainer died between its commit and its save)"
@@ -227,20 +249,42 @@ def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> 
             raise SystemExit(f"demo: --resume reattach: {why}; --resume auto restores the latest snapshot")
         print(f"{why}: restoring the latest snapshot")
     elif mode == "reattach":
-        if container._torn_step is not None:
-            raise SystemExit(f"demo: --resume reattach: {container._torn_message()} (--resume auto does that)")
-        raise SystemExit("demo: --resume reattach, but the server has no state for this job/rank")
+        raise SystemExit(_nothing_to_reattach(container, cfg))
     if _has_snapshot(container):
-        step = container.restore("latest")
-        print(f"restored the latest snapshot: step {step}")
-        store.load(model, step)
-        return step
+        return _restore(container, cfg, model, store, "latest")
     if mode == "latest" or kept is not None or container._torn_step is not None:
         raise SystemExit(
             f"demo: --resume {mode}: job {cfg.job_id!r} has no snapshot to restore; "
             "start over with a new --job-id"
         )
-    return 0
+    return 0, "a fresh start"
+
+
+def _restore(container, cfg: DemoConfig, model: nn.Module, store: ModelStore, snapshot_id: str) -> tuple[int, str]:
+    """Restore ``snapshot_id`` (``latest``, or an id in either spelling) and its step's
+    parameters; the restored snapshot is named by its short id."""
+    store.require(cfg.resume)
+    step = container.restore(snapshot_id)
+    named = f"{parse_snapshot_id(snapshot_id, cfg.job_id).job_id}/step-{step}"
+    print(f"restored {'the latest snapshot' if snapshot_id == 'latest' else 'snapshot ' + named}: step {step}")
+    store.load(model, step, cfg.resume)
+    return step, f"snapshot {named}"
+
+
+def _nothing_to_reattach(container, cfg: DemoConfig) -> str:
+    """``--resume reattach`` and the server kept nothing usable: why, and what to do instead."""
+    if container._torn_step is not None:
+        return f"demo: --resume reattach: {container._torn_message()} (--resume auto does that)"
+    why = container.session.previous_session or (
+        "it holds none (a restarted server, a first run of this --job-id, or more than the "
+        "server's --grace seconds since the last trainer of this job went away)"
+    )
+    return (
+        f"demo: --resume reattach: the server has no state for job {cfg.job_id!r} rank "
+        f"{container.session.rank}: {why}. Restore a snapshot instead (--resume latest, or "
+        "--resume auto: reattach, else restore), or start the server with a longer --grace so "
+        "that a restarted trainer finds its state"
+    )
 
 
 def _segment_bytes(container) -> int:
@@ -286,7 +330,8 @@ def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> 
         where += " (a private server started for this demo)"
     print(f"swap-state-server: {where}")
     store = ModelStore(cfg.state_dir)
-    start_step = _resume(container, cfg, model, store)
+    start_step, source = _resume(container, cfg, model, store)
+    _check_steps_left(cfg, start_step, source)
     handles = []
     times = []
     for step in range(start_step + 1, cfg.steps + 1):
@@ -313,13 +358,30 @@ def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> 
     return result
 
 
+def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:
+    """A resumed state past ``--steps`` has nothing left to train, and no plain AdamW run of
+    ``--steps`` steps to compare with: say so rather than report a mismatch."""
+    if start_step > cfg.steps:
+        raise SystemExit(
+            f"demo: nothing left to train: the run resumed at step {start_step} ({source}) and "
+            f"--steps {cfg.steps} is the step to reach; give --steps above {start_step} to "
+            "train on"
+        )
+    if start_step == cfg.steps and start_step:
+        print(f"nothing left to train: resumed at step {start_step} = --steps ({source}); "
+              "checking the state against plain AdamW's")
+
+
 def _summarize(cfg, container, model, reference_digest, plain_times, times) -> dict:
     final = digest(model, _moments_of(container, model))
     stats = container.server_stats()
     plain_ms = statistics.median(plain_times) * 1e3
-    remote_ms = statistics.median(times) * 1e3 if times else float("nan")
-    print(f"median step: plain AdamW {plain_ms:.2f} ms, swap-state remote {remote_ms:.2f} ms "
-          f"(ratio {remote_ms / plain_ms:.2f})")
+    remote_ms = statistics.median(times) * 1e3 if times else None
+    if remote_ms is None:
+        print(f"median step: plain AdamW {plain_ms:.2f} ms; swap-state remote: no step trained in this run")
+    else:
+        print(f"median step: plain AdamW {plain_ms:.2f} ms, swap-state remote {remote_ms:.2f} ms "
+              f"(ratio {remote_ms / plain_ms:.2f})")
     print(f"server budget used {stats.budget_used_bytes / 2**20:.2f} MiB of {stats.budget_total_bytes / 2**20:.0f} MiB")
     equal = final == reference_digest
     print("parameters and moments bitwise equal to plain AdamW:", "yes" if equal else "NO")
@@ -338,6 +400,35 @@ def _summarize(cfg, container, model, reference_digest, plain_times, times) -> d
     return result
 
 
+_HELP = {
+    "steps": "the step to train up to (a resumed run trains from the step it resumed at)",
+    "state_dir": "where the demo keeps what a restart needs besides the server's optimizer "
+    "state: the model parameters of its last two steps and of its last few snapshot steps "
+    "(model-*.pt), and with its private server (no --server) that server's snapshots "
+    "(DIR/snapshots). Give the same --state-dir to a restarted demo; every --resume but none "
+    "needs it",
+    "resume": "how a restarted demo continues: none: from scratch; reattach: the optimizer "
+    "state the server kept for this --job-id and rank (the previous trainer went away less "
+    "than the server's --grace ago); latest: restore the job's latest snapshot (e.g. after a "
+    "server restart); auto: reattach, else latest, else from scratch; or a snapshot id to "
+    "restore that snapshot: demo/step-25, or step-25 of --job-id (step-000000000025, the "
+    "directory's spelling, names the same one)",
+}
+
+
+def _resume_arg(text: str) -> str:
+    if text in RESUME_MODES:
+        return text
+    try:
+        parse_snapshot_id(text, "job")  # the form only: --job-id may come later
+    except InvalidArgument:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is none of {', '.join(RESUME_MODES)}, nor a snapshot id such as "
+            "demo/step-25 (or demo/step-000000000025) or step-25"
+        ) from None
+    return text
+
+
 def parse_args(argv: list[str] | None) -> DemoConfig:
     parser = argparse.ArgumentParser(prog="python -m swap_state.client.demo", description=__doc__.split("\n\n")[0])
     defaults = DemoConfig()
@@ -345,10 +436,10 @@ def parse_args(argv: list[str] | None) -> DemoConfig:
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         kind = type(default) if default is not None else str
-        kwargs = dict(default=default, help=f"(default: {default})")
+        help_text = f"{_HELP[f.name]} (default: {default})" if f.name in _HELP else f"(default: {default})"
         if f.name == "resume":
-            kwargs["choices"] = ("none", "reattach", "latest", "auto")
-        parser.add_argument(flag, type=kind, **kwargs)
+            kind = _resume_arg
+        parser.add_argument(flag, type=kind, default=default, help=help_text.replace("%", "%%"))
     return DemoConfig(**vars(parser.parse_args(argv)))
 
 

@@ -2,7 +2,9 @@
 
 Job ids become directory names and metric labels, so they are restricted; snapshot ids are
 ``<job>/step-<N>`` (the protocol form, no zero padding), ``<job>/latest``, or ``step-<N>`` /
-``latest`` relative to a job. Flat keys are the seed's optimizer state-dict keys:
+``latest`` relative to a job. Wherever a step is named, both spellings are accepted: the short
+one (``demo/step-25``, what is printed) and the directory's (``demo/step-000000000025``, any
+zero padding). Flat keys are the seed's optimizer state-dict keys:
 ``state.<fqn>.<key>`` and ``param_groups.<fqn>.<hyperparameter>``. A whole-state snapshot
 also holds the model: segment tensors ``model.<fqn>`` (a parameter or persistent buffer under
 its model state-dict fqn), after every other tensor of the segment.
@@ -95,7 +97,8 @@ def parse_snapshot_id(
     match = _SNAPSHOT_ID.fullmatch(snapshot_id) if isinstance(snapshot_id, str) else None
     if match is None:
         raise error(
-            f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>', '<job>/latest' or 'latest'"
+            f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>' (e.g. demo/step-25 or "
+            "demo/step-000000000025), '<job>/latest' or 'latest'"
         )
     job = match.group("job") or job_id
     if job is None:

@@ -191,7 +191,8 @@ class ServerConfig:
             raise ConfigError(message)
 
         if not isinstance(self.shm_size, int) or self.shm_size <= 0:
-            fail("--shm-size must be a positive size, e.g. --shm-size 64G")
+            got = format_size(self.shm_size) if isinstance(self.shm_size, int) else repr(self.shm_size)
+            fail(f"--shm-size must be positive, e.g. --shm-size 64G (got {got})")
         listen = parse_address(self.listen)  # raises ConfigError
         if listen.scheme == "tcp":
             if (self.tls_cert is None) != (self.tls_key is None):

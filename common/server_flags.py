@@ -17,6 +17,8 @@ import dataclasses
 import functools
 import inspect
 import pathlib
+import re
+import sys
 import textwrap
 import types
 import typing
@@ -30,6 +32,7 @@ from .sizes import KiB, MiB, GiB, TiB, parse_size
 __all__ = [
     "UserFlag",
     "add_server_flags",
+    "attach_negative_values",
     "config_from_args",
     "config_to_argv",
     "field_docs",
@@ -173,10 +176,16 @@ def format_size_flag(nbytes: int) -> str:
 
 
 def _size(text: str) -> int:
+    """A size; a negative one (``-5G``) parses too, so that the config refuses it with the
+    flag's own rule (``--shm-size must be positive``) rather than "not a size"."""
+    stripped = text.strip()
+    sign = -1 if stripped.startswith("-") else 1
     try:
-        return parse_size(text.removesuffix("/s"))
+        return sign * parse_size(stripped.removeprefix("-").removesuffix("/s"))
     except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(
+            str(exc) if sign > 0 else f"not a size: {text!r} (expected e.g. 512M, 64G or 1T)"
+        ) from None
 
 
 def _seconds(text: str) -> float:
@@ -249,12 +258,40 @@ def parse_server_argv(
     if parser is None:
         parser = argparse.ArgumentParser(prog="swap-state-server")
         add_server_flags(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(attach_negative_values(sys.argv[1:] if argv is None else argv))
     try:
         return config_from_args(args)
     except ConfigError as exc:
         parser.error(str(exc))
         raise AssertionError("unreachable") from None  # parser.error exits
+
+
+_NEGATIVE = re.compile(r"-\d")
+
+
+def attach_negative_values(argv: list[str]) -> list[str]:
+    """``--shm-size -5G`` -> ``--shm-size=-5G``. argparse takes a value that starts with '-'
+    and is not a plain number for an option ("expected one argument"); attached to its flag it
+    reaches the flag's parser, and the config refuses it with the flag's rule."""
+    takes_value = {flag.option for flag in user_flags() if flag.kind != "switch"}
+    out: list[str] = []
+    items = iter(argv)
+    for arg in items:
+        if arg == "--":
+            out.append(arg)
+            out.extend(items)
+            break
+        if arg in takes_value:
+            value = next(items, None)
+            if value is not None and _NEGATIVE.match(value):
+                out.append(f"{arg}={value}")
+                continue
+            out.append(arg)
+            if value is not None:
+                out.append(value)
+            continue
+        out.append(arg)
+    return out
 
 
 # ---------------------------------------------------------------------------------- the reverse

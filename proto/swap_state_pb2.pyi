@@ -67,7 +67,7 @@ class AttachRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_host: _Optional[str] = ..., local_world_size: _Optional[int] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("session_id", "generation", "reattached", "has_segment", "segment", "last_committed_step", "has_committed_step", "keepalive_interval_ms")
+    __slots__ = ("session_id", "generation", "reattached", "has_segment", "segment", "last_committed_step", "has_committed_step", "keepalive_interval_ms", "previous_session")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REATTACHED_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class AttachReply(_message.Message):
     LAST_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     HAS_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     KEEPALIVE_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_SESSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     generation: int
     reattached: bool
@@ -84,7 +85,8 @@ class AttachReply(_message.Message):
     last_committed_step: int
     has_committed_step: bool
     keepalive_interval_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., generation: _Optional[int] = ..., reattached: _Optional[bool] = ..., has_segment: _Optional[bool] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., last_committed_step: _Optional[int] = ..., has_committed_step: _Optional[bool] = ..., keepalive_interval_ms: _Optional[int] = ...) -> None: ...
+    previous_session: str
+    def __init__(self, session_id: _Optional[str] = ..., generation: _Optional[int] = ..., reattached: _Optional[bool] = ..., has_segment: _Optional[bool] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., last_committed_step: _Optional[int] = ..., has_committed_step: _Optional[bool] = ..., keepalive_interval_ms: _Optional[int] = ..., previous_session: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("session_id", "generation")
@@ -191,7 +193,7 @@ class SessionStats(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., has_committed_step: _Optional[bool] = ..., steps_committed: _Optional[int] = ..., orphaned_seconds: _Optional[float] = ..., local_world_size: _Optional[int] = ..., copy_slot_bytes: _Optional[int] = ..., copy_budget_needed_bytes: _Optional[int] = ..., copy_budget_warning: _Optional[str] = ..., model_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("budget_total_bytes", "budget_used_bytes", "budget_free_bytes", "sessions", "steps_committed_total", "snapshots_in_progress", "persist_bytes_per_second", "persist_bandwidth_measured", "assumed_fwd_bwd_seconds", "stage_threads")
+    __slots__ = ("budget_total_bytes", "budget_used_bytes", "budget_free_bytes", "sessions", "steps_committed_total", "snapshots_in_progress", "persist_bytes_per_second", "persist_bandwidth_measured", "assumed_fwd_bwd_seconds", "stage_threads", "cow_pool_bytes", "cow_pool_used_bytes")
     BUDGET_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +204,8 @@ class StatsReply(_message.Message):
     PERSIST_BANDWIDTH_MEASURED_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_FWD_BWD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STAGE_THREADS_FIELD_NUMBER: _ClassVar[int]
+    COW_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COW_POOL_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     budget_total_bytes: int
     budget_used_bytes: int
     budget_free_bytes: int
@@ -212,7 +216,9 @@ class StatsReply(_message.Message):
     persist_bandwidth_measured: bool
     assumed_fwd_bwd_seconds: float
     stage_threads: int
-    def __init__(self, budget_total_bytes: _Optional[int] = ..., budget_used_bytes: _Optional[int] = ..., budget_free_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., steps_committed_total: _Optional[int] = ..., snapshots_in_progress: _Optional[_Iterable[_Union[SnapshotStatusReply, _Mapping]]] = ..., persist_bytes_per_second: _Optional[float] = ..., persist_bandwidth_measured: _Optional[bool] = ..., assumed_fwd_bwd_seconds: _Optional[float] = ..., stage_threads: _Optional[int] = ...) -> None: ...
+    cow_pool_bytes: int
+    cow_pool_used_bytes: int
+    def __init__(self, budget_total_bytes: _Optional[int] = ..., budget_used_bytes: _Optional[int] = ..., budget_free_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., steps_committed_total: _Optional[int] = ..., snapshots_in_progress: _Optional[_Iterable[_Union[SnapshotStatusReply, _Mapping]]] = ..., persist_bytes_per_second: _Optional[float] = ..., persist_bandwidth_measured: _Optional[bool] = ..., assumed_fwd_bwd_seconds: _Optional[float] = ..., stage_threads: _Optional[int] = ..., cow_pool_bytes: _Optional[int] = ..., cow_pool_used_bytes: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ("session_id", "generation", "step", "metadata_json", "keep_latest", "keep_all", "replace_existing")

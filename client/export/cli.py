@@ -19,8 +19,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``swap-state export`` (also ``python -m swap_state.client.export``)."""
     parser.add_argument(
         "snapshot",
-        help="a snapshot directory (e.g. /snapshots/run1/step-000000001000), or with "
-        "--snapshot-dir or --snapshot-store an id such as run1/step-1000 or run1/latest; with "
+        help="a snapshot directory (e.g. /snapshots/run1/step-000000001000, or "
+        "/snapshots/run1/step-1000: a step may be written with or without the directory's zero "
+        "padding, here and in ids), or with --snapshot-dir or --snapshot-store an id such as "
+        "run1/step-1000 or run1/latest; with "
         "--format torchtitan a torchtitan checkpoint directory saved in snapshot mode (e.g. "
         "outputs/checkpoint/step-1000)",
     )

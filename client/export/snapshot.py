@@ -45,6 +45,7 @@ from swap_state.common.names import (
     STATE_PREFIX,
     is_model_tensor,
     param_group_key,
+    parse_snapshot_id,
     state_key,
 )
 from swap_state.common.segment import TensorLayout
@@ -185,14 +186,26 @@ class _Assembler:
 
 
 def _resolve(snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str] | None) -> tuple[SnapshotReader, SnapshotInfo]:
+    """A snapshot id under ``snapshot_dir``, else a path ``<snapshot-dir>/<job>/step-<N>``
+    with the step in either spelling: the directory's (``step-000000000025``) or the short
+    one (``step-25``, which names the same directory), or ``<job>/latest``."""
     if snapshot_dir is not None:
         reader = SnapshotReader(snapshot_dir)
         return reader, reader.resolve(os.fspath(snapshot))
     path = pathlib.Path(os.path.abspath(snapshot))
-    if not path.is_dir():
-        raise ExportError(f"{path} is not a snapshot directory (<snapshot-dir>/<job>/step-<N>)")
+    snapshot_id = f"{path.parent.name}/{path.name}"
+    try:
+        parse_snapshot_id(snapshot_id, error=ExportError)
+    except ExportError:
+        snapshot_id = None
+    if snapshot_id is None or not (path.is_dir() or path.parent.is_dir()):
+        raise ExportError(
+            f"{path} is not a snapshot directory (<snapshot-dir>/<job>/step-<N>, e.g. "
+            "/snapshots/demo/step-25 or /snapshots/demo/step-000000000025); an id such as "
+            "demo/step-25 needs --snapshot-dir (or --snapshot-store)"
+        )
     reader = SnapshotReader(path.parent.parent)
-    return reader, reader.resolve(f"{path.parent.name}/{path.name}")
+    return reader, reader.resolve(snapshot_id)
 
 
 @dataclasses.dataclass

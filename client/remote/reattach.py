@@ -75,6 +75,9 @@ class ReattachCheck:
             log.warning("%s", self._torn_message())
         elif reused:
             self._resume_kept_step()
+        elif getattr(self._c.session, "previous_session", ""):
+            # A fresh segment where the job may have expected its kept state: say why.
+            log.info("no swap-state optimizer state kept for this trainer: %s", self._c.session.previous_session)
 
     def _resume_kept_step(self) -> None:
         """The step the kept segment holds is the one its group steps say (written with the

@@ -193,6 +193,16 @@ class SwapStateClient:
         self._channel.close()
 
 
+#: What a trainer whose KeepAlive stream failed should do next, by the stream's status code.
+_LOST_NEXT = {
+    # The server answered: it freed the session (the details say when and why).
+    grpc.StatusCode.NOT_FOUND: "restart the trainer and restore a snapshot (--resume latest in "
+    "the demo, container.restore('latest')), or give the server a longer --grace",
+    None: "the optimizer state on the server may be gone: restore from a snapshot after "
+    "restarting the server",
+}
+
+
 class RemoteSession:
     """One attached (job_id, rank) session; owns the keep-alive thread."""
 
@@ -214,6 +224,9 @@ class RemoteSession:
         self.session_id = reply.session_id
         self.generation = reply.generation
         self.reattached = reply.reattached
+        self.previous_session: str = reply.previous_session
+        """Not reattached: why the server holds no state for this job/rank, when it knows (it
+        freed an earlier session of theirs, e.g. after its --grace); "" otherwise."""
         self.segment: pb.SegmentInfo | None = reply.segment if reply.has_segment else None
         self.last_committed_step: int | None = (
             reply.last_committed_step if reply.has_committed_step else None
@@ -244,9 +257,8 @@ class RemoteSession:
                     continue  # the 24 h stream deadline: renew
                 self._lost = SessionLostError(
                     f"lost the swap-state session {self.job_id}/rank {self.rank} at "
-                    f"{self.client.config.address}: {e.code().name}: {e.details()}; the "
-                    "optimizer state on the server may be gone: restore from a snapshot "
-                    "after restarting the server",
+                    f"{self.client.config.address}: {e.code().name}: {e.details()}; "
+                    f"{_LOST_NEXT.get(e.code(), _LOST_NEXT[None])}",
                     e.code(),
                 )
                 return

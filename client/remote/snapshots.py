@@ -245,14 +245,15 @@ class SnapshotClient:
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
     def _snapshot_handle_for(self, snapshot_id: str) -> SnapshotHandle | None:
-        """A handle on ``<job>/step-<N>`` for this rank (None for other forms, e.g. latest)."""
+        """A handle on ``<job>/step-<N>`` (either spelling of the step) for this rank, named
+        by the short id (None for other forms, e.g. latest)."""
         try:
             ref = parse_snapshot_id(snapshot_id)
         except InvalidArgument:
             return None
         if ref.step is None:
             return None
-        return SnapshotHandle(snapshot_id, ref.step, self._c.session.rank, self._c.client)
+        return SnapshotHandle(str(ref), ref.step, self._c.session.rank, self._c.client)
 
     def _wait_for_persisting_snapshot(self, why: str) -> None:
         """If the snapshot this segment's header names (``SNAP_STEP``) is still persisting,

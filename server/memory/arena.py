@@ -189,6 +189,11 @@ class Arena:
         return self._cow_used_slots
 
     @property
+    def cow_used_bytes(self) -> int:
+        """Bytes of the pool's slots in live segment files (part of ``used_bytes``)."""
+        return self._cow_used_bytes
+
+    @property
     def segments(self) -> list[Segment]:
         with self._lock:
             return list(self._segments.values())

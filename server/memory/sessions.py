@@ -41,6 +41,7 @@ from swap_state.common.errors import (
 from swap_state.common.segment import TensorSpec, layout_hash
 from swap_state.server.logs import log_event
 from swap_state.server.memory.arena import Arena
+from swap_state.server.memory.freed import FreedSession, FreedSessions
 from swap_state.server.memory.segment_file import Segment
 from swap_state.server.memory.session import LivenessStream, Session, SessionState
 
@@ -78,6 +79,8 @@ class SessionRegistry:
         self.reattaches = 0
         self.sessions_freed = 0
         self.sessions_expired = 0
+        self.freed = FreedSessions()
+        """The last sessions freed (bounded): why a trainer finds no state for its job/rank."""
 
     # ------------------------------------------------------------------ queries
     @property
@@ -103,6 +106,9 @@ class SessionRegistry:
         :func:`~.validation.validate_session`)."""
         session = self._sessions.get(session_id)
         if session is None:
+            freed = self.freed.by_id(session_id)
+            if freed is not None:
+                raise NotFound(self._freed_message(freed))
             raise NotFound(
                 f"no session {session_id} on this server (never attached, detached, or freed "
                 "after its grace period): Attach again"
@@ -110,9 +116,24 @@ class SessionRegistry:
         self._check_generation(session, generation)
         return session
 
-    @staticmethod
-    def _check_generation(session: Session, generation: int) -> None:
+    def why_no_state(self, job_id: str, rank: int) -> str:
+        """Why this server holds no state for (job_id, rank) when it knows (it freed an
+        earlier session of theirs), else ""."""
+        freed = self.freed.of(job_id, rank)
+        return freed.describe(self._clock()) if freed is not None else ""
+
+    def _freed_message(self, freed: FreedSession) -> str:
+        grace = "; a longer --grace keeps a vanished trainer's state longer" if freed.reason == "grace_expired" else ""
+        return (
+            f"{freed.describe(self._clock())}. Its optimizer state is gone: Attach again and "
+            f"restore a snapshot (or load a checkpoint){grace}"
+        )
+
+    def _check_generation(self, session: Session, generation: int) -> None:
         if session.closed:
+            freed = self.freed.by_id(session.session_id)
+            if freed is not None:
+                raise NotFound(self._freed_message(freed))
             raise NotFound(f"session {session.session_id} was freed: Attach again")
         if generation > session.generation:
             raise StaleGeneration(
@@ -337,6 +358,9 @@ class SessionRegistry:
             del self._by_key[(session.job_id, session.rank)]
         self._retired_commits += session.steps_committed
         self._retired_drops += session.kept_states_dropped
+        if reason != "shutdown":
+            self.freed.add(FreedSession(session.session_id, session.job_id, session.rank, reason,
+                                        self._clock(), self.grace, session.last_committed_step))
         segment, session.segment = session.segment, None
         freed = 0
         if segment is not None:

@@ -104,6 +104,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             has_committed_step=session.last_committed_step is not None,
             last_committed_step=session.last_committed_step or 0,
             keepalive_interval_ms=int(self.keepalive_interval * 1000),
+            previous_session="" if reattached else self.registry.why_no_state(request.job_id, request.rank),
         )
         if session.segment is not None:
             reply.segment.CopyFrom(await _segment_info(session.segment))
@@ -167,6 +168,8 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             persist_bandwidth_measured=measured,
             assumed_fwd_bwd_seconds=fwd_bwd,
             stage_threads=stage_threads,
+            cow_pool_bytes=self.arena.cow_reserve_bytes,
+            cow_pool_used_bytes=self.arena.cow_used_bytes,
         )
 
     def _session_stats(self, session: Session) -> pb.SessionStats:

@@ -220,12 +220,12 @@ class SnapshotRpcs:
             await asyncio.wait(set(self._finishing), timeout=timeout_s)
 
     async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context) -> pb.SnapshotStatusReply:
-        validate_snapshot_id(request.snapshot_id, relative=False, latest=False)
+        snapshot_id = validate_snapshot_id(request.snapshot_id, relative=False, latest=False)
         validate_snapshot_rank(request.rank)
         coordinator = self._coordinator()
         wait_s = min(max(request.wait_seconds, 0.0), MAX_STATUS_WAIT_S)
         status = await asyncio.to_thread(
-            coordinator.status, request.snapshot_id, request.rank, wait_s, request.wait_stored
+            coordinator.status, snapshot_id, request.rank, wait_s, request.wait_stored
         )
         return status_reply(status)
 

@@ -118,11 +118,16 @@ def validate_job_id_filter(job_id: str) -> str | None:
 def validate_snapshot_id(snapshot_id: str, *, relative: bool, latest: bool) -> str:
     """The form of a snapshot id, before anything is looked up: ``<job>/step-<N>``, and
     ``<job>/latest`` when ``latest``; ``step-<N>`` (and ``latest``) of the session's job too
-    when ``relative``. Returns it unchanged (the store resolves it)."""
+    when ``relative``. ``<N>`` with any zero padding (``step-25`` or the directory's
+    ``step-000000000025``). Returns the id in its short spelling (``step-25``), still relative
+    when it was (the store resolves it against the session's job)."""
     ref = parse_snapshot_id(snapshot_id, _SOME_JOB if relative else None)
     if ref.latest and not latest:
-        raise InvalidArgument(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
-    return snapshot_id
+        raise InvalidArgument(
+            f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>' (e.g. demo/step-25)"
+        )
+    name = "latest" if ref.latest else f"step-{ref.step}"
+    return f"{ref.job_id}/{name}" if "/" in snapshot_id else name
 
 
 def validate_step(step: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 import pytest
 import torch
 
-from swap_state.client.remote.rpc import ServerUnavailableError, SwapStateError
+from swap_state.client.remote.rpc import ClientConfig, ServerUnavailableError, SwapStateClient, SwapStateError
 
 from .conftest import shm_files
 from .workload import Workload, build, mismatches, reference_mismatches, reference_optimizer, remote, train
@@ -92,6 +93,65 @@ def test_reattach_after_sigkill_finishes_bitwise(server, tmp_path):
     assert "reattached: the server kept the moments of step 5" in resumed.stdout
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["digest"] == report["reference_digest"]
+
+
+def _wait_for(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_demo_resumes_say_what_to_do_after_the_grace_period_and_past_steps(start_server, tmp_path):
+    server = start_server(grace_s=1.0)
+    crashed = _demo(server, tmp_path, "--job-id", "late", "--crash-after-step", "7")
+    assert crashed.returncode == -9, crashed.stderr
+    client = SwapStateClient(ClientConfig(server.address))
+    try:
+        _wait_for(lambda: client.list_snapshots("late").snapshots, "the step-5 snapshot")
+        _wait_for(lambda: not client.stats().sessions, "the session freed after --grace")
+    finally:
+        client.close()
+
+    late = _demo(server, tmp_path, "--job-id", "late", "--resume", "reattach")
+    assert late.returncode == 1, late.stdout + late.stderr
+    assert ("the server has no state for job 'late' rank 0: the server freed the state of job "
+            "late rank 0 ") in late.stderr
+    assert "last committed step 7" in late.stderr and "(reason=grace_expired)" in late.stderr
+    assert "--resume latest" in late.stderr and "a longer --grace" in late.stderr
+
+    short = _demo(server, tmp_path, "--job-id", "late", "--resume", "latest", "--steps", "4")
+    assert short.returncode == 1, short.stdout + short.stderr
+    assert ("nothing left to train: the run resumed at step 5 (snapshot late/step-5) and "
+            "--steps 4") in short.stderr
+    assert "nan" not in short.stdout and "bitwise" not in short.stdout
+
+    padded = _demo(server, tmp_path, "--job-id", "late", "--resume", "late/step-000000000005")
+    assert padded.returncode == 0, padded.stdout + padded.stderr
+    assert "restored snapshot late/step-5: step 5" in padded.stdout
+    assert "bitwise equal to plain AdamW: yes" in padded.stdout
+
+
+def test_a_container_after_the_grace_period_logs_why_it_starts_fresh(start_server, caplog):
+    server = start_server(grace_s=0.5)
+    w = Workload()
+    model = build(w)
+    first = remote(w, model, server.address, "expired")
+    train(model, first, w, range(1, 3))
+    first.close(keep=True)  # kept for --grace, then freed
+    client = SwapStateClient(ClientConfig(server.address))
+    try:
+        _wait_for(lambda: not client.stats().sessions, "the session freed after --grace")
+    finally:
+        client.close()
+    with caplog.at_level(logging.INFO, logger="swap_state.client.remote_container"):
+        second = remote(w, build(w), server.address, "expired")
+    assert second.resumed_step is None
+    assert "(reason=grace_expired)" in second.session.previous_session
+    assert ("no swap-state optimizer state kept for this trainer: the server freed the state of "
+            "job expired rank 0 ") in caplog.text
+    assert "last committed step 2" in caplog.text
+    second.close()
 
 
 def test_server_killed_mid_run_raises_clear_error_within_deadline(server):

@@ -132,6 +132,11 @@ def test_restore_latest_then_continue_is_bitwise_an_uninterrupted_run(start_serv
     train(model, container, W, range(6, 9))
 
     assert container.restore("latest") == 5
+    # The RPCs take a step in either spelling, and answer with the short id.
+    for snapshot_id in ("again/step-000000000005", "step-05"):
+        assert container.restore(snapshot_id) == 5
+    status = container.client.snapshot_status("again/step-000000000005", 0)
+    assert (status.snapshot_id, status.state) == ("again/step-5", "durable")
     assert container.session.last_committed_step == 5
     model.load_state_dict(params_at_5)
     train(model, container, W, range(6, 11))
@@ -339,6 +344,14 @@ def test_cli_status_shows_a_running_snapshot_and_snapshots_lists_it(start_server
     assert lines[0].endswith(f"{durable.path} (latest)")
     other = swap_state_cli("snapshots", "--server", server.address, "--job-id", "nobody")
     assert other.returncode == 0 and other.stdout.strip() == "no snapshots"
+    # One snapshot, its step in either spelling; the short id is what is printed.
+    for named in (["ops/step-2"], ["ops/step-000000000002"], ["--job-id", "ops", "step-02"]):
+        one = swap_state_cli("snapshots", "--server", server.address, *named)
+        assert one.returncode == 0 and one.stdout.strip() == lines[0], (named, one.stdout, one.stderr)
+    missing = swap_state_cli("snapshots", "--server", server.address, "ops/step-000000000003")
+    assert missing.returncode == 0 and missing.stdout.strip() == "no snapshot ops/step-3"
+    bad = swap_state_cli("snapshots", "--server", server.address, "ops/3")
+    assert bad.returncode == 2 and "swap-state snapshots: snapshot id 'ops/3' is not" in bad.stderr
 
     status = swap_state_cli("status", "--server", server.address)
     assert "snapshot ops/" not in status.stdout  # nothing running any more

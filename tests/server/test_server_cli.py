@@ -19,7 +19,7 @@ import pytest
 from swap_server_testkit import Trainer, spec
 
 from swap_state.common.server_config import ServerConfig
-from swap_state.common.server_flags import config_to_argv, user_flags
+from swap_state.common.server_flags import attach_negative_values, config_to_argv, user_flags
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 from swap_state.server.cli import build_parser, parse_config
@@ -137,6 +137,10 @@ def test_argv_refuses_a_setting_that_has_no_flag(setting):
     [
         (["--listen", "unix:///tmp/x.sock"], "--shm-size"),  # required
         (["--shm-size", "12Q"], "not a size"),
+        # A leading dash is a value, not an option ("expected one argument"), and refused.
+        (["--shm-size", "-5G"], "--shm-size must be positive"),
+        (["--shm-size=-5G"], "--shm-size must be positive"),
+        (["--shm-size", "1G", "--cow-budget", "-1G"], "--cow-budget must be >= 0"),
         (["--shm-size", "1G", "--listen", "tcp://127.0.0.1:7070"], "--insecure"),
         (["--shm-size", "1G", "--listen", "http://x"], "expected unix:///path"),
         (["--shm-size", "1G", "--chunk-bytes", "1000"], "multiple of the page size"),
@@ -152,6 +156,25 @@ def test_bad_flags_exit_2_with_a_usage_message(args, message):
     result = run_cli(args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "usage: swap-state-server" in result.stderr
+
+
+def test_negative_sizes_are_values_refused_by_the_flags_rule(capsys):
+    for argv, message in [
+        (["--shm-size", "-5G"], "--shm-size must be positive"),
+        (["--shm-size", "-5"], "--shm-size must be positive"),
+        (["--shm-size", "1G", "--chunk-bytes", "-64K"], "--chunk-bytes must be a positive multiple"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            parse_config(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "expected one argument" not in err and message in err, err
+    assert "(got -5.0GiB)" in run_cli(["--shm-size", "-5G"]).stderr
+    # Only a value that starts with a dash and a digit is attached to its flag.
+    assert attach_negative_values(
+        ["--shm-size", "-5G", "--grace", "-1", "--insecure", "--shm-group", "g", "--", "-5"]
+    ) == ["--shm-size=-5G", "--grace=-1", "--insecure", "--shm-group", "g", "--", "-5"]
+    assert attach_negative_values(["--shm-size", "--insecure"]) == ["--shm-size", "--insecure"]
 
 
 def test_shm_too_small_exits_non_zero_naming_the_docker_flag(shm_dir, sock_dir):

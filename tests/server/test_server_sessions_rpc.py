@@ -11,8 +11,10 @@ import grpc
 import pytest
 from swap_server_testkit import Trainer, spec, wait_until
 
+from swap_state.client import cli
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.common.segment import MAGIC, PAGE_BYTES, SegmentHeader, Word, layout_hash
+from swap_state.server.memory.freed import FreedSession, FreedSessions
 
 TENSORS = [spec("layers.0.exp_avg", (1000, 33)), spec("layers.0.exp_avg_sq", (1000, 33)),
            spec("step", (), "int64")]
@@ -305,6 +307,100 @@ async def test_cow_slots_come_out_of_the_pool_and_go_back(start, connect):
     await third.attach()
     assert (await third.allocate(big)).segment.cow_slots == 4
     assert server.arena.cow_slots_used == 4
+
+
+async def test_stats_and_status_say_what_the_copy_pool_holds(start, connect, capsys):
+    server = await start(shm_size=4 << 30, cow_budget=512 << 20, chunk_bytes=64 << 20)
+    stub = connect(server)
+    reply = await stats(stub)
+    assert (reply.cow_pool_bytes, reply.cow_pool_used_bytes) == (512 << 20, 0)
+    assert reply.budget_total_bytes - reply.budget_used_bytes - reply.budget_free_bytes == 512 << 20
+    assert await asyncio.to_thread(cli.main, ["status", "--server", server.address]) == 0
+    assert capsys.readouterr().out.startswith(
+        "budget: used 0.000 GiB / 4.000 GiB (free 3.500 GiB; 0.500 GiB held for the "
+        "copy-before-write pool (--cow-budget)); steps committed: 0\n"
+    )
+
+
+async def test_stats_count_the_pool_slots_sessions_hold_as_used(start, connect):
+    server = await start(cow_budget=4 * 64 << 10)  # 4 slots of 64 KiB
+    stub = connect(server)
+    trainer = Trainer(stub)
+    await trainer.attach()
+    seg = (await trainer.allocate([spec("t", (4 * 64 << 10,), "uint8")])).segment
+    reply = await stats(stub)
+    slots = seg.cow_slots * seg.chunk_bytes
+    assert slots and (reply.cow_pool_bytes, reply.cow_pool_used_bytes) == (4 * 64 << 10, slots)
+    held = reply.budget_total_bytes - reply.budget_used_bytes - reply.budget_free_bytes
+    assert held == reply.cow_pool_bytes - reply.cow_pool_used_bytes
+
+
+def test_status_line_of_a_pool_partly_given_to_sessions_and_of_a_restore():
+    gib = 1 << 30
+    reply = pb.StatsReply(budget_total_bytes=4 * gib, budget_used_bytes=gib, budget_free_bytes=11 * gib // 4,
+                          cow_pool_bytes=gib // 2, cow_pool_used_bytes=gib // 4)
+    assert cli.budget_rest(reply) == (
+        "free 2.750 GiB; 0.250 GiB held for the copy-before-write pool (--cow-budget), whose other "
+        "0.250 GiB are sessions' copy slots (in used)"
+    )
+    reply.budget_free_bytes -= gib // 8  # a restore holds staged bytes while it runs
+    assert cli.budget_rest(reply).endswith("; 0.125 GiB held by restores in progress")
+    assert cli.budget_rest(pb.StatsReply(budget_total_bytes=gib, budget_free_bytes=gib)) == "free 1.000 GiB"
+    small = pb.StatsReply(budget_total_bytes=gib, budget_used_bytes=(1 << 20) + (128 << 10),
+                          budget_free_bytes=gib // 2 - (1 << 20), cow_pool_bytes=gib // 2,
+                          cow_pool_used_bytes=128 << 10)  # a small model's small slots
+    assert "0.500 GiB held for the copy-before-write pool (--cow-budget), whose other 128.0KiB " in (
+        cli.budget_rest(small)
+    )
+
+
+async def test_a_trainer_after_the_grace_period_is_told_why_its_state_is_gone(start, connect):
+    server = await start(grace=0.3)
+    stub = connect(server)
+    old = Trainer(stub, "gone", rank=1, world_size=2)
+    await old.attach()
+    await old.keep_alive()
+    await old.allocate(TENSORS)
+    await old.commit(12)
+    old.drop_keep_alive()  # the trainer "dies", and nobody comes back within --grace
+    await wait_until(lambda: _is(session_state(stub, old.session_id), None), what="session freed")
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # its old session id
+        await old.commit(13)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    details = err.value.details()
+    assert "the server freed the state of job gone rank 1 " in details
+    assert "last committed step 12" in details and "--grace of 0.3 s" in details
+    assert "(reason=grace_expired)" in details
+    assert "restore a snapshot" in details and "a longer --grace" in details
+
+    again = await Trainer(connect(server), "gone", rank=1, world_size=2).attach()
+    assert not again.reattached
+    assert "job gone rank 1" in again.previous_session and "reason=grace_expired" in again.previous_session
+    other_rank = await Trainer(stub, "gone", rank=0, world_size=2).attach()
+    assert other_rank.previous_session == ""  # nothing was freed for it
+
+
+async def test_a_detached_session_is_remembered_as_detached(server, stub):
+    trainer = Trainer(stub, "closed")
+    await trainer.attach()
+    await trainer.detach(keep=False)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await trainer.commit(1)
+    assert "its trainer detached without keeping it (reason=detached)" in err.value.details()
+    again = await Trainer(stub, "closed").attach()
+    assert "reason=detached" in again.previous_session
+
+
+def test_the_record_of_freed_sessions_is_bounded():
+    freed = FreedSessions(limit=3)
+    for rank in range(5):
+        freed.add(FreedSession(f"s{rank}", "j", rank, "grace_expired", float(rank), 5.0, None))
+    assert len(freed) == 3 and freed.of("j", 1) is None and freed.by_id("s1") is None
+    assert freed.of("j", 4).session_id == "s4" and freed.by_id("s2").rank == 2
+    assert "rank 4 8.0 s ago (session s4): no trainer reattached within the server's --grace of 5 s" in (
+        freed.of("j", 4).describe(12.0)
+    )
 
 
 async def test_snapshot_rpcs_without_snapshot_dir_name_the_flag(server, stub):

@@ -123,3 +123,48 @@ def test_export_cli_reports_success_and_corruption(sharded_snapshot, tmp_path, c
     err = capsys.readouterr().err
     assert rank_data_name(1) in err and "'b.exp_avg'" in err
     assert not (tmp_path / "b.pt").exists()
+
+
+def test_a_snapshot_is_named_in_either_spelling(sharded_snapshot, tmp_path):
+    """The directory is ``step-000000000003``; ``step-3`` (as printed) names it too: as a path,
+    as an id under --snapshot-dir, and ``latest`` beside it."""
+    path, root, expected = sharded_snapshot
+    assert path.name == "step-000000000003"
+    short_path = path.parent / "step-3"
+    assert not short_path.exists()
+    for n, (snapshot, snapshot_dir) in enumerate(
+        [
+            (short_path, None),
+            (str(path.parent / "step-03"), None),
+            (path.parent / "latest", None),
+            ("job/step-3", root),
+            ("job/step-000000000003", root),
+        ]
+    ):
+        result = export_snapshot(snapshot, tmp_path / f"{n}.pt", snapshot_dir=snapshot_dir)
+        assert result.snapshot_id == "job/step-3", snapshot
+        _assert_same(torch.load(tmp_path / f"{n}.pt", weights_only=True), expected)
+
+
+def test_export_cli_takes_the_short_spelling_of_a_directory_and_prints_the_short_id(
+    sharded_snapshot, tmp_path, capsys
+):
+    path, root, _ = sharded_snapshot
+    assert main([str(path.parent / "step-3"), str(tmp_path / "a.pt")]) == 0
+    assert "exported job/step-3 (" in capsys.readouterr().out
+    assert main(["job/step-000000000003", str(tmp_path / "b.pt"), "--snapshot-dir", str(root)]) == 0
+    assert "exported job/step-3 (" in capsys.readouterr().out
+
+
+def test_export_of_a_step_that_is_not_there_or_an_id_without_its_directory_says_which(
+    sharded_snapshot, tmp_path, capsys, monkeypatch
+):
+    path, root, _ = sharded_snapshot
+    assert main([str(path.parent / "step-4"), str(tmp_path / "a.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "no complete snapshot job/step-4" in err and str(root) in err
+    monkeypatch.chdir(tmp_path)  # the id is not a path from here
+    assert main(["job/step-3", str(tmp_path / "b.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "is not a snapshot directory" in err and "needs --snapshot-dir" in err
+    assert "/snapshots/demo/step-25 or /snapshots/demo/step-000000000025" in err
