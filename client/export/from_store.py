@@ -29,7 +29,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 
-from swap_state.client.export.snapshot import ExportError
+from swap_state.client.export.errors import ExportError
 from swap_state.common.checksum import crc32
 from swap_state.common.errors import ConfigError
 from swap_state.common.names import step_dir_name

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from swap_state.client.export.errors import ExportError
 from swap_state.client.remote.segment_mapping import TORCH_DTYPES
 from swap_state.common.names import (
     MODEL_PREFIX,
@@ -49,7 +50,6 @@ from swap_state.common.names import (
     state_key,
 )
 from swap_state.common.segment import TensorLayout
-from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import RankManifest, TensorRecord
 from swap_state.common.snapshot_metadata import TENSOR_TAG, parse_metadata
 from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
@@ -66,10 +66,6 @@ __all__ = [
 
 FORMATS = ("torch", "dcp")
 
-
-
-class ExportError(SnapshotError):
-    """The snapshot cannot be expressed as a flat state dict (e.g. shards leave holes)."""
 
 
 @dataclasses.dataclass(frozen=True)

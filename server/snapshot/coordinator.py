@@ -106,10 +106,9 @@ class SnapshotCoordinator:
         ``assumed_fwd_bwd_s`` / ``assumed_persist_bandwidth``: the forward/backward time
         and (until a snapshot measured it) the persist bytes/s of the copy-budget warning,
         when no ``copy_policy`` (the server's, shared with its arena) is given.
-        ``storage``: where snapshot files go (default: the local directory ``snapshot_dir``).
-        ``store_uri``: the second tier every host reaches (``--snapshot-store``): each durable
-        snapshot is uploaded there in the background (:mod:`.upload`, at most
-        ``store_max_bandwidth`` bytes/s); None: no store."""
+        ``storage``: where snapshot files go (default: the directory ``snapshot_dir``).
+        ``store_uri``: the store (``--snapshot-store``; None: none), each durable snapshot
+        uploaded there in the background (:mod:`.upload`), ``store_max_bandwidth`` bytes/s."""
         _check_arguments(keep_latest, assemble_timeout_s, stage_threads)
         self.stage_threads = stage_threads
         self.model_copy_timeout_s = model_copy_timeout_s

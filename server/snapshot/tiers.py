@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from swap_state.common.names import parse_snapshot_id
+from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable
 from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.common.stored_snapshots import StoredSnapshots
@@ -58,13 +58,22 @@ def resolve_source(store: SnapshotStore, stored: StoredSnapshots | None, snapsho
         return remote, True
     whole = local.index.complete_job
     usable = whole or (local.world_size == world_size and rank in local.ranks)
-    if parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid).latest:
-        if whole and local.step >= remote.step:
+    if parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid).latest and local.step != remote.step:
+        if whole and local.step > remote.step:
             return local, False
-        if usable and local.step == remote.step:
-            return local, False
-        return remote, True
+        return _local_copy(store, remote, rank, world_size) or (remote, True)
     return (local, False) if usable else (remote, True)
+
+
+def _local_copy(store: SnapshotStore, remote: SnapshotInfo, rank: int, world_size: int):
+    """(this server's copy of the store's snapshot, False) when it has the same attempt at
+    the step and holds this rank (or every rank); else None."""
+    try:
+        copy = store.resolve(snapshot_id_for(remote.job_id, remote.step))
+    except SnapshotNotFound:
+        return None
+    holds = copy.index.complete_job or (copy.world_size == world_size and rank in copy.ranks)
+    return (copy, False) if holds and copy.index.attempt == remote.index.attempt else None
 
 
 def list_both_tiers(coordinator, job_id: str | None) -> list[tuple[SnapshotInfo | None, SnapshotInfo | None]]:
