@@ -17,6 +17,7 @@ import os
 import sys
 
 from swap_state.client.export.cli import add_export_arguments, run_export
+from swap_state.common.addresses import default_listen
 
 __all__ = ["main", "build_parser"]
 
@@ -24,9 +25,9 @@ __all__ = ["main", "build_parser"]
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server",
-        default=os.environ.get("SWAP_STATE_SERVER", ""),
-        help="server address, e.g. unix:///run/swap-state/swap-state.sock "
-        "(default: $SWAP_STATE_SERVER)",
+        default=os.environ.get("SWAP_STATE_SERVER") or default_listen(),
+        help="server address: unix:///path/to.sock or tcp://host:port (default: $SWAP_STATE_SERVER, "
+        f"else the server's own default, {default_listen()})",
     )
     parser.add_argument(
         "--token-file", default=None, help="file holding the server's --token-file secret"
@@ -60,8 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _client(args):
     from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
 
-    if not args.server:
-        raise SystemExit("swap-state: give --server or set SWAP_STATE_SERVER")
     token = None
     if args.token_file:
         with open(args.token_file) as f:

@@ -52,11 +52,32 @@ __all__ = [
     "RemoteSession",
     "normalize_target",
     "START_HINT",
+    "start_hint",
 ]
 
 log = logging.getLogger("swap_state.client.rpc")  # the name users configure
 
 START_HINT = "start one with: swap-state-server --shm-size 64G --listen {address}"
+"""The hint's shape; :func:`start_hint` fills in what fits this machine."""
+
+
+def start_hint(address: str, shm_dir: str = "/dev/shm") -> str:
+    """How to start a server at ``address`` that works here: a ``--shm-size`` that fits
+    ``shm_dir`` (64G where it can, else half of it), ``--insecure`` for a tcp address (a
+    server refuses tcp without TLS or it)."""
+    try:
+        stat = os.statvfs(shm_dir)
+        total = stat.f_frsize * stat.f_blocks
+    except OSError:
+        total = 0
+    if total >= 128 << 30 or total == 0:
+        size = "64G"
+    elif total >= 2 << 30:
+        size = f"{total // 2 >> 30}G"
+    else:
+        size = f"{max(64, total // 2 >> 20)}M"
+    tls = " --insecure" if address.startswith("tcp://") else ""
+    return f"start one with: swap-state-server --shm-size {size} --listen {address}{tls}"
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _Reply = TypeVar("_Reply")
 _POLLER_SETTLE_S = 0.25
@@ -122,7 +143,7 @@ class SwapStateClient:
         where = f"swap-state-server at {self.config.address}"
         reason = reason_of(e)
         if code in _UNREACHABLE and reason is None:  # with a reason, the server answered
-            hint = START_HINT.format(address=self.config.address)
+            hint = start_hint(self.config.address)
             return ServerUnavailableError(
                 f"{name}: {where} is not reachable ({code.name}: {details}); {hint}", code
             )
@@ -135,7 +156,7 @@ class SwapStateClient:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
             self._ready_at = time.monotonic()
         except grpc.FutureTimeoutError as e:
-            hint = START_HINT.format(address=self.config.address)
+            hint = start_hint(self.config.address)
             raise ServerUnavailableError(
                 f"swap-state-server at {self.config.address} is not reachable after "
                 f"{timeout_s:.0f}s; {hint}",
