@@ -22,16 +22,17 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from swap_state.client.scratch import make_scratch_dir
 from swap_state.client.remote.embedded import EmbeddedServerConfig
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.names import parse_snapshot_id
@@ -303,7 +304,9 @@ def run(cfg: DemoConfig) -> dict:
     token = open(cfg.token_file).read().strip() if cfg.token_file else None
     reference_digest, plain_times = reference_run(cfg)
     model = build_model(cfg)
-    with tempfile.TemporaryDirectory(prefix="swap-state-demo-") as scratch:
+    # A scratch folder of a demo killed on purpose (--crash-after-step) is swept by the next.
+    scratch = make_scratch_dir("swap-state-demo-")
+    try:
         container = RemoteSwapOptimizersContainer(
             [model],
             torch.optim.AdamW,
@@ -314,6 +317,8 @@ def run(cfg: DemoConfig) -> dict:
             config=RemoteConfig(token=token, embedded=_embedded_config(cfg, scratch)),
         )
         return _train(cfg, container, model, reference_digest, plain_times)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _embedded_config(cfg: DemoConfig, scratch: str) -> EmbeddedServerConfig:

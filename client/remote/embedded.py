@@ -28,11 +28,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from swap_state.client.scratch import make_scratch_dir
 from swap_state.common.retry import wait_until
 from swap_state.common.server_config import ServerConfig
 from swap_state.common.server_flags import config_to_argv
@@ -122,7 +122,8 @@ class EmbeddedServer:
 
     def start(self) -> EmbeddedServer:
         cfg = self.config
-        self.workdir = tempfile.mkdtemp(prefix="swap-state-embedded-")
+        # A trainer killed with SIGKILL leaves its server's folder: the next start sweeps it.
+        self.workdir = make_scratch_dir("swap-state-embedded-")
         socket_path = os.path.join(self.workdir, "swap-state.sock")
         self.snapshot_dir = os.path.abspath(os.path.expanduser(cfg.snapshot_dir or default_snapshot_dir()))
         self.address = f"unix://{socket_path}"
