@@ -37,7 +37,7 @@ from urllib.parse import urlparse
 
 from .errors import ConfigError
 
-__all__ = ["ObjectInfo", "ObjectStore", "PosixObjectStore", "S3ObjectStore", "open_store", "read_range", "STORE_FLAG"]
+__all__ = ["ObjectInfo", "ObjectStore", "PosixObjectStore", "S3ObjectStore", "open_store", "read_range", "fsync_dir", "STORE_FLAG"]
 
 STORE_FLAG = "--snapshot-store"
 _TMP_MARK = ".tmp-"
@@ -131,7 +131,7 @@ class PosixObjectStore(ObjectStore):
             tmp.unlink(missing_ok=True)
             self._prune(path.parent)
             raise
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     def get_range(self, key: str, offset: int, nbytes: int) -> bytes:
         return read_range(self._path(key), offset, nbytes)
@@ -299,7 +299,8 @@ def read_range(path: str | os.PathLike[str], offset: int, nbytes: int) -> bytes:
         os.close(fd)
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make the directory's entries (created, renamed, removed names) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

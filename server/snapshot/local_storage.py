@@ -24,7 +24,7 @@ import pathlib
 import shutil
 
 from swap_state.common.names import snapshot_id_for, step_dir_name
-from swap_state.common.object_store import read_range
+from swap_state.common.object_store import fsync_dir, read_range
 from swap_state.common.snapshot_errors import SnapshotExists
 from swap_state.common.snapshot_format import LATEST_NAME, partial_dir_name
 from swap_state.common.snapshot_reader import SnapshotReader
@@ -36,15 +36,6 @@ __all__ = ["LOCK_NAME", "LocalFile", "LocalFilesystemStorage", "fsync_dir", "wri
 LOCK_NAME = ".swap-state.lock"
 _DELETING_PREFIX = ".deleting-"
 _LATEST_TMP = ".latest.tmp"
-
-
-def fsync_dir(path: pathlib.Path) -> None:
-    """Make the directory's entries (created, renamed, removed names) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_durable(path: pathlib.Path, data: bytes) -> None:
