@@ -18,6 +18,7 @@ import dataclasses
 import os
 import pathlib
 import threading
+from collections.abc import Callable
 
 from swap_state.common.names import snapshot_id_for
 from swap_state.common.snapshot_errors import SnapshotExists, from_os_error
@@ -47,6 +48,9 @@ class SnapshotStore(SnapshotReader):
     def __init__(self, root: str | os.PathLike[str], storage: SnapshotStorage | None = None):
         """``storage``: where the files go (default: the local directory ``root``)."""
         super().__init__(root)
+        self.in_use: Callable[[str], set[int]] = lambda job_id: set()
+        """The steps of a job retention must keep beyond ``keep_latest`` (the uploader's: the
+        snapshot it is reading)."""
         self.storage: SnapshotStorage = storage if storage is not None else LocalFilesystemStorage(self.root)
         # Commits of different snapshots serialize here: latest and retention read the job dir.
         self._commit_lock = threading.Lock()
@@ -104,7 +108,7 @@ class SnapshotStore(SnapshotReader):
         except OSError as exc:
             warnings.append(f"retention could not list {self.storage.location(job_id)}: {exc}")
             return []
-        keep_steps = {step for step, _ in complete[-keep:]} | {new_step}
+        keep_steps = {step for step, _ in complete[-keep:]} | {new_step} | self.in_use(job_id)
         deleted = []
         for step, where in complete:
             if step in keep_steps:

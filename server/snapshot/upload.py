@@ -11,7 +11,8 @@ Call order (the coordinator and the runtime)::
     uploader.close()                     # at shutdown: the running upload is abandoned
 
 One worker thread uploads, one snapshot at a time, reading the local files (never the
-segment: the trainer's step is not touched). Per rank: the data file streamed with its crc32
+segment: the trainer's step is not touched); when a job's snapshots come faster than the store
+takes them, only the newest queued one is uploaded (the others fail ``stored``, saying so). Per rank: the data file streamed with its crc32
 computed on the way and checked against ``snapshot.json`` before the upload may complete (a
 mismatch aborts it: nothing corrupt reaches the store), the manifest, then the rank's marker.
 A rank whose marker is already there, equal, is skipped (a restarted server resumes). After a
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import os
 import queue
 import threading
 import time
@@ -103,6 +105,8 @@ class SnapshotUploader:
         self.counters = UploadCounters()
         self._cond = threading.Condition()
         self._closed = threading.Event()
+        self._current: tuple[str, int] | None = None  # (job, step) being read now
+        local.in_use = self.in_use  # local retention keeps what is being uploaded
         self._thread = threading.Thread(target=self._work, name="snapshot-upload", daemon=True)
         self._thread.start()
 
@@ -205,10 +209,53 @@ class SnapshotUploader:
             item = self._queue.get()
             if item is None:
                 return
-            info, keep = item
+            info, keep = self._newest_queued(item)
             self._upload(info, keep)
 
+    def _newest_queued(self, item: tuple[SnapshotInfo, int | None]) -> tuple[SnapshotInfo, int | None]:
+        """``item``, unless a newer snapshot of its job is queued behind it: snapshots taken
+        faster than the store takes them are not all uploaded (the newest is what a lost host
+        needs, and local retention may remove the older ones meanwhile). The skipped ones fail
+        ``stored`` saying so; other jobs' items keep their places."""
+        pending: list[tuple[SnapshotInfo, int | None] | None] = []
+        while True:
+            try:
+                pending.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        kept = []
+        for other in pending:
+            if other is not None and other[0].job_id == item[0].job_id and other[0].step > item[0].step:
+                self._skip(item[0], other[0])
+                item = other
+            else:
+                kept.append(other)
+        for other in kept:
+            self._queue.put(other)
+        return item
+
+    def _skip(self, info: SnapshotInfo, newer: SnapshotInfo) -> None:
+        with self._cond:
+            for status in self._statuses.get((info.job_id, info.step), {}).values():
+                status.state = StoreState.FAILED
+                status.error = (f"not uploaded to {self.uri}: {newer.snapshot_id} was taken before the store "
+                                f"took it, and only the newest of a job is uploaded; it stays durable in {info.path}")
+            self._cond.notify_all()
+        log_event(log, "store_upload_superseded", snapshot_id=info.snapshot_id, by=newer.snapshot_id, store=self.uri)
+
+    def in_use(self, job_id: str) -> set[int]:
+        """The step of ``job_id`` being uploaded now, if any: local retention keeps it."""
+        current = self._current
+        return {current[1]} if current is not None and current[0] == job_id else set()
+
     def _upload(self, info: SnapshotInfo, keep: int | None) -> None:
+        self._current = (info.job_id, info.step)
+        try:
+            self._upload_ranks(info, keep)
+        finally:
+            self._current = None
+
+    def _upload_ranks(self, info: SnapshotInfo, keep: int | None) -> None:
         begin = time.monotonic()
         for rank in info.ranks:
             try:
@@ -308,11 +355,15 @@ class SnapshotUploader:
             self._cond.notify_all()
 
     def _fail(self, info: SnapshotInfo, rank: int, exc: BaseException) -> None:
-        error = (
-            f"uploading rank {rank} of {info.snapshot_id} to the snapshot store {self.uri} failed: "
-            f"{exc}. The snapshot stays durable in {info.path} and training goes on; check the "
-            f"store ({STORE_FLAG}; for s3, AWS_ENDPOINT_URL and the credentials)"
-        )
+        if not os.path.isdir(info.path):  # gone locally before its turn came: not the store's fault
+            error = (f"{info.snapshot_id} was not uploaded to {self.uri}: local retention (--keep-latest) "
+                     "removed it first; newer snapshots are uploaded")
+        else:
+            error = (
+                f"uploading rank {rank} of {info.snapshot_id} to the snapshot store {self.uri} failed: "
+                f"{exc}. The snapshot stays durable in {info.path} and training goes on; check the "
+                f"store ({STORE_FLAG}; for s3, AWS_ENDPOINT_URL and the credentials)"
+            )
         log_event(log, "snapshot_store_failed", logging.ERROR, snapshot_id=info.snapshot_id,
                   rank=rank, store=self.uri, error=str(exc))
         with self._cond:

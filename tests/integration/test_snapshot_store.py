@@ -237,3 +237,26 @@ def test_retention_applies_to_the_store_and_keeps_the_newest(start_server, hosts
     assert wait_until(lambda: _stored_steps(store, "kept") == [4, 6], timeout_s=30), _stored_steps(store, "kept")
     assert not [o.key for o in open_store(store).list("kept/step-000000000002/")]
     assert [s.step for s in _list(server.address, "kept")] == [4, 6]
+
+
+def test_snapshots_faster_than_the_store_upload_only_the_newest(start_server, hosts_shm, tmp_path):
+    store = str(tmp_path / "store")
+    server = _host(start_server, hosts_shm, tmp_path, "q", store, "--snapshot-store-max-bandwidth", "4M")
+    model = torch.nn.Linear(1024, 1024)  # 8 MiB of moments: about 2 s per upload at 4 MB/s
+    container = RemoteSwapOptimizersContainer([model], torch.optim.AdamW, {"lr": 1e-3}, 2,
+                                              server=server.address, job_id="queued")
+    try:
+        handles = []
+        for _ in range(3):
+            model(torch.randn(4, 1024)).sum().backward()
+            container.step()
+            container.zero_grad()
+            handles.append(container.snapshot())
+            handles[-1].wait_durable(timeout_s=60)
+        assert handles[2].wait_stored(timeout_s=60).state == "stored"
+        with pytest.raises(SwapStateError, match="only the newest of a job is uploaded"):
+            handles[1].wait_stored(timeout_s=60)
+        assert handles[0].wait_stored(timeout_s=60).state == "stored"  # it was already going up
+    finally:
+        container.close()
+    assert _stored_steps(store, "queued") == [1, 3]
