@@ -101,6 +101,13 @@ class StoredSnapshots:
                 steps.setdefault((parts[0], step), []).append(info)
         return steps
 
+    def step_markers(self, job_id: str, step: int) -> dict[int, SnapshotIndex]:
+        """The valid markers of one step, by rank (one listing of that step's prefix)."""
+        prefix = self.step_prefix(job_id, step)
+        with self._reading(prefix):
+            objects = self.store.list(prefix)
+        return self.markers(job_id, step, objects)
+
     def markers(self, job_id: str, step: int, objects: list[ObjectInfo]) -> dict[int, SnapshotIndex]:
         """The valid markers among a step's objects, by rank (an invalid one counts as absent)."""
         found: dict[int, SnapshotIndex] = {}

@@ -6,8 +6,8 @@ and a job restarted at another world size (each new rank's shards cut from the o
 shards, :mod:`.reshard`). Call order::
 
     source = LocalSource(store, info)  |  StoreSource(stored, info)
-    targets = restore_targets(layout, placement, source, rank, same_world)
-    result = assemble(source, targets, view, layout, rank=..., world_size=..., reserve_staging=...)
+    result = assemble(source, view, layout, rank=..., world_size=..., placement=..., reserve_staging=...)
+    # its targets: restore_targets (the placement the trainer sent, or the rank's own manifest)
 
 What it reads is verified before a byte of the segment changes: each old rank's manifest
 against the snapshot's index, each data file's size and header against its manifest, and every
@@ -148,7 +148,6 @@ def restore_targets(layout: SegmentLayout, placement: SnapshotMetadata | None, o
 
 def assemble(
     source: AssembleSource,
-    targets: list[TargetTensor],
     view: memoryview,
     layout: SegmentLayout,
     *,
@@ -157,10 +156,13 @@ def assemble(
     placement: SnapshotMetadata | None,
     reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
 ) -> Assembled:
-    """Plan, read and verify every piece of ``rank``'s tensors, then copy them into ``view``."""
+    """Plan, read and verify every piece of ``rank``'s tensors, then copy them into ``view``.
+    Each old rank's manifest is read once (the targets' placement may come from this rank's)."""
     info = source.info
     manifests = {r: source.read_manifest(r) for r in info.ranks}
     same_world = info.world_size == world_size
+    own = manifests.get(rank) if same_world else None
+    targets = restore_targets(layout, placement, own, world_size, info)
     targets, records = _full_tensors_as_boxes(targets, {r: m.tensors for r, m in manifests.items()})
     plan = plan_rank(targets, records, target_rank=rank, same_world=same_world)
     needed = ranks_needed(plan)
@@ -175,8 +177,8 @@ def assemble(
         else:
             log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id, rank=rank,
                       staged_bytes_needed=nbytes, detail="verifying the sources, then reading them again")
-            _fill(source, manifests, plan, None, by_name)  # verify everything first
-            _fill(source, manifests, plan, view, by_name, again=True)
+            _fill(source, manifests, plan, None, {})  # verify everything first
+            _fill(source, manifests, plan, view, {n: by_name[n].offset for n in plan}, again=True)
     base = rank if same_world and rank in manifests else min(needed or list(manifests))
     return Assembled(nbytes, needed, _restored_metadata(manifests[base].metadata_json, placement), granted)
 
@@ -221,7 +223,7 @@ def _staged_copy(source: AssembleSource, manifests: Mapping[int, RankManifest], 
     staging = mmap.mmap(-1, max(1, nbytes))
     try:
         with memoryview(staging) as staged:
-            _fill(source, manifests, plan, staged, {n: _At(offsets[n]) for n in plan})
+            _fill(source, manifests, plan, staged, offsets)
             for name in plan:  # verified: only now the segment changes
                 target = by_name[name]
                 view[target.offset : target.offset + target.nbytes] = staged[offsets[name] : offsets[name] + target.nbytes]
@@ -229,17 +231,10 @@ def _staged_copy(source: AssembleSource, manifests: Mapping[int, RankManifest], 
         staging.close()
 
 
-class _At:
-    """Where a target tensor's bytes start in a buffer."""
-
-    def __init__(self, offset: int):
-        self.offset = offset
-
-
 def _fill(source: AssembleSource, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
-          dest: memoryview | None, places, again: bool = False) -> None:
-    """Read (verified) the source tensor of every piece and copy its runs to ``dest`` at the
-    target's place (None: verify only)."""
+          dest: memoryview | None, offsets: Mapping[str, int], again: bool = False) -> None:
+    """Read (verified) the source tensor of every piece and copy its runs to ``dest`` where
+    the target's bytes start (``offsets``; ``dest`` None: verify only)."""
     for name, pieces in plan.items():
         for piece in pieces:
             try:
@@ -251,7 +246,7 @@ def _fill(source: AssembleSource, manifests: Mapping[int, RankManifest], plan: M
                 raise
             if dest is None:
                 continue
-            base = places[name].offset
+            base = offsets[name]
             with memoryview(data) as src:
                 for run in piece.runs:
                     start = base + run.target_offset

@@ -55,7 +55,7 @@ from swap_state.common.snapshot_reader import RankFileVerifier
 
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.assemble import LocalSource, StoreSource, assemble, restore_targets
+from swap_state.server.snapshot.assemble import LocalSource, StoreSource, assemble
 from swap_state.server.snapshot.tiers import resolve_source
 from swap_state.server.snapshot.store import SnapshotInfo, SnapshotStore
 
@@ -364,9 +364,7 @@ def _assembled(source, view: memoryview, layout: SegmentLayout, rank: int, world
     """Assembled from the store, or resharded (:mod:`.assemble`), logged as such."""
     info = source.info
     placement = parse_metadata(placement_json, layout.tensors, sys.maxsize) if placement_json else None
-    own = source.read_manifest(rank) if info.world_size == world_size else None
-    targets = restore_targets(layout, placement, own, world_size, info)
-    done = assemble(source, targets, view, layout, rank=rank, world_size=world_size, placement=placement,
+    done = assemble(source, view, layout, rank=rank, world_size=world_size, placement=placement,
                     reserve_staging=reserve_staging)
     log_event(log, "restore_assembled", snapshot_id=info.snapshot_id, rank=rank, world_size=world_size,
               snapshot_world_size=info.world_size, source=source.where, source_ranks=done.source_ranks,

@@ -164,8 +164,7 @@ class SnapshotUploader:
         upload = self.wait(status.job_id, status.step, status.rank, wait_s)
         if upload is None:
             try:
-                objects = self.stored.objects(status.job_id).get((status.job_id, status.step), [])
-                present = status.rank in self.stored.markers(status.job_id, status.step, objects)
+                present = status.rank in self.stored.step_markers(status.job_id, status.step)
                 error = "" if present else f"not in the store {self.uri} (taken before this server started)"
             except SnapshotError as exc:
                 present, error = False, str(exc)
@@ -183,8 +182,7 @@ class SnapshotUploader:
         for info in self._local.list():
             newest[info.job_id] = info
         for info in newest.values():
-            objects = self.stored.objects(info.job_id).get((info.job_id, info.step), [])
-            if set(info.ranks) - set(self.stored.markers(info.job_id, info.step, objects)):
+            if set(info.ranks) - set(self.stored.step_markers(info.job_id, info.step)):
                 self.submit(info, None)
                 pending.append(info.snapshot_id)
         return pending
@@ -257,9 +255,12 @@ class SnapshotUploader:
 
     def _upload_ranks(self, info: SnapshotInfo, keep: int | None) -> None:
         begin = time.monotonic()
+        stored: dict[int, SnapshotIndex] | None = None
         for rank in info.ranks:
             try:
-                self._upload_rank(info, rank)
+                if stored is None:  # one listing of the step for all its ranks
+                    stored = self.stored.step_markers(info.job_id, info.step)
+                self._upload_rank(info, rank, stored.get(rank))
             except (OSError, SnapshotError) as exc:
                 self._fail(info, rank, exc)
                 return
@@ -277,13 +278,14 @@ class SnapshotUploader:
             log_event(log, "store_retention_failed", logging.WARNING, job_id=info.job_id,
                       store=self.uri, error=str(exc))
 
-    def _upload_rank(self, info: SnapshotInfo, rank: int) -> None:
+    def _upload_rank(self, info: SnapshotInfo, rank: int, existing: SnapshotIndex | None) -> None:
+        """The rank's data, manifest, then marker; nothing when ``existing`` (its marker in the
+        store) already says the same."""
         data = _record(info, rank_data_name(rank))
         manifest = _record(info, rank_manifest_name(rank))
         marker = SnapshotIndex(info.job_id, info.step, info.world_size, (rank,), (data, manifest), time.time(),
                                info.index.attempt)
         key = lambda name: self.stored.key(info.job_id, info.step, name)  # noqa: E731
-        existing = self._stored_marker(info, rank)
         if existing is not None and (existing.world_size, existing.attempt, existing.files) == (
             info.world_size, info.index.attempt, (data, manifest),
         ):
@@ -299,9 +301,6 @@ class SnapshotUploader:
         self.stored.store.put(key(marker_name(rank)), dumps_json(marker.to_json()))  # last
         self._set(info, rank, bytes_stored=data.bytes + manifest.bytes)
 
-    def _stored_marker(self, info: SnapshotInfo, rank: int) -> SnapshotIndex | None:
-        objects = self.stored.objects(info.job_id).get((info.job_id, info.step), [])
-        return self.stored.markers(info.job_id, info.step, objects).get(rank)
 
     def _verified_blocks(self, info: SnapshotInfo, rank: int, record: FileRecord) -> Iterator[bytes]:
         """The local data file in blocks; raises (aborting the put) unless its size and crc32
