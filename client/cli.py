@@ -113,7 +113,9 @@ def _status(args) -> int:
             f"snapshots: persist {stats.persist_bytes_per_second / 1e9:.2f} GB/s ({how}), forward/backward "
             f"{stats.assumed_fwd_bwd_seconds:g} s (assumed), {stats.stage_threads} staging thread(s)"
         )
-    print(f"sessions: {len(stats.sessions)}")
+    adopted = (f" ({stats.sessions_adopted_total} adopted from the previous server, "
+               f"{stats.reconnects_total} trainer reconnects)") if stats.sessions_adopted_total else ""
+    print(f"sessions: {len(stats.sessions)}{adopted}")
     warnings = []
     for s in stats.sessions:
         step = s.last_committed_step if s.has_committed_step else "-"
@@ -123,8 +125,8 @@ def _status(args) -> int:
             budget = (f" copy slots {_gib(s.copy_slot_bytes)} (needed {_gib(s.copy_budget_needed_bytes)}"
                       f"{', SHORT' if s.copy_budget_warning else ''})")
         print(
-            f"  {s.job_id}/rank {s.rank}/{s.world_size} gen {s.generation} {s.state} "
-            f"{_gib(s.segment_bytes)}{model} last step {step}{budget}"
+            f"  {s.job_id}/rank {s.rank}/{s.world_size} gen {s.generation} {s.state}"
+            f"{' (adopted)' if s.adopted else ''} {_gib(s.segment_bytes)}{model} last step {step}{budget}"
         )
         if s.copy_budget_warning:
             warnings.append(f"{s.job_id}/rank {s.rank}: {s.copy_budget_warning}")

@@ -16,13 +16,15 @@ copied it (``STAGED_UPTO``), which it does ahead of the trainer; only a chunk th
 has reached is copied here, into a free slot of the trainer's own (``[STAGE_SLOTS,
 COW_SLOTS)``), before it is overwritten. With no free slot of its own the caller waits until
 one is freed or the server has made the chunk safe, and the wait is counted in the header
-(``BP_WAITS``, ``BP_WAIT_NS``), never hidden.
+(``BP_WAITS``, ``BP_WAIT_NS``), never hidden. It never waits on a server that is gone
+(``server_gone``, protocol step 6): it gives the snapshot up (``ABANDONED_EPOCH``) and writes.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 
 from swap_state.common.retry import wait_until
 from swap_state.common.segment import Chunk, SegmentHeader, SegmentLayout, Word, chunk_table
@@ -44,6 +46,7 @@ def _needs_copy(header: SegmentHeader, chunk: int, epoch: int) -> bool:
         and header[Word.STAGED_UPTO] <= chunk
         and header[Word.PERSISTED_UPTO] <= chunk
         and header.cow_epoch(chunk) != epoch
+        and header[Word.ABANDONED_EPOCH] != epoch
     )
 
 
@@ -54,11 +57,14 @@ def protect_chunk(
     chunk: Chunk,
     *,
     max_wait_s: float | None = None,
+    server_gone: Callable[[], bool] | None = None,
 ) -> bool:
     """Make chunk ``chunk`` safe to overwrite; True when it was copied into a slot.
 
     ``view`` is a writable memoryview over the whole segment. Reads ``SNAP_EPOCH`` itself: a
-    snapshot can only begin between steps, and only end during one.
+    snapshot can only begin between steps, and only end during one. ``server_gone``: whether
+    the server is unreachable now; then a wait for a slot gives the snapshot up instead
+    (protocol step 6).
     """
     trainer = header if isinstance(header, TrainerHeader) else TrainerHeader(header)
     header = trainer.segment
@@ -72,7 +78,11 @@ def protect_chunk(
         def slot_or_safe() -> bool:
             found["slot"] = header.free_slot()
             found["epoch"] = header[Word.SNAP_EPOCH]
-            return found["slot"] is not None or not _needs_copy(header, chunk.index, found["epoch"])
+            safe = not _needs_copy(header, chunk.index, found["epoch"])
+            return found["slot"] is not None or safe or gone()
+
+        def gone() -> bool:
+            return server_gone is not None and server_gone()
 
         waited_since = time.monotonic_ns()
         try:
@@ -88,6 +98,9 @@ def protect_chunk(
         # While waiting the server may have read or staged this chunk, or finished.
         slot, epoch = found["slot"], found["epoch"]
         if not _needs_copy(header, chunk.index, epoch):
+            return False
+        if slot is None:  # the server is gone: nobody will free a slot
+            trainer.abandon_snapshot(epoch)
             return False
     start = layout.cow_slots_offset + slot * layout.chunk_bytes
     view[start : start + chunk.nbytes] = view[chunk.offset : chunk.offset + chunk.nbytes]
@@ -106,15 +119,18 @@ class TrainerProtector:
         *,
         header: SegmentHeader | TrainerHeader | None = None,
         max_wait_s: float | None = None,
+        server_gone: Callable[[], bool] | None = None,
     ):
         """``buffer``: a writable buffer over the whole segment (mmap or memoryview);
         ``header``: an existing SegmentHeader over it, else one is made here;
-        ``max_wait_s``: raise BackPressureTimeout after waiting this long (None: no limit)."""
+        ``max_wait_s``: raise BackPressureTimeout after waiting this long (None: no limit);
+        ``server_gone``: whether the server is unreachable now (protocol step 6)."""
         self._view = memoryview(buffer)
         self._own_header = header is None
         self.header = SegmentHeader(buffer, layout.n_chunks, layout.cow_slots) if header is None else header
         self.layout = layout
         self.max_wait_s = max_wait_s
+        self.server_gone = server_gone
         self.chunks = chunk_table(layout.tensors, layout.chunk_bytes)
         self._starts = [c.offset for c in self.chunks]
 
@@ -129,7 +145,8 @@ class TrainerProtector:
             chunk = self.chunks[index]
             if chunk.offset + chunk.nbytes > offset:
                 copies += protect_chunk(
-                    self.header, self._view, self.layout, chunk, max_wait_s=self.max_wait_s
+                    self.header, self._view, self.layout, chunk, max_wait_s=self.max_wait_s,
+                    server_gone=self.server_gone,
                 )
             index += 1
         return copies

@@ -58,6 +58,24 @@ are split, per snapshot, between the server's *stager* and the trainer's *fallba
    ask for step N's snapshot (it copies right after the commit, in the same ``step()``),
    the epoch of a snapshot of step N never sees the copy of step N itself, only the copy of
    N + 1, whose chunks step 4 protects.
+6. A server that is gone: a trainer whose server is unreachable (its KeepAlive stream broke)
+   that would have to wait for a slot in step 4 stores ``ABANDONED_EPOCH = e`` and overwrites
+   the chunk without a copy; it never waits on a server that may be dead. The writer checks
+   ``ABANDONED_EPOCH`` after its last read (and per chunk, to stop early) and fails epoch e
+   instead of listing it: any overwrite that may have torn a read came after that store.
+   Epochs only grow (a server starting on kept segments numbers above every ``COW_EPOCH``
+   and ``ABANDONED_EPOCH``), so an old mark never fails a new snapshot.
+
+Adoption (a server restarted on the same shm directory and address): the segment carries
+its own description, so the successor can rebuild the session without the dead server's
+memory. After the copy slots, at ``DESCRIPTOR_OFFSET`` (= the layout's ``size``: outside the
+range the trainer maps), ``DESCRIPTOR_BYTES`` of JSON
+(:class:`~swap_state.common.segment_descriptor.SegmentDescriptor`: job, rank, world sizes,
+tensor specs, layout hash), the file padded to a page. ``LAYOUT_HASH`` holds the first 8
+bytes of the layout hash. The file's name holds the session id (``swap-state.<tag>.<session
+id>.<seq>``) and ``TRAINER_GENERATION`` the generation that owns it. The successor trusts
+none of it before checking it (:mod:`swap_state.server.memory.adopt`), and closes an epoch the
+dead server left open (``close_snapshot``): that snapshot is never listed.
 
 Why the bytes persisted are step N's: the trainer overwrites chunk c in epoch e only after
 its own copy (``COW_EPOCH[c] = e`` first) or once ``PERSISTED_UPTO > c`` (nobody needs it) or
@@ -104,6 +122,8 @@ __all__ = [
     "SegmentHeader",
     "align_up",
     "layout_hash",
+    "layout_hash_word",
+    "segment_file_bytes",
     "plan_segment",
     "chunk_table",
     "committed_step",
@@ -117,7 +137,7 @@ __all__ = [
 ]
 
 MAGIC = int.from_bytes(b"SWAPST01", "little")
-LAYOUT_VERSION = 3  # 2: STAGE_SLOTS / STAGED_UPTO; 3: MODEL_STEP, whole-state snapshots
+LAYOUT_VERSION = 4  # 2: STAGE_SLOTS / STAGED_UPTO; 3: MODEL_STEP; 4: descriptor, ABANDONED_EPOCH
 PAGE_BYTES = mmap.PAGESIZE
 FIXED_WORDS = 32
 
@@ -139,18 +159,22 @@ class Word(enum.IntEnum):
     COMMITTED_STEP = 11  # server: step + 1 recorded by a CommitStep RPC or a Restore (0: none)
     STAGE_SLOTS = 12  # server: slots [0, n) are the stager's this epoch, the rest the trainer's
     STAGED_UPTO = 13  # server (stager): chunks [0, n) of SNAP_EPOCH are safe (staged/persisted)
+    LAYOUT_HASH = 14  # server, at creation: the layout hash's first 8 bytes (adoption checks it)
     RESTORED_SEQ = 15  # server: restores into this segment so far
     TRAINER_GENERATION = 16  # trainer: the generation that owns the segment now
     WRITING_STEP = 17  # trainer: step + 1 being written (0: not mutating)
     COW_COPIES = 18  # trainer: chunks copied before write, all snapshots
     BP_WAITS = 19  # trainer: waits for a free cow slot, all snapshots
     BP_WAIT_NS = 20  # trainer: nanoseconds spent in those waits
+    DESCRIPTOR_OFFSET = 21  # server, at creation: where the segment's descriptor starts
+    DESCRIPTOR_BYTES = 22  # server, at creation: its length (0: none, never adopted)
     TRAINER_COMMITTED = 24  # trainer: last committed step + 1 (0: none): the per-step commit
     TRAINER_RESTORED_SEQ = 25  # trainer: the RESTORED_SEQ its last commit came after
     TRAINER_COMMITS = 26  # trainer: steps committed, all generations
     PARAMS_FINGERPRINT = 27  # trainer: fingerprint of the parameters of the committed step
     STATE_DROPS = 28  # trainer: kept states dropped as not belonging to the parameters
     MODEL_STEP = 29  # trainer: step + 1 whose model tensors are completely copied (0: none)
+    ABANDONED_EPOCH = 30  # trainer: a snapshot epoch it stopped protecting, its server gone
 
 
 TensorSpec = tuple[str, str, tuple[int, ...]]
@@ -308,6 +332,16 @@ def layout_hash(specs: Sequence[tuple[str, str, Sequence[int]]]) -> str:
     for name, dtype, shape in specs:
         digest.update(f"{name}\0{dtype}\0{','.join(str(int(d)) for d in shape)}\n".encode())
     return digest.hexdigest()
+
+
+def layout_hash_word(digest: str) -> int:
+    """The ``LAYOUT_HASH`` word of a layout hash (its first 8 bytes)."""
+    return int(digest[:16], 16)
+
+
+def segment_file_bytes(layout: "SegmentLayout", descriptor_bytes: int) -> int:
+    """The segment file's size: the layout, then the descriptor, padded to a page."""
+    return layout.size + align_up(descriptor_bytes)
 
 
 def _count_chunks(nbytes_list: Sequence[int], chunk_bytes: int) -> int:

@@ -132,6 +132,17 @@ class ServerConfig:
     """Group (name or gid) given to segment files and the socket; segments become 0660 instead of
     0600 so trainers running as another user in that group can map them."""
 
+    discard_segments: bool = _flag(False, example="--discard-segments")
+    """At start, remove the segment files a previous server on this --listen left in
+    --shm-dir instead of adopting them: every trainer that was using them loses its state
+    (it must restore a snapshot). Without it, a server restarted after a crash or an upgrade
+    adopts them and its trainers lose nothing."""
+
+    free_segments_on_stop: bool = _flag(False, example="--free-segments-on-stop")
+    """On SIGTERM/SIGINT free every segment. Without it, the segments of live sessions stay
+    in --shm-dir for the next server on this --listen to adopt (a rolling upgrade costs the
+    trainers nothing); the other sessions' are freed."""
+
     chunk_bytes: int = _flag(64 * MiB, kind="size", example="32M")
     """Snapshot granularity and copy-before-write slot size; a multiple of the page size."""
 

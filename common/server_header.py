@@ -5,7 +5,8 @@ segment header; a test fails when another module does.
 
 Which server thread stores which word (one at a time per word):
 
-- the arena, once at creation: the layout words, ``MAGIC`` last (:meth:`initialize`);
+- the arena, once at creation: the layout words, the descriptor's place and the layout hash,
+  ``MAGIC`` last (:meth:`initialize`);
 - a CommitStep RPC or a Restore: ``COMMITTED_STEP``, then ``RESTORED_SEQ``
   (:meth:`record_commit`);
 - the Snapshot call (protocol step 1) and the writer's release (step 3's end), while no
@@ -18,7 +19,7 @@ Which server thread stores which word (one at a time per word):
 
 from __future__ import annotations
 
-from .segment import MAGIC, LAYOUT_VERSION, SegmentHeader, SegmentLayout, Word
+from .segment import MAGIC, LAYOUT_VERSION, SegmentHeader, SegmentLayout, Word, layout_hash_word
 
 __all__ = ["ServerHeader"]
 
@@ -33,10 +34,14 @@ class ServerHeader:
     def __getitem__(self, word: Word) -> int:
         return self.segment[word]
 
-    def initialize(self, layout: SegmentLayout) -> None:
-        """Once, on a zero-filled segment: the layout words, ``MAGIC`` last (a reader that sees
-        ``MAGIC`` sees the rest)."""
+    def initialize(self, layout: SegmentLayout, digest: str, descriptor_bytes: int) -> None:
+        """Once, on a zero-filled segment: the layout words, where its descriptor is (at
+        ``layout.size``, ``descriptor_bytes`` long, written before this) and ``LAYOUT_HASH`` of
+        ``digest``, ``MAGIC`` last (a reader that sees ``MAGIC`` sees the rest)."""
         header = self.segment
+        header[Word.DESCRIPTOR_OFFSET] = layout.size
+        header[Word.DESCRIPTOR_BYTES] = descriptor_bytes
+        header[Word.LAYOUT_HASH] = layout_hash_word(digest)
         header[Word.VERSION] = LAYOUT_VERSION
         header[Word.HEADER_BYTES] = layout.header_bytes
         header[Word.N_TENSORS] = len(layout.tensors)

@@ -11,6 +11,7 @@ Call order over a trainer's life::
     claim(generation)                      # attach: this generation owns the segment
     begin_write(step) ... end_write()      # around every write of a step (torn-state mark)
         record_chunk_copy(...)             # protocol step 4, inside begin/end, per chunk
+        abandon_snapshot(epoch)            # protocol step 6: the server is gone, no wait
     set_fingerprint(value); commit(step)   # after the step's writes: the per-step commit
     withdraw_model() / publish_model(step) # protocol step 5, after the commit (whole state)
 """
@@ -66,6 +67,11 @@ class TrainerHeader:
         header = self.segment
         header[Word.BP_WAITS] = header[Word.BP_WAITS] + 1
         header[Word.BP_WAIT_NS] = header[Word.BP_WAIT_NS] + waited_ns
+
+    def abandon_snapshot(self, epoch: int) -> None:
+        """Protocol step 6: ``ABANDONED_EPOCH = epoch``, before overwriting a chunk of that
+        epoch without a copy (its server is unreachable): the writer fails that snapshot."""
+        self.segment[Word.ABANDONED_EPOCH] = epoch
 
     # -- the per-step commit --------------------------------------------------------------
     def set_fingerprint(self, value: int) -> None:

@@ -157,7 +157,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("session_id", "job_id", "rank", "world_size", "generation", "state", "segment_bytes", "last_committed_step", "has_committed_step", "steps_committed", "orphaned_seconds", "local_world_size", "copy_slot_bytes", "copy_budget_needed_bytes", "copy_budget_warning", "model_bytes")
+    __slots__ = ("session_id", "job_id", "rank", "world_size", "generation", "state", "segment_bytes", "last_committed_step", "has_committed_step", "steps_committed", "orphaned_seconds", "local_world_size", "copy_slot_bytes", "copy_budget_needed_bytes", "copy_budget_warning", "model_bytes", "adopted")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class SessionStats(_message.Message):
     COPY_BUDGET_NEEDED_BYTES_FIELD_NUMBER: _ClassVar[int]
     COPY_BUDGET_WARNING_FIELD_NUMBER: _ClassVar[int]
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     job_id: str
     rank: int
@@ -190,10 +191,11 @@ class SessionStats(_message.Message):
     copy_budget_needed_bytes: int
     copy_budget_warning: str
     model_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., has_committed_step: _Optional[bool] = ..., steps_committed: _Optional[int] = ..., orphaned_seconds: _Optional[float] = ..., local_world_size: _Optional[int] = ..., copy_slot_bytes: _Optional[int] = ..., copy_budget_needed_bytes: _Optional[int] = ..., copy_budget_warning: _Optional[str] = ..., model_bytes: _Optional[int] = ...) -> None: ...
+    adopted: bool
+    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., last_committed_step: _Optional[int] = ..., has_committed_step: _Optional[bool] = ..., steps_committed: _Optional[int] = ..., orphaned_seconds: _Optional[float] = ..., local_world_size: _Optional[int] = ..., copy_slot_bytes: _Optional[int] = ..., copy_budget_needed_bytes: _Optional[int] = ..., copy_budget_warning: _Optional[str] = ..., model_bytes: _Optional[int] = ..., adopted: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("budget_total_bytes", "budget_used_bytes", "budget_free_bytes", "sessions", "steps_committed_total", "snapshots_in_progress", "persist_bytes_per_second", "persist_bandwidth_measured", "assumed_fwd_bwd_seconds", "stage_threads", "cow_pool_bytes", "cow_pool_used_bytes")
+    __slots__ = ("budget_total_bytes", "budget_used_bytes", "budget_free_bytes", "sessions", "steps_committed_total", "snapshots_in_progress", "persist_bytes_per_second", "persist_bandwidth_measured", "assumed_fwd_bwd_seconds", "stage_threads", "cow_pool_bytes", "cow_pool_used_bytes", "sessions_adopted_total", "reconnects_total")
     BUDGET_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +208,8 @@ class StatsReply(_message.Message):
     STAGE_THREADS_FIELD_NUMBER: _ClassVar[int]
     COW_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     COW_POOL_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_ADOPTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RECONNECTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     budget_total_bytes: int
     budget_used_bytes: int
     budget_free_bytes: int
@@ -218,7 +222,9 @@ class StatsReply(_message.Message):
     stage_threads: int
     cow_pool_bytes: int
     cow_pool_used_bytes: int
-    def __init__(self, budget_total_bytes: _Optional[int] = ..., budget_used_bytes: _Optional[int] = ..., budget_free_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., steps_committed_total: _Optional[int] = ..., snapshots_in_progress: _Optional[_Iterable[_Union[SnapshotStatusReply, _Mapping]]] = ..., persist_bytes_per_second: _Optional[float] = ..., persist_bandwidth_measured: _Optional[bool] = ..., assumed_fwd_bwd_seconds: _Optional[float] = ..., stage_threads: _Optional[int] = ..., cow_pool_bytes: _Optional[int] = ..., cow_pool_used_bytes: _Optional[int] = ...) -> None: ...
+    sessions_adopted_total: int
+    reconnects_total: int
+    def __init__(self, budget_total_bytes: _Optional[int] = ..., budget_used_bytes: _Optional[int] = ..., budget_free_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., steps_committed_total: _Optional[int] = ..., snapshots_in_progress: _Optional[_Iterable[_Union[SnapshotStatusReply, _Mapping]]] = ..., persist_bytes_per_second: _Optional[float] = ..., persist_bandwidth_measured: _Optional[bool] = ..., assumed_fwd_bwd_seconds: _Optional[float] = ..., stage_threads: _Optional[int] = ..., cow_pool_bytes: _Optional[int] = ..., cow_pool_used_bytes: _Optional[int] = ..., sessions_adopted_total: _Optional[int] = ..., reconnects_total: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ("session_id", "generation", "step", "metadata_json", "keep_latest", "keep_all", "replace_existing")

@@ -5,13 +5,15 @@ Used by the CLI, by tests, and by the client's embedded mode. Start-up order mat
 1. read the token and TLS files, resolve the group, prepare the snapshot directory;
 2. take the Unix socket path (lock file; a live server there -> refuse, a stale file -> replace);
 3. bind (grpc), so that for TCP a second server on the same port fails here;
-4. remove segment files a dead server on the same address left behind, then check that the
-   shm directory is a tmpfs with room for the whole budget (exit non-zero otherwise);
+4. adopt the segments a previous server on the same address left (:mod:`.memory.adopt`;
+   removed instead with ``--discard-segments``), then check that the shm directory is a
+   tmpfs with room for the rest of the budget (exit non-zero otherwise);
 5. start serving, health SERVING, reaper, metrics; one ``started`` log line.
 
 Stop (SIGTERM/SIGINT in the CLI): health NOT_SERVING, KeepAlive streams end with a notice, no
-new RPCs, in-flight ones get ``shutdown_grace`` seconds, then every segment is unmapped and
-unlinked and the socket removed.
+new RPCs, in-flight ones get ``shutdown_grace`` seconds, running snapshots end, then every
+segment is unmapped: the files of live sessions stay for the next server to adopt (unless
+``--free-segments-on-stop``), the others are unlinked; the socket is removed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from grpc_health.v1.health import aio as health_aio
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
+from swap_state.server.memory.adopt import adopt_segments, discard_segments
 from swap_state.server.memory.arena import Arena
 from swap_state.server.memory.shm_dir import check_shm_dir
 from swap_state.server.rpc.auth import TokenAuthInterceptor, read_token_file
@@ -46,6 +49,7 @@ from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
 from swap_state.server.observability.metrics import MetricsServer, metrics_registry, render_metrics
 from swap_state.server.rpc.service import SwapStateService
+from swap_state.server.rpc.validation import validate_descriptor
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 from swap_state.server.rpc.snapshot_service import snapshot_metrics
 from swap_state.server.memory.sessions import SessionRegistry
@@ -113,7 +117,7 @@ class RunningServer:
                 # Let running snapshots finish (bounded) before their segments are freed.
                 await asyncio.to_thread(self.service.snapshots.close)
             await self.service.snapshot_rpcs.drain(timeout_s=grace + 5.0)  # borrowed segments back
-            await self.sessions.close()
+            await self.sessions.close(keep_segments=not self.config.free_segments_on_stop)
         finally:
             if self._guard is not None:
                 self._guard.release()
@@ -249,19 +253,41 @@ def _grpc_server(config: ServerConfig, service: SwapStateService, health: health
     return server
 
 
-def _prepare_shm(config: ServerConfig, arena: Arena) -> None:
-    """Remove what a dead server on this address left in the shm directory, then check the
-    directory (StartupError when it cannot hold the budget)."""
-    removed, removed_bytes = arena.remove_leftovers()
-    if removed:
-        log_event(log, "leftover_segments_removed", logging.WARNING, files=removed,
-                  bytes=removed_bytes, shm_dir=config.shm_dir)
-    check_shm_dir(config.shm_dir, config.shm_size)
+def _prepare_shm(config: ServerConfig, domain: _Domain) -> None:
+    """Adopt (or with ``--discard-segments`` remove) what a previous server on this address
+    left in the shm directory, then check the directory (StartupError when it cannot hold the
+    rest of the budget)."""
+    arena = domain.arena
+    if config.discard_segments:
+        removed, removed_bytes = discard_segments(arena)
+        if removed:
+            log_event(log, "leftover_segments_removed", logging.WARNING, files=removed,
+                      bytes=removed_bytes, shm_dir=config.shm_dir)
+    else:
+        _adopt(config, domain)
+    check_shm_dir(config.shm_dir, config.shm_size - arena.used_bytes)
     if arena.cow_pool_slots == 0:
         log_event(log, "cow_pool_empty", logging.WARNING, cow_budget=config.cow_pool_bytes,
                   chunk_bytes=config.chunk_bytes,
                   detail="no copy-before-write slots: snapshots will make the trainer wait "
                   "until each chunk is persisted")
+
+
+def _adopt(config: ServerConfig, domain: _Domain) -> None:
+    """The sessions of the segments a previous server left, waiting for their trainers."""
+    adopted, refused = adopt_segments(
+        domain.arena, lambda d: validate_descriptor(d, max_tensors=config.max_tensors)
+    )
+    for item in refused:
+        log_event(log, "segment_not_adopted", logging.WARNING, path=item.path, reason=item.reason,
+                  detail="left where it is; remove it by hand, or start with --discard-segments")
+    for item in adopted:
+        domain.registry.adopt(item)
+        if domain.snapshots is not None:
+            domain.snapshots.note_epoch(item.open_epoch)
+    if adopted:
+        log_event(log, "segments_adopted", sessions=len(adopted), bytes=domain.arena.used_bytes,
+                  shm_dir=config.shm_dir)
 
 
 async def _start_metrics(config: ServerConfig, domain: _Domain, started_at: float) -> MetricsServer | None:
@@ -321,7 +347,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
         undo.push_async_callback(server.stop, None)
         if guard is not None:
             guard.bound(gid)
-        _prepare_shm(config, domain.arena)
+        _prepare_shm(config, domain)
 
         await server.start()
         for name in ("", SERVICE_NAME):

@@ -26,6 +26,11 @@ them back after; it refuses (False) when the free budget cannot hold them.
 Blocking methods (``create_segment``, ``free``) are thread-safe and meant for a worker thread:
 committing tens of GiB takes seconds and must not stall liveness streams.
 
+Adoption: a server starting on the segments a previous server on the same address left
+(:mod:`.adopt` checks them) takes each into its accounting with :meth:`Arena.adopt`; at
+shutdown :meth:`Arena.close` keeps the files of the segments it is given (for the next server)
+and frees the rest.
+
 Elsewhere: the :class:`~.segment_file.Segment` a creation returns is in :mod:`.segment_file`,
 the start-up checks of the shm directory in :mod:`.shm_dir`.
 """
@@ -38,7 +43,6 @@ import logging
 import mmap
 import os
 import pathlib
-import stat
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -52,8 +56,10 @@ from swap_state.common.segment import (
     layout_hash,
     model_bytes,
     plan_segment,
+    segment_file_bytes,
     tensor_nbytes,
 )
+from swap_state.common.segment_descriptor import SegmentDescriptor
 
 from swap_state.common.server_header import ServerHeader
 from swap_state.common.sizes import format_size
@@ -221,29 +227,46 @@ class Arena:
         world_size: int,
         *,
         specs_hash: str | None = None,
+        descriptor: SegmentDescriptor | None = None,
     ) -> Segment:
         """Plan, charge, create, pre-fault, map and initialise a segment (blocking).
 
         ``owner`` is a server-issued id (hex), part of the file name. ``specs_hash``: the
         caller's ``layout_hash(specs)`` when it has one (O(tensors) to compute again).
+        ``descriptor``: what a successor needs to adopt the segment (its session and
+        ``specs``), written after the copy slots; None: a segment no successor adopts.
         Steps: :meth:`_charge` (budget and name, under the lock), :meth:`_materialize_or_undo`
         (the file, outside it: seconds for tens of GiB), :meth:`_register`, then the
         copy-budget warning.
         """
         if not owner.isalnum():
             raise ValueError("segment owner must be a server-issued alphanumeric id")
-        name, layout = self._charge(owner, specs, world_size)
+        raw = descriptor.encode() if descriptor is not None else b""
+        name, layout = self._charge(owner, specs, world_size, len(raw))
         digest = specs_hash if specs_hash is not None else layout_hash(specs)
-        segment = Segment(
-            name, self.shm_dir / name, layout, digest, layout.cow_slots_offset,
-            lock=self._lock, destroy=self._destroy,
-        )
+        segment = self.segment_object(name, layout, digest, raw)
         self._materialize_or_undo(segment)
         self._register(segment)
         self._warn_copy_budget(segment)
         return segment
 
-    def _charge(self, owner: str, specs: Sequence[TensorSpec], world_size: int) -> tuple[str, SegmentLayout]:
+    def segment_object(self, name: str, layout: SegmentLayout, digest: str, descriptor: bytes) -> Segment:
+        """The :class:`Segment` of file ``name`` under the shm directory, freed through this
+        arena (not mapped, not charged yet)."""
+        return Segment(
+            name, self.shm_dir / name, layout, digest, self._tensor_charge(layout, len(descriptor)),
+            lock=self._lock, destroy=self._destroy, descriptor=descriptor,
+        )
+
+    @staticmethod
+    def _tensor_charge(layout: SegmentLayout, descriptor_bytes: int) -> int:
+        """What a segment takes of the tensor part of the budget: header, tensors, page
+        padding and its descriptor's pages (its copy slots come out of the pool)."""
+        return segment_file_bytes(layout, descriptor_bytes) - layout.cow_slots * layout.chunk_bytes
+
+    def _charge(
+        self, owner: str, specs: Sequence[TensorSpec], world_size: int, descriptor_bytes: int = 0
+    ) -> tuple[str, SegmentLayout]:
         """Plan the segment, take its bytes and slots out of the budget and name its file:
         (name, layout). ResourceExhausted when the free budget cannot hold it."""
         chunk = self.segment_chunk_bytes(specs)
@@ -256,7 +279,7 @@ class Arena:
             slots = min(want, self.cow_pool_slots - self._cow_used_slots)
             if slots != layout.cow_slots:
                 layout = plan_segment(specs, chunk, slots)
-            charge = layout.cow_slots_offset  # header + tensors + page padding
+            charge = self._tensor_charge(layout, descriptor_bytes)
             free = self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self._staging_used
             if charge > free:
                 self.allocation_failures += 1
@@ -327,11 +350,13 @@ class Arena:
                 os.fchown(fd, -1, self.gid)
             os.fchmod(fd, 0o660 if self.gid is not None else 0o600)  # umask-independent
             self._commit(fd, segment)
+            if segment.descriptor:
+                os.pwrite(fd, segment.descriptor, segment.layout.size)  # before MAGIC (initialize)
             segment.buffer = mmap.mmap(fd, segment.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         header = SegmentHeader(segment.buffer, segment.layout.n_chunks, segment.layout.cow_slots)
-        ServerHeader(header).initialize(segment.layout)
+        ServerHeader(header).initialize(segment.layout, segment.layout_hash, len(segment.descriptor))
         segment.header = header
         if self.mlock_enabled:
             self._lock_pages(segment)
@@ -339,7 +364,7 @@ class Arena:
     def _commit(self, fd: int, segment: Segment) -> None:
         """Allocate every page of the file now, so a full tmpfs fails here, not with SIGBUS."""
         try:
-            os.posix_fallocate(fd, 0, segment.size)
+            os.posix_fallocate(fd, 0, segment.file_bytes)
             return
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
@@ -349,8 +374,8 @@ class Arena:
         # Filesystems without fallocate: write zeros, which allocates just the same.
         try:
             offset = 0
-            while offset < segment.size:
-                length = min(len(_ZERO_BLOCK), segment.size - offset)
+            while offset < segment.file_bytes:
+                length = min(len(_ZERO_BLOCK), segment.file_bytes - offset)
                 offset += os.pwrite(fd, _ZERO_BLOCK[:length], offset)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
@@ -416,34 +441,40 @@ class Arena:
             segment._closed = True
             self._segments.pop(segment.name, None)
         segment._unmap()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(segment.path)
+        if not segment.keep_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(segment.path)
         self._release_charge(segment)
 
-    def close(self) -> None:
-        """Free every segment (server shutdown); later creations fail with UNAVAILABLE."""
+    def close(self, keep: Sequence[Segment] = ()) -> None:
+        """Unmap every segment (server shutdown): the files of ``keep`` stay for the next
+        server on this address to adopt, the others are unlinked. Later creations fail with
+        UNAVAILABLE."""
         with self._lock:
             self._closed = True
             segments = list(self._segments.values())
+        for segment in keep:
+            segment.keep_file = True
         for segment in segments:
             self.free(segment)
 
-    def remove_leftovers(self) -> tuple[int, int]:
-        """Unlink segment files a dead server with the same tag left behind (SIGKILL, OOM).
-
-        Only called once the caller knows no live server uses this tag (it holds the socket
-        lock or bound the same TCP port). Returns (files, bytes) removed.
-        """
-        removed = removed_bytes = 0
-        uid = os.geteuid()
-        for entry in os.scandir(self.shm_dir):
-            if not entry.name.startswith(self.prefix):
-                continue
-            info = entry.stat(follow_symlinks=False)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
-                removed += 1
-                removed_bytes += info.st_blocks * 512
-        return removed, removed_bytes
+    def adopt(self, segment: Segment, seq: int) -> None:
+        """Take a segment a previous server left (checked by :mod:`.adopt`) into the budget
+        and the pool, like a created one; ResourceExhausted when this server's budget
+        cannot hold it (a smaller --shm-size or --cow-budget than its creator's)."""
+        with self._lock:
+            free = self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self._staging_used
+            pool_free = self.cow_pool_slots - self._cow_used_slots
+            if segment.charge > free or segment.cow_slots > pool_free:
+                raise ResourceExhausted(
+                    f"it needs {segment.charge} bytes and {segment.cow_slots} copy slots, this "
+                    f"server has {free} bytes and {pool_free} slots free: start it with the "
+                    "--shm-size and --cow-budget of the one before"
+                )
+            self._tensor_used += segment.charge
+            self._cow_used_slots += segment.cow_slots
+            self._cow_used_bytes += segment.cow_slots * segment.layout.chunk_bytes
+            self._segments[segment.name] = segment
+            self._seq = max(self._seq, seq)
+        if self.mlock_enabled:
+            self._lock_pages(segment)

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from swap_state.common.errors import Unavailable
-from swap_state.common.segment import SegmentHeader, SegmentLayout, model_bytes
+from swap_state.common.segment import SegmentHeader, SegmentLayout, model_bytes, segment_file_bytes
 from swap_state.server.logs import log_event
 
 __all__ = ["Segment"]
@@ -49,15 +49,25 @@ class Segment:
         *,
         lock: threading.Lock,
         destroy: Callable[[Segment], None],
+        descriptor: bytes = b"",
     ) -> None:
         """``lock``: the arena's, which guards the borrow count and the freeing flags;
         ``destroy``: the arena's, called (outside ``lock``) when the last borrower of a freed
-        segment is done."""
+        segment is done; ``descriptor``: the encoded
+        :class:`~swap_state.common.segment_descriptor.SegmentDescriptor` after the copy slots."""
         self.name = name
         self.path = path
         self.layout = layout
         self.layout_hash = specs_hash
         self.size = layout.size
+        """Bytes mapped (the layout; the trainer maps as many)."""
+        self.descriptor = descriptor
+        self.file_bytes = segment_file_bytes(layout, len(descriptor))
+        """Bytes of the file: the layout, then the descriptor's pages."""
+        self.keep_file = False
+        """Set at shutdown for a segment whose file stays for the next server to adopt."""
+        self.adopted = False
+        """Whether this server adopted the segment from a previous one."""
         self.cow_slots = layout.cow_slots
         self.model_bytes = model_bytes(layout.tensors)  # once: stats and scrapes read it often
         self.charge = charge  # bytes counted against the tensor part of the budget

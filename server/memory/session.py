@@ -84,6 +84,11 @@ class Session:
     """After a reattach the trainer may commit an earlier step once (it restored a checkpoint)."""
     closed: bool = False
     """True once removed from the registry (its segment freed or being freed)."""
+    adopted: bool = False
+    """Rebuilt from a previous server's segment at this server's start."""
+    streamed_generation: int = 0
+    """The generation whose KeepAlive stream was last opened (0: none yet): a stream of the
+    same generation opened again is a reconnect."""
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock, repr=False)
     streams: set[LivenessStream] = dataclasses.field(default_factory=set, repr=False)
 

@@ -14,6 +14,11 @@ Lifecycle::
   an older generation then fail with FAILED_PRECONDITION, so a stale trainer cannot commit.
 * A live session (stream open) is never taken over: a second trainer with the same job id and
   rank is refused instead of silently stealing the first one's memory.
+* A session adopted from a previous server (:meth:`SessionRegistry.adopt`, at start) begins
+  orphaned: its trainer's KeepAlive stream (same session id and generation) makes it live
+  again, counted as a reconnect; with no trainer back it goes through ``grace`` like any.
+* At shutdown (:meth:`SessionRegistry.close`) the segments of live and pending sessions stay
+  for the next server to adopt, unless ``keep_segments`` is off; the others are freed.
 
 Ids and numbers a request carries (job id, session id, rank, generation, step) are validated
 once, by the servicer, before they get here (:mod:`.validation`); the registry trusts them.
@@ -39,7 +44,9 @@ from swap_state.common.errors import (
     Unavailable,
 )
 from swap_state.common.segment import TensorSpec, layout_hash
+from swap_state.common.segment_descriptor import SegmentDescriptor
 from swap_state.server.logs import log_event
+from swap_state.server.memory.adopt import Adopted
 from swap_state.server.memory.arena import Arena
 from swap_state.server.memory.freed import FreedSession, FreedSessions
 from swap_state.server.memory.segment_file import Segment
@@ -79,6 +86,10 @@ class SessionRegistry:
         self.reattaches = 0
         self.sessions_freed = 0
         self.sessions_expired = 0
+        self.sessions_adopted = 0
+        """Sessions rebuilt from a previous server's segments at start."""
+        self.reconnects = 0
+        """KeepAlive streams reopened by a trainer without a new Attach (its server restarted)."""
         self.freed = FreedSessions()
         """The last sessions freed (bounded): why a trainer finds no state for its job/rank."""
 
@@ -240,6 +251,24 @@ class SessionRegistry:
         session.orphaned_since = None
         session.stream_deadline = self._clock() + self.stream_wait
 
+    def adopt(self, adopted: Adopted) -> Session:
+        """A session rebuilt from a segment a previous server left (checked by
+        :mod:`.adopt`), orphaned until its trainer's KeepAlive stream comes back."""
+        d = adopted.descriptor
+        session = Session(
+            session_id=adopted.session_id, job_id=d.job_id, rank=d.rank, world_size=d.world_size,
+            generation=adopted.generation, local_world_size=d.local_world_size,
+            segment=adopted.segment, adopted=True, streamed_generation=adopted.generation,
+        )
+        self._sessions[session.session_id] = session
+        self._by_key[(session.job_id, session.rank)] = session
+        self.sessions_adopted += 1
+        self._orphan(session, "adopted")
+        log_event(log, "session_adopted", **session._describe(), path=adopted.segment.path,
+                  bytes=adopted.segment.file_bytes, last_committed_step=session.last_committed_step,
+                  closed_snapshot_epoch=adopted.open_epoch)
+        return session
+
     async def detach(self, session_id: str, generation: int, *, keep: bool) -> None:
         session = self.lookup(session_id, generation)
         async with session.lock:
@@ -257,6 +286,10 @@ class SessionRegistry:
         session = self.lookup(session_id, generation)
         stream = LivenessStream(session, generation)
         session.streams.add(stream)
+        if session.streamed_generation == generation and session.state is not SessionState.LIVE:
+            self.reconnects += 1  # the same trainer, back without an Attach
+            log_event(log, "session_reconnected", **session._describe(), adopted=session.adopted)
+        session.streamed_generation = generation
         if session.state is not SessionState.LIVE:
             session.state = SessionState.LIVE
             session.orphaned_since = None
@@ -326,12 +359,15 @@ class SessionRegistry:
                     f"{wanted_hash[:12]}): Detach with keep=false, then Attach and Allocate again"
                 )
             started = time.perf_counter()
+            descriptor = SegmentDescriptor(session.job_id, session.rank, session.world_size,
+                                           session.local_world_size, tuple(checked), wanted_hash)
             segment = await asyncio.to_thread(
                 self.arena.create_segment,
                 session.session_id,
                 checked,
                 session.local_world_size,  # the job's ranks sharing this server's copy pool
                 specs_hash=wanted_hash,
+                descriptor=descriptor,  # what a successor server needs to adopt it
             )
             session.segment = segment
             log_event(log, "segment_allocated", **session._describe(), path=segment.path,
@@ -422,8 +458,10 @@ class SessionRegistry:
         for session in self._sessions.values():
             self._end_streams(session, "shutting down")
 
-    async def close(self) -> None:
-        """Stop the reaper and free every session (server shutdown)."""
+    async def close(self, keep_segments: bool = False) -> None:
+        """Stop the reaper and end every session (server shutdown). ``keep_segments``: the
+        files of live and pending sessions' segments stay for the next server to adopt (their
+        trainers go on stepping); the other sessions are freed."""
         self.begin_shutdown()
         if self._reaper is not None:
             self._reaper.cancel()
@@ -432,8 +470,13 @@ class SessionRegistry:
             except asyncio.CancelledError:
                 pass
             self._reaper = None
+        kept = []
         for session in list(self._sessions.values()):
             async with session.lock:  # lets an in-flight Allocate finish first
-                if not session.closed:
+                if keep_segments and session.segment is not None and session.state is not SessionState.ORPHANED:
+                    kept.append(session.segment)
+                    log_event(log, "session_kept", **session._describe(), path=session.segment.path,
+                              bytes=session.segment.file_bytes)
+                elif not session.closed:
                     await self._remove(session, "shutdown")
-        await asyncio.to_thread(self.arena.close)
+        await asyncio.to_thread(self.arena.close, kept)

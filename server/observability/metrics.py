@@ -124,7 +124,7 @@ class ServerCollector(Collector):
                            labels=["job_id", "rank"])
         for s in sessions:
             key = [s.job_id, str(s.rank)]
-            segment_bytes.add_metric(key, s.segment.size if s.segment else 0)
+            segment_bytes.add_metric(key, s.segment.file_bytes if s.segment else 0)
             model_area.add_metric(key, s.segment.model_bytes if s.segment else 0)
             if s.last_committed_step is not None:
                 last_step.add_metric(key, s.last_committed_step)
@@ -148,6 +148,12 @@ class ServerCollector(Collector):
                       registry.sessions_freed)
         yield counter("swap_state_sessions_expired_total",
                       "Orphaned sessions freed after the grace period.", registry.sessions_expired)
+        yield counter("swap_state_sessions_adopted_total",
+                      "Sessions adopted at start from a previous server's segments.",
+                      registry.sessions_adopted)
+        yield counter("swap_state_session_reconnects_total",
+                      "KeepAlive streams trainers reopened without a new Attach (server restarted).",
+                      registry.reconnects)
 
     def _rpc_families(self) -> Iterator[Metric]:
         counters = self.counters

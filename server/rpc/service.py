@@ -170,6 +170,8 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             stage_threads=stage_threads,
             cow_pool_bytes=self.arena.cow_reserve_bytes,
             cow_pool_used_bytes=self.arena.cow_used_bytes,
+            sessions_adopted_total=self.registry.sessions_adopted,
+            reconnects_total=self.registry.reconnects,
         )
 
     def _session_stats(self, session: Session) -> pb.SessionStats:
@@ -185,7 +187,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             local_world_size=session.local_world_size,
             generation=session.generation,
             state=session.state.value,
-            segment_bytes=session.segment.size if session.segment else 0,
+            segment_bytes=session.segment.file_bytes if session.segment else 0,
             model_bytes=session.segment.model_bytes if session.segment else 0,
             last_committed_step=session.last_committed_step or 0,
             has_committed_step=session.last_committed_step is not None,
@@ -194,6 +196,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             copy_slot_bytes=budget.slot_bytes if budget else 0,
             copy_budget_needed_bytes=budget.needed_bytes if budget else 0,
             copy_budget_warning=budget.warning() if budget and self.snapshots else "",
+            adopted=session.adopted,
         )
 
 

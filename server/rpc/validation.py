@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.segment import TensorSpec
+from swap_state.common.segment_descriptor import SegmentDescriptor
 from swap_state.common.names import MODEL_PREFIX, is_model_tensor, parse_snapshot_id, shorten, validate_job_id
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "SAFETENSORS_MAX_HEADER_BYTES",
     "TensorSpecTuple",
     "validate_client_host",
+    "validate_descriptor",
     "validate_generation",
     "validate_job_id",
     "validate_job_id_filter",
@@ -215,3 +217,13 @@ def _unknown_dtype(index: int, name: str, dtype: str) -> InvalidArgument:
         f"tensors[{index}] ({name}): unknown dtype {shorten(dtype)}; "
         f"expected one of {', '.join(DTYPE_ITEMSIZE)}"
     )
+
+
+def validate_descriptor(descriptor: SegmentDescriptor, *, max_tensors: int) -> list[TensorSpecTuple]:
+    """A segment descriptor a previous server left (adoption): its values pass what an
+    Attach and an Allocate pass. Returns its checked tensor specs."""
+    validate_job_id(descriptor.job_id)
+    validate_rank(descriptor.rank, descriptor.world_size)
+    if validate_local_world_size(descriptor.local_world_size, descriptor.world_size) != descriptor.local_world_size:
+        raise InvalidArgument("local_world_size 0 in a segment descriptor")
+    return validate_tensor_specs(descriptor.tensors, max_tensors=max_tensors)

@@ -185,11 +185,18 @@ class SnapshotCoordinator:
     # ------------------------------------------------------------------------------ start
 
     def _next_epoch(self, source: SnapshotSource) -> int:
-        # Increasing per segment even across coordinators: above every COW_EPOCH in the header.
+        # Increasing per segment even across coordinators: above every COW_EPOCH in the header
+        # and the epoch a trainer gave up (protocol step 6).
         header = source.header
         highest = max((header.cow_epoch(c) for c in range(source.layout.n_chunks)), default=0)
+        highest = max(highest, header[Word.ABANDONED_EPOCH])
         self._last_epoch = max(self._last_epoch, highest) + 1
         return self._last_epoch
+
+    def note_epoch(self, epoch: int) -> None:
+        """An epoch a dead server opened in an adopted segment: later ones number above it."""
+        with self._lock:
+            self._last_epoch = max(self._last_epoch, epoch)
 
     def start(self, source: SnapshotSource, *, hold: bool = False) -> RankSnapshot:
         """Begin (or join) the snapshot of ``source.step`` for ``source.job_id``; returns once it

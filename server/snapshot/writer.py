@@ -276,6 +276,7 @@ class RankWriter:
                 if position - kicked >= _WRITEBACK_BYTES:
                     file.start_writeback(kicked, position - kicked)
                     kicked = position
+            self._check_not_abandoned()  # after the last read: protocol step 6
         finally:
             self.stream_seconds = time.monotonic() - started
         return crcs
@@ -284,6 +285,7 @@ class RankWriter:
         """Wait until ``chunk`` may be streamed: the trainer's copy of the model (before the
         first model chunk), a stager that can still copy, the trainer's step (once all is
         staged), the bandwidth cap. Cancelled when the snapshot was cancelled meanwhile."""
+        self._check_not_abandoned()
         if chunk.index == self.model_from:
             self._wait_for_model()
         if self.stager is not None:
@@ -291,6 +293,16 @@ class RankWriter:
             self._yield_to_trainer(len(self.chunks))
         if not self.limiter.acquire(chunk.nbytes, self.cancel):
             raise Cancelled()
+
+    def _check_not_abandoned(self) -> None:
+        """Protocol step 6: the trainer gave this epoch up (it found its server unreachable
+        and overwrote chunks without a copy), so what was read may be torn."""
+        if self.source.header[Word.ABANDONED_EPOCH] == self.epoch:
+            raise SnapshotError(
+                f"the trainer of {self.source.job_id} rank {self.source.rank} gave this "
+                "snapshot up: it found the server unreachable (its KeepAlive stream broke) and "
+                "overwrote chunks without a copy; take the snapshot again"
+            )
 
     def _persist_chunk(self, fd: int, view: memoryview, chunk: Chunk, position: int, before: int) -> int:
         """Write ``chunk`` at ``position`` of ``fd`` and publish ``PERSISTED_UPTO = c + 1``;

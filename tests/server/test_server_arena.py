@@ -15,6 +15,7 @@ from swap_server_testkit import Trainer, spec
 from swap_state.common.segment import MAGIC, PAGE_BYTES, SegmentHeader, Word
 from swap_state.server.memory import arena as arena_mod
 from swap_state.server.memory import shm_dir as shm_dir_mod
+from swap_state.server.memory.adopt import discard_segments
 from swap_state.server.memory.arena import Arena
 from swap_state.server.memory.shm_dir import check_shm_dir
 from swap_state.common.errors import ResourceExhausted, StartupError, Unavailable
@@ -191,7 +192,7 @@ def test_leftovers_of_the_same_tag_only_are_removed(shm_dir):
     (shm_dir / "swap-state.other.dead.1").write_bytes(b"x")
     (shm_dir / "unrelated").write_bytes(b"x")
     os.symlink("/etc/passwd", shm_dir / "swap-state.t3st.link")
-    files, nbytes = make_arena(shm_dir).remove_leftovers()
+    files, nbytes = discard_segments(make_arena(shm_dir))
     assert files == 1 and nbytes >= 4096
     assert sorted(os.listdir(shm_dir)) == ["swap-state.other.dead.1", "swap-state.t3st.link", "unrelated"]
 

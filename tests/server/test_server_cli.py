@@ -45,7 +45,7 @@ def test_help_explains_every_flag_with_an_example():
                 "--metrics-port", "--log-level", "--shm-dir", "--shm-group", "--chunk-bytes",
                 "--cow-budget", "--persist-max-bandwidth", "--stage-threads", "--model-copy-timeout", "--keep-latest",
                 "--snapshot-store", "--snapshot-store-timeout", "--snapshot-store-max-bandwidth",
-                "--tls-cert",
+                "--tls-cert", "--discard-segments", "--free-segments-on-stop",
                 "--tls-key", "--insecure"}
     assert {a.option_strings[0] for a in flags} == expected
     for action in flags:
@@ -237,7 +237,7 @@ def test_stale_socket_is_replaced_and_a_foreign_file_is_not(server_process, shm_
     assert sock.read_text() == "not a socket"
 
 
-def test_leftover_segments_of_a_killed_server_are_removed(server_process, shm_dir, sock_dir):
+def test_a_killed_servers_segments_are_adopted_or_with_discard_removed(server_process, shm_dir, sock_dir):
     sock = sock_dir / "s.sock"
     first = server_process(base_args(shm_dir, sock))
     first.wait_ready(sock)
@@ -251,9 +251,19 @@ def test_leftover_segments_of_a_killed_server_are_removed(server_process, shm_di
     assert os.path.exists(seg.path)  # SIGKILL: no chance to clean up
     second = server_process(base_args(shm_dir, sock))
     second.wait_ready(sock)
+    assert os.path.exists(seg.path)  # adopted: its trainer may come back
+    with grpc.insecure_channel(f"unix://{sock}") as channel:
+        sessions = pb_grpc.SwapStateStub(channel).Stats(pb.StatsRequest(), timeout=10).sessions
+    assert [(s.session_id, s.job_id, s.state, s.adopted) for s in sessions] == [
+        (reply.session_id, "j", "orphaned", True)
+    ]
+    second.proc.send_signal(signal.SIGKILL)
+    second.wait(10)
+    third = server_process(base_args(shm_dir, sock) + ["--discard-segments"])
+    third.wait_ready(sock)
     assert not os.path.exists(seg.path)
-    assert "leftover_segments_removed" in second.output
-    assert second.terminate() == 0
+    assert "leftover_segments_removed" in third.output
+    assert third.terminate() == 0
 
 
 def test_wrong_token_is_unauthenticated(server_process, shm_dir, sock_dir, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import asyncio
 import logging
 import pathlib
@@ -126,7 +127,7 @@ async def test_metrics_endpoint_serves_prometheus_text(start, connect):
     for line in lines:
         assert line.startswith("# HELP ") or line.startswith("# TYPE ") or _SAMPLE.match(line), line
     samples = _samples(lines)
-    assert _sample(samples, "swap_state_budget_used_bytes") == seg.size
+    assert _sample(samples, "swap_state_budget_used_bytes") == os.stat(seg.path).st_size
     assert _sample(samples, "swap_state_steps_committed_total") == 3
     assert _sample(samples, "swap_state_sessions", state="live") == 1
     assert _sample(samples, "swap_state_session_last_committed_step", job_id="jobwith-quote",
@@ -164,6 +165,8 @@ _FAMILIES = [
     ("swap_state_reattaches_total", "counter", ()),
     ("swap_state_sessions_freed_total", "counter", ()),
     ("swap_state_sessions_expired_total", "counter", ()),
+    ("swap_state_sessions_adopted_total", "counter", ()),
+    ("swap_state_session_reconnects_total", "counter", ()),
     ("swap_state_rpc_total", "counter", ("code", "method")),
     ("swap_state_rpc_seconds_total", "counter", ("method",)),
     ("swap_state_snapshots_in_progress", "gauge", ()),

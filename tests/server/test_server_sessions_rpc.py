@@ -47,8 +47,8 @@ async def test_attach_allocate_commit_roundtrip(server, stub, shm_dir):
     assert "llama" not in seg.path  # the name is built from server ids only
     info = os.stat(seg.path)
     assert stat.S_IMODE(info.st_mode) == 0o600
-    assert info.st_size == seg.size
-    assert info.st_blocks * 512 >= seg.size  # committed (pre-faulted), not sparse
+    assert info.st_size > seg.size and info.st_size % PAGE_BYTES == 0  # then its descriptor
+    assert info.st_blocks * 512 >= info.st_size  # committed (pre-faulted), not sparse
     assert seg.header_bytes % PAGE_BYTES == 0
     assert [t.name for t in seg.tensors] == [t.name for t in TENSORS]
     assert all(t.offset % PAGE_BYTES == 0 for t in seg.tensors)
@@ -78,7 +78,7 @@ async def test_attach_allocate_commit_roundtrip(server, stub, shm_dir):
     assert (session.job_id, session.rank, session.world_size) == ("llama-8b", 3, 8)
     assert session.has_committed_step and session.last_committed_step == 1
     assert session.steps_committed == 2 and reply.steps_committed_total == 2
-    assert reply.budget_used_bytes == seg.size == session.segment_bytes
+    assert reply.budget_used_bytes == os.stat(seg.path).st_size == session.segment_bytes
     assert reply.budget_total_bytes == 64 << 20
     header.release()
     trainer.close()
@@ -93,7 +93,7 @@ async def test_allocate_is_idempotent_for_the_same_layout_only(server, stub):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await trainer.allocate([spec("other", (10,))])
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert (await stats(stub)).budget_used_bytes == first.segment.size
+    assert (await stats(stub)).budget_used_bytes == os.stat(first.segment.path).st_size
 
 
 async def test_commit_before_allocate_is_a_failed_precondition(server, stub):
@@ -163,10 +163,10 @@ async def test_budget_returns_to_zero_after_detach_keep_and_grace(start, connect
     await trainer.attach()
     await trainer.keep_alive()
     seg = (await trainer.allocate(TENSORS)).segment
-    assert (await stats(stub)).budget_used_bytes == seg.size
+    assert (await stats(stub)).budget_used_bytes == os.stat(seg.path).st_size
     await trainer.detach(keep=True)
     assert await session_state(stub, trainer.session_id) == "orphaned"
-    assert (await stats(stub)).budget_used_bytes == seg.size  # kept during the grace period
+    assert (await stats(stub)).budget_used_bytes == os.stat(seg.path).st_size  # kept during the grace period
 
     async def freed() -> bool:
         reply = await stats(stub)
@@ -285,7 +285,7 @@ async def test_over_budget_is_resource_exhausted_with_numbers(start, connect):
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     details = err.value.details()
     free = (8 << 20) - (256 << 10)
-    assert "requested 12587008" in details  # one header page + 12 MiB
+    assert "requested 12591104" in details  # one header page + 12 MiB + a descriptor page
     assert f"free {free}" in details and f"total {8 << 20}" in details
     assert (await stats(stub)).budget_used_bytes == 0
     fits = await trainer.allocate([spec("fits", (1 << 20,))])
@@ -453,7 +453,7 @@ async def test_cancelled_allocate_still_lands_and_a_retry_reuses_it(server, stub
     retry = await trainer.allocate(TENSORS)
     assert retry.reused
     assert len(server.arena.segments) == 1
-    assert server.arena.used_bytes == retry.segment.size
+    assert server.arena.used_bytes == os.stat(retry.segment.path).st_size
 
 
 async def test_stop_ends_streams_and_removes_segments_and_socket(start, connect, shm_dir):

@@ -1,0 +1,91 @@
+"""What a segment says about itself, so that a server starting after the one that created it
+can adopt it (:mod:`swap_state.common.segment`, "Adoption"): :class:`SegmentDescriptor`.
+
+Written once by the creating server, after the copy slots (outside the range the trainer
+maps); read by a successor, which trusts nothing in it: :meth:`SegmentDescriptor.decode`
+checks the shape of every field and raises ValueError, and the server then validates the
+values as it validates an Attach and an Allocate, and recomputes the layout and its hash.
+No torch, no grpc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+
+__all__ = ["DESCRIPTOR_FORMAT", "MAX_DESCRIPTOR_BYTES", "SegmentDescriptor"]
+
+DESCRIPTOR_FORMAT = "swap-state-segment/1"
+#: A descriptor longer than this is refused unread (a hostile header must not make a server
+#: allocate gigabytes): 1M tensors at 64 bytes each.
+MAX_DESCRIPTOR_BYTES = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentDescriptor:
+    """The session a segment belongs to and the tensors it was planned for."""
+
+    job_id: str
+    rank: int
+    world_size: int
+    """The job's (global) world size."""
+    local_world_size: int
+    """Ranks of the job on the server (its host)."""
+    tensors: tuple[tuple[str, str, tuple[int, ...]], ...]
+    """(name, dtype, shape) in segment order: the Allocate request, checked."""
+    layout_hash: str
+    """:func:`~swap_state.common.segment.layout_hash` of ``tensors`` (hex)."""
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "format": DESCRIPTOR_FORMAT,
+                "job_id": self.job_id,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "local_world_size": self.local_world_size,
+                "layout_hash": self.layout_hash,
+                "tensors": [[name, dtype, list(shape)] for name, dtype, shape in self.tensors],
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> SegmentDescriptor:
+        """The descriptor in ``raw``; ValueError naming what is wrong (shape only: the values
+        are the server's to validate)."""
+        if len(raw) > MAX_DESCRIPTOR_BYTES:
+            raise ValueError(f"descriptor of {len(raw)} bytes (at most {MAX_DESCRIPTOR_BYTES})")
+        try:
+            doc = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"descriptor is not JSON: {e}") from None
+        if not isinstance(doc, dict) or doc.get("format") != DESCRIPTOR_FORMAT:
+            raise ValueError(f"descriptor is not of format {DESCRIPTOR_FORMAT}")
+        return cls(
+            job_id=_typed(doc, "job_id", str),
+            rank=_typed(doc, "rank", int),
+            world_size=_typed(doc, "world_size", int),
+            local_world_size=_typed(doc, "local_world_size", int),
+            tensors=_tensors(_typed(doc, "tensors", list)),
+            layout_hash=_typed(doc, "layout_hash", str),
+        )
+
+
+def _typed(doc: dict, key: str, kind: type):
+    value = doc.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ValueError(f"descriptor field {key!r} is not a {kind.__name__}")
+    return value
+
+
+def _tensors(items: Sequence[object]) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    out = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                and isinstance(item[1], str) and isinstance(item[2], list)
+                and all(isinstance(d, int) and not isinstance(d, bool) for d in item[2])):
+            raise ValueError("descriptor tensor is not [name, dtype, [dims...]]")
+        out.append((item[0], item[1], tuple(item[2])))
+    return tuple(out)
