@@ -27,10 +27,15 @@ __all__ = [
     "Unavailable",
     "ConfigError",
     "StartupError",
+    "SERVER_STOPPING_NOTICE",
 ]
 
 REASON_METADATA_KEY = "swap-state-reason"
 """Trailing-metadata key of a refused call: the refusing error's ``reason``."""
+
+SERVER_STOPPING_NOTICE = "shutting down"
+"""The last KeepAlive event's notice of a server that stops (SIGTERM): its trainers keep
+stepping and reconnect to the next server, which adopts their segments."""
 
 
 class DomainError(Exception):

@@ -145,7 +145,8 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         self._views = self._mapping.tensor_views()
         self.session.bind_header(self._mapping.trainer)
         self._check_resumable(reply.reused)
-        self._guard = SnapshotGuard(self._mapping, self.remote_config.backpressure_timeout_s)
+        self._guard = SnapshotGuard(self._mapping, self.remote_config.backpressure_timeout_s,
+                                    server_gone=self.session.server_gone)
         if model_tensors:
             self._model_area = ModelArea(model_tensors, self._views, self._guard, self._mapping.trainer, self._backend)
         self._tensor_names: dict[torch.Tensor, list[str]] = {}

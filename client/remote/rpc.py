@@ -13,6 +13,15 @@ Call order for a trainer session::
 
 Every transport error is re-raised as a :class:`SwapStateError` naming the address and, when
 the server cannot be reached, the command that starts one.
+
+The server is not a single point of failure: when the keep-alive stream breaks because the
+server died or stops (an upgrade), the session is *disconnected*, not lost. Steps go on (a
+commit is a header word), the keep-alive thread reconnects with backoff (one WARNING, then
+one line when the server is back), and the next server, which adopts the segment, takes the
+stream of the same session id and generation. Meanwhile RPCs fail fast with
+:class:`ServerUnavailableError`; :meth:`RemoteSession.wait_connected` waits for the server.
+The session is *lost* (:class:`SessionLostError`) only when a server answers that it does not
+hold it any more.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from typing import TypeVar
 import grpc
 
 from swap_state.common.addresses import parse_address
-from swap_state.common.errors import ConfigError
+from swap_state.common.errors import SERVER_STOPPING_NOTICE, ConfigError
 from swap_state.client.errors import (  # noqa: F401 - re-exported: the client's exceptions
     ServerUnavailableError,
     SessionLostError,
@@ -81,6 +90,18 @@ def start_hint(address: str, shm_dir: str = "/dev/shm") -> str:
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _Reply = TypeVar("_Reply")
 _POLLER_SETTLE_S = 0.25
+# Reconnect attempts of a disconnected session: grpc's own channel backoff (which grows to
+# 2 min by default) and the keep-alive thread's both stay short, so a restarted server is
+# found within about a second.
+_RECONNECT_FIRST_S = 0.05
+_RECONNECT_MAX_S = 1.0
+_CHANNEL_OPTIONS = [
+    ("grpc.enable_retries", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", int(_RECONNECT_MAX_S * 1000)),
+]
 
 
 @dataclasses.dataclass
@@ -112,7 +133,7 @@ class SwapStateClient:
     def __init__(self, config: ClientConfig):
         self.config = config
         self.target = normalize_target(config.address)
-        options = [("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20)]
+        options = _CHANNEL_OPTIONS
         if config.tls_root_cert is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=config.tls_root_cert)
             self._channel = grpc.secure_channel(self.target, creds, options=options)
@@ -253,6 +274,11 @@ class RemoteSession:
             reply.last_committed_step if reply.has_committed_step else None
         )
         self._lost: SwapStateError | None = None
+        self._connected = threading.Event()
+        self._connected.set()  # attached just now
+        self._disconnected_at = 0.0
+        self.reconnects = 0
+        """Times the keep-alive came back after the server was unreachable."""
         self._header: TrainerHeader | None = None
         self._closing = threading.Event()
         self._stream = None
@@ -263,32 +289,101 @@ class RemoteSession:
 
     # -- liveness ---------------------------------------------------------------------------
     def _keepalive_loop(self) -> None:
+        delay = _RECONNECT_FIRST_S
         while not self._closing.is_set():
-            self._stream = self.client.open_keepalive(self.session_id, self.generation)
-            if self._closing.is_set():  # close() ran between the check and the open
-                self._stream.cancel()
-            try:
-                for event in self._stream:
-                    if event.notice:
-                        log.info("swap-state-server: %s", event.notice)
-            except grpc.RpcError as e:
-                if self._closing.is_set() or e.code() == grpc.StatusCode.CANCELLED:
-                    return
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    continue  # the 24 h stream deadline: renew
-                self._lost = SessionLostError(
-                    f"lost the swap-state session {self.job_id}/rank {self.rank} at "
-                    f"{self.client.config.address}: {e.code().name}: {e.details()}; "
-                    f"{_LOST_NEXT.get(e.code(), _LOST_NEXT[None])}",
-                    e.code(),
-                )
+            outcome = self._follow_stream()
+            if outcome == "stop":
                 return
-            if not self._closing.is_set():
-                self._lost = SessionLostError(
-                    f"swap-state-server at {self.client.config.address} closed the session "
-                    f"{self.job_id}/rank {self.rank}"
-                )
+            if outcome == "connected":
+                delay = _RECONNECT_FIRST_S
+            elif self._closing.wait(delay):  # "gone": try again after a while
                 return
+            else:
+                delay = min(2 * delay, _RECONNECT_MAX_S)
+
+    def _follow_stream(self) -> str:
+        """Open the KeepAlive stream and follow it until it ends: "stop" (closing, or the
+        session is lost), "connected" (to renew after events came), "gone" (no server)."""
+        stream = self._stream = self.client.open_keepalive(self.session_id, self.generation)
+        if self._closing.is_set():  # close() ran between the check and the open
+            stream.cancel()
+        notice = ""
+        try:
+            for event in stream:
+                self._mark_connected()
+                if event.notice:
+                    notice = event.notice
+                    log.info("swap-state-server: %s", event.notice)
+        except grpc.RpcError as e:
+            if self._closing.is_set():
+                return "stop"
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return "connected"  # the 24 h stream deadline: renew
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                return self._mark_gone(f"{e.code().name}: {e.details()}")
+            self._lose(e.code(), f"{e.code().name}: {e.details()}")
+            return "stop"
+        if self._closing.is_set():
+            return "stop"
+        if notice == SERVER_STOPPING_NOTICE:
+            return self._mark_gone("the server is stopping (a restart or an upgrade?)")
+        self._lose(None, "the server closed the session")
+        return "stop"
+
+    def _lose(self, code: grpc.StatusCode | None, why: str) -> None:
+        """The server answered that it does not hold the session (any more)."""
+        after = ""
+        if self.server_gone():
+            after = (" after the server restarted: the new server did not adopt this session's "
+                     "segment (started with --discard-segments, or the segment failed its checks: "
+                     "see the server's log)")
+        self._lost = SessionLostError(
+            f"lost the swap-state session {self.job_id}/rank {self.rank} at "
+            f"{self.client.config.address}{after}: {why}; {_LOST_NEXT.get(code, _LOST_NEXT[None])}",
+            code,
+        )
+
+    def _mark_gone(self, why: str) -> str:
+        if self._connected.is_set():
+            self._connected.clear()
+            self._disconnected_at = time.monotonic()
+            log.warning(
+                "swap-state-server at %s is unreachable (%s): training goes on (steps need no "
+                "server); snapshots and restores fail until it is back; reconnecting",
+                self.client.config.address, why,
+            )  # fmt: skip
+        return "gone"
+
+    def _mark_connected(self) -> None:
+        if self._connected.is_set():
+            return
+        self.reconnects += 1
+        log.warning(
+            "swap-state-server at %s is back after %.1f s: session %s/rank %d reconnected "
+            "(reconnect %d)", self.client.config.address, time.monotonic() - self._disconnected_at,
+            self.job_id, self.rank, self.reconnects,
+        )  # fmt: skip
+        self._connected.set()
+
+    def server_gone(self) -> bool:
+        """Whether the server is unreachable now (the keep-alive thread reconnects; the
+        trainer never waits on it meanwhile)."""
+        return not self._connected.is_set()
+
+    def wait_connected(self, timeout_s: float) -> None:
+        """Return once the server is reachable (at once unless it is being reconnected);
+        ServerUnavailableError naming the address after ``timeout_s``."""
+        self.check_alive()
+        if self._connected.wait(timeout_s):
+            return
+        self.check_alive()
+        down = time.monotonic() - self._disconnected_at
+        raise ServerUnavailableError(
+            f"swap-state-server at {self.client.config.address} has been unreachable for "
+            f"{down:.0f} s (waited {timeout_s:g} s for it to come back); "
+            f"{start_hint(self.client.config.address)}",
+            grpc.StatusCode.UNAVAILABLE,
+        )
 
     def check_alive(self) -> None:
         """Raise the keep-alive failure, if any (cheap; called before each step)."""

@@ -10,7 +10,7 @@ Call order, per step, from the one thread that writes the segment::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from swap_state.client.remote.segment_mapping import SegmentMapping
 from swap_state.common.segment import SegmentLayout, Word
@@ -35,11 +35,15 @@ def layout_of(mapping: SegmentMapping) -> SegmentLayout:
 class SnapshotGuard:
     """One per mapped segment; owned by the trainer's optimizer container."""
 
-    def __init__(self, mapping: SegmentMapping, max_wait_s: float | None):
+    def __init__(self, mapping: SegmentMapping, max_wait_s: float | None,
+                 server_gone: Callable[[], bool] | None = None):
+        """``server_gone``: whether the server is unreachable now; then a snapshot that would
+        make the trainer wait is given up instead (protocol step 6)."""
         self.header = mapping.header
         self._trainer = mapping.trainer
         self._protector = TrainerProtector(
-            mapping.buffer, layout_of(mapping), header=mapping.trainer, max_wait_s=max_wait_s
+            mapping.buffer, layout_of(mapping), header=mapping.trainer, max_wait_s=max_wait_s,
+            server_gone=server_gone,
         )
         self._index = {t.name: i for i, t in enumerate(mapping.tensors)}
 

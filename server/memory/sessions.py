@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from swap_state.common.errors import (
+    SERVER_STOPPING_NOTICE,
     LayoutMismatch,
     NotFound,
     SessionLive,
@@ -456,7 +457,7 @@ class SessionRegistry:
         """Refuse new attaches and streams; end every KeepAlive stream with a notice."""
         self._shutting_down = True
         for session in self._sessions.values():
-            self._end_streams(session, "shutting down")
+            self._end_streams(session, SERVER_STOPPING_NOTICE)
 
     async def close(self, keep_segments: bool = False) -> None:
         """Stop the reaper and end every session (server shutdown). ``keep_segments``: the

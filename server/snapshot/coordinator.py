@@ -18,8 +18,8 @@ Call order (the servicer):
    ``failed`` with an error otherwise; ``stored`` once uploaded to the store, if there is one
    (``wait_stored``). ``in_progress()`` feeds Stats.
 4. Before unmapping a segment whose rank may be persisting: ``handle.cancel(reason)`` (when
-   the snapshot must not complete) and ``handle.wait_segment_released()``.
-5. Server shutdown: ``coordinator.close()``.
+   the snapshot must not complete) and ``handle.wait_segment_released()``. 5. Server
+   shutdown: ``coordinator.close()``. (At start, ``note_epoch`` of each adopted segment.)
 
 One :class:`RankSnapshot` per rank; the ranks of a (job, step) on this server form a group
 that commits or fails together (a failed rank cancels the others, their partial files go). A
@@ -186,8 +186,7 @@ class SnapshotCoordinator:
 
     def _next_epoch(self, source: SnapshotSource) -> int:
         # Increasing per segment even across coordinators: above every COW_EPOCH in the header
-        # and the epoch a trainer gave up (protocol step 6).
-        header = source.header
+        header = source.header  # and the epoch a trainer gave up (protocol step 6).
         highest = max((header.cow_epoch(c) for c in range(source.layout.n_chunks)), default=0)
         highest = max(highest, header[Word.ABANDONED_EPOCH])
         self._last_epoch = max(self._last_epoch, highest) + 1
@@ -195,8 +194,7 @@ class SnapshotCoordinator:
 
     def note_epoch(self, epoch: int) -> None:
         """An epoch a dead server opened in an adopted segment: later ones number above it."""
-        with self._lock:
-            self._last_epoch = max(self._last_epoch, epoch)
+        self._last_epoch = max(self._last_epoch, epoch)  # at start, before any snapshot
 
     def start(self, source: SnapshotSource, *, hold: bool = False) -> RankSnapshot:
         """Begin (or join) the snapshot of ``source.step`` for ``source.job_id``; returns once it
@@ -487,12 +485,9 @@ class SnapshotCoordinator:
 
 
 def _check_arguments(keep_latest: int | None, assemble_timeout_s: float, stage_threads: int) -> None:
-    if keep_latest is not None and keep_latest < 2:
-        raise ValueError("keep_latest must be >= 2 (or None to keep all snapshots)")
-    if assemble_timeout_s <= 0:
-        raise ValueError("assemble_timeout_s must be > 0")
-    if stage_threads < 0:
-        raise ValueError("stage_threads must be >= 0")
+    if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 0:
+        raise ValueError(f"keep_latest must be >= 2 or None (keep all), assemble_timeout_s > 0 and "
+                         f"stage_threads >= 0: got {keep_latest}, {assemble_timeout_s}, {stage_threads}")
 
 
 def _parse_step_id(snapshot_id: str) -> tuple[str, int]:

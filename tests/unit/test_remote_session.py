@@ -1,13 +1,19 @@
-"""A trainer's session whose KeepAlive stream fails says what to do next, by why it failed."""
+"""A trainer's session whose KeepAlive stream fails: a server that is gone (UNAVAILABLE, or a
+stop's notice) is reconnected to while training goes on; a server that answers it does not
+hold the session any more loses it, saying what to do next."""
 
 from __future__ import annotations
 
+import threading
 import types
+from collections.abc import Iterator
 
 import grpc
 import pytest
 
-from swap_state.client.errors import SessionLostError
+from swap_state.client.errors import ServerUnavailableError, SessionLostError
+from swap_state.common.errors import SERVER_STOPPING_NOTICE
+from swap_state.common.retry import wait_until
 from swap_state.client.remote.rpc import RemoteSession
 from swap_state.proto import swap_state_pb2 as pb
 
@@ -34,12 +40,44 @@ class _Stream:
         pass
 
 
-def _lost(code: grpc.StatusCode, details: str) -> str:
+class _Live:
+    """A stream that delivers one event (or a stop's notice), then waits for its cancel."""
+
+    def __init__(self, notice: str = "") -> None:
+        self.notice = notice
+        self._cancelled = threading.Event()
+
+    def __iter__(self) -> Iterator[pb.KeepAliveEvent]:
+        yield pb.KeepAliveEvent(server_time_ms=1)
+        if self.notice:
+            yield pb.KeepAliveEvent(server_time_ms=2, notice=self.notice)
+            return
+        self._cancelled.wait(10)
+        raise _StreamError(grpc.StatusCode.CANCELLED, "cancelled")
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+
+def _session(streams: list) -> RemoteSession:
+    """A session whose keep-alive opens ``streams`` in turn (the last one again and again)."""
+    opened = iter(streams)
+    last: list = [None]
+
+    def open_keepalive(session_id, generation):
+        last[0] = next(opened, last[0])
+        return last[0] if not isinstance(last[0], grpc.RpcError) else _Stream(last[0])
+
     client = types.SimpleNamespace(
         config=types.SimpleNamespace(address="unix:///tmp/ss.sock"),
-        open_keepalive=lambda session_id, generation: _Stream(_StreamError(code, details)),
+        open_keepalive=open_keepalive,
+        call=lambda *args, **kwargs: None,
     )
-    session = RemoteSession(client, "demo", 0, 1, pb.AttachReply(session_id="s", generation=1))
+    return RemoteSession(client, "demo", 0, 1, pb.AttachReply(session_id="s", generation=1))
+
+
+def _lost(code: grpc.StatusCode, details: str) -> str:
+    session = _session([_StreamError(code, details)])
     session._thread.join(5)
     with pytest.raises(SessionLostError) as err:
         session.check_alive()
@@ -54,6 +92,38 @@ def test_a_session_the_server_freed_says_restore_or_a_longer_grace():
     assert "after restarting the server" not in message  # the server did not go away
 
 
-def test_another_failure_still_says_the_state_may_be_gone():
-    message = _lost(grpc.StatusCode.UNAVAILABLE, "socket closed")
+def test_another_answer_still_says_the_state_may_be_gone():
+    message = _lost(grpc.StatusCode.PERMISSION_DENIED, "no")
     assert "restore from a snapshot after restarting the server" in message
+
+
+def test_a_server_that_is_gone_or_stopping_is_reconnected_to():
+    gone = _StreamError(grpc.StatusCode.UNAVAILABLE, "socket closed")
+    session = _session([_Live(SERVER_STOPPING_NOTICE), gone, gone, _Live()])
+    try:
+        assert wait_until(lambda: session.reconnects == 1, timeout_s=10)
+        assert not session.server_gone()
+        session.check_alive()  # not lost: the next server took the same session back
+        session.wait_connected(0.1)
+    finally:
+        session.close()
+
+
+def test_while_the_server_is_gone_waiting_for_it_fails_naming_it():
+    session = _session([_StreamError(grpc.StatusCode.UNAVAILABLE, "socket closed")])
+    try:
+        assert wait_until(session.server_gone, timeout_s=10)
+        with pytest.raises(ServerUnavailableError, match="unix:///tmp/ss.sock has been unreachable"):
+            session.wait_connected(0.2)
+        session.check_alive()  # still not lost: training goes on
+    finally:
+        session.close()
+
+
+def test_a_restarted_server_that_did_not_adopt_the_session_loses_it():
+    session = _session([_StreamError(grpc.StatusCode.UNAVAILABLE, "socket closed"),
+                        _StreamError(grpc.StatusCode.NOT_FOUND, "no session s")])
+    session._thread.join(10)
+    with pytest.raises(SessionLostError, match="did not adopt this session's segment") as err:
+        session.check_alive()
+    assert "--discard-segments" in str(err.value)
