@@ -96,6 +96,8 @@ class CheckpointMode:
         if self._c._torn_step is not None:
             step = None  # no consistent state to refer to (a load template, before a restore)
         if step is not None and step != self._c._snapshot_step:
+            # A server being restarted or upgraded is waited for (bounded), not failed at once.
+            self._c.session.wait_connected(self._c.remote_config.server_wait_s)
             self._c.snapshot()  # sets _snapshot_step and _snapshot_handle
         handle = self._c._snapshot_handle
         self._checkpoint_snapshot = handle

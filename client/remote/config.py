@@ -64,6 +64,10 @@ class RemoteConfig:
     backpressure_timeout_s: float = 300.0
     """Longest wait for a free copy-before-write slot during a snapshot, and for a snapshot
     still persisting (before a new snapshot, a restore, or loading a reference to it)."""
+    server_wait_s: float = 60.0
+    """How long a snapshot-mode checkpoint (``state_dict()``, torchtitan's save) waits for a
+    server that is unreachable (restarting, being upgraded) to come back before it fails
+    naming the address. Training itself never waits for the server."""
     embedded: EmbeddedServerConfig | None = None
     """Settings of the embedded server; None: sized from the model."""
     checkpoint: str = "full"

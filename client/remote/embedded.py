@@ -12,6 +12,10 @@ per-user folder: ``$XDG_STATE_HOME/swap-state/snapshots``, else
 container of a job with several ranks gives each rank's server ``<dir>/rank-<rank>``
 (:func:`swap_state.client.remote.config.embedded_config_for`). Snapshots there are the server's
 usual layout (``<job_id>/step-<N>``); ``swap-state export`` reads them.
+If the server dies (a crash, the OOM killer), a watchdog thread starts it again on the same
+socket and shm directory (``EmbeddedServerConfig.auto_restart``): it adopts the trainer's
+segment, and the trainer, which kept stepping, reconnects. A stop frees every segment
+(``--free-segments-on-stop``): nobody else would adopt them.
 Its flags come from a :class:`~swap_state.common.server_config.ServerConfig`
 (:func:`~swap_state.common.server_flags.config_to_argv`), so every default not set here, the
 copy-before-write pool among them, is the server's own.
@@ -28,6 +32,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -41,6 +47,10 @@ __all__ = ["DEFAULT_SHM_SIZE_BYTES", "EmbeddedServerConfig", "EmbeddedServer", "
 
 #: Budget of an embedded server started on its own (a container sizes it from the model).
 DEFAULT_SHM_SIZE_BYTES = 256 << 20
+#: Deaths within :data:`QUICK_DEATH_S` of a start, in a row, after which the watchdog stops
+#: restarting (the server cannot run here; its log says why).
+CRASH_LOOP = 3
+QUICK_DEATH_S = 10.0
 
 
 def default_snapshot_dir() -> str:
@@ -80,6 +90,13 @@ class EmbeddedServerConfig:
     """How long SIGTERM may take before SIGKILL."""
     extra_args: tuple[str, ...] = ()
     """More swap-state-server flags, after the ones above (so a repeated flag wins)."""
+    auto_restart: bool = True
+    """Start the server again when it dies (it adopts the trainer's segment; the trainer
+    steps on and reconnects). Not after :data:`CRASH_LOOP` quick deaths in a row."""
+    free_segments_on_stop: bool = True
+    """--free-segments-on-stop: a stop (SIGTERM) frees every segment. False keeps live
+    sessions' segments for the next server on the same socket (:meth:`EmbeddedServer.restart`
+    then is an upgrade that costs the trainers nothing)."""
 
     def server_config(self, listen: str, snapshot_dir: str) -> ServerConfig:
         """The private server's config; everything not named here (the copy-before-write pool
@@ -90,6 +107,7 @@ class EmbeddedServerConfig:
             snapshot_dir=pathlib.Path(snapshot_dir),
             grace=float(self.grace_s),
             chunk_bytes=self.chunk_bytes,
+            free_segments_on_stop=self.free_segments_on_stop,
             **({"shm_dir": pathlib.Path(self.shm_dir)} if self.shm_dir else {}),
             **({"cow_budget": self.cow_budget_bytes} if self.cow_budget_bytes is not None else {}),
         )
@@ -119,6 +137,12 @@ class EmbeddedServer:
         """What the server was started with (``extra_args`` aside), once :meth:`start` ran."""
         self._proc: subprocess.Popen | None = None
         self._log_path: str | None = None
+        self._cmd: list[str] = []
+        self._started_at = 0.0
+        self._stopping = threading.Event()
+        self._restart_lock = threading.RLock()
+        self.restarts = 0
+        """Times the server was started again (by the watchdog or :meth:`restart`)."""
 
     def start(self) -> EmbeddedServer:
         cfg = self.config
@@ -133,30 +157,76 @@ class EmbeddedServer:
         except BaseException:  # a ConfigError names the flag; leave no directory behind
             self.stop()
             raise
-        cmd = [
+        self._cmd = [
             sys.executable, "-m", "swap_state.server.cli",
             *config_to_argv(self.server_config),
             *cfg.extra_args,
         ]  # fmt: skip
-        with open(self._log_path, "wb") as log_file:
+        atexit.register(self.stop)
+        try:
+            self._launch()
+        except BaseException:
+            self.stop()
+            raise
+        if cfg.auto_restart:
+            threading.Thread(target=self._watch, name="swap-state-embedded-watchdog", daemon=True).start()
+        return self
+
+    def _launch(self) -> None:
+        """Start the server process on this object's socket and wait until it serves."""
+        with open(self._log_path, "ab") as log_file:
             self._proc = subprocess.Popen(
-                cmd,
+                self._cmd,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C for the trainer must not kill it first
                 preexec_fn=_die_with_parent,
             )
-        atexit.register(self.stop)
-        try:
-            self._wait_serving(socket_path)
-        except BaseException:
-            self.stop()
-            raise
+        self._started_at = time.monotonic()
+        self._wait_serving(self.address.removeprefix("unix://"))
         log.info(
             "started embedded swap-state-server pid=%d at %s (snapshots in %s)",
             self._proc.pid, self.address, self.snapshot_dir,
         )  # fmt: skip
-        return self
+
+    def restart(self) -> None:
+        """Stop the server (SIGTERM) if it runs and start it again on the same socket and shm
+        directory: the new one adopts the segments the old one left (all of them after a
+        crash; after a stop, those of live sessions unless ``free_segments_on_stop``)."""
+        with self._restart_lock:
+            proc = self._proc
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=self.config.stop_timeout_s)
+            if self._stopping.is_set():
+                return
+            self._launch()
+            self.restarts += 1
+
+    def _watch(self) -> None:
+        """The watchdog: restart a server that died, unless it dies quickly again and again."""
+        quick_deaths = 0
+        while not self._stopping.is_set():
+            proc = self._proc
+            if proc is None:
+                return
+            code = proc.wait()
+            with self._restart_lock:
+                if self._stopping.is_set() or self._proc is not proc:
+                    continue  # stopped, or restarted by someone else meanwhile
+            quick_deaths = quick_deaths + 1 if time.monotonic() - self._started_at < QUICK_DEATH_S else 1
+            if quick_deaths >= CRASH_LOOP:
+                log.error("embedded swap-state-server died %d times in a row within %.0f s of its "
+                          "start; not restarting it again:\n%s", quick_deaths, QUICK_DEATH_S, self.log_text())
+                return
+            log.warning("embedded swap-state-server pid=%d exited with %s; starting it again on %s "
+                        "(it adopts this trainer's segment):\n%s", proc.pid, code, self.address,
+                        self.log_text()[-1500:])
+            try:
+                self.restart()
+            except Exception as e:  # the trainer goes on; its RPCs say the server is unreachable
+                log.error("could not restart the embedded swap-state-server: %s", e)
+                return
 
     def _wait_serving(self, socket_path: str) -> None:
         def serving() -> bool:
@@ -202,7 +272,9 @@ class EmbeddedServer:
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after the timeout; remove the private directory (socket and
         log; the snapshot directory stays)."""
-        proc, self._proc = self._proc, None
+        self._stopping.set()
+        with self._restart_lock:
+            proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:

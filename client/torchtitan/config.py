@@ -11,6 +11,7 @@ Use it with ``--job.custom_config_module=swap_state.client.torchtitan_config`` (
     swap_state_server = "unix:///run/swap-state/swap-state.sock"   # "" -> $SWAP_STATE_SERVER
     swap_state_job_id = "llama3-8b-run1"       # "" -> $SWAP_STATE_JOB_ID, else a uuid from rank 0
     swap_state_checkpoint = "snapshot"         # whole-state snapshots; "full": the seed's state dict
+    swap_state_server_wait_s = 60.0            # a save waits this long for a restarting server
 
 Importing this module installs the ``build_optimizers`` wrapper
 (:mod:`swap_state.client.torchtitan.glue`) and rebinds model packages imported before it, so
@@ -77,6 +78,12 @@ class Optimizer:
     parameters back (needs swap_optimizer_backend = "remote"; `swap-state export --format
     torchtitan` makes a plain checkpoint of one). Loading follows the checkpoint: a plain
     or 'full' checkpoint loads its tensors in either mode."""
+
+
+    swap_state_server_wait_s: float = 60.0
+    """Seconds a save in 'snapshot' mode waits for a swap-state server that is unreachable
+    (restarting after a crash, being upgraded) before it fails naming the address. Training
+    steps never wait for the server: they go on while it restarts."""
 
 
 @dataclass

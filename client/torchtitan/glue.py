@@ -376,6 +376,7 @@ def build_remote_container(
     snapshot_dir = embedded_snapshot_dir(current_job_config())
     config = RemoteConfig(
         checkpoint=getattr(optimizer_config, "swap_state_checkpoint", "full"),
+        server_wait_s=float(getattr(optimizer_config, "swap_state_server_wait_s", 60.0)),
         embedded=EmbeddedServerConfig(snapshot_dir=snapshot_dir) if snapshot_dir else None,
     )
     return RemoteSwapOptimizersContainer(
