@@ -32,7 +32,9 @@ def start_server(private_shm_dir, tmp_path_factory):
     """``start_server(shm_size_bytes=..., grace_s=..., extra_args=(...))`` -> EmbeddedServer.
 
     Each server's snapshots go to a fresh temp directory (``snapshot_dir=`` to choose one),
-    never to the per-user default of an embedded server."""
+    never to the per-user default of an embedded server. These servers stand for a host's:
+    no watchdog restarts them (``auto_restart=True`` to have one); a test restarts one with
+    ``server.restart()``."""
     started: list[EmbeddedServer] = []
 
     def start(**overrides) -> EmbeddedServer:
@@ -41,6 +43,7 @@ def start_server(private_shm_dir, tmp_path_factory):
             grace_s=overrides.pop("grace_s", 30.0),
             shm_dir=overrides.pop("shm_dir", private_shm_dir),
             snapshot_dir=str(overrides.pop("snapshot_dir", None) or tmp_path_factory.mktemp("snapshots")),
+            auto_restart=overrides.pop("auto_restart", False),
             **overrides,
         )
         server = EmbeddedServer(config).start()

@@ -269,6 +269,15 @@ class EmbeddedServer:
             self._proc.kill()
             self._proc.wait(timeout=self.config.stop_timeout_s)
 
+    def terminate(self) -> None:
+        """SIGTERM the server and wait for it (an upgrade's stop; tests): the private folder
+        stays, so :meth:`restart` starts the next one on the same socket."""
+        with self._restart_lock:
+            proc = self._proc
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=self.config.stop_timeout_s)
+
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after the timeout; remove the private directory (socket and
         log; the snapshot directory stays)."""

@@ -78,6 +78,7 @@ class SessionRegistry:
         self._sessions: dict[str, Session] = {}
         self._by_key: dict[tuple[str, int], Session] = {}
         self._shutting_down = False
+        self._live_at_stop: set[str] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[tuple[Segment, bool]]] = set()
         # Counters for Stats and metrics.
@@ -455,6 +456,9 @@ class SessionRegistry:
 
     def begin_shutdown(self) -> None:
         """Refuse new attaches and streams; end every KeepAlive stream with a notice."""
+        if not self._shutting_down:  # which trainers were here when the stop began
+            self._live_at_stop = {s.session_id for s in self._sessions.values()
+                                  if s.state is not SessionState.ORPHANED}
         self._shutting_down = True
         for session in self._sessions.values():
             self._end_streams(session, SERVER_STOPPING_NOTICE)
@@ -474,7 +478,7 @@ class SessionRegistry:
         kept = []
         for session in list(self._sessions.values()):
             async with session.lock:  # lets an in-flight Allocate finish first
-                if keep_segments and session.segment is not None and session.state is not SessionState.ORPHANED:
+                if keep_segments and session.segment is not None and session.session_id in self._live_at_stop:
                     kept.append(session.segment)
                     log_event(log, "session_kept", **session._describe(), path=session.segment.path,
                               bytes=session.segment.file_bytes)

@@ -154,25 +154,6 @@ def test_a_container_after_the_grace_period_logs_why_it_starts_fresh(start_serve
     second.close()
 
 
-def test_server_killed_mid_run_raises_clear_error_within_deadline(server):
-    w = Workload()
-    model = build(w)
-    container = remote(w, model, server.address, "dies", rpc_timeout_s=5.0)
-    train(model, container, w, range(1, 3))
-    server.kill()
-    start = time.monotonic()
-    # No RPC per step: the KeepAlive stream notices the dead server, and the next step after
-    # that (the trainer may get one more in before it does) fails.
-    with pytest.raises(SwapStateError) as info:
-        for step in range(3, 10_000):
-            train(model, container, w, range(step, step + 1))
-            assert time.monotonic() - start < 5.0 + 2.0, "still training on a dead server"
-            time.sleep(0.01)
-    assert time.monotonic() - start < 5.0 + 2.0
-    assert server.address in str(info.value)
-    container.close()
-
-
 def test_unreachable_server_names_address_and_command(tmp_path):
     address = f"unix://{tmp_path}/nobody.sock"
     w = Workload()

@@ -1,0 +1,153 @@
+"""The server is not a single point of failure: real server processes killed (SIGKILL) or
+stopped (SIGTERM, an upgrade) under a training job, a new one on the same socket and shm
+directory adopting the segments, the trainer stepping on and ending bitwise equal to torch's
+AdamW; what the shm directory holds is never trusted."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+
+from swap_state.client.errors import ServerUnavailableError
+from swap_state.client.remote.embedded import EmbeddedServerConfig
+from swap_state.common.retry import wait_until
+
+from .test_remote_container import _demo
+from .workload import Workload, build, reference_mismatches, remote, train
+
+
+def _adopted_sessions(container) -> list[tuple[str, str, bool]]:
+    stats = container.client.stats()
+    return [(s.job_id, s.state, s.adopted) for s in stats.sessions]
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigterm"])
+def test_a_server_killed_or_stopped_under_training_costs_the_job_nothing(start_server, how):
+    server = start_server(free_segments_on_stop=False)
+    w, job = Workload(), f"restart-{how}"
+    model = build(w)
+    container = remote(w, model, server.address, job, snapshot_model=True, rpc_timeout_s=5.0)
+    train(model, container, w, range(1, 4))
+    container.snapshot().wait_durable(timeout_s=30)
+
+    server.kill() if how == "sigkill" else server.terminate()
+    assert wait_until(container.session.server_gone, timeout_s=10)
+    train(model, container, w, range(4, 7))  # steps need no server
+    began = time.monotonic()
+    with pytest.raises(ServerUnavailableError) as err:
+        container.snapshot()  # asked for during the outage: fails fast, naming the server
+    assert time.monotonic() - began < 5.0 and server.address in str(err.value)
+    train(model, container, w, range(7, 8))  # and training goes on
+
+    server.restart()  # the same socket and shm directory: it adopts the segment
+    assert wait_until(lambda: not container.session.server_gone(), timeout_s=10)
+    train(model, container, w, range(8, 11))
+    assert reference_mismatches(model, container, w, 10) == []
+    assert _adopted_sessions(container) == [(job, "live", True)]
+    assert container.client.stats().reconnects_total == 1
+    container.snapshot().wait_durable(timeout_s=30)
+    container.close()
+
+    # That snapshot holds AdamW's bytes of step 10: a fresh trainer restores them.
+    fresh_model = build(w)
+    fresh = remote(w, fresh_model, server.address, job, snapshot_model=True)
+    assert fresh.restore("latest") == 10
+    assert reference_mismatches(fresh_model, fresh, w, 10) == []
+    fresh.close()
+
+
+def test_a_snapshot_persisting_when_the_server_died_is_not_listed_and_the_next_works(start_server):
+    # 2 KB/s: the snapshot of step 3 is still persisting when the server is killed.
+    server = start_server(extra_args=("--persist-max-bandwidth", "2K"))
+    w = Workload()
+    model = build(w)
+    container = remote(w, model, server.address, "mid-snapshot", rpc_timeout_s=5.0)
+    train(model, container, w, range(1, 4))
+    handle = container.snapshot()
+    assert handle.status().state == "persisting"
+    server.kill()
+    train(model, container, w, range(4, 6))
+    server.restart()
+    assert wait_until(lambda: not container.session.server_gone(), timeout_s=10)
+    assert [s.snapshot_id for s in container.client.list_snapshots("mid-snapshot").snapshots] == []
+    train(model, container, w, range(6, 8))
+    assert container.snapshot().wait_durable(timeout_s=60).state in ("durable", "stored")
+    assert reference_mismatches(model, container, w, 7) == []
+    container.close()
+
+
+def test_server_and_trainer_both_killed_the_trainer_reattaches_bitwise(start_server, tmp_path):
+    server = start_server()
+    crashed = _demo(server, tmp_path, "--job-id", "both", "--crash-after-step", "5")
+    assert crashed.returncode == -9, crashed.stderr
+    server.kill()
+    server.restart()  # adopts the dead trainer's segment, which waits through --grace
+    resumed = _demo(server, tmp_path, "--job-id", "both", "--resume", "reattach")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "reattached: the server kept the moments of step 5" in resumed.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["digest"] == report["reference_digest"]
+
+
+def _plant(shm_dir: str, prefix: str, real: str) -> dict[str, str]:
+    """Files with this server's prefix that must not be adopted, by what they are."""
+    name = lambda n: os.path.join(shm_dir, f"{prefix}{n:032x}.{n}")  # noqa: E731
+    planted = {"garbage": name(1), "truncated": name(2), "hostile": name(3), "symlink": name(4),
+               "fifo": name(5), "bad name": os.path.join(shm_dir, f"{prefix}not-a-session")}
+    with open(planted["garbage"], "wb") as f:
+        f.write(os.urandom(3 * 4096))
+    shutil.copyfile(real, planted["truncated"])
+    os.truncate(planted["truncated"], os.path.getsize(real) // 2)
+    shutil.copyfile(real, planted["hostile"])
+    with open(planted["hostile"], "r+b") as f:  # the descriptor claims another job: "../x"
+        data = f.read()
+        at = data.rindex(b'"job_id":"') + len(b'"job_id":"')
+        f.seek(at)
+        f.write(b"../x")
+    os.symlink("/etc/passwd", planted["symlink"])
+    os.mkfifo(planted["fifo"])
+    with open(planted["bad name"], "wb") as f:
+        f.write(b"x")
+    return planted
+
+
+def test_planted_files_are_not_adopted_and_nothing_crashes(start_server, private_shm_dir):
+    server = start_server()
+    w = Workload()
+    model = build(w)
+    container = remote(w, model, server.address, "planted", rpc_timeout_s=5.0)
+    train(model, container, w, range(1, 3))
+    real = container.session.segment.path
+    prefix = os.path.basename(real).rsplit(".", 2)[0] + "."
+    planted = _plant(private_shm_dir, prefix, real)
+    server.kill()
+    server.restart()
+    assert wait_until(lambda: not container.session.server_gone(), timeout_s=10)
+    train(model, container, w, range(3, 11))
+    assert reference_mismatches(model, container, w, 10) == []
+    assert _adopted_sessions(container) == [("planted", "live", True)]
+    log = server.log_text()
+    for what, path in planted.items():
+        assert os.path.lexists(path), what  # left where it is
+        assert f"segment_not_adopted path={path}" in log, (what, log[-3000:])
+    container.close()
+
+
+def test_the_embedded_default_restarts_its_server_when_it_dies(no_server_env, tmp_path):
+    w = Workload()
+    model = build(w)
+    container = remote(w, model, None, "embedded-restart", rpc_timeout_s=5.0,
+                       embedded=EmbeddedServerConfig(snapshot_dir=str(tmp_path)))
+    train(model, container, w, range(1, 4))
+    embedded = container._embedded
+    embedded.kill()  # the watchdog notices and starts it again on the same socket
+    train(model, container, w, range(4, 6))
+    assert wait_until(lambda: embedded.restarts == 1 and not container.session.server_gone(), timeout_s=30)
+    train(model, container, w, range(6, 11))
+    assert reference_mismatches(model, container, w, 10) == []
+    assert container.snapshot().wait_durable(timeout_s=30).state in ("durable", "stored")
+    container.close()
