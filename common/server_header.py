@@ -34,14 +34,15 @@ class ServerHeader:
     def __getitem__(self, word: Word) -> int:
         return self.segment[word]
 
-    def initialize(self, layout: SegmentLayout, digest: str, descriptor_bytes: int) -> None:
+    def initialize(self, layout: SegmentLayout, digest: str = "", descriptor_bytes: int = 0) -> None:
         """Once, on a zero-filled segment: the layout words, where its descriptor is (at
-        ``layout.size``, ``descriptor_bytes`` long, written before this) and ``LAYOUT_HASH`` of
-        ``digest``, ``MAGIC`` last (a reader that sees ``MAGIC`` sees the rest)."""
+        ``layout.size``, ``descriptor_bytes`` long, written before this; 0: none, never
+        adopted) and ``LAYOUT_HASH`` of ``digest``, ``MAGIC`` last (a reader that sees
+        ``MAGIC`` sees the rest)."""
         header = self.segment
         header[Word.DESCRIPTOR_OFFSET] = layout.size
         header[Word.DESCRIPTOR_BYTES] = descriptor_bytes
-        header[Word.LAYOUT_HASH] = layout_hash_word(digest)
+        header[Word.LAYOUT_HASH] = layout_hash_word(digest) if digest else 0
         header[Word.VERSION] = LAYOUT_VERSION
         header[Word.HEADER_BYTES] = layout.header_bytes
         header[Word.N_TENSORS] = len(layout.tensors)

@@ -170,15 +170,16 @@ class Trainer(threading.Thread):
     overwriting every chunk (in update order) after ``TrainerProtector.before_write``."""
 
     def __init__(self, segment: Segment, first_step: int, n_steps: int, *, max_wait_s: float = 30.0,
-                 before_step=None):
+                 before_step=None, server_gone=None):
         """``before_step(step)``: called before each step's writes (e.g. a forward/backward's
-        worth of sleep)."""
+        worth of sleep); ``server_gone()``: whether the server is unreachable (protocol step 6)."""
         super().__init__(daemon=True)
         self.segment = segment
         self.first_step = first_step
         self.n_steps = n_steps
         self.max_wait_s = max_wait_s
         self.before_step = before_step
+        self.server_gone = server_gone
         self.error: BaseException | None = None
         self.copies = 0
         self.steps_done = 0
@@ -189,7 +190,8 @@ class Trainer(threading.Thread):
 
     def run(self) -> None:
         seg = self.segment
-        protector = TrainerProtector(seg.mm, seg.layout, header=seg.header, max_wait_s=self.max_wait_s)
+        protector = TrainerProtector(seg.mm, seg.layout, header=seg.header, max_wait_s=self.max_wait_s,
+                                     server_gone=self.server_gone)
         try:
             for step in range(self.first_step, self.first_step + self.n_steps):
                 if self.before_step is not None:

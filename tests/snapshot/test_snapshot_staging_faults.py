@@ -133,6 +133,14 @@ def test_server_killed_while_staging(make_segment, make_coordinator, tmp_path):
     stuck.run()
     assert all(seg.header.cow_epoch(c) == 0 for c in range(staged))
     assert stuck.error is None or isinstance(stuck.error, BackPressureTimeout)
+    # A trainer that knows its server is gone (its KeepAlive broke) never waits: it gives the
+    # dead epoch up (protocol step 6) and writes at once.
+    epoch = seg.header[Word.SNAP_EPOCH]
+    on_its_own = Trainer(seg, first_step=4, n_steps=2, max_wait_s=0.2, server_gone=lambda: True)
+    on_its_own.run()
+    assert on_its_own.error is None and seg.tensors() == on_its_own.expected_final()
+    if stuck.error is not None:  # it ran out of slots: the next one gave the epoch up
+        assert seg.header[Word.ABANDONED_EPOCH] == epoch != 0
     # The trainer trains on from the last durable snapshot, restored bitwise into a new segment.
     fresh = make_segment("fresh", specs=WIDE, cow_slots=96)
     reader.close()
@@ -198,3 +206,26 @@ def test_disk_full_while_staging_on_a_tiny_tmpfs(make_segment, make_coordinator,
     assert big.header[Word.SNAP_EPOCH] == 0 and big.slots_all_free()
     assert slow.store.list("job") == []
     assert status.server_staged_chunks > 0
+
+
+def test_a_snapshot_the_trainer_gave_up_fails_and_the_next_one_holds_its_step(make_segment, make_coordinator):
+    # A writer slower than the trainer, no stager, the trainer's few slots: it would wait, but
+    # its server looks gone to it, so it overwrites without a copy. The writer must not list
+    # what it read (protocol step 6).
+    seg = make_segment(specs=WIDE, cow_slots=4)
+    seg.fill(seed=15)
+    coordinator = make_coordinator(max_bandwidth=200_000, stage_threads=0)
+    handle = coordinator.start(seg.source("job", 2))
+    trainer = Trainer(seg, first_step=3, n_steps=2, max_wait_s=5.0, server_gone=lambda: True)
+    trainer.start()
+    status = handle.wait(60)
+    trainer.join(20)
+    assert trainer.error is None and seg.tensors() == trainer.expected_final()
+    assert status.state is SnapshotState.FAILED and "gave this snapshot up" in status.error
+    assert _steps(coordinator) == [] and seg.header[Word.SNAP_EPOCH] == 0
+    at_step_4 = seg.tensors()
+    handle = coordinator.start(seg.source("job", 4))  # a new epoch, above the abandoned one
+    assert handle.wait(60).state is SnapshotState.DURABLE
+    target = make_segment("target", specs=WIDE)
+    restore(coordinator.store, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1)
+    assert target.tensors() == at_step_4
