@@ -73,6 +73,9 @@ class DemoConfig:
     """Initialisation and data seed."""
     token_file: str | None = None
     """Token for a server started with --token-file."""
+    server_wait: float = 60.0
+    """Seconds a snapshot waits for an unreachable server (restarting, being upgraded) to
+    come back before the demo fails naming it; the steps themselves never wait."""
 
 
 class TinyLM(nn.Module):
@@ -348,6 +351,7 @@ def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> 
         store.save(model, step, snapshot=is_snapshot)
         note = ""
         if is_snapshot:
+            container.session.wait_connected(cfg.server_wait)  # a restarting server: wait
             handles.append(container.snapshot())
             note = f"  snapshot {handles[-1].snapshot_id} (consistent)"
         held = _segment_bytes(container)
@@ -355,12 +359,27 @@ def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> 
         if step == cfg.crash_after_step:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-    for handle in handles:
-        reply = handle.wait_durable()
-        print(f"snapshot {handle.snapshot_id} durable at {reply.path}")
+    _report_durable(handles)
     result = _summarize(cfg, container, model, reference_digest, plain_times, times)
     container.close()
     return result
+
+
+def _report_durable(handles: list) -> None:
+    """Wait until each snapshot is durable and say where. One a newer one retired (the
+    server's retention, once that newer one was durable) is said so: a server that restarted
+    meanwhile no longer remembers the retired ones' status."""
+    from swap_state.client.errors import SnapshotNotFoundError
+
+    for index, handle in enumerate(handles):
+        try:
+            reply = handle.wait_durable()
+        except SnapshotNotFoundError:
+            if index == len(handles) - 1:
+                raise
+            print(f"snapshot {handle.snapshot_id} retired by the server's retention (newer ones are durable)")
+            continue
+        print(f"snapshot {handle.snapshot_id} durable at {reply.path}")
 
 
 def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:
@@ -406,6 +425,9 @@ def _summarize(cfg, container, model, reference_digest, plain_times, times) -> d
 
 
 _HELP = {
+    "server_wait": "seconds a snapshot waits for a server that is unreachable (restarting, "
+    "being upgraded) to come back before the demo fails naming it; steps never wait: they go "
+    "on while the server restarts, and the new server adopts the demo's segment",
     "steps": "the step to train up to (a resumed run trains from the step it resumed at)",
     "state_dir": "where the demo keeps what a restart needs besides the server's optimizer "
     "state: the model parameters of its last two steps and of its last few snapshot steps "

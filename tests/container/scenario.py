@@ -15,8 +15,11 @@ What the scenario relies on (the lead's interfaces):
   --state-dir DIR --report FILE [--resume reattach|latest|auto]``: keeps in DIR the model
   parameters it needs to resume from the server's moments (``reattach``: the step the server
   kept; ``latest``: the latest snapshot's step), creating DIR if needed; writes FILE as JSON with
-  ``step``, ``digest`` and ``reference_digest``; exits non-zero naming the server when the
-  server goes away.
+  ``step``, ``digest`` and ``reference_digest``; keeps training while the server is away and
+  reconnects; exits non-zero naming the server when its next snapshot finds none within
+  ``--server-wait`` seconds.
+- A server started on the /dev/shm and socket a stopped one left adopts its live sessions'
+  segments (a rolling restart costs the trainer nothing).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ __all__ = [
     "HarnessStack",
     "trainer_sigkill_then_reattach",
     "server_stop_then_restore",
+    "server_rolling_restart",
     "small_shm_server_refuses",
 ]
 
@@ -68,6 +72,7 @@ RUN_TIMEOUT_S = 90.0  # one trainer container: torch import plus STEPS tiny step
 SNAPSHOT_TIMEOUT_S = 60.0
 SERVER_STOP_TIMEOUT_S = 30.0
 FAIL_FAST_S = 15.0  # a trainer whose server stopped must exit within this
+SERVER_WAIT_S = 3.0  # --server-wait of that trainer: its snapshot waits this long first
 SHM_REFUSAL_S = 10.0  # "at once": python start-up plus the size check
 
 CKPT_DIR = f"{STATE_DIR}/ckpt"
@@ -85,10 +90,11 @@ def server_args(shm_size: str) -> list[str]:
             "--grace", "30"]
 
 
-def demo_cmd(resume: str | None = None, job_id: str = "demo") -> list[str]:
+def demo_cmd(resume: str | None = None, job_id: str = "demo", server_wait: float | None = None) -> list[str]:
     cmd = ["python", "-m", "swap_state.client.demo", "--server", SOCKET_URI, "--job-id", job_id,
            "--steps", str(STEPS), "--snapshot-every", str(SNAPSHOT_EVERY),
            "--state-dir", CKPT_DIR, "--report", REPORT]
+    cmd += ["--server-wait", str(server_wait)] if server_wait is not None else []
     return cmd + (["--resume", resume] if resume else [])
 
 
@@ -272,10 +278,12 @@ def trainer_sigkill_then_reattach(stack: Stack) -> None:
 
 
 def server_stop_then_restore(stack: Stack) -> None:
-    """Stop the server container under a running trainer: the trainer fails fast and says so.
-    A new server container restores the latest snapshot; a new trainer finishes bitwise equal."""
+    """Stop the server container under a running trainer, its /dev/shm lost with it: the
+    trainer steps on, its next snapshot waits ``--server-wait`` for a server, then it fails and
+    says so. A new server container restores the latest snapshot; a new trainer finishes
+    bitwise equal."""
     server = start_healthy_server(stack)
-    trainer = stack.start_trainer(demo_cmd())
+    trainer = stack.start_trainer(demo_cmd(server_wait=SERVER_WAIT_S))
     wait_first_snapshot(stack, trainer)
     # Freeze the trainer mid-run, so the server is gone before its next call, whatever the timing.
     trainer.pause()
@@ -297,6 +305,25 @@ def server_stop_then_restore(stack: Stack) -> None:
     start_healthy_server(stack)
     resumed = stack.start_trainer(demo_cmd(resume="latest"))
     _assert_bitwise_equal(_finish(stack, resumed), resumed)
+
+
+def server_rolling_restart(stack: Stack) -> None:
+    """Stop the server container under a running trainer and start a new one on the same
+    /dev/shm and socket (a rolling upgrade; /dev/shm outlives the server container, as a
+    Kubernetes Memory emptyDir does): the trainer never stops, the new server adopts its
+    segment, and it finishes bitwise equal to an uninterrupted run."""
+    server = start_healthy_server(stack)
+    trainer = stack.start_trainer(demo_cmd())
+    wait_first_snapshot(stack, trainer)
+    trainer.pause()  # the restart falls between two of its steps, whatever the timing
+    assert trainer.poll() is None, "trainer finished before the server could be stopped" + _tail(trainer)
+    rc = server.stop(SERVER_STOP_TIMEOUT_S)
+    assert rc == 0, f"server exited {rc} on SIGTERM, expected 0" + _tail(server)
+    successor = start_healthy_server(stack)
+    trainer.resume()
+    _assert_bitwise_equal(_finish(stack, trainer), trainer)
+    assert "event=session_adopted" in successor.logs, _tail(successor)
+    assert "reconnected" in trainer.logs, _tail(trainer)
 
 
 def small_shm_server_refuses(stack: Stack) -> None:

@@ -22,5 +22,9 @@ def test_server_stop_then_restore(harness_stack: StackFactory) -> None:
     scenario.server_stop_then_restore(harness_stack(scenario.POD_SHM_SIZE))
 
 
+def test_server_rolling_restart(harness_stack: StackFactory) -> None:
+    scenario.server_rolling_restart(harness_stack(scenario.POD_SHM_SIZE))
+
+
 def test_small_dev_shm_server_refuses(harness_stack: StackFactory) -> None:
     scenario.small_shm_server_refuses(harness_stack(scenario.SMALL_POD_SHM_SIZE))
