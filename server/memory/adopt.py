@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import mmap
 import os
 import re
@@ -44,6 +45,7 @@ from swap_state.common.segment import (
 )
 from swap_state.common.segment_descriptor import MAX_DESCRIPTOR_BYTES, SegmentDescriptor
 from swap_state.common.server_header import ServerHeader
+from swap_state.server.logs import log_event
 from swap_state.server.memory.arena import Arena
 from swap_state.server.memory.segment_file import Segment
 
@@ -52,6 +54,8 @@ __all__ = ["Adopted", "Refused", "Validate", "adopt_segments", "discard_segments
 Validate = Callable[[SegmentDescriptor], list[TensorSpec]]
 """Checks a descriptor's values as an Attach and an Allocate would be checked (raises any
 exception naming what is wrong); returns the checked tensor specs."""
+
+log = logging.getLogger("swap_state.server.arena")  # the arena's logger: one place to look
 
 _SESSION_ID = re.compile(r"([0-9a-f]{32})\.([0-9]{1,18})")
 
@@ -102,13 +106,20 @@ def _newest_per_rank(arena: Arena, adopted: list[tuple[int, Adopted]]) -> list[A
     newest: dict[tuple[str, int], tuple[int, Adopted]] = {}
     for seq, item in adopted:
         key = (item.descriptor.job_id, item.descriptor.rank)
-        if key in newest and newest[key][0] > seq:
-            arena.free(item.segment)
-            continue
         if key in newest:
-            arena.free(newest[key][1].segment)
-        newest[key] = (seq, item)
+            older, kept = sorted((newest[key], (seq, item)), key=lambda pair: pair[0])
+            _free_superseded(arena, older[1], kept[1])
+            newest[key] = kept
+        else:
+            newest[key] = (seq, item)
     return [item for _, item in newest.values()]
+
+
+def _free_superseded(arena: Arena, older: Adopted, newer: Adopted) -> None:
+    log_event(log, "segment_superseded", logging.WARNING, path=older.segment.path,
+              job_id=older.descriptor.job_id, rank=older.descriptor.rank, by=newer.segment.path,
+              detail="an older segment of the same job and rank: freed")
+    arena.free(older.segment)
 
 
 def _adopt_one(arena: Arena, name: str, validate: Validate) -> tuple[int, Adopted]:

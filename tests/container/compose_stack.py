@@ -122,7 +122,8 @@ class ComposeStack:
             return {"driver": "local", "driver_opts": {"type": "none", "o": "bind", "device": str(path)}}
 
         self.override.write_text(yaml.safe_dump({
-            "services": {"server": {"shm_size": self.shm_size, "command": server_args(server_shm_size)}},
+            "services": {"shm": {"shm_size": self.shm_size},
+                         "server": {"command": server_args(server_shm_size)}},
             "volumes": {"snapshots": bind(self.snapshot_dir), "trainer-state": bind(self.state_dir)},
         }))
 
@@ -136,7 +137,10 @@ class ComposeStack:
 
     def start_server(self, shm_size: str) -> DockerService:
         self._write_override(shm_size)
-        self.compose("up", "--detach", "--no-build", "--force-recreate", "server")
+        # The /dev/shm holder (service shm) is started once and stays, as a pod's emptyDir
+        # does; each server is a new container joining it.
+        self.compose("up", "--detach", "--no-build", "shm")
+        self.compose("up", "--detach", "--no-build", "--force-recreate", "--no-deps", "server")
         container_id = self.compose("ps", "--all", "--quiet", "server").stdout.split()[0]
         return DockerService(container_id, "server")
 
@@ -151,7 +155,8 @@ class ComposeStack:
         return DockerService(name, name)
 
     def server_stopped(self) -> None:
-        """Nothing to do: Docker unmounts a stopped container's /dev/shm itself."""
+        """A /dev/shm lost with the server (the harness's reset): recreate the holder."""
+        self.compose("up", "--detach", "--no-build", "--force-recreate", "shm")
 
     def close(self) -> None:
         if self.override.exists():

@@ -51,5 +51,9 @@ def test_server_stop_then_restore(compose_stack: StackFactory) -> None:
     scenario.server_stop_then_restore(compose_stack(scenario.POD_SHM_SIZE))
 
 
+def test_server_rolling_restart(compose_stack: StackFactory) -> None:
+    scenario.server_rolling_restart(compose_stack(scenario.POD_SHM_SIZE))
+
+
 def test_small_dev_shm_server_refuses(compose_stack: StackFactory) -> None:
     scenario.small_shm_server_refuses(compose_stack(scenario.SMALL_POD_SHM_SIZE))

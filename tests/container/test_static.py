@@ -186,10 +186,13 @@ def _mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
 
 def test_compose_names_existing_dockerfiles_and_declared_volumes(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert set(services) == {"server", "trainer"}
+    assert set(services) == {"shm", "server", "trainer"}
+    assert services["shm"]["image"] == services["server"]["image"]  # built by the server service
     declared = set(compose["volumes"])
     used = set()
     for name, service in services.items():
+        if name == "shm":
+            continue
         build = service["build"]
         dockerfile = (COMPOSE.parent / build["context"] / build["dockerfile"]).resolve()
         assert dockerfile == DOCKER / f"Dockerfile.{name}", dockerfile
@@ -202,9 +205,10 @@ def test_compose_server(compose: dict[str, Any]) -> None:
     command = [str(a) for a in server["command"]]
     # The harness runs the server with exactly these flags.
     assert command == server_args(flag(command, "--shm-size"))
-    assert parse_size(server["shm_size"]) >= parse_size(flag(command, "--shm-size")), (
+    holder = compose["services"]["shm"]  # /dev/shm outlives the server: restarts adopt
+    assert parse_size(holder["shm_size"]) >= parse_size(flag(command, "--shm-size")), (
         "shm_size must hold --shm-size or the server refuses to start")
-    assert server["ipc"] == "shareable"
+    assert holder["ipc"] == "shareable" and server["ipc"] == "service:shm"
     assert _mounts(server) == {SOCKET_DIR: ("socket", False), SNAPSHOT_DIR: ("snapshots", False)}
     assert server["healthcheck"]["test"] == ["CMD", *HEALTHCHECK_CMD]
     assert server["ulimits"]["memlock"] == {"soft": -1, "hard": -1}
@@ -212,7 +216,7 @@ def test_compose_server(compose: dict[str, Any]) -> None:
 
 def test_compose_trainer(compose: dict[str, Any]) -> None:
     trainer = compose["services"]["trainer"]
-    assert trainer["ipc"] == "service:server"
+    assert trainer["ipc"] == "service:shm"
     assert trainer["depends_on"] == {"server": {"condition": "service_healthy"}}
     assert _mounts(trainer) == {SOCKET_DIR: ("socket", False), SNAPSHOT_DIR: ("snapshots", True),
                                 STATE_DIR: ("trainer-state", False)}

@@ -151,3 +151,30 @@ def test_the_embedded_default_restarts_its_server_when_it_dies(no_server_env, tm
     assert reference_mismatches(model, container, w, 10) == []
     assert container.snapshot().wait_durable(timeout_s=30).state in ("durable", "stored")
     container.close()
+
+
+def test_a_llama3_8b_mlp_weight_survives_a_server_kill_bitwise(start_server):
+    from snapshot_kit import bitwise_diff, data_file
+    from safetensors.torch import load_file
+
+    from .test_real_shapes import W, build_mlp, fused_adamw, whole_state
+
+    server = start_server(shm_size_bytes=2 << 30)
+    ref_model, model = build_mlp(), build_mlp()
+    ref = fused_adamw(ref_model)
+    assert model.w1.weight.numel() > 2**24
+    container = remote(W, model, server.address, "llama3-restart", checkpoint="snapshot", rpc_timeout_s=5.0)
+    train(model, container, W, range(1, 3))
+    server.kill()
+    train(model, container, W, range(3, 4))  # no server: the step goes on
+    server.restart()  # adopts a segment of the real shape (moments and model, ~0.7 GB)
+    assert wait_until(lambda: not container.session.server_gone(), timeout_s=30)
+    train(model, container, W, range(4, 5))
+    train(ref_model, ref, W, range(1, 5))
+    at_4 = whole_state(model, container)
+    status = container.snapshot().wait_durable(timeout_s=240)
+    assert bitwise_diff(at_4, load_file(str(data_file(status.path)))) == []
+    from .workload import mismatches
+
+    assert mismatches(model, container, ref_model, ref) == []
+    container.close()

@@ -70,3 +70,42 @@ def test_unknown_optimizer_name_from_toml(tmp_path):
     config = _parse(tmp_path, 'name = "Lion"\nswap_optimizer = true\n')
     with pytest.raises(NotImplementedError, match="Optimizer Lion not added."):
         tt_optimizer.build_optimizers([build(Workload())], config.optimizer, None, None)
+
+
+def test_a_snapshot_mode_save_waits_for_a_restarting_server_then_fails_naming_it(start_server, tmp_path):
+    import threading
+    import time
+
+    from swap_state.client.errors import ServerUnavailableError
+    from swap_state.common.retry import wait_until
+
+    server = start_server()
+    config = _parse(
+        tmp_path,
+        'name = "AdamW"\nlr = 0.01\nswap_optimizer = true\nswap_optimizer_times = 2\n'
+        'swap_optimizer_backend = "remote"\nswap_state_checkpoint = "snapshot"\n'
+        f'swap_state_server = "{server.address}"\nswap_state_job_id = "tt-wait"\n'
+        "swap_state_server_wait_s = 2.5\n",
+    )
+    w = Workload()
+    model = build(w)
+    container = tt_optimizer.build_optimizers([model], config.optimizer, None, None)
+    assert container.remote_config.server_wait_s == 2.5
+    train(model, container, w, range(1, 3))
+    server.kill()
+    assert wait_until(container.session.server_gone, timeout_s=10)
+    train(model, container, w, range(3, 4))  # training never waits for the server
+    began = time.monotonic()
+    with pytest.raises(ServerUnavailableError, match="waited 2.5 s") as err:
+        container.state_dict()  # CheckpointManager.save's call: waits 2.5 s, then fails
+    assert 2.5 <= time.monotonic() - began < 10 and server.address in str(err.value)
+
+    saved: dict = {}
+    save = threading.Thread(target=lambda: saved.update(container.state_dict()))
+    save.start()  # this save finds the server back within its wait
+    time.sleep(0.5)
+    server.restart()
+    save.join(30)
+    assert saved["swap_state.snapshot_id"] == "tt-wait/step-3"
+    container.wait_checkpoint_durable(timeout_s=30)
+    container.close()

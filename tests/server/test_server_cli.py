@@ -12,6 +12,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 import textwrap
 
 import grpc
@@ -259,6 +260,24 @@ def test_a_killed_servers_segments_are_adopted_or_with_discard_removed(server_pr
     ]
     second.proc.send_signal(signal.SIGKILL)
     second.wait(10)
+    # No trainer comes back: an adopted session goes through --grace like any.
+    short = server_process(base_args(shm_dir, sock) + ["--grace", "0.5"])
+    short.wait_ready(sock)
+    deadline = time.monotonic() + 10
+    while os.path.exists(seg.path):
+        assert time.monotonic() < deadline, "the adopted segment outlived --grace"
+        time.sleep(0.05)
+    assert short.terminate() == 0
+    assert "session_adopted" in short.output and "reason=grace_expired" in short.output
+    first = server_process(base_args(shm_dir, sock))
+    first.wait_ready(sock)
+    with grpc.insecure_channel(f"unix://{sock}") as channel:
+        stub = pb_grpc.SwapStateStub(channel)
+        reply = stub.Attach(pb.AttachRequest(job_id="j", rank=0, world_size=1), timeout=10)
+        seg = stub.Allocate(pb.AllocateRequest(session_id=reply.session_id, generation=1,
+                                               tensors=[spec("m", (1024,))]), timeout=10).segment
+    first.proc.send_signal(signal.SIGKILL)
+    first.wait(10)
     third = server_process(base_args(shm_dir, sock) + ["--discard-segments"])
     third.wait_ready(sock)
     assert not os.path.exists(seg.path)
