@@ -238,49 +238,46 @@ def test_stale_socket_is_replaced_and_a_foreign_file_is_not(server_process, shm_
     assert sock.read_text() == "not a socket"
 
 
-def test_a_killed_servers_segments_are_adopted_or_with_discard_removed(server_process, shm_dir, sock_dir):
-    sock = sock_dir / "s.sock"
-    first = server_process(base_args(shm_dir, sock))
-    first.wait_ready(sock)
+def _killed_with_a_segment(server_process, shm_dir, sock) -> tuple[str, str]:
+    """A server that allocated one segment, then was killed: (session id, segment path)."""
+    server = server_process(base_args(shm_dir, sock))
+    server.wait_ready(sock)
     with grpc.insecure_channel(f"unix://{sock}") as channel:
         stub = pb_grpc.SwapStateStub(channel)
         reply = stub.Attach(pb.AttachRequest(job_id="j", rank=0, world_size=1), timeout=10)
         seg = stub.Allocate(pb.AllocateRequest(session_id=reply.session_id, generation=1,
                                                tensors=[spec("m", (1024,))]), timeout=10).segment
-    first.proc.send_signal(signal.SIGKILL)
-    first.wait(10)
+    server.proc.send_signal(signal.SIGKILL)
+    server.wait(10)
     assert os.path.exists(seg.path)  # SIGKILL: no chance to clean up
+    return reply.session_id, seg.path
+
+
+def test_a_killed_servers_segments_are_adopted_or_with_discard_removed(server_process, shm_dir, sock_dir):
+    sock = sock_dir / "s.sock"
+    session_id, path = _killed_with_a_segment(server_process, shm_dir, sock)
     second = server_process(base_args(shm_dir, sock))
     second.wait_ready(sock)
-    assert os.path.exists(seg.path)  # adopted: its trainer may come back
+    assert os.path.exists(path)  # adopted: its trainer may come back
     with grpc.insecure_channel(f"unix://{sock}") as channel:
         sessions = pb_grpc.SwapStateStub(channel).Stats(pb.StatsRequest(), timeout=10).sessions
-    assert [(s.session_id, s.job_id, s.state, s.adopted) for s in sessions] == [
-        (reply.session_id, "j", "orphaned", True)
-    ]
+    assert [(s.session_id, s.job_id, s.state, s.adopted) for s in sessions] == [(session_id, "j", "orphaned", True)]
     second.proc.send_signal(signal.SIGKILL)
     second.wait(10)
     # No trainer comes back: an adopted session goes through --grace like any.
     short = server_process(base_args(shm_dir, sock) + ["--grace", "0.5"])
     short.wait_ready(sock)
     deadline = time.monotonic() + 10
-    while os.path.exists(seg.path):
+    while os.path.exists(path):
         assert time.monotonic() < deadline, "the adopted segment outlived --grace"
         time.sleep(0.05)
     assert short.terminate() == 0
     assert "session_adopted" in short.output and "reason=grace_expired" in short.output
-    first = server_process(base_args(shm_dir, sock))
-    first.wait_ready(sock)
-    with grpc.insecure_channel(f"unix://{sock}") as channel:
-        stub = pb_grpc.SwapStateStub(channel)
-        reply = stub.Attach(pb.AttachRequest(job_id="j", rank=0, world_size=1), timeout=10)
-        seg = stub.Allocate(pb.AllocateRequest(session_id=reply.session_id, generation=1,
-                                               tensors=[spec("m", (1024,))]), timeout=10).segment
-    first.proc.send_signal(signal.SIGKILL)
-    first.wait(10)
+    # An operator who wants everything gone says so.
+    _, path = _killed_with_a_segment(server_process, shm_dir, sock)
     third = server_process(base_args(shm_dir, sock) + ["--discard-segments"])
     third.wait_ready(sock)
-    assert not os.path.exists(seg.path)
+    assert not os.path.exists(path)
     assert "leftover_segments_removed" in third.output
     assert third.terminate() == 0
 

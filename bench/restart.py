@@ -1,0 +1,146 @@
+"""``python -m bench.restart``: what a server restart under a training job costs it, each number
+beside its baseline from the same run.
+
+1. step time: steps while the server is up, against steps while it is gone (killed);
+2. server start: a server adopting the job's segment (after SIGKILL, and after SIGTERM: its
+   stop included) against a server starting on an empty shm directory, same flags;
+3. reconnect: from the new server serving to the trainer's session being live again.
+
+Output under --out: restart.md (a table) and restart.json (everything, raw samples included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig
+from swap_state.common.retry import wait_until
+
+from bench import util
+from bench.report import write_json
+from bench.util import fmt_bytes, fmt_ms, summarize
+from bench.workload import build_model, build_variant
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.restart", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--params", default="32M", help="model parameters (the segment holds 8 bytes of moments each)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps with the server up, and as many without")
+    p.add_argument("--reps", type=int, default=3, help="restarts of each kind (and fresh starts)")
+    p.add_argument("--out", default="results", help="folder for restart.md and restart.json")
+    return p
+
+
+def _server(shm_dir: str, snapshot_dir: str, shm_size: int) -> EmbeddedServer:
+    return EmbeddedServer(EmbeddedServerConfig(
+        shm_size_bytes=shm_size, shm_dir=shm_dir, snapshot_dir=snapshot_dir, auto_restart=False,
+        free_segments_on_stop=False, chunk_bytes=64 << 20,
+    )).start()
+
+
+def _steps(variant, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        variant.model(variant.x).square().mean().backward()
+        variant.optimizer.step()
+        variant.optimizer.zero_grad()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _timed(action) -> float:
+    t0 = time.perf_counter()
+    action()
+    return time.perf_counter() - t0
+
+
+def measure(args) -> dict[str, Any]:
+    params = util.parse_size(args.params)
+    shm_dir = tempfile.mkdtemp(prefix="swap-state-bench-restart-", dir="/dev/shm")
+    work = tempfile.mkdtemp(prefix="swap-state-bench-restart-")
+    shm_size = 12 * params + (256 << 20)
+    samples: dict[str, list[float]] = {k: [] for k in (
+        "step_up_s", "step_gone_s", "fresh_start_s", "adopt_after_kill_s", "stop_and_adopt_s",
+        "reconnect_s")}
+    server = _server(shm_dir, work, shm_size)
+    try:
+        base = build_model(params, torch.device("cpu"))
+        variant = build_variant("remote", base, 8, torch.device("cpu"), 4, server=server.address, job_id="restart")
+        session = variant.optimizer.session
+        segment_bytes = os.path.getsize(session.segment.path)
+        _steps(variant, 3)  # warm-up
+        for _ in range(args.reps):
+            samples["step_up_s"] += _steps(variant, args.steps // args.reps)
+            server.kill()
+            wait_until(session.server_gone, timeout_s=30)
+            samples["step_gone_s"] += _steps(variant, args.steps // args.reps)
+            samples["adopt_after_kill_s"].append(_timed(server.restart))
+            t0 = time.perf_counter()
+            wait_until(lambda: not session.server_gone(), timeout_s=30, first_s=0.001, max_s=0.005)
+            samples["reconnect_s"].append(time.perf_counter() - t0)
+            samples["stop_and_adopt_s"].append(_timed(server.restart))  # SIGTERM, then a new one
+            wait_until(lambda: not session.server_gone(), timeout_s=30)
+        stats = variant.optimizer.client.stats()
+        reconnects = stats.reconnects_total
+        variant.optimizer.close()
+        for _ in range(args.reps):  # the baseline: the same server on an empty shm directory
+            empty = tempfile.mkdtemp(prefix="swap-state-bench-empty-", dir="/dev/shm")
+            t0 = time.perf_counter()
+            fresh = _server(empty, work, shm_size)
+            samples["fresh_start_s"].append(time.perf_counter() - t0)
+            fresh.stop()
+            shutil.rmtree(empty, ignore_errors=True)
+    finally:
+        server.stop()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return {"params": params, "segment_bytes": segment_bytes, "reconnects_total_last_server": reconnects,
+            "cpus": util.cpu_count(), "samples": samples, "summary": {k: summarize(v) for k, v in samples.items()}}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s = result["summary"]
+    rows = [("step, server up", "step_up_s"), ("step, server gone", "step_gone_s"),
+            ("start on an empty shm dir (baseline)", "fresh_start_s"),
+            ("start adopting the segment (after SIGKILL)", "adopt_after_kill_s"),
+            ("SIGTERM stop + start adopting", "stop_and_adopt_s"),
+            ("trainer reconnected after the new server serves", "reconnect_s")]
+    lines = [f"# Server restart under training ({fmt_bytes(result['segment_bytes'])} segment, "
+             f"{result['cpus']} CPUs shared by trainer and server)", "",
+             "| what | n | median | mean | worst |", "| --- | --- | --- | --- | --- |"]
+    for label, key in rows:
+        v = s[key]
+        lines.append(f"| {label} | {v['n']} | {fmt_ms(v['median'])} | {fmt_ms(v['mean'])} | {fmt_ms(v['max'])} |")
+    ratio = s["step_gone_s"]["median"] / s["step_up_s"]["median"]
+    extra = s["adopt_after_kill_s"]["median"] - s["fresh_start_s"]["median"]
+    lines += ["", f"Step time with the server gone / up (medians): {ratio:.2f}.",
+              f"Adoption adds {fmt_ms(extra)} to a server start (medians).", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    result = measure(args)
+    os.makedirs(args.out, exist_ok=True)
+    text = markdown(result)
+    with open(os.path.join(args.out, "restart.md"), "w") as f:
+        f.write(text)
+    write_json(result, os.path.join(args.out, "restart.json"))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
