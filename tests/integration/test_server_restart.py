@@ -16,6 +16,8 @@ from swap_state.client.errors import ServerUnavailableError
 from swap_state.client.remote.embedded import EmbeddedServerConfig
 from swap_state.common.retry import wait_until
 
+from snapshot_kit import swap_state_cli
+
 from .test_remote_container import _demo
 from .workload import Workload, build, reference_mismatches, remote, train
 
@@ -49,6 +51,9 @@ def test_a_server_killed_or_stopped_under_training_costs_the_job_nothing(start_s
     assert reference_mismatches(model, container, w, 10) == []
     assert _adopted_sessions(container) == [(job, "live", True)]
     assert container.client.stats().reconnects_total == 1
+    status = swap_state_cli("status", "--server", server.address)
+    assert "1 adopted from the previous server, 1 trainer reconnects" in status.stdout, status.stdout
+    assert f"{job}/rank 0/1 gen 1 live (adopted)" in status.stdout
     container.snapshot().wait_durable(timeout_s=30)
     container.close()
 
