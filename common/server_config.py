@@ -19,9 +19,15 @@ from .errors import ConfigError
 from .segment import PAGE_BYTES
 from .sizes import GiB, KiB, MiB, format_size
 
-__all__ = ["FLAG", "LOG_LEVELS", "Flag", "ServerConfig"]
+__all__ = ["EXIT_WITH_PARENT_ENV", "FLAG", "LOG_LEVELS", "Flag", "ServerConfig"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+EXIT_WITH_PARENT_ENV = "SWAP_STATE_EXIT_WITH_PARENT"
+"""Environment variable an embedded server is started with: the trainer's pid. The server
+then stops (SIGTERM) when the trainer dies, so a killed trainer leaks no server. Set by the
+server itself at start (``prctl``), not by the parent between fork and exec, which is unsafe
+in a process with threads (gRPC's, the watchdog)."""
 
 FLAG = "swap_state.flag"
 """``dataclasses.field`` metadata key of a field that is a command-line flag: its :class:`Flag`."""

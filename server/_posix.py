@@ -19,6 +19,7 @@ __all__ = [
     "mlock",
     "mmap_read_only",
     "munmap",
+    "set_parent_death_signal",
     "start_writeback",
     "view_at",
 ]
@@ -51,6 +52,18 @@ _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do no
 def mlock(address: int, length: int) -> int:
     """mlock(2) (reads the pages in and pins them); 0 on success, else the errno."""
     if _libc.mlock(address, length) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def set_parent_death_signal(signum: int) -> int:
+    """prctl(PR_SET_PDEATHSIG): ``signum`` when the thread that started this process ends;
+    0 on success, else the errno (not Linux: ENOSYS)."""
+    try:
+        prctl = _libc.prctl
+    except AttributeError:
+        return 38  # ENOSYS
+    if prctl(1, signum, 0, 0, 0) == 0:  # PR_SET_PDEATHSIG
         return 0
     return ctypes.get_errno()
 

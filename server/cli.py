@@ -12,13 +12,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import textwrap
 
 from swap_state.common.errors import StartupError
-from swap_state.common.server_config import ServerConfig
+from swap_state.common.server_config import EXIT_WITH_PARENT_ENV, ServerConfig
 from swap_state.common.server_flags import add_server_flags, config_from_args, parse_server_argv
+from swap_state.server import _posix
 from swap_state.server.logs import configure_logging, log_event
 from swap_state.server.runtime import start_server
 
@@ -91,7 +93,19 @@ async def _serve(config: ServerConfig) -> int:
     return 0
 
 
+def _exit_with_parent() -> None:
+    """An embedded server (``EXIT_WITH_PARENT_ENV`` names its trainer's pid) stops when its
+    trainer dies, also when that happened before this line."""
+    parent = os.environ.get(EXIT_WITH_PARENT_ENV, "")
+    if not parent.isdigit():
+        return
+    _posix.set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _exit_with_parent()
     config = parse_config(argv)
     configure_logging(config.log_level)
     try:

@@ -40,7 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from swap_state.client.scratch import make_scratch_dir
 from swap_state.common.retry import wait_until
-from swap_state.common.server_config import ServerConfig
+from swap_state.common.server_config import EXIT_WITH_PARENT_ENV, ServerConfig
 from swap_state.common.server_flags import config_to_argv
 
 __all__ = ["DEFAULT_SHM_SIZE_BYTES", "EmbeddedServerConfig", "EmbeddedServer", "default_snapshot_dir"]
@@ -113,18 +113,6 @@ class EmbeddedServerConfig:
         )
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the trainer dies, so a killed trainer leaks no server."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
-    except OSError:  # not Linux: the atexit hook still stops it on a normal exit
-        pass
-
-
 class EmbeddedServer:
     """Start with :meth:`start`; ``address`` is then a ``unix://`` address; :meth:`stop` ends it."""
 
@@ -180,7 +168,8 @@ class EmbeddedServer:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C for the trainer must not kill it first
-                preexec_fn=_die_with_parent,
+                # It stops when this process dies: a killed trainer leaks no server.
+                env={**os.environ, EXIT_WITH_PARENT_ENV: str(os.getpid())},
             )
         self._started_at = time.monotonic()
         self._wait_serving(self.address.removeprefix("unix://"))

@@ -151,7 +151,8 @@ def test_the_embedded_default_restarts_its_server_when_it_dies(no_server_env, tm
     embedded = container._embedded
     embedded.kill()  # the watchdog notices and starts it again on the same socket
     train(model, container, w, range(4, 6))
-    assert wait_until(lambda: embedded.restarts == 1 and not container.session.server_gone(), timeout_s=30)
+    back = wait_until(lambda: embedded.restarts == 1 and not container.session.server_gone(), timeout_s=30)
+    assert back, (embedded.restarts, container.session._lost, embedded.log_text())
     train(model, container, w, range(6, 11))
     assert reference_mismatches(model, container, w, 10) == []
     assert container.snapshot().wait_durable(timeout_s=30).state in ("durable", "stored")
@@ -183,3 +184,38 @@ def test_a_llama3_8b_mlp_weight_survives_a_server_kill_bitwise(start_server):
 
     assert mismatches(model, container, ref_model, ref) == []
     container.close()
+
+
+def _embedded_servers_of(pid: int) -> list[int]:
+    """Pids of the embedded servers trainer ``pid`` started (their environment names it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"SWAP_STATE_EXIT_WITH_PARENT={pid}".encode() in environ:
+            found.append(int(entry))
+    return found
+
+
+def test_a_killed_trainer_leaks_no_embedded_server(no_server_env, tmp_path):
+    import subprocess
+    import sys
+
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "swap_state.client.demo", "--state-dir", str(tmp_path / "state"),
+         "--steps", "400", "--snapshot-every", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert demo.stdout.readline().startswith("swap-state-server:")
+        assert wait_until(lambda: _embedded_servers_of(demo.pid), timeout_s=30)
+        servers = _embedded_servers_of(demo.pid)
+    finally:
+        demo.kill()
+        demo.wait(30)
+    assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+                                      for pid in servers), timeout_s=30), "the embedded server outlived its trainer"

@@ -190,7 +190,7 @@ def test_shm_too_small_exits_non_zero_naming_the_docker_flag(shm_dir, sock_dir):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 async def test_signal_stops_cleanly(server_process, shm_dir, sock_dir, connect, signum):
     sock = sock_dir / "s.sock"
-    proc = server_process(base_args(shm_dir, sock))
+    proc = server_process(base_args(shm_dir, sock) + ["--free-segments-on-stop"])
     proc.wait_ready(sock)
     assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660
     trainer = Trainer(connect(f"unix://{sock}"))
@@ -202,8 +202,25 @@ async def test_signal_stops_cleanly(server_process, shm_dir, sock_dir, connect, 
     proc.proc.send_signal(signum)
     assert proc.wait(15) == 0, proc.output
     assert not sock.exists()
-    assert os.listdir(shm_dir) == []
+    assert os.listdir(shm_dir) == []  # --free-segments-on-stop: every segment freed
     assert "event=started" in proc.output and "event=stopped" in proc.output
+
+
+async def test_a_stop_keeps_live_sessions_segments_for_the_next_server(server_process, shm_dir, sock_dir, connect):
+    sock = sock_dir / "s.sock"
+    proc = server_process(base_args(shm_dir, sock))
+    proc.wait_ready(sock)
+    live, gone = Trainer(connect(f"unix://{sock}"), "live"), Trainer(connect(f"unix://{sock}"), "gone")
+    for trainer in (live, gone):
+        await trainer.attach()
+        await trainer.keep_alive()
+    kept = (await live.allocate([spec("m", (4096,))])).segment
+    freed = (await gone.allocate([spec("m", (4096,))])).segment
+    await gone.detach(keep=True)  # orphaned: its trainer went away
+    proc.proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0, proc.output
+    assert os.listdir(shm_dir) == [os.path.basename(kept.path)] and not os.path.exists(freed.path)
+    assert "event=session_kept" in proc.output
     trainer.close()
 
 

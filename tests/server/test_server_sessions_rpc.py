@@ -457,7 +457,7 @@ async def test_cancelled_allocate_still_lands_and_a_retry_reuses_it(server, stub
 
 
 async def test_stop_ends_streams_and_removes_segments_and_socket(start, connect, shm_dir):
-    server = await start()
+    server = await start(free_segments_on_stop=True)
     trainer = Trainer(connect(server))
     await trainer.attach()
     await trainer.keep_alive()
