@@ -124,6 +124,7 @@ __all__ = [
     "layout_hash",
     "layout_hash_word",
     "segment_file_bytes",
+    "tensor_nbytes",
     "plan_segment",
     "chunk_table",
     "committed_step",

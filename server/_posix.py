@@ -19,6 +19,7 @@ __all__ = [
     "mlock",
     "mmap_read_only",
     "munmap",
+    "populate_write",
     "set_parent_death_signal",
     "start_writeback",
     "view_at",
@@ -30,6 +31,9 @@ _libc.mlock.restype = ctypes.c_int
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.madvise.restype = ctypes.c_int
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
 _libc.munmap.restype = ctypes.c_int
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
@@ -52,6 +56,16 @@ _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do no
 def mlock(address: int, length: int) -> int:
     """mlock(2) (reads the pages in and pins them); 0 on success, else the errno."""
     if _libc.mlock(address, length) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def populate_write(address: int, length: int) -> int:
+    """madvise(MADV_POPULATE_WRITE): map every page of the range writable now (the page
+    tables of this process; the pages of a committed shared file exist already). Several
+    threads may populate disjoint ranges at once, unlike mlock, which the kernel serialises.
+    0 on success, else the errno (EINVAL before Linux 5.14)."""
+    if _libc.madvise(address, length, _MADV_POPULATE_WRITE) == 0:
         return 0
     return ctypes.get_errno()
 

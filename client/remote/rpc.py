@@ -47,7 +47,7 @@ from swap_state.client.errors import (  # noqa: F401 - re-exported: the client's
     error_for,
     reason_of,
 )
-from swap_state.common.segment import Word
+from swap_state.common.segment import Word, tensor_nbytes
 from swap_state.common.trainer_header import TrainerHeader
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
@@ -95,6 +95,9 @@ _POLLER_SETTLE_S = 0.25
 # found within about a second.
 _RECONNECT_FIRST_S = 0.05
 _RECONNECT_MAX_S = 1.0
+# The slowest allocation rate an Allocate's deadline allows for (first-touch memory of a VM
+# measured 0.4 GiB/s): 60 s plus this per byte.
+_SLOWEST_ALLOCATE_BYTES_PER_S = 128 << 20
 _CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),
     ("grpc.max_receive_message_length", 64 << 20),
@@ -401,11 +404,16 @@ class RemoteSession:
             raise
 
     def allocate(self, specs: Sequence[tuple[str, str, Sequence[int]]]) -> pb.AllocateReply:
+        """Allocate the segment; the deadline follows the size (the server commits, maps and
+        mlocks every page first: seconds per 10 GiB, slower where memory is touched the
+        first time)."""
         tensors = [pb.TensorSpec(name=n, dtype=d, shape=list(s)) for n, d, s in specs]
         request = pb.AllocateRequest(
             session_id=self.session_id, generation=self.generation, tensors=tensors
         )
-        reply = self._call("Allocate", request, timeout_s=max(60.0, self.client.config.timeout_s))
+        nbytes = sum(tensor_nbytes(d, s) for _, d, s in specs)
+        deadline = max(60.0 + nbytes / _SLOWEST_ALLOCATE_BYTES_PER_S, self.client.config.timeout_s)
+        reply = self._call("Allocate", request, timeout_s=deadline)
         self.segment = reply.segment
         return reply
 

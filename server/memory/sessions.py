@@ -361,6 +361,7 @@ class SessionRegistry:
                     f"{wanted_hash[:12]}): Detach with keep=false, then Attach and Allocate again"
                 )
             started = time.perf_counter()
+            log_event(log, "segment_allocating", **session._describe(), tensors=len(checked))
             descriptor = SegmentDescriptor(session.job_id, session.rank, session.world_size,
                                            session.local_world_size, tuple(checked), wanted_hash)
             segment = await asyncio.to_thread(
