@@ -45,19 +45,21 @@ are split, per snapshot, between the server's *stager* and the trainer's *fallba
    ``BP_WAIT_NS``; every copy is counted in ``COW_COPIES``.
 
 5. Whole-state snapshots: the model tensors (``model.<fqn>``, the segment's last tensors,
-   from chunk :func:`first_model_chunk` on) change only *after* step N's commit, when the
-   trainer copies the parameters of step N into them (overlapped with the next forward and
-   backward). It protects their chunks by step 4 before each copy and stores ``MODEL_STEP
-   = N + 1`` once the copy of step N is complete (never before the copy's writes have
+   from chunk :func:`first_model_chunk` on) change only when the trainer copies the
+   parameters of a committed step N into them, which it does only for a snapshot of step N:
+   it starts the copy right before asking for that snapshot (overlapped with the next
+   forward and backward; steps without a snapshot copy nothing). It protects their chunks
+   by step 4 before the copy starts (an earlier snapshot's epoch may still be open) and
+   stores ``MODEL_STEP = N + 1`` once the copy is complete (never before its writes have
    landed); a value above N when the copy begins (bytes of before a load or restore) is
    withdrawn first (``MODEL_STEP = 0``), any other stays (a snapshot waiting for it must
    not wait for a copy that may itself wait for that snapshot's writer to free a slot).
    The stager and the writer start on the first model chunk of a snapshot of step N only
    once ``MODEL_STEP >= N + 1`` (bounded: a trainer that never publishes fails the
-   snapshot, never a wrong one). Since the trainer copies step N's parameters before it can
-   ask for step N's snapshot (it copies right after the commit, in the same ``step()``),
-   the epoch of a snapshot of step N never sees the copy of step N itself, only the copy of
-   N + 1, whose chunks step 4 protects.
+   snapshot, never a wrong one). So the copy of step N may still be writing when the epoch
+   of step N's snapshot opens, unprotected, but nobody reads those chunks before it is
+   complete, and it writes the very bytes that snapshot holds; the next copy comes with
+   the next snapshot, after step 4 protected the chunks of any epoch still open.
 6. A server that is gone: a trainer whose server is unreachable (its KeepAlive stream broke)
    that would have to wait for a slot in step 4 stores ``ABANDONED_EPOCH = e`` and overwrites
    the chunk without a copy; it never waits on a server that may be dead. The writer checks

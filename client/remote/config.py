@@ -77,8 +77,8 @@ class RemoteConfig:
     goes follows the checkpoint, not this setting: a checkpoint with the moments loads them.)"""
     snapshot_model: bool | None = None
     """Whole-state snapshots: the segment also holds the model's parameters and persistent
-    buffers, copied in after every step (on an accelerator overlapped with the next forward
-    and backward), so a snapshot of step N holds the parameters of step N too, a restore puts
+    buffers, copied in for each snapshot's step (on a helper thread, on an accelerator a side
+    stream, overlapped with the next forward and backward; other steps copy nothing), so a snapshot of step N holds the parameters of step N too, a restore puts
     them back into the model, and a snapshot-mode checkpoint needs no model tensors. Costs
     the model's bytes of the server's budget. None: on with ``checkpoint = 'snapshot'``."""
     snapshot_replace_existing: bool = False

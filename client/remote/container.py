@@ -192,9 +192,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
 
     def _after_step(self) -> None:
         self._restored_reference = None
-        step = self._publish_step()
-        if self._model_area is not None:
-            self._model_area.copy_from_model(step)
+        self._publish_step()  # the model is copied only for a snapshot (SnapshotClient.snapshot)
 
     def _after_load_state_dict(self) -> None:
         self._guard.before_write(self._current_step(), [GROUP_STEPS])

@@ -1,6 +1,7 @@
 """The model's part of a whole-state snapshot: its parameters and persistent buffers, copied
-into the trainer's segment after every step, so that the server's snapshot of step N holds
+into the trainer's segment when a snapshot of step N is asked for, so that the snapshot holds
 the whole training state of step N (protocol step 5 of :mod:`swap_state.common.segment`).
+Steps without a snapshot copy nothing.
 
 The model tensors are the segment's last tensors, ``model.<fqn>`` under the model
 state-dict fqn (what torchtitan's ``ModelWrapper`` and DCP use), one per distinct tensor: tied
@@ -11,16 +12,17 @@ Call order (the remote container does this)::
 
     tensors = plan_model_tensors(model_parts, optimizer_params)   # before the Allocate
     area = ModelArea(tensors, views, guard, header, backend)      # after it
-    per step:  area.wait_copy()             # before the step's first update (accelerators)
+    per step:  area.wait_copy()             # before the step's first update
                ... update, commit step N ...
-               area.copy_from_model(N)      # protect (copy-before-write), copy, publish
+    snapshot:  area.copy_from_model(N)      # protect (copy-before-write), start the copy
+               ... the Snapshot call ...    # returns while the copy runs
     restore:   ... the server restores the segment ...
                area.copy_into_model(R)      # the snapshot's parameters into the model
 
 Between the commit of step N and the update of step N + 1 the parameters do not change: on an
-accelerator the copy runs on a side stream, overlapped with the next forward and backward,
-and the next update waits only for its event; ``MODEL_STEP`` is published from a helper
-thread once that event completes. On the CPU the copy is made at once, in ``step()``.
+accelerator the copy runs on a side stream, on the CPU on a helper thread, overlapped with the
+next forward and backward, and the next update waits only for it; ``MODEL_STEP`` is published
+from the helper thread once the copy has landed.
 """
 
 from __future__ import annotations
@@ -161,15 +163,17 @@ class ModelArea:
     def wait_copy(self) -> None:
         """Before the parameters change again (the next update): the copy must have read
         them. On an accelerator the current stream waits for the copy's event (the host does
-        not); on the CPU the copy is already done."""
+        not); on the CPU the host waits for the helper thread's copy."""
+        if not self._backend.is_accelerator:
+            self.wait_published()
         if self._done is not None:
             self._backend.current_stream().wait_event(self._done)
             self._done = None
 
     def copy_from_model(self, step: int) -> None:
-        """Copy the parameters and buffers of committed step ``step`` into the segment and
-        publish ``MODEL_STEP = step + 1`` once the bytes are there. Call after the commit and
-        before any snapshot of ``step`` is asked for (protocol step 5)."""
+        """Start copying the parameters and buffers of committed step ``step`` into the
+        segment; ``MODEL_STEP = step + 1`` is published once the bytes are there. Call after
+        the commit, right before the snapshot of ``step`` is asked for (protocol step 5)."""
         self.wait_published()
         self.wait_copy()
         header = self._header
@@ -185,17 +189,17 @@ class ModelArea:
             self._copy_into_segment(step)
 
     def _copy_into_segment(self, step: int) -> None:
-        """CPU: copy and publish now. Accelerator: copy on the side stream after the work
-        queued so far; the helper thread publishes once the copy's event has completed."""
+        """CPU: the helper thread copies, then publishes. Accelerator: copy on the side
+        stream after the work queued so far; the helper thread publishes once the copy's
+        event has completed."""
         header = self._header
+        if self._publisher is None:
+            self._publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swap-state-model")
         if not self._backend.is_accelerator:
-            for view, tensor in zip(self._views, self.tensors):
-                view.copy_(tensor.local)
-            header.publish_model(step)
+            self._published = self._publisher.submit(_copy_and_publish, self._views, self.tensors, header, step)
             return
         if self._stream is None:
             self._stream = self._backend.stream()
-            self._publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swap-state-model")
         self._stream.wait_stream(self._backend.current_stream())
         with self._backend.use_stream(self._stream):
             for view, tensor in zip(self._views, self.tensors):
@@ -235,6 +239,15 @@ class ModelArea:
             if self._publisher is not None:
                 self._publisher.shutdown(wait=True)
                 self._publisher = None
+
+
+def _copy_and_publish(views: Sequence[torch.Tensor], tensors: Sequence[ModelTensor],
+                      header: TrainerHeader, step: int) -> None:
+    """The CPU's copy (torch releases the GIL while it copies), then ``MODEL_STEP``."""
+    with torch.no_grad():
+        for view, tensor in zip(views, tensors):
+            view.copy_(tensor.local)
+    header.publish_model(step)
 
 
 def _publish_when_done(done: Any, header: TrainerHeader, step: int) -> None:

@@ -73,7 +73,7 @@ class Optimizer:
     swap_state_checkpoint: Literal["full", "snapshot"] = "full"
     """'full': state_dict() returns the moments (seed format). 'snapshot': checkpoints are
     whole-state server-side snapshots: the model's parameters are copied into the segment
-    after each step, CheckpointManager.save asks the server for one snapshot of model and
+    for each save's step, CheckpointManager.save asks the server for one snapshot of model and
     optimizer and stores two small references to it; a load restores it and puts the
     parameters back (needs swap_optimizer_backend = "remote"; `swap-state export --format
     torchtitan` makes a plain checkpoint of one). Loading follows the checkpoint: a plain

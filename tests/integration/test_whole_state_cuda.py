@@ -1,5 +1,5 @@
-"""Whole-state snapshots on a CUDA device, against a real server: the parameter copy runs on a
-side stream after each step (overlapped with the next forward and backward), the snapshot
+"""Whole-state snapshots on a CUDA device, against a real server: the parameter copy of a
+snapshot's step runs on a side stream (overlapped with the next forward and backward), the snapshot
 holds step N's parameters bit for bit while training goes on, a restore puts them back on the
 device, and training continues bitwise equal to torch's fused AdamW on the same device."""
 

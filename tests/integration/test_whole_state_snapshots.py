@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from swap_state.client.errors import SwapStateError
 from swap_state.common.segment import Word
 
-from snapshot_kit import CHUNK, bitwise_diff, build_wide, data_file, rank_manifest, record_state, reference
+from snapshot_kit import CHUNK, bitwise_diff, build_wide, data_file, params_copy, rank_manifest, record_state, reference
 from .workload import Workload, mismatches, remote, train
 
 pytestmark = pytest.mark.integration
@@ -125,4 +125,19 @@ def test_a_trainer_that_never_copies_the_model_fails_the_snapshot_not_silently(s
     handle = container.session.snapshot(2, container.snapshot_metadata())
     with pytest.raises(SwapStateError, match="did not copy the model's parameters of step 2"):
         container._snapshot_handle_for(handle.snapshot_id).wait_durable(timeout_s=30)
+    container.close()
+
+
+def test_quiet_steps_copy_no_parameters_only_a_snapshot_step_does(start_server):
+    server = start_server()
+    model = build_wide(W)
+    container = remote(W, model, server.address, "quiet", checkpoint="snapshot")
+    train(model, container, W, range(1, 4))
+    assert container._mapping.header[Word.MODEL_STEP] == 0  # three steps, no copy of the model
+    at_3 = params_copy(model)
+    handle = container.snapshot()  # starts the copy of step 3's parameters, returns at once
+    train(model, container, W, range(4, 6))  # the update of step 4 waits for that copy only
+    stored = load_file(str(data_file(handle.wait_durable(timeout_s=60).path)))
+    assert bitwise_diff({f"model.{k}": v for k, v in at_3.items()}, {k: v for k, v in stored.items() if k.startswith("model.")}) == []
+    assert container._mapping.header[Word.MODEL_STEP] == 4  # still step 3's: steps 4 and 5 copied nothing
     container.close()

@@ -165,5 +165,7 @@ def test_the_copy_builds_no_autograd_graph_into_the_segment():
     area, views = _area(model, DeviceBackend("cpu"), header)
     with torch.enable_grad():
         area.copy_from_model(1)
+    area.wait_copy()  # the next update waits for the helper thread's copy
     assert not views["model.weight"].requires_grad and views["model.weight"].grad_fn is None
-    assert header[Word.MODEL_STEP] == 2
+    assert header[Word.MODEL_STEP] == 2 and torch.equal(views["model.weight"], model.weight.detach())
+    area.close()
