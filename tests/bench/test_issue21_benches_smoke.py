@@ -1,0 +1,40 @@
+"""Smoke tests of ``python -m bench.quiet_steps`` and ``python -m bench.allocate`` end to end at
+a small size: the reports are written with every row and numbers. No threshold is asserted:
+numbers at this size on a CI machine mean nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_bench_smoke import REPO  # the repo root
+
+pytestmark = pytest.mark.integration
+
+
+def _run(module: str, *args: str, out) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("SWAP_STATE_SERVER", "SWAP_STATE_JOB_ID")}
+    proc = subprocess.run([sys.executable, "-m", module, *args, "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_quiet_steps_bench_at_a_small_size(tmp_path):
+    _run("bench.quiet_steps", "--params", "1M", "--rounds", "3", "--block", "1", out=tmp_path)
+    result = json.loads((tmp_path / "quiet-steps.json").read_text())
+    for name in ("moments_only", "whole_state", "whole_state_copy_every_step"):
+        assert result["summary"][name]["n"] == 3 and result["summary"][name]["median"] > 0, name
+    assert "median ÷ moments-only" in (tmp_path / "quiet-steps.md").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_allocate_bench_at_a_small_size(tmp_path):
+    _run("bench.allocate", "--size", "64M", "--ranks", "2", "--reps", "1", out=tmp_path)
+    result = json.loads((tmp_path / "allocate.json").read_text())
+    for key in ("one_rank", "ranks_at_once", "memset"):
+        assert result["gib_per_s"][key]["n"] == 1 and result["gib_per_s"][key]["median"] > 0, key
+    assert "2 ranks at once ÷ one rank" in (tmp_path / "allocate.md").read_text()
