@@ -375,11 +375,16 @@ class RemoteSession:
 
     def wait_connected(self, timeout_s: float) -> None:
         """Return once the server is reachable (at once unless it is being reconnected);
-        ServerUnavailableError naming the address after ``timeout_s``."""
+        ServerUnavailableError naming the address after ``timeout_s``, SessionLostError as
+        soon as a server answers that it lost the session."""
         self.check_alive()
-        if self._connected.wait(timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while not self._connected.wait(max(0.0, min(0.1, deadline - time.monotonic()))):
+            self.check_alive()  # a server that answered it lost the session: no more waiting
+            if time.monotonic() >= deadline:
+                break
+        else:
             return
-        self.check_alive()
         down = time.monotonic() - self._disconnected_at
         raise ServerUnavailableError(
             f"swap-state-server at {self.client.config.address} has been unreachable for "

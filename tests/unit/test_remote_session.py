@@ -127,3 +127,5 @@ def test_a_restarted_server_that_did_not_adopt_the_session_loses_it():
     with pytest.raises(SessionLostError, match="did not adopt this session's segment") as err:
         session.check_alive()
     assert "--discard-segments" in str(err.value)
+    with pytest.raises(SessionLostError):
+        session.wait_connected(30)  # at once: no server will give this session back
