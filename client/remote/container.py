@@ -31,6 +31,8 @@ Importing this module patches nothing in torchtitan.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
@@ -110,7 +112,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             self.close()
             raise
         # close() at exit without keeping the container alive
-        atexit.register(_close_at_exit, weakref.ref(self))
+        atexit.register(_close_at_exit, weakref.ref(self), os.getpid())
 
     def _connect(self, model_parts: Sequence[nn.Module], kwargs: dict[str, Any]) -> RemoteSession:
         """Attach (starting an embedded server when no address is configured)."""
@@ -350,18 +352,22 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         except SwapStateError as e:
             log.warning("the snapshot the last checkpoint refers to is not durable: %s", e)
         self._closed = True
-        try:
-            if getattr(self, "session", None) is not None:
-                try:
-                    self.session.close(keep=keep)
-                except SwapStateError as e:
-                    log.warning("detach failed: %s", e)
-        finally:
-            self._release_mapping()
-            if getattr(self, "client", None) is not None:
-                self.client.close()
+        # Every part runs even when one fails (last pushed, first run); the first failure is
+        # raised after all of them.
+        with contextlib.ExitStack() as parts:
             if self._embedded is not None:
-                self._embedded.stop()
+                parts.callback(self._embedded.stop)
+            if getattr(self, "client", None) is not None:
+                parts.callback(self.client.close)
+            parts.callback(self._release_mapping)
+            if getattr(self, "session", None) is not None:
+                parts.callback(self._detach, keep)
+
+    def _detach(self, keep: bool) -> None:
+        try:
+            self.session.close(keep=keep)
+        except SwapStateError as e:
+            log.warning("detach failed: %s", e)
 
     def _release_mapping(self) -> None:
         if self._mapping is None:
@@ -377,11 +383,16 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         if self._guard is not None:
             self._guard.close()
             self._guard = None
-        self._mapping.close()
-        self._mapping = None
+        try:
+            self.device_backend.synchronize()  # no copy in flight from or to the mapping
+        finally:
+            self._mapping.close()  # unregisters it for DMA, then unmaps
+            self._mapping = None
 
 
-def _close_at_exit(ref: weakref.ref) -> None:
+def _close_at_exit(ref: weakref.ref, pid: int) -> None:
+    if os.getpid() != pid:
+        return  # a forked child exiting: the container (session, server) is its parent's
     container = ref()
     if container is not None:
         container.close(keep=True)

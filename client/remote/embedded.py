@@ -150,7 +150,7 @@ class EmbeddedServer:
             *config_to_argv(self.server_config),
             *cfg.extra_args,
         ]  # fmt: skip
-        atexit.register(self.stop)
+        atexit.register(self._stop_at_exit, os.getpid())
         try:
             self._launch()
         except BaseException:
@@ -258,6 +258,10 @@ class EmbeddedServer:
             self._proc.kill()
             self._proc.wait(timeout=self.config.stop_timeout_s)
 
+    def _stop_at_exit(self, pid: int) -> None:
+        if os.getpid() == pid:  # a forked child's exit must not stop its parent's server
+            self.stop()
+
     def terminate(self) -> None:
         """SIGTERM the server and wait for it (an upgrade's stop; tests): the private folder
         stays, so :meth:`restart` starts the next one on the same socket."""
@@ -284,4 +288,4 @@ class EmbeddedServer:
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
-        atexit.unregister(self.stop)
+        atexit.unregister(self._stop_at_exit)

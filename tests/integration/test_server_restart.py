@@ -219,3 +219,25 @@ def test_a_killed_trainer_leaks_no_embedded_server(no_server_env, tmp_path):
         demo.wait(30)
     assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
                                       for pid in servers), timeout_s=30), "the embedded server outlived its trainer"
+
+
+def test_a_forked_child_exiting_leaves_the_parents_session_and_server(no_server_env, tmp_path):
+    import atexit
+
+    w = Workload()
+    model = build(w)
+    container = remote(w, model, None, "forked", rpc_timeout_s=5.0,
+                       embedded=EmbeddedServerConfig(snapshot_dir=str(tmp_path)))
+    train(model, container, w, range(1, 4))
+    child = os.fork()
+    if child == 0:  # what a forked worker's exit runs: the parent's at-exit hooks too
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            os._exit(0)
+    assert os.waitpid(child, 0)[1] == 0
+    assert container._embedded._proc.poll() is None  # the server is still running
+    train(model, container, w, range(4, 11))
+    assert not container.session.server_gone() and reference_mismatches(model, container, w, 10) == []
+    assert container.snapshot().wait_durable(timeout_s=30).state in ("durable", "stored")
+    container.close()
