@@ -17,7 +17,6 @@ import argparse
 import concurrent.futures
 import ctypes
 import mmap
-import os
 import shutil
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConf
 from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
 
 from bench import util
-from bench.report import write_json
+from bench.report import run_small_bench
 from bench.util import fmt_bytes, summarize
 
 __all__ = ["main"]
@@ -115,15 +114,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    result = measure(args)
-    os.makedirs(args.out, exist_ok=True)
-    text = markdown(result)
-    with open(os.path.join(args.out, "allocate.md"), "w") as f:
-        f.write(text)
-    write_json(result, os.path.join(args.out, "allocate.json"))
-    print(text)
-    return 0
+    return run_small_bench(argv, _parser(), measure, markdown, "allocate")
 
 
 if __name__ == "__main__":

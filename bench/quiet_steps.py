@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import shutil
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizer
 from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig
 
 from bench import util
-from bench.report import write_json
+from bench.report import run_small_bench
 from bench.util import fmt_bytes, fmt_ms, summarize
 from bench.workload import ADAMW_KWARGS, build_model
 
@@ -109,15 +108,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    result = measure(args)
-    os.makedirs(args.out, exist_ok=True)
-    text = markdown(result)
-    with open(os.path.join(args.out, "quiet-steps.md"), "w") as f:
-        f.write(text)
-    write_json(result, os.path.join(args.out, "quiet-steps.json"))
-    print(text)
-    return 0
+    return run_small_bench(argv, _parser(), measure, markdown, "quiet-steps")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from typing import Any
 from bench.goals import _ci, _gb, _med, _pct, _ratio, _spread, _x, evaluate_goals
 from bench.util import fmt_bytes, fmt_count, fmt_ms
 
-__all__ = ["evaluate_goals", "markdown", "plot", "write_json"]
+__all__ = ["evaluate_goals", "markdown", "plot", "run_small_bench", "write_json"]
 
 
 # --------------------------------------------------------------------------- markdown
@@ -280,6 +280,21 @@ def write_json(results: dict[str, Any], path: str) -> None:
     with open(path, "w") as f:
         json.dump(_finite(results), f, indent=1, default=str, allow_nan=False)
         f.write("\n")
+
+
+def run_small_bench(argv: list[str] | None, parser: Any, measure: Any, to_markdown: Any, stem: str) -> int:
+    """``main`` of the one-question benchmarks (``bench.restart``, ``bench.quiet_steps``,
+    ``bench.allocate``): parse ``argv``, measure, write ``<stem>.md`` and ``<stem>.json`` under
+    ``--out``, print the table."""
+    args = parser.parse_args(argv)
+    result = measure(args)
+    os.makedirs(args.out, exist_ok=True)
+    text = to_markdown(result)
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
+        f.write(text)
+    write_json(result, os.path.join(args.out, f"{stem}.json"))
+    print(text)
+    return 0
 
 
 def plot(results: dict[str, Any], path: str) -> str | None:

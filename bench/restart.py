@@ -26,7 +26,7 @@ from swap_state.common.retry import wait_until
 
 from bench import util  # noqa: F401 (parse_size)
 from bench.cli import _isolate
-from bench.report import write_json
+from bench.report import run_small_bench
 from bench.util import fmt_bytes, fmt_ms, summarize
 from bench.workload import build_model, build_variant
 
@@ -148,15 +148,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    result = measure(args)
-    os.makedirs(args.out, exist_ok=True)
-    text = markdown(result)
-    with open(os.path.join(args.out, "restart.md"), "w") as f:
-        f.write(text)
-    write_json(result, os.path.join(args.out, "restart.json"))
-    print(text)
-    return 0
+    return run_small_bench(argv, _parser(), measure, markdown, "restart")
 
 
 if __name__ == "__main__":

@@ -142,12 +142,19 @@ def test_planted_files_are_not_adopted_and_nothing_crashes(start_server, private
     container.close()
 
 
-def test_the_embedded_default_restarts_its_server_when_it_dies(no_server_env, tmp_path):
+def _with_embedded_server(job: str, tmp_path):
+    """(workload, model, container) on the embedded default (its snapshots under tmp_path),
+    trained for 3 steps."""
     w = Workload()
     model = build(w)
-    container = remote(w, model, None, "embedded-restart", rpc_timeout_s=5.0,
+    container = remote(w, model, None, job, rpc_timeout_s=5.0,
                        embedded=EmbeddedServerConfig(snapshot_dir=str(tmp_path)))
     train(model, container, w, range(1, 4))
+    return w, model, container
+
+
+def test_the_embedded_default_restarts_its_server_when_it_dies(no_server_env, tmp_path):
+    w, model, container = _with_embedded_server("embedded-restart", tmp_path)
     embedded = container._embedded
     embedded.kill()  # the watchdog notices and starts it again on the same socket
     train(model, container, w, range(4, 6))
@@ -224,11 +231,7 @@ def test_a_killed_trainer_leaks_no_embedded_server(no_server_env, tmp_path):
 def test_a_forked_child_exiting_leaves_the_parents_session_and_server(no_server_env, tmp_path):
     import atexit
 
-    w = Workload()
-    model = build(w)
-    container = remote(w, model, None, "forked", rpc_timeout_s=5.0,
-                       embedded=EmbeddedServerConfig(snapshot_dir=str(tmp_path)))
-    train(model, container, w, range(1, 4))
+    w, model, container = _with_embedded_server("forked", tmp_path)
     child = os.fork()
     if child == 0:  # what a forked worker's exit runs: the parent's at-exit hooks too
         try:

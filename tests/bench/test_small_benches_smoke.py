@@ -1,6 +1,6 @@
-"""Smoke tests of ``python -m bench.quiet_steps`` and ``python -m bench.allocate`` end to end at
-a small size: the reports are written with every row and numbers. No threshold is asserted:
-numbers at this size on a CI machine mean nothing."""
+"""Smoke tests of the one-question benchmarks (``python -m bench.restart``, ``bench.quiet_steps``,
+``bench.allocate``) end to end at a small size: the reports are written with every row and
+numbers. No threshold is asserted: numbers at this size on a CI machine mean nothing."""
 
 from __future__ import annotations
 
@@ -38,3 +38,14 @@ def test_allocate_bench_at_a_small_size(tmp_path):
     for key in ("one_rank", "ranks_at_once", "memset"):
         assert result["gib_per_s"][key]["n"] == 1 and result["gib_per_s"][key]["median"] > 0, key
     assert "2 ranks at once ÷ one rank" in (tmp_path / "allocate.md").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_restart_bench_at_a_small_size(tmp_path):
+    _run("bench.restart", "--params", "1M", "--steps", "4", "--reps", "2", out=tmp_path)
+    result = json.loads((tmp_path / "restart.json").read_text())
+    for key in ("step_up_s", "step_gone_s", "fresh_start_s", "adopt_after_kill_s", "stop_and_adopt_s", "reconnect_s"):
+        assert result["summary"][key]["n"] >= 2 and result["summary"][key]["median"] > 0, key
+    assert result["reconnects_total_last_server"] == 1  # the last server saw the trainer come back
+    md = (tmp_path / "restart.md").read_text()
+    assert "Step time with the server gone / up" in md and "Adoption adds" in md
