@@ -39,7 +39,9 @@ _EPILOG = textwrap.dedent(
 
     In Docker, give the server container a shared-memory mount at least as large as
     --shm-size (docker run --shm-size 64g, or shm_size: 64g in compose) and share its IPC
-    namespace with the trainers (ipc: shareable / ipc: service:<server>).
+    namespace with the trainers (ipc: shareable / ipc: service:<server>; so that a restarted
+    or upgraded server adopts the trainers' segments, let a container that outlives the
+    server own it, as docker/compose.yaml's shm service does).
     """
 )
 
