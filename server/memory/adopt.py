@@ -97,6 +97,8 @@ def adopt_segments(arena: Arena, validate: Validate) -> tuple[list[Adopted], lis
             adopted.append(_adopt_one(arena, entry.name, validate))
         except _NotAdoptable as e:
             refused.append(Refused(entry.path, str(e)))
+        except (OSError, ValueError) as e:  # mapping it failed (memory, a file changed meanwhile)
+            refused.append(Refused(entry.path, f"cannot map it: {e}"))
     return _newest_per_rank(arena, adopted), refused
 
 
