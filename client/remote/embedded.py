@@ -183,10 +183,7 @@ class EmbeddedServer:
         directory: the new one adopts the segments the old one left (all of them after a
         crash; after a stop, those of live sessions unless ``free_segments_on_stop``)."""
         with self._restart_lock:
-            proc = self._proc
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=self.config.stop_timeout_s)
+            self.terminate()
             if self._stopping.is_set():
                 return
             self._launch()

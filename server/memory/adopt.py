@@ -134,7 +134,7 @@ def _adopt_one(arena: Arena, name: str, validate: Validate) -> tuple[int, Adopte
         words = _read_words(fd, size)
         raw, descriptor, specs = _read_descriptor(fd, size, words, validate)
         layout = _check_layout(words, size, specs, descriptor)
-        segment = arena.segment_object(name, layout, descriptor.layout_hash, raw)
+        segment = arena.segment_object(name, layout, descriptor.layout_hash, len(raw))
         segment.buffer = mmap.mmap(fd, layout.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     segment.header = SegmentHeader(segment.buffer, layout.n_chunks, layout.cow_slots)
     segment.adopted = True

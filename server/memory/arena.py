@@ -261,18 +261,18 @@ class Arena:
         raw = descriptor.encode() if descriptor is not None else b""
         name, layout = self._charge(owner, specs, world_size, len(raw))
         digest = specs_hash if specs_hash is not None else layout_hash(specs)
-        segment = self.segment_object(name, layout, digest, raw)
-        self._materialize_or_undo(segment)
+        segment = self.segment_object(name, layout, digest, len(raw))
+        self._materialize_or_undo(segment, raw)
         self._register(segment)
         self._warn_copy_budget(segment)
         return segment
 
-    def segment_object(self, name: str, layout: SegmentLayout, digest: str, descriptor: bytes) -> Segment:
+    def segment_object(self, name: str, layout: SegmentLayout, digest: str, descriptor_bytes: int) -> Segment:
         """The :class:`Segment` of file ``name`` under the shm directory, freed through this
         arena (not mapped, not charged yet)."""
         return Segment(
-            name, self.shm_dir / name, layout, digest, self._tensor_charge(layout, len(descriptor)),
-            lock=self._lock, destroy=self._destroy, descriptor=descriptor,
+            name, self.shm_dir / name, layout, digest, self._tensor_charge(layout, descriptor_bytes),
+            lock=self._lock, destroy=self._destroy, descriptor_bytes=descriptor_bytes,
         )
 
     @staticmethod
@@ -320,11 +320,11 @@ class Arena:
             f"{charge}, free {free}, total {self.total_bytes}"
         )
 
-    def _materialize_or_undo(self, segment: Segment) -> None:
+    def _materialize_or_undo(self, segment: Segment, descriptor: bytes) -> None:
         """:meth:`_materialize`; on any failure give the charge back and remove what this call
         created, then raise."""
         try:
-            self._materialize(segment)
+            self._materialize(segment, descriptor)
         except BaseException:
             self._release_charge(segment)
             segment._unmap()
@@ -357,7 +357,7 @@ class Arena:
                 cow_pool_slots=self.cow_pool_slots, detail=budget.warning(),
             )
 
-    def _materialize(self, segment: Segment) -> None:
+    def _materialize(self, segment: Segment, descriptor: bytes) -> None:
         # O_EXCL|O_NOFOLLOW: never reuse or follow something another process put there.
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(segment.path, flags, 0o600)
@@ -367,13 +367,13 @@ class Arena:
                 os.fchown(fd, -1, self.gid)
             os.fchmod(fd, 0o660 if self.gid is not None else 0o600)  # umask-independent
             self._commit(fd, segment)
-            if segment.descriptor:
-                os.pwrite(fd, segment.descriptor, segment.layout.size)  # before MAGIC (initialize)
+            if descriptor:
+                os.pwrite(fd, descriptor, segment.layout.size)  # before MAGIC (initialize)
             segment.buffer = mmap.mmap(fd, segment.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         header = SegmentHeader(segment.buffer, segment.layout.n_chunks, segment.layout.cow_slots)
-        ServerHeader(header).initialize(segment.layout, segment.layout_hash, len(segment.descriptor))
+        ServerHeader(header).initialize(segment.layout, segment.layout_hash, segment.descriptor_bytes)
         segment.header = header
         if self.mlock_enabled:
             self._lock_pages(segment)

@@ -49,11 +49,11 @@ class Segment:
         *,
         lock: threading.Lock,
         destroy: Callable[[Segment], None],
-        descriptor: bytes = b"",
+        descriptor_bytes: int = 0,
     ) -> None:
         """``lock``: the arena's, which guards the borrow count and the freeing flags;
         ``destroy``: the arena's, called (outside ``lock``) when the last borrower of a freed
-        segment is done; ``descriptor``: the encoded
+        segment is done; ``descriptor_bytes``: the length of the encoded
         :class:`~swap_state.common.segment_descriptor.SegmentDescriptor` after the copy slots."""
         self.name = name
         self.path = path
@@ -61,8 +61,8 @@ class Segment:
         self.layout_hash = specs_hash
         self.size = layout.size
         """Bytes mapped (the layout; the trainer maps as many)."""
-        self.descriptor = descriptor
-        self.file_bytes = segment_file_bytes(layout, len(descriptor))
+        self.descriptor_bytes = descriptor_bytes
+        self.file_bytes = segment_file_bytes(layout, descriptor_bytes)
         """Bytes of the file: the layout, then the descriptor's pages."""
         self.keep_file = False
         """Set at shutdown for a segment whose file stays for the next server to adopt."""
