@@ -48,6 +48,7 @@ __all__ = [
     "rank_data_name",
     "rank_manifest_name",
     "safetensors_header",
+    "DATA_ALIGN",
     "safetensors_metadata",
     "dumps_json",
 ]
@@ -90,14 +91,21 @@ def safetensors_metadata(job_id: str, step: int, rank: int, world_size: int) -> 
     }
 
 
+DATA_ALIGN = 4096
+"""Where a rank file's data starts: a multiple of this (the header is padded with spaces,
+which the safetensors format allows), so the server can write and read it with O_DIRECT.
+Files written before were padded to 8 bytes only; readers take both (:meth:`RankManifest.header_bytes`)."""
+
+
 def safetensors_header(
     tensors: Sequence[tuple[str, str, Sequence[int], int]],
     metadata: Mapping[str, str],
+    align: int = DATA_ALIGN,
 ) -> tuple[bytes, list[tuple[int, int]]]:
     """The bytes before the data (8-byte little-endian length + JSON padded with spaces so the
-    data starts 8-byte aligned) and each tensor's ``data_offsets``, for tensors given as
-    ``(name, dtype, shape, nbytes)`` in file order. Deterministic: restore recomputes it from
-    the manifest and compares byte for byte."""
+    data starts ``align``-byte aligned: 8 is the format's minimum) and each tensor's
+    ``data_offsets``, for tensors given as ``(name, dtype, shape, nbytes)`` in file order.
+    Deterministic: restore recomputes it from the manifest and compares byte for byte."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offsets: list[tuple[int, int]] = []
     position = 0
@@ -115,7 +123,9 @@ def safetensors_header(
         }
         position += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)
+    if align % 8:
+        raise ValueError(f"align must be a multiple of 8, got {align}")
+    text += b" " * (-(8 + len(text)) % align)
     return struct.pack("<Q", len(text)) + text, offsets
 
 
@@ -319,9 +329,12 @@ class RankManifest:
 
     def header_bytes(self) -> bytes:
         """The safetensors header this manifest implies (restore compares it to the file)."""
+        # DATA_ALIGN since the server writes with O_DIRECT; 8 in files written before. An
+        # 8-aligned header that happens to end on DATA_ALIGN is the same bytes either way.
         header, _ = safetensors_header(
             [(t.name, t.dtype, t.shape, t.nbytes) for t in self.tensors],
             safetensors_metadata(self.job_id, self.step, self.rank, self.world_size),
+            align=DATA_ALIGN if self.data_start % DATA_ALIGN == 0 else 8,
         )
         return header
 

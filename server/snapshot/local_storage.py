@@ -18,6 +18,7 @@ the root, a job id and a step, and confined under the root (the reader's ``job_d
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import pathlib
@@ -61,6 +62,19 @@ class LocalFile(SnapshotFile):
         if self._fd is None:
             raise ValueError(f"{self.path} is closed")
         return self._fd
+
+    def open_direct(self) -> int | None:
+        """``O_DIRECT`` on the same path; None where the filesystem refuses it (EINVAL: tmpfs,
+        some FUSE and network filesystems), logged once per directory by the caller."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return None
+        try:
+            return os.open(self.path, os.O_WRONLY | flag | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return None
+            raise
 
     def start_writeback(self, offset: int, nbytes: int) -> None:
         # sync_file_range: the kernel starts writing these pages now, so the fsync at the end

@@ -15,17 +15,18 @@ naming the ranks present and pointing at the other hosts' servers), this rank's 
 (SnapshotLayoutMismatch, SnapshotCorrupt, naming the file and the tensor) and leaves the
 segment untouched.
 
-Read once (*staged*): the data file is mapped read-only; a reader thread pulls it from the disk
-region by region (``posix_fadvise(WILLNEED)`` ahead, then ``mlock``, which pins the pages it
-read: the staged bytes cannot be evicted and read again) while this thread checksums the
-regions already read. Only when every checksum has passed are the staged bytes copied
-(``memmove``, GIL released) into the segment, and the pages unpinned. The staged bytes are
+Read once (*staged*, :mod:`.staged_read`): a reader thread reads the data file region by
+region (O_DIRECT into private memory where the filesystem allows it; else mapped, read ahead
+and pinned with ``mlock``) while this thread checksums the regions already read. Only when
+every checksum has passed are the staged bytes copied (``memmove``, GIL released) into the
+segment, and the staging released. The staged bytes are
 accounted: ``reserve_staging(nbytes)`` (the arena's) holds them out of the budget's free bytes
 for the duration. When the budget cannot hold them, restore falls back to verifying the whole
 file and then reading it again into the segment (logged as ``restore_unstaged``, with the
-numbers). Where ``mlock`` is refused (RLIMIT_MEMLOCK), the bytes stay staged in the page
-cache unpinned and every copied chunk is checksummed again as it lands: a file that changed
-underneath fails the restore (SnapshotCorrupt, "restore again") instead of going unnoticed.
+numbers). Where the file is mapped and ``mlock`` is refused (RLIMIT_MEMLOCK), the bytes stay
+staged in the page cache unpinned and every copied chunk is checksummed again as it lands: a
+file that changed underneath fails the restore (SnapshotCorrupt, "restore again") instead of
+going unnoticed.
 """
 
 from __future__ import annotations
@@ -34,9 +35,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-import queue
 import sys
-import threading
 from collections.abc import Callable
 from typing import ContextManager
 
@@ -55,6 +54,8 @@ from swap_state.common.snapshot_reader import RankFileVerifier
 
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
+from swap_state.server.snapshot import staged_read
+from swap_state.server.snapshot.staged_read import Staging, stage_file
 from swap_state.server.snapshot.assemble import LocalSource, StoreSource, assemble
 from swap_state.server.snapshot.tiers import resolve_source
 from swap_state.server.snapshot.store import SnapshotInfo, SnapshotStore
@@ -63,14 +64,8 @@ __all__ = ["RestoreResult", "check_layout", "restore"]
 
 log = logging.getLogger("swap_state.server.restore")
 
-STAGE_REGION_BYTES = 16 << 20
-"""The reader thread pins and the checksum pass takes the file in regions of this size."""
-READ_AHEAD_REGIONS = 8
-"""Regions the reader asks the kernel to read ahead of the one it pins."""
 _COPY_BYTES = 8 << 20
 """Unit of the copy into the segment (and of its re-check when the pages are not pinned)."""
-
-_mlock = _posix.mlock  # a module name, so that tests can replace it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +83,8 @@ class RestoreResult:
     staged: bool = True
     """Read once and staged (else verified, then read again: the budget could not hold it)."""
     pinned: bool = True
-    """The staged pages were pinned (mlock); else each copied chunk was checked again."""
+    """The staged bytes could not change before the copy (read with O_DIRECT into private
+    memory, or mapped and pinned with mlock); else each copied chunk was checked again."""
     source: str = "local"
     """Where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)."""
     snapshot_world_size: int = 0
@@ -156,64 +152,7 @@ def _copy_into(path: os.PathLike[str], manifest: RankManifest, view: memoryview,
     return copied
 
 
-class _Staged:
-    """A read-only mapping of a snapshot's data file whose regions a reader thread reads from
-    the disk and pins, in order; :meth:`wait` returns once ``[0, end)`` is in memory."""
-
-    def __init__(self, fd: int, size: int):
-        self.size = size
-        self.fd = fd
-        self.address = _posix.mmap_read_only(fd, size)
-        self.view = _posix.view_at(self.address, size)
-        self.pinned = True
-        self.pin_errno = 0
-        self._ready = queue.Queue()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="restore-stage", daemon=True)
-        self._thread.start()
-        self._upto = 0
-
-    def _read(self) -> None:
-        advised = 0
-        try:
-            for start in range(0, self.size, STAGE_REGION_BYTES):
-                if self._stop.is_set():
-                    return
-                length = min(STAGE_REGION_BYTES, self.size - start)
-                ahead = min(self.size, start + (READ_AHEAD_REGIONS + 1) * STAGE_REGION_BYTES)
-                if advised < ahead:
-                    with contextlib.suppress(OSError):
-                        os.posix_fadvise(self.fd, advised, ahead - advised, os.POSIX_FADV_WILLNEED)
-                    advised = ahead
-                if self.pinned:
-                    err = _mlock(self.address + start, length)  # reads the region, pins it
-                    if err:
-                        self.pinned, self.pin_errno = False, err
-                self._ready.put(start + length)
-        except BaseException as exc:  # pragma: no cover - reported by wait()
-            self._ready.put(exc)
-        finally:
-            self._ready.put(None)
-
-    def wait(self, end: int) -> None:
-        """Until the reader has passed ``end`` (regions not pinned fault in on first touch)."""
-        while self._upto < end:
-            item = self._ready.get()
-            if item is None:
-                self._upto = self.size
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                self._upto = item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.view.release()
-        _posix.munmap(self.address, self.size)  # also unpins
-
-
-def _copy_staged(staged: _Staged, manifest: RankManifest, view: memoryview, layout: SegmentLayout,
+def _copy_staged(staged: Staging, manifest: RankManifest, view: memoryview, layout: SegmentLayout,
                  path: os.PathLike[str]) -> int:
     """Every (verified) tensor from the staged mapping into its place in the segment; the
     copies re-checked when the pages were not pinned."""
@@ -242,7 +181,7 @@ def _restore_staged(info: SnapshotInfo, manifest: RankManifest, view: memoryview
     verifier = RankFileVerifier(info, manifest)  # the reader's checks, fed from the staged pages
     path = verifier.path
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd, direct = staged_read.open_for_staging(path)
     except FileNotFoundError:
         raise SnapshotCorrupt(f"{path} is missing") from None
     except OSError as exc:
@@ -251,7 +190,7 @@ def _restore_staged(info: SnapshotInfo, manifest: RankManifest, view: memoryview
         size = os.fstat(fd).st_size
         verifier.check_size(size)
         try:
-            staged = _Staged(fd, size)
+            staged = stage_file(fd, size, direct=direct)
         except OSError as exc:
             raise SnapshotError(f"cannot map {path}: {exc}") from None
         try:
@@ -260,7 +199,7 @@ def _restore_staged(info: SnapshotInfo, manifest: RankManifest, view: memoryview
             verifier.check_header(staged.view[:header_end])
             position = header_end
             while position < size:  # checksum each region as soon as it is in memory
-                upto = min(size, (position // STAGE_REGION_BYTES + 1) * STAGE_REGION_BYTES)
+                upto = min(size, (position // staged_read.STAGE_REGION_BYTES + 1) * staged_read.STAGE_REGION_BYTES)
                 staged.wait(upto)
                 verifier.feed(staged.view[position:upto])
                 position = upto

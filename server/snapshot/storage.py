@@ -19,7 +19,8 @@ Call order (the coordinator, its store and the rank writers)::
     storage.step_state(job, step)                          # refuse, or replace what is there
     partial = storage.open_partial(job, step)              # empty; never listed
     with storage.create_file(partial, data_name) as file:  # per rank: its data file
-        file.pwrite(header, 0)
+        direct_fd = file.open_direct()                     # O_DIRECT where it can (else None)
+        file.pwrite(header, 0)                             # or aligned writes on direct_fd
         pwrite_all(file.fileno(), view_of_segment, offset) # zero copy from the mapped segment
         file.fsync()
     storage.write_durable(partial, manifest_name, raw)     # per rank; then snapshot.json
@@ -105,6 +106,12 @@ class SnapshotFile(abc.ABC):
         """All of ``data`` at ``offset``."""
         with memoryview(data) as view:
             pwrite_all(self.fileno(), view, offset)
+
+    def open_direct(self) -> int | None:
+        """A second descriptor of this file, open for writing with ``O_DIRECT`` (the caller
+        writes block-aligned ranges from aligned memory through it, and closes it), or None
+        where the storage or its filesystem does not take direct I/O. Default: None."""
+        return None
 
     def start_writeback(self, offset: int, nbytes: int) -> None:
         """A hint: bytes ``[offset, offset + nbytes)`` are final, start moving them to the

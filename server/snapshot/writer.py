@@ -17,13 +17,14 @@ Call order (the coordinator does this, :mod:`swap_state.server.snapshot.coordina
    every chunk is staged, to the trainer's optimizer steps
    (:meth:`RankWriter._yield_to_trainer`: it persists during forward/backward instead);
    otherwise ``run`` streams the chunks in update order into the rank's data file (a
-   :class:`~.storage.SnapshotFile` of the partial snapshot; names, header and records are
-   the :class:`~.plan.RankFilePlan`'s), from the stager's slot when the chunk is staged,
-   else straight from the segment (``os.pwrite`` of a memoryview on the file's descriptor,
-   no copy of its own), storing ``PERSISTED_UPTO = c + 1`` as soon as chunk c is in the
-   page cache and checksummed (before it reaches the disk, so the trainer is held up by
-   memory speed and the bandwidth cap, not by the disk; the kernel's dirty-page throttling
-   can still slow a pwrite on a snapshot many GB large); then stops the stager, releases
+   :class:`~.storage.SnapshotFile` of the partial snapshot, written through a
+   :class:`~.sink.ChunkSink`: O_DIRECT from aligned bounce buffers where the filesystem
+   takes it, else ``os.pwrite`` into the page cache; names, header and records are the
+   :class:`~.plan.RankFilePlan`'s), from the stager's slot when the chunk is staged, else
+   straight from the segment, storing ``PERSISTED_UPTO = c + 1`` as soon as chunk c is
+   copied out (into a bounce buffer or the page cache) and checksummed (before it reaches
+   the disk, so the trainer is held up by memory speed and the bandwidth cap, not by the
+   disk, save when every bounce buffer is still being written); then stops the stager, releases
    the segment (``SNAP_EPOCH = 0``), fsyncs the file and writes the rank manifest through
    the storage. On any error or cancellation the stager is stopped and the segment
    released all the same (its tensor area is only ever read, never written; the server
@@ -41,7 +42,6 @@ import time
 
 from swap_state.common.segment import Chunk, Word, chunk_table, first_model_chunk, stager_slot_count
 
-from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_errors import SnapshotError, from_os_error
 from swap_state.common.snapshot_format import dumps_json
 from swap_state.common.snapshot_metadata import SnapshotMetadata
@@ -51,7 +51,8 @@ from swap_state.server.snapshot.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.plan import RankFilePlan, RankResult
 from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.stager import Stager
-from swap_state.server.snapshot.storage import SnapshotFile, SnapshotStorage, pwrite_all
+from swap_state.server.snapshot.sink import ChunkSink, open_sink
+from swap_state.server.snapshot.storage import SnapshotStorage
 
 __all__ = ["Cancelled", "RankWriter"]
 
@@ -60,10 +61,12 @@ log = logging.getLogger("swap_state.server.snapshot_writer")
 HOLD_MAX_S = 0.25
 """How long a writer started with ``hold`` waits for :meth:`RankWriter.go` at most."""
 
-_WRITEBACK_BYTES = 8 << 20
-"""Start the disk writeback of every this many streamed bytes (:meth:`SnapshotFile.start_writeback`)."""
 
-_pwrite_all = pwrite_all  # a module name, so that tests can replace it
+
+def _place(sink: ChunkSink, data: memoryview, crc: int) -> int:
+    """``sink.put``: a module name, so that tests can race the trainer against the read."""
+    return sink.put(data, crc)
+
 
 TRAINER_YIELD_MAX_S = 2.0
 """Longest a writer with nothing left at risk pauses for one optimizer step of the trainer
@@ -127,6 +130,8 @@ class RankWriter:
             Stager(self, self.stage_slots, stage_threads) if self.stage_slots else None
         )
         self._trainer_yield = self.stager is not None
+        self.direct_io = False
+        """Whether the data file was written with O_DIRECT (known once it is created)."""
         self._paused_s = 0.0  # time the writer paused for the trainer's steps (writer thread)
         self._stream_started = 0.0
         self.segment_released = threading.Event()
@@ -251,31 +256,23 @@ class RankWriter:
         finally:
             self._paused_s += time.monotonic() - began
 
-    def _stream(self, file: SnapshotFile, view: memoryview, data_start: int) -> list[int]:
-        """Write every chunk (from the segment, its stager slot or the trainer's slot) to
-        ``file`` at its place after the safetensors header; per-tensor crc32s.
+    def _stream(self, sink: ChunkSink, view: memoryview) -> list[int]:
+        """Put every chunk (from the segment, its stager slot or the trainer's slot) into
+        ``sink`` after the safetensors header, in file order; per-tensor crc32s.
 
-        Zero-copy and GIL-friendly: ``os.pwrite`` copies from the mapped segment into the
-        page cache and ``crc32`` (:mod:`swap_state.common.checksum`: ISA-L, or zlib)
-        checksums the same memoryview, both with the GIL released (the loop itself only
-        slices views and reads header words), so the event loop answers RPCs while a
-        snapshot streams. Each chunk is :meth:`_persist_chunk`'s, which says why the bytes
-        stay exact.
+        GIL-friendly: the sink's copies (``os.pwrite`` into the page cache, or ``memmove``
+        into an O_DIRECT bounce buffer) and ``crc32`` (:mod:`swap_state.common.checksum`:
+        ISA-L, or zlib) run with the GIL released (the loop itself only slices views and
+        reads header words), so the event loop answers RPCs while a snapshot streams. Each
+        chunk is :meth:`_persist_chunk`'s, which says why the bytes stay exact.
         """
-        fd = file.fileno()
         crcs = [0] * len(self.source.layout.tensors)
-        position = data_start
-        kicked = 0  # file bytes [0, kicked) have had writeback started
         started = self._stream_started = time.monotonic()
         try:
             for chunk in self.chunks:
                 self._before_chunk(chunk)
-                crcs[chunk.tensor_index] = self._persist_chunk(fd, view, chunk, position, crcs[chunk.tensor_index])
-                position += chunk.nbytes
+                crcs[chunk.tensor_index] = self._persist_chunk(sink, view, chunk, crcs[chunk.tensor_index])
                 self.bytes_persisted += chunk.nbytes
-                if position - kicked >= _WRITEBACK_BYTES:
-                    file.start_writeback(kicked, position - kicked)
-                    kicked = position
             self._check_not_abandoned()  # after the last read: protocol step 6
         finally:
             self.stream_seconds = time.monotonic() - started
@@ -304,70 +301,79 @@ class RankWriter:
                 "overwrote chunks without a copy; take the snapshot again"
             )
 
-    def _persist_chunk(self, fd: int, view: memoryview, chunk: Chunk, position: int, before: int) -> int:
-        """Write ``chunk`` at ``position`` of ``fd`` and publish ``PERSISTED_UPTO = c + 1``;
-        returns its tensor's running crc32 continued from ``before``.
+    def _persist_chunk(self, sink: ChunkSink, view: memoryview, chunk: Chunk, before: int) -> int:
+        """Put ``chunk`` into ``sink``, piece by piece (as much as the sink takes at once), and
+        publish ``PERSISTED_UPTO = c + 1``; returns its tensor's running crc32 continued from
+        ``before``.
 
         Why this stays exact (step N's bytes, bit for bit, in the file and in the crc):
-        while chunk c is being written and checksummed here, ``PERSISTED_UPTO <= c`` (it is
-        stored only after the checks below), so the trainer overwrites chunk c in this epoch
-        only after its own copy into a slot of its own with ``COW_EPOCH[c] = e`` stored
-        first, or after the stager published ``STAGED_UPTO > c`` (stored once its copy of c
-        ended; protocol steps 2 and 4). The source read first is the stager slot when
-        ``STAGED_UPTO > c`` already (its bytes are step N's unless the trainer had copied
-        the chunk first, which the next check sees), else the segment. Then
-        (:meth:`_redo_source`):
+        while chunk c is being read here, ``PERSISTED_UPTO <= c`` (it is stored only after
+        the last piece), so the trainer overwrites chunk c in this epoch only after its own
+        copy into a slot of its own with ``COW_EPOCH[c] = e`` stored first, or after the
+        stager published ``STAGED_UPTO > c`` (stored once its copy of c ended; protocol
+        steps 2 and 4). The source read first is the stager slot when ``STAGED_UPTO > c``
+        already (its bytes are step N's unless the trainer had copied the chunk first, which
+        the next check sees), else the segment. After each piece is placed (read, and
+        checksummed as placed), :meth:`_safe_source` looks at those words again:
 
-        - ``COW_EPOCH[c] == e`` *after* both reads: the trainer's slot holds step N's bytes
-          (copied before its first overwrite) and what was read may be torn, so both the
-          pwrite and the crc are redone from that slot: all ``n`` bytes over the same file
-          range (nothing of the first write survives), the crc continuing the tensor's
-          running crc from before the chunk. The slot is then freed.
+        - ``COW_EPOCH[c] == e``: the trainer's slot holds step N's bytes (copied before its
+          first overwrite) and this piece may be torn: the piece is placed again from that
+          slot (the same range: no byte of the first read survives; the crc continues from
+          before the piece), and so is the rest of the chunk. The slot is freed after.
         - else, read from the segment and now ``STAGED_UPTO > c``: the stager copied the
           chunk meanwhile (cleanly: the trainer's copy did not exist) and the trainer may
-          have overwritten it since: both are redone from the stager slot.
-        - else: no overwrite of chunk c began before the checks, so the pwrite and the
-          crc32 saw step N's bytes, the same bytes.
+          have overwritten it since: the piece and the rest come from the stager slot.
+        - else: no overwrite of chunk c began before the check, so this piece is step N's
+          bytes. The pieces before were checked the same way, so they equal any later
+          source's bytes (every source holds step N's bytes of them).
+
+        A piece is final (the sink may write it to disk) only after its check.
         """
-        layout, header, ring = self.source.layout, self.source.header, self.stage_slots
         n, c = chunk.nbytes, chunk.index
-        staged = ring > 0 and c < header[Word.STAGED_UPTO]
-        stage_at = layout.cow_slots_offset + (c % ring) * layout.chunk_bytes if ring else 0
-        start = stage_at if staged else chunk.offset
-        with view[start : start + n] as data:
-            _pwrite_all(fd, data, position)
-            value = crc32(data, before)
-        redo, trainer_slot = self._redo_source(chunk, staged, stage_at)
-        if redo is not None:
-            # Not charged to the limiter again: the trainer may be waiting on this
-            # chunk, and the disk sees the range once (the same dirty pages, rewritten).
-            with view[redo : redo + n] as data:
-                _pwrite_all(fd, data, position)  # the same range: replaces every byte
-                value = crc32(data, before)
+        stage_at = self._stage_slot_at(c)
+        source = stage_at if stage_at is not None and c < self.source.header[Word.STAGED_UPTO] else chunk.offset
+        trainer_slot: int | None = None
+        value, done = before, 0
+        while done < n:
+            size = min(n - done, sink.room())
+            with view[source + done : source + done + size] as data:
+                placed = _place(sink, data, value)
+            safe, slot = self._safe_source(chunk, source, stage_at)
+            if safe != source:  # not charged to the limiter again: the trainer may be waiting
+                source, trainer_slot = safe, slot
+                with view[source + done : source + done + size] as data:
+                    placed = sink.replace(data, value)
+            sink.advance()
+            value, done = placed, done + size
         if trainer_slot is not None:
+            self.trainer_copied_bytes += n
             self._header.free_slot(trainer_slot)
         self._header.persisted(c + 1)  # also frees the chunk's stager slot
         if self.stager is not None:
             self.stager.wake()
         return value
 
-    def _redo_source(self, chunk: Chunk, staged: bool, stage_at: int) -> tuple[int | None, int | None]:
-        """After the first read of ``chunk``: (where in the segment to read it again, or None;
-        the trainer's slot holding it, to free after, or None). See :meth:`_persist_chunk`."""
-        layout, header, ring = self.source.layout, self.source.header, self.stage_slots
+    def _stage_slot_at(self, c: int) -> int | None:
+        """Where the stager stages chunk ``c`` in the segment (None: no stager)."""
+        ring, layout = self.stage_slots, self.source.layout
+        return layout.cow_slots_offset + (c % ring) * layout.chunk_bytes if ring else None
+
+    def _safe_source(self, chunk: Chunk, source: int, stage_at: int | None) -> tuple[int, int | None]:
+        """After a piece of ``chunk`` was read from ``source``: (where its step-N bytes are
+        now, the trainer's slot holding them or None). See :meth:`_persist_chunk`."""
+        layout, header = self.source.layout, self.source.header
         c = chunk.index
         if header.cow_epoch(c) == self.epoch:
             trainer_slot = header.cow_slot(c) - 1
-            if not ring <= trainer_slot < layout.cow_slots:
+            if not self.stage_slots <= trainer_slot < layout.cow_slots:
                 raise SnapshotError(
                     f"trainer published copy slot {trainer_slot} for chunk {c}; its "
-                    f"slots are [{ring}, {layout.cow_slots})"
+                    f"slots are [{self.stage_slots}, {layout.cow_slots})"
                 )
-            self.trainer_copied_bytes += chunk.nbytes
             return layout.cow_slots_offset + trainer_slot * layout.chunk_bytes, trainer_slot
-        if not staged and ring and c < header[Word.STAGED_UPTO]:
+        if source == chunk.offset and stage_at is not None and c < header[Word.STAGED_UPTO]:
             return stage_at, None
-        return None, None
+        return source, None
 
     def run(self) -> RankResult:
         """Persist; in the writer thread. Raises Cancelled or SnapshotError; the segment is
@@ -391,19 +397,20 @@ class RankWriter:
         return plan.result(manifest, data, raw)
 
     def _write_data_file(self, plan: RankFilePlan) -> list[int]:
-        """Create the data file, write its header, stream the chunks (the stager alongside),
-        release the segment, fsync; the tensors' crc32s."""
-        with self.storage.create_file(self.partial, plan.data_name) as file:
-            file.pwrite(plan.header, 0)
+        """Create the data file, put its header, stream the chunks (the stager alongside),
+        release the segment, write the rest and fsync; the tensors' crc32s."""
+        with self.storage.create_file(self.partial, plan.data_name) as file, open_sink(file) as sink:
+            self.direct_io = sink.direct
+            sink.write_all(plan.header)
             segment = memoryview(self.source.buffer)
             try:
                 if self.stager is not None and not self.cancel.is_set():
                     self.stager.start(segment)
-                crcs = self._stream(file, segment, plan.data_start)
+                crcs = self._stream(sink, segment)
             finally:
                 if self.stager is not None:
                     self.stager.stop()  # before the view goes: it copies from it
                 segment.release()  # the caller's mmap cannot close while it exists
                 self.release_segment()
-            file.fsync()
+            sink.finish()
         return crcs

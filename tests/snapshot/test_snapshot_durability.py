@@ -155,7 +155,9 @@ def test_latest_pointer_and_its_fallback(make_segment, make_coordinator):
 _KILLED_WRITER = """
 import pathlib, sys, time
 from snapshot_kit import Segment
+from swap_state.server.snapshot import sink
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
+sink.BOUNCE_BYTES = 4096  # O_DIRECT writes page by page: the file grows as it streams
 seg = Segment(pathlib.Path(sys.argv[1]))
 seg.fill(99)
 coordinator = SnapshotCoordinator(sys.argv[2], max_bandwidth=20_000)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import zlib
@@ -15,7 +16,9 @@ from snapshot_kit import SPECS, metadata_for
 
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_errors import SnapshotInvalid
-from swap_state.common.snapshot_format import INDEX_NAME, rank_data_name, rank_manifest_name
+from swap_state.common.snapshot_format import (
+    DATA_ALIGN, INDEX_NAME, rank_data_name, rank_manifest_name, safetensors_header, safetensors_metadata,
+)
 
 _NUMPY = {"float32": np.float32, "uint8": np.uint8}
 
@@ -34,7 +37,8 @@ def test_rank_file_loads_with_safetensors_numpy_and_torch(make_segment, make_coo
     path = info.path / rank_data_name(0)
     raw = path.read_bytes()
     (header_len,) = struct.unpack("<Q", raw[:8])
-    assert (8 + header_len) % 8 == 0  # data 8-byte aligned
+    assert (8 + header_len) % DATA_ALIGN == 0  # data block aligned: the server writes it with O_DIRECT
+    assert raw[8 : 8 + header_len].rstrip(b" ") == raw[8 : 8 + header_len].rstrip()  # padded with spaces
     header = json.loads(raw[8 : 8 + header_len])
     assert header["__metadata__"]["swap_state.step"] == "42"
 
@@ -113,3 +117,18 @@ def test_metadata_size_is_bounded(make_segment, make_coordinator):
     coordinator = make_coordinator(max_metadata_bytes=1000)
     with pytest.raises(SnapshotInvalid, match="more than the limit of 1000"):
         coordinator.start(seg.source("job", 1, metadata_json=json.dumps({"pad": "x" * 1000})))
+
+
+def test_files_written_before_with_an_8_byte_aligned_header_still_verify(make_segment, make_coordinator):
+    """Snapshots of earlier versions pad the header to 8 bytes only: their manifests say so
+    (``data_start``), and restore recomputes that header, not the block-aligned one."""
+    seg, contents, coordinator, info = _durable(make_segment, make_coordinator, "")
+    manifest = coordinator.store.read_manifest(info, 0)
+    assert manifest.data_start % DATA_ALIGN == 0
+    old_header, _ = safetensors_header(
+        [(t.name, t.dtype, t.shape, t.nbytes) for t in manifest.tensors],
+        safetensors_metadata("job", 42, 0, 1), align=8)
+    assert len(old_header) != manifest.data_start
+    rewritten = dataclasses.replace(manifest, data_start=len(old_header),
+                                    data_file_bytes=len(old_header) + manifest.data_file_bytes - manifest.data_start)
+    assert rewritten.header_bytes() == old_header

@@ -14,6 +14,7 @@ from swap_state.common.snapshot_errors import SnapshotCorrupt
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.common.snapshot_reader import SnapshotReader
 from swap_state.server.snapshot import restore as restore_module
+from swap_state.server.snapshot import staged_read
 from swap_state.server.snapshot.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
 
@@ -29,7 +30,7 @@ SPECS = [
 
 @pytest.fixture
 def snapshot(make_segment, make_coordinator, monkeypatch):
-    monkeypatch.setattr(restore_module, "STAGE_REGION_BYTES", 8192)  # many regions, small file
+    monkeypatch.setattr(staged_read, "STAGE_REGION_BYTES", 8192)  # many regions, small file
     seg = make_segment("source", specs=SPECS)
     contents = seg.fill(21)
     coordinator = make_coordinator()
@@ -58,9 +59,11 @@ def test_staged_restore_reads_once_and_never_verifies_twice(snapshot, make_segme
     opened = []
     real_open = restore_module.os.open
 
-    def counting_open(path, *args, **kwargs):
+    def counting_open(path, flags, *args, **kwargs):
         opened.append(str(path))
-        return real_open(path, *args, **kwargs)
+        if str(path).endswith(rank_data_name(0)):
+            assert flags & restore_module.os.O_DIRECT  # past the page cache, on this filesystem
+        return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(restore_module.os, "open", counting_open)
     seg, _ = _target(make_segment)
@@ -72,9 +75,19 @@ def test_staged_restore_reads_once_and_never_verifies_twice(snapshot, make_segme
     ) == 1
 
 
+def _without_o_direct(monkeypatch) -> None:
+    """Restore as on a filesystem that refuses O_DIRECT: the file mapped and pinned."""
+    real = staged_read.open_for_staging
+    monkeypatch.setattr(staged_read, "open_for_staging", lambda path: real(path, direct=False))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "mapped"])
 @pytest.mark.parametrize("tensor", ["a.exp_avg", "c.exp_avg"])
-def test_a_corrupt_region_changes_nothing_and_names_file_and_tensor(snapshot, make_segment, tensor):
+def test_a_corrupt_region_changes_nothing_and_names_file_and_tensor(snapshot, make_segment, tensor, direct,
+                                                                    monkeypatch):
     store, info, _ = snapshot
+    if not direct:
+        _without_o_direct(monkeypatch)
     flip_byte(info.path / rank_data_name(0), _tensor_data_offset(info, tensor))
     seg, before = _target(make_segment)
     with pytest.raises(SnapshotCorrupt) as caught:
@@ -128,7 +141,8 @@ def test_the_budget_holds_the_staged_bytes_only_while_restoring(snapshot, make_s
 
 def test_unpinned_staging_checks_every_copy_again(snapshot, make_segment, monkeypatch, caplog):
     store, info, contents = snapshot
-    monkeypatch.setattr(restore_module, "_mlock", lambda address, length: errno.ENOMEM)
+    _without_o_direct(monkeypatch)
+    monkeypatch.setattr(staged_read, "_mlock", lambda address, length: errno.ENOMEM)
     seg, _ = _target(make_segment)
     with caplog.at_level(logging.WARNING, logger="swap_state.server.restore"):
         result = _restore(store, seg)

@@ -146,11 +146,11 @@ def test_a_chunk_staged_while_the_writer_reads_it_is_rewritten_from_the_stager_s
     victim = seg.chunks[7]
     k = stager_slot_count(seg.layout.cow_slots)
     monkeypatch.setattr(snapshot_stager.Stager, "_run", lambda self: self.idle.set())  # this test stages
-    real_pwrite = snapshot_writer._pwrite_all
+    real_place = snapshot_writer._place
     done = {"raced": False}
     at_victim = bytes(seg.mm[victim.offset : victim.offset + victim.nbytes])
 
-    def pwrite(fd, data, offset):
+    def place(sink, data, crc):
         if not done["raced"] and seg.header[Word.PERSISTED_UPTO] == victim.index and bytes(data) == at_victim:
             done["raced"] = True
             slot = seg.layout.cow_slots_offset + (victim.index % k) * seg.layout.chunk_bytes
@@ -160,9 +160,9 @@ def test_a_chunk_staged_while_the_writer_reads_it_is_rewritten_from_the_stager_s
                 assert not protect_chunk(seg.header, view, seg.layout, victim)  # safe: no copy
             seg.mm[victim.offset : victim.offset + victim.nbytes] = b"\xdd" * victim.nbytes
             data = memoryview(seg.mm)[victim.offset : victim.offset + victim.nbytes]  # torn
-        real_pwrite(fd, data, offset)
+        return real_place(sink, data, crc)
 
-    monkeypatch.setattr(snapshot_writer, "_pwrite_all", pwrite)
+    monkeypatch.setattr(snapshot_writer, "_place", place)
     coordinator = make_coordinator()
     status = coordinator.start(seg.source("job", 5)).wait(20)
     assert done["raced"]

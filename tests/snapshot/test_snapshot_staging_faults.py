@@ -164,16 +164,16 @@ def test_snapshot_failing_midway_while_staging(make_segment, make_coordinator, m
     coordinator = make_coordinator(max_bandwidth=1_000_000)
     _durable(coordinator, seg, 1)
     at_step_1 = seg.tensors()
-    real_pwrite = snapshot_writer._pwrite_all
+    real_place = snapshot_writer._place
     written = {"n": 0}
 
-    def pwrite(fd, data, offset):
+    def place(sink, data, crc):
         written["n"] += 1
         if written["n"] > 40:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_pwrite(fd, data, offset)
+        return real_place(sink, data, crc)
 
-    monkeypatch.setattr(snapshot_writer, "_pwrite_all", pwrite)
+    monkeypatch.setattr(snapshot_writer, "_place", place)
     handle = coordinator.start(seg.source("job", 2))
     trainer = Trainer(seg, first_step=3, n_steps=4, before_step=lambda step: time.sleep(0.05))
     trainer.start()

@@ -9,7 +9,9 @@ import time
 import pytest
 
 from swap_state.common.segment import Word
+from swap_state.server.snapshot import sink as snapshot_sink
 from swap_state.server.snapshot import writer as snapshot_writer
+from swap_state.server.snapshot.local_storage import LocalFile
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.common.copy_before_write import protect_chunk
@@ -24,14 +26,18 @@ def _overwrite_as_trainer(seg, chunk) -> None:
     seg.mm[chunk.offset : chunk.offset + chunk.nbytes] = b"\xee" * chunk.nbytes
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "buffered"])
 @pytest.mark.parametrize("when", ["during-write", "during-crc"])
-def test_chunk_overwritten_mid_read_is_rewritten_from_its_slot(make_segment, make_coordinator, monkeypatch, when):
+def test_chunk_overwritten_mid_read_is_rewritten_from_its_slot(make_segment, make_coordinator, monkeypatch,
+                                                              when, direct):
     seg = make_segment(cow_slots=2)
     at_step_n = seg.fill(seed=5)
     victim = seg.chunks[3]  # inside the first tensor: its running crc continues across it
     assert victim.tensor_index == seg.chunks[2].tensor_index == seg.chunks[4].tensor_index
+    if not direct:
+        monkeypatch.setattr(LocalFile, "open_direct", lambda self: None)
 
-    real_pwrite, real_crc = snapshot_writer._pwrite_all, snapshot_writer.crc32
+    real_place, real_crc = snapshot_writer._place, snapshot_sink.crc32
     state = {"done": False}
 
     def is_victim(data) -> bool:
@@ -39,12 +45,13 @@ def test_chunk_overwritten_mid_read_is_rewritten_from_its_slot(make_segment, mak
 
     at_step_n_chunk = bytes(seg.mm[victim.offset : victim.offset + victim.nbytes])
 
-    def pwrite(fd, data, offset):
+    def place(sink, data, crc):
+        assert sink.direct is direct
         if when == "during-write" and is_victim(data):
             state["done"] = True
             _overwrite_as_trainer(seg, victim)
             data = memoryview(seg.mm)[victim.offset : victim.offset + victim.nbytes]  # torn: new bytes
-        real_pwrite(fd, data, offset)
+        return real_place(sink, data, crc)
 
     def crc(data, value=0):
         if when == "during-crc" and is_victim(data):
@@ -53,8 +60,8 @@ def test_chunk_overwritten_mid_read_is_rewritten_from_its_slot(make_segment, mak
             data = memoryview(seg.mm)[victim.offset : victim.offset + victim.nbytes]
         return real_crc(data, value)
 
-    monkeypatch.setattr(snapshot_writer, "_pwrite_all", pwrite)
-    monkeypatch.setattr(snapshot_writer, "crc32", crc)
+    monkeypatch.setattr(snapshot_writer, "_place", place)
+    monkeypatch.setattr(snapshot_sink, "crc32", crc)
     coordinator = make_coordinator()
     handle = coordinator.start(seg.source("job", 4))
     status = handle.wait(20)

@@ -1,0 +1,276 @@
+"""Where a rank writer's bytes go, in file order: :class:`DirectSink` (O_DIRECT through aligned
+bounce buffers, several writes in flight) or :class:`BufferedSink` (``pwrite`` into the page
+cache, zero copy), chosen by :func:`open_sink`.
+
+Why O_DIRECT: a buffered write copies into the page cache and the kernel's writeback then
+moves it at its own pace (measured on this VM's disk: 0.2-0.7 GB/s buffered + fsync, against
+1.8 GB/s O_DIRECT + fsync for the same bytes). Why bounce buffers: safetensors packs tensors
+without gaps, so a tensor's place in the file is rarely block aligned, and O_DIRECT needs the
+file offset, the length and the memory aligned; the header is padded so the data starts on a
+block (:func:`~swap_state.common.snapshot_format.safetensors_header`), and the bytes are copied
+once into an aligned buffer (the copy a buffered write makes into the page cache, made here
+instead), checksummed there while cache-hot, and written from it. Where the filesystem refuses
+O_DIRECT (tmpfs, some network filesystems), the buffered sink writes as before, logged once.
+
+Call order (the writer)::
+
+    sink = open_sink(file)
+    sink.write_all(header)                       # the file's first bytes
+    for each piece of each chunk:                # a piece is at most sink.room() bytes
+        crc = sink.put(piece, crc_before)        # placed at the sink's position, not final
+        [crc = sink.replace(other, crc_before)]  # the same range, from another source
+        sink.advance()                           # final: the position moves past it
+    sink.finish()                                # everything written and fsynced
+    sink.close()                                 # on every path (a context manager)
+
+A piece is final only at :meth:`ChunkSink.advance`: until then the writer may still replace
+it (the copy-before-write protocol's redo, :mod:`.writer`), so the direct sink never hands a
+buffer holding a piece that is not final to the disk.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import errno
+import logging
+import mmap
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+
+from swap_state.common.checksum import crc32
+from swap_state.server import _posix
+from swap_state.server.logs import log_event
+from swap_state.server.snapshot.storage import SnapshotFile, pwrite_all
+
+__all__ = ["BLOCK_BYTES", "BufferedSink", "ChunkSink", "DirectSink", "open_sink"]
+
+log = logging.getLogger("swap_state.server.snapshot_writer")
+
+BLOCK_BYTES = 4096
+"""The alignment O_DIRECT needs on every filesystem Linux has (logical blocks are 512 or 4096)."""
+
+BOUNCE_BYTES = 8 << 20
+"""One bounce buffer, one write: measured here, 8 MiB writes reach the disk's O_DIRECT
+bandwidth with one or two in flight."""
+
+WRITES_IN_FLIGHT = 2
+"""Bounce buffers being written at once while the next one fills."""
+
+_WRITEBACK_BYTES = 8 << 20
+"""The buffered sink starts the disk writeback of every this many bytes."""
+
+
+class ChunkSink(abc.ABC):
+    """The bytes of one data file, in order; see the module docstring for the call order."""
+
+    direct: bool = False
+    """Whether the bytes bypass the page cache (O_DIRECT)."""
+
+    def __init__(self, file: SnapshotFile):
+        self.file = file
+        self.position = 0
+        """File offset of the next :meth:`put`."""
+
+    @abc.abstractmethod
+    def room(self) -> int:
+        """The most bytes the next :meth:`put` takes."""
+
+    @abc.abstractmethod
+    def put(self, data: memoryview, crc: int) -> int:
+        """Place ``data`` (at most :meth:`room` bytes) at :attr:`position`, not final yet;
+        ``crc`` continued over the bytes as placed."""
+
+    @abc.abstractmethod
+    def replace(self, data: memoryview, crc: int) -> int:
+        """Place ``data`` over the last :meth:`put` (the same length); as :meth:`put`."""
+
+    @abc.abstractmethod
+    def advance(self) -> None:
+        """The last :meth:`put` (or :meth:`replace`) is final."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """Every final byte written and durable (fsync)."""
+
+    def close(self) -> None:
+        """Release what the sink holds (idempotent); makes nothing durable."""
+
+    def write_all(self, data: bytes) -> None:
+        """``data`` at :attr:`position`, final (the safetensors header)."""
+        with memoryview(data) as view:
+            done = 0
+            while done < view.nbytes:
+                size = min(self.room(), view.nbytes - done)
+                with view[done : done + size] as piece:
+                    self.put(piece, 0)
+                self.advance()
+                done += size
+
+    def __enter__(self) -> ChunkSink:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class BufferedSink(ChunkSink):
+    """``pwrite`` from the caller's view straight into the page cache (no copy of its own),
+    writeback started every ``_WRITEBACK_BYTES``; fsync at the end."""
+
+    def __init__(self, file: SnapshotFile):
+        super().__init__(file)
+        self._fd = file.fileno()
+        self._pending = 0
+        self._kicked = 0  # file bytes [0, _kicked) have had writeback started
+
+    def room(self) -> int:
+        return 1 << 62
+
+    def put(self, data: memoryview, crc: int) -> int:
+        pwrite_all(self._fd, data, self.position)
+        self._pending = data.nbytes
+        return crc32(data, crc)
+
+    def replace(self, data: memoryview, crc: int) -> int:
+        return self.put(data, crc)  # the same range: replaces every byte
+
+    def advance(self) -> None:
+        self.position += self._pending
+        self._pending = 0
+        if self.position - self._kicked >= _WRITEBACK_BYTES:
+            self.file.start_writeback(self._kicked, self.position - self._kicked)
+            self._kicked = self.position
+
+    def finish(self) -> None:
+        self.file.fsync()
+
+
+class DirectSink(ChunkSink):
+    """O_DIRECT writes of aligned bounce buffers; see the module docstring.
+
+    ``WRITES_IN_FLIGHT + 1`` buffers of ``BOUNCE_BYTES``: one fills while the others are
+    written by a pool of as many threads (``os.pwrite`` releases the GIL). The last buffer is
+    written padded to a block and the file truncated back to its size before the fsync.
+    A write the filesystem refuses with EINVAL after the open (it accepted O_DIRECT but not
+    this I/O) is made through the buffered descriptor instead, logged once.
+    """
+
+    direct = True
+
+    def __init__(self, file: SnapshotFile, direct_fd: int, bounce_bytes: int | None = None,
+                 in_flight: int = WRITES_IN_FLIGHT):
+        super().__init__(file)
+        bounce_bytes = BOUNCE_BYTES if bounce_bytes is None else bounce_bytes
+        if bounce_bytes <= 0 or bounce_bytes % BLOCK_BYTES:
+            raise ValueError(f"bounce_bytes must be a positive multiple of {BLOCK_BYTES}")
+        self._direct_fd: int | None = direct_fd
+        self._bounce = bounce_bytes
+        self._free = collections.deque(mmap.mmap(-1, bounce_bytes) for _ in range(in_flight + 1))
+        self._busy: collections.deque[tuple[mmap.mmap, Future[None]]] = collections.deque()
+        self._pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="snapshot-write")
+        self._current = self._free.popleft()
+        self._address = _posix.buffer_address(self._current)
+        self._fill = 0  # final bytes in the current buffer
+        self._pending = 0  # bytes of the last put, after the final ones
+        self.fell_back = False
+        """A write was refused with O_DIRECT and made buffered."""
+
+    def room(self) -> int:
+        return self._bounce - self._fill
+
+    def put(self, data: memoryview, crc: int) -> int:
+        n = data.nbytes
+        if n > self.room():
+            raise ValueError(f"a piece of {n} bytes does not fit the {self.room()} left")
+        if data.readonly:  # the header, from bytes: small, copied holding the GIL
+            self._current[self._fill : self._fill + n] = data
+        else:  # a segment's bytes: copied with the GIL released
+            _posix.memmove(self._address + self._fill, _posix.buffer_address(data), n)
+        self._pending = n
+        with memoryview(self._current) as whole, whole[self._fill : self._fill + n] as placed:
+            return crc32(placed, crc)
+
+    def replace(self, data: memoryview, crc: int) -> int:
+        if data.nbytes != self._pending:
+            raise ValueError("replace takes the length of the last put")
+        return self.put(data, crc)
+
+    def advance(self) -> None:
+        self._fill += self._pending
+        self.position += self._pending
+        self._pending = 0
+        if self._fill == self._bounce:
+            self._submit(self._bounce)
+
+    def _submit(self, nbytes: int) -> None:
+        """Write the current buffer's first ``nbytes`` (a block multiple) in the pool, at the
+        file offset it stands for, and take the next free buffer (waiting for the oldest write
+        when none is free)."""
+        buffer, offset = self._current, self.position - self._fill
+        self._busy.append((buffer, self._pool.submit(self._write, buffer, nbytes, offset)))
+        if not self._free:
+            done, future = self._busy.popleft()
+            future.result()
+            self._free.append(done)
+        self._current = self._free.popleft()
+        self._address = _posix.buffer_address(self._current)
+        self._fill = 0
+
+    def _write(self, buffer: mmap.mmap, nbytes: int, offset: int) -> None:
+        with memoryview(buffer) as whole, whole[:nbytes] as data:
+            fd = self._direct_fd
+            if fd is not None:
+                try:
+                    pwrite_all(fd, data, offset)
+                    return
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._refused(exc)
+            pwrite_all(self.file.fileno(), data, offset)
+
+    def _refused(self, exc: OSError) -> None:
+        if not self.fell_back:
+            self.fell_back = True
+            log_event(log, "snapshot_direct_io_refused", logging.WARNING, error=str(exc),
+                      detail="the filesystem accepted O_DIRECT at open but refused a write: "
+                      "this snapshot's writes go through the page cache")
+
+    def finish(self) -> None:
+        if self._fill:
+            padded = -(-self._fill // BLOCK_BYTES) * BLOCK_BYTES
+            self._current[self._fill : padded] = bytes(padded - self._fill)
+            self._submit(padded)
+        while self._busy:
+            buffer, future = self._busy.popleft()
+            future.result()
+            self._free.append(buffer)
+        fd = self.file.fileno()
+        os.ftruncate(fd, self.position)  # the last block was written padded
+        self.file.fsync()
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        pool.shutdown(wait=True)  # no write may land in a buffer being unmapped
+        fd, self._direct_fd = self._direct_fd, None
+        if fd is not None:
+            os.close(fd)
+        for buffer in [self._current, *self._free, *(b for b, _ in self._busy)]:
+            buffer.close()
+        self._busy.clear()
+        self._free.clear()
+
+
+def open_sink(file: SnapshotFile, *, direct: bool = True) -> ChunkSink:
+    """A :class:`DirectSink` when ``direct`` and the storage gives an O_DIRECT descriptor for
+    ``file`` (:meth:`SnapshotFile.open_direct`), else a :class:`BufferedSink`."""
+    fd = file.open_direct() if direct else None
+    if fd is None:
+        return BufferedSink(file)
+    return DirectSink(file, fd)
