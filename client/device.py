@@ -1,9 +1,10 @@
 """One small accelerator layer for Ascend NPU, CUDA and CPU.
 
 Everything in swap-state that touches a device goes through a :class:`DeviceBackend`:
-the current device, side streams, events, a stream context, synchronize, empty_cache,
-host allocations (pinned only where an accelerator exists) and DMA registration of an
-existing host mapping (:meth:`DeviceBackend.register_host_memory`).
+the current device (and setting it in a helper thread), side streams, events (spinning or
+blocking), a stream context, synchronize, empty_cache, host allocations (pinned only where
+an accelerator exists) and DMA registration of an existing host mapping
+(:meth:`DeviceBackend.register_host_memory`).
 
 Selection order is NPU (``torch_npu``, imported lazily and only when installed), CUDA,
 CPU. ``SWAP_STATE_DEVICE=npu|cuda|cpu`` forces one; forcing a device that is not there
@@ -186,9 +187,28 @@ class DeviceBackend:
         """The stream work is enqueued on now (the compute stream outside a context)."""
         return self._accel().current_stream() if self.is_accelerator else self._null_stream
 
-    def event(self) -> Any:
-        """A new event (a :class:`NullEvent` on CPU)."""
-        return self._accel().Event() if self.is_accelerator else NullEvent()
+    def set_device(self, device: torch.device) -> None:
+        """Make ``device`` the current device of the calling thread (nothing on CPU).
+
+        A thread starts on the default device (0), whatever device its creator uses: a helper
+        thread that waits for events or copies must call this first, or CUDA/Ascend work
+        from it (an Ascend ``Event.synchronize``, too) goes to device 0 for every rank.
+        """
+        if self.is_accelerator:
+            self._accel().set_device(device)
+
+    def event(self, *, blocking: bool = False) -> Any:
+        """A new event (a :class:`NullEvent` on CPU).
+
+        ``blocking=True``: ``synchronize()`` sleeps until the event completes instead of
+        spinning a core (``torch.cuda.Event(blocking=True)``; torch_npu's has the same flag).
+        For waits off the critical path, such as a helper thread; a spinning wait returns
+        sooner, which the step's own waits want.
+        """
+        if not self.is_accelerator:
+            return NullEvent()
+        # The default stays the plain call, which every CUDA / torch_npu version takes.
+        return self._accel().Event(blocking=True) if blocking else self._accel().Event()
 
     def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         """Context that makes ``stream`` current (does nothing on CPU)."""

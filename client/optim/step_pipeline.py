@@ -5,13 +5,17 @@ byte-balanced slices. On an accelerator, per slice::
 
     load (H2D, load stream) -> fused Adam/AdamW (compute stream) -> offload (D2H, offload stream)
 
-with events between the streams, so slice k+1 loads while slice k updates and slice k-1
-offloads. On a CPU-only process the update runs directly on the host cache. The update is
-the param group's implementation, as torch picks it from the group's ``fused`` /
-``foreach`` flags (torchtitan's ``optimizer.implementation``: "fused", "foreach" or
-"for-loop"; :mod:`swap_state.client.optim.kernels`), so results are bit-identical to torch's
-Adam/AdamW with the same implementation. Without ``fused`` or ``capturable`` torch keeps
-step counts on the CPU: so does the pipeline (a CPU copy per slice instead of a device one).
+with events between the streams, so slice k+1 loads while slice k updates and offloads.
+Before it enqueues the load of slice k+1, the host waits until the offload of slice k-1 has
+completed: at most two slices hold device buffers at a time, however far an asynchronous
+device lags the host (:meth:`StepPipeline._pipelined_update`). Every step, even one that
+raises, ends with no copy in flight. On a CPU-only process the update runs directly on the
+host cache. The update is the param group's implementation, as torch picks it from the
+group's ``fused`` / ``foreach`` flags (torchtitan's ``optimizer.implementation``: "fused",
+"foreach" or "for-loop"; :mod:`swap_state.client.optim.kernels`), so results are
+bit-identical to torch's Adam/AdamW with the same implementation. Without ``fused`` or
+``capturable`` torch keeps step counts on the CPU: so does the pipeline (a CPU copy per slice
+instead of a device one).
 
 Each optimizer's ``step`` is bound to its container's ``_swap_step`` (:func:`bind_swap_step`),
 which runs :meth:`StepPipeline.run`; ``torch.optim.Adam.step`` itself is never patched.
@@ -83,7 +87,8 @@ class StepPipeline:
     hook is called before each slice's host bytes change, and ``_allocate_host_cache`` (through
     the host caches) for parameters without a cache. ``pipeline``: None runs the load/offload
     pipeline iff the device is an accelerator; True runs it on CPU too, with CPU "device"
-    buffers.
+    buffers. The pipeline holds at most two slices' device buffers at a time and leaves no
+    copy in flight when ``run`` returns or raises.
     """
 
     def __init__(self, owner: SwapContainer, host_caches: HostCaches, *, pipeline: bool | None = None):
@@ -173,30 +178,43 @@ class StepPipeline:
             self._fused_update(optim, items, [item.host for item in items])
 
     def _pipelined_update(self, optim: Optimizer, slices: list[list[_StepItem]]) -> None:
-        """Accelerator: load(k+1) || update(k) || offload(k-1), then wait for all offloads.
+        """Accelerator: update(k) || load(k+1) || offload(k), then wait for all offloads.
 
-        At most three slices hold device buffers at a time (one loading, one updating,
-        one offloading); each buffer is freed once its offload is done.
+        Call order, per slice k: enqueue the update of slice k (after its load); the host
+        waits until the offload of slice k-1 has completed; enqueue the load of slice k+1,
+        then the offload of slice k (after its update). So at most two slices hold device
+        buffers at once (the one updating or offloading, and the one loading), whatever the
+        device's speed. On every exit, normal or an exception, the host waits for both side
+        streams: no copy of this step is still in flight when ``run`` returns or raises.
         """
         if not slices:
             return
-        backend = self._owner.device_backend
         load_stream, offload_stream = self._streams()
-        compute = backend.current_stream()
-        upcoming = self._load_slice(slices[0], load_stream)
-        for index in range(len(slices)):
-            current = upcoming
-            if index + 1 < len(slices):
-                upcoming = self._load_slice(slices[index + 1], load_stream)
-            compute.wait_event(current.ready)
-            self._fused_update(optim, current.items, current.buffers)
-            for buffers in current.buffers:
-                for buffer in buffers.values():
-                    _record_stream(backend, buffer, compute)
-            updated = backend.event()
-            updated.record(compute)
-            self._offload_slice(current, updated, offload_stream)
-        offload_stream.synchronize()
+        compute = self._owner.device_backend.current_stream()
+        offloaded: Any = None  # the event the previous slice's offload ends with
+        try:
+            upcoming = self._load_slice(slices[0], load_stream)
+            for index in range(len(slices)):
+                current = upcoming
+                updated = self._update_slice(optim, current, compute)
+                if index + 1 < len(slices):
+                    if offloaded is not None:
+                        # Bounded device memory. The host runs ahead of an asynchronous
+                        # device: without this wait it would enqueue every slice's load at
+                        # once, and the caching allocator keeps a freed buffer until the
+                        # streams it was used on (record_stream) have passed it, so the peak
+                        # would be the whole moments. Slice k-1's offload completing frees its
+                        # buffers for slice k+1's load; the update of slice k, enqueued
+                        # before the wait, keeps the device busy meanwhile. Simpler than a
+                        # ring of preallocated buffers (no fixed slice shapes, no extra copy).
+                        offloaded.synchronize()
+                    upcoming = self._load_slice(slices[index + 1], load_stream)
+                offloaded = self._offload_slice(current, updated, offload_stream)
+        finally:
+            # After an exception too: the copies enqueued so far read and write device buffers
+            # and host memory (a segment) that the caller may free or unmap once step() raised.
+            load_stream.synchronize()
+            offload_stream.synchronize()
 
     def _streams(self) -> tuple[Any, Any]:
         """``(load, offload)`` side streams, created on first use."""
@@ -229,8 +247,22 @@ class StepPipeline:
             ready.record(stream)
         return _LoadedSlice(items, buffers, ready)
 
-    def _offload_slice(self, loaded: _LoadedSlice, updated: Any, stream: Any) -> None:
-        """Enqueue D2H copies of ``loaded`` after ``updated``; drop the device buffers."""
+    def _update_slice(self, optim: Optimizer, loaded: _LoadedSlice, compute: Any) -> Any:
+        """Enqueue the update of ``loaded`` on ``compute`` after its loads; return the event the
+        update ends with. Call after :meth:`_load_slice` of ``loaded``, before its offload."""
+        backend = self._owner.device_backend
+        compute.wait_event(loaded.ready)
+        self._fused_update(optim, loaded.items, loaded.buffers)
+        for buffers in loaded.buffers:
+            for buffer in buffers.values():
+                _record_stream(backend, buffer, compute)
+        updated = backend.event()
+        updated.record(compute)
+        return updated
+
+    def _offload_slice(self, loaded: _LoadedSlice, updated: Any, stream: Any) -> Any:
+        """Enqueue D2H copies of ``loaded`` after ``updated``; drop the device buffers; return
+        the event the copies end with (once it has completed, the buffers' memory is free)."""
         self._owner._before_host_write([item.param for item in loaded.items])
         backend = self._owner.device_backend
         with backend.use_stream(stream):
@@ -239,7 +271,13 @@ class StepPipeline:
                 for key, buffer in buffers.items():
                     item.host[key].copy_(buffer, non_blocking=True)  # type: ignore[union-attr]
                     _record_stream(backend, buffer, stream)
+            offloaded = backend.event()
+            offloaded.record(stream)
+        # Freed here (the loop's last references at the return), before anything else is
+        # enqueued on ``stream``: the allocator's free-time event there is then not later
+        # than ``offloaded``, so the memory is reusable as soon as ``offloaded`` completes.
         loaded.buffers.clear()
+        return offloaded
 
     def _fused_update(
         self, optim: Optimizer, items: list[_StepItem], states: Sequence[Mapping[str, Any]]

@@ -22,7 +22,8 @@ Call order (the remote container does this)::
 Between the commit of step N and the update of step N + 1 the parameters do not change: on an
 accelerator the copy runs on a side stream, on the CPU on a helper thread, overlapped with the
 next forward and backward, and the next update waits only for it; ``MODEL_STEP`` is published
-from the helper thread once the copy has landed.
+from the helper thread once the copy has landed. The helper thread sets the trainer's device
+first (:meth:`DeviceBackend.set_device`) and waits on a blocking event, so its wait sleeps.
 """
 
 from __future__ import annotations
@@ -194,7 +195,14 @@ class ModelArea:
         event has completed."""
         header = self._header
         if self._publisher is None:
-            self._publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swap-state-model")
+            # The helper thread works on this thread's device, not the default one (device 0
+            # for every rank): set in the thread before its first task.
+            self._publisher = concurrent.futures.ThreadPoolExecutor(
+                1,
+                thread_name_prefix="swap-state-model",
+                initializer=self._backend.set_device,
+                initargs=(self._backend.current_device(),),
+            )
         if not self._backend.is_accelerator:
             self._published = self._publisher.submit(_copy_and_publish, self._views, self.tensors, header, step)
             return
@@ -204,7 +212,9 @@ class ModelArea:
         with self._backend.use_stream(self._stream):
             for view, tensor in zip(self._views, self.tensors):
                 view.copy_(tensor.local, non_blocking=True)
-            done = self._backend.event()
+            # Blocking: the helper thread sleeps in its wait instead of spinning a core the
+            # trainer's forward and backward want.
+            done = self._backend.event(blocking=True)
             done.record(self._stream)
         self._done = done
         self._published = self._publisher.submit(_publish_when_done, done, header, step)

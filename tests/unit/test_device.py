@@ -76,6 +76,31 @@ def test_cpu_backend_is_a_complete_no_op_accelerator() -> None:
     backend.record_stream(torch.zeros(2), side)
 
 
+def test_set_device_and_blocking_events_go_to_the_device_module() -> None:
+    """On an accelerator ``set_device`` and ``event(blocking=True)`` reach the runtime's own
+    calls (a stub module here); on CPU they do nothing."""
+    calls: list[tuple[str, object]] = []
+
+    class Runtime:
+        @staticmethod
+        def set_device(device: torch.device) -> None:
+            calls.append(("set_device", device))
+
+        @staticmethod
+        def Event(**kwargs: object) -> object:  # torch.cuda.Event's name
+            calls.append(("Event", kwargs))
+            return object()
+
+    backend = DeviceBackend("cuda", module=Runtime)  # type: ignore[arg-type]
+    backend.set_device(torch.device("cuda", 3))
+    backend.event(blocking=True)
+    backend.event()
+    assert calls == [("set_device", torch.device("cuda", 3)), ("Event", {"blocking": True}), ("Event", {})]
+    cpu = DeviceBackend("cpu")
+    cpu.set_device(torch.device("cpu"))
+    assert isinstance(cpu.event(blocking=True), NullEvent)
+
+
 def test_alloc_host_is_zeroed_and_unpinned_on_cpu() -> None:
     host = DeviceBackend("cpu").alloc_host((2, 3), torch.bfloat16)
     assert host.shape == (2, 3) and host.dtype == torch.bfloat16

@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
+from fake_async_device import AsyncFakeBackend
 
 from swap_state.client.remote.model_area import ModelArea, plan_model_tensors
 from swap_state.common.segment import SegmentHeader, Word
@@ -81,13 +82,19 @@ class FakeAccelerator:
         self.compute = _Stream()
         self.events: list[_Event] = []
 
+    def current_device(self):
+        return torch.device("cpu")
+
+    def set_device(self, device):
+        pass
+
     def stream(self):
         return _Stream()
 
     def current_stream(self):
         return self.compute
 
-    def event(self):
+    def event(self, *, blocking=False):
         self.events.append(_Event())
         return self.events[-1]
 
@@ -169,3 +176,25 @@ def test_the_copy_builds_no_autograd_graph_into_the_segment():
     assert not views["model.weight"].requires_grad and views["model.weight"].grad_fn is None
     assert header[Word.MODEL_STEP] == 2 and torch.equal(views["model.weight"], model.weight.detach())
     area.close()
+
+
+@pytest.mark.parametrize("accelerator", [False, True], ids=["cpu", "accelerator"])
+def test_the_helper_thread_sets_the_device_and_waits_on_a_blocking_event(accelerator):
+    """The helper thread's first act is to set the trainer's device (a no-op on CPU); on an
+    accelerator it waits for the side-stream copy, which lands only when waited for, on a
+    blocking event."""
+    model = nn.Linear(3, 2)
+    backend = AsyncFakeBackend(accelerator=accelerator)
+    header = SegmentHeader(bytearray(4096), n_chunks=0, cow_slots=0)
+    area, views = _area(model, backend, header)
+    area.copy_from_model(1)
+    area.wait_published()
+    assert header[Word.MODEL_STEP] == 2 and torch.equal(views["model.weight"], model.weight.detach())
+    assert backend.pending() == 0
+    assert len(backend.set_device_calls) == 1
+    thread, device = backend.set_device_calls[0]
+    assert thread.startswith("swap-state-model") and device == backend.current_device()
+    assert backend.event_kwargs == ([{"blocking": True}] if accelerator else [])
+    area.copy_from_model(2)  # the same thread: the device is set once
+    area.close()
+    assert len(backend.set_device_calls) == 1 and header[Word.MODEL_STEP] == 3

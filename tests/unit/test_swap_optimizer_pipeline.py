@@ -25,10 +25,14 @@ from swap_state.client.swap_optimizer import SwapOptimizersContainer
 
 class _Event:
     def __init__(self, log: list[tuple[Any, ...]], number: int) -> None:
-        self.log, self.number = log, number
+        self.log, self.number, self.stream = log, number, None
 
     def record(self, stream: Any = None) -> None:
+        self.stream = stream.name
         self.log.append(("record", stream.name, self.number))
+
+    def synchronize(self) -> None:
+        self.log.append(("host_wait", self.stream, self.number))
 
 
 class _Stream:
@@ -154,7 +158,8 @@ def test_pipelined_step_protocol() -> None:
     assert [entry[1] for entry in log if entry[0] == "before_host_write"] == slices
     loads = [e[2] for e in log if e[:2] == ("record", "load")]
     updates = [e[2] for e in log if e[:2] == ("record", "compute")]
-    assert len(loads) == len(updates) == 3
+    offloads = [e[2] for e in log if e[:2] == ("record", "offload")]
+    assert len(loads) == len(updates) == len(offloads) == 3
     for k in range(3):
         update = log.index(("update", slices[k]))
         waited_load = log.index(("wait", "compute", loads[k]))
@@ -167,9 +172,16 @@ def test_pipelined_step_protocol() -> None:
         offload_wait = log.index(("wait", "offload", updates[k]))
         hook = log.index(("before_host_write", slices[k]))
         assert log.index(("record", "compute", updates[k])) < hook < offload_wait
-        if k + 1 < 3:  # the next slice is already loading when this one's update is enqueued
-            assert log.index(("record", "load", loads[k + 1])) < update
-    assert log[-2:] == [("sync", "offload"), ("after_step",)]
+        assert offload_wait < log.index(("record", "offload", offloads[k]))
+        if k + 1 < 3:  # the next slice loads while this one updates, and before it offloads
+            assert update < log.index(("record", "load", loads[k + 1])) < hook
+        if k >= 1 and k + 1 < 3:
+            # Bounded memory: the load of slice k+1 starts only once the host has seen the
+            # offload of slice k-1 complete (after the update of slice k is enqueued).
+            host_wait = log.index(("host_wait", "offload", offloads[k - 1]))
+            assert update < host_wait and log[host_wait + 1] == ("enter", "load")
+    assert [e for e in log if e[0] == "host_wait"] == [("host_wait", "offload", offloads[0])]
+    assert log[-3:] == [("sync", "load"), ("sync", "offload"), ("after_step",)]
     assert log.count(("after_step",)) == 1
     # every device buffer is recorded on compute and offload, and freed after the step
     assert sum(1 for e in log if e == ("record_stream", "offload")) == 6 * 3  # exp_avg, exp_avg_sq, step
