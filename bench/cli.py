@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         _log("ceilings: host memcpy, crc32, disk sequential write/read")
         results["memcpy"] = hardware.memcpy_bandwidth(max(64 << 20, min(largest_state, 256 << 20)))
         results["crc32"] = hardware.crc32_bandwidth(min(max(largest_state, 1 << 20), 64 << 20))
+        results["fresh_memory"] = hardware.fresh_memory_bandwidth(max(64 << 20, min(largest_state, 512 << 20)))
         results["disk"] = hardware.disk_bandwidth(os.path.join(work_dir, "probe"), max(largest_state, 8 << 20), args.disk_reps)
         _log(f"  memcpy {results['memcpy']['torch_copy_gbps']['median']:.2f} GB/s, "
              f"disk write+fsync {results['disk']['write_fsync_gbps']['median']:.2f} GB/s, "

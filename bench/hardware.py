@@ -19,7 +19,8 @@ import time
 
 from bench.util import cpu_count, gbps, summarize
 
-__all__ = ["crc32_bandwidth", "disk_bandwidth", "drop_file_cache", "machine", "memcpy_bandwidth"]
+__all__ = ["crc32_bandwidth", "disk_bandwidth", "drop_file_cache", "fresh_memory_bandwidth", "machine",
+           "memcpy_bandwidth"]
 
 BLOCK = 8 << 20
 
@@ -239,22 +240,35 @@ def disk_bandwidth(directory: str, nbytes: int, reps: int = 3) -> dict[str, obje
     return out
 
 
-def write_read_once(path: str, nbytes: int) -> tuple[float, float]:
-    """One buffered write + fsync and one cold read (fadvise DONTNEED) of ``nbytes`` at
-    ``path``, in GB/s: the disk reference taken next to each checkpoint measurement."""
+def write_read_once(path: str, nbytes: int) -> dict[str, float]:
+    """The disk reference taken next to each checkpoint measurement, in GB/s, for ``nbytes``
+    at ``path``: buffered write + fsync and cold read (fadvise DONTNEED), and where the
+    filesystem allows it O_DIRECT write + fsync and O_DIRECT read (the disk's own limit:
+    what swap-state's persist and restore are measured against)."""
     nbytes = max(BLOCK, -(-nbytes // BLOCK) * BLOCK)
     buf = _aligned_buffer(BLOCK)
+    out: dict[str, float] = {}
     try:
         w, s = _write_file(path, nbytes, buf, direct=False)
+        out["write_fsync"] = gbps(nbytes, w + s)
         drop_file_cache(path)
         n, t = _read_file(path, buf, direct=False)
+        out["read_cold"] = gbps(n, t)
+        if hasattr(os, "O_DIRECT"):
+            try:
+                w, s = _write_file(path, nbytes, buf, direct=True)
+                out["write_direct"] = gbps(nbytes, w + s)
+                n, t = _read_file(path, buf, direct=True)
+                out["read_direct"] = gbps(n, t)
+            except OSError:
+                pass  # the filesystem refuses O_DIRECT: the buffered figures stand alone
     finally:
         buf.close()
         try:
             os.unlink(path)
         except OSError:
             pass
-    return gbps(nbytes, w + s), gbps(n, t)
+    return out
 
 
 def memcpy_bandwidth(nbytes: int, reps: int = 5) -> dict[str, object]:
@@ -281,6 +295,25 @@ def memcpy_bandwidth(nbytes: int, reps: int = 5) -> dict[str, object]:
         "memmove_1thread_gbps": summarize(memmove_samples),
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def fresh_memory_bandwidth(nbytes: int, reps: int = 3) -> dict[str, object]:
+    """GB/s at which the kernel hands out fresh anonymous memory (page faults and zeroing,
+    ``MADV_POPULATE_WRITE``) and seconds to give it back (``munmap``): what an O_DIRECT
+    restore pays for its staging memory on top of the disk's read (on a VM each first touch
+    may also be the hypervisor's fault)."""
+    from swap_state.server import _posix
+
+    populate, release = [], []
+    for _ in range(reps):
+        memory = mmap.mmap(-1, nbytes)
+        t0 = time.perf_counter()
+        _posix.populate_write(_posix.buffer_address(memory), nbytes)
+        t1 = time.perf_counter()
+        memory.close()
+        release.append(time.perf_counter() - t1)
+        populate.append(gbps(nbytes, t1 - t0))
+    return {"bytes": nbytes, "populate_gbps": summarize(populate), "munmap_s": summarize(release)}
 
 
 def crc32_bandwidth(nbytes: int = 64 << 20, reps: int = 3) -> dict[str, object]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import statistics
@@ -195,8 +196,7 @@ def checkpoint_stalls(inproc: Variant, remote: Variant, work_dir: str, reps: int
         m: {"stall": [], "durable": []} for m in ("torch_save", "dcp_save", "dcp_async_save", "swap_state")
     }
     metadata_s: list[float] = []
-    disk_write: list[float] = []
-    disk_read: list[float] = []
+    disk_ref: dict[str, list[float]] = {}
     snapshot_bytes: list[int] = []
     snapshot_ids: list[str] = []
     os.makedirs(work_dir, exist_ok=True)
@@ -208,9 +208,8 @@ def checkpoint_stalls(inproc: Variant, remote: Variant, work_dir: str, reps: int
         # The disk's own rate for the same byte count, at the same moment (it drifts on a
         # shared or virtual disk): the reference for persist and restore.
         _fresh(os.path.join(work_dir, "disk-ref.bin"))
-        w, r = write_read_once(os.path.join(work_dir, "disk-ref.bin"), state_bytes)
-        disk_write.append(w)
-        disk_read.append(r)
+        for key, value in write_read_once(os.path.join(work_dir, "disk-ref.bin"), state_bytes).items():
+            disk_ref.setdefault(key + "_gbps", []).append(value)
 
         # torch.save returns once the bytes are in the page cache; durable needs an fsync,
         # which the trainer would also have to wait for.
@@ -268,7 +267,7 @@ def checkpoint_stalls(inproc: Variant, remote: Variant, work_dir: str, reps: int
     out: dict[str, Any] = {
         "state_dict_tensor_bytes": state_bytes,
         "reps": reps,
-        "disk_ref": {"write_fsync_gbps": summarize(disk_write), "read_cold_gbps": summarize(disk_read)},
+        "disk_ref": {key: summarize(values) for key, values in disk_ref.items()},
     }
     for method, samples in results.items():
         out[method] = {
@@ -287,19 +286,25 @@ def checkpoint_stalls(inproc: Variant, remote: Variant, work_dir: str, reps: int
     return out
 
 
-def _cold_read(paths: list[str], snapshot_dir: str) -> float:
-    """Seconds to read ``paths`` sequentially (8 MiB reads) with their pages dropped first."""
+def _cold_read(paths: list[str], snapshot_dir: str, direct: bool = False) -> float:
+    """Seconds to read ``paths`` sequentially (8 MiB reads) with their pages dropped first;
+    ``direct``: with O_DIRECT (the disk's own limit; raises OSError where refused)."""
     drop_tree_cache(snapshot_dir)
-    block = memoryview(bytearray(8 << 20))
-    t0 = time.perf_counter()
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while os.readv(fd, [block]) > 0:
-                pass
-        finally:
-            os.close(fd)
-    return time.perf_counter() - t0
+    buffer = mmap.mmap(-1, 8 << 20)  # page aligned, as O_DIRECT needs
+    block = memoryview(buffer)
+    try:
+        t0 = time.perf_counter()
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+            try:
+                while os.readv(fd, [block]) > 0:
+                    pass
+            finally:
+                os.close(fd)
+        return time.perf_counter() - t0
+    finally:
+        block.release()
+        buffer.close()
 
 
 def restore_throughput(remote: Variant, snapshot_id: str, snapshot_dir: str, nbytes: int, reps: int) -> dict[str, Any]:
@@ -311,9 +316,13 @@ def restore_throughput(remote: Variant, snapshot_id: str, snapshot_dir: str, nby
     job, _, step = snapshot_id.partition("/step-")
     step_dir = os.path.join(snapshot_dir, job, f"step-{int(step):012d}")
     files = sorted(os.path.join(step_dir, f) for f in os.listdir(step_dir) if f.endswith(".safetensors"))
-    cold, warm, read = [], [], []
+    cold, warm, read, direct_read = [], [], [], []
     for _ in range(reps):
         read.append(_cold_read(files, snapshot_dir))
+        try:
+            direct_read.append(_cold_read(files, snapshot_dir, direct=True))
+        except OSError:
+            pass  # no O_DIRECT on this filesystem: the buffered read is the reference
         drop_tree_cache(snapshot_dir)
         t0 = time.perf_counter()
         container.restore(snapshot_id)
@@ -330,6 +339,7 @@ def restore_throughput(remote: Variant, snapshot_id: str, snapshot_dir: str, nby
         "cold_gbps": summarize([gbps(nbytes, t) for t in cold]),
         "warm_gbps": summarize([gbps(nbytes, t) for t in warm]),
         "file_cold_read_gbps": summarize([gbps(file_bytes, t) for t in read]),
+        "file_direct_read_gbps": summarize([gbps(file_bytes, t) for t in direct_read]),
     }
 
 

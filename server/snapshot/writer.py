@@ -47,6 +47,7 @@ from swap_state.common.snapshot_format import dumps_json
 from swap_state.common.snapshot_metadata import SnapshotMetadata
 from swap_state.common.retry import wait_until
 from swap_state.common.server_header import ServerHeader
+from swap_state.server.logs import log_event
 from swap_state.server.snapshot.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.plan import RankFilePlan, RankResult
 from swap_state.server.snapshot.source import SnapshotSource
@@ -130,7 +131,7 @@ class RankWriter:
             Stager(self, self.stage_slots, stage_threads) if self.stage_slots else None
         )
         self._trainer_yield = self.stager is not None
-        self.direct_io = False
+        self.direct_io = self._direct = False
         """Whether the data file was written with O_DIRECT (known once it is created)."""
         self._paused_s = 0.0  # time the writer paused for the trainer's steps (writer thread)
         self._stream_started = 0.0
@@ -286,7 +287,11 @@ class RankWriter:
         if chunk.index == self.model_from:
             self._wait_for_model()
         if self.stager is not None:
-            self.stager.yield_to()
+            if not self._direct:
+                # A buffered write is a copy into the page cache that competes with the
+                # stager's; an O_DIRECT writer idle here would idle the disk instead (its
+                # writes run in the sink's threads; its copy per chunk is small beside them).
+                self.stager.yield_to()
             self._yield_to_trainer(len(self.chunks))
         if not self.limiter.acquire(chunk.nbytes, self.cancel):
             raise Cancelled()
@@ -394,13 +399,25 @@ class RankWriter:
             self.storage.write_durable(self.partial, plan.manifest_name, raw)
         except OSError as exc:
             raise from_os_error(exc, action, self.storage.root) from None
+        self._log_persisted()
         return plan.result(manifest, data, raw)
+
+    def _log_persisted(self) -> None:
+        """One INFO line per rank persisted: how fast, how (O_DIRECT or the page cache), and
+        what the trainer and the stager copied."""
+        rate = self.persist_rate()
+        log_event(log, "snapshot_rank_persisted", job_id=self.source.job_id, step=self.source.step,
+                  rank=self.source.rank, bytes=self.bytes_persisted,
+                  stream_seconds=round(self.stream_seconds, 4),
+                  stream_gbps=round(rate / 1e9, 3) if rate else None, direct_io=self.direct_io,
+                  trainer_copied_bytes=self.trainer_copied_bytes,
+                  staged_bytes=self.stager.staged_bytes if self.stager is not None else 0)
 
     def _write_data_file(self, plan: RankFilePlan) -> list[int]:
         """Create the data file, put its header, stream the chunks (the stager alongside),
         release the segment, write the rest and fsync; the tensors' crc32s."""
         with self.storage.create_file(self.partial, plan.data_name) as file, open_sink(file) as sink:
-            self.direct_io = sink.direct
+            self.direct_io = self._direct = sink.direct
             sink.write_all(plan.header)
             segment = memoryview(self.source.buffer)
             try:

@@ -154,3 +154,16 @@ def test_a_chunk_in_pieces_overwritten_midway_is_finished_from_the_trainer_slot(
     coordinator.store.verify_data(info, coordinator.store.read_manifest(info, 0))
     [data_file] = [f for f in info.index.files if f.name == rank_data_name(0)]
     assert os.path.getsize(status.path + "/" + rank_data_name(0)) == data_file.bytes
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "buffered"])
+def test_each_persisted_rank_logs_how_it_was_written(make_segment, make_coordinator, monkeypatch, caplog, direct):
+    if not direct:
+        monkeypatch.setattr(LocalFile, "open_direct", lambda self: None)
+    seg = make_segment()
+    at_step_n = seg.fill(seed=3)
+    with caplog.at_level(logging.INFO, logger="swap_state.server.snapshot_writer"):
+        status = make_coordinator().start(seg.source("job", 2)).wait(20)
+    assert status.state is SnapshotState.DURABLE and _file_tensors(status.path + "/" + rank_data_name(0)) == at_step_n
+    [fields] = [r.swap_state_fields for r in caplog.records if r.msg == "snapshot_rank_persisted"]
+    assert fields["direct_io"] is direct and fields["bytes"] == status.bytes_total and fields["rank"] == 0
