@@ -2,10 +2,20 @@
 and the ``integration`` package it builds on, also for child processes started with
 ``PYTHONPATH`` set to this folder), and the fixtures that start real swap-state-server
 processes on a temp Unix socket, with their segments in a private directory of /dev/shm,
-torn down (SIGTERM, then SIGKILL) after each test."""
+torn down (SIGTERM, then SIGKILL) after each test.
+
+CPU tests pin the CPU backend unless a test asks for a device: ``SWAP_STATE_DEVICE=cpu`` for
+the session when it is unset, so that on a GPU machine the suite (and every server and trainer
+process it starts, which inherit the environment) does not silently switch to CUDA. A run that
+sets the variable keeps it (``scripts/gpu_check.sh`` sets ``cuda``). A test asks for a device
+with the ``cuda`` or ``npu`` marker, or by living in a file named ``test_*_cuda.py`` /
+``test_*_npu.py`` (its tests get the marker, so ``-m cuda`` selects them): for that test the
+variable names the device and the process backend is chosen again; where the device is
+absent the test is skipped, saying so."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import sys
@@ -18,6 +28,42 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
 from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig  # noqa: E402
+
+#: client/device.py's DEVICE_ENV_VAR, spelled out: importing that module here would import torch
+#: for the torch-free server tests too (tests/bench/test_gpu_probe.py checks they agree).
+DEVICE_ENV_VAR = "SWAP_STATE_DEVICE"
+#: The markers that ask for a device, and the file-name suffix that asks for one.
+DEVICE_MARKERS = ("cuda", "npu")
+
+os.environ.setdefault(DEVICE_ENV_VAR, "cpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests in ``test_*_cuda.py`` (``test_*_npu.py``) get the ``cuda`` (``npu``) marker."""
+    for item in items:
+        for device in DEVICE_MARKERS:
+            if item.path.stem.endswith(f"_{device}"):
+                item.add_marker(device)
+
+
+@pytest.fixture(autouse=True)
+def device_asked_for(request: pytest.FixtureRequest):
+    """For a test marked ``cuda`` or ``npu``: the variable names that device and the process
+    backend is chosen again on first use (both restored afterwards); a skip when it is absent."""
+    asked = [name for name in DEVICE_MARKERS if request.node.get_closest_marker(name)]
+    if not asked:
+        yield None
+        return
+    from swap_state.client import device
+
+    monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")  # only where asked
+    monkeypatch.setenv(DEVICE_ENV_VAR, asked[0])
+    try:
+        device.select_device_type()
+    except RuntimeError as exc:
+        pytest.skip(f"needs {asked[0]} (the test is marked {asked[0]}): {exc}")
+    monkeypatch.setattr(device, "_BACKEND", None)
+    yield asked[0]
 
 
 @pytest.fixture
