@@ -30,11 +30,15 @@ rounds the size up to whole pages and registers in chunks of at most
 :data:`REGISTER_CHUNK_BYTES`, because single registrations of ~100 GiB are reported to fail
 on both CUDA and Ascend. Every return code is checked; a failure unregisters the chunks
 already registered and raises :class:`HostRegistrationError` with the code and the range.
+On Ascend each registration is probed: where a non-blocking copy from it is not asynchronous
+(some CANN / torch_npu versions), :meth:`DeviceBackend.copy_to_device` and
+:meth:`DeviceBackend.copy_to_host` stage copies from it through a ring of pinned buffers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import logging
@@ -46,6 +50,7 @@ from typing import Any, Literal, cast
 
 import torch
 
+from swap_state.client.host_bounce import BouncedRanges, ProbeConfig, needs_bounce
 from swap_state.client.host_register import (
     PAGE_SIZE,
     REGISTER_CHUNK_BYTES,
@@ -57,6 +62,8 @@ from swap_state.client.host_register import (
     _cuda_host_register,
     _cuda_host_unregister,
     page_chunks,
+    registered_host_buffer,
+    release_host_buffers,
 )
 
 __all__ = [
@@ -133,7 +140,8 @@ class DeviceBackend:
 
     Subclasses for other runtimes (or tests) override ``_register_chunk``,
     ``_unregister_chunk`` and ``_describe_return_code``; the chunking, alignment checks,
-    rollback and bookkeeping of :meth:`register_host_memory` stay here.
+    rollback and bookkeeping of :meth:`register_host_memory` stay here. Registrations are
+    probed where ``probes_registered_copies`` (Ascend), with ``copy_probe``'s settings.
     """
 
     def __init__(
@@ -153,6 +161,9 @@ class DeviceBackend:
         self._null_stream = NullStream()
         self._registrations: dict[int, HostRegistration] = {}
         self._lock = threading.Lock()
+        self.bounced = BouncedRanges(self.alloc_host, self.event)
+        self.copy_probe = ProbeConfig()
+        self._bounce_registered: bool | None = None  # the probe's verdict, once it has run
 
     def __repr__(self) -> str:
         return f"DeviceBackend(type={self.type!r})"
@@ -240,17 +251,41 @@ class DeviceBackend:
         """A zero-filled host tensor, pinned when an accelerator exists."""
         return torch.zeros(tuple(shape), dtype=dtype, pin_memory=self.pin_memory_available)
 
-    def register_host_memory(self, ptr: int, nbytes: int, cuts: Sequence[int] = ()) -> HostRegistration:
+    def alloc_host_bytes(self, nbytes: int, spans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+        """A zero-filled uint8 host buffer of ``nbytes`` for many tensors (``spans``: their
+        ``(offset, nbytes)``), pinned where an accelerator exists.
+
+        Pinned without the power-of-two rounding of torch's pinned allocator (one 2.1 GB
+        tensor takes 4 GB there): a new anonymous mapping of exactly ``nbytes`` (page-rounded),
+        registered in chunks that never split a tensor, unregistered once its last tensor is
+        freed (at the next registration). Where the Ascend probe finds registrations not
+        honoured, torch's pinned memory instead (rounded up, but every copy direct). On CPU:
+        :meth:`alloc_host`.
+        """
+        if not self.pin_memory_available:
+            return self.alloc_host((nbytes,), torch.uint8)
+        register = functools.partial(self.register_host_memory, spans=spans)
+        buffer = registered_host_buffer(nbytes, register, self.unregister_host_memory)
+        if self.bounced.covers(buffer):
+            return self.alloc_host((nbytes,), torch.uint8)  # ``buffer`` goes: unregistered
+        return buffer
+
+    def register_host_memory(
+        self, ptr: int, nbytes: int, cuts: Sequence[int] = (), spans: Sequence[tuple[int, int]] = ()
+    ) -> HostRegistration:
         """Register ``[ptr, ptr + nbytes)`` of an existing mapping for DMA.
 
         The pointer must be page-aligned; the size is rounded up to whole pages and
-        registered in chunks of at most ``self.chunk_bytes``, ending only at ``cuts`` when
-        given (the offsets where tensors start: see :func:`page_chunks`). On CPU nothing is called
+        registered in chunks of at most ``self.chunk_bytes``, never splitting one of
+        ``spans`` (the tensors' ``(offset, nbytes)``) and ending only at ``cuts`` (where
+        tensors start) when given: see :func:`page_chunks`. On CPU nothing is called
         (the same checks and bookkeeping apply, so CPU runs catch misuse). Raises
         :class:`HostRegistrationError` with the return code and range when a call fails,
-        after unregistering the chunks already registered.
+        after unregistering the chunks already registered. Then, on Ascend, the probe
+        (:meth:`_check_copies`).
         """
-        chunks = page_chunks(ptr, nbytes, self.chunk_bytes, cuts=cuts)
+        chunks = page_chunks(ptr, nbytes, self.chunk_bytes, cuts=cuts, spans=spans)
+        release_host_buffers()  # a safe point: no lock held
         with self._lock:
             if ptr in self._registrations:
                 raise ValueError(f"host range at {ptr:#x} is already registered")
@@ -273,7 +308,44 @@ class DeviceBackend:
             registration = HostRegistration(ptr, sum(size for _, size in chunks), tuple(chunks))
             self._registrations[ptr] = registration
         logger.debug("registered %d bytes at %#x in %d chunk(s)", registration.nbytes, ptr, len(chunks))
+        self._check_copies(registration)
         return registration
+
+    @property
+    def probes_registered_copies(self) -> bool:
+        """Whether registrations are probed: on Ascend, where not every CANN / torch_npu
+        honours ``aclrtHostRegister`` (older torch_npu synchronizes after each non-blocking
+        copy from memory it did not allocate). CUDA's registration is always honoured."""
+        return self.type == "npu"
+
+    def _check_copies(self, registration: HostRegistration) -> None:
+        """Where probed: copies from a new registration that are not asynchronous go through
+        the bounce ring from now on (:func:`~swap_state.client.host_bounce.needs_bounce`).
+        The first registration is probed; the runtime treats every later one the same."""
+        if not self.probes_registered_copies:
+            return
+        if self._bounce_registered is None:
+            self._bounce_registered = needs_bounce(self, registration.ptr, registration.nbytes)
+        if self._bounce_registered:
+            self.bounced.add(registration.ptr, registration.ptr + registration.nbytes)
+
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src, non_blocking=True)`` on the current stream, ``src`` on the host (a
+        load): through the bounce ring where ``src`` lies in a range the probe found
+        synchronous (``self.bounced``; :class:`~swap_state.client.host_bounce.BounceRing`)."""
+        if self.bounced.covers(src):
+            self.bounced.ring().to_device(dst, src, self.current_stream())
+        else:
+            dst.copy_(src, non_blocking=True)
+
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src, non_blocking=True)`` on the current stream, ``dst`` on the host (an
+        offload). Through the bounce ring, where ``dst`` lies in a range the probe found
+        synchronous, it returns with ``dst`` written: events recorded after it still hold."""
+        if self.bounced.covers(dst):
+            self.bounced.ring().to_host(dst, src, self.current_stream())
+        else:
+            dst.copy_(src, non_blocking=True)
 
     def unregister_host_memory(self, ptr: int) -> None:
         """Unregister a range registered by :meth:`register_host_memory` at ``ptr``.
@@ -284,10 +356,13 @@ class DeviceBackend:
             registration = self._registrations.pop(ptr, None)
             if registration is None:
                 raise KeyError(f"no host range registered at {ptr:#x}")
+            self.bounced.discard(ptr)
             self._unregister_chunks(list(registration.chunks), quiet=False)
 
     def registered_ranges(self) -> list[HostRegistration]:
-        """The live registrations, in registration order."""
+        """The live registrations, in registration order (host buffers whose last tensor has
+        gone are released first)."""
+        release_host_buffers()
         with self._lock:
             return list(self._registrations.values())
 
@@ -404,9 +479,11 @@ def get_device_backend(*, refresh: bool = False) -> DeviceBackend:
         return _BACKEND
 
 
-def register_host_memory(ptr: int, nbytes: int) -> HostRegistration:
+def register_host_memory(
+    ptr: int, nbytes: int, cuts: Sequence[int] = (), spans: Sequence[tuple[int, int]] = ()
+) -> HostRegistration:
     """:meth:`DeviceBackend.register_host_memory` on the process-wide backend."""
-    return get_device_backend().register_host_memory(ptr, nbytes)
+    return get_device_backend().register_host_memory(ptr, nbytes, cuts, spans)
 
 
 def unregister_host_memory(ptr: int) -> None:

@@ -1,18 +1,25 @@
-"""Host memory registration for DMA: the page-aligned chunks a range is registered in, and
-the vendor calls (CUDA's ``cudaHostRegister`` through ``torch.cuda.cudart()``, Ascend's
-``aclrtHostRegister`` from the ``libascendcl`` torch_npu has loaded, through ctypes).
+"""Host memory registration for DMA: the page-aligned chunks a range is registered in, the
+vendor calls (CUDA's ``cudaHostRegister`` through ``torch.cuda.cudart()``, Ascend's
+``aclrtHostRegister`` from the ``libascendcl`` already loaded in the process, through ctypes),
+and an exactly sized, registered host buffer for many tensors (:func:`registered_host_buffer`:
+torch's pinned allocator rounds every allocation up to a power of two).
 
 :class:`~swap_state.client.device.DeviceBackend` calls these and keeps the bookkeeping
 (which ranges are registered, rollback of a partial registration); every call's return code
-is checked there.
+is checked there, and on Ascend each registration is probed
+(:mod:`swap_state.client.host_bounce`).
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
+import functools
+import logging
 import mmap
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +30,13 @@ __all__ = [
     "REGISTER_CHUNK_BYTES",
     "HostRegistration",
     "HostRegistrationError",
+    "locate_library",
     "page_chunks",
+    "registered_host_buffer",
+    "release_host_buffers",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: Largest single host registration call. Calls of ~100 GiB are reported to fail on
 #: CUDA and Ascend; 32 GiB is a multiple of every page size in use (4 KiB .. 1 GiB).
@@ -68,18 +80,25 @@ def page_chunks(
     chunk_bytes: int = REGISTER_CHUNK_BYTES,
     page_size: int = PAGE_SIZE,
     cuts: Sequence[int] = (),
+    spans: Sequence[tuple[int, int]] = (),
 ) -> list[tuple[int, int]]:
     """Split ``[ptr, ptr + nbytes)`` into page-aligned ``(ptr, size)`` chunks.
 
     ``ptr`` must be page-aligned; ``nbytes`` is rounded up to whole pages (a mapping
-    always covers whole pages). Without ``cuts`` every chunk but the last is
+    always covers whole pages). Without ``cuts`` or ``spans`` every chunk but the last is
     ``chunk_bytes`` rounded down to whole pages (at least one page).
 
-    ``cuts``: byte offsets from ``ptr`` where a chunk may end (where the tensors start, each
-    rounded down to its page). A chunk then ends at the last cut within ``chunk_bytes`` of
-    its start, or, where one span between cuts is longer, at the next cut: one copy never
-    spans two registrations (how a driver treats such a copy is not documented), and a
-    single tensor over ``chunk_bytes`` gets one registration of its own.
+    ``spans``: the ``(offset, nbytes)`` of the tensors in the range (offsets from ``ptr``).
+    A chunk then ends only on a page boundary that no tensor straddles. ``cuts``: offsets
+    where a chunk may end (where the tensors start, each rounded down to its page), for
+    callers that know only the starts of page-aligned tensors. A chunk ends at the last
+    such boundary within ``chunk_bytes`` of its start or, where there is none, at the next
+    one: one copy never spans two registrations (how a driver treats such a copy is not
+    documented), and a tensor over ``chunk_bytes`` gets one registration of its own, over
+    the limit. Why over the limit rather than split: the limit guards against calls of
+    ~100 GiB, which fail; a single tensor that size on one rank is far beyond today's shapes
+    (a Llama-3-405B embedding moment is 8.4 GB unsharded), and if one comes its call fails
+    loudly with the code and range.
     """
     if ptr % page_size:
         raise ValueError(
@@ -90,9 +109,9 @@ def page_chunks(
         raise ValueError(f"cannot register {nbytes} bytes at {ptr:#x}: size must be positive")
     total = -(-nbytes // page_size) * page_size
     step = max(page_size, chunk_bytes - chunk_bytes % page_size)
-    if not cuts:
+    if not cuts and not spans:
         return [(ptr + off, min(step, total - off)) for off in range(0, total, step)]
-    ends = sorted({cut - cut % page_size for cut in cuts if 0 < cut < total} | {total})
+    ends = _chunk_ends(total, page_size, cuts, spans)
     chunks: list[tuple[int, int]] = []
     start = 0
     while start < total:
@@ -101,6 +120,29 @@ def page_chunks(
         chunks.append((ptr + start, end - start))
         start = end
     return chunks
+
+
+def _chunk_ends(
+    total: int, page_size: int, cuts: Sequence[int], spans: Sequence[tuple[int, int]]
+) -> list[int]:
+    """The sorted page boundaries in ``(0, total]`` a chunk may end at (see :func:`page_chunks`)."""
+    candidates = {cut - cut % page_size for cut in cuts}
+    for offset, size in spans:
+        candidates |= {offset - offset % page_size, -(-(offset + size) // page_size) * page_size}
+    # Overlapping spans merged (touching ones not: a boundary between two tensors is fine).
+    merged: list[list[int]] = []
+    for offset, size in sorted(spans):
+        if merged and offset < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], offset + size)
+        elif size > 0:
+            merged.append([offset, offset + size])
+    starts = [span[0] for span in merged]
+
+    def inside_a_tensor(boundary: int) -> bool:
+        index = bisect.bisect_left(starts, boundary) - 1
+        return index >= 0 and boundary < merged[index][1]
+
+    return sorted({b for b in candidates if 0 < b < total and not inside_a_tensor(b)} | {total})
 
 
 # -- CUDA through torch.cuda.cudart() -------------------------------------------------------
@@ -141,7 +183,7 @@ def _clear_cuda_error() -> None:
         clear()
 
 
-def _loaded_library(name: str) -> ctypes.CDLL | None:
+def _loaded_library(name: str, open_library: Callable[..., Any] = ctypes.CDLL) -> Any:
     """The copy of ``name`` this process has already loaded (same runtime state), if any."""
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:
@@ -150,19 +192,37 @@ def _loaded_library(name: str) -> ctypes.CDLL | None:
         return None
     for path in sorted(paths):
         if path.startswith("/"):
-            return ctypes.CDLL(path)
+            return open_library(path)
     return None
 
 
+def locate_library(name: str, symbol: str, open_library: Callable[..., Any] = ctypes.CDLL) -> tuple[Any, str]:
+    """``name`` as this process already has it: ``(library, where)``.
+
+    In order: the process's global symbols (``dlopen(NULL)``: a library loaded with
+    RTLD_GLOBAL), a mapping of ``name`` listed in ``/proc/self/maps`` (torch_npu loads
+    ``libascendcl`` privately), and only then ``name`` through the loader's search path.
+    Why: a second copy (another CANN earlier on ``LD_LIBRARY_PATH``) has its own runtime
+    state, and torch_npu would never know of the memory registered through it.
+    """
+    process = open_library(None)
+    if hasattr(process, symbol):
+        return process, "the process's global symbols"
+    loaded = _loaded_library(name, open_library)
+    if loaded is not None and hasattr(loaded, symbol):
+        return loaded, "the copy already mapped in this process"
+    return open_library(name, mode=ctypes.RTLD_GLOBAL), "the loader's search path"
+
+
 # -- Ascend through libascendcl ----------------------------------------------------------------
-_ACL_LIB: ctypes.CDLL | None = None
+_ACL_LIB: Any = None
 
 
-def _acl() -> ctypes.CDLL:
+def _acl() -> Any:
     global _ACL_LIB
     if _ACL_LIB is None:
-        # torch_npu has already loaded libascendcl.so; this finds that copy.
-        lib = ctypes.CDLL("libascendcl.so", mode=ctypes.RTLD_GLOBAL)
+        lib, where = locate_library("libascendcl.so", "aclrtHostRegister")
+        logger.debug("libascendcl from %s", where)
         lib.aclrtHostRegister.argtypes = [
             ctypes.c_void_p,
             ctypes.c_uint64,
@@ -187,3 +247,53 @@ def _acl_host_register(ptr: int, nbytes: int) -> int:
 
 def _acl_host_unregister(ptr: int) -> int:
     return int(_acl().aclrtHostUnregister(ctypes.c_void_p(ptr)))
+
+
+# -- an exactly sized, registered host buffer --------------------------------------------------
+class _HostArena(mmap.mmap):
+    """An anonymous mapping with a ``release`` (unregister) to run once the last tensor over
+    it is freed. Its ``__del__`` only queues it, keeping it mapped: a tensor may die in a
+    garbage collection anywhere, even inside the backend's registration lock or while a
+    copy's range check walks the registrations; :func:`release_host_buffers`, called at safe
+    points, unregisters and then unmaps it."""
+
+    release: Callable[[], Any] | None = None
+
+    def __del__(self) -> None:
+        # Exiting: the process's mappings and registrations end with it.
+        if self.release is not None and not sys.is_finalizing():
+            _RELEASED.append(self)  # resurrected (PEP 442): mapped until released
+
+
+_RELEASED: collections.deque[_HostArena] = collections.deque()
+
+
+def release_host_buffers() -> None:
+    """Unregister, then unmap, every :func:`registered_host_buffer` whose last tensor has
+    gone. Call where no registration lock is held (the backend does, before it registers)."""
+    while _RELEASED:
+        try:
+            arena = _RELEASED.popleft()
+        except IndexError:  # another thread took the last one
+            return
+        release, arena.release = arena.release, None
+        try:
+            if release is not None:
+                release()
+        except Exception:  # one failure must not keep the others pinned
+            logger.exception("unregistering a host buffer failed")
+        del arena  # unmapped here (its __del__ has run once already)
+
+
+def registered_host_buffer(
+    nbytes: int, register: Callable[[int, int], Any], unregister: Callable[[int], Any]
+) -> torch.Tensor:
+    """A zero-filled, page-aligned uint8 CPU tensor of exactly ``nbytes`` over a new anonymous
+    mapping, registered with ``register(ptr, size)``. Once the last tensor over it (any view)
+    is freed, :func:`release_host_buffers` calls ``unregister(ptr)`` and unmaps it; a failed
+    ``register`` leaves nothing behind."""
+    arena = _HostArena(-1, max(nbytes, 1))
+    buffer = torch.frombuffer(arena, dtype=torch.uint8)[:nbytes]
+    register(buffer.data_ptr(), len(arena))
+    arena.release = functools.partial(unregister, buffer.data_ptr())
+    return buffer

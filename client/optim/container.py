@@ -33,6 +33,7 @@ from swap_state.client.optim.host_cache import (
     HostCache,
     HostCacheEntry,
     HostCaches,
+    flat_host_caches,
     group_map,
     placeholder_like,
     step_tensor,
@@ -291,10 +292,14 @@ class SwapOptimizersContainer(OptimizersContainer):
         contiguous) and ``STEP_KEY`` (0-dim ``STEP_DTYPE``), holding either zeros or
         restored state. Called once from ``__init__`` with every parameter, and again only
         for parameters without a cache (param groups added later, or a load into a
-        container not built by ``__init__``). Default: zeroed tensors, pinned where an
-        accelerator exists.
+        container not built by ``__init__``). Default, with an accelerator: zeroed views of one
+        exactly sized pinned buffer per call (:func:`.host_cache.flat_host_caches`; pinning
+        each tensor would round each up to a power of two); on CPU, where nothing is pinned,
+        one zeroed tensor each.
         """
         backend = self._backend
+        if backend.pin_memory_available:
+            return flat_host_caches(entries, backend.alloc_host_bytes)
         cache: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         for entry in entries:
             tensors = {key: backend.alloc_host(entry.shape, entry.dtype) for key in entry.keys}

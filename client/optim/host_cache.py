@@ -8,12 +8,13 @@ the same shapes, so that torch code inspecting the state sees the usual keys.
 
 :class:`HostCaches` builds, checks and installs these caches for the
 :class:`~swap_state.client.optim.container.SwapOptimizersContainer` that holds it; the
-container's ``_allocate_host_cache`` hook decides where the tensors live.
+container's ``_allocate_host_cache`` hook decides where the tensors live; with an
+accelerator, by default, views of one flat pinned buffer (:func:`flat_host_caches`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
+from swap_state.client.host_register import PAGE_SIZE
 from swap_state.client.optim import patch_points
 from swap_state.client.optim.dtensor_utils import DTensor
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from swap_state.client.optim.owner import SwapContainer
 
 __all__ = [
+    "FLAT_ALIGN",
+    "FLAT_PAGE_RUN",
     "MOMENT_KEYS",
     "STEP_DTYPE",
     "STEP_KEY",
@@ -37,6 +41,8 @@ __all__ = [
     "HostCaches",
     "as_number",
     "device_placeholders",
+    "flat_host_caches",
+    "flat_layout",
     "group_map",
     "has_data",
     "host_cache_ready",
@@ -53,6 +59,13 @@ STEP_KEY = "step"
 STEP_DTYPE = torch.float32
 
 HostCache = dict[str, torch.Tensor | None]
+
+#: Alignment of a tensor in a flat host buffer (:func:`flat_layout`): a cache line and a disk
+#: sector, which DMA engines and vector loads handle best.
+FLAT_ALIGN = 512
+#: A tensor of at least this many pages starts on a page instead: registration chunks end
+#: only on page boundaries between tensors, which large tensors must leave (waste < 1/64).
+FLAT_PAGE_RUN = 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -222,3 +235,41 @@ def placeholder_like(param: Any, tensor: torch.Tensor) -> Any:
     if placeholder.device != patch_points.unwrap_dtensor(param).device:
         return placeholder
     return patch_points.wrap_like_param(placeholder, param)
+
+
+def flat_layout(sizes: Sequence[int], page_size: int = PAGE_SIZE) -> tuple[list[int], int]:
+    """Offsets of tensors of ``sizes`` bytes placed in order in one buffer, and its size:
+    each on :data:`FLAT_ALIGN` bytes, or on a page when at least :data:`FLAT_PAGE_RUN` pages."""
+    offsets, end = [], 0
+    for size in sizes:
+        align = page_size if size >= FLAT_PAGE_RUN * page_size else FLAT_ALIGN
+        offsets.append(-(-end // align) * align)
+        end = offsets[-1] + size
+    return offsets, end
+
+
+def flat_host_caches(
+    entries: Sequence[HostCacheEntry], allocate: Callable[[int, Sequence[tuple[int, int]]], torch.Tensor]
+) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+    """The caches of ``entries`` as views of one zero-filled uint8 buffer
+    ``allocate(nbytes, spans)`` (spans: each tensor's ``(offset, nbytes)``), what
+    ``_allocate_host_cache`` returns. The moments go in entry order (update order), then
+    every entry's step in one :data:`STEP_DTYPE` vector.
+
+    Why one buffer: torch's pinned allocator rounds each allocation up to a power of two (a
+    2.1 GB moment takes 4 GB), and would round one big buffer too; ``allocate``
+    (:meth:`~swap_state.client.device.DeviceBackend.alloc_host_bytes`) sizes it exactly. Its
+    memory lives while any view does (a state dict a caller keeps holds all of it).
+    """
+    shapes = [(entry, key) for entry in entries for key in entry.keys]
+    sizes = [entry.shape.numel() * entry.dtype.itemsize for entry, _ in shapes]
+    sizes.append(len(entries) * STEP_DTYPE.itemsize)
+    offsets, total = flat_layout(sizes)
+    buffer = allocate(total, list(zip(offsets, sizes, strict=True)))
+    cache: dict[torch.Tensor, dict[str, torch.Tensor]] = {entry.param: {} for entry in entries}
+    for (entry, key), offset, size in zip(shapes, offsets, sizes, strict=False):
+        cache[entry.param][key] = buffer[offset : offset + size].view(entry.dtype).view(entry.shape)
+    steps = buffer[offsets[-1] : offsets[-1] + sizes[-1]].view(STEP_DTYPE)
+    for index, entry in enumerate(entries):
+        cache[entry.param][STEP_KEY] = steps[index]
+    return cache

@@ -1,0 +1,314 @@
+"""Copies from host memory the runtime does not treat as pinned (Ascend).
+
+Not every CANN / torch_npu honours ``aclrtHostRegister``: older torch_npu synchronizes after
+each non-blocking copy from memory it did not allocate, and CANN's docs warn about unlocked
+memory on kernels <= 5.10. :class:`~swap_state.client.device.DeviceBackend` therefore probes
+each Ascend registration (:func:`probe_registered_copies`, decided by
+:func:`copies_are_async`); where copies from it are not asynchronous it logs one WARNING
+naming the versions (:func:`warn_synchronous_copies`, :func:`npu_versions`) and routes
+copies from that range through a :class:`BounceRing` of pinned buffers
+(:class:`BouncedRanges`). Nothing here imports torch_npu.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "BOUNCE_SLOTS",
+    "BOUNCE_SLOT_BYTES",
+    "PROBE_MARGIN_S",
+    "PROBE_SLOWDOWN",
+    "BounceRing",
+    "BouncedRanges",
+    "CopyProbe",
+    "ProbeConfig",
+    "ProbedDevice",
+    "copies_are_async",
+    "host_bytes",
+    "needs_bounce",
+    "npu_versions",
+    "probe_registered_copies",
+    "warn_synchronous_copies",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The bounce ring: slots x bytes of pinned memory, enough for the host to stage a few
+#: pieces ahead of the copy engine.
+BOUNCE_SLOTS = 4
+BOUNCE_SLOT_BYTES = 8 << 20
+
+
+def npu_versions() -> str:
+    """``"CANN <v>, torch_npu <v>"`` as far as they can be read (for the fallback's warning)."""
+    torch_npu = sys.modules.get("torch_npu")
+    cann = ""
+    # No such call before CANN 8.1: the toolkit's install file has the version then.
+    with contextlib.suppress(Exception):
+        cann = str(torch_npu.utils.get_cann_version(module="CANN"))  # type: ignore[union-attr]
+    home = os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ.get("ASCEND_HOME_PATH") or ""
+    for info in sorted(glob.glob(os.path.join(home, "*", "ascend_toolkit_install.info"))) if home else ():
+        if cann:
+            break
+        with contextlib.suppress(OSError), open(info, encoding="utf-8") as lines:
+            cann = next((line.split("=", 1)[1].strip() for line in lines if line.startswith("version=")), "")
+    return f"CANN {cann or 'unknown'}, torch_npu {getattr(torch_npu, '__version__', 'unknown')}"
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """How :func:`probe_registered_copies` measures: bytes copied, and the device work
+    (``busy_matmuls`` products of ``busy_side`` x ``busy_side`` fp32 matrices, a few ms on an
+    NPU) enqueued before each copy so that an asynchronous copy cannot be done when the host
+    gets control back."""
+
+    nbytes: int = 4 << 20
+    busy_side: int = 2048
+    busy_matmuls: int = 8
+
+
+class ProbedDevice(Protocol):
+    """What the probe uses of :class:`~swap_state.client.device.DeviceBackend`."""
+
+    type: str
+    copy_probe: ProbeConfig
+
+    def current_device(self) -> torch.device: ...
+    def alloc_host(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor: ...
+    def stream(self) -> Any: ...
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
+    def event(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class CopyProbe:
+    """A non-blocking H2D copy from the registered range, and one from the runtime's pinned
+    memory: was its event pending when the call returned, how long did the call take."""
+
+    registered_pending: bool
+    registered_seconds: float
+    pinned_pending: bool
+    pinned_seconds: float
+
+
+#: A registered copy call this many times slower than the pinned one (and by more than
+#: PROBE_MARGIN_S) waited for its copy: the runtime synchronized after it.
+PROBE_SLOWDOWN = 4.0
+PROBE_MARGIN_S = 1e-3
+
+
+def copies_are_async(probe: CopyProbe) -> bool:
+    """Whether non-blocking copies from the registered range are asynchronous.
+
+    Pending when the call returned: asynchronous. Not pending while the pinned copy was:
+    the runtime synchronized. Neither pending (the device outran the probe): decided by the
+    call times, a synchronizing call lasting as long as the copy.
+    """
+    if probe.registered_pending:
+        return True
+    if probe.pinned_pending:
+        return False
+    limit = max(PROBE_SLOWDOWN * probe.pinned_seconds, probe.pinned_seconds + PROBE_MARGIN_S)
+    return probe.registered_seconds <= limit
+
+
+def host_bytes(ptr: int, nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor over ``[ptr, ptr + nbytes)``; the caller keeps the memory alive."""
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+
+
+def probe_registered_copies(
+    backend: ProbedDevice, ptr: int, nbytes: int, config: ProbeConfig = ProbeConfig()
+) -> CopyProbe:
+    """Measure a non-blocking H2D copy of the first bytes of ``[ptr, ptr + nbytes)`` (only
+    read) against the same from ``backend.alloc_host`` (pinned) memory, each on a side
+    stream behind ``config``'s device work. Call after registering the range; returns with
+    the stream synchronized."""
+    size = min(config.nbytes, nbytes)
+    device = backend.current_device()
+    sources = (backend.alloc_host((size,), torch.uint8), host_bytes(ptr, size))
+    target = torch.empty(size, dtype=torch.uint8, device=device)
+    busy = torch.zeros((2, config.busy_side, config.busy_side), device=device)
+    stream = backend.stream()
+    measured: list[tuple[bool, float]] = []
+    for source in (sources[0], *sources):  # the first, unmeasured: the runtime's lazy setup
+        with backend.use_stream(stream):
+            for _ in range(config.busy_matmuls):
+                torch.mm(busy[0], busy[0], out=busy[1])
+            started = time.perf_counter()
+            target.copy_(source, non_blocking=True)
+            seconds = time.perf_counter() - started
+            done = backend.event()
+            done.record(stream)
+            measured.append((not done.query(), seconds))
+        stream.synchronize()
+    (pinned_pending, pinned_s), (registered_pending, registered_s) = measured[1:]
+    return CopyProbe(registered_pending, registered_s, pinned_pending, pinned_s)
+
+
+def needs_bounce(backend: ProbedDevice, ptr: int, nbytes: int) -> bool:
+    """Probe a new registration (:func:`probe_registered_copies`); True, after the process's
+    one WARNING, when copies from it are not asynchronous. A probe that fails says False
+    (copy directly, as without the probe): a check must not fail what it checks."""
+    try:
+        probe = probe_registered_copies(backend, ptr, nbytes, backend.copy_probe)
+    except Exception as exc:
+        logger.warning("could not probe copies from registered host memory (%s); copying directly", exc)
+        return False
+    if copies_are_async(probe):
+        return False
+    versions = npu_versions() if backend.type == "npu" else f"{backend.type}, torch {torch.__version__}"
+    warn_synchronous_copies(versions, probe)
+    return True
+
+
+_WARNED_SYNCHRONOUS = False
+
+
+def warn_synchronous_copies(versions: str, probe: CopyProbe) -> None:
+    """The one WARNING of a process whose runtime does not honour registered memory."""
+    global _WARNED_SYNCHRONOUS
+    if _WARNED_SYNCHRONOUS:
+        return
+    _WARNED_SYNCHRONOUS = True
+    logger.warning(
+        "%s: a non-blocking copy from memory registered with aclrtHostRegister is not "
+        "asynchronous (the host waited %.2f ms, %.2f ms from pinned memory); copies from "
+        "registered host memory go through a small ring of pinned bounce buffers from now on "
+        "(slower than direct DMA; a torch_npu / CANN that honours aclrtHostRegister avoids it)",
+        versions,
+        probe.registered_seconds * 1e3,
+        probe.pinned_seconds * 1e3,
+    )
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError("a bounced copy needs contiguous tensors")
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class BounceRing:
+    """Pinned staging buffers for copies between host memory that the runtime does not
+    treat as pinned and the device (host <-> slot <-> device), used round robin.
+
+    ``to_device(dst, src, stream)``: per piece of at most a slot, the host copies the piece
+    into the next slot (first waiting for that slot's last device copy), then enqueues
+    slot -> ``dst`` on ``stream``; it returns once every piece is enqueued, as a non-blocking
+    copy from pinned memory does. ``to_host(dst, src, stream)``: per piece, enqueues
+    ``src`` -> slot on ``stream``; the host waits for the oldest piece and copies it out while
+    the later ones are in flight; it returns once ``dst`` holds every byte: the host writes
+    ``dst``, so an event recorded on ``stream`` afterwards could not vouch for it. Both take
+    contiguous tensors of equal byte size; calls from several threads take turns.
+    """
+
+    def __init__(self, slots: Sequence[torch.Tensor], new_event: Callable[[], Any]) -> None:
+        if not slots:
+            raise ValueError("a bounce ring needs at least one slot")
+        self._slots = [_flat_bytes(slot) for slot in slots]
+        self._events: list[Any] = [None] * len(slots)
+        self._new_event = new_event
+        self._next = 0
+        self._lock = threading.RLock()
+        self.pieces = 0  # pieces staged so far, both ways
+
+    def _take(self) -> int:
+        """The next slot, once its last copy has completed."""
+        index, self._next = self._next, (self._next + 1) % len(self._slots)
+        self._wait(index)
+        self.pieces += 1
+        return index
+
+    def _wait(self, index: int) -> None:
+        event, self._events[index] = self._events[index], None
+        if event is not None:
+            event.synchronize()
+
+    def _mark(self, index: int, stream: Any) -> None:
+        event = self._new_event()
+        event.record(stream)
+        self._events[index] = event
+
+    def _pieces(self, nbytes: int) -> list[tuple[int, int]]:
+        size = min(len(slot) for slot in self._slots)
+        return [(start, min(size, nbytes - start)) for start in range(0, nbytes, size)]
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        """Stage host ``src`` into ``dst`` on the device (class doc)."""
+        source, target = _flat_bytes(src), _flat_bytes(dst)
+        with self._lock:
+            for start, size in self._pieces(source.numel()):
+                index = self._take()
+                slot = self._slots[index][:size]
+                slot.copy_(source[start : start + size])
+                target[start : start + size].copy_(slot, non_blocking=True)
+                self._mark(index, stream)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        """Stage device ``src`` into host ``dst``; returns with ``dst`` written (class doc)."""
+        source, target = _flat_bytes(src), _flat_bytes(dst)
+        in_flight: list[tuple[int, int, int]] = []
+
+        def land(index: int, start: int, size: int) -> None:
+            self._wait(index)
+            target[start : start + size].copy_(self._slots[index][:size])
+
+        with self._lock:
+            for start, size in self._pieces(source.numel()):
+                if len(in_flight) == len(self._slots):
+                    land(*in_flight.pop(0))
+                index = self._take()
+                self._slots[index][:size].copy_(source[start : start + size], non_blocking=True)
+                self._mark(index, stream)
+                in_flight.append((index, start, size))
+            for piece in in_flight:
+                land(*piece)
+
+
+class BouncedRanges:
+    """The host ranges whose copies go through the bounce ring, and the ring: made on first
+    use, of :data:`BOUNCE_SLOTS` buffers from ``alloc_host`` (pinned), events from
+    ``new_event``. Thread-safe; ``covers`` is one dict check while nothing bounces."""
+
+    def __init__(self, alloc_host: Callable[..., torch.Tensor], new_event: Callable[[], Any]) -> None:
+        self._alloc_host, self._new_event = alloc_host, new_event
+        self._ranges: dict[int, int] = {}  # start -> end
+        self._ring: BounceRing | None = None
+        self._lock = threading.Lock()
+
+    def add(self, start: int, end: int) -> None:
+        with self._lock:
+            self._ranges[start] = end
+
+    def discard(self, start: int) -> None:
+        with self._lock:
+            self._ranges.pop(start, None)
+
+    def covers(self, host: torch.Tensor) -> bool:
+        """Whether ``host``'s first byte lies in one of the ranges."""
+        if not self._ranges:
+            return False
+        ptr = host.data_ptr()
+        with self._lock:
+            return any(start <= ptr < end for start, end in self._ranges.items())
+
+    def ring(self) -> BounceRing:
+        with self._lock:
+            if self._ring is None:
+                slots = [self._alloc_host((BOUNCE_SLOT_BYTES,), torch.uint8) for _ in range(BOUNCE_SLOTS)]
+                self._ring = BounceRing(slots, self._new_event)
+            return self._ring
