@@ -24,6 +24,7 @@ __all__ = [
     "DiskFullError",
     "StaleGenerationError",
     "SessionLiveError",
+    "MetadataBaseUnknownError",
     "LayoutMismatchError",
     "NoSegmentError",
     "SnapshotsDisabledError",
@@ -93,6 +94,11 @@ class NoSegmentError(SwapStateError):
     """The session has no segment yet (Allocate first)."""
 
 
+class MetadataBaseUnknownError(SwapStateError):
+    """The server does not hold the snapshot metadata base this session sent (it restarted):
+    the client sends it again."""
+
+
 class SnapshotsDisabledError(SwapStateError):
     """The server keeps no snapshots (started without --snapshot-dir)."""
 
@@ -132,6 +138,7 @@ ERROR_FOR_REASON: dict[str, type[SwapStateError]] = {
     "SESSION_LIVE": SessionLiveError,
     "LAYOUT_MISMATCH": LayoutMismatchError,
     "NO_SEGMENT": NoSegmentError,
+    "METADATA_BASE_UNKNOWN": MetadataBaseUnknownError,
     "SNAPSHOTS_DISABLED": SnapshotsDisabledError,
     "SNAPSHOT_BUSY": SnapshotBusyError,
     "SNAPSHOT_EXISTS": SnapshotExistsError,

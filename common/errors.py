@@ -22,6 +22,7 @@ __all__ = [
     "SessionLive",
     "LayoutMismatch",
     "NoSegment",
+    "MetadataBaseUnknown",
     "SnapshotsDisabled",
     "Unauthenticated",
     "Unavailable",
@@ -92,6 +93,13 @@ class NoSegment(FailedPrecondition):
     """The session has no segment yet: Allocate first."""
 
     reason = "NO_SEGMENT"
+
+
+class MetadataBaseUnknown(FailedPrecondition):
+    """A snapshot names a metadata base this server does not hold (it restarted since the
+    trainer sent it): send the base again."""
+
+    reason = "METADATA_BASE_UNKNOWN"
 
 
 class SnapshotsDisabled(FailedPrecondition):

@@ -104,6 +104,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import mmap
 from collections.abc import Sequence
@@ -245,7 +246,7 @@ class CopyBudget:
     def of(cls, layout: "SegmentLayout", persist_bytes_per_s: float, measured: bool, fwd_bwd_s: float) -> "CopyBudget":
         """The rule for a segment of ``layout``: its tensors against all its copy slots."""
         return cls(
-            state_bytes=sum(t.nbytes for t in layout.tensors),
+            state_bytes=layout.tensor_bytes,
             slot_bytes=layout.cow_slots * layout.chunk_bytes,
             persist_bytes_per_s=persist_bytes_per_s,
             persist_measured=measured,
@@ -320,6 +321,27 @@ class SegmentLayout:
     cow_slots: int
     cow_slots_offset: int
     size: int
+
+    @functools.cached_property
+    def chunks(self) -> tuple[Chunk, ...]:
+        """:func:`chunk_table` of the layout, made once: every snapshot of a segment of
+        thousands of tensors walks it, and must not build it again in the trainer's stall."""
+        return tuple(chunk_table(self.tensors, self.chunk_bytes))
+
+    @functools.cached_property
+    def tensor_bytes(self) -> int:
+        """Bytes of all its tensors, summed once."""
+        return sum(t.nbytes for t in self.tensors)
+
+    @functools.cached_property
+    def names_unique(self) -> bool:
+        """Whether no two tensors share a name, checked once."""
+        return len({t.name for t in self.tensors}) == len(self.tensors)
+
+    @functools.cached_property
+    def model_from(self) -> int:
+        """:func:`first_model_chunk` of the layout, made once."""
+        return first_model_chunk(self.tensors, self.chunk_bytes)
 
 
 def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
@@ -424,6 +446,10 @@ class SegmentHeader:
 
     def cow_epoch(self, chunk: int) -> int:
         return self._all[self._cow_epoch + chunk]
+
+    def highest_cow_epoch(self) -> int:
+        """The largest ``COW_EPOCH`` of any chunk (0 when none), in one pass over the words."""
+        return max(self._all[self._cow_epoch : self._cow_epoch + self.n_chunks], default=0)
 
     def set_cow_epoch(self, chunk: int, epoch: int) -> None:
         self._all[self._cow_epoch + chunk] = epoch

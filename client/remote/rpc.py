@@ -454,21 +454,18 @@ class RemoteSession:
         return reply.committed_step
 
     def snapshot(
-        self, step: int, metadata_json: str, keep_latest: int = 0, keep_all: bool = False,
-        replace_existing: bool = False,
+        self, step: int, metadata_json: str = "", keep_latest: int = 0, keep_all: bool = False,
+        replace_existing: bool = False, **metadata_parts: str,
     ) -> pb.SnapshotReply:
         """Snapshot committed ``step``. ``keep_latest``/``keep_all``: the job's own retention
         (the server keeps at least its --keep-latest). ``replace_existing``: a durable
-        snapshot of this step from an earlier attempt is replaced, not refused."""
+        snapshot of this step from an earlier attempt is replaced, not refused.
+        ``metadata_parts``: ``metadata_base_id``, ``metadata_base_json`` and
+        ``metadata_delta_json`` instead of ``metadata_json`` (:mod:`~swap_state.common.snapshot_metadata_parts`)."""
         self.check_alive()
         request = pb.SnapshotRequest(
-            session_id=self.session_id,
-            generation=self.generation,
-            step=step,
-            metadata_json=metadata_json,
-            keep_latest=keep_latest,
-            keep_all=keep_all,
-            replace_existing=replace_existing,
+            session_id=self.session_id, generation=self.generation, step=step, metadata_json=metadata_json,
+            keep_latest=keep_latest, keep_all=keep_all, replace_existing=replace_existing, **metadata_parts,
         )
         return self._call("Snapshot", request)
 

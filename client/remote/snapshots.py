@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swap_state.client.optim.dtensor_utils import global_layout
-from swap_state.client.errors import SnapshotBusyError, SwapStateError
+from swap_state.client.errors import MetadataBaseUnknownError, SnapshotBusyError, SwapStateError
 from swap_state.client.optim.host_cache import STEP_KEY
+from swap_state.client.remote.reattach import PARAM_STEPS, all_param_groups
 from swap_state.client.remote.rpc import SwapStateClient
 from swap_state.client.remote.segment_mapping import dtype_name
 from swap_state.common.retry import wait_until
@@ -34,6 +35,7 @@ from swap_state.common.errors import InvalidArgument
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.segment import TensorLayout, Word
 from swap_state.common.snapshot_metadata import TensorMetadata, encode_metadata, parse_metadata, tagged_scalar
+from swap_state.common.snapshot_metadata_parts import base_id, encode_base, encode_delta
 
 
 if TYPE_CHECKING:
@@ -121,6 +123,50 @@ class SnapshotClient:
         tensors.update(area.metadata())
         return encode_metadata(tensors, param_groups, steps, area.aliases())
 
+    _metadata_base: tuple[str, str] | None = None
+    """(id, text) of the snapshot metadata's base: what does not change between snapshots,
+    encoded once (:mod:`swap_state.common.snapshot_metadata_parts`)."""
+    _base_sent: bool = False
+    """The server has acknowledged the base once (it answers METADATA_BASE_UNKNOWN when a
+    restarted one lost it)."""
+
+    def metadata_parts(self) -> tuple[str, str, str]:
+        """(base id, base, delta): :meth:`snapshot_metadata` in two parts, the base built once.
+        Per snapshot only the param groups' hyperparameters and one read of every step count."""
+        if self._metadata_base is None:
+            tensors: dict[str, TensorMetadata] = {}
+            offsets = [0]
+            for optimizer in self._c.optimizers:
+                offsets.append(offsets[-1] + len(optimizer.param_groups))
+            for entry in self._c._entries:
+                global_shape, global_offset = global_layout(entry.param) or (None, None)
+                for key, name in zip(entry.keys, self._c._tensor_names[entry.param]):
+                    tensors[name] = TensorMetadata(entry.fqn, key, global_shape, global_offset)
+            area = self._c._model_area
+            if area is not None:
+                tensors.update(area.metadata())
+            text = encode_base(tensors, area.aliases() if area is not None else None,
+                               [e.fqn for e in self._c._entries],
+                               [offsets[e.optimizer_index] + e.group_index for e in self._c._entries])
+            self._metadata_base = (base_id(text), text)
+        groups = [{k: json_value(v) for k, v in group.items() if k != "params"}
+                  for group in all_param_groups(self._c.optimizers)]
+        counts = self._c._views[PARAM_STEPS]  # the per-parameter steps are one tensor
+        steps = float(counts[0]) if len(counts) and bool((counts == counts[0]).all()) else counts.tolist()
+        return self._metadata_base[0], self._metadata_base[1], encode_delta(groups, steps)
+
+    def _send_snapshot(self, step: int, retention: dict[str, Any]) -> Any:
+        """The Snapshot RPC with the metadata in parts: the base only until the server has it."""
+        ident, base, delta = self.metadata_parts()
+        parts = {"metadata_base_id": ident, "metadata_delta_json": delta}
+        try:
+            reply = self._c.session.snapshot(step, **retention, **parts,
+                                             **({} if self._base_sent else {"metadata_base_json": base}))
+        except MetadataBaseUnknownError:  # a restarted server: it lost the base
+            reply = self._c.session.snapshot(step, **retention, **parts, metadata_base_json=base)
+        self._base_sent = True
+        return reply
+
     def state_dict_param_groups(self) -> dict[str, dict[str, Any]]:
         """Per canonical fqn, the JSON form of its param group's hyperparameters."""
         out: dict[str, dict[str, Any]] = {}
@@ -143,16 +189,15 @@ class SnapshotClient:
         area = self._c._model_area
         if area is not None and area.copied_step != step:
             area.copy_from_model(step)  # not copied since a load (or no step yet): now
-        metadata = self.snapshot_metadata()
         retention = self.snapshot_retention()
         try:
-            reply = self._c.session.snapshot(step, metadata, **retention)
+            reply = self._send_snapshot(step, retention)
         except SnapshotBusyError:
             # The server persists one snapshot of a segment at a time: a previous one (this
             # trainer's, or a restarted trainer's predecessor's) may still be persisting. Wait
             # for it and try once more; any other refusal comes back as it is.
             self._wait_for_persisting_snapshot(f"snapshot of step {step}")
-            reply = self._c.session.snapshot(step, metadata, **retention)
+            reply = self._send_snapshot(step, retention)
         handle = SnapshotHandle(reply.snapshot_id, step, self._c.session.rank, self._c.client)
         if not self._snapshot_location_logged:
             self._snapshot_location_logged = True

@@ -18,6 +18,7 @@ import mmap
 from swap_state.common.errors import FailedPrecondition, NoSegment
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word, committed_step
 from swap_state.common.server_header import ServerHeader
+from swap_state.common.snapshot_metadata_parts import MetadataBase
 from swap_state.server.memory.segment_file import Segment
 
 __all__ = ["LivenessStream", "Session", "SessionState"]
@@ -84,6 +85,10 @@ class Session:
     """After a reattach the trainer may commit an earlier step once (it restored a checkpoint)."""
     closed: bool = False
     """True once removed from the registry (its segment freed or being freed)."""
+    metadata_base: tuple[str, MetadataBase] | None = None
+    """The snapshot metadata base the trainer sent last, as (its id, the parsed
+    :class:`~swap_state.common.snapshot_metadata_parts.MetadataBase`); in memory only: a
+    restarted server asks for it again (METADATA_BASE_UNKNOWN)."""
     adopted: bool = False
     """Rebuilt from a previous server's segment at this server's start."""
     streamed_generation: int = 0

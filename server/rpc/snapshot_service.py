@@ -22,7 +22,10 @@ from prometheus_client.registry import Collector
 
 from swap_state.proto import swap_state_pb2 as pb
 
-from swap_state.common.errors import FailedPrecondition, NoSegment, SnapshotsDisabled
+from swap_state.common.errors import (
+    FailedPrecondition, InvalidArgument, MetadataBaseUnknown, NoSegment, SnapshotsDisabled,
+)
+from swap_state.common.snapshot_metadata_parts import MetadataParts, base_id, parse_base, parse_delta
 from swap_state.server.observability.metrics import counter, gauge
 from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.server.snapshot.restore import restore
@@ -186,10 +189,11 @@ class SnapshotRpcs:
             # The writer reads the segment after this reply; borrow() keeps the mapping
             # alive (a detach or grace expiry waits) until the writer lets go.
             with contextlib.ExitStack() as stack:
+                parts = await self._metadata_parts(session, request, coordinator.max_metadata_bytes)
                 buffer = stack.enter_context(session.segment.borrow())
                 source = SnapshotSource(
                     buffer, session.layout, session.header, session.job_id, session.rank,
-                    session.world_size, request.step, request.metadata_json,
+                    session.world_size, request.step, request.metadata_json, metadata_parts=parts,
                     local_world_size=session.local_world_size,
                     keep_latest=request.keep_latest, keep_all=request.keep_all,
                     replace_existing=request.replace_existing,
@@ -207,6 +211,28 @@ class SnapshotRpcs:
         self._finishing.add(task)
         task.add_done_callback(self._finished)
         return pb.SnapshotReply(snapshot_id=handle.snapshot_id, consistent=True)
+
+    @staticmethod
+    async def _metadata_parts(session: Session, request: pb.SnapshotRequest, max_bytes: int) -> MetadataParts | None:
+        """The request's metadata as a base and a delta (None: it sent ``metadata_json``).
+        A base sent along is validated and kept with the session; one only named must be
+        the one kept (else METADATA_BASE_UNKNOWN: the trainer sends it again)."""
+        if not request.metadata_base_id:
+            return None
+        if request.metadata_json:
+            raise InvalidArgument("metadata_json and metadata_base_id exclude each other: send one")
+        if request.metadata_base_json:
+            if base_id(request.metadata_base_json) != request.metadata_base_id:
+                raise InvalidArgument("metadata_base_id is not the digest of metadata_base_json")
+            base = await asyncio.to_thread(parse_base, request.metadata_base_json, session.layout.tensors, max_bytes)
+            session.metadata_base = (request.metadata_base_id, base)
+        held = session.metadata_base
+        if held is None or held[0] != request.metadata_base_id:
+            raise MetadataBaseUnknown(
+                f"this server does not hold the snapshot metadata base {request.metadata_base_id} of "
+                f"{session.job_id}/rank {session.rank} (it restarted since the trainer sent it): send it again"
+            )
+        return parse_delta(request.metadata_delta_json, held[1], max_bytes)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._finishing.discard(task)

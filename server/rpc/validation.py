@@ -21,6 +21,7 @@ from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.segment import TensorSpec
 from swap_state.common.segment_descriptor import SegmentDescriptor
+from swap_state.common.snapshot_format import DATA_ALIGN
 from swap_state.common.names import MODEL_PREFIX, is_model_tensor, parse_snapshot_id, shorten, validate_job_id
 
 __all__ = [
@@ -159,7 +160,7 @@ def validate_tensor_specs(
     seen: set[str] = set()
     model_from: int | None = None  # the first model tensor's index (they must come last)
     total = 0
-    header_bound = 0  # of the rank file's safetensors header (common.snapshot_format)
+    header_bound = DATA_ALIGN  # the rank file's safetensors header (snapshot_format): its padding first
     name_ok = _TENSOR_NAME.fullmatch
     # Hot loop (up to max_tensors iterations): checks are ordered so the common, valid case
     # does as little work as possible.

@@ -45,6 +45,7 @@ from swap_state.common.snapshot_errors import (
 )
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, SnapshotMetadata, parse_metadata
+from swap_state.common.snapshot_metadata_parts import MetadataParts
 from swap_state.common.names import parse_snapshot_id, shorten
 
 from swap_state.server.copy_budget import CopyBudgetPolicy
@@ -187,8 +188,7 @@ class SnapshotCoordinator:
     def _next_epoch(self, source: SnapshotSource) -> int:
         # Increasing per segment even across coordinators: above every COW_EPOCH in the header
         header = source.header  # and the epoch a trainer gave up (protocol step 6).
-        highest = max((header.cow_epoch(c) for c in range(source.layout.n_chunks)), default=0)
-        highest = max(highest, header[Word.ABANDONED_EPOCH])
+        highest = max(header.highest_cow_epoch(), header[Word.ABANDONED_EPOCH])
         self._last_epoch = max(self._last_epoch, highest) + 1
         return self._last_epoch
 
@@ -204,15 +204,15 @@ class SnapshotCoordinator:
         ``writer.HOLD_MAX_S``) before it streams, so a caller can get its reply out
         first; the snapshot is consistent on return either way.
 
-        Raises SnapshotInvalid (arguments, metadata_json), SnapshotBusy (the segment is being
-        persisted or written by the trainer), SnapshotExists (the step is already on disk),
-        SnapshotFailed (another rank's attempt at this step failed), SnapshotDiskFull.
+        Raises SnapshotInvalid (arguments, metadata), SnapshotBusy (the segment is being persisted
+        or written), SnapshotExists (the step is on disk), SnapshotFailed (another rank's failed)...
 
         Steps: checks and metadata, then under the lock :meth:`_group_for` (a retry's handle,
         a group to join or a new one) and :meth:`_join` (writer, handle, thread, publish).
         """
         check_source(source)
-        metadata = parse_metadata(source.metadata_json, source.layout.tensors, self.max_metadata_bytes)
+        metadata = source.metadata_parts or parse_metadata(source.metadata_json, source.layout.tensors,
+                                                           self.max_metadata_bytes)
         with self._lock:
             if self._closed:
                 raise SnapshotBusy("the snapshot coordinator is shut down")
@@ -269,7 +269,7 @@ class SnapshotCoordinator:
             group.timer.start()
         return group
 
-    def _join(self, group: SnapshotGroup, source: SnapshotSource, metadata: SnapshotMetadata,
+    def _join(self, group: SnapshotGroup, source: SnapshotSource, metadata: SnapshotMetadata | MetadataParts,
               hold: bool) -> RankSnapshot:
         """Under self._lock: this rank's writer, handle and thread; publish (consistent from
         there on), then start the thread."""

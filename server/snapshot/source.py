@@ -10,6 +10,7 @@ from typing import Any
 from swap_state.common.names import validate_job_id
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
 from swap_state.common.snapshot_errors import SnapshotInvalid
+from swap_state.common.snapshot_metadata_parts import MetadataParts
 
 __all__ = ["SnapshotSource", "check_source"]
 
@@ -34,6 +35,9 @@ class SnapshotSource:
     """The committed step the segment holds (the caller checks it is the last committed)."""
     metadata_json: str = ""
     """The trainer's description of the tensors (``snapshot_metadata`` schema); may be empty."""
+    metadata_parts: MetadataParts | None = None
+    """The same description as a base and a delta, already validated (then ``metadata_json``
+    is empty): expanded by the writer, off the trainer's stall."""
     local_world_size: int = 0
     """Ranks of the job on this server (this host), 1..world_size; 0 means ``world_size``.
     This server's snapshot is complete when this many distinct ranks are durable."""
@@ -86,6 +90,5 @@ def _check_segment(source: SnapshotSource) -> None:
     with memoryview(source.buffer) as view:
         if view.nbytes < layout.size:
             raise SnapshotInvalid(f"the segment buffer is smaller than its layout ({layout.size} bytes)")
-    names = [t.name for t in layout.tensors]
-    if len(set(names)) != len(names):
+    if not layout.names_unique:
         raise SnapshotInvalid("segment tensor names are not unique")

@@ -40,11 +40,12 @@ import pathlib
 import threading
 import time
 
-from swap_state.common.segment import Chunk, Word, chunk_table, first_model_chunk, stager_slot_count
+from swap_state.common.segment import Chunk, Word, stager_slot_count
 
 from swap_state.common.snapshot_errors import SnapshotError, from_os_error
 from swap_state.common.snapshot_format import dumps_json
 from swap_state.common.snapshot_metadata import SnapshotMetadata
+from swap_state.common.snapshot_metadata_parts import MetadataParts
 from swap_state.common.retry import wait_until
 from swap_state.common.server_header import ServerHeader
 from swap_state.server.logs import log_event
@@ -89,7 +90,7 @@ class RankWriter:
     def __init__(
         self,
         source: SnapshotSource,
-        metadata: SnapshotMetadata,
+        metadata: SnapshotMetadata | MetadataParts,
         epoch: int,
         storage: SnapshotStorage,
         partial: pathlib.PurePath,
@@ -115,13 +116,13 @@ class RankWriter:
         layout = source.layout
         self._header = ServerHeader(source.header)
         """The server's writes to the segment's header (protocol steps 1 and 3)."""
-        self.chunks = chunk_table(layout.tensors, layout.chunk_bytes)
-        self.model_from = first_model_chunk(layout.tensors, layout.chunk_bytes)
+        self.chunks = layout.chunks
+        self.model_from = layout.model_from
         """The first chunk of the model tensors (the chunk count when there are none)."""
         self.model_copy_timeout_s = model_copy_timeout_s
         self.model_wait_seconds = 0.0
         """How long the writer waited for the trainer's copy of the model (writer thread)."""
-        self.bytes_total = sum(t.nbytes for t in layout.tensors)
+        self.bytes_total = layout.tensor_bytes
         self.bytes_persisted = 0  # written by the writer thread only
         self.trainer_copied_bytes = 0  # chunks the trainer copied itself (writer thread)
         self.stream_seconds = 0.0  # time spent streaming the chunks (writer thread)
@@ -385,6 +386,8 @@ class RankWriter:
         released (``segment_released`` set) before this returns or raises."""
         self.go_event.wait(HOLD_MAX_S)
         source = self.source
+        if isinstance(self.metadata, MetadataParts):
+            self.metadata = self.metadata.expand()  # per-tensor work: here, not in the RPC
         plan = RankFilePlan(source, self.metadata)
         action = f"writing {plan.data_name} of {source.job_id}/step-{source.step}"
         try:

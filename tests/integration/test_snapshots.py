@@ -6,6 +6,7 @@ The snapshot files are read with the ``safetensors`` library only; "bitwise" com
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import warnings
@@ -364,3 +365,50 @@ def test_swap_state_entry_point_is_this_cli():
     pyproject = pathlib.Path(__file__).parents[2] / "pyproject.toml"
     scripts = tomllib.loads(pyproject.read_text())["project"]["scripts"]
     assert scripts["swap-state"] == "swap_state.client.cli:main"
+
+
+# -- metadata in parts ----------------------------------------------------------------------------
+
+
+def test_metadata_base_goes_once_and_a_server_that_lost_it_gets_it_again(start_server):
+    """The parts expand to exactly the whole metadata; the base travels with the first
+    snapshot only; a server that does not hold it refuses with METADATA_BASE_UNKNOWN and the
+    container sends it again."""
+    from swap_state.client.errors import MetadataBaseUnknownError
+    from swap_state.common.snapshot_metadata_parts import base_id, parse_base, parse_delta
+
+    server = start_server(chunk_bytes=CHUNK)
+    model = build_wide(W)
+    container = remote(W, model, server.address, "parts")
+    train(model, container, W, range(1, 3))
+    ident, base, delta = container._snapshots.metadata_parts()
+    tensors = container._mapping.tensors
+    assert parse_delta(delta, parse_base(base, tensors)).expand().raw == container.snapshot_metadata()
+    sent = []
+    real = container.session.snapshot
+
+    def spy(step, **kwargs):
+        sent.append(sorted(k for k, v in kwargs.items() if v and k.startswith("metadata")))
+        return real(step, **kwargs)
+
+    container.session.snapshot = spy
+    first = container.snapshot().wait_durable(timeout_s=60)
+    train(model, container, W, range(3, 4))
+    second = container.snapshot().wait_durable(timeout_s=60)
+    assert sent == [["metadata_base_id", "metadata_base_json", "metadata_delta_json"],
+                    ["metadata_base_id", "metadata_delta_json"]]
+    assert rank_manifest(second.path)["step"] == 3 and rank_manifest(first.path)["step"] == 2
+    manifest = rank_manifest(second.path)
+    assert manifest["metadata_json"] == container.snapshot_metadata()  # what readers see: unchanged
+
+    with pytest.raises(MetadataBaseUnknownError, match="does not hold the snapshot metadata base"):
+        real(3, metadata_base_id="0" * 32, metadata_delta_json=delta)
+    # A base the server never saw (as after its restart): refused once, then sent along.
+    other = json.dumps(json.loads(base), indent=1)  # the same base, another text and digest
+    container._snapshots._metadata_base = (base_id(other), other)
+    sent.clear()
+    train(model, container, W, range(4, 5))
+    third = container.snapshot().wait_durable(timeout_s=60)
+    assert sent == [["metadata_base_id", "metadata_delta_json"],
+                    ["metadata_base_id", "metadata_base_json", "metadata_delta_json"]]
+    assert rank_manifest(third.path)["metadata_json"] == container.snapshot_metadata()

@@ -12,7 +12,7 @@ from swap_server_testkit import Trainer, spec
 
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.common.segment import tensor_nbytes
-from swap_state.common.snapshot_format import safetensors_header
+from swap_state.common.snapshot_format import DATA_ALIGN, safetensors_header
 from swap_state.server.rpc import validation as vd
 from swap_state.server.rpc.validation import validate_job_id, validate_tensor_specs
 from swap_state.common.errors import InvalidArgument
@@ -53,7 +53,8 @@ def test_the_header_bound_holds_and_refuses_a_header_safetensors_would_not_read(
     ]
     names = [(name, dtype, shape, tensor_nbytes(dtype, shape)) for name, dtype, shape in specs]
     header, _ = safetensors_header(names, {})
-    bound = sum(len(n) + vd._HEADER_BYTES_PER_TENSOR + vd._HEADER_BYTES_PER_DIM * len(d) for n, _, d in specs)
+    bound = DATA_ALIGN + sum(len(n) + vd._HEADER_BYTES_PER_TENSOR + vd._HEADER_BYTES_PER_DIM * len(d)
+                             for n, _, d in specs)  # the padding that block-aligns the data first
     assert len(header) - len('{"__metadata__":{}}') - 8 <= bound
     many = [(f"state.{i:0490d}.exp_avg", "float32", [1]) for i in range(200_000)]
     with pytest.raises(InvalidArgument, match=r"safetensors header of up to .* \(shard the model over more ranks\)"):
