@@ -234,11 +234,11 @@ class StepPipeline:
                 device_state = {}
                 for key in moment_keys(item.group):
                     buffer = torch.empty_like(item.local_param, memory_format=torch.contiguous_format)
-                    buffer.copy_(item.host[key], non_blocking=True)
+                    backend.copy_to_device(buffer, item.host[key])  # type: ignore[arg-type]
                     device_state[key] = buffer
                 if steps_on_device(item.group):
                     step = torch.empty((), dtype=STEP_DTYPE, device=item.local_param.device)
-                    step.copy_(item.host[STEP_KEY], non_blocking=True)
+                    backend.copy_to_device(step, item.host[STEP_KEY])  # type: ignore[arg-type]
                 else:  # torch's layout without fused/capturable: the step stays on the CPU
                     step = item.host[STEP_KEY].clone()  # type: ignore[union-attr]
                 device_state[STEP_KEY] = step
@@ -269,7 +269,7 @@ class StepPipeline:
             stream.wait_event(updated)
             for item, buffers in zip(loaded.items, loaded.buffers, strict=True):
                 for key, buffer in buffers.items():
-                    item.host[key].copy_(buffer, non_blocking=True)  # type: ignore[union-attr]
+                    _copy_back(backend, item.host[key], buffer)  # type: ignore[arg-type]
                     _record_stream(backend, buffer, stream)
             offloaded = backend.event()
             offloaded.record(stream)
@@ -301,6 +301,17 @@ class StepPipeline:
                 grad_scale=getattr(optim, "grad_scale", None),
                 found_inf=getattr(optim, "found_inf", None),
             )
+
+
+def _copy_back(backend: DeviceBackend, host: torch.Tensor, buffer: torch.Tensor) -> None:
+    """Offload ``buffer`` into ``host`` on the current stream: through
+    :meth:`DeviceBackend.copy_to_host` (the bounce ring where registered memory is not honoured
+    as pinned), except a CPU step copy next to accelerator buffers (torch's layout without
+    fused/capturable), which is a host copy."""
+    if backend.is_accelerator and buffer.device.type == "cpu":
+        host.copy_(buffer)
+    else:
+        backend.copy_to_host(host, buffer)
 
 
 def _record_stream(backend: DeviceBackend, tensor: torch.Tensor, stream: Any) -> None:

@@ -211,7 +211,10 @@ class ModelArea:
         self._stream.wait_stream(self._backend.current_stream())
         with self._backend.use_stream(self._stream):
             for view, tensor in zip(self._views, self.tensors):
-                view.copy_(tensor.local, non_blocking=True)
+                # Through the backend: where the segment's registration is not honoured as
+                # pinned (probed on Ascend), the copy goes through its bounce ring, which takes
+                # contiguous tensors (a buffer may not be; the copy is made on this stream).
+                self._backend.copy_to_host(view, tensor.local.contiguous())
             # Blocking: the helper thread sleeps in its wait instead of spinning a core the
             # trainer's forward and backward want.
             done = self._backend.event(blocking=True)
@@ -232,7 +235,11 @@ class ModelArea:
         self.wait_copy()
         with torch.no_grad():
             for view, tensor in zip(self._views, self.tensors):
-                tensor.local.copy_(view)
+                local = tensor.local
+                if local.is_contiguous():
+                    self._backend.copy_to_device(local, view)  # the bounce ring where needed
+                else:
+                    local.copy_(view)  # a strided buffer: the ring takes contiguous tensors
         self._backend.synchronize()
         self.copied_step = step
         self._header.publish_model(step)

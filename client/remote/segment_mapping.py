@@ -96,10 +96,19 @@ class SegmentMapping:
 
     def register_for_dma(self, backend) -> None:
         """Pin the whole mapping for device DMA once (cudaHostRegister / aclrtHostRegister),
-        in chunks that end where a tensor (or the copy slots) starts, never inside one."""
+        in chunks that never split a tensor (``spans``: each tensor's bytes; a chunk ends only
+        on a page boundary no tensor straddles, see :func:`~swap_state.client.host_register.page_chunks`).
+
+        The whole mapping is registered either way (header and copy slots too: one range,
+        one unregister). The copy slots are no device copy's source or target (the trainer and
+        the server fill them from the segment on the host), so they are not spans; their
+        boundaries are ``cuts``, where a chunk may also end: a large slot area is then
+        registered in chunks within the limit rather than as one."""
         if self._registered is None and backend.is_accelerator:
-            cuts = [t.offset for t in self.tensors] + [self.info.cow_slots_offset]
-            backend.register_host_memory(self.data_ptr, self.info.size, cuts=cuts)
+            spans = [(t.offset, t.nbytes) for t in self.tensors]
+            info = self.info
+            cuts = [info.cow_slots_offset + i * info.chunk_bytes for i in range(info.cow_slots + 1)]
+            backend.register_host_memory(self.data_ptr, info.size, cuts=cuts, spans=spans)
             self._registered = (backend, self.data_ptr)
 
     def close(self) -> None:

@@ -81,6 +81,15 @@ class FakeAccelerator:
     def __init__(self):
         self.compute = _Stream()
         self.events: list[_Event] = []
+        self.copies: list[tuple[str, torch.Tensor]] = []  # (direction, host tensor)
+
+    def copy_to_host(self, dst, src):
+        self.copies.append(("to_host", dst))
+        dst.copy_(src)
+
+    def copy_to_device(self, dst, src):
+        self.copies.append(("to_device", src))
+        dst.copy_(src)
 
     def current_device(self):
         return torch.device("cpu")
@@ -134,6 +143,10 @@ def test_accelerator_copy_publishes_only_after_its_event_and_the_next_update_wai
     assert torch.equal(views["model.weight"], model.weight.detach())
     area.wait_copy()  # the next optimizer step's compute stream waits for the copy
     assert backend.compute.waited == [backend.events[0]]
+    # Through the backend (its bounce ring where registered memory is not honoured).
+    assert [(d, t.data_ptr()) for d, t in backend.copies] == [
+        ("to_host", views["model.weight"].data_ptr()), ("to_host", views["model.bias"].data_ptr())
+    ]
     area.close()
 
 
@@ -158,6 +171,7 @@ def test_restore_copies_the_segment_into_the_model_and_claims_the_step():
     views["model.weight"].fill_(0.25)
     area.copy_into_model(7)
     assert torch.equal(model.weight.detach(), torch.full((2, 3), 0.25))
+    assert [d for d, _ in backend.copies] == ["to_device", "to_device"]
     assert header[Word.MODEL_STEP] == 8 and area.copied_step == 7
     area.close()
 

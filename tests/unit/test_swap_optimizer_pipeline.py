@@ -57,6 +57,7 @@ class RecordingBackend(DeviceBackend):
         self._numbers = itertools.count()
         self.compute = _Stream(self.log, "compute")
         self.current = self.compute
+        self.copies: list[tuple[str, str, int, int]] = []  # (direction, stream, host ptr, numel)
 
     def stream(self) -> _Stream:
         return _Stream(self.log, next(self._names))
@@ -80,6 +81,14 @@ class RecordingBackend(DeviceBackend):
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         self.log.append(("record_stream", stream.name))
         self.buffers.append(weakref.ref(tensor))
+
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.copies.append(("to_device", self.current.name, src.data_ptr(), src.numel()))
+        super().copy_to_device(dst, src)
+
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.copies.append(("to_host", self.current.name, dst.data_ptr(), dst.numel()))
+        super().copy_to_host(dst, src)
 
 
 class HookedContainer(SwapOptimizersContainer):
@@ -231,3 +240,18 @@ def test_failed_validation_changes_nothing() -> None:
     assert float(container.optimizers[0].param_groups[0]["step"]) == 0.0
     assert all(torch.equal(p, old) for p, old in zip(model.parameters(), params_before, strict=True))
     assert not any(e[0] in ("before_host_write", "after_step", "record") for e in backend.log)
+
+
+def test_pipelined_copies_go_through_the_backend() -> None:
+    """Loads and offloads of moments and steps go through ``copy_to_device`` /
+    ``copy_to_host`` (the bounce ring where registered host memory is not honoured as
+    pinned), on the load and offload streams; every host byte of the cache moves each way."""
+    container, model, backend = _container(pipeline=True)
+    _step(container, model, 0)
+    moved: dict[str, set[int]] = {"to_device": set(), "to_host": set()}
+    for direction, stream, ptr, numel in backend.copies:
+        assert stream == ("load" if direction == "to_device" else "offload")
+        moved[direction] |= {ptr + 4 * i for i in range(numel)}  # float32 elements
+    cache = [t for p in model.parameters() for t in container.param_to_cpu_states_map[p].values() if t is not None]
+    expected = {t.data_ptr() + 4 * i for t in cache for i in range(t.numel())}
+    assert moved == {"to_device": expected, "to_host": expected}
