@@ -49,3 +49,15 @@ def test_restart_bench_at_a_small_size(tmp_path):
     assert result["reconnects_total_last_server"] == 1  # the last server saw the trainer come back
     md = (tmp_path / "restart.md").read_text()
     assert "Step time with the server gone / up" in md and "Adoption adds" in md
+
+
+@pytest.mark.timeout(180)
+def test_many_tensors_bench_at_a_small_size(tmp_path):
+    _run("bench.many_tensors", "--counts", "20,60", "--shape", "8x5", "--steps", "3", "--snapshots", "3",
+         out=tmp_path)
+    result = json.loads((tmp_path / "many-tensors.json").read_text())
+    assert [row["count"] for row in result["rows"]] == [20, 60]
+    for row in result["rows"]:
+        assert row["bitwise_equal"]
+        assert row["summary"]["remote"]["n"] == 3 and row["summary"]["snapshot"]["n"] == 2
+    assert "first snapshot() (sends the base)" in (tmp_path / "many-tensors.md").read_text()
