@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import types
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -40,9 +41,9 @@ from swap_state.client.optim.host_cache import (
 )
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.client.optim.state_loading import StateLoader
-from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES, StepPipeline, bind_swap_step
+from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES, StepPipeline
 
-__all__ = ["SwapOptimizersContainer"]
+__all__ = ["SwapOptimizersContainer", "bind_swap_step"]
 
 # The facade's name: what users configure logging for.
 logger = logging.getLogger("swap_state.client.swap_optimizer")
@@ -260,7 +261,12 @@ class SwapOptimizersContainer(OptimizersContainer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a flat state dict (from ``state_dict()``, any alias of tied parameters);
         validated first, a failure leaves the container untouched (:class:`StateLoader`)."""
-        self._loader.load(state_dict)
+        try:
+            self._loader.load(state_dict)
+        finally:
+            # Caches may be new or refilled, groups changed (failed loads roll back, but to
+            # dict copies): the step plans are rebuilt.
+            self._steps.invalidate()
 
     def loading_checkpoint(self, keys: Collection[str]) -> contextlib.AbstractContextManager[None]:
         """Make ``state_dict()`` the load template of a checkpoint whose optimizer entry holds
@@ -295,15 +301,18 @@ class SwapOptimizersContainer(OptimizersContainer):
         container not built by ``__init__``). Default, with an accelerator: zeroed views of one
         exactly sized pinned buffer per call (:func:`.host_cache.flat_host_caches`; pinning
         each tensor would round each up to a power of two); on CPU, where nothing is pinned,
-        one zeroed tensor each.
+        one zeroed tensor per moment and one step vector per call.
         """
         backend = self._backend
         if backend.pin_memory_available:
             return flat_host_caches(entries, backend.alloc_host_bytes)
         cache: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        for entry in entries:
+        # The steps as one vector, in update order: a slice's steps are then incremented (and
+        # moved, pipelined) as one tensor (host_cache.steps_vector).
+        steps = backend.alloc_host((len(entries),), STEP_DTYPE)
+        for index, entry in enumerate(entries):
             tensors = {key: backend.alloc_host(entry.shape, entry.dtype) for key in entry.keys}
-            tensors[STEP_KEY] = backend.alloc_host((), STEP_DTYPE)
+            tensors[STEP_KEY] = steps[index]
             cache[entry.param] = tensors
         return cache
 
@@ -320,3 +329,21 @@ class SwapOptimizersContainer(OptimizersContainer):
 
     def _after_load_state_dict(self) -> None:
         """Called after ``load_state_dict()`` has written the host cache and emptied the cache."""
+
+
+def bind_swap_step(container: Any, optim: Optimizer) -> Callable[..., Any]:
+    """``optim.step`` bound to the swap pipeline, with torch's step hooks around it.
+
+    A method (``__func__`` + ``__self__``) so that LR schedulers can wrap it; the
+    container is held weakly so that the optimizer does not keep it alive.
+    """
+    owner_ref = weakref.ref(container)
+
+    def swap_step(optimizer: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        owner = owner_ref()
+        if owner is None:
+            raise RuntimeError("the SwapOptimizersContainer of this optimizer no longer exists")
+        return owner._swap_step(optimizer, closure)
+
+    swap_step.__qualname__ = f"{type(optim).__name__}.swap_step"
+    return types.MethodType(Optimizer.profile_hook_step(swap_step), optim)

@@ -39,6 +39,8 @@ __all__ = [
     "HostCache",
     "HostCacheEntry",
     "HostCaches",
+    "SliceStates",
+    "advance_group_step",
     "as_number",
     "device_placeholders",
     "flat_host_caches",
@@ -46,9 +48,11 @@ __all__ = [
     "group_map",
     "has_data",
     "host_cache_ready",
+    "host_states",
     "moment_keys",
     "placeholder_like",
     "step_tensor",
+    "steps_vector",
 ]
 
 #: Adam state tensors shaped like the parameter, in host-cache order.
@@ -119,6 +123,15 @@ def as_number(value: Any) -> float:
     return float(value)
 
 
+def advance_group_step(group: dict[str, Any]) -> None:
+    """The group's step counts container steps (the seed keeps it; checkpoints carry it)."""
+    step = group.get(STEP_KEY)
+    if isinstance(step, torch.Tensor):
+        step += 1
+    else:
+        group[STEP_KEY] = step_tensor(as_number(step or 0) + 1)
+
+
 def host_cache_ready(
     host: Mapping[str, Any] | None, group: Mapping[str, Any], local_param: Any = None
 ) -> bool:
@@ -146,6 +159,9 @@ class HostCaches:
 
     def __init__(self, owner: SwapContainer):
         self._owner = owner
+        self.epoch = 0
+        """Counts :meth:`install` calls: the step pipeline's per-parameter plans are built
+        against one epoch (a cache installed may replace a parameter's)."""
 
     def entries(
         self,
@@ -204,6 +220,7 @@ class HostCaches:
         if not entries:
             return
         owner = self._owner
+        self.epoch += 1
         allocated = owner._allocate_host_cache(entries)
         checked = [(entry, self.checked(entry, allocated.get(entry.param))) for entry in entries]
         for entry, host in checked:
@@ -273,3 +290,48 @@ def flat_host_caches(
     for index, entry in enumerate(entries):
         cache[entry.param][STEP_KEY] = steps[index]
     return cache
+
+
+@dataclass(eq=False)
+class SliceStates:
+    """State tensors of one update call over a slice: per key (:data:`MOMENT_KEYS` and
+    :data:`STEP_KEY`) one per parameter, in update order (None where the group has no such
+    moment); the host caches' (:func:`host_states`) or device buffers loaded from them.
+
+    ``steps``, when not None, is one vector whose elements are the ``STEP_KEY`` tensors, in
+    order: the slice's steps then move with one copy each way and are incremented by one
+    ``add_``, bit for bit what a copy and a ``+ 1`` per step give."""
+
+    tensors: dict[str, list[Any]]
+    steps: torch.Tensor | None = None
+
+
+def host_states(hosts: Sequence[HostCache]) -> SliceStates:
+    """The complete host caches ``hosts`` (every key present) as :class:`SliceStates`."""
+    tensors = {key: [host.get(key) for host in hosts] for key in (*MOMENT_KEYS, STEP_KEY)}
+    return SliceStates(tensors, steps_vector(tensors[STEP_KEY]))
+
+
+def steps_vector(steps: Sequence[Any]) -> torch.Tensor | None:
+    """``steps`` (0-dim :data:`STEP_DTYPE` tensors) as the vector whose consecutive
+    elements they are, in order, when they are (views of one storage at consecutive offsets);
+    else None. Why: the flat and remote host caches keep every parameter's step in one vector,
+    in update order, so a slice's steps are a run of it."""
+    if not steps or not isinstance(steps[0], torch.Tensor):
+        return None
+    first = steps[0]
+    storage = first.untyped_storage()
+    base, offset = storage.data_ptr(), first.storage_offset()
+    if (offset + len(steps)) * STEP_DTYPE.itemsize > storage.nbytes():
+        return None
+    for index, step in enumerate(steps):
+        if not (
+            isinstance(step, torch.Tensor)
+            and step.dim() == 0
+            and step.dtype == STEP_DTYPE
+            and step.device == first.device
+            and step.storage_offset() == offset + index
+            and step.untyped_storage().data_ptr() == base
+        ):
+            return None
+    return first.as_strided((len(steps),), (1,), offset)

@@ -1,5 +1,13 @@
 """Pure helpers of the swap optimizer: slice planning and the Adam/AdamW update calls.
 
+Slices: :func:`plan_slices` cuts an optimizer's parameters into byte-balanced slices;
+:func:`plan_slice` records per slice what holds between steps (each parameter's group and host
+cache, the fused kernel's device and dtype check, made once as torch makes it when it creates
+a parameter's state); per step, :func:`full_slice_work` makes torch's per-step checks (no
+sparse gradient, DTensor placements) in one pass over the slice's gradients, and
+:func:`checked_slice` is the per-parameter path (a missing gradient, a cache to complete, or a
+check that fails: it raises torch's errors).
+
 A param group's *implementation* is torch's (and torchtitan's ``optimizer.implementation``):
 ``"fused"``, ``"foreach"`` or ``"for-loop"``, read from the group's ``fused`` / ``foreach``
 flags exactly as ``torch.optim.Adam.step`` reads them (:func:`group_implementation`), so a
@@ -25,22 +33,38 @@ one call over the whole group.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 from torch.optim.adam import adam as torch_functional_adam
-from torch.optim.optimizer import _to_scalar
+from torch.optim.optimizer import _device_dtype_check_for_fused, _to_scalar
+
+from swap_state.client.optim import patch_points
+from swap_state.client.optim.dtensor_utils import DTensor
+from swap_state.client.optim.host_cache import STEP_KEY, HostCache, SliceStates, host_cache_ready, host_states
 
 __all__ = [
     "DEFAULT_IMPLEMENTATION",
     "IMPLEMENTATIONS",
+    "PendingSlice",
+    "SlicePlan",
+    "SliceWork",
     "adam_update",
+    "checked_param_and_grad",
+    "checked_slice",
+    "full_slice_work",
     "fused_adam_update",
+    "fused_check_passes",
     "group_implementation",
     "pin_default_implementation",
+    "plan_slice",
     "plan_slices",
+    "slice_work",
     "steps_on_device",
 ]
 
@@ -82,6 +106,41 @@ def steps_on_device(group: Mapping[str, Any]) -> bool:
     return group_implementation(group) == "fused" or bool(group.get("capturable", False))
 
 
+def checked_param_and_grad(
+    param: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local shards of ``param`` and ``grad``, after the checks torch's fused Adam makes."""
+    if grad.is_sparse:
+        raise RuntimeError(
+            "SwapOptimizersContainer does not support sparse gradients, please consider SparseAdam instead"
+        )
+    if group.get("differentiable", False):
+        raise RuntimeError("SwapOptimizersContainer does not support differentiable=True")
+    param_layout = getattr(param, "placements", None) if isinstance(param, DTensor) else None
+    grad_layout = getattr(grad, "placements", None) if isinstance(grad, DTensor) else None
+    if param_layout != grad_layout:
+        raise RuntimeError(
+            "SwapOptimizersContainer updates local shards: the gradient must have the parameter's "
+            f"placements ({param_layout}), got {grad_layout if grad_layout else 'a plain tensor'}"
+        )
+    local_param, local_grad = patch_points.unwrap_dtensor(param), patch_points.unwrap_dtensor(grad)
+    if group_implementation(group) == "fused":
+        _device_dtype_check_for_fused(local_param)
+    return local_param, local_grad
+
+
+def fused_check_passes(local_param: torch.Tensor, group: Mapping[str, Any]) -> bool:
+    """Whether ``local_param`` passes torch's device and dtype check for ``group``'s fused
+    kernel (True for other implementations), without raising."""
+    if group_implementation(group) != "fused":
+        return True
+    try:
+        _device_dtype_check_for_fused(local_param)
+    except RuntimeError:
+        return False
+    return True
+
+
 def plan_slices(sizes: Sequence[int], times: int) -> list[range]:
     """Split items of the given byte sizes into at most ``times`` contiguous runs.
 
@@ -121,12 +180,17 @@ def fused_adam_update(
     group: Mapping[str, Any],
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    steps: torch.Tensor | None = None,
 ) -> None:
     """One fused Adam/AdamW update of plain (local) tensors with ``group``'s settings.
 
     ``max_exp_avg_sqs`` is empty unless ``group["amsgrad"]``. Steps are incremented
     here, before the kernel, exactly as torch does; with ``found_inf`` they are
-    decremented again afterwards.
+    decremented again afterwards. ``steps``: a vector whose elements are ``state_steps``, in
+    order (or None); where every tensor is of one device and dtype (one kernel call), the
+    steps are then incremented by one ``add_`` on it instead of torch's ``_foreach_add_``
+    over the scalars (a CPU foreach falls back to one op per tensor): the same float32
+    ``+ 1``, so the same bits.
     """
     if not params:
         return
@@ -145,30 +209,31 @@ def fused_adam_update(
     grouped = Optimizer._group_tensors_by_device_and_dtype(
         [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps]  # type: ignore[list-item]
     )
+    vector = steps if len(grouped) == 1 else None  # then d_steps is state_steps, in order
     for (device, _), ((d_params, d_grads, d_avgs, d_sqs, d_max, d_steps), _) in grouped.items():
         device_lr: Any = lr if lr_by_device is None else _on_device(lr_by_device, lr, device)
         device_scale = None if grad_scale is None else _on_device(scale_by_device, grad_scale, device)
         device_inf = None if found_inf is None else _on_device(inf_by_device, found_inf, device)
-        torch._foreach_add_(d_steps, 1)
+        _add_to_steps(vector, d_steps)
         kernel(
-            d_params,
-            d_grads,
-            d_avgs,
-            d_sqs,
-            d_max,
-            d_steps,
-            amsgrad=group["amsgrad"],
-            lr=device_lr,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            grad_scale=device_scale,
-            found_inf=device_inf,
-        )
+            d_params, d_grads, d_avgs, d_sqs, d_max, d_steps,
+            amsgrad=group["amsgrad"], lr=device_lr, beta1=beta1, beta2=beta2,
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+            grad_scale=device_scale, found_inf=device_inf,
+        )  # fmt: skip
         if device_inf is not None:
-            torch._foreach_sub_(d_steps, [device_inf] * len(d_steps))
+            _add_to_steps(vector, d_steps, minus=device_inf)
+
+
+def _add_to_steps(vector: torch.Tensor | None, steps: list[torch.Tensor], minus: Any = None) -> None:
+    """``+ 1`` (or ``- minus``) on every step, as torch does it over the scalars, or on
+    ``vector``, the tensor they are views of: one op, the same float32 arithmetic."""
+    if vector is not None:
+        vector.add_(1) if minus is None else vector.sub_(minus)
+    elif minus is None:
+        torch._foreach_add_(steps, 1)
+    else:
+        torch._foreach_sub_(steps, [minus] * len(steps))
 
 
 def adam_update(
@@ -182,16 +247,19 @@ def adam_update(
     group: Mapping[str, Any],
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    steps: torch.Tensor | None = None,
 ) -> None:
     """One Adam/AdamW update of plain (local) tensors with ``group``'s settings and
-    implementation (:func:`group_implementation`); steps are incremented here."""
+    implementation (:func:`group_implementation`); steps are incremented here (``steps``:
+    the vector ``state_steps`` are views of, see :func:`fused_adam_update`; the foreach and
+    for-loop updates are torch's own and ignore it)."""
     if not params:
         return
     implementation = group_implementation(group)
     if implementation == "fused":
         fused_adam_update(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-            group=group, grad_scale=grad_scale, found_inf=found_inf,
+            group=group, grad_scale=grad_scale, found_inf=found_inf, steps=steps,
         )  # fmt: skip
         return
     capturable = bool(group.get("capturable", False))
@@ -230,3 +298,153 @@ def _on_device(
     if device not in cache:
         cache[device] = tensor.to(device=device, non_blocking=True)
     return cache[device]
+
+
+# -- slices: per-parameter facts planned once, checked per step --------------------
+@dataclass(eq=False)
+class SliceWork:
+    """The parameters of one slice that have a gradient in this step, as parallel lists in
+    update order; ``runs``: ``(group, start, end)`` of each param group's consecutive ones."""
+
+    params: list[torch.Tensor]
+    local_params: list[torch.Tensor]
+    local_grads: list[torch.Tensor]
+    host: SliceStates
+    runs: list[tuple[dict[str, Any], int, int]]
+
+
+@dataclass(eq=False)
+class SlicePlan:
+    """A planned slice and the facts about its parameters that hold until the plan is
+    invalidated (:meth:`~swap_state.client.optim.step_pipeline.StepPipeline._plan_for`): each one's param group and host cache
+    (None while incomplete). ``full``: the slice's work when every parameter has a gradient
+    that passes the per-step checks (gradients, and a DTensor's local shards, which FSDP may
+    swap, filled in at each step); None when a parameter needs the per-parameter path (a
+    cache to complete, a group torch refuses, a dtype or device the fused kernel does not
+    take, plain and DTensor parameters mixed)."""
+
+    params: list[torch.Tensor]
+    groups: list[dict[str, Any]]
+    hosts: list[HostCache | None]
+    full: SliceWork | None
+    dtensor: bool
+
+
+PendingSlice = tuple[SlicePlan, list[int], list[torch.Tensor], list[torch.Tensor]]
+"""A slice on the per-parameter path: its plan, the indices with a gradient, their local
+parameters and gradients (:func:`checked_slice`)."""
+
+
+def plan_slice(
+    params: list[torch.Tensor], groups: list[dict[str, Any]], caches: Mapping[torch.Tensor, Any]
+) -> SlicePlan:
+    """The plan of one slice: what :class:`SlicePlan` caches, checked once.
+
+    A host cache counts when it holds every moment its group needs and a step; the fused
+    kernel's device and dtype check is made here, as torch makes it once, when it creates a
+    parameter's state (a parameter that fails it sends its slice down the per-parameter path,
+    which raises torch's error once it has a gradient)."""
+    locals_: list[torch.Tensor | None] = []
+    hosts: list[HostCache | None] = []
+    kinds = set()
+    full = True
+    for param, group in zip(params, groups, strict=True):
+        is_dtensor = isinstance(param, DTensor)
+        kinds.add(is_dtensor)
+        local = patch_points.unwrap_dtensor(param)
+        locals_.append(None if is_dtensor else local)
+        host = caches.get(param)
+        ready = host_cache_ready(host, group) and host.get(STEP_KEY) is not None  # type: ignore[union-attr]
+        hosts.append(host if ready else None)
+        full = full and ready and not group.get("differentiable", False) and fused_check_passes(local, group)
+    work = None
+    if full and len(kinds) == 1:
+        work = slice_work(params, groups, [] if True in kinds else locals_, [], hosts)  # type: ignore[arg-type]
+    return SlicePlan(params, groups, hosts, work, True in kinds)
+
+
+def full_slice_work(planned: SlicePlan, grads: list[Any]) -> SliceWork | None:
+    """The planned work of a slice, over its parameters that have a gradient, when those
+    gradients pass torch's per-step checks (one pass over them each, no per-parameter call);
+    else None (the per-parameter path raises torch's error)."""
+    full = planned.full
+    if full is None:
+        return None
+    present, indices = grads, None
+    if any(grad is None for grad in grads):  # as torch: no gradient, no update, no step increment
+        indices = [index for index, grad in enumerate(grads) if grad is not None]
+        if not indices:
+            return None
+        present = [grads[index] for index in indices]
+    params = full.params if indices is None else [full.params[index] for index in indices]
+    # A plain parameter's gradient is a plain tensor (``type(g) is Tensor``: not a DTensor), a
+    # DTensor's a DTensor with its placements; neither sparse.
+    if planned.dtensor:
+        if not all(isinstance(grad, DTensor) for grad in present) or any(grad.is_sparse for grad in present):
+            return None
+        if any(grad.placements != param.placements for param, grad in zip(params, present, strict=True)):
+            return None
+        unwrap = patch_points.unwrap_dtensor
+        local_params, local_grads = [unwrap(p) for p in params], [unwrap(g) for g in present]
+    else:
+        if not all(type(grad) is torch.Tensor for grad in present) or any(grad.is_sparse for grad in present):
+            return None
+        local_params = full.local_params if indices is None else [full.local_params[i] for i in indices]
+        local_grads = present
+    if indices is None:
+        return dataclasses.replace(full, local_params=local_params, local_grads=local_grads)
+    return _subset(full, indices, local_params, local_grads)
+
+
+def _subset(
+    full: SliceWork, indices: list[int], local_params: list[torch.Tensor], local_grads: list[torch.Tensor]
+) -> SliceWork:
+    """``full`` restricted to ``indices`` (sorted): their host states, their group runs, and
+    the step vector's run when they are consecutive."""
+    tensors = {key: [values[i] for i in indices] for key, values in full.host.tensors.items()}
+    runs = []
+    for group, start, end in full.runs:
+        low, high = bisect.bisect_left(indices, start), bisect.bisect_left(indices, end)
+        if high > low:
+            runs.append((group, low, high))
+    steps = full.host.steps
+    first = indices[0]
+    if steps is not None and indices[-1] - first + 1 == len(indices):
+        steps = steps[first : first + len(indices)]
+    else:
+        steps = None
+    params = [full.params[i] for i in indices]
+    return SliceWork(params, local_params, local_grads, SliceStates(tensors, steps), runs)
+
+
+def checked_slice(
+    planned: SlicePlan, grads: list[Any]
+) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """The per-parameter path: the indices of the parameters with a gradient and their
+    local shards, after every check torch makes (:func:`checked_param_and_grad`)."""
+    indices, local_params, local_grads = [], [], []
+    for index, (param, grad) in enumerate(zip(planned.params, grads, strict=True)):
+        if grad is None:
+            continue  # as torch: no gradient, no update, no step increment
+        local_param, local_grad = checked_param_and_grad(param, grad, planned.groups[index])
+        indices.append(index)
+        local_params.append(local_param)
+        local_grads.append(local_grad)
+    return indices, local_params, local_grads
+
+
+def slice_work(
+    params: list[torch.Tensor],
+    groups: list[dict[str, Any]],
+    local_params: list[torch.Tensor],
+    local_grads: list[torch.Tensor],
+    hosts: list[HostCache],
+) -> SliceWork:
+    """A slice's work over complete host caches ``hosts`` (parallel lists)."""
+    runs: list[tuple[dict[str, Any], int, int]] = []
+    for index, group in enumerate(groups):
+        if runs and runs[-1][0] is group:
+            runs[-1] = (group, runs[-1][1], index + 1)
+        else:
+            runs.append((group, index, index + 1))
+    return SliceWork(params, local_params, local_grads, host_states(hosts), runs)

@@ -17,42 +17,58 @@ bit-identical to torch's Adam/AdamW with the same implementation. Without ``fuse
 ``capturable`` torch keeps step counts on the CPU: so does the pipeline (a CPU copy per slice
 instead of a device one).
 
-Each optimizer's ``step`` is bound to its container's ``_swap_step`` (:func:`bind_swap_step`),
-which runs :meth:`StepPipeline.run`; ``torch.optim.Adam.step`` itself is never patched.
+Each optimizer's ``step`` is bound to its container's ``_swap_step``
+(:func:`swap_state.client.optim.container.bind_swap_step`), which runs
+:meth:`StepPipeline.run`; ``torch.optim.Adam.step`` itself is never patched.
+
+Per step, the work per parameter is a few list passes: the slices, each parameter's group,
+host cache and the fused kernel's device and dtype check are planned once and kept until one
+of them could change (:meth:`StepPipeline._plan_for`); the per-step checks torch makes (no
+sparse gradient, DTensor placements) are one pass per slice; a slice's steps, one vector in the
+flat and remote caches, are moved with one copy and incremented with one ``add_``.
 """
 
 from __future__ import annotations
 
-import types
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.optim import Optimizer
-from torch.optim.optimizer import _device_dtype_check_for_fused
 
 from swap_state.client.optim import patch_points
-from swap_state.client.optim.kernels import adam_update, group_implementation, plan_slices, steps_on_device
+from swap_state.client.optim.kernels import (
+    PendingSlice,
+    SlicePlan,
+    SliceWork,
+    adam_update,
+    checked_slice,
+    full_slice_work,
+    group_implementation,
+    plan_slice,
+    plan_slices,
+    slice_work,
+    steps_on_device,
+)
 from swap_state.client.device import DeviceBackend
-from swap_state.client.optim.dtensor_utils import DTensor
 from swap_state.client.optim.host_cache import (
+    MOMENT_KEYS,
     HostCaches,
     STEP_DTYPE,
     STEP_KEY,
-    HostCache,
+    SliceStates,
+    advance_group_step,
     as_number,
     group_map,
     host_cache_ready,
-    moment_keys,
     step_tensor,
 )
 
 if TYPE_CHECKING:
     from swap_state.client.optim.owner import SwapContainer
 
-__all__ = ["DEFAULT_SWAP_TIMES", "StepPipeline", "advance_group_step", "bind_swap_step"]
+__all__ = ["DEFAULT_SWAP_TIMES", "StepPipeline"]
 
 DEFAULT_SWAP_TIMES = 16
 
@@ -60,22 +76,11 @@ _T = TypeVar("_T")
 
 
 @dataclass(eq=False)
-class _StepItem:
-    """A parameter with a gradient in this step, with its host cache."""
-
-    param: torch.Tensor
-    group: dict[str, Any]
-    local_param: torch.Tensor
-    local_grad: torch.Tensor
-    host: HostCache
-
-
-@dataclass(eq=False)
 class _LoadedSlice:
-    """Device buffers of one slice (one dict per item) and the event their loads end with."""
+    """Device state of one slice and the event its loads end with."""
 
-    items: list[_StepItem]
-    buffers: list[dict[str, torch.Tensor]]
+    work: SliceWork
+    device: SliceStates
     ready: Any
 
 
@@ -96,7 +101,7 @@ class StepPipeline:
         self._host_caches = host_caches
         self._pipeline = pipeline
         self._swap_streams: tuple[Any, Any] | None = None
-        self._slice_cache: dict[int, tuple[Any, list[list[torch.Tensor]]]] = {}
+        self._plans: dict[int, tuple[tuple[Any, ...], list[SlicePlan]]] = {}
 
     def run(self, optim: Optimizer, closure: Callable[[], _T] | None = None) -> _T | None:
         """``optim.step(closure)``: one optimizer's update through the host cache (the
@@ -122,62 +127,95 @@ class StepPipeline:
         """Whether the load/offload pipeline runs (else the update runs on the host cache)."""
         return self._owner.device_backend.is_accelerator if self._pipeline is None else self._pipeline
 
-    def _slices_for(self, optim: Optimizer) -> list[list[torch.Tensor]]:
-        """``optim``'s parameters in update order, cut into byte-balanced slices (cached)."""
-        signature = tuple((id(group), tuple(map(id, group["params"]))) for group in optim.param_groups)
-        cache = self._slice_cache
-        cached = cache.get(id(optim))
-        if cached is None or cached[0] != signature:
+    def invalidate(self) -> None:
+        """Forget the per-parameter plans: the host caches may have been replaced (a load).
+        The container calls it after every ``load_state_dict``, failed or not."""
+        self._plans.clear()
+
+    def _plan_for(self, optim: Optimizer) -> list[SlicePlan]:
+        """``optim``'s parameters in update order, cut into byte-balanced slices, with their
+        per-parameter facts; rebuilt when one could have changed: a parameter or group
+        replaced or added, a group's implementation, amsgrad or differentiable flag, a cache
+        installed or the cache map replaced (the host caches' epoch, the map's identity and
+        size), a load (:meth:`invalidate`). A new gradient tensor changes nothing planned."""
+        caches = self._owner.param_to_cpu_states_map
+        key = (
+            tuple((id(group), tuple(map(id, group["params"]))) for group in optim.param_groups),
+            tuple((group_implementation(g), bool(g.get("amsgrad")), bool(g.get("differentiable")))
+                  for g in optim.param_groups),
+            id(caches), len(caches), self._host_caches.epoch,
+        )  # fmt: skip
+        cached = self._plans.get(id(optim))
+        if cached is None or cached[0] != key:
             params = [param for group in optim.param_groups for param in group["params"]]
             sizes = [patch_points.unwrap_dtensor(p).numel() * p.element_size() for p in params]
-            slices = [[params[i] for i in run] for run in plan_slices(sizes, self._owner.swap_optimizer_times)]
-            optim.param_to_group_map = group_map(optim)  # type: ignore[attr-defined]
-            cache[id(optim)] = cached = (signature, slices)
+            optim.param_to_group_map = groups = group_map(optim)  # type: ignore[attr-defined]
+            slices = []
+            for run in plan_slices(sizes, self._owner.swap_optimizer_times):
+                planned = [params[i] for i in run]
+                slices.append(plan_slice(planned, [groups[p] for p in planned], caches))
+            self._plans[id(optim)] = cached = (key, slices)
         return cached[1]
 
-    def _collect_step_work(self, optim: Optimizer) -> list[list[_StepItem]]:
-        """The parameters with gradients, per slice; validates them all before any change."""
-        planned = self._slices_for(optim)  # also refreshes optim.param_to_group_map
-        groups: dict[torch.Tensor, dict[str, Any]] = optim.param_to_group_map  # type: ignore[attr-defined]
-        slices: list[list[_StepItem]] = []
-        for params in planned:
-            items = []
-            for param in params:
-                if param.grad is None:
-                    continue  # as torch: no gradient, no update, no step increment
-                group = groups[param]
-                local_param, local_grad = _checked_param_and_grad(param, param.grad, group)
-                host = self._owner.param_to_cpu_states_map.get(param)
-                items.append(_StepItem(param, group, local_param, local_grad, host or {}))
-            if items:
-                slices.append(items)
-        self._complete_host_caches(optim, [item for items in slices for item in items])
+    def _collect_step_work(self, optim: Optimizer) -> list[SliceWork]:
+        """The parameters with gradients, per slice; validates them all before any change.
+
+        Per slice, one pass over the gradients for torch's per-step checks (no sparse
+        gradient, a DTensor gradient for a DTensor parameter with its placements); the rest
+        is the plan's. A slice that fails them, or lacks a gradient, takes the
+        per-parameter path, which raises torch's errors."""
+        slices: list[SliceWork] = []
+        pending: list[PendingSlice] = []
+        for planned in self._plan_for(optim):
+            grads = [param.grad for param in planned.params]
+            work = full_slice_work(planned, grads)
+            if work is not None:
+                slices.append(work)
+                continue
+            checked = checked_slice(planned, grads)
+            if checked[0]:
+                pending.append((planned, *checked))
+                slices.append(None)  # type: ignore[arg-type]  # filled in below
+        if pending:
+            completed = iter(self._complete_host_caches(optim, pending))
+            slices = [work if work is not None else next(completed) for work in slices]
         return slices
 
-    def _complete_host_caches(self, optim: Optimizer, items: list[_StepItem]) -> None:
-        """Allocate caches for parameters that have none; add a missing per-param step."""
-        missing = [item for item in items if not host_cache_ready(item.host, item.group)]
+    def _complete_host_caches(self, optim: Optimizer, pending: list[PendingSlice]) -> list[SliceWork]:
+        """The work of slices on the per-parameter path: caches allocated for parameters that
+        have none, a missing per-param step added; the plan is rebuilt at the next step."""
+        owner = self._owner
+        caches = owner.param_to_cpu_states_map
+        needed = [(p.params[i], p.groups[i]) for p, idx, _, _ in pending for i in idx if p.hosts[i] is None]
+        missing = [(param, group) for param, group in needed if not host_cache_ready(caches.get(param), group)]
         if missing:
-            owner = self._owner
             index = next(i for i, o in enumerate(owner.optimizers) if o is optim)
             group_index = {id(g): gi for gi, g in enumerate(optim.param_groups)}
-            pairs = [(group_index[id(item.group)], item.param) for item in missing]
+            pairs = [(group_index[id(group)], param) for param, group in missing]
             self._host_caches.install(self._host_caches.entries(index, owner.model_parts[index], optim, pairs))
-            for item in missing:
-                item.host = owner.param_to_cpu_states_map[item.param]
-        for item in items:
-            if item.host.get(STEP_KEY) is None:
+        for param, group in needed:
+            host = caches[param]
+            if host.get(STEP_KEY) is None:
                 # A cache built without a per-param step (the seed's layout): every
                 # parameter has taken the group's steps so far.
-                item.host[STEP_KEY] = step_tensor(as_number(item.group.get(STEP_KEY, 0)))
+                host[STEP_KEY] = step_tensor(as_number(group.get(STEP_KEY, 0)))
+        if needed:
+            self.invalidate()
+        works = []
+        for planned, indices, local_params, local_grads in pending:
+            hosts = [planned.hosts[i] or caches[planned.params[i]] for i in indices]
+            groups = [planned.groups[i] for i in indices]
+            params = [planned.params[i] for i in indices]
+            works.append(slice_work(params, groups, local_params, local_grads, hosts))
+        return works
 
-    def _inplace_update(self, optim: Optimizer, slices: list[list[_StepItem]]) -> None:
+    def _inplace_update(self, optim: Optimizer, slices: list[SliceWork]) -> None:
         """CPU: the fused kernel updates the host cache directly, slice by slice."""
-        for items in slices:
-            self._owner._before_host_write([item.param for item in items])
-            self._fused_update(optim, items, [item.host for item in items])
+        for work in slices:
+            self._owner._before_host_write(work.params)
+            self._fused_update(optim, work, work.host)
 
-    def _pipelined_update(self, optim: Optimizer, slices: list[list[_StepItem]]) -> None:
+    def _pipelined_update(self, optim: Optimizer, slices: list[SliceWork]) -> None:
         """Accelerator: update(k) || load(k+1) || offload(k), then wait for all offloads.
 
         Call order, per slice k: enqueue the update of slice k (after its load); the host
@@ -223,39 +261,36 @@ class StepPipeline:
             self._swap_streams = (backend.stream(), backend.stream())
         return self._swap_streams
 
-    def _load_slice(self, items: list[_StepItem], stream: Any) -> _LoadedSlice:
-        """Enqueue H2D copies of ``items``' host cache on ``stream``; record ``ready`` after."""
+    def _load_slice(self, work: SliceWork, stream: Any) -> _LoadedSlice:
+        """Enqueue H2D copies of ``work``'s host cache on ``stream``; record ``ready`` after.
+
+        Moments one copy each, in host memory order; the steps in one copy where they are one
+        host vector (:func:`_load_steps`)."""
         backend = self._owner.device_backend
-        buffers = []
+        device = SliceStates({key: [None] * len(work.params) for key in MOMENT_KEYS})
         # Allocated while ``stream`` is current, so the caching allocator ties the blocks
         # to the load stream; the compute and offload streams are recorded later.
         with backend.use_stream(stream):
-            for item in items:
-                device_state = {}
-                for key in moment_keys(item.group):
-                    buffer = torch.empty_like(item.local_param, memory_format=torch.contiguous_format)
-                    backend.copy_to_device(buffer, item.host[key])  # type: ignore[arg-type]
-                    device_state[key] = buffer
-                if steps_on_device(item.group):
-                    step = torch.empty((), dtype=STEP_DTYPE, device=item.local_param.device)
-                    backend.copy_to_device(step, item.host[STEP_KEY])  # type: ignore[arg-type]
-                else:  # torch's layout without fused/capturable: the step stays on the CPU
-                    step = item.host[STEP_KEY].clone()  # type: ignore[union-attr]
-                device_state[STEP_KEY] = step
-                buffers.append(device_state)
+            for index, local_param in enumerate(work.local_params):
+                for key in MOMENT_KEYS:
+                    host = work.host.tensors[key][index]
+                    if host is not None:
+                        buffer = torch.empty_like(local_param, memory_format=torch.contiguous_format)
+                        backend.copy_to_device(buffer, host)
+                        device.tensors[key][index] = buffer
+            device.tensors[STEP_KEY], device.steps = _load_steps(backend, work)
             ready = backend.event()
             ready.record(stream)
-        return _LoadedSlice(items, buffers, ready)
+        return _LoadedSlice(work, device, ready)
 
     def _update_slice(self, optim: Optimizer, loaded: _LoadedSlice, compute: Any) -> Any:
         """Enqueue the update of ``loaded`` on ``compute`` after its loads; return the event the
         update ends with. Call after :meth:`_load_slice` of ``loaded``, before its offload."""
         backend = self._owner.device_backend
         compute.wait_event(loaded.ready)
-        self._fused_update(optim, loaded.items, loaded.buffers)
-        for buffers in loaded.buffers:
-            for buffer in buffers.values():
-                _record_stream(backend, buffer, compute)
+        self._fused_update(optim, loaded.work, loaded.device)
+        for buffer in _buffers(loaded.device):
+            _record_stream(backend, buffer, compute)
         updated = backend.event()
         updated.record(compute)
         return updated
@@ -263,43 +298,48 @@ class StepPipeline:
     def _offload_slice(self, loaded: _LoadedSlice, updated: Any, stream: Any) -> Any:
         """Enqueue D2H copies of ``loaded`` after ``updated``; drop the device buffers; return
         the event the copies end with (once it has completed, the buffers' memory is free)."""
-        self._owner._before_host_write([item.param for item in loaded.items])
+        work, device = loaded.work, loaded.device
+        self._owner._before_host_write(work.params)
         backend = self._owner.device_backend
         with backend.use_stream(stream):
             stream.wait_event(updated)
-            for item, buffers in zip(loaded.items, loaded.buffers, strict=True):
-                for key, buffer in buffers.items():
-                    _copy_back(backend, item.host[key], buffer)  # type: ignore[arg-type]
-                    _record_stream(backend, buffer, stream)
+            keys = MOMENT_KEYS if device.steps is not None else (*MOMENT_KEYS, STEP_KEY)
+            for index in range(len(work.params)):  # in host memory order
+                for key in keys:
+                    buffer = device.tensors[key][index]
+                    if buffer is not None:
+                        _copy_back(backend, work.host.tensors[key][index], buffer)
+            if device.steps is not None:
+                _copy_back(backend, work.host.steps, device.steps)  # type: ignore[arg-type]
+            for buffer in _buffers(device):
+                _record_stream(backend, buffer, stream)
             offloaded = backend.event()
             offloaded.record(stream)
-        # Freed here (the loop's last references at the return), before anything else is
-        # enqueued on ``stream``: the allocator's free-time event there is then not later
-        # than ``offloaded``, so the memory is reusable as soon as ``offloaded`` completes.
-        loaded.buffers.clear()
+        # Freed here (the last references), before anything else is enqueued on ``stream``:
+        # the allocator's free-time event there is then not later than ``offloaded``, so the
+        # memory is reusable as soon as ``offloaded`` completes.
+        device.tensors.clear()
+        device.steps = None
         return offloaded
 
-    def _fused_update(
-        self, optim: Optimizer, items: list[_StepItem], states: Sequence[Mapping[str, Any]]
-    ) -> None:
-        """One update call per param group over ``items`` with state tensors ``states``, in
-        the group's implementation (fused unless its flags say foreach or for-loop; the
-        name is the seed's)."""
-        by_group: dict[int, list[int]] = {}
-        for index, item in enumerate(items):
-            by_group.setdefault(id(item.group), []).append(index)
-        for indices in by_group.values():
-            group = items[indices[0]].group
+    def _fused_update(self, optim: Optimizer, work: SliceWork, states: SliceStates) -> None:
+        """One update call per param group of ``work`` with state tensors ``states``, in the
+        group's implementation (fused unless its flags say foreach or for-loop; the name is
+        the seed's)."""
+        tensors, steps = states.tensors, states.steps
+        grad_scale, found_inf = getattr(optim, "grad_scale", None), getattr(optim, "found_inf", None)
+        for group, start, end in work.runs:
             adam_update(
-                [items[i].local_param for i in indices],
-                [items[i].local_grad for i in indices],
-                [states[i]["exp_avg"] for i in indices],
-                [states[i]["exp_avg_sq"] for i in indices],
-                [states[i]["max_exp_avg_sq"] for i in indices] if group["amsgrad"] else [],
-                [states[i][STEP_KEY] for i in indices],
+                work.local_params[start:end],
+                work.local_grads[start:end],
+                tensors["exp_avg"][start:end],
+                tensors["exp_avg_sq"][start:end],
+                tensors["max_exp_avg_sq"][start:end] if group["amsgrad"] else [],
+                tensors[STEP_KEY][start:end],
                 group=group,
-                grad_scale=getattr(optim, "grad_scale", None),
-                found_inf=getattr(optim, "found_inf", None),
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+                steps=None if steps is None else steps[start:end],
             )
 
 
@@ -321,51 +361,35 @@ def _record_stream(backend: DeviceBackend, tensor: torch.Tensor, stream: Any) ->
         backend.record_stream(tensor, stream)
 
 
-def advance_group_step(group: dict[str, Any]) -> None:
-    """The group's step counts container steps (the seed keeps it; checkpoints carry it)."""
-    step = group.get(STEP_KEY)
-    if isinstance(step, torch.Tensor):
-        step += 1
-    else:
-        group[STEP_KEY] = step_tensor(as_number(step or 0) + 1)
+def _load_steps(backend: DeviceBackend, work: SliceWork) -> tuple[list[Any], torch.Tensor | None]:
+    """The slice's steps for the update, and the vector they are views of (or None).
+
+    On the device where torch keeps them there (fused or capturable), else CPU copies (its
+    layout otherwise). One copy of the host step vector when there is one and the slice's
+    groups agree on where steps live; else one copy per parameter."""
+    host = work.host
+    places = {steps_on_device(group) for group, _, _ in work.runs}
+    if host.steps is not None and len(places) == 1:
+        if places.pop():
+            vector = torch.empty(host.steps.shape, dtype=STEP_DTYPE, device=work.local_params[0].device)
+            backend.copy_to_device(vector, host.steps)
+        else:
+            vector = host.steps.clone()
+        return list(vector.unbind()), vector
+    steps: list[Any] = []
+    for group, start, end in work.runs:
+        for index in range(start, end):
+            if steps_on_device(group):
+                step = torch.empty((), dtype=STEP_DTYPE, device=work.local_params[index].device)
+                backend.copy_to_device(step, host.tensors[STEP_KEY][index])
+            else:  # torch's layout without fused/capturable: the step stays on the CPU
+                step = host.tensors[STEP_KEY][index].clone()
+            steps.append(step)
+    return steps, None
 
 
-def _checked_param_and_grad(
-    param: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The local shards of ``param`` and ``grad``, after the checks torch's fused Adam makes."""
-    if grad.is_sparse:
-        raise RuntimeError(
-            "SwapOptimizersContainer does not support sparse gradients, please consider SparseAdam instead"
-        )
-    if group.get("differentiable", False):
-        raise RuntimeError("SwapOptimizersContainer does not support differentiable=True")
-    param_layout = getattr(param, "placements", None) if isinstance(param, DTensor) else None
-    grad_layout = getattr(grad, "placements", None) if isinstance(grad, DTensor) else None
-    if param_layout != grad_layout:
-        raise RuntimeError(
-            "SwapOptimizersContainer updates local shards: the gradient must have the parameter's "
-            f"placements ({param_layout}), got {grad_layout if grad_layout else 'a plain tensor'}"
-        )
-    local_param, local_grad = patch_points.unwrap_dtensor(param), patch_points.unwrap_dtensor(grad)
-    if group_implementation(group) == "fused":
-        _device_dtype_check_for_fused(local_param)
-    return local_param, local_grad
-
-
-def bind_swap_step(container: Any, optim: Optimizer) -> Callable[..., Any]:
-    """``optim.step`` bound to the swap pipeline, with torch's step hooks around it.
-
-    A method (``__func__`` + ``__self__``) so that LR schedulers can wrap it; the
-    container is held weakly so that the optimizer does not keep it alive.
-    """
-    owner_ref = weakref.ref(container)
-
-    def swap_step(optimizer: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-        owner = owner_ref()
-        if owner is None:
-            raise RuntimeError("the SwapOptimizersContainer of this optimizer no longer exists")
-        return owner._swap_step(optimizer, closure)
-
-    swap_step.__qualname__ = f"{type(optim).__name__}.swap_step"
-    return types.MethodType(Optimizer.profile_hook_step(swap_step), optim)
+def _buffers(device: SliceStates) -> list[torch.Tensor]:
+    """The tensors a slice's device state holds (the step vector, not its views)."""
+    keys = MOMENT_KEYS if device.steps is not None else (*MOMENT_KEYS, STEP_KEY)
+    held = [tensor for key in keys for tensor in device.tensors[key] if tensor is not None]
+    return held if device.steps is None else [*held, device.steps]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import logging
 import weakref
@@ -164,9 +165,11 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
 
     def _before_host_write(self, params: Sequence[torch.Tensor]) -> None:
         self._check_not_torn()
-        # The step tensors change with every slice, so they are guarded every time.
-        names = [PARAM_STEPS, GROUP_STEPS]
-        names += [n for p in params for n in self._tensor_names.get(p, ())]
+        # The step tensors change with every slice, so they are guarded every time. The
+        # names are an iterator the guard walks only while a snapshot persists: a step
+        # without one looks up no parameter here.
+        names_of = self._tensor_names
+        names = itertools.chain((PARAM_STEPS, GROUP_STEPS), (n for p in params for n in names_of.get(p, ())))
         self._guard.before_write(self._current_step(), names)
 
     def _current_step(self) -> int:

@@ -1,6 +1,6 @@
 """The in-process container's host cache with an accelerator: views of one exactly sized,
 registered buffer, bitwise equal to torch AdamW, through checkpoints; on CPU (nothing to
-pin) one tensor each, as before. The accelerator path runs here on a CPU backend that
+pin) one tensor per moment and one step vector. The accelerator path runs here on a CPU backend that
 claims pinned memory (:class:`test_host_register.PinnedCPU`)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from _swap_testing import assert_matches_reference, swap_and_reference, train
 from test_host_register import PinnedCPU
 
 from swap_state.client.device import PAGE_SIZE, DeviceBackend
-from swap_state.client.optim.host_cache import FLAT_ALIGN, FLAT_PAGE_RUN, flat_layout
+from swap_state.client.optim.host_cache import FLAT_ALIGN, FLAT_PAGE_RUN, flat_layout, steps_vector
 from swap_state.client.swap_optimizer import STEP_KEY, SwapOptimizersContainer
 
 KWARGS = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": True}
@@ -78,12 +78,15 @@ def test_checkpoint_round_trip_between_flat_caches(pipeline: bool) -> None:
     assert backend.registered_ranges() == []  # the last view gone: unregistered
 
 
-def test_cpu_keeps_one_unpinned_tensor_per_moment() -> None:
+def test_cpu_keeps_one_unpinned_tensor_per_moment_and_one_step_vector() -> None:
     backend = DeviceBackend("cpu")
     container = _flat(False, backend)[0]
-    tensors = [t for host in container.param_to_cpu_states_map.values() for t in host.values() if t is not None]
+    hosts = list(container.param_to_cpu_states_map.values())
+    tensors = [t for host in hosts for key, t in host.items() if t is not None and key != STEP_KEY]
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
     assert not any(t.is_pinned() for t in tensors) and backend.registered_ranges() == []
+    steps = [host[STEP_KEY] for host in hosts]  # update order: consecutive elements of one vector
+    assert steps_vector(steps) is not None and steps_vector(steps).numel() == len(hosts)
 
 
 @pytest.mark.cuda

@@ -71,3 +71,43 @@ def test_a_replaced_parameter_is_sampled_from_its_new_data():
     assert fp.compute() == first
     fp._params[0] = torch.randn(100)
     assert fp.compute() != first
+
+
+def _reference_digest(params):
+    """The digest computed from scratch: per dtype (by name), each parameter's samples in
+    order, as raw bytes (CPU only)."""
+    import hashlib
+
+    by_dtype: dict[str, list[torch.Tensor]] = {}
+    for p in params:
+        flat = p.detach().reshape(-1)
+        if flat.numel():
+            by_dtype.setdefault(str(flat.dtype), []).append(flat[sample_indices(flat.numel())])
+    data = b"".join(torch.cat(by_dtype[d]).view(torch.uint8).numpy().tobytes() for d in sorted(by_dtype))
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") or 1
+
+
+def test_the_digest_is_the_samples_bytes_and_follows_data_moved_under_the_same_parameter():
+    params = [torch.nn.Parameter(torch.randn(100)), torch.nn.Parameter(torch.randn(9).half()), torch.nn.Parameter(torch.randn(33, 3))]
+    fp = ParamFingerprint(params)
+    assert fp.compute() == _reference_digest(params)
+    with torch.no_grad():
+        params[2].mul_(2)  # in place: the kept views see it
+    assert fp.compute() == _reference_digest(params)
+    params[0].data = torch.randn(100)  # the same Parameter, its data elsewhere
+    assert fp.compute() == _reference_digest(params)
+    params[1].data = params[1].data.float()  # another dtype: regrouped
+    assert fp.compute() == _reference_digest(params)
+
+
+def test_a_dtensor_whose_local_shard_is_swapped_is_sampled_from_the_new_shard(cpu_mesh):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    local = torch.randn(40)
+    param = DTensor.from_local(local, cpu_mesh, [Replicate()], run_check=False)
+    plain = torch.randn(5)
+    fp = ParamFingerprint([param, plain])
+    assert fp.compute() == _reference_digest([local, plain])
+    swapped = torch.randn(40)
+    param._local_tensor = swapped  # what FSDP does when it resets a sharded parameter
+    assert fp.compute() == _reference_digest([swapped, plain])

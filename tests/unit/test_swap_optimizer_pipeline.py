@@ -112,9 +112,9 @@ class HookedContainer(SwapOptimizersContainer):
         steps = self._steps
         fused_update = steps._fused_update
 
-        def logged(optim: Any, items: Any, states: Any) -> None:
-            self._backend.log.append(("update", tuple(self.names[i.param] for i in items)))  # type: ignore[attr-defined]
-            fused_update(optim, items, states)
+        def logged(optim: Any, work: Any, states: Any) -> None:
+            self._backend.log.append(("update", tuple(self.names[p] for p in work.params)))  # type: ignore[attr-defined]
+            fused_update(optim, work, states)
 
         steps._fused_update = logged  # type: ignore[method-assign]
 
@@ -193,7 +193,9 @@ def test_pipelined_step_protocol() -> None:
     assert log[-3:] == [("sync", "load"), ("sync", "offload"), ("after_step",)]
     assert log.count(("after_step",)) == 1
     # every device buffer is recorded on compute and offload, and freed after the step
-    assert sum(1 for e in log if e == ("record_stream", "offload")) == 6 * 3  # exp_avg, exp_avg_sq, step
+    # exp_avg and exp_avg_sq of each parameter, and each slice's step vector (the steps are
+    # consecutive elements of one host vector: one copy each way per slice)
+    assert sum(1 for e in log if e == ("record_stream", "offload")) == 6 * 2 + 3
     assert backend.buffers and all(ref() is None for ref in backend.buffers)
 
 
