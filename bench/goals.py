@@ -169,7 +169,7 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     add(
         "persist >= 90% of the disk's O_DIRECT write + fsync of the same bytes",
         f"{persist:.2f} GB/s = {_pct(frac)} of {write:.2f} GB/s {label} ({how} write + fsync of the same "
-        f"bytes, between the checkpoint repetitions; buffered write + fsync {buffered_write:.2f} GB/s = "
+        f"bytes, right before and right after each snapshot; buffered write + fsync {buffered_write:.2f} GB/s = "
         f"{_pct(_ratio(persist, buffered_write))}; the run's first disk probe gave {_disk_write(disk):.2f} GB/s buffered)",
         frac >= 0.9 if not math.isnan(frac) else None,
         f"one writer thread per rank copies each chunk from shared memory into aligned bounce buffers "

@@ -149,9 +149,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"{fmt_bytes(fresh['bytes'])}, freed in {fmt_ms(_med(fresh['munmap_s']))}: what restore's staging costs "
             "beside the disk |")
     ref = sk["disk_ref"]
-    add(f"| disk write + fsync, {fmt_bytes(sk['state_dict_tensor_bytes'])}, between the checkpoint reps | "
+    add(f"| disk write + fsync, {fmt_bytes(sk['state_dict_tensor_bytes'])}, right before and after each snapshot | "
         f"{_gb(ref['write_fsync_gbps'])} | the reference for persist (same bytes, same moment) |")
-    add(f"| disk cold read, {fmt_bytes(sk['state_dict_tensor_bytes'])}, between the checkpoint reps | "
+    add(f"| disk cold read, {fmt_bytes(sk['state_dict_tensor_bytes'])}, right before and after each snapshot | "
         f"{_gb(ref['read_cold_gbps'])} | a freshly written file |")
     add(f"| disk O_DIRECT write + fsync, same bytes, same moment | {_gb(ref.get('write_direct_gbps'))} | "
         "the disk's own limit: the reference for persist |")

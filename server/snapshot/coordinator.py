@@ -384,15 +384,8 @@ class SnapshotCoordinator:
         files: list[FileRecord] = []
         for rank in ranks:
             files.extend(results[rank].files)
-        index = SnapshotIndex(
-            job_id=group.job_id,
-            step=group.step,
-            world_size=group.world_size,
-            ranks=ranks,
-            files=tuple(files),
-            created_unix=time.time(),
-            attempt=self._attempt(group),
-        )
+        index = SnapshotIndex(job_id=group.job_id, step=group.step, world_size=group.world_size, ranks=ranks,
+                              files=tuple(files), created_unix=time.time(), attempt=self._attempt(group))
         try:
             commit = self.store.commit(group.partial, index, group.keep, replace=group.replace)
         except SnapshotError as exc:
@@ -411,6 +404,8 @@ class SnapshotCoordinator:
             group.state = SnapshotState.DURABLE
             group.finished_monotonic = time.monotonic()
             group.cond.notify_all()
+        for warning in self.store.empty_trash(commit):  # off the durability path
+            log_event(log, "snapshot_retention_failed", logging.WARNING, snapshot_id=group.snapshot_id, error=warning)
 
     def _attempt(self, group: SnapshotGroup) -> int:
         """1, or one more than the snapshot of the step this commit replaces."""

@@ -23,6 +23,7 @@ import fcntl
 import os
 import pathlib
 import shutil
+import time
 
 from swap_state.common.names import snapshot_id_for, step_dir_name
 from swap_state.common.object_store import fsync_dir, read_range
@@ -220,12 +221,17 @@ class LocalFilesystemStorage(SnapshotStorage):
     def list(self, job_id: str) -> list[tuple[int, pathlib.PurePath]]:
         return [(step, path) for step, path, _ in self._reader._complete(job_id)]
 
-    def remove(self, where: pathlib.PurePath) -> None:
+    def unlist(self, where: pathlib.PurePath) -> pathlib.Path:
+        """Rename to ``.deleting-step-<N>.<unique>`` and fsync the job directory: gone from
+        the listing, durably, before any byte of it is removed."""
         path = self._inside(where)
-        trash = path.with_name(_DELETING_PREFIX + path.name)  # unlisted before anything goes
+        trash = path.with_name(f"{_DELETING_PREFIX}{path.name}.{os.getpid()}.{time.monotonic_ns()}")
         os.rename(path, trash)
         fsync_dir(path.parent)
-        shutil.rmtree(trash)
+        return trash
+
+    def remove(self, where: pathlib.PurePath) -> None:
+        shutil.rmtree(self.unlist(where))
 
     def read_range(self, where: pathlib.PurePath, name: str, offset: int, nbytes: int) -> bytes:
         return read_range(self._inside(where) / name, offset, nbytes)

@@ -27,8 +27,9 @@ Call order (the coordinator, its store and the rank writers)::
     storage.seal(partial)                                  # every name in it durable
     published = storage.commit(partial, job, step, replace=...)  # atomic: complete from here
     storage.set_latest(job, step)
-    storage.discard(published.replaced)                    # an earlier attempt it replaced
-    for step, where in storage.list(job)[:-keep]: storage.remove(where)   # retention
+    for step, where in storage.list(job)[:-keep]: trash.append(storage.unlist(where))  # retention
+    # the snapshot is reported durable here; then, off that path, the bytes go:
+    storage.discard(published.replaced); for t in trash: storage.discard(t)
     # a failed snapshot instead: storage.discard(partial)
     storage.read_range(where, name, offset, nbytes)        # reading back any committed file
     storage.release()                                      # at shutdown
@@ -214,8 +215,13 @@ class SnapshotStorage(abc.ABC):
         partial, replaced or being removed."""
 
     @abc.abstractmethod
+    def unlist(self, where: pathlib.PurePath) -> pathlib.PurePath:
+        """Take a committed snapshot out of the listing, atomically and durably (retention's
+        first half); returns where its bytes now are, for :meth:`discard`."""
+
+    @abc.abstractmethod
     def remove(self, where: pathlib.PurePath) -> None:
-        """Remove a committed snapshot (retention): unlisted first, then deleted."""
+        """Remove a committed snapshot: :meth:`unlist`, then delete (OSError on failure)."""
 
     @abc.abstractmethod
     def read_range(self, where: pathlib.PurePath, name: str, offset: int, nbytes: int) -> bytes:

@@ -72,10 +72,14 @@ def test_durability_order_and_retention(make_segment, make_coordinator, monkeypa
     monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     _snapshot(coordinator, seg, 3)
+    coordinator.handle("job/step-3", 0).thread.join(10)  # the trash goes after durable, in it
     monkeypatch.undo()
 
     def at(event: tuple[str, str]) -> int:
         return trace.index(event)
+
+    def named(kind: str, prefix: str) -> tuple[str, str]:  # trash names end in a unique suffix
+        return next(e for e in trace if e[0] == kind and e[1].startswith(prefix))
 
     partial = job_dir / ".partial-step-000000000003"
     data = at(("fsync", str(partial / rank_data_name(0))))
@@ -85,8 +89,9 @@ def test_durability_order_and_retention(make_segment, make_coordinator, monkeypa
     publish = at(("rename", ".partial-step-000000000003->step-000000000003"))
     parent = trace.index(("fsync", str(job_dir)), publish)
     latest = at(("replace", ".latest.tmp->latest"))
-    trash = at(("rename", "step-000000000001->.deleting-step-000000000001"))
-    delete = at(("rmtree", ".deleting-step-000000000001"))
+    unlisted = named("rename", "step-000000000001->.deleting-step-000000000001.")
+    trash = at(unlisted)
+    delete = at(("rmtree", unlisted[1].split("->")[1]))
     assert data < manifest < index < partial_dir < publish < parent < latest < trash < delete
     assert _steps(coordinator) == [2, 3]
     assert [i.step for i in coordinator.store.list("job") if i.latest] == [3]
