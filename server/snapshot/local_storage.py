@@ -55,8 +55,10 @@ def write_durable(path: pathlib.Path, data: bytes) -> None:
 class LocalFile(SnapshotFile):
     """A new file in a partial snapshot directory (``O_EXCL``: never one already there)."""
 
-    def __init__(self, path: pathlib.Path):
+    def __init__(self, path: pathlib.Path, direct: bool = True):
+        """``direct``: :meth:`open_direct` may give an O_DIRECT descriptor (``--direct-io``)."""
         self.path = path
+        self.direct = direct
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
 
     def fileno(self) -> int:
@@ -68,7 +70,7 @@ class LocalFile(SnapshotFile):
         """``O_DIRECT`` on the same path; None where the filesystem refuses it (EINVAL: tmpfs,
         some FUSE and network filesystems), logged once per directory by the caller."""
         flag = getattr(os, "O_DIRECT", 0)
-        if not flag:
+        if not flag or not self.direct:
             return None
         try:
             return os.open(self.path, os.O_WRONLY | flag | os.O_CLOEXEC)
@@ -94,7 +96,10 @@ class LocalFile(SnapshotFile):
 class LocalFilesystemStorage(SnapshotStorage):
     """A snapshot root directory on a filesystem with POSIX rename and fsync. Thread-safe."""
 
-    def __init__(self, root: str | os.PathLike[str]):
+    def __init__(self, root: str | os.PathLike[str], direct_io: str = "writes"):
+        """``direct_io``: ``--direct-io`` (writes, all, off): which I/O may use O_DIRECT."""
+        self.direct_writes = direct_io in ("writes", "all")
+        self.direct_reads = direct_io == "all"
         # The reader's path rules (job ids, confinement under the root, what counts as a
         # complete snapshot) are the ones every reader of the directory applies: one copy.
         self._reader = SnapshotReader(root)
@@ -164,7 +169,7 @@ class LocalFilesystemStorage(SnapshotStorage):
         return partial
 
     def create_file(self, partial: pathlib.PurePath, name: str) -> LocalFile:
-        return LocalFile(self._inside(partial) / name)
+        return LocalFile(self._inside(partial) / name, direct=self.direct_writes)
 
     def write_durable(self, partial: pathlib.PurePath, name: str, data: bytes) -> None:
         write_durable(self._inside(partial) / name, data)

@@ -176,12 +176,14 @@ def _copy_staged(staged: Staging, manifest: RankManifest, view: memoryview, layo
     return copied
 
 
-def _restore_staged(info: SnapshotInfo, manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> tuple[int, bool]:
-    """Read the rank's data file once, verify it all, then copy it: (bytes, pinned)."""
+def _restore_staged(info: SnapshotInfo, manifest: RankManifest, view: memoryview, layout: SegmentLayout,
+                    direct_reads: bool = False) -> tuple[int, bool]:
+    """Read the rank's data file once (O_DIRECT when ``direct_reads``), verify it all, then
+    copy it: (bytes, pinned)."""
     verifier = RankFileVerifier(info, manifest)  # the reader's checks, fed from the staged pages
     path = verifier.path
     try:
-        fd, direct = staged_read.open_for_staging(path)
+        fd, direct = staged_read.open_for_staging(path, direct=direct_reads)
     except FileNotFoundError:
         raise SnapshotCorrupt(f"{path} is missing") from None
     except OSError as exc:
@@ -282,7 +284,7 @@ def _restore_own(store: SnapshotStore, info: SnapshotInfo, view: memoryview, lay
     reserve = reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
     with reserve as granted:
         if granted:
-            copied, pinned = _restore_staged(info, manifest, view, layout)
+            copied, pinned = _restore_staged(info, manifest, view, layout, store.storage.direct_reads)
             return RestoreResult(info.snapshot_id, info.step, manifest.metadata_json, copied,
                                  staged=True, pinned=pinned, snapshot_world_size=info.world_size,
                                  source_ranks=(rank,))

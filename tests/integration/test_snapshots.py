@@ -412,3 +412,18 @@ def test_metadata_base_goes_once_and_a_server_that_lost_it_gets_it_again(start_s
     assert sent == [["metadata_base_id", "metadata_delta_json"],
                     ["metadata_base_id", "metadata_base_json", "metadata_delta_json"]]
     assert rank_manifest(third.path)["metadata_json"] == container.snapshot_metadata()
+    container.close()
+
+
+@pytest.mark.parametrize("mode", ["writes", "off"])
+def test_direct_io_flag_decides_how_snapshots_are_written(start_server, mode):
+    server = start_server(chunk_bytes=CHUNK, extra_args=("--direct-io", mode))
+    model = build_wide(W)
+    container = remote(W, model, server.address, f"direct-{mode}")
+    train(model, container, W, range(1, 3))
+    at_n = record_state(model, container)
+    status = container.snapshot().wait_durable(timeout_s=60)
+    assert bitwise_diff(at_n, load_file(str(data_file(status.path)))) == []
+    [line] = [line for line in server.log_text().splitlines() if "snapshot_rank_persisted" in line]
+    assert f"direct_io={str(mode == 'writes').lower()}" in line, line
+    container.close()

@@ -44,7 +44,7 @@ def test_help_explains_every_flag_with_an_example():
     flags = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
     expected = {"--shm-size", "--listen", "--token-file", "--snapshot-dir", "--grace",
                 "--metrics-port", "--log-level", "--shm-dir", "--shm-group", "--chunk-bytes",
-                "--cow-budget", "--persist-max-bandwidth", "--stage-threads", "--model-copy-timeout", "--keep-latest",
+                "--cow-budget", "--direct-io", "--persist-max-bandwidth", "--stage-threads", "--model-copy-timeout", "--keep-latest",
                 "--snapshot-store", "--snapshot-store-timeout", "--snapshot-store-max-bandwidth",
                 "--tls-cert", "--discard-segments", "--free-segments-on-stop",
                 "--tls-key", "--insecure"}
@@ -146,6 +146,7 @@ def test_argv_refuses_a_setting_that_has_no_flag(setting):
         (["--shm-size", "1G", "--listen", "http://x"], "expected unix:///path"),
         (["--shm-size", "1G", "--chunk-bytes", "1000"], "multiple of the page size"),
         (["--shm-size", "1G", "--keep-latest", "1"], "--keep-latest must be >= 2"),
+        (["--shm-size", "1G", "--direct-io", "reads"], "invalid choice: 'reads'"),
         (["--shm-size", "1G", "--cow-budget", "2G"], "exceeds --shm-size"),
         (["--shm-size", "1G", "--grace", "-1"], "must be >= 0"),
         (["--shm-size", "1G", "--metrics-port", "70000"], "out of range"),

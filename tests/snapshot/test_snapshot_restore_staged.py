@@ -49,8 +49,10 @@ def _restore(store, seg, **kwargs):
     return restore(store, "job/latest", seg.mm, seg.layout, rank=0, world_size=1, **kwargs)
 
 
-def test_staged_restore_reads_once_and_never_verifies_twice(snapshot, make_segment, monkeypatch):
+@pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "mapped"])
+def test_staged_restore_reads_once_and_never_verifies_twice(snapshot, make_segment, monkeypatch, direct):
     store, _, contents = snapshot
+    _reads(store, direct)
 
     def second_pass(*args, **kwargs):
         raise AssertionError("the staged restore must not run the separate verify pass")
@@ -62,7 +64,7 @@ def test_staged_restore_reads_once_and_never_verifies_twice(snapshot, make_segme
     def counting_open(path, flags, *args, **kwargs):
         opened.append(str(path))
         if str(path).endswith(rank_data_name(0)):
-            assert flags & restore_module.os.O_DIRECT  # past the page cache, on this filesystem
+            assert bool(flags & restore_module.os.O_DIRECT) is direct  # past the page cache, or through it
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(restore_module.os, "open", counting_open)
@@ -75,10 +77,9 @@ def test_staged_restore_reads_once_and_never_verifies_twice(snapshot, make_segme
     ) == 1
 
 
-def _without_o_direct(monkeypatch) -> None:
-    """Restore as on a filesystem that refuses O_DIRECT: the file mapped and pinned."""
-    real = staged_read.open_for_staging
-    monkeypatch.setattr(staged_read, "open_for_staging", lambda path: real(path, direct=False))
+def _reads(store, direct: bool) -> None:
+    """Restore with O_DIRECT reads (``--direct-io all``) or mapped and pinned (the default)."""
+    store.storage.direct_reads = direct
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "mapped"])
@@ -86,8 +87,7 @@ def _without_o_direct(monkeypatch) -> None:
 def test_a_corrupt_region_changes_nothing_and_names_file_and_tensor(snapshot, make_segment, tensor, direct,
                                                                     monkeypatch):
     store, info, _ = snapshot
-    if not direct:
-        _without_o_direct(monkeypatch)
+    _reads(store, direct)
     flip_byte(info.path / rank_data_name(0), _tensor_data_offset(info, tensor))
     seg, before = _target(make_segment)
     with pytest.raises(SnapshotCorrupt) as caught:
@@ -141,7 +141,6 @@ def test_the_budget_holds_the_staged_bytes_only_while_restoring(snapshot, make_s
 
 def test_unpinned_staging_checks_every_copy_again(snapshot, make_segment, monkeypatch, caplog):
     store, info, contents = snapshot
-    _without_o_direct(monkeypatch)
     monkeypatch.setattr(staged_read, "_mlock", lambda address, length: errno.ENOMEM)
     seg, _ = _target(make_segment)
     with caplog.at_level(logging.WARNING, logger="swap_state.server.restore"):
