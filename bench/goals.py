@@ -189,8 +189,9 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         f"{restore:.2f} GB/s = {_pct(frac)} of {read:.2f} GB/s {label} ({how} read of the snapshot's own file "
         f"right before each restore; its cold buffered read {cold_read:.2f} GB/s = {_pct(_ratio(restore, cold_read))})",
         frac >= 0.9 if not math.isnan(frac) else None,
-        f"restore reads the file once (O_DIRECT, two 16 MiB regions in flight, by a reader thread while "
-        f"crc32 ({crc:.2f} GB/s) checks the regions read), then copies the verified bytes into "
+        f"restore reads the file once (--direct-io writes, the default: mapped, read ahead and pinned region by "
+        f"region by a reader thread while crc32 ({crc:.2f} GB/s) checks the regions read; --direct-io all reads "
+        f"with O_DIRECT into fresh memory instead), then copies the verified bytes into "
         f"the segment (memmove, memcpy ceiling {memmove:.2f} GB/s: "
         f"{fmt_ms(main['restore']['bytes'] / (memmove * 1e9) if memmove else float('nan'))} for "
         f"{fmt_bytes(main['restore']['bytes'])}) only once every checksum passed; its staging memory is fresh: "
