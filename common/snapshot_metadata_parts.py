@@ -149,8 +149,8 @@ def parse_delta(delta_json: str, base: MetadataBase, max_bytes: int = MAX_METADA
         for name, value in group.items():
             _check_value(value, f"group_params[{index}][{name[:40]}]")
     steps = raw.get("steps", [])
-    if isinstance(steps, (int, float)) and not isinstance(steps, bool):
-        steps = [steps] * len(base.fqns)  # the common case, sent as one number
+    if isinstance(steps, (int, float)) and not isinstance(steps, bool):  # the common case
+        return MetadataParts(base, tuple(group_params), (steps,) * len(base.fqns))  # finite: _load
     if not isinstance(steps, list) or len(steps) != len(base.fqns):
         raise SnapshotInvalid(f"metadata delta: steps must be a list of {len(base.fqns)} values")
     for index, value in enumerate(steps):
