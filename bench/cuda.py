@@ -7,16 +7,18 @@ Nothing here runs without CUDA; :func:`skip_reason` says why it was skipped.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from bench.util import gbps, summarize
 
-__all__ = ["copy_bandwidth", "skip_reason"]
+__all__ = ["copy_bandwidth", "shm_tensor", "skip_reason"]
 
 
 def skip_reason() -> str | None:
@@ -39,6 +41,29 @@ def _time_copy(dst: torch.Tensor, src: torch.Tensor, reps: int) -> list[float]:
     return out
 
 
+@contextlib.contextmanager
+def shm_tensor(nbytes: int, shm_dir: str = "/dev/shm") -> Iterator[torch.Tensor]:
+    """A uint8 tensor over a fresh, committed /dev/shm mapping of ``nbytes`` (page-rounded),
+    as the server's segments are; the file is unlinked at once, the mapping closed at exit."""
+    nbytes = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    fd, path = tempfile.mkstemp(prefix="swap-state-probe-", dir=shm_dir)
+    try:
+        # Commit now: a /dev/shm too small fails here, not with SIGBUS in the middle of a copy.
+        os.posix_fallocate(fd, 0, nbytes)
+        region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    tensor = torch.frombuffer(region, dtype=torch.uint8)
+    try:
+        yield tensor
+    finally:
+        del tensor
+        with contextlib.suppress(BufferError):  # a view still alive: freed with its last tensor
+            region.close()
+
+
+
 def copy_bandwidth(nbytes: int, reps: int = 5, shm_dir: str = "/dev/shm") -> dict[str, Any]:
     """H2D and D2H GB/s for three kinds of host memory of ``nbytes``:
     a /dev/shm mapping registered with the project's ``register_host_memory``
@@ -52,25 +77,16 @@ def copy_bandwidth(nbytes: int, reps: int = 5, shm_dir: str = "/dev/shm") -> dic
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
     results: dict[str, Any] = {"bytes": nbytes}
 
-    fd, path = tempfile.mkstemp(prefix="swap-state-bench-", dir=shm_dir)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    shm = torch.frombuffer(mm, dtype=torch.uint8)
-    shm.fill_(1)
-    registration = backend.register_host_memory(shm.data_ptr(), nbytes)
-    try:
-        results["registered_shm"] = {
-            "h2d_gbps": summarize(_time_copy(gpu, shm, reps)),
-            "d2h_gbps": summarize(_time_copy(shm, gpu, reps)),
-        }
-    finally:
-        backend.unregister_host_memory(registration.ptr)
-        del shm
-        mm.close()
+    with shm_tensor(nbytes, shm_dir) as shm:
+        shm.fill_(1)
+        registration = backend.register_host_memory(shm.data_ptr(), nbytes)
+        try:
+            results["registered_shm"] = {
+                "h2d_gbps": summarize(_time_copy(gpu, shm, reps)),
+                "d2h_gbps": summarize(_time_copy(shm, gpu, reps)),
+            }
+        finally:
+            backend.unregister_host_memory(registration.ptr)
 
     pinned = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
     results["pin_memory"] = {

@@ -40,6 +40,7 @@ import torch
 from swap_state.client.device import DeviceBackend, select_device_type
 from torch import nn
 
+from bench.cuda import shm_tensor
 from bench.report import _finite
 from bench.util import gbps, summarize
 from bench.workload import build_model, model_shape
@@ -141,28 +142,6 @@ class FigureTimeout(Exception):
 
 
 # -- host memory ------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def shm_tensor(nbytes: int, shm_dir: str = "/dev/shm") -> Iterator[torch.Tensor]:
-    """A uint8 tensor over a fresh, committed /dev/shm mapping of ``nbytes`` (page-rounded),
-    as the server's segments are; the file is unlinked at once, the mapping closed at exit."""
-    nbytes = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    fd, path = tempfile.mkstemp(prefix="swap-state-probe-", dir=shm_dir)
-    try:
-        # Commit now: a /dev/shm too small fails here, not with SIGBUS in the middle of a copy.
-        os.posix_fallocate(fd, 0, nbytes)
-        region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    tensor = torch.frombuffer(region, dtype=torch.uint8)
-    try:
-        yield tensor
-    finally:
-        del tensor
-        with contextlib.suppress(BufferError):  # a view still alive: freed with its last tensor
-            region.close()
-
-
 def _chunked(backend: DeviceBackend, chunk_bytes: int) -> DeviceBackend:
     """The same kind of backend (a test's subclass included), registering in ``chunk_bytes``."""
     return type(backend)(backend.type, backend.module, chunk_bytes=chunk_bytes)

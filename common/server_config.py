@@ -227,20 +227,18 @@ class ServerConfig:
             if (self.tls_cert is None) != (self.tls_key is None):
                 fail("--tls-cert and --tls-key go together")
             if self.tls_cert is None and not self.insecure:
-                fail(
-                    f"--listen {self.listen}: TCP needs --tls-cert/--tls-key, or --insecure to "
-                    "accept plaintext (bulk data never crosses gRPC, but tokens and control do)"
-                )
+                fail(f"--listen {self.listen}: TCP needs --tls-cert/--tls-key, or --insecure to accept "
+                     "plaintext (bulk data never crosses gRPC, but tokens and control do)")
         elif self.tls_cert is not None or self.tls_key is not None:
             fail("--tls-cert/--tls-key only apply to --listen tcp://...")
         if not self.grace >= 0:
             fail("--grace must be >= 0 seconds")
         if not 0 <= self.metrics_port <= 65535:
             fail("--metrics-port must be 0 (off) or a port number")
-        if self.direct_io not in DIRECT_IO_MODES:
-            fail(f"--direct-io must be one of {', '.join(DIRECT_IO_MODES)}")
-        if self.log_level not in LOG_LEVELS:
-            fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        for flag, value, choices in (("--direct-io", self.direct_io, DIRECT_IO_MODES),
+                                     ("--log-level", self.log_level, LOG_LEVELS)):
+            if value not in choices:
+                fail(f"{flag} must be one of {', '.join(choices)}")
         if self.chunk_bytes <= 0 or self.chunk_bytes % PAGE_BYTES:
             fail(f"--chunk-bytes must be a positive multiple of the page size ({PAGE_BYTES})")
         if self.cow_budget is None:
