@@ -27,7 +27,7 @@ from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConf
 from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
 
 from bench import util
-from bench.report import run_small_bench
+from bench.report import run_small_bench, small_bench_parser
 from bench.util import fmt_bytes, summarize
 
 __all__ = ["main"]
@@ -36,12 +36,10 @@ GiB = 1 << 30
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.allocate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = small_bench_parser("bench.allocate", __doc__, "allocate")
     p.add_argument("--size", default="4G", help="bytes of tensors allocated in all (K/M/G suffixes)")
     p.add_argument("--ranks", type=int, default=4, help="ranks allocating at once in section 2")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each section")
-    p.add_argument("--out", default="results", help="folder for allocate.md and allocate.json")
     return p
 
 

@@ -55,7 +55,6 @@ __all__ = [
     "Sizes",
     "main",
     "run_figures",
-    "shm_tensor",
 ]
 
 # The hyperparameters of the CUDA parity test (tests/integration/test_whole_state_cuda.py).

@@ -28,7 +28,7 @@ from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizer
 from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig
 
 from bench import util
-from bench.report import run_small_bench
+from bench.report import run_small_bench, small_bench_parser
 from bench.util import fmt_ms, summarize
 
 __all__ = ["main"]
@@ -37,13 +37,11 @@ _ADAMW = {"lr": 1e-3, "weight_decay": 0.01, "fused": True}
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.many_tensors", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = small_bench_parser("bench.many_tensors", __doc__, "many-tensors")
     p.add_argument("--counts", default="200,2000,6000", help="comma-separated parameter counts")
     p.add_argument("--shape", default="64x33", help="every parameter's shape, RxC")
     p.add_argument("--steps", type=int, default=20, help="timed steps per optimizer and count")
     p.add_argument("--snapshots", type=int, default=6, help="snapshots per count (the first sends the base)")
-    p.add_argument("--out", default="results", help="folder for many-tensors.md and many-tensors.json")
     return p
 
 

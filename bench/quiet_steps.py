@@ -26,7 +26,7 @@ from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizer
 from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig
 
 from bench import util
-from bench.report import run_small_bench
+from bench.report import run_small_bench, small_bench_parser
 from bench.util import fmt_bytes, fmt_ms, summarize
 from bench.workload import ADAMW_KWARGS, build_model
 
@@ -36,12 +36,10 @@ VARIANTS = ("moments_only", "whole_state", "whole_state_copy_every_step")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.quiet_steps", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = small_bench_parser("bench.quiet_steps", __doc__, "quiet-steps")
     p.add_argument("--params", default="32M", help="model parameters")
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds")
     p.add_argument("--block", type=int, default=3, help="steps per variant per round")
-    p.add_argument("--out", default="results", help="folder for quiet-steps.md and quiet-steps.json")
     return p
 
 

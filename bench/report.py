@@ -3,6 +3,7 @@ is :mod:`bench.goals` (``evaluate_goals`` is re-exported here for the CLI)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -290,6 +291,16 @@ def write_json(results: dict[str, Any], path: str) -> None:
     with open(path, "w") as f:
         json.dump(_finite(results), f, indent=1, default=str, allow_nan=False)
         f.write("\n")
+
+
+def small_bench_parser(module: str, doc: str, stem: str) -> argparse.ArgumentParser:
+    """The parser of a one-question benchmark: ``python -m <module>``, its docstring's first
+    paragraph, defaults shown, and ``--out`` for ``<stem>.md`` and ``<stem>.json``; the
+    benchmark adds its own arguments."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", default="results", help=f"folder for {stem}.md and {stem}.json")
+    return parser
 
 
 def run_small_bench(argv: list[str] | None, parser: Any, measure: Any, to_markdown: Any, stem: str) -> int:

@@ -26,7 +26,7 @@ from swap_state.common.retry import wait_until
 
 from bench import util  # noqa: F401 (parse_size)
 from bench.cli import _isolate
-from bench.report import run_small_bench
+from bench.report import run_small_bench, small_bench_parser
 from bench.util import fmt_bytes, fmt_ms, summarize
 from bench.workload import build_model, build_variant
 
@@ -34,14 +34,12 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.restart", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = small_bench_parser("bench.restart", __doc__, "restart")
     p.add_argument("--params", default="32M", help="model parameters (the segment holds 8 bytes of moments each)")
     p.add_argument("--steps", type=int, default=20, help="timed steps with the server up, and as many without")
     p.add_argument("--reps", type=int, default=3, help="restarts of each kind (and fresh starts)")
     p.add_argument("--isolate", action="store_true", help="pin each server to the last CPU and the trainer "
                    "(torch threads to match) to the others, as on a host where the server has cores of its own")
-    p.add_argument("--out", default="results", help="folder for restart.md and restart.json")
     return p
 
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 from swap_state.common.retry import wait_until
-from swap_state.common.segment import Chunk, SegmentHeader, SegmentLayout, Word, chunk_table
+from swap_state.common.segment import Chunk, SegmentHeader, SegmentLayout, Word
 from swap_state.common.trainer_header import TrainerHeader
 
 __all__ = ["BackPressureTimeout", "protect_chunk", "TrainerProtector"]
@@ -131,7 +131,7 @@ class TrainerProtector:
         self.layout = layout
         self.max_wait_s = max_wait_s
         self.server_gone = server_gone
-        self.chunks = chunk_table(layout.tensors, layout.chunk_bytes)
+        self.chunks = layout.chunks  # the layout's, made once
         self._starts = [c.offset for c in self.chunks]
 
     def before_write(self, offset: int, nbytes: int) -> int:

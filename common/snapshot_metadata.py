@@ -46,6 +46,8 @@ __all__ = [
     "TensorMetadata",
     "SnapshotMetadata",
     "parse_metadata",
+    "load_metadata_json",
+    "metadata_from_json",
     "encode_metadata",
     "tagged_scalar",
 ]
@@ -156,6 +158,21 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
+def load_metadata_json(text: str, what: str = "metadata_json", max_bytes: int = MAX_METADATA_BYTES) -> dict[str, Any]:
+    """``text`` as a JSON object of at most ``max_bytes`` (standard JSON only: no NaN or
+    Infinity, no out-of-range floats); empty text is ``{}``. SnapshotInvalid naming ``what``."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise SnapshotInvalid(f"{what} is {size} bytes, more than the limit of {max_bytes}")
+    try:
+        raw = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float) if text.strip() else {}
+    except (ValueError, RecursionError) as exc:
+        raise SnapshotInvalid(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise SnapshotInvalid(f"{what} must be a JSON object")
+    return raw
+
+
 def parse_metadata(
     metadata_json: str,
     tensors: Sequence[TensorLayout],
@@ -163,19 +180,11 @@ def parse_metadata(
 ) -> SnapshotMetadata:
     """Validate ``metadata_json`` against the segment's tensors; SnapshotInvalid if it is not
     JSON of bounded size in the schema above. Empty text means ``{}``."""
-    size = len(metadata_json.encode("utf-8", "surrogatepass"))
-    if size > max_bytes:
-        raise SnapshotInvalid(f"metadata_json is {size} bytes, more than the limit of {max_bytes}")
-    try:
-        raw = (
-            json.loads(metadata_json, parse_constant=_reject_constant, parse_float=_finite_float)
-            if metadata_json.strip()
-            else {}
-        )
-    except (ValueError, RecursionError) as exc:
-        raise SnapshotInvalid(f"metadata_json is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise SnapshotInvalid("metadata_json must be a JSON object")
+    return metadata_from_json(metadata_json, load_metadata_json(metadata_json, "metadata_json", max_bytes), tensors)
+
+
+def metadata_from_json(metadata_json: str, raw: dict[str, Any], tensors: Sequence[TensorLayout]) -> SnapshotMetadata:
+    """The schema's checks of ``raw``, the object :func:`load_metadata_json` made of ``metadata_json``."""
     by_name = {t.name: t for t in tensors}
     entries: dict[str, TensorMetadata] = {}
     for name, entry in _object(raw.get("tensors"), "tensors").items():

@@ -37,10 +37,9 @@ from .snapshot_metadata import (
     SnapshotMetadata,
     TensorMetadata,
     _check_value,
-    _finite_float,
-    _reject_constant,
     encode_metadata,
-    parse_metadata,
+    load_metadata_json,
+    metadata_from_json,
 )
 
 __all__ = ["MetadataBase", "MetadataParts", "base_id", "encode_base", "encode_delta", "parse_base", "parse_delta"]
@@ -100,19 +99,6 @@ def encode_delta(group_params: Sequence[Mapping[str, Any]], steps: Sequence[Any]
     return json.dumps({"group_params": [dict(g) for g in group_params], "steps": steps}, allow_nan=False)
 
 
-def _load(text: str, what: str, max_bytes: int) -> dict[str, Any]:
-    size = len(text.encode("utf-8", "surrogatepass"))
-    if size > max_bytes:
-        raise SnapshotInvalid(f"{what} is {size} bytes, more than the limit of {max_bytes}")
-    try:
-        raw = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError) as exc:
-        raise SnapshotInvalid(f"{what} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise SnapshotInvalid(f"{what} must be a JSON object")
-    return raw
-
-
 def _index_list(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                                               for v in value):
@@ -123,8 +109,8 @@ def _index_list(value: Any, what: str) -> tuple[int, ...]:
 def parse_base(base_json: str, tensors: Sequence[TensorLayout], max_bytes: int = MAX_METADATA_BYTES) -> MetadataBase:
     """Validate a base against the segment's tensors (the full schema's checks for its
     ``tensors`` and ``model_aliases``); SnapshotInvalid otherwise."""
-    whole = parse_metadata(base_json, tensors, max_bytes)  # unknown keys (fqns, groups) are kept
-    raw = _load(base_json, "metadata base", max_bytes)
+    raw = load_metadata_json(base_json, "metadata base", max_bytes)
+    whole = metadata_from_json(base_json, raw, tensors)  # unknown keys (fqns, groups) are kept
     fqns = raw.get("fqns", [])
     if not isinstance(fqns, list) or not all(isinstance(f, str) and f for f in fqns):
         raise SnapshotInvalid("metadata base: fqns must be a list of non-empty strings")
@@ -138,7 +124,7 @@ def parse_base(base_json: str, tensors: Sequence[TensorLayout], max_bytes: int =
 def parse_delta(delta_json: str, base: MetadataBase, max_bytes: int = MAX_METADATA_BYTES) -> MetadataParts:
     """Validate a delta against its base; SnapshotInvalid otherwise. Per group and per step
     checks only: no per-tensor work."""
-    raw = _load(delta_json, "metadata delta", max_bytes)
+    raw = load_metadata_json(delta_json, "metadata delta", max_bytes)
     group_params = raw.get("group_params", [])
     if not isinstance(group_params, list) or not all(isinstance(g, dict) for g in group_params):
         raise SnapshotInvalid("metadata delta: group_params must be a list of objects")
@@ -150,7 +136,7 @@ def parse_delta(delta_json: str, base: MetadataBase, max_bytes: int = MAX_METADA
             _check_value(value, f"group_params[{index}][{name[:40]}]")
     steps = raw.get("steps", [])
     if isinstance(steps, (int, float)) and not isinstance(steps, bool):  # the common case
-        return MetadataParts(base, tuple(group_params), (steps,) * len(base.fqns))  # finite: _load
+        return MetadataParts(base, tuple(group_params), (steps,) * len(base.fqns))  # finite: loaded
     if not isinstance(steps, list) or len(steps) != len(base.fqns):
         raise SnapshotInvalid(f"metadata delta: steps must be a list of {len(base.fqns)} values")
     for index, value in enumerate(steps):

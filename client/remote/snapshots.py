@@ -159,9 +159,10 @@ class SnapshotClient:
         """The Snapshot RPC with the metadata in parts: the base only until the server has it."""
         ident, base, delta = self.metadata_parts()
         parts = {"metadata_base_id": ident, "metadata_delta_json": delta}
+        if not self._base_sent:
+            parts["metadata_base_json"] = base
         try:
-            reply = self._c.session.snapshot(step, **retention, **parts,
-                                             **({} if self._base_sent else {"metadata_base_json": base}))
+            reply = self._c.session.snapshot(step, **retention, **parts)
         except MetadataBaseUnknownError:  # a restarted server: it lost the base
             reply = self._c.session.snapshot(step, **retention, **parts, metadata_base_json=base)
         self._base_sent = True

@@ -267,10 +267,11 @@ class DirectSink(ChunkSink):
         self._free.clear()
 
 
-def open_sink(file: SnapshotFile, *, direct: bool = True) -> ChunkSink:
-    """A :class:`DirectSink` when ``direct`` and the storage gives an O_DIRECT descriptor for
-    ``file`` (:meth:`SnapshotFile.open_direct`), else a :class:`BufferedSink`."""
-    fd = file.open_direct() if direct else None
+def open_sink(file: SnapshotFile) -> ChunkSink:
+    """A :class:`DirectSink` when the storage gives an O_DIRECT descriptor for ``file``
+    (:meth:`SnapshotFile.open_direct`: ``--direct-io`` and the filesystem decide), else a
+    :class:`BufferedSink`."""
+    fd = file.open_direct()
     if fd is None:
         return BufferedSink(file)
     return DirectSink(file, fd)

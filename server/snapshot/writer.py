@@ -132,7 +132,7 @@ class RankWriter:
             Stager(self, self.stage_slots, stage_threads) if self.stage_slots else None
         )
         self._trainer_yield = self.stager is not None
-        self.direct_io = self._direct = False
+        self.direct_io = False
         """Whether the data file was written with O_DIRECT (known once it is created)."""
         self._paused_s = 0.0  # time the writer paused for the trainer's steps (writer thread)
         self._stream_started = 0.0
@@ -288,7 +288,7 @@ class RankWriter:
         if chunk.index == self.model_from:
             self._wait_for_model()
         if self.stager is not None:
-            if not self._direct:
+            if not self.direct_io:
                 # A buffered write is a copy into the page cache that competes with the
                 # stager's; an O_DIRECT writer idle here would idle the disk instead (its
                 # writes run in the sink's threads; its copy per chunk is small beside them).
@@ -420,7 +420,7 @@ class RankWriter:
         """Create the data file, put its header, stream the chunks (the stager alongside),
         release the segment, write the rest and fsync; the tensors' crc32s."""
         with self.storage.create_file(self.partial, plan.data_name) as file, open_sink(file) as sink:
-            self.direct_io = self._direct = sink.direct
+            self.direct_io = sink.direct
             sink.write_all(plan.header)
             segment = memoryview(self.source.buffer)
             try:

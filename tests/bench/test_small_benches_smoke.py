@@ -15,49 +15,49 @@ from test_bench_smoke import REPO  # the repo root
 pytestmark = pytest.mark.integration
 
 
-def _run(module: str, *args: str, out) -> None:
+def _run(module: str, *args: str, out, stem: str) -> tuple[dict, str]:
+    """Run the benchmark; its ``<stem>.json`` (parsed) and ``<stem>.md``."""
     env = {k: v for k, v in os.environ.items() if k not in ("SWAP_STATE_SERVER", "SWAP_STATE_JOB_ID")}
     proc = subprocess.run([sys.executable, "-m", module, *args, "--out", str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / f"{stem}.json").read_text()), (out / f"{stem}.md").read_text()
 
 
 @pytest.mark.timeout(180)
 def test_quiet_steps_bench_at_a_small_size(tmp_path):
-    _run("bench.quiet_steps", "--params", "1M", "--rounds", "3", "--block", "1", out=tmp_path)
-    result = json.loads((tmp_path / "quiet-steps.json").read_text())
+    result, md = _run("bench.quiet_steps", "--params", "1M", "--rounds", "3", "--block", "1", out=tmp_path,
+                      stem="quiet-steps")
     for name in ("moments_only", "whole_state", "whole_state_copy_every_step"):
         assert result["summary"][name]["n"] == 3 and result["summary"][name]["median"] > 0, name
-    assert "median ÷ moments-only" in (tmp_path / "quiet-steps.md").read_text()
+    assert "median ÷ moments-only" in md
 
 
 @pytest.mark.timeout(180)
 def test_allocate_bench_at_a_small_size(tmp_path):
-    _run("bench.allocate", "--size", "64M", "--ranks", "2", "--reps", "1", out=tmp_path)
-    result = json.loads((tmp_path / "allocate.json").read_text())
+    result, md = _run("bench.allocate", "--size", "64M", "--ranks", "2", "--reps", "1", out=tmp_path,
+                      stem="allocate")
     for key in ("one_rank", "ranks_at_once", "memset"):
         assert result["gib_per_s"][key]["n"] == 1 and result["gib_per_s"][key]["median"] > 0, key
-    assert "2 ranks at once ÷ one rank" in (tmp_path / "allocate.md").read_text()
+    assert "2 ranks at once ÷ one rank" in md
 
 
 @pytest.mark.timeout(180)
 def test_restart_bench_at_a_small_size(tmp_path):
-    _run("bench.restart", "--params", "1M", "--steps", "4", "--reps", "2", out=tmp_path)
-    result = json.loads((tmp_path / "restart.json").read_text())
+    result, md = _run("bench.restart", "--params", "1M", "--steps", "4", "--reps", "2", out=tmp_path,
+                      stem="restart")
     for key in ("step_up_s", "step_gone_s", "fresh_start_s", "adopt_after_kill_s", "stop_and_adopt_s", "reconnect_s"):
         assert result["summary"][key]["n"] >= 2 and result["summary"][key]["median"] > 0, key
     assert result["reconnects_total_last_server"] == 1  # the last server saw the trainer come back
-    md = (tmp_path / "restart.md").read_text()
     assert "Step time with the server gone / up" in md and "Adoption adds" in md
 
 
 @pytest.mark.timeout(180)
 def test_many_tensors_bench_at_a_small_size(tmp_path):
-    _run("bench.many_tensors", "--counts", "20,60", "--shape", "8x5", "--steps", "3", "--snapshots", "3",
-         out=tmp_path)
-    result = json.loads((tmp_path / "many-tensors.json").read_text())
+    result, md = _run("bench.many_tensors", "--counts", "20,60", "--shape", "8x5", "--steps", "3",
+                      "--snapshots", "3", out=tmp_path, stem="many-tensors")
     assert [row["count"] for row in result["rows"]] == [20, 60]
     for row in result["rows"]:
         assert row["bitwise_equal"]
         assert row["summary"]["remote"]["n"] == 3 and row["summary"]["snapshot"]["n"] == 2
-    assert "first snapshot() (sends the base)" in (tmp_path / "many-tensors.md").read_text()
+    assert "first snapshot() (sends the base)" in md
