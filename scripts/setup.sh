@@ -7,12 +7,15 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="${SWAP_STATE_TORCH_VERSION:-2.13.0}"
 VENV="${SWAP_STATE_VENV:-.venv}"
+# The torchtitan line this venv gets (the client extra admits 0.2 and 0.3; a venv holds one).
+# scripts/test.sh builds a second venv with 0.3 for its trainer tests (tests/torchtitan03).
+TORCHTITAN="${SWAP_STATE_TORCHTITAN:-torchtitan>=0.2,<0.3}"
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 stamp="$VENV/.swap-state-installed"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) torch==$TORCH_VERSION"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) torch==$TORCH_VERSION $TORCHTITAN"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -25,6 +28,6 @@ pip_install() {
 pip_install "torch==$TORCH_VERSION"
 # The constraint keeps every later resolution on the torch just installed.
 constraint="$VENV/torch-constraint.txt"
-echo "torch==$TORCH_VERSION" > "$constraint"
+printf '%s\n' "torch==$TORCH_VERSION" "$TORCHTITAN" > "$constraint"
 pip_install -c "$constraint" -e ".[client,dev]"
 echo "$want" > "$stamp"

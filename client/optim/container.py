@@ -142,10 +142,7 @@ class SwapOptimizersContainer(OptimizersContainer):
         self.swap_optimizer_times = int(swap_optimizer_times)
         self._device_backend = device_backend or patch_points.get_torch_device()
         self._pipeline = self._device_backend.is_accelerator if pipeline is None else bool(pipeline)
-        if param_groups is None:
-            super().__init__(model_parts, optimizer_cls, optimizer_kwargs)
-        else:
-            self._init_grouped(model_parts, optimizer_cls, optimizer_kwargs, param_groups)
+        self._init_grouped(model_parts, optimizer_cls, optimizer_kwargs, param_groups or _trainable_group)
         self._init_swap_state()
 
     def _init_grouped(
@@ -155,7 +152,8 @@ class SwapOptimizersContainer(OptimizersContainer):
         optimizer_kwargs: dict[str, Any],
         param_groups: Callable[[nn.Module], list[dict[str, Any]]],
     ) -> None:
-        """``OptimizersContainer.__init__`` with caller-built param groups."""
+        """What torchtitan's ``OptimizersContainer.__init__`` does, one optimizer per model part,
+        written here because its signature differs between torchtitan 0.2 and 0.3."""
         self.model_parts = model_parts
         self.optimizers = []
         all_params: list[nn.Parameter] = []
@@ -163,8 +161,9 @@ class SwapOptimizersContainer(OptimizersContainer):
             groups = param_groups(model)
             self.optimizers.append(optimizer_cls(groups, **optimizer_kwargs))
             all_params.extend(param for group in groups for param in group["params"])
-        self._validate_length(len(model_parts))
-        self._post_init(all_params, optimizer_kwargs)
+        # torch's Optimizer state of the container itself: its step hooks (LR schedulers,
+        # torchtitan's MoE load balancing register on the container).
+        Optimizer.__init__(self, all_params, optimizer_kwargs)
 
     def _init_swap_state(self) -> None:
         """Group steps, host caches, placeholders and bound steps for every optimizer."""
@@ -329,6 +328,11 @@ class SwapOptimizersContainer(OptimizersContainer):
 
     def _after_load_state_dict(self) -> None:
         """Called after ``load_state_dict()`` has written the host cache and emptied the cache."""
+
+
+def _trainable_group(model: nn.Module) -> list[dict[str, Any]]:
+    """torchtitan's default: one param group of every trainable parameter."""
+    return [{"params": [param for param in model.parameters() if param.requires_grad]}]
 
 
 def bind_swap_step(container: Any, optim: Optimizer) -> Callable[..., Any]:

@@ -15,25 +15,30 @@ names take effect.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import inspect
-import os
 import sys
-import uuid
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torchtitan.components.optimizer as _tt_optimizer
-from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer
 
+from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.optim.kernels import IMPLEMENTATIONS
 from swap_state.client.optim.patch_points import facade_attr
-from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
-from swap_state.client.optim.container import SwapOptimizersContainer
+from swap_state.client.torchtitan import checkpointing
+from swap_state.client.torchtitan.settings import (
+    SNAPSHOT_SUBDIR,
+    SWAP_OPTIMIZER_CLASSES,
+    SwapSettings,
+    build_swap_container,
+    shared_job_id,
+    snapshots_to_keep,
+)
+from swap_state.client.torchtitan.settings import embedded_snapshot_dir as _snapshot_dir_of_dump
 
 __all__ = [
     "SNAPSHOT_SUBDIR",
@@ -49,15 +54,7 @@ __all__ = [
     "snapshots_to_keep",
 ]
 
-_SWAP_OPTIMIZER_CLASSES: dict[str, type[Optimizer]] = {
-    "Adam": torch.optim.Adam,
-    "AdamW": torch.optim.AdamW,
-}
 _WRAPPED_ORIGINAL_ATTR = "__swap_state_original__"
-#: ``optimizer.swap_optimizer_backend`` values.
-BACKENDS: tuple[str, ...] = ("local", "remote")
-#: ``optimizer.swap_state_checkpoint`` values (see RemoteConfig.checkpoint).
-CHECKPOINT_MODES: tuple[str, ...] = ("full", "snapshot")
 
 
 def build_optimizers(
@@ -69,17 +66,15 @@ def build_optimizers(
     """torchtitan's ``build_optimizers`` plus ``optimizer_config.swap_optimizer``.
 
     Without ``swap_optimizer`` (or with it False) this is torchtitan's function. With it:
-    ``name`` must be ``Adam`` or ``AdamW``; ``swap_optimizer_times`` (default 16) sets the
-    slice count; ``swap_optimizer_backend = "remote"`` builds a
-    :class:`~swap_state.client.remote.container.RemoteSwapOptimizersContainer` (settings in
-    :mod:`swap_state.client.torchtitan.config`); optimizers-in-backward and TorchFT are not
-    supported.
+    ``name`` must be ``Adam`` or ``AdamW``; the other settings (:class:`SwapSettings`, documented
+    in :mod:`swap_state.client.torchtitan.config`) pick the slices, the backend and the
+    checkpoint mode; optimizers-in-backward and TorchFT are not supported.
     """
     if not getattr(optimizer_config, "swap_optimizer", False):
         original = facade_attr("_original_build_optimizers", original_build_optimizers)
         return original(model_parts, optimizer_config, parallel_dims, ft_manager)
     name = optimizer_config.name
-    optimizer_cls = _SWAP_OPTIMIZER_CLASSES.get(name)
+    optimizer_cls = SWAP_OPTIMIZER_CLASSES.get(name)
     if optimizer_cls is None:
         raise NotImplementedError(f"Optimizer {name} not added.")
     if getattr(optimizer_config, "early_step_in_backward", False):
@@ -87,42 +82,26 @@ def build_optimizers(
     if ft_manager is not None and getattr(ft_manager, "enabled", False):
         raise NotImplementedError("swap_optimizer does not support TorchFT")
     optimizer_kwargs = _optimizer_kwargs(optimizer_config)
-    swap_times = _swap_times(optimizer_config)
-    backend = _choice(optimizer_config, "swap_optimizer_backend", "local", BACKENDS)
-    checkpoint = _choice(optimizer_config, "swap_state_checkpoint", "full", CHECKPOINT_MODES)
-    if backend == "remote":
-        return build_remote_container(model_parts, optimizer_cls, optimizer_kwargs, swap_times, optimizer_config)
-    if checkpoint != "full":
-        raise ValueError(
-            f"optimizer.swap_state_checkpoint = {checkpoint!r} needs a swap-state server: set "
-            "optimizer.swap_optimizer_backend = 'remote' (the 'local' backend checkpoints 'full')"
-        )
-    container_cls = facade_attr("SwapOptimizersContainer", SwapOptimizersContainer)
-    return container_cls(model_parts, optimizer_cls, optimizer_kwargs, swap_times)
-
-
-def _choice(optimizer_config: Any, name: str, default: str, allowed: tuple[str, ...]) -> str:
-    """``optimizer.<name>``, which must be one of ``allowed`` (a ValueError names both)."""
-    value = getattr(optimizer_config, name, default)
-    if value not in allowed:
-        raise ValueError(
-            f"optimizer.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
-        )
-    return value
-
-
-def _swap_times(optimizer_config: Any) -> int:
-    """``optimizer.swap_optimizer_times``: an integer >= 1."""
-    value = getattr(optimizer_config, "swap_optimizer_times", DEFAULT_SWAP_TIMES)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"optimizer.swap_optimizer_times must be an integer >= 1, got {value!r}")
-    return value
+    settings = SwapSettings.of(optimizer_config)
+    return build_swap_container(
+        model_parts,
+        optimizer_cls,
+        optimizer_kwargs,
+        settings,
+        snapshot_dir=embedded_snapshot_dir(current_job_config()),
+        local_container_cls=facade_attr("SwapOptimizersContainer", SwapOptimizersContainer),
+    )
 
 
 def _optimizer_kwargs(optimizer_config: Any) -> dict[str, Any]:
     """The torch optimizer's keyword arguments from torchtitan's ``[optimizer]`` section;
     ``implementation`` maps to ``fused`` / ``foreach`` as torchtitan maps it."""
-    implementation = _choice(optimizer_config, "implementation", "fused", IMPLEMENTATIONS)
+    implementation = getattr(optimizer_config, "implementation", "fused")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"optimizer.implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, "
+            f"got {implementation!r}"
+        )
     return {
         "lr": optimizer_config.lr,
         "betas": (optimizer_config.beta1, optimizer_config.beta2),
@@ -186,8 +165,6 @@ def rebind_imported_model_specs() -> None:
 
 _current_job_config: contextvars.ContextVar[Any] = contextvars.ContextVar("swap_state_job_config", default=None)
 
-#: Where the embedded server's snapshots go under torchtitan, relative to ``job.dump_folder``.
-SNAPSHOT_SUBDIR = "swap-state-snapshots"
 
 
 def current_job_config() -> Any:
@@ -196,11 +173,8 @@ def current_job_config() -> Any:
 
 
 def embedded_snapshot_dir(job_config: Any) -> str | None:
-    """``<job.dump_folder>/swap-state-snapshots`` (absolute) of a torchtitan job config."""
-    dump_folder = getattr(getattr(job_config, "job", None), "dump_folder", None)
-    if not dump_folder:
-        return None
-    return os.path.join(os.path.abspath(os.path.expanduser(dump_folder)), SNAPSHOT_SUBDIR)
+    """``<job.dump_folder>/swap-state-snapshots`` (absolute) of a torchtitan 0.2 job config."""
+    return _snapshot_dir_of_dump(getattr(getattr(job_config, "job", None), "dump_folder", None))
 
 
 def _wrap_method(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -223,14 +197,6 @@ def _trainer_init(original: Callable[..., Any]) -> Callable[..., Any]:
     return __init__
 
 
-def snapshots_to_keep(keep_latest_k: int) -> int:
-    """The snapshots a job must keep so that every checkpoint torchtitan 0.2.2 keeps loads:
-    ``keep_latest_k + 1`` (0: all). torchtitan keeps up to one more than ``keep_latest_k``:
-    its last-step save does not purge, and a save's purge runs after it, on a thread, so a
-    trainer that dies in between leaves k + 1 as well."""
-    return 0 if keep_latest_k <= 0 else keep_latest_k + 1
-
-
 def _checkpoint_manager_init(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
@@ -238,14 +204,7 @@ def _checkpoint_manager_init(original: Callable[..., Any]) -> Callable[..., Any]
         original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs).arguments
         config, optimizers = bound.get("checkpoint_config"), bound.get("optimizers")
-        follow = getattr(optimizers, "follow_checkpoint_retention", None)
-        if follow is not None and getattr(config, "enable", False) and not getattr(config, "load_only", False):
-            follow(snapshots_to_keep(int(getattr(config, "keep_latest_k", 0))))
-        if getattr(optimizers, "whole_state_checkpoints", False) and isinstance(self.__dict__.get("states"), dict):
-            # Whole-state snapshots: the model's entry refers to the optimizer's snapshot.
-            from swap_state.client.torchtitan.model import SnapshotModelWrapper
-
-            self.states[_MODEL_KEY] = SnapshotModelWrapper(bound["model_parts"], optimizers)
+        checkpointing.attach(self, config, optimizers, bound.get("model_parts"))
 
     return __init__
 
@@ -272,45 +231,18 @@ def _checkpoint_manager_save_last_step(original: Callable[..., Any]) -> Callable
 
 
 def _checkpoint_manager_dcp_load(original: Callable[..., Any]) -> Callable[..., Any]:
-    from swap_state.client.optim.checkpoint_template import (
-        OPTIMIZER_KEY,
-        check_plain_optimizer_can_load,
-        checkpoint_keys,
-        optimizer_keys,
-    )
-
-    from swap_state.client.torchtitan.model import MODEL_REF_KEY, match_model_template
-
     def dcp_load(self: Any, state_dict: dict[str, Any], checkpoint_id: str, *args: Any, **kwargs: Any) -> Any:
         from_hf = bool(args[0]) if args else bool(kwargs.get("from_hf", False))
-        if from_hf or not isinstance(state_dict, dict) or not os.path.isdir(str(checkpoint_id)):
-            return original(self, state_dict, checkpoint_id, *args, **kwargs)
-        keys = checkpoint_keys(checkpoint_id)
-        optimizer = state_dict.get(OPTIMIZER_KEY)
-        loading = getattr(optimizer, "loading_checkpoint", None)
-        if optimizer is not None and loading is None:
-            check_plain_optimizer_can_load(keys, checkpoint_id)  # its error names the snapshot
-        model = self.__dict__.get("states", {}).get(_MODEL_KEY)
-        if MODEL_REF_KEY in keys or MODEL_REF_KEY in state_dict:
-            match_model_template(state_dict, model, keys, checkpoint_id)
-        if loading is None:
-            return original(self, state_dict, checkpoint_id, *args, **kwargs)
-        with loading(optimizer_keys(keys)):
-            return original(self, state_dict, checkpoint_id, *args, **kwargs)
+        return checkpointing.load_matched(
+            self, lambda: original(self, state_dict, checkpoint_id, *args, **kwargs), state_dict, checkpoint_id, from_hf
+        )
 
     return dcp_load
 
 
 def _checkpoint_manager_close(original: Callable[..., Any]) -> Callable[..., Any]:
     def close(self: Any) -> None:
-        # The job's last checkpoint may refer to a server-side snapshot still persisting: it
-        # must be durable before the trainer goes (its embedded server stops with it). Once.
-        states = self.__dict__.get("states")
-        optimizer = states.get(_OPTIMIZER_KEY) if isinstance(states, dict) else None
-        finish = getattr(optimizer, "wait_checkpoint_durable", None)
-        if finish is not None and getattr(self, "enable", False) and not self.__dict__.get("_swap_state_closed"):
-            self._swap_state_closed = True
-            finish()
+        checkpointing.finish_before_close(self)
         original(self)
 
     return close
@@ -318,15 +250,10 @@ def _checkpoint_manager_close(original: Callable[..., Any]) -> Callable[..., Any
 
 def _checkpoint_manager_del(original: Callable[..., Any]) -> Callable[..., Any]:
     def __del__(self: Any) -> None:
-        # Garbage collection is no place for RPCs and waits: only an explicit close() waits.
-        self.__dict__["_swap_state_closed"] = True
+        checkpointing.skip_close_wait(self)
         original(self)
 
     return __del__
-
-
-_OPTIMIZER_KEY = "optimizer"  # torchtitan's components.checkpoint.OPTIMIZER
-_MODEL_KEY = "model"  # torchtitan's components.checkpoint.MODEL
 
 
 def install_job_hooks() -> None:
@@ -348,18 +275,6 @@ def install_job_hooks() -> None:
         _wrap_method(trainer, "__init__", _trainer_init)
 
 
-def shared_job_id(configured: str) -> str:
-    """The configured id, else $SWAP_STATE_JOB_ID, else one id chosen by rank 0 and
-    broadcast, so every rank of the run names the same job (snapshots span all ranks)."""
-    job_id = configured or os.environ.get("SWAP_STATE_JOB_ID", "")
-    if job_id:
-        return job_id
-    candidate = [f"job-{uuid.uuid4().hex[:12]}"]
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(candidate, src=0)
-    return candidate[0]
-
-
 def build_remote_container(
     model_parts: list[Any],
     optimizer_cls: type,
@@ -368,23 +283,9 @@ def build_remote_container(
     optimizer_config: Any,
 ):
     """The ``swap_optimizer_backend = "remote"`` branch of the ``build_optimizers`` wrapper."""
-    from swap_state.client.remote.embedded import EmbeddedServerConfig
-    from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
-
-    # Snapshots of the embedded server (used when no server is named) last with the job:
-    # under its dump folder, so that a rerun of the job restores them.
-    snapshot_dir = embedded_snapshot_dir(current_job_config())
-    config = RemoteConfig(
-        checkpoint=getattr(optimizer_config, "swap_state_checkpoint", "full"),
-        server_wait_s=float(getattr(optimizer_config, "swap_state_server_wait_s", 60.0)),
-        embedded=EmbeddedServerConfig(snapshot_dir=snapshot_dir) if snapshot_dir else None,
+    settings = dataclasses.replace(
+        SwapSettings.of(optimizer_config), swap_optimizer_backend="remote", swap_optimizer_times=swap_times
     )
-    return RemoteSwapOptimizersContainer(
-        model_parts,
-        optimizer_cls,
-        optimizer_kwargs,
-        swap_times,
-        server=getattr(optimizer_config, "swap_state_server", "") or None,
-        job_id=shared_job_id(getattr(optimizer_config, "swap_state_job_id", "")),
-        config=config,
+    return build_swap_container(
+        model_parts, optimizer_cls, optimizer_kwargs, settings, snapshot_dir=embedded_snapshot_dir(current_job_config())
     )

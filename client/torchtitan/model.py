@@ -77,7 +77,11 @@ class SnapshotModelWrapper(ModelWrapper):
         if isinstance(reference, bytes):
             reference = reference.decode()
         self.container.restore_reference(str(reference))  # puts the parameters back
-        self.cache_state_dict = self._get_state_dict()
+        # torchtitan's cache of the model's state dict: cache_state_dict in 0.2,
+        # cached_state_dict in 0.3.
+        for cache in ("cache_state_dict", "cached_state_dict"):
+            if cache in self.__dict__:
+                self.__dict__[cache] = self._get_state_dict()
 
 
 def match_model_template(

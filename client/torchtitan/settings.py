@@ -1,0 +1,174 @@
+"""The swap-state settings of a torchtitan job and the container they build, for both lines.
+
+torchtitan 0.2 reads them from the ``[optimizer]`` section its custom config module extends
+(:mod:`swap_state.client.torchtitan.config`); torchtitan 0.3 from the optimizer's ``Config``
+(:mod:`swap_state.client.torchtitan.optimizers_v03`). Both adapters hand their config to
+:meth:`SwapSettings.of` and build with :func:`build_swap_container`, so a setting means the same
+on both lines and is checked in one place. Nothing here imports torchtitan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
+# ``optimizer.swap_state_checkpoint`` values: the remote container's checkpoint modes.
+from swap_state.client.remote.config import CHECKPOINT_MODES
+
+__all__ = [
+    "BACKENDS",
+    "CHECKPOINT_MODES",
+    "SNAPSHOT_SUBDIR",
+    "SWAP_OPTIMIZER_CLASSES",
+    "SwapSettings",
+    "build_swap_container",
+    "embedded_snapshot_dir",
+    "shared_job_id",
+    "snapshots_to_keep",
+]
+
+#: ``optimizer.swap_optimizer_backend`` values.
+BACKENDS: tuple[str, ...] = ("local", "remote")
+#: The optimizers whose moments swap-state keeps, by torchtitan's names for them.
+SWAP_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "Adam": torch.optim.Adam,
+    "AdamW": torch.optim.AdamW,
+}
+#: Where the embedded server's snapshots go under torchtitan, relative to the dump folder.
+SNAPSHOT_SUBDIR = "swap-state-snapshots"
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapSettings:
+    """The settings both torchtitan lines share, under their 0.2 names (``optimizer.<name>``).
+
+    Each adapter documents them on its own config class (torchtitan's CLI and TOML read the
+    docstrings there); this is their one reading and check.
+    """
+
+    swap_optimizer_times: int = DEFAULT_SWAP_TIMES
+    """Slices the parameters are split into for the load/update/offload pipeline (>= 1)."""
+
+    swap_optimizer_backend: str = "local"
+    """'local': pinned memory inside the trainer; 'remote': the host's swap-state-server."""
+
+    swap_state_server: str = ""
+    """Server address; empty: $SWAP_STATE_SERVER, else an embedded server for this trainer."""
+
+    swap_state_job_id: str = ""
+    """Job id shared by the run's ranks; empty: $SWAP_STATE_JOB_ID, else one from rank 0."""
+
+    swap_state_checkpoint: str = "full"
+    """'full': the seed's state dict; 'snapshot': whole-state server-side snapshots."""
+
+    swap_state_server_wait_s: float = 60.0
+    """Seconds a snapshot-mode save waits for an unreachable (restarting) server."""
+
+    @classmethod
+    def of(cls, config: Any) -> SwapSettings:
+        """The settings of an optimizer config (missing attributes: the defaults), checked:
+        a bad value raises ValueError naming ``optimizer.<field>`` and the allowed values."""
+        defaults = cls()
+        values = {
+            f.name: getattr(config, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(cls)
+        }
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        _check_choice("swap_optimizer_backend", self.swap_optimizer_backend, BACKENDS)
+        _check_choice("swap_state_checkpoint", self.swap_state_checkpoint, CHECKPOINT_MODES)
+        times = self.swap_optimizer_times
+        if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+            raise ValueError(f"optimizer.swap_optimizer_times must be an integer >= 1, got {times!r}")
+        if self.swap_optimizer_backend == "local" and self.swap_state_checkpoint != "full":
+            raise ValueError(
+                f"optimizer.swap_state_checkpoint = {self.swap_state_checkpoint!r} needs a swap-state "
+                "server: set optimizer.swap_optimizer_backend = 'remote' (the 'local' backend "
+                "checkpoints 'full')"
+            )
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"optimizer.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def snapshots_to_keep(keep_latest_k: int) -> int:
+    """The snapshots a job must keep so that every checkpoint torchtitan keeps loads:
+    ``keep_latest_k + 1`` (0: all). torchtitan (0.2 and 0.3) keeps up to one more than
+    ``keep_latest_k``: its last-step save does not purge, and a save's purge runs after it,
+    on a thread, so a trainer that dies in between leaves k + 1 as well."""
+    return 0 if keep_latest_k <= 0 else keep_latest_k + 1
+
+
+def embedded_snapshot_dir(dump_folder: str | None) -> str | None:
+    """``<dump_folder>/swap-state-snapshots`` (absolute), where an embedded server keeps the
+    job's snapshots so that a rerun of the job finds them; None without a dump folder."""
+    if not dump_folder:
+        return None
+    return os.path.join(os.path.abspath(os.path.expanduser(dump_folder)), SNAPSHOT_SUBDIR)
+
+
+def shared_job_id(configured: str) -> str:
+    """The configured id, else $SWAP_STATE_JOB_ID, else one id chosen by rank 0 and
+    broadcast, so every rank of the run names the same job (snapshots span all ranks)."""
+    job_id = configured or os.environ.get("SWAP_STATE_JOB_ID", "")
+    if job_id:
+        return job_id
+    candidate = [f"job-{uuid.uuid4().hex[:12]}"]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(candidate, src=0)
+    return candidate[0]
+
+
+def build_swap_container(
+    model_parts: list[nn.Module],
+    optimizer_cls: type[torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    settings: SwapSettings,
+    *,
+    snapshot_dir: str | None = None,
+    param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
+    local_container_cls: type | None = None,
+):
+    """The container ``settings`` ask for: in-process (``local``) or on the host's server.
+
+    ``snapshot_dir`` is where an embedded server (no address configured or in the
+    environment) keeps snapshots; ``param_groups`` builds a model part's groups (default:
+    one group of every trainable parameter); ``local_container_cls`` replaces
+    :class:`SwapOptimizersContainer` (the seed's tests patch it on the facade).
+    """
+    if settings.swap_optimizer_backend == "local":
+        from swap_state.client.optim.container import SwapOptimizersContainer
+
+        container_cls = local_container_cls or SwapOptimizersContainer
+        extra = {} if param_groups is None else {"param_groups": param_groups}
+        return container_cls(model_parts, optimizer_cls, optimizer_kwargs, settings.swap_optimizer_times, **extra)
+    from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
+    from swap_state.client.remote.embedded import EmbeddedServerConfig
+
+    config = RemoteConfig(
+        checkpoint=settings.swap_state_checkpoint,
+        server_wait_s=float(settings.swap_state_server_wait_s),
+        embedded=EmbeddedServerConfig(snapshot_dir=snapshot_dir) if snapshot_dir else None,
+    )
+    return RemoteSwapOptimizersContainer(
+        model_parts,
+        optimizer_cls,
+        optimizer_kwargs,
+        settings.swap_optimizer_times,
+        server=settings.swap_state_server or None,
+        job_id=shared_job_id(settings.swap_state_job_id),
+        config=config,
+        param_groups=param_groups,
+    )
