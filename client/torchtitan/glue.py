@@ -23,8 +23,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.nn as nn
-import torchtitan.components.optimizer as _tt_optimizer
-from torchtitan.components.optimizer import OptimizersContainer
+
+from swap_state.client.torchtitan.version import require_line
+
+require_line("0.2", "swap_state.client.torchtitan.glue (the custom config module's build_optimizers wrapper)")
+
+import torchtitan.components.optimizer as _tt_optimizer  # noqa: E402
+from torchtitan.components.optimizer import OptimizersContainer  # noqa: E402
 
 from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.optim.kernels import IMPLEMENTATIONS

@@ -1,0 +1,62 @@
+"""torchtitan 0.3's checkpoint manager with swap-state's additions (:mod:`.checkpointing`).
+
+A subclass of torchtitan's DCP ``CheckpointManager`` that overrides only the hooks torchtitan
+documents for subclasses (``BaseCheckpointManager``: "override the hooks, not the public
+methods", which guard them): ``__init__`` (then :func:`~.checkpointing.attach`), ``_save`` and
+``_save_last_step`` (inside :func:`~swap_state.client.torchtitan.model.saving_checkpoint`),
+``dcp_load`` (:func:`~.checkpointing.load_matched`), ``_close``
+(:func:`~.checkpointing.finish_before_close`) and ``__del__``. With torch's own optimizers it
+behaves as torchtitan's manager.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan.components.checkpointer import CheckpointManager
+
+from swap_state.client.torchtitan import checkpointing
+from swap_state.client.torchtitan.model import saving_checkpoint
+
+__all__ = ["SwapStateCheckpointManager"]
+
+
+class SwapStateCheckpointManager(CheckpointManager):
+    """torchtitan 0.3's ``CheckpointManager``: retention follows ``keep_latest_k``, whole-state
+    snapshot checkpoints refer to the server's snapshot, loads match the checkpoint's form, and
+    ``close`` waits until the last checkpoint's snapshot is durable."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        pass
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        checkpointing.attach(self, config, kwargs.get("optimizers"), kwargs.get("model_parts"))
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        with saving_checkpoint():
+            return super()._save(curr_step, last_step)
+
+    def _save_last_step(self, curr_step: int) -> None:
+        # A model-only last save is for export and inference: the model's tensors, not a reference.
+        with saving_checkpoint(refer=not self.last_save_model_only):
+            super()._save_last_step(curr_step)
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        return checkpointing.load_matched(
+            self,
+            lambda: super(SwapStateCheckpointManager, self).dcp_load(state_dict, checkpoint_id, from_hf, from_quantized),
+            state_dict,
+            checkpoint_id,
+            from_hf,
+        )
+
+    def _close(self) -> None:
+        checkpointing.finish_before_close(self)
+        super()._close()
+
+    def __del__(self) -> None:
+        checkpointing.skip_close_wait(self)
+        super().__del__()
