@@ -79,7 +79,11 @@ class SwapOptimizersContainer(OptimizersContainer):
     Keyword-only extras: ``param_groups(model_part) -> list[dict]`` to build param groups
     (default: one group of every trainable parameter), ``device_backend`` (default:
     ``get_torch_device()``), ``pipeline`` (default: on iff the backend is an accelerator;
-    ``True`` on CPU runs the load/offload pipeline with CPU "device" buffers).
+    ``True`` on CPU runs the load/offload pipeline with CPU "device" buffers), ``moment_dtype``
+    (default None: each parameter's dtype; ``torch.bfloat16``: bfloat16 moments of fp32
+    parameters, torchtitan's ``fused_opt_states_bf16``: half the host memory and transfers; on
+    CUDA torch's fused mixed-precision kernel, on the CPU the same arithmetic in three steps,
+    :func:`~swap_state.client.optim.kernels.adam_update`).
 
     Call order, for subclasses (e.g. a container whose host cache is shared memory):
 
@@ -116,6 +120,7 @@ class SwapOptimizersContainer(OptimizersContainer):
     param_to_cpu_states_map: dict[torch.Tensor, HostCache] = {}  # noqa: RUF012
     param_to_device_states_map: dict[torch.Tensor, dict[str, Any]] = {}  # noqa: RUF012
     swap_optimizer_times: int = DEFAULT_SWAP_TIMES
+    moment_dtype: torch.dtype | None = None
     _device_backend: DeviceBackend | None = None
     _pipeline: bool | None = None
     _in_container_step: bool = False
@@ -130,6 +135,7 @@ class SwapOptimizersContainer(OptimizersContainer):
         param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
         device_backend: DeviceBackend | None = None,
         pipeline: bool | None = None,
+        moment_dtype: torch.dtype | None = None,
     ) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Adam)):
             raise NotImplementedError(
@@ -140,6 +146,7 @@ class SwapOptimizersContainer(OptimizersContainer):
         self.param_to_cpu_states_map = {}
         self.param_to_device_states_map = {}
         self.swap_optimizer_times = int(swap_optimizer_times)
+        self.moment_dtype = _checked_moment_dtype(moment_dtype)
         self._device_backend = device_backend or patch_points.get_torch_device()
         self._pipeline = self._device_backend.is_accelerator if pipeline is None else bool(pipeline)
         self._init_grouped(model_parts, optimizer_cls, optimizer_kwargs, param_groups or _trainable_group)
@@ -328,6 +335,12 @@ class SwapOptimizersContainer(OptimizersContainer):
 
     def _after_load_state_dict(self) -> None:
         """Called after ``load_state_dict()`` has written the host cache and emptied the cache."""
+
+
+def _checked_moment_dtype(dtype: torch.dtype | None) -> torch.dtype | None:
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"moment_dtype must be torch.float32 or torch.bfloat16 (or None: the parameter's), got {dtype}")
+    return dtype
 
 
 def _trainable_group(model: nn.Module) -> list[dict[str, Any]]:

@@ -48,6 +48,7 @@ __all__ = [
     "group_map",
     "has_data",
     "host_cache_ready",
+    "moments_dtype",
     "host_states",
     "moment_keys",
     "placeholder_like",
@@ -132,10 +133,17 @@ def advance_group_step(group: dict[str, Any]) -> None:
         group[STEP_KEY] = step_tensor(as_number(step or 0) + 1)
 
 
+def moments_dtype(owner: Any, local_param: torch.Tensor) -> torch.dtype:
+    """The dtype of ``local_param``'s moments: the container's ``moment_dtype`` (bfloat16 for
+    torchtitan's ``fused_opt_states_bf16``), else the parameter's."""
+    return getattr(owner, "moment_dtype", None) or local_param.dtype
+
+
 def host_cache_ready(
-    host: Mapping[str, Any] | None, group: Mapping[str, Any], local_param: Any = None
+    host: Mapping[str, Any] | None, group: Mapping[str, Any], local_param: Any = None, dtype: torch.dtype | None = None
 ) -> bool:
-    """Whether ``host`` holds every moment ``group`` needs, with data (and the right layout)."""
+    """Whether ``host`` holds every moment ``group`` needs, with data (and the right layout:
+    ``local_param``'s shape, ``dtype`` or else its dtype)."""
     if not host:
         return False
     for key in moment_keys(group):
@@ -143,7 +151,7 @@ def host_cache_ready(
         if not isinstance(tensor, torch.Tensor) or not has_data(tensor):
             return False
         if local_param is not None and (
-            tensor.shape != local_param.shape or tensor.dtype != local_param.dtype
+            tensor.shape != local_param.shape or tensor.dtype != (dtype or local_param.dtype)
         ):
             return False
     return True
@@ -185,7 +193,8 @@ class HostCaches:
             group = optim.param_groups[group_index]
             entries.append(
                 HostCacheEntry(
-                    param, fqn, moment_keys(group), local.shape, local.dtype, optimizer_index, group_index
+                    param, fqn, moment_keys(group), local.shape, moments_dtype(self._owner, local),
+                    optimizer_index, group_index,
                 )
             )
         return entries

@@ -255,6 +255,12 @@ def adam_update(
     for-loop updates are torch's own and ignore it)."""
     if not params:
         return
+    if _moments_upcast_on_cpu(params, exp_avgs):
+        _upcast_update(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+            group=group, grad_scale=grad_scale, found_inf=found_inf, steps=steps,
+        )  # fmt: skip
+        return
     implementation = group_implementation(group)
     if implementation == "fused":
         fused_adam_update(
@@ -290,6 +296,38 @@ def adam_update(
         eps=group["eps"],
         maximize=group["maximize"],
     )
+
+
+def _moments_upcast_on_cpu(params: list[torch.Tensor], exp_avgs: list[torch.Tensor]) -> bool:
+    """Moments of another dtype than their (CPU) parameters: bfloat16 moments of fp32
+    parameters (torchtitan's ``fused_opt_states_bf16``)."""
+    return params[0].device.type == "cpu" and any(m.dtype != p.dtype for p, m in zip(params, exp_avgs))
+
+
+def _upcast_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    **update: Any,
+) -> None:
+    """The update of moments kept in a lower precision than their parameters, on the CPU.
+
+    torch's fused Adam has a mixed-precision kernel on CUDA only (on the CPU: "expected scalar
+    type Float but found BFloat16"). That kernel reads the moments into the parameters'
+    precision, updates both there and stores the moments rounded; this does the same in three
+    steps: the moments upcast, the update in the parameters' dtype (:func:`adam_update`), the new
+    moments rounded back (``copy_``: round to nearest even, as the kernel's store)."""
+    upcast = [
+        [moment.to(param.dtype) for moment, param in zip(moments, params)]
+        for moments in (exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
+    ]
+    adam_update(params, grads, *upcast, state_steps, **update)
+    for moments, wide in zip((exp_avgs, exp_avg_sqs, max_exp_avg_sqs), upcast):
+        for moment, value in zip(moments, wide):
+            moment.copy_(value)
 
 
 def _on_device(

@@ -30,6 +30,7 @@ class SwapContainer(Protocol):
     param_to_cpu_states_map: dict[torch.Tensor, dict[str, Any]]  # host_cache.HostCache per parameter
     param_to_device_states_map: dict[torch.Tensor, dict[str, Any]]
     swap_optimizer_times: int
+    moment_dtype: torch.dtype | None  # None: each parameter's dtype
 
     @property
     def device_backend(self) -> DeviceBackend: ...

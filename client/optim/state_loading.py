@@ -37,6 +37,7 @@ from swap_state.client.optim.host_cache import (
     group_map,
     has_data,
     host_cache_ready,
+    moments_dtype,
     moment_keys,
     step_tensor,
 )
@@ -137,10 +138,11 @@ class StateLoader:
         aliases = param_fqns(fqns, param, optimizer_index)
         keys = moment_keys(group_load.group)
         local_param = patch_points.unwrap_dtensor(param)
+        dtype = moments_dtype(self._owner, local_param)
         _check_amsgrad(index.lookup(PARAM_GROUPS_PREFIX, aliases, "amsgrad"), group_load.group)
-        sources, step = _checked_sources(index, aliases, keys, group_load, local_param)
+        sources, step = _checked_sources(index, aliases, keys, group_load, local_param, dtype)
         host = self._owner.param_to_cpu_states_map.get(param)
-        ready = host is not None and host_cache_ready(host, group_load.group, local_param)
+        ready = host is not None and host_cache_ready(host, group_load.group, local_param, dtype)
         return _ParamLoad(
             optimizer_index, group_index, optim, group_load.group, param, aliases[0], keys, sources, step,
             host if ready else None,
@@ -156,7 +158,7 @@ class StateLoader:
                     load.fqn,
                     load.keys,
                     patch_points.unwrap_dtensor(load.param).shape,
-                    patch_points.unwrap_dtensor(load.param).dtype,
+                    moments_dtype(self._owner, patch_points.unwrap_dtensor(load.param)),
                     load.optimizer_index,
                     load.group_index,
                 )
@@ -269,6 +271,7 @@ def _checked_sources(
     keys: tuple[str, ...],
     group_load: _GroupLoad,
     local_param: torch.Tensor,
+    dtype: torch.dtype,
 ) -> tuple[dict[str, torch.Tensor | None], float]:
     """``({key: checkpoint tensor}, step)`` of one parameter (canonical name ``aliases[0]``).
 
@@ -290,7 +293,7 @@ def _checked_sources(
         hit = hits[key]
         if hit is None:
             raise KeyError(f"optimizer state dict has no {state_key(fqn, key)!r} (aliases tried: {list(aliases)})")
-        sources[key] = _checked_state_tensor(hit[0], hit[1], local_param)
+        sources[key] = _checked_state_tensor(hit[0], hit[1], local_param, dtype)
     return sources, _checked_step(hits[STEP_KEY], group_load, fqn)
 
 
@@ -303,8 +306,10 @@ def _check_amsgrad(hit: tuple[str, Any] | None, group: Mapping[str, Any]) -> Non
         )
 
 
-def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor) -> torch.Tensor:
-    """``value``'s local tensor if it can be copied into ``local_param``'s host cache."""
+def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``value``'s local tensor if it can be copied into ``local_param``'s host cache of moments
+    of ``dtype``. Where that is not the parameter's dtype (bfloat16 moments), a checkpoint of
+    another floating dtype is converted by the copy: the precision the job asked for."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(
             f"optimizer state dict key {flat_key!r}: expected a tensor, got {type(value).__name__}"
@@ -317,7 +322,8 @@ def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor) 
             f"optimizer state dict key {flat_key!r}: shape {tuple(local.shape)} does not match "
             f"the parameter's local shape {tuple(local_param.shape)}"
         )
-    if local.dtype != local_param.dtype:
+    converts = dtype != local_param.dtype and local.is_floating_point()
+    if local.dtype != dtype and not converts:
         raise ValueError(
             f"optimizer state dict key {flat_key!r}: dtype {local.dtype} does not match "
             f"the parameter's {local_param.dtype}"

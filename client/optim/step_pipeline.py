@@ -275,7 +275,8 @@ class StepPipeline:
                 for key in MOMENT_KEYS:
                     host = work.host.tensors[key][index]
                     if host is not None:
-                        buffer = torch.empty_like(local_param, memory_format=torch.contiguous_format)
+                        # The host's dtype: bfloat16 moments travel and sit on the device as such.
+                        buffer = torch.empty_like(local_param, dtype=host.dtype, memory_format=torch.contiguous_format)
                         backend.copy_to_device(buffer, host)
                         device.tensors[key][index] = buffer
             device.tensors[STEP_KEY], device.steps = _load_steps(backend, work)

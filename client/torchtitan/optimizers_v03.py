@@ -14,6 +14,12 @@ nothing is an error), each with its own hyperparameters. Adam and AdamW groups a
 one torch optimizer per model part (a group's ``decoupled_weight_decay`` is what makes it
 AdamW, and the update honours it per group); any other optimizer's groups are refused, naming
 them (their state would be missing from swap-state's snapshots).
+
+``implementation = "fused_opt_states_bf16"`` keeps the moments in bfloat16, in the segment, its
+snapshots and exports (half the host memory and transfer). On CUDA the update is torch's fused
+mixed-precision kernel, as in torchtitan's own optimizer; on the CPU, where torch 2.13 has no such
+kernel, swap-state computes the same way in three steps (moments upcast, fp32 fused update,
+moments rounded to nearest even): see :func:`swap_state.client.optim.kernels.adam_update`.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ __all__ = ["SwapStateOptimizersContainer", "build_swap_optimizers", "swap_param_
 logger = logging.getLogger("swap_state.client.torchtitan")
 
 _NOT_TORCH_GROUP_KEYS = ("params", "param_names")
+#: torchtitan's implementation with bfloat16 Adam moments of fp32 parameters (fused kernel).
+BF16_MOMENTS = "fused_opt_states_bf16"
 
 
 class SwapStateOptimizersContainer(OptimizersContainer):
@@ -88,7 +96,6 @@ class SwapStateOptimizersContainer(OptimizersContainer):
 def build_swap_optimizers(config: Any, *, model_parts: list[nn.Module]) -> OptimizersContainer:
     """The swap container ``config`` (a ``SwapStateOptimizersContainer.Config``) describes."""
     settings = SwapSettings.of(config)
-    _check_implementation(config)
     optimizer_cls = _swap_optimizer_class(config)
     groups = {id(model): swap_param_groups(config, model) for model in model_parts}
     amsgrad = any(group.get("amsgrad") for model_groups in groups.values() for group in model_groups)
@@ -101,6 +108,7 @@ def build_swap_optimizers(config: Any, *, model_parts: list[nn.Module]) -> Optim
         settings,
         snapshot_dir=snapshot_dir,
         param_groups=lambda model: groups[id(model)],
+        moment_dtype=torch.bfloat16 if config.implementation == BF16_MOMENTS else None,
     )
 
 
@@ -151,14 +159,6 @@ def _swap_optimizer_class(config: Any) -> type[torch.optim.Optimizer]:
     if not names:
         raise ValueError("optimizer.param_groups is empty: swap-state needs at least one Adam or AdamW group")
     return torch.optim.Adam if names == {"Adam"} else torch.optim.AdamW
-
-
-def _check_implementation(config: Any) -> None:
-    if config.implementation == "fused_opt_states_bf16":
-        raise NotImplementedError(
-            "optimizer.implementation = 'fused_opt_states_bf16' is not supported by swap-state yet: "
-            "use 'fused' (fp32 moments)"
-        )
 
 
 def _trainer_dump_folder(config: Any) -> str | None:

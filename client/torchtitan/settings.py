@@ -139,20 +139,24 @@ def build_swap_container(
     *,
     snapshot_dir: str | None = None,
     param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
+    moment_dtype: torch.dtype | None = None,
     local_container_cls: type | None = None,
 ):
     """The container ``settings`` ask for: in-process (``local``) or on the host's server.
 
     ``snapshot_dir`` is where an embedded server (no address configured or in the
     environment) keeps snapshots; ``param_groups`` builds a model part's groups (default:
-    one group of every trainable parameter); ``local_container_cls`` replaces
+    one group of every trainable parameter); ``moment_dtype`` (None: the parameters') is the
+    moments' dtype; ``local_container_cls`` replaces
     :class:`SwapOptimizersContainer` (the seed's tests patch it on the facade).
     """
     if settings.swap_optimizer_backend == "local":
         from swap_state.client.optim.container import SwapOptimizersContainer
 
         container_cls = local_container_cls or SwapOptimizersContainer
-        extra = {} if param_groups is None else {"param_groups": param_groups}
+        extra: dict[str, Any] = {} if param_groups is None else {"param_groups": param_groups}
+        if moment_dtype is not None:
+            extra["moment_dtype"] = moment_dtype
         return container_cls(model_parts, optimizer_cls, optimizer_kwargs, settings.swap_optimizer_times, **extra)
     from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
     from swap_state.client.remote.embedded import EmbeddedServerConfig
@@ -171,4 +175,5 @@ def build_swap_container(
         job_id=shared_job_id(settings.swap_state_job_id),
         config=config,
         param_groups=param_groups,
+        moment_dtype=moment_dtype,
     )
