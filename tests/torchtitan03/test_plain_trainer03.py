@@ -13,7 +13,9 @@ import pytest
 
 from titan_testkit import STOP_AFTER_STEP_ENV, STOP_MODE_ENV
 
-pytestmark = pytest.mark.timeout(240)
+# A run takes ~10 s here (2 cores); each is given RUN_TIMEOUT and a test runs at most three.
+pytestmark = pytest.mark.timeout(420)
+RUN_TIMEOUT = 120.0
 
 STEPS = 6
 SAVE_AT = 3
@@ -24,7 +26,7 @@ CPU_ATTENTION_LOG = "[Override] cpu_overrides.cpu_sdpa_attention"
 @pytest.fixture(scope="module")
 def straight(titan03_runner, tmp_path_factory):
     """The reference: the plain job, STEPS steps, no checkpoints."""
-    return titan03_runner(tmp_path_factory.mktemp("straight03"), steps=STEPS)
+    return titan03_runner(tmp_path_factory.mktemp("straight03"), steps=STEPS, timeout=RUN_TIMEOUT)
 
 
 def test_plain_runs_are_bitwise_deterministic(straight, run_trainer03, tmp_path):
@@ -35,17 +37,18 @@ def test_plain_runs_are_bitwise_deterministic(straight, run_trainer03, tmp_path)
     assert len(set(straight)) == STEPS and values[-1] < values[0], values
     assert "Training completed" in straight.run.output
     assert CPU_ATTENTION_LOG in straight.run.output
-    again = run_trainer03(tmp_path, steps=STEPS)
+    assert "activation checkpointing to the model" not in straight.run.output  # the kit's none
+    again = run_trainer03(tmp_path, steps=STEPS, timeout=RUN_TIMEOUT)
     assert again == straight
 
 
 def test_dcp_save_at_step_3_resumes_bitwise(straight, run_trainer03, tmp_path):
     """The STEPS-step job stops after step 3 (return mode) once step 3 is saved; rerun, resume."""
     stop = {STOP_AFTER_STEP_ENV: str(SAVE_AT), STOP_MODE_ENV: "return"}
-    first = run_trainer03(tmp_path, *CHECKPOINT, steps=STEPS, env=stop)
+    first = run_trainer03(tmp_path, *CHECKPOINT, steps=STEPS, env=stop, timeout=RUN_TIMEOUT)
     assert first.steps == list(range(1, SAVE_AT + 1))
     assert (tmp_path / "ckpt" / f"step-{SAVE_AT}").is_dir()
-    resumed = run_trainer03(tmp_path, *CHECKPOINT, steps=STEPS)
+    resumed = run_trainer03(tmp_path, *CHECKPOINT, steps=STEPS, timeout=RUN_TIMEOUT)
     assert f"Loading the checkpoint from {tmp_path / 'ckpt' / f'step-{SAVE_AT}'}" in resumed.run.output
     assert resumed.steps == list(range(SAVE_AT + 1, STEPS + 1))
     assert first == straight[:SAVE_AT]
@@ -59,7 +62,7 @@ def test_sigkill_stop_keeps_the_steps_before(straight, run_trainer03, tmp_path):
     kill = {STOP_AFTER_STEP_ENV: "2", STOP_MODE_ENV: "kill"}
     probe = 'probe_overrides.identity_probe={"tag": "sigkill"}'
     killed = run_trainer03(tmp_path, "--override.imports", probe, steps=STEPS, env=kill,
-                           expect_returncode=-9)
+                           expect_returncode=-9, timeout=RUN_TIMEOUT)
     assert killed.steps == [1, 2]
     assert killed == straight[:2]
     assert "Training completed" not in killed.run.output
