@@ -1,5 +1,8 @@
 """The scenario's stack on a real Docker engine: docker/compose.yaml plus a small override.
 
+Driven by the compose plugin (``docker compose``) where it is installed, else by compose_run.py,
+which runs the same file as plain ``docker`` commands (why: see there).
+
 The override only sizes /dev/shm and --shm-size for the test and binds the snapshot and
 trainer-state volumes to host directories the test can read; everything else (images, ipc,
 volumes, users, healthcheck) is compose.yaml's own.
@@ -17,14 +20,12 @@ from pathlib import Path
 
 import yaml
 
-from .harness import REPO_ROOT
+from .compose_run import COMPOSE_FILE, DockerRunProject
 from .scenario import server_args
 
-__all__ = ["COMPOSE_FILE", "docker_unavailable", "build_images", "ComposeStack", "DockerService"]
+__all__ = ["COMPOSE_FILE", "compose_plugin", "ComposeStack", "ComposePlugin", "DockerService"]
 
-COMPOSE_FILE = REPO_ROOT / "docker" / "compose.yaml"
 CLI_TIMEOUT_S = 120.0
-BUILD_TIMEOUT_S = 1800.0
 
 
 def _run(argv: Sequence[str], timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
@@ -32,26 +33,12 @@ def _run(argv: Sequence[str], timeout: float = CLI_TIMEOUT_S) -> subprocess.Comp
 
 
 @functools.cache
-def docker_unavailable() -> str | None:
-    """Why the compose scenario cannot run here, or None."""
-    if shutil.which("docker") is None:
-        return "docker CLI not found"
+def compose_plugin() -> bool:
+    """Whether ``docker compose`` (v2) is installed; else compose_run drives compose.yaml."""
     try:
-        info = _run(["docker", "info"], timeout=30)
-    except subprocess.TimeoutExpired:
-        return "no Docker engine reachable (`docker info` timed out)"
-    if info.returncode != 0:
-        last = (info.stderr.strip().splitlines() or ["?"])[-1]
-        return f"no Docker engine reachable (`docker info` failed: {last})"
-    if _run(["docker", "compose", "version"], timeout=30).returncode != 0:
-        return "the docker compose plugin is not installed"
-    return None
-
-
-def build_images() -> None:
-    build = _run(["docker", "compose", "-f", str(COMPOSE_FILE), "build"], timeout=BUILD_TIMEOUT_S)
-    if build.returncode != 0:
-        raise RuntimeError(f"docker compose build failed:\n{build.stdout[-4000:]}{build.stderr[-4000:]}")
+        return _run(["docker", "compose", "version"], timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _exit_status(code: int) -> int:
@@ -102,11 +89,38 @@ class DockerService:
         return self._inspect("{{if .State.Health}}{{.State.Health.Status}}{{end}}")
 
 
+class ComposePlugin:
+    """A compose project driven by the ``docker compose`` plugin (compose v2)."""
+
+    def __init__(self, project: str, files: Sequence[Path]) -> None:
+        self.project = project
+        self.files = list(files)
+
+    def compose(self, *args: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+        argv = ["docker", "compose", *[a for f in self.files for a in ("-f", str(f))], "-p", self.project, *args]
+        result = _run(argv, timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed:\n{result.stdout}{result.stderr}")
+        return result
+
+    def up(self, service: str, recreate: bool = False) -> str:
+        self.compose("up", "--detach", "--no-build", "--no-deps", *(["--force-recreate"] if recreate else []), service)
+        return self.compose("ps", "--all", "--quiet", service).stdout.split()[0]
+
+    def run(self, service: str, name: str, command: Sequence[str]) -> str:
+        return self.compose("run", "--detach", "--no-deps", "--name", name, service, *command).stdout.strip()
+
+    def down(self) -> None:
+        _run(["docker", "compose", *[a for f in self.files for a in ("-f", str(f))], "-p", self.project,
+              "down", "--volumes", "--remove-orphans", "--timeout", "5"])
+
+
 class ComposeStack:
-    """A throw-away compose project (its own name, containers and volumes)."""
+    """A throw-away compose project (its own name, containers and volumes), driven by the
+    compose plugin where it is installed, else by compose_run (compose.yaml as docker commands)."""
 
     def __init__(self, shm_size: str, workdir: Path) -> None:
-        self.project = f"swapstate-test-{uuid.uuid4().hex[:8]}"
+        project = f"swapstate-test-{uuid.uuid4().hex[:8]}"
         self.shm_size = shm_size
         self.workdir = workdir
         self.snapshot_dir = workdir / "snapshots"
@@ -115,6 +129,9 @@ class ComposeStack:
             path.mkdir(parents=True, exist_ok=True)
             os.chmod(path, 0o777)  # the images' user (10001) writes here
         self.override = workdir / "compose.override.yaml"
+        files = [COMPOSE_FILE, self.override]
+        self.project: ComposePlugin | DockerRunProject = (
+            ComposePlugin(project, files) if compose_plugin() else DockerRunProject(project, files))
         self._count = 0
 
     def _write_override(self, server_shm_size: str) -> None:
@@ -127,22 +144,12 @@ class ComposeStack:
             "volumes": {"snapshots": bind(self.snapshot_dir), "trainer-state": bind(self.state_dir)},
         }))
 
-    def compose(self, *args: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-        argv = ["docker", "compose", "-f", str(COMPOSE_FILE), "-f", str(self.override),
-                "-p", self.project, *args]
-        result = _run(argv, timeout=timeout)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} failed:\n{result.stdout}{result.stderr}")
-        return result
-
     def start_server(self, shm_size: str) -> DockerService:
         self._write_override(shm_size)
         # The /dev/shm holder (service shm) is started once and stays, as a pod's emptyDir
         # does; each server is a new container joining it.
-        self.compose("up", "--detach", "--no-build", "shm")
-        self.compose("up", "--detach", "--no-build", "--force-recreate", "--no-deps", "server")
-        container_id = self.compose("ps", "--all", "--quiet", "server").stdout.split()[0]
-        return DockerService(container_id, "server")
+        self.project.up("shm")
+        return DockerService(self.project.up("server", recreate=True), "server")
 
     def healthy(self, server: object) -> bool:
         assert isinstance(server, DockerService)
@@ -150,16 +157,15 @@ class ComposeStack:
 
     def start_trainer(self, cmd: Sequence[str]) -> DockerService:
         self._count += 1
-        name = f"{self.project}-trainer-{self._count}"
-        self.compose("run", "--detach", "--no-deps", "--name", name, "trainer", *cmd)
+        name = f"{self.project.project}-trainer-{self._count}"
+        self.project.run("trainer", name, cmd)
         return DockerService(name, name)
 
     def server_stopped(self) -> None:
         """A /dev/shm lost with the server (the harness's reset): recreate the holder."""
-        self.compose("up", "--detach", "--no-build", "--force-recreate", "shm")
+        self.project.up("shm", recreate=True)
 
     def close(self) -> None:
         if self.override.exists():
-            _run(["docker", "compose", "-f", str(COMPOSE_FILE), "-f", str(self.override),
-                  "-p", self.project, "down", "--volumes", "--remove-orphans", "--timeout", "5"])
+            self.project.down()
         shutil.rmtree(self.workdir, ignore_errors=True)

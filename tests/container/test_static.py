@@ -17,6 +17,7 @@ try:
 except ModuleNotFoundError:  # python 3.10: the dev extra installs tomli
     import tomli as tomllib  # type: ignore[no-redef]
 
+from . import compose_run
 from .harness import IMAGE_UID, REPO_ROOT, SNAPSHOT_DIR, SOCKET_DIR, SOCKET_URI, STATE_DIR
 from .scenario import CKPT_DIR, HEALTHCHECK_CMD, REPORT, server_args
 
@@ -160,19 +161,29 @@ def test_trainer_dockerfile_pins_cpu_torch_first() -> None:
 
 @pytest.mark.parametrize("name", ["Dockerfile.server", "Dockerfile.trainer"])
 def test_build_context_is_trimmed(name: str) -> None:
-    ignored = (DOCKER / f"{name}.dockerignore").read_text().split()
-    assert {".venv", ".git"} <= set(ignored)
-    for copy in parse_dockerfile(DOCKER / name).find("COPY", parse_dockerfile(DOCKER / name).stages[0]):
+    dockerfile = DOCKER / name
+    ignore = compose_run.IgnoreFile.for_build(dockerfile, REPO_ROOT)
+    # Virtualenvs of any name, results, tests and .git never enter the context.
+    for path in (".venv", ".venv-titan/lib/torch/__init__.py", ".git/config", "tests/conftest.py",
+                 "bench/results.json", "results/x", "swap_state/__pycache__/x.pyc", "swap_state.egg-info"):
+        assert ignore.excluded(path), f"{path} would enter the build context of {name}"
+    for copy in parse_dockerfile(dockerfile).find("COPY", parse_dockerfile(dockerfile).stages[0]):
         for source in copy.split()[:-1]:
             # A wildcard may match nothing (README.md* is optional); a plain path must exist.
             assert "*" in source or (REPO_ROOT / source).exists(), f"COPY {source}: missing"
+            assert not ignore.excluded(source.rstrip("*/")), f"COPY {source}: ignored by the .dockerignore"
 
 
 # -- compose.yaml -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return yaml.safe_load(COMPOSE.read_text())
+    """compose.yaml as compose reads it where none of its variables is set."""
+    return compose_run.load(env={})
+
+
+def _memlock(service: dict[str, Any]) -> dict[str, int]:
+    return {key: int(value) for key, value in service["ulimits"]["memlock"].items()}
 
 
 def _mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
@@ -211,7 +222,7 @@ def test_compose_server(compose: dict[str, Any]) -> None:
     assert holder["ipc"] == "shareable" and server["ipc"] == "service:shm"
     assert _mounts(server) == {SOCKET_DIR: ("socket", False), SNAPSHOT_DIR: ("snapshots", False)}
     assert server["healthcheck"]["test"] == ["CMD", *HEALTHCHECK_CMD]
-    assert server["ulimits"]["memlock"] == {"soft": -1, "hard": -1}
+    assert _memlock(server) == {"soft": -1, "hard": -1}
 
 
 def test_compose_trainer(compose: dict[str, Any]) -> None:
@@ -225,7 +236,57 @@ def test_compose_trainer(compose: dict[str, Any]) -> None:
     assert flag(command, "--server") == SOCKET_URI
     assert int(flag(command, "--snapshot-every")) < int(flag(command, "--steps"))
     assert (flag(command, "--state-dir"), flag(command, "--report")) == (CKPT_DIR, REPORT)
-    assert trainer["ulimits"]["memlock"] == {"soft": -1, "hard": -1}
+    assert _memlock(trainer) == {"soft": -1, "hard": -1}
+
+
+SETTINGS_ENV = {
+    "SWAP_STATE_PYTHON_IMAGE": "local/python:1",
+    "SWAP_STATE_BASE_IMAGE": "local/cuda:2",
+    "SWAP_STATE_TORCH_INDEX_URL": "http://127.0.0.1:9/simple",
+    "SWAP_STATE_BUILD_NETWORK": "host",
+    "SWAP_STATE_SHM_SIZE": "3gb",
+    "SWAP_STATE_MEMLOCK": "8388608",
+}
+
+
+def test_compose_settings_default_to_the_dockerfiles(compose: dict[str, Any]) -> None:
+    """With no variable set, compose.yaml builds and runs what it did before they existed."""
+    server_df, trainer_df = (parse_dockerfile(DOCKER / f"Dockerfile.{n}") for n in ("server", "trainer"))
+    services = compose["services"]
+    assert services["server"]["build"]["args"] == {"PYTHON_IMAGE": server_df.global_args["PYTHON_IMAGE"]}
+    assert services["trainer"]["build"]["args"] == {
+        "PYTHON_IMAGE": trainer_df.global_args["PYTHON_IMAGE"],
+        "BASE_IMAGE": trainer_df.global_args["BASE_IMAGE"],
+        "TORCH_INDEX_URL": _arg_defaults(trainer_df.final)["TORCH_INDEX_URL"],
+    }
+    assert services["server"]["build"]["network"] == services["trainer"]["build"]["network"] == "default"
+    assert parse_size(services["shm"]["shm_size"]) == 2 << 30
+
+
+def test_compose_settings_follow_the_environment() -> None:
+    services = compose_run.load(env=SETTINGS_ENV)["services"]
+    for name in ("server", "trainer"):
+        build = services[name]["build"]
+        assert build["args"]["PYTHON_IMAGE"] == "local/python:1" and build["network"] == "host"
+        assert _memlock(services[name]) == {"soft": 8388608, "hard": 8388608}
+    assert services["trainer"]["build"]["args"]["BASE_IMAGE"] == "local/cuda:2"
+    assert services["trainer"]["build"]["args"]["TORCH_INDEX_URL"] == "http://127.0.0.1:9/simple"
+    assert services["shm"]["shm_size"] == "3gb"
+
+
+def test_images_build_defaults_equal_the_dockerfiles() -> None:
+    """scripts/images/build.sh decides whether the defaults are reachable: the same defaults."""
+    text = (REPO_ROOT / "scripts" / "images" / "build.sh").read_text()
+    trainer_df = parse_dockerfile(DOCKER / "Dockerfile.trainer")
+
+    def assigned(name: str) -> str:
+        match = re.search(rf"^{name}=(\S+)$", text, re.MULTILINE)
+        assert match, f"{name} not found in scripts/images/build.sh"
+        return match[1]
+
+    assert assigned("DEFAULT_PYTHON_IMAGE") == trainer_df.global_args["PYTHON_IMAGE"]
+    assert assigned("DEFAULT_TORCH_INDEX_URL") == _arg_defaults(trainer_df.final)["TORCH_INDEX_URL"]
+    assert assigned("TORCH_VERSION") == f"${{SWAP_STATE_TORCH_VERSION:-{_setup_sh_torch_version()}}}"
 
 
 # -- Kubernetes examples ----------------------------------------------------------------------
