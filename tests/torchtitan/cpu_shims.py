@@ -148,9 +148,9 @@ def check_device_globals(cpu_module) -> None:
         d = getattr(module, "__dict__", {})
         if "device_type" in d and isinstance(d["device_type"], str) and d["device_type"] != "cpu":
             wrong.append(f"{name}.device_type={d['device_type']!r}")
-        if "device_module" in d and isinstance(d["device_module"], types.ModuleType):
-            if d["device_module"] is not cpu_module:
-                wrong.append(f"{name}.device_module={d['device_module'].__name__}")
+        module_copy = d.get("device_module")
+        if isinstance(module_copy, types.ModuleType) and module_copy is not cpu_module:
+            wrong.append(f"{name}.device_module={module_copy.__name__}")
     if wrong:
         raise RuntimeError("torchtitan kept non-CPU device globals: " + ", ".join(wrong))
 

@@ -21,20 +21,22 @@ import pytest
 
 pytest.importorskip("tokenizers", reason="tokenizers (a torchtitan dependency) builds the test tokenizer")
 
-from titan03_kit import (  # noqa: E402
+from titan03_kit import (
     ProcessGroups,
     as_losses,
     launch03,
+    locate_titan03_python,
     missing_reason,
-    titan03_python as find_titan03_python,
     torchtitan_version,
 )
-from titan_testkit import TitanAssets, build_titan_assets  # noqa: E402  (titan03_kit's path)
+
+# tests/torchtitan (the 0.2 kit) is on sys.path once titan03_kit is imported.
+from titan_testkit import TitanAssets, build_titan_assets
 
 
 @pytest.fixture(scope="session")
 def titan03_python():
-    python = find_titan03_python()
+    python = locate_titan03_python()
     reason = missing_reason(python)
     if reason:
         pytest.skip(reason)

@@ -41,7 +41,7 @@ for _path in (HERE, HERE.parent / "torchtitan"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from cpu_shims import (  # noqa: E402
+from cpu_shims import (
     StepObserver,
     import_torchtitan_on_cpu,
     set_torchrun_env,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from titan_testkit import STOP_AFTER_STEP_ENV, STOP_MODE_ENV
 
 # A run takes ~10 s here (2 cores); each is given RUN_TIMEOUT and a test runs at most three.

@@ -7,7 +7,7 @@ from ``tests/torchtitan/titan_testkit.py``, not copied: the offline assets (Word
 tokenizer of llama3 debugmodel's 2048 words, a ``c4_test``-layout dataset), ``TrainerRun``,
 ``TrainerRunError``, the loss-file reader and the launcher environment.
 
-* :func:`titan03_python`: ``$SWAP_STATE_TITAN03_PYTHON``, else ``<repo>/.venv-titan03/bin/python``;
+* :func:`locate_titan03_python`: ``$SWAP_STATE_TITAN03_PYTHON``, else ``<repo>/.venv-titan03/bin/python``;
   :func:`missing_reason` says why it cannot be used and how to build it.
 * :func:`base_flags03`: the tiny llama3 debugmodel job in 0.3's names (seq 64, batch 2, fp32
   parameters, no compile, no activation checkpointing, checkpoints off, log every step, fixed
@@ -31,7 +31,7 @@ LAUNCHER03 = HERE / "launcher.py"
 if str(HERE.parent / "torchtitan") not in sys.path:
     sys.path.insert(0, str(HERE.parent / "torchtitan"))  # titan_testkit, shared with 0.2
 
-from titan_testkit import (  # noqa: E402
+from titan_testkit import (
     BATCH,
     LOSS_FILE_ENV,
     SEQ_LEN,
@@ -67,7 +67,7 @@ def as_losses(run: TrainerRun) -> Losses:
     return losses
 
 
-def titan03_python() -> Path:
+def locate_titan03_python() -> Path:
     """The 0.3 venv's python: ``$SWAP_STATE_TITAN03_PYTHON`` or ``<repo>/.venv-titan03``'s."""
     named = os.environ.get(TITAN03_PYTHON_ENV, "")
     return Path(named) if named else DEFAULT_VENV / "bin" / "python"
@@ -85,7 +85,7 @@ def missing_reason(python: Path) -> str | None:
 def torchtitan_version(python: Path, timeout: float = 60.0) -> str:
     """The torchtitan distribution's version in ``python``'s environment (no torch import)."""
     probe = "import importlib.metadata as m; print(m.version('torchtitan'))"
-    proc = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
+    proc = subprocess.run([str(python), "-c", probe], check=False, capture_output=True, text=True,
                           timeout=timeout, env=_for_titan03(dict(os.environ)), cwd=str(REPO_ROOT))
     if proc.returncode != 0:
         raise RuntimeError(f"{python} has no torchtitan: {proc.stderr.strip()[-2000:]}")
