@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -81,6 +81,11 @@ class RemoteConfig:
     stream, overlapped with the next forward and backward; other steps copy nothing), so a snapshot of step N holds the parameters of step N too, a restore puts
     them back into the model, and a snapshot-mode checkpoint needs no model tensors. Costs
     the model's bytes of the server's budget. None: on with ``checkpoint = 'snapshot'``."""
+    model_state_dict: Callable[[nn.Module], dict[str, Any]] | None = None
+    """How the model's checkpoint form is read: torch's ``get_model_state_dict`` (None, what
+    torchtitan 0.2 checkpoints) or the module's own ``state_dict`` (torchtitan 0.3, whose
+    modules may produce entries in hooks, e.g. llama3's fused QKV split into wq/wk/wv). A
+    whole-state snapshot holds that form (:mod:`swap_state.client.remote.model_area`)."""
     snapshot_replace_existing: bool = False
     """A snapshot of a step that already has a durable one from an earlier attempt (the job
     retrained the step, e.g. after loading an older checkpoint) replaces it; False: refused
@@ -183,7 +188,7 @@ def embedded_config_for(
         if snapshots_model(config):
             # Whole-state snapshots are checkpoints: pause-free ones need copy slots for the
             # whole state (about what DCP's async save stages in the trainer's own memory).
-            state += model_state_bytes(model_parts)
+            state += model_state_bytes(model_parts, config.model_state_dict)
             if cow is None:
                 cow = -(-state // embedded.chunk_bytes) * embedded.chunk_bytes
         size = max(64 << 20, int(state * 1.5) + (32 << 20)) + (cow or 0)

@@ -140,7 +140,9 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             )
         model_tensors = []
         if snapshots_model(self.remote_config):
-            model_tensors = plan_model_tensors(self.model_parts, [e.param for e in entries])
+            model_tensors = plan_model_tensors(
+                self.model_parts, [e.param for e in entries], self.remote_config.model_state_dict
+            )
             specs.extend(t.spec() for t in model_tensors)  # last: protocol step 5
         reply = self.session.allocate(specs)
         self._mapping = SegmentMapping.open(reply.segment)
@@ -151,7 +153,10 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         self._guard = SnapshotGuard(self._mapping, self.remote_config.backpressure_timeout_s,
                                     server_gone=self.session.server_gone)
         if model_tensors:
-            self._model_area = ModelArea(model_tensors, self._views, self._guard, self._mapping.trainer, self._backend)
+            self._model_area = ModelArea(
+                model_tensors, self._views, self._guard, self._mapping.trainer, self._backend,
+                model_parts=self.model_parts, state_dict_of=self.remote_config.model_state_dict,
+            )  # fmt: skip
         self._tensor_names: dict[torch.Tensor, list[str]] = {}
         cache: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         param_steps = self._views[PARAM_STEPS]

@@ -8,6 +8,13 @@ state-dict fqn (what torchtitan's ``ModelWrapper`` and DCP use), one per distinc
 weights are stored once, their other keys recorded as aliases. A DTensor keeps its local
 shard, with its global shape and offset in the manifest.
 
+The state dict is read by ``state_dict_of`` (torch's ``get_model_state_dict`` by default, what
+torchtitan 0.2 checkpoints; torchtitan 0.3 checkpoints ``module.state_dict()``). An entry that
+is not a live parameter or buffer is *derived*: a module's state-dict hook made it (torchtitan
+0.3's llama3 splits its fused ``wqkv`` into ``wq``/``wk``/``wv`` on save). The segment keeps the
+derived form, as the checkpoint does; before each copy it is made again from the module, and a
+restore loads it back through the module's ``load_state_dict`` (whose hook merges it).
+
 Call order (the remote container does this)::
 
     tensors = plan_model_tensors(model_parts, optimizer_params)   # before the Allocate
@@ -31,7 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +54,10 @@ from swap_state.common.segment import Word
 from swap_state.common.trainer_header import TrainerHeader
 from swap_state.common.snapshot_metadata import TensorMetadata
 
-__all__ = ["ModelArea", "ModelTensor", "plan_model_tensors", "model_state_bytes"]
+__all__ = ["ModelArea", "ModelTensor", "StateDictOf", "plan_model_tensors", "model_state_bytes"]
+
+#: Reads a model part's checkpoint form (fqn -> tensor).
+StateDictOf = Callable[[nn.Module], dict[str, Any]]
 
 log = logging.getLogger("swap_state.client.remote_container")
 
@@ -63,7 +73,12 @@ class ModelTensor:
     key: str
     """``"param"`` or ``"buffer"`` (the manifest's key)."""
     source: torch.Tensor
-    """The live parameter or buffer (a DTensor or a plain tensor)."""
+    """The live parameter or buffer (a DTensor or a plain tensor); for a derived entry, the
+    tensor the last refresh wrote (its storage is kept)."""
+    part: int = 0
+    """The index of its model part."""
+    derived: bool = False
+    """Made by a state-dict hook, not a live tensor (see the module docstring)."""
 
     @property
     def name(self) -> str:
@@ -83,9 +98,13 @@ def _identity(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
     return (local.data_ptr(), tuple(local.shape), local.dtype)
 
 
-def plan_model_tensors(model_parts: Sequence[nn.Module], params: Iterable[torch.Tensor] = ()) -> list[ModelTensor]:
-    """The distinct tensors of every model part's state dict (``get_model_state_dict``: the
-    fqns DCP and torchtitan checkpoint under), in state-dict order.
+def plan_model_tensors(
+    model_parts: Sequence[nn.Module],
+    params: Iterable[torch.Tensor] = (),
+    state_dict_of: StateDictOf | None = None,
+) -> list[ModelTensor]:
+    """The distinct tensors of every model part's state dict (``state_dict_of``, default
+    ``get_model_state_dict``: the fqns DCP and torchtitan checkpoint under), in state-dict order.
 
     ``params``: the optimizer's parameter objects, preferred as the live source of a tensor
     they share storage with (the state dict's values are detached views). A non-tensor entry
@@ -100,8 +119,8 @@ def plan_model_tensors(model_parts: Sequence[nn.Module], params: Iterable[torch.
     for param in params:
         live[_identity(param)] = (param, "param")
     planned: dict[tuple[int, tuple[int, ...], torch.dtype], list[Any]] = {}
-    for part in model_parts:
-        for fqn, value in get_model_state_dict(part).items():
+    for index, part in enumerate(model_parts):
+        for fqn, value in (state_dict_of or get_model_state_dict)(part).items():
             if not isinstance(value, torch.Tensor):
                 raise ValueError(
                     f"model state-dict entry {fqn!r} is a {type(value).__name__}, not a tensor: "
@@ -111,14 +130,18 @@ def plan_model_tensors(model_parts: Sequence[nn.Module], params: Iterable[torch.
             if ident in planned:
                 planned[ident][1].append(fqn)
                 continue
-            source, key = live.get(ident, (value, "buffer"))
-            planned[ident] = [fqn, [], key, source]
-    return [ModelTensor(fqn, tuple(aliases), key, source) for fqn, aliases, key, source in planned.values()]
+            source, key = live.get(ident, (value, None))
+            # A derived entry comes from the module's parameters (the known hooks split them).
+            planned[ident] = [fqn, [], key or "param", source, index, key is None]
+    return [
+        ModelTensor(fqn, tuple(aliases), key, source, part, derived)
+        for fqn, aliases, key, source, part, derived in planned.values()
+    ]
 
 
-def model_state_bytes(model_parts: Sequence[nn.Module]) -> int:
+def model_state_bytes(model_parts: Sequence[nn.Module], state_dict_of: StateDictOf | None = None) -> int:
     """Bytes the model tensors take in a segment, a page of slack each (for sizing)."""
-    return sum(t.local.numel() * t.local.element_size() + 4096 for t in plan_model_tensors(model_parts))
+    return sum(t.local.numel() * t.local.element_size() + 4096 for t in plan_model_tensors(model_parts, (), state_dict_of))
 
 
 class ModelArea:
@@ -131,8 +154,12 @@ class ModelArea:
         guard: SnapshotGuard,
         header: TrainerHeader,
         backend: DeviceBackend,
+        *,
+        model_parts: Sequence[nn.Module] = (),
+        state_dict_of: StateDictOf | None = None,
     ):
         self.tensors = list(tensors)
+        self._derived = _DerivedTensors(self.tensors, model_parts, state_dict_of)
         self._views = [views[t.name] for t in self.tensors]
         self._names = [t.name for t in self.tensors]
         self._guard = guard
@@ -187,6 +214,7 @@ class ModelArea:
         self._guard.protect(self._names)  # a persisting snapshot's bytes, copied first
         self.copied_step = step
         with torch.no_grad():  # optimizer.step() may run with grad on: no graph into the segment
+            self._derived.refresh()
             self._copy_into_segment(step)
 
     def _copy_into_segment(self, step: int) -> None:
@@ -240,6 +268,8 @@ class ModelArea:
                     self._backend.copy_to_device(local, view)  # the bounce ring where needed
                 else:
                     local.copy_(view)  # a strided buffer: the ring takes contiguous tensors
+            self._backend.synchronize()
+            self._derived.load_into_model()
         self._backend.synchronize()
         self.copied_step = step
         self._header.publish_model(step)
@@ -270,3 +300,35 @@ def _copy_and_publish(views: Sequence[torch.Tensor], tensors: Sequence[ModelTens
 def _publish_when_done(done: Any, header: TrainerHeader, step: int) -> None:
     done.synchronize()
     header.publish_model(step)
+
+
+class _DerivedTensors:
+    """The derived model tensors of a :class:`ModelArea` (held by it): made again from their
+    modules before each copy, loaded back through them after a restore."""
+
+    def __init__(
+        self, tensors: Sequence[ModelTensor], model_parts: Sequence[nn.Module], state_dict_of: StateDictOf | None
+    ):
+        self._by_part: dict[int, list[ModelTensor]] = {}
+        for tensor in tensors:
+            if tensor.derived:
+                self._by_part.setdefault(tensor.part, []).append(tensor)
+        self._parts = list(model_parts)
+        self._state_dict_of = state_dict_of or get_model_state_dict
+        if self._by_part and not self._parts:
+            names = [t.fqn for ts in self._by_part.values() for t in ts][:5]
+            raise ValueError(f"model tensors {names} are made by state-dict hooks: the model area needs their modules")
+
+    def refresh(self) -> None:
+        """Write each derived tensor's current value into its kept storage (on the trainer's
+        thread, before the copy into the segment starts)."""
+        for index, tensors in self._by_part.items():
+            fresh = self._state_dict_of(self._parts[index])
+            for tensor in tensors:
+                tensor.source.copy_(fresh[tensor.fqn])
+
+    def load_into_model(self) -> None:
+        """After the restored bytes are in the derived tensors: the modules load them (their
+        load hooks make the live parameters from them)."""
+        for index, tensors in self._by_part.items():
+            self._parts[index].load_state_dict({t.fqn: t.source for t in tensors}, strict=False)

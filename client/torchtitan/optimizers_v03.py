@@ -109,6 +109,9 @@ def build_swap_optimizers(config: Any, *, model_parts: list[nn.Module]) -> Optim
         snapshot_dir=snapshot_dir,
         param_groups=lambda model: groups[id(model)],
         moment_dtype=torch.bfloat16 if config.implementation == BF16_MOMENTS else None,
+        # torchtitan 0.3's ModelWrapper checkpoints the module's own state dict (its hooks
+        # included: llama3 splits its fused wqkv into wq/wk/wv).
+        model_state_dict=nn.Module.state_dict,
     )
 
 

@@ -140,6 +140,7 @@ def build_swap_container(
     snapshot_dir: str | None = None,
     param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
     moment_dtype: torch.dtype | None = None,
+    model_state_dict: Callable[[nn.Module], dict[str, Any]] | None = None,
     local_container_cls: type | None = None,
 ):
     """The container ``settings`` ask for: in-process (``local``) or on the host's server.
@@ -147,7 +148,8 @@ def build_swap_container(
     ``snapshot_dir`` is where an embedded server (no address configured or in the
     environment) keeps snapshots; ``param_groups`` builds a model part's groups (default:
     one group of every trainable parameter); ``moment_dtype`` (None: the parameters') is the
-    moments' dtype; ``local_container_cls`` replaces
+    moments' dtype; ``model_state_dict`` reads the model's checkpoint form (None: torch's
+    ``get_model_state_dict``, torchtitan 0.2's; see RemoteConfig); ``local_container_cls`` replaces
     :class:`SwapOptimizersContainer` (the seed's tests patch it on the facade).
     """
     if settings.swap_optimizer_backend == "local":
@@ -165,6 +167,7 @@ def build_swap_container(
         checkpoint=settings.swap_state_checkpoint,
         server_wait_s=float(settings.swap_state_server_wait_s),
         embedded=EmbeddedServerConfig(snapshot_dir=snapshot_dir) if snapshot_dir else None,
+        model_state_dict=model_state_dict,
     )
     return RemoteSwapOptimizersContainer(
         model_parts,

@@ -1,0 +1,100 @@
+"""torchtitan 0.3's own trainer with swap-state switched on by the override target
+(``--override.imports swap_state.client.torchtitan_override.swap_state``), against the plain
+trainer: the same losses bitwise with a host's server and with the embedded default, a
+snapshot-mode save at step 3 resumed to 6, a SIGKILL after a checkpoint and a rerun, several
+param groups, and the settings on torchtitan's CLI where the registry builds the config.
+
+Servers are real ``swap-state-server`` processes (tests/conftest.py's ``start_server``); the
+trainers run in the 0.3 venv (titan03_kit.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from titan_testkit import STOP_AFTER_STEP_ENV, STOP_MODE_ENV
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_server_env")]
+
+TARGET = "swap_state.client.torchtitan_override.swap_state"
+N = 3  # the stop; every run is scheduled for 2N steps (its LR schedule follows training.steps)
+CHECKPOINT = ("--checkpoint.enable", "--checkpoint.folder", "ckpt", "--checkpoint.interval", str(N),
+              "--checkpoint.no-last-save-model-only")  # fmt: skip
+GROUPS = ("--module", "group_registry", "--config", "llama3_debugmodel_groups")
+
+
+def swap_state(**settings) -> tuple[str, ...]:
+    """The switch, with the settings as the target's JSON arguments."""
+    settings.setdefault("swap_optimizer_times", 3)
+    return ("--override.imports", f"{TARGET}={json.dumps(settings)}")
+
+
+@pytest.fixture(scope="module")
+def reference(titan03_runner, tmp_path_factory):
+    """Plain torchtitan 0.3, fused AdamW, 2N steps."""
+    run = titan03_runner(tmp_path_factory.mktemp("plain03"), steps=2 * N)
+    assert run.steps == list(range(1, 2 * N + 1))
+    return run
+
+
+def _tail(run) -> str:
+    return run.run.output[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_the_same_losses_with_a_hosts_server_and_embedded(reference, run_trainer03, start_server, tmp_path):
+    server = start_server()
+    hosted = run_trainer03(tmp_path / "hosted", *swap_state(swap_state_server=server.address), steps=2 * N)
+    assert f"[Override] {TARGET}: optimizer" in hosted.run.output, _tail(hosted)
+    assert "SwapStateCheckpointManager.Config" in hosted.run.output, _tail(hosted)
+    assert hosted == reference, _tail(hosted) + server.log_text()
+    embedded = run_trainer03(tmp_path / "embedded", *swap_state(), steps=2 * N)
+    assert "started embedded swap-state-server" in embedded.run.output, _tail(embedded)
+    assert embedded == reference, _tail(embedded)
+
+
+@pytest.mark.timeout(300)
+def test_snapshot_mode_saved_at_3_resumes_to_6_bitwise(reference, run_trainer03, tmp_path):
+    """The embedded default: its snapshots live in <dump_folder>/swap-state-snapshots, where the
+    rerun (another embedded server) finds the one step 3's checkpoint refers to."""
+    flags = (*CHECKPOINT, *swap_state(swap_state_checkpoint="snapshot", swap_state_job_id="resume03"))
+    first = run_trainer03(tmp_path, *flags, steps=2 * N, env={STOP_AFTER_STEP_ENV: str(N), STOP_MODE_ENV: "return"})
+    assert first == reference[:N], _tail(first)
+    assert any((tmp_path / "swap-state-snapshots").rglob("*.safetensors")), sorted(tmp_path.rglob("*"))[:30]
+    step_dir = tmp_path / "ckpt" / f"step-{N}"
+    size = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+    assert size < 1 << 20, size  # references and small states, not the model and moments
+    resumed = run_trainer03(tmp_path, *flags, steps=2 * N)
+    assert f"Loading the checkpoint from {step_dir}" in resumed.run.output, _tail(resumed)
+    assert resumed.steps == list(range(N + 1, 2 * N + 1))
+    assert resumed == reference[N:], _tail(resumed)
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_after_a_checkpoint_then_rerun(reference, run_trainer03, start_server, tmp_path):
+    server = start_server()
+    flags = (*CHECKPOINT, *swap_state(swap_state_server=server.address, swap_state_checkpoint="snapshot",
+                                      swap_state_job_id="killed03"))  # fmt: skip
+    killed = run_trainer03(tmp_path, *flags, steps=2 * N, env={STOP_AFTER_STEP_ENV: str(N), STOP_MODE_ENV: "kill"},
+                           expect_returncode=-9)  # fmt: skip
+    assert killed.steps == list(range(1, N + 1)) and killed == reference[:N]
+    rerun = run_trainer03(tmp_path, *flags, steps=2 * N)
+    assert f"reattached to swap-state at step {N}" in rerun.run.output, _tail(rerun)
+    assert f"restored killed03/step-{N}" in rerun.run.output, _tail(rerun)
+    assert rerun.steps == list(range(N + 1, 2 * N + 1))
+    assert rerun == reference[N:], _tail(rerun) + server.log_text()
+
+
+@pytest.mark.timeout(300)
+def test_several_param_groups_and_the_settings_on_the_cli(run_trainer03, tmp_path):
+    """Adam and AdamW groups with their own hyperparameters; the registry builds the swap
+    config (with_swap_state), so torchtitan's CLI takes a setting as --optimizer.<name>."""
+    plain = run_trainer03(tmp_path / "plain", *GROUPS, steps=2 * N)
+    assert "Optimizer Adam (model_part=0)" in plain.run.output, _tail(plain)
+    swap = run_trainer03(tmp_path / "swap", "--module", "group_registry", "--config",
+                         "llama3_debugmodel_groups_swap_state", "--optimizer.swap-optimizer-times", "2",
+                         steps=2 * N)  # fmt: skip
+    assert "swap optimizer:" in swap.run.output and "2 slices" in swap.run.output, _tail(swap)
+    assert "swap-state optimizer group Adam [norm]" in swap.run.output, _tail(swap)
+    assert swap == plain, _tail(swap)
