@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import types
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from swap_state.client.optim.host_cache import (
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.client.optim.state_loading import StateLoader
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES, StepPipeline
+from swap_state.client.optim.unswapped import UnswappedOptimizers
 
 __all__ = ["SwapOptimizersContainer", "bind_swap_step"]
 
@@ -83,7 +85,8 @@ class SwapOptimizersContainer(OptimizersContainer):
     (default None: each parameter's dtype; ``torch.bfloat16``: bfloat16 moments of fp32
     parameters, torchtitan's ``fused_opt_states_bf16``: half the host memory and transfers; on
     CUDA torch's fused mixed-precision kernel, on the CPU the same arithmetic in three steps,
-    :func:`~swap_state.client.optim.kernels.adam_update`).
+    :func:`~swap_state.client.optim.kernels.adam_update`), ``unswapped`` (optimizers of other
+    parameters, stepped and checkpointed by their own code: :mod:`.unswapped`).
 
     Call order, for subclasses (e.g. a container whose host cache is shared memory):
 
@@ -121,6 +124,7 @@ class SwapOptimizersContainer(OptimizersContainer):
     param_to_device_states_map: dict[torch.Tensor, dict[str, Any]] = {}  # noqa: RUF012
     swap_optimizer_times: int = DEFAULT_SWAP_TIMES
     moment_dtype: torch.dtype | None = None
+    unswapped: UnswappedOptimizers | None = None
     _device_backend: DeviceBackend | None = None
     _pipeline: bool | None = None
     _in_container_step: bool = False
@@ -136,6 +140,7 @@ class SwapOptimizersContainer(OptimizersContainer):
         device_backend: DeviceBackend | None = None,
         pipeline: bool | None = None,
         moment_dtype: torch.dtype | None = None,
+        unswapped: UnswappedOptimizers | None = None,
     ) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Adam)):
             raise NotImplementedError(
@@ -147,6 +152,7 @@ class SwapOptimizersContainer(OptimizersContainer):
         self.param_to_device_states_map = {}
         self.swap_optimizer_times = int(swap_optimizer_times)
         self.moment_dtype = _checked_moment_dtype(moment_dtype)
+        self.unswapped = unswapped
         self._device_backend = device_backend or patch_points.get_torch_device()
         self._pipeline = self._device_backend.is_accelerator if pipeline is None else bool(pipeline)
         self._init_grouped(model_parts, optimizer_cls, optimizer_kwargs, param_groups or _trainable_group)
@@ -168,6 +174,8 @@ class SwapOptimizersContainer(OptimizersContainer):
             groups = param_groups(model)
             self.optimizers.append(optimizer_cls(groups, **optimizer_kwargs))
             all_params.extend(param for group in groups for param in group["params"])
+        if self.unswapped is not None:
+            all_params.extend(self.unswapped.params)
         # torch's Optimizer state of the container itself: its step hooks (LR schedulers,
         # torchtitan's MoE load balancing register on the container).
         Optimizer.__init__(self, all_params, optimizer_kwargs)
@@ -240,9 +248,24 @@ class SwapOptimizersContainer(OptimizersContainer):
             # wrapped that method with the step hooks, which would then run twice.
             for optimizer in self.optimizers:
                 optimizer.step(*args, **kwargs)
+            if self.unswapped is not None:
+                self.unswapped.step()
         finally:
             self._in_container_step = False
         self._after_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+        if self.unswapped is not None:
+            self.unswapped.zero_grad(set_to_none)
+
+    def __iter__(self) -> Iterator[Optimizer]:
+        """Every optimizer, the unswapped ones last (torchtitan's LR schedulers iterate)."""
+        return itertools.chain(self.optimizers, self.unswapped.optimizers if self.unswapped else ())
+
+    def __len__(self) -> int:
+        return len(self.optimizers) + (len(self.unswapped.optimizers) if self.unswapped else 0)
 
     def _swap_step(self, optim: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
         """``optim.step(closure)`` through the pipeline (the bound step of every optimizer);
@@ -262,6 +285,8 @@ class SwapOptimizersContainer(OptimizersContainer):
         load announced its keys (``loading_checkpoint``), the keys torch's format lacks and that
         checkpoint does not hold are left out (the load derives them)."""
         flat = _flat.flat_state_dict(self.model_parts, self.optimizers, self.param_to_cpu_states_map)
+        if self.unswapped is not None:
+            flat.update(self.unswapped.state_dict())
         return self._load_template.apply(flat)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -269,6 +294,8 @@ class SwapOptimizersContainer(OptimizersContainer):
         validated first, a failure leaves the container untouched (:class:`StateLoader`)."""
         try:
             self._loader.load(state_dict)
+            if self.unswapped is not None:
+                self.unswapped.load_state_dict(state_dict)
         finally:
             # Caches may be new or refilled, groups changed (failed loads roll back, but to
             # dict copies): the step plans are rebuilt.

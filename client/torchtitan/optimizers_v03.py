@@ -12,8 +12,10 @@ checkpoints load with and without swap-state.
 Param groups follow torchtitan's ``param_groups`` (first pattern wins, a pattern that matches
 nothing is an error), each with its own hyperparameters. Adam and AdamW groups are swapped, in
 one torch optimizer per model part (a group's ``decoupled_weight_decay`` is what makes it
-AdamW, and the update honours it per group); any other optimizer's groups are refused, naming
-them (their state would be missing from swap-state's snapshots).
+AdamW, and the update honours it per group). Groups of other optimizers (``DistMuon``) are left
+to torchtitan's own optimizer, logged once: stepped, scheduled and checkpointed by the
+container beside the swapped state (:mod:`swap_state.client.optim.unswapped`); whole-state
+snapshot checkpoints, which could not hold their state, refuse them naming the groups.
 
 ``implementation = "fused_opt_states_bf16"`` keeps the moments in bfloat16, in the segment, its
 snapshots and exports (half the host memory and transfer). On CUDA the update is torch's fused
@@ -32,8 +34,14 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizer.utils import (
+    get_flat_optim_state_dict,
+    init_optim_state,
+    load_flat_optim_state_dict,
+)
 
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
+from swap_state.client.optim.unswapped import UnswappedOptimizers
 from swap_state.client.torchtitan.settings import (
     SWAP_OPTIMIZER_CLASSES,
     SwapSettings,
@@ -41,7 +49,7 @@ from swap_state.client.torchtitan.settings import (
     embedded_snapshot_dir,
 )
 
-__all__ = ["SwapStateOptimizersContainer", "build_swap_optimizers", "swap_param_groups"]
+__all__ = ["BF16_MOMENTS", "SwapStateOptimizersContainer", "build_swap_optimizers"]
 
 logger = logging.getLogger("swap_state.client.torchtitan")
 
@@ -96,42 +104,88 @@ class SwapStateOptimizersContainer(OptimizersContainer):
 def build_swap_optimizers(config: Any, *, model_parts: list[nn.Module]) -> OptimizersContainer:
     """The swap container ``config`` (a ``SwapStateOptimizersContainer.Config``) describes."""
     settings = SwapSettings.of(config)
-    optimizer_cls = _swap_optimizer_class(config)
-    groups = {id(model): swap_param_groups(config, model) for model in model_parts}
-    amsgrad = any(group.get("amsgrad") for model_groups in groups.values() for group in model_groups)
+    partitions = {id(model): _Partition.of(config, index, model) for index, model in enumerate(model_parts)}
+    unswapped = [optimizer for partition in partitions.values() for optimizer in partition.unswapped]
+    if unswapped:
+        _check_unswapped_allowed(settings, partitions.values())
+    amsgrad = any(group.get("amsgrad") for partition in partitions.values() for group in partition.swapped)
     snapshot_dir = config.swap_state_snapshot_dir or embedded_snapshot_dir(_trainer_dump_folder(config))
     return build_swap_container(
         model_parts,
-        optimizer_cls,
+        _swap_optimizer_class(config),
         # Every group is complete; amsgrad sizes an embedded server's shared memory.
         {"amsgrad": True} if amsgrad else {},
         settings,
         snapshot_dir=snapshot_dir,
-        param_groups=lambda model: groups[id(model)],
+        param_groups=lambda model: partitions[id(model)].swapped,
         moment_dtype=torch.bfloat16 if config.implementation == BF16_MOMENTS else None,
         # torchtitan 0.3's ModelWrapper checkpoints the module's own state dict (its hooks
         # included: llama3 splits its fused wqkv into wq/wk/wv).
         model_state_dict=nn.Module.state_dict,
+        unswapped=UnswappedOptimizers(unswapped, _flat_state_dict, _load_flat_state_dict) if unswapped else None,
     )
 
 
-def swap_param_groups(config: Any, model: nn.Module) -> list[dict[str, Any]]:
-    """The torch param groups of ``model`` under ``config.param_groups``, torchtitan's own
-    partition, each completed with its optimizer's defaults (Adam's weight decay is 0,
-    AdamW's 0.01), as torchtitan's own optimizers would hold them."""
-    impl_kwargs = OptimizersContainer._build_impl_kwargs(config)
-    by_name, patterns = OptimizersContainer._build_param_groups(model, config.param_groups, impl_kwargs)
-    _refuse_unswapped(by_name, patterns)
-    groups = []
-    for name, name_groups in by_name.items():
-        factory_kwargs = config.optimizer_factory_kwargs_by_name.get(name, {})
-        for group, pattern in zip(name_groups, patterns[name], strict=True):
-            groups.append(_complete_group(SWAP_OPTIMIZER_CLASSES[name], group, factory_kwargs))
+class _Partition:
+    """One model part's parameters under ``config.param_groups`` (torchtitan's partition: the
+    first pattern wins, a pattern matching nothing is an error): the Adam and AdamW groups
+    swap-state swaps, completed with their optimizer's defaults (Adam's weight decay is 0,
+    AdamW's 0.01) as torchtitan's own optimizers would hold them, and torchtitan's own
+    optimizers for the other groups."""
+
+    def __init__(self, swapped: list[dict[str, Any]], unswapped: list[torch.optim.Optimizer], others: list[str]):
+        self.swapped, self.unswapped, self.others = swapped, unswapped, others
+
+    @classmethod
+    def of(cls, config: Any, index: int, model: nn.Module) -> _Partition:
+        impl_kwargs = OptimizersContainer._build_impl_kwargs(config)
+        by_name, patterns = OptimizersContainer._build_param_groups(model, config.param_groups, impl_kwargs)
+        swapped: list[dict[str, Any]] = []
+        unswapped, others = [], []
+        for name, groups in by_name.items():
+            factory_kwargs = config.optimizer_factory_kwargs_by_name.get(name, {})
+            if name not in SWAP_OPTIMIZER_CLASSES:
+                # torchtitan's own optimizer for these groups, built as torchtitan builds it.
+                unswapped.append(OptimizersContainer._resolve_optimizer_factory(name)(groups, **factory_kwargs))
+                others.extend(f"{name} [{pattern}]" for pattern in patterns[name])
+                continue
+            for group, pattern in zip(groups, patterns[name], strict=True):
+                swapped.append(_complete_group(SWAP_OPTIMIZER_CLASSES[name], group, factory_kwargs))
+                logger.info(
+                    "swap-state optimizer group %s [%s] (model part %d): %d params, lr=%s, weight_decay=%s",
+                    name, pattern, index, len(group["params"]), group.get("lr"), swapped[-1]["weight_decay"],
+                )  # fmt: skip
+        if others:
             logger.info(
-                "swap-state optimizer group %s [%s]: %d params, lr=%s, weight_decay=%s",
-                name, pattern, len(group["params"]), group.get("lr"), groups[-1]["weight_decay"],
+                "swap-state leaves param groups %s (model part %d) to torchtitan's own optimizer: their "
+                "state stays in the trainer, checkpointed beside swap-state's", ", ".join(others), index,
+            )  # fmt: skip
+        if not swapped:
+            raise ValueError(
+                f"optimizer.param_groups give model part {index} no Adam or AdamW group: swap-state has "
+                "nothing to keep; train this job without the swap_state override"
             )
-    return groups
+        return cls(swapped, unswapped, others)
+
+
+def _check_unswapped_allowed(settings: SwapSettings, partitions: Any) -> None:
+    if settings.swap_state_checkpoint == "snapshot":
+        others = ", ".join(other for partition in partitions for other in partition.others)
+        raise NotImplementedError(
+            f"optimizer.swap_state_checkpoint = 'snapshot' keeps the whole state in swap-state's "
+            f"snapshots, but param groups {others} are not Adam or AdamW and their state would be "
+            "missing there: use swap_state_checkpoint = 'full', or Adam/AdamW for those parameters"
+        )
+
+
+def _flat_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    init_optim_state(optimizer)  # torchtitan's own order: state materialised first
+    return get_flat_optim_state_dict(optimizer)
+
+
+def _load_flat_state_dict(optimizer: torch.optim.Optimizer, flat: Any) -> None:
+    init_optim_state(optimizer)
+    load_flat_optim_state_dict(optimizer, flat)
 
 
 def _complete_group(optimizer_cls: type, group: dict[str, Any], factory_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -144,23 +198,10 @@ def _complete_group(optimizer_cls: type, group: dict[str, Any], factory_kwargs: 
     return complete
 
 
-def _refuse_unswapped(by_name: dict[str, list[dict[str, Any]]], patterns: dict[str, list[str]]) -> None:
-    unswapped = {name: patterns[name] for name in by_name if name not in SWAP_OPTIMIZER_CLASSES}
-    if unswapped:
-        listed = "; ".join(f"{name}: {', '.join(map(repr, pats))}" for name, pats in unswapped.items())
-        raise NotImplementedError(
-            f"swap-state keeps Adam and AdamW state only; optimizer.param_groups has groups of {listed}. "
-            "Give those parameters an Adam or AdamW group, or train this job without the "
-            "swap_state override"
-        )
-
-
 def _swap_optimizer_class(config: Any) -> type[torch.optim.Optimizer]:
-    """Adam when every group is Adam, else AdamW (each group's decoupled_weight_decay decides
-    its update; other optimizers' groups are refused by :func:`swap_param_groups`)."""
-    names = {group.optimizer_name for group in config.param_groups}
-    if not names:
-        raise ValueError("optimizer.param_groups is empty: swap-state needs at least one Adam or AdamW group")
+    """Adam when every swapped group is Adam, else AdamW (each group's
+    ``decoupled_weight_decay`` decides its update)."""
+    names = {group.optimizer_name for group in config.param_groups} & SWAP_OPTIMIZER_CLASSES.keys()
     return torch.optim.Adam if names == {"Adam"} else torch.optim.AdamW
 
 

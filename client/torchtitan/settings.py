@@ -141,6 +141,7 @@ def build_swap_container(
     param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
     moment_dtype: torch.dtype | None = None,
     model_state_dict: Callable[[nn.Module], dict[str, Any]] | None = None,
+    unswapped: Any = None,
     local_container_cls: type | None = None,
 ):
     """The container ``settings`` ask for: in-process (``local``) or on the host's server.
@@ -149,7 +150,9 @@ def build_swap_container(
     environment) keeps snapshots; ``param_groups`` builds a model part's groups (default:
     one group of every trainable parameter); ``moment_dtype`` (None: the parameters') is the
     moments' dtype; ``model_state_dict`` reads the model's checkpoint form (None: torch's
-    ``get_model_state_dict``, torchtitan 0.2's; see RemoteConfig); ``local_container_cls`` replaces
+    ``get_model_state_dict``, torchtitan 0.2's; see RemoteConfig); ``unswapped`` are the
+    optimizers of parameters swap-state does not swap (``UnswappedOptimizers``);
+    ``local_container_cls`` replaces
     :class:`SwapOptimizersContainer` (the seed's tests patch it on the facade).
     """
     if settings.swap_optimizer_backend == "local":
@@ -159,6 +162,8 @@ def build_swap_container(
         extra: dict[str, Any] = {} if param_groups is None else {"param_groups": param_groups}
         if moment_dtype is not None:
             extra["moment_dtype"] = moment_dtype
+        if unswapped is not None:
+            extra["unswapped"] = unswapped
         return container_cls(model_parts, optimizer_cls, optimizer_kwargs, settings.swap_optimizer_times, **extra)
     from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
     from swap_state.client.remote.embedded import EmbeddedServerConfig
@@ -179,4 +184,5 @@ def build_swap_container(
         config=config,
         param_groups=param_groups,
         moment_dtype=moment_dtype,
+        unswapped=unswapped,
     )

@@ -38,7 +38,8 @@ def _cloned(state_dict: dict) -> dict:
 
 def _swap_config(server=None, **settings) -> SwapStateOptimizersContainer.Config:
     backend = {"swap_optimizer_backend": "remote", "swap_state_server": server.address} if server else {"swap_optimizer_backend": "local"}
-    return SwapStateOptimizersContainer.Config(param_groups=GROUPS, swap_optimizer_times=2, **{**backend, **settings})
+    settings = {"param_groups": GROUPS, **backend, **settings}
+    return SwapStateOptimizersContainer.Config(swap_optimizer_times=2, **settings)
 
 
 @pytest.fixture(params=["local", "remote"])
@@ -95,10 +96,51 @@ def test_checkpoints_load_across_plain_and_swap_both_ways(build_swap):
     assert all(torch.equal(a, b) for a, b in zip(back_model.parameters(), swap_model.parameters()))
 
 
-def test_groups_of_other_optimizers_are_refused_naming_them():
-    groups = [ParamGroupConfig(pattern=r"^0\.weight$", optimizer_name="DistMuon", optimizer_kwargs={"lr": 1e-2}), GROUPS[-1]]
-    config = SwapStateOptimizersContainer.Config(param_groups=groups, swap_optimizer_backend="local")
-    with pytest.raises(NotImplementedError, match=r"groups of DistMuon: '\^0\\\\.weight\$'.*Adam or AdamW group"):
+@pytest.fixture
+def sgd_is_torchtitans(monkeypatch):
+    """torchtitan 0.3 builds Adam, AdamW and DistMuon (which needs a FlexShard mesh); a test's
+    stand-in for an optimizer swap-state leaves to torchtitan: SGD with momentum."""
+    original = OptimizersContainer._resolve_optimizer_factory
+
+    def resolve(name):
+        return torch.optim.SGD if name == "SGD" else original(name)
+
+    monkeypatch.setattr(OptimizersContainer, "_resolve_optimizer_factory", staticmethod(resolve))
+
+
+OTHER = [ParamGroupConfig(pattern=r"\.bias$", optimizer_name="SGD", optimizer_kwargs={"lr": 0.05, "momentum": 0.9}), *GROUPS[1:]]
+
+
+@pytest.mark.usefixtures("sgd_is_torchtitans")
+def test_groups_of_other_optimizers_are_left_to_torchtitan_and_checkpointed_beside(build_swap, caplog):
+    plain_model, swap_model = _model(), _model()
+    plain = OptimizersContainer.Config(param_groups=OTHER).build(model_parts=[plain_model])
+    with caplog.at_level("INFO", logger="swap_state.client.torchtitan"):
+        swap = build_swap(swap_model, param_groups=OTHER)
+    assert "leaves param groups SGD [\\.bias$]" in caplog.text
+    assert [type(o).__name__ for o in swap] == ["AdamW", "SGD"]  # what LR schedulers iterate
+    _train(plain_model, plain, range(3))
+    _train(swap_model, swap, range(3))
+    assert all(torch.equal(a, b) for a, b in zip(plain_model.parameters(), swap_model.parameters()))
+    plain_sd, swap_sd = plain.state_dict(), swap.state_dict()
+    assert "state.0.bias.momentum_buffer" in swap_sd
+    for key, value in plain_sd.items():
+        assert torch.equal(value, swap_sd[key]) if isinstance(value, torch.Tensor) else value == swap_sd[key], key
+    other_model = _model()
+    other_model.load_state_dict(swap_model.state_dict())
+    resumed = build_swap(other_model, param_groups=OTHER)
+    resumed.load_state_dict(_cloned(swap_sd))
+    _train(swap_model, swap, range(3, 5))
+    _train(other_model, resumed, range(3, 5))
+    assert all(torch.equal(a, b) for a, b in zip(other_model.parameters(), swap_model.parameters()))
+
+
+@pytest.mark.usefixtures("sgd_is_torchtitans")
+def test_snapshot_checkpoints_refuse_groups_they_cannot_hold(start_server):
+    config = SwapStateOptimizersContainer.Config(
+        param_groups=OTHER, swap_state_checkpoint="snapshot", swap_state_server=start_server().address
+    )
+    with pytest.raises(NotImplementedError, match=r"param groups SGD \[\\\.bias\$\] are not Adam or AdamW.*'full'"):
         config.build(model_parts=[_model()])
 
 
