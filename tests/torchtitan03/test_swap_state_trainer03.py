@@ -98,3 +98,32 @@ def test_several_param_groups_and_the_settings_on_the_cli(run_trainer03, tmp_pat
     assert "swap optimizer:" in swap.run.output and "2 slices" in swap.run.output, _tail(swap)
     assert "swap-state optimizer group Adam [norm]" in swap.run.output, _tail(swap)
     assert swap == plain, _tail(swap)
+
+
+@pytest.mark.timeout(300)
+def test_full_checkpoints_load_across_plain_and_swap_state(reference, run_trainer03, start_server, tmp_path):
+    """A 'full' checkpoint of swap-state resumes under plain torchtitan, and a plain one under
+    swap-state, both bitwise (the optimizer's flat state dict is torchtitan 0.3's form)."""
+    server = start_server()
+    stop = {STOP_AFTER_STEP_ENV: str(N), STOP_MODE_ENV: "return"}
+    swap = swap_state(swap_state_server=server.address, swap_state_job_id="full03")
+    run_trainer03(tmp_path / "swap-first", *CHECKPOINT, *swap, steps=2 * N, env=stop)
+    plain_after = run_trainer03(tmp_path / "swap-first", *CHECKPOINT, steps=2 * N)
+    assert plain_after.steps == list(range(N + 1, 2 * N + 1)) and plain_after == reference[N:], _tail(plain_after)
+    run_trainer03(tmp_path / "plain-first", *CHECKPOINT, steps=2 * N, env=stop)
+    swap_after = run_trainer03(tmp_path / "plain-first", *CHECKPOINT, *swap, steps=2 * N)
+    assert swap_after.steps == list(range(N + 1, 2 * N + 1)) and swap_after == reference[N:], _tail(swap_after)
+
+
+@pytest.mark.timeout(300)
+def test_snapshot_retention_follows_keep_latest_k(run_trainer03, start_server, tmp_path):
+    """Checkpoints every step, keep_latest_k = 2: the server keeps k + 1 snapshots of the job
+    (torchtitan may leave one more checkpoint than k), the newest ones."""
+    snapshots = tmp_path / "snapshots"
+    server = start_server(snapshot_dir=snapshots)
+    run = run_trainer03(tmp_path, "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep-latest-k", "2",
+                        *swap_state(swap_state_server=server.address, swap_state_checkpoint="snapshot",
+                                    swap_state_job_id="kept03"), steps=2 * N)  # fmt: skip
+    assert run.steps == list(range(1, 2 * N + 1)), _tail(run)
+    kept = sorted(int(p.name.split("-")[1]) for p in (snapshots / "kept03").glob("step-*"))
+    assert kept == [2 * N - 2, 2 * N - 1, 2 * N], (kept, server.log_text()[-3000:])
