@@ -43,38 +43,26 @@ Under torchrun with FSDP, gloo lacks the PREMUL_SUM reduction torchtitan's divid
 1.0 is exact). Nothing here edits torchtitan's files or changes numerics.
 """
 
+import os
 import sys
 
 # The version-neutral shims live in cpu_shims.py, shared with tests/torchtitan03/launcher.py;
-# they are re-exported here for bench/ (``launcher.make_trainer_class`` ...).
-try:
-    from cpu_shims import (
-        DEFAULT_STOP_EXIT_CODE,
-        LOSS_FILE_ENV,
-        STOP_AFTER_STEP_ENV,
-        STOP_EXIT_CODE_ENV,
-        STOP_MODE_ENV,
-        check_device_globals,
-        import_torchtitan_on_cpu,
-        make_cpu_device_module,
-        make_trainer_class,
-        set_torchrun_env,
-        sum_reductions_for_gloo,
-    )
-except ImportError:  # python -m tests.torchtitan.launcher: this folder is not on sys.path
-    from .cpu_shims import (  # noqa: F401
-        DEFAULT_STOP_EXIT_CODE,
-        LOSS_FILE_ENV,
-        STOP_AFTER_STEP_ENV,
-        STOP_EXIT_CODE_ENV,
-        STOP_MODE_ENV,
-        check_device_globals,
-        import_torchtitan_on_cpu,
-        make_cpu_device_module,
-        make_trainer_class,
-        set_torchrun_env,
-        sum_reductions_for_gloo,
-    )
+# they are re-exported here for bench/ (``launcher.make_trainer_class`` ...). This folder on
+# sys.path first: ``python -m tests.torchtitan.launcher`` does not put it there.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_shims import (  # noqa: E402, F401
+    DEFAULT_STOP_EXIT_CODE,
+    LOSS_FILE_ENV,
+    STOP_AFTER_STEP_ENV,
+    STOP_EXIT_CODE_ENV,
+    STOP_MODE_ENV,
+    check_device_globals,
+    import_torchtitan_on_cpu,
+    make_cpu_device_module,
+    make_trainer_class,
+    set_torchrun_env,
+    sum_reductions_for_gloo,
+)
 
 
 def main(argv=None) -> None:
