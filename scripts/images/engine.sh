@@ -104,7 +104,7 @@ engine_cleanup() {
   # Bridges the engine made and a killed daemon left (the engine makes no other links).
   if [ -f "$dir/links.before" ]; then
     ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' | sort \
-      | comm -13 "$dir/links.before" - | grep -E '^(br-|docker|veth)' | while read -r link; do
+      | comm -13 "$dir/links.before" - | { grep -E '^(br-|docker|veth)' || true; } | while read -r link; do
         ip link delete "$link" 2>/dev/null || true
       done
   fi

@@ -181,7 +181,7 @@ def build_argv(service: Mapping[str, Any]) -> tuple[list[str], Path, Path]:
     argv = ["docker", "build", "--tag", service["image"], "--file", dockerfile.relative_to(context).as_posix()]
     for name, value in (build.get("args") or {}).items():
         argv += ["--build-arg", f"{name}={value}"]
-    if build.get("network"):
+    if build.get("network", "default") != "default":  # compose's "default": the builder's own
         argv += ["--network", str(build["network"])]
     return argv + ["-"], context, dockerfile
 
@@ -223,9 +223,9 @@ def _docker(*args: str, timeout: float = CLI_TIMEOUT_S, check: bool = True) -> s
 
 def seconds(duration: str | int) -> int:
     """compose's durations ('60s', '1m30s', 90) in whole seconds."""
-    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", str(duration))
     if str(duration).isdigit():
         return int(duration)
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", str(duration))
     if not parts or not any(parts.groups()):
         raise ComposeError(f"not a duration: {duration!r}")
     hours, minutes, secs = (int(p or 0) for p in parts.groups())
@@ -317,7 +317,7 @@ class DockerRunProject:
             return _docker("inspect", "--format", "{{.Id}}", name).stdout.strip()
         return _docker(*self.run_argv(config, service, name)).stdout.strip()
 
-    def run(self, service: str, name: str, command: Sequence[str]) -> str:
+    def run(self, service: str, name: str, command: Sequence[str] | None) -> str:
         """``docker compose run --detach --no-deps --name NAME SERVICE COMMAND...``."""
         config = self._prepare()
         return _docker(*self.run_argv(config, service, name, command)).stdout.strip()
@@ -337,7 +337,10 @@ class DockerRunProject:
 def main(argv: Sequence[str]) -> None:
     if not argv or argv[0] != "build":
         sys.exit("usage: python tests/container/compose_run.py build [SERVICE...]")
-    build(load(), argv[1:])
+    try:
+        build(load(), argv[1:])
+    except (ComposeError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        sys.exit(f"compose_run: {exc}")
 
 
 if __name__ == "__main__":

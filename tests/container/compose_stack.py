@@ -107,8 +107,8 @@ class ComposePlugin:
         self.compose("up", "--detach", "--no-build", "--no-deps", *(["--force-recreate"] if recreate else []), service)
         return self.compose("ps", "--all", "--quiet", service).stdout.split()[0]
 
-    def run(self, service: str, name: str, command: Sequence[str]) -> str:
-        return self.compose("run", "--detach", "--no-deps", "--name", name, service, *command).stdout.strip()
+    def run(self, service: str, name: str, command: Sequence[str] | None) -> str:
+        return self.compose("run", "--detach", "--no-deps", "--name", name, service, *(command or [])).stdout.strip()
 
     def down(self) -> None:
         _run(["docker", "compose", *[a for f in self.files for a in ("-f", str(f))], "-p", self.project,
@@ -119,7 +119,9 @@ class ComposeStack:
     """A throw-away compose project (its own name, containers and volumes), driven by the
     compose plugin where it is installed, else by compose_run (compose.yaml as docker commands)."""
 
-    def __init__(self, shm_size: str, workdir: Path) -> None:
+    def __init__(self, shm_size: str | None, workdir: Path) -> None:
+        """``shm_size``: the shared /dev/shm's size; None keeps compose.yaml's own sizes, and
+        its healthcheck timing, as ``docker compose up`` runs them."""
         project = f"swapstate-test-{uuid.uuid4().hex[:8]}"
         self.shm_size = shm_size
         self.workdir = workdir
@@ -138,9 +140,14 @@ class ComposeStack:
         def bind(path: Path) -> dict[str, object]:
             return {"driver": "local", "driver_opts": {"type": "none", "o": "bind", "device": str(path)}}
 
+        services: dict[str, object] = {"server": {"command": server_args(server_shm_size)}}
+        if self.shm_size is not None:
+            # Health probed every second, not 5: each step starts a server or two and waits
+            # for it to turn healthy. The probe itself is compose.yaml's.
+            services = {"shm": {"shm_size": self.shm_size},
+                        "server": {"command": server_args(server_shm_size), "healthcheck": {"interval": "1s"}}}
         self.override.write_text(yaml.safe_dump({
-            "services": {"shm": {"shm_size": self.shm_size},
-                         "server": {"command": server_args(server_shm_size)}},
+            "services": services,
             "volumes": {"snapshots": bind(self.snapshot_dir), "trainer-state": bind(self.state_dir)},
         }))
 
@@ -155,7 +162,8 @@ class ComposeStack:
         assert isinstance(server, DockerService)
         return server.health() == "healthy"
 
-    def start_trainer(self, cmd: Sequence[str]) -> DockerService:
+    def start_trainer(self, cmd: Sequence[str] | None) -> DockerService:
+        """A trainer container running ``cmd`` (None: compose.yaml's command)."""
         self._count += 1
         name = f"{self.project.project}-trainer-{self._count}"
         self.project.run("trainer", name, cmd)

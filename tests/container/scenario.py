@@ -54,6 +54,9 @@ __all__ = [
     "Service",
     "Stack",
     "HarnessStack",
+    "start_healthy_server",
+    "finish",
+    "assert_bitwise_equal",
     "trainer_sigkill_then_reattach",
     "server_stop_then_restore",
     "server_rolling_restart",
@@ -237,7 +240,7 @@ def wait_first_snapshot(stack: Stack, trainer: Service) -> None:
         time.sleep(0.002)
 
 
-def _finish(stack: Stack, trainer: Service) -> dict[str, Any]:
+def finish(stack: Stack, trainer: Service) -> dict[str, Any]:
     try:
         rc = trainer.wait(RUN_TIMEOUT_S)
     except TimeoutError:
@@ -249,7 +252,7 @@ def _finish(stack: Stack, trainer: Service) -> dict[str, Any]:
     return report
 
 
-def _assert_bitwise_equal(report: dict[str, Any], trainer: Service) -> None:
+def assert_bitwise_equal(report: dict[str, Any], trainer: Service) -> None:
     assert report["digest"] == report["reference_digest"], (
         f"parameters and moments differ from an uninterrupted torch AdamW run: {report}"
         + _tail(trainer))
@@ -271,7 +274,7 @@ def trainer_sigkill_then_reattach(stack: Stack) -> None:
     # A kill between steps leaves the server's moments whole (reattach); a kill while the
     # trainer was writing a step leaves them torn, and the demo restores the latest snapshot.
     second = stack.start_trainer(demo_cmd(resume="auto"))
-    _assert_bitwise_equal(_finish(stack, second), second)
+    assert_bitwise_equal(finish(stack, second), second)
     resumed_by = second.logs
     assert "reattached:" in resumed_by or "restored the latest snapshot" in resumed_by, resumed_by
     assert server.poll() is None, "the server must outlive its trainer" + _tail(server)
@@ -304,7 +307,7 @@ def server_stop_then_restore(stack: Stack) -> None:
 
     start_healthy_server(stack)
     resumed = stack.start_trainer(demo_cmd(resume="latest"))
-    _assert_bitwise_equal(_finish(stack, resumed), resumed)
+    assert_bitwise_equal(finish(stack, resumed), resumed)
 
 
 def server_rolling_restart(stack: Stack) -> None:
@@ -321,7 +324,7 @@ def server_rolling_restart(stack: Stack) -> None:
     assert rc == 0, f"server exited {rc} on SIGTERM, expected 0" + _tail(server)
     successor = start_healthy_server(stack)
     trainer.resume()
-    _assert_bitwise_equal(_finish(stack, trainer), trainer)
+    assert_bitwise_equal(finish(stack, trainer), trainer)
     assert "event=session_adopted" in successor.logs, _tail(successor)
     assert "reconnected" in trainer.logs, _tail(trainer)
 

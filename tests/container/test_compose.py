@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from . import scenario
+from . import compose_run, scenario
 from .compose_stack import ComposeStack
 from .engine import EngineUnavailable, PrivateEngine, build_images, engine_unreachable
 
@@ -21,7 +21,7 @@ from .engine import EngineUnavailable, PrivateEngine, build_images, engine_unrea
 # 2 cores, several where the wheels come from the network); each step then takes under a minute.
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1500)]
 
-StackFactory = Callable[[str], ComposeStack]
+StackFactory = Callable[[str | None], ComposeStack]
 # scripts/images.sh sets it: whoever asked for the images wants a failure, not a skip.
 REQUIRE_ENV = "SWAP_STATE_REQUIRE_DOCKER"
 
@@ -63,7 +63,7 @@ def docker_images(docker_engine: None) -> None:
 def compose_stack(docker_images: None, tmp_path: Path) -> Iterator[StackFactory]:
     stacks: list[ComposeStack] = []
 
-    def make(shm_size: str) -> ComposeStack:
+    def make(shm_size: str | None) -> ComposeStack:
         stack = ComposeStack(shm_size, tmp_path / f"stack-{len(stacks)}")
         stacks.append(stack)
         return stack
@@ -71,6 +71,17 @@ def compose_stack(docker_images: None, tmp_path: Path) -> Iterator[StackFactory]
     yield make
     for stack in stacks:
         stack.close()
+
+
+def test_compose_up_as_documented(compose_stack: StackFactory) -> None:
+    """What ``docker compose up --exit-code-from trainer`` runs: compose.yaml's own /dev/shm,
+    --shm-size, healthcheck and trainer command (the override only binds the volumes, so that
+    the report can be read): the demo trains to its last step, bitwise equal to torch AdamW."""
+    server_command = [str(a) for a in compose_run.load()["services"]["server"]["command"]]
+    stack = compose_stack(None)
+    scenario.start_healthy_server(stack, server_command[server_command.index("--shm-size") + 1])
+    trainer = stack.start_trainer(None)
+    scenario.assert_bitwise_equal(scenario.finish(stack, trainer), trainer)
 
 
 def test_trainer_sigkill_then_reattach(compose_stack: StackFactory) -> None:
