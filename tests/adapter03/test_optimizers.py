@@ -164,3 +164,23 @@ def test_bf16_moments_match_an_fp32_compute_reference_and_stay_bf16(build_swap):
     assert all(torch.equal(swap_sd[key], ref_sd[key].bfloat16()) for key in moments)
     host_bytes = sum(t.nbytes for cache in swap.param_to_cpu_states_map.values() for k, t in cache.items() if k != "step" and t is not None)
     assert host_bytes == sum(2 * 2 * p.numel() for p in swap_model.parameters())  # two bf16 moments
+
+
+def test_bf16_moments_stay_bf16_in_a_snapshot_and_its_export(start_server, tmp_path):
+    from swap_state.client.export.snapshot import load_flat_state_dict
+
+    server = start_server(snapshot_dir=tmp_path)
+    model = _model()
+    config = _swap_config(server, swap_state_job_id="bf16snap", swap_state_checkpoint="snapshot",
+                          implementation="fused_opt_states_bf16")  # fmt: skip
+    swap = config.build(model_parts=[model])
+    try:
+        _train(model, swap, range(2))
+        live = {key: value.clone() for key, value in swap._full_state_dict().items() if key.endswith("exp_avg")}
+        status = swap.snapshot().wait_durable(timeout_s=60)
+        _, exported = load_flat_state_dict(status.path)
+    finally:
+        swap.close()
+    moments = {key: value for key, value in exported.items() if key.endswith(("exp_avg", "exp_avg_sq"))}
+    assert moments and {value.dtype for value in moments.values()} == {torch.bfloat16}
+    assert live and all(torch.equal(exported[key], value) for key, value in live.items())

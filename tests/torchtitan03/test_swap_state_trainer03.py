@@ -74,12 +74,14 @@ def test_snapshot_mode_saved_at_3_resumes_to_6_bitwise(reference, run_trainer03,
 @pytest.mark.timeout(300)
 def test_sigkill_after_a_checkpoint_then_rerun(reference, run_trainer03, start_server, tmp_path):
     server = start_server()
-    flags = (*CHECKPOINT, *swap_state(swap_state_server=server.address, swap_state_checkpoint="snapshot",
-                                      swap_state_job_id="killed03"))  # fmt: skip
-    killed = run_trainer03(tmp_path, *flags, steps=2 * N, env={STOP_AFTER_STEP_ENV: str(N), STOP_MODE_ENV: "kill"},
+    # The server and job id from the environment, as in 0.2.
+    host = {"SWAP_STATE_SERVER": server.address, "SWAP_STATE_JOB_ID": "killed03"}
+    flags = (*CHECKPOINT, *swap_state(swap_state_checkpoint="snapshot"))
+    killed = run_trainer03(tmp_path, *flags, steps=2 * N, env={**host, STOP_AFTER_STEP_ENV: str(N), STOP_MODE_ENV: "kill"},
                            expect_returncode=-9)  # fmt: skip
     assert killed.steps == list(range(1, N + 1)) and killed == reference[:N]
-    rerun = run_trainer03(tmp_path, *flags, steps=2 * N)
+    assert "started embedded swap-state-server" not in killed.run.output
+    rerun = run_trainer03(tmp_path, *flags, steps=2 * N, env=host)
     assert f"reattached to swap-state at step {N}" in rerun.run.output, _tail(rerun)
     assert f"restored killed03/step-{N}" in rerun.run.output, _tail(rerun)
     assert rerun.steps == list(range(N + 1, 2 * N + 1))
