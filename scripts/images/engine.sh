@@ -37,6 +37,8 @@ engine_start() {
   mkdir -p "$dir"
   engine_install
   ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' | sort > "$dir/links.before"
+  # What dockerd makes outside DIR (its cgroups, /run/docker): removed at stop if new.
+  ls -d /run/docker /sys/fs/cgroup/*/docker 2>/dev/null > "$dir/host-dirs.before" || true
   echo '{}' > "$dir/daemon.json"  # not /etc/docker/daemon.json: this engine is ours alone
   # stdin/stdout/stderr off the caller's: a caller that waits for its pipes to close (pytest's
   # subprocess.run) must not wait for the daemon.
@@ -107,6 +109,14 @@ engine_cleanup() {
       | comm -13 "$dir/links.before" - | { grep -E '^(br-|docker|veth)' || true; } | while read -r link; do
         ip link delete "$link" 2>/dev/null || true
       done
+  fi
+  if [ -f "$dir/host-dirs.before" ]; then
+    local made
+    for made in /sys/fs/cgroup/*/docker /run/docker; do
+      if [ -d "$made" ] && ! grep -qxF "$made" "$dir/host-dirs.before"; then
+        if [ "$made" = /run/docker ]; then rm -rf "$made"; else rmdir "$made" 2>/dev/null || true; fi
+      fi
+    done
   fi
   rm -rf "$dir"
 }

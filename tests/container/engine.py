@@ -64,6 +64,7 @@ class PrivateEngine:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.env: dict[str, str] = {}
+        self.log = ""  # what engine-start said (what it installed, how long it took)
 
     @classmethod
     def start(cls) -> PrivateEngine:
@@ -78,15 +79,18 @@ class PrivateEngine:
             engine.stop()
             lines = [line for line in result.stdout.strip().splitlines() if line.strip()]
             raise EngineUnavailable(" | ".join(lines[-3:]) or f"engine-start exited {result.returncode}")
+        engine.log = result.stdout
         for line in (engine.directory / "engine.env").read_text().splitlines():
             key, _, value = line.partition("=")
             engine.env[key] = value
         return engine
 
-    def stop(self) -> None:
+    def stop(self) -> str:
+        """Stop it (scripts/images.sh engine-stop); what that said."""
         result = _images_sh("engine-stop", str(self.directory), timeout=ENGINE_STOP_TIMEOUT_S)
         if result.returncode != 0:
             raise RuntimeError(f"scripts/images.sh engine-stop failed:\n{result.stdout[-OUTPUT_TAIL:]}")
+        return result.stdout
 
 
 def build_images() -> str:

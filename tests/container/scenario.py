@@ -322,10 +322,12 @@ def server_rolling_restart(stack: Stack) -> None:
     assert trainer.poll() is None, "trainer finished before the server could be stopped" + _tail(trainer)
     rc = server.stop(SERVER_STOP_TIMEOUT_S)
     assert rc == 0, f"server exited {rc} on SIGTERM, expected 0" + _tail(server)
+    # Read now: on compose, starting the successor removes the old container and its logs.
+    stopped_logs = f"\n--- {server.name} (stopped) logs (tail) ---\n{server.logs[-4000:]}"
     successor = start_healthy_server(stack)
     trainer.resume()
     assert_bitwise_equal(finish(stack, trainer), trainer)
-    assert "event=session_adopted" in successor.logs, _tail(successor)
+    assert "event=session_adopted" in successor.logs, stopped_logs + _tail(successor) + _tail(trainer)
     assert "reconnected" in trainer.logs, _tail(trainer)
 
 

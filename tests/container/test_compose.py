@@ -26,6 +26,20 @@ StackFactory = Callable[[str | None], ComposeStack]
 REQUIRE_ENV = "SWAP_STATE_REQUIRE_DOCKER"
 
 
+def _say(config: pytest.Config, log: str) -> None:
+    """The engine's and the builds' summary lines (what was installed, what each part took),
+    shown in pytest's output even when it captures: CI's log should say them."""
+    lines = [line for line in log.splitlines() if line.startswith(("images.sh:", "compose_run: built"))]
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if not lines or reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line("")
+        for line in lines:
+            reporter.write_line(line)
+
+
 def _cannot_run(reason: str) -> None:
     if os.environ.get(REQUIRE_ENV) == "1":
         pytest.fail(f"{REQUIRE_ENV}=1 but {reason}")
@@ -33,7 +47,7 @@ def _cannot_run(reason: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def docker_engine() -> Iterator[None]:
+def docker_engine(pytestconfig: pytest.Config) -> Iterator[None]:
     """The engine ``docker info`` reaches, else a private one started (and stopped) here."""
     if scenario.DEMO_MISSING:
         pytest.skip(scenario.DEMO_MISSING_REASON)
@@ -45,18 +59,19 @@ def docker_engine() -> Iterator[None]:
         engine = PrivateEngine.start()
     except EngineUnavailable as exc:
         _cannot_run(f"{unreachable}, and a private dockerd could not start: {exc}")
+    _say(pytestconfig, engine.log)
     try:
         with pytest.MonkeyPatch.context() as patch:
             for key, value in engine.env.items():
                 patch.setenv(key, value)
             yield
     finally:
-        engine.stop()
+        _say(pytestconfig, engine.stop())
 
 
 @pytest.fixture(scope="module")
-def docker_images(docker_engine: None) -> None:
-    print(build_images())
+def docker_images(docker_engine: None, pytestconfig: pytest.Config) -> None:
+    _say(pytestconfig, build_images())
 
 
 @pytest.fixture
