@@ -23,13 +23,22 @@ engine_install() {
   apt_install docker.io
 }
 
-# apt-get install, refreshing the package lists only when the install finds them stale.
+# apt-get install, refreshing the package lists only when the install finds them stale; says
+# which packages it installed (the named ones and what they pulled in).
 apt_install() {
-  log "installing with apt-get: $*"
-  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null; then
+  local out
+  out=$(mktemp)
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >"$out" 2>&1; then
     DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >"$out" 2>&1; then
+      echo "apt-get install $* failed: $(tail -n 3 "$out" | tr '\n' ' ')" >&2
+      rm -f "$out"
+      return 1
+    fi
   fi
+  log "installed with apt-get: $* (new packages: $(awk '/NEW packages will be installed/ {on=1; next}
+    on && /^  / {printf "%s", $0; next} {on=0}' "$out" | xargs))"
+  rm -f "$out"
 }
 
 engine_start() {
