@@ -32,10 +32,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from swap_state.client.errors import ServerUnavailableError, SessionLostError, SwapStateError
 from swap_state.client.scratch import make_scratch_dir
 from swap_state.client.remote.embedded import EmbeddedServerConfig
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.names import parse_snapshot_id
+from swap_state.common.retry import wait_until
 
 __all__ = ["DemoConfig", "TinyLM", "main", "run"]
 
@@ -291,10 +293,33 @@ def _nothing_to_reattach(container, cfg: DemoConfig) -> str:
     )
 
 
-def _segment_bytes(container) -> int:
-    """Bytes of this trainer's segment on the server (moments, steps, header, spare slots)."""
+def _segment_bytes(container) -> int | None:
+    """Bytes of this trainer's segment on the server (moments, steps, header, spare slots);
+    None when the server does not answer (restarting: the line says so, training goes on)."""
     me = container.session.session_id
-    return sum(s.segment_bytes for s in container.server_stats().sessions if s.session_id == me)
+    try:
+        stats = container.server_stats()
+    except SwapStateError:
+        return None
+    return sum(s.segment_bytes for s in stats.sessions if s.session_id == me)
+
+
+def _stats_when_reachable(container, timeout_s: float):
+    """The server's stats, asked again while the server restarts (``timeout_s`` at most: then
+    the last error)."""
+    answer: list = []
+
+    def asked() -> bool:
+        try:
+            answer[:] = [container.server_stats()]
+        except (ServerUnavailableError, SessionLostError) as e:
+            answer[:] = [e]
+            return False
+        return True
+
+    if wait_until(asked, timeout_s=timeout_s, first_s=0.05, max_s=1.0):
+        return answer[0]
+    raise answer[0]
 
 
 def _has_snapshot(container) -> bool:
@@ -355,7 +380,8 @@ def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> 
             handles.append(container.snapshot())
             note = f"  snapshot {handles[-1].snapshot_id} (consistent)"
         held = _segment_bytes(container)
-        print(f"step {step:4d}  loss {loss:.4f}  {times[-1] * 1e3:7.2f} ms  server holds {held / 2**20:.2f} MiB{note}")
+        holds = "server unreachable (restarting?)" if held is None else f"server holds {held / 2**20:.2f} MiB"
+        print(f"step {step:4d}  loss {loss:.4f}  {times[-1] * 1e3:7.2f} ms  {holds}{note}")
         if step == cfg.crash_after_step:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -398,7 +424,7 @@ def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:
 
 def _summarize(cfg, container, model, reference_digest, plain_times, times) -> dict:
     final = digest(model, _moments_of(container, model))
-    stats = container.server_stats()
+    stats = _stats_when_reachable(container, cfg.server_wait)
     plain_ms = statistics.median(plain_times) * 1e3
     remote_ms = statistics.median(times) * 1e3 if times else None
     if remote_ms is None:
