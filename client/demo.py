@@ -32,12 +32,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from swap_state.client.errors import ServerUnavailableError, SessionLostError, SwapStateError
+from swap_state.client.errors import SwapStateError
 from swap_state.client.scratch import make_scratch_dir
 from swap_state.client.remote.embedded import EmbeddedServerConfig
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.names import parse_snapshot_id
-from swap_state.common.retry import wait_until
 
 __all__ = ["DemoConfig", "TinyLM", "main", "run"]
 
@@ -304,24 +303,6 @@ def _segment_bytes(container) -> int | None:
     return sum(s.segment_bytes for s in stats.sessions if s.session_id == me)
 
 
-def _stats_when_reachable(container, timeout_s: float):
-    """The server's stats, asked again while the server restarts (``timeout_s`` at most: then
-    the last error)."""
-    answer: list = []
-
-    def asked() -> bool:
-        try:
-            answer[:] = [container.server_stats()]
-        except (ServerUnavailableError, SessionLostError) as e:
-            answer[:] = [e]
-            return False
-        return True
-
-    if wait_until(asked, timeout_s=timeout_s, first_s=0.05, max_s=1.0):
-        return answer[0]
-    raise answer[0]
-
-
 def _has_snapshot(container) -> bool:
     return bool(container.client.list_snapshots(container.remote_config.job_id).snapshots)
 
@@ -424,7 +405,7 @@ def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:
 
 def _summarize(cfg, container, model, reference_digest, plain_times, times) -> dict:
     final = digest(model, _moments_of(container, model))
-    stats = _stats_when_reachable(container, cfg.server_wait)
+    stats = container.server_stats(wait_s=cfg.server_wait)  # a server restarted meanwhile
     plain_ms = statistics.median(plain_times) * 1e3
     remote_ms = statistics.median(times) * 1e3 if times else None
     if remote_ms is None:

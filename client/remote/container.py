@@ -35,6 +35,7 @@ import contextlib
 import itertools
 import os
 import logging
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -44,7 +45,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from swap_state.client.remote.embedded import EmbeddedServer
-from swap_state.client.errors import SwapStateError
+from swap_state.client.errors import ServerUnavailableError, SwapStateError
 from swap_state.client.optim.host_cache import STEP_KEY, HostCacheEntry
 from swap_state.client.remote.checkpoint import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, CheckpointMode
 from swap_state.client.remote.model_area import ModelArea, plan_model_tensors
@@ -345,8 +346,19 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         self._checkpoint.wait_checkpoint_durable(timeout_s, stored=True)
 
     # -- lifetime ----------------------------------------------------------------------------
-    def server_stats(self):
-        return self.client.stats()
+    def server_stats(self, wait_s: float = 0.0):
+        """The server's Stats reply. A server that does not answer (restarting) is waited for
+        up to ``wait_s``: until the session has reconnected to it, then asked again."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.client.stats()
+            except ServerUnavailableError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                self.session.wait_connected(left)  # returns at once until the outage is seen
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def close(self, keep: bool = False) -> None:
         """Detach from the server (freeing the segment unless ``keep``), unmap, stop an

@@ -244,3 +244,28 @@ def test_a_forked_child_exiting_leaves_the_parents_session_and_server(no_server_
     assert not container.session.server_gone() and reference_mismatches(model, container, w, 10) == []
     assert container.snapshot().wait_durable(timeout_s=30).state in ("durable", "stored")
     container.close()
+
+
+def test_server_stats_asked_during_a_restart_waits_for_the_new_server(start_server):
+    """What the demo's summary does after a rolling restart: stats asked while the server is
+    down fail at once without ``wait_s``, and with it are the new server's answer."""
+    import concurrent.futures
+
+    server = start_server(free_segments_on_stop=False)
+    w = Workload()
+    model = build(w)
+    container = remote(w, model, server.address, "stats-restart", rpc_timeout_s=5.0)
+    train(model, container, w, range(1, 3))
+    server.terminate()
+    assert wait_until(container.session.server_gone, timeout_s=10)
+    with pytest.raises(ServerUnavailableError):
+        container.server_stats()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(container.server_stats, wait_s=60)
+        time.sleep(1.0)
+        assert not asked.done()
+        # From this thread: the server exits with the thread that started it (PDEATHSIG).
+        server.restart()
+        stats = asked.result(timeout=60)
+    assert [s.job_id for s in stats.sessions] == ["stats-restart"]
+    container.close()
