@@ -40,6 +40,7 @@ from swap_state.client.torchtitan.settings import (
     SWAP_OPTIMIZER_CLASSES,
     SwapSettings,
     build_swap_container,
+    check_choice,
     shared_job_id,
     snapshots_to_keep,
 )
@@ -102,11 +103,7 @@ def _optimizer_kwargs(optimizer_config: Any) -> dict[str, Any]:
     """The torch optimizer's keyword arguments from torchtitan's ``[optimizer]`` section;
     ``implementation`` maps to ``fused`` / ``foreach`` as torchtitan maps it."""
     implementation = getattr(optimizer_config, "implementation", "fused")
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"optimizer.implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, "
-            f"got {implementation!r}"
-        )
+    check_choice("implementation", implementation, IMPLEMENTATIONS)
     return {
         "lr": optimizer_config.lr,
         "betas": (optimizer_config.beta1, optimizer_config.beta2),

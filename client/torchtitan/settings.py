@@ -30,6 +30,7 @@ __all__ = [
     "SWAP_OPTIMIZER_CLASSES",
     "SwapSettings",
     "build_swap_container",
+    "check_choice",
     "embedded_snapshot_dir",
     "shared_job_id",
     "snapshots_to_keep",
@@ -85,8 +86,8 @@ class SwapSettings:
         return settings
 
     def check(self) -> None:
-        _check_choice("swap_optimizer_backend", self.swap_optimizer_backend, BACKENDS)
-        _check_choice("swap_state_checkpoint", self.swap_state_checkpoint, CHECKPOINT_MODES)
+        check_choice("swap_optimizer_backend", self.swap_optimizer_backend, BACKENDS)
+        check_choice("swap_state_checkpoint", self.swap_state_checkpoint, CHECKPOINT_MODES)
         times = self.swap_optimizer_times
         if isinstance(times, bool) or not isinstance(times, int) or times < 1:
             raise ValueError(f"optimizer.swap_optimizer_times must be an integer >= 1, got {times!r}")
@@ -98,7 +99,8 @@ class SwapSettings:
             )
 
 
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    """ValueError naming ``optimizer.<name>`` and the allowed values unless ``value`` is one."""
     if value not in allowed:
         raise ValueError(f"optimizer.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
