@@ -248,19 +248,18 @@ def adam_update(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     steps: torch.Tensor | None = None,
+    upcast: bool = False,
 ) -> None:
     """One Adam/AdamW update of plain (local) tensors with ``group``'s settings and
     implementation (:func:`group_implementation`); steps are incremented here (``steps``:
     the vector ``state_steps`` are views of, see :func:`fused_adam_update`; the foreach and
-    for-loop updates are torch's own and ignore it)."""
+    for-loop updates are torch's own and ignore it). ``upcast``: moments of a lower precision
+    than their CPU parameters (:func:`_upcast_update`)."""
     if not params:
         return
-    if _moments_upcast_on_cpu(params, exp_avgs):
-        _upcast_update(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-            group=group, grad_scale=grad_scale, found_inf=found_inf, steps=steps,
-        )  # fmt: skip
-        return
+    if upcast:
+        moments, update = (exp_avgs, exp_avg_sqs, max_exp_avg_sqs), {"grad_scale": grad_scale, "found_inf": found_inf}
+        return _upcast_update(params, grads, moments, state_steps, group=group, steps=steps, **update)
     implementation = group_implementation(group)
     if implementation == "fused":
         fused_adam_update(
@@ -298,18 +297,10 @@ def adam_update(
     )
 
 
-def _moments_upcast_on_cpu(params: list[torch.Tensor], exp_avgs: list[torch.Tensor]) -> bool:
-    """Moments of another dtype than their (CPU) parameters: bfloat16 moments of fp32
-    parameters (torchtitan's ``fused_opt_states_bf16``)."""
-    return params[0].device.type == "cpu" and any(m.dtype != p.dtype for p, m in zip(params, exp_avgs))
-
-
 def _upcast_update(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor],
+    moments: tuple[list[torch.Tensor], ...],
     state_steps: list[torch.Tensor],
     **update: Any,
 ) -> None:
@@ -318,15 +309,13 @@ def _upcast_update(
     torch's fused Adam has a mixed-precision kernel on CUDA only (on the CPU: "expected scalar
     type Float but found BFloat16"). That kernel reads the moments into the parameters'
     precision, updates both there and stores the moments rounded; this does the same in three
-    steps: the moments upcast, the update in the parameters' dtype (:func:`adam_update`), the new
-    moments rounded back (``copy_``: round to nearest even, as the kernel's store)."""
-    upcast = [
-        [moment.to(param.dtype) for moment, param in zip(moments, params)]
-        for moments in (exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
-    ]
+    steps: the moments upcast (``moments``: exp_avgs, exp_avg_sqs, max_exp_avg_sqs), the update in
+    the parameters' dtype (:func:`adam_update`), the new moments rounded back (``copy_``: round to
+    nearest even, as the kernel's store)."""
+    upcast = [[moment.to(param.dtype) for moment, param in zip(kind, params)] for kind in moments]
     adam_update(params, grads, *upcast, state_steps, **update)
-    for moments, wide in zip((exp_avgs, exp_avg_sqs, max_exp_avg_sqs), upcast):
-        for moment, value in zip(moments, wide):
+    for kind, wide in zip(moments, upcast):
+        for moment, value in zip(kind, wide):
             moment.copy_(value)
 
 

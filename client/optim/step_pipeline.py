@@ -329,6 +329,9 @@ class StepPipeline:
         the seed's)."""
         tensors, steps = states.tensors, states.steps
         grad_scale, found_inf = getattr(optim, "grad_scale", None), getattr(optim, "found_inf", None)
+        # Moments of their own dtype (bfloat16) on the CPU, where torch has no mixed-precision
+        # fused kernel: decided once per slice from the container's setting, not per tensor.
+        upcast = getattr(self._owner, "moment_dtype", None) is not None and work.local_params[0].device.type == "cpu"
         for group, start, end in work.runs:
             adam_update(
                 work.local_params[start:end],
@@ -341,6 +344,7 @@ class StepPipeline:
                 grad_scale=grad_scale,
                 found_inf=found_inf,
                 steps=None if steps is None else steps[start:end],
+                upcast=upcast,
             )
 
 

@@ -268,9 +268,8 @@ class ModelArea:
                     self._backend.copy_to_device(local, view)  # the bounce ring where needed
                 else:
                     local.copy_(view)  # a strided buffer: the ring takes contiguous tensors
-            self._backend.synchronize()
-            self._derived.load_into_model()
         self._backend.synchronize()
+        self._derived.load_into_model()  # on the current stream, after the copies above landed
         self.copied_step = step
         self._header.publish_model(step)
 

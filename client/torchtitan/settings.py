@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
 # ``optimizer.swap_state_checkpoint`` values: the remote container's checkpoint modes.
-from swap_state.client.remote.config import CHECKPOINT_MODES
+from swap_state.client.remote.config import CHECKPOINT_MODES, ENV_JOB_ID
 
 __all__ = [
     "BACKENDS",
@@ -124,7 +124,7 @@ def embedded_snapshot_dir(dump_folder: str | None) -> str | None:
 def shared_job_id(configured: str) -> str:
     """The configured id, else $SWAP_STATE_JOB_ID, else one id chosen by rank 0 and
     broadcast, so every rank of the run names the same job (snapshots span all ranks)."""
-    job_id = configured or os.environ.get("SWAP_STATE_JOB_ID", "")
+    job_id = configured or os.environ.get(ENV_JOB_ID, "")
     if job_id:
         return job_id
     candidate = [f"job-{uuid.uuid4().hex[:12]}"]
@@ -157,15 +157,13 @@ def build_swap_container(
     ``local_container_cls`` replaces
     :class:`SwapOptimizersContainer` (the seed's tests patch it on the facade).
     """
+    # Only what is set: the seed's tests patch in containers that take none of these.
+    given = {"param_groups": param_groups, "moment_dtype": moment_dtype, "unswapped": unswapped}
+    extra = {name: value for name, value in given.items() if value is not None}
     if settings.swap_optimizer_backend == "local":
         from swap_state.client.optim.container import SwapOptimizersContainer
 
         container_cls = local_container_cls or SwapOptimizersContainer
-        extra: dict[str, Any] = {} if param_groups is None else {"param_groups": param_groups}
-        if moment_dtype is not None:
-            extra["moment_dtype"] = moment_dtype
-        if unswapped is not None:
-            extra["unswapped"] = unswapped
         return container_cls(model_parts, optimizer_cls, optimizer_kwargs, settings.swap_optimizer_times, **extra)
     from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
     from swap_state.client.remote.embedded import EmbeddedServerConfig
@@ -184,7 +182,5 @@ def build_swap_container(
         server=settings.swap_state_server or None,
         job_id=shared_job_id(settings.swap_state_job_id),
         config=config,
-        param_groups=param_groups,
-        moment_dtype=moment_dtype,
-        unswapped=unswapped,
+        **extra,
     )

@@ -20,14 +20,7 @@ pytest.importorskip("torchtitan", reason="torchtitan (the client extra) is not i
 pytest.importorskip("tokenizers")
 pytest.importorskip("datasets")
 
-from titan_testkit import TitanAssets, TrainerRun, build_titan_assets, launch  # noqa: E402
-
-
-class Losses(list):
-    """The per-step losses (float.hex()) of one run; compares equal to a plain list."""
-
-    steps: list[int]
-    run: TrainerRun
+from titan_testkit import Losses, TitanAssets, as_losses, build_titan_assets, launch  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -39,11 +32,7 @@ def titan_assets(tmp_path_factory) -> TitanAssets:
 def run_trainer(titan_assets):
     def run(dump_folder, *flags: str, steps: int = 6, env: dict[str, str] | None = None,
             timeout: float = 240.0, expect_returncode: int = 0, check: bool = True, nproc: int = 1) -> Losses:
-        result = launch(titan_assets, dump_folder, *flags, steps=steps, env=env,
-                        timeout=timeout, expect_returncode=expect_returncode, check=check, nproc=nproc)
-        losses = Losses(result.losses)
-        losses.steps = result.steps
-        losses.run = result
-        return losses
+        return as_losses(launch(titan_assets, dump_folder, *flags, steps=steps, env=env,
+                                timeout=timeout, expect_returncode=expect_returncode, check=check, nproc=nproc))
 
     return run

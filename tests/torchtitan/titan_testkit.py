@@ -196,6 +196,42 @@ def launcher_env(assets: TitanAssets, extra: dict[str, str], drop: tuple[str, ..
     return env
 
 
+class Losses(list):
+    """The per-step losses (float.hex()) of one run; compares equal to a plain list."""
+
+    steps: list[int]
+    run: TrainerRun
+
+
+def as_losses(run: TrainerRun) -> Losses:
+    """``run``'s losses as a :class:`Losses` (what the ``run_trainer`` fixtures return)."""
+    losses = Losses(run.losses)
+    losses.steps = run.steps
+    losses.run = run
+    return losses
+
+
+def fresh_loss_file(dump_folder: Path) -> Path:
+    """``<dump_folder>/losses-<n>.jsonl`` for the first ``n`` not taken (one per run)."""
+    n = 0
+    while (dump_folder / f"losses-{n}.jsonl").exists():
+        n += 1
+    return dump_folder / f"losses-{n}.jsonl"
+
+
+def finished_run(argv: list[str], loss_file: Path, returncode: int, output: str, wall: float, *,
+                 check: bool, expect_returncode: int) -> TrainerRun:
+    """The run's :class:`TrainerRun` (losses read back); with ``check`` a return code other
+    than ``expect_returncode`` raises :class:`TrainerRunError` with the output's tail."""
+    steps_done, losses = read_losses(loss_file)
+    run = TrainerRun(losses=losses, steps=steps_done, returncode=returncode, output=output,
+                     wall_s=wall, argv=argv)
+    if check and returncode != expect_returncode:
+        raise TrainerRunError(f"trainer exited {returncode} (expected {expect_returncode}) after "
+                              f"{wall:.1f}s: {' '.join(argv)}\n{_tail(output)}")
+    return run
+
+
 def launch(
     assets: TitanAssets,
     dump_folder: str | os.PathLike,
@@ -218,12 +254,7 @@ def launch(
     """
     dump_folder = Path(dump_folder)
     dump_folder.mkdir(parents=True, exist_ok=True)
-    if loss_file is None:
-        n = 0
-        while (dump_folder / f"losses-{n}.jsonl").exists():
-            n += 1
-        loss_file = dump_folder / f"losses-{n}.jsonl"
-    loss_file = Path(loss_file)
+    loss_file = fresh_loss_file(dump_folder) if loss_file is None else Path(loss_file)
     loss_file.write_text("")
 
     # Several ranks: torchrun (gloo on the CPU) runs the launcher once per rank.
@@ -246,12 +277,5 @@ def launch(
         out = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
         raise TrainerRunError(f"trainer timed out after {timeout}s: {' '.join(argv)}\n{_tail(out)}")
     wall = time.monotonic() - start
-    steps_done, losses = read_losses(loss_file)
-    run = TrainerRun(losses=losses, steps=steps_done, returncode=proc.returncode,
-                     output=proc.stdout, wall_s=wall, argv=argv)
-    if check and proc.returncode != expect_returncode:
-        raise TrainerRunError(
-            f"trainer exited {proc.returncode} (expected {expect_returncode}) after {wall:.1f}s: "
-            f"{' '.join(argv)}\n{_tail(proc.stdout)}"
-        )
-    return run
+    return finished_run(argv, loss_file, proc.returncode, proc.stdout, wall,
+                        check=check, expect_returncode=expect_returncode)

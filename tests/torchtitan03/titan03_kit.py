@@ -31,16 +31,19 @@ LAUNCHER03 = HERE / "launcher.py"
 if str(HERE.parent / "torchtitan") not in sys.path:
     sys.path.insert(0, str(HERE.parent / "torchtitan"))  # titan_testkit, shared with 0.2
 
-from titan_testkit import (
+from titan_testkit import (  # noqa: F401 (Losses, as_losses: this kit's fixtures' shape)
     BATCH,
     LOSS_FILE_ENV,
     SEQ_LEN,
+    Losses,
     TitanAssets,
     TrainerRun,
     TrainerRunError,
     _tail,
+    as_losses,
+    finished_run,
+    fresh_loss_file,
     launcher_env,
-    read_losses,
 )
 
 TITAN03_PYTHON_ENV = "SWAP_STATE_TITAN03_PYTHON"
@@ -50,21 +53,6 @@ DEFAULT_TIMEOUT_S = 240.0
 #: tyro's subcommand for activation checkpointing; a subcommand must follow every root flag.
 AC_SUBCOMMAND_PREFIX = "activation-checkpoint:"
 NO_ACTIVATION_CHECKPOINT = "activation-checkpoint:none"
-
-
-class Losses(list):
-    """The per-step losses (float.hex()) of one run; compares equal to a plain list.
-    The shape of tests/torchtitan/conftest.py's ``Losses`` (a conftest cannot be imported)."""
-
-    steps: list[int]
-    run: TrainerRun
-
-
-def as_losses(run: TrainerRun) -> Losses:
-    losses = Losses(run.losses)
-    losses.steps = run.steps
-    losses.run = run
-    return losses
 
 
 def locate_titan03_python() -> Path:
@@ -168,13 +156,6 @@ class ProcessGroups:
             self._kill(proc)
 
 
-def _fresh_paths(dump_folder: Path) -> tuple[Path, Path]:
-    n = 0
-    while (dump_folder / f"losses-{n}.jsonl").exists():
-        n += 1
-    return dump_folder / f"losses-{n}.jsonl", dump_folder / f"output-{n}.log"
-
-
 def launch03(
     python: Path,
     assets: TitanAssets,
@@ -195,7 +176,8 @@ def launch03(
     output's tail)."""
     dump_folder = Path(dump_folder)
     dump_folder.mkdir(parents=True, exist_ok=True)
-    loss_file, log_path = _fresh_paths(dump_folder)
+    loss_file = fresh_loss_file(dump_folder)
+    log_path = loss_file.with_name(loss_file.name.replace("losses-", "output-").replace(".jsonl", ".log"))
     loss_file.write_text("")
     argv = [str(python), str(LAUNCHER03), *job_argv(assets, dump_folder, flags, steps)]
     run_env = _for_titan03(launcher_env(assets, {LOSS_FILE_ENV: str(loss_file)}))
@@ -206,10 +188,4 @@ def launch03(
     output = log_path.read_text(errors="replace")
     if returncode is None:
         raise TrainerRunError(f"trainer timed out after {timeout}s: {' '.join(argv)}\n{_tail(output)}")
-    steps_done, losses = read_losses(loss_file)
-    run = TrainerRun(losses=losses, steps=steps_done, returncode=returncode, output=output,
-                     wall_s=wall, argv=argv)
-    if check and returncode != expect_returncode:
-        raise TrainerRunError(f"trainer exited {returncode} (expected {expect_returncode}) after "
-                              f"{wall:.1f}s: {' '.join(argv)}\n{_tail(output)}")
-    return run
+    return finished_run(argv, loss_file, returncode, output, wall, check=check, expect_returncode=expect_returncode)
