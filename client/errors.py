@@ -112,7 +112,8 @@ class SnapshotExistsError(SwapStateError):
 
 
 class SnapshotFailedError(SwapStateError):
-    """The snapshot being joined has already failed (another rank's error)."""
+    """A snapshot failed: the one being joined (another rank's error), or one waited for
+    (its status names the cause)."""
 
 
 class SnapshotCorruptError(SwapStateError):

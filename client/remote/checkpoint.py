@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from swap_state.client.optim.checkpoint_template import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, holds_snapshot_reference
-from swap_state.client.errors import NotFoundError
+from swap_state.client.errors import NotFoundError, SnapshotFailedError
 from swap_state.client.optim.host_cache import STEP_KEY
 from swap_state.common.names import STATE_PREFIX, param_group_key
 
@@ -91,7 +91,9 @@ class CheckpointMode:
         """The id of a server-side snapshot of the last committed step, taken now unless one
         of that step exists ("" before the first committed step, or while the kept state is
         torn): what a snapshot-mode checkpoint refers to, for the optimizer and, in a
-        whole-state snapshot, the model. Remembered for :meth:`wait_checkpoint_durable`."""
+        whole-state snapshot, the model. Returns once the model's parameters are in the
+        segment (the server needs nothing more from this trainer to complete the snapshot).
+        Remembered for :meth:`wait_checkpoint_durable`."""
         step = self._c.session.last_committed_step
         if self._c._torn_step is not None:
             step = None  # no consistent state to refer to (a load template, before a restore)
@@ -99,6 +101,13 @@ class CheckpointMode:
             # A server being restarted or upgraded is waited for (bounded), not failed at once.
             self._c.session.wait_connected(self._c.remote_config.server_wait_s)
             self._c.snapshot()  # sets _snapshot_step and _snapshot_handle
+        area = getattr(self._c, "_model_area", None)
+        if area is not None:
+            # A checkpoint that refers to the snapshot is a promise: once the save returns, a
+            # trainer killed at once must still leave a snapshot the server can complete, and
+            # the model's copy into the segment is the trainer's part of it. Waiting here costs
+            # the rest of that copy (it ran beside the Snapshot call), at checkpoint steps only.
+            area.wait_published()
         handle = self._c._snapshot_handle
         self._checkpoint_snapshot = handle
         return handle.snapshot_id if handle is not None else ""
@@ -178,6 +187,11 @@ class CheckpointMode:
                 pending.wait_durable(timeout_s=self._c.remote_config.backpressure_timeout_s)
             except NotFoundError:
                 pass  # not (or no longer) known to the server: Restore says where it looked
+            except SnapshotFailedError as e:
+                raise SnapshotFailedError(
+                    f"the checkpoint refers to snapshot {snapshot_id}, which never completed ({e}); "
+                    "load an earlier checkpoint (torchtitan: --checkpoint.load_step=<step>)"
+                ) from e
         self._c.restore(snapshot_id)
         self._restored_reference = snapshot_id
         self._apply_saved_param_groups(state_dict)

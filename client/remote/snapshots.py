@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swap_state.client.optim.dtensor_utils import global_layout
-from swap_state.client.errors import MetadataBaseUnknownError, SnapshotBusyError, SwapStateError
+from swap_state.client.errors import MetadataBaseUnknownError, SnapshotBusyError, SnapshotFailedError, SwapStateError
 from swap_state.client.optim.host_cache import STEP_KEY
 from swap_state.client.remote.reattach import PARAM_STEPS, all_param_groups
 from swap_state.client.remote.rpc import SwapStateClient
@@ -61,7 +61,7 @@ class SnapshotHandle:
         return self.client.snapshot_status(self.snapshot_id, self.rank, wait_s, wait_stored)
 
     def wait_durable(self, timeout_s: float = 600.0):
-        """The status once durable (or stored); SwapStateError if it failed, TimeoutError."""
+        """The status once durable (or stored); SnapshotFailedError if it failed, TimeoutError."""
         return self._wait(timeout_s, stored=False)
 
     def wait_stored(self, timeout_s: float = 600.0):
@@ -79,7 +79,7 @@ class SnapshotHandle:
             if reply.state in goal:
                 return reply
             if reply.state == "failed":
-                raise SwapStateError(f"snapshot {self.snapshot_id} failed: {reply.error}")
+                raise SnapshotFailedError(f"snapshot {self.snapshot_id} failed: {reply.error}")
             if stored and reply.state == "durable" and reply.store_state in ("", "failed"):
                 why = reply.store_error or "the server has no --snapshot-store"
                 raise SwapStateError(f"snapshot {self.snapshot_id} is durable but not stored: {why}")
@@ -180,7 +180,10 @@ class SnapshotClient:
         """Snapshot the last committed step on the server; returns once it is consistent.
 
         Call between steps (after ``step()``). The trainer may step again at once; the
-        handle's ``wait_durable()`` says when it is on disk.
+        handle's ``wait_durable()`` says when it is on disk. A whole-state snapshot's copy of
+        the model goes on after this returns (the next update waits for it): a trainer that
+        dies before it lands fails the snapshot. A checkpoint's reference waits for it
+        (:meth:`CheckpointMode.checkpoint_reference`).
         """
         # Kept state of a reattach is checked against the model before anything refers to it.
         self._c._verify_kept_state()

@@ -7,12 +7,19 @@ The snapshot files are read with the ``safetensors`` library only; "bitwise" com
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from swap_state.client.errors import SwapStateError
+from swap_state.client.errors import SnapshotFailedError, SwapStateError
+from swap_state.client.optim.checkpoint_template import SNAPSHOT_REF_KEY
+from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
 from swap_state.common.segment import Word
 
 from snapshot_kit import CHUNK, bitwise_diff, build_wide, data_file, params_copy, rank_manifest, record_state, reference
@@ -140,4 +147,57 @@ def test_quiet_steps_copy_no_parameters_only_a_snapshot_step_does(start_server):
     stored = load_file(str(data_file(handle.wait_durable(timeout_s=60).path)))
     assert bitwise_diff({f"model.{k}": v for k, v in at_3.items()}, {k: v for k, v in stored.items() if k.startswith("model.")}) == []
     assert container._mapping.header[Word.MODEL_STEP] == 4  # still step 3's: steps 4 and 5 copied nothing
+    container.close()
+
+
+KILLED_AFTER_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys, torch, torch.nn as nn
+    from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
+    torch.manual_seed(0)
+    # One weight above 2**24 elements (a real LLM's embedding is larger): its copy into the
+    # segment takes long enough for a kill right after the save to land before it ends.
+    model = nn.Sequential(nn.Linear(12, 4096), nn.Tanh(), nn.Linear(4096, 4100))
+    container = RemoteSwapOptimizersContainer(
+        [model], torch.optim.AdamW, dict(lr=1e-2), 2, server={address!r}, job_id="killed-after-save",
+        config=RemoteConfig(checkpoint="snapshot"))
+    for step in (1, 2):
+        model(torch.randn(4, 12, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+        container.step()
+        container.zero_grad()
+    torch.save({{k: v.clone() for k, v in model.state_dict().items()}}, {expected!r})
+    torch.save(container.state_dict(), {checkpoint!r})  # what a checkpoint's save writes
+    os.kill(os.getpid(), signal.SIGKILL)  # a crash right after the save returned
+    """
+)
+
+
+def test_a_trainer_killed_right_after_a_checkpoint_save_leaves_a_snapshot_that_restores(start_server, tmp_path):
+    """The save of a snapshot-mode checkpoint returns once the trainer's part of the snapshot
+    (the model's copy into the segment) is there: the server completes it without the trainer,
+    and the rerun restores the parameters of the saved step."""
+    server = start_server(shm_size_bytes=1 << 30, extra_args=("--model-copy-timeout", "5"))
+    expected, checkpoint = tmp_path / "expected.pt", tmp_path / "checkpoint.pt"
+    code = KILLED_AFTER_SAVE.format(address=server.address, expected=str(expected), checkpoint=str(checkpoint))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    torch.manual_seed(1)  # another init: the restore must bring the saved parameters
+    model = nn.Sequential(nn.Linear(12, 4096), nn.Tanh(), nn.Linear(4096, 4100))
+    container = RemoteSwapOptimizersContainer(
+        [model], torch.optim.AdamW, dict(lr=1e-2), 2, server=server.address, job_id="killed-after-save",
+        config=RemoteConfig(checkpoint="snapshot"))
+    container.load_state_dict(torch.load(checkpoint))
+    assert bitwise_diff(torch.load(expected), params_copy(model)) == []
+    container.close()
+
+
+def test_a_checkpoint_whose_snapshot_failed_says_to_load_an_earlier_one(start_server):
+    server = start_server(extra_args=("--model-copy-timeout", "1"))
+    model = build_wide(W)
+    container = remote(W, model, server.address, "failed-ref", checkpoint="snapshot")
+    train(model, container, W, range(1, 3))
+    container._mapping.header[Word.MODEL_STEP] = 0  # as a trainer killed before its copy landed
+    handle = container.session.snapshot(2, container.snapshot_metadata())
+    with pytest.raises(SnapshotFailedError, match=r"load an earlier checkpoint \(torchtitan: --checkpoint.load_step"):
+        container.load_state_dict({SNAPSHOT_REF_KEY: handle.snapshot_id})
     container.close()
