@@ -8,7 +8,6 @@ import pathlib
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
