@@ -9,6 +9,7 @@ started, sized from the model (:func:`connect`).
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import uuid
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ __all__ = [
     "RemoteConfig",
     "connect",
     "embedded_config_for",
+    "embedded_world_size_hint",
     "resolve_config",
     "snapshots_model",
     "validate_config",
@@ -195,8 +197,33 @@ def embedded_config_for(
         embedded = dataclasses.replace(embedded, shm_size_bytes=size, cow_budget_bytes=cow)
     if world_size > 1:
         root = embedded.snapshot_dir or default_snapshot_dir()
-        embedded = dataclasses.replace(embedded, snapshot_dir=os.path.join(root, f"rank-{rank:05d}"))
+        embedded = dataclasses.replace(embedded, snapshot_dir=os.path.join(root, _rank_dir(rank)))
     return embedded
+
+
+def _rank_dir(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def embedded_world_size_hint(snapshot_dir: str, job_id: str, world_size: int) -> str:
+    """Why this embedded server finds none of ``job_id``'s snapshots, when the embedded
+    servers of a run of another size took them (the layout of :func:`embedded_config_for`):
+    what to do instead. Empty when the directory shows no such run."""
+    root = os.path.dirname(snapshot_dir) if world_size > 1 else snapshot_dir
+    ranks = sorted(glob.glob(os.path.join(glob.escape(root), "rank-*", job_id)))
+    if ranks and world_size == 1:
+        taken = f"{len(ranks)} ranks' embedded servers, in {root}/rank-*"
+    elif world_size > 1 and os.path.isdir(os.path.join(root, job_id)):
+        taken = f"a one-rank run's embedded server, in {root}"
+    else:
+        return ""
+    return (
+        f"; this job's snapshots there were taken by {taken}: an embedded server restores the "
+        f"files of its own rank in a run of the same size only. To resume at another world size, "
+        "run one swap-state-server per host with a shared --snapshot-store, or write the "
+        f"checkpoint as a plain one (swap-state export CHECKPOINT OUT --format torchtitan "
+        f"--snapshot-dir {root}) and load that"
+    )
 
 
 def _resolve_rank_world(config: RemoteConfig) -> tuple[int, int]:

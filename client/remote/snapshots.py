@@ -25,8 +25,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swap_state.client.optim.dtensor_utils import global_layout
-from swap_state.client.errors import MetadataBaseUnknownError, SnapshotBusyError, SnapshotFailedError, SwapStateError
+from swap_state.client.errors import (
+    MetadataBaseUnknownError,
+    SnapshotBusyError,
+    SnapshotFailedError,
+    SnapshotNotFoundError,
+    SwapStateError,
+)
 from swap_state.client.optim.host_cache import STEP_KEY
+from swap_state.client.remote.config import embedded_world_size_hint
 from swap_state.client.remote.reattach import PARAM_STEPS, all_param_groups
 from swap_state.client.remote.rpc import SwapStateClient
 from swap_state.client.remote.segment_mapping import dtype_name
@@ -259,7 +266,13 @@ class SnapshotClient:
         self._wait_segment_released(f"restore of {snapshot_id}")
         if self._c._model_area is not None:
             self._c._model_area.wait_published()  # no copy of the model may land after the restore
-        reply = self._c.session.restore(snapshot_id, self.snapshot_metadata())
+        try:
+            reply = self._c.session.restore(snapshot_id, self.snapshot_metadata())
+        except SnapshotNotFoundError as e:
+            hint = self._embedded_hint()
+            if hint:
+                raise SnapshotNotFoundError(f"{e}{hint}") from e
+            raise
         self._c._torn_step = None
         self._c._guard.end_write()
         if self._c._model_area is not None:
@@ -280,6 +293,14 @@ class SnapshotClient:
             if resharded else "",
         )  # fmt: skip
         return reply.step
+
+    def _embedded_hint(self) -> str:
+        """What to do when this trainer's embedded server lacks a snapshot that the embedded
+        servers of a run of another size took ("" for a host's server, or nothing to say)."""
+        embedded = self._c._embedded
+        if embedded is None or embedded.snapshot_dir is None:
+            return ""
+        return embedded_world_size_hint(embedded.snapshot_dir, self._c.remote_config.job_id, self._c.session.world_size)
 
     def _apply_restored_metadata(self, metadata_json: str) -> None:
         """The snapshot's hyperparameters into the live groups (steps come from the segment)."""

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from swap_state.client.errors import SnapshotNotFoundError
 from swap_state.client.remote.embedded import EmbeddedServerConfig
 from swap_state.client.remote.checkpoint import SNAPSHOT_REF_KEY
 
@@ -52,3 +53,25 @@ def test_snapshots_of_an_embedded_server_outlive_it(no_server_env, private_shm_d
     train(again, second, W, range(6, 11))
     assert reference_mismatches(again, second, W) == []
     second.close()
+
+
+def test_a_resume_at_another_world_size_on_embedded_servers_says_what_to_do(no_server_env, private_shm_dir, tmp_path):
+    """Each rank of a 2-rank job has an embedded server of its own (snapshots in
+    <dir>/rank-0000N); a 1-rank rerun's embedded server has none of them, and says why and
+    what works instead (a host's server with a store, or an export)."""
+    snapshots = tmp_path / "snapshots"
+    models = [build(W), build(W)]
+    ranks = [remote(W, models[rank], None, "two-embedded", checkpoint="snapshot", rank=rank, world_size=2,
+                    embedded=_embedded(snapshots, private_shm_dir)) for rank in range(2)]
+    for model, container in zip(models, ranks):
+        train(model, container, W, range(1, 3))
+        container.snapshot().wait_durable(timeout_s=60)
+        container.close()
+    assert sorted(p.name for p in snapshots.iterdir() if p.is_dir()) == ["rank-00000", "rank-00001"]
+    alone = remote(W, build(W), None, "two-embedded", checkpoint="snapshot", embedded=_embedded(snapshots, private_shm_dir))
+    with pytest.raises(SnapshotNotFoundError) as raised:
+        alone.restore("two-embedded/step-2")
+    message = str(raised.value)
+    assert f"taken by 2 ranks' embedded servers, in {snapshots}/rank-*" in message, message
+    assert "--snapshot-store" in message and f"--format torchtitan --snapshot-dir {snapshots}" in message, message
+    alone.close()

@@ -4,7 +4,8 @@
                                       with the command that builds it, when it is missing
     titan03_assets                    session: the 0.2 kit's offline tokenizer + c4_test data
     titan03_runner(dump, *flags, ...) session-wide run_trainer03, for module-scoped references
-    run_trainer03(dump, *flags, steps=6, env=None, timeout=240, expect_returncode=0, check=True)
+    run_trainer03(dump, *flags, steps=6, env=None, timeout=240, expect_returncode=0, check=True,
+                  nproc=1)
         -> Losses                     a list of float.hex() strings, one per step run, with
                                       .steps (step numbers) and .run (TrainerRun: output,
                                       returncode, wall_s, argv)
@@ -53,10 +54,10 @@ def titan03_assets(tmp_path_factory) -> TitanAssets:
 
 def _runner(python, assets: TitanAssets, groups: ProcessGroups):
     def run(dump_folder, *flags: str, steps: int = 6, env: dict[str, str] | None = None,
-            timeout: float = 240.0, expect_returncode: int = 0, check: bool = True):
+            timeout: float = 240.0, expect_returncode: int = 0, check: bool = True, nproc: int = 1):
         return as_losses(launch03(python, assets, dump_folder, *flags, steps=steps, env=env,
                                   timeout=timeout, check=check,
-                                  expect_returncode=expect_returncode, groups=groups))
+                                  expect_returncode=expect_returncode, groups=groups, nproc=nproc))
 
     return run
 

@@ -2,7 +2,8 @@
 (``--override.imports swap_state.client.torchtitan_override.swap_state``), against the plain
 trainer: the same losses bitwise with a host's server and with the embedded default, a
 snapshot-mode save at step 3 resumed to 6, a SIGKILL after a checkpoint and a rerun, several
-param groups, and the settings on torchtitan's CLI where the registry builds the config.
+param groups, the settings on torchtitan's CLI where the registry builds the config, and two
+ranks whose checkpoint resumes on one.
 
 Servers are real ``swap-state-server`` processes (tests/conftest.py's ``start_server``); the
 trainers run in the 0.3 venv (titan03_kit.py).
@@ -129,3 +130,31 @@ def test_snapshot_retention_follows_keep_latest_k(run_trainer03, start_server, t
     assert run.steps == list(range(1, 2 * N + 1)), _tail(run)
     kept = sorted(int(p.name.split("-")[1]) for p in (snapshots / "kept03").glob("step-*"))
     assert kept == [2 * N - 2, 2 * N - 1, 2 * N], (kept, server.log_text()[-3000:])
+
+
+#: Two ranks under torchrun: FSDP over both (0.3's default SPMD backend, spmd_types, wants
+#: parameters distributed before FSDP, which plain 0.3.0 does not do on this CPU: the older
+#: DTensor path is what runs here, for plain torchtitan and swap-state alike).
+TWO_RANKS = ("--parallelism.spmd-backend", "partial_dtensor")
+#: 0.3 cannot reshard its dataloader's state: both resumes at one rank start the data afresh.
+NO_DATALOADER = ("--checkpoint.exclude-from-loading", "dataloader")
+
+
+@pytest.mark.timeout(420)
+def test_two_ranks_bitwise_then_a_resume_on_one_rank(run_trainer03, start_server, tmp_path):
+    """2 ranks train N steps (plain and swap-state, the same losses) and save; each resumes
+    on 1 rank to 2N: the server assembles both ranks' shards from its --snapshot-store, and
+    the losses equal plain torchtitan's resume of its own checkpoint (resharded by DCP)."""
+    server = start_server(shm_size_bytes=512 << 20, extra_args=("--snapshot-store", str(tmp_path / "store")))
+    swap = swap_state(swap_state_server=server.address, swap_state_checkpoint="snapshot", swap_state_job_id="two03")
+    stop = {STOP_AFTER_STEP_ENV: str(N), STOP_MODE_ENV: "return"}
+    plain_2 = run_trainer03(tmp_path / "plain", *CHECKPOINT, *TWO_RANKS, steps=2 * N, env=stop, nproc=2)
+    swap_2 = run_trainer03(tmp_path / "swap", *CHECKPOINT, *swap, *TWO_RANKS, steps=2 * N, env=stop, nproc=2)
+    assert swap_2.steps == list(range(1, N + 1)) and swap_2 == plain_2, _tail(swap_2)
+
+    plain_1 = run_trainer03(tmp_path / "plain", *CHECKPOINT, *NO_DATALOADER, steps=2 * N)
+    swap_1 = run_trainer03(tmp_path / "swap", *CHECKPOINT, *swap, *NO_DATALOADER, steps=2 * N)
+    assert plain_1.steps == list(range(N + 1, 2 * N + 1)), _tail(plain_1)
+    assert swap_1.steps == plain_1.steps and swap_1 == plain_1, _tail(swap_1) + server.log_text()[-3000:]
+    log = server.log_text()
+    assert "restore_assembled" in log and "snapshot_world_size=2" in log, log[-3000:]

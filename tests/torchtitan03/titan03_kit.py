@@ -167,8 +167,10 @@ def launch03(
     check: bool = True,
     expect_returncode: int = 0,
     groups: ProcessGroups | None = None,
+    nproc: int = 1,
 ) -> TrainerRun:
-    """Run the 0.3 launcher on :func:`job_argv` and read back its losses.
+    """Run the 0.3 launcher on :func:`job_argv` and read back its losses (``nproc`` ranks
+    under torchrun when above 1, gloo on the CPU; rank 0 records the losses).
 
     ``env`` is added last. Each call writes ``<dump>/losses-<n>.jsonl`` and
     ``<dump>/output-<n>.log`` (fresh ``n``). A timeout always raises :class:`TrainerRunError`;
@@ -179,7 +181,10 @@ def launch03(
     loss_file = fresh_loss_file(dump_folder)
     log_path = loss_file.with_name(loss_file.name.replace("losses-", "output-").replace(".jsonl", ".log"))
     loss_file.write_text("")
-    argv = [str(python), str(LAUNCHER03), *job_argv(assets, dump_folder, flags, steps)]
+    runner = [str(python)] if nproc == 1 else [
+        str(python), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    ]
+    argv = [*runner, str(LAUNCHER03), *job_argv(assets, dump_folder, flags, steps)]
     run_env = _for_titan03(launcher_env(assets, {LOSS_FILE_ENV: str(loss_file)}))
     run_env.setdefault("OMP_NUM_THREADS", "2")
     run_env.update(env or {})
