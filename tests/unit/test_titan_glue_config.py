@@ -20,7 +20,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from swap_state.client.torchtitan import glue as torchtitan_glue
 from swap_state.client.optim.checkpoint_template import SnapshotCheckpointError, load_template
 from swap_state.client.remote.embedded import EmbeddedServerConfig, default_snapshot_dir
-from swap_state.client.remote.config import RemoteConfig, embedded_config_for, resolve_config
+from swap_state.client.remote.config import RemoteConfig, embedded_config_for, embedded_world_size_hint, resolve_config
 from swap_state.client.remote.snapshots import SnapshotClient
 from swap_state.client.swap_optimizer import SwapOptimizersContainer
 
@@ -94,6 +94,20 @@ def test_embedded_config_is_sized_and_per_rank(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     default = embedded_config_for(RemoteConfig(), [model], {}, rank=1, world_size=2)
     assert default.snapshot_dir == str(tmp_path / "swap-state" / "snapshots" / "rank-00001")
+
+
+def test_the_hint_for_embedded_snapshots_of_a_run_of_another_size(tmp_path: Path) -> None:
+    """A one-rank rerun next to a two-rank run's rank directories, a two-rank rerun next to a
+    one-rank run's, and nothing to say where neither run left the job."""
+    (tmp_path / "rank-00000" / "job").mkdir(parents=True)
+    (tmp_path / "rank-00001" / "job").mkdir(parents=True)
+    alone = embedded_world_size_hint(str(tmp_path), "job", world_size=1)
+    assert "taken by 2 ranks' embedded servers" in alone and f"--snapshot-dir {tmp_path})" in alone
+    assert embedded_world_size_hint(str(tmp_path), "other", world_size=1) == ""
+    (tmp_path / "solo").mkdir()
+    two = embedded_world_size_hint(str(tmp_path / "rank-00001"), "solo", world_size=2)
+    assert "taken by a one-rank run's embedded server" in two
+    assert embedded_world_size_hint(str(tmp_path / "rank-00001"), "job", world_size=2) == ""
 
 
 def test_embedded_server_for_whole_state_snapshots_has_copy_slots_for_the_whole_state() -> None:
