@@ -122,14 +122,19 @@ def test_full_mode_keeps_the_moments_only(start_server):
     container.close()
 
 
-def test_a_trainer_that_never_copies_the_model_fails_the_snapshot_not_silently(start_server):
+def _snapshot_without_the_models_copy(start_server, job_id: str):
+    """(container, handle): the snapshot of step 2 asked for as a trainer that died between
+    its commit and the end of its copy of the model would leave it (the server waits 1 s)."""
     server = start_server(extra_args=("--model-copy-timeout", "1"))
     model = build_wide(W)
-    container = remote(W, model, server.address, "no-copy", checkpoint="snapshot")
+    container = remote(W, model, server.address, job_id, checkpoint="snapshot")
     train(model, container, W, range(1, 3))
-    # As a trainer that died between its commit and the end of its copy would leave it.
     container._mapping.header[Word.MODEL_STEP] = 0
-    handle = container.session.snapshot(2, container.snapshot_metadata())
+    return container, container.session.snapshot(2, container.snapshot_metadata())
+
+
+def test_a_trainer_that_never_copies_the_model_fails_the_snapshot_not_silently(start_server):
+    container, handle = _snapshot_without_the_models_copy(start_server, "no-copy")
     with pytest.raises(SwapStateError, match="did not copy the model's parameters of step 2"):
         container._snapshot_handle_for(handle.snapshot_id).wait_durable(timeout_s=30)
     container.close()
@@ -192,12 +197,7 @@ def test_a_trainer_killed_right_after_a_checkpoint_save_leaves_a_snapshot_that_r
 
 
 def test_a_checkpoint_whose_snapshot_failed_says_to_load_an_earlier_one(start_server):
-    server = start_server(extra_args=("--model-copy-timeout", "1"))
-    model = build_wide(W)
-    container = remote(W, model, server.address, "failed-ref", checkpoint="snapshot")
-    train(model, container, W, range(1, 3))
-    container._mapping.header[Word.MODEL_STEP] = 0  # as a trainer killed before its copy landed
-    handle = container.session.snapshot(2, container.snapshot_metadata())
+    container, handle = _snapshot_without_the_models_copy(start_server, "failed-ref")
     with pytest.raises(SnapshotFailedError, match=r"load an earlier checkpoint \(torchtitan: --checkpoint.load_step"):
         container.load_state_dict({SNAPSHOT_REF_KEY: handle.snapshot_id})
     container.close()
