@@ -37,6 +37,7 @@ from swap_state.client.scratch import make_scratch_dir
 from swap_state.client.remote.embedded import EmbeddedServerConfig
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.names import parse_snapshot_id
+from swap_state.common.server_flags import field_docs
 
 __all__ = ["DemoConfig", "TinyLM", "main", "run"]
 
@@ -46,37 +47,53 @@ RESUME_MODES = ("none", "reattach", "latest", "auto")
 
 @dataclasses.dataclass
 class DemoConfig:
+    """The demo's settings; each field is a flag (``job_id`` -> ``--job-id``), its docstring
+    the flag's help."""
+
     server: str | None = None
-    """Server address; None: $SWAP_STATE_SERVER, else a private local server."""
+    """the server's address (unix:///path or host:port); default: $SWAP_STATE_SERVER, else a
+    private server started for this demo"""
     job_id: str = "demo"
-    """Job id (a restart with the same id and rank reattaches)."""
+    """the job id (a restarted demo with the same id and rank reattaches to its state)"""
     steps: int = 10
-    """Optimizer steps to reach (a resumed run continues up to this step)."""
+    """the step to train up to (a resumed run trains from the step it resumed at)"""
     snapshot_every: int = 5
-    """Take a server-side snapshot every N steps (0: never)."""
+    """take a server-side snapshot every N steps (0: never)"""
     resume: str = "none"
-    """none | reattach | latest | auto, or a snapshot id (``demo/step-25``, ``step-25``)."""
+    """how a restarted demo continues: none: from scratch; reattach: the optimizer state the
+    server kept for this --job-id and rank (the previous trainer went away less than the
+    server's --grace ago); latest: restore the job's latest snapshot (e.g. after a server
+    restart); auto: reattach, else latest, else from scratch; or a snapshot id to restore that
+    snapshot: demo/step-25, or step-25 of --job-id (step-000000000025, the directory's
+    spelling, names the same one)"""
     state_dir: str | None = None
-    """Where model parameters are kept for restarts; None: nowhere."""
+    """where the demo keeps what a restart needs besides the server's optimizer state: the
+    model parameters of its last two steps and of its last few snapshot steps (model-*.pt), and
+    with its private server (no --server) that server's snapshots (DIR/snapshots). Give the
+    same --state-dir to a restarted demo; every --resume but none needs it"""
     report: str | None = None
-    """Write a JSON report (digests, step times, server bytes) here."""
+    """write a JSON report here (digests, step times, the server's bytes)"""
     crash_after_step: int = 0
-    """Test hook: SIGKILL this process right after step N is committed and saved."""
+    """a test hook: SIGKILL this process right after step N is committed and saved (0: never)"""
+    step_seconds: float = 0.0
+    """the least wall time of a step: the demo sleeps the rest, so that whoever drives it
+    (a scenario test, an operator) can act between two steps (0: full speed)"""
     swap_times: int = 4
-    """Slices of the swap pipeline."""
+    """slices of the swap pipeline (the optimizer state moves slice by slice)"""
     dim: int = 64
-    """Model width."""
+    """the model's width"""
     layers: int = 2
-    """Residual MLP blocks."""
+    """residual MLP blocks"""
     vocab: int = 256
-    """Vocabulary (the embedding is tied to the output head)."""
+    """the vocabulary (the embedding is tied to the output head)"""
     seed: int = 0
-    """Initialisation and data seed."""
+    """the initialisation and data seed"""
     token_file: str | None = None
-    """Token for a server started with --token-file."""
+    """a file holding the token of a server started with --token-file"""
     server_wait: float = 60.0
-    """Seconds a snapshot waits for an unreachable server (restarting, being upgraded) to
-    come back before the demo fails naming it; the steps themselves never wait."""
+    """seconds a snapshot waits for a server that is unreachable (restarting, being upgraded)
+    to come back before the demo fails naming it; steps never wait: they go on while the
+    server restarts, and the new server adopts the demo's segment"""
 
 
 class TinyLM(nn.Module):
@@ -366,6 +383,7 @@ def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> 
         if step == cfg.crash_after_step:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(max(0.0, cfg.step_seconds - (time.perf_counter() - begin)))
     _report_durable(handles)
     result = _summarize(cfg, container, model, reference_digest, plain_times, times)
     container.close()
@@ -431,23 +449,6 @@ def _summarize(cfg, container, model, reference_digest, plain_times, times) -> d
     return result
 
 
-_HELP = {
-    "server_wait": "seconds a snapshot waits for a server that is unreachable (restarting, "
-    "being upgraded) to come back before the demo fails naming it; steps never wait: they go "
-    "on while the server restarts, and the new server adopts the demo's segment",
-    "steps": "the step to train up to (a resumed run trains from the step it resumed at)",
-    "state_dir": "where the demo keeps what a restart needs besides the server's optimizer "
-    "state: the model parameters of its last two steps and of its last few snapshot steps "
-    "(model-*.pt), and with its private server (no --server) that server's snapshots "
-    "(DIR/snapshots). Give the same --state-dir to a restarted demo; every --resume but none "
-    "needs it",
-    "resume": "how a restarted demo continues: none: from scratch; reattach: the optimizer "
-    "state the server kept for this --job-id and rank (the previous trainer went away less "
-    "than the server's --grace ago); latest: restore the job's latest snapshot (e.g. after a "
-    "server restart); auto: reattach, else latest, else from scratch; or a snapshot id to "
-    "restore that snapshot: demo/step-25, or step-25 of --job-id (step-000000000025, the "
-    "directory's spelling, names the same one)",
-}
 
 
 def _resume_arg(text: str) -> str:
@@ -470,7 +471,7 @@ def parse_args(argv: list[str] | None) -> DemoConfig:
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         kind = type(default) if default is not None else str
-        help_text = f"{_HELP[f.name]} (default: {default})" if f.name in _HELP else f"(default: {default})"
+        help_text = f"{field_docs(DemoConfig).get(f.name, '')} (default: {default})"
         if f.name == "resume":
             kind = _resume_arg
         parser.add_argument(flag, type=kind, default=default, help=help_text.replace("%", "%%"))

@@ -77,6 +77,11 @@ SERVER_STOP_TIMEOUT_S = 30.0
 FAIL_FAST_S = 15.0  # a trainer whose server stopped must exit within this
 SERVER_WAIT_S = 3.0  # --server-wait of that trainer: its snapshot waits this long first
 SHM_REFUSAL_S = 10.0  # "at once": python start-up plus the size check
+#: The least step time of a trainer the scenario kills or freezes after its first snapshot:
+#: its STEPS - SNAPSHOT_EVERY steps left then take 3.75 s, against the few milliseconds of
+#: a tiny step (under compose, `docker inspect` and `docker pause` alone may take longer: one
+#: CI run saw the trainer finish before it was frozen).
+PACE_S = 0.25
 
 CKPT_DIR = f"{STATE_DIR}/ckpt"
 REPORT = f"{STATE_DIR}/report.json"
@@ -93,11 +98,14 @@ def server_args(shm_size: str) -> list[str]:
             "--grace", "30"]
 
 
-def demo_cmd(resume: str | None = None, job_id: str = "demo", server_wait: float | None = None) -> list[str]:
+def demo_cmd(resume: str | None = None, job_id: str = "demo", server_wait: float | None = None,
+             paced: bool = False) -> list[str]:
+    """The demo's command; ``paced``: steps of at least PACE_S (a trainer the scenario acts on)."""
     cmd = ["python", "-m", "swap_state.client.demo", "--server", SOCKET_URI, "--job-id", job_id,
            "--steps", str(STEPS), "--snapshot-every", str(SNAPSHOT_EVERY),
            "--state-dir", CKPT_DIR, "--report", REPORT]
     cmd += ["--server-wait", str(server_wait)] if server_wait is not None else []
+    cmd += ["--step-seconds", str(PACE_S)] if paced else []
     return cmd + (["--resume", resume] if resume else [])
 
 
@@ -228,7 +236,7 @@ def wait_first_snapshot(stack: Stack, trainer: Service) -> None:
     """Return as soon as the trainer's first snapshot (step SNAPSHOT_EVERY) is durable.
 
     Polled tightly: the caller kills or freezes the trainer right after, while it still has
-    most of its STEPS to go.
+    most of its STEPS to go (a paced trainer: PACE_S each).
     """
     deadline = time.monotonic() + SNAPSHOT_TIMEOUT_S
     while not _durable_snapshots(stack.snapshot_dir):
@@ -264,7 +272,7 @@ def trainer_sigkill_then_reattach(stack: Stack) -> None:
     """Train; SIGKILL the trainer container after its first snapshot; a new trainer container
     reattaches (or restores) and finishes bitwise equal to an uninterrupted run."""
     server = start_healthy_server(stack)
-    first = stack.start_trainer(demo_cmd())
+    first = stack.start_trainer(demo_cmd(paced=True))
     wait_first_snapshot(stack, first)
     first.kill()
     rc = first.wait(10)
@@ -286,7 +294,7 @@ def server_stop_then_restore(stack: Stack) -> None:
     says so. A new server container restores the latest snapshot; a new trainer finishes
     bitwise equal."""
     server = start_healthy_server(stack)
-    trainer = stack.start_trainer(demo_cmd(server_wait=SERVER_WAIT_S))
+    trainer = stack.start_trainer(demo_cmd(server_wait=SERVER_WAIT_S, paced=True))
     wait_first_snapshot(stack, trainer)
     # Freeze the trainer mid-run, so the server is gone before its next call, whatever the timing.
     trainer.pause()
@@ -316,7 +324,7 @@ def server_rolling_restart(stack: Stack) -> None:
     Kubernetes Memory emptyDir does): the trainer never stops, the new server adopts its
     segment, and it finishes bitwise equal to an uninterrupted run."""
     server = start_healthy_server(stack)
-    trainer = stack.start_trainer(demo_cmd())
+    trainer = stack.start_trainer(demo_cmd(paced=True))
     wait_first_snapshot(stack, trainer)
     trainer.pause()  # the restart falls between two of its steps, whatever the timing
     assert trainer.poll() is None, "trainer finished before the server could be stopped" + _tail(trainer)

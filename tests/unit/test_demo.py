@@ -3,6 +3,7 @@ each refusal names its cause and the next step."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -104,3 +105,12 @@ def test_help_says_what_the_state_dir_holds_and_what_each_resume_does(capsys):
                  "latest: restore the job's latest snapshot", "auto: reattach, else latest",
                  "demo/step-25"):
         assert mode in text
+
+
+def test_every_flag_explains_itself_and_step_seconds_parses():
+    from swap_state.common.server_flags import field_docs
+
+    docs = field_docs(demo.DemoConfig)
+    undocumented = [f.name for f in dataclasses.fields(demo.DemoConfig) if len(docs.get(f.name, "")) < 10]
+    assert undocumented == []
+    assert demo.parse_args(["--step-seconds", "0.25"]).step_seconds == 0.25
