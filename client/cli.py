@@ -36,7 +36,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="swap-state", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="swap-state", description=__doc__.split("\n\n")[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="sessions, budget and running snapshots")
     _add_server_args(status)
