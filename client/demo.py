@@ -449,8 +449,6 @@ def _summarize(cfg, container, model, reference_digest, plain_times, times) -> d
     return result
 
 
-
-
 def _resume_arg(text: str) -> str:
     if text in RESUME_MODES:
         return text
