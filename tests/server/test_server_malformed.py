@@ -66,6 +66,9 @@ async def test_burst_of_malformed_requests_leaves_the_server_serving(start, conn
     stub = connect(server)
     owner = Trainer(stub, "owner")
     await owner.attach()
+    # Live for the whole burst: without its stream the session is freed after stream_wait +
+    # grace (1 s here), which the burst took once on a loaded CI machine.
+    await owner.keep_alive()
     sid, gen = owner.session_id, owner.generation
 
     def alloc(tensors, session_id=sid, generation=gen):
