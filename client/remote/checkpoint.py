@@ -101,13 +101,12 @@ class CheckpointMode:
             # A server being restarted or upgraded is waited for (bounded), not failed at once.
             self._c.session.wait_connected(self._c.remote_config.server_wait_s)
             self._c.snapshot()  # sets _snapshot_step and _snapshot_handle
-        area = getattr(self._c, "_model_area", None)
-        if area is not None:
+        if self.snapshots_model:
             # A checkpoint that refers to the snapshot is a promise: once the save returns, a
             # trainer killed at once must still leave a snapshot the server can complete, and
             # the model's copy into the segment is the trainer's part of it. Waiting here costs
             # the rest of that copy (it ran beside the Snapshot call), at checkpoint steps only.
-            area.wait_published()
+            self._c._model_area.wait_published()
         handle = self._c._snapshot_handle
         self._checkpoint_snapshot = handle
         return handle.snapshot_id if handle is not None else ""

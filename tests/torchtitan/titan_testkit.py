@@ -232,6 +232,14 @@ def finished_run(argv: list[str], loss_file: Path, returncode: int, output: str,
     return run
 
 
+def runner_argv(python: str, nproc: int) -> list[str]:
+    """What runs a launcher: ``python`` itself for one rank; for several, torchrun (gloo on
+    the CPU), which runs the launcher once per rank."""
+    if nproc == 1:
+        return [python]
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
 def launch(
     assets: TitanAssets,
     dump_folder: str | os.PathLike,
@@ -257,11 +265,7 @@ def launch(
     loss_file = fresh_loss_file(dump_folder) if loss_file is None else Path(loss_file)
     loss_file.write_text("")
 
-    # Several ranks: torchrun (gloo on the CPU) runs the launcher once per rank.
-    runner = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-    ]
-    argv = [*runner, str(LAUNCHER), *base_flags(assets, dump_folder, steps=steps), *flags]
+    argv = [*runner_argv(sys.executable, nproc), str(LAUNCHER), *base_flags(assets, dump_folder, steps=steps), *flags]
     run_env = launcher_env(assets, {LOSS_FILE_ENV: str(loss_file)})
     run_env.setdefault("OMP_NUM_THREADS", "2")
     run_env["PYTHONPATH"] = os.pathsep.join(

@@ -44,6 +44,7 @@ from titan_testkit import (  # noqa: F401 (Losses, as_losses: this kit's fixture
     finished_run,
     fresh_loss_file,
     launcher_env,
+    runner_argv,
 )
 
 TITAN03_PYTHON_ENV = "SWAP_STATE_TITAN03_PYTHON"
@@ -181,10 +182,7 @@ def launch03(
     loss_file = fresh_loss_file(dump_folder)
     log_path = loss_file.with_name(loss_file.name.replace("losses-", "output-").replace(".jsonl", ".log"))
     loss_file.write_text("")
-    runner = [str(python)] if nproc == 1 else [
-        str(python), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-    ]
-    argv = [*runner, str(LAUNCHER03), *job_argv(assets, dump_folder, flags, steps)]
+    argv = [*runner_argv(str(python), nproc), str(LAUNCHER03), *job_argv(assets, dump_folder, flags, steps)]
     run_env = _for_titan03(launcher_env(assets, {LOSS_FILE_ENV: str(loss_file)}))
     run_env.setdefault("OMP_NUM_THREADS", "2")
     run_env.update(env or {})
