@@ -1,16 +1,25 @@
 """The shape of the code, read from the source: objects that each own one job (no class of the
-project inherits from more than one project class), files that do one job (no module over
-500 lines, no function over 60 lines; generated code aside)."""
+project inherits from more than one project class), files that do one job.
+
+Length is advice, not a rule: files split by responsibility, never to meet a line count. A
+module over 500 lines or a function over 60 is printed (a pytest warning) as a place to look;
+only one over 800 lines (or a function over 120) fails, as a file that surely does several jobs.
+Generated code aside."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import warnings
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ROOMS = ("client", "server", "common")
-MAX_MODULE_LINES = 500
-MAX_FUNCTION_LINES = 60
+ADVISED_MODULE_LINES, MAX_MODULE_LINES = 500, 800
+ADVISED_FUNCTION_LINES, MAX_FUNCTION_LINES = 60, 120
+
+
+class LengthAdvice(UserWarning):
+    """A module or function longer than advised: worth a look, not a failure."""
 
 
 def _modules() -> dict[pathlib.Path, ast.Module]:
@@ -43,15 +52,24 @@ def test_a_mixin_is_found():
     assert classes_with_several_project_bases({REPO / "x.py": tree}) == ["x.py: C(A, B)"]
 
 
-def test_modules_and_functions_fit():
-    long = []
+def lengths() -> list[tuple[str, int, int]]:
+    """(where, lines, the advised most) of every module and function."""
+    found = []
     for path, tree in _modules().items():
-        lines = len(path.read_text().splitlines())
-        if lines > MAX_MODULE_LINES:
-            long.append(f"{path.relative_to(REPO)}: {lines} lines")
+        found.append((str(path.relative_to(REPO)), len(path.read_text().splitlines()), ADVISED_MODULE_LINES))
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
-    assert long == []
+                where = f"{path.relative_to(REPO)}:{node.lineno} {node.name}"
+                found.append((where, node.end_lineno - node.lineno + 1, ADVISED_FUNCTION_LINES))
+    return found
+
+
+def test_modules_and_functions_fit():
+    too_long = []
+    for where, lines, advised in lengths():
+        most = MAX_MODULE_LINES if advised == ADVISED_MODULE_LINES else MAX_FUNCTION_LINES
+        if lines > most:
+            too_long.append(f"{where}: {lines} lines")
+        elif lines > advised:
+            warnings.warn(LengthAdvice(f"{where}: {lines} lines (advised: {advised}); does it do one job?"))
+    assert too_long == []
