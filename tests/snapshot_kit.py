@@ -110,7 +110,7 @@ class Segment:
     def source(
         self, job_id: str, step: int, *, rank: int = 0, world_size: int = 1, metadata_json: str = "",
         local_world_size: int = 0, keep_latest: int = 0, keep_all: bool = False,
-        replace_existing: bool = False,
+        replace_existing: bool = False, session_id: str = "", generation: int = 0,
     ) -> SnapshotSource:
         return SnapshotSource(
             buffer=self.mm,
@@ -125,6 +125,8 @@ class Segment:
             keep_all=keep_all,
             replace_existing=replace_existing,
             local_world_size=local_world_size,
+            session_id=session_id,
+            generation=generation,
         )
 
     def slots_all_free(self) -> bool:

@@ -23,6 +23,7 @@ from swap_state.common.dtypes import DTYPE_NAMES
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.common.segment import SegmentHeader, TensorLayout, chunk_table
 from swap_state.common.trainer_header import TrainerHeader
+from swap_state.common.trainer_presence import hold
 
 __all__ = ["TORCH_DTYPES", "SegmentMapping"]
 
@@ -40,9 +41,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 class SegmentMapping:
     """A writable mapping of one segment file."""
 
-    def __init__(self, info: pb.SegmentInfo, mm: mmap.mmap):
+    def __init__(self, info: pb.SegmentInfo, mm: mmap.mmap, fd: int = -1):
+        """``fd``: the segment file, held open (and locked) while mapped; closed by :meth:`close`."""
         self.info = info
         self._mm = mm
+        self._fd = fd
         self._base = torch.frombuffer(mm, dtype=torch.uint8)  # one export, all views derive
         self.header = SegmentHeader(mm)
         self.header.check()
@@ -71,9 +74,11 @@ class SegmentMapping:
                     f"swap-state segment {info.path} has {size} bytes, expected {info.size}"
                 )
             mm = mmap.mmap(fd, info.size, flags=mmap.MAP_SHARED)
-        finally:
+            hold(fd)  # while this process maps it: a restarted server knows its trainer is alive
+        except BaseException:
             os.close(fd)
-        return cls(info, mm)
+            raise
+        return cls(info, mm, fd)
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -126,3 +131,6 @@ class SegmentMapping:
             # mapping stays until it is garbage collected, which is safe; the file is the
             # server's to unlink.
             pass
+        if self._fd >= 0:
+            os.close(self._fd)  # the trainer's presence ends with its mapping
+            self._fd = -1

@@ -91,6 +91,10 @@ class Session:
     restarted server asks for it again (METADATA_BASE_UNKNOWN)."""
     adopted: bool = False
     """Rebuilt from a previous server's segment at this server's start."""
+    awaiting_reconnect: bool = False
+    """Adopted, and its trainer has not reconnected yet: while that trainer process still maps
+    the segment (:mod:`~swap_state.common.trainer_presence`), until ``grace`` ends, only it
+    (its session id and generation) takes the session back; a fresh Attach is refused."""
     streamed_generation: int = 0
     """The generation whose KeepAlive stream was last opened (0: none yet): a stream of the
     same generation opened again is a reconnect."""

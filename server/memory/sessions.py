@@ -44,6 +44,7 @@ from swap_state.common.errors import (
     StaleGeneration,
     Unavailable,
 )
+from swap_state.common import trainer_presence
 from swap_state.common.segment import TensorSpec, layout_hash
 from swap_state.common.segment_descriptor import SegmentDescriptor
 from swap_state.server.logs import log_event
@@ -240,6 +241,15 @@ class SessionRegistry:
             raise Unavailable("the server is shutting down")
 
     def _refuse_if_live(self, session: Session) -> None:
+        if session.awaiting_reconnect and not session.closed and self._trainer_present(session):
+            left = max(0.0, self.grace - self.orphaned_seconds(session))
+            raise SessionLive(
+                f"job {session.job_id} rank {session.rank} was live when the previous server "
+                "stopped, and its trainer process still maps its segment: this server adopted its "
+                f"state and keeps it for that trainer, which reconnects by itself, for another "
+                f"{left:.0f} s (--grace). Another trainer of this job id and rank can attach once "
+                "that one has ended; to run beside it, use another job id"
+            )
         if session.state is SessionState.LIVE and not session.closed:
             raise SessionLive(
                 f"job {session.job_id} rank {session.rank} is attached and live (client pid "
@@ -247,6 +257,12 @@ class SessionRegistry:
                 f"{session.generation}): another trainer with the same job id and rank? Close "
                 "the old KeepAlive stream (or stop that trainer) first"
             )
+
+    @staticmethod
+    def _trainer_present(session: Session) -> bool:
+        """Whether the trainer process of an adopted session still maps its segment (then it
+        reconnects by itself); one that died with the old server is not waited for."""
+        return session.segment is not None and trainer_presence.held(session.segment.path)
 
     def _make_pending(self, session: Session) -> None:
         session.state = SessionState.PENDING
@@ -261,6 +277,7 @@ class SessionRegistry:
             session_id=adopted.session_id, job_id=d.job_id, rank=d.rank, world_size=d.world_size,
             generation=adopted.generation, local_world_size=d.local_world_size,
             segment=adopted.segment, adopted=True, streamed_generation=adopted.generation,
+            awaiting_reconnect=True,
         )
         self._sessions[session.session_id] = session
         self._by_key[(session.job_id, session.rank)] = session
@@ -292,6 +309,7 @@ class SessionRegistry:
             self.reconnects += 1  # the same trainer, back without an Attach
             log_event(log, "session_reconnected", **session._describe(), adopted=session.adopted)
         session.streamed_generation = generation
+        session.awaiting_reconnect = False
         if session.state is not SessionState.LIVE:
             session.state = SessionState.LIVE
             session.orphaned_since = None

@@ -289,6 +289,7 @@ class SnapshotCoordinator:
             writer.go()
         handle = RankSnapshot(group, source.rank, writer)
         handle.commits_at_start = source.header[Word.TRAINER_COMMITS]
+        handle.run = source.run
         handle.thread = threading.Thread(
             target=self._run,
             args=(group, handle),

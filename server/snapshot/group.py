@@ -78,26 +78,29 @@ class SnapshotGroup:
     def decide_start(self, source: SnapshotSource) -> SnapshotGroup | RankSnapshot | None:
         """What a start of ``source`` for this (job, step) means; under the coordinator's
         lock. Returns the handle to hand back (a retry), this group to join, or None (a new
-        attempt: the caller forgets this group). Raises when the start must be refused."""
+        attempt: the caller forgets this group). Raises when the start must be refused.
+
+        A retry is the same run (session and generation) with nothing committed since. Any
+        other start of a step this group made durable holds other bytes: another run of the
+        job id (from scratch, or resumed at another world size) or a retrained step; it
+        replaces the durable snapshot when it asks to, and is refused otherwise."""
         with self.cond:
             state = self.state
-            joined = source.rank in self.handles
+            mine = self.handles.get(source.rank)
             drained = self.discarded_done
             error = self.error
             members = sorted(self.handles)
-        self._check_same_job(source)
-        rerun = joined and self.handles[source.rank].commits_at_start != source.header[Word.TRAINER_COMMITS]
-        if joined and not rerun and state is not SnapshotState.FAILED:
-            return self.handles[source.rank]  # a retry of this rank's Snapshot call
-        if rerun and state is SnapshotState.PERSISTING:
-            raise SnapshotBusy(f"the previous attempt at {self.snapshot_id} is still persisting")
-        if state is SnapshotState.DURABLE and (rerun or not joined):
-            # The trainer committed since that snapshot: it retrained the step (after loading
-            # an older checkpoint); the durable bytes are not this state's.
+        if mine is not None and mine.is_retry(source) and state is not SnapshotState.FAILED:
+            return mine
+        if state is SnapshotState.DURABLE:
             if not source.replace_existing:
                 raise SnapshotExists(exists_message(self.snapshot_id))
             return None  # a fresh attempt, which replaces the durable one at its commit
         if state is SnapshotState.PERSISTING:
+            if mine is not None or not self._same_sizes(source):
+                raise SnapshotBusy(f"an earlier attempt at {self.snapshot_id} (another run, or before a "
+                                   "retrained step) is still persisting")
+            self._check_same_job(source)
             if len(members) >= self.local_world_size:
                 raise SnapshotInvalid(
                     f"{self.snapshot_id} already has its local_world_size "
@@ -105,18 +108,18 @@ class SnapshotGroup:
                     f"{source.rank} is one more: is local_world_size right for this host?"
                 )
             return self
-        if not joined:
+        if mine is None and self._same_sizes(source):
             # This rank missed the failed attempt: joining a new one alone would only time out.
             raise SnapshotFailed(f"{self.snapshot_id} failed: {error}")
         if not drained:
             raise SnapshotBusy(f"the failed attempt at {self.snapshot_id} is still being cleaned up")
-        return None  # a participant retries: a fresh attempt
+        return None  # a participant retries, or another run starts: a fresh attempt
+
+    def _same_sizes(self, source: SnapshotSource) -> bool:
+        """Whether ``source`` has this group's world size (a run at another size is another run)."""
+        return self.world_size == source.world_size
 
     def _check_same_job(self, source: SnapshotSource) -> None:
-        if self.world_size != source.world_size:
-            raise SnapshotInvalid(
-                f"{self.snapshot_id} has world_size {self.world_size}, not {source.world_size}"
-            )
         if self.local_world_size != source.expected_ranks:
             raise SnapshotInvalid(
                 f"{self.snapshot_id} was started with local_world_size {self.local_world_size} "
@@ -196,6 +199,12 @@ class RankSnapshot:
         self.commits_at_start = 0
         """The segment's TRAINER_COMMITS when the snapshot began: a later Snapshot call of the
         same step with the same count is a retry, with another a retrained step."""
+        self.run: tuple[str, int] = ("", 0)
+        """The (session id, generation) that started it: only that run retries it."""
+
+    def is_retry(self, source: SnapshotSource) -> bool:
+        """Whether ``source`` asks again for this snapshot: the same run, nothing committed since."""
+        return source.run == self.run and source.header[Word.TRAINER_COMMITS] == self.commits_at_start
 
     @property
     def snapshot_id(self) -> str:

@@ -49,6 +49,16 @@ class SnapshotSource:
     replace_existing: bool = False
     """A durable snapshot of this step from an earlier attempt is replaced (atomically, once
     the new one is durable) instead of refused."""
+    session_id: str = ""
+    """The session (one trainer run of this job/rank) that asks: a start is a retry of an
+    earlier one only from the same session and ``generation``."""
+    generation: int = 0
+    """The session's generation (a reattached trainer has a new one)."""
+
+    @property
+    def run(self) -> tuple[str, int]:
+        """Which run of the job/rank asks: (session id, generation)."""
+        return self.session_id, self.generation
 
     @property
     def expected_ranks(self) -> int:

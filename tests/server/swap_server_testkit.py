@@ -18,6 +18,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from swap_state.common import trainer_presence
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
@@ -118,12 +119,12 @@ class Trainer:
         )
 
     def map(self) -> mmap.mmap:
+        """Map the segment as the trainer does: the file kept open and its presence lock held
+        (:mod:`swap_state.common.trainer_presence`) until :meth:`close`."""
         assert self.segment is not None
-        fd = os.open(self.segment.path, os.O_RDWR)
-        try:
-            self.mapping = mmap.mmap(fd, self.segment.size)
-        finally:
-            os.close(fd)
+        self.segment_fd = os.open(self.segment.path, os.O_RDWR)
+        self.mapping = mmap.mmap(self.segment_fd, self.segment.size)
+        trainer_presence.hold(self.segment_fd)
         return self.mapping
 
     def close(self) -> None:
@@ -131,6 +132,7 @@ class Trainer:
         if self.mapping is not None:
             self.mapping.close()
             self.mapping = None
+            os.close(self.segment_fd)
 
 
 class ServerProcess:

@@ -377,3 +377,47 @@ async def test_healthcheck_command(start, sock_dir, tmp_path):
     assert code == 0 and "SERVING" in out
     code, out = await _healthcheck("--listen", f"unix://{sock_dir}/missing.sock", "--timeout", "1")
     assert code == 1 and "UNAVAILABLE" in out
+
+
+async def test_an_adopted_session_waits_for_its_own_trainer_and_refuses_a_fresh_attach(
+        server_process, shm_dir, sock_dir, connect):
+    sock = sock_dir / "s.sock"
+    args = base_args(shm_dir, sock) + ["--grace", "60"]
+    first = server_process(args)
+    first.wait_ready(sock)
+    trainer = Trainer(connect(f"unix://{sock}"), "adopted")
+    await trainer.attach()
+    await trainer.keep_alive()
+    await trainer.allocate([spec("m", (4096,))])
+    mapping = trainer.map()
+    mapping[-4096:] = b"\x07" * 4096  # the trainer's bytes, in the last page of the segment
+    trainer.drop_keep_alive()  # ... its trainer reconnects once the next server serves
+    assert first.terminate() == 0, first.output
+    second = server_process(args)
+    second.wait_ready(sock)
+
+    newcomer = Trainer(connect(f"unix://{sock}"), "adopted")
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await newcomer.attach()  # a fresh Attach of that job/rank before its trainer is back
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "adopted its state and keeps it for that trainer" in refused.value.details()
+    assert "(--grace)" in refused.value.details()
+
+    trainer.stub = connect(f"unix://{sock}")
+    await trainer.keep_alive()  # its own trainer: the same session id and generation
+    assert mapping[-4096:] == b"\x07" * 4096
+    reply = await trainer.stub.Stats(pb.StatsRequest(), timeout=10)
+    [session] = [s for s in reply.sessions if s.job_id == "adopted"]
+    assert (session.session_id, session.state, session.adopted) == (trainer.session_id, "live", True)
+    assert reply.reconnects_total == 1
+
+    # A trainer that ended while no server ran holds nothing: its restart reattaches at once.
+    trainer.drop_keep_alive()
+    assert second.terminate() == 0, second.output
+    trainer.close()
+    third = server_process(args)
+    third.wait_ready(sock)
+    newcomer.stub = connect(f"unix://{sock}")
+    reply = await newcomer.attach()
+    assert (reply.session_id, reply.reattached, reply.has_segment) == (trainer.session_id, True, True)
+    newcomer.close()

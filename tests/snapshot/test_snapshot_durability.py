@@ -310,3 +310,52 @@ def test_a_retrained_step_is_refused_or_replaced_never_answered_with_old_bytes(m
     with pytest.raises(SnapshotExists, match="earlier attempt"):
         restarted.start(seg.source("job", 3))
     assert restarted.start(seg.source("job", 3, replace_existing=True)).wait(20).state is SnapshotState.DURABLE
+
+
+def test_another_run_reaching_a_durable_step_writes_its_own_bytes_or_is_refused(make_segment, make_coordinator):
+    """A job id run again from scratch commits as many steps as the first run did: only the
+    session and generation tell the runs apart. Never "durable" over the first run's files."""
+    coordinator = make_coordinator(keep_latest=None)
+    first_run = make_segment("first")
+    first_run.fill(1)
+    first_run.header[Word.TRAINER_COMMITS] = 3
+    first = coordinator.start(first_run.source("job", 3, session_id="a" * 32, generation=1))
+    assert first.wait(20).state is SnapshotState.DURABLE
+    assert coordinator.start(first_run.source("job", 3, session_id="a" * 32, generation=1)) is first
+
+    second_run = make_segment("second")
+    mine = second_run.fill(2)
+    second_run.header[Word.TRAINER_COMMITS] = 3  # the same count of commits as the first run
+    with pytest.raises(SnapshotExists, match="earlier attempt"):
+        coordinator.start(second_run.source("job", 3, session_id="b" * 32, generation=1))
+    # The same session reattached (a new generation) is another run too.
+    with pytest.raises(SnapshotExists):
+        coordinator.start(first_run.source("job", 3, session_id="a" * 32, generation=2))
+    again = coordinator.start(second_run.source("job", 3, session_id="b" * 32, generation=1,
+                                                replace_existing=True))
+    assert again is not first and again.wait(20).state is SnapshotState.DURABLE
+    target = make_segment("target")
+    restore(coordinator.store, "job/step-3", target.mm, target.layout, job_id="job", rank=0, world_size=1)
+    assert target.tensors() == mine
+
+
+def test_a_job_resumed_at_another_world_size_replaces_a_step_its_earlier_size_took(make_segment, make_coordinator):
+    coordinator = make_coordinator(keep_latest=None)
+    ranks = [make_segment(f"rank{r}") for r in range(2)]
+    for r, seg in enumerate(ranks):
+        seg.fill(10 + r)
+    handles = [coordinator.start(seg.source("job", 6, rank=r, world_size=2, session_id=f"{r}" * 32))
+               for r, seg in enumerate(ranks)]
+    assert [h.wait(20).state for h in handles] == [SnapshotState.DURABLE] * 2
+
+    alone = make_segment("alone")
+    mine = alone.fill(3)
+    with pytest.raises(SnapshotExists):
+        coordinator.start(alone.source("job", 6, world_size=1, session_id="c" * 32))
+    replaced = coordinator.start(alone.source("job", 6, world_size=1, session_id="c" * 32, replace_existing=True))
+    assert replaced.wait(20).state is SnapshotState.DURABLE
+    info = coordinator.store.resolve("job/step-6")
+    assert (info.world_size, info.ranks) == (1, (0,))
+    target = make_segment("target")
+    restore(coordinator.store, "job/step-6", target.mm, target.layout, job_id="job", rank=0, world_size=1)
+    assert target.tensors() == mine
