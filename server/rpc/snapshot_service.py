@@ -3,8 +3,10 @@
 
 :class:`SnapshotRpcs` is held by :class:`~swap_state.server.rpc.service.SwapStateService`,
 whose methods of the same names call it behind the one ``rpc_boundary`` (status codes); ids
-are validated here, first thing (:mod:`.validation`). Blocking work (waiting on a writer,
-verifying and copying a restore) runs in worker threads; the event loop only converts and
+are validated here, first thing (:mod:`.validation`). Blocking work (starting a snapshot,
+verifying and copying a restore, reading a status from disk) runs in worker threads; waits for
+a writer, a group or an upload are awaited holding no thread (:mod:`..snapshot.waiting`), so
+any number of ranks waiting never starves the executor; the event loop only converts and
 dispatches. The task that returns a snapshot's borrowed segment is tracked, its errors
 logged, and :meth:`SnapshotRpcs.drain` awaits it at shutdown.
 """
@@ -251,9 +253,7 @@ class SnapshotRpcs:
         validate_snapshot_rank(request.rank)
         coordinator = self._coordinator()
         wait_s = min(max(request.wait_seconds, 0.0), MAX_STATUS_WAIT_S)
-        status = await asyncio.to_thread(
-            coordinator.status, snapshot_id, request.rank, wait_s, request.wait_stored
-        )
+        status = await coordinator.wait_status(snapshot_id, request.rank, wait_s, request.wait_stored)
         return status_reply(status)
 
     async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
@@ -301,7 +301,9 @@ def _info_reply(local: SnapshotInfo | None, stored: SnapshotInfo | None) -> pb.S
 
 
 async def _finish(handle: RankSnapshot, held: contextlib.ExitStack, counters: SnapshotCounters) -> None:
-    """Return the borrowed mapping once the writer is done with it, then count the result."""
+    """Return the borrowed mapping once the writer is done with it, then count the result
+    once the group is settled (all its ranks durable, or failed). Awaits without holding a
+    thread: a rank may wait minutes for the others of its group."""
     with held:
-        await asyncio.to_thread(handle.wait_segment_released, None)
-    counters.record(await asyncio.to_thread(handle.wait, None))
+        await handle.segment_released()
+    counters.record(await handle.wait_async())

@@ -11,7 +11,8 @@ Call order (the servicer):
    reach in time (:class:`~swap_state.server.snapshot.stager.Stager`). It logs
    ``copy_budget_short`` when the copy slots cannot cover what the disk cannot persist within
    one forward/backward (:meth:`SnapshotCoordinator.copy_budget`).
-3. SnapshotStatus RPC: ``coordinator.status(snapshot_id, rank, wait_s)`` (or ``handle.wait``):
+3. SnapshotStatus RPC: ``await coordinator.wait_status(snapshot_id, rank, wait_s)`` (or
+   ``handle.wait_async``; ``status`` and ``handle.wait`` for threads):
    ``durable`` once the ``local_world_size`` ranks of the job on this server (all
    ``world_size`` ranks unless the job spans several hosts, one server each) are on disk and
    the snapshot is committed (``snapshot.json``, atomic rename, ``latest``, retention),
@@ -33,6 +34,7 @@ statuses :mod:`.status`; a rank's writer :mod:`.writer` (plan :mod:`.plan`); com
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import pathlib
@@ -427,26 +429,43 @@ class SnapshotCoordinator:
         with group.cond:
             return group.handles.get(rank)
 
-    def status(self, snapshot_id: str, rank: int, wait_s: float = 0.0, wait_stored: bool = False) -> SnapshotStatus:
-        """A rank's status, waiting up to ``wait_s`` for a terminal state (``wait_stored``:
-        for stored, when there is a store). Snapshots no longer (or never) in memory are
-        answered from disk when complete, else from the store; else SnapshotNotFound."""
+    def status(self, snapshot_id: str, rank: int) -> SnapshotStatus:
+        """A rank's status now. Snapshots no longer (or never) in memory are answered from
+        disk when complete, else from the store; else SnapshotNotFound. Blocking I/O: not for
+        the event loop (:meth:`wait_status` is)."""
+        handle = self.handle(snapshot_id, rank)
+        status = handle.status() if handle is not None else self._status_at_rest(snapshot_id, rank)
+        if self.uploader is None or status.state is not SnapshotState.DURABLE:
+            return status
+        return self.uploader.annotate(status)
+
+    async def wait_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0,
+                          wait_stored: bool = False) -> SnapshotStatus:
+        """The SnapshotStatus RPC's: :meth:`status`, after waiting up to ``wait_s`` for a
+        terminal state (``wait_stored``: for stored, when there is a store). Awaits without
+        holding a thread (:mod:`.waiting`); only reads from disk or the store use one."""
         deadline = time.monotonic() + wait_s
         handle = self.handle(snapshot_id, rank)
         if handle is not None:
-            status = handle.wait(wait_s) if wait_s > 0 else handle.status()
+            status = await handle.wait_async(wait_s) if wait_s > 0 else handle.status()
         else:
-            try:
-                info = self.store.resolve(snapshot_id)
-            except SnapshotNotFound:
-                if self.uploader is None:
-                    raise
-                return self.uploader.stored_status(snapshot_id, rank)  # only in the store
-            status = SnapshotStatus.from_disk(info, self.store.read_manifest(info, rank))
+            status = await asyncio.to_thread(self._status_at_rest, snapshot_id, rank)
         if self.uploader is None or status.state is not SnapshotState.DURABLE:
             return status
-        remaining = deadline - time.monotonic() if wait_stored else 0.0
-        return self.uploader.annotate(status, max(0.0, remaining))
+        if wait_stored:
+            await self.uploader.wait_async(status.job_id, status.step, status.rank,
+                                           max(0.0, deadline - time.monotonic()))
+        return await asyncio.to_thread(self.uploader.annotate, status)
+
+    def _status_at_rest(self, snapshot_id: str, rank: int) -> SnapshotStatus:
+        """The status of a snapshot not in memory: from disk, else from the store."""
+        try:
+            info = self.store.resolve(snapshot_id)
+        except SnapshotNotFound:
+            if self.uploader is None:
+                raise
+            return self.uploader.stored_status(snapshot_id, rank)  # only in the store
+        return SnapshotStatus.from_disk(info, self.store.read_manifest(info, rank))
 
     def in_progress(self) -> list[SnapshotStatus]:
         """Statuses of every rank of every snapshot still persisting (for Stats)."""

@@ -2,8 +2,9 @@
 server (:class:`SnapshotGroup`) and each rank's :class:`RankSnapshot`.
 
 A group commits together or fails together: a failed rank cancels the others, and their
-partial files are removed. Handles are what the servicer holds: ``status()``, ``wait()``,
-``wait_segment_released()``, ``proceed()`` (let a held writer stream), ``cancel()``; the
+partial files are removed. Handles are what the servicer holds: ``status()``, ``wait()``
+(``wait_async()`` on the event loop), ``wait_segment_released()`` (``segment_released()``),
+``proceed()`` (let a held writer stream), ``cancel()``; the
 coordinator drives them: ``publish()``, then ``persist()`` in the rank's thread (or
 ``release_segment()`` when that thread could not start). The statuses they report are
 :mod:`.status`'s.
@@ -30,6 +31,7 @@ from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.snapshot.store import CommitResult
+from swap_state.server.snapshot.waiting import WatchedCondition
 from swap_state.server.snapshot.writer import RankWriter
 
 __all__ = ["SnapshotGroup", "RankSnapshot"]
@@ -59,7 +61,8 @@ class SnapshotGroup:
         self.partial = partial
         """The partial snapshot the ranks write into (the storage's)."""
         self.snapshot_id = snapshot_id_for(job_id, step)
-        self.cond = threading.Condition()
+        self.cond = WatchedCondition()
+        """Threads wait on it, and RPCs await it (:mod:`.waiting`: no thread held)."""
         self.cancel = threading.Event()
         self.handles: dict[int, RankSnapshot] = {}
         self.results: dict[int, RankResult] = {}
@@ -276,18 +279,22 @@ class RankSnapshot:
                 trainer_copied_bytes=trainer_bytes,
             )
 
-    def wait(self, timeout: float | None = None) -> SnapshotStatus:
-        """Block until durable, or failed *and* cleaned up (no partial files, no segment
-        held), or ``timeout`` seconds; the status either way."""
+    def _settled(self) -> bool:
+        """Durable, or failed *and* cleaned up (no partial files, no segment held); under
+        the group's condition."""
         group = self._group
+        return group.state is SnapshotState.DURABLE or (group.state is SnapshotState.FAILED and group.discarded_done)
 
-        def settled() -> bool:
-            return group.state is SnapshotState.DURABLE or (
-                group.state is SnapshotState.FAILED and group.discarded_done
-            )
+    def wait(self, timeout: float | None = None) -> SnapshotStatus:
+        """Block until settled (durable, or failed and cleaned up), or ``timeout`` seconds;
+        the status either way."""
+        with self._group.cond:
+            self._group.cond.wait_for(self._settled, timeout)
+        return self.status()
 
-        with group.cond:
-            group.cond.wait_for(settled, timeout)
+    async def wait_async(self, timeout: float | None = None) -> SnapshotStatus:
+        """:meth:`wait` for event-loop code: holds no thread while it waits."""
+        await self._group.cond.until(self._settled, timeout)
         return self.status()
 
     def publish(self) -> None:
@@ -311,6 +318,10 @@ class RankSnapshot:
     def wait_segment_released(self, timeout: float | None = None) -> bool:
         """True once the server no longer reads this rank's segment (safe to unmap)."""
         return self._writer.segment_released.wait(timeout)
+
+    async def segment_released(self) -> None:
+        """:meth:`wait_segment_released` for event-loop code: holds no thread while it waits."""
+        await self._writer.segment_released.wait_async()
 
     def proceed(self) -> None:
         """Let a writer started with ``hold=True`` stream (idempotent; see RankWriter.go)."""

@@ -7,7 +7,7 @@ Call order (the coordinator and the runtime)::
                                          # server had not finished (resume_pending)
     uploader.submit(info, keep)          # after each local commit (the snapshot is durable)
     uploader.status(job, step, rank)     # None: never submitted here; else its UploadStatus
-    uploader.wait(job, step, rank, t)    # until stored or failed (bounded)
+    await uploader.wait_async(job, step, rank, t)  # until stored or failed (bounded)
     uploader.close()                     # at shutdown: the running upload is abandoned
 
 One worker thread uploads, one snapshot at a time, reading the local files (never the
@@ -32,7 +32,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from swap_state.common.checksum import crc32
 from swap_state.common.object_store import STORE_FLAG, open_store
@@ -44,6 +44,7 @@ from swap_state.server.logs import log_event
 from swap_state.server.snapshot.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.store import SnapshotStore
+from swap_state.server.snapshot.waiting import WatchedCondition
 
 __all__ = ["StoreState", "UploadStatus", "UploadCounters", "SnapshotUploader", "UPLOAD_BLOCK_BYTES", "HISTORY"]
 
@@ -103,7 +104,7 @@ class SnapshotUploader:
         self._queue: queue.Queue[tuple[SnapshotInfo, int | None] | None] = queue.Queue()
         self._statuses: dict[tuple[str, int], dict[int, UploadStatus]] = {}  # the last HISTORY
         self.counters = UploadCounters()
-        self._cond = threading.Condition()
+        self._cond = WatchedCondition()  # RPCs await uploads without holding a thread
         self._closed = threading.Event()
         self._current: tuple[str, int] | None = None  # (job, step) being read now
         local.in_use = self.in_use  # local retention keeps what is being uploaded
@@ -146,22 +147,24 @@ class SnapshotUploader:
             found = self._statuses.get((job_id, step), {}).get(rank)
             return dataclasses.replace(found) if found is not None else None
 
-    def wait(self, job_id: str, step: int, rank: int, timeout_s: float) -> UploadStatus | None:
-        """Until the rank's upload is stored or failed, at most ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                found = self._statuses.get((job_id, step), {}).get(rank)
-                remaining = deadline - time.monotonic()
-                if found is None or found.state is not StoreState.UPLOADING or remaining <= 0:
-                    return dataclasses.replace(found) if found is not None else None
-                self._cond.wait(remaining)
+    def _settled(self, job_id: str, step: int, rank: int) -> Callable[[], bool]:
+        """Whether the rank's upload is stored or failed (or unknown here); under the lock."""
+        def settled() -> bool:
+            found = self._statuses.get((job_id, step), {}).get(rank)
+            return found is None or found.state is not StoreState.UPLOADING
+        return settled
 
-    def annotate(self, status: SnapshotStatus, wait_s: float = 0.0) -> SnapshotStatus:
-        """A durable rank's status with the store's fields (waiting up to ``wait_s`` for its
-        upload to end): stored once its marker is in the store. One never uploaded by this
-        server (taken before it started) is stored when its marker is there."""
-        upload = self.wait(status.job_id, status.step, status.rank, wait_s)
+    async def wait_async(self, job_id: str, step: int, rank: int, timeout_s: float) -> UploadStatus | None:
+        """Until the rank's upload is stored or failed, at most ``timeout_s``; on the event
+        loop, holding no thread while it waits."""
+        await self._cond.until(self._settled(job_id, step, rank), timeout_s)
+        return self.status(job_id, step, rank)
+
+    def annotate(self, status: SnapshotStatus) -> SnapshotStatus:
+        """A durable rank's status with the store's fields: stored once its marker is in the
+        store. One never uploaded by this server (taken before it started) is stored when its
+        marker is there (a request to the store: not for the event loop)."""
+        upload = self.status(status.job_id, status.step, status.rank)
         if upload is None:
             try:
                 present = status.rank in self.stored.step_markers(status.job_id, status.step)

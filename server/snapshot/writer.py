@@ -55,6 +55,7 @@ from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.stager import Stager
 from swap_state.server.snapshot.sink import ChunkSink, open_sink
 from swap_state.server.snapshot.storage import SnapshotStorage
+from swap_state.server.snapshot.waiting import Latch
 
 __all__ = ["Cancelled", "RankWriter"]
 
@@ -136,7 +137,7 @@ class RankWriter:
         """Whether the data file was written with O_DIRECT (known once it is created)."""
         self._paused_s = 0.0  # time the writer paused for the trainer's steps (writer thread)
         self._stream_started = 0.0
-        self.segment_released = threading.Event()
+        self.segment_released = Latch()
         self.go_event = threading.Event()
         """Set: ``run`` may start streaming (see :meth:`go`)."""
         header = source.header

@@ -8,6 +8,8 @@ snapshot (per-rank markers last); the tests wait until every rank is ``stored``.
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import shutil
 import time
@@ -73,7 +75,7 @@ def stored_snapshot(make_segment, make_coordinator, tmp_path):
             handles.append(coordinator.start(source))
         for rank, handle in enumerate(handles):
             assert handle.wait(20).state is SnapshotState.DURABLE
-            assert coordinator.status(SNAPSHOT, rank, wait_s=30, wait_stored=True).state.value == "stored"
+            assert asyncio.run(coordinator.wait_status(SNAPSHOT, rank, wait_s=30, wait_stored=True)).state.value == "stored"
         shutil.rmtree(coordinator.snapshot_dir / JOB)  # the store holds the only copy now
         return contents
 

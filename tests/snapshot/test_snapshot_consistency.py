@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -141,7 +143,7 @@ def test_status_in_progress_and_from_disk(make_segment, make_coordinator, tmp_pa
     handle = coordinator.start(seg.source("job", 2))
     [running] = coordinator.in_progress()
     assert running.state is SnapshotState.PERSISTING and running.bytes_persisted < running.bytes_total
-    assert coordinator.status("job/step-2", 0, wait_s=20).state is SnapshotState.DURABLE
+    assert asyncio.run(coordinator.wait_status("job/step-2", 0, wait_s=20)).state is SnapshotState.DURABLE
     assert coordinator.in_progress() == []
     # A new coordinator (a restarted server) answers from the manifest on disk.
     later = make_coordinator(tmp_path / "snapshots")
