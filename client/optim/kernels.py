@@ -56,6 +56,8 @@ __all__ = [
     "SliceWork",
     "adam_update",
     "checked_param_and_grad",
+    "grad_on_param_placements",
+    "PlacementError",
     "checked_slice",
     "full_slice_work",
     "fused_adam_update",
@@ -116,17 +118,42 @@ def checked_param_and_grad(
         )
     if group.get("differentiable", False):
         raise RuntimeError("SwapOptimizersContainer does not support differentiable=True")
-    param_layout = getattr(param, "placements", None) if isinstance(param, DTensor) else None
-    grad_layout = getattr(grad, "placements", None) if isinstance(grad, DTensor) else None
-    if param_layout != grad_layout:
-        raise RuntimeError(
-            "SwapOptimizersContainer updates local shards: the gradient must have the parameter's "
-            f"placements ({param_layout}), got {grad_layout if grad_layout else 'a plain tensor'}"
-        )
+    grad = grad_on_param_placements(param, grad)
     local_param, local_grad = patch_points.unwrap_dtensor(param), patch_points.unwrap_dtensor(grad)
     if group_implementation(group) == "fused":
         _device_dtype_check_for_fused(local_param)
     return local_param, local_grad
+
+
+class PlacementError(RuntimeError):
+    """A gradient that cannot be brought to its parameter's placements; ``param`` is the
+    parameter (the step names it)."""
+
+    def __init__(self, message: str, param: torch.Tensor):
+        super().__init__(message)
+        self.param = param
+
+
+def grad_on_param_placements(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``param``'s placements. Without FSDP a tensor-parallel gradient can differ
+    from its parameter's (a sharded embedding's comes Replicate, a replicated norm's Partial);
+    torch's DTensor dispatch of the fused Adam redistributes it to the parameter's placements
+    before the local update, and so does this, with the same ``redistribute``, so the local
+    shards and the numbers are torch's. PlacementError where torch would fail too."""
+    param_is, grad_is = isinstance(param, DTensor), isinstance(grad, DTensor)
+    if not param_is and not grad_is:
+        return grad
+    if param_is and grad_is and grad.placements == param.placements:
+        return grad
+    if param_is and grad_is and grad.device_mesh == param.device_mesh:
+        return grad.redistribute(param.device_mesh, param.placements)
+    raise PlacementError(
+        f"the gradient has {grad.placements if grad_is else 'no placements (a plain tensor)'}, the "
+        f"parameter {param.placements if param_is else 'none (a plain tensor)'}"
+        + (" on another device mesh" if param_is and grad_is else "")
+        + ": SwapOptimizersContainer updates local shards and cannot bring one to the other",
+        param,
+    )
 
 
 def fused_check_passes(local_param: torch.Tensor, group: Mapping[str, Any]) -> bool:

@@ -43,6 +43,7 @@ from swap_state.client.optim.kernels import (
     SlicePlan,
     SliceWork,
     adam_update,
+    PlacementError,
     checked_slice,
     full_slice_work,
     group_implementation,
@@ -172,7 +173,10 @@ class StepPipeline:
             if work is not None:
                 slices.append(work)
                 continue
-            checked = checked_slice(planned, grads)
+            try:
+                checked = checked_slice(planned, grads)
+            except PlacementError as exc:
+                raise RuntimeError(f"parameter {self._name_of(exc.param)}: {exc}") from None
             if checked[0]:
                 pending.append((planned, *checked))
                 slices.append(None)  # type: ignore[arg-type]  # filled in below
@@ -180,6 +184,14 @@ class StepPipeline:
             completed = iter(self._complete_host_caches(optim, pending))
             slices = [work if work is not None else next(completed) for work in slices]
         return slices
+
+    def _name_of(self, param: torch.Tensor) -> str:
+        """The parameter's name in its model part (for an error message; not on a hot path)."""
+        for part in self._owner.model_parts:
+            for name, candidate in part.named_parameters(remove_duplicate=False):
+                if candidate is param:
+                    return name
+        return f"of shape {tuple(param.shape)}"
 
     def _complete_host_caches(self, optim: Optimizer, pending: list[PendingSlice]) -> list[SliceWork]:
         """The work of slices on the per-parameter path: caches allocated for parameters that

@@ -143,6 +143,40 @@ def test_dtensor_grad_layout_mismatch_is_rejected(cpu_mesh: Any) -> None:
         container.step()
 
 
+@pytest.mark.parametrize("grad_placement", ["replicate", "partial"])
+def test_a_tensor_parallel_gradient_is_brought_to_its_parameters_placements_as_torch_does(
+        cpu_mesh: Any, grad_placement: str) -> None:
+    """TP without FSDP: a sharded parameter's gradient may come Replicate (an embedding) or
+    Partial (a norm); torch's fused AdamW redistributes it, and so does the container."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    placement = Replicate() if grad_placement == "replicate" else Partial()
+    weight = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    models = []
+    for _ in range(2):
+        model = nn.Module()
+        model.w = nn.Parameter(DTensor.from_local(weight.clone(), cpu_mesh, [Shard(0)], run_check=False))
+        models.append(model)
+    container = SwapOptimizersContainer([models[0]], torch.optim.AdamW, dict(KWARGS), 2)
+    reference = torch.optim.AdamW(models[1].parameters(), **KWARGS, fused=True)
+    for step in range(3):
+        grad = torch.randn(8, 4, generator=torch.Generator().manual_seed(step + 1))
+        for model in models:
+            model.w.grad = DTensor.from_local(grad.clone(), cpu_mesh, [placement], run_check=False)
+        container.step()
+        reference.step()
+    swap_param, ref_param = models[0].w, models[1].w
+    assert torch.equal(swap_param.to_local(), ref_param.to_local())
+    host = container.param_to_cpu_states_map[swap_param]
+    for key in ("exp_avg", "exp_avg_sq"):
+        local = host[key].to_local() if isinstance(host[key], DTensor) else host[key]
+        assert torch.equal(local, reference.state[ref_param][key].to_local()), key
+
+    models[0].w.grad = torch.ones(8, 4)  # a plain gradient for a DTensor parameter: torch fails too
+    with pytest.raises(RuntimeError, match=r"parameter w: the gradient has no placements.*Shard\(dim=0\)"):
+        container.step()
+
+
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
