@@ -41,6 +41,7 @@ from .names import shorten
 from .snapshot_errors import SnapshotInvalid
 
 __all__ = [
+    "BOOKKEEPING_PREFIX",
     "MAX_METADATA_BYTES",
     "TENSOR_TAG",
     "TensorMetadata",
@@ -54,6 +55,12 @@ __all__ = [
 
 MAX_METADATA_BYTES = 16 << 20
 TENSOR_TAG = "__tensor__"
+BOOKKEEPING_PREFIX = "swap_state."
+"""Segment tensors named so, without an fqn and key (the remote container's
+``swap_state.param_steps`` and ``swap_state.group_steps``), hold what ``steps`` and
+``param_groups`` say per fqn, in the trainer's own order: a restore at another layout does not
+copy them (a pipeline stage's old rank held only its own parameters'), the trainer rebuilds
+them from the restored metadata."""
 
 
 @dataclasses.dataclass(frozen=True)

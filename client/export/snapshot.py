@@ -51,7 +51,7 @@ from swap_state.common.names import (
 )
 from swap_state.common.segment import TensorLayout
 from swap_state.common.snapshot_format import RankManifest, TensorRecord
-from swap_state.common.snapshot_metadata import TENSOR_TAG, parse_metadata
+from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, TENSOR_TAG, parse_metadata
 from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
 
 __all__ = [
@@ -110,11 +110,8 @@ def _decode_step(value: Any) -> torch.Tensor:
 #: Segment tensors of RemoteSwapOptimizersContainer's own bookkeeping (``swap_state.param_steps``,
 #: ``swap_state.group_steps``): the manifest's ``steps`` and ``param_groups`` carry the same
 #: values as ``state.<fqn>.step`` / ``param_groups.<fqn>.step``, so they are not exported.
-_BOOKKEEPING_PREFIX = "swap_state."
-
-
 def _is_bookkeeping(tensor: TensorRecord) -> bool:
-    return not (tensor.fqn and tensor.key) and tensor.name.startswith(_BOOKKEEPING_PREFIX)
+    return not (tensor.fqn and tensor.key) and tensor.name.startswith(BOOKKEEPING_PREFIX)
 
 
 def _state_key(tensor: TensorRecord) -> str:

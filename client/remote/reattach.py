@@ -30,6 +30,7 @@ from swap_state.client.errors import SwapStateError
 from swap_state.client.optim.host_cache import STEP_KEY
 from swap_state.client.remote.fingerprint import UNKNOWN, ParamFingerprint
 from swap_state.common.segment import Word
+from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX
 
 
 if TYPE_CHECKING:
@@ -41,8 +42,8 @@ __all__ = ["GROUP_STEPS", "PARAM_STEPS", "ReattachCheck", "all_param_groups"]
 log = logging.getLogger("swap_state.client.remote_container")
 
 #: Segment tensors beside the moments: every parameter's step, every param group's step.
-PARAM_STEPS = "swap_state.param_steps"
-GROUP_STEPS = "swap_state.group_steps"
+PARAM_STEPS = BOOKKEEPING_PREFIX + "param_steps"
+GROUP_STEPS = BOOKKEEPING_PREFIX + "group_steps"
 
 
 class ReattachCheck:

@@ -34,21 +34,23 @@ from swap_state.client.errors import (
 )
 from swap_state.client.optim.host_cache import STEP_KEY
 from swap_state.client.remote.config import embedded_world_size_hint
-from swap_state.client.remote.reattach import PARAM_STEPS, all_param_groups
+from swap_state.client.remote.reattach import GROUP_STEPS, PARAM_STEPS, all_param_groups
 from swap_state.client.remote.rpc import SwapStateClient
 from swap_state.client.remote.segment_mapping import dtype_name
 from swap_state.common.retry import wait_until
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.segment import TensorLayout, Word
-from swap_state.common.snapshot_metadata import TensorMetadata, encode_metadata, parse_metadata, tagged_scalar
+from swap_state.common.snapshot_metadata import (
+    TENSOR_TAG, TensorMetadata, encode_metadata, parse_metadata, tagged_scalar,
+)
 from swap_state.common.snapshot_metadata_parts import base_id, encode_base, encode_delta
 
 
 if TYPE_CHECKING:
     from swap_state.client.remote.owner import RemoteContainer
 
-__all__ = ["SnapshotHandle", "SnapshotClient", "json_value", "restored_param_groups"]
+__all__ = ["SnapshotHandle", "SnapshotClient", "json_value"]
 
 # The facade's name: what users configure logging for.
 log = logging.getLogger("swap_state.client.remote_container")
@@ -142,9 +144,7 @@ class SnapshotClient:
         Per snapshot only the param groups' hyperparameters and one read of every step count."""
         if self._metadata_base is None:
             tensors: dict[str, TensorMetadata] = {}
-            offsets = [0]
-            for optimizer in self._c.optimizers:
-                offsets.append(offsets[-1] + len(optimizer.param_groups))
+            offsets = group_offsets(self._c.optimizers)
             for entry in self._c._entries:
                 global_shape, global_offset = global_layout(entry.param) or (None, None)
                 for key, name in zip(entry.keys, self._c._tensor_names[entry.param]):
@@ -303,9 +303,19 @@ class SnapshotClient:
         return embedded_world_size_hint(embedded.snapshot_dir, self._c.remote_config.job_id, self._c.session.world_size)
 
     def _apply_restored_metadata(self, metadata_json: str) -> None:
-        """The snapshot's hyperparameters into the live groups (steps come from the segment)."""
-        groups = restored_param_groups(metadata_json, self._c._mapping.tensors)
-        for entry in self._c._entries:
+        """The snapshot's hyperparameters into the live groups, and every parameter's and
+        group's step into the segment's bookkeeping (``BOOKKEEPING_PREFIX``): a restore at
+        another layout (another pipeline split) does not copy those, the metadata says them
+        per fqn. The group steps are then read back from the segment."""
+        if not metadata_json:
+            return
+        restored = parse_metadata(metadata_json, self._c._mapping.tensors, max_bytes=sys.maxsize)
+        groups = restored.param_groups
+        param_steps, group_steps = self._c._views[PARAM_STEPS], self._c._views[GROUP_STEPS]
+        offsets = group_offsets(self._c.optimizers)
+        for index, entry in enumerate(self._c._entries):
+            if entry.fqn in restored.steps:
+                param_steps[index] = _step_value(restored.steps[entry.fqn])
             saved = groups.get(entry.fqn)
             if not saved:
                 continue
@@ -313,6 +323,8 @@ class SnapshotClient:
             for key, value in saved.items():
                 if key != STEP_KEY and key in group:
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
+            if STEP_KEY in saved:
+                group_steps[offsets[entry.optimizer_index] + entry.group_index] = _step_value(saved[STEP_KEY])
 
     def _snapshot_handle_for(self, snapshot_id: str) -> SnapshotHandle | None:
         """A handle on ``<job>/step-<N>`` (either spelling of the step) for this rank, named
@@ -384,12 +396,14 @@ def json_value(value: Any) -> Any:
     return value
 
 
-def restored_param_groups(metadata_json: str, tensors: Sequence[TensorLayout]) -> dict[str, dict[str, Any]]:
-    """Per fqn, the hyperparameters in a restored snapshot's metadata ({} when it has none).
+def group_offsets(optimizers: Sequence[Any]) -> list[int]:
+    """Where each optimizer's param groups start in the segment's ``GROUP_STEPS``."""
+    offsets = [0]
+    for optimizer in optimizers:
+        offsets.append(offsets[-1] + len(optimizer.param_groups))
+    return offsets
 
-    Parsed with the server's own parser. No size bound: the server accepted this text when
-    the snapshot was taken, possibly under a larger limit than the default.
-    """
-    if not metadata_json:
-        return {}
-    return parse_metadata(metadata_json, tensors, max_bytes=sys.maxsize).param_groups
+
+def _step_value(value: Any) -> float:
+    """A step count as the metadata holds it (a number, or a tagged 0-dim tensor)."""
+    return float(value[TENSOR_TAG]) if isinstance(value, dict) else float(value)

@@ -27,14 +27,14 @@ import json
 import logging
 import mmap
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import ContextManager, Protocol
 
 from swap_state.common.checksum import crc32
 from swap_state.common.segment import SegmentLayout
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import INDEX_NAME, RankManifest, TensorRecord
-from swap_state.common.snapshot_metadata import SnapshotMetadata
+from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, SnapshotMetadata
 from swap_state.common.snapshot_reader import SnapshotInfo, check_manifest_sizes
 from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server.logs import log_event
@@ -163,6 +163,8 @@ def assemble(
     same_world = info.world_size == world_size
     own = manifests.get(rank) if same_world else None
     targets = restore_targets(layout, placement, own, world_size, info)
+    if not same_world:  # the trainer rebuilds its bookkeeping from the restored metadata
+        targets = [t for t in targets if not t.name.startswith(BOOKKEEPING_PREFIX)]
     targets, records = _full_tensors_as_boxes(targets, {r: m.tensors for r, m in manifests.items()})
     plan = plan_rank(targets, records, target_rank=rank, same_world=same_world)
     needed = ranks_needed(plan)
@@ -180,7 +182,8 @@ def assemble(
             _fill(source, manifests, plan, None, {})  # verify everything first
             _fill(source, manifests, plan, view, {n: by_name[n].offset for n in plan}, again=True)
     base = rank if same_world and rank in manifests else min(needed or list(manifests))
-    return Assembled(nbytes, needed, _restored_metadata(manifests[base].metadata_json, placement), granted)
+    others = [manifests[r].metadata_json for r in needed if r != base]
+    return Assembled(nbytes, needed, _restored_metadata(manifests[base].metadata_json, others, placement), granted)
 
 
 def _full_tensors_as_boxes(targets: list[TargetTensor], records: dict[int, tuple[TensorRecord, ...]]):
@@ -253,11 +256,19 @@ def _fill(source: AssembleSource, manifests: Mapping[int, RankManifest], plan: M
                     dest[start : start + run.nbytes] = src[run.source_offset : run.source_offset + run.nbytes]
 
 
-def _restored_metadata(saved: str, placement: SnapshotMetadata | None) -> str:
-    """The snapshot's metadata as Restore returns it: the old rank's, with the tensors' entries
-    the restoring rank's own (after a reshard the old rank's offsets are not this rank's)."""
-    if placement is None or not placement.tensors or not saved.strip():
+def _restored_metadata(saved: str, others: Sequence[str], placement: SnapshotMetadata | None) -> str:
+    """The snapshot's metadata as Restore returns it: the old rank's (``saved``), with the
+    per-parameter entries (param groups, steps, model aliases) of the other old ranks read
+    (``others``: a pipeline stage holds only its own parameters' entries) where ``saved`` lacks
+    them, and the tensors' entries the restoring rank's own (after a reshard the old rank's
+    offsets are not this rank's)."""
+    if not saved.strip() or (not others and (placement is None or not placement.tensors)):
         return saved
     raw = json.loads(saved)
-    raw["tensors"] = json.loads(placement.raw).get("tensors", {})
+    for other in others:
+        for key, entries in (json.loads(other) if other.strip() else {}).items():
+            if key != "tensors" and isinstance(entries, dict):
+                raw[key] = {**entries, **raw.get(key, {})}
+    if placement is not None and placement.tensors:
+        raw["tensors"] = json.loads(placement.raw).get("tensors", {})
     return json.dumps(raw, allow_nan=False)

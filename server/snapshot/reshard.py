@@ -113,12 +113,18 @@ def plan_rank(
 ) -> dict[str, list[Piece]]:
     """For every target tensor (by name) its pieces; ``manifests``: old rank -> its tensors.
 
-    Every target name must be in every old rank, and no old rank may hold a name the targets
-    lack: resharding moves the same tensors, it neither drops nor invents any.
+    Each target tensor comes from the old ranks that hold it: all of them (data parallel,
+    tensor parallel), some, or one (a pipeline stage's, an expert's). A target tensor that no
+    old rank holds is refused, naming it: resharding moves the snapshot's tensors, it never
+    invents one. An old tensor the restoring rank lacks belongs to another new rank (another
+    pipeline stage): nothing here can tell a dropped one from that.
     """
     if not manifests:
         raise SnapshotLayoutMismatch("the snapshot has no ranks to restore from")
-    by_rank = {rank: _by_name(rank, records) for rank, records in manifests.items()}
+    holders: dict[str, list[tuple[int, TensorRecord]]] = {}
+    for rank in sorted(manifests):
+        for name, record in _by_name(rank, manifests[rank]).items():
+            holders.setdefault(name, []).append((rank, record))
     names: set[str] = set()
     for target in targets:
         if target.name in names:
@@ -126,15 +132,16 @@ def plan_rank(
                 f"tensor {target.name} appears twice in the restoring rank's segment"
             )
         names.add(target.name)
-    for rank in sorted(by_rank):
-        _check_names(rank, by_rank[rank], names)
-    plan: dict[str, list[Piece]] = {}
-    for target in targets:
-        sources = [(rank, records[target.name]) for rank, records in by_rank.items()]
-        plan[target.name] = plan_tensor(
-            target, sources, target_rank=target_rank, same_world=same_world
+    missing = sorted(names - holders.keys())
+    if missing:
+        raise SnapshotLayoutMismatch(
+            f"tensor {missing[0]} is in no rank of the snapshot ({len(missing)} such in all); "
+            "restore into a job with the same model and optimizer state as the snapshot's"
         )
-    return plan
+    return {
+        target.name: plan_tensor(target, holders[target.name], target_rank=target_rank, same_world=same_world)
+        for target in targets
+    }
 
 
 def ranks_needed(plan: Mapping[str, list[Piece]]) -> list[int]:
@@ -151,23 +158,6 @@ def _by_name(rank: int, records: Sequence[TensorRecord]) -> dict[str, TensorReco
             )
         found[record.name] = record
     return found
-
-
-def _check_names(rank: int, records: Mapping[str, TensorRecord], names: set[str]) -> None:
-    missing = sorted(names - records.keys())
-    if missing:
-        raise SnapshotLayoutMismatch(
-            f"tensor {missing[0]} is not in old rank {rank} of the snapshot "
-            f"({len(missing)} missing in all); restore into a job with the same model and "
-            "optimizer state as the snapshot's"
-        )
-    extra = sorted(records.keys() - names)
-    if extra:
-        raise SnapshotLayoutMismatch(
-            f"old rank {rank} of the snapshot holds tensor {extra[0]}, which the restoring "
-            f"segment lacks ({len(extra)} such in all); restore into a job with the same "
-            "model and optimizer state as the snapshot's"
-        )
 
 
 def _check_source(target: TargetTensor, rank: int, record: TensorRecord, itemsize: int) -> None:

@@ -254,9 +254,15 @@ def test_plan_rank_and_ranks_needed():
                                   same_world=False)) == [1]
 
 
-def test_plan_rank_missing_and_extra_tensors():
+def test_plan_rank_takes_each_tensor_from_the_old_ranks_that_hold_it():
+    """Pipeline stages hold disjoint tensors: rank 0 a plain ``step`` and half the embedding,
+    rank 1 the other half. A restoring rank with both takes each from where it is; one
+    without ``step`` leaves it to another new rank; a tensor in no old rank is refused."""
     manifests = {0: [HALVES[0][1], _plain(0, 5)[1]], 1: [HALVES[1][1]]}
-    with pytest.raises(SnapshotLayoutMismatch, match="tensor step is not in old rank 1"):
-        plan_rank([WHOLE, PLAIN], manifests, target_rank=0, same_world=False)
-    with pytest.raises(SnapshotLayoutMismatch, match="old rank 0 .* holds tensor step"):
-        plan_rank([WHOLE], manifests, target_rank=0, same_world=False)
+    plan = plan_rank([WHOLE, PLAIN], manifests, target_rank=0, same_world=False)
+    assert [piece.source_rank for piece in plan[WHOLE.name]] == [0, 1]
+    assert [piece.source_rank for piece in plan["step"]] == [0]
+    assert list(plan_rank([WHOLE], manifests, target_rank=0, same_world=False)) == [WHOLE.name]
+    other = TargetTensor("norm.weight.exp_avg", "float32", (4,), None, None)
+    with pytest.raises(SnapshotLayoutMismatch, match=r"tensor norm.weight.exp_avg is in no rank of the snapshot \(1 such"):
+        plan_rank([WHOLE, other], manifests, target_rank=0, same_world=False)

@@ -23,6 +23,8 @@ LOSS_FILE_ENV = "SWAP_STATE_TEST_LOSS_FILE"
 STOP_AFTER_STEP_ENV = "SWAP_STATE_TEST_STOP_AFTER_STEP"
 STOP_MODE_ENV = "SWAP_STATE_TEST_STOP_MODE"
 STOP_EXIT_CODE_ENV = "SWAP_STATE_TEST_STOP_EXIT_CODE"
+LOSS_RANK_ENV = "SWAP_STATE_TEST_LOSS_RANK"
+"""The rank that records the losses (default 0; a pipeline's last stage holds the real loss)."""
 DEFAULT_STOP_EXIT_CODE = 43
 STOP_MODES = ("return", "exit", "kill")
 
@@ -167,6 +169,7 @@ class StepObserver:
     stop_after: int = 0
     stop_mode: str = "return"
     exit_code: int = DEFAULT_STOP_EXIT_CODE
+    loss_rank: int = 0
 
     @classmethod
     def from_env(cls) -> "StepObserver":
@@ -178,12 +181,13 @@ class StepObserver:
             stop_after=int(os.environ.get(STOP_AFTER_STEP_ENV, "0") or 0),
             stop_mode=stop_mode,
             exit_code=int(os.environ.get(STOP_EXIT_CODE_ENV, str(DEFAULT_STOP_EXIT_CODE))),
+            loss_rank=int(os.environ.get(LOSS_RANK_ENV, "0") or 0),
         )
 
     @property
     def records_losses(self) -> bool:
-        """A loss file was asked for and this is rank 0 (torchrun's RANK; 0 when alone)."""
-        return bool(self.loss_file) and os.environ.get("RANK", "0") == "0"
+        """A loss file was asked for and this is the loss rank (torchrun's RANK; 0 when alone)."""
+        return bool(self.loss_file) and os.environ.get("RANK", "0") == str(self.loss_rank)
 
     def record_loss(self, step: int, value: float) -> None:
         if not self.records_losses:

@@ -37,6 +37,7 @@ LOSS_FILE_ENV = "SWAP_STATE_TEST_LOSS_FILE"
 STOP_AFTER_STEP_ENV = "SWAP_STATE_TEST_STOP_AFTER_STEP"
 STOP_MODE_ENV = "SWAP_STATE_TEST_STOP_MODE"
 STOP_EXIT_CODE_ENV = "SWAP_STATE_TEST_STOP_EXIT_CODE"
+LOSS_RANK_ENV = "SWAP_STATE_TEST_LOSS_RANK"
 
 VOCAB_SIZE = 2048  # llama3 "debugmodel" vocab_size (torchtitan/models/llama3/__init__.py)
 BOS, EOS, UNK = "<|begin_of_text|>", "<|end_of_text|>", "<unk>"
@@ -176,7 +177,7 @@ def read_losses(path: str | os.PathLike) -> tuple[list[int], list[str]]:
 _NOT_INHERITED = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", STOP_AFTER_STEP_ENV, STOP_MODE_ENV,
-    STOP_EXIT_CODE_ENV, LOSS_FILE_ENV,
+    STOP_EXIT_CODE_ENV, LOSS_FILE_ENV, LOSS_RANK_ENV,
 )  # fmt: skip
 
 

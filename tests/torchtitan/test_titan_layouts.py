@@ -1,0 +1,80 @@
+"""torchtitan layouts beyond FSDP, through torchtitan's own trainer on CPU ranks (gloo): the
+losses bitwise equal to plain torchtitan's (AdamW, DCP), with a real ``swap-state-server``.
+
+1. Tensor parallel alone (no FSDP) on 2 ranks: gradients come with other placements than their
+   parameters (a sharded embedding's Replicate, a norm's Partial), brought to the parameters'
+   placements as torch's DTensor dispatch does.
+2. A pipeline (2 stages, 1F1B) saves a snapshot-mode checkpoint and resumes on 1 rank: the
+   stages hold disjoint tensors; the server takes each tensor from the old rank that holds it.
+3. FSDP2 x TP2 on 4 ranks resumes on 1 rank under its job id and saves over a step the 4 ranks
+   took (the server replaces that snapshot with the new run's).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_swap_state_trainer import CHECKPOINT, N, SCHEDULE, remote
+from test_titan_resume_anywhere import NO_DATALOADER
+from snapshot_kit import swap_state_cli
+from titan_testkit import LOSS_RANK_ENV
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_server_env")]
+
+TP_2 = ("--parallelism.tensor_parallel_degree=2",)
+PP_2 = ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B")
+#: A pipeline's loss is on its last stage.
+LAST_STAGE = {LOSS_RANK_ENV: "1"}
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_alone_trains_with_plain_torchtitans_losses(run_trainer, start_server, tmp_path):
+    server = start_server()
+    plain = run_trainer(tmp_path / "plain", SCHEDULE, *TP_2, steps=N, nproc=2)
+    swap = run_trainer(tmp_path / "swap", SCHEDULE, *remote(server, job_id="tp-alone"), *TP_2, steps=N, nproc=2)
+    assert plain.steps == list(range(1, N + 1))
+    assert swap == plain, f"{swap} != {plain}\n{swap.run.output[-3000:]}"
+
+
+@pytest.mark.timeout(420)
+def test_a_pipeline_snapshot_resumes_on_one_rank_with_plain_torchtitans_losses(run_trainer, start_server, tmp_path):
+    server = start_server(shm_size_bytes=512 << 20)
+    swap = remote(server, "snapshot", job_id="titan-pp")
+    plain_2 = run_trainer(tmp_path / "plain", SCHEDULE, *CHECKPOINT, *PP_2, steps=N, nproc=2, env=LAST_STAGE)
+    swap_2 = run_trainer(tmp_path / "swap", SCHEDULE, *CHECKPOINT, *swap, *PP_2, steps=N, nproc=2, env=LAST_STAGE)
+    assert plain_2.steps == list(range(1, N + 1))
+    assert swap_2 == plain_2, f"{swap_2} != {plain_2}\n{swap_2.run.output[-3000:]}"
+
+    plain_1 = run_trainer(tmp_path / "plain", SCHEDULE, *CHECKPOINT, NO_DATALOADER, steps=2 * N)
+    swap_1 = run_trainer(tmp_path / "swap", SCHEDULE, *CHECKPOINT, *swap, NO_DATALOADER, steps=2 * N)
+    assert plain_1.steps == list(range(N + 1, 2 * N + 1)), plain_1.run.output[-3000:]
+    assert swap_1 == plain_1, f"{swap_1} != {plain_1}\n{swap_1.run.output[-3000:]}\n{server.log_text()[-3000:]}"
+    assert "restore_assembled" in server.log_text()
+
+
+#: FSDP over 2 ranks times TP over 2: _StridedShard placements where both shard a dimension.
+FSDP_2_TP_2 = ("--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2")
+
+
+@pytest.mark.timeout(600)
+def test_a_2x2_job_resumed_on_one_rank_under_its_job_id_saves_over_a_step_it_took(
+        run_trainer, start_server, tmp_path):
+    """4 ranks (FSDP2 x TP2) save snapshot-mode checkpoints at steps 3 and 6; the job resumes
+    from step 3 on 1 rank under the same job id and saves step 6 again: the server replaces the
+    4-rank snapshot of step 6 with the 1-rank run's, and the losses are plain torchtitan's
+    resuming its own DCP checkpoint the same way."""
+    server = start_server(shm_size_bytes=512 << 20)
+    swap = remote(server, "snapshot", job_id="titan-2x2")
+    plain_4 = run_trainer(tmp_path / "plain", SCHEDULE, *CHECKPOINT, *FSDP_2_TP_2, steps=2 * N, nproc=4, timeout=420)
+    swap_4 = run_trainer(tmp_path / "swap", SCHEDULE, *CHECKPOINT, *swap, *FSDP_2_TP_2, steps=2 * N, nproc=4,
+                         timeout=420)
+    assert plain_4.steps == list(range(1, 2 * N + 1))
+    assert swap_4 == plain_4, f"{swap_4} != {plain_4}\n{swap_4.run.output[-3000:]}"
+
+    from_3 = (*CHECKPOINT, f"--checkpoint.load_step={N}", NO_DATALOADER)
+    plain_1 = run_trainer(tmp_path / "plain", SCHEDULE, *from_3, steps=2 * N)
+    swap_1 = run_trainer(tmp_path / "swap", SCHEDULE, *from_3, *swap, steps=2 * N)
+    assert plain_1.steps == list(range(N + 1, 2 * N + 1)), plain_1.run.output[-3000:]
+    assert swap_1 == plain_1, f"{swap_1} != {plain_1}\n{swap_1.run.output[-3000:]}\n{server.log_text()[-3000:]}"
+    listed = swap_state_cli("snapshots", "--server", server.address, "--job-id", "titan-2x2")
+    assert f"titan-2x2/step-{2 * N}\t1 ranks" in listed.stdout, listed.stdout  # the 4 ranks' replaced
