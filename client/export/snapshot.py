@@ -17,9 +17,11 @@ global shape and offsets; every element must be covered by some shard. A snapsho
 of a multi-host job (one server per host) holds that host's ranks only (``snapshot.json``:
 ``ranks`` < ``world_size``): it exports those ranks, which is complete for replicated (DDP)
 state; a sharded tensor whose other shards are on other hosts' servers is refused, naming the
-ranks present, rather than exported with holes. That describes Shard and
-Replicate placements; a ``_StridedShard`` shard is not a box at an offset, and exporting one
-would place its rows wrongly, so do not export such snapshots. A tensor the trainer gave no
+ranks present, rather than exported with holes. Every shard in a snapshot is such a box:
+the trainer checks each DTensor's shard when it describes it, a ``_StridedShard`` one (FSDP
+over a tensor-parallel dimension) included, and refuses a layout whose shard is not one box
+(:func:`~swap_state.client.optim.dtensor_utils.check_shard_is_a_box`), so no row is placed
+wrongly here. A tensor the trainer gave no
 fqn/key for is written as ``state.<segment tensor name>``, except the container's own
 ``swap_state.*`` step vectors (their values are the ``step`` entries above). The model tensors
 of a whole-state snapshot (``model.<fqn>``) are not part of these formats: ``swap-state export

@@ -11,11 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 __all__ = [
     "DTensor",
+    "check_shard_is_a_box",
     "global_layout",
     "unwrap_dtensor",
     "wrap_like_param",
@@ -61,10 +63,59 @@ def wrap_like_param_without_device_move(local_tensor: torch.Tensor, like: Any) -
 
 
 def global_layout(param: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """``(global shape, offset of the local shard)`` of a DTensor; None for a plain tensor."""
+    """``(global shape, offset of the local shard)`` of a DTensor; None for a plain tensor.
+
+    A snapshot stores every shard as the box ``[offset, offset + local shape)`` of its global
+    tensor (DCP's chunks are the same). torch computes the offset for every placement, a
+    ``_StridedShard`` (FSDP over a tensor-parallel dimension) included, but a strided shard is
+    not always one box: ValueError then, naming the placements, rather than a snapshot with
+    rows out of place (:func:`check_shard_is_a_box`)."""
     if not isinstance(param, DTensor):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(param.shape), tuple(int(o) for o in offset)
+    local, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    offset = tuple(int(o) for o in offset)
+    check_shard_is_a_box(param, tuple(int(n) for n in local), offset)
+    return tuple(param.shape), offset
+
+
+def check_shard_is_a_box(param: DTensor, local_shape: tuple[int, ...], offset: tuple[int, ...]) -> None:
+    """ValueError unless each dimension of ``param``'s local shard holds the global indices
+    ``[offset, offset + local size)`` in order. Found as torch distributes a tensor: each mesh
+    dimension's placement splits the indices left to right (``_split_tensor``, the strided
+    split of a ``_StridedShard`` too). Only dimensions with a ``_StridedShard`` are followed
+    (``Shard`` alone splits into contiguous chunks); O(global size of those dimensions)."""
+    coordinate = param.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank holds no shard of it
+        return
+    placements = param.placements
+    for dim in range(param.ndim):
+        splits = [(m, p) for m, p in enumerate(placements) if isinstance(p, _StridedShard) and p.dim == dim]
+        if not splits:
+            continue
+        splits = [(m, p) for m, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == dim]
+        indices = torch.arange(param.shape[dim]).reshape((1,) * dim + (-1,))
+        for mesh_dim, placement in splits:
+            pieces, _ = placement._split_tensor(indices, param.device_mesh.size(mesh_dim), with_padding=False)
+            indices = pieces[coordinate[mesh_dim]]
+        held = indices.reshape(-1).tolist()
+        if held != list(range(offset[dim], offset[dim] + local_shape[dim])):
+            raise ValueError(
+                f"a DTensor of shape {tuple(param.shape)} with placements {placements} holds, on this rank, "
+                f"the indices {_ranges(held)} of dimension {dim}: not one contiguous range at offset "
+                f"{offset[dim]}. swap-state snapshots store each shard as one box of its global tensor; "
+                "use a layout whose shards are boxes (e.g. evenly divisible sizes) or "
+                "swap_state_checkpoint = 'full'"
+            )
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5, 6]`` as ``0-2, 5-6``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][1] + 1 == i:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs) or "none"
