@@ -51,8 +51,9 @@ class DemoConfig:
     the flag's help."""
 
     server: str | None = None
-    """the server's address (unix:///path or host:port); default: $SWAP_STATE_SERVER, else a
-    private server started for this demo"""
+    """the server's address (unix:///path or host:port); default: $SWAP_STATE_SERVER, else the
+    host's server when one answers at the default socket, else a private server started for
+    this demo"""
     job_id: str = "demo"
     """the job id (a restarted demo with the same id and rank reattaches to its state)"""
     steps: int = 10

@@ -124,6 +124,9 @@ def s3_store(s3_endpoint, monkeypatch, request):
 
 
 @pytest.fixture
-def no_server_env(monkeypatch):
+def no_server_env(monkeypatch, tmp_path_factory):
+    """No server configured, and none at the default socket (an empty $XDG_RUNTIME_DIR): the
+    trainer starts a private server, whatever runs on this host."""
     monkeypatch.delenv("SWAP_STATE_SERVER", raising=False)
     monkeypatch.delenv("SWAP_STATE_JOB_ID", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path_factory.mktemp("runtime")))

@@ -2,7 +2,8 @@
 
 Order for each setting: the constructor argument, then :class:`RemoteConfig`, then the
 environment (torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` and swap-state's
-``SWAP_STATE_*``), then a default. Without a server address a private embedded server is
+``SWAP_STATE_*``), then a default. Without a server address the host's server is used when one
+answers at the default socket (:func:`host_server`), else a private embedded server is
 started, sized from the model (:func:`connect`).
 """
 
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
+import stat
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,7 +24,9 @@ import torch.nn as nn
 from swap_state.client.optim.dtensor_utils import unwrap_dtensor
 from swap_state.client.remote.model_area import model_state_bytes
 from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig, default_snapshot_dir
+from swap_state.client.errors import ServerUnavailableError
 from swap_state.client.remote.rpc import ClientConfig, RemoteSession, SwapStateClient
+from swap_state.common.addresses import default_socket_path
 
 __all__ = [
     "ENV_JOB_ID",
@@ -32,6 +37,7 @@ __all__ = [
     "connect",
     "embedded_config_for",
     "embedded_world_size_hint",
+    "host_server",
     "resolve_config",
     "snapshots_model",
     "validate_config",
@@ -40,12 +46,18 @@ __all__ = [
 ENV_SERVER = "SWAP_STATE_SERVER"
 ENV_JOB_ID = "SWAP_STATE_JOB_ID"
 ENV_TOKEN_FILE = "SWAP_STATE_TOKEN_FILE"
+HOST_SERVER_PROBE_S = 2.0
+"""How long the trainer asks the default socket whether a server answers there."""
+
+log = logging.getLogger("swap_state.client.remote_container")
 
 
 @dataclasses.dataclass
 class RemoteConfig:
     server: str | None = None
-    """Server address; None: $SWAP_STATE_SERVER, else the embedded default (a private server)."""
+    """Server address; None: $SWAP_STATE_SERVER, else the host's server when one answers at the
+    default socket ($XDG_RUNTIME_DIR/swap-state/swap-state.sock, else
+    /run/swap-state/swap-state.sock), else the embedded default (a private server)."""
     job_id: str | None = None
     """Shared by all ranks of a run; None: $SWAP_STATE_JOB_ID, else a fresh id (no reattach)."""
     rank: int | None = None
@@ -152,6 +164,9 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
     embedded = None
     rank, world_size = _resolve_rank_world(config)
     if config.server is None:
+        config.server = host_server()
+    if config.server is None:
+        _warn_private_servers(rank, world_size)
         embedded = EmbeddedServer(embedded_config_for(config, model_parts, optimizer_kwargs, rank, world_size))
         embedded.start()
         config.server = embedded.address
@@ -174,6 +189,43 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
             embedded.stop()
         raise
     return Connection(client, session, embedded)
+
+
+def host_server() -> str | None:
+    """The host's server: the default socket's address (where ``swap-state-server`` listens
+    unless told otherwise) when a server answers there within ``HOST_SERVER_PROBE_S``, else
+    None. Only a socket owned by this user or root is asked: another user's socket is not
+    this host's server, and a trainer sends it nothing."""
+    path = default_socket_path()
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid not in (os.getuid(), 0):
+        return None
+    address = f"unix://{path}"
+    client = SwapStateClient(ClientConfig(address, connect_timeout_s=HOST_SERVER_PROBE_S))
+    try:
+        client.wait_ready(HOST_SERVER_PROBE_S)
+    except ServerUnavailableError:
+        return None
+    finally:
+        client.close()
+    log.info("using the host's swap-state-server at %s (its default socket)", address)
+    return address
+
+
+def _warn_private_servers(rank: int, world_size: int) -> None:
+    """A job of several ranks without a host's server: every rank starts its own (rank 0 says
+    so, once)."""
+    if world_size > 1 and rank == 0:
+        log.warning(
+            "no swap-state-server for this job: none is configured (RemoteConfig.server, $%s; "
+            "torchtitan: optimizer.swap_state_server) and none answers at %s, so each of its %d ranks "
+            "starts a private server: no shared memory budget per host, no --snapshot-store. Start one "
+            "per host (swap-state-server --shm-size SIZE) or set $%s",
+            ENV_SERVER, default_socket_path(), world_size, ENV_SERVER,
+        )
 
 
 def embedded_config_for(

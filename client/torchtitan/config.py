@@ -19,7 +19,8 @@ torchtitan's trainer builds the swap container when ``swap_optimizer`` is true a
 own optimizers otherwise. It also wraps ``Trainer.__init__`` (the job config is current while
 it builds the optimizers) and ``CheckpointManager.__init__`` / ``dcp_load``, so that:
 
-- the embedded server (no ``swap_state_server``, no ``$SWAP_STATE_SERVER``) keeps its
+- the embedded server (no ``swap_state_server``, no ``$SWAP_STATE_SERVER``, no server at the
+  default socket) keeps its
   snapshots in ``<job.dump_folder>/swap-state-snapshots`` (``rank-<r>`` below it with several
   ranks), where a rerun of the job finds them;
 - snapshot retention follows ``checkpoint.keep_latest_k`` (0: keep all), so every checkpoint
@@ -63,8 +64,9 @@ class Optimizer:
     """'local': pinned memory inside the trainer; 'remote': the host's swap-state-server."""
 
     swap_state_server: str = ""
-    """Server address (unix:///path or tcp://host:port). Empty: $SWAP_STATE_SERVER, else a
-    private server started for this trainer (the embedded default)."""
+    """Server address (unix:///path or tcp://host:port). Empty: $SWAP_STATE_SERVER, else the
+    host's server when one answers at the default socket, else a private server started for
+    this trainer (the embedded default)."""
 
     swap_state_job_id: str = ""
     """Job id shared by all ranks of the run; a restarted trainer with the same job id and

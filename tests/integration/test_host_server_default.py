@@ -1,0 +1,72 @@
+"""The trainer finds the host's server: with no address configured it uses the server that
+answers at the default socket, and only without one starts a private server (a job of several
+ranks says so at WARNING, naming the setting)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from swap_state.client.remote.config import host_server
+from swap_state.common.addresses import default_socket_path
+from swap_state.common.retry import wait_until
+
+from .workload import Workload, build, remote, train
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def host_server_process(no_server_env, private_shm_dir, tmp_path):
+    """A real server started as an operator would, with no --listen: the default socket
+    (under this test's empty $XDG_RUNTIME_DIR)."""
+    log = open(tmp_path / "server.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swap_state.server", "--shm-size", "128M", "--shm-dir", private_shm_dir,
+         "--snapshot-dir", str(tmp_path / "snapshots")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        assert wait_until(lambda: host_server() is not None or proc.poll() is not None, timeout_s=30)
+        assert proc.poll() is None, (tmp_path / "server.log").read_text()
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        log.close()
+
+
+def test_a_trainer_with_no_address_uses_the_hosts_server_at_the_default_socket(host_server_process):
+    w = Workload()
+    model = build(w)
+    container = remote(w, model, None, "found-by-default")
+    try:
+        assert container.remote_config.server == f"unix://{default_socket_path()}"
+        assert container._embedded is None  # no private server
+        train(model, container, w, range(1, 3))
+        [session] = container.client.stats().sessions
+        assert (session.job_id, session.state, session.steps_committed) == ("found-by-default", "live", 2)
+    finally:
+        container.close()
+
+
+def test_without_a_hosts_server_a_multi_rank_job_warns_once_and_starts_private_servers(no_server_env, caplog):
+    stale = default_socket_path()
+    stale.parent.mkdir(parents=True)
+    stale.write_text("")  # not a socket: nothing answers there
+    w = Workload()
+    model = build(w)
+    with caplog.at_level(logging.WARNING, logger="swap_state.client.remote_container"):
+        rank0 = remote(w, model, None, "private", rank=0, world_size=2)
+        rank1 = remote(w, build(w), None, "private", rank=1, world_size=2)
+    try:
+        assert rank0._embedded is not None and rank1._embedded is not None
+        warnings = [r.getMessage() for r in caplog.records if "starts a private server" in r.getMessage()]
+        assert len(warnings) == 1, warnings  # rank 0's, once
+        assert "$SWAP_STATE_SERVER" in warnings[0] and str(stale) in warnings[0]
+    finally:
+        rank0.close()
+        rank1.close()
