@@ -73,8 +73,9 @@ class SwapStateOptimizersContainer(OptimizersContainer):
         address is given); 'local': pinned memory inside the trainer."""
 
         swap_state_server: str = ""
-        """Server address (unix:///path or tcp://host:port). Empty: $SWAP_STATE_SERVER, else a
-        private server started for this trainer (the embedded default)."""
+        """Server address (unix:///path or tcp://host:port). Empty: $SWAP_STATE_SERVER, else the
+        host's server when one answers at the default socket, else a private server started
+        for this trainer (the embedded default)."""
 
         swap_state_job_id: str = ""
         """Job id shared by all ranks of the run; a restarted trainer with the same job id and
