@@ -366,6 +366,43 @@ def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> 
     _check_steps_left(cfg, start_step, source)
     handles = []
     times = []
+    try:
+        _steps(cfg, container, model, store, start_step, handles, times)
+    except KeyboardInterrupt:
+        raise Interrupted(_interrupted(cfg, container)) from None
+    _report_durable(handles)
+    result = _summarize(cfg, container, model, reference_digest, plain_times, times)
+    container.close()
+    return result
+
+
+class Interrupted(Exception):
+    """Ctrl-C: the one line that says what is kept and how to resume."""
+
+
+def _interrupted(cfg: DemoConfig, container) -> str:
+    """Detach keeping the state on a host's server (a private one stops with the demo), and
+    say what is kept, for how long, and how to resume."""
+    job = container.remote_config.job_id
+    done = container.session.last_committed_step
+    if container._embedded is not None:
+        container.close()
+        kept = "its private server stopped with it, so only its snapshots are kept"
+        how = "--resume latest"
+    else:
+        container.close(keep=True)
+        kept = (f"the server at {container.remote_config.server} keeps the optimizer state of job {job} "
+                "for its --grace seconds")
+        how = "--resume auto (reattach, else the latest snapshot)"
+    again = (f"rerun with --job-id {job} --state-dir {cfg.state_dir} {how}" if cfg.state_dir
+             else "a rerun can resume only with --state-dir (it keeps the model's parameters)")
+    after = "before its first step" if done is None else f"after step {done}"
+    return f"demo: interrupted {after}: {kept}; {again}"
+
+
+def _steps(cfg: DemoConfig, container, model, store, start_step: int, handles: list, times: list) -> None:
+    """Train from ``start_step`` to ``cfg.steps``: the snapshots taken into ``handles``, the
+    step times into ``times``."""
     for step in range(start_step + 1, cfg.steps + 1):
         begin = time.perf_counter()
         loss = train_step(model, container, cfg, step)
@@ -385,10 +422,6 @@ def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> 
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(max(0.0, cfg.step_seconds - (time.perf_counter() - begin)))
-    _report_durable(handles)
-    result = _summarize(cfg, container, model, reference_digest, plain_times, times)
-    container.close()
-    return result
 
 
 def _report_durable(handles: list) -> None:
@@ -486,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     except SwapStateError as e:
         print(f"demo: swap-state failed: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        return 130
     return 0 if result["bitwise_equal"] else 1
 
 

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import subprocess
+import signal
 import sys
 import time
 
@@ -314,3 +315,29 @@ def test_trainer_killed_between_its_last_write_and_its_commit_resumes_at_the_wri
     train(model2, second, w, range(5, 11))
     assert reference_mismatches(model2, second, w) == []
     second.close()
+
+
+def test_ctrl_c_ends_the_demo_with_one_line_and_the_host_server_keeps_its_state(start_server, tmp_path):
+    server = start_server()
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "swap_state.client.demo", "--server", server.address, "--job-id", "ctrl-c",
+         "--steps", "400", "--step-seconds", "0.1", "--state-dir", str(tmp_path / "state")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert demo.stdout.readline().startswith("swap-state-server:")
+        assert demo.stdout.readline().startswith("step    1")  # training: now the Ctrl-C
+        demo.send_signal(signal.SIGINT)
+        out, err = demo.communicate(timeout=60)
+    finally:
+        demo.kill()
+    assert demo.returncode == 130, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "demo: interrupted after step" in err and "keeps the optimizer state of job ctrl-c" in err
+    assert f"--state-dir {tmp_path / 'state'} --resume auto" in err
+    client = SwapStateClient(ClientConfig(server.address))
+    try:
+        [session] = [s for s in client.stats().sessions if s.job_id == "ctrl-c"]
+        assert session.state == "orphaned" and session.has_committed_step
+    finally:
+        client.close()
