@@ -75,17 +75,24 @@ def _single_process() -> Iterator[None]:
 
 def read_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Everything a DCP checkpoint directory holds, nested as it was saved (no template)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from swap_state.client.export.dcp_safe import SafeFileSystemReader, SafeLoadPlanner
 
     path = pathlib.Path(checkpoint_dir)
     if not (path / ".metadata").is_file():
         raise ExportError(f"{path} is not a DCP checkpoint directory (no .metadata): pass a torchtitan .../step-<N>")
     # What torch's own dcp_to_torch_save does (the public dcp.load needs a template): torch
-    # has no public call that loads a whole checkpoint into a fresh dict.
+    # has no public call that loads a whole checkpoint into a fresh dict. Nothing in it runs.
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    reader, planner = SafeFileSystemReader(str(path)), SafeLoadPlanner()
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+    except BaseException:  # DCP wraps what they raised (CheckpointException is a BaseException)
+        refused = reader.refused or planner.refused
+        if refused is not None:
+            raise ExportError(str(refused)) from None
+        raise
     return state
 
 
