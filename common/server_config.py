@@ -11,6 +11,7 @@ directory big enough, is the socket free) happen at start-up, in :mod:`.runtime`
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import pathlib
 from typing import Any
 
@@ -60,6 +61,16 @@ class Flag:
     """``--help``'s default when the field's own default does not say it (None resolved later)."""
     host_field: str | None = None
     """For ``kind="host_port"``: the field the HOST part sets (the flag's port sets this one)."""
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` names this host only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
 
 
 def _flag(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
@@ -125,9 +136,10 @@ class ServerConfig:
     metrics_port: int = _flag(0, kind="host_port", host_field="metrics_host", metavar="[HOST:]PORT",
                               example="9464 or 127.0.0.1:9464")
     """Serve Prometheus metrics (text format) at http://HOST:PORT/metrics; 0 turns them off.
-    HOST defaults to all interfaces."""
+    HOST defaults to 127.0.0.1 (this host only); 0.0.0.0:PORT lets a scraper on another host in
+    (the metrics name jobs, sizes and steps)."""
 
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"
     """Interface for the metrics endpoint: the HOST of ``--metrics-port HOST:PORT``."""
 
     log_level: str = _flag("info", choices=LOG_LEVELS, example="debug")
@@ -229,6 +241,10 @@ class ServerConfig:
             if self.tls_cert is None and not self.insecure:
                 fail(f"--listen {self.listen}: TCP needs --tls-cert/--tls-key, or --insecure to accept "
                      "plaintext (bulk data never crosses gRPC, but tokens and control do)")
+            if self.token_file is None and not _loopback(listen.host):
+                fail(f"--listen {self.listen} reaches beyond this host, and without --token-file anyone who "
+                     "reaches it could attach to, read and roll back every job's state: give --token-file "
+                     "FILE (its token, sent by every trainer), or listen on tcp://127.0.0.1:PORT or a unix socket")
         elif self.tls_cert is not None or self.tls_key is not None:
             fail("--tls-cert/--tls-key only apply to --listen tcp://...")
         if not self.grace >= 0:

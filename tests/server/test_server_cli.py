@@ -92,7 +92,7 @@ def test_flag_spellings_parse_into_the_config():
         cow_budget=64 << 20, keep_latest=3, token_file=pathlib.Path("/etc/t"),
         snapshot_dir=pathlib.Path("/ckpt"), shm_group="trainers", log_level="debug",
     )
-    assert parse_config(["--shm-size", "1G", "--metrics-port", "9464"]).metrics_host == "0.0.0.0"
+    assert parse_config(["--shm-size", "1G", "--metrics-port", "9464"]).metrics_host == "127.0.0.1"
 
 
 @pytest.mark.parametrize(
@@ -107,7 +107,7 @@ def test_flag_spellings_parse_into_the_config():
         ServerConfig(shm_size=8 << 30, listen="tcp://0.0.0.0:1", insecure=True, cow_budget=0,
                      persist_max_bandwidth=123457, keep_latest=5, shm_group="-odd",
                      token_file=pathlib.Path("/etc/token"), shm_dir=pathlib.Path("/mnt/shm")),
-        ServerConfig(shm_size=1 << 30, metrics_host="127.0.0.1"),  # metrics off, host kept
+        ServerConfig(shm_size=1 << 30, metrics_host="0.0.0.0"),  # metrics off, host kept
         ServerConfig(shm_size=1 << 30, cow_budget=128 << 20),  # the auto value, given
     ],
     ids=["defaults", "unix-small", "tls-v6", "insecure-everything", "metrics-host", "auto-cow"],

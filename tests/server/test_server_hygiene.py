@@ -88,7 +88,13 @@ def test_config_defaults_and_rules(monkeypatch):
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     assert ServerConfig(shm_size=1 << 30).listen == "unix:///run/swap-state/swap-state.sock"
     assert ServerConfig(shm_size=256 << 20).cow_pool_bytes == 0  # 32M < one 64M chunk
-    assert ServerConfig(shm_size=1 << 30, listen="tcp://0.0.0.0:1", insecure=True)
+    assert ServerConfig(shm_size=1 << 30, listen="tcp://127.0.0.1:1", insecure=True)
+    assert ServerConfig(shm_size=1 << 30, listen="tcp://0.0.0.0:1", insecure=True, token_file=pathlib.Path("t"))
+    assert ServerConfig(shm_size=1 << 30).metrics_host == "127.0.0.1"  # metrics: this host only
+    with pytest.raises(ConfigError, match="reaches beyond this host.*--token-file FILE.*127.0.0.1"):
+        ServerConfig(shm_size=1 << 30, listen="tcp://0.0.0.0:1", insecure=True)
+    with pytest.raises(ConfigError, match="reaches beyond this host"):
+        ServerConfig(shm_size=1 << 30, listen="tcp://node7.cluster:1", insecure=True)
     for bad in (
         dict(shm_size=0),
         dict(shm_size=1 << 30, listen="tcp://0.0.0.0:1"),
