@@ -36,13 +36,17 @@ from swap_state.server.snapshot.storage import Published, SnapshotFile, Snapshot
 __all__ = ["LOCK_NAME", "LocalFile", "LocalFilesystemStorage", "fsync_dir", "write_durable"]
 
 LOCK_NAME = ".swap-state.lock"
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+"""Snapshots, their job directories and the lock are the server user's alone, whatever the
+umask or the root directory's mode (a shared /snapshots, a hostPath)."""
 _DELETING_PREFIX = ".deleting-"
 _LATEST_TMP = ".latest.tmp"
 
 
 def write_durable(path: pathlib.Path, data: bytes) -> None:
     """Create ``path`` (it must not exist), write ``data`` and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
     try:
         view = memoryview(data)
         while view:
@@ -59,7 +63,7 @@ class LocalFile(SnapshotFile):
         """``direct``: :meth:`open_direct` may give an O_DIRECT descriptor (``--direct-io``)."""
         self.path = path
         self.direct = direct
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
 
     def fileno(self) -> int:
         if self._fd is None:
@@ -115,7 +119,7 @@ class LocalFilesystemStorage(SnapshotStorage):
         """A shared ``flock`` on ``.swap-state.lock``, held until :meth:`release`; True when an
         exclusive one was free first (no other live server: two embedded servers may share
         the per-user default directory, and another's partial snapshots are not stale)."""
-        self._lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             alone = True
@@ -161,11 +165,11 @@ class LocalFilesystemStorage(SnapshotStorage):
 
     def open_partial(self, job_id: str, step: int) -> pathlib.Path:
         partial = self._reader.job_dir(job_id) / partial_dir_name(step)
-        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         self._reader.job_dir(job_id)  # re-check confinement now that it exists
         if partial.exists():
             shutil.rmtree(partial)
-        partial.mkdir()
+        partial.mkdir(mode=DIR_MODE)
         return partial
 
     def create_file(self, partial: pathlib.PurePath, name: str) -> LocalFile:

@@ -6,6 +6,7 @@ import os
 import pathlib
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -359,3 +360,23 @@ def test_a_job_resumed_at_another_world_size_replaces_a_step_its_earlier_size_to
     target = make_segment("target")
     restore(coordinator.store, "job/step-6", target.mm, target.layout, job_id="job", rank=0, world_size=1)
     assert target.tensors() == mine
+
+
+def test_snapshot_files_and_directories_are_the_server_users_alone_whatever_the_umask(make_segment, make_coordinator):
+    old = os.umask(0)
+    try:
+        seg = make_segment()
+        seg.fill(4)
+        coordinator = make_coordinator()
+        _snapshot(coordinator, seg, 1)
+    finally:
+        os.umask(old)
+    root = coordinator.store.root
+    job_dir = coordinator.store.job_dir("job")
+    assert stat.S_IMODE(os.stat(root / ".swap-state.lock").st_mode) == 0o600
+    for directory, dirs, files in os.walk(job_dir):
+        for name in dirs:
+            assert stat.S_IMODE(os.stat(os.path.join(directory, name)).st_mode) == 0o700, name
+        for name in files:
+            assert stat.S_IMODE(os.stat(os.path.join(directory, name)).st_mode) == 0o600, name
+    assert stat.S_IMODE(os.stat(job_dir).st_mode) == 0o700
