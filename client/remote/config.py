@@ -25,7 +25,7 @@ from swap_state.client.optim.dtensor_utils import unwrap_dtensor
 from swap_state.client.remote.model_area import model_state_bytes
 from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig, default_snapshot_dir
 from swap_state.client.errors import ServerUnavailableError
-from swap_state.client.remote.rpc import ClientConfig, RemoteSession, SwapStateClient
+from swap_state.client.remote.rpc import SERVER_UID_ENV, ClientConfig, RemoteSession, SwapStateClient
 from swap_state.common.addresses import default_socket_path
 
 __all__ = [
@@ -71,6 +71,9 @@ class RemoteConfig:
     with the embedded server (private to this process) always 1."""
     token: str | None = None
     """None: the contents of $SWAP_STATE_TOKEN_FILE when set."""
+    server_uid: int | None = None
+    """The uid owning the server's unix socket when neither yours nor root's (a server run as
+    another user); None: $SWAP_STATE_SERVER_UID when set. Any other owner is refused."""
     rpc_timeout_s: float = 10.0
     """Deadline of every control RPC."""
     connect_timeout_s: float = 10.0
@@ -179,6 +182,7 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
             token=_read_token(config),
             timeout_s=config.rpc_timeout_s,
             connect_timeout_s=config.connect_timeout_s,
+            server_uid=_server_uid(config),
         )
     )
     try:
@@ -189,6 +193,16 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
             embedded.stop()
         raise
     return Connection(client, session, embedded)
+
+
+def _server_uid(config: RemoteConfig) -> int | None:
+    if config.server_uid is not None:
+        return config.server_uid
+    value = os.environ.get(SERVER_UID_ENV, "")
+    try:
+        return int(value) if value else None
+    except ValueError:
+        raise ValueError(f"${SERVER_UID_ENV} must be a uid (a number), got {value!r}") from None
 
 
 def host_server() -> str | None:

@@ -88,6 +88,8 @@ def start_hint(address: str, shm_dir: str = "/dev/shm") -> str:
     tls = " --insecure" if address.startswith("tcp://") else ""
     return f"start one with: swap-state-server --shm-size {size} --listen {address}{tls}"
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+SERVER_UID_ENV = "SWAP_STATE_SERVER_UID"
+"""The environment's ``ClientConfig.server_uid`` (read by the remote container's config)."""
 _Reply = TypeVar("_Reply")
 _POLLER_SETTLE_S = 0.25
 # Reconnect attempts of a disconnected session: grpc's own channel backoff (which grows to
@@ -119,6 +121,9 @@ class ClientConfig:
     """How long attach waits for the channel to become ready."""
     tls_root_cert: bytes | None = None
     """PEM roots for a tcp:// server with TLS; None means an insecure channel."""
+    server_uid: int | None = None
+    """The uid that owns a unix:// server's socket when it is neither this user's nor root's
+    (a server run as another user); any other owner is refused before anything is sent."""
 
 
 def normalize_target(address: str) -> str:
@@ -175,9 +180,12 @@ class SwapStateClient:
         return error_for(reason, f"{name} failed at {where}: {code_name}: {details}", code)
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Until the channel is ready (ServerUnavailableError after ``timeout_s``), then check
+        who owns a unix socket: nothing (a token, an Attach) goes to another user's."""
         timeout_s = timeout_s or self.config.connect_timeout_s
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+            self._check_socket_owner()
             self._ready_at = time.monotonic()
         except grpc.FutureTimeoutError as e:
             hint = start_hint(self.config.address)
@@ -186,6 +194,22 @@ class SwapStateClient:
                 f"{timeout_s:.0f}s; {hint}",
                 grpc.StatusCode.UNAVAILABLE,
             ) from e
+
+    def _check_socket_owner(self) -> None:
+        if not self.target.startswith("unix:"):
+            return
+        path = self.target.removeprefix("unix://").removeprefix("unix:")
+        try:
+            owner = os.stat(path).st_uid
+        except OSError:
+            return  # gone between connect and here: the call itself will say so
+        allowed = {os.getuid(), 0} | ({self.config.server_uid} if self.config.server_uid is not None else set())
+        if owner not in allowed:
+            raise SwapStateError(
+                f"refusing to talk to {self.config.address}: the socket belongs to uid {owner}, not to you "
+                f"(uid {os.getuid()}) or root, so another user may have taken its path. If that user runs "
+                f"your server, say so: RemoteConfig.server_uid / ${SERVER_UID_ENV}={owner}"
+            )
 
     # -- session-less calls ---------------------------------------------------------------
     def attach(

@@ -5,12 +5,14 @@ ranks says so at WARNING, naming the setting)."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 
 import pytest
 
 from swap_state.client.remote.config import host_server
+from swap_state.client.remote.rpc import ClientConfig, SwapStateClient, SwapStateError
 from swap_state.common.addresses import default_socket_path
 from swap_state.common.retry import wait_until
 
@@ -70,3 +72,20 @@ def test_without_a_hosts_server_a_multi_rank_job_warns_once_and_starts_private_s
     finally:
         rank0.close()
         rank1.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to give the server's socket to another uid)")
+def test_a_socket_of_another_user_is_refused_before_anything_is_sent(start_server):
+    server = start_server()
+    socket_path = server.address.removeprefix("unix://")
+    os.chown(socket_path, 54321, -1)  # as if another user had taken the path first
+    w = Workload()
+    with pytest.raises(SwapStateError, match=r"belongs to uid 54321.*SWAP_STATE_SERVER_UID=54321"):
+        remote(w, build(w), server.address, "foreign")
+    stats = SwapStateClient(ClientConfig(server.address, server_uid=54321))
+    try:
+        assert [s.job_id for s in stats.stats().sessions] == []  # the refused trainer never attached
+    finally:
+        stats.close()
+    trusted = remote(w, build(w), server.address, "told", server_uid=54321)  # told to expect that owner
+    trusted.close()
