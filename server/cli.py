@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(_serve(config))
     except StartupError as exc:
-        log_event(log, "startup_failed", logging.ERROR, error=str(exc))
-        print(f"swap-state-server: error: {exc}", file=sys.stderr)
+        print(f"swap-state-server: error: {exc}", file=sys.stderr)  # once: the log goes to stderr too
         return 1
 
 

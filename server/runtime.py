@@ -38,7 +38,7 @@ from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
 from swap_state.server.memory.adopt import adopt_segments, discard_segments
 from swap_state.server.memory.arena import Arena
-from swap_state.server.memory.shm_dir import check_shm_dir
+from swap_state.server.memory.shm_dir import check_shm_dir, require_shm_dir
 from swap_state.server.rpc.auth import TokenAuthInterceptor, read_token_file
 from swap_state.common.addresses import ListenAddress
 from swap_state.common.server_config import ServerConfig
@@ -260,6 +260,7 @@ def _prepare_shm(config: ServerConfig, domain: _Domain) -> None:
     left in the shm directory, then check the directory (StartupError when it cannot hold the
     rest of the budget)."""
     arena = domain.arena
+    require_shm_dir(config.shm_dir)
     if config.discard_segments:
         removed, removed_bytes = discard_segments(arena)
         if removed:

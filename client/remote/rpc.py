@@ -80,13 +80,13 @@ def start_hint(address: str, shm_dir: str = "/dev/shm") -> str:
     except OSError:
         total = 0
     if total >= 128 << 30 or total == 0:
-        size = "64G"
+        size, why = "64G", ""
     elif total >= 2 << 30:
-        size = f"{total // 2 >> 30}G"
+        size, why = f"{total // 2 >> 30}G", f" (half of this host's {shm_dir}: size it to the moments, 8 bytes per parameter of every rank on the host)"
     else:
-        size = f"{max(64, total // 2 >> 20)}M"
+        size, why = f"{max(64, total // 2 >> 20)}M", f" (half of this host's {shm_dir})"
     tls = " --insecure" if address.startswith("tcp://") else ""
-    return f"start one with: swap-state-server --shm-size {size} --listen {address}{tls}"
+    return f"start one with: swap-state-server --shm-size {size} --listen {address}{tls}{why}"
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 SERVER_UID_ENV = "SWAP_STATE_SERVER_UID"
 """The environment's ``ClientConfig.server_uid`` (read by the remote container's config)."""
@@ -183,6 +183,7 @@ class SwapStateClient:
         """Until the channel is ready (ServerUnavailableError after ``timeout_s``), then check
         who owns a unix socket: nothing (a token, an Attach) goes to another user's."""
         timeout_s = timeout_s or self.config.connect_timeout_s
+        self._check_socket_exists()
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
             self._check_socket_owner()
@@ -195,10 +196,27 @@ class SwapStateClient:
                 grpc.StatusCode.UNAVAILABLE,
             ) from e
 
-    def _check_socket_owner(self) -> None:
+    def _socket_path(self) -> str | None:
         if not self.target.startswith("unix:"):
+            return None
+        return self.target.removeprefix("unix://").removeprefix("unix:")
+
+    def _check_socket_exists(self) -> None:
+        """A unix address with no socket file fails at once (nothing can answer there)."""
+        path = self._socket_path()
+        if path is not None and not os.path.exists(path):
+            raise ServerUnavailableError(
+                f"no swap-state-server at {self.config.address}: there is no socket file {path}. Is the "
+                "server running, and listening there? Point the trainer at the path it listens on "
+                f"(RemoteConfig.server, $SWAP_STATE_SERVER, torchtitan optimizer.swap_state_server), or "
+                f"{start_hint(self.config.address)}",
+                grpc.StatusCode.UNAVAILABLE,
+            )
+
+    def _check_socket_owner(self) -> None:
+        path = self._socket_path()
+        if path is None:
             return
-        path = self.target.removeprefix("unix://").removeprefix("unix:")
         try:
             owner = os.stat(path).st_uid
         except OSError:

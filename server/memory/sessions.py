@@ -254,8 +254,8 @@ class SessionRegistry:
             raise SessionLive(
                 f"job {session.job_id} rank {session.rank} is attached and live (client pid "
                 f"{session.client_pid} on {session.client_host or '?'}, generation "
-                f"{session.generation}): another trainer with the same job id and rank? Close "
-                "the old KeepAlive stream (or stop that trainer) first"
+                f"{session.generation}): another trainer with the same job id and rank? Stop that "
+                "trainer first, or give this one another job id"
             )
 
     @staticmethod

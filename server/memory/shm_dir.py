@@ -16,7 +16,7 @@ from swap_state.common.errors import StartupError
 from swap_state.common.sizes import format_size
 from swap_state.server.logs import log_event
 
-__all__ = ["MEMORY_FILESYSTEMS", "check_shm_dir", "filesystem_type"]
+__all__ = ["MEMORY_FILESYSTEMS", "check_shm_dir", "filesystem_type", "require_shm_dir"]
 
 log = logging.getLogger("swap_state.server.arena")  # the arena's logger: one place to look
 
@@ -51,6 +51,15 @@ def _docker_size(nbytes: int) -> str:
     return f"{-(-nbytes // mib)}m"
 
 
+def require_shm_dir(shm_dir: pathlib.Path) -> None:
+    """StartupError unless ``shm_dir`` is a directory (before anything looks inside it)."""
+    if not shm_dir.is_dir():
+        raise StartupError(
+            f"--shm-dir {shm_dir} does not exist or is not a directory: create it (a tmpfs, e.g. "
+            "mount -t tmpfs -o size=64G tmpfs DIR) or leave --shm-dir at /dev/shm"
+        )
+
+
 def check_shm_dir(shm_dir: pathlib.Path, shm_size: int) -> int:
     """Start-up check: a directory on a memory filesystem with room for the whole budget.
 
@@ -58,8 +67,6 @@ def check_shm_dir(shm_dir: pathlib.Path, shm_size: int) -> int:
     a too small /dev/shm is the usual cause (Docker's default is 64 MB), and we never fall back
     to disk-backed files.
     """
-    if not shm_dir.is_dir():
-        raise StartupError(f"--shm-dir {shm_dir} does not exist or is not a directory")
     fstype = filesystem_type(shm_dir)
     if fstype is not None and fstype not in MEMORY_FILESYSTEMS:
         raise StartupError(

@@ -89,3 +89,19 @@ def test_a_socket_of_another_user_is_refused_before_anything_is_sent(start_serve
         stats.close()
     trusted = remote(w, build(w), server.address, "told", server_uid=54321)  # told to expect that owner
     trusted.close()
+
+
+def test_a_socket_path_with_nothing_there_fails_at_once_naming_it(tmp_path):
+    import time
+
+    from swap_state.client.errors import ServerUnavailableError
+
+    address = f"unix://{tmp_path}/wrong/swap-state.sock"
+    client = SwapStateClient(ClientConfig(address, connect_timeout_s=30))
+    began = time.monotonic()
+    try:
+        with pytest.raises(ServerUnavailableError, match=r"no socket file .*wrong/swap-state.sock.*Is the server running"):
+            client.wait_ready()
+    finally:
+        client.close()
+    assert time.monotonic() - began < 5  # not the 30 s connect timeout

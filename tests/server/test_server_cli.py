@@ -421,3 +421,12 @@ async def test_an_adopted_session_waits_for_its_own_trainer_and_refuses_a_fresh_
     reply = await newcomer.attach()
     assert (reply.session_id, reply.reattached, reply.has_segment) == (trainer.session_id, True, True)
     newcomer.close()
+
+
+def test_a_start_up_error_is_printed_once_without_a_traceback(tmp_path):
+    result = run_cli(["--shm-size", "64M", "--shm-dir", str(tmp_path / "missing"),
+                      "--listen", f"unix://{tmp_path}/s.sock"])
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "does not exist or is not a directory" in line]
+    assert len(errors) == 1 and errors[0].startswith("swap-state-server: error: --shm-dir"), result.stderr

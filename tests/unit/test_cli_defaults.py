@@ -30,4 +30,6 @@ def test_the_start_hint_fits_the_shm_dir_and_names_insecure_for_tcp(tmp_path):
     size = hint.split("--shm-size ")[1].split()[0]
     value = int(size[:-1]) << (30 if size.endswith("G") else 20)
     assert value <= max(total, 64 << 30) and "--insecure" not in hint
-    assert start_hint("tcp://127.0.0.1:7070").endswith("--listen tcp://127.0.0.1:7070 --insecure")
+    assert "--listen tcp://127.0.0.1:7070 --insecure" in start_hint("tcp://127.0.0.1:7070")
+    if 2 << 30 <= total < 128 << 30:  # a size taken from the host says why
+        assert "(half of this host's /dev/shm: size it to the moments" in hint
