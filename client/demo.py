@@ -425,20 +425,30 @@ def _steps(cfg: DemoConfig, container, model, store, start_step: int, handles: l
 
 
 def _report_durable(handles: list) -> None:
-    """Wait until each snapshot is durable and say where. One a newer one retired (the
-    server's retention, once that newer one was durable) is said so: a server that restarted
-    meanwhile no longer remembers the retired ones' status."""
-    from swap_state.client.errors import SnapshotNotFoundError
+    """Wait until each snapshot is durable and say where; one the server no longer has is said
+    so with the server's own reason (retired by its retention, or lost when a server stopped
+    while it persisted), and one that failed with its error."""
+    from swap_state.client.errors import SnapshotFailedError, SnapshotNotFoundError
 
-    for index, handle in enumerate(handles):
+    for handle in handles:
         try:
             reply = handle.wait_durable()
-        except SnapshotNotFoundError:
-            if index == len(handles) - 1:
-                raise
-            print(f"snapshot {handle.snapshot_id} retired by the server's retention (newer ones are durable)")
+        except SnapshotNotFoundError as e:
+            print(f"snapshot {handle.snapshot_id} is not on the server: {_server_reason(e)}")
+            continue
+        except SnapshotFailedError as e:
+            print(f"snapshot {handle.snapshot_id} failed: {_server_reason(e)}")
             continue
         print(f"snapshot {handle.snapshot_id} durable at {reply.path}")
+
+
+def _server_reason(error: Exception) -> str:
+    """The server's words in a client error (after "NOT_FOUND: " and the like)."""
+    text = str(error)
+    for code in ("NOT_FOUND: ", "FAILED_PRECONDITION: ", "failed: "):
+        if code in text:
+            return text.split(code, 1)[1]
+    return text
 
 
 def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:

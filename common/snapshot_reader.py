@@ -216,7 +216,11 @@ class SnapshotReader:
                 "trainer sends torchtitan's checkpoint.keep_latest_k); raise that to keep more"
             )
         listed = ", ".join(str(s) for s in kept) or "none"
-        return f"the job's snapshots here are steps [{listed}]; {self._elsewhere_hint()}"
+        return (
+            f"the job's snapshots here are steps [{listed}]. A snapshot still persisting when its server "
+            "stopped or died is lost (it is never listed; the next one works); else "
+            + self._elsewhere_hint()
+        )
 
     def read_manifest(self, info: SnapshotInfo, rank: int) -> RankManifest:
         """The rank's manifest, checked against ``snapshot.json`` (size, crc32, job, step).

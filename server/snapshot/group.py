@@ -12,6 +12,7 @@ coordinator drives them: ``publish()``, then ``persist()`` in the rank's thread 
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import threading
 import time
@@ -26,6 +27,7 @@ from swap_state.common.snapshot_errors import (
     SnapshotInvalid,
 )
 
+from swap_state.server.logs import log_event
 from swap_state.server.snapshot.plan import RankResult
 from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
@@ -35,6 +37,8 @@ from swap_state.server.snapshot.waiting import WatchedCondition
 from swap_state.server.snapshot.writer import RankWriter
 
 __all__ = ["SnapshotGroup", "RankSnapshot"]
+
+log = logging.getLogger("swap_state.server.snapshot_coordinator")
 
 
 class SnapshotGroup:
@@ -162,6 +166,8 @@ class SnapshotGroup:
             self.state = SnapshotState.FAILED
             prefix = f"rank {rank}: " if rank is not None and self.local_world_size > 1 else ""
             self.error = type(error)(prefix + str(error))
+            log_event(log, "snapshot_failed", logging.WARNING, snapshot_id=self.snapshot_id,
+                      error=str(self.error), detail="never listed: its partial files are removed")
             self.finished_monotonic = time.monotonic()
             self.cancel.set()
             for handle in self.handles.values():

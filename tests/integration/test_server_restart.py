@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from swap_state.client.errors import ServerUnavailableError
+from swap_state.client.errors import ServerUnavailableError, SnapshotNotFoundError
 from swap_state.client.remote.embedded import EmbeddedServerConfig
 from swap_state.common.retry import wait_until
 
@@ -65,20 +65,25 @@ def test_a_server_killed_or_stopped_under_training_costs_the_job_nothing(start_s
     fresh.close()
 
 
-def test_a_snapshot_persisting_when_the_server_died_is_not_listed_and_the_next_works(start_server):
+@pytest.mark.parametrize("how", ["sigkill", "sigterm"])
+def test_a_snapshot_persisting_when_the_server_died_is_not_listed_and_the_next_works(start_server, how):
     # 2 KB/s: the snapshot of step 3 is still persisting when the server is killed.
-    server = start_server(extra_args=("--persist-max-bandwidth", "2K"))
+    server = start_server(extra_args=("--persist-max-bandwidth", "2K"), free_segments_on_stop=False)
     w = Workload()
     model = build(w)
     container = remote(w, model, server.address, "mid-snapshot", rpc_timeout_s=5.0)
     train(model, container, w, range(1, 4))
     handle = container.snapshot()
     assert handle.status().state == "persisting"
-    server.kill()
+    server.kill() if how == "sigkill" else server.terminate()
     train(model, container, w, range(4, 6))
     server.restart()
     assert wait_until(lambda: not container.session.server_gone(), timeout_s=10)
     assert [s.snapshot_id for s in container.client.list_snapshots("mid-snapshot").snapshots] == []
+    with pytest.raises(SnapshotNotFoundError, match="persisting when its server stopped or died is lost"):
+        handle.status()  # said as it is: lost with its server, not retired
+    if how == "sigterm":  # a server that stops says what it dropped
+        assert "event=snapshot_failed snapshot_id=mid-snapshot/step-3" in server.log_text(), server.log_text()[-2000:]
     train(model, container, w, range(6, 8))
     assert container.snapshot().wait_durable(timeout_s=60).state in ("durable", "stored")
     assert reference_mismatches(model, container, w, 7) == []
