@@ -427,3 +427,37 @@ def test_direct_io_flag_decides_how_snapshots_are_written(start_server, mode):
     [line] = [line for line in server.log_text().splitlines() if "snapshot_rank_persisted" in line]
     assert f"direct_io={str(mode == 'writes').lower()}" in line, line
     container.close()
+
+
+def test_an_export_loads_into_plain_torch_adamw_and_trains_on_bitwise(start_server, tmp_path):
+    """The README's example: ``swap-state export --format torch`` then torch's own
+    ``set_optimizer_state_dict`` (the flat keys are torchtitan's) into ``torch.optim.AdamW``,
+    which continues exactly as an uninterrupted AdamW run."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    server = start_server(chunk_bytes=CHUNK)
+    model = build_wide(W)
+    container = remote(W, model, server.address, "to-adamw")
+    train(model, container, W, range(1, 5))
+    params_at_4 = params_copy(model)
+    status = container.snapshot().wait_durable(timeout_s=60)
+    container.close()
+    out = tmp_path / "opt.pt"
+    assert swap_state_cli("export", status.path, "--format", "torch", str(out)).returncode == 0
+
+    plain = build_wide(Workload(seed=7))
+    plain.load_state_dict(params_at_4)  # the parameters of that step (the snapshot holds the moments)
+    optimizer = torch.optim.AdamW(plain.parameters(), fused=True, lr=1.0)  # lr etc. come from the export
+    flat = torch.load(out, weights_only=True)
+    set_optimizer_state_dict(plain, optimizer, flat, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    train(plain, optimizer, W, range(5, 9))
+
+    ref_model, ref_opt = reference(W, build_wide, 8)
+    assert mismatches(plain, _TorchStates(optimizer), ref_model, ref_opt) == []
+
+
+class _TorchStates:
+    """A torch optimizer's states where ``mismatches`` reads a container's host cache."""
+
+    def __init__(self, optimizer):
+        self.param_to_cpu_states_map = optimizer.state
