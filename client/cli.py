@@ -1,7 +1,8 @@
-"""``swap-state``: the operator's command line (status, snapshots, export).
+"""``swap-state``: the operator's command line (status, snapshots, export, plan).
 
 Examples::
 
+    swap-state plan --model llama3:8B --world-size 64 --checkpoint snapshot
     swap-state status --server unix:///run/swap-state/swap-state.sock
     swap-state snapshots --server unix:///run/swap-state/swap-state.sock --job-id run1
     swap-state export /snapshots/run1/step-000000001000 --format torch out.pt
@@ -55,7 +56,86 @@ def build_parser() -> argparse.ArgumentParser:
         "torchtitan checkpoint as a plain one (--format torchtitan)",
     )
     add_export_arguments(export)
+    plan = sub.add_parser(
+        "plan", help="the shared memory a job needs, per rank and per host, and the --shm-size to give",
+        description="Sizes a host's server for a job: the Adam moments per rank (and the parameters' "
+        "copy of whole-state snapshots), the copy pool for snapshots without a pause, and "
+        "the --shm-size and --cow-budget to start each host's swap-state-server with.",
+    )
+    _add_plan_arguments(plan)
     return parser
+
+
+def _add_plan_arguments(plan: argparse.ArgumentParser) -> None:
+    what = plan.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", help="parameter count, e.g. 8B, 405M or 8030261248")
+    what.add_argument("--model", metavar="NAME:FLAVOR",
+                      help="a torchtitan 0.2 model and flavour, e.g. llama3:8B (counted on the meta device)")
+    plan.add_argument("--world-size", type=int, default=8, help="ranks of the job, e.g. 64 (default 8)")
+    plan.add_argument("--ranks-per-host", type=int, default=None,
+                      help="ranks on each host's server, e.g. 8 (default: 8, or the world size when smaller)")
+    plan.add_argument("--checkpoint", choices=("full", "snapshot"), default="full",
+                      help="torchtitan's swap_state_checkpoint: snapshot adds the parameters' copy (default full)")
+    plan.add_argument("--moments", choices=("float32", "bfloat16"), default="float32",
+                      help="dtype of the Adam moments, e.g. bfloat16 (default float32)")
+    plan.add_argument("--amsgrad", action="store_true", help="a third moment per parameter (max_exp_avg_sq)")
+    plan.add_argument("--persist-gbps", type=float, default=None,
+                      help="GB/s the server persists snapshots at, e.g. 2.5 (default: the server's assumed "
+                      "1.0): sizes the copy pool of --checkpoint snapshot")
+    plan.add_argument("--step-seconds", type=float, default=None,
+                      help="seconds of a forward and backward, e.g. 1.5 (default: the server's assumed 0.1): "
+                      "what the disk has to persist in before the next step overwrites")
+    plan.add_argument("--no-fsdp", action="store_true",
+                      help="every rank holds every parameter (DDP, or tensor/pipeline parallel alone: "
+                      "give --params as one rank's count)")
+
+
+def _parse_count(text: str) -> int:
+    units = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+    text = text.strip().upper()
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise SystemExit(f"swap-state plan: --params {text!r}: expected a count such as 8B, 405M or 8030261248") from None
+
+
+def _count_model(spec: str) -> int:
+    """Parameters of a torchtitan 0.2 model flavour, built on the meta device (no memory)."""
+    import torch
+
+    name, _, flavor = spec.partition(":")
+    try:
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        train_spec = get_train_spec(name)
+        args = train_spec.model_args[flavor]
+    except Exception as exc:  # not installed, another torchtitan line, a name it lacks
+        raise SystemExit(f"swap-state plan: --model {spec}: {exc!r}; give --params instead") from None
+    with torch.device("meta"):
+        model = train_spec.model_cls(args)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _plan(args) -> int:
+    from swap_state.common.sizing import plan_sizes
+
+    params = _parse_count(args.params) if args.params else _count_model(args.model)
+    ranks_per_host = args.ranks_per_host or min(8, args.world_size)
+    from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S
+
+    snapshots = args.checkpoint == "snapshot"
+    try:
+        plan = plan_sizes(params, args.world_size, ranks_per_host, sharded=not args.no_fsdp,
+                          moment_bytes=2 if args.moments == "bfloat16" else 4,
+                          model_bytes_per_param=4 if snapshots else 0, amsgrad=args.amsgrad, snapshots=snapshots,
+                          persist_bytes_per_s=args.persist_gbps * 1e9 if args.persist_gbps else ASSUMED_PERSIST_BYTES_PER_S,
+                          fwd_bwd_s=args.step_seconds or ASSUMED_FWD_BWD_S)
+    except ValueError as exc:
+        raise SystemExit(f"swap-state plan: {exc}") from None
+    print("\n".join(plan.lines()))
+    return 0
 
 
 def _client(args):
@@ -190,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from swap_state.client.remote.rpc import SwapStateError
 
-    handlers = {"status": _status, "snapshots": _snapshots, "export": _export}
+    handlers = {"status": _status, "snapshots": _snapshots, "export": _export, "plan": _plan}
     try:
         return handlers[args.command](args)
     except SwapStateError as e:

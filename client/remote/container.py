@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import math
 import os
 import logging
 import time
@@ -57,7 +58,8 @@ from swap_state.client.remote.segment_mapping import SegmentMapping, dtype_name
 from swap_state.client.remote.snapshot_guard import SnapshotGuard
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
 from swap_state.client.optim.container import SwapOptimizersContainer
-from swap_state.common.names import state_key
+from swap_state.common.names import STATE_PREFIX, is_model_tensor, state_key
+from swap_state.common.sizing import plan_for_rank
 
 __all__ = [
     "GROUP_STEPS",
@@ -146,6 +148,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             )
             specs.extend(t.spec() for t in model_tensors)  # last: protocol step 5
         reply = self.session.allocate(specs)
+        self._log_sizing(reply.segment, entries)
         self._mapping = SegmentMapping.open(reply.segment)
         self._mapping.register_for_dma(self._backend)
         self._views = self._mapping.tensor_views()
@@ -168,6 +171,16 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             self._tensor_names[entry.param] = names
         self._entries = list(entries)
         return cache
+
+    def _log_sizing(self, segment, entries: Sequence[HostCacheEntry]) -> None:
+        """What this rank's segment holds and what a host of the job's ranks needs (the
+        numbers of ``swap-state plan``)."""
+        model = sum(t.nbytes for t in segment.tensors if is_model_tensor(t.name))
+        moments = sum(t.nbytes for t in segment.tensors if t.name.startswith(STATE_PREFIX))
+        params = sum(math.prod(entry.shape) for entry in entries)
+        plan = plan_for_rank(params, moments, model, self.session.local_world_size, snapshots=bool(model))
+        log.info("swap-state segment of job %s rank %d: %s; %s", self.remote_config.job_id, self.session.rank,
+                 plan.lines()[0].removeprefix("per rank:").strip(), plan.lines()[2].removeprefix("server:").strip())
 
     def _before_host_write(self, params: Sequence[torch.Tensor]) -> None:
         self._check_not_torn()

@@ -41,10 +41,13 @@ def host_server_process(no_server_env, private_shm_dir, tmp_path):
         log.close()
 
 
-def test_a_trainer_with_no_address_uses_the_hosts_server_at_the_default_socket(host_server_process):
+def test_a_trainer_with_no_address_uses_the_hosts_server_at_the_default_socket(host_server_process, caplog):
     w = Workload()
     model = build(w)
-    container = remote(w, model, None, "found-by-default")
+    with caplog.at_level(logging.INFO, logger="swap_state.client.remote_container"):
+        container = remote(w, model, None, "found-by-default")
+    sizing = [r.getMessage() for r in caplog.records if "swap-state segment of job found-by-default" in r.getMessage()]
+    assert len(sizing) == 1 and "parameters: moments" in sizing[0] and "--shm-size" in sizing[0], sizing
     try:
         assert container.remote_config.server == f"unix://{default_socket_path()}"
         assert container._embedded is None  # no private server

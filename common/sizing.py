@@ -1,0 +1,116 @@
+"""How much shared memory a job needs: the numbers ``swap-state plan`` prints and the trainer
+logs at attach. One rule for both, no torch: the caller counts the parameters.
+
+Per rank the segment holds the Adam moments of that rank's parameters (two per parameter, three
+with amsgrad, at the moments' dtype) and, with whole-state snapshots (torchtitan's
+``swap_state_checkpoint = "snapshot"``), a copy of the parameters themselves. Per host the
+server adds a copy pool shared by its segments: a pause-free snapshot needs copy slots for what
+the disk cannot persist within one forward/backward (:func:`~.segment.copy_budget_needed`), at
+worst the whole state. ``--shm-size`` is the host's segments plus that pool, with headroom for
+headers and step counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S, copy_budget_needed
+from .sizes import GiB, MiB, format_size
+
+__all__ = ["SizingPlan", "plan_for_rank", "plan_sizes"]
+
+_HEADROOM = 0.02
+"""Headers, step counts, page rounding: a little over the tensors' bytes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SizingPlan:
+    params_per_rank: int
+    """Parameters whose state one rank holds (its shard with FSDP, all without)."""
+    moments_per_rank: int
+    """Bytes of Adam moments per rank."""
+    model_copy_per_rank: int
+    """Bytes of the parameters' copy per rank (whole-state snapshots; 0 without)."""
+    ranks_per_host: int
+    """Ranks (segments) on one host's server."""
+    copy_pool: int
+    """The host's copy pool (``--cow-budget``): for pause-free snapshots, else the server's
+    default (1 GiB at most)."""
+    snapshots: bool
+    """Whether the plan is for snapshots without a pause (whole-state checkpoints)."""
+    shm_size: int
+    """The ``--shm-size`` to give each host's server (whole GiB)."""
+
+    @property
+    def per_rank(self) -> int:
+        return self.moments_per_rank + self.model_copy_per_rank
+
+    @property
+    def per_host(self) -> int:
+        return self.per_rank * self.ranks_per_host
+
+    def lines(self) -> list[str]:
+        """The plan, one fact per line."""
+        copy = f" + model copy {format_size(self.model_copy_per_rank)}" if self.model_copy_per_rank else ""
+        if self.snapshots:
+            pool = f"+ copy pool {format_size(self.copy_pool)} (what the disk cannot persist within a forward/backward)"
+            flags = f"--shm-size {self.shm_size // GiB}G --cow-budget {max(1, -(-self.copy_pool // GiB))}G"
+        else:
+            pool = f"+ the server's default copy pool {format_size(self.copy_pool)} (no snapshots planned)"
+            flags = f"--shm-size {self.shm_size // GiB}G"
+        return [
+            f"per rank:  {self.params_per_rank:,} parameters: moments {format_size(self.moments_per_rank)}{copy} "
+            f"= {format_size(self.per_rank)}",
+            f"per host:  {self.ranks_per_host} ranks = {format_size(self.per_host)} of segments, {pool}",
+            f"server:    swap-state-server {flags}  (and at least as much in /dev/shm: docker "
+            "--shm-size, or a Memory emptyDir's sizeLimit)",
+        ]
+
+
+def plan_sizes(
+    params: int,
+    world_size: int,
+    ranks_per_host: int,
+    *,
+    sharded: bool = True,
+    moment_bytes: int = 4,
+    model_bytes_per_param: int = 0,
+    amsgrad: bool = False,
+    snapshots: bool = False,
+    persist_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
+    fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
+) -> SizingPlan:
+    """The plan for ``params`` parameters trained on ``world_size`` ranks, ``ranks_per_host`` of
+    them per host. ``sharded``: FSDP shards the parameters over all ranks (else every rank
+    holds them all: DDP, or one rank); ``moment_bytes``: 4 for fp32 moments, 2 for bf16;
+    ``model_bytes_per_param``: the parameters' copy of whole-state snapshots (4 for fp32
+    parameters, 0 without); ``snapshots``: size the copy pool for snapshots without a pause,
+    from the persist rate and the forward/backward time (else the server's default pool)."""
+    if params <= 0 or world_size <= 0 or not 0 < ranks_per_host <= world_size:
+        raise ValueError(f"need params > 0 and 0 < ranks per host ({ranks_per_host}) <= world size ({world_size})")
+    per_rank_params = -(-params // world_size) if sharded else params
+    return plan_for_rank(per_rank_params, per_rank_params * moment_bytes * (3 if amsgrad else 2),
+                         per_rank_params * model_bytes_per_param, ranks_per_host, snapshots=snapshots,
+                         persist_bytes_per_s=persist_bytes_per_s, fwd_bwd_s=fwd_bwd_s)
+
+
+def plan_for_rank(
+    params_per_rank: int,
+    moments_per_rank: int,
+    model_copy_per_rank: int,
+    ranks_per_host: int,
+    *,
+    snapshots: bool = False,
+    persist_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
+    fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
+) -> SizingPlan:
+    """The plan from one rank's bytes (what a trainer knows at attach)."""
+    host_state = (moments_per_rank + model_copy_per_rank) * ranks_per_host
+    segments = int(host_state * (1 + _HEADROOM)) + 64 * MiB
+    if snapshots:
+        pool = copy_budget_needed(host_state, persist_bytes_per_s, fwd_bwd_s)
+    else:  # the server's own default (--cow-budget auto), held back from --shm-size
+        pool = min(GiB, -(-segments // GiB) * GiB // 7)
+    shm_size = -(-(segments + pool) // GiB) * GiB
+    return SizingPlan(params_per_rank, moments_per_rank, model_copy_per_rank, ranks_per_host, pool,
+                      snapshots, shm_size)
