@@ -11,7 +11,9 @@ VENV="${SWAP_STATE_VENV:-.venv}"
 # scripts/test.sh builds a second venv with 0.3 for its trainer tests (tests/torchtitan03).
 TORCHTITAN="${SWAP_STATE_TORCHTITAN:-torchtitan>=0.2,<0.3}"
 
+say() { echo "setup ($VENV): $*" >&2; }
 if [ ! -x "$VENV/bin/python" ]; then
+  say "creating the virtual environment"
   "$PYTHON" -m venv "$VENV"
 fi
 stamp="$VENV/.swap-state-installed"
@@ -25,9 +27,12 @@ pip_install() {
     | { grep -v "is ignored: it is neither a file nor a directory" || true; }
   return "${PIPESTATUS[0]}"
 }
+say "installing torch $TORCH_VERSION (pinned; about a minute)"
 pip_install "torch==$TORCH_VERSION"
 # The constraint keeps every later resolution on the torch just installed.
 constraint="$VENV/torch-constraint.txt"
 printf '%s\n' "torch==$TORCH_VERSION" "$TORCHTITAN" > "$constraint"
+say "installing swap-state with its client and dev extras ($TORCHTITAN; one to two minutes)"
 pip_install -c "$constraint" -e ".[client,dev]"
 echo "$want" > "$stamp"
+say "done"

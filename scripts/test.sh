@@ -3,7 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# torchtitan 0.3's trainer tests (tests/torchtitan03) run 0.3's own trainer in a second venv;
-# built once, then reused while pyproject.toml and setup.sh are unchanged.
-SWAP_STATE_VENV=.venv-titan03 SWAP_STATE_TORCHTITAN="torchtitan>=0.3,<0.4" bash scripts/setup.sh
+# torchtitan 0.3's trainer tests (tests/torchtitan03, tests/adapter03) run 0.3's own trainer in a
+# second venv; built once, then reused while pyproject.toml and setup.sh are unchanged. A run of
+# chosen test paths that names neither (e.g. `bash scripts/test.sh tests/unit tests/server`) skips it.
+paths=()
+for arg in "$@"; do
+  if [ -e "${arg%%::*}" ]; then paths+=("$arg"); fi  # a test path (an option's value is none)
+done
+if [ ${#paths[@]} -eq 0 ] || printf '%s\n' "${paths[@]}" | grep -qE 'torchtitan03|adapter03'; then
+  SWAP_STATE_VENV=.venv-titan03 SWAP_STATE_TORCHTITAN="torchtitan>=0.3,<0.4" bash scripts/setup.sh
+fi
 exec .venv/bin/python -m pytest "$@"
