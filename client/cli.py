@@ -145,7 +145,14 @@ def _client(args):
     if args.token_file:
         with open(args.token_file) as f:
             token = f.read().strip()
-    return SwapStateClient(ClientConfig(args.server, token=token, timeout_s=args.timeout))
+    client = SwapStateClient(ClientConfig(args.server, token=token, timeout_s=args.timeout,
+                                          connect_timeout_s=args.timeout))
+    try:
+        client.wait_ready()  # a server started a moment ago (a socket still to appear) is waited for
+    except BaseException:
+        client.close()
+        raise
+    return client
 
 
 def _gib(n: int) -> str:

@@ -341,7 +341,10 @@ def run(cfg: DemoConfig) -> dict:
             cfg.swap_times,
             server=cfg.server,
             job_id=cfg.job_id,
-            config=RemoteConfig(token=token, embedded=_embedded_config(cfg, scratch)),
+            # A resumed demo trains steps again: its snapshots replace an earlier run's of
+            # those steps (as torchtitan's checkpoints do), never answered with their bytes.
+            config=RemoteConfig(token=token, embedded=_embedded_config(cfg, scratch),
+                                snapshot_replace_existing=True),
         )
         return _train(cfg, container, model, reference_digest, plain_times)
     finally:

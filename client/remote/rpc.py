@@ -88,6 +88,8 @@ def start_hint(address: str, shm_dir: str = "/dev/shm") -> str:
     tls = " --insecure" if address.startswith("tcp://") else ""
     return f"start one with: swap-state-server --shm-size {size} --listen {address}{tls}{why}"
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+SOCKET_APPEAR_S = 3.0
+"""How long a trainer waits for a missing unix socket to appear (a server just started)."""
 SERVER_UID_ENV = "SWAP_STATE_SERVER_UID"
 """The environment's ``ClientConfig.server_uid`` (read by the remote container's config)."""
 _Reply = TypeVar("_Reply")
@@ -202,9 +204,16 @@ class SwapStateClient:
         return self.target.removeprefix("unix://").removeprefix("unix:")
 
     def _check_socket_exists(self) -> None:
-        """A unix address with no socket file fails at once (nothing can answer there)."""
+        """A unix address with no socket file fails fast (nothing can answer there): after
+        ``SOCKET_APPEAR_S``, the time a server started just before the trainer needs to
+        create it, not the whole connect timeout."""
         path = self._socket_path()
-        if path is not None and not os.path.exists(path):
+        if path is None:
+            return
+        deadline = time.monotonic() + min(SOCKET_APPEAR_S, self.config.connect_timeout_s)
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not os.path.exists(path):
             raise ServerUnavailableError(
                 f"no swap-state-server at {self.config.address}: there is no socket file {path}. Is the "
                 "server running, and listening there? Point the trainer at the path it listens on "
