@@ -350,3 +350,23 @@ def test_readme_documents_the_one_command() -> None:
     assert "docker compose -f docker/compose.yaml up --build --exit-code-from trainer" in readme
     for topic in ("shm_size", "memlock", "sizeLimit", "hostIPC", "kubectl apply"):
         assert topic in readme, topic
+
+
+def test_k8s_torchrun_job_runs_torchtitan_with_a_store_and_a_sized_shm() -> None:
+    docs = _k8s("torchrun-job.yaml")
+    pod = docs["Job"]["spec"]["template"]["spec"]
+    (server,) = pod["initContainers"]
+    (trainer,) = pod["containers"]
+    assert server["restartPolicy"] == "Always"
+    args = [str(a) for a in server["args"]]
+    assert flag(args, "--snapshot-store").startswith("s3://") and flag(args, "--listen") == SOCKET_URI
+    shm = parse_size(flag(args, "--shm-size"))
+    assert parse_size(server["resources"]["limits"]["memory"]) > shm
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    dshm = volumes[_container_mounts(server)["/dev/shm"]]["emptyDir"]
+    assert dshm["medium"] == "Memory" and parse_size(dshm["sizeLimit"]) >= shm
+    command = " ".join(trainer["command"])
+    assert command.startswith("torchrun ") and "swap_state.client.torchtitan_override.swap_state=" in command
+    env = {e["name"]: e["value"] for e in trainer["env"]}
+    assert env["SWAP_STATE_SERVER"] == SOCKET_URI
+    assert _container_mounts(server)[SOCKET_DIR] == _container_mounts(trainer)[SOCKET_DIR]
