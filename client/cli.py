@@ -34,6 +34,13 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "--token-file", default=None, help="file holding the server's --token-file secret"
     )
     parser.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
+    parser.add_argument("--tls-root-cert", default=None, metavar="PEM",
+                        help="roots that sign a tcp:// server's certificate (default: $SWAP_STATE_TLS_ROOT_CERT)")
+    parser.add_argument("--tls-client-cert", default=None, metavar="PEM",
+                        help="this client's certificate, for a server with --tls-client-ca "
+                        "(default: $SWAP_STATE_TLS_CLIENT_CERT)")
+    parser.add_argument("--tls-client-key", default=None, metavar="PEM",
+                        help="that certificate's key (default: $SWAP_STATE_TLS_CLIENT_KEY)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,8 +152,14 @@ def _client(args):
     if args.token_file:
         with open(args.token_file) as f:
             token = f.read().strip()
+    from swap_state.client.remote.config import tls_files
+
+    try:
+        tls = tls_files(args.tls_root_cert, args.tls_client_cert, args.tls_client_key)
+    except ValueError as exc:
+        raise SystemExit(f"swap-state: {exc}") from None
     client = SwapStateClient(ClientConfig(args.server, token=token, timeout_s=args.timeout,
-                                          connect_timeout_s=args.timeout))
+                                          connect_timeout_s=args.timeout, **tls))
     try:
         client.wait_ready()  # a server started a moment ago (a socket still to appear) is waited for
     except BaseException:

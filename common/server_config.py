@@ -204,6 +204,10 @@ class ServerConfig:
     tls_key: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/server.key")
     """TLS private key for --listen tcp://..."""
 
+    tls_client_ca: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/clients-ca.pem")
+    """Require a TLS client certificate signed by these roots (mutual TLS): only trainers holding
+    one connect. Needs --tls-cert/--tls-key."""
+
     insecure: bool = _flag(False, example="--listen tcp://127.0.0.1:7070 --insecure")
     """Allow --listen tcp://... without TLS (tokens and control messages in plaintext; bulk data
     never crosses gRPC)."""
@@ -241,11 +245,14 @@ class ServerConfig:
             if self.tls_cert is None and not self.insecure:
                 fail(f"--listen {self.listen}: TCP needs --tls-cert/--tls-key, or --insecure to accept "
                      "plaintext (bulk data never crosses gRPC, but tokens and control do)")
-            if self.token_file is None and not _loopback(listen.host):
+            if self.token_file is None and self.tls_client_ca is None and not _loopback(listen.host):
                 fail(f"--listen {self.listen} reaches beyond this host, and without --token-file anyone who "
                      "reaches it could attach to, read and roll back every job's state: give --token-file "
-                     "FILE (its token, sent by every trainer), or listen on tcp://127.0.0.1:PORT or a unix socket")
-        elif self.tls_cert is not None or self.tls_key is not None:
+                     "FILE (its token, sent by every trainer) or --tls-client-ca (client certificates), or "
+                     "listen on tcp://127.0.0.1:PORT or a unix socket")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            fail("--tls-client-ca needs --tls-cert/--tls-key (mutual TLS on --listen tcp://...)")
+        if listen.scheme != "tcp" and (self.tls_cert is not None or self.tls_key is not None):
             fail("--tls-cert/--tls-key only apply to --listen tcp://...")
         if not self.grace >= 0:
             fail("--grace must be >= 0 seconds")

@@ -142,9 +142,11 @@ def _read_tls(config: ServerConfig) -> grpc.ServerCredentials | None:
     try:
         cert = config.tls_cert.read_bytes()
         key = config.tls_key.read_bytes()
+        client_ca = config.tls_client_ca.read_bytes() if config.tls_client_ca is not None else None
     except OSError as exc:
         raise StartupError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from None
-    return grpc.ssl_server_credentials([(key, cert)])
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
 
 
 def _prepare_snapshot_dir(path: pathlib.Path | None) -> None:

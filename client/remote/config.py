@@ -38,6 +38,7 @@ __all__ = [
     "embedded_config_for",
     "embedded_world_size_hint",
     "host_server",
+    "tls_files",
     "resolve_config",
     "snapshots_model",
     "validate_config",
@@ -74,6 +75,14 @@ class RemoteConfig:
     server_uid: int | None = None
     """The uid owning the server's unix socket when neither yours nor root's (a server run as
     another user); None: $SWAP_STATE_SERVER_UID when set. Any other owner is refused."""
+    tls_root_cert: str | None = None
+    """PEM file of the roots that sign a tcp:// server's certificate (TLS); None:
+    $SWAP_STATE_TLS_ROOT_CERT when set, else no TLS."""
+    tls_client_cert: str | None = None
+    """PEM file of this trainer's certificate, for a server with --tls-client-ca (mutual TLS);
+    None: $SWAP_STATE_TLS_CLIENT_CERT when set."""
+    tls_client_key: str | None = None
+    """PEM file of that certificate's private key; None: $SWAP_STATE_TLS_CLIENT_KEY when set."""
     rpc_timeout_s: float = 10.0
     """Deadline of every control RPC."""
     connect_timeout_s: float = 10.0
@@ -183,6 +192,7 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
             timeout_s=config.rpc_timeout_s,
             connect_timeout_s=config.connect_timeout_s,
             server_uid=_server_uid(config),
+            **tls_files(config.tls_root_cert, config.tls_client_cert, config.tls_client_key),
         )
     )
     try:
@@ -193,6 +203,26 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
             embedded.stop()
         raise
     return Connection(client, session, embedded)
+
+
+TLS_ENV = {"tls_root_cert": "SWAP_STATE_TLS_ROOT_CERT", "tls_client_cert": "SWAP_STATE_TLS_CLIENT_CERT",
+           "tls_client_key": "SWAP_STATE_TLS_CLIENT_KEY"}
+"""Where each TLS file comes from when neither an argument nor a RemoteConfig field names it."""
+
+
+def tls_files(root_cert: str | None, client_cert: str | None, client_key: str | None) -> dict[str, bytes | None]:
+    """ClientConfig's TLS fields: each file (else its environment variable's) read."""
+    given = {"tls_root_cert": root_cert, "tls_client_cert": client_cert, "tls_client_key": client_key}
+    out: dict[str, bytes | None] = {}
+    for field, path in given.items():
+        path = path or os.environ.get(TLS_ENV[field]) or None
+        try:
+            out[field] = open(path, "rb").read() if path else None
+        except OSError as exc:
+            raise ValueError(f"cannot read the TLS file {path} ({field}, ${TLS_ENV[field]}): {exc.strerror}") from None
+    if (out["tls_client_cert"] is None) != (out["tls_client_key"] is None):
+        raise ValueError("a TLS client certificate and its key go together (tls_client_cert, tls_client_key)")
+    return out
 
 
 def _server_uid(config: RemoteConfig) -> int | None:

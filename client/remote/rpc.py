@@ -123,6 +123,10 @@ class ClientConfig:
     """How long attach waits for the channel to become ready."""
     tls_root_cert: bytes | None = None
     """PEM roots for a tcp:// server with TLS; None means an insecure channel."""
+    tls_client_cert: bytes | None = None
+    """PEM certificate chain this client presents (a server with --tls-client-ca wants one)."""
+    tls_client_key: bytes | None = None
+    """The PEM private key of ``tls_client_cert``."""
     server_uid: int | None = None
     """The uid that owns a unix:// server's socket when it is neither this user's nor root's
     (a server run as another user); any other owner is refused before anything is sent."""
@@ -145,7 +149,9 @@ class SwapStateClient:
         self.target = normalize_target(config.address)
         options = _CHANNEL_OPTIONS
         if config.tls_root_cert is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=config.tls_root_cert)
+            creds = grpc.ssl_channel_credentials(root_certificates=config.tls_root_cert,
+                                                 private_key=config.tls_client_key,
+                                                 certificate_chain=config.tls_client_cert)
             self._channel = grpc.secure_channel(self.target, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(self.target, options=options)
