@@ -61,3 +61,11 @@ def test_many_tensors_bench_at_a_small_size(tmp_path):
         assert row["bitwise_equal"]
         assert row["summary"]["remote"]["n"] == 3 and row["summary"]["snapshot"]["n"] == 2
     assert "first snapshot() (sends the base)" in md
+
+
+def test_check_cost_prints_attach_and_snapshot_latency(capsys):
+    from bench.check_cost import main
+
+    assert main(["--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Attach   (2): median" in out and "Snapshot (2): median" in out and "worst" in out
