@@ -152,7 +152,7 @@ def _client(args):
     if args.token_file:
         with open(args.token_file) as f:
             token = f.read().strip()
-    from swap_state.client.remote.config import tls_files
+    from swap_state.client.remote.rpc import tls_files
 
     try:
         tls = tls_files(args.tls_root_cert, args.tls_client_cert, args.tls_client_key)

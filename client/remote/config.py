@@ -25,7 +25,7 @@ from swap_state.client.optim.dtensor_utils import unwrap_dtensor
 from swap_state.client.remote.model_area import model_state_bytes
 from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig, default_snapshot_dir
 from swap_state.client.errors import ServerUnavailableError
-from swap_state.client.remote.rpc import SERVER_UID_ENV, ClientConfig, RemoteSession, SwapStateClient
+from swap_state.client.remote.rpc import SERVER_UID_ENV, ClientConfig, RemoteSession, SwapStateClient, tls_files
 from swap_state.common.addresses import default_socket_path
 
 __all__ = [
@@ -38,7 +38,6 @@ __all__ = [
     "embedded_config_for",
     "embedded_world_size_hint",
     "host_server",
-    "tls_files",
     "resolve_config",
     "snapshots_model",
     "validate_config",
@@ -203,26 +202,6 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
             embedded.stop()
         raise
     return Connection(client, session, embedded)
-
-
-TLS_ENV = {"tls_root_cert": "SWAP_STATE_TLS_ROOT_CERT", "tls_client_cert": "SWAP_STATE_TLS_CLIENT_CERT",
-           "tls_client_key": "SWAP_STATE_TLS_CLIENT_KEY"}
-"""Where each TLS file comes from when neither an argument nor a RemoteConfig field names it."""
-
-
-def tls_files(root_cert: str | None, client_cert: str | None, client_key: str | None) -> dict[str, bytes | None]:
-    """ClientConfig's TLS fields: each file (else its environment variable's) read."""
-    given = {"tls_root_cert": root_cert, "tls_client_cert": client_cert, "tls_client_key": client_key}
-    out: dict[str, bytes | None] = {}
-    for field, path in given.items():
-        path = path or os.environ.get(TLS_ENV[field]) or None
-        try:
-            out[field] = open(path, "rb").read() if path else None
-        except OSError as exc:
-            raise ValueError(f"cannot read the TLS file {path} ({field}, ${TLS_ENV[field]}): {exc.strerror}") from None
-    if (out["tls_client_cert"] is None) != (out["tls_client_key"] is None):
-        raise ValueError("a TLS client certificate and its key go together (tls_client_cert, tls_client_key)")
-    return out
 
 
 def _server_uid(config: RemoteConfig) -> int | None:

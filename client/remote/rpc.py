@@ -62,6 +62,7 @@ __all__ = [
     "normalize_target",
     "START_HINT",
     "start_hint",
+    "tls_files",
 ]
 
 log = logging.getLogger("swap_state.client.rpc")  # the name users configure
@@ -130,6 +131,26 @@ class ClientConfig:
     server_uid: int | None = None
     """The uid that owns a unix:// server's socket when it is neither this user's nor root's
     (a server run as another user); any other owner is refused before anything is sent."""
+
+
+TLS_ENV = {"tls_root_cert": "SWAP_STATE_TLS_ROOT_CERT", "tls_client_cert": "SWAP_STATE_TLS_CLIENT_CERT",
+           "tls_client_key": "SWAP_STATE_TLS_CLIENT_KEY"}
+"""Where each TLS file comes from when neither an argument nor a RemoteConfig field names it."""
+
+
+def tls_files(root_cert: str | None, client_cert: str | None, client_key: str | None) -> dict[str, bytes | None]:
+    """ClientConfig's TLS fields: each file (else its environment variable's) read."""
+    given = {"tls_root_cert": root_cert, "tls_client_cert": client_cert, "tls_client_key": client_key}
+    out: dict[str, bytes | None] = {}
+    for field, path in given.items():
+        path = path or os.environ.get(TLS_ENV[field]) or None
+        try:
+            out[field] = open(path, "rb").read() if path else None
+        except OSError as exc:
+            raise ValueError(f"cannot read the TLS file {path} ({field}, ${TLS_ENV[field]}): {exc.strerror}") from None
+    if (out["tls_client_cert"] is None) != (out["tls_client_key"] is None):
+        raise ValueError("a TLS client certificate and its key go together (tls_client_cert, tls_client_key)")
+    return out
 
 
 def normalize_target(address: str) -> str:

@@ -67,6 +67,7 @@ def check_shm_dir(shm_dir: pathlib.Path, shm_size: int) -> int:
     a too small /dev/shm is the usual cause (Docker's default is 64 MB), and we never fall back
     to disk-backed files.
     """
+    require_shm_dir(shm_dir)
     fstype = filesystem_type(shm_dir)
     if fstype is not None and fstype not in MEMORY_FILESYSTEMS:
         raise StartupError(
