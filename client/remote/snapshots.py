@@ -40,7 +40,7 @@ from swap_state.client.remote.segment_mapping import dtype_name
 from swap_state.common.retry import wait_until
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
-from swap_state.common.segment import TensorLayout, Word
+from swap_state.common.segment import Word
 from swap_state.common.snapshot_metadata import (
     TENSOR_TAG, TensorMetadata, encode_metadata, parse_metadata, tagged_scalar,
 )
