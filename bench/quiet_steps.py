@@ -58,8 +58,8 @@ def _step(name: str, model, optimizer, x) -> None:
     optimizer.step()
     optimizer.zero_grad()
     if name == "whole_state_copy_every_step":  # what every step did before, in step()
-        optimizer._model_area.copy_from_model(optimizer.session.last_committed_step)
-        optimizer._model_area.wait_copy()  # on the CPU the copy was made at once
+        optimizer.segment.model_area.copy_from_model(optimizer.session.last_committed_step)
+        optimizer.segment.model_area.wait_copy()  # on the CPU the copy was made at once
 
 
 def measure(args) -> dict[str, Any]:

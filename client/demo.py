@@ -275,7 +275,7 @@ def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> 
         raise SystemExit(_nothing_to_reattach(container, cfg))
     if _has_snapshot(container):
         return _restore(container, cfg, model, store, "latest")
-    if mode == "latest" or kept is not None or container._torn_step is not None:
+    if mode == "latest" or kept is not None or container.segment.torn_step is not None:
         raise SystemExit(
             f"demo: --resume {mode}: job {cfg.job_id!r} has no snapshot to restore; "
             "start over with a new --job-id"
@@ -296,8 +296,8 @@ def _restore(container, cfg: DemoConfig, model: nn.Module, store: ModelStore, sn
 
 def _nothing_to_reattach(container, cfg: DemoConfig) -> str:
     """``--resume reattach`` and the server kept nothing usable: why, and what to do instead."""
-    if container._torn_step is not None:
-        return f"demo: --resume reattach: {container._torn_message()} (--resume auto does that)"
+    if container.segment.torn_step is not None:
+        return f"demo: --resume reattach: {container.segment.torn_message()} (--resume auto does that)"
     why = container.session.previous_session or (
         "it holds none (a restarted server, a first run of this --job-id, or more than the "
         "server's --grace seconds since the last trainer of this job went away)"
@@ -361,7 +361,7 @@ def _embedded_config(cfg: DemoConfig, scratch: str) -> EmbeddedServerConfig:
 
 def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> dict:
     where = container.remote_config.server
-    if container._embedded is not None:
+    if container.segment.embedded is not None:
         where += " (a private server started for this demo)"
     print(f"swap-state-server: {where}")
     store = ModelStore(cfg.state_dir)
@@ -388,7 +388,7 @@ def _interrupted(cfg: DemoConfig, container) -> str:
     say what is kept, for how long, and how to resume."""
     job = container.remote_config.job_id
     done = container.session.last_committed_step
-    if container._embedded is not None:
+    if container.segment.embedded is not None:
         container.close()
         kept = "its private server stopped with it, so only its snapshots are kept"
         how = "--resume latest"

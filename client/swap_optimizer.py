@@ -23,9 +23,12 @@ anything else goes to torchtitan's own function. ``torch.optim.Adam.step`` /
 ``AdamW.step`` are never patched: only the container's own optimizers step through the
 swap pipeline (each gets a bound ``step``).
 
-The seed's tests patch ``get_torch_device``, ``wrap_like_param``, ``SwapOptimizersContainer``
-and ``_original_build_optimizers`` here; the code that uses them reads them from this module
-at call time (:mod:`swap_state.client.optim.patch_points`), so the patches take effect.
+The seed's tests patch ``get_torch_device``, ``unwrap_dtensor``, ``wrap_like_param``,
+``SwapOptimizersContainer`` and ``_original_build_optimizers`` here and expect the container
+and the wrapper to see the patch. Each of these names is the very object of the module that
+uses it (``get_torch_device`` is :func:`swap_state.client.device.get_device_backend`), and
+setting one here sets it there too (:class:`_SeedFacade`): the code calls its own module's
+attribute, with no lookup of this module on the way.
 
 Checkpoints are a flat dict (``state.<fqn>.<key>``, ``param_groups.<fqn>.<hyperparameter>``)
 read from the host cache; tied parameters are saved once under their canonical name and
@@ -33,6 +36,12 @@ load from any alias. See ``../shared/seed/`` for the behavioural spec.
 """
 
 from __future__ import annotations
+
+import importlib
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
 
 from swap_state.client.torchtitan import glue as _glue
 from swap_state.client.device import DeviceBackend, get_device_backend
@@ -63,10 +72,8 @@ __all__ = [
 ]
 
 
-def get_torch_device() -> DeviceBackend:
-    """The process's device backend (``empty_cache``, ``current_device``, streams, ...)."""
-    return get_device_backend()
-
+#: The process's device backend (``empty_cache``, ``current_device``, streams, ...).
+get_torch_device: Callable[[], DeviceBackend] = get_device_backend
 
 build_optimizers = _glue.build_optimizers
 install_build_optimizers_wrapper = _glue.install_build_optimizers_wrapper
@@ -75,3 +82,26 @@ install_build_optimizers_wrapper = _glue.install_build_optimizers_wrapper
 _original_build_optimizers = _glue.original_build_optimizers
 
 install_build_optimizers_wrapper()
+
+#: The names the seed's tests patch here: (module, attribute) the code calls.
+_PATCHED_THROUGH: dict[str, tuple[str, str]] = {
+    "get_torch_device": ("swap_state.client.device", "get_device_backend"),
+    "unwrap_dtensor": ("swap_state.client.optim.dtensor_utils", "unwrap_dtensor"),
+    "wrap_like_param": ("swap_state.client.optim.dtensor_utils", "wrap_like_param"),
+    "SwapOptimizersContainer": ("swap_state.client.torchtitan.glue", "SwapOptimizersContainer"),
+    "_original_build_optimizers": ("swap_state.client.torchtitan.glue", "original_build_optimizers"),
+}
+
+
+class _SeedFacade(types.ModuleType):
+    """This module's type: setting one of :data:`_PATCHED_THROUGH`'s names (a test's patch,
+    or its undo) also sets the attribute the code calls."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        target = _PATCHED_THROUGH.get(name)
+        if target is not None:
+            setattr(importlib.import_module(target[0]), target[1], value)
+
+
+sys.modules[__name__].__class__ = _SeedFacade

@@ -116,7 +116,7 @@ class SnapshotReader:
             and not (self.root / name).is_symlink()
         ]
 
-    def _load_index(self, job_id: str, path: pathlib.Path, step: int) -> SnapshotIndex | None:
+    def load_index(self, job_id: str, path: pathlib.Path, step: int) -> SnapshotIndex | None:
         """The index of a complete snapshot directory, None when it is not one."""
         try:
             raw = (path / INDEX_NAME).read_bytes()
@@ -127,7 +127,8 @@ class SnapshotReader:
             return None
         return index
 
-    def _complete(self, job_id: str) -> list[tuple[int, pathlib.Path, SnapshotIndex]]:
+    def complete(self, job_id: str) -> list[tuple[int, pathlib.Path, SnapshotIndex]]:
+        """(step, directory, index) of every complete snapshot of ``job_id``."""
         job_dir = self.job_dir(job_id)
         try:
             names = os.listdir(job_dir)
@@ -138,7 +139,7 @@ class SnapshotReader:
             step = parse_step_dir_name(name)
             if step is None:
                 continue
-            index = self._load_index(job_id, job_dir / name, step)
+            index = self.load_index(job_id, job_dir / name, step)
             if index is not None:
                 found.append((step, job_dir / name, index))
         found.sort(key=lambda item: item[0])
@@ -161,7 +162,7 @@ class SnapshotReader:
         """Complete snapshots of one job (or of all jobs), ordered by job, then step."""
         infos: list[SnapshotInfo] = []
         for job in [validate_job_id(job_id, SnapshotInvalid)] if job_id is not None else self.jobs():
-            complete = self._complete(job)
+            complete = self.complete(job)
             latest = self._latest_step(job, complete)
             for step, path, index in complete:
                 infos.append(

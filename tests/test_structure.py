@@ -52,6 +52,32 @@ def test_a_mixin_is_found():
     assert classes_with_several_project_bases({REPO / "x.py": tree}) == ["x.py: C(A, B)"]
 
 
+#: The in-process container's hooks (its docstring): a part calls them on the container.
+CONTAINER_HOOKS = {"_allocate_host_cache", "_before_host_write", "_after_step", "_after_load_state_dict"}
+
+
+def reach_ins(trees: dict[pathlib.Path, ast.Module]) -> list[str]:
+    """``self.<part>.<_private>``: an object reaching into the private fields of an object it
+    holds (or of the one holding it), other than the container's documented hooks."""
+    found = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and node.attr not in CONTAINER_HOOKS and isinstance(node.value, ast.Attribute)
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_object_reaches_into_another():
+    assert reach_ins(_modules()) == []
+
+
+def test_a_reach_in_is_found():
+    tree = ast.parse("class A:\n    def f(self):\n        return self._c._views, self._c.views, self._c._after_step\n")
+    assert reach_ins({REPO / "x.py": tree}) == ["x.py:3: self._c._views"]
+
+
 def lengths() -> list[tuple[str, int, int]]:
     """(where, lines, the advised most) of every module and function."""
     found = []

@@ -3,9 +3,10 @@
 The container holds one object per job: the host caches (:mod:`.host_cache`), the step
 pipeline (:mod:`.step_pipeline`), the state loader (:mod:`.state_loading`) and the load
 template (:mod:`.checkpoint_template`); ``state_dict()`` is :func:`.flat_state_dict.flat_state_dict`.
-Each part sees the container through :class:`~swap_state.client.optim.owner.SwapContainer`.
-This module holds construction, the parts and the hooks a subclass overrides. Importing it patches nothing in torchtitan (that is
-:mod:`swap_state.client.swap_optimizer`'s job, the seed's module name).
+Each part reads the container's public state (``optimizers``, ``model_parts``, the two maps,
+``device_backend``) and calls its hooks, nothing else. This module holds construction, the
+parts and the hooks a subclass overrides. Importing it patches nothing in torchtitan (that
+is :mod:`swap_state.client.swap_optimizer`'s job, the seed's module name).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer
 
-from swap_state.client.optim import patch_points
+from swap_state.client import device as device_layer  # an attribute: the seed's tests patch it
 from swap_state.client.optim.kernels import pin_default_implementation
 from swap_state.client.device import DeviceBackend
 from swap_state.client.optim import flat_state_dict as _flat
@@ -153,7 +154,7 @@ class SwapOptimizersContainer(OptimizersContainer):
         self.swap_optimizer_times = int(swap_optimizer_times)
         self.moment_dtype = _checked_moment_dtype(moment_dtype)
         self.unswapped = unswapped
-        self._device_backend = device_backend or patch_points.get_torch_device()
+        self._device_backend = device_backend or device_layer.get_device_backend()
         self._pipeline = self._device_backend.is_accelerator if pipeline is None else bool(pipeline)
         self._init_grouped(model_parts, optimizer_cls, optimizer_kwargs, param_groups or _trainable_group)
         self._init_swap_state()
@@ -237,7 +238,7 @@ class SwapOptimizersContainer(OptimizersContainer):
     @property
     def _backend(self) -> DeviceBackend:
         # A container built with __new__ (the seed's tests) has no backend of its own.
-        return self._device_backend or patch_points.get_torch_device()
+        return self._device_backend or device_layer.get_device_backend()
 
     # -- step ----------------------------------------------------------------------------
     def step(self, *args: Any, **kwargs: Any) -> None:

@@ -1,9 +1,9 @@
 """DTensor helpers of the swap optimizer: local shards in, DTensors laid out like a parameter out.
 
 The optimizer updates local shards only; checkpoints and ``optimizer.state`` carry DTensors
-laid out like their parameter. These are the defaults of the names the seed's tests patch on
-:mod:`swap_state.client.swap_optimizer`; the job modules call them through
-:mod:`swap_state.client.optim.patch_points`, so such a patch takes effect.
+laid out like their parameter. The job modules call ``unwrap_dtensor`` / ``wrap_like_param``
+as attributes of this module: the seed's tests patch them through
+:mod:`swap_state.client.swap_optimizer`.
 """
 
 from __future__ import annotations

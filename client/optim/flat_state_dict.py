@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from swap_state.client.optim import patch_points
+from swap_state.client import device as device_layer  # an attribute: the seed's tests patch it
+from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.dtensor_utils import DTensor, wrap_like_param_without_device_move
 from swap_state.client.optim.host_cache import MOMENT_KEYS, STEP_KEY, HostCache, step_tensor
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
@@ -36,7 +37,7 @@ __all__ = [
 def clone_value(value: Any) -> Any:
     """A checkpoint value detached from its source: tensors cloned to CPU, others deep-copied."""
     if isinstance(value, torch.Tensor):
-        return patch_points.unwrap_dtensor(value).detach().cpu().clone()
+        return dtensor_utils.unwrap_dtensor(value).detach().cpu().clone()
     return copy.deepcopy(value)
 
 
@@ -126,7 +127,7 @@ def state_step(cpu_states: Mapping[torch.Tensor, HostCache], group: Mapping[str,
     if step is None:
         step = group.get(STEP_KEY, 0)
     if isinstance(step, torch.Tensor):
-        return patch_points.unwrap_dtensor(step).detach().cpu().clone()
+        return dtensor_utils.unwrap_dtensor(step).detach().cpu().clone()
     return step_tensor(step)
 
 
@@ -135,7 +136,7 @@ def tensor_for_state_dict(tensor: Any, like_param: Any = None) -> Any:
 
     A non-empty tensor without storage is a swapped-out placeholder: an error.
     """
-    local = patch_points.unwrap_dtensor(tensor)
+    local = dtensor_utils.unwrap_dtensor(tensor)
     if local.numel() != 0 and local.untyped_storage().size() == 0:
         raise RuntimeError(
             "cannot checkpoint a swapped-out optimizer state without CPU cache: "
@@ -157,5 +158,5 @@ def move_step_to_device(step: Any) -> Any:
     with their slice.
     """
     if isinstance(step, torch.Tensor) and step.device.type == "cpu":
-        return step.to(patch_points.get_torch_device().current_device())
+        return step.to(device_layer.get_device_backend().current_device())
     return step

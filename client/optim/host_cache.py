@@ -16,19 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
 from swap_state.client.host_register import PAGE_SIZE
-from swap_state.client.optim import patch_points
+from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.dtensor_utils import DTensor
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
-
-if TYPE_CHECKING:
-    from swap_state.client.optim.owner import SwapContainer
 
 __all__ = [
     "FLAT_ALIGN",
@@ -120,7 +117,7 @@ def step_tensor(value: float) -> torch.Tensor:
 def as_number(value: Any) -> float:
     """A step or hyperparameter (number or one-element tensor) as a float."""
     if isinstance(value, torch.Tensor):
-        return float(patch_points.unwrap_dtensor(value).item())
+        return float(dtensor_utils.unwrap_dtensor(value).item())
     return float(value)
 
 
@@ -165,7 +162,9 @@ class HostCaches:
     zero-storage placeholders in ``optimizer.state``.
     """
 
-    def __init__(self, owner: SwapContainer):
+    def __init__(self, owner: Any):
+        # owner: the SwapOptimizersContainer holding this part (its public state and hooks;
+        # not imported: the container imports this module).
         self._owner = owner
         self.epoch = 0
         """Counts :meth:`install` calls: the step pipeline's per-parameter plans are built
@@ -183,7 +182,7 @@ class HostCaches:
         entries = []
         for group_index, param in pairs:
             fqn = param_fqns(fqns, param, optimizer_index)[0]
-            local = patch_points.unwrap_dtensor(param)
+            local = dtensor_utils.unwrap_dtensor(param)
             if not local.is_contiguous():
                 # The fused kernel walks memory linearly: a host cache laid out differently
                 # from the parameter would pair the wrong elements.
@@ -253,14 +252,14 @@ def placeholder_like(param: Any, tensor: torch.Tensor) -> Any:
 
     Wrapped like ``param`` only when ``param``'s local tensor is on the same device.
     """
-    local = patch_points.unwrap_dtensor(tensor)
+    local = dtensor_utils.unwrap_dtensor(tensor)
     placeholder = torch.empty_strided(
         local.size(), local.stride(), dtype=local.dtype, device=local.device
     )
     placeholder.untyped_storage().resize_(0)
-    if placeholder.device != patch_points.unwrap_dtensor(param).device:
+    if placeholder.device != dtensor_utils.unwrap_dtensor(param).device:
         return placeholder
-    return patch_points.wrap_like_param(placeholder, param)
+    return dtensor_utils.wrap_like_param(placeholder, param)
 
 
 def flat_layout(sizes: Sequence[int], page_size: int = PAGE_SIZE) -> tuple[list[int], int]:

@@ -44,7 +44,7 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam as torch_functional_adam
 from torch.optim.optimizer import _device_dtype_check_for_fused, _to_scalar
 
-from swap_state.client.optim import patch_points
+from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.dtensor_utils import DTensor
 from swap_state.client.optim.host_cache import STEP_KEY, HostCache, SliceStates, host_cache_ready, host_states
 
@@ -119,7 +119,7 @@ def checked_param_and_grad(
     if group.get("differentiable", False):
         raise RuntimeError("SwapOptimizersContainer does not support differentiable=True")
     grad = grad_on_param_placements(param, grad)
-    local_param, local_grad = patch_points.unwrap_dtensor(param), patch_points.unwrap_dtensor(grad)
+    local_param, local_grad = dtensor_utils.unwrap_dtensor(param), dtensor_utils.unwrap_dtensor(grad)
     if group_implementation(group) == "fused":
         _device_dtype_check_for_fused(local_param)
     return local_param, local_grad
@@ -405,7 +405,7 @@ def plan_slice(
     for param, group in zip(params, groups, strict=True):
         is_dtensor = isinstance(param, DTensor)
         kinds.add(is_dtensor)
-        local = patch_points.unwrap_dtensor(param)
+        local = dtensor_utils.unwrap_dtensor(param)
         locals_.append(None if is_dtensor else local)
         host = caches.get(param)
         ready = host_cache_ready(host, group) and host.get(STEP_KEY) is not None  # type: ignore[union-attr]
@@ -438,7 +438,7 @@ def full_slice_work(planned: SlicePlan, grads: list[Any]) -> SliceWork | None:
             return None
         if any(grad.placements != param.placements for param, grad in zip(params, present, strict=True)):
             return None
-        unwrap = patch_points.unwrap_dtensor
+        unwrap = dtensor_utils.unwrap_dtensor
         local_params, local_grads = [unwrap(p) for p in params], [unwrap(g) for g in present]
     else:
         if not all(type(grad) is torch.Tensor for grad in present) or any(grad.is_sparse for grad in present):

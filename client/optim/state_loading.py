@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from swap_state.client.optim import patch_points
+from swap_state.client import device as device_layer  # an attribute: the seed's tests patch it
+from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.flat_state_dict import FlatIndex, clone_value
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.client.optim.host_cache import (
@@ -42,9 +43,6 @@ from swap_state.client.optim.host_cache import (
     step_tensor,
 )
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
-
-if TYPE_CHECKING:
-    from swap_state.client.optim.owner import SwapContainer
 
 __all__ = ["StateLoader"]
 
@@ -85,7 +83,9 @@ class StateLoader:
     by the container; the container's ``_before_host_write`` / ``_after_load_state_dict``
     hooks are called around the copy, its ``_allocate_host_cache`` for missing caches."""
 
-    def __init__(self, owner: SwapContainer, host_caches: HostCaches):
+    def __init__(self, owner: Any, host_caches: HostCaches):
+        # owner: the SwapOptimizersContainer holding this part (its public state and hooks;
+        # not imported: the container imports this module).
         self._owner = owner
         self._host_caches = host_caches
 
@@ -102,7 +102,7 @@ class StateLoader:
         plan = self._plan_load(state_dict)
         owner._before_host_write([load.param for load in plan.params])
         self._commit_load(plan)
-        patch_points.get_torch_device().empty_cache()
+        device_layer.get_device_backend().empty_cache()
         owner._after_load_state_dict()
 
     def _plan_load(self, state_dict: Mapping[str, Any]) -> _LoadPlan:
@@ -137,7 +137,7 @@ class StateLoader:
         """One parameter's load: its sources (under any alias), checked against its shard."""
         aliases = param_fqns(fqns, param, optimizer_index)
         keys = moment_keys(group_load.group)
-        local_param = patch_points.unwrap_dtensor(param)
+        local_param = dtensor_utils.unwrap_dtensor(param)
         dtype = moments_dtype(self._owner, local_param)
         _check_amsgrad(index.lookup(PARAM_GROUPS_PREFIX, aliases, "amsgrad"), group_load.group)
         sources, step = _checked_sources(index, aliases, keys, group_load, local_param, dtype)
@@ -157,8 +157,8 @@ class StateLoader:
                     load.param,
                     load.fqn,
                     load.keys,
-                    patch_points.unwrap_dtensor(load.param).shape,
-                    moments_dtype(self._owner, patch_points.unwrap_dtensor(load.param)),
+                    dtensor_utils.unwrap_dtensor(load.param).shape,
+                    moments_dtype(self._owner, dtensor_utils.unwrap_dtensor(load.param)),
                     load.optimizer_index,
                     load.group_index,
                 )
@@ -314,7 +314,7 @@ def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor, 
         raise TypeError(
             f"optimizer state dict key {flat_key!r}: expected a tensor, got {type(value).__name__}"
         )
-    local = patch_points.unwrap_dtensor(value)
+    local = dtensor_utils.unwrap_dtensor(value)
     if local.is_meta or not has_data(local):
         raise ValueError(f"optimizer state dict key {flat_key!r}: the tensor has no data")
     if local.shape != local_param.shape:

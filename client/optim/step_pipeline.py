@@ -32,12 +32,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.optim import Optimizer
 
-from swap_state.client.optim import patch_points
+from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.kernels import (
     PendingSlice,
     SlicePlan,
@@ -65,9 +65,6 @@ from swap_state.client.optim.host_cache import (
     host_cache_ready,
     step_tensor,
 )
-
-if TYPE_CHECKING:
-    from swap_state.client.optim.owner import SwapContainer
 
 __all__ = ["DEFAULT_SWAP_TIMES", "StepPipeline"]
 
@@ -97,7 +94,9 @@ class StepPipeline:
     copy in flight when ``run`` returns or raises.
     """
 
-    def __init__(self, owner: SwapContainer, host_caches: HostCaches, *, pipeline: bool | None = None):
+    def __init__(self, owner: Any, host_caches: HostCaches, *, pipeline: bool | None = None):
+        # owner: the SwapOptimizersContainer holding this part (its public state and hooks;
+        # not imported: the container imports this module).
         self._owner = owner
         self._host_caches = host_caches
         self._pipeline = pipeline
@@ -149,7 +148,7 @@ class StepPipeline:
         cached = self._plans.get(id(optim))
         if cached is None or cached[0] != key:
             params = [param for group in optim.param_groups for param in group["params"]]
-            sizes = [patch_points.unwrap_dtensor(p).numel() * p.element_size() for p in params]
+            sizes = [dtensor_utils.unwrap_dtensor(p).numel() * p.element_size() for p in params]
             optim.param_to_group_map = groups = group_map(optim)  # type: ignore[attr-defined]
             slices = []
             for run in plan_slices(sizes, self._owner.swap_optimizer_times):

@@ -156,6 +156,34 @@ def snapshots_model(config: RemoteConfig) -> bool:
     return config.checkpoint == "snapshot" if config.snapshot_model is None else bool(config.snapshot_model)
 
 
+def snapshot_retention(config: RemoteConfig) -> dict[str, Any]:
+    """The ``keep_latest`` / ``keep_all`` / ``replace_existing`` a job's Snapshot calls carry
+    (``snapshot_keep_latest`` and ``snapshot_replace_existing``; {}: the server's
+    --keep-latest alone, and no replacing)."""
+    retention: dict[str, Any] = {"replace_existing": True} if config.snapshot_replace_existing else {}
+    keep = config.snapshot_keep_latest
+    if keep is not None:
+        retention.update({"keep_all": True} if keep == 0 else {"keep_latest": int(keep)})
+    return retention
+
+
+def follow_checkpoint_retention(config: RemoteConfig, keep_latest_k: int) -> None:
+    """Keep at least the snapshots a job's checkpoints still refer to: its checkpoint
+    retention (torchtitan's ``keep_latest_k``; 0: all) becomes ``snapshot_keep_latest``,
+    unless that was set explicitly; a step trained again replaces its snapshot."""
+    # A checkpointing framework overwrites the checkpoint of a step it trains again (after
+    # loading an older one): the snapshot that checkpoint refers to is overwritten with it.
+    config.snapshot_replace_existing = True
+    if config.snapshot_keep_latest is not None:
+        return
+    keep = int(keep_latest_k)
+    if keep < 0:
+        raise ValueError(f"checkpoint.keep_latest_k must be >= 0, got {keep_latest_k!r}")
+    config.snapshot_keep_latest = keep
+    log.info("snapshots of job %s follow the checkpoint retention: %s",
+             config.job_id, "keep all" if keep == 0 else f"keep the latest {keep}")
+
+
 def resolve_config(config: RemoteConfig | None, server: str | None, job_id: str | None) -> RemoteConfig:
     """A validated copy of ``config`` with the address and job id from the arguments or
     environment (still None where neither gives one: :func:`connect` decides then)."""

@@ -18,12 +18,24 @@ Call order::
             c.snapshot()                             # one RPC; returns when consistent
     c.close()                                        # detach (also at interpreter exit)
 
-The modules behind it:
+The container is the in-process container plus one
+:class:`~swap_state.client.remote.remote_segment.RemoteSegment` (attach, mapping, header,
+reattach, snapshot and restore calls, the model area), which knows nothing of optimizers;
+what the optimizers say in a snapshot's metadata is
+:class:`~swap_state.client.remote.optimizer_metadata.OptimizerMetadata`. The container
+overrides the in-process container's hooks and adds the checkpoint modes
+(``RemoteConfig.checkpoint``):
 
-- :mod:`~swap_state.client.remote.config`: RemoteConfig, environment, server / embedded
-- :mod:`~swap_state.client.remote.reattach`: reattach to a kept segment, torn state
-- :mod:`~swap_state.client.remote.snapshots`: SnapshotHandle, snapshot / restore / waits
-- :mod:`~swap_state.client.remote.checkpoint`: 'full' vs 'snapshot' state_dict / load
+'full'
+    ``state_dict()`` is the seed's flat dict with the moments (views of the segment);
+    ``load_state_dict()`` the seed's validated load.
+'snapshot'
+    ``state_dict()`` takes a server-side snapshot of the last committed step (unless one of
+    that step exists) and holds only a reference to it (:data:`SNAPSHOT_REF_KEY`,
+    :data:`SNAPSHOT_JOB_KEY`) plus param groups and step counts (with whole-state snapshots,
+    the reference only); ``load_state_dict()`` of such a dict restores that snapshot.
+
+Which way a load goes depends on the dict (a reference or not), not on the mode.
 
 Importing this module patches nothing in torchtitan.
 """
@@ -31,11 +43,10 @@ Importing this module patches nothing in torchtitan.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import itertools
+import logging
 import math
 import os
-import logging
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -45,19 +56,17 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from swap_state.client.remote.embedded import EmbeddedServer
-from swap_state.client.errors import ServerUnavailableError, SwapStateError
-from swap_state.client.optim.host_cache import STEP_KEY, HostCacheEntry
-from swap_state.client.remote.checkpoint import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, CheckpointMode
-from swap_state.client.remote.model_area import ModelArea, plan_model_tensors
-from swap_state.client.remote.config import RemoteConfig, connect, resolve_config, snapshots_model
-from swap_state.client.remote.reattach import GROUP_STEPS, PARAM_STEPS, ReattachCheck, all_param_groups
-from swap_state.client.remote.snapshots import SnapshotClient, SnapshotHandle
-from swap_state.client.remote.rpc import RemoteSession
-from swap_state.client.remote.segment_mapping import SegmentMapping, dtype_name
-from swap_state.client.remote.snapshot_guard import SnapshotGuard
-from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
+from swap_state.client.errors import NotFoundError, ServerUnavailableError, SnapshotFailedError, SwapStateError
+from swap_state.client.optim.checkpoint_template import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, holds_snapshot_reference
 from swap_state.client.optim.container import SwapOptimizersContainer
+from swap_state.client.optim.host_cache import STEP_KEY, HostCacheEntry
+from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
+from swap_state.client.remote.config import RemoteConfig, follow_checkpoint_retention, resolve_config, snapshots_model
+from swap_state.client.remote.model_area import plan_model_tensors
+from swap_state.client.remote.optimizer_metadata import OptimizerMetadata, all_param_groups
+from swap_state.client.remote.remote_segment import GROUP_STEPS, PARAM_STEPS, RemoteSegment
+from swap_state.client.remote.segment_mapping import dtype_name
+from swap_state.client.remote.snapshots import SnapshotHandle
 from swap_state.common.names import STATE_PREFIX, is_model_tensor, state_key
 from swap_state.common.sizing import plan_for_rank
 
@@ -69,21 +78,15 @@ __all__ = [
     "RemoteConfig",
     "RemoteSwapOptimizersContainer",
     "SnapshotHandle",
+    "is_moment_key",
 ]
 
 log = logging.getLogger("swap_state.client.remote_container")  # the name users configure
 
 
 class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
-    """Swap optimizer whose host cache lives in swap-state-server's shared memory.
-
-    It holds, besides the in-process container's parts, one object per remote job: the
-    reattach check (:class:`~swap_state.client.remote.reattach.ReattachCheck`: torn state,
-    the resumed step, the fingerprint), the snapshot client
-    (:class:`~swap_state.client.remote.snapshots.SnapshotClient`), the checkpoint mode
-    (:class:`~swap_state.client.remote.checkpoint.CheckpointMode`) and, with whole-state
-    snapshots, the model area. It overrides the in-process container's hooks, not its parts.
-    """
+    """Swap optimizer whose host cache lives in swap-state-server's shared memory: the
+    in-process container plus :attr:`segment` (module docstring)."""
 
     def __init__(
         self,
@@ -98,17 +101,13 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         **container_kwargs: Any,
     ) -> None:
         self.remote_config = resolve_config(config, server, job_id)
-        self._embedded: EmbeddedServer | None = None
-        self._mapping: SegmentMapping | None = None
-        self._guard: SnapshotGuard | None = None
-        self._model_area: ModelArea | None = None
-        self._views: dict[str, torch.Tensor] = {}
-        self._closed = False
-        self._reattach = ReattachCheck(self)
-        self._snapshots = SnapshotClient(self)
-        self._checkpoint = CheckpointMode(self)
-        self.session = self._connect(model_parts, optimizer_kwargs)
-        self.resumed_step = None
+        self.segment = RemoteSegment.connect(self.remote_config, model_parts, optimizer_kwargs)
+        self._metadata: OptimizerMetadata | None = None
+        self._fresh_group_steps: tuple[Any, ...] = ()
+        self._checkpoint_snapshot: SnapshotHandle | None = None
+        """The snapshot the last snapshot-mode state_dict() referred to (what a checkpoint holds)."""
+        self._restored_reference: str | None = None
+        """The reference the state was last restored from, until the next step."""
         try:
             super().__init__(model_parts, optimizer_cls, optimizer_kwargs, swap_optimizer_times, **container_kwargs)
             self._resume_group_steps()
@@ -118,20 +117,25 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         # close() at exit without keeping the container alive
         atexit.register(_close_at_exit, weakref.ref(self), os.getpid())
 
-    def _connect(self, model_parts: Sequence[nn.Module], kwargs: dict[str, Any]) -> RemoteSession:
-        """Attach (starting an embedded server when no address is configured)."""
-        connection = connect(self.remote_config, model_parts, kwargs)
-        self.client, self._embedded = connection.client, connection.embedded
-        return connection.session
+    # -- what the segment holds, for callers ------------------------------------------------
+    @property
+    def session(self) -> Any:
+        """The attached session (:class:`~swap_state.client.remote.rpc.RemoteSession`)."""
+        return self.segment.session
+
+    @property
+    def client(self) -> Any:
+        """The channel to the server (:class:`~swap_state.client.remote.rpc.SwapStateClient`)."""
+        return self.segment.client
+
+    @property
+    def resumed_step(self) -> int | None:
+        """The step a reattach (or a restore) resumed at; None for a fresh segment."""
+        return self.segment.resumed_step
 
     # -- hooks -------------------------------------------------------------------------------
     def _allocate_host_cache(self, entries: Sequence[HostCacheEntry]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """One Allocate RPC for every moment, the per-param steps and the group steps."""
-        if self._mapping is not None:
-            raise NotImplementedError(
-                "RemoteSwapOptimizersContainer allocates its segment once: every parameter "
-                "and param group must exist when the container is built"
-            )
         n_groups = sum(len(o.param_groups) for o in self.optimizers)
         specs: list[tuple[str, str, list[int]]] = [
             (PARAM_STEPS, "float32", [len(entries)]),
@@ -147,216 +151,279 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
                 self.model_parts, [e.param for e in entries], self.remote_config.model_state_dict
             )
             specs.extend(t.spec() for t in model_tensors)  # last: protocol step 5
-        reply = self.session.allocate(specs)
-        self._log_sizing(reply.segment, entries)
-        self._mapping = SegmentMapping.open(reply.segment)
-        self._mapping.register_for_dma(self._backend)
-        self._views = self._mapping.tensor_views()
-        self.session.bind_header(self._mapping.trainer)
-        self._check_resumable(reply.reused)
-        self._guard = SnapshotGuard(self._mapping, self.remote_config.backpressure_timeout_s,
-                                    server_gone=self.session.server_gone)
-        if model_tensors:
-            self._model_area = ModelArea(
-                model_tensors, self._views, self._guard, self._mapping.trainer, self._backend,
-                model_parts=self.model_parts, state_dict_of=self.remote_config.model_state_dict,
-            )  # fmt: skip
+        views = self.segment.allocate(specs, self._backend, model_tensors, self.model_parts)
+        self._log_sizing(entries)
         self._tensor_names: dict[torch.Tensor, list[str]] = {}
         cache: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        param_steps = self._views[PARAM_STEPS]
+        param_steps = views[PARAM_STEPS]
         for index, entry in enumerate(entries):
             names = [state_key(entry.fqn, key) for key in entry.keys]
-            cache[entry.param] = {key: self._views[n] for key, n in zip(entry.keys, names)}
+            cache[entry.param] = {key: views[n] for key, n in zip(entry.keys, names)}
             cache[entry.param][STEP_KEY] = param_steps[index]
             self._tensor_names[entry.param] = names
-        self._entries = list(entries)
+        self._metadata = OptimizerMetadata(entries, self.optimizers, self.segment.model_area)
+        self.segment.watch_params([entry.param for entry in entries])
         return cache
 
-    def _log_sizing(self, segment, entries: Sequence[HostCacheEntry]) -> None:
+    def _log_sizing(self, entries: Sequence[HostCacheEntry]) -> None:
         """What this rank's segment holds and what a host of the job's ranks needs (the
         numbers of ``swap-state plan``)."""
-        model = sum(t.nbytes for t in segment.tensors if is_model_tensor(t.name))
-        moments = sum(t.nbytes for t in segment.tensors if t.name.startswith(STATE_PREFIX))
+        tensors = self.segment.tensors
+        model = sum(t.nbytes for t in tensors if is_model_tensor(t.name))
+        moments = sum(t.nbytes for t in tensors if t.name.startswith(STATE_PREFIX))
         params = sum(math.prod(entry.shape) for entry in entries)
         plan = plan_for_rank(params, moments, model, self.session.local_world_size, snapshots=bool(model))
         log.info("swap-state segment of job %s rank %d: %s; %s", self.remote_config.job_id, self.session.rank,
                  plan.lines()[0].removeprefix("per rank:").strip(), plan.lines()[2].removeprefix("server:").strip())
 
+    def _resume_group_steps(self) -> None:
+        """Fresh group steps remembered (what a dropped state gets); after a reattach, the
+        group steps come back from the segment like the moments."""
+        self._fresh_group_steps = tuple(_clone(g.get(STEP_KEY)) for g in all_param_groups(self.optimizers))
+        if self.segment.resumed_step is not None:
+            self._load_group_steps_from_segment()
+
     def _before_host_write(self, params: Sequence[torch.Tensor]) -> None:
-        self._check_not_torn()
+        self.segment.check_not_torn()
         # The step tensors change with every slice, so they are guarded every time. The
         # names are an iterator the guard walks only while a snapshot persists: a step
         # without one looks up no parameter here.
         names_of = self._tensor_names
         names = itertools.chain((PARAM_STEPS, GROUP_STEPS), (n for p in params for n in names_of.get(p, ())))
-        self._guard.before_write(self._current_step(), names)
+        self.segment.before_write(self._current_step(), names)
 
     def _current_step(self) -> int:
         steps = [g[STEP_KEY] for g in all_param_groups(self.optimizers) if STEP_KEY in g]
         return int(max((float(s) for s in steps), default=0))
 
     def _publish_step(self, params_known: bool = True) -> int:
-        """Group steps and the parameters' fingerprint into the segment, clear the writing
-        mark, commit (header words, no RPC): in that order."""
-        step = self._current_step()
-        group_steps = self._views[GROUP_STEPS]
+        """Group steps into the segment, then the segment's publish (fingerprint, end of
+        write, commit)."""
+        group_steps = self.segment.views[GROUP_STEPS]
         for index, group in enumerate(all_param_groups(self.optimizers)):
             group_steps[index] = float(group.get(STEP_KEY, 0))
-        if params_known:
-            self._write_fingerprint()
-        self._guard.end_write()
-        self.session.commit(step)
-        return step
+        return self.segment.publish(self._current_step(), params_known)
 
     def _swap_step(self, optim: Optimizer, closure: Any = None) -> Any:
         self._verify_kept_state()  # first step after a reattach: is the kept state ours?
-        if self._model_area is not None:
-            self._model_area.wait_copy()  # the copy of the last step has read the parameters
+        if self.segment.model_area is not None:
+            self.segment.model_area.wait_copy()  # the copy of the last step has read the parameters
         return super()._swap_step(optim, closure)
 
     def _after_step(self) -> None:
         self._restored_reference = None
-        self._publish_step()  # the model is copied only for a snapshot (SnapshotClient.snapshot)
+        self._publish_step()  # the model is copied only for a snapshot
 
     def _after_load_state_dict(self) -> None:
-        self._guard.before_write(self._current_step(), [GROUP_STEPS])
-        self._state_replaced()
-        if self._model_area is not None:
-            self._model_area.invalidate()  # the model is loaded after the optimizer, if at all
+        self.segment.before_write(self._current_step(), [GROUP_STEPS])
+        self.segment.state_replaced()
+        if self.segment.model_area is not None:
+            self.segment.model_area.invalidate()  # the model is loaded after the optimizer, if at all
         self._publish_step(params_known=False)  # the model may be loaded after the optimizer
 
-    # -- state owned by the parts, read by the others -------------------------------------
-    @property
-    def resumed_step(self) -> int | None:
-        """The step a reattach (or a restore) resumed at; None for a fresh segment."""
-        return self._reattach.resumed_step
-
-    @resumed_step.setter
-    def resumed_step(self, step: int | None) -> None:
-        self._reattach.resumed_step = step
-
-    @property
-    def _torn_step(self) -> int | None:
-        return self._reattach._torn_step
-
-    @_torn_step.setter
-    def _torn_step(self, step: int | None) -> None:
-        self._reattach._torn_step = step
-
-    @property
-    def _snapshot_step(self) -> int | None:
-        return self._snapshots._snapshot_step
-
-    @property
-    def _snapshot_handle(self) -> SnapshotHandle | None:
-        return self._snapshots._snapshot_handle
-
-    @property
-    def _checkpoint_snapshot(self) -> SnapshotHandle | None:
-        return self._checkpoint._checkpoint_snapshot
-
-    @property
-    def _restored_reference(self) -> str | None:
-        return self._checkpoint._restored_reference
-
-    @_restored_reference.setter
-    def _restored_reference(self, reference: str | None) -> None:
-        self._checkpoint._restored_reference = reference
-
-    # -- reattach (ReattachCheck) -----------------------------------------------------------
-    def _check_resumable(self, reused: bool) -> None:
-        self._reattach._check_resumable(reused)
-
-    def _check_not_torn(self) -> None:
-        self._reattach._check_not_torn()
-
-    def _resume_group_steps(self) -> None:
-        self._reattach._resume_group_steps()
-
-    def _state_replaced(self) -> None:
-        self._reattach._state_replaced()
-
-    def _write_fingerprint(self) -> None:
-        self._reattach._write_fingerprint()
-
+    # -- reattach ----------------------------------------------------------------------------
     def _verify_kept_state(self) -> None:
-        self._reattach._verify_kept_state()
+        """Before the first step after a reattach: the segment keeps the state or drops it;
+        a dropped state's group steps become a fresh container's."""
+        if self.segment.verify_kept_state():
+            return
+        for group, step in zip(all_param_groups(self.optimizers), self._fresh_group_steps):
+            if step is None:
+                group.pop(STEP_KEY, None)
+            else:
+                group[STEP_KEY] = _clone(step)
 
     def _load_group_steps_from_segment(self) -> None:
-        self._reattach._load_group_steps_from_segment()
+        """Every param group's step := the segment's (copies: the group owns its tensor)."""
+        group_steps = self.segment.views[GROUP_STEPS]
+        for index, group in enumerate(all_param_groups(self.optimizers)):
+            group[STEP_KEY] = group_steps[index].clone()
 
-    # -- snapshots (SnapshotClient) ------------------------------------------------------------
+    # -- snapshots ---------------------------------------------------------------------------
     def snapshot(self) -> SnapshotHandle:
-        """Snapshot the last committed step on the server; returns once it is consistent."""
-        return self._snapshots.snapshot()
+        """Snapshot the last committed step on the server; returns once it is consistent.
+
+        Call between steps (after ``step()``). The trainer may step again at once; the
+        handle's ``wait_durable()`` says when it is on disk. A whole-state snapshot's copy of
+        the model goes on after this returns (the next update waits for it): a trainer that
+        dies before it lands fails the snapshot. A checkpoint's reference waits for it
+        (:meth:`checkpoint_reference`).
+        """
+        # Kept state of a reattach is checked against the model before anything refers to it.
+        self._verify_kept_state()
+        step = self.session.last_committed_step
+        if step is None:
+            step = self._publish_step()
+        return self.segment.snapshot(step, self._metadata.parts(self.segment.views[PARAM_STEPS]))
 
     def restore(self, snapshot_id: str = "latest") -> int:
-        """Replace the moments and steps with a durable snapshot's; returns its step."""
-        self._state_replaced()  # first: a trainer killed mid-restore leaves nothing to trust
-        return self._snapshots.restore(snapshot_id)
+        """Replace the moments and steps with a durable snapshot's; returns its step.
+
+        The server verifies layout and checksums before it writes a byte; on a mismatch it
+        raises and the current state is untouched. Call between steps.
+        """
+        return self.segment.restore(snapshot_id, self.snapshot_metadata(), self._apply_restored_metadata)
+
+    def _apply_restored_metadata(self, metadata_json: str) -> None:
+        views = self.segment.views
+        self._metadata.apply_restored(metadata_json, self.segment.tensors, views[PARAM_STEPS], views[GROUP_STEPS])
+        self._load_group_steps_from_segment()
 
     def snapshot_metadata(self) -> str:
-        return self._snapshots.snapshot_metadata()
+        """What the server cannot know: fqns, keys, DTensor layout, param groups, steps."""
+        return self._metadata.whole(self.segment.views[PARAM_STEPS])
 
     def state_dict_param_groups(self) -> dict[str, dict[str, Any]]:
-        return self._snapshots.state_dict_param_groups()
+        """Per canonical fqn, the JSON form of its param group's hyperparameters."""
+        return self._metadata.param_groups_by_fqn()
 
     def snapshot_retention(self) -> dict[str, Any]:
-        return self._snapshots.snapshot_retention()
+        return self.segment.retention()
 
     def follow_checkpoint_retention(self, keep_latest_k: int) -> None:
-        self._snapshots.follow_checkpoint_retention(keep_latest_k)
+        """This job's snapshots follow its checkpoint retention (:func:`~swap_state.client.remote.config.follow_checkpoint_retention`)."""
+        follow_checkpoint_retention(self.remote_config, keep_latest_k)
 
     def snapshot_location(self) -> str:
-        return self._snapshots.snapshot_location()
+        return self.segment.location()
 
-    def _snapshot_handle_for(self, snapshot_id: str) -> SnapshotHandle | None:
-        return self._snapshots._snapshot_handle_for(snapshot_id)
-
-    def _wait_for_persisting_snapshot(self, why: str) -> None:
-        self._snapshots._wait_for_persisting_snapshot(why)
-
-    def _wait_segment_released(self, why: str) -> None:
-        self._snapshots._wait_segment_released(why)
-
-    # -- checkpoints (CheckpointMode) ---------------------------------------------------------
+    # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The checkpoint mode's dict (:meth:`CheckpointMode.state_dict`)."""
-        return self._checkpoint.state_dict()
+        """Seed format in 'full' mode. In 'snapshot' mode: a reference to a server-side
+        snapshot of the last committed step (taken now, unless one of that step exists),
+        plus param groups and step counts (whole-state snapshots: the reference only); no
+        moment bytes pass through the trainer.
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """A snapshot reference is restored on the server; a full dict is the seed's load."""
-        self._checkpoint.load_state_dict(state_dict)
+        While a load announced the checkpoint's keys (``loading_checkpoint``, as the
+        torchtitan glue does around ``CheckpointManager.dcp_load``), this is that
+        checkpoint's template, whatever the mode: a reference (no snapshot taken) for a
+        snapshot-mode checkpoint, else the full dict matched to its keys.
 
-    def _full_state_dict(self) -> dict[str, Any]:
-        """The in-process container's (the seed's) flat state dict."""
-        return super().state_dict()
+        Otherwise, still safe as a load template: a container that has committed no step (or
+        whose kept state is torn) takes no snapshot; one that has (a reattached trainer) takes
+        one, and the load then restores the referenced snapshot after it. In 'full' mode the
+        returned moments are views that DCP loads into, so a snapshot still reading the
+        segment is waited for first.
+        """
+        held = self._load_template.keys
+        if held is not None and holds_snapshot_reference(held):
+            return self._reference_template(held)
+        if held is not None or self.remote_config.checkpoint != "snapshot":
+            # The moments are views of the segment, and DCP loads *into* a template's tensors:
+            # no write may land under a snapshot still reading the segment.
+            self.segment.wait_released("state_dict()")
+            return super().state_dict()  # matched to the checkpoint's keys while loading
+        # A whole-state snapshot holds everything: the checkpoint needs the reference only.
+        flat = {} if self.snapshots_model else self._state_dict_without_moments()
+        flat[SNAPSHOT_REF_KEY] = self.checkpoint_reference()
+        flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
+        return flat
 
-    def _full_load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """The in-process container's (the seed's) validated load."""
-        super().load_state_dict(state_dict)
+    def _state_dict_without_moments(self, held: frozenset[str] | None = None) -> dict[str, Any]:
+        return {k: v for k, v in super().state_dict().items()
+                if not is_moment_key(k) and (held is None or k in held)}
+
+    def _reference_template(self, held: frozenset[str]) -> dict[str, Any]:
+        """The template of a snapshot-mode checkpoint: the keys it holds, no moments, and no
+        snapshot taken (the reference it holds replaces the placeholder)."""
+        flat = self._state_dict_without_moments(held)
+        flat[SNAPSHOT_REF_KEY] = ""
+        flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
+        return flat
 
     def checkpoint_reference(self) -> str:
-        return self._checkpoint.checkpoint_reference()
+        """The id of a server-side snapshot of the last committed step, taken now unless one
+        of that step exists ("" before the first committed step, or while the kept state is
+        torn): what a snapshot-mode checkpoint refers to. Returns once the model's parameters
+        are in the segment (the server needs nothing more from this trainer to complete the
+        snapshot). Remembered for :meth:`wait_checkpoint_durable`."""
+        step = self.session.last_committed_step
+        if self.segment.torn_step is not None:
+            step = None  # no consistent state to refer to (a load template, before a restore)
+        if step is not None and step != self.segment.snapshot_step:
+            # A server being restarted or upgraded is waited for (bounded), not failed at once.
+            self.session.wait_connected(self.remote_config.server_wait_s)
+            self.snapshot()
+        if self.snapshots_model:
+            # A checkpoint that refers to the snapshot is a promise: a trainer killed once the
+            # save returns must still leave a snapshot the server can complete, and the model's
+            # copy into the segment is the trainer's part of it.
+            self.segment.model_area.wait_published()
+        handle = self.segment.snapshot_handle
+        self._checkpoint_snapshot = handle
+        return handle.snapshot_id if handle is not None else ""
 
     @property
     def snapshots_model(self) -> bool:
-        return self._checkpoint.snapshots_model
+        """Whether the snapshots hold the model's parameters too (whole-state snapshots)."""
+        return self.segment.model_area is not None
 
     @property
     def whole_state_checkpoints(self) -> bool:
-        return self._checkpoint.whole_state_checkpoints
+        """Whether a checkpoint's model entry may be a reference too: snapshot mode with
+        whole-state snapshots (a 'full' checkpoint keeps the model's tensors)."""
+        return self.snapshots_model and self.remote_config.checkpoint == "snapshot"
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """A snapshot reference is restored on the server (verified before any byte
+        changes); a full dict goes through the seed's validated load, which rewrites every
+        byte: torn state is no longer torn (unless the load fails)."""
+        snapshot_id = state_dict.get(SNAPSHOT_REF_KEY)
+        if snapshot_id is not None:
+            if snapshot_id:  # empty: saved before the first committed step, nothing to restore
+                self._load_snapshot_reference(str(snapshot_id), state_dict)
+            return
+        torn, self.segment.torn_step = self.segment.torn_step, None
+        try:
+            super().load_state_dict(state_dict)
+        except BaseException:
+            self.segment.torn_step = torn
+            raise
 
     def restore_reference(self, snapshot_id: str) -> None:
-        self._checkpoint.restore_reference(snapshot_id)
+        """Restore the snapshot a checkpoint refers to, unless this container's state already
+        is that snapshot's (the optimizer's entry of the same checkpoint restored it)."""
+        if snapshot_id and snapshot_id != self._restored_reference:
+            self._load_snapshot_reference(snapshot_id, {})
 
-    def wait_checkpoint_durable(self, timeout_s: float | None = None) -> None:
-        self._checkpoint.wait_checkpoint_durable(timeout_s)
+    def _load_snapshot_reference(self, snapshot_id: str, state_dict: Mapping[str, Any]) -> None:
+        """Wait for the snapshot to be durable, restore it, then apply the dict's groups."""
+        # The reference was saved once its snapshot was consistent; it may not be durable yet
+        # (a save, then at once a load): wait for it, or for its failure.
+        pending = self.segment.handle_for(snapshot_id)
+        if pending is not None:
+            try:
+                pending.wait_durable(timeout_s=self.remote_config.backpressure_timeout_s)
+            except NotFoundError:
+                pass  # not (or no longer) known to the server: Restore says where it looked
+            except SnapshotFailedError as e:
+                raise SnapshotFailedError(
+                    f"the checkpoint refers to snapshot {snapshot_id}, which never completed ({e}); "
+                    "load an earlier checkpoint (torchtitan: --checkpoint.load_step=<step>)"
+                ) from e
+        self.restore(snapshot_id)
+        self._restored_reference = snapshot_id
+        self._metadata.apply_saved_param_groups(state_dict)
+
+    def wait_checkpoint_durable(self, timeout_s: float | None = None, stored: bool = False) -> None:
+        """Block until the snapshot the last snapshot-mode ``state_dict()`` referred to is
+        durable (``stored``: in the server's ``--snapshot-store`` too); raise if it failed. A
+        server that stops or a segment that is freed ends a snapshot still persisting: call
+        it before the trainer exits (torchtitan's ``CheckpointManager.close`` does, through
+        the glue). Nothing to wait for in 'full' mode, or after ``close()``."""
+        handle = self._checkpoint_snapshot
+        if handle is None or self.segment.closed:
+            return
+        timeout_s = self.remote_config.backpressure_timeout_s if timeout_s is None else timeout_s
+        if stored:
+            handle.wait_stored(timeout_s=timeout_s)
+        else:
+            handle.wait_durable(timeout_s=timeout_s)
 
     def wait_checkpoint_stored(self, timeout_s: float | None = None) -> None:
         """Until the snapshot the last snapshot-mode checkpoint refers to is in the server's
         ``--snapshot-store`` (every host reaches it): a lost host no longer loses it."""
-        self._checkpoint.wait_checkpoint_durable(timeout_s, stored=True)
+        self.wait_checkpoint_durable(timeout_s, stored=True)
 
     # -- lifetime ----------------------------------------------------------------------------
     def server_stats(self, wait_s: float = 0.0):
@@ -376,7 +443,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
     def close(self, keep: bool = False) -> None:
         """Detach from the server (freeing the segment unless ``keep``), unmap, stop an
         embedded server. Idempotent; also run at interpreter exit."""
-        if self._closed:
+        if self.segment.closed:
             return
         try:
             # A checkpoint may refer to a snapshot still persisting; detaching (or stopping
@@ -384,43 +451,19 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             self.wait_checkpoint_durable()
         except SwapStateError as e:
             log.warning("the snapshot the last checkpoint refers to is not durable: %s", e)
-        self._closed = True
-        # Every part runs even when one fails (last pushed, first run); the first failure is
-        # raised after all of them.
-        with contextlib.ExitStack() as parts:
-            if self._embedded is not None:
-                parts.callback(self._embedded.stop)
-            if getattr(self, "client", None) is not None:
-                parts.callback(self.client.close)
-            parts.callback(self._release_mapping)
-            if getattr(self, "session", None) is not None:
-                parts.callback(self._detach, keep)
+        # No reference to the views outlives the mapping (the instance's map: one whose
+        # __init__ failed early has only the class's empty default).
+        vars(self).get("param_to_cpu_states_map", {}).clear()
+        self.segment.close(keep)
 
-    def _detach(self, keep: bool) -> None:
-        try:
-            self.session.close(keep=keep)
-        except SwapStateError as e:
-            log.warning("detach failed: %s", e)
 
-    def _release_mapping(self) -> None:
-        if self._mapping is None:
-            return
-        # Drop every reference to the views before unmapping.
-        if getattr(self, "session", None) is not None:
-            self.session.bind_header(None)
-        self.param_to_cpu_states_map.clear()
-        self._views = {}
-        if self._model_area is not None:
-            self._model_area.close()
-            self._model_area = None
-        if self._guard is not None:
-            self._guard.close()
-            self._guard = None
-        try:
-            self.device_backend.synchronize()  # no copy in flight from or to the mapping
-        finally:
-            self._mapping.close()  # unregisters it for DMA, then unmaps
-            self._mapping = None
+def is_moment_key(key: str) -> bool:
+    """A ``state.<fqn>.<moment>`` key (not a step): left out of a snapshot-mode dict."""
+    return key.startswith(STATE_PREFIX) and not key.endswith("." + STEP_KEY)
+
+
+def _clone(value: Any) -> Any:
+    return value.clone() if hasattr(value, "clone") else value
 
 
 def _close_at_exit(ref: weakref.ref, pid: int) -> None:

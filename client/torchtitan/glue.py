@@ -7,9 +7,8 @@ custom config module :mod:`swap_state.client.torchtitan.config`, which then also
 :func:`rebind_imported_model_specs` and :func:`install_job_hooks` (the job config, checkpoint
 retention and checkpoint-matched load templates: see the end of this module).
 
-The wrapper reads ``SwapOptimizersContainer`` and ``_original_build_optimizers`` from the
-facade at call time (:mod:`swap_state.client.optim.patch_points`), so the seed's patches of those
-names take effect.
+The wrapper calls this module's ``SwapOptimizersContainer`` and ``original_build_optimizers``
+at call time: the seed's tests patch them through the facade (:mod:`swap_state.client.swap_optimizer`).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from torchtitan.components.optimizer import OptimizersContainer  # noqa: E402
 
 from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.optim.kernels import IMPLEMENTATIONS
-from swap_state.client.optim.patch_points import facade_attr
 from swap_state.client.torchtitan import checkpointing
 from swap_state.client.torchtitan.settings import (
     SNAPSHOT_SUBDIR,
@@ -77,7 +75,7 @@ def build_optimizers(
     checkpoint mode; optimizers-in-backward and TorchFT are not supported.
     """
     if not getattr(optimizer_config, "swap_optimizer", False):
-        original = facade_attr("_original_build_optimizers", original_build_optimizers)
+        original = original_build_optimizers
         return original(model_parts, optimizer_config, parallel_dims, ft_manager)
     name = optimizer_config.name
     optimizer_cls = SWAP_OPTIMIZER_CLASSES.get(name)
@@ -95,7 +93,7 @@ def build_optimizers(
         optimizer_kwargs,
         settings,
         snapshot_dir=embedded_snapshot_dir(current_job_config()),
-        local_container_cls=facade_attr("SwapOptimizersContainer", SwapOptimizersContainer),
+        local_container_cls=SwapOptimizersContainer,
     )
 
 
@@ -135,7 +133,7 @@ def install_build_optimizers_wrapper() -> None:
 
 def rebind_imported_model_specs() -> None:
     """Model packages imported before the wrapper captured the unwrapped builder: rebind."""
-    original = facade_attr("_original_build_optimizers", original_build_optimizers)
+    original = original_build_optimizers
     wrapped = _tt_optimizer.build_optimizers
     for name, module in list(sys.modules.items()):
         if name.startswith("torchtitan.") and getattr(module, "build_optimizers", None) is original:

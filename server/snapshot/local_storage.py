@@ -157,7 +157,7 @@ class LocalFilesystemStorage(SnapshotStorage):
 
     def step_state(self, job_id: str, step: int) -> StepState:
         final = self._reader.final_dir(job_id, step)
-        if self._reader._load_index(job_id, final, step) is not None:
+        if self._reader.load_index(job_id, final, step) is not None:
             return StepState.COMPLETE
         if os.path.lexists(final):
             return StepState.OTHER
@@ -228,7 +228,7 @@ class LocalFilesystemStorage(SnapshotStorage):
     # ---------------------------------------------------------------- committed snapshots
 
     def list(self, job_id: str) -> list[tuple[int, pathlib.PurePath]]:
-        return [(step, path) for step, path, _ in self._reader._complete(job_id)]
+        return [(step, path) for step, path, _ in self._reader.complete(job_id)]
 
     def unlist(self, where: pathlib.PurePath) -> pathlib.Path:
         """Rename to ``.deleting-step-<N>.<unique>`` and fsync the job directory: gone from

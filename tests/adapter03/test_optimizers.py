@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 
+from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.torchtitan.optimizers_v03 import SwapStateOptimizersContainer
 
 GROUPS = [
@@ -176,7 +177,8 @@ def test_bf16_moments_stay_bf16_in_a_snapshot_and_its_export(start_server, tmp_p
     swap = config.build(model_parts=[model])
     try:
         _train(model, swap, range(2))
-        live = {key: value.clone() for key, value in swap._full_state_dict().items() if key.endswith("exp_avg")}
+        full = SwapOptimizersContainer.state_dict(swap)  # the seed's dict, whatever the mode
+        live = {key: value.clone() for key, value in full.items() if key.endswith("exp_avg")}
         status = swap.snapshot().wait_durable(timeout_s=60)
         _, exported = load_flat_state_dict(status.path)
     finally:

@@ -50,7 +50,7 @@ def test_a_trainer_with_no_address_uses_the_hosts_server_at_the_default_socket(h
     assert len(sizing) == 1 and "parameters: moments" in sizing[0] and "--shm-size" in sizing[0], sizing
     try:
         assert container.remote_config.server == f"unix://{default_socket_path()}"
-        assert container._embedded is None  # no private server
+        assert container.segment.embedded is None  # no private server
         train(model, container, w, range(1, 3))
         [session] = container.client.stats().sessions
         assert (session.job_id, session.state, session.steps_committed) == ("found-by-default", "live", 2)
@@ -68,7 +68,7 @@ def test_without_a_hosts_server_a_multi_rank_job_warns_once_and_starts_private_s
         rank0 = remote(w, model, None, "private", rank=0, world_size=2)
         rank1 = remote(w, build(w), None, "private", rank=1, world_size=2)
     try:
-        assert rank0._embedded is not None and rank1._embedded is not None
+        assert rank0.segment.embedded is not None and rank1.segment.embedded is not None
         warnings = [r.getMessage() for r in caplog.records if "starts a private server" in r.getMessage()]
         assert len(warnings) == 1, warnings  # rank 0's, once
         assert "$SWAP_STATE_SERVER" in warnings[0] and str(stale) in warnings[0]

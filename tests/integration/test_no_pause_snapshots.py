@@ -41,7 +41,7 @@ def test_server_stages_ahead_so_the_trainer_copies_nothing(start_server):
     handle = container.snapshot()
     # A forward/backward's worth of time: the server stages the state meanwhile (waited for,
     # bounded, rather than slept: a loaded CI machine may take longer than a real step).
-    header, n_chunks = container._mapping.header, len(container._mapping.chunks)
+    header, n_chunks = container.segment.mapping.header, len(container.segment.mapping.chunks)
     deadline = time.monotonic() + 10
     while header[Word.STAGED_UPTO] < n_chunks and header[Word.PERSISTED_UPTO] < n_chunks:
         assert time.monotonic() < deadline, "the server never staged the state"

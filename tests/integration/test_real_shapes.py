@@ -141,7 +141,7 @@ def test_a_llama3_8b_mlp_weight_through_the_remote_container_bitwise(start_serve
     with caplog.at_level(logging.WARNING, logger=REMOTE_LOGGER):
         train(fresh, third, W, range(1, 2))
     assert "dropping the swap-state optimizer state kept for job llama3-mlp rank 0 at step 5" in caplog.text
-    assert third._mapping.header[Word.STATE_DROPS] == 1
+    assert third.segment.mapping.header[Word.STATE_DROPS] == 1
     third.close()
 
 
@@ -245,7 +245,7 @@ def test_moments_over_2_31_bytes_in_a_segment_past_2_32_bytes_bitwise(start_serv
     container = remote(W, model, server.address, "qwen-embedding", checkpoint="snapshot", rpc_timeout_s=120.0)
     moments = container.param_to_cpu_states_map.__getitem__
     try:
-        layout = {t.name: t for t in container._mapping.tensors}
+        layout = {t.name: t for t in container.segment.mapping.tensors}
         assert layout["state.embed.weight.exp_avg_sq"].nbytes > 2**31
         assert layout["model.embed.weight"].offset + layout["model.embed.weight"].nbytes > 2**32
         train(model, container, W, range(1, 3))

@@ -38,7 +38,7 @@ def test_a_rerun_from_fresh_weights_drops_the_kept_state(server, caplog):
     assert reference_mismatches(model, second, w, steps=5) == []
     assert "dropping the swap-state optimizer state kept for job rerun rank 0 at step 5" in caplog.text
     assert second.resumed_step is None and second.session.last_committed_step == 5
-    assert second._mapping.header[Word.STATE_DROPS] == 1
+    assert second.segment.mapping.header[Word.STATE_DROPS] == 1
     second.close()
 
 
@@ -77,7 +77,7 @@ def test_a_load_replaces_the_kept_state_without_a_check(server):
     second.load_state_dict(saved)  # a checkpoint of step 3 replaces the kept step 5
     train(model2, second, w, range(4, 11))
     assert reference_mismatches(model2, second, w) == []
-    assert second._mapping.header[Word.STATE_DROPS] == 0
+    assert second.segment.mapping.header[Word.STATE_DROPS] == 0
     second.close()
 
 

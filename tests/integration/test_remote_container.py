@@ -206,7 +206,7 @@ def test_embedded_default_leaves_nothing_behind(no_server_env):
     w = Workload()
     model = build(w)
     container = remote(w, model, None, None)
-    embedded = container._embedded
+    embedded = container.segment.embedded
     assert embedded is not None
     pid, workdir = embedded.pid, embedded.workdir
     session_id = container.session.session_id
@@ -249,7 +249,7 @@ def test_trainer_dead_mid_step_leaves_torn_state_that_must_be_restored(server):
     params_at_3 = {k: v.clone() for k, v in model.state_dict().items()}
     train(model, first, w, range(4, 5))
     # What a trainer killed while writing step 5 leaves behind: the writing mark.
-    first._mapping.header[Word.WRITING_STEP] = 5 + 1
+    first.segment.mapping.header[Word.WRITING_STEP] = 5 + 1
     first.close(keep=True)
 
     model2 = build(w)

@@ -160,7 +160,7 @@ def _with_embedded_server(job: str, tmp_path):
 
 def test_the_embedded_default_restarts_its_server_when_it_dies(no_server_env, tmp_path):
     w, model, container = _with_embedded_server("embedded-restart", tmp_path)
-    embedded = container._embedded
+    embedded = container.segment.embedded
     embedded.kill()  # the watchdog notices and starts it again on the same socket
     train(model, container, w, range(4, 6))
     back = wait_until(lambda: embedded.restarts == 1 and not container.session.server_gone(), timeout_s=30)
@@ -244,7 +244,7 @@ def test_a_forked_child_exiting_leaves_the_parents_session_and_server(no_server_
         finally:
             os._exit(0)
     assert os.waitpid(child, 0)[1] == 0
-    assert container._embedded._proc.poll() is None  # the server is still running
+    assert container.segment.embedded._proc.poll() is None  # the server is still running
     train(model, container, w, range(4, 11))
     assert not container.session.server_gone() and reference_mismatches(model, container, w, 10) == []
     assert container.snapshot().wait_durable(timeout_s=30).state in ("durable", "stored")

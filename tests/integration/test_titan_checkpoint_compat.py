@@ -169,7 +169,7 @@ def test_retention_follows_keep_latest_k(start_server, gloo_one_rank, tmp_path):
         train(model, container, W, range(step, step + 1))
         state.step = step
         manager.save(curr_step=step)
-        container._snapshot_handle.wait_durable(timeout_s=60)
+        container.segment.snapshot_handle.wait_durable(timeout_s=60)
     manager.close()  # joins torchtitan's purge thread
     container.close()
     kept = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoint").iterdir())
@@ -199,7 +199,7 @@ def test_keep_latest_k_zero_keeps_every_snapshot(start_server, gloo_one_rank, tm
         train(model, container, W, range(step, step + 1))
         state.step = step
         manager.save(curr_step=step)
-        container._snapshot_handle.wait_durable(timeout_s=60)
+        container.segment.snapshot_handle.wait_durable(timeout_s=60)
     manager.close()
     container.close()
     assert _snapshot_steps(server, "keep-all") == [1, 2, 3, 4]

@@ -11,7 +11,7 @@ import pytest
 
 from swap_state.client.errors import SnapshotNotFoundError
 from swap_state.client.remote.embedded import EmbeddedServerConfig
-from swap_state.client.remote.checkpoint import SNAPSHOT_REF_KEY
+from swap_state.client.optim.checkpoint_template import SNAPSHOT_REF_KEY
 
 from snapshot_kit import CHUNK, params_copy
 from .workload import Workload, build, reference_mismatches, remote, train
@@ -29,13 +29,13 @@ def test_snapshots_of_an_embedded_server_outlive_it(no_server_env, private_shm_d
     snapshots = tmp_path / "snapshots"
     model = build(W)
     first = remote(W, model, None, "lasting", checkpoint="snapshot", embedded=_embedded(snapshots, private_shm_dir))
-    workdir = first._embedded.workdir
-    assert first._embedded.snapshot_dir == str(snapshots)
+    workdir = first.segment.embedded.workdir
+    assert first.segment.embedded.snapshot_dir == str(snapshots)
     train(model, first, W, range(1, 6))
     params_at_5 = params_copy(model)
     with caplog.at_level(logging.INFO, logger="swap_state.client.remote_container"):
         saved = first.state_dict()
-        first._snapshot_handle.wait_durable(timeout_s=60)
+        first.segment.snapshot_handle.wait_durable(timeout_s=60)
     assert saved[SNAPSHOT_REF_KEY] == "lasting/step-5"
     where = [r.getMessage() for r in caplog.records if "first snapshot" in r.getMessage()]
     assert where == [f"first snapshot lasting/step-5 goes to {snapshots / 'lasting'}"]
@@ -47,7 +47,7 @@ def test_snapshots_of_an_embedded_server_outlive_it(no_server_env, private_shm_d
     again = build(Workload(seed=7))
     again.load_state_dict(params_at_5)
     second = remote(W, again, None, "rerun", checkpoint="snapshot", embedded=_embedded(snapshots, private_shm_dir))
-    assert second._embedded.address != first.remote_config.server
+    assert second.segment.embedded.address != first.remote_config.server
     second.load_state_dict(saved)
     assert second.session.last_committed_step == 5
     train(again, second, W, range(6, 11))

@@ -149,7 +149,7 @@ def test_snapshot_mode_load_into_a_reattached_trainer_is_bitwise(
     manager.save(curr_step=5)
     train(model, container, W, range(6, 8))
     if left == "torn":  # what a trainer killed while writing step 8 leaves: the writing mark
-        container._mapping.header[Word.WRITING_STEP] = 8 + 1
+        container.segment.mapping.header[Word.WRITING_STEP] = 8 + 1
     manager.close()
     container.close(keep=True)  # the trainer process goes; the server keeps its segment
 

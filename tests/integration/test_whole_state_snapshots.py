@@ -129,14 +129,14 @@ def _snapshot_without_the_models_copy(start_server, job_id: str):
     model = build_wide(W)
     container = remote(W, model, server.address, job_id, checkpoint="snapshot")
     train(model, container, W, range(1, 3))
-    container._mapping.header[Word.MODEL_STEP] = 0
+    container.segment.mapping.header[Word.MODEL_STEP] = 0
     return container, container.session.snapshot(2, container.snapshot_metadata())
 
 
 def test_a_trainer_that_never_copies_the_model_fails_the_snapshot_not_silently(start_server):
     container, handle = _snapshot_without_the_models_copy(start_server, "no-copy")
     with pytest.raises(SwapStateError, match="did not copy the model's parameters of step 2"):
-        container._snapshot_handle_for(handle.snapshot_id).wait_durable(timeout_s=30)
+        container.segment.handle_for(handle.snapshot_id).wait_durable(timeout_s=30)
     container.close()
 
 
@@ -145,13 +145,13 @@ def test_quiet_steps_copy_no_parameters_only_a_snapshot_step_does(start_server):
     model = build_wide(W)
     container = remote(W, model, server.address, "quiet", checkpoint="snapshot")
     train(model, container, W, range(1, 4))
-    assert container._mapping.header[Word.MODEL_STEP] == 0  # three steps, no copy of the model
+    assert container.segment.mapping.header[Word.MODEL_STEP] == 0  # three steps, no copy of the model
     at_3 = params_copy(model)
     handle = container.snapshot()  # starts the copy of step 3's parameters, returns at once
     train(model, container, W, range(4, 6))  # the update of step 4 waits for that copy only
     stored = load_file(str(data_file(handle.wait_durable(timeout_s=60).path)))
     assert bitwise_diff({f"model.{k}": v for k, v in at_3.items()}, {k: v for k, v in stored.items() if k.startswith("model.")}) == []
-    assert container._mapping.header[Word.MODEL_STEP] == 4  # still step 3's: steps 4 and 5 copied nothing
+    assert container.segment.mapping.header[Word.MODEL_STEP] == 4  # still step 3's: steps 4 and 5 copied nothing
     container.close()
 
 

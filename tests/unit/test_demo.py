@@ -17,7 +17,7 @@ class _Container:
 
     def __init__(self, resumed_step=None, previous_session="", snapshots=(), restores_to=None):
         self.resumed_step = resumed_step
-        self._torn_step = None
+        self.segment = types.SimpleNamespace(torn_step=None, embedded=None)
         self.session = types.SimpleNamespace(rank=0, previous_session=previous_session)
         self.remote_config = types.SimpleNamespace(job_id="demo")
         listed = types.SimpleNamespace(snapshots=list(snapshots))

@@ -20,8 +20,10 @@ from torchtitan.components.optimizer import OptimizersContainer
 from swap_state.client.torchtitan import glue as torchtitan_glue
 from swap_state.client.optim.checkpoint_template import SnapshotCheckpointError, load_template
 from swap_state.client.remote.embedded import EmbeddedServerConfig, default_snapshot_dir
-from swap_state.client.remote.config import RemoteConfig, embedded_config_for, embedded_world_size_hint, resolve_config
-from swap_state.client.remote.snapshots import SnapshotClient
+from swap_state.client.remote.config import (
+    RemoteConfig, embedded_config_for, embedded_world_size_hint, follow_checkpoint_retention, resolve_config,
+    snapshot_retention,
+)
 from swap_state.client.swap_optimizer import SwapOptimizersContainer
 
 pytestmark = pytest.mark.timeout(60)
@@ -123,9 +125,6 @@ def test_embedded_server_for_whole_state_snapshots_has_copy_slots_for_the_whole_
     assert embedded_config_for(RemoteConfig(), [model], {}, rank=0, world_size=1).cow_budget_bytes is None
 
 
-def _Retention(keep: int | None) -> SnapshotClient:
-    """A container's snapshot client, with only the config it reads for retention."""
-    return SnapshotClient(types.SimpleNamespace(remote_config=RemoteConfig(job_id="job", snapshot_keep_latest=keep)))
 
 
 @pytest.mark.parametrize(
@@ -135,11 +134,11 @@ def _Retention(keep: int | None) -> SnapshotClient:
 def test_snapshot_retention_follows_the_checkpoint_unless_set(
     explicit: int | None, keep_latest_k: int, expected: dict[str, Any]
 ) -> None:
-    container = _Retention(explicit)
-    assert container.snapshot_retention() == ({} if explicit is None else {"keep_latest": explicit})
-    container.follow_checkpoint_retention(keep_latest_k)
+    config = RemoteConfig(job_id="job", snapshot_keep_latest=explicit)
+    assert snapshot_retention(config) == ({} if explicit is None else {"keep_latest": explicit})
+    follow_checkpoint_retention(config, keep_latest_k)
     # ... and a step trained again overwrites its snapshot, as torchtitan its checkpoint
-    assert container.snapshot_retention() == {**expected, "replace_existing": True}
+    assert snapshot_retention(config) == {**expected, "replace_existing": True}
 
 
 def test_checkpoint_manager_tells_the_container_its_retention(tmp_path: Path) -> None:
