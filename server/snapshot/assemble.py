@@ -27,6 +27,8 @@ import json
 import logging
 import mmap
 import os
+import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import ContextManager, Protocol
 
@@ -38,7 +40,7 @@ from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, SnapshotMeta
 from swap_state.common.snapshot_reader import SnapshotInfo, check_manifest_sizes
 from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.reshard import Piece, TargetTensor, plan_rank, ranks_needed
+from swap_state.server.snapshot.reshard import LayoutIndex, Piece, TargetTensor, ranks_needed
 from swap_state.server.snapshot.store import SnapshotStore
 
 __all__ = ["AssembleSource", "LocalSource", "StoreSource", "restore_targets", "assemble", "Assembled"]
@@ -157,16 +159,18 @@ def assemble(
     reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
 ) -> Assembled:
     """Plan, read and verify every piece of ``rank``'s tensors, then copy them into ``view``.
-    Each old rank's manifest is read once (the targets' placement may come from this rank's)."""
+    Each old rank's manifest is read once for all the ranks of this server that restore the
+    snapshot together (:data:`RECENT`); the targets' placement may come from this rank's."""
     info = source.info
-    manifests = {r: source.read_manifest(r) for r in info.ranks}
+    read = RECENT.read(source)
+    manifests = read.manifests
     same_world = info.world_size == world_size
     own = manifests.get(rank) if same_world else None
     targets = restore_targets(layout, placement, own, world_size, info)
     if not same_world:  # the trainer rebuilds its bookkeeping from the restored metadata
         targets = [t for t in targets if not t.name.startswith(BOOKKEEPING_PREFIX)]
-    targets, records = _full_tensors_as_boxes(targets, {r: m.tensors for r, m in manifests.items()})
-    plan = plan_rank(targets, records, target_rank=rank, same_world=same_world)
+    targets, index = _full_tensors_as_boxes(targets, read.index)
+    plan = index.plan(targets, target_rank=rank, same_world=same_world)
     needed = ranks_needed(plan)
     for r in needed:
         source.check_data_header(manifests[r])
@@ -186,33 +190,84 @@ def assemble(
     return Assembled(nbytes, needed, _restored_metadata(manifests[base].metadata_json, others, placement), granted)
 
 
-def _full_tensors_as_boxes(targets: list[TargetTensor], records: dict[int, tuple[TensorRecord, ...]]):
+def _full_tensors_as_boxes(targets: list[TargetTensor], index: LayoutIndex) -> tuple[list[TargetTensor], LayoutIndex]:
     """A plain tensor and a DTensor of the same global shape are the same tensor, whole: a job
     sharded (FSDP) at one world size is not at another (torchtitan applies no FSDP on one rank).
     A plain target whose sources are DTensors of its shape becomes the box of the whole
     tensor; plain sources of a DTensor target's global shape become whole boxes, only when
     every rank holds the same bytes (crc32): replicas, never one rank's guess."""
-    by_name: dict[str, list[TensorRecord]] = {}
-    for tensors in records.values():
-        for record in tensors:
-            by_name.setdefault(record.name, []).append(record)
-    promoted: set[str] = set()
+    promoted: dict[str, list[tuple[int, TensorRecord]]] = {}
     out = []
     for target in targets:
-        sources = by_name.get(target.name, [])
+        sources = index.records(target.name)
         if target.global_shape is None and sources and all(
-            r.global_shape is not None and tuple(r.global_shape) == target.shape for r in sources
+            r.global_shape is not None and tuple(r.global_shape) == target.shape for _, r in sources
         ):
             target = dataclasses.replace(target, global_shape=target.shape, global_offset=(0,) * len(target.shape))
-        elif target.global_shape is not None and sources and len({r.crc32 for r in sources}) == 1 and all(
-            r.global_shape is None and tuple(r.shape) == tuple(target.global_shape) for r in sources
+        elif target.global_shape is not None and sources and len({r.crc32 for _, r in sources}) == 1 and all(
+            r.global_shape is None and tuple(r.shape) == tuple(target.global_shape) for _, r in sources
         ):
-            promoted.add(target.name)
+            promoted[target.name] = [
+                (rank, dataclasses.replace(r, global_shape=r.shape, global_offset=(0,) * len(r.shape)))
+                for rank, r in sources
+            ]
         out.append(target)
-    if not promoted:
-        return out, records
-    whole = lambda r: dataclasses.replace(r, global_shape=r.shape, global_offset=(0,) * len(r.shape))  # noqa: E731
-    return out, {rank: tuple(whole(r) if r.name in promoted else r for r in tensors) for rank, tensors in records.items()}
+    return out, (index.replaced(promoted) if promoted else index)
+
+
+class ReadSnapshot:
+    """A snapshot's manifests, each verified against its index, and their layout index."""
+
+    def __init__(self, manifests: dict[int, RankManifest]):
+        self.manifests = manifests
+        self.index = LayoutIndex({rank: manifest.tensors for rank, manifest in manifests.items()})
+
+
+class RecentSnapshots:
+    """The snapshots assembled from lately, read once for the ranks of this server that restore
+    them together: 8 ranks restoring a snapshot of N ranks read and index the N manifests once,
+    not 8 times, and hold one copy of them. An entry lives while a restore uses it and
+    ``keep_s`` after its last read (the ranks of a host call Restore about together), never
+    longer: at 1,024 old ranks the manifests are about a GiB."""
+
+    def __init__(self, keep_s: float = 30.0):
+        self._keep_s = keep_s
+        self._lock = threading.Lock()
+        self._live: weakref.WeakValueDictionary[tuple, ReadSnapshot] = weakref.WeakValueDictionary()
+        self._kept: ReadSnapshot | None = None
+        self._kept_count = 0  # which keep a release timer ends (the timer holds no reference)
+        self._release: threading.Timer | None = None
+
+    def read(self, source: AssembleSource) -> ReadSnapshot:
+        info = source.info
+        # A snapshot replaced under the same id (a step trained again) has another index: its
+        # files' checksums, its attempt and time.
+        key = (source.where, str(info.path), info.index)
+        with self._lock:  # the first rank reads; the others wait for it and share the result
+            read = self._live.get(key)
+            if read is None:
+                read = ReadSnapshot({r: source.read_manifest(r) for r in info.ranks})
+                self._live[key] = read
+            self._keep(read)
+            return read
+
+    def _keep(self, read: ReadSnapshot) -> None:
+        if self._release is not None:
+            self._release.cancel()
+        self._kept = read
+        self._kept_count += 1
+        self._release = threading.Timer(self._keep_s, self._drop, args=(self._kept_count,))
+        self._release.daemon = True
+        self._release.start()
+
+    def _drop(self, count: int) -> None:
+        with self._lock:
+            if self._kept_count == count:
+                self._kept = None
+
+
+#: The server's one :class:`RecentSnapshots` (restores run in its executor threads).
+RECENT = RecentSnapshots()
 
 
 def _staged_copy(source: AssembleSource, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],

@@ -12,6 +12,7 @@ from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.snapshot_errors import SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import TensorRecord
 from swap_state.server.snapshot.reshard import (
+    LayoutIndex,
     Piece,
     Run,
     TargetTensor,
@@ -91,17 +92,23 @@ def _apply(pieces: list[Piece], shards: dict[int, bytes], nbytes: int) -> bytes:
 
 
 def _reshard(global_shape, old, new, dtype="float32"):
-    """Plans every new rank of layout ``new`` from layout ``old`` and checks its bytes.
-    Returns the plans, per new rank."""
+    """Plans every new rank of layout ``new`` from layout ``old`` and checks its bytes, both
+    per tensor (:func:`plan_tensor`) and through the index (:class:`LayoutIndex`, the new
+    rank's number as its rank). Returns the per-tensor plans, per new rank."""
     itemsize = DTYPE_ITEMSIZE[dtype]
     data = _global_bytes(global_shape, itemsize)
     shards = {rank: _cut(data, global_shape, box, itemsize) for rank, box in enumerate(old)}
     sources = [(rank, _record("w", dtype, box, global_shape)) for rank, box in enumerate(old)]
+    index = LayoutIndex({rank: [record] for rank, record in sources})
     plans = []
-    for box in new:
-        pieces = plan_tensor(_target("w", dtype, box, global_shape), sources[::-1])
+    for new_rank, box in enumerate(new):
+        target = _target("w", dtype, box, global_shape)
+        pieces = plan_tensor(target, sources[::-1])
+        indexed = index.plan([target], target_rank=new_rank, same_world=False)["w"]
         want = _cut(data, global_shape, box, itemsize)
         assert _apply(pieces, shards, len(want)) == want
+        assert _apply(indexed, shards, len(want)) == want
+        assert sorted(r.nbytes for p in indexed for r in p.runs) == sorted(r.nbytes for p in pieces for r in p.runs)
         plans.append(pieces)
     return plans
 
@@ -249,7 +256,7 @@ def test_plan_rank_and_ranks_needed():
     assert ranks_needed(plan) == [0, 1]
     upper = _target(EMB, "float32", ((3, 0), (1, 2)), GLOBAL)
     plan = plan_rank([upper, PLAIN], manifests, target_rank=1, same_world=False)
-    assert ranks_needed(plan) == [0, 1]
+    assert ranks_needed(plan) == [1]  # the plain step's bytes from its own old rank's file
     assert ranks_needed(plan_rank([upper], {1: [HALVES[1][1]]}, target_rank=0,
                                   same_world=False)) == [1]
 
@@ -266,3 +273,31 @@ def test_plan_rank_takes_each_tensor_from_the_old_ranks_that_hold_it():
     other = TargetTensor("norm.weight.exp_avg", "float32", (4,), None, None)
     with pytest.raises(SnapshotLayoutMismatch, match=r"tensor norm.weight.exp_avg is in no rank of the snapshot \(1 such"):
         plan_rank([WHOLE, other], manifests, target_rank=0, same_world=False)
+
+
+def test_replicas_are_read_from_the_own_rank_else_spread():
+    """Replicated bytes (DTensor replicas, equal plain tensors) come from the restoring rank's
+    own old file when it holds them, else from holders spread by the restoring rank: 8 new
+    ranks restoring a tensor replicated on 4 old ranks read from all 4, not all from rank 0."""
+    shape = (6, 4)
+    replicated = {rank: [_record("w", "float32", box, shape), _plain(rank, 5)[1]]
+                  for rank, box in enumerate(_layout(shape, (4,), (R,)))}
+    index = LayoutIndex(replicated)
+    whole = _target("w", "float32", ((0, 0), shape), shape)
+    sources = [index.plan([whole, PLAIN], target_rank=rank, same_world=False) for rank in range(8)]
+    assert [ranks_needed(plan) for plan in sources] == [[r % 4] for r in range(8)]
+
+
+def test_an_irregular_tiling_is_planned_and_checked_per_tensor():
+    """Boxes that are not a grid (an L-shaped split) still plan by checking every source, and
+    a gap is refused naming the tensor."""
+    shape = (4, 4)
+    boxes = [((0, 0), (2, 4)), ((2, 0), (2, 1)), ((2, 1), (2, 3))]  # rows 0-1 whole; rows 2-3 split
+    records = {rank: [_record("w", "float32", box, shape)] for rank, box in enumerate(boxes)}
+    plan = LayoutIndex(records).plan([_target("w", "float32", ((0, 0), shape), shape)], target_rank=0,
+                                     same_world=False)
+    assert [p.source_rank for p in plan["w"]] == [0, 1, 2]
+    del records[1]
+    with pytest.raises(SnapshotLayoutMismatch, match="tensor w: the restoring rank's box .* is not covered"):
+        LayoutIndex(records).plan([_target("w", "float32", ((0, 0), shape), shape)], target_rank=0,
+                                  same_world=False)

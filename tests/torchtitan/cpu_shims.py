@@ -141,6 +141,35 @@ def sum_reductions_for_gloo() -> None:
     FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
 
 
+def moe_on_cpu() -> None:
+    """torchtitan's MoE as shipped needs an accelerator in two places; both get what the CPU
+    has, for plain and swap-state runs alike (the numbers are compared between them):
+
+    * the router counts tokens per expert with ``torch.histc`` on int64 indices, which the
+      CPU does not implement (``"histogram_cpu" not implemented for 'Long'``): integer input is
+      counted in float64 (exact for any count a test makes) and cast back;
+    * expert parallel permutes tokens with a Triton kernel unless ``use_cpu=True``: the
+      permutation is given torchtitan's own ``fill_indices_cpu`` (``use_cpu=True``).
+    """
+    import functools
+
+    import torch
+
+    histc = torch.histc
+
+    def histc_any_dtype(input, *args, **kwargs):
+        if input.dtype.is_floating_point:
+            return histc(input, *args, **kwargs)
+        return histc(input.to(torch.float64), *args, **kwargs).to(input.dtype)
+
+    torch.histc = histc_any_dtype
+    try:
+        from torchtitan.models.moe import utils as moe_utils
+    except ImportError:  # a torchtitan without MoE
+        return
+    moe_utils.generate_permute_indices = functools.partial(moe_utils.generate_permute_indices, use_cpu=True)
+
+
 def check_device_globals(cpu_module) -> None:
     """Every imported torchtitan module that copied the device globals holds the CPU ones."""
     wrong = []

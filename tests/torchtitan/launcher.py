@@ -40,7 +40,8 @@ The trainer class is a subclass of ``torchtitan.train.Trainer`` that only observ
 
 Under torchrun with FSDP, gloo lacks the PREMUL_SUM reduction torchtitan's divide factor of
 1.0 asks for: FSDP is told to use SUM instead (:func:`sum_reductions_for_gloo`; multiplying by
-1.0 is exact). Nothing here edits torchtitan's files or changes numerics.
+1.0 is exact). MoE models count tokens and permute them as the CPU can (:func:`moe_on_cpu`).
+Nothing here edits torchtitan's files or changes numerics.
 """
 
 import os
@@ -60,6 +61,7 @@ from cpu_shims import (  # noqa: E402, F401
     import_torchtitan_on_cpu,
     make_cpu_device_module,
     make_trainer_class,
+    moe_on_cpu,
     set_torchrun_env,
     sum_reductions_for_gloo,
 )
@@ -73,6 +75,7 @@ def main(argv=None) -> None:
     set_torchrun_env()
     tt_train = import_torchtitan_on_cpu()
     sum_reductions_for_gloo()
+    moe_on_cpu()
     # torchtitan's own entry: init_logger, ConfigManager().parse_args() over sys.argv (custom
     # config modules included), Trainer(config), train() (with its CheckpointManager), close().
     tt_train.main(make_trainer_class(tt_train))

@@ -8,6 +8,8 @@ losses bitwise equal to plain torchtitan's (AdamW, DCP), with a real ``swap-stat
    stages hold disjoint tensors; the server takes each tensor from the old rank that holds it.
 3. FSDP2 x TP2 on 4 ranks resumes on 1 rank under its job id and saves over a step the 4 ranks
    took (the server replaces that snapshot with the new run's).
+4. MoE (llama4's experts, grouped 3-D weights) with FSDP2 x EP2 on 2 ranks, killed with SIGKILL
+   after its checkpoint, resumes on 1 rank without expert parallel.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 from test_swap_state_trainer import CHECKPOINT, N, SCHEDULE, remote
 from test_titan_resume_anywhere import NO_DATALOADER
 from snapshot_kit import swap_state_cli
-from titan_testkit import LOSS_RANK_ENV
+from titan_testkit import LOSS_RANK_ENV, STOP_AFTER_STEP_ENV, STOP_MODE_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_server_env")]
 
@@ -78,3 +80,33 @@ def test_a_2x2_job_resumed_on_one_rank_under_its_job_id_saves_over_a_step_it_too
     assert swap_1 == plain_1, f"{swap_1} != {plain_1}\n{swap_1.run.output[-3000:]}\n{server.log_text()[-3000:]}"
     listed = swap_state_cli("snapshots", "--server", server.address, "--job-id", "titan-2x2")
     assert f"titan-2x2/step-{2 * N}\t1 ranks" in listed.stdout, listed.stdout  # the 4 ranks' replaced
+
+
+#: llama4's debug model: MoE layers whose experts are grouped 3-D weights (the launcher counts
+#: tokens and permutes them as the CPU can: ``cpu_shims.moe_on_cpu``).
+MOE = ("--model.name=llama4", "--model.flavor=debugmodel")
+FSDP_2_EP_2 = ("--parallelism.data_parallel_shard_degree=2", "--parallelism.expert_parallel_degree=2")
+
+
+@pytest.mark.timeout(600)
+def test_moe_with_expert_parallel_killed_resumes_on_one_rank_with_plain_torchtitans_losses(
+        run_trainer, start_server, tmp_path):
+    """2 ranks (FSDP2 x EP2: each rank holds half the experts) save a snapshot-mode checkpoint
+    at step 3 and are killed with SIGKILL right after it; the job resumes on 1 rank without
+    expert parallel (every expert on the one rank): the server assembles each expert tensor
+    from the two old ranks' halves, and the losses are plain torchtitan's."""
+    server = start_server(shm_size_bytes=512 << 20)
+    swap = remote(server, "snapshot", job_id="titan-moe-ep")
+    plain_2 = run_trainer(tmp_path / "plain", SCHEDULE, *CHECKPOINT, *MOE, *FSDP_2_EP_2, steps=N, nproc=2)
+    killed = {STOP_AFTER_STEP_ENV: str(N), STOP_MODE_ENV: "kill"}
+    swap_2 = run_trainer(tmp_path / "swap", SCHEDULE, *CHECKPOINT, *swap, *MOE, *FSDP_2_EP_2, steps=2 * N,
+                         nproc=2, env=killed, check=False)
+    assert plain_2.steps == list(range(1, N + 1))
+    assert swap_2.run.returncode != 0, swap_2.run.output[-3000:]  # killed, not finished
+    assert swap_2 == plain_2, f"{swap_2} != {plain_2}\n{swap_2.run.output[-3000:]}"
+
+    plain_1 = run_trainer(tmp_path / "plain", SCHEDULE, *CHECKPOINT, *MOE, NO_DATALOADER, steps=2 * N)
+    swap_1 = run_trainer(tmp_path / "swap", SCHEDULE, *CHECKPOINT, *swap, *MOE, NO_DATALOADER, steps=2 * N)
+    assert plain_1.steps == list(range(N + 1, 2 * N + 1)), plain_1.run.output[-3000:]
+    assert swap_1 == plain_1, f"{swap_1} != {plain_1}\n{swap_1.run.output[-3000:]}\n{server.log_text()[-3000:]}"
+    assert "restore_assembled" in server.log_text()  # resharded from the 2 ranks' halves

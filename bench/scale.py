@@ -1,0 +1,168 @@
+"""How restore planning scales with the number of ranks, simulated (no tensors, no server).
+
+    python -m bench.scale [--ranks 8,64,256,1024,2048] [--repeat 3] [--out DIR]
+
+A synthetic Llama-3-70B job: 723 parameters (80 layers of wq, wk, wv, wo, w1, w2, w3 and two
+norms; the embedding, the final norm and the output), two moments each, FSDP ``Shard(0)`` over
+N ranks: the records every old rank's manifest holds. For each N and a shrink to 3N/4 and a
+grow to 5N/4 it measures, in this process:
+
+- **index**: building the server's :class:`~swap_state.server.snapshot.reshard.LayoutIndex` of
+  the snapshot (once per snapshot per host), CPU seconds and peak Python memory;
+- **plan**: one new rank's plan from that index (what each restoring rank pays);
+- **baseline**: the same rank planned tensor by tensor over every holder
+  (:func:`~swap_state.server.snapshot.reshard.plan_tensor`, the planner before the index),
+  measured in the same run: the ratio is the figure to read, not the seconds.
+
+Reported per case: median, mean and worst of ``--repeat`` runs. Reading and parsing the
+manifests themselves is not simulated here (the per-step index that replaces them is issue
+33's item 2), nor are store requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+import tracemalloc
+
+from swap_state.common.snapshot_format import TensorRecord
+from swap_state.server.snapshot.reshard import LayoutIndex, TargetTensor, plan_tensor
+
+DIM, FFN, KV, VOCAB, LAYERS = 8192, 28672, 1024, 128256, 80
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def llama3_70b_shapes() -> dict[str, tuple[int, ...]]:
+    """The 723 parameters of Llama-3-70B by fqn."""
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (VOCAB, DIM)}
+    for layer in range(LAYERS):
+        p = f"layers.{layer}."
+        shapes.update({
+            p + "attention.wq.weight": (DIM, DIM), p + "attention.wk.weight": (KV, DIM),
+            p + "attention.wv.weight": (KV, DIM), p + "attention.wo.weight": (DIM, DIM),
+            p + "feed_forward.w1.weight": (FFN, DIM), p + "feed_forward.w2.weight": (DIM, FFN),
+            p + "feed_forward.w3.weight": (FFN, DIM),
+            p + "attention_norm.weight": (DIM,), p + "ffn_norm.weight": (DIM,),
+        })  # fmt: skip
+    shapes.update({"norm.weight": (DIM,), "output.weight": (VOCAB, DIM)})
+    return shapes
+
+
+def shard0(size: int, parts: int, index: int) -> tuple[int, int]:
+    """torch.chunk's (start, length) of part ``index``: ceil-sized, trailing ones short or empty."""
+    chunk = -(-size // parts)
+    start = min(index * chunk, size)
+    return start, max(0, min(chunk, size - start))
+
+
+def box(shape: tuple[int, ...], parts: int, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    start, length = shard0(shape[0], parts, index)
+    return (start, *[0] * (len(shape) - 1)), (length, *shape[1:])
+
+
+def manifests(shapes: dict[str, tuple[int, ...]], world: int) -> dict[int, list[TensorRecord]]:
+    """Every old rank's records: both moments of every parameter, its Shard(0) box."""
+    out: dict[int, list[TensorRecord]] = {}
+    for rank in range(world):
+        records, position = [], 0
+        for fqn, shape in shapes.items():
+            offset, local = box(shape, world, rank)
+            nbytes = 4
+            for n in local:
+                nbytes *= n
+            for moment in MOMENTS:
+                records.append(TensorRecord(
+                    name=f"state.{fqn}.{moment}", dtype="float32", shape=local, nbytes=nbytes,
+                    data_offsets=(position, position + nbytes), crc32=0, fqn=fqn, key=moment,
+                    global_shape=shape, global_offset=offset,
+                ))
+                position += nbytes
+        out[rank] = records
+    return out
+
+
+def targets(shapes: dict[str, tuple[int, ...]], world: int, rank: int) -> list[TargetTensor]:
+    out = []
+    for fqn, shape in shapes.items():
+        offset, local = box(shape, world, rank)
+        out.extend(TargetTensor(f"state.{fqn}.{m}", "float32", local, shape, offset) for m in MOMENTS)
+    return out
+
+
+def timed(fn) -> tuple[float, object]:
+    """(CPU seconds, result) of one call."""
+    begin = time.process_time()
+    result = fn()
+    return time.process_time() - begin, result
+
+
+def peak_bytes(fn) -> int:
+    """Peak Python memory one call allocates (a separate call: tracing slows it several-fold)."""
+    tracemalloc.start()
+    fn()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "mean": statistics.fmean(values), "worst": max(values)}
+
+
+def run_case(shapes, old: int, new: int, repeat: int) -> dict:
+    records = manifests(shapes, old)
+    rank = new // 2  # a rank in the middle: its boxes straddle old ones
+    wanted = targets(shapes, new, rank)
+    holders: dict[str, list[tuple[int, TensorRecord]]] = {}
+    for r in sorted(records):
+        for record in records[r]:
+            holders.setdefault(record.name, []).append((r, record))
+    index_s, plan_s, base_s = [], [], []
+    for _ in range(repeat):
+        seconds, index = timed(lambda: LayoutIndex(records))
+        index_s.append(seconds)
+        seconds, plan = timed(lambda: index.plan(wanted, target_rank=rank, same_world=False))
+        plan_s.append(seconds)
+        seconds, baseline = timed(lambda: {t.name: plan_tensor(t, holders[t.name], target_rank=rank) for t in wanted})
+        base_s.append(seconds)
+        assert {n: [(p.source_rank, p.runs) for p in ps] for n, ps in plan.items()} == \
+               {n: [(p.source_rank, p.runs) for p in ps] for n, ps in baseline.items()}
+    index_mb = peak_bytes(lambda: LayoutIndex(records)) / 2**20
+    plan_mb = peak_bytes(lambda: index.plan(wanted, target_rank=rank, same_world=False)) / 2**20
+    return {
+        "old_ranks": old, "new_ranks": new, "tensors_per_rank": len(wanted),
+        "index_cpu_s": summary(index_s), "index_peak_mb": index_mb,
+        "plan_cpu_s": summary(plan_s), "plan_peak_mb": plan_mb,
+        "baseline_plan_cpu_s": summary(base_s),
+        "plan_speedup_median": statistics.median(base_s) / max(statistics.median(plan_s), 1e-9),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="8,64,256,1024,2048", help="old world sizes, comma-separated")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per case (median, mean, worst)")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="write scale.json here too")
+    args = parser.parse_args(argv)
+    shapes = llama3_70b_shapes()
+    results = []
+    print(f"{'N -> M':>13} {'index s':>9} {'index MB':>9} {'plan s':>8} {'plan MB':>8} {'baseline s':>11} {'x':>6}")
+    for old in (int(n) for n in args.ranks.split(",")):
+        for new in sorted({max(1, old * 3 // 4), old * 5 // 4}):
+            case = run_case(shapes, old, new, args.repeat)
+            results.append(case)
+            print(f"{old:>5} -> {new:<5} {case['index_cpu_s']['median']:9.2f} {case['index_peak_mb']:9.0f} "
+                  f"{case['plan_cpu_s']['median']:8.3f} {case['plan_peak_mb']:8.1f} "
+                  f"{case['baseline_plan_cpu_s']['median']:11.3f} {case['plan_speedup_median']:6.0f}"
+                  f"   (plan mean {case['plan_cpu_s']['mean']:.3f}, worst {case['plan_cpu_s']['worst']:.3f})",
+                  flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "scale.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

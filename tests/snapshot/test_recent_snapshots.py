@@ -1,0 +1,59 @@
+"""The manifests of a snapshot being assembled are read once for the ranks of a server that
+restore it together, and never served for a snapshot that replaced it."""
+
+from __future__ import annotations
+
+import pathlib
+
+from swap_state.common.snapshot_format import RankManifest, SnapshotIndex, TensorRecord
+from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.server.snapshot.assemble import RecentSnapshots
+
+
+def _manifest(rank: int) -> RankManifest:
+    record = TensorRecord("w", "float32", (2,), 8, (0, 8), 0, global_shape=(4,), global_offset=(2 * rank,))
+    return RankManifest("job", 6, rank, 2, f"rank-{rank}.safetensors", 8, 0, 8, (record,), {}, {}, "", 0, 0, 0.0, 0.0)
+
+
+class CountingSource:
+    """A source whose manifests are counted as they are read."""
+
+    where = "local"
+
+    def __init__(self, attempt: int = 1):
+        index = SnapshotIndex("job", 6, 2, (0, 1), (), 1.0, attempt)
+        self.info = SnapshotInfo("job/step-6", "job", 6, 2, pathlib.Path("/snaps/job/step-6"), 0, True, index)
+        self.reads: list[int] = []
+
+    def read_manifest(self, rank: int) -> RankManifest:
+        self.reads.append(rank)
+        return _manifest(rank)
+
+
+def test_ranks_restoring_together_read_the_manifests_once():
+    recent = RecentSnapshots(keep_s=60)
+    source = CountingSource()
+    first, second = recent.read(source), recent.read(source)
+    assert first is second and source.reads == [0, 1]
+    assert [r for r, _ in first.index.records("w")] == [0, 1]
+
+
+def test_a_replaced_snapshot_is_read_again():
+    recent = RecentSnapshots(keep_s=60)
+    recent.read(CountingSource(attempt=1))
+    again = CountingSource(attempt=2)  # the step trained again: the same id, another index
+    recent.read(again)
+    assert again.reads == [0, 1]
+
+
+def test_an_entry_is_dropped_once_unused():
+    recent = RecentSnapshots(keep_s=0.0)
+    source = CountingSource()
+    read = recent.read(source)
+    recent._release.join(timeout=10)  # the release timer ran
+    assert recent.read(source) is read  # still in use here: shared
+    del read
+    source.reads.clear()
+    recent._release.join(timeout=10)
+    recent.read(source)
+    assert source.reads == [0, 1]  # nobody held it: read anew
