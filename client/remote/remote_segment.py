@@ -109,14 +109,6 @@ class RemoteSegment:
         return cls(config, connect(config, model_parts, optimizer_kwargs))
 
     @property
-    def rank(self) -> int:
-        return self.session.rank
-
-    @property
-    def header(self) -> Any:
-        return self.mapping.header
-
-    @property
     def tensors(self) -> Any:
         """The segment's tensor table (name, dtype, shape, offset), in segment order."""
         return self.mapping.tensors
