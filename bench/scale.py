@@ -148,20 +148,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=None, help="write scale.json here too")
     args = parser.parse_args(argv)
     shapes = llama3_70b_shapes()
-    results = []
-    print(f"{'N -> M':>13} {'index s':>9} {'index MB':>9} {'plan s':>8} {'plan MB':>8} {'baseline s':>11} {'x':>6}")
+    results, lines = [], []
+    header = f"{'N -> M':>13} {'index s':>9} {'index MB':>9} {'plan s':>8} {'plan MB':>8} {'baseline s':>11} {'x':>6}"
+    print(header)
     for old in (int(n) for n in args.ranks.split(",")):
         for new in sorted({max(1, old * 3 // 4), old * 5 // 4}):
             case = run_case(shapes, old, new, args.repeat)
             results.append(case)
-            print(f"{old:>5} -> {new:<5} {case['index_cpu_s']['median']:9.2f} {case['index_peak_mb']:9.0f} "
-                  f"{case['plan_cpu_s']['median']:8.3f} {case['plan_peak_mb']:8.1f} "
-                  f"{case['baseline_plan_cpu_s']['median']:11.3f} {case['plan_speedup_median']:6.0f}"
-                  f"   (plan mean {case['plan_cpu_s']['mean']:.3f}, worst {case['plan_cpu_s']['worst']:.3f})",
-                  flush=True)
+            line = (f"{old:>5} -> {new:<5} {case['index_cpu_s']['median']:9.2f} {case['index_peak_mb']:9.0f} "
+                    f"{case['plan_cpu_s']['median']:8.3f} {case['plan_peak_mb']:8.1f} "
+                    f"{case['baseline_plan_cpu_s']['median']:11.3f} {case['plan_speedup_median']:6.0f}"
+                    f"   (plan mean {case['plan_cpu_s']['mean']:.3f}, worst {case['plan_cpu_s']['worst']:.3f})")
+            lines.append(line)
+            print(line, flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "scale.json").write_text(json.dumps(results, indent=1))
+        table = "\n".join([header, *lines])
+        (args.out / "scale.md").write_text(
+            "# Restore planning at scale (bench.scale)\n\nCPU seconds (median of the runs; the plan's mean "
+            "and worst beside it), peak Python MB; x = baseline plan / indexed plan.\n\n```\n" + table + "\n```\n")
 
 
 if __name__ == "__main__":

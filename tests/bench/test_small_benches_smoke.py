@@ -1,5 +1,5 @@
 """Smoke tests of the one-question benchmarks (``python -m bench.restart``, ``bench.quiet_steps``,
-``bench.allocate``) end to end at a small size: the reports are written with every row and
+``bench.allocate``, ``bench.scale``) end to end at a small size: the reports are written with every row and
 numbers. No threshold is asserted: numbers at this size on a CI machine mean nothing."""
 
 from __future__ import annotations
@@ -69,3 +69,11 @@ def test_check_cost_prints_attach_and_snapshot_latency(capsys):
     assert main(["--reps", "2"]) == 0
     out = capsys.readouterr().out
     assert "Attach   (2): median" in out and "Snapshot (2): median" in out and "worst" in out
+
+
+@pytest.mark.timeout(180)
+def test_scale_bench_at_a_small_size(tmp_path):
+    result, md = _run("bench.scale", "--ranks", "8", "--repeat", "1", out=tmp_path, stem="scale")
+    assert [(case["old_ranks"], case["new_ranks"]) for case in result] == [(8, 6), (8, 10)]
+    assert all(case["tensors_per_rank"] == 1446 and case["plan_cpu_s"]["median"] > 0 for case in result)
+    assert "8 -> 6" in md
