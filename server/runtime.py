@@ -38,6 +38,7 @@ from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
 from swap_state.server.memory.adopt import adopt_segments, discard_segments
 from swap_state.server.memory.arena import Arena
+from swap_state.server.dir_trust import check_own_directory
 from swap_state.server.memory.shm_dir import check_shm_dir, require_shm_dir
 from swap_state.server.rpc.auth import TokenAuthInterceptor, read_token_file
 from swap_state.common.addresses import ListenAddress
@@ -149,7 +150,7 @@ def _read_tls(config: ServerConfig) -> grpc.ServerCredentials | None:
                                        require_client_auth=client_ca is not None)
 
 
-def _prepare_snapshot_dir(path: pathlib.Path | None) -> None:
+def _prepare_snapshot_dir(path: pathlib.Path | None, gid: int | None) -> None:
     if path is None:
         return
     try:
@@ -158,6 +159,7 @@ def _prepare_snapshot_dir(path: pathlib.Path | None) -> None:
         raise StartupError(f"--snapshot-dir {path}: {exc.strerror}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise StartupError(f"--snapshot-dir {path} is not writable by this user")
+    check_own_directory(path, "--snapshot-dir", shared_gid=gid)
 
 
 def _segment_tag(listen: ListenAddress) -> str:
@@ -257,12 +259,13 @@ def _grpc_server(config: ServerConfig, service: SwapStateService, health: health
     return server
 
 
-def _prepare_shm(config: ServerConfig, domain: _Domain) -> None:
+def _prepare_shm(config: ServerConfig, domain: _Domain, gid: int | None) -> None:
     """Adopt (or with ``--discard-segments`` remove) what a previous server on this address
     left in the shm directory, then check the directory (StartupError when it cannot hold the
-    rest of the budget)."""
+    rest of the budget). Nothing is adopted from a directory other users can write."""
     arena = domain.arena
     require_shm_dir(config.shm_dir)
+    check_own_directory(config.shm_dir, "--shm-dir", shared_gid=gid, sticky_ok=True)
     if config.discard_segments:
         removed, removed_bytes = discard_segments(arena)
         if removed:
@@ -336,13 +339,13 @@ async def start_server(config: ServerConfig) -> RunningServer:
     token = read_token_file(config.token_file) if config.token_file else None
     gid = _resolve_group(config.shm_group)
     creds = _read_tls(config)
-    _prepare_snapshot_dir(config.snapshot_dir)
+    _prepare_snapshot_dir(config.snapshot_dir, gid)
 
     async with contextlib.AsyncExitStack() as undo:
         guard: SocketGuard | None = None
         if listen.scheme == "unix":
             assert listen.path is not None
-            guard = SocketGuard(listen.path)
+            guard = SocketGuard(listen.path, shared_gid=gid)
             guard.acquire()
             undo.callback(guard.release)
         domain = _build_domain(config, listen, gid, undo)
@@ -352,7 +355,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
         undo.push_async_callback(server.stop, None)
         if guard is not None:
             guard.bound(gid)
-        _prepare_shm(config, domain)
+        _prepare_shm(config, domain, gid)
 
         await server.start()
         for name in ("", SERVICE_NAME):

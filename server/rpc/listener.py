@@ -19,6 +19,7 @@ import socket
 import stat
 
 from swap_state.common.errors import StartupError
+from swap_state.server.dir_trust import check_own_directory
 from swap_state.server.logs import log_event
 
 __all__ = ["SocketGuard", "SOCKET_MODE"]
@@ -29,8 +30,9 @@ SOCKET_MODE = 0o660
 
 
 class SocketGuard:
-    def __init__(self, path: pathlib.Path) -> None:
+    def __init__(self, path: pathlib.Path, shared_gid: int | None = None) -> None:
         self.path = path
+        self._shared_gid = shared_gid
         self.lock_path = path.with_name(path.name + ".lock")
         self._lock_fd: int | None = None
         self._inode: tuple[int, int] | None = None
@@ -45,6 +47,9 @@ class SocketGuard:
                 f"cannot create {self.path.parent} for the socket: {exc.strerror}; pass "
                 "--listen unix:///some/writable/dir/swap-state.sock"
             ) from None
+        # Another user able to write here could take the socket's name before the server binds
+        # it, or replace the lock: the directory must be this user's alone.
+        check_own_directory(self.path.parent, "the socket's directory (--listen)", shared_gid=self._shared_gid)
         fd = self._lock()
         self._lock_fd = fd
         try:

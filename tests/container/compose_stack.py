@@ -115,6 +115,10 @@ class ComposePlugin:
               "down", "--volumes", "--remove-orphans", "--timeout", "5"])
 
 
+#: The user the images run as (docker/Dockerfile.server, Dockerfile.trainer).
+IMAGE_UID = 10001
+
+
 class ComposeStack:
     """A throw-away compose project (its own name, containers and volumes), driven by the
     compose plugin where it is installed, else by compose_run (compose.yaml as docker commands)."""
@@ -129,7 +133,10 @@ class ComposeStack:
         self.state_dir = workdir / "trainer-state"
         for path in (self.snapshot_dir, self.state_dir, self.state_dir / "ckpt"):
             path.mkdir(parents=True, exist_ok=True)
-            os.chmod(path, 0o777)  # the images' user (10001) writes here
+            # The images' user writes here, and the server refuses a --snapshot-dir that other
+            # users can write: the directories are that user's (the engine runs as root here).
+            os.chown(path, IMAGE_UID, IMAGE_UID)
+            os.chmod(path, 0o755)
         self.override = workdir / "compose.override.yaml"
         files = [COMPOSE_FILE, self.override]
         self.project: ComposePlugin | DockerRunProject = (

@@ -256,6 +256,41 @@ def test_stale_socket_is_replaced_and_a_foreign_file_is_not(server_process, shm_
     assert sock.read_text() == "not a socket"
 
 
+def _dirs(shm_dir, sock_dir, tmp_path) -> dict:
+    snaps = tmp_path / "snaps"
+    snaps.mkdir(mode=0o700)
+    return {"socket": sock_dir, "snapshot": snaps, "shm": shm_dir}
+
+
+@pytest.mark.parametrize("which", ["socket", "snapshot", "shm"])
+def test_a_directory_other_users_can_write_is_refused_at_start(server_process, shm_dir, sock_dir, tmp_path, which):
+    """Other users able to write where the server keeps its socket, snapshots or segments could
+    plant or replace what it trusts: refused, naming the path and the fix; a sticky shared
+    tmpfs (as /dev/shm) is fine for segments."""
+    dirs = _dirs(shm_dir, sock_dir, tmp_path)
+    args = [*base_args(shm_dir, sock_dir / "s.sock"), "--snapshot-dir", str(dirs["snapshot"])]
+    os.chmod(dirs[which], 0o777)
+    result = run_cli(args)
+    assert result.returncode == 1, result.stderr
+    assert f"{dirs[which]} can be written by other users" in result.stderr and "chmod go-w" in result.stderr
+    assert result.stderr.count("can be written by other users") == 1  # said once
+    if which == "shm":
+        os.chmod(dirs[which], 0o1777)  # sticky: nobody removes or renames another's files
+        proc = server_process(args)
+        proc.wait_ready(sock_dir / "s.sock")
+        assert proc.terminate() == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another uid needs root (chown)")
+@pytest.mark.parametrize("which", ["socket", "snapshot", "shm"])
+def test_a_directory_another_user_owns_is_refused_at_start(shm_dir, sock_dir, tmp_path, which):
+    dirs = _dirs(shm_dir, sock_dir, tmp_path)
+    os.chown(dirs[which], 54321, -1)
+    result = run_cli([*base_args(shm_dir, sock_dir / "s.sock"), "--snapshot-dir", str(dirs["snapshot"])])
+    assert result.returncode == 1, result.stderr
+    assert f"{dirs[which]} is owned by uid 54321" in result.stderr and "chown" in result.stderr
+
+
 def _killed_with_a_segment(server_process, shm_dir, sock) -> tuple[str, str]:
     """A server that allocated one segment, then was killed: (session id, segment path)."""
     server = server_process(base_args(shm_dir, sock))

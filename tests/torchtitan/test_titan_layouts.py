@@ -4,8 +4,9 @@ losses bitwise equal to plain torchtitan's (AdamW, DCP), with a real ``swap-stat
 1. Tensor parallel alone (no FSDP) on 2 ranks: gradients come with other placements than their
    parameters (a sharded embedding's Replicate, a norm's Partial), brought to the parameters'
    placements as torch's DTensor dispatch does.
-2. A pipeline (2 stages, 1F1B) saves a snapshot-mode checkpoint and resumes on 1 rank: the
-   stages hold disjoint tensors; the server takes each tensor from the old rank that holds it.
+2. A pipeline (2 stages, 1F1B; and 4 stages interleaved on 2 ranks) saves a snapshot-mode
+   checkpoint and resumes on 1 rank: the stages hold disjoint tensors; the server takes each
+   tensor from the old rank that holds it.
 3. FSDP2 x TP2 on 4 ranks resumes on 1 rank under its job id and saves over a step the 4 ranks
    took (the server replaces that snapshot with the new run's).
 4. MoE (llama4's experts, grouped 3-D weights) with FSDP2 x EP2 on 2 ranks, killed with SIGKILL
@@ -38,12 +39,19 @@ def test_tensor_parallel_alone_trains_with_plain_torchtitans_losses(run_trainer,
     assert swap == plain, f"{swap} != {plain}\n{swap.run.output[-3000:]}"
 
 
+#: Interleaved 1F1B: two stages per rank (each rank holds layers of both halves of the model).
+PP_2_INTERLEAVED = ("--parallelism.pipeline_parallel_degree=2",
+                    "--parallelism.pipeline_parallel_schedule=Interleaved1F1B")
+
+
 @pytest.mark.timeout(420)
-def test_a_pipeline_snapshot_resumes_on_one_rank_with_plain_torchtitans_losses(run_trainer, start_server, tmp_path):
+@pytest.mark.parametrize("pipeline", [PP_2, PP_2_INTERLEAVED], ids=["1f1b", "interleaved"])
+def test_a_pipeline_snapshot_resumes_on_one_rank_with_plain_torchtitans_losses(pipeline, run_trainer, start_server,
+                                                                               tmp_path):
     server = start_server(shm_size_bytes=512 << 20)
     swap = remote(server, "snapshot", job_id="titan-pp")
-    plain_2 = run_trainer(tmp_path / "plain", SCHEDULE, *CHECKPOINT, *PP_2, steps=N, nproc=2, env=LAST_STAGE)
-    swap_2 = run_trainer(tmp_path / "swap", SCHEDULE, *CHECKPOINT, *swap, *PP_2, steps=N, nproc=2, env=LAST_STAGE)
+    plain_2 = run_trainer(tmp_path / "plain", SCHEDULE, *CHECKPOINT, *pipeline, steps=N, nproc=2, env=LAST_STAGE)
+    swap_2 = run_trainer(tmp_path / "swap", SCHEDULE, *CHECKPOINT, *swap, *pipeline, steps=N, nproc=2, env=LAST_STAGE)
     assert plain_2.steps == list(range(1, N + 1))
     assert swap_2 == plain_2, f"{swap_2} != {plain_2}\n{swap_2.run.output[-3000:]}"
 

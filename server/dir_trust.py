@@ -1,0 +1,43 @@
+"""The directories the server keeps its state in must be its own: no other user may write there.
+
+The socket's directory, ``--snapshot-dir`` and ``--shm-dir`` hold what the server trusts (its
+socket and lock, the snapshots it restores from, the segments it adopts after a restart). A
+directory another non-root user owns, or can write into, lets that user plant or replace those
+files: the server refuses to start on one, naming the path and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import stat
+
+from swap_state.common.errors import StartupError
+
+__all__ = ["check_own_directory"]
+
+
+def check_own_directory(path: pathlib.Path, what: str, *, shared_gid: int | None = None,
+                        sticky_ok: bool = False) -> None:
+    """StartupError unless ``path`` is owned by this user or root and writable by no one else.
+
+    ``shared_gid``: a directory writable by this group is accepted (``--shm-group``: the users
+    the server was told to share with). ``sticky_ok``: a world-writable directory with the
+    sticky bit is accepted (a shared tmpfs such as /dev/shm: nobody there can remove or rename
+    another user's files, and the server creates its own exclusively, checking their owner)."""
+    info = os.stat(path)
+    me = os.geteuid()
+    if info.st_uid not in (0, me):
+        raise StartupError(
+            f"{what} {path} is owned by uid {info.st_uid}, not by this server's user (uid {me}) or root: "
+            f"that user could replace what the server keeps there. Use a directory this user owns "
+            f"(mkdir it, or chown {me} {path})"
+        )
+    others = bool(info.st_mode & stat.S_IWOTH)
+    group = bool(info.st_mode & stat.S_IWGRP) and info.st_gid not in (os.getegid(), shared_gid)
+    if (others and not (sticky_ok and info.st_mode & stat.S_ISVTX)) or group:
+        raise StartupError(
+            f"{what} {path} can be written by other users (mode {stat.filemode(info.st_mode)}, group "
+            f"{info.st_gid}): they could plant or replace files the server trusts. Run chmod go-w {path}, "
+            "or use a directory only this user can write"
+        )
