@@ -22,9 +22,10 @@ def check_own_directory(path: pathlib.Path, what: str, *, shared_gid: int | None
     """StartupError unless ``path`` is owned by this user or root and writable by no one else.
 
     ``shared_gid``: a directory writable by this group is accepted (``--shm-group``: the users
-    the server was told to share with). ``sticky_ok``: a world-writable directory with the
-    sticky bit is accepted (a shared tmpfs such as /dev/shm: nobody there can remove or rename
-    another user's files, and the server creates its own exclusively, checking their owner)."""
+    the server was told to share with). ``sticky_ok``: a directory with the sticky bit is
+    accepted, whoever can write it (a shared tmpfs such as /dev/shm: nobody there can remove or
+    rename another user's files, and the server creates its own exclusively, checking their
+    owner)."""
     info = os.stat(path)
     me = os.geteuid()
     if info.st_uid not in (0, me):
@@ -33,9 +34,11 @@ def check_own_directory(path: pathlib.Path, what: str, *, shared_gid: int | None
             f"that user could replace what the server keeps there. Use a directory this user owns "
             f"(mkdir it, or chown {me} {path})"
         )
+    if sticky_ok and info.st_mode & stat.S_ISVTX:
+        return
     others = bool(info.st_mode & stat.S_IWOTH)
     group = bool(info.st_mode & stat.S_IWGRP) and info.st_gid not in (os.getegid(), shared_gid)
-    if (others and not (sticky_ok and info.st_mode & stat.S_ISVTX)) or group:
+    if others or group:
         raise StartupError(
             f"{what} {path} can be written by other users (mode {stat.filemode(info.st_mode)}, group "
             f"{info.st_gid}): they could plant or replace files the server trusts. Run chmod go-w {path}, "
