@@ -234,6 +234,7 @@ class RecentSnapshots:
         self._keep_s = keep_s
         self._lock = threading.Lock()
         self._live: weakref.WeakValueDictionary[tuple, ReadSnapshot] = weakref.WeakValueDictionary()
+        self._loading: dict[tuple, threading.Lock] = {}  # per snapshot: held while one rank reads it
         self._kept: ReadSnapshot | None = None
         self._kept_count = 0  # which keep a release timer ends (the timer holds no reference)
         self._release: threading.Timer | None = None
@@ -243,12 +244,19 @@ class RecentSnapshots:
         # A snapshot replaced under the same id (a step trained again) has another index: its
         # files' checksums, its attempt and time.
         key = (source.where, str(info.path), info.index)
-        with self._lock:  # the first rank reads; the others wait for it and share the result
-            read = self._live.get(key)
+        with self._lock:
+            loading = self._loading.setdefault(key, threading.Lock())
+        # The first rank reads while the others of this snapshot wait for it and share the
+        # result; restores of other snapshots do not wait (a store's N reads take a while).
+        with loading:
+            with self._lock:
+                read = self._live.get(key)
             if read is None:
                 read = ReadSnapshot({r: source.read_manifest(r) for r in info.ranks})
+            with self._lock:
                 self._live[key] = read
-            self._keep(read)
+                self._loading.pop(key, None)  # a later caller finds it live (or reads anew)
+                self._keep(read)
             return read
 
     def _keep(self, read: ReadSnapshot) -> None:

@@ -57,3 +57,32 @@ def test_an_entry_is_dropped_once_unused():
     recent._release.join(timeout=10)
     recent.read(source)
     assert source.reads == [0, 1]  # nobody held it: read anew
+
+
+def test_another_snapshots_restore_does_not_wait_for_a_slow_read():
+    """While one snapshot's manifests are being read (slowly, as from a store), a restore of
+    another snapshot reads its own at once; a second rank of the slow one waits and shares."""
+    import threading
+
+    recent = RecentSnapshots(keep_s=60)
+    release = threading.Event()
+    started = threading.Event()
+
+    class SlowSource(CountingSource):
+        def read_manifest(self, rank):
+            started.set()
+            assert release.wait(timeout=30)
+            return super().read_manifest(rank)
+
+    slow, other = SlowSource(attempt=1), CountingSource(attempt=2)
+    results = {}
+    first = threading.Thread(target=lambda: results.setdefault("first", recent.read(slow)))
+    second = threading.Thread(target=lambda: results.setdefault("second", recent.read(slow)))
+    first.start()
+    assert started.wait(timeout=30)
+    second.start()
+    assert recent.read(other) is not None and other.reads == [0, 1]  # not blocked by the slow read
+    release.set()
+    first.join(timeout=30)
+    second.join(timeout=30)
+    assert results["first"] is results["second"] and slow.reads == [0, 1]
