@@ -249,15 +249,18 @@ class RecentSnapshots:
         # The first rank reads while the others of this snapshot wait for it and share the
         # result; restores of other snapshots do not wait (a store's N reads take a while).
         with loading:
-            with self._lock:
-                read = self._live.get(key)
-            if read is None:
-                read = ReadSnapshot({r: source.read_manifest(r) for r in info.ranks})
-            with self._lock:
-                self._live[key] = read
-                self._loading.pop(key, None)  # a later caller finds it live (or reads anew)
-                self._keep(read)
-            return read
+            try:
+                with self._lock:
+                    read = self._live.get(key)
+                if read is None:
+                    read = ReadSnapshot({r: source.read_manifest(r) for r in info.ranks})
+                with self._lock:
+                    self._live[key] = read
+                    self._keep(read)
+                return read
+            finally:
+                with self._lock:  # read or failed: a later caller finds it live, or reads anew
+                    self._loading.pop(key, None)
 
     def _keep(self, read: ReadSnapshot) -> None:
         if self._release is not None:
