@@ -13,4 +13,7 @@ done
 if [ ${#paths[@]} -eq 0 ] || printf '%s\n' "${paths[@]}" | grep -qE 'torchtitan03|adapter03'; then
   SWAP_STATE_VENV=.venv-titan03 SWAP_STATE_TORCHTITAN="torchtitan>=0.3,<0.4" bash scripts/setup.sh
 fi
-exec .venv/bin/python -m pytest "$@"
+# Two workers: most tests wait on the server and trainer processes they start, so a second
+# worker fills the idle core (the suite measured 39 min on one, on 2 cores; see
+# docs/development.md). SWAP_STATE_TEST_WORKERS=0 runs in this process, one test at a time.
+exec .venv/bin/python -m pytest -n "${SWAP_STATE_TEST_WORKERS:-2}" --dist loadgroup "$@"
