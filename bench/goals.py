@@ -190,12 +190,11 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         f"right before each restore; its cold buffered read {cold_read:.2f} GB/s = {_pct(_ratio(restore, cold_read))})",
         frac >= 0.9 if not math.isnan(frac) else None,
         f"restore reads the file once (--direct-io writes, the default: mapped, read ahead and pinned region by "
-        f"region by a reader thread while crc32 ({crc:.2f} GB/s) checks the regions read; --direct-io all reads "
-        f"with O_DIRECT into fresh memory instead), then copies the verified bytes into "
+        f"region by a reader thread while crc32 ({crc:.2f} GB/s) checks the regions read), then copies the verified bytes into "
         f"the segment (memmove, memcpy ceiling {memmove:.2f} GB/s: "
         f"{fmt_ms(main['restore']['bytes'] / (memmove * 1e9) if memmove else float('nan'))} for "
-        f"{fmt_bytes(main['restore']['bytes'])}) only once every checksum passed (with --direct-io all the staging "
-        f"memory is fresh: the kernel faulted fresh memory in at {_gb(fresh.get('populate_gbps'))} GB/s and freed "
+        f"{fmt_bytes(main['restore']['bytes'])}) only once every checksum passed (an O_DIRECT read "
+        f"would land in fresh memory: the kernel faulted fresh memory in at {_gb(fresh.get('populate_gbps'))} GB/s and freed "
         f"{fmt_bytes(fresh.get('bytes', 0))} in {fmt_ms(_med(fresh.get('munmap_s')))} here); warm restore "
         f"{_gb(main['restore']['warm_gbps'])} GB/s vs warm buffered read {warm:.2f} GB/s is the CPU part",
     )

@@ -24,7 +24,7 @@ __all__ = ["DIRECT_IO_MODES", "EXIT_WITH_PARENT_ENV", "FLAG", "LOG_LEVELS", "Fla
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
-DIRECT_IO_MODES = ("writes", "all", "off")
+DIRECT_IO_MODES = ("writes", "off")
 """The values of ``--direct-io``."""
 
 EXIT_WITH_PARENT_ENV = "SWAP_STATE_EXIT_WITH_PARENT"
@@ -172,14 +172,13 @@ class ServerConfig:
     """Host-wide copy-before-write pool in bytes that lets snapshots run while trainers keep
     stepping; split into per-session slots of --chunk-bytes and held back from --shm-size."""
 
-    direct_io: str = _flag("writes", choices=DIRECT_IO_MODES, example="all")
-    """Which snapshot I/O on --snapshot-dir bypasses the page cache with O_DIRECT. writes:
+    direct_io: str = _flag("writes", choices=DIRECT_IO_MODES, example="off")
+    """Whether snapshot writes to --snapshot-dir bypass the page cache with O_DIRECT. writes:
     snapshots persist through aligned bounce buffers, several writes in flight (measured on a
-    virtio disk: 1.35-1.39 GB/s, 1.7-2.2x buffered write + fsync); restores read through the
-    page cache, mapped and pinned. all: restores read with O_DIRECT too, into fresh memory
-    (faster where the kernel hands out fresh pages quickly; on that VM, 2 GB/s, it was slower
-    than the page cache). off: both buffered. Where the filesystem refuses O_DIRECT the I/O
-    is buffered, logged."""
+    virtio disk: 1.35-1.39 GB/s, 1.7-2.2x buffered write + fsync); where the filesystem refuses
+    O_DIRECT they are buffered, logged. off: buffered, for a filesystem that accepts O_DIRECT
+    but serves it slowly (network filesystems may turn each O_DIRECT write into a synchronous
+    round trip). Restores always read through the page cache, mapped and pinned."""
 
     persist_max_bandwidth: int = _flag(0, kind="size", metavar="BYTES_PER_S", example="2G")
     """Upper bound for snapshot writes to --snapshot-dir in bytes/s (size suffixes allowed);
@@ -187,7 +186,8 @@ class ServerConfig:
 
     stage_threads: int = _flag(1, metavar="N", example="2")
     """Threads per persisting snapshot that copy chunks into spare slots ahead of the trainer,
-    so it rarely copies or waits itself; 0: the trainer copies what the writer has not read."""
+    so it rarely copies or waits itself (a segment with fewer than 3 copy-before-write slots
+    has none to spare: its trainer copies what the writer has not read)."""
 
     model_copy_timeout: float = _flag(60.0, kind="seconds", example="120")
     """Whole-state snapshots: seconds the writer waits for the trainer to finish copying the
@@ -275,8 +275,8 @@ class ServerConfig:
             )
         if self.persist_max_bandwidth < 0:
             fail("--persist-max-bandwidth must be >= 0 (0: unlimited)")
-        if not 0 <= self.stage_threads <= 64:
-            fail("--stage-threads must be between 0 and 64")
+        if not 1 <= self.stage_threads <= 64:
+            fail("--stage-threads must be between 1 and 64")
         if not self.model_copy_timeout > 0:
             fail("--model-copy-timeout must be > 0 seconds")
         if self.keep_latest < 2:

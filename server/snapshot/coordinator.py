@@ -500,9 +500,9 @@ class SnapshotCoordinator:
 
 
 def _check_arguments(keep_latest: int | None, assemble_timeout_s: float, stage_threads: int) -> None:
-    if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 0:
+    if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 1:
         raise ValueError(f"keep_latest must be >= 2 or None (keep all), assemble_timeout_s > 0 and "
-                         f"stage_threads >= 0: got {keep_latest}, {assemble_timeout_s}, {stage_threads}")
+                         f"stage_threads >= 1: got {keep_latest}, {assemble_timeout_s}, {stage_threads}")
 
 
 def _parse_step_id(snapshot_id: str) -> tuple[str, int]:

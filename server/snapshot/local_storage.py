@@ -101,9 +101,8 @@ class LocalFilesystemStorage(SnapshotStorage):
     """A snapshot root directory on a filesystem with POSIX rename and fsync. Thread-safe."""
 
     def __init__(self, root: str | os.PathLike[str], direct_io: str = "writes"):
-        """``direct_io``: ``--direct-io`` (writes, all, off): which I/O may use O_DIRECT."""
-        self.direct_writes = direct_io in ("writes", "all")
-        self.direct_reads = direct_io == "all"
+        """``direct_io``: ``--direct-io`` (writes, off): whether snapshot writes may use O_DIRECT."""
+        self.direct_writes = direct_io == "writes"
         # The reader's path rules (job ids, confinement under the root, what counts as a
         # complete snapshot) are the ones every reader of the directory applies: one copy.
         self._reader = SnapshotReader(root)

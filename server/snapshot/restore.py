@@ -16,8 +16,7 @@ naming the ranks present and pointing at the other hosts' servers), this rank's 
 segment untouched.
 
 Read once (*staged*, :mod:`.staged_read`): a reader thread reads the data file region by
-region (O_DIRECT into private memory where the filesystem allows it; else mapped, read ahead
-and pinned with ``mlock``) while this thread checksums the regions already read. Only when
+region (mapped, read ahead and pinned with ``mlock``) while this thread checksums the regions already read. Only when
 every checksum has passed are the staged bytes copied (``memmove``, GIL released) into the
 segment, and the staging released. The staged bytes are
 accounted: ``reserve_staging(nbytes)`` (the arena's) holds them out of the budget's free bytes
@@ -176,14 +175,13 @@ def _copy_staged(staged: Staging, manifest: RankManifest, view: memoryview, layo
     return copied
 
 
-def _restore_staged(info: SnapshotInfo, manifest: RankManifest, view: memoryview, layout: SegmentLayout,
-                    direct_reads: bool = False) -> tuple[int, bool]:
-    """Read the rank's data file once (O_DIRECT when ``direct_reads``), verify it all, then
-    copy it: (bytes, pinned)."""
+def _restore_staged(info: SnapshotInfo, manifest: RankManifest, view: memoryview,
+                    layout: SegmentLayout) -> tuple[int, bool]:
+    """Read the rank's data file once, verify it all, then copy it: (bytes, pinned)."""
     verifier = RankFileVerifier(info, manifest)  # the reader's checks, fed from the staged pages
     path = verifier.path
     try:
-        fd, direct = staged_read.open_for_staging(path, direct=direct_reads)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise SnapshotCorrupt(f"{path} is missing") from None
     except OSError as exc:
@@ -192,7 +190,7 @@ def _restore_staged(info: SnapshotInfo, manifest: RankManifest, view: memoryview
         size = os.fstat(fd).st_size
         verifier.check_size(size)
         try:
-            staged = stage_file(fd, size, direct=direct)
+            staged = stage_file(fd, size)
         except OSError as exc:
             raise SnapshotError(f"cannot map {path}: {exc}") from None
         try:
@@ -284,7 +282,7 @@ def _restore_own(store: SnapshotStore, info: SnapshotInfo, view: memoryview, lay
     reserve = reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
     with reserve as granted:
         if granted:
-            copied, pinned = _restore_staged(info, manifest, view, layout, store.storage.direct_reads)
+            copied, pinned = _restore_staged(info, manifest, view, layout)
             return RestoreResult(info.snapshot_id, info.step, manifest.metadata_json, copied,
                                  staged=True, pinned=pinned, snapshot_world_size=info.world_size,
                                  source_ranks=(rank,))

@@ -142,8 +142,6 @@ class SnapshotStorage(abc.ABC):
 
     root: pathlib.PurePath
     """The storage's root, as messages name it (``--snapshot-dir``)."""
-    direct_reads: bool = False
-    """Restores may read this storage's files with O_DIRECT (``--direct-io all``)."""
 
     # ---------------------------------------------------------------- once per server
 

@@ -102,8 +102,8 @@ class RankWriter:
         model_copy_timeout_s: float = 60.0,
     ):
         """``storage``, ``partial``: where the rank's files go (the group's partial snapshot).
-        ``stage_threads``: threads of the :class:`Stager` (0: no staging, the trainer
-        copies every chunk the writer has not reached, as before the stager existed).
+        ``stage_threads``: threads of the :class:`Stager` (it runs when the segment has the
+        slots for one: :func:`stager_slot_count`).
         ``model_copy_timeout_s``: how long the writer waits for the trainer's copy of the
         model tensors of the step (protocol step 5) before the snapshot fails."""
         self.source = source
@@ -128,7 +128,7 @@ class RankWriter:
         self.trainer_copied_bytes = 0  # chunks the trainer copied itself (writer thread)
         self.stream_seconds = 0.0  # time spent streaming the chunks (writer thread)
         self.stage_threads = stage_threads
-        self.stage_slots = stager_slot_count(source.layout.cow_slots) if stage_threads > 0 else 0
+        self.stage_slots = stager_slot_count(source.layout.cow_slots)
         self.stager: Stager | None = (
             Stager(self, self.stage_slots, stage_threads) if self.stage_slots else None
         )

@@ -83,10 +83,10 @@ def test_a_ring_smaller_than_the_state_stays_exact(make_segment, make_coordinato
     assert status.backpressure_waits > 0  # the memory rule: this budget cannot cover the state
 
 
-def test_no_stager_threads_is_the_trainer_only_protocol(make_segment, make_coordinator):
-    seg = make_segment(specs=WIDE, cow_slots=8)
+def test_a_segment_without_slots_to_spare_is_the_trainer_only_protocol(make_segment, make_coordinator):
+    seg = make_segment(specs=WIDE, cow_slots=2)  # stager_slot_count: none to spare below 3
     at_step_n = seg.fill(seed=3)
-    coordinator = make_coordinator(max_bandwidth=800_000, stage_threads=0)
+    coordinator = make_coordinator(max_bandwidth=800_000)
     handle = coordinator.start(seg.source("job", 5))
     assert seg.header[Word.STAGE_SLOTS] == 0
     trainer = Trainer(seg, first_step=6, n_steps=2)

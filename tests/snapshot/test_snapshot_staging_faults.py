@@ -209,12 +209,12 @@ def test_disk_full_while_staging_on_a_tiny_tmpfs(make_segment, make_coordinator,
 
 
 def test_a_snapshot_the_trainer_gave_up_fails_and_the_next_one_holds_its_step(make_segment, make_coordinator):
-    # A writer slower than the trainer, no stager, the trainer's few slots: it would wait, but
+    # A writer slower than the trainer, the trainer's few slots: it would wait, but
     # its server looks gone to it, so it overwrites without a copy. The writer must not list
     # what it read (protocol step 6).
     seg = make_segment(specs=WIDE, cow_slots=4)
     seg.fill(seed=15)
-    coordinator = make_coordinator(max_bandwidth=200_000, stage_threads=0)
+    coordinator = make_coordinator(max_bandwidth=200_000)
     handle = coordinator.start(seg.source("job", 2))
     trainer = Trainer(seg, first_step=3, n_steps=2, max_wait_s=5.0, server_gone=lambda: True)
     trainer.start()
