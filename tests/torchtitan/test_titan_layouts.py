@@ -8,7 +8,7 @@ losses bitwise equal to plain torchtitan's (AdamW, DCP), with a real ``swap-stat
    checkpoint and resumes on 1 rank: the stages hold disjoint tensors; the server takes each
    tensor from the old rank that holds it.
 3. FSDP2 x TP2 on 4 ranks resumes on 1 rank under its job id and saves over a step the 4 ranks
-   took (the server replaces that snapshot with the new run's).
+   took (the server replaces that snapshot with the new run's); then on 2 ranks with TP2 alone.
 4. MoE (llama4's experts, grouped 3-D weights) with FSDP2 x EP2 on 2 ranks, killed with SIGKILL
    after its checkpoint, resumes on 1 rank without expert parallel.
 """
@@ -66,13 +66,15 @@ def test_a_pipeline_snapshot_resumes_on_one_rank_with_plain_torchtitans_losses(p
 FSDP_2_TP_2 = ("--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(840)
 def test_a_2x2_job_resumed_on_one_rank_under_its_job_id_saves_over_a_step_it_took(
         run_trainer, start_server, tmp_path):
     """4 ranks (FSDP2 x TP2) save snapshot-mode checkpoints at steps 3 and 6; the job resumes
     from step 3 on 1 rank under the same job id and saves step 6 again: the server replaces the
     4-rank snapshot of step 6 with the 1-rank run's, and the losses are plain torchtitan's
-    resuming its own DCP checkpoint the same way."""
+    resuming its own DCP checkpoint the same way. Then the same 4-rank checkpoint of step 3
+    resumes once more, on 2 ranks with TP2 alone (no FSDP: each rank's shard is a whole TP
+    shard, assembled from two FSDP shards of the old ranks), and saves step 6 a third time."""
     server = start_server(shm_size_bytes=512 << 20)
     swap = remote(server, "snapshot", job_id="titan-2x2")
     plain_4 = run_trainer(tmp_path / "plain", SCHEDULE, *CHECKPOINT, *FSDP_2_TP_2, steps=2 * N, nproc=4, timeout=420)
@@ -88,6 +90,16 @@ def test_a_2x2_job_resumed_on_one_rank_under_its_job_id_saves_over_a_step_it_too
     assert swap_1 == plain_1, f"{swap_1} != {plain_1}\n{swap_1.run.output[-3000:]}\n{server.log_text()[-3000:]}"
     listed = swap_state_cli("snapshots", "--server", server.address, "--job-id", "titan-2x2")
     assert f"titan-2x2/step-{2 * N}\t1 ranks" in listed.stdout, listed.stdout  # the 4 ranks' replaced
+
+    # 2x2 -> TP only: step 3's checkpoint is still the 4 ranks' (the 1-rank run saved step 6 only).
+    plain_tp = run_trainer(tmp_path / "plain", SCHEDULE, *from_3, *TP_2, steps=2 * N, nproc=2)
+    swap_tp = run_trainer(tmp_path / "swap", SCHEDULE, *from_3, *swap, *TP_2, steps=2 * N, nproc=2)
+    assert plain_tp.steps == list(range(N + 1, 2 * N + 1)), plain_tp.run.output[-3000:]
+    assert swap_tp == plain_tp, f"{swap_tp} != {plain_tp}\n{swap_tp.run.output[-3000:]}\n{server.log_text()[-3000:]}"
+    assembled = [line for line in server.log_text().splitlines() if "restore_assembled" in line]
+    assert any(" world_size=2 " in f"{line} " and "snapshot_world_size=4" in line for line in assembled), assembled
+    listed = swap_state_cli("snapshots", "--server", server.address, "--job-id", "titan-2x2")
+    assert f"titan-2x2/step-{2 * N}\t2 ranks" in listed.stdout, listed.stdout  # the 1 rank's replaced
 
 
 #: llama4's debug model: MoE layers whose experts are grouped 3-D weights (the launcher counts
