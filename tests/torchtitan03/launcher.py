@@ -26,6 +26,19 @@ What 0.3 needs beyond 0.2, each applied before ``main`` runs and none editing to
   written by rank 0). Only logged steps are recorded: keep ``--metrics.log_freq 1``.
   ``Trainer.should_continue_training`` stops after ``SWAP_STATE_TEST_STOP_AFTER_STEP``
   (that step's checkpoint, if due, is written first).
+* 0.3's pipeline step hands the schedule pre-split microbatches,
+  ``pp_schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=..., loss_kwargs=...)``
+  (``Trainer.pp_forward_backward_step``), an API of newer torch than 2.13: torch 2.13's
+  ``step(*args, target=None, losses=None, return_outputs=True, loss_kwargs=None, **kwargs)``
+  takes one whole batch and splits it itself, so those three names land in ``**kwargs`` as
+  model inputs, are chunked like a batch (a list of 1-sample tensors cannot be cut into 2),
+  and ``_check_inputs`` fails: "Expecting 2 arg_mbs but got 1". No flag avoids it (every
+  schedule's ``step`` is torch's; ``spmd-backend`` and CUDA graphs do not touch it).
+  ``accept_presplit_microbatches`` gives torch 2.13's single- and multi-stage schedules the
+  newer keywords: what their own ``step`` does before and after splitting (``has_backward``
+  and runtime states of each stage), with the caller's microbatches given to the schedule's
+  own ``_step_microbatches`` (which takes exactly these lists and ``loss_kwargs``). Without
+  those keywords ``step`` is torch's own.
 * At the end of ``train()`` rank 0 sleeps 2 s "for other ranks to complete"; with
   ``WORLD_SIZE=1`` there are none, so that one sleep is skipped (a fifth of a 6-step run).
 """
@@ -86,6 +99,43 @@ def skip_lone_rank_wait() -> None:
     tt_trainer.time = _TimeWithoutSleep()
 
 
+def accept_presplit_microbatches() -> None:
+    """torch's pipeline schedules' ``step`` also takes ``arg_mbs``/``kwarg_mbs``/``target_mbs``
+    (microbatches already split, as torchtitan 0.3 passes them), where torch lacks them."""
+    import inspect
+
+    import torch
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    for cls in (PipelineScheduleSingle, PipelineScheduleMulti):
+        original = cls.step
+        if "arg_mbs" in inspect.signature(original).parameters:
+            continue  # a torch that has them
+
+        def step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
+                 return_outputs=True, loss_kwargs=None, _original=original, **kwargs):
+            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+                return _original(self, *args, losses=losses, return_outputs=return_outputs,
+                                 loss_kwargs=loss_kwargs, **kwargs)
+            if args or kwargs:
+                raise TypeError(f"pre-split microbatches and whole-batch inputs together: {args} {sorted(kwargs)}")
+            needs_grad = self._has_backward and getattr(self, "_backward_requires_autograd", True)
+            if needs_grad and not torch.is_grad_enabled():
+                raise RuntimeError("step() requires gradients to be enabled; call eval() instead")
+            stages = self._stages if hasattr(self, "_stages") else [self._stage]
+            for stage in stages:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
+                                    loss_kwargs=loss_kwargs)
+            for stage in stages:
+                if stage.is_last and return_outputs:
+                    return self._merge_outputs(stage.output_chunks)
+            return None
+
+        cls.step = step
+
+
 def _override_target(entry) -> str:
     """An ``override.imports`` entry is a target or a ``(target, kwargs)`` pair."""
     return entry if isinstance(entry, str) else entry[0]
@@ -137,6 +187,7 @@ def main(argv=None) -> None:
     tt_train = import_torchtitan_on_cpu()
     sum_reductions_for_gloo()
     supply_set_timeout()
+    accept_presplit_microbatches()
     append_cpu_attention_override()
     observe_trainer(observer)
     skip_lone_rank_wait()

@@ -3,7 +3,8 @@
 trainer: the same losses bitwise with a host's server and with the embedded default, a
 snapshot-mode save at step 3 resumed to 6, a SIGKILL after a checkpoint and a rerun, several
 param groups, the settings on torchtitan's CLI where the registry builds the config, two
-ranks whose checkpoint resumes on one, and FSDP2 x TP2 on four.
+ranks whose checkpoint resumes on one, FSDP2 x TP2 on four, and a pipeline of two stages on
+two ranks whose checkpoint resumes on one.
 
 Servers are real ``swap-state-server`` processes (tests/conftest.py's ``start_server``); the
 trainers run in the 0.3 venv (titan03_kit.py).
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from titan_testkit import STOP_AFTER_STEP_ENV, STOP_MODE_ENV
+from titan_testkit import LOSS_RANK_ENV, STOP_AFTER_STEP_ENV, STOP_MODE_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_server_env")]
 
@@ -162,9 +163,6 @@ def test_two_ranks_bitwise_then_a_resume_on_one_rank(run_trainer03, start_server
 
 
 #: FSDP2 x TP2 on 4 ranks: both shard the weights (_StridedShard where they share a dimension).
-#: A pipeline is not here: plain torchtitan 0.3.0's own pipeline step fails on these CPU ranks
-#: ("Expecting 2 arg_mbs but got 1" in Trainer.pp_forward_backward_step), so there is no plain
-#: run to compare with; 0.2's pipeline runs (tests/torchtitan/test_titan_layouts.py).
 FSDP_2_TP_2 = ("--parallelism.data-parallel-shard-degree", "2", "--parallelism.tensor-parallel-degree", "2")
 
 
@@ -178,3 +176,35 @@ def test_fsdp2_times_tp2_on_four_ranks_is_bitwise(run_trainer03, start_server, t
     swapped = run_trainer03(tmp_path / "swap", *TWO_RANKS, *FSDP_2_TP_2, *swap, steps=N, nproc=4, timeout=420)
     assert plain.steps == list(range(1, N + 1)), _tail(plain)
     assert swapped == plain, _tail(swapped)
+
+
+#: A pipeline of 2 stages (1F1B) on 2 ranks, each stage a rank's. 0.3 refuses CUDA graphs with
+#: pipeline parallelism (on by default, also on the CPU): "CUDA graphs do not support pipeline
+#: parallelism yet". The launcher gives torch 2.13's schedules the pre-split microbatches 0.3
+#: passes (launcher.py ``accept_presplit_microbatches``: without it plain 0.3.0 fails with
+#: "Expecting 2 arg_mbs but got 1"). The default SPMD backend runs here.
+PP_2 = ("--parallelism.pipeline-parallel-degree", "2", "--parallelism.pipeline-parallel-schedule", "1F1B",
+        "--training.disable-cuda-graphs")  # fmt: skip
+
+
+@pytest.mark.timeout(420)
+def test_a_pipeline_on_two_ranks_is_bitwise_and_resumes_on_one_rank(run_trainer03, start_server, tmp_path):
+    """2 stages on 2 ranks train N steps (plain and swap-state, the same losses, the last
+    stage's) and save a snapshot-mode checkpoint; each resumes on 1 rank to 2N: the stages
+    held disjoint tensors, the server takes each from the old rank that holds it, and the
+    losses equal plain torchtitan's resume of its own checkpoint."""
+    server = start_server(shm_size_bytes=512 << 20)
+    swap = swap_state(swap_state_server=server.address, swap_state_checkpoint="snapshot", swap_state_job_id="pp03")
+    stop = {STOP_AFTER_STEP_ENV: str(N), STOP_MODE_ENV: "return", LOSS_RANK_ENV: "1"}  # the loss: last stage's
+    plain_2 = run_trainer03(tmp_path / "plain", *CHECKPOINT, *PP_2, steps=2 * N, env=stop, nproc=2)
+    swap_2 = run_trainer03(tmp_path / "swap", *CHECKPOINT, *swap, *PP_2, steps=2 * N, env=stop, nproc=2)
+    assert plain_2.steps == list(range(1, N + 1)), _tail(plain_2)
+    assert "with 2 microbatches and 2 stages" in plain_2.run.output, _tail(plain_2)
+    assert swap_2 == plain_2, _tail(swap_2)
+
+    plain_1 = run_trainer03(tmp_path / "plain", *CHECKPOINT, *NO_DATALOADER, steps=2 * N)
+    swap_1 = run_trainer03(tmp_path / "swap", *CHECKPOINT, *swap, *NO_DATALOADER, steps=2 * N)
+    assert plain_1.steps == list(range(N + 1, 2 * N + 1)), _tail(plain_1)
+    assert swap_1.steps == plain_1.steps and swap_1 == plain_1, _tail(swap_1) + server.log_text()[-3000:]
+    log = server.log_text()
+    assert "restore_assembled" in log and "snapshot_world_size=2" in log, log[-3000:]
