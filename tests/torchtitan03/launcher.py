@@ -28,7 +28,8 @@ What 0.3 needs beyond 0.2, each applied before ``main`` runs and none editing to
   (that step's checkpoint, if due, is written first).
 * 0.3's pipeline step hands the schedule pre-split microbatches,
   ``pp_schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=..., loss_kwargs=...)``
-  (``Trainer.pp_forward_backward_step``), an API of newer torch than 2.13: torch 2.13's
+  (``Trainer.pp_forward_backward_step``), keywords torch 2.13 lacks (0.3 is built against
+  PyTorch nightly): torch 2.13's
   ``step(*args, target=None, losses=None, return_outputs=True, loss_kwargs=None, **kwargs)``
   takes one whole batch and splits it itself, so those three names land in ``**kwargs`` as
   model inputs, are chunked like a batch (a list of 1-sample tensors cannot be cut into 2),
