@@ -14,9 +14,12 @@ grow to 5N/4 it measures, in this process:
   (:func:`~swap_state.server.snapshot.reshard.plan_tensor`, the planner before the index),
   measured in the same run: the ratio is the figure to read, not the seconds.
 
-Reported per case: median, mean and worst of ``--repeat`` runs. Reading and parsing the
-manifests themselves is not simulated here (the per-step index that replaces them is issue
-33's item 2), nor are store requests.
+Reported per case: median, mean and worst of ``--repeat`` runs. Then, once, one rank's
+**manifest** at the largest N: its bytes and the CPU of parsing it, as written now (compact,
+version 2) and as written before (version 1: indented, null fields, the trainer's metadata text
+beside the same facts), built from the same records in the same run. Reading the manifests
+of every old rank is not simulated (the per-step index that replaces them is issue 33's item
+2), nor are store requests.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import statistics
 import time
 import tracemalloc
 
-from swap_state.common.snapshot_format import TensorRecord
+from swap_state.common.snapshot_format import RankManifest, TensorRecord, dumps_json
 from swap_state.server.snapshot.reshard import LayoutIndex, TargetTensor, plan_tensor
 
 DIM, FFN, KV, VOCAB, LAYERS = 8192, 28672, 1024, 128256, 80
@@ -64,24 +67,26 @@ def box(shape: tuple[int, ...], parts: int, index: int) -> tuple[tuple[int, ...]
 
 
 def manifests(shapes: dict[str, tuple[int, ...]], world: int) -> dict[int, list[TensorRecord]]:
-    """Every old rank's records: both moments of every parameter, its Shard(0) box."""
-    out: dict[int, list[TensorRecord]] = {}
-    for rank in range(world):
-        records, position = [], 0
-        for fqn, shape in shapes.items():
-            offset, local = box(shape, world, rank)
-            nbytes = 4
-            for n in local:
-                nbytes *= n
-            for moment in MOMENTS:
-                records.append(TensorRecord(
-                    name=f"state.{fqn}.{moment}", dtype="float32", shape=local, nbytes=nbytes,
-                    data_offsets=(position, position + nbytes), crc32=0, fqn=fqn, key=moment,
-                    global_shape=shape, global_offset=offset,
-                ))
-                position += nbytes
-        out[rank] = records
-    return out
+    """Every old rank's records."""
+    return {rank: rank_records(shapes, world, rank) for rank in range(world)}
+
+
+def rank_records(shapes: dict[str, tuple[int, ...]], world: int, rank: int) -> list[TensorRecord]:
+    """One rank's records: both moments of every parameter, its Shard(0) box."""
+    records, position = [], 0
+    for fqn, shape in shapes.items():
+        offset, local = box(shape, world, rank)
+        nbytes = 4
+        for n in local:
+            nbytes *= n
+        for moment in MOMENTS:
+            records.append(TensorRecord(
+                name=f"state.{fqn}.{moment}", dtype="float32", shape=local, nbytes=nbytes,
+                data_offsets=(position, position + nbytes), crc32=0, fqn=fqn, key=moment,
+                global_shape=shape, global_offset=offset,
+            ))
+            position += nbytes
+    return records
 
 
 def targets(shapes: dict[str, tuple[int, ...]], world: int, rank: int) -> list[TargetTensor]:
@@ -141,6 +146,38 @@ def run_case(shapes, old: int, new: int, repeat: int) -> dict:
     }  # fmt: skip
 
 
+#: An AdamW param group's hyperparameters as torchtitan's trainer sends them per fqn.
+ADAMW_GROUP = {"lr": 8e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
+               "foreach": None, "maximize": False, "capturable": False, "differentiable": False,
+               "fused": None, "decoupled_weight_decay": True, "initial_lr": 8e-4}
+
+
+def manifest_case(shapes, world: int, repeat: int) -> dict:
+    """One middle rank's manifest at ``world`` ranks: bytes and parse CPU, compact (now) and
+    version 1 (before), from the same records."""
+    rank = world // 2
+    records = rank_records(shapes, world, rank)
+    steps = {fqn: {"__tensor__": 1000.0, "dtype": "float32"} for fqn in shapes}
+    manifest = RankManifest("job", 1000, rank, world, "rank.safetensors", 0, 4096, 64 << 20, tuple(records),
+                            {fqn: ADAMW_GROUP for fqn in shapes}, steps, {}, 0, 0, 0.0, 1.0)
+    compact = manifest.to_bytes()
+    old = manifest.to_json()
+    old.pop("metadata_extra")
+    old.update(version=1, metadata_json=manifest.metadata_json,
+               tensors=[{**t, "fqn": t.get("fqn"), "key": t.get("key"), "global_shape": t.get("global_shape"),
+                         "global_offset": t.get("global_offset")} for t in old["tensors"]])
+    version_1 = dumps_json(old)
+    parse = {name: summary([timed(lambda raw=raw: RankManifest.from_json(json.loads(raw)))[0]
+                            for _ in range(repeat)])
+             for name, raw in (("compact", compact), ("version_1", version_1))}
+    read = RankManifest.from_json(json.loads(compact))
+    assert json.loads(read.metadata_json) == json.loads(manifest.metadata_json)
+    rebuild = summary([timed(lambda m=RankManifest.from_json(json.loads(compact)): m.metadata_json)[0]
+                       for _ in range(repeat)])
+    return {"ranks": world, "tensors": len(records), "compact_bytes": len(compact),
+            "version_1_bytes": len(version_1), "parse_cpu_s": parse, "metadata_rebuild_cpu_s": rebuild}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="8,64,256,1024,2048", help="old world sizes, comma-separated")
@@ -161,13 +198,25 @@ def main(argv: list[str] | None = None) -> None:
                     f"   (plan mean {case['plan_cpu_s']['mean']:.3f}, worst {case['plan_cpu_s']['worst']:.3f})")
             lines.append(line)
             print(line, flush=True)
+    manifest = manifest_case(shapes, old, args.repeat)
+    line = (f"one rank's manifest at {old} ranks ({manifest['tensors']} tensors): "
+            f"{manifest['compact_bytes'] / 1e6:.2f} MB compact vs {manifest['version_1_bytes'] / 1e6:.2f} MB "
+            f"version 1; parse {_fmt(manifest['parse_cpu_s']['compact'])} vs {_fmt(manifest['parse_cpu_s']['version_1'])}; "
+            f"the trainer's metadata rebuilt from a compact one (once per rank a restore reads) "
+            f"{_fmt(manifest['metadata_rebuild_cpu_s'])}")
+    lines.append(line)
+    print(line, flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "scale.json").write_text(json.dumps(results, indent=1))
+        (args.out / "scale.json").write_text(json.dumps({"plans": results, "manifest": manifest}, indent=1))
         table = "\n".join([header, *lines])
         (args.out / "scale.md").write_text(
             "# Restore planning at scale (bench.scale)\n\nCPU seconds (median of the runs; the plan's mean "
             "and worst beside it), peak Python MB; x = baseline plan / indexed plan.\n\n```\n" + table + "\n```\n")
+
+
+def _fmt(cpu: dict[str, float]) -> str:
+    return f"{cpu['median'] * 1e3:.0f} ms (mean {cpu['mean'] * 1e3:.0f}, worst {cpu['worst'] * 1e3:.0f})"
 
 
 if __name__ == "__main__":

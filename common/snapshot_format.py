@@ -20,6 +20,7 @@ Pure Python, no torch; ``json`` only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import struct
@@ -36,6 +37,7 @@ __all__ = [
     "LATEST_NAME",
     "SAFETENSORS_DTYPES",
     "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
     "INDEX_FORMAT",
     "TensorRecord",
     "RankManifest",
@@ -54,6 +56,12 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+MANIFEST_VERSION = 2
+"""Manifests written now: compact (no indentation, no null fields) and without the trainer's
+metadata text, which they rebuild from their own fields (:attr:`RankManifest.metadata_json`).
+Version 1 manifests (the text kept verbatim beside the same facts: a third of their bytes)
+are still read."""
+READ_MANIFEST_VERSIONS = (1, MANIFEST_VERSION)
 MANIFEST_FORMAT = "swap-state-rank-manifest"
 INDEX_FORMAT = "swap-state-snapshot"
 INDEX_NAME = "snapshot.json"
@@ -196,18 +204,24 @@ class TensorRecord:
     """DTensor offset of this shard in the global tensor, None for a plain tensor."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "fqn": self.fqn,
-            "key": self.key,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "global_shape": None if self.global_shape is None else list(self.global_shape),
-            "global_offset": None if self.global_offset is None else list(self.global_offset),
-            "nbytes": self.nbytes,
-            "data_offsets": list(self.data_offsets),
-            "crc32": format_crc(self.crc32),
-        }
+        """Its manifest entry; the trainer's facts (fqn, key, global shape and offset) only
+        when it gave them."""
+        entry: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        entry.update(self.trainer_entry())
+        entry.update(nbytes=self.nbytes, data_offsets=list(self.data_offsets), crc32=format_crc(self.crc32))
+        return entry
+
+    def trainer_entry(self) -> dict[str, Any]:
+        """What the trainer's metadata said of this tensor (its ``tensors`` entry)."""
+        entry: dict[str, Any] = {}
+        if self.fqn is not None:
+            entry["fqn"] = self.fqn
+        if self.key is not None:
+            entry["key"] = self.key
+        if self.global_shape is not None:
+            entry["global_shape"] = list(self.global_shape)
+            entry["global_offset"] = list(self.global_offset or ())
+        return entry
 
     @classmethod
     def from_json(cls, raw: Any) -> TensorRecord:
@@ -259,8 +273,9 @@ class RankManifest:
     """Per fqn, the param-group hyperparameters from the trainer's metadata."""
     steps: dict[str, Any]
     """Per fqn, the optimizer step count from the trainer's metadata."""
-    metadata_json: str
-    """The trainer's metadata_json, verbatim (Restore returns it unchanged)."""
+    metadata_extra: dict[str, Any]
+    """The trainer's metadata's other top-level entries (``model_aliases``, keys this version
+    does not know); with the tensors' records, ``param_groups`` and ``steps``, all of it."""
     cow_copies: int
     """Chunks the trainer copied before writing while this rank persisted."""
     backpressure_waits: int
@@ -269,15 +284,28 @@ class RankManifest:
     """Seconds the trainer spent in those waits."""
     persist_seconds: float
     """Wall time from consistent to this rank's data being durable."""
+    verbatim_metadata_json: str | None = None
+    """A version 1 manifest's metadata text, as the trainer sent it (None: rebuilt)."""
 
     @property
     def snapshot_id(self) -> str:
         return snapshot_id_for(self.job_id, self.step)
 
+    @functools.cached_property
+    def metadata_json(self) -> str:
+        """The trainer's metadata of this rank (Restore returns it): every fact it gave,
+        rebuilt from the manifest's fields (built once, on first use: a reshard reads a
+        thousand manifests and needs few of these)."""
+        if self.verbatim_metadata_json is not None:
+            return self.verbatim_metadata_json
+        tensors = {t.name: entry for t in self.tensors if (entry := t.trainer_entry())}
+        return json.dumps({"tensors": tensors, "steps": self.steps, "param_groups": self.param_groups,
+                           **self.metadata_extra}, allow_nan=False)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": MANIFEST_FORMAT,
-            "version": FORMAT_VERSION,
+            "version": MANIFEST_VERSION,
             "snapshot_id": self.snapshot_id,
             "job_id": self.job_id,
             "step": self.step,
@@ -295,14 +323,19 @@ class RankManifest:
             "backpressure_waits": self.backpressure_waits,
             "backpressure_wait_seconds": self.backpressure_wait_seconds,
             "persist_seconds": self.persist_seconds,
-            "metadata_json": self.metadata_json,
+            "metadata_extra": self.metadata_extra,
         }
+
+    def to_bytes(self) -> bytes:
+        """The manifest file: compact JSON (it is read by machines, a thousand at a time)."""
+        return (json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False) + "\n").encode()
 
     @classmethod
     def from_json(cls, raw: Any) -> RankManifest:
         raw = _object(raw, "manifest")
-        if raw.get("format") != MANIFEST_FORMAT or raw.get("version") != FORMAT_VERSION:
-            raise ValueError(f"not a {MANIFEST_FORMAT} of version {FORMAT_VERSION}")
+        version = raw.get("version")
+        if raw.get("format") != MANIFEST_FORMAT or version not in READ_MANIFEST_VERSIONS:
+            raise ValueError(f"not a {MANIFEST_FORMAT} of version {' or '.join(map(str, READ_MANIFEST_VERSIONS))}")
         tensors = raw.get("tensors")
         if not isinstance(tensors, list):
             raise ValueError("tensors must be a list")
@@ -318,7 +351,8 @@ class RankManifest:
             tensors=tuple(TensorRecord.from_json(t) for t in tensors),
             param_groups=_object(raw.get("param_groups"), "param_groups"),
             steps=_object(raw.get("steps"), "steps"),
-            metadata_json=_str(raw.get("metadata_json"), "metadata_json"),
+            metadata_extra=_object(raw.get("metadata_extra"), "metadata_extra") if version != 1 else {},
+            verbatim_metadata_json=_str(raw.get("metadata_json"), "metadata_json") if version == 1 else None,
             cow_copies=_int(raw.get("cow_copies"), "cow_copies"),
             backpressure_waits=_int(raw.get("backpressure_waits"), "backpressure_waits"),
             backpressure_wait_seconds=_float(

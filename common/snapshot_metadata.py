@@ -1,9 +1,9 @@
 """The trainer's ``metadata_json`` of a snapshot: schema, encoding (trainer) and parsing (server).
 
 The server cannot know what a segment tensor *is* (which parameter, which optimizer state,
-which shard of a DTensor); the trainer says so in ``SnapshotRequest.metadata_json``. It is
-stored verbatim in every rank manifest (Restore returns it unchanged), and the parts below are
-also lifted into the manifest's typed fields. Schema (every top-level key is optional; unknown
+which shard of a DTensor); the trainer says so in ``SnapshotRequest.metadata_json``. Every
+rank manifest records it, ``tensors``, ``param_groups`` and ``steps`` in the manifest's own
+fields and the rest as sent, and Restore returns it rebuilt from them. Schema (every top-level key is optional; unknown
 keys are kept verbatim but not interpreted)::
 
     {
@@ -96,6 +96,10 @@ class SnapshotMetadata:
     """Per fqn, the step count (JSON value)."""
     model_aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     """Per model state-dict key of a tied tensor, the fqn its model tensor is stored under."""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The top-level entries other than ``tensors``, ``param_groups`` and ``steps``, as sent
+    (``model_aliases``, keys this version does not know): what a manifest keeps besides its
+    own fields."""
 
 
 def _reject_constant(name: str) -> Any:
@@ -215,7 +219,12 @@ def metadata_from_json(metadata_json: str, raw: dict[str, Any], tensors: Sequenc
     for alias, fqn in aliases.items():
         if not isinstance(fqn, str) or not fqn:
             raise SnapshotInvalid(f"metadata_json: model_aliases[{shorten(alias)}] must be a string")
-    return SnapshotMetadata(metadata_json, entries, param_groups, steps, aliases)
+    extra = {key: value for key, value in raw.items() if key not in _MANIFEST_FIELDS}
+    return SnapshotMetadata(metadata_json, entries, param_groups, steps, aliases, extra)
+
+
+_MANIFEST_FIELDS = ("tensors", "param_groups", "steps")
+"""The top-level entries a rank manifest records in its own fields (the rest: ``extra``)."""
 
 
 def encode_metadata(

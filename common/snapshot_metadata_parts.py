@@ -74,7 +74,9 @@ class MetadataParts:
         param_groups = {fqn: self.group_params[g] for fqn, g in zip(base.fqns, base.groups)}
         steps = dict(zip(base.fqns, self.steps))
         raw = encode_metadata(base.tensors, param_groups, steps, base.model_aliases)
-        return SnapshotMetadata(raw, base.tensors, param_groups, steps, dict(base.model_aliases))
+        aliases = dict(base.model_aliases)
+        return SnapshotMetadata(raw, base.tensors, param_groups, steps, aliases,
+                                {"model_aliases": aliases} if aliases else {})
 
 
 def encode_base(

@@ -14,7 +14,7 @@ Call order (the writer)::
     file.pwrite(plan.header, 0); ...tensors at plan.data_start...   # the writer streams
     data = plan.data_record(crcs)
     manifest = plan.manifest(crcs, data, counters, persist_seconds)
-    raw = dumps_json(manifest.to_json()); storage.write_durable(partial, plan.manifest_name, raw)
+    raw = manifest.to_bytes(); storage.write_durable(partial, plan.manifest_name, raw)
     result = plan.result(manifest, data, raw)
 """
 
@@ -96,7 +96,7 @@ class RankFilePlan:
             tensors=self.tensor_records(crcs),
             param_groups=metadata.param_groups,
             steps=metadata.steps,
-            metadata_json=metadata.raw,
+            metadata_extra=metadata.extra,
             cow_copies=cow_copies,
             backpressure_waits=bp_waits,
             backpressure_wait_seconds=bp_wait_ns / 1e9,

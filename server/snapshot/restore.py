@@ -76,7 +76,7 @@ class RestoreResult:
     step: int
     """The step the segment now holds."""
     metadata_json: str
-    """The trainer's metadata of that snapshot, verbatim."""
+    """The trainer's metadata of that snapshot (every fact it gave; rebuilt by the manifest)."""
     bytes_restored: int
     """Tensor bytes copied into the segment."""
     staged: bool = True

@@ -43,7 +43,6 @@ import time
 from swap_state.common.segment import Chunk, Word, stager_slot_count
 
 from swap_state.common.snapshot_errors import SnapshotError, from_os_error
-from swap_state.common.snapshot_format import dumps_json
 from swap_state.common.snapshot_metadata import SnapshotMetadata
 from swap_state.common.snapshot_metadata_parts import MetadataParts
 from swap_state.common.retry import wait_until
@@ -399,7 +398,7 @@ class RankWriter:
             data = plan.data_record(crcs)
             manifest = plan.manifest(crcs, data, self.counters(), time.monotonic() - self.started_monotonic)
             action = f"writing {plan.manifest_name} of {source.job_id}/step-{source.step}"
-            raw = dumps_json(manifest.to_json())
+            raw = manifest.to_bytes()
             self.storage.write_durable(self.partial, plan.manifest_name, raw)
         except OSError as exc:
             raise from_os_error(exc, action, self.storage.root) from None

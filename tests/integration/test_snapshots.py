@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from swap_state.client import cli
 from swap_state.client.remote.container import PARAM_STEPS
 from swap_state.client.remote.rpc import ClientConfig, SwapStateClient, SwapStateError
+from swap_state.common.snapshot_format import RankManifest
 
 from snapshot_kit import (
     CHUNK,
@@ -400,7 +401,7 @@ def test_metadata_base_goes_once_and_a_server_that_lost_it_gets_it_again(start_s
                     ["metadata_base_id", "metadata_delta_json"]]
     assert rank_manifest(second.path)["step"] == 3 and rank_manifest(first.path)["step"] == 2
     manifest = rank_manifest(second.path)
-    assert manifest["metadata_json"] == container.snapshot_metadata()  # what readers see: unchanged
+    assert json.loads(RankManifest.from_json(manifest).metadata_json) == json.loads(container.snapshot_metadata())
 
     with pytest.raises(MetadataBaseUnknownError, match="does not hold the snapshot metadata base"):
         real(3, metadata_base_id="0" * 32, metadata_delta_json=delta)
@@ -412,7 +413,8 @@ def test_metadata_base_goes_once_and_a_server_that_lost_it_gets_it_again(start_s
     third = container.snapshot().wait_durable(timeout_s=60)
     assert sent == [["metadata_base_id", "metadata_delta_json"],
                     ["metadata_base_id", "metadata_base_json", "metadata_delta_json"]]
-    assert rank_manifest(third.path)["metadata_json"] == container.snapshot_metadata()
+    assert json.loads(RankManifest.from_json(rank_manifest(third.path)).metadata_json) == json.loads(
+        container.snapshot_metadata())
     container.close()
 
 

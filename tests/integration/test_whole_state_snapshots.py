@@ -108,7 +108,7 @@ def test_tied_weights_are_stored_once_and_persistent_buffers_with_them(start_ser
     assert torch.equal(stored["model.embed.weight"], model.head.weight.detach())
     entries = {t["name"]: t for t in rank_manifest(status.path)["tensors"]}
     assert entries["model.scale"]["key"] == "buffer"
-    assert '"model_aliases": {"head.weight": "embed.weight"}' in rank_manifest(status.path)["metadata_json"]
+    assert rank_manifest(status.path)["metadata_extra"] == {"model_aliases": {"head.weight": "embed.weight"}}
     container.close()
 
 

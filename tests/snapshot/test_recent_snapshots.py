@@ -12,7 +12,7 @@ from swap_state.server.snapshot.assemble import RecentSnapshots
 
 def _manifest(rank: int) -> RankManifest:
     record = TensorRecord("w", "float32", (2,), 8, (0, 8), 0, global_shape=(4,), global_offset=(2 * rank,))
-    return RankManifest("job", 6, rank, 2, f"rank-{rank}.safetensors", 8, 0, 8, (record,), {}, {}, "", 0, 0, 0.0, 0.0)
+    return RankManifest("job", 6, rank, 2, f"rank-{rank}.safetensors", 8, 0, 8, (record,), {}, {}, {}, 0, 0, 0.0, 0.0)
 
 
 class CountingSource:

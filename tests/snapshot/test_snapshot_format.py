@@ -17,7 +17,8 @@ from snapshot_kit import SPECS, metadata_for
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_errors import SnapshotInvalid
 from swap_state.common.snapshot_format import (
-    DATA_ALIGN, INDEX_NAME, rank_data_name, rank_manifest_name, safetensors_header, safetensors_metadata,
+    DATA_ALIGN, INDEX_NAME, RankManifest, rank_data_name, rank_manifest_name, safetensors_header,
+    safetensors_metadata,
 )
 
 _NUMPY = {"float32": np.float32, "uint8": np.uint8}
@@ -67,14 +68,15 @@ def test_manifest_records_layout_metadata_and_checksums(make_segment, make_coord
     manifest_raw = (info.path / rank_manifest_name(0)).read_bytes()
     manifest = json.loads(manifest_raw)
     assert (manifest["job_id"], manifest["step"], manifest["rank"], manifest["world_size"]) == ("job", 42, 0, 1)
-    assert manifest["metadata_json"] == metadata  # verbatim
+    assert "metadata_json" not in manifest and manifest["version"] == 2  # compact: its own fields say it
+    assert json.loads(RankManifest.from_json(manifest).metadata_json) == json.loads(metadata)  # all of it
     assert manifest["param_groups"]["layers.0.w"]["betas"] == [0.9, 0.95]
     assert manifest["steps"] == {"layers.0.w": 42, "layers.0.b": 42, "emb": 42, "empty": 42}
     by_name = {t["name"]: t for t in manifest["tensors"]}
     w = by_name["layers.0.w.exp_avg"]
     assert (w["fqn"], w["key"], w["dtype"], w["shape"]) == ("layers.0.w", "exp_avg", "float32", [32, 256])
     assert (w["global_shape"], w["global_offset"]) == ([64, 256], [32, 0])
-    assert by_name["layers.0.b.exp_avg"]["global_shape"] is None
+    assert "global_shape" not in by_name["layers.0.b.exp_avg"]
     for name, data in contents.items():
         assert by_name[name]["crc32"] == f"{zlib.crc32(data):08x}"
         assert by_name[name]["nbytes"] == len(data)
@@ -88,6 +90,19 @@ def test_manifest_records_layout_metadata_and_checksums(make_segment, make_coord
     # The store's own verification agrees.
     coordinator.store.verify_data(info, coordinator.store.read_manifest(info, 0))
 
+
+
+def test_a_version_1_manifest_is_still_read_with_its_metadata_verbatim(make_segment, make_coordinator):
+    """Snapshots taken before manifests were compact (version 1: the trainer's text beside the
+    same facts) restore after an upgrade: their text is returned as it was."""
+    metadata = metadata_for(make_segment("probe"), step=42)
+    _, _, _, info = _durable(make_segment, make_coordinator, metadata)
+    compact = json.loads((info.path / rank_manifest_name(0)).read_bytes())
+    old = {k: v for k, v in compact.items() if k != "metadata_extra"} | {"version": 1, "metadata_json": metadata}
+    read = RankManifest.from_json(old)
+    assert read.metadata_json == metadata and read.tensors == RankManifest.from_json(compact).tensors
+    with pytest.raises(ValueError, match="version 1 or 2"):
+        RankManifest.from_json({**compact, "version": 3})
 
 @pytest.mark.parametrize(
     "metadata, message",
