@@ -1,22 +1,25 @@
-"""Restore by assembly: a rank's segment built from any ranks' files, locally or from the store.
+"""Restore: a rank's segment built from a snapshot's rank files, locally or from the store, at
+the snapshot's layout or another. One path: plan, stage, verify, then copy. Call order::
 
-The plain restore (:mod:`.restore`) copies one local rank file into the same rank's segment.
-This one serves what that cannot: a rank whose file is not on this host (read from the store),
-and a job restarted at another world size (each new rank's shards cut from the old ranks'
-shards, :mod:`.reshard`). Call order::
+    source = LocalSource(store, info)  |  StoreSource(stored, info)      # (.sources)
+    result = assemble(source, view, layout, rank=..., world_size=..., placement=...,
+                      reserve_staging=..., staging_free_bytes=...)
 
-    source = LocalSource(store, info)  |  StoreSource(stored, info)
-    result = assemble(source, view, layout, rank=..., world_size=..., placement=..., reserve_staging=...)
-    # its targets: restore_targets (the placement the trainer sent, or the rank's own manifest)
+The plan: at the snapshot's world size, the rank's own manifest is read first; when its tensors
+are the segment's (names, dtypes, shapes, order) the plan is trivial, that whole file (one
+manifest read, never the other ranks'), and a local file is staged whole (:mod:`.sources`).
+Otherwise (another world size, or the same one at another layout: FSDP to TP, ...) each new
+rank's shards are cut from the old ranks' shards (:mod:`.reshard`), from every old rank's
+manifest, read once for the ranks of this server that restore the snapshot together
+(:data:`RECENT`); the targets' placement is the one the trainer sent (RestoreRequest.metadata_json).
 
-What it reads is verified before a byte of the segment changes: each old rank's manifest
-against the snapshot's index, each data file's size and header against its manifest, and every
-source tensor it reads against its crc32. Only the tensors a new rank needs are read (whole
-tensors: their checksums cover them whole). The target bytes are staged in anonymous memory
-(accounted by ``reserve_staging``, like the plain restore) and copied into the segment once
-all of them verified; when the budget cannot hold them, the sources are verified in a first
-pass and read again into the segment, each tensor checked again (a change in between fails
-the restore: "restore again").
+What it reads is verified before a byte of the segment changes: each manifest against the
+snapshot's index, each data file's size and header against its manifest, and every source
+tensor it reads against its crc32. Only the tensors a new rank needs are read (whole tensors:
+their checksums cover them whole). The target bytes are staged (accounted by
+``reserve_staging``, the arena's) and copied into the segment once all of them verified; when
+the budget cannot hold them, the sources are verified in a first pass and read again into the
+segment, each tensor checked again (a change in between fails the restore: "restore again").
 """
 
 from __future__ import annotations
@@ -26,115 +29,100 @@ import dataclasses
 import json
 import logging
 import mmap
-import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import ContextManager, Protocol
+from typing import ContextManager
 
-from swap_state.common.checksum import crc32
 from swap_state.common.segment import SegmentLayout
-from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
+from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import INDEX_NAME, RankManifest, TensorRecord
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, SnapshotMetadata
-from swap_state.common.snapshot_reader import SnapshotInfo, check_manifest_sizes
-from swap_state.common.stored_snapshots import StoredSnapshots
+from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.reshard import LayoutIndex, Piece, TargetTensor, ranks_needed
-from swap_state.server.snapshot.store import SnapshotStore
+from swap_state.server.snapshot.reshard import LayoutIndex, Piece, Run, TargetTensor, ranks_needed
+from swap_state.server.snapshot.sources import AssembleSource
 
-__all__ = ["AssembleSource", "LocalSource", "StoreSource", "restore_targets", "assemble", "Assembled"]
+__all__ = ["Assembled", "RECENT", "assemble", "check_layout", "check_world_size", "restore_targets"]
 
 log = logging.getLogger("swap_state.server.restore")
-
-
-class AssembleSource(Protocol):
-    """Where a snapshot's rank files are read from, verified."""
-
-    info: SnapshotInfo
-    where: str
-    """``local`` or ``store``: what the restore reply and logs say."""
-
-    def read_manifest(self, rank: int) -> RankManifest: ...
-
-    def check_data_header(self, manifest: RankManifest) -> None: ...
-
-    def read_tensor(self, manifest: RankManifest, tensor: TensorRecord) -> bytes: ...
-
-
-class LocalSource:
-    """A snapshot in this server's ``--snapshot-dir`` that holds every rank it is asked for."""
-
-    where = "local"
-
-    def __init__(self, store: SnapshotStore, info: SnapshotInfo):
-        self.store, self.info = store, info
-
-    def read_manifest(self, rank: int) -> RankManifest:
-        return self.store.read_manifest(self.info, rank)
-
-    def check_data_header(self, manifest: RankManifest) -> None:
-        header, expected = check_manifest_sizes(self.info, manifest)
-        path = self.info.path / manifest.data_file
-        try:
-            with open(path, "rb", buffering=0) as file:
-                size = os.fstat(file.fileno()).st_size
-                if size != expected:
-                    raise SnapshotCorrupt(f"{path} is {size} bytes; its manifest implies {expected}")
-                if os.pread(file.fileno(), len(header), 0) != header:
-                    raise SnapshotCorrupt(f"{path}: safetensors header does not match its manifest")
-        except FileNotFoundError:
-            raise SnapshotCorrupt(f"{path} is missing") from None
-        except OSError as exc:
-            raise SnapshotError(f"cannot read {path}: {exc}") from None
-
-    def read_tensor(self, manifest: RankManifest, tensor: TensorRecord) -> bytes:
-        path = self.info.path / manifest.data_file
-        data = self.store.storage.read_range(self.info.path, manifest.data_file,
-                                             manifest.data_start + tensor.data_offsets[0], tensor.nbytes)
-        if len(data) != tensor.nbytes or crc32(data) != tensor.crc32:
-            raise SnapshotCorrupt(f"{path}: tensor {tensor.name!r} fails its checksum")
-        return data
-
-
-class StoreSource:
-    """A snapshot complete in the store (``--snapshot-store``)."""
-
-    where = "store"
-
-    def __init__(self, stored: StoredSnapshots, info: SnapshotInfo):
-        self.stored, self.info = stored, info
-
-    def read_manifest(self, rank: int) -> RankManifest:
-        return self.stored.read_manifest(self.info, rank)
-
-    def check_data_header(self, manifest: RankManifest) -> None:
-        self.stored.check_data_header(self.info, manifest)
-
-    def read_tensor(self, manifest: RankManifest, tensor: TensorRecord) -> bytes:
-        return self.stored.read_tensor(self.info, manifest, tensor)
 
 
 class Assembled:
     """What :func:`assemble` loaded."""
 
-    def __init__(self, bytes_restored: int, source_ranks: list[int], metadata_json: str, staged: bool):
+    def __init__(self, bytes_restored: int, source_ranks: list[int], metadata_json: str, staged: bool,
+                 pinned: bool = False):
         self.bytes_restored = bytes_restored
         self.source_ranks = source_ranks
         self.metadata_json = metadata_json
         self.staged = staged
+        self.pinned = pinned
+        """The staged bytes could not change before the copy (a whole local file, mapped and
+        pinned); else each copied chunk was checked again (pieces are checked as read)."""
 
 
-def restore_targets(layout: SegmentLayout, placement: SnapshotMetadata | None, own: RankManifest | None,
+def check_world_size(info: SnapshotInfo, world_size: int) -> None:
+    """SnapshotLayoutMismatch unless the snapshot was taken at ``world_size``."""
+    if info.world_size != world_size:
+        held = "" if info.index.complete_job else f" (this server holds its {info.describe_ranks()})"
+        raise SnapshotLayoutMismatch(
+            f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with world_size "
+            f"{info.world_size}, this job has {world_size}{held}"
+        )
+
+
+def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayout, world_size: int) -> None:
+    """SnapshotLayoutMismatch unless the snapshot fits a segment of ``layout`` in a job of
+    ``world_size`` ranks, naming the file and the first differing tensor."""
+    check_world_size(info, world_size)
+    path = info.path / manifest.data_file
+    ours = {t.name: t for t in layout.tensors}
+    theirs = {t.name for t in manifest.tensors}
+    for tensor in manifest.tensors:
+        if tensor.name not in ours:
+            raise SnapshotLayoutMismatch(f"{path}: tensor {tensor.name!r} is not in the segment")
+    for target in layout.tensors:
+        if target.name not in theirs:
+            raise SnapshotLayoutMismatch(f"{path}: has no tensor {target.name!r} the segment holds")
+    for position, (tensor, target) in enumerate(zip(manifest.tensors, layout.tensors)):
+        if (tensor.dtype, tensor.shape) != (ours[tensor.name].dtype, ours[tensor.name].shape):
+            raise SnapshotLayoutMismatch(
+                f"{path}: tensor {tensor.name!r} is {_describe(tensor.dtype, tensor.shape)}, "
+                f"the segment's is {_describe(ours[tensor.name].dtype, ours[tensor.name].shape)}"
+            )
+        if tensor.name != target.name:
+            raise SnapshotLayoutMismatch(
+                f"{path}: tensor {tensor.name!r} is at position {position}, the segment has "
+                f"{target.name!r} there (the update order differs)"
+            )
+
+
+def _describe(dtype: str, shape: tuple[int, ...]) -> str:
+    return f"{dtype}{list(shape)}"
+
+
+def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMetadata | None) -> bool:
+    """The rank's own file is its segment: the same tensors (names, dtypes, shapes, order) and,
+    where the trainer sent their placement, the same boxes of the same global tensors (equal
+    local shapes at another layout, FSDP x TP against FSDP alone, hold other rows)."""
+    if len(own.tensors) != len(layout.tensors) or any(
+        (t.name, t.dtype, tuple(t.shape)) != (s.name, s.dtype, tuple(s.shape)) for t, s in zip(own.tensors, layout.tensors)
+    ):
+        return False
+    described = placement.tensors if placement is not None else {}
+    return all(
+        (meta := described.get(t.name)) is None
+        or (meta.global_shape, meta.global_offset) == (t.global_shape, t.global_offset)
+        for t in own.tensors
+    )
+
+
+def restore_targets(layout: SegmentLayout, placement: SnapshotMetadata | None,
                     world_size: int, info: SnapshotInfo) -> list[TargetTensor]:
-    """The restoring rank's tensors with their DTensor placement: from the trainer's
-    ``placement`` (RestoreRequest.metadata_json) when it sent one, else, at the snapshot's own
-    world size, from the rank's own manifest; a reshard without it is refused."""
-    if placement is not None and placement.tensors:
-        described = placement.tensors
-    elif own is not None and info.world_size == world_size:
-        described = {t.name: t for t in own.tensors}
-    else:
+    """The restoring rank's tensors with their DTensor placement: the trainer's ``placement``
+    (RestoreRequest.metadata_json); a reshard without it is refused."""
+    if placement is None or not placement.tensors:
         raise SnapshotLayoutMismatch(
             f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with world_size {info.world_size}, this job has "
             f"{world_size}, and the trainer sent no placement of its tensors to reshard it "
@@ -142,7 +130,7 @@ def restore_targets(layout: SegmentLayout, placement: SnapshotMetadata | None, o
         )
     targets = []
     for tensor in layout.tensors:
-        meta = described.get(tensor.name)
+        meta = placement.tensors.get(tensor.name)
         targets.append(TargetTensor(tensor.name, tensor.dtype, tuple(tensor.shape),
                                     getattr(meta, "global_shape", None), getattr(meta, "global_offset", None)))
     return targets
@@ -157,37 +145,78 @@ def assemble(
     world_size: int,
     placement: SnapshotMetadata | None,
     reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
+    staging_free_bytes: Callable[[], int] | None = None,
 ) -> Assembled:
-    """Plan, read and verify every piece of ``rank``'s tensors, then copy them into ``view``.
-    Each old rank's manifest is read once for all the ranks of this server that restore the
-    snapshot together (:data:`RECENT`); the targets' placement may come from this rank's."""
+    """Plan, read and verify every piece of ``rank``'s tensors, then copy them into ``view``
+    (see the module docstring). ``reserve_staging(nbytes)``: a context manager yielding whether
+    the budget holds the staged bytes (None: always); ``staging_free_bytes()``: the free
+    budget, for the log line when it does not."""
     info = source.info
+    if info.world_size == world_size:
+        own = source.read_manifest(rank)  # SnapshotNotFound: this rank's file is on another host
+        if _same_layout(own, layout, placement):
+            return _whole_rank(source, own, view, layout, rank, reserve_staging, staging_free_bytes)
+        if placement is None or not placement.tensors:
+            check_layout(info, own, layout, world_size)  # raises, naming the first difference
     read = RECENT.read(source)
     manifests = read.manifests
     same_world = info.world_size == world_size
-    own = manifests.get(rank) if same_world else None
-    targets = restore_targets(layout, placement, own, world_size, info)
-    if not same_world:  # the trainer rebuilds its bookkeeping from the restored metadata
-        targets = [t for t in targets if not t.name.startswith(BOOKKEEPING_PREFIX)]
+    # The trainer rebuilds its bookkeeping from the restored metadata.
+    targets = [t for t in restore_targets(layout, placement, world_size, info)
+               if not t.name.startswith(BOOKKEEPING_PREFIX)]
     targets, index = _full_tensors_as_boxes(targets, read.index)
     plan = index.plan(targets, target_rank=rank, same_world=same_world)
     needed = ranks_needed(plan)
-    for r in needed:
+    granted = _read_pieces(source, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
+    base = min(needed or list(manifests))
+    others = [manifests[r].metadata_json for r in needed if r != base]
+    nbytes = sum(t.nbytes for t in layout.tensors if t.name in plan)
+    return Assembled(nbytes, needed, _restored_metadata(manifests[base].metadata_json, others, placement), granted)
+
+
+def _whole_rank(source: AssembleSource, own: RankManifest, view: memoryview, layout: SegmentLayout, rank: int,
+                reserve_staging, staging_free_bytes) -> Assembled:
+    """The trivial plan: the rank's own file, whole, into its segment."""
+    if not source.whole_files:  # the store: each tensor a piece of itself
+        plan = {t.name: [Piece(rank, t, (Run(0, 0, t.nbytes),))] if t.nbytes else [] for t in own.tensors}
+        granted = _read_pieces(source, {rank: own}, plan, view, layout, rank, reserve_staging, staging_free_bytes)
+        return Assembled(sum(t.nbytes for t in own.tensors), [rank], own.metadata_json, granted)
+    nbytes = sum(t.nbytes for t in own.tensors)
+    with _reserve(reserve_staging, nbytes) as granted:
+        if granted:
+            pinned = source.copy_whole_file(own, view, layout)
+            return Assembled(nbytes, [rank], own.metadata_json, True, pinned)
+    _log_unstaged(source.info, rank, nbytes, staging_free_bytes)
+    source.verify_then_copy_whole_file(own, view, layout)
+    return Assembled(nbytes, [rank], own.metadata_json, False)
+
+
+def _reserve(reserve_staging, nbytes: int) -> ContextManager[bool]:
+    return reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
+
+
+def _log_unstaged(info: SnapshotInfo, rank: int, nbytes: int, staging_free_bytes) -> None:
+    log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id, rank=rank,
+              staged_bytes_needed=nbytes, budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
+              detail="the budget's free bytes cannot hold the staged state: verifying the sources, then "
+              "reading them again into the segment")
+
+
+def _read_pieces(source: AssembleSource, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
+                 view: memoryview, layout: SegmentLayout, rank: int, reserve_staging, staging_free_bytes) -> bool:
+    """Every piece of ``plan`` read, verified, then copied into ``view``; whether it was staged."""
+    for r in ranks_needed(plan):
         source.check_data_header(manifests[r])
     by_name = {t.name: t for t in layout.tensors}
     nbytes = sum(by_name[name].nbytes for name in plan)
-    reserve = reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
-    with reserve as granted:
+    with _reserve(reserve_staging, nbytes) as granted:
         if granted:
             _staged_copy(source, manifests, plan, view, by_name, nbytes)
-        else:
-            log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id, rank=rank,
-                      staged_bytes_needed=nbytes, detail="verifying the sources, then reading them again")
-            _fill(source, manifests, plan, None, {})  # verify everything first
-            _fill(source, manifests, plan, view, {n: by_name[n].offset for n in plan}, again=True)
-    base = rank if same_world and rank in manifests else min(needed or list(manifests))
-    others = [manifests[r].metadata_json for r in needed if r != base]
-    return Assembled(nbytes, needed, _restored_metadata(manifests[base].metadata_json, others, placement), granted)
+            return True
+    _log_unstaged(source.info, rank, nbytes, staging_free_bytes)
+    _fill(source, manifests, plan, None, {})  # verify everything first
+    _fill(source, manifests, plan, view, {n: by_name[n].offset for n in plan}, again=True)
+    return False
 
 
 def _full_tensors_as_boxes(targets: list[TargetTensor], index: LayoutIndex) -> tuple[list[TargetTensor], LayoutIndex]:

@@ -138,3 +138,38 @@ def test_restore_refused_while_the_segment_is_being_snapshotted(snapshot, make_s
     with pytest.raises(SnapshotBusy):
         _restore(store, seg)
     assert seg.tensor_area() == before
+
+
+#: FSDP's shards of an 8x8 moment on 2 ranks, and a norm's moment every rank holds whole.
+SHARDED = [("w.exp_avg", "float32", (4, 8)), ("n.exp_avg", "float32", (8,))]
+WHOLE = [("w.exp_avg", "float32", (8, 8)), ("n.exp_avg", "float32", (8,))]
+
+
+def test_the_same_world_size_at_another_layout_is_resharded(make_segment, make_coordinator):
+    """A job saved with FSDP on 2 ranks resumes on 2 ranks that hold whole tensors (DDP): the
+    world size is the snapshot's, the layout is not. With the trainer's placement each rank
+    gets the whole tensor from both old ranks' shards; without it, the refusal names the tensor."""
+    coordinator = make_coordinator()
+    olds = [make_segment(f"old{r}", specs=SHARDED) for r in range(2)]
+    norm = olds[0].fill(1)["n.exp_avg"]
+    handles = []
+    for rank, seg in enumerate(olds):
+        seg.fill(10 + rank)
+        n = seg.layout.tensors[1]
+        seg.mm[n.offset : n.offset + n.nbytes] = norm  # a replica: the same bytes on every rank
+        metadata = metadata_for(seg, step=4, global_shapes={"w.exp_avg": ([8, 8], [4 * rank, 0])})
+        handles.append(coordinator.start(seg.source("job", 4, rank=rank, world_size=2, metadata_json=metadata)))
+    assert all(h.wait(20).state is SnapshotState.DURABLE for h in handles)
+    shards = [seg.tensors()["w.exp_avg"] for seg in olds]
+
+    target = make_segment("whole", specs=WHOLE)
+    target.fill(99)
+    before = target.tensor_area()
+    with pytest.raises(SnapshotLayoutMismatch, match=r"tensor 'w.exp_avg' is float32\[4, 8\], the segment's is "
+                                                      r"float32\[8, 8\]"):
+        restore(coordinator.store, "latest", target.mm, target.layout, job_id="job", rank=1, world_size=2)
+    assert target.tensor_area() == before
+    result = restore(coordinator.store, "latest", target.mm, target.layout, job_id="job", rank=1, world_size=2,
+                     placement_json=metadata_for(target, step=4))
+    assert target.tensors() == {"w.exp_avg": shards[0] + shards[1], "n.exp_avg": norm}
+    assert (result.step, result.snapshot_world_size, sorted(result.source_ranks)) == (4, 2, [0, 1])

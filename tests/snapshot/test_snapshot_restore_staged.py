@@ -13,7 +13,7 @@ from snapshot_kit import flip_byte, metadata_for
 from swap_state.common.snapshot_errors import SnapshotCorrupt
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.common.snapshot_reader import SnapshotReader
-from swap_state.server.snapshot import restore as restore_module
+from swap_state.server.snapshot import sources as sources_module
 from swap_state.server.snapshot import staged_read
 from swap_state.server.snapshot.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
@@ -57,15 +57,15 @@ def test_staged_restore_reads_once_and_never_verifies_twice(snapshot, make_segme
 
     monkeypatch.setattr(SnapshotReader, "verify_data", second_pass)
     opened = []
-    real_open = restore_module.os.open
+    real_open = sources_module.os.open
 
     def counting_open(path, flags, *args, **kwargs):
         opened.append(str(path))
         if str(path).endswith(rank_data_name(0)):
-            assert not flags & restore_module.os.O_DIRECT  # through the page cache, mapped
+            assert not flags & sources_module.os.O_DIRECT  # through the page cache, mapped
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(restore_module.os, "open", counting_open)
+    monkeypatch.setattr(sources_module.os, "open", counting_open)
     seg, _ = _target(make_segment)
     result = _restore(store, seg)
     assert result.staged and result.step == 3
@@ -116,17 +116,17 @@ def test_the_budget_holds_the_staged_bytes_only_while_restoring(snapshot, make_s
         held.remove(nbytes)
 
     seg, _ = _target(make_segment)
-    real = restore_module._restore_staged
+    real = sources_module.LocalSource.copy_whole_file
 
     def spy(*args):
         assert held == [sum(len(b) for b in contents.values())]
         return real(*args)
 
-    restore_module._restore_staged = spy
+    sources_module.LocalSource.copy_whole_file = spy
     try:
         assert _restore(store, seg, reserve_staging=grant).staged
     finally:
-        restore_module._restore_staged = real
+        sources_module.LocalSource.copy_whole_file = real
     assert held == [] and seg.tensors() == contents
 
 
@@ -140,13 +140,13 @@ def test_unpinned_staging_checks_every_copy_again(snapshot, make_segment, monkey
     assert any(r.msg == "restore_unpinned" for r in caplog.records)
 
     # A file that changes after it was verified (its pages were not pinned) fails the restore.
-    real_copy = restore_module._copy_staged
+    real_copy = sources_module._copy_staged
 
     def changed_underneath(staged, manifest, view, layout, path):
         flip_byte(path, _tensor_data_offset(info, "b.exp_avg"))
         return real_copy(staged, manifest, view, layout, path)
 
-    monkeypatch.setattr(restore_module, "_copy_staged", changed_underneath)
+    monkeypatch.setattr(sources_module, "_copy_staged", changed_underneath)
     seg2 = make_segment("target2", specs=SPECS)
     with pytest.raises(SnapshotCorrupt, match="changed while being restored.*'b.exp_avg'.*restore again"):
         _restore(store, seg2)

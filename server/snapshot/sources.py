@@ -1,0 +1,208 @@
+"""Where a restore reads a snapshot's rank files, verified: this server's ``--snapshot-dir``
+(:class:`LocalSource`) or the store (:class:`StoreSource`).
+
+Call order (:func:`~.assemble.assemble`)::
+
+    manifest = source.read_manifest(rank)           # each rank it plans from (checked)
+    source.check_data_header(manifest)              # each rank it reads from
+    data = source.read_tensor(manifest, tensor)     # each piece: the whole tensor, crc32 checked
+    # or, for a plan that takes one rank's whole file in order (the same layout), where the
+    # source has ``whole_files``:
+    pinned = source.copy_whole_file(manifest, view, layout)        # staged, verified, copied
+    source.verify_then_copy_whole_file(manifest, view, layout)     # no budget to stage it
+
+A whole file is read once (*staged*, :mod:`.staged_read`): a reader thread maps the data file
+region by region, read ahead and pinned with ``mlock``, while this thread checksums the regions
+already read; only when every checksum has passed are the staged bytes copied (``memmove``, GIL
+released) into the segment. Where ``mlock`` is refused (RLIMIT_MEMLOCK) the staged pages may be
+evicted, so every copied chunk is checksummed again as it lands: a file that changed
+underneath fails the restore (SnapshotCorrupt, "restore again").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Protocol
+
+from swap_state.common.checksum import crc32
+from swap_state.common.segment import SegmentLayout
+from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
+from swap_state.common.snapshot_format import RankManifest, TensorRecord
+from swap_state.common.snapshot_reader import RankFileVerifier, SnapshotInfo, check_manifest_sizes
+from swap_state.common.stored_snapshots import StoredSnapshots
+from swap_state.server import _posix
+from swap_state.server.logs import log_event
+from swap_state.server.snapshot import staged_read
+from swap_state.server.snapshot.staged_read import Staging, stage_file
+from swap_state.server.snapshot.store import SnapshotStore
+
+__all__ = ["AssembleSource", "LocalSource", "StoreSource"]
+
+log = logging.getLogger("swap_state.server.restore")
+
+_COPY_BYTES = 8 << 20
+"""Unit of the copy into the segment (and of its re-check when the pages are not pinned)."""
+
+
+class AssembleSource(Protocol):
+    """Where a snapshot's rank files are read from, verified."""
+
+    info: SnapshotInfo
+    where: str
+    """``local`` or ``store``: what the restore reply and logs say."""
+    whole_files: bool
+    """It can stage a rank's whole file (:meth:`LocalSource.copy_whole_file`)."""
+
+    def read_manifest(self, rank: int) -> RankManifest: ...
+
+    def check_data_header(self, manifest: RankManifest) -> None: ...
+
+    def read_tensor(self, manifest: RankManifest, tensor: TensorRecord) -> bytes: ...
+
+
+class LocalSource:
+    """A snapshot in this server's ``--snapshot-dir``."""
+
+    where = "local"
+    whole_files = True
+
+    def __init__(self, store: SnapshotStore, info: SnapshotInfo):
+        self.store, self.info = store, info
+
+    def read_manifest(self, rank: int) -> RankManifest:
+        return self.store.read_manifest(self.info, rank)  # SnapshotNotFound: the rank is elsewhere
+
+    def check_data_header(self, manifest: RankManifest) -> None:
+        header, expected = check_manifest_sizes(self.info, manifest)
+        path = self.info.path / manifest.data_file
+        try:
+            with open(path, "rb", buffering=0) as file:
+                size = os.fstat(file.fileno()).st_size
+                if size != expected:
+                    raise SnapshotCorrupt(f"{path} is {size} bytes; its manifest implies {expected}")
+                if os.pread(file.fileno(), len(header), 0) != header:
+                    raise SnapshotCorrupt(f"{path}: safetensors header does not match its manifest")
+        except FileNotFoundError:
+            raise SnapshotCorrupt(f"{path} is missing") from None
+        except OSError as exc:
+            raise SnapshotError(f"cannot read {path}: {exc}") from None
+
+    def read_tensor(self, manifest: RankManifest, tensor: TensorRecord) -> bytes:
+        path = self.info.path / manifest.data_file
+        data = self.store.storage.read_range(self.info.path, manifest.data_file,
+                                             manifest.data_start + tensor.data_offsets[0], tensor.nbytes)
+        if len(data) != tensor.nbytes or crc32(data) != tensor.crc32:
+            raise SnapshotCorrupt(f"{path}: tensor {tensor.name!r} fails its checksum")
+        return data
+
+    def copy_whole_file(self, manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> bool:
+        """Stage the rank's data file once, verify all of it, then copy its tensors to their
+        places in ``view`` (``layout``'s, in the same order); whether the staged bytes were
+        pinned (else each copy was checked again)."""
+        verifier = RankFileVerifier(self.info, manifest)  # the reader's checks, fed from the staged pages
+        path = verifier.path
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise SnapshotCorrupt(f"{path} is missing") from None
+        except OSError as exc:
+            raise SnapshotError(f"cannot read {path}: {exc}") from None
+        try:
+            size = os.fstat(fd).st_size
+            verifier.check_size(size)
+            try:
+                staged = stage_file(fd, size)
+            except OSError as exc:
+                raise SnapshotError(f"cannot map {path}: {exc}") from None
+            try:
+                _verify_staged(staged, verifier, size)
+                if not staged.pinned:
+                    log_event(log, "restore_unpinned", logging.WARNING, path=path, bytes=size,
+                              errno=staged.pin_errno,
+                              detail="mlock refused (RLIMIT_MEMLOCK?): the staged pages may be evicted; "
+                              "every copied chunk is checked again")
+                _copy_staged(staged, manifest, view, layout, path)  # verified: only now the segment changes
+                return staged.pinned
+            finally:
+                staged.close()
+        except OSError as exc:
+            raise SnapshotError(f"cannot read {path}: {exc}") from None
+        finally:
+            os.close(fd)
+
+    def verify_then_copy_whole_file(self, manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> None:
+        """Without staging memory: verify the whole file, then read it again into ``view``."""
+        self.store.verify_data(self.info, manifest)
+        _copy_into(self.info.path / manifest.data_file, manifest, view, layout)
+
+
+def _verify_staged(staged: Staging, verifier: RankFileVerifier, size: int) -> None:
+    """Checksum each region as soon as the reader has it in memory."""
+    header_end = len(verifier.header)
+    staged.wait(header_end)
+    verifier.check_header(staged.view[:header_end])
+    position, region = header_end, staged_read.STAGE_REGION_BYTES
+    while position < size:
+        upto = min(size, (position // region + 1) * region)
+        staged.wait(upto)
+        verifier.feed(staged.view[position:upto])
+        position = upto
+    verifier.finish()
+
+
+def _copy_staged(staged: Staging, manifest: RankManifest, view: memoryview, layout: SegmentLayout,
+                 path: os.PathLike[str]) -> None:
+    """Every (verified) tensor from the staged mapping into its place in the segment; the
+    copies re-checked when the pages were not pinned."""
+    base = _posix.buffer_address(view)
+    for tensor, target in zip(manifest.tensors, layout.tensors):
+        source = manifest.data_start + tensor.data_offsets[0]
+        value = 0
+        for done in range(0, target.nbytes, _COPY_BYTES):
+            n = min(_COPY_BYTES, target.nbytes - done)
+            _posix.memmove(base + target.offset + done, staged.address + source + done, n)
+            if not staged.pinned:
+                with view[target.offset + done : target.offset + done + n] as landed:
+                    value = crc32(landed, value)
+        if not staged.pinned and value != tensor.crc32:
+            raise SnapshotCorrupt(
+                f"{path} changed while being restored (tensor {tensor.name!r} no longer matches "
+                "its checksum); the segment is partially overwritten: restore again"
+            )
+
+
+def _copy_into(path: os.PathLike[str], manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> None:
+    """Read each tensor straight into its place in the segment."""
+    with open(path, "rb", buffering=0) as file:
+        for tensor, target in zip(manifest.tensors, layout.tensors):
+            file.seek(manifest.data_start + tensor.data_offsets[0])
+            dest = view[target.offset : target.offset + target.nbytes]
+            done = 0
+            while done < target.nbytes:
+                got = file.readinto(dest[done:])
+                if not got:
+                    raise SnapshotCorrupt(
+                        f"{path} shrank while being restored (tensor {tensor.name!r}); the "
+                        "segment is partially overwritten: restore again"
+                    )
+                done += got
+
+
+class StoreSource:
+    """A snapshot complete in the store (``--snapshot-store``)."""
+
+    where = "store"
+    whole_files = False
+
+    def __init__(self, stored: StoredSnapshots, info: SnapshotInfo):
+        self.stored, self.info = stored, info
+
+    def read_manifest(self, rank: int) -> RankManifest:
+        return self.stored.read_manifest(self.info, rank)
+
+    def check_data_header(self, manifest: RankManifest) -> None:
+        self.stored.check_data_header(self.info, manifest)
+
+    def read_tensor(self, manifest: RankManifest, tensor: TensorRecord) -> bytes:
+        return self.stored.read_tensor(self.info, manifest, tensor)
