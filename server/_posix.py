@@ -15,6 +15,7 @@ import mmap
 
 __all__ = [
     "buffer_address",
+    "bytes_address",
     "memmove",
     "mlock",
     "mmap_read_only",
@@ -107,6 +108,11 @@ def buffer_address(buffer) -> int:
     temporary ctypes object holds a buffer export only for this expression, so the mapping
     stays closable afterwards."""
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def bytes_address(data: bytes) -> int:
+    """Address of a bytes object's first byte (valid while ``data`` lives; never written)."""
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
 
 
 def memmove(destination: int, source: int, nbytes: int) -> None:
