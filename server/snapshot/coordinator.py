@@ -103,8 +103,7 @@ class SnapshotCoordinator:
         stays in memory (older ones are answered from disk). ``clean_stale``: remove partial
         snapshots of a previous run now (set False only when another live server shares the
         directory). ``stage_threads``: threads per persisting rank that copy chunks ahead of
-        the trainer into the copy slots (0: none; the trainer then copies every chunk the
-        writer has not reached). ``model_copy_timeout_s``: how long a whole-state snapshot
+        the trainer into the copy slots (>= 1). ``model_copy_timeout_s``: how long a whole-state snapshot
         waits for the trainer's copy of the model (protocol step 5).
         ``assumed_fwd_bwd_s`` / ``assumed_persist_bandwidth``: the forward/backward time
         and (until a snapshot measured it) the persist bytes/s of the copy-budget warning,
