@@ -38,23 +38,12 @@ DEVICE_MARKERS = ("cuda", "npu")
 os.environ.setdefault(DEVICE_ENV_VAR, "cpu")
 
 
-#: Test files whose tests run on one xdist worker, in order (``--dist loadgroup``): they share
-#: one thing a second worker would disturb. The container tests share the Docker engine (and
-#: its bridge networks) a session starts; the torchtitan demo's two runs each check that the
-#: other left no temp folder.
-SERIAL_GROUPS = {"container": "docker", "test_demo_torchtitan.py": "titan-demo"}
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests in ``test_*_cuda.py`` (``test_*_npu.py``) get the ``cuda`` (``npu``) marker; tests
-    of :data:`SERIAL_GROUPS` their ``xdist_group``."""
+    """Tests in ``test_*_cuda.py`` (``test_*_npu.py``) get the ``cuda`` (``npu``) marker."""
     for item in items:
         for device in DEVICE_MARKERS:
             if item.path.stem.endswith(f"_{device}"):
                 item.add_marker(device)
-        for part, group in SERIAL_GROUPS.items():
-            if part in item.path.relative_to(TESTS_DIR).parts:
-                item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,8 @@ from .engine import EngineUnavailable, PrivateEngine, build_images, engine_unrea
 
 # The first test also waits for the engine and the images (about a minute and a half on CI's
 # 2 cores, several where the wheels come from the network); each step then takes under a minute.
+# The only file that uses the Docker engine: scripts/test.sh runs a file's tests on one xdist
+# worker (--dist loadfile), so one engine (and its bridge networks) serves them all, in order.
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1500)]
 
 StackFactory = Callable[[str | None], ComposeStack]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+# Both lines run on one xdist worker, in order (--dist loadfile): each checks that the other
+# left no temp folder.
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_server_env")]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "demo_torchtitan.py"
