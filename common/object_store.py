@@ -80,6 +80,11 @@ class ObjectStore(abc.ABC):
         """Every object whose key starts with ``prefix`` (a folder ends with ``/``)."""
 
     @abc.abstractmethod
+    def list_folders(self, prefix: str) -> list[str]:
+        """The names of the folders right under ``prefix`` (``""`` or ending with ``/``),
+        sorted: one listing request per thousand, whatever the objects below them."""
+
+    @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove ``key``; no error when it is already gone."""
 
@@ -158,6 +163,13 @@ class PosixObjectStore(ObjectStore):
                     continue  # removed while listing
                 found.append(ObjectInfo(key, stat.st_size, f"{stat.st_ino}-{stat.st_mtime_ns}"))
         return sorted(found, key=lambda info: info.key)
+
+    def list_folders(self, prefix: str) -> list[str]:
+        base = self._path(prefix.rstrip("/")) if prefix else self.root
+        try:
+            return sorted(entry.name for entry in os.scandir(base) if entry.is_dir(follow_symlinks=False))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -249,6 +261,16 @@ class S3ObjectStore(ObjectStore):
             found = [ObjectInfo(m["path"], int(m["size"]), str(m.get("e_tag") or ""))
                      for batch in self._obs.list(self._store, prefix=prefix or None) for m in batch]
         return sorted((i for i in found if i.key.startswith(prefix)), key=lambda i: i.key)
+
+    def get(self, key: str) -> bytes:
+        with self._errors(key):  # one request (a missing object: FileNotFoundError)
+            return bytes(self._obs.get(self._store, key).bytes())
+
+    def list_folders(self, prefix: str) -> list[str]:
+        with self._errors(prefix):
+            listed = self._obs.list_with_delimiter(self._store, prefix or None)
+        names = (folder.rstrip("/")[len(prefix):] for folder in listed["common_prefixes"])
+        return sorted(name for name in names if name and "/" not in name)
 
     def delete(self, key: str) -> None:
         try:

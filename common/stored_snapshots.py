@@ -6,14 +6,25 @@ Layout under the store's root (an :class:`~.object_store.ObjectStore`)::
     <job>/step-<N:012d>/rank-00000.manifest.json  its manifest
     <job>/step-<N:012d>/rank-00000.stored.json    its marker, put last: a SnapshotIndex of
                                                   ranks [0] listing those two files (size, crc32)
+    <job>/step-<N:012d>/snapshot.json             the step's index: every rank's files, put
+                                                  once every rank's marker is there
 
 Each host's server puts its own ranks' objects (data, manifest, then the marker); no object is
 ever renamed. A step is *complete* in the store when the markers of every rank
 ``0..world_size-1`` are there and agree on the world size and the attempt (a step trained
-again replaces its snapshot on every host: each host deletes its old marker before its new
-data goes up): a reader never sees a partial step, nor one mixing two attempts, whatever
-order the hosts finish in. Removal (retention) deletes the markers
-first, so a step being removed stops being complete before any data goes.
+again replaces its snapshot on every host: each host deletes the step's index and its old
+marker before its new data goes up): a reader never sees a partial step, nor one mixing two
+attempts, whatever order the hosts finish in. Removal (retention) deletes the index and the
+markers first, so a step being removed stops being complete before any data goes.
+
+The index makes reading cheap at any number of ranks: after putting its markers, a host lists
+the step and, when every rank's marker is there, puts the index (:meth:`publish_step_index`;
+the same bytes whichever host does it). Of the hosts that finish together the one that lists
+last sees every marker, the store being consistent after writes (S3 is, since 2020), so a
+complete step gets its index. A reader finds a job's steps in one listing of folders and each
+step's snapshot in one read of its index (``latest``: the newest step that has one); a step
+without an index (being uploaded, or put by an older server) is read from its markers, whose
+names are checked before any is read.
 
 Nothing read is trusted: a marker must parse and name its own job, step and rank; a manifest
 must match its marker's size and crc32; each tensor read must match its manifest's crc32 and
@@ -23,6 +34,7 @@ and the tensor).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import threading
@@ -31,7 +43,9 @@ from .checksum import crc32
 from .names import parse_snapshot_id, parse_step_dir_name, snapshot_id_for, step_dir_name, validate_job_id
 from .object_store import ObjectInfo, ObjectStore
 from .snapshot_errors import SnapshotCorrupt, SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable
-from .snapshot_format import RankManifest, SnapshotIndex, TensorRecord, rank_data_name, rank_manifest_name
+from .snapshot_format import (
+    INDEX_NAME, RankManifest, SnapshotIndex, TensorRecord, dumps_json, rank_data_name, rank_manifest_name,
+)
 from .snapshot_reader import SnapshotInfo, check_manifest_sizes, parse_rank_manifest
 
 __all__ = ["StorePath", "StoredSnapshots", "marker_name", "parse_marker_name"]
@@ -66,7 +80,8 @@ class StoredSnapshots:
     def __init__(self, store: ObjectStore):
         self.store = store
         self.uri = store.uri
-        self._markers: dict[tuple[str, int, str], SnapshotIndex | None] = {}  # (key, size, version) -> parsed
+        # (key, size, version) -> parsed; least recently used dropped first past the bound.
+        self._markers: collections.OrderedDict[tuple[str, int, str], SnapshotIndex | None] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def _reading(self, key: str) -> _Reading:
@@ -124,6 +139,7 @@ class StoredSnapshots:
         cache_key = (info.key, info.size, info.version)  # a marker put again is read again
         with self._lock:
             if cache_key in self._markers:
+                self._markers.move_to_end(cache_key)
                 return self._markers[cache_key]
         try:
             index = SnapshotIndex.from_json(json.loads(self.store.get(info.key)))
@@ -134,51 +150,111 @@ class StoredSnapshots:
         if index is not None and not _is_marker_of(index, job_id, step, rank):
             index = None
         with self._lock:
-            if len(self._markers) >= _MAX_CACHED_MARKERS:  # bounded: markers removed stay cached
-                self._markers.clear()
             self._markers[cache_key] = index
+            while len(self._markers) > _MAX_CACHED_MARKERS:  # bounded: markers removed stay cached
+                self._markers.popitem(last=False)
         return index
+
+    def jobs(self) -> list[str]:
+        """The jobs with anything in the store (one listing of folders)."""
+        with self._reading(""):
+            return self.store.list_folders("")
+
+    def steps(self, job_id: str) -> list[int]:
+        """The steps of a job with anything in the store, ascending (one listing of folders)."""
+        prefix = validate_job_id(job_id, SnapshotInvalid) + "/"
+        with self._reading(prefix):
+            names = self.store.list_folders(prefix)
+        return sorted(step for name in names if (step := parse_step_dir_name(name)) is not None)
 
     def list(self, job_id: str | None = None) -> list[SnapshotInfo]:
         """The complete steps of one job (or all), by job then step; ``latest`` is each job's
-        highest complete step (the store keeps no pointer: objects never change)."""
+        highest complete step. A listing of folders per job, then a read per step."""
         infos: list[SnapshotInfo] = []
-        for (job, step), objects in sorted(self.objects(job_id).items()):
-            info = self.complete_info(job, step, objects)
-            if info is not None:
-                infos.append(info)
-        for position, info in enumerate(infos):
-            last = position + 1 == len(infos) or infos[position + 1].job_id != info.job_id
-            if last:
-                infos[position] = _with_latest(info)
+        for job in [job_id] if job_id is not None else self.jobs():
+            found = [info for step in self.steps(job) if (info := self.step_info(job, step)) is not None]
+            infos.extend(found[:-1] + [_with_latest(info) for info in found[-1:]])
         return infos
 
-    def complete_info(self, job_id: str, step: int, objects: list[ObjectInfo]) -> SnapshotInfo | None:
-        """The step as one snapshot when its ``objects`` hold a marker of every rank; else None."""
-        markers = self.markers(job_id, step, objects)
-        if not markers:
+    def step_info(self, job_id: str, step: int) -> SnapshotInfo | None:
+        """The step as one snapshot when it is complete in the store, else None: from its
+        index (one read), else from its markers."""
+        index = self.step_index(job_id, step)
+        if index is not None:
+            return self._info(index)
+        prefix = self.step_prefix(job_id, step)
+        with self._reading(prefix):
+            objects = self.store.list(prefix)
+        return self.complete_info(job_id, step, objects)
+
+    def step_index(self, job_id: str, step: int) -> SnapshotIndex | None:
+        """The step's index when there is a valid one (one read); None otherwise (not put yet,
+        or not one this step's complete snapshot could have: not trusted)."""
+        key = self.key(job_id, step, INDEX_NAME)
+        try:
+            with self._reading(key):
+                raw = self.store.get(key)
+        except SnapshotCorrupt:  # missing: a step being uploaded, or put before indexes
             return None
+        try:
+            index = SnapshotIndex.from_json(json.loads(raw))
+        except ValueError:
+            return None
+        names = {record.name for record in index.files}
+        whole = all(rank_data_name(r) in names and rank_manifest_name(r) in names for r in range(index.world_size))
+        if (index.job_id, index.step) != (job_id, step) or not index.complete_job or not whole:
+            return None
+        return index
+
+    def publish_step_index(self, job_id: str, step: int) -> bool:
+        """Put the step's index when every rank's marker is there and none is yet; whether the
+        step is complete. Any host may (the index is the same bytes whoever puts it)."""
+        prefix = self.step_prefix(job_id, step)
+        with self._reading(prefix):
+            objects = self.store.list(prefix)
+        info = self.complete_info(job_id, step, objects)
+        if info is None:
+            return False
+        if not any(o.key == prefix + INDEX_NAME for o in objects):
+            with self._reading(prefix + INDEX_NAME):
+                self.store.put(prefix + INDEX_NAME, dumps_json(info.index.to_json()))
+        return True
+
+    def complete_info(self, job_id: str, step: int, objects: list[ObjectInfo]) -> SnapshotInfo | None:
+        """The step as one snapshot when its ``objects`` hold a marker of every rank; else None.
+        The markers' names are checked first: only one marker is read when a rank has none."""
+        named = {rank: info for info in objects if (rank := parse_marker_name(info.key.rsplit("/", 1)[-1])) is not None}
+        if not named:
+            return None
+        first = self._marker(named[min(named)], job_id, step, min(named))
+        if first is None or sorted(named) != list(range(first.world_size)):
+            return None
+        markers = self.markers(job_id, step, list(named.values()))
         if len({(index.world_size, index.attempt) for index in markers.values()}) != 1:
             return None  # markers of two attempts at the step (re-uploading, or another world size)
         world_size = next(iter(markers.values())).world_size
         if sorted(markers) != list(range(world_size)):
             return None
         files = tuple(record for rank in sorted(markers) for record in markers[rank].files)
-        index = SnapshotIndex(job_id, step, world_size, tuple(range(world_size)), files,
-                              max(m.created_unix for m in markers.values()), markers[0].attempt)
-        return SnapshotInfo(snapshot_id_for(job_id, step), job_id, step, world_size,
-                            self.location(job_id, step), index.total_bytes, False, index)  # type: ignore[arg-type]
+        return self._info(SnapshotIndex(job_id, step, world_size, tuple(range(world_size)), files,
+                                        max(m.created_unix for m in markers.values()), markers[0].attempt))
+
+    def _info(self, index: SnapshotIndex) -> SnapshotInfo:
+        return SnapshotInfo(snapshot_id_for(index.job_id, index.step), index.job_id, index.step, index.world_size,
+                            self.location(index.job_id, index.step), index.total_bytes, False, index)  # type: ignore[arg-type]
 
     def resolve(self, snapshot_id: str, job_id: str | None = None) -> SnapshotInfo:
-        """A complete snapshot in the store; SnapshotNotFound naming the store otherwise."""
+        """A complete snapshot in the store; SnapshotNotFound naming the store otherwise.
+        ``latest``: the newest step that is complete (the steps below it are not read)."""
         ref = parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid)
-        snapshots = self.list(ref.job_id)
-        for info in snapshots:
-            if (ref.latest and info.latest) or info.step == ref.step:
-                return info
+        steps = self.steps(ref.job_id)
+        for step in reversed(steps) if ref.latest else [ref.step] if ref.step in steps else []:
+            info = self.step_info(ref.job_id, step)
+            if info is not None:
+                return _with_latest(info) if ref.latest else info
         what = "no complete snapshot" if ref.latest else f"no complete snapshot {snapshot_id_for(ref.job_id, ref.step)}"
-        steps = ", ".join(str(i.step) for i in snapshots) or "none"
-        raise SnapshotNotFound(f"{what} of job {ref.job_id!r} in the store {self.uri} (complete steps: [{steps}])")
+        complete = ", ".join(str(i.step) for i in self.list(ref.job_id)) or "none"
+        raise SnapshotNotFound(f"{what} of job {ref.job_id!r} in the store {self.uri} (complete steps: [{complete}])")
 
     # ---------------------------------------------------------------- reading, verified
 

@@ -16,7 +16,8 @@ takes them, only the newest queued one is uploaded (the others fail ``stored``, 
 computed on the way and checked against ``snapshot.json`` before the upload may complete (a
 mismatch aborts it: nothing corrupt reaches the store), the manifest, then the rank's marker.
 A rank whose marker is already there, equal, is skipped (a restarted server resumes). After a
-snapshot's ranks are stored, retention runs on the store: the job's ``keep`` newest complete
+snapshot's ranks are stored, the step's index is put when every host's ranks are there
+(:meth:`StoredSnapshots.publish_step_index`), then retention runs on the store: the job's ``keep`` newest complete
 steps stay, never the newest complete one goes, and steps newer than the oldest kept one are
 never touched (another host may still be uploading them). A store that fails (unreachable,
 full, refusing) fails the upload with an error naming the URI; the local snapshot and
@@ -37,7 +38,9 @@ from collections.abc import Callable, Iterator
 from swap_state.common.checksum import crc32
 from swap_state.common.object_store import STORE_FLAG, open_store
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
-from swap_state.common.snapshot_format import FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name
+from swap_state.common.snapshot_format import (
+    INDEX_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name,
+)
 from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.common.stored_snapshots import StoredSnapshots, marker_name, parse_marker_name
 from swap_state.server.logs import log_event
@@ -269,6 +272,11 @@ class SnapshotUploader:
                 return
             self._set(info, rank, state=StoreState.STORED)
             self.counters.ranks_stored += 1
+        try:
+            self.stored.publish_step_index(info.job_id, info.step)
+        except (OSError, SnapshotError) as exc:  # the step reads from its markers instead
+            log_event(log, "store_index_failed", logging.WARNING, snapshot_id=info.snapshot_id,
+                      store=self.uri, error=str(exc))
         seconds = time.monotonic() - begin
         self.counters.bytes_stored += info.bytes
         self.counters.seconds += seconds
@@ -295,6 +303,7 @@ class SnapshotUploader:
             self._set(info, rank, bytes_stored=data.bytes + manifest.bytes)
             return
         if existing is not None:  # an earlier attempt at the step: unlisted before its data changes
+            self.stored.store.delete(key(INDEX_NAME))
             self.stored.store.delete(key(marker_name(rank)))
         self.stored.store.put(key(data.name), self._verified_blocks(info, rank, data))
         raw = (info.path / manifest.name).read_bytes()
@@ -328,23 +337,23 @@ class SnapshotUploader:
     # ---------------------------------------------------------------- retention
 
     def _retain(self, job_id: str, keep: int | None) -> None:
+        """The job's ``keep`` newest complete steps stay, and everything newer; the older
+        steps go, index and markers first. Requests: a listing and an index per step."""
         if keep is None:
             return
-        steps = self.stored.objects(job_id)
-        complete = sorted(
-            step for (job, step), objects in steps.items()
-            if self.stored.complete_info(job, step, objects) is not None
-        )
+        complete = [info.step for info in self.stored.list(job_id)]
         if not complete:
             return
         oldest_kept = complete[-keep:][0]
-        for (job, step), objects in sorted(steps.items()):
+        for step in self.stored.steps(job_id):
             if step >= oldest_kept:
-                continue
-            markers = [o for o in objects if parse_marker_name(o.key.rsplit("/", 1)[-1]) is not None]
-            for info in markers + [o for o in objects if o not in markers]:  # markers first
-                self.stored.store.delete(info.key)
-            log_event(log, "store_retention_removed", snapshot_id=f"{job}/step-{step}", store=self.uri)
+                break
+            prefix = self.stored.step_prefix(job_id, step)
+            objects = [o.key for o in self.stored.store.list(prefix)]
+            first = [k for k in objects if k == prefix + INDEX_NAME or parse_marker_name(k.rsplit("/", 1)[-1]) is not None]
+            for key in sorted(first, key=lambda k: not k.endswith(INDEX_NAME)) + [k for k in objects if k not in first]:
+                self.stored.store.delete(key)
+            log_event(log, "store_retention_removed", snapshot_id=f"{job_id}/step-{step}", store=self.uri)
 
     # ---------------------------------------------------------------- statuses
 

@@ -187,6 +187,7 @@ def test_snapshots_cli_and_metrics_show_both_tiers(start_server, hosts_shm, tmp_
         "tiers/step-000000000002/rank-00000.manifest.json",
         "tiers/step-000000000002/rank-00000.safetensors",
         "tiers/step-000000000002/rank-00000.stored.json",
+        "tiers/step-000000000002/snapshot.json",  # the step's index: every rank was there
     ]
 
 

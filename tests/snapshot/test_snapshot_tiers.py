@@ -83,6 +83,8 @@ def test_nothing_anywhere_and_an_unreachable_store(tiers, tmp_path):
         def list(self, prefix):
             raise OSError("connection refused")
 
+        list_folders = list
+
     down = StoredSnapshots(Unreachable(tmp_path / "store", "s3://down/x"))
     _local(local.root, 4, [2, 3])
     assert resolve_source(local, down, "latest", JOB, 2, WORLD)[0].step == 4  # its own rank: read here
