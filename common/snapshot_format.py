@@ -30,6 +30,7 @@ from typing import Any
 from .checksum import format_crc, parse_crc
 from .dtypes import SAFETENSORS_DTYPES
 from .names import parse_step_dir_name, snapshot_id_for, step_dir_name
+from .snapshot_metadata import tensor_entry
 
 __all__ = [
     "FORMAT_VERSION",
@@ -213,15 +214,7 @@ class TensorRecord:
 
     def trainer_entry(self) -> dict[str, Any]:
         """What the trainer's metadata said of this tensor (its ``tensors`` entry)."""
-        entry: dict[str, Any] = {}
-        if self.fqn is not None:
-            entry["fqn"] = self.fqn
-        if self.key is not None:
-            entry["key"] = self.key
-        if self.global_shape is not None:
-            entry["global_shape"] = list(self.global_shape)
-            entry["global_offset"] = list(self.global_offset or ())
-        return entry
+        return tensor_entry(self)
 
     @classmethod
     def from_json(cls, raw: Any) -> TensorRecord:

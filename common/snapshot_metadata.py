@@ -51,6 +51,7 @@ __all__ = [
     "metadata_from_json",
     "encode_metadata",
     "tagged_scalar",
+    "tensor_entry",
 ]
 
 MAX_METADATA_BYTES = 16 << 20
@@ -227,6 +228,21 @@ _MANIFEST_FIELDS = ("tensors", "param_groups", "steps")
 """The top-level entries a rank manifest records in its own fields (the rest: ``extra``)."""
 
 
+def tensor_entry(tensor: TensorMetadata | Any) -> dict[str, Any]:
+    """A tensor's ``tensors`` entry: what was said of it (``fqn``, ``key``, ``global_shape``
+    and ``global_offset``), of a TensorMetadata or anything with those attributes (a manifest's
+    TensorRecord)."""
+    entry: dict[str, Any] = {}
+    if tensor.fqn is not None:
+        entry["fqn"] = tensor.fqn
+    if tensor.key is not None:
+        entry["key"] = tensor.key
+    if tensor.global_shape is not None:
+        entry["global_shape"] = list(tensor.global_shape)
+        entry["global_offset"] = list(tensor.global_offset or ())
+    return entry
+
+
 def encode_metadata(
     tensors: Mapping[str, TensorMetadata],
     param_groups: Mapping[str, Mapping[str, Any]],
@@ -235,17 +251,7 @@ def encode_metadata(
 ) -> str:
     """The ``metadata_json`` a trainer sends: the inverse of :func:`parse_metadata` (values
     already JSON-ready: numbers, lists, strings, or :func:`tagged_scalar`)."""
-    entries: dict[str, dict[str, Any]] = {}
-    for name, tensor in tensors.items():
-        entry: dict[str, Any] = {}
-        if tensor.fqn is not None:
-            entry["fqn"] = tensor.fqn
-        if tensor.key is not None:
-            entry["key"] = tensor.key
-        if tensor.global_shape is not None:
-            entry["global_shape"] = list(tensor.global_shape)
-            entry["global_offset"] = list(tensor.global_offset or ())
-        entries[name] = entry
+    entries = {name: tensor_entry(tensor) for name, tensor in tensors.items()}
     raw: dict[str, Any] = {
         "tensors": entries,
         "steps": dict(steps),

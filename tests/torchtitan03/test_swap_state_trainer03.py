@@ -153,12 +153,7 @@ def test_two_ranks_bitwise_then_a_resume_on_one_rank(run_trainer03, start_server
     swap_2 = run_trainer03(tmp_path / "swap", *CHECKPOINT, *swap, *TWO_RANKS, steps=2 * N, env=stop, nproc=2)
     assert swap_2.steps == list(range(1, N + 1)) and swap_2 == plain_2, _tail(swap_2)
 
-    plain_1 = run_trainer03(tmp_path / "plain", *CHECKPOINT, *NO_DATALOADER, steps=2 * N)
-    swap_1 = run_trainer03(tmp_path / "swap", *CHECKPOINT, *swap, *NO_DATALOADER, steps=2 * N)
-    assert plain_1.steps == list(range(N + 1, 2 * N + 1)), _tail(plain_1)
-    assert swap_1.steps == plain_1.steps and swap_1 == plain_1, _tail(swap_1) + server.log_text()[-3000:]
-    log = server.log_text()
-    assert "restore_assembled" in log and "snapshot_world_size=2" in log, log[-3000:]
+    _resumed_on_one_rank_like_plain(run_trainer03, tmp_path, swap, server)
 
 
 
@@ -202,6 +197,12 @@ def test_a_pipeline_on_two_ranks_is_bitwise_and_resumes_on_one_rank(run_trainer0
     assert "with 2 microbatches and 2 stages" in plain_2.run.output, _tail(plain_2)
     assert swap_2 == plain_2, _tail(swap_2)
 
+    _resumed_on_one_rank_like_plain(run_trainer03, tmp_path, swap, server)
+
+
+def _resumed_on_one_rank_like_plain(run_trainer03, tmp_path, swap, server) -> None:
+    """Plain's 2-rank checkpoint of step N and swap-state's, each resumed on 1 rank to 2N:
+    the same losses, swap-state's resharded by its server from the 2 ranks' snapshot."""
     plain_1 = run_trainer03(tmp_path / "plain", *CHECKPOINT, *NO_DATALOADER, steps=2 * N)
     swap_1 = run_trainer03(tmp_path / "swap", *CHECKPOINT, *swap, *NO_DATALOADER, steps=2 * N)
     assert plain_1.steps == list(range(N + 1, 2 * N + 1)), _tail(plain_1)
