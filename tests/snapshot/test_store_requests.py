@@ -75,7 +75,9 @@ def _upload(uploader: SnapshotUploader, local: SnapshotStore, step: int) -> None
     info = local.resolve(f"{JOB}/step-{step}")
     uploader.submit(info, 2)
     deadline = time.monotonic() + 60
-    while any(uploader.status(JOB, step, r).state is StoreState.UPLOADING for r in info.ranks):
+    # Stored, then the step's index and retention: the worker is done with it when it no longer
+    # holds the step.
+    while any(uploader.status(JOB, step, r).state is StoreState.UPLOADING for r in info.ranks) or uploader.in_use(JOB):
         assert time.monotonic() < deadline, "upload still running after 60 s"
         time.sleep(0.01)
     assert {uploader.status(JOB, step, r).state for r in info.ranks} == {StoreState.STORED}
