@@ -28,6 +28,8 @@ def test_sixteen_ranks_arriving_apart_all_become_durable_and_the_server_answers_
         handles = []
         for rank, container in enumerate(ranks):  # one after another: the first ones wait for the rest
             handles.append(container.snapshot())
+            if rank == RANKS - 1:
+                break  # the group is whole: it may be durable already
             assert observer.list_snapshots("sixteen").snapshots == []  # not durable before rank 15
             persisting = [s for s in observer.stats().snapshots_in_progress if s.snapshot_id == "sixteen/step-2"]
             assert sorted(s.rank for s in persisting) == list(range(rank + 1))
