@@ -35,6 +35,7 @@ from .snapshot_metadata import tensor_entry
 __all__ = [
     "FORMAT_VERSION",
     "INDEX_NAME",
+    "LAYOUT_NAME",
     "LATEST_NAME",
     "SAFETENSORS_DTYPES",
     "MANIFEST_FORMAT",
@@ -66,6 +67,8 @@ READ_MANIFEST_VERSIONS = (1, MANIFEST_VERSION)
 MANIFEST_FORMAT = "swap-state-rank-manifest"
 INDEX_FORMAT = "swap-state-snapshot"
 INDEX_NAME = "snapshot.json"
+LAYOUT_NAME = "layout.json"
+"""The step's layout index (the server's ``LayoutIndex``): where every rank's shards lie."""
 LATEST_NAME = "latest"
 
 
@@ -139,6 +142,15 @@ def safetensors_header(
 
 
 # ---------------------------------------------------------------------------- manifests
+
+
+def _layout_record(raw: Any) -> FileRecord | None:
+    if raw is None:
+        return None
+    raw = _object(raw, "layout entry")
+    if (raw.get("name"), raw.get("rank")) != (LAYOUT_NAME, -1):
+        raise ValueError(f"layout must be {LAYOUT_NAME} of rank -1")
+    return FileRecord(LAYOUT_NAME, -1, _int(raw.get("bytes"), "bytes of layout"), parse_crc(raw.get("crc32")))
 
 
 def _int(value: Any, what: str, minimum: int = 0) -> int:
@@ -418,6 +430,10 @@ class SnapshotIndex:
     """How many times this host committed the step (a step trained again after loading an
     older checkpoint replaces it: 2, 3, ...). Every host of a job counts the same attempts, so
     the store's markers of one step must agree on it to form one snapshot."""
+    layout: FileRecord | None = None
+    """``layout.json`` (size, crc32; its rank -1) when the step has one: written beside a
+    whole job's files, where a restore at another layout plans from it alone; None in
+    snapshots of one host of several (the store's index has it) and in older snapshots."""
 
     @property
     def snapshot_id(self) -> str:
@@ -456,6 +472,7 @@ class SnapshotIndex:
             "created_unix": self.created_unix,
             "attempt": self.attempt,
             "files": [f.to_json() for f in self.files],
+            **({"layout": self.layout.to_json()} if self.layout is not None else {}),
         }
 
     @classmethod
@@ -489,4 +506,5 @@ class SnapshotIndex:
             files=records,
             created_unix=_float(raw.get("created_unix"), "created_unix"),
             attempt=_int(raw.get("attempt", 1), "attempt", 1),  # absent before the store tier
+            layout=_layout_record(raw.get("layout")),
         )

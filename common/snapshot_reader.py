@@ -238,19 +238,32 @@ class SnapshotReader:
                 f"rank {rank} attaches to)"
             )
         name = rank_manifest_name(rank)
-        path = info.path / name
         record = info.index.file(name)
         if record is None:
             raise SnapshotCorrupt(f"{info.path / INDEX_NAME} does not list {name}")
+        path, raw = info.path / name, self._read_listed(info, record)
+        return parse_rank_manifest(info, rank, raw, record, path)
+
+    def read_layout(self, info: SnapshotInfo) -> bytes | None:
+        """The step's ``layout.json``, checked against ``snapshot.json`` (size, crc32); None
+        when the index lists none."""
+        record = info.index.layout
+        if record is None:
+            return None
+        raw = self._read_listed(info, record)
+        check_listed(raw, record, info.path / record.name)
+        return raw
+
+    def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
+        path = info.path / record.name
         try:
             if path.stat().st_size != record.bytes:  # before reading: a bad file may be huge
                 raise SnapshotCorrupt(f"{path} is not the size {INDEX_NAME} records")
-            raw = path.read_bytes()
+            return path.read_bytes()
         except FileNotFoundError:
             raise SnapshotCorrupt(f"{path} is missing") from None
         except OSError as exc:
             raise SnapshotError(f"cannot read {path}: {exc}") from None
-        return parse_rank_manifest(info, rank, raw, record, path)
 
     def verify_data(self, info: SnapshotInfo, manifest: RankManifest) -> None:
         """Read the rank's safetensors file once: size, header (recomputed from the manifest,
@@ -350,8 +363,7 @@ def parse_rank_manifest(info: SnapshotInfo, rank: int, raw: bytes, record: FileR
     """A rank's manifest from its bytes, checked against its ``record`` in the index (size,
     crc32) and against the snapshot (job, step, rank, world size, data file name).
     SnapshotCorrupt names ``where`` (the file or object read)."""
-    if len(raw) != record.bytes or crc32(raw) != record.crc32:
-        raise SnapshotCorrupt(f"{where} does not match its checksum in {INDEX_NAME}")
+    check_listed(raw, record, where)
     try:
         manifest = RankManifest.from_json(json.loads(raw))
     except ValueError as exc:
@@ -361,6 +373,12 @@ def parse_rank_manifest(info: SnapshotInfo, rank: int, raw: bytes, record: FileR
     ) or manifest.data_file != rank_data_name(rank):
         raise SnapshotCorrupt(f"{where} describes another snapshot or rank")
     return manifest
+
+
+def check_listed(raw: bytes, record: FileRecord, where: object) -> None:
+    """SnapshotCorrupt unless ``raw`` has the size and crc32 the index records for it."""
+    if len(raw) != record.bytes or crc32(raw) != record.crc32:
+        raise SnapshotCorrupt(f"{where} does not match its checksum in {INDEX_NAME}")
 
 
 def check_manifest_sizes(info: SnapshotInfo, manifest: RankManifest) -> tuple[bytes, int]:

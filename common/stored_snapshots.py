@@ -6,8 +6,10 @@ Layout under the store's root (an :class:`~.object_store.ObjectStore`)::
     <job>/step-<N:012d>/rank-00000.manifest.json  its manifest
     <job>/step-<N:012d>/rank-00000.stored.json    its marker, put last: a SnapshotIndex of
                                                   ranks [0] listing those two files (size, crc32)
-    <job>/step-<N:012d>/snapshot.json             the step's index: every rank's files, put
-                                                  once every rank's marker is there
+    <job>/step-<N:012d>/layout.json               the step's layout index (every rank's shards,
+                                                  compact), put just before the step's index
+    <job>/step-<N:012d>/snapshot.json             the step's index: every rank's files and the
+                                                  layout's, put once every rank's marker is there
 
 Each host's server puts its own ranks' objects (data, manifest, then the marker); no object is
 ever renamed. A step is *complete* in the store when the markers of every rank
@@ -38,15 +40,17 @@ import collections
 import dataclasses
 import json
 import threading
+from collections.abc import Callable
 
 from .checksum import crc32
 from .names import parse_snapshot_id, parse_step_dir_name, snapshot_id_for, step_dir_name, validate_job_id
 from .object_store import ObjectInfo, ObjectStore
 from .snapshot_errors import SnapshotCorrupt, SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable
 from .snapshot_format import (
-    INDEX_NAME, RankManifest, SnapshotIndex, TensorRecord, dumps_json, rank_data_name, rank_manifest_name,
+    INDEX_NAME, LAYOUT_NAME, FileRecord, RankManifest, SnapshotIndex, TensorRecord, dumps_json, rank_data_name,
+    rank_manifest_name,
 )
-from .snapshot_reader import SnapshotInfo, check_manifest_sizes, parse_rank_manifest
+from .snapshot_reader import SnapshotInfo, check_listed, check_manifest_sizes, parse_rank_manifest
 
 __all__ = ["StorePath", "StoredSnapshots", "marker_name", "parse_marker_name"]
 
@@ -206,9 +210,12 @@ class StoredSnapshots:
             return None
         return index
 
-    def publish_step_index(self, job_id: str, step: int) -> bool:
+    def publish_step_index(self, job_id: str, step: int,
+                           layout: Callable[[SnapshotInfo], bytes] | None = None) -> bool:
         """Put the step's index when every rank's marker is there and none is yet; whether the
-        step is complete. Any host may (the index is the same bytes whoever puts it)."""
+        step is complete. Any host may (the index is the same bytes whoever puts it).
+        ``layout(step)``: the step's ``layout.json`` (the same bytes from the same manifests),
+        put before the index that records it."""
         prefix = self.step_prefix(job_id, step)
         with self._reading(prefix):
             objects = self.store.list(prefix)
@@ -216,8 +223,14 @@ class StoredSnapshots:
         if info is None:
             return False
         if not any(o.key == prefix + INDEX_NAME for o in objects):
+            index = info.index
+            if layout is not None:
+                raw = layout(info)
+                with self._reading(prefix + LAYOUT_NAME):
+                    self.store.put(prefix + LAYOUT_NAME, raw)
+                index = dataclasses.replace(index, layout=FileRecord(LAYOUT_NAME, -1, len(raw), crc32(raw)))
             with self._reading(prefix + INDEX_NAME):
-                self.store.put(prefix + INDEX_NAME, dumps_json(info.index.to_json()))
+                self.store.put(prefix + INDEX_NAME, dumps_json(index.to_json()))
         return True
 
     def complete_info(self, job_id: str, step: int, objects: list[ObjectInfo]) -> SnapshotInfo | None:
@@ -270,6 +283,21 @@ class StoredSnapshots:
                 raise SnapshotCorrupt(f"{info.path / name} is {size} bytes, its marker says {record.bytes}")
             raw = self.store.get(key)
         return parse_rank_manifest(info, rank, raw, record, info.path / name)
+
+    def read_layout(self, info: SnapshotInfo) -> bytes | None:
+        """The step's ``layout.json``, checked against the step's index (size, crc32); None
+        when it lists none (read from markers, or put by an older server)."""
+        record = info.index.layout
+        if record is None:
+            return None
+        key = self.key(info.job_id, info.step, record.name)
+        with self._reading(key):
+            size = self.store.size(key)
+            if size != record.bytes:  # before reading: a bad object may be huge
+                raise SnapshotCorrupt(f"{info.path / record.name} is {size} bytes, the step's index says {record.bytes}")
+            raw = self.store.get(key)
+        check_listed(raw, record, info.path / record.name)
+        return raw
 
     def check_data_header(self, info: SnapshotInfo, manifest: RankManifest) -> None:
         """The data object's size and safetensors header, against the manifest."""

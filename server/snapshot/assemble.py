@@ -9,9 +9,11 @@ The plan: at the snapshot's world size, the rank's own manifest is read first; w
 are the segment's (names, dtypes, shapes, order) the plan is trivial, that whole file (one
 manifest read, never the other ranks'), and a local file is staged whole (:mod:`.sources`).
 Otherwise (another world size, or the same one at another layout: FSDP to TP, ...) each new
-rank's shards are cut from the old ranks' shards (:mod:`.reshard`), from every old rank's
-manifest, read once for the ranks of this server that restore the snapshot together
-(:data:`RECENT`); the targets' placement is the one the trainer sent (RestoreRequest.metadata_json).
+rank's shards are cut from the old ranks' shards, planned from the step's layout index
+(``layout.json``, :mod:`.layout_index`; built from every old rank's manifest only for a
+snapshot without one), read once for the ranks of this server that restore the snapshot
+together (:data:`RECENT`), then only the manifests of the old ranks the plan reads; the
+targets' placement is the one the trainer sent (RestoreRequest.metadata_json).
 
 What it reads is verified before a byte of the segment changes: each manifest against the
 snapshot's index, each data file's size and header against its manifest, and every source
@@ -25,7 +27,6 @@ segment, each tensor checked again (a change in between fails the restore: "rest
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import threading
@@ -35,12 +36,13 @@ from typing import ContextManager
 
 from swap_state.common.segment import SegmentLayout
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotLayoutMismatch
-from swap_state.common.snapshot_format import INDEX_NAME, RankManifest, TensorRecord
+from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, RankManifest
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, SnapshotMetadata
 from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.reshard import LayoutIndex, Piece, Run, TargetTensor, ranks_needed
+from swap_state.server.snapshot.layout_index import LayoutIndex, bind
+from swap_state.server.snapshot.reshard import Piece, Run, TargetTensor, ranks_needed
 from swap_state.server.snapshot.sources import AssembleSource
 
 __all__ = ["Assembled", "RECENT", "assemble", "check_layout", "check_world_size", "restore_targets"]
@@ -159,16 +161,16 @@ def assemble(
         if placement is None or not placement.tensors:
             check_layout(info, own, layout, world_size)  # raises, naming the first difference
     read = RECENT.read(source)
-    manifests = read.manifests
-    same_world = info.world_size == world_size
     # The trainer rebuilds its bookkeeping from the restored metadata.
     targets = [t for t in restore_targets(layout, placement, world_size, info)
                if not t.name.startswith(BOOKKEEPING_PREFIX)]
-    targets, index = _full_tensors_as_boxes(targets, read.index)
-    plan = index.plan(targets, target_rank=rank, same_world=same_world)
+    targets, index = read.index.promoted(targets)
+    plan = index.plan(targets, target_rank=rank, same_world=info.world_size == world_size)
     needed = ranks_needed(plan)
+    base = min(needed or info.ranks)
+    manifests = {r: read.manifest(r) for r in sorted({*needed, base})}
+    plan = bind(plan, manifests)
     granted = _read_pieces(source, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
-    base = min(needed or list(manifests))
     others = [manifests[r].metadata_json for r in needed if r != base]
     nbytes = sum(t.nbytes for t in layout.tensors if t.name in plan)
     return Assembled(nbytes, needed, _restored_metadata(manifests[base].metadata_json, others, placement), granted)
@@ -219,45 +221,42 @@ def _read_pieces(source: AssembleSource, manifests: Mapping[int, RankManifest], 
     return False
 
 
-def _full_tensors_as_boxes(targets: list[TargetTensor], index: LayoutIndex) -> tuple[list[TargetTensor], LayoutIndex]:
-    """A plain tensor and a DTensor of the same global shape are the same tensor, whole: a job
-    sharded (FSDP) at one world size is not at another (torchtitan applies no FSDP on one rank).
-    A plain target whose sources are DTensors of its shape becomes the box of the whole
-    tensor; plain sources of a DTensor target's global shape become whole boxes, only when
-    every rank holds the same bytes (crc32): replicas, never one rank's guess."""
-    promoted: dict[str, list[tuple[int, TensorRecord]]] = {}
-    out = []
-    for target in targets:
-        sources = index.records(target.name)
-        if target.global_shape is None and sources and all(
-            r.global_shape is not None and tuple(r.global_shape) == target.shape for _, r in sources
-        ):
-            target = dataclasses.replace(target, global_shape=target.shape, global_offset=(0,) * len(target.shape))
-        elif target.global_shape is not None and sources and len({r.crc32 for _, r in sources}) == 1 and all(
-            r.global_shape is None and tuple(r.shape) == tuple(target.global_shape) for _, r in sources
-        ):
-            promoted[target.name] = [
-                (rank, dataclasses.replace(r, global_shape=r.shape, global_offset=(0,) * len(r.shape)))
-                for rank, r in sources
-            ]
-        out.append(target)
-    return out, (index.replaced(promoted) if promoted else index)
-
-
 class ReadSnapshot:
-    """A snapshot's manifests, each verified against its index, and their layout index."""
+    """A snapshot's layout index and the manifests read from it, each verified, shared by the
+    ranks of this server that restore it."""
 
-    def __init__(self, manifests: dict[int, RankManifest]):
-        self.manifests = manifests
-        self.index = LayoutIndex({rank: manifest.tensors for rank, manifest in manifests.items()})
+    def __init__(self, source: AssembleSource):
+        self._source = source
+        self._lock = threading.Lock()
+        self._manifests: dict[int, RankManifest] = {}
+        raw = source.read_layout()
+        if raw is None:  # written before layout indexes, or a step read from the store's markers
+            self._manifests = {r: source.read_manifest(r) for r in source.info.ranks}
+            self.index = LayoutIndex({r: m.tensors for r, m in self._manifests.items()}, source.info.world_size)
+            return
+        try:
+            self.index = LayoutIndex.from_bytes(raw, source.info.world_size)
+        except ValueError as exc:
+            raise SnapshotCorrupt(f"{source.info.path / LAYOUT_NAME} is not a valid layout index: {exc}") from None
+
+    def manifest(self, rank: int) -> RankManifest:
+        """Old rank ``rank``'s manifest, read once."""
+        with self._lock:
+            found = self._manifests.get(rank)
+        if found is None:
+            found = self._source.read_manifest(rank)
+            with self._lock:
+                found = self._manifests.setdefault(rank, found)
+        return found
 
 
 class RecentSnapshots:
     """The snapshots assembled from lately, read once for the ranks of this server that restore
-    them together: 8 ranks restoring a snapshot of N ranks read and index the N manifests once,
-    not 8 times, and hold one copy of them. An entry lives while a restore uses it and
+    them together: 8 ranks restoring a snapshot read its layout index once, and each old rank's
+    manifest they need once, not 8 times. An entry lives while a restore uses it and
     ``keep_s`` after its last read (the ranks of a host call Restore about together), never
-    longer: at 1,024 old ranks the manifests are about a GiB."""
+    longer: a snapshot without a layout index is planned from all of its manifests (about a
+    GiB at 1,024 old ranks)."""
 
     def __init__(self, keep_s: float = 30.0):
         self._keep_s = keep_s
@@ -282,7 +281,7 @@ class RecentSnapshots:
                 with self._lock:
                     read = self._live.get(key)
                 if read is None:
-                    read = ReadSnapshot({r: source.read_manifest(r) for r in info.ranks})
+                    read = ReadSnapshot(source)
                 with self._lock:
                     self._live[key] = read
                     self._keep(read)

@@ -45,7 +45,8 @@ from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_P
 from swap_state.common.snapshot_errors import (
     SnapshotBusy, SnapshotError, SnapshotFailed, SnapshotInvalid, SnapshotNotFound, from_os_error,
 )
-from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
+from swap_state.common.checksum import crc32
+from swap_state.common.snapshot_format import LAYOUT_NAME, FileRecord, SnapshotIndex
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, SnapshotMetadata, parse_metadata
 from swap_state.common.snapshot_metadata_parts import MetadataParts
 from swap_state.common.names import parse_snapshot_id, shorten
@@ -54,6 +55,7 @@ from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.group import RankSnapshot, SnapshotGroup
+from swap_state.server.snapshot.layout_index import LayoutIndex
 from swap_state.server.snapshot.plan import RankResult
 from swap_state.server.snapshot.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
@@ -386,10 +388,12 @@ class SnapshotCoordinator:
         files: list[FileRecord] = []
         for rank in ranks:
             files.extend(results[rank].files)
+        layout = _layout_bytes(group, results)
         index = SnapshotIndex(job_id=group.job_id, step=group.step, world_size=group.world_size, ranks=ranks,
-                              files=tuple(files), created_unix=time.time(), attempt=self._attempt(group))
+                              files=tuple(files), created_unix=time.time(), attempt=self._attempt(group),
+                              layout=None if layout is None else FileRecord(LAYOUT_NAME, -1, len(layout), crc32(layout)))
         try:
-            commit = self.store.commit(group.partial, index, group.keep, replace=group.replace)
+            commit = self.store.commit(group.partial, index, group.keep, replace=group.replace, layout=layout)
         except SnapshotError as exc:
             group.fail(exc)
             return
@@ -511,3 +515,13 @@ def _parse_step_id(snapshot_id: str) -> tuple[str, int]:
     if ref.step is None:
         raise SnapshotInvalid(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
     return ref.job_id, ref.step
+
+
+def _layout_bytes(group: SnapshotGroup, results: dict[int, RankResult]) -> bytes | None:
+    """``layout.json`` of a step whose every rank committed here (one host's part of a
+    multi-host step gets its index in the store, from every host's manifests)."""
+    if len(results) != group.world_size:
+        return None
+    return LayoutIndex({rank: result.manifest.tensors for rank, result in results.items()},
+                       group.world_size).to_bytes()
+

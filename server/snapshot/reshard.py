@@ -4,7 +4,7 @@ A snapshot holds, per old rank, a safetensors file whose tensors its manifest de
 (:class:`~swap_state.common.snapshot_format.TensorRecord`). A DTensor shard is the box
 ``[global_offset, global_offset + shape)`` of its global tensor, stored row-major (C order).
 A job restarting at another world size needs, for each tensor of a *new* rank, bytes
-assembled from the old ranks' shards: :func:`plan_rank` says, for every tensor of the
+assembled from the old ranks' shards: :func:`plan_tensor` says, for each tensor of the
 restoring rank, which old ranks' tensors to read (:class:`Piece`) and which contiguous byte
 ranges of them go where in the target tensor (:class:`Run`).
 
@@ -16,13 +16,12 @@ Rules, briefly: dtypes and global shapes must match; replicas (old ranks holding
 box) count once, the restoring rank's own serving when it holds one, else one spread by the
 restoring rank; the chosen shards must not overlap and must cover the target box exactly. A plain (non-DTensor) tensor is taken whole from one old rank, which
 is only sound when all ranks hold the same bytes (equal crc32s), or when restoring at the
-snapshot's own world size, where each rank takes its own. :class:`LayoutIndex` plans a new
-rank in O(T log N) (T tensors, N old ranks).
+snapshot's own world size, where each rank takes its own. :mod:`.layout_index` plans a whole
+new rank from one step's index, tensor by tensor through these rules where its grids do not.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import itertools
 import math
@@ -32,7 +31,7 @@ from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.snapshot_errors import SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import TensorRecord
 
-__all__ = ["LayoutIndex", "Piece", "Run", "TargetTensor", "plan_rank", "plan_tensor", "ranks_needed"]
+__all__ = ["Piece", "Run", "TargetTensor", "plan_tensor", "ranks_needed"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """A box of a global tensor as (offset, shape)."""
@@ -106,125 +105,6 @@ def plan_tensor(
     return _plan_dtensor(target, ordered, itemsize, target_rank)
 
 
-def plan_rank(
-    targets: Sequence[TargetTensor],
-    manifests: Mapping[int, Sequence[TensorRecord]],
-    *,
-    target_rank: int,
-    same_world: bool,
-) -> dict[str, list[Piece]]:
-    """For every target tensor (by name) its pieces; ``manifests``: old rank -> its tensors.
-    One new rank's plan from a :class:`LayoutIndex` built for it; build the index once and
-    call :meth:`LayoutIndex.plan` when several new ranks restore the same snapshot."""
-    return LayoutIndex(manifests).plan(targets, target_rank=target_rank, same_world=same_world)
-
-
-class LayoutIndex:
-    """Every old rank's tensors of one snapshot, indexed once for any number of new ranks.
-
-    Per tensor name: its records, ascending old rank, and, when the shards are uniform (one
-    dtype and global shape, valid boxes) and tile the global tensor as a grid (every layout
-    DTensor makes: Shard, _StridedShard, several mesh dims, uneven or empty last shards), an
-    interval index per dimension. Building is O(records log N) for N old ranks; planning one
-    new rank's T tensors is O(T log N) plus the pieces it yields, and a grid needs no
-    completeness check (its boxes partition the tensor: checked once, here). A tensor that is
-    not such a grid, or whose records disagree, is planned by :func:`plan_tensor`, which
-    checks every source and says what is wrong.
-
-    Each target tensor comes from the old ranks that hold it: all of them (data parallel,
-    tensor parallel), some, or one (a pipeline stage's, an expert's). A target tensor that no
-    old rank holds is refused, naming it: resharding moves the snapshot's tensors, it never
-    invents one. An old tensor the restoring rank lacks belongs to another new rank (another
-    pipeline stage): nothing here can tell a dropped one from that.
-    """
-
-    def __init__(self, manifests: Mapping[int, Sequence[TensorRecord]]):
-        if not manifests:
-            raise SnapshotLayoutMismatch("the snapshot has no ranks to restore from")
-        holders: dict[str, list[tuple[int, TensorRecord]]] = {}
-        for rank in sorted(manifests):
-            for name, record in _by_name(rank, manifests[rank]).items():
-                holders.setdefault(name, []).append((rank, record))
-        self._tensors = {name: _TensorIndex(pairs) for name, pairs in holders.items()}
-
-    def records(self, name: str) -> list[tuple[int, TensorRecord]]:
-        """(old rank, record) of every old rank holding ``name``, ascending rank."""
-        found = self._tensors.get(name)
-        return list(found.ordered) if found is not None else []
-
-    def replaced(self, records: Mapping[str, list[tuple[int, TensorRecord]]]) -> LayoutIndex:
-        """This index with the records of some tensors replaced (indexed anew, the rest shared)."""
-        copy = object.__new__(LayoutIndex)
-        copy._tensors = {**self._tensors, **{name: _TensorIndex(sorted(pairs, key=lambda p: p[0]))
-                                             for name, pairs in records.items()}}
-        return copy
-
-    def plan(self, targets: Sequence[TargetTensor], *, target_rank: int, same_world: bool) -> dict[str, list[Piece]]:
-        """Every target tensor's pieces (by name). ``same_world``: the restore keeps the
-        snapshot's world size (a plain tensor differing between ranks is then each rank's own)."""
-        names: set[str] = set()
-        for target in targets:
-            if target.name in names:
-                raise SnapshotLayoutMismatch(
-                    f"tensor {target.name} appears twice in the restoring rank's segment"
-                )
-            names.add(target.name)
-        missing = sorted(names - self._tensors.keys())
-        if missing:
-            raise SnapshotLayoutMismatch(
-                f"tensor {missing[0]} is in no rank of the snapshot ({len(missing)} such in all); "
-                "restore into a job with the same model and optimizer state as the snapshot's"
-            )
-        return {target.name: self._tensors[target.name].plan(target, target_rank, same_world) for target in targets}
-
-
-class _TensorIndex:
-    """One tensor's records (ascending old rank) and, when they allow, its fast plan."""
-
-    def __init__(self, ordered: list[tuple[int, TensorRecord]]):
-        self.ordered = ordered
-        first = ordered[0][1]
-        self.uniform = _uniform(ordered)
-        self.same_bytes = self.uniform and all(record.crc32 == first.crc32 for _, record in ordered)
-        self.grid = _Grid.of(first.global_shape, ordered) if self.uniform and first.global_shape is not None else None
-
-    def plan(self, target: TargetTensor, target_rank: int, same_world: bool) -> list[Piece]:
-        first = self.ordered[0][1]
-        if self.uniform and target.dtype == first.dtype and target.global_shape == first.global_shape:
-            itemsize = DTYPE_ITEMSIZE[target.dtype]
-            if target.global_shape is None and target.global_offset is None and target.shape == first.shape \
-                    and self.same_bytes:
-                nbytes = math.prod(target.shape) * itemsize
-                rank, record = _nearest(self.ordered, target_rank)
-                return [Piece(rank, record, (Run(0, 0, nbytes),))] if nbytes else []
-            if self.grid is not None:
-                _check_box(target.name, "the restoring rank", target.global_shape, target.global_offset,
-                           target.shape)
-                return self.grid.pieces(target, itemsize, target_rank)
-        return plan_tensor(target, self.ordered, target_rank=target_rank, same_world=same_world)
-
-
-def _uniform(ordered: Sequence[tuple[int, TensorRecord]]) -> bool:
-    """One supported dtype and global shape, sizes that match, boxes inside the tensor."""
-    first = ordered[0][1]
-    itemsize = DTYPE_ITEMSIZE.get(first.dtype)
-    if itemsize is None:
-        return False
-    for rank, record in ordered:
-        if record.dtype != first.dtype or record.global_shape != first.global_shape \
-                or record.nbytes != math.prod(record.shape) * itemsize:
-            return False
-        if record.global_shape is None:
-            if record.shape != first.shape:
-                return False
-            continue
-        try:
-            _check_box(record.name, f"old rank {rank}", record.global_shape, record.global_offset, record.shape)
-        except SnapshotLayoutMismatch:
-            return False
-    return True
-
-
 def _nearest(holders: Sequence[tuple[int, TensorRecord]], target_rank: int) -> tuple[int, TensorRecord]:
     """Which of several old ranks holding the same bytes a new rank reads: its own rank's
     file when that holds them, else one spread by the new rank (not all from the lowest)."""
@@ -234,72 +114,9 @@ def _nearest(holders: Sequence[tuple[int, TensorRecord]], target_rank: int) -> t
     return holders[target_rank % len(holders)]
 
 
-class _Grid:
-    """The distinct non-empty boxes of a tensor when they partition it as a grid: along each
-    dimension the boxes' intervals tile ``[0, size)``, and every combination of intervals is
-    one box (replicas: several old ranks holding the same box)."""
-
-    def __init__(self, starts: list[list[int]], cells: dict[tuple[int, ...], list[tuple[int, TensorRecord]]]):
-        self.starts = starts
-        self.cells = cells
-
-    @classmethod
-    def of(cls, global_shape: tuple[int, ...], ordered: Sequence[tuple[int, TensorRecord]]) -> _Grid | None:
-        boxes: dict[Box, list[tuple[int, TensorRecord]]] = {}
-        for rank, record in ordered:
-            if math.prod(record.shape):
-                boxes.setdefault((tuple(record.global_offset), tuple(record.shape)), []).append((rank, record))
-        if not boxes:
-            return None
-        starts: list[list[int]] = []
-        for d, size in enumerate(global_shape):
-            intervals = sorted({(offset[d], shape[d]) for offset, shape in boxes})
-            end = 0
-            for start, length in intervals:
-                if start != end:
-                    return None  # a gap or an overlap along this dimension
-                end = start + length
-            if end != size:
-                return None
-            starts.append([start for start, _ in intervals])
-        if len(boxes) != math.prod(len(s) for s in starts):
-            return None  # not every combination of intervals is a box
-        where = [{start: i for i, start in enumerate(s)} for s in starts]
-        cells = {tuple(where[d][offset[d]] for d in range(len(starts))): holders
-                 for (offset, _), holders in boxes.items()}
-        return cls(starts, cells)
-
-    def pieces(self, target: TargetTensor, itemsize: int, target_rank: int) -> list[Piece]:
-        if math.prod(target.shape) == 0:
-            return []
-        target_box = (target.global_offset, target.shape)
-        ranges = [range(bisect.bisect_right(s, lo) - 1, bisect.bisect_left(s, lo + n))
-                  for s, lo, n in zip(self.starts, target.global_offset, target.shape)]
-        pieces = []
-        for cell in itertools.product(*ranges):
-            rank, record = _nearest(self.cells[cell], target_rank)
-            source_box = (record.global_offset, record.shape)
-            common = _intersect(source_box, target_box)
-            if common is not None:
-                pieces.append(Piece(rank, record, _runs(common, source_box, target_box, itemsize)))
-        pieces.sort(key=lambda piece: piece.source_rank)
-        return pieces
-
-
 def ranks_needed(plan: Mapping[str, list[Piece]]) -> list[int]:
     """The distinct old ranks a plan reads from, sorted: the files a restore must open."""
     return sorted({piece.source_rank for pieces in plan.values() for piece in pieces})
-
-
-def _by_name(rank: int, records: Sequence[TensorRecord]) -> dict[str, TensorRecord]:
-    found: dict[str, TensorRecord] = {}
-    for record in records:
-        if record.name in found:
-            raise SnapshotLayoutMismatch(
-                f"tensor {record.name} appears twice in the manifest of old rank {rank}"
-            )
-        found[record.name] = record
-    return found
 
 
 def _check_source(target: TargetTensor, rank: int, record: TensorRecord, itemsize: int) -> None:

@@ -3,6 +3,8 @@
 
 Call order (:func:`~.assemble.assemble`)::
 
+    raw = source.read_layout()                      # layout.json (checked), or None: plan from
+                                                    # every manifest
     manifest = source.read_manifest(rank)           # each rank it plans from (checked)
     source.check_data_header(manifest)              # each rank it reads from
     data = source.read_tensor(manifest, tensor)     # each piece: the whole tensor, crc32 checked
@@ -54,6 +56,8 @@ class AssembleSource(Protocol):
     whole_files: bool
     """It can stage a rank's whole file (:meth:`LocalSource.copy_whole_file`)."""
 
+    def read_layout(self) -> bytes | None: ...
+
     def read_manifest(self, rank: int) -> RankManifest: ...
 
     def check_data_header(self, manifest: RankManifest) -> None: ...
@@ -69,6 +73,9 @@ class LocalSource:
 
     def __init__(self, store: SnapshotStore, info: SnapshotInfo):
         self.store, self.info = store, info
+
+    def read_layout(self) -> bytes | None:
+        return self.store.read_layout(self.info)
 
     def read_manifest(self, rank: int) -> RankManifest:
         return self.store.read_manifest(self.info, rank)  # SnapshotNotFound: the rank is elsewhere
@@ -197,6 +204,9 @@ class StoreSource:
 
     def __init__(self, stored: StoredSnapshots, info: SnapshotInfo):
         self.stored, self.info = stored, info
+
+    def read_layout(self) -> bytes | None:
+        return self.stored.read_layout(self.info)
 
     def read_manifest(self, rank: int) -> RankManifest:
         return self.stored.read_manifest(self.info, rank)

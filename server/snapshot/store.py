@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from swap_state.common.names import snapshot_id_for
 from swap_state.common.snapshot_errors import SnapshotExists, from_os_error
-from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, SnapshotIndex, dumps_json, partial_dir_name
+from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, LAYOUT_NAME, SnapshotIndex, dumps_json, partial_dir_name
 from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
 from swap_state.server.snapshot.local_storage import LocalFilesystemStorage
 from swap_state.server.snapshot.storage import SnapshotStorage, StepState
@@ -82,15 +82,18 @@ class SnapshotStore(SnapshotReader):
             raise from_os_error(exc, f"creating {partial_dir_name(step)}", self.storage.location(job_id)) from None
 
     def commit(
-        self, partial: pathlib.PurePath, index: SnapshotIndex, keep_latest: int | None, replace: bool = False
+        self, partial: pathlib.PurePath, index: SnapshotIndex, keep_latest: int | None, replace: bool = False,
+        layout: bytes | None = None,
     ) -> CommitResult:
         """Publish a partial snapshot whose rank files are written and fsynced: write
-        ``snapshot.json`` durably, seal the partial, publish it atomically as ``step-<N>``,
+        ``layout`` (the bytes ``index.layout`` records) and ``snapshot.json`` durably, seal the partial, publish it atomically as ``step-<N>``,
         point ``latest`` at it, unlist a snapshot it replaced, then apply retention (unlist all
         but the ``keep_latest`` highest steps, never the new one; None keeps all); their bytes
         go in :meth:`empty_trash`, once the caller has reported the snapshot durable. OSError before the
         publication is the caller's to map; failures after it become warnings, the snapshot
         stays durable."""
+        if layout is not None:
+            self.storage.write_durable(partial, LAYOUT_NAME, layout)
         self.storage.write_durable(partial, INDEX_NAME, dumps_json(index.to_json()))
         self.storage.seal(partial)
         with self._commit_lock:

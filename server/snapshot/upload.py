@@ -17,7 +17,7 @@ computed on the way and checked against ``snapshot.json`` before the upload may 
 mismatch aborts it: nothing corrupt reaches the store), the manifest, then the rank's marker.
 A rank whose marker is already there, equal, is skipped (a restarted server resumes). After a
 snapshot's ranks are stored, the step's index is put when every host's ranks are there
-(:meth:`StoredSnapshots.publish_step_index`), then retention runs on the store: the job's ``keep`` newest complete
+(:meth:`StoredSnapshots.publish_step_index`, with the step's layout index before it), then retention runs on the store: the job's ``keep`` newest complete
 steps stay, never the newest complete one goes, and steps newer than the oldest kept one are
 never touched (another host may still be uploading them). A store that fails (unreachable,
 full, refusing) fails the upload with an error naming the URI; the local snapshot and
@@ -45,6 +45,7 @@ from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.common.stored_snapshots import StoredSnapshots, marker_name, parse_marker_name
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.bandwidth import BandwidthLimiter
+from swap_state.server.snapshot.layout_index import LayoutIndex
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.store import SnapshotStore
 from swap_state.server.snapshot.waiting import WatchedCondition
@@ -273,7 +274,7 @@ class SnapshotUploader:
             self._set(info, rank, state=StoreState.STORED)
             self.counters.ranks_stored += 1
         try:
-            self.stored.publish_step_index(info.job_id, info.step)
+            self.stored.publish_step_index(info.job_id, info.step, layout=lambda whole: self._layout(info, whole))
         except (OSError, SnapshotError) as exc:  # the step reads from its markers instead
             log_event(log, "store_index_failed", logging.WARNING, snapshot_id=info.snapshot_id,
                       store=self.uri, error=str(exc))
@@ -288,6 +289,16 @@ class SnapshotUploader:
         except (OSError, SnapshotError) as exc:
             log_event(log, "store_retention_failed", logging.WARNING, job_id=info.job_id,
                       store=self.uri, error=str(exc))
+
+    def _layout(self, local: SnapshotInfo, whole: SnapshotInfo) -> bytes:
+        """The store's step's ``layout.json``: the local one when this host holds every rank
+        (the same files, so the same bytes), else built from every rank's manifest in the
+        store (once per step, by the host that publishes its index)."""
+        raw = self._local.read_layout(local) if local.index.complete_job else None
+        if raw is not None:
+            return raw
+        manifests = {rank: self.stored.read_manifest(whole, rank).tensors for rank in whole.ranks}
+        return LayoutIndex(manifests, whole.world_size).to_bytes()
 
     def _upload_rank(self, info: SnapshotInfo, rank: int, existing: SnapshotIndex | None) -> None:
         """The rank's data, manifest, then marker; nothing when ``existing`` (its marker in the

@@ -1,5 +1,6 @@
-"""The manifests of a snapshot being assembled are read once for the ranks of a server that
-restore it together, and never served for a snapshot that replaced it."""
+"""A snapshot being assembled is read once for the ranks of a server that restore it together
+(its layout index, or for a snapshot without one its manifests), and never served for a
+snapshot that replaced it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pathlib
 from swap_state.common.snapshot_format import RankManifest, SnapshotIndex, TensorRecord
 from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.server.snapshot.assemble import RecentSnapshots
+from swap_state.server.snapshot.layout_index import LayoutIndex
+from swap_state.server.snapshot.reshard import TargetTensor, ranks_needed
 
 
 def _manifest(rank: int) -> RankManifest:
@@ -25,9 +28,20 @@ class CountingSource:
         self.info = SnapshotInfo("job/step-6", "job", 6, 2, pathlib.Path("/snaps/job/step-6"), 0, True, index)
         self.reads: list[int] = []
 
+    def read_layout(self) -> bytes | None:
+        return None  # a snapshot written before layout indexes: planned from its manifests
+
     def read_manifest(self, rank: int) -> RankManifest:
         self.reads.append(rank)
         return _manifest(rank)
+
+
+class IndexedSource(CountingSource):
+    """A snapshot with a layout index: no manifest is read to plan, each needed one once."""
+
+    def read_layout(self) -> bytes | None:
+        self.reads.append("layout")
+        return LayoutIndex({r: _manifest(r).tensors for r in (0, 1)}).to_bytes()
 
 
 def test_ranks_restoring_together_read_the_manifests_once():
@@ -35,7 +49,17 @@ def test_ranks_restoring_together_read_the_manifests_once():
     source = CountingSource()
     first, second = recent.read(source), recent.read(source)
     assert first is second and source.reads == [0, 1]
-    assert [r for r, _ in first.index.records("w")] == [0, 1]
+    whole = TargetTensor("w", "float32", (4,), (4,), (0,))
+    assert ranks_needed(first.index.plan([whole], target_rank=0, same_world=False)) == [0, 1]
+
+
+def test_with_a_layout_index_only_the_needed_manifests_are_read_once():
+    source = IndexedSource()
+    read = RecentSnapshots(keep_s=60).read(source)
+    upper = TargetTensor("w", "float32", (2,), (4,), (2,))
+    assert ranks_needed(read.index.plan([upper], target_rank=0, same_world=False)) == [1]
+    assert read.manifest(1) is read.manifest(1)
+    assert source.reads == ["layout", 1]
 
 
 def test_a_replaced_snapshot_is_read_again():

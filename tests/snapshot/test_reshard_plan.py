@@ -5,21 +5,15 @@ rank's box cut directly from the global tensor. Pure Python, no torch, no proces
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
 from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.snapshot_errors import SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import TensorRecord
-from swap_state.server.snapshot.reshard import (
-    LayoutIndex,
-    Piece,
-    Run,
-    TargetTensor,
-    plan_rank,
-    plan_tensor,
-    ranks_needed,
-)
+from swap_state.server.snapshot.layout_index import LayoutIndex, plan_rank
+from swap_state.server.snapshot.reshard import Piece, Run, TargetTensor, plan_tensor, ranks_needed
 
 S0, S1, R = ("S", 0), ("S", 1), ("R",)
 
@@ -100,11 +94,13 @@ def _reshard(global_shape, old, new, dtype="float32"):
     shards = {rank: _cut(data, global_shape, box, itemsize) for rank, box in enumerate(old)}
     sources = [(rank, _record("w", dtype, box, global_shape)) for rank, box in enumerate(old)]
     index = LayoutIndex({rank: [record] for rank, record in sources})
+    stored = LayoutIndex.from_bytes(index.to_bytes(), len(old))  # as layout.json is read back
     plans = []
     for new_rank, box in enumerate(new):
         target = _target("w", dtype, box, global_shape)
         pieces = plan_tensor(target, sources[::-1])
         indexed = index.plan([target], target_rank=new_rank, same_world=False)["w"]
+        assert stored.plan([target], target_rank=new_rank, same_world=False)["w"] == indexed
         want = _cut(data, global_shape, box, itemsize)
         assert _apply(pieces, shards, len(want)) == want
         assert _apply(indexed, shards, len(want)) == want
@@ -301,3 +297,41 @@ def test_an_irregular_tiling_is_planned_and_checked_per_tensor():
     with pytest.raises(SnapshotLayoutMismatch, match="tensor w: the restoring rank's box .* is not covered"):
         LayoutIndex(records).plan([_target("w", "float32", ((0, 0), shape), shape)], target_rank=0,
                                   same_world=False)
+
+
+def _grid_doc(**tensor):
+    entry = {"name": "w", "dtype": "float32", "global_shape": [8, 2], "starts": [[0, 4, 2], [0, 0, 1]],
+             "owners": [0, 1, 2]}
+    entry.update(tensor)
+    return {"format": "swap-state-layout", "version": 1, "world_size": 2, "tensors": [entry]}
+
+
+def test_a_layout_index_round_trips_compactly():
+    """Shard(0) over 1,024 ranks is a few runs, not 1,024 boxes."""
+    shape = (4096, 8)
+    records = {rank: [_record("w", "float32", box, shape)] for rank, box in enumerate(_layout(shape, (1024,), (S0,)))}
+    raw = LayoutIndex(records).to_bytes()
+    assert len(raw) < 300, raw
+    target = _target("w", "float32", ((1020, 0), (8, 8)), shape)
+    plan = LayoutIndex.from_bytes(raw, 1024).plan([target], target_rank=3, same_world=False)
+    assert [p.source_rank for p in plan["w"]] == [255, 256]  # rows 1,020-1,023 and 1,024-1,027
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"\xff", "not JSON"),
+    (json.dumps({**_grid_doc(), "format": "pickle"}).encode(), "not a swap-state-layout"),
+    (json.dumps({**_grid_doc(), "world_size": 3}).encode(), "not the layout of 2 ranks"),
+    (json.dumps(_grid_doc(starts=[[4, 4, 2], [0, 0, 1]])).encode(), "must rise from 0"),
+    (json.dumps(_grid_doc(starts=[[0, 4, 3], [0, 0, 1]])).encode(), "must rise from 0 inside 8"),
+    (json.dumps(_grid_doc(starts=[[0, 4, 2]])).encode(), "one list per dimension"),
+    (json.dumps(_grid_doc(owners=[0, 1, 3])).encode(), "must give each of 2 ranks a cell"),
+    (json.dumps(_grid_doc(owners=[0, 5, 2])).encode(), "must give each of 2 ranks a cell of 2"),
+    (json.dumps(_grid_doc(owners=[0, 1, 0])).encode(), "out of bounds"),
+    (json.dumps(_grid_doc(owners=[-1, 0, 2])).encode(), "no rank holds w"),
+    (json.dumps(_grid_doc(dtype="object")).encode(), "dtype of w is not supported"),
+    (json.dumps({**_grid_doc(), "tensors": [_grid_doc()["tensors"][0]] * 2}).encode(), "named once"),
+    (json.dumps({**_grid_doc(), "tensors": [{"name": "w", "records": [[7, {}]]}]}).encode(), "ranks below 2"),
+])
+def test_a_hostile_layout_index_is_refused(raw, message):
+    with pytest.raises(ValueError, match=message):
+        LayoutIndex.from_bytes(raw, 2)

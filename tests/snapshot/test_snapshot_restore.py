@@ -16,7 +16,7 @@ from swap_state.common.snapshot_errors import (
     SnapshotLayoutMismatch,
     SnapshotNotFound,
 )
-from swap_state.common.snapshot_format import INDEX_NAME, rank_data_name, rank_manifest_name
+from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, rank_data_name, rank_manifest_name
 
 
 @pytest.fixture
@@ -145,10 +145,8 @@ SHARDED = [("w.exp_avg", "float32", (4, 8)), ("n.exp_avg", "float32", (8,))]
 WHOLE = [("w.exp_avg", "float32", (8, 8)), ("n.exp_avg", "float32", (8,))]
 
 
-def test_the_same_world_size_at_another_layout_is_resharded(make_segment, make_coordinator):
-    """A job saved with FSDP on 2 ranks resumes on 2 ranks that hold whole tensors (DDP): the
-    world size is the snapshot's, the layout is not. With the trainer's placement each rank
-    gets the whole tensor from both old ranks' shards; without it, the refusal names the tensor."""
+def _fsdp_pair(make_segment, make_coordinator):
+    """job/step-4 of FSDP on 2 ranks: (coordinator, each rank's shard, the replicated norm)."""
     coordinator = make_coordinator()
     olds = [make_segment(f"old{r}", specs=SHARDED) for r in range(2)]
     norm = olds[0].fill(1)["n.exp_avg"]
@@ -160,8 +158,14 @@ def test_the_same_world_size_at_another_layout_is_resharded(make_segment, make_c
         metadata = metadata_for(seg, step=4, global_shapes={"w.exp_avg": ([8, 8], [4 * rank, 0])})
         handles.append(coordinator.start(seg.source("job", 4, rank=rank, world_size=2, metadata_json=metadata)))
     assert all(h.wait(20).state is SnapshotState.DURABLE for h in handles)
-    shards = [seg.tensors()["w.exp_avg"] for seg in olds]
+    return coordinator, [seg.tensors()["w.exp_avg"] for seg in olds], norm
 
+
+def test_the_same_world_size_at_another_layout_is_resharded(make_segment, make_coordinator):
+    """A job saved with FSDP on 2 ranks resumes on 2 ranks that hold whole tensors (DDP): the
+    world size is the snapshot's, the layout is not. With the trainer's placement each rank
+    gets the whole tensor from both old ranks' shards; without it, the refusal names the tensor."""
+    coordinator, shards, norm = _fsdp_pair(make_segment, make_coordinator)
     target = make_segment("whole", specs=WHOLE)
     target.fill(99)
     before = target.tensor_area()
@@ -173,3 +177,25 @@ def test_the_same_world_size_at_another_layout_is_resharded(make_segment, make_c
                      placement_json=metadata_for(target, step=4))
     assert target.tensors() == {"w.exp_avg": shards[0] + shards[1], "n.exp_avg": norm}
     assert (result.step, result.snapshot_world_size, sorted(result.source_ranks)) == (4, 2, [0, 1])
+
+
+def test_a_reshard_plans_from_the_steps_layout_index_checked_first(make_segment, make_coordinator):
+    """A whole job's commit writes ``layout.json`` beside its files, listed with its size and
+    crc32 in ``snapshot.json``; a reshard plans from it, and one that changed is refused,
+    naming it, before the segment changes."""
+    coordinator, shards, _ = _fsdp_pair(make_segment, make_coordinator)
+    info = coordinator.store.resolve("job/step-4")
+    assert info.index.layout is not None
+    assert (info.path / LAYOUT_NAME).stat().st_size == info.index.layout.bytes
+    target = make_segment("one", specs=WHOLE)  # resumed on one rank
+    target.fill(99)
+    before = target.tensor_area()
+    flip_byte(info.path / LAYOUT_NAME, 20)
+    with pytest.raises(SnapshotCorrupt, match=r"layout.json does not match its checksum"):
+        restore(coordinator.store, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1,
+                placement_json=metadata_for(target, step=4))
+    assert target.tensor_area() == before
+    flip_byte(info.path / LAYOUT_NAME, 20)  # back as written
+    restore(coordinator.store, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1,
+            placement_json=metadata_for(target, step=4))
+    assert target.tensors()["w.exp_avg"] == shards[0] + shards[1]

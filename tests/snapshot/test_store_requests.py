@@ -15,9 +15,12 @@ import pytest
 from swap_state.common.checksum import crc32
 from swap_state.common.object_store import PosixObjectStore
 from swap_state.common.snapshot_format import (
-    INDEX_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name, step_dir_name,
+    INDEX_NAME, LAYOUT_NAME, FileRecord, RankManifest, SnapshotIndex, TensorRecord, dumps_json, rank_data_name,
+    rank_manifest_name, step_dir_name,
 )
 from swap_state.common.stored_snapshots import StoredSnapshots
+from swap_state.server.snapshot.layout_index import LayoutIndex
+from swap_state.server.snapshot.reshard import TargetTensor
 from swap_state.server.snapshot.store import SnapshotStore
 from swap_state.server.snapshot.upload import SnapshotUploader, StoreState
 
@@ -56,6 +59,14 @@ class CountingStore(PosixObjectStore):
         return PosixObjectStore.get_range(self, key, 0, 1 << 30)
 
 
+def _manifest(rank: int, step: int) -> bytes:
+    """A rank's manifest: its row of one tensor sharded over the job (the step's layout index
+    is built from these)."""
+    record = TensorRecord("w", "float32", (1,), 4, (0, 4), 0, global_shape=(WORLD,), global_offset=(rank,))
+    return RankManifest(JOB, step, rank, WORLD, rank_data_name(rank), 64, 8, 4, (record,), {}, {}, {},
+                        0, 0, 0.0, 0.0).to_bytes()
+
+
 def _host_snapshot(root: pathlib.Path, host: int, step: int) -> SnapshotStore:
     """This host's ranks of the step, committed in its local snapshot directory (tiny files)."""
     ranks = range(host * RANKS_PER_HOST, (host + 1) * RANKS_PER_HOST)
@@ -63,7 +74,7 @@ def _host_snapshot(root: pathlib.Path, host: int, step: int) -> SnapshotStore:
     path.mkdir(parents=True)
     files = []
     for rank in ranks:
-        for name, body in ((rank_data_name(rank), b"d" * 64), (rank_manifest_name(rank), b"{}")):
+        for name, body in ((rank_data_name(rank), b"d" * 64), (rank_manifest_name(rank), _manifest(rank, step))):
             (path / name).write_bytes(body)
             files.append(FileRecord(name, rank, len(body), crc32(body)))
     index = SnapshotIndex(JOB, step, WORLD, tuple(ranks), tuple(files), 1.0)
@@ -99,9 +110,14 @@ def test_uploads_and_latest_cost_requests_that_do_not_grow_with_the_ranks(tmp_pa
                 _upload(uploader, local, step)
         per_rank = store.requests() / (2 * WORLD)
         assert per_rank <= 10, (per_rank, store.calls)
-        # Data, manifest, marker per rank; the index once per step, or by each host that saw
-        # every marker (the uploaders started together, each resuming its step 3).
-        assert 2 * (3 * WORLD + 1) <= store.calls["put"] <= 2 * (3 * WORLD + HOSTS), store.calls
+        # Data, manifest, marker per rank; the layout index and the index once per step, or by
+        # each host that saw every marker (the uploaders started together, each resuming its
+        # step 3), which reads every manifest for the layout index.
+        assert 2 * (3 * WORLD + 2) <= store.calls["put"] <= 2 * (3 * WORLD + 2 * HOSTS), store.calls
+        layout = StoredSnapshots(store).store.get(f"{JOB}/{step_dir_name(5)}/{LAYOUT_NAME}")
+        assert LayoutIndex.from_bytes(layout, WORLD).plan(
+            [TargetTensor("w", "float32", (WORLD,), (WORLD,), (0,))], target_rank=0, same_world=False
+        )["w"][-1].source_rank == WORLD - 1
 
         for host in range(2):  # a third step, half uploaded: `latest` is still step 5
             _upload(uploaders[host][0], _host_snapshot(hosts[host], host, 7), 7)

@@ -1,0 +1,484 @@
+"""One step's layout index: for every tensor, where each old rank's shard lies (``layout.json``).
+
+A restore at another world size or layout plans from this one small object, written once per
+step by one writer (the server that commits a whole job locally; in the store, the host that
+publishes the step's index), never from N manifests (DCP's ``.metadata`` is the model). It
+holds no byte ranges and no checksums of the shards: a plan names the few old ranks it reads,
+and their manifests (verified against ``snapshot.json``) give those (:func:`bind`).
+
+Compact whatever N: a layout DTensor makes is a grid per tensor (along each dimension the
+shards' intervals tile it; every combination of intervals is one shard, held by one or more
+ranks). The intervals' starts and the cell each rank holds are stored as arithmetic runs
+(:class:`Progression`): ``Shard(0)`` over 1,024 ranks is one run of starts and one run of
+owners, so the 70B layout's index is a few hundred kB at any N and planning one new rank is
+O(T log R) (R runs, at most N). Anything else (plain tensors that differ, shards that are not
+a grid) keeps its records whole and is planned by :func:`~.reshard.plan_tensor`, which checks
+every source.
+
+Call order (:mod:`.assemble`)::
+
+    index = LayoutIndex(manifests)  |  LayoutIndex.from_bytes(raw, world_size)   # layout.json
+    targets, index = index.promoted(targets)          # plain <-> whole-DTensor, see there
+    plan = index.plan(targets, target_rank=..., same_world=...)   # pieces of box records
+    plan = bind(plan, {rank: manifest for rank in ranks_needed(plan)})   # the files' records
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+from swap_state.common.dtypes import DTYPE_ITEMSIZE
+from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotLayoutMismatch
+from swap_state.common.snapshot_format import RankManifest, TensorRecord
+
+from swap_state.server.snapshot.reshard import (
+    Piece, Run, TargetTensor, _check_box, _intersect, _nearest, _runs, plan_tensor,
+)
+
+__all__ = ["LAYOUT_FORMAT", "LayoutIndex", "Progression", "bind", "plan_rank"]
+
+LAYOUT_FORMAT = "swap-state-layout"
+LAYOUT_VERSION = 1
+_ABSENT = -1
+"""An owner or checksum run's value for a rank that holds nothing of the tensor."""
+_MAX_INT = 1 << 62
+
+
+class Progression:
+    """A sequence of ints stored as arithmetic runs ``(first, step, count)``."""
+
+    __slots__ = ("runs", "_firsts", "_ends")
+
+    def __init__(self, runs: Sequence[tuple[int, int, int]]):
+        self.runs = tuple(runs)
+        self._firsts = [first for first, _, _ in self.runs]
+        self._ends = list(itertools.accumulate(count for _, _, count in self.runs))
+
+    @classmethod
+    def of(cls, values: Sequence[int]) -> Progression:
+        runs, i = [], 0
+        while i < len(values):
+            step = values[i + 1] - values[i] if i + 1 < len(values) else 0
+            j = i + 1
+            while j < len(values) and values[j] - values[j - 1] == step:
+                j += 1
+            runs.append((values[i], step, j - i))
+            i = j
+        return cls(runs)
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __getitem__(self, i: int) -> int:
+        r = bisect.bisect_right(self._ends, i)
+        first, step, _ = self.runs[r]
+        return first + step * (i - (self._ends[r - 1] if r else 0))
+
+    def __iter__(self) -> Iterator[int]:
+        for first, step, count in self.runs:
+            yield from range(first, first + step * count, step) if step else itertools.repeat(first, count)
+
+    def count_at_most(self, value: int) -> int:
+        """How many elements are <= ``value`` (the sequence strictly increasing)."""
+        r = bisect.bisect_right(self._firsts, value) - 1
+        if r < 0:
+            return 0
+        first, step, count = self.runs[r]
+        return (self._ends[r - 1] if r else 0) + (min(count, (value - first) // step + 1) if step else 1)
+
+    def positions(self, value: int) -> list[range]:
+        """The indices holding ``value``, as ranges (a replicated tensor's N holders are one)."""
+        found: list[range] = []
+        for (first, step, count), end in zip(self.runs, self._ends):
+            start = end - count
+            if step == 0:
+                if first == value:
+                    found.append(range(start, end))
+                continue
+            k, rest = divmod(value - first, step)
+            if not rest and 0 <= k < count:
+                found.append(range(start + k, start + k + 1))
+        return found
+
+    def flat(self) -> list[int]:
+        return [n for run in self.runs for n in run]
+
+    @classmethod
+    def from_flat(cls, raw: object, what: str) -> Progression:
+        """From its JSON (``[first, step, count, ...]``), every value checked in bounds."""
+        if not isinstance(raw, list) or len(raw) % 3 or not all(type(n) is int and abs(n) < _MAX_INT for n in raw):
+            raise ValueError(f"{what} must be a flat list of (first, step, count) integer runs")
+        runs = [tuple(raw[i : i + 3]) for i in range(0, len(raw), 3)]
+        for first, step, count in runs:
+            if count < 1 or min(first, first + step * (count - 1)) < _ABSENT:
+                raise ValueError(f"{what} has a run {[first, step, count]} out of bounds")
+        return cls(runs)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+    """A DTensor tiled as a grid: per dimension the starts of its intervals; per old rank the
+    cell (row-major over the intervals) it holds, or -1."""
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    starts: tuple[Progression, ...]
+    owners: Progression
+
+    def sample(self) -> tuple[int, TensorRecord]:
+        rank = next(r for r, cell in enumerate(self.owners) if cell != _ABSENT)
+        return rank, self.cell_record(self.owners[rank])
+
+    def cell_box(self, cell: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        offset, shape = [], []
+        for starts, size in zip(reversed(self.starts), reversed(self.global_shape)):
+            cell, i = divmod(cell, len(starts))
+            start = starts[i]
+            offset.append(start)
+            shape.append((starts[i + 1] if i + 1 < len(starts) else size) - start)
+        return tuple(reversed(offset)), tuple(reversed(shape))
+
+    def cell_record(self, cell: int) -> TensorRecord:
+        offset, shape = self.cell_box(cell)
+        nbytes = math.prod(shape) * DTYPE_ITEMSIZE[self.dtype]
+        return TensorRecord(self.name, self.dtype, shape, nbytes, (0, nbytes), 0,
+                            global_shape=self.global_shape, global_offset=offset)
+
+    def plan(self, target: TargetTensor, target_rank: int, same_world: bool) -> list[Piece]:
+        if (target.dtype, target.global_shape) != (self.dtype, self.global_shape):
+            return plan_tensor(target, [self.sample()])  # raises, saying what differs
+        _check_box(target.name, "the restoring rank", target.global_shape, target.global_offset, target.shape)
+        if math.prod(target.shape) == 0:
+            return []
+        assert target.global_offset is not None
+        target_box = (target.global_offset, target.shape)
+        ranges = [range(s.count_at_most(lo) - 1, s.count_at_most(lo + n - 1))
+                  for s, lo, n in zip(self.starts, target.global_offset, target.shape)]
+        widths = [len(s) for s in self.starts]
+        pieces = []
+        for coords in itertools.product(*ranges):
+            cell = 0
+            for i, width in zip(coords, widths):
+                cell = cell * width + i
+            rank = self._holder(cell, target_rank)
+            record = self.cell_record(cell)
+            source_box = (record.global_offset, record.shape)
+            common = _intersect(source_box, target_box)  # type: ignore[arg-type]
+            if common is not None:
+                pieces.append(Piece(rank, record, _runs(common, source_box, target_box,  # type: ignore[arg-type]
+                                                        DTYPE_ITEMSIZE[self.dtype])))
+        return sorted(pieces, key=lambda piece: piece.source_rank)
+
+    def _holder(self, cell: int, target_rank: int) -> int:
+        """The old rank a new rank reads ``cell`` from: its own when that holds it, else one
+        spread by the new rank (8 new ranks read a replicated tensor from 8 old ones)."""
+        if target_rank < len(self.owners) and self.owners[target_rank] == cell:
+            return target_rank
+        holders = self.owners.positions(cell)
+        count = sum(len(r) for r in holders)
+        if not count:
+            raise SnapshotLayoutMismatch(
+                f"tensor {self.name}: no old rank holds its shard at {self.cell_box(cell)[0]}; "
+                "check that the snapshot holds every old rank")
+        k = target_rank % count
+        for found in holders:
+            if k < len(found):
+                return found[k]
+            k -= len(found)
+        raise AssertionError("unreachable")
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "global_shape": list(self.global_shape),
+                "starts": [s.flat() for s in self.starts], "owners": self.owners.flat()}
+
+    @classmethod
+    def from_json(cls, raw: dict, world_size: int) -> _Grid:
+        name, dtype = raw["name"], raw["dtype"]
+        global_shape = _shape(raw.get("global_shape"), f"global_shape of {name}")
+        starts_raw = raw.get("starts")
+        if not isinstance(starts_raw, list) or len(starts_raw) != len(global_shape):
+            raise ValueError(f"starts of {name} must be one list per dimension")
+        starts = tuple(Progression.from_flat(s, f"starts of {name}") for s in starts_raw)
+        for d, (s, size) in enumerate(zip(starts, global_shape)):
+            rising = all(step > 0 or count == 1 for _, step, count in s.runs) and \
+                all(s[end - 1] < s[end] for end in s._ends[:-1])
+            if not rising or s[0] != 0 or s[len(s) - 1] >= size:
+                raise ValueError(f"starts of {name} along dimension {d} must rise from 0 inside {size}")
+        owners = Progression.from_flat(raw.get("owners"), f"owners of {name}")
+        cells = math.prod(len(s) for s in starts)
+        if len(owners) != world_size or any(max(first, first + step * (count - 1)) >= cells
+                                            for first, step, count in owners.runs):
+            raise ValueError(f"owners of {name} must give each of {world_size} ranks a cell of {cells} or -1")
+        if all((first, step) == (_ABSENT, 0) for first, step, _ in owners.runs):
+            raise ValueError(f"no rank holds {name}")
+        return cls(name, dtype, global_shape, starts, owners)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plain:
+    """A plain tensor of one dtype and shape: per old rank its bytes' crc32, or -1."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    crcs: Progression
+
+    def holders(self) -> list[tuple[int, TensorRecord]]:
+        nbytes = math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+        return [(rank, TensorRecord(self.name, self.dtype, self.shape, nbytes, (0, nbytes), crc))
+                for rank, crc in enumerate(self.crcs) if crc != _ABSENT]
+
+    def same_bytes(self) -> bool:
+        """Every rank holding it holds the same bytes."""
+        crcs = {first for first, _, _ in self.crcs.runs if first != _ABSENT}
+        return len(crcs) == 1 and all(step == 0 for _, step, _ in self.crcs.runs)
+
+    def plan(self, target: TargetTensor, target_rank: int, same_world: bool) -> list[Piece]:
+        holders = self.holders()
+        if (target.dtype, target.global_shape, target.global_offset, target.shape) == \
+                (self.dtype, None, None, self.shape) and self.same_bytes():
+            rank, record = _nearest(holders, target_rank)
+            return [Piece(rank, record, (Run(0, 0, record.nbytes),))] if record.nbytes else []
+        return plan_tensor(target, holders, target_rank=target_rank, same_world=same_world)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "crc32s": self.crcs.flat()}
+
+    @classmethod
+    def from_json(cls, raw: dict, world_size: int) -> _Plain:
+        name = raw["name"]
+        crcs = Progression.from_flat(raw.get("crc32s"), f"crc32s of {name}")
+        if len(crcs) != world_size or any(max(first, first + step * (count - 1)) >= 1 << 32
+                                          for first, step, count in crcs.runs):
+            raise ValueError(f"crc32s of {name} must give each of {world_size} ranks a crc32 or -1")
+        plain = cls(name, raw["dtype"], _shape(raw.get("shape"), f"shape of {name}"), crcs)
+        if not plain.holders():
+            raise ValueError(f"no rank holds {name}")
+        return plain
+
+
+@dataclasses.dataclass(frozen=True)
+class _Records:
+    """Shards that are not a grid, or records that disagree: kept whole, checked when planned."""
+
+    name: str
+    records: tuple[tuple[int, TensorRecord], ...]
+
+    def plan(self, target: TargetTensor, target_rank: int, same_world: bool) -> list[Piece]:
+        return plan_tensor(target, self.records, target_rank=target_rank, same_world=same_world)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "records": [[rank, record.to_json()] for rank, record in self.records]}
+
+    @classmethod
+    def from_json(cls, raw: dict, world_size: int) -> _Records:
+        name, entries = raw["name"], raw.get("records")
+        if not isinstance(entries, list) or not entries:
+            raise ValueError(f"records of {name} must be a non-empty list")
+        records = []
+        for entry in entries:
+            if not isinstance(entry, list) or len(entry) != 2 or type(entry[0]) is not int \
+                    or not 0 <= entry[0] < world_size:
+                raise ValueError(f"records of {name} must be [rank, record] pairs of ranks below {world_size}")
+            record = TensorRecord.from_json(entry[1])
+            if record.name != name:
+                raise ValueError(f"a record of {name} names {record.name}")
+            records.append((entry[0], record))
+        return cls(name, tuple(sorted(records, key=lambda pair: pair[0])))
+
+
+_Layout = _Grid | _Plain | _Records
+_KINDS: dict[str, type] = {"starts": _Grid, "crc32s": _Plain, "records": _Records}
+
+
+class LayoutIndex:
+    """Every old rank's shards of one snapshot, by tensor (see the module docstring)."""
+
+    def __init__(self, manifests: Mapping[int, Sequence[TensorRecord]], world_size: int | None = None):
+        if not manifests:
+            raise SnapshotLayoutMismatch("the snapshot has no ranks to restore from")
+        self.world_size = world_size if world_size is not None else max(manifests) + 1
+        holders: dict[str, list[tuple[int, TensorRecord]]] = {}
+        for rank in sorted(manifests):
+            seen: set[str] = set()
+            for record in manifests[rank]:
+                if record.name in seen:
+                    raise SnapshotLayoutMismatch(f"tensor {record.name} appears twice in the manifest of old rank {rank}")
+                seen.add(record.name)
+                holders.setdefault(record.name, []).append((rank, record))
+        self._tensors: dict[str, _Layout] = {name: _layout_of(name, pairs, self.world_size)
+                                             for name, pairs in holders.items()}
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, world_size: int) -> LayoutIndex:
+        """``layout.json`` of a snapshot of ``world_size`` ranks; ValueError when it is not one."""
+        try:
+            doc = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not JSON: {exc}") from None
+        if not isinstance(doc, dict) or (doc.get("format"), doc.get("version")) != (LAYOUT_FORMAT, LAYOUT_VERSION):
+            raise ValueError(f"not a {LAYOUT_FORMAT} of version {LAYOUT_VERSION}")
+        if doc.get("world_size") != world_size or not isinstance(doc.get("tensors"), list):
+            raise ValueError(f"not the layout of {world_size} ranks")
+        index = object.__new__(cls)
+        index.world_size = world_size
+        index._tensors = {}
+        for entry in doc["tensors"]:
+            kind = next((_KINDS[key] for key in _KINDS if isinstance(entry, dict) and key in entry), None)
+            if kind is None or not isinstance(entry.get("name"), str) or entry["name"] in index._tensors:
+                raise ValueError("each tensor must be a grid, a plain tensor or records, named once")
+            if kind is not _Records and entry.get("dtype") not in DTYPE_ITEMSIZE:
+                raise ValueError(f"dtype of {entry['name']} is not supported")
+            index._tensors[entry["name"]] = kind.from_json(entry, world_size)
+        return index
+
+    def to_bytes(self) -> bytes:
+        """``layout.json``: the same bytes from the same manifests, whichever host writes it."""
+        doc = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, "world_size": self.world_size,
+               "tensors": [self._tensors[name].to_json() for name in sorted(self._tensors)]}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    def replaced(self, tensors: Mapping[str, _Layout]) -> LayoutIndex:
+        copy = object.__new__(LayoutIndex)
+        copy.world_size, copy._tensors = self.world_size, {**self._tensors, **tensors}
+        return copy
+
+    def promoted(self, targets: Sequence[TargetTensor]) -> tuple[list[TargetTensor], LayoutIndex]:
+        """A plain tensor and a DTensor of the same global shape are the same tensor, whole: a
+        job sharded (FSDP) at one world size is not at another (torchtitan applies no FSDP on
+        one rank). A plain target whose old shards are a grid of its shape becomes the box of
+        the whole tensor; plain old tensors of a DTensor target's global shape become whole
+        boxes, only when every old rank holds the same bytes (crc32): replicas, never one
+        rank's guess."""
+        out, promoted = [], {}
+        for target in targets:
+            found = self._tensors.get(target.name)
+            if target.global_shape is None and isinstance(found, _Grid) and found.global_shape == target.shape:
+                target = dataclasses.replace(target, global_shape=target.shape, global_offset=(0,) * len(target.shape))
+            elif target.global_shape is not None and isinstance(found, _Plain) and found.same_bytes() \
+                    and found.shape == tuple(target.global_shape) and all(found.shape):
+                owners = Progression([(_ABSENT if crc == _ABSENT else 0, 0, count) for crc, _, count in found.crcs.runs])
+                starts = tuple(Progression([(0, 0, 1)]) for _ in found.shape)
+                promoted[target.name] = _Grid(found.name, found.dtype, found.shape, starts, owners)
+            out.append(target)
+        return out, (self.replaced(promoted) if promoted else self)
+
+    def plan(self, targets: Sequence[TargetTensor], *, target_rank: int, same_world: bool) -> dict[str, list[Piece]]:
+        """Every target tensor's pieces (by name), their sources box records until :func:`bind`.
+        ``same_world``: the restore keeps the snapshot's world size (a plain tensor differing
+        between ranks is then each rank's own)."""
+        names: set[str] = set()
+        for target in targets:
+            if target.name in names:
+                raise SnapshotLayoutMismatch(f"tensor {target.name} appears twice in the restoring rank's segment")
+            names.add(target.name)
+        missing = sorted(names - self._tensors.keys())
+        if missing:
+            raise SnapshotLayoutMismatch(
+                f"tensor {missing[0]} is in no rank of the snapshot ({len(missing)} such in all); "
+                "restore into a job with the same model and optimizer state as the snapshot's"
+            )
+        return {t.name: self._tensors[t.name].plan(t, target_rank, same_world) for t in targets}
+
+
+def _layout_of(name: str, pairs: list[tuple[int, TensorRecord]], world_size: int) -> _Layout:
+    """The most compact exact form of one tensor's records."""
+    first = pairs[0][1]
+    itemsize = DTYPE_ITEMSIZE.get(first.dtype)
+    uniform = itemsize is not None and all(
+        (r.dtype, r.global_shape) == (first.dtype, first.global_shape) and r.nbytes == math.prod(r.shape) * itemsize
+        and (r.global_shape is not None or r.shape == first.shape) for _, r in pairs)
+    if uniform and first.global_shape is None:
+        crcs = [_ABSENT] * world_size
+        for rank, record in pairs:
+            crcs[rank] = record.crc32
+        return _Plain(name, first.dtype, first.shape, Progression.of(crcs))
+    grid = _grid_of(name, pairs, world_size) if uniform else None
+    return grid if grid is not None else _Records(name, tuple(pairs))
+
+
+def _grid_of(name: str, pairs: list[tuple[int, TensorRecord]], world_size: int) -> _Grid | None:
+    first = pairs[0][1]
+    global_shape = tuple(first.global_shape)  # type: ignore[arg-type]
+    boxes: dict[tuple, list[int]] = {}
+    for rank, record in pairs:
+        try:
+            _check_box(name, f"old rank {rank}", global_shape, record.global_offset, record.shape)
+        except SnapshotLayoutMismatch:
+            return None
+        if math.prod(record.shape):
+            boxes.setdefault((tuple(record.global_offset), tuple(record.shape)), []).append(rank)  # type: ignore[arg-type]
+    if not boxes:
+        return None
+    starts: list[list[int]] = []
+    for d, size in enumerate(global_shape):
+        intervals = sorted({(offset[d], shape[d]) for offset, shape in boxes})
+        end = 0
+        for start, length in intervals:
+            if start != end:
+                return None  # a gap or an overlap along this dimension
+            end = start + length
+        if end != size:
+            return None
+        starts.append([start for start, _ in intervals])
+    if len(boxes) != math.prod(len(s) for s in starts):
+        return None  # not every combination of intervals is a shard
+    where = [{start: i for i, start in enumerate(s)} for s in starts]
+    owners = [_ABSENT] * world_size
+    for (offset, _), ranks in boxes.items():
+        cell = 0
+        for d, s in enumerate(starts):
+            cell = cell * len(s) + where[d][offset[d]]
+        for rank in ranks:
+            owners[rank] = cell
+    return _Grid(name, first.dtype, global_shape, tuple(Progression.of(s) for s in starts), Progression.of(owners))
+
+
+def bind(plan: Mapping[str, list[Piece]], manifests: Mapping[int, RankManifest]) -> dict[str, list[Piece]]:
+    """The plan with each piece's source the record its old rank's manifest holds (its bytes'
+    place and checksum), which must describe the same shard as the layout index."""
+    by_rank = {rank: {t.name: t for t in manifest.tensors} for rank, manifest in manifests.items()}
+    bound: dict[str, list[Piece]] = {}
+    for name, pieces in plan.items():
+        bound[name] = []
+        for piece in pieces:
+            real, box = by_rank[piece.source_rank].get(name), piece.source
+            if real is None or not _same_shard(real, box):
+                raise SnapshotCorrupt(
+                    f"the layout index of the snapshot says old rank {piece.source_rank} holds tensor {name} "
+                    f"as {box.dtype}{list(box.shape)} at {box.global_offset}, its manifest says "
+                    f"{'nothing' if real is None else f'{real.dtype}{list(real.shape)} at {real.global_offset}'}")
+            bound[name].append(dataclasses.replace(piece, source=real))
+    return bound
+
+
+def _same_shard(real: TensorRecord, box: TensorRecord) -> bool:
+    if (real.dtype, tuple(real.shape), real.nbytes) != (box.dtype, tuple(box.shape), box.nbytes):
+        return False
+    if real.global_shape is None and box.global_shape is not None:  # a plain replica taken whole
+        return tuple(box.global_shape) == tuple(box.shape) and not any(box.global_offset or ())
+    if real.global_shape is None:
+        return box.crc32 == real.crc32
+    return (tuple(real.global_shape), tuple(real.global_offset or ())) == \
+        (tuple(box.global_shape or ()), tuple(box.global_offset or ()))
+
+
+def plan_rank(targets: Sequence[TargetTensor], manifests: Mapping[int, Sequence[TensorRecord]], *,
+              target_rank: int, same_world: bool) -> dict[str, list[Piece]]:
+    """One new rank's plan from every old rank's records (an index built for it, then bound)."""
+    plan = LayoutIndex(manifests).plan(targets, target_rank=target_rank, same_world=same_world)
+    records = {rank: {t.name: t for t in tensors} for rank, tensors in manifests.items()}
+    return {name: [dataclasses.replace(p, source=records[p.source_rank][name]) for p in pieces]
+            for name, pieces in plan.items()}
+
+
+def _shape(raw: object, what: str) -> tuple[int, ...]:
+    if not isinstance(raw, list) or not all(type(n) is int and 0 <= n < _MAX_INT for n in raw):
+        raise ValueError(f"{what} must be a list of sizes")
+    return tuple(raw)
