@@ -40,7 +40,7 @@ import collections
 import dataclasses
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .checksum import crc32
 from .names import parse_snapshot_id, parse_step_dir_name, snapshot_id_for, step_dir_name, validate_job_id
@@ -120,11 +120,16 @@ class StoredSnapshots:
                 steps.setdefault((parts[0], step), []).append(info)
         return steps
 
-    def step_markers(self, job_id: str, step: int) -> dict[int, SnapshotIndex]:
-        """The valid markers of one step, by rank (one listing of that step's prefix)."""
+    def step_markers(self, job_id: str, step: int, ranks: Iterable[int] | None = None) -> dict[int, SnapshotIndex]:
+        """The valid markers of one step, by rank (one listing of that step's prefix); only
+        those of ``ranks`` are read when given (a host asks for its own: reading every rank's
+        would cost each host N requests per step)."""
         prefix = self.step_prefix(job_id, step)
         with self._reading(prefix):
             objects = self.store.list(prefix)
+        if ranks is not None:
+            wanted = {marker_name(rank) for rank in ranks}
+            objects = [info for info in objects if info.key.rsplit("/", 1)[-1] in wanted]
         return self.markers(job_id, step, objects)
 
     def markers(self, job_id: str, step: int, objects: list[ObjectInfo]) -> dict[int, SnapshotIndex]:

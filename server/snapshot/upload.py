@@ -171,7 +171,7 @@ class SnapshotUploader:
         upload = self.status(status.job_id, status.step, status.rank)
         if upload is None:
             try:
-                present = status.rank in self.stored.step_markers(status.job_id, status.step)
+                present = status.rank in self.stored.step_markers(status.job_id, status.step, [status.rank])
                 error = "" if present else f"not in the store {self.uri} (taken before this server started)"
             except SnapshotError as exc:
                 present, error = False, str(exc)
@@ -189,7 +189,7 @@ class SnapshotUploader:
         for info in self._local.list():
             newest[info.job_id] = info
         for info in newest.values():
-            if set(info.ranks) - set(self.stored.step_markers(info.job_id, info.step)):
+            if set(info.ranks) - set(self.stored.step_markers(info.job_id, info.step, info.ranks)):
                 self.submit(info, None)
                 pending.append(info.snapshot_id)
         return pending
@@ -266,7 +266,7 @@ class SnapshotUploader:
         for rank in info.ranks:
             try:
                 if stored is None:  # one listing of the step for all its ranks
-                    stored = self.stored.step_markers(info.job_id, info.step)
+                    stored = self.stored.step_markers(info.job_id, info.step, info.ranks)
                 self._upload_rank(info, rank, stored.get(rank))
             except (OSError, SnapshotError) as exc:
                 self._fail(info, rank, exc)
