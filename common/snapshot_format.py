@@ -69,6 +69,8 @@ INDEX_FORMAT = "swap-state-snapshot"
 INDEX_NAME = "snapshot.json"
 LAYOUT_NAME = "layout.json"
 """The step's layout index (the server's ``LayoutIndex``): where every rank's shards lie."""
+MAX_LAYOUT_BYTES = 256 << 20
+"""A layout index is a few hundred kB for a 70B job at any world size; past this it is refused."""
 LATEST_NAME = "latest"
 
 
@@ -150,7 +152,10 @@ def _layout_record(raw: Any) -> FileRecord | None:
     raw = _object(raw, "layout entry")
     if (raw.get("name"), raw.get("rank")) != (LAYOUT_NAME, -1):
         raise ValueError(f"layout must be {LAYOUT_NAME} of rank -1")
-    return FileRecord(LAYOUT_NAME, -1, _int(raw.get("bytes"), "bytes of layout"), parse_crc(raw.get("crc32")))
+    nbytes = _int(raw.get("bytes"), "bytes of layout")
+    if nbytes > MAX_LAYOUT_BYTES:  # read whole by a restore: bounded before it is
+        raise ValueError(f"{LAYOUT_NAME} of {nbytes} bytes is over {MAX_LAYOUT_BYTES}")
+    return FileRecord(LAYOUT_NAME, -1, nbytes, parse_crc(raw.get("crc32")))
 
 
 def _int(value: Any, what: str, minimum: int = 0) -> int:

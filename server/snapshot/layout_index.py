@@ -105,6 +105,11 @@ class Progression:
                 found.append(range(start + k, start + k + 1))
         return found
 
+    def rising(self) -> bool:
+        """Whether the sequence strictly increases."""
+        return all(step > 0 or count == 1 for _, step, count in self.runs) and \
+            all(self[end - 1] < self[end] for end in self._ends[:-1])
+
     def flat(self) -> list[int]:
         return [n for run in self.runs for n in run]
 
@@ -206,12 +211,12 @@ class _Grid:
             raise ValueError(f"starts of {name} must be one list per dimension")
         starts = tuple(Progression.from_flat(s, f"starts of {name}") for s in starts_raw)
         for d, (s, size) in enumerate(zip(starts, global_shape)):
-            rising = all(step > 0 or count == 1 for _, step, count in s.runs) and \
-                all(s[end - 1] < s[end] for end in s._ends[:-1])
-            if not rising or s[0] != 0 or s[len(s) - 1] >= size:
+            if not s.rising() or s[0] != 0 or s[len(s) - 1] >= size:
                 raise ValueError(f"starts of {name} along dimension {d} must rise from 0 inside {size}")
         owners = Progression.from_flat(raw.get("owners"), f"owners of {name}")
         cells = math.prod(len(s) for s in starts)
+        if cells > world_size:  # each cell is some rank's shard
+            raise ValueError(f"{name} is cut in {cells} shards, more than the {world_size} ranks")
         if len(owners) != world_size or any(max(first, first + step * (count - 1)) >= cells
                                             for first, step, count in owners.runs):
             raise ValueError(f"owners of {name} must give each of {world_size} ranks a cell of {cells} or -1")
@@ -320,7 +325,7 @@ class LayoutIndex:
         """``layout.json`` of a snapshot of ``world_size`` ranks; ValueError when it is not one."""
         try:
             doc = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"not JSON: {exc}") from None
         if not isinstance(doc, dict) or (doc.get("format"), doc.get("version")) != (LAYOUT_FORMAT, LAYOUT_VERSION):
             raise ValueError(f"not a {LAYOUT_FORMAT} of version {LAYOUT_VERSION}")

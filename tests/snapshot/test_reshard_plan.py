@@ -324,6 +324,7 @@ def test_a_layout_index_round_trips_compactly():
     (json.dumps(_grid_doc(starts=[[4, 4, 2], [0, 0, 1]])).encode(), "must rise from 0"),
     (json.dumps(_grid_doc(starts=[[0, 4, 3], [0, 0, 1]])).encode(), "must rise from 0 inside 8"),
     (json.dumps(_grid_doc(starts=[[0, 4, 2]])).encode(), "one list per dimension"),
+    (json.dumps(_grid_doc(starts=[[0, 1, 8], [0, 0, 1]])).encode(), "cut in 8 shards, more than the 2 ranks"),
     (json.dumps(_grid_doc(owners=[0, 1, 3])).encode(), "must give each of 2 ranks a cell"),
     (json.dumps(_grid_doc(owners=[0, 5, 2])).encode(), "must give each of 2 ranks a cell of 2"),
     (json.dumps(_grid_doc(owners=[0, 1, 0])).encode(), "out of bounds"),
