@@ -381,18 +381,19 @@ class SnapshotCoordinator:
             return None, SnapshotError(f"unexpected error persisting rank {handle.rank}: {exc!r}")
 
     def _commit(self, group: SnapshotGroup) -> None:
-        """In the thread of the last rank to finish: index, rename, latest, retention."""
+        """In the thread of the last rank to finish: layout index, index, rename, latest, retention."""
         with group.cond:
             results = dict(group.results)
         ranks = tuple(sorted(results))
         files: list[FileRecord] = []
         for rank in ranks:
             files.extend(results[rank].files)
-        layout = _layout_bytes(group, results)
-        index = SnapshotIndex(job_id=group.job_id, step=group.step, world_size=group.world_size, ranks=ranks,
-                              files=tuple(files), created_unix=time.time(), attempt=self._attempt(group),
-                              layout=None if layout is None else FileRecord(LAYOUT_NAME, -1, len(layout), crc32(layout)))
         try:
+            layout = _layout_bytes(group, results)
+            index = SnapshotIndex(
+                job_id=group.job_id, step=group.step, world_size=group.world_size, ranks=ranks, files=tuple(files),
+                created_unix=time.time(), attempt=self._attempt(group),
+                layout=None if layout is None else FileRecord(LAYOUT_NAME, -1, len(layout), crc32(layout)))
             commit = self.store.commit(group.partial, index, group.keep, replace=group.replace, layout=layout)
         except SnapshotError as exc:
             group.fail(exc)
