@@ -9,9 +9,8 @@ and the GET; a listing: one per thousand keys, counted as one here).
 
 The hosts finish one after the other, so one of them (the last) sees every marker and puts the
 step's layout index and index, reading every rank's marker and manifest once: about 3 requests
-per rank per step. Hosts that finish at the same moment may each see every marker and each do
-that (the same bytes): k such hosts add about 3(k - 1) requests per rank (not bounded here; a
-create-only claim object would be).
+per rank per step. Of hosts that finish at the same moment and each see every marker, only the
+one that creates the step's claim object does that (``tests/snapshot/test_stored_snapshots.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ class CountingStore(PosixObjectStore):
         return sum(n * S3_REQUESTS.get(name, 1) for name, n in self.calls.items())
 
     put = _counted("put")
+    create = _counted("create")
     get_range = _counted("get_range")
     size = _counted("size")
     list = _counted("list")
@@ -127,8 +127,7 @@ def count_requests(root: pathlib.Path, world: int, ranks_per_host: int, timeout_
     hosts = [root / f"host{h}" for h in range(world // ranks_per_host)]
     ranks = [range(h * ranks_per_host, (h + 1) * ranks_per_host) for h in range(len(hosts))]
     # Uploaders started before their hosts' snapshots exist: none resumes one at start, so the
-    # hosts finish one after the other and one host puts each step's index. Hosts that finish
-    # at the same moment may each see every marker and put the (same) index: see the docstring.
+    # hosts finish one after the other and the last puts each step's indexes.
     locals_ = [SnapshotStore(r) for r in hosts]
     uploaders = [SnapshotUploader(StoredSnapshots(store), local) for local in locals_]
     try:

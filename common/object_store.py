@@ -68,6 +68,12 @@ class ObjectStore(abc.ABC):
         stored) and is raised as it is."""
 
     @abc.abstractmethod
+    def create(self, key: str, data: bytes) -> bool:
+        """Store ``data`` under ``key`` only if no object is there: True when this call made
+        it, False when one was there already (of several hosts racing, exactly one wins).
+        OSError where the store cannot do it (an S3 endpoint without conditional writes)."""
+
+    @abc.abstractmethod
     def get_range(self, key: str, offset: int, nbytes: int) -> bytes:
         """``nbytes`` of ``key`` from ``offset`` (fewer only at the object's end)."""
 
@@ -116,8 +122,17 @@ class PosixObjectStore(ObjectStore):
         return self.root.joinpath(*parts)
 
     def put(self, key: str, chunks: bytes | Iterable[bytes | memoryview]) -> None:
-        if isinstance(chunks, bytes):
-            chunks = (chunks,)
+        self._write(key, (chunks,) if isinstance(chunks, bytes) else chunks, os.replace)
+
+    def create(self, key: str, data: bytes) -> bool:
+        try:
+            self._write(key, (data,), os.link)  # a link fails where a name exists: one creator wins
+        except FileExistsError:
+            return False
+        return True
+
+    def _write(self, key: str, chunks: Iterable[bytes | memoryview], publish) -> None:
+        """A temporary written whole and fsynced, then ``publish(temporary, path)``."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + _TMP_MARK + secrets.token_hex(4))
@@ -131,11 +146,12 @@ class PosixObjectStore(ObjectStore):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            publish(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             self._prune(path.parent)
             raise
+        tmp.unlink(missing_ok=True)  # a link leaves it as a second name
         fsync_dir(path.parent)
 
     def get_range(self, key: str, offset: int, nbytes: int) -> bytes:
@@ -239,6 +255,14 @@ class S3ObjectStore(ObjectStore):
                 raise raised[0] from None
             raise
 
+    def create(self, key: str, data: bytes) -> bool:
+        try:
+            with self._errors(key):
+                self._obs.put(self._store, key, data, mode="create")  # If-None-Match: *
+        except FileExistsError:
+            return False
+        return True
+
     def get_range(self, key: str, offset: int, nbytes: int) -> bytes:
         if nbytes <= 0:
             return b""
@@ -301,6 +325,8 @@ class _StoreErrors:
         where = self._store.describe(self._key)
         if isinstance(error, FileNotFoundError):
             raise FileNotFoundError(f"{where} does not exist") from error
+        if type(error).__name__ in ("AlreadyExistsError", "PreconditionError"):  # obstore's, for create
+            raise FileExistsError(f"{where} exists") from error
         raise OSError(f"{where}: {first_line}") from error
 
 

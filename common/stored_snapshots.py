@@ -20,8 +20,10 @@ attempts, whatever order the hosts finish in. Removal (retention) deletes the in
 markers first, so a step being removed stops being complete before any data goes.
 
 The index makes reading cheap at any number of ranks: after putting its markers, a host lists
-the step and, when every rank's marker is there, puts the index (:meth:`publish_step_index`;
-the same bytes whichever host does it). Of the hosts that finish together the one that lists
+the step and, when every rank's marker is there, puts the layout index and the index
+(:meth:`publish_step_index`; the same bytes whichever host does it; of several hosts that see
+every marker at once, the one that creates the attempt's claim object, so that the layout's N
+manifest reads are paid once). Of the hosts that finish together the one that lists
 last sees every marker, the store being consistent after writes (S3 is, since 2020), so a
 complete step gets its index. A reader finds a job's steps in one listing of folders and each
 step's snapshot in one read of its index (``latest``: the newest step that has one); a step
@@ -55,6 +57,8 @@ from .snapshot_reader import SnapshotInfo, check_listed, check_manifest_sizes, p
 __all__ = ["StorePath", "StoredSnapshots", "marker_name", "parse_marker_name"]
 
 _MARKER_SUFFIX = ".stored.json"
+_CLAIM_PREFIX = "publishing.attempt-"
+"""``publishing.attempt-<A>``: created (never overwritten) by the host that puts attempt A's indexes."""
 _MAX_CACHED_MARKERS = 1 << 16
 
 
@@ -228,6 +232,8 @@ class StoredSnapshots:
         if info is None:
             return False
         if not any(o.key == prefix + INDEX_NAME for o in objects):
+            if not self._claim(prefix, info.index.attempt):
+                return True  # another host that saw every marker puts it
             index = info.index
             if layout is not None:
                 raw = layout(info)
@@ -237,6 +243,17 @@ class StoredSnapshots:
             with self._reading(prefix + INDEX_NAME):
                 self.store.put(prefix + INDEX_NAME, dumps_json(index.to_json()))
         return True
+
+    def _claim(self, prefix: str, attempt: int) -> bool:
+        """Whether this host puts the step's indexes: of the hosts that finish a step together
+        and each see every marker, the one that creates the attempt's claim object (a store
+        without conditional writes: each of them, the same bytes, as before claims)."""
+        key = f"{prefix}{_CLAIM_PREFIX}{attempt}"
+        try:
+            with self._reading(key):
+                return self.store.create(key, b"")
+        except SnapshotStoreUnavailable:
+            return True
 
     def complete_info(self, job_id: str, step: int, objects: list[ObjectInfo]) -> SnapshotInfo | None:
         """The step as one snapshot when its ``objects`` hold a marker of every rank; else None.

@@ -5,6 +5,9 @@ tests in tests/integration/test_snapshot_store.py.)"""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from swap_state.common.errors import ConfigError
@@ -112,3 +115,44 @@ def test_markers_of_two_attempts_at_a_step_are_not_one_snapshot(tmp_path):
     assert stored.list("j") == []
     attempt(1, 2)
     assert [i.index.attempt for i in stored.list("j")] == [2]
+
+
+@pytest.mark.parametrize("kind", ["posix", "s3"])
+def test_create_makes_an_object_only_where_there_is_none(kind, tmp_path, request):
+    store = PosixObjectStore(tmp_path) if kind == "posix" else S3ObjectStore(request.getfixturevalue("s3_store"))
+    assert store.create("job/claim", b"first") is True
+    assert store.create("job/claim", b"second") is False
+    assert store.get("job/claim") == b"first"
+
+
+@pytest.mark.timeout(60)
+def test_of_two_hosts_that_see_every_marker_one_builds_the_layout_index(tmp_path):
+    """Host A sees every marker and builds the layout index (blocked here until host B is
+    done); host B, listing the step meanwhile, sees every marker and no index yet: it leaves
+    the step to A instead of reading every manifest too."""
+    store = PosixObjectStore(tmp_path)
+    for rank in range(2):
+        _put_rank(store, "job", 4, rank, 2)
+    b_done, built = threading.Event(), []
+
+    def layout_a(info):
+        assert b_done.wait(30)
+        built.append("a")
+        return b"{}"
+
+    def layout_b(info):
+        built.append("b")
+        return b"{}"
+
+    host_a = threading.Thread(target=StoredSnapshots(store).publish_step_index, args=("job", 4, layout_a))
+    host_a.start()
+    deadline = time.monotonic() + 30
+    while store.size(StoredSnapshots.step_prefix("job", 4) + "publishing.attempt-1") is None:
+        assert time.monotonic() < deadline, "host A never claimed the step"
+        time.sleep(0.01)  # until A holds the claim
+    assert StoredSnapshots(store).publish_step_index("job", 4, layout_b) is True
+    b_done.set()
+    host_a.join(30)
+    assert built == ["a"]
+    index = StoredSnapshots(store).step_index("job", 4)
+    assert index is not None and index.layout is not None and index.layout.bytes == 2
