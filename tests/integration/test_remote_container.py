@@ -317,10 +317,17 @@ def test_trainer_killed_between_its_last_write_and_its_commit_resumes_at_the_wri
     second.close()
 
 
+_WITH_CTRL_C = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "runpy.run_module('swap_state.client.demo', run_name='__main__', alter_sys=True)")
+"""``python -c`` running the demo with Python's own SIGINT handler."""
+
+
 def test_ctrl_c_ends_the_demo_with_one_line_and_the_host_server_keeps_its_state(start_server, tmp_path):
     server = start_server()
+    # As from a terminal: Ctrl-C delivered, whatever this runner ignores (a runner started in
+    # the background by a non-interactive shell ignores SIGINT, and its children inherit that).
     demo = subprocess.Popen(
-        [sys.executable, "-m", "swap_state.client.demo", "--server", server.address, "--job-id", "ctrl-c",
+        [sys.executable, "-c", _WITH_CTRL_C, "--server", server.address, "--job-id", "ctrl-c",
          "--steps", "400", "--step-seconds", "0.1", "--state-dir", str(tmp_path / "state")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
