@@ -338,9 +338,12 @@ class LayoutIndex:
             kind = next((_KINDS[key] for key in _KINDS if isinstance(entry, dict) and key in entry), None)
             if kind is None or not isinstance(entry.get("name"), str) or entry["name"] in index._tensors:
                 raise ValueError("each tensor must be a grid, a plain tensor or records, named once")
-            if kind is not _Records and entry.get("dtype") not in DTYPE_ITEMSIZE:
+            if kind is not _Records and (not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPE_ITEMSIZE):
                 raise ValueError(f"dtype of {entry['name']} is not supported")
-            index._tensors[entry["name"]] = kind.from_json(entry, world_size)
+            try:
+                index._tensors[entry["name"]] = kind.from_json(entry, world_size)
+            except (KeyError, TypeError, IndexError) as exc:  # a shape the checks above did not foresee
+                raise ValueError(f"tensor {entry['name']} is malformed: {exc!r}") from None
         return index
 
     def to_bytes(self) -> bytes:

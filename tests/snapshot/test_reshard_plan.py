@@ -336,3 +336,37 @@ def test_a_layout_index_round_trips_compactly():
 def test_a_hostile_layout_index_is_refused(raw, message):
     with pytest.raises(ValueError, match=message):
         LayoutIndex.from_bytes(raw, 2)
+
+
+def test_a_mangled_layout_index_is_a_value_error_never_a_crash():
+    """Every value of a valid layout.json swapped for another kind of value, one at a time:
+    refused with ValueError (SnapshotCorrupt to the restore), or read; never another error."""
+    overlapping = [((0, 0), (2, 4)), ((1, 0), (2, 4))]  # not a grid: kept as records
+    records = {rank: [_record("w", "float32", box, (8, 6)), _plain(rank, 5)[1],
+                      _record("v", "float32", overlapping[rank], (4, 4))]
+               for rank, box in enumerate(_layout((8, 6), (2,), (S0,)))}
+    doc = json.loads(LayoutIndex(records).to_bytes())
+    assert {key for entry in doc["tensors"] for key in ("starts", "crc32s", "records") if key in entry} == \
+        {"starts", "crc32s", "records"}
+    replacements = [None, -2, 1 << 70, "x", [], {}, [1, 2], 0.5, True]
+
+    def paths(node, prefix=()):
+        yield prefix
+        children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in children:
+            yield from paths(child, (*prefix, key))
+
+    tried = 0
+    for path in list(paths(doc))[1:]:
+        for value in replacements:
+            tried += 1
+            mangled = json.loads(json.dumps(doc))
+            node = mangled
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = value
+            try:
+                LayoutIndex.from_bytes(json.dumps(mangled).encode(), 2)
+            except ValueError:
+                pass
+    assert tried > 300  # every value of the three kinds of entry
