@@ -17,7 +17,8 @@ computed on the way and checked against ``snapshot.json`` before the upload may 
 mismatch aborts it: nothing corrupt reaches the store), the manifest, then the rank's marker.
 A rank whose marker is already there, equal, is skipped (a restarted server resumes). After a
 snapshot's ranks are stored, the step's index is put when every host's ranks are there
-(:meth:`StoredSnapshots.publish_step_index`, with the step's layout index before it), then retention runs on the store: the job's ``keep`` newest complete
+(:meth:`StoredSnapshots.publish_step_index`, the step's layout index before it), then
+retention runs on the store: the job's ``keep`` newest complete
 steps stay, never the newest complete one goes, and steps newer than the oldest kept one are
 never touched (another host may still be uploading them). A store that fails (unreachable,
 full, refusing) fails the upload with an error naming the URI; the local snapshot and
@@ -298,7 +299,10 @@ class SnapshotUploader:
         if raw is not None:
             return raw
         manifests = {rank: self.stored.read_manifest(whole, rank).tensors for rank in whole.ranks}
-        return LayoutIndex(manifests, whole.world_size).to_bytes()
+        try:
+            return LayoutIndex(manifests, whole.world_size).to_bytes()
+        except Exception as exc:  # a bug must not end the upload worker: the step reads from its markers
+            raise SnapshotError(f"building the layout index of {whole.snapshot_id}: {exc!r}") from exc
 
     def _upload_rank(self, info: SnapshotInfo, rank: int, existing: SnapshotIndex | None) -> None:
         """The rank's data, manifest, then marker; nothing when ``existing`` (its marker in the
