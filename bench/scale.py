@@ -141,7 +141,7 @@ def run_case(shapes, old: int, new: int, repeat: int) -> dict:
     def restore_plan():
         """What a new rank pays: layout.json parsed, planned, the needed manifests parsed, bound."""
         plan = LayoutIndex.from_bytes(raw, old).plan(wanted, target_rank=rank, same_world=False)
-        read = {r: RankManifest.from_json(json.loads(manifest_bytes[r])) for r in ranks_needed(plan)}
+        read = {r: RankManifest.from_json(json.loads(manifest_bytes[r])).tensors for r in ranks_needed(plan)}
         return bind(plan, read)
 
     # The N old ranks' records live here only for the build and the baseline: frozen, the

@@ -169,7 +169,7 @@ def assemble(
     needed = ranks_needed(plan)
     base = min(needed or info.ranks)
     manifests = {r: read.manifest(r) for r in sorted({*needed, base})}
-    plan = bind(plan, manifests)
+    plan = bind(plan, {r: m.tensors for r, m in manifests.items()})
     granted = _read_pieces(source, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
     others = [manifests[r].metadata_json for r in needed if r != base]
     nbytes = sum(t.nbytes for t in layout.tensors if t.name in plan)

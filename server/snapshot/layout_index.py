@@ -20,7 +20,7 @@ Call order (:mod:`.assemble`)::
     index = LayoutIndex(manifests)  |  LayoutIndex.from_bytes(raw, world_size)   # layout.json
     targets, index = index.promoted(targets)          # plain <-> whole-DTensor, see there
     plan = index.plan(targets, target_rank=..., same_world=...)   # pieces of box records
-    plan = bind(plan, {rank: manifest for rank in ranks_needed(plan)})   # the files' records
+    plan = bind(plan, {rank: manifest.tensors for rank in ranks_needed(plan)})   # the files' records
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotLayoutMismatch
-from swap_state.common.snapshot_format import RankManifest, TensorRecord
+from swap_state.common.snapshot_format import TensorRecord
 
 from swap_state.server.snapshot.reshard import (
     Piece, Run, TargetTensor, _check_box, _intersect, _nearest, _runs, plan_tensor,
@@ -448,10 +448,11 @@ def _grid_of(name: str, pairs: list[tuple[int, TensorRecord]], world_size: int) 
     return _Grid(name, first.dtype, global_shape, tuple(Progression.of(s) for s in starts), Progression.of(owners))
 
 
-def bind(plan: Mapping[str, list[Piece]], manifests: Mapping[int, RankManifest]) -> dict[str, list[Piece]]:
-    """The plan with each piece's source the record its old rank's manifest holds (its bytes'
-    place and checksum), which must describe the same shard as the layout index."""
-    by_rank = {rank: {t.name: t for t in manifest.tensors} for rank, manifest in manifests.items()}
+def bind(plan: Mapping[str, list[Piece]], records: Mapping[int, Sequence[TensorRecord]]) -> dict[str, list[Piece]]:
+    """The plan with each piece's source the record its old rank holds (``records``: the
+    manifests' tensors of the old ranks the plan reads, for their bytes' place and checksum),
+    which must describe the same shard as the layout index."""
+    by_rank = {rank: {t.name: t for t in tensors} for rank, tensors in records.items()}
     bound: dict[str, list[Piece]] = {}
     for name, pieces in plan.items():
         bound[name] = []
@@ -480,10 +481,7 @@ def _same_shard(real: TensorRecord, box: TensorRecord) -> bool:
 def plan_rank(targets: Sequence[TargetTensor], manifests: Mapping[int, Sequence[TensorRecord]], *,
               target_rank: int, same_world: bool) -> dict[str, list[Piece]]:
     """One new rank's plan from every old rank's records (an index built for it, then bound)."""
-    plan = LayoutIndex(manifests).plan(targets, target_rank=target_rank, same_world=same_world)
-    records = {rank: {t.name: t for t in tensors} for rank, tensors in manifests.items()}
-    return {name: [dataclasses.replace(p, source=records[p.source_rank][name]) for p in pieces]
-            for name, pieces in plan.items()}
+    return bind(LayoutIndex(manifests).plan(targets, target_rank=target_rank, same_world=same_world), manifests)
 
 
 def _shape(raw: object, what: str) -> tuple[int, ...]:
