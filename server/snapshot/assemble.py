@@ -54,7 +54,10 @@ class Assembled:
     """What :func:`assemble` loaded."""
 
     def __init__(self, bytes_restored: int, source_ranks: list[int], metadata_json: str, staged: bool,
-                 pinned: bool = False):
+                 pinned: bool = False, plan: str = "own-file"):
+        self.plan = plan
+        """What the plan came from: ``own-file`` (the same layout), ``layout-index`` (the
+        step's layout.json) or ``every-manifest`` (a snapshot without one)."""
         self.bytes_restored = bytes_restored
         self.source_ranks = source_ranks
         self.metadata_json = metadata_json
@@ -173,7 +176,8 @@ def assemble(
     granted = _read_pieces(source, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
     others = [manifests[r].metadata_json for r in needed if r != base]
     nbytes = sum(t.nbytes for t in layout.tensors if t.name in plan)
-    return Assembled(nbytes, needed, _restored_metadata(manifests[base].metadata_json, others, placement), granted)
+    return Assembled(nbytes, needed, _restored_metadata(manifests[base].metadata_json, others, placement), granted,
+                     plan=read.planned_from)
 
 
 def _whole_rank(source: AssembleSource, own: RankManifest, view: memoryview, layout: SegmentLayout, rank: int,
@@ -230,6 +234,7 @@ class ReadSnapshot:
         self._lock = threading.Lock()
         self._manifests: dict[int, RankManifest] = {}
         raw = source.read_layout()
+        self.planned_from = "layout-index" if raw is not None else "every-manifest"
         if raw is None:  # written before layout indexes, or a step read from the store's markers
             self._manifests = {r: source.read_manifest(r) for r in source.info.ranks}
             self.index = LayoutIndex({r: m.tensors for r, m in self._manifests.items()}, source.info.world_size)

@@ -65,6 +65,9 @@ class RestoreResult:
     """The world size the snapshot was taken at (resharded when not the job's)."""
     source_ranks: tuple[int, ...] = ()
     """The snapshot's ranks whose files were read."""
+    plan: str = "own-file"
+    """What the plan came from: ``own-file`` (the snapshot's layout), ``layout-index`` (the
+    step's layout.json) or ``every-manifest`` (a snapshot without one)."""
 
 
 def restore(
@@ -116,8 +119,8 @@ def restore(
                         reserve_staging=reserve_staging, staging_free_bytes=staging_free_bytes)
         log_event(log, "restore_assembled", snapshot_id=info.snapshot_id, rank=rank, world_size=world_size,
                   snapshot_world_size=info.world_size, source=source.where, source_ranks=done.source_ranks,
-                  bytes=done.bytes_restored, staged=done.staged, location=str(info.path))
-        return RestoreResult(info.snapshot_id, info.step, done.metadata_json, done.bytes_restored,
+                  bytes=done.bytes_restored, staged=done.staged, plan=done.plan, location=str(info.path))
+        return RestoreResult(info.snapshot_id, info.step, done.metadata_json, done.bytes_restored, plan=done.plan,
                              staged=done.staged, pinned=done.pinned, source=source.where,
                              snapshot_world_size=info.world_size, source_ranks=tuple(done.source_ranks))
     finally:

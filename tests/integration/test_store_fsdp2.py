@@ -88,6 +88,9 @@ def test_fsdp2_job_loses_a_host_and_resumes_elsewhere_and_at_2_and_3_ranks(start
             for rank, result in enumerate(resumed):
                 assert result["at_load"] == [] and result["after_training"] == [], (world, rank, result)
         assert "snapshot_world_size=4" in c.log_text() and "snapshot_world_size=4" in a.log_text()
+        # Planned from the step's layout index, which the host that published the step built
+        # from every rank's manifest in the store (neither host held the whole job).
+        assert "plan=layout-index" in c.log_text() and "plan=every-manifest" not in c.log_text()
     finally:
         shutil.rmtree(shm_root, ignore_errors=True)
 

@@ -196,6 +196,7 @@ def test_a_reshard_plans_from_the_steps_layout_index_checked_first(make_segment,
                 placement_json=metadata_for(target, step=4))
     assert target.tensor_area() == before
     flip_byte(info.path / LAYOUT_NAME, 20)  # back as written
-    restore(coordinator.store, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1,
-            placement_json=metadata_for(target, step=4))
+    result = restore(coordinator.store, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1,
+                     placement_json=metadata_for(target, step=4))
     assert target.tensors()["w.exp_avg"] == shards[0] + shards[1]
+    assert result.plan == "layout-index"
