@@ -298,13 +298,7 @@ class StoredSnapshots:
         record = info.index.file(name)
         if record is None:
             raise SnapshotCorrupt(f"the markers of {info.path} do not list {name}")
-        key = self.key(info.job_id, info.step, name)
-        with self._reading(key):
-            size = self.store.size(key)
-            if size != record.bytes:  # before reading: a bad object may be huge
-                raise SnapshotCorrupt(f"{info.path / name} is {size} bytes, its marker says {record.bytes}")
-            raw = self.store.get(key)
-        return parse_rank_manifest(info, rank, raw, record, info.path / name)
+        return parse_rank_manifest(info, rank, self._read_listed(info, record), record, info.path / name)
 
     def read_layout(self, info: SnapshotInfo) -> bytes | None:
         """The step's ``layout.json``, checked against the step's index (size, crc32); None
@@ -312,14 +306,18 @@ class StoredSnapshots:
         record = info.index.layout
         if record is None:
             return None
+        raw = self._read_listed(info, record)
+        check_listed(raw, record, info.path / record.name)
+        return raw
+
+    def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
+        """An object the step's index (or a marker) lists, its size checked before it is read."""
         key = self.key(info.job_id, info.step, record.name)
         with self._reading(key):
             size = self.store.size(key)
             if size != record.bytes:  # before reading: a bad object may be huge
-                raise SnapshotCorrupt(f"{info.path / record.name} is {size} bytes, the step's index says {record.bytes}")
-            raw = self.store.get(key)
-        check_listed(raw, record, info.path / record.name)
-        return raw
+                raise SnapshotCorrupt(f"{info.path / record.name} is {size} bytes, its index says {record.bytes}")
+            return self.store.get(key)
 
     def check_data_header(self, info: SnapshotInfo, manifest: RankManifest) -> None:
         """The data object's size and safetensors header, against the manifest."""

@@ -262,10 +262,9 @@ class _Plain:
         if len(crcs) != world_size or any(max(first, first + step * (count - 1)) >= 1 << 32
                                           for first, step, count in crcs.runs):
             raise ValueError(f"crc32s of {name} must give each of {world_size} ranks a crc32 or -1")
-        plain = cls(name, raw["dtype"], _shape(raw.get("shape"), f"shape of {name}"), crcs)
-        if not plain.holders():
+        if all((first, step) == (_ABSENT, 0) for first, step, _ in crcs.runs):
             raise ValueError(f"no rank holds {name}")
-        return plain
+        return cls(name, raw["dtype"], _shape(raw.get("shape"), f"shape of {name}"), crcs)
 
 
 @dataclasses.dataclass(frozen=True)
