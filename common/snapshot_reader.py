@@ -21,7 +21,7 @@ import dataclasses
 import json
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .checksum import crc32, crc32_combine
 from .dtypes import DTYPE_ITEMSIZE
@@ -247,12 +247,7 @@ class SnapshotReader:
     def read_layout(self, info: SnapshotInfo) -> bytes | None:
         """The step's ``layout.json``, checked against ``snapshot.json`` (size, crc32); None
         when the index lists none."""
-        record = info.index.layout
-        if record is None:
-            return None
-        raw = self._read_listed(info, record)
-        check_listed(raw, record, info.path / record.name)
-        return raw
+        return read_layout_with(self._read_listed, info)
 
     def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
         path = info.path / record.name
@@ -373,6 +368,17 @@ def parse_rank_manifest(info: SnapshotInfo, rank: int, raw: bytes, record: FileR
     ) or manifest.data_file != rank_data_name(rank):
         raise SnapshotCorrupt(f"{where} describes another snapshot or rank")
     return manifest
+
+
+def read_layout_with(read_listed: Callable[[SnapshotInfo, FileRecord], bytes], info: SnapshotInfo) -> bytes | None:
+    """The step's ``layout.json`` read by ``read_listed`` (a directory's or a store's read of
+    a listed file), its crc32 checked; None when the index lists none."""
+    record = info.index.layout
+    if record is None:
+        return None
+    raw = read_listed(info, record)
+    check_listed(raw, record, info.path / record.name)
+    return raw
 
 
 def check_listed(raw: bytes, record: FileRecord, where: object) -> None:

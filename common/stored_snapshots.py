@@ -52,7 +52,7 @@ from .snapshot_format import (
     INDEX_NAME, LAYOUT_NAME, FileRecord, RankManifest, SnapshotIndex, TensorRecord, dumps_json, rank_data_name,
     rank_manifest_name,
 )
-from .snapshot_reader import SnapshotInfo, check_listed, check_manifest_sizes, parse_rank_manifest
+from .snapshot_reader import SnapshotInfo, check_manifest_sizes, parse_rank_manifest, read_layout_with
 
 __all__ = ["StorePath", "StoredSnapshots", "marker_name", "parse_marker_name"]
 
@@ -303,12 +303,7 @@ class StoredSnapshots:
     def read_layout(self, info: SnapshotInfo) -> bytes | None:
         """The step's ``layout.json``, checked against the step's index (size, crc32); None
         when it lists none (read from markers, or put by an older server)."""
-        record = info.index.layout
-        if record is None:
-            return None
-        raw = self._read_listed(info, record)
-        check_listed(raw, record, info.path / record.name)
-        return raw
+        return read_layout_with(self._read_listed, info)
 
     def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
         """An object the step's index (or a marker) lists, its size checked before it is read."""
