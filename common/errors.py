@@ -3,17 +3,21 @@
 The domain modules (arena, sessions, validation, snapshots) raise these; the server's transport
 layer maps them to gRPC status codes in exactly one place (:mod:`swap_state.server.rpc.statuses`)
 and sends :attr:`DomainError.reason` in the trailing-metadata key :data:`REASON_METADATA_KEY`;
-the client turns the reason back into a typed exception (:mod:`swap_state.client.errors`).
+the client raises the same class again from the reason (:data:`ERROR_FOR_REASON`,
+:mod:`swap_state.client.errors`): each error is declared once, here and in
+:mod:`.snapshot_errors`, for both sides.
 
 Every class names its status ``code`` (a ``grpc.StatusCode`` member name, so this module needs
-no grpc) and its ``reason`` (an upper-case word the client maps to an exception class). Imports neither grpc nor torch.
+no grpc) and its ``reason`` (an upper-case word); the first class to declare a reason is the
+one the client raises for it. Imports neither grpc nor torch.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "REASON_METADATA_KEY",
-    "DomainError",
+    "SwapStateError",
+    "ERROR_FOR_REASON",
     "InvalidArgument",
     "NotFound",
     "ResourceExhausted",
@@ -39,32 +43,56 @@ SERVER_STOPPING_NOTICE = "shutting down"
 stepping and reconnect to the next server, which adopts their segments."""
 
 
-class DomainError(Exception):
-    """A request the server refuses for a reason the caller can act on."""
-
-    code = "INTERNAL"
-    reason = "INTERNAL"
+ERROR_FOR_REASON: dict[str, type[SwapStateError]] = {}
+"""Each reason and the class that declared it first: the one a client raises for it."""
 
 
-class InvalidArgument(DomainError):
+class SwapStateError(RuntimeError):
+    """A swap-state call failed: on the server, a request refused for a reason the caller can
+    act on; on the client, the same class raised again from the reason the server sent.
+
+    ``code``: the status code (the class's: a ``grpc.StatusCode`` member name; on the client,
+    the ``grpc.StatusCode`` received, None for a local error). ``reason``: the machine-readable
+    reason (the client's: the one received, None when the server sent none)."""
+
+    code: object = "INTERNAL"
+    reason: str | None = "INTERNAL"
+
+    def __init__(self, message: str = "", code: object = None, reason: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        if reason is not None:
+            self.reason = reason
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if isinstance(cls.__dict__.get("reason"), str):
+            ERROR_FOR_REASON.setdefault(cls.reason, cls)
+
+
+ERROR_FOR_REASON["INTERNAL"] = SwapStateError
+
+
+class InvalidArgument(SwapStateError):
     """The request itself is malformed (ids, shapes, dtypes, sizes)."""
 
     code = reason = "INVALID_ARGUMENT"
 
 
-class NotFound(DomainError):
+class NotFound(SwapStateError):
     """The request names a session (or other object) the server does not have."""
 
     code = reason = "NOT_FOUND"
 
 
-class ResourceExhausted(DomainError):
+class ResourceExhausted(SwapStateError):
     """The request does not fit into the budget (or the shm filesystem is full)."""
 
     code = reason = "RESOURCE_EXHAUSTED"
 
 
-class FailedPrecondition(DomainError):
+class FailedPrecondition(SwapStateError):
     """The request is well formed but the session is not in a state that allows it
     (step going backwards, a refused snapshot step)."""
 
@@ -108,14 +136,14 @@ class SnapshotsDisabled(FailedPrecondition):
     reason = "SNAPSHOTS_DISABLED"
 
 
-class Unauthenticated(DomainError):
+class Unauthenticated(SwapStateError):
     """Missing or wrong bearer token."""
 
     code = reason = "UNAUTHENTICATED"
 
 
-class Unavailable(DomainError):
-    """The server is shutting down."""
+class Unavailable(SwapStateError):
+    """The server is shutting down, or (on the client) cannot be reached within the deadline."""
 
     code = reason = "UNAVAILABLE"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import errno
 
-from .errors import DomainError
+from .errors import SwapStateError
 
 __all__ = [
     "SnapshotError",
@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 
-class SnapshotError(DomainError):
+class SnapshotError(SwapStateError):
     """Base of every snapshot/restore error; also used for I/O failures without a better class."""
 
     code = "INTERNAL"

@@ -1,4 +1,5 @@
-"""Read-only access to a snapshot directory: list, resolve, read manifests, verify.
+"""Where complete snapshots are read from (:class:`SnapshotTier`), and a snapshot directory
+read only (:class:`SnapshotReader`): list, resolve, read manifests and tensors, verify.
 
 Directory layout under the snapshot root (``--snapshot-dir``)::
 
@@ -7,8 +8,9 @@ Directory layout under the snapshot root (``--snapshot-dir``)::
     <root>/<job_id>/.deleting-step-<N>/     an old snapshot being removed by retention
     <root>/<job_id>/latest                  "step-<N:012d>": the last committed snapshot
 
-Call order: :meth:`SnapshotReader.list` or :meth:`~SnapshotReader.resolve`, then per rank
-:meth:`~SnapshotReader.read_manifest` and :meth:`~SnapshotReader.verify_data`. A directory is
+Call order: :meth:`SnapshotTier.list` or :meth:`~SnapshotTier.resolve`, then per rank
+:meth:`~SnapshotTier.read_manifest` and :meth:`~SnapshotReader.verify_data` (or per tensor
+:meth:`~SnapshotTier.read_tensor`). A directory is
 listed only when its ``snapshot.json`` parses and names the same job and step, so a
 half-written snapshot is never listed or loaded. Used as is by the client's export (offline,
 no server) and extended by the server's store, which adds the commit sequence. Reading needs
@@ -17,15 +19,17 @@ no lock: the writer publishes by atomic rename.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import os
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from .checksum import crc32, crc32_combine
 from .dtypes import DTYPE_ITEMSIZE
 from .names import is_job_id, parse_snapshot_id, parse_step_dir_name, snapshot_id_for, step_dir_name, validate_job_id
+from .object_store import read_range
 from .snapshot_errors import SnapshotCorrupt, SnapshotError, SnapshotInvalid, SnapshotNotFound
 from .snapshot_format import (
     INDEX_NAME,
@@ -33,6 +37,7 @@ from .snapshot_format import (
     FileRecord,
     RankManifest,
     SnapshotIndex,
+    TensorRecord,
     rank_data_name,
     rank_manifest_name,
 )
@@ -40,6 +45,7 @@ from .snapshot_format import (
 __all__ = [
     "SnapshotInfo",
     "SnapshotReader",
+    "SnapshotTier",
     "RankFileVerifier",
     "READ_BLOCK_BYTES",
     "check_manifest_sizes",
@@ -85,8 +91,106 @@ class SnapshotInfo:
         return f"ranks {_rank_ranges(self.ranks)} of world_size {self.world_size}"
 
 
-class SnapshotReader:
+class SnapshotTier(abc.ABC):
+    """The complete snapshots of one place, read and checked: a snapshot directory
+    (:class:`SnapshotReader`, the server's ``--snapshot-dir``) or an object store
+    (:class:`~.stored_snapshots.StoredSnapshots`, ``--snapshot-store``). DCP's
+    ``StorageReader`` is the model. Call order::
+
+        info = tier.resolve(snapshot_id, job_id)      # or tier.list(job_id)
+        tier.read_layout(info)                        # the step's layout index, when it has one
+        manifest = tier.read_manifest(info, rank)     # each rank read from
+        tier.check_data_header(info, manifest)        # once per data file read from
+        tier.read_tensor(info, manifest, tensor)      # each tensor, its crc32 checked
+
+    Every read is checked against what ``snapshot.json`` (a store's markers) records; nothing
+    is trusted before. Implementations override :meth:`list`, :meth:`resolve`, :meth:`_size`
+    and :meth:`_read_range` (raising SnapshotError subclasses), not the reads.
+    """
+
+    where: str
+    """``local`` or ``store``: what restore replies and logs say."""
+
+    @abc.abstractmethod
+    def list(self, job_id: str | None = None) -> list[SnapshotInfo]:
+        """Complete snapshots of one job (or of all jobs), ordered by job, then step."""
+
+    @abc.abstractmethod
+    def resolve(self, snapshot_id: str, job_id: str | None = None) -> SnapshotInfo:
+        """``<job>/step-<N>``, ``<job>/latest``, or ``latest`` / ``step-<N>`` of ``job_id``;
+        SnapshotNotFound, saying where it looked, when no complete snapshot matches."""
+
+    @abc.abstractmethod
+    def _size(self, info: SnapshotInfo, name: str) -> int | None:
+        """The size of the snapshot's file ``name``; None when it is missing."""
+
+    @abc.abstractmethod
+    def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` of file ``name`` from ``offset`` (fewer only at its end)."""
+
+    def read_manifest(self, info: SnapshotInfo, rank: int) -> RankManifest:
+        """The rank's manifest, checked against the index (size, crc32, job, step).
+        SnapshotNotFound when the rank is not here (on a multi-host job, its snapshot is on
+        the server of the host the rank runs on)."""
+        if rank not in info.ranks:
+            if not 0 <= rank < info.world_size:
+                raise SnapshotNotFound(
+                    f"{info.snapshot_id} has world_size {info.world_size}: there is no rank {rank}"
+                )
+            raise SnapshotNotFound(
+                f"{info.snapshot_id} at {info.path} holds {info.describe_ranks()}, not rank "
+                f"{rank}: the snapshot of rank {rank} is on another host's server (the one "
+                f"rank {rank} attaches to)"
+            )
+        name = rank_manifest_name(rank)
+        record = info.index.file(name)
+        if record is None:
+            raise SnapshotCorrupt(f"the index of {info.path} does not list {name}")
+        return parse_rank_manifest(info, rank, self._read_listed(info, record), record, info.path / name)
+
+    def read_layout(self, info: SnapshotInfo) -> bytes | None:
+        """The step's ``layout.json``, checked against the index (size, crc32); None when the
+        index lists none (a store step read from its markers, or written by an older server)."""
+        record = info.index.layout
+        if record is None:
+            return None
+        raw = self._read_listed(info, record)
+        check_listed(raw, record, info.path / record.name)
+        return raw
+
+    def check_data_header(self, info: SnapshotInfo, manifest: RankManifest) -> None:
+        """The data file's size and safetensors header, against the manifest."""
+        header, expected = check_manifest_sizes(info, manifest)
+        path = info.path / manifest.data_file
+        size = self._size(info, manifest.data_file)
+        if size is None:
+            raise SnapshotCorrupt(f"{path} is missing")
+        if size != expected:
+            raise SnapshotCorrupt(f"{path} is {size} bytes; its manifest implies {expected}")
+        if self._read_range(info, manifest.data_file, 0, len(header)) != header:
+            raise SnapshotCorrupt(f"{path}: safetensors header does not match its manifest")
+
+    def read_tensor(self, info: SnapshotInfo, manifest: RankManifest, tensor: TensorRecord) -> bytes:
+        """One tensor's bytes, checked against its crc32 (SnapshotCorrupt names file and tensor)."""
+        data = self._read_range(info, manifest.data_file, manifest.data_start + tensor.data_offsets[0], tensor.nbytes)
+        if len(data) != tensor.nbytes or crc32(data) != tensor.crc32:
+            raise SnapshotCorrupt(f"{info.path / manifest.data_file}: tensor {tensor.name!r} fails its checksum")
+        return data
+
+    def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
+        """A file the index lists, its size checked before it is read (a bad file may be huge)."""
+        size = self._size(info, record.name)
+        if size is None:
+            raise SnapshotCorrupt(f"{info.path / record.name} is missing")
+        if size != record.bytes:
+            raise SnapshotCorrupt(f"{info.path / record.name} is {size} bytes, its index says {record.bytes}")
+        return self._read_range(info, record.name, 0, size)
+
+
+class SnapshotReader(SnapshotTier):
     """A snapshot root directory, read only."""
+
+    where = "local"
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = pathlib.Path(os.path.abspath(root))
@@ -223,42 +327,21 @@ class SnapshotReader:
             + self._elsewhere_hint()
         )
 
-    def read_manifest(self, info: SnapshotInfo, rank: int) -> RankManifest:
-        """The rank's manifest, checked against ``snapshot.json`` (size, crc32, job, step).
-        SnapshotNotFound when the rank is not in this directory (on a multi-host job, its
-        snapshot is on the server of the host the rank runs on)."""
-        if rank not in info.ranks:
-            if not 0 <= rank < info.world_size:
-                raise SnapshotNotFound(
-                    f"{info.snapshot_id} has world_size {info.world_size}: there is no rank {rank}"
-                )
-            raise SnapshotNotFound(
-                f"{info.snapshot_id} at {info.path} holds {info.describe_ranks()}, not rank "
-                f"{rank}: the snapshot of rank {rank} is on another host's server (the one "
-                f"rank {rank} attaches to)"
-            )
-        name = rank_manifest_name(rank)
-        record = info.index.file(name)
-        if record is None:
-            raise SnapshotCorrupt(f"{info.path / INDEX_NAME} does not list {name}")
-        path, raw = info.path / name, self._read_listed(info, record)
-        return parse_rank_manifest(info, rank, raw, record, path)
-
-    def read_layout(self, info: SnapshotInfo) -> bytes | None:
-        """The step's ``layout.json``, checked against ``snapshot.json`` (size, crc32); None
-        when the index lists none."""
-        return read_layout_with(self._read_listed, info)
-
-    def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
-        path = info.path / record.name
+    def _size(self, info: SnapshotInfo, name: str) -> int | None:
         try:
-            if path.stat().st_size != record.bytes:  # before reading: a bad file may be huge
-                raise SnapshotCorrupt(f"{path} is not the size {INDEX_NAME} records")
-            return path.read_bytes()
+            return (info.path / name).stat().st_size
         except FileNotFoundError:
-            raise SnapshotCorrupt(f"{path} is missing") from None
+            return None
         except OSError as exc:
-            raise SnapshotError(f"cannot read {path}: {exc}") from None
+            raise SnapshotError(f"cannot read {info.path / name}: {exc}") from None
+
+    def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
+        try:
+            return read_range(info.path / name, offset, nbytes)
+        except FileNotFoundError:
+            raise SnapshotCorrupt(f"{info.path / name} is missing") from None
+        except OSError as exc:
+            raise SnapshotError(f"cannot read {info.path / name}: {exc}") from None
 
     def verify_data(self, info: SnapshotInfo, manifest: RankManifest) -> None:
         """Read the rank's safetensors file once: size, header (recomputed from the manifest,
@@ -368,17 +451,6 @@ def parse_rank_manifest(info: SnapshotInfo, rank: int, raw: bytes, record: FileR
     ) or manifest.data_file != rank_data_name(rank):
         raise SnapshotCorrupt(f"{where} describes another snapshot or rank")
     return manifest
-
-
-def read_layout_with(read_listed: Callable[[SnapshotInfo, FileRecord], bytes], info: SnapshotInfo) -> bytes | None:
-    """The step's ``layout.json`` read by ``read_listed`` (a directory's or a store's read of
-    a listed file), its crc32 checked; None when the index lists none."""
-    record = info.index.layout
-    if record is None:
-        return None
-    raw = read_listed(info, record)
-    check_listed(raw, record, info.path / record.name)
-    return raw
 
 
 def check_listed(raw: bytes, record: FileRecord, where: object) -> None:

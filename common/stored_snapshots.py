@@ -52,7 +52,7 @@ from .snapshot_format import (
     INDEX_NAME, LAYOUT_NAME, FileRecord, RankManifest, SnapshotIndex, TensorRecord, dumps_json, rank_data_name,
     rank_manifest_name,
 )
-from .snapshot_reader import SnapshotInfo, check_manifest_sizes, parse_rank_manifest, read_layout_with
+from .snapshot_reader import SnapshotInfo, SnapshotTier
 
 __all__ = ["StorePath", "StoredSnapshots", "marker_name", "parse_marker_name"]
 
@@ -82,8 +82,10 @@ class StorePath(str):
         return StorePath(self.rstrip("/") + "/" + name)
 
 
-class StoredSnapshots:
+class StoredSnapshots(SnapshotTier):
     """The snapshots in one store, read (and listed) by any host. Thread-safe."""
+
+    where = "store"
 
     def __init__(self, store: ObjectStore):
         self.store = store
@@ -291,51 +293,17 @@ class StoredSnapshots:
         complete = ", ".join(str(i.step) for i in self.list(ref.job_id)) or "none"
         raise SnapshotNotFound(f"{what} of job {ref.job_id!r} in the store {self.uri} (complete steps: [{complete}])")
 
-    # ---------------------------------------------------------------- reading, verified
+    # ---------------------------------------------------------------- reading (checked by SnapshotTier)
 
-    def read_manifest(self, info: SnapshotInfo, rank: int) -> RankManifest:
-        name = rank_manifest_name(rank)
-        record = info.index.file(name)
-        if record is None:
-            raise SnapshotCorrupt(f"the markers of {info.path} do not list {name}")
-        return parse_rank_manifest(info, rank, self._read_listed(info, record), record, info.path / name)
-
-    def read_layout(self, info: SnapshotInfo) -> bytes | None:
-        """The step's ``layout.json``, checked against the step's index (size, crc32); None
-        when it lists none (read from markers, or put by an older server)."""
-        return read_layout_with(self._read_listed, info)
-
-    def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
-        """An object the step's index (or a marker) lists, its size checked before it is read."""
-        key = self.key(info.job_id, info.step, record.name)
+    def _size(self, info: SnapshotInfo, name: str) -> int | None:
+        key = self.key(info.job_id, info.step, name)
         with self._reading(key):
-            size = self.store.size(key)
-            if size != record.bytes:  # before reading: a bad object may be huge
-                raise SnapshotCorrupt(f"{info.path / record.name} is {size} bytes, its index says {record.bytes}")
-            return self.store.get(key)
+            return self.store.size(key)
 
-    def check_data_header(self, info: SnapshotInfo, manifest: RankManifest) -> None:
-        """The data object's size and safetensors header, against the manifest."""
-        header, expected = check_manifest_sizes(info, manifest)
-        key = self.key(info.job_id, info.step, manifest.data_file)
+    def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
+        key = self.key(info.job_id, info.step, name)
         with self._reading(key):
-            size = self.store.size(key)
-            first = self.store.get_range(key, 0, len(header)) if size == expected else b""
-        if size != expected:
-            raise SnapshotCorrupt(f"{info.path / manifest.data_file} is {size} bytes; its manifest implies {expected}")
-        if first != header:
-            raise SnapshotCorrupt(f"{info.path / manifest.data_file}: safetensors header does not match its manifest")
-
-    def read_tensor(self, info: SnapshotInfo, manifest: RankManifest, tensor: TensorRecord) -> bytes:
-        """One tensor's bytes, checked against its crc32 (SnapshotCorrupt names object and tensor)."""
-        key = self.key(info.job_id, info.step, manifest.data_file)
-        with self._reading(key):
-            data = self.store.get_range(key, manifest.data_start + tensor.data_offsets[0], tensor.nbytes)
-        if len(data) != tensor.nbytes or crc32(data) != tensor.crc32:
-            raise SnapshotCorrupt(
-                f"{info.path / manifest.data_file}: tensor {tensor.name!r} fails its checksum in the store"
-            )
-        return data
+            return self.store.get_range(key, offset, nbytes)
 
 
 class _Reading:

@@ -140,14 +140,18 @@ def test_a_planted_cycle_is_found(tmp_path: pathlib.Path):
     assert _import_cycles(root) == [["swap_state.server._a", "swap_state.server._b"]]
 
 
-def test_every_server_reason_has_a_client_exception():
+def test_every_reason_reaches_the_client_with_its_status_code():
+    """A class that shares another's reason (SnapshotInvalid: INVALID_ARGUMENT) reaches the
+    client as the class that declared it first: it must answer with the same status code."""
     import swap_state.common.snapshot_errors  # noqa: F401 - defines the snapshot reasons
     from swap_state.client.errors import ERROR_FOR_REASON
-    from swap_state.common.errors import DomainError
+    from swap_state.common.errors import SwapStateError
 
-    reasons, stack = set(), [DomainError]
+    stack, seen = [SwapStateError], []
     while stack:
         cls = stack.pop()
-        reasons.add(cls.reason)
+        seen.append(cls)
         stack.extend(cls.__subclasses__())
-    assert reasons <= set(ERROR_FOR_REASON), sorted(reasons - set(ERROR_FOR_REASON))
+    for cls in seen:
+        if isinstance(cls.reason, str):
+            assert ERROR_FOR_REASON[cls.reason].code == cls.code, cls

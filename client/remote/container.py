@@ -56,7 +56,9 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from swap_state.client.errors import NotFoundError, ServerUnavailableError, SnapshotFailedError, SwapStateError
+from swap_state.client.errors import (
+    NotFoundError, ServerUnavailableError, SnapshotFailedError, SnapshotNotFoundError, SwapStateError,
+)
 from swap_state.client.optim.checkpoint_template import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, holds_snapshot_reference
 from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.optim.host_cache import STEP_KEY, HostCacheEntry
@@ -394,7 +396,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         if pending is not None:
             try:
                 pending.wait_durable(timeout_s=self.remote_config.backpressure_timeout_s)
-            except NotFoundError:
+            except (NotFoundError, SnapshotNotFoundError):
                 pass  # not (or no longer) known to the server: Restore says where it looked
             except SnapshotFailedError as e:
                 raise SnapshotFailedError(

@@ -1,7 +1,7 @@
 """The one place where domain errors become gRPC status codes.
 
 :func:`rpc_boundary` wraps every servicer method (unary and server-streaming): a
-:class:`~swap_state.common.errors.DomainError` becomes its status code with the error's message;
+:class:`~swap_state.common.errors.SwapStateError` becomes its status code with the error's message;
 anything unexpected becomes INTERNAL with a reference id that is also logged with the traceback,
 so a bug in one request never crashes the server or leaves the caller hanging. The token
 interceptor uses :func:`status_for` too.
@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from swap_state.common.errors import REASON_METADATA_KEY, DomainError
+from swap_state.common.errors import REASON_METADATA_KEY, SwapStateError
 from swap_state.server.logs import log_event
 from swap_state.server.observability.rpc_counters import RpcCounters
 
@@ -33,12 +33,12 @@ log = logging.getLogger("swap_state.server.rpc")
 _AbortError: type[BaseException] = grpc.aio.AbortError
 
 
-def status_for(exc: DomainError) -> grpc.StatusCode:
-    """The status code the error class names (``DomainError.code``)."""
+def status_for(exc: SwapStateError) -> grpc.StatusCode:
+    """The status code the error class names (``SwapStateError.code``)."""
     return grpc.StatusCode[exc.code]
 
 
-def reason_metadata(exc: DomainError) -> tuple[tuple[str, str], ...]:
+def reason_metadata(exc: SwapStateError) -> tuple[tuple[str, str], ...]:
     """The trailing metadata that carries the error's machine-readable reason."""
     return ((REASON_METADATA_KEY, exc.reason),)
 
@@ -52,7 +52,7 @@ def rpc_boundary(method: F) -> F:
     name = method.__name__
 
     async def fail(context: grpc.aio.ServicerContext, exc: BaseException) -> grpc.StatusCode:
-        if isinstance(exc, DomainError):
+        if isinstance(exc, SwapStateError):
             code = status_for(exc)
             log_event(log, "rpc_refused", logging.DEBUG, method=name, code=code.name, error=str(exc))
             await context.abort(code, str(exc), trailing_metadata=reason_metadata(exc))
@@ -73,7 +73,7 @@ def rpc_boundary(method: F) -> F:
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:  # noqa: BLE001 - the boundary
-            code = status_for(exc) if isinstance(exc, DomainError) else grpc.StatusCode.INTERNAL
+            code = status_for(exc) if isinstance(exc, SwapStateError) else grpc.StatusCode.INTERNAL
             # Counted before the status leaves: a client that reads the metrics as soon as
             # its call has failed must find the call counted.
             counters.record(name, code, time.perf_counter() - started)

@@ -1,7 +1,7 @@
 """Restore: a rank's segment built from a snapshot's rank files, locally or from the store, at
 the snapshot's layout or another. One path: plan, stage, verify, then copy. Call order::
 
-    source = LocalSource(store, info)  |  StoreSource(stored, info)      # (.sources)
+    source = resolve_source(...)         # a Source: the snapshot and its tier (.tiers, .sources)
     result = assemble(source, view, layout, rank=..., world_size=..., placement=...,
                       reserve_staging=..., staging_free_bytes=...)
 
@@ -43,7 +43,7 @@ from swap_state.server import _posix
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.reshard import Piece, Run, TargetTensor, ranks_needed
-from swap_state.server.snapshot.sources import AssembleSource
+from swap_state.server.snapshot.sources import Source
 
 __all__ = ["Assembled", "RECENT", "assemble", "check_layout", "check_world_size", "restore_targets"]
 
@@ -142,7 +142,7 @@ def restore_targets(layout: SegmentLayout, placement: SnapshotMetadata | None,
 
 
 def assemble(
-    source: AssembleSource,
+    source: Source,
     view: memoryview,
     layout: SegmentLayout,
     *,
@@ -180,7 +180,7 @@ def assemble(
                      plan=read.planned_from)
 
 
-def _whole_rank(source: AssembleSource, own: RankManifest, view: memoryview, layout: SegmentLayout, rank: int,
+def _whole_rank(source: Source, own: RankManifest, view: memoryview, layout: SegmentLayout, rank: int,
                 reserve_staging, staging_free_bytes) -> Assembled:
     """The trivial plan: the rank's own file, whole, into its segment."""
     if not source.whole_files:  # the store: each tensor a piece of itself
@@ -208,7 +208,7 @@ def _log_unstaged(info: SnapshotInfo, rank: int, nbytes: int, staging_free_bytes
               "reading them again into the segment")
 
 
-def _read_pieces(source: AssembleSource, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
+def _read_pieces(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
                  view: memoryview, layout: SegmentLayout, rank: int, reserve_staging, staging_free_bytes) -> bool:
     """Every piece of ``plan`` read, verified, then copied into ``view``; whether it was staged."""
     for r in ranks_needed(plan):
@@ -229,7 +229,7 @@ class ReadSnapshot:
     """A snapshot's layout index and the manifests read from it, each verified, shared by the
     ranks of this server that restore it."""
 
-    def __init__(self, source: AssembleSource):
+    def __init__(self, source: Source):
         self._source = source
         self._lock = threading.Lock()
         self._manifests: dict[int, RankManifest] = {}
@@ -272,7 +272,7 @@ class RecentSnapshots:
         self._kept_count = 0  # which keep a release timer ends (the timer holds no reference)
         self._release: threading.Timer | None = None
 
-    def read(self, source: AssembleSource) -> ReadSnapshot:
+    def read(self, source: Source) -> ReadSnapshot:
         info = source.info
         # A snapshot replaced under the same id (a step trained again) has another index: its
         # files' checksums, its attempt and time.
@@ -314,7 +314,7 @@ class RecentSnapshots:
 RECENT = RecentSnapshots()
 
 
-def _staged_copy(source: AssembleSource, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
+def _staged_copy(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
                  view: memoryview, by_name) -> None:
     """Every piece's source tensor read and verified, held as read, then (all verified) its runs
     copied into the segment with the GIL released. Held as read, not copied into a staging
@@ -339,7 +339,7 @@ def _held_bytes(plan: Mapping[str, list[Piece]]) -> int:
     return sum(piece.source.nbytes for pieces in plan.values() for piece in pieces)
 
 
-def _fill(source: AssembleSource, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
+def _fill(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
           dest: memoryview | None, offsets: Mapping[str, int], again: bool = False) -> None:
     """Read (verified) the source tensor of every piece and copy its runs to ``dest`` where
     the target's bytes start (``offsets``; ``dest`` None: verify only)."""

@@ -26,7 +26,7 @@ import shutil
 import time
 
 from swap_state.common.names import snapshot_id_for, step_dir_name
-from swap_state.common.object_store import fsync_dir, read_range
+from swap_state.common.object_store import fsync_dir
 from swap_state.common.snapshot_errors import SnapshotExists
 from swap_state.common.snapshot_format import LATEST_NAME, partial_dir_name
 from swap_state.common.snapshot_reader import SnapshotReader
@@ -240,9 +240,6 @@ class LocalFilesystemStorage(SnapshotStorage):
 
     def remove(self, where: pathlib.PurePath) -> None:
         shutil.rmtree(self.unlist(where))
-
-    def read_range(self, where: pathlib.PurePath, name: str, offset: int, nbytes: int) -> bytes:
-        return read_range(self._inside(where) / name, offset, nbytes)
 
     def _inside(self, where: pathlib.PurePath) -> pathlib.Path:
         """``where`` as a path, refused unless it is under the root (every location this

@@ -34,7 +34,6 @@ from swap_state.common.stored_snapshots import StoredSnapshots
 
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.assemble import assemble, check_layout, check_world_size
-from swap_state.server.snapshot.sources import LocalSource, StoreSource
 from swap_state.server.snapshot.tiers import resolve_source
 from swap_state.server.snapshot.store import SnapshotStore
 
@@ -110,10 +109,10 @@ def restore(
             raise SnapshotError(f"segment buffer is smaller than its layout ({layout.size} bytes)")
         if header[Word.SNAP_EPOCH] != 0:
             raise SnapshotBusy("a snapshot of this segment is persisting; restore after it ends")
-        info, in_store = resolve_source(store, stored, snapshot_id, job_id, rank, world_size)
-        if not in_store and (info.world_size != world_size or rank not in info.ranks) and not info.index.complete_job:
+        source = resolve_source(store, stored, snapshot_id, job_id, rank, world_size)
+        info = source.info
+        if source.where == "local" and (info.world_size != world_size or rank not in info.ranks) and not info.index.complete_job:
             check_world_size(info, world_size)  # a host's own part of a multi-host snapshot: not resharded
-        source = StoreSource(stored, info) if in_store else LocalSource(store, info)
         placement = parse_metadata(placement_json, layout.tensors, sys.maxsize) if placement_json else None
         done = assemble(source, view, layout, rank=rank, world_size=world_size, placement=placement,
                         reserve_staging=reserve_staging, staging_free_bytes=staging_free_bytes)

@@ -1,5 +1,6 @@
-"""Where a restore reads a snapshot's rank files, verified: this server's ``--snapshot-dir``
-(:class:`LocalSource`) or the store (:class:`StoreSource`).
+"""The snapshot a restore reads, verified: :class:`Source`, one complete snapshot and the tier it
+is read from (:class:`~swap_state.common.snapshot_reader.SnapshotTier`: this server's
+``--snapshot-dir`` or the ``--snapshot-store``), which checks every read.
 
 Call order (:func:`~.assemble.assemble`)::
 
@@ -8,8 +9,8 @@ Call order (:func:`~.assemble.assemble`)::
     manifest = source.read_manifest(rank)           # each rank it plans from (checked)
     source.check_data_header(manifest)              # each rank it reads from
     data = source.read_tensor(manifest, tensor)     # each piece: the whole tensor, crc32 checked
-    # or, for a plan that takes one rank's whole file in order (the same layout), where the
-    # source has ``whole_files``:
+    # or, for a plan that takes one rank's whole file in order (the same layout), from a
+    # directory (``whole_files``):
     pinned = source.copy_whole_file(manifest, view, layout)        # staged, verified, copied
     source.verify_then_copy_whole_file(manifest, view, layout)     # no budget to stage it
 
@@ -23,23 +24,21 @@ underneath fails the restore (SnapshotCorrupt, "restore again").
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from typing import Protocol
 
 from swap_state.common.checksum import crc32
 from swap_state.common.segment import SegmentLayout
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
 from swap_state.common.snapshot_format import RankManifest, TensorRecord
-from swap_state.common.snapshot_reader import RankFileVerifier, SnapshotInfo, check_manifest_sizes
-from swap_state.common.stored_snapshots import StoredSnapshots
+from swap_state.common.snapshot_reader import RankFileVerifier, SnapshotInfo, SnapshotReader, SnapshotTier
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot import staged_read
 from swap_state.server.snapshot.staged_read import Staging, stage_file
-from swap_state.server.snapshot.store import SnapshotStore
 
-__all__ = ["AssembleSource", "LocalSource", "StoreSource"]
+__all__ = ["Source"]
 
 log = logging.getLogger("swap_state.server.restore")
 
@@ -47,61 +46,34 @@ _COPY_BYTES = 8 << 20
 """Unit of the copy into the segment (and of its re-check when the pages are not pinned)."""
 
 
-class AssembleSource(Protocol):
-    """Where a snapshot's rank files are read from, verified."""
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One complete snapshot and the tier it is read from."""
 
+    tier: SnapshotTier
     info: SnapshotInfo
-    where: str
-    """``local`` or ``store``: what the restore reply and logs say."""
-    whole_files: bool
-    """It can stage a rank's whole file (:meth:`LocalSource.copy_whole_file`)."""
 
-    def read_layout(self) -> bytes | None: ...
+    @property
+    def where(self) -> str:
+        """``local`` or ``store``: what the restore reply and logs say."""
+        return self.tier.where
 
-    def read_manifest(self, rank: int) -> RankManifest: ...
-
-    def check_data_header(self, manifest: RankManifest) -> None: ...
-
-    def read_tensor(self, manifest: RankManifest, tensor: TensorRecord) -> bytes: ...
-
-
-class LocalSource:
-    """A snapshot in this server's ``--snapshot-dir``."""
-
-    where = "local"
-    whole_files = True
-
-    def __init__(self, store: SnapshotStore, info: SnapshotInfo):
-        self.store, self.info = store, info
+    @property
+    def whole_files(self) -> bool:
+        """A directory: a rank's whole file can be staged (:meth:`copy_whole_file`)."""
+        return isinstance(self.tier, SnapshotReader)
 
     def read_layout(self) -> bytes | None:
-        return self.store.read_layout(self.info)
+        return self.tier.read_layout(self.info)
 
     def read_manifest(self, rank: int) -> RankManifest:
-        return self.store.read_manifest(self.info, rank)  # SnapshotNotFound: the rank is elsewhere
+        return self.tier.read_manifest(self.info, rank)  # SnapshotNotFound: the rank is elsewhere
 
     def check_data_header(self, manifest: RankManifest) -> None:
-        header, expected = check_manifest_sizes(self.info, manifest)
-        path = self.info.path / manifest.data_file
-        try:
-            with open(path, "rb", buffering=0) as file:
-                size = os.fstat(file.fileno()).st_size
-                if size != expected:
-                    raise SnapshotCorrupt(f"{path} is {size} bytes; its manifest implies {expected}")
-                if os.pread(file.fileno(), len(header), 0) != header:
-                    raise SnapshotCorrupt(f"{path}: safetensors header does not match its manifest")
-        except FileNotFoundError:
-            raise SnapshotCorrupt(f"{path} is missing") from None
-        except OSError as exc:
-            raise SnapshotError(f"cannot read {path}: {exc}") from None
+        self.tier.check_data_header(self.info, manifest)
 
     def read_tensor(self, manifest: RankManifest, tensor: TensorRecord) -> bytes:
-        path = self.info.path / manifest.data_file
-        data = self.store.storage.read_range(self.info.path, manifest.data_file,
-                                             manifest.data_start + tensor.data_offsets[0], tensor.nbytes)
-        if len(data) != tensor.nbytes or crc32(data) != tensor.crc32:
-            raise SnapshotCorrupt(f"{path}: tensor {tensor.name!r} fails its checksum")
-        return data
+        return self.tier.read_tensor(self.info, manifest, tensor)
 
     def copy_whole_file(self, manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> bool:
         """Stage the rank's data file once, verify all of it, then copy its tensors to their
@@ -140,7 +112,8 @@ class LocalSource:
 
     def verify_then_copy_whole_file(self, manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> None:
         """Without staging memory: verify the whole file, then read it again into ``view``."""
-        self.store.verify_data(self.info, manifest)
+        assert isinstance(self.tier, SnapshotReader), "whole files are a directory's"
+        self.tier.verify_data(self.info, manifest)
         _copy_into(self.info.path / manifest.data_file, manifest, view, layout)
 
 
@@ -194,25 +167,3 @@ def _copy_into(path: os.PathLike[str], manifest: RankManifest, view: memoryview,
                         "segment is partially overwritten: restore again"
                     )
                 done += got
-
-
-class StoreSource:
-    """A snapshot complete in the store (``--snapshot-store``)."""
-
-    where = "store"
-    whole_files = False
-
-    def __init__(self, stored: StoredSnapshots, info: SnapshotInfo):
-        self.stored, self.info = stored, info
-
-    def read_layout(self) -> bytes | None:
-        return self.stored.read_layout(self.info)
-
-    def read_manifest(self, rank: int) -> RankManifest:
-        return self.stored.read_manifest(self.info, rank)
-
-    def check_data_header(self, manifest: RankManifest) -> None:
-        self.stored.check_data_header(self.info, manifest)
-
-    def read_tensor(self, manifest: RankManifest, tensor: TensorRecord) -> bytes:
-        return self.stored.read_tensor(self.info, manifest, tensor)

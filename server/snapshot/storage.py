@@ -31,7 +31,6 @@ Call order (the coordinator, its store and the rank writers)::
     # the snapshot is reported durable here; then, off that path, the bytes go:
     storage.discard(published.replaced); for t in trash: storage.discard(t)
     # a failed snapshot instead: storage.discard(partial)
-    storage.read_range(where, name, offset, nbytes)        # reading back any committed file
     storage.release()                                      # at shutdown
 
 Errors: I/O failures raise ``OSError`` (the caller maps them to snapshot errors naming
@@ -222,8 +221,3 @@ class SnapshotStorage(abc.ABC):
     @abc.abstractmethod
     def remove(self, where: pathlib.PurePath) -> None:
         """Remove a committed snapshot: :meth:`unlist`, then delete (OSError on failure)."""
-
-    @abc.abstractmethod
-    def read_range(self, where: pathlib.PurePath, name: str, offset: int, nbytes: int) -> bytes:
-        """Up to ``nbytes`` of file ``name`` of the snapshot at ``where`` from ``offset``
-        (fewer only at the end of the file)."""

@@ -18,6 +18,7 @@ from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotNotFound,
 from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server.logs import log_event
+from swap_state.server.snapshot.sources import Source
 from swap_state.server.snapshot.store import SnapshotStore
 
 __all__ = ["list_both_tiers", "resolve_source"]
@@ -26,8 +27,8 @@ log = logging.getLogger("swap_state.server.restore")
 
 
 def resolve_source(store: SnapshotStore, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,
-                   rank: int, world_size: int) -> tuple[SnapshotInfo, bool]:
-    """(snapshot, whether it is read from the store). Local first when it holds this rank at
+                   rank: int, world_size: int) -> Source:
+    """The snapshot to restore and the tier it is read from. Local first when it holds this rank at
     this world size, or every rank; else the store. ``latest``: with a store, the newest step
     complete for the whole job in either tier (a host's own snapshot of a multi-host job is
     not: its other ranks may never have reached the store); without one, the local latest."""
@@ -38,42 +39,42 @@ def resolve_source(store: SnapshotStore, stored: StoredSnapshots | None, snapsho
             raise
         local = None
     if stored is None:
-        return local, False  # type: ignore[return-value]
+        return Source(store, local)  # type: ignore[arg-type]
     try:
         remote = stored.resolve(snapshot_id, job_id)
     except SnapshotNotFound as exc:
         if local is None:
             raise SnapshotNotFound(f"{exc}; nor in this server's --snapshot-dir {store.root}") from None
-        return local, False
+        return Source(store, local)
     except SnapshotStoreUnavailable as exc:
         if local is not None and (local.index.complete_job or rank in local.ranks):
             log_event(log, "store_unreachable", logging.WARNING, store=stored.uri, error=str(exc),
                       detail=f"restoring {local.snapshot_id} from the local --snapshot-dir")
-            return local, False
+            return Source(store, local)
         raise SnapshotStoreUnavailable(
             f"{exc} (looking for {snapshot_id}); this server's --snapshot-dir {store.root} has no "
             f"copy for rank {rank}"
         ) from None
     if local is None:
-        return remote, True
+        return Source(stored, remote)
     whole = local.index.complete_job
     usable = whole or (local.world_size == world_size and rank in local.ranks)
     if parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid).latest and local.step != remote.step:
         if whole and local.step > remote.step:
-            return local, False
-        return _local_copy(store, remote, rank, world_size) or (remote, True)
-    return (local, False) if usable else (remote, True)
+            return Source(store, local)
+        return _local_copy(store, remote, rank, world_size) or Source(stored, remote)
+    return Source(store, local) if usable else Source(stored, remote)
 
 
-def _local_copy(store: SnapshotStore, remote: SnapshotInfo, rank: int, world_size: int):
-    """(this server's copy of the store's snapshot, False) when it has the same attempt at
+def _local_copy(store: SnapshotStore, remote: SnapshotInfo, rank: int, world_size: int) -> Source | None:
+    """This server's copy of the store's snapshot when it has the same attempt at
     the step and holds this rank (or every rank); else None."""
     try:
         copy = store.resolve(snapshot_id_for(remote.job_id, remote.step))
     except SnapshotNotFound:
         return None
     holds = copy.index.complete_job or (copy.world_size == world_size and rank in copy.ranks)
-    return (copy, False) if holds and copy.index.attempt == remote.index.attempt else None
+    return Source(store, copy) if holds and copy.index.attempt == remote.index.attempt else None
 
 
 def list_both_tiers(coordinator, job_id: str | None) -> list[tuple[SnapshotInfo | None, SnapshotInfo | None]]:

@@ -116,17 +116,17 @@ def test_the_budget_holds_the_staged_bytes_only_while_restoring(snapshot, make_s
         held.remove(nbytes)
 
     seg, _ = _target(make_segment)
-    real = sources_module.LocalSource.copy_whole_file
+    real = sources_module.Source.copy_whole_file
 
     def spy(*args):
         assert held == [sum(len(b) for b in contents.values())]
         return real(*args)
 
-    sources_module.LocalSource.copy_whole_file = spy
+    sources_module.Source.copy_whole_file = spy
     try:
         assert _restore(store, seg, reserve_staging=grant).staged
     finally:
-        sources_module.LocalSource.copy_whole_file = real
+        sources_module.Source.copy_whole_file = real
     assert held == [] and seg.tensors() == contents
 
 
