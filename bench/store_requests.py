@@ -27,7 +27,7 @@ from swap_state.common.snapshot_format import (
     rank_manifest_name, step_dir_name,
 )
 from swap_state.common.stored_snapshots import StoredSnapshots
-from swap_state.server.snapshot.store import SnapshotStore
+from swap_state.server.snapshot.directory import SnapshotDirectory
 from swap_state.server.snapshot.upload import SnapshotUploader, StoreState
 
 JOB = "big"
@@ -73,7 +73,7 @@ def rank_manifest(world: int, rank: int, step: int) -> bytes:
                         0, 0, 0.0, 0.0).to_bytes()
 
 
-def host_snapshot(root: pathlib.Path, world: int, ranks: range, step: int) -> SnapshotStore:
+def host_snapshot(root: pathlib.Path, world: int, ranks: range, step: int) -> SnapshotDirectory:
     """A host's ranks of the step, committed in its local snapshot directory (tiny files)."""
     path = root / JOB / step_dir_name(step)
     path.mkdir(parents=True)
@@ -84,10 +84,10 @@ def host_snapshot(root: pathlib.Path, world: int, ranks: range, step: int) -> Sn
             files.append(FileRecord(name, rank, len(body), crc32(body)))
     index = SnapshotIndex(JOB, step, world, tuple(ranks), tuple(files), 1.0)
     (path / INDEX_NAME).write_bytes(dumps_json(index.to_json()))
-    return SnapshotStore(root)
+    return SnapshotDirectory(root)
 
 
-def upload(uploader: SnapshotUploader, local: SnapshotStore, step: int, timeout_s: float = 60) -> None:
+def upload(uploader: SnapshotUploader, local: SnapshotDirectory, step: int, timeout_s: float = 60) -> None:
     """Submit the host's step and wait until the worker is done with it (stored, then the step's
     index and retention: it no longer holds the step)."""
     info = local.resolve(f"{JOB}/step-{step}")
@@ -128,7 +128,7 @@ def count_requests(root: pathlib.Path, world: int, ranks_per_host: int, timeout_
     ranks = [range(h * ranks_per_host, (h + 1) * ranks_per_host) for h in range(len(hosts))]
     # Uploaders started before their hosts' snapshots exist: none resumes one at start, so the
     # hosts finish one after the other and the last puts each step's indexes.
-    locals_ = [SnapshotStore(r) for r in hosts]
+    locals_ = [SnapshotDirectory(r) for r in hosts]
     uploaders = [SnapshotUploader(StoredSnapshots(store), local) for local in locals_]
     try:
         for step in (3, 5):  # every host uploads its ranks of each step

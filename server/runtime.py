@@ -52,7 +52,7 @@ from swap_state.server.observability.metrics import MetricsServer, metrics_regis
 from swap_state.server.rpc.service import SwapStateService
 from swap_state.server.rpc.validation import validate_descriptor
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
-from swap_state.server.snapshot.local_storage import LocalFilesystemStorage
+from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.rpc.snapshot_service import snapshot_metrics
 from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.observability.rpc_counters import RpcCounters
@@ -236,7 +236,7 @@ def _build_domain(config: ServerConfig, listen: ListenAddress, gid: int | None,
             store_uri=config.snapshot_store,
             store_timeout_s=config.snapshot_store_timeout,
             store_max_bandwidth=config.snapshot_store_max_bandwidth or None,
-            storage=LocalFilesystemStorage(config.snapshot_dir, direct_io=config.direct_io),
+            storage=SnapshotStorage(config.snapshot_dir, direct_io=config.direct_io),
         )
         undo.callback(snapshots.close)
     service = SwapStateService(

@@ -270,7 +270,7 @@ class SnapshotRpcs:
         async with session.lock:
             with session.segment.borrow() as buffer:
                 result = await asyncio.to_thread(
-                    restore, coordinator.store, snapshot_id, buffer,
+                    restore, coordinator.directory, snapshot_id, buffer,
                     session.layout, rank=session.rank, world_size=session.world_size,
                     job_id=session.job_id, header=session.header,
                     reserve_staging=self.arena.reserve_staging,

@@ -29,7 +29,7 @@ multi-host job's server commits its own ranks' group; ``snapshot.json`` records 
 
 Pieces: source and checks :mod:`.source`; group, ranks, repeated starts :mod:`.group`;
 statuses :mod:`.status`; a rank's writer :mod:`.writer` (plan :mod:`.plan`); commit
-:mod:`.store` over :mod:`.storage`; the store tier :mod:`.upload`.
+:mod:`.directory` over :mod:`.storage`; the store tier :mod:`.upload`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from swap_state.server.snapshot.plan import RankResult
 from swap_state.server.snapshot.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.storage import SnapshotStorage
-from swap_state.server.snapshot.store import SnapshotStore
+from swap_state.server.snapshot.directory import SnapshotDirectory
 from swap_state.server.snapshot.upload import SnapshotUploader
 from swap_state.server.snapshot.writer import Cancelled, RankWriter
 
@@ -121,8 +121,8 @@ class SnapshotCoordinator:
         )
         """Owns the memory rule's inputs; this coordinator records each snapshot's rate."""
         self.max_bandwidth = max_bandwidth
-        self.store = SnapshotStore(snapshot_dir, storage)
-        self.storage = self.store.storage
+        self.directory = SnapshotDirectory(snapshot_dir, storage)
+        """The local tier, ``--snapshot-dir`` (its files: ``directory.storage``)."""
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
         self.max_metadata_bytes = max_metadata_bytes
@@ -134,31 +134,32 @@ class SnapshotCoordinator:
         self._last_epoch = 0
         self._closed = False
         self._open_storage(clean_stale)
-        self.uploader = (SnapshotUploader.open(store_uri, store_timeout_s, self.store, store_max_bandwidth)
+        self.uploader = (SnapshotUploader.open(store_uri, store_timeout_s, self.directory, store_max_bandwidth)
                          if store_uri else None)
         self.stored = self.uploader.stored if self.uploader is not None else None
+        """The store tier, ``--snapshot-store`` (None: none)."""
 
     def _open_storage(self, clean_stale: bool) -> None:
         """Create the root, take this server's share of it, and remove what a killed writer
         left, unless another live server shares the directory."""
         try:
-            self.storage.create_root()
+            self.directory.storage.create_root()
         except OSError as exc:
-            raise SnapshotError(f"cannot create snapshot directory {self.storage.root}: {exc}") from None
+            raise SnapshotError(f"cannot create snapshot directory {self.directory.storage.root}: {exc}") from None
         try:
-            alone = self.storage.hold()
+            alone = self.directory.storage.hold()
         except OSError as exc:
-            raise SnapshotError(f"cannot lock snapshot directory {self.storage.root}: {exc}") from None
+            raise SnapshotError(f"cannot lock snapshot directory {self.directory.storage.root}: {exc}") from None
         if clean_stale and alone:
-            self.storage.clean_stale()
+            self.directory.storage.clean_stale()
         elif clean_stale:
-            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(self.storage.root),
+            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(self.directory.storage.root),
                       note="another live server uses this directory: its partial snapshots are "
                            "left alone")
 
     @property
     def snapshot_dir(self) -> pathlib.Path:
-        return self.store.root
+        return self.directory.root
 
     # ------------------------------------------------------------------------------ copy budget
 
@@ -258,9 +259,9 @@ class SnapshotCoordinator:
             )
 
     def _new_group(self, source: SnapshotSource) -> SnapshotGroup:
-        partial = self.store.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
+        partial = self.directory.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
         group = SnapshotGroup(
-            self.storage, source.job_id, source.step, source.world_size,
+            self.directory.storage, source.job_id, source.step, source.world_size,
             source.expected_ranks, partial, self._retention_for(source),
         )
         group.replace = source.replace_existing
@@ -280,7 +281,7 @@ class SnapshotCoordinator:
             source,
             metadata,
             self._next_epoch(source),
-            storage=self.storage,
+            storage=self.directory.storage,
             partial=group.partial,
             limiter=self._limiter,
             cancel=group.cancel,
@@ -394,12 +395,12 @@ class SnapshotCoordinator:
                 job_id=group.job_id, step=group.step, world_size=group.world_size, ranks=ranks, files=tuple(files),
                 created_unix=time.time(), attempt=self._attempt(group),
                 layout=None if layout is None else FileRecord(LAYOUT_NAME, -1, len(layout), crc32(layout)))
-            commit = self.store.commit(group.partial, index, group.keep, replace=group.replace, layout=layout)
+            commit = self.directory.commit(group.partial, index, group.keep, replace=group.replace, layout=layout)
         except SnapshotError as exc:
             group.fail(exc)
             return
         except OSError as exc:
-            group.fail(from_os_error(exc, f"committing {group.snapshot_id}", self.storage.root))
+            group.fail(from_os_error(exc, f"committing {group.snapshot_id}", self.directory.storage.root))
             return
         except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
             group.fail(SnapshotError(f"unexpected error committing {group.snapshot_id}: {exc!r}"))
@@ -411,13 +412,13 @@ class SnapshotCoordinator:
             group.state = SnapshotState.DURABLE
             group.finished_monotonic = time.monotonic()
             group.cond.notify_all()
-        for warning in self.store.empty_trash(commit):  # off the durability path
+        for warning in self.directory.empty_trash(commit):  # off the durability path
             log_event(log, "snapshot_retention_failed", logging.WARNING, snapshot_id=group.snapshot_id, error=warning)
 
     def _attempt(self, group: SnapshotGroup) -> int:
         """1, or one more than the snapshot of the step this commit replaces."""
         try:
-            return self.store.resolve(group.snapshot_id).index.attempt + 1 if group.replace else 1
+            return self.directory.resolve(group.snapshot_id).index.attempt + 1 if group.replace else 1
         except SnapshotError:
             return 1
 
@@ -464,12 +465,12 @@ class SnapshotCoordinator:
     def _status_at_rest(self, snapshot_id: str, rank: int) -> SnapshotStatus:
         """The status of a snapshot not in memory: from disk, else from the store."""
         try:
-            info = self.store.resolve(snapshot_id)
+            info = self.directory.resolve(snapshot_id)
         except SnapshotNotFound:
             if self.uploader is None:
                 raise
             return self.uploader.stored_status(snapshot_id, rank)  # only in the store
-        return SnapshotStatus.from_disk(info, self.store.read_manifest(info, rank))
+        return SnapshotStatus.from_disk(info, self.directory.read_manifest(info, rank))
 
     def in_progress(self) -> list[SnapshotStatus]:
         """Statuses of every rank of every snapshot still persisting (for Stats)."""
@@ -500,7 +501,7 @@ class SnapshotCoordinator:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self.uploader is not None:
             self.uploader.close()
-        self.storage.release()
+        self.directory.storage.release()
 
 
 def _check_arguments(keep_latest: int | None, assemble_timeout_s: float, stage_threads: int) -> None:

@@ -32,7 +32,7 @@ from swap_state.server.snapshot.plan import RankResult
 from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.storage import SnapshotStorage
-from swap_state.server.snapshot.store import CommitResult
+from swap_state.server.snapshot.directory import CommitResult
 from swap_state.server.snapshot.waiting import WatchedCondition
 from swap_state.server.snapshot.writer import RankWriter
 

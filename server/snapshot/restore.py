@@ -1,7 +1,7 @@
 """Restore: a durable snapshot into a session's segment, verified first.
 
 Call order (the servicer, for Restore): resolve the session's segment, then
-``restore(coordinator.store, snapshot_id, segment_mmap, layout, job_id=..., rank=...,
+``restore(coordinator.directory, snapshot_id, segment_mmap, layout, job_id=..., rank=...,
 world_size=..., reserve_staging=arena.reserve_staging, stored=..., placement_json=...)``; on
 success it has written the tensors and returns the snapshot's step and the trainer's metadata
 (the servicer then records the restored step as committed).
@@ -35,7 +35,7 @@ from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.assemble import assemble, check_layout, check_world_size
 from swap_state.server.snapshot.tiers import resolve_source
-from swap_state.server.snapshot.store import SnapshotStore
+from swap_state.server.snapshot.directory import SnapshotDirectory
 
 __all__ = ["RestoreResult", "check_layout", "restore"]
 
@@ -70,7 +70,7 @@ class RestoreResult:
 
 
 def restore(
-    store: SnapshotStore,
+    store: SnapshotDirectory,
     snapshot_id: str,
     buffer,
     layout: SegmentLayout,

@@ -1,17 +1,25 @@
-"""The storage seam of snapshots: *where* a snapshot's files go, apart from *what* they hold.
+"""Where a snapshot's files go, apart from what they hold: :class:`SnapshotStorage`, the
+``--snapshot-dir`` directory's file operations (a local or locally mounted filesystem).
 
 What a snapshot writes (the plan: file names, the safetensors header, tensors at byte ranges,
 crc32s, manifests, ``snapshot.json``) is decided by the writer, its
 :mod:`~swap_state.server.snapshot.plan` and :mod:`swap_state.common.snapshot_format`; how the
-bytes reach a durable place, and how a finished snapshot is published atomically, is a
-:class:`SnapshotStorage`'s. Modelled on ``torch.distributed.checkpoint``'s
-``StorageWriter``/``StorageReader``: the callers only ever hand it names and bytes (or a file
-descriptor to ``pwrite`` into), never build paths or call ``os`` for snapshot files.
+bytes reach a durable place, and how a finished snapshot is published atomically, is decided
+here. Modelled on ``torch.distributed.checkpoint``'s ``StorageWriter``: the callers only ever
+hand it names and bytes (or a file descriptor to ``pwrite`` into), never build paths or call
+``os`` for snapshot files. The object store (``--snapshot-store``) is written by the uploader
+(:mod:`.upload`), a copy of committed snapshots; both are read through the one read seam,
+:class:`~swap_state.common.snapshot_reader.SnapshotTier`.
 
-:class:`~swap_state.server.snapshot.local_storage.LocalFilesystemStorage` is today's
-(``--snapshot-dir``); an object store or a shared filesystem goes behind the same methods.
+Directory layout under the root::
 
-Call order (the coordinator, its store and the rank writers)::
+    <root>/<job_id>/step-<N:012d>/          complete snapshots (snapshot.json present)
+    <root>/<job_id>/.partial-step-<N:012d>/ a snapshot being written (never listed)
+    <root>/<job_id>/.deleting-step-<N>/     an old snapshot being removed by retention
+    <root>/<job_id>/latest                  "step-<N:012d>": the last committed snapshot
+    <root>/.swap-state.lock                 a shared flock per live server
+
+Call order (the coordinator, its directory and the rank writers)::
 
     storage.create_root(); alone = storage.hold()         # once, at server start
     if alone: storage.clean_stale()                        # what a killed server left
@@ -33,6 +41,12 @@ Call order (the coordinator, its store and the rank writers)::
     # a failed snapshot instead: storage.discard(partial)
     storage.release()                                      # at shutdown
 
+Durability: a file is fsynced before it counts (:func:`write_durable`, :meth:`SnapshotFile.fsync`),
+a directory after names were created in, renamed into or removed from it (:func:`fsync_dir`).
+Publication is a ``rename`` of the partial directory, removal a ``rename`` out of the listed
+names first: a directory removed halfway never looks complete. Every path is built here from
+the root, a job id and a step, and confined under the root (the reader's ``job_dir``).
+
 Errors: I/O failures raise ``OSError`` (the caller maps them to snapshot errors naming
 :attr:`SnapshotStorage.root`: disk full becomes SnapshotDiskFull); a job id or location that
 would leave the root raises SnapshotInvalid; :meth:`SnapshotStorage.commit` raises
@@ -41,14 +55,45 @@ SnapshotExists when the step is there already and ``replace`` is False.
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import enum
+import errno
+import fcntl
 import os
 import pathlib
+import shutil
+import time
 from types import TracebackType
 
-__all__ = ["Published", "SnapshotFile", "SnapshotStorage", "StepState", "pwrite_all"]
+from swap_state.common.names import snapshot_id_for, step_dir_name
+from swap_state.common.object_store import fsync_dir
+from swap_state.common.snapshot_errors import SnapshotExists
+from swap_state.common.snapshot_format import LATEST_NAME, partial_dir_name
+from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.server import _posix
+
+__all__ = ["LOCK_NAME", "Published", "SnapshotFile", "SnapshotStorage", "StepState", "fsync_dir", "pwrite_all",
+           "write_durable"]
+
+LOCK_NAME = ".swap-state.lock"
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+"""Snapshots, their job directories and the lock are the server user's alone, whatever the
+umask or the root directory's mode (a shared /snapshots, a hostPath)."""
+_DELETING_PREFIX = ".deleting-"
+_LATEST_TMP = ".latest.tmp"
+
+
+def write_durable(path: pathlib.Path, data: bytes) -> None:
+    """Create ``path`` (it must not exist), write ``data`` and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -87,8 +132,9 @@ class Published:
     """Failures after the snapshot became complete (reported, not fatal)."""
 
 
-class SnapshotFile(abc.ABC):
-    """One new file of a partial snapshot, open for writing.
+class SnapshotFile:
+    """One new file of a partial snapshot directory (``O_EXCL``: never one already there),
+    open for writing.
 
     Call order: :meth:`pwrite` (and ``os.pwrite`` on :meth:`fileno`) at any offsets, any
     order; :meth:`start_writeback` hints as bytes accumulate; :meth:`fsync`; :meth:`close`
@@ -96,11 +142,18 @@ class SnapshotFile(abc.ABC):
     returned, and part of the snapshot once the partial is committed.
     """
 
-    @abc.abstractmethod
+    def __init__(self, path: pathlib.Path, direct: bool = True):
+        """``direct``: :meth:`open_direct` may give an O_DIRECT descriptor (``--direct-io``)."""
+        self.path = path
+        self.direct = direct
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+
     def fileno(self) -> int:
-        """An OS file descriptor open for writing that takes ``os.pwrite``: the writer copies
-        from the mapped segment into it without a copy of its own (a remote storage spools
-        here and uploads at :meth:`fsync`)."""
+        """The descriptor open for writing: the writer ``os.pwrite``s from the mapped segment
+        into it without a copy of its own."""
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
+        return self._fd
 
     def pwrite(self, data: bytes | memoryview, offset: int) -> None:
         """All of ``data`` at ``offset``."""
@@ -108,22 +161,32 @@ class SnapshotFile(abc.ABC):
             pwrite_all(self.fileno(), view, offset)
 
     def open_direct(self) -> int | None:
-        """A second descriptor of this file, open for writing with ``O_DIRECT`` (the caller
-        writes block-aligned ranges from aligned memory through it, and closes it), or None
-        where the storage or its filesystem does not take direct I/O. Default: None."""
-        return None
+        """A second descriptor of this file with ``O_DIRECT`` (the caller writes block-aligned
+        ranges from aligned memory through it, and closes it); None where the filesystem refuses it (EINVAL: tmpfs,
+        some FUSE and network filesystems), logged once per directory by the caller."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag or not self.direct:
+            return None
+        try:
+            return os.open(self.path, os.O_WRONLY | flag | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return None
+            raise
 
     def start_writeback(self, offset: int, nbytes: int) -> None:
-        """A hint: bytes ``[offset, offset + nbytes)`` are final, start moving them to the
-        durable medium now (so :meth:`fsync` finds little left). Default: nothing."""
+        # sync_file_range: the kernel starts writing these pages now, so the fsync at the end
+        # finds little left and the dirty pages of a big snapshot do not pile up.
+        _posix.start_writeback(self.fileno(), offset, nbytes)
 
-    @abc.abstractmethod
     def fsync(self) -> None:
-        """Make every byte written so far durable."""
+        os.fsync(self.fileno())
 
-    @abc.abstractmethod
     def close(self) -> None:
         """Release the descriptor (idempotent); does not make anything durable."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     def __enter__(self) -> SnapshotFile:
         return self
@@ -134,90 +197,175 @@ class SnapshotFile(abc.ABC):
         self.close()
 
 
-class SnapshotStorage(abc.ABC):
-    """Where snapshot files go; see the module docstring for the call order. Thread-safe for
-    different snapshots; the store serialises commits (latest and retention read a job's
+
+class SnapshotStorage:
+    """A snapshot root directory on a filesystem with POSIX rename and fsync; see the module
+    docstring for the call order. Thread-safe for different snapshots; the directory
+    (:class:`~.directory.SnapshotDirectory`) serialises commits (latest and retention read a job's
     snapshots)."""
 
-    root: pathlib.PurePath
-    """The storage's root, as messages name it (``--snapshot-dir``)."""
+    def __init__(self, root: str | os.PathLike[str], direct_io: str = "writes"):
+        """``direct_io``: ``--direct-io`` (writes, off): whether snapshot writes may use O_DIRECT."""
+        self.direct_writes = direct_io == "writes"
+        # The reader's path rules (job ids, confinement under the root, what counts as a
+        # complete snapshot) are the ones every reader of the directory applies: one copy.
+        self._reader = SnapshotReader(root)
+        self.root: pathlib.Path = self._reader.root
+        self._lock_fd: int | None = None
 
     # ---------------------------------------------------------------- once per server
 
-    @abc.abstractmethod
     def create_root(self) -> None:
         """Create the root if it is missing."""
+        self.root.mkdir(parents=True, exist_ok=True)
 
-    @abc.abstractmethod
     def hold(self) -> bool:
-        """Take this server's share of the root until :meth:`release`. True when no other
-        live server shares it: only then may :meth:`clean_stale` run."""
+        """A shared ``flock`` on ``.swap-state.lock``, held until :meth:`release`; True when an
+        exclusive one was free first (no other live server: two embedded servers may share
+        the per-user default directory, and another's partial snapshots are not stale)."""
+        self._lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alone = True
+        except BlockingIOError:
+            alone = False
+        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)  # converts an exclusive lock, or waits for one
+        return alone
 
-    @abc.abstractmethod
-    def clean_stale(self) -> list[pathlib.PurePath]:
-        """Remove what a killed writer left (partial snapshots, half-removed ones, a pointer's
-        temporary); returns what was removed."""
-
-    @abc.abstractmethod
     def release(self) -> None:
         """Drop the share :meth:`hold` took."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the file releases the lock
+
+    def clean_stale(self) -> list[pathlib.PurePath]:
+        """``.partial-*``, ``.deleting-*`` and the latest pointer's temp file of every job."""
+        removed: list[pathlib.PurePath] = []
+        for job in self._reader.jobs():
+            job_dir = self._reader.job_dir(job)
+            for name in os.listdir(job_dir):
+                path = job_dir / name
+                if name.startswith((".partial-", _DELETING_PREFIX)) and path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+                elif name == _LATEST_TMP:
+                    path.unlink(missing_ok=True)
+                    removed.append(path)
+        return removed
 
     # ---------------------------------------------------------------- writing a snapshot
 
-    @abc.abstractmethod
-    def location(self, job_id: str, step: int | None = None) -> pathlib.PurePath:
+    def location(self, job_id: str, step: int | None = None) -> pathlib.Path:
         """Where a job's snapshots are, or where the committed snapshot of ``step`` goes (for
         messages and statuses). SnapshotInvalid for a job id that would leave the root."""
+        if step is None:
+            return self._reader.job_dir(job_id)
+        return self._reader.final_dir(job_id, step)
 
-    @abc.abstractmethod
     def step_state(self, job_id: str, step: int) -> StepState:
         """What is where the committed snapshot of ``step`` would go."""
+        final = self._reader.final_dir(job_id, step)
+        if self._reader.load_index(job_id, final, step) is not None:
+            return StepState.COMPLETE
+        if os.path.lexists(final):
+            return StepState.OTHER
+        return StepState.ABSENT
 
-    @abc.abstractmethod
-    def open_partial(self, job_id: str, step: int) -> pathlib.PurePath:
+    def open_partial(self, job_id: str, step: int) -> pathlib.Path:
         """A fresh, empty partial snapshot of ``step`` (a stale one is replaced); never listed."""
+        partial = self._reader.job_dir(job_id) / partial_dir_name(step)
+        partial.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        self._reader.job_dir(job_id)  # re-check confinement now that it exists
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir(mode=DIR_MODE)
+        return partial
 
-    @abc.abstractmethod
     def create_file(self, partial: pathlib.PurePath, name: str) -> SnapshotFile:
         """A new file ``name`` in ``partial`` (it must not exist), open for writing."""
+        return SnapshotFile(self._inside(partial) / name, direct=self.direct_writes)
 
-    @abc.abstractmethod
     def write_durable(self, partial: pathlib.PurePath, name: str, data: bytes) -> None:
         """Create ``name`` in ``partial`` (it must not exist) with ``data``, durable on return."""
+        write_durable(self._inside(partial) / name, data)
 
-    @abc.abstractmethod
     def seal(self, partial: pathlib.PurePath) -> None:
         """Make every file name created in ``partial`` durable (before :meth:`commit`)."""
+        fsync_dir(self._inside(partial))
 
-    @abc.abstractmethod
     def commit(self, partial: pathlib.PurePath, job_id: str, step: int, *, replace: bool) -> Published:
-        """Publish ``partial`` as the snapshot of ``step``, atomically, durable on return.
-        A committed snapshot of the step is moved out of the way first when ``replace``
-        (returned in :attr:`Published.replaced`), else SnapshotExists. OSError before the
+        """Rename the partial directory to ``step-<N>``, then fsync the job directory. An
+        existing ``step-<N>`` is renamed out of the way first: a directory removed halfway
+        must not look complete, and between the two renames the step is absent, never mixed.
+        Without ``replace`` a committed step raises SnapshotExists. OSError before the
         publication leaves nothing half done; failures after it are warnings."""
+        job_dir = self._reader.job_dir(job_id)
+        final = job_dir / step_dir_name(step)
+        replaced = None
+        if final.exists():
+            if not replace:
+                raise SnapshotExists(f"snapshot {snapshot_id_for(job_id, step)} already exists at {final}")
+            replaced = final.with_name(_DELETING_PREFIX + final.name + f".{os.getpid()}")
+            os.rename(final, replaced)
+        os.rename(self._inside(partial), final)
+        # From here on the snapshot is complete: what fails now is reported, not fatal.
+        warnings: list[str] = []
+        try:
+            fsync_dir(job_dir)
+        except OSError as exc:
+            warnings.append(f"could not fsync {job_dir} after the rename: {exc}")
+        return Published(final, replaced, tuple(warnings))
 
-    @abc.abstractmethod
     def set_latest(self, job_id: str, step: int) -> None:
-        """Point the job's ``latest`` at ``step``. On failure the pointer is removed (best
-        effort: ``latest`` then falls back to the highest step) and the OSError raised."""
+        """Write the pointer aside, fsync it, rename it over ``latest``, fsync the job dir. On
+        failure the pointer is removed (``latest`` then falls back to the highest step) and
+        the OSError raised."""
+        job_dir = self._reader.job_dir(job_id)
+        try:
+            tmp = job_dir / _LATEST_TMP
+            tmp.unlink(missing_ok=True)
+            write_durable(tmp, (step_dir_name(step) + "\n").encode())
+            os.replace(tmp, job_dir / LATEST_NAME)
+            fsync_dir(job_dir)
+        except OSError:
+            # A stale pointer would hide the new snapshot; without one, latest falls back to
+            # the highest step.
+            try:
+                (job_dir / LATEST_NAME).unlink(missing_ok=True)
+            except OSError:
+                pass
+            raise
 
-    @abc.abstractmethod
     def discard(self, where: pathlib.PurePath) -> bool:
         """Remove an unlisted location (a failed partial, a replaced snapshot), best effort;
         True when it is gone."""
+        path = self._inside(where)
+        shutil.rmtree(path, ignore_errors=True)
+        return not path.exists()
 
     # ---------------------------------------------------------------- committed snapshots
 
-    @abc.abstractmethod
     def list(self, job_id: str) -> list[tuple[int, pathlib.PurePath]]:
-        """The job's committed snapshots as (step, location), lowest step first; nothing
-        partial, replaced or being removed."""
+        """The job's committed snapshots as (step, location), lowest step first."""
+        return [(step, path) for step, path, _ in self._reader.complete(job_id)]
 
-    @abc.abstractmethod
-    def unlist(self, where: pathlib.PurePath) -> pathlib.PurePath:
-        """Take a committed snapshot out of the listing, atomically and durably (retention's
-        first half); returns where its bytes now are, for :meth:`discard`."""
+    def unlist(self, where: pathlib.PurePath) -> pathlib.Path:
+        """Rename to ``.deleting-step-<N>.<unique>`` and fsync the job directory: gone from
+        the listing, durably, before any byte of it is removed."""
+        path = self._inside(where)
+        trash = path.with_name(f"{_DELETING_PREFIX}{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+        os.rename(path, trash)
+        fsync_dir(path.parent)
+        return trash
 
-    @abc.abstractmethod
     def remove(self, where: pathlib.PurePath) -> None:
         """Remove a committed snapshot: :meth:`unlist`, then delete (OSError on failure)."""
+        shutil.rmtree(self.unlist(where))
+
+    def _inside(self, where: pathlib.PurePath) -> pathlib.Path:
+        """``where`` as a path, refused unless it is under the root (every location this
+        storage hands out is)."""
+        path = pathlib.Path(where)
+        if self.root not in path.parents:
+            raise ValueError(f"{where} is not inside the snapshot directory {self.root}")
+        return path

@@ -19,14 +19,14 @@ from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.sources import Source
-from swap_state.server.snapshot.store import SnapshotStore
+from swap_state.server.snapshot.directory import SnapshotDirectory
 
 __all__ = ["list_both_tiers", "resolve_source"]
 
 log = logging.getLogger("swap_state.server.restore")
 
 
-def resolve_source(store: SnapshotStore, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,
+def resolve_source(store: SnapshotDirectory, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,
                    rank: int, world_size: int) -> Source:
     """The snapshot to restore and the tier it is read from. Local first when it holds this rank at
     this world size, or every rank; else the store. ``latest``: with a store, the newest step
@@ -66,7 +66,7 @@ def resolve_source(store: SnapshotStore, stored: StoredSnapshots | None, snapsho
     return Source(store, local) if usable else Source(stored, remote)
 
 
-def _local_copy(store: SnapshotStore, remote: SnapshotInfo, rank: int, world_size: int) -> Source | None:
+def _local_copy(store: SnapshotDirectory, remote: SnapshotInfo, rank: int, world_size: int) -> Source | None:
     """This server's copy of the store's snapshot when it has the same attempt at
     the step and holds this rank (or every rank); else None."""
     try:
@@ -80,7 +80,7 @@ def _local_copy(store: SnapshotStore, remote: SnapshotInfo, rank: int, world_siz
 def list_both_tiers(coordinator, job_id: str | None) -> list[tuple[SnapshotInfo | None, SnapshotInfo | None]]:
     """Every snapshot in either tier as (local, stored), by job then step; ``latest`` marks
     the step Restore's ``latest`` resolves to (for a rank of the job at its world size)."""
-    local = {(i.job_id, i.step): i for i in coordinator.store.list(job_id)}
+    local = {(i.job_id, i.step): i for i in coordinator.directory.list(job_id)}
     stored = {}
     if coordinator.stored is not None:
         try:

@@ -48,7 +48,7 @@ from swap_state.server.logs import log_event
 from swap_state.server.snapshot.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.layout_index import LayoutIndex
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
-from swap_state.server.snapshot.store import SnapshotStore
+from swap_state.server.snapshot.directory import SnapshotDirectory
 from swap_state.server.snapshot.waiting import WatchedCondition
 
 __all__ = ["StoreState", "UploadStatus", "UploadCounters", "SnapshotUploader", "UPLOAD_BLOCK_BYTES", "HISTORY"]
@@ -100,7 +100,7 @@ class UploadCounters:
 class SnapshotUploader:
     """Uploads durable local snapshots to the store, one worker thread (call order above)."""
 
-    def __init__(self, stored: StoredSnapshots, local: SnapshotStore, max_bandwidth: float | None = None):
+    def __init__(self, stored: StoredSnapshots, local: SnapshotDirectory, max_bandwidth: float | None = None):
         """``max_bandwidth``: bytes/s for all uploads (None: no cap)."""
         self.stored = stored
         self.uri = stored.uri
@@ -117,7 +117,7 @@ class SnapshotUploader:
         self._thread.start()
 
     @classmethod
-    def open(cls, uri: str, timeout_s: float, local: SnapshotStore, max_bandwidth: float | None = None) -> SnapshotUploader:
+    def open(cls, uri: str, timeout_s: float, local: SnapshotDirectory, max_bandwidth: float | None = None) -> SnapshotUploader:
         """The uploader of ``--snapshot-store uri`` (each request bounded by ``timeout_s``)."""
         return cls(StoredSnapshots(open_store(uri, timeout_s)), local, max_bandwidth)
 

@@ -28,7 +28,7 @@ def snapshot(make_segment, make_coordinator):
     coordinator = make_coordinator()
     status = coordinator.start(seg.source("job", 8, metadata_json=metadata)).wait(20)
     assert status.state is SnapshotState.DURABLE
-    return coordinator.store, coordinator.store.resolve("job/step-8"), contents, metadata
+    return coordinator.directory, coordinator.directory.resolve("job/step-8"), contents, metadata
 
 
 def _target(make_segment, specs=SPECS):
@@ -171,9 +171,9 @@ def test_the_same_world_size_at_another_layout_is_resharded(make_segment, make_c
     before = target.tensor_area()
     with pytest.raises(SnapshotLayoutMismatch, match=r"tensor 'w.exp_avg' is float32\[4, 8\], the segment's is "
                                                       r"float32\[8, 8\]"):
-        restore(coordinator.store, "latest", target.mm, target.layout, job_id="job", rank=1, world_size=2)
+        restore(coordinator.directory, "latest", target.mm, target.layout, job_id="job", rank=1, world_size=2)
     assert target.tensor_area() == before
-    result = restore(coordinator.store, "latest", target.mm, target.layout, job_id="job", rank=1, world_size=2,
+    result = restore(coordinator.directory, "latest", target.mm, target.layout, job_id="job", rank=1, world_size=2,
                      placement_json=metadata_for(target, step=4))
     assert target.tensors() == {"w.exp_avg": shards[0] + shards[1], "n.exp_avg": norm}
     assert (result.step, result.snapshot_world_size, sorted(result.source_ranks)) == (4, 2, [0, 1])
@@ -184,7 +184,7 @@ def test_a_reshard_plans_from_the_steps_layout_index_checked_first(make_segment,
     crc32 in ``snapshot.json``; a reshard plans from it, and one that changed is refused,
     naming it, before the segment changes."""
     coordinator, shards, _ = _fsdp_pair(make_segment, make_coordinator)
-    info = coordinator.store.resolve("job/step-4")
+    info = coordinator.directory.resolve("job/step-4")
     assert info.index.layout is not None
     assert (info.path / LAYOUT_NAME).stat().st_size == info.index.layout.bytes
     target = make_segment("one", specs=WHOLE)  # resumed on one rank
@@ -192,11 +192,11 @@ def test_a_reshard_plans_from_the_steps_layout_index_checked_first(make_segment,
     before = target.tensor_area()
     flip_byte(info.path / LAYOUT_NAME, 20)
     with pytest.raises(SnapshotCorrupt, match=r"layout.json does not match its checksum"):
-        restore(coordinator.store, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1,
+        restore(coordinator.directory, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1,
                 placement_json=metadata_for(target, step=4))
     assert target.tensor_area() == before
     flip_byte(info.path / LAYOUT_NAME, 20)  # back as written
-    result = restore(coordinator.store, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1,
+    result = restore(coordinator.directory, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1,
                      placement_json=metadata_for(target, step=4))
     assert target.tensors()["w.exp_avg"] == shards[0] + shards[1]
     assert result.plan == "layout-index"

@@ -36,7 +36,7 @@ def snapshot(make_segment, make_coordinator, monkeypatch):
     coordinator = make_coordinator()
     status = coordinator.start(seg.source("job", 3, metadata_json=metadata_for(seg, step=3))).wait(20)
     assert status.state is SnapshotState.DURABLE
-    return coordinator.store, coordinator.store.resolve("job/step-3"), contents
+    return coordinator.directory, coordinator.directory.resolve("job/step-3"), contents
 
 
 def _target(make_segment):

@@ -18,8 +18,8 @@ from swap_state.common.snapshot_format import rank_data_name
 from swap_state.server.snapshot import sink as snapshot_sink
 from swap_state.server.snapshot import writer as snapshot_writer
 from swap_state.server.snapshot.coordinator import SnapshotState
-from swap_state.server.snapshot import local_storage
-from swap_state.server.snapshot.local_storage import LocalFile
+from swap_state.server.snapshot import storage as local_storage
+from swap_state.server.snapshot.storage import SnapshotFile
 from swap_state.server.snapshot.sink import BLOCK_BYTES, BufferedSink, DirectSink, open_sink
 
 from test_snapshot_consistency import _file_tensors
@@ -59,7 +59,7 @@ def test_direct_sink_writes_exactly_the_pieces(tmp_path, total):
     rng = random.Random(total)
     pieces = _pieces(rng, total)
     expected = b"".join(pieces)
-    with LocalFile(tmp_path / "f") as file:
+    with SnapshotFile(tmp_path / "f") as file:
         fd = file.open_direct()
         assert fd is not None, "the test directory is on a filesystem without O_DIRECT"
         with DirectSink(file, fd, bounce_bytes=16384) as sink:
@@ -71,7 +71,7 @@ def test_direct_sink_writes_exactly_the_pieces(tmp_path, total):
 
 def test_buffered_sink_writes_exactly_the_pieces(tmp_path):
     pieces = _pieces(random.Random(3), 100_000)
-    with LocalFile(tmp_path / "f") as file, BufferedSink(file) as sink:
+    with SnapshotFile(tmp_path / "f") as file, BufferedSink(file) as sink:
         crc = _write(sink, pieces, replace_every=2)
     assert (tmp_path / "f").read_bytes() == b"".join(pieces) and crc == zlib.crc32(b"".join(pieces))
 
@@ -88,7 +88,7 @@ def test_a_direct_write_the_filesystem_refuses_is_made_buffered(tmp_path, monkey
 
     monkeypatch.setattr(snapshot_sink, "pwrite_all", pwrite_all)
     pieces = _pieces(random.Random(4), 50_000)
-    with LocalFile(tmp_path / "f") as file:
+    with SnapshotFile(tmp_path / "f") as file:
         direct_fd = file.open_direct()
         with caplog.at_level(logging.WARNING), DirectSink(file, direct_fd, bounce_bytes=8192) as sink:
             _write(sink, pieces)
@@ -102,7 +102,7 @@ def test_a_disk_error_in_a_write_in_flight_reaches_the_writer(tmp_path, monkeypa
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(snapshot_sink, "pwrite_all", pwrite_all)
-    with LocalFile(tmp_path / "f") as file, DirectSink(file, file.open_direct(), bounce_bytes=4096) as sink:
+    with SnapshotFile(tmp_path / "f") as file, DirectSink(file, file.open_direct(), bounce_bytes=4096) as sink:
         with pytest.raises(OSError) as raised:
             _write(sink, _pieces(random.Random(5), 40_000))
     assert raised.value.errno == errno.ENOSPC
@@ -117,7 +117,7 @@ def test_open_sink_falls_back_where_the_filesystem_refuses_o_direct(tmp_path, mo
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(local_storage.os, "open", open_)
-    with LocalFile(tmp_path / "f") as file, open_sink(file) as sink:
+    with SnapshotFile(tmp_path / "f") as file, open_sink(file) as sink:
         assert isinstance(sink, BufferedSink) and not sink.direct
         sink.write_all(b"x" * 5000)
         sink.finish()
@@ -150,8 +150,8 @@ def test_a_chunk_in_pieces_overwritten_midway_is_finished_from_the_trainer_slot(
     status = coordinator.start(seg.source("job", 4)).wait(20)
     assert seen["done"] and status.state is SnapshotState.DURABLE, status.error
     assert _file_tensors(status.path + "/" + rank_data_name(0)) == at_step_n
-    info = coordinator.store.resolve("job/step-4")
-    coordinator.store.verify_data(info, coordinator.store.read_manifest(info, 0))
+    info = coordinator.directory.resolve("job/step-4")
+    coordinator.directory.verify_data(info, coordinator.directory.read_manifest(info, 0))
     [data_file] = [f for f in info.index.files if f.name == rank_data_name(0)]
     assert os.path.getsize(status.path + "/" + rank_data_name(0)) == data_file.bytes
 
@@ -159,7 +159,7 @@ def test_a_chunk_in_pieces_overwritten_midway_is_finished_from_the_trainer_slot(
 @pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "buffered"])
 def test_each_persisted_rank_logs_how_it_was_written(make_segment, make_coordinator, monkeypatch, caplog, direct):
     if not direct:
-        monkeypatch.setattr(LocalFile, "open_direct", lambda self: None)
+        monkeypatch.setattr(SnapshotFile, "open_direct", lambda self: None)
     seg = make_segment()
     at_step_n = seg.fill(seed=3)
     with caplog.at_level(logging.INFO, logger="swap_state.server.snapshot_writer"):

@@ -11,7 +11,7 @@ import pytest
 
 from swap_state.common.snapshot_errors import SnapshotExists
 from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, FileRecord, SnapshotIndex, dumps_json
-from swap_state.server.snapshot.local_storage import LocalFilesystemStorage
+from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.snapshot.storage import StepState, pwrite_all
 
 DATA = "rank-00000.safetensors"
@@ -23,7 +23,7 @@ def _index(step: int) -> bytes:
     return dumps_json(index.to_json())
 
 
-def _write_partial(storage: LocalFilesystemStorage, step: int) -> pathlib.PurePath:
+def _write_partial(storage: SnapshotStorage, step: int) -> pathlib.PurePath:
     partial = storage.open_partial("job", step)
     with storage.create_file(partial, DATA) as file:
         file.pwrite(b"hello", 0)
@@ -34,7 +34,7 @@ def _write_partial(storage: LocalFilesystemStorage, step: int) -> pathlib.PurePa
 
 
 def test_write_fsync_seal_commit_by_rename_and_nothing_partial_listed(tmp_path, monkeypatch):
-    storage = LocalFilesystemStorage(tmp_path / "snapshots")
+    storage = SnapshotStorage(tmp_path / "snapshots")
     storage.create_root()
     assert storage.hold()  # alone on the directory
     trace: list[tuple[str, str]] = []
@@ -97,7 +97,7 @@ def test_write_fsync_seal_commit_by_rename_and_nothing_partial_listed(tmp_path, 
 
 
 def test_locations_outside_the_root_are_refused(tmp_path):
-    storage = LocalFilesystemStorage(tmp_path / "snapshots")
+    storage = SnapshotStorage(tmp_path / "snapshots")
     storage.create_root()
     with pytest.raises(ValueError, match="not inside"):
         storage.create_file(tmp_path, "x")

@@ -11,7 +11,7 @@ import pytest
 from swap_state.common.segment import Word
 from swap_state.server.snapshot import sink as snapshot_sink
 from swap_state.server.snapshot import writer as snapshot_writer
-from swap_state.server.snapshot.local_storage import LocalFile
+from swap_state.server.snapshot.storage import SnapshotFile
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.common.copy_before_write import protect_chunk
@@ -35,7 +35,7 @@ def test_chunk_overwritten_mid_read_is_rewritten_from_its_slot(make_segment, mak
     victim = seg.chunks[3]  # inside the first tensor: its running crc continues across it
     assert victim.tensor_index == seg.chunks[2].tensor_index == seg.chunks[4].tensor_index
     if not direct:
-        monkeypatch.setattr(LocalFile, "open_direct", lambda self: None)
+        monkeypatch.setattr(SnapshotFile, "open_direct", lambda self: None)
 
     real_place, real_crc = snapshot_writer._place, snapshot_sink.crc32
     state = {"done": False}
@@ -70,8 +70,8 @@ def test_chunk_overwritten_mid_read_is_rewritten_from_its_slot(make_segment, mak
     assert status.cow_copies == 1
     # The file holds step N's bytes, and its checksums (verified on restore) agree with them.
     assert _file_tensors(status.path + "/" + rank_data_name(0)) == at_step_n
-    info = coordinator.store.resolve("job/step-4")
-    coordinator.store.verify_data(info, coordinator.store.read_manifest(info, 0))
+    info = coordinator.directory.resolve("job/step-4")
+    coordinator.directory.verify_data(info, coordinator.directory.read_manifest(info, 0))
     assert seg.mm[victim.offset : victim.offset + 1] == b"\xee"  # the trainer's write stands
     assert seg.header[Word.SNAP_EPOCH] == 0 and seg.slots_all_free()
 

@@ -1,14 +1,13 @@
-"""Snapshots on disk, the server's side: the commit sequence and retention, over a storage.
+"""The server's ``--snapshot-dir``: the commit sequence and retention, over its storage.
 
 Reading (list, resolve, manifests, verify) is :class:`~swap_state.common.snapshot_reader.SnapshotReader`'s,
-which this store extends. Where the files go is its
-:class:`~swap_state.server.snapshot.storage.SnapshotStorage`'s (by default
-:class:`~swap_state.server.snapshot.local_storage.LocalFilesystemStorage` on the root, whose
-docstring has the directory layout); this store decides what happens in which order.
+which this directory extends (the local :class:`~swap_state.common.snapshot_reader.SnapshotTier`).
+Where the files go is its :class:`~swap_state.server.snapshot.storage.SnapshotStorage`'s (whose
+docstring has the directory layout); this class decides what happens in which order.
 
 Writing (the coordinator, in this order): the storage's ``create_root``, ``hold`` and
-``clean_stale`` once at start; :meth:`~SnapshotStore.prepare_partial` per snapshot; the ranks'
-files (the writers, through the storage); then :meth:`~SnapshotStore.commit` (index, seal,
+``clean_stale`` once at start; :meth:`~SnapshotDirectory.prepare_partial` per snapshot; the ranks'
+files (the writers, through the storage); then :meth:`~SnapshotDirectory.commit` (index, seal,
 atomic publication, ``latest``, retention), or the storage's ``discard`` on failure.
 """
 
@@ -24,15 +23,14 @@ from swap_state.common.names import snapshot_id_for
 from swap_state.common.snapshot_errors import SnapshotExists, from_os_error
 from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, LAYOUT_NAME, SnapshotIndex, dumps_json, partial_dir_name
 from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
-from swap_state.server.snapshot.local_storage import LocalFilesystemStorage
 from swap_state.server.snapshot.storage import SnapshotStorage, StepState
 
-__all__ = ["SnapshotInfo", "CommitResult", "SnapshotStore"]
+__all__ = ["SnapshotInfo", "CommitResult", "SnapshotDirectory"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CommitResult:
-    """What :meth:`SnapshotStore.commit` did."""
+    """What :meth:`SnapshotDirectory.commit` did."""
 
     path: pathlib.PurePath
     """The complete snapshot's location (its directory, on the local filesystem)."""
@@ -41,12 +39,12 @@ class CommitResult:
     warnings: tuple[str, ...]
     """Failures after the snapshot was durable (latest pointer, retention): reported, not fatal."""
     trash: tuple[pathlib.PurePath, ...] = ()
-    """Unlisted locations (retention's, a replaced snapshot) whose bytes :meth:`SnapshotStore.empty_trash`
+    """Unlisted locations (retention's, a replaced snapshot) whose bytes :meth:`SnapshotDirectory.empty_trash`
     removes once the snapshot has been reported durable: deleting a large file takes a while
     (130 ms for 512 MiB on ext4 here), and durability does not wait for it."""
 
 
-class SnapshotStore(SnapshotReader):
+class SnapshotDirectory(SnapshotReader):
     """The snapshot root, read and written by the server. Thread-safe."""
 
     def __init__(self, root: str | os.PathLike[str], storage: SnapshotStorage | None = None):
@@ -55,7 +53,7 @@ class SnapshotStore(SnapshotReader):
         self.in_use: Callable[[str], set[int]] = lambda job_id: set()
         """The steps of a job retention must keep beyond ``keep_latest`` (the uploader's: the
         snapshot it is reading)."""
-        self.storage: SnapshotStorage = storage if storage is not None else LocalFilesystemStorage(self.root)
+        self.storage: SnapshotStorage = storage if storage is not None else SnapshotStorage(self.root)
         # Commits of different snapshots serialize here: latest and retention read the job dir.
         self._commit_lock = threading.Lock()
 
