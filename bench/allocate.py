@@ -76,8 +76,8 @@ def measure(args) -> dict[str, Any]:
     nbytes = util.parse_size(args.size)
     shm_dir = tempfile.mkdtemp(prefix="swap-state-bench-alloc-", dir="/dev/shm")
     work = tempfile.mkdtemp(prefix="swap-state-bench-alloc-")
-    server = EmbeddedServer(EmbeddedServerConfig(shm_size_bytes=nbytes + (512 << 20), shm_dir=shm_dir,
-                                                 snapshot_dir=work, auto_restart=False, cow_budget_bytes=0)).start()
+    server = EmbeddedServer(EmbeddedServerConfig(shm_size_bytes=nbytes + (512 << 20), snapshot_dir=work,
+                                                 auto_restart=False, server={"shm_dir": shm_dir, "cow_budget": 0})).start()
     seconds: dict[str, list[float]] = {"one_rank": [], "ranks_at_once": [], "memset": []}
     try:
         for rep in range(args.reps):

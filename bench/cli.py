@@ -129,14 +129,9 @@ def _start_server(args: argparse.Namespace, largest_state: int, work_dir: str):
     snapshot_dir = os.path.join(work_dir, "snapshots")
     config = EmbeddedServerConfig(
         shm_size_bytes=shm_size,
-        grace_s=5.0,
-        chunk_bytes=chunk,
-        extra_args=(
-            "--cow-budget", str(cow),
-            "--snapshot-dir", snapshot_dir,
-            "--persist-max-bandwidth", str(parse_size(args.persist_max_bandwidth)),
-            "--log-level", "warning",
-        ),
+        snapshot_dir=snapshot_dir,
+        server={"chunk_bytes": chunk, "cow_budget": cow, "log_level": "warning",
+                "persist_max_bandwidth": parse_size(args.persist_max_bandwidth)},
     )  # fmt: skip
     isolation = None
     if args.isolate:

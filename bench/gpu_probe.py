@@ -228,7 +228,7 @@ def _remote(p: Probe, model: nn.Module, swap_times: int, **config: Any) -> Any:
     )
     from swap_state.client.remote.embedded import EmbeddedServerConfig
 
-    embedded = EmbeddedServerConfig(snapshot_dir=os.path.join(p.work_dir, "snapshots"), shm_dir=p.shm_dir,
+    embedded = EmbeddedServerConfig(snapshot_dir=os.path.join(p.work_dir, "snapshots"), server={"shm_dir": p.shm_dir},
                                     auto_restart=False)  # fmt: skip
     return RemoteSwapOptimizersContainer(
         [model], torch.optim.AdamW, dict(ADAMW), swap_times, job_id=f"probe-{uuid.uuid4().hex[:8]}",

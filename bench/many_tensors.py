@@ -97,7 +97,7 @@ def measure(args) -> dict[str, Any]:
     shm_dir = tempfile.mkdtemp(prefix="swap-state-bench-many-", dir="/dev/shm")
     work = tempfile.mkdtemp(prefix="swap-state-bench-many-")
     largest = max(counts) * shape[0] * shape[1] * 4
-    server = EmbeddedServer(EmbeddedServerConfig(shm_size_bytes=4 * largest + (256 << 20), shm_dir=shm_dir,
+    server = EmbeddedServer(EmbeddedServerConfig(shm_size_bytes=4 * largest + (256 << 20), server={"shm_dir": shm_dir},
                                                  snapshot_dir=work, auto_restart=False)).start()
     try:
         rows = [_one_count(count, shape, args, server.address) for count in counts]

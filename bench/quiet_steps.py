@@ -66,7 +66,7 @@ def measure(args) -> dict[str, Any]:
     params = util.parse_size(args.params)
     shm_dir = tempfile.mkdtemp(prefix="swap-state-bench-quiet-", dir="/dev/shm")
     work = tempfile.mkdtemp(prefix="swap-state-bench-quiet-")
-    server = EmbeddedServer(EmbeddedServerConfig(shm_size_bytes=40 * params + (256 << 20), shm_dir=shm_dir,
+    server = EmbeddedServer(EmbeddedServerConfig(shm_size_bytes=40 * params + (256 << 20), server={"shm_dir": shm_dir},
                                                  snapshot_dir=work, auto_restart=False)).start()
     samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
     try:

@@ -45,8 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _server(shm_dir: str, snapshot_dir: str, shm_size: int) -> EmbeddedServer:
     return EmbeddedServer(EmbeddedServerConfig(
-        shm_size_bytes=shm_size, shm_dir=shm_dir, snapshot_dir=snapshot_dir, auto_restart=False,
-        free_segments_on_stop=False, chunk_bytes=64 << 20,
+        shm_size_bytes=shm_size, snapshot_dir=snapshot_dir, auto_restart=False,
+        server={"shm_dir": shm_dir, "free_segments_on_stop": False, "chunk_bytes": 64 << 20},
     )).start()
 
 

@@ -78,8 +78,8 @@ class Host:
         shm = 2 * state_bytes + (64 << 20)
         cow = max(4 << 20, shm // 8)
         self.server = EmbeddedServer(EmbeddedServerConfig(
-            shm_size_bytes=shm + cow, cow_budget_bytes=cow, grace_s=5.0, shm_dir=self.shm_dir,
-            snapshot_dir=self.snapshot_dir, extra_args=("--snapshot-store", uri))).start()
+            shm_size_bytes=shm + cow, snapshot_dir=self.snapshot_dir,
+            server={"cow_budget": cow, "shm_dir": self.shm_dir, "snapshot_store": uri})).start()
         self.address, self.ranks = self.server.address, []
 
     def __enter__(self) -> Self:

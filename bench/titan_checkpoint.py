@@ -241,10 +241,8 @@ def _start_pinned_server(state_bytes: int, snapshot_dir: Path, cpus: list[int]):
     cow = -(-state_bytes // (1 << 20)) << 20
     config = EmbeddedServerConfig(
         shm_size_bytes=max(64 << 20, int(state_bytes * 1.5) + (32 << 20)) + cow,
-        cow_budget_bytes=cow,
         snapshot_dir=str(snapshot_dir),
-        grace_s=5.0,
-        extra_args=("--log-level", "warning"),
+        server={"cow_budget": cow, "log_level": "warning"},
     )
     saved = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from swap_state.client.errors import SwapStateError
 from swap_state.client.scratch import make_scratch_dir
+from swap_state.client.remote.config import RemoteConfig
 from swap_state.client.remote.embedded import EmbeddedServerConfig
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.names import parse_snapshot_id
@@ -91,7 +92,7 @@ class DemoConfig:
     """the initialisation and data seed"""
     token_file: str | None = None
     """a file holding the token of a server started with --token-file"""
-    server_wait: float = 60.0
+    server_wait: float = RemoteConfig.server_wait_s
     """seconds a snapshot waits for a server that is unreachable (restarting, being upgraded)
     to come back before the demo fails naming it; steps never wait: they go on while the
     server restarts, and the new server adopts the demo's segment"""
@@ -326,7 +327,7 @@ def _has_snapshot(container) -> bool:
 
 
 def run(cfg: DemoConfig) -> dict:
-    from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
+    from swap_state.client.remote.container import RemoteSwapOptimizersContainer
 
     token = open(cfg.token_file).read().strip() if cfg.token_file else None
     reference_digest, plain_times = reference_run(cfg)

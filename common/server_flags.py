@@ -22,7 +22,7 @@ import sys
 import textwrap
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .errors import ConfigError
@@ -237,16 +237,29 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The namespace of a parser built with :func:`add_server_flags` -> config.
 
     Raises :class:`ConfigError` for values the config refuses."""
+    return config_from_settings({flag.name: getattr(args, flag.name) for flag in user_flags() if hasattr(args, flag.name)})
+
+
+def setting_value(name: str, value: Any) -> Any:
+    """``value`` of setting ``name``: a flag's text parsed as the flag parses it, else as is."""
+    flag = next((flag for flag in user_flags() if flag.name == name), None)
+    return flag.parse(value) if flag is not None and isinstance(value, str) else value
+
+
+def config_from_settings(settings: Mapping[str, Any]) -> ServerConfig:
+    """Settings by :class:`ServerConfig` field name -> config. A flag's value may be given as
+    the flag's text (``"64G"``, ``"127.0.0.1:9400"``: parsed as the flag parses it) or as the
+    value itself. Raises :class:`ConfigError` for values the config refuses."""
+    flags = {flag.name: flag for flag in user_flags()}
     values: dict[str, Any] = {}
-    for flag in user_flags():
-        if not hasattr(args, flag.name):
-            continue
-        value = getattr(args, flag.name)
-        if flag.kind == "host_port":
+    for name, value in settings.items():
+        flag = flags.get(name)
+        value = setting_value(name, value)
+        if flag is not None and flag.kind == "host_port" and isinstance(value, tuple):
             host, value = value
             if host and flag.spec.host_field:
                 values[flag.spec.host_field] = host
-        values[flag.name] = value
+        values[name] = value
     return ServerConfig(**values)
 
 

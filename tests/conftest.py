@@ -75,7 +75,9 @@ def private_shm_dir():
 
 @pytest.fixture
 def start_server(private_shm_dir, tmp_path_factory):
-    """``start_server(shm_size_bytes=..., grace_s=..., extra_args=(...))`` -> EmbeddedServer.
+    """``start_server(shm_size_bytes=..., grace=..., persist_max_bandwidth="1M", ...)`` -> EmbeddedServer:
+    the keywords of :class:`EmbeddedServerConfig` are its, any other is a server setting by its
+    :class:`ServerConfig` name (a flag's text, such as ``"1M"``, or a value).
 
     Each server's snapshots go to a fresh temp directory (``snapshot_dir=`` to choose one),
     never to the per-user default of an embedded server. These servers stand for a host's:
@@ -83,14 +85,13 @@ def start_server(private_shm_dir, tmp_path_factory):
     ``server.restart()``."""
     started: list[EmbeddedServer] = []
 
-    def start(**overrides) -> EmbeddedServer:
+    def start(**settings) -> EmbeddedServer:
         config = EmbeddedServerConfig(
-            shm_size_bytes=overrides.pop("shm_size_bytes", 256 << 20),
-            grace_s=overrides.pop("grace_s", 30.0),
-            shm_dir=overrides.pop("shm_dir", private_shm_dir),
-            snapshot_dir=str(overrides.pop("snapshot_dir", None) or tmp_path_factory.mktemp("snapshots")),
-            auto_restart=overrides.pop("auto_restart", False),
-            **overrides,
+            shm_size_bytes=settings.pop("shm_size_bytes", 256 << 20),
+            snapshot_dir=str(settings.pop("snapshot_dir", None) or tmp_path_factory.mktemp("snapshots")),
+            auto_restart=settings.pop("auto_restart", False),
+            **{name: settings.pop(name) for name in ("start_timeout_s", "stop_timeout_s") if name in settings},
+            server={"grace": 30.0, "shm_dir": private_shm_dir, **settings},
         )
         server = EmbeddedServer(config).start()
         started.append(server)

@@ -289,15 +289,17 @@ def embedded_config_for(
     embedded = config.embedded or EmbeddedServerConfig()
     if embedded.shm_size_bytes is None:
         state = _state_bytes(model_parts, optimizer_kwargs)
-        cow = embedded.cow_budget_bytes
+        cow = embedded.setting("cow_budget")
         if snapshots_model(config):
             # Whole-state snapshots are checkpoints: pause-free ones need copy slots for the
             # whole state (about what DCP's async save stages in the trainer's own memory).
             state += model_state_bytes(model_parts, config.model_state_dict)
             if cow is None:
-                cow = -(-state // embedded.chunk_bytes) * embedded.chunk_bytes
+                chunk = embedded.setting("chunk_bytes")
+                cow = -(-state // chunk) * chunk
         size = max(64 << 20, int(state * 1.5) + (32 << 20)) + (cow or 0)
-        embedded = dataclasses.replace(embedded, shm_size_bytes=size, cow_budget_bytes=cow)
+        server = embedded.server if cow is None else {**embedded.server, "cow_budget": cow}
+        embedded = dataclasses.replace(embedded, shm_size_bytes=size, server=server)
     if world_size > 1:
         root = embedded.snapshot_dir or default_snapshot_dir()
         embedded = dataclasses.replace(embedded, snapshot_dir=os.path.join(root, _rank_dir(rank)))

@@ -34,14 +34,16 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from swap_state.client.scratch import make_scratch_dir
 from swap_state.common.retry import wait_until
+from swap_state.common.errors import ConfigError
 from swap_state.common.server_config import EXIT_WITH_PARENT_ENV, ServerConfig
-from swap_state.common.server_flags import config_to_argv
+from swap_state.common.server_flags import config_from_settings, config_to_argv, setting_value
 
 __all__ = ["DEFAULT_SHM_SIZE_BYTES", "EmbeddedServerConfig", "EmbeddedServer", "default_snapshot_dir"]
 
@@ -65,52 +67,56 @@ def default_snapshot_dir() -> str:
 log = logging.getLogger("swap_state.client.embedded")  # the name users configure
 
 
+EMBEDDED_SERVER_DEFAULTS: dict[str, Any] = {
+    "grace": 5.0,  # its sessions die with their owner
+    "chunk_bytes": 1 << 20,  # small, since embedded states are small
+    "free_segments_on_stop": True,  # a stop frees every segment: nobody else would adopt them
+}
+"""Where a private server's settings differ from :class:`ServerConfig`'s own defaults."""
+
+
 @dataclasses.dataclass
 class EmbeddedServerConfig:
     shm_size_bytes: int | None = None
     """Budget of the private server (--shm-size). None: sized from the model by the container
     that starts it; :data:`DEFAULT_SHM_SIZE_BYTES` for a server started on its own."""
-    grace_s: float = 5.0
-    """--grace of the private server: its sessions die with their owner."""
-    chunk_bytes: int = 1 << 20
-    """--chunk-bytes: small, since embedded states are small."""
-    cow_budget_bytes: int | None = None
-    """--cow-budget (held back from ``shm_size_bytes``); None: the server's default, or,
-    sized by a container with whole-state snapshots, the whole state (the memory rule's
-    worst case: a snapshot then never makes the trainer copy or wait)."""
-    shm_dir: str | None = None
-    """--shm-dir; None: the server's default (/dev/shm)."""
     snapshot_dir: str | None = None
     """--snapshot-dir: where snapshots go and stay after the server stops, so that a later
     embedded server with the same directory restores them. None: :func:`default_snapshot_dir`
     (a per-user folder); under torchtitan ``<job.dump_folder>/swap-state-snapshots``."""
+    server: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Any other setting of the private server, by its :class:`ServerConfig` field name
+    (``{"grace": 30.0, "cow_budget": 2 << 30, "snapshot_store": "s3://b/p"}``: the server's
+    ``--help`` says what each does), over :data:`EMBEDDED_SERVER_DEFAULTS`. Checked when the
+    server starts (ConfigError naming the flag). ``free_segments_on_stop=False`` keeps live
+    sessions' segments for the next server on the same socket (:meth:`EmbeddedServer.restart`
+    then is an upgrade that costs the trainers nothing)."""
     start_timeout_s: float = 30.0
     """How long to wait for the server to report SERVING."""
     stop_timeout_s: float = 10.0
     """How long SIGTERM may take before SIGKILL."""
-    extra_args: tuple[str, ...] = ()
-    """More swap-state-server flags, after the ones above (so a repeated flag wins)."""
     auto_restart: bool = True
     """Start the server again when it dies (it adopts the trainer's segment; the trainer
     steps on and reconnects). Not after :data:`CRASH_LOOP` quick deaths in a row."""
-    free_segments_on_stop: bool = True
-    """--free-segments-on-stop: a stop (SIGTERM) frees every segment. False keeps live
-    sessions' segments for the next server on the same socket (:meth:`EmbeddedServer.restart`
-    then is an upgrade that costs the trainers nothing)."""
+
+    def setting(self, name: str) -> Any:
+        """The private server's ``name`` setting: this config's, the embedded default, or the
+        server's own."""
+        default = ServerConfig.__dataclass_fields__[name].default
+        return setting_value(name, self.server.get(name, EMBEDDED_SERVER_DEFAULTS.get(name, default)))
 
     def server_config(self, listen: str, snapshot_dir: str) -> ServerConfig:
         """The private server's config; everything not named here (the copy-before-write pool
         included) is :class:`ServerConfig`'s own default. Raises ConfigError for bad values."""
-        return ServerConfig(
-            shm_size=DEFAULT_SHM_SIZE_BYTES if self.shm_size_bytes is None else self.shm_size_bytes,
-            listen=listen,
-            snapshot_dir=pathlib.Path(snapshot_dir),
-            grace=float(self.grace_s),
-            chunk_bytes=self.chunk_bytes,
-            free_segments_on_stop=self.free_segments_on_stop,
-            **({"shm_dir": pathlib.Path(self.shm_dir)} if self.shm_dir else {}),
-            **({"cow_budget": self.cow_budget_bytes} if self.cow_budget_bytes is not None else {}),
-        )
+        own = {"listen", "shm_size", "snapshot_dir"}  # the socket is the container's; the others, fields here
+        unknown = sorted(name for name in self.server if name in own or name not in ServerConfig.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"EmbeddedServerConfig.server: {', '.join(unknown)} is not a setting it takes "
+                              "(shm_size_bytes and snapshot_dir are fields of EmbeddedServerConfig)")
+        return config_from_settings({
+            **EMBEDDED_SERVER_DEFAULTS, **self.server, "listen": listen, "snapshot_dir": snapshot_dir,
+            "shm_size": DEFAULT_SHM_SIZE_BYTES if self.shm_size_bytes is None else self.shm_size_bytes,
+        })
 
 
 class EmbeddedServer:
@@ -122,7 +128,7 @@ class EmbeddedServer:
         self.address: str | None = None
         self.snapshot_dir: str | None = None
         self.server_config: ServerConfig | None = None
-        """What the server was started with (``extra_args`` aside), once :meth:`start` ran."""
+        """What the server was started with, once :meth:`start` ran."""
         self._proc: subprocess.Popen | None = None
         self._log_path: str | None = None
         self._cmd: list[str] = []
@@ -148,7 +154,6 @@ class EmbeddedServer:
         self._cmd = [
             sys.executable, "-m", "swap_state.server.cli",
             *config_to_argv(self.server_config),
-            *cfg.extra_args,
         ]  # fmt: skip
         atexit.register(self._stop_at_exit, os.getpid())
         try:

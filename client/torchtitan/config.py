@@ -39,7 +39,6 @@ Bad values (``swap_optimizer_backend``, ``swap_state_checkpoint``, ``implementat
 # No "from __future__ import annotations": torchtitan merges these dataclasses by their
 # field types, which must be real classes, not strings.
 from dataclasses import dataclass, field
-from typing import Literal
 
 from swap_state.client.torchtitan.glue import (
     build_remote_container,
@@ -48,44 +47,18 @@ from swap_state.client.torchtitan.glue import (
     rebind_imported_model_specs,
     shared_job_id,
 )
+from swap_state.client.torchtitan.settings import SwapSettings
 
 __all__ = ["Optimizer", "JobConfig", "build_remote_container", "shared_job_id"]
 
 
 @dataclass
-class Optimizer:
+class Optimizer(SwapSettings):
+    """The ``[optimizer]`` switches: :class:`SwapSettings` (declared there, once for both
+    torchtitan lines) and ``swap_optimizer``, 0.2's switch."""
+
     swap_optimizer: bool = False
     """Keep Adam moments in host memory and stream them to the device during step()."""
-
-    swap_optimizer_times: int = 16
-    """Number of slices the parameters are split into for the load/update/offload pipeline."""
-
-    swap_optimizer_backend: Literal["local", "remote"] = "local"
-    """'local': pinned memory inside the trainer; 'remote': the host's swap-state-server."""
-
-    swap_state_server: str = ""
-    """Server address (unix:///path or tcp://host:port). Empty: $SWAP_STATE_SERVER, else the
-    host's server when one answers at the default socket, else a private server started for
-    this trainer (the embedded default)."""
-
-    swap_state_job_id: str = ""
-    """Job id shared by all ranks of the run; a restarted trainer with the same job id and
-    rank reattaches to its state. Empty: $SWAP_STATE_JOB_ID, else one chosen by rank 0."""
-
-    swap_state_checkpoint: Literal["full", "snapshot"] = "full"
-    """'full': state_dict() returns the moments (seed format). 'snapshot': checkpoints are
-    whole-state server-side snapshots: the model's parameters are copied into the segment
-    for each save's step, CheckpointManager.save asks the server for one snapshot of model and
-    optimizer and stores two small references to it; a load restores it and puts the
-    parameters back (needs swap_optimizer_backend = "remote"; `swap-state export --format
-    torchtitan` makes a plain checkpoint of one). Loading follows the checkpoint: a plain
-    or 'full' checkpoint loads its tensors in either mode."""
-
-
-    swap_state_server_wait_s: float = 60.0
-    """Seconds a save in 'snapshot' mode waits for a swap-state server that is unreachable
-    (restarting after a crash, being upgraded) before it fails naming the address. Training
-    steps never wait for the server: they go on while it restarts."""
 
 
 @dataclass

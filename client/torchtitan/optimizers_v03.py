@@ -40,7 +40,6 @@ from torchtitan.components.optimizer.utils import (
     load_flat_optim_state_dict,
 )
 
-from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
 from swap_state.client.optim.unswapped import UnswappedOptimizers
 from swap_state.client.torchtitan.settings import (
     SWAP_OPTIMIZER_CLASSES,
@@ -64,32 +63,13 @@ class SwapStateOptimizersContainer(OptimizersContainer):
     swap container of the configured backend (:func:`build_swap_optimizers`)."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(OptimizersContainer.Config):
-        swap_optimizer_times: int = DEFAULT_SWAP_TIMES
-        """Number of slices the parameters are split into for the load/update/offload pipeline."""
+    class Config(OptimizersContainer.Config, SwapSettings):
+        """torchtitan's optimizer Config and :class:`SwapSettings` (declared there, once for
+        both torchtitan lines), with 0.3's default backend and snapshot directory."""
 
         swap_optimizer_backend: Literal["local", "remote"] = "remote"
         """'remote': the host's swap-state-server (an embedded one for this trainer when no
         address is given); 'local': pinned memory inside the trainer."""
-
-        swap_state_server: str = ""
-        """Server address (unix:///path or tcp://host:port). Empty: $SWAP_STATE_SERVER, else the
-        host's server when one answers at the default socket, else a private server started
-        for this trainer (the embedded default)."""
-
-        swap_state_job_id: str = ""
-        """Job id shared by all ranks of the run; a restarted trainer with the same job id and
-        rank reattaches to its state. Empty: $SWAP_STATE_JOB_ID, else one chosen by rank 0."""
-
-        swap_state_checkpoint: Literal["full", "snapshot"] = "full"
-        """'full': state_dict() returns the moments (seed format). 'snapshot': checkpoints are
-        whole-state server-side snapshots of model and optimizer; the checkpoint stores two
-        small references to one (needs the 'remote' backend; `swap-state export --format
-        torchtitan` makes a plain checkpoint of one)."""
-
-        swap_state_server_wait_s: float = 60.0
-        """Seconds a save in 'snapshot' mode waits for a swap-state server that is unreachable
-        (restarting, being upgraded) before it fails naming the address."""
 
         swap_state_snapshot_dir: str = ""
         """Where an embedded server keeps the job's snapshots. Empty: the trainer's

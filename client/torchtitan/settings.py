@@ -1,19 +1,20 @@
 """The swap-state settings of a torchtitan job and the container they build, for both lines.
 
-torchtitan 0.2 reads them from the ``[optimizer]`` section its custom config module extends
-(:mod:`swap_state.client.torchtitan.config`); torchtitan 0.3 from the optimizer's ``Config``
-(:mod:`swap_state.client.torchtitan.optimizers_v03`). Both adapters hand their config to
+:class:`SwapSettings` declares them once: torchtitan 0.2's ``[optimizer]`` section
+(:mod:`swap_state.client.torchtitan.config`) and torchtitan 0.3's optimizer ``Config``
+(:mod:`swap_state.client.torchtitan.optimizers_v03`) are subclasses of it, so both lines'
+CLIs and TOML read the same fields, defaults and docstrings. Both adapters hand their config to
 :meth:`SwapSettings.of` and build with :func:`build_swap_container`, so a setting means the same
 on both lines and is checked in one place. Nothing here imports torchtitan.
 """
 
-from __future__ import annotations
-
+# No "from __future__ import annotations": torchtitan 0.2 merges the [optimizer] dataclass by its
+# fields' types, which must be real classes, not strings.
 import dataclasses
 import os
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ import torch.nn as nn
 
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
 # ``optimizer.swap_state_checkpoint`` values: the remote container's checkpoint modes.
-from swap_state.client.remote.config import CHECKPOINT_MODES, ENV_JOB_ID
+from swap_state.client.remote.config import CHECKPOINT_MODES, ENV_JOB_ID, RemoteConfig
 
 __all__ = [
     "BACKENDS",
@@ -47,34 +48,43 @@ SWAP_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
 SNAPSHOT_SUBDIR = "swap-state-snapshots"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(kw_only=True)  # torchtitan 0.3's Configurable takes keyword-only fields
 class SwapSettings:
-    """The settings both torchtitan lines share, under their 0.2 names (``optimizer.<name>``).
-
-    Each adapter documents them on its own config class (torchtitan's CLI and TOML read the
-    docstrings there); this is their one reading and check.
-    """
+    """The settings both torchtitan lines share, under their names in the optimizer's config
+    (``optimizer.<name>``): the one declaration. torchtitan 0.3's Config overrides one default
+    (``swap_optimizer_backend``: 'remote') and adds ``swap_state_snapshot_dir``."""
 
     swap_optimizer_times: int = DEFAULT_SWAP_TIMES
-    """Slices the parameters are split into for the load/update/offload pipeline (>= 1)."""
+    """Number of slices the parameters are split into for the load/update/offload pipeline (>= 1)."""
 
-    swap_optimizer_backend: str = "local"
+    swap_optimizer_backend: Literal["local", "remote"] = "local"
     """'local': pinned memory inside the trainer; 'remote': the host's swap-state-server."""
 
     swap_state_server: str = ""
-    """Server address; empty: $SWAP_STATE_SERVER, else an embedded server for this trainer."""
+    """Server address (unix:///path or tcp://host:port). Empty: $SWAP_STATE_SERVER, else the
+    host's server when one answers at the default socket, else a private server started for
+    this trainer (the embedded default)."""
 
     swap_state_job_id: str = ""
-    """Job id shared by the run's ranks; empty: $SWAP_STATE_JOB_ID, else one from rank 0."""
+    """Job id shared by all ranks of the run; a restarted trainer with the same job id and
+    rank reattaches to its state. Empty: $SWAP_STATE_JOB_ID, else one chosen by rank 0."""
 
-    swap_state_checkpoint: str = "full"
-    """'full': the seed's state dict; 'snapshot': whole-state server-side snapshots."""
+    swap_state_checkpoint: Literal["full", "snapshot"] = "full"
+    """'full': state_dict() returns the moments (seed format). 'snapshot': checkpoints are
+    whole-state server-side snapshots: the model's parameters are copied into the segment
+    for each save's step, the checkpoint manager asks the server for one snapshot of model and
+    optimizer and stores two small references to it; a load restores it and puts the
+    parameters back (needs swap_optimizer_backend = "remote"; `swap-state export --format
+    torchtitan` makes a plain checkpoint of one). Loading follows the checkpoint: a plain
+    or 'full' checkpoint loads its tensors in either mode."""
 
-    swap_state_server_wait_s: float = 60.0
-    """Seconds a snapshot-mode save waits for an unreachable (restarting) server."""
+    swap_state_server_wait_s: float = RemoteConfig.server_wait_s
+    """Seconds a save in 'snapshot' mode waits for a swap-state server that is unreachable
+    (restarting after a crash, being upgraded) before it fails naming the address. Training
+    steps never wait for the server: they go on while it restarts."""
 
     @classmethod
-    def of(cls, config: Any) -> SwapSettings:
+    def of(cls, config: Any) -> "SwapSettings":
         """The settings of an optimizer config (missing attributes: the defaults), checked:
         a bad value raises ValueError naming ``optimizer.<field>`` and the allowed values."""
         defaults = cls()

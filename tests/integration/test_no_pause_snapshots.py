@@ -31,7 +31,7 @@ W = Workload()
 
 def test_server_stages_ahead_so_the_trainer_copies_nothing(start_server):
     server = start_server(
-        chunk_bytes=CHUNK, extra_args=("--persist-max-bandwidth", "512K", "--cow-budget", "2M")
+        chunk_bytes=CHUNK, persist_max_bandwidth="512K", cow_budget="2M"
     )
     model = build_wide(W)
     container = remote(W, model, server.address, "nopause")
@@ -72,7 +72,7 @@ def test_server_stages_ahead_so_the_trainer_copies_nothing(start_server):
 
 def test_status_warns_when_the_copy_budget_is_short(start_server):
     server = start_server(
-        chunk_bytes=CHUNK, extra_args=("--persist-max-bandwidth", "512K", "--cow-budget", "128K")
+        chunk_bytes=CHUNK, persist_max_bandwidth="512K", cow_budget="128K"
     )
     model = build_wide(W)
     container = remote(W, model, server.address, "short")

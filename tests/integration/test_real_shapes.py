@@ -239,7 +239,7 @@ def test_moments_over_2_31_bytes_in_a_segment_past_2_32_bytes_bitwise(start_serv
     _skip_without_memory_for_the_big_embedding(private_shm_dir)
     reference = _reference_digests((2, 3))
     server = start_server(shm_size_bytes=BIG_SEGMENT_BYTES + (512 << 20), snapshot_dir=tmp_path / "snapshots",
-                          extra_args=("--cow-budget", "256M"))
+                          cow_budget="256M")
     torch.manual_seed(W.seed)
     model = EmbeddingNet()
     container = remote(W, model, server.address, "qwen-embedding", checkpoint="snapshot", rpc_timeout_s=120.0)

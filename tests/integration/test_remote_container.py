@@ -104,7 +104,7 @@ def _wait_for(predicate, what: str, timeout: float = 30.0) -> None:
 
 
 def test_demo_resumes_say_what_to_do_after_the_grace_period_and_past_steps(start_server, tmp_path):
-    server = start_server(grace_s=1.0)
+    server = start_server(grace=1.0)
     crashed = _demo(server, tmp_path, "--job-id", "late", "--crash-after-step", "7")
     assert crashed.returncode == -9, crashed.stderr
     client = SwapStateClient(ClientConfig(server.address))
@@ -134,7 +134,7 @@ def test_demo_resumes_say_what_to_do_after_the_grace_period_and_past_steps(start
 
 
 def test_a_container_after_the_grace_period_logs_why_it_starts_fresh(start_server, caplog):
-    server = start_server(grace_s=0.5)
+    server = start_server(grace=0.5)
     w = Workload()
     model = build(w)
     first = remote(w, model, server.address, "expired")
@@ -167,7 +167,7 @@ def test_unreachable_server_names_address_and_command(tmp_path):
 def test_wrong_token_message_reaches_user(start_server, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("right-token\n")
-    guarded = start_server(extra_args=("--token-file", str(token_file)))
+    guarded = start_server(token_file=str(token_file))
     w = Workload()
     with pytest.raises(SwapStateError) as info:
         remote(w, build(w), guarded.address, "tok", token="wrong")

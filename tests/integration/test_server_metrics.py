@@ -28,7 +28,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 def test_metrics_count_steps_and_snapshots(start_server):
     port = _free_port()
-    server = start_server(extra_args=("--metrics-port", f"127.0.0.1:{port}"))
+    server = start_server(metrics_port=f"127.0.0.1:{port}")
     w = Workload()
     model = build(w)
     container = remote(w, model, server.address, "metrics")

@@ -68,7 +68,7 @@ def test_a_server_killed_or_stopped_under_training_costs_the_job_nothing(start_s
 @pytest.mark.parametrize("how", ["sigkill", "sigterm"])
 def test_a_snapshot_persisting_when_the_server_died_is_not_listed_and_the_next_works(start_server, how):
     # 2 KB/s: the snapshot of step 3 is still persisting when the server is killed.
-    server = start_server(extra_args=("--persist-max-bandwidth", "2K"), free_segments_on_stop=False)
+    server = start_server(persist_max_bandwidth="2K", free_segments_on_stop=False)
     w = Workload()
     model = build(w)
     container = remote(w, model, server.address, "mid-snapshot", rpc_timeout_s=5.0)

@@ -40,13 +40,13 @@ def hosts_shm():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _host(start_server, hosts_shm, tmp_path, name: str, store: str, *flags: str, **extra):
+def _host(start_server, hosts_shm, tmp_path, name: str, store: str, **settings):
     """Host ``name``: its own server, shm directory (in /dev/shm) and snapshot directory; the
     same name again is the same host restarted (same directories)."""
     shm = hosts_shm / name
     shm.mkdir(exist_ok=True)
     return start_server(snapshot_dir=tmp_path / f"{name}-snapshots", shm_dir=str(shm),
-                        extra_args=("--snapshot-store", store, "--snapshot-store-timeout", "5", *flags), **extra)
+                        snapshot_store=store, snapshot_store_timeout=5.0, **settings)
 
 
 def _containers(servers: dict, job: str):
@@ -147,7 +147,7 @@ def test_an_unreachable_store_fails_stored_naming_it_while_the_snapshot_stays_du
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     store = "s3://nowhere-bucket/snapshots"
-    server = start_server(extra_args=("--snapshot-store", store, "--snapshot-store-timeout", "2"))
+    server = start_server(snapshot_store=store, snapshot_store_timeout="2")
     w = Workload()
     model = build(w)
     container = remote(w, model, server.address, "unreach")
@@ -168,7 +168,7 @@ def test_an_unreachable_store_fails_stored_naming_it_while_the_snapshot_stays_du
 def test_snapshots_cli_and_metrics_show_both_tiers(start_server, hosts_shm, tmp_path):
     store = tmp_path / "store"
     port = _free_port()
-    server = _host(start_server, hosts_shm, tmp_path, "solo", str(store), "--metrics-port", f"127.0.0.1:{port}")
+    server = _host(start_server, hosts_shm, tmp_path, "solo", str(store), metrics_port=f"127.0.0.1:{port}")
     w = Workload()
     model = build(w)
     container = remote(w, model, server.address, "tiers")
@@ -201,7 +201,7 @@ def test_a_server_killed_mid_upload_leaves_nothing_partial_and_its_successor_upl
     """SIGKILL while the upload crawls (--snapshot-store-max-bandwidth): the store lists
     nothing, and the next server on the same directories uploads the snapshot again."""
     store = str(tmp_path / "store")
-    server = _host(start_server, hosts_shm, tmp_path, "k", store, "--snapshot-store-max-bandwidth", "4M")
+    server = _host(start_server, hosts_shm, tmp_path, "k", store, snapshot_store_max_bandwidth="4M")
     torch_model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024))  # 32 MiB moments
     container = RemoteSwapOptimizersContainer([torch_model], torch.optim.AdamW, {"lr": 1e-3}, 2,
                                               server=server.address, job_id="killed")
@@ -246,7 +246,7 @@ def test_retention_applies_to_the_store_and_keeps_the_newest(start_server, hosts
 
 def test_snapshots_faster_than_the_store_upload_only_the_newest(start_server, hosts_shm, tmp_path):
     store = str(tmp_path / "store")
-    server = _host(start_server, hosts_shm, tmp_path, "q", store, "--snapshot-store-max-bandwidth", "4M")
+    server = _host(start_server, hosts_shm, tmp_path, "q", store, snapshot_store_max_bandwidth="4M")
     model = torch.nn.Linear(1024, 1024)  # 8 MiB of moments: about 2 s per upload at 4 MB/s
     container = RemoteSwapOptimizersContainer([model], torch.optim.AdamW, {"lr": 1e-3}, 2,
                                               server=server.address, job_id="queued")

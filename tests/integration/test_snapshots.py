@@ -59,8 +59,8 @@ def _moment_keys(state: dict) -> list[str]:
     "cow_budget", [None, "128K"], ids=["spare-pool-for-every-chunk", "two-slots-back-pressure"]
 )
 def test_snapshot_holds_step_n_bitwise_while_trainer_steps_on(start_server, cow_budget):
-    extra = ("--persist-max-bandwidth", SLOW) + (("--cow-budget", cow_budget) if cow_budget else ())
-    server = start_server(chunk_bytes=CHUNK, extra_args=extra)  # 64 KiB: a page multiple
+    extra = {"cow_budget": cow_budget} if cow_budget else {}
+    server = start_server(chunk_bytes=CHUNK, persist_max_bandwidth=SLOW, **extra)  # 64 KiB: a page multiple
     model = build_wide(W)
     container = remote(W, model, server.address, "load")
     train(model, container, W, range(1, 4))
@@ -102,7 +102,7 @@ def test_snapshot_holds_step_n_bitwise_while_trainer_steps_on(start_server, cow_
 
 
 def test_back_to_back_snapshots_wait_for_the_previous_one_and_both_are_exact(start_server):
-    server = start_server(chunk_bytes=CHUNK, extra_args=("--persist-max-bandwidth", SLOW))
+    server = start_server(chunk_bytes=CHUNK, persist_max_bandwidth=SLOW)
     model = build_wide(W)
     container = remote(W, model, server.address, "b2b")
     train(model, container, W, range(1, 3))
@@ -160,7 +160,7 @@ def test_restore_into_fresh_server_on_the_same_snapshot_dir(start_server):
     container.close()
     first.kill()  # a crashed host process: its snapshot dir stays
 
-    second = start_server(chunk_bytes=CHUNK, extra_args=("--snapshot-dir", first.snapshot_dir))
+    second = start_server(chunk_bytes=CHUNK, snapshot_dir=first.snapshot_dir)
     fresh_model = build_wide(Workload(seed=7))  # other initial values: all must come back
     fresh_model.load_state_dict(params_at_5)
     fresh = remote(W, fresh_model, second.address, "moved")
@@ -176,7 +176,7 @@ def test_restore_into_fresh_server_on_the_same_snapshot_dir(start_server):
 
 
 def test_server_sigkilled_mid_persist_lists_nothing_new_and_previous_restores(start_server):
-    first = start_server(chunk_bytes=CHUNK, extra_args=("--persist-max-bandwidth", SLOW))
+    first = start_server(chunk_bytes=CHUNK, persist_max_bandwidth=SLOW)
     model = build_wide(W)
     container = remote(W, model, first.address, "killed")
     train(model, container, W, range(1, 4))
@@ -190,7 +190,7 @@ def test_server_sigkilled_mid_persist_lists_nothing_new_and_previous_restores(st
     container.close()
 
     job_dir = pathlib.Path(first.snapshot_dir) / "killed"
-    second = start_server(chunk_bytes=CHUNK, extra_args=("--snapshot-dir", first.snapshot_dir))
+    second = start_server(chunk_bytes=CHUNK, snapshot_dir=first.snapshot_dir)
     client = _client(second)
     listed = client.list_snapshots("killed").snapshots
     client.close()
@@ -233,7 +233,7 @@ def test_flipped_byte_refuses_restore_naming_file_and_tensor(start_server):
 
 def test_disk_full_fails_the_snapshot_clearly_and_training_goes_on(start_server, tmp_path):
     with tiny_tmpfs(tmp_path / "small", "128k") as small:
-        server = start_server(chunk_bytes=CHUNK, extra_args=("--snapshot-dir", str(small)))
+        server = start_server(chunk_bytes=CHUNK, snapshot_dir=str(small))
         model = build_wide(W)
         assert moment_bytes(model) > 4 * (128 << 10)
         container = remote(W, model, server.address, "full")
@@ -326,7 +326,7 @@ def test_export_of_a_missing_or_corrupt_snapshot_says_why(start_server, tmp_path
 
 
 def test_cli_status_shows_a_running_snapshot_and_snapshots_lists_it(start_server):
-    server = start_server(chunk_bytes=CHUNK, extra_args=("--persist-max-bandwidth", "256K"))
+    server = start_server(chunk_bytes=CHUNK, persist_max_bandwidth="256K")
     model = build_wide(W)
     container = remote(W, model, server.address, "ops")
     train(model, container, W, range(1, 3))
@@ -420,7 +420,7 @@ def test_metadata_base_goes_once_and_a_server_that_lost_it_gets_it_again(start_s
 
 @pytest.mark.parametrize("mode", ["writes", "off"])
 def test_direct_io_flag_decides_how_snapshots_are_written(start_server, mode):
-    server = start_server(chunk_bytes=CHUNK, extra_args=("--direct-io", mode))
+    server = start_server(chunk_bytes=CHUNK, direct_io=mode)
     model = build_wide(W)
     container = remote(W, model, server.address, f"direct-{mode}")
     train(model, container, W, range(1, 3))

@@ -66,7 +66,7 @@ def test_fsdp2_job_loses_a_host_and_resumes_elsewhere_and_at_2_and_3_ranks(start
         def host(name: str):
             (shm_root / name).mkdir()
             return start_server(snapshot_dir=tmp_path / f"{name}-snapshots", shm_dir=str(shm_root / name),
-                                extra_args=("--snapshot-store", str(store)))
+                                snapshot_store=str(store))
 
         a, b = host("a"), host("b")
         base = {"folder": str(tmp_path), "job": JOB}

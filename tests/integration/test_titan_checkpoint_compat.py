@@ -159,7 +159,7 @@ def test_snapshot_checkpoint_into_plain_adamw_names_swap_state_export(start_serv
 def test_retention_follows_keep_latest_k(start_server, gloo_one_rank, tmp_path):
     """keep_latest_k=3 with a server keeping 2: the snapshots of every checkpoint torchtitan
     keeps stay (plus one: its last-step save does not purge), the oldest kept loads."""
-    server = start_server(chunk_bytes=CHUNK, extra_args=("--keep-latest", "2"))
+    server = start_server(chunk_bytes=CHUNK, keep_latest="2")
     model = build(W)
     container = remote(W, model, server.address, "keep3", checkpoint="snapshot")
     state = TrainState()
@@ -189,7 +189,7 @@ def test_retention_follows_keep_latest_k(start_server, gloo_one_rank, tmp_path):
 
 
 def test_keep_latest_k_zero_keeps_every_snapshot(start_server, gloo_one_rank, tmp_path):
-    server = start_server(chunk_bytes=CHUNK, extra_args=("--keep-latest", "2"))
+    server = start_server(chunk_bytes=CHUNK, keep_latest="2")
     model = build(W)
     container = remote(W, model, server.address, "keep-all", checkpoint="snapshot")
     state = TrainState()
@@ -240,7 +240,7 @@ def test_manager_close_waits_for_the_snapshot_of_the_last_checkpoint(start_serve
     """The last checkpoint refers to a snapshot still persisting when save() returns: the
     trainer's end (CheckpointManager.close) waits until it is durable, so the checkpoint loads
     after the trainer and its embedded server are gone."""
-    server = start_server(chunk_bytes=CHUNK, extra_args=("--persist-max-bandwidth", "512K"))
+    server = start_server(chunk_bytes=CHUNK, persist_max_bandwidth="512K")
     model = build_wide(W)  # ~0.55 MiB of moments: ~1 s to persist at 512K/s
     container = remote(W, model, server.address, "close-waits", checkpoint="snapshot")
     state = TrainState()

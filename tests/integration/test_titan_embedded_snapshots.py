@@ -22,7 +22,7 @@ W = Workload()
 
 
 def _embedded(snapshot_dir, shm_dir) -> EmbeddedServerConfig:
-    return EmbeddedServerConfig(snapshot_dir=str(snapshot_dir), shm_dir=shm_dir, chunk_bytes=CHUNK)
+    return EmbeddedServerConfig(snapshot_dir=str(snapshot_dir), server={"shm_dir": shm_dir, "chunk_bytes": CHUNK})
 
 
 def test_snapshots_of_an_embedded_server_outlive_it(no_server_env, private_shm_dir, tmp_path, caplog):

@@ -139,7 +139,7 @@ def test_snapshot_mode_load_into_a_reattached_trainer_is_bitwise(
     of a later step than the checkpoint, or a torn state: it died mid-step), then torchtitan
     loads the checkpoint, calling state_dict() for a load template on a container that has
     committed steps, while the checkpoint's own snapshot may still be persisting."""
-    server = start_server(chunk_bytes=CHUNK, extra_args=("--persist-max-bandwidth", "1M"))
+    server = start_server(chunk_bytes=CHUNK, persist_max_bandwidth="1M")
     model = build_wide(W)
     container = remote(W, model, server.address, "tt-restart", checkpoint="snapshot")
     state = TrainState()
@@ -171,7 +171,7 @@ def test_snapshot_reference_loads_while_persisting_and_from_a_restarted_server(s
     """A reference loaded at once, while its snapshot still persists, waits for it; after a
     server restart it restores from disk, and a state_dict() of the restored step refers to
     that snapshot again (nothing new is taken: the step exists on disk)."""
-    first = start_server(chunk_bytes=CHUNK, extra_args=("--persist-max-bandwidth", "1M"))
+    first = start_server(chunk_bytes=CHUNK, persist_max_bandwidth="1M")
     model = build_wide(W)
     container = remote(W, model, first.address, "tt-ref", checkpoint="snapshot")
     train(model, container, W, range(1, 6))
@@ -192,7 +192,7 @@ def test_snapshot_reference_loads_while_persisting_and_from_a_restarted_server(s
     reloaded.close()
     first.kill()
 
-    second = start_server(chunk_bytes=CHUNK, extra_args=("--snapshot-dir", first.snapshot_dir))
+    second = start_server(chunk_bytes=CHUNK, snapshot_dir=first.snapshot_dir)
     fresh = remote(W, build_wide(W), second.address, "tt-ref", checkpoint="snapshot")
     fresh.load_state_dict(saved)
     assert fresh.session.last_committed_step == 5
@@ -208,7 +208,7 @@ def test_full_mode_load_template_does_not_write_under_a_persisting_snapshot(
     """Full mode: DCP loads into the tensors state_dict() returns, i.e. into the segment. A
     restarted trainer that reattaches while its predecessor's snapshot still persists must
     not let that load overwrite bytes the snapshot has yet to read."""
-    server = start_server(chunk_bytes=CHUNK, extra_args=("--persist-max-bandwidth", SLOW))
+    server = start_server(chunk_bytes=CHUNK, persist_max_bandwidth=SLOW)
     model = build_wide(W)
     container = remote(W, model, server.address, "tt-full-restart", checkpoint="full")
     state = TrainState()

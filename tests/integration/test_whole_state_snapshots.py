@@ -61,7 +61,7 @@ def _train_tied(model, optimizer, steps):
 
 
 def test_snapshot_holds_the_parameters_of_its_step_while_training_goes_on(start_server):
-    server = start_server(chunk_bytes=CHUNK, extra_args=("--persist-max-bandwidth", SLOW, "--cow-budget", "128K"))
+    server = start_server(chunk_bytes=CHUNK, persist_max_bandwidth=SLOW, cow_budget="128K")
     model = build_wide(W)
     container = remote(W, model, server.address, "whole", checkpoint="snapshot")
     train(model, container, W, range(1, 4))
@@ -125,7 +125,7 @@ def test_full_mode_keeps_the_moments_only(start_server):
 def _snapshot_without_the_models_copy(start_server, job_id: str):
     """(container, handle): the snapshot of step 2 asked for as a trainer that died between
     its commit and the end of its copy of the model would leave it (the server waits 1 s)."""
-    server = start_server(extra_args=("--model-copy-timeout", "1"))
+    server = start_server(model_copy_timeout="1")
     model = build_wide(W)
     container = remote(W, model, server.address, job_id, checkpoint="snapshot")
     train(model, container, W, range(1, 3))
@@ -181,7 +181,7 @@ def test_a_trainer_killed_right_after_a_checkpoint_save_leaves_a_snapshot_that_r
     """The save of a snapshot-mode checkpoint returns once the trainer's part of the snapshot
     (the model's copy into the segment) is there: the server completes it without the trainer,
     and the rerun restores the parameters of the saved step."""
-    server = start_server(shm_size_bytes=1 << 30, extra_args=("--model-copy-timeout", "5"))
+    server = start_server(shm_size_bytes=1 << 30, model_copy_timeout="5")
     expected, checkpoint = tmp_path / "expected.pt", tmp_path / "checkpoint.pt"
     code = KILLED_AFTER_SAVE.format(address=server.address, expected=str(expected), checkpoint=str(checkpoint))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -27,7 +27,7 @@ FSDP_2 = ("--parallelism.data_parallel_shard_degree=2",)
 def test_a_two_rank_snapshot_checkpoint_resumes_on_one_rank_with_plain_torchtitans_losses(
     run_trainer, start_server, tmp_path
 ):
-    server = start_server(shm_size_bytes=512 << 20, extra_args=("--snapshot-store", str(tmp_path / "store")))
+    server = start_server(shm_size_bytes=512 << 20, snapshot_store=str(tmp_path / "store"))
     swap = (*remote(server, "snapshot", job_id="titan-anywhere"),)
     plain_2 = run_trainer(tmp_path / "plain", SCHEDULE, *CHECKPOINT, *FSDP_2, steps=N, nproc=2)
     swap_2 = run_trainer(tmp_path / "swap", SCHEDULE, *CHECKPOINT, *swap, *FSDP_2, steps=N, nproc=2)

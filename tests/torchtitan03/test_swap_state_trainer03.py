@@ -146,7 +146,7 @@ def test_two_ranks_bitwise_then_a_resume_on_one_rank(run_trainer03, start_server
     """2 ranks train N steps (plain and swap-state, the same losses) and save; each resumes
     on 1 rank to 2N: the server assembles both ranks' shards from its --snapshot-store, and
     the losses equal plain torchtitan's resume of its own checkpoint (resharded by DCP)."""
-    server = start_server(shm_size_bytes=512 << 20, extra_args=("--snapshot-store", str(tmp_path / "store")))
+    server = start_server(shm_size_bytes=512 << 20, snapshot_store=str(tmp_path / "store"))
     swap = swap_state(swap_state_server=server.address, swap_state_checkpoint="snapshot", swap_state_job_id="two03")
     stop = {STOP_AFTER_STEP_ENV: str(N), STOP_MODE_ENV: "return"}
     plain_2 = run_trainer03(tmp_path / "plain", *CHECKPOINT, *TWO_RANKS, steps=2 * N, env=stop, nproc=2)

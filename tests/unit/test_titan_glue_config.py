@@ -118,11 +118,10 @@ def test_embedded_server_for_whole_state_snapshots_has_copy_slots_for_the_whole_
     model = torch.nn.Linear(1024, 1024)  # 4 MiB of parameters, 8 MiB of moments
     whole = embedded_config_for(RemoteConfig(checkpoint="snapshot"), [model], {}, rank=0, world_size=1)
     state = 3 * sum(p.numel() * 4 for p in model.parameters())
-    assert whole.cow_budget_bytes is not None and whole.cow_budget_bytes >= state
-    assert whole.shm_size_bytes >= state + whole.cow_budget_bytes
-    server = whole.server_config("unix:///tmp/x.sock", "/tmp/snaps")
-    assert server.cow_budget == whole.cow_budget_bytes
-    assert embedded_config_for(RemoteConfig(), [model], {}, rank=0, world_size=1).cow_budget_bytes is None
+    cow = whole.server["cow_budget"]
+    assert cow >= state and whole.shm_size_bytes >= state + cow
+    assert whole.server_config("unix:///tmp/x.sock", "/tmp/snaps").cow_budget == cow
+    assert "cow_budget" not in embedded_config_for(RemoteConfig(), [model], {}, rank=0, world_size=1).server
 
 
 

@@ -3,8 +3,6 @@ of the line that is installed; the settings both lines share keep one reading.""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan (the client extra) is not installed")
@@ -19,12 +17,19 @@ def test_the_0_3_override_under_0_2_names_the_custom_config_module():
         import swap_state.client.torchtitan_override  # noqa: F401
 
 
-def test_the_0_2_config_documents_every_shared_setting_with_the_same_default():
-    from swap_state.client.torchtitan.config import Optimizer
+@pytest.mark.skipif(torchtitan_line() != "0.2", reason="checks the 0.2 venv (tests/adapter03 checks 0.3's)")
+def test_0_2_cli_sets_the_settings_declared_once():
+    """torchtitan 0.2 merges the [optimizer] section by its fields: the ones declared on
+    SwapSettings reach its CLI with their defaults, and a value given there is read back."""
+    from torchtitan.config.manager import ConfigManager
 
-    documented = {f.name: f.default for f in dataclasses.fields(Optimizer)}
-    for field in dataclasses.fields(SwapSettings):
-        assert documented[field.name] == field.default, field.name
+    parsed = ConfigManager().parse_args([
+        "--job.custom_config_module=swap_state.client.torchtitan_config",
+        "--optimizer.swap_state_server_wait_s", "5", "--optimizer.swap_optimizer_backend", "remote",
+    ])
+    settings = SwapSettings.of(parsed.optimizer)
+    assert (settings.swap_state_server_wait_s, settings.swap_optimizer_backend) == (5.0, "remote")
+    assert settings.swap_optimizer_times == SwapSettings().swap_optimizer_times
 
 
 @pytest.mark.parametrize(
