@@ -229,7 +229,6 @@ def _build_domain(config: ServerConfig, listen: ListenAddress, gid: int | None,
         snapshots = SnapshotCoordinator(
             config.snapshot_dir,
             keep_latest=config.keep_latest,
-            max_bandwidth=config.persist_max_bandwidth or None,
             stage_threads=config.stage_threads,
             model_copy_timeout_s=config.model_copy_timeout,
             copy_policy=copy_policy,

@@ -37,8 +37,10 @@ def classes_with_several_project_bases(trees: dict[pathlib.Path, ast.Module]) ->
     for path, tree in trees.items():
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
-                bases = [ast.unparse(base).split(".")[-1] for base in node.bases]
-                if len([base for base in bases if base in names]) > 1:
+                bases = [ast.unparse(base) for base in node.bases]
+                # A dotted base (``OptimizersContainer.Config``) is the project's when its
+                # outer name is: torchtitan's nested Config is not.
+                if len([base for base in bases if base.split(".")[0] in names]) > 1:
                     found.append(f"{path.relative_to(REPO)}: {node.name}({', '.join(bases)})")
     return found
 

@@ -2,7 +2,7 @@
 
 Call order (the servicer):
 
-1. ``coordinator = SnapshotCoordinator(snapshot_dir, keep_latest=K, max_bandwidth=B,
+1. ``coordinator = SnapshotCoordinator(snapshot_dir, keep_latest=K, copy_policy=P,
    stage_threads=T)`` once at server start (it removes what a killed writer left behind).
 2. Snapshot RPC: ``handle = coordinator.start(SnapshotSource(...))``. It validates, publishes
    the snapshot epoch in the segment header and returns: the snapshot is *consistent*, the
@@ -41,7 +41,7 @@ import pathlib
 import threading
 import time
 
-from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S, CopyBudget, SegmentLayout, Word
+from swap_state.common.segment import CopyBudget, SegmentLayout, Word
 from swap_state.common.snapshot_errors import (
     SnapshotBusy, SnapshotError, SnapshotFailed, SnapshotInvalid, SnapshotNotFound, from_os_error,
 )
@@ -90,8 +90,6 @@ class SnapshotCoordinator:
         clean_stale: bool = True,
         stage_threads: int = 1,
         model_copy_timeout_s: float = 60.0,
-        assumed_fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
-        assumed_persist_bandwidth: float = ASSUMED_PERSIST_BYTES_PER_S,
         copy_policy: CopyBudgetPolicy | None = None,
         storage: SnapshotStorage | None = None,
         store_uri: str | None = None,
@@ -99,7 +97,8 @@ class SnapshotCoordinator:
         store_max_bandwidth: float | None = None,
     ):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
-        ``max_bandwidth``: bytes/s for all snapshot I/O together (None: no cap).
+        ``max_bandwidth``: bytes/s for all snapshot I/O together (None: no cap; with a
+        ``copy_policy``, the policy's own, which the server builds from --persist-max-bandwidth).
         ``assemble_timeout_s``: a snapshot fails when not all ``local_world_size`` ranks
         have started it this long after the first. ``history``: finished snapshots whose status
         stays in memory (older ones are answered from disk). ``clean_stale``: remove partial
@@ -107,20 +106,19 @@ class SnapshotCoordinator:
         directory). ``stage_threads``: threads per persisting rank that copy chunks ahead of
         the trainer into the copy slots (>= 1). ``model_copy_timeout_s``: how long a whole-state snapshot
         waits for the trainer's copy of the model (protocol step 5).
-        ``assumed_fwd_bwd_s`` / ``assumed_persist_bandwidth``: the forward/backward time
-        and (until a snapshot measured it) the persist bytes/s of the copy-budget warning,
-        when no ``copy_policy`` (the server's, shared with its arena) is given.
+        ``copy_policy``: the memory rule's inputs (the server's, shared with its arena):
+        the forward/backward time and the persist bytes/s of the copy-budget warning.
         ``storage``: where snapshot files go (default: the directory ``snapshot_dir``).
         ``store_uri``: the store (``--snapshot-store``; None: none), each durable snapshot
         uploaded there in the background (:mod:`.upload`), ``store_max_bandwidth`` bytes/s."""
         _check_arguments(keep_latest, assemble_timeout_s, stage_threads)
         self.stage_threads = stage_threads
         self.model_copy_timeout_s = model_copy_timeout_s
-        self.copy_policy = copy_policy or CopyBudgetPolicy(
-            assumed_bytes_per_s=assumed_persist_bandwidth, max_bandwidth=max_bandwidth, fwd_bwd_s=assumed_fwd_bwd_s
-        )
+        if copy_policy is not None and max_bandwidth is not None:
+            raise ValueError("give max_bandwidth or a copy_policy (which carries its own), not both")
+        self.copy_policy = copy_policy or CopyBudgetPolicy(max_bandwidth=max_bandwidth)
         """Owns the memory rule's inputs; this coordinator records each snapshot's rate."""
-        self.max_bandwidth = max_bandwidth
+        self.max_bandwidth = max_bandwidth = self.copy_policy.max_bandwidth
         self.directory = SnapshotDirectory(snapshot_dir, storage)
         """The local tier, ``--snapshot-dir`` (its files: ``directory.storage``)."""
         self.keep_latest = keep_latest

@@ -14,6 +14,7 @@ from snapshot_kit import SPECS, Trainer, metadata_for
 from swap_state.common.copy_before_write import protect_chunk
 from swap_state.common.segment import CopyBudget, Word, plan_segment, stager_slot_count
 from swap_state.common.snapshot_format import rank_data_name
+from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.snapshot import stager as snapshot_stager
 from swap_state.server.snapshot import writer as snapshot_writer
 from swap_state.server.snapshot.coordinator import SnapshotState
@@ -173,7 +174,7 @@ def test_a_chunk_staged_while_the_writer_reads_it_is_rewritten_from_the_stager_s
 def test_copy_budget_warning_at_snapshot_names_the_numbers(make_segment, make_coordinator, caplog):
     seg = make_segment(specs=WIDE, cow_slots=4)
     seg.fill(seed=6)
-    coordinator = make_coordinator(assumed_persist_bandwidth=100_000, assumed_fwd_bwd_s=0.5)
+    coordinator = make_coordinator(copy_policy=CopyBudgetPolicy(assumed_bytes_per_s=100_000, fwd_bwd_s=0.5))
     budget = coordinator.copy_budget(seg.layout)
     state = sum(t.nbytes for t in seg.layout.tensors)
     assert budget.needed_bytes == state - 50_000 and budget.slot_bytes == 4 * 4096
