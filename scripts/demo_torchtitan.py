@@ -73,7 +73,7 @@ def main() -> int:
     try:
         print(f"generating a tokenizer and a dataset in {scratch} ...", flush=True)
         assets = build_titan_assets(scratch / "assets")
-        server = EmbeddedServer(EmbeddedServerConfig(shm_size_bytes=512 << 20, shm_dir=str(shm),
+        server = EmbeddedServer(EmbeddedServerConfig(shm_size_bytes=512 << 20, server={"shm_dir": str(shm)},
                                                      snapshot_dir=str(scratch / "snapshots"))).start()
         run, swap = _line(args.line, server.address)
         if args.line == "0.2":
