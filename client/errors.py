@@ -23,6 +23,7 @@ from swap_state.common.errors import (
     MetadataBaseUnknown,
     NoSegment,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     SessionLive,
     SnapshotsDisabled,
@@ -62,6 +63,7 @@ __all__ = [
     "SnapshotFailedError",
     "SnapshotCorruptError",
     "StoreUnavailableError",
+    "PermissionDeniedError",
     "UnauthenticatedError",
     "ERROR_FOR_REASON",
     "error_for",
@@ -87,6 +89,7 @@ SnapshotFailedError = SnapshotFailed
 SnapshotCorruptError = SnapshotCorrupt
 StoreUnavailableError = SnapshotStoreUnavailable
 UnauthenticatedError = Unauthenticated
+PermissionDeniedError = PermissionDenied
 
 
 class SessionLostError(SwapStateError):

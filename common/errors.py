@@ -28,6 +28,7 @@ __all__ = [
     "NoSegment",
     "MetadataBaseUnknown",
     "SnapshotsDisabled",
+    "PermissionDenied",
     "Unauthenticated",
     "Unavailable",
     "ConfigError",
@@ -134,6 +135,13 @@ class SnapshotsDisabled(FailedPrecondition):
     """The server was started without ``--snapshot-dir``."""
 
     reason = "SNAPSHOTS_DISABLED"
+
+
+class PermissionDenied(SwapStateError):
+    """The caller's tenant (``--tenants``) may not use what the request names: another
+    tenant's job, session or snapshot."""
+
+    code = reason = "PERMISSION_DENIED"
 
 
 class Unauthenticated(SwapStateError):

@@ -36,6 +36,9 @@ class SegmentDescriptor:
     """(name, dtype, shape) in segment order: the Allocate request, checked."""
     layout_hash: str
     """:func:`~swap_state.common.segment.layout_hash` of ``tensors`` (hex)."""
+    tenant: str = ""
+    """The tenant that owns the session (``--tenants``; "" on a server without tenants, and
+    in a segment of a server before tenants)."""
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -47,6 +50,7 @@ class SegmentDescriptor:
                 "local_world_size": self.local_world_size,
                 "layout_hash": self.layout_hash,
                 "tensors": [[name, dtype, list(shape)] for name, dtype, shape in self.tensors],
+                **({"tenant": self.tenant} if self.tenant else {}),
             },
             separators=(",", ":"),
         ).encode()
@@ -70,6 +74,7 @@ class SegmentDescriptor:
             local_world_size=_typed(doc, "local_world_size", int),
             tensors=_tensors(_typed(doc, "tensors", list)),
             layout_hash=_typed(doc, "layout_hash", str),
+            tenant=_typed(doc, "tenant", str) if "tenant" in doc else "",
         )
 
 

@@ -110,6 +110,12 @@ class ServerConfig:
     """File holding a bearer token; clients must send 'authorization: Bearer <token>' or get
     UNAUTHENTICATED (the health service is exempt). Without it, no authentication."""
 
+    tenants: pathlib.Path | None = _flag(None, metavar="FILE", example="/etc/swap-state/tenants")
+    """File of tenants, one per line: 'TENANT TOKEN' or 'TENANT TOKEN admin' (mode 0600). A
+    job, its sessions and snapshots belong to the tenant whose token created them; another
+    tenant's calls on them fail PERMISSION_DENIED, Stats and ListSnapshots show only the
+    caller's, an admin tenant reaches all. Instead of --token-file (one tenant)."""
+
     snapshot_dir: pathlib.Path | None = _flag(None, metavar="DIR", example="/ckpt/swap-state")
     """Directory for durable snapshots (safetensors + manifest per job and step); created if
     missing. Without it, snapshots are refused."""
@@ -245,11 +251,13 @@ class ServerConfig:
             if self.tls_cert is None and not self.insecure:
                 fail(f"--listen {self.listen}: TCP needs --tls-cert/--tls-key, or --insecure to accept "
                      "plaintext (bulk data never crosses gRPC, but tokens and control do)")
-            if self.token_file is None and self.tls_client_ca is None and not _loopback(listen.host):
+            if self.token_file is None and self.tenants is None and self.tls_client_ca is None and not _loopback(listen.host):
                 fail(f"--listen {self.listen} reaches beyond this host, and without --token-file anyone who "
                      "reaches it could attach to, read and roll back every job's state: give --token-file "
                      "FILE (its token, sent by every trainer) or --tls-client-ca (client certificates), or "
                      "listen on tcp://127.0.0.1:PORT or a unix socket")
+        if self.token_file is not None and self.tenants is not None:
+            fail("--token-file and --tenants exclude each other: list that token as a tenant in --tenants")
         if self.tls_client_ca is not None and self.tls_cert is None:
             fail("--tls-client-ca needs --tls-cert/--tls-key (mutual TLS on --listen tcp://...)")
         if listen.scheme != "tcp" and (self.tls_cert is not None or self.tls_key is not None):

@@ -439,6 +439,9 @@ class SnapshotIndex:
     """``layout.json`` (size, crc32; its rank -1) when the step has one: written beside a
     whole job's files, where a restore at another layout plans from it alone; None in
     snapshots of one host of several (the store's index has it) and in older snapshots."""
+    tenant: str = ""
+    """The tenant that owns the job (``--tenants``): only its calls, or an admin's, list or
+    restore it. "" on a server without tenants, and in snapshots written before them."""
 
     @property
     def snapshot_id(self) -> str:
@@ -478,6 +481,7 @@ class SnapshotIndex:
             "attempt": self.attempt,
             "files": [f.to_json() for f in self.files],
             **({"layout": self.layout.to_json()} if self.layout is not None else {}),
+            **({"tenant": self.tenant} if self.tenant else {}),
         }
 
     @classmethod
@@ -512,4 +516,5 @@ class SnapshotIndex:
             created_unix=_float(raw.get("created_unix"), "created_unix"),
             attempt=_int(raw.get("attempt", 1), "attempt", 1),  # absent before the store tier
             layout=_layout_record(raw.get("layout")),
+            tenant=_str(raw.get("tenant", ""), "tenant"),  # absent before tenants
         )

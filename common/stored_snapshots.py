@@ -267,14 +267,15 @@ class StoredSnapshots(SnapshotTier):
         if first is None or sorted(named) != list(range(first.world_size)):
             return None
         markers = self.markers(job_id, step, list(named.values()))
-        if len({(index.world_size, index.attempt) for index in markers.values()}) != 1:
+        if len({(index.world_size, index.attempt, index.tenant) for index in markers.values()}) != 1:
             return None  # markers of two attempts at the step (re-uploading, or another world size)
         world_size = next(iter(markers.values())).world_size
         if sorted(markers) != list(range(world_size)):
             return None
         files = tuple(record for rank in sorted(markers) for record in markers[rank].files)
         return self._info(SnapshotIndex(job_id, step, world_size, tuple(range(world_size)), files,
-                                        max(m.created_unix for m in markers.values()), markers[0].attempt))
+                                        max(m.created_unix for m in markers.values()), markers[0].attempt,
+                                        tenant=markers[0].tenant))
 
     def _info(self, index: SnapshotIndex) -> SnapshotInfo:
         return SnapshotInfo(snapshot_id_for(index.job_id, index.step), index.job_id, index.step, index.world_size,

@@ -41,6 +41,7 @@ from swap_state.server.memory.arena import Arena
 from swap_state.server.dir_trust import check_own_directory
 from swap_state.server.memory.shm_dir import check_shm_dir, require_shm_dir
 from swap_state.server.rpc.auth import TokenAuthInterceptor, read_token_file
+from swap_state.server.tenants import ANYONE, Tenants, read_tenants_file
 from swap_state.common.addresses import ListenAddress
 from swap_state.common.server_config import ServerConfig
 from swap_state.common.sizes import format_size
@@ -203,7 +204,7 @@ class _Domain:
     service: SwapStateService
 
 
-def _build_domain(config: ServerConfig, listen: ListenAddress, gid: int | None,
+def _build_domain(config: ServerConfig, listen: ListenAddress, gid: int | None, tenants: Tenants,
                   undo: contextlib.AsyncExitStack) -> _Domain:
     """Arena, session registry, snapshot coordinator (its close pushed on ``undo``), servicer."""
     copy_policy = CopyBudgetPolicy(max_bandwidth=config.persist_max_bandwidth or None)
@@ -244,14 +245,25 @@ def _build_domain(config: ServerConfig, listen: ListenAddress, gid: int | None,
         keepalive_interval=config.keepalive_interval,
         counters=counters,
         snapshots=snapshots,
+        tenants=tenants,
     )
     return _Domain(arena, registry, counters, snapshots, service)
 
 
+def _read_tenants(config: ServerConfig) -> Tenants:
+    """``--tenants``, else ``--token-file``'s one token (one tenant with every right), else
+    none (every caller is that one tenant)."""
+    if config.tenants is not None:
+        return read_tenants_file(config.tenants)
+    if config.token_file is not None:
+        return Tenants({read_token_file(config.token_file): ANYONE})
+    return Tenants()
+
+
 def _grpc_server(config: ServerConfig, service: SwapStateService, health: health_aio.HealthServicer,
-                 token: str | None) -> grpc.aio.Server:
+                 tenants: Tenants) -> grpc.aio.Server:
     """The gRPC server with the servicer and health, not bound yet."""
-    interceptors = [TokenAuthInterceptor(token)] if token else []
+    interceptors = [TokenAuthInterceptor(tenants)] if tenants.enabled else []
     server = grpc.aio.server(interceptors=interceptors, options=grpc_server_options(config))
     pb_grpc.add_SwapStateServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -335,7 +347,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
     message when the environment does not allow it. Steps in the module docstring's order;
     everything started is undone when a later step fails."""
     listen = config.listen_address
-    token = read_token_file(config.token_file) if config.token_file else None
+    tenants = _read_tenants(config)
     gid = _resolve_group(config.shm_group)
     creds = _read_tls(config)
     _prepare_snapshot_dir(config.snapshot_dir, gid)
@@ -347,9 +359,9 @@ async def start_server(config: ServerConfig) -> RunningServer:
             guard = SocketGuard(listen.path, shared_gid=gid)
             guard.acquire()
             undo.callback(guard.release)
-        domain = _build_domain(config, listen, gid, undo)
+        domain = _build_domain(config, listen, gid, tenants, undo)
         health = health_aio.HealthServicer()
-        server = _grpc_server(config, domain.service, health, token)
+        server = _grpc_server(config, domain.service, health, tenants)
         port = _bind(server, listen, creds)
         undo.push_async_callback(server.stop, None)
         if guard is not None:
@@ -378,12 +390,13 @@ async def start_server(config: ServerConfig) -> RunningServer:
         _guard=guard,
         _metrics=metrics,
     )
-    _log_started(config, listen, address, domain.arena, auth=bool(token), tls=creds is not None, metrics=metrics)
+    auth = "tenants" if config.tenants else "token" if tenants.enabled else "none"
+    _log_started(config, listen, address, domain.arena, auth=auth, tls=creds is not None, metrics=metrics)
     return running
 
 
 def _log_started(config: ServerConfig, listen: ListenAddress, address: str, arena: Arena, *,
-                 auth: bool, tls: bool, metrics: MetricsServer | None) -> None:
+                 auth: str, tls: bool, metrics: MetricsServer | None) -> None:
     """The one ``started`` line: where it listens, the budget, the snapshot dir, security."""
     log_event(
         log,
@@ -398,7 +411,7 @@ def _log_started(config: ServerConfig, listen: ListenAddress, address: str, aren
         chunk_bytes=config.chunk_bytes,
         grace_seconds=config.grace,
         snapshot_dir=config.snapshot_dir or "",
-        auth="token" if auth else "none",
+        auth=auth,
         tls=tls,
         metrics=f"{metrics.address[0]}:{metrics.address[1]}" if metrics and metrics.address else "off",
         pid=os.getpid(),

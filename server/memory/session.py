@@ -73,6 +73,8 @@ class Session:
     on this server is complete when this many ranks have persisted."""
     client_pid: int = 0
     client_host: str = ""
+    tenant: str = ""
+    """The tenant that owns it (``--tenants``): only its calls, or an admin's, reach it."""
     segment: Segment | None = None
     rpc_commits: int = 0
     """Steps committed through the CommitStep RPC (trainers commit through the header)."""
@@ -160,4 +162,4 @@ class Session:
 
     def _describe(self) -> dict[str, object]:
         return {"session_id": self.session_id, "job_id": self.job_id, "rank": self.rank,
-                "generation": self.generation}
+                "generation": self.generation, **({"tenant": self.tenant} if self.tenant else {})}

@@ -40,6 +40,7 @@ from swap_state.common.errors import (
     SERVER_STOPPING_NOTICE,
     LayoutMismatch,
     NotFound,
+    PermissionDenied,
     SessionLive,
     StaleGeneration,
     Unavailable,
@@ -53,6 +54,7 @@ from swap_state.server.memory.arena import Arena
 from swap_state.server.memory.freed import FreedSession, FreedSessions
 from swap_state.server.memory.segment_file import Segment
 from swap_state.server.memory.session import LivenessStream, Session, SessionState
+from swap_state.server.tenants import ANYONE, Tenant
 
 __all__ = ["SessionRegistry"]
 
@@ -175,12 +177,17 @@ class SessionRegistry:
         client_pid: int = 0,
         client_host: str = "",
         local_world_size: int = 0,
+        tenant: Tenant = ANYONE,
     ) -> tuple[Session, bool]:
-        """Open or re-open the session of (job_id, rank). Returns (session, reattached).
-        ``local_world_size``: ranks of the job on this server, 0 meaning ``world_size``. The
-        values are validated (the servicer does it, :mod:`.validation`)."""
+        """Open or re-open the session of (job_id, rank) for ``tenant``. Returns (session,
+        reattached). ``local_world_size``: ranks of the job on this server, 0 meaning
+        ``world_size``. The values are validated (the servicer does it, :mod:`.validation`).
+        PermissionDenied when another tenant's session holds the job."""
         local_world_size = local_world_size or world_size
         self._check_open()
+        for other in self._sessions.values():
+            if other.job_id == job_id and not other.closed and other.tenant != tenant.name:
+                raise PermissionDenied(f"job {job_id!r} belongs to another tenant: choose another job id")
         existing = self._by_key.get((job_id, rank))
         if existing is not None:
             self._refuse_if_live(existing)
@@ -196,6 +203,7 @@ class SessionRegistry:
             local_world_size=local_world_size,
             client_pid=client_pid,
             client_host=client_host,
+            tenant=tenant.name,
         )
         self._make_pending(session)
         self._sessions[session.session_id] = session
@@ -275,7 +283,7 @@ class SessionRegistry:
         d = adopted.descriptor
         session = Session(
             session_id=adopted.session_id, job_id=d.job_id, rank=d.rank, world_size=d.world_size,
-            generation=adopted.generation, local_world_size=d.local_world_size,
+            generation=adopted.generation, local_world_size=d.local_world_size, tenant=d.tenant,
             segment=adopted.segment, adopted=True, streamed_generation=adopted.generation,
             awaiting_reconnect=True,
         )
@@ -381,7 +389,7 @@ class SessionRegistry:
             started = time.perf_counter()
             log_event(log, "segment_allocating", **session._describe(), tensors=len(checked))
             descriptor = SegmentDescriptor(session.job_id, session.rank, session.world_size,
-                                           session.local_world_size, tuple(checked), wanted_hash)
+                                           session.local_world_size, tuple(checked), wanted_hash, session.tenant)
             segment = await asyncio.to_thread(
                 self.arena.create_segment,
                 session.session_id,

@@ -1,6 +1,8 @@
-"""Bearer-token authentication (``--token-file``) as a grpc.aio server interceptor.
+"""Bearer-token authentication (``--token-file``, or a tenant's token of ``--tenants``) as a
+grpc.aio server interceptor.
 
-Every call must carry the metadata ``authorization: Bearer <token>``; otherwise it fails with
+Every call must carry the metadata ``authorization: Bearer <token>`` with a known token
+(:class:`~swap_state.server.tenants.Tenants`); otherwise it fails with
 UNAUTHENTICATED before the request is even deserialised. The gRPC health service is exempt so
 that orchestrator probes (grpc_health_probe, Kubernetes) work without the secret; it reveals
 nothing but SERVING / NOT_SERVING.
@@ -8,7 +10,6 @@ nothing but SERVING / NOT_SERVING.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import pathlib
 import stat
@@ -19,6 +20,7 @@ import grpc
 from swap_state.common.errors import StartupError, Unauthenticated
 from swap_state.server.logs import log_event
 from swap_state.server.rpc.statuses import reason_metadata, status_for
+from swap_state.server.tenants import Tenants
 
 __all__ = ["EXEMPT_PREFIXES", "TokenAuthInterceptor", "read_token_file"]
 
@@ -45,16 +47,12 @@ def read_token_file(path: pathlib.Path) -> str:
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tenants: Tenants) -> None:
+        self._tenants = tenants
         self.denied = 0
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(given, self._expected)
-        return False
+        return self._tenants.tenant_of(details.invocation_metadata) is not None
 
     async def intercept_service(
         self,
@@ -75,7 +73,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     error = Unauthenticated(
         "missing or wrong token: send metadata 'authorization: Bearer <token>' with the "
-        "contents of the server's --token-file"
+        "contents of the server's --token-file (or your tenant's token of its --tenants)"
     )
     code = status_for(error)
 

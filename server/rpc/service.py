@@ -13,6 +13,7 @@ import time
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
+from swap_state.common.errors import PermissionDenied, Unauthenticated
 from swap_state.server.memory.arena import Arena
 from swap_state.server.memory.segment_file import Segment
 from swap_state.server.memory.session import Session
@@ -20,6 +21,7 @@ from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 from swap_state.server.rpc.snapshot_service import SnapshotRpcs, status_reply
 from swap_state.server.rpc.statuses import RpcCounters, rpc_boundary
+from swap_state.server.tenants import Tenant, Tenants
 from swap_state.server.rpc.validation import (
     validate_client_host,
     validate_job_id,
@@ -73,7 +75,10 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         keepalive_interval: float,
         counters: RpcCounters,
         snapshots: SnapshotCoordinator | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
+        self.tenants = tenants or Tenants()
+        """Who calls (:mod:`swap_state.server.tenants`): each call's tenant from its token."""
         self.registry = registry
         self.snapshots = snapshots
         self.snapshot_rpcs = SnapshotRpcs(registry, arena, snapshots)
@@ -82,12 +87,30 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         self.keepalive_interval = keepalive_interval
         self.counters = counters  # used by rpc_boundary
 
+    def _caller(self, context) -> Tenant:
+        """The call's tenant (the interceptor has refused calls without a known token)."""
+        tenant = self.tenants.tenant_of(context.invocation_metadata())
+        if tenant is None:
+            raise Unauthenticated("missing or wrong token")
+        return tenant
+
+    def _own_session(self, caller: Tenant, session_id: str, generation: int) -> Session:
+        """The session, if its tenant is the caller's (or the caller is an admin)."""
+        session = self.registry.lookup(session_id, generation)
+        caller.check(session.tenant, f"session {session_id} (job {session.job_id!r})")
+        return session
+
     @rpc_boundary
     async def Attach(self, request: pb.AttachRequest, context) -> pb.AttachReply:
         validate_job_id(request.job_id)
         validate_rank(request.rank, request.world_size)
         local_world_size = validate_local_world_size(request.local_world_size, request.world_size)
         validate_client_host(request.client_host)
+        caller = self._caller(context)
+        owner = self.snapshots.job_owner(request.job_id) if self.snapshots is not None else None
+        if owner is not None and owner != caller.name:
+            raise PermissionDenied(f"the snapshots of job {request.job_id!r} belong to another tenant: "
+                                   "choose another job id")
         session, reattached = await self.registry.attach(
             request.job_id,
             request.rank,
@@ -95,6 +118,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             client_pid=request.client_pid,
             client_host=request.client_host,
             local_world_size=local_world_size,
+            tenant=caller,
         )
         reply = pb.AttachReply(
             session_id=session.session_id,
@@ -113,6 +137,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     @rpc_boundary
     async def KeepAlive(self, request: pb.KeepAliveRequest, context):
         validate_session(request.session_id, request.generation)
+        self._own_session(self._caller(context), request.session_id, request.generation)
         stream = self.registry.open_stream(request.session_id, request.generation)
         try:
             while True:
@@ -128,7 +153,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     @rpc_boundary
     async def Allocate(self, request: pb.AllocateRequest, context) -> pb.AllocateReply:
         validate_session(request.session_id, request.generation)
-        self.registry.lookup(request.session_id, request.generation)  # unknown or stale: first
+        self._own_session(self._caller(context), request.session_id, request.generation)  # unknown or stale: first
         # A generator: the O(tensors) conversion and checks run in a worker thread, off the loop.
         specs = ((t.name, t.dtype, t.shape) for t in request.tensors)
         checked = await asyncio.to_thread(validate_tensor_specs, specs, max_tensors=self.registry.max_tensors)
@@ -139,17 +164,23 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     async def CommitStep(self, request: pb.CommitStepRequest, context) -> pb.CommitStepReply:
         validate_step(request.step)
         validate_session(request.session_id, request.generation)
+        self._own_session(self._caller(context), request.session_id, request.generation)
         step = self.registry.commit_step(request.session_id, request.generation, request.step)
         return pb.CommitStepReply(committed_step=step)
 
     @rpc_boundary
     async def Detach(self, request: pb.DetachRequest, context) -> pb.DetachReply:
         validate_session(request.session_id, request.generation)
+        self._own_session(self._caller(context), request.session_id, request.generation)
         await self.registry.detach(request.session_id, request.generation, keep=request.keep)
         return pb.DetachReply()
 
     @rpc_boundary
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
+        caller = self._caller(context)
+        sessions = [s for s in self.registry.sessions if caller.may_reach(s.tenant)]
+        jobs = {s.job_id for s in sessions}
+        in_progress = self.snapshots.in_progress() if self.snapshots else ()
         if self.snapshots is not None:
             persist, measured = self.snapshots.persist_bandwidth()
             fwd_bwd, stage_threads = self.snapshots.assumed_fwd_bwd_s, self.snapshots.stage_threads
@@ -159,11 +190,9 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             budget_total_bytes=self.arena.total_bytes,
             budget_used_bytes=self.arena.used_bytes,
             budget_free_bytes=self.arena.free_bytes,
-            sessions=[self._session_stats(s) for s in self.registry.sessions],
+            sessions=[self._session_stats(s) for s in sessions],
             steps_committed_total=self.registry.steps_committed_total,
-            snapshots_in_progress=[
-                status_reply(s) for s in (self.snapshots.in_progress() if self.snapshots else ())
-            ],
+            snapshots_in_progress=[status_reply(s) for s in in_progress if caller.admin or s.job_id in jobs],
             persist_bytes_per_second=persist,
             persist_bandwidth_measured=measured,
             assumed_fwd_bwd_seconds=fwd_bwd,
@@ -203,16 +232,16 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     # -- snapshots: SnapshotRpcs does the work, behind this service's boundary ------------
     @rpc_boundary
     async def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
-        return await self.snapshot_rpcs.Snapshot(request, context)
+        return await self.snapshot_rpcs.Snapshot(request, context, self._caller(context))
 
     @rpc_boundary
     async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context) -> pb.SnapshotStatusReply:
-        return await self.snapshot_rpcs.SnapshotStatus(request, context)
+        return await self.snapshot_rpcs.SnapshotStatus(request, context, self._caller(context))
 
     @rpc_boundary
     async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
-        return await self.snapshot_rpcs.ListSnapshots(request, context)
+        return await self.snapshot_rpcs.ListSnapshots(request, context, self._caller(context))
 
     @rpc_boundary
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
-        return await self.snapshot_rpcs.Restore(request, context)
+        return await self.snapshot_rpcs.Restore(request, context, self._caller(context))

@@ -29,6 +29,7 @@ from swap_state.common.errors import (
 )
 from swap_state.common.snapshot_metadata_parts import MetadataParts, base_id, parse_base, parse_delta
 from swap_state.server.observability.metrics import counter, gauge
+from swap_state.common.names import parse_snapshot_id
 from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.server.snapshot.restore import restore
 from swap_state.server.snapshot.tiers import list_both_tiers
@@ -38,6 +39,7 @@ from swap_state.server.memory.session import Session
 from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator, RankSnapshot, SnapshotStatus
 from swap_state.server.snapshot.source import SnapshotSource
+from swap_state.server.tenants import Tenant
 from swap_state.server.rpc.validation import (
     validate_job_id_filter,
     validate_session,
@@ -169,19 +171,20 @@ class SnapshotRpcs:
             )
         return self.snapshots
 
-    def _segment_session(self, session_id: str, generation: int) -> Session:
+    def _segment_session(self, session_id: str, generation: int, caller: Tenant) -> Session:
         session = self.registry.lookup(session_id, generation)
+        caller.check(session.tenant, f"session {session_id} (job {session.job_id!r})")
         if session.segment is None:
             raise NoSegment(
                 f"session {session_id} has no segment yet: call Allocate first"
             )
         return session
 
-    async def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
+    async def Snapshot(self, request: pb.SnapshotRequest, context, caller: Tenant) -> pb.SnapshotReply:
         validate_session(request.session_id, request.generation)
         validate_step(request.step)
         coordinator = self._coordinator()
-        session = self._segment_session(request.session_id, request.generation)
+        session = self._segment_session(request.session_id, request.generation, caller)
         async with session.lock:
             if session.last_committed_step != request.step:
                 raise FailedPrecondition(
@@ -199,7 +202,7 @@ class SnapshotRpcs:
                     local_world_size=session.local_world_size,
                     keep_latest=request.keep_latest, keep_all=request.keep_all,
                     replace_existing=request.replace_existing,
-                    session_id=session.session_id, generation=session.generation,
+                    session_id=session.session_id, generation=session.generation, tenant=session.tenant,
                 )
                 # hold: the writer streams once this reply is sent (the trainer's stall is
                 # this RPC; a writer already streaming would compete for the GIL and CPUs).
@@ -248,25 +251,35 @@ class SnapshotRpcs:
         if self._finishing:
             await asyncio.wait(set(self._finishing), timeout=timeout_s)
 
-    async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context) -> pb.SnapshotStatusReply:
+    async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context,
+                             caller: Tenant) -> pb.SnapshotStatusReply:
         snapshot_id = validate_snapshot_id(request.snapshot_id, relative=False, latest=False)
         validate_snapshot_rank(request.rank)
         coordinator = self._coordinator()
+        job_id = parse_snapshot_id(snapshot_id, None, InvalidArgument).job_id
+        owners = {s.tenant for s in self.registry.sessions if s.job_id == job_id}
+        owner = await asyncio.to_thread(coordinator.job_owner, job_id)
+        for tenant in owners | ({owner} if owner is not None else set()):
+            caller.check(tenant, f"snapshot {snapshot_id}")
         wait_s = min(max(request.wait_seconds, 0.0), MAX_STATUS_WAIT_S)
         status = await coordinator.wait_status(snapshot_id, request.rank, wait_s, request.wait_stored)
         return status_reply(status)
 
-    async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
+    async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context,
+                            caller: Tenant) -> pb.ListSnapshotsReply:
         job_id = validate_job_id_filter(request.job_id)
         coordinator = self._coordinator()
         listed = await asyncio.to_thread(list_both_tiers, coordinator, job_id)
-        return pb.ListSnapshotsReply(snapshots=[_info_reply(local, stored) for local, stored in listed])
+        return pb.ListSnapshotsReply(snapshots=[
+            _info_reply(local, stored) for local, stored in listed
+            if caller.may_reach((local or stored).index.tenant)  # type: ignore[union-attr]
+        ])
 
-    async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
+    async def Restore(self, request: pb.RestoreRequest, context, caller: Tenant) -> pb.RestoreReply:
         validate_session(request.session_id, request.generation)
         snapshot_id = validate_snapshot_id(request.snapshot_id or "latest", relative=True, latest=True)
         coordinator = self._coordinator()
-        session = self._segment_session(request.session_id, request.generation)
+        session = self._segment_session(request.session_id, request.generation, caller)
         async with session.lock:
             with session.segment.borrow() as buffer:
                 result = await asyncio.to_thread(
@@ -276,6 +289,7 @@ class SnapshotRpcs:
                     reserve_staging=self.arena.reserve_staging,
                     staging_free_bytes=lambda: self.arena.free_bytes,
                     stored=coordinator.stored, placement_json=request.metadata_json,
+                    may_read=lambda info: caller.check(info.index.tenant, f"snapshot {info.snapshot_id}"),
                 )
             session.record_commit(result.step, force=True)
         return pb.RestoreReply(

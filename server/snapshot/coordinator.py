@@ -42,6 +42,7 @@ import threading
 import time
 
 from swap_state.common.segment import CopyBudget, SegmentLayout, Word
+from swap_state.common.errors import PermissionDenied
 from swap_state.common.snapshot_errors import (
     SnapshotBusy, SnapshotError, SnapshotFailed, SnapshotInvalid, SnapshotNotFound, from_os_error,
 )
@@ -256,13 +257,24 @@ class SnapshotCoordinator:
                 "after CommitStep"
             )
 
+    def job_owner(self, job_id: str) -> str | None:
+        """The tenant that owns ``job_id``'s snapshots in this server's directory (its newest
+        one's), None when it has none."""
+        snapshots = self.directory.list(job_id)
+        return snapshots[-1].index.tenant if snapshots else None
+
     def _new_group(self, source: SnapshotSource) -> SnapshotGroup:
+        owner = self.job_owner(source.job_id)
+        if owner is not None and owner != source.tenant:
+            raise PermissionDenied(f"the snapshots of job {source.job_id!r} belong to another tenant: "
+                                   "choose another job id")
         partial = self.directory.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
         group = SnapshotGroup(
             self.directory.storage, source.job_id, source.step, source.world_size,
             source.expected_ranks, partial, self._retention_for(source),
         )
         group.replace = source.replace_existing
+        group.tenant = source.tenant
         self._groups[(source.job_id, source.step)] = group
         self._prune_history()
         if group.local_world_size > 1:
@@ -391,7 +403,7 @@ class SnapshotCoordinator:
             layout = _layout_bytes(group, results)
             index = SnapshotIndex(
                 job_id=group.job_id, step=group.step, world_size=group.world_size, ranks=ranks, files=tuple(files),
-                created_unix=time.time(), attempt=self._attempt(group),
+                created_unix=time.time(), attempt=self._attempt(group), tenant=group.tenant,
                 layout=None if layout is None else FileRecord(LAYOUT_NAME, -1, len(layout), crc32(layout)))
             commit = self.directory.commit(group.partial, index, group.keep, replace=group.replace, layout=layout)
         except SnapshotError as exc:

@@ -65,6 +65,8 @@ class SnapshotGroup:
         self.partial = partial
         """The partial snapshot the ranks write into (the storage's)."""
         self.snapshot_id = snapshot_id_for(job_id, step)
+        self.tenant = ""
+        """The tenant that owns the job (``--tenants``), recorded in ``snapshot.json``."""
         self.cond = WatchedCondition()
         """Threads wait on it, and RPCs await it (:mod:`.waiting`: no thread held)."""
         self.cancel = threading.Event()

@@ -30,6 +30,7 @@ from typing import ContextManager
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
 from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotError
 from swap_state.common.snapshot_metadata import parse_metadata
+from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.common.stored_snapshots import StoredSnapshots
 
 from swap_state.server.logs import log_event
@@ -83,6 +84,7 @@ def restore(
     staging_free_bytes: Callable[[], int] | None = None,
     stored: StoredSnapshots | None = None,
     placement_json: str = "",
+    may_read: Callable[[SnapshotInfo], None] | None = None,
 ) -> RestoreResult:
     """Verify ``snapshot_id`` (``<job>/step-<N>``, or ``latest`` of ``job_id``) for ``rank``
     against ``layout``, then copy it into ``buffer`` (the writable mapped segment).
@@ -94,7 +96,8 @@ def restore(
     the log line when it does not. ``stored``: the store (``--snapshot-store``), where a
     snapshot this server does not hold (another host's rank, a lost host's) is read from;
     ``placement_json``: the rank's tensors' DTensor placement (RestoreRequest.metadata_json),
-    needed to reshard a snapshot taken at another world size or layout.
+    needed to reshard a snapshot taken at another world size or layout. ``may_read(info)``
+    raises (PermissionDenied: another tenant's) before anything is read.
 
     Which tier (:func:`resolve_source`), then one path (:mod:`.assemble`).
     Raises SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt, SnapshotBusy; the
@@ -111,6 +114,8 @@ def restore(
             raise SnapshotBusy("a snapshot of this segment is persisting; restore after it ends")
         source = resolve_source(store, stored, snapshot_id, job_id, rank, world_size)
         info = source.info
+        if may_read is not None:
+            may_read(info)
         if source.where == "local" and (info.world_size != world_size or rank not in info.ranks) and not info.index.complete_job:
             check_world_size(info, world_size)  # a host's own part of a multi-host snapshot: not resharded
         placement = parse_metadata(placement_json, layout.tensors, sys.maxsize) if placement_json else None

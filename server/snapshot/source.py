@@ -54,6 +54,8 @@ class SnapshotSource:
     earlier one only from the same session and ``generation``."""
     generation: int = 0
     """The session's generation (a reattached trainer has a new one)."""
+    tenant: str = ""
+    """The tenant that owns the session (``--tenants``), recorded in the snapshot."""
 
     @property
     def run(self) -> tuple[str, int]:

@@ -310,7 +310,10 @@ class SnapshotUploader:
         data = _record(info, rank_data_name(rank))
         manifest = _record(info, rank_manifest_name(rank))
         marker = SnapshotIndex(info.job_id, info.step, info.world_size, (rank,), (data, manifest), time.time(),
-                               info.index.attempt)
+                               info.index.attempt, tenant=info.index.tenant)
+        if existing is not None and existing.tenant != info.index.tenant:
+            raise SnapshotError(f"{self.stored.location(info.job_id, info.step)} belongs to another tenant: "
+                                   "its objects are left alone (two tenants used one job id)")
         key = lambda name: self.stored.key(info.job_id, info.step, name)  # noqa: E731
         if existing is not None and (existing.world_size, existing.attempt, existing.files) == (
             info.world_size, info.index.attempt, (data, manifest),

@@ -1,0 +1,129 @@
+"""Tenants (``--tenants``) through a real server process: a second tenant can neither read,
+change, roll back nor list a first tenant's job, session or snapshot; an admin sees all; the
+ownership outlives a server restart (it is in ``snapshot.json``)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from swap_state.client import errors
+from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
+from swap_state.common.names import parse_snapshot_id, step_dir_name
+from swap_state.common.snapshot_format import INDEX_NAME
+from swap_state.proto import swap_state_pb2 as pb
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+SPECS = [("state.w.exp_avg", "float32", [64, 64])]
+TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab", "ops": "ops-token-0123456789abc"}
+
+
+@pytest.fixture
+def server(start_server, tmp_path):
+    path = tmp_path / "tenants"
+    path.write_text("# tenant token [admin]\n" + "".join(
+        f"{name} {token}{' admin' if name == 'ops' else ''}\n" for name, token in TOKENS.items()))
+    path.chmod(0o600)
+    return start_server(tenants=str(path), free_segments_on_stop=False)
+
+
+@pytest.fixture
+def clients(server):
+    made = {name: SwapStateClient(ClientConfig(server.address, token=token, timeout_s=10.0))
+            for name, token in TOKENS.items()}
+    yield made
+    for client in made.values():
+        client.close()
+
+
+def _snapshot(session, step: int) -> str:
+    session.commit(step)
+    snapshot_id = session.snapshot(step, "").snapshot_id
+    status = session.client.snapshot_status(snapshot_id, session.rank, wait_s=30.0)
+    assert status.state == "durable", status
+    return snapshot_id
+
+
+def _denied(call, *args):
+    with pytest.raises(errors.PermissionDeniedError) as info:
+        call(*args)
+    assert info.value.reason == "PERMISSION_DENIED"
+    return info.value
+
+
+def test_a_tenant_reaches_only_its_own_jobs(server, clients):
+    alice, bob, ops = clients["alice"], clients["bob"], clients["ops"]
+    mine = alice.attach("train", 0, 1)
+    mine.allocate(SPECS)
+    snapshot_id = _snapshot(mine, 1)
+
+    # Bob cannot take the job id, nor any rank of it.
+    assert "another tenant" in str(_denied(bob.attach, "train", 0, 1))
+    _denied(bob.attach, "train", 1, 2)
+    # Nor act on Alice's session, even knowing its id and generation.
+    sid, gen = mine.session_id, mine.generation
+    for name, request in [
+        ("Detach", pb.DetachRequest(session_id=sid, generation=gen)),
+        ("CommitStep", pb.CommitStepRequest(session_id=sid, generation=gen, step=2)),
+        ("Allocate", pb.AllocateRequest(session_id=sid, generation=gen)),
+        ("Snapshot", pb.SnapshotRequest(session_id=sid, generation=gen, step=1)),
+        ("Restore", pb.RestoreRequest(session_id=sid, generation=gen, snapshot_id="latest")),
+    ]:
+        _denied(bob.call, name, request)
+    # Nor read her snapshot into his own session, nor see it.
+    own = bob.attach("other", 0, 1)
+    own.allocate(SPECS)
+    own.commit(1)
+    _denied(own.restore, snapshot_id)
+    _denied(bob.snapshot_status, snapshot_id, 0)
+    assert [s.snapshot_id for s in bob.list_snapshots().snapshots] == []
+    assert [s.snapshot_id for s in alice.list_snapshots().snapshots] == [snapshot_id]
+    assert {s.job_id for s in bob.stats().sessions} == {"other"}
+    assert {s.job_id for s in alice.stats().sessions} == {"train"}
+    # The admin sees every tenant's.
+    assert {s.job_id for s in ops.stats().sessions} == {"train", "other"}
+    assert [s.snapshot_id for s in ops.list_snapshots().snapshots] == [snapshot_id]
+    # Alice's session is untouched: she commits and restores on.
+    assert mine.commit(2) == 2
+    assert mine.restore(snapshot_id).step == 1
+
+    assert json.loads(_index_path(server, snapshot_id).read_text())["tenant"] == "alice"
+    own.close()
+    mine.close()
+
+
+def _index_path(server, snapshot_id: str) -> pathlib.Path:
+    ref = parse_snapshot_id(snapshot_id, None, ValueError)
+    return pathlib.Path(server.snapshot_dir) / ref.job_id / step_dir_name(ref.step) / INDEX_NAME
+
+
+def test_ownership_outlives_a_server_restart(server, clients):
+    alice, bob = clients["alice"], clients["bob"]
+    mine = alice.attach("kept", 0, 1)
+    mine.allocate(SPECS)
+    snapshot_id = _snapshot(mine, 3)
+    mine.close()
+    live = alice.attach("live", 0, 1)  # its segment outlives the server: adopted, still Alice's
+    live.allocate(SPECS)
+    server.restart()
+    _denied(bob.attach, "kept", 0, 1)  # from snapshot.json: no session of the job is left
+    _denied(bob.attach, "live", 0, 1)  # from the adopted segment's descriptor
+    assert {s.job_id for s in bob.stats().sessions} == set()
+    assert {s.job_id for s in alice.stats().sessions} == {"live"}
+    again = alice.attach("kept", 0, 1)
+    again.allocate(SPECS)
+    assert again.restore("latest").snapshot_id == snapshot_id
+    again.close()
+    live.close()
+
+
+def test_an_unknown_token_is_unauthenticated(server):
+    client = SwapStateClient(ClientConfig(server.address, token="no-such-token-0123456789", timeout_s=10.0))
+    try:
+        with pytest.raises(errors.UnauthenticatedError):
+            client.attach("train", 0, 1)
+    finally:
+        client.close()
