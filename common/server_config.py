@@ -204,6 +204,17 @@ class ServerConfig:
     """Durable snapshots kept per job, at least 2: older ones are removed only after a newer one
     is durable."""
 
+    tenant_shm_quota: int = _flag(0, kind="size", example="16G")
+    """Bytes of segments one tenant (--tenants; without it, all callers together) may hold
+    on this server; an Allocate beyond it fails RESOURCE_EXHAUSTED naming this flag, and other
+    tenants are unaffected. 0: no quota (--shm-size bounds all)."""
+
+    tenant_snapshot_quota: int = _flag(0, kind="size", example="500G")
+    """Bytes of snapshots one tenant may keep in --snapshot-dir: a snapshot that would take it
+    beyond is refused (RESOURCE_EXHAUSTED naming this flag) before a byte is written. Retention
+    removes old snapshots only after a new one is durable: allow (keep + 1) snapshots of a job.
+    0: no quota."""
+
     tls_cert: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/server.pem")
     """TLS certificate chain for --listen tcp://..."""
 

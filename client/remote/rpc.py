@@ -385,7 +385,10 @@ class RemoteSession:
     def _follow_stream(self) -> str:
         """Open the KeepAlive stream and follow it until it ends: "stop" (closing, or the
         session is lost), "connected" (to renew after events came), "gone" (no server)."""
-        stream = self._stream = self.client.open_keepalive(self.session_id, self.generation)
+        try:
+            stream = self._stream = self.client.open_keepalive(self.session_id, self.generation)
+        except ValueError:  # grpc: "Channel closed!": the client was closed under the session
+            return "stop"
         if self._closing.is_set():  # close() ran between the check and the open
             stream.cancel()
         notice = ""

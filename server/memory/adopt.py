@@ -138,6 +138,7 @@ def _adopt_one(arena: Arena, name: str, validate: Validate) -> tuple[int, Adopte
         segment.buffer = mmap.mmap(fd, layout.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     segment.header = SegmentHeader(segment.buffer, layout.n_chunks, layout.cow_slots)
     segment.adopted = True
+    segment.tenant = descriptor.tenant
     try:
         arena.adopt(segment, seq)
     except Exception as e:

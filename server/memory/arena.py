@@ -127,8 +127,12 @@ class Arena:
         gid: int | None = None,
         mlock: bool = True,
         copy_policy: CopyBudgetPolicy | None = None,
+        tenant_quota: int = 0,
     ) -> None:
         self.shm_dir = shm_dir
+        self.tenant_quota = tenant_quota
+        """Bytes of segments one tenant may hold (``--tenant-shm-quota``; 0: no quota)."""
+        self._tenant_used: dict[str, int] = {}
         self.total_bytes = total_bytes
         self.chunk_bytes = chunk_bytes
         self.cow_pool_slots = cow_pool_bytes // chunk_bytes
@@ -245,6 +249,7 @@ class Arena:
         *,
         specs_hash: str | None = None,
         descriptor: SegmentDescriptor | None = None,
+        tenant: str = "",
     ) -> Segment:
         """Plan, charge, create, pre-fault, map and initialise a segment (blocking).
 
@@ -252,6 +257,7 @@ class Arena:
         caller's ``layout_hash(specs)`` when it has one (O(tensors) to compute again).
         ``descriptor``: what a successor needs to adopt the segment (its session and
         ``specs``), written after the copy slots; None: a segment no successor adopts.
+        ``tenant``: whose ``--tenant-shm-quota`` it is charged to.
         Steps: :meth:`_charge` (budget and name, under the lock), :meth:`_materialize_or_undo`
         (the file, outside it: seconds for tens of GiB), :meth:`_register`, then the
         copy-budget warning.
@@ -259,9 +265,10 @@ class Arena:
         if not owner.isalnum():
             raise ValueError("segment owner must be a server-issued alphanumeric id")
         raw = descriptor.encode() if descriptor is not None else b""
-        name, layout = self._charge(owner, specs, world_size, len(raw))
+        name, layout = self._charge(owner, specs, world_size, len(raw), tenant)
         digest = specs_hash if specs_hash is not None else layout_hash(specs)
         segment = self.segment_object(name, layout, digest, len(raw))
+        segment.tenant = tenant
         self._materialize_or_undo(segment, raw)
         self._register(segment)
         self._warn_copy_budget(segment)
@@ -282,10 +289,12 @@ class Arena:
         return segment_file_bytes(layout, descriptor_bytes) - layout.cow_slots * layout.chunk_bytes
 
     def _charge(
-        self, owner: str, specs: Sequence[TensorSpec], world_size: int, descriptor_bytes: int = 0
+        self, owner: str, specs: Sequence[TensorSpec], world_size: int, descriptor_bytes: int = 0,
+        tenant: str = "",
     ) -> tuple[str, SegmentLayout]:
         """Plan the segment, take its bytes and slots out of the budget and name its file:
-        (name, layout). ResourceExhausted when the free budget cannot hold it."""
+        (name, layout). ResourceExhausted when the free budget, or ``tenant``'s quota, cannot
+        hold it."""
         chunk = self.segment_chunk_bytes(specs)
         n_chunks = sum(-(-tensor_nbytes(dtype, shape) // chunk) for _, dtype, shape in specs)
         want = min(self.cow_share(world_size), n_chunks)
@@ -301,6 +310,15 @@ class Arena:
             if charge > free:
                 self.allocation_failures += 1
                 raise self._over_budget(len(specs), layout, charge, free)
+            held = self._tenant_used.get(tenant, 0)
+            if self.tenant_quota and held + charge > self.tenant_quota:
+                self.allocation_failures += 1
+                raise ResourceExhausted(
+                    f"segment of {format_size(charge)} refused: this tenant holds {format_size(held)} "
+                    f"of its --tenant-shm-quota {format_size(self.tenant_quota)} on this server; free a "
+                    "session of it (Detach) or ask for a larger quota (other tenants are unaffected)"
+                )
+            self._tenant_used[tenant] = held + charge
             self._tensor_used += charge
             self._cow_used_slots += layout.cow_slots
             self._cow_used_bytes += layout.cow_slots * layout.chunk_bytes
@@ -439,6 +457,7 @@ class Arena:
 
     def _release_charge(self, segment: Segment) -> None:
         with self._lock:
+            self._tenant_used[segment.tenant] = self._tenant_used.get(segment.tenant, 0) - segment.charge
             self._tensor_used -= segment.charge
             self._cow_used_slots -= segment.cow_slots
             self._cow_used_bytes -= segment.cow_slots * segment.layout.chunk_bytes
@@ -491,6 +510,7 @@ class Arena:
                     "--shm-size and --cow-budget of the one before"
                 )
             self._tensor_used += segment.charge
+            self._tenant_used[segment.tenant] = self._tenant_used.get(segment.tenant, 0) + segment.charge
             self._cow_used_slots += segment.cow_slots
             self._cow_used_bytes += segment.cow_slots * segment.layout.chunk_bytes
             self._segments[segment.name] = segment

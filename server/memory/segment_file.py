@@ -68,6 +68,8 @@ class Segment:
         """Set at shutdown for a segment whose file stays for the next server to adopt."""
         self.adopted = False
         """Whether this server adopted the segment from a previous one."""
+        self.tenant = ""
+        """The tenant whose quota (``--tenant-shm-quota``) it is charged to."""
         self.cow_slots = layout.cow_slots
         self.model_bytes = model_bytes(layout.tensors)  # once: stats and scrapes read it often
         self.charge = charge  # bytes counted against the tensor part of the budget

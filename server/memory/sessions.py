@@ -397,6 +397,7 @@ class SessionRegistry:
                 session.local_world_size,  # the job's ranks sharing this server's copy pool
                 specs_hash=wanted_hash,
                 descriptor=descriptor,  # what a successor server needs to adopt it
+                tenant=session.tenant,
             )
             session.segment = segment
             log_event(log, "segment_allocated", **session._describe(), path=segment.path,

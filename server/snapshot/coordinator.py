@@ -42,7 +42,8 @@ import threading
 import time
 
 from swap_state.common.segment import CopyBudget, SegmentLayout, Word
-from swap_state.common.errors import PermissionDenied
+from swap_state.common.errors import PermissionDenied, ResourceExhausted
+from swap_state.common.sizes import format_size
 from swap_state.common.snapshot_errors import (
     SnapshotBusy, SnapshotError, SnapshotFailed, SnapshotInvalid, SnapshotNotFound, from_os_error,
 )
@@ -96,6 +97,7 @@ class SnapshotCoordinator:
         store_uri: str | None = None,
         store_timeout_s: float = 60.0,
         store_max_bandwidth: float | None = None,
+        tenant_snapshot_quota: int = 0,
     ):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
         ``max_bandwidth``: bytes/s for all snapshot I/O together (None: no cap; with a
@@ -111,7 +113,9 @@ class SnapshotCoordinator:
         the forward/backward time and the persist bytes/s of the copy-budget warning.
         ``storage``: where snapshot files go (default: the directory ``snapshot_dir``).
         ``store_uri``: the store (``--snapshot-store``; None: none), each durable snapshot
-        uploaded there in the background (:mod:`.upload`), ``store_max_bandwidth`` bytes/s."""
+        uploaded there in the background (:mod:`.upload`), ``store_max_bandwidth`` bytes/s.
+        ``tenant_snapshot_quota``: bytes of snapshots one tenant may keep here (0: no quota)."""
+        self.tenant_snapshot_quota = tenant_snapshot_quota
         _check_arguments(keep_latest, assemble_timeout_s, stage_threads)
         self.stage_threads = stage_threads
         self.model_copy_timeout_s = model_copy_timeout_s
@@ -263,11 +267,27 @@ class SnapshotCoordinator:
         snapshots = self.directory.list(job_id)
         return snapshots[-1].index.tenant if snapshots else None
 
+    def _check_quota(self, source: SnapshotSource) -> None:
+        """ResourceExhausted when the tenant's snapshots here and this one (its ranks' tensor
+        bytes, estimated from this rank's) would pass ``--tenant-snapshot-quota``."""
+        if not self.tenant_snapshot_quota:
+            return
+        held = sum(info.bytes for info in self.directory.list() if info.index.tenant == source.tenant)
+        new = sum(t.nbytes for t in source.layout.tensors) * source.expected_ranks
+        if held + new > self.tenant_snapshot_quota:
+            raise ResourceExhausted(
+                f"snapshot {source.job_id}/step-{source.step} refused: about {format_size(new)} more "
+                f"would take this tenant's snapshots in {self.directory.root} from {format_size(held)} "
+                f"past its --tenant-snapshot-quota {format_size(self.tenant_snapshot_quota)}; lower "
+                "the job's retention (keep_latest), remove old jobs, or ask for a larger quota"
+            )
+
     def _new_group(self, source: SnapshotSource) -> SnapshotGroup:
         owner = self.job_owner(source.job_id)
         if owner is not None and owner != source.tenant:
             raise PermissionDenied(f"the snapshots of job {source.job_id!r} belong to another tenant: "
                                    "choose another job id")
+        self._check_quota(source)
         partial = self.directory.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
         group = SnapshotGroup(
             self.directory.storage, source.job_id, source.step, source.world_size,

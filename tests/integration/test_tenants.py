@@ -127,3 +127,36 @@ def test_an_unknown_token_is_unauthenticated(server):
             client.attach("train", 0, 1)
     finally:
         client.close()
+
+
+def test_quotas_bound_one_tenant_and_spare_the_others(start_server, tmp_path):
+    path = tmp_path / "tenants"
+    path.write_text(f"alice {TOKENS['alice']}\nbob {TOKENS['bob']}\n")
+    path.chmod(0o600)
+    server = start_server(tenants=str(path), tenant_shm_quota="1536K", tenant_snapshot_quota="1M")
+    alice, bob = (SwapStateClient(ClientConfig(server.address, token=TOKENS[name], timeout_s=10.0))
+                  for name in ("alice", "bob"))
+    big = [("w", "float32", [384, 512])]  # 768 KiB: two pass a 1.5 MiB quota with their headers
+    try:
+        first = alice.attach("a1", 0, 1)
+        first.allocate(big)
+        second = alice.attach("a2", 0, 1)
+        with pytest.raises(errors.BudgetExhaustedError, match="--tenant-shm-quota"):
+            second.allocate(big)
+        others = bob.attach("b1", 0, 1)
+        others.allocate(big)  # Bob's quota is his own
+
+        half = [("w", "float32", [256, 512])]  # 512 KiB: one snapshot fits a 1 MiB quota, two do not
+        small = alice.attach("a3", 0, 1)
+        first.close()  # room in the shm quota for it
+        small.allocate(half)
+        _snapshot(small, 1)
+        small.commit(2)
+        with pytest.raises(errors.BudgetExhaustedError, match="--tenant-snapshot-quota"):
+            small.snapshot(2, "")
+        theirs = bob.attach("b2", 0, 1)
+        theirs.allocate(half)
+        _snapshot(theirs, 1)  # Bob's snapshots are counted apart
+    finally:
+        alice.close()
+        bob.close()
