@@ -107,7 +107,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         local_world_size = validate_local_world_size(request.local_world_size, request.world_size)
         validate_client_host(request.client_host)
         caller = self._caller(context)
-        owner = self.snapshots.job_owner(request.job_id) if self.snapshots is not None else None
+        owner = await asyncio.to_thread(self.snapshots.job_owner, request.job_id) if self.snapshots else None
         if owner is not None and owner != caller.name:
             raise PermissionDenied(f"the snapshots of job {request.job_id!r} belong to another tenant: "
                                    "choose another job id")

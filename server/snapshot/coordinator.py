@@ -45,7 +45,8 @@ from swap_state.common.segment import CopyBudget, SegmentLayout, Word
 from swap_state.common.errors import PermissionDenied, ResourceExhausted
 from swap_state.common.sizes import format_size
 from swap_state.common.snapshot_errors import (
-    SnapshotBusy, SnapshotError, SnapshotFailed, SnapshotInvalid, SnapshotNotFound, from_os_error,
+    SnapshotBusy, SnapshotError, SnapshotFailed, SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable,
+    from_os_error,
 )
 from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_format import LAYOUT_NAME, FileRecord, SnapshotIndex
@@ -141,6 +142,7 @@ class SnapshotCoordinator:
                          if store_uri else None)
         self.stored = self.uploader.stored if self.uploader is not None else None
         """The store tier, ``--snapshot-store`` (None: none)."""
+        self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
 
     def _open_storage(self, clean_stale: bool) -> None:
         """Create the root, take this server's share of it, and remove what a killed writer
@@ -262,10 +264,25 @@ class SnapshotCoordinator:
             )
 
     def job_owner(self, job_id: str) -> str | None:
-        """The tenant that owns ``job_id``'s snapshots in this server's directory (its newest
-        one's), None when it has none."""
+        """The tenant that owns ``job_id``'s snapshots: its newest one's in this server's
+        directory, else in the store (another host's; remembered, a job id's owner does not
+        change), None when neither has one (or the store cannot be reached)."""
         snapshots = self.directory.list(job_id)
-        return snapshots[-1].index.tenant if snapshots else None
+        if snapshots:
+            return snapshots[-1].index.tenant
+        if self.stored is None:
+            return None
+        if job_id not in self._store_owners:
+            try:
+                steps = self.stored.steps(job_id)
+                newest = next((info for step in reversed(steps)
+                               if (info := self.stored.step_info(job_id, step)) is not None), None)
+            except SnapshotStoreUnavailable:
+                return None  # a restore still checks the snapshot it reads
+            if newest is None:
+                return None
+            self._store_owners[job_id] = newest.index.tenant
+        return self._store_owners[job_id]
 
     def _check_quota(self, source: SnapshotSource) -> None:
         """ResourceExhausted when the tenant's snapshots here and this one (its ranks' tensor

@@ -160,3 +160,39 @@ def test_quotas_bound_one_tenant_and_spare_the_others(start_server, tmp_path):
     finally:
         alice.close()
         bob.close()
+
+
+def test_other_hosts_see_the_owner_in_the_store(start_server, tmp_path):
+    """Alice's job snapshotted on host A reaches the store with its tenant: on host B, which
+    holds nothing of it, Bob can neither attach that job id, nor list or restore it."""
+    path = tmp_path / "tenants"
+    path.write_text(f"alice {TOKENS['alice']}\nbob {TOKENS['bob']}\n")
+    path.chmod(0o600)
+    store = str(tmp_path / "store")
+    host_a, host_b = (start_server(tenants=str(path), snapshot_store=store, snapshot_dir=tmp_path / name)
+                      for name in ("a-snapshots", "b-snapshots"))
+    alice_a, alice_b, bob_b = (SwapStateClient(ClientConfig(host.address, token=TOKENS[who], timeout_s=10.0))
+                               for host, who in ((host_a, "alice"), (host_b, "alice"), (host_b, "bob")))
+    try:
+        mine = alice_a.attach("shared", 0, 1)
+        mine.allocate(SPECS)
+        mine.commit(1)
+        snapshot_id = mine.snapshot(1, "").snapshot_id
+        stored = alice_a.snapshot_status(snapshot_id, 0, wait_s=30.0, wait_stored=True)
+        assert stored.store_state == "stored", stored
+        mine.close()
+
+        _denied(bob_b.attach, "shared", 0, 1)  # host B learns the owner from the store
+        assert [s.snapshot_id for s in bob_b.list_snapshots().snapshots] == []
+        assert [s.snapshot_id for s in alice_b.list_snapshots().snapshots] == [snapshot_id]
+        theirs = bob_b.attach("bobs", 0, 1)
+        theirs.allocate(SPECS)
+        _denied(theirs.restore, snapshot_id)  # read from the store: its markers name Alice
+        theirs.close()
+        again = alice_b.attach("shared", 0, 1)
+        again.allocate(SPECS)
+        assert again.restore(snapshot_id).source == "store"
+        again.close()
+    finally:
+        for client in (alice_a, alice_b, bob_b):
+            client.close()
