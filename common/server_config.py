@@ -114,7 +114,9 @@ class ServerConfig:
     """File of tenants, one per line: 'TENANT TOKEN' or 'TENANT TOKEN admin' (mode 0600). A
     job, its sessions and snapshots belong to the tenant whose token created them; another
     tenant's calls on them fail PERMISSION_DENIED, Stats and ListSnapshots show only the
-    caller's, an admin tenant reaches all. Instead of --token-file (one tenant)."""
+    caller's, an admin tenant reaches all. Instead of --token-file (one tenant). Without
+    either, on a unix socket, each caller's uid is its tenant (root and this server's user
+    are admins)."""
 
     snapshot_dir: pathlib.Path | None = _flag(None, metavar="DIR", example="/ckpt/swap-state")
     """Directory for durable snapshots (safetensors + manifest per job and step); created if

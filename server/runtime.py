@@ -41,7 +41,7 @@ from swap_state.server.memory.arena import Arena
 from swap_state.server.dir_trust import check_own_directory
 from swap_state.server.memory.shm_dir import check_shm_dir, require_shm_dir
 from swap_state.server.rpc.auth import TokenAuthInterceptor, read_token_file
-from swap_state.server.tenants import ANYONE, Tenants, read_tenants_file
+from swap_state.server.tenants import ANYONE, Tenants, UidProofs, read_tenants_file
 from swap_state.common.addresses import ListenAddress
 from swap_state.common.server_config import ServerConfig
 from swap_state.common.sizes import format_size
@@ -97,6 +97,7 @@ class RunningServer:
     health: health_aio.HealthServicer
     _grpc: grpc.aio.Server
     _guard: SocketGuard | None
+    _proofs: UidProofs | None
     _metrics: MetricsServer | None
     _stop_task: asyncio.Task[None] | None = None
 
@@ -124,6 +125,8 @@ class RunningServer:
         finally:
             if self._guard is not None:
                 self._guard.release()
+            if self._proofs is not None:
+                self._proofs.release()
             log_event(log, "stopped", budget_used=self.arena.used_bytes)
 
 
@@ -253,13 +256,14 @@ def _build_domain(config: ServerConfig, listen: ListenAddress, gid: int | None, 
 
 
 def _read_tenants(config: ServerConfig) -> Tenants:
-    """``--tenants``, else ``--token-file``'s one token (one tenant with every right), else
-    none (every caller is that one tenant)."""
+    """``--tenants``, else ``--token-file``'s one token (one tenant with every right), else on
+    a unix socket the caller's uid, else (tcp) one tenant."""
     if config.tenants is not None:
         return read_tenants_file(config.tenants)
     if config.token_file is not None:
         return Tenants({read_token_file(config.token_file): ANYONE})
-    return Tenants()
+    listen = config.listen_address
+    return Tenants(proofs=UidProofs(listen.path)) if listen.scheme == "unix" else Tenants()
 
 
 def _grpc_server(config: ServerConfig, service: SwapStateService, health: health_aio.HealthServicer,
@@ -361,6 +365,8 @@ async def start_server(config: ServerConfig) -> RunningServer:
             guard = SocketGuard(listen.path, shared_gid=gid)
             guard.acquire()
             undo.callback(guard.release)
+        if tenants.proofs is not None:
+            tenants.proofs.prepare()  # beside the socket, in the directory the guard checked
         domain = _build_domain(config, listen, gid, tenants, undo)
         health = health_aio.HealthServicer()
         server = _grpc_server(config, domain.service, health, tenants)
@@ -390,9 +396,11 @@ async def start_server(config: ServerConfig) -> RunningServer:
         health=health,
         _grpc=server,
         _guard=guard,
+        _proofs=tenants.proofs,
         _metrics=metrics,
     )
-    auth = "tenants" if config.tenants else "token" if tenants.enabled else "none"
+    auth = ("tenants" if config.tenants else "uid" if tenants.proofs is not None
+            else "token" if tenants.enabled else "none")
     _log_started(config, listen, address, domain.arena, auth=auth, tls=creds is not None, metrics=metrics)
     return running
 

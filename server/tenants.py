@@ -7,11 +7,15 @@
     bob        9a77...42
     ops        51d0...8c                          admin
 
+Without ``--tenants`` or ``--token-file``, on a unix socket, the caller's uid is its tenant
+(``uid:<N>``, proven by a file it owns: :mod:`swap_state.common.caller_proof`); root and the
+server's own uid are admins. With ``--token-file``, or on TCP without tokens, there is one
+tenant, ``""``, with every right (one trust domain).
+
 A job, its sessions and its snapshots belong to the tenant whose call created them (recorded
 in the session, the segment a successor server adopts, every ``snapshot.json`` and store
 marker). Another tenant's call on them fails PERMISSION_DENIED; Stats and ListSnapshots show
-only the caller's. An admin tenant reaches every tenant's. Without ``--tenants`` there is one
-tenant, ``""``, with every right (``--token-file``, or no token: one trust domain).
+only the caller's. An admin tenant reaches every tenant's.
 
 The file holds secrets: the server refuses to start when it is readable by others than its
 owner or owned by another user, naming the fix.
@@ -19,16 +23,23 @@ owner or owned by another user, naming the fix.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hmac
 import os
 import pathlib
 import stat
+import threading
 from collections.abc import Iterable
 
+from swap_state.common.caller_proof import CALLER_METADATA_KEY, is_proof_name, proof_dir
 from swap_state.common.errors import PermissionDenied, StartupError
 
-__all__ = ["ANYONE", "Tenant", "Tenants", "read_tenants_file"]
+__all__ = ["ANYONE", "Tenant", "Tenants", "UidProofs", "read_tenants_file"]
+
+_PROOF_DIR_MODE = 0o1733
+"""Anyone who reaches the socket creates files; only the server lists or removes others'."""
+_CACHED_PROOFS = 1 << 14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +52,13 @@ class Tenant:
     """Reaches every tenant's jobs, sessions and snapshots."""
 
     def may_reach(self, owner: str) -> bool:
-        """Whether this tenant may see or touch what ``owner`` owns."""
-        return self.admin or owner == self.name
+        """Whether this tenant may see or touch what ``owner`` owns ("": nobody, as everything
+        a server wrote before tenants, or one without them: reachable by all, as it was)."""
+        return self.admin or owner in ("", self.name)
+
+    def may_claim(self, owner: str | None) -> bool:
+        """Whether this tenant may use a job id ``owner`` holds (None: nobody holds it)."""
+        return owner in (None, "", self.name)
 
     def check(self, owner: str, what: str) -> None:
         """PermissionDenied naming ``what`` unless this tenant may reach ``owner``'s."""
@@ -57,19 +73,74 @@ ANYONE = Tenant("", admin=True)
 """The one tenant of a server without ``--tenants``."""
 
 
-class Tenants:
-    """Bearer tokens and the tenants they name (an empty map: one tenant, :data:`ANYONE`)."""
+class UidProofs:
+    """The ``<socket>.callers`` directory of a unix socket server: a caller's uid from the owner
+    of the proof file it names (:mod:`swap_state.common.caller_proof`)."""
 
-    def __init__(self, by_token: dict[str, Tenant] | None = None):
+    def __init__(self, socket_path: str | os.PathLike[str]):
+        self.directory = pathlib.Path(proof_dir(socket_path))
+        self._uids: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def prepare(self) -> None:
+        """Create the directory (kept across restarts: the files of live trainers are in it),
+        or check the one there is this server user's own."""
+        try:
+            self.directory.mkdir(exist_ok=True)
+            info = self.directory.lstat()
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+                raise StartupError(f"{self.directory} is not a directory of this server's user: remove it")
+            os.chmod(self.directory, _PROOF_DIR_MODE)
+        except OSError as exc:
+            raise StartupError(f"cannot prepare {self.directory} (callers' uid proofs): {exc}") from None
+
+    def release(self) -> None:
+        """At a stop: remove the directory when no caller's proof is left in it (the files of
+        trainers that step on, to reconnect to the next server, keep it)."""
+        try:
+            self.directory.rmdir()
+        except OSError:
+            pass
+
+    def uid_of(self, name: str) -> int | None:
+        """The uid that owns proof file ``name``; None when it is no valid proof."""
+        if not is_proof_name(name):
+            return None
+        with self._lock:
+            if name in self._uids:
+                self._uids.move_to_end(name)
+                return self._uids[name]
+        try:
+            info = os.lstat(self.directory / name)
+        except OSError:
+            return None
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            return None  # a link: its name could be another's file
+        with self._lock:
+            self._uids[name] = info.st_uid
+            while len(self._uids) > _CACHED_PROOFS:
+                self._uids.popitem(last=False)
+        return info.st_uid
+
+
+class Tenants:
+    """Who a call is: bearer tokens and the tenants they name, else (``proofs``) the caller's
+    uid on a unix socket, else one tenant, :data:`ANYONE`."""
+
+    def __init__(self, by_token: dict[str, Tenant] | None = None, proofs: UidProofs | None = None):
         self._by_token = {f"Bearer {token}".encode(): tenant for token, tenant in (by_token or {}).items()}
+        self.proofs = None if self._by_token else proofs
 
     @property
     def enabled(self) -> bool:
-        return bool(self._by_token)
+        """Whether a call must say who it is (else every call is :data:`ANYONE`)."""
+        return bool(self._by_token) or self.proofs is not None
 
     def tenant_of(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant | None:
-        """The tenant whose token the call's ``authorization`` metadata carries; None for a
-        missing or unknown one (:data:`ANYONE` when tenants are off)."""
+        """The call's tenant: the one its token names, or its uid's; None for a missing or
+        unknown token or proof (:data:`ANYONE` when callers are not told apart)."""
+        if self.proofs is not None:
+            return self._uid_tenant(metadata)
         if not self._by_token:
             return ANYONE
         for key, value in metadata or ():
@@ -81,6 +152,15 @@ class Tenants:
                     if hmac.compare_digest(given, expected):
                         found = tenant
                 return found
+        return None
+
+    def _uid_tenant(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant | None:
+        for key, value in metadata or ():
+            if key == CALLER_METADATA_KEY:
+                uid = self.proofs.uid_of(value if isinstance(value, str) else bytes(value).decode("ascii", "replace"))
+                if uid is None:
+                    return None
+                return Tenant(f"uid:{uid}", admin=uid in (0, os.geteuid()))
         return None
 
 

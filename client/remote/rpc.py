@@ -38,6 +38,7 @@ from typing import TypeVar
 import grpc
 
 from swap_state.common.addresses import parse_address
+from swap_state.common.caller_proof import CallerProof
 from swap_state.common.errors import SERVER_STOPPING_NOTICE, ConfigError
 from swap_state.client.errors import (  # noqa: F401 - re-exported: the client's exceptions
     ServerUnavailableError,
@@ -178,14 +179,18 @@ class SwapStateClient:
             self._channel = grpc.insecure_channel(self.target, options=options)
         self._stub = pb_grpc.SwapStateStub(self._channel)
         self._ready_at = float("-inf")
-        self._metadata = (
+        self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {config.token}"),) if config.token else ()
         )
+        self._proof: CallerProof | None = None
+        """This process's uid proof for a unix socket's server (created once it answers)."""
+        self._proof_tried = False
 
     # -- plumbing -------------------------------------------------------------------------
     def call(self, name: str, request, timeout_s: float | None = None):
         """Invoke unary RPC ``name`` with the deadline and error mapping every call gets."""
         method: Callable = getattr(self._stub, name)
+        self._prove_uid()
         try:
             return method(
                 request,
@@ -216,6 +221,7 @@ class SwapStateClient:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
             self._check_socket_owner()
+            self._prove_uid()
             self._ready_at = time.monotonic()
         except grpc.FutureTimeoutError as e:
             hint = start_hint(self.config.address)
@@ -248,6 +254,18 @@ class SwapStateClient:
                 f"{start_hint(self.config.address)}",
                 grpc.StatusCode.UNAVAILABLE,
             )
+
+    def _prove_uid(self) -> None:
+        """Once the socket is known to be the server's: the proof file of this process's uid,
+        named in every later call (a server without uid tenants has no directory for it)."""
+        path = self._socket_path()
+        if path is None or self._proof_tried:
+            return
+        self._proof_tried = True
+        proof = CallerProof(path)
+        if proof.create():
+            self._proof = proof
+            self._metadata = (*self._metadata, proof.metadata)
 
     def _check_socket_owner(self) -> None:
         path = self._socket_path()
@@ -305,6 +323,7 @@ class SwapStateClient:
     def open_keepalive(self, session_id: str, generation: int):
         """The server-streaming KeepAlive call; long deadline, renewed by the caller."""
         request = pb.KeepAliveRequest(session_id=session_id, generation=generation)
+        self._prove_uid()
         return self._stub.KeepAlive(request, timeout=24 * 3600, metadata=self._metadata)
 
     def close(self) -> None:
@@ -314,6 +333,8 @@ class SwapStateClient:
         if settle > 0:
             time.sleep(settle)
         self._channel.close()
+        if self._proof is not None:
+            self._proof.remove()
 
 
 #: What a trainer whose KeepAlive stream failed should do next, by the stream's status code.

@@ -186,7 +186,7 @@ class SessionRegistry:
         local_world_size = local_world_size or world_size
         self._check_open()
         for other in self._sessions.values():
-            if other.job_id == job_id and not other.closed and other.tenant != tenant.name:
+            if other.job_id == job_id and not other.closed and not tenant.may_claim(other.tenant):
                 raise PermissionDenied(f"job {job_id!r} belongs to another tenant: choose another job id")
         existing = self._by_key.get((job_id, rank))
         if existing is not None:

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from swap_state.common.caller_proof import CALLER_METADATA_KEY
 from swap_state.common.errors import StartupError, Unauthenticated
 from swap_state.server.logs import log_event
 from swap_state.server.rpc.statuses import reason_metadata, status_for
@@ -67,11 +68,15 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:  # unknown method: let grpc answer UNIMPLEMENTED as usual
             return None
-        return _deny(handler)
+        return _deny(handler, self._tenants.proofs is not None)
 
 
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _deny(handler: grpc.RpcMethodHandler, by_uid: bool) -> grpc.RpcMethodHandler:
     error = Unauthenticated(
+        "this server tells callers apart by their uid, and the call names no proof file it owns "
+        f"(metadata '{CALLER_METADATA_KEY}'): swap-state's client sends one; another client must "
+        "create an empty file of a random 32-hex-digit name in <socket>.callers and name it"
+        if by_uid else
         "missing or wrong token: send metadata 'authorization: Bearer <token>' with the "
         "contents of the server's --token-file (or your tenant's token of its --tenants)"
     )

@@ -108,7 +108,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         validate_client_host(request.client_host)
         caller = self._caller(context)
         owner = await asyncio.to_thread(self.snapshots.job_owner, request.job_id) if self.snapshots else None
-        if owner is not None and owner != caller.name:
+        if not caller.may_claim(owner):
             raise PermissionDenied(f"the snapshots of job {request.job_id!r} belong to another tenant: "
                                    "choose another job id")
         session, reattached = await self.registry.attach(

@@ -301,7 +301,7 @@ class SnapshotCoordinator:
 
     def _new_group(self, source: SnapshotSource) -> SnapshotGroup:
         owner = self.job_owner(source.job_id)
-        if owner is not None and owner != source.tenant:
+        if owner not in (None, "", source.tenant):
             raise PermissionDenied(f"the snapshots of job {source.job_id!r} belong to another tenant: "
                                    "choose another job id")
         self._check_quota(source)

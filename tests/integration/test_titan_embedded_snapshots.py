@@ -39,7 +39,8 @@ def test_snapshots_of_an_embedded_server_outlive_it(no_server_env, private_shm_d
     assert saved[SNAPSHOT_REF_KEY] == "lasting/step-5"
     where = [r.getMessage() for r in caplog.records if "first snapshot" in r.getMessage()]
     assert where == [f"first snapshot lasting/step-5 goes to {snapshots / 'lasting'}"]
-    assert set(os.listdir(workdir)) <= {"server.log", "swap-state.sock", "swap-state.sock.lock", ".owner-pid"}
+    assert set(os.listdir(workdir)) <= {"server.log", "swap-state.sock", "swap-state.sock.lock", ".owner-pid",
+                                        "swap-state.sock.callers"}  # the trainer's uid proof (docs/security.md)
     first.close()  # stops the embedded server
     assert not os.path.exists(workdir)
     assert (snapshots / "lasting" / "step-000000000005").is_dir()

@@ -20,6 +20,7 @@ from swap_server_testkit import ServerProcess  # noqa: E402
 
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc  # noqa: E402
 from swap_state.server import ServerConfig, start_server  # noqa: E402
+from swap_state.common.caller_proof import CallerProof  # noqa: E402
 from swap_state.common.sizes import KiB, MiB  # noqa: E402
 
 
@@ -83,12 +84,20 @@ async def server(start):
 
 @pytest.fixture
 async def connect():
-    """``connect(server_or_address, token=None)`` -> SwapStateStub on a fresh aio channel."""
+    """``connect(server_or_address, token=None)`` -> SwapStateStub on a fresh aio channel,
+    whose calls carry the token and, on a unix socket, this process's uid proof."""
     channels: list[grpc.aio.Channel] = []
+    proofs: list[CallerProof] = []
 
-    def _connect(target, token: str | None = None, options=()) -> pb_grpc.SwapStateStub:
+    def _connect(target, token: str | None = None, options=(), prove: bool = True) -> pb_grpc.SwapStateStub:
         address = target if isinstance(target, str) else target.address
-        interceptors = [_BearerUnary(token), _BearerStream(token)] if token else None
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        if prove and address.startswith("unix:"):
+            proof = CallerProof(address.removeprefix("unix://").removeprefix("unix:"))
+            if proof.create():
+                proofs.append(proof)
+                metadata += (proof.metadata,)
+        interceptors = [_MetadataUnary(metadata), _MetadataStream(metadata)] if metadata else None
         channel = grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
         channels.append(channel)
         stub = pb_grpc.SwapStateStub(channel)
@@ -98,6 +107,8 @@ async def connect():
     yield _connect
     for channel in channels:
         await channel.close(grace=None)
+    for proof in proofs:
+        proof.remove()
 
 
 @pytest.fixture
@@ -105,21 +116,21 @@ async def stub(server, connect):
     return connect(server)
 
 
-class _Bearer:
-    def __init__(self, token: str) -> None:
-        self._metadata = (("authorization", f"Bearer {token}"),)
+class _Metadata:
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
 
     def _details(self, details):
         return details._replace(metadata=tuple(details.metadata or ()) + self._metadata)
 
 
 # Two classes: grpc.aio files an interceptor under the first interceptor kind it matches.
-class _BearerUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
+class _MetadataUnary(_Metadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
 
-class _BearerStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
+class _MetadataStream(_Metadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 

@@ -19,6 +19,7 @@ import grpc
 import pytest
 from swap_server_testkit import Trainer, spec
 
+from swap_state.common.caller_proof import CallerProof
 from swap_state.common.server_config import ServerConfig
 from swap_state.common.server_flags import attach_negative_values, config_to_argv, user_flags
 from swap_state.proto import swap_state_pb2 as pb
@@ -294,15 +295,23 @@ def test_a_directory_another_user_owns_is_refused_at_start(shm_dir, sock_dir, tm
     assert f"{dirs[which]} is owned by uid 54321" in result.stderr and "chown" in result.stderr
 
 
+def _caller(sock) -> tuple[tuple[str, str], ...]:
+    """The metadata of a call proving this process's uid to the server on ``sock``."""
+    proof = CallerProof(sock)
+    assert proof.create(), "the server has no <socket>.callers directory"
+    return (proof.metadata,)
+
+
 def _killed_with_a_segment(server_process, shm_dir, sock) -> tuple[str, str]:
     """A server that allocated one segment, then was killed: (session id, segment path)."""
     server = server_process(base_args(shm_dir, sock))
     server.wait_ready(sock)
+    caller = _caller(sock)
     with grpc.insecure_channel(f"unix://{sock}") as channel:
         stub = pb_grpc.SwapStateStub(channel)
-        reply = stub.Attach(pb.AttachRequest(job_id="j", rank=0, world_size=1), timeout=10)
+        reply = stub.Attach(pb.AttachRequest(job_id="j", rank=0, world_size=1), timeout=10, metadata=caller)
         seg = stub.Allocate(pb.AllocateRequest(session_id=reply.session_id, generation=1,
-                                               tensors=[spec("m", (1024,))]), timeout=10).segment
+                                               tensors=[spec("m", (1024,))]), timeout=10, metadata=caller).segment
     server.proc.send_signal(signal.SIGKILL)
     server.wait(10)
     assert os.path.exists(seg.path)  # SIGKILL: no chance to clean up
@@ -316,7 +325,7 @@ def test_a_killed_servers_segments_are_adopted_or_with_discard_removed(server_pr
     second.wait_ready(sock)
     assert os.path.exists(path)  # adopted: its trainer may come back
     with grpc.insecure_channel(f"unix://{sock}") as channel:
-        sessions = pb_grpc.SwapStateStub(channel).Stats(pb.StatsRequest(), timeout=10).sessions
+        sessions = pb_grpc.SwapStateStub(channel).Stats(pb.StatsRequest(), timeout=10, metadata=_caller(sock)).sessions
     assert [(s.session_id, s.job_id, s.state, s.adopted) for s in sessions] == [(session_id, "j", "orphaned", True)]
     second.proc.send_signal(signal.SIGKILL)
     second.wait(10)

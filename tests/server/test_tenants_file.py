@@ -40,8 +40,10 @@ def test_a_bad_file_is_refused_naming_the_fix(tmp_path, text, mode, message):
 
 def test_a_tenant_reaches_its_own_and_an_admin_all():
     alice, ops = Tenant("alice"), Tenant("ops", admin=True)
-    assert alice.may_reach("alice") and not alice.may_reach("bob") and not alice.may_reach("")
+    assert alice.may_reach("alice") and not alice.may_reach("bob")
+    assert alice.may_reach("")  # written before tenants (or without them): nobody's, as it was
     assert ops.may_reach("bob") and ops.may_reach("")
+    assert alice.may_claim(None) and alice.may_claim("") and not alice.may_claim("bob")
     with pytest.raises(PermissionDenied, match="job 'x' belongs to another tenant"):
         alice.check("bob", "job 'x'")
 

@@ -1,0 +1,63 @@
+"""Who calls over a unix socket: a file the caller creates proves its uid to the server.
+
+grpc's Python server does not expose a unix socket peer's credentials (``SO_PEERCRED``), so
+the server learns the caller's uid from the owner of a file: next to its socket it keeps a
+directory ``<socket>.callers`` (mode 1733: anyone who reaches the socket may create a file
+there, nobody but the server may list it or remove another's file); a client creates an empty
+file of a random name in it (``O_EXCL``, 0600: owned by the client's uid, which nobody but
+root can give to another uid) and sends that name with every call (metadata
+:data:`CALLER_METADATA_KEY`). The server ``lstat``\\ s it: a regular file with one link, its
+owner is the caller. The name is a 128-bit secret of the client's process; the client removes
+its file when it closes. Imports neither grpc nor torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+
+__all__ = ["CALLER_METADATA_KEY", "CallerProof", "is_proof_name", "proof_dir"]
+
+CALLER_METADATA_KEY = "swap-state-caller"
+"""The metadata key of a call's proof file name."""
+
+_NAME = re.compile(r"[0-9a-f]{32}")
+
+
+def proof_dir(socket_path: str | os.PathLike[str]) -> str:
+    """The directory of proof files of the server listening on ``socket_path``."""
+    return os.fspath(socket_path) + ".callers"
+
+
+def is_proof_name(text: str) -> bool:
+    return bool(_NAME.fullmatch(text))
+
+
+class CallerProof:
+    """This process's proof file for one server's socket (create, then :meth:`remove`)."""
+
+    def __init__(self, socket_path: str | os.PathLike[str]):
+        self.directory = proof_dir(socket_path)
+        self.name = secrets.token_hex(16)
+
+    def create(self) -> bool:
+        """Create the file; False when the directory is not there (a server that does not
+        identify callers by uid) or refuses it."""
+        try:
+            fd = os.open(os.path.join(self.directory, self.name),
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return False
+        os.close(fd)
+        return True
+
+    def remove(self) -> None:
+        try:
+            os.unlink(os.path.join(self.directory, self.name))
+        except OSError:
+            pass
+
+    @property
+    def metadata(self) -> tuple[str, str]:
+        return (CALLER_METADATA_KEY, self.name)
