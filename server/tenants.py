@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from swap_state.common.caller_proof import CALLER_METADATA_KEY, is_proof_name, proof_dir
 from swap_state.common.errors import PermissionDenied, StartupError
 
-__all__ = ["ANYONE", "Tenant", "Tenants", "UidProofs", "read_tenants_file"]
+__all__ = ["ANYONE", "Tenant", "Tenants", "UidProofs", "read_tenants_file", "tenant_uid"]
 
 _PROOF_DIR_MODE = 0o1733
 """Anyone who reaches the socket creates files; only the server lists or removes others'."""
@@ -71,6 +71,12 @@ class Tenant:
 
 ANYONE = Tenant("", admin=True)
 """The one tenant of a server without ``--tenants``."""
+
+
+def tenant_uid(name: str) -> int | None:
+    """The uid of a uid tenant (``uid:<N>``); None for any other name."""
+    prefix, _, digits = name.partition(":")
+    return int(digits) if prefix == "uid" and digits.isdigit() else None
 
 
 class UidProofs:

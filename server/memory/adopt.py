@@ -47,6 +47,7 @@ from swap_state.common.segment_descriptor import MAX_DESCRIPTOR_BYTES, SegmentDe
 from swap_state.common.server_header import ServerHeader
 from swap_state.server.logs import log_event
 from swap_state.server.memory.arena import Arena
+from swap_state.server.tenants import tenant_uid
 from swap_state.server.memory.segment_file import Segment
 
 __all__ = ["Adopted", "Refused", "Validate", "adopt_segments", "discard_segments"]
@@ -130,9 +131,11 @@ def _adopt_one(arena: Arena, name: str, validate: Validate) -> tuple[int, Adopte
         raise _NotAdoptable("the name is not swap-state.<tag>.<session id>.<seq>")
     session_id, seq = match.group(1), int(match.group(2))
     path = arena.shm_dir / name
-    with _open_own_file(path) as (fd, size):
+    with _open_own_file(path) as (fd, size, owner):
         words = _read_words(fd, size)
         raw, descriptor, specs = _read_descriptor(fd, size, words, validate)
+        if owner != os.geteuid() and not (os.geteuid() == 0 and owner == tenant_uid(descriptor.tenant)):
+            raise _NotAdoptable(f"owned by uid {owner}, not this server's {os.geteuid()} nor its tenant's")
         layout = _check_layout(words, size, specs, descriptor)
         segment = arena.segment_object(name, layout, descriptor.layout_hash, len(raw))
         segment.buffer = mmap.mmap(fd, layout.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -153,9 +156,10 @@ def _adopt_one(arena: Arena, name: str, validate: Validate) -> tuple[int, Adopte
 
 
 @contextlib.contextmanager
-def _open_own_file(path: os.PathLike) -> Iterator[tuple[int, int]]:
-    """(fd, size) of a regular file of this uid, opened without following a link and
-    without blocking (a FIFO)."""
+def _open_own_file(path: os.PathLike) -> Iterator[tuple[int, int, int]]:
+    """(fd, size, owner uid) of a regular file of this uid (or, to a root server, of any: the
+    caller checks it is its tenant's), opened without following a link and without blocking
+    (a FIFO)."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags)
@@ -165,9 +169,9 @@ def _open_own_file(path: os.PathLike) -> Iterator[tuple[int, int]]:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise _NotAdoptable("not a regular file")
-        if info.st_uid != os.geteuid():
+        if info.st_uid != os.geteuid() and os.geteuid() != 0:
             raise _NotAdoptable(f"owned by uid {info.st_uid}, not this server's {os.geteuid()}")
-        yield fd, info.st_size
+        yield fd, info.st_size, info.st_uid
     finally:
         os.close(fd)
 

@@ -66,6 +66,7 @@ from swap_state.common.errors import ResourceExhausted, Unavailable
 from swap_state.server import _posix
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
+from swap_state.server.tenants import tenant_uid
 from swap_state.server.memory.segment_file import Segment
 
 __all__ = ["LOCAL_RANKS_HINT", "SEGMENT_PREFIX", "Arena"]
@@ -381,9 +382,12 @@ class Arena:
         fd = os.open(segment.path, flags, 0o600)
         segment._created = True
         try:
-            if self.gid is not None:
+            owner = tenant_uid(segment.tenant) if os.geteuid() == 0 else None
+            if owner:  # a root daemon: the tenant's file, 0600, none of another tenant's business
+                os.fchown(fd, owner, -1)
+            elif self.gid is not None:
                 os.fchown(fd, -1, self.gid)
-            os.fchmod(fd, 0o660 if self.gid is not None else 0o600)  # umask-independent
+            os.fchmod(fd, 0o660 if self.gid is not None and not owner else 0o600)  # umask-independent
             self._commit(fd, segment)
             if descriptor:
                 os.pwrite(fd, descriptor, segment.layout.size)  # before MAGIC (initialize)

@@ -38,7 +38,7 @@ out = {"uid": os.getuid()}
 try:
     if action == "own":
         session = client.attach("uid-job", 0, 1)
-        session.allocate([("w", "float32", [64, 64])])
+        out["segment"] = session.allocate([("w", "float32", [64, 64])]).segment.path
         session.commit(1)
         snapshot_id = session.snapshot(1, "").snapshot_id
         out["state"] = client.snapshot_status(snapshot_id, 0, wait_s=30.0).state
@@ -57,6 +57,11 @@ try:
                 out[name] = "allowed"
             except errors.SwapStateError as e:
                 out[name] = e.reason
+        try:
+            open(sys.argv[5], "rb").close()
+            out["open_segment"] = "allowed"
+        except PermissionError:
+            out["open_segment"] = "denied"
         out["listed"] = [s.snapshot_id for s in client.list_snapshots().snapshots]
         out["sessions"] = [s.job_id for s in client.stats().sessions]
 finally:
@@ -78,49 +83,80 @@ def users():
     return USERS
 
 
+class RootServer:
+    """A root-run server whose socket both users reach (--shm-group); :meth:`kill_and_start`
+    stands for a crash and the daemon's restart."""
+
+    def __init__(self):
+        self.root = pathlib.Path(tempfile.mkdtemp(prefix="swap-state-uid-"))
+        self.shm = pathlib.Path(tempfile.mkdtemp(prefix="swap-state-uid-", dir="/dev/shm"))
+        for path in (self.root, self.shm):
+            path.chmod(0o755)
+        self.address = f"unix://{self.root / 's.sock'}"
+        self.log = (self.root / "server.log").open("a")
+        self.proc: subprocess.Popen | None = None
+        self.admin: SwapStateClient | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "swap_state.server.cli", "--shm-size", "64M", "--listen", self.address,
+             "--shm-dir", str(self.shm), "--shm-group", GROUP, "--snapshot-dir", str(self.root / "snapshots"),
+             "--chunk-bytes", "64K", "--grace", "60"],
+            stdout=subprocess.DEVNULL, stderr=self.log)
+        self.admin = SwapStateClient(ClientConfig(self.address, timeout_s=10.0, connect_timeout_s=30.0))
+        self.admin.wait_ready()  # root: an admin
+
+    def kill_and_start(self) -> None:
+        self.admin.close()
+        self.proc.kill()
+        self.proc.wait(30)
+        self.start()
+
+    def stop(self) -> None:
+        if self.admin is not None:
+            self.admin.close()
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(30)
+        self.log.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+
 @pytest.fixture
 def shared_server(users):
-    """A root-run server whose socket and segments both users reach (--shm-group)."""
-    root = pathlib.Path(tempfile.mkdtemp(prefix="swap-state-uid-"))
-    shm = pathlib.Path(tempfile.mkdtemp(prefix="swap-state-uid-", dir="/dev/shm"))
-    for path in (root, shm):
-        path.chmod(0o755)
-    sock = root / "s.sock"
-    log = (root / "server.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "swap_state.server.cli", "--shm-size", "64M", "--listen", f"unix://{sock}",
-         "--shm-dir", str(shm), "--shm-group", GROUP, "--snapshot-dir", str(root / "snapshots"),
-         "--chunk-bytes", "64K"],
-        stdout=subprocess.DEVNULL, stderr=log)
-    client = SwapStateClient(ClientConfig(f"unix://{sock}", timeout_s=10.0, connect_timeout_s=30.0))
+    server = RootServer()
     try:
-        client.wait_ready()
-        yield f"unix://{sock}", client
+        server.start()
+        yield server
     finally:
-        client.close()
-        proc.terminate()
-        proc.wait(30)
-        log.close()
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
+        server.stop()
 
 
-def _as(user: str, address: str, action: str, arg: str = "") -> dict:
-    done = subprocess.run([sys.executable, "-c", AS_USER, address, user, action, arg],
+def _as(user: str, address: str, action: str, arg: str = "", path: str = "") -> dict:
+    done = subprocess.run([sys.executable, "-c", AS_USER, address, user, action, arg, path],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_a_users_job_is_its_own(shared_server, users):
-    address, admin = shared_server
-    first, second = users
+    address, first, second = shared_server.address, *users
     mine = _as(first, address, "own")
     assert mine["state"] == "durable" and mine["uid"] != 0
-    theirs = _as(second, address, "probe", f"{mine['session_id']}:{mine['generation']}")
+    # A root daemon gives the user's segment file to that user alone, whatever --shm-group.
+    info = os.stat(mine["segment"])
+    assert (info.st_uid, info.st_mode & 0o777) == (mine["uid"], 0o600)
+    theirs = _as(second, address, "probe", f"{mine['session_id']}:{mine['generation']}", mine["segment"])
     assert theirs["uid"] not in (0, mine["uid"])
     assert (theirs["attach"], theirs["detach"], theirs["status"]) == ("PERMISSION_DENIED",) * 3
-    assert theirs["listed"] == [] and theirs["sessions"] == []
+    assert theirs["listed"] == [] and theirs["sessions"] == [] and theirs["open_segment"] == "denied"
     # Root is an admin: it sees the first user's session and snapshot.
-    assert [s.job_id for s in admin.stats().sessions] == ["uid-job"]
-    assert [s.snapshot_id for s in admin.list_snapshots().snapshots] == [mine["snapshot_id"]]
+    assert [s.job_id for s in shared_server.admin.stats().sessions] == ["uid-job"]
+    assert [s.snapshot_id for s in shared_server.admin.list_snapshots().snapshots] == [mine["snapshot_id"]]
+    # A crash and a restart: the user's segment (its file) is adopted, still the user's.
+    shared_server.kill_and_start()
+    assert [(s.job_id, s.adopted) for s in shared_server.admin.stats().sessions] == [("uid-job", True)]
+    assert os.stat(mine["segment"]).st_uid == mine["uid"]
+    again = _as(second, address, "probe", f"{mine['session_id']}:{mine['generation']}", mine["segment"])
+    assert (again["attach"], again["detach"]) == ("PERMISSION_DENIED",) * 2
