@@ -161,6 +161,11 @@ class ServerConfig:
     """Group (name or gid) given to segment files and the socket; segments become 0660 instead of
     0600 so trainers running as another user in that group can map them."""
 
+    socket_group: str | None = _flag(None, metavar="GROUP", example="trainers")
+    """Group (name or gid) given to the socket instead of --shm-group: the users who may call
+    this server. For a server run as root, which gives each caller's segment files to that
+    caller (0600): --socket-group alone lets a group of users train, each on their own state."""
+
     discard_segments: bool = _flag(False, example="--discard-segments")
     """At start, remove the segment files a previous server on this --listen left in
     --shm-dir instead of adopting them: every trainer that was using them loses its state

@@ -130,7 +130,7 @@ class RunningServer:
             log_event(log, "stopped", budget_used=self.arena.used_bytes)
 
 
-def _resolve_group(name: str | None) -> int | None:
+def _resolve_group(name: str | None, flag: str = "--shm-group") -> int | None:
     if name is None:
         return None
     if name.isdigit():
@@ -138,7 +138,7 @@ def _resolve_group(name: str | None) -> int | None:
     try:
         return grp.getgrnam(name).gr_gid
     except KeyError:
-        raise StartupError(f"--shm-group {name}: no such group") from None
+        raise StartupError(f"{flag} {name}: no such group") from None
 
 
 def _read_tls(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -355,6 +355,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
     listen = config.listen_address
     tenants = _read_tenants(config)
     gid = _resolve_group(config.shm_group)
+    socket_gid = _resolve_group(config.socket_group, "--socket-group") if config.socket_group else gid
     creds = _read_tls(config)
     _prepare_snapshot_dir(config.snapshot_dir, gid)
 
@@ -362,7 +363,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
         guard: SocketGuard | None = None
         if listen.scheme == "unix":
             assert listen.path is not None
-            guard = SocketGuard(listen.path, shared_gid=gid)
+            guard = SocketGuard(listen.path, shared_gid=socket_gid)
             guard.acquire()
             undo.callback(guard.release)
         if tenants.proofs is not None:
@@ -373,7 +374,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
         port = _bind(server, listen, creds)
         undo.push_async_callback(server.stop, None)
         if guard is not None:
-            guard.bound(gid)
+            guard.bound(socket_gid)
         _prepare_shm(config, domain, gid)
 
         await server.start()

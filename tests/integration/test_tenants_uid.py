@@ -84,7 +84,7 @@ def users():
 
 
 class RootServer:
-    """A root-run server whose socket both users reach (--shm-group); :meth:`kill_and_start`
+    """A root-run server whose socket both users reach (--socket-group); :meth:`kill_and_start`
     stands for a crash and the daemon's restart."""
 
     def __init__(self):
@@ -100,7 +100,7 @@ class RootServer:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "swap_state.server.cli", "--shm-size", "64M", "--listen", self.address,
-             "--shm-dir", str(self.shm), "--shm-group", GROUP, "--snapshot-dir", str(self.root / "snapshots"),
+             "--shm-dir", str(self.shm), "--socket-group", GROUP, "--snapshot-dir", str(self.root / "snapshots"),
              "--chunk-bytes", "64K", "--grace", "60"],
             stdout=subprocess.DEVNULL, stderr=self.log)
         self.admin = SwapStateClient(ClientConfig(self.address, timeout_s=10.0, connect_timeout_s=30.0))

@@ -43,7 +43,7 @@ def test_help_explains_every_flag_with_an_example():
     result = run_cli(["--help"])
     assert result.returncode == 0
     flags = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
-    expected = {"--shm-size", "--listen", "--token-file", "--tenants", "--tenant-shm-quota", "--tenant-snapshot-quota",
+    expected = {"--shm-size", "--listen", "--token-file", "--tenants", "--tenant-shm-quota", "--tenant-snapshot-quota", "--socket-group",
                 "--snapshot-dir", "--grace",
                 "--metrics-port", "--log-level", "--shm-dir", "--shm-group", "--chunk-bytes",
                 "--cow-budget", "--direct-io", "--persist-max-bandwidth", "--stage-threads", "--model-copy-timeout", "--keep-latest",
