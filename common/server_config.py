@@ -209,7 +209,8 @@ class ServerConfig:
 
     keep_latest: int = _flag(2, metavar="K", example="3")
     """Durable snapshots kept per job, at least 2: older ones are removed only after a newer one
-    is durable."""
+    is durable. A job may ask to keep more (torchtitan's keep_latest_k), except a tenant that is
+    not an admin: it keeps at most K."""
 
     tenant_shm_quota: int = _flag(0, kind="size", example="16G")
     """Bytes of segments one tenant (--tenants; without it, all callers together) may hold

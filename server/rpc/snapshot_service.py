@@ -203,6 +203,7 @@ class SnapshotRpcs:
                     keep_latest=request.keep_latest, keep_all=request.keep_all,
                     replace_existing=request.replace_existing,
                     session_id=session.session_id, generation=session.generation, tenant=session.tenant,
+                    bounded_retention=not caller.admin,
                 )
                 # hold: the writer streams once this reply is sent (the trainer's stall is
                 # this RPC; a writer already streaming would compete for the GIL and CPUs).

@@ -363,8 +363,18 @@ class SnapshotCoordinator:
 
     def _retention_for(self, source: SnapshotSource) -> int | None:
         """Snapshots of the job kept at commit (None: all): the job's own retention where it
-        asks for more than the server's ``keep_latest``, so every checkpoint it keeps loads."""
-        if source.keep_all or self.keep_latest is None:
+        asks for more than the server's ``keep_latest``, so every checkpoint it keeps loads;
+        for a tenant that is not an admin (on a server shared by tenants), never more than
+        ``keep_latest``: its disk is the operator's to bound."""
+        if self.keep_latest is None:
+            return None
+        if source.bounded_retention:
+            if source.keep_all or source.keep_latest > self.keep_latest:
+                log_event(log, "retention_bounded", logging.INFO, job_id=source.job_id, tenant=source.tenant,
+                          asked="all" if source.keep_all else source.keep_latest, kept=self.keep_latest,
+                          detail="a tenant keeps at most the server's --keep-latest")
+            return self.keep_latest
+        if source.keep_all:
             return None
         return max(self.keep_latest, source.keep_latest)
 

@@ -56,6 +56,9 @@ class SnapshotSource:
     """The session's generation (a reattached trainer has a new one)."""
     tenant: str = ""
     """The tenant that owns the session (``--tenants``), recorded in the snapshot."""
+    bounded_retention: bool = False
+    """The job's own retention may not exceed the server's ``--keep-latest`` (a tenant that is
+    not an admin, on a server shared by tenants)."""
 
     @property
     def run(self) -> tuple[str, int]:

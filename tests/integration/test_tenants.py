@@ -196,3 +196,17 @@ def test_other_hosts_see_the_owner_in_the_store(start_server, tmp_path):
     finally:
         for client in (alice_a, alice_b, bob_b):
             client.close()
+
+
+def test_a_tenant_keeps_at_most_the_servers_keep_latest(server, clients):
+    """A job may ask to keep every snapshot; on a server shared by tenants, a tenant that is
+    not an admin keeps at most --keep-latest (2) of them, the newest."""
+    session = clients["bob"].attach("hoarder", 0, 1)
+    session.allocate(SPECS)
+    for step in (1, 2, 3):
+        session.commit(step)
+        snapshot_id = session.snapshot(step, "", keep_all=True).snapshot_id
+        assert session.client.snapshot_status(snapshot_id, 0, wait_s=30.0).state == "durable"
+    listed = [s.step for s in clients["bob"].list_snapshots("hoarder").snapshots]
+    assert listed == [2, 3]
+    session.close()
