@@ -49,8 +49,7 @@ from .names import parse_snapshot_id, parse_step_dir_name, snapshot_id_for, step
 from .object_store import ObjectInfo, ObjectStore
 from .snapshot_errors import SnapshotCorrupt, SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable
 from .snapshot_format import (
-    INDEX_NAME, LAYOUT_NAME, FileRecord, RankManifest, SnapshotIndex, TensorRecord, dumps_json, rank_data_name,
-    rank_manifest_name,
+    INDEX_NAME, LAYOUT_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name,
 )
 from .snapshot_reader import SnapshotInfo, SnapshotTier
 

@@ -1,4 +1,4 @@
-"""Who calls: the tenant of a call, from its bearer token, and what a tenant may reach.
+"""Who calls: the tenant of a call, from its bearer token or its uid, and what it may reach.
 
 ``--tenants FILE`` maps tokens to tenant names, one tenant per line::
 
@@ -64,7 +64,7 @@ class Tenant:
         """PermissionDenied naming ``what`` unless this tenant may reach ``owner``'s."""
         if not self.may_reach(owner):
             raise PermissionDenied(
-                f"{what} belongs to another tenant: this token's tenant {self.name!r} may not "
+                f"{what} belongs to another tenant: the caller's tenant {self.name!r} may not "
                 "use it (a job id is its tenant's: choose another job id)"
             )
 

@@ -27,7 +27,6 @@ import atexit
 import dataclasses
 import logging
 import os
-import pathlib
 import shutil
 import signal
 import subprocess
@@ -85,7 +84,7 @@ class EmbeddedServerConfig:
     embedded server with the same directory restores them. None: :func:`default_snapshot_dir`
     (a per-user folder); under torchtitan ``<job.dump_folder>/swap-state-snapshots``."""
     server: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Any other setting of the private server, by its :class:`ServerConfig` field name
+    """Any other flag of the private server, by its :class:`ServerConfig` field name
     (``{"grace": 30.0, "cow_budget": 2 << 30, "snapshot_store": "s3://b/p"}``: the server's
     ``--help`` says what each does), over :data:`EMBEDDED_SERVER_DEFAULTS`. Checked when the
     server starts (ConfigError naming the flag). ``free_segments_on_stop=False`` keeps live
