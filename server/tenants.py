@@ -17,8 +17,9 @@ in the session, the segment a successor server adopts, every ``snapshot.json`` a
 marker). Another tenant's call on them fails PERMISSION_DENIED; Stats and ListSnapshots show
 only the caller's. An admin tenant reaches every tenant's.
 
-The file holds secrets: the server refuses to start when it is readable by others than its
-owner or owned by another user, naming the fix.
+The file holds secrets: the server refuses to start when users other than its owner (or the
+server's own group: a Kubernetes Secret mounted with the pod's fsGroup) may read it, or when
+it is owned by another user than the server's or root, naming the fix.
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ def read_tenants_file(path: pathlib.Path) -> Tenants:
         raise StartupError(f"--tenants {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise StartupError(f"--tenants {path}: not a text file") from None
-    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+    shared_group = info.st_mode & stat.S_IRWXG and info.st_gid != os.getegid()  # a k8s Secret: the pod's fsGroup
+    if info.st_mode & stat.S_IRWXO or shared_group:
         raise StartupError(f"--tenants {path} holds tokens and others may read it: chmod 600 {path}")
     if info.st_uid not in (os.geteuid(), 0):
         raise StartupError(f"--tenants {path} is owned by uid {info.st_uid}, not this server's user: "

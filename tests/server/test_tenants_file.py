@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from swap_state.common.errors import ConfigError, PermissionDenied, StartupError
@@ -36,6 +38,13 @@ def test_tokens_name_their_tenants(tmp_path):
 def test_a_bad_file_is_refused_naming_the_fix(tmp_path, text, mode, message):
     with pytest.raises(StartupError, match=message):
         read_tenants_file(_file(tmp_path, text, mode))
+
+
+def test_a_file_readable_by_the_servers_own_group_is_taken(tmp_path):
+    """A Kubernetes Secret mounted with the pod's fsGroup: 0440, the server's group."""
+    path = _file(tmp_path, "alice aaaaaaaaaaaaaaaa\n", 0o640)
+    os.chown(path, -1, os.getegid())
+    assert read_tenants_file(path).tenant_of([("authorization", "Bearer aaaaaaaaaaaaaaaa")]) == Tenant("alice")
 
 
 def test_a_tenant_reaches_its_own_and_an_admin_all():
