@@ -184,7 +184,7 @@ class SwapStateClient:
         )
         self._proof: CallerProof | None = None
         """This process's uid proof for a unix socket's server (created once it answers)."""
-        self._proof_tried = False
+        self._proof_lock = threading.Lock()
 
     # -- plumbing -------------------------------------------------------------------------
     def call(self, name: str, request, timeout_s: float | None = None):
@@ -256,16 +256,19 @@ class SwapStateClient:
             )
 
     def _prove_uid(self) -> None:
-        """Once the socket is known to be the server's: the proof file of this process's uid,
-        named in every later call (a server without uid tenants has no directory for it)."""
+        """The proof file of this process's uid, named in every later call. Tried again before
+        each call until it exists: a server without uid tenants has no directory for it (one
+        failed ``open``, microseconds beside a call), and one not started yet has none so far."""
         path = self._socket_path()
-        if path is None or self._proof_tried:
+        if path is None or self._proof is not None:
             return
-        self._proof_tried = True
-        proof = CallerProof(path)
-        if proof.create():
-            self._proof = proof
-            self._metadata = (*self._metadata, proof.metadata)
+        with self._proof_lock:  # the keep-alive thread calls too
+            if self._proof is not None:
+                return
+            proof = CallerProof(path)
+            if proof.create():
+                self._metadata = (*self._metadata, proof.metadata)
+                self._proof = proof
 
     def _check_socket_owner(self) -> None:
         path = self._socket_path()

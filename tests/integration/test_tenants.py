@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -210,3 +212,26 @@ def test_a_tenant_keeps_at_most_the_servers_keep_latest(server, clients):
     listed = [s.step for s in clients["bob"].list_snapshots("hoarder").snapshots]
     assert listed == [2, 3]
     session.close()
+
+
+def test_a_client_made_before_its_server_proves_its_uid_once_it_is_up(tmp_path, private_shm_dir):
+    """A trainer that called before the server was up (refused: nothing listens) proves its
+    uid once the server answers: its later calls are not refused as unproven."""
+    sock = tmp_path / "s.sock"
+    client = SwapStateClient(ClientConfig(f"unix://{sock}", timeout_s=5.0, connect_timeout_s=30.0))
+    log = (tmp_path / "server.log").open("w")
+    proc = None
+    try:
+        with pytest.raises(errors.ServerUnavailableError):
+            client.stats()
+        proc = subprocess.Popen([sys.executable, "-m", "swap_state.server.cli", "--shm-size", "64M",
+                                 "--listen", f"unix://{sock}", "--shm-dir", private_shm_dir],
+                                stdout=subprocess.DEVNULL, stderr=log)
+        client.wait_ready()
+        assert client.stats().budget_total_bytes == 64 << 20
+    finally:
+        client.close()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+        log.close()
