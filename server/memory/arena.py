@@ -1,36 +1,18 @@
 """The arena: the host budget and the shared-memory segment files.
 
-One segment file per session, under the server's shm directory, named only from the server's
-own ids (``swap-state.<tag>.<session id>.<seq>``), mode 0600 (0660 with a group). A segment is
-committed and pre-faulted when it is created (``posix_fallocate``), so a full tmpfs fails the
-allocation with RESOURCE_EXHAUSTED instead of a SIGBUS in the trainer mid-step; then mlock'd
-best effort. The server maps every segment itself (``Segment.buffer``), so snapshot code can
-read it without another mapping.
+One segment file per session under the shm directory, named only from the server's own ids
+(``swap-state.<tag>.<session id>.<seq>``), mode 0600 (0660 with a group), committed with
+``posix_fallocate`` when created (a full tmpfs fails with RESOURCE_EXHAUSTED, never a SIGBUS
+in the trainer mid-step), then mlock'd best effort. The server maps every segment itself
+(``Segment.buffer``).
 
 Budget: ``total`` is ``--shm-size``. The copy-before-write pool (``--cow-budget``, whole slots
-of ``chunk_bytes``) is held back from it; each segment takes its slots out of that pool, and
-its header + tensors (+ page padding) out of the rest. So tensors can never eat the spare
-slots snapshots rely on, and the sum of all segment files never exceeds ``total``.
-
-Copy budget: a snapshot pauses nobody only when a segment's slots cover what the disk cannot
-persist within one forward/backward (:class:`~swap_state.common.segment.CopyBudget`); a new
-segment that falls short is logged (``copy_budget_short``, with the numbers), using
-``persist_estimate`` (asked of the snapshot coordinator at need: its measured rate, capped by
-``--persist-max-bandwidth``; the assumed ``ASSUMED_PERSIST_BYTES_PER_S`` before any snapshot)
-and ``assumed_fwd_bwd_s``.
-
-Restore staging: :meth:`Arena.reserve_staging` takes bytes out of the free budget for the
-duration of a restore (the verified bytes it holds before the segment changes), and gives
-them back after; it refuses (False) when the free budget cannot hold them.
-
-Blocking methods (``create_segment``, ``free``) are thread-safe and meant for a worker thread:
-committing tens of GiB takes seconds and must not stall liveness streams.
-
-Adoption: :meth:`Arena.adopt` charges a segment a previous server left (:mod:`.adopt` checks
-it); :meth:`Arena.close` keeps the files of the segments it is given, for the next server.
-
-Elsewhere: the :class:`~.segment_file.Segment` a creation returns is in :mod:`.segment_file`,
-the start-up checks of the shm directory in :mod:`.shm_dir`.
+of ``chunk_bytes``) is held back from it; a segment takes its slots from the pool and its
+header + tensors (+ padding) from the rest, so tensors never eat the slots snapshots rely on.
+A segment whose slots fall short of the memory rule is logged (``copy_budget_short``,
+:class:`~swap_state.server.copy_budget.CopyBudgetPolicy`). :meth:`Arena.reserve_staging`
+holds free bytes for a restore. Blocking methods (``create_segment``, ``free``) are
+thread-safe and meant for a worker thread: committing tens of GiB takes seconds.
 """
 
 from __future__ import annotations
@@ -86,12 +68,9 @@ _mlock = _posix.mlock  # a module name, so that tests can replace it
 
 
 def _populate(address: int, size: int) -> None:
-    """Map a segment's pages into this process in chunks on several threads before it is
-    mlock'd: mlock alone faults them in on one thread, and the kernel serialises parallel
-    mlocks, while MADV_POPULATE_WRITE runs in parallel and leaves mlock a walk over mapped
-    pages. Measured on a 2-CPU VM, create_segment of 2 GiB: 0.90 GiB/s before, 3.0 after;
-    four of 1 GiB at once: 0.99 before, 2.7 after. Best effort: a kernel without it
-    (EINVAL) leaves the whole job to mlock."""
+    """Fault a segment's pages in on several threads before mlock (which faults on one, and
+    the kernel serialises parallel mlocks). Measured on a 2-CPU VM, create_segment of 2 GiB:
+    0.90 GiB/s before, 3.0 after. Best effort: without MADV_POPULATE_WRITE mlock does it."""
     chunks = range(0, size, _POPULATE_CHUNK)
     threads = min(len(chunks), _POPULATE_THREADS)
     if threads <= 1:
@@ -102,8 +81,7 @@ def _populate(address: int, size: int) -> None:
 
 
 def _model_share(layout: SegmentLayout) -> str:
-    """The over-budget message's clause on the model tensors, "" without: a whole-state
-    snapshot's parameters can be much of a segment, and the trainer can leave them out."""
+    """The over-budget message's clause on the model tensors ("" without any)."""
     nbytes = model_bytes(layout.tensors)
     if not nbytes:
         return ""
@@ -118,16 +96,8 @@ class Arena:
     """Budget accounting and segment files. Thread-safe; see the module docstring."""
 
     def __init__(
-        self,
-        *,
-        shm_dir: pathlib.Path,
-        total_bytes: int,
-        cow_pool_bytes: int,
-        chunk_bytes: int,
-        tag: str,
-        gid: int | None = None,
-        mlock: bool = True,
-        copy_policy: CopyBudgetPolicy | None = None,
+        self, *, shm_dir: pathlib.Path, total_bytes: int, cow_pool_bytes: int, chunk_bytes: int, tag: str,
+        gid: int | None = None, mlock: bool = True, copy_policy: CopyBudgetPolicy | None = None,
         tenant_quota: int = 0,
     ) -> None:
         self.shm_dir = shm_dir
@@ -157,7 +127,6 @@ class Arena:
         self.copy_policy = copy_policy or CopyBudgetPolicy()
         """The server's memory-rule inputs (shared with its snapshot coordinator)."""
 
-    # ------------------------------------------------------------------ accounting
     @property
     def prefix(self) -> str:
         return f"{SEGMENT_PREFIX}.{self.tag}."
@@ -172,7 +141,11 @@ class Arena:
     def free_bytes(self) -> int:
         """Bytes a new segment's header and tensors may still take (cow pool held back)."""
         with self._lock:
-            return self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self._staging_used
+            return self._free()
+
+    def _free(self) -> int:
+        """:attr:`free_bytes`, under the lock."""
+        return self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self._staging_used
 
     @property
     def staging_bytes(self) -> int:
@@ -184,8 +157,7 @@ class Arena:
         """Hold ``nbytes`` of the free budget for the block (a restore's staged bytes); yields
         False, holding nothing, when they are not free."""
         with self._lock:
-            free = self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self._staging_used
-            granted = 0 <= nbytes <= free
+            granted = 0 <= nbytes <= self._free()
             if granted:
                 self._staging_used += nbytes
         try:
@@ -209,7 +181,6 @@ class Arena:
         return self.copy_policy.fwd_bwd_s
 
     def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
-        """The memory rule for a segment of ``layout`` (the policy's)."""
         return self.copy_policy.budget(layout)
 
     @property
@@ -227,21 +198,17 @@ class Arena:
             return list(self._segments.values())
 
     def segment_chunk_bytes(self, specs: Sequence[TensorSpec]) -> int:
-        """``--chunk-bytes``, or less for a segment whose largest tensor is smaller: its chunks
-        (and so its cow slots, which hold one chunk each) never need more than that tensor,
-        page aligned. A small model's segment then carries small spare slots; each still
-        counts as one slot of the pool, so the pool is never over-committed."""
+        """``--chunk-bytes``, or the largest tensor page aligned when smaller (a small model's
+        slots are small; each still counts as one slot of the pool)."""
         largest = max((tensor_nbytes(dtype, shape) for _, dtype, shape in specs), default=0)
         return max(PAGE_BYTES, min(self.chunk_bytes, align_up(largest)))
 
     def cow_share(self, world_size: int) -> int:
-        """Most cow slots one session of a job with ``world_size`` ranks on this server (its
-        local world size) may take."""
+        """Most cow slots one session of a job with ``world_size`` ranks on this server may take."""
         if self.cow_pool_slots == 0:
             return 0
         return max(1, self.cow_pool_slots // min(max(world_size, 1), LOCAL_RANKS_HINT))
 
-    # ------------------------------------------------------------------ segments
     def create_segment(
         self,
         owner: str,
@@ -254,14 +221,9 @@ class Arena:
     ) -> Segment:
         """Plan, charge, create, pre-fault, map and initialise a segment (blocking).
 
-        ``owner`` is a server-issued id (hex), part of the file name. ``specs_hash``: the
-        caller's ``layout_hash(specs)`` when it has one (O(tensors) to compute again).
-        ``descriptor``: what a successor needs to adopt the segment (its session and
-        ``specs``), written after the copy slots; None: a segment no successor adopts.
-        ``tenant``: whose ``--tenant-shm-quota`` it is charged to.
-        Steps: :meth:`_charge` (budget and name, under the lock), :meth:`_materialize_or_undo`
-        (the file, outside it: seconds for tens of GiB), :meth:`_register`, then the
-        copy-budget warning.
+        ``owner``: a server-issued hex id, part of the file name. ``specs_hash``: the caller's
+        ``layout_hash(specs)`` if known. ``descriptor``: what a successor server needs to adopt
+        it, written after the copy slots. ``tenant``: whose quota it is charged to.
         """
         if not owner.isalnum():
             raise ValueError("segment owner must be a server-issued alphanumeric id")
@@ -276,8 +238,7 @@ class Arena:
         return segment
 
     def segment_object(self, name: str, layout: SegmentLayout, digest: str, descriptor_bytes: int) -> Segment:
-        """The :class:`Segment` of file ``name`` under the shm directory, freed through this
-        arena (not mapped, not charged yet)."""
+        """The :class:`Segment` of file ``name``, freed through this arena (not mapped or charged)."""
         return Segment(
             name, self.shm_dir / name, layout, digest, self._tensor_charge(layout, descriptor_bytes),
             lock=self._lock, destroy=self._destroy, descriptor_bytes=descriptor_bytes,
@@ -285,17 +246,15 @@ class Arena:
 
     @staticmethod
     def _tensor_charge(layout: SegmentLayout, descriptor_bytes: int) -> int:
-        """What a segment takes of the tensor part of the budget: header, tensors, page
-        padding and its descriptor's pages (its copy slots come out of the pool)."""
+        """What a segment takes of the budget besides its copy slots (which the pool holds)."""
         return segment_file_bytes(layout, descriptor_bytes) - layout.cow_slots * layout.chunk_bytes
 
     def _charge(
         self, owner: str, specs: Sequence[TensorSpec], world_size: int, descriptor_bytes: int = 0,
         tenant: str = "",
     ) -> tuple[str, SegmentLayout]:
-        """Plan the segment, take its bytes and slots out of the budget and name its file:
-        (name, layout). ResourceExhausted when the free budget, or ``tenant``'s quota, cannot
-        hold it."""
+        """Plan and charge the segment and name its file: (name, layout). ResourceExhausted
+        when the free budget, or ``tenant``'s quota, cannot hold it."""
         chunk = self.segment_chunk_bytes(specs)
         n_chunks = sum(-(-tensor_nbytes(dtype, shape) // chunk) for _, dtype, shape in specs)
         want = min(self.cow_share(world_size), n_chunks)
@@ -307,7 +266,7 @@ class Arena:
             if slots != layout.cow_slots:
                 layout = plan_segment(specs, chunk, slots)
             charge = self._tensor_charge(layout, descriptor_bytes)
-            free = self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self._staging_used
+            free = self._free()
             if charge > free:
                 self.allocation_failures += 1
                 raise self._over_budget(len(specs), layout, charge, free)
@@ -319,10 +278,7 @@ class Arena:
                     f"of its --tenant-shm-quota {format_size(self.tenant_quota)} on this server; free a "
                     "session of it (Detach) or ask for a larger quota (other tenants are unaffected)"
                 )
-            self._tenant_used[tenant] = held + charge
-            self._tensor_used += charge
-            self._cow_used_slots += layout.cow_slots
-            self._cow_used_bytes += layout.cow_slots * layout.chunk_bytes
+            self._account(tenant, charge, layout, 1)
             self._seq += 1
             return f"{self.prefix}{owner}.{self._seq}", layout
 
@@ -339,9 +295,15 @@ class Arena:
             f"{charge}, free {free}, total {self.total_bytes}"
         )
 
+    def _account(self, tenant: str, charge: int, layout: SegmentLayout, sign: int) -> None:
+        """Add (``sign`` 1) or take back (-1) a segment's bytes and slots; under the lock."""
+        self._tenant_used[tenant] = self._tenant_used.get(tenant, 0) + sign * charge
+        self._tensor_used += sign * charge
+        self._cow_used_slots += sign * layout.cow_slots
+        self._cow_used_bytes += sign * layout.cow_slots * layout.chunk_bytes
+
     def _materialize_or_undo(self, segment: Segment, descriptor: bytes) -> None:
-        """:meth:`_materialize`; on any failure give the charge back and remove what this call
-        created, then raise."""
+        """:meth:`_materialize`; on failure give the charge back and remove what it created."""
         try:
             self._materialize(segment, descriptor)
         except BaseException:
@@ -403,19 +365,15 @@ class Arena:
     def _commit(self, fd: int, segment: Segment) -> None:
         """Allocate every page of the file now, so a full tmpfs fails here, not with SIGBUS."""
         try:
-            os.posix_fallocate(fd, 0, segment.file_bytes)
-            return
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise self._shm_full(segment) from None
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise
-        # Filesystems without fallocate: write zeros, which allocates just the same.
-        try:
-            offset = 0
-            while offset < segment.file_bytes:
-                length = min(len(_ZERO_BLOCK), segment.file_bytes - offset)
-                offset += os.pwrite(fd, _ZERO_BLOCK[:length], offset)
+            try:
+                os.posix_fallocate(fd, 0, segment.file_bytes)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                # Filesystems without fallocate: write zeros, which allocates just the same.
+                offset = 0
+                while offset < segment.file_bytes:
+                    offset += os.pwrite(fd, _ZERO_BLOCK[:segment.file_bytes - offset], offset)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise self._shm_full(segment) from None
@@ -446,25 +404,17 @@ class Arena:
             self.mlock_failures += 1
             first = not self._warned_mlock
             self._warned_mlock = True
-        # Once per server: pages of an unlocked segment may be swapped out, which makes the
-        # trainer's step slower, but it is not an error.
+        # Once per server: an unlocked segment may be swapped (slower steps), not an error.
         log_event(
-            log,
-            "mlock_refused",
-            logging.WARNING if first else logging.DEBUG,
-            segment=segment.name,
-            bytes=segment.size,
-            errno=errno.errorcode.get(err, str(err)),
+            log, "mlock_refused", logging.WARNING if first else logging.DEBUG, segment=segment.name,
+            bytes=segment.size, errno=errno.errorcode.get(err, str(err)),
             hint="raise RLIMIT_MEMLOCK (ulimit -l unlimited; docker --ulimit memlock=-1) or grant "
             "CAP_IPC_LOCK; segments stay usable but may be swapped",
         )
 
     def _release_charge(self, segment: Segment) -> None:
         with self._lock:
-            self._tenant_used[segment.tenant] = self._tenant_used.get(segment.tenant, 0) - segment.charge
-            self._tensor_used -= segment.charge
-            self._cow_used_slots -= segment.cow_slots
-            self._cow_used_bytes -= segment.cow_slots * segment.layout.chunk_bytes
+            self._account(segment.tenant, segment.charge, segment.layout, -1)
 
     def free(self, segment: Segment) -> None:
         """Unmap, unlink and return the bytes; deferred while someone borrows the segment."""
@@ -489,9 +439,8 @@ class Arena:
         self._release_charge(segment)
 
     def close(self, keep: Sequence[Segment] = ()) -> None:
-        """Unmap every segment (server shutdown): the files of ``keep`` stay for the next
-        server on this address to adopt, the others are unlinked. Later creations fail with
-        UNAVAILABLE."""
+        """Unmap every segment (shutdown): the files of ``keep`` stay for the next server to
+        adopt, the others are unlinked. Later creations fail with UNAVAILABLE."""
         with self._lock:
             self._closed = True
             segments = list(self._segments.values())
@@ -501,11 +450,10 @@ class Arena:
             self.free(segment)
 
     def adopt(self, segment: Segment, seq: int) -> None:
-        """Take a segment a previous server left (checked by :mod:`.adopt`) into the budget
-        and the pool, like a created one; ResourceExhausted when this server's budget
-        cannot hold it (a smaller --shm-size or --cow-budget than its creator's)."""
+        """Charge a segment a previous server left (checked by :mod:`.adopt`) like a created
+        one; ResourceExhausted when this server's budget cannot hold it."""
         with self._lock:
-            free = self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self._staging_used
+            free = self._free()
             pool_free = self.cow_pool_slots - self._cow_used_slots
             if segment.charge > free or segment.cow_slots > pool_free:
                 raise ResourceExhausted(
@@ -513,10 +461,7 @@ class Arena:
                     f"server has {free} bytes and {pool_free} slots free: start it with the "
                     "--shm-size and --cow-budget of the one before"
                 )
-            self._tensor_used += segment.charge
-            self._tenant_used[segment.tenant] = self._tenant_used.get(segment.tenant, 0) + segment.charge
-            self._cow_used_slots += segment.cow_slots
-            self._cow_used_bytes += segment.cow_slots * segment.layout.chunk_bytes
+            self._account(segment.tenant, segment.charge, segment.layout, 1)
             self._segments[segment.name] = segment
             self._seq = max(self._seq, seq)
         if self.mlock_enabled:

@@ -7,30 +7,24 @@ Lifecycle::
                   └── no stream within stream_wait ──┼──> orphaned ──grace──> freed
                                                      └── reattach / stream reopened
 
-* Liveness is the KeepAlive stream being open, nothing else: heavy work (committing a 64 GiB
-  segment, a snapshot) never delays or stands in for it.
-* An orphaned session keeps its segment for ``grace`` seconds. The same (job, rank) attaching in
-  time gets the same session id, segment and bytes back, with a new generation; calls carrying
-  an older generation then fail with FAILED_PRECONDITION, so a stale trainer cannot commit.
-* A live session (stream open) is never taken over: a second trainer with the same job id and
-  rank is refused instead of silently stealing the first one's memory.
-* A session adopted from a previous server (:meth:`SessionRegistry.adopt`, at start) begins
-  orphaned: its trainer's KeepAlive stream (same session id and generation) makes it live
-  again, counted as a reconnect; with no trainer back it goes through ``grace`` like any.
-* At shutdown (:meth:`SessionRegistry.close`) the segments of live and pending sessions stay
-  for the next server to adopt, unless ``keep_segments`` is off; the others are freed.
+* Liveness is the KeepAlive stream being open, nothing else (heavy work never stands in for it).
+* An orphaned session keeps its segment for ``grace`` seconds; the same (job, rank) attaching
+  in time gets it back with a new generation, and calls of an older generation fail
+  FAILED_PRECONDITION, so a stale trainer cannot commit.
+* A live session is never taken over: a second trainer with the same job id and rank is refused.
+* A session adopted from a previous server begins orphaned; its trainer's KeepAlive stream
+  (same session id and generation) makes it live again, counted as a reconnect.
+* At shutdown the segments of live and pending sessions stay for the next server to adopt
+  (unless ``keep_segments`` is off); the others are freed.
 
-Ids and numbers a request carries (job id, session id, rank, generation, step) are validated
-once, by the servicer, before they get here (:mod:`.validation`); the registry trusts them.
-Tensor specs are checked here (off the loop, they are O(tensors)). The registry is used from
-one asyncio loop; blocking arena work runs in worker threads. The session types it hands out
-(:class:`~.session.Session`, :class:`~.session.SessionState`,
-:class:`~.session.LivenessStream`) are in :mod:`.session`.
+Request values are validated by the servicer (:mod:`..rpc.validation`) before they get here.
+Used from one asyncio loop; blocking arena work runs in worker threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -84,7 +78,6 @@ class SessionRegistry:
         self._live_at_stop: set[str] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[tuple[Segment, bool]]] = set()
-        # Counters for Stats and metrics.
         self._retired_commits = 0
         self._retired_drops = 0
         self.attaches = 0
@@ -98,7 +91,6 @@ class SessionRegistry:
         self.freed = FreedSessions()
         """The last sessions freed (bounded): why a trainer finds no state for its job/rank."""
 
-    # ------------------------------------------------------------------ queries
     @property
     def steps_committed_total(self) -> int:
         """Steps committed, all sessions, freed ones included (read from the headers)."""
@@ -113,44 +105,32 @@ class SessionRegistry:
     def sessions(self) -> list[Session]:
         return list(self._sessions.values())
 
-    def find(self, job_id: str, rank: int) -> Session | None:
-        return self._by_key.get((job_id, rank))
-
     def lookup(self, session_id: str, generation: int) -> Session:
-        """The session, if ``generation`` is its current one (else FAILED_PRECONDITION).
-        ``session_id`` and ``generation`` are validated (the servicer's
-        :func:`~.validation.validate_session`)."""
+        """The session, if ``generation`` is its current one (else FAILED_PRECONDITION)."""
         session = self._sessions.get(session_id)
         if session is None:
-            freed = self.freed.by_id(session_id)
-            if freed is not None:
-                raise NotFound(self._freed_message(freed))
-            raise NotFound(
-                f"no session {session_id} on this server (never attached, detached, or freed "
-                "after its grace period): Attach again"
-            )
+            raise self._not_found(session_id, f"no session {session_id} on this server (never attached, "
+                                  "detached, or freed after its grace period): Attach again")
         self._check_generation(session, generation)
         return session
 
     def why_no_state(self, job_id: str, rank: int) -> str:
-        """Why this server holds no state for (job_id, rank) when it knows (it freed an
-        earlier session of theirs), else ""."""
+        """Why this server holds no state for (job_id, rank) if it freed it, else ""."""
         freed = self.freed.of(job_id, rank)
         return freed.describe(self._clock()) if freed is not None else ""
 
-    def _freed_message(self, freed: FreedSession) -> str:
+    def _not_found(self, session_id: str, otherwise: str) -> NotFound:
+        """Why ``session_id`` is gone, when this registry freed it; else ``otherwise``."""
+        freed = self.freed.by_id(session_id)
+        if freed is None:
+            return NotFound(otherwise)
         grace = "; a longer --grace keeps a vanished trainer's state longer" if freed.reason == "grace_expired" else ""
-        return (
-            f"{freed.describe(self._clock())}. Its optimizer state is gone: Attach again and "
-            f"restore a snapshot (or load a checkpoint){grace}"
-        )
+        return NotFound(f"{freed.describe(self._clock())}. Its optimizer state is gone: Attach again and "
+                        f"restore a snapshot (or load a checkpoint){grace}")
 
     def _check_generation(self, session: Session, generation: int) -> None:
         if session.closed:
-            freed = self.freed.by_id(session.session_id)
-            if freed is not None:
-                raise NotFound(self._freed_message(freed))
-            raise NotFound(f"session {session.session_id} was freed: Attach again")
+            raise self._not_found(session.session_id, f"session {session.session_id} was freed: Attach again")
         if generation > session.generation:
             raise StaleGeneration(
                 f"generation {generation} was never issued for job {session.job_id} rank "
@@ -167,7 +147,6 @@ class SessionRegistry:
             return 0.0
         return max(0.0, self._clock() - session.orphaned_since)
 
-    # ------------------------------------------------------------------ attach / detach
     async def attach(
         self,
         job_id: str,
@@ -179,10 +158,9 @@ class SessionRegistry:
         local_world_size: int = 0,
         tenant: Tenant = ANYONE,
     ) -> tuple[Session, bool]:
-        """Open or re-open the session of (job_id, rank) for ``tenant``. Returns (session,
-        reattached). ``local_world_size``: ranks of the job on this server, 0 meaning
-        ``world_size``. The values are validated (the servicer does it, :mod:`.validation`).
-        PermissionDenied when another tenant's session holds the job."""
+        """Open or re-open the session of (job_id, rank) for ``tenant``: (session, reattached).
+        ``local_world_size`` 0 means ``world_size``. PermissionDenied when another tenant's
+        session holds the job."""
         local_world_size = local_world_size or world_size
         self._check_open()
         for other in self._sessions.values():
@@ -195,15 +173,9 @@ class SessionRegistry:
                 if await self._reattach(existing, world_size, local_world_size, client_pid, client_host):
                     return existing, True
         session = Session(
-            session_id=secrets.token_hex(16),
-            job_id=job_id,
-            rank=rank,
-            world_size=world_size,
-            generation=1,
-            local_world_size=local_world_size,
-            client_pid=client_pid,
-            client_host=client_host,
-            tenant=tenant.name,
+            session_id=secrets.token_hex(16), job_id=job_id, rank=rank, world_size=world_size,
+            generation=1, local_world_size=local_world_size, client_pid=client_pid,
+            client_host=client_host, tenant=tenant.name,
         )
         self._make_pending(session)
         self._sessions[session.session_id] = session
@@ -268,8 +240,7 @@ class SessionRegistry:
 
     @staticmethod
     def _trainer_present(session: Session) -> bool:
-        """Whether the trainer process of an adopted session still maps its segment (then it
-        reconnects by itself); one that died with the old server is not waited for."""
+        """Whether the trainer of an adopted session still maps its segment (it reconnects)."""
         return session.segment is not None and trainer_presence.held(session.segment.path)
 
     def _make_pending(self, session: Session) -> None:
@@ -278,8 +249,8 @@ class SessionRegistry:
         session.stream_deadline = self._clock() + self.stream_wait
 
     def adopt(self, adopted: Adopted) -> Session:
-        """A session rebuilt from a segment a previous server left (checked by
-        :mod:`.adopt`), orphaned until its trainer's KeepAlive stream comes back."""
+        """A session rebuilt from a segment a previous server left, orphaned until its
+        trainer's KeepAlive stream comes back."""
         d = adopted.descriptor
         session = Session(
             session_id=adopted.session_id, job_id=d.job_id, rank=d.rank, world_size=d.world_size,
@@ -306,7 +277,6 @@ class SessionRegistry:
             else:
                 await self._remove(session, "detached")
 
-    # ------------------------------------------------------------------ liveness
     def open_stream(self, session_id: str, generation: int) -> LivenessStream:
         """Register a KeepAlive stream: the session is live until it closes."""
         self._check_open()
@@ -348,19 +318,16 @@ class SessionRegistry:
         for stream in list(session.streams):
             stream.end(reason)
 
-    # ------------------------------------------------------------------ segment and steps
     async def allocate(
         self, session_id: str, generation: int, checked: Sequence[TensorSpec]
     ) -> tuple[Segment, bool]:
-        """Create the session's segment of ``checked`` tensors (the servicer validated them);
-        returns (segment, reused). Idempotent for the same layout (a reattached trainer gets
-        its bytes back); a different layout is refused."""
+        """Create the session's segment of ``checked`` tensors: (segment, reused). Idempotent
+        for the same layout (a reattached trainer gets its bytes back); another is refused."""
         session = self.lookup(session_id, generation)
         # Hashing is O(tensors) Python: off the loop, like the page faulting.
         wanted_hash = await asyncio.to_thread(layout_hash, checked)
-        # Shielded: when the caller gives up (deadline, cancel) the creation still completes
-        # under the session lock and lands in the session, so a retry gets reused=True instead
-        # of a second segment, and no committed bytes are ever left without an owner.
+        # Shielded: a creation the caller gave up on still lands in the session, so a retry
+        # gets reused=True and no committed bytes are left without an owner.
         task = asyncio.get_running_loop().create_task(
             self._allocate_locked(session, generation, checked, wanted_hash)
         )
@@ -391,13 +358,8 @@ class SessionRegistry:
             descriptor = SegmentDescriptor(session.job_id, session.rank, session.world_size,
                                            session.local_world_size, tuple(checked), wanted_hash, session.tenant)
             segment = await asyncio.to_thread(
-                self.arena.create_segment,
-                session.session_id,
-                checked,
-                session.local_world_size,  # the job's ranks sharing this server's copy pool
-                specs_hash=wanted_hash,
-                descriptor=descriptor,  # what a successor server needs to adopt it
-                tenant=session.tenant,
+                self.arena.create_segment, session.session_id, checked, session.local_world_size,
+                specs_hash=wanted_hash, descriptor=descriptor, tenant=session.tenant,
             )
             session.segment = segment
             log_event(log, "segment_allocated", **session._describe(), path=segment.path,
@@ -408,14 +370,12 @@ class SessionRegistry:
             return segment, False
 
     def commit_step(self, session_id: str, generation: int, step: int) -> int:
-        """Record ``step`` as committed (its moments are completely in the segment); ``step``
-        is validated (the servicer's :func:`~.validation.validate_step`)."""
+        """Record ``step`` as committed (its moments are completely in the segment)."""
         session = self.lookup(session_id, generation)
         if session.record_commit(step):
             log_event(log, "step_committed", logging.DEBUG, **session._describe(), step=step)
         return step
 
-    # ------------------------------------------------------------------ freeing
     async def _remove(self, session: Session, reason: str) -> None:
         session.closed = True
         self._end_streams(session, reason)
@@ -431,8 +391,7 @@ class SessionRegistry:
         freed = 0
         if segment is not None:
             freed = segment.size
-            # Unmapping and unlinking a big tmpfs file returns its pages: seconds for tens of
-            # GiB, so off the loop.
+            # Returning a big tmpfs file's pages takes seconds for tens of GiB: off the loop.
             await asyncio.to_thread(self.arena.free, segment)
         self.sessions_freed += 1
         log_event(log, "session_freed", **session._describe(), reason=reason, bytes=freed,
@@ -464,11 +423,8 @@ class SessionRegistry:
                 freed += 1
         return freed
 
-    def reap_interval(self) -> float:
-        return min(0.5, max(0.02, min(self.grace, self.stream_wait) / 4))
-
     async def _reap_forever(self) -> None:
-        interval = self.reap_interval()
+        interval = min(0.5, max(0.02, min(self.grace, self.stream_wait) / 4))
         while True:
             await asyncio.sleep(interval)
             try:
@@ -492,16 +448,13 @@ class SessionRegistry:
             self._end_streams(session, SERVER_STOPPING_NOTICE)
 
     async def close(self, keep_segments: bool = False) -> None:
-        """Stop the reaper and end every session (server shutdown). ``keep_segments``: the
-        files of live and pending sessions' segments stay for the next server to adopt (their
-        trainers go on stepping); the other sessions are freed."""
+        """Stop the reaper and end every session (shutdown). ``keep_segments``: the segment
+        files of live and pending sessions stay for the next server to adopt."""
         self.begin_shutdown()
         if self._reaper is not None:
             self._reaper.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
-            except asyncio.CancelledError:
-                pass
             self._reaper = None
         kept = []
         for session in list(self._sessions.values()):
