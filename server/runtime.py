@@ -54,7 +54,7 @@ from swap_state.server.rpc.service import SwapStateService
 from swap_state.server.rpc.validation import validate_descriptor
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 from swap_state.server.snapshot.storage import SnapshotStorage
-from swap_state.server.rpc.snapshot_service import snapshot_metrics
+from swap_state.server.rpc.snapshot_service import SnapshotCollector
 from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.observability.rpc_counters import RpcCounters
 
@@ -120,7 +120,7 @@ class RunningServer:
             if self.service.snapshots is not None:
                 # Let running snapshots finish (bounded) before their segments are freed.
                 await asyncio.to_thread(self.service.snapshots.close)
-            await self.service.snapshot_rpcs.drain(timeout_s=grace + 5.0)  # borrowed segments back
+            await self.service.drain(timeout_s=grace + 5.0)  # borrowed segments back
             await self.sessions.close(keep_segments=not self.config.free_segments_on_stop)
         finally:
             if self._guard is not None:
@@ -325,7 +325,7 @@ async def _start_metrics(config: ServerConfig, domain: _Domain, started_at: floa
         domain.registry,
         domain.counters,
         started_at=started_at,
-        extra=[snapshot_metrics(domain.service.snapshot_counters, domain.snapshots)],
+        extra=[SnapshotCollector(domain.service.snapshot_counters, domain.snapshots)],
     )
     metrics = MetricsServer(
         lambda: render_metrics(collectors), config.metrics_host, config.metrics_port
