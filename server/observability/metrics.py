@@ -1,21 +1,13 @@
-"""Prometheus metrics: a ``prometheus_client`` collector over the domain objects, served over
-plain asyncio HTTP.
-
-Values are read from the domain objects at scrape time (no second bookkeeping that could
-drift): :class:`ServerCollector` (arena, sessions, RPC counters) and the snapshot collector of
-:func:`~swap_state.server.rpc.snapshot_service.snapshot_metrics` are registered on a private
-:class:`~prometheus_client.CollectorRegistry` (never the process-global one, so embedded
-servers and tests do not collide), and each scrape renders it with
-:func:`prometheus_client.generate_latest` (text format 0.0.4).
-
-The HTTP side is deliberately tiny: ``GET /metrics`` only (404 elsewhere), bounded request size
-and time, one response per connection, on the server's own event loop (the collectors read
-loop-owned state).
+"""Prometheus metrics: collectors read the live domain objects at scrape time (no second
+bookkeeping that could drift), registered on a private registry (never the process-global
+one: embedded servers and tests do not collide), served by a tiny HTTP endpoint on the
+server's own event loop (``GET /metrics`` only; bounded request size and time).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 
@@ -64,6 +56,39 @@ def counter(name: str, help_text: str, value: float | None = None,
                                labels=None if labels is None else list(labels))
 
 
+# (family, name, help, Arena attribute).
+_ARENA_FAMILIES = (
+    (gauge, "swap_state_budget_total_bytes", "The --shm-size budget.", "total_bytes"),
+    (gauge, "swap_state_budget_used_bytes",
+     "Bytes of all segment files (tensors, headers, padding, cow slots).", "used_bytes"),
+    (gauge, "swap_state_budget_free_bytes", "Bytes a new segment may still take (the cow pool held back).",
+     "free_bytes"),
+    (gauge, "swap_state_cow_pool_slots", "Copy-before-write slots in the host pool.", "cow_pool_slots"),
+    (gauge, "swap_state_cow_pool_slots_used", "Copy-before-write slots given to segments.", "cow_slots_used"),
+    (counter, "swap_state_segment_allocations_total", "Segments created.", "allocations"),
+    (counter, "swap_state_segment_allocation_failures_total",
+     "Segment creations refused (budget) or failed (shm full).", "allocation_failures"),
+    (counter, "swap_state_mlock_failures_total",
+     "Segments that could not be mlock'd (RLIMIT_MEMLOCK / CAP_IPC_LOCK).", "mlock_failures"),
+)
+# (name, help, SessionRegistry attribute) of the session counters.
+_SESSION_COUNTERS = (
+    ("swap_state_steps_committed_total", "Steps committed, all sessions.", "steps_committed_total"),
+    ("swap_state_kept_states_dropped_total",
+     "Reattached optimizer states a trainer dropped: not its parameters' state.",
+     "kept_states_dropped_total"),
+    ("swap_state_attaches_total", "Attach calls that succeeded.", "attaches"),
+    ("swap_state_reattaches_total", "Attaches that got a kept session back.", "reattaches"),
+    ("swap_state_sessions_freed_total", "Sessions freed (any reason).", "sessions_freed"),
+    ("swap_state_sessions_expired_total", "Orphaned sessions freed after the grace period.",
+     "sessions_expired"),
+    ("swap_state_sessions_adopted_total", "Sessions adopted at start from a previous server's segments.",
+     "sessions_adopted"),
+    ("swap_state_session_reconnects_total",
+     "KeepAlive streams trainers reopened without a new Attach (server restarted).", "reconnects"),
+)
+
+
 class ServerCollector(Collector):
     """Arena, session and RPC families, read from the live objects on every ``collect()``."""
 
@@ -84,24 +109,8 @@ class ServerCollector(Collector):
         yield from self._rpc_families()
 
     def _arena_families(self) -> Iterator[Metric]:
-        arena = self.arena
-        yield gauge("swap_state_budget_total_bytes", "The --shm-size budget.", arena.total_bytes)
-        yield gauge("swap_state_budget_used_bytes",
-                    "Bytes of all segment files (tensors, headers, padding, cow slots).",
-                    arena.used_bytes)
-        yield gauge("swap_state_budget_free_bytes",
-                    "Bytes a new segment may still take (the cow pool held back).", arena.free_bytes)
-        yield gauge("swap_state_cow_pool_slots", "Copy-before-write slots in the host pool.",
-                    arena.cow_pool_slots)
-        yield gauge("swap_state_cow_pool_slots_used", "Copy-before-write slots given to segments.",
-                    arena.cow_slots_used)
-        yield counter("swap_state_segment_allocations_total", "Segments created.", arena.allocations)
-        yield counter("swap_state_segment_allocation_failures_total",
-                      "Segment creations refused (budget) or failed (shm full).",
-                      arena.allocation_failures)
-        yield counter("swap_state_mlock_failures_total",
-                      "Segments that could not be mlock'd (RLIMIT_MEMLOCK / CAP_IPC_LOCK).",
-                      arena.mlock_failures)
+        for make, name, help_text, attr in _ARENA_FAMILIES:
+            yield make(name, help_text, getattr(self.arena, attr))
 
     def _session_families(self) -> Iterator[Metric]:
         """Sessions by state, then the per-session gauges (labelled by job and rank)."""
@@ -110,18 +119,19 @@ class ServerCollector(Collector):
         for state in SessionState:
             by_state.add_metric([state.value], sum(1 for s in sessions if s.state is state))
         yield by_state
+        key_labels = ["job_id", "rank"]
         segment_bytes = gauge("swap_state_session_segment_bytes", "Segment bytes per session.",
-                              labels=["job_id", "rank"])
+                              labels=key_labels)
         model_area = gauge(
             "swap_state_session_model_area_bytes",
             "Bytes of each session's segment that are model tensors: the parameters and "
             "persistent buffers of whole-state snapshots (part of the segment bytes; 0 without).",
-            labels=["job_id", "rank"])
+            labels=key_labels)
         last_step = gauge("swap_state_session_last_committed_step",
                           "Last committed step per session (sessions with a committed step only).",
-                          labels=["job_id", "rank"])
+                          labels=key_labels)
         generation = gauge("swap_state_session_generation", "Current generation per session.",
-                           labels=["job_id", "rank"])
+                           labels=key_labels)
         for s in sessions:
             key = [s.job_id, str(s.rank)]
             segment_bytes.add_metric(key, s.segment.file_bytes if s.segment else 0)
@@ -129,31 +139,11 @@ class ServerCollector(Collector):
             if s.last_committed_step is not None:
                 last_step.add_metric(key, s.last_committed_step)
             generation.add_metric(key, s.generation)
-        yield segment_bytes
-        yield model_area
-        yield last_step
-        yield generation
+        yield from (segment_bytes, model_area, last_step, generation)
 
     def _session_counters(self) -> Iterator[Metric]:
-        registry = self.registry
-        yield counter("swap_state_steps_committed_total", "Steps committed, all sessions.",
-                      registry.steps_committed_total)
-        yield counter("swap_state_kept_states_dropped_total",
-                      "Reattached optimizer states a trainer dropped: not its parameters' state.",
-                      registry.kept_states_dropped_total)
-        yield counter("swap_state_attaches_total", "Attach calls that succeeded.", registry.attaches)
-        yield counter("swap_state_reattaches_total", "Attaches that got a kept session back.",
-                      registry.reattaches)
-        yield counter("swap_state_sessions_freed_total", "Sessions freed (any reason).",
-                      registry.sessions_freed)
-        yield counter("swap_state_sessions_expired_total",
-                      "Orphaned sessions freed after the grace period.", registry.sessions_expired)
-        yield counter("swap_state_sessions_adopted_total",
-                      "Sessions adopted at start from a previous server's segments.",
-                      registry.sessions_adopted)
-        yield counter("swap_state_session_reconnects_total",
-                      "KeepAlive streams trainers reopened without a new Attach (server restarted).",
-                      registry.reconnects)
+        for name, help_text, attr in _SESSION_COUNTERS:
+            yield counter(name, help_text, getattr(self.registry, attr))
 
     def _rpc_families(self) -> Iterator[Metric]:
         counters = self.counters
@@ -170,11 +160,7 @@ class ServerCollector(Collector):
 
 
 def metrics_registry(
-    arena: Arena,
-    registry: SessionRegistry,
-    counters: RpcCounters,
-    *,
-    started_at: float,
+    arena: Arena, registry: SessionRegistry, counters: RpcCounters, *, started_at: float,
     extra: Iterable[Collector] = (),
 ) -> CollectorRegistry:
     """A private registry with the server's collector, then ``extra`` collectors, in order."""
@@ -239,7 +225,5 @@ class MetricsServer:
             log_event(log, "metrics_error", logging.ERROR, exc_info=True)
         finally:
             writer.close()
-            try:
+            with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
-            except (ConnectionError, OSError):
-                pass

@@ -107,7 +107,8 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             raise Unauthenticated("missing or wrong token")
         return tenant
 
-    def _own_session(self, caller: Tenant, session_id: str, generation: int, *, segment: bool = False) -> Session:
+    def _own_session(self, caller: Tenant, session_id: str, generation: int, *,
+                     segment: bool = False) -> Session:
         """The session, if its tenant is the caller's (or the caller is an admin); with
         ``segment``, only once it has one."""
         session = self.registry.lookup(session_id, generation)
