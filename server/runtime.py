@@ -5,15 +5,13 @@ Used by the CLI, by tests, and by the client's embedded mode. Start-up order mat
 1. read the token and TLS files, resolve the group, prepare the snapshot directory;
 2. take the Unix socket path (lock file; a live server there -> refuse, a stale file -> replace);
 3. bind (grpc), so that for TCP a second server on the same port fails here;
-4. adopt the segments a previous server on the same address left (:mod:`.memory.adopt`;
-   removed instead with ``--discard-segments``), then check that the shm directory is a
-   tmpfs with room for the rest of the budget (exit non-zero otherwise);
+4. adopt the segments a previous server on the same address left (or remove them with
+   ``--discard-segments``), then check the shm directory has room for the rest of the budget;
 5. start serving, health SERVING, reaper, metrics; one ``started`` log line.
 
-Stop (SIGTERM/SIGINT in the CLI): health NOT_SERVING, KeepAlive streams end with a notice, no
-new RPCs, in-flight ones get ``shutdown_grace`` seconds, running snapshots end, then every
-segment is unmapped: the files of live sessions stay for the next server to adopt (unless
-``--free-segments-on-stop``), the others are unlinked; the socket is removed.
+Stop: health NOT_SERVING, KeepAlive streams end with a notice, in-flight RPCs get
+``shutdown_grace`` seconds, running snapshots end, then the segments of live sessions stay for
+the next server (unless ``--free-segments-on-stop``), the others are unlinked.
 """
 
 from __future__ import annotations
@@ -167,9 +165,8 @@ def _prepare_snapshot_dir(path: pathlib.Path | None, gid: int | None) -> None:
 
 
 def _segment_tag(listen: ListenAddress) -> str:
-    # Segment names carry a tag of the address, so a restarted server can find and remove what
-    # a killed one on the same address left in /dev/shm. An ephemeral TCP port has no stable
-    # identity: random tag, no cleanup.
+    # A tag of the address, so a restarted server finds what one on the same address left in
+    # /dev/shm. An ephemeral TCP port has no stable identity: a random tag.
     if listen.scheme == "tcp" and listen.port == 0:
         return secrets.token_hex(6)
     return hashlib.sha256(listen.url.encode()).hexdigest()[:12]
@@ -196,63 +193,31 @@ def _bind(server: grpc.aio.Server, listen: ListenAddress, creds: grpc.ServerCred
     return port
 
 
-@dataclasses.dataclass(eq=False)
-class _Domain:
-    """The objects one server is made of, before it serves."""
-
-    arena: Arena
-    registry: SessionRegistry
-    counters: RpcCounters
-    snapshots: SnapshotCoordinator | None
-    service: SwapStateService
-
-
-def _build_domain(config: ServerConfig, listen: ListenAddress, gid: int | None, tenants: Tenants,
-                  undo: contextlib.AsyncExitStack) -> _Domain:
-    """Arena, session registry, snapshot coordinator (its close pushed on ``undo``), servicer."""
+def _build_service(config: ServerConfig, listen: ListenAddress, gid: int | None, tenants: Tenants,
+                  undo: contextlib.AsyncExitStack) -> SwapStateService:
+    """The servicer with its arena, session registry and snapshot coordinator (whose close is
+    pushed on ``undo``)."""
     copy_policy = CopyBudgetPolicy(max_bandwidth=config.persist_max_bandwidth or None)
     arena = Arena(
-        shm_dir=config.shm_dir,
-        total_bytes=config.shm_size,
-        cow_pool_bytes=config.cow_pool_bytes,
-        chunk_bytes=config.chunk_bytes,
-        tag=_segment_tag(listen),
-        gid=gid,
-        mlock=config.mlock,
-        copy_policy=copy_policy,
-        tenant_quota=config.tenant_shm_quota,
+        shm_dir=config.shm_dir, total_bytes=config.shm_size, cow_pool_bytes=config.cow_pool_bytes,
+        chunk_bytes=config.chunk_bytes, tag=_segment_tag(listen), gid=gid, mlock=config.mlock,
+        copy_policy=copy_policy, tenant_quota=config.tenant_shm_quota,
     )
-    registry = SessionRegistry(
-        arena,
-        grace=config.grace,
-        stream_wait=config.stream_wait,
-        max_tensors=config.max_tensors,
-    )
-    counters = RpcCounters()
+    registry = SessionRegistry(arena, grace=config.grace, stream_wait=config.stream_wait,
+                               max_tensors=config.max_tensors)
     snapshots = None
     if config.snapshot_dir is not None:
         snapshots = SnapshotCoordinator(
-            config.snapshot_dir,
-            keep_latest=config.keep_latest,
-            stage_threads=config.stage_threads,
+            config.snapshot_dir, keep_latest=config.keep_latest, stage_threads=config.stage_threads,
             tenant_snapshot_quota=config.tenant_snapshot_quota,
-            model_copy_timeout_s=config.model_copy_timeout,
-            copy_policy=copy_policy,
-            store_uri=config.snapshot_store,
-            store_timeout_s=config.snapshot_store_timeout,
+            model_copy_timeout_s=config.model_copy_timeout, copy_policy=copy_policy,
+            store_uri=config.snapshot_store, store_timeout_s=config.snapshot_store_timeout,
             store_max_bandwidth=config.snapshot_store_max_bandwidth or None,
             storage=SnapshotStorage(config.snapshot_dir, direct_io=config.direct_io),
         )
         undo.callback(snapshots.close)
-    service = SwapStateService(
-        registry,
-        arena,
-        keepalive_interval=config.keepalive_interval,
-        counters=counters,
-        snapshots=snapshots,
-        tenants=tenants,
-    )
-    return _Domain(arena, registry, counters, snapshots, service)
+    return SwapStateService(registry, arena, keepalive_interval=config.keepalive_interval,
+                            counters=RpcCounters(), snapshots=snapshots, tenants=tenants)
 
 
 def _read_tenants(config: ServerConfig) -> Tenants:
@@ -276,11 +241,11 @@ def _grpc_server(config: ServerConfig, service: SwapStateService, health: health
     return server
 
 
-def _prepare_shm(config: ServerConfig, domain: _Domain, gid: int | None) -> None:
+def _prepare_shm(config: ServerConfig, service: SwapStateService, gid: int | None) -> None:
     """Adopt (or with ``--discard-segments`` remove) what a previous server on this address
-    left in the shm directory, then check the directory (StartupError when it cannot hold the
-    rest of the budget). Nothing is adopted from a directory other users can write."""
-    arena = domain.arena
+    left, then check the shm directory holds the rest of the budget. Nothing is adopted from a
+    directory other users can write."""
+    arena = service.arena
     require_shm_dir(config.shm_dir)
     check_own_directory(config.shm_dir, "--shm-dir", shared_gid=gid, sticky_ok=True)
     if config.discard_segments:
@@ -289,7 +254,7 @@ def _prepare_shm(config: ServerConfig, domain: _Domain, gid: int | None) -> None
             log_event(log, "leftover_segments_removed", logging.WARNING, files=removed,
                       bytes=removed_bytes, shm_dir=config.shm_dir)
     else:
-        _adopt(config, domain)
+        _adopt(config, service)
     check_shm_dir(config.shm_dir, config.shm_size - arena.used_bytes)
     if arena.cow_pool_slots == 0:
         log_event(log, "cow_pool_empty", logging.WARNING, cow_budget=config.cow_pool_bytes,
@@ -298,42 +263,38 @@ def _prepare_shm(config: ServerConfig, domain: _Domain, gid: int | None) -> None
                   "until each chunk is persisted")
 
 
-def _adopt(config: ServerConfig, domain: _Domain) -> None:
+def _adopt(config: ServerConfig, service: SwapStateService) -> None:
     """The sessions of the segments a previous server left, waiting for their trainers."""
     adopted, refused = adopt_segments(
-        domain.arena, lambda d: validate_descriptor(d, max_tensors=config.max_tensors)
+        service.arena, lambda d: validate_descriptor(d, max_tensors=config.max_tensors)
     )
     for item in refused:
         log_event(log, "segment_not_adopted", logging.WARNING, path=item.path, reason=item.reason,
                   detail="left where it is; remove it by hand, or start with --discard-segments")
     for item in adopted:
-        domain.registry.adopt(item)
-        if domain.snapshots is not None:
-            domain.snapshots.note_epoch(item.open_epoch)
+        service.registry.adopt(item)
+        if service.snapshots is not None:
+            service.snapshots.note_epoch(item.open_epoch)
     if adopted:
-        log_event(log, "segments_adopted", sessions=len(adopted), bytes=domain.arena.used_bytes,
+        log_event(log, "segments_adopted", sessions=len(adopted), bytes=service.arena.used_bytes,
                   shm_dir=config.shm_dir)
 
 
-async def _start_metrics(config: ServerConfig, domain: _Domain, started_at: float) -> MetricsServer | None:
+async def _start_metrics(config: ServerConfig, service: SwapStateService,
+                         started_at: float) -> MetricsServer | None:
     """The metrics endpoint when ``--metrics-port`` asks for one; StartupError (the registry
     closed) when it cannot listen."""
     if not config.metrics_port:
         return None
     collectors = metrics_registry(
-        domain.arena,
-        domain.registry,
-        domain.counters,
-        started_at=started_at,
-        extra=[SnapshotCollector(domain.service.snapshot_counters, domain.snapshots)],
+        service.arena, service.registry, service.counters, started_at=started_at,
+        extra=[SnapshotCollector(service.snapshot_counters, service.snapshots)],
     )
-    metrics = MetricsServer(
-        lambda: render_metrics(collectors), config.metrics_host, config.metrics_port
-    )
+    metrics = MetricsServer(lambda: render_metrics(collectors), config.metrics_host, config.metrics_port)
     try:
         await metrics.start()
     except OSError as exc:
-        await domain.registry.close()
+        await service.registry.close()
         raise StartupError(
             f"--metrics-port {config.metrics_host}:{config.metrics_port}: {exc.strerror}"
         ) from None
@@ -349,9 +310,8 @@ def _channel_address(listen: ListenAddress, port: int) -> str:
 
 
 async def start_server(config: ServerConfig) -> RunningServer:
-    """Start a server on ``config.listen``; raises :class:`StartupError` with an actionable
-    message when the environment does not allow it. Steps in the module docstring's order;
-    everything started is undone when a later step fails."""
+    """Start a server on ``config.listen`` (steps in the module docstring's order; what a
+    failed step leaves is undone); :class:`StartupError` with an actionable message."""
     listen = config.listen_address
     tenants = _read_tenants(config)
     gid = _resolve_group(config.shm_group)
@@ -368,41 +328,32 @@ async def start_server(config: ServerConfig) -> RunningServer:
             undo.callback(guard.release)
         if tenants.proofs is not None:
             tenants.proofs.prepare()  # beside the socket, in the directory the guard checked
-        domain = _build_domain(config, listen, gid, tenants, undo)
+        service = _build_service(config, listen, gid, tenants, undo)
         health = health_aio.HealthServicer()
-        server = _grpc_server(config, domain.service, health, tenants)
+        server = _grpc_server(config, service, health, tenants)
         port = _bind(server, listen, creds)
         undo.push_async_callback(server.stop, None)
         if guard is not None:
             guard.bound(socket_gid)
-        _prepare_shm(config, domain, gid)
+        _prepare_shm(config, service, gid)
 
         await server.start()
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        domain.registry.start()
-        metrics = await _start_metrics(config, domain, started_at=time.time())
+        service.registry.start()
+        metrics = await _start_metrics(config, service, started_at=time.time())
         undo.pop_all()
 
     address = _channel_address(listen, port)
     running = RunningServer(
-        config=config,
-        address=address,
-        listen=listen,
-        socket_path=listen.path,
-        metrics_address=metrics.address if metrics else None,
-        arena=domain.arena,
-        sessions=domain.registry,
-        service=domain.service,
-        health=health,
-        _grpc=server,
-        _guard=guard,
-        _proofs=tenants.proofs,
+        config=config, address=address, listen=listen, socket_path=listen.path,
+        metrics_address=metrics.address if metrics else None, arena=service.arena, sessions=service.registry,
+        service=service, health=health, _grpc=server, _guard=guard, _proofs=tenants.proofs,
         _metrics=metrics,
     )
     auth = ("tenants" if config.tenants else "uid" if tenants.proofs is not None
             else "token" if tenants.enabled else "none")
-    _log_started(config, listen, address, domain.arena, auth=auth, tls=creds is not None, metrics=metrics)
+    _log_started(config, listen, address, service.arena, auth=auth, tls=creds is not None, metrics=metrics)
     return running
 
 
@@ -410,20 +361,11 @@ def _log_started(config: ServerConfig, listen: ListenAddress, address: str, aren
                  auth: str, tls: bool, metrics: MetricsServer | None) -> None:
     """The one ``started`` line: where it listens, the budget, the snapshot dir, security."""
     log_event(
-        log,
-        "started",
-        listen=address if listen.scheme == "unix" else f"tcp://{address}",
-        socket=listen.path or "",
-        shm_dir=config.shm_dir,
-        budget_bytes=config.shm_size,
-        budget=format_size(config.shm_size),
-        cow_pool_bytes=arena.cow_reserve_bytes,
-        cow_slots=arena.cow_pool_slots,
-        chunk_bytes=config.chunk_bytes,
-        grace_seconds=config.grace,
-        snapshot_dir=config.snapshot_dir or "",
-        auth=auth,
-        tls=tls,
+        log, "started", listen=address if listen.scheme == "unix" else f"tcp://{address}",
+        socket=listen.path or "", shm_dir=config.shm_dir, budget_bytes=config.shm_size,
+        budget=format_size(config.shm_size), cow_pool_bytes=arena.cow_reserve_bytes,
+        cow_slots=arena.cow_pool_slots, chunk_bytes=config.chunk_bytes, grace_seconds=config.grace,
+        snapshot_dir=config.snapshot_dir or "", auth=auth, tls=tls,
         metrics=f"{metrics.address[0]}:{metrics.address[1]}" if metrics and metrics.address else "off",
         pid=os.getpid(),
     )
