@@ -1,17 +1,15 @@
 """Adoption: a server starting on the shm directory and address of one that died or was
-stopped takes over the segments it left (:mod:`swap_state.common.segment`, "Adoption"), so
-that the trainers using them lose nothing.
+stopped takes over the segments it left, so the trainers using them lose nothing.
 
 Nothing in the shm directory is trusted. A file is adopted only when it is, in this order:
 named ``swap-state.<tag>.<session id>.<seq>`` with this server's tag; a regular file of this
-server's uid (opened without following links, without blocking on a FIFO); a segment header
-with the magic and this layout version; a descriptor of sane length that decodes and whose
-values pass the checks an Attach and an Allocate pass (``validate``, the servicer's); a
-layout, planned again from that descriptor, equal to what the header words say, with the
-layout hash of the descriptor and of the header equal to the tensors'; the file exactly the
-size the layout and descriptor give; and room in this server's budget. Anything else is left
-where it is and reported once (:class:`Refused`), and never crashes the server. Of two
-segments of the same (job, rank) the newer (higher seq) is adopted, the older removed.
+server's uid (or, to a root server, of its tenant's), opened without following links or
+blocking; a header with the magic and this layout version; a descriptor of sane length whose
+values pass the checks of an Attach and an Allocate (``validate``); a layout, planned again
+from it, equal to the header words, with equal layout hashes; the file exactly the size they
+give; and room in this server's budget. Anything else is left where it is and reported
+(:class:`Refused`). Of two segments of the same (job, rank) the newer (higher seq) is adopted,
+the older removed.
 
 Call order (the runtime's, before it serves)::
 
@@ -53,8 +51,8 @@ from swap_state.server.memory.segment_file import Segment
 __all__ = ["Adopted", "Refused", "Validate", "adopt_segments", "discard_segments"]
 
 Validate = Callable[[SegmentDescriptor], list[TensorSpec]]
-"""Checks a descriptor's values as an Attach and an Allocate would be checked (raises any
-exception naming what is wrong); returns the checked tensor specs."""
+"""Checks a descriptor's values as an Attach and an Allocate are (raises naming what is
+wrong); returns the checked tensor specs."""
 
 log = logging.getLogger("swap_state.server.arena")  # the arena's logger: one place to look
 
@@ -87,8 +85,8 @@ class _NotAdoptable(Exception):
 
 
 def adopt_segments(arena: Arena, validate: Validate) -> tuple[list[Adopted], list[Refused]]:
-    """Adopt every segment of ``arena.prefix`` in the shm directory that passes the checks of
-    the module docstring; the others are left and returned with the reason."""
+    """Adopt every segment of ``arena.prefix`` that passes the module docstring's checks; the
+    others are left and returned with the reason."""
     adopted: list[tuple[int, Adopted]] = []
     refused: list[Refused] = []
     for entry in sorted(os.scandir(arena.shm_dir), key=lambda e: e.name):
@@ -104,25 +102,20 @@ def adopt_segments(arena: Arena, validate: Validate) -> tuple[list[Adopted], lis
 
 
 def _newest_per_rank(arena: Arena, adopted: list[tuple[int, Adopted]]) -> list[Adopted]:
-    """One segment per (job, rank): the highest seq (the newest the previous servers made);
-    an older one was superseded (its session replaced) and is freed."""
+    """One segment per (job, rank): the highest seq; an older one was superseded (its session
+    replaced) and is freed."""
     newest: dict[tuple[str, int], tuple[int, Adopted]] = {}
     for seq, item in adopted:
         key = (item.descriptor.job_id, item.descriptor.rank)
-        if key in newest:
-            older, kept = sorted((newest[key], (seq, item)), key=lambda pair: pair[0])
-            _free_superseded(arena, older[1], kept[1])
-            newest[key] = kept
-        else:
+        if key not in newest:
             newest[key] = (seq, item)
+            continue
+        (_, older), newest[key] = sorted((newest[key], (seq, item)), key=lambda pair: pair[0])
+        log_event(log, "segment_superseded", logging.WARNING, path=older.segment.path,
+                  job_id=older.descriptor.job_id, rank=older.descriptor.rank, by=newest[key][1].segment.path,
+                  detail="an older segment of the same job and rank: freed")
+        arena.free(older.segment)
     return [item for _, item in newest.values()]
-
-
-def _free_superseded(arena: Arena, older: Adopted, newer: Adopted) -> None:
-    log_event(log, "segment_superseded", logging.WARNING, path=older.segment.path,
-              job_id=older.descriptor.job_id, rank=older.descriptor.rank, by=newer.segment.path,
-              detail="an older segment of the same job and rank: freed")
-    arena.free(older.segment)
 
 
 def _adopt_one(arena: Arena, name: str, validate: Validate) -> tuple[int, Adopted]:
@@ -157,9 +150,8 @@ def _adopt_one(arena: Arena, name: str, validate: Validate) -> tuple[int, Adopte
 
 @contextlib.contextmanager
 def _open_own_file(path: os.PathLike) -> Iterator[tuple[int, int, int]]:
-    """(fd, size, owner uid) of a regular file of this uid (or, to a root server, of any: the
-    caller checks it is its tenant's), opened without following a link and without blocking
-    (a FIFO)."""
+    """(fd, size, owner uid) of a regular file of this uid (to a root server, of any: the caller
+    checks it is its tenant's), opened without following a link or blocking (a FIFO)."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags)
@@ -226,11 +218,8 @@ def _check_layout(words: SegmentHeader, size: int, specs: list[TensorSpec],
 
 
 def discard_segments(arena: Arena) -> tuple[int, int]:
-    """Unlink the segment files a previous server with this tag left, instead of adopting
-    them (``--discard-segments``): regular files of this uid only. Returns (files, bytes).
-
-    Only called once no live server uses this tag (the caller holds the socket lock or bound
-    the same TCP port)."""
+    """Unlink the segment files a previous server with this tag left (``--discard-segments``):
+    regular files of this uid only; (files, bytes). Called once no live server uses the tag."""
     removed = removed_bytes = 0
     uid = os.geteuid()
     for entry in os.scandir(arena.shm_dir):

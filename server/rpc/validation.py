@@ -1,14 +1,10 @@
 """Validation of request values, before any of them reaches the domain.
 
-The servicer (:mod:`.service`, :mod:`.snapshot_service`) calls these once, first thing in every
-RPC, for every id a client sends (job_id, session_id, snapshot_id, rank, generation, step);
-the domain below trusts them. Every check raises
-:class:`~swap_state.common.errors.InvalidArgument` with a message naming the field and the
-rule, quoting the value with :func:`~swap_state.common.names.shorten`: the message travels
-back as gRPC metadata, which a hostile 20,000-character id must not overflow (that would turn
-INVALID_ARGUMENT into RESOURCE_EXHAUSTED). Nothing a client sends becomes part of a file name in
-the shm directory (segment names are built from the server's own ids); job ids may become a
-directory name under the snapshot directory, hence the strict charset and no leading dot.
+The servicer calls these first thing in every RPC, for every id a client sends; the domain
+trusts them. Every check raises :class:`~swap_state.common.errors.InvalidArgument` naming the
+field and the rule, quoting the value with :func:`~swap_state.common.names.shorten`: the message
+travels back as gRPC metadata, which a hostile 20,000-character id must not overflow. Job ids
+may become a directory name under the snapshot directory, hence their strict charset.
 """
 
 from __future__ import annotations
@@ -25,28 +21,12 @@ from swap_state.common.snapshot_format import DATA_ALIGN
 from swap_state.common.names import MODEL_PREFIX, is_model_tensor, parse_snapshot_id, shorten, validate_job_id
 
 __all__ = [
-    "MAX_NDIM",
-    "MAX_SEGMENT_BYTES",
-    "MAX_STEP",
-    "MAX_WORLD_SIZE",
-    "SAFETENSORS_MAX_HEADER_BYTES",
-    "TensorSpecTuple",
-    "validate_client_host",
-    "validate_descriptor",
-    "validate_generation",
-    "validate_job_id",
-    "validate_job_id_filter",
-    "validate_local_world_size",
-    "validate_rank",
-    "validate_session",
-    "validate_session_id",
-    "validate_snapshot_id",
-    "validate_snapshot_rank",
-    "validate_step",
+    "MAX_NDIM", "MAX_SEGMENT_BYTES", "MAX_STEP", "MAX_WORLD_SIZE", "SAFETENSORS_MAX_HEADER_BYTES",
+    "validate_client_host", "validate_descriptor", "validate_generation", "validate_job_id",
+    "validate_job_id_filter", "validate_local_world_size", "validate_rank", "validate_session",
+    "validate_session_id", "validate_snapshot_id", "validate_snapshot_rank", "validate_step",
     "validate_tensor_specs",
 ]
-
-TensorSpecTuple = TensorSpec
 
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,512}")
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")
@@ -74,8 +54,7 @@ def validate_rank(rank: int, world_size: int) -> None:
 
 
 def validate_local_world_size(local_world_size: int, world_size: int) -> int:
-    """The ranks of the job attaching to this server (one host); 0 means ``world_size`` (the
-    whole job on one host, what clients without the field send). Returns the effective value."""
+    """The ranks of the job on this server; 0 (clients without the field) means ``world_size``."""
     if local_world_size == 0:
         return world_size
     if not 1 <= local_world_size <= world_size:
@@ -119,11 +98,9 @@ def validate_job_id_filter(job_id: str) -> str | None:
 
 
 def validate_snapshot_id(snapshot_id: str, *, relative: bool, latest: bool) -> str:
-    """The form of a snapshot id, before anything is looked up: ``<job>/step-<N>``, and
-    ``<job>/latest`` when ``latest``; ``step-<N>`` (and ``latest``) of the session's job too
-    when ``relative``. ``<N>`` with any zero padding (``step-25`` or the directory's
-    ``step-000000000025``). Returns the id in its short spelling (``step-25``), still relative
-    when it was (the store resolves it against the session's job)."""
+    """The form of a snapshot id: ``<job>/step-<N>`` (any zero padding), ``<job>/latest`` when
+    ``latest``, and without ``<job>/`` when ``relative``. Returns its short spelling
+    (``step-25``), still relative when it was."""
     ref = parse_snapshot_id(snapshot_id, _SOME_JOB if relative else None)
     if ref.latest and not latest:
         raise InvalidArgument(
@@ -150,20 +127,16 @@ def validate_tensor_specs(
     *,
     max_tensors: int,
     max_total_bytes: int = MAX_SEGMENT_BYTES,
-) -> list[TensorSpecTuple]:
-    """Names unique and well formed, dtypes known, dims >= 0, sizes bounded.
-
-    ``max_total_bytes`` bounds the raw tensor bytes; going over it is nonsense (INVALID_ARGUMENT);
-    going over the free budget is decided later by the arena (RESOURCE_EXHAUSTED).
-    """
-    out: list[TensorSpecTuple] = []
+) -> list[TensorSpec]:
+    """Names unique and well formed, dtypes known, dims >= 0, sizes bounded (over
+    ``max_total_bytes`` is nonsense; over the free budget is the arena's RESOURCE_EXHAUSTED)."""
+    out: list[TensorSpec] = []
     seen: set[str] = set()
     model_from: int | None = None  # the first model tensor's index (they must come last)
     total = 0
     header_bound = DATA_ALIGN  # the rank file's safetensors header (snapshot_format): its padding first
     name_ok = _TENSOR_NAME.fullmatch
-    # Hot loop (up to max_tensors iterations): checks are ordered so the common, valid case
-    # does as little work as possible.
+    # Hot loop (up to max_tensors iterations): the valid case does as little work as possible.
     for index, (name, dtype, shape) in enumerate(specs):
         if index >= max_tensors:
             raise InvalidArgument(f"too many tensors: at most {max_tensors} per segment")
@@ -220,9 +193,9 @@ def _unknown_dtype(index: int, name: str, dtype: str) -> InvalidArgument:
     )
 
 
-def validate_descriptor(descriptor: SegmentDescriptor, *, max_tensors: int) -> list[TensorSpecTuple]:
-    """A segment descriptor a previous server left (adoption): its values pass what an
-    Attach and an Allocate pass. Returns its checked tensor specs."""
+def validate_descriptor(descriptor: SegmentDescriptor, *, max_tensors: int) -> list[TensorSpec]:
+    """A segment descriptor a previous server left passes what an Attach and an Allocate
+    pass; returns its checked tensor specs."""
     validate_job_id(descriptor.job_id)
     validate_rank(descriptor.rank, descriptor.world_size)
     if validate_local_world_size(descriptor.local_world_size, descriptor.world_size) != descriptor.local_world_size:
