@@ -1,10 +1,9 @@
 """libc calls the standard library does not expose, through ctypes, in one place.
 
-Why ctypes and not a library: Python's ``mmap`` has no ``mlock`` and no address of a mapping,
-``os`` has no ``sync_file_range``, and a copy between two mappings without holding the GIL
-needs ``memmove`` on raw addresses. ctypes releases the GIL for every foreign call, which is
-what lets the stager, the restore and the writer copy while the event loop keeps serving.
-Every function checks its return code; none of them imports anything of the server.
+Python's ``mmap`` has no ``mlock`` and no address of a mapping, ``os`` has no
+``sync_file_range``, and a copy between two mappings without the GIL needs ``memmove`` on raw
+addresses; ctypes releases the GIL for every foreign call, so the stager, the restore and the
+writer copy while the event loop serves. Every function checks its return code.
 """
 
 from __future__ import annotations
@@ -14,16 +13,8 @@ import ctypes.util
 import mmap
 
 __all__ = [
-    "buffer_address",
-    "bytes_address",
-    "memmove",
-    "mlock",
-    "mmap_read_only",
-    "munmap",
-    "populate_write",
-    "set_parent_death_signal",
-    "start_writeback",
-    "view_at",
+    "buffer_address", "bytes_address", "memmove", "mlock", "mmap_read_only", "munmap", "populate_write",
+    "set_parent_death_signal", "start_writeback", "view_at",
 ]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -39,18 +30,10 @@ _libc.munmap.restype = ctypes.c_int
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _load_sync_file_range():
-    """libc's ``sync_file_range`` (Linux), or None where there is none."""
-    try:
-        function = _libc.sync_file_range
-    except AttributeError:
-        return None
-    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    function.restype = ctypes.c_int
-    return function
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE = getattr(_libc, "sync_file_range", None)  # Linux only
+if _SYNC_FILE_RANGE is not None:
+    _SYNC_FILE_RANGE.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    _SYNC_FILE_RANGE.restype = ctypes.c_int
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do not wait
 
 
@@ -62,10 +45,8 @@ def mlock(address: int, length: int) -> int:
 
 
 def populate_write(address: int, length: int) -> int:
-    """madvise(MADV_POPULATE_WRITE): map every page of the range writable now (the page
-    tables of this process; the pages of a committed shared file exist already). Several
-    threads may populate disjoint ranges at once, unlike mlock, which the kernel serialises.
-    0 on success, else the errno (EINVAL before Linux 5.14)."""
+    """madvise(MADV_POPULATE_WRITE): map every page of the range writable now; threads may
+    populate disjoint ranges at once. 0 on success, else the errno (EINVAL before Linux 5.14)."""
     if _libc.madvise(address, length, _MADV_POPULATE_WRITE) == 0:
         return 0
     return ctypes.get_errno()
@@ -84,8 +65,7 @@ def set_parent_death_signal(signum: int) -> int:
 
 
 def mmap_read_only(fd: int, size: int) -> int:
-    """The address of a read-only shared mapping of ``size`` bytes of ``fd``; OSError on
-    failure. Unlike :class:`mmap.mmap`, the mapping has an address the copies can use."""
+    """The address of a read-only shared mapping of ``size`` bytes of ``fd`` (OSError on failure)."""
     address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if address in (None, _MAP_FAILED):
         raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed")
@@ -104,9 +84,8 @@ def view_at(address: int, size: int) -> memoryview:
 
 
 def buffer_address(buffer) -> int:
-    """Address of the first byte of a writable buffer (an mmap or a memoryview of one). The
-    temporary ctypes object holds a buffer export only for this expression, so the mapping
-    stays closable afterwards."""
+    """Address of the first byte of a writable buffer (the temporary ctypes object holds its
+    export only for this expression, so the mapping stays closable)."""
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
@@ -121,8 +100,7 @@ def memmove(destination: int, source: int, nbytes: int) -> None:
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing ``[offset, offset + nbytes)`` to disk now, without
-    waiting (``sync_file_range(SYNC_FILE_RANGE_WRITE)``). A hint: durability still comes from
-    the caller's fsync alone, so a failure (or no such call on this system) is ignored."""
+    """Start writing ``[offset, offset + nbytes)`` to disk without waiting (a hint: durability
+    comes from the caller's fsync, so a failure, or no such call, is ignored)."""
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)

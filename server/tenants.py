@@ -1,30 +1,21 @@
 """Who calls: the tenant of a call, from its bearer token or its uid, and what it may reach.
 
-``--tenants FILE`` maps tokens to tenant names, one tenant per line::
-
-    # tenant   token                              [admin]
-    alice      3f0c...e1 (any printable, no spaces)
-    bob        9a77...42
-    ops        51d0...8c                          admin
-
-Without ``--tenants`` or ``--token-file``, on a unix socket, the caller's uid is its tenant
+``--tenants FILE`` maps tokens to tenants, one per line: ``TENANT TOKEN [admin]`` (``#``
+comments). Without it or ``--token-file``, on a unix socket, the caller's uid is its tenant
 (``uid:<N>``, proven by a file it owns: :mod:`swap_state.common.caller_proof`); root and the
-server's own uid are admins. With ``--token-file``, or on TCP without tokens, there is one
-tenant, ``""``, with every right (one trust domain).
+server's uid are admins. With ``--token-file``, or on TCP without tokens, there is one tenant,
+``""``, with every right.
 
-A job, its sessions and its snapshots belong to the tenant whose call created them (recorded
-in the session, the segment a successor server adopts, every ``snapshot.json`` and store
-marker). Another tenant's call on them fails PERMISSION_DENIED; Stats and ListSnapshots show
-only the caller's. An admin tenant reaches every tenant's.
-
-The file holds secrets: the server refuses to start when users other than its owner (or the
-server's own group: a Kubernetes Secret mounted with the pod's fsGroup) may read it, or when
-it is owned by another user than the server's or root, naming the fix.
+A job, its sessions and its snapshots belong to the tenant whose call created them; another
+tenant's call on them fails PERMISSION_DENIED, Stats and ListSnapshots show only the caller's;
+an admin reaches all. The file holds secrets: the server refuses one others (but its own
+group: a Kubernetes Secret's fsGroup) may read, or owned by another user than it or root.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hmac
 import os
@@ -53,8 +44,7 @@ class Tenant:
     """Reaches every tenant's jobs, sessions and snapshots."""
 
     def may_reach(self, owner: str) -> bool:
-        """Whether this tenant may see or touch what ``owner`` owns ("": nobody, as everything
-        a server wrote before tenants, or one without them: reachable by all, as it was)."""
+        """Whether this tenant may see or touch what ``owner`` owns ("": nobody's, reachable by all)."""
         return self.admin or owner in ("", self.name)
 
     def may_claim(self, owner: str | None) -> bool:
@@ -90,8 +80,8 @@ class UidProofs:
         self._lock = threading.Lock()
 
     def prepare(self) -> None:
-        """Create the directory (kept across restarts: the files of live trainers are in it),
-        or check the one there is this server user's own."""
+        """Create the directory (kept across restarts: live trainers' files are in it), or check
+        the one there is this server user's own."""
         try:
             self.directory.mkdir(exist_ok=True)
             info = self.directory.lstat()
@@ -102,12 +92,9 @@ class UidProofs:
             raise StartupError(f"cannot prepare {self.directory} (callers' uid proofs): {exc}") from None
 
     def release(self) -> None:
-        """At a stop: remove the directory when no caller's proof is left in it (the files of
-        trainers that step on, to reconnect to the next server, keep it)."""
-        try:
+        """At a stop: remove the directory when no caller's proof is left in it."""
+        with contextlib.suppress(OSError):
             self.directory.rmdir()
-        except OSError:
-            pass
 
     def uid_of(self, name: str) -> int | None:
         """The uid that owns proof file ``name``; None when it is no valid proof."""
@@ -144,8 +131,8 @@ class Tenants:
         return bool(self._by_token) or self.proofs is not None
 
     def tenant_of(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant | None:
-        """The call's tenant: the one its token names, or its uid's; None for a missing or
-        unknown token or proof (:data:`ANYONE` when callers are not told apart)."""
+        """The call's tenant by its token or uid; None for a missing or unknown token or proof
+        (:data:`ANYONE` when callers are not told apart)."""
         if self.proofs is not None:
             return self._uid_tenant(metadata)
         if not self._by_token:

@@ -27,34 +27,19 @@ log = logging.getLogger("swap_state.server.arena")  # the arena's logger: one pl
 
 
 class Segment:
-    """One session's shared-memory file, mapped by the server.
+    """One session's shared-memory file, mapped by the server (``buffer``: a writable mmap).
 
-    Attributes the snapshot/restore code and the servicer use: ``path``, ``size``, ``layout``
-    (:class:`SegmentLayout`), ``layout_hash``, ``header`` (:class:`SegmentHeader`), ``buffer``
-    (the server's writable ``mmap`` of the whole file), ``cow_slots``, ``locked``,
-    ``model_bytes`` (the model tensors' part of the tensors, for stats and metrics).
-
-    Hold :meth:`borrow` while reading or writing ``buffer`` from code that may outlive the
-    session (a snapshot still persisting when the session is freed): the file is unmapped,
-    unlinked and its bytes returned to the budget only after the last borrower is done.
+    Hold :meth:`borrow` while using ``buffer`` from code that may outlive the session (a
+    snapshot still persisting): the file is unmapped and unlinked after the last borrower.
     """
 
     def __init__(
-        self,
-        name: str,
-        path: pathlib.Path,
-        layout: SegmentLayout,
-        specs_hash: str,
-        charge: int,
-        *,
-        lock: threading.Lock,
-        destroy: Callable[[Segment], None],
-        descriptor_bytes: int = 0,
+        self, name: str, path: pathlib.Path, layout: SegmentLayout, specs_hash: str, charge: int, *,
+        lock: threading.Lock, destroy: Callable[[Segment], None], descriptor_bytes: int = 0,
     ) -> None:
-        """``lock``: the arena's, which guards the borrow count and the freeing flags;
-        ``destroy``: the arena's, called (outside ``lock``) when the last borrower of a freed
-        segment is done; ``descriptor_bytes``: the length of the encoded
-        :class:`~swap_state.common.segment_descriptor.SegmentDescriptor` after the copy slots."""
+        """``lock`` and ``destroy``: the arena's (its lock guards the borrow count; ``destroy``
+        runs when the last borrower of a freed segment is done). ``descriptor_bytes``: the
+        encoded descriptor's length after the copy slots."""
         self.name = name
         self.path = path
         self.layout = layout
@@ -112,7 +97,6 @@ class Segment:
             try:
                 self.buffer.close()
             except BufferError:
-                # Someone kept a memoryview without borrow(); the file is still unlinked and the
-                # mapping goes when that view does. Worth a loud line, never a crash.
+                # A memoryview kept without borrow(): the mapping goes when it does. Never a crash.
                 log_event(log, "segment_unmap_deferred", logging.WARNING, segment=self.name)
             self.buffer = None

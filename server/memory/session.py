@@ -1,11 +1,7 @@
 """One trainer rank's session as the server holds it: :class:`Session`, its
 :class:`SessionState` and the :class:`LivenessStream` (an open KeepAlive stream) that keeps it
-live. The lifecycle and every transition are the registry's (:mod:`.sessions`); these types
-only hold the state and read the segment's header words.
-
-For snapshot/restore code: ``session.segment`` (with ``segment.borrow()``), ``buffer``,
-``layout``, ``header``, ``last_committed_step``; :meth:`Session.record_commit` is the one way a
-step is committed through the server.
+live. The lifecycle is the registry's (:mod:`.sessions`); these types hold the state and read
+the segment's header words.
 """
 
 from __future__ import annotations
@@ -55,12 +51,8 @@ class LivenessStream:
 
 @dataclasses.dataclass(eq=False)
 class Session:
-    """One trainer rank's state on this host.
-
-    For snapshot/restore code: ``segment`` (with ``segment.borrow()``), ``buffer``, ``layout``,
-    ``header``, ``job_id``, ``rank``, ``world_size``, ``local_world_size``, ``generation``,
-    ``last_committed_step``.
-    """
+    """One trainer rank's state on this host; :meth:`record_commit` is the one way a step is
+    committed through the server."""
 
     session_id: str
     job_id: str
@@ -69,8 +61,7 @@ class Session:
     """The job's (global) world size."""
     generation: int
     local_world_size: int = 0
-    """Ranks of the job on this server (this host); 0 given means ``world_size``. A snapshot
-    on this server is complete when this many ranks have persisted."""
+    """Ranks of the job on this server (0 given: ``world_size``); a snapshot here needs them all."""
     client_pid: int = 0
     client_host: str = ""
     tenant: str = ""
@@ -88,18 +79,14 @@ class Session:
     closed: bool = False
     """True once removed from the registry (its segment freed or being freed)."""
     metadata_base: tuple[str, MetadataBase] | None = None
-    """The snapshot metadata base the trainer sent last, as (its id, the parsed
-    :class:`~swap_state.common.snapshot_metadata_parts.MetadataBase`); in memory only: a
-    restarted server asks for it again (METADATA_BASE_UNKNOWN)."""
+    """(id, parsed base) of the snapshot metadata base the trainer sent last; in memory only."""
     adopted: bool = False
     """Rebuilt from a previous server's segment at this server's start."""
     awaiting_reconnect: bool = False
-    """Adopted, and its trainer has not reconnected yet: while that trainer process still maps
-    the segment (:mod:`~swap_state.common.trainer_presence`), until ``grace`` ends, only it
-    (its session id and generation) takes the session back; a fresh Attach is refused."""
+    """Adopted, its trainer not back yet: while that trainer still maps the segment, only it
+    takes the session back (a fresh Attach is refused)."""
     streamed_generation: int = 0
-    """The generation whose KeepAlive stream was last opened (0: none yet): a stream of the
-    same generation opened again is a reconnect."""
+    """The generation whose KeepAlive stream was last opened (0: none); reopened: a reconnect."""
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock, repr=False)
     streams: set[LivenessStream] = dataclasses.field(default_factory=set, repr=False)
 
@@ -122,8 +109,7 @@ class Session:
 
     @property
     def last_committed_step(self) -> int | None:
-        """The last committed step the segment holds (None: none yet), read from the header
-        words the trainer commits through (:func:`~swap_state.common.segment.committed_step`)."""
+        """The last committed step the segment's header holds (None: none yet)."""
         header = self.header
         return committed_step(header) if header is not None else None
 
@@ -140,9 +126,8 @@ class Session:
         return self.rpc_commits + (header[Word.TRAINER_COMMITS] if header is not None else 0)
 
     def record_commit(self, step: int, *, force: bool = False) -> bool:
-        """Record a committed step and publish it in the header. Returns False for a repeat of
-        the last step (idempotent retry). Going backwards needs ``force`` (restore) or the
-        one-time allowance after a reattach."""
+        """Record a committed step in the header; False for a repeat of the last (a retry).
+        Going backwards needs ``force`` (restore) or the one-time allowance after a reattach."""
         if self.segment is None or self.segment.header is None:
             raise NoSegment(
                 f"session {self.session_id} has no segment: call Allocate before CommitStep"
