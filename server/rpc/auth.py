@@ -1,11 +1,9 @@
-"""Bearer-token authentication (``--token-file``, or a tenant's token of ``--tenants``) as a
-grpc.aio server interceptor.
+"""Caller authentication as a grpc.aio server interceptor: a bearer token (``--token-file``, or
+a tenant's of ``--tenants``) or a uid proof (:class:`~swap_state.server.tenants.Tenants`).
 
-Every call must carry the metadata ``authorization: Bearer <token>`` with a known token
-(:class:`~swap_state.server.tenants.Tenants`); otherwise it fails with
-UNAUTHENTICATED before the request is even deserialised. The gRPC health service is exempt so
-that orchestrator probes (grpc_health_probe, Kubernetes) work without the secret; it reveals
-nothing but SERVING / NOT_SERVING.
+A call without a known one fails UNAUTHENTICATED before its request is deserialised. The gRPC
+health service is exempt so orchestrator probes work without the secret (it reveals nothing but
+SERVING / NOT_SERVING).
 """
 
 from __future__ import annotations
@@ -52,16 +50,14 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         self._tenants = tenants
         self.denied = 0
 
-    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        return self._tenants.tenant_of(details.invocation_metadata) is not None
-
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method or ""
-        if method.startswith(EXEMPT_PREFIXES) or self._authorized(handler_call_details):
+        if (method.startswith(EXEMPT_PREFIXES)
+                or self._tenants.tenant_of(handler_call_details.invocation_metadata) is not None):
             return await continuation(handler_call_details)
         self.denied += 1
         log_event(log, "unauthenticated", logging.WARNING, method=method, denied_total=self.denied)

@@ -1,10 +1,8 @@
 """Owning a Unix socket path: one live server per path, stale files replaced, 0660.
 
 A lock file next to the socket (``<socket>.lock``, flock'd for the server's lifetime) makes the
-check race-free: two servers started at the same moment cannot both pass it, and a server that
-died (even by SIGKILL) releases it. A clean stop removes it (a starter checks that the file it
-locked is still the one at the path). With the lock held, a socket file still at the path is stale
-(unless something that is not a swap-state server answers on it, which we refuse to clobber).
+check race-free, and a server that died (even by SIGKILL) releases it. With the lock held, a
+socket file at the path is stale, unless something answers on it (never clobbered).
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ class SocketGuard:
                 f"cannot create {self.path.parent} for the socket: {exc.strerror}; pass "
                 "--listen unix:///some/writable/dir/swap-state.sock"
             ) from None
-        # Another user able to write here could take the socket's name before the server binds
-        # it, or replace the lock: the directory must be this user's alone.
+        # Another user able to write here could take the socket's name or replace the lock.
         check_own_directory(self.path.parent, "the socket's directory (--listen)", shared_gid=self._shared_gid)
         fd = self._lock()
         self._lock_fd = fd
@@ -59,8 +56,8 @@ class SocketGuard:
             raise
 
     def _lock(self) -> int:
-        """An exclusive flock on the lock file that is at :attr:`lock_path` now: a file locked
-        but unlinked meanwhile (a server stopping) does not count, so take the new one."""
+        """An exclusive flock on the lock file at :attr:`lock_path` now (one unlinked meanwhile,
+        by a server stopping, does not count)."""
         for _ in range(10):
             try:
                 fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -93,14 +90,13 @@ class SocketGuard:
             )
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
+        live = True  # also on timeouts and the like: something is there; do not clobber it
         try:
             probe.connect(str(self.path))
         except (ConnectionRefusedError, FileNotFoundError):
             live = False
         except OSError:
-            live = True  # timeouts and the like: something is there; do not clobber it
-        else:
-            live = True
+            pass
         finally:
             probe.close()
         if live:

@@ -1,10 +1,9 @@
 """The one place where domain errors become gRPC status codes.
 
-:func:`rpc_boundary` wraps every servicer method (unary and server-streaming): a
-:class:`~swap_state.common.errors.SwapStateError` becomes its status code with the error's message;
-anything unexpected becomes INTERNAL with a reference id that is also logged with the traceback,
-so a bug in one request never crashes the server or leaves the caller hanging. The token
-interceptor uses :func:`status_for` too.
+:func:`rpc_boundary` wraps every servicer method: a
+:class:`~swap_state.common.errors.SwapStateError` becomes its status code and message; anything
+else becomes INTERNAL with a reference id logged with the traceback, so a bug in one request
+never crashes the server or leaves the caller hanging.
 """
 
 from __future__ import annotations
@@ -51,20 +50,9 @@ def rpc_boundary(method: F) -> F:
     ``counters: RpcCounters`` attribute."""
     name = method.__name__
 
-    async def fail(context: grpc.aio.ServicerContext, exc: BaseException) -> grpc.StatusCode:
-        if isinstance(exc, SwapStateError):
-            code = status_for(exc)
-            log_event(log, "rpc_refused", logging.DEBUG, method=name, code=code.name, error=str(exc))
-            await context.abort(code, str(exc), trailing_metadata=reason_metadata(exc))
-        ref = secrets.token_hex(4)
-        log_event(log, "rpc_internal_error", logging.ERROR, method=name, ref=ref,
-                  error=f"{type(exc).__name__}: {exc}", exc_info=exc)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (ref {ref}; see the server log)")
-        raise AssertionError("unreachable")  # abort() raises
-
     @contextlib.asynccontextmanager
     async def boundary(counters: RpcCounters, context: grpc.aio.ServicerContext):
-        """Map what escapes the call to a status (fail() always aborts) and count the call."""
+        """Map what escapes the call to a status (abort() raises) and count the call."""
         started = time.perf_counter()
         code: grpc.StatusCode | None = grpc.StatusCode.OK
         try:
@@ -73,12 +61,19 @@ def rpc_boundary(method: F) -> F:
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:  # noqa: BLE001 - the boundary
-            code = status_for(exc) if isinstance(exc, SwapStateError) else grpc.StatusCode.INTERNAL
+            refused = isinstance(exc, SwapStateError)
+            status = status_for(exc) if refused else grpc.StatusCode.INTERNAL
             # Counted before the status leaves: a client that reads the metrics as soon as
             # its call has failed must find the call counted.
-            counters.record(name, code, time.perf_counter() - started)
+            counters.record(name, status, time.perf_counter() - started)
             code = None
-            await fail(context, exc)
+            if refused:
+                log_event(log, "rpc_refused", logging.DEBUG, method=name, code=status.name, error=str(exc))
+                await context.abort(status, str(exc), trailing_metadata=reason_metadata(exc))
+            ref = secrets.token_hex(4)
+            log_event(log, "rpc_internal_error", logging.ERROR, method=name, ref=ref,
+                      error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+            await context.abort(status, f"internal server error (ref {ref}; see the server log)")
         finally:
             if code is not None:
                 counters.record(name, code, time.perf_counter() - started)
