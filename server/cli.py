@@ -1,10 +1,7 @@
 """``swap-state-server``: parse flags into :class:`ServerConfig`, run until SIGTERM/SIGINT.
 
-The flags are generated from :class:`ServerConfig` (:mod:`swap_state.common.server_flags`);
-this module adds only the description and examples around them.
-
-Exit codes: 0 after a clean stop (signal), 1 when the environment does not allow starting
-(shm too small, socket taken, unreadable token file, ...), 2 for bad flags.
+The flags come from :class:`ServerConfig` (:mod:`swap_state.common.server_flags`). Exit codes:
+0 after a clean stop, 1 when the environment does not allow starting, 2 for bad flags.
 """
 
 from __future__ import annotations
@@ -47,16 +44,14 @@ _EPILOG = textwrap.dedent(
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps description and epilog as written; wraps help without breaking at hyphens, so
-    paths and flags (/etc/swap-state/token, --tls-cert) stay whole."""
+    """Description and epilog as written; help wrapped without breaking paths and flags at hyphens."""
 
     def _split_lines(self, text: str, width: int) -> list[str]:
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``swap-state-server`` parser: one flag per :class:`ServerConfig` field marked as a
-    flag, its help from the field's docstring (:mod:`swap_state.common.server_flags`)."""
+    """The ``swap-state-server`` parser: a flag per :class:`ServerConfig` flag field."""
     parser = argparse.ArgumentParser(
         prog="swap-state-server",
         description=textwrap.fill(

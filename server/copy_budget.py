@@ -1,9 +1,6 @@
 """The memory rule's inputs, owned once: the persist rate (measured by the snapshot writers,
 else assumed; never above ``--persist-max-bandwidth``) and the assumed forward/backward time.
-
-One :class:`CopyBudgetPolicy` per server, made by the runtime and handed to the arena (the
-warning at Allocate, Stats) and to the snapshot coordinator (which records each snapshot's
-rate, and warns at Snapshot): both ask it, neither computes its own.
+One :class:`CopyBudgetPolicy` per server, shared by the arena and the snapshot coordinator.
 """
 
 from __future__ import annotations
@@ -18,13 +15,8 @@ __all__ = ["CopyBudgetPolicy"]
 class CopyBudgetPolicy:
     """Persist rate and forward/backward time of the memory rule (``CopyBudget``)."""
 
-    def __init__(
-        self,
-        *,
-        assumed_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
-        max_bandwidth: float | None = None,
-        fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
-    ):
+    def __init__(self, *, assumed_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
+                 max_bandwidth: float | None = None, fwd_bwd_s: float = ASSUMED_FWD_BWD_S):
         self.assumed_bytes_per_s = assumed_bytes_per_s
         """The persist rate until a snapshot measured one."""
         self.max_bandwidth = max_bandwidth

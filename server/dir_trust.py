@@ -1,9 +1,6 @@
-"""The directories the server keeps its state in must be its own: no other user may write there.
-
-The socket's directory, ``--snapshot-dir`` and ``--shm-dir`` hold what the server trusts (its
-socket and lock, the snapshots it restores from, the segments it adopts after a restart). A
-directory another non-root user owns, or can write into, lets that user plant or replace those
-files: the server refuses to start on one, naming the path and the fix.
+"""The directories the server keeps its state in (the socket's, ``--snapshot-dir``,
+``--shm-dir``) must be its own: a directory another user owns or can write into lets that user
+plant or replace files the server trusts, so the server refuses to start on one.
 """
 
 from __future__ import annotations
@@ -21,11 +18,9 @@ def check_own_directory(path: pathlib.Path, what: str, *, shared_gid: int | None
                         sticky_ok: bool = False) -> None:
     """StartupError unless ``path`` is owned by this user or root and writable by no one else.
 
-    ``shared_gid``: a directory writable by this group is accepted (``--shm-group``: the users
-    the server was told to share with). ``sticky_ok``: a directory with the sticky bit is
-    accepted, whoever can write it (a shared tmpfs such as /dev/shm: nobody there can remove or
-    rename another user's files, and the server creates its own exclusively, checking their
-    owner)."""
+    ``shared_gid``: a group that may write it too (``--shm-group``). ``sticky_ok``: a sticky
+    directory is accepted, whoever can write it (/dev/shm: nobody can remove another's files,
+    and the server creates its own exclusively)."""
     info = os.stat(path)
     me = os.geteuid()
     if info.st_uid not in (0, me):

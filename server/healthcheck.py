@@ -1,8 +1,6 @@
-"""``python -m swap_state.server.healthcheck --listen URI``: exit 0 when the server is SERVING.
-
-For Docker ``HEALTHCHECK`` / compose ``healthcheck`` and Kubernetes exec probes. Uses the gRPC
-health service, which needs no token even when the server runs with --token-file. Exit codes:
-0 SERVING, 1 anything else (message on stderr).
+"""``python -m swap_state.server.healthcheck --listen URI``: exit 0 when the server is SERVING,
+1 otherwise (message on stderr). For Docker/compose healthchecks and Kubernetes exec probes;
+the gRPC health service needs no token.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Structured logs: one line per event, ``key=value`` pairs (logfmt).
-
-Example::
+"""Structured logs: one line per event, ``key=value`` pairs (logfmt), e.g.::
 
     ts=2025-01-01T12:00:00.123Z level=info logger=swap_state.server event=attach job_id=llama rank=3
 
-Values with spaces, quotes or ``=`` are double-quoted with escapes, so every line stays one
-line and machine-parseable whatever a client put into a string field.
+Values with spaces, quotes or ``=`` are quoted with escapes: a line stays one parseable line.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """What the session registry remembers of the sessions it freed, so that a trainer that finds
-no state (a fresh Attach, or NOT_FOUND for its old session id) is told why: when the state was
-freed and for what reason (``grace_expired``: no trainer came back within ``--grace``), and
-what to do next.
-
-A bounded record (the last :data:`MAX_FREED` freed (job id, rank) pairs, the oldest forgotten
-first), held by :class:`~.sessions.SessionRegistry` and used from its asyncio loop.
+no state (a fresh Attach, or NOT_FOUND for its old session id) is told when and why it was
+freed. Bounded (the last :data:`MAX_FREED` (job id, rank) pairs); used from the registry's loop.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Start-up checks of the shared-memory directory: a memory filesystem with room for the whole
-budget, or a :class:`StartupError` naming the Docker/compose knob.
-
-Called once by the runtime (:func:`check_shm_dir`) after leftover segments of a dead server
-were removed and before the first segment is created. The server never falls back to
-disk-backed files: segments there would make every optimizer step wait on the disk.
+budget, or a :class:`StartupError` naming the Docker/compose knob. The server never falls back
+to disk-backed files: every optimizer step would wait on the disk.
 """
 
 from __future__ import annotations
@@ -61,12 +58,8 @@ def require_shm_dir(shm_dir: pathlib.Path) -> None:
 
 
 def check_shm_dir(shm_dir: pathlib.Path, shm_size: int) -> int:
-    """Start-up check: a directory on a memory filesystem with room for the whole budget.
-
-    Returns the bytes available. Raises :class:`StartupError` naming the Docker/compose knob:
-    a too small /dev/shm is the usual cause (Docker's default is 64 MB), and we never fall back
-    to disk-backed files.
-    """
+    """A directory on a memory filesystem with room for ``shm_size``: the bytes available, else
+    :class:`StartupError` (a too small /dev/shm is the usual cause: Docker's default is 64 MB)."""
     require_shm_dir(shm_dir)
     fstype = filesystem_type(shm_dir)
     if fstype is not None and fstype not in MEMORY_FILESYSTEMS:

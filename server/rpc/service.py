@@ -38,16 +38,8 @@ from swap_state.server.rpc.snapshot_service import (
 from swap_state.server.rpc.statuses import RpcCounters, rpc_boundary
 from swap_state.server.tenants import Tenant, Tenants
 from swap_state.server.rpc.validation import (
-    validate_client_host,
-    validate_job_id,
-    validate_job_id_filter,
-    validate_local_world_size,
-    validate_rank,
-    validate_session,
-    validate_snapshot_id,
-    validate_snapshot_rank,
-    validate_step,
-    validate_tensor_specs,
+    validate_client_host, validate_job_id, validate_job_id_filter, validate_local_world_size, validate_rank,
+    validate_session, validate_snapshot_id, validate_snapshot_rank, validate_step, validate_tensor_specs,
 )
 
 __all__ = ["SwapStateService", "segment_info"]
@@ -138,9 +130,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             client_host=request.client_host, local_world_size=local_world_size, tenant=caller,
         )
         reply = pb.AttachReply(
-            session_id=session.session_id,
-            generation=session.generation,
-            reattached=reattached,
+            session_id=session.session_id, generation=session.generation, reattached=reattached,
             has_segment=session.segment is not None,
             has_committed_step=session.last_committed_step is not None,
             last_committed_step=session.last_committed_step or 0,
@@ -204,33 +194,23 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         else:
             persist, measured, fwd_bwd, stage_threads = 0.0, False, 0.0, 0
         return pb.StatsReply(
-            budget_total_bytes=self.arena.total_bytes,
-            budget_used_bytes=self.arena.used_bytes,
-            budget_free_bytes=self.arena.free_bytes,
-            sessions=[self._session_stats(s) for s in sessions],
+            budget_total_bytes=self.arena.total_bytes, budget_used_bytes=self.arena.used_bytes,
+            budget_free_bytes=self.arena.free_bytes, sessions=[self._session_stats(s) for s in sessions],
             steps_committed_total=self.registry.steps_committed_total,
             snapshots_in_progress=[status_reply(s) for s in in_progress if caller.admin or s.job_id in jobs],
-            persist_bytes_per_second=persist,
-            persist_bandwidth_measured=measured,
-            assumed_fwd_bwd_seconds=fwd_bwd,
-            stage_threads=stage_threads,
-            cow_pool_bytes=self.arena.cow_reserve_bytes,
-            cow_pool_used_bytes=self.arena.cow_used_bytes,
-            sessions_adopted_total=self.registry.sessions_adopted,
-            reconnects_total=self.registry.reconnects,
+            persist_bytes_per_second=persist, persist_bandwidth_measured=measured,
+            assumed_fwd_bwd_seconds=fwd_bwd, stage_threads=stage_threads,
+            cow_pool_bytes=self.arena.cow_reserve_bytes, cow_pool_used_bytes=self.arena.cow_used_bytes,
+            sessions_adopted_total=self.registry.sessions_adopted, reconnects_total=self.registry.reconnects,
         )
 
     def _session_stats(self, session: Session) -> pb.SessionStats:
         segment = session.segment
         budget = self.arena.copy_budget(segment.layout) if segment is not None else None
         return pb.SessionStats(
-            session_id=session.session_id,
-            job_id=session.job_id,
-            rank=session.rank,
-            world_size=session.world_size,
-            local_world_size=session.local_world_size,
-            generation=session.generation,
-            state=session.state.value,
+            session_id=session.session_id, job_id=session.job_id, rank=session.rank,
+            world_size=session.world_size, local_world_size=session.local_world_size,
+            generation=session.generation, state=session.state.value,
             segment_bytes=segment.file_bytes if segment else 0,
             model_bytes=segment.model_bytes if segment else 0,
             last_committed_step=session.last_committed_step or 0,
