@@ -112,18 +112,12 @@ class Arena:
         self.gid = gid
         self.mlock_enabled = mlock
         # Counters for Stats/metrics (read without the lock; ints are atomic enough to read).
-        self.allocations = 0
-        self.allocation_failures = 0
-        self.mlock_failures = 0
+        self.allocations = self.allocation_failures = self.mlock_failures = 0
         self._lock = threading.Lock()
         self._segments: dict[str, Segment] = {}
-        self._tensor_used = 0
-        self._cow_used_slots = 0
-        self._cow_used_bytes = 0
+        self._tensor_used = self._cow_used_slots = self._cow_used_bytes = self._staging_used = 0
         self._seq = 0
-        self._closed = False
-        self._warned_mlock = False
-        self._staging_used = 0
+        self._closed = self._warned_mlock = False
         self.copy_policy = copy_policy or CopyBudgetPolicy()
         """The server's memory-rule inputs (shared with its snapshot coordinator)."""
 

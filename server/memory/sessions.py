@@ -58,15 +58,8 @@ log = logging.getLogger("swap_state.server.sessions")
 class SessionRegistry:
     """All sessions of the server, with the reaper that frees expired orphans."""
 
-    def __init__(
-        self,
-        arena: Arena,
-        *,
-        grace: float,
-        stream_wait: float,
-        max_tensors: int,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, arena: Arena, *, grace: float, stream_wait: float, max_tensors: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.arena = arena
         self.grace = grace
         self.stream_wait = stream_wait
@@ -78,12 +71,8 @@ class SessionRegistry:
         self._live_at_stop: set[str] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[tuple[Segment, bool]]] = set()
-        self._retired_commits = 0
-        self._retired_drops = 0
-        self.attaches = 0
-        self.reattaches = 0
-        self.sessions_freed = 0
-        self.sessions_expired = 0
+        self._retired_commits = self._retired_drops = 0  # of freed sessions
+        self.attaches = self.reattaches = self.sessions_freed = self.sessions_expired = 0
         self.sessions_adopted = 0
         """Sessions rebuilt from a previous server's segments at start."""
         self.reconnects = 0
@@ -148,15 +137,8 @@ class SessionRegistry:
         return max(0.0, self._clock() - session.orphaned_since)
 
     async def attach(
-        self,
-        job_id: str,
-        rank: int,
-        world_size: int,
-        *,
-        client_pid: int = 0,
-        client_host: str = "",
-        local_world_size: int = 0,
-        tenant: Tenant = ANYONE,
+        self, job_id: str, rank: int, world_size: int, *, client_pid: int = 0, client_host: str = "",
+        local_world_size: int = 0, tenant: Tenant = ANYONE,
     ) -> tuple[Session, bool]:
         """Open or re-open the session of (job_id, rank) for ``tenant``: (session, reattached).
         ``local_world_size`` 0 means ``world_size``. PermissionDenied when another tenant's
@@ -335,13 +317,8 @@ class SessionRegistry:
         task.add_done_callback(self._background.discard)
         return await asyncio.shield(task)
 
-    async def _allocate_locked(
-        self,
-        session: Session,
-        generation: int,
-        checked: list[tuple[str, str, tuple[int, ...]]],
-        wanted_hash: str,
-    ) -> tuple[Segment, bool]:
+    async def _allocate_locked(self, session: Session, generation: int, checked: list[TensorSpec],
+                               wanted_hash: str) -> tuple[Segment, bool]:
         async with session.lock:
             self._check_open()
             self._check_generation(session, generation)
@@ -388,9 +365,8 @@ class SessionRegistry:
             self.freed.add(FreedSession(session.session_id, session.job_id, session.rank, reason,
                                         self._clock(), self.grace, session.last_committed_step))
         segment, session.segment = session.segment, None
-        freed = 0
+        freed = segment.size if segment is not None else 0
         if segment is not None:
-            freed = segment.size
             # Returning a big tmpfs file's pages takes seconds for tens of GiB: off the loop.
             await asyncio.to_thread(self.arena.free, segment)
         self.sessions_freed += 1
@@ -403,21 +379,14 @@ class SessionRegistry:
         now = self._clock()
         freed = 0
         for session in list(self._sessions.values()):
-            if (
-                session.state is SessionState.PENDING
-                and session.stream_deadline is not None
-                and now >= session.stream_deadline
-            ):
-                deadline = session.stream_deadline
+            deadline = session.stream_deadline
+            if session.state is SessionState.PENDING and deadline is not None and now >= deadline:
                 self._orphan(session, "no_keepalive_stream")
                 session.orphaned_since = deadline  # the grace period runs from the deadline
-            if (
-                session.state is SessionState.ORPHANED
-                and session.orphaned_since is not None
-                and now - session.orphaned_since >= self.grace
-                and not session.lock.locked()  # an RPC is working on it; next round
-                and not session.closed
-            ):
+            since = session.orphaned_since
+            if (session.state is SessionState.ORPHANED and since is not None and now - since >= self.grace
+                    and not session.lock.locked()  # an RPC is working on it; next round
+                    and not session.closed):
                 self.sessions_expired += 1
                 await self._remove(session, "grace_expired")
                 freed += 1
@@ -434,9 +403,8 @@ class SessionRegistry:
 
     def start(self) -> None:
         if self._reaper is None:
-            self._reaper = asyncio.get_running_loop().create_task(
-                self._reap_forever(), name="swap-state-reaper"
-            )
+            loop = asyncio.get_running_loop()
+            self._reaper = loop.create_task(self._reap_forever(), name="swap-state-reaper")
 
     def begin_shutdown(self) -> None:
         """Refuse new attaches and streams; end every KeepAlive stream with a notice."""
