@@ -1,8 +1,4 @@
-"""swap-state-server: the per-host state server. Never imports torch.
-
-In-process use (tests, the client's embedded mode)::
-
-    from swap_state.server import ServerConfig, start_server
+"""swap-state-server: the per-host state server. Never imports torch. In-process use::
 
     running = await start_server(ServerConfig(shm_size=8 << 30, listen="unix:///tmp/s.sock"))
     ...  # grpc.aio.insecure_channel(running.address)

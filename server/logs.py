@@ -20,10 +20,7 @@ _LEVEL_NAMES = {"WARNING": "warn", "CRITICAL": "error"}
 def logfmt_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, float):
-        text = f"{value:.6g}"
-    else:
-        text = str(value)
+    text = f"{value:.6g}" if isinstance(value, float) else str(value)
     if text and all(ch.isprintable() and ch not in ' "=\\' for ch in text):
         return text
     escaped = (

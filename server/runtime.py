@@ -47,7 +47,7 @@ from swap_state.common.errors import StartupError
 from swap_state.server.rpc.listener import SocketGuard
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
-from swap_state.server.observability.metrics import MetricsServer, metrics_registry, render_metrics
+from swap_state.server.observability.metrics import MetricsServer, metrics_registry
 from swap_state.server.rpc.service import SwapStateService
 from swap_state.server.rpc.validation import validate_descriptor
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
@@ -290,7 +290,7 @@ async def _start_metrics(config: ServerConfig, service: SwapStateService,
         service.arena, service.registry, service.counters, started_at=started_at,
         extra=[SnapshotCollector(service.snapshot_counters, service.snapshots)],
     )
-    metrics = MetricsServer(lambda: render_metrics(collectors), config.metrics_host, config.metrics_port)
+    metrics = MetricsServer(collectors, config.metrics_host, config.metrics_port)
     try:
         await metrics.start()
     except OSError as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,7 +29,6 @@ __all__ = [
     "counter",
     "gauge",
     "metrics_registry",
-    "render_metrics",
 ]
 
 log = logging.getLogger("swap_state.server.metrics")
@@ -171,16 +170,11 @@ def metrics_registry(
     return metrics
 
 
-def render_metrics(metrics: CollectorRegistry) -> bytes:
-    """The scrape body: the registry in the Prometheus text format 0.0.4."""
-    return generate_latest(metrics)
-
-
 class MetricsServer:
-    """``GET /metrics`` on host:port; ``render`` builds the body on each scrape."""
+    """``GET /metrics`` on host:port: ``metrics`` in the Prometheus text format 0.0.4."""
 
-    def __init__(self, render: Callable[[], bytes], host: str, port: int) -> None:
-        self._render = render
+    def __init__(self, metrics: CollectorRegistry, host: str, port: int) -> None:
+        self._metrics = metrics
         self._host = host
         self._port = port
         self._server: asyncio.base_events.Server | None = None
@@ -210,7 +204,7 @@ class MetricsServer:
             elif path != "/metrics":
                 status, data, ctype = "404 Not Found", b"try /metrics\n", "text/plain"
             else:
-                status, data, ctype = "200 OK", self._render(), CONTENT_TYPE
+                status, data, ctype = "200 OK", generate_latest(self._metrics), CONTENT_TYPE
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(data)}\r\n"
                 "Connection: close\r\n\r\n".encode()
