@@ -204,14 +204,8 @@ class Arena:
         return max(1, self.cow_pool_slots // min(max(world_size, 1), LOCAL_RANKS_HINT))
 
     def create_segment(
-        self,
-        owner: str,
-        specs: Sequence[TensorSpec],
-        world_size: int,
-        *,
-        specs_hash: str | None = None,
-        descriptor: SegmentDescriptor | None = None,
-        tenant: str = "",
+        self, owner: str, specs: Sequence[TensorSpec], world_size: int, *, specs_hash: str | None = None,
+        descriptor: SegmentDescriptor | None = None, tenant: str = "",
     ) -> Segment:
         """Plan, charge, create, pre-fault, map and initialise a segment (blocking).
 
