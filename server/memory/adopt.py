@@ -29,17 +29,8 @@ import stat
 from collections.abc import Callable, Iterator
 
 from swap_state.common.segment import (
-    FIXED_WORDS,
-    LAYOUT_VERSION,
-    MAGIC,
-    TensorSpec,
-    SegmentHeader,
-    SegmentLayout,
-    Word,
-    layout_hash,
-    layout_hash_word,
-    plan_segment,
-    segment_file_bytes,
+    FIXED_WORDS, LAYOUT_VERSION, MAGIC, TensorSpec, SegmentHeader, SegmentLayout, Word, layout_hash,
+    layout_hash_word, plan_segment, segment_file_bytes,
 )
 from swap_state.common.segment_descriptor import MAX_DESCRIPTOR_BYTES, SegmentDescriptor
 from swap_state.common.server_header import ServerHeader

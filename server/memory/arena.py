@@ -28,17 +28,8 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from swap_state.common.segment import (
-    TensorSpec,
-    PAGE_BYTES,
-    CopyBudget,
-    SegmentHeader,
-    SegmentLayout,
-    align_up,
-    layout_hash,
-    model_bytes,
-    plan_segment,
-    segment_file_bytes,
-    tensor_nbytes,
+    TensorSpec, PAGE_BYTES, CopyBudget, SegmentHeader, SegmentLayout, align_up, layout_hash,
+    model_bytes, plan_segment, segment_file_bytes, tensor_nbytes,
 )
 from swap_state.common.segment_descriptor import SegmentDescriptor
 

@@ -31,12 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from swap_state.common.errors import (
-    SERVER_STOPPING_NOTICE,
-    LayoutMismatch,
-    NotFound,
-    PermissionDenied,
-    SessionLive,
-    StaleGeneration,
+    SERVER_STOPPING_NOTICE, LayoutMismatch, NotFound, PermissionDenied, SessionLive, StaleGeneration,
     Unavailable,
 )
 from swap_state.common import trainer_presence

@@ -23,12 +23,7 @@ from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.observability.rpc_counters import RpcCounters
 
 __all__ = [
-    "CONTENT_TYPE",
-    "MetricsServer",
-    "ServerCollector",
-    "counter",
-    "gauge",
-    "metrics_registry",
+    "CONTENT_TYPE", "MetricsServer", "ServerCollector", "counter", "gauge", "metrics_registry",
 ]
 
 log = logging.getLogger("swap_state.server.metrics")
