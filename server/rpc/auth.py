@@ -78,20 +78,18 @@ def _deny(handler: grpc.RpcMethodHandler, by_uid: bool) -> grpc.RpcMethodHandler
     )
     code = status_for(error)
 
-    # No request deserializer: the body of an unauthenticated call is never parsed.
-    if handler.response_streaming:
-
-        async def deny_stream(request, context):
-            await context.abort(code, str(error), trailing_metadata=reason_metadata(error))
-            yield  # pragma: no cover - makes this an async generator
-
-        if handler.request_streaming:
-            return grpc.stream_stream_rpc_method_handler(deny_stream)
-        return grpc.unary_stream_rpc_method_handler(deny_stream)
-
     async def deny_unary(request, context):
         await context.abort(code, str(error), trailing_metadata=reason_metadata(error))
 
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny_unary)
-    return grpc.unary_unary_rpc_method_handler(deny_unary)
+    async def deny_stream(request, context):
+        await deny_unary(request, context)
+        yield  # pragma: no cover - makes this an async generator
+
+    # No request deserializer: the body of an unauthenticated call is never parsed.
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    return make(deny_stream if handler.response_streaming else deny_unary)
