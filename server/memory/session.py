@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
-import mmap
 
 from swap_state.common.errors import FailedPrecondition, NoSegment
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word, committed_step
@@ -93,11 +92,6 @@ class Session:
     def __post_init__(self) -> None:
         if self.local_world_size == 0:
             self.local_world_size = self.world_size
-
-    @property
-    def buffer(self) -> mmap.mmap | None:
-        """The server's mapping of the whole segment file (None before Allocate)."""
-        return self.segment.buffer if self.segment else None
 
     @property
     def layout(self) -> SegmentLayout | None:
