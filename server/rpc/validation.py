@@ -22,10 +22,9 @@ from swap_state.common.names import MODEL_PREFIX, is_model_tensor, parse_snapsho
 
 __all__ = [
     "MAX_NDIM", "MAX_SEGMENT_BYTES", "MAX_STEP", "MAX_WORLD_SIZE", "SAFETENSORS_MAX_HEADER_BYTES",
-    "validate_client_host", "validate_descriptor", "validate_generation", "validate_job_id",
-    "validate_job_id_filter", "validate_local_world_size", "validate_rank", "validate_session",
-    "validate_session_id", "validate_snapshot_id", "validate_snapshot_rank", "validate_step",
-    "validate_tensor_specs",
+    "validate_client_host", "validate_descriptor", "validate_job_id", "validate_job_id_filter",
+    "validate_local_world_size", "validate_rank", "validate_session", "validate_snapshot_id",
+    "validate_snapshot_rank", "validate_step", "validate_tensor_specs",
 ]
 
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,512}")
@@ -65,24 +64,12 @@ def validate_local_world_size(local_world_size: int, world_size: int) -> int:
     return local_world_size
 
 
-def validate_session_id(session_id: str) -> str:
-    if not _SESSION_ID.fullmatch(session_id):
-        raise InvalidArgument(
-            f"session_id {shorten(session_id)} is not a session id issued by this server"
-        )
-    return session_id
-
-
-def validate_generation(generation: int) -> int:
-    if generation <= 0:
-        raise InvalidArgument("generation is required (the value Attach returned)")
-    return generation
-
-
 def validate_session(session_id: str, generation: int) -> None:
     """The (session_id, generation) pair every call after Attach carries."""
-    validate_session_id(session_id)
-    validate_generation(generation)
+    if not _SESSION_ID.fullmatch(session_id):
+        raise InvalidArgument(f"session_id {shorten(session_id)} is not a session id issued by this server")
+    if generation <= 0:
+        raise InvalidArgument("generation is required (the value Attach returned)")
 
 
 def validate_snapshot_rank(rank: int) -> int:
