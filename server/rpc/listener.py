@@ -28,6 +28,8 @@ SOCKET_MODE = 0o660
 
 
 class SocketGuard:
+    """The lock and the socket file of one Unix socket path (module docstring)."""
+
     def __init__(self, path: pathlib.Path, shared_gid: int | None = None) -> None:
         self.path = path
         self._shared_gid = shared_gid
@@ -47,8 +49,7 @@ class SocketGuard:
             ) from None
         # Another user able to write here could take the socket's name or replace the lock.
         check_own_directory(self.path.parent, "the socket's directory (--listen)", shared_gid=self._shared_gid)
-        fd = self._lock()
-        self._lock_fd = fd
+        self._lock_fd = self._lock()
         try:
             self._clear_stale()
         except BaseException:
