@@ -1,8 +1,7 @@
 """Offline export of snapshots: plain torch and DCP files (:mod:`.snapshot`), torchtitan
-checkpoints (:mod:`.torchtitan`), and the ``swap-state export`` command line (:mod:`.cli`).
-
-``python -m swap_state.client.export`` runs that command line. The names below are imported
-lazily, so the admin CLI's import of :mod:`.cli` does not import torch.
+checkpoints (:mod:`.torchtitan`), and the ``swap-state export`` command line (:mod:`.cli`,
+also ``python -m swap_state.client.export``). Names are imported lazily: the admin CLI's
+import of :mod:`.cli` does not import torch.
 """
 
 from __future__ import annotations
@@ -33,5 +32,4 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'swap_state.client.export' has no attribute {name!r}")
-    module = _LAZY.get(name, "swap_state.client.export.snapshot")
-    return getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module(_LAZY.get(name, "swap_state.client.export.snapshot")), name)

@@ -7,7 +7,12 @@ torch is imported only when an export runs, so ``swap-state status`` stays light
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+
+from swap_state.common.errors import ConfigError
+from swap_state.common.object_store import STORE_FLAG
+from swap_state.common.snapshot_errors import SnapshotError, SnapshotStoreUnavailable
 
 __all__ = ["EXPORT_FORMATS", "add_export_arguments", "main", "run_export"]
 
@@ -48,9 +53,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "endpoint, region and credentials from the standard AWS environment (AWS_ENDPOINT_URL, "
         "AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN), or "
         "file:///PATH or a PATH on a shared filesystem. SNAPSHOT is then an id (run1/step-1000, "
-        "run1/latest); with --format torchtitan the checkpoint names it. The snapshot's files "
-        "are downloaded into a temporary directory beside OUT, every byte verified (sizes, "
-        "checksums), and removed afterwards. Not with --snapshot-dir",
+        "run1/latest); with --format torchtitan the checkpoint names it. Every byte read is "
+        "verified (sizes, checksums). Not with --snapshot-dir",
     )  # fmt: skip
     parser.add_argument(
         "--snapshot-store-timeout", type=float, default=60.0, metavar="SECONDS",
@@ -58,10 +62,21 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _one_line(exc: Exception, store: str | None) -> str:
+    """The error on one line, an object not named twice (``reading X failed: X: why``); a
+    failing store's names the flag and the URI, and for S3 where its settings come from."""
+    message = re.sub(r"reading (\S+) failed: \1: ", r"reading \1 failed: ", " ".join(str(exc).split()))
+    if store is not None and isinstance(exc, SnapshotStoreUnavailable):
+        if not message.startswith(STORE_FLAG):
+            message = f"{STORE_FLAG} {store}: {message}"
+        if store.startswith("s3://"):
+            message += " (endpoint and credentials come from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)"
+    return message
+
+
 def run_export(args: argparse.Namespace) -> int:
     """Run parsed ``swap-state export`` arguments: 0, or 1 with the error on stderr."""
     from swap_state.client.export.snapshot import ExportError, export_snapshot
-    from swap_state.common.snapshot_errors import SnapshotError
 
     try:
         if not args.snapshot_store_timeout > 0:
@@ -83,8 +98,8 @@ def run_export(args: argparse.Namespace) -> int:
             args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir,
             snapshot_store=args.snapshot_store, store_timeout_s=args.snapshot_store_timeout,
         )
-    except SnapshotError as exc:  # not found, corrupt, not exportable: a message, no traceback
-        print(f"swap-state export: {exc}", file=sys.stderr)
+    except (SnapshotError, ConfigError) as exc:  # not found, corrupt, not exportable: no traceback
+        print(f"swap-state export: {_one_line(exc, args.snapshot_store)}", file=sys.stderr)
         return 1
     share = ""
     if len(result.ranks) < result.world_size:
