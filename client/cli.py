@@ -7,14 +7,14 @@ Examples::
     swap-state snapshots --server unix:///run/swap-state/swap-state.sock --job-id run1
     swap-state export /snapshots/run1/step-000000001000 --format torch out.pt
 
-``status`` and ``snapshots`` talk to a running server; ``export`` reads a snapshot directory
-and needs neither the server nor anything of swap-state at load time.
+``status`` and ``snapshots`` talk to a running server; ``export`` reads a snapshot offline.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
 
 from swap_state.client.export.cli import add_export_arguments, run_export
@@ -30,9 +30,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         help="server address: unix:///path/to.sock or tcp://host:port (default: $SWAP_STATE_SERVER, "
         f"else the server's own default, {default_listen()})",
     )
-    parser.add_argument(
-        "--token-file", default=None, help="file holding the server's --token-file secret"
-    )
+    parser.add_argument("--token-file", default=None, help="file holding the server's --token-file secret")
     parser.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
     parser.add_argument("--tls-root-cert", default=None, metavar="PEM",
                         help="roots that sign a tcp:// server's certificate (default: $SWAP_STATE_TLS_ROOT_CERT)")
@@ -126,12 +124,11 @@ def _count_model(spec: str) -> int:
 
 
 def _plan(args) -> int:
+    from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S
     from swap_state.common.sizing import plan_sizes
 
     params = _parse_count(args.params) if args.params else _count_model(args.model)
     ranks_per_host = args.ranks_per_host or min(8, args.world_size)
-    from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S
-
     snapshots = args.checkpoint == "snapshot"
     try:
         plan = plan_sizes(params, args.world_size, ranks_per_host, sharded=not args.no_fsdp,
@@ -146,14 +143,9 @@ def _plan(args) -> int:
 
 
 def _client(args):
-    from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
+    from swap_state.client.remote.rpc import ClientConfig, SwapStateClient, tls_files
 
-    token = None
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
-    from swap_state.client.remote.rpc import tls_files
-
+    token = pathlib.Path(args.token_file).read_text().strip() if args.token_file else None
     try:
         tls = tls_files(args.tls_root_cert, args.tls_client_cert, args.tls_client_key)
     except ValueError as exc:
@@ -282,15 +274,11 @@ def _where(snap) -> str:
     return f"local+store {snap.path} {snap.store_path}"
 
 
-def _export(args) -> int:
-    return run_export(args)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from swap_state.client.remote.rpc import SwapStateError
 
-    handlers = {"status": _status, "snapshots": _snapshots, "export": _export, "plan": _plan}
+    handlers = {"status": _status, "snapshots": _snapshots, "export": run_export, "plan": _plan}
     try:
         return handlers[args.command](args)
     except SwapStateError as e:

@@ -5,14 +5,8 @@
         --job-id demo --steps 20 --snapshot-every 5 --state-dir /tmp/demo
 
 Prints every step, the bytes the server holds, and the step time next to plain fused AdamW
-trained in the same run on the same data; ends by checking that parameters and moments are
-bitwise equal to plain AdamW's.
-
-Restarting: ``--state-dir`` keeps the model parameters of recent steps and of every snapshot
-step, so a restarted trainer continues with ``--resume reattach`` (the server kept the
-moments: within --grace), ``--resume latest`` (restore the latest snapshot), ``--resume
-auto`` (reattach, else latest, else from scratch) or ``--resume <job>/step-<N>`` (restore that
-snapshot; ``demo/step-25`` and ``demo/step-000000000025`` name the same one).
+on the same data; ends by checking that parameters and moments are bitwise equal to plain
+AdamW's. A restarted demo continues with ``--state-dir`` and ``--resume`` (see ``--help``).
 """
 
 from __future__ import annotations
@@ -53,8 +47,7 @@ class DemoConfig:
 
     server: str | None = None
     """the server's address (unix:///path or host:port); default: $SWAP_STATE_SERVER, else the
-    host's server when one answers at the default socket, else a private server started for
-    this demo"""
+    host's server at the default socket, else a private server started for this demo"""
     job_id: str = "demo"
     """the job id (a restarted demo with the same id and rank reattaches to its state)"""
     steps: int = 10
@@ -69,17 +62,15 @@ class DemoConfig:
     snapshot: demo/step-25, or step-25 of --job-id (step-000000000025, the directory's
     spelling, names the same one)"""
     state_dir: str | None = None
-    """where the demo keeps what a restart needs besides the server's optimizer state: the
-    model parameters of its last two steps and of its last few snapshot steps (model-*.pt), and
-    with its private server (no --server) that server's snapshots (DIR/snapshots). Give the
-    same --state-dir to a restarted demo; every --resume but none needs it"""
+    """what a restart needs besides the server's optimizer state: the model parameters of its
+    last two steps and of its last few snapshot steps (model-*.pt), and a private server's
+    snapshots (DIR/snapshots). Every --resume but none needs it"""
     report: str | None = None
     """write a JSON report here (digests, step times, the server's bytes)"""
     crash_after_step: int = 0
     """a test hook: SIGKILL this process right after step N is committed and saved (0: never)"""
     step_seconds: float = 0.0
-    """the least wall time of a step: the demo sleeps the rest, so that whoever drives it
-    (a scenario test, an operator) can act between two steps (0: full speed)"""
+    """the least wall time of a step (the demo sleeps the rest), to act between steps (0: full speed)"""
     swap_times: int = 4
     """slices of the swap pipeline (the optimizer state moves slice by slice)"""
     dim: int = 64
@@ -93,9 +84,8 @@ class DemoConfig:
     token_file: str | None = None
     """a file holding the token of a server started with --token-file"""
     server_wait: float = RemoteConfig.server_wait_s
-    """seconds a snapshot waits for a server that is unreachable (restarting, being upgraded)
-    to come back before the demo fails naming it; steps never wait: they go on while the
-    server restarts, and the new server adopts the demo's segment"""
+    """seconds a snapshot waits for an unreachable (restarting) server before the demo fails
+    naming it; steps never wait (the new server adopts the demo's segment)"""
 
 
 class TinyLM(nn.Module):
@@ -153,38 +143,28 @@ def digest(model: nn.Module, moments: dict[str, torch.Tensor]) -> str:
 
 
 def reference_run(cfg: DemoConfig) -> tuple[str, list[float]]:
-    """Plain fused AdamW from the same init on the same data: the digest to match."""
-    model = build_model(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **OPTIMIZER_KWARGS)
-    _warm_up(cfg)
+    """Plain fused AdamW from the same init on the same data: the digest to match, step times."""
+    for step in (1, 2):  # throw-away steps: one-time costs (thread pools, allocations) time neither run
+        train_step(*_plain_adamw(cfg), cfg, step)
+    model, optimizer = _plain_adamw(cfg)
     times = []
     for step in range(1, cfg.steps + 1):
         start = time.perf_counter()
         train_step(model, optimizer, cfg, step)
         times.append(time.perf_counter() - start)
-    names = {p: n for n, p in model.named_parameters()}
-    moments = {
-        f"{names[p]}.{k}": v for p, s in optimizer.state.items() for k, v in s.items() if k != "step"
-    }
-    return digest(model, moments), times
+    return digest(model, _moments(model, optimizer.state)), times
 
 
-def _warm_up(cfg: DemoConfig) -> None:
-    """Two throw-away steps so one-time costs (thread pools, allocations) time neither run."""
+def _plain_adamw(cfg: DemoConfig) -> tuple[TinyLM, torch.optim.AdamW]:
     model = build_model(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **OPTIMIZER_KWARGS)
-    for step in (1, 2):
-        train_step(model, optimizer, cfg, step)
+    return model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIMIZER_KWARGS)
 
 
-def _moments_of(container, model: nn.Module) -> dict[str, torch.Tensor]:
+def _moments(model: nn.Module, states: dict) -> dict[str, torch.Tensor]:
+    """``<parameter name>.<key>`` of each optimizer state tensor but ``step``."""
     names = {p: n for n, p in model.named_parameters()}
-    out = {}
-    for param, host in container.param_to_cpu_states_map.items():
-        for key, value in host.items():
-            if key != "step" and value is not None:
-                out[f"{names[param]}.{key}"] = value
-    return out
+    return {f"{names[p]}.{k}": v for p, state in states.items() for k, v in state.items()
+            if k != "step" and v is not None}
 
 
 class ModelStore:
@@ -274,7 +254,7 @@ def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> 
         print(f"{why}: restoring the latest snapshot")
     elif mode == "reattach":
         raise SystemExit(_nothing_to_reattach(container, cfg))
-    if _has_snapshot(container):
+    if container.client.list_snapshots(container.remote_config.job_id).snapshots:
         return _restore(container, cfg, model, store, "latest")
     if mode == "latest" or kept is not None or container.segment.torn_step is not None:
         raise SystemExit(
@@ -312,18 +292,13 @@ def _nothing_to_reattach(container, cfg: DemoConfig) -> str:
 
 
 def _segment_bytes(container) -> int | None:
-    """Bytes of this trainer's segment on the server (moments, steps, header, spare slots);
-    None when the server does not answer (restarting: the line says so, training goes on)."""
+    """Bytes of this trainer's segment on the server; None when it does not answer (restarting)."""
     me = container.session.session_id
     try:
         stats = container.server_stats()
     except SwapStateError:
         return None
     return sum(s.segment_bytes for s in stats.sessions if s.session_id == me)
-
-
-def _has_snapshot(container) -> bool:
-    return bool(container.client.list_snapshots(container.remote_config.job_id).snapshots)
 
 
 def run(cfg: DemoConfig) -> dict:
@@ -334,30 +309,21 @@ def run(cfg: DemoConfig) -> dict:
     model = build_model(cfg)
     # A scratch folder of a demo killed on purpose (--crash-after-step) is swept by the next.
     scratch = make_scratch_dir("swap-state-demo-")
+    # A private server's snapshots: under --state-dir (a restarted demo restores them), else in
+    # the scratch folder (the fixed job id would otherwise meet a previous run's snapshots).
+    embedded = EmbeddedServerConfig(
+        shm_size_bytes=None, snapshot_dir=os.path.join(cfg.state_dir, "snapshots") if cfg.state_dir else scratch
+    )
     try:
+        # A resumed demo trains steps again: its snapshots replace an earlier run's of those
+        # steps (as torchtitan's checkpoints do).
         container = RemoteSwapOptimizersContainer(
-            [model],
-            torch.optim.AdamW,
-            dict(OPTIMIZER_KWARGS),
-            cfg.swap_times,
-            server=cfg.server,
-            job_id=cfg.job_id,
-            # A resumed demo trains steps again: its snapshots replace an earlier run's of
-            # those steps (as torchtitan's checkpoints do), never answered with their bytes.
-            config=RemoteConfig(token=token, embedded=_embedded_config(cfg, scratch),
-                                snapshot_replace_existing=True),
+            [model], torch.optim.AdamW, dict(OPTIMIZER_KWARGS), cfg.swap_times, server=cfg.server, job_id=cfg.job_id,
+            config=RemoteConfig(token=token, embedded=embedded, snapshot_replace_existing=True),
         )
         return _train(cfg, container, model, reference_digest, plain_times)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _embedded_config(cfg: DemoConfig, scratch: str) -> EmbeddedServerConfig:
-    """A private server's snapshots go with the demo's state: under ``--state-dir`` (so a
-    restarted demo restores them), else into a scratch folder removed at the end (the fixed
-    job id ``demo`` would otherwise meet the previous run's snapshots of the same steps)."""
-    root = os.path.join(cfg.state_dir, "snapshots") if cfg.state_dir else scratch
-    return EmbeddedServerConfig(shm_size_bytes=None, snapshot_dir=root)
 
 
 def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> dict:
@@ -368,8 +334,8 @@ def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> 
     store = ModelStore(cfg.state_dir)
     start_step, source = _resume(container, cfg, model, store)
     _check_steps_left(cfg, start_step, source)
-    handles = []
-    times = []
+    handles: list = []
+    times: list[float] = []
     try:
         _steps(cfg, container, model, store, start_step, handles, times)
     except KeyboardInterrupt:
@@ -385,8 +351,8 @@ class Interrupted(Exception):
 
 
 def _interrupted(cfg: DemoConfig, container) -> str:
-    """Detach keeping the state on a host's server (a private one stops with the demo), and
-    say what is kept, for how long, and how to resume."""
+    """Detach, keeping the state on a host's server (a private one stops with the demo); say
+    what is kept and how to resume."""
     job = container.remote_config.job_id
     done = container.session.last_committed_step
     if container.segment.embedded is not None:
@@ -405,8 +371,7 @@ def _interrupted(cfg: DemoConfig, container) -> str:
 
 
 def _steps(cfg: DemoConfig, container, model, store, start_step: int, handles: list, times: list) -> None:
-    """Train from ``start_step`` to ``cfg.steps``: the snapshots taken into ``handles``, the
-    step times into ``times``."""
+    """Train from ``start_step`` to ``cfg.steps``, appending the snapshots taken and the step times."""
     for step in range(start_step + 1, cfg.steps + 1):
         begin = time.perf_counter()
         loss = train_step(model, container, cfg, step)
@@ -429,21 +394,17 @@ def _steps(cfg: DemoConfig, container, model, store, start_step: int, handles: l
 
 
 def _report_durable(handles: list) -> None:
-    """Wait until each snapshot is durable and say where; one the server no longer has is said
-    so with the server's own reason (retired by its retention, or lost when a server stopped
-    while it persisted), and one that failed with its error."""
+    """Wait until each snapshot is durable and say where, or the server's reason why not
+    (retired by its retention, lost when a server stopped while it persisted, failed)."""
     from swap_state.client.errors import SnapshotFailedError, SnapshotNotFoundError
 
     for handle in handles:
         try:
-            reply = handle.wait_durable()
+            print(f"snapshot {handle.snapshot_id} durable at {handle.wait_durable().path}")
         except SnapshotNotFoundError as e:
             print(f"snapshot {handle.snapshot_id} is not on the server: {_server_reason(e)}")
-            continue
         except SnapshotFailedError as e:
             print(f"snapshot {handle.snapshot_id} failed: {_server_reason(e)}")
-            continue
-        print(f"snapshot {handle.snapshot_id} durable at {reply.path}")
 
 
 def _server_reason(error: Exception) -> str:
@@ -456,8 +417,7 @@ def _server_reason(error: Exception) -> str:
 
 
 def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:
-    """A resumed state past ``--steps`` has nothing left to train, and no plain AdamW run of
-    ``--steps`` steps to compare with: say so rather than report a mismatch."""
+    """A resumed state past ``--steps`` has nothing to train nor compare with: say so."""
     if start_step > cfg.steps:
         raise SystemExit(
             f"demo: nothing left to train: the run resumed at step {start_step} ({source}) and "
@@ -470,7 +430,7 @@ def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:
 
 
 def _summarize(cfg, container, model, reference_digest, plain_times, times) -> dict:
-    final = digest(model, _moments_of(container, model))
+    final = digest(model, _moments(model, container.param_to_cpu_states_map))
     stats = container.server_stats(wait_s=cfg.server_wait)  # a server restarted meanwhile
     plain_ms = statistics.median(plain_times) * 1e3
     remote_ms = statistics.median(times) * 1e3 if times else None
@@ -482,15 +442,8 @@ def _summarize(cfg, container, model, reference_digest, plain_times, times) -> d
     print(f"server budget used {stats.budget_used_bytes / 2**20:.2f} MiB of {stats.budget_total_bytes / 2**20:.0f} MiB")
     equal = final == reference_digest
     print("parameters and moments bitwise equal to plain AdamW:", "yes" if equal else "NO")
-    result = {
-        "step": cfg.steps,
-        "digest": final,
-        "reference_digest": reference_digest,
-        "bitwise_equal": equal,
-        "plain_step_ms": plain_ms,
-        "remote_step_ms": remote_ms,
-        "server_bytes": stats.budget_used_bytes,
-    }
+    result = {"step": cfg.steps, "digest": final, "reference_digest": reference_digest, "bitwise_equal": equal,
+              "plain_step_ms": plain_ms, "remote_step_ms": remote_ms, "server_bytes": stats.budget_used_bytes}
     if cfg.report:
         with open(cfg.report, "w") as f:
             json.dump(result, f, indent=2)

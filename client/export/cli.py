@@ -23,17 +23,13 @@ EXPORT_FORMATS = ("torch", "dcp", "torchtitan")
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``swap-state export`` (also ``python -m swap_state.client.export``)."""
     parser.add_argument(
-        "snapshot",
-        help="a snapshot directory (e.g. /snapshots/run1/step-000000001000, or "
-        "/snapshots/run1/step-1000: a step may be written with or without the directory's zero "
-        "padding, here and in ids), or with --snapshot-dir or --snapshot-store an id such as "
-        "run1/step-1000 or run1/latest; with "
-        "--format torchtitan a torchtitan checkpoint directory saved in snapshot mode (e.g. "
-        "outputs/checkpoint/step-1000)",
-    )
-    parser.add_argument(
-        "out", help="output file (torch) or directory (dcp; torchtitan: must not exist yet)"
-    )
+        "snapshot", help="a snapshot directory (e.g. /snapshots/run1/step-000000001000, or "
+        "/snapshots/run1/step-1000: a step with or without the directory's zero padding, here and "
+        "in ids), or with --snapshot-dir or --snapshot-store an id such as run1/step-1000 or "
+        "run1/latest; with --format torchtitan a torchtitan checkpoint directory saved in "
+        "snapshot mode (e.g. outputs/checkpoint/step-1000)",
+    )  # fmt: skip
+    parser.add_argument("out", help="output file (torch) or directory (dcp; torchtitan: must not exist yet)")
     parser.add_argument(
         "--format", choices=EXPORT_FORMATS, default="torch",
         help="torch: one torch.save file of the optimizer state; dcp: a DCP directory of it; "
@@ -41,20 +37,18 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "torchtitan without swap-state resumes from (default: torch)",
     )  # fmt: skip
     parser.add_argument(
-        "--snapshot-dir", default=None,
-        help="the --snapshot-dir of the server that took the snapshot (with --format "
-        "torchtitan: this or --snapshot-store is required; the embedded server's is "
+        "--snapshot-dir", default=None, help="the --snapshot-dir of the server that took the snapshot "
+        "(with --format torchtitan: this or --snapshot-store is required; the embedded server's is "
         "<job.dump_folder>/swap-state-snapshots)",
     )  # fmt: skip
     parser.add_argument(
         "--snapshot-store", default=None, metavar="URI",
-        help="read the snapshot from this snapshot store (the servers' --snapshot-store) "
-        "instead of a local directory: s3://BUCKET/PREFIX on any S3-compatible store, with "
-        "endpoint, region and credentials from the standard AWS environment (AWS_ENDPOINT_URL, "
-        "AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN), or "
-        "file:///PATH or a PATH on a shared filesystem. SNAPSHOT is then an id (run1/step-1000, "
-        "run1/latest); with --format torchtitan the checkpoint names it. Every byte read is "
-        "verified (sizes, checksums). Not with --snapshot-dir",
+        help="read the snapshot from this snapshot store (the servers' --snapshot-store) instead: "
+        "s3://BUCKET/PREFIX on any S3-compatible store, with endpoint, region and credentials from "
+        "the standard AWS environment (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN), or file:///PATH or a PATH on a shared "
+        "filesystem. SNAPSHOT is then an id (run1/step-1000, run1/latest); with --format "
+        "torchtitan the checkpoint names it. Every byte read is verified. Not with --snapshot-dir",
     )  # fmt: skip
     parser.add_argument(
         "--snapshot-store-timeout", type=float, default=60.0, metavar="SECONDS",

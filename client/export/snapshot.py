@@ -1,27 +1,21 @@
 """``swap-state export``: a snapshot as a standard checkpoint, loadable without swap-state.
 
-Reads a complete snapshot from a snapshot directory or from a snapshot store
-(``--snapshot-store``) through one seam, :class:`~swap_state.common.snapshot_reader.SnapshotTier`,
-whose reads check every manifest, data file header and tensor crc32 (a corrupt file or object
-is named with its tensor, and nothing is written), and writes the seed's flat optimizer state dict::
+Reads a complete snapshot from a snapshot directory or a snapshot store through one seam,
+:class:`~swap_state.common.snapshot_reader.SnapshotTier`, whose reads check every manifest,
+data file header and tensor crc32 (an error names the file and tensor; nothing is written),
+and writes the seed's flat optimizer state dict::
 
     state.<fqn>.<key>           tensors (exp_avg, exp_avg_sq, ...), full (global) shape
     state.<fqn>.step            0-dim float32 tensor (as torch's Adam keeps it)
     param_groups.<fqn>.<hp>     hyperparameters (floats, tuples, bools, None, tensors)
 
-either as one ``torch.save`` file (``torch.load(out, weights_only=True)`` reads it) or as a
-``torch.distributed.checkpoint`` directory (``dcp.load`` into a template, any sharding).
-
-DTensor shards of all ranks present are assembled into global tensors from the manifest's
-global shape and offsets; every element must be covered by some shard (the trainer refuses a
-shard that is not one box: :func:`~swap_state.client.optim.dtensor_utils.check_shard_is_a_box`).
-One host's snapshot of a multi-host job (``ranks`` < ``world_size``) exports those ranks, which
-is complete for replicated (DDP) state; a sharded tensor whose other shards are on other hosts'
-servers is refused, naming the ranks present. A tensor the trainer gave no fqn/key for is
-written as ``state.<segment tensor name>``, except the container's own ``swap_state.*`` step
-vectors (their values are the ``step`` entries above). The model tensors of a whole-state
-snapshot go into ``--format torchtitan`` only (:mod:`.torchtitan`). Everything is assembled in
-host memory.
+as one ``torch.save`` file (``torch.load(out, weights_only=True)``) or a DCP directory
+(``dcp.load`` into a template, any sharding). DTensor shards are assembled into global tensors
+(each shard is one box: the trainer checks it), every element covered. One host's snapshot of
+a multi-host job exports that host's ranks: complete for replicated (DDP) state; a sharded
+tensor with shards on other hosts is refused, naming the ranks present. A tensor without
+fqn/key is written as ``state.<segment tensor name>``, except the container's own step
+vectors. Model tensors go into ``--format torchtitan`` only (:mod:`.torchtitan`).
 """
 
 from __future__ import annotations
@@ -46,7 +40,7 @@ from swap_state.common.names import (
 )
 from swap_state.common.object_store import STORE_FLAG, PosixObjectStore, open_store
 from swap_state.common.segment import TensorLayout
-from swap_state.common.snapshot_errors import SnapshotError, SnapshotStoreUnavailable
+from swap_state.common.snapshot_errors import SnapshotError, SnapshotNotFound, SnapshotStoreUnavailable
 from swap_state.common.snapshot_format import RankManifest, TensorRecord
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, TENSOR_TAG, parse_metadata
 from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader, SnapshotTier
@@ -92,7 +86,7 @@ class ExportResult:
     ranks: tuple[int, ...] = ()
     """The ranks exported: those the snapshot holds."""
     world_size: int = 0
-    """The job's world size (above ``len(ranks)``: one host's snapshot of a multi-host job)."""
+    """The job's world size (above ``len(ranks)``: one host's snapshot)."""
 
 
 def _decode(value: Any) -> Any:
@@ -194,24 +188,43 @@ def check_sources(snapshot_dir: object, snapshot_store: object, *, required: str
         )
 
 
-def in_store(uri: str, snapshot: str | os.PathLike[str], timeout_s: float | None = None) -> Location:
-    """The complete snapshot ``snapshot`` (an id, or its URI in the store, as ``swap-state
-    snapshots`` prints it) of the snapshot store ``uri``. ConfigError for a URI of no store."""
-    store = open_store(uri, timeout_s or STORE_TIMEOUT_S)
-    if isinstance(store, PosixObjectStore) and not store.root.is_dir():
-        raise SnapshotStoreUnavailable(f"{STORE_FLAG} {uri}: {store.root} is not a directory")
-    stored = StoredSnapshots(store)
-    return stored, stored.resolve(os.fspath(snapshot).removeprefix(uri.rstrip("/") + "/"))
+def locate(
+    snapshot: str | os.PathLike[str],
+    snapshot_dir: str | os.PathLike[str] | None = None,
+    snapshot_store: str | None = None,
+    timeout_s: float | None = None,
+) -> list[Location]:
+    """Where the snapshot's ranks are: an id (or its URI there, as ``swap-state snapshots``
+    prints it) in the store ``snapshot_store``; an id under ``snapshot_dir`` itself or, as the
+    embedded servers of a multi-rank job keep them, in each ``rank-*`` directory below it; else
+    a snapshot directory. ConfigError for a URI that names no store."""
+    check_sources(snapshot_dir, snapshot_store)
+    if snapshot_store is not None:
+        store = open_store(snapshot_store, timeout_s or STORE_TIMEOUT_S)
+        if isinstance(store, PosixObjectStore) and not store.root.is_dir():
+            raise SnapshotStoreUnavailable(f"{STORE_FLAG} {snapshot_store}: {store.root} is not a directory")
+        stored = StoredSnapshots(store)
+        return [(stored, stored.resolve(os.fspath(snapshot).removeprefix(snapshot_store.rstrip("/") + "/")))]
+    if snapshot_dir is None:
+        return [_in_directory(pathlib.Path(os.path.abspath(snapshot)))]
+    snapshot_id, root = os.fspath(snapshot), pathlib.Path(snapshot_dir)
+    job = parse_snapshot_id(snapshot_id, error=ExportError).job_id
+    if not root.is_dir():
+        raise SnapshotNotFound(f"--snapshot-dir {root} is not a directory")
+    roots = [root] if (root / job).is_dir() else sorted(root.glob("rank-*"))
+    readers = [SnapshotReader(r) for r in roots if (r / job).is_dir()]
+    if not readers:
+        raise SnapshotNotFound(
+            f"snapshot {snapshot_id} is not in {root} (no {job}/ there, nor in rank-*/ below it): "
+            "pass the --snapshot-dir of the server that took it (an embedded server under "
+            "torchtitan keeps them in <job.dump_folder>/swap-state-snapshots)"
+        )
+    return [(reader, reader.resolve(snapshot_id)) for reader in readers]
 
 
-def _resolve(snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str] | None) -> Location:
-    """A snapshot id under ``snapshot_dir``, else a path ``<snapshot-dir>/<job>/step-<N>``
-    with the step in either spelling: the directory's (``step-000000000025``) or the short
-    one (``step-25``, which names the same directory), or ``<job>/latest``."""
-    if snapshot_dir is not None:
-        reader = SnapshotReader(snapshot_dir)
-        return reader, reader.resolve(os.fspath(snapshot))
-    path = pathlib.Path(os.path.abspath(snapshot))
+def _in_directory(path: pathlib.Path) -> Location:
+    """The snapshot directory ``<snapshot-dir>/<job>/step-<N>``, the step in either spelling
+    (``step-000000000025`` or ``step-25``), or ``<snapshot-dir>/<job>/latest``."""
     snapshot_id = f"{path.parent.name}/{path.name}"
     try:
         parse_snapshot_id(snapshot_id, error=ExportError)
@@ -317,9 +330,8 @@ def load_flat_state_dict(
 ) -> tuple[SnapshotInfo, dict[str, Any]]:
     """Verify a snapshot and build its flat state dict (see the module docstring).
 
-    ``snapshot``: a snapshot directory, or with ``snapshot_dir`` an id
-    (``<job>/step-<N>``, ``<job>/latest``)."""
-    state = read_snapshot_state([_resolve(snapshot, snapshot_dir)])
+    ``snapshot``: a snapshot directory, or with ``snapshot_dir`` an id (:func:`locate`)."""
+    state = read_snapshot_state(locate(snapshot, snapshot_dir))
     return state.info, {**state.optimizer, **state.extras}
 
 
@@ -336,17 +348,12 @@ def export_snapshot(
     """Write ``snapshot`` to ``out`` as a torch file (``format="torch"``) or a DCP directory
     (``format="dcp"``). Raises SnapshotError subclasses (not found, corrupt, ExportError).
 
-    ``snapshot_store``: read the snapshot (an id) from this snapshot store instead, each
-    request bounded by ``store_timeout_s``. ``progress``: as :func:`read_with_progress`."""
+    ``snapshot``, ``snapshot_dir``, ``snapshot_store``: as :func:`locate`, each store request
+    bounded by ``store_timeout_s``. ``progress``: as :func:`read_with_progress`."""
     if format not in FORMATS:
         raise ExportError(f"format {format!r} is not one of {FORMATS}")
-    check_sources(snapshot_dir, snapshot_store)
-    if snapshot_store is not None:
-        location = in_store(snapshot_store, snapshot, store_timeout_s)
-    else:
-        location = _resolve(snapshot, snapshot_dir)
-    read = read_with_progress([location], progress)
-    info, state = read.info, {**read.optimizer, **read.extras}
+    read = read_with_progress(locate(snapshot, snapshot_dir, snapshot_store, store_timeout_s), progress)
+    state = {**read.optimizer, **read.extras}
     out_path = pathlib.Path(out)
     if format == "torch":
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -356,6 +363,6 @@ def export_snapshot(
     else:
         out_path.mkdir(parents=True, exist_ok=True)
         save_dcp(state, out_path)
-    return ExportResult(
-        info.snapshot_id, out_path, format, len(read.optimizer), len(state), info.ranks, info.world_size
-    )
+    info = read.info
+    return ExportResult(info.snapshot_id, out_path, format, len(read.optimizer), len(state), read.ranks,
+                        info.world_size)

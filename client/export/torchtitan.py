@@ -6,10 +6,8 @@ holds references to a whole-state snapshot (:data:`MODEL_REF_KEY` for the model 
 (``lr_scheduler``, ``dataloader``, ``train_state``). The export, offline and without a server:
 
 1. reads that checkpoint (DCP, no template: it holds no big tensors) and the snapshot id;
-2. reads the snapshot from ``--snapshot-dir`` (``<dir>/<job>/step-<N>``, or one directory per
-   rank, ``<dir>/rank-<r>/<job>/step-<N>``, as the embedded servers of a multi-rank job keep
-   them) or from ``--snapshot-store``, every read checked, shards assembled
-   (:func:`~.snapshot.read_snapshot_state`);
+2. reads the snapshot from ``--snapshot-dir`` or ``--snapshot-store`` (:func:`~.snapshot.locate`),
+   every read checked, shards assembled (:func:`~.snapshot.read_snapshot_state`);
 3. writes a DCP checkpoint that plain torchtitan (``swap_optimizer = false``) loads: the
    model's state dict at the top level (torchtitan flattens the model there), ``optimizer``
    in torch's flattened optimizer format (``state.<fqn>.exp_avg`` ..., ``state.<fqn>.step``,
@@ -28,22 +26,8 @@ import shutil
 import tempfile
 from typing import Any
 
-from swap_state.client.export.snapshot import (
-    ExportError,
-    Location,
-    check_sources,
-    in_store,
-    read_with_progress,
-    save_dcp,
-)
-from swap_state.client.optim.checkpoint_template import (
-    MODEL_REF_KEY,
-    OPTIMIZER_KEY,
-    SNAPSHOT_REF_KEY,
-)
-from swap_state.common.names import parse_snapshot_id
-from swap_state.common.snapshot_errors import SnapshotNotFound
-from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.client.export.snapshot import ExportError, check_sources, locate, read_with_progress, save_dcp
+from swap_state.client.optim.checkpoint_template import MODEL_REF_KEY, OPTIMIZER_KEY, SNAPSHOT_REF_KEY
 
 __all__ = ["TorchtitanExportResult", "export_torchtitan_checkpoint", "read_checkpoint"]
 
@@ -112,22 +96,6 @@ def _snapshot_id(checkpoint: dict[str, Any], path: pathlib.Path) -> str:
     return _text(model_ref)
 
 
-def _locations(snapshot_id: str, snapshot_dir: pathlib.Path) -> list[Location]:
-    """The snapshot in ``snapshot_dir`` itself, else in each ``rank-*`` directory below it."""
-    ref = parse_snapshot_id(snapshot_id, error=ExportError)
-    if not snapshot_dir.is_dir():
-        raise SnapshotNotFound(f"--snapshot-dir {snapshot_dir} is not a directory")
-    roots = [snapshot_dir] if (snapshot_dir / ref.job_id).is_dir() else sorted(snapshot_dir.glob("rank-*"))
-    readers = [SnapshotReader(root) for root in roots if (root / ref.job_id).is_dir()]
-    if not readers:
-        raise SnapshotNotFound(
-            f"snapshot {snapshot_id} is not in {snapshot_dir} (no {ref.job_id}/ there, nor in "
-            "rank-*/ below it): pass the --snapshot-dir of the server that took it (an "
-            "embedded server under torchtitan keeps them in <job.dump_folder>/swap-state-snapshots)"
-        )
-    return [(reader, reader.resolve(snapshot_id)) for reader in readers]
-
-
 def _plain_checkpoint(checkpoint: dict[str, Any], model: dict[str, Any], optimizer: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in checkpoint.items() if k != OPTIMIZER_KEY and not k.startswith("swap_state.")}
     clash = sorted(set(out) & set(model))
@@ -159,11 +127,7 @@ def export_torchtitan_checkpoint(
         raise ExportError(f"{out} exists already: remove it or name another output directory")
     checkpoint = read_checkpoint(source)
     snapshot_id = _snapshot_id(checkpoint, source)
-    if snapshot_store is not None:
-        locations = [in_store(snapshot_store, snapshot_id, store_timeout_s)]
-    else:
-        locations = _locations(snapshot_id, pathlib.Path(snapshot_dir))  # type: ignore[arg-type]
-    state = read_with_progress(locations, progress)
+    state = read_with_progress(locate(snapshot_id, snapshot_dir, snapshot_store, store_timeout_s), progress)
     if not state.model:
         raise ExportError(f"snapshot {snapshot_id} holds no model tensors (it was not taken with snapshot_model)")
     plain = _plain_checkpoint(checkpoint, state.model, {**state.optimizer, **state.extras})
