@@ -263,10 +263,17 @@ def _model_aliases(manifest: RankManifest) -> dict[str, str]:
     return parse_metadata(manifest.metadata_json, layouts, max_bytes=sys.maxsize).model_aliases
 
 
-def read_snapshot_state(locations: Sequence[Location], progress: Any = None) -> SnapshotState:
-    """Read every rank of the snapshot ``locations`` hold (one tier, or one directory per
-    rank's embedded server), each read checked by its tier, and assemble it. ``progress``: a
-    tqdm-like bar (``update(nbytes)``), advanced by the bytes read."""
+def read_snapshot_state(locations: Sequence[Location], progress: bool | None = False) -> SnapshotState:
+    """Read every rank of the snapshot ``locations`` hold (:func:`locate`), each read checked
+    by its tier, and assemble it. ``progress``, a bar of the bytes read: None shows it on a
+    terminal once the read takes over a second; True always; False never."""
+    disable = False if progress else None if progress is None else True
+    with tqdm(total=sum(info.bytes for _, info in locations), unit="B", unit_scale=True, delay=1.0,
+              desc=f"export {locations[0][1].snapshot_id}", disable=disable) as bar:
+        return _read(locations, bar)
+
+
+def _read(locations: Sequence[Location], bar: tqdm) -> SnapshotState:
     optimizer, model = _Assembler(), _Assembler()
     extras: dict[str, Any] = {}
     aliases: dict[str, str] = {}
@@ -285,8 +292,7 @@ def read_snapshot_state(locations: Sequence[Location], progress: Any = None) -> 
                     model.add(record.fqn or record.name[len(MODEL_PREFIX) :], record, tensor, where)
                 elif not _is_bookkeeping(record):
                     optimizer.add(_state_key(record), record, tensor, where)
-                if progress is not None:
-                    progress.update(record.nbytes)
+                bar.update(record.nbytes)
             for fqn, value in manifest.steps.items():
                 extras.setdefault(state_key(fqn, "step"), _decode_step(value))
             for fqn, group in manifest.param_groups.items():
@@ -304,15 +310,6 @@ def read_snapshot_state(locations: Sequence[Location], progress: Any = None) -> 
             raise ExportError(f"{first.path}: model key {alias!r} is an alias of {fqn!r}, which the snapshot lacks")
         model_state[alias] = model_state[fqn]
     return SnapshotState(first, state, extras, model_state, tuple(sorted(ranks)))
-
-
-def read_with_progress(locations: Sequence[Location], progress: bool | None) -> SnapshotState:
-    """:func:`read_snapshot_state` with a progress bar: None shows it on a terminal once the
-    read takes over a second; True always; False never."""
-    disable = False if progress else None if progress is None else True
-    with tqdm(total=sum(info.bytes for _, info in locations), unit="B", unit_scale=True, delay=1.0,
-              desc=f"export {locations[0][1].snapshot_id}", disable=disable) as bar:
-        return read_snapshot_state(locations, bar)
 
 
 def save_dcp(state: dict[str, Any], path: pathlib.Path) -> None:
@@ -349,10 +346,10 @@ def export_snapshot(
     (``format="dcp"``). Raises SnapshotError subclasses (not found, corrupt, ExportError).
 
     ``snapshot``, ``snapshot_dir``, ``snapshot_store``: as :func:`locate`, each store request
-    bounded by ``store_timeout_s``. ``progress``: as :func:`read_with_progress`."""
+    bounded by ``store_timeout_s``. ``progress``: as :func:`read_snapshot_state`."""
     if format not in FORMATS:
         raise ExportError(f"format {format!r} is not one of {FORMATS}")
-    read = read_with_progress(locate(snapshot, snapshot_dir, snapshot_store, store_timeout_s), progress)
+    read = read_snapshot_state(locate(snapshot, snapshot_dir, snapshot_store, store_timeout_s), progress)
     state = {**read.optimizer, **read.extras}
     out_path = pathlib.Path(out)
     if format == "torch":

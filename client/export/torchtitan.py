@@ -26,7 +26,13 @@ import shutil
 import tempfile
 from typing import Any
 
-from swap_state.client.export.snapshot import ExportError, check_sources, locate, read_with_progress, save_dcp
+from swap_state.client.export.snapshot import (
+    ExportError,
+    check_sources,
+    locate,
+    read_snapshot_state,
+    save_dcp,
+)
 from swap_state.client.optim.checkpoint_template import MODEL_REF_KEY, OPTIMIZER_KEY, SNAPSHOT_REF_KEY
 
 __all__ = ["TorchtitanExportResult", "export_torchtitan_checkpoint", "read_checkpoint"]
@@ -127,7 +133,7 @@ def export_torchtitan_checkpoint(
         raise ExportError(f"{out} exists already: remove it or name another output directory")
     checkpoint = read_checkpoint(source)
     snapshot_id = _snapshot_id(checkpoint, source)
-    state = read_with_progress(locate(snapshot_id, snapshot_dir, snapshot_store, store_timeout_s), progress)
+    state = read_snapshot_state(locate(snapshot_id, snapshot_dir, snapshot_store, store_timeout_s), progress)
     if not state.model:
         raise ExportError(f"snapshot {snapshot_id} holds no model tensors (it was not taken with snapshot_model)")
     plain = _plain_checkpoint(checkpoint, state.model, {**state.optimizer, **state.extras})
