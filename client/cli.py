@@ -13,6 +13,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import re
@@ -259,9 +260,8 @@ def _amount(n: int) -> str:
 
 
 def budget_rest(stats) -> str:
-    """The budget that is neither used nor free, said: ``free F; P held for the
-    copy-before-write pool (--cow-budget)`` (the pool's slots sessions hold count as used), and
-    what restores hold while they run."""
+    """The budget that is neither used nor free, said: the copy-before-write pool's share (its
+    slots that sessions hold count as used), and what restores hold while they run."""
     parts = [f"free {_gib(stats.budget_free_bytes)}"]
     held = stats.budget_total_bytes - stats.budget_used_bytes - stats.budget_free_bytes
     pool_held = stats.cow_pool_bytes - stats.cow_pool_used_bytes
@@ -277,11 +277,8 @@ def budget_rest(stats) -> str:
 
 
 def _status(args) -> int:
-    client = _client(args)
-    try:
+    with contextlib.closing(_client(args)) as client:
         stats = client.stats()
-    finally:
-        client.close()
     print(
         f"budget: used {_gib(stats.budget_used_bytes)} / {_gib(stats.budget_total_bytes)} "
         f"({budget_rest(stats)}); steps committed: {stats.steps_committed_total}"
@@ -332,19 +329,14 @@ def _snapshots(args) -> int:
         except InvalidArgument as e:
             print(f"swap-state snapshots: {e}", file=sys.stderr)
             return 2
-    client = _client(args)
-    try:
+    with contextlib.closing(_client(args)) as client:
         reply = client.list_snapshots(ref.job_id if ref else args.job_id)
-    finally:
-        client.close()
     snapshots = [s for s in reply.snapshots if ref is None or (s.latest if ref.latest else s.step == ref.step)]
     for snap in snapshots:
         marker = " (latest)" if snap.latest else ""
-        held = list(snap.ranks)
-        if held and len(held) < snap.world_size:
-            ranks = f"ranks {','.join(map(str, held))} of {snap.world_size}"
-        else:
-            ranks = f"{snap.world_size} ranks"
+        ranks = f"{snap.world_size} ranks"
+        if snap.ranks and len(snap.ranks) < snap.world_size:
+            ranks = f"ranks {','.join(map(str, snap.ranks))} of {snap.world_size}"
         print(f"{snap.snapshot_id}\t{ranks}\t{_gib(snap.bytes)}\t{_where(snap)}{marker}")
     if not snapshots:
         print(f"no snapshot {ref}" if ref is not None else "no snapshots")
@@ -352,8 +344,7 @@ def _snapshots(args) -> int:
 
 
 def _where(snap) -> str:
-    """Which tiers hold the snapshot, and where: ``local <dir>``, ``store <uri>``, or both
-    (``local+store``); only the directory when the snapshot is not in a store."""
+    """Which tiers hold the snapshot, and where: its directory alone, ``store <uri>`` or ``local+store``."""
     if not snap.stored:
         return snap.path
     if not snap.local:

@@ -56,11 +56,9 @@ class DemoConfig:
     """take a server-side snapshot every N steps (0: never)"""
     resume: str = "none"
     """how a restarted demo continues: none: from scratch; reattach: the optimizer state the
-    server kept for this --job-id and rank (the previous trainer went away less than the
-    server's --grace ago); latest: restore the job's latest snapshot (e.g. after a server
-    restart); auto: reattach, else latest, else from scratch; or a snapshot id to restore that
-    snapshot: demo/step-25, or step-25 of --job-id (step-000000000025, the directory's
-    spelling, names the same one)"""
+    server kept for this --job-id and rank (within the server's --grace); latest: restore the
+    job's latest snapshot; auto: reattach, else latest, else from scratch; or a snapshot id to
+    restore: demo/step-25, or step-25 of --job-id (step-000000000025 names the same one)"""
     state_dir: str | None = None
     """what a restart needs besides the server's optimizer state: the model parameters of its
     last two steps and of its last few snapshot steps (model-*.pt), and a private server's
@@ -168,9 +166,8 @@ def _moments(model: nn.Module, states: dict) -> dict[str, torch.Tensor]:
 
 
 class ModelStore:
-    """Model parameters by step under ``state_dir``: the last two steps (a reattach needs the
-    step the server committed last) and the last few snapshot steps (a restore needs the
-    snapshot's step), kept across restarts. Writes are atomic (temp file + rename)."""
+    """Model parameters by step under ``state_dir``, written atomically: the last two steps (a
+    reattach needs the server's last committed one) and the last few snapshot steps."""
 
     KEEP_SNAPSHOTS = 3  # more than the server's default --keep-latest 2
 
@@ -204,8 +201,12 @@ class ModelStore:
         for old in self._steps("snap")[: -self.KEEP_SNAPSHOTS]:
             os.unlink(self._path("snap", old))
 
+    def _find(self, step: int) -> str | None:
+        paths = [self._path(kind, step) for kind in ("step", "snap")] if self.dir else []
+        return next((path for path in paths if os.path.exists(path)), None)
+
     def has(self, step: int) -> bool:
-        return bool(self.dir) and any(os.path.exists(self._path(k, step)) for k in ("step", "snap"))
+        return self._find(step) is not None
 
     def require(self, mode: str) -> None:
         """Refuse to resume (``--resume mode``) without a --state-dir, saying what it is for."""
@@ -219,10 +220,10 @@ class ModelStore:
 
     def load(self, model: nn.Module, step: int, mode: str = "auto") -> None:
         self.require(mode)
-        for kind in ("step", "snap"):
-            if os.path.exists(self._path(kind, step)):
-                model.load_state_dict(torch.load(self._path(kind, step), weights_only=True))
-                return
+        path = self._find(step)
+        if path is not None:
+            model.load_state_dict(torch.load(path, weights_only=True))
+            return
         raise SystemExit(
             f"demo: --resume {mode}: --state-dir {self.dir} has no model parameters of step "
             f"{step} (it keeps the last two steps and the last {self.KEEP_SNAPSHOTS} snapshot "
@@ -231,9 +232,7 @@ class ModelStore:
 
 
 def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> tuple[int, str]:
-    """Where a restarted demo continues, and from what: the server's kept moments when the
-    model parameters of that step were saved too, else (``auto``/``latest``) the latest
-    snapshot, or the snapshot ``--resume`` names."""
+    """The step a restarted demo continues from, and from what (as ``--resume`` says)."""
     mode = cfg.resume
     if mode == "none":
         return 0, "a fresh start"
@@ -265,8 +264,7 @@ def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> 
 
 
 def _restore(container, cfg: DemoConfig, model: nn.Module, store: ModelStore, snapshot_id: str) -> tuple[int, str]:
-    """Restore ``snapshot_id`` (``latest``, or an id in either spelling) and its step's
-    parameters; the restored snapshot is named by its short id."""
+    """Restore ``snapshot_id`` (``latest``, or an id in either spelling) and its step's parameters."""
     store.require(cfg.resume)
     step = container.restore(snapshot_id)
     named = f"{parse_snapshot_id(snapshot_id, cfg.job_id).job_id}/step-{step}"
@@ -465,21 +463,16 @@ def _resume_arg(text: str) -> str:
 
 def parse_args(argv: list[str] | None) -> DemoConfig:
     parser = argparse.ArgumentParser(prog="python -m swap_state.client.demo", description=__doc__.split("\n\n")[0])
-    defaults = DemoConfig()
+    docs, defaults = field_docs(DemoConfig), DemoConfig()
     for f in dataclasses.fields(DemoConfig):
-        flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        kind = type(default) if default is not None else str
-        help_text = f"{field_docs(DemoConfig).get(f.name, '')} (default: {default})"
-        if f.name == "resume":
-            kind = _resume_arg
-        parser.add_argument(flag, type=kind, default=default, help=help_text.replace("%", "%%"))
+        kind = _resume_arg if f.name == "resume" else str if default is None else type(default)
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
+                            help=f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%"))
     return DemoConfig(**vars(parser.parse_args(argv)))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from swap_state.client.remote.rpc import SwapStateError
-
     cfg = parse_args(argv)
     try:
         result = run(cfg)

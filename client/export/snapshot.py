@@ -31,12 +31,7 @@ from typing import Any
 import torch
 from swap_state.client.remote.segment_mapping import TORCH_DTYPES
 from swap_state.common.names import (
-    MODEL_PREFIX,
-    STATE_PREFIX,
-    is_model_tensor,
-    param_group_key,
-    parse_snapshot_id,
-    state_key,
+    MODEL_PREFIX, STATE_PREFIX, is_model_tensor, param_group_key, parse_snapshot_id, state_key,
 )
 from swap_state.common.object_store import STORE_FLAG, PosixObjectStore, open_store
 from swap_state.common.segment import TensorLayout
@@ -48,13 +43,8 @@ from swap_state.common.stored_snapshots import StoredSnapshots
 from tqdm import tqdm
 
 __all__ = [
-    "FORMATS",
-    "ExportError",
-    "ExportResult",
-    "SnapshotState",
-    "export_snapshot",
-    "load_flat_state_dict",
-    "read_snapshot_state",
+    "FORMATS", "ExportError", "ExportResult", "SnapshotState", "export_snapshot", "load_flat_state_dict",
+    "locate", "read_snapshot_state",
 ]
 
 FORMATS = ("torch", "dcp")

@@ -27,11 +27,7 @@ import tempfile
 from typing import Any
 
 from swap_state.client.export.snapshot import (
-    ExportError,
-    check_sources,
-    locate,
-    read_snapshot_state,
-    save_dcp,
+    ExportError, check_sources, locate, read_snapshot_state, save_dcp,
 )
 from swap_state.client.optim.checkpoint_template import MODEL_REF_KEY, OPTIMIZER_KEY, SNAPSHOT_REF_KEY
 
