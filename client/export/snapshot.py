@@ -187,7 +187,9 @@ def locate(
     """Where the snapshot's ranks are: an id (or its URI there, as ``swap-state snapshots``
     prints it) in the store ``snapshot_store``; an id under ``snapshot_dir`` itself or, as the
     embedded servers of a multi-rank job keep them, in each ``rank-*`` directory below it; else
-    a snapshot directory. ConfigError for a URI that names no store."""
+    a snapshot directory ``<snapshot-dir>/<job>/step-<N>`` (the step in either spelling:
+    ``step-000000000025`` or ``step-25``) or ``<snapshot-dir>/<job>/latest``. ConfigError for a
+    URI that names no store."""
     check_sources(snapshot_dir, snapshot_store)
     if snapshot_store is not None:
         store = open_store(snapshot_store, timeout_s or STORE_TIMEOUT_S)
@@ -196,7 +198,19 @@ def locate(
         stored = StoredSnapshots(store)
         return [(stored, stored.resolve(os.fspath(snapshot).removeprefix(snapshot_store.rstrip("/") + "/")))]
     if snapshot_dir is None:
-        return [_in_directory(pathlib.Path(os.path.abspath(snapshot)))]
+        path = pathlib.Path(os.path.abspath(snapshot))
+        snapshot, snapshot_dir = f"{path.parent.name}/{path.name}", path.parent.parent
+        try:
+            parse_snapshot_id(snapshot, error=ExportError)
+            found = path.is_dir() or path.parent.is_dir()
+        except ExportError:
+            found = False
+        if not found:
+            raise ExportError(
+                f"{path} is not a snapshot directory (<snapshot-dir>/<job>/step-<N>, e.g. "
+                "/snapshots/demo/step-25 or /snapshots/demo/step-000000000025); an id such as "
+                "demo/step-25 needs --snapshot-dir (or --snapshot-store)"
+            )
     snapshot_id, root = os.fspath(snapshot), pathlib.Path(snapshot_dir)
     job = parse_snapshot_id(snapshot_id, error=ExportError).job_id
     if not root.is_dir():
@@ -210,25 +224,6 @@ def locate(
             "torchtitan keeps them in <job.dump_folder>/swap-state-snapshots)"
         )
     return [(reader, reader.resolve(snapshot_id)) for reader in readers]
-
-
-def _in_directory(path: pathlib.Path) -> Location:
-    """The snapshot directory ``<snapshot-dir>/<job>/step-<N>``, the step in either spelling
-    (``step-000000000025`` or ``step-25``), or ``<snapshot-dir>/<job>/latest``."""
-    snapshot_id = f"{path.parent.name}/{path.name}"
-    try:
-        parse_snapshot_id(snapshot_id, error=ExportError)
-        found = path.is_dir() or path.parent.is_dir()
-    except ExportError:
-        found = False
-    if not found:
-        raise ExportError(
-            f"{path} is not a snapshot directory (<snapshot-dir>/<job>/step-<N>, e.g. "
-            "/snapshots/demo/step-25 or /snapshots/demo/step-000000000025); an id such as "
-            "demo/step-25 needs --snapshot-dir (or --snapshot-store)"
-        )
-    reader = SnapshotReader(path.parent.parent)
-    return reader, reader.resolve(snapshot_id)
 
 
 @dataclasses.dataclass
