@@ -201,12 +201,10 @@ class ModelStore:
         for old in self._steps("snap")[: -self.KEEP_SNAPSHOTS]:
             os.unlink(self._path("snap", old))
 
-    def _find(self, step: int) -> str | None:
+    def find(self, step: int) -> str | None:
+        """The file of the parameters saved at ``step``; None when there is none."""
         paths = [self._path(kind, step) for kind in ("step", "snap")] if self.dir else []
         return next((path for path in paths if os.path.exists(path)), None)
-
-    def has(self, step: int) -> bool:
-        return self._find(step) is not None
 
     def require(self, mode: str) -> None:
         """Refuse to resume (``--resume mode``) without a --state-dir, saying what it is for."""
@@ -220,15 +218,14 @@ class ModelStore:
 
     def load(self, model: nn.Module, step: int, mode: str = "auto") -> None:
         self.require(mode)
-        path = self._find(step)
-        if path is not None:
-            model.load_state_dict(torch.load(path, weights_only=True))
-            return
-        raise SystemExit(
-            f"demo: --resume {mode}: --state-dir {self.dir} has no model parameters of step "
-            f"{step} (it keeps the last two steps and the last {self.KEEP_SNAPSHOTS} snapshot "
-            "steps of the run that used it): was it another run's --state-dir?"
-        )
+        path = self.find(step)
+        if path is None:
+            raise SystemExit(
+                f"demo: --resume {mode}: --state-dir {self.dir} has no model parameters of step "
+                f"{step} (it keeps the last two steps and the last {self.KEEP_SNAPSHOTS} snapshot "
+                "steps of the run that used it): was it another run's --state-dir?"
+            )
+        model.load_state_dict(torch.load(path, weights_only=True))
 
 
 def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> tuple[int, str]:
@@ -240,7 +237,7 @@ def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> 
         return _restore(container, cfg, model, store, mode)
     kept = container.resumed_step
     if kept is not None and mode in ("reattach", "auto"):
-        if store.has(kept) or not store.dir:  # without --state-dir, load says what it is for
+        if store.find(kept) or not store.dir:  # without --state-dir, load says what it is for
             store.load(model, kept, mode)
             print(f"reattached: the server kept the moments of step {kept}")
             return kept, "the moments the server kept"

@@ -118,10 +118,9 @@ def export_torchtitan_checkpoint(
     progress: bool | None = None,
 ) -> TorchtitanExportResult:
     """Write the plain torchtitan checkpoint of a whole-state snapshot-mode one (module
-    docstring). ``out_dir`` must not exist yet. The snapshot is read from ``snapshot_dir`` or
-    from the snapshot store ``snapshot_store`` (exactly one of them). ``progress``: None shows
-    a bar on a terminal once the export takes over a second; False never. Raises
-    SnapshotError subclasses."""
+    docstring) to ``out_dir``, which must not exist yet. The snapshot is read from exactly one
+    of ``snapshot_dir`` and ``snapshot_store`` (:func:`~.snapshot.locate`); ``progress`` as
+    :func:`~.snapshot.read_snapshot_state`. Raises SnapshotError subclasses."""
     check_sources(snapshot_dir, snapshot_store, required="--format torchtitan")
     source = pathlib.Path(checkpoint_dir)
     out = pathlib.Path(out_dir)
