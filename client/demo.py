@@ -333,16 +333,13 @@ def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> 
     times: list[float] = []
     try:
         _steps(cfg, container, model, store, start_step, handles, times)
-    except KeyboardInterrupt:
-        raise Interrupted(_interrupted(cfg, container)) from None
+    except KeyboardInterrupt:  # Ctrl-C: one line that says what is kept and how to resume
+        print(_interrupted(cfg, container), file=sys.stderr)
+        raise SystemExit(130) from None
     _report_durable(handles)
     result = _summarize(cfg, container, model, reference_digest, plain_times, times)
     container.close()
     return result
-
-
-class Interrupted(Exception):
-    """Ctrl-C: the one line that says what is kept and how to resume."""
 
 
 def _interrupted(cfg: DemoConfig, container) -> str:
@@ -476,9 +473,6 @@ def main(argv: list[str] | None = None) -> int:
     except SwapStateError as e:
         print(f"demo: swap-state failed: {e}", file=sys.stderr)
         return 2
-    except Interrupted as e:
-        print(e, file=sys.stderr)
-        return 130
     return 0 if result["bitwise_equal"] else 1
 
 
