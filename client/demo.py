@@ -306,14 +306,14 @@ def run(cfg: DemoConfig) -> dict:
     scratch = make_scratch_dir("swap-state-demo-")
     # A private server's snapshots: under --state-dir (a restarted demo restores them), else in
     # the scratch folder (the fixed job id would otherwise meet a previous run's snapshots).
-    embedded = EmbeddedServerConfig(
-        shm_size_bytes=None, snapshot_dir=os.path.join(cfg.state_dir, "snapshots") if cfg.state_dir else scratch
-    )
+    snapshot_dir = os.path.join(cfg.state_dir, "snapshots") if cfg.state_dir else scratch
+    embedded = EmbeddedServerConfig(shm_size_bytes=None, snapshot_dir=snapshot_dir)
     try:
         # A resumed demo trains steps again: its snapshots replace an earlier run's of those
         # steps (as torchtitan's checkpoints do).
         container = RemoteSwapOptimizersContainer(
-            [model], torch.optim.AdamW, dict(OPTIMIZER_KWARGS), cfg.swap_times, server=cfg.server, job_id=cfg.job_id,
+            [model], torch.optim.AdamW, dict(OPTIMIZER_KWARGS), cfg.swap_times, server=cfg.server,
+            job_id=cfg.job_id,
             config=RemoteConfig(token=token, embedded=embedded, snapshot_replace_existing=True),
         )
         return _train(cfg, container, model, reference_digest, plain_times)
@@ -434,8 +434,9 @@ def _summarize(cfg, container, model, reference_digest, plain_times, times) -> d
     print(f"server budget used {stats.budget_used_bytes / 2**20:.2f} MiB of {stats.budget_total_bytes / 2**20:.0f} MiB")
     equal = final == reference_digest
     print("parameters and moments bitwise equal to plain AdamW:", "yes" if equal else "NO")
-    result = {"step": cfg.steps, "digest": final, "reference_digest": reference_digest, "bitwise_equal": equal,
-              "plain_step_ms": plain_ms, "remote_step_ms": remote_ms, "server_bytes": stats.budget_used_bytes}
+    result = {"step": cfg.steps, "digest": final, "reference_digest": reference_digest,
+              "bitwise_equal": equal, "plain_step_ms": plain_ms, "remote_step_ms": remote_ms,
+              "server_bytes": stats.budget_used_bytes}
     if cfg.report:
         with open(cfg.report, "w") as f:
             json.dump(result, f, indent=2)

@@ -15,6 +15,6 @@ from swap_state.client.export.snapshot import (
 from swap_state.client.export.torchtitan import export_torchtitan_checkpoint
 
 __all__ = [
-    "FORMATS", "ExportError", "ExportResult", "SnapshotState", "export_snapshot", "export_torchtitan_checkpoint",
-    "load_flat_state_dict", "main", "read_snapshot_state", "run_export",
+    "FORMATS", "ExportError", "ExportResult", "SnapshotState", "export_snapshot",
+    "export_torchtitan_checkpoint", "load_flat_state_dict", "main", "read_snapshot_state", "run_export",
 ]
