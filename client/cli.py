@@ -54,16 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_args(snaps)
     snaps.add_argument("--job-id", default="", help="only this job (default: all)")
     snaps.add_argument(
-        "snapshot", nargs="?", default="", metavar="SNAPSHOT",
-        help="only this snapshot: an id such as run1/step-1000 (the step with or without the "
-        "directory's zero padding: run1/step-000000001000 is the same) or run1/latest; "
-        "step-1000 or latest with --job-id",
+        "snapshot", nargs="?", default="", metavar="SNAPSHOT", help="only this snapshot: an id such "
+        "as run1/step-1000 (or run1/step-000000001000) or run1/latest; step-1000 or latest with --job-id",
     )  # fmt: skip
-    export = sub.add_parser(
-        "export",
-        help="write a snapshot as a standard torch or DCP checkpoint, or a snapshot-mode "
-        "torchtitan checkpoint as a plain one (--format torchtitan)",
-    )
+    export = sub.add_parser("export", help="write a snapshot as a standard torch or DCP checkpoint, or a "
+                            "snapshot-mode torchtitan checkpoint as a plain one")
     _add_export_arguments(export)
     plan = sub.add_parser(
         "plan", help="the shared memory a job needs, per rank and per host, and the --shm-size to give",
@@ -77,11 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "snapshot", help="a snapshot directory (e.g. /snapshots/run1/step-000000001000, or "
-        "/snapshots/run1/step-1000: a step with or without the directory's zero padding, here and "
-        "in ids), or with --snapshot-dir or --snapshot-store an id such as run1/step-1000 or "
-        "run1/latest; with --format torchtitan a torchtitan checkpoint directory saved in "
-        "snapshot mode (e.g. outputs/checkpoint/step-1000)",
+        "snapshot", help="a snapshot directory (e.g. /snapshots/run1/step-1000: the step with or "
+        "without zero padding, here and in ids), or with --snapshot-dir or --snapshot-store an id "
+        "such as run1/step-1000 or run1/latest; with --format torchtitan a snapshot-mode "
+        "torchtitan checkpoint directory (e.g. outputs/checkpoint/step-1000)",
     )  # fmt: skip
     parser.add_argument("out", help="output file (torch) or directory (dcp; torchtitan: must not exist yet)")
     parser.add_argument(
@@ -97,12 +91,11 @@ def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--snapshot-store", default=None, metavar="URI",
-        help="read the snapshot from this snapshot store (the servers' --snapshot-store) instead: "
-        "s3://BUCKET/PREFIX on any S3-compatible store, with endpoint, region and credentials from "
-        "the standard AWS environment (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, "
-        "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN), or file:///PATH or a PATH on a shared "
-        "filesystem. SNAPSHOT is then an id (run1/step-1000, run1/latest); with --format "
-        "torchtitan the checkpoint names it. Every byte read is verified. Not with --snapshot-dir",
+        help="read the snapshot from this snapshot store (the servers' --snapshot-store): "
+        "s3://BUCKET/PREFIX on any S3-compatible store (endpoint, region and credentials from the "
+        "standard AWS_* environment variables), file:///PATH or a PATH on a shared filesystem; "
+        "SNAPSHOT is then an id (with --format torchtitan the checkpoint names it). Every byte "
+        "read is verified. Not with --snapshot-dir",
     )  # fmt: skip
     parser.add_argument(
         "--snapshot-store-timeout", type=float, default=60.0, metavar="SECONDS",

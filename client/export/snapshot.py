@@ -122,17 +122,14 @@ class _Assembler:
         self.sources: dict[str, str] = {}
 
     def add(self, key: str, record: TensorRecord, local: torch.Tensor, where: str) -> None:
-        if record.global_shape is None:
-            if key in self.values:
-                # A plain tensor on several ranks is replicated (DDP); the lowest rank wins.
-                if tuple(self.values[key].shape) != tuple(local.shape):
-                    raise ExportError(
-                        f"{where}: {key} has shape {list(local.shape)}, another rank's is "
-                        f"{list(self.values[key].shape)} ({self.sources[key]})"
-                    )
-                return
-            self.values[key] = local
-            self.sources[key] = where
+        if record.global_shape is None:  # replicated (DDP) on each rank: the lowest rank's is kept
+            kept = self.values.setdefault(key, local)
+            self.sources.setdefault(key, where)
+            if tuple(kept.shape) != tuple(local.shape):
+                raise ExportError(
+                    f"{where}: {key} has shape {list(local.shape)}, another rank's is "
+                    f"{list(kept.shape)} ({self.sources[key]})"
+                )
             return
         shape = record.global_shape
         if key not in self.values:
