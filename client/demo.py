@@ -345,14 +345,11 @@ def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> 
 def _interrupted(cfg: DemoConfig, container) -> str:
     """Detach, keeping the state on a host's server (a private one stops with the demo); say
     what is kept and how to resume."""
-    job = container.remote_config.job_id
-    done = container.session.last_committed_step
-    if container.segment.embedded is not None:
-        container.close()
-        kept = "its private server stopped with it, so only its snapshots are kept"
-        how = "--resume latest"
-    else:
-        container.close(keep=True)
+    job, done = container.remote_config.job_id, container.session.last_committed_step
+    private = container.segment.embedded is not None
+    container.close(keep=not private)
+    kept, how = "its private server stopped with it, so only its snapshots are kept", "--resume latest"
+    if not private:
         kept = (f"the server at {container.remote_config.server} keeps the optimizer state of job {job} "
                 "for its --grace seconds")
         how = "--resume auto (reattach, else the latest snapshot)"
