@@ -36,7 +36,7 @@ from swap_state.common.names import (
 from swap_state.common.object_store import STORE_FLAG, PosixObjectStore, open_store
 from swap_state.common.segment import TensorLayout
 from swap_state.common.snapshot_errors import SnapshotError, SnapshotNotFound, SnapshotStoreUnavailable
-from swap_state.common.snapshot_format import RankManifest, TensorRecord
+from swap_state.common.snapshot_format import TensorRecord
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, TENSOR_TAG, parse_metadata
 from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
@@ -163,18 +163,6 @@ class _Assembler:
         return self.values
 
 
-def check_sources(snapshot_dir: object, snapshot_store: object, *, required: str | None = None) -> None:
-    """At most one of ``--snapshot-dir`` and ``--snapshot-store``; exactly one when
-    ``required`` (what needs it, e.g. ``--format torchtitan``) is given."""
-    if snapshot_dir is not None and snapshot_store is not None:
-        raise ExportError(f"give one of --snapshot-dir and {STORE_FLAG}, not both")
-    if required and snapshot_dir is None and snapshot_store is None:
-        raise ExportError(
-            f"{required} needs --snapshot-dir DIR (the server's local snapshot directory) or "
-            f"{STORE_FLAG} URI (its snapshot store)"
-        )
-
-
 def locate(
     snapshot: str | os.PathLike[str],
     snapshot_dir: str | os.PathLike[str] | None = None,
@@ -187,7 +175,8 @@ def locate(
     a snapshot directory ``<snapshot-dir>/<job>/step-<N>`` (the step in either spelling:
     ``step-000000000025`` or ``step-25``) or ``<snapshot-dir>/<job>/latest``. ConfigError for a
     URI that names no store."""
-    check_sources(snapshot_dir, snapshot_store)
+    if snapshot_dir is not None and snapshot_store is not None:
+        raise ExportError(f"give one of --snapshot-dir and {STORE_FLAG}, not both")
     if snapshot_store is not None:
         store = open_store(snapshot_store, timeout_s or STORE_TIMEOUT_S)
         if isinstance(store, PosixObjectStore) and not store.root.is_dir():
@@ -240,11 +229,6 @@ class SnapshotState:
     """Every rank read."""
 
 
-def _model_aliases(manifest: RankManifest) -> dict[str, str]:
-    layouts = [TensorLayout(t.name, t.dtype, t.shape, 0, t.nbytes) for t in manifest.tensors]
-    return parse_metadata(manifest.metadata_json, layouts, max_bytes=sys.maxsize).model_aliases
-
-
 def read_snapshot_state(locations: Sequence[Location], progress: bool | None = False) -> SnapshotState:
     """Read every rank of the snapshot ``locations`` hold (:func:`locate`), each read checked
     by its tier, and assemble it. ``progress``, a bar of the bytes read: None shows it on a
@@ -280,7 +264,9 @@ def _read(locations: Sequence[Location], bar: tqdm) -> SnapshotState:
             for fqn, group in manifest.param_groups.items():
                 for hp, value in group.items():
                     extras.setdefault(param_group_key(fqn, hp), _decode(value))
-            aliases.update(_model_aliases(manifest))
+            layouts = [TensorLayout(t.name, t.dtype, t.shape, 0, t.nbytes) for t in manifest.tensors]
+            metadata = parse_metadata(manifest.metadata_json, layouts, max_bytes=sys.maxsize)
+            aliases.update(metadata.model_aliases)
     first = locations[0][1]
     state = optimizer.finish(first)
     clash = set(state) & set(extras)

@@ -26,9 +26,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from swap_state.client.export.snapshot import (
-    ExportError, check_sources, locate, read_snapshot_state, save_dcp,
-)
+from swap_state.client.export.snapshot import ExportError, locate, read_snapshot_state, save_dcp
 from swap_state.client.optim.checkpoint_template import MODEL_REF_KEY, OPTIMIZER_KEY, SNAPSHOT_REF_KEY
 
 __all__ = ["TorchtitanExportResult", "export_torchtitan_checkpoint", "read_checkpoint"]
@@ -121,7 +119,11 @@ def export_torchtitan_checkpoint(
     docstring) to ``out_dir``, which must not exist yet. The snapshot is read from exactly one
     of ``snapshot_dir`` and ``snapshot_store`` (:func:`~.snapshot.locate`); ``progress`` as
     :func:`~.snapshot.read_snapshot_state`. Raises SnapshotError subclasses."""
-    check_sources(snapshot_dir, snapshot_store, required="--format torchtitan")
+    if snapshot_dir is None and snapshot_store is None:
+        raise ExportError(
+            "--format torchtitan needs --snapshot-dir DIR (the server's local snapshot directory) "
+            "or --snapshot-store URI (its snapshot store)"
+        )
     source = pathlib.Path(checkpoint_dir)
     out = pathlib.Path(out_dir)
     if out.exists():
