@@ -60,9 +60,8 @@ class DemoConfig:
     job's latest snapshot; auto: reattach, else latest, else from scratch; or a snapshot id to
     restore: demo/step-25, or step-25 of --job-id (step-000000000025 names the same one)"""
     state_dir: str | None = None
-    """what a restart needs besides the server's optimizer state: the model parameters of its
-    last two steps and of its last few snapshot steps (model-*.pt), and a private server's
-    snapshots (DIR/snapshots). Every --resume but none needs it"""
+    """what a restart needs besides the server's state: the model parameters of its last two steps
+    and last few snapshot steps, and a private server's snapshots. Every --resume but none needs it"""
     report: str | None = None
     """write a JSON report here (digests, step times, the server's bytes)"""
     crash_after_step: int = 0
@@ -82,8 +81,7 @@ class DemoConfig:
     token_file: str | None = None
     """a file holding the token of a server started with --token-file"""
     server_wait: float = RemoteConfig.server_wait_s
-    """seconds a snapshot waits for an unreachable (restarting) server before the demo fails
-    naming it; steps never wait (the new server adopts the demo's segment)"""
+    """seconds a snapshot waits for an unreachable (restarting) server; steps never wait"""
 
 
 class TinyLM(nn.Module):
@@ -210,10 +208,9 @@ class ModelStore:
         """Refuse to resume (``--resume mode``) without a --state-dir, saying what it is for."""
         if not self.dir:
             raise SystemExit(
-                f"demo: --resume {mode}: --state-dir was not given. It is the directory where "
-                "the demo keeps the model parameters of its recent steps and of its snapshot "
-                "steps (the server holds only the optimizer state), so a restarted demo needs "
-                "the --state-dir of the run it continues; --resume none starts over"
+                f"demo: --resume {mode}: --state-dir was not given: it keeps the model parameters of "
+                "the demo's recent and snapshot steps (the server holds only the optimizer state), so a "
+                "restarted demo needs the --state-dir of the run it continues; --resume none starts over"
             )
 
     def load(self, model: nn.Module, step: int, mode: str = "auto") -> None:
