@@ -7,20 +7,24 @@ Examples::
     swap-state snapshots --server unix:///run/swap-state/swap-state.sock --job-id run1
     swap-state export /snapshots/run1/step-000000001000 --format torch out.pt
 
-``status`` and ``snapshots`` talk to a running server; ``export`` reads a snapshot directory
-and needs neither the server nor anything of swap-state at load time.
+``status`` and ``snapshots`` talk to a running server; ``export`` reads a snapshot offline.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import pathlib
+import re
 import sys
 
-from swap_state.client.export.cli import add_export_arguments, run_export
 from swap_state.common.addresses import default_listen
+from swap_state.common.errors import ConfigError
+from swap_state.common.object_store import STORE_FLAG
+from swap_state.common.snapshot_errors import SnapshotError, SnapshotStoreUnavailable
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "run_export"]
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -30,9 +34,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         help="server address: unix:///path/to.sock or tcp://host:port (default: $SWAP_STATE_SERVER, "
         f"else the server's own default, {default_listen()})",
     )
-    parser.add_argument(
-        "--token-file", default=None, help="file holding the server's --token-file secret"
-    )
+    parser.add_argument("--token-file", default=None, help="file holding the server's --token-file secret")
     parser.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
     parser.add_argument("--tls-root-cert", default=None, metavar="PEM",
                         help="roots that sign a tcp:// server's certificate (default: $SWAP_STATE_TLS_ROOT_CERT)")
@@ -52,17 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_args(snaps)
     snaps.add_argument("--job-id", default="", help="only this job (default: all)")
     snaps.add_argument(
-        "snapshot", nargs="?", default="", metavar="SNAPSHOT",
-        help="only this snapshot: an id such as run1/step-1000 (the step with or without the "
-        "directory's zero padding: run1/step-000000001000 is the same) or run1/latest; "
-        "step-1000 or latest with --job-id",
+        "snapshot", nargs="?", default="", metavar="SNAPSHOT", help="only this snapshot: an id such "
+        "as run1/step-1000 (or run1/step-000000001000) or run1/latest; step-1000 or latest with --job-id",
     )  # fmt: skip
-    export = sub.add_parser(
-        "export",
-        help="write a snapshot as a standard torch or DCP checkpoint, or a snapshot-mode "
-        "torchtitan checkpoint as a plain one (--format torchtitan)",
-    )
-    add_export_arguments(export)
+    export = sub.add_parser("export", help="write a snapshot as a standard torch or DCP checkpoint, or a "
+                            "snapshot-mode torchtitan checkpoint as a plain one")
+    _add_export_arguments(export)
     plan = sub.add_parser(
         "plan", help="the shared memory a job needs, per rank and per host, and the --shm-size to give",
         description="Sizes a host's server for a job: the Adam moments per rank (and the parameters' "
@@ -71,6 +68,88 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_plan_arguments(plan)
     return parser
+
+
+def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "snapshot", help="a snapshot directory (e.g. /snapshots/run1/step-1000: the step with or "
+        "without zero padding, here and in ids), or with --snapshot-dir or --snapshot-store an id "
+        "such as run1/step-1000 or run1/latest; with --format torchtitan a snapshot-mode "
+        "torchtitan checkpoint directory (e.g. outputs/checkpoint/step-1000)",
+    )  # fmt: skip
+    parser.add_argument("out", help="output file (torch) or directory (dcp; torchtitan: must not exist yet)")
+    parser.add_argument(
+        "--format", choices=("torch", "dcp", "torchtitan"), default="torch",
+        help="torch: one torch.save file of the optimizer state; dcp: a DCP directory of it; "
+        "torchtitan: a plain torchtitan checkpoint (model, optimizer, small states) that "
+        "torchtitan without swap-state resumes from (default: torch)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--snapshot-dir", default=None, help="the --snapshot-dir of the server that took the snapshot "
+        "(with --format torchtitan: this or --snapshot-store is required; the embedded server's is "
+        "<job.dump_folder>/swap-state-snapshots)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--snapshot-store", default=None, metavar="URI",
+        help="read the snapshot from this snapshot store (the servers' --snapshot-store): "
+        "s3://BUCKET/PREFIX on any S3-compatible store (endpoint, region and credentials from the "
+        "standard AWS_* environment variables), file:///PATH or a PATH on a shared filesystem; "
+        "SNAPSHOT is then an id (with --format torchtitan the checkpoint names it). Every byte "
+        "read is verified. Not with --snapshot-dir",
+    )  # fmt: skip
+    parser.add_argument(
+        "--snapshot-store-timeout", type=float, default=60.0, metavar="SECONDS",
+        help="seconds one request to --snapshot-store may take, retries included (default: 60)",
+    )  # fmt: skip
+
+
+def _one_line(exc: Exception, store: str | None) -> str:
+    """The error on one line, an object not named twice (``reading X failed: X: why``); a
+    failing store's names the flag and the URI, and for S3 where its settings come from."""
+    message = re.sub(r"reading (\S+) failed: \1: ", r"reading \1 failed: ", " ".join(str(exc).split()))
+    if store is not None and isinstance(exc, SnapshotStoreUnavailable):
+        if not message.startswith(STORE_FLAG):
+            message = f"{STORE_FLAG} {store}: {message}"
+        if store.startswith("s3://"):
+            message += " (endpoint and credentials come from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)"
+    return message
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Run parsed ``swap-state export`` arguments: 0, or 1 with the error on stderr."""
+    from swap_state.client.export.snapshot import ExportError, export_snapshot
+
+    try:
+        if not args.snapshot_store_timeout > 0:
+            raise ExportError("--snapshot-store-timeout must be > 0 seconds")
+        if args.format == "torchtitan":
+            from swap_state.client.export.torchtitan import export_torchtitan_checkpoint
+
+            titan = export_torchtitan_checkpoint(
+                args.snapshot, args.out, args.snapshot_dir, snapshot_store=args.snapshot_store,
+                store_timeout_s=args.snapshot_store_timeout,
+            )
+            print(
+                f"exported {args.snapshot} with snapshot {titan.snapshot_id} (ranks "
+                f"{list(titan.ranks)}: {titan.model_tensors} model tensors, "
+                f"{titan.optimizer_entries} optimizer entries) to {titan.out} (torchtitan)"
+            )
+            return 0
+        result = export_snapshot(
+            args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir,
+            snapshot_store=args.snapshot_store, store_timeout_s=args.snapshot_store_timeout,
+        )
+    except (SnapshotError, ConfigError) as exc:  # not found, corrupt, not exportable: no traceback
+        print(f"swap-state export: {_one_line(exc, args.snapshot_store)}", file=sys.stderr)
+        return 1
+    share = ""
+    if len(result.ranks) < result.world_size:
+        share = f", ranks {list(result.ranks)} of world_size {result.world_size}"
+    print(
+        f"exported {result.snapshot_id} ({result.tensors} tensors, {result.entries} entries"
+        f"{share}) to {result.out} ({result.format})"
+    )
+    return 0
 
 
 def _add_plan_arguments(plan: argparse.ArgumentParser) -> None:
@@ -126,12 +205,11 @@ def _count_model(spec: str) -> int:
 
 
 def _plan(args) -> int:
+    from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S
     from swap_state.common.sizing import plan_sizes
 
     params = _parse_count(args.params) if args.params else _count_model(args.model)
     ranks_per_host = args.ranks_per_host or min(8, args.world_size)
-    from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S
-
     snapshots = args.checkpoint == "snapshot"
     try:
         plan = plan_sizes(params, args.world_size, ranks_per_host, sharded=not args.no_fsdp,
@@ -146,14 +224,9 @@ def _plan(args) -> int:
 
 
 def _client(args):
-    from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
+    from swap_state.client.remote.rpc import ClientConfig, SwapStateClient, tls_files
 
-    token = None
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
-    from swap_state.client.remote.rpc import tls_files
-
+    token = pathlib.Path(args.token_file).read_text().strip() if args.token_file else None
     try:
         tls = tls_files(args.tls_root_cert, args.tls_client_cert, args.tls_client_key)
     except ValueError as exc:
@@ -180,9 +253,8 @@ def _amount(n: int) -> str:
 
 
 def budget_rest(stats) -> str:
-    """The budget that is neither used nor free, said: ``free F; P held for the
-    copy-before-write pool (--cow-budget)`` (the pool's slots sessions hold count as used), and
-    what restores hold while they run."""
+    """The budget that is neither used nor free, said: the copy-before-write pool's share (its
+    slots that sessions hold count as used), and what restores hold while they run."""
     parts = [f"free {_gib(stats.budget_free_bytes)}"]
     held = stats.budget_total_bytes - stats.budget_used_bytes - stats.budget_free_bytes
     pool_held = stats.cow_pool_bytes - stats.cow_pool_used_bytes
@@ -198,11 +270,8 @@ def budget_rest(stats) -> str:
 
 
 def _status(args) -> int:
-    client = _client(args)
-    try:
+    with contextlib.closing(_client(args)) as client:
         stats = client.stats()
-    finally:
-        client.close()
     print(
         f"budget: used {_gib(stats.budget_used_bytes)} / {_gib(stats.budget_total_bytes)} "
         f"({budget_rest(stats)}); steps committed: {stats.steps_committed_total}"
@@ -253,19 +322,14 @@ def _snapshots(args) -> int:
         except InvalidArgument as e:
             print(f"swap-state snapshots: {e}", file=sys.stderr)
             return 2
-    client = _client(args)
-    try:
+    with contextlib.closing(_client(args)) as client:
         reply = client.list_snapshots(ref.job_id if ref else args.job_id)
-    finally:
-        client.close()
     snapshots = [s for s in reply.snapshots if ref is None or (s.latest if ref.latest else s.step == ref.step)]
     for snap in snapshots:
         marker = " (latest)" if snap.latest else ""
-        held = list(snap.ranks)
-        if held and len(held) < snap.world_size:
-            ranks = f"ranks {','.join(map(str, held))} of {snap.world_size}"
-        else:
-            ranks = f"{snap.world_size} ranks"
+        ranks = f"{snap.world_size} ranks"
+        if snap.ranks and len(snap.ranks) < snap.world_size:
+            ranks = f"ranks {','.join(map(str, snap.ranks))} of {snap.world_size}"
         print(f"{snap.snapshot_id}\t{ranks}\t{_gib(snap.bytes)}\t{_where(snap)}{marker}")
     if not snapshots:
         print(f"no snapshot {ref}" if ref is not None else "no snapshots")
@@ -273,8 +337,7 @@ def _snapshots(args) -> int:
 
 
 def _where(snap) -> str:
-    """Which tiers hold the snapshot, and where: ``local <dir>``, ``store <uri>``, or both
-    (``local+store``); only the directory when the snapshot is not in a store."""
+    """Which tiers hold the snapshot, and where: its directory alone, ``store <uri>`` or ``local+store``."""
     if not snap.stored:
         return snap.path
     if not snap.local:
@@ -282,15 +345,11 @@ def _where(snap) -> str:
     return f"local+store {snap.path} {snap.store_path}"
 
 
-def _export(args) -> int:
-    return run_export(args)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from swap_state.client.remote.rpc import SwapStateError
 
-    handlers = {"status": _status, "snapshots": _snapshots, "export": _export, "plan": _plan}
+    handlers = {"status": _status, "snapshots": _snapshots, "export": run_export, "plan": _plan}
     try:
         return handlers[args.command](args)
     except SwapStateError as e:

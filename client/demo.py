@@ -5,14 +5,8 @@
         --job-id demo --steps 20 --snapshot-every 5 --state-dir /tmp/demo
 
 Prints every step, the bytes the server holds, and the step time next to plain fused AdamW
-trained in the same run on the same data; ends by checking that parameters and moments are
-bitwise equal to plain AdamW's.
-
-Restarting: ``--state-dir`` keeps the model parameters of recent steps and of every snapshot
-step, so a restarted trainer continues with ``--resume reattach`` (the server kept the
-moments: within --grace), ``--resume latest`` (restore the latest snapshot), ``--resume
-auto`` (reattach, else latest, else from scratch) or ``--resume <job>/step-<N>`` (restore that
-snapshot; ``demo/step-25`` and ``demo/step-000000000025`` name the same one).
+on the same data; ends by checking that parameters and moments are bitwise equal to plain
+AdamW's. A restarted demo continues with ``--state-dir`` and ``--resume`` (see ``--help``).
 """
 
 from __future__ import annotations
@@ -53,8 +47,7 @@ class DemoConfig:
 
     server: str | None = None
     """the server's address (unix:///path or host:port); default: $SWAP_STATE_SERVER, else the
-    host's server when one answers at the default socket, else a private server started for
-    this demo"""
+    host's server at the default socket, else a private server started for this demo"""
     job_id: str = "demo"
     """the job id (a restarted demo with the same id and rank reattaches to its state)"""
     steps: int = 10
@@ -63,23 +56,18 @@ class DemoConfig:
     """take a server-side snapshot every N steps (0: never)"""
     resume: str = "none"
     """how a restarted demo continues: none: from scratch; reattach: the optimizer state the
-    server kept for this --job-id and rank (the previous trainer went away less than the
-    server's --grace ago); latest: restore the job's latest snapshot (e.g. after a server
-    restart); auto: reattach, else latest, else from scratch; or a snapshot id to restore that
-    snapshot: demo/step-25, or step-25 of --job-id (step-000000000025, the directory's
-    spelling, names the same one)"""
+    server kept for this --job-id and rank (within the server's --grace); latest: restore the
+    job's latest snapshot; auto: reattach, else latest, else from scratch; or a snapshot id to
+    restore: demo/step-25, or step-25 of --job-id (step-000000000025 names the same one)"""
     state_dir: str | None = None
-    """where the demo keeps what a restart needs besides the server's optimizer state: the
-    model parameters of its last two steps and of its last few snapshot steps (model-*.pt), and
-    with its private server (no --server) that server's snapshots (DIR/snapshots). Give the
-    same --state-dir to a restarted demo; every --resume but none needs it"""
+    """what a restart needs besides the server's state: the model parameters of its last two steps
+    and last few snapshot steps, and a private server's snapshots. Every --resume but none needs it"""
     report: str | None = None
     """write a JSON report here (digests, step times, the server's bytes)"""
     crash_after_step: int = 0
     """a test hook: SIGKILL this process right after step N is committed and saved (0: never)"""
     step_seconds: float = 0.0
-    """the least wall time of a step: the demo sleeps the rest, so that whoever drives it
-    (a scenario test, an operator) can act between two steps (0: full speed)"""
+    """the least wall time of a step (the demo sleeps the rest), to act between steps (0: full speed)"""
     swap_times: int = 4
     """slices of the swap pipeline (the optimizer state moves slice by slice)"""
     dim: int = 64
@@ -93,9 +81,7 @@ class DemoConfig:
     token_file: str | None = None
     """a file holding the token of a server started with --token-file"""
     server_wait: float = RemoteConfig.server_wait_s
-    """seconds a snapshot waits for a server that is unreachable (restarting, being upgraded)
-    to come back before the demo fails naming it; steps never wait: they go on while the
-    server restarts, and the new server adopts the demo's segment"""
+    """seconds a snapshot waits for an unreachable (restarting) server; steps never wait"""
 
 
 class TinyLM(nn.Module):
@@ -153,44 +139,33 @@ def digest(model: nn.Module, moments: dict[str, torch.Tensor]) -> str:
 
 
 def reference_run(cfg: DemoConfig) -> tuple[str, list[float]]:
-    """Plain fused AdamW from the same init on the same data: the digest to match."""
-    model = build_model(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **OPTIMIZER_KWARGS)
-    _warm_up(cfg)
+    """Plain fused AdamW from the same init on the same data: the digest to match, step times."""
+    for step in (1, 2):  # throw-away steps: one-time costs (thread pools, allocations) time neither run
+        train_step(*_plain_adamw(cfg), cfg, step)
+    model, optimizer = _plain_adamw(cfg)
     times = []
     for step in range(1, cfg.steps + 1):
         start = time.perf_counter()
         train_step(model, optimizer, cfg, step)
         times.append(time.perf_counter() - start)
-    names = {p: n for n, p in model.named_parameters()}
-    moments = {
-        f"{names[p]}.{k}": v for p, s in optimizer.state.items() for k, v in s.items() if k != "step"
-    }
-    return digest(model, moments), times
+    return digest(model, _moments(model, optimizer.state)), times
 
 
-def _warm_up(cfg: DemoConfig) -> None:
-    """Two throw-away steps so one-time costs (thread pools, allocations) time neither run."""
+def _plain_adamw(cfg: DemoConfig) -> tuple[TinyLM, torch.optim.AdamW]:
     model = build_model(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **OPTIMIZER_KWARGS)
-    for step in (1, 2):
-        train_step(model, optimizer, cfg, step)
+    return model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIMIZER_KWARGS)
 
 
-def _moments_of(container, model: nn.Module) -> dict[str, torch.Tensor]:
+def _moments(model: nn.Module, states: dict) -> dict[str, torch.Tensor]:
+    """``<parameter name>.<key>`` of each optimizer state tensor but ``step``."""
     names = {p: n for n, p in model.named_parameters()}
-    out = {}
-    for param, host in container.param_to_cpu_states_map.items():
-        for key, value in host.items():
-            if key != "step" and value is not None:
-                out[f"{names[param]}.{key}"] = value
-    return out
+    return {f"{names[p]}.{k}": v for p, state in states.items() for k, v in state.items()
+            if k != "step" and v is not None}
 
 
 class ModelStore:
-    """Model parameters by step under ``state_dir``: the last two steps (a reattach needs the
-    step the server committed last) and the last few snapshot steps (a restore needs the
-    snapshot's step), kept across restarts. Writes are atomic (temp file + rename)."""
+    """Model parameters by step under ``state_dir``, written atomically: the last two steps (a
+    reattach needs the server's last committed one) and the last few snapshot steps."""
 
     KEEP_SNAPSHOTS = 3  # more than the server's default --keep-latest 2
 
@@ -224,36 +199,34 @@ class ModelStore:
         for old in self._steps("snap")[: -self.KEEP_SNAPSHOTS]:
             os.unlink(self._path("snap", old))
 
-    def has(self, step: int) -> bool:
-        return bool(self.dir) and any(os.path.exists(self._path(k, step)) for k in ("step", "snap"))
+    def find(self, step: int) -> str | None:
+        """The file of the parameters saved at ``step``; None when there is none."""
+        paths = [self._path(kind, step) for kind in ("step", "snap")] if self.dir else []
+        return next((path for path in paths if os.path.exists(path)), None)
 
     def require(self, mode: str) -> None:
         """Refuse to resume (``--resume mode``) without a --state-dir, saying what it is for."""
         if not self.dir:
             raise SystemExit(
-                f"demo: --resume {mode}: --state-dir was not given. It is the directory where "
-                "the demo keeps the model parameters of its recent steps and of its snapshot "
-                "steps (the server holds only the optimizer state), so a restarted demo needs "
-                "the --state-dir of the run it continues; --resume none starts over"
+                f"demo: --resume {mode}: --state-dir was not given: it keeps the model parameters of "
+                "the demo's recent and snapshot steps (the server holds only the optimizer state), so a "
+                "restarted demo needs the --state-dir of the run it continues; --resume none starts over"
             )
 
     def load(self, model: nn.Module, step: int, mode: str = "auto") -> None:
         self.require(mode)
-        for kind in ("step", "snap"):
-            if os.path.exists(self._path(kind, step)):
-                model.load_state_dict(torch.load(self._path(kind, step), weights_only=True))
-                return
-        raise SystemExit(
-            f"demo: --resume {mode}: --state-dir {self.dir} has no model parameters of step "
-            f"{step} (it keeps the last two steps and the last {self.KEEP_SNAPSHOTS} snapshot "
-            "steps of the run that used it): was it another run's --state-dir?"
-        )
+        path = self.find(step)
+        if path is None:
+            raise SystemExit(
+                f"demo: --resume {mode}: --state-dir {self.dir} has no model parameters of step "
+                f"{step} (it keeps the last two steps and the last {self.KEEP_SNAPSHOTS} snapshot "
+                "steps of the run that used it): was it another run's --state-dir?"
+            )
+        model.load_state_dict(torch.load(path, weights_only=True))
 
 
 def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> tuple[int, str]:
-    """Where a restarted demo continues, and from what: the server's kept moments when the
-    model parameters of that step were saved too, else (``auto``/``latest``) the latest
-    snapshot, or the snapshot ``--resume`` names."""
+    """The step a restarted demo continues from, and from what (as ``--resume`` says)."""
     mode = cfg.resume
     if mode == "none":
         return 0, "a fresh start"
@@ -261,7 +234,7 @@ def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> 
         return _restore(container, cfg, model, store, mode)
     kept = container.resumed_step
     if kept is not None and mode in ("reattach", "auto"):
-        if store.has(kept) or not store.dir:  # without --state-dir, load says what it is for
+        if store.find(kept) or not store.dir:  # without --state-dir, load says what it is for
             store.load(model, kept, mode)
             print(f"reattached: the server kept the moments of step {kept}")
             return kept, "the moments the server kept"
@@ -274,7 +247,7 @@ def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> 
         print(f"{why}: restoring the latest snapshot")
     elif mode == "reattach":
         raise SystemExit(_nothing_to_reattach(container, cfg))
-    if _has_snapshot(container):
+    if container.client.list_snapshots(container.remote_config.job_id).snapshots:
         return _restore(container, cfg, model, store, "latest")
     if mode == "latest" or kept is not None or container.segment.torn_step is not None:
         raise SystemExit(
@@ -285,8 +258,7 @@ def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> 
 
 
 def _restore(container, cfg: DemoConfig, model: nn.Module, store: ModelStore, snapshot_id: str) -> tuple[int, str]:
-    """Restore ``snapshot_id`` (``latest``, or an id in either spelling) and its step's
-    parameters; the restored snapshot is named by its short id."""
+    """Restore ``snapshot_id`` (``latest``, or an id in either spelling) and its step's parameters."""
     store.require(cfg.resume)
     step = container.restore(snapshot_id)
     named = f"{parse_snapshot_id(snapshot_id, cfg.job_id).job_id}/step-{step}"
@@ -312,18 +284,13 @@ def _nothing_to_reattach(container, cfg: DemoConfig) -> str:
 
 
 def _segment_bytes(container) -> int | None:
-    """Bytes of this trainer's segment on the server (moments, steps, header, spare slots);
-    None when the server does not answer (restarting: the line says so, training goes on)."""
+    """Bytes of this trainer's segment on the server; None when it does not answer (restarting)."""
     me = container.session.session_id
     try:
         stats = container.server_stats()
     except SwapStateError:
         return None
     return sum(s.segment_bytes for s in stats.sessions if s.session_id == me)
-
-
-def _has_snapshot(container) -> bool:
-    return bool(container.client.list_snapshots(container.remote_config.job_id).snapshots)
 
 
 def run(cfg: DemoConfig) -> dict:
@@ -334,30 +301,21 @@ def run(cfg: DemoConfig) -> dict:
     model = build_model(cfg)
     # A scratch folder of a demo killed on purpose (--crash-after-step) is swept by the next.
     scratch = make_scratch_dir("swap-state-demo-")
+    # A private server's snapshots: under --state-dir (a restarted demo restores them), else in
+    # the scratch folder (the fixed job id would otherwise meet a previous run's snapshots).
+    snapshot_dir = os.path.join(cfg.state_dir, "snapshots") if cfg.state_dir else scratch
+    embedded = EmbeddedServerConfig(shm_size_bytes=None, snapshot_dir=snapshot_dir)
     try:
+        # A resumed demo trains steps again: its snapshots replace an earlier run's of those
+        # steps (as torchtitan's checkpoints do).
         container = RemoteSwapOptimizersContainer(
-            [model],
-            torch.optim.AdamW,
-            dict(OPTIMIZER_KWARGS),
-            cfg.swap_times,
-            server=cfg.server,
+            [model], torch.optim.AdamW, dict(OPTIMIZER_KWARGS), cfg.swap_times, server=cfg.server,
             job_id=cfg.job_id,
-            # A resumed demo trains steps again: its snapshots replace an earlier run's of
-            # those steps (as torchtitan's checkpoints do), never answered with their bytes.
-            config=RemoteConfig(token=token, embedded=_embedded_config(cfg, scratch),
-                                snapshot_replace_existing=True),
+            config=RemoteConfig(token=token, embedded=embedded, snapshot_replace_existing=True),
         )
         return _train(cfg, container, model, reference_digest, plain_times)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _embedded_config(cfg: DemoConfig, scratch: str) -> EmbeddedServerConfig:
-    """A private server's snapshots go with the demo's state: under ``--state-dir`` (so a
-    restarted demo restores them), else into a scratch folder removed at the end (the fixed
-    job id ``demo`` would otherwise meet the previous run's snapshots of the same steps)."""
-    root = os.path.join(cfg.state_dir, "snapshots") if cfg.state_dir else scratch
-    return EmbeddedServerConfig(shm_size_bytes=None, snapshot_dir=root)
 
 
 def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> dict:
@@ -368,33 +326,27 @@ def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> 
     store = ModelStore(cfg.state_dir)
     start_step, source = _resume(container, cfg, model, store)
     _check_steps_left(cfg, start_step, source)
-    handles = []
-    times = []
+    handles: list = []
+    times: list[float] = []
     try:
         _steps(cfg, container, model, store, start_step, handles, times)
-    except KeyboardInterrupt:
-        raise Interrupted(_interrupted(cfg, container)) from None
+    except KeyboardInterrupt:  # Ctrl-C: one line that says what is kept and how to resume
+        print(_interrupted(cfg, container), file=sys.stderr)
+        raise SystemExit(130) from None
     _report_durable(handles)
     result = _summarize(cfg, container, model, reference_digest, plain_times, times)
     container.close()
     return result
 
 
-class Interrupted(Exception):
-    """Ctrl-C: the one line that says what is kept and how to resume."""
-
-
 def _interrupted(cfg: DemoConfig, container) -> str:
-    """Detach keeping the state on a host's server (a private one stops with the demo), and
-    say what is kept, for how long, and how to resume."""
-    job = container.remote_config.job_id
-    done = container.session.last_committed_step
-    if container.segment.embedded is not None:
-        container.close()
-        kept = "its private server stopped with it, so only its snapshots are kept"
-        how = "--resume latest"
-    else:
-        container.close(keep=True)
+    """Detach, keeping the state on a host's server (a private one stops with the demo); say
+    what is kept and how to resume."""
+    job, done = container.remote_config.job_id, container.session.last_committed_step
+    private = container.segment.embedded is not None
+    container.close(keep=not private)
+    kept, how = "its private server stopped with it, so only its snapshots are kept", "--resume latest"
+    if not private:
         kept = (f"the server at {container.remote_config.server} keeps the optimizer state of job {job} "
                 "for its --grace seconds")
         how = "--resume auto (reattach, else the latest snapshot)"
@@ -405,8 +357,7 @@ def _interrupted(cfg: DemoConfig, container) -> str:
 
 
 def _steps(cfg: DemoConfig, container, model, store, start_step: int, handles: list, times: list) -> None:
-    """Train from ``start_step`` to ``cfg.steps``: the snapshots taken into ``handles``, the
-    step times into ``times``."""
+    """Train from ``start_step`` to ``cfg.steps``, appending the snapshots taken and the step times."""
     for step in range(start_step + 1, cfg.steps + 1):
         begin = time.perf_counter()
         loss = train_step(model, container, cfg, step)
@@ -429,21 +380,17 @@ def _steps(cfg: DemoConfig, container, model, store, start_step: int, handles: l
 
 
 def _report_durable(handles: list) -> None:
-    """Wait until each snapshot is durable and say where; one the server no longer has is said
-    so with the server's own reason (retired by its retention, or lost when a server stopped
-    while it persisted), and one that failed with its error."""
+    """Wait until each snapshot is durable and say where, or the server's reason why not
+    (retired by its retention, lost when a server stopped while it persisted, failed)."""
     from swap_state.client.errors import SnapshotFailedError, SnapshotNotFoundError
 
     for handle in handles:
         try:
-            reply = handle.wait_durable()
+            print(f"snapshot {handle.snapshot_id} durable at {handle.wait_durable().path}")
         except SnapshotNotFoundError as e:
             print(f"snapshot {handle.snapshot_id} is not on the server: {_server_reason(e)}")
-            continue
         except SnapshotFailedError as e:
             print(f"snapshot {handle.snapshot_id} failed: {_server_reason(e)}")
-            continue
-        print(f"snapshot {handle.snapshot_id} durable at {reply.path}")
 
 
 def _server_reason(error: Exception) -> str:
@@ -456,8 +403,7 @@ def _server_reason(error: Exception) -> str:
 
 
 def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:
-    """A resumed state past ``--steps`` has nothing left to train, and no plain AdamW run of
-    ``--steps`` steps to compare with: say so rather than report a mismatch."""
+    """A resumed state past ``--steps`` has nothing to train nor compare with: say so."""
     if start_step > cfg.steps:
         raise SystemExit(
             f"demo: nothing left to train: the run resumed at step {start_step} ({source}) and "
@@ -470,7 +416,7 @@ def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:
 
 
 def _summarize(cfg, container, model, reference_digest, plain_times, times) -> dict:
-    final = digest(model, _moments_of(container, model))
+    final = digest(model, _moments(model, container.param_to_cpu_states_map))
     stats = container.server_stats(wait_s=cfg.server_wait)  # a server restarted meanwhile
     plain_ms = statistics.median(plain_times) * 1e3
     remote_ms = statistics.median(times) * 1e3 if times else None
@@ -482,15 +428,9 @@ def _summarize(cfg, container, model, reference_digest, plain_times, times) -> d
     print(f"server budget used {stats.budget_used_bytes / 2**20:.2f} MiB of {stats.budget_total_bytes / 2**20:.0f} MiB")
     equal = final == reference_digest
     print("parameters and moments bitwise equal to plain AdamW:", "yes" if equal else "NO")
-    result = {
-        "step": cfg.steps,
-        "digest": final,
-        "reference_digest": reference_digest,
-        "bitwise_equal": equal,
-        "plain_step_ms": plain_ms,
-        "remote_step_ms": remote_ms,
-        "server_bytes": stats.budget_used_bytes,
-    }
+    result = {"step": cfg.steps, "digest": final, "reference_digest": reference_digest,
+              "bitwise_equal": equal, "plain_step_ms": plain_ms, "remote_step_ms": remote_ms,
+              "server_bytes": stats.budget_used_bytes}
     if cfg.report:
         with open(cfg.report, "w") as f:
             json.dump(result, f, indent=2)
@@ -512,30 +452,22 @@ def _resume_arg(text: str) -> str:
 
 def parse_args(argv: list[str] | None) -> DemoConfig:
     parser = argparse.ArgumentParser(prog="python -m swap_state.client.demo", description=__doc__.split("\n\n")[0])
-    defaults = DemoConfig()
+    docs, defaults = field_docs(DemoConfig), DemoConfig()
     for f in dataclasses.fields(DemoConfig):
-        flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        kind = type(default) if default is not None else str
-        help_text = f"{field_docs(DemoConfig).get(f.name, '')} (default: {default})"
-        if f.name == "resume":
-            kind = _resume_arg
-        parser.add_argument(flag, type=kind, default=default, help=help_text.replace("%", "%%"))
+        kind = _resume_arg if f.name == "resume" else str if default is None else type(default)
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
+                            help=f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%"))
     return DemoConfig(**vars(parser.parse_args(argv)))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from swap_state.client.remote.rpc import SwapStateError
-
     cfg = parse_args(argv)
     try:
         result = run(cfg)
     except SwapStateError as e:
         print(f"demo: swap-state failed: {e}", file=sys.stderr)
         return 2
-    except Interrupted as e:
-        print(e, file=sys.stderr)
-        return 130
     return 0 if result["bitwise_equal"] else 1
 
 

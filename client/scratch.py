@@ -2,8 +2,7 @@
 
 A trainer or the demo killed with SIGKILL runs no cleanup, so its temporary folders stay.
 :func:`make_scratch_dir` writes the owner's pid into each folder it makes and, first, removes
-the folders of the same prefix whose owner is gone (dead pid, or an empty folder with no owner
-file, what older versions left).
+the folders of the same prefix whose owner is gone (dead pid, or an empty folder, no owner file).
 """
 
 from __future__ import annotations
@@ -62,6 +61,6 @@ def _owner_alive(path: str) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's process
+        pass
     return True

@@ -1,37 +1,20 @@
 """Offline export of snapshots: plain torch and DCP files (:mod:`.snapshot`), torchtitan
-checkpoints (:mod:`.torchtitan`), and the ``swap-state export`` command line (:mod:`.cli`).
+checkpoints (:mod:`.torchtitan`); ``python -m swap_state.client.export`` is ``swap-state
+export`` (:mod:`.cli`)."""
 
-``python -m swap_state.client.export`` runs that command line. The names below are imported
-lazily, so the admin CLI's import of :mod:`.cli` does not import torch.
-"""
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
+from swap_state.client.export.cli import main, run_export
+from swap_state.client.export.snapshot import (
+    FORMATS,
+    ExportError,
+    ExportResult,
+    SnapshotState,
+    export_snapshot,
+    load_flat_state_dict,
+    read_snapshot_state,
+)
+from swap_state.client.export.torchtitan import export_torchtitan_checkpoint
 
 __all__ = [
-    "FORMATS",
-    "ExportError",
-    "ExportResult",
-    "SnapshotState",
-    "export_snapshot",
-    "export_torchtitan_checkpoint",
-    "load_flat_state_dict",
-    "main",
-    "read_snapshot_state",
-    "run_export",
+    "FORMATS", "ExportError", "ExportResult", "SnapshotState", "export_snapshot",
+    "export_torchtitan_checkpoint", "load_flat_state_dict", "main", "read_snapshot_state", "run_export",
 ]
-
-_LAZY = {
-    "main": "swap_state.client.export.cli",
-    "run_export": "swap_state.client.export.cli",
-    "export_torchtitan_checkpoint": "swap_state.client.export.torchtitan",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in __all__:
-        raise AttributeError(f"module 'swap_state.client.export' has no attribute {name!r}")
-    module = _LAZY.get(name, "swap_state.client.export.snapshot")
-    return getattr(importlib.import_module(module), name)

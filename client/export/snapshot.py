@@ -1,32 +1,21 @@
 """``swap-state export``: a snapshot as a standard checkpoint, loadable without swap-state.
 
-Reads a complete snapshot directory (verifying every checksum first, with the server's own
-reader, which is pure Python) and writes the seed's flat optimizer state dict::
+Reads a complete snapshot from a snapshot directory or a snapshot store through one seam,
+:class:`~swap_state.common.snapshot_reader.SnapshotTier`, whose reads check every manifest,
+data file header and tensor crc32 (an error names the file and tensor; nothing is written),
+and writes the seed's flat optimizer state dict::
 
     state.<fqn>.<key>           tensors (exp_avg, exp_avg_sq, ...), full (global) shape
     state.<fqn>.step            0-dim float32 tensor (as torch's Adam keeps it)
     param_groups.<fqn>.<hp>     hyperparameters (floats, tuples, bools, None, tensors)
 
-either as one ``torch.save`` file (``torch.load(out, weights_only=True)`` reads it) or as a
-``torch.distributed.checkpoint`` directory (``dcp.load`` into a template, any sharding). A
-snapshot in a snapshot store (``--snapshot-store``) is downloaded and verified into a
-temporary local snapshot directory first (:mod:`.from_store`) and exported from there.
-
-DTensor shards of all ranks present are assembled into global tensors from the manifest's
-global shape and offsets; every element must be covered by some shard. A snapshot of one host
-of a multi-host job (one server per host) holds that host's ranks only (``snapshot.json``:
-``ranks`` < ``world_size``): it exports those ranks, which is complete for replicated (DDP)
-state; a sharded tensor whose other shards are on other hosts' servers is refused, naming the
-ranks present, rather than exported with holes. Every shard in a snapshot is such a box:
-the trainer checks each DTensor's shard when it describes it, a ``_StridedShard`` one (FSDP
-over a tensor-parallel dimension) included, and refuses a layout whose shard is not one box
-(:func:`~swap_state.client.optim.dtensor_utils.check_shard_is_a_box`), so no row is placed
-wrongly here. A tensor the trainer gave no
-fqn/key for is written as ``state.<segment tensor name>``, except the container's own
-``swap_state.*`` step vectors (their values are the ``step`` entries above). The model tensors
-of a whole-state snapshot (``model.<fqn>``) are not part of these formats: ``swap-state export
---format torchtitan`` (:mod:`swap_state.client.export.torchtitan`) writes them with the rest of
-a torchtitan checkpoint. Everything is assembled in host memory.
+as one ``torch.save`` file (``torch.load(out, weights_only=True)``) or a DCP directory
+(``dcp.load`` into a template, any sharding). DTensor shards are assembled into global tensors
+(each shard is one box: the trainer checks it), every element covered. One host's snapshot of
+a multi-host job exports that host's ranks: complete for replicated (DDP) state; a sharded
+tensor with shards on other hosts is refused, naming the ranks present. A tensor without
+fqn/key is written as ``state.<segment tensor name>``, except the container's own step
+vectors. Model tensors go into ``--format torchtitan`` only (:mod:`.torchtitan`).
 """
 
 from __future__ import annotations
@@ -40,34 +29,34 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from swap_state.client.export.errors import ExportError
 from swap_state.client.remote.segment_mapping import TORCH_DTYPES
 from swap_state.common.names import (
-    MODEL_PREFIX,
-    STATE_PREFIX,
-    is_model_tensor,
-    param_group_key,
-    parse_snapshot_id,
-    state_key,
+    MODEL_PREFIX, STATE_PREFIX, is_model_tensor, param_group_key, parse_snapshot_id, state_key,
 )
+from swap_state.common.object_store import STORE_FLAG, PosixObjectStore, open_store
 from swap_state.common.segment import TensorLayout
-from swap_state.common.snapshot_format import RankManifest, TensorRecord
+from swap_state.common.snapshot_errors import SnapshotError, SnapshotNotFound, SnapshotStoreUnavailable
+from swap_state.common.snapshot_format import TensorRecord
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, TENSOR_TAG, parse_metadata
-from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
+from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader, SnapshotTier
+from swap_state.common.stored_snapshots import StoredSnapshots
+from tqdm import tqdm
 
 __all__ = [
-    "FORMATS",
-    "ExportError",
-    "ExportResult",
-    "SnapshotState",
-    "export_snapshot",
-    "load_flat_state_dict",
-    "read_snapshot_state",
+    "FORMATS", "ExportError", "ExportResult", "SnapshotState", "export_snapshot", "load_flat_state_dict",
+    "locate", "read_snapshot_state",
 ]
 
 FORMATS = ("torch", "dcp")
+#: Seconds one request to the store may take, retries included (the server's default too).
+STORE_TIMEOUT_S = 60.0
 
+Location = tuple[SnapshotTier, SnapshotInfo]
+
+
+class ExportError(SnapshotError):
+    """The snapshot cannot be exported: it cannot be expressed as a flat state dict (e.g.
+    shards leave holes), or the store or a flag stands in the way; the message says which."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +74,9 @@ class ExportResult:
     entries: int
     """Number of keys in the state dict."""
     ranks: tuple[int, ...] = ()
-    """The ranks exported: those the snapshot directory holds."""
+    """The ranks exported: those the snapshot holds."""
     world_size: int = 0
-    """The job's world size (above ``len(ranks)``: one host's snapshot of a multi-host job)."""
+    """The job's world size (above ``len(ranks)``: one host's snapshot)."""
 
 
 def _decode(value: Any) -> Any:
@@ -104,22 +93,24 @@ def _decode(value: Any) -> Any:
 
 def _decode_step(value: Any) -> torch.Tensor:
     decoded = _decode(value)
-    if isinstance(decoded, torch.Tensor):
-        return decoded
-    return torch.tensor(float(decoded), dtype=torch.float32)
+    return decoded if isinstance(decoded, torch.Tensor) else torch.tensor(float(decoded), dtype=torch.float32)
 
 
-#: Segment tensors of RemoteSwapOptimizersContainer's own bookkeeping (``swap_state.param_steps``,
-#: ``swap_state.group_steps``): the manifest's ``steps`` and ``param_groups`` carry the same
-#: values as ``state.<fqn>.step`` / ``param_groups.<fqn>.step``, so they are not exported.
 def _is_bookkeeping(tensor: TensorRecord) -> bool:
+    """The container's own step vectors (``swap_state.param_steps`` ...): the manifest's
+    ``steps`` and ``param_groups`` carry the same values, so they are not exported."""
     return not (tensor.fqn and tensor.key) and tensor.name.startswith(BOOKKEEPING_PREFIX)
 
 
 def _state_key(tensor: TensorRecord) -> str:
-    if tensor.fqn and tensor.key:
-        return state_key(tensor.fqn, tensor.key)
-    return STATE_PREFIX + tensor.name
+    return state_key(tensor.fqn, tensor.key) if tensor.fqn and tensor.key else STATE_PREFIX + tensor.name
+
+
+def _tensor(data: bytes, record: TensorRecord) -> torch.Tensor:
+    dtype = TORCH_DTYPES[record.dtype]
+    if not data:  # frombuffer refuses an empty buffer
+        return torch.empty(record.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(record.shape)
 
 
 class _Assembler:
@@ -131,17 +122,14 @@ class _Assembler:
         self.sources: dict[str, str] = {}
 
     def add(self, key: str, record: TensorRecord, local: torch.Tensor, where: str) -> None:
-        if record.global_shape is None:
-            if key in self.values:
-                # A plain tensor on several ranks is replicated (DDP); the lowest rank wins.
-                if tuple(self.values[key].shape) != tuple(local.shape):
-                    raise ExportError(
-                        f"{where}: {key} has shape {list(local.shape)}, another rank's is "
-                        f"{list(self.values[key].shape)} ({self.sources[key]})"
-                    )
-                return
-            self.values[key] = local
-            self.sources[key] = where
+        if record.global_shape is None:  # replicated (DDP) on each rank: the lowest rank's is kept
+            kept = self.values.setdefault(key, local)
+            self.sources.setdefault(key, where)
+            if tuple(kept.shape) != tuple(local.shape):
+                raise ExportError(
+                    f"{where}: {key} has shape {list(local.shape)}, another rank's is "
+                    f"{list(kept.shape)} ({self.sources[key]})"
+                )
             return
         shape = record.global_shape
         if key not in self.values:
@@ -161,46 +149,67 @@ class _Assembler:
         target[region] = local
         self.covered[key][region] = True
 
-    def finish(self, info: SnapshotInfo | None = None) -> dict[str, torch.Tensor]:
+    def finish(self, info: SnapshotInfo) -> dict[str, torch.Tensor]:
         for key, mask in self.covered.items():
             if not bool(mask.all()):
-                message = (
-                    f"{key}: the shards of all ranks cover {int(mask.sum())} of "
-                    f"{mask.numel()} elements of the global tensor"
+                cover = f"cover {int(mask.sum())} of {mask.numel()} elements of the global tensor"
+                if info.index.complete_job:
+                    raise ExportError(f"{key}: the shards of all ranks {cover}")
+                raise ExportError(
+                    f"{key}: the shards of the {info.describe_ranks()} in {info.path} {cover}; the "
+                    "other ranks' shards are in the snapshots of the same step on the other hosts' "
+                    "servers, so this host's snapshot alone cannot be exported as a full state dict"
                 )
-                if info is not None and not info.index.complete_job:
-                    message = (
-                        f"{key}: the shards of the {info.describe_ranks()} in {info.path} "
-                        f"cover {int(mask.sum())} of {mask.numel()} elements of the global "
-                        "tensor; the other ranks' shards are in the snapshots of the same step "
-                        "on the other hosts' servers, so this host's snapshot alone cannot be "
-                        "exported as a full state dict"
-                    )
-                raise ExportError(message)
         return self.values
 
 
-def _resolve(snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str] | None) -> tuple[SnapshotReader, SnapshotInfo]:
-    """A snapshot id under ``snapshot_dir``, else a path ``<snapshot-dir>/<job>/step-<N>``
-    with the step in either spelling: the directory's (``step-000000000025``) or the short
-    one (``step-25``, which names the same directory), or ``<job>/latest``."""
-    if snapshot_dir is not None:
-        reader = SnapshotReader(snapshot_dir)
-        return reader, reader.resolve(os.fspath(snapshot))
-    path = pathlib.Path(os.path.abspath(snapshot))
-    snapshot_id = f"{path.parent.name}/{path.name}"
-    try:
-        parse_snapshot_id(snapshot_id, error=ExportError)
-    except ExportError:
-        snapshot_id = None
-    if snapshot_id is None or not (path.is_dir() or path.parent.is_dir()):
-        raise ExportError(
-            f"{path} is not a snapshot directory (<snapshot-dir>/<job>/step-<N>, e.g. "
-            "/snapshots/demo/step-25 or /snapshots/demo/step-000000000025); an id such as "
-            "demo/step-25 needs --snapshot-dir (or --snapshot-store)"
+def locate(
+    snapshot: str | os.PathLike[str],
+    snapshot_dir: str | os.PathLike[str] | None = None,
+    snapshot_store: str | None = None,
+    timeout_s: float | None = None,
+) -> list[Location]:
+    """Where the snapshot's ranks are: an id (or its URI there, as ``swap-state snapshots``
+    prints it) in the store ``snapshot_store``; an id under ``snapshot_dir`` itself or, as the
+    embedded servers of a multi-rank job keep them, in each ``rank-*`` directory below it; else
+    a snapshot directory ``<snapshot-dir>/<job>/step-<N>`` (the step in either spelling:
+    ``step-000000000025`` or ``step-25``) or ``<snapshot-dir>/<job>/latest``. ConfigError for a
+    URI that names no store."""
+    if snapshot_dir is not None and snapshot_store is not None:
+        raise ExportError(f"give one of --snapshot-dir and {STORE_FLAG}, not both")
+    if snapshot_store is not None:
+        store = open_store(snapshot_store, timeout_s or STORE_TIMEOUT_S)
+        if isinstance(store, PosixObjectStore) and not store.root.is_dir():
+            raise SnapshotStoreUnavailable(f"{STORE_FLAG} {snapshot_store}: {store.root} is not a directory")
+        stored = StoredSnapshots(store)
+        return [(stored, stored.resolve(os.fspath(snapshot).removeprefix(snapshot_store.rstrip("/") + "/")))]
+    if snapshot_dir is None:
+        path = pathlib.Path(os.path.abspath(snapshot))
+        snapshot, snapshot_dir = f"{path.parent.name}/{path.name}", path.parent.parent
+        try:
+            parse_snapshot_id(snapshot, error=ExportError)
+            found = path.is_dir() or path.parent.is_dir()
+        except ExportError:
+            found = False
+        if not found:
+            raise ExportError(
+                f"{path} is not a snapshot directory (<snapshot-dir>/<job>/step-<N>, e.g. "
+                "/snapshots/demo/step-25 or /snapshots/demo/step-000000000025); an id such as "
+                "demo/step-25 needs --snapshot-dir (or --snapshot-store)"
+            )
+    snapshot_id, root = os.fspath(snapshot), pathlib.Path(snapshot_dir)
+    job = parse_snapshot_id(snapshot_id, error=ExportError).job_id
+    if not root.is_dir():
+        raise SnapshotNotFound(f"--snapshot-dir {root} is not a directory")
+    roots = [root] if (root / job).is_dir() else sorted(root.glob("rank-*"))
+    readers = [SnapshotReader(r) for r in roots if (r / job).is_dir()]
+    if not readers:
+        raise SnapshotNotFound(
+            f"snapshot {snapshot_id} is not in {root} (no {job}/ there, nor in rank-*/ below it): "
+            "pass the --snapshot-dir of the server that took it (an embedded server under "
+            "torchtitan keeps them in <job.dump_folder>/swap-state-snapshots)"
         )
-    reader = SnapshotReader(path.parent.parent)
-    return reader, reader.resolve(snapshot_id)
+    return [(reader, reader.resolve(snapshot_id)) for reader in readers]
 
 
 @dataclasses.dataclass
@@ -220,49 +229,46 @@ class SnapshotState:
     """Every rank read."""
 
 
-def _model_aliases(manifest: RankManifest) -> dict[str, str]:
-    layouts = [TensorLayout(t.name, t.dtype, t.shape, 0, t.nbytes) for t in manifest.tensors]
-    return parse_metadata(manifest.metadata_json, layouts, max_bytes=sys.maxsize).model_aliases
+def read_snapshot_state(locations: Sequence[Location], progress: bool | None = False) -> SnapshotState:
+    """Read every rank of the snapshot ``locations`` hold (:func:`locate`), each read checked
+    by its tier, and assemble it. ``progress``, a bar of the bytes read: None shows it on a
+    terminal once the read takes over a second; True always; False never."""
+    disable = False if progress else None if progress is None else True
+    with tqdm(total=sum(info.bytes for _, info in locations), unit="B", unit_scale=True, delay=1.0,
+              desc=f"export {locations[0][1].snapshot_id}", disable=disable) as bar:
+        return _read(locations, bar)
 
 
-def read_snapshot_state(
-    locations: Sequence[tuple[SnapshotReader, SnapshotInfo]], progress: Any = None
-) -> SnapshotState:
-    """Verify every rank's files of the snapshot ``locations`` hold (one directory, or one
-    per rank's embedded server), then read and assemble them. ``progress``: a tqdm-like bar
-    (``update(nbytes)``), advanced by the bytes verified and the bytes read."""
-    manifests: list[tuple[SnapshotInfo, RankManifest]] = []
-    for store, info in locations:
-        for rank in info.ranks:  # all of the job's, or one host's share of a multi-host job
-            if any(m.rank == rank for _, m in manifests):
-                continue
-            manifest = store.read_manifest(info, rank)
-            store.verify_data(info, manifest)
-            if progress is not None:
-                progress.update(manifest.data_file_bytes)
-            manifests.append((info, manifest))
-    assembler = _Assembler()
-    model = _Assembler()
+def _read(locations: Sequence[Location], bar: tqdm) -> SnapshotState:
+    optimizer, model = _Assembler(), _Assembler()
     extras: dict[str, Any] = {}
     aliases: dict[str, str] = {}
-    for info, manifest in manifests:
-        path = info.path / manifest.data_file
-        with safe_open(str(path), framework="pt") as file:
+    ranks: list[int] = []
+    for tier, info in locations:
+        for rank in info.ranks:  # all of the job's, or one host's share of a multi-host job
+            if rank in ranks:
+                continue
+            ranks.append(rank)
+            manifest = tier.read_manifest(info, rank)
+            tier.check_data_header(info, manifest)
+            where = str(info.path / manifest.data_file)
             for record in manifest.tensors:
+                tensor = _tensor(tier.read_tensor(info, manifest, record), record)
                 if is_model_tensor(record.name):
-                    model.add(record.fqn or record.name[len(MODEL_PREFIX) :], record, file.get_tensor(record.name), str(path))
+                    model.add(record.fqn or record.name[len(MODEL_PREFIX) :], record, tensor, where)
                 elif not _is_bookkeeping(record):
-                    assembler.add(_state_key(record), record, file.get_tensor(record.name), str(path))
-                if progress is not None:
-                    progress.update(record.nbytes)
-        for fqn, value in manifest.steps.items():
-            extras.setdefault(state_key(fqn, "step"), _decode_step(value))
-        for fqn, group in manifest.param_groups.items():
-            for hp, value in group.items():
-                extras.setdefault(param_group_key(fqn, hp), _decode(value))
-        aliases.update(_model_aliases(manifest))
+                    optimizer.add(_state_key(record), record, tensor, where)
+                bar.update(record.nbytes)
+            for fqn, value in manifest.steps.items():
+                extras.setdefault(state_key(fqn, "step"), _decode_step(value))
+            for fqn, group in manifest.param_groups.items():
+                for hp, value in group.items():
+                    extras.setdefault(param_group_key(fqn, hp), _decode(value))
+            layouts = [TensorLayout(t.name, t.dtype, t.shape, 0, t.nbytes) for t in manifest.tensors]
+            metadata = parse_metadata(manifest.metadata_json, layouts, max_bytes=sys.maxsize)
+            aliases.update(metadata.model_aliases)
     first = locations[0][1]
-    state = assembler.finish(first)
+    state = optimizer.finish(first)
     clash = set(state) & set(extras)
     if clash:
         raise ExportError(f"tensor keys collide with step/param-group keys: {sorted(clash)[:5]}")
@@ -271,16 +277,17 @@ def read_snapshot_state(
         if fqn not in model_state:
             raise ExportError(f"{first.path}: model key {alias!r} is an alias of {fqn!r}, which the snapshot lacks")
         model_state[alias] = model_state[fqn]
-    ranks = tuple(sorted(m.rank for _, m in manifests))
-    return SnapshotState(first, state, extras, model_state, ranks)
+    return SnapshotState(first, state, extras, model_state, tuple(sorted(ranks)))
 
 
-def _build(
-    snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str] | None
-) -> tuple[SnapshotInfo, dict[str, torch.Tensor], dict[str, Any]]:
-    """(info, state tensors, steps and param groups) of a verified snapshot."""
-    state = read_snapshot_state([_resolve(snapshot, snapshot_dir)])
-    return state.info, state.optimizer, state.extras
+def save_dcp(state: dict[str, Any], path: pathlib.Path) -> None:
+    """``dcp.save`` in this one process."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        # no_dist=True is the point here; DCP still warns that it assumes one process.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
 
 
 def load_flat_state_dict(
@@ -288,10 +295,9 @@ def load_flat_state_dict(
 ) -> tuple[SnapshotInfo, dict[str, Any]]:
     """Verify a snapshot and build its flat state dict (see the module docstring).
 
-    ``snapshot``: a snapshot directory, or with ``snapshot_dir`` an id
-    (``<job>/step-<N>``, ``<job>/latest``)."""
-    info, state, extras = _build(snapshot, snapshot_dir)
-    return info, {**state, **extras}
+    ``snapshot``: a snapshot directory, or with ``snapshot_dir`` an id (:func:`locate`)."""
+    state = read_snapshot_state(locate(snapshot, snapshot_dir))
+    return state.info, {**state.optimizer, **state.extras}
 
 
 def export_snapshot(
@@ -307,24 +313,12 @@ def export_snapshot(
     """Write ``snapshot`` to ``out`` as a torch file (``format="torch"``) or a DCP directory
     (``format="dcp"``). Raises SnapshotError subclasses (not found, corrupt, ExportError).
 
-    ``snapshot_store``: read the snapshot (an id) from this snapshot store instead, downloaded
-    and verified into a temporary directory beside ``out`` (:mod:`.from_store`), removed
-    afterwards; ``store_timeout_s`` bounds each request, ``progress`` its progress bar."""
+    ``snapshot``, ``snapshot_dir``, ``snapshot_store``: as :func:`locate`, each store request
+    bounded by ``store_timeout_s``. ``progress``: as :func:`read_snapshot_state`."""
     if format not in FORMATS:
         raise ExportError(f"format {format!r} is not one of {FORMATS}")
-    if snapshot_store is not None:
-        from swap_state.client.export.from_store import (
-            STORE_TIMEOUT_S,
-            check_sources,
-            downloaded_snapshot,
-        )
-
-        check_sources(snapshot_dir, snapshot_store)
-        timeout_s = store_timeout_s or STORE_TIMEOUT_S
-        with downloaded_snapshot(snapshot_store, snapshot, out, timeout_s=timeout_s, progress=progress) as local:
-            return export_snapshot(local.path, out, format)
-    info, tensors, extras = _build(snapshot, snapshot_dir)
-    state = {**tensors, **extras}
+    read = read_snapshot_state(locate(snapshot, snapshot_dir, snapshot_store, store_timeout_s), progress)
+    state = {**read.optimizer, **read.extras}
     out_path = pathlib.Path(out)
     if format == "torch":
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -332,13 +326,8 @@ def export_snapshot(
         torch.save(state, tmp)
         os.replace(tmp, out_path)  # never a half-written checkpoint under the final name
     else:
-        import torch.distributed.checkpoint as dcp
-
         out_path.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():
-            # no_dist=True is the point here; DCP still warns that it assumes one process.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(state, checkpoint_id=str(out_path), no_dist=True)
-    return ExportResult(
-        info.snapshot_id, out_path, format, len(tensors), len(state), info.ranks, info.world_size
-    )
+        save_dcp(state, out_path)
+    info = read.info
+    return ExportResult(info.snapshot_id, out_path, format, len(read.optimizer), len(state), read.ranks,
+                        info.world_size)

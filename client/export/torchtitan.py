@@ -6,47 +6,30 @@ holds references to a whole-state snapshot (:data:`MODEL_REF_KEY` for the model 
 (``lr_scheduler``, ``dataloader``, ``train_state``). The export, offline and without a server:
 
 1. reads that checkpoint (DCP, no template: it holds no big tensors) and the snapshot id;
-2. finds the snapshot under ``--snapshot-dir`` (``<dir>/<job>/step-<N>``, or one directory
-   per rank, ``<dir>/rank-<r>/<job>/step-<N>``, as the embedded servers of a multi-rank job
-   keep them), or downloads it from ``--snapshot-store`` (:mod:`.from_store`: verified as it
-   arrives, into a temporary directory beside the output, removed afterwards); verifies every
-   checksum of every rank, and assembles DTensor shards into global tensors;
+2. reads the snapshot from ``--snapshot-dir`` or ``--snapshot-store`` (:func:`~.snapshot.locate`),
+   every read checked, shards assembled (:func:`~.snapshot.read_snapshot_state`);
 3. writes a DCP checkpoint that plain torchtitan (``swap_optimizer = false``) loads: the
    model's state dict at the top level (torchtitan flattens the model there), ``optimizer``
    in torch's flattened optimizer format (``state.<fqn>.exp_avg`` ..., ``state.<fqn>.step``,
    ``param_groups.<fqn>.<hp>``), the small states copied as they are.
 
-It writes into a hidden sibling directory and renames it into place at the end, so an error
-(a corrupt or missing snapshot names the file and tensor) leaves no partial output. A
-progress bar (``tqdm``, shown after a second, on a terminal) follows the bytes read.
+It writes into a hidden sibling directory renamed into place at the end, so an error leaves
+no partial output.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import pathlib
 import shutil
 import tempfile
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
-from swap_state.client.export.snapshot import ExportError, read_snapshot_state
-from swap_state.client.optim.checkpoint_template import (
-    MODEL_REF_KEY,
-    OPTIMIZER_KEY,
-    SNAPSHOT_REF_KEY,
-)
-from swap_state.common.names import parse_snapshot_id
-from swap_state.common.snapshot_errors import SnapshotNotFound
-from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
-from tqdm import tqdm
+from swap_state.client.export.snapshot import ExportError, locate, read_snapshot_state, save_dcp
+from swap_state.client.optim.checkpoint_template import MODEL_REF_KEY, OPTIMIZER_KEY, SNAPSHOT_REF_KEY
 
 __all__ = ["TorchtitanExportResult", "export_torchtitan_checkpoint", "read_checkpoint"]
-
-_SWAP_STATE_PREFIX = "swap_state."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +46,6 @@ class TorchtitanExportResult:
     """Keys of the optimizer's flattened state dict written."""
     ranks: tuple[int, ...]
     """The ranks whose shards were assembled."""
-
-
-@contextlib.contextmanager
-def _single_process() -> Iterator[None]:
-    with warnings.catch_warnings():
-        # no_dist=True is the point here; DCP still warns that it assumes one process.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def read_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -121,53 +96,14 @@ def _snapshot_id(checkpoint: dict[str, Any], path: pathlib.Path) -> str:
     return _text(model_ref)
 
 
-def _locations(snapshot_id: str, snapshot_dir: pathlib.Path) -> list[tuple[SnapshotReader, SnapshotInfo]]:
-    """The snapshot in ``snapshot_dir`` itself, else in each ``rank-*`` directory below it."""
-    ref = parse_snapshot_id(snapshot_id, error=ExportError)
-    if not snapshot_dir.is_dir():
-        raise SnapshotNotFound(f"--snapshot-dir {snapshot_dir} is not a directory")
-    if (snapshot_dir / ref.job_id).is_dir():
-        reader = SnapshotReader(snapshot_dir)
-        return [(reader, reader.resolve(snapshot_id))]
-    found = []
-    for rank_dir in sorted(snapshot_dir.glob("rank-*")):
-        if (rank_dir / ref.job_id).is_dir():
-            reader = SnapshotReader(rank_dir)
-            found.append((reader, reader.resolve(snapshot_id)))
-    if not found:
-        raise SnapshotNotFound(
-            f"snapshot {snapshot_id} is not in {snapshot_dir} (no {ref.job_id}/ there, nor in "
-            "rank-*/ below it): pass the --snapshot-dir of the server that took it (an "
-            "embedded server under torchtitan keeps them in <job.dump_folder>/swap-state-snapshots)"
-        )
-    return found
-
-
 def _plain_checkpoint(checkpoint: dict[str, Any], model: dict[str, Any], optimizer: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in checkpoint.items() if k != OPTIMIZER_KEY and not k.startswith(_SWAP_STATE_PREFIX)}
+    out = {k: v for k, v in checkpoint.items() if k != OPTIMIZER_KEY and not k.startswith("swap_state.")}
     clash = sorted(set(out) & set(model))
     if clash:
         raise ExportError(f"model keys collide with the checkpoint's other states: {clash[:5]}")
     out.update(model)
     out[OPTIMIZER_KEY] = optimizer
     return out
-
-
-@contextlib.contextmanager
-def _snapshot_root(
-    snapshot_id: str, snapshot_dir: str | os.PathLike[str] | None, snapshot_store: str | None,
-    out: pathlib.Path, store_timeout_s: float | None, progress: bool | None,
-) -> Iterator[pathlib.Path]:
-    """The ``--snapshot-dir`` to find the snapshot in: the given one, or a temporary one the
-    snapshot is downloaded into from ``--snapshot-store`` (removed when the block ends)."""
-    if snapshot_store is None:
-        yield pathlib.Path(snapshot_dir)  # type: ignore[arg-type]  # check_sources: one of them
-        return
-    from swap_state.client.export.from_store import STORE_TIMEOUT_S, downloaded_snapshot
-
-    with downloaded_snapshot(snapshot_store, snapshot_id, out, timeout_s=store_timeout_s or STORE_TIMEOUT_S,
-                             progress=progress) as local:
-        yield local.root
 
 
 def export_torchtitan_checkpoint(
@@ -180,44 +116,33 @@ def export_torchtitan_checkpoint(
     progress: bool | None = None,
 ) -> TorchtitanExportResult:
     """Write the plain torchtitan checkpoint of a whole-state snapshot-mode one (module
-    docstring). ``out_dir`` must not exist yet. The snapshot is read from ``snapshot_dir`` or,
-    downloaded into a temporary directory beside ``out_dir`` and verified, from the snapshot
-    store ``snapshot_store`` (exactly one of them). ``progress``: None shows a bar on a
-    terminal once the export takes over a second; False never. Raises SnapshotError subclasses."""
-    from swap_state.client.export.from_store import check_sources
-
-    check_sources(snapshot_dir, snapshot_store, required="--format torchtitan")
+    docstring) to ``out_dir``, which must not exist yet. The snapshot is read from exactly one
+    of ``snapshot_dir`` and ``snapshot_store`` (:func:`~.snapshot.locate`); ``progress`` as
+    :func:`~.snapshot.read_snapshot_state`. Raises SnapshotError subclasses."""
+    if snapshot_dir is None and snapshot_store is None:
+        raise ExportError(
+            "--format torchtitan needs --snapshot-dir DIR (the server's local snapshot directory) "
+            "or --snapshot-store URI (its snapshot store)"
+        )
     source = pathlib.Path(checkpoint_dir)
     out = pathlib.Path(out_dir)
     if out.exists():
         raise ExportError(f"{out} exists already: remove it or name another output directory")
     checkpoint = read_checkpoint(source)
     snapshot_id = _snapshot_id(checkpoint, source)
-    with _snapshot_root(snapshot_id, snapshot_dir, snapshot_store, out, store_timeout_s, progress) as root:
-        locations = _locations(snapshot_id, root)
-        total = 2 * sum(info.bytes for _, info in locations)  # verified once, then read
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"export {snapshot_id}", delay=1.0,
-                  disable=False if progress else None if progress is None else True) as bar:
-            state = read_snapshot_state(locations, bar)
+    state = read_snapshot_state(locate(snapshot_id, snapshot_dir, snapshot_store, store_timeout_s), progress)
     if not state.model:
         raise ExportError(f"snapshot {snapshot_id} holds no model tensors (it was not taken with snapshot_model)")
     plain = _plain_checkpoint(checkpoint, state.model, {**state.optimizer, **state.extras})
-    _write(plain, out)
-    return TorchtitanExportResult(
-        snapshot_id, out, len(state.model), len(state.optimizer) + len(state.extras), state.ranks
-    )
-
-
-def _write(plain: dict[str, Any], out: pathlib.Path) -> None:
-    """DCP into a hidden sibling, renamed into place: never a half-written checkpoint there."""
-    import torch.distributed.checkpoint as dcp
-
+    # DCP into a hidden sibling, renamed into place: never a half-written checkpoint there.
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        with _single_process():
-            dcp.save(plain, checkpoint_id=str(partial), no_dist=True)
+        save_dcp(plain, partial)
         os.rename(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    return TorchtitanExportResult(
+        snapshot_id, out, len(state.model), len(state.optimizer) + len(state.extras), state.ranks
+    )
