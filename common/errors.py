@@ -15,25 +15,10 @@ one the client raises for it. Imports neither grpc nor torch.
 from __future__ import annotations
 
 __all__ = [
-    "REASON_METADATA_KEY",
-    "SwapStateError",
-    "ERROR_FOR_REASON",
-    "InvalidArgument",
-    "NotFound",
-    "ResourceExhausted",
-    "FailedPrecondition",
-    "StaleGeneration",
-    "SessionLive",
-    "LayoutMismatch",
-    "NoSegment",
-    "MetadataBaseUnknown",
-    "SnapshotsDisabled",
-    "PermissionDenied",
-    "Unauthenticated",
-    "Unavailable",
-    "ConfigError",
-    "StartupError",
-    "SERVER_STOPPING_NOTICE",
+    "REASON_METADATA_KEY", "SwapStateError", "ERROR_FOR_REASON", "InvalidArgument", "NotFound",
+    "ResourceExhausted", "FailedPrecondition", "StaleGeneration", "SessionLive", "LayoutMismatch",
+    "NoSegment", "MetadataBaseUnknown", "SnapshotsDisabled", "PermissionDenied", "Unauthenticated",
+    "Unavailable", "ConfigError", "StartupError", "SERVER_STOPPING_NOTICE"
 ]
 
 REASON_METADATA_KEY = "swap-state-reason"

@@ -18,24 +18,10 @@ import re
 from .errors import InvalidArgument
 
 __all__ = [
-    "JOB_ID_RULE",
-    "MAX_JOB_ID_CHARS",
-    "SnapshotRef",
-    "is_job_id",
-    "validate_job_id",
-    "shorten",
-    "snapshot_id_for",
-    "parse_snapshot_id",
-    "step_dir_name",
-    "parse_step_dir_name",
-    "state_key",
-    "param_group_key",
-    "STATE_PREFIX",
-    "PARAM_GROUPS_PREFIX",
-    "MODEL_PREFIX",
-    "MODEL_KEYS",
-    "model_tensor_name",
-    "is_model_tensor",
+    "JOB_ID_RULE", "MAX_JOB_ID_CHARS", "SnapshotRef", "is_job_id", "validate_job_id", "shorten",
+    "snapshot_id_for", "parse_snapshot_id", "step_dir_name", "parse_step_dir_name", "state_key",
+    "param_group_key", "STATE_PREFIX", "PARAM_GROUPS_PREFIX", "MODEL_PREFIX", "MODEL_KEYS",
+    "model_tensor_name", "is_model_tensor"
 ]
 
 MAX_JOB_ID_CHARS = 128

@@ -27,15 +27,8 @@ from .server_config import FLAG, Flag, ServerConfig
 from .sizes import KiB, MiB, GiB, TiB, parse_size
 
 __all__ = [
-    "UserFlag",
-    "add_server_flags",
-    "attach_negative_values",
-    "config_from_args",
-    "config_to_argv",
-    "field_docs",
-    "format_size_flag",
-    "parse_server_argv",
-    "user_flags",
+    "UserFlag", "add_server_flags", "attach_negative_values", "config_from_args", "config_to_argv",
+    "field_docs", "format_size_flag", "parse_server_argv", "user_flags"
 ]
 
 

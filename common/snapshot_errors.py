@@ -12,17 +12,9 @@ import errno
 from .errors import SwapStateError
 
 __all__ = [
-    "SnapshotError",
-    "SnapshotInvalid",
-    "SnapshotNotFound",
-    "SnapshotBusy",
-    "SnapshotExists",
-    "SnapshotFailed",
-    "SnapshotCorrupt",
-    "SnapshotLayoutMismatch",
-    "SnapshotDiskFull",
-    "SnapshotStoreUnavailable",
-    "from_os_error",
+    "SnapshotError", "SnapshotInvalid", "SnapshotNotFound", "SnapshotBusy", "SnapshotExists",
+    "SnapshotFailed", "SnapshotCorrupt", "SnapshotLayoutMismatch", "SnapshotDiskFull",
+    "SnapshotStoreUnavailable", "from_os_error"
 ]
 
 

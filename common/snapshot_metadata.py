@@ -41,17 +41,9 @@ from .names import shorten
 from .snapshot_errors import SnapshotInvalid
 
 __all__ = [
-    "BOOKKEEPING_PREFIX",
-    "MAX_METADATA_BYTES",
-    "TENSOR_TAG",
-    "TensorMetadata",
-    "SnapshotMetadata",
-    "parse_metadata",
-    "load_metadata_json",
-    "metadata_from_json",
-    "encode_metadata",
-    "tagged_scalar",
-    "tensor_entry",
+    "BOOKKEEPING_PREFIX", "MAX_METADATA_BYTES", "TENSOR_TAG", "TensorMetadata", "SnapshotMetadata",
+    "parse_metadata", "load_metadata_json", "metadata_from_json", "encode_metadata",
+    "tagged_scalar", "tensor_entry"
 ]
 
 MAX_METADATA_BYTES = 16 << 20

@@ -43,13 +43,8 @@ from .snapshot_format import (
 )
 
 __all__ = [
-    "SnapshotInfo",
-    "SnapshotReader",
-    "SnapshotTier",
-    "RankFileVerifier",
-    "READ_BLOCK_BYTES",
-    "check_manifest_sizes",
-    "parse_rank_manifest",
+    "SnapshotInfo", "SnapshotReader", "SnapshotTier", "RankFileVerifier", "READ_BLOCK_BYTES",
+    "check_manifest_sizes", "parse_rank_manifest"
 ]
 
 READ_BLOCK_BYTES = 8 << 20
