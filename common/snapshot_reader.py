@@ -8,20 +8,18 @@ Directory layout under the snapshot root (``--snapshot-dir``)::
     <root>/<job_id>/.deleting-step-<N>/     an old snapshot being removed by retention
     <root>/<job_id>/latest                  "step-<N:012d>": the last committed snapshot
 
-Call order: :meth:`SnapshotTier.list` or :meth:`~SnapshotTier.resolve`, then per rank
-:meth:`~SnapshotTier.read_manifest` and :meth:`~SnapshotReader.verify_data` (or per tensor
-:meth:`~SnapshotTier.read_tensor`). A directory is
-listed only when its ``snapshot.json`` parses and names the same job and step, so a
-half-written snapshot is never listed or loaded. Used as is by the client's export (offline,
-no server) and extended by the server's store, which adds the commit sequence. Reading needs
-no lock: the writer publishes by atomic rename.
+A directory is listed only when its ``snapshot.json`` parses and names the same job and step,
+so a half-written snapshot is never listed or loaded. Used by the client's export (offline) and
+by the server's store. Reading needs no lock: the writer publishes by atomic rename.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import itertools
 import json
+import math
 import os
 import pathlib
 from collections.abc import Sequence
@@ -87,10 +85,9 @@ class SnapshotInfo:
 
 
 class SnapshotTier(abc.ABC):
-    """The complete snapshots of one place, read and checked: a snapshot directory
-    (:class:`SnapshotReader`, the server's ``--snapshot-dir``) or an object store
-    (:class:`~.stored_snapshots.StoredSnapshots`, ``--snapshot-store``). DCP's
-    ``StorageReader`` is the model. Call order::
+    """The complete snapshots of one place, read and checked: a directory
+    (:class:`SnapshotReader`) or an object store (:class:`~.stored_snapshots.StoredSnapshots`).
+    Call order::
 
         info = tier.resolve(snapshot_id, job_id)      # or tier.list(job_id)
         tier.read_layout(info)                        # the step's layout index, when it has one
@@ -98,9 +95,8 @@ class SnapshotTier(abc.ABC):
         tier.check_data_header(info, manifest)        # once per data file read from
         tier.read_tensor(info, manifest, tensor)      # each tensor, its crc32 checked
 
-    Every read is checked against what ``snapshot.json`` (a store's markers) records; nothing
-    is trusted before. Implementations override :meth:`list`, :meth:`resolve`, :meth:`_size`
-    and :meth:`_read_range` (raising SnapshotError subclasses), not the reads.
+    Every read is checked against what ``snapshot.json`` (a store's markers) records.
+    Implementations override :meth:`list`, :meth:`resolve`, :meth:`_size` and :meth:`_read_range`.
     """
 
     where: str
@@ -124,9 +120,8 @@ class SnapshotTier(abc.ABC):
         """``nbytes`` of file ``name`` from ``offset`` (fewer only at its end)."""
 
     def read_manifest(self, info: SnapshotInfo, rank: int) -> RankManifest:
-        """The rank's manifest, checked against the index (size, crc32, job, step).
-        SnapshotNotFound when the rank is not here (on a multi-host job, its snapshot is on
-        the server of the host the rank runs on)."""
+        """The rank's manifest, checked against the index; SnapshotNotFound when the rank is not
+        here (on a multi-host job: on another host)."""
         if rank not in info.ranks:
             if not 0 <= rank < info.world_size:
                 raise SnapshotNotFound(
@@ -144,8 +139,7 @@ class SnapshotTier(abc.ABC):
         return parse_rank_manifest(info, rank, self._read_listed(info, record), record, info.path / name)
 
     def read_layout(self, info: SnapshotInfo) -> bytes | None:
-        """The step's ``layout.json``, checked against the index (size, crc32); None when the
-        index lists none (a store step read from its markers, or written by an older server)."""
+        """The step's ``layout.json``, checked against the index; None when it lists none."""
         record = info.index.layout
         if record is None:
             return None
@@ -173,7 +167,7 @@ class SnapshotTier(abc.ABC):
         return data
 
     def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
-        """A file the index lists, its size checked before it is read (a bad file may be huge)."""
+        """A file the index lists, its size checked before it is read (a bad one may be huge)."""
         size = self._size(info, record.name)
         if size is None:
             raise SnapshotCorrupt(f"{info.path / record.name} is missing")
@@ -264,23 +258,11 @@ class SnapshotReader(SnapshotTier):
             complete = self.complete(job)
             latest = self._latest_step(job, complete)
             for step, path, index in complete:
-                infos.append(
-                    SnapshotInfo(
-                        snapshot_id=snapshot_id_for(job, step),
-                        job_id=job,
-                        step=step,
-                        world_size=index.world_size,
-                        path=path,
-                        bytes=index.total_bytes,
-                        latest=step == latest,
-                        index=index,
-                    )
-                )
+                infos.append(SnapshotInfo(snapshot_id_for(job, step), job, step, index.world_size, path,
+                                          index.total_bytes, step == latest, index))
         return infos
 
     def resolve(self, snapshot_id: str, job_id: str | None = None) -> SnapshotInfo:
-        """``<job>/step-<N>`` (any zero padding), ``<job>/latest``, or ``latest`` / ``step-<N>``
-        of ``job_id``. SnapshotNotFound when no complete snapshot matches."""
         ref = parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid)
         job = ref.job_id
         snapshots = self.list(job)
@@ -339,15 +321,13 @@ class SnapshotReader(SnapshotTier):
             raise SnapshotError(f"cannot read {info.path / name}: {exc}") from None
 
     def verify_data(self, info: SnapshotInfo, manifest: RankManifest) -> None:
-        """Read the rank's safetensors file once: size, header (recomputed from the manifest,
-        byte for byte) and every tensor's crc32 (:class:`RankFileVerifier`). SnapshotCorrupt
-        names the file and tensor."""
+        """Read the rank's safetensors file once through :class:`RankFileVerifier`."""
         verifier = RankFileVerifier(info, manifest)
         path = verifier.path
         try:
-            with open(path, "rb", buffering=0) as file:
+            with open(path, "rb") as file:  # buffered: read(n) returns n bytes before the end
                 verifier.check_size(os.fstat(file.fileno()).st_size)
-                verifier.check_header(_read_exact(file, len(verifier.header)))
+                verifier.check_header(file.read(len(verifier.header)))
                 block = memoryview(bytearray(READ_BLOCK_BYTES))
                 while True:
                     n = file.readinto(block)
@@ -366,8 +346,8 @@ class RankFileVerifier:
     (recomputed from the manifest, byte for byte), every tensor's crc32, then the file's crc32
     in ``snapshot.json``. SnapshotCorrupt names the file and the tensor.
 
-    The one checksum check of the project: the reader's :meth:`SnapshotReader.verify_data`
-    feeds it from plain reads, the server's restore from its staged mapping. Call order::
+    The one checksum check: :meth:`SnapshotReader.verify_data` feeds it from reads, the
+    server's restore from its staged mapping. Call order::
 
         verifier = RankFileVerifier(info, manifest)   # sizes checked, nothing read yet
         verifier.check_size(os.fstat(fd).st_size)
@@ -455,19 +435,15 @@ def check_listed(raw: bytes, record: FileRecord, where: object) -> None:
 
 
 def check_manifest_sizes(info: SnapshotInfo, manifest: RankManifest) -> tuple[bytes, int]:
-    """(safetensors header, data file size) the manifest implies, checked for consistency
-    before a byte of the data file is read: listed in ``snapshot.json``, each tensor's size
-    from its dtype and shape, offsets without gaps. SnapshotCorrupt names file and tensor."""
+    """(safetensors header, data file size) the manifest implies, checked before a byte of the
+    data is read: listed in ``snapshot.json``, sizes from dtypes and shapes, no gaps."""
     path = info.path / manifest.data_file
     if info.index.file(manifest.data_file) is None:
         raise SnapshotCorrupt(f"{info.path / INDEX_NAME} does not list {manifest.data_file}")
     header = manifest.header_bytes()
     position = 0
     for tensor in manifest.tensors:
-        count = 1
-        for dim in tensor.shape:
-            count *= dim
-        if tensor.nbytes != count * DTYPE_ITEMSIZE[tensor.dtype] or tensor.data_offsets != (
+        if tensor.nbytes != math.prod(tensor.shape) * DTYPE_ITEMSIZE[tensor.dtype] or tensor.data_offsets != (
             position, position + tensor.nbytes,
         ):
             raise SnapshotCorrupt(f"{path}: manifest entry of tensor {tensor.name!r} is inconsistent")
@@ -481,27 +457,7 @@ def check_manifest_sizes(info: SnapshotInfo, manifest: RankManifest) -> tuple[by
 def _rank_ranges(ranks: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``[0-2, 5]``; ``[2, 3]`` stays ``[2, 3]``."""
     parts: list[str] = []
-    start = prev = None
-    for rank in list(ranks) + [None]:
-        if start is not None and (rank is None or rank != prev + 1):
-            if prev - start >= 2:
-                parts.append(f"{start}-{prev}")
-            else:
-                parts.extend(str(r) for r in range(start, prev + 1))
-            start = None
-        if rank is not None and start is None:
-            start = rank
-        prev = rank
+    for _, group in itertools.groupby(enumerate(ranks), lambda item: item[1] - item[0]):
+        run = [rank for _, rank in group]
+        parts.extend([f"{run[0]}-{run[-1]}"] if len(run) >= 3 else map(str, run))
     return "[" + ", ".join(parts) + "]"
-
-
-def _read_exact(file, nbytes: int) -> bytes:
-    """Up to ``nbytes`` (fewer only at end of file): raw reads may return short."""
-    parts = []
-    while nbytes:
-        data = file.read(nbytes)
-        if not data:
-            break
-        parts.append(data)
-        nbytes -= len(data)
-    return b"".join(parts)
