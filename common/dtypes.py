@@ -1,8 +1,4 @@
-"""The one dtype table: names in the segment and manifests, item sizes, safetensors codes.
-
-The client maps names to torch dtypes with ``getattr(torch, name)``; nothing else may keep a
-table of its own.
-"""
+"""The one dtype table: names in the segment and manifests, item sizes, safetensors codes."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """The one grammar for ids and keys: job ids, snapshot ids, step directories and flat keys.
 
-Job ids become directory names and metric labels, so they are restricted; snapshot ids are
-``<job>/step-<N>`` (the protocol form, no zero padding), ``<job>/latest``, or ``step-<N>`` /
-``latest`` relative to a job. Wherever a step is named, both spellings are accepted: the short
-one (``demo/step-25``, what is printed) and the directory's (``demo/step-000000000025``, any
-zero padding). Flat keys are the seed's optimizer state-dict keys:
-``state.<fqn>.<key>`` and ``param_groups.<fqn>.<hyperparameter>``. A whole-state snapshot
-also holds the model: segment tensors ``model.<fqn>`` (a parameter or persistent buffer under
-its model state-dict fqn), after every other tensor of the segment.
+Job ids become directory names and metric labels, so they are restricted. Snapshot ids are
+``<job>/step-<N>`` (any zero padding), ``<job>/latest``, or ``step-<N>`` / ``latest`` of a job.
+Flat keys are the seed's ``state.<fqn>.<key>`` and ``param_groups.<fqn>.<hyperparameter>``;
+a whole-state snapshot's model tensors are ``model.<fqn>``, after every other tensor.
 """
 
 from __future__ import annotations
@@ -37,8 +33,8 @@ MODEL_KEYS: tuple[str, ...] = ("param", "buffer")
 
 
 def shorten(value: object, limit: int = 80) -> str:
-    """``repr`` of a client-sent value, cut to ``limit`` characters: error messages travel back
-    as gRPC metadata, which has a size limit a hostile id must not reach."""
+    """``repr`` of a client-sent value, cut to ``limit`` characters (messages travel back as gRPC
+    metadata, whose size limit a hostile id must not reach)."""
     text = value if isinstance(value, str) else repr(value)
     return repr(text if len(text) <= limit else text[:limit] + "...")
 

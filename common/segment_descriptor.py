@@ -1,11 +1,6 @@
-"""What a segment says about itself, so that a server starting after the one that created it
-can adopt it (:mod:`swap_state.common.segment`, "Adoption"): :class:`SegmentDescriptor`.
-
-Written once by the creating server, after the copy slots (outside the range the trainer
-maps); read by a successor, which trusts nothing in it: :meth:`SegmentDescriptor.decode`
-checks the shape of every field and raises ValueError, and the server then validates the
-values as it validates an Attach and an Allocate, and recomputes the layout and its hash.
-No torch, no grpc.
+"""What a segment says about itself, so that a successor server can adopt it (:mod:`.segment`,
+"Adoption"). The successor trusts nothing in it: :meth:`SegmentDescriptor.decode` checks each
+field's shape, the server then validates the values as for an Attach and an Allocate.
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ class SegmentDescriptor:
     layout_hash: str
     """:func:`~swap_state.common.segment.layout_hash` of ``tensors`` (hex)."""
     tenant: str = ""
-    """The tenant that owns the session (``--tenants``; "" on a server without tenants, and
-    in a segment of a server before tenants)."""
+    """The tenant that owns the session (``--tenants``; "" without tenants)."""
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -57,8 +51,7 @@ class SegmentDescriptor:
 
     @classmethod
     def decode(cls, raw: bytes) -> SegmentDescriptor:
-        """The descriptor in ``raw``; ValueError naming what is wrong (shape only: the values
-        are the server's to validate)."""
+        """The descriptor in ``raw``; ValueError naming what is wrong (shape only)."""
         if len(raw) > MAX_DESCRIPTOR_BYTES:
             raise ValueError(f"descriptor of {len(raw)} bytes (at most {MAX_DESCRIPTOR_BYTES})")
         try:
