@@ -46,6 +46,9 @@ __all__ = [
 ]
 
 READ_BLOCK_BYTES = 8 << 20
+_ELSEWHERE = ("was it taken by another server (another host, or an embedded server with its own snapshot "
+              "directory) or with another --snapshot-dir? Point the server (or swap-state export "
+              "--snapshot-dir) at that directory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,15 +152,12 @@ class SnapshotTier(abc.ABC):
 
     def check_data_header(self, info: SnapshotInfo, manifest: RankManifest) -> None:
         """The data file's size and safetensors header, against the manifest."""
-        header, expected = check_manifest_sizes(info, manifest)
-        path = info.path / manifest.data_file
+        verifier = RankFileVerifier(info, manifest)
         size = self._size(info, manifest.data_file)
         if size is None:
-            raise SnapshotCorrupt(f"{path} is missing")
-        if size != expected:
-            raise SnapshotCorrupt(f"{path} is {size} bytes; its manifest implies {expected}")
-        if self._read_range(info, manifest.data_file, 0, len(header)) != header:
-            raise SnapshotCorrupt(f"{path}: safetensors header does not match its manifest")
+            raise SnapshotCorrupt(f"{verifier.path} is missing")
+        verifier.check_size(size)
+        verifier.check_header(self._read_range(info, manifest.data_file, 0, len(verifier.header)))
 
     def read_tensor(self, info: SnapshotInfo, manifest: RankManifest, tensor: TensorRecord) -> bytes:
         """One tensor's bytes, checked against its crc32 (SnapshotCorrupt names file and tensor)."""
@@ -264,30 +264,14 @@ class SnapshotReader(SnapshotTier):
 
     def resolve(self, snapshot_id: str, job_id: str | None = None) -> SnapshotInfo:
         ref = parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid)
-        job = ref.job_id
-        snapshots = self.list(job)
+        job, snapshots = ref.job_id, self.list(ref.job_id)
+        found = next((i for i in snapshots if (i.latest if ref.latest else i.step == ref.step)), None)
+        if found is not None:
+            return found
         if ref.latest:
-            for info in snapshots:
-                if info.latest:
-                    return info
-            raise SnapshotNotFound(
-                f"job {job!r} has no complete snapshot in {self.root}: {self._elsewhere_hint()}"
-            )
-        step = ref.step
-        for info in snapshots:
-            if info.step == step:
-                return info
-        raise SnapshotNotFound(
-            f"no complete snapshot {snapshot_id_for(job, step)} in {self.root}: "
-            + self._why_missing(step, [info.step for info in snapshots])
-        )
-
-    def _elsewhere_hint(self) -> str:
-        return (
-            "was it taken by another server (another host, or an embedded server with its own "
-            "snapshot directory) or with another --snapshot-dir? Point the server (or "
-            "swap-state export --snapshot-dir) at that directory"
-        )
+            raise SnapshotNotFound(f"job {job!r} has no complete snapshot in {self.root}: {_ELSEWHERE}")
+        raise SnapshotNotFound(f"no complete snapshot {ref} in {self.root}: "
+                               + self._why_missing(ref.step, [info.step for info in snapshots]))
 
     def _why_missing(self, step: int, kept: list[int]) -> str:
         """Why a step the caller expects is not here, and which setting to change."""
@@ -300,8 +284,7 @@ class SnapshotReader(SnapshotTier):
         listed = ", ".join(str(s) for s in kept) or "none"
         return (
             f"the job's snapshots here are steps [{listed}]. A snapshot still persisting when its server "
-            "stopped or died is lost (it is never listed; the next one works); else "
-            + self._elsewhere_hint()
+            "stopped or died is lost (it is never listed; the next one works); else " + _ELSEWHERE
         )
 
     def _size(self, info: SnapshotInfo, name: str) -> int | None:

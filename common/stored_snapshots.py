@@ -102,6 +102,11 @@ class StoredSnapshots(SnapshotTier):
     def key(self, job_id: str, step: int, name: str) -> str:
         return self.step_prefix(job_id, step) + name
 
+    def _list_step(self, job_id: str, step: int) -> list[ObjectInfo]:
+        prefix = self.step_prefix(job_id, step)
+        with self._reading(prefix):
+            return self.store.list(prefix)
+
     def location(self, job_id: str, step: int) -> StorePath:
         return StorePath(self.store.describe(self.step_prefix(job_id, step)).rstrip("/"))
 
@@ -123,9 +128,7 @@ class StoredSnapshots(SnapshotTier):
     def step_markers(self, job_id: str, step: int, ranks: Iterable[int] | None = None) -> dict[int, SnapshotIndex]:
         """The valid markers of one step, by rank (one listing); only those of ``ranks`` are read
         when given (a host asks for its own, not N requests per step)."""
-        prefix = self.step_prefix(job_id, step)
-        with self._reading(prefix):
-            objects = self.store.list(prefix)
+        objects = self._list_step(job_id, step)
         if ranks is not None:
             wanted = {marker_name(rank) for rank in ranks}
             objects = [info for info in objects if info.key.rsplit("/", 1)[-1] in wanted]
@@ -190,10 +193,7 @@ class StoredSnapshots(SnapshotTier):
         index = self.step_index(job_id, step)
         if index is not None:
             return self._info(index)
-        prefix = self.step_prefix(job_id, step)
-        with self._reading(prefix):
-            objects = self.store.list(prefix)
-        return self.complete_info(job_id, step, objects)
+        return self.complete_info(job_id, step, self._list_step(job_id, step))
 
     def step_index(self, job_id: str, step: int) -> SnapshotIndex | None:
         """The step's index when there is a valid one (one read), else None."""
@@ -219,8 +219,7 @@ class StoredSnapshots(SnapshotTier):
         whoever puts it); whether the step is complete. ``layout(step)``: the step's
         ``layout.json``, put before the index that records it."""
         prefix = self.step_prefix(job_id, step)
-        with self._reading(prefix):
-            objects = self.store.list(prefix)
+        objects = self._list_step(job_id, step)
         info = self.complete_info(job_id, step, objects)
         if info is None:
             return False
