@@ -72,13 +72,8 @@ def dumps_json(value: Any) -> bytes:
 
 def safetensors_metadata(job_id: str, step: int, rank: int, world_size: int) -> dict[str, str]:
     """The ``__metadata__`` of a rank file (safetensors allows string values only)."""
-    return {
-        "format": "pt",
-        "swap_state.job_id": job_id,
-        "swap_state.step": str(step),
-        "swap_state.rank": str(rank),
-        "swap_state.world_size": str(world_size),
-    }
+    return {"format": "pt", "swap_state.job_id": job_id, "swap_state.step": str(step),
+            "swap_state.rank": str(rank), "swap_state.world_size": str(world_size)}
 
 
 DATA_ALIGN = 4096
@@ -104,15 +99,11 @@ def safetensors_header(
         if code is None:
             raise ValueError(f"dtype {dtype!r} of {name!r} has no safetensors code")
         offsets.append((position, position + nbytes))
-        header[name] = {
-            "dtype": code,
-            "shape": [int(d) for d in shape],
-            "data_offsets": [position, position + nbytes],
-        }
+        header[name] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": list(offsets[-1])}
         position += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
     if align % 8:
         raise ValueError(f"align must be a multiple of 8, got {align}")
+    text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % align)
     return struct.pack("<Q", len(text)) + text, offsets
 
@@ -219,6 +210,15 @@ class TensorRecord:
         )
 
 
+_MANIFEST_FIELDS: tuple[tuple[Any, ...], ...] = (
+    ("job_id", _str), ("step", _int), ("rank", _int), ("world_size", _int, 1), ("data_file", _str),
+    ("data_file_bytes", _int), ("data_start", _int, 8), ("chunk_bytes", _int), ("param_groups", _object),
+    ("steps", _object), ("cow_copies", _int), ("backpressure_waits", _int),
+    ("backpressure_wait_seconds", _float), ("persist_seconds", _float),
+)
+"""(field, parser, minimum) of a manifest's plain fields, read from the key of the same name."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RankManifest:
     """``rank-XXXXX.manifest.json``: everything about one rank's file except the bytes."""
@@ -309,26 +309,12 @@ class RankManifest:
         tensors = raw.get("tensors")
         if not isinstance(tensors, list):
             raise ValueError("tensors must be a list")
+        fields = {name: parse(raw.get(name), name, *minimum) for name, parse, *minimum in _MANIFEST_FIELDS}
         return cls(
-            job_id=_str(raw.get("job_id"), "job_id"),
-            step=_int(raw.get("step"), "step"),
-            rank=_int(raw.get("rank"), "rank"),
-            world_size=_int(raw.get("world_size"), "world_size", 1),
-            data_file=_str(raw.get("data_file"), "data_file"),
-            data_file_bytes=_int(raw.get("data_file_bytes"), "data_file_bytes"),
-            data_start=_int(raw.get("data_start"), "data_start", 8),
-            chunk_bytes=_int(raw.get("chunk_bytes"), "chunk_bytes"),
+            **fields,
             tensors=tuple(TensorRecord.from_json(t) for t in tensors),
-            param_groups=_object(raw.get("param_groups"), "param_groups"),
-            steps=_object(raw.get("steps"), "steps"),
             metadata_extra=_object(raw.get("metadata_extra"), "metadata_extra") if version != 1 else {},
             verbatim_metadata_json=_str(raw.get("metadata_json"), "metadata_json") if version == 1 else None,
-            cow_copies=_int(raw.get("cow_copies"), "cow_copies"),
-            backpressure_waits=_int(raw.get("backpressure_waits"), "backpressure_waits"),
-            backpressure_wait_seconds=_float(
-                raw.get("backpressure_wait_seconds"), "backpressure_wait_seconds"
-            ),
-            persist_seconds=_float(raw.get("persist_seconds"), "persist_seconds"),
         )
 
     def header_bytes(self) -> bytes:
