@@ -55,9 +55,7 @@ class ListenAddress:
 
     def bind_target(self, port: int | None = None) -> str:
         """The address string grpc's ``add_*_port`` (server) or channel (client) takes."""
-        if self.scheme == "unix":
-            return f"unix://{self.path}"
-        return self._host_port(port)
+        return self.url if self.scheme == "unix" else self._host_port(port)
 
 
 def parse_address(text: str, flag: str = "--listen") -> ListenAddress:

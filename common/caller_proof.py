@@ -10,6 +10,7 @@ owner is the caller. The client removes it when it closes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -50,10 +51,8 @@ class CallerProof:
         return True
 
     def remove(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.directory, self.name))
-        except OSError:
-            pass
 
     @property
     def metadata(self) -> tuple[str, str]:

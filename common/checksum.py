@@ -53,8 +53,6 @@ def _x2nmodp(n: int, k: int) -> int:
 
 def _python_crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """zlib's crc32_combine in Python (the fallback without isal)."""
-    if len2 < 0:
-        raise ValueError("len2 must be >= 0")
     return _multmodp(_x2nmodp(len2, 3), crc1) ^ (crc2 & 0xFFFFFFFF)
 
 

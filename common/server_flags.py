@@ -44,13 +44,9 @@ def field_docs(cls: type) -> dict[str, str]:
     assert isinstance(body, ast.ClassDef)
     docs: dict[str, str] = {}
     for node, after in zip(body.body, body.body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 

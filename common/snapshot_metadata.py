@@ -94,11 +94,10 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _dims(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
-    ):
-        raise SnapshotInvalid(f"metadata_json: {what} must be a list of non-negative integers")
+def _dims(value: Any, what: str, source: str = "metadata_json") -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in value):
+        raise SnapshotInvalid(f"{source}: {what} must be a list of non-negative integers")
     return tuple(value)
 
 

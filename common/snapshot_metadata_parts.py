@@ -34,6 +34,7 @@ from .snapshot_metadata import (
     SnapshotMetadata,
     TensorMetadata,
     _check_value,
+    _dims,
     encode_metadata,
     load_metadata_json,
     metadata_from_json,
@@ -97,13 +98,6 @@ def encode_delta(group_params: Sequence[Mapping[str, Any]], steps: Sequence[Any]
     return json.dumps({"group_params": [dict(g) for g in group_params], "steps": steps}, allow_nan=False)
 
 
-def _index_list(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                                              for v in value):
-        raise SnapshotInvalid(f"metadata base: {what} must be a list of non-negative integers")
-    return tuple(value)
-
-
 def parse_base(base_json: str, tensors: Sequence[TensorLayout], max_bytes: int = MAX_METADATA_BYTES) -> MetadataBase:
     """Validate a base against the segment's tensors; SnapshotInvalid otherwise."""
     raw = load_metadata_json(base_json, "metadata base", max_bytes)
@@ -111,7 +105,7 @@ def parse_base(base_json: str, tensors: Sequence[TensorLayout], max_bytes: int =
     fqns = raw.get("fqns", [])
     if not isinstance(fqns, list) or not all(isinstance(f, str) and f for f in fqns):
         raise SnapshotInvalid("metadata base: fqns must be a list of non-empty strings")
-    groups = _index_list(raw.get("groups", []), "groups")
+    groups = _dims(raw.get("groups", []), "groups", "metadata base")
     if len(groups) != len(fqns):
         raise SnapshotInvalid(f"metadata base: {len(fqns)} fqns but {len(groups)} group indices")
     return MetadataBase(whole.tensors, dict(whole.model_aliases), tuple(fqns), groups,

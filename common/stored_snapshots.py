@@ -32,6 +32,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
@@ -49,6 +50,7 @@ __all__ = ["StorePath", "StoredSnapshots", "marker_name", "parse_marker_name"]
 _MARKER_SUFFIX = ".stored.json"
 _CLAIM_PREFIX = "publishing.attempt-"
 """``publishing.attempt-<A>``: created by the host that puts attempt A's indexes."""
+_MARKER_NAME = re.compile(r"rank-([0-9]{5})" + re.escape(_MARKER_SUFFIX))
 _MAX_CACHED_MARKERS = 1 << 16
 
 
@@ -58,10 +60,8 @@ def marker_name(rank: int) -> str:
 
 def parse_marker_name(name: str) -> int | None:
     """The rank of ``rank-XXXXX.stored.json``; None for any other name."""
-    if not (name.startswith("rank-") and name.endswith(_MARKER_SUFFIX)):
-        return None
-    digits = name[len("rank-") : -len(_MARKER_SUFFIX)]
-    return int(digits) if digits.isdigit() and len(digits) == 5 else None
+    match = _MARKER_NAME.fullmatch(name)
+    return int(match[1]) if match else None
 
 
 class StorePath(str):
