@@ -39,7 +39,6 @@ class ObjectInfo:
     key: str
     """Its key relative to the store's root (``/``-separated)."""
     size: int
-    """Its size in bytes."""
     version: str = ""
     """Changes whenever the object is put again (an ETag; a file's inode and mtime)."""
 

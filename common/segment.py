@@ -169,15 +169,12 @@ class CopyBudget:
     within one forward/backward?"""
 
     state_bytes: int
-    """Tensor bytes of the segment."""
     slot_bytes: int
     """Bytes of its copy slots (stager's and trainer's)."""
     persist_bytes_per_s: float
-    """The persist bandwidth the estimate uses."""
     persist_measured: bool
     """Whether that bandwidth was measured on this server (else assumed)."""
     fwd_bwd_s: float
-    """The forward/backward time the estimate assumes."""
 
     @classmethod
     def of(cls, layout: SegmentLayout, persist_bytes_per_s: float, measured: bool,

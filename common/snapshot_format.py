@@ -165,7 +165,6 @@ class TensorRecord:
     shape: tuple[int, ...]
     """Local shape (the shard this rank holds)."""
     nbytes: int
-    """Byte size of the tensor's data."""
     data_offsets: tuple[int, int]
     """[begin, end) within the safetensors data section."""
     crc32: int
@@ -224,17 +223,14 @@ class RankManifest:
     """``rank-XXXXX.manifest.json``: everything about one rank's file except the bytes."""
 
     job_id: str
-    """The job the snapshot belongs to."""
     step: int
     """The committed step whose moments the file holds."""
     rank: int
-    """This file's rank."""
     world_size: int
     """Number of ranks of the snapshot (and of the job when it was taken)."""
     data_file: str
     """Name of the safetensors file, relative to the snapshot directory."""
     data_file_bytes: int
-    """Size of the safetensors file."""
     data_start: int
     """Offset of the data section in the safetensors file (8 + header length)."""
     chunk_bytes: int
@@ -335,9 +331,7 @@ class FileRecord:
     name: str
     """File name relative to the snapshot directory."""
     rank: int
-    """The rank the file belongs to."""
     bytes: int
-    """File size."""
     crc32: int
     """zlib CRC-32 of the whole file."""
 
@@ -363,9 +357,7 @@ class SnapshotIndex:
     """``snapshot.json``: written last; its presence marks a snapshot complete."""
 
     job_id: str
-    """The job."""
     step: int
-    """The committed step."""
     world_size: int
     """The job's (global) number of ranks."""
     ranks: tuple[int, ...]

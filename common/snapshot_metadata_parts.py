@@ -50,7 +50,6 @@ class MetadataBase:
     tensors: Mapping[str, TensorMetadata]
     model_aliases: dict[str, str]
     fqns: tuple[str, ...]
-    """Per parameter, its fqn."""
     groups: tuple[int, ...]
     """Per parameter, the index of its param group in the delta's ``group_params``."""
     group_count: int

@@ -58,19 +58,15 @@ class SnapshotInfo:
     snapshot_id: str
     """``<job_id>/step-<step>``."""
     job_id: str
-    """The job."""
     step: int
-    """The committed step."""
     world_size: int
     """The job's (global) number of ranks."""
     path: pathlib.Path
-    """The snapshot directory."""
     bytes: int
     """Total size of its files."""
     latest: bool
     """Whether ``latest`` of its job resolves to it."""
     index: SnapshotIndex = dataclasses.field(repr=False, compare=False)
-    """The parsed ``snapshot.json``."""
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -136,15 +136,9 @@ class StoredSnapshots(SnapshotTier):
 
     def markers(self, job_id: str, step: int, objects: list[ObjectInfo]) -> dict[int, SnapshotIndex]:
         """The valid markers among a step's objects, by rank (an invalid one counts as absent)."""
-        found: dict[int, SnapshotIndex] = {}
-        for info in objects:
-            rank = parse_marker_name(info.key.rsplit("/", 1)[-1])
-            if rank is None:
-                continue
-            index = self._marker(info, job_id, step, rank)
-            if index is not None:
-                found[rank] = index
-        return found
+        read = {rank: self._marker(info, job_id, step, rank) for info in objects
+                if (rank := parse_marker_name(info.key.rsplit("/", 1)[-1])) is not None}
+        return {rank: index for rank, index in read.items() if index is not None}
 
     def _marker(self, info: ObjectInfo, job_id: str, step: int, rank: int) -> SnapshotIndex | None:
         cache_key = (info.key, info.size, info.version)  # a marker put again is read again
