@@ -223,10 +223,6 @@ class ServerConfig:
             fail("--tls-client-ca needs --tls-cert/--tls-key (mutual TLS on --listen tcp://...)")
         if listen.scheme != "tcp" and (self.tls_cert is not None or self.tls_key is not None):
             fail("--tls-cert/--tls-key only apply to --listen tcp://...")
-        if not self.grace >= 0:
-            fail("--grace must be >= 0 seconds")
-        if not 0 <= self.metrics_port <= 65535:
-            fail("--metrics-port must be 0 (off) or a port number")
         for flag, value, choices in (("--direct-io", self.direct_io, DIRECT_IO_MODES),
                                      ("--log-level", self.log_level, LOG_LEVELS)):
             if value not in choices:
@@ -243,30 +239,27 @@ class ServerConfig:
                 f"--cow-budget {format_size(self.cow_budget)} exceeds --shm-size "
                 f"{format_size(self.shm_size)} (the pool is part of the budget)"
             )
-        if self.persist_max_bandwidth < 0:
-            fail("--persist-max-bandwidth must be >= 0 (0: unlimited)")
-        if not 1 <= self.stage_threads <= 64:
-            fail("--stage-threads must be between 1 and 64")
-        if not self.model_copy_timeout > 0:
-            fail("--model-copy-timeout must be > 0 seconds")
-        if self.keep_latest < 2:
-            fail("--keep-latest must be >= 2 (the previous snapshot must survive the next)")
         if self.snapshot_store and self.snapshot_dir is None:
             fail("--snapshot-store needs --snapshot-dir: snapshots become durable there first, "
                  "then are uploaded")
-        if self.snapshot_store_max_bandwidth < 0:
-            fail("--snapshot-store-max-bandwidth must be >= 0 (0: unlimited)")
-        if not self.snapshot_store_timeout > 0:
-            fail("--snapshot-store-timeout must be > 0 seconds")
-        if not self.shm_dir.is_absolute():
-            fail("--shm-dir must be an absolute path")
-        for name in ("stream_wait", "shutdown_grace"):
-            if not getattr(self, name) >= 0:
-                fail(f"{name} must be >= 0")
-        if not self.keepalive_interval > 0:
-            fail("keepalive_interval must be > 0")
-        if self.max_tensors < 1 or self.max_message_bytes < 4 * KiB:
-            fail("max_tensors must be >= 1 and max_message_bytes >= 4 KiB")
+        for ok, message in (  # each rule as it must hold (a NaN breaks it)
+            (self.grace >= 0, "--grace must be >= 0 seconds"),
+            (0 <= self.metrics_port <= 65535, "--metrics-port must be 0 (off) or a port number"),
+            (self.persist_max_bandwidth >= 0, "--persist-max-bandwidth must be >= 0 (0: unlimited)"),
+            (1 <= self.stage_threads <= 64, "--stage-threads must be between 1 and 64"),
+            (self.model_copy_timeout > 0, "--model-copy-timeout must be > 0 seconds"),
+            (self.keep_latest >= 2, "--keep-latest must be >= 2 (the last snapshot must survive the next)"),
+            (self.snapshot_store_max_bandwidth >= 0,
+             "--snapshot-store-max-bandwidth must be >= 0 (0: unlimited)"),
+            (self.snapshot_store_timeout > 0, "--snapshot-store-timeout must be > 0 seconds"),
+            (self.shm_dir.is_absolute(), "--shm-dir must be an absolute path"),
+            (self.stream_wait >= 0 and self.shutdown_grace >= 0, "stream_wait, shutdown_grace must be >= 0"),
+            (self.keepalive_interval > 0, "keepalive_interval must be > 0"),
+            (self.max_tensors >= 1 and self.max_message_bytes >= 4 * KiB,
+             "max_tensors must be >= 1 and max_message_bytes >= 4 KiB"),
+        ):
+            if not ok:
+                fail(message)
 
     @property
     def listen_address(self) -> ListenAddress:
