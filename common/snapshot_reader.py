@@ -182,10 +182,8 @@ class SnapshotReader(SnapshotTier):
 
     def job_dir(self, job_id: str) -> pathlib.Path:
         """``<root>/<job_id>``; refuses ids and symlinks that would leave the root."""
-        validate_job_id(job_id, SnapshotInvalid)
-        path = self.root / job_id
-        real_root = os.path.realpath(self.root)
-        if os.path.dirname(os.path.realpath(path)) != real_root:
+        path = self.root / validate_job_id(job_id, SnapshotInvalid)
+        if os.path.dirname(os.path.realpath(path)) != os.path.realpath(self.root):
             raise SnapshotInvalid(f"job directory {path} resolves outside {self.root}")
         return path
 
@@ -197,24 +195,16 @@ class SnapshotReader(SnapshotTier):
             names = sorted(os.listdir(self.root))
         except FileNotFoundError:
             return []
-        return [
-            name
-            for name in names
-            if is_job_id(name)
-            and (self.root / name).is_dir()
-            and not (self.root / name).is_symlink()
-        ]
+        return [name for name in names
+                if is_job_id(name) and (self.root / name).is_dir() and not (self.root / name).is_symlink()]
 
     def load_index(self, job_id: str, path: pathlib.Path, step: int) -> SnapshotIndex | None:
         """The index of a complete snapshot directory, None when it is not one."""
         try:
-            raw = (path / INDEX_NAME).read_bytes()
-            index = SnapshotIndex.from_json(json.loads(raw))
+            index = SnapshotIndex.from_json(json.loads((path / INDEX_NAME).read_bytes()))
         except (OSError, ValueError):
             return None
-        if index.job_id != job_id or index.step != step:
-            return None
-        return index
+        return index if (index.job_id, index.step) == (job_id, step) else None
 
     def complete(self, job_id: str) -> list[tuple[int, pathlib.Path, SnapshotIndex]]:
         """(step, directory, index) of every complete snapshot of ``job_id``."""
@@ -226,13 +216,10 @@ class SnapshotReader(SnapshotTier):
         found = []
         for name in names:
             step = parse_step_dir_name(name)
-            if step is None:
-                continue
-            index = self.load_index(job_id, job_dir / name, step)
+            index = None if step is None else self.load_index(job_id, job_dir / name, step)
             if index is not None:
                 found.append((step, job_dir / name, index))
-        found.sort(key=lambda item: item[0])
-        return found
+        return sorted(found, key=lambda item: item[0])
 
     def _latest_step(self, job_id: str, complete: Sequence[tuple[int, pathlib.Path, SnapshotIndex]]) -> int | None:
         """The pointer's step when it names a complete snapshot, else the highest step."""
