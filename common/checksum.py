@@ -28,16 +28,9 @@ def _multmodp(a: int, b: int) -> int:
         b = (b >> 1) ^ _POLY if b & 1 else b >> 1
 
 
-def _x2n_table() -> tuple[int, ...]:
-    p = 1 << 30  # x^1
-    table = [p]
-    for _ in range(1, 32):
-        p = _multmodp(p, p)
-        table.append(p)
-    return tuple(table)
-
-
-_X2N = _x2n_table()  # x^(2^n) modulo the polynomial, n = 0..31
+_X2N = [1 << 30]  # x^(2^n) modulo the polynomial, n = 0..31 (x^1 first)
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
 
 
 def _x2nmodp(n: int, k: int) -> int:
@@ -57,17 +50,10 @@ def _python_crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 try:
-    from isal import isal_zlib as _isal_zlib
-except ImportError:  # no isal wheel for this platform: the standard library (slower)
-    _isal_zlib = None
-
-if _isal_zlib is not None:
-    _crc32 = _isal_zlib.crc32
-    _crc32_combine = _isal_zlib.crc32_combine
+    from isal.isal_zlib import crc32 as _crc32, crc32_combine as _crc32_combine
     IMPLEMENTATION = "isal"
-else:
-    _crc32 = zlib.crc32
-    _crc32_combine = _python_crc32_combine
+except ImportError:  # no isal wheel for this platform: the standard library (slower)
+    _crc32, _crc32_combine = zlib.crc32, _python_crc32_combine
     IMPLEMENTATION = "zlib"
 """Which implementation :func:`crc32` / :func:`crc32_combine` use: ``isal`` or ``zlib``."""
 
