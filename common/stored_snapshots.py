@@ -110,21 +110,6 @@ class StoredSnapshots(SnapshotTier):
     def location(self, job_id: str, step: int) -> StorePath:
         return StorePath(self.store.describe(self.step_prefix(job_id, step)).rstrip("/"))
 
-    def objects(self, job_id: str | None = None) -> dict[tuple[str, int], list[ObjectInfo]]:
-        """Every object of a job (or of all jobs) by (job, step), complete or not."""
-        prefix = "" if job_id is None else validate_job_id(job_id, SnapshotInvalid) + "/"
-        steps: dict[tuple[str, int], list[ObjectInfo]] = {}
-        with self._reading(prefix):
-            listed = self.store.list(prefix)
-        for info in listed:
-            parts = info.key.split("/")
-            if len(parts) != 3:
-                continue
-            step = parse_step_dir_name(parts[1])
-            if step is not None:
-                steps.setdefault((parts[0], step), []).append(info)
-        return steps
-
     def step_markers(self, job_id: str, step: int, ranks: Iterable[int] | None = None) -> dict[int, SnapshotIndex]:
         """The valid markers of one step, by rank (one listing); only those of ``ranks`` are read
         when given (a host asks for its own, not N requests per step)."""
