@@ -182,11 +182,7 @@ def _host_port(text: str) -> tuple[str | None, int]:
     return (host.strip("[]") if sep else None), number
 
 
-_PARSERS: dict[str, Callable[[str], Any]] = {
-    "size": _size,
-    "seconds": _seconds,
-    "host_port": _host_port,
-}
+_PARSERS: dict[str, Callable[[str], Any]] = {"size": _size, "seconds": _seconds, "host_port": _host_port}
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
