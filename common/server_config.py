@@ -77,8 +77,7 @@ class ServerConfig:
     (fields without a :class:`Flag` are set in code only): written for the person starting it."""
 
     shm_size: int = _flag(kind="size", example="64G")
-    """Whole host budget for all segments and the copy-before-write pool (K/M/G/T: binary).
-    Checked against the shm directory at start: exits if it does not fit, never falls back to disk."""
+    """Host budget for all segments and the copy pool, checked at start; never falls back to disk."""
 
     listen: str = _flag(
         default_factory=default_listen, metavar="ADDRESS", example="unix:///run/swap-state/s.sock",
@@ -91,16 +90,14 @@ class ServerConfig:
     """File holding a bearer token every call but health checks must send (else UNAUTHENTICATED)."""
 
     tenants: pathlib.Path | None = _flag(None, metavar="FILE", example="/etc/swap-state/tenants")
-    """File of 'TENANT TOKEN [admin]' lines (mode 0600): jobs belong to the tenant that created
-    them, others get PERMISSION_DENIED, admins reach all. Without it or --token-file, on a unix
-    socket, each caller's uid is its tenant (root and this server's user are admins)."""
+    """File of 'TENANT TOKEN [admin]' lines (0600): each tenant reaches only its own jobs, admins all.
+    Without it or --token-file, on a unix socket, each caller's uid is its tenant."""
 
     snapshot_dir: pathlib.Path | None = _flag(None, metavar="DIR", example="/ckpt/swap-state")
     """Directory for durable snapshots, created if missing; without it, snapshots are refused."""
 
     snapshot_store: str | None = _flag(None, metavar="URI", example="s3://ckpt-bucket/swap-state")
-    """A second tier every host reaches, uploaded to in the background and restored from where
-    --snapshot-dir lacks a rank: s3://BUCKET/PREFIX (AWS_* environment) or a shared path."""
+    """A second tier every host reaches (s3://BUCKET/PREFIX or a shared path), uploaded in the background."""
 
     snapshot_store_timeout: float = _flag(60.0, kind="seconds", example="120")
     """Seconds one request to --snapshot-store may take, retries included."""
@@ -128,12 +125,10 @@ class ServerConfig:
     """Group given to segment files (0660, not 0600) and the socket: its users' trainers map them."""
 
     socket_group: str | None = _flag(None, metavar="GROUP", example="trainers")
-    """Group given to the socket instead of --shm-group (a root server gives each caller its own
-    segment files): the users who may call this server."""
+    """Group given to the socket instead of --shm-group: the users who may call this server."""
 
     discard_segments: bool = _flag(False, example="--discard-segments")
-    """At start, remove the segments a previous server on this --listen left instead of adopting
-    them: their trainers lose their state."""
+    """At start, remove (not adopt) the segments a previous server left: their trainers lose their state."""
 
     free_segments_on_stop: bool = _flag(False, example="--free-segments-on-stop")
     """On SIGTERM/SIGINT free every segment, not leaving live sessions' for the next server to adopt."""
@@ -143,8 +138,7 @@ class ServerConfig:
 
     cow_budget: int | None = _flag(None, kind="size", example="2G",
                                    default_text="min(1G, shm-size/8), in whole chunks")
-    """Host-wide copy-before-write pool that lets snapshots run while trainers keep stepping (slots
-    of --chunk-bytes, held back from --shm-size)."""
+    """Host-wide copy-before-write pool (held back from --shm-size): snapshots without pausing trainers."""
 
     direct_io: str = _flag("writes", choices=DIRECT_IO_MODES, example="off")
     """writes: snapshot writes bypass the page cache with O_DIRECT (1.7-2.2x buffered on a virtio
