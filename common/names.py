@@ -14,13 +14,11 @@ import re
 from .errors import InvalidArgument
 
 __all__ = [
-    "JOB_ID_RULE", "MAX_JOB_ID_CHARS", "SnapshotRef", "is_job_id", "validate_job_id", "shorten",
-    "snapshot_id_for", "parse_snapshot_id", "step_dir_name", "parse_step_dir_name", "state_key",
-    "param_group_key", "STATE_PREFIX", "PARAM_GROUPS_PREFIX", "MODEL_PREFIX", "MODEL_KEYS",
-    "model_tensor_name", "is_model_tensor"
+    "JOB_ID_RULE", "SnapshotRef", "is_job_id", "validate_job_id", "shorten", "snapshot_id_for",
+    "parse_snapshot_id", "step_dir_name", "parse_step_dir_name", "state_key", "param_group_key",
+    "STATE_PREFIX", "PARAM_GROUPS_PREFIX", "MODEL_PREFIX", "model_tensor_name", "is_model_tensor"
 ]
 
-MAX_JOB_ID_CHARS = 128
 JOB_ID_RULE = "1-128 characters of [A-Za-z0-9_.-], not starting with '.'"
 _JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _SNAPSHOT_ID = re.compile(r"(?:(?P<job>[^/]+)/)?(?:step-(?P<step>\d{1,20})|(?P<latest>latest))")
@@ -28,8 +26,6 @@ _STEP_DIR = re.compile(r"step-(\d{12,})")
 STATE_PREFIX = "state."
 PARAM_GROUPS_PREFIX = "param_groups."
 MODEL_PREFIX = "model."
-#: Manifest keys of a model tensor in a whole-state snapshot: a parameter or a persistent buffer.
-MODEL_KEYS: tuple[str, ...] = ("param", "buffer")
 
 
 def shorten(value: object, limit: int = 80) -> str:
