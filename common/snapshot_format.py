@@ -209,13 +209,16 @@ class TensorRecord:
         )
 
 
-_MANIFEST_FIELDS: tuple[tuple[Any, ...], ...] = (
+_MANIFEST_HEAD: tuple[tuple[Any, ...], ...] = (
     ("job_id", _str), ("step", _int), ("rank", _int), ("world_size", _int, 1), ("data_file", _str),
-    ("data_file_bytes", _int), ("data_start", _int, 8), ("chunk_bytes", _int), ("param_groups", _object),
-    ("steps", _object), ("cow_copies", _int), ("backpressure_waits", _int),
+    ("data_file_bytes", _int), ("data_start", _int, 8), ("chunk_bytes", _int),
+)
+"""(field, parser, minimum) of a manifest's plain fields before its tensors, each under its own key."""
+_MANIFEST_TAIL: tuple[tuple[Any, ...], ...] = (
+    ("param_groups", _object), ("steps", _object), ("cow_copies", _int), ("backpressure_waits", _int),
     ("backpressure_wait_seconds", _float), ("persist_seconds", _float),
 )
-"""(field, parser, minimum) of a manifest's plain fields, read from the key of the same name."""
+"""The same, after its tensors."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,25 +273,10 @@ class RankManifest:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": MANIFEST_FORMAT,
-            "version": MANIFEST_VERSION,
-            "snapshot_id": self.snapshot_id,
-            "job_id": self.job_id,
-            "step": self.step,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "data_file": self.data_file,
-            "data_file_bytes": self.data_file_bytes,
-            "data_start": self.data_start,
-            "chunk_bytes": self.chunk_bytes,
-            "checksum": "crc32",
-            "tensors": [t.to_json() for t in self.tensors],
-            "param_groups": self.param_groups,
-            "steps": self.steps,
-            "cow_copies": self.cow_copies,
-            "backpressure_waits": self.backpressure_waits,
-            "backpressure_wait_seconds": self.backpressure_wait_seconds,
-            "persist_seconds": self.persist_seconds,
+            "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "snapshot_id": self.snapshot_id,
+            **{name: getattr(self, name) for name, *_ in _MANIFEST_HEAD},
+            "checksum": "crc32", "tensors": [t.to_json() for t in self.tensors],
+            **{name: getattr(self, name) for name, *_ in _MANIFEST_TAIL},
             "metadata_extra": self.metadata_extra,
         }
 
@@ -305,7 +293,8 @@ class RankManifest:
         tensors = raw.get("tensors")
         if not isinstance(tensors, list):
             raise ValueError("tensors must be a list")
-        fields = {name: parse(raw.get(name), name, *minimum) for name, parse, *minimum in _MANIFEST_FIELDS}
+        fields = {name: parse(raw.get(name), name, *minimum)
+                  for name, parse, *minimum in _MANIFEST_HEAD + _MANIFEST_TAIL}
         return cls(
             **fields,
             tensors=tuple(TensorRecord.from_json(t) for t in tensors),
