@@ -1,9 +1,6 @@
-"""Server addresses: one rule set for the server's ``--listen`` and the trainer's ``server=``.
-
-Accepted: ``unix:///absolute/path``, a bare socket path (``/run/x.sock``, ``./x.sock``; a
-relative path is made absolute against the current directory), ``tcp://host:port`` and
-``tcp://[v6]:port``. ``unix://relative`` is refused: it reads as an absolute path to people and
-as a relative one to gRPC.
+"""Server addresses: one rule set for the server's ``--listen`` and the trainer's ``server=``:
+``unix:///absolute/path``, a socket path (``./x.sock`` made absolute), ``tcp://host:port`` or
+``tcp://[v6]:port``. ``unix://relative`` is refused: absolute to people, relative to gRPC.
 """
 
 from __future__ import annotations
@@ -58,9 +55,7 @@ class ListenAddress:
 
     def bind_target(self, port: int | None = None) -> str:
         """The address string grpc's ``add_*_port`` (server) or channel (client) takes."""
-        if self.scheme == "unix":
-            return f"unix://{self.path}"
-        return self._host_port(port)
+        return self.url if self.scheme == "unix" else self._host_port(port)
 
 
 def parse_address(text: str, flag: str = "--listen") -> ListenAddress:

@@ -1,18 +1,16 @@
 """Who calls over a unix socket: a file the caller creates proves its uid to the server.
 
 grpc's Python server does not expose a unix socket peer's credentials (``SO_PEERCRED``), so
-the server learns the caller's uid from the owner of a file: next to its socket it keeps a
-directory ``<socket>.callers`` (mode 1733: anyone who reaches the socket may create a file
-there, nobody but the server may list it or remove another's file); a client creates an empty
-file of a random name in it (``O_EXCL``, 0600: owned by the client's uid, which nobody but
-root can give to another uid) and sends that name with every call (metadata
-:data:`CALLER_METADATA_KEY`). The server ``lstat``\\ s it: a regular file with one link, its
-owner is the caller. The name is a 128-bit secret of the client's process; the client removes
-its file when it closes. Imports neither grpc nor torch.
+the server keeps a directory ``<socket>.callers`` (mode 1733: anyone may create a file, only
+the server may list it or remove another's); a client creates an empty file of a secret random
+name there (``O_EXCL``, 0600: owned by its uid) and sends the name with every call
+(:data:`CALLER_METADATA_KEY`). The server ``lstat``\\ s it: a regular file with one link, its
+owner is the caller. The client removes it when it closes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -53,10 +51,8 @@ class CallerProof:
         return True
 
     def remove(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.directory, self.name))
-        except OSError:
-            pass
 
     @property
     def metadata(self) -> tuple[str, str]:

@@ -1,16 +1,9 @@
-"""CRC-32 (zlib/IEEE) helpers for snapshot files.
+"""CRC-32 (zlib/IEEE) of snapshot files: per tensor as the bytes stream by, the whole file's
+*combined* from those (:func:`crc32_combine`), not a second pass.
 
-Per tensor the writer runs :func:`crc32` over the bytes as they stream by. The checksum of a
-whole file is then *combined* from the header's CRC and the tensors' CRCs with
-:func:`crc32_combine`, instead of a second pass over the data.
-
-Both come from ISA-L (``isal.isal_zlib``: the same CRC-32 as zlib, bit for bit, about 6x
-faster than ``zlib.crc32`` here, and it also releases the GIL on large buffers, so the event
-loop keeps answering while a snapshot streams). Only where ``isal`` is not importable (it has
-no wheel for the platform) the standard library's ``zlib.crc32`` is used, with zlib's
-``crc32_combine`` algorithm written out below (GF(2) polynomial arithmetic, O(log n) 32-bit
-steps), which the ``zlib`` module does not expose. The values, and so the on-disk format, are
-the same either way.
+From ISA-L (``isal.isal_zlib``: about 6x ``zlib.crc32`` here, and it releases the GIL on large
+buffers); where it has no wheel, ``zlib.crc32`` and zlib's ``crc32_combine`` written out below
+(the ``zlib`` module does not expose it). The values are the same either way.
 """
 
 from __future__ import annotations
@@ -20,11 +13,6 @@ import zlib
 __all__ = ["IMPLEMENTATION", "crc32", "crc32_combine", "format_crc", "parse_crc"]
 
 _POLY = 0xEDB88320  # the reflected CRC-32 polynomial
-
-
-def _zlib_crc32(data, value: int = 0) -> int:
-    """``zlib.crc32``: ``value`` continues a running checksum."""
-    return zlib.crc32(data, value)
 
 
 def _multmodp(a: int, b: int) -> int:
@@ -40,16 +28,9 @@ def _multmodp(a: int, b: int) -> int:
         b = (b >> 1) ^ _POLY if b & 1 else b >> 1
 
 
-def _x2n_table() -> tuple[int, ...]:
-    p = 1 << 30  # x^1
-    table = [p]
-    for _ in range(1, 32):
-        p = _multmodp(p, p)
-        table.append(p)
-    return tuple(table)
-
-
-_X2N = _x2n_table()  # x^(2^n) modulo the polynomial, n = 0..31
+_X2N = [1 << 30]  # x^(2^n) modulo the polynomial, n = 0..31 (x^1 first)
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
 
 
 def _x2nmodp(n: int, k: int) -> int:
@@ -65,23 +46,14 @@ def _x2nmodp(n: int, k: int) -> int:
 
 def _python_crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """zlib's crc32_combine in Python (the fallback without isal)."""
-    if len2 < 0:
-        raise ValueError("len2 must be >= 0")
     return _multmodp(_x2nmodp(len2, 3), crc1) ^ (crc2 & 0xFFFFFFFF)
 
 
 try:
-    from isal import isal_zlib as _isal_zlib
-except ImportError:  # no isal wheel for this platform: the standard library (slower)
-    _isal_zlib = None
-
-if _isal_zlib is not None:
-    _crc32 = _isal_zlib.crc32
-    _crc32_combine = _isal_zlib.crc32_combine
+    from isal.isal_zlib import crc32 as _crc32, crc32_combine as _crc32_combine
     IMPLEMENTATION = "isal"
-else:
-    _crc32 = _zlib_crc32
-    _crc32_combine = _python_crc32_combine
+except ImportError:  # no isal wheel for this platform: the standard library (slower)
+    _crc32, _crc32_combine = zlib.crc32, _python_crc32_combine
     IMPLEMENTATION = "zlib"
 """Which implementation :func:`crc32` / :func:`crc32_combine` use: ``isal`` or ``zlib``."""
 

@@ -1,8 +1,7 @@
-"""The trainer's side of the copy-before-write protocol (``swap_state.common.segment``, step 4).
+"""The trainer's side of the copy-before-write protocol (:mod:`.segment`, steps 4 and 6).
 
-Pure Python over a mapped segment: no torch, no grpc, so the client can use it as is and the
-server's tests can play the trainer. Call order, from the *one* thread that writes the segment
-(the header words it stores have a single writer)::
+Pure Python (the server's tests play the trainer with it). Call order, from the *one* thread
+that writes the segment (the header words it stores have a single writer)::
 
     protector = TrainerProtector(segment_mmap, layout)
     for each write of bytes [offset, offset + nbytes) into the tensor area:
@@ -10,14 +9,7 @@ server's tests can play the trainer. Call order, from the *one* thread that writ
         ... write ...
     protector.close()                            # before unmapping
 
-``before_write`` costs one header word read when no snapshot is persisting. While one is, a
-chunk is safe when the server's writer has read it (``PERSISTED_UPTO``) or its stager has
-copied it (``STAGED_UPTO``), which it does ahead of the trainer; only a chunk that neither
-has reached is copied here, into a free slot of the trainer's own (``[STAGE_SLOTS,
-COW_SLOTS)``), before it is overwritten. With no free slot of its own the caller waits until
-one is freed or the server has made the chunk safe, and the wait is counted in the header
-(``BP_WAITS``, ``BP_WAIT_NS``), never hidden. It never waits on a server that is gone
-(``server_gone``, protocol step 6): it gives the snapshot up (``ABANDONED_EPOCH``) and writes.
+``before_write`` costs one header word read when no snapshot is persisting.
 """
 
 from __future__ import annotations
@@ -59,13 +51,9 @@ def protect_chunk(
     max_wait_s: float | None = None,
     server_gone: Callable[[], bool] | None = None,
 ) -> bool:
-    """Make chunk ``chunk`` safe to overwrite; True when it was copied into a slot.
-
-    ``view`` is a writable memoryview over the whole segment. Reads ``SNAP_EPOCH`` itself: a
-    snapshot can only begin between steps, and only end during one. ``server_gone``: whether
-    the server is unreachable now; then a wait for a slot gives the snapshot up instead
-    (protocol step 6).
-    """
+    """Make ``chunk`` safe to overwrite (``view``: the whole segment, writable); True when it
+    was copied into a slot. ``server_gone()``: the server is unreachable, so a wait for a slot
+    gives the snapshot up instead (protocol step 6)."""
     trainer = header if isinstance(header, TrainerHeader) else TrainerHeader(header)
     header = trainer.segment
     epoch = header[Word.SNAP_EPOCH]
@@ -79,10 +67,7 @@ def protect_chunk(
             found["slot"] = header.free_slot()
             found["epoch"] = header[Word.SNAP_EPOCH]
             safe = not _needs_copy(header, chunk.index, found["epoch"])
-            return found["slot"] is not None or safe or gone()
-
-        def gone() -> bool:
-            return server_gone is not None and server_gone()
+            return found["slot"] is not None or safe or (server_gone is not None and server_gone())
 
         waited_since = time.monotonic_ns()
         try:
@@ -121,17 +106,15 @@ class TrainerProtector:
         max_wait_s: float | None = None,
         server_gone: Callable[[], bool] | None = None,
     ):
-        """``buffer``: a writable buffer over the whole segment (mmap or memoryview);
-        ``header``: an existing SegmentHeader over it, else one is made here;
-        ``max_wait_s``: raise BackPressureTimeout after waiting this long (None: no limit);
-        ``server_gone``: whether the server is unreachable now (protocol step 6)."""
+        """``buffer``: the whole segment, writable; ``header``: one over it (None: made here);
+        ``max_wait_s``: BackPressureTimeout after waiting this long (None: no limit)."""
         self._view = memoryview(buffer)
         self._own_header = header is None
         self.header = SegmentHeader(buffer, layout.n_chunks, layout.cow_slots) if header is None else header
         self.layout = layout
         self.max_wait_s = max_wait_s
         self.server_gone = server_gone
-        self.chunks = layout.chunks  # the layout's, made once
+        self.chunks = layout.chunks
         self._starts = [c.offset for c in self.chunks]
 
     def before_write(self, offset: int, nbytes: int) -> int:

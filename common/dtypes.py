@@ -1,12 +1,8 @@
-"""The one dtype table: names in the segment and manifests, item sizes, safetensors codes.
-
-The client maps names to torch dtypes with ``getattr(torch, name)``; nothing else may keep a
-table of its own.
-"""
+"""The one dtype table: names in the segment and manifests, item sizes, safetensors codes."""
 
 from __future__ import annotations
 
-__all__ = ["DTYPE_ITEMSIZE", "SAFETENSORS_DTYPES", "DTYPE_NAMES", "itemsize"]
+__all__ = ["DTYPE_ITEMSIZE", "SAFETENSORS_DTYPES", "DTYPE_NAMES"]
 
 # name -> (item size in bytes, safetensors dtype code)
 _TABLE: dict[str, tuple[int, str]] = {
@@ -22,8 +18,3 @@ _TABLE: dict[str, tuple[int, str]] = {
 DTYPE_NAMES: tuple[str, ...] = tuple(_TABLE)
 DTYPE_ITEMSIZE: dict[str, int] = {name: size for name, (size, _) in _TABLE.items()}
 SAFETENSORS_DTYPES: dict[str, str] = {name: code for name, (_, code) in _TABLE.items()}
-
-
-def itemsize(dtype: str) -> int:
-    """Bytes per element of ``dtype``; KeyError for a dtype swap-state does not keep."""
-    return DTYPE_ITEMSIZE[dtype]

@@ -1,47 +1,25 @@
 """Domain errors, and the machine-readable reason each one carries over the wire.
 
-The domain modules (arena, sessions, validation, snapshots) raise these; the server's transport
-layer maps them to gRPC status codes in exactly one place (:mod:`swap_state.server.rpc.statuses`)
-and sends :attr:`DomainError.reason` in the trailing-metadata key :data:`REASON_METADATA_KEY`;
-the client raises the same class again from the reason (:data:`ERROR_FOR_REASON`,
-:mod:`swap_state.client.errors`): each error is declared once, here and in
-:mod:`.snapshot_errors`, for both sides.
-
-Every class names its status ``code`` (a ``grpc.StatusCode`` member name, so this module needs
-no grpc) and its ``reason`` (an upper-case word); the first class to declare a reason is the
-one the client raises for it. Imports neither grpc nor torch.
+The server maps them to gRPC status codes in one place (:mod:`swap_state.server.rpc.statuses`)
+and sends the ``reason`` in :data:`REASON_METADATA_KEY`; the client raises the same class again
+(:data:`ERROR_FOR_REASON`). Each class names its ``code`` (a ``grpc.StatusCode`` member name)
+and its ``reason``; the first class to declare a reason is the one the client raises.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "REASON_METADATA_KEY",
-    "SwapStateError",
-    "ERROR_FOR_REASON",
-    "InvalidArgument",
-    "NotFound",
-    "ResourceExhausted",
-    "FailedPrecondition",
-    "StaleGeneration",
-    "SessionLive",
-    "LayoutMismatch",
-    "NoSegment",
-    "MetadataBaseUnknown",
-    "SnapshotsDisabled",
-    "PermissionDenied",
-    "Unauthenticated",
-    "Unavailable",
-    "ConfigError",
-    "StartupError",
-    "SERVER_STOPPING_NOTICE",
+    "REASON_METADATA_KEY", "SwapStateError", "ERROR_FOR_REASON", "InvalidArgument", "NotFound",
+    "ResourceExhausted", "FailedPrecondition", "StaleGeneration", "SessionLive", "LayoutMismatch",
+    "NoSegment", "MetadataBaseUnknown", "SnapshotsDisabled", "PermissionDenied", "Unauthenticated",
+    "Unavailable", "ConfigError", "StartupError", "SERVER_STOPPING_NOTICE"
 ]
 
 REASON_METADATA_KEY = "swap-state-reason"
 """Trailing-metadata key of a refused call: the refusing error's ``reason``."""
 
 SERVER_STOPPING_NOTICE = "shutting down"
-"""The last KeepAlive event's notice of a server that stops (SIGTERM): its trainers keep
-stepping and reconnect to the next server, which adopts their segments."""
+"""The last KeepAlive event's notice of a server that stops (SIGTERM): trainers reconnect."""
 
 
 ERROR_FOR_REASON: dict[str, type[SwapStateError]] = {}
@@ -49,12 +27,9 @@ ERROR_FOR_REASON: dict[str, type[SwapStateError]] = {}
 
 
 class SwapStateError(RuntimeError):
-    """A swap-state call failed: on the server, a request refused for a reason the caller can
-    act on; on the client, the same class raised again from the reason the server sent.
-
-    ``code``: the status code (the class's: a ``grpc.StatusCode`` member name; on the client,
-    the ``grpc.StatusCode`` received, None for a local error). ``reason``: the machine-readable
-    reason (the client's: the one received, None when the server sent none)."""
+    """A swap-state call failed for a reason the caller can act on (on the client: raised again
+    from the reason received). ``code``: the status code (the client's: the ``grpc.StatusCode``
+    received, None for a local error); ``reason``: the machine-readable reason."""
 
     code: object = "INTERNAL"
     reason: str | None = "INTERNAL"
@@ -125,8 +100,7 @@ class NoSegment(FailedPrecondition):
 
 
 class MetadataBaseUnknown(FailedPrecondition):
-    """A snapshot names a metadata base this server does not hold (it restarted since the
-    trainer sent it): send the base again."""
+    """A snapshot names a metadata base this server does not hold (restarted): send it again."""
 
     reason = "METADATA_BASE_UNKNOWN"
 
@@ -138,8 +112,7 @@ class SnapshotsDisabled(FailedPrecondition):
 
 
 class PermissionDenied(SwapStateError):
-    """The caller's tenant (``--tenants``) may not use what the request names: another
-    tenant's job, session or snapshot."""
+    """The caller's tenant (``--tenants``) may not use another tenant's job, session or snapshot."""
 
     code = reason = "PERMISSION_DENIED"
 

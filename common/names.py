@@ -1,13 +1,9 @@
 """The one grammar for ids and keys: job ids, snapshot ids, step directories and flat keys.
 
-Job ids become directory names and metric labels, so they are restricted; snapshot ids are
-``<job>/step-<N>`` (the protocol form, no zero padding), ``<job>/latest``, or ``step-<N>`` /
-``latest`` relative to a job. Wherever a step is named, both spellings are accepted: the short
-one (``demo/step-25``, what is printed) and the directory's (``demo/step-000000000025``, any
-zero padding). Flat keys are the seed's optimizer state-dict keys:
-``state.<fqn>.<key>`` and ``param_groups.<fqn>.<hyperparameter>``. A whole-state snapshot
-also holds the model: segment tensors ``model.<fqn>`` (a parameter or persistent buffer under
-its model state-dict fqn), after every other tensor of the segment.
+Job ids become directory names and metric labels, so they are restricted. Snapshot ids are
+``<job>/step-<N>`` (any zero padding), ``<job>/latest``, or ``step-<N>`` / ``latest`` of a job.
+Flat keys are the seed's ``state.<fqn>.<key>`` and ``param_groups.<fqn>.<hyperparameter>``;
+a whole-state snapshot's model tensors are ``model.<fqn>``, after every other tensor.
 """
 
 from __future__ import annotations
@@ -18,27 +14,11 @@ import re
 from .errors import InvalidArgument
 
 __all__ = [
-    "JOB_ID_RULE",
-    "MAX_JOB_ID_CHARS",
-    "SnapshotRef",
-    "is_job_id",
-    "validate_job_id",
-    "shorten",
-    "snapshot_id_for",
-    "parse_snapshot_id",
-    "step_dir_name",
-    "parse_step_dir_name",
-    "state_key",
-    "param_group_key",
-    "STATE_PREFIX",
-    "PARAM_GROUPS_PREFIX",
-    "MODEL_PREFIX",
-    "MODEL_KEYS",
-    "model_tensor_name",
-    "is_model_tensor",
+    "JOB_ID_RULE", "SnapshotRef", "is_job_id", "validate_job_id", "shorten", "snapshot_id_for",
+    "parse_snapshot_id", "step_dir_name", "parse_step_dir_name", "state_key", "param_group_key",
+    "STATE_PREFIX", "PARAM_GROUPS_PREFIX", "MODEL_PREFIX", "model_tensor_name", "is_model_tensor"
 ]
 
-MAX_JOB_ID_CHARS = 128
 JOB_ID_RULE = "1-128 characters of [A-Za-z0-9_.-], not starting with '.'"
 _JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _SNAPSHOT_ID = re.compile(r"(?:(?P<job>[^/]+)/)?(?:step-(?P<step>\d{1,20})|(?P<latest>latest))")
@@ -46,13 +26,11 @@ _STEP_DIR = re.compile(r"step-(\d{12,})")
 STATE_PREFIX = "state."
 PARAM_GROUPS_PREFIX = "param_groups."
 MODEL_PREFIX = "model."
-#: Manifest keys of a model tensor in a whole-state snapshot: a parameter or a persistent buffer.
-MODEL_KEYS: tuple[str, ...] = ("param", "buffer")
 
 
 def shorten(value: object, limit: int = 80) -> str:
-    """``repr`` of a client-sent value, cut to ``limit`` characters: error messages travel back
-    as gRPC metadata, which has a size limit a hostile id must not reach."""
+    """``repr`` of a client-sent value, cut to ``limit`` characters (messages travel back as gRPC
+    metadata, whose size limit a hostile id must not reach)."""
     text = value if isinstance(value, str) else repr(value)
     return repr(text if len(text) <= limit else text[:limit] + "...")
 

@@ -1,32 +1,21 @@
 """The snapshot store's transport: whole objects put, byte ranges read, keys listed.
 
-``--snapshot-store URI`` names a place every host reaches. Two kinds, behind one small
-interface (:class:`ObjectStore`), so that what goes where (:mod:`.stored_snapshots`) is written
-once:
+``--snapshot-store URI`` names a place every host reaches, behind one interface
+(:class:`ObjectStore`):
 
-* ``s3://bucket/prefix``: any S3-compatible object store (AWS, MinIO, Ceph, Huawei OBS),
-  through `obstore <https://developmentseed.org/obstore>`_ (the Rust ``object_store`` crate
-  that Apache Arrow, Delta Lake and Polars use): endpoint, region and credentials from the
-  standard AWS variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_REGION``, ...).
-  Chosen over fsspec/s3fs by measurement and by weight: against the same endpoint in one run
-  (``bench/store_libraries.py``, 128 MiB, moto), obstore put 0.106 GB/s to s3fs's 0.065
-  (median; worst 0.091 / 0.058), and both get at about the same rate (0.43 / 0.47); and it is
-  one self-contained wheel, where s3fs pins aiobotocore, which pins botocore (installing it
-  downgraded the botocore that boto3 uses).
-* a path, or ``file://`` path, on a filesystem every host mounts (NFS, Lustre, GPFS): written
-  here by hand because no library gives what a shared filesystem needs for a reader on
-  another host: an object appears only whole (written to a temporary name, fsynced, renamed)
-  and its directory entry is durable (the directory fsynced).
+* ``s3://bucket/prefix``: any S3-compatible store through obstore (standard ``AWS_*``
+  variables); chosen over s3fs by measurement and weight (docs/benchmarks.md).
+* a path, or ``file://`` path, on a filesystem every host mounts: by hand, because a reader on
+  another host must see an object only whole (temporary name, fsync, rename, directory fsync).
 
-Objects are immutable once put; a put of an existing key replaces it whole. Errors: a missing
-object raises ``FileNotFoundError``; every other failure an ``OSError`` whose message names the
-store (:attr:`ObjectStore.uri`) and the key. Nothing here trusts what it reads: the callers
-verify sizes and checksums (:mod:`.stored_snapshots`).
+A put of an existing key replaces it whole. A missing object raises ``FileNotFoundError``;
+every other failure an ``OSError`` naming the store and the key. Callers verify what they read.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -50,7 +39,6 @@ class ObjectInfo:
     key: str
     """Its key relative to the store's root (``/``-separated)."""
     size: int
-    """Its size in bytes."""
     version: str = ""
     """Changes whenever the object is put again (an ETag; a file's inode and mtime)."""
 
@@ -63,15 +51,13 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     def put(self, key: str, chunks: bytes | Iterable[bytes | memoryview]) -> None:
-        """Store ``chunks`` (one bytes object, or pieces concatenated) under ``key``, visible
-        only once whole. An exception raised by the iterable aborts the put (nothing is
-        stored) and is raised as it is."""
+        """Store ``chunks`` (bytes, or pieces concatenated) under ``key``, visible only once whole;
+        an exception from the iterable aborts the put and is raised as it is."""
 
     @abc.abstractmethod
     def create(self, key: str, data: bytes) -> bool:
-        """Store ``data`` under ``key`` only if no object is there: True when this call made
-        it, False when one was there already (of several hosts racing, exactly one wins).
-        OSError where the store cannot do it (an S3 endpoint without conditional writes)."""
+        """Store ``data`` under ``key`` only if no object is there: whether this call made it (of
+        racing hosts exactly one wins). OSError where the store cannot (no conditional writes)."""
 
     @abc.abstractmethod
     def get_range(self, key: str, offset: int, nbytes: int) -> bytes:
@@ -87,8 +73,7 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     def list_folders(self, prefix: str) -> list[str]:
-        """The names of the folders right under ``prefix`` (``""`` or ending with ``/``),
-        sorted: one listing request per thousand, whatever the objects below them."""
+        """The names of the folders right under ``prefix`` (``""`` or ending with ``/``), sorted."""
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:
@@ -107,9 +92,8 @@ class ObjectStore(abc.ABC):
 
 
 class PosixObjectStore(ObjectStore):
-    """A directory on a filesystem every host mounts. A put writes ``<key>.tmp-<random>``,
-    fsyncs it, renames it to ``<key>`` and fsyncs the directory: a reader on any host sees
-    the whole object or none. Leftover temporaries of a killed writer are never listed."""
+    """A directory on a filesystem every host mounts; a reader on any host sees the whole object
+    or none. Leftover temporaries (``.tmp-``) of a killed writer are never listed."""
 
     def __init__(self, root: str | os.PathLike[str], uri: str | None = None):
         self.root = pathlib.Path(os.path.abspath(root))
@@ -203,9 +187,8 @@ class PosixObjectStore(ObjectStore):
 
 
 class S3ObjectStore(ObjectStore):
-    """``s3://bucket/prefix`` through obstore, configured from the standard AWS environment.
-    A plain-http ``AWS_ENDPOINT_URL`` (a MinIO or test endpoint) is allowed as given. Every
-    request is bounded: ``timeout_s`` per request, a few retries within it."""
+    """``s3://bucket/prefix`` through obstore, from the AWS environment (a plain-http endpoint is
+    allowed as given). Every request is bounded: ``timeout_s``, a few retries within it."""
 
     def __init__(self, uri: str, timeout_s: float = 60.0):
         import obstore  # the one place it is imported: a server without a store never needs it
@@ -303,31 +286,20 @@ class S3ObjectStore(ObjectStore):
         except FileNotFoundError:
             pass
 
-    def _errors(self, key: str) -> _StoreErrors:
-        return _StoreErrors(self, key)
-
-
-class _StoreErrors:
-    """Re-raises obstore's exceptions as ``OSError`` (``FileNotFoundError`` for a missing
-    object) naming the store and the key, with obstore's text (the HTTP status, the
-    endpoint) after it."""
-
-    def __init__(self, store: ObjectStore, key: str):
-        self._store, self._key = store, key
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, error, trace) -> bool:
-        if error is None or not isinstance(error, Exception):
-            return False
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        where = self._store.describe(self._key)
-        if isinstance(error, FileNotFoundError):
-            raise FileNotFoundError(f"{where} does not exist") from error
-        if type(error).__name__ in ("AlreadyExistsError", "PreconditionError"):  # obstore's, for create
-            raise FileExistsError(f"{where} exists") from error
-        raise OSError(f"{where}: {first_line}") from error
+    @contextlib.contextmanager
+    def _errors(self, key: str) -> Iterator[None]:
+        """Re-raises obstore's exceptions as ``OSError`` (``FileNotFoundError`` for a missing
+        object) naming the store and the key, with obstore's first line (HTTP status, endpoint)."""
+        try:
+            yield
+        except Exception as error:
+            where = self.describe(key)
+            if isinstance(error, FileNotFoundError):
+                raise FileNotFoundError(f"{where} does not exist") from error
+            if type(error).__name__ in ("AlreadyExistsError", "PreconditionError"):  # obstore's, for create
+                raise FileExistsError(f"{where} exists") from error
+            text = str(error).strip()
+            raise OSError(f"{where}: {text.splitlines()[0] if text else type(error).__name__}") from error
 
 
 def read_range(path: str | os.PathLike[str], offset: int, nbytes: int) -> bytes:

@@ -1,10 +1,5 @@
-"""The one wait-and-retry helper: poll a condition with exponential backoff until it holds or a
-deadline passes. Hand-written because the loops it serves poll shared-memory words and
-processes, where a library's retry-on-exception model does not fit and a few lines do.
-
-Every wait of the project that polls (a free copy slot, the segment's release, the trainer's
-model copy, a starting server) goes through :func:`wait_until`, so each has a deadline and
-backs off the same way.
+"""The one wait helper: poll a condition with exponential backoff until it holds or a deadline
+passes (shared-memory words and processes: a library's retry-on-exception model does not fit).
 """
 
 from __future__ import annotations
@@ -23,13 +18,9 @@ def wait_until(
     max_s: float = 0.05,
     sleep: Callable[[float], object] = time.sleep,
 ) -> bool:
-    """Call ``ready()`` until it returns true: True then, False once ``timeout_s`` (None: no
-    limit) has passed first. Between calls it sleeps ``first_s``, doubling up to ``max_s``.
-
-    ``ready`` is called at once (no sleep when the condition already holds) and once more at
-    the deadline. ``sleep(seconds)`` may be an ``Event.wait`` wrapper that raises to abort
-    the wait (a cancelled snapshot, say).
-    """
+    """Call ``ready()`` (at once, and once more at the deadline) until it returns true: True
+    then, False once ``timeout_s`` (None: no limit) passed. Sleeps ``first_s``, doubling up to
+    ``max_s``; ``sleep`` may raise to abort the wait (a cancelled snapshot)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     pause = first_s
     while not ready():

@@ -4,100 +4,65 @@ A segment is one file under the server's shm directory, owned by one session (jo
 
     [ header (page aligned) | tensor 0 | tensor 1 | ... (each page aligned) | cow slots ]
 
-The header is an array of little-endian uint64 words. Every word has exactly one writer
-(the server or the trainer), so no locks are needed; a reader may see an old value, never a
-torn one (aligned 8-byte stores).
+The header is an array of little-endian uint64 words, each with exactly one writer (server or
+trainer): no locks; a reader may see an old value, never a torn one (aligned 8-byte stores).
 
-Snapshot protocol (copy-before-write, made safe ahead of the trainer by the server), for a
-snapshot of committed step N. Chunk order is the tensor order of the segment, which is the
-order the trainer updates them; the spare slots (``COW_SLOTS`` of them, ``CHUNK_BYTES`` each)
-are split, per snapshot, between the server's *stager* and the trainer's *fallback*:
+Snapshot protocol for committed step N, epoch e. Chunks are in tensor order (the trainer's
+update order); of the ``COW_SLOTS`` spare slots (``CHUNK_BYTES`` each), ``[0, k)`` are the
+server's *stager*'s and ``[k, COW_SLOTS)`` the trainer's *fallback* for this epoch:
 
-1. The trainer calls Snapshot(step=N) between steps. Before replying, the server frees every
-   trainer slot (``SLOT_FREED[j] = SLOT_TAKEN[j]``) and publishes ``SNAP_STEP = N``,
-   ``PERSISTED_UPTO = 0``, ``STAGED_UPTO = 0``, ``STAGE_SLOTS = k`` (0 <= k <= COW_SLOTS)
-   and last ``SNAP_EPOCH = e`` (e > 0, increasing). Slots ``[0, k)`` are the stager's for
-   this epoch, slots ``[k, COW_SLOTS)`` the trainer's; neither side touches the other's, and
-   ``STAGE_SLOTS`` only changes while ``SNAP_EPOCH == 0``. From the reply on, the snapshot is
+1. Snapshot(step=N), between steps: before replying the server frees every trainer slot
+   (``SLOT_FREED[j] = SLOT_TAKEN[j]``), stores ``SNAP_STEP = N``, ``PERSISTED_UPTO = 0``,
+   ``STAGED_UPTO = 0``, ``STAGE_SLOTS = k`` and last ``SNAP_EPOCH = e`` (e > 0, increasing).
+   ``STAGE_SLOTS`` changes only while ``SNAP_EPOCH == 0``. From the reply on the snapshot is
    *consistent*: the trainer may mutate again.
-2. The server's stager copies chunks, at memory speed, into its slots in update order, chunk
-   c into stager slot ``c % k`` (a ring): it copies chunk c only once the writer is done with
-   chunk ``c - k`` (``PERSISTED_UPTO > c - k``), skips chunks the writer is already done with
-   (``c < PERSISTED_UPTO``; never the one being read) and the copy of chunks the trainer
-   copied itself (``COW_EPOCH[c] == e``), and after each copy stores ``STAGED_UPTO = c + 1``:
-   every chunk below ``STAGED_UPTO`` is persisted, in its stager slot, or in a trainer slot.
-3. The server's writer persists chunks in order. For chunk c it reads stager slot ``c % k``
-   when ``c < STAGED_UPTO`` (read before), else the chunk in the segment (zero copy). After
-   the read it checks ``COW_EPOCH[c]``: if it equals e, the trainer copied the chunk (its
-   overwrite may have torn the read, or the stager's), so it rewrites from trainer slot
-   ``COW_SLOT[c] - 1`` and frees it with ``SLOT_FREED[j] = SLOT_TAKEN[j]``. Else, if it read
-   the segment and now ``c < STAGED_UPTO``, the stager staged the chunk during the read and
-   the trainer may have overwritten it since, so it rewrites from the stager slot. Then it
-   stores ``PERSISTED_UPTO = c + 1`` (which also frees the chunk's stager slot). When done it
+2. The stager copies chunk c into its slot ``c % k`` (a ring) once the writer is done with
+   chunk ``c - k`` (``PERSISTED_UPTO > c - k``); it skips chunks the writer is done with and
+   those the trainer copied (``COW_EPOCH[c] == e``), and after each stores ``STAGED_UPTO = c +
+   1``: every chunk below it is persisted, in a stager slot, or in a trainer slot.
+3. The writer persists chunks in order, from stager slot ``c % k`` when ``c < STAGED_UPTO``,
+   else from the segment (zero copy). After the read, if ``COW_EPOCH[c] == e`` (the trainer
+   copied it; the read may be torn) it rewrites from trainer slot ``COW_SLOT[c] - 1`` and
+   frees it; else if it read the segment and now ``c < STAGED_UPTO`` it rewrites from the
+   stager slot. Then ``PERSISTED_UPTO = c + 1`` (which frees the stager slot). When done it
    stops the stager and stores ``SNAP_EPOCH = 0``.
-4. Before the trainer overwrites chunk c while ``SNAP_EPOCH == e != 0`` and
-   ``PERSISTED_UPTO <= c`` and ``STAGED_UPTO <= c`` and ``COW_EPOCH[c] != e`` (neither side
-   of the server has made it safe), it copies the chunk into a free slot j of its own
-   (``STAGE_SLOTS <= j < COW_SLOTS``; free: ``SLOT_TAKEN[j] == SLOT_FREED[j]``), then stores
-   ``COW_SLOT[c] = j + 1``, ``SLOT_TAKEN[j] += 1`` and last ``COW_EPOCH[c] = e``; only then
-   it overwrites the chunk. With no free slot of its own it waits (back-pressure) until one
-   is freed or the server made the chunk safe, and counts the wait in ``BP_WAITS`` and
-   ``BP_WAIT_NS``; every copy is counted in ``COW_COPIES``.
+4. Before the trainer overwrites chunk c while ``SNAP_EPOCH == e != 0``, ``PERSISTED_UPTO <=
+   c``, ``STAGED_UPTO <= c`` and ``COW_EPOCH[c] != e``, it copies the chunk into a free slot j
+   of its own (free: ``SLOT_TAKEN[j] == SLOT_FREED[j]``), stores ``COW_SLOT[c] = j + 1``,
+   ``SLOT_TAKEN[j] += 1`` and last ``COW_EPOCH[c] = e``, then overwrites. Without a free slot
+   it waits (back-pressure, counted in ``BP_WAITS``/``BP_WAIT_NS``; copies in ``COW_COPIES``).
+5. Whole-state snapshots: the model tensors (``model.<fqn>``, the last ones, from
+   :func:`first_model_chunk` on) change only when the trainer copies step N's parameters into
+   them, for a snapshot of step N, started right before asking for it (overlapped with the
+   next forward/backward). It protects their chunks by step 4 first (an earlier epoch may be
+   open), and stores ``MODEL_STEP = N + 1`` once the copy has landed; a value above N when the
+   copy begins is withdrawn first (``MODEL_STEP = 0``), any other stays (a snapshot waiting for
+   it must not wait for a copy that may wait for that snapshot's writer). Stager and writer
+   start on the first model chunk only once ``MODEL_STEP >= N + 1`` (bounded: a trainer that
+   never publishes fails the snapshot). Nobody reads those chunks before the copy is complete,
+   and the copy writes the very bytes the snapshot holds.
+6. A trainer whose server is unreachable (KeepAlive broke) that would wait in step 4 stores
+   ``ABANDONED_EPOCH = e`` and overwrites without a copy. The writer checks it after its last
+   read (and per chunk) and fails epoch e. Epochs only grow (a server starting on kept
+   segments numbers above every ``COW_EPOCH`` and ``ABANDONED_EPOCH``).
 
-5. Whole-state snapshots: the model tensors (``model.<fqn>``, the segment's last tensors,
-   from chunk :func:`first_model_chunk` on) change only when the trainer copies the
-   parameters of a committed step N into them, which it does only for a snapshot of step N:
-   it starts the copy right before asking for that snapshot (overlapped with the next
-   forward and backward; steps without a snapshot copy nothing). It protects their chunks
-   by step 4 before the copy starts (an earlier snapshot's epoch may still be open) and
-   stores ``MODEL_STEP = N + 1`` once the copy is complete (never before its writes have
-   landed); a value above N when the copy begins (bytes of before a load or restore) is
-   withdrawn first (``MODEL_STEP = 0``), any other stays (a snapshot waiting for it must
-   not wait for a copy that may itself wait for that snapshot's writer to free a slot).
-   The stager and the writer start on the first model chunk of a snapshot of step N only
-   once ``MODEL_STEP >= N + 1`` (bounded: a trainer that never publishes fails the
-   snapshot, never a wrong one). So the copy of step N may still be writing when the epoch
-   of step N's snapshot opens, unprotected, but nobody reads those chunks before it is
-   complete, and it writes the very bytes that snapshot holds; the next copy comes with
-   the next snapshot, after step 4 protected the chunks of any epoch still open.
-6. A server that is gone: a trainer whose server is unreachable (its KeepAlive stream broke)
-   that would have to wait for a slot in step 4 stores ``ABANDONED_EPOCH = e`` and overwrites
-   the chunk without a copy; it never waits on a server that may be dead. The writer checks
-   ``ABANDONED_EPOCH`` after its last read (and per chunk, to stop early) and fails epoch e
-   instead of listing it: any overwrite that may have torn a read came after that store.
-   Epochs only grow (a server starting on kept segments numbers above every ``COW_EPOCH``
-   and ``ABANDONED_EPOCH``), so an old mark never fails a new snapshot.
+Why the bytes persisted are step N's: the trainer overwrites chunk c in epoch e only after its
+own copy (``COW_EPOCH[c] = e`` first) or once ``PERSISTED_UPTO > c`` or ``STAGED_UPTO > c``; so
+a torn read is followed by ``COW_EPOCH[c] == e`` or by a clean stager copy, and step 3 checks
+both. A stager slot is reused for chunk c + k only after the writer is done with chunk c.
+Server-side writers: ``PERSISTED_UPTO`` and ``SLOT_FREED`` are the writer thread's,
+``STAGED_UPTO`` the stager's (joined before ``SNAP_EPOCH = 0``); step 1 and step 3's end run
+while neither runs.
 
-Adoption (a server restarted on the same shm directory and address): the segment carries
-its own description, so the successor can rebuild the session without the dead server's
-memory. After the copy slots, at ``DESCRIPTOR_OFFSET`` (= the layout's ``size``: outside the
-range the trainer maps), ``DESCRIPTOR_BYTES`` of JSON
-(:class:`~swap_state.common.segment_descriptor.SegmentDescriptor`: job, rank, world sizes,
-tensor specs, layout hash), the file padded to a page. ``LAYOUT_HASH`` holds the first 8
-bytes of the layout hash. The file's name holds the session id (``swap-state.<tag>.<session
-id>.<seq>``) and ``TRAINER_GENERATION`` the generation that owns it. The successor trusts
-none of it before checking it (:mod:`swap_state.server.memory.adopt`), and closes an epoch the
-dead server left open (``close_snapshot``): that snapshot is never listed.
+Adoption (a server restarted on the same shm directory and address): after the copy slots, at
+``DESCRIPTOR_OFFSET`` (= the layout's ``size``, outside what the trainer maps), lie
+``DESCRIPTOR_BYTES`` of JSON (:class:`~.segment_descriptor.SegmentDescriptor`); ``LAYOUT_HASH``
+holds the layout hash's first 8 bytes, the file name (``swap-state.<tag>.<session id>.<seq>``)
+the session id, ``TRAINER_GENERATION`` the owning generation. The successor checks all of it
+(:mod:`swap_state.server.memory.adopt`) and closes an epoch left open: never listed.
 
-Why the bytes persisted are step N's: the trainer overwrites chunk c in epoch e only after
-its own copy (``COW_EPOCH[c] = e`` first) or once ``PERSISTED_UPTO > c`` (nobody needs it) or
-``STAGED_UPTO > c`` (stored after the stager's copy ended). So a stager copy or writer read
-of chunk c that may be torn is followed by ``COW_EPOCH[c] == e`` (the trainer's copy wins) or
-by ``STAGED_UPTO > c`` with a clean stager copy; step 3 checks both after its read. A stager
-slot is reused for chunk c + k only after the writer is done with chunk c.
-
-Server-side writers, one at a time per word: ``PERSISTED_UPTO`` and ``SLOT_FREED`` are the
-writer thread's, ``STAGED_UPTO`` the stager thread's (joined before ``SNAP_EPOCH = 0``);
-the Snapshot call (step 1) and the writer's release (step 3's end) store ``SNAP_STEP``,
-``STAGE_SLOTS``, ``SNAP_EPOCH`` and free every slot, while no stager or writer of the
-segment runs. ``k`` is :func:`stager_slot_count` (none below 3 slots; the trainer always
-keeps at least one).
-
-Memory rule: a snapshot does not slow the trainer when the stager's slots cover what the
-writer cannot persist before the trainer's next optimizer step reaches it, i.e. about
-``state bytes - persist bandwidth x forward/backward time`` (:func:`copy_budget_needed`).
-
-This module imports neither torch nor grpc.
+Memory rule: a snapshot does not slow the trainer when the stager's slots cover what the writer
+cannot persist before the next optimizer step (:func:`copy_budget_needed`). No torch, no grpc.
 """
 
 from __future__ import annotations
@@ -106,6 +71,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import math
 import mmap
 from collections.abc import Sequence
 
@@ -113,31 +79,11 @@ from .dtypes import DTYPE_ITEMSIZE
 from .names import is_model_tensor
 
 __all__ = [
-    "TensorSpec",
-    "MAGIC",
-    "LAYOUT_VERSION",
-    "PAGE_BYTES",
-    "DTYPE_ITEMSIZE",
-    "Word",
-    "TensorLayout",
-    "Chunk",
-    "SegmentLayout",
-    "SegmentHeader",
-    "align_up",
-    "layout_hash",
-    "layout_hash_word",
-    "segment_file_bytes",
-    "tensor_nbytes",
-    "plan_segment",
-    "chunk_table",
-    "committed_step",
-    "ASSUMED_FWD_BWD_S",
-    "ASSUMED_PERSIST_BYTES_PER_S",
-    "CopyBudget",
-    "copy_budget_needed",
-    "stager_slot_count",
-    "first_model_chunk",
-    "model_bytes",
+    "TensorSpec", "MAGIC", "LAYOUT_VERSION", "PAGE_BYTES", "DTYPE_ITEMSIZE", "Word",
+    "TensorLayout", "Chunk", "SegmentLayout", "SegmentHeader", "align_up", "layout_hash",
+    "layout_hash_word", "segment_file_bytes", "tensor_nbytes", "plan_segment", "chunk_table",
+    "committed_step", "ASSUMED_FWD_BWD_S", "ASSUMED_PERSIST_BYTES_PER_S", "CopyBudget",
+    "copy_budget_needed", "stager_slot_count", "first_model_chunk", "model_bytes"
 ]
 
 MAGIC = int.from_bytes(b"SWAPST01", "little")
@@ -186,15 +132,9 @@ TensorSpec = tuple[str, str, tuple[int, ...]]
 
 
 def committed_step(header: "SegmentHeader") -> int | None:
-    """The last committed step the segment holds, None when none.
-
-    The trainer commits a step by storing ``TRAINER_COMMITTED = step + 1`` (no RPC) after
-    its writes of the step are complete and ``WRITING_STEP`` is cleared, then
-    ``TRAINER_RESTORED_SEQ = RESTORED_SEQ``. A Restore (or a CommitStep RPC) is the server's:
-    ``COMMITTED_STEP``, then ``RESTORED_SEQ += 1``. Whichever came last holds: the server's
-    value until the trainer has committed after it (in between a reader sees the older step,
-    never a wrong one).
-    """
+    """The last committed step the segment holds, None when none: the trainer's
+    ``TRAINER_COMMITTED`` once it committed after the server's last ``RESTORED_SEQ``, else the
+    server's ``COMMITTED_STEP`` (in between a reader sees the older step, never a wrong one)."""
     if header[Word.TRAINER_RESTORED_SEQ] == header[Word.RESTORED_SEQ]:
         trainer = header[Word.TRAINER_COMMITTED]
         return trainer - 1 if trainer else None
@@ -203,55 +143,45 @@ def committed_step(header: "SegmentHeader") -> int | None:
 
 
 def stager_slot_count(cow_slots: int) -> int:
-    """Slots the server's stager takes of a segment's ``cow_slots`` (protocol step 1); the
-    rest (at least one) stay the trainer's fallback."""
-    if cow_slots <= 2:
-        # A ring of one slot could only stage the chunk the writer is reading right now: the
-        # slots are worth more as the trainer's fallback.
+    """Slots the server's stager takes of ``cow_slots`` (protocol step 1); the rest (at least
+    one) stay the trainer's fallback."""
+    if cow_slots <= 2:  # a ring of one slot could only stage the chunk being read
         return 0
     return cow_slots - max(1, cow_slots // 32)
 
 
 ASSUMED_PERSIST_BYTES_PER_S = 1e9
-"""Persist bandwidth assumed until a snapshot was measured (the writer's pace into the page
-cache, checksummed: what moves ``PERSISTED_UPTO``)."""
+"""Persist bandwidth assumed until a snapshot was measured (what moves ``PERSISTED_UPTO``)."""
 ASSUMED_FWD_BWD_S = 0.1
-"""Forward + backward time assumed between a snapshot's consistency and the trainer's next
-optimizer step (the server never sees the model; short on purpose: the warning errs early)."""
+"""Forward + backward time assumed before the trainer's next optimizer step (short on purpose:
+the warning errs early)."""
 
 
 def copy_budget_needed(state_bytes: int, persist_bytes_per_s: float, fwd_bwd_s: float) -> int:
     """Copy-slot bytes a pause-free snapshot needs: what the writer cannot persist during one
-    forward/backward (the trainer's next optimizer step then overwrites the rest)."""
+    forward/backward."""
     return max(0, int(state_bytes - persist_bytes_per_s * fwd_bwd_s))
 
 
 @dataclasses.dataclass(frozen=True)
 class CopyBudget:
-    """The memory rule for one segment (see the protocol above): do its copy slots cover what
-    the disk cannot persist within one forward/backward?"""
+    """The memory rule for one segment: do its copy slots cover what the disk cannot persist
+    within one forward/backward?"""
 
     state_bytes: int
-    """Tensor bytes of the segment."""
     slot_bytes: int
     """Bytes of its copy slots (stager's and trainer's)."""
     persist_bytes_per_s: float
-    """The persist bandwidth the estimate uses."""
     persist_measured: bool
     """Whether that bandwidth was measured on this server (else assumed)."""
     fwd_bwd_s: float
-    """The forward/backward time the estimate assumes."""
 
     @classmethod
-    def of(cls, layout: "SegmentLayout", persist_bytes_per_s: float, measured: bool, fwd_bwd_s: float) -> "CopyBudget":
+    def of(cls, layout: SegmentLayout, persist_bytes_per_s: float, measured: bool,
+           fwd_bwd_s: float) -> CopyBudget:
         """The rule for a segment of ``layout``: its tensors against all its copy slots."""
-        return cls(
-            state_bytes=layout.tensor_bytes,
-            slot_bytes=layout.cow_slots * layout.chunk_bytes,
-            persist_bytes_per_s=persist_bytes_per_s,
-            persist_measured=measured,
-            fwd_bwd_s=fwd_bwd_s,
-        )
+        return cls(layout.tensor_bytes, layout.cow_slots * layout.chunk_bytes, persist_bytes_per_s, measured,
+                   fwd_bwd_s)
 
     @property
     def needed_bytes(self) -> int:
@@ -276,8 +206,7 @@ class CopyBudget:
 
 
 def first_model_chunk(tensors: Sequence["TensorLayout"], chunk_bytes: int) -> int:
-    """Index of the first chunk of the model tensors (protocol step 5); the chunk count when
-    the segment has none."""
+    """Index of the first chunk of the model tensors (protocol step 5); the chunk count if none."""
     index = 0
     for tensor in tensors:
         if is_model_tensor(tensor.name):
@@ -324,31 +253,24 @@ class SegmentLayout:
 
     @functools.cached_property
     def chunks(self) -> tuple[Chunk, ...]:
-        """:func:`chunk_table` of the layout, made once: every snapshot of a segment of
-        thousands of tensors walks it, and must not build it again in the trainer's stall."""
+        """:func:`chunk_table` of the layout, made once (not again in each snapshot's stall)."""
         return tuple(chunk_table(self.tensors, self.chunk_bytes))
 
     @functools.cached_property
     def tensor_bytes(self) -> int:
-        """Bytes of all its tensors, summed once."""
         return sum(t.nbytes for t in self.tensors)
 
     @functools.cached_property
     def names_unique(self) -> bool:
-        """Whether no two tensors share a name, checked once."""
         return len({t.name for t in self.tensors}) == len(self.tensors)
 
     @functools.cached_property
     def model_from(self) -> int:
-        """:func:`first_model_chunk` of the layout, made once."""
         return first_model_chunk(self.tensors, self.chunk_bytes)
 
 
 def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= int(dim)
-    return count * DTYPE_ITEMSIZE[dtype]
+    return math.prod(int(dim) for dim in shape) * DTYPE_ITEMSIZE[dtype]
 
 
 def layout_hash(specs: Sequence[tuple[str, str, Sequence[int]]]) -> str:
@@ -369,38 +291,25 @@ def segment_file_bytes(layout: "SegmentLayout", descriptor_bytes: int) -> int:
     return layout.size + align_up(descriptor_bytes)
 
 
-def _count_chunks(nbytes_list: Sequence[int], chunk_bytes: int) -> int:
-    return sum((nbytes + chunk_bytes - 1) // chunk_bytes for nbytes in nbytes_list)
-
-
-def header_bytes_for(n_chunks: int, cow_slots: int) -> int:
-    words = FIXED_WORDS + 2 * n_chunks + 2 * cow_slots
-    return align_up(words * 8)
-
-
 def plan_segment(
     specs: Sequence[tuple[str, str, Sequence[int]]],
     chunk_bytes: int,
     max_cow_slots: int,
 ) -> SegmentLayout:
-    """Place tensors at page-aligned offsets after the header, then the cow slots.
-
-    ``max_cow_slots`` is capped at the number of chunks (more could never be used).
-    """
+    """Place tensors at page-aligned offsets after the header, then the cow slots (at most one
+    per chunk: more could never be used)."""
     if chunk_bytes <= 0 or chunk_bytes % PAGE_BYTES:
         raise ValueError(f"chunk_bytes must be a positive multiple of {PAGE_BYTES}")
     sizes = [tensor_nbytes(dtype, shape) for _, dtype, shape in specs]
-    n_chunks = _count_chunks(sizes, chunk_bytes)
+    n_chunks = sum(-(-nbytes // chunk_bytes) for nbytes in sizes)
     cow_slots = max(0, min(max_cow_slots, n_chunks))
-    header = header_bytes_for(n_chunks, cow_slots)
-    offset = header
+    header = offset = align_up((FIXED_WORDS + 2 * n_chunks + 2 * cow_slots) * 8)
     tensors = []
     for (name, dtype, shape), nbytes in zip(specs, sizes):
         tensors.append(TensorLayout(name, dtype, tuple(int(d) for d in shape), offset, nbytes))
         offset = align_up(offset + nbytes)
-    cow_offset = offset
-    size = cow_offset + cow_slots * chunk_bytes
-    return SegmentLayout(header, tuple(tensors), chunk_bytes, n_chunks, cow_slots, cow_offset, size)
+    return SegmentLayout(header, tuple(tensors), chunk_bytes, n_chunks, cow_slots, offset,
+                         offset + cow_slots * chunk_bytes)
 
 
 def chunk_table(tensors: Sequence[TensorLayout], chunk_bytes: int) -> list[Chunk]:
@@ -416,17 +325,13 @@ def chunk_table(tensors: Sequence[TensorLayout], chunk_bytes: int) -> list[Chunk
 
 
 class SegmentHeader:
-    """Typed access to the header words of a mapped segment.
-
-    ``buffer`` is any writable buffer over the segment (an ``mmap`` or a memoryview of it).
-    """
+    """Typed access to the header words of a mapped segment (``buffer``: an mmap or memoryview)."""
 
     def __init__(self, buffer, n_chunks: int | None = None, cow_slots: int | None = None):
-        self._words = memoryview(buffer)[: FIXED_WORDS * 8].cast("Q")
-        n_chunks = self._words[Word.N_CHUNKS] if n_chunks is None else n_chunks
-        cow_slots = self._words[Word.COW_SLOTS] if cow_slots is None else cow_slots
-        words = FIXED_WORDS + 2 * n_chunks + 2 * cow_slots
-        self._all = memoryview(buffer)[: words * 8].cast("Q")
+        with memoryview(buffer)[: FIXED_WORDS * 8].cast("Q") as fixed:
+            n_chunks = fixed[Word.N_CHUNKS] if n_chunks is None else n_chunks
+            cow_slots = fixed[Word.COW_SLOTS] if cow_slots is None else cow_slots
+        self._all = memoryview(buffer)[: (FIXED_WORDS + 2 * n_chunks + 2 * cow_slots) * 8].cast("Q")
         self.n_chunks = n_chunks
         self.cow_slots = cow_slots
         self._cow_epoch = FIXED_WORDS
@@ -473,13 +378,11 @@ class SegmentHeader:
         self._all[self._slot_freed + slot] = count
 
     def free_slot(self) -> int | None:
-        """A slot the trainer may take now (one of its own, ``[STAGE_SLOTS, COW_SLOTS)``), or
-        None."""
+        """A free slot of the trainer's own (``[STAGE_SLOTS, COW_SLOTS)``), or None."""
         for slot in range(min(self._all[Word.STAGE_SLOTS], self.cow_slots), self.cow_slots):
             if self.slot_taken(slot) == self.slot_freed(slot):
                 return slot
         return None
 
     def release(self) -> None:
-        self._words.release()
         self._all.release()

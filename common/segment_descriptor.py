@@ -1,11 +1,6 @@
-"""What a segment says about itself, so that a server starting after the one that created it
-can adopt it (:mod:`swap_state.common.segment`, "Adoption"): :class:`SegmentDescriptor`.
-
-Written once by the creating server, after the copy slots (outside the range the trainer
-maps); read by a successor, which trusts nothing in it: :meth:`SegmentDescriptor.decode`
-checks the shape of every field and raises ValueError, and the server then validates the
-values as it validates an Attach and an Allocate, and recomputes the layout and its hash.
-No torch, no grpc.
+"""What a segment says about itself, so that a successor server can adopt it (:mod:`.segment`,
+"Adoption"). The successor trusts nothing in it: :meth:`SegmentDescriptor.decode` checks each
+field's shape, the server then validates the values as for an Attach and an Allocate.
 """
 
 from __future__ import annotations
@@ -20,6 +15,8 @@ DESCRIPTOR_FORMAT = "swap-state-segment/1"
 #: A descriptor longer than this is refused unread (a hostile header must not make a server
 #: allocate gigabytes): 1M tensors at 64 bytes each.
 MAX_DESCRIPTOR_BYTES = 64 << 20
+_PLAIN_FIELDS = (("job_id", str), ("rank", int), ("world_size", int), ("local_world_size", int),
+                 ("layout_hash", str))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,28 +34,18 @@ class SegmentDescriptor:
     layout_hash: str
     """:func:`~swap_state.common.segment.layout_hash` of ``tensors`` (hex)."""
     tenant: str = ""
-    """The tenant that owns the session (``--tenants``; "" on a server without tenants, and
-    in a segment of a server before tenants)."""
+    """The tenant that owns the session (``--tenants``; "" without tenants)."""
 
     def encode(self) -> bytes:
-        return json.dumps(
-            {
-                "format": DESCRIPTOR_FORMAT,
-                "job_id": self.job_id,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "local_world_size": self.local_world_size,
-                "layout_hash": self.layout_hash,
-                "tensors": [[name, dtype, list(shape)] for name, dtype, shape in self.tensors],
-                **({"tenant": self.tenant} if self.tenant else {}),
-            },
-            separators=(",", ":"),
-        ).encode()
+        return json.dumps({
+            "format": DESCRIPTOR_FORMAT, **{key: getattr(self, key) for key, _ in _PLAIN_FIELDS},
+            "tensors": [[name, dtype, list(shape)] for name, dtype, shape in self.tensors],
+            **({"tenant": self.tenant} if self.tenant else {}),
+        }, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> SegmentDescriptor:
-        """The descriptor in ``raw``; ValueError naming what is wrong (shape only: the values
-        are the server's to validate)."""
+        """The descriptor in ``raw``; ValueError naming what is wrong (shape only)."""
         if len(raw) > MAX_DESCRIPTOR_BYTES:
             raise ValueError(f"descriptor of {len(raw)} bytes (at most {MAX_DESCRIPTOR_BYTES})")
         try:
@@ -67,15 +54,9 @@ class SegmentDescriptor:
             raise ValueError(f"descriptor is not JSON: {e}") from None
         if not isinstance(doc, dict) or doc.get("format") != DESCRIPTOR_FORMAT:
             raise ValueError(f"descriptor is not of format {DESCRIPTOR_FORMAT}")
-        return cls(
-            job_id=_typed(doc, "job_id", str),
-            rank=_typed(doc, "rank", int),
-            world_size=_typed(doc, "world_size", int),
-            local_world_size=_typed(doc, "local_world_size", int),
-            tensors=_tensors(_typed(doc, "tensors", list)),
-            layout_hash=_typed(doc, "layout_hash", str),
-            tenant=_typed(doc, "tenant", str) if "tenant" in doc else "",
-        )
+        return cls(**{key: _typed(doc, key, kind) for key, kind in _PLAIN_FIELDS},
+                   tensors=_tensors(_typed(doc, "tensors", list)),
+                   tenant=_typed(doc, "tenant", str) if "tenant" in doc else "")
 
 
 def _typed(doc: dict, key: str, kind: type):

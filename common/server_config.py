@@ -1,11 +1,9 @@
 """Typed configuration of the state server: the one declaration of its flags.
 
-:class:`ServerConfig` is what the CLI is generated from and parses into, what
-:func:`swap_state.server.start_server` takes, and what the trainer's embedded server builds its
-argv from (so it lives in ``common``, importable without the server): a field with a
-:class:`Flag` is a flag, its docstring the help (:mod:`.server_flags` does both directions). It
-validates itself (values only) on construction. Checks against the environment (is the shm
-directory big enough, is the socket free) happen at start-up, in :mod:`.runtime`.
+:class:`ServerConfig` is what the CLI is generated from (:mod:`.server_flags`: a field with a
+:class:`Flag` is a flag, its docstring the help), what :func:`swap_state.server.start_server`
+takes and what the trainer's embedded server builds its argv from. It validates values on
+construction; checks against the environment happen at start-up.
 """
 
 from __future__ import annotations
@@ -28,10 +26,9 @@ DIRECT_IO_MODES = ("writes", "off")
 """The values of ``--direct-io``."""
 
 EXIT_WITH_PARENT_ENV = "SWAP_STATE_EXIT_WITH_PARENT"
-"""Environment variable an embedded server is started with: the trainer's pid. The server
-then stops (SIGTERM) when the trainer dies, so a killed trainer leaks no server. Set by the
-server itself at start (``prctl``), not by the parent between fork and exec, which is unsafe
-in a process with threads (gRPC's, the watchdog)."""
+"""Environment variable an embedded server is started with: the trainer's pid. The server then
+stops when the trainer dies (``prctl``, set by the server itself: unsafe between fork and exec
+in a process with threads)."""
 
 FLAG = "swap_state.flag"
 """``dataclasses.field`` metadata key of a field that is a command-line flag: its :class:`Flag`."""
@@ -39,28 +36,23 @@ FLAG = "swap_state.flag"
 
 @dataclasses.dataclass(frozen=True)
 class Flag:
-    """How a :class:`ServerConfig` field appears on the command line.
-
-    The flag is ``--`` + the field name with ``-`` for ``_``; its help text is the field's
-    docstring, then its default, then :attr:`example`. Fields without a ``Flag`` are not user
-    flags. :mod:`swap_state.common.server_flags` turns these into the parser and back into argv.
-    """
+    """How a :class:`ServerConfig` field appears on the command line: ``--`` + the field name
+    with ``-`` for ``_``; help is the field's docstring, its default, then :attr:`example`."""
 
     example: str
-    """``--help``'s example: the value (``"64G"``), or a whole command fragment when it starts
-    with ``--`` (``"--listen tcp://127.0.0.1:7070 --insecure"``); ``" or "`` joins several."""
+    """``--help``'s example: a value, or a command fragment when it starts with ``--``; ``" or "``
+    joins several."""
     metavar: str | None = None
     """Placeholder in ``--help``; None: by kind and type (SIZE, SECONDS, PATH, N, ...)."""
     kind: str | None = None
-    """``"size"`` (bytes; K/M/G/T suffixes, a trailing ``/s`` allowed), ``"seconds"`` (a number
-    >= 0), ``"host_port"`` (``[HOST:]PORT``; the host goes into :attr:`host_field`); None: by
-    the field's type (int, float, str, pathlib.Path, bool as a switch, ``X | None``)."""
+    """``"size"`` (K/M/G/T suffixes, ``/s`` allowed), ``"seconds"`` (>= 0), ``"host_port"``
+    (``[HOST:]PORT``); None: by the field's type (bool: a switch)."""
     choices: tuple[str, ...] | None = None
     """The only values accepted."""
     default_text: str | None = None
-    """``--help``'s default when the field's own default does not say it (None resolved later)."""
+    """``--help``'s default when the field's own default does not say it."""
     host_field: str | None = None
-    """For ``kind="host_port"``: the field the HOST part sets (the flag's port sets this one)."""
+    """For ``kind="host_port"``: the field the HOST part sets."""
 
 
 def _loopback(host: str) -> bool:
@@ -79,73 +71,46 @@ def _flag(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclas
                              metadata={FLAG: Flag(**spec)})
 
 
-def _auto_cow_budget(shm_size: int, chunk_bytes: int) -> int:
-    # 1 GiB, but never more than an eighth of a small budget; whole chunks only.
-    budget = min(GiB, shm_size // 8)
-    return budget // chunk_bytes * chunk_bytes
-
-
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """Everything the server needs to start. The CLI only parses flags into this.
-
-    Each field's docstring is also its ``--help`` text (fields with a :class:`Flag` are flags;
-    the others can only be set in code). Write them for the person starting the server.
-    """
+    """Everything the server needs to start. Each field's docstring is its ``--help`` text
+    (fields without a :class:`Flag` are set in code only): written for the person starting it."""
 
     shm_size: int = _flag(kind="size", example="64G")
-    """Whole host budget for all segments, the copy-before-write pool included (bytes; K/M/G/T
-    suffixes, binary). Checked against the shm directory at start; the server exits with an
-    error if it does not fit and never falls back to disk."""
+    """Host budget for all segments and the copy pool, checked at start; never falls back to disk."""
 
     listen: str = _flag(
         default_factory=default_listen, metavar="ADDRESS", example="unix:///run/swap-state/s.sock",
         default_text="unix://$XDG_RUNTIME_DIR/swap-state/swap-state.sock if XDG_RUNTIME_DIR is "
         "set, else unix:///run/swap-state/swap-state.sock",
     )
-    """Where to serve: unix:///path (socket file mode 0660) or tcp://host:port (needs
-    --tls-cert/--tls-key or --insecure)."""
+    """Where to serve: unix:///path (mode 0660) or tcp://host:port (with TLS or --insecure)."""
 
     token_file: pathlib.Path | None = _flag(None, example="/etc/swap-state/token")
-    """File holding a bearer token; clients must send 'authorization: Bearer <token>' or get
-    UNAUTHENTICATED (the health service is exempt). Without it, no authentication."""
+    """File holding a bearer token every call but health checks must send (else UNAUTHENTICATED)."""
 
     tenants: pathlib.Path | None = _flag(None, metavar="FILE", example="/etc/swap-state/tenants")
-    """File of tenants, one per line: 'TENANT TOKEN' or 'TENANT TOKEN admin' (mode 0600). A
-    job, its sessions and snapshots belong to the tenant whose token created them; another
-    tenant's calls on them fail PERMISSION_DENIED, Stats and ListSnapshots show only the
-    caller's, an admin tenant reaches all. Instead of --token-file (one tenant). Without
-    either, on a unix socket, each caller's uid is its tenant (root and this server's user
-    are admins)."""
+    """File of 'TENANT TOKEN [admin]' lines (0600): each tenant reaches only its own jobs, admins all.
+    Without it or --token-file, on a unix socket, each caller's uid is its tenant."""
 
     snapshot_dir: pathlib.Path | None = _flag(None, metavar="DIR", example="/ckpt/swap-state")
-    """Directory for durable snapshots (safetensors + manifest per job and step); created if
-    missing. Without it, snapshots are refused."""
+    """Directory for durable snapshots, created if missing; without it, snapshots are refused."""
 
     snapshot_store: str | None = _flag(None, metavar="URI", example="s3://ckpt-bucket/swap-state")
-    """A second snapshot tier every host reaches: s3://BUCKET/PREFIX on any S3-compatible
-    store (endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... and the AWS
-    config), or a path (file:///PATH) on a filesystem all hosts mount. Each durable snapshot is
-    uploaded in the background; a rank this server does not hold (a lost host's, one of
-    another world size) is restored from it. Needs --snapshot-dir."""
+    """A second tier every host reaches (s3://BUCKET/PREFIX or a shared path), uploaded in the background."""
 
     snapshot_store_timeout: float = _flag(60.0, kind="seconds", example="120")
-    """Seconds one request to --snapshot-store may take, retries included, before the upload
-    or restore fails naming the store."""
+    """Seconds one request to --snapshot-store may take, retries included."""
 
     snapshot_store_max_bandwidth: int = _flag(0, kind="size", metavar="BYTES_PER_S", example="500M")
-    """Upper bound for uploads to --snapshot-store in bytes/s (size suffixes allowed), so that
-    they leave the network to the training job's collectives; 0 means unlimited."""
+    """Upper bound for uploads to --snapshot-store in bytes/s (leave training the network); 0: unlimited."""
 
     grace: float = _flag(30.0, kind="seconds", example="120")
-    """Seconds a session whose trainer vanished (KeepAlive stream closed) keeps its segment for
-    the same job/rank to reattach."""
+    """Seconds a session whose trainer vanished keeps its segment for the same job/rank to reattach."""
 
     metrics_port: int = _flag(0, kind="host_port", host_field="metrics_host", metavar="[HOST:]PORT",
                               example="9464 or 127.0.0.1:9464")
-    """Serve Prometheus metrics (text format) at http://HOST:PORT/metrics; 0 turns them off.
-    HOST defaults to 127.0.0.1 (this host only); 0.0.0.0:PORT lets a scraper on another host in
-    (the metrics name jobs, sizes and steps)."""
+    """Serve Prometheus metrics at http://HOST:PORT/metrics (HOST: 127.0.0.1 unless given); 0: off."""
 
     metrics_host: str = "127.0.0.1"
     """Interface for the metrics endpoint: the HOST of ``--metrics-port HOST:PORT``."""
@@ -154,74 +119,48 @@ class ServerConfig:
     """Structured (key=value) log verbosity on stderr."""
 
     shm_dir: pathlib.Path = _flag(pathlib.Path("/dev/shm"), metavar="DIR", example="/dev/shm")
-    """Memory filesystem (tmpfs) for the segment files; the trainers must see the same
-    directory."""
+    """Memory filesystem (tmpfs) for the segment files; the trainers must see the same directory."""
 
     shm_group: str | None = _flag(None, metavar="GROUP", example="trainers")
-    """Group (name or gid) given to segment files and the socket; segments become 0660 instead of
-    0600 so trainers running as another user in that group can map them."""
+    """Group given to segment files (0660, not 0600) and the socket: its users' trainers map them."""
 
     socket_group: str | None = _flag(None, metavar="GROUP", example="trainers")
-    """Group (name or gid) given to the socket instead of --shm-group: the users who may call
-    this server. For a server run as root, which gives each caller's segment files to that
-    caller (0600): --socket-group alone lets a group of users train, each on their own state."""
+    """Group given to the socket instead of --shm-group: the users who may call this server."""
 
     discard_segments: bool = _flag(False, example="--discard-segments")
-    """At start, remove the segment files a previous server on this --listen left in
-    --shm-dir instead of adopting them: every trainer that was using them loses its state
-    (it must restore a snapshot). Without it, a server restarted after a crash or an upgrade
-    adopts them and its trainers lose nothing."""
+    """At start, remove (not adopt) the segments a previous server left: their trainers lose their state."""
 
     free_segments_on_stop: bool = _flag(False, example="--free-segments-on-stop")
-    """On SIGTERM/SIGINT free every segment. Without it, the segments of live sessions stay
-    in --shm-dir for the next server on this --listen to adopt (a rolling upgrade costs the
-    trainers nothing); the other sessions' are freed."""
+    """On SIGTERM/SIGINT free every segment, not leaving live sessions' for the next server to adopt."""
 
     chunk_bytes: int = _flag(64 * MiB, kind="size", example="32M")
     """Snapshot granularity and copy-before-write slot size; a multiple of the page size."""
 
     cow_budget: int | None = _flag(None, kind="size", example="2G",
                                    default_text="min(1G, shm-size/8), in whole chunks")
-    """Host-wide copy-before-write pool in bytes that lets snapshots run while trainers keep
-    stepping; split into per-session slots of --chunk-bytes and held back from --shm-size."""
+    """Host-wide copy-before-write pool (held back from --shm-size): snapshots without pausing trainers."""
 
     direct_io: str = _flag("writes", choices=DIRECT_IO_MODES, example="off")
-    """Whether snapshot writes to --snapshot-dir bypass the page cache with O_DIRECT. writes:
-    snapshots persist through aligned bounce buffers, several writes in flight (measured on a
-    virtio disk: 1.35-1.39 GB/s, 1.7-2.2x buffered write + fsync); where the filesystem refuses
-    O_DIRECT they are buffered, logged. off: buffered, for a filesystem that accepts O_DIRECT
-    but serves it slowly (network filesystems may turn each O_DIRECT write into a synchronous
-    round trip). Restores always read through the page cache, mapped and pinned."""
+    """writes: snapshot writes bypass the page cache with O_DIRECT (1.7-2.2x buffered on a virtio
+    disk; buffered where refused); off: buffered, for filesystems slow at O_DIRECT (network)."""
 
     persist_max_bandwidth: int = _flag(0, kind="size", metavar="BYTES_PER_S", example="2G")
-    """Upper bound for snapshot writes to --snapshot-dir in bytes/s (size suffixes allowed);
-    0 means unlimited."""
+    """Upper bound for snapshot writes to --snapshot-dir in bytes/s; 0: unlimited."""
 
     stage_threads: int = _flag(1, metavar="N", example="2")
-    """Threads per persisting snapshot that copy chunks into spare slots ahead of the trainer,
-    so it rarely copies or waits itself (a segment with fewer than 3 copy-before-write slots
-    has none to spare: its trainer copies what the writer has not read)."""
+    """Threads per persisting snapshot that copy chunks into spare slots ahead of the trainer."""
 
     model_copy_timeout: float = _flag(60.0, kind="seconds", example="120")
-    """Whole-state snapshots: seconds the writer waits for the trainer to finish copying the
-    model's parameters of the snapshot's step into its segment (it does so right after the
-    step, overlapped with the next forward/backward) before the snapshot fails."""
+    """Whole-state snapshots: seconds the writer waits for the trainer's copy of the parameters."""
 
     keep_latest: int = _flag(2, metavar="K", example="3")
-    """Durable snapshots kept per job, at least 2: older ones are removed only after a newer one
-    is durable. A job may ask to keep more (torchtitan's keep_latest_k), except a tenant that is
-    not an admin: it keeps at most K."""
+    """Durable snapshots kept per job, at least 2; a job may ask for more (not a non-admin tenant's)."""
 
     tenant_shm_quota: int = _flag(0, kind="size", example="16G")
-    """Bytes of segments one tenant (--tenants; without it, all callers together) may hold
-    on this server; an Allocate beyond it fails RESOURCE_EXHAUSTED naming this flag, and other
-    tenants are unaffected. 0: no quota (--shm-size bounds all)."""
+    """Bytes of segments one tenant may hold (beyond: RESOURCE_EXHAUSTED); 0: no quota."""
 
     tenant_snapshot_quota: int = _flag(0, kind="size", example="500G")
-    """Bytes of snapshots one tenant may keep in --snapshot-dir: a snapshot that would take it
-    beyond is refused (RESOURCE_EXHAUSTED naming this flag) before a byte is written. Retention
-    removes old snapshots only after a new one is durable: allow (keep + 1) snapshots of a job.
-    0: no quota."""
+    """Bytes of snapshots one tenant may keep in --snapshot-dir (allow keep + 1 per job); 0: no quota."""
 
     tls_cert: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/server.pem")
     """TLS certificate chain for --listen tcp://..."""
@@ -230,12 +169,10 @@ class ServerConfig:
     """TLS private key for --listen tcp://..."""
 
     tls_client_ca: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/clients-ca.pem")
-    """Require a TLS client certificate signed by these roots (mutual TLS): only trainers holding
-    one connect. Needs --tls-cert/--tls-key."""
+    """Require a TLS client certificate signed by these roots (mutual TLS)."""
 
     insecure: bool = _flag(False, example="--listen tcp://127.0.0.1:7070 --insecure")
-    """Allow --listen tcp://... without TLS (tokens and control messages in plaintext; bulk data
-    never crosses gRPC)."""
+    """Allow --listen tcp://... without TLS (tokens and control in plaintext)."""
 
     mlock: bool = True
     """Try to mlock segments (best effort; a refusal is logged once, never fatal)."""
@@ -244,8 +181,7 @@ class ServerConfig:
     """Seconds between KeepAlive events the server sends on each liveness stream."""
 
     stream_wait: float = 10.0
-    """Seconds after Attach within which the trainer must open its KeepAlive stream; after
-    that the session counts as orphaned (and is freed ``grace`` seconds later)."""
+    """Seconds after Attach within which the trainer must open its KeepAlive stream."""
 
     shutdown_grace: float = 10.0
     """On SIGTERM/SIGINT: seconds in-flight RPCs get to finish before they are cancelled."""
@@ -281,18 +217,15 @@ class ServerConfig:
             fail("--tls-client-ca needs --tls-cert/--tls-key (mutual TLS on --listen tcp://...)")
         if listen.scheme != "tcp" and (self.tls_cert is not None or self.tls_key is not None):
             fail("--tls-cert/--tls-key only apply to --listen tcp://...")
-        if not self.grace >= 0:
-            fail("--grace must be >= 0 seconds")
-        if not 0 <= self.metrics_port <= 65535:
-            fail("--metrics-port must be 0 (off) or a port number")
         for flag, value, choices in (("--direct-io", self.direct_io, DIRECT_IO_MODES),
                                      ("--log-level", self.log_level, LOG_LEVELS)):
             if value not in choices:
                 fail(f"{flag} must be one of {', '.join(choices)}")
         if self.chunk_bytes <= 0 or self.chunk_bytes % PAGE_BYTES:
             fail(f"--chunk-bytes must be a positive multiple of the page size ({PAGE_BYTES})")
-        if self.cow_budget is None:
-            object.__setattr__(self, "cow_budget", _auto_cow_budget(self.shm_size, self.chunk_bytes))
+        if self.cow_budget is None:  # 1 GiB, at most an eighth of a small budget; whole chunks
+            budget = min(GiB, self.shm_size // 8)
+            object.__setattr__(self, "cow_budget", budget // self.chunk_bytes * self.chunk_bytes)
         elif self.cow_budget < 0:
             fail("--cow-budget must be >= 0")
         if self.cow_budget > self.shm_size:
@@ -300,30 +233,27 @@ class ServerConfig:
                 f"--cow-budget {format_size(self.cow_budget)} exceeds --shm-size "
                 f"{format_size(self.shm_size)} (the pool is part of the budget)"
             )
-        if self.persist_max_bandwidth < 0:
-            fail("--persist-max-bandwidth must be >= 0 (0: unlimited)")
-        if not 1 <= self.stage_threads <= 64:
-            fail("--stage-threads must be between 1 and 64")
-        if not self.model_copy_timeout > 0:
-            fail("--model-copy-timeout must be > 0 seconds")
-        if self.keep_latest < 2:
-            fail("--keep-latest must be >= 2 (the previous snapshot must survive the next)")
         if self.snapshot_store and self.snapshot_dir is None:
             fail("--snapshot-store needs --snapshot-dir: snapshots become durable there first, "
                  "then are uploaded")
-        if self.snapshot_store_max_bandwidth < 0:
-            fail("--snapshot-store-max-bandwidth must be >= 0 (0: unlimited)")
-        if not self.snapshot_store_timeout > 0:
-            fail("--snapshot-store-timeout must be > 0 seconds")
-        if not self.shm_dir.is_absolute():
-            fail("--shm-dir must be an absolute path")
-        for name in ("keepalive_interval", "stream_wait", "shutdown_grace"):
-            if not getattr(self, name) >= 0:
-                fail(f"{name} must be >= 0")
-        if self.keepalive_interval <= 0:
-            fail("keepalive_interval must be > 0")
-        if self.max_tensors < 1 or self.max_message_bytes < 4 * KiB:
-            fail("max_tensors must be >= 1 and max_message_bytes >= 4 KiB")
+        for ok, message in (  # each rule as it must hold (a NaN breaks it)
+            (self.grace >= 0, "--grace must be >= 0 seconds"),
+            (0 <= self.metrics_port <= 65535, "--metrics-port must be 0 (off) or a port number"),
+            (self.persist_max_bandwidth >= 0, "--persist-max-bandwidth must be >= 0 (0: unlimited)"),
+            (1 <= self.stage_threads <= 64, "--stage-threads must be between 1 and 64"),
+            (self.model_copy_timeout > 0, "--model-copy-timeout must be > 0 seconds"),
+            (self.keep_latest >= 2, "--keep-latest must be >= 2 (the last snapshot must survive the next)"),
+            (self.snapshot_store_max_bandwidth >= 0,
+             "--snapshot-store-max-bandwidth must be >= 0 (0: unlimited)"),
+            (self.snapshot_store_timeout > 0, "--snapshot-store-timeout must be > 0 seconds"),
+            (self.shm_dir.is_absolute(), "--shm-dir must be an absolute path"),
+            (self.stream_wait >= 0 and self.shutdown_grace >= 0, "stream_wait, shutdown_grace must be >= 0"),
+            (self.keepalive_interval > 0, "keepalive_interval must be > 0"),
+            (self.max_tensors >= 1 and self.max_message_bytes >= 4 * KiB,
+             "max_tensors must be >= 1 and max_message_bytes >= 4 KiB"),
+        ):
+            if not ok:
+                fail(message)
 
     @property
     def listen_address(self) -> ListenAddress:

@@ -1,12 +1,9 @@
 """The server's command line, generated from :class:`~.server_config.ServerConfig`, both ways.
 
-:func:`add_server_flags` declares one argparse option per field that carries a
-:class:`~.server_config.Flag` (``shm_size`` -> ``--shm-size``), with the field's docstring as its
-help, then its default and an example; :func:`config_from_args` turns the parsed namespace into
-a ``ServerConfig``; :func:`config_to_argv` is the reverse, for whoever starts a server process
-(the trainer's embedded server), so that ``parse(config_to_argv(c)) == c``.
-
-Imports neither grpc nor the server: the client builds its server's argv with it.
+:func:`add_server_flags` declares one argparse option per field with a
+:class:`~.server_config.Flag`; :func:`config_from_args` turns the parsed namespace into a
+``ServerConfig``; :func:`config_to_argv` is the reverse, for the trainer's embedded server, so
+that ``parse(config_to_argv(c)) == c``. No grpc, no server imports.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ import sys
 import textwrap
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import ConfigError
@@ -30,38 +27,26 @@ from .server_config import FLAG, Flag, ServerConfig
 from .sizes import KiB, MiB, GiB, TiB, parse_size
 
 __all__ = [
-    "UserFlag",
-    "add_server_flags",
-    "attach_negative_values",
-    "config_from_args",
-    "config_to_argv",
-    "field_docs",
-    "format_size_flag",
-    "parse_server_argv",
-    "user_flags",
+    "UserFlag", "add_server_flags", "attach_negative_values", "config_from_args", "config_to_argv",
+    "field_docs", "format_size_flag", "parse_server_argv", "user_flags"
 ]
 
 
-# ---------------------------------------------------------------------------------- the fields
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """``{field: docstring}`` of a dataclass's attribute docstrings (the string literal right
-    after each annotated field), whitespace collapsed. Empty where the source is unavailable."""
+    """``{field: docstring}`` of a dataclass's attribute docstrings, whitespace collapsed; empty
+    where the source is unavailable."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):  # no source shipped: help without descriptions, still examples
+    except (OSError, TypeError):  # no source shipped: help still has examples
         return {}
     body = ast.parse(source).body[0]
     assert isinstance(body, ast.ClassDef)
     docs: dict[str, str] = {}
     for node, after in zip(body.body, body.body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 
@@ -74,8 +59,6 @@ class UserFlag:
     spec: Flag
     type: type
     """The field's type without ``| None``."""
-    optional: bool
-    """The field's type includes None (a flag left out means None)."""
 
     @property
     def name(self) -> str:
@@ -111,15 +94,12 @@ class UserFlag:
             return self.spec.default_text
         if self.required:
             return None
-        if self.field.default_factory is not dataclasses.MISSING:
-            value = self.field.default_factory()
-        else:
-            value = self.field.default
+        factory = self.field.default_factory
+        value = self.field.default if factory is dataclasses.MISSING else factory()
         if value is None or self.kind == "switch":
             return None
         return self.format(value)
 
-    # -- values: text -> value (argparse's type=) and value -> text (argv) ----------------------
     def parse(self, text: str) -> Any:
         return _PARSERS.get(self.kind, self.type)(text)
 
@@ -127,8 +107,7 @@ class UserFlag:
         if self.kind == "size":
             return format_size_flag(value)
         if self.kind in ("seconds", "float"):
-            number = repr(float(value))
-            return number.removesuffix(".0")
+            return repr(float(value)).removesuffix(".0")
         return str(value)
 
     def help(self) -> str:
@@ -144,29 +123,24 @@ class UserFlag:
         return " ".join(p for p in parts if p).replace("%", "%%")  # argparse %-formats help
 
 
-def _resolve_type(hint: Any) -> tuple[type, bool]:
-    args = typing.get_args(hint)
+def _resolve_type(hint: Any) -> type:
+    """``X | None`` -> ``X``."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        rest = [a for a in args if a is not type(None)]
+        rest = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(rest) != 1:
             raise TypeError(f"unsupported flag type {hint!r}")
-        return rest[0], True
-    return hint, False
+        return rest[0]
+    return hint
 
 
 @functools.cache
 def user_flags() -> tuple[UserFlag, ...]:
     """The flags, in field order: every :class:`ServerConfig` field with a ``Flag``."""
     hints = typing.get_type_hints(ServerConfig)
-    flags = []
-    for field in dataclasses.fields(ServerConfig):
-        spec = field.metadata.get(FLAG)
-        if spec is not None:
-            flags.append(UserFlag(field, spec, *_resolve_type(hints[field.name])))
-    return tuple(flags)
+    return tuple(UserFlag(field, field.metadata[FLAG], _resolve_type(hints[field.name]))
+                 for field in dataclasses.fields(ServerConfig) if FLAG in field.metadata)
 
 
-# ---------------------------------------------------------------------------------- parsing
 def format_size_flag(nbytes: int) -> str:
     """Bytes as the shortest exact size flag value: ``67108864`` -> ``"64M"``."""
     for suffix, unit in (("T", TiB), ("G", GiB), ("M", MiB), ("K", KiB)):
@@ -176,8 +150,7 @@ def format_size_flag(nbytes: int) -> str:
 
 
 def _size(text: str) -> int:
-    """A size; a negative one (``-5G``) parses too, so that the config refuses it with the
-    flag's own rule (``--shm-size must be positive``) rather than "not a size"."""
+    """A size; a negative one (``-5G``) parses too, for the config to refuse with the flag's rule."""
     stripped = text.strip()
     sign = -1 if stripped.startswith("-") else 1
     try:
@@ -209,16 +182,12 @@ def _host_port(text: str) -> tuple[str | None, int]:
     return (host.strip("[]") if sep else None), number
 
 
-_PARSERS: dict[str, Callable[[str], Any]] = {
-    "size": _size,
-    "seconds": _seconds,
-    "host_port": _host_port,
-}
+_PARSERS: dict[str, Callable[[str], Any]] = {"size": _size, "seconds": _seconds, "host_port": _host_port}
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
-    """Declare every user flag on ``parser``. A flag not given leaves no attribute in the
-    namespace, so :func:`config_from_args` takes ``ServerConfig``'s own default."""
+    """Declare every user flag on ``parser``; one not given leaves no attribute (the config's
+    default holds)."""
     for flag in user_flags():
         options: dict[str, Any] = {"dest": flag.name, "default": argparse.SUPPRESS,
                                    "help": flag.help()}
@@ -234,9 +203,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The namespace of a parser built with :func:`add_server_flags` -> config.
-
-    Raises :class:`ConfigError` for values the config refuses."""
+    """The namespace of a parser built with :func:`add_server_flags` -> config (or ConfigError)."""
     return config_from_settings({flag.name: getattr(args, flag.name) for flag in user_flags() if hasattr(args, flag.name)})
 
 
@@ -247,9 +214,8 @@ def setting_value(name: str, value: Any) -> Any:
 
 
 def config_from_settings(settings: Mapping[str, Any]) -> ServerConfig:
-    """Settings by :class:`ServerConfig` field name -> config. A flag's value may be given as
-    the flag's text (``"64G"``, ``"127.0.0.1:9400"``: parsed as the flag parses it) or as the
-    value itself. Raises :class:`ConfigError` for values the config refuses."""
+    """Settings by field name -> config (or ConfigError); a flag's value may be its text
+    (``"64G"``, parsed as the flag parses it) or the value itself."""
     flags = {flag.name: flag for flag in user_flags()}
     values: dict[str, Any] = {}
     for name, value in settings.items():
@@ -266,8 +232,8 @@ def config_from_settings(settings: Mapping[str, Any]) -> ServerConfig:
 def parse_server_argv(
     argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
 ) -> ServerConfig:
-    """Flags (None: ``sys.argv[1:]``) -> config, exiting 2 with a usage message on bad flags
-    (argparse's way). ``parser``: one built with :func:`add_server_flags`; None: a bare one."""
+    """Flags (None: ``sys.argv[1:]``) -> config, exiting 2 with usage on bad flags. ``parser``:
+    one built with :func:`add_server_flags` (None: a bare one)."""
     if parser is None:
         parser = argparse.ArgumentParser(prog="swap-state-server")
         add_server_flags(parser)
@@ -283,64 +249,21 @@ _NEGATIVE = re.compile(r"-\d")
 
 
 def attach_negative_values(argv: list[str]) -> list[str]:
-    """``--shm-size -5G`` -> ``--shm-size=-5G``. argparse takes a value that starts with '-'
-    and is not a plain number for an option ("expected one argument"); attached to its flag it
-    reaches the flag's parser, and the config refuses it with the flag's rule."""
+    """``--shm-size -5G`` -> ``--shm-size=-5G``: argparse takes ``-5G`` for an option, attached
+    it reaches the flag's parser and the config refuses it with the flag's rule."""
     takes_value = {flag.option for flag in user_flags() if flag.kind != "switch"}
     out: list[str] = []
     items = iter(argv)
     for arg in items:
-        if arg == "--":
-            out.append(arg)
-            out.extend(items)
-            break
-        if arg in takes_value:
-            value = next(items, None)
-            if value is not None and _NEGATIVE.match(value):
-                out.append(f"{arg}={value}")
-                continue
-            out.append(arg)
-            if value is not None:
-                out.append(value)
-            continue
         out.append(arg)
+        if arg == "--":
+            out.extend(items)
+        elif arg in takes_value and (value := next(items, None)) is not None:
+            if _NEGATIVE.match(value):
+                out[-1] = f"{arg}={value}"
+            else:
+                out.append(value)
     return out
-
-
-# ---------------------------------------------------------------------------------- the reverse
-def _argv_items(config: ServerConfig) -> Iterator[tuple[UserFlag, Any]]:
-    flagged = {f.name for f in user_flags()}
-    carried = {f.spec.host_field for f in user_flags() if f.spec.host_field}
-    for field in dataclasses.fields(ServerConfig):
-        if field.name in flagged or field.name in carried:
-            continue
-        if getattr(config, field.name) != field.default:
-            raise ValueError(
-                f"ServerConfig.{field.name}={getattr(config, field.name)!r} has no command-line "
-                "flag: a server started from argv cannot reproduce it"
-            )
-    for flag in user_flags():
-        value = getattr(config, flag.name)
-        field = flag.field
-        if flag.kind == "host_port" and flag.spec.host_field:
-            host = getattr(config, flag.spec.host_field)
-            host_field = ServerConfig.__dataclass_fields__[flag.spec.host_field]
-            if value == field.default and host == host_field.default:
-                continue
-            yield flag, (host if host != host_field.default else None, value)
-            continue
-        if field.default_factory is not dataclasses.MISSING:
-            # e.g. --listen: the default depends on the environment ($XDG_RUNTIME_DIR), which
-            # may differ where the argv runs; say it.
-            yield flag, value
-            continue
-        if not flag.required and value == field.default:
-            continue
-        if field.default is None and value is not None and _resolves_to(config, flag.name, value):
-            continue  # e.g. --cow-budget: the same value comes back from the other flags
-        if value is None:
-            raise ValueError(f"ServerConfig.{flag.name}=None cannot be written as {flag.option}")
-        yield flag, value
 
 
 def _resolves_to(config: ServerConfig, name: str, value: Any) -> bool:
@@ -352,20 +275,37 @@ def _resolves_to(config: ServerConfig, name: str, value: Any) -> bool:
 
 
 def config_to_argv(config: ServerConfig) -> list[str]:
-    """The ``swap-state-server`` flags that reproduce ``config``: ``--shm-size`` and ``--listen``
-    always, the other flags where they differ from their default, as ``--flag=value`` (so a
-    value starting with ``-`` cannot read as a flag). ``ValueError`` for a setting that has no
-    flag (``mlock``, ``stream_wait``, ...) away from its default."""
+    """The ``swap-state-server`` flags that reproduce ``config`` (``--shm-size`` and ``--listen``
+    always, others where not default) as ``--flag=value``; ValueError for a setting that has
+    no flag (``mlock``, ...) away from its default."""
+    flags = user_flags()
+    named = {f.name for f in flags} | {f.spec.host_field for f in flags if f.spec.host_field}
+    for field in dataclasses.fields(ServerConfig):
+        if field.name not in named and getattr(config, field.name) != field.default:
+            raise ValueError(
+                f"ServerConfig.{field.name}={getattr(config, field.name)!r} has no command-line "
+                "flag: a server started from argv cannot reproduce it"
+            )
     argv: list[str] = []
-    for flag, value in _argv_items(config):
-        if flag.kind == "switch":
-            if value:
-                argv.append(flag.option)
+    for flag in flags:
+        value, field = getattr(config, flag.name), flag.field
+        if flag.kind == "host_port" and flag.spec.host_field:
+            host = getattr(config, flag.spec.host_field)
+            default_host = ServerConfig.__dataclass_fields__[flag.spec.host_field].default
+            if value != field.default or host != default_host:
+                where = "" if host == default_host else f"[{host}]:" if ":" in host else f"{host}:"
+                argv.append(f"{flag.option}={where}{value}")
             continue
-        if flag.kind == "host_port":
-            host, port = value
-            text = str(port) if host is None else f"{f'[{host}]' if ':' in host else host}:{port}"
-        else:
-            text = flag.format(value)
-        argv.append(f"{flag.option}={text}")
+        # A default_factory (--listen) depends on the environment where the argv runs: say it.
+        if field.default_factory is dataclasses.MISSING:
+            if not flag.required and value == field.default:
+                continue
+            if field.default is None and value is not None and _resolves_to(config, flag.name, value):
+                continue  # e.g. --cow-budget: the same value comes back from the other flags
+            if value is None:
+                raise ValueError(f"ServerConfig.{flag.name}=None cannot be written as {flag.option}")
+        if flag.kind != "switch":
+            argv.append(f"{flag.option}={flag.format(value)}")
+        elif value:
+            argv.append(flag.option)
     return argv

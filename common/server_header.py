@@ -1,20 +1,11 @@
 """Every header word the server writes, in one place: the server's side of the segment
-protocol (:mod:`swap_state.common.segment`), the counterpart of
-:mod:`swap_state.common.trainer_header`. Nothing else on the server's side stores into a
-segment header; a test fails when another module does.
+protocol (:mod:`.segment`; the trainer's is :mod:`.trainer_header`). Nothing else on the
+server's side stores into a segment header; a test fails when another module does.
 
-Which server thread stores which word (one at a time per word):
-
-- the arena, once at creation: the layout words, the descriptor's place and the layout hash,
-  ``MAGIC`` last (:meth:`initialize`);
-- a CommitStep RPC or a Restore: ``COMMITTED_STEP``, then ``RESTORED_SEQ``
-  (:meth:`record_commit`);
-- the Snapshot call (protocol step 1) and the writer's release (step 3's end), while no
-  stager or writer of the segment runs: ``SNAP_STEP``, ``PERSISTED_UPTO``, ``STAGED_UPTO``,
-  ``STAGE_SLOTS``, ``SNAP_EPOCH``, ``SLOT_FREED`` (:meth:`open_snapshot`, :meth:`close_snapshot`);
-- the writer thread: ``PERSISTED_UPTO`` and ``SLOT_FREED`` (:meth:`persisted`,
-  :meth:`free_slot`);
-- the stager thread: ``STAGED_UPTO`` (:meth:`staged`).
+Writers: the arena at creation (:meth:`initialize`); a CommitStep RPC or a Restore
+(:meth:`record_commit`); the Snapshot call and the writer's release while no stager or writer
+runs (:meth:`open_snapshot`, :meth:`close_snapshot`); the writer thread (:meth:`persisted`,
+:meth:`free_slot`); the stager thread (:meth:`staged`).
 """
 
 from __future__ import annotations
@@ -35,10 +26,8 @@ class ServerHeader:
         return self.segment[word]
 
     def initialize(self, layout: SegmentLayout, digest: str = "", descriptor_bytes: int = 0) -> None:
-        """Once, on a zero-filled segment: the layout words, where its descriptor is (at
-        ``layout.size``, ``descriptor_bytes`` long, written before this; 0: none, never
-        adopted) and ``LAYOUT_HASH`` of ``digest``, ``MAGIC`` last (a reader that sees
-        ``MAGIC`` sees the rest)."""
+        """Once, on a zero-filled segment: the layout words, the descriptor's place (written
+        before; 0 bytes: never adopted), ``LAYOUT_HASH``, and ``MAGIC`` last."""
         header = self.segment
         header[Word.DESCRIPTOR_OFFSET] = layout.size
         header[Word.DESCRIPTOR_BYTES] = descriptor_bytes
@@ -53,24 +42,20 @@ class ServerHeader:
         header[Word.MAGIC] = MAGIC
 
     def record_commit(self, step: int) -> None:
-        """A CommitStep RPC or a Restore: ``COMMITTED_STEP = step + 1``, then
-        ``RESTORED_SEQ += 1`` (last: from then on the server's value holds, see
-        :func:`~swap_state.common.segment.committed_step`)."""
+        """``COMMITTED_STEP = step + 1``, then ``RESTORED_SEQ += 1`` (from then on the server's
+        value holds: :func:`~.segment.committed_step`)."""
         header = self.segment
         header[Word.COMMITTED_STEP] = step + 1
         header[Word.RESTORED_SEQ] = header[Word.RESTORED_SEQ] + 1
 
     # -- snapshots (protocol steps 1-3) ---------------------------------------------------
     def free_all_slots(self, cow_slots: int) -> None:
-        """``SLOT_FREED[j] = SLOT_TAKEN[j]`` for every slot (only while no trainer can be taking
-        one for a live epoch: before ``SNAP_EPOCH`` is published and after it is cleared)."""
+        """``SLOT_FREED[j] = SLOT_TAKEN[j]`` for every slot (only while ``SNAP_EPOCH == 0``)."""
         for slot in range(cow_slots):
             self.free_slot(slot)
 
     def open_snapshot(self, step: int, stage_slots: int, epoch: int, cow_slots: int) -> None:
-        """Protocol step 1: every slot freed, ``SNAP_STEP``, ``PERSISTED_UPTO = 0``,
-        ``STAGED_UPTO = 0``, ``STAGE_SLOTS`` and last ``SNAP_EPOCH = epoch`` (the trainer keys
-        everything on it): the snapshot is consistent from here on."""
+        """Protocol step 1, ``SNAP_EPOCH = epoch`` last: the snapshot is consistent from here on."""
         header = self.segment
         self.free_all_slots(cow_slots)
         header[Word.SNAP_STEP] = step
@@ -84,8 +69,7 @@ class ServerHeader:
         self.segment[Word.STAGED_UPTO] = upto
 
     def persisted(self, upto: int) -> None:
-        """Writer, protocol step 3: chunks ``[0, upto)`` are read (also frees the stager slot of
-        chunk ``upto - 1``)."""
+        """Writer, protocol step 3: chunks ``[0, upto)`` are read (frees their stager slots)."""
         self.segment[Word.PERSISTED_UPTO] = upto
 
     def free_slot(self, slot: int) -> None:
@@ -93,7 +77,6 @@ class ServerHeader:
         self.segment.set_slot_freed(slot, self.segment.slot_taken(slot))
 
     def close_snapshot(self, cow_slots: int) -> None:
-        """End of protocol step 3: ``SNAP_EPOCH = 0`` (the trainer stops copying), then every
-        slot freed."""
+        """End of protocol step 3: ``SNAP_EPOCH = 0``, then every slot freed."""
         self.segment[Word.SNAP_EPOCH] = 0
         self.free_all_slots(cow_slots)

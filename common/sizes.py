@@ -35,8 +35,8 @@ def parse_size(text: str) -> int:
 def format_size(nbytes: int) -> str:
     """Human-readable binary size for messages and logs (``1.5GiB``)."""
     value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
             return f"{int(value)}{unit}" if unit == "B" else f"{value:.1f}{unit}"
         value /= 1024
-    raise AssertionError("unreachable")
+    return f"{value:.1f}TiB"

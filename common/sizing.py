@@ -1,13 +1,7 @@
-"""How much shared memory a job needs: the numbers ``swap-state plan`` prints and the trainer
-logs at attach. One rule for both, no torch: the caller counts the parameters.
-
-Per rank the segment holds the Adam moments of that rank's parameters (two per parameter, three
-with amsgrad, at the moments' dtype) and, with whole-state snapshots (torchtitan's
-``swap_state_checkpoint = "snapshot"``), a copy of the parameters themselves. Per host the
-server adds a copy pool shared by its segments: a pause-free snapshot needs copy slots for what
-the disk cannot persist within one forward/backward (:func:`~.segment.copy_budget_needed`), at
-worst the whole state. ``--shm-size`` is the host's segments plus that pool, with headroom for
-headers and step counts.
+"""How much shared memory a job needs: what ``swap-state plan`` prints and the trainer logs at
+attach. Per rank: the Adam moments (two per parameter, three with amsgrad) and, with
+whole-state snapshots, a copy of the parameters; per host, plus a copy pool for what the disk
+cannot persist within one forward/backward (:func:`~.segment.copy_budget_needed`).
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ class SizingPlan:
     ranks_per_host: int
     """Ranks (segments) on one host's server."""
     copy_pool: int
-    """The host's copy pool (``--cow-budget``): for pause-free snapshots, else the server's
-    default (1 GiB at most)."""
+    """The host's copy pool (``--cow-budget``): for pause-free snapshots, else the server's default."""
     snapshots: bool
     """Whether the plan is for snapshots without a pause (whole-state checkpoints)."""
     shm_size: int
@@ -80,12 +73,9 @@ def plan_sizes(
     persist_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
     fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
 ) -> SizingPlan:
-    """The plan for ``params`` parameters trained on ``world_size`` ranks, ``ranks_per_host`` of
-    them per host. ``sharded``: FSDP shards the parameters over all ranks (else every rank
-    holds them all: DDP, or one rank); ``moment_bytes``: 4 for fp32 moments, 2 for bf16;
-    ``model_bytes_per_param``: the parameters' copy of whole-state snapshots (4 for fp32
-    parameters, 0 without); ``snapshots``: size the copy pool for snapshots without a pause,
-    from the persist rate and the forward/backward time (else the server's default pool)."""
+    """The plan for ``params`` parameters on ``world_size`` ranks, ``ranks_per_host`` per host.
+    ``sharded``: FSDP (else every rank holds all); ``model_bytes_per_param``: the parameters'
+    copy of whole-state snapshots (0 without); ``snapshots``: size the pool for no pause."""
     if params <= 0 or world_size <= 0 or not 0 < ranks_per_host <= world_size:
         raise ValueError(f"need params > 0 and 0 < ranks per host ({ranks_per_host}) <= world size ({world_size})")
     per_rank_params = -(-params // world_size) if sharded else params

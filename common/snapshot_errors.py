@@ -1,9 +1,5 @@
-"""Domain errors of snapshots and restore.
-
-Every error derives from :class:`SnapshotError` alone and names its own ``code`` (the status
-code the RPC boundary answers with) and ``reason`` (the client's exception), like the
-errors of :mod:`swap_state.common.errors` (DATA_LOSS for a corrupt file). This module imports neither grpc nor torch.
-"""
+"""Domain errors of snapshots and restore, each with its ``code`` and ``reason`` like
+:mod:`.errors`."""
 
 from __future__ import annotations
 
@@ -12,17 +8,9 @@ import errno
 from .errors import SwapStateError
 
 __all__ = [
-    "SnapshotError",
-    "SnapshotInvalid",
-    "SnapshotNotFound",
-    "SnapshotBusy",
-    "SnapshotExists",
-    "SnapshotFailed",
-    "SnapshotCorrupt",
-    "SnapshotLayoutMismatch",
-    "SnapshotDiskFull",
-    "SnapshotStoreUnavailable",
-    "from_os_error",
+    "SnapshotError", "SnapshotInvalid", "SnapshotNotFound", "SnapshotBusy", "SnapshotExists",
+    "SnapshotFailed", "SnapshotCorrupt", "SnapshotLayoutMismatch", "SnapshotDiskFull",
+    "SnapshotStoreUnavailable", "from_os_error"
 ]
 
 
@@ -48,8 +36,7 @@ class SnapshotNotFound(SnapshotError):
 
 
 class SnapshotBusy(SnapshotError):
-    """The segment cannot be snapshotted or restored now (a snapshot of it is persisting,
-    the trainer is writing a step, or a failed attempt is still being cleaned up)."""
+    """The segment cannot be snapshotted or restored now (persisting, mid-step, cleaning up)."""
 
     code = "FAILED_PRECONDITION"
     reason = "SNAPSHOT_BUSY"
@@ -70,8 +57,7 @@ class SnapshotFailed(SnapshotError):
 
 
 class SnapshotCorrupt(SnapshotError):
-    """A snapshot file does not verify (checksum, size, header); the message names the file
-    and, where it applies, the tensor."""
+    """A snapshot file does not verify (checksum, size, header); the message names file and tensor."""
 
     code = "DATA_LOSS"
     reason = "SNAPSHOT_CORRUPT"
@@ -92,17 +78,15 @@ class SnapshotDiskFull(SnapshotError):
 
 
 class SnapshotStoreUnavailable(SnapshotError):
-    """The snapshot store (``--snapshot-store``) failed a request: unreachable, refusing,
-    timed out; the message names the store and the object."""
+    """The snapshot store failed a request (unreachable, refusing, timed out); names the object."""
 
     code = "UNAVAILABLE"
     reason = "STORE_UNAVAILABLE"
 
 
 def from_os_error(exc: OSError, action: str, directory: object) -> SnapshotError:
-    """The domain error for an I/O failure while ``action`` (e.g. "writing rank-00000.safetensors")
-    under the snapshot directory ``directory``: disk full and quota become SnapshotDiskFull,
-    with a message that names the directory and says what to do."""
+    """The domain error for an I/O failure while ``action`` in ``directory``: disk full and
+    quota become SnapshotDiskFull, saying what to do."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return SnapshotDiskFull(
             f"snapshot directory {directory} is full ({exc.strerror}) while {action}; "

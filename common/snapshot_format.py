@@ -7,14 +7,9 @@ A complete snapshot of step N of a job is the directory ``<dir>/<job>/step-<N:01
     ...                         (one pair per rank)
     snapshot.json               a SnapshotIndex, written last: ranks, files, their crc32s
 
-A multi-host job has one server per host, and each server's directory holds the ranks attached
-to it (``snapshot.json``: the job's ``world_size``, this directory's ``ranks`` and
-``local_world_size``); the snapshots of the same step on all hosts together form the job's.
-
-The safetensors file is streamed: its header depends only on the segment layout (and on the
-job, step and rank, stored as string metadata), so it is written before any data. Tensors
-follow each other without gaps, in segment order, which is what the format requires.
-Pure Python, no torch; ``json`` only.
+On a multi-host job each host's directory holds the ranks attached to its server; together
+they form the job's snapshot. The safetensors header depends only on the segment layout (and
+job, step, rank as string metadata), so it is written before the data, streamed without gaps.
 """
 
 from __future__ import annotations
@@ -33,36 +28,17 @@ from .names import parse_step_dir_name, snapshot_id_for, step_dir_name
 from .snapshot_metadata import tensor_entry
 
 __all__ = [
-    "FORMAT_VERSION",
-    "INDEX_NAME",
-    "LAYOUT_NAME",
-    "LATEST_NAME",
-    "SAFETENSORS_DTYPES",
-    "MANIFEST_FORMAT",
-    "MANIFEST_VERSION",
-    "INDEX_FORMAT",
-    "TensorRecord",
-    "RankManifest",
-    "FileRecord",
-    "SnapshotIndex",
-    "snapshot_id_for",
-    "step_dir_name",
-    "partial_dir_name",
-    "parse_step_dir_name",
-    "rank_data_name",
-    "rank_manifest_name",
-    "safetensors_header",
-    "DATA_ALIGN",
-    "safetensors_metadata",
-    "dumps_json",
+    "FORMAT_VERSION", "INDEX_NAME", "LAYOUT_NAME", "LATEST_NAME", "SAFETENSORS_DTYPES",
+    "MANIFEST_FORMAT", "MANIFEST_VERSION", "INDEX_FORMAT", "TensorRecord", "RankManifest",
+    "FileRecord", "SnapshotIndex", "snapshot_id_for", "step_dir_name", "partial_dir_name",
+    "parse_step_dir_name", "rank_data_name", "rank_manifest_name", "safetensors_header",
+    "DATA_ALIGN", "safetensors_metadata", "dumps_json"
 ]
 
 FORMAT_VERSION = 1
 MANIFEST_VERSION = 2
-"""Manifests written now: compact (no indentation, no null fields) and without the trainer's
-metadata text, which they rebuild from their own fields (:attr:`RankManifest.metadata_json`).
-Version 1 manifests (the text kept verbatim beside the same facts: a third of their bytes)
-are still read."""
+"""Manifests written now: compact, the trainer's metadata rebuilt from their own fields
+(:attr:`RankManifest.metadata_json`); version 1 (that text kept verbatim) is still read."""
 READ_MANIFEST_VERSIONS = (1, MANIFEST_VERSION)
 MANIFEST_FORMAT = "swap-state-rank-manifest"
 INDEX_FORMAT = "swap-state-snapshot"
@@ -70,7 +46,7 @@ INDEX_NAME = "snapshot.json"
 LAYOUT_NAME = "layout.json"
 """The step's layout index (the server's ``LayoutIndex``): where every rank's shards lie."""
 MAX_LAYOUT_BYTES = 256 << 20
-"""A layout index is a few hundred kB for a 70B job at any world size; past this it is refused."""
+"""A layout index is a few hundred kB for a 70B job; past this it is refused."""
 LATEST_NAME = "latest"
 
 
@@ -96,19 +72,13 @@ def dumps_json(value: Any) -> bytes:
 
 def safetensors_metadata(job_id: str, step: int, rank: int, world_size: int) -> dict[str, str]:
     """The ``__metadata__`` of a rank file (safetensors allows string values only)."""
-    return {
-        "format": "pt",
-        "swap_state.job_id": job_id,
-        "swap_state.step": str(step),
-        "swap_state.rank": str(rank),
-        "swap_state.world_size": str(world_size),
-    }
+    return {"format": "pt", "swap_state.job_id": job_id, "swap_state.step": str(step),
+            "swap_state.rank": str(rank), "swap_state.world_size": str(world_size)}
 
 
 DATA_ALIGN = 4096
-"""Where a rank file's data starts: a multiple of this (the header is padded with spaces,
-which the safetensors format allows), so the server can write and read it with O_DIRECT.
-Files written before were padded to 8 bytes only; readers take both (:meth:`RankManifest.header_bytes`)."""
+"""Where a rank file's data starts: a multiple of this (the header padded with spaces), for
+O_DIRECT. Older files are padded to 8 only; readers take both (:meth:`RankManifest.header_bytes`)."""
 
 
 def safetensors_header(
@@ -116,9 +86,8 @@ def safetensors_header(
     metadata: Mapping[str, str],
     align: int = DATA_ALIGN,
 ) -> tuple[bytes, list[tuple[int, int]]]:
-    """The bytes before the data (8-byte little-endian length + JSON padded with spaces so the
-    data starts ``align``-byte aligned: 8 is the format's minimum) and each tensor's
-    ``data_offsets``, for tensors given as ``(name, dtype, shape, nbytes)`` in file order.
+    """The bytes before the data (length + JSON padded so the data starts ``align``-aligned) and
+    each tensor's ``data_offsets``, for ``(name, dtype, shape, nbytes)`` in file order.
     Deterministic: restore recomputes it from the manifest and compares byte for byte."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offsets: list[tuple[int, int]] = []
@@ -130,20 +99,13 @@ def safetensors_header(
         if code is None:
             raise ValueError(f"dtype {dtype!r} of {name!r} has no safetensors code")
         offsets.append((position, position + nbytes))
-        header[name] = {
-            "dtype": code,
-            "shape": [int(d) for d in shape],
-            "data_offsets": [position, position + nbytes],
-        }
+        header[name] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": list(offsets[-1])}
         position += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
     if align % 8:
         raise ValueError(f"align must be a multiple of 8, got {align}")
+    text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % align)
     return struct.pack("<Q", len(text)) + text, offsets
-
-
-# ---------------------------------------------------------------------------- manifests
 
 
 def _layout_record(raw: Any) -> FileRecord | None:
@@ -170,18 +132,14 @@ def _dims(value: Any, what: str) -> tuple[int, ...]:
     return tuple(_int(d, what) for d in value)
 
 
-def _opt_dims(value: Any, what: str) -> tuple[int, ...] | None:
-    return None if value is None else _dims(value, what)
-
-
 def _str(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{what} must be a string, got {value!r}")
     return value
 
 
-def _opt_str(value: Any, what: str) -> str | None:
-    return None if value is None else _str(value, what)
+def _opt(parse: Any, value: Any, what: str) -> Any:
+    return None if value is None else parse(value, what)
 
 
 def _float(value: Any, what: str) -> float:
@@ -207,7 +165,6 @@ class TensorRecord:
     shape: tuple[int, ...]
     """Local shape (the shard this rank holds)."""
     nbytes: int
-    """Byte size of the tensor's data."""
     data_offsets: tuple[int, int]
     """[begin, end) within the safetensors data section."""
     crc32: int
@@ -222,16 +179,11 @@ class TensorRecord:
     """DTensor offset of this shard in the global tensor, None for a plain tensor."""
 
     def to_json(self) -> dict[str, Any]:
-        """Its manifest entry; the trainer's facts (fqn, key, global shape and offset) only
-        when it gave them."""
+        """Its manifest entry; the trainer's facts only when it gave them."""
         entry: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-        entry.update(self.trainer_entry())
+        entry.update(tensor_entry(self))
         entry.update(nbytes=self.nbytes, data_offsets=list(self.data_offsets), crc32=format_crc(self.crc32))
         return entry
-
-    def trainer_entry(self) -> dict[str, Any]:
-        """What the trainer's metadata said of this tensor (its ``tensors`` entry)."""
-        return tensor_entry(self)
 
     @classmethod
     def from_json(cls, raw: Any) -> TensorRecord:
@@ -250,11 +202,23 @@ class TensorRecord:
             nbytes=_int(raw.get("nbytes"), f"nbytes of {name}"),
             data_offsets=(offsets[0], offsets[1]),
             crc32=parse_crc(raw.get("crc32")),
-            fqn=_opt_str(raw.get("fqn"), f"fqn of {name}"),
-            key=_opt_str(raw.get("key"), f"key of {name}"),
-            global_shape=_opt_dims(raw.get("global_shape"), f"global_shape of {name}"),
-            global_offset=_opt_dims(raw.get("global_offset"), f"global_offset of {name}"),
+            fqn=_opt(_str, raw.get("fqn"), f"fqn of {name}"),
+            key=_opt(_str, raw.get("key"), f"key of {name}"),
+            global_shape=_opt(_dims, raw.get("global_shape"), f"global_shape of {name}"),
+            global_offset=_opt(_dims, raw.get("global_offset"), f"global_offset of {name}"),
         )
+
+
+_MANIFEST_HEAD: tuple[tuple[Any, ...], ...] = (
+    ("job_id", _str), ("step", _int), ("rank", _int), ("world_size", _int, 1), ("data_file", _str),
+    ("data_file_bytes", _int), ("data_start", _int, 8), ("chunk_bytes", _int),
+)
+"""(field, parser, minimum) of a manifest's plain fields before its tensors, each under its own key."""
+_MANIFEST_TAIL: tuple[tuple[Any, ...], ...] = (
+    ("param_groups", _object), ("steps", _object), ("cow_copies", _int), ("backpressure_waits", _int),
+    ("backpressure_wait_seconds", _float), ("persist_seconds", _float),
+)
+"""The same, after its tensors."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,17 +226,14 @@ class RankManifest:
     """``rank-XXXXX.manifest.json``: everything about one rank's file except the bytes."""
 
     job_id: str
-    """The job the snapshot belongs to."""
     step: int
     """The committed step whose moments the file holds."""
     rank: int
-    """This file's rank."""
     world_size: int
     """Number of ranks of the snapshot (and of the job when it was taken)."""
     data_file: str
     """Name of the safetensors file, relative to the snapshot directory."""
     data_file_bytes: int
-    """Size of the safetensors file."""
     data_start: int
     """Offset of the data section in the safetensors file (8 + header length)."""
     chunk_bytes: int
@@ -284,8 +245,7 @@ class RankManifest:
     steps: dict[str, Any]
     """Per fqn, the optimizer step count from the trainer's metadata."""
     metadata_extra: dict[str, Any]
-    """The trainer's metadata's other top-level entries (``model_aliases``, keys this version
-    does not know); with the tensors' records, ``param_groups`` and ``steps``, all of it."""
+    """The trainer's metadata's other top-level entries (``model_aliases``, unknown keys)."""
     cow_copies: int
     """Chunks the trainer copied before writing while this rank persisted."""
     backpressure_waits: int
@@ -303,36 +263,20 @@ class RankManifest:
 
     @functools.cached_property
     def metadata_json(self) -> str:
-        """The trainer's metadata of this rank (Restore returns it): every fact it gave,
-        rebuilt from the manifest's fields (built once, on first use: a reshard reads a
-        thousand manifests and needs few of these)."""
+        """The trainer's metadata of this rank (Restore returns it), rebuilt from the manifest's
+        fields on first use (a reshard reads a thousand manifests and needs few of these)."""
         if self.verbatim_metadata_json is not None:
             return self.verbatim_metadata_json
-        tensors = {t.name: entry for t in self.tensors if (entry := t.trainer_entry())}
+        tensors = {t.name: entry for t in self.tensors if (entry := tensor_entry(t))}
         return json.dumps({"tensors": tensors, "steps": self.steps, "param_groups": self.param_groups,
                            **self.metadata_extra}, allow_nan=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": MANIFEST_FORMAT,
-            "version": MANIFEST_VERSION,
-            "snapshot_id": self.snapshot_id,
-            "job_id": self.job_id,
-            "step": self.step,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "data_file": self.data_file,
-            "data_file_bytes": self.data_file_bytes,
-            "data_start": self.data_start,
-            "chunk_bytes": self.chunk_bytes,
-            "checksum": "crc32",
-            "tensors": [t.to_json() for t in self.tensors],
-            "param_groups": self.param_groups,
-            "steps": self.steps,
-            "cow_copies": self.cow_copies,
-            "backpressure_waits": self.backpressure_waits,
-            "backpressure_wait_seconds": self.backpressure_wait_seconds,
-            "persist_seconds": self.persist_seconds,
+            "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "snapshot_id": self.snapshot_id,
+            **{name: getattr(self, name) for name, *_ in _MANIFEST_HEAD},
+            "checksum": "crc32", "tensors": [t.to_json() for t in self.tensors],
+            **{name: getattr(self, name) for name, *_ in _MANIFEST_TAIL},
             "metadata_extra": self.metadata_extra,
         }
 
@@ -349,32 +293,18 @@ class RankManifest:
         tensors = raw.get("tensors")
         if not isinstance(tensors, list):
             raise ValueError("tensors must be a list")
+        fields = {name: parse(raw.get(name), name, *minimum)
+                  for name, parse, *minimum in _MANIFEST_HEAD + _MANIFEST_TAIL}
         return cls(
-            job_id=_str(raw.get("job_id"), "job_id"),
-            step=_int(raw.get("step"), "step"),
-            rank=_int(raw.get("rank"), "rank"),
-            world_size=_int(raw.get("world_size"), "world_size", 1),
-            data_file=_str(raw.get("data_file"), "data_file"),
-            data_file_bytes=_int(raw.get("data_file_bytes"), "data_file_bytes"),
-            data_start=_int(raw.get("data_start"), "data_start", 8),
-            chunk_bytes=_int(raw.get("chunk_bytes"), "chunk_bytes"),
+            **fields,
             tensors=tuple(TensorRecord.from_json(t) for t in tensors),
-            param_groups=_object(raw.get("param_groups"), "param_groups"),
-            steps=_object(raw.get("steps"), "steps"),
             metadata_extra=_object(raw.get("metadata_extra"), "metadata_extra") if version != 1 else {},
             verbatim_metadata_json=_str(raw.get("metadata_json"), "metadata_json") if version == 1 else None,
-            cow_copies=_int(raw.get("cow_copies"), "cow_copies"),
-            backpressure_waits=_int(raw.get("backpressure_waits"), "backpressure_waits"),
-            backpressure_wait_seconds=_float(
-                raw.get("backpressure_wait_seconds"), "backpressure_wait_seconds"
-            ),
-            persist_seconds=_float(raw.get("persist_seconds"), "persist_seconds"),
         )
 
     def header_bytes(self) -> bytes:
         """The safetensors header this manifest implies (restore compares it to the file)."""
-        # DATA_ALIGN since the server writes with O_DIRECT; 8 in files written before. An
-        # 8-aligned header that happens to end on DATA_ALIGN is the same bytes either way.
+        # An 8-aligned header that happens to end on DATA_ALIGN is the same bytes either way.
         header, _ = safetensors_header(
             [(t.name, t.dtype, t.shape, t.nbytes) for t in self.tensors],
             safetensors_metadata(self.job_id, self.step, self.rank, self.world_size),
@@ -390,9 +320,7 @@ class FileRecord:
     name: str
     """File name relative to the snapshot directory."""
     rank: int
-    """The rank the file belongs to."""
     bytes: int
-    """File size."""
     crc32: int
     """zlib CRC-32 of the whole file."""
 
@@ -418,30 +346,23 @@ class SnapshotIndex:
     """``snapshot.json``: written last; its presence marks a snapshot complete."""
 
     job_id: str
-    """The job."""
     step: int
-    """The committed step."""
     world_size: int
     """The job's (global) number of ranks."""
     ranks: tuple[int, ...]
-    """The ranks whose files this directory holds, ascending: ``range(world_size)`` for a job
-    on one server; on a multi-host job, the ranks attached to this host's server (the other
-    ranks' snapshots of the same step are on the other hosts' servers)."""
+    """The ranks whose files this directory holds, ascending (on a multi-host job, this host's)."""
     files: tuple[FileRecord, ...]
     """Every data file and manifest, with size and checksum."""
     created_unix: float
     """Wall-clock time of the commit (informational)."""
     attempt: int = 1
-    """How many times this host committed the step (a step trained again after loading an
-    older checkpoint replaces it: 2, 3, ...). Every host of a job counts the same attempts, so
-    the store's markers of one step must agree on it to form one snapshot."""
+    """How many times this host committed the step (trained again after a load: 2, 3, ...); the
+    store's markers of one step must agree on it."""
     layout: FileRecord | None = None
-    """``layout.json`` (size, crc32; its rank -1) when the step has one: written beside a
-    whole job's files, where a restore at another layout plans from it alone; None in
-    snapshots of one host of several (the store's index has it) and in older snapshots."""
+    """``layout.json`` (rank -1) beside a whole job's files, for a restore at another layout; None
+    on one host of several (the store's index has it) and in older snapshots."""
     tenant: str = ""
-    """The tenant that owns the job (``--tenants``): only its calls, or an admin's, list or
-    restore it. "" on a server without tenants, and in snapshots written before them."""
+    """The tenant that owns the job (``--tenants``; "" without tenants)."""
 
     @property
     def snapshot_id(self) -> str:
@@ -462,10 +383,7 @@ class SnapshotIndex:
         return sum(f.bytes for f in self.files)
 
     def file(self, name: str) -> FileRecord | None:
-        for record in self.files:
-            if record.name == name:
-                return record
-        return None
+        return next((record for record in self.files if record.name == name), None)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -495,7 +413,6 @@ class SnapshotIndex:
             raise ValueError(
                 f"ranks {list(ranks)[:16]} are not distinct ascending ranks of 0..{world_size - 1}"
             )
-        # Absent in snapshots written before multi-host support: they hold every rank.
         local = raw.get("local_world_size", len(ranks))
         if _int(local, "local_world_size", 1) != len(ranks):
             raise ValueError(f"local_world_size {local} is not the number of ranks {len(ranks)}")

@@ -1,10 +1,8 @@
 """The trainer's ``metadata_json`` of a snapshot: schema, encoding (trainer) and parsing (server).
 
-The server cannot know what a segment tensor *is* (which parameter, which optimizer state,
-which shard of a DTensor); the trainer says so in ``SnapshotRequest.metadata_json``. Every
-rank manifest records it, ``tensors``, ``param_groups`` and ``steps`` in the manifest's own
-fields and the rest as sent, and Restore returns it rebuilt from them. Schema (every top-level key is optional; unknown
-keys are kept verbatim but not interpreted)::
+The server cannot know what a segment tensor *is* (parameter, optimizer state, DTensor
+shard); the trainer says so here. Manifests record it and Restore returns it rebuilt. Schema
+(every top-level key optional; unknown keys kept verbatim, not interpreted)::
 
     {
       "tensors": {                       # keyed by *segment tensor name*
@@ -17,13 +15,9 @@ keys are kept verbatim but not interpreted)::
       "model_aliases": {"<key>": "<fqn>"}  # whole-state: a tied model tensor's other
     }                                      # state-dict key -> the fqn it is stored under
 
-In a whole-state snapshot the model tensors (``model.<fqn>``) have ``key`` ``"param"`` or
-``"buffer"`` and ``fqn`` their model state-dict key.
-
-A ``<value>`` is plain JSON, or a 0-dim tensor written as ``{"__tensor__": 5.0, "dtype":
-"float32"}`` (``swap-state export`` turns it back into a tensor; a plain number in
-``steps`` becomes a float32 tensor, as torch's Adam keeps it). Standard JSON only: NaN and
-Infinity are refused, and the whole text is bounded (``MAX_METADATA_BYTES`` by default).
+Model tensors (``model.<fqn>``) have ``key`` ``"param"`` or ``"buffer"``. A ``<value>`` is
+plain JSON or a 0-dim tensor ``{"__tensor__": 5.0, "dtype": "float32"}``. Standard JSON only
+(no NaN or Infinity), at most ``MAX_METADATA_BYTES`` by default.
 """
 
 from __future__ import annotations
@@ -35,33 +29,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .dtypes import DTYPE_ITEMSIZE
-from .segment import TensorLayout
-
 from .names import shorten
+from .segment import TensorLayout
 from .snapshot_errors import SnapshotInvalid
 
 __all__ = [
-    "BOOKKEEPING_PREFIX",
-    "MAX_METADATA_BYTES",
-    "TENSOR_TAG",
-    "TensorMetadata",
-    "SnapshotMetadata",
-    "parse_metadata",
-    "load_metadata_json",
-    "metadata_from_json",
-    "encode_metadata",
-    "tagged_scalar",
-    "tensor_entry",
+    "BOOKKEEPING_PREFIX", "MAX_METADATA_BYTES", "TENSOR_TAG", "TensorMetadata", "SnapshotMetadata",
+    "parse_metadata", "load_metadata_json", "metadata_from_json", "encode_metadata",
+    "tagged_scalar", "tensor_entry"
 ]
 
 MAX_METADATA_BYTES = 16 << 20
 TENSOR_TAG = "__tensor__"
 BOOKKEEPING_PREFIX = "swap_state."
-"""Segment tensors named so, without an fqn and key (the remote container's
-``swap_state.param_steps`` and ``swap_state.group_steps``), hold what ``steps`` and
-``param_groups`` say per fqn, in the trainer's own order: a restore at another layout does not
-copy them (a pipeline stage's old rank held only its own parameters'), the trainer rebuilds
-them from the restored metadata."""
+"""Segment tensors named so, without fqn and key, hold what ``steps`` and ``param_groups`` say
+per fqn: a restore at another layout does not copy them, the trainer rebuilds them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +80,7 @@ class SnapshotMetadata:
     model_aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     """Per model state-dict key of a tied tensor, the fqn its model tensor is stored under."""
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The top-level entries other than ``tensors``, ``param_groups`` and ``steps``, as sent
-    (``model_aliases``, keys this version does not know): what a manifest keeps besides its
-    own fields."""
+    """The other top-level entries as sent (``model_aliases``, unknown keys)."""
 
 
 def _reject_constant(name: str) -> Any:
@@ -114,11 +94,10 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _dims(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
-    ):
-        raise SnapshotInvalid(f"metadata_json: {what} must be a list of non-negative integers")
+def _dims(value: Any, what: str, source: str = "metadata_json") -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in value):
+        raise SnapshotInvalid(f"{source}: {what} must be a list of non-negative integers")
     return tuple(value)
 
 
@@ -135,30 +114,25 @@ def _check_value(value: Any, what: str) -> None:
 
 
 def _tensor_entry(name: str, raw: Any, layout: TensorLayout) -> TensorMetadata:
+    where = f"tensors[{shorten(name)}]"
     if not isinstance(raw, dict):
-        raise SnapshotInvalid(f"metadata_json: tensors[{shorten(name)}] must be an object")
+        raise SnapshotInvalid(f"metadata_json: {where} must be an object")
     fqn, key = raw.get("fqn"), raw.get("key")
     for field, value in (("fqn", fqn), ("key", key)):
         if value is not None and (not isinstance(value, str) or not value):
-            raise SnapshotInvalid(f"metadata_json: tensors[{shorten(name)}].{field} must be a string")
+            raise SnapshotInvalid(f"metadata_json: {where}.{field} must be a string")
     global_shape = global_offset = None
     if raw.get("global_shape") is not None:
-        global_shape = _dims(raw["global_shape"], f"tensors[{shorten(name)}].global_shape")
+        global_shape = _dims(raw["global_shape"], f"{where}.global_shape")
         if len(global_shape) != len(layout.shape):
-            raise SnapshotInvalid(
-                f"metadata_json: tensors[{shorten(name)}].global_shape has {len(global_shape)} dims, "
-                f"the local shape {list(layout.shape)} has {len(layout.shape)}"
-            )
+            raise SnapshotInvalid(f"metadata_json: {where}.global_shape has {len(global_shape)} dims, "
+                                  f"the local shape {list(layout.shape)} has {len(layout.shape)}")
     if raw.get("global_offset") is not None:
         if global_shape is None:
-            raise SnapshotInvalid(
-                f"metadata_json: tensors[{shorten(name)}].global_offset needs global_shape"
-            )
-        global_offset = _dims(raw["global_offset"], f"tensors[{shorten(name)}].global_offset")
+            raise SnapshotInvalid(f"metadata_json: {where}.global_offset needs global_shape")
+        global_offset = _dims(raw["global_offset"], f"{where}.global_offset")
         if len(global_offset) != len(global_shape):
-            raise SnapshotInvalid(
-                f"metadata_json: tensors[{shorten(name)}].global_offset and global_shape differ in length"
-            )
+            raise SnapshotInvalid(f"metadata_json: {where}.global_offset and global_shape differ in length")
     return TensorMetadata(fqn, key, global_shape, global_offset)
 
 
@@ -171,8 +145,8 @@ def _object(value: Any, what: str) -> dict[str, Any]:
 
 
 def load_metadata_json(text: str, what: str = "metadata_json", max_bytes: int = MAX_METADATA_BYTES) -> dict[str, Any]:
-    """``text`` as a JSON object of at most ``max_bytes`` (standard JSON only: no NaN or
-    Infinity, no out-of-range floats); empty text is ``{}``. SnapshotInvalid naming ``what``."""
+    """``text`` as a standard JSON object of at most ``max_bytes`` (empty: ``{}``); SnapshotInvalid
+    naming ``what``."""
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > max_bytes:
         raise SnapshotInvalid(f"{what} is {size} bytes, more than the limit of {max_bytes}")
@@ -190,8 +164,7 @@ def parse_metadata(
     tensors: Sequence[TensorLayout],
     max_bytes: int = MAX_METADATA_BYTES,
 ) -> SnapshotMetadata:
-    """Validate ``metadata_json`` against the segment's tensors; SnapshotInvalid if it is not
-    JSON of bounded size in the schema above. Empty text means ``{}``."""
+    """Validate ``metadata_json`` against the segment's tensors (SnapshotInvalid otherwise)."""
     return metadata_from_json(metadata_json, load_metadata_json(metadata_json, "metadata_json", max_bytes), tensors)
 
 
@@ -224,14 +197,11 @@ def metadata_from_json(metadata_json: str, raw: dict[str, Any], tensors: Sequenc
     return SnapshotMetadata(metadata_json, entries, param_groups, steps, aliases, extra)
 
 
-_MANIFEST_FIELDS = ("tensors", "param_groups", "steps")
-"""The top-level entries a rank manifest records in its own fields (the rest: ``extra``)."""
+_MANIFEST_FIELDS = ("tensors", "param_groups", "steps")  # a manifest's own fields; the rest: extra
 
 
 def tensor_entry(tensor: TensorMetadata | Any) -> dict[str, Any]:
-    """A tensor's ``tensors`` entry: what was said of it (``fqn``, ``key``, ``global_shape``
-    and ``global_offset``), of a TensorMetadata or anything with those attributes (a manifest's
-    TensorRecord)."""
+    """A tensor's ``tensors`` entry, of a TensorMetadata or anything with its attributes."""
     entry: dict[str, Any] = {}
     if tensor.fqn is not None:
         entry["fqn"] = tensor.fqn
@@ -250,13 +220,10 @@ def encode_metadata(
     model_aliases: Mapping[str, str] | None = None,
 ) -> str:
     """The ``metadata_json`` a trainer sends: the inverse of :func:`parse_metadata` (values
-    already JSON-ready: numbers, lists, strings, or :func:`tagged_scalar`)."""
-    entries = {name: tensor_entry(tensor) for name, tensor in tensors.items()}
-    raw: dict[str, Any] = {
-        "tensors": entries,
-        "steps": dict(steps),
-        "param_groups": {k: dict(v) for k, v in param_groups.items()},
-    }
+    JSON-ready, or :func:`tagged_scalar`)."""
+    raw: dict[str, Any] = {"tensors": {name: tensor_entry(t) for name, t in tensors.items()},
+                           "steps": dict(steps),
+                           "param_groups": {k: dict(g) for k, g in param_groups.items()}}
     if model_aliases:
         raw["model_aliases"] = dict(model_aliases)
     return json.dumps(raw, allow_nan=False)

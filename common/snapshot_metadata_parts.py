@@ -1,11 +1,9 @@
 """A snapshot's ``metadata_json`` in two parts, so a snapshot costs the same at 60 or 6,000
-tensors: a *base* that does not change between the snapshots of a session, sent once, and a
-*delta* of what does, sent every time. The server expands them (:meth:`MetadataParts.expand`,
-in the writer thread, after the trainer's stall) into exactly the ``metadata_json`` the
-trainer would have sent whole (:func:`~swap_state.common.snapshot_metadata.encode_metadata`),
-so manifests and readers see no difference.
+tensors: a *base* that does not change between a session's snapshots, sent once, and a
+*delta*, sent every time. The server expands them (in the writer, after the trainer's stall)
+into exactly the ``metadata_json`` the trainer would have sent whole.
 
-Base (JSON; every key of the full schema's ``tensors`` and ``model_aliases``, plus)::
+Base (the full schema's ``tensors`` and ``model_aliases``, plus)::
 
     {"tensors": {...}, "model_aliases": {...},
      "fqns": ["<fqn of parameter 0>", ...],    # per parameter, in the segment's order
@@ -16,10 +14,9 @@ Delta::
     {"group_params": [{"lr": 0.001, ...}, ...],  # per param group: its hyperparameters
      "steps": [<step count of parameter 0>, ...]}  # or one number: every parameter's
 
-Call order: the trainer :func:`encode_base` once (its id :func:`base_id`), then per snapshot
-:func:`encode_delta`; the server :func:`parse_base` when it receives a base (keeps it with
-the session), then per snapshot :func:`parse_delta` (cheap: checks, no per-tensor work) and,
-in the writer, :meth:`MetadataParts.expand`. Pure Python, no torch.
+Call order: the trainer :func:`encode_base` once (id :func:`base_id`), then per snapshot
+:func:`encode_delta`; the server :func:`parse_base` once, then per snapshot :func:`parse_delta`
+(no per-tensor work) and, in the writer, :meth:`MetadataParts.expand`.
 """
 
 from __future__ import annotations
@@ -37,6 +34,7 @@ from .snapshot_metadata import (
     SnapshotMetadata,
     TensorMetadata,
     _check_value,
+    _dims,
     encode_metadata,
     load_metadata_json,
     metadata_from_json,
@@ -52,7 +50,6 @@ class MetadataBase:
     tensors: Mapping[str, TensorMetadata]
     model_aliases: dict[str, str]
     fqns: tuple[str, ...]
-    """Per parameter, its fqn."""
     groups: tuple[int, ...]
     """Per parameter, the index of its param group in the delta's ``group_params``."""
     group_count: int
@@ -68,8 +65,7 @@ class MetadataParts:
     steps: tuple[Any, ...]
 
     def expand(self) -> SnapshotMetadata:
-        """The metadata the whole ``metadata_json`` would have given (per parameter work:
-        call it off the trainer's stall)."""
+        """The metadata the whole ``metadata_json`` would have given (per-parameter work)."""
         base = self.base
         param_groups = {fqn: self.group_params[g] for fqn, g in zip(base.fqns, base.groups)}
         steps = dict(zip(base.fqns, self.steps))
@@ -101,22 +97,14 @@ def encode_delta(group_params: Sequence[Mapping[str, Any]], steps: Sequence[Any]
     return json.dumps({"group_params": [dict(g) for g in group_params], "steps": steps}, allow_nan=False)
 
 
-def _index_list(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                                              for v in value):
-        raise SnapshotInvalid(f"metadata base: {what} must be a list of non-negative integers")
-    return tuple(value)
-
-
 def parse_base(base_json: str, tensors: Sequence[TensorLayout], max_bytes: int = MAX_METADATA_BYTES) -> MetadataBase:
-    """Validate a base against the segment's tensors (the full schema's checks for its
-    ``tensors`` and ``model_aliases``); SnapshotInvalid otherwise."""
+    """Validate a base against the segment's tensors; SnapshotInvalid otherwise."""
     raw = load_metadata_json(base_json, "metadata base", max_bytes)
     whole = metadata_from_json(base_json, raw, tensors)  # unknown keys (fqns, groups) are kept
     fqns = raw.get("fqns", [])
     if not isinstance(fqns, list) or not all(isinstance(f, str) and f for f in fqns):
         raise SnapshotInvalid("metadata base: fqns must be a list of non-empty strings")
-    groups = _index_list(raw.get("groups", []), "groups")
+    groups = _dims(raw.get("groups", []), "groups", "metadata base")
     if len(groups) != len(fqns):
         raise SnapshotInvalid(f"metadata base: {len(fqns)} fqns but {len(groups)} group indices")
     return MetadataBase(whole.tensors, dict(whole.model_aliases), tuple(fqns), groups,
@@ -124,8 +112,7 @@ def parse_base(base_json: str, tensors: Sequence[TensorLayout], max_bytes: int =
 
 
 def parse_delta(delta_json: str, base: MetadataBase, max_bytes: int = MAX_METADATA_BYTES) -> MetadataParts:
-    """Validate a delta against its base; SnapshotInvalid otherwise. Per group and per step
-    checks only: no per-tensor work."""
+    """Validate a delta against its base (no per-tensor work); SnapshotInvalid otherwise."""
     raw = load_metadata_json(delta_json, "metadata delta", max_bytes)
     group_params = raw.get("group_params", [])
     if not isinstance(group_params, list) or not all(isinstance(g, dict) for g in group_params):

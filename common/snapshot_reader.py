@@ -8,20 +8,18 @@ Directory layout under the snapshot root (``--snapshot-dir``)::
     <root>/<job_id>/.deleting-step-<N>/     an old snapshot being removed by retention
     <root>/<job_id>/latest                  "step-<N:012d>": the last committed snapshot
 
-Call order: :meth:`SnapshotTier.list` or :meth:`~SnapshotTier.resolve`, then per rank
-:meth:`~SnapshotTier.read_manifest` and :meth:`~SnapshotReader.verify_data` (or per tensor
-:meth:`~SnapshotTier.read_tensor`). A directory is
-listed only when its ``snapshot.json`` parses and names the same job and step, so a
-half-written snapshot is never listed or loaded. Used as is by the client's export (offline,
-no server) and extended by the server's store, which adds the commit sequence. Reading needs
-no lock: the writer publishes by atomic rename.
+A directory is listed only when its ``snapshot.json`` parses and names the same job and step,
+so a half-written snapshot is never listed or loaded. Used by the client's export (offline) and
+by the server's store. Reading needs no lock: the writer publishes by atomic rename.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import itertools
 import json
+import math
 import os
 import pathlib
 from collections.abc import Sequence
@@ -43,16 +41,14 @@ from .snapshot_format import (
 )
 
 __all__ = [
-    "SnapshotInfo",
-    "SnapshotReader",
-    "SnapshotTier",
-    "RankFileVerifier",
-    "READ_BLOCK_BYTES",
-    "check_manifest_sizes",
-    "parse_rank_manifest",
+    "SnapshotInfo", "SnapshotReader", "SnapshotTier", "RankFileVerifier", "READ_BLOCK_BYTES",
+    "check_manifest_sizes", "parse_rank_manifest"
 ]
 
 READ_BLOCK_BYTES = 8 << 20
+_ELSEWHERE = ("was it taken by another server (another host, or an embedded server with its own snapshot "
+              "directory) or with another --snapshot-dir? Point the server (or swap-state export "
+              "--snapshot-dir) at that directory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,19 +58,15 @@ class SnapshotInfo:
     snapshot_id: str
     """``<job_id>/step-<step>``."""
     job_id: str
-    """The job."""
     step: int
-    """The committed step."""
     world_size: int
     """The job's (global) number of ranks."""
     path: pathlib.Path
-    """The snapshot directory."""
     bytes: int
     """Total size of its files."""
     latest: bool
     """Whether ``latest`` of its job resolves to it."""
     index: SnapshotIndex = dataclasses.field(repr=False, compare=False)
-    """The parsed ``snapshot.json``."""
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -92,10 +84,9 @@ class SnapshotInfo:
 
 
 class SnapshotTier(abc.ABC):
-    """The complete snapshots of one place, read and checked: a snapshot directory
-    (:class:`SnapshotReader`, the server's ``--snapshot-dir``) or an object store
-    (:class:`~.stored_snapshots.StoredSnapshots`, ``--snapshot-store``). DCP's
-    ``StorageReader`` is the model. Call order::
+    """The complete snapshots of one place, read and checked: a directory
+    (:class:`SnapshotReader`) or an object store (:class:`~.stored_snapshots.StoredSnapshots`).
+    Call order::
 
         info = tier.resolve(snapshot_id, job_id)      # or tier.list(job_id)
         tier.read_layout(info)                        # the step's layout index, when it has one
@@ -103,9 +94,8 @@ class SnapshotTier(abc.ABC):
         tier.check_data_header(info, manifest)        # once per data file read from
         tier.read_tensor(info, manifest, tensor)      # each tensor, its crc32 checked
 
-    Every read is checked against what ``snapshot.json`` (a store's markers) records; nothing
-    is trusted before. Implementations override :meth:`list`, :meth:`resolve`, :meth:`_size`
-    and :meth:`_read_range` (raising SnapshotError subclasses), not the reads.
+    Every read is checked against what ``snapshot.json`` (a store's markers) records.
+    Implementations override :meth:`list`, :meth:`resolve`, :meth:`_size` and :meth:`_read_range`.
     """
 
     where: str
@@ -129,9 +119,8 @@ class SnapshotTier(abc.ABC):
         """``nbytes`` of file ``name`` from ``offset`` (fewer only at its end)."""
 
     def read_manifest(self, info: SnapshotInfo, rank: int) -> RankManifest:
-        """The rank's manifest, checked against the index (size, crc32, job, step).
-        SnapshotNotFound when the rank is not here (on a multi-host job, its snapshot is on
-        the server of the host the rank runs on)."""
+        """The rank's manifest, checked against the index; SnapshotNotFound when the rank is not
+        here (on a multi-host job: on another host)."""
         if rank not in info.ranks:
             if not 0 <= rank < info.world_size:
                 raise SnapshotNotFound(
@@ -149,8 +138,7 @@ class SnapshotTier(abc.ABC):
         return parse_rank_manifest(info, rank, self._read_listed(info, record), record, info.path / name)
 
     def read_layout(self, info: SnapshotInfo) -> bytes | None:
-        """The step's ``layout.json``, checked against the index (size, crc32); None when the
-        index lists none (a store step read from its markers, or written by an older server)."""
+        """The step's ``layout.json``, checked against the index; None when it lists none."""
         record = info.index.layout
         if record is None:
             return None
@@ -160,15 +148,12 @@ class SnapshotTier(abc.ABC):
 
     def check_data_header(self, info: SnapshotInfo, manifest: RankManifest) -> None:
         """The data file's size and safetensors header, against the manifest."""
-        header, expected = check_manifest_sizes(info, manifest)
-        path = info.path / manifest.data_file
+        verifier = RankFileVerifier(info, manifest)
         size = self._size(info, manifest.data_file)
         if size is None:
-            raise SnapshotCorrupt(f"{path} is missing")
-        if size != expected:
-            raise SnapshotCorrupt(f"{path} is {size} bytes; its manifest implies {expected}")
-        if self._read_range(info, manifest.data_file, 0, len(header)) != header:
-            raise SnapshotCorrupt(f"{path}: safetensors header does not match its manifest")
+            raise SnapshotCorrupt(f"{verifier.path} is missing")
+        verifier.check_size(size)
+        verifier.check_header(self._read_range(info, manifest.data_file, 0, len(verifier.header)))
 
     def read_tensor(self, info: SnapshotInfo, manifest: RankManifest, tensor: TensorRecord) -> bytes:
         """One tensor's bytes, checked against its crc32 (SnapshotCorrupt names file and tensor)."""
@@ -178,7 +163,7 @@ class SnapshotTier(abc.ABC):
         return data
 
     def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
-        """A file the index lists, its size checked before it is read (a bad file may be huge)."""
+        """A file the index lists, its size checked before it is read (a bad one may be huge)."""
         size = self._size(info, record.name)
         if size is None:
             raise SnapshotCorrupt(f"{info.path / record.name} is missing")
@@ -197,10 +182,8 @@ class SnapshotReader(SnapshotTier):
 
     def job_dir(self, job_id: str) -> pathlib.Path:
         """``<root>/<job_id>``; refuses ids and symlinks that would leave the root."""
-        validate_job_id(job_id, SnapshotInvalid)
-        path = self.root / job_id
-        real_root = os.path.realpath(self.root)
-        if os.path.dirname(os.path.realpath(path)) != real_root:
+        path = self.root / validate_job_id(job_id, SnapshotInvalid)
+        if os.path.dirname(os.path.realpath(path)) != os.path.realpath(self.root):
             raise SnapshotInvalid(f"job directory {path} resolves outside {self.root}")
         return path
 
@@ -212,24 +195,16 @@ class SnapshotReader(SnapshotTier):
             names = sorted(os.listdir(self.root))
         except FileNotFoundError:
             return []
-        return [
-            name
-            for name in names
-            if is_job_id(name)
-            and (self.root / name).is_dir()
-            and not (self.root / name).is_symlink()
-        ]
+        return [name for name in names
+                if is_job_id(name) and (self.root / name).is_dir() and not (self.root / name).is_symlink()]
 
     def load_index(self, job_id: str, path: pathlib.Path, step: int) -> SnapshotIndex | None:
         """The index of a complete snapshot directory, None when it is not one."""
         try:
-            raw = (path / INDEX_NAME).read_bytes()
-            index = SnapshotIndex.from_json(json.loads(raw))
+            index = SnapshotIndex.from_json(json.loads((path / INDEX_NAME).read_bytes()))
         except (OSError, ValueError):
             return None
-        if index.job_id != job_id or index.step != step:
-            return None
-        return index
+        return index if (index.job_id, index.step) == (job_id, step) else None
 
     def complete(self, job_id: str) -> list[tuple[int, pathlib.Path, SnapshotIndex]]:
         """(step, directory, index) of every complete snapshot of ``job_id``."""
@@ -241,13 +216,10 @@ class SnapshotReader(SnapshotTier):
         found = []
         for name in names:
             step = parse_step_dir_name(name)
-            if step is None:
-                continue
-            index = self.load_index(job_id, job_dir / name, step)
+            index = None if step is None else self.load_index(job_id, job_dir / name, step)
             if index is not None:
                 found.append((step, job_dir / name, index))
-        found.sort(key=lambda item: item[0])
-        return found
+        return sorted(found, key=lambda item: item[0])
 
     def _latest_step(self, job_id: str, complete: Sequence[tuple[int, pathlib.Path, SnapshotIndex]]) -> int | None:
         """The pointer's step when it names a complete snapshot, else the highest step."""
@@ -269,48 +241,20 @@ class SnapshotReader(SnapshotTier):
             complete = self.complete(job)
             latest = self._latest_step(job, complete)
             for step, path, index in complete:
-                infos.append(
-                    SnapshotInfo(
-                        snapshot_id=snapshot_id_for(job, step),
-                        job_id=job,
-                        step=step,
-                        world_size=index.world_size,
-                        path=path,
-                        bytes=index.total_bytes,
-                        latest=step == latest,
-                        index=index,
-                    )
-                )
+                infos.append(SnapshotInfo(snapshot_id_for(job, step), job, step, index.world_size, path,
+                                          index.total_bytes, step == latest, index))
         return infos
 
     def resolve(self, snapshot_id: str, job_id: str | None = None) -> SnapshotInfo:
-        """``<job>/step-<N>`` (any zero padding), ``<job>/latest``, or ``latest`` / ``step-<N>``
-        of ``job_id``. SnapshotNotFound when no complete snapshot matches."""
         ref = parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid)
-        job = ref.job_id
-        snapshots = self.list(job)
+        job, snapshots = ref.job_id, self.list(ref.job_id)
+        found = next((i for i in snapshots if (i.latest if ref.latest else i.step == ref.step)), None)
+        if found is not None:
+            return found
         if ref.latest:
-            for info in snapshots:
-                if info.latest:
-                    return info
-            raise SnapshotNotFound(
-                f"job {job!r} has no complete snapshot in {self.root}: {self._elsewhere_hint()}"
-            )
-        step = ref.step
-        for info in snapshots:
-            if info.step == step:
-                return info
-        raise SnapshotNotFound(
-            f"no complete snapshot {snapshot_id_for(job, step)} in {self.root}: "
-            + self._why_missing(step, [info.step for info in snapshots])
-        )
-
-    def _elsewhere_hint(self) -> str:
-        return (
-            "was it taken by another server (another host, or an embedded server with its own "
-            "snapshot directory) or with another --snapshot-dir? Point the server (or "
-            "swap-state export --snapshot-dir) at that directory"
-        )
+            raise SnapshotNotFound(f"job {job!r} has no complete snapshot in {self.root}: {_ELSEWHERE}")
+        raise SnapshotNotFound(f"no complete snapshot {ref} in {self.root}: "
+                               + self._why_missing(ref.step, [info.step for info in snapshots]))
 
     def _why_missing(self, step: int, kept: list[int]) -> str:
         """Why a step the caller expects is not here, and which setting to change."""
@@ -323,8 +267,7 @@ class SnapshotReader(SnapshotTier):
         listed = ", ".join(str(s) for s in kept) or "none"
         return (
             f"the job's snapshots here are steps [{listed}]. A snapshot still persisting when its server "
-            "stopped or died is lost (it is never listed; the next one works); else "
-            + self._elsewhere_hint()
+            "stopped or died is lost (it is never listed; the next one works); else " + _ELSEWHERE
         )
 
     def _size(self, info: SnapshotInfo, name: str) -> int | None:
@@ -344,15 +287,13 @@ class SnapshotReader(SnapshotTier):
             raise SnapshotError(f"cannot read {info.path / name}: {exc}") from None
 
     def verify_data(self, info: SnapshotInfo, manifest: RankManifest) -> None:
-        """Read the rank's safetensors file once: size, header (recomputed from the manifest,
-        byte for byte) and every tensor's crc32 (:class:`RankFileVerifier`). SnapshotCorrupt
-        names the file and tensor."""
+        """Read the rank's safetensors file once through :class:`RankFileVerifier`."""
         verifier = RankFileVerifier(info, manifest)
         path = verifier.path
         try:
-            with open(path, "rb", buffering=0) as file:
+            with open(path, "rb") as file:  # buffered: read(n) returns n bytes before the end
                 verifier.check_size(os.fstat(file.fileno()).st_size)
-                verifier.check_header(_read_exact(file, len(verifier.header)))
+                verifier.check_header(file.read(len(verifier.header)))
                 block = memoryview(bytearray(READ_BLOCK_BYTES))
                 while True:
                     n = file.readinto(block)
@@ -371,8 +312,8 @@ class RankFileVerifier:
     (recomputed from the manifest, byte for byte), every tensor's crc32, then the file's crc32
     in ``snapshot.json``. SnapshotCorrupt names the file and the tensor.
 
-    The one checksum check of the project: the reader's :meth:`SnapshotReader.verify_data`
-    feeds it from plain reads, the server's restore from its staged mapping. Call order::
+    The one checksum check: :meth:`SnapshotReader.verify_data` feeds it from reads, the
+    server's restore from its staged mapping. Call order::
 
         verifier = RankFileVerifier(info, manifest)   # sizes checked, nothing read yet
         verifier.check_size(os.fstat(fd).st_size)
@@ -460,19 +401,15 @@ def check_listed(raw: bytes, record: FileRecord, where: object) -> None:
 
 
 def check_manifest_sizes(info: SnapshotInfo, manifest: RankManifest) -> tuple[bytes, int]:
-    """(safetensors header, data file size) the manifest implies, checked for consistency
-    before a byte of the data file is read: listed in ``snapshot.json``, each tensor's size
-    from its dtype and shape, offsets without gaps. SnapshotCorrupt names file and tensor."""
+    """(safetensors header, data file size) the manifest implies, checked before a byte of the
+    data is read: listed in ``snapshot.json``, sizes from dtypes and shapes, no gaps."""
     path = info.path / manifest.data_file
     if info.index.file(manifest.data_file) is None:
         raise SnapshotCorrupt(f"{info.path / INDEX_NAME} does not list {manifest.data_file}")
     header = manifest.header_bytes()
     position = 0
     for tensor in manifest.tensors:
-        count = 1
-        for dim in tensor.shape:
-            count *= dim
-        if tensor.nbytes != count * DTYPE_ITEMSIZE[tensor.dtype] or tensor.data_offsets != (
+        if tensor.nbytes != math.prod(tensor.shape) * DTYPE_ITEMSIZE[tensor.dtype] or tensor.data_offsets != (
             position, position + tensor.nbytes,
         ):
             raise SnapshotCorrupt(f"{path}: manifest entry of tensor {tensor.name!r} is inconsistent")
@@ -486,27 +423,7 @@ def check_manifest_sizes(info: SnapshotInfo, manifest: RankManifest) -> tuple[by
 def _rank_ranges(ranks: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``[0-2, 5]``; ``[2, 3]`` stays ``[2, 3]``."""
     parts: list[str] = []
-    start = prev = None
-    for rank in list(ranks) + [None]:
-        if start is not None and (rank is None or rank != prev + 1):
-            if prev - start >= 2:
-                parts.append(f"{start}-{prev}")
-            else:
-                parts.extend(str(r) for r in range(start, prev + 1))
-            start = None
-        if rank is not None and start is None:
-            start = rank
-        prev = rank
+    for _, group in itertools.groupby(enumerate(ranks), lambda item: item[1] - item[0]):
+        run = [rank for _, rank in group]
+        parts.extend([f"{run[0]}-{run[-1]}"] if len(run) >= 3 else map(str, run))
     return "[" + ", ".join(parts) + "]"
-
-
-def _read_exact(file, nbytes: int) -> bytes:
-    """Up to ``nbytes`` (fewer only at end of file): raw reads may return short."""
-    parts = []
-    while nbytes:
-        data = file.read(nbytes)
-        if not data:
-            break
-        parts.append(data)
-        nbytes -= len(data)
-    return b"".join(parts)

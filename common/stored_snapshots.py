@@ -11,38 +11,30 @@ Layout under the store's root (an :class:`~.object_store.ObjectStore`)::
     <job>/step-<N:012d>/snapshot.json             the step's index: every rank's files and the
                                                   layout's, put once every rank's marker is there
 
-Each host's server puts its own ranks' objects (data, manifest, then the marker); no object is
-ever renamed. A step is *complete* in the store when the markers of every rank
-``0..world_size-1`` are there and agree on the world size and the attempt (a step trained
-again replaces its snapshot on every host: each host deletes the step's index and its old
-marker before its new data goes up): a reader never sees a partial step, nor one mixing two
-attempts, whatever order the hosts finish in. Removal (retention) deletes the index and the
-markers first, so a step being removed stops being complete before any data goes.
+Each host puts its own ranks' objects (data, manifest, then the marker); nothing is renamed.
+A step is *complete* when the markers of every rank ``0..world_size-1`` are there and agree on
+the world size and the attempt (a step trained again: each host deletes the step's index and
+its old marker before its new data goes up), so a reader never sees a partial step nor one
+mixing two attempts. Retention deletes the index and the markers first.
 
-The index makes reading cheap at any number of ranks: after putting its markers, a host lists
-the step and, when every rank's marker is there, puts the layout index and the index
-(:meth:`publish_step_index`; the same bytes whichever host does it; of several hosts that see
-every marker at once, the one that creates the attempt's claim object, so that the layout's N
-manifest reads are paid once). Of the hosts that finish together the one that lists
-last sees every marker, the store being consistent after writes (S3 is, since 2020), so a
-complete step gets its index. A reader finds a job's steps in one listing of folders and each
-step's snapshot in one read of its index (``latest``: the newest step that has one); a step
-without an index (being uploaded, or put by an older server) is read from its markers, whose
-names are checked before any is read.
-
-Nothing read is trusted: a marker must parse and name its own job, step and rank; a manifest
-must match its marker's size and crc32; each tensor read must match its manifest's crc32 and
-the data file's header must be the one its manifest implies (SnapshotCorrupt names the object
-and the tensor).
+After putting its markers a host lists the step and, when every rank's marker is there, puts
+the layout and the index (:meth:`publish_step_index`; of hosts that see every marker at once,
+the one that creates the attempt's claim object). The store being consistent after writes, the
+host that lists last sees every marker, so a complete step gets its index. A reader finds a
+job's steps in one listing of folders and each step in one read of its index; a step without
+one is read from its markers. Nothing read is trusted: a marker must name its own job, step
+and rank, and every file is checked against its size and crc32 (:class:`.SnapshotTier`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
+import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from .checksum import crc32
 from .names import parse_snapshot_id, parse_step_dir_name, snapshot_id_for, step_dir_name, validate_job_id
@@ -57,7 +49,8 @@ __all__ = ["StorePath", "StoredSnapshots", "marker_name", "parse_marker_name"]
 
 _MARKER_SUFFIX = ".stored.json"
 _CLAIM_PREFIX = "publishing.attempt-"
-"""``publishing.attempt-<A>``: created (never overwritten) by the host that puts attempt A's indexes."""
+"""``publishing.attempt-<A>``: created by the host that puts attempt A's indexes."""
+_MARKER_NAME = re.compile(r"rank-([0-9]{5})" + re.escape(_MARKER_SUFFIX))
 _MAX_CACHED_MARKERS = 1 << 16
 
 
@@ -67,10 +60,8 @@ def marker_name(rank: int) -> str:
 
 def parse_marker_name(name: str) -> int | None:
     """The rank of ``rank-XXXXX.stored.json``; None for any other name."""
-    if not (name.startswith("rank-") and name.endswith(_MARKER_SUFFIX)):
-        return None
-    digits = name[len("rank-") : -len(_MARKER_SUFFIX)]
-    return int(digits) if digits.isdigit() and len(digits) == 5 else None
+    match = _MARKER_NAME.fullmatch(name)
+    return int(match[1]) if match else None
 
 
 class StorePath(str):
@@ -93,10 +84,16 @@ class StoredSnapshots(SnapshotTier):
         self._markers: collections.OrderedDict[tuple[str, int, str], SnapshotIndex | None] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def _reading(self, key: str) -> _Reading:
-        return _Reading(self, key)
-
-    # ---------------------------------------------------------------- names
+    @contextlib.contextmanager
+    def _reading(self, key: str) -> Iterator[None]:
+        """A store request: a missing object is SnapshotCorrupt (a listed snapshot lost a file),
+        any other failure SnapshotStoreUnavailable; both name the object."""
+        try:
+            yield
+        except FileNotFoundError as error:
+            raise SnapshotCorrupt(f"{self.store.describe(key)} is missing from the store") from error
+        except OSError as error:
+            raise SnapshotStoreUnavailable(f"reading {self.store.describe(key)} failed: {error}") from error
 
     @staticmethod
     def step_prefix(job_id: str, step: int) -> str:
@@ -105,33 +102,18 @@ class StoredSnapshots(SnapshotTier):
     def key(self, job_id: str, step: int, name: str) -> str:
         return self.step_prefix(job_id, step) + name
 
+    def _list_step(self, job_id: str, step: int) -> list[ObjectInfo]:
+        prefix = self.step_prefix(job_id, step)
+        with self._reading(prefix):
+            return self.store.list(prefix)
+
     def location(self, job_id: str, step: int) -> StorePath:
         return StorePath(self.store.describe(self.step_prefix(job_id, step)).rstrip("/"))
 
-    # ---------------------------------------------------------------- listing
-
-    def objects(self, job_id: str | None = None) -> dict[tuple[str, int], list[ObjectInfo]]:
-        """Every object of a job (or of all jobs) by (job, step), complete or not."""
-        prefix = "" if job_id is None else validate_job_id(job_id, SnapshotInvalid) + "/"
-        steps: dict[tuple[str, int], list[ObjectInfo]] = {}
-        with self._reading(prefix):
-            listed = self.store.list(prefix)
-        for info in listed:
-            parts = info.key.split("/")
-            if len(parts) != 3:
-                continue
-            step = parse_step_dir_name(parts[1])
-            if step is not None:
-                steps.setdefault((parts[0], step), []).append(info)
-        return steps
-
     def step_markers(self, job_id: str, step: int, ranks: Iterable[int] | None = None) -> dict[int, SnapshotIndex]:
-        """The valid markers of one step, by rank (one listing of that step's prefix); only
-        those of ``ranks`` are read when given (a host asks for its own: reading every rank's
-        would cost each host N requests per step)."""
-        prefix = self.step_prefix(job_id, step)
-        with self._reading(prefix):
-            objects = self.store.list(prefix)
+        """The valid markers of one step, by rank (one listing); only those of ``ranks`` are read
+        when given (a host asks for its own, not N requests per step)."""
+        objects = self._list_step(job_id, step)
         if ranks is not None:
             wanted = {marker_name(rank) for rank in ranks}
             objects = [info for info in objects if info.key.rsplit("/", 1)[-1] in wanted]
@@ -139,15 +121,9 @@ class StoredSnapshots(SnapshotTier):
 
     def markers(self, job_id: str, step: int, objects: list[ObjectInfo]) -> dict[int, SnapshotIndex]:
         """The valid markers among a step's objects, by rank (an invalid one counts as absent)."""
-        found: dict[int, SnapshotIndex] = {}
-        for info in objects:
-            rank = parse_marker_name(info.key.rsplit("/", 1)[-1])
-            if rank is None:
-                continue
-            index = self._marker(info, job_id, step, rank)
-            if index is not None:
-                found[rank] = index
-        return found
+        read = {rank: self._marker(info, job_id, step, rank) for info in objects
+                if (rank := parse_marker_name(info.key.rsplit("/", 1)[-1])) is not None}
+        return {rank: index for rank, index in read.items() if index is not None}
 
     def _marker(self, info: ObjectInfo, job_id: str, step: int, rank: int) -> SnapshotIndex | None:
         cache_key = (info.key, info.size, info.version)  # a marker put again is read again
@@ -191,19 +167,15 @@ class StoredSnapshots(SnapshotTier):
         return infos
 
     def step_info(self, job_id: str, step: int) -> SnapshotInfo | None:
-        """The step as one snapshot when it is complete in the store, else None: from its
-        index (one read), else from its markers."""
+        """The step as one snapshot when it is complete in the store (from its index, else its
+        markers), else None."""
         index = self.step_index(job_id, step)
         if index is not None:
             return self._info(index)
-        prefix = self.step_prefix(job_id, step)
-        with self._reading(prefix):
-            objects = self.store.list(prefix)
-        return self.complete_info(job_id, step, objects)
+        return self.complete_info(job_id, step, self._list_step(job_id, step))
 
     def step_index(self, job_id: str, step: int) -> SnapshotIndex | None:
-        """The step's index when there is a valid one (one read); None otherwise (not put yet,
-        or not one this step's complete snapshot could have: not trusted)."""
+        """The step's index when there is a valid one (one read), else None."""
         key = self.key(job_id, step, INDEX_NAME)
         try:
             with self._reading(key):
@@ -222,13 +194,11 @@ class StoredSnapshots(SnapshotTier):
 
     def publish_step_index(self, job_id: str, step: int,
                            layout: Callable[[SnapshotInfo], bytes] | None = None) -> bool:
-        """Put the step's index when every rank's marker is there and none is yet; whether the
-        step is complete. Any host may (the index is the same bytes whoever puts it).
-        ``layout(step)``: the step's ``layout.json`` (the same bytes from the same manifests),
-        put before the index that records it."""
+        """Put the step's index when every rank's marker is there and none is yet (the same bytes
+        whoever puts it); whether the step is complete. ``layout(step)``: the step's
+        ``layout.json``, put before the index that records it."""
         prefix = self.step_prefix(job_id, step)
-        with self._reading(prefix):
-            objects = self.store.list(prefix)
+        objects = self._list_step(job_id, step)
         info = self.complete_info(job_id, step, objects)
         if info is None:
             return False
@@ -246,9 +216,8 @@ class StoredSnapshots(SnapshotTier):
         return True
 
     def _claim(self, prefix: str, attempt: int) -> bool:
-        """Whether this host puts the step's indexes: of the hosts that finish a step together
-        and each see every marker, the one that creates the attempt's claim object (a store
-        without conditional writes: each of them, the same bytes, as before claims)."""
+        """Whether this host puts the step's indexes: it created the attempt's claim object, or
+        the store has no conditional writes (then each host puts the same bytes)."""
         key = f"{prefix}{_CLAIM_PREFIX}{attempt}"
         try:
             with self._reading(key):
@@ -257,8 +226,8 @@ class StoredSnapshots(SnapshotTier):
             return True
 
     def complete_info(self, job_id: str, step: int, objects: list[ObjectInfo]) -> SnapshotInfo | None:
-        """The step as one snapshot when its ``objects`` hold a marker of every rank; else None.
-        The markers' names are checked first: only one marker is read when a rank has none."""
+        """The step as one snapshot when its ``objects`` hold a marker of every rank; else None
+        (names checked first: one marker read when a rank has none)."""
         named = {rank: info for info in objects if (rank := parse_marker_name(info.key.rsplit("/", 1)[-1])) is not None}
         if not named:
             return None
@@ -293,8 +262,6 @@ class StoredSnapshots(SnapshotTier):
         complete = ", ".join(str(i.step) for i in self.list(ref.job_id)) or "none"
         raise SnapshotNotFound(f"{what} of job {ref.job_id!r} in the store {self.uri} (complete steps: [{complete}])")
 
-    # ---------------------------------------------------------------- reading (checked by SnapshotTier)
-
     def _size(self, info: SnapshotInfo, name: str) -> int | None:
         key = self.key(info.job_id, info.step, name)
         with self._reading(key):
@@ -304,24 +271,6 @@ class StoredSnapshots(SnapshotTier):
         key = self.key(info.job_id, info.step, name)
         with self._reading(key):
             return self.store.get_range(key, offset, nbytes)
-
-
-class _Reading:
-    """A store request: a missing object is SnapshotCorrupt (a listed snapshot lost a file),
-    any other failure SnapshotStoreUnavailable; both name the object."""
-
-    def __init__(self, stored: StoredSnapshots, key: str):
-        self._where = stored.store.describe(key)
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, error, trace) -> bool:
-        if isinstance(error, FileNotFoundError):
-            raise SnapshotCorrupt(f"{self._where} is missing from the store") from error
-        if isinstance(error, OSError):
-            raise SnapshotStoreUnavailable(f"reading {self._where} failed: {error}") from error
-        return False
 
 
 def _is_marker_of(index: SnapshotIndex, job_id: str, step: int, rank: int) -> bool:

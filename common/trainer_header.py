@@ -1,10 +1,6 @@
 """Every header word the trainer writes, in one place: the trainer's side of the segment
-protocol (:mod:`swap_state.common.segment`). Nothing else on the trainer's side stores into a
-segment header; a test fails when another module does.
-
-Each word has one writer (the trainer, here) and each store is an aligned 8-byte store, so the
-server reads an old or a new value, never a torn one. Reads go to the header itself
-(``trainer_header[Word.X]`` reads any word).
+protocol (:mod:`.segment`). Nothing else on the trainer's side stores into a segment header; a
+test fails when another module does. ``trainer_header[Word.X]`` reads any word.
 
 Call order over a trainer's life::
 
@@ -24,7 +20,7 @@ __all__ = ["TrainerHeader"]
 
 
 class TrainerHeader:
-    """The trainer's writes to one segment header (see the module docstring for their order)."""
+    """The trainer's writes to one segment header (in the module docstring's order)."""
 
     def __init__(self, header: SegmentHeader):
         self.segment = header
@@ -53,9 +49,8 @@ class TrainerHeader:
 
     # -- copy-before-write (protocol step 4) ----------------------------------------------
     def record_chunk_copy(self, chunk: int, slot: int, epoch: int) -> None:
-        """After copying chunk ``chunk`` into trainer slot ``slot`` for snapshot ``epoch``:
-        ``COW_SLOT[c] = slot + 1``, ``SLOT_TAKEN[slot] += 1``, last ``COW_EPOCH[c] = epoch``
-        (the server trusts the slot from that store on), and the copy counted."""
+        """After copying ``chunk`` into trainer ``slot``: ``COW_SLOT``, ``SLOT_TAKEN``, last
+        ``COW_EPOCH`` (the server trusts the slot from that store on), and the copy counted."""
         header = self.segment
         header.set_cow_slot(chunk, slot + 1)
         header.set_slot_taken(slot, header.slot_taken(slot) + 1)
@@ -69,8 +64,7 @@ class TrainerHeader:
         header[Word.BP_WAIT_NS] = header[Word.BP_WAIT_NS] + waited_ns
 
     def abandon_snapshot(self, epoch: int) -> None:
-        """Protocol step 6: ``ABANDONED_EPOCH = epoch``, before overwriting a chunk of that
-        epoch without a copy (its server is unreachable): the writer fails that snapshot."""
+        """Protocol step 6: ``ABANDONED_EPOCH = epoch``, before overwriting without a copy."""
         self.segment[Word.ABANDONED_EPOCH] = epoch
 
     # -- the per-step commit --------------------------------------------------------------
@@ -79,8 +73,8 @@ class TrainerHeader:
         self.segment[Word.PARAMS_FINGERPRINT] = value
 
     def commit(self, step: int) -> None:
-        """``TRAINER_COMMITTED = step + 1``, then ``TRAINER_RESTORED_SEQ = RESTORED_SEQ`` (the
-        server's restores it came after), then the commit counted. No RPC."""
+        """``TRAINER_COMMITTED = step + 1``, then ``TRAINER_RESTORED_SEQ = RESTORED_SEQ``, then
+        the commit counted. No RPC."""
         header = self.segment
         header[Word.TRAINER_COMMITTED] = step + 1
         header[Word.TRAINER_RESTORED_SEQ] = header[Word.RESTORED_SEQ]
@@ -92,8 +86,7 @@ class TrainerHeader:
 
     # -- whole-state snapshots (protocol step 5) -------------------------------------------
     def publish_model(self, step: int) -> None:
-        """``MODEL_STEP = step + 1``: the model tensors hold step ``step``'s parameters (only
-        once every write of the copy has landed)."""
+        """``MODEL_STEP = step + 1``, once every write of the model copy has landed."""
         self.segment[Word.MODEL_STEP] = step + 1
 
     def withdraw_model(self) -> None:

@@ -1,11 +1,8 @@
 """Whether a trainer process still has its segment: a shared ``flock`` on the segment file.
 
-The trainer takes it when it maps its segment and keeps that file open while mapped
-(:func:`hold`); the kernel drops it when the process ends, however it ends (SIGKILL, OOM). A
-server that adopted a session from its predecessor asks :func:`held` before it gives that
-session to a fresh Attach: a trainer still holding it reconnects by itself, and its state must
-not go to another run meanwhile. Works wherever the two processes share the file (one host's
-/dev/shm, a container sharing the server's IPC namespace).
+The trainer holds it while mapped (:func:`hold`); the kernel drops it however the process ends.
+A server that adopted a session asks :func:`held` before giving it to a fresh Attach: a trainer
+still holding it will reconnect, and its state must not go to another run meanwhile.
 """
 
 from __future__ import annotations
@@ -17,14 +14,13 @@ __all__ = ["hold", "held"]
 
 
 def hold(fd: int) -> None:
-    """The trainer's side: a shared lock on ``fd`` (the segment file, kept open while mapped).
-    Shared, so a forked child that inherits the file takes nothing from its parent."""
+    """The trainer's side: a shared lock on ``fd`` (shared: a forked child takes nothing)."""
     fcntl.flock(fd, fcntl.LOCK_SH)
 
 
 def held(path: str | os.PathLike[str]) -> bool:
-    """The server's side: whether some process holds the trainer's lock on ``path`` now.
-    False when the file is gone. Never blocks; nothing is kept locked."""
+    """The server's side: whether some process holds the trainer's lock on ``path`` now (never
+    blocks; False when the file is gone)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
