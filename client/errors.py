@@ -50,8 +50,7 @@ PermissionDeniedError = PermissionDenied
 
 
 class SessionLostError(SwapStateError):
-    """The session's keep-alive stream ended: the server died or dropped the session (the
-    client's own finding; no server sends it)."""
+    """The server dropped the session (the client's own finding; no server sends it)."""
 
     code = reason = None
 
@@ -66,8 +65,7 @@ def reason_of(error: grpc.RpcError) -> str | None:
 
 
 def error_for(reason: str | None, message: str, code: grpc.StatusCode | None) -> SwapStateError:
-    """The exception of the class that declared ``reason`` (plain :class:`SwapStateError` for
-    an unknown one), carrying the status code received."""
+    """The exception of the class that declared ``reason`` (else :class:`SwapStateError`)."""
     cls = ERROR_FOR_REASON.get(reason or "", SwapStateError)
     error = cls(message, code)
     error.reason = reason

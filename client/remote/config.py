@@ -102,9 +102,8 @@ def validate_config(config: RemoteConfig) -> None:
                          f"got {config.checkpoint!r}")
     keep = config.snapshot_keep_latest
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
-        raise ValueError(
-            f"RemoteConfig.snapshot_keep_latest must be None or an integer >= 0 (0: keep all), got {keep!r}"
-        )
+        raise ValueError(f"RemoteConfig.snapshot_keep_latest must be None or an integer >= 0 (0: keep all), "
+                         f"got {keep!r}")
 
 
 def snapshots_model(config: RemoteConfig) -> bool:
@@ -146,14 +145,19 @@ def resolve_config(config: RemoteConfig | None, server: str | None, job_id: str 
 
 
 def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kwargs: dict[str, Any]) -> Connection:
-    """Fill in ``config.server`` (the host's or a started embedded server) and ``job_id``,
-    attach; a failed attach closes the client and stops the embedded server."""
+    """Fill in ``config.server`` (the host's, else an embedded one) and ``job_id``, then attach."""
     embedded = None
     rank, world_size = _resolve_rank_world(config)
     if config.server is None:
         config.server = host_server()
     if config.server is None:
-        _warn_private_servers(rank, world_size)
+        if world_size > 1 and rank == 0:  # every rank starts its own; rank 0 says so
+            log.warning(
+                "no swap-state-server for this job: none is configured (RemoteConfig.server, $%s; "
+                "torchtitan: optimizer.swap_state_server) and none answers at %s, so each of its %d ranks "
+                "starts a private server: no shared memory budget per host, no --snapshot-store. Start one "
+                "per host (swap-state-server --shm-size SIZE) or set $%s",
+                ENV_SERVER, default_socket_path(), world_size, ENV_SERVER)
         embedded = EmbeddedServer(embedded_config_for(config, model_parts, optimizer_kwargs, rank, world_size))
         embedded.start()
         config.server = embedded.address
@@ -186,8 +190,7 @@ def _server_uid(config: RemoteConfig) -> int | None:
 
 
 def host_server() -> str | None:
-    """The default socket's address when a server answers there within ``HOST_SERVER_PROBE_S``,
-    else None; only a socket owned by this user or root is asked."""
+    """The default socket's address when a server (of this user or root) answers there, else None."""
     path = default_socket_path()
     try:
         info = os.stat(path)
@@ -205,17 +208,6 @@ def host_server() -> str | None:
         client.close()
     log.info("using the host's swap-state-server at %s (its default socket)", address)
     return address
-
-
-def _warn_private_servers(rank: int, world_size: int) -> None:
-    if world_size > 1 and rank == 0:  # every rank starts its own; rank 0 says so
-        log.warning(
-            "no swap-state-server for this job: none is configured (RemoteConfig.server, $%s; "
-            "torchtitan: optimizer.swap_state_server) and none answers at %s, so each of its %d ranks "
-            "starts a private server: no shared memory budget per host, no --snapshot-store. Start one "
-            "per host (swap-state-server --shm-size SIZE) or set $%s",
-            ENV_SERVER, default_socket_path(), world_size, ENV_SERVER,
-        )
 
 
 def embedded_config_for(config: RemoteConfig, model_parts: Sequence[nn.Module],
@@ -242,8 +234,7 @@ def embedded_config_for(config: RemoteConfig, model_parts: Sequence[nn.Module],
 
 
 def embedded_world_size_hint(snapshot_dir: str, job_id: str, world_size: int) -> str:
-    """What to do when the embedded servers of a run of another size took ``job_id``'s
-    snapshots (:func:`embedded_config_for`'s layout); "" when the directory shows no such run."""
+    """What to do when the embedded servers of a run of another size took ``job_id``'s snapshots."""
     root = os.path.dirname(snapshot_dir) if world_size > 1 else snapshot_dir
     ranks = sorted(glob.glob(os.path.join(glob.escape(root), "rank-*", job_id)))
     if ranks and world_size == 1:
@@ -298,7 +289,6 @@ def _read_token(config: RemoteConfig) -> str | None:
 
 
 def _state_bytes(model_parts: Sequence[nn.Module], kwargs: dict[str, Any]) -> int:
-    """The segment bytes the moments need, a page of slack per tensor."""
     keys = 3 if kwargs.get("amsgrad") else 2
     local = (unwrap_dtensor(p) for m in model_parts for p in m.parameters())
     return sum(keys * t.numel() * t.element_size() + 4096 for t in local)

@@ -148,7 +148,6 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         return int(max((float(s) for s in steps), default=0))
 
     def _publish_step(self, params_known: bool = True) -> int:
-        """Group steps into the segment, then the segment's publish."""
         group_steps = self.segment.views[GROUP_STEPS]
         for index, group in enumerate(all_param_groups(self.optimizers)):
             group_steps[index] = float(group.get(STEP_KEY, 0))
@@ -182,7 +181,6 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
                 group[STEP_KEY] = _clone(step)
 
     def _load_group_steps_from_segment(self) -> None:
-        """Every param group's step := a copy of the segment's."""
         group_steps = self.segment.views[GROUP_STEPS]
         for index, group in enumerate(all_param_groups(self.optimizers)):
             group[STEP_KEY] = group_steps[index].clone()
@@ -197,8 +195,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         return self.segment.snapshot(step, self._metadata.parts(self.segment.views[PARAM_STEPS]))
 
     def restore(self, snapshot_id: str = "latest") -> int:
-        """Replace the moments and steps with a durable snapshot's (verified by the server
-        first; a mismatch leaves the state untouched); returns its step."""
+        """Replace the moments and steps with a durable snapshot's (server-verified); its step."""
         return self.segment.restore(snapshot_id, self.snapshot_metadata(), self._apply_restored_metadata)
 
     def _apply_restored_metadata(self, metadata_json: str) -> None:
@@ -259,8 +256,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         return self.snapshots_model and self.remote_config.checkpoint == "snapshot"
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """A snapshot reference is restored on the server; a full dict goes through the seed's
-        validated load, which rewrites every byte (torn state is no longer torn)."""
+        """A snapshot reference is restored on the server; a full dict takes the seed's validated load."""
         snapshot_id = state_dict.get(SNAPSHOT_REF_KEY)
         if snapshot_id is not None:
             if snapshot_id:  # empty: saved before the first committed step, nothing to restore
@@ -279,8 +275,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             self._load_snapshot_reference(snapshot_id, {})
 
     def _load_snapshot_reference(self, snapshot_id: str, state_dict: Mapping[str, Any]) -> None:
-        """Wait for the snapshot to be durable (a save, then at once a load), restore it, then
-        apply the dict's groups."""
+        """Wait for the snapshot to be durable (a save, then at once a load), restore it."""
         pending = self.segment.handle_for(snapshot_id)
         if pending is not None:
             try:
@@ -324,8 +319,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def close(self, keep: bool = False) -> None:
-        """Detach (freeing the segment unless ``keep``), unmap, stop an embedded server.
-        Idempotent; also run at interpreter exit."""
+        """Detach (freeing the segment unless ``keep``), unmap, stop an embedded server; idempotent."""
         if self.segment.closed:
             return
         try:

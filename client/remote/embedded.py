@@ -141,8 +141,7 @@ class EmbeddedServer:
                  self._proc.pid, self.address, self.snapshot_dir)
 
     def restart(self) -> None:
-        """SIGTERM the server and start it again on the same socket and shm directory (it
-        adopts the segments the old one left)."""
+        """SIGTERM the server and start it again on the same socket (it adopts the old segments)."""
         with self._restart_lock:
             self.terminate()
             if self._stopping.is_set():
@@ -151,7 +150,6 @@ class EmbeddedServer:
             self.restarts += 1
 
     def _watch(self) -> None:
-        """The watchdog: restart a server that died, unless it dies quickly again and again."""
         quick_deaths = 0
         while not self._stopping.is_set():
             proc = self._proc

@@ -11,12 +11,9 @@ Call order::
 
     tensors = plan_model_tensors(model_parts, optimizer_params)   # before the Allocate
     area = ModelArea(tensors, views, guard, header, backend)      # after it
-    per step:  area.wait_copy()             # before the step's first update
-               ... update, commit step N ...
-    snapshot:  area.copy_from_model(N)      # protect (copy-before-write), start the copy
-               ... the Snapshot call ...    # returns while the copy runs
-    restore:   ... the server restores the segment ...
-               area.copy_into_model(R)      # the snapshot's parameters into the model
+    area.wait_copy()              # per step, before its first update
+    area.copy_from_model(N)       # snapshot of committed step N: start the copy, then Snapshot
+    area.copy_into_model(R)       # after the server restored the segment
 
 The copy (a side stream, or a CPU helper thread) overlaps the next forward and backward; the
 next update waits for it. A helper thread publishes ``MODEL_STEP`` once it has landed.
@@ -121,7 +118,16 @@ class ModelArea:
                  guard: SnapshotGuard, header: TrainerHeader, backend: DeviceBackend, *,
                  model_parts: Sequence[nn.Module] = (), state_dict_of: StateDictOf | None = None):
         self.tensors = list(tensors)
-        self._derived = _DerivedTensors(self.tensors, model_parts, state_dict_of)
+        self._derived: dict[int, list[ModelTensor]] = {}  # by model part
+        for tensor in self.tensors:
+            if tensor.derived:
+                self._derived.setdefault(tensor.part, []).append(tensor)
+        self._parts = list(model_parts)
+        self._state_dict_of = state_dict_of or get_model_state_dict
+        if self._derived and not self._parts:
+            names = [t.fqn for ts in self._derived.values() for t in ts][:5]
+            raise ValueError(f"model tensors {names} are made by state-dict hooks: "
+                             "the model area needs their modules")
         self._views = [views[t.name] for t in self.tensors]
         self._names = [t.name for t in self.tensors]
         self._guard = guard
@@ -164,12 +170,14 @@ class ModelArea:
         self._guard.protect(self._names)  # a persisting snapshot's bytes, copied first
         self.copied_step = step
         with torch.no_grad():  # optimizer.step() may run with grad on: no graph into the segment
-            self._derived.refresh()
+            for index, derived in self._derived.items():  # their current values, remade
+                fresh = self._state_dict_of(self._parts[index])
+                for tensor in derived:
+                    tensor.source.copy_(fresh[tensor.fqn])
             self._copy_into_segment(step)
 
     def _copy_into_segment(self, step: int) -> None:
-        """CPU: the helper thread copies and publishes. Accelerator: a side-stream copy, published
-        by the helper thread once its event completes."""
+        """CPU: the helper thread copies and publishes; accelerator: a side-stream copy."""
         header = self._header
         if self._publisher is None:
             # The helper thread works on this thread's device, not device 0.
@@ -211,7 +219,8 @@ class ModelArea:
                 else:
                     local.copy_(view)  # a strided buffer: the ring takes contiguous tensors
         self._backend.synchronize()
-        self._derived.load_into_model()  # on the current stream, after the copies above landed
+        for index, derived in self._derived.items():  # their load hooks make the live parameters
+            self._parts[index].load_state_dict({t.fqn: t.source for t in derived}, strict=False)
         self.copied_step = step
         self._header.publish_model(step)
 
@@ -242,30 +251,3 @@ def _publish_when_done(done: Any, header: TrainerHeader, step: int) -> None:
     done.synchronize()
     header.publish_model(step)
 
-
-class _DerivedTensors:
-    """A :class:`ModelArea`'s derived tensors: remade before each copy, loaded back after a restore."""
-
-    def __init__(self, tensors: Sequence[ModelTensor], model_parts: Sequence[nn.Module],
-                 state_dict_of: StateDictOf | None):
-        self._by_part: dict[int, list[ModelTensor]] = {}
-        for tensor in tensors:
-            if tensor.derived:
-                self._by_part.setdefault(tensor.part, []).append(tensor)
-        self._parts = list(model_parts)
-        self._state_dict_of = state_dict_of or get_model_state_dict
-        if self._by_part and not self._parts:
-            names = [t.fqn for ts in self._by_part.values() for t in ts][:5]
-            raise ValueError(f"model tensors {names} are made by state-dict hooks: the model area needs their modules")
-
-    def refresh(self) -> None:
-        """Each derived tensor's current value into its kept storage (before the copy)."""
-        for index, tensors in self._by_part.items():
-            fresh = self._state_dict_of(self._parts[index])
-            for tensor in tensors:
-                tensor.source.copy_(fresh[tensor.fqn])
-
-    def load_into_model(self) -> None:
-        """The modules load the restored derived tensors (their hooks make the live parameters)."""
-        for index, tensors in self._by_part.items():
-            self._parts[index].load_state_dict({t.fqn: t.source for t in tensors}, strict=False)

@@ -7,9 +7,8 @@ Call order::
     seg = RemoteSegment.connect(config, model_parts, optimizer_kwargs)   # attach
     views = seg.allocate(specs, backend, model_tensors)   # map, claim; torn? resumed?
     seg.watch_params(params)                  # the fingerprint's parameters
-    per step:
-        seg.check_not_torn(); seg.before_write(step, names)   # per slice
-        seg.publish(step)                     # fingerprint, end of write, commit
+    seg.check_not_torn(); seg.before_write(step, names)   # per slice of a step
+    seg.publish(step)                         # per step: fingerprint, end of write, commit
     seg.verify_kept_state()                   # first step after a reattach: keep or drop
     seg.snapshot(step, metadata_parts)        # between steps; -> SnapshotHandle
     seg.restore(snapshot_id, metadata, apply) # between steps; -> step
@@ -100,8 +99,7 @@ class RemoteSegment:
     def allocate(self, specs: Sequence[tuple[str, str, list[int]]], backend: DeviceBackend,
                  model_tensors: Sequence[ModelTensor] = (), model_parts: Sequence[nn.Module] = ()
                  ) -> dict[str, torch.Tensor]:
-        """Allocate, map, register for DMA, claim the header; the views by name.
-        ``model_tensors`` (last in ``specs``) make the model area."""
+        """Allocate, map, register for DMA, claim the header; the views by name."""
         if self.mapping is not None:
             raise NotImplementedError(
                 "RemoteSwapOptimizersContainer allocates its segment once: every parameter "
@@ -235,7 +233,9 @@ class RemoteSegment:
         handle = SnapshotHandle(reply.snapshot_id, step, self.session.rank, self.client)
         if not self._location_logged:
             self._location_logged = True
-            log.info("first snapshot %s goes to %s", reply.snapshot_id, self.location())
+            job, embedded_dir = self.config.job_id, self.embedded and self.embedded.snapshot_dir
+            log.info("first snapshot %s goes to %s", reply.snapshot_id, os.path.join(embedded_dir, str(job))
+                     if embedded_dir else f"the --snapshot-dir of server {self.config.server} (folder {job})")
         self.snapshot_step, self.snapshot_handle = step, handle
         return handle
 
@@ -252,13 +252,6 @@ class RemoteSegment:
         self._base_sent = True
         return reply
 
-    def location(self) -> str:
-        """Where this job's snapshots are persisted, in words."""
-        job = self.config.job_id
-        if self.embedded is not None and self.embedded.snapshot_dir:
-            return os.path.join(self.embedded.snapshot_dir, str(job))
-        return f"the --snapshot-dir of server {self.config.server} (folder {job})"
-
     def restore(self, snapshot_id: str, metadata_json: str, apply_metadata: Callable[[str], None]) -> int:
         """Replace every tensor with a durable snapshot's (resharded to ``metadata_json``, this
         rank's layout); ``apply_metadata(restored_json)`` runs before the commit. Returns the step."""
@@ -271,9 +264,12 @@ class RemoteSegment:
         try:
             reply = self.session.restore(snapshot_id, metadata_json)
         except SnapshotNotFoundError as e:
-            hint = self._embedded_hint()
-            if hint:
-                raise SnapshotNotFoundError(f"{e}{hint}") from e
+            if self.embedded is not None and self.embedded.snapshot_dir is not None:
+                # An embedded server lacks what the embedded servers of a run of another size took.
+                hint = embedded_world_size_hint(self.embedded.snapshot_dir, self.config.job_id,
+                                                self.session.world_size)
+                if hint:
+                    raise SnapshotNotFoundError(f"{e}{hint}") from e
             raise
         self.torn_step = None
         self._guard.end_write()
@@ -292,21 +288,14 @@ class RemoteSegment:
                  if resharded else "")
         return reply.step
 
-    def _embedded_hint(self) -> str:
-        """What to do when the embedded servers of a run of another size took the snapshot."""
-        if self.embedded is None or self.embedded.snapshot_dir is None:
-            return ""
-        return embedded_world_size_hint(self.embedded.snapshot_dir, self.config.job_id, self.session.world_size)
-
     def handle_for(self, snapshot_id: str) -> SnapshotHandle | None:
         """A handle on ``<job>/step-<N>`` for this rank (None for other forms, e.g. latest)."""
         try:
             ref = parse_snapshot_id(snapshot_id)
         except InvalidArgument:
             return None
-        if ref.step is None:
-            return None
-        return SnapshotHandle(str(ref), ref.step, self.session.rank, self.client)
+        rank = self.session.rank
+        return None if ref.step is None else SnapshotHandle(str(ref), ref.step, rank, self.client)
 
     def wait_for_persisting_snapshot(self, why: str) -> None:
         """Wait (bounded, logged) while the header's ``SNAP_STEP`` snapshot is persisting."""
@@ -326,10 +315,9 @@ class RemoteSegment:
         while status.state == "persisting":
             remaining = begin + timeout_s - time.monotonic()
             if remaining <= 0:
-                raise SwapStateError(
-                    f"{why}: snapshot {previous.snapshot_id} is still persisting after "
-                    f"{timeout_s:g} s ({status.bytes_persisted} of {status.bytes_total} bytes)"
-                )
+                done = f"{status.bytes_persisted} of {status.bytes_total} bytes"
+                raise SwapStateError(f"{why}: snapshot {previous.snapshot_id} is still persisting after "
+                                     f"{timeout_s:g} s ({done})")
             status = previous.status(wait_s=min(remaining, 5.0))
         log.warning("%s waited %.3f s for snapshot %s (%s)", why, time.monotonic() - begin,
                     previous.snapshot_id, status.state)
@@ -348,8 +336,8 @@ class RemoteSegment:
                     why, time.monotonic() - begin, header[Word.SNAP_STEP])
 
     def close(self, keep: bool = False) -> None:
-        """Detach (unless ``keep``, free), unmap, close the channel, stop an embedded server:
-        every part runs, the first failure is raised after. The caller drops its views first."""
+        """Detach, unmap, close the channel, stop an embedded server: every part runs, the first
+        failure is raised after. The caller drops its views first."""
         if self.closed:
             return
         self.closed = True

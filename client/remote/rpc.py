@@ -177,8 +177,7 @@ class SwapStateClient:
         return error_for(reason, f"{name} failed at {where}: {code_name}: {details}", code)
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Until the channel is ready (ServerUnavailableError after ``timeout_s``); then nothing
-        (a token, an Attach) goes to a unix socket of another user's."""
+        """Until the channel is ready; nothing (a token, an Attach) goes to another user's socket."""
         timeout_s = timeout_s or self.config.connect_timeout_s
         self._check_socket_exists()
         try:
@@ -206,9 +205,7 @@ class SwapStateClient:
                 f"no swap-state-server at {self.config.address}: there is no socket file {path}. Is the "
                 "server running, and listening there? Point the trainer at the path it listens on "
                 f"(RemoteConfig.server, $SWAP_STATE_SERVER, torchtitan optimizer.swap_state_server), or "
-                f"{start_hint(self.config.address)}",
-                grpc.StatusCode.UNAVAILABLE,
-            )
+                f"{start_hint(self.config.address)}", grpc.StatusCode.UNAVAILABLE)
 
     def _prove_uid(self) -> None:
         """The proof file of this process's uid, named in every later call; tried again before
@@ -238,8 +235,7 @@ class SwapStateClient:
             raise SwapStateError(
                 f"refusing to talk to {self.config.address}: the socket belongs to uid {owner}, not to you "
                 f"(uid {os.getuid()}) or root, so another user may have taken its path. If that user runs "
-                f"your server, say so: RemoteConfig.server_uid / ${SERVER_UID_ENV}={owner}"
-            )
+                f"your server, say so: RemoteConfig.server_uid / ${SERVER_UID_ENV}={owner}")
 
     def attach(self, job_id: str, rank: int, world_size: int, local_world_size: int = 0) -> RemoteSession:
         """Attach (job_id, rank). ``local_world_size``: the job's ranks on this server (0: all);
@@ -370,11 +366,9 @@ class RemoteSession:
             after = (" after the server restarted: the new server did not adopt this session's "
                      "segment (started with --discard-segments, or the segment failed its checks: "
                      "see the server's log)")
-        self._lost = SessionLostError(
-            f"lost the swap-state session {self.job_id}/rank {self.rank} at "
-            f"{self.client.config.address}{after}: {why}; {_LOST_NEXT.get(code, _LOST_NEXT[None])}",
-            code,
-        )
+        self._lost = SessionLostError(f"lost the swap-state session {self.job_id}/rank {self.rank} at "
+                                      f"{self.client.config.address}{after}: {why}; "
+                                      f"{_LOST_NEXT.get(code, _LOST_NEXT[None])}", code)
 
     def _mark_gone(self, why: str) -> str:
         if self._connected.is_set():
@@ -413,8 +407,7 @@ class RemoteSession:
         raise ServerUnavailableError(
             f"swap-state-server at {self.client.config.address} has been unreachable for {down:.0f} s "
             f"(waited {timeout_s:g} s for it to come back); {start_hint(self.client.config.address)}",
-            grpc.StatusCode.UNAVAILABLE,
-        )
+            grpc.StatusCode.UNAVAILABLE)
 
     def check_alive(self) -> None:
         """Raise the keep-alive failure, if any (cheap; called before each step)."""
@@ -431,8 +424,7 @@ class RemoteSession:
             raise
 
     def allocate(self, specs: Sequence[tuple[str, str, Sequence[int]]]) -> pb.AllocateReply:
-        """Allocate the segment; the deadline follows the size (the server touches and mlocks
-        every page first)."""
+        """Allocate the segment; the deadline follows the size (the server mlocks every page)."""
         tensors = [pb.TensorSpec(name=n, dtype=d, shape=list(s)) for n, d, s in specs]
         request = pb.AllocateRequest(session_id=self.session_id, generation=self.generation, tensors=tensors)
         nbytes = sum(tensor_nbytes(d, s) for _, d, s in specs)
@@ -451,27 +443,19 @@ class RemoteSession:
         self.check_alive()
         header = self._header
         if header is None:
-            return self._commit_rpc(step)
+            request = pb.CommitStepRequest(session_id=self.session_id, generation=self.generation, step=step)
+            self.last_committed_step = self._call("CommitStep", request).committed_step
+            return self.last_committed_step
         if header[Word.TRAINER_GENERATION] != self.generation:
             raise StaleGenerationError(
-                f"job {self.job_id} rank {self.rank} was re-attached by another trainer "
-                f"(generation {header[Word.TRAINER_GENERATION]}, this one {self.generation}): "
-                "this trainer must stop"
-            )
+                f"job {self.job_id} rank {self.rank} was re-attached by another trainer (generation "
+                f"{header[Word.TRAINER_GENERATION]}, this one {self.generation}): this trainer must stop")
         header.commit(step)
         self.last_committed_step = step
         return step
 
-    def _commit_rpc(self, step: int) -> int:
-        request = pb.CommitStepRequest(session_id=self.session_id, generation=self.generation, step=step)
-        reply = self._call("CommitStep", request)
-        self.last_committed_step = reply.committed_step
-        return reply.committed_step
-
-    def snapshot(
-        self, step: int, metadata_json: str = "", keep_latest: int = 0, keep_all: bool = False,
-        replace_existing: bool = False, **metadata_parts: str,
-    ) -> pb.SnapshotReply:
+    def snapshot(self, step: int, metadata_json: str = "", keep_latest: int = 0, keep_all: bool = False,
+                 replace_existing: bool = False, **metadata_parts: str) -> pb.SnapshotReply:
         """Snapshot committed ``step`` with the job's retention. ``metadata_parts``:
         ``metadata_base_id``/``_base_json``/``_delta_json`` instead of ``metadata_json``."""
         self.check_alive()
@@ -483,10 +467,8 @@ class RemoteSession:
 
     def restore(self, snapshot_id: str = "latest", metadata_json: str = "") -> pb.RestoreReply:
         """``metadata_json``: this rank's layout, so the server can reshard to it."""
-        request = pb.RestoreRequest(
-            session_id=self.session_id, generation=self.generation, snapshot_id=snapshot_id,
-            metadata_json=metadata_json,
-        )
+        request = pb.RestoreRequest(session_id=self.session_id, generation=self.generation,
+                                    snapshot_id=snapshot_id, metadata_json=metadata_json)
         return self._call("Restore", request, timeout_s=max(300.0, self.client.config.timeout_s))
 
     def close(self, keep: bool = False) -> None:
