@@ -216,7 +216,9 @@ def embedded_config_for(config: RemoteConfig, model_parts: Sequence[nn.Module],
     snapshot directory of this rank's own (``<dir>/rank-<rank>``: two servers never share one)."""
     embedded = config.embedded or EmbeddedServerConfig()
     if embedded.shm_size_bytes is None:
-        state = _state_bytes(model_parts, optimizer_kwargs)
+        keys = 3 if optimizer_kwargs.get("amsgrad") else 2  # the moments, a page of slack per tensor
+        local = (unwrap_dtensor(p) for m in model_parts for p in m.parameters())
+        state = sum(keys * t.numel() * t.element_size() + 4096 for t in local)
         cow = embedded.setting("cow_budget")
         if snapshots_model(config):
             # Pause-free whole-state snapshots need copy slots for the whole state.
@@ -287,8 +289,3 @@ def _read_token(config: RemoteConfig) -> str | None:
     with open(path) as f:
         return f.read().strip()
 
-
-def _state_bytes(model_parts: Sequence[nn.Module], kwargs: dict[str, Any]) -> int:
-    keys = 3 if kwargs.get("amsgrad") else 2
-    local = (unwrap_dtensor(p) for m in model_parts for p in m.parameters())
-    return sum(keys * t.numel() * t.element_size() + 4096 for t in local)

@@ -74,7 +74,11 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         self._restored_reference: str | None = None  # the reference restored from, until the next step
         try:
             super().__init__(model_parts, optimizer_cls, optimizer_kwargs, swap_optimizer_times, **container_kwargs)
-            self._resume_group_steps()
+            # Fresh group steps are what a dropped state gets; a reattach's come from the segment.
+            groups = all_param_groups(self.optimizers)
+            self._fresh_group_steps = tuple(_clone(g.get(STEP_KEY)) for g in groups)
+            if self.segment.resumed_step is not None:
+                self._load_group_steps_from_segment()
         except BaseException:
             self.close()
             raise
@@ -128,12 +132,6 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         plan = plan_for_rank(params, moments, model, self.session.local_world_size, snapshots=bool(model))
         log.info("swap-state segment of job %s rank %d: %s; %s", self.remote_config.job_id, self.session.rank,
                  plan.lines()[0].removeprefix("per rank:").strip(), plan.lines()[2].removeprefix("server:").strip())
-
-    def _resume_group_steps(self) -> None:
-        """Remember fresh group steps (for a dropped state); after a reattach, load the segment's."""
-        self._fresh_group_steps = tuple(_clone(g.get(STEP_KEY)) for g in all_param_groups(self.optimizers))
-        if self.segment.resumed_step is not None:
-            self._load_group_steps_from_segment()
 
     def _before_host_write(self, params: Sequence[torch.Tensor]) -> None:
         self.segment.check_not_torn()

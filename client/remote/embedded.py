@@ -178,21 +178,20 @@ class EmbeddedServer:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"embedded swap-state-server exited with {self._proc.returncode}:\n"
                                    f"{self.log_text()}")
-            return os.path.exists(socket_path) and self._health_ok()
+            if not os.path.exists(socket_path):
+                return False
+            with grpc.insecure_channel(self.address) as channel:
+                try:
+                    stub = health_pb2_grpc.HealthStub(channel)
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                except grpc.RpcError:
+                    return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
 
         if wait_until(serving, timeout_s=self.config.start_timeout_s, first_s=0.01, max_s=0.05):
             return
         raise RuntimeError(f"embedded swap-state-server not serving after {self.config.start_timeout_s}s:\n"
                            f"{self.log_text()}")
-
-    def _health_ok(self) -> bool:
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-            except grpc.RpcError:
-                return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def log_text(self) -> str:
         if self._log_path and os.path.exists(self._log_path):

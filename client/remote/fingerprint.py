@@ -66,18 +66,11 @@ class ParamFingerprint:
         self._pointers: list[int] | None = None
         self._groups: list[list[list[torch.Tensor]]] = []
 
-    def _locals(self) -> list[torch.Tensor]:
-        """The parameters' local data now (a DTensor's local shard may be swapped by FSDP)."""
-        if not self._dtensors:
-            return self._params
-        locals_ = list(self._params)
-        for index in self._dtensors:
-            locals_[index] = unwrap_dtensor(locals_[index])
-        return locals_
-
     def _current_groups(self) -> list[list[list[torch.Tensor]]]:
         """Per device, per dtype (both by name): the sample views, in parameter order."""
-        locals_ = self._locals()
+        locals_ = list(self._params)
+        for index in self._dtensors:  # a DTensor's local shard may be swapped by FSDP
+            locals_[index] = unwrap_dtensor(locals_[index])
         pointers = [local.data_ptr() for local in locals_]
         if pointers != self._pointers:
             for index, local in enumerate(locals_):

@@ -5,6 +5,7 @@ delta; a restore sends the layout whole and gets the snapshot's metadata back.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -123,10 +124,7 @@ def _json_group(group: Mapping[str, Any]) -> dict[str, Any]:
 
 def group_offsets(optimizers: Sequence[Any]) -> list[int]:
     """Where each optimizer's param groups start in the segment's group steps."""
-    offsets = [0]
-    for optimizer in optimizers:
-        offsets.append(offsets[-1] + len(optimizer.param_groups))
-    return offsets
+    return list(itertools.accumulate((len(o.param_groups) for o in optimizers), initial=0))
 
 
 def _step_value(value: Any) -> float:

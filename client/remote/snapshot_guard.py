@@ -13,18 +13,7 @@ from swap_state.client.remote.segment_mapping import SegmentMapping
 from swap_state.common.segment import SegmentLayout, Word
 from swap_state.common.copy_before_write import TrainerProtector
 
-__all__ = ["SnapshotGuard", "layout_of"]
-
-
-def layout_of(mapping: SegmentMapping) -> SegmentLayout:
-    info = mapping.info
-    return SegmentLayout(header_bytes=info.header_bytes,
-                         tensors=mapping.tensors,
-                         chunk_bytes=info.chunk_bytes,
-                         n_chunks=len(mapping.chunks),
-                         cow_slots=info.cow_slots,
-                         cow_slots_offset=info.cow_slots_offset,
-                         size=info.size)
+__all__ = ["SnapshotGuard"]
 
 
 class SnapshotGuard:
@@ -35,7 +24,10 @@ class SnapshotGuard:
                  server_gone: Callable[[], bool] | None = None):
         self.header = mapping.header
         self._trainer = mapping.trainer
-        self._protector = TrainerProtector(mapping.buffer, layout_of(mapping), header=mapping.trainer,
+        info = mapping.info
+        layout = SegmentLayout(info.header_bytes, mapping.tensors, info.chunk_bytes, len(mapping.chunks),
+                               info.cow_slots, info.cow_slots_offset, info.size)
+        self._protector = TrainerProtector(mapping.buffer, layout, header=mapping.trainer,
                                            max_wait_s=max_wait_s, server_gone=server_gone)
         self._index = {t.name: i for i, t in enumerate(mapping.tensors)}
 
