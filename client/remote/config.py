@@ -27,7 +27,6 @@ from swap_state.common.addresses import default_socket_path
 __all__ = [
     "ENV_JOB_ID", "ENV_SERVER", "ENV_TOKEN_FILE", "Connection", "RemoteConfig", "connect",
     "embedded_config_for", "embedded_world_size_hint", "host_server", "resolve_config", "snapshots_model",
-    "validate_config",
 ]
 
 ENV_SERVER = "SWAP_STATE_SERVER"
@@ -95,17 +94,6 @@ class Connection:
 CHECKPOINT_MODES: tuple[str, ...] = ("full", "snapshot")
 
 
-def validate_config(config: RemoteConfig) -> None:
-    """ValueError naming the field for a setting outside its allowed values."""
-    if config.checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"RemoteConfig.checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, "
-                         f"got {config.checkpoint!r}")
-    keep = config.snapshot_keep_latest
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
-        raise ValueError(f"RemoteConfig.snapshot_keep_latest must be None or an integer >= 0 (0: keep all), "
-                         f"got {keep!r}")
-
-
 def snapshots_model(config: RemoteConfig) -> bool:
     """Whether the segment holds the model too (``RemoteConfig.snapshot_model``)."""
     return config.checkpoint == "snapshot" if config.snapshot_model is None else bool(config.snapshot_model)
@@ -122,8 +110,7 @@ def snapshot_retention(config: RemoteConfig) -> dict[str, Any]:
 
 def follow_checkpoint_retention(config: RemoteConfig, keep_latest_k: int) -> None:
     """Keep the snapshots a job's checkpoints refer to: ``keep_latest_k`` (0: all) becomes
-    ``snapshot_keep_latest`` unless set; a step trained again replaces its snapshot (as its
-    checkpoint is overwritten)."""
+    ``snapshot_keep_latest`` unless set; a step trained again replaces its snapshot."""
     config.snapshot_replace_existing = True
     if config.snapshot_keep_latest is not None:
         return
@@ -138,7 +125,13 @@ def follow_checkpoint_retention(config: RemoteConfig, keep_latest_k: int) -> Non
 def resolve_config(config: RemoteConfig | None, server: str | None, job_id: str | None) -> RemoteConfig:
     """A validated copy of ``config`` with the address and job id from arguments or environment."""
     config = dataclasses.replace(config or RemoteConfig())
-    validate_config(config)
+    if config.checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"RemoteConfig.checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, "
+                         f"got {config.checkpoint!r}")
+    keep = config.snapshot_keep_latest
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+        raise ValueError(f"RemoteConfig.snapshot_keep_latest must be None or an integer >= 0 (0: keep all), "
+                         f"got {keep!r}")
     config.server = server or config.server or os.environ.get(ENV_SERVER) or None
     config.job_id = job_id or config.job_id or os.environ.get(ENV_JOB_ID) or None
     return config
@@ -147,7 +140,12 @@ def resolve_config(config: RemoteConfig | None, server: str | None, job_id: str 
 def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kwargs: dict[str, Any]) -> Connection:
     """Fill in ``config.server`` (the host's, else an embedded one) and ``job_id``, then attach."""
     embedded = None
-    rank, world_size = _resolve_rank_world(config)
+    if config.rank is not None and config.world_size is not None:
+        rank, world_size = config.rank, config.world_size
+    elif dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if config.server is None:
         config.server = host_server()
     if config.server is None:
@@ -164,9 +162,19 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
     if config.job_id is None:
         config.job_id = f"job-{uuid.uuid4().hex[:12]}"
     local_world_size = _resolve_local_world_size(config, world_size, embedded is not None)
+    token, token_file = config.token, os.environ.get(ENV_TOKEN_FILE)
+    if token is None and token_file:
+        with open(token_file) as f:
+            token = f.read().strip()
+    server_uid, uid_env = config.server_uid, os.environ.get(SERVER_UID_ENV, "")
+    if server_uid is None and uid_env:
+        try:
+            server_uid = int(uid_env)
+        except ValueError:
+            raise ValueError(f"${SERVER_UID_ENV} must be a uid (a number), got {uid_env!r}") from None
     client = SwapStateClient(ClientConfig(
-        config.server, token=_read_token(config), timeout_s=config.rpc_timeout_s,
-        connect_timeout_s=config.connect_timeout_s, server_uid=_server_uid(config),
+        config.server, token=token, timeout_s=config.rpc_timeout_s,
+        connect_timeout_s=config.connect_timeout_s, server_uid=server_uid,
         **tls_files(config.tls_root_cert, config.tls_client_cert, config.tls_client_key),
     ))
     try:
@@ -177,16 +185,6 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
             embedded.stop()
         raise
     return Connection(client, session, embedded)
-
-
-def _server_uid(config: RemoteConfig) -> int | None:
-    if config.server_uid is not None:
-        return config.server_uid
-    value = os.environ.get(SERVER_UID_ENV, "")
-    try:
-        return int(value) if value else None
-    except ValueError:
-        raise ValueError(f"${SERVER_UID_ENV} must be a uid (a number), got {value!r}") from None
 
 
 def host_server() -> str | None:
@@ -254,14 +252,6 @@ def embedded_world_size_hint(snapshot_dir: str, job_id: str, world_size: int) ->
     )
 
 
-def _resolve_rank_world(config: RemoteConfig) -> tuple[int, int]:
-    if config.rank is not None and config.world_size is not None:
-        return config.rank, config.world_size
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def _resolve_local_world_size(config: RemoteConfig, world_size: int, embedded: bool) -> int:
     if config.local_world_size is not None:
         return config.local_world_size
@@ -278,14 +268,3 @@ def _resolve_local_world_size(config: RemoteConfig, world_size: int, embedded: b
         raise ValueError(f"$LOCAL_WORLD_SIZE {local} is not in [1, world_size {world_size}]: set "
                          "RemoteConfig.local_world_size to the number of ranks attached to this server")
     return local
-
-
-def _read_token(config: RemoteConfig) -> str | None:
-    if config.token is not None:
-        return config.token
-    path = os.environ.get(ENV_TOKEN_FILE)
-    if not path:
-        return None
-    with open(path) as f:
-        return f.read().strip()
-

@@ -33,6 +33,7 @@ DEFAULT_SHM_SIZE_BYTES = 256 << 20  # a server started on its own (a container s
 #: Quick deaths in a row after which the watchdog stops restarting (the server cannot run here).
 CRASH_LOOP = 3
 QUICK_DEATH_S = 10.0
+log = logging.getLogger("swap_state.client.embedded")  # the name users configure
 
 
 def default_snapshot_dir() -> str:
@@ -42,9 +43,6 @@ def default_snapshot_dir() -> str:
     if not os.path.isabs(state_home):
         state_home = os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(state_home, "swap-state", "snapshots")
-
-
-log = logging.getLogger("swap_state.client.embedded")  # the name users configure
 
 
 EMBEDDED_SERVER_DEFAULTS: dict[str, Any] = {

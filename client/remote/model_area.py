@@ -250,4 +250,3 @@ def _copy_and_publish(views: Sequence[torch.Tensor], tensors: Sequence[ModelTens
 def _publish_when_done(done: Any, header: TrainerHeader, step: int) -> None:
     done.synchronize()
     header.publish_model(step)
-

@@ -371,4 +371,3 @@ class RemoteSegment:
         finally:
             self.mapping.close()  # unregisters it for DMA, then unmaps
             self.mapping = None
-

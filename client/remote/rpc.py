@@ -77,10 +77,8 @@ _RECONNECT_MAX_S = 1.0
 # An Allocate's deadline: 60 s plus this rate per byte (a VM's first-touch memory: 0.4 GiB/s).
 _SLOWEST_ALLOCATE_BYTES_PER_S = 128 << 20
 _CHANNEL_OPTIONS = [
-    ("grpc.enable_retries", 0),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", int(_RECONNECT_MAX_S * 1000)),
 ]
 
@@ -339,7 +337,13 @@ class RemoteSession:
         notice = ""
         try:
             for event in stream:
-                self._mark_connected()
+                if not self._connected.is_set():
+                    self.reconnects += 1
+                    down = time.monotonic() - self._disconnected_at
+                    log.warning("swap-state-server at %s is back after %.1f s: session %s/rank %d "
+                                "reconnected (reconnect %d)", self.client.config.address, down, self.job_id,
+                                self.rank, self.reconnects)
+                    self._connected.set()
                 if event.notice:
                     notice = event.notice
                     log.info("swap-state-server: %s", event.notice)
@@ -378,15 +382,6 @@ class RemoteSession:
                         "server); snapshots and restores fail until it is back; reconnecting",
                         self.client.config.address, why)
         return "gone"
-
-    def _mark_connected(self) -> None:
-        if self._connected.is_set():
-            return
-        self.reconnects += 1
-        log.warning("swap-state-server at %s is back after %.1f s: session %s/rank %d reconnected "
-                    "(reconnect %d)", self.client.config.address, time.monotonic() - self._disconnected_at,
-                    self.job_id, self.rank, self.reconnects)
-        self._connected.set()
 
     def server_gone(self) -> bool:
         """Whether the server is unreachable now (the keep-alive thread reconnects)."""
