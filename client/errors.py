@@ -1,7 +1,5 @@
-"""The exceptions a trainer catches: the common errors under their ``...Error`` names (the
-classes themselves), raised again from the ``swap-state-reason`` trailing metadata the server
-sends (:func:`error_for`), so callers catch what they can act on instead of status codes.
-Imports grpc, not torch.
+"""The exceptions a trainer catches: the common errors under their ``...Error`` names, raised
+again from the ``swap-state-reason`` trailing metadata the server sends (:func:`error_for`).
 """
 
 from __future__ import annotations
@@ -11,12 +9,10 @@ import grpc
 from swap_state.common.errors import (
     ERROR_FOR_REASON, REASON_METADATA_KEY, FailedPrecondition, InvalidArgument, LayoutMismatch,
     MetadataBaseUnknown, NoSegment, NotFound, PermissionDenied, ResourceExhausted, SessionLive,
-    SnapshotsDisabled, StaleGeneration, SwapStateError, Unauthenticated, Unavailable,
-)
+    SnapshotsDisabled, StaleGeneration, SwapStateError, Unauthenticated, Unavailable)
 from swap_state.common.snapshot_errors import (
     SnapshotBusy, SnapshotCorrupt, SnapshotDiskFull, SnapshotExists, SnapshotFailed, SnapshotNotFound,
-    SnapshotStoreUnavailable,
-)
+    SnapshotStoreUnavailable)
 
 __all__ = [
     "SwapStateError", "ServerUnavailableError", "SessionLostError", "InvalidRequestError", "NotFoundError",
@@ -24,8 +20,7 @@ __all__ = [
     "StaleGenerationError", "SessionLiveError", "MetadataBaseUnknownError", "LayoutMismatchError",
     "NoSegmentError", "SnapshotsDisabledError", "SnapshotBusyError", "SnapshotExistsError",
     "SnapshotFailedError", "SnapshotCorruptError", "StoreUnavailableError", "PermissionDeniedError",
-    "UnauthenticatedError", "ERROR_FOR_REASON", "error_for", "reason_of",
-]
+    "UnauthenticatedError", "ERROR_FOR_REASON", "error_for", "reason_of"]
 
 ServerUnavailableError = Unavailable
 InvalidRequestError = InvalidArgument

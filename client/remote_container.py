@@ -3,10 +3,8 @@
 
 from swap_state.client.remote.container import (
     GROUP_STEPS, PARAM_STEPS, SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, RemoteConfig, RemoteSwapOptimizersContainer,
-    SnapshotHandle,
-)
+    SnapshotHandle)
 
 __all__ = [
     "GROUP_STEPS", "PARAM_STEPS", "SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY", "RemoteConfig",
-    "RemoteSwapOptimizersContainer", "SnapshotHandle",
-]
+    "RemoteSwapOptimizersContainer", "SnapshotHandle"]

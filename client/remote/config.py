@@ -26,14 +26,12 @@ from swap_state.common.addresses import default_socket_path
 
 __all__ = [
     "ENV_JOB_ID", "ENV_SERVER", "ENV_TOKEN_FILE", "Connection", "RemoteConfig", "connect",
-    "embedded_config_for", "embedded_world_size_hint", "host_server", "resolve_config", "snapshots_model",
-]
+    "embedded_config_for", "embedded_world_size_hint", "host_server", "resolve_config", "snapshots_model"]
 
 ENV_SERVER = "SWAP_STATE_SERVER"
 ENV_JOB_ID = "SWAP_STATE_JOB_ID"
 ENV_TOKEN_FILE = "SWAP_STATE_TOKEN_FILE"
-HOST_SERVER_PROBE_S = 2.0
-"""How long the trainer asks the default socket whether a server answers there."""
+HOST_SERVER_PROBE_S = 2.0  # how long the trainer asks the default socket whether a server answers
 
 log = logging.getLogger("swap_state.client.remote_container")
 
@@ -175,8 +173,7 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
     client = SwapStateClient(ClientConfig(
         config.server, token=token, timeout_s=config.rpc_timeout_s,
         connect_timeout_s=config.connect_timeout_s, server_uid=server_uid,
-        **tls_files(config.tls_root_cert, config.tls_client_cert, config.tls_client_key),
-    ))
+        **tls_files(config.tls_root_cert, config.tls_client_cert, config.tls_client_key)))
     try:
         session = client.attach(config.job_id, rank, world_size, local_world_size)
     except BaseException:
@@ -243,13 +240,11 @@ def embedded_world_size_hint(snapshot_dir: str, job_id: str, world_size: int) ->
         taken = f"a one-rank run's embedded server, in {root}"
     else:
         return ""
-    return (
-        f"; this job's snapshots there were taken by {taken}: an embedded server restores the "
-        f"files of its own rank in a run of the same size only. To resume at another world size, "
-        "run one swap-state-server per host with a shared --snapshot-store, or write the "
-        f"checkpoint as a plain one (swap-state export CHECKPOINT OUT --format torchtitan "
-        f"--snapshot-dir {root}) and load that"
-    )
+    return (f"; this job's snapshots there were taken by {taken}: an embedded server restores the "
+            f"files of its own rank in a run of the same size only. To resume at another world size, "
+            "run one swap-state-server per host with a shared --snapshot-store, or write the "
+            f"checkpoint as a plain one (swap-state export CHECKPOINT OUT --format torchtitan "
+            f"--snapshot-dir {root}) and load that")
 
 
 def _resolve_local_world_size(config: RemoteConfig, world_size: int, embedded: bool) -> int:

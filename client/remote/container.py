@@ -6,11 +6,9 @@ Call order::
 
     c = RemoteSwapOptimizersContainer(model_parts, torch.optim.AdamW, kwargs, 8,
                                       server="unix:///run/swap-state/swap-state.sock", job_id="run1")
-    for step in ...:
-        loss.backward(); c.step(); c.zero_grad()    # no RPC: the commit is a header word
-        if step % 100 == 0:
-            c.snapshot()                             # one RPC; returns when consistent
-    c.close()                                        # detach (also at interpreter exit)
+    loss.backward(); c.step(); c.zero_grad()    # per step; no RPC: the commit is a header word
+    c.snapshot()                                 # between steps; one RPC, returns when consistent
+    c.close()                                    # detach (also at interpreter exit)
 
 Checkpoint modes (``RemoteConfig.checkpoint``): 'full', the seed's flat dict with the moments;
 'snapshot', a reference to a server-side snapshot (:data:`SNAPSHOT_REF_KEY`) plus param groups
@@ -34,15 +32,13 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from swap_state.client.errors import (
-    NotFoundError, ServerUnavailableError, SnapshotFailedError, SnapshotNotFoundError, SwapStateError,
-)
+    NotFoundError, ServerUnavailableError, SnapshotFailedError, SnapshotNotFoundError, SwapStateError)
 from swap_state.client.optim.checkpoint_template import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, holds_snapshot_reference
 from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.optim.host_cache import STEP_KEY, HostCacheEntry
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
 from swap_state.client.remote.config import (
-    RemoteConfig, follow_checkpoint_retention, resolve_config, snapshot_retention, snapshots_model,
-)
+    RemoteConfig, follow_checkpoint_retention, resolve_config, snapshot_retention, snapshots_model)
 from swap_state.client.remote.model_area import plan_model_tensors
 from swap_state.client.remote.optimizer_metadata import OptimizerMetadata, all_param_groups
 from swap_state.client.remote.remote_segment import GROUP_STEPS, PARAM_STEPS, RemoteSegment
@@ -53,8 +49,7 @@ from swap_state.common.sizing import plan_for_rank
 
 __all__ = [
     "GROUP_STEPS", "PARAM_STEPS", "SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY", "RemoteConfig",
-    "RemoteSwapOptimizersContainer", "SnapshotHandle", "is_moment_key",
-]
+    "RemoteSwapOptimizersContainer", "SnapshotHandle", "is_moment_key"]
 
 log = logging.getLogger("swap_state.client.remote_container")  # the name users configure
 

@@ -82,8 +82,7 @@ class EmbeddedServerConfig:
                               "(shm_size_bytes and snapshot_dir are fields of EmbeddedServerConfig)")
         return config_from_settings({
             **EMBEDDED_SERVER_DEFAULTS, **self.server, "listen": listen, "snapshot_dir": snapshot_dir,
-            "shm_size": DEFAULT_SHM_SIZE_BYTES if self.shm_size_bytes is None else self.shm_size_bytes,
-        })
+            "shm_size": DEFAULT_SHM_SIZE_BYTES if self.shm_size_bytes is None else self.shm_size_bytes})
 
 
 class EmbeddedServer:

@@ -1,11 +1,8 @@
 """A fingerprint of the model's parameters, written with each step's commit: a reattach uses
-kept moments only when the parameters are those of the kept step.
-
-A 64-bit digest of up to :data:`SAMPLES_PER_TENSOR` evenly spaced elements of every
-parameter's local data, bit for bit (every step changes essentially every element). Per
-commit: strided views made once, one ``torch.cat`` per device and dtype, one copy to the host.
-The stride is an integer, ``(n - 1) // (count - 1)``: a float32 ``linspace`` rounds its last
-index out of range above 2^24 elements.
+kept moments only when the parameters are those of the kept step. A 64-bit digest of up to
+:data:`SAMPLES_PER_TENSOR` evenly spaced elements of every parameter's local data, bit for bit
+(every step changes essentially every element); the stride is an integer, as a float32
+``linspace`` rounds its last index out of range above 2^24 elements.
 
 Call order: ``fp = ParamFingerprint(params)`` once, ``fp.compute()`` after each update (on
 its stream), before the commit.
@@ -31,9 +28,7 @@ def sample_stride(numel: int, count: int = SAMPLES_PER_TENSOR) -> tuple[int, int
     """``(samples, stride)`` of a tensor of ``numel`` elements: ``min(numel, count)`` samples
     ``stride`` elements apart from element 0, all in range (Python ints: no bound on ``numel``)."""
     count = min(numel, count)
-    if count <= 1:
-        return count, 1
-    return count, (numel - 1) // (count - 1)
+    return count, ((numel - 1) // (count - 1) if count > 1 else 1)
 
 
 def sample_indices(numel: int, count: int = SAMPLES_PER_TENSOR) -> list[int]:
@@ -46,9 +41,7 @@ def _samples(local: torch.Tensor) -> torch.Tensor | None:
     """A strided view of ``local``'s samples (a copy only when ``local`` is not contiguous)."""
     flat = local.detach().reshape(-1)
     count, stride = sample_stride(flat.numel())
-    if count == 0:
-        return None
-    return flat.as_strided((count,), (stride,), flat.storage_offset())
+    return flat.as_strided((count,), (stride,), flat.storage_offset()) if count else None
 
 
 class ParamFingerprint:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -44,8 +43,6 @@ __all__ = ["ModelArea", "ModelTensor", "StateDictOf", "plan_model_tensors", "mod
 
 #: Reads a model part's checkpoint form (fqn -> tensor).
 StateDictOf = Callable[[nn.Module], dict[str, Any]]
-
-log = logging.getLogger("swap_state.client.remote_container")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -68,8 +65,7 @@ class ModelTensor:
         return unwrap_dtensor(self.source)
 
     def spec(self) -> tuple[str, str, list[int]]:
-        local = self.local
-        return (self.name, dtype_name(local.dtype), list(local.shape))
+        return (self.name, dtype_name(self.local.dtype), list(self.local.shape))
 
 
 def _identity(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:

@@ -19,8 +19,7 @@ from swap_state.client.remote.model_area import ModelArea
 from swap_state.client.remote.segment_mapping import dtype_name
 from swap_state.common.names import param_group_key, state_key
 from swap_state.common.snapshot_metadata import (
-    TENSOR_TAG, TensorMetadata, encode_metadata, parse_metadata, tagged_scalar,
-)
+    TENSOR_TAG, TensorMetadata, encode_metadata, parse_metadata, tagged_scalar)
 from swap_state.common.snapshot_metadata_parts import base_id, encode_base, encode_delta
 
 __all__ = ["OptimizerMetadata", "all_param_groups", "group_offsets", "json_value"]

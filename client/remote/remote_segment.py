@@ -1,6 +1,4 @@
-"""One trainer's segment on the server, from attach to detach: mapping and views, header
-writes, the snapshot guard, reattach bookkeeping, snapshot and restore calls, the model area.
-It knows nothing about optimizers (:mod:`swap_state.client.remote.container` does).
+"""One trainer's segment on the server, from attach to detach (it knows no optimizer).
 
 Call order::
 
@@ -33,11 +31,9 @@ import torch.nn as nn
 
 from swap_state.client.device import DeviceBackend
 from swap_state.client.errors import (
-    MetadataBaseUnknownError, SnapshotBusyError, SnapshotNotFoundError, SwapStateError,
-)
+    MetadataBaseUnknownError, SnapshotBusyError, SnapshotNotFoundError, SwapStateError)
 from swap_state.client.remote.config import (
-    Connection, RemoteConfig, connect, embedded_world_size_hint, snapshot_retention,
-)
+    Connection, RemoteConfig, connect, embedded_world_size_hint, snapshot_retention)
 from swap_state.client.remote.fingerprint import UNKNOWN, ParamFingerprint
 from swap_state.client.remote.model_area import ModelArea, ModelTensor
 from swap_state.client.remote.rpc import RemoteSession
@@ -57,9 +53,6 @@ log = logging.getLogger("swap_state.client.remote_container")
 #: Segment tensors beside the moments: every parameter's step, every param group's step.
 PARAM_STEPS = BOOKKEEPING_PREFIX + "param_steps"
 GROUP_STEPS = BOOKKEEPING_PREFIX + "group_steps"
-
-#: (base id, base, delta) of a snapshot's metadata (:mod:`swap_state.common.snapshot_metadata_parts`).
-MetadataParts = tuple[str, str, str]
 
 
 class RemoteSegment:
@@ -130,31 +123,26 @@ class RemoteSegment:
             self.torn_step = header[Word.WRITING_STEP] - 1
             log.warning("%s", self.torn_message())
         elif reused:
-            self._resume_kept_step()
+            # The kept step is the group steps' (written before the commit): a trainer killed
+            # between its last write and its commit left a complete step, committed now.
+            held = int(max(self.views[GROUP_STEPS].tolist(), default=0))
+            committed = self.session.last_committed_step
+            if held == 0 and committed is None:
+                return  # nothing was ever written
+            if held != committed:
+                log.warning("the previous trainer wrote step %d completely but the server recorded step %d "
+                            "(killed before its commit): resuming at step %d", held, committed, held)
+                self.session.commit(held)
+            self.resumed_step = held
+            log.info("reattached to swap-state at step %d", held)
         elif getattr(self.session, "previous_session", ""):
             log.info("no swap-state optimizer state kept for this trainer: %s", self.session.previous_session)
 
-    def _resume_kept_step(self) -> None:
-        """The kept step is the group steps' (written before the commit): a trainer killed
-        between its last write and its commit left a complete step, committed now."""
-        held = int(max(self.views[GROUP_STEPS].tolist(), default=0))
-        committed = self.session.last_committed_step
-        if held == 0 and committed is None:
-            return  # nothing was ever written
-        if held != committed:
-            log.warning("the previous trainer wrote step %d completely but the server recorded step %d "
-                        "(killed before its commit): resuming at step %d", held, committed, held)
-            self.session.commit(held)
-        self.resumed_step = held
-        log.info("reattached to swap-state at step %d", held)
-
     def torn_message(self) -> str:
-        return (
-            f"the kept optimizer state of {self.config.job_id}/rank {self.session.rank} "
-            f"is torn: the previous trainer died while writing step {self.torn_step}. "
-            "Restore a snapshot (container.restore('latest')) or load a full checkpoint "
-            "before stepping, or use a new job id"
-        )
+        return (f"the kept optimizer state of {self.config.job_id}/rank {self.session.rank} "
+                f"is torn: the previous trainer died while writing step {self.torn_step}. "
+                "Restore a snapshot (container.restore('latest')) or load a full checkpoint "
+                "before stepping, or use a new job id")
 
     def check_not_torn(self) -> None:
         """Refuse to write into torn state: only a restore or a full load may."""
@@ -180,21 +168,14 @@ class RemoteSegment:
         kept = self.mapping.header[Word.PARAMS_FINGERPRINT]
         if kept != UNKNOWN and kept == self._fingerprint.compute():
             return True
-        why = (
-            "the model's parameters are not those of that step (fresh weights, or weights of "
-            "another step: was no checkpoint loaded?)"
-            if kept != UNKNOWN
-            else "the parameters of that step are not known (the previous trainer loaded or "
-            "restored state and stopped before its next step)"
-        )
+        why = ("the model's parameters are not those of that step (fresh weights, or weights of "
+               "another step: was no checkpoint loaded?)" if kept != UNKNOWN
+               else "the parameters of that step are not known (the previous trainer loaded or "
+               "restored state and stopped before its next step)")
         log.warning("dropping the swap-state optimizer state kept for job %s rank %d at step %s: %s; "
                     "training starts from a fresh optimizer state. Load a checkpoint (or use a new "
                     "job id) to continue a run", self.config.job_id, self.session.rank,
                     self.resumed_step, why)
-        self._drop_kept_state()
-        return False
-
-    def _drop_kept_state(self) -> None:
         self._guard.before_write(0, list(self.views))
         for view in self.views.values():
             view.zero_()
@@ -206,6 +187,7 @@ class RemoteSegment:
         self.session.commit(-1)  # no committed step: the segment holds a fresh state
         self.session.last_committed_step = None
         self.resumed_step = None
+        return False
 
     def before_write(self, step: int, names: Iterable[str]) -> None:
         """Mark ``step`` as being written; protect the named tensors' bytes from a persisting snapshot."""
@@ -219,8 +201,9 @@ class RemoteSegment:
         self.session.commit(step)
         return step
 
-    def snapshot(self, step: int, metadata_parts: MetadataParts) -> SnapshotHandle:
-        """Snapshot committed ``step`` (the model's copy starts first); returns once consistent."""
+    def snapshot(self, step: int, metadata_parts: tuple[str, str, str]) -> SnapshotHandle:
+        """Snapshot committed ``step`` (the model's copy starts first); returns once consistent.
+        ``metadata_parts``: (base id, base, delta) of its metadata."""
         area = self.model_area
         if area is not None and area.copied_step != step:
             area.copy_from_model(step)  # not copied since a load (or no step yet): now
@@ -239,7 +222,7 @@ class RemoteSegment:
         self.snapshot_step, self.snapshot_handle = step, handle
         return handle
 
-    def _send_snapshot(self, step: int, metadata_parts: MetadataParts) -> Any:
+    def _send_snapshot(self, step: int, metadata_parts: tuple[str, str, str]) -> Any:
         ident, base, delta = metadata_parts
         retention = snapshot_retention(self.config)
         parts = {"metadata_base_id": ident, "metadata_delta_json": delta}

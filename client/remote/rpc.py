@@ -30,8 +30,7 @@ from swap_state.common.addresses import parse_address
 from swap_state.common.caller_proof import CallerProof
 from swap_state.common.errors import SERVER_STOPPING_NOTICE, ConfigError
 from swap_state.client.errors import (
-    ServerUnavailableError, SessionLostError, StaleGenerationError, SwapStateError, error_for, reason_of,
-)
+    ServerUnavailableError, SessionLostError, StaleGenerationError, SwapStateError, error_for, reason_of)
 from swap_state.common.segment import Word, tensor_nbytes
 from swap_state.common.trainer_header import TrainerHeader
 from swap_state.proto import swap_state_pb2 as pb
@@ -39,13 +38,12 @@ from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
 __all__ = [
     "ClientConfig", "SwapStateError", "ServerUnavailableError", "SessionLostError", "SwapStateClient",
-    "RemoteSession", "normalize_target", "START_HINT", "start_hint", "tls_files",
-]
+    "RemoteSession", "normalize_target", "START_HINT", "start_hint", "tls_files"]
 
 log = logging.getLogger("swap_state.client.rpc")  # the name users configure
 
+#: The hint's shape; :func:`start_hint` fills in what fits this machine.
 START_HINT = "start one with: swap-state-server --shm-size 64G --listen {address}"
-"""The hint's shape; :func:`start_hint` fills in what fits this machine."""
 
 
 def start_hint(address: str, shm_dir: str = "/dev/shm") -> str:
@@ -79,8 +77,7 @@ _SLOWEST_ALLOCATE_BYTES_PER_S = 128 << 20
 _CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", int(_RECONNECT_MAX_S * 1000)),
-]
+    ("grpc.max_reconnect_backoff_ms", int(_RECONNECT_MAX_S * 1000))]
 
 
 @dataclasses.dataclass
@@ -177,33 +174,37 @@ class SwapStateClient:
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Until the channel is ready; nothing (a token, an Attach) goes to another user's socket."""
         timeout_s = timeout_s or self.config.connect_timeout_s
-        self._check_socket_exists()
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
-            self._check_socket_owner()
-            self._prove_uid()
-            self._ready_at = time.monotonic()
-        except grpc.FutureTimeoutError as e:
-            raise ServerUnavailableError(
-                f"swap-state-server at {self.config.address} is not reachable after {timeout_s:.0f}s; "
-                f"{start_hint(self.config.address)}", grpc.StatusCode.UNAVAILABLE,
-            ) from e
-
-    def _check_socket_exists(self) -> None:
-        """A unix address with no socket file fails after ``SOCKET_APPEAR_S`` (time for a server
-        started just before to create it), not the whole connect timeout."""
         path = self._socket_path
-        if path is None:
-            return
+        # No socket file fails after SOCKET_APPEAR_S (for a server started just before to make
+        # it), not the whole connect timeout.
         deadline = time.monotonic() + min(SOCKET_APPEAR_S, self.config.connect_timeout_s)
-        while not os.path.exists(path) and time.monotonic() < deadline:
+        while path is not None and not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not os.path.exists(path):
+        if path is not None and not os.path.exists(path):
             raise ServerUnavailableError(
                 f"no swap-state-server at {self.config.address}: there is no socket file {path}. Is the "
                 "server running, and listening there? Point the trainer at the path it listens on "
                 f"(RemoteConfig.server, $SWAP_STATE_SERVER, torchtitan optimizer.swap_state_server), or "
                 f"{start_hint(self.config.address)}", grpc.StatusCode.UNAVAILABLE)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError as e:
+            raise ServerUnavailableError(
+                f"swap-state-server at {self.config.address} is not reachable after {timeout_s:.0f}s; "
+                f"{start_hint(self.config.address)}", grpc.StatusCode.UNAVAILABLE) from e
+        if path is not None:
+            try:
+                owner = os.stat(path).st_uid
+            except OSError:
+                owner = os.getuid()  # gone between connect and here: the call itself will say so
+            uid = self.config.server_uid
+            if owner not in {os.getuid(), 0} | ({uid} if uid is not None else set()):
+                raise SwapStateError(
+                    f"refusing to talk to {self.config.address}: the socket belongs to uid {owner}, not to "
+                    f"you (uid {os.getuid()}) or root, so another user may have taken its path. If that user "
+                    f"runs your server, say so: RemoteConfig.server_uid / ${SERVER_UID_ENV}={owner}")
+        self._prove_uid()
+        self._ready_at = time.monotonic()
 
     def _prove_uid(self) -> None:
         """The proof file of this process's uid, named in every later call; tried again before
@@ -220,29 +221,13 @@ class SwapStateClient:
                 self._metadata = (*self._metadata, proof.metadata)
                 self._proof = proof
 
-    def _check_socket_owner(self) -> None:
-        path = self._socket_path
-        if path is None:
-            return
-        try:
-            owner = os.stat(path).st_uid
-        except OSError:
-            return  # gone between connect and here: the call itself will say so
-        allowed = {os.getuid(), 0} | ({self.config.server_uid} if self.config.server_uid is not None else set())
-        if owner not in allowed:
-            raise SwapStateError(
-                f"refusing to talk to {self.config.address}: the socket belongs to uid {owner}, not to you "
-                f"(uid {os.getuid()}) or root, so another user may have taken its path. If that user runs "
-                f"your server, say so: RemoteConfig.server_uid / ${SERVER_UID_ENV}={owner}")
-
     def attach(self, job_id: str, rank: int, world_size: int, local_world_size: int = 0) -> RemoteSession:
         """Attach (job_id, rank). ``local_world_size``: the job's ranks on this server (0: all);
         the server completes a snapshot once that many ranks have persisted it."""
         self.wait_ready()
         reply = self.call("Attach", pb.AttachRequest(
             job_id=job_id, rank=rank, world_size=world_size, local_world_size=local_world_size,
-            client_pid=os.getpid(), client_host=socket.gethostname(),
-        ))
+            client_pid=os.getpid(), client_host=socket.gethostname()))
         return RemoteSession(self, job_id, rank, world_size, reply,
                              local_world_size=local_world_size or world_size)
 
@@ -280,8 +265,7 @@ _LOST_NEXT = {
     grpc.StatusCode.NOT_FOUND: "restart the trainer and restore a snapshot (--resume latest in "
     "the demo, container.restore('latest')), or give the server a longer --grace",
     None: "the optimizer state on the server may be gone: restore from a snapshot after "
-    "restarting the server",
-}
+    "restarting the server"}
 
 
 class RemoteSession:
@@ -456,8 +440,7 @@ class RemoteSession:
         self.check_alive()
         request = pb.SnapshotRequest(
             session_id=self.session_id, generation=self.generation, step=step, metadata_json=metadata_json,
-            keep_latest=keep_latest, keep_all=keep_all, replace_existing=replace_existing, **metadata_parts,
-        )
+            keep_latest=keep_latest, keep_all=keep_all, replace_existing=replace_existing, **metadata_parts)
         return self._call("Snapshot", request)
 
     def restore(self, snapshot_id: str = "latest", metadata_json: str = "") -> pb.RestoreReply:
