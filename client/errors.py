@@ -1,13 +1,5 @@
-"""The exceptions a trainer catches: the errors of :mod:`swap_state.common.errors` and
-:mod:`swap_state.common.snapshot_errors`, raised again from the reason the server sends.
-
-The server refuses a call with a status code and, in the trailing metadata key
-``swap-state-reason`` (:data:`~swap_state.common.errors.REASON_METADATA_KEY`), the reason of
-the error that refused it; :func:`error_for` raises the class that declared that reason, so
-callers catch what they can act on (``except SnapshotBusyError``: wait and retry) instead of
-comparing status codes, several of which share FAILED_PRECONDITION. The ``...Error`` names are
-the ones trainers have always caught; each is the common class itself, not a copy. Imports
-grpc, not torch.
+"""The exceptions a trainer catches: the common errors under their ``...Error`` names, raised
+again from the ``swap-state-reason`` trailing metadata the server sends (:func:`error_for`).
 """
 
 from __future__ import annotations
@@ -15,60 +7,20 @@ from __future__ import annotations
 import grpc
 
 from swap_state.common.errors import (
-    ERROR_FOR_REASON,
-    REASON_METADATA_KEY,
-    FailedPrecondition,
-    InvalidArgument,
-    LayoutMismatch,
-    MetadataBaseUnknown,
-    NoSegment,
-    NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-    SessionLive,
-    SnapshotsDisabled,
-    StaleGeneration,
-    SwapStateError,
-    Unauthenticated,
-    Unavailable,
-)
+    ERROR_FOR_REASON, REASON_METADATA_KEY, FailedPrecondition, InvalidArgument, LayoutMismatch,
+    MetadataBaseUnknown, NoSegment, NotFound, PermissionDenied, ResourceExhausted, SessionLive,
+    SnapshotsDisabled, StaleGeneration, SwapStateError, Unauthenticated, Unavailable)
 from swap_state.common.snapshot_errors import (
-    SnapshotBusy,
-    SnapshotCorrupt,
-    SnapshotDiskFull,
-    SnapshotExists,
-    SnapshotFailed,
-    SnapshotNotFound,
-    SnapshotStoreUnavailable,
-)
+    SnapshotBusy, SnapshotCorrupt, SnapshotDiskFull, SnapshotExists, SnapshotFailed, SnapshotNotFound,
+    SnapshotStoreUnavailable)
 
 __all__ = [
-    "SwapStateError",
-    "ServerUnavailableError",
-    "SessionLostError",
-    "InvalidRequestError",
-    "NotFoundError",
-    "SnapshotNotFoundError",
-    "BudgetExhaustedError",
-    "DiskFullError",
-    "FailedPreconditionError",
-    "StaleGenerationError",
-    "SessionLiveError",
-    "MetadataBaseUnknownError",
-    "LayoutMismatchError",
-    "NoSegmentError",
-    "SnapshotsDisabledError",
-    "SnapshotBusyError",
-    "SnapshotExistsError",
-    "SnapshotFailedError",
-    "SnapshotCorruptError",
-    "StoreUnavailableError",
-    "PermissionDeniedError",
-    "UnauthenticatedError",
-    "ERROR_FOR_REASON",
-    "error_for",
-    "reason_of",
-]
+    "SwapStateError", "ServerUnavailableError", "SessionLostError", "InvalidRequestError", "NotFoundError",
+    "SnapshotNotFoundError", "BudgetExhaustedError", "DiskFullError", "FailedPreconditionError",
+    "StaleGenerationError", "SessionLiveError", "MetadataBaseUnknownError", "LayoutMismatchError",
+    "NoSegmentError", "SnapshotsDisabledError", "SnapshotBusyError", "SnapshotExistsError",
+    "SnapshotFailedError", "SnapshotCorruptError", "StoreUnavailableError", "PermissionDeniedError",
+    "UnauthenticatedError", "ERROR_FOR_REASON", "error_for", "reason_of"]
 
 ServerUnavailableError = Unavailable
 InvalidRequestError = InvalidArgument
@@ -93,8 +45,7 @@ PermissionDeniedError = PermissionDenied
 
 
 class SessionLostError(SwapStateError):
-    """The session's keep-alive stream ended: the server died or dropped the session (the
-    client's own finding; no server sends it)."""
+    """The server dropped the session (the client's own finding; no server sends it)."""
 
     code = reason = None
 
@@ -109,8 +60,7 @@ def reason_of(error: grpc.RpcError) -> str | None:
 
 
 def error_for(reason: str | None, message: str, code: grpc.StatusCode | None) -> SwapStateError:
-    """The exception of the class that declared ``reason`` (plain :class:`SwapStateError` for
-    an unknown one), carrying the status code received."""
+    """The exception of the class that declared ``reason`` (else :class:`SwapStateError`)."""
     cls = ERROR_FOR_REASON.get(reason or "", SwapStateError)
     error = cls(message, code)
     error.reason = reason

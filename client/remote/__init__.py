@@ -1,2 +1,1 @@
-"""The remote container: session and segment mapping, trainer header, snapshots, reattach
-check, model area, checkpoint mode, the gRPC client and the embedded server."""
+"""The remote container: its segment, snapshots, model area, gRPC client and embedded server."""

@@ -1,10 +1,6 @@
-"""Settings of a remote container and how they are resolved: arguments, environment, defaults.
-
-Order for each setting: the constructor argument, then :class:`RemoteConfig`, then the
-environment (torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` and swap-state's
-``SWAP_STATE_*``), then a default. Without a server address the host's server is used when one
-answers at the default socket (:func:`host_server`), else a private embedded server is
-started, sized from the model (:func:`connect`).
+"""Settings of a remote container, resolved in order: constructor argument, :class:`RemoteConfig`,
+environment (torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_WORLD_SIZE``, ``SWAP_STATE_*``), default.
+Without an address: the host's server at the default socket, else a private embedded one.
 """
 
 from __future__ import annotations
@@ -29,25 +25,13 @@ from swap_state.client.remote.rpc import SERVER_UID_ENV, ClientConfig, RemoteSes
 from swap_state.common.addresses import default_socket_path
 
 __all__ = [
-    "ENV_JOB_ID",
-    "ENV_SERVER",
-    "ENV_TOKEN_FILE",
-    "Connection",
-    "RemoteConfig",
-    "connect",
-    "embedded_config_for",
-    "embedded_world_size_hint",
-    "host_server",
-    "resolve_config",
-    "snapshots_model",
-    "validate_config",
-]
+    "ENV_JOB_ID", "ENV_SERVER", "ENV_TOKEN_FILE", "Connection", "RemoteConfig", "connect",
+    "embedded_config_for", "embedded_world_size_hint", "host_server", "resolve_config", "snapshots_model"]
 
 ENV_SERVER = "SWAP_STATE_SERVER"
 ENV_JOB_ID = "SWAP_STATE_JOB_ID"
 ENV_TOKEN_FILE = "SWAP_STATE_TOKEN_FILE"
-HOST_SERVER_PROBE_S = 2.0
-"""How long the trainer asks the default socket whether a server answers there."""
+HOST_SERVER_PROBE_S = 2.0  # how long the trainer asks the default socket whether a server answers
 
 log = logging.getLogger("swap_state.client.remote_container")
 
@@ -55,9 +39,7 @@ log = logging.getLogger("swap_state.client.remote_container")
 @dataclasses.dataclass
 class RemoteConfig:
     server: str | None = None
-    """Server address; None: $SWAP_STATE_SERVER, else the host's server when one answers at the
-    default socket ($XDG_RUNTIME_DIR/swap-state/swap-state.sock, else
-    /run/swap-state/swap-state.sock), else the embedded default (a private server)."""
+    """Server address; None: $SWAP_STATE_SERVER, else the host's server (default socket), else embedded."""
     job_id: str | None = None
     """Shared by all ranks of a run; None: $SWAP_STATE_JOB_ID, else a fresh id (no reattach)."""
     rank: int | None = None
@@ -65,21 +47,15 @@ class RemoteConfig:
     world_size: int | None = None
     """None: torch.distributed's world size when initialised, else $WORLD_SIZE, else 1."""
     local_world_size: int | None = None
-    """Ranks of the job that attach to the same server as this one (one server per host), in
-    1..world_size; a snapshot on that server is durable once they all have persisted it.
-    None: $LOCAL_WORLD_SIZE (torchrun sets it) when set, else world_size (all on one host);
-    with the embedded server (private to this process) always 1."""
+    """Ranks attached to this rank's server; None: $LOCAL_WORLD_SIZE, else world_size (embedded: 1)."""
     token: str | None = None
     """None: the contents of $SWAP_STATE_TOKEN_FILE when set."""
     server_uid: int | None = None
-    """The uid owning the server's unix socket when neither yours nor root's (a server run as
-    another user); None: $SWAP_STATE_SERVER_UID when set. Any other owner is refused."""
+    """The uid owning the server's socket when neither yours nor root's; None: $SWAP_STATE_SERVER_UID."""
     tls_root_cert: str | None = None
-    """PEM file of the roots that sign a tcp:// server's certificate (TLS); None:
-    $SWAP_STATE_TLS_ROOT_CERT when set, else no TLS."""
+    """PEM roots of a tcp:// server's certificate; None: $SWAP_STATE_TLS_ROOT_CERT, else no TLS."""
     tls_client_cert: str | None = None
-    """PEM file of this trainer's certificate, for a server with --tls-client-ca (mutual TLS);
-    None: $SWAP_STATE_TLS_CLIENT_CERT when set."""
+    """PEM certificate for a server with --tls-client-ca; None: $SWAP_STATE_TLS_CLIENT_CERT."""
     tls_client_key: str | None = None
     """PEM file of that certificate's private key; None: $SWAP_STATE_TLS_CLIENT_KEY when set."""
     rpc_timeout_s: float = 10.0
@@ -87,42 +63,21 @@ class RemoteConfig:
     connect_timeout_s: float = 10.0
     """How long attach waits for an unreachable server before failing."""
     backpressure_timeout_s: float = 300.0
-    """Longest wait for a free copy-before-write slot during a snapshot, and for a snapshot
-    still persisting (before a new snapshot, a restore, or loading a reference to it)."""
+    """Longest wait for a copy-before-write slot, or for a snapshot still persisting."""
     server_wait_s: float = 60.0
-    """How long a snapshot-mode checkpoint (``state_dict()``, torchtitan's save) waits for a
-    server that is unreachable (restarting, being upgraded) to come back before it fails
-    naming the address. Training itself never waits for the server."""
+    """How long a snapshot-mode checkpoint waits for an unreachable (restarting) server."""
     embedded: EmbeddedServerConfig | None = None
     """Settings of the embedded server; None: sized from the model."""
     checkpoint: str = "full"
-    """'full': state_dict() holds the moments (the seed's format). 'snapshot': state_dict()
-    takes a server-side snapshot and holds only a reference, param groups and step counts;
-    load_state_dict() of such a dict restores the snapshot on the server. (Which way a load
-    goes follows the checkpoint, not this setting: a checkpoint with the moments loads them.)"""
+    """'full': state_dict() holds the moments; 'snapshot': a reference to a server-side snapshot."""
     snapshot_model: bool | None = None
-    """Whole-state snapshots: the segment also holds the model's parameters and persistent
-    buffers, copied in for each snapshot's step (on a helper thread, on an accelerator a side
-    stream, overlapped with the next forward and backward; other steps copy nothing), so a snapshot of step N holds the parameters of step N too, a restore puts
-    them back into the model, and a snapshot-mode checkpoint needs no model tensors. Costs
-    the model's bytes of the server's budget. None: on with ``checkpoint = 'snapshot'``."""
+    """Whole-state snapshots: the segment also holds the model's tensors; None: on in 'snapshot' mode."""
     model_state_dict: Callable[[nn.Module], dict[str, Any]] | None = None
-    """How the model's checkpoint form is read: torch's ``get_model_state_dict`` (None, what
-    torchtitan 0.2 checkpoints) or the module's own ``state_dict`` (torchtitan 0.3, whose
-    modules may produce entries in hooks, e.g. llama3's fused QKV split into wq/wk/wv). A
-    whole-state snapshot holds that form (:mod:`swap_state.client.remote.model_area`)."""
+    """How the model's checkpoint form is read; None: torch's ``get_model_state_dict``."""
     snapshot_replace_existing: bool = False
-    """A snapshot of a step that already has a durable one from an earlier attempt (the job
-    retrained the step, e.g. after loading an older checkpoint) replaces it; False: refused
-    with SnapshotExistsError. torchtitan's glue sets it, as torchtitan overwrites its
-    checkpoint of that step."""
+    """A snapshot of a step with a durable one from an earlier attempt replaces it (else refused)."""
     snapshot_keep_latest: int | None = None
-    """How many of this job's durable snapshots the server must keep, sent with every
-    snapshot: the job's own checkpoint retention, so that each checkpoint it still keeps can
-    be loaded (the server keeps max(this, its --keep-latest)). 0: keep them all (torchtitan's
-    ``checkpoint.keep_latest_k = 0``). None: the server's --keep-latest alone. Under
-    torchtitan the glue sets it, when left None, to ``checkpoint.keep_latest_k + 1`` (0 stays
-    0): torchtitan keeps one checkpoint more than k after its last-step save."""
+    """This job's snapshots the server must keep (0: all); None: the server's --keep-latest alone."""
 
 
 @dataclasses.dataclass
@@ -137,29 +92,13 @@ class Connection:
 CHECKPOINT_MODES: tuple[str, ...] = ("full", "snapshot")
 
 
-def validate_config(config: RemoteConfig) -> None:
-    """ValueError naming the field for a setting outside its allowed values."""
-    if config.checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(
-            f"RemoteConfig.checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, "
-            f"got {config.checkpoint!r}"
-        )
-    keep = config.snapshot_keep_latest
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
-        raise ValueError(
-            f"RemoteConfig.snapshot_keep_latest must be None or an integer >= 0 (0: keep all), got {keep!r}"
-        )
-
-
 def snapshots_model(config: RemoteConfig) -> bool:
     """Whether the segment holds the model too (``RemoteConfig.snapshot_model``)."""
     return config.checkpoint == "snapshot" if config.snapshot_model is None else bool(config.snapshot_model)
 
 
 def snapshot_retention(config: RemoteConfig) -> dict[str, Any]:
-    """The ``keep_latest`` / ``keep_all`` / ``replace_existing`` a job's Snapshot calls carry
-    (``snapshot_keep_latest`` and ``snapshot_replace_existing``; {}: the server's
-    --keep-latest alone, and no replacing)."""
+    """The ``keep_latest``/``keep_all``/``replace_existing`` a job's Snapshot calls carry."""
     retention: dict[str, Any] = {"replace_existing": True} if config.snapshot_replace_existing else {}
     keep = config.snapshot_keep_latest
     if keep is not None:
@@ -168,11 +107,8 @@ def snapshot_retention(config: RemoteConfig) -> dict[str, Any]:
 
 
 def follow_checkpoint_retention(config: RemoteConfig, keep_latest_k: int) -> None:
-    """Keep at least the snapshots a job's checkpoints still refer to: its checkpoint
-    retention (torchtitan's ``keep_latest_k``; 0: all) becomes ``snapshot_keep_latest``,
-    unless that was set explicitly; a step trained again replaces its snapshot."""
-    # A checkpointing framework overwrites the checkpoint of a step it trains again (after
-    # loading an older one): the snapshot that checkpoint refers to is overwritten with it.
+    """Keep the snapshots a job's checkpoints refer to: ``keep_latest_k`` (0: all) becomes
+    ``snapshot_keep_latest`` unless set; a step trained again replaces its snapshot."""
     config.snapshot_replace_existing = True
     if config.snapshot_keep_latest is not None:
         return
@@ -185,43 +121,59 @@ def follow_checkpoint_retention(config: RemoteConfig, keep_latest_k: int) -> Non
 
 
 def resolve_config(config: RemoteConfig | None, server: str | None, job_id: str | None) -> RemoteConfig:
-    """A validated copy of ``config`` with the address and job id from the arguments or
-    environment (still None where neither gives one: :func:`connect` decides then)."""
+    """A validated copy of ``config`` with the address and job id from arguments or environment."""
     config = dataclasses.replace(config or RemoteConfig())
-    validate_config(config)
+    if config.checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"RemoteConfig.checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, "
+                         f"got {config.checkpoint!r}")
+    keep = config.snapshot_keep_latest
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+        raise ValueError(f"RemoteConfig.snapshot_keep_latest must be None or an integer >= 0 (0: keep all), "
+                         f"got {keep!r}")
     config.server = server or config.server or os.environ.get(ENV_SERVER) or None
     config.job_id = job_id or config.job_id or os.environ.get(ENV_JOB_ID) or None
     return config
 
 
 def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kwargs: dict[str, Any]) -> Connection:
-    """Start the embedded server if ``config.server`` is None, pick a job id if none, attach.
-
-    Fills in ``config.server`` and ``config.job_id``. On a failed attach the client is
-    closed and an embedded server stopped before the error propagates.
-    """
+    """Fill in ``config.server`` (the host's, else an embedded one) and ``job_id``, then attach."""
     embedded = None
-    rank, world_size = _resolve_rank_world(config)
+    if config.rank is not None and config.world_size is not None:
+        rank, world_size = config.rank, config.world_size
+    elif dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if config.server is None:
         config.server = host_server()
     if config.server is None:
-        _warn_private_servers(rank, world_size)
+        if world_size > 1 and rank == 0:  # every rank starts its own; rank 0 says so
+            log.warning(
+                "no swap-state-server for this job: none is configured (RemoteConfig.server, $%s; "
+                "torchtitan: optimizer.swap_state_server) and none answers at %s, so each of its %d ranks "
+                "starts a private server: no shared memory budget per host, no --snapshot-store. Start one "
+                "per host (swap-state-server --shm-size SIZE) or set $%s",
+                ENV_SERVER, default_socket_path(), world_size, ENV_SERVER)
         embedded = EmbeddedServer(embedded_config_for(config, model_parts, optimizer_kwargs, rank, world_size))
         embedded.start()
         config.server = embedded.address
     if config.job_id is None:
         config.job_id = f"job-{uuid.uuid4().hex[:12]}"
     local_world_size = _resolve_local_world_size(config, world_size, embedded is not None)
-    client = SwapStateClient(
-        ClientConfig(
-            config.server,
-            token=_read_token(config),
-            timeout_s=config.rpc_timeout_s,
-            connect_timeout_s=config.connect_timeout_s,
-            server_uid=_server_uid(config),
-            **tls_files(config.tls_root_cert, config.tls_client_cert, config.tls_client_key),
-        )
-    )
+    token, token_file = config.token, os.environ.get(ENV_TOKEN_FILE)
+    if token is None and token_file:
+        with open(token_file) as f:
+            token = f.read().strip()
+    server_uid, uid_env = config.server_uid, os.environ.get(SERVER_UID_ENV, "")
+    if server_uid is None and uid_env:
+        try:
+            server_uid = int(uid_env)
+        except ValueError:
+            raise ValueError(f"${SERVER_UID_ENV} must be a uid (a number), got {uid_env!r}") from None
+    client = SwapStateClient(ClientConfig(
+        config.server, token=token, timeout_s=config.rpc_timeout_s,
+        connect_timeout_s=config.connect_timeout_s, server_uid=server_uid,
+        **tls_files(config.tls_root_cert, config.tls_client_cert, config.tls_client_key)))
     try:
         session = client.attach(config.job_id, rank, world_size, local_world_size)
     except BaseException:
@@ -232,21 +184,8 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
     return Connection(client, session, embedded)
 
 
-def _server_uid(config: RemoteConfig) -> int | None:
-    if config.server_uid is not None:
-        return config.server_uid
-    value = os.environ.get(SERVER_UID_ENV, "")
-    try:
-        return int(value) if value else None
-    except ValueError:
-        raise ValueError(f"${SERVER_UID_ENV} must be a uid (a number), got {value!r}") from None
-
-
 def host_server() -> str | None:
-    """The host's server: the default socket's address (where ``swap-state-server`` listens
-    unless told otherwise) when a server answers there within ``HOST_SERVER_PROBE_S``, else
-    None. Only a socket owned by this user or root is asked: another user's socket is not
-    this host's server, and a trainer sends it nothing."""
+    """The default socket's address when a server (of this user or root) answers there, else None."""
     path = default_socket_path()
     try:
         info = os.stat(path)
@@ -266,33 +205,18 @@ def host_server() -> str | None:
     return address
 
 
-def _warn_private_servers(rank: int, world_size: int) -> None:
-    """A job of several ranks without a host's server: every rank starts its own (rank 0 says
-    so, once)."""
-    if world_size > 1 and rank == 0:
-        log.warning(
-            "no swap-state-server for this job: none is configured (RemoteConfig.server, $%s; "
-            "torchtitan: optimizer.swap_state_server) and none answers at %s, so each of its %d ranks "
-            "starts a private server: no shared memory budget per host, no --snapshot-store. Start one "
-            "per host (swap-state-server --shm-size SIZE) or set $%s",
-            ENV_SERVER, default_socket_path(), world_size, ENV_SERVER,
-        )
-
-
-def embedded_config_for(
-    config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kwargs: dict[str, Any], rank: int, world_size: int
-) -> EmbeddedServerConfig:
-    """``config.embedded`` completed for this trainer: sized from the model when it names
-    no size, and, in a job of several ranks, a snapshot directory of this rank's own
-    (``<snapshot dir>/rank-<rank>``: each rank's private server is a server of its own,
-    and two servers must not write one directory)."""
+def embedded_config_for(config: RemoteConfig, model_parts: Sequence[nn.Module],
+                        optimizer_kwargs: dict[str, Any], rank: int, world_size: int) -> EmbeddedServerConfig:
+    """``config.embedded`` sized from the model when it names no size; with several ranks, a
+    snapshot directory of this rank's own (``<dir>/rank-<rank>``: two servers never share one)."""
     embedded = config.embedded or EmbeddedServerConfig()
     if embedded.shm_size_bytes is None:
-        state = _state_bytes(model_parts, optimizer_kwargs)
+        keys = 3 if optimizer_kwargs.get("amsgrad") else 2  # the moments, a page of slack per tensor
+        local = (unwrap_dtensor(p) for m in model_parts for p in m.parameters())
+        state = sum(keys * t.numel() * t.element_size() + 4096 for t in local)
         cow = embedded.setting("cow_budget")
         if snapshots_model(config):
-            # Whole-state snapshots are checkpoints: pause-free ones need copy slots for the
-            # whole state (about what DCP's async save stages in the trainer's own memory).
+            # Pause-free whole-state snapshots need copy slots for the whole state.
             state += model_state_bytes(model_parts, config.model_state_dict)
             if cow is None:
                 chunk = embedded.setting("chunk_bytes")
@@ -302,18 +226,12 @@ def embedded_config_for(
         embedded = dataclasses.replace(embedded, shm_size_bytes=size, server=server)
     if world_size > 1:
         root = embedded.snapshot_dir or default_snapshot_dir()
-        embedded = dataclasses.replace(embedded, snapshot_dir=os.path.join(root, _rank_dir(rank)))
+        embedded = dataclasses.replace(embedded, snapshot_dir=os.path.join(root, f"rank-{rank:05d}"))
     return embedded
 
 
-def _rank_dir(rank: int) -> str:
-    return f"rank-{rank:05d}"
-
-
 def embedded_world_size_hint(snapshot_dir: str, job_id: str, world_size: int) -> str:
-    """Why this embedded server finds none of ``job_id``'s snapshots, when the embedded
-    servers of a run of another size took them (the layout of :func:`embedded_config_for`):
-    what to do instead. Empty when the directory shows no such run."""
+    """What to do when the embedded servers of a run of another size took ``job_id``'s snapshots."""
     root = os.path.dirname(snapshot_dir) if world_size > 1 else snapshot_dir
     ranks = sorted(glob.glob(os.path.join(glob.escape(root), "rank-*", job_id)))
     if ranks and world_size == 1:
@@ -322,26 +240,14 @@ def embedded_world_size_hint(snapshot_dir: str, job_id: str, world_size: int) ->
         taken = f"a one-rank run's embedded server, in {root}"
     else:
         return ""
-    return (
-        f"; this job's snapshots there were taken by {taken}: an embedded server restores the "
-        f"files of its own rank in a run of the same size only. To resume at another world size, "
-        "run one swap-state-server per host with a shared --snapshot-store, or write the "
-        f"checkpoint as a plain one (swap-state export CHECKPOINT OUT --format torchtitan "
-        f"--snapshot-dir {root}) and load that"
-    )
-
-
-def _resolve_rank_world(config: RemoteConfig) -> tuple[int, int]:
-    if config.rank is not None and config.world_size is not None:
-        return config.rank, config.world_size
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return (f"; this job's snapshots there were taken by {taken}: an embedded server restores the "
+            f"files of its own rank in a run of the same size only. To resume at another world size, "
+            "run one swap-state-server per host with a shared --snapshot-store, or write the "
+            f"checkpoint as a plain one (swap-state export CHECKPOINT OUT --format torchtitan "
+            f"--snapshot-dir {root}) and load that")
 
 
 def _resolve_local_world_size(config: RemoteConfig, world_size: int, embedded: bool) -> int:
-    """RemoteConfig.local_world_size, else $LOCAL_WORLD_SIZE, else world_size (1 for the
-    embedded server: it serves this process only)."""
     if config.local_world_size is not None:
         return config.local_world_size
     if embedded:
@@ -354,25 +260,6 @@ def _resolve_local_world_size(config: RemoteConfig, world_size: int, embedded: b
     except ValueError:
         raise ValueError(f"$LOCAL_WORLD_SIZE {env!r} is not an integer") from None
     if not 1 <= local <= world_size:
-        raise ValueError(
-            f"$LOCAL_WORLD_SIZE {local} is not in [1, world_size {world_size}]: set "
-            "RemoteConfig.local_world_size to the number of ranks attached to this server"
-        )
+        raise ValueError(f"$LOCAL_WORLD_SIZE {local} is not in [1, world_size {world_size}]: set "
+                         "RemoteConfig.local_world_size to the number of ranks attached to this server")
     return local
-
-
-def _read_token(config: RemoteConfig) -> str | None:
-    if config.token is not None:
-        return config.token
-    path = os.environ.get(ENV_TOKEN_FILE)
-    if not path:
-        return None
-    with open(path) as f:
-        return f.read().strip()
-
-
-def _state_bytes(model_parts: Sequence[nn.Module], kwargs: dict[str, Any]) -> int:
-    """The segment bytes the model's moments need, with a page of slack per tensor."""
-    keys = 3 if kwargs.get("amsgrad") else 2
-    local = (unwrap_dtensor(p) for m in model_parts for p in m.parameters())
-    return sum(keys * t.numel() * t.element_size() + 4096 for t in local)

@@ -1,43 +1,18 @@
 """``RemoteSwapOptimizersContainer``: the swap optimizer with its host cache in the host's
-swap-state-server.
-
-Same behaviour and checkpoint contract as :class:`SwapOptimizersContainer` (the seed's flat
-state dict, tied-parameter aliases, DTensor layout, rollback on a failed load); the host cache
-is a set of views on the session's shared-memory segment instead of process-local memory.
+swap-state-server: the in-process container (same checkpoint contract) whose host cache is
+views on a :class:`~swap_state.client.remote.remote_segment.RemoteSegment`.
 
 Call order::
 
     c = RemoteSwapOptimizersContainer(model_parts, torch.optim.AdamW, kwargs, 8,
-                                      server="unix:///run/swap-state/swap-state.sock",
-                                      job_id="run1")
-        # attach -> allocate -> map -> register for DMA (once) -> views become the cache
-        # (a reattach within the server's --grace finds the moments of c.resumed_step)
-    for step in ...:
-        loss.backward(); c.step(); c.zero_grad()    # no RPC: the commit is a header word
-        if step % 100 == 0:
-            c.snapshot()                             # one RPC; returns when consistent
-    c.close()                                        # detach (also at interpreter exit)
+                                      server="unix:///run/swap-state/swap-state.sock", job_id="run1")
+    loss.backward(); c.step(); c.zero_grad()    # per step; no RPC: the commit is a header word
+    c.snapshot()                                 # between steps; one RPC, returns when consistent
+    c.close()                                    # detach (also at interpreter exit)
 
-The container is the in-process container plus one
-:class:`~swap_state.client.remote.remote_segment.RemoteSegment` (attach, mapping, header,
-reattach, snapshot and restore calls, the model area), which knows nothing of optimizers;
-what the optimizers say in a snapshot's metadata is
-:class:`~swap_state.client.remote.optimizer_metadata.OptimizerMetadata`. The container
-overrides the in-process container's hooks and adds the checkpoint modes
-(``RemoteConfig.checkpoint``):
-
-'full'
-    ``state_dict()`` is the seed's flat dict with the moments (views of the segment);
-    ``load_state_dict()`` the seed's validated load.
-'snapshot'
-    ``state_dict()`` takes a server-side snapshot of the last committed step (unless one of
-    that step exists) and holds only a reference to it (:data:`SNAPSHOT_REF_KEY`,
-    :data:`SNAPSHOT_JOB_KEY`) plus param groups and step counts (with whole-state snapshots,
-    the reference only); ``load_state_dict()`` of such a dict restores that snapshot.
-
-Which way a load goes depends on the dict (a reference or not), not on the mode.
-
-Importing this module patches nothing in torchtitan.
+Checkpoint modes (``RemoteConfig.checkpoint``): 'full', the seed's flat dict with the moments;
+'snapshot', a reference to a server-side snapshot (:data:`SNAPSHOT_REF_KEY`) plus param groups
+and steps. A load follows the dict (a reference or not), not the mode.
 """
 
 from __future__ import annotations
@@ -57,13 +32,13 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from swap_state.client.errors import (
-    NotFoundError, ServerUnavailableError, SnapshotFailedError, SnapshotNotFoundError, SwapStateError,
-)
+    NotFoundError, ServerUnavailableError, SnapshotFailedError, SnapshotNotFoundError, SwapStateError)
 from swap_state.client.optim.checkpoint_template import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, holds_snapshot_reference
 from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.optim.host_cache import STEP_KEY, HostCacheEntry
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
-from swap_state.client.remote.config import RemoteConfig, follow_checkpoint_retention, resolve_config, snapshots_model
+from swap_state.client.remote.config import (
+    RemoteConfig, follow_checkpoint_retention, resolve_config, snapshot_retention, snapshots_model)
 from swap_state.client.remote.model_area import plan_model_tensors
 from swap_state.client.remote.optimizer_metadata import OptimizerMetadata, all_param_groups
 from swap_state.client.remote.remote_segment import GROUP_STEPS, PARAM_STEPS, RemoteSegment
@@ -73,53 +48,37 @@ from swap_state.common.names import STATE_PREFIX, is_model_tensor, state_key
 from swap_state.common.sizing import plan_for_rank
 
 __all__ = [
-    "GROUP_STEPS",
-    "PARAM_STEPS",
-    "SNAPSHOT_JOB_KEY",
-    "SNAPSHOT_REF_KEY",
-    "RemoteConfig",
-    "RemoteSwapOptimizersContainer",
-    "SnapshotHandle",
-    "is_moment_key",
-]
+    "GROUP_STEPS", "PARAM_STEPS", "SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY", "RemoteConfig",
+    "RemoteSwapOptimizersContainer", "SnapshotHandle", "is_moment_key"]
 
 log = logging.getLogger("swap_state.client.remote_container")  # the name users configure
 
 
 class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
-    """Swap optimizer whose host cache lives in swap-state-server's shared memory: the
-    in-process container plus :attr:`segment` (module docstring)."""
+    """Swap optimizer whose host cache lives in swap-state-server's shared memory."""
 
-    def __init__(
-        self,
-        model_parts: list[nn.Module],
-        optimizer_cls: type[Optimizer],
-        optimizer_kwargs: dict[str, Any],
-        swap_optimizer_times: int = DEFAULT_SWAP_TIMES,
-        *,
-        server: str | None = None,
-        job_id: str | None = None,
-        config: RemoteConfig | None = None,
-        **container_kwargs: Any,
-    ) -> None:
+    def __init__(self, model_parts: list[nn.Module], optimizer_cls: type[Optimizer],
+                 optimizer_kwargs: dict[str, Any], swap_optimizer_times: int = DEFAULT_SWAP_TIMES, *,
+                 server: str | None = None, job_id: str | None = None, config: RemoteConfig | None = None,
+                 **container_kwargs: Any) -> None:
         self.remote_config = resolve_config(config, server, job_id)
         self.segment = RemoteSegment.connect(self.remote_config, model_parts, optimizer_kwargs)
         self._metadata: OptimizerMetadata | None = None
         self._fresh_group_steps: tuple[Any, ...] = ()
-        self._checkpoint_snapshot: SnapshotHandle | None = None
-        """The snapshot the last snapshot-mode state_dict() referred to (what a checkpoint holds)."""
-        self._restored_reference: str | None = None
-        """The reference the state was last restored from, until the next step."""
+        self._checkpoint_snapshot: SnapshotHandle | None = None  # the last checkpoint's reference
+        self._restored_reference: str | None = None  # the reference restored from, until the next step
         try:
             super().__init__(model_parts, optimizer_cls, optimizer_kwargs, swap_optimizer_times, **container_kwargs)
-            self._resume_group_steps()
+            # Fresh group steps are what a dropped state gets; a reattach's come from the segment.
+            groups = all_param_groups(self.optimizers)
+            self._fresh_group_steps = tuple(_clone(g.get(STEP_KEY)) for g in groups)
+            if self.segment.resumed_step is not None:
+                self._load_group_steps_from_segment()
         except BaseException:
             self.close()
             raise
-        # close() at exit without keeping the container alive
         atexit.register(_close_at_exit, weakref.ref(self), os.getpid())
 
-    # -- what the segment holds, for callers ------------------------------------------------
     @property
     def session(self) -> Any:
         """The attached session (:class:`~swap_state.client.remote.rpc.RemoteSession`)."""
@@ -135,23 +94,15 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         """The step a reattach (or a restore) resumed at; None for a fresh segment."""
         return self.segment.resumed_step
 
-    # -- hooks -------------------------------------------------------------------------------
     def _allocate_host_cache(self, entries: Sequence[HostCacheEntry]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """One Allocate RPC for every moment, the per-param steps and the group steps."""
         n_groups = sum(len(o.param_groups) for o in self.optimizers)
-        specs: list[tuple[str, str, list[int]]] = [
-            (PARAM_STEPS, "float32", [len(entries)]),
-            (GROUP_STEPS, "float32", [n_groups]),
-        ]
-        for entry in entries:
-            specs.extend(
-                (state_key(entry.fqn, key), dtype_name(entry.dtype), list(entry.shape)) for key in entry.keys
-            )
+        specs = [(PARAM_STEPS, "float32", [len(entries)]), (GROUP_STEPS, "float32", [n_groups])]
+        specs += [(state_key(e.fqn, k), dtype_name(e.dtype), list(e.shape)) for e in entries for k in e.keys]
         model_tensors = []
         if snapshots_model(self.remote_config):
-            model_tensors = plan_model_tensors(
-                self.model_parts, [e.param for e in entries], self.remote_config.model_state_dict
-            )
+            params = [e.param for e in entries]
+            model_tensors = plan_model_tensors(self.model_parts, params, self.remote_config.model_state_dict)
             specs.extend(t.spec() for t in model_tensors)  # last: protocol step 5
         views = self.segment.allocate(specs, self._backend, model_tensors, self.model_parts)
         self._log_sizing(entries)
@@ -168,8 +119,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         return cache
 
     def _log_sizing(self, entries: Sequence[HostCacheEntry]) -> None:
-        """What this rank's segment holds and what a host of the job's ranks needs (the
-        numbers of ``swap-state plan``)."""
+        """What this rank's segment holds and a host of the job's ranks needs (``swap-state plan``)."""
         tensors = self.segment.tensors
         model = sum(t.nbytes for t in tensors if is_model_tensor(t.name))
         moments = sum(t.nbytes for t in tensors if t.name.startswith(STATE_PREFIX))
@@ -178,18 +128,10 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         log.info("swap-state segment of job %s rank %d: %s; %s", self.remote_config.job_id, self.session.rank,
                  plan.lines()[0].removeprefix("per rank:").strip(), plan.lines()[2].removeprefix("server:").strip())
 
-    def _resume_group_steps(self) -> None:
-        """Fresh group steps remembered (what a dropped state gets); after a reattach, the
-        group steps come back from the segment like the moments."""
-        self._fresh_group_steps = tuple(_clone(g.get(STEP_KEY)) for g in all_param_groups(self.optimizers))
-        if self.segment.resumed_step is not None:
-            self._load_group_steps_from_segment()
-
     def _before_host_write(self, params: Sequence[torch.Tensor]) -> None:
         self.segment.check_not_torn()
-        # The step tensors change with every slice, so they are guarded every time. The
-        # names are an iterator the guard walks only while a snapshot persists: a step
-        # without one looks up no parameter here.
+        # The step tensors change with every slice; the names are lazy: walked only while a
+        # snapshot persists.
         names_of = self._tensor_names
         names = itertools.chain((PARAM_STEPS, GROUP_STEPS), (n for p in params for n in names_of.get(p, ())))
         self.segment.before_write(self._current_step(), names)
@@ -199,8 +141,6 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         return int(max((float(s) for s in steps), default=0))
 
     def _publish_step(self, params_known: bool = True) -> int:
-        """Group steps into the segment, then the segment's publish (fingerprint, end of
-        write, commit)."""
         group_steps = self.segment.views[GROUP_STEPS]
         for index, group in enumerate(all_param_groups(self.optimizers)):
             group_steps[index] = float(group.get(STEP_KEY, 0))
@@ -223,10 +163,8 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             self.segment.model_area.invalidate()  # the model is loaded after the optimizer, if at all
         self._publish_step(params_known=False)  # the model may be loaded after the optimizer
 
-    # -- reattach ----------------------------------------------------------------------------
     def _verify_kept_state(self) -> None:
-        """Before the first step after a reattach: the segment keeps the state or drops it;
-        a dropped state's group steps become a fresh container's."""
+        """First step after a reattach: a dropped state's group steps become a fresh container's."""
         if self.segment.verify_kept_state():
             return
         for group, step in zip(all_param_groups(self.optimizers), self._fresh_group_steps):
@@ -236,22 +174,13 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
                 group[STEP_KEY] = _clone(step)
 
     def _load_group_steps_from_segment(self) -> None:
-        """Every param group's step := the segment's (copies: the group owns its tensor)."""
         group_steps = self.segment.views[GROUP_STEPS]
         for index, group in enumerate(all_param_groups(self.optimizers)):
             group[STEP_KEY] = group_steps[index].clone()
 
-    # -- snapshots ---------------------------------------------------------------------------
     def snapshot(self) -> SnapshotHandle:
-        """Snapshot the last committed step on the server; returns once it is consistent.
-
-        Call between steps (after ``step()``). The trainer may step again at once; the
-        handle's ``wait_durable()`` says when it is on disk. A whole-state snapshot's copy of
-        the model goes on after this returns (the next update waits for it): a trainer that
-        dies before it lands fails the snapshot. A checkpoint's reference waits for it
-        (:meth:`checkpoint_reference`).
-        """
-        # Kept state of a reattach is checked against the model before anything refers to it.
+        """Snapshot the last committed step on the server (between steps); returns once it is
+        consistent. A whole-state snapshot's model copy lands after (the next update waits)."""
         self._verify_kept_state()
         step = self.session.last_committed_step
         if step is None:
@@ -259,11 +188,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         return self.segment.snapshot(step, self._metadata.parts(self.segment.views[PARAM_STEPS]))
 
     def restore(self, snapshot_id: str = "latest") -> int:
-        """Replace the moments and steps with a durable snapshot's; returns its step.
-
-        The server verifies layout and checksums before it writes a byte; on a mismatch it
-        raises and the current state is untouched. Call between steps.
-        """
+        """Replace the moments and steps with a durable snapshot's (server-verified); its step."""
         return self.segment.restore(snapshot_id, self.snapshot_metadata(), self._apply_restored_metadata)
 
     def _apply_restored_metadata(self, metadata_json: str) -> None:
@@ -275,81 +200,39 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         """What the server cannot know: fqns, keys, DTensor layout, param groups, steps."""
         return self._metadata.whole(self.segment.views[PARAM_STEPS])
 
-    def state_dict_param_groups(self) -> dict[str, dict[str, Any]]:
-        """Per canonical fqn, the JSON form of its param group's hyperparameters."""
-        return self._metadata.param_groups_by_fqn()
-
     def snapshot_retention(self) -> dict[str, Any]:
-        return self.segment.retention()
+        return snapshot_retention(self.remote_config)
 
     def follow_checkpoint_retention(self, keep_latest_k: int) -> None:
-        """This job's snapshots follow its checkpoint retention (:func:`~swap_state.client.remote.config.follow_checkpoint_retention`)."""
+        """This job's snapshots follow its checkpoint retention (``keep_latest_k``)."""
         follow_checkpoint_retention(self.remote_config, keep_latest_k)
 
-    def snapshot_location(self) -> str:
-        return self.segment.location()
-
-    # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Seed format in 'full' mode. In 'snapshot' mode: a reference to a server-side
-        snapshot of the last committed step (taken now, unless one of that step exists),
-        plus param groups and step counts (whole-state snapshots: the reference only); no
-        moment bytes pass through the trainer.
-
-        While a load announced the checkpoint's keys (``loading_checkpoint``, as the
-        torchtitan glue does around ``CheckpointManager.dcp_load``), this is that
-        checkpoint's template, whatever the mode: a reference (no snapshot taken) for a
-        snapshot-mode checkpoint, else the full dict matched to its keys.
-
-        Otherwise, still safe as a load template: a container that has committed no step (or
-        whose kept state is torn) takes no snapshot; one that has (a reattached trainer) takes
-        one, and the load then restores the referenced snapshot after it. In 'full' mode the
-        returned moments are views that DCP loads into, so a snapshot still reading the
-        segment is waited for first.
-        """
+        """Seed format in 'full' mode; in 'snapshot' mode a reference to a snapshot of the last
+        committed step (taken now unless one exists) plus param groups and steps. While a load
+        announced the checkpoint's keys, that checkpoint's template (no snapshot taken)."""
         held = self._load_template.keys
-        if held is not None and holds_snapshot_reference(held):
-            return self._reference_template(held)
-        if held is not None or self.remote_config.checkpoint != "snapshot":
-            # The moments are views of the segment, and DCP loads *into* a template's tensors:
-            # no write may land under a snapshot still reading the segment.
+        template = held is not None and holds_snapshot_reference(held)  # no snapshot taken
+        if not template and (held is not None or self.remote_config.checkpoint != "snapshot"):
+            # DCP loads into the template's views: no write under a snapshot still reading them.
             self.segment.wait_released("state_dict()")
             return super().state_dict()  # matched to the checkpoint's keys while loading
-        # A whole-state snapshot holds everything: the checkpoint needs the reference only.
-        flat = {} if self.snapshots_model else self._state_dict_without_moments()
-        flat[SNAPSHOT_REF_KEY] = self.checkpoint_reference()
-        flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
-        return flat
-
-    def _state_dict_without_moments(self, held: frozenset[str] | None = None) -> dict[str, Any]:
-        return {k: v for k, v in super().state_dict().items()
-                if not is_moment_key(k) and (held is None or k in held)}
-
-    def _reference_template(self, held: frozenset[str]) -> dict[str, Any]:
-        """The template of a snapshot-mode checkpoint: the keys it holds, no moments, and no
-        snapshot taken (the reference it holds replaces the placeholder)."""
-        flat = self._state_dict_without_moments(held)
-        flat[SNAPSHOT_REF_KEY] = ""
+        flat = {} if self.snapshots_model and not template else {
+            k: v for k, v in super().state_dict().items()
+            if not is_moment_key(k) and (held is None or k in held)}
+        flat[SNAPSHOT_REF_KEY] = "" if template else self.checkpoint_reference()
         flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
         return flat
 
     def checkpoint_reference(self) -> str:
-        """The id of a server-side snapshot of the last committed step, taken now unless one
-        of that step exists ("" before the first committed step, or while the kept state is
-        torn): what a snapshot-mode checkpoint refers to. Returns once the model's parameters
-        are in the segment (the server needs nothing more from this trainer to complete the
-        snapshot). Remembered for :meth:`wait_checkpoint_durable`."""
+        """The id of a snapshot of the last committed step, taken now unless one exists ("" with
+        no committed step or torn state); returns once the model's copy has landed."""
         step = self.session.last_committed_step
-        if self.segment.torn_step is not None:
-            step = None  # no consistent state to refer to (a load template, before a restore)
-        if step is not None and step != self.segment.snapshot_step:
-            # A server being restarted or upgraded is waited for (bounded), not failed at once.
+        if step is not None and step != self.segment.snapshot_step and self.segment.torn_step is None:
             self.session.wait_connected(self.remote_config.server_wait_s)
             self.snapshot()
         if self.snapshots_model:
-            # A checkpoint that refers to the snapshot is a promise: a trainer killed once the
-            # save returns must still leave a snapshot the server can complete, and the model's
-            # copy into the segment is the trainer's part of it.
+            # A trainer killed once the save returns must leave a snapshot the server can complete.
             self.segment.model_area.wait_published()
         handle = self.segment.snapshot_handle
         self._checkpoint_snapshot = handle
@@ -362,14 +245,11 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
 
     @property
     def whole_state_checkpoints(self) -> bool:
-        """Whether a checkpoint's model entry may be a reference too: snapshot mode with
-        whole-state snapshots (a 'full' checkpoint keeps the model's tensors)."""
+        """Whether a checkpoint's model entry may be a reference too (snapshot mode, whole state)."""
         return self.snapshots_model and self.remote_config.checkpoint == "snapshot"
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """A snapshot reference is restored on the server (verified before any byte
-        changes); a full dict goes through the seed's validated load, which rewrites every
-        byte: torn state is no longer torn (unless the load fails)."""
+        """A snapshot reference is restored on the server; a full dict takes the seed's validated load."""
         snapshot_id = state_dict.get(SNAPSHOT_REF_KEY)
         if snapshot_id is not None:
             if snapshot_id:  # empty: saved before the first committed step, nothing to restore
@@ -383,15 +263,12 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             raise
 
     def restore_reference(self, snapshot_id: str) -> None:
-        """Restore the snapshot a checkpoint refers to, unless this container's state already
-        is that snapshot's (the optimizer's entry of the same checkpoint restored it)."""
+        """Restore the snapshot a checkpoint refers to, unless the state already is that one's."""
         if snapshot_id and snapshot_id != self._restored_reference:
             self._load_snapshot_reference(snapshot_id, {})
 
     def _load_snapshot_reference(self, snapshot_id: str, state_dict: Mapping[str, Any]) -> None:
-        """Wait for the snapshot to be durable, restore it, then apply the dict's groups."""
-        # The reference was saved once its snapshot was consistent; it may not be durable yet
-        # (a save, then at once a load): wait for it, or for its failure.
+        """Wait for the snapshot to be durable (a save, then at once a load), restore it."""
         pending = self.segment.handle_for(snapshot_id)
         if pending is not None:
             try:
@@ -409,28 +286,20 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
 
     def wait_checkpoint_durable(self, timeout_s: float | None = None, stored: bool = False) -> None:
         """Block until the snapshot the last snapshot-mode ``state_dict()`` referred to is
-        durable (``stored``: in the server's ``--snapshot-store`` too); raise if it failed. A
-        server that stops or a segment that is freed ends a snapshot still persisting: call
-        it before the trainer exits (torchtitan's ``CheckpointManager.close`` does, through
-        the glue). Nothing to wait for in 'full' mode, or after ``close()``."""
+        durable (``stored``: in the ``--snapshot-store`` too); raise if it failed. Call before
+        the trainer exits: a detach ends a snapshot still persisting."""
         handle = self._checkpoint_snapshot
         if handle is None or self.segment.closed:
             return
         timeout_s = self.remote_config.backpressure_timeout_s if timeout_s is None else timeout_s
-        if stored:
-            handle.wait_stored(timeout_s=timeout_s)
-        else:
-            handle.wait_durable(timeout_s=timeout_s)
+        (handle.wait_stored if stored else handle.wait_durable)(timeout_s=timeout_s)
 
     def wait_checkpoint_stored(self, timeout_s: float | None = None) -> None:
-        """Until the snapshot the last snapshot-mode checkpoint refers to is in the server's
-        ``--snapshot-store`` (every host reaches it): a lost host no longer loses it."""
+        """Until the last snapshot-mode checkpoint's snapshot is in the ``--snapshot-store``."""
         self.wait_checkpoint_durable(timeout_s, stored=True)
 
-    # -- lifetime ----------------------------------------------------------------------------
     def server_stats(self, wait_s: float = 0.0):
-        """The server's Stats reply. A server that does not answer (restarting) is waited for
-        up to ``wait_s``: until the session has reconnected to it, then asked again."""
+        """The server's Stats reply; a restarting server is waited for up to ``wait_s``."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -443,18 +312,14 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def close(self, keep: bool = False) -> None:
-        """Detach from the server (freeing the segment unless ``keep``), unmap, stop an
-        embedded server. Idempotent; also run at interpreter exit."""
+        """Detach (freeing the segment unless ``keep``), unmap, stop an embedded server; idempotent."""
         if self.segment.closed:
             return
         try:
-            # A checkpoint may refer to a snapshot still persisting; detaching (or stopping
-            # the embedded server) would end it.
             self.wait_checkpoint_durable()
         except SwapStateError as e:
             log.warning("the snapshot the last checkpoint refers to is not durable: %s", e)
-        # No reference to the views outlives the mapping (the instance's map: one whose
-        # __init__ failed early has only the class's empty default).
+        # No view outlives the mapping (vars(): an __init__ that failed early set no map).
         vars(self).get("param_to_cpu_states_map", {}).clear()
         self.segment.close(keep)
 

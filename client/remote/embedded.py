@@ -1,24 +1,7 @@
-"""The embedded default: a private local swap-state-server owned by one container.
-
-Used when neither ``server=`` nor ``SWAP_STATE_SERVER`` names a server. The server runs as a
-subprocess with its socket and log in a private temp directory; ``stop()`` (also run at
-interpreter exit) terminates it, which removes its socket and segments, then that directory.
-
-Its snapshots outlive it, so that a rerun's embedded server restores them:
-``EmbeddedServerConfig.snapshot_dir``, by default (None) :func:`default_snapshot_dir`, a
-per-user folder: ``$XDG_STATE_HOME/swap-state/snapshots``, else
-``~/.local/state/swap-state/snapshots``. Under torchtitan the glue sets it to
-``<job.dump_folder>/swap-state-snapshots`` (:mod:`swap_state.client.torchtitan.config`), and a
-container of a job with several ranks gives each rank's server ``<dir>/rank-<rank>``
-(:func:`swap_state.client.remote.config.embedded_config_for`). Snapshots there are the server's
-usual layout (``<job_id>/step-<N>``); ``swap-state export`` reads them.
-If the server dies (a crash, the OOM killer), a watchdog thread starts it again on the same
-socket and shm directory (``EmbeddedServerConfig.auto_restart``): it adopts the trainer's
-segment, and the trainer, which kept stepping, reconnects. A stop frees every segment
-(``--free-segments-on-stop``): nobody else would adopt them.
-Its flags come from a :class:`~swap_state.common.server_config.ServerConfig`
-(:func:`~swap_state.common.server_flags.config_to_argv`), so every default not set here, the
-copy-before-write pool among them, is the server's own.
+"""The embedded default: a private local swap-state-server owned by one container, used when
+no server is named. A subprocess with its socket and log in a private temp directory; its
+snapshots outlive it (:func:`default_snapshot_dir`) so that a rerun restores them. A watchdog
+restarts a server that dies (it adopts the trainer's segment); a stop frees every segment.
 """
 
 from __future__ import annotations
@@ -46,24 +29,20 @@ from swap_state.common.server_flags import config_from_settings, config_to_argv,
 
 __all__ = ["DEFAULT_SHM_SIZE_BYTES", "EmbeddedServerConfig", "EmbeddedServer", "default_snapshot_dir"]
 
-#: Budget of an embedded server started on its own (a container sizes it from the model).
-DEFAULT_SHM_SIZE_BYTES = 256 << 20
-#: Deaths within :data:`QUICK_DEATH_S` of a start, in a row, after which the watchdog stops
-#: restarting (the server cannot run here; its log says why).
+DEFAULT_SHM_SIZE_BYTES = 256 << 20  # a server started on its own (a container sizes it from the model)
+#: Quick deaths in a row after which the watchdog stops restarting (the server cannot run here).
 CRASH_LOOP = 3
 QUICK_DEATH_S = 10.0
+log = logging.getLogger("swap_state.client.embedded")  # the name users configure
 
 
 def default_snapshot_dir() -> str:
-    """Where an embedded server keeps snapshots when none is configured: a per-user folder,
-    ``$XDG_STATE_HOME/swap-state/snapshots`` (when that is an absolute path, as the XDG spec
-    asks), else ``~/.local/state/swap-state/snapshots``."""
+    """A per-user folder: ``$XDG_STATE_HOME/swap-state/snapshots`` (when absolute), else
+    ``~/.local/state/swap-state/snapshots``."""
     state_home = os.environ.get("XDG_STATE_HOME", "")
     if not os.path.isabs(state_home):
         state_home = os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(state_home, "swap-state", "snapshots")
-
-log = logging.getLogger("swap_state.client.embedded")  # the name users configure
 
 
 EMBEDDED_SERVER_DEFAULTS: dict[str, Any] = {
@@ -77,36 +56,25 @@ EMBEDDED_SERVER_DEFAULTS: dict[str, Any] = {
 @dataclasses.dataclass
 class EmbeddedServerConfig:
     shm_size_bytes: int | None = None
-    """Budget of the private server (--shm-size). None: sized from the model by the container
-    that starts it; :data:`DEFAULT_SHM_SIZE_BYTES` for a server started on its own."""
+    """--shm-size; None: sized from the model (:data:`DEFAULT_SHM_SIZE_BYTES` on its own)."""
     snapshot_dir: str | None = None
-    """--snapshot-dir: where snapshots go and stay after the server stops, so that a later
-    embedded server with the same directory restores them. None: :func:`default_snapshot_dir`
-    (a per-user folder); under torchtitan ``<job.dump_folder>/swap-state-snapshots``."""
+    """--snapshot-dir, kept after the server stops; None: :func:`default_snapshot_dir`."""
     server: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Any other flag of the private server, by its :class:`ServerConfig` field name
-    (``{"grace": 30.0, "cow_budget": 2 << 30, "snapshot_store": "s3://b/p"}``: the server's
-    ``--help`` says what each does), over :data:`EMBEDDED_SERVER_DEFAULTS`. Checked when the
-    server starts (ConfigError naming the flag). ``free_segments_on_stop=False`` keeps live
-    sessions' segments for the next server on the same socket (:meth:`EmbeddedServer.restart`
-    then is an upgrade that costs the trainers nothing)."""
+    """Other server flags by :class:`ServerConfig` field name, over :data:`EMBEDDED_SERVER_DEFAULTS`."""
     start_timeout_s: float = 30.0
     """How long to wait for the server to report SERVING."""
     stop_timeout_s: float = 10.0
     """How long SIGTERM may take before SIGKILL."""
     auto_restart: bool = True
-    """Start the server again when it dies (it adopts the trainer's segment; the trainer
-    steps on and reconnects). Not after :data:`CRASH_LOOP` quick deaths in a row."""
+    """Start the server again when it dies (not after :data:`CRASH_LOOP` quick deaths in a row)."""
 
     def setting(self, name: str) -> Any:
-        """The private server's ``name`` setting: this config's, the embedded default, or the
-        server's own."""
+        """The private server's ``name`` setting: this config's, the embedded default, or the server's."""
         default = ServerConfig.__dataclass_fields__[name].default
         return setting_value(name, self.server.get(name, EMBEDDED_SERVER_DEFAULTS.get(name, default)))
 
     def server_config(self, listen: str, snapshot_dir: str) -> ServerConfig:
-        """The private server's config; everything not named here (the copy-before-write pool
-        included) is :class:`ServerConfig`'s own default. Raises ConfigError for bad values."""
+        """The private server's config (else :class:`ServerConfig`'s defaults); ConfigError for bad values."""
         own = {"listen", "shm_size", "snapshot_dir"}  # the socket is the container's; the others, fields here
         unknown = sorted(name for name in self.server if name in own or name not in ServerConfig.__dataclass_fields__)
         if unknown:
@@ -114,8 +82,7 @@ class EmbeddedServerConfig:
                               "(shm_size_bytes and snapshot_dir are fields of EmbeddedServerConfig)")
         return config_from_settings({
             **EMBEDDED_SERVER_DEFAULTS, **self.server, "listen": listen, "snapshot_dir": snapshot_dir,
-            "shm_size": DEFAULT_SHM_SIZE_BYTES if self.shm_size_bytes is None else self.shm_size_bytes,
-        })
+            "shm_size": DEFAULT_SHM_SIZE_BYTES if self.shm_size_bytes is None else self.shm_size_bytes})
 
 
 class EmbeddedServer:
@@ -126,16 +93,13 @@ class EmbeddedServer:
         self.workdir: str | None = None
         self.address: str | None = None
         self.snapshot_dir: str | None = None
-        self.server_config: ServerConfig | None = None
-        """What the server was started with, once :meth:`start` ran."""
         self._proc: subprocess.Popen | None = None
         self._log_path: str | None = None
         self._cmd: list[str] = []
         self._started_at = 0.0
         self._stopping = threading.Event()
         self._restart_lock = threading.RLock()
-        self.restarts = 0
-        """Times the server was started again (by the watchdog or :meth:`restart`)."""
+        self.restarts = 0  # times the server was started again
 
     def start(self) -> EmbeddedServer:
         cfg = self.config
@@ -146,14 +110,11 @@ class EmbeddedServer:
         self.address = f"unix://{socket_path}"
         self._log_path = os.path.join(self.workdir, "server.log")
         try:
-            self.server_config = cfg.server_config(self.address, self.snapshot_dir)
+            server_config = cfg.server_config(self.address, self.snapshot_dir)
         except BaseException:  # a ConfigError names the flag; leave no directory behind
             self.stop()
             raise
-        self._cmd = [
-            sys.executable, "-m", "swap_state.server.cli",
-            *config_to_argv(self.server_config),
-        ]  # fmt: skip
+        self._cmd = [sys.executable, "-m", "swap_state.server.cli", *config_to_argv(server_config)]
         atexit.register(self._stop_at_exit, os.getpid())
         try:
             self._launch()
@@ -165,27 +126,19 @@ class EmbeddedServer:
         return self
 
     def _launch(self) -> None:
-        """Start the server process on this object's socket and wait until it serves."""
         with open(self._log_path, "ab") as log_file:
             self._proc = subprocess.Popen(
-                self._cmd,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
+                self._cmd, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C for the trainer must not kill it first
-                # It stops when this process dies: a killed trainer leaks no server.
-                env={**os.environ, EXIT_WITH_PARENT_ENV: str(os.getpid())},
+                env={**os.environ, EXIT_WITH_PARENT_ENV: str(os.getpid())},  # dies with the trainer
             )
         self._started_at = time.monotonic()
         self._wait_serving(self.address.removeprefix("unix://"))
-        log.info(
-            "started embedded swap-state-server pid=%d at %s (snapshots in %s)",
-            self._proc.pid, self.address, self.snapshot_dir,
-        )  # fmt: skip
+        log.info("started embedded swap-state-server pid=%d at %s (snapshots in %s)",
+                 self._proc.pid, self.address, self.snapshot_dir)
 
     def restart(self) -> None:
-        """Stop the server (SIGTERM) if it runs and start it again on the same socket and shm
-        directory: the new one adopts the segments the old one left (all of them after a
-        crash; after a stop, those of live sessions unless ``free_segments_on_stop``)."""
+        """SIGTERM the server and start it again on the same socket (it adopts the old segments)."""
         with self._restart_lock:
             self.terminate()
             if self._stopping.is_set():
@@ -194,7 +147,6 @@ class EmbeddedServer:
             self.restarts += 1
 
     def _watch(self) -> None:
-        """The watchdog: restart a server that died, unless it dies quickly again and again."""
         quick_deaths = 0
         while not self._stopping.is_set():
             proc = self._proc
@@ -221,27 +173,22 @@ class EmbeddedServer:
     def _wait_serving(self, socket_path: str) -> None:
         def serving() -> bool:
             if self._proc.poll() is not None:
-                raise RuntimeError(
-                    f"embedded swap-state-server exited with {self._proc.returncode}:\n"
-                    f"{self.log_text()}"
-                )
-            return os.path.exists(socket_path) and self._health_ok()
+                raise RuntimeError(f"embedded swap-state-server exited with {self._proc.returncode}:\n"
+                                   f"{self.log_text()}")
+            if not os.path.exists(socket_path):
+                return False
+            with grpc.insecure_channel(self.address) as channel:
+                try:
+                    stub = health_pb2_grpc.HealthStub(channel)
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                except grpc.RpcError:
+                    return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
 
         if wait_until(serving, timeout_s=self.config.start_timeout_s, first_s=0.01, max_s=0.05):
             return
-        raise RuntimeError(
-            f"embedded swap-state-server not serving after {self.config.start_timeout_s}s:\n"
-            f"{self.log_text()}"
-        )
-
-    def _health_ok(self) -> bool:
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-            except grpc.RpcError:
-                return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        raise RuntimeError(f"embedded swap-state-server not serving after {self.config.start_timeout_s}s:\n"
+                           f"{self.log_text()}")
 
     def log_text(self) -> str:
         if self._log_path and os.path.exists(self._log_path):
@@ -264,8 +211,7 @@ class EmbeddedServer:
             self.stop()
 
     def terminate(self) -> None:
-        """SIGTERM the server and wait for it (an upgrade's stop; tests): the private folder
-        stays, so :meth:`restart` starts the next one on the same socket."""
+        """SIGTERM the server and wait for it; the private folder stays (for :meth:`restart`)."""
         with self._restart_lock:
             proc = self._proc
             if proc is not None and proc.poll() is None:
@@ -273,8 +219,7 @@ class EmbeddedServer:
                 proc.wait(timeout=self.config.stop_timeout_s)
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after the timeout; remove the private directory (socket and
-        log; the snapshot directory stays)."""
+        """SIGTERM, then SIGKILL after the timeout; remove the private directory."""
         self._stopping.set()
         with self._restart_lock:
             proc, self._proc = self._proc, None

@@ -1,15 +1,11 @@
-"""What a snapshot's metadata says of the optimizers, and what a restore gives back.
-
-The server cannot know the fqns, moment keys, DTensor layout, param groups and steps of a
-segment's tensors: the trainer tells it with each snapshot
-(:mod:`swap_state.common.snapshot_metadata`), as a base built once and a small per-snapshot
-delta (:mod:`swap_state.common.snapshot_metadata_parts`); a restore sends this rank's layout
-whole and gets the snapshot's metadata back, whose hyperparameters and steps go into the
-live param groups and the segment's bookkeeping tensors.
+"""What a snapshot's metadata says of the optimizers (fqns, moment keys, DTensor layout, param
+groups, steps: what the server cannot know), sent as a base built once plus a per-snapshot
+delta; a restore sends the layout whole and gets the snapshot's metadata back.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,16 +19,14 @@ from swap_state.client.remote.model_area import ModelArea
 from swap_state.client.remote.segment_mapping import dtype_name
 from swap_state.common.names import param_group_key, state_key
 from swap_state.common.snapshot_metadata import (
-    TENSOR_TAG, TensorMetadata, encode_metadata, parse_metadata, tagged_scalar,
-)
+    TENSOR_TAG, TensorMetadata, encode_metadata, parse_metadata, tagged_scalar)
 from swap_state.common.snapshot_metadata_parts import base_id, encode_base, encode_delta
 
 __all__ = ["OptimizerMetadata", "all_param_groups", "group_offsets", "json_value"]
 
 
 class OptimizerMetadata:
-    """The metadata of one container's segment: its entries (update order), optimizers and
-    model area, read when asked (the param groups and steps change between snapshots)."""
+    """The metadata of one container's segment, read when asked (groups and steps change)."""
 
     def __init__(self, entries: Sequence[HostCacheEntry], optimizers: Sequence[Optimizer],
                  model_area: ModelArea | None):
@@ -60,15 +54,13 @@ class OptimizerMetadata:
         return encode_metadata(self._tensors(), self.param_groups_by_fqn(), steps, self._aliases())
 
     def parts(self, param_steps: torch.Tensor) -> tuple[str, str, str]:
-        """(base id, base, delta), the base built once. Per snapshot only the param groups'
-        hyperparameters and one read of every step count."""
+        """(base id, base, delta), the base built once."""
         if self._base is None:
             offsets = group_offsets(self._optimizers)
             text = encode_base(self._tensors(), self._aliases(), [e.fqn for e in self._entries],
                                [offsets[e.optimizer_index] + e.group_index for e in self._entries])
             self._base = (base_id(text), text)
-        groups = [{k: json_value(v) for k, v in group.items() if k != "params"}
-                  for group in all_param_groups(self._optimizers)]
+        groups = [_json_group(group) for group in all_param_groups(self._optimizers)]
         counts = param_steps  # the per-parameter steps are one tensor
         steps = float(counts[0]) if len(counts) and bool((counts == counts[0]).all()) else counts.tolist()
         return self._base[0], self._base[1], encode_delta(groups, steps)
@@ -78,14 +70,12 @@ class OptimizerMetadata:
 
     def param_groups_by_fqn(self) -> dict[str, dict[str, Any]]:
         """Per canonical fqn, the JSON form of its param group's hyperparameters."""
-        return {entry.fqn: {k: json_value(v) for k, v in self._group_of(entry).items() if k != "params"}
-                for entry in self._entries}
+        return {entry.fqn: _json_group(self._group_of(entry)) for entry in self._entries}
 
     def apply_restored(self, metadata_json: str, segment_tensors: Any,
                        param_steps: torch.Tensor, group_steps: torch.Tensor) -> None:
-        """The snapshot's hyperparameters into the live groups, and every parameter's and
-        group's step into the segment's bookkeeping tensors: a restore at another layout
-        (another pipeline split) does not copy those, the metadata says them per fqn."""
+        """The snapshot's hyperparameters into the live groups, its steps into the bookkeeping
+        tensors (a restore at another layout does not copy those; the metadata has them per fqn)."""
         if not metadata_json:
             return
         restored = parse_metadata(metadata_json, segment_tensors, max_bytes=sys.maxsize)
@@ -104,8 +94,7 @@ class OptimizerMetadata:
                 group_steps[offsets[entry.optimizer_index] + entry.group_index] = _step_value(saved[STEP_KEY])
 
     def apply_saved_param_groups(self, state_dict: Mapping[str, Any]) -> None:
-        """A checkpoint's hyperparameters (not ``params``, not ``step``: a snapshot has the
-        steps) into the live groups."""
+        """A checkpoint's hyperparameters (not ``params`` or ``step``) into the live groups."""
         for entry in self._entries:
             group = self._group_of(entry)
             for name in list(group):
@@ -128,12 +117,13 @@ def json_value(value: Any) -> Any:
     return value
 
 
+def _json_group(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: json_value(v) for k, v in group.items() if k != "params"}
+
+
 def group_offsets(optimizers: Sequence[Any]) -> list[int]:
     """Where each optimizer's param groups start in the segment's group steps."""
-    offsets = [0]
-    for optimizer in optimizers:
-        offsets.append(offsets[-1] + len(optimizer.param_groups))
-    return offsets
+    return list(itertools.accumulate((len(o.param_groups) for o in optimizers), initial=0))
 
 
 def _step_value(value: Any) -> float:

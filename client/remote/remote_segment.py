@@ -1,33 +1,20 @@
-"""One trainer's segment on the server, owned by one object from attach to detach.
-
-:class:`RemoteSegment` attaches, maps the segment and hands out its tensor views; it writes
-the header (the step being written, the commit, the parameters' fingerprint), guards bytes a
-persisting snapshot still reads, keeps the reattach bookkeeping (torn state, the step a
-reattach resumed at) and makes the snapshot and restore calls; with whole-state snapshots it
-holds the model area. It knows nothing about optimizers: it takes tensor specs, parameter
-tensors, step numbers and metadata text. The remote container is the in-process container
-plus one of these (:mod:`swap_state.client.remote.container`).
+"""One trainer's segment on the server, from attach to detach (it knows no optimizer).
 
 Call order::
 
     seg = RemoteSegment.connect(config, model_parts, optimizer_kwargs)   # attach
     views = seg.allocate(specs, backend, model_tensors)   # map, claim; torn? resumed?
     seg.watch_params(params)                  # the fingerprint's parameters
-    per step:
-        seg.check_not_torn(); seg.before_write(step, names)   # per slice
-        seg.publish(step)                     # fingerprint, end of write, commit
+    seg.check_not_torn(); seg.before_write(step, names)   # per slice of a step
+    seg.publish(step)                         # per step: fingerprint, end of write, commit
     seg.verify_kept_state()                   # first step after a reattach: keep or drop
     seg.snapshot(step, metadata_parts)        # between steps; -> SnapshotHandle
     seg.restore(snapshot_id, metadata, apply) # between steps; -> step
     seg.close(keep)
 
-Reattach: a trainer that restarts with the same job id and rank within the server's
-``--grace`` gets its segment back (``reused``). The header's ``WRITING_STEP`` says whether
-the previous trainer died in the middle of a step (the moments are then *torn*: nothing may
-write until a restore or a full load rewrites them); otherwise the segment's group steps say
-which step it holds. Kept moments are a claim to check: they are used only when the model's
-parameters are those of the kept step (the fingerprint written with each commit), or when a
-load or restore replaces them; otherwise they are dropped with a WARNING.
+Reattach (same job id and rank within the server's ``--grace``): a nonzero ``WRITING_STEP``
+means the previous trainer died mid-step (the state is *torn* until a restore or full load);
+else kept moments are used only when the parameters' fingerprint matches the kept step's.
 """
 
 from __future__ import annotations
@@ -44,11 +31,9 @@ import torch.nn as nn
 
 from swap_state.client.device import DeviceBackend
 from swap_state.client.errors import (
-    MetadataBaseUnknownError, SnapshotBusyError, SnapshotNotFoundError, SwapStateError,
-)
+    MetadataBaseUnknownError, SnapshotBusyError, SnapshotNotFoundError, SwapStateError)
 from swap_state.client.remote.config import (
-    Connection, RemoteConfig, connect, embedded_world_size_hint, snapshot_retention,
-)
+    Connection, RemoteConfig, connect, embedded_world_size_hint, snapshot_retention)
 from swap_state.client.remote.fingerprint import UNKNOWN, ParamFingerprint
 from swap_state.client.remote.model_area import ModelArea, ModelTensor
 from swap_state.client.remote.rpc import RemoteSession
@@ -63,15 +48,11 @@ from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX
 
 __all__ = ["GROUP_STEPS", "PARAM_STEPS", "RemoteSegment"]
 
-# The facade's name: what users configure logging for.
 log = logging.getLogger("swap_state.client.remote_container")
 
 #: Segment tensors beside the moments: every parameter's step, every param group's step.
 PARAM_STEPS = BOOKKEEPING_PREFIX + "param_steps"
 GROUP_STEPS = BOOKKEEPING_PREFIX + "group_steps"
-
-#: (base id, base, delta) of a snapshot's metadata (:mod:`swap_state.common.snapshot_metadata_parts`).
-MetadataParts = tuple[str, str, str]
 
 
 class RemoteSegment:
@@ -83,16 +64,11 @@ class RemoteSegment:
         self.session: RemoteSession = connection.session
         self.embedded = connection.embedded
         self.mapping: SegmentMapping | None = None
-        self.views: dict[str, torch.Tensor] = {}
-        """The segment's tensors by name (empty before :meth:`allocate` and after close)."""
-        self.model_area: ModelArea | None = None
-        """The model's tensors (whole-state snapshots), else None."""
-        self.torn_step: int | None = None
-        """The step the previous trainer died writing, while the kept moments are torn."""
-        self.resumed_step: int | None = None
-        """The step a reattach (or a restore) resumed at; None for a fresh segment."""
-        self.snapshot_step: int | None = None
-        """The step the last snapshot taken (or restored) holds."""
+        self.views: dict[str, torch.Tensor] = {}  # the segment's tensors by name, while mapped
+        self.model_area: ModelArea | None = None  # the model's tensors (whole-state snapshots)
+        self.torn_step: int | None = None  # the step the previous trainer died writing
+        self.resumed_step: int | None = None  # the step a reattach (or a restore) resumed at
+        self.snapshot_step: int | None = None  # the step the last snapshot taken (or restored) holds
         self.snapshot_handle: SnapshotHandle | None = None
         self.closed = False
         self._guard: SnapshotGuard | None = None
@@ -113,12 +89,10 @@ class RemoteSegment:
         """The segment's tensor table (name, dtype, shape, offset), in segment order."""
         return self.mapping.tensors
 
-    # -- attach and map ------------------------------------------------------------------------
     def allocate(self, specs: Sequence[tuple[str, str, list[int]]], backend: DeviceBackend,
                  model_tensors: Sequence[ModelTensor] = (), model_parts: Sequence[nn.Module] = ()
                  ) -> dict[str, torch.Tensor]:
-        """One Allocate RPC; map the segment, register it for DMA, claim its header; the views
-        by name. ``model_tensors`` (last in ``specs``) make the model area."""
+        """Allocate, map, register for DMA, claim the header; the views by name."""
         if self.mapping is not None:
             raise NotImplementedError(
                 "RemoteSwapOptimizersContainer allocates its segment once: every parameter "
@@ -134,17 +108,14 @@ class RemoteSegment:
         self._guard = SnapshotGuard(self.mapping, self.config.backpressure_timeout_s,
                                     server_gone=self.session.server_gone)
         if model_tensors:
-            self.model_area = ModelArea(
-                model_tensors, self.views, self._guard, self.mapping.trainer, backend,
-                model_parts=model_parts, state_dict_of=self.config.model_state_dict,
-            )  # fmt: skip
+            self.model_area = ModelArea(model_tensors, self.views, self._guard, self.mapping.trainer, backend,
+                                        model_parts=model_parts, state_dict_of=self.config.model_state_dict)
         return self.views
 
-    # -- reattach ------------------------------------------------------------------------------
     def _claim(self, reused: bool) -> None:
-        """Claim the header, then read what a kept segment holds: torn, resumable, or fresh."""
+        """Claim the header (a predecessor still running fails its next commit), then read what
+        a kept segment holds: torn, resumable, or fresh."""
         header = self.mapping.header
-        # Claim the segment first: a predecessor still running now fails its next commit.
         self.mapping.trainer.claim(self.session.generation)
         self.torn_step = None
         if reused and header[Word.WRITING_STEP] != 0:
@@ -152,36 +123,26 @@ class RemoteSegment:
             self.torn_step = header[Word.WRITING_STEP] - 1
             log.warning("%s", self.torn_message())
         elif reused:
-            self._resume_kept_step()
+            # The kept step is the group steps' (written before the commit): a trainer killed
+            # between its last write and its commit left a complete step, committed now.
+            held = int(max(self.views[GROUP_STEPS].tolist(), default=0))
+            committed = self.session.last_committed_step
+            if held == 0 and committed is None:
+                return  # nothing was ever written
+            if held != committed:
+                log.warning("the previous trainer wrote step %d completely but the server recorded step %d "
+                            "(killed before its commit): resuming at step %d", held, committed, held)
+                self.session.commit(held)
+            self.resumed_step = held
+            log.info("reattached to swap-state at step %d", held)
         elif getattr(self.session, "previous_session", ""):
-            # A fresh segment where the job may have expected its kept state: say why.
             log.info("no swap-state optimizer state kept for this trainer: %s", self.session.previous_session)
 
-    def _resume_kept_step(self) -> None:
-        """The step the kept segment holds is the one its group steps say (written with the
-        moments, before the commit). A trainer killed between its last write and its
-        commit leaves one step more than the server recorded: complete, so it is
-        committed now rather than mistaken for the step before."""
-        held = int(max(self.views[GROUP_STEPS].tolist(), default=0))
-        committed = self.session.last_committed_step
-        if held == 0 and committed is None:
-            return  # nothing was ever written
-        if held != committed:
-            log.warning(
-                "the previous trainer wrote step %d completely but the server recorded step %d "
-                "(killed before its commit): resuming at step %d", held, committed, held,
-            )  # fmt: skip
-            self.session.commit(held)
-        self.resumed_step = held
-        log.info("reattached to swap-state at step %d", held)
-
     def torn_message(self) -> str:
-        return (
-            f"the kept optimizer state of {self.config.job_id}/rank {self.session.rank} "
-            f"is torn: the previous trainer died while writing step {self.torn_step}. "
-            "Restore a snapshot (container.restore('latest')) or load a full checkpoint "
-            "before stepping, or use a new job id"
-        )
+        return (f"the kept optimizer state of {self.config.job_id}/rank {self.session.rank} "
+                f"is torn: the previous trainer died while writing step {self.torn_step}. "
+                "Restore a snapshot (container.restore('latest')) or load a full checkpoint "
+                "before stepping, or use a new job id")
 
     def check_not_torn(self) -> None:
         """Refuse to write into torn state: only a restore or a full load may."""
@@ -194,37 +155,27 @@ class RemoteSegment:
         self._verify_pending = self.resumed_step is not None
 
     def state_replaced(self) -> None:
-        """A load or a restore wrote the whole state: nothing kept is left to check, and the
-        parameters that go with it are not known (a later reattach must not trust them)."""
+        """A load or restore wrote the whole state: nothing to check; its parameters are unknown."""
         self._verify_pending = False
         self.mapping.trainer.set_fingerprint(UNKNOWN)
 
     def verify_kept_state(self) -> bool:
-        """Before the first step after a reattach: keep the state only if the parameters are
-        the kept step's. False when it was dropped just now (WARNING; every view zeroed,
-        counted in the header's STATE_DROPS): the caller resets what it holds besides."""
+        """First step after a reattach: keep the state only if the parameters are the kept
+        step's; False when it was dropped just now (every view zeroed, counted in STATE_DROPS)."""
         if not self._verify_pending:
             return True
         self._verify_pending = False
         kept = self.mapping.header[Word.PARAMS_FINGERPRINT]
         if kept != UNKNOWN and kept == self._fingerprint.compute():
             return True
-        why = (
-            "the model's parameters are not those of that step (fresh weights, or weights of "
-            "another step: was no checkpoint loaded?)"
-            if kept != UNKNOWN
-            else "the parameters of that step are not known (the previous trainer loaded or "
-            "restored state and stopped before its next step)"
-        )
-        log.warning(
-            "dropping the swap-state optimizer state kept for job %s rank %d at step %s: %s; "
-            "training starts from a fresh optimizer state. Load a checkpoint (or use a new "
-            "job id) to continue a run", self.config.job_id, self.session.rank, self.resumed_step, why,
-        )  # fmt: skip
-        self._drop_kept_state()
-        return False
-
-    def _drop_kept_state(self) -> None:
+        why = ("the model's parameters are not those of that step (fresh weights, or weights of "
+               "another step: was no checkpoint loaded?)" if kept != UNKNOWN
+               else "the parameters of that step are not known (the previous trainer loaded or "
+               "restored state and stopped before its next step)")
+        log.warning("dropping the swap-state optimizer state kept for job %s rank %d at step %s: %s; "
+                    "training starts from a fresh optimizer state. Load a checkpoint (or use a new "
+                    "job id) to continue a run", self.config.job_id, self.session.rank,
+                    self.resumed_step, why)
         self._guard.before_write(0, list(self.views))
         for view in self.views.values():
             view.zero_()
@@ -236,48 +187,44 @@ class RemoteSegment:
         self.session.commit(-1)  # no committed step: the segment holds a fresh state
         self.session.last_committed_step = None
         self.resumed_step = None
+        return False
 
-    # -- writes and commits --------------------------------------------------------------------
     def before_write(self, step: int, names: Iterable[str]) -> None:
-        """Mark ``step`` as being written and protect the named tensors' bytes that a
-        persisting snapshot still reads (per slice, before its host bytes change)."""
+        """Mark ``step`` as being written; protect the named tensors' bytes from a persisting snapshot."""
         self._guard.before_write(step, names)
 
     def publish(self, step: int, params_known: bool = True) -> int:
-        """The parameters' fingerprint (when they are the step's), the end of the write, the
-        commit (header words, no RPC): in that order."""
+        """The parameters' fingerprint (when known), end of write, commit: in that order."""
         if params_known:
             self.mapping.trainer.set_fingerprint(self._fingerprint.compute())
         self._guard.end_write()
         self.session.commit(step)
         return step
 
-    # -- snapshots -----------------------------------------------------------------------------
-    def snapshot(self, step: int, metadata_parts: MetadataParts) -> SnapshotHandle:
-        """Snapshot committed ``step`` (the model's copy starts first, with whole-state
-        snapshots); returns once it is consistent. ``metadata_parts``: what the server cannot
-        know, its base sent only until the server has it."""
+    def snapshot(self, step: int, metadata_parts: tuple[str, str, str]) -> SnapshotHandle:
+        """Snapshot committed ``step`` (the model's copy starts first); returns once consistent.
+        ``metadata_parts``: (base id, base, delta) of its metadata."""
         area = self.model_area
         if area is not None and area.copied_step != step:
             area.copy_from_model(step)  # not copied since a load (or no step yet): now
         try:
             reply = self._send_snapshot(step, metadata_parts)
         except SnapshotBusyError:
-            # The server persists one snapshot of a segment at a time: a previous one (this
-            # trainer's, or a restarted trainer's predecessor's) may still be persisting. Wait
-            # for it and try once more; any other refusal comes back as it is.
+            # The server persists one snapshot of a segment at a time: wait, then try once more.
             self.wait_for_persisting_snapshot(f"snapshot of step {step}")
             reply = self._send_snapshot(step, metadata_parts)
         handle = SnapshotHandle(reply.snapshot_id, step, self.session.rank, self.client)
         if not self._location_logged:
             self._location_logged = True
-            log.info("first snapshot %s goes to %s", reply.snapshot_id, self.location())
+            job, embedded_dir = self.config.job_id, self.embedded and self.embedded.snapshot_dir
+            log.info("first snapshot %s goes to %s", reply.snapshot_id, os.path.join(embedded_dir, str(job))
+                     if embedded_dir else f"the --snapshot-dir of server {self.config.server} (folder {job})")
         self.snapshot_step, self.snapshot_handle = step, handle
         return handle
 
-    def _send_snapshot(self, step: int, metadata_parts: MetadataParts) -> Any:
+    def _send_snapshot(self, step: int, metadata_parts: tuple[str, str, str]) -> Any:
         ident, base, delta = metadata_parts
-        retention = self.retention()
+        retention = snapshot_retention(self.config)
         parts = {"metadata_base_id": ident, "metadata_delta_json": delta}
         if not self._base_sent:
             parts["metadata_base_json"] = base
@@ -288,30 +235,11 @@ class RemoteSegment:
         self._base_sent = True
         return reply
 
-    def retention(self) -> dict[str, Any]:
-        """The ``keep_latest`` / ``keep_all`` / ``replace_existing`` this job's snapshots carry
-        (``RemoteConfig.snapshot_keep_latest`` and ``snapshot_replace_existing``; {}: the
-        server's --keep-latest alone, and no replacing)."""
-        return snapshot_retention(self.config)
-
-    def location(self) -> str:
-        """Where this job's snapshots are persisted, in words (the directory when the server
-        is this trainer's embedded one)."""
-        job = self.config.job_id
-        if self.embedded is not None and self.embedded.snapshot_dir:
-            return os.path.join(self.embedded.snapshot_dir, str(job))
-        return f"the --snapshot-dir of server {self.config.server} (folder {job})"
-
     def restore(self, snapshot_id: str, metadata_json: str, apply_metadata: Callable[[str], None]) -> int:
-        """Replace every tensor of the segment with a durable snapshot's; returns its step.
-
-        ``metadata_json``: this rank's layout (the server reshards to it). The server verifies
-        layout and checksums before it writes a byte; on a mismatch it raises and the state
-        is untouched. ``apply_metadata(restored_metadata_json)`` runs before the commit (the
-        caller writes the steps and hyperparameters the snapshot says)."""
+        """Replace every tensor with a durable snapshot's (resharded to ``metadata_json``, this
+        rank's layout); ``apply_metadata(restored_json)`` runs before the commit. Returns the step."""
         self.state_replaced()  # first: a trainer killed mid-restore leaves nothing to trust
-        # A snapshot of this segment still persisting (a killed predecessor's, say) may be the
-        # newest: let it become durable first, so "latest" means it.
+        # A snapshot still persisting may be the newest: "latest" must mean it.
         self.wait_for_persisting_snapshot(f"restore of {snapshot_id}")
         self.wait_released(f"restore of {snapshot_id}")
         if self.model_area is not None:
@@ -319,9 +247,12 @@ class RemoteSegment:
         try:
             reply = self.session.restore(snapshot_id, metadata_json)
         except SnapshotNotFoundError as e:
-            hint = self._embedded_hint()
-            if hint:
-                raise SnapshotNotFoundError(f"{e}{hint}") from e
+            if self.embedded is not None and self.embedded.snapshot_dir is not None:
+                # An embedded server lacks what the embedded servers of a run of another size took.
+                hint = embedded_world_size_hint(self.embedded.snapshot_dir, self.config.job_id,
+                                                self.session.world_size)
+                if hint:
+                    raise SnapshotNotFoundError(f"{e}{hint}") from e
             raise
         self.torn_step = None
         self._guard.end_write()
@@ -330,40 +261,27 @@ class RemoteSegment:
         apply_metadata(reply.metadata_json)
         self.session.commit(reply.step)
         self.resumed_step = reply.step
-        # The state is now that snapshot's: a checkpoint of this step refers to it (a new
-        # snapshot of the step would copy the same bytes, or be refused as existing).
+        # A checkpoint of this step now refers to the restored snapshot.
         self.snapshot_step = reply.step
         self.snapshot_handle = SnapshotHandle(reply.snapshot_id, reply.step, self.session.rank, self.client)
         resharded = reply.snapshot_world_size not in (0, self.session.world_size)
-        log.info(
-            "restored %s (step %d) from the server's %s%s", reply.snapshot_id, reply.step,
-            "store" if reply.source == "store" else "snapshot directory",
-            f", resharded from world size {reply.snapshot_world_size} (ranks {list(reply.source_ranks)})"
-            if resharded else "",
-        )  # fmt: skip
+        log.info("restored %s (step %d) from the server's %s%s", reply.snapshot_id, reply.step,
+                 "store" if reply.source == "store" else "snapshot directory",
+                 f", resharded from world size {reply.snapshot_world_size} (ranks {list(reply.source_ranks)})"
+                 if resharded else "")
         return reply.step
 
-    def _embedded_hint(self) -> str:
-        """What to do when this trainer's embedded server lacks a snapshot that the embedded
-        servers of a run of another size took ("" for a host's server, or nothing to say)."""
-        if self.embedded is None or self.embedded.snapshot_dir is None:
-            return ""
-        return embedded_world_size_hint(self.embedded.snapshot_dir, self.config.job_id, self.session.world_size)
-
     def handle_for(self, snapshot_id: str) -> SnapshotHandle | None:
-        """A handle on ``<job>/step-<N>`` (either spelling of the step) for this rank, named
-        by the short id (None for other forms, e.g. latest)."""
+        """A handle on ``<job>/step-<N>`` for this rank (None for other forms, e.g. latest)."""
         try:
             ref = parse_snapshot_id(snapshot_id)
         except InvalidArgument:
             return None
-        if ref.step is None:
-            return None
-        return SnapshotHandle(str(ref), ref.step, self.session.rank, self.client)
+        rank = self.session.rank
+        return None if ref.step is None else SnapshotHandle(str(ref), ref.step, rank, self.client)
 
     def wait_for_persisting_snapshot(self, why: str) -> None:
-        """If the snapshot this segment's header names (``SNAP_STEP``) is still persisting,
-        wait until it is durable or failed (bounded by ``backpressure_timeout_s``; logged)."""
+        """Wait (bounded, logged) while the header's ``SNAP_STEP`` snapshot is persisting."""
         snap_step = int(self.mapping.header[Word.SNAP_STEP])
         previous = SnapshotHandle(snapshot_id_for(self.config.job_id, snap_step), snap_step,
                                   self.session.rank, self.client)
@@ -375,46 +293,34 @@ class RemoteSegment:
             return
         timeout_s = self.config.backpressure_timeout_s
         begin = time.monotonic()
-        log.warning(
-            "%s waits for snapshot %s to finish persisting (%d of %d bytes written)",
-            why, previous.snapshot_id, status.bytes_persisted, status.bytes_total,
-        )  # fmt: skip
+        log.warning("%s waits for snapshot %s to finish persisting (%d of %d bytes written)",
+                    why, previous.snapshot_id, status.bytes_persisted, status.bytes_total)
         while status.state == "persisting":
             remaining = begin + timeout_s - time.monotonic()
             if remaining <= 0:
-                raise SwapStateError(
-                    f"{why}: snapshot {previous.snapshot_id} is still persisting after "
-                    f"{timeout_s:g} s ({status.bytes_persisted} of {status.bytes_total} bytes)"
-                )
+                done = f"{status.bytes_persisted} of {status.bytes_total} bytes"
+                raise SwapStateError(f"{why}: snapshot {previous.snapshot_id} is still persisting after "
+                                     f"{timeout_s:g} s ({done})")
             status = previous.status(wait_s=min(remaining, 5.0))
-        log.warning(
-            "%s waited %.3f s for snapshot %s (%s)",
-            why, time.monotonic() - begin, previous.snapshot_id, status.state,
-        )  # fmt: skip
+        log.warning("%s waited %.3f s for snapshot %s (%s)", why, time.monotonic() - begin,
+                    previous.snapshot_id, status.state)
 
     def wait_released(self, why: str) -> None:
-        """Wait (bounded, logged) until no snapshot reads this segment (``SNAP_EPOCH == 0``,
-        the server's condition for writing into it)."""
+        """Wait (bounded, logged) until no snapshot reads this segment (``SNAP_EPOCH == 0``)."""
         header = self.mapping.header
         if header[Word.SNAP_EPOCH] == 0:
             return
         timeout_s = self.config.backpressure_timeout_s
         begin = time.monotonic()
         if not wait_until(lambda: header[Word.SNAP_EPOCH] == 0, timeout_s=timeout_s):
-            raise SwapStateError(
-                f"{why}: the snapshot of step {header[Word.SNAP_STEP]} still reads this "
-                f"segment after {timeout_s:g} s"
-            )
-        log.warning(
-            "%s waited %.3f s for the snapshot of step %d to release the segment",
-            why, time.monotonic() - begin, header[Word.SNAP_STEP],
-        )  # fmt: skip
+            raise SwapStateError(f"{why}: the snapshot of step {header[Word.SNAP_STEP]} still reads this "
+                                 f"segment after {timeout_s:g} s")
+        log.warning("%s waited %.3f s for the snapshot of step %d to release the segment",
+                    why, time.monotonic() - begin, header[Word.SNAP_STEP])
 
-    # -- lifetime ------------------------------------------------------------------------------
     def close(self, keep: bool = False) -> None:
-        """Detach (freeing the segment unless ``keep``), unmap, close the channel, stop an
-        embedded server. Every part runs even when one fails; the first failure is raised
-        after all of them. The caller drops its own references to the views first."""
+        """Detach, unmap, close the channel, stop an embedded server: every part runs, the first
+        failure is raised after. The caller drops its views first."""
         if self.closed:
             return
         self.closed = True
@@ -448,4 +354,3 @@ class RemoteSegment:
         finally:
             self.mapping.close()  # unregisters it for DMA, then unmaps
             self.mapping = None
-

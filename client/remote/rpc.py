@@ -1,27 +1,17 @@
 """The trainer's gRPC client for swap-state-server: one method per RPC, each with a deadline.
 
-Call order for a trainer session::
+Call order::
 
-    client = SwapStateClient(address, token=...)
+    client = SwapStateClient(ClientConfig(address, token=...))
     session = client.attach(job_id, rank, world_size)   # starts the keep-alive stream
-    segment = session.allocate(specs)                    # once (reused on reattach)
-    session.bind_header(mapping.trainer)                  # once mapped: commits need no RPC
-    session.commit(step)                                 # once per optimizer step (header words)
-    handle = session.snapshot(step, metadata_json)       # optional, between steps
-    session.close(keep=False)                            # detach, stop keep-alive
-    client.close()
+    session.allocate(specs); session.bind_header(mapping.trainer)   # commits need no RPC
+    session.commit(step)                                 # per step (header words)
+    session.snapshot(step, ...)                          # optional, between steps
+    session.close(keep=False); client.close()
 
-Every transport error is re-raised as a :class:`SwapStateError` naming the address and, when
-the server cannot be reached, the command that starts one.
-
-The server is not a single point of failure: when the keep-alive stream breaks because the
-server died or stops (an upgrade), the session is *disconnected*, not lost. Steps go on (a
-commit is a header word), the keep-alive thread reconnects with backoff (one WARNING, then
-one line when the server is back), and the next server, which adopts the segment, takes the
-stream of the same session id and generation. Meanwhile RPCs fail fast with
-:class:`ServerUnavailableError`; :meth:`RemoteSession.wait_connected` waits for the server.
-The session is *lost* (:class:`SessionLostError`) only when a server answers that it does not
-hold it any more.
+A broken keep-alive stream (the server died or stops) *disconnects* the session: steps go on,
+the keep-alive thread reconnects, RPCs fail fast with :class:`ServerUnavailableError`. It is
+*lost* (:class:`SessionLostError`) only when a server answers that it does not hold it.
 """
 
 from __future__ import annotations
@@ -32,50 +22,33 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import grpc
 
 from swap_state.common.addresses import parse_address
 from swap_state.common.caller_proof import CallerProof
 from swap_state.common.errors import SERVER_STOPPING_NOTICE, ConfigError
-from swap_state.client.errors import (  # noqa: F401 - re-exported: the client's exceptions
-    ServerUnavailableError,
-    SessionLostError,
-    StaleGenerationError,
-    SwapStateError,
-    error_for,
-    reason_of,
-)
+from swap_state.client.errors import (
+    ServerUnavailableError, SessionLostError, StaleGenerationError, SwapStateError, error_for, reason_of)
 from swap_state.common.segment import Word, tensor_nbytes
 from swap_state.common.trainer_header import TrainerHeader
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
 __all__ = [
-    "ClientConfig",
-    "SwapStateError",
-    "ServerUnavailableError",
-    "SessionLostError",
-    "SwapStateClient",
-    "RemoteSession",
-    "normalize_target",
-    "START_HINT",
-    "start_hint",
-    "tls_files",
-]
+    "ClientConfig", "SwapStateError", "ServerUnavailableError", "SessionLostError", "SwapStateClient",
+    "RemoteSession", "normalize_target", "START_HINT", "start_hint", "tls_files"]
 
 log = logging.getLogger("swap_state.client.rpc")  # the name users configure
 
+#: The hint's shape; :func:`start_hint` fills in what fits this machine.
 START_HINT = "start one with: swap-state-server --shm-size 64G --listen {address}"
-"""The hint's shape; :func:`start_hint` fills in what fits this machine."""
 
 
 def start_hint(address: str, shm_dir: str = "/dev/shm") -> str:
-    """How to start a server at ``address`` that works here: a ``--shm-size`` that fits
-    ``shm_dir`` (64G where it can, else half of it), ``--insecure`` for a tcp address (a
-    server refuses tcp without TLS or it)."""
+    """How to start a server at ``address`` here: a ``--shm-size`` that fits ``shm_dir``, and
+    ``--insecure`` for a tcp address (a server refuses tcp without TLS or it)."""
     try:
         stat = os.statvfs(shm_dir)
         total = stat.f_frsize * stat.f_blocks
@@ -89,28 +62,22 @@ def start_hint(address: str, shm_dir: str = "/dev/shm") -> str:
         size, why = f"{max(64, total // 2 >> 20)}M", f" (half of this host's {shm_dir})"
     tls = " --insecure" if address.startswith("tcp://") else ""
     return f"start one with: swap-state-server --shm-size {size} --listen {address}{tls}{why}"
+
+
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-SOCKET_APPEAR_S = 3.0
-"""How long a trainer waits for a missing unix socket to appear (a server just started)."""
-SERVER_UID_ENV = "SWAP_STATE_SERVER_UID"
-"""The environment's ``ClientConfig.server_uid`` (read by the remote container's config)."""
-_Reply = TypeVar("_Reply")
+SOCKET_APPEAR_S = 3.0  # how long a missing unix socket may take to appear (a server just started)
+SERVER_UID_ENV = "SWAP_STATE_SERVER_UID"  # the environment's ClientConfig.server_uid
 _POLLER_SETTLE_S = 0.25
-# Reconnect attempts of a disconnected session: grpc's own channel backoff (which grows to
-# 2 min by default) and the keep-alive thread's both stay short, so a restarted server is
-# found within about a second.
+# grpc's channel backoff (2 min by default) and the keep-alive's stay short: a restarted
+# server is found within about a second.
 _RECONNECT_FIRST_S = 0.05
 _RECONNECT_MAX_S = 1.0
-# The slowest allocation rate an Allocate's deadline allows for (first-touch memory of a VM
-# measured 0.4 GiB/s): 60 s plus this per byte.
+# An Allocate's deadline: 60 s plus this rate per byte (a VM's first-touch memory: 0.4 GiB/s).
 _SLOWEST_ALLOCATE_BYTES_PER_S = 128 << 20
 _CHANNEL_OPTIONS = [
-    ("grpc.enable_retries", 0),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", int(_RECONNECT_MAX_S * 1000)),
-]
+    ("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", int(_RECONNECT_MAX_S * 1000))]
 
 
 @dataclasses.dataclass
@@ -126,17 +93,16 @@ class ClientConfig:
     tls_root_cert: bytes | None = None
     """PEM roots for a tcp:// server with TLS; None means an insecure channel."""
     tls_client_cert: bytes | None = None
-    """PEM certificate chain this client presents (a server with --tls-client-ca wants one)."""
+    """PEM certificate chain this client presents (for a server with --tls-client-ca)."""
     tls_client_key: bytes | None = None
     """The PEM private key of ``tls_client_cert``."""
     server_uid: int | None = None
-    """The uid that owns a unix:// server's socket when it is neither this user's nor root's
-    (a server run as another user); any other owner is refused before anything is sent."""
+    """The uid owning a unix:// server's socket besides this user's and root's; others are refused."""
 
 
+#: Where each TLS file comes from when neither an argument nor a RemoteConfig field names it.
 TLS_ENV = {"tls_root_cert": "SWAP_STATE_TLS_ROOT_CERT", "tls_client_cert": "SWAP_STATE_TLS_CLIENT_CERT",
            "tls_client_key": "SWAP_STATE_TLS_CLIENT_KEY"}
-"""Where each TLS file comes from when neither an argument nor a RemoteConfig field names it."""
 
 
 def tls_files(root_cert: str | None, client_cert: str | None, client_key: str | None) -> dict[str, bytes | None]:
@@ -155,8 +121,7 @@ def tls_files(root_cert: str | None, client_cert: str | None, client_key: str | 
 
 
 def normalize_target(address: str) -> str:
-    """Map a user-facing address (the rules of :mod:`swap_state.common.addresses`, the same as
-    the server's ``--listen``) onto a gRPC target string."""
+    """A user-facing address (the server's ``--listen`` rules) as a gRPC target string."""
     try:
         return parse_address(address, flag="swap-state server address").bind_target()
     except ConfigError as e:
@@ -169,34 +134,28 @@ class SwapStateClient:
     def __init__(self, config: ClientConfig):
         self.config = config
         self.target = normalize_target(config.address)
-        options = _CHANNEL_OPTIONS
+        self._socket_path = (self.target.removeprefix("unix://").removeprefix("unix:")
+                             if self.target.startswith("unix:") else None)
         if config.tls_root_cert is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=config.tls_root_cert,
                                                  private_key=config.tls_client_key,
                                                  certificate_chain=config.tls_client_cert)
-            self._channel = grpc.secure_channel(self.target, creds, options=options)
+            self._channel = grpc.secure_channel(self.target, creds, options=_CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.insecure_channel(self.target, options=options)
+            self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.SwapStateStub(self._channel)
         self._ready_at = float("-inf")
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {config.token}"),) if config.token else ()
-        )
-        self._proof: CallerProof | None = None
-        """This process's uid proof for a unix socket's server (created once it answers)."""
+        self._metadata: tuple[tuple[str, str], ...] = ((("authorization", f"Bearer {config.token}"),)
+                                                       if config.token else ())
+        self._proof: CallerProof | None = None  # this process's uid proof, once made
         self._proof_lock = threading.Lock()
 
-    # -- plumbing -------------------------------------------------------------------------
     def call(self, name: str, request, timeout_s: float | None = None):
         """Invoke unary RPC ``name`` with the deadline and error mapping every call gets."""
-        method: Callable = getattr(self._stub, name)
         self._prove_uid()
         try:
-            return method(
-                request,
-                timeout=timeout_s or self.config.timeout_s,
-                metadata=self._metadata,
-            )
+            timeout = timeout_s or self.config.timeout_s
+            return getattr(self._stub, name)(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise self._translate(name, e) from e
 
@@ -207,59 +166,51 @@ class SwapStateClient:
         reason = reason_of(e)
         if code in _UNREACHABLE and reason is None:  # with a reason, the server answered
             hint = start_hint(self.config.address)
-            return ServerUnavailableError(
-                f"{name}: {where} is not reachable ({code.name}: {details}); {hint}", code
-            )
+            return ServerUnavailableError(f"{name}: {where} is not reachable ({code.name}: {details}); "
+                                          f"{hint}", code)
         code_name = code.name if code is not None else "UNKNOWN"
         return error_for(reason, f"{name} failed at {where}: {code_name}: {details}", code)
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Until the channel is ready (ServerUnavailableError after ``timeout_s``), then check
-        who owns a unix socket: nothing (a token, an Attach) goes to another user's."""
+        """Until the channel is ready; nothing (a token, an Attach) goes to another user's socket."""
         timeout_s = timeout_s or self.config.connect_timeout_s
-        self._check_socket_exists()
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
-            self._check_socket_owner()
-            self._prove_uid()
-            self._ready_at = time.monotonic()
-        except grpc.FutureTimeoutError as e:
-            hint = start_hint(self.config.address)
-            raise ServerUnavailableError(
-                f"swap-state-server at {self.config.address} is not reachable after "
-                f"{timeout_s:.0f}s; {hint}",
-                grpc.StatusCode.UNAVAILABLE,
-            ) from e
-
-    def _socket_path(self) -> str | None:
-        if not self.target.startswith("unix:"):
-            return None
-        return self.target.removeprefix("unix://").removeprefix("unix:")
-
-    def _check_socket_exists(self) -> None:
-        """A unix address with no socket file fails fast (nothing can answer there): after
-        ``SOCKET_APPEAR_S``, the time a server started just before the trainer needs to
-        create it, not the whole connect timeout."""
-        path = self._socket_path()
-        if path is None:
-            return
+        path = self._socket_path
+        # No socket file fails after SOCKET_APPEAR_S (for a server started just before to make
+        # it), not the whole connect timeout.
         deadline = time.monotonic() + min(SOCKET_APPEAR_S, self.config.connect_timeout_s)
-        while not os.path.exists(path) and time.monotonic() < deadline:
+        while path is not None and not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not os.path.exists(path):
+        if path is not None and not os.path.exists(path):
             raise ServerUnavailableError(
                 f"no swap-state-server at {self.config.address}: there is no socket file {path}. Is the "
                 "server running, and listening there? Point the trainer at the path it listens on "
                 f"(RemoteConfig.server, $SWAP_STATE_SERVER, torchtitan optimizer.swap_state_server), or "
-                f"{start_hint(self.config.address)}",
-                grpc.StatusCode.UNAVAILABLE,
-            )
+                f"{start_hint(self.config.address)}", grpc.StatusCode.UNAVAILABLE)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError as e:
+            raise ServerUnavailableError(
+                f"swap-state-server at {self.config.address} is not reachable after {timeout_s:.0f}s; "
+                f"{start_hint(self.config.address)}", grpc.StatusCode.UNAVAILABLE) from e
+        if path is not None:
+            try:
+                owner = os.stat(path).st_uid
+            except OSError:
+                owner = os.getuid()  # gone between connect and here: the call itself will say so
+            uid = self.config.server_uid
+            if owner not in {os.getuid(), 0} | ({uid} if uid is not None else set()):
+                raise SwapStateError(
+                    f"refusing to talk to {self.config.address}: the socket belongs to uid {owner}, not to "
+                    f"you (uid {os.getuid()}) or root, so another user may have taken its path. If that user "
+                    f"runs your server, say so: RemoteConfig.server_uid / ${SERVER_UID_ENV}={owner}")
+        self._prove_uid()
+        self._ready_at = time.monotonic()
 
     def _prove_uid(self) -> None:
-        """The proof file of this process's uid, named in every later call. Tried again before
-        each call until it exists: a server without uid tenants has no directory for it (one
-        failed ``open``, microseconds beside a call), and one not started yet has none so far."""
-        path = self._socket_path()
+        """The proof file of this process's uid, named in every later call; tried again before
+        each call until made (a server not started yet, or without uid tenants, has no
+        directory for it: one failed ``open``, microseconds beside a call)."""
+        path = self._socket_path
         if path is None or self._proof is not None:
             return
         with self._proof_lock:  # the keep-alive thread calls too
@@ -270,44 +221,15 @@ class SwapStateClient:
                 self._metadata = (*self._metadata, proof.metadata)
                 self._proof = proof
 
-    def _check_socket_owner(self) -> None:
-        path = self._socket_path()
-        if path is None:
-            return
-        try:
-            owner = os.stat(path).st_uid
-        except OSError:
-            return  # gone between connect and here: the call itself will say so
-        allowed = {os.getuid(), 0} | ({self.config.server_uid} if self.config.server_uid is not None else set())
-        if owner not in allowed:
-            raise SwapStateError(
-                f"refusing to talk to {self.config.address}: the socket belongs to uid {owner}, not to you "
-                f"(uid {os.getuid()}) or root, so another user may have taken its path. If that user runs "
-                f"your server, say so: RemoteConfig.server_uid / ${SERVER_UID_ENV}={owner}"
-            )
-
-    # -- session-less calls ---------------------------------------------------------------
-    def attach(
-        self, job_id: str, rank: int, world_size: int, local_world_size: int = 0
-    ) -> RemoteSession:
-        """Attach (job_id, rank) of a job of ``world_size`` ranks. ``local_world_size``: the
-        job's ranks that attach to this server (this host); 0 means all ``world_size`` (one
-        host). The server completes a snapshot once that many ranks have persisted."""
+    def attach(self, job_id: str, rank: int, world_size: int, local_world_size: int = 0) -> RemoteSession:
+        """Attach (job_id, rank). ``local_world_size``: the job's ranks on this server (0: all);
+        the server completes a snapshot once that many ranks have persisted it."""
         self.wait_ready()
-        reply = self.call(
-            "Attach",
-            pb.AttachRequest(
-                job_id=job_id,
-                rank=rank,
-                world_size=world_size,
-                local_world_size=local_world_size,
-                client_pid=os.getpid(),
-                client_host=socket.gethostname(),
-            ),
-        )
-        return RemoteSession(
-            self, job_id, rank, world_size, reply, local_world_size=local_world_size or world_size
-        )
+        reply = self.call("Attach", pb.AttachRequest(
+            job_id=job_id, rank=rank, world_size=world_size, local_world_size=local_world_size,
+            client_pid=os.getpid(), client_host=socket.gethostname()))
+        return RemoteSession(self, job_id, rank, world_size, reply,
+                             local_world_size=local_world_size or world_size)
 
     def stats(self) -> pb.StatsReply:
         return self.call("Stats", pb.StatsRequest())
@@ -315,12 +237,10 @@ class SwapStateClient:
     def list_snapshots(self, job_id: str = "") -> pb.ListSnapshotsReply:
         return self.call("ListSnapshots", pb.ListSnapshotsRequest(job_id=job_id))
 
-    def snapshot_status(
-        self, snapshot_id: str, rank: int, wait_s: float = 0.0, wait_stored: bool = False
-    ) -> pb.SnapshotStatusReply:
-        request = pb.SnapshotStatusRequest(
-            snapshot_id=snapshot_id, rank=rank, wait_seconds=wait_s, wait_stored=wait_stored
-        )
+    def snapshot_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0,
+                        wait_stored: bool = False) -> pb.SnapshotStatusReply:
+        request = pb.SnapshotStatusRequest(snapshot_id=snapshot_id, rank=rank, wait_seconds=wait_s,
+                                           wait_stored=wait_stored)
         return self.call("SnapshotStatus", request, timeout_s=self.config.timeout_s + wait_s)
 
     def open_keepalive(self, session_id: str, generation: int):
@@ -342,27 +262,17 @@ class SwapStateClient:
 
 #: What a trainer whose KeepAlive stream failed should do next, by the stream's status code.
 _LOST_NEXT = {
-    # The server answered: it freed the session (the details say when and why).
     grpc.StatusCode.NOT_FOUND: "restart the trainer and restore a snapshot (--resume latest in "
     "the demo, container.restore('latest')), or give the server a longer --grace",
     None: "the optimizer state on the server may be gone: restore from a snapshot after "
-    "restarting the server",
-}
+    "restarting the server"}
 
 
 class RemoteSession:
     """One attached (job_id, rank) session; owns the keep-alive thread."""
 
-    def __init__(
-        self,
-        client: SwapStateClient,
-        job_id: str,
-        rank: int,
-        world_size: int,
-        reply: pb.AttachReply,
-        *,
-        local_world_size: int = 0,
-    ):
+    def __init__(self, client: SwapStateClient, job_id: str, rank: int, world_size: int,
+                 reply: pb.AttachReply, *, local_world_size: int = 0):
         self.client = client
         self.job_id = job_id
         self.rank = rank
@@ -370,29 +280,22 @@ class RemoteSession:
         self.local_world_size = local_world_size or world_size
         self.session_id = reply.session_id
         self.generation = reply.generation
-        self.reattached = reply.reattached
         self.previous_session: str = reply.previous_session
-        """Not reattached: why the server holds no state for this job/rank, when it knows (it
-        freed an earlier session of theirs, e.g. after its --grace); "" otherwise."""
+        """Not reattached: why the server holds no state for this job/rank, when it knows."""
         self.segment: pb.SegmentInfo | None = reply.segment if reply.has_segment else None
-        self.last_committed_step: int | None = (
-            reply.last_committed_step if reply.has_committed_step else None
-        )
+        self.last_committed_step: int | None = reply.last_committed_step if reply.has_committed_step else None
         self._lost: SwapStateError | None = None
         self._connected = threading.Event()
         self._connected.set()  # attached just now
         self._disconnected_at = 0.0
-        self.reconnects = 0
-        """Times the keep-alive came back after the server was unreachable."""
+        self.reconnects = 0  # times the keep-alive came back after the server was unreachable
         self._header: TrainerHeader | None = None
         self._closing = threading.Event()
         self._stream = None
-        self._thread = threading.Thread(
-            target=self._keepalive_loop, name=f"swap-state-keepalive-{rank}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._keepalive_loop, name=f"swap-state-keepalive-{rank}",
+                                        daemon=True)
         self._thread.start()
 
-    # -- liveness ---------------------------------------------------------------------------
     def _keepalive_loop(self) -> None:
         delay = _RECONNECT_FIRST_S
         while not self._closing.is_set():
@@ -418,7 +321,13 @@ class RemoteSession:
         notice = ""
         try:
             for event in stream:
-                self._mark_connected()
+                if not self._connected.is_set():
+                    self.reconnects += 1
+                    down = time.monotonic() - self._disconnected_at
+                    log.warning("swap-state-server at %s is back after %.1f s: session %s/rank %d "
+                                "reconnected (reconnect %d)", self.client.config.address, down, self.job_id,
+                                self.rank, self.reconnects)
+                    self._connected.set()
                 if event.notice:
                     notice = event.notice
                     log.info("swap-state-server: %s", event.notice)
@@ -445,65 +354,45 @@ class RemoteSession:
             after = (" after the server restarted: the new server did not adopt this session's "
                      "segment (started with --discard-segments, or the segment failed its checks: "
                      "see the server's log)")
-        self._lost = SessionLostError(
-            f"lost the swap-state session {self.job_id}/rank {self.rank} at "
-            f"{self.client.config.address}{after}: {why}; {_LOST_NEXT.get(code, _LOST_NEXT[None])}",
-            code,
-        )
+        self._lost = SessionLostError(f"lost the swap-state session {self.job_id}/rank {self.rank} at "
+                                      f"{self.client.config.address}{after}: {why}; "
+                                      f"{_LOST_NEXT.get(code, _LOST_NEXT[None])}", code)
 
     def _mark_gone(self, why: str) -> str:
         if self._connected.is_set():
             self._connected.clear()
             self._disconnected_at = time.monotonic()
-            log.warning(
-                "swap-state-server at %s is unreachable (%s): training goes on (steps need no "
-                "server); snapshots and restores fail until it is back; reconnecting",
-                self.client.config.address, why,
-            )  # fmt: skip
+            log.warning("swap-state-server at %s is unreachable (%s): training goes on (steps need no "
+                        "server); snapshots and restores fail until it is back; reconnecting",
+                        self.client.config.address, why)
         return "gone"
 
-    def _mark_connected(self) -> None:
-        if self._connected.is_set():
-            return
-        self.reconnects += 1
-        log.warning(
-            "swap-state-server at %s is back after %.1f s: session %s/rank %d reconnected "
-            "(reconnect %d)", self.client.config.address, time.monotonic() - self._disconnected_at,
-            self.job_id, self.rank, self.reconnects,
-        )  # fmt: skip
-        self._connected.set()
-
     def server_gone(self) -> bool:
-        """Whether the server is unreachable now (the keep-alive thread reconnects; the
-        trainer never waits on it meanwhile)."""
+        """Whether the server is unreachable now (the keep-alive thread reconnects)."""
         return not self._connected.is_set()
 
     def wait_connected(self, timeout_s: float) -> None:
-        """Return once the server is reachable (at once unless it is being reconnected);
-        ServerUnavailableError naming the address after ``timeout_s``, SessionLostError as
-        soon as a server answers that it lost the session."""
+        """Return once the server is reachable; ServerUnavailableError after ``timeout_s``,
+        SessionLostError as soon as a server answers that it lost the session."""
         self.check_alive()
         deadline = time.monotonic() + timeout_s
         while not self._connected.wait(max(0.0, min(0.1, deadline - time.monotonic()))):
-            self.check_alive()  # a server that answered it lost the session: no more waiting
+            self.check_alive()
             if time.monotonic() >= deadline:
                 break
         else:
             return
         down = time.monotonic() - self._disconnected_at
         raise ServerUnavailableError(
-            f"swap-state-server at {self.client.config.address} has been unreachable for "
-            f"{down:.0f} s (waited {timeout_s:g} s for it to come back); "
-            f"{start_hint(self.client.config.address)}",
-            grpc.StatusCode.UNAVAILABLE,
-        )
+            f"swap-state-server at {self.client.config.address} has been unreachable for {down:.0f} s "
+            f"(waited {timeout_s:g} s for it to come back); {start_hint(self.client.config.address)}",
+            grpc.StatusCode.UNAVAILABLE)
 
     def check_alive(self) -> None:
         """Raise the keep-alive failure, if any (cheap; called before each step)."""
         if self._lost is not None:
             raise self._lost
 
-    # -- RPCs -------------------------------------------------------------------------------
     def _call(self, name: str, request, timeout_s: float | None = None):
         try:
             return self.client.call(name, request, timeout_s)
@@ -514,13 +403,9 @@ class RemoteSession:
             raise
 
     def allocate(self, specs: Sequence[tuple[str, str, Sequence[int]]]) -> pb.AllocateReply:
-        """Allocate the segment; the deadline follows the size (the server commits, maps and
-        mlocks every page first: seconds per 10 GiB, slower where memory is touched the
-        first time)."""
+        """Allocate the segment; the deadline follows the size (the server mlocks every page)."""
         tensors = [pb.TensorSpec(name=n, dtype=d, shape=list(s)) for n, d, s in specs]
-        request = pb.AllocateRequest(
-            session_id=self.session_id, generation=self.generation, tensors=tensors
-        )
+        request = pb.AllocateRequest(session_id=self.session_id, generation=self.generation, tensors=tensors)
         nbytes = sum(tensor_nbytes(d, s) for _, d, s in specs)
         deadline = max(60.0 + nbytes / _SLOWEST_ALLOCATE_BYTES_PER_S, self.client.config.timeout_s)
         reply = self._call("Allocate", request, timeout_s=deadline)
@@ -528,59 +413,40 @@ class RemoteSession:
         return reply
 
     def bind_header(self, header: TrainerHeader | None) -> None:
-        """Commit through ``header`` (the mapped segment's) from now on: no RPC per step;
-        None before the segment is unmapped."""
+        """Commit through the mapped segment's ``header`` (no RPC per step); None before unmapping."""
         self._header = header
 
     def commit(self, step: int) -> int:
-        """Commit ``step``: its writes are complete. With a bound header this stores the
-        header words (:func:`swap_state.common.segment.committed_step` says how the server
-        reads them) and makes no RPC; refused when another trainer took the segment over."""
+        """Commit ``step`` (its writes are complete): header words when bound, else an RPC;
+        refused when another trainer took the segment over."""
         self.check_alive()
         header = self._header
         if header is None:
-            return self._commit_rpc(step)
+            request = pb.CommitStepRequest(session_id=self.session_id, generation=self.generation, step=step)
+            self.last_committed_step = self._call("CommitStep", request).committed_step
+            return self.last_committed_step
         if header[Word.TRAINER_GENERATION] != self.generation:
             raise StaleGenerationError(
-                f"job {self.job_id} rank {self.rank} was re-attached by another trainer "
-                f"(generation {header[Word.TRAINER_GENERATION]}, this one {self.generation}): "
-                "this trainer must stop"
-            )
+                f"job {self.job_id} rank {self.rank} was re-attached by another trainer (generation "
+                f"{header[Word.TRAINER_GENERATION]}, this one {self.generation}): this trainer must stop")
         header.commit(step)
         self.last_committed_step = step
         return step
 
-    def _commit_rpc(self, step: int) -> int:
-        request = pb.CommitStepRequest(
-            session_id=self.session_id, generation=self.generation, step=step
-        )
-        reply = self._call("CommitStep", request)
-        self.last_committed_step = reply.committed_step
-        return reply.committed_step
-
-    def snapshot(
-        self, step: int, metadata_json: str = "", keep_latest: int = 0, keep_all: bool = False,
-        replace_existing: bool = False, **metadata_parts: str,
-    ) -> pb.SnapshotReply:
-        """Snapshot committed ``step``. ``keep_latest``/``keep_all``: the job's own retention
-        (the server keeps at least its --keep-latest). ``replace_existing``: a durable
-        snapshot of this step from an earlier attempt is replaced, not refused.
-        ``metadata_parts``: ``metadata_base_id``, ``metadata_base_json`` and
-        ``metadata_delta_json`` instead of ``metadata_json`` (:mod:`~swap_state.common.snapshot_metadata_parts`)."""
+    def snapshot(self, step: int, metadata_json: str = "", keep_latest: int = 0, keep_all: bool = False,
+                 replace_existing: bool = False, **metadata_parts: str) -> pb.SnapshotReply:
+        """Snapshot committed ``step`` with the job's retention. ``metadata_parts``:
+        ``metadata_base_id``/``_base_json``/``_delta_json`` instead of ``metadata_json``."""
         self.check_alive()
         request = pb.SnapshotRequest(
             session_id=self.session_id, generation=self.generation, step=step, metadata_json=metadata_json,
-            keep_latest=keep_latest, keep_all=keep_all, replace_existing=replace_existing, **metadata_parts,
-        )
+            keep_latest=keep_latest, keep_all=keep_all, replace_existing=replace_existing, **metadata_parts)
         return self._call("Snapshot", request)
 
     def restore(self, snapshot_id: str = "latest", metadata_json: str = "") -> pb.RestoreReply:
-        """``metadata_json``: this rank's tensors' placement (the snapshot metadata's schema),
-        so that the server can reshard a snapshot taken at another world size."""
-        request = pb.RestoreRequest(
-            session_id=self.session_id, generation=self.generation, snapshot_id=snapshot_id,
-            metadata_json=metadata_json,
-        )
+        """``metadata_json``: this rank's layout, so the server can reshard to it."""
+        request = pb.RestoreRequest(session_id=self.session_id, generation=self.generation,
+                                    snapshot_id=snapshot_id, metadata_json=metadata_json)
         return self._call("Restore", request, timeout_s=max(300.0, self.client.config.timeout_s))
 
     def close(self, keep: bool = False) -> None:
@@ -589,9 +455,7 @@ class RemoteSession:
             return
         try:
             if self._lost is None:
-                request = pb.DetachRequest(
-                    session_id=self.session_id, generation=self.generation, keep=keep
-                )
+                request = pb.DetachRequest(session_id=self.session_id, generation=self.generation, keep=keep)
                 self.client.call("Detach", request)
         finally:
             self._closing.set()

@@ -1,15 +1,12 @@
-"""Maps a session's shared-memory segment into the trainer and exposes torch views on it.
+"""Maps a session's shared-memory segment into the trainer and exposes torch views on it
+(writes are the server's memory: they survive a trainer crash).
 
 Call order::
 
     mapping = SegmentMapping.open(segment_info)   # mmap + header check
     mapping.register_for_dma(backend)             # once; no-op on CPU
     views = mapping.tensor_views()                # name -> torch.Tensor on the mapping
-    ...                                           # the step reads/writes the views
-    mapping.close()                               # unregister, drop views, unmap
-
-The views alias the server's memory: writes are visible to the server (and survive a trainer
-crash) without any copy through gRPC.
+    mapping.close()                               # unregister, unmap (views dropped first)
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from swap_state.common.trainer_presence import hold
 __all__ = ["TORCH_DTYPES", "SegmentMapping"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
-"""The common dtype table's names as torch dtypes."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -49,11 +45,9 @@ class SegmentMapping:
         self._base = torch.frombuffer(mm, dtype=torch.uint8)  # one export, all views derive
         self.header = SegmentHeader(mm)
         self.header.check()
-        self.trainer = TrainerHeader(self.header)
-        """The trainer's writes to the header (the only ones it makes)."""
-        self.tensors = tuple(
-            TensorLayout(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in info.tensors
-        )
+        self.trainer = TrainerHeader(self.header)  # the trainer's only writes to the header
+        self.tensors = tuple(TensorLayout(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes)
+                             for t in info.tensors)
         self.chunks = chunk_table(self.tensors, info.chunk_bytes)
         self._registered: tuple[object, int] | None = None
 
@@ -62,17 +56,13 @@ class SegmentMapping:
         try:
             fd = os.open(info.path, os.O_RDWR)
         except OSError as e:
-            raise RuntimeError(
-                f"cannot open swap-state segment {info.path}: {e.strerror}; the trainer must "
-                "share /dev/shm with the server (docker: ipc: service:<server>; "
-                "kubernetes: the same pod or hostIPC)"
-            ) from e
+            raise RuntimeError(f"cannot open swap-state segment {info.path}: {e.strerror}; the trainer must "
+                               "share /dev/shm with the server (docker: ipc: service:<server>; "
+                               "kubernetes: the same pod or hostIPC)") from e
         try:
             size = os.fstat(fd).st_size
             if size < info.size:
-                raise RuntimeError(
-                    f"swap-state segment {info.path} has {size} bytes, expected {info.size}"
-                )
+                raise RuntimeError(f"swap-state segment {info.path} has {size} bytes, expected {info.size}")
             mm = mmap.mmap(fd, info.size, flags=mmap.MAP_SHARED)
             hold(fd)  # while this process maps it: a restarted server knows its trainer is alive
         except BaseException:
@@ -82,33 +72,19 @@ class SegmentMapping:
 
     @property
     def buffer(self) -> mmap.mmap:
-        """The raw mapping (for header and copy-before-write access)."""
         return self._mm
 
     @property
     def data_ptr(self) -> int:
         return self._base.data_ptr()
 
-    def byte_view(self, offset: int, nbytes: int) -> torch.Tensor:
-        return self._base[offset : offset + nbytes]
-
     def tensor_views(self) -> dict[str, torch.Tensor]:
-        views = {}
-        for t in self.tensors:
-            dtype = TORCH_DTYPES[t.dtype]
-            views[t.name] = self.byte_view(t.offset, t.nbytes).view(dtype).view(t.shape)
-        return views
+        return {t.name: self._base[t.offset : t.offset + t.nbytes].view(TORCH_DTYPES[t.dtype]).view(t.shape)
+                for t in self.tensors}
 
     def register_for_dma(self, backend) -> None:
-        """Pin the whole mapping for device DMA once (cudaHostRegister / aclrtHostRegister),
-        in chunks that never split a tensor (``spans``: each tensor's bytes; a chunk ends only
-        on a page boundary no tensor straddles, see :func:`~swap_state.client.host_register.page_chunks`).
-
-        The whole mapping is registered either way (header and copy slots too: one range,
-        one unregister). The copy slots are no device copy's source or target (the trainer and
-        the server fill them from the segment on the host), so they are not spans; their
-        boundaries are ``cuts``, where a chunk may also end: a large slot area is then
-        registered in chunks within the limit rather than as one."""
+        """Pin the whole mapping for device DMA once, in chunks that never split a tensor
+        (``spans``); the copy slots (host-only) add ``cuts`` where a chunk may also end."""
         if self._registered is None and backend.is_accelerator:
             spans = [(t.offset, t.nbytes) for t in self.tensors]
             info = self.info
@@ -127,10 +103,7 @@ class SegmentMapping:
         try:
             self._mm.close()
         except BufferError:
-            # A view is still referenced somewhere (e.g. a state_dict the user kept): the
-            # mapping stays until it is garbage collected, which is safe; the file is the
-            # server's to unlink.
-            pass
+            pass  # a view still referenced (a kept state_dict): unmapped when collected
         if self._fd >= 0:
             os.close(self._fd)  # the trainer's presence ends with its mapping
             self._fd = -1

@@ -1,11 +1,8 @@
 """The trainer's guard on its segment: marks steps being written and protects the bytes a
-persisting snapshot still needs (copy-before-write, see :mod:`swap_state.common.segment`).
+persisting snapshot still needs (copy-before-write, :mod:`swap_state.common.segment`).
 
-Call order, per step, from the one thread that writes the segment::
-
-    guard.before_write(step, tensor_names)   # per slice, before its host bytes change
-    ...                                      # (the write)
-    guard.end_write()                        # all writes of the step are complete
+Per step, from the one thread that writes the segment: ``before_write(step, names)`` per
+slice before its bytes change, ``end_write()`` once all are written.
 """
 
 from __future__ import annotations
@@ -16,51 +13,34 @@ from swap_state.client.remote.segment_mapping import SegmentMapping
 from swap_state.common.segment import SegmentLayout, Word
 from swap_state.common.copy_before_write import TrainerProtector
 
-__all__ = ["SnapshotGuard", "layout_of"]
-
-
-def layout_of(mapping: SegmentMapping) -> SegmentLayout:
-    info = mapping.info
-    return SegmentLayout(
-        header_bytes=info.header_bytes,
-        tensors=mapping.tensors,
-        chunk_bytes=info.chunk_bytes,
-        n_chunks=len(mapping.chunks),
-        cow_slots=info.cow_slots,
-        cow_slots_offset=info.cow_slots_offset,
-        size=info.size,
-    )
+__all__ = ["SnapshotGuard"]
 
 
 class SnapshotGuard:
-    """One per mapped segment; owned by the trainer's optimizer container."""
+    """One per mapped segment. ``server_gone``: whether the server is unreachable now (a
+    snapshot that would make the trainer wait is then given up: protocol step 6)."""
 
     def __init__(self, mapping: SegmentMapping, max_wait_s: float | None,
                  server_gone: Callable[[], bool] | None = None):
-        """``server_gone``: whether the server is unreachable now; then a snapshot that would
-        make the trainer wait is given up instead (protocol step 6)."""
         self.header = mapping.header
         self._trainer = mapping.trainer
-        self._protector = TrainerProtector(
-            mapping.buffer, layout_of(mapping), header=mapping.trainer, max_wait_s=max_wait_s,
-            server_gone=server_gone,
-        )
+        info = mapping.info
+        layout = SegmentLayout(info.header_bytes, mapping.tensors, info.chunk_bytes, len(mapping.chunks),
+                               info.cow_slots, info.cow_slots_offset, info.size)
+        self._protector = TrainerProtector(mapping.buffer, layout, header=mapping.trainer,
+                                           max_wait_s=max_wait_s, server_gone=server_gone)
         self._index = {t.name: i for i, t in enumerate(mapping.tensors)}
 
     def before_write(self, step: int, names: Iterable[str]) -> None:
         """Mark ``step`` as being written (a reattach then knows the bytes are torn) and
         make the chunks of ``names`` safe to overwrite; may wait (back-pressure)."""
         self._trainer.begin_write(step)
-        if self.header[Word.SNAP_EPOCH] == 0:
-            return  # no snapshot persisting: the common case costs one word read
-        for name in names:
-            self._protector.before_write_tensor(self._index[name])
+        self.protect(names)
 
     def protect(self, names: Iterable[str]) -> None:
-        """Make the chunks of ``names`` safe to overwrite without marking a step as being
-        written (the model tensors: copied after the commit, never torn moments)."""
+        """Make the chunks of ``names`` safe to overwrite, marking no step (the model tensors)."""
         if self.header[Word.SNAP_EPOCH] == 0:
-            return
+            return  # no snapshot persisting: the common case costs one word read
         for name in names:
             self._protector.before_write_tensor(self._index[name])
 

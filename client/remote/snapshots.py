@@ -1,12 +1,4 @@
-"""A handle on a snapshot in progress: wait until it is durable, or in the store.
-
-Call order, between steps::
-
-    handle = c.snapshot()      # one RPC; returns once the snapshot is consistent
-    ...                        # the trainer may step again at once
-    handle.wait_durable()      # optional: blocks until it is on disk
-    handle.wait_stored()       # optional: until it is in the server's --snapshot-store
-"""
+"""A handle on a snapshot in progress: wait until it is durable, or in the store."""
 
 from __future__ import annotations
 
@@ -21,8 +13,7 @@ __all__ = ["SnapshotHandle"]
 
 @dataclasses.dataclass
 class SnapshotHandle:
-    """A snapshot in progress: ``wait_durable()`` blocks until it is on the server's disk,
-    ``wait_stored()`` until it is in the server's ``--snapshot-store`` too."""
+    """A snapshot in progress (``c.snapshot()`` returns once it is consistent)."""
 
     snapshot_id: str
     step: int
@@ -37,9 +28,8 @@ class SnapshotHandle:
         return self._wait(timeout_s, stored=False)
 
     def wait_stored(self, timeout_s: float = 600.0):
-        """The status once this rank's files are in the store (every host reaches it):
-        SwapStateError when the upload failed (the message names the store; the snapshot is
-        still durable locally), or the server has no store; TimeoutError."""
+        """The status once this rank's files are in the ``--snapshot-store``; SwapStateError
+        when the upload failed or there is no store; TimeoutError."""
         return self._wait(timeout_s, stored=True)
 
     def _wait(self, timeout_s: float, stored: bool):
@@ -58,7 +48,5 @@ class SnapshotHandle:
             if remaining <= 0:
                 what = "stored" if stored else "durable"
                 done = reply.bytes_stored if stored else reply.bytes_persisted
-                raise TimeoutError(
-                    f"snapshot {self.snapshot_id} not {what} after {timeout_s}s "
-                    f"({done}/{reply.bytes_total} bytes)"
-                )
+                raise TimeoutError(f"snapshot {self.snapshot_id} not {what} after {timeout_s}s "
+                                   f"({done}/{reply.bytes_total} bytes)")
