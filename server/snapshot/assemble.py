@@ -5,23 +5,16 @@ the snapshot's layout or another. One path: plan, stage, verify, then copy. Call
     result = assemble(source, view, layout, rank=..., world_size=..., placement=...,
                       reserve_staging=..., staging_free_bytes=...)
 
-The plan: at the snapshot's world size, the rank's own manifest is read first; when its tensors
-are the segment's (names, dtypes, shapes, order) the plan is trivial, that whole file (one
-manifest read, never the other ranks'), and a local file is staged whole (:mod:`.sources`).
-Otherwise (another world size, or the same one at another layout: FSDP to TP, ...) each new
-rank's shards are cut from the old ranks' shards, planned from the step's layout index
-(``layout.json``, :mod:`.layout_index`; built from every old rank's manifest only for a
-snapshot without one), read once for the ranks of this server that restore the snapshot
-together (:data:`RECENT`), then only the manifests of the old ranks the plan reads; the
-targets' placement is the one the trainer sent (RestoreRequest.metadata_json).
+The plan: at the snapshot's world size and layout, the rank's own file, whole (one manifest
+read; a local file staged whole, :mod:`.sources`). Otherwise each new rank's shards are cut from
+the old ranks' shards, planned from the step's ``layout.json`` (:mod:`.layout_index`; from
+every manifest for a snapshot without one), read once for the ranks of this server restoring it
+together (:data:`RECENT`); the targets' placement is the trainer's (RestoreRequest.metadata_json).
 
-What it reads is verified before a byte of the segment changes: each manifest against the
-snapshot's index, each data file's size and header against its manifest, and every source
-tensor it reads against its crc32. Only the tensors a new rank needs are read (whole tensors:
-their checksums cover them whole). The target bytes are staged (accounted by
-``reserve_staging``, the arena's) and copied into the segment once all of them verified; when
-the budget cannot hold them, the sources are verified in a first pass and read again into the
-segment, each tensor checked again (a change in between fails the restore: "restore again").
+Everything read is verified (manifests against the index, data headers, every source tensor's
+crc32) before a byte of the segment changes. The bytes are staged within ``reserve_staging``
+(the arena's budget); when it cannot hold them, the sources are verified in a first pass and
+read again into the segment, each checked again (a change in between: "restore again").
 """
 
 from __future__ import annotations
@@ -56,15 +49,13 @@ class Assembled:
     def __init__(self, bytes_restored: int, source_ranks: list[int], metadata_json: str, staged: bool,
                  pinned: bool = False, plan: str = "own-file"):
         self.plan = plan
-        """What the plan came from: ``own-file`` (the same layout), ``layout-index`` (the
-        step's layout.json) or ``every-manifest`` (a snapshot without one)."""
+        """``own-file`` (the same layout), ``layout-index`` or ``every-manifest``."""
         self.bytes_restored = bytes_restored
         self.source_ranks = source_ranks
         self.metadata_json = metadata_json
         self.staged = staged
         self.pinned = pinned
-        """The staged bytes could not change before the copy (a whole local file, mapped and
-        pinned); else each copied chunk was checked again (pieces are checked as read)."""
+        """The staged bytes could not change before the copy (else each copy was checked again)."""
 
 
 def check_world_size(info: SnapshotInfo, world_size: int) -> None:
@@ -109,8 +100,7 @@ def _describe(dtype: str, shape: tuple[int, ...]) -> str:
 
 def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMetadata | None) -> bool:
     """The rank's own file is its segment: the same tensors (names, dtypes, shapes, order) and,
-    where the trainer sent their placement, the same boxes of the same global tensors (equal
-    local shapes at another layout, FSDP x TP against FSDP alone, hold other rows)."""
+    where the trainer sent their placement, the same boxes of the same global tensors."""
     if len(own.tensors) != len(layout.tensors) or any(
         (t.name, t.dtype, tuple(t.shape)) != (s.name, s.dtype, tuple(s.shape)) for t, s in zip(own.tensors, layout.tensors)
     ):
@@ -152,10 +142,8 @@ def assemble(
     reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
     staging_free_bytes: Callable[[], int] | None = None,
 ) -> Assembled:
-    """Plan, read and verify every piece of ``rank``'s tensors, then copy them into ``view``
-    (see the module docstring). ``reserve_staging(nbytes)``: a context manager yielding whether
-    the budget holds the staged bytes (None: always); ``staging_free_bytes()``: the free
-    budget, for the log line when it does not."""
+    """Plan, read and verify every piece of ``rank``'s tensors, then copy them into ``view``.
+    ``staging_free_bytes()``: the free budget, for the log line when it cannot hold them."""
     info = source.info
     if info.world_size == world_size:
         own = source.read_manifest(rank)  # SnapshotNotFound: this rank's file is on another host
@@ -173,7 +161,7 @@ def assemble(
     base = min(needed or info.ranks)
     manifests = {r: read.manifest(r) for r in sorted({*needed, base})}
     plan = bind(plan, {r: m.tensors for r, m in manifests.items()})
-    granted = _read_pieces(source, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
+    granted, _ = _read_pieces(source, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
     others = [manifests[r].metadata_json for r in needed if r != base]
     nbytes = sum(t.nbytes for t in layout.tensors if t.name in plan)
     return Assembled(nbytes, needed, _restored_metadata(manifests[base].metadata_json, others, placement), granted,
@@ -182,47 +170,41 @@ def assemble(
 
 def _whole_rank(source: Source, own: RankManifest, view: memoryview, layout: SegmentLayout, rank: int,
                 reserve_staging, staging_free_bytes) -> Assembled:
-    """The trivial plan: the rank's own file, whole, into its segment."""
-    if not source.whole_files:  # the store: each tensor a piece of itself
-        plan = {t.name: [Piece(rank, t, (Run(0, 0, t.nbytes),))] if t.nbytes else [] for t in own.tensors}
-        granted = _read_pieces(source, {rank: own}, plan, view, layout, rank, reserve_staging, staging_free_bytes)
-        return Assembled(sum(t.nbytes for t in own.tensors), [rank], own.metadata_json, granted)
-    nbytes = sum(t.nbytes for t in own.tensors)
-    with _reserve(reserve_staging, nbytes) as granted:
-        if granted:
-            pinned = source.copy_whole_file(own, view, layout)
-            return Assembled(nbytes, [rank], own.metadata_json, True, pinned)
-    _log_unstaged(source.info, rank, nbytes, staging_free_bytes)
-    source.verify_then_copy_whole_file(own, view, layout)
-    return Assembled(nbytes, [rank], own.metadata_json, False)
+    """The trivial plan: the rank's own file, whole, into its segment (each tensor a piece of itself)."""
+    plan = {t.name: [Piece(rank, t, (Run(0, 0, t.nbytes),))] if t.nbytes else [] for t in own.tensors}
+    whole = own if source.whole_files else None
+    staged, pinned = _read_pieces(source, {rank: own}, plan, view, layout, rank, reserve_staging,
+                                  staging_free_bytes, whole)
+    return Assembled(sum(t.nbytes for t in own.tensors), [rank], own.metadata_json, staged, pinned)
 
 
 def _reserve(reserve_staging, nbytes: int) -> ContextManager[bool]:
     return reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
 
 
-def _log_unstaged(info: SnapshotInfo, rank: int, nbytes: int, staging_free_bytes) -> None:
-    log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id, rank=rank,
+def _read_pieces(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
+                 view: memoryview, layout: SegmentLayout, rank: int, reserve_staging, staging_free_bytes,
+                 whole: RankManifest | None = None) -> tuple[bool, bool]:
+    """Every piece of ``plan`` read, verified, then copied into ``view``: (staged, pinned).
+    ``whole``: a local rank file the plan takes whole, staged as one file when the budget holds it."""
+    by_name = {t.name: t for t in layout.tensors}
+    nbytes = _held_bytes(plan)
+    read = [whole] if whole is not None else [manifests[r] for r in ranks_needed(plan)]
+    with _reserve(reserve_staging, nbytes) as granted:
+        if granted and whole is not None:
+            return True, source.copy_whole_file(whole, view, layout)  # checks the header itself
+        for manifest in read:
+            source.check_data_header(manifest)
+        if granted:
+            _staged_copy(source, manifests, plan, view, by_name)
+            return True, False
+    log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=source.info.snapshot_id, rank=rank,
               staged_bytes_needed=nbytes, budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
               detail="the budget's free bytes cannot hold the staged state: verifying the sources, then "
               "reading them again into the segment")
-
-
-def _read_pieces(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
-                 view: memoryview, layout: SegmentLayout, rank: int, reserve_staging, staging_free_bytes) -> bool:
-    """Every piece of ``plan`` read, verified, then copied into ``view``; whether it was staged."""
-    for r in ranks_needed(plan):
-        source.check_data_header(manifests[r])
-    by_name = {t.name: t for t in layout.tensors}
-    nbytes = _held_bytes(plan)
-    with _reserve(reserve_staging, nbytes) as granted:
-        if granted:
-            _staged_copy(source, manifests, plan, view, by_name)
-            return True
-    _log_unstaged(source.info, rank, nbytes, staging_free_bytes)
     _fill(source, manifests, plan, None, {})  # verify everything first
     _fill(source, manifests, plan, view, {n: by_name[n].offset for n in plan}, again=True)
-    return False
+    return False, False
 
 
 class ReadSnapshot:
@@ -257,11 +239,8 @@ class ReadSnapshot:
 
 class RecentSnapshots:
     """The snapshots assembled from lately, read once for the ranks of this server that restore
-    them together: 8 ranks restoring a snapshot read its layout index once, and each old rank's
-    manifest they need once, not 8 times. An entry lives while a restore uses it and
-    ``keep_s`` after its last read (the ranks of a host call Restore about together), never
-    longer: a snapshot without a layout index is planned from all of its manifests (about a
-    GiB at 1,024 old ranks)."""
+    them together. An entry lives while a restore uses it and ``keep_s`` after its last read,
+    never longer: one planned from every manifest is about a GiB at 1,024 old ranks."""
 
     def __init__(self, keep_s: float = 30.0):
         self._keep_s = keep_s
@@ -317,10 +296,8 @@ RECENT = RecentSnapshots()
 def _staged_copy(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
                  view: memoryview, by_name) -> None:
     """Every piece's source tensor read and verified, held as read, then (all verified) its runs
-    copied into the segment with the GIL released. Held as read, not copied into a staging
-    area first: that area's fresh pages and the extra copy under the GIL cost a 256 MiB
-    restore from a directory store 0.53 GB/s against 0.85 GB/s this way (median of 7, both in
-    one run; docs/benchmarks.md). What is left is the held bytes' fresh pages."""
+    copied into the segment with the GIL released. Not copied into a staging area first: that
+    was 0.53 GB/s against 0.85 GB/s this way (docs/benchmarks.md)."""
     held = [(by_name[name], piece, _as_bytes(source.read_tensor(manifests[piece.source_rank], piece.source)))
             for name, pieces in plan.items() for piece in pieces]
     base = _posix.buffer_address(view)  # verified: only now the segment changes
@@ -341,8 +318,8 @@ def _held_bytes(plan: Mapping[str, list[Piece]]) -> int:
 
 def _fill(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
           dest: memoryview | None, offsets: Mapping[str, int], again: bool = False) -> None:
-    """Read (verified) the source tensor of every piece and copy its runs to ``dest`` where
-    the target's bytes start (``offsets``; ``dest`` None: verify only)."""
+    """Read (verified) every piece's source tensor and copy its runs to ``dest`` at ``offsets``
+    (``dest`` None: verify only)."""
     for name, pieces in plan.items():
         for piece in pieces:
             try:
@@ -362,11 +339,9 @@ def _fill(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[s
 
 
 def _restored_metadata(saved: str, others: Sequence[str], placement: SnapshotMetadata | None) -> str:
-    """The snapshot's metadata as Restore returns it: the old rank's (``saved``), with the
-    per-parameter entries (param groups, steps, model aliases) of the other old ranks read
-    (``others``: a pipeline stage holds only its own parameters' entries) where ``saved`` lacks
-    them, and the tensors' entries the restoring rank's own (after a reshard the old rank's
-    offsets are not this rank's)."""
+    """The snapshot's metadata as Restore returns it: the old rank's (``saved``), completed by the
+    per-parameter entries of the ``others`` read (a pipeline stage holds only its own), with the
+    restoring rank's own tensor entries (after a reshard the old offsets are not its own)."""
     if not saved.strip() or (not others and (placement is None or not placement.tensors)):
         return saved
     raw = json.loads(saved)

@@ -1,22 +1,11 @@
 """Restore: a durable snapshot into a session's segment, verified first.
 
-Call order (the servicer, for Restore): resolve the session's segment, then
-``restore(coordinator.directory, snapshot_id, segment_mmap, layout, job_id=..., rank=...,
-world_size=..., reserve_staging=arena.reserve_staging, stored=..., placement_json=...)``; on
-success it has written the tensors and returns the snapshot's step and the trainer's metadata
-(the servicer then records the restored step as committed).
-
-This module picks the tier (:func:`~.tiers.resolve_source`: this server's ``--snapshot-dir``,
-else the store) and checks the segment; :mod:`.assemble` plans, reads and verifies, one path
-for every layout: the same one (the rank's own file, whole), another world size or another
-layout at the same size. Everything is checked before the first byte of the segment changes:
-the snapshot is complete, its (global) world size matches the job's or the trainer sent the
-placement to reshard it, it holds this rank (on a multi-host job each server's snapshot holds
-the ranks attached to it: a rank missing here is SnapshotNotFound, naming the ranks present and
-pointing at the other hosts' servers), the tensors match the target layout, the manifests match
-``snapshot.json`` and every tensor's crc32 matches. Any mismatch raises
-(SnapshotLayoutMismatch, SnapshotCorrupt, naming the file and the tensor) and leaves the
-segment untouched.
+Call order (the servicer, for Restore): ``restore(coordinator.directory, snapshot_id,
+segment_mmap, layout, job_id=..., rank=..., world_size=..., reserve_staging=..., stored=...,
+placement_json=...)`` returns the snapshot's step and the trainer's metadata once the tensors
+are written. It picks the tier (:func:`~.tiers.resolve_source`) and checks the segment;
+:mod:`.assemble` plans, reads and verifies. Any mismatch raises (SnapshotNotFound,
+SnapshotLayoutMismatch, SnapshotCorrupt, naming the file and tensor) before the segment changes.
 """
 
 from __future__ import annotations
@@ -51,14 +40,13 @@ class RestoreResult:
     step: int
     """The step the segment now holds."""
     metadata_json: str
-    """The trainer's metadata of that snapshot (every fact it gave; rebuilt by the manifest)."""
+    """The trainer's metadata of that snapshot."""
     bytes_restored: int
     """Tensor bytes copied into the segment."""
     staged: bool = True
     """Read once and staged (else verified, then read again: the budget could not hold it)."""
     pinned: bool = True
-    """The staged bytes could not change before the copy (a whole file mapped and pinned with
-    mlock); else each copied chunk was checked again, or each piece checked as read."""
+    """The staged bytes could not change before the copy (else each copy was checked again)."""
     source: str = "local"
     """Where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)."""
     snapshot_world_size: int = 0
@@ -66,8 +54,7 @@ class RestoreResult:
     source_ranks: tuple[int, ...] = ()
     """The snapshot's ranks whose files were read."""
     plan: str = "own-file"
-    """What the plan came from: ``own-file`` (the snapshot's layout), ``layout-index`` (the
-    step's layout.json) or ``every-manifest`` (a snapshot without one)."""
+    """What the plan came from: ``own-file``, ``layout-index`` or ``every-manifest``."""
 
 
 def restore(
@@ -86,22 +73,14 @@ def restore(
     placement_json: str = "",
     may_read: Callable[[SnapshotInfo], None] | None = None,
 ) -> RestoreResult:
-    """Verify ``snapshot_id`` (``<job>/step-<N>``, or ``latest`` of ``job_id``) for ``rank``
-    against ``layout``, then copy it into ``buffer`` (the writable mapped segment).
+    """Verify ``snapshot_id`` (``<job>/step-<N>``, or ``latest`` of ``job_id``) for ``rank`` against
+    ``layout``, then copy it into ``buffer`` (the writable mapped segment, not under a snapshot).
 
-    ``header``: the segment's SegmentHeader if the caller has one (else made here); the
-    segment must not be under a snapshot (SnapshotBusy). ``world_size`` is the job's global
-    one. ``reserve_staging(nbytes)``: a context manager yielding whether the budget holds the
-    staged bytes (the arena's; None: always); ``staging_free_bytes()``: the free budget, for
-    the log line when it does not. ``stored``: the store (``--snapshot-store``), where a
-    snapshot this server does not hold (another host's rank, a lost host's) is read from;
-    ``placement_json``: the rank's tensors' DTensor placement (RestoreRequest.metadata_json),
-    needed to reshard a snapshot taken at another world size or layout. ``may_read(info)``
-    raises (PermissionDenied: another tenant's) before anything is read.
-
-    Which tier (:func:`resolve_source`), then one path (:mod:`.assemble`).
-    Raises SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt, SnapshotBusy; the
-    segment is untouched then.
+    ``world_size``: the job's global one. ``reserve_staging(nbytes)``: yields whether the budget
+    holds the staged bytes (None: always). ``stored``: the store, for snapshots this server
+    does not hold. ``placement_json``: the rank's DTensor placement, needed to reshard.
+    ``may_read(info)`` raises (PermissionDenied) before anything is read. On any error
+    (SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt, SnapshotBusy) the segment is untouched.
     """
     own_header = header is None
     if header is None:

@@ -1,25 +1,10 @@
-"""The snapshot a restore reads, verified: :class:`Source`, one complete snapshot and the tier it
-is read from (:class:`~swap_state.common.snapshot_reader.SnapshotTier`: this server's
-``--snapshot-dir`` or the ``--snapshot-store``), which checks every read.
+"""The snapshot a restore reads, verified: :class:`Source`, one complete snapshot and the tier
+(``--snapshot-dir`` or ``--snapshot-store``) it is read from, which checks every read.
 
-Call order (:func:`~.assemble.assemble`)::
-
-    raw = source.read_layout()                      # layout.json (checked), or None: plan from
-                                                    # every manifest
-    manifest = source.read_manifest(rank)           # each rank it plans from (checked)
-    source.check_data_header(manifest)              # each rank it reads from
-    data = source.read_tensor(manifest, tensor)     # each piece: the whole tensor, crc32 checked
-    # or, for a plan that takes one rank's whole file in order (the same layout), from a
-    # directory (``whole_files``):
-    pinned = source.copy_whole_file(manifest, view, layout)        # staged, verified, copied
-    source.verify_then_copy_whole_file(manifest, view, layout)     # no budget to stage it
-
-A whole file is read once (*staged*, :mod:`.staged_read`): a reader thread maps the data file
-region by region, read ahead and pinned with ``mlock``, while this thread checksums the regions
-already read; only when every checksum has passed are the staged bytes copied (``memmove``, GIL
-released) into the segment. Where ``mlock`` is refused (RLIMIT_MEMLOCK) the staged pages may be
-evicted, so every copied chunk is checksummed again as it lands: a file that changed
-underneath fails the restore (SnapshotCorrupt, "restore again").
+A local rank file the plan takes whole is read once (*staged*, :mod:`.staged_read`) while this
+thread checksums it; only when every checksum passed are the bytes copied into the segment.
+Where ``mlock`` is refused the staged pages may be evicted, so every copied chunk is checked
+again as it lands: a file that changed underneath fails the restore ("restore again").
 """
 
 from __future__ import annotations
@@ -110,12 +95,6 @@ class Source:
         finally:
             os.close(fd)
 
-    def verify_then_copy_whole_file(self, manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> None:
-        """Without staging memory: verify the whole file, then read it again into ``view``."""
-        assert isinstance(self.tier, SnapshotReader), "whole files are a directory's"
-        self.tier.verify_data(self.info, manifest)
-        _copy_into(self.info.path / manifest.data_file, manifest, view, layout)
-
 
 def _verify_staged(staged: Staging, verifier: RankFileVerifier, size: int) -> None:
     """Checksum each region as soon as the reader has it in memory."""
@@ -150,20 +129,3 @@ def _copy_staged(staged: Staging, manifest: RankManifest, view: memoryview, layo
                 f"{path} changed while being restored (tensor {tensor.name!r} no longer matches "
                 "its checksum); the segment is partially overwritten: restore again"
             )
-
-
-def _copy_into(path: os.PathLike[str], manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> None:
-    """Read each tensor straight into its place in the segment."""
-    with open(path, "rb", buffering=0) as file:
-        for tensor, target in zip(manifest.tensors, layout.tensors):
-            file.seek(manifest.data_start + tensor.data_offsets[0])
-            dest = view[target.offset : target.offset + target.nbytes]
-            done = 0
-            while done < target.nbytes:
-                got = file.readinto(dest[done:])
-                if not got:
-                    raise SnapshotCorrupt(
-                        f"{path} shrank while being restored (tensor {tensor.name!r}); the "
-                        "segment is partially overwritten: restore again"
-                    )
-                done += got

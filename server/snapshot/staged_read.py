@@ -1,24 +1,16 @@
 """A snapshot's data file read once into memory, region by region, by a reader thread, while
 the restore checksums the regions already read: :func:`stage_file`.
 
-The file is mapped read-only; the reader asks the kernel to read regions ahead
+The file is mapped read-only; the reader asks the kernel to read ahead
 (``posix_fadvise(WILLNEED)``) and pins each region (``mlock``) in order, so that the bytes
-checked are the bytes copied. Where ``mlock`` is refused the pages may be evicted and read
-again from a file that changed, so the caller checks each copy again (:attr:`Staging.pinned`
-False).
-
-One way, measured: reading with O_DIRECT into fresh anonymous memory instead (once
-``--direct-io all``) was slower on the 2-core VM, where the kernel faults fresh memory in at
-about the disk's rate (512 MiB restored in 0.93 s that way against 0.66 s mapped; an O_DIRECT
-read of 512 MiB into memory already faulted in ran at 1.0-1.15 GB/s, into fresh memory at
-0.35-0.40 GB/s, both on a loaded machine), so that mode went (docs/benchmarks.md).
+checked are the bytes copied. Where ``mlock`` is refused the caller checks each copy again
+(:attr:`Staging.pinned` False). Mapped, not O_DIRECT into fresh memory: that was slower on the
+2-core VM, where fresh memory faults in at about the disk's rate (docs/benchmarks.md).
 
 Call order (the restore)::
 
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     staged = stage_file(fd, size)          # the reader thread starts
     staged.wait(end)                       # bytes [0, end) are in staged.view
-    ...                                    # checksum them; copy from staged.address
     staged.close()                         # on every path; then the caller closes fd
 """
 
@@ -31,7 +23,7 @@ import threading
 
 from swap_state.server import _posix
 
-__all__ = ["MappedStaging", "Staging", "stage_file"]
+__all__ = ["Staging", "stage_file"]
 
 STAGE_REGION_BYTES = 16 << 20
 """The reader thread reads (and pins) the file in regions of this size."""
@@ -42,18 +34,17 @@ _mlock = _posix.mlock  # a module name, so that tests can replace it
 
 
 class Staging:
-    """The file's bytes, region by region, in memory. Subclasses override :meth:`_read`
-    (the reader thread's body: :meth:`_passed` after each region, in order) and
-    :meth:`_release`, not :meth:`wait` or :meth:`close`."""
+    """The file's bytes, region by region, in a read-only mapping, read ahead and pinned in order."""
 
     pinned = True
     """The staged bytes cannot change before the caller copies them (else it checks again)."""
     pin_errno = 0
     """Why they are not pinned (the mlock errno), when they are not."""
 
-    def __init__(self, fd: int, size: int, address: int):
-        self.fd, self.size, self.address = fd, size, address
-        self.view = _posix.view_at(address, size)
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+        self.address = _posix.mmap_read_only(fd, size)
+        self.view = _posix.view_at(self.address, size)
         self._ready: queue.Queue[int | BaseException | None] = queue.Queue()
         self._stop = threading.Event()
         self._upto = 0
@@ -67,39 +58,6 @@ class Staging:
             self._ready.put(exc)
         finally:
             self._ready.put(None)
-
-    def _read(self) -> None:
-        raise NotImplementedError
-
-    def _passed(self, end: int) -> None:
-        self._ready.put(end)
-
-    def wait(self, end: int) -> None:
-        """Until the reader has passed ``end``; its error, if it failed before."""
-        while self._upto < end:
-            item = self._ready.get()
-            if item is None:
-                self._upto = self.size
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                self._upto = item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.view.release()
-        self._release()
-
-    def _release(self) -> None:
-        raise NotImplementedError
-
-
-class MappedStaging(Staging):
-    """A read-only mapping of the file, regions read ahead and pinned in order."""
-
-    def __init__(self, fd: int, size: int):
-        super().__init__(fd, size, _posix.mmap_read_only(fd, size))
 
     def _read(self) -> None:
         advised = 0
@@ -116,12 +74,26 @@ class MappedStaging(Staging):
                 err = _mlock(self.address + start, length)  # reads the region, pins it
                 if err:
                     self.pinned, self.pin_errno = False, err
-            self._passed(start + length)
+            self._ready.put(start + length)
 
-    def _release(self) -> None:
+    def wait(self, end: int) -> None:
+        """Until the reader has passed ``end``; its error, if it failed before."""
+        while self._upto < end:
+            item = self._ready.get()
+            if item is None:
+                self._upto = self.size
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                self._upto = item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.view.release()
         _posix.munmap(self.address, self.size)  # also unpins
 
 
 def stage_file(fd: int, size: int) -> Staging:
     """The file open on ``fd`` (``size`` bytes) being staged."""
-    return MappedStaging(fd, size)
+    return Staging(fd, size)
