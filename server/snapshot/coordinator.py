@@ -2,34 +2,19 @@
 
 Call order (the servicer):
 
-1. ``coordinator = SnapshotCoordinator(snapshot_dir, keep_latest=K, copy_policy=P,
-   stage_threads=T)`` once at server start (it removes what a killed writer left behind).
-2. Snapshot RPC: ``handle = coordinator.start(SnapshotSource(...))``. It validates, publishes
-   the snapshot epoch in the segment header and returns: the snapshot is *consistent*, the
-   trainer may mutate the segment again. A background thread persists the rank, and a stager
-   thread (``stage_threads``) copies ahead of the trainer the chunks the writer will not
-   reach in time (:class:`~swap_state.server.snapshot.stager.Stager`). It logs
-   ``copy_budget_short`` when the copy slots cannot cover what the disk cannot persist within
-   one forward/backward (:meth:`SnapshotCoordinator.copy_budget`).
-3. SnapshotStatus RPC: ``await coordinator.wait_status(snapshot_id, rank, wait_s)`` (or
-   ``handle.wait_async``; ``status`` and ``handle.wait`` for threads):
-   ``durable`` once the ``local_world_size`` ranks of the job on this server (all
-   ``world_size`` ranks unless the job spans several hosts, one server each) are on disk and
-   the snapshot is committed (``snapshot.json``, atomic rename, ``latest``, retention),
-   ``failed`` with an error otherwise; ``stored`` once uploaded to the store, if there is one
-   (``wait_stored``). ``in_progress()`` feeds Stats.
-4. Before unmapping a segment whose rank may be persisting: ``handle.cancel(reason)`` (when
-   the snapshot must not complete) and ``handle.wait_segment_released()``. 5. Server
-   shutdown: ``coordinator.close()``. (At start, ``note_epoch`` of each adopted segment.)
+1. ``SnapshotCoordinator(snapshot_dir, keep_latest=K, copy_policy=P, stage_threads=T)`` once
+   at server start (it removes what a killed writer left; ``note_epoch`` of adopted segments).
+2. Snapshot RPC: ``handle = coordinator.start(SnapshotSource(...))`` validates and publishes
+   the snapshot epoch: on return the snapshot is *consistent*, the trainer may go on. A thread
+   persists the rank (:mod:`.writer`), a stager copies ahead of the trainer (:mod:`.stager`).
+3. SnapshotStatus RPC: ``await coordinator.wait_status(snapshot_id, rank, wait_s)``:
+   ``durable`` once this server's ``local_world_size`` ranks are on disk and committed,
+   ``failed`` otherwise; ``stored`` once uploaded to the store, if any. ``in_progress()``: Stats.
+4. Before unmapping a segment: ``handle.cancel(reason)``, ``handle.wait_segment_released()``.
+5. Server shutdown: ``coordinator.close()``.
 
-One :class:`RankSnapshot` per rank; the ranks of a (job, step) on this server form a group
-that commits or fails together (a failed rank cancels the others, their partial files go). A
-multi-host job's server commits its own ranks' group; ``snapshot.json`` records the job's
-``world_size`` and the ``ranks`` present. Thread-safe.
-
-Pieces: source and checks :mod:`.source`; group, ranks, repeated starts :mod:`.group`;
-statuses :mod:`.status`; a rank's writer :mod:`.writer` (plan :mod:`.plan`); commit
-:mod:`.directory` over :mod:`.storage`; the store tier :mod:`.upload`.
+The ranks of a (job, step) on this server form a group that commits or fails together
+(:mod:`.group`); a multi-host job's server commits its own ranks'. Thread-safe.
 """
 
 from __future__ import annotations
@@ -69,13 +54,7 @@ from swap_state.server.snapshot.writer import Cancelled, RankWriter
 
 log = logging.getLogger("swap_state.server.snapshot_coordinator")
 
-__all__ = [
-    "SnapshotSource",
-    "SnapshotState",
-    "SnapshotStatus",
-    "RankSnapshot",
-    "SnapshotCoordinator",
-]
+__all__ = ["SnapshotSource", "SnapshotState", "SnapshotStatus", "RankSnapshot", "SnapshotCoordinator"]
 
 
 class SnapshotCoordinator:
@@ -101,20 +80,15 @@ class SnapshotCoordinator:
         tenant_snapshot_quota: int = 0,
     ):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
-        ``max_bandwidth``: bytes/s for all snapshot I/O together (None: no cap; with a
-        ``copy_policy``, the policy's own, which the server builds from --persist-max-bandwidth).
-        ``assemble_timeout_s``: a snapshot fails when not all ``local_world_size`` ranks
-        have started it this long after the first. ``history``: finished snapshots whose status
-        stays in memory (older ones are answered from disk). ``clean_stale``: remove partial
-        snapshots of a previous run now (set False only when another live server shares the
-        directory). ``stage_threads``: threads per persisting rank that copy chunks ahead of
-        the trainer into the copy slots (>= 1). ``model_copy_timeout_s``: how long a whole-state snapshot
-        waits for the trainer's copy of the model (protocol step 5).
-        ``copy_policy``: the memory rule's inputs (the server's, shared with its arena):
-        the forward/backward time and the persist bytes/s of the copy-budget warning.
+        ``max_bandwidth``: bytes/s for all snapshot I/O (None: no cap; else the ``copy_policy``'s).
+        ``assemble_timeout_s``: fail when not all ``local_world_size`` ranks started by then.
+        ``history``: finished snapshots whose status stays in memory (older: from disk).
+        ``clean_stale``: remove a previous run's partial snapshots (False: a live server shares it).
+        ``stage_threads``: stager threads per persisting rank (>= 1).
+        ``model_copy_timeout_s``: the wait for the trainer's copy of the model (protocol step 5).
+        ``copy_policy``: the memory rule's inputs, shared with the arena.
         ``storage``: where snapshot files go (default: the directory ``snapshot_dir``).
-        ``store_uri``: the store (``--snapshot-store``; None: none), each durable snapshot
-        uploaded there in the background (:mod:`.upload`), ``store_max_bandwidth`` bytes/s.
+        ``store_uri``: the store each durable snapshot is uploaded to (None: none).
         ``tenant_snapshot_quota``: bytes of snapshots one tenant may keep here (0: no quota)."""
         self.tenant_snapshot_quota = tenant_snapshot_quota
         _check_arguments(keep_latest, assemble_timeout_s, stage_threads)
@@ -145,8 +119,7 @@ class SnapshotCoordinator:
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
 
     def _open_storage(self, clean_stale: bool) -> None:
-        """Create the root, take this server's share of it, and remove what a killed writer
-        left, unless another live server shares the directory."""
+        """Create the root, take this server's share of it, and remove what a killed writer left."""
         try:
             self.directory.storage.create_root()
         except OSError as exc:
@@ -173,8 +146,7 @@ class SnapshotCoordinator:
         return self.copy_policy.fwd_bwd_s
 
     def persist_bandwidth(self) -> tuple[float, bool]:
-        """(bytes/s, measured): the pace chunks persisted at in recent snapshots, or the
-        assumed one before any; never above ``max_bandwidth`` (the policy's)."""
+        """(bytes/s, measured): the pace of recent snapshots, or the assumed one (the policy's)."""
         return self.copy_policy.rate()
 
     def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
@@ -207,18 +179,9 @@ class SnapshotCoordinator:
 
     def start(self, source: SnapshotSource, *, hold: bool = False) -> RankSnapshot:
         """Begin (or join) the snapshot of ``source.step`` for ``source.job_id``; returns once it
-        is consistent. Idempotent for a rank that already joined a live or durable snapshot.
-
-        ``hold``: the writer thread waits for ``handle.proceed()`` (at most
-        ``writer.HOLD_MAX_S``) before it streams, so a caller can get its reply out
-        first; the snapshot is consistent on return either way.
-
-        Raises SnapshotInvalid (arguments, metadata), SnapshotBusy (the segment is being persisted
-        or written), SnapshotExists (the step is on disk), SnapshotFailed (another rank's failed)...
-
-        Steps: checks and metadata, then under the lock :meth:`_group_for` (a retry's handle,
-        a group to join or a new one) and :meth:`_join` (writer, handle, thread, publish).
-        """
+        is consistent. Idempotent for a rank's retry. ``hold``: the writer waits for
+        ``handle.proceed()`` (at most ``writer.HOLD_MAX_S``), so the reply gets out first.
+        Raises SnapshotInvalid, SnapshotBusy, SnapshotExists, SnapshotFailed (another rank's)."""
         check_source(source)
         metadata = source.metadata_parts or parse_metadata(source.metadata_json, source.layout.tensors,
                                                            self.max_metadata_bytes)
@@ -233,8 +196,7 @@ class SnapshotCoordinator:
         return handle
 
     def _group_for(self, source: SnapshotSource) -> SnapshotGroup | RankSnapshot:
-        """Under self._lock: the handle of a retry, or the group ``source`` joins (a new one
-        when none runs, its partial snapshot prepared); refuses a segment that is busy."""
+        """Under self._lock: the handle of a retry, or the group ``source`` joins (maybe new)."""
         key = (source.job_id, source.step)
         group = self._groups.get(key)
         if group is not None:
@@ -264,9 +226,8 @@ class SnapshotCoordinator:
             )
 
     def job_owner(self, job_id: str) -> str | None:
-        """The tenant that owns ``job_id``'s snapshots: its newest one's in this server's
-        directory, else in the store (another host's; remembered, a job id's owner does not
-        change), None when neither has one (or the store cannot be reached)."""
+        """The tenant that owns ``job_id``'s snapshots: its newest one's here, else in the store
+        (remembered: an owner does not change); None when neither has one or it is unreachable."""
         snapshots = self.directory.list(job_id)
         if snapshots:
             return snapshots[-1].index.tenant
@@ -285,8 +246,8 @@ class SnapshotCoordinator:
         return self._store_owners[job_id]
 
     def _check_quota(self, source: SnapshotSource) -> None:
-        """ResourceExhausted when the tenant's snapshots here and this one (its ranks' tensor
-        bytes, estimated from this rank's) would pass ``--tenant-snapshot-quota``."""
+        """ResourceExhausted when the tenant's snapshots here and this one (estimated from this
+        rank's bytes) would pass ``--tenant-snapshot-quota``."""
         if not self.tenant_snapshot_quota:
             return
         held = sum(info.bytes for info in self.directory.list() if info.index.tenant == source.tenant)
@@ -322,31 +283,19 @@ class SnapshotCoordinator:
 
     def _join(self, group: SnapshotGroup, source: SnapshotSource, metadata: SnapshotMetadata | MetadataParts,
               hold: bool) -> RankSnapshot:
-        """Under self._lock: this rank's writer, handle and thread; publish (consistent from
-        there on), then start the thread."""
+        """Under self._lock: this rank's writer, handle and thread; publish, then start the thread."""
         writer = RankWriter(
-            source,
-            metadata,
-            self._next_epoch(source),
-            storage=self.directory.storage,
-            partial=group.partial,
-            limiter=self._limiter,
-            cancel=group.cancel,
-            started_monotonic=time.monotonic(),
-            stage_threads=self.stage_threads,
-            model_copy_timeout_s=self.model_copy_timeout_s,
+            source, metadata, self._next_epoch(source), storage=self.directory.storage, partial=group.partial,
+            limiter=self._limiter, cancel=group.cancel, started_monotonic=time.monotonic(),
+            stage_threads=self.stage_threads, model_copy_timeout_s=self.model_copy_timeout_s,
         )
         if not hold:
             writer.go()
         handle = RankSnapshot(group, source.rank, writer)
         handle.commits_at_start = source.header[Word.TRAINER_COMMITS]
         handle.run = source.run
-        handle.thread = threading.Thread(
-            target=self._run,
-            args=(group, handle),
-            name=f"snapshot-{source.job_id}-{source.step}-r{source.rank}",
-            daemon=True,
-        )
+        handle.thread = threading.Thread(target=self._run, args=(group, handle), daemon=True,
+                                         name=f"snapshot-{source.job_id}-{source.step}-r{source.rank}")
         group.add_handle(handle)
         self._holding[(source.job_id, source.rank)] = handle
         handle.publish()  # consistent from here on
@@ -362,10 +311,8 @@ class SnapshotCoordinator:
         return handle
 
     def _retention_for(self, source: SnapshotSource) -> int | None:
-        """Snapshots of the job kept at commit (None: all): the job's own retention where it
-        asks for more than the server's ``keep_latest``, so every checkpoint it keeps loads;
-        for a tenant that is not an admin (on a server shared by tenants), never more than
-        ``keep_latest``: its disk is the operator's to bound."""
+        """Snapshots of the job kept at commit (None: all): the job's own retention where it asks
+        for more than ``keep_latest``, except a tenant that is not an admin (the operator's disk)."""
         if self.keep_latest is None:
             return None
         if source.bounded_retention:
@@ -427,8 +374,7 @@ class SnapshotCoordinator:
 
     @staticmethod
     def _persist(handle: RankSnapshot) -> tuple[RankResult | None, SnapshotError | None]:
-        """(result, None), (None, the error that fails the group) or (None, None) when
-        cancelled: the group already failed for a reason of its own."""
+        """(result, None), (None, the error that fails the group) or (None, None) when cancelled."""
         try:
             return handle.persist(), None
         except Cancelled:
@@ -492,9 +438,8 @@ class SnapshotCoordinator:
             return group.handles.get(rank)
 
     def status(self, snapshot_id: str, rank: int) -> SnapshotStatus:
-        """A rank's status now. Snapshots no longer (or never) in memory are answered from
-        disk when complete, else from the store; else SnapshotNotFound. Blocking I/O: not for
-        the event loop (:meth:`wait_status` is)."""
+        """A rank's status now; one not in memory from disk, else the store (else SnapshotNotFound).
+        Blocking I/O: not for the event loop (:meth:`wait_status` is)."""
         handle = self.handle(snapshot_id, rank)
         status = handle.status() if handle is not None else self._status_at_rest(snapshot_id, rank)
         if self.uploader is None or status.state is not SnapshotState.DURABLE:
@@ -503,9 +448,8 @@ class SnapshotCoordinator:
 
     async def wait_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0,
                           wait_stored: bool = False) -> SnapshotStatus:
-        """The SnapshotStatus RPC's: :meth:`status`, after waiting up to ``wait_s`` for a
-        terminal state (``wait_stored``: for stored, when there is a store). Awaits without
-        holding a thread (:mod:`.waiting`); only reads from disk or the store use one."""
+        """:meth:`status` after waiting up to ``wait_s`` for a terminal state (``wait_stored``: for
+        stored); awaits without holding a thread, save for reads from disk or the store."""
         deadline = time.monotonic() + wait_s
         handle = self.handle(snapshot_id, rank)
         if handle is not None:
@@ -543,8 +487,7 @@ class SnapshotCoordinator:
         return statuses
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Fail every running snapshot ("server shutting down"), wait for the writer threads
-        (their segments are released and partial files removed), refuse new snapshots."""
+        """Fail every running snapshot, wait for the writer threads, refuse new snapshots."""
         with self._lock:
             self._closed = True
             groups = list(self._groups.values())
@@ -568,8 +511,7 @@ def _check_arguments(keep_latest: int | None, assemble_timeout_s: float, stage_t
 
 
 def _parse_step_id(snapshot_id: str) -> tuple[str, int]:
-    """``<job>/step-<N>`` -> (job, N); SnapshotInvalid for anything else (no ``latest`` here:
-    a status is about one specific snapshot)."""
+    """``<job>/step-<N>`` -> (job, N); SnapshotInvalid for anything else (``latest`` included)."""
     ref = parse_snapshot_id(snapshot_id, None, SnapshotInvalid)
     if ref.step is None:
         raise SnapshotInvalid(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
@@ -577,8 +519,7 @@ def _parse_step_id(snapshot_id: str) -> tuple[str, int]:
 
 
 def _layout_bytes(group: SnapshotGroup, results: dict[int, RankResult]) -> bytes | None:
-    """``layout.json`` of a step whose every rank committed here (one host's part of a
-    multi-host step gets its index in the store, from every host's manifests)."""
+    """``layout.json`` of a step whose every rank committed here (else the store's, later)."""
     if len(results) != group.world_size:
         return None
     return LayoutIndex({rank: result.manifest.tensors for rank, result in results.items()},

@@ -1,23 +1,13 @@
-"""Plans the byte copies that reshard a snapshot to another world size.
+"""Plans the byte copies that reshard a snapshot to another world size: :func:`plan_tensor` says,
+for a tensor of the restoring rank, which old ranks' tensors to read (:class:`Piece`) and which
+contiguous byte ranges of them go where (:class:`Run`). A DTensor shard is the box
+``[global_offset, global_offset + shape)`` of its global tensor, stored row-major. Pure Python
+on ints (the server must not import torch); it reads and copies nothing.
 
-A snapshot holds, per old rank, a safetensors file whose tensors its manifest describes
-(:class:`~swap_state.common.snapshot_format.TensorRecord`). A DTensor shard is the box
-``[global_offset, global_offset + shape)`` of its global tensor, stored row-major (C order).
-A job restarting at another world size needs, for each tensor of a *new* rank, bytes
-assembled from the old ranks' shards: :func:`plan_tensor` says, for each tensor of the
-restoring rank, which old ranks' tensors to read (:class:`Piece`) and which contiguous byte
-ranges of them go where in the target tensor (:class:`Run`).
-
-The planner only plans: it reads no file and copies no byte. It is pure Python on plain ints
-(no torch, no numpy), since the server package must not import torch; the caller reads the
-source ranges (``data_offsets[0] + run.source_offset``) and writes them into the target.
-
-Rules, briefly: dtypes and global shapes must match; replicas (old ranks holding the same
-box) count once, the restoring rank's own serving when it holds one, else one spread by the
-restoring rank; the chosen shards must not overlap and must cover the target box exactly. A plain (non-DTensor) tensor is taken whole from one old rank, which
-is only sound when all ranks hold the same bytes (equal crc32s), or when restoring at the
-snapshot's own world size, where each rank takes its own. :mod:`.layout_index` plans a whole
-new rank from one step's index, tensor by tensor through these rules where its grids do not.
+Rules: dtypes and global shapes must match; replicas count once (the restoring rank's own when
+it holds one, else one spread by rank); the chosen shards must tile the target box exactly. A
+plain tensor is taken whole from one old rank: only when all hold the same bytes (crc32), or at
+the snapshot's own world size (each rank its own). :mod:`.layout_index` plans a whole rank.
 """
 
 from __future__ import annotations
@@ -84,13 +74,9 @@ def plan_tensor(
     target_rank: int | None = None,
     same_world: bool = False,
 ) -> list[Piece]:
-    """The pieces that fill ``target``, ordered by source rank.
-
-    ``sources``: (old rank, that rank's record of the tensor with the same name), any order.
-    ``same_world`` with ``target_rank``: the restore keeps the snapshot's world size, so a
-    plain tensor whose bytes differ between ranks is taken from ``target_rank``'s own file.
-    Raises SnapshotLayoutMismatch when the sources cannot fill the target.
-    """
+    """The pieces that fill ``target``, by source rank, from ``sources`` (old rank, its record).
+    ``same_world``: a plain tensor whose bytes differ between ranks is ``target_rank``'s own.
+    Raises SnapshotLayoutMismatch when the sources cannot fill the target."""
     name = target.name
     if not sources:
         raise SnapshotLayoutMismatch(f"tensor {name}: no rank of the snapshot holds it")
@@ -106,8 +92,7 @@ def plan_tensor(
 
 
 def _nearest(holders: Sequence[tuple[int, TensorRecord]], target_rank: int) -> tuple[int, TensorRecord]:
-    """Which of several old ranks holding the same bytes a new rank reads: its own rank's
-    file when that holds them, else one spread by the new rank (not all from the lowest)."""
+    """Which old rank holding the same bytes a new rank reads: its own, else one spread by rank."""
     for pair in holders:
         if pair[0] == target_rank:
             return pair
@@ -115,7 +100,7 @@ def _nearest(holders: Sequence[tuple[int, TensorRecord]], target_rank: int) -> t
 
 
 def ranks_needed(plan: Mapping[str, list[Piece]]) -> list[int]:
-    """The distinct old ranks a plan reads from, sorted: the files a restore must open."""
+    """The distinct old ranks a plan reads from, sorted."""
     return sorted({piece.source_rank for pieces in plan.values() for piece in pieces})
 
 
@@ -295,18 +280,7 @@ def _runs(common: Box, source: Box, target: Box, itemsize: int) -> tuple[Run, ..
          for i in range(lo[d], lo[d] + ext[d])]
         for d in range(k)
     ]
-    runs: list[Run] = []
-    cur_s = cur_t = cur_n = -1
-    for prefix in itertools.product(*axes):
-        s = (s_base + sum(p[0] for p in prefix)) * itemsize
-        t = (t_base + sum(p[1] for p in prefix)) * itemsize
-        if cur_n >= 0 and cur_s + cur_n == s and cur_t + cur_n == t:
-            # Adjacent in both: one copy does it. The minimal k leaves none such, but the
-            # check is cheap and keeps the runs minimal should the rule for k change.
-            cur_n += nbytes
-            continue
-        if cur_n >= 0:
-            runs.append(Run(cur_s, cur_t, cur_n))
-        cur_s, cur_t, cur_n = s, t, nbytes
-    runs.append(Run(cur_s, cur_t, cur_n))
-    return tuple(runs)
+    # The minimal k leaves no two runs adjacent in both boxes: each prefix is one copy.
+    return tuple(Run((s_base + sum(p[0] for p in prefix)) * itemsize,
+                     (t_base + sum(p[1] for p in prefix)) * itemsize, nbytes)
+                 for prefix in itertools.product(*axes))
