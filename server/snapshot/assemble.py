@@ -161,11 +161,11 @@ def assemble(
     base = min(needed or info.ranks)
     manifests = {r: read.manifest(r) for r in sorted({*needed, base})}
     plan = bind(plan, {r: m.tensors for r, m in manifests.items()})
-    granted, _ = _read_pieces(source, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
+    staged, _ = _read_pieces(source, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
     others = [manifests[r].metadata_json for r in needed if r != base]
     nbytes = sum(t.nbytes for t in layout.tensors if t.name in plan)
-    return Assembled(nbytes, needed, _restored_metadata(manifests[base].metadata_json, others, placement), granted,
-                     plan=read.planned_from)
+    metadata = _restored_metadata(manifests[base].metadata_json, others, placement)
+    return Assembled(nbytes, needed, metadata, staged, plan=read.planned_from)
 
 
 def _whole_rank(source: Source, own: RankManifest, view: memoryview, layout: SegmentLayout, rank: int,

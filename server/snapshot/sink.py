@@ -2,15 +2,11 @@
 bounce buffers, several writes in flight) or :class:`BufferedSink` (``pwrite`` into the page
 cache, zero copy), chosen by :func:`open_sink`.
 
-Why O_DIRECT: a buffered write copies into the page cache and the kernel's writeback then
-moves it at its own pace (measured on this VM's disk: 0.2-0.7 GB/s buffered + fsync, against
-1.8 GB/s O_DIRECT + fsync for the same bytes). Why bounce buffers: safetensors packs tensors
-without gaps, so a tensor's place in the file is rarely block aligned, and O_DIRECT needs the
-file offset, the length and the memory aligned; the header is padded so the data starts on a
-block (:func:`~swap_state.common.snapshot_format.safetensors_header`), and the bytes are copied
-once into an aligned buffer (the copy a buffered write makes into the page cache, made here
-instead), checksummed there while cache-hot, and written from it. Where the filesystem refuses
-O_DIRECT (tmpfs, some network filesystems), the buffered sink writes as before, logged once.
+Why O_DIRECT: buffered writes leave the pace to the kernel's writeback (measured on this VM:
+0.2-0.7 GB/s buffered + fsync, 1.8 GB/s O_DIRECT + fsync). Why bounce buffers: safetensors
+packs tensors without gaps, so a tensor's place is rarely block aligned; the bytes are copied
+once into an aligned buffer (the copy a buffered write makes anyway), checksummed there while
+cache-hot, and written from it. Where the filesystem refuses O_DIRECT the buffered sink writes.
 
 Call order (the writer)::
 
@@ -23,9 +19,8 @@ Call order (the writer)::
     sink.finish()                                # everything written and fsynced
     sink.close()                                 # on every path (a context manager)
 
-A piece is final only at :meth:`ChunkSink.advance`: until then the writer may still replace
-it (the copy-before-write protocol's redo, :mod:`.writer`), so the direct sink never hands a
-buffer holding a piece that is not final to the disk.
+A piece is final only at :meth:`ChunkSink.advance`: until then the writer may replace it (the
+copy-before-write redo, :mod:`.writer`), so no buffer holding it goes to the disk before.
 """
 
 from __future__ import annotations
@@ -37,7 +32,6 @@ import logging
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import TracebackType
 
 from swap_state.common.checksum import crc32
 from swap_state.server import _posix
@@ -111,9 +105,7 @@ class ChunkSink(abc.ABC):
     def __enter__(self) -> ChunkSink:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
@@ -150,14 +142,9 @@ class BufferedSink(ChunkSink):
 
 
 class DirectSink(ChunkSink):
-    """O_DIRECT writes of aligned bounce buffers; see the module docstring.
-
-    ``WRITES_IN_FLIGHT + 1`` buffers of ``BOUNCE_BYTES``: one fills while the others are
-    written by a pool of as many threads (``os.pwrite`` releases the GIL). The last buffer is
-    written padded to a block and the file truncated back to its size before the fsync.
-    A write the filesystem refuses with EINVAL after the open (it accepted O_DIRECT but not
-    this I/O) is made through the buffered descriptor instead, logged once.
-    """
+    """O_DIRECT writes of ``WRITES_IN_FLIGHT + 1`` aligned bounce buffers: one fills while a pool
+    writes the others. The last is written padded to a block, the file truncated back before
+    the fsync. A write refused with EINVAL after the open is made buffered instead, logged once."""
 
     direct = True
 
@@ -207,9 +194,8 @@ class DirectSink(ChunkSink):
             self._submit(self._bounce)
 
     def _submit(self, nbytes: int) -> None:
-        """Write the current buffer's first ``nbytes`` (a block multiple) in the pool, at the
-        file offset it stands for, and take the next free buffer (waiting for the oldest write
-        when none is free)."""
+        """Write the current buffer's first ``nbytes`` (a block multiple) in the pool and take the
+        next free buffer (waiting for the oldest write when none is free)."""
         buffer, offset = self._current, self.position - self._fill
         self._busy.append((buffer, self._pool.submit(self._write, buffer, nbytes, offset)))
         if not self._free:
@@ -268,9 +254,7 @@ class DirectSink(ChunkSink):
 
 
 def open_sink(file: SnapshotFile) -> ChunkSink:
-    """A :class:`DirectSink` when the storage gives an O_DIRECT descriptor for ``file``
-    (:meth:`SnapshotFile.open_direct`: ``--direct-io`` and the filesystem decide), else a
-    :class:`BufferedSink`."""
+    """A :class:`DirectSink` when ``file`` gives an O_DIRECT descriptor, else a :class:`BufferedSink`."""
     fd = file.open_direct()
     if fd is None:
         return BufferedSink(file)

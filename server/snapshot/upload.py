@@ -2,27 +2,19 @@
 
 Call order (the coordinator and the runtime)::
 
-    uploader = SnapshotUploader(StoredSnapshots(open_store(uri)), local_store)  # server start:
-                                         # its worker first resumes what a stopped or killed
-                                         # server had not finished (resume_pending)
+    uploader = SnapshotUploader(StoredSnapshots(open_store(uri)), local_store)  # server start;
+                                         # its worker first resumes unfinished uploads
     uploader.submit(info, keep)          # after each local commit (the snapshot is durable)
     uploader.status(job, step, rank)     # None: never submitted here; else its UploadStatus
     await uploader.wait_async(job, step, rank, t)  # until stored or failed (bounded)
     uploader.close()                     # at shutdown: the running upload is abandoned
 
-One worker thread uploads, one snapshot at a time, reading the local files (never the
-segment: the trainer's step is not touched); when a job's snapshots come faster than the store
-takes them, only the newest queued one is uploaded (the others fail ``stored``, saying so). Per rank: the data file streamed with its crc32
-computed on the way and checked against ``snapshot.json`` before the upload may complete (a
-mismatch aborts it: nothing corrupt reaches the store), the manifest, then the rank's marker.
-A rank whose marker is already there, equal, is skipped (a restarted server resumes). After a
-snapshot's ranks are stored, the step's index is put when every host's ranks are there
-(:meth:`StoredSnapshots.publish_step_index`, the step's layout index before it), then
-retention runs on the store: the job's ``keep`` newest complete
-steps stay, never the newest complete one goes, and steps newer than the oldest kept one are
-never touched (another host may still be uploading them). A store that fails (unreachable,
-full, refusing) fails the upload with an error naming the URI; the local snapshot and
-training go on.
+One worker thread uploads one snapshot at a time from the local files (only the newest queued
+one of a job; the skipped ones fail ``stored``, saying so). Per rank: the data file, its crc32
+checked against ``snapshot.json`` before the put completes, the manifest, then the rank's
+marker (an equal marker already there: skipped). Then the step's index once every host's ranks
+are there, then store retention (never the newest complete step, nor steps newer than the
+oldest kept one). A failing store fails the upload, naming the URI; training goes on.
 """
 
 from __future__ import annotations
@@ -160,15 +152,13 @@ class SnapshotUploader:
         return settled
 
     async def wait_async(self, job_id: str, step: int, rank: int, timeout_s: float) -> UploadStatus | None:
-        """Until the rank's upload is stored or failed, at most ``timeout_s``; on the event
-        loop, holding no thread while it waits."""
+        """Until the rank's upload is stored or failed, at most ``timeout_s``; holds no thread."""
         await self._cond.until(self._settled(job_id, step, rank), timeout_s)
         return self.status(job_id, step, rank)
 
     def annotate(self, status: SnapshotStatus) -> SnapshotStatus:
-        """A durable rank's status with the store's fields: stored once its marker is in the
-        store. One never uploaded by this server (taken before it started) is stored when its
-        marker is there (a request to the store: not for the event loop)."""
+        """A durable rank's status with the store's fields: stored once its marker is in the store
+        (asked of the store for one never submitted here: not for the event loop)."""
         upload = self.status(status.job_id, status.step, status.rank)
         if upload is None:
             try:
@@ -183,8 +173,7 @@ class SnapshotUploader:
                                    bytes_stored=upload.bytes_stored)
 
     def resume_pending(self) -> list[str]:
-        """At start: each job's newest local snapshot whose ranks are not all in the store
-        (a server stopped or killed mid-upload) is uploaded again; returns their ids."""
+        """At start: each job's newest local snapshot not all in the store is uploaded again; their ids."""
         pending = []
         newest: dict[str, SnapshotInfo] = {}
         for info in self._local.list():
@@ -219,10 +208,8 @@ class SnapshotUploader:
             self._upload(info, keep)
 
     def _newest_queued(self, item: tuple[SnapshotInfo, int | None]) -> tuple[SnapshotInfo, int | None]:
-        """``item``, unless a newer snapshot of its job is queued behind it: snapshots taken
-        faster than the store takes them are not all uploaded (the newest is what a lost host
-        needs, and local retention may remove the older ones meanwhile). The skipped ones fail
-        ``stored`` saying so; other jobs' items keep their places."""
+        """``item``, unless a newer snapshot of its job is queued behind it (the newest is what a
+        lost host needs); the skipped ones fail ``stored``; other jobs' items keep their places."""
         pending: list[tuple[SnapshotInfo, int | None] | None] = []
         while True:
             try:
@@ -292,9 +279,8 @@ class SnapshotUploader:
                       store=self.uri, error=str(exc))
 
     def _layout(self, local: SnapshotInfo, whole: SnapshotInfo) -> bytes:
-        """The store's step's ``layout.json``: the local one when this host holds every rank
-        (the same files, so the same bytes), else built from every rank's manifest in the
-        store (once per step, by the host that publishes its index)."""
+        """The store's step's ``layout.json``: the local one when this host holds every rank, else
+        built from every rank's manifest in the store."""
         raw = self._local.read_layout(local) if local.index.complete_job else None
         if raw is not None:
             return raw
@@ -305,8 +291,7 @@ class SnapshotUploader:
             raise SnapshotError(f"building the layout index of {whole.snapshot_id}: {exc!r}") from exc
 
     def _upload_rank(self, info: SnapshotInfo, rank: int, existing: SnapshotIndex | None) -> None:
-        """The rank's data, manifest, then marker; nothing when ``existing`` (its marker in the
-        store) already says the same."""
+        """The rank's data, manifest, then marker; nothing when ``existing`` already says the same."""
         data = _record(info, rank_data_name(rank))
         manifest = _record(info, rank_manifest_name(rank))
         marker = SnapshotIndex(info.job_id, info.step, info.world_size, (rank,), (data, manifest), time.time(),
@@ -331,10 +316,8 @@ class SnapshotUploader:
         self.stored.store.put(key(marker_name(rank)), dumps_json(marker.to_json()))  # last
         self._set(info, rank, bytes_stored=data.bytes + manifest.bytes)
 
-
     def _verified_blocks(self, info: SnapshotInfo, rank: int, record: FileRecord) -> Iterator[bytes]:
-        """The local data file in blocks; raises (aborting the put) unless its size and crc32
-        are those ``snapshot.json`` records."""
+        """The local data file in blocks; raises (aborting the put) unless its size and crc32 match."""
         path = info.path / record.name
         value, size = 0, 0
         with open(path, "rb", buffering=0) as file:
@@ -355,8 +338,8 @@ class SnapshotUploader:
     # ---------------------------------------------------------------- retention
 
     def _retain(self, job_id: str, keep: int | None) -> None:
-        """The job's ``keep`` newest complete steps stay, and everything newer; the older
-        steps go, index and markers first. Requests: a listing and an index per step."""
+        """The job's ``keep`` newest complete steps stay, and everything newer; the older steps
+        go, index and markers first."""
         if keep is None:
             return
         complete = [info.step for info in self.stored.list(job_id)]
