@@ -1,7 +1,6 @@
-"""What a snapshot reports: :class:`SnapshotState` (the protocol's state strings) and
-:class:`SnapshotStatus`, one rank's view, field for field a ``SnapshotStatusReply``. Made by
-:meth:`~.group.RankSnapshot.status` while the snapshot is in memory, by
-:meth:`SnapshotStatus.from_disk` after; converted to the reply at the RPC boundary.
+"""What a snapshot reports: :class:`SnapshotState` and :class:`SnapshotStatus`, one rank's view,
+field for field a ``SnapshotStatusReply`` (made in memory by :meth:`~.group.RankSnapshot.status`,
+from disk by :meth:`SnapshotStatus.from_disk`).
 """
 
 from __future__ import annotations
@@ -87,22 +86,10 @@ class SnapshotStatus:
         """A durable snapshot no longer in memory, as its index and the rank's manifest say."""
         total = sum(t.nbytes for t in manifest.tensors)
         return cls(
-            snapshot_id=info.snapshot_id,
-            job_id=info.job_id,
-            step=info.step,
-            rank=manifest.rank,
-            world_size=info.world_size,
-            state=SnapshotState.DURABLE,
-            bytes_total=total,
-            bytes_persisted=total,
-            error="",
-            cow_copies=manifest.cow_copies,
-            backpressure_waits=manifest.backpressure_waits,
-            backpressure_wait_seconds=manifest.backpressure_wait_seconds,
-            path=str(info.path),
-            ranks_joined=info.local_world_size,
-            ranks_persisted=info.local_world_size,
-            segment_released=True,
-            local_world_size=info.local_world_size,
-            ranks=info.ranks,
+            snapshot_id=info.snapshot_id, job_id=info.job_id, step=info.step, rank=manifest.rank,
+            world_size=info.world_size, state=SnapshotState.DURABLE, bytes_total=total, bytes_persisted=total,
+            error="", cow_copies=manifest.cow_copies, backpressure_waits=manifest.backpressure_waits,
+            backpressure_wait_seconds=manifest.backpressure_wait_seconds, path=str(info.path),
+            ranks_joined=info.local_world_size, ranks_persisted=info.local_world_size, segment_released=True,
+            local_world_size=info.local_world_size, ranks=info.ranks,
         )

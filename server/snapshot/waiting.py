@@ -1,15 +1,10 @@
 """Waits that event-loop code shares with threads, holding no thread while it waits.
 
-A snapshot's Snapshot and SnapshotStatus RPCs wait for the other ranks of their group, for the
-writer to let go of a segment, for an upload: up to minutes, and one per rank. A wait in
-``asyncio.to_thread`` holds one of the default executor's few threads (min(32, CPUs + 4)) for
-all that time, and a host whose waiting ranks outnumber them stops serving: the next rank's
-Snapshot cannot get a thread to start the snapshot they all wait for.
-
-:class:`WatchedCondition` is a ``threading.Condition`` whose ``notify_all`` also wakes coroutines
-awaiting :meth:`WatchedCondition.until`; :class:`Latch` is a ``threading.Event`` built on it.
-The threads that change the state (writers, the uploader) keep calling ``notify_all`` under the
-lock as before; the loop's side checks its predicate under the same lock, briefly.
+The Snapshot and SnapshotStatus RPCs wait for a group's other ranks, a segment's release, an
+upload: up to minutes, one per rank. In ``asyncio.to_thread`` each would hold one of the
+default executor's few threads, and a host whose waiting ranks outnumber them stops serving.
+:class:`WatchedCondition` is a ``threading.Condition`` whose ``notify_all`` also wakes awaiting
+coroutines; :class:`Latch` is a ``threading.Event`` built on it.
 """
 
 from __future__ import annotations
@@ -41,8 +36,7 @@ class _Watcher:
 
 
 class WatchedCondition:
-    """A ``threading.Condition`` (``with``, ``wait``, ``wait_for``, ``notify_all``) that
-    coroutines can await (:meth:`until`) without holding a thread."""
+    """A ``threading.Condition`` that coroutines can await (:meth:`until`) without holding a thread."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -61,8 +55,7 @@ class WatchedCondition:
         return self._cond.wait_for(predicate, timeout)
 
     def notify_all(self) -> None:
-        """Wake the waiting threads, and the coroutines whose predicate holds now. The caller
-        holds the lock (as for ``threading.Condition.notify_all``)."""
+        """Wake the waiting threads, and the coroutines whose predicate holds now (under the lock)."""
         self._cond.notify_all()
         if self._watchers:
             waiting = []
@@ -74,8 +67,8 @@ class WatchedCondition:
             self._watchers = waiting
 
     async def until(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
-        """Await ``predicate()`` (checked under the lock, now and at each ``notify_all``), at
-        most ``timeout`` seconds (None: no limit). True once it holds, False on timeout."""
+        """Await ``predicate()`` (checked under the lock at each ``notify_all``), at most
+        ``timeout`` seconds (None: no limit); False on timeout."""
         watcher = _Watcher(predicate, asyncio.get_running_loop())
         with self._cond:
             if predicate():
@@ -93,8 +86,7 @@ class WatchedCondition:
 
 
 class Latch:
-    """A ``threading.Event`` (``set``, ``is_set``, ``wait``) that coroutines can await too
-    (:meth:`wait_async`), holding no thread."""
+    """A ``threading.Event`` that coroutines can await too (:meth:`wait_async`), holding no thread."""
 
     def __init__(self) -> None:
         self._cond = WatchedCondition()
