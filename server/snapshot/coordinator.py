@@ -44,7 +44,6 @@ from swap_state.server.logs import log_event
 from swap_state.server.snapshot.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.group import RankSnapshot, SnapshotGroup
 from swap_state.server.snapshot.layout_index import LayoutIndex
-from swap_state.server.snapshot.plan import RankResult
 from swap_state.server.snapshot.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.storage import SnapshotStorage
@@ -90,50 +89,47 @@ class SnapshotCoordinator:
         ``storage``: where snapshot files go (default: the directory ``snapshot_dir``).
         ``store_uri``: the store each durable snapshot is uploaded to (None: none).
         ``tenant_snapshot_quota``: bytes of snapshots one tenant may keep here (0: no quota)."""
+        if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 1:
+            raise ValueError(f"keep_latest must be >= 2 or None (keep all), assemble_timeout_s > 0 and "
+                             f"stage_threads >= 1: got {keep_latest}, {assemble_timeout_s}, {stage_threads}")
         self.tenant_snapshot_quota = tenant_snapshot_quota
-        _check_arguments(keep_latest, assemble_timeout_s, stage_threads)
         self.stage_threads = stage_threads
         self.model_copy_timeout_s = model_copy_timeout_s
         if copy_policy is not None and max_bandwidth is not None:
             raise ValueError("give max_bandwidth or a copy_policy (which carries its own), not both")
         self.copy_policy = copy_policy or CopyBudgetPolicy(max_bandwidth=max_bandwidth)
         """Owns the memory rule's inputs; this coordinator records each snapshot's rate."""
-        self.max_bandwidth = max_bandwidth = self.copy_policy.max_bandwidth
         self.directory = SnapshotDirectory(snapshot_dir, storage)
         """The local tier, ``--snapshot-dir`` (its files: ``directory.storage``)."""
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
         self.max_metadata_bytes = max_metadata_bytes
         self.history = history
-        self._limiter = BandwidthLimiter(max_bandwidth)
+        self._limiter = BandwidthLimiter(self.copy_policy.max_bandwidth)
         self._lock = threading.Lock()
         self._groups: dict[tuple[str, int], SnapshotGroup] = {}
         self._holding: dict[tuple[str, int], RankSnapshot] = {}  # (job, rank) -> reads a segment
         self._last_epoch = 0
         self._closed = False
-        self._open_storage(clean_stale)
+        storage = self.directory.storage
+        try:
+            storage.create_root()
+        except OSError as exc:
+            raise SnapshotError(f"cannot create snapshot directory {storage.root}: {exc}") from None
+        try:
+            alone = storage.hold()
+        except OSError as exc:
+            raise SnapshotError(f"cannot lock snapshot directory {storage.root}: {exc}") from None
+        if clean_stale and alone:
+            storage.clean_stale()
+        elif clean_stale:
+            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(storage.root),
+                      note="another live server uses this directory: its partial snapshots are left alone")
         self.uploader = (SnapshotUploader.open(store_uri, store_timeout_s, self.directory, store_max_bandwidth)
                          if store_uri else None)
         self.stored = self.uploader.stored if self.uploader is not None else None
         """The store tier, ``--snapshot-store`` (None: none)."""
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
-
-    def _open_storage(self, clean_stale: bool) -> None:
-        """Create the root, take this server's share of it, and remove what a killed writer left."""
-        try:
-            self.directory.storage.create_root()
-        except OSError as exc:
-            raise SnapshotError(f"cannot create snapshot directory {self.directory.storage.root}: {exc}") from None
-        try:
-            alone = self.directory.storage.hold()
-        except OSError as exc:
-            raise SnapshotError(f"cannot lock snapshot directory {self.directory.storage.root}: {exc}") from None
-        if clean_stale and alone:
-            self.directory.storage.clean_stale()
-        elif clean_stale:
-            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(self.directory.storage.root),
-                      note="another live server uses this directory: its partial snapshots are "
-                           "left alone")
 
     @property
     def snapshot_dir(self) -> pathlib.Path:
@@ -153,25 +149,7 @@ class SnapshotCoordinator:
         """The memory rule for a segment of ``layout`` (the policy's)."""
         return self.copy_policy.budget(layout)
 
-    def _warn_copy_budget(self, source: SnapshotSource) -> None:
-        budget = self.copy_budget(source.layout)
-        if budget.short_bytes:
-            log_event(
-                log, "copy_budget_short", logging.WARNING, job_id=source.job_id, rank=source.rank,
-                step=source.step, state_bytes=budget.state_bytes, slot_bytes=budget.slot_bytes,
-                needed_bytes=budget.needed_bytes, persist_bytes_per_s=int(budget.persist_bytes_per_s),
-                persist_measured=budget.persist_measured, assumed_fwd_bwd_s=budget.fwd_bwd_s,
-                detail=budget.warning(),
-            )
-
     # ------------------------------------------------------------------------------ start
-
-    def _next_epoch(self, source: SnapshotSource) -> int:
-        # Increasing per segment even across coordinators: above every COW_EPOCH in the header
-        header = source.header  # and the epoch a trainer gave up (protocol step 6).
-        highest = max(header.highest_cow_epoch(), header[Word.ABANDONED_EPOCH])
-        self._last_epoch = max(self._last_epoch, highest) + 1
-        return self._last_epoch
 
     def note_epoch(self, epoch: int) -> None:
         """An epoch a dead server opened in an adopted segment: later ones number above it."""
@@ -192,7 +170,15 @@ class SnapshotCoordinator:
             if isinstance(group, RankSnapshot):
                 return group  # a retry of this rank's Snapshot call
             handle = self._join(group, source, metadata, hold)
-        self._warn_copy_budget(source)  # after the publish: the trainer's stall is not for this
+        budget = self.copy_budget(source.layout)  # after the publish: the trainer's stall is not for this
+        if budget.short_bytes:
+            log_event(
+                log, "copy_budget_short", logging.WARNING, job_id=source.job_id, rank=source.rank,
+                step=source.step, state_bytes=budget.state_bytes, slot_bytes=budget.slot_bytes,
+                needed_bytes=budget.needed_bytes, persist_bytes_per_s=int(budget.persist_bytes_per_s),
+                persist_measured=budget.persist_measured, assumed_fwd_bwd_s=budget.fwd_bwd_s,
+                detail=budget.warning(),
+            )
         return handle
 
     def _group_for(self, source: SnapshotSource) -> SnapshotGroup | RankSnapshot:
@@ -205,25 +191,17 @@ class SnapshotCoordinator:
                 return group
             if group is None:
                 del self._groups[key]  # a fresh attempt at the step
-        self._check_segment_free(source)
-        if group is None:
-            group = self._new_group(source)
-        return group
-
-    def _check_segment_free(self, source: SnapshotSource) -> None:
         holder = self._holding.get((source.job_id, source.rank))
         if holder is not None:
-            raise SnapshotBusy(
-                f"rank {source.rank} of job {source.job_id} is still persisting {holder.snapshot_id}"
-            )
+            raise SnapshotBusy(f"rank {source.rank} of job {source.job_id} is still persisting "
+                               f"{holder.snapshot_id}")
         if source.header[Word.SNAP_EPOCH] != 0:
             raise SnapshotBusy("the segment is being snapshotted (SNAP_EPOCH is set)")
         writing = source.header[Word.WRITING_STEP]
         if writing:
-            raise SnapshotBusy(
-                f"the trainer is writing step {writing - 1}; snapshot between steps, "
-                "after CommitStep"
-            )
+            raise SnapshotBusy(f"the trainer is writing step {writing - 1}; snapshot between steps, "
+                               "after CommitStep")
+        return group if group is not None else self._new_group(source)
 
     def job_owner(self, job_id: str) -> str | None:
         """The tenant that owns ``job_id``'s snapshots: its newest one's here, else in the store
@@ -267,14 +245,13 @@ class SnapshotCoordinator:
                                    "choose another job id")
         self._check_quota(source)
         partial = self.directory.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
-        group = SnapshotGroup(
-            self.directory.storage, source.job_id, source.step, source.world_size,
-            source.expected_ranks, partial, self._retention_for(source),
-        )
-        group.replace = source.replace_existing
-        group.tenant = source.tenant
+        group = SnapshotGroup(self.directory.storage, source, partial, self._retention_for(source))
         self._groups[(source.job_id, source.step)] = group
-        self._prune_history()
+        finished = sorted((g.finished_monotonic, key) for key, g in self._groups.items()
+                          if g.finished_monotonic is not None
+                          and (g.state is SnapshotState.DURABLE or g.discarded_done))
+        for _, key in finished[: max(0, len(finished) - self.history)]:
+            del self._groups[key]
         if group.local_world_size > 1:
             group.timer = threading.Timer(self.assemble_timeout_s, self._assemble_expired, (group,))
             group.timer.daemon = True
@@ -284,8 +261,12 @@ class SnapshotCoordinator:
     def _join(self, group: SnapshotGroup, source: SnapshotSource, metadata: SnapshotMetadata | MetadataParts,
               hold: bool) -> RankSnapshot:
         """Under self._lock: this rank's writer, handle and thread; publish, then start the thread."""
+        # The epoch increases per segment even across coordinators: above every COW_EPOCH in the
+        # header and the epoch a trainer gave up (protocol step 6).
+        header = source.header
+        self._last_epoch = max(self._last_epoch, header.highest_cow_epoch(), header[Word.ABANDONED_EPOCH]) + 1
         writer = RankWriter(
-            source, metadata, self._next_epoch(source), storage=self.directory.storage, partial=group.partial,
+            source, metadata, self._last_epoch, storage=self.directory.storage, partial=group.partial,
             limiter=self._limiter, cancel=group.cancel, started_monotonic=time.monotonic(),
             stage_threads=self.stage_threads, model_copy_timeout_s=self.model_copy_timeout_s,
         )
@@ -298,11 +279,11 @@ class SnapshotCoordinator:
                                          name=f"snapshot-{source.job_id}-{source.step}-r{source.rank}")
         group.add_handle(handle)
         self._holding[(source.job_id, source.rank)] = handle
-        handle.publish()  # consistent from here on
+        writer.publish()  # consistent from here on
         try:
             handle.thread.start()
         except RuntimeError as exc:  # no thread: the trainer must not wait on this epoch
-            handle.release_segment()
+            writer.release_segment()
             del self._holding[(source.job_id, source.rank)]
             group.thread_done()
             error = SnapshotError(f"cannot start a snapshot writer thread: {exc}")
@@ -325,64 +306,43 @@ class SnapshotCoordinator:
             return None
         return max(self.keep_latest, source.keep_latest)
 
-    def _prune_history(self) -> None:
-        finished = [
-            (g.finished_monotonic, key)
-            for key, g in self._groups.items()
-            if g.finished_monotonic is not None and (g.state is SnapshotState.DURABLE or g.discarded_done)
-        ]
-        finished.sort()
-        for _, key in finished[: max(0, len(finished) - self.history)]:
-            del self._groups[key]
-
     def _assemble_expired(self, group: SnapshotGroup) -> None:
         with group.cond:
             if len(group.handles) == group.local_world_size:
                 return
             joined = sorted(group.handles)
-        if group.local_world_size == group.world_size:
-            expected = f"world_size {group.world_size}"
-        else:
-            expected = (
-                f"the {group.local_world_size} ranks expected on this server (local_world_size; "
-                f"world_size {group.world_size})"
-            )
-        group.fail(
-            SnapshotFailed(
-                f"only ranks {joined} of {expected} started "
-                f"{group.snapshot_id} within {self.assemble_timeout_s:g} s"
-            )
-        )
+        expected = f"world_size {group.world_size}"
+        if group.local_world_size != group.world_size:
+            expected = (f"the {group.local_world_size} ranks expected on this server "
+                        f"(local_world_size; {expected})")
+        group.fail(SnapshotFailed(f"only ranks {joined} of {expected} started {group.snapshot_id} "
+                                  f"within {self.assemble_timeout_s:g} s"))
 
     # ------------------------------------------------------------------------------ threads
 
     def _run(self, group: SnapshotGroup, handle: RankSnapshot) -> None:
         """A rank's thread: persist, then fail the group, or commit it when last."""
+        result = error = None
         try:
-            result, error = self._persist(handle)
+            try:
+                result = handle.writer.run()
+            except Cancelled:
+                pass  # the group already failed for a reason of its own
+            except SnapshotError as exc:
+                error = exc
+            except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
+                error = SnapshotError(f"unexpected error persisting rank {handle.rank}: {exc!r}")
             with self._lock:
                 if self._holding.get((group.job_id, handle.rank)) is handle:
                     del self._holding[(group.job_id, handle.rank)]
             if result is not None:
-                self.copy_policy.record(handle.persist_rate())
+                self.copy_policy.record(handle.writer.persist_rate())
             if error is not None:
                 group.fail(error, handle.rank)
             if result is not None and group.add_result(handle.rank, result):
                 self._commit(group)
         finally:
             group.thread_done()
-
-    @staticmethod
-    def _persist(handle: RankSnapshot) -> tuple[RankResult | None, SnapshotError | None]:
-        """(result, None), (None, the error that fails the group) or (None, None) when cancelled."""
-        try:
-            return handle.persist(), None
-        except Cancelled:
-            return None, None
-        except SnapshotError as exc:
-            return None, exc
-        except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
-            return None, SnapshotError(f"unexpected error persisting rank {handle.rank}: {exc!r}")
 
     def _commit(self, group: SnapshotGroup) -> None:
         """In the thread of the last rank to finish: layout index, index, rename, latest, retention."""
@@ -393,7 +353,10 @@ class SnapshotCoordinator:
         for rank in ranks:
             files.extend(results[rank].files)
         try:
-            layout = _layout_bytes(group, results)
+            layout = None  # one host's part of a multi-host step gets its layout index in the store
+            if len(results) == group.world_size:
+                layout = LayoutIndex({r: result.manifest.tensors for r, result in results.items()},
+                                     group.world_size).to_bytes()
             index = SnapshotIndex(
                 job_id=group.job_id, step=group.step, world_size=group.world_size, ranks=ranks, files=tuple(files),
                 created_unix=time.time(), attempt=self._attempt(group), tenant=group.tenant,
@@ -429,7 +392,10 @@ class SnapshotCoordinator:
 
     def handle(self, snapshot_id: str, rank: int) -> RankSnapshot | None:
         """The in-memory handle of a rank's snapshot (``<job>/step-<N>``), if any."""
-        key = _parse_step_id(snapshot_id)
+        ref = parse_snapshot_id(snapshot_id, None, SnapshotInvalid)
+        if ref.step is None:  # a status is about one snapshot, never ``latest``
+            raise SnapshotInvalid(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
+        key = (ref.job_id, ref.step)
         with self._lock:
             group = self._groups.get(key)
         if group is None:
@@ -502,26 +468,3 @@ class SnapshotCoordinator:
         if self.uploader is not None:
             self.uploader.close()
         self.directory.storage.release()
-
-
-def _check_arguments(keep_latest: int | None, assemble_timeout_s: float, stage_threads: int) -> None:
-    if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 1:
-        raise ValueError(f"keep_latest must be >= 2 or None (keep all), assemble_timeout_s > 0 and "
-                         f"stage_threads >= 1: got {keep_latest}, {assemble_timeout_s}, {stage_threads}")
-
-
-def _parse_step_id(snapshot_id: str) -> tuple[str, int]:
-    """``<job>/step-<N>`` -> (job, N); SnapshotInvalid for anything else (``latest`` included)."""
-    ref = parse_snapshot_id(snapshot_id, None, SnapshotInvalid)
-    if ref.step is None:
-        raise SnapshotInvalid(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
-    return ref.job_id, ref.step
-
-
-def _layout_bytes(group: SnapshotGroup, results: dict[int, RankResult]) -> bytes | None:
-    """``layout.json`` of a step whose every rank committed here (else the store's, later)."""
-    if len(results) != group.world_size:
-        return None
-    return LayoutIndex({rank: result.manifest.tensors for rank, result in results.items()},
-                       group.world_size).to_bytes()
-
