@@ -38,6 +38,8 @@ from swap_state.common.snapshot_format import LAYOUT_NAME, FileRecord, SnapshotI
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, SnapshotMetadata, parse_metadata
 from swap_state.common.snapshot_metadata_parts import MetadataParts
 from swap_state.common.names import parse_snapshot_id, shorten
+from swap_state.common.object_store import open_store
+from swap_state.common.stored_snapshots import StoredSnapshots
 
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
@@ -125,8 +127,10 @@ class SnapshotCoordinator:
         elif clean_stale:
             log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(storage.root),
                       note="another live server uses this directory: its partial snapshots are left alone")
-        self.uploader = (SnapshotUploader.open(store_uri, store_timeout_s, self.directory, store_max_bandwidth)
-                         if store_uri else None)
+        self.uploader = None
+        if store_uri:
+            stored = StoredSnapshots(open_store(store_uri, store_timeout_s))
+            self.uploader = SnapshotUploader(stored, self.directory, store_max_bandwidth)
         self.stored = self.uploader.stored if self.uploader is not None else None
         """The store tier, ``--snapshot-store`` (None: none)."""
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
@@ -134,8 +138,6 @@ class SnapshotCoordinator:
     @property
     def snapshot_dir(self) -> pathlib.Path:
         return self.directory.root
-
-    # ------------------------------------------------------------------------------ copy budget
 
     @property
     def assumed_fwd_bwd_s(self) -> float:
@@ -148,8 +150,6 @@ class SnapshotCoordinator:
     def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
         """The memory rule for a segment of ``layout`` (the policy's)."""
         return self.copy_policy.budget(layout)
-
-    # ------------------------------------------------------------------------------ start
 
     def note_epoch(self, epoch: int) -> None:
         """An epoch a dead server opened in an adopted segment: later ones number above it."""
@@ -318,8 +318,6 @@ class SnapshotCoordinator:
         group.fail(SnapshotFailed(f"only ranks {joined} of {expected} started {group.snapshot_id} "
                                   f"within {self.assemble_timeout_s:g} s"))
 
-    # ------------------------------------------------------------------------------ threads
-
     def _run(self, group: SnapshotGroup, handle: RankSnapshot) -> None:
         """A rank's thread: persist, then fail the group, or commit it when last."""
         result = error = None
@@ -387,8 +385,6 @@ class SnapshotCoordinator:
             return self.directory.resolve(group.snapshot_id).index.attempt + 1 if group.replace else 1
         except SnapshotError:
             return 1
-
-    # ------------------------------------------------------------------------------ queries
 
     def handle(self, snapshot_id: str, rank: int) -> RankSnapshot | None:
         """The in-memory handle of a rank's snapshot (``<job>/step-<N>``), if any."""

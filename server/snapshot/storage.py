@@ -166,8 +166,6 @@ class SnapshotStorage:
         self.root: pathlib.Path = self._reader.root
         self._lock_fd: int | None = None
 
-    # ---------------------------------------------------------------- once per server
-
     def create_root(self) -> None:
         """Create the root if it is missing."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -204,8 +202,6 @@ class SnapshotStorage:
                     path.unlink(missing_ok=True)
                     removed.append(path)
         return removed
-
-    # ---------------------------------------------------------------- writing a snapshot
 
     def location(self, job_id: str, step: int | None = None) -> pathlib.Path:
         """Where a job's snapshots are, or where the committed ``step`` goes; SnapshotInvalid
@@ -291,8 +287,6 @@ class SnapshotStorage:
         path = self._inside(where)
         shutil.rmtree(path, ignore_errors=True)
         return not path.exists()
-
-    # ---------------------------------------------------------------- committed snapshots
 
     def list(self, job_id: str) -> list[tuple[int, pathlib.PurePath]]:
         """The job's committed snapshots as (step, location), lowest step first."""

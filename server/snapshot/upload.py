@@ -26,10 +26,10 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from swap_state.common.checksum import crc32
-from swap_state.common.object_store import STORE_FLAG, open_store
+from swap_state.common.object_store import STORE_FLAG
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
 from swap_state.common.snapshot_format import (
     INDEX_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name,
@@ -108,13 +108,6 @@ class SnapshotUploader:
         self._thread = threading.Thread(target=self._work, name="snapshot-upload", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def open(cls, uri: str, timeout_s: float, local: SnapshotDirectory, max_bandwidth: float | None = None) -> SnapshotUploader:
-        """The uploader of ``--snapshot-store uri`` (each request bounded by ``timeout_s``)."""
-        return cls(StoredSnapshots(open_store(uri, timeout_s)), local, max_bandwidth)
-
-    # ---------------------------------------------------------------- the coordinator's side
-
     def submit_committed(self, index: SnapshotIndex, path, keep: int | None) -> None:
         """:meth:`submit` of the snapshot the local store just committed at ``path``."""
         self.submit(SnapshotInfo(index.snapshot_id, index.job_id, index.step, index.world_size,
@@ -131,9 +124,10 @@ class SnapshotUploader:
         """Upload a durable local snapshot's ranks, then apply ``keep`` (None: keep all)."""
         with self._cond:
             self._statuses.pop((info.job_id, info.step), None)
+            files = info.index.files
             self._statuses[(info.job_id, info.step)] = {
-                rank: UploadStatus(StoreState.UPLOADING, _rank_bytes(info, rank)) for rank in info.ranks
-            }
+                rank: UploadStatus(StoreState.UPLOADING, sum(f.bytes for f in files if f.rank == rank))
+                for rank in info.ranks}
             while len(self._statuses) > HISTORY:  # the oldest first (dicts keep insertion order)
                 del self._statuses[next(iter(self._statuses))]
             self._cond.notify_all()
@@ -144,16 +138,13 @@ class SnapshotUploader:
             found = self._statuses.get((job_id, step), {}).get(rank)
             return dataclasses.replace(found) if found is not None else None
 
-    def _settled(self, job_id: str, step: int, rank: int) -> Callable[[], bool]:
-        """Whether the rank's upload is stored or failed (or unknown here); under the lock."""
-        def settled() -> bool:
-            found = self._statuses.get((job_id, step), {}).get(rank)
-            return found is None or found.state is not StoreState.UPLOADING
-        return settled
-
     async def wait_async(self, job_id: str, step: int, rank: int, timeout_s: float) -> UploadStatus | None:
         """Until the rank's upload is stored or failed, at most ``timeout_s``; holds no thread."""
-        await self._cond.until(self._settled(job_id, step, rank), timeout_s)
+        def settled() -> bool:  # under the lock; unknown here counts as settled
+            found = self._statuses.get((job_id, step), {}).get(rank)
+            return found is None or found.state is not StoreState.UPLOADING
+
+        await self._cond.until(settled, timeout_s)
         return self.status(job_id, step, rank)
 
     def annotate(self, status: SnapshotStatus) -> SnapshotStatus:
@@ -175,9 +166,7 @@ class SnapshotUploader:
     def resume_pending(self) -> list[str]:
         """At start: each job's newest local snapshot not all in the store is uploaded again; their ids."""
         pending = []
-        newest: dict[str, SnapshotInfo] = {}
-        for info in self._local.list():
-            newest[info.job_id] = info
+        newest = {info.job_id: info for info in self._local.list()}
         for info in newest.values():
             if set(info.ranks) - set(self.stored.step_markers(info.job_id, info.step, info.ranks)):
                 self.submit(info, None)
@@ -188,8 +177,6 @@ class SnapshotUploader:
         self._closed.set()
         self._queue.put(None)
         self._thread.join(timeout_s)
-
-    # ---------------------------------------------------------------- the worker
 
     def _work(self) -> None:
         try:
@@ -205,7 +192,11 @@ class SnapshotUploader:
             if item is None:
                 return
             info, keep = self._newest_queued(item)
-            self._upload(info, keep)
+            self._current = (info.job_id, info.step)
+            try:
+                self._upload_ranks(info, keep)
+            finally:
+                self._current = None
 
     def _newest_queued(self, item: tuple[SnapshotInfo, int | None]) -> tuple[SnapshotInfo, int | None]:
         """``item``, unless a newer snapshot of its job is queued behind it (the newest is what a
@@ -240,13 +231,6 @@ class SnapshotUploader:
         """The step of ``job_id`` being uploaded now, if any: local retention keeps it."""
         current = self._current
         return {current[1]} if current is not None and current[0] == job_id else set()
-
-    def _upload(self, info: SnapshotInfo, keep: int | None) -> None:
-        self._current = (info.job_id, info.step)
-        try:
-            self._upload_ranks(info, keep)
-        finally:
-            self._current = None
 
     def _upload_ranks(self, info: SnapshotInfo, keep: int | None) -> None:
         begin = time.monotonic()
@@ -335,8 +319,6 @@ class SnapshotUploader:
         if size != record.bytes or value != record.crc32:
             raise SnapshotCorrupt(f"{path} no longer matches its checksum in snapshot.json: not uploaded")
 
-    # ---------------------------------------------------------------- retention
-
     def _retain(self, job_id: str, keep: int | None) -> None:
         """The job's ``keep`` newest complete steps stay, and everything newer; the older steps
         go, index and markers first."""
@@ -355,8 +337,6 @@ class SnapshotUploader:
             for key in sorted(first, key=lambda k: not k.endswith(INDEX_NAME)) + [k for k in objects if k not in first]:
                 self.stored.store.delete(key)
             log_event(log, "store_retention_removed", snapshot_id=f"{job_id}/step-{step}", store=self.uri)
-
-    # ---------------------------------------------------------------- statuses
 
     def _set(self, info: SnapshotInfo, rank: int, **changes) -> None:
         with self._cond:
@@ -391,7 +371,3 @@ def _record(info: SnapshotInfo, name: str) -> FileRecord:
     if record is None:
         raise SnapshotCorrupt(f"{info.path}/snapshot.json does not list {name}")
     return record
-
-
-def _rank_bytes(info: SnapshotInfo, rank: int) -> int:
-    return sum(r.bytes for r in info.index.files if r.rank == rank)

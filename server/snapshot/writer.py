@@ -122,8 +122,6 @@ class RankWriter:
         self._base = (header[Word.COW_COPIES], header[Word.BP_WAITS], header[Word.BP_WAIT_NS])
         self._final: tuple[int, int, int] | None = None
 
-    # --------------------------------------------------------------------- trainer counters
-
     def counters(self) -> tuple[int, int, int]:
         """(cow copies, back-pressure waits, wait ns) of this snapshot: live while the
         segment is held, frozen from its release on (the segment may be gone after that)."""
@@ -146,8 +144,6 @@ class RankWriter:
         if not self.segment_released.is_set() or self.stream_seconds <= 0 or not self.bytes_persisted:
             return None
         return self.bytes_persisted / self.stream_seconds
-
-    # --------------------------------------------------------------------- protocol
 
     def publish(self) -> None:
         """Make the snapshot consistent: after this the trainer may mutate the segment."""
@@ -174,8 +170,6 @@ class RankWriter:
         self._final = self.counters()
         self.segment_released.set()
 
-    # --------------------------------------------------------------------- whole state
-
     def model_published(self) -> bool:
         """Whether the trainer has copied the model tensors of the step (or a later one): step 5."""
         return self.source.header[Word.MODEL_STEP] >= self.source.step + 1
@@ -198,8 +192,6 @@ class RankWriter:
                 "a trainer that stopped or died after the step cannot complete the snapshot "
                 "(server flag --model-copy-timeout)"
             )
-
-    # --------------------------------------------------------------------- persisting
 
     def _yield_to_trainer(self, n_chunks: int) -> None:
         """Once every chunk is staged, pause while the trainer writes a step (``WRITING_STEP``):
