@@ -71,28 +71,14 @@ class Cancelled(Exception):
 class RankWriter:
     """Persists one rank's segment; one instance per rank and snapshot."""
 
-    def __init__(
-        self,
-        source: SnapshotSource,
-        metadata: SnapshotMetadata | MetadataParts,
-        epoch: int,
-        storage: SnapshotStorage,
-        partial: pathlib.PurePath,
-        limiter: BandwidthLimiter,
-        cancel: threading.Event,
-        started_monotonic: float,
-        stage_threads: int = 1,
-        model_copy_timeout_s: float = 60.0,
-    ):
+    def __init__(self, source: SnapshotSource, metadata: SnapshotMetadata | MetadataParts, epoch: int,
+                 storage: SnapshotStorage, partial: pathlib.PurePath, limiter: BandwidthLimiter,
+                 cancel: threading.Event, started_monotonic: float, stage_threads: int = 1,
+                 model_copy_timeout_s: float = 60.0):
         """``storage``, ``partial``: where the rank's files go. ``stage_threads``: the
         :class:`Stager`'s. ``model_copy_timeout_s``: the wait for protocol step 5."""
-        self.source = source
-        self.metadata = metadata
-        self.epoch = epoch
-        self.storage = storage
-        self.partial = partial
-        self.limiter = limiter
-        self.cancel = cancel
+        self.source, self.metadata, self.epoch = source, metadata, epoch
+        self.storage, self.partial, self.limiter, self.cancel = storage, partial, limiter, cancel
         self.started_monotonic = started_monotonic
         layout = source.layout
         self._header = ServerHeader(source.header)
@@ -105,11 +91,8 @@ class RankWriter:
         self.bytes_persisted = 0  # written by the writer thread only
         self.trainer_copied_bytes = 0  # chunks the trainer copied itself (writer thread)
         self.stream_seconds = 0.0  # time spent streaming the chunks (writer thread)
-        self.stage_threads = stage_threads
         self.stage_slots = stager_slot_count(source.layout.cow_slots)
-        self.stager: Stager | None = (
-            Stager(self, self.stage_slots, stage_threads) if self.stage_slots else None
-        )
+        self.stager = Stager(self, self.stage_slots, stage_threads) if self.stage_slots else None
         self._trainer_yield = self.stager is not None
         self.direct_io = False
         """Whether the data file was written with O_DIRECT (known once it is created)."""
@@ -125,9 +108,8 @@ class RankWriter:
     def counters(self) -> tuple[int, int, int]:
         """(cow copies, back-pressure waits, wait ns) of this snapshot: live while the
         segment is held, frozen from its release on (the segment may be gone after that)."""
-        final = self._final
-        if final is not None:
-            return final
+        if self._final is not None:
+            return self._final
         header = self.source.header
         now = (header[Word.COW_COPIES], header[Word.BP_WAITS], header[Word.BP_WAIT_NS])
         return (now[0] - self._base[0], now[1] - self._base[1], now[2] - self._base[2])
@@ -135,9 +117,8 @@ class RankWriter:
     def server_counters(self) -> tuple[int, int, int]:
         """(chunks the stager copied, their bytes, bytes the trainer copied itself) so far."""
         stager = self.stager
-        if stager is None:
-            return (0, 0, self.trainer_copied_bytes)
-        return (stager.staged_chunks, stager.staged_bytes, self.trainer_copied_bytes)
+        return (stager.staged_chunks if stager else 0, stager.staged_bytes if stager else 0,
+                self.trainer_copied_bytes)
 
     def persist_rate(self) -> float | None:
         """Bytes/s the chunks streamed at (what moves ``PERSISTED_UPTO``), once done; None before."""
@@ -277,7 +258,8 @@ class RankWriter:
         A piece is final (the sink may write it to disk) only after its check.
         """
         n, c = chunk.nbytes, chunk.index
-        stage_at = self._stage_slot_at(c)
+        layout, ring = self.source.layout, self.stage_slots  # where the stager stages chunk c, if any
+        stage_at = layout.cow_slots_offset + (c % ring) * layout.chunk_bytes if ring else None
         source = stage_at if stage_at is not None and c < self.source.header[Word.STAGED_UPTO] else chunk.offset
         trainer_slot: int | None = None
         value, done = before, 0
@@ -299,11 +281,6 @@ class RankWriter:
         if self.stager is not None:
             self.stager.wake()
         return value
-
-    def _stage_slot_at(self, c: int) -> int | None:
-        """Where the stager stages chunk ``c`` in the segment (None: no stager)."""
-        ring, layout = self.stage_slots, self.source.layout
-        return layout.cow_slots_offset + (c % ring) * layout.chunk_bytes if ring else None
 
     def _safe_source(self, chunk: Chunk, source: int, stage_at: int | None) -> tuple[int, int | None]:
         """After a piece of ``chunk`` was read from ``source``: (where its step-N bytes are now,
@@ -343,18 +320,13 @@ class RankWriter:
             self.storage.write_durable(self.partial, plan.manifest_name, raw)
         except OSError as exc:
             raise from_os_error(exc, action, self.storage.root) from None
-        self._log_persisted()
-        return plan.result(manifest, data, raw)
-
-    def _log_persisted(self) -> None:
-        """One INFO line per rank persisted: how fast, how, and what the trainer and stager copied."""
         rate = self.persist_rate()
-        log_event(log, "snapshot_rank_persisted", job_id=self.source.job_id, step=self.source.step,
-                  rank=self.source.rank, bytes=self.bytes_persisted,
-                  stream_seconds=round(self.stream_seconds, 4),
+        log_event(log, "snapshot_rank_persisted", job_id=source.job_id, step=source.step, rank=source.rank,
+                  bytes=self.bytes_persisted, stream_seconds=round(self.stream_seconds, 4),
                   stream_gbps=round(rate / 1e9, 3) if rate else None, direct_io=self.direct_io,
                   trainer_copied_bytes=self.trainer_copied_bytes,
                   staged_bytes=self.stager.staged_bytes if self.stager is not None else 0)
+        return plan.result(manifest, data, raw)
 
     def _write_data_file(self, plan: RankFilePlan) -> list[int]:
         """Create the data file, put its header, stream the chunks (the stager alongside),
