@@ -29,33 +29,25 @@ class SnapshotStatus:
     """One rank's view of a snapshot; field for field a SnapshotStatusReply, plus a few."""
 
     snapshot_id: str
-    """``<job_id>/step-<step>``."""
     job_id: str
-    """The job."""
     step: int
-    """The committed step."""
     rank: int
-    """The rank this status is about."""
     world_size: int
     """The job's (global) world size."""
     state: SnapshotState
-    """persisting until the whole snapshot is committed, then durable; or failed."""
     bytes_total: int
     """Tensor bytes of this rank."""
     bytes_persisted: int
-    """Tensor bytes of this rank written so far."""
     error: str
-    """Why it failed (empty unless failed); names the directory for disk-full errors."""
+    """Why it failed (empty unless failed)."""
     cow_copies: int
     """Chunks the trainer copied before writing, during this snapshot (this rank)."""
     backpressure_waits: int
     """Times the trainer waited for a free copy slot, during this snapshot (this rank)."""
     backpressure_wait_seconds: float
-    """Seconds the trainer spent in those waits."""
     path: str
     """The snapshot directory (the partial one until durable)."""
     ranks_joined: int
-    """Ranks that have started this snapshot."""
     ranks_persisted: int
     """Ranks whose files are written and fsynced."""
     segment_released: bool
@@ -69,13 +61,11 @@ class SnapshotStatus:
     server_staged_chunks: int = 0
     """Chunks the server's stager copied ahead of the trainer (this rank; 0 from disk)."""
     server_staged_bytes: int = 0
-    """Bytes of those chunks."""
     trainer_copied_bytes: int = 0
-    """Bytes of the chunks the trainer copied itself (``cow_copies`` of them; 0 from disk)."""
+    """Bytes of the chunks the trainer copied itself (0 from disk)."""
     store_state: str = ""
     """The upload to the store: "" (no store), uploading, stored or failed."""
     store_error: str = ""
-    """Why the upload failed, naming the store (the local snapshot stays durable)."""
     store_path: str = ""
     """Where the snapshot is (or goes) in the store."""
     bytes_stored: int = 0
