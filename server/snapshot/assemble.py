@@ -20,6 +20,7 @@ read again into the segment, each checked again (a change in between: "restore a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -43,19 +44,16 @@ __all__ = ["Assembled", "RECENT", "assemble", "check_layout", "check_world_size"
 log = logging.getLogger("swap_state.server.restore")
 
 
+@dataclasses.dataclass(frozen=True)
 class Assembled:
-    """What :func:`assemble` loaded."""
+    """What :func:`assemble` loaded (the fields of :class:`~.restore.RestoreResult`)."""
 
-    def __init__(self, bytes_restored: int, source_ranks: list[int], metadata_json: str, staged: bool,
-                 pinned: bool = False, plan: str = "own-file"):
-        self.plan = plan
-        """``own-file`` (the same layout), ``layout-index`` or ``every-manifest``."""
-        self.bytes_restored = bytes_restored
-        self.source_ranks = source_ranks
-        self.metadata_json = metadata_json
-        self.staged = staged
-        self.pinned = pinned
-        """The staged bytes could not change before the copy (else each copy was checked again)."""
+    bytes_restored: int
+    source_ranks: list[int]
+    metadata_json: str
+    staged: bool
+    pinned: bool = False
+    plan: str = "own-file"
 
 
 def check_world_size(info: SnapshotInfo, world_size: int) -> None:
@@ -83,19 +81,16 @@ def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayo
             raise SnapshotLayoutMismatch(f"{path}: has no tensor {target.name!r} the segment holds")
     for position, (tensor, target) in enumerate(zip(manifest.tensors, layout.tensors)):
         if (tensor.dtype, tensor.shape) != (ours[tensor.name].dtype, ours[tensor.name].shape):
+            ours_now = ours[tensor.name]
             raise SnapshotLayoutMismatch(
-                f"{path}: tensor {tensor.name!r} is {_describe(tensor.dtype, tensor.shape)}, "
-                f"the segment's is {_describe(ours[tensor.name].dtype, ours[tensor.name].shape)}"
+                f"{path}: tensor {tensor.name!r} is {tensor.dtype}{list(tensor.shape)}, "
+                f"the segment's is {ours_now.dtype}{list(ours_now.shape)}"
             )
         if tensor.name != target.name:
             raise SnapshotLayoutMismatch(
                 f"{path}: tensor {tensor.name!r} is at position {position}, the segment has "
                 f"{target.name!r} there (the update order differs)"
             )
-
-
-def _describe(dtype: str, shape: tuple[int, ...]) -> str:
-    return f"{dtype}{list(shape)}"
 
 
 def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMetadata | None) -> bool:
@@ -178,25 +173,34 @@ def _whole_rank(source: Source, own: RankManifest, view: memoryview, layout: Seg
     return Assembled(sum(t.nbytes for t in own.tensors), [rank], own.metadata_json, staged, pinned)
 
 
-def _reserve(reserve_staging, nbytes: int) -> ContextManager[bool]:
-    return reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
-
-
 def _read_pieces(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
                  view: memoryview, layout: SegmentLayout, rank: int, reserve_staging, staging_free_bytes,
                  whole: RankManifest | None = None) -> tuple[bool, bool]:
     """Every piece of ``plan`` read, verified, then copied into ``view``: (staged, pinned).
     ``whole``: a local rank file the plan takes whole, staged as one file when the budget holds it."""
     by_name = {t.name: t for t in layout.tensors}
-    nbytes = _held_bytes(plan)
+    # Staged: every piece's whole source tensor (its checksum covers it whole).
+    nbytes = sum(piece.source.nbytes for pieces in plan.values() for piece in pieces)
     read = [whole] if whole is not None else [manifests[r] for r in ranks_needed(plan)]
-    with _reserve(reserve_staging, nbytes) as granted:
+    reserved = reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
+    with reserved as granted:
         if granted and whole is not None:
             return True, source.copy_whole_file(whole, view, layout)  # checks the header itself
         for manifest in read:
             source.check_data_header(manifest)
         if granted:
-            _staged_copy(source, manifests, plan, view, by_name)
+            # Held as read, then (all verified) copied with the GIL released. Not copied into a
+            # staging area first: that was 0.53 GB/s against 0.85 GB/s this way (docs/benchmarks.md).
+            held = []
+            for name, pieces in plan.items():
+                for piece in pieces:
+                    data = source.read_tensor(manifests[piece.source_rank], piece.source)
+                    held.append((by_name[name], piece, data if type(data) is bytes else bytes(data)))
+            base = _posix.buffer_address(view)  # verified: only now the segment changes
+            for target, piece, data in held:
+                at, address = base + target.offset, _posix.bytes_address(data)
+                for run in piece.runs:
+                    _posix.memmove(at + run.target_offset, address + run.source_offset, run.nbytes)
             return True, False
     log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=source.info.snapshot_id, rank=rank,
               staged_bytes_needed=nbytes, budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
@@ -291,29 +295,6 @@ class RecentSnapshots:
 
 #: The server's one :class:`RecentSnapshots` (restores run in its executor threads).
 RECENT = RecentSnapshots()
-
-
-def _staged_copy(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
-                 view: memoryview, by_name) -> None:
-    """Every piece's source tensor read and verified, held as read, then (all verified) its runs
-    copied into the segment with the GIL released. Not copied into a staging area first: that
-    was 0.53 GB/s against 0.85 GB/s this way (docs/benchmarks.md)."""
-    held = [(by_name[name], piece, _as_bytes(source.read_tensor(manifests[piece.source_rank], piece.source)))
-            for name, pieces in plan.items() for piece in pieces]
-    base = _posix.buffer_address(view)  # verified: only now the segment changes
-    for target, piece, data in held:
-        address = _posix.bytes_address(data)
-        for run in piece.runs:
-            _posix.memmove(base + target.offset + run.target_offset, address + run.source_offset, run.nbytes)
-
-
-def _as_bytes(data) -> bytes:
-    return data if type(data) is bytes else bytes(data)
-
-
-def _held_bytes(plan: Mapping[str, list[Piece]]) -> int:
-    """What :func:`_staged_copy` holds: every piece's whole source tensor (its checksum covers it whole)."""
-    return sum(piece.source.nbytes for pieces in plan.values() for piece in pieces)
 
 
 def _fill(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
