@@ -64,25 +64,18 @@ def write_durable(path: pathlib.Path, data: bytes) -> None:
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """``os.pwrite`` until all of ``data`` is at ``offset`` (it may write short). Releases
-    the GIL for the copy into the page cache."""
+    """``os.pwrite`` until all of ``data`` is at ``offset`` (it may write short); releases the GIL."""
     done = 0
-    total = data.nbytes
-    while done < total:
-        if done:
-            with data[done:] as rest:
-                done += os.pwrite(fd, rest, offset + done)
-        else:
-            done += os.pwrite(fd, data, offset)
+    while done < data.nbytes:
+        with data[done:] as rest:
+            done += os.pwrite(fd, rest, offset + done)
 
 
 class StepState(enum.Enum):
     """What a storage holds where a step's committed snapshot would go."""
 
     ABSENT = "absent"
-    """Nothing: the step may be snapshotted."""
     COMPLETE = "complete"
-    """A committed snapshot of that job and step."""
     OTHER = "other"
     """Something that is not a complete snapshot (never ours to touch)."""
 
@@ -92,7 +85,6 @@ class Published:
     """What :meth:`SnapshotStorage.commit` did."""
 
     path: pathlib.PurePath
-    """Where the committed snapshot is."""
     replaced: pathlib.PurePath | None
     """An earlier snapshot of the step, moved out of the way (unlisted) for :meth:`~SnapshotStorage.discard`."""
     warnings: tuple[str, ...]
