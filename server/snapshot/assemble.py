@@ -60,10 +60,8 @@ def check_world_size(info: SnapshotInfo, world_size: int) -> None:
     """SnapshotLayoutMismatch unless the snapshot was taken at ``world_size``."""
     if info.world_size != world_size:
         held = "" if info.index.complete_job else f" (this server holds its {info.describe_ranks()})"
-        raise SnapshotLayoutMismatch(
-            f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with world_size "
-            f"{info.world_size}, this job has {world_size}{held}"
-        )
+        raise SnapshotLayoutMismatch(f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with "
+                                     f"world_size {info.world_size}, this job has {world_size}{held}")
 
 
 def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayout, world_size: int) -> None:
@@ -82,15 +80,12 @@ def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayo
     for position, (tensor, target) in enumerate(zip(manifest.tensors, layout.tensors)):
         if (tensor.dtype, tensor.shape) != (ours[tensor.name].dtype, ours[tensor.name].shape):
             ours_now = ours[tensor.name]
-            raise SnapshotLayoutMismatch(
-                f"{path}: tensor {tensor.name!r} is {tensor.dtype}{list(tensor.shape)}, "
-                f"the segment's is {ours_now.dtype}{list(ours_now.shape)}"
-            )
+            raise SnapshotLayoutMismatch(f"{path}: tensor {tensor.name!r} is "
+                                         f"{tensor.dtype}{list(tensor.shape)}, the segment's is "
+                                         f"{ours_now.dtype}{list(ours_now.shape)}")
         if tensor.name != target.name:
-            raise SnapshotLayoutMismatch(
-                f"{path}: tensor {tensor.name!r} is at position {position}, the segment has "
-                f"{target.name!r} there (the update order differs)"
-            )
+            raise SnapshotLayoutMismatch(f"{path}: tensor {tensor.name!r} is at position {position}, the "
+                                         f"segment has {target.name!r} there (the update order differs)")
 
 
 def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMetadata | None) -> bool:
@@ -113,11 +108,10 @@ def restore_targets(layout: SegmentLayout, placement: SnapshotMetadata | None,
     """The restoring rank's tensors with their DTensor placement: the trainer's ``placement``
     (RestoreRequest.metadata_json); a reshard without it is refused."""
     if placement is None or not placement.tensors:
-        raise SnapshotLayoutMismatch(
-            f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with world_size {info.world_size}, this job has "
-            f"{world_size}, and the trainer sent no placement of its tensors to reshard it "
-            "(RestoreRequest.metadata_json): upgrade the swap-state client"
-        )
+        raise SnapshotLayoutMismatch(f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with "
+                                     f"world_size {info.world_size}, this job has {world_size}, and the "
+                                     "trainer sent no placement of its tensors to reshard it "
+                                     "(RestoreRequest.metadata_json): upgrade the swap-state client")
     targets = []
     for tensor in layout.tensors:
         meta = placement.tensors.get(tensor.name)

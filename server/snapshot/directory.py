@@ -55,18 +55,14 @@ class SnapshotDirectory(SnapshotReader):
         that step is already complete, unless ``replace`` (then :meth:`commit` replaces it)."""
         state = self.storage.step_state(job_id, step)
         if state is StepState.COMPLETE and not replace:
-            raise SnapshotExists(
-                f"snapshot {snapshot_id_for(job_id, step)} already exists at "
-                f"{self.storage.location(job_id, step)}, from an earlier attempt at that step: use "
-                "a new job id, or let the snapshot replace it (SnapshotRequest.replace_existing; "
-                "torchtitan's glue does)"
-            )
+            raise SnapshotExists(f"snapshot {snapshot_id_for(job_id, step)} already exists at "
+                                 f"{self.storage.location(job_id, step)}, from an earlier attempt at that "
+                                 "step: use a new job id, or let the snapshot replace it "
+                                 "(SnapshotRequest.replace_existing; torchtitan's glue does)")
         if state is StepState.OTHER:
             # Not ours (we only ever publish complete snapshots there): refuse to touch it.
-            raise SnapshotExists(
-                f"{self.storage.location(job_id, step)} exists but is not a complete snapshot; "
-                f"remove it to snapshot step {step}"
-            )
+            raise SnapshotExists(f"{self.storage.location(job_id, step)} exists but is not a complete "
+                                 f"snapshot; remove it to snapshot step {step}")
         try:
             return self.storage.open_partial(job_id, step)
         except OSError as exc:

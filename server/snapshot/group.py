@@ -90,11 +90,9 @@ class SnapshotGroup:
                                    "retrained step) is still persisting")
             self._check_same_job(source)
             if len(members) >= self.local_world_size:
-                raise SnapshotInvalid(
-                    f"{self.snapshot_id} already has its local_world_size "
-                    f"{self.local_world_size} ranks {members} on this server; rank "
-                    f"{source.rank} is one more: is local_world_size right for this host?"
-                )
+                raise SnapshotInvalid(f"{self.snapshot_id} already has its local_world_size "
+                                      f"{self.local_world_size} ranks {members} on this server; rank "
+                                      f"{source.rank} is one more: is local_world_size right for this host?")
             return self
         if mine is None and self.world_size == source.world_size:
             # This rank missed the failed attempt: joining a new one alone would only time out.
@@ -105,11 +103,10 @@ class SnapshotGroup:
 
     def _check_same_job(self, source: SnapshotSource) -> None:
         if self.local_world_size != source.expected_ranks:
-            raise SnapshotInvalid(
-                f"{self.snapshot_id} was started with local_world_size {self.local_world_size} "
-                f"(ranks of the job on this server), rank {source.rank} attached with "
-                f"{source.expected_ranks}: all ranks of a job on one server must agree"
-            )
+            raise SnapshotInvalid(f"{self.snapshot_id} was started with local_world_size "
+                                  f"{self.local_world_size} (ranks of the job on this server), rank "
+                                  f"{source.rank} attached with {source.expected_ranks}: all ranks of a job "
+                                  "on one server must agree")
 
     def add_handle(self, handle: RankSnapshot) -> None:
         """A rank joined, its thread about to start; the assembly timer stops once all did."""

@@ -369,10 +369,9 @@ class LayoutIndex:
             names.add(target.name)
         missing = sorted(names - self._tensors.keys())
         if missing:
-            raise SnapshotLayoutMismatch(
-                f"tensor {missing[0]} is in no rank of the snapshot ({len(missing)} such in all); "
-                "restore into a job with the same model and optimizer state as the snapshot's"
-            )
+            raise SnapshotLayoutMismatch(f"tensor {missing[0]} is in no rank of the snapshot "
+                                         f"({len(missing)} such in all); restore into a job with the same "
+                                         "model and optimizer state as the snapshot's")
         return {t.name: self._tensors[t.name].plan(t, target_rank, same_world) for t in targets}
 
 

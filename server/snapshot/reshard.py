@@ -108,35 +108,28 @@ def _check_source(target: TargetTensor, rank: int, record: TensorRecord, itemsiz
     """Dtype, kind (DTensor or plain), global shape and byte size of one source."""
     name = target.name
     if record.dtype != target.dtype:
-        raise SnapshotLayoutMismatch(
-            f"tensor {name}: old rank {rank} saved it as {record.dtype} but the restoring "
-            f"segment has {target.dtype}; restore with the dtype the snapshot was taken with"
-        )
+        raise SnapshotLayoutMismatch(f"tensor {name}: old rank {rank} saved it as {record.dtype} but the "
+                                     f"restoring segment has {target.dtype}; restore with the dtype the "
+                                     "snapshot was taken with")
     if record.global_shape != target.global_shape:
         if record.global_shape is None or target.global_shape is None:
             kinds = ("a plain tensor", "a DTensor")
             saved, wanted = (kinds if record.global_shape is None else kinds[::-1])
-            raise SnapshotLayoutMismatch(
-                f"tensor {name}: old rank {rank} saved it as {saved} but the restoring "
-                f"segment has {wanted}"
-            )
-        raise SnapshotLayoutMismatch(
-            f"tensor {name}: global shape {record.global_shape} in old rank {rank} but "
-            f"{target.global_shape} in the restoring job; the model config must match"
-        )
+            raise SnapshotLayoutMismatch(f"tensor {name}: old rank {rank} saved it as {saved} but the "
+                                         f"restoring segment has {wanted}")
+        raise SnapshotLayoutMismatch(f"tensor {name}: global shape {record.global_shape} in old rank {rank} "
+                                     f"but {target.global_shape} in the restoring job; the model config "
+                                     "must match")
     # The runs address the source's bytes by its shape; a record whose size disagrees would
     # send them past the tensor's end.
     if record.nbytes != math.prod(record.shape) * itemsize:
-        raise SnapshotLayoutMismatch(
-            f"tensor {name}: old rank {rank} records {record.nbytes} bytes for shape "
-            f"{record.shape} of {record.dtype}"
-        )
+        raise SnapshotLayoutMismatch(f"tensor {name}: old rank {rank} records {record.nbytes} bytes for "
+                                     f"shape {record.shape} of {record.dtype}")
     if record.global_shape is None:
         if record.shape != target.shape:
-            raise SnapshotLayoutMismatch(
-                f"tensor {name}: plain tensor of shape {record.shape} in old rank {rank} but "
-                f"{target.shape} in the restoring segment; the model config must match"
-            )
+            raise SnapshotLayoutMismatch(f"tensor {name}: plain tensor of shape {record.shape} in old rank "
+                                         f"{rank} but {target.shape} in the restoring segment; the model "
+                                         "config must match")
         return
     _check_box(name, f"old rank {rank}", record.global_shape, record.global_offset, record.shape)
 
@@ -149,15 +142,12 @@ def _check_box(
     shape: tuple[int, ...],
 ) -> None:
     if offset is None or len(offset) != len(shape) or len(shape) != len(global_shape):
-        raise SnapshotLayoutMismatch(
-            f"tensor {name}: the DTensor shard of {where} has global shape {global_shape}, "
-            f"offset {offset} and local shape {shape}, which do not describe a box"
-        )
+        raise SnapshotLayoutMismatch(f"tensor {name}: the DTensor shard of {where} has global shape "
+                                     f"{global_shape}, offset {offset} and local shape {shape}, which do "
+                                     "not describe a box")
     if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(offset, shape, global_shape)):
-        raise SnapshotLayoutMismatch(
-            f"tensor {name}: the DTensor shard of {where} (offset {offset}, shape {shape}) "
-            f"lies outside the global shape {global_shape}"
-        )
+        raise SnapshotLayoutMismatch(f"tensor {name}: the DTensor shard of {where} (offset {offset}, shape "
+                                     f"{shape}) lies outside the global shape {global_shape}")
 
 
 def _plan_plain(
@@ -168,10 +158,8 @@ def _plan_plain(
     same_world: bool,
 ) -> list[Piece]:
     if target.global_offset is not None:
-        raise SnapshotLayoutMismatch(
-            f"tensor {target.name}: the restoring segment gives it a global offset "
-            f"{target.global_offset} but no global shape"
-        )
+        raise SnapshotLayoutMismatch(f"tensor {target.name}: the restoring segment gives it a global offset "
+                                     f"{target.global_offset} but no global shape")
     nbytes = math.prod(target.shape) * itemsize
     if nbytes == 0:
         return []
@@ -181,11 +169,10 @@ def _plan_plain(
     if differing is not None:
         own = [pair for pair in ordered if pair[0] == target_rank]
         if not (same_world and own):
-            raise SnapshotLayoutMismatch(
-                f"tensor {target.name} is a plain (non-DTensor) tensor that differs between "
-                f"the snapshot's ranks ({first_rank} and {differing[0]}), so it cannot be "
-                "resharded to another world size; restore at the snapshot's world size"
-            )
+            raise SnapshotLayoutMismatch(f"tensor {target.name} is a plain (non-DTensor) tensor that "
+                                         f"differs between the snapshot's ranks ({first_rank} and "
+                                         f"{differing[0]}), so it cannot be resharded to another world "
+                                         "size; restore at the snapshot's world size")
         chosen = own[0]
     return [Piece(chosen[0], chosen[1], (Run(0, 0, nbytes),))]
 
@@ -233,19 +220,17 @@ def _check_tiling(target: TargetTensor, chosen: Sequence[tuple[int, TensorRecord
     """The chosen boxes must be disjoint and fill the target box exactly."""
     for (rank_a, _, box_a), (rank_b, _, box_b) in itertools.combinations(chosen, 2):
         if _intersect(box_a, box_b) is not None:
-            raise SnapshotLayoutMismatch(
-                f"tensor {target.name}: overlapping shards of old ranks {rank_a} and {rank_b} "
-                f"(offset {box_a[0]} shape {box_a[1]}, offset {box_b[0]} shape {box_b[1]}) "
-                "that are not replicas of each other; the snapshot's layout is inconsistent"
-            )
+            raise SnapshotLayoutMismatch(f"tensor {target.name}: overlapping shards of old ranks {rank_a} "
+                                         f"and {rank_b} (offset {box_a[0]} shape {box_a[1]}, offset "
+                                         f"{box_b[0]} shape {box_b[1]}) that are not replicas of each "
+                                         "other; the snapshot's layout is inconsistent")
     covered = sum(math.prod(box[1]) for _, _, box in chosen)
     wanted = math.prod(target.shape)
     if covered != wanted:
-        raise SnapshotLayoutMismatch(
-            f"tensor {target.name}: the restoring rank's box (offset {target.global_offset}, "
-            f"shape {target.shape}) is not covered: the snapshot's shards hold {covered} of "
-            f"its {wanted} elements; check that the snapshot holds every old rank"
-        )
+        raise SnapshotLayoutMismatch(f"tensor {target.name}: the restoring rank's box (offset "
+                                     f"{target.global_offset}, shape {target.shape}) is not covered: the "
+                                     f"snapshot's shards hold {covered} of its {wanted} elements; check "
+                                     "that the snapshot holds every old rank")
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:

@@ -69,10 +69,8 @@ def check_source(source: SnapshotSource) -> None:
     if not 1 <= source.world_size or not 0 <= source.rank < source.world_size:
         raise SnapshotInvalid(f"rank {source.rank} / world_size {source.world_size} is invalid")
     if not 0 <= source.local_world_size <= source.world_size:
-        raise SnapshotInvalid(
-            f"local_world_size {source.local_world_size} must be in [1, world_size "
-            f"{source.world_size}] (0: = world_size)"
-        )
+        raise SnapshotInvalid(f"local_world_size {source.local_world_size} must be in [1, world_size "
+                              f"{source.world_size}] (0: = world_size)")
     if source.step < 0:
         raise SnapshotInvalid(f"step {source.step} is negative")
     layout, header = source.layout, source.header

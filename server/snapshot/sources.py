@@ -125,7 +125,6 @@ def _copy_staged(staged: Staging, manifest: RankManifest, view: memoryview, layo
                 with view[target.offset + done : target.offset + done + n] as landed:
                     value = crc32(landed, value)
         if not staged.pinned and value != tensor.crc32:
-            raise SnapshotCorrupt(
-                f"{path} changed while being restored (tensor {tensor.name!r} no longer matches "
-                "its checksum); the segment is partially overwritten: restore again"
-            )
+            raise SnapshotCorrupt(f"{path} changed while being restored (tensor {tensor.name!r} no longer "
+                                  "matches its checksum); the segment is partially overwritten: restore "
+                                  "again")

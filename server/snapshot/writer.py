@@ -166,13 +166,11 @@ class RankWriter:
         )
         if not published:
             copied = self.source.header[Word.MODEL_STEP]
-            raise SnapshotError(
-                f"the trainer did not copy the model's parameters of step "
-                f"{self.source.step} into its segment within {self.model_copy_timeout_s:g} s "
-                f"(it has copied {f'those of step {copied - 1}' if copied else 'none'}); "
-                "a trainer that stopped or died after the step cannot complete the snapshot "
-                "(server flag --model-copy-timeout)"
-            )
+            raise SnapshotError("the trainer did not copy the model's parameters of step "
+                                f"{self.source.step} into its segment within {self.model_copy_timeout_s:g} "
+                                f"s (it has copied {f'those of step {copied - 1}' if copied else 'none'}); "
+                                "a trainer that stopped or died after the step cannot complete the snapshot "
+                                "(server flag --model-copy-timeout)")
 
     def _yield_to_trainer(self, n_chunks: int) -> None:
         """Once every chunk is staged, pause while the trainer writes a step (``WRITING_STEP``):
@@ -232,11 +230,9 @@ class RankWriter:
     def _check_not_abandoned(self) -> None:
         """Protocol step 6: the trainer gave this epoch up, so what was read may be torn."""
         if self.source.header[Word.ABANDONED_EPOCH] == self.epoch:
-            raise SnapshotError(
-                f"the trainer of {self.source.job_id} rank {self.source.rank} gave this "
-                "snapshot up: it found the server unreachable (its KeepAlive stream broke) and "
-                "overwrote chunks without a copy; take the snapshot again"
-            )
+            raise SnapshotError(f"the trainer of {self.source.job_id} rank {self.source.rank} gave this "
+                                "snapshot up: it found the server unreachable (its KeepAlive stream broke) "
+                                "and overwrote chunks without a copy; take the snapshot again")
 
     def _persist_chunk(self, sink: ChunkSink, view: memoryview, chunk: Chunk, before: int) -> int:
         """Put ``chunk`` into ``sink``, piece by piece, and publish ``PERSISTED_UPTO = c + 1``;
@@ -290,10 +286,8 @@ class RankWriter:
         if header.cow_epoch(c) == self.epoch:
             trainer_slot = header.cow_slot(c) - 1
             if not self.stage_slots <= trainer_slot < layout.cow_slots:
-                raise SnapshotError(
-                    f"trainer published copy slot {trainer_slot} for chunk {c}; its "
-                    f"slots are [{self.stage_slots}, {layout.cow_slots})"
-                )
+                raise SnapshotError(f"trainer published copy slot {trainer_slot} for chunk {c}; its slots "
+                                    f"are [{self.stage_slots}, {layout.cow_slots})")
             return layout.cow_slots_offset + trainer_slot * layout.chunk_bytes, trainer_slot
         if source == chunk.offset and stage_at is not None and c < header[Word.STAGED_UPTO]:
             return stage_at, None
