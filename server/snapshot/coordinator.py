@@ -273,8 +273,6 @@ class SnapshotCoordinator:
         if not hold:
             writer.go()
         handle = RankSnapshot(group, source.rank, writer)
-        handle.commits_at_start = source.header[Word.TRAINER_COMMITS]
-        handle.run = source.run
         handle.thread = threading.Thread(target=self._run, args=(group, handle), daemon=True,
                                          name=f"snapshot-{source.job_id}-{source.step}-r{source.rank}")
         group.add_handle(handle)

@@ -88,7 +88,11 @@ class SnapshotGroup:
             if mine is not None or self.world_size != source.world_size:
                 raise SnapshotBusy(f"an earlier attempt at {self.snapshot_id} (another run, or before a "
                                    "retrained step) is still persisting")
-            self._check_same_job(source)
+            if self.local_world_size != source.expected_ranks:
+                raise SnapshotInvalid(f"{self.snapshot_id} was started with local_world_size "
+                                      f"{self.local_world_size} (ranks of the job on this server), rank "
+                                      f"{source.rank} attached with {source.expected_ranks}: all ranks of a "
+                                      "job on one server must agree")
             if len(members) >= self.local_world_size:
                 raise SnapshotInvalid(f"{self.snapshot_id} already has its local_world_size "
                                       f"{self.local_world_size} ranks {members} on this server; rank "
@@ -100,13 +104,6 @@ class SnapshotGroup:
         if not drained:
             raise SnapshotBusy(f"the failed attempt at {self.snapshot_id} is still being cleaned up")
         return None  # a participant retries, or another run starts: a fresh attempt
-
-    def _check_same_job(self, source: SnapshotSource) -> None:
-        if self.local_world_size != source.expected_ranks:
-            raise SnapshotInvalid(f"{self.snapshot_id} was started with local_world_size "
-                                  f"{self.local_world_size} (ranks of the job on this server), rank "
-                                  f"{source.rank} attached with {source.expected_ranks}: all ranks of a job "
-                                  "on one server must agree")
 
     def add_handle(self, handle: RankSnapshot) -> None:
         """A rank joined, its thread about to start; the assembly timer stops once all did."""
@@ -171,15 +168,15 @@ class RankSnapshot:
         """The rank's writer; the coordinator publishes, runs and releases through it."""
         self.rank = rank
         self.thread: threading.Thread | None = None
-        self.commits_at_start = 0
+        self.commits_at_start = writer.source.header[Word.TRAINER_COMMITS]
         """The segment's TRAINER_COMMITS when the snapshot began: a later Snapshot call of the
         same step with the same count is a retry, with another a retrained step."""
-        self.run: tuple[str, int] = ("", 0)
-        """The (session id, generation) that started it: only that run retries it."""
 
     def is_retry(self, source: SnapshotSource) -> bool:
-        """Whether ``source`` asks again for this snapshot: the same run, nothing committed since."""
-        return source.run == self.run and source.header[Word.TRAINER_COMMITS] == self.commits_at_start
+        """Whether ``source`` asks again for this snapshot: the same run (session, generation),
+        nothing committed since."""
+        commits = source.header[Word.TRAINER_COMMITS]
+        return source.run == self.writer.source.run and commits == self.commits_at_start
 
     @property
     def snapshot_id(self) -> str:
