@@ -57,6 +57,9 @@ log = logging.getLogger("swap_state.server.snapshot_coordinator")
 
 __all__ = ["SnapshotSource", "SnapshotState", "SnapshotStatus", "RankSnapshot", "SnapshotCoordinator"]
 
+HISTORY = 64
+"""Finished snapshots whose status stays in memory (older ones are answered from disk)."""
+
 
 class SnapshotCoordinator:
     """Starts, tracks and commits snapshots under one snapshot directory."""
@@ -69,7 +72,6 @@ class SnapshotCoordinator:
         max_bandwidth: float | None = None,
         assemble_timeout_s: float = 300.0,
         max_metadata_bytes: int = MAX_METADATA_BYTES,
-        history: int = 64,
         clean_stale: bool = True,
         stage_threads: int = 1,
         model_copy_timeout_s: float = 60.0,
@@ -83,7 +85,6 @@ class SnapshotCoordinator:
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
         ``max_bandwidth``: bytes/s for all snapshot I/O (None: no cap; else the ``copy_policy``'s).
         ``assemble_timeout_s``: fail when not all ``local_world_size`` ranks started by then.
-        ``history``: finished snapshots whose status stays in memory (older: from disk).
         ``clean_stale``: remove a previous run's partial snapshots (False: a live server shares it).
         ``stage_threads``: stager threads per persisting rank (>= 1).
         ``model_copy_timeout_s``: the wait for the trainer's copy of the model (protocol step 5).
@@ -106,7 +107,6 @@ class SnapshotCoordinator:
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
         self.max_metadata_bytes = max_metadata_bytes
-        self.history = history
         self._limiter = BandwidthLimiter(self.copy_policy.max_bandwidth)
         self._lock = threading.Lock()
         self._groups: dict[tuple[str, int], SnapshotGroup] = {}
@@ -223,34 +223,30 @@ class SnapshotCoordinator:
             self._store_owners[job_id] = newest.index.tenant
         return self._store_owners[job_id]
 
-    def _check_quota(self, source: SnapshotSource) -> None:
-        """ResourceExhausted when the tenant's snapshots here and this one (estimated from this
-        rank's bytes) would pass ``--tenant-snapshot-quota``."""
-        if not self.tenant_snapshot_quota:
-            return
-        held = sum(info.bytes for info in self.directory.list() if info.index.tenant == source.tenant)
-        new = sum(t.nbytes for t in source.layout.tensors) * source.expected_ranks
-        if held + new > self.tenant_snapshot_quota:
-            raise ResourceExhausted(
-                f"snapshot {source.job_id}/step-{source.step} refused: about {format_size(new)} more "
-                f"would take this tenant's snapshots in {self.directory.root} from {format_size(held)} "
-                f"past its --tenant-snapshot-quota {format_size(self.tenant_snapshot_quota)}; lower "
-                "the job's retention (keep_latest), remove old jobs, or ask for a larger quota"
-            )
-
     def _new_group(self, source: SnapshotSource) -> SnapshotGroup:
+        """Refused for another tenant's job, or past ``--tenant-snapshot-quota`` (the tenant's
+        snapshots here and this one, estimated from this rank's bytes)."""
         owner = self.job_owner(source.job_id)
         if owner not in (None, "", source.tenant):
             raise PermissionDenied(f"the snapshots of job {source.job_id!r} belong to another tenant: "
                                    "choose another job id")
-        self._check_quota(source)
+        quota = self.tenant_snapshot_quota
+        mine = [i.bytes for i in self.directory.list() if i.index.tenant == source.tenant] if quota else []
+        held, new = sum(mine), sum(t.nbytes for t in source.layout.tensors) * source.expected_ranks
+        if quota and held + new > quota:
+            raise ResourceExhausted(
+                f"snapshot {source.job_id}/step-{source.step} refused: about {format_size(new)} more "
+                f"would take this tenant's snapshots in {self.directory.root} from {format_size(held)} "
+                f"past its --tenant-snapshot-quota {format_size(quota)}; lower "
+                "the job's retention (keep_latest), remove old jobs, or ask for a larger quota"
+            )
         partial = self.directory.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
         group = SnapshotGroup(self.directory.storage, source, partial, self._retention_for(source))
         self._groups[(source.job_id, source.step)] = group
         finished = sorted((g.finished_monotonic, key) for key, g in self._groups.items()
                           if g.finished_monotonic is not None
                           and (g.state is SnapshotState.DURABLE or g.discarded_done))
-        for _, key in finished[: max(0, len(finished) - self.history)]:
+        for _, key in finished[: max(0, len(finished) - HISTORY)]:
             del self._groups[key]
         if group.local_world_size > 1:
             group.timer = threading.Timer(self.assemble_timeout_s, self._assemble_expired, (group,))
