@@ -99,9 +99,6 @@ class Stager:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
 
-    def _stopped(self) -> bool:
-        return self.stop_event.is_set() or self.writer.cancel.is_set()
-
     def _copy(self, chunks) -> tuple[int, int]:
         header = self.writer.source.header
         layout = self.writer.source.layout
@@ -127,7 +124,7 @@ class Stager:
         pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="stage") if self.threads > 1 else None
         position = 0  # next chunk to stage
         try:
-            while position < n and not self._stopped():
+            while position < n and not (self.stop_event.is_set() or writer.cancel.is_set()):
                 persisted = header[Word.PERSISTED_UPTO]
                 if position < persisted:  # the writer is done with those (never the one it reads)
                     position = persisted
@@ -142,14 +139,11 @@ class Stager:
                 self.idle.clear()
                 end = min(limit, position + batch)
                 todo = chunks[position:end]
-                if pool is None:
-                    nbytes, copied = self._copy(todo)
-                else:
-                    step = -(-len(todo) // self.threads)
-                    parts = [todo[i : i + step] for i in range(0, len(todo), step)]
-                    futures = [pool.submit(self._copy, part) for part in parts[1:]]
-                    results = [self._copy(parts[0])] + [f.result() for f in futures]
-                    nbytes, copied = sum(r[0] for r in results), sum(r[1] for r in results)
+                step = -(-len(todo) // self.threads)
+                parts = [todo[i : i + step] for i in range(0, len(todo), step)]  # one without a pool
+                futures = [pool.submit(self._copy, part) for part in parts[1:]]  # type: ignore[union-attr]
+                results = [self._copy(parts[0])] + [f.result() for f in futures]
+                nbytes, copied = sum(r[0] for r in results), sum(r[1] for r in results)
                 server_header.staged(end)  # after the copies: the trainer trusts them now
                 self.staged_bytes += nbytes
                 self.staged_chunks += copied

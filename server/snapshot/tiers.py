@@ -90,10 +90,6 @@ def list_both_tiers(coordinator, job_id: str | None) -> list[tuple[SnapshotInfo 
     for (job, step), info in [*local.items(), *stored.items()]:
         if info.index.complete_job:
             newest[job] = max(newest.get(job, step), step)
-    pairs = []
-    for key in sorted(set(local) | set(stored)):
-        latest = newest.get(key[0]) == key[1]
-        pair = tuple(None if i is None else dataclasses.replace(i, latest=latest)
-                     for i in (local.get(key), stored.get(key)))
-        pairs.append(pair)
-    return pairs  # type: ignore[return-value]
+    keys = sorted(set(local) | set(stored))
+    return [tuple(None if i is None else dataclasses.replace(i, latest=newest.get(key[0]) == key[1])
+                  for i in (local.get(key), stored.get(key))) for key in keys]  # type: ignore[misc]
