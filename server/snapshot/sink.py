@@ -66,6 +66,7 @@ class ChunkSink(abc.ABC):
         self.file = file
         self.position = 0
         """File offset of the next :meth:`put`."""
+        self._pending = 0  # bytes of the last put, not final yet
 
     @abc.abstractmethod
     def room(self) -> int:
@@ -76,9 +77,11 @@ class ChunkSink(abc.ABC):
         """Place ``data`` (at most :meth:`room` bytes) at :attr:`position`, not final yet;
         ``crc`` continued over the bytes as placed."""
 
-    @abc.abstractmethod
     def replace(self, data: memoryview, crc: int) -> int:
         """Place ``data`` over the last :meth:`put` (the same length); as :meth:`put`."""
+        if data.nbytes != self._pending:
+            raise ValueError("replace takes the length of the last put")
+        return self.put(data, crc)
 
     @abc.abstractmethod
     def advance(self) -> None:
@@ -116,7 +119,6 @@ class BufferedSink(ChunkSink):
     def __init__(self, file: SnapshotFile):
         super().__init__(file)
         self._fd = file.fileno()
-        self._pending = 0
         self._kicked = 0  # file bytes [0, _kicked) have had writeback started
 
     def room(self) -> int:
@@ -126,9 +128,6 @@ class BufferedSink(ChunkSink):
         pwrite_all(self._fd, data, self.position)
         self._pending = data.nbytes
         return crc32(data, crc)
-
-    def replace(self, data: memoryview, crc: int) -> int:
-        return self.put(data, crc)  # the same range: replaces every byte
 
     def advance(self) -> None:
         self.position += self._pending
@@ -162,7 +161,6 @@ class DirectSink(ChunkSink):
         self._current = self._free.popleft()
         self._address = _posix.buffer_address(self._current)
         self._fill = 0  # final bytes in the current buffer
-        self._pending = 0  # bytes of the last put, after the final ones
         self.fell_back = False
         """A write was refused with O_DIRECT and made buffered."""
 
@@ -180,11 +178,6 @@ class DirectSink(ChunkSink):
         self._pending = n
         with memoryview(self._current) as whole, whole[self._fill : self._fill + n] as placed:
             return crc32(placed, crc)
-
-    def replace(self, data: memoryview, crc: int) -> int:
-        if data.nbytes != self._pending:
-            raise ValueError("replace takes the length of the last put")
-        return self.put(data, crc)
 
     def advance(self) -> None:
         self._fill += self._pending
