@@ -39,21 +39,35 @@ from swap_state.server.snapshot.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.reshard import Piece, Run, TargetTensor, ranks_needed
 from swap_state.server.snapshot.sources import Source
 
-__all__ = ["Assembled", "RECENT", "assemble", "check_layout", "check_world_size", "restore_targets"]
+__all__ = ["RECENT", "RestoreResult", "assemble", "check_layout", "check_world_size", "restore_targets"]
 
 log = logging.getLogger("swap_state.server.restore")
 
 
 @dataclasses.dataclass(frozen=True)
-class Assembled:
-    """What :func:`assemble` loaded (the fields of :class:`~.restore.RestoreResult`)."""
+class RestoreResult:
+    """What a successful restore loaded."""
 
-    bytes_restored: int
-    source_ranks: list[int]
+    snapshot_id: str
+    """The resolved id (``latest`` becomes ``<job>/step-<N>``)."""
+    step: int
+    """The step the segment now holds."""
     metadata_json: str
-    staged: bool
-    pinned: bool = False
+    """The trainer's metadata of that snapshot."""
+    bytes_restored: int
+    """Tensor bytes copied into the segment."""
+    staged: bool = True
+    """Read once and staged (else verified, then read again: the budget could not hold it)."""
+    pinned: bool = True
+    """The staged bytes could not change before the copy (else each copy was checked again)."""
+    source: str = "local"
+    """Where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)."""
+    snapshot_world_size: int = 0
+    """The world size the snapshot was taken at (resharded when not the job's)."""
+    source_ranks: tuple[int, ...] = ()
+    """The snapshot's ranks whose files were read."""
     plan: str = "own-file"
+    """What the plan came from: ``own-file``, ``layout-index`` or ``every-manifest``."""
 
 
 def check_world_size(info: SnapshotInfo, world_size: int) -> None:
@@ -130,7 +144,7 @@ def assemble(
     placement: SnapshotMetadata | None,
     reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
     staging_free_bytes: Callable[[], int] | None = None,
-) -> Assembled:
+) -> RestoreResult:
     """Plan, read and verify every piece of ``rank``'s tensors, then copy them into ``view``.
     ``staging_free_bytes()``: the free budget, for the log line when it cannot hold them."""
     info = source.info
@@ -154,17 +168,20 @@ def assemble(
     others = [manifests[r].metadata_json for r in needed if r != base]
     nbytes = sum(t.nbytes for t in layout.tensors if t.name in plan)
     metadata = _restored_metadata(manifests[base].metadata_json, others, placement)
-    return Assembled(nbytes, needed, metadata, staged, plan=read.planned_from)
+    return RestoreResult(info.snapshot_id, info.step, metadata, nbytes, staged, False, source.where,
+                         info.world_size, tuple(needed), read.planned_from)
 
 
 def _whole_rank(source: Source, own: RankManifest, view: memoryview, layout: SegmentLayout, rank: int,
-                reserve_staging, staging_free_bytes) -> Assembled:
+                reserve_staging, staging_free_bytes) -> RestoreResult:
     """The trivial plan: the rank's own file, whole, into its segment (each tensor a piece of itself)."""
     plan = {t.name: [Piece(rank, t, (Run(0, 0, t.nbytes),))] if t.nbytes else [] for t in own.tensors}
     whole = own if source.whole_files else None
     staged, pinned = _read_pieces(source, {rank: own}, plan, view, layout, rank, reserve_staging,
                                   staging_free_bytes, whole)
-    return Assembled(sum(t.nbytes for t in own.tensors), [rank], own.metadata_json, staged, pinned)
+    info = source.info
+    return RestoreResult(info.snapshot_id, info.step, own.metadata_json, sum(t.nbytes for t in own.tensors),
+                         staged, pinned, source.where, info.world_size, (rank,))
 
 
 def _read_pieces(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],

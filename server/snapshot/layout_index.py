@@ -336,11 +336,6 @@ class LayoutIndex:
                "tensors": [self._tensors[name].to_json() for name in sorted(self._tensors)]}
         return json.dumps(doc, separators=(",", ":")).encode()
 
-    def replaced(self, tensors: Mapping[str, _Layout]) -> LayoutIndex:
-        copy = object.__new__(LayoutIndex)
-        copy.world_size, copy._tensors = self.world_size, {**self._tensors, **tensors}
-        return copy
-
     def promoted(self, targets: Sequence[TargetTensor]) -> tuple[list[TargetTensor], LayoutIndex]:
         """A plain tensor and a DTensor of the same global shape are the same tensor, whole (FSDP
         at one world size, none at another): a plain target over a grid of its shape becomes
@@ -357,7 +352,11 @@ class LayoutIndex:
                 starts = tuple(Progression([(0, 0, 1)]) for _ in found.shape)
                 promoted[target.name] = _Grid(found.name, found.dtype, found.shape, starts, owners)
             out.append(target)
-        return out, (self.replaced(promoted) if promoted else self)
+        if not promoted:
+            return out, self
+        copy = object.__new__(LayoutIndex)
+        copy.world_size, copy._tensors = self.world_size, {**self._tensors, **promoted}
+        return out, copy
 
     def plan(self, targets: Sequence[TargetTensor], *, target_rank: int, same_world: bool) -> dict[str, list[Piece]]:
         """Every target tensor's pieces (by name), their sources box records until :func:`bind`.

@@ -10,7 +10,6 @@ SnapshotLayoutMismatch, SnapshotCorrupt, naming the file and tensor) before the 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from collections.abc import Callable
@@ -23,38 +22,13 @@ from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.common.stored_snapshots import StoredSnapshots
 
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.assemble import assemble, check_layout, check_world_size
+from swap_state.server.snapshot.assemble import RestoreResult, assemble, check_layout, check_world_size
 from swap_state.server.snapshot.tiers import resolve_source
 from swap_state.server.snapshot.directory import SnapshotDirectory
 
 __all__ = ["RestoreResult", "check_layout", "restore"]
 
 log = logging.getLogger("swap_state.server.restore")
-
-@dataclasses.dataclass(frozen=True)
-class RestoreResult:
-    """What a successful restore loaded."""
-
-    snapshot_id: str
-    """The resolved id (``latest`` becomes ``<job>/step-<N>``)."""
-    step: int
-    """The step the segment now holds."""
-    metadata_json: str
-    """The trainer's metadata of that snapshot."""
-    bytes_restored: int
-    """Tensor bytes copied into the segment."""
-    staged: bool = True
-    """Read once and staged (else verified, then read again: the budget could not hold it)."""
-    pinned: bool = True
-    """The staged bytes could not change before the copy (else each copy was checked again)."""
-    source: str = "local"
-    """Where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)."""
-    snapshot_world_size: int = 0
-    """The world size the snapshot was taken at (resharded when not the job's)."""
-    source_ranks: tuple[int, ...] = ()
-    """The snapshot's ranks whose files were read."""
-    plan: str = "own-file"
-    """What the plan came from: ``own-file``, ``layout-index`` or ``every-manifest``."""
 
 
 def restore(
@@ -101,11 +75,10 @@ def restore(
         done = assemble(source, view, layout, rank=rank, world_size=world_size, placement=placement,
                         reserve_staging=reserve_staging, staging_free_bytes=staging_free_bytes)
         log_event(log, "restore_assembled", snapshot_id=info.snapshot_id, rank=rank, world_size=world_size,
-                  snapshot_world_size=info.world_size, source=source.where, source_ranks=done.source_ranks,
-                  bytes=done.bytes_restored, staged=done.staged, plan=done.plan, location=str(info.path))
-        return RestoreResult(info.snapshot_id, info.step, done.metadata_json, done.bytes_restored, plan=done.plan,
-                             staged=done.staged, pinned=done.pinned, source=source.where,
-                             snapshot_world_size=info.world_size, source_ranks=tuple(done.source_ranks))
+                  snapshot_world_size=info.world_size, source=source.where,
+                  source_ranks=list(done.source_ranks), bytes=done.bytes_restored, staged=done.staged,
+                  plan=done.plan, location=str(info.path))
+        return done
     finally:
         view.release()
         if own_header:
