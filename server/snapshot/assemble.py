@@ -39,7 +39,7 @@ from swap_state.server.snapshot.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.reshard import Piece, Run, TargetTensor, ranks_needed
 from swap_state.server.snapshot.sources import Source
 
-__all__ = ["RECENT", "RestoreResult", "assemble", "check_layout", "check_world_size", "restore_targets"]
+__all__ = ["RECENT", "RestoreResult", "assemble", "check_layout", "check_world_size"]
 
 log = logging.getLogger("swap_state.server.restore")
 
@@ -117,23 +117,6 @@ def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMe
     )
 
 
-def restore_targets(layout: SegmentLayout, placement: SnapshotMetadata | None,
-                    world_size: int, info: SnapshotInfo) -> list[TargetTensor]:
-    """The restoring rank's tensors with their DTensor placement: the trainer's ``placement``
-    (RestoreRequest.metadata_json); a reshard without it is refused."""
-    if placement is None or not placement.tensors:
-        raise SnapshotLayoutMismatch(f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with "
-                                     f"world_size {info.world_size}, this job has {world_size}, and the "
-                                     "trainer sent no placement of its tensors to reshard it "
-                                     "(RestoreRequest.metadata_json): upgrade the swap-state client")
-    targets = []
-    for tensor in layout.tensors:
-        meta = placement.tensors.get(tensor.name)
-        targets.append(TargetTensor(tensor.name, tensor.dtype, tuple(tensor.shape),
-                                    getattr(meta, "global_shape", None), getattr(meta, "global_offset", None)))
-    return targets
-
-
 def assemble(
     source: Source,
     view: memoryview,
@@ -155,9 +138,17 @@ def assemble(
         if placement is None or not placement.tensors:
             check_layout(info, own, layout, world_size)  # raises, naming the first difference
     read = RECENT.read(source)
-    # The trainer rebuilds its bookkeeping from the restored metadata.
-    targets = [t for t in restore_targets(layout, placement, world_size, info)
-               if not t.name.startswith(BOOKKEEPING_PREFIX)]
+    if placement is None or not placement.tensors:  # the trainer's (RestoreRequest.metadata_json)
+        raise SnapshotLayoutMismatch(f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with "
+                                     f"world_size {info.world_size}, this job has {world_size}, and the "
+                                     "trainer sent no placement of its tensors to reshard it "
+                                     "(RestoreRequest.metadata_json): upgrade the swap-state client")
+    # The restoring rank's tensors with their placement; the trainer rebuilds its bookkeeping
+    # from the restored metadata.
+    targets = [TargetTensor(t.name, t.dtype, tuple(t.shape), getattr(meta, "global_shape", None),
+                            getattr(meta, "global_offset", None))
+               for t in layout.tensors if not t.name.startswith(BOOKKEEPING_PREFIX)
+               for meta in [placement.tensors.get(t.name)]]
     targets, index = read.index.promoted(targets)
     plan = index.plan(targets, target_rank=rank, same_world=info.world_size == world_size)
     needed = ranks_needed(plan)
