@@ -29,8 +29,6 @@ class CommitResult:
 
     path: pathlib.PurePath
     """The complete snapshot's location (its directory, on the local filesystem)."""
-    deleted: tuple[str, ...]
-    """Snapshot ids retention took out of the listing."""
     warnings: tuple[str, ...]
     """Failures after the snapshot was durable (latest pointer, retention): reported, not fatal."""
     trash: tuple[pathlib.PurePath, ...] = ()
@@ -89,10 +87,9 @@ class SnapshotDirectory(SnapshotReader):
             except OSError as exc:
                 warnings.append(f"could not update {self.storage.location(index.job_id) / LATEST_NAME}: {exc}")
             trash: list[pathlib.PurePath] = [published.replaced] if published.replaced is not None else []
-            deleted: list[str] = []
             if keep_latest is not None:
-                deleted = self._retain(index.job_id, index.step, keep_latest, warnings, trash)
-        return CommitResult(published.path, tuple(deleted), tuple(warnings), tuple(trash))
+                self._retain(index.job_id, index.step, keep_latest, warnings, trash)
+        return CommitResult(published.path, tuple(warnings), tuple(trash))
 
     def empty_trash(self, commit: CommitResult) -> list[str]:
         """Remove the bytes of what ``commit`` unlisted; warnings for what could not be removed."""
@@ -100,21 +97,17 @@ class SnapshotDirectory(SnapshotReader):
                 for where in commit.trash if not self.storage.discard(where)]
 
     def _retain(self, job_id: str, new_step: int, keep: int, warnings: list[str],
-                trash: list[pathlib.PurePath]) -> list[str]:
+                trash: list[pathlib.PurePath]) -> None:
+        """Unlist all but the ``keep`` highest steps (and the new one, and those in use) into ``trash``."""
         try:
             complete = self.storage.list(job_id)
         except OSError as exc:
             warnings.append(f"retention could not list {self.storage.location(job_id)}: {exc}")
-            return []
+            return
         keep_steps = {step for step, _ in complete[-keep:]} | {new_step} | self.in_use(job_id)
-        deleted = []
         for step, where in complete:
-            if step in keep_steps:
-                continue
-            try:
-                trash.append(self.storage.unlist(where))
-            except OSError as exc:
-                warnings.append(f"retention could not remove {where}: {exc}")
-                continue
-            deleted.append(snapshot_id_for(job_id, step))
-        return deleted
+            if step not in keep_steps:
+                try:
+                    trash.append(self.storage.unlist(where))
+                except OSError as exc:
+                    warnings.append(f"retention could not remove {where}: {exc}")
