@@ -10,29 +10,16 @@ coroutines; :class:`Latch` is a ``threading.Event`` built on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 
 __all__ = ["WatchedCondition", "Latch"]
 
 
-class _Watcher:
-    """A coroutine's predicate and the future that wakes it, resolved on its own loop."""
-
-    def __init__(self, predicate: Callable[[], bool], loop: asyncio.AbstractEventLoop) -> None:
-        self.predicate = predicate
-        self.loop = loop
-        self.future: asyncio.Future[None] = loop.create_future()
-
-    def wake(self) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self._resolve)
-        except RuntimeError:  # the loop is closed (server shutdown): nobody waits any more
-            pass
-
-    def _resolve(self) -> None:
-        if not self.future.done():
-            self.future.set_result(None)
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class WatchedCondition:
@@ -40,7 +27,7 @@ class WatchedCondition:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._watchers: list[_Watcher] = []
+        self._watchers: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []  # each on its loop
 
     def __enter__(self) -> bool:
         return self._cond.__enter__()
@@ -57,25 +44,25 @@ class WatchedCondition:
     def notify_all(self) -> None:
         """Wake the waiting threads, and the coroutines whose predicate holds now (under the lock)."""
         self._cond.notify_all()
-        if self._watchers:
-            waiting = []
-            for watcher in self._watchers:
-                if watcher.predicate():
-                    watcher.wake()
-                else:
-                    waiting.append(watcher)
-            self._watchers = waiting
+        waiting = []
+        for predicate, future in self._watchers:
+            if not predicate():
+                waiting.append((predicate, future))
+            else:
+                with contextlib.suppress(RuntimeError):  # the loop is closed (shutdown): nobody waits
+                    future.get_loop().call_soon_threadsafe(_resolve, future)
+        self._watchers = waiting
 
     async def until(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
         """Await ``predicate()`` (checked under the lock at each ``notify_all``), at most
         ``timeout`` seconds (None: no limit); False on timeout."""
-        watcher = _Watcher(predicate, asyncio.get_running_loop())
+        watcher = (predicate, asyncio.get_running_loop().create_future())
         with self._cond:
             if predicate():
                 return True
             self._watchers.append(watcher)
         try:
-            await asyncio.wait_for(watcher.future, timeout)
+            await asyncio.wait_for(watcher[1], timeout)
             return True
         except asyncio.TimeoutError:
             return False
