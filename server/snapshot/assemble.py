@@ -51,11 +51,8 @@ class RestoreResult:
     snapshot_id: str
     """The resolved id (``latest`` becomes ``<job>/step-<N>``)."""
     step: int
-    """The step the segment now holds."""
     metadata_json: str
-    """The trainer's metadata of that snapshot."""
     bytes_restored: int
-    """Tensor bytes copied into the segment."""
     staged: bool = True
     """Read once and staged (else verified, then read again: the budget could not hold it)."""
     pinned: bool = True
@@ -65,7 +62,6 @@ class RestoreResult:
     snapshot_world_size: int = 0
     """The world size the snapshot was taken at (resharded when not the job's)."""
     source_ranks: tuple[int, ...] = ()
-    """The snapshot's ranks whose files were read."""
     plan: str = "own-file"
     """What the plan came from: ``own-file``, ``layout-index`` or ``every-manifest``."""
 

@@ -32,7 +32,6 @@ class RankResult:
     """A rank whose data file and manifest are written and fsynced."""
 
     manifest: RankManifest
-    """The manifest as written."""
     files: tuple[FileRecord, FileRecord]
     """(data file, manifest file) with sizes and crc32s, for snapshot.json."""
 

@@ -36,7 +36,6 @@ class TargetTensor:
     dtype: str
     """Segment dtype name (``float32``, ``bfloat16``, ...); the sources must have the same."""
     shape: tuple[int, ...]
-    """Local shape on the new rank."""
     global_shape: tuple[int, ...] | None
     """DTensor global shape; None for a plain (non-DTensor) tensor."""
     global_offset: tuple[int, ...] | None
@@ -50,9 +49,7 @@ class Run:
     source_offset: int
     """Byte offset inside the source tensor's bytes (not the file: add ``data_offsets[0]``)."""
     target_offset: int
-    """Byte offset inside the target tensor's bytes."""
     nbytes: int
-    """Bytes to copy."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +57,6 @@ class Piece:
     """What one old rank's tensor contributes to a target tensor."""
 
     source_rank: int
-    """The old rank whose file holds the source tensor."""
     source: TensorRecord
     """That rank's record of the tensor (its ``data_offsets`` locate it in the file)."""
     runs: tuple[Run, ...]

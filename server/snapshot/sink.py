@@ -162,7 +162,6 @@ class DirectSink(ChunkSink):
         self._address = _posix.buffer_address(self._current)
         self._fill = 0  # final bytes in the current buffer
         self.fell_back = False
-        """A write was refused with O_DIRECT and made buffered."""
 
     def room(self) -> int:
         return self._bounce - self._fill

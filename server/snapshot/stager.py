@@ -67,7 +67,6 @@ class Stager:
         self.staged_chunks = 0
         """Chunks copied into a stager slot (this thread only)."""
         self.staged_bytes = 0
-        """Bytes of those chunks."""
         self.thread: threading.Thread | None = None
         self.idle = threading.Event()
         """Set while the stager has nothing to copy: done, stopped, or its ring is full."""

@@ -70,7 +70,6 @@ class UploadStatus:
     bytes_total: int
     """Bytes of the rank's files."""
     bytes_stored: int = 0
-    """Bytes put so far."""
     error: str = ""
     """Why it failed, naming the store's URI (empty unless failed)."""
 
@@ -82,9 +81,7 @@ class UploadCounters:
     ranks_stored: int = 0
     """Ranks whose files and marker were put in the store."""
     ranks_failed: int = 0
-    """Ranks whose upload failed."""
     bytes_stored: int = 0
-    """Bytes put in the store."""
     seconds: float = 0.0
     """Seconds spent uploading (snapshots' upload wall time)."""
 

@@ -100,7 +100,6 @@ class RankWriter:
         self._stream_started = 0.0
         self.segment_released = Latch()
         self.go_event = threading.Event()
-        """Set: ``run`` may start streaming (see :meth:`go`)."""
         header = source.header
         self._base = (header[Word.COW_COPIES], header[Word.BP_WAITS], header[Word.BP_WAIT_NS])
         self._final: tuple[int, int, int] | None = None
