@@ -9,39 +9,20 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-from swap_state.common.segment import Chunk, SegmentHeader, SegmentLayout, Word
+from swap_state.common.segment import Word
 from swap_state.common.server_header import ServerHeader
 from swap_state.server import _posix
 from swap_state.server._posix import buffer_address
 
-__all__ = ["StagedSource", "StagedWriter", "Stager"]
+if TYPE_CHECKING:
+    from swap_state.server.snapshot.writer import RankWriter
+
+__all__ = ["Stager"]
 
 log = logging.getLogger("swap_state.server.snapshot_stager")
-
-
-class StagedSource(Protocol):
-    """The segment a snapshot reads: its header words and its layout."""
-
-    job_id: str
-    header: SegmentHeader
-    layout: SegmentLayout
-
-
-class StagedWriter(Protocol):
-    """What the stager reads of the writer it works ahead of (a ``RankWriter``)."""
-
-    source: StagedSource
-    epoch: int
-    cancel: threading.Event
-    chunks: Sequence[Chunk]
-    model_from: int
-
-    def model_published(self) -> bool:
-        """Whether the trainer has copied the parameters of the snapshot's step (step 5)."""
 
 
 _STAGE_WAIT_S = 0.005
@@ -58,7 +39,7 @@ class Stager:
     trainer reaches first. ``threads`` threads copy (GIL released); ``STAGED_UPTO`` is stored
     after each copied batch, by this thread only."""
 
-    def __init__(self, writer: StagedWriter, slots: int, threads: int):
+    def __init__(self, writer: RankWriter, slots: int, threads: int):
         self.writer = writer
         self.slots = slots
         self.threads = max(1, threads)
