@@ -20,6 +20,7 @@ The ranks of a (job, step) on this server form a group that commits or fails tog
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import pathlib
@@ -341,17 +342,19 @@ class SnapshotCoordinator:
         with group.cond:
             results = dict(group.results)
         ranks = tuple(sorted(results))
-        files: list[FileRecord] = []
-        for rank in ranks:
-            files.extend(results[rank].files)
+        files = [file for rank in ranks for file in results[rank].files]
         try:
+            attempt = 1  # or one more than the snapshot of the step this commit replaces
+            if group.replace:
+                with contextlib.suppress(SnapshotError):
+                    attempt = self.directory.resolve(group.snapshot_id).index.attempt + 1
             layout = None  # one host's part of a multi-host step gets its layout index in the store
             if len(results) == group.world_size:
                 layout = LayoutIndex({r: result.manifest.tensors for r, result in results.items()},
                                      group.world_size).to_bytes()
             index = SnapshotIndex(
                 job_id=group.job_id, step=group.step, world_size=group.world_size, ranks=ranks, files=tuple(files),
-                created_unix=time.time(), attempt=self._attempt(group), tenant=group.tenant,
+                created_unix=time.time(), attempt=attempt, tenant=group.tenant,
                 layout=None if layout is None else FileRecord(LAYOUT_NAME, -1, len(layout), crc32(layout)))
             commit = self.directory.commit(group.partial, index, group.keep, replace=group.replace, layout=layout)
         except SnapshotError as exc:
@@ -372,13 +375,6 @@ class SnapshotCoordinator:
             group.cond.notify_all()
         for warning in self.directory.empty_trash(commit):  # off the durability path
             log_event(log, "snapshot_retention_failed", logging.WARNING, snapshot_id=group.snapshot_id, error=warning)
-
-    def _attempt(self, group: SnapshotGroup) -> int:
-        """1, or one more than the snapshot of the step this commit replaces."""
-        try:
-            return self.directory.resolve(group.snapshot_id).index.attempt + 1 if group.replace else 1
-        except SnapshotError:
-            return 1
 
     def handle(self, snapshot_id: str, rank: int) -> RankSnapshot | None:
         """The in-memory handle of a rank's snapshot (``<job>/step-<N>``), if any."""

@@ -90,7 +90,16 @@ class Source:
             except OSError as exc:
                 raise SnapshotError(f"cannot map {path}: {exc}") from None
             try:
-                _verify_staged(staged, verifier, size)
+                header_end = len(verifier.header)  # each region checksummed once the reader has it
+                staged.wait(header_end)
+                verifier.check_header(staged.view[:header_end])
+                position, region = header_end, STAGE_REGION_BYTES
+                while position < size:
+                    upto = min(size, (position // region + 1) * region)
+                    staged.wait(upto)
+                    verifier.feed(staged.view[position:upto])
+                    position = upto
+                verifier.finish()
                 if not staged.pinned:
                     log_event(log, "restore_unpinned", logging.WARNING, path=path, bytes=size,
                               errno=staged.pin_errno,
@@ -104,20 +113,6 @@ class Source:
             raise SnapshotError(f"cannot read {path}: {exc}") from None
         finally:
             os.close(fd)
-
-
-def _verify_staged(staged: Staging, verifier: RankFileVerifier, size: int) -> None:
-    """Checksum each region as soon as the reader has it in memory."""
-    header_end = len(verifier.header)
-    staged.wait(header_end)
-    verifier.check_header(staged.view[:header_end])
-    position, region = header_end, STAGE_REGION_BYTES
-    while position < size:
-        upto = min(size, (position // region + 1) * region)
-        staged.wait(upto)
-        verifier.feed(staged.view[position:upto])
-        position = upto
-    verifier.finish()
 
 
 def _copy_staged(staged: Staging, manifest: RankManifest, view: memoryview, layout: SegmentLayout,
