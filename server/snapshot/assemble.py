@@ -113,17 +113,10 @@ def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMe
     )
 
 
-def assemble(
-    source: Source,
-    view: memoryview,
-    layout: SegmentLayout,
-    *,
-    rank: int,
-    world_size: int,
-    placement: SnapshotMetadata | None,
-    reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
-    staging_free_bytes: Callable[[], int] | None = None,
-) -> RestoreResult:
+def assemble(source: Source, view: memoryview, layout: SegmentLayout, *, rank: int, world_size: int,
+             placement: SnapshotMetadata | None,
+             reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
+             staging_free_bytes: Callable[[], int] | None = None) -> RestoreResult:
     """Plan, read and verify every piece of ``rank``'s tensors, then copy them into ``view``.
     ``staging_free_bytes()``: the free budget, for the log line when it cannot hold them."""
     info = source.info

@@ -31,22 +31,12 @@ __all__ = ["RestoreResult", "check_layout", "restore"]
 log = logging.getLogger("swap_state.server.restore")
 
 
-def restore(
-    store: SnapshotDirectory,
-    snapshot_id: str,
-    buffer,
-    layout: SegmentLayout,
-    *,
-    rank: int,
-    world_size: int,
-    job_id: str | None = None,
-    header: SegmentHeader | None = None,
-    reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
-    staging_free_bytes: Callable[[], int] | None = None,
-    stored: StoredSnapshots | None = None,
-    placement_json: str = "",
-    may_read: Callable[[SnapshotInfo], None] | None = None,
-) -> RestoreResult:
+def restore(store: SnapshotDirectory, snapshot_id: str, buffer, layout: SegmentLayout, *, rank: int,
+            world_size: int, job_id: str | None = None, header: SegmentHeader | None = None,
+            reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
+            staging_free_bytes: Callable[[], int] | None = None, stored: StoredSnapshots | None = None,
+            placement_json: str = "",
+            may_read: Callable[[SnapshotInfo], None] | None = None) -> RestoreResult:
     """Verify ``snapshot_id`` (``<job>/step-<N>``, or ``latest`` of ``job_id``) for ``rank`` against
     ``layout``, then copy it into ``buffer`` (the writable mapped segment, not under a snapshot).
 
