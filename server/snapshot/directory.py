@@ -66,10 +66,8 @@ class SnapshotDirectory(SnapshotReader):
         except OSError as exc:
             raise from_os_error(exc, f"creating {partial_dir_name(step)}", self.storage.location(job_id)) from None
 
-    def commit(
-        self, partial: pathlib.PurePath, index: SnapshotIndex, keep_latest: int | None, replace: bool = False,
-        layout: bytes | None = None,
-    ) -> CommitResult:
+    def commit(self, partial: pathlib.PurePath, index: SnapshotIndex, keep_latest: int | None,
+               replace: bool = False, layout: bytes | None = None) -> CommitResult:
         """Publish a partial snapshot whose rank files are fsynced: write ``layout`` and
         ``snapshot.json`` durably, seal, publish atomically as ``step-<N>``, point ``latest`` at
         it, then retention (unlist all but the ``keep_latest`` highest steps; None keeps all;

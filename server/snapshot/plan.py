@@ -65,9 +65,8 @@ class RankFilePlan:
             file_crc = crc32_combine(file_crc, value, tensor.nbytes)
         return FileRecord(self.data_name, self.source.rank, len(self.header) + self.tensor_bytes, file_crc)
 
-    def manifest(
-        self, crcs: list[int], data: FileRecord, counters: tuple[int, int, int], persist_seconds: float
-    ) -> RankManifest:
+    def manifest(self, crcs: list[int], data: FileRecord, counters: tuple[int, int, int],
+                 persist_seconds: float) -> RankManifest:
         """The rank's manifest; ``counters``: the trainer's (cow copies, back-pressure waits,
         wait ns) during the snapshot."""
         source, metadata = self.source, self.metadata

@@ -63,13 +63,8 @@ class Piece:
     """Contiguous byte copies, ascending ``target_offset``."""
 
 
-def plan_tensor(
-    target: TargetTensor,
-    sources: Sequence[tuple[int, TensorRecord]],
-    *,
-    target_rank: int | None = None,
-    same_world: bool = False,
-) -> list[Piece]:
+def plan_tensor(target: TargetTensor, sources: Sequence[tuple[int, TensorRecord]], *,
+                target_rank: int | None = None, same_world: bool = False) -> list[Piece]:
     """The pieces that fill ``target``, by source rank, from ``sources`` (old rank, its record).
     ``same_world``: a plain tensor whose bytes differ between ranks is ``target_rank``'s own.
     Raises SnapshotLayoutMismatch when the sources cannot fill the target."""
@@ -130,13 +125,8 @@ def _check_source(target: TargetTensor, rank: int, record: TensorRecord, itemsiz
     _check_box(name, f"old rank {rank}", record.global_shape, record.global_offset, record.shape)
 
 
-def _check_box(
-    name: str,
-    where: str,
-    global_shape: tuple[int, ...],
-    offset: tuple[int, ...] | None,
-    shape: tuple[int, ...],
-) -> None:
+def _check_box(name: str, where: str, global_shape: tuple[int, ...], offset: tuple[int, ...] | None,
+               shape: tuple[int, ...]) -> None:
     if offset is None or len(offset) != len(shape) or len(shape) != len(global_shape):
         raise SnapshotLayoutMismatch(f"tensor {name}: the DTensor shard of {where} has global shape "
                                      f"{global_shape}, offset {offset} and local shape {shape}, which do "
@@ -146,13 +136,8 @@ def _check_box(
                                      f"{shape}) lies outside the global shape {global_shape}")
 
 
-def _plan_plain(
-    target: TargetTensor,
-    ordered: Sequence[tuple[int, TensorRecord]],
-    itemsize: int,
-    target_rank: int | None,
-    same_world: bool,
-) -> list[Piece]:
+def _plan_plain(target: TargetTensor, ordered: Sequence[tuple[int, TensorRecord]], itemsize: int,
+                target_rank: int | None, same_world: bool) -> list[Piece]:
     if target.global_offset is not None:
         raise SnapshotLayoutMismatch(f"tensor {target.name}: the restoring segment gives it a global offset "
                                      f"{target.global_offset} but no global shape")
@@ -173,12 +158,10 @@ def _plan_plain(
     return [Piece(chosen[0], chosen[1], (Run(0, 0, nbytes),))]
 
 
-def _plan_dtensor(
-    target: TargetTensor, ordered: Sequence[tuple[int, TensorRecord]], itemsize: int, target_rank: int | None
-) -> list[Piece]:
+def _plan_dtensor(target: TargetTensor, ordered: Sequence[tuple[int, TensorRecord]], itemsize: int,
+                  target_rank: int | None) -> list[Piece]:
     assert target.global_shape is not None
-    _check_box(target.name, "the restoring rank", target.global_shape, target.global_offset,
-               target.shape)
+    _check_box(target.name, "the restoring rank", target.global_shape, target.global_offset, target.shape)
     assert target.global_offset is not None
     if math.prod(target.shape) == 0:
         return []
