@@ -183,14 +183,6 @@ class RankSnapshot:
         return self._group.snapshot_id
 
     @property
-    def step(self) -> int:
-        return self._group.step
-
-    @property
-    def world_size(self) -> int:
-        return self._group.world_size
-
-    @property
     def epoch(self) -> int:
         """The SNAP_EPOCH this rank's snapshot published."""
         return self.writer.epoch
