@@ -67,8 +67,6 @@ class UploadStatus:
 
     state: StoreState
     """uploading until its marker is in the store, then stored; or failed."""
-    bytes_total: int
-    """Bytes of the rank's files."""
     bytes_stored: int = 0
     error: str = ""
     """Why it failed, naming the store's URI (empty unless failed)."""
@@ -121,10 +119,8 @@ class SnapshotUploader:
         """Upload a durable local snapshot's ranks, then apply ``keep`` (None: keep all)."""
         with self._cond:
             self._statuses.pop((info.job_id, info.step), None)
-            files = info.index.files
-            self._statuses[(info.job_id, info.step)] = {
-                rank: UploadStatus(StoreState.UPLOADING, sum(f.bytes for f in files if f.rank == rank))
-                for rank in info.ranks}
+            uploading = {rank: UploadStatus(StoreState.UPLOADING) for rank in info.ranks}
+            self._statuses[(info.job_id, info.step)] = uploading
             while len(self._statuses) > HISTORY:  # the oldest first (dicts keep insertion order)
                 del self._statuses[next(iter(self._statuses))]
             self._cond.notify_all()
@@ -154,7 +150,7 @@ class SnapshotUploader:
                 error = "" if present else f"not in the store {self.uri} (taken before this server started)"
             except SnapshotError as exc:
                 present, error = False, str(exc)
-            upload = UploadStatus(StoreState.STORED if present else StoreState.FAILED, 0, error=error)
+            upload = UploadStatus(StoreState.STORED if present else StoreState.FAILED, error=error)
         state = SnapshotState.STORED if upload.state is StoreState.STORED else status.state
         return dataclasses.replace(status, state=state, store_state=upload.state.value, store_error=upload.error,
                                    store_path=str(self.stored.location(status.job_id, status.step)),
