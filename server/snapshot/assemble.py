@@ -5,28 +5,22 @@ the snapshot's layout or another. One path: plan, stage, verify, then copy. Call
     result = assemble(source, view, layout, rank=..., world_size=..., placement=...,
                       reserve_staging=..., staging_free_bytes=...)
 
-The plan: at the snapshot's world size, the rank's own manifest is read first; when its tensors
-are the segment's (names, dtypes, shapes, order) the plan is trivial, that whole file (one
-manifest read, never the other ranks'), and a local file is staged whole (:mod:`.sources`).
-Otherwise (another world size, or the same one at another layout: FSDP to TP, ...) each new
-rank's shards are cut from the old ranks' shards, planned from the step's layout index
-(``layout.json``, :mod:`.layout_index`; built from every old rank's manifest only for a
-snapshot without one), read once for the ranks of this server that restore the snapshot
-together (:data:`RECENT`), then only the manifests of the old ranks the plan reads; the
-targets' placement is the one the trainer sent (RestoreRequest.metadata_json).
+The plan: at the snapshot's world size and layout, the rank's own file, whole (one manifest
+read; a local file staged whole, :mod:`.sources`). Otherwise each new rank's shards are cut from
+the old ranks' shards, planned from the step's ``layout.json`` (:mod:`.layout_index`; from
+every manifest for a snapshot without one), read once for the ranks of this server restoring it
+together (:data:`RECENT`); the targets' placement is the trainer's (RestoreRequest.metadata_json).
 
-What it reads is verified before a byte of the segment changes: each manifest against the
-snapshot's index, each data file's size and header against its manifest, and every source
-tensor it reads against its crc32. Only the tensors a new rank needs are read (whole tensors:
-their checksums cover them whole). The target bytes are staged (accounted by
-``reserve_staging``, the arena's) and copied into the segment once all of them verified; when
-the budget cannot hold them, the sources are verified in a first pass and read again into the
-segment, each tensor checked again (a change in between fails the restore: "restore again").
+Everything read is verified (manifests against the index, data headers, every source tensor's
+crc32) before a byte of the segment changes. The bytes are staged within ``reserve_staging``
+(the arena's budget); when it cannot hold them, the sources are verified in a first pass and
+read again into the segment, each checked again (a change in between: "restore again").
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -45,36 +39,39 @@ from swap_state.server.snapshot.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.reshard import Piece, Run, TargetTensor, ranks_needed
 from swap_state.server.snapshot.sources import Source
 
-__all__ = ["Assembled", "RECENT", "assemble", "check_layout", "check_world_size", "restore_targets"]
+__all__ = ["RECENT", "RestoreResult", "assemble", "check_layout", "check_world_size"]
 
 log = logging.getLogger("swap_state.server.restore")
 
 
-class Assembled:
-    """What :func:`assemble` loaded."""
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+    """What a successful restore loaded."""
 
-    def __init__(self, bytes_restored: int, source_ranks: list[int], metadata_json: str, staged: bool,
-                 pinned: bool = False, plan: str = "own-file"):
-        self.plan = plan
-        """What the plan came from: ``own-file`` (the same layout), ``layout-index`` (the
-        step's layout.json) or ``every-manifest`` (a snapshot without one)."""
-        self.bytes_restored = bytes_restored
-        self.source_ranks = source_ranks
-        self.metadata_json = metadata_json
-        self.staged = staged
-        self.pinned = pinned
-        """The staged bytes could not change before the copy (a whole local file, mapped and
-        pinned); else each copied chunk was checked again (pieces are checked as read)."""
+    snapshot_id: str
+    """The resolved id (``latest`` becomes ``<job>/step-<N>``)."""
+    step: int
+    metadata_json: str
+    bytes_restored: int
+    staged: bool = True
+    """Read once and staged (else verified, then read again: the budget could not hold it)."""
+    pinned: bool = True
+    """The staged bytes could not change before the copy (else each copy was checked again)."""
+    source: str = "local"
+    """Where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)."""
+    snapshot_world_size: int = 0
+    """The world size the snapshot was taken at (resharded when not the job's)."""
+    source_ranks: tuple[int, ...] = ()
+    plan: str = "own-file"
+    """What the plan came from: ``own-file``, ``layout-index`` or ``every-manifest``."""
 
 
 def check_world_size(info: SnapshotInfo, world_size: int) -> None:
     """SnapshotLayoutMismatch unless the snapshot was taken at ``world_size``."""
     if info.world_size != world_size:
         held = "" if info.index.complete_job else f" (this server holds its {info.describe_ranks()})"
-        raise SnapshotLayoutMismatch(
-            f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with world_size "
-            f"{info.world_size}, this job has {world_size}{held}"
-        )
+        raise SnapshotLayoutMismatch(f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with "
+                                     f"world_size {info.world_size}, this job has {world_size}{held}")
 
 
 def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayout, world_size: int) -> None:
@@ -92,25 +89,18 @@ def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayo
             raise SnapshotLayoutMismatch(f"{path}: has no tensor {target.name!r} the segment holds")
     for position, (tensor, target) in enumerate(zip(manifest.tensors, layout.tensors)):
         if (tensor.dtype, tensor.shape) != (ours[tensor.name].dtype, ours[tensor.name].shape):
-            raise SnapshotLayoutMismatch(
-                f"{path}: tensor {tensor.name!r} is {_describe(tensor.dtype, tensor.shape)}, "
-                f"the segment's is {_describe(ours[tensor.name].dtype, ours[tensor.name].shape)}"
-            )
+            ours_now = ours[tensor.name]
+            raise SnapshotLayoutMismatch(f"{path}: tensor {tensor.name!r} is "
+                                         f"{tensor.dtype}{list(tensor.shape)}, the segment's is "
+                                         f"{ours_now.dtype}{list(ours_now.shape)}")
         if tensor.name != target.name:
-            raise SnapshotLayoutMismatch(
-                f"{path}: tensor {tensor.name!r} is at position {position}, the segment has "
-                f"{target.name!r} there (the update order differs)"
-            )
-
-
-def _describe(dtype: str, shape: tuple[int, ...]) -> str:
-    return f"{dtype}{list(shape)}"
+            raise SnapshotLayoutMismatch(f"{path}: tensor {tensor.name!r} is at position {position}, the "
+                                         f"segment has {target.name!r} there (the update order differs)")
 
 
 def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMetadata | None) -> bool:
     """The rank's own file is its segment: the same tensors (names, dtypes, shapes, order) and,
-    where the trainer sent their placement, the same boxes of the same global tensors (equal
-    local shapes at another layout, FSDP x TP against FSDP alone, hold other rows)."""
+    where the trainer sent their placement, the same boxes of the same global tensors."""
     if len(own.tensors) != len(layout.tensors) or any(
         (t.name, t.dtype, tuple(t.shape)) != (s.name, s.dtype, tuple(s.shape)) for t, s in zip(own.tensors, layout.tensors)
     ):
@@ -123,39 +113,12 @@ def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMe
     )
 
 
-def restore_targets(layout: SegmentLayout, placement: SnapshotMetadata | None,
-                    world_size: int, info: SnapshotInfo) -> list[TargetTensor]:
-    """The restoring rank's tensors with their DTensor placement: the trainer's ``placement``
-    (RestoreRequest.metadata_json); a reshard without it is refused."""
-    if placement is None or not placement.tensors:
-        raise SnapshotLayoutMismatch(
-            f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with world_size {info.world_size}, this job has "
-            f"{world_size}, and the trainer sent no placement of its tensors to reshard it "
-            "(RestoreRequest.metadata_json): upgrade the swap-state client"
-        )
-    targets = []
-    for tensor in layout.tensors:
-        meta = placement.tensors.get(tensor.name)
-        targets.append(TargetTensor(tensor.name, tensor.dtype, tuple(tensor.shape),
-                                    getattr(meta, "global_shape", None), getattr(meta, "global_offset", None)))
-    return targets
-
-
-def assemble(
-    source: Source,
-    view: memoryview,
-    layout: SegmentLayout,
-    *,
-    rank: int,
-    world_size: int,
-    placement: SnapshotMetadata | None,
-    reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
-    staging_free_bytes: Callable[[], int] | None = None,
-) -> Assembled:
-    """Plan, read and verify every piece of ``rank``'s tensors, then copy them into ``view``
-    (see the module docstring). ``reserve_staging(nbytes)``: a context manager yielding whether
-    the budget holds the staged bytes (None: always); ``staging_free_bytes()``: the free
-    budget, for the log line when it does not."""
+def assemble(source: Source, view: memoryview, layout: SegmentLayout, *, rank: int, world_size: int,
+             placement: SnapshotMetadata | None,
+             reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
+             staging_free_bytes: Callable[[], int] | None = None) -> RestoreResult:
+    """Plan, read and verify every piece of ``rank``'s tensors, then copy them into ``view``.
+    ``staging_free_bytes()``: the free budget, for the log line when it cannot hold them."""
     info = source.info
     if info.world_size == world_size:
         own = source.read_manifest(rank)  # SnapshotNotFound: this rank's file is on another host
@@ -164,65 +127,79 @@ def assemble(
         if placement is None or not placement.tensors:
             check_layout(info, own, layout, world_size)  # raises, naming the first difference
     read = RECENT.read(source)
-    # The trainer rebuilds its bookkeeping from the restored metadata.
-    targets = [t for t in restore_targets(layout, placement, world_size, info)
-               if not t.name.startswith(BOOKKEEPING_PREFIX)]
+    if placement is None or not placement.tensors:  # the trainer's (RestoreRequest.metadata_json)
+        raise SnapshotLayoutMismatch(f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with "
+                                     f"world_size {info.world_size}, this job has {world_size}, and the "
+                                     "trainer sent no placement of its tensors to reshard it "
+                                     "(RestoreRequest.metadata_json): upgrade the swap-state client")
+    # The restoring rank's tensors with their placement; the trainer rebuilds its bookkeeping
+    # from the restored metadata.
+    targets = [TargetTensor(t.name, t.dtype, tuple(t.shape), getattr(meta, "global_shape", None),
+                            getattr(meta, "global_offset", None))
+               for t in layout.tensors if not t.name.startswith(BOOKKEEPING_PREFIX)
+               for meta in [placement.tensors.get(t.name)]]
     targets, index = read.index.promoted(targets)
     plan = index.plan(targets, target_rank=rank, same_world=info.world_size == world_size)
     needed = ranks_needed(plan)
     base = min(needed or info.ranks)
     manifests = {r: read.manifest(r) for r in sorted({*needed, base})}
     plan = bind(plan, {r: m.tensors for r, m in manifests.items()})
-    granted = _read_pieces(source, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
+    staged, _ = _read_pieces(source, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
     others = [manifests[r].metadata_json for r in needed if r != base]
     nbytes = sum(t.nbytes for t in layout.tensors if t.name in plan)
-    return Assembled(nbytes, needed, _restored_metadata(manifests[base].metadata_json, others, placement), granted,
-                     plan=read.planned_from)
+    metadata = _restored_metadata(manifests[base].metadata_json, others, placement)
+    return RestoreResult(info.snapshot_id, info.step, metadata, nbytes, staged, False, source.where,
+                         info.world_size, tuple(needed), read.planned_from)
 
 
 def _whole_rank(source: Source, own: RankManifest, view: memoryview, layout: SegmentLayout, rank: int,
-                reserve_staging, staging_free_bytes) -> Assembled:
-    """The trivial plan: the rank's own file, whole, into its segment."""
-    if not source.whole_files:  # the store: each tensor a piece of itself
-        plan = {t.name: [Piece(rank, t, (Run(0, 0, t.nbytes),))] if t.nbytes else [] for t in own.tensors}
-        granted = _read_pieces(source, {rank: own}, plan, view, layout, rank, reserve_staging, staging_free_bytes)
-        return Assembled(sum(t.nbytes for t in own.tensors), [rank], own.metadata_json, granted)
-    nbytes = sum(t.nbytes for t in own.tensors)
-    with _reserve(reserve_staging, nbytes) as granted:
-        if granted:
-            pinned = source.copy_whole_file(own, view, layout)
-            return Assembled(nbytes, [rank], own.metadata_json, True, pinned)
-    _log_unstaged(source.info, rank, nbytes, staging_free_bytes)
-    source.verify_then_copy_whole_file(own, view, layout)
-    return Assembled(nbytes, [rank], own.metadata_json, False)
-
-
-def _reserve(reserve_staging, nbytes: int) -> ContextManager[bool]:
-    return reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
-
-
-def _log_unstaged(info: SnapshotInfo, rank: int, nbytes: int, staging_free_bytes) -> None:
-    log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id, rank=rank,
-              staged_bytes_needed=nbytes, budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
-              detail="the budget's free bytes cannot hold the staged state: verifying the sources, then "
-              "reading them again into the segment")
+                reserve_staging, staging_free_bytes) -> RestoreResult:
+    """The trivial plan: the rank's own file, whole, into its segment (each tensor a piece of itself)."""
+    plan = {t.name: [Piece(rank, t, (Run(0, 0, t.nbytes),))] if t.nbytes else [] for t in own.tensors}
+    whole = own if source.whole_files else None
+    staged, pinned = _read_pieces(source, {rank: own}, plan, view, layout, rank, reserve_staging,
+                                  staging_free_bytes, whole)
+    info = source.info
+    return RestoreResult(info.snapshot_id, info.step, own.metadata_json, sum(t.nbytes for t in own.tensors),
+                         staged, pinned, source.where, info.world_size, (rank,))
 
 
 def _read_pieces(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
-                 view: memoryview, layout: SegmentLayout, rank: int, reserve_staging, staging_free_bytes) -> bool:
-    """Every piece of ``plan`` read, verified, then copied into ``view``; whether it was staged."""
-    for r in ranks_needed(plan):
-        source.check_data_header(manifests[r])
+                 view: memoryview, layout: SegmentLayout, rank: int, reserve_staging, staging_free_bytes,
+                 whole: RankManifest | None = None) -> tuple[bool, bool]:
+    """Every piece of ``plan`` read, verified, then copied into ``view``: (staged, pinned).
+    ``whole``: a local rank file the plan takes whole, staged as one file when the budget holds it."""
     by_name = {t.name: t for t in layout.tensors}
-    nbytes = _held_bytes(plan)
-    with _reserve(reserve_staging, nbytes) as granted:
+    # Staged: every piece's whole source tensor (its checksum covers it whole).
+    nbytes = sum(piece.source.nbytes for pieces in plan.values() for piece in pieces)
+    read = [whole] if whole is not None else [manifests[r] for r in ranks_needed(plan)]
+    reserved = reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
+    with reserved as granted:
+        if granted and whole is not None:
+            return True, source.copy_whole_file(whole, view, layout)  # checks the header itself
+        for manifest in read:
+            source.check_data_header(manifest)
         if granted:
-            _staged_copy(source, manifests, plan, view, by_name)
-            return True
-    _log_unstaged(source.info, rank, nbytes, staging_free_bytes)
+            # Held as read, then (all verified) copied with the GIL released. Not copied into a
+            # staging area first: that was 0.53 GB/s against 0.85 GB/s this way (docs/benchmarks.md).
+            held = []
+            for name, pieces in plan.items():
+                for piece in pieces:
+                    data = source.read_tensor(manifests[piece.source_rank], piece.source)
+                    held.append((by_name[name], piece, data if type(data) is bytes else bytes(data)))
+            base = _posix.buffer_address(view)  # verified: only now the segment changes
+            for target, piece, data in held:
+                at, address = base + target.offset, _posix.bytes_address(data)
+                for run in piece.runs:
+                    _posix.memmove(at + run.target_offset, address + run.source_offset, run.nbytes)
+            return True, False
+    log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=source.info.snapshot_id, rank=rank,
+              staged_bytes_needed=nbytes, budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
+              detail="the budget's free bytes cannot hold the staged state: verifying the sources, then "
+              "reading them again into the segment")
     _fill(source, manifests, plan, None, {})  # verify everything first
     _fill(source, manifests, plan, view, {n: by_name[n].offset for n in plan}, again=True)
-    return False
+    return False, False
 
 
 class ReadSnapshot:
@@ -257,11 +234,8 @@ class ReadSnapshot:
 
 class RecentSnapshots:
     """The snapshots assembled from lately, read once for the ranks of this server that restore
-    them together: 8 ranks restoring a snapshot read its layout index once, and each old rank's
-    manifest they need once, not 8 times. An entry lives while a restore uses it and
-    ``keep_s`` after its last read (the ranks of a host call Restore about together), never
-    longer: a snapshot without a layout index is planned from all of its manifests (about a
-    GiB at 1,024 old ranks)."""
+    them together. An entry lives while a restore uses it and ``keep_s`` after its last read,
+    never longer: one planned from every manifest is about a GiB at 1,024 old ranks."""
 
     def __init__(self, keep_s: float = 30.0):
         self._keep_s = keep_s
@@ -314,35 +288,10 @@ class RecentSnapshots:
 RECENT = RecentSnapshots()
 
 
-def _staged_copy(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
-                 view: memoryview, by_name) -> None:
-    """Every piece's source tensor read and verified, held as read, then (all verified) its runs
-    copied into the segment with the GIL released. Held as read, not copied into a staging
-    area first: that area's fresh pages and the extra copy under the GIL cost a 256 MiB
-    restore from a directory store 0.53 GB/s against 0.85 GB/s this way (median of 7, both in
-    one run; docs/benchmarks.md). What is left is the held bytes' fresh pages."""
-    held = [(by_name[name], piece, _as_bytes(source.read_tensor(manifests[piece.source_rank], piece.source)))
-            for name, pieces in plan.items() for piece in pieces]
-    base = _posix.buffer_address(view)  # verified: only now the segment changes
-    for target, piece, data in held:
-        address = _posix.bytes_address(data)
-        for run in piece.runs:
-            _posix.memmove(base + target.offset + run.target_offset, address + run.source_offset, run.nbytes)
-
-
-def _as_bytes(data) -> bytes:
-    return data if type(data) is bytes else bytes(data)
-
-
-def _held_bytes(plan: Mapping[str, list[Piece]]) -> int:
-    """What :func:`_staged_copy` holds: every piece's whole source tensor (its checksum covers it whole)."""
-    return sum(piece.source.nbytes for pieces in plan.values() for piece in pieces)
-
-
 def _fill(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
           dest: memoryview | None, offsets: Mapping[str, int], again: bool = False) -> None:
-    """Read (verified) the source tensor of every piece and copy its runs to ``dest`` where
-    the target's bytes start (``offsets``; ``dest`` None: verify only)."""
+    """Read (verified) every piece's source tensor and copy its runs to ``dest`` at ``offsets``
+    (``dest`` None: verify only)."""
     for name, pieces in plan.items():
         for piece in pieces:
             try:
@@ -362,11 +311,9 @@ def _fill(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[s
 
 
 def _restored_metadata(saved: str, others: Sequence[str], placement: SnapshotMetadata | None) -> str:
-    """The snapshot's metadata as Restore returns it: the old rank's (``saved``), with the
-    per-parameter entries (param groups, steps, model aliases) of the other old ranks read
-    (``others``: a pipeline stage holds only its own parameters' entries) where ``saved`` lacks
-    them, and the tensors' entries the restoring rank's own (after a reshard the old rank's
-    offsets are not this rank's)."""
+    """The snapshot's metadata as Restore returns it: the old rank's (``saved``), completed by the
+    per-parameter entries of the ``others`` read (a pipeline stage holds only its own), with the
+    restoring rank's own tensor entries (after a reshard the old offsets are not its own)."""
     if not saved.strip() or (not others and (placement is None or not placement.tensors)):
         return saved
     raw = json.loads(saved)

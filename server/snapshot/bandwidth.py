@@ -1,7 +1,5 @@
-"""The server-wide cap on snapshot I/O (``--persist-max-bandwidth``): :class:`BandwidthLimiter`.
-
-One per coordinator, shared by every rank writer it starts: each writer calls
-:meth:`BandwidthLimiter.acquire` for a chunk's bytes before it moves them.
+"""The server-wide cap on snapshot I/O (``--persist-max-bandwidth``): :class:`BandwidthLimiter`,
+one per coordinator, shared by its rank writers (and one by the uploader).
 """
 
 from __future__ import annotations
@@ -13,11 +11,8 @@ __all__ = ["BandwidthLimiter"]
 
 
 class BandwidthLimiter:
-    """A shared cap on snapshot read/write throughput in bytes/s (None: no cap).
-
-    Every writer thread reserves its next chunk's bytes on one virtual timeline, so the cap
-    holds for the whole server, not per rank. Thread-safe.
-    """
+    """A shared cap in bytes/s (None: no cap): every writer reserves its next chunk's bytes on
+    one virtual timeline, so the cap holds for the whole server. Thread-safe."""
 
     def __init__(self, bytes_per_second: float | None):
         if bytes_per_second is not None and bytes_per_second <= 0:

@@ -2,39 +2,25 @@
 
 Call order (the servicer):
 
-1. ``coordinator = SnapshotCoordinator(snapshot_dir, keep_latest=K, copy_policy=P,
-   stage_threads=T)`` once at server start (it removes what a killed writer left behind).
-2. Snapshot RPC: ``handle = coordinator.start(SnapshotSource(...))``. It validates, publishes
-   the snapshot epoch in the segment header and returns: the snapshot is *consistent*, the
-   trainer may mutate the segment again. A background thread persists the rank, and a stager
-   thread (``stage_threads``) copies ahead of the trainer the chunks the writer will not
-   reach in time (:class:`~swap_state.server.snapshot.stager.Stager`). It logs
-   ``copy_budget_short`` when the copy slots cannot cover what the disk cannot persist within
-   one forward/backward (:meth:`SnapshotCoordinator.copy_budget`).
-3. SnapshotStatus RPC: ``await coordinator.wait_status(snapshot_id, rank, wait_s)`` (or
-   ``handle.wait_async``; ``status`` and ``handle.wait`` for threads):
-   ``durable`` once the ``local_world_size`` ranks of the job on this server (all
-   ``world_size`` ranks unless the job spans several hosts, one server each) are on disk and
-   the snapshot is committed (``snapshot.json``, atomic rename, ``latest``, retention),
-   ``failed`` with an error otherwise; ``stored`` once uploaded to the store, if there is one
-   (``wait_stored``). ``in_progress()`` feeds Stats.
-4. Before unmapping a segment whose rank may be persisting: ``handle.cancel(reason)`` (when
-   the snapshot must not complete) and ``handle.wait_segment_released()``. 5. Server
-   shutdown: ``coordinator.close()``. (At start, ``note_epoch`` of each adopted segment.)
+1. ``SnapshotCoordinator(snapshot_dir, keep_latest=K, copy_policy=P, stage_threads=T)`` once
+   at server start (it removes what a killed writer left; ``note_epoch`` of adopted segments).
+2. Snapshot RPC: ``handle = coordinator.start(SnapshotSource(...))`` validates and publishes
+   the snapshot epoch: on return the snapshot is *consistent*, the trainer may go on. A thread
+   persists the rank (:mod:`.writer`), a stager copies ahead of the trainer (:mod:`.stager`).
+3. SnapshotStatus RPC: ``await coordinator.wait_status(snapshot_id, rank, wait_s)``:
+   ``durable`` once this server's ``local_world_size`` ranks are on disk and committed,
+   ``failed`` otherwise; ``stored`` once uploaded to the store, if any. ``in_progress()``: Stats.
+4. Before unmapping a segment: ``handle.cancel(reason)``, ``handle.wait_segment_released()``.
+5. Server shutdown: ``coordinator.close()``.
 
-One :class:`RankSnapshot` per rank; the ranks of a (job, step) on this server form a group
-that commits or fails together (a failed rank cancels the others, their partial files go). A
-multi-host job's server commits its own ranks' group; ``snapshot.json`` records the job's
-``world_size`` and the ``ranks`` present. Thread-safe.
-
-Pieces: source and checks :mod:`.source`; group, ranks, repeated starts :mod:`.group`;
-statuses :mod:`.status`; a rank's writer :mod:`.writer` (plan :mod:`.plan`); commit
-:mod:`.directory` over :mod:`.storage`; the store tier :mod:`.upload`.
+The ranks of a (job, step) on this server form a group that commits or fails together
+(:mod:`.group`); a multi-host job's server commits its own ranks'. Thread-safe.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import pathlib
@@ -53,13 +39,14 @@ from swap_state.common.snapshot_format import LAYOUT_NAME, FileRecord, SnapshotI
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, SnapshotMetadata, parse_metadata
 from swap_state.common.snapshot_metadata_parts import MetadataParts
 from swap_state.common.names import parse_snapshot_id, shorten
+from swap_state.common.object_store import open_store
+from swap_state.common.stored_snapshots import StoredSnapshots
 
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.group import RankSnapshot, SnapshotGroup
 from swap_state.server.snapshot.layout_index import LayoutIndex
-from swap_state.server.snapshot.plan import RankResult
 from swap_state.server.snapshot.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.storage import SnapshotStorage
@@ -69,137 +56,91 @@ from swap_state.server.snapshot.writer import Cancelled, RankWriter
 
 log = logging.getLogger("swap_state.server.snapshot_coordinator")
 
-__all__ = [
-    "SnapshotSource",
-    "SnapshotState",
-    "SnapshotStatus",
-    "RankSnapshot",
-    "SnapshotCoordinator",
-]
+__all__ = ["SnapshotSource", "SnapshotState", "SnapshotStatus", "RankSnapshot", "SnapshotCoordinator"]
+
+HISTORY = 64
+"""Finished snapshots whose status stays in memory (older ones are answered from disk)."""
 
 
 class SnapshotCoordinator:
     """Starts, tracks and commits snapshots under one snapshot directory."""
 
-    def __init__(
-        self,
-        snapshot_dir: str | os.PathLike[str],
-        *,
-        keep_latest: int | None = 2,
-        max_bandwidth: float | None = None,
-        assemble_timeout_s: float = 300.0,
-        max_metadata_bytes: int = MAX_METADATA_BYTES,
-        history: int = 64,
-        clean_stale: bool = True,
-        stage_threads: int = 1,
-        model_copy_timeout_s: float = 60.0,
-        copy_policy: CopyBudgetPolicy | None = None,
-        storage: SnapshotStorage | None = None,
-        store_uri: str | None = None,
-        store_timeout_s: float = 60.0,
-        store_max_bandwidth: float | None = None,
-        tenant_snapshot_quota: int = 0,
-    ):
+    def __init__(self, snapshot_dir: str | os.PathLike[str], *, keep_latest: int | None = 2,
+                 max_bandwidth: float | None = None, assemble_timeout_s: float = 300.0,
+                 max_metadata_bytes: int = MAX_METADATA_BYTES, clean_stale: bool = True,
+                 stage_threads: int = 1, model_copy_timeout_s: float = 60.0,
+                 copy_policy: CopyBudgetPolicy | None = None,
+                 storage: SnapshotStorage | None = None, store_uri: str | None = None,
+                 store_timeout_s: float = 60.0, store_max_bandwidth: float | None = None,
+                 tenant_snapshot_quota: int = 0):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
-        ``max_bandwidth``: bytes/s for all snapshot I/O together (None: no cap; with a
-        ``copy_policy``, the policy's own, which the server builds from --persist-max-bandwidth).
-        ``assemble_timeout_s``: a snapshot fails when not all ``local_world_size`` ranks
-        have started it this long after the first. ``history``: finished snapshots whose status
-        stays in memory (older ones are answered from disk). ``clean_stale``: remove partial
-        snapshots of a previous run now (set False only when another live server shares the
-        directory). ``stage_threads``: threads per persisting rank that copy chunks ahead of
-        the trainer into the copy slots (>= 1). ``model_copy_timeout_s``: how long a whole-state snapshot
-        waits for the trainer's copy of the model (protocol step 5).
-        ``copy_policy``: the memory rule's inputs (the server's, shared with its arena):
-        the forward/backward time and the persist bytes/s of the copy-budget warning.
+        ``max_bandwidth``: bytes/s for all snapshot I/O (None: no cap; else the ``copy_policy``'s).
+        ``assemble_timeout_s``: fail when not all ``local_world_size`` ranks started by then.
+        ``clean_stale``: remove a previous run's partial snapshots (False: a live server shares it).
+        ``stage_threads``: stager threads per persisting rank (>= 1).
+        ``model_copy_timeout_s``: the wait for the trainer's copy of the model (protocol step 5).
+        ``copy_policy``: the memory rule's inputs, shared with the arena.
         ``storage``: where snapshot files go (default: the directory ``snapshot_dir``).
-        ``store_uri``: the store (``--snapshot-store``; None: none), each durable snapshot
-        uploaded there in the background (:mod:`.upload`), ``store_max_bandwidth`` bytes/s.
+        ``store_uri``: the store each durable snapshot is uploaded to (None: none).
         ``tenant_snapshot_quota``: bytes of snapshots one tenant may keep here (0: no quota)."""
+        if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 1:
+            raise ValueError(f"keep_latest must be >= 2 or None (keep all), assemble_timeout_s > 0 and "
+                             f"stage_threads >= 1: got {keep_latest}, {assemble_timeout_s}, {stage_threads}")
         self.tenant_snapshot_quota = tenant_snapshot_quota
-        _check_arguments(keep_latest, assemble_timeout_s, stage_threads)
         self.stage_threads = stage_threads
         self.model_copy_timeout_s = model_copy_timeout_s
         if copy_policy is not None and max_bandwidth is not None:
             raise ValueError("give max_bandwidth or a copy_policy (which carries its own), not both")
         self.copy_policy = copy_policy or CopyBudgetPolicy(max_bandwidth=max_bandwidth)
         """Owns the memory rule's inputs; this coordinator records each snapshot's rate."""
-        self.max_bandwidth = max_bandwidth = self.copy_policy.max_bandwidth
         self.directory = SnapshotDirectory(snapshot_dir, storage)
         """The local tier, ``--snapshot-dir`` (its files: ``directory.storage``)."""
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
         self.max_metadata_bytes = max_metadata_bytes
-        self.history = history
-        self._limiter = BandwidthLimiter(max_bandwidth)
+        self._limiter = BandwidthLimiter(self.copy_policy.max_bandwidth)
         self._lock = threading.Lock()
         self._groups: dict[tuple[str, int], SnapshotGroup] = {}
         self._holding: dict[tuple[str, int], RankSnapshot] = {}  # (job, rank) -> reads a segment
         self._last_epoch = 0
         self._closed = False
-        self._open_storage(clean_stale)
-        self.uploader = (SnapshotUploader.open(store_uri, store_timeout_s, self.directory, store_max_bandwidth)
-                         if store_uri else None)
+        storage = self.directory.storage
+        try:
+            storage.create_root()
+        except OSError as exc:
+            raise SnapshotError(f"cannot create snapshot directory {storage.root}: {exc}") from None
+        try:
+            alone = storage.hold()
+        except OSError as exc:
+            raise SnapshotError(f"cannot lock snapshot directory {storage.root}: {exc}") from None
+        if clean_stale and alone:
+            storage.clean_stale()
+        elif clean_stale:
+            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(storage.root),
+                      note="another live server uses this directory: its partial snapshots are left alone")
+        self.uploader = None
+        if store_uri:
+            stored = StoredSnapshots(open_store(store_uri, store_timeout_s))
+            self.uploader = SnapshotUploader(stored, self.directory, store_max_bandwidth)
         self.stored = self.uploader.stored if self.uploader is not None else None
         """The store tier, ``--snapshot-store`` (None: none)."""
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
 
-    def _open_storage(self, clean_stale: bool) -> None:
-        """Create the root, take this server's share of it, and remove what a killed writer
-        left, unless another live server shares the directory."""
-        try:
-            self.directory.storage.create_root()
-        except OSError as exc:
-            raise SnapshotError(f"cannot create snapshot directory {self.directory.storage.root}: {exc}") from None
-        try:
-            alone = self.directory.storage.hold()
-        except OSError as exc:
-            raise SnapshotError(f"cannot lock snapshot directory {self.directory.storage.root}: {exc}") from None
-        if clean_stale and alone:
-            self.directory.storage.clean_stale()
-        elif clean_stale:
-            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(self.directory.storage.root),
-                      note="another live server uses this directory: its partial snapshots are "
-                           "left alone")
-
     @property
     def snapshot_dir(self) -> pathlib.Path:
         return self.directory.root
-
-    # ------------------------------------------------------------------------------ copy budget
 
     @property
     def assumed_fwd_bwd_s(self) -> float:
         return self.copy_policy.fwd_bwd_s
 
     def persist_bandwidth(self) -> tuple[float, bool]:
-        """(bytes/s, measured): the pace chunks persisted at in recent snapshots, or the
-        assumed one before any; never above ``max_bandwidth`` (the policy's)."""
+        """(bytes/s, measured): the pace of recent snapshots, or the assumed one (the policy's)."""
         return self.copy_policy.rate()
 
     def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
         """The memory rule for a segment of ``layout`` (the policy's)."""
         return self.copy_policy.budget(layout)
-
-    def _warn_copy_budget(self, source: SnapshotSource) -> None:
-        budget = self.copy_budget(source.layout)
-        if budget.short_bytes:
-            log_event(
-                log, "copy_budget_short", logging.WARNING, job_id=source.job_id, rank=source.rank,
-                step=source.step, state_bytes=budget.state_bytes, slot_bytes=budget.slot_bytes,
-                needed_bytes=budget.needed_bytes, persist_bytes_per_s=int(budget.persist_bytes_per_s),
-                persist_measured=budget.persist_measured, assumed_fwd_bwd_s=budget.fwd_bwd_s,
-                detail=budget.warning(),
-            )
-
-    # ------------------------------------------------------------------------------ start
-
-    def _next_epoch(self, source: SnapshotSource) -> int:
-        # Increasing per segment even across coordinators: above every COW_EPOCH in the header
-        header = source.header  # and the epoch a trainer gave up (protocol step 6).
-        highest = max(header.highest_cow_epoch(), header[Word.ABANDONED_EPOCH])
-        self._last_epoch = max(self._last_epoch, highest) + 1
-        return self._last_epoch
 
     def note_epoch(self, epoch: int) -> None:
         """An epoch a dead server opened in an adopted segment: later ones number above it."""
@@ -207,18 +148,9 @@ class SnapshotCoordinator:
 
     def start(self, source: SnapshotSource, *, hold: bool = False) -> RankSnapshot:
         """Begin (or join) the snapshot of ``source.step`` for ``source.job_id``; returns once it
-        is consistent. Idempotent for a rank that already joined a live or durable snapshot.
-
-        ``hold``: the writer thread waits for ``handle.proceed()`` (at most
-        ``writer.HOLD_MAX_S``) before it streams, so a caller can get its reply out
-        first; the snapshot is consistent on return either way.
-
-        Raises SnapshotInvalid (arguments, metadata), SnapshotBusy (the segment is being persisted
-        or written), SnapshotExists (the step is on disk), SnapshotFailed (another rank's failed)...
-
-        Steps: checks and metadata, then under the lock :meth:`_group_for` (a retry's handle,
-        a group to join or a new one) and :meth:`_join` (writer, handle, thread, publish).
-        """
+        is consistent. Idempotent for a rank's retry. ``hold``: the writer waits for
+        ``handle.proceed()`` (at most ``writer.HOLD_MAX_S``), so the reply gets out first.
+        Raises SnapshotInvalid, SnapshotBusy, SnapshotExists, SnapshotFailed (another rank's)."""
         check_source(source)
         metadata = source.metadata_parts or parse_metadata(source.metadata_json, source.layout.tensors,
                                                            self.max_metadata_bytes)
@@ -229,12 +161,19 @@ class SnapshotCoordinator:
             if isinstance(group, RankSnapshot):
                 return group  # a retry of this rank's Snapshot call
             handle = self._join(group, source, metadata, hold)
-        self._warn_copy_budget(source)  # after the publish: the trainer's stall is not for this
+        budget = self.copy_budget(source.layout)  # after the publish: the trainer's stall is not for this
+        if budget.short_bytes:
+            log_event(
+                log, "copy_budget_short", logging.WARNING, job_id=source.job_id, rank=source.rank,
+                step=source.step, state_bytes=budget.state_bytes, slot_bytes=budget.slot_bytes,
+                needed_bytes=budget.needed_bytes, persist_bytes_per_s=int(budget.persist_bytes_per_s),
+                persist_measured=budget.persist_measured, assumed_fwd_bwd_s=budget.fwd_bwd_s,
+                detail=budget.warning(),
+            )
         return handle
 
     def _group_for(self, source: SnapshotSource) -> SnapshotGroup | RankSnapshot:
-        """Under self._lock: the handle of a retry, or the group ``source`` joins (a new one
-        when none runs, its partial snapshot prepared); refuses a segment that is busy."""
+        """Under self._lock: the handle of a retry, or the group ``source`` joins (maybe new)."""
         key = (source.job_id, source.step)
         group = self._groups.get(key)
         if group is not None:
@@ -243,30 +182,21 @@ class SnapshotCoordinator:
                 return group
             if group is None:
                 del self._groups[key]  # a fresh attempt at the step
-        self._check_segment_free(source)
-        if group is None:
-            group = self._new_group(source)
-        return group
-
-    def _check_segment_free(self, source: SnapshotSource) -> None:
         holder = self._holding.get((source.job_id, source.rank))
         if holder is not None:
-            raise SnapshotBusy(
-                f"rank {source.rank} of job {source.job_id} is still persisting {holder.snapshot_id}"
-            )
+            raise SnapshotBusy(f"rank {source.rank} of job {source.job_id} is still persisting "
+                               f"{holder.snapshot_id}")
         if source.header[Word.SNAP_EPOCH] != 0:
             raise SnapshotBusy("the segment is being snapshotted (SNAP_EPOCH is set)")
         writing = source.header[Word.WRITING_STEP]
         if writing:
-            raise SnapshotBusy(
-                f"the trainer is writing step {writing - 1}; snapshot between steps, "
-                "after CommitStep"
-            )
+            raise SnapshotBusy(f"the trainer is writing step {writing - 1}; snapshot between steps, "
+                               "after CommitStep")
+        return group if group is not None else self._new_group(source)
 
     def job_owner(self, job_id: str) -> str | None:
-        """The tenant that owns ``job_id``'s snapshots: its newest one's in this server's
-        directory, else in the store (another host's; remembered, a job id's owner does not
-        change), None when neither has one (or the store cannot be reached)."""
+        """The tenant that owns ``job_id``'s snapshots: its newest one's here, else in the store
+        (remembered: an owner does not change); None when neither has one or it is unreachable."""
         snapshots = self.directory.list(job_id)
         if snapshots:
             return snapshots[-1].index.tenant
@@ -284,36 +214,31 @@ class SnapshotCoordinator:
             self._store_owners[job_id] = newest.index.tenant
         return self._store_owners[job_id]
 
-    def _check_quota(self, source: SnapshotSource) -> None:
-        """ResourceExhausted when the tenant's snapshots here and this one (its ranks' tensor
-        bytes, estimated from this rank's) would pass ``--tenant-snapshot-quota``."""
-        if not self.tenant_snapshot_quota:
-            return
-        held = sum(info.bytes for info in self.directory.list() if info.index.tenant == source.tenant)
-        new = sum(t.nbytes for t in source.layout.tensors) * source.expected_ranks
-        if held + new > self.tenant_snapshot_quota:
-            raise ResourceExhausted(
-                f"snapshot {source.job_id}/step-{source.step} refused: about {format_size(new)} more "
-                f"would take this tenant's snapshots in {self.directory.root} from {format_size(held)} "
-                f"past its --tenant-snapshot-quota {format_size(self.tenant_snapshot_quota)}; lower "
-                "the job's retention (keep_latest), remove old jobs, or ask for a larger quota"
-            )
-
     def _new_group(self, source: SnapshotSource) -> SnapshotGroup:
+        """Refused for another tenant's job, or past ``--tenant-snapshot-quota`` (the tenant's
+        snapshots here and this one, estimated from this rank's bytes)."""
         owner = self.job_owner(source.job_id)
         if owner not in (None, "", source.tenant):
             raise PermissionDenied(f"the snapshots of job {source.job_id!r} belong to another tenant: "
                                    "choose another job id")
-        self._check_quota(source)
+        quota = self.tenant_snapshot_quota
+        mine = [i.bytes for i in self.directory.list() if i.index.tenant == source.tenant] if quota else []
+        held, new = sum(mine), sum(t.nbytes for t in source.layout.tensors) * source.expected_ranks
+        if quota and held + new > quota:
+            raise ResourceExhausted(
+                f"snapshot {source.job_id}/step-{source.step} refused: about {format_size(new)} more "
+                f"would take this tenant's snapshots in {self.directory.root} from {format_size(held)} "
+                f"past its --tenant-snapshot-quota {format_size(quota)}; lower "
+                "the job's retention (keep_latest), remove old jobs, or ask for a larger quota"
+            )
         partial = self.directory.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
-        group = SnapshotGroup(
-            self.directory.storage, source.job_id, source.step, source.world_size,
-            source.expected_ranks, partial, self._retention_for(source),
-        )
-        group.replace = source.replace_existing
-        group.tenant = source.tenant
+        group = SnapshotGroup(self.directory.storage, source, partial, self._retention_for(source))
         self._groups[(source.job_id, source.step)] = group
-        self._prune_history()
+        finished = sorted((g.finished_monotonic, key) for key, g in self._groups.items()
+                          if g.finished_monotonic is not None
+                          and (g.state is SnapshotState.DURABLE or g.discarded_done))
+        for _, key in finished[: max(0, len(finished) - HISTORY)]:
+            del self._groups[key]
         if group.local_world_size > 1:
             group.timer = threading.Timer(self.assemble_timeout_s, self._assemble_expired, (group,))
             group.timer.daemon = True
@@ -322,38 +247,28 @@ class SnapshotCoordinator:
 
     def _join(self, group: SnapshotGroup, source: SnapshotSource, metadata: SnapshotMetadata | MetadataParts,
               hold: bool) -> RankSnapshot:
-        """Under self._lock: this rank's writer, handle and thread; publish (consistent from
-        there on), then start the thread."""
+        """Under self._lock: this rank's writer, handle and thread; publish, then start the thread."""
+        # The epoch increases per segment even across coordinators: above every COW_EPOCH in the
+        # header and the epoch a trainer gave up (protocol step 6).
+        header = source.header
+        self._last_epoch = max(self._last_epoch, header.highest_cow_epoch(), header[Word.ABANDONED_EPOCH]) + 1
         writer = RankWriter(
-            source,
-            metadata,
-            self._next_epoch(source),
-            storage=self.directory.storage,
-            partial=group.partial,
-            limiter=self._limiter,
-            cancel=group.cancel,
-            started_monotonic=time.monotonic(),
-            stage_threads=self.stage_threads,
-            model_copy_timeout_s=self.model_copy_timeout_s,
+            source, metadata, self._last_epoch, storage=self.directory.storage, partial=group.partial,
+            limiter=self._limiter, cancel=group.cancel, started_monotonic=time.monotonic(),
+            stage_threads=self.stage_threads, model_copy_timeout_s=self.model_copy_timeout_s,
         )
         if not hold:
             writer.go()
         handle = RankSnapshot(group, source.rank, writer)
-        handle.commits_at_start = source.header[Word.TRAINER_COMMITS]
-        handle.run = source.run
-        handle.thread = threading.Thread(
-            target=self._run,
-            args=(group, handle),
-            name=f"snapshot-{source.job_id}-{source.step}-r{source.rank}",
-            daemon=True,
-        )
+        handle.thread = threading.Thread(target=self._run, args=(group, handle), daemon=True,
+                                         name=f"snapshot-{source.job_id}-{source.step}-r{source.rank}")
         group.add_handle(handle)
         self._holding[(source.job_id, source.rank)] = handle
-        handle.publish()  # consistent from here on
+        writer.publish()  # consistent from here on
         try:
             handle.thread.start()
         except RuntimeError as exc:  # no thread: the trainer must not wait on this epoch
-            handle.release_segment()
+            writer.release_segment()
             del self._holding[(source.job_id, source.rank)]
             group.thread_done()
             error = SnapshotError(f"cannot start a snapshot writer thread: {exc}")
@@ -362,10 +277,8 @@ class SnapshotCoordinator:
         return handle
 
     def _retention_for(self, source: SnapshotSource) -> int | None:
-        """Snapshots of the job kept at commit (None: all): the job's own retention where it
-        asks for more than the server's ``keep_latest``, so every checkpoint it keeps loads;
-        for a tenant that is not an admin (on a server shared by tenants), never more than
-        ``keep_latest``: its disk is the operator's to bound."""
+        """Snapshots of the job kept at commit (None: all): the job's own retention where it asks
+        for more than ``keep_latest``, except a tenant that is not an admin (the operator's disk)."""
         if self.keep_latest is None:
             return None
         if source.bounded_retention:
@@ -378,46 +291,35 @@ class SnapshotCoordinator:
             return None
         return max(self.keep_latest, source.keep_latest)
 
-    def _prune_history(self) -> None:
-        finished = [
-            (g.finished_monotonic, key)
-            for key, g in self._groups.items()
-            if g.finished_monotonic is not None and (g.state is SnapshotState.DURABLE or g.discarded_done)
-        ]
-        finished.sort()
-        for _, key in finished[: max(0, len(finished) - self.history)]:
-            del self._groups[key]
-
     def _assemble_expired(self, group: SnapshotGroup) -> None:
         with group.cond:
             if len(group.handles) == group.local_world_size:
                 return
             joined = sorted(group.handles)
-        if group.local_world_size == group.world_size:
-            expected = f"world_size {group.world_size}"
-        else:
-            expected = (
-                f"the {group.local_world_size} ranks expected on this server (local_world_size; "
-                f"world_size {group.world_size})"
-            )
-        group.fail(
-            SnapshotFailed(
-                f"only ranks {joined} of {expected} started "
-                f"{group.snapshot_id} within {self.assemble_timeout_s:g} s"
-            )
-        )
-
-    # ------------------------------------------------------------------------------ threads
+        expected = f"world_size {group.world_size}"
+        if group.local_world_size != group.world_size:
+            expected = (f"the {group.local_world_size} ranks expected on this server "
+                        f"(local_world_size; {expected})")
+        group.fail(SnapshotFailed(f"only ranks {joined} of {expected} started {group.snapshot_id} "
+                                  f"within {self.assemble_timeout_s:g} s"))
 
     def _run(self, group: SnapshotGroup, handle: RankSnapshot) -> None:
         """A rank's thread: persist, then fail the group, or commit it when last."""
+        result = error = None
         try:
-            result, error = self._persist(handle)
+            try:
+                result = handle.writer.run()
+            except Cancelled:
+                pass  # the group already failed for a reason of its own
+            except SnapshotError as exc:
+                error = exc
+            except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
+                error = SnapshotError(f"unexpected error persisting rank {handle.rank}: {exc!r}")
             with self._lock:
                 if self._holding.get((group.job_id, handle.rank)) is handle:
                     del self._holding[(group.job_id, handle.rank)]
             if result is not None:
-                self.copy_policy.record(handle.persist_rate())
+                self.copy_policy.record(handle.writer.persist_rate())
             if error is not None:
                 group.fail(error, handle.rank)
             if result is not None and group.add_result(handle.rank, result):
@@ -425,32 +327,24 @@ class SnapshotCoordinator:
         finally:
             group.thread_done()
 
-    @staticmethod
-    def _persist(handle: RankSnapshot) -> tuple[RankResult | None, SnapshotError | None]:
-        """(result, None), (None, the error that fails the group) or (None, None) when
-        cancelled: the group already failed for a reason of its own."""
-        try:
-            return handle.persist(), None
-        except Cancelled:
-            return None, None
-        except SnapshotError as exc:
-            return None, exc
-        except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
-            return None, SnapshotError(f"unexpected error persisting rank {handle.rank}: {exc!r}")
-
     def _commit(self, group: SnapshotGroup) -> None:
         """In the thread of the last rank to finish: layout index, index, rename, latest, retention."""
         with group.cond:
             results = dict(group.results)
         ranks = tuple(sorted(results))
-        files: list[FileRecord] = []
-        for rank in ranks:
-            files.extend(results[rank].files)
+        files = [file for rank in ranks for file in results[rank].files]
         try:
-            layout = _layout_bytes(group, results)
+            attempt = 1  # or one more than the snapshot of the step this commit replaces
+            if group.replace:
+                with contextlib.suppress(SnapshotError):
+                    attempt = self.directory.resolve(group.snapshot_id).index.attempt + 1
+            layout = None  # one host's part of a multi-host step gets its layout index in the store
+            if len(results) == group.world_size:
+                layout = LayoutIndex({r: result.manifest.tensors for r, result in results.items()},
+                                     group.world_size).to_bytes()
             index = SnapshotIndex(
                 job_id=group.job_id, step=group.step, world_size=group.world_size, ranks=ranks, files=tuple(files),
-                created_unix=time.time(), attempt=self._attempt(group), tenant=group.tenant,
+                created_unix=time.time(), attempt=attempt, tenant=group.tenant,
                 layout=None if layout is None else FileRecord(LAYOUT_NAME, -1, len(layout), crc32(layout)))
             commit = self.directory.commit(group.partial, index, group.keep, replace=group.replace, layout=layout)
         except SnapshotError as exc:
@@ -472,18 +366,12 @@ class SnapshotCoordinator:
         for warning in self.directory.empty_trash(commit):  # off the durability path
             log_event(log, "snapshot_retention_failed", logging.WARNING, snapshot_id=group.snapshot_id, error=warning)
 
-    def _attempt(self, group: SnapshotGroup) -> int:
-        """1, or one more than the snapshot of the step this commit replaces."""
-        try:
-            return self.directory.resolve(group.snapshot_id).index.attempt + 1 if group.replace else 1
-        except SnapshotError:
-            return 1
-
-    # ------------------------------------------------------------------------------ queries
-
     def handle(self, snapshot_id: str, rank: int) -> RankSnapshot | None:
         """The in-memory handle of a rank's snapshot (``<job>/step-<N>``), if any."""
-        key = _parse_step_id(snapshot_id)
+        ref = parse_snapshot_id(snapshot_id, None, SnapshotInvalid)
+        if ref.step is None:  # a status is about one snapshot, never ``latest``
+            raise SnapshotInvalid(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
+        key = (ref.job_id, ref.step)
         with self._lock:
             group = self._groups.get(key)
         if group is None:
@@ -492,9 +380,8 @@ class SnapshotCoordinator:
             return group.handles.get(rank)
 
     def status(self, snapshot_id: str, rank: int) -> SnapshotStatus:
-        """A rank's status now. Snapshots no longer (or never) in memory are answered from
-        disk when complete, else from the store; else SnapshotNotFound. Blocking I/O: not for
-        the event loop (:meth:`wait_status` is)."""
+        """A rank's status now; one not in memory from disk, else the store (else SnapshotNotFound).
+        Blocking I/O: not for the event loop (:meth:`wait_status` is)."""
         handle = self.handle(snapshot_id, rank)
         status = handle.status() if handle is not None else self._status_at_rest(snapshot_id, rank)
         if self.uploader is None or status.state is not SnapshotState.DURABLE:
@@ -503,9 +390,8 @@ class SnapshotCoordinator:
 
     async def wait_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0,
                           wait_stored: bool = False) -> SnapshotStatus:
-        """The SnapshotStatus RPC's: :meth:`status`, after waiting up to ``wait_s`` for a
-        terminal state (``wait_stored``: for stored, when there is a store). Awaits without
-        holding a thread (:mod:`.waiting`); only reads from disk or the store use one."""
+        """:meth:`status` after waiting up to ``wait_s`` for a terminal state (``wait_stored``: for
+        stored); awaits without holding a thread, save for reads from disk or the store."""
         deadline = time.monotonic() + wait_s
         handle = self.handle(snapshot_id, rank)
         if handle is not None:
@@ -543,8 +429,7 @@ class SnapshotCoordinator:
         return statuses
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Fail every running snapshot ("server shutting down"), wait for the writer threads
-        (their segments are released and partial files removed), refuse new snapshots."""
+        """Fail every running snapshot, wait for the writer threads, refuse new snapshots."""
         with self._lock:
             self._closed = True
             groups = list(self._groups.values())
@@ -559,28 +444,3 @@ class SnapshotCoordinator:
         if self.uploader is not None:
             self.uploader.close()
         self.directory.storage.release()
-
-
-def _check_arguments(keep_latest: int | None, assemble_timeout_s: float, stage_threads: int) -> None:
-    if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 1:
-        raise ValueError(f"keep_latest must be >= 2 or None (keep all), assemble_timeout_s > 0 and "
-                         f"stage_threads >= 1: got {keep_latest}, {assemble_timeout_s}, {stage_threads}")
-
-
-def _parse_step_id(snapshot_id: str) -> tuple[str, int]:
-    """``<job>/step-<N>`` -> (job, N); SnapshotInvalid for anything else (no ``latest`` here:
-    a status is about one specific snapshot)."""
-    ref = parse_snapshot_id(snapshot_id, None, SnapshotInvalid)
-    if ref.step is None:
-        raise SnapshotInvalid(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
-    return ref.job_id, ref.step
-
-
-def _layout_bytes(group: SnapshotGroup, results: dict[int, RankResult]) -> bytes | None:
-    """``layout.json`` of a step whose every rank committed here (one host's part of a
-    multi-host step gets its index in the store, from every host's manifests)."""
-    if len(results) != group.world_size:
-        return None
-    return LayoutIndex({rank: result.manifest.tensors for rank, result in results.items()},
-                       group.world_size).to_bytes()
-

@@ -1,14 +1,9 @@
 """The server's ``--snapshot-dir``: the commit sequence and retention, over its storage.
 
-Reading (list, resolve, manifests, verify) is :class:`~swap_state.common.snapshot_reader.SnapshotReader`'s,
-which this directory extends (the local :class:`~swap_state.common.snapshot_reader.SnapshotTier`).
-Where the files go is its :class:`~swap_state.server.snapshot.storage.SnapshotStorage`'s (whose
-docstring has the directory layout); this class decides what happens in which order.
-
-Writing (the coordinator, in this order): the storage's ``create_root``, ``hold`` and
-``clean_stale`` once at start; :meth:`~SnapshotDirectory.prepare_partial` per snapshot; the ranks'
-files (the writers, through the storage); then :meth:`~SnapshotDirectory.commit` (index, seal,
-atomic publication, ``latest``, retention), or the storage's ``discard`` on failure.
+Reading is :class:`~swap_state.common.snapshot_reader.SnapshotReader`'s, which this extends;
+where the files go is its :class:`~.storage.SnapshotStorage`'s. Writing (the coordinator):
+:meth:`~SnapshotDirectory.prepare_partial` per snapshot, the ranks' files, then
+:meth:`~SnapshotDirectory.commit`, or the storage's ``discard`` on failure.
 """
 
 from __future__ import annotations
@@ -34,14 +29,11 @@ class CommitResult:
 
     path: pathlib.PurePath
     """The complete snapshot's location (its directory, on the local filesystem)."""
-    deleted: tuple[str, ...]
-    """Snapshot ids retention took out of the listing."""
     warnings: tuple[str, ...]
     """Failures after the snapshot was durable (latest pointer, retention): reported, not fatal."""
     trash: tuple[pathlib.PurePath, ...] = ()
-    """Unlisted locations (retention's, a replaced snapshot) whose bytes :meth:`SnapshotDirectory.empty_trash`
-    removes once the snapshot has been reported durable: deleting a large file takes a while
-    (130 ms for 512 MiB on ext4 here), and durability does not wait for it."""
+    """Unlisted locations whose bytes :meth:`SnapshotDirectory.empty_trash` removes once the
+    snapshot was reported durable (deleting 512 MiB took 130 ms on ext4 here)."""
 
 
 class SnapshotDirectory(SnapshotReader):
@@ -51,8 +43,7 @@ class SnapshotDirectory(SnapshotReader):
         """``storage``: where the files go (default: the local directory ``root``)."""
         super().__init__(root)
         self.in_use: Callable[[str], set[int]] = lambda job_id: set()
-        """The steps of a job retention must keep beyond ``keep_latest`` (the uploader's: the
-        snapshot it is reading)."""
+        """The steps of a job retention must keep beyond ``keep_latest`` (the uploader's)."""
         self.storage: SnapshotStorage = storage if storage is not None else SnapshotStorage(self.root)
         # Commits of different snapshots serialize here: latest and retention read the job dir.
         self._commit_lock = threading.Lock()
@@ -62,34 +53,26 @@ class SnapshotDirectory(SnapshotReader):
         that step is already complete, unless ``replace`` (then :meth:`commit` replaces it)."""
         state = self.storage.step_state(job_id, step)
         if state is StepState.COMPLETE and not replace:
-            raise SnapshotExists(
-                f"snapshot {snapshot_id_for(job_id, step)} already exists at "
-                f"{self.storage.location(job_id, step)}, from an earlier attempt at that step: use "
-                "a new job id, or let the snapshot replace it (SnapshotRequest.replace_existing; "
-                "torchtitan's glue does)"
-            )
+            raise SnapshotExists(f"snapshot {snapshot_id_for(job_id, step)} already exists at "
+                                 f"{self.storage.location(job_id, step)}, from an earlier attempt at that "
+                                 "step: use a new job id, or let the snapshot replace it "
+                                 "(SnapshotRequest.replace_existing; torchtitan's glue does)")
         if state is StepState.OTHER:
             # Not ours (we only ever publish complete snapshots there): refuse to touch it.
-            raise SnapshotExists(
-                f"{self.storage.location(job_id, step)} exists but is not a complete snapshot; "
-                f"remove it to snapshot step {step}"
-            )
+            raise SnapshotExists(f"{self.storage.location(job_id, step)} exists but is not a complete "
+                                 f"snapshot; remove it to snapshot step {step}")
         try:
             return self.storage.open_partial(job_id, step)
         except OSError as exc:
             raise from_os_error(exc, f"creating {partial_dir_name(step)}", self.storage.location(job_id)) from None
 
-    def commit(
-        self, partial: pathlib.PurePath, index: SnapshotIndex, keep_latest: int | None, replace: bool = False,
-        layout: bytes | None = None,
-    ) -> CommitResult:
-        """Publish a partial snapshot whose rank files are written and fsynced: write
-        ``layout`` (the bytes ``index.layout`` records) and ``snapshot.json`` durably, seal the partial, publish it atomically as ``step-<N>``,
-        point ``latest`` at it, unlist a snapshot it replaced, then apply retention (unlist all
-        but the ``keep_latest`` highest steps, never the new one; None keeps all); their bytes
-        go in :meth:`empty_trash`, once the caller has reported the snapshot durable. OSError before the
-        publication is the caller's to map; failures after it become warnings, the snapshot
-        stays durable."""
+    def commit(self, partial: pathlib.PurePath, index: SnapshotIndex, keep_latest: int | None,
+               replace: bool = False, layout: bytes | None = None) -> CommitResult:
+        """Publish a partial snapshot whose rank files are fsynced: write ``layout`` and
+        ``snapshot.json`` durably, seal, publish atomically as ``step-<N>``, point ``latest`` at
+        it, then retention (unlist all but the ``keep_latest`` highest steps; None keeps all;
+        bytes go in :meth:`empty_trash`). OSError before the publication is the caller's to
+        map; failures after it become warnings."""
         if layout is not None:
             self.storage.write_durable(partial, LAYOUT_NAME, layout)
         self.storage.write_durable(partial, INDEX_NAME, dumps_json(index.to_json()))
@@ -102,33 +85,27 @@ class SnapshotDirectory(SnapshotReader):
             except OSError as exc:
                 warnings.append(f"could not update {self.storage.location(index.job_id) / LATEST_NAME}: {exc}")
             trash: list[pathlib.PurePath] = [published.replaced] if published.replaced is not None else []
-            deleted: list[str] = []
             if keep_latest is not None:
-                deleted = self._retain(index.job_id, index.step, keep_latest, warnings, trash)
-        return CommitResult(published.path, tuple(deleted), tuple(warnings), tuple(trash))
+                self._retain(index.job_id, index.step, keep_latest, warnings, trash)
+        return CommitResult(published.path, tuple(warnings), tuple(trash))
 
     def empty_trash(self, commit: CommitResult) -> list[str]:
-        """Remove the bytes of what ``commit`` unlisted (after it was reported durable);
-        warnings for what could not be removed (a later server start removes it)."""
+        """Remove the bytes of what ``commit`` unlisted; warnings for what could not be removed."""
         return [f"could not remove {where} (unlisted; removed at the next server start)"
                 for where in commit.trash if not self.storage.discard(where)]
 
     def _retain(self, job_id: str, new_step: int, keep: int, warnings: list[str],
-                trash: list[pathlib.PurePath]) -> list[str]:
+                trash: list[pathlib.PurePath]) -> None:
+        """Unlist all but the ``keep`` highest steps (and the new one, and those in use) into ``trash``."""
         try:
             complete = self.storage.list(job_id)
         except OSError as exc:
             warnings.append(f"retention could not list {self.storage.location(job_id)}: {exc}")
-            return []
+            return
         keep_steps = {step for step, _ in complete[-keep:]} | {new_step} | self.in_use(job_id)
-        deleted = []
         for step, where in complete:
-            if step in keep_steps:
-                continue
-            try:
-                trash.append(self.storage.unlist(where))
-            except OSError as exc:
-                warnings.append(f"retention could not remove {where}: {exc}")
-                continue
-            deleted.append(snapshot_id_for(job_id, step))
-        return deleted
+            if step not in keep_steps:
+                try:
+                    trash.append(self.storage.unlist(where))
+                except OSError as exc:
+                    warnings.append(f"retention could not remove {where}: {exc}")

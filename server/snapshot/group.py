@@ -1,13 +1,7 @@
 """One snapshot as the coordinator tracks it: the group of ranks of a (job, step) on this
-server (:class:`SnapshotGroup`) and each rank's :class:`RankSnapshot`.
-
-A group commits together or fails together: a failed rank cancels the others, and their
-partial files are removed. Handles are what the servicer holds: ``status()``, ``wait()``
-(``wait_async()`` on the event loop), ``wait_segment_released()`` (``segment_released()``),
-``proceed()`` (let a held writer stream), ``cancel()``; the
-coordinator drives them: ``publish()``, then ``persist()`` in the rank's thread (or
-``release_segment()`` when that thread could not start). The statuses they report are
-:mod:`.status`'s.
+server (:class:`SnapshotGroup`), which commits or fails together (a failed rank cancels the
+others, their partial files go), and each rank's :class:`RankSnapshot`, the handle the servicer
+holds (``status()``, ``wait()``, ``wait_segment_released()``, ``proceed()``, ``cancel()``).
 """
 
 from __future__ import annotations
@@ -20,11 +14,7 @@ import time
 from swap_state.common.names import snapshot_id_for
 from swap_state.common.segment import Word
 from swap_state.common.snapshot_errors import (
-    SnapshotBusy,
-    SnapshotError,
-    SnapshotExists,
-    SnapshotFailed,
-    SnapshotInvalid,
+    SnapshotBusy, SnapshotError, SnapshotExists, SnapshotFailed, SnapshotInvalid,
 )
 
 from swap_state.server.logs import log_event
@@ -44,28 +34,18 @@ log = logging.getLogger("swap_state.server.snapshot_coordinator")
 class SnapshotGroup:
     """The ranks of one (job, step). Its condition guards every field below."""
 
-    def __init__(
-        self,
-        storage: SnapshotStorage,
-        job_id: str,
-        step: int,
-        world_size: int,
-        local_world_size: int,
-        partial: pathlib.PurePath,
-        keep: int | None,
-    ):
+    def __init__(self, storage: SnapshotStorage, source: SnapshotSource, partial: pathlib.PurePath,
+                 keep: int | None):
         self.storage = storage
         self.keep = keep
         """Retention applied at commit: the job's wish, never below the server's floor."""
-        self.job_id = job_id
-        self.step = step
-        self.world_size = world_size
-        self.local_world_size = local_world_size
+        self.job_id, self.step, self.world_size = source.job_id, source.step, source.world_size
+        self.local_world_size = source.expected_ranks
         """Distinct ranks that complete the group (this server's share of ``world_size``)."""
         self.partial = partial
         """The partial snapshot the ranks write into (the storage's)."""
-        self.snapshot_id = snapshot_id_for(job_id, step)
-        self.tenant = ""
+        self.snapshot_id = snapshot_id_for(self.job_id, self.step)
+        self.tenant = source.tenant
         """The tenant that owns the job (``--tenants``), recorded in ``snapshot.json``."""
         self.cond = WatchedCondition()
         """Threads wait on it, and RPCs await it (:mod:`.waiting`: no thread held)."""
@@ -79,20 +59,15 @@ class SnapshotGroup:
         self.live_threads = 0
         self.discarded = False  # failed, and one thread has claimed removing its files
         self.discarded_done = False  # ... and they are gone
-        self.replace = False
+        self.replace = source.replace_existing
         """At commit, replace a durable snapshot of the same step (an earlier attempt's)."""
         self.timer: threading.Timer | None = None
         self.finished_monotonic: float | None = None
 
     def decide_start(self, source: SnapshotSource) -> SnapshotGroup | RankSnapshot | None:
-        """What a start of ``source`` for this (job, step) means; under the coordinator's
-        lock. Returns the handle to hand back (a retry), this group to join, or None (a new
-        attempt: the caller forgets this group). Raises when the start must be refused.
-
-        A retry is the same run (session and generation) with nothing committed since. Any
-        other start of a step this group made durable holds other bytes: another run of the
-        job id (from scratch, or resumed at another world size) or a retrained step; it
-        replaces the durable snapshot when it asks to, and is refused otherwise."""
+        """What a start of ``source`` for this (job, step) means, under the coordinator's lock:
+        the handle of a retry (the same run, nothing committed since), this group to join, or
+        None (a new attempt, e.g. replacing a durable step it asks to); else raises."""
         with self.cond:
             state = self.state
             mine = self.handles.get(source.rank)
@@ -103,38 +78,32 @@ class SnapshotGroup:
             return mine
         if state is SnapshotState.DURABLE:
             if not source.replace_existing:
-                raise SnapshotExists(exists_message(self.snapshot_id))
+                raise SnapshotExists(
+                    f"snapshot {self.snapshot_id} is already durable, from an earlier attempt at that step "
+                    "(the trainer retrained it, e.g. after loading an older checkpoint): its bytes are not "
+                    "this state's. Use a new job id, or let the snapshot replace it (SnapshotRequest."
+                    "replace_existing; torchtitan's glue does, as it overwrites its checkpoint)")
             return None  # a fresh attempt, which replaces the durable one at its commit
         if state is SnapshotState.PERSISTING:
-            if mine is not None or not self._same_sizes(source):
+            if mine is not None or self.world_size != source.world_size:
                 raise SnapshotBusy(f"an earlier attempt at {self.snapshot_id} (another run, or before a "
                                    "retrained step) is still persisting")
-            self._check_same_job(source)
+            if self.local_world_size != source.expected_ranks:
+                raise SnapshotInvalid(f"{self.snapshot_id} was started with local_world_size "
+                                      f"{self.local_world_size} (ranks of the job on this server), rank "
+                                      f"{source.rank} attached with {source.expected_ranks}: all ranks of a "
+                                      "job on one server must agree")
             if len(members) >= self.local_world_size:
-                raise SnapshotInvalid(
-                    f"{self.snapshot_id} already has its local_world_size "
-                    f"{self.local_world_size} ranks {members} on this server; rank "
-                    f"{source.rank} is one more: is local_world_size right for this host?"
-                )
+                raise SnapshotInvalid(f"{self.snapshot_id} already has its local_world_size "
+                                      f"{self.local_world_size} ranks {members} on this server; rank "
+                                      f"{source.rank} is one more: is local_world_size right for this host?")
             return self
-        if mine is None and self._same_sizes(source):
+        if mine is None and self.world_size == source.world_size:
             # This rank missed the failed attempt: joining a new one alone would only time out.
             raise SnapshotFailed(f"{self.snapshot_id} failed: {error}")
         if not drained:
             raise SnapshotBusy(f"the failed attempt at {self.snapshot_id} is still being cleaned up")
         return None  # a participant retries, or another run starts: a fresh attempt
-
-    def _same_sizes(self, source: SnapshotSource) -> bool:
-        """Whether ``source`` has this group's world size (a run at another size is another run)."""
-        return self.world_size == source.world_size
-
-    def _check_same_job(self, source: SnapshotSource) -> None:
-        if self.local_world_size != source.expected_ranks:
-            raise SnapshotInvalid(
-                f"{self.snapshot_id} was started with local_world_size {self.local_world_size} "
-                f"(ranks of the job on this server), rank {source.rank} attached with "
-                f"{source.expected_ranks}: all ranks of a job on one server must agree"
-            )
 
     def add_handle(self, handle: RankSnapshot) -> None:
         """A rank joined, its thread about to start; the assembly timer stops once all did."""
@@ -190,57 +159,33 @@ class SnapshotGroup:
             self.cond.notify_all()
 
 
-def exists_message(snapshot_id: str) -> str:
-    return (
-        f"snapshot {snapshot_id} is already durable, from an earlier attempt at that step (the "
-        "trainer retrained it, e.g. after loading an older checkpoint): its bytes are not this "
-        "state's. Use a new job id, or let the snapshot replace it (SnapshotRequest."
-        "replace_existing; torchtitan's glue does, as it overwrites its checkpoint)"
-    )
-
-
 class RankSnapshot:
     """One rank's snapshot. Thread-safe; obtained from :meth:`SnapshotCoordinator.start`."""
 
     def __init__(self, group: SnapshotGroup, rank: int, writer: RankWriter):
         self._group = group
-        self._writer = writer
+        self.writer = writer
+        """The rank's writer; the coordinator publishes, runs and releases through it."""
         self.rank = rank
         self.thread: threading.Thread | None = None
-        self.commits_at_start = 0
+        self.commits_at_start = writer.source.header[Word.TRAINER_COMMITS]
         """The segment's TRAINER_COMMITS when the snapshot began: a later Snapshot call of the
         same step with the same count is a retry, with another a retrained step."""
-        self.run: tuple[str, int] = ("", 0)
-        """The (session id, generation) that started it: only that run retries it."""
 
     def is_retry(self, source: SnapshotSource) -> bool:
-        """Whether ``source`` asks again for this snapshot: the same run, nothing committed since."""
-        return source.run == self.run and source.header[Word.TRAINER_COMMITS] == self.commits_at_start
+        """Whether ``source`` asks again for this snapshot: the same run (session, generation),
+        nothing committed since."""
+        commits = source.header[Word.TRAINER_COMMITS]
+        return source.run == self.writer.source.run and commits == self.commits_at_start
 
     @property
     def snapshot_id(self) -> str:
         return self._group.snapshot_id
 
     @property
-    def job_id(self) -> str:
-        return self._group.job_id
-
-    @property
-    def step(self) -> int:
-        return self._group.step
-
-    @property
-    def world_size(self) -> int:
-        return self._group.world_size
-
-    @property
-    def local_world_size(self) -> int:
-        return self._group.local_world_size
-
-    @property
     def epoch(self) -> int:
         """The SNAP_EPOCH this rank's snapshot published."""
-        return self._writer.epoch
+        return self.writer.epoch
 
     @property
     def exception(self) -> SnapshotError | None:
@@ -253,7 +198,7 @@ class RankSnapshot:
 
     def status(self) -> SnapshotStatus:
         group = self._group
-        writer = self._writer
+        writer = self.writer
         cow_copies, bp_waits, bp_wait_ns = writer.counters()
         staged_chunks, staged_bytes, trainer_bytes = writer.server_counters()
         with group.cond:
@@ -263,39 +208,24 @@ class RankSnapshot:
                 error = str(group.rank_errors.get(self.rank) or group.error)
             durable = state is SnapshotState.DURABLE and group.commit is not None
             return SnapshotStatus(
-                snapshot_id=group.snapshot_id,
-                job_id=group.job_id,
-                step=group.step,
-                rank=self.rank,
-                world_size=group.world_size,
-                state=state,
-                bytes_total=writer.bytes_total,
-                bytes_persisted=writer.bytes_persisted,
-                error=error,
-                cow_copies=cow_copies,
-                backpressure_waits=bp_waits,
-                backpressure_wait_seconds=bp_wait_ns / 1e9,
-                path=str(group.commit.path if durable else group.partial),
-                ranks_joined=len(group.handles),
-                ranks_persisted=len(group.results),
-                segment_released=writer.segment_released.is_set(),
-                warnings=group.commit.warnings if durable else (),
-                local_world_size=group.local_world_size,
-                ranks=tuple(sorted(group.handles)),
-                server_staged_chunks=staged_chunks,
-                server_staged_bytes=staged_bytes,
-                trainer_copied_bytes=trainer_bytes,
+                snapshot_id=group.snapshot_id, job_id=group.job_id, step=group.step, rank=self.rank,
+                world_size=group.world_size, state=state, bytes_total=writer.bytes_total,
+                bytes_persisted=writer.bytes_persisted, error=error, cow_copies=cow_copies,
+                backpressure_waits=bp_waits, backpressure_wait_seconds=bp_wait_ns / 1e9,
+                path=str(group.commit.path if durable else group.partial), ranks_joined=len(group.handles),
+                ranks_persisted=len(group.results), segment_released=writer.segment_released.is_set(),
+                warnings=group.commit.warnings if durable else (), local_world_size=group.local_world_size,
+                ranks=tuple(sorted(group.handles)), server_staged_chunks=staged_chunks,
+                server_staged_bytes=staged_bytes, trainer_copied_bytes=trainer_bytes,
             )
 
     def _settled(self) -> bool:
-        """Durable, or failed *and* cleaned up (no partial files, no segment held); under
-        the group's condition."""
+        """Durable, or failed *and* cleaned up; under the group's condition."""
         group = self._group
         return group.state is SnapshotState.DURABLE or (group.state is SnapshotState.FAILED and group.discarded_done)
 
     def wait(self, timeout: float | None = None) -> SnapshotStatus:
-        """Block until settled (durable, or failed and cleaned up), or ``timeout`` seconds;
-        the status either way."""
+        """Block until settled (durable, or failed and cleaned up) or ``timeout``; the status."""
         with self._group.cond:
             self._group.cond.wait_for(self._settled, timeout)
         return self.status()
@@ -305,35 +235,17 @@ class RankSnapshot:
         await self._group.cond.until(self._settled, timeout)
         return self.status()
 
-    def publish(self) -> None:
-        """Make the snapshot consistent (the writer's protocol step 1); the coordinator's,
-        synchronously in the Snapshot call."""
-        self._writer.publish()
-
-    def persist(self) -> RankResult:
-        """Write the rank's files (the writer's ``run``); in the rank's thread. Raises
-        Cancelled or SnapshotError; the segment is released either way."""
-        return self._writer.run()
-
-    def persist_rate(self) -> float | None:
-        """Bytes/s the rank's chunks streamed at, once persisted; None before."""
-        return self._writer.persist_rate()
-
-    def release_segment(self) -> None:
-        """End the epoch without persisting: only for a rank whose thread never started."""
-        self._writer.release_segment()
-
     def wait_segment_released(self, timeout: float | None = None) -> bool:
         """True once the server no longer reads this rank's segment (safe to unmap)."""
-        return self._writer.segment_released.wait(timeout)
+        return self.writer.segment_released.wait(timeout)
 
     async def segment_released(self) -> None:
         """:meth:`wait_segment_released` for event-loop code: holds no thread while it waits."""
-        await self._writer.segment_released.wait_async()
+        await self.writer.segment_released.wait_async()
 
     def proceed(self) -> None:
         """Let a writer started with ``hold=True`` stream (idempotent; see RankWriter.go)."""
-        self._writer.go()
+        self.writer.go()
 
     def cancel(self, reason: str) -> None:
         """Fail the whole snapshot (all ranks); a no-op once it is durable."""

@@ -1,26 +1,18 @@
 """One step's layout index: for every tensor, where each old rank's shard lies (``layout.json``).
 
 A restore at another world size or layout plans from this one small object, written once per
-step by one writer (the server that commits a whole job locally; in the store, the host that
-publishes the step's index), never from N manifests (DCP's ``.metadata`` is the model). It
-holds no byte ranges and no checksums of the shards: a plan names the few old ranks it reads,
-and their manifests (verified against ``snapshot.json``) give those (:func:`bind`).
-
-Compact whatever N: a layout DTensor makes is a grid per tensor (along each dimension the
-shards' intervals tile it; every combination of intervals is one shard, held by one or more
-ranks). The intervals' starts and the cell each rank holds are stored as arithmetic runs
-(:class:`Progression`): ``Shard(0)`` over 1,024 ranks is one run of starts and one run of
-owners, so the 70B layout's index is a few hundred kB at any N and planning one new rank is
-O(T log R) (R runs, at most N). Anything else (plain tensors that differ, shards that are not
-a grid) keeps its records whole and is planned by :func:`~.reshard.plan_tensor`, which checks
-every source.
+step, never from N manifests (DCP's ``.metadata`` is the model). It holds no byte ranges or
+checksums of shards: the few manifests a plan reads give those (:func:`bind`). A DTensor's
+shards form a grid per tensor, whose interval starts and per-rank cells are stored as
+arithmetic runs (:class:`Progression`), so the index stays small at any N and planning a rank
+is O(T log R). Anything else keeps its records whole (:func:`~.reshard.plan_tensor`).
 
 Call order (:mod:`.assemble`)::
 
     index = LayoutIndex(manifests)  |  LayoutIndex.from_bytes(raw, world_size)   # layout.json
-    targets, index = index.promoted(targets)          # plain <-> whole-DTensor, see there
+    targets, index = index.promoted(targets)
     plan = index.plan(targets, target_rank=..., same_world=...)   # pieces of box records
-    plan = bind(plan, {rank: manifest.tensors for rank in ranks_needed(plan)})   # the files' records
+    plan = bind(plan, {rank: manifest.tensors for rank in ranks_needed(plan)})
 """
 
 from __future__ import annotations
@@ -36,9 +28,7 @@ from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import TensorRecord
 
-from swap_state.server.snapshot.reshard import (
-    Piece, Run, TargetTensor, _check_box, _intersect, _nearest, _runs, plan_tensor,
-)
+from swap_state.server.snapshot.reshard import Piece, TargetTensor, _check_box, _intersect, _runs, plan_tensor
 
 __all__ = ["LAYOUT_FORMAT", "LayoutIndex", "Progression", "bind", "plan_rank"]
 
@@ -245,12 +235,7 @@ class _Plain:
         return len(crcs) == 1 and all(step == 0 for _, step, _ in self.crcs.runs)
 
     def plan(self, target: TargetTensor, target_rank: int, same_world: bool) -> list[Piece]:
-        holders = self.holders()
-        if (target.dtype, target.global_shape, target.global_offset, target.shape) == \
-                (self.dtype, None, None, self.shape) and self.same_bytes():
-            rank, record = _nearest(holders, target_rank)
-            return [Piece(rank, record, (Run(0, 0, record.nbytes),))] if record.nbytes else []
-        return plan_tensor(target, holders, target_rank=target_rank, same_world=same_world)
+        return plan_tensor(target, self.holders(), target_rank=target_rank, same_world=same_world)
 
     def to_json(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "crc32s": self.crcs.flat()}
@@ -351,18 +336,11 @@ class LayoutIndex:
                "tensors": [self._tensors[name].to_json() for name in sorted(self._tensors)]}
         return json.dumps(doc, separators=(",", ":")).encode()
 
-    def replaced(self, tensors: Mapping[str, _Layout]) -> LayoutIndex:
-        copy = object.__new__(LayoutIndex)
-        copy.world_size, copy._tensors = self.world_size, {**self._tensors, **tensors}
-        return copy
-
     def promoted(self, targets: Sequence[TargetTensor]) -> tuple[list[TargetTensor], LayoutIndex]:
-        """A plain tensor and a DTensor of the same global shape are the same tensor, whole: a
-        job sharded (FSDP) at one world size is not at another (torchtitan applies no FSDP on
-        one rank). A plain target whose old shards are a grid of its shape becomes the box of
-        the whole tensor; plain old tensors of a DTensor target's global shape become whole
-        boxes, only when every old rank holds the same bytes (crc32): replicas, never one
-        rank's guess."""
+        """A plain tensor and a DTensor of the same global shape are the same tensor, whole (FSDP
+        at one world size, none at another): a plain target over a grid of its shape becomes
+        the whole box; plain old tensors of a DTensor target's global shape become whole
+        boxes only when every old rank holds the same bytes (crc32)."""
         out, promoted = [], {}
         for target in targets:
             found = self._tensors.get(target.name)
@@ -374,12 +352,15 @@ class LayoutIndex:
                 starts = tuple(Progression([(0, 0, 1)]) for _ in found.shape)
                 promoted[target.name] = _Grid(found.name, found.dtype, found.shape, starts, owners)
             out.append(target)
-        return out, (self.replaced(promoted) if promoted else self)
+        if not promoted:
+            return out, self
+        copy = object.__new__(LayoutIndex)
+        copy.world_size, copy._tensors = self.world_size, {**self._tensors, **promoted}
+        return out, copy
 
     def plan(self, targets: Sequence[TargetTensor], *, target_rank: int, same_world: bool) -> dict[str, list[Piece]]:
         """Every target tensor's pieces (by name), their sources box records until :func:`bind`.
-        ``same_world``: the restore keeps the snapshot's world size (a plain tensor differing
-        between ranks is then each rank's own)."""
+        ``same_world``: a plain tensor differing between ranks is each rank's own."""
         names: set[str] = set()
         for target in targets:
             if target.name in names:
@@ -387,10 +368,9 @@ class LayoutIndex:
             names.add(target.name)
         missing = sorted(names - self._tensors.keys())
         if missing:
-            raise SnapshotLayoutMismatch(
-                f"tensor {missing[0]} is in no rank of the snapshot ({len(missing)} such in all); "
-                "restore into a job with the same model and optimizer state as the snapshot's"
-            )
+            raise SnapshotLayoutMismatch(f"tensor {missing[0]} is in no rank of the snapshot "
+                                         f"({len(missing)} such in all); restore into a job with the same "
+                                         "model and optimizer state as the snapshot's")
         return {t.name: self._tensors[t.name].plan(t, target_rank, same_world) for t in targets}
 
 
@@ -448,8 +428,7 @@ def _grid_of(name: str, pairs: list[tuple[int, TensorRecord]], world_size: int) 
 
 
 def bind(plan: Mapping[str, list[Piece]], records: Mapping[int, Sequence[TensorRecord]]) -> dict[str, list[Piece]]:
-    """The plan with each piece's source the record its old rank holds (``records``: the
-    manifests' tensors of the old ranks the plan reads, for their bytes' place and checksum),
+    """The plan with each piece's source the record its old rank's manifest holds (``records``),
     which must describe the same shard as the layout index."""
     by_rank = {rank: {t.name: t for t in tensors} for rank, tensors in records.items()}
     bound: dict[str, list[Piece]] = {}

@@ -1,17 +1,11 @@
-"""What one rank's snapshot writes, apart from where it goes and how its bytes are read.
-
-A :class:`RankFilePlan` names the rank's two files (``rank-XXXXX.safetensors`` and its
-manifest), builds the safetensors header and each tensor's byte range in the data file, and,
-once the writer has streamed the tensors and knows their crc32s, the data file's record
-(size, whole-file crc32), the :class:`~swap_state.common.snapshot_format.RankManifest` and the
-:class:`RankResult` the coordinator lists in ``snapshot.json``. The formats themselves are
-:mod:`swap_state.common.snapshot_format`'s; the storage that takes the bytes is
-:mod:`.storage`'s; the copy-before-write streaming is :mod:`.writer`'s.
+"""What one rank's snapshot writes, apart from where it goes: :class:`RankFilePlan` names the
+rank's data file and manifest, builds the safetensors header and each tensor's byte range, and
+once the crc32s are known, the data file's record, the manifest and the :class:`RankResult`.
 
 Call order (the writer)::
 
     plan = RankFilePlan(source, metadata)
-    file.pwrite(plan.header, 0); ...tensors at plan.data_start...   # the writer streams
+    ...the header, then the tensors at plan.data_start...          # the writer streams
     data = plan.data_record(crcs)
     manifest = plan.manifest(crcs, data, counters, persist_seconds)
     raw = manifest.to_bytes(); storage.write_durable(partial, plan.manifest_name, raw)
@@ -24,12 +18,7 @@ import dataclasses
 
 from swap_state.common.checksum import crc32, crc32_combine
 from swap_state.common.snapshot_format import (
-    FileRecord,
-    RankManifest,
-    TensorRecord,
-    rank_data_name,
-    rank_manifest_name,
-    safetensors_header,
+    FileRecord, RankManifest, TensorRecord, rank_data_name, rank_manifest_name, safetensors_header,
     safetensors_metadata,
 )
 from swap_state.common.snapshot_metadata import SnapshotMetadata, TensorMetadata
@@ -43,7 +32,6 @@ class RankResult:
     """A rank whose data file and manifest are written and fsynced."""
 
     manifest: RankManifest
-    """The manifest as written."""
     files: tuple[FileRecord, FileRecord]
     """(data file, manifest file) with sizes and crc32s, for snapshot.json."""
 
@@ -77,29 +65,18 @@ class RankFilePlan:
             file_crc = crc32_combine(file_crc, value, tensor.nbytes)
         return FileRecord(self.data_name, self.source.rank, len(self.header) + self.tensor_bytes, file_crc)
 
-    def manifest(
-        self, crcs: list[int], data: FileRecord, counters: tuple[int, int, int], persist_seconds: float
-    ) -> RankManifest:
+    def manifest(self, crcs: list[int], data: FileRecord, counters: tuple[int, int, int],
+                 persist_seconds: float) -> RankManifest:
         """The rank's manifest; ``counters``: the trainer's (cow copies, back-pressure waits,
         wait ns) during the snapshot."""
         source, metadata = self.source, self.metadata
         cow_copies, bp_waits, bp_wait_ns = counters
         return RankManifest(
-            job_id=source.job_id,
-            step=source.step,
-            rank=source.rank,
-            world_size=source.world_size,
-            data_file=self.data_name,
-            data_file_bytes=data.bytes,
-            data_start=len(self.header),
-            chunk_bytes=source.layout.chunk_bytes,
-            tensors=self.tensor_records(crcs),
-            param_groups=metadata.param_groups,
-            steps=metadata.steps,
-            metadata_extra=metadata.extra,
-            cow_copies=cow_copies,
-            backpressure_waits=bp_waits,
-            backpressure_wait_seconds=bp_wait_ns / 1e9,
+            job_id=source.job_id, step=source.step, rank=source.rank, world_size=source.world_size,
+            data_file=self.data_name, data_file_bytes=data.bytes, data_start=len(self.header),
+            chunk_bytes=source.layout.chunk_bytes, tensors=self.tensor_records(crcs),
+            param_groups=metadata.param_groups, steps=metadata.steps, metadata_extra=metadata.extra,
+            cow_copies=cow_copies, backpressure_waits=bp_waits, backpressure_wait_seconds=bp_wait_ns / 1e9,
             persist_seconds=persist_seconds,
         )
 
@@ -107,20 +84,11 @@ class RankFilePlan:
         records = []
         for tensor, (begin, end), value in zip(self.source.layout.tensors, self.offsets, crcs):
             meta = self.metadata.tensors.get(tensor.name, TensorMetadata())
-            records.append(
-                TensorRecord(
-                    name=tensor.name,
-                    dtype=tensor.dtype,
-                    shape=tensor.shape,
-                    nbytes=tensor.nbytes,
-                    data_offsets=(begin, end),
-                    crc32=value,
-                    fqn=meta.fqn,
-                    key=meta.key,
-                    global_shape=meta.global_shape,
-                    global_offset=meta.global_offset,
-                )
-            )
+            records.append(TensorRecord(
+                name=tensor.name, dtype=tensor.dtype, shape=tensor.shape, nbytes=tensor.nbytes,
+                data_offsets=(begin, end), crc32=value, fqn=meta.fqn, key=meta.key,
+                global_shape=meta.global_shape, global_offset=meta.global_offset,
+            ))
         return tuple(records)
 
     def result(self, manifest: RankManifest, data: FileRecord, raw: bytes) -> RankResult:

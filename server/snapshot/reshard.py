@@ -1,23 +1,13 @@
-"""Plans the byte copies that reshard a snapshot to another world size.
+"""Plans the byte copies that reshard a snapshot to another world size: :func:`plan_tensor` says,
+for a tensor of the restoring rank, which old ranks' tensors to read (:class:`Piece`) and which
+contiguous byte ranges of them go where (:class:`Run`). A DTensor shard is the box
+``[global_offset, global_offset + shape)`` of its global tensor, stored row-major. Pure Python
+on ints (the server must not import torch); it reads and copies nothing.
 
-A snapshot holds, per old rank, a safetensors file whose tensors its manifest describes
-(:class:`~swap_state.common.snapshot_format.TensorRecord`). A DTensor shard is the box
-``[global_offset, global_offset + shape)`` of its global tensor, stored row-major (C order).
-A job restarting at another world size needs, for each tensor of a *new* rank, bytes
-assembled from the old ranks' shards: :func:`plan_tensor` says, for each tensor of the
-restoring rank, which old ranks' tensors to read (:class:`Piece`) and which contiguous byte
-ranges of them go where in the target tensor (:class:`Run`).
-
-The planner only plans: it reads no file and copies no byte. It is pure Python on plain ints
-(no torch, no numpy), since the server package must not import torch; the caller reads the
-source ranges (``data_offsets[0] + run.source_offset``) and writes them into the target.
-
-Rules, briefly: dtypes and global shapes must match; replicas (old ranks holding the same
-box) count once, the restoring rank's own serving when it holds one, else one spread by the
-restoring rank; the chosen shards must not overlap and must cover the target box exactly. A plain (non-DTensor) tensor is taken whole from one old rank, which
-is only sound when all ranks hold the same bytes (equal crc32s), or when restoring at the
-snapshot's own world size, where each rank takes its own. :mod:`.layout_index` plans a whole
-new rank from one step's index, tensor by tensor through these rules where its grids do not.
+Rules: dtypes and global shapes must match; replicas count once (the restoring rank's own when
+it holds one, else one spread by rank); the chosen shards must tile the target box exactly. A
+plain tensor is taken whole from one old rank: only when all hold the same bytes (crc32), or at
+the snapshot's own world size (each rank its own). :mod:`.layout_index` plans a whole rank.
 """
 
 from __future__ import annotations
@@ -46,7 +36,6 @@ class TargetTensor:
     dtype: str
     """Segment dtype name (``float32``, ``bfloat16``, ...); the sources must have the same."""
     shape: tuple[int, ...]
-    """Local shape on the new rank."""
     global_shape: tuple[int, ...] | None
     """DTensor global shape; None for a plain (non-DTensor) tensor."""
     global_offset: tuple[int, ...] | None
@@ -60,9 +49,7 @@ class Run:
     source_offset: int
     """Byte offset inside the source tensor's bytes (not the file: add ``data_offsets[0]``)."""
     target_offset: int
-    """Byte offset inside the target tensor's bytes."""
     nbytes: int
-    """Bytes to copy."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,27 +57,17 @@ class Piece:
     """What one old rank's tensor contributes to a target tensor."""
 
     source_rank: int
-    """The old rank whose file holds the source tensor."""
     source: TensorRecord
     """That rank's record of the tensor (its ``data_offsets`` locate it in the file)."""
     runs: tuple[Run, ...]
     """Contiguous byte copies, ascending ``target_offset``."""
 
 
-def plan_tensor(
-    target: TargetTensor,
-    sources: Sequence[tuple[int, TensorRecord]],
-    *,
-    target_rank: int | None = None,
-    same_world: bool = False,
-) -> list[Piece]:
-    """The pieces that fill ``target``, ordered by source rank.
-
-    ``sources``: (old rank, that rank's record of the tensor with the same name), any order.
-    ``same_world`` with ``target_rank``: the restore keeps the snapshot's world size, so a
-    plain tensor whose bytes differ between ranks is taken from ``target_rank``'s own file.
-    Raises SnapshotLayoutMismatch when the sources cannot fill the target.
-    """
+def plan_tensor(target: TargetTensor, sources: Sequence[tuple[int, TensorRecord]], *,
+                target_rank: int | None = None, same_world: bool = False) -> list[Piece]:
+    """The pieces that fill ``target``, by source rank, from ``sources`` (old rank, its record).
+    ``same_world``: a plain tensor whose bytes differ between ranks is ``target_rank``'s own.
+    Raises SnapshotLayoutMismatch when the sources cannot fill the target."""
     name = target.name
     if not sources:
         raise SnapshotLayoutMismatch(f"tensor {name}: no rank of the snapshot holds it")
@@ -106,8 +83,7 @@ def plan_tensor(
 
 
 def _nearest(holders: Sequence[tuple[int, TensorRecord]], target_rank: int) -> tuple[int, TensorRecord]:
-    """Which of several old ranks holding the same bytes a new rank reads: its own rank's
-    file when that holds them, else one spread by the new rank (not all from the lowest)."""
+    """Which old rank holding the same bytes a new rank reads: its own, else one spread by rank."""
     for pair in holders:
         if pair[0] == target_rank:
             return pair
@@ -115,7 +91,7 @@ def _nearest(holders: Sequence[tuple[int, TensorRecord]], target_rank: int) -> t
 
 
 def ranks_needed(plan: Mapping[str, list[Piece]]) -> list[int]:
-    """The distinct old ranks a plan reads from, sorted: the files a restore must open."""
+    """The distinct old ranks a plan reads from, sorted."""
     return sorted({piece.source_rank for pieces in plan.values() for piece in pieces})
 
 
@@ -123,70 +99,48 @@ def _check_source(target: TargetTensor, rank: int, record: TensorRecord, itemsiz
     """Dtype, kind (DTensor or plain), global shape and byte size of one source."""
     name = target.name
     if record.dtype != target.dtype:
-        raise SnapshotLayoutMismatch(
-            f"tensor {name}: old rank {rank} saved it as {record.dtype} but the restoring "
-            f"segment has {target.dtype}; restore with the dtype the snapshot was taken with"
-        )
+        raise SnapshotLayoutMismatch(f"tensor {name}: old rank {rank} saved it as {record.dtype} but the "
+                                     f"restoring segment has {target.dtype}; restore with the dtype the "
+                                     "snapshot was taken with")
     if record.global_shape != target.global_shape:
         if record.global_shape is None or target.global_shape is None:
             kinds = ("a plain tensor", "a DTensor")
             saved, wanted = (kinds if record.global_shape is None else kinds[::-1])
-            raise SnapshotLayoutMismatch(
-                f"tensor {name}: old rank {rank} saved it as {saved} but the restoring "
-                f"segment has {wanted}"
-            )
-        raise SnapshotLayoutMismatch(
-            f"tensor {name}: global shape {record.global_shape} in old rank {rank} but "
-            f"{target.global_shape} in the restoring job; the model config must match"
-        )
+            raise SnapshotLayoutMismatch(f"tensor {name}: old rank {rank} saved it as {saved} but the "
+                                         f"restoring segment has {wanted}")
+        raise SnapshotLayoutMismatch(f"tensor {name}: global shape {record.global_shape} in old rank {rank} "
+                                     f"but {target.global_shape} in the restoring job; the model config "
+                                     "must match")
     # The runs address the source's bytes by its shape; a record whose size disagrees would
     # send them past the tensor's end.
     if record.nbytes != math.prod(record.shape) * itemsize:
-        raise SnapshotLayoutMismatch(
-            f"tensor {name}: old rank {rank} records {record.nbytes} bytes for shape "
-            f"{record.shape} of {record.dtype}"
-        )
+        raise SnapshotLayoutMismatch(f"tensor {name}: old rank {rank} records {record.nbytes} bytes for "
+                                     f"shape {record.shape} of {record.dtype}")
     if record.global_shape is None:
         if record.shape != target.shape:
-            raise SnapshotLayoutMismatch(
-                f"tensor {name}: plain tensor of shape {record.shape} in old rank {rank} but "
-                f"{target.shape} in the restoring segment; the model config must match"
-            )
+            raise SnapshotLayoutMismatch(f"tensor {name}: plain tensor of shape {record.shape} in old rank "
+                                         f"{rank} but {target.shape} in the restoring segment; the model "
+                                         "config must match")
         return
     _check_box(name, f"old rank {rank}", record.global_shape, record.global_offset, record.shape)
 
 
-def _check_box(
-    name: str,
-    where: str,
-    global_shape: tuple[int, ...],
-    offset: tuple[int, ...] | None,
-    shape: tuple[int, ...],
-) -> None:
+def _check_box(name: str, where: str, global_shape: tuple[int, ...], offset: tuple[int, ...] | None,
+               shape: tuple[int, ...]) -> None:
     if offset is None or len(offset) != len(shape) or len(shape) != len(global_shape):
-        raise SnapshotLayoutMismatch(
-            f"tensor {name}: the DTensor shard of {where} has global shape {global_shape}, "
-            f"offset {offset} and local shape {shape}, which do not describe a box"
-        )
+        raise SnapshotLayoutMismatch(f"tensor {name}: the DTensor shard of {where} has global shape "
+                                     f"{global_shape}, offset {offset} and local shape {shape}, which do "
+                                     "not describe a box")
     if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(offset, shape, global_shape)):
-        raise SnapshotLayoutMismatch(
-            f"tensor {name}: the DTensor shard of {where} (offset {offset}, shape {shape}) "
-            f"lies outside the global shape {global_shape}"
-        )
+        raise SnapshotLayoutMismatch(f"tensor {name}: the DTensor shard of {where} (offset {offset}, shape "
+                                     f"{shape}) lies outside the global shape {global_shape}")
 
 
-def _plan_plain(
-    target: TargetTensor,
-    ordered: Sequence[tuple[int, TensorRecord]],
-    itemsize: int,
-    target_rank: int | None,
-    same_world: bool,
-) -> list[Piece]:
+def _plan_plain(target: TargetTensor, ordered: Sequence[tuple[int, TensorRecord]], itemsize: int,
+                target_rank: int | None, same_world: bool) -> list[Piece]:
     if target.global_offset is not None:
-        raise SnapshotLayoutMismatch(
-            f"tensor {target.name}: the restoring segment gives it a global offset "
-            f"{target.global_offset} but no global shape"
-        )
+        raise SnapshotLayoutMismatch(f"tensor {target.name}: the restoring segment gives it a global offset "
+                                     f"{target.global_offset} but no global shape")
     nbytes = math.prod(target.shape) * itemsize
     if nbytes == 0:
         return []
@@ -196,21 +150,18 @@ def _plan_plain(
     if differing is not None:
         own = [pair for pair in ordered if pair[0] == target_rank]
         if not (same_world and own):
-            raise SnapshotLayoutMismatch(
-                f"tensor {target.name} is a plain (non-DTensor) tensor that differs between "
-                f"the snapshot's ranks ({first_rank} and {differing[0]}), so it cannot be "
-                "resharded to another world size; restore at the snapshot's world size"
-            )
+            raise SnapshotLayoutMismatch(f"tensor {target.name} is a plain (non-DTensor) tensor that "
+                                         f"differs between the snapshot's ranks ({first_rank} and "
+                                         f"{differing[0]}), so it cannot be resharded to another world "
+                                         "size; restore at the snapshot's world size")
         chosen = own[0]
     return [Piece(chosen[0], chosen[1], (Run(0, 0, nbytes),))]
 
 
-def _plan_dtensor(
-    target: TargetTensor, ordered: Sequence[tuple[int, TensorRecord]], itemsize: int, target_rank: int | None
-) -> list[Piece]:
+def _plan_dtensor(target: TargetTensor, ordered: Sequence[tuple[int, TensorRecord]], itemsize: int,
+                  target_rank: int | None) -> list[Piece]:
     assert target.global_shape is not None
-    _check_box(target.name, "the restoring rank", target.global_shape, target.global_offset,
-               target.shape)
+    _check_box(target.name, "the restoring rank", target.global_shape, target.global_offset, target.shape)
     assert target.global_offset is not None
     if math.prod(target.shape) == 0:
         return []
@@ -248,19 +199,17 @@ def _check_tiling(target: TargetTensor, chosen: Sequence[tuple[int, TensorRecord
     """The chosen boxes must be disjoint and fill the target box exactly."""
     for (rank_a, _, box_a), (rank_b, _, box_b) in itertools.combinations(chosen, 2):
         if _intersect(box_a, box_b) is not None:
-            raise SnapshotLayoutMismatch(
-                f"tensor {target.name}: overlapping shards of old ranks {rank_a} and {rank_b} "
-                f"(offset {box_a[0]} shape {box_a[1]}, offset {box_b[0]} shape {box_b[1]}) "
-                "that are not replicas of each other; the snapshot's layout is inconsistent"
-            )
+            raise SnapshotLayoutMismatch(f"tensor {target.name}: overlapping shards of old ranks {rank_a} "
+                                         f"and {rank_b} (offset {box_a[0]} shape {box_a[1]}, offset "
+                                         f"{box_b[0]} shape {box_b[1]}) that are not replicas of each "
+                                         "other; the snapshot's layout is inconsistent")
     covered = sum(math.prod(box[1]) for _, _, box in chosen)
     wanted = math.prod(target.shape)
     if covered != wanted:
-        raise SnapshotLayoutMismatch(
-            f"tensor {target.name}: the restoring rank's box (offset {target.global_offset}, "
-            f"shape {target.shape}) is not covered: the snapshot's shards hold {covered} of "
-            f"its {wanted} elements; check that the snapshot holds every old rank"
-        )
+        raise SnapshotLayoutMismatch(f"tensor {target.name}: the restoring rank's box (offset "
+                                     f"{target.global_offset}, shape {target.shape}) is not covered: the "
+                                     f"snapshot's shards hold {covered} of its {wanted} elements; check "
+                                     "that the snapshot holds every old rank")
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
@@ -295,18 +244,7 @@ def _runs(common: Box, source: Box, target: Box, itemsize: int) -> tuple[Run, ..
          for i in range(lo[d], lo[d] + ext[d])]
         for d in range(k)
     ]
-    runs: list[Run] = []
-    cur_s = cur_t = cur_n = -1
-    for prefix in itertools.product(*axes):
-        s = (s_base + sum(p[0] for p in prefix)) * itemsize
-        t = (t_base + sum(p[1] for p in prefix)) * itemsize
-        if cur_n >= 0 and cur_s + cur_n == s and cur_t + cur_n == t:
-            # Adjacent in both: one copy does it. The minimal k leaves none such, but the
-            # check is cheap and keeps the runs minimal should the rule for k change.
-            cur_n += nbytes
-            continue
-        if cur_n >= 0:
-            runs.append(Run(cur_s, cur_t, cur_n))
-        cur_s, cur_t, cur_n = s, t, nbytes
-    runs.append(Run(cur_s, cur_t, cur_n))
-    return tuple(runs)
+    # The minimal k leaves no two runs adjacent in both boxes: each prefix is one copy.
+    return tuple(Run((s_base + sum(p[0] for p in prefix)) * itemsize,
+                     (t_base + sum(p[1] for p in prefix)) * itemsize, nbytes)
+                 for prefix in itertools.product(*axes))

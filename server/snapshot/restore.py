@@ -1,27 +1,15 @@
 """Restore: a durable snapshot into a session's segment, verified first.
 
-Call order (the servicer, for Restore): resolve the session's segment, then
-``restore(coordinator.directory, snapshot_id, segment_mmap, layout, job_id=..., rank=...,
-world_size=..., reserve_staging=arena.reserve_staging, stored=..., placement_json=...)``; on
-success it has written the tensors and returns the snapshot's step and the trainer's metadata
-(the servicer then records the restored step as committed).
-
-This module picks the tier (:func:`~.tiers.resolve_source`: this server's ``--snapshot-dir``,
-else the store) and checks the segment; :mod:`.assemble` plans, reads and verifies, one path
-for every layout: the same one (the rank's own file, whole), another world size or another
-layout at the same size. Everything is checked before the first byte of the segment changes:
-the snapshot is complete, its (global) world size matches the job's or the trainer sent the
-placement to reshard it, it holds this rank (on a multi-host job each server's snapshot holds
-the ranks attached to it: a rank missing here is SnapshotNotFound, naming the ranks present and
-pointing at the other hosts' servers), the tensors match the target layout, the manifests match
-``snapshot.json`` and every tensor's crc32 matches. Any mismatch raises
-(SnapshotLayoutMismatch, SnapshotCorrupt, naming the file and the tensor) and leaves the
-segment untouched.
+Call order (the servicer, for Restore): ``restore(coordinator.directory, snapshot_id,
+segment_mmap, layout, job_id=..., rank=..., world_size=..., reserve_staging=..., stored=...,
+placement_json=...)`` returns the snapshot's step and the trainer's metadata once the tensors
+are written. It picks the tier (:func:`~.tiers.resolve_source`) and checks the segment;
+:mod:`.assemble` plans, reads and verifies. Any mismatch raises (SnapshotNotFound,
+SnapshotLayoutMismatch, SnapshotCorrupt, naming the file and tensor) before the segment changes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from collections.abc import Callable
@@ -34,7 +22,7 @@ from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.common.stored_snapshots import StoredSnapshots
 
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.assemble import assemble, check_layout, check_world_size
+from swap_state.server.snapshot.assemble import RestoreResult, assemble, check_layout, check_world_size
 from swap_state.server.snapshot.tiers import resolve_source
 from swap_state.server.snapshot.directory import SnapshotDirectory
 
@@ -42,66 +30,21 @@ __all__ = ["RestoreResult", "check_layout", "restore"]
 
 log = logging.getLogger("swap_state.server.restore")
 
-@dataclasses.dataclass(frozen=True)
-class RestoreResult:
-    """What a successful restore loaded."""
 
-    snapshot_id: str
-    """The resolved id (``latest`` becomes ``<job>/step-<N>``)."""
-    step: int
-    """The step the segment now holds."""
-    metadata_json: str
-    """The trainer's metadata of that snapshot (every fact it gave; rebuilt by the manifest)."""
-    bytes_restored: int
-    """Tensor bytes copied into the segment."""
-    staged: bool = True
-    """Read once and staged (else verified, then read again: the budget could not hold it)."""
-    pinned: bool = True
-    """The staged bytes could not change before the copy (a whole file mapped and pinned with
-    mlock); else each copied chunk was checked again, or each piece checked as read."""
-    source: str = "local"
-    """Where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)."""
-    snapshot_world_size: int = 0
-    """The world size the snapshot was taken at (resharded when not the job's)."""
-    source_ranks: tuple[int, ...] = ()
-    """The snapshot's ranks whose files were read."""
-    plan: str = "own-file"
-    """What the plan came from: ``own-file`` (the snapshot's layout), ``layout-index`` (the
-    step's layout.json) or ``every-manifest`` (a snapshot without one)."""
+def restore(store: SnapshotDirectory, snapshot_id: str, buffer, layout: SegmentLayout, *, rank: int,
+            world_size: int, job_id: str | None = None, header: SegmentHeader | None = None,
+            reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
+            staging_free_bytes: Callable[[], int] | None = None, stored: StoredSnapshots | None = None,
+            placement_json: str = "",
+            may_read: Callable[[SnapshotInfo], None] | None = None) -> RestoreResult:
+    """Verify ``snapshot_id`` (``<job>/step-<N>``, or ``latest`` of ``job_id``) for ``rank`` against
+    ``layout``, then copy it into ``buffer`` (the writable mapped segment, not under a snapshot).
 
-
-def restore(
-    store: SnapshotDirectory,
-    snapshot_id: str,
-    buffer,
-    layout: SegmentLayout,
-    *,
-    rank: int,
-    world_size: int,
-    job_id: str | None = None,
-    header: SegmentHeader | None = None,
-    reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
-    staging_free_bytes: Callable[[], int] | None = None,
-    stored: StoredSnapshots | None = None,
-    placement_json: str = "",
-    may_read: Callable[[SnapshotInfo], None] | None = None,
-) -> RestoreResult:
-    """Verify ``snapshot_id`` (``<job>/step-<N>``, or ``latest`` of ``job_id``) for ``rank``
-    against ``layout``, then copy it into ``buffer`` (the writable mapped segment).
-
-    ``header``: the segment's SegmentHeader if the caller has one (else made here); the
-    segment must not be under a snapshot (SnapshotBusy). ``world_size`` is the job's global
-    one. ``reserve_staging(nbytes)``: a context manager yielding whether the budget holds the
-    staged bytes (the arena's; None: always); ``staging_free_bytes()``: the free budget, for
-    the log line when it does not. ``stored``: the store (``--snapshot-store``), where a
-    snapshot this server does not hold (another host's rank, a lost host's) is read from;
-    ``placement_json``: the rank's tensors' DTensor placement (RestoreRequest.metadata_json),
-    needed to reshard a snapshot taken at another world size or layout. ``may_read(info)``
-    raises (PermissionDenied: another tenant's) before anything is read.
-
-    Which tier (:func:`resolve_source`), then one path (:mod:`.assemble`).
-    Raises SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt, SnapshotBusy; the
-    segment is untouched then.
+    ``world_size``: the job's global one. ``reserve_staging(nbytes)``: yields whether the budget
+    holds the staged bytes (None: always). ``stored``: the store, for snapshots this server
+    does not hold. ``placement_json``: the rank's DTensor placement, needed to reshard.
+    ``may_read(info)`` raises (PermissionDenied) before anything is read. On any error
+    (SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt, SnapshotBusy) the segment is untouched.
     """
     own_header = header is None
     if header is None:
@@ -122,11 +65,10 @@ def restore(
         done = assemble(source, view, layout, rank=rank, world_size=world_size, placement=placement,
                         reserve_staging=reserve_staging, staging_free_bytes=staging_free_bytes)
         log_event(log, "restore_assembled", snapshot_id=info.snapshot_id, rank=rank, world_size=world_size,
-                  snapshot_world_size=info.world_size, source=source.where, source_ranks=done.source_ranks,
-                  bytes=done.bytes_restored, staged=done.staged, plan=done.plan, location=str(info.path))
-        return RestoreResult(info.snapshot_id, info.step, done.metadata_json, done.bytes_restored, plan=done.plan,
-                             staged=done.staged, pinned=done.pinned, source=source.where,
-                             snapshot_world_size=info.world_size, source_ranks=tuple(done.source_ranks))
+                  snapshot_world_size=info.world_size, source=source.where,
+                  source_ranks=list(done.source_ranks), bytes=done.bytes_restored, staged=done.staged,
+                  plan=done.plan, location=str(info.path))
+        return done
     finally:
         view.release()
         if own_header:

@@ -2,15 +2,11 @@
 bounce buffers, several writes in flight) or :class:`BufferedSink` (``pwrite`` into the page
 cache, zero copy), chosen by :func:`open_sink`.
 
-Why O_DIRECT: a buffered write copies into the page cache and the kernel's writeback then
-moves it at its own pace (measured on this VM's disk: 0.2-0.7 GB/s buffered + fsync, against
-1.8 GB/s O_DIRECT + fsync for the same bytes). Why bounce buffers: safetensors packs tensors
-without gaps, so a tensor's place in the file is rarely block aligned, and O_DIRECT needs the
-file offset, the length and the memory aligned; the header is padded so the data starts on a
-block (:func:`~swap_state.common.snapshot_format.safetensors_header`), and the bytes are copied
-once into an aligned buffer (the copy a buffered write makes into the page cache, made here
-instead), checksummed there while cache-hot, and written from it. Where the filesystem refuses
-O_DIRECT (tmpfs, some network filesystems), the buffered sink writes as before, logged once.
+Why O_DIRECT: buffered writes leave the pace to the kernel's writeback (measured on this VM:
+0.2-0.7 GB/s buffered + fsync, 1.8 GB/s O_DIRECT + fsync). Why bounce buffers: safetensors
+packs tensors without gaps, so a tensor's place is rarely block aligned; the bytes are copied
+once into an aligned buffer (the copy a buffered write makes anyway), checksummed there while
+cache-hot, and written from it. Where the filesystem refuses O_DIRECT the buffered sink writes.
 
 Call order (the writer)::
 
@@ -23,9 +19,8 @@ Call order (the writer)::
     sink.finish()                                # everything written and fsynced
     sink.close()                                 # on every path (a context manager)
 
-A piece is final only at :meth:`ChunkSink.advance`: until then the writer may still replace
-it (the copy-before-write protocol's redo, :mod:`.writer`), so the direct sink never hands a
-buffer holding a piece that is not final to the disk.
+A piece is final only at :meth:`ChunkSink.advance`: until then the writer may replace it (the
+copy-before-write redo, :mod:`.writer`), so no buffer holding it goes to the disk before.
 """
 
 from __future__ import annotations
@@ -37,7 +32,6 @@ import logging
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import TracebackType
 
 from swap_state.common.checksum import crc32
 from swap_state.server import _posix
@@ -72,6 +66,7 @@ class ChunkSink(abc.ABC):
         self.file = file
         self.position = 0
         """File offset of the next :meth:`put`."""
+        self._pending = 0  # bytes of the last put, not final yet
 
     @abc.abstractmethod
     def room(self) -> int:
@@ -82,9 +77,11 @@ class ChunkSink(abc.ABC):
         """Place ``data`` (at most :meth:`room` bytes) at :attr:`position`, not final yet;
         ``crc`` continued over the bytes as placed."""
 
-    @abc.abstractmethod
     def replace(self, data: memoryview, crc: int) -> int:
         """Place ``data`` over the last :meth:`put` (the same length); as :meth:`put`."""
+        if data.nbytes != self._pending:
+            raise ValueError("replace takes the length of the last put")
+        return self.put(data, crc)
 
     @abc.abstractmethod
     def advance(self) -> None:
@@ -111,9 +108,7 @@ class ChunkSink(abc.ABC):
     def __enter__(self) -> ChunkSink:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
@@ -124,7 +119,6 @@ class BufferedSink(ChunkSink):
     def __init__(self, file: SnapshotFile):
         super().__init__(file)
         self._fd = file.fileno()
-        self._pending = 0
         self._kicked = 0  # file bytes [0, _kicked) have had writeback started
 
     def room(self) -> int:
@@ -134,9 +128,6 @@ class BufferedSink(ChunkSink):
         pwrite_all(self._fd, data, self.position)
         self._pending = data.nbytes
         return crc32(data, crc)
-
-    def replace(self, data: memoryview, crc: int) -> int:
-        return self.put(data, crc)  # the same range: replaces every byte
 
     def advance(self) -> None:
         self.position += self._pending
@@ -150,14 +141,9 @@ class BufferedSink(ChunkSink):
 
 
 class DirectSink(ChunkSink):
-    """O_DIRECT writes of aligned bounce buffers; see the module docstring.
-
-    ``WRITES_IN_FLIGHT + 1`` buffers of ``BOUNCE_BYTES``: one fills while the others are
-    written by a pool of as many threads (``os.pwrite`` releases the GIL). The last buffer is
-    written padded to a block and the file truncated back to its size before the fsync.
-    A write the filesystem refuses with EINVAL after the open (it accepted O_DIRECT but not
-    this I/O) is made through the buffered descriptor instead, logged once.
-    """
+    """O_DIRECT writes of ``WRITES_IN_FLIGHT + 1`` aligned bounce buffers: one fills while a pool
+    writes the others. The last is written padded to a block, the file truncated back before
+    the fsync. A write refused with EINVAL after the open is made buffered instead, logged once."""
 
     direct = True
 
@@ -175,9 +161,7 @@ class DirectSink(ChunkSink):
         self._current = self._free.popleft()
         self._address = _posix.buffer_address(self._current)
         self._fill = 0  # final bytes in the current buffer
-        self._pending = 0  # bytes of the last put, after the final ones
         self.fell_back = False
-        """A write was refused with O_DIRECT and made buffered."""
 
     def room(self) -> int:
         return self._bounce - self._fill
@@ -194,11 +178,6 @@ class DirectSink(ChunkSink):
         with memoryview(self._current) as whole, whole[self._fill : self._fill + n] as placed:
             return crc32(placed, crc)
 
-    def replace(self, data: memoryview, crc: int) -> int:
-        if data.nbytes != self._pending:
-            raise ValueError("replace takes the length of the last put")
-        return self.put(data, crc)
-
     def advance(self) -> None:
         self._fill += self._pending
         self.position += self._pending
@@ -207,9 +186,8 @@ class DirectSink(ChunkSink):
             self._submit(self._bounce)
 
     def _submit(self, nbytes: int) -> None:
-        """Write the current buffer's first ``nbytes`` (a block multiple) in the pool, at the
-        file offset it stands for, and take the next free buffer (waiting for the oldest write
-        when none is free)."""
+        """Write the current buffer's first ``nbytes`` (a block multiple) in the pool and take the
+        next free buffer (waiting for the oldest write when none is free)."""
         buffer, offset = self._current, self.position - self._fill
         self._busy.append((buffer, self._pool.submit(self._write, buffer, nbytes, offset)))
         if not self._free:
@@ -268,9 +246,7 @@ class DirectSink(ChunkSink):
 
 
 def open_sink(file: SnapshotFile) -> ChunkSink:
-    """A :class:`DirectSink` when the storage gives an O_DIRECT descriptor for ``file``
-    (:meth:`SnapshotFile.open_direct`: ``--direct-io`` and the filesystem decide), else a
-    :class:`BufferedSink`."""
+    """A :class:`DirectSink` when ``file`` gives an O_DIRECT descriptor, else a :class:`BufferedSink`."""
     fd = file.open_direct()
     if fd is None:
         return BufferedSink(file)

@@ -22,43 +22,34 @@ class SnapshotSource:
     buffer: Any
     """Writable buffer over the whole mapped segment (an mmap or a memoryview of it)."""
     layout: SegmentLayout
-    """The segment's layout (``segment.plan_segment``); tensors in update order."""
+    """The segment's layout; tensors in update order."""
     header: SegmentHeader
     """A SegmentHeader over the same buffer; owned (and released) by the caller."""
     job_id: str
-    """The session's job id; becomes a directory name under the snapshot dir."""
     rank: int
-    """The session's rank."""
     world_size: int
-    """Ranks of the job (global, across hosts); recorded in the snapshot, checked on restore."""
+    """Ranks of the job (global, across hosts)."""
     step: int
     """The committed step the segment holds (the caller checks it is the last committed)."""
     metadata_json: str = ""
     """The trainer's description of the tensors (``snapshot_metadata`` schema); may be empty."""
     metadata_parts: MetadataParts | None = None
-    """The same description as a base and a delta, already validated (then ``metadata_json``
-    is empty): expanded by the writer, off the trainer's stall."""
+    """The same as a validated base and delta (then ``metadata_json`` is empty), expanded by the writer."""
     local_world_size: int = 0
-    """Ranks of the job on this server (this host), 1..world_size; 0 means ``world_size``.
-    This server's snapshot is complete when this many distinct ranks are durable."""
+    """Ranks of the job on this server, 1..world_size (0: ``world_size``): a complete snapshot here."""
     keep_latest: int = 0
-    """Durable snapshots the job asks to keep (its own checkpoint retention); the server keeps
-    at least its ``--keep-latest``. 0: just that."""
+    """Durable snapshots the job asks to keep; the server keeps at least its ``--keep-latest``."""
     keep_all: bool = False
     """The job keeps every checkpoint: retention removes none of its snapshots."""
     replace_existing: bool = False
-    """A durable snapshot of this step from an earlier attempt is replaced (atomically, once
-    the new one is durable) instead of refused."""
+    """A durable snapshot of this step from an earlier attempt is replaced instead of refused."""
     session_id: str = ""
-    """The session (one trainer run of this job/rank) that asks: a start is a retry of an
-    earlier one only from the same session and ``generation``."""
+    """The session that asks: a start is a retry only from the same session and ``generation``."""
     generation: int = 0
-    """The session's generation (a reattached trainer has a new one)."""
     tenant: str = ""
     """The tenant that owns the session (``--tenants``), recorded in the snapshot."""
     bounded_retention: bool = False
-    """The job's own retention may not exceed the server's ``--keep-latest`` (a tenant that is
-    not an admin, on a server shared by tenants)."""
+    """The job's own retention may not exceed the server's ``--keep-latest`` (a non-admin tenant)."""
 
     @property
     def run(self) -> tuple[str, int]:
@@ -78,29 +69,19 @@ def check_source(source: SnapshotSource) -> None:
     if not 1 <= source.world_size or not 0 <= source.rank < source.world_size:
         raise SnapshotInvalid(f"rank {source.rank} / world_size {source.world_size} is invalid")
     if not 0 <= source.local_world_size <= source.world_size:
-        raise SnapshotInvalid(
-            f"local_world_size {source.local_world_size} must be in [1, world_size "
-            f"{source.world_size}] (0: = world_size)"
-        )
+        raise SnapshotInvalid(f"local_world_size {source.local_world_size} must be in [1, world_size "
+                              f"{source.world_size}] (0: = world_size)")
     if source.step < 0:
         raise SnapshotInvalid(f"step {source.step} is negative")
-    _check_segment(source)
-
-
-def _check_segment(source: SnapshotSource) -> None:
     layout, header = source.layout, source.header
     try:
         header.check()
     except ValueError as exc:
         raise SnapshotInvalid(f"segment header: {exc}") from None
-    if (
-        header[Word.N_CHUNKS] != layout.n_chunks
-        or header[Word.CHUNK_BYTES] != layout.chunk_bytes
-        or header[Word.COW_SLOTS] != layout.cow_slots
-        or header[Word.COW_SLOTS_OFFSET] != layout.cow_slots_offset
-        or header.n_chunks != layout.n_chunks
-        or header.cow_slots != layout.cow_slots
-    ):
+    words = (header[Word.N_CHUNKS], header[Word.CHUNK_BYTES], header[Word.COW_SLOTS],
+             header[Word.COW_SLOTS_OFFSET], header.n_chunks, header.cow_slots)
+    if words != (layout.n_chunks, layout.chunk_bytes, layout.cow_slots, layout.cow_slots_offset,
+                 layout.n_chunks, layout.cow_slots):
         raise SnapshotInvalid("the segment header does not describe the given layout")
     with memoryview(source.buffer) as view:
         if view.nbytes < layout.size:

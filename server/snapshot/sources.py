@@ -1,32 +1,23 @@
-"""The snapshot a restore reads, verified: :class:`Source`, one complete snapshot and the tier it
-is read from (:class:`~swap_state.common.snapshot_reader.SnapshotTier`: this server's
-``--snapshot-dir`` or the ``--snapshot-store``), which checks every read.
+"""The snapshot a restore reads, verified: :class:`Source`, one complete snapshot and the tier
+(``--snapshot-dir`` or ``--snapshot-store``) it is read from, which checks every read.
 
-Call order (:func:`~.assemble.assemble`)::
-
-    raw = source.read_layout()                      # layout.json (checked), or None: plan from
-                                                    # every manifest
-    manifest = source.read_manifest(rank)           # each rank it plans from (checked)
-    source.check_data_header(manifest)              # each rank it reads from
-    data = source.read_tensor(manifest, tensor)     # each piece: the whole tensor, crc32 checked
-    # or, for a plan that takes one rank's whole file in order (the same layout), from a
-    # directory (``whole_files``):
-    pinned = source.copy_whole_file(manifest, view, layout)        # staged, verified, copied
-    source.verify_then_copy_whole_file(manifest, view, layout)     # no budget to stage it
-
-A whole file is read once (*staged*, :mod:`.staged_read`): a reader thread maps the data file
-region by region, read ahead and pinned with ``mlock``, while this thread checksums the regions
-already read; only when every checksum has passed are the staged bytes copied (``memmove``, GIL
-released) into the segment. Where ``mlock`` is refused (RLIMIT_MEMLOCK) the staged pages may be
-evicted, so every copied chunk is checksummed again as it lands: a file that changed
-underneath fails the restore (SnapshotCorrupt, "restore again").
+A local rank file the plan takes whole is read once (*staged*, :class:`Staging`: mapped, read
+ahead and pinned with ``mlock`` by a reader thread) while this thread checksums it; only when
+every checksum passed are the bytes copied into the segment. Where ``mlock`` is refused the
+pages may be evicted, so every copied chunk is checked again as it lands: a file that changed
+underneath fails the restore ("restore again"). Mapped, not O_DIRECT into fresh memory: that
+was slower on the 2-core VM, where fresh memory faults in at about the disk's rate
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import queue
+import threading
 
 from swap_state.common.checksum import crc32
 from swap_state.common.segment import SegmentLayout
@@ -35,8 +26,6 @@ from swap_state.common.snapshot_format import RankManifest, TensorRecord
 from swap_state.common.snapshot_reader import RankFileVerifier, SnapshotInfo, SnapshotReader, SnapshotTier
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot import staged_read
-from swap_state.server.snapshot.staged_read import Staging, stage_file
 
 __all__ = ["Source"]
 
@@ -44,6 +33,12 @@ log = logging.getLogger("swap_state.server.restore")
 
 _COPY_BYTES = 8 << 20
 """Unit of the copy into the segment (and of its re-check when the pages are not pinned)."""
+STAGE_REGION_BYTES = 16 << 20
+"""The reader thread reads (and pins) the file in regions of this size."""
+READ_AHEAD_REGIONS = 8
+"""Regions the reader asks the kernel to read ahead of the one it pins."""
+
+_mlock = _posix.mlock  # a module name, so that tests can replace it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +86,20 @@ class Source:
             size = os.fstat(fd).st_size
             verifier.check_size(size)
             try:
-                staged = stage_file(fd, size)
+                staged = Staging(fd, size)
             except OSError as exc:
                 raise SnapshotError(f"cannot map {path}: {exc}") from None
             try:
-                _verify_staged(staged, verifier, size)
+                header_end = len(verifier.header)  # each region checksummed once the reader has it
+                staged.wait(header_end)
+                verifier.check_header(staged.view[:header_end])
+                position, region = header_end, STAGE_REGION_BYTES
+                while position < size:
+                    upto = min(size, (position // region + 1) * region)
+                    staged.wait(upto)
+                    verifier.feed(staged.view[position:upto])
+                    position = upto
+                verifier.finish()
                 if not staged.pinned:
                     log_event(log, "restore_unpinned", logging.WARNING, path=path, bytes=size,
                               errno=staged.pin_errno,
@@ -109,26 +113,6 @@ class Source:
             raise SnapshotError(f"cannot read {path}: {exc}") from None
         finally:
             os.close(fd)
-
-    def verify_then_copy_whole_file(self, manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> None:
-        """Without staging memory: verify the whole file, then read it again into ``view``."""
-        assert isinstance(self.tier, SnapshotReader), "whole files are a directory's"
-        self.tier.verify_data(self.info, manifest)
-        _copy_into(self.info.path / manifest.data_file, manifest, view, layout)
-
-
-def _verify_staged(staged: Staging, verifier: RankFileVerifier, size: int) -> None:
-    """Checksum each region as soon as the reader has it in memory."""
-    header_end = len(verifier.header)
-    staged.wait(header_end)
-    verifier.check_header(staged.view[:header_end])
-    position, region = header_end, staged_read.STAGE_REGION_BYTES
-    while position < size:
-        upto = min(size, (position // region + 1) * region)
-        staged.wait(upto)
-        verifier.feed(staged.view[position:upto])
-        position = upto
-    verifier.finish()
 
 
 def _copy_staged(staged: Staging, manifest: RankManifest, view: memoryview, layout: SegmentLayout,
@@ -146,24 +130,67 @@ def _copy_staged(staged: Staging, manifest: RankManifest, view: memoryview, layo
                 with view[target.offset + done : target.offset + done + n] as landed:
                     value = crc32(landed, value)
         if not staged.pinned and value != tensor.crc32:
-            raise SnapshotCorrupt(
-                f"{path} changed while being restored (tensor {tensor.name!r} no longer matches "
-                "its checksum); the segment is partially overwritten: restore again"
-            )
+            raise SnapshotCorrupt(f"{path} changed while being restored (tensor {tensor.name!r} no longer "
+                                  "matches its checksum); the segment is partially overwritten: restore "
+                                  "again")
 
 
-def _copy_into(path: os.PathLike[str], manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> None:
-    """Read each tensor straight into its place in the segment."""
-    with open(path, "rb", buffering=0) as file:
-        for tensor, target in zip(manifest.tensors, layout.tensors):
-            file.seek(manifest.data_start + tensor.data_offsets[0])
-            dest = view[target.offset : target.offset + target.nbytes]
-            done = 0
-            while done < target.nbytes:
-                got = file.readinto(dest[done:])
-                if not got:
-                    raise SnapshotCorrupt(
-                        f"{path} shrank while being restored (tensor {tensor.name!r}); the "
-                        "segment is partially overwritten: restore again"
-                    )
-                done += got
+class Staging:
+    """The file's bytes, region by region, in a read-only mapping, read ahead and pinned in order."""
+
+    pinned = True
+    """The staged bytes cannot change before the caller copies them (else it checks again)."""
+    pin_errno = 0
+    """Why they are not pinned (the mlock errno), when they are not."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+        self.address = _posix.mmap_read_only(fd, size)
+        self.view = _posix.view_at(self.address, size)
+        self._ready: queue.Queue[int | BaseException | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._upto = 0
+        self._thread = threading.Thread(target=self._run, name="restore-stage", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._read()
+        except BaseException as exc:  # reported by wait()
+            self._ready.put(exc)
+        finally:
+            self._ready.put(None)
+
+    def _read(self) -> None:
+        advised = 0
+        for start in range(0, self.size, STAGE_REGION_BYTES):
+            if self._stop.is_set():
+                return
+            length = min(STAGE_REGION_BYTES, self.size - start)
+            ahead = min(self.size, start + (READ_AHEAD_REGIONS + 1) * STAGE_REGION_BYTES)
+            if advised < ahead:
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(self.fd, advised, ahead - advised, os.POSIX_FADV_WILLNEED)
+                advised = ahead
+            if self.pinned:
+                err = _mlock(self.address + start, length)  # reads the region, pins it
+                if err:
+                    self.pinned, self.pin_errno = False, err
+            self._ready.put(start + length)
+
+    def wait(self, end: int) -> None:
+        """Until the reader has passed ``end``; its error, if it failed before."""
+        while self._upto < end:
+            item = self._ready.get()
+            if item is None:
+                self._upto = self.size
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                self._upto = item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.view.release()
+        _posix.munmap(self.address, self.size)  # also unpins

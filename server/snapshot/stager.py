@@ -1,48 +1,28 @@
 """The server's stager: copies the chunks of one rank's snapshot into spare slots ahead of the
 trainer (protocol step 2 of :mod:`swap_state.common.segment`), so the trainer's next optimizer
-step finds them safe instead of copying them itself. One per
-:class:`~swap_state.server.snapshot.writer.RankWriter`, in a thread of its own; the writer
-starts it, wakes it after every chunk it persists and stops it before it releases the segment.
+step finds them safe instead of copying them itself. One per :class:`~.writer.RankWriter`, in a
+thread of its own; the writer starts it, wakes it after every chunk and stops it before it
+releases the segment.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-from swap_state.common.segment import Chunk, SegmentHeader, SegmentLayout, Word
+from swap_state.common.segment import Word
 from swap_state.common.server_header import ServerHeader
 from swap_state.server import _posix
 from swap_state.server._posix import buffer_address
 
-__all__ = ["StagedSource", "StagedWriter", "Stager"]
+if TYPE_CHECKING:
+    from swap_state.server.snapshot.writer import RankWriter
+
+__all__ = ["Stager"]
 
 log = logging.getLogger("swap_state.server.snapshot_stager")
-
-
-class StagedSource(Protocol):
-    """The segment a snapshot reads: its header words and its layout."""
-
-    job_id: str
-    header: SegmentHeader
-    layout: SegmentLayout
-
-
-class StagedWriter(Protocol):
-    """What the stager reads of the writer it works ahead of (a ``RankWriter``)."""
-
-    source: StagedSource
-    epoch: int
-    cancel: threading.Event
-    chunks: Sequence[Chunk]
-    model_from: int
-
-    def model_published(self) -> bool:
-        """Whether the trainer has copied the parameters of the snapshot's step (step 5)."""
 
 
 _STAGE_WAIT_S = 0.005
@@ -54,16 +34,12 @@ _YIELD_MAX_S = 0.5
 
 
 class Stager:
-    """Copies the chunks of one rank's snapshot into the stager's slots ahead of the trainer
-    (protocol step 2); one per :class:`RankWriter`, run in a thread of its own.
+    """A ring of ``slots`` slots: chunk c goes to slot ``c % slots`` once the writer is done with
+    chunk ``c - slots``, so the staged chunks are the ones right after the writer's, which the
+    trainer reaches first. ``threads`` threads copy (GIL released); ``STAGED_UPTO`` is stored
+    after each copied batch, by this thread only."""
 
-    A ring of ``slots`` slots: chunk c goes to slot ``c % slots`` once the writer is done with
-    chunk ``c - slots``, so the staged chunks are always the ones right after the writer's,
-    which the trainer's next optimizer step reaches before the writer does. ``threads``
-    threads copy (``ctypes.memmove``, GIL released); ``STAGED_UPTO`` is stored after each
-    copied batch, by this thread only."""
-
-    def __init__(self, writer: StagedWriter, slots: int, threads: int):
+    def __init__(self, writer: RankWriter, slots: int, threads: int):
         self.writer = writer
         self.slots = slots
         self.threads = max(1, threads)
@@ -72,11 +48,6 @@ class Stager:
         self.staged_chunks = 0
         """Chunks copied into a stager slot (this thread only)."""
         self.staged_bytes = 0
-        """Bytes of those chunks."""
-        self.skipped_chunks = 0
-        """Chunks not copied: the writer was done with them, or the trainer had copied them."""
-        self.seconds = 0.0
-        """Wall time from start until the last chunk was staged (or the stager stopped)."""
         self.thread: threading.Thread | None = None
         self.idle = threading.Event()
         """Set while the stager has nothing to copy: done, stopped, or its ring is full."""
@@ -96,11 +67,8 @@ class Stager:
 
     def yield_to(self) -> None:
         """The writer's courtesy before each chunk: while the stager can copy, let it (up to
-        ``_YIELD_MAX_S``). Its copies are what the trainer's next step needs; the writer's
-        pwrite (a copy into the page cache) and crc32 would compete with them for the server's
-        CPU and memory bandwidth, and the writer reads the staged chunks from the slots anyway.
-        A full ring makes the stager idle, so the writer moves on whenever the stager waits
-        for it."""
+        ``_YIELD_MAX_S``): its copies are what the trainer's next step needs, and the writer's
+        pwrite and crc32 would compete with them for CPU and memory bandwidth."""
         if self.thread is not None and not self.idle.is_set():
             self.idle.wait(_YIELD_MAX_S)
 
@@ -111,10 +79,7 @@ class Stager:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
 
-    def _stopped(self) -> bool:
-        return self.stop_event.is_set() or self.writer.cancel.is_set()
-
-    def _copy(self, chunks) -> int:
+    def _copy(self, chunks) -> tuple[int, int]:
         header = self.writer.source.header
         layout = self.writer.source.layout
         epoch = self.writer.epoch
@@ -123,11 +88,8 @@ class Stager:
             if header.cow_epoch(chunk.index) == epoch:
                 continue  # the trainer copied it: its slot wins (protocol step 3)
             slot = chunk.index % self.slots
-            _posix.memmove(
-                self._base + layout.cow_slots_offset + slot * layout.chunk_bytes,
-                self._base + chunk.offset,
-                chunk.nbytes,
-            )
+            _posix.memmove(self._base + layout.cow_slots_offset + slot * layout.chunk_bytes,
+                           self._base + chunk.offset, chunk.nbytes)
             copied += chunk.nbytes
             count += 1
         return copied, count
@@ -138,15 +100,13 @@ class Stager:
         server_header = ServerHeader(header)  # the stager's one word: STAGED_UPTO
         chunks = writer.chunks
         n, k = len(chunks), self.slots
-        started = time.monotonic()
         batch = 1 if self.threads == 1 else 4 * self.threads
         pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="stage") if self.threads > 1 else None
         position = 0  # next chunk to stage
         try:
-            while position < n and not self._stopped():
+            while position < n and not (self.stop_event.is_set() or writer.cancel.is_set()):
                 persisted = header[Word.PERSISTED_UPTO]
                 if position < persisted:  # the writer is done with those (never the one it reads)
-                    self.skipped_chunks += persisted - position
                     position = persisted
                 limit = min(n, persisted + k)  # the ring slots of [persisted, limit) are free
                 if not writer.model_published():
@@ -159,27 +119,19 @@ class Stager:
                 self.idle.clear()
                 end = min(limit, position + batch)
                 todo = chunks[position:end]
-                if pool is None:
-                    nbytes, copied = self._copy(todo)
-                else:
-                    step = -(-len(todo) // self.threads)
-                    parts = [todo[i : i + step] for i in range(0, len(todo), step)]
-                    futures = [pool.submit(self._copy, part) for part in parts[1:]]
-                    results = [self._copy(parts[0])] + [f.result() for f in futures]
-                    nbytes, copied = sum(r[0] for r in results), sum(r[1] for r in results)
+                step = -(-len(todo) // self.threads)
+                parts = [todo[i : i + step] for i in range(0, len(todo), step)]  # one without a pool
+                futures = [pool.submit(self._copy, part) for part in parts[1:]]  # type: ignore[union-attr]
+                results = [self._copy(parts[0])] + [f.result() for f in futures]
+                nbytes, copied = sum(r[0] for r in results), sum(r[1] for r in results)
                 server_header.staged(end)  # after the copies: the trainer trusts them now
                 self.staged_bytes += nbytes
                 self.staged_chunks += copied
-                self.skipped_chunks += len(todo) - copied
-                if end == n:
-                    self.seconds = time.monotonic() - started
                 position = end
         except Exception as exc:  # staging is an optimisation: the trainer still copies itself
             log.warning("snapshot stager of %s stopped: %r", writer.source.job_id, exc)
         finally:
             self.idle.set()
-            if position < n:
-                self.seconds = time.monotonic() - started
             if pool is not None:
                 pool.shutdown(wait=True)
 

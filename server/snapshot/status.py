@@ -1,7 +1,6 @@
-"""What a snapshot reports: :class:`SnapshotState` (the protocol's state strings) and
-:class:`SnapshotStatus`, one rank's view, field for field a ``SnapshotStatusReply``. Made by
-:meth:`~.group.RankSnapshot.status` while the snapshot is in memory, by
-:meth:`SnapshotStatus.from_disk` after; converted to the reply at the RPC boundary.
+"""What a snapshot reports: :class:`SnapshotState` and :class:`SnapshotStatus`, one rank's view,
+field for field a ``SnapshotStatusReply`` (made in memory by :meth:`~.group.RankSnapshot.status`,
+from disk by :meth:`SnapshotStatus.from_disk`).
 """
 
 from __future__ import annotations
@@ -30,33 +29,25 @@ class SnapshotStatus:
     """One rank's view of a snapshot; field for field a SnapshotStatusReply, plus a few."""
 
     snapshot_id: str
-    """``<job_id>/step-<step>``."""
     job_id: str
-    """The job."""
     step: int
-    """The committed step."""
     rank: int
-    """The rank this status is about."""
     world_size: int
     """The job's (global) world size."""
     state: SnapshotState
-    """persisting until the whole snapshot is committed, then durable; or failed."""
     bytes_total: int
     """Tensor bytes of this rank."""
     bytes_persisted: int
-    """Tensor bytes of this rank written so far."""
     error: str
-    """Why it failed (empty unless failed); names the directory for disk-full errors."""
+    """Why it failed (empty unless failed)."""
     cow_copies: int
     """Chunks the trainer copied before writing, during this snapshot (this rank)."""
     backpressure_waits: int
     """Times the trainer waited for a free copy slot, during this snapshot (this rank)."""
     backpressure_wait_seconds: float
-    """Seconds the trainer spent in those waits."""
     path: str
     """The snapshot directory (the partial one until durable)."""
     ranks_joined: int
-    """Ranks that have started this snapshot."""
     ranks_persisted: int
     """Ranks whose files are written and fsynced."""
     segment_released: bool
@@ -70,13 +61,11 @@ class SnapshotStatus:
     server_staged_chunks: int = 0
     """Chunks the server's stager copied ahead of the trainer (this rank; 0 from disk)."""
     server_staged_bytes: int = 0
-    """Bytes of those chunks."""
     trainer_copied_bytes: int = 0
-    """Bytes of the chunks the trainer copied itself (``cow_copies`` of them; 0 from disk)."""
+    """Bytes of the chunks the trainer copied itself (0 from disk)."""
     store_state: str = ""
     """The upload to the store: "" (no store), uploading, stored or failed."""
     store_error: str = ""
-    """Why the upload failed, naming the store (the local snapshot stays durable)."""
     store_path: str = ""
     """Where the snapshot is (or goes) in the store."""
     bytes_stored: int = 0
@@ -87,22 +76,10 @@ class SnapshotStatus:
         """A durable snapshot no longer in memory, as its index and the rank's manifest say."""
         total = sum(t.nbytes for t in manifest.tensors)
         return cls(
-            snapshot_id=info.snapshot_id,
-            job_id=info.job_id,
-            step=info.step,
-            rank=manifest.rank,
-            world_size=info.world_size,
-            state=SnapshotState.DURABLE,
-            bytes_total=total,
-            bytes_persisted=total,
-            error="",
-            cow_copies=manifest.cow_copies,
-            backpressure_waits=manifest.backpressure_waits,
-            backpressure_wait_seconds=manifest.backpressure_wait_seconds,
-            path=str(info.path),
-            ranks_joined=info.local_world_size,
-            ranks_persisted=info.local_world_size,
-            segment_released=True,
-            local_world_size=info.local_world_size,
-            ranks=info.ranks,
+            snapshot_id=info.snapshot_id, job_id=info.job_id, step=info.step, rank=manifest.rank,
+            world_size=info.world_size, state=SnapshotState.DURABLE, bytes_total=total, bytes_persisted=total,
+            error="", cow_copies=manifest.cow_copies, backpressure_waits=manifest.backpressure_waits,
+            backpressure_wait_seconds=manifest.backpressure_wait_seconds, path=str(info.path),
+            ranks_joined=info.local_world_size, ranks_persisted=info.local_world_size, segment_released=True,
+            local_world_size=info.local_world_size, ranks=info.ranks,
         )

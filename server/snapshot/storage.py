@@ -1,15 +1,6 @@
 """Where a snapshot's files go, apart from what they hold: :class:`SnapshotStorage`, the
-``--snapshot-dir`` directory's file operations (a local or locally mounted filesystem).
-
-What a snapshot writes (the plan: file names, the safetensors header, tensors at byte ranges,
-crc32s, manifests, ``snapshot.json``) is decided by the writer, its
-:mod:`~swap_state.server.snapshot.plan` and :mod:`swap_state.common.snapshot_format`; how the
-bytes reach a durable place, and how a finished snapshot is published atomically, is decided
-here. Modelled on ``torch.distributed.checkpoint``'s ``StorageWriter``: the callers only ever
-hand it names and bytes (or a file descriptor to ``pwrite`` into), never build paths or call
-``os`` for snapshot files. The object store (``--snapshot-store``) is written by the uploader
-(:mod:`.upload`), a copy of committed snapshots; both are read through the one read seam,
-:class:`~swap_state.common.snapshot_reader.SnapshotTier`.
+``--snapshot-dir`` directory's file operations. Callers hand it names and bytes (or write
+through a :class:`SnapshotFile`), never build paths (modelled on DCP's ``StorageWriter``).
 
 Directory layout under the root::
 
@@ -19,38 +10,15 @@ Directory layout under the root::
     <root>/<job_id>/latest                  "step-<N:012d>": the last committed snapshot
     <root>/.swap-state.lock                 a shared flock per live server
 
-Call order (the coordinator, its directory and the rank writers)::
+Call order: ``create_root``, ``hold``, ``clean_stale`` (when alone) at server start; per
+snapshot ``step_state``, ``open_partial``, ``create_file``/``write_durable`` per rank, ``seal``,
+``commit`` (atomic: complete from here), ``set_latest``, retention's ``unlist``, then off the
+durability path ``discard``; ``release`` at shutdown.
 
-    storage.create_root(); alone = storage.hold()         # once, at server start
-    if alone: storage.clean_stale()                        # what a killed server left
-    # one snapshot of (job, step):
-    storage.step_state(job, step)                          # refuse, or replace what is there
-    partial = storage.open_partial(job, step)              # empty; never listed
-    with storage.create_file(partial, data_name) as file:  # per rank: its data file
-        direct_fd = file.open_direct()                     # O_DIRECT where it can (else None)
-        file.pwrite(header, 0)                             # or aligned writes on direct_fd
-        pwrite_all(file.fileno(), view_of_segment, offset) # zero copy from the mapped segment
-        file.fsync()
-    storage.write_durable(partial, manifest_name, raw)     # per rank; then snapshot.json
-    storage.seal(partial)                                  # every name in it durable
-    published = storage.commit(partial, job, step, replace=...)  # atomic: complete from here
-    storage.set_latest(job, step)
-    for step, where in storage.list(job)[:-keep]: trash.append(storage.unlist(where))  # retention
-    # the snapshot is reported durable here; then, off that path, the bytes go:
-    storage.discard(published.replaced); for t in trash: storage.discard(t)
-    # a failed snapshot instead: storage.discard(partial)
-    storage.release()                                      # at shutdown
-
-Durability: a file is fsynced before it counts (:func:`write_durable`, :meth:`SnapshotFile.fsync`),
-a directory after names were created in, renamed into or removed from it (:func:`fsync_dir`).
-Publication is a ``rename`` of the partial directory, removal a ``rename`` out of the listed
-names first: a directory removed halfway never looks complete. Every path is built here from
-the root, a job id and a step, and confined under the root (the reader's ``job_dir``).
-
-Errors: I/O failures raise ``OSError`` (the caller maps them to snapshot errors naming
-:attr:`SnapshotStorage.root`: disk full becomes SnapshotDiskFull); a job id or location that
-would leave the root raises SnapshotInvalid; :meth:`SnapshotStorage.commit` raises
-SnapshotExists when the step is there already and ``replace`` is False.
+Durability: a file is fsynced before it counts, a directory after names change in it;
+publication is a ``rename`` of the partial directory, removal a ``rename`` out of the listed
+names first: a directory removed halfway never looks complete. Every path is confined under
+the root. I/O failures raise ``OSError``; a path leaving the root SnapshotInvalid.
 """
 
 from __future__ import annotations
@@ -63,7 +31,6 @@ import os
 import pathlib
 import shutil
 import time
-from types import TracebackType
 
 from swap_state.common.names import snapshot_id_for, step_dir_name
 from swap_state.common.object_store import fsync_dir
@@ -97,25 +64,18 @@ def write_durable(path: pathlib.Path, data: bytes) -> None:
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """``os.pwrite`` until all of ``data`` is at ``offset`` (it may write short). Releases
-    the GIL for the copy into the page cache."""
+    """``os.pwrite`` until all of ``data`` is at ``offset`` (it may write short); releases the GIL."""
     done = 0
-    total = data.nbytes
-    while done < total:
-        if done:
-            with data[done:] as rest:
-                done += os.pwrite(fd, rest, offset + done)
-        else:
-            done += os.pwrite(fd, data, offset)
+    while done < data.nbytes:
+        with data[done:] as rest:
+            done += os.pwrite(fd, rest, offset + done)
 
 
 class StepState(enum.Enum):
     """What a storage holds where a step's committed snapshot would go."""
 
     ABSENT = "absent"
-    """Nothing: the step may be snapshotted."""
     COMPLETE = "complete"
-    """A committed snapshot of that job and step."""
     OTHER = "other"
     """Something that is not a complete snapshot (never ours to touch)."""
 
@@ -125,7 +85,6 @@ class Published:
     """What :meth:`SnapshotStorage.commit` did."""
 
     path: pathlib.PurePath
-    """Where the committed snapshot is."""
     replaced: pathlib.PurePath | None
     """An earlier snapshot of the step, moved out of the way (unlisted) for :meth:`~SnapshotStorage.discard`."""
     warnings: tuple[str, ...]
@@ -133,14 +92,8 @@ class Published:
 
 
 class SnapshotFile:
-    """One new file of a partial snapshot directory (``O_EXCL``: never one already there),
-    open for writing.
-
-    Call order: :meth:`pwrite` (and ``os.pwrite`` on :meth:`fileno`) at any offsets, any
-    order; :meth:`start_writeback` hints as bytes accumulate; :meth:`fsync`; :meth:`close`
-    (on every path: use it as a context manager). Its bytes are durable once :meth:`fsync`
-    returned, and part of the snapshot once the partial is committed.
-    """
+    """One new file of a partial snapshot directory (``O_EXCL``), open for writing; a context
+    manager. Its bytes are durable once :meth:`fsync` returned."""
 
     def __init__(self, path: pathlib.Path, direct: bool = True):
         """``direct``: :meth:`open_direct` may give an O_DIRECT descriptor (``--direct-io``)."""
@@ -149,8 +102,7 @@ class SnapshotFile:
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
 
     def fileno(self) -> int:
-        """The descriptor open for writing: the writer ``os.pwrite``s from the mapped segment
-        into it without a copy of its own."""
+        """The descriptor open for writing."""
         if self._fd is None:
             raise ValueError(f"{self.path} is closed")
         return self._fd
@@ -161,9 +113,8 @@ class SnapshotFile:
             pwrite_all(self.fileno(), view, offset)
 
     def open_direct(self) -> int | None:
-        """A second descriptor of this file with ``O_DIRECT`` (the caller writes block-aligned
-        ranges from aligned memory through it, and closes it); None where the filesystem refuses it (EINVAL: tmpfs,
-        some FUSE and network filesystems), logged once per directory by the caller."""
+        """A second descriptor of this file with ``O_DIRECT`` (the caller closes it); None where
+        ``--direct-io`` or the filesystem refuses it (EINVAL: tmpfs, some network filesystems)."""
         flag = getattr(os, "O_DIRECT", 0)
         if not flag or not self.direct:
             return None
@@ -191,38 +142,29 @@ class SnapshotFile:
     def __enter__(self) -> SnapshotFile:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
-
 class SnapshotStorage:
-    """A snapshot root directory on a filesystem with POSIX rename and fsync; see the module
-    docstring for the call order. Thread-safe for different snapshots; the directory
-    (:class:`~.directory.SnapshotDirectory`) serialises commits (latest and retention read a job's
-    snapshots)."""
+    """A snapshot root directory on a filesystem with POSIX rename and fsync. Thread-safe for
+    different snapshots; :class:`~.directory.SnapshotDirectory` serialises commits."""
 
     def __init__(self, root: str | os.PathLike[str], direct_io: str = "writes"):
         """``direct_io``: ``--direct-io`` (writes, off): whether snapshot writes may use O_DIRECT."""
         self.direct_writes = direct_io == "writes"
-        # The reader's path rules (job ids, confinement under the root, what counts as a
-        # complete snapshot) are the ones every reader of the directory applies: one copy.
+        # The reader's path rules (job ids, confinement, what is complete): one copy.
         self._reader = SnapshotReader(root)
         self.root: pathlib.Path = self._reader.root
         self._lock_fd: int | None = None
-
-    # ---------------------------------------------------------------- once per server
 
     def create_root(self) -> None:
         """Create the root if it is missing."""
         self.root.mkdir(parents=True, exist_ok=True)
 
     def hold(self) -> bool:
-        """A shared ``flock`` on ``.swap-state.lock``, held until :meth:`release`; True when an
-        exclusive one was free first (no other live server: two embedded servers may share
-        the per-user default directory, and another's partial snapshots are not stale)."""
+        """A shared ``flock`` on ``.swap-state.lock`` until :meth:`release`; True when an exclusive
+        one was free first (no other live server, whose partial snapshots are not stale)."""
         self._lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -253,11 +195,9 @@ class SnapshotStorage:
                     removed.append(path)
         return removed
 
-    # ---------------------------------------------------------------- writing a snapshot
-
     def location(self, job_id: str, step: int | None = None) -> pathlib.Path:
-        """Where a job's snapshots are, or where the committed snapshot of ``step`` goes (for
-        messages and statuses). SnapshotInvalid for a job id that would leave the root."""
+        """Where a job's snapshots are, or where the committed ``step`` goes; SnapshotInvalid
+        for a job id that would leave the root."""
         if step is None:
             return self._reader.job_dir(job_id)
         return self._reader.final_dir(job_id, step)
@@ -294,11 +234,10 @@ class SnapshotStorage:
         fsync_dir(self._inside(partial))
 
     def commit(self, partial: pathlib.PurePath, job_id: str, step: int, *, replace: bool) -> Published:
-        """Rename the partial directory to ``step-<N>``, then fsync the job directory. An
-        existing ``step-<N>`` is renamed out of the way first: a directory removed halfway
-        must not look complete, and between the two renames the step is absent, never mixed.
-        Without ``replace`` a committed step raises SnapshotExists. OSError before the
-        publication leaves nothing half done; failures after it are warnings."""
+        """Rename the partial directory to ``step-<N>`` (an existing one renamed out of the way
+        first: between the renames the step is absent, never mixed), fsync the job directory.
+        Without ``replace`` a committed step raises SnapshotExists; failures after the rename
+        are warnings."""
         job_dir = self._reader.job_dir(job_id)
         final = job_dir / step_dir_name(step)
         replaced = None
@@ -317,9 +256,8 @@ class SnapshotStorage:
         return Published(final, replaced, tuple(warnings))
 
     def set_latest(self, job_id: str, step: int) -> None:
-        """Write the pointer aside, fsync it, rename it over ``latest``, fsync the job dir. On
-        failure the pointer is removed (``latest`` then falls back to the highest step) and
-        the OSError raised."""
+        """Write the pointer aside, fsync it, rename it over ``latest``, fsync the job dir; on
+        failure remove the pointer (``latest`` falls back to the highest step) and raise."""
         job_dir = self._reader.job_dir(job_id)
         try:
             tmp = job_dir / _LATEST_TMP
@@ -328,8 +266,7 @@ class SnapshotStorage:
             os.replace(tmp, job_dir / LATEST_NAME)
             fsync_dir(job_dir)
         except OSError:
-            # A stale pointer would hide the new snapshot; without one, latest falls back to
-            # the highest step.
+            # A stale pointer would hide the new snapshot.
             try:
                 (job_dir / LATEST_NAME).unlink(missing_ok=True)
             except OSError:
@@ -343,15 +280,13 @@ class SnapshotStorage:
         shutil.rmtree(path, ignore_errors=True)
         return not path.exists()
 
-    # ---------------------------------------------------------------- committed snapshots
-
     def list(self, job_id: str) -> list[tuple[int, pathlib.PurePath]]:
         """The job's committed snapshots as (step, location), lowest step first."""
         return [(step, path) for step, path, _ in self._reader.complete(job_id)]
 
     def unlist(self, where: pathlib.PurePath) -> pathlib.Path:
-        """Rename to ``.deleting-step-<N>.<unique>`` and fsync the job directory: gone from
-        the listing, durably, before any byte of it is removed."""
+        """Rename to ``.deleting-step-<N>.<unique>`` and fsync the job directory: unlisted,
+        durably, before any byte is removed."""
         path = self._inside(where)
         trash = path.with_name(f"{_DELETING_PREFIX}{path.name}.{os.getpid()}.{time.monotonic_ns()}")
         os.rename(path, trash)
@@ -363,8 +298,7 @@ class SnapshotStorage:
         shutil.rmtree(self.unlist(where))
 
     def _inside(self, where: pathlib.PurePath) -> pathlib.Path:
-        """``where`` as a path, refused unless it is under the root (every location this
-        storage hands out is)."""
+        """``where`` as a path, refused unless it is under the root."""
         path = pathlib.Path(where)
         if self.root not in path.parents:
             raise ValueError(f"{where} is not inside the snapshot directory {self.root}")

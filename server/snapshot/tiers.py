@@ -28,10 +28,7 @@ log = logging.getLogger("swap_state.server.restore")
 
 def resolve_source(store: SnapshotDirectory, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,
                    rank: int, world_size: int) -> Source:
-    """The snapshot to restore and the tier it is read from. Local first when it holds this rank at
-    this world size, or every rank; else the store. ``latest``: with a store, the newest step
-    complete for the whole job in either tier (a host's own snapshot of a multi-host job is
-    not: its other ranks may never have reached the store); without one, the local latest."""
+    """The snapshot to restore and the tier it is read from (the module docstring's rule)."""
     try:
         local = store.resolve(snapshot_id, job_id)
     except SnapshotNotFound:
@@ -67,8 +64,7 @@ def resolve_source(store: SnapshotDirectory, stored: StoredSnapshots | None, sna
 
 
 def _local_copy(store: SnapshotDirectory, remote: SnapshotInfo, rank: int, world_size: int) -> Source | None:
-    """This server's copy of the store's snapshot when it has the same attempt at
-    the step and holds this rank (or every rank); else None."""
+    """This server's copy of the store's snapshot (same attempt, holding this rank), else None."""
     try:
         copy = store.resolve(snapshot_id_for(remote.job_id, remote.step))
     except SnapshotNotFound:
@@ -94,10 +90,6 @@ def list_both_tiers(coordinator, job_id: str | None) -> list[tuple[SnapshotInfo 
     for (job, step), info in [*local.items(), *stored.items()]:
         if info.index.complete_job:
             newest[job] = max(newest.get(job, step), step)
-    pairs = []
-    for key in sorted(set(local) | set(stored)):
-        latest = newest.get(key[0]) == key[1]
-        pair = tuple(None if i is None else dataclasses.replace(i, latest=latest)
-                     for i in (local.get(key), stored.get(key)))
-        pairs.append(pair)
-    return pairs  # type: ignore[return-value]
+    keys = sorted(set(local) | set(stored))
+    return [tuple(None if i is None else dataclasses.replace(i, latest=newest.get(key[0]) == key[1])
+                  for i in (local.get(key), stored.get(key))) for key in keys]  # type: ignore[misc]

@@ -2,27 +2,19 @@
 
 Call order (the coordinator and the runtime)::
 
-    uploader = SnapshotUploader(StoredSnapshots(open_store(uri)), local_store)  # server start:
-                                         # its worker first resumes what a stopped or killed
-                                         # server had not finished (resume_pending)
+    uploader = SnapshotUploader(StoredSnapshots(open_store(uri)), local_store)  # server start;
+                                         # its worker first resumes unfinished uploads
     uploader.submit(info, keep)          # after each local commit (the snapshot is durable)
     uploader.status(job, step, rank)     # None: never submitted here; else its UploadStatus
     await uploader.wait_async(job, step, rank, t)  # until stored or failed (bounded)
     uploader.close()                     # at shutdown: the running upload is abandoned
 
-One worker thread uploads, one snapshot at a time, reading the local files (never the
-segment: the trainer's step is not touched); when a job's snapshots come faster than the store
-takes them, only the newest queued one is uploaded (the others fail ``stored``, saying so). Per rank: the data file streamed with its crc32
-computed on the way and checked against ``snapshot.json`` before the upload may complete (a
-mismatch aborts it: nothing corrupt reaches the store), the manifest, then the rank's marker.
-A rank whose marker is already there, equal, is skipped (a restarted server resumes). After a
-snapshot's ranks are stored, the step's index is put when every host's ranks are there
-(:meth:`StoredSnapshots.publish_step_index`, the step's layout index before it), then
-retention runs on the store: the job's ``keep`` newest complete
-steps stay, never the newest complete one goes, and steps newer than the oldest kept one are
-never touched (another host may still be uploading them). A store that fails (unreachable,
-full, refusing) fails the upload with an error naming the URI; the local snapshot and
-training go on.
+One worker thread uploads one snapshot at a time from the local files (only the newest queued
+one of a job; the skipped ones fail ``stored``, saying so). Per rank: the data file, its crc32
+checked against ``snapshot.json`` before the put completes, the manifest, then the rank's
+marker (an equal marker already there: skipped). Then the step's index once every host's ranks
+are there, then store retention (never the newest complete step, nor steps newer than the
+oldest kept one). A failing store fails the upload, naming the URI; training goes on.
 """
 
 from __future__ import annotations
@@ -34,10 +26,10 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from swap_state.common.checksum import crc32
-from swap_state.common.object_store import STORE_FLAG, open_store
+from swap_state.common.object_store import STORE_FLAG
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
 from swap_state.common.snapshot_format import (
     INDEX_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name,
@@ -75,10 +67,7 @@ class UploadStatus:
 
     state: StoreState
     """uploading until its marker is in the store, then stored; or failed."""
-    bytes_total: int
-    """Bytes of the rank's files."""
     bytes_stored: int = 0
-    """Bytes put so far."""
     error: str = ""
     """Why it failed, naming the store's URI (empty unless failed)."""
 
@@ -90,9 +79,7 @@ class UploadCounters:
     ranks_stored: int = 0
     """Ranks whose files and marker were put in the store."""
     ranks_failed: int = 0
-    """Ranks whose upload failed."""
     bytes_stored: int = 0
-    """Bytes put in the store."""
     seconds: float = 0.0
     """Seconds spent uploading (snapshots' upload wall time)."""
 
@@ -116,13 +103,6 @@ class SnapshotUploader:
         self._thread = threading.Thread(target=self._work, name="snapshot-upload", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def open(cls, uri: str, timeout_s: float, local: SnapshotDirectory, max_bandwidth: float | None = None) -> SnapshotUploader:
-        """The uploader of ``--snapshot-store uri`` (each request bounded by ``timeout_s``)."""
-        return cls(StoredSnapshots(open_store(uri, timeout_s)), local, max_bandwidth)
-
-    # ---------------------------------------------------------------- the coordinator's side
-
     def submit_committed(self, index: SnapshotIndex, path, keep: int | None) -> None:
         """:meth:`submit` of the snapshot the local store just committed at ``path``."""
         self.submit(SnapshotInfo(index.snapshot_id, index.job_id, index.step, index.world_size,
@@ -139,9 +119,8 @@ class SnapshotUploader:
         """Upload a durable local snapshot's ranks, then apply ``keep`` (None: keep all)."""
         with self._cond:
             self._statuses.pop((info.job_id, info.step), None)
-            self._statuses[(info.job_id, info.step)] = {
-                rank: UploadStatus(StoreState.UPLOADING, _rank_bytes(info, rank)) for rank in info.ranks
-            }
+            uploading = {rank: UploadStatus(StoreState.UPLOADING) for rank in info.ranks}
+            self._statuses[(info.job_id, info.step)] = uploading
             while len(self._statuses) > HISTORY:  # the oldest first (dicts keep insertion order)
                 del self._statuses[next(iter(self._statuses))]
             self._cond.notify_all()
@@ -152,23 +131,18 @@ class SnapshotUploader:
             found = self._statuses.get((job_id, step), {}).get(rank)
             return dataclasses.replace(found) if found is not None else None
 
-    def _settled(self, job_id: str, step: int, rank: int) -> Callable[[], bool]:
-        """Whether the rank's upload is stored or failed (or unknown here); under the lock."""
-        def settled() -> bool:
+    async def wait_async(self, job_id: str, step: int, rank: int, timeout_s: float) -> UploadStatus | None:
+        """Until the rank's upload is stored or failed, at most ``timeout_s``; holds no thread."""
+        def settled() -> bool:  # under the lock; unknown here counts as settled
             found = self._statuses.get((job_id, step), {}).get(rank)
             return found is None or found.state is not StoreState.UPLOADING
-        return settled
 
-    async def wait_async(self, job_id: str, step: int, rank: int, timeout_s: float) -> UploadStatus | None:
-        """Until the rank's upload is stored or failed, at most ``timeout_s``; on the event
-        loop, holding no thread while it waits."""
-        await self._cond.until(self._settled(job_id, step, rank), timeout_s)
+        await self._cond.until(settled, timeout_s)
         return self.status(job_id, step, rank)
 
     def annotate(self, status: SnapshotStatus) -> SnapshotStatus:
-        """A durable rank's status with the store's fields: stored once its marker is in the
-        store. One never uploaded by this server (taken before it started) is stored when its
-        marker is there (a request to the store: not for the event loop)."""
+        """A durable rank's status with the store's fields: stored once its marker is in the store
+        (asked of the store for one never submitted here: not for the event loop)."""
         upload = self.status(status.job_id, status.step, status.rank)
         if upload is None:
             try:
@@ -176,19 +150,16 @@ class SnapshotUploader:
                 error = "" if present else f"not in the store {self.uri} (taken before this server started)"
             except SnapshotError as exc:
                 present, error = False, str(exc)
-            upload = UploadStatus(StoreState.STORED if present else StoreState.FAILED, 0, error=error)
+            upload = UploadStatus(StoreState.STORED if present else StoreState.FAILED, error=error)
         state = SnapshotState.STORED if upload.state is StoreState.STORED else status.state
         return dataclasses.replace(status, state=state, store_state=upload.state.value, store_error=upload.error,
                                    store_path=str(self.stored.location(status.job_id, status.step)),
                                    bytes_stored=upload.bytes_stored)
 
     def resume_pending(self) -> list[str]:
-        """At start: each job's newest local snapshot whose ranks are not all in the store
-        (a server stopped or killed mid-upload) is uploaded again; returns their ids."""
+        """At start: each job's newest local snapshot not all in the store is uploaded again; their ids."""
         pending = []
-        newest: dict[str, SnapshotInfo] = {}
-        for info in self._local.list():
-            newest[info.job_id] = info
+        newest = {info.job_id: info for info in self._local.list()}
         for info in newest.values():
             if set(info.ranks) - set(self.stored.step_markers(info.job_id, info.step, info.ranks)):
                 self.submit(info, None)
@@ -199,8 +170,6 @@ class SnapshotUploader:
         self._closed.set()
         self._queue.put(None)
         self._thread.join(timeout_s)
-
-    # ---------------------------------------------------------------- the worker
 
     def _work(self) -> None:
         try:
@@ -216,13 +185,15 @@ class SnapshotUploader:
             if item is None:
                 return
             info, keep = self._newest_queued(item)
-            self._upload(info, keep)
+            self._current = (info.job_id, info.step)
+            try:
+                self._upload_ranks(info, keep)
+            finally:
+                self._current = None
 
     def _newest_queued(self, item: tuple[SnapshotInfo, int | None]) -> tuple[SnapshotInfo, int | None]:
-        """``item``, unless a newer snapshot of its job is queued behind it: snapshots taken
-        faster than the store takes them are not all uploaded (the newest is what a lost host
-        needs, and local retention may remove the older ones meanwhile). The skipped ones fail
-        ``stored`` saying so; other jobs' items keep their places."""
+        """``item``, unless a newer snapshot of its job is queued behind it (the newest is what a
+        lost host needs); the skipped ones fail ``stored``; other jobs' items keep their places."""
         pending: list[tuple[SnapshotInfo, int | None] | None] = []
         while True:
             try:
@@ -253,13 +224,6 @@ class SnapshotUploader:
         """The step of ``job_id`` being uploaded now, if any: local retention keeps it."""
         current = self._current
         return {current[1]} if current is not None and current[0] == job_id else set()
-
-    def _upload(self, info: SnapshotInfo, keep: int | None) -> None:
-        self._current = (info.job_id, info.step)
-        try:
-            self._upload_ranks(info, keep)
-        finally:
-            self._current = None
 
     def _upload_ranks(self, info: SnapshotInfo, keep: int | None) -> None:
         begin = time.monotonic()
@@ -292,9 +256,8 @@ class SnapshotUploader:
                       store=self.uri, error=str(exc))
 
     def _layout(self, local: SnapshotInfo, whole: SnapshotInfo) -> bytes:
-        """The store's step's ``layout.json``: the local one when this host holds every rank
-        (the same files, so the same bytes), else built from every rank's manifest in the
-        store (once per step, by the host that publishes its index)."""
+        """The store's step's ``layout.json``: the local one when this host holds every rank, else
+        built from every rank's manifest in the store."""
         raw = self._local.read_layout(local) if local.index.complete_job else None
         if raw is not None:
             return raw
@@ -305,8 +268,7 @@ class SnapshotUploader:
             raise SnapshotError(f"building the layout index of {whole.snapshot_id}: {exc!r}") from exc
 
     def _upload_rank(self, info: SnapshotInfo, rank: int, existing: SnapshotIndex | None) -> None:
-        """The rank's data, manifest, then marker; nothing when ``existing`` (its marker in the
-        store) already says the same."""
+        """The rank's data, manifest, then marker; nothing when ``existing`` already says the same."""
         data = _record(info, rank_data_name(rank))
         manifest = _record(info, rank_manifest_name(rank))
         marker = SnapshotIndex(info.job_id, info.step, info.world_size, (rank,), (data, manifest), time.time(),
@@ -331,10 +293,8 @@ class SnapshotUploader:
         self.stored.store.put(key(marker_name(rank)), dumps_json(marker.to_json()))  # last
         self._set(info, rank, bytes_stored=data.bytes + manifest.bytes)
 
-
     def _verified_blocks(self, info: SnapshotInfo, rank: int, record: FileRecord) -> Iterator[bytes]:
-        """The local data file in blocks; raises (aborting the put) unless its size and crc32
-        are those ``snapshot.json`` records."""
+        """The local data file in blocks; raises (aborting the put) unless its size and crc32 match."""
         path = info.path / record.name
         value, size = 0, 0
         with open(path, "rb", buffering=0) as file:
@@ -352,11 +312,9 @@ class SnapshotUploader:
         if size != record.bytes or value != record.crc32:
             raise SnapshotCorrupt(f"{path} no longer matches its checksum in snapshot.json: not uploaded")
 
-    # ---------------------------------------------------------------- retention
-
     def _retain(self, job_id: str, keep: int | None) -> None:
-        """The job's ``keep`` newest complete steps stay, and everything newer; the older
-        steps go, index and markers first. Requests: a listing and an index per step."""
+        """The job's ``keep`` newest complete steps stay, and everything newer; the older steps
+        go, index and markers first."""
         if keep is None:
             return
         complete = [info.step for info in self.stored.list(job_id)]
@@ -372,8 +330,6 @@ class SnapshotUploader:
             for key in sorted(first, key=lambda k: not k.endswith(INDEX_NAME)) + [k for k in objects if k not in first]:
                 self.stored.store.delete(key)
             log_event(log, "store_retention_removed", snapshot_id=f"{job_id}/step-{step}", store=self.uri)
-
-    # ---------------------------------------------------------------- statuses
 
     def _set(self, info: SnapshotInfo, rank: int, **changes) -> None:
         with self._cond:
@@ -408,7 +364,3 @@ def _record(info: SnapshotInfo, name: str) -> FileRecord:
     if record is None:
         raise SnapshotCorrupt(f"{info.path}/snapshot.json does not list {name}")
     return record
-
-
-def _rank_bytes(info: SnapshotInfo, rank: int) -> int:
-    return sum(r.bytes for r in info.index.files if r.rank == rank)

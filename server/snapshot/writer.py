@@ -1,36 +1,22 @@
 """The server's side of the copy-before-write protocol: persist one rank's segment, and stage
 the chunks the trainer would reach first (:mod:`swap_state.common.segment`, steps 1-3).
 
-Call order (the coordinator does this, :mod:`swap_state.server.snapshot.coordinator`):
+Call order (the coordinator):
 
-1. ``RankWriter(...)`` then, synchronously in the Snapshot call, :meth:`RankWriter.publish`:
-   frees leftover copy slots, stores ``SNAP_STEP``, ``PERSISTED_UPTO = 0``, ``STAGED_UPTO =
-   0``, ``STAGE_SLOTS = k`` and last ``SNAP_EPOCH = e``. From its return the snapshot is
-   *consistent*.
-2. :meth:`RankWriter.run` in a background thread. Once let go (:meth:`RankWriter.go`) it
-   starts a :class:`~.stager.Stager` thread, which copies chunks in update order into the
-   stager's ``k`` slots (a ring, ``ctypes.memmove`` with the GIL released, ``stage_threads``
-   threads) as far ahead of the writer as the ring allows and publishes ``STAGED_UPTO``: so
-   the trainer's next optimizer step finds them safe instead of copying them itself. The
-   writer yields to a stager that can still copy (:meth:`Stager.yield_to`: its copies are
-   the urgent ones, and the writer then reads the staged chunks from the slots), and once
-   every chunk is staged, to the trainer's optimizer steps
-   (:meth:`RankWriter._yield_to_trainer`: it persists during forward/backward instead);
-   otherwise ``run`` streams the chunks in update order into the rank's data file (a
-   :class:`~.storage.SnapshotFile` of the partial snapshot, written through a
-   :class:`~.sink.ChunkSink`: O_DIRECT from aligned bounce buffers where the filesystem
-   takes it, else ``os.pwrite`` into the page cache; names, header and records are the
-   :class:`~.plan.RankFilePlan`'s), from the stager's slot when the chunk is staged, else
-   straight from the segment, storing ``PERSISTED_UPTO = c + 1`` as soon as chunk c is
-   copied out (into a bounce buffer or the page cache) and checksummed (before it reaches
-   the disk, so the trainer is held up by memory speed and the bandwidth cap, not by the
-   disk, save when every bounce buffer is still being written); then stops the stager, releases
-   the segment (``SNAP_EPOCH = 0``), fsyncs the file and writes the rank manifest through
-   the storage. On any error or cancellation the stager is stopped and the segment
-   released all the same (its tensor area is only ever read, never written; the server
-   writes only its header words and its slots), and the error propagates.
+1. ``RankWriter(...)``, then in the Snapshot call :meth:`RankWriter.publish` (frees leftover
+   slots, stores ``SNAP_STEP``, ``PERSISTED_UPTO = 0``, ``STAGED_UPTO = 0``, ``STAGE_SLOTS``
+   and last ``SNAP_EPOCH``): from its return the snapshot is *consistent*.
+2. :meth:`RankWriter.run` in a background thread. Once let go (:meth:`RankWriter.go`) it starts
+   a :class:`~.stager.Stager`, which copies chunks ahead of the writer into its slots and
+   publishes ``STAGED_UPTO``. The writer yields to a stager that can still copy, and once all
+   is staged, to the trainer's optimizer steps; it streams the chunks in update order into the
+   rank's data file through a :class:`~.sink.ChunkSink` (from the stager's slot when staged,
+   else from the segment), storing ``PERSISTED_UPTO = c + 1`` as soon as chunk c is copied
+   out and checksummed (the trainer waits on memory speed, not the disk). Then it releases
+   the segment (``SNAP_EPOCH = 0``), fsyncs and writes the manifest. On any error the stager
+   is stopped and the segment released all the same.
 
-Bytes leave the segment only through this writer; the segment's tensor area is read-only here.
+The segment's tensor area is only ever read here; the server writes its header words and slots.
 """
 
 from __future__ import annotations
@@ -64,16 +50,14 @@ HOLD_MAX_S = 0.25
 """How long a writer started with ``hold`` waits for :meth:`RankWriter.go` at most."""
 
 
-
 def _place(sink: ChunkSink, data: memoryview, crc: int) -> int:
     """``sink.put``: a module name, so that tests can race the trainer against the read."""
     return sink.put(data, crc)
 
 
 TRAINER_YIELD_MAX_S = 2.0
-"""Longest a writer with nothing left at risk pauses for one optimizer step of the trainer
-(``WRITING_STEP`` set); a step that takes longer (a trainer killed mid-step, say) ends the
-pausing for the rest of the snapshot (see :meth:`RankWriter._yield_to_trainer`)."""
+"""Longest a writer pauses for one optimizer step of the trainer; a longer step (a trainer
+killed mid-step) ends the pausing for the rest of the snapshot."""
 
 TRAINER_YIELD_SHARE = 0.5
 """Most of its streaming time a writer spends paused for the trainer's steps: a trainer
@@ -87,31 +71,14 @@ class Cancelled(Exception):
 class RankWriter:
     """Persists one rank's segment; one instance per rank and snapshot."""
 
-    def __init__(
-        self,
-        source: SnapshotSource,
-        metadata: SnapshotMetadata | MetadataParts,
-        epoch: int,
-        storage: SnapshotStorage,
-        partial: pathlib.PurePath,
-        limiter: BandwidthLimiter,
-        cancel: threading.Event,
-        started_monotonic: float,
-        stage_threads: int = 1,
-        model_copy_timeout_s: float = 60.0,
-    ):
-        """``storage``, ``partial``: where the rank's files go (the group's partial snapshot).
-        ``stage_threads``: threads of the :class:`Stager` (it runs when the segment has the
-        slots for one: :func:`stager_slot_count`).
-        ``model_copy_timeout_s``: how long the writer waits for the trainer's copy of the
-        model tensors of the step (protocol step 5) before the snapshot fails."""
-        self.source = source
-        self.metadata = metadata
-        self.epoch = epoch
-        self.storage = storage
-        self.partial = partial
-        self.limiter = limiter
-        self.cancel = cancel
+    def __init__(self, source: SnapshotSource, metadata: SnapshotMetadata | MetadataParts, epoch: int,
+                 storage: SnapshotStorage, partial: pathlib.PurePath, limiter: BandwidthLimiter,
+                 cancel: threading.Event, started_monotonic: float, stage_threads: int = 1,
+                 model_copy_timeout_s: float = 60.0):
+        """``storage``, ``partial``: where the rank's files go. ``stage_threads``: the
+        :class:`Stager`'s. ``model_copy_timeout_s``: the wait for protocol step 5."""
+        self.source, self.metadata, self.epoch = source, metadata, epoch
+        self.storage, self.partial, self.limiter, self.cancel = storage, partial, limiter, cancel
         self.started_monotonic = started_monotonic
         layout = source.layout
         self._header = ServerHeader(source.header)
@@ -120,17 +87,12 @@ class RankWriter:
         self.model_from = layout.model_from
         """The first chunk of the model tensors (the chunk count when there are none)."""
         self.model_copy_timeout_s = model_copy_timeout_s
-        self.model_wait_seconds = 0.0
-        """How long the writer waited for the trainer's copy of the model (writer thread)."""
         self.bytes_total = layout.tensor_bytes
         self.bytes_persisted = 0  # written by the writer thread only
         self.trainer_copied_bytes = 0  # chunks the trainer copied itself (writer thread)
         self.stream_seconds = 0.0  # time spent streaming the chunks (writer thread)
-        self.stage_threads = stage_threads
         self.stage_slots = stager_slot_count(source.layout.cow_slots)
-        self.stager: Stager | None = (
-            Stager(self, self.stage_slots, stage_threads) if self.stage_slots else None
-        )
+        self.stager = Stager(self, self.stage_slots, stage_threads) if self.stage_slots else None
         self._trainer_yield = self.stager is not None
         self.direct_io = False
         """Whether the data file was written with O_DIRECT (known once it is created)."""
@@ -138,19 +100,15 @@ class RankWriter:
         self._stream_started = 0.0
         self.segment_released = Latch()
         self.go_event = threading.Event()
-        """Set: ``run`` may start streaming (see :meth:`go`)."""
         header = source.header
         self._base = (header[Word.COW_COPIES], header[Word.BP_WAITS], header[Word.BP_WAIT_NS])
         self._final: tuple[int, int, int] | None = None
 
-    # --------------------------------------------------------------------- trainer counters
-
     def counters(self) -> tuple[int, int, int]:
         """(cow copies, back-pressure waits, wait ns) of this snapshot: live while the
         segment is held, frozen from its release on (the segment may be gone after that)."""
-        final = self._final
-        if final is not None:
-            return final
+        if self._final is not None:
+            return self._final
         header = self.source.header
         now = (header[Word.COW_COPIES], header[Word.BP_WAITS], header[Word.BP_WAIT_NS])
         return (now[0] - self._base[0], now[1] - self._base[1], now[2] - self._base[2])
@@ -158,18 +116,14 @@ class RankWriter:
     def server_counters(self) -> tuple[int, int, int]:
         """(chunks the stager copied, their bytes, bytes the trainer copied itself) so far."""
         stager = self.stager
-        if stager is None:
-            return (0, 0, self.trainer_copied_bytes)
-        return (stager.staged_chunks, stager.staged_bytes, self.trainer_copied_bytes)
+        return (stager.staged_chunks if stager else 0, stager.staged_bytes if stager else 0,
+                self.trainer_copied_bytes)
 
     def persist_rate(self) -> float | None:
-        """Bytes/s the chunks streamed at (page cache, checksummed; what moves
-        ``PERSISTED_UPTO``), once done; None before."""
+        """Bytes/s the chunks streamed at (what moves ``PERSISTED_UPTO``), once done; None before."""
         if not self.segment_released.is_set() or self.stream_seconds <= 0 or not self.bytes_persisted:
             return None
         return self.bytes_persisted / self.stream_seconds
-
-    # --------------------------------------------------------------------- protocol
 
     def publish(self) -> None:
         """Make the snapshot consistent: after this the trainer may mutate the segment."""
@@ -180,12 +134,9 @@ class RankWriter:
         self._header.open_snapshot(self.source.step, self.stage_slots, self.epoch, self.source.layout.cow_slots)
 
     def go(self) -> None:
-        """Let ``run`` start streaming. The coordinator sets it at once, unless the caller
-        asked to *hold* the writer until its reply is out (the Snapshot RPC does: the reply is
-        the trainer's stall, and a writer already streaming competes with it for the GIL and
-        the CPUs). Holding is safe at any length: the snapshot is consistent from
-        :meth:`publish` on, a late writer only means the trainer copies more chunks first.
-        ``run`` waits ``HOLD_MAX_S`` at most, should nobody call this."""
+        """Let ``run`` start streaming. The Snapshot RPC holds the writer until its reply (the
+        trainer's stall) is out, so it does not compete for the GIL; safe at any length (the
+        snapshot is consistent), and ``run`` waits ``HOLD_MAX_S`` at most."""
         self.go_event.set()
 
     def release_segment(self) -> None:
@@ -199,17 +150,12 @@ class RankWriter:
         self._final = self.counters()
         self.segment_released.set()
 
-    # --------------------------------------------------------------------- whole state
-
     def model_published(self) -> bool:
-        """Whether the trainer has copied the model tensors of the snapshot's step (or a
-        later one, whose copy protected this step's bytes first): protocol step 5."""
+        """Whether the trainer has copied the model tensors of the step (or a later one): step 5."""
         return self.source.header[Word.MODEL_STEP] >= self.source.step + 1
 
     def _wait_for_model(self) -> None:
         """Before the first model chunk: wait (bounded, cancellable) for protocol step 5."""
-        began = time.monotonic()
-
         def nap(seconds: float) -> None:
             if self.cancel.wait(seconds):
                 raise Cancelled()
@@ -217,26 +163,18 @@ class RankWriter:
         published = wait_until(
             self.model_published, timeout_s=self.model_copy_timeout_s, first_s=1e-4, max_s=0.01, sleep=nap
         )
-        self.model_wait_seconds += time.monotonic() - began
         if not published:
             copied = self.source.header[Word.MODEL_STEP]
-            raise SnapshotError(
-                f"the trainer did not copy the model's parameters of step "
-                f"{self.source.step} into its segment within {self.model_copy_timeout_s:g} s "
-                f"(it has copied {f'those of step {copied - 1}' if copied else 'none'}); "
-                "a trainer that stopped or died after the step cannot complete the snapshot "
-                "(server flag --model-copy-timeout)"
-            )
-
-    # --------------------------------------------------------------------- persisting
+            raise SnapshotError("the trainer did not copy the model's parameters of step "
+                                f"{self.source.step} into its segment within {self.model_copy_timeout_s:g} "
+                                f"s (it has copied {f'those of step {copied - 1}' if copied else 'none'}); "
+                                "a trainer that stopped or died after the step cannot complete the snapshot "
+                                "(server flag --model-copy-timeout)")
 
     def _yield_to_trainer(self, n_chunks: int) -> None:
-        """Once every chunk is staged (``STAGED_UPTO == n``), the trainer needs nothing more
-        from the writer: pause while it writes a step (``WRITING_STEP`` set), so that its
-        optimizer step, bound by host memory bandwidth (on a GPU host: its H2D/D2H copies),
-        does not share it with the writer's pwrite into the page cache, its crc32 and the
-        kernel's writeback; persist during the forward/backward instead. Bounded by
-        ``TRAINER_YIELD_MAX_S`` per step."""
+        """Once every chunk is staged, pause while the trainer writes a step (``WRITING_STEP``):
+        its optimizer step is bound by host memory bandwidth, which the writer's pwrite, crc32
+        and writeback would share; persist during forward/backward instead."""
         header = self.source.header
         if not self._trainer_yield or header[Word.STAGED_UPTO] < n_chunks:
             return
@@ -259,15 +197,8 @@ class RankWriter:
             self._paused_s += time.monotonic() - began
 
     def _stream(self, sink: ChunkSink, view: memoryview) -> list[int]:
-        """Put every chunk (from the segment, its stager slot or the trainer's slot) into
-        ``sink`` after the safetensors header, in file order; per-tensor crc32s.
-
-        GIL-friendly: the sink's copies (``os.pwrite`` into the page cache, or ``memmove``
-        into an O_DIRECT bounce buffer) and ``crc32`` (:mod:`swap_state.common.checksum`:
-        ISA-L, or zlib) run with the GIL released (the loop itself only slices views and
-        reads header words), so the event loop answers RPCs while a snapshot streams. Each
-        chunk is :meth:`_persist_chunk`'s, which says why the bytes stay exact.
-        """
+        """Put every chunk into ``sink`` after the header, in file order; per-tensor crc32s. The
+        sink's copies and crc32 release the GIL, so the event loop answers RPCs meanwhile."""
         crcs = [0] * len(self.source.layout.tensors)
         started = self._stream_started = time.monotonic()
         try:
@@ -281,62 +212,49 @@ class RankWriter:
         return crcs
 
     def _before_chunk(self, chunk: Chunk) -> None:
-        """Wait until ``chunk`` may be streamed: the trainer's copy of the model (before the
-        first model chunk), a stager that can still copy, the trainer's step (once all is
-        staged), the bandwidth cap. Cancelled when the snapshot was cancelled meanwhile."""
+        """Wait until ``chunk`` may be streamed (the model's copy, the stager, the trainer's step,
+        the bandwidth cap); Cancelled when the snapshot was cancelled meanwhile."""
         self._check_not_abandoned()
         if chunk.index == self.model_from:
             self._wait_for_model()
         if self.stager is not None:
             if not self.direct_io:
-                # A buffered write is a copy into the page cache that competes with the
-                # stager's; an O_DIRECT writer idle here would idle the disk instead (its
-                # writes run in the sink's threads; its copy per chunk is small beside them).
+                # A buffered write's copy competes with the stager's; an O_DIRECT writer idle
+                # here would idle the disk instead.
                 self.stager.yield_to()
             self._yield_to_trainer(len(self.chunks))
         if not self.limiter.acquire(chunk.nbytes, self.cancel):
             raise Cancelled()
 
     def _check_not_abandoned(self) -> None:
-        """Protocol step 6: the trainer gave this epoch up (it found its server unreachable
-        and overwrote chunks without a copy), so what was read may be torn."""
+        """Protocol step 6: the trainer gave this epoch up, so what was read may be torn."""
         if self.source.header[Word.ABANDONED_EPOCH] == self.epoch:
-            raise SnapshotError(
-                f"the trainer of {self.source.job_id} rank {self.source.rank} gave this "
-                "snapshot up: it found the server unreachable (its KeepAlive stream broke) and "
-                "overwrote chunks without a copy; take the snapshot again"
-            )
+            raise SnapshotError(f"the trainer of {self.source.job_id} rank {self.source.rank} gave this "
+                                "snapshot up: it found the server unreachable (its KeepAlive stream broke) "
+                                "and overwrote chunks without a copy; take the snapshot again")
 
     def _persist_chunk(self, sink: ChunkSink, view: memoryview, chunk: Chunk, before: int) -> int:
-        """Put ``chunk`` into ``sink``, piece by piece (as much as the sink takes at once), and
-        publish ``PERSISTED_UPTO = c + 1``; returns its tensor's running crc32 continued from
-        ``before``.
+        """Put ``chunk`` into ``sink``, piece by piece, and publish ``PERSISTED_UPTO = c + 1``;
+        returns its tensor's crc32 continued from ``before``.
 
-        Why this stays exact (step N's bytes, bit for bit, in the file and in the crc):
-        while chunk c is being read here, ``PERSISTED_UPTO <= c`` (it is stored only after
-        the last piece), so the trainer overwrites chunk c in this epoch only after its own
-        copy into a slot of its own with ``COW_EPOCH[c] = e`` stored first, or after the
-        stager published ``STAGED_UPTO > c`` (stored once its copy of c ended; protocol
-        steps 2 and 4). The source read first is the stager slot when ``STAGED_UPTO > c``
-        already (its bytes are step N's unless the trainer had copied the chunk first, which
-        the next check sees), else the segment. After each piece is placed (read, and
-        checksummed as placed), :meth:`_safe_source` looks at those words again:
+        Why this stays exact: while chunk c is read, ``PERSISTED_UPTO <= c``, so the trainer
+        overwrites c only after its own copy into a slot with ``COW_EPOCH[c] = e`` stored first,
+        or after the stager published ``STAGED_UPTO > c`` (protocol steps 2 and 4). The first
+        source is the stager slot when already ``STAGED_UPTO > c``, else the segment. After each
+        piece is placed (and checksummed), :meth:`_safe_source` reads those words again:
 
-        - ``COW_EPOCH[c] == e``: the trainer's slot holds step N's bytes (copied before its
-          first overwrite) and this piece may be torn: the piece is placed again from that
-          slot (the same range: no byte of the first read survives; the crc continues from
-          before the piece), and so is the rest of the chunk. The slot is freed after.
-        - else, read from the segment and now ``STAGED_UPTO > c``: the stager copied the
-          chunk meanwhile (cleanly: the trainer's copy did not exist) and the trainer may
-          have overwritten it since: the piece and the rest come from the stager slot.
-        - else: no overwrite of chunk c began before the check, so this piece is step N's
-          bytes. The pieces before were checked the same way, so they equal any later
-          source's bytes (every source holds step N's bytes of them).
+        - ``COW_EPOCH[c] == e``: the trainer's slot holds step N's bytes and this piece may be
+          torn: it and the rest of the chunk are placed again from that slot (the crc continues
+          from before the piece); the slot is freed after.
+        - else, read from the segment and now ``STAGED_UPTO > c``: the stager copied the chunk
+          cleanly meanwhile: the piece and the rest come from its slot.
+        - else: no overwrite of c began before the check: the piece is step N's bytes.
 
         A piece is final (the sink may write it to disk) only after its check.
         """
         n, c = chunk.nbytes, chunk.index
-        stage_at = self._stage_slot_at(c)
+        layout, ring = self.source.layout, self.stage_slots  # where the stager stages chunk c, if any
+        stage_at = layout.cow_slots_offset + (c % ring) * layout.chunk_bytes if ring else None
         source = stage_at if stage_at is not None and c < self.source.header[Word.STAGED_UPTO] else chunk.offset
         trainer_slot: int | None = None
         value, done = before, 0
@@ -359,23 +277,16 @@ class RankWriter:
             self.stager.wake()
         return value
 
-    def _stage_slot_at(self, c: int) -> int | None:
-        """Where the stager stages chunk ``c`` in the segment (None: no stager)."""
-        ring, layout = self.stage_slots, self.source.layout
-        return layout.cow_slots_offset + (c % ring) * layout.chunk_bytes if ring else None
-
     def _safe_source(self, chunk: Chunk, source: int, stage_at: int | None) -> tuple[int, int | None]:
-        """After a piece of ``chunk`` was read from ``source``: (where its step-N bytes are
-        now, the trainer's slot holding them or None). See :meth:`_persist_chunk`."""
+        """After a piece of ``chunk`` was read from ``source``: (where its step-N bytes are now,
+        the trainer's slot holding them or None). See :meth:`_persist_chunk`."""
         layout, header = self.source.layout, self.source.header
         c = chunk.index
         if header.cow_epoch(c) == self.epoch:
             trainer_slot = header.cow_slot(c) - 1
             if not self.stage_slots <= trainer_slot < layout.cow_slots:
-                raise SnapshotError(
-                    f"trainer published copy slot {trainer_slot} for chunk {c}; its "
-                    f"slots are [{self.stage_slots}, {layout.cow_slots})"
-                )
+                raise SnapshotError(f"trainer published copy slot {trainer_slot} for chunk {c}; its slots "
+                                    f"are [{self.stage_slots}, {layout.cow_slots})")
             return layout.cow_slots_offset + trainer_slot * layout.chunk_bytes, trainer_slot
         if source == chunk.offset and stage_at is not None and c < header[Word.STAGED_UPTO]:
             return stage_at, None
@@ -402,19 +313,13 @@ class RankWriter:
             self.storage.write_durable(self.partial, plan.manifest_name, raw)
         except OSError as exc:
             raise from_os_error(exc, action, self.storage.root) from None
-        self._log_persisted()
-        return plan.result(manifest, data, raw)
-
-    def _log_persisted(self) -> None:
-        """One INFO line per rank persisted: how fast, how (O_DIRECT or the page cache), and
-        what the trainer and the stager copied."""
         rate = self.persist_rate()
-        log_event(log, "snapshot_rank_persisted", job_id=self.source.job_id, step=self.source.step,
-                  rank=self.source.rank, bytes=self.bytes_persisted,
-                  stream_seconds=round(self.stream_seconds, 4),
+        log_event(log, "snapshot_rank_persisted", job_id=source.job_id, step=source.step, rank=source.rank,
+                  bytes=self.bytes_persisted, stream_seconds=round(self.stream_seconds, 4),
                   stream_gbps=round(rate / 1e9, 3) if rate else None, direct_io=self.direct_io,
                   trainer_copied_bytes=self.trainer_copied_bytes,
                   staged_bytes=self.stager.staged_bytes if self.stager is not None else 0)
+        return plan.result(manifest, data, raw)
 
     def _write_data_file(self, plan: RankFilePlan) -> list[int]:
         """Create the data file, put its header, stream the chunks (the stager alongside),

@@ -14,7 +14,6 @@ from swap_state.common.snapshot_errors import SnapshotCorrupt
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.common.snapshot_reader import SnapshotReader
 from swap_state.server.snapshot import sources as sources_module
-from swap_state.server.snapshot import staged_read
 from swap_state.server.snapshot.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
 
@@ -30,7 +29,7 @@ SPECS = [
 
 @pytest.fixture
 def snapshot(make_segment, make_coordinator, monkeypatch):
-    monkeypatch.setattr(staged_read, "STAGE_REGION_BYTES", 8192)  # many regions, small file
+    monkeypatch.setattr(sources_module, "STAGE_REGION_BYTES", 8192)  # many regions, small file
     seg = make_segment("source", specs=SPECS)
     contents = seg.fill(21)
     coordinator = make_coordinator()
@@ -132,7 +131,7 @@ def test_the_budget_holds_the_staged_bytes_only_while_restoring(snapshot, make_s
 
 def test_unpinned_staging_checks_every_copy_again(snapshot, make_segment, monkeypatch, caplog):
     store, info, contents = snapshot
-    monkeypatch.setattr(staged_read, "_mlock", lambda address, length: errno.ENOMEM)
+    monkeypatch.setattr(sources_module, "_mlock", lambda address, length: errno.ENOMEM)
     seg, _ = _target(make_segment)
     with caplog.at_level(logging.WARNING, logger="swap_state.server.restore"):
         result = _restore(store, seg)
