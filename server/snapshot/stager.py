@@ -10,15 +10,12 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Any
 
 from swap_state.common.segment import Word
 from swap_state.common.server_header import ServerHeader
 from swap_state.server import _posix
 from swap_state.server._posix import buffer_address
-
-if TYPE_CHECKING:
-    from swap_state.server.snapshot.writer import RankWriter
 
 __all__ = ["Stager"]
 
@@ -39,7 +36,8 @@ class Stager:
     trainer reaches first. ``threads`` threads copy (GIL released); ``STAGED_UPTO`` is stored
     after each copied batch, by this thread only."""
 
-    def __init__(self, writer: RankWriter, slots: int, threads: int):
+    def __init__(self, writer: Any, slots: int, threads: int):
+        # ``writer``: the :class:`~.writer.RankWriter` that owns it (not imported: it imports this).
         self.writer = writer
         self.slots = slots
         self.threads = max(1, threads)

@@ -232,19 +232,20 @@ class SnapshotUploader:
             try:
                 if stored is None:  # one listing of the step for all its ranks
                     stored = self.stored.step_markers(info.job_id, info.step, info.ranks)
-                self._upload_rank(info, rank, stored.get(rank))
+                nbytes = self._upload_rank(info, rank, stored.get(rank))
             except (OSError, SnapshotError) as exc:
                 self._fail(info, rank, exc)
                 return
-            self._set(info, rank, state=StoreState.STORED)
+            # Counted before the rank reads stored: a scrape after wait_stored sees its bytes.
+            self.counters.bytes_stored += nbytes
             self.counters.ranks_stored += 1
+            self._set(info, rank, state=StoreState.STORED)
         try:
             self.stored.publish_step_index(info.job_id, info.step, layout=lambda whole: self._layout(info, whole))
         except (OSError, SnapshotError) as exc:  # the step reads from its markers instead
             log_event(log, "store_index_failed", logging.WARNING, snapshot_id=info.snapshot_id,
                       store=self.uri, error=str(exc))
         seconds = time.monotonic() - begin
-        self.counters.bytes_stored += info.bytes
         self.counters.seconds += seconds
         log_event(log, "snapshot_stored", snapshot_id=info.snapshot_id, ranks=list(info.ranks),
                   store=self.uri, bytes=info.bytes, seconds=round(seconds, 3),
@@ -267,8 +268,9 @@ class SnapshotUploader:
         except Exception as exc:  # a bug must not end the upload worker: the step reads from its markers
             raise SnapshotError(f"building the layout index of {whole.snapshot_id}: {exc!r}") from exc
 
-    def _upload_rank(self, info: SnapshotInfo, rank: int, existing: SnapshotIndex | None) -> None:
-        """The rank's data, manifest, then marker; nothing when ``existing`` already says the same."""
+    def _upload_rank(self, info: SnapshotInfo, rank: int, existing: SnapshotIndex | None) -> int:
+        """The rank's data, manifest, then marker; nothing when ``existing`` already says the same.
+        Returns the rank's bytes."""
         data = _record(info, rank_data_name(rank))
         manifest = _record(info, rank_manifest_name(rank))
         marker = SnapshotIndex(info.job_id, info.step, info.world_size, (rank,), (data, manifest), time.time(),
@@ -281,7 +283,7 @@ class SnapshotUploader:
             info.world_size, info.index.attempt, (data, manifest),
         ):
             self._set(info, rank, bytes_stored=data.bytes + manifest.bytes)
-            return
+            return data.bytes + manifest.bytes
         if existing is not None:  # an earlier attempt at the step: unlisted before its data changes
             self.stored.store.delete(key(INDEX_NAME))
             self.stored.store.delete(key(marker_name(rank)))
@@ -292,6 +294,7 @@ class SnapshotUploader:
         self.stored.store.put(key(manifest.name), raw)
         self.stored.store.put(key(marker_name(rank)), dumps_json(marker.to_json()))  # last
         self._set(info, rank, bytes_stored=data.bytes + manifest.bytes)
+        return data.bytes + manifest.bytes
 
     def _verified_blocks(self, info: SnapshotInfo, rank: int, record: FileRecord) -> Iterator[bytes]:
         """The local data file in blocks; raises (aborting the put) unless its size and crc32 match."""
