@@ -9,7 +9,9 @@ trainer): no locks; a reader may see an old value, never a torn one (aligned 8-b
 
 Snapshot protocol for committed step N, epoch e. Chunks are in tensor order (the trainer's
 update order); of the ``COW_SLOTS`` spare slots (``CHUNK_BYTES`` each), ``[0, k)`` are the
-server's *stager*'s and ``[k, COW_SLOTS)`` the trainer's *fallback* for this epoch:
+server's *stager*'s and ``[k, COW_SLOTS)`` the trainer's *fallback* for this epoch; neither side
+touches the other's, ``STAGE_SLOTS`` changes only while ``SNAP_EPOCH == 0``, and ``k`` is
+:func:`stager_slot_count` (none below 3 slots):
 
 1. Snapshot(step=N), between steps: before replying the server frees every trainer slot
    (``SLOT_FREED[j] = SLOT_TAKEN[j]``), stores ``SNAP_STEP = N``, ``PERSISTED_UPTO = 0``,

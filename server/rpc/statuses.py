@@ -73,7 +73,8 @@ def rpc_boundary(method: F) -> F:
             ref = secrets.token_hex(4)
             log_event(log, "rpc_internal_error", logging.ERROR, method=name, ref=ref,
                       error=f"{type(exc).__name__}: {exc}", exc_info=exc)
-            await context.abort(status, f"internal server error (ref {ref}; see the server log)")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (ref {ref}; see the server log)")
+            raise AssertionError("unreachable")  # abort() raises
         finally:
             if code is not None:
                 counters.record(name, code, time.perf_counter() - started)
