@@ -1,17 +1,9 @@
 """``load_state_dict`` of the swap optimizer: validate and plan everything, then commit.
 
-Call order::
-
-    plan = container._plan_load(state_dict)    # validate every group and parameter;
-                                               # allocate missing host caches, placeholders
-    container._before_host_write(all params)   # hook, once
-    container._commit_load(plan)               # copy into the host cache; on an error the
-                                               # dict-level state is rolled back
-    get_torch_device().empty_cache()           # once
-    container._after_load_state_dict()         # hook
-
-Nothing live changes before ``_commit_load``, so a bad checkpoint (a missing key, a wrong
-shape or dtype, an amsgrad switch) raises naming the key and leaves the container as it was.
+Call order: ``_plan_load`` (validate; allocate missing host caches) -> the container's
+``_before_host_write(all params)`` -> ``_commit_load`` (copy in; dict-level state rolled back on
+an error) -> ``empty_cache()`` -> ``_after_load_state_dict()``. Nothing live changes before
+``_commit_load``, so a bad checkpoint raises naming the key and leaves the container as it was.
 """
 
 from __future__ import annotations
@@ -79,25 +71,14 @@ class _LoadPlan:
 
 
 class StateLoader:
-    """``load_state_dict()`` of a swap container (call order in the module docstring), held
-    by the container; the container's ``_before_host_write`` / ``_after_load_state_dict``
-    hooks are called around the copy, its ``_allocate_host_cache`` for missing caches."""
+    """``load_state_dict()`` of a swap container (``owner``)."""
 
     def __init__(self, owner: Any, host_caches: HostCaches):
-        # owner: the SwapOptimizersContainer holding this part (its public state and hooks;
-        # not imported: the container imports this module).
         self._owner = owner
         self._host_caches = host_caches
 
     def load(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a flat state dict (from ``state_dict()``, any alias of tied parameters).
-
-        Everything is validated and prepared first; a bad key raises ``KeyError`` /
-        ``ValueError`` / ``TypeError`` naming it and leaves the container untouched. The
-        checkpoint's tensors are only read. A parameter with param-group entries but no
-        state was never stepped in the checkpoint (torch creates state lazily): it starts
-        from zeros and step 0.
-        """
+        """Load a flat state dict (any alias of tied parameters); the checkpoint is only read."""
         owner = self._owner
         plan = self._plan_load(state_dict)
         owner._before_host_write([load.param for load in plan.params])
@@ -152,33 +133,22 @@ class StateLoader:
         """Allocate missing host caches and build placeholders; nothing live changes."""
         missing = [load for load in plan.params if load.host is None]
         if missing:
-            entries = [
-                HostCacheEntry(
-                    load.param,
-                    load.fqn,
-                    load.keys,
-                    dtensor_utils.unwrap_dtensor(load.param).shape,
-                    moments_dtype(self._owner, dtensor_utils.unwrap_dtensor(load.param)),
-                    load.optimizer_index,
-                    load.group_index,
-                )
-                for load in missing
-            ]
+            entries = []
+            for load in missing:
+                local = dtensor_utils.unwrap_dtensor(load.param)
+                dtype = moments_dtype(self._owner, local)
+                where = (load.optimizer_index, load.group_index)
+                entries.append(HostCacheEntry(load.param, load.fqn, load.keys, local.shape, dtype, *where))
             allocated = self._owner._allocate_host_cache(entries)
             for load, entry in zip(missing, entries, strict=True):
                 load.host = self._host_caches.checked(entry, allocated.get(entry.param))
         for load in plan.params:
             assert load.host is not None
-            load.placeholders = {
-                key: placeholder_like(load.param, load.host[key])
-                if key in load.keys
-                else None
-                for key in MOMENT_KEYS
-            }
+            load.placeholders = dict.fromkeys(MOMENT_KEYS)
+            load.placeholders.update((key, placeholder_like(load.param, load.host[key])) for key in load.keys)
 
     def _commit_load(self, plan: _LoadPlan) -> None:
-        """Apply a prepared plan. On an error, dict-level state is restored (bytes already
-        copied into the host cache are not: validation leaves nothing expected to fail)."""
+        """Apply a prepared plan; on an error, dict-level state is restored (not copied bytes)."""
         saved = self._rollback_point()
         try:
             for load in plan.params:
@@ -232,10 +202,8 @@ class StateLoader:
             for optim, saved_state in states:
                 optim.state.clear()
                 optim.state.update(saved_state)
-            for live, saved_map in (
-                (owner.param_to_cpu_states_map, cpu_map),
-                (owner.param_to_device_states_map, device_map),
-            ):
+            maps = (owner.param_to_cpu_states_map, cpu_map), (owner.param_to_device_states_map, device_map)
+            for live, saved_map in maps:
                 live.clear()
                 live.update(saved_map)
             for optim, group_map_ in group_maps:
@@ -247,11 +215,8 @@ class StateLoader:
 def _plan_group_load(
     index: FlatIndex, optim: Optimizer, group: dict[str, Any], fqns: Mapping[torch.Tensor, tuple[str, ...]]
 ) -> _GroupLoad:
-    """The checkpoint's hyperparameters for ``group``, from the first of its parameters found.
-
-    Other parameters' group entries are not compared (a checkpoint may group differently),
-    except ``amsgrad``, which every parameter's load checks.
-    """
+    """The checkpoint's hyperparameters for ``group``, from the first of its parameters found
+    (a checkpoint may group differently; ``amsgrad`` is checked per parameter)."""
     for param in group["params"]:
         found = index.entries(PARAM_GROUPS_PREFIX, fqns.get(param, ()))
         if found is not None:
@@ -273,11 +238,8 @@ def _checked_sources(
     local_param: torch.Tensor,
     dtype: torch.dtype,
 ) -> tuple[dict[str, torch.Tensor | None], float]:
-    """``({key: checkpoint tensor}, step)`` of one parameter (canonical name ``aliases[0]``).
-
-    No state at all but param-group entries: never stepped in the checkpoint, so zeros
-    (``None`` sources) and step 0. Neither: a KeyError.
-    """
+    """``({key: checkpoint tensor}, step)`` of one parameter; only param-group entries: never
+    stepped (torch creates state lazily), so zeros (``None``) and step 0."""
     fqn = aliases[0]
     hits = {key: index.lookup(STATE_PREFIX, aliases, key) for key in (*keys, STEP_KEY)}
     if not any(hits.values()):
@@ -307,13 +269,11 @@ def _check_amsgrad(hit: tuple[str, Any] | None, group: Mapping[str, Any]) -> Non
 
 
 def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``value``'s local tensor if it can be copied into ``local_param``'s host cache of moments
-    of ``dtype``. Where that is not the parameter's dtype (bfloat16 moments), a checkpoint of
-    another floating dtype is converted by the copy: the precision the job asked for."""
+    """``value``'s local tensor if it fits the host cache of moments of ``dtype`` (with bfloat16
+    moments, another floating dtype is converted by the copy)."""
     if not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"optimizer state dict key {flat_key!r}: expected a tensor, got {type(value).__name__}"
-        )
+        got = type(value).__name__
+        raise TypeError(f"optimizer state dict key {flat_key!r}: expected a tensor, got {got}")
     local = dtensor_utils.unwrap_dtensor(value)
     if local.is_meta or not has_data(local):
         raise ValueError(f"optimizer state dict key {flat_key!r}: the tensor has no data")
@@ -335,14 +295,12 @@ def _checked_step(hit: tuple[str, Any] | None, group_load: _GroupLoad, fqn: str)
     """The parameter's step: its own entry, else its param group's."""
     if hit is None:
         if STEP_KEY not in group_load.values:
-            raise KeyError(
-                f"optimizer state dict has no {state_key(fqn, STEP_KEY)!r} and no param group step"
-            )
+            missing = state_key(fqn, STEP_KEY)
+            raise KeyError(f"optimizer state dict has no {missing!r} and no param group step")
         hit = (param_group_key(fqn, STEP_KEY), group_load.values[STEP_KEY])
     flat_key, value = hit
     try:
         return as_number(value)
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise ValueError(
-            f"optimizer state dict key {flat_key!r}: expected a number or one-element tensor"
-        ) from exc
+        expected = "expected a number or one-element tensor"
+        raise ValueError(f"optimizer state dict key {flat_key!r}: {expected}") from exc
