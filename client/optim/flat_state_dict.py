@@ -1,9 +1,7 @@
 """The seed's flat optimizer state dict: ``state.<fqn>.<key>``, ``param_groups.<fqn>.<hp>``.
 
-Keys come from :func:`swap_state.common.names.state_key` / ``param_group_key``; a parameter
-is named by its canonical FQN (DCP's, first registered alias first), so tied parameters are
-saved once and load from any alias (:mod:`.naming`). :func:`flat_state_dict` writes the dict
-from the host cache; :class:`FlatIndex` reads one for :mod:`swap_state.client.optim.state_loading`.
+A parameter is named by its canonical FQN, so tied parameters are saved once and load from
+any alias (:mod:`.naming`). :func:`flat_state_dict` writes the dict, :class:`FlatIndex` reads one.
 """
 
 from __future__ import annotations
@@ -42,11 +40,8 @@ def clone_value(value: Any) -> Any:
 
 
 class FlatIndex:
-    """A flat state dict's ``state.*`` and ``param_groups.*`` entries, by section and fqn.
-
-    A key is split at its last dot: ``state.layers.0.w.exp_avg`` is fqn ``layers.0.w``, key
-    ``exp_avg``. Other keys (e.g. a snapshot reference) are ignored.
-    """
+    """A flat state dict's ``state.*`` and ``param_groups.*`` entries, by section and fqn (a
+    key split at its last dot); other keys are ignored."""
 
     SECTIONS = (STATE_PREFIX, PARAM_GROUPS_PREFIX)
     _KEY_OF = {STATE_PREFIX: state_key, PARAM_GROUPS_PREFIX: param_group_key}
@@ -61,10 +56,7 @@ class FlatIndex:
                         self.sections[prefix].setdefault(fqn, {})[key] = value
 
     def lookup(self, section: str, aliases: Sequence[str], key: str) -> tuple[str, Any] | None:
-        """``(flat key, value)`` under the first alias that has ``key``, else None.
-
-        ``section`` is :data:`STATE_PREFIX` or :data:`PARAM_GROUPS_PREFIX`.
-        """
+        """``(flat key, value)`` under the first alias that has ``key`` in ``section``, else None."""
         for fqn in aliases:
             entries = self.sections[section].get(fqn)
             if entries is not None and key in entries:
@@ -85,12 +77,8 @@ def flat_state_dict(
     optimizers: Sequence[Optimizer],
     cpu_states: Mapping[torch.Tensor, HostCache],
 ) -> dict[str, Any]:
-    """Flat ``state.<fqn>.<key>`` / ``param_groups.<fqn>.<key>`` dict from the host cache.
-
-    Moments are views of the host cache (DTensor-wrapped like their parameter, never copied
-    to a device); ``step`` values and group values are copies. Tied parameters appear once,
-    under their canonical name. torchtitan's own conversion is not used.
-    """
+    """The flat dict from the host cache: moments are views (DTensor-wrapped like their
+    parameter, never copied to a device), steps and group values copies."""
     flat: dict[str, Any] = {}
     for model, optim in zip(model_parts, optimizers, strict=True):
         fqns = fqns_by_param(model)
@@ -132,10 +120,8 @@ def state_step(cpu_states: Mapping[torch.Tensor, HostCache], group: Mapping[str,
 
 
 def tensor_for_state_dict(tensor: Any, like_param: Any = None) -> Any:
-    """A CPU view of ``tensor`` for a checkpoint, DTensor-wrapped like ``like_param``.
-
-    A non-empty tensor without storage is a swapped-out placeholder: an error.
-    """
+    """A CPU view of ``tensor`` for a checkpoint, DTensor-wrapped like ``like_param`` (a
+    swapped-out placeholder is an error)."""
     local = dtensor_utils.unwrap_dtensor(tensor)
     if local.numel() != 0 and local.untyped_storage().size() == 0:
         raise RuntimeError(
@@ -151,12 +137,8 @@ def tensor_for_state_dict(tensor: Any, like_param: Any = None) -> Any:
 
 
 def move_step_to_device(step: Any) -> Any:
-    """``step`` on the current device if it is a CPU tensor, else unchanged.
-
-    The seed's helper for a device-resident group step. This container keeps group and
-    per-parameter steps on the host; the pipeline copies per-parameter steps to the device
-    with their slice.
-    """
+    """``step`` on the current device if it is a CPU tensor, else unchanged (the seed's helper;
+    this container keeps steps on the host)."""
     if isinstance(step, torch.Tensor) and step.device.type == "cpu":
         return step.to(device_layer.get_device_backend().current_device())
     return step
