@@ -28,35 +28,15 @@ import torch
 
 from swap_state.client.host_bounce import BouncedRanges, ProbeConfig, needs_bounce
 from swap_state.client.host_register import (
-    PAGE_SIZE,
-    REGISTER_CHUNK_BYTES,
-    HostRegistration,
-    HostRegistrationError,
-    _acl_host_register,
-    _acl_host_unregister,
-    _cuda_error_string,
-    _cuda_host_register,
-    _cuda_host_unregister,
-    page_chunks,
-    registered_host_buffer,
-    release_host_buffers,
+    PAGE_SIZE, REGISTER_CHUNK_BYTES, HostRegistration, HostRegistrationError, _acl_host_register,
+    _acl_host_unregister, _cuda_error_string, _cuda_host_register, _cuda_host_unregister, page_chunks,
+    registered_host_buffer, release_host_buffers,
 )
 
 __all__ = [
-    "DEVICE_ENV_VAR",
-    "PAGE_SIZE",
-    "REGISTER_CHUNK_BYTES",
-    "DeviceBackend",
-    "DeviceType",
-    "HostRegistration",
-    "HostRegistrationError",
-    "NullEvent",
-    "NullStream",
-    "get_device_backend",
-    "page_chunks",
-    "register_host_memory",
-    "select_device_type",
-    "unregister_host_memory",
+    "DEVICE_ENV_VAR", "PAGE_SIZE", "REGISTER_CHUNK_BYTES", "DeviceBackend", "DeviceType",
+    "HostRegistration", "HostRegistrationError", "NullEvent", "NullStream", "get_device_backend",
+    "page_chunks", "register_host_memory", "select_device_type", "unregister_host_memory",
 ]
 
 logger = logging.getLogger(__name__)

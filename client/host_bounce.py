@@ -25,21 +25,9 @@ from typing import Any, Protocol
 import torch
 
 __all__ = [
-    "BOUNCE_SLOTS",
-    "BOUNCE_SLOT_BYTES",
-    "PROBE_MARGIN_S",
-    "PROBE_SLOWDOWN",
-    "BounceRing",
-    "BouncedRanges",
-    "CopyProbe",
-    "ProbeConfig",
-    "ProbedDevice",
-    "copies_are_async",
-    "host_bytes",
-    "needs_bounce",
-    "npu_versions",
-    "probe_registered_copies",
-    "warn_synchronous_copies",
+    "BOUNCE_SLOTS", "BOUNCE_SLOT_BYTES", "PROBE_MARGIN_S", "PROBE_SLOWDOWN", "BounceRing", "BouncedRanges",
+    "CopyProbe", "ProbeConfig", "ProbedDevice", "copies_are_async", "host_bytes", "needs_bounce",
+    "npu_versions", "probe_registered_copies", "warn_synchronous_copies",
 ]
 
 logger = logging.getLogger(__name__)

@@ -20,14 +20,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "PAGE_SIZE",
-    "REGISTER_CHUNK_BYTES",
-    "HostRegistration",
-    "HostRegistrationError",
-    "locate_library",
-    "page_chunks",
-    "registered_host_buffer",
-    "release_host_buffers",
+    "PAGE_SIZE", "REGISTER_CHUNK_BYTES", "HostRegistration", "HostRegistrationError", "locate_library",
+    "page_chunks", "registered_host_buffer", "release_host_buffers",
 ]
 
 logger = logging.getLogger(__name__)

@@ -21,29 +21,16 @@ from typing import Any
 from swap_state.client.torchtitan import glue as _glue
 from swap_state.client.device import DeviceBackend, get_device_backend
 from swap_state.client.optim.dtensor_utils import (
-    DTensor,
-    unwrap_dtensor,
-    wrap_like_param,
-    wrap_like_param_without_device_move,
+    DTensor, unwrap_dtensor, wrap_like_param, wrap_like_param_without_device_move,
 )
 from swap_state.client.optim.host_cache import MOMENT_KEYS, STEP_DTYPE, STEP_KEY, HostCache, HostCacheEntry  # noqa: F401 (HostCache: kept importable here)
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
 from swap_state.client.optim.container import SwapOptimizersContainer
 
 __all__ = [
-    "DEFAULT_SWAP_TIMES",
-    "MOMENT_KEYS",
-    "STEP_DTYPE",
-    "STEP_KEY",
-    "DTensor",
-    "HostCacheEntry",
-    "SwapOptimizersContainer",
-    "build_optimizers",
-    "get_torch_device",
-    "install_build_optimizers_wrapper",
-    "unwrap_dtensor",
-    "wrap_like_param",
-    "wrap_like_param_without_device_move",
+    "DEFAULT_SWAP_TIMES", "MOMENT_KEYS", "STEP_DTYPE", "STEP_KEY", "DTensor", "HostCacheEntry",
+    "SwapOptimizersContainer", "build_optimizers", "get_torch_device", "install_build_optimizers_wrapper",
+    "unwrap_dtensor", "wrap_like_param", "wrap_like_param_without_device_move",
 ]
 
 

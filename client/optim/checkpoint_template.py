@@ -23,19 +23,9 @@ from swap_state.client.optim.host_cache import STEP_KEY
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX
 
 __all__ = [
-    "MODEL_REF_KEY",
-    "OPTIMIZER_KEY",
-    "SNAPSHOT_CHECKPOINT_ERROR",
-    "SNAPSHOT_JOB_KEY",
-    "SNAPSHOT_REF_KEY",
-    "LoadTemplate",
-    "SnapshotCheckpointError",
-    "check_plain_optimizer_can_load",
-    "checkpoint_keys",
-    "holds_snapshot_reference",
-    "load_template",
-    "match_template",
-    "optimizer_keys",
+    "MODEL_REF_KEY", "OPTIMIZER_KEY", "SNAPSHOT_CHECKPOINT_ERROR", "SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY",
+    "LoadTemplate", "SnapshotCheckpointError", "check_plain_optimizer_can_load", "checkpoint_keys",
+    "holds_snapshot_reference", "load_template", "match_template", "optimizer_keys",
 ]
 
 #: The key torchtitan's CheckpointManager stores the optimizer under (``OPTIMIZER``).

@@ -27,15 +27,8 @@ from swap_state.client.device import DeviceBackend
 from swap_state.client.optim import flat_state_dict as _flat
 from swap_state.client.optim.checkpoint_template import LoadTemplate
 from swap_state.client.optim.host_cache import (
-    STEP_DTYPE,
-    STEP_KEY,
-    HostCache,
-    HostCacheEntry,
-    HostCaches,
-    flat_host_caches,
-    group_map,
-    placeholder_like,
-    step_tensor,
+    STEP_DTYPE, STEP_KEY, HostCache, HostCacheEntry, HostCaches, flat_host_caches, group_map,
+    placeholder_like, step_tensor,
 )
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.client.optim.state_loading import StateLoader

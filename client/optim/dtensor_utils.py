@@ -13,11 +13,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 __all__ = [
-    "DTensor",
-    "check_shard_is_a_box",
-    "global_layout",
-    "unwrap_dtensor",
-    "wrap_like_param",
+    "DTensor", "check_shard_is_a_box", "global_layout", "unwrap_dtensor", "wrap_like_param",
     "wrap_like_param_without_device_move",
 ]
 

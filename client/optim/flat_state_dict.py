@@ -22,12 +22,7 @@ from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 
 __all__ = [
-    "FlatIndex",
-    "clone_value",
-    "flat_state_dict",
-    "move_step_to_device",
-    "state_step",
-    "state_value",
+    "FlatIndex", "clone_value", "flat_state_dict", "move_step_to_device", "state_step", "state_value",
     "tensor_for_state_dict",
 ]
 

@@ -22,29 +22,10 @@ from swap_state.client.optim.dtensor_utils import DTensor
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
 
 __all__ = [
-    "FLAT_ALIGN",
-    "FLAT_PAGE_RUN",
-    "MOMENT_KEYS",
-    "STEP_DTYPE",
-    "STEP_KEY",
-    "HostCache",
-    "HostCacheEntry",
-    "HostCaches",
-    "SliceStates",
-    "advance_group_step",
-    "as_number",
-    "device_placeholders",
-    "flat_host_caches",
-    "flat_layout",
-    "group_map",
-    "has_data",
-    "host_cache_ready",
-    "moments_dtype",
-    "host_states",
-    "moment_keys",
-    "placeholder_like",
-    "step_tensor",
-    "steps_vector",
+    "FLAT_ALIGN", "FLAT_PAGE_RUN", "MOMENT_KEYS", "STEP_DTYPE", "STEP_KEY", "HostCache", "HostCacheEntry",
+    "HostCaches", "SliceStates", "advance_group_step", "as_number", "device_placeholders",
+    "flat_host_caches", "flat_layout", "group_map", "has_data", "host_cache_ready", "moments_dtype",
+    "host_states", "moment_keys", "placeholder_like", "step_tensor", "steps_vector",
 ]
 
 #: Adam state tensors shaped like the parameter, in host-cache order.

@@ -32,25 +32,10 @@ from swap_state.client.optim.dtensor_utils import DTensor
 from swap_state.client.optim.host_cache import STEP_KEY, HostCache, SliceStates, host_cache_ready, host_states
 
 __all__ = [
-    "DEFAULT_IMPLEMENTATION",
-    "IMPLEMENTATIONS",
-    "PendingSlice",
-    "SlicePlan",
-    "SliceWork",
-    "adam_update",
-    "checked_param_and_grad",
-    "grad_on_param_placements",
-    "PlacementError",
-    "checked_slice",
-    "full_slice_work",
-    "fused_adam_update",
-    "fused_check_passes",
-    "group_implementation",
-    "pin_default_implementation",
-    "plan_slice",
-    "plan_slices",
-    "slice_work",
-    "steps_on_device",
+    "DEFAULT_IMPLEMENTATION", "IMPLEMENTATIONS", "PendingSlice", "SlicePlan", "SliceWork", "adam_update",
+    "checked_param_and_grad", "grad_on_param_placements", "PlacementError", "checked_slice",
+    "full_slice_work", "fused_adam_update", "fused_check_passes", "group_implementation",
+    "pin_default_implementation", "plan_slice", "plan_slices", "slice_work", "steps_on_device",
 ]
 
 #: torchtitan's ``optimizer.implementation`` values, each run as torch runs it.

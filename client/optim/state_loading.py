@@ -20,19 +20,8 @@ from swap_state.client.optim import dtensor_utils  # attributes: the seed's test
 from swap_state.client.optim.flat_state_dict import FlatIndex, clone_value
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.client.optim.host_cache import (
-    HostCaches,
-    placeholder_like,
-    MOMENT_KEYS,
-    STEP_KEY,
-    HostCache,
-    HostCacheEntry,
-    as_number,
-    group_map,
-    has_data,
-    host_cache_ready,
-    moments_dtype,
-    moment_keys,
-    step_tensor,
+    HostCaches, placeholder_like, MOMENT_KEYS, STEP_KEY, HostCache, HostCacheEntry, as_number, group_map,
+    has_data, host_cache_ready, moments_dtype, moment_keys, step_tensor,
 )
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 

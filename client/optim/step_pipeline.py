@@ -23,31 +23,13 @@ from torch.optim import Optimizer
 
 from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.kernels import (
-    PendingSlice,
-    SlicePlan,
-    SliceWork,
-    adam_update,
-    PlacementError,
-    checked_slice,
-    full_slice_work,
-    group_implementation,
-    plan_slice,
-    plan_slices,
-    slice_work,
-    steps_on_device,
+    PendingSlice, SlicePlan, SliceWork, adam_update, PlacementError, checked_slice, full_slice_work,
+    group_implementation, plan_slice, plan_slices, slice_work, steps_on_device,
 )
 from swap_state.client.device import DeviceBackend
 from swap_state.client.optim.host_cache import (
-    MOMENT_KEYS,
-    HostCaches,
-    STEP_DTYPE,
-    STEP_KEY,
-    SliceStates,
-    advance_group_step,
-    as_number,
-    group_map,
-    host_cache_ready,
-    step_tensor,
+    MOMENT_KEYS, HostCaches, STEP_DTYPE, STEP_KEY, SliceStates, advance_group_step, as_number, group_map,
+    host_cache_ready, step_tensor,
 )
 
 __all__ = ["DEFAULT_SWAP_TIMES", "StepPipeline"]

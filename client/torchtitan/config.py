@@ -22,11 +22,8 @@ ValueError naming the field and the allowed values.
 from dataclasses import dataclass, field
 
 from swap_state.client.torchtitan.glue import (
-    build_remote_container,
-    install_build_optimizers_wrapper,
-    install_job_hooks,
-    rebind_imported_model_specs,
-    shared_job_id,
+    build_remote_container, install_build_optimizers_wrapper, install_job_hooks,
+    rebind_imported_model_specs, shared_job_id,
 )
 from swap_state.client.torchtitan.settings import SwapSettings
 

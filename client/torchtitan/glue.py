@@ -29,28 +29,15 @@ from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.optim.kernels import IMPLEMENTATIONS
 from swap_state.client.torchtitan import checkpointing
 from swap_state.client.torchtitan.settings import (
-    SNAPSHOT_SUBDIR,
-    SWAP_OPTIMIZER_CLASSES,
-    SwapSettings,
-    build_swap_container,
-    check_choice,
-    shared_job_id,
-    snapshots_to_keep,
+    SNAPSHOT_SUBDIR, SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, check_choice,
+    shared_job_id, snapshots_to_keep,
 )
 from swap_state.client.torchtitan.settings import embedded_snapshot_dir as _snapshot_dir_of_dump
 
 __all__ = [
-    "SNAPSHOT_SUBDIR",
-    "build_optimizers",
-    "build_remote_container",
-    "current_job_config",
-    "embedded_snapshot_dir",
-    "install_build_optimizers_wrapper",
-    "install_job_hooks",
-    "original_build_optimizers",
-    "rebind_imported_model_specs",
-    "shared_job_id",
-    "snapshots_to_keep",
+    "SNAPSHOT_SUBDIR", "build_optimizers", "build_remote_container", "current_job_config",
+    "embedded_snapshot_dir", "install_build_optimizers_wrapper", "install_job_hooks",
+    "original_build_optimizers", "rebind_imported_model_specs", "shared_job_id", "snapshots_to_keep",
 ]
 
 _WRAPPED_ORIGINAL_ATTR = "__swap_state_original__"

@@ -20,10 +20,7 @@ from torchtitan.components.checkpoint import ModelWrapper
 from swap_state.client.optim.checkpoint_template import MODEL_REF_KEY, OPTIMIZER_KEY, SnapshotCheckpointError
 
 __all__ = [
-    "MODEL_REF_KEY",
-    "ModelReferenceError",
-    "SnapshotModelWrapper",
-    "match_model_template",
+    "MODEL_REF_KEY", "ModelReferenceError", "SnapshotModelWrapper", "match_model_template",
     "saving_checkpoint",
 ]
 

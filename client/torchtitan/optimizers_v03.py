@@ -20,17 +20,12 @@ import torch
 import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.utils import (
-    get_flat_optim_state_dict,
-    init_optim_state,
-    load_flat_optim_state_dict,
+    get_flat_optim_state_dict, init_optim_state, load_flat_optim_state_dict,
 )
 
 from swap_state.client.optim.unswapped import UnswappedOptimizers
 from swap_state.client.torchtitan.settings import (
-    SWAP_OPTIMIZER_CLASSES,
-    SwapSettings,
-    build_swap_container,
-    embedded_snapshot_dir,
+    SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, embedded_snapshot_dir,
 )
 
 __all__ = ["BF16_MOMENTS", "SwapStateOptimizersContainer", "build_swap_optimizers"]

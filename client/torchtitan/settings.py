@@ -22,16 +22,8 @@ from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
 from swap_state.client.remote.config import CHECKPOINT_MODES, ENV_JOB_ID, RemoteConfig
 
 __all__ = [
-    "BACKENDS",
-    "CHECKPOINT_MODES",
-    "SNAPSHOT_SUBDIR",
-    "SWAP_OPTIMIZER_CLASSES",
-    "SwapSettings",
-    "build_swap_container",
-    "check_choice",
-    "embedded_snapshot_dir",
-    "shared_job_id",
-    "snapshots_to_keep",
+    "BACKENDS", "CHECKPOINT_MODES", "SNAPSHOT_SUBDIR", "SWAP_OPTIMIZER_CLASSES", "SwapSettings",
+    "build_swap_container", "check_choice", "embedded_snapshot_dir", "shared_job_id", "snapshots_to_keep",
 ]
 
 #: ``optimizer.swap_optimizer_backend`` values.
