@@ -49,24 +49,27 @@ DEVICE_ENV_VAR = "SWAP_STATE_DEVICE"
 _DEVICE_TYPES: tuple[DeviceType, ...] = ("npu", "cuda", "cpu")
 
 
-class NullEvent:
-    """``torch.cuda.Event`` look-alike for CPU: every method returns at once."""
-
-    def record(self, stream: Any = None) -> None:
-        """Nothing to record: CPU work is complete when the call returns."""
-
-    def wait(self, stream: Any = None) -> None:
-        """Nothing to wait for."""
+class _Done:
+    """Complete or idle: CPU work is done when the call that enqueued it returns."""
 
     def query(self) -> bool:
-        """Always complete."""
         return True
 
     def synchronize(self) -> None:
         """Nothing to wait for."""
 
 
-class NullStream:
+class NullEvent(_Done):
+    """``torch.cuda.Event`` look-alike for CPU: every method returns at once."""
+
+    def record(self, stream: Any = None) -> None:
+        """Nothing to record."""
+
+    def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for."""
+
+
+class NullStream(_Done):
     """``torch.cuda.Stream`` look-alike for CPU: every method returns at once."""
 
     def wait_event(self, event: Any) -> None:
@@ -79,13 +82,6 @@ class NullStream:
         """Return ``event`` (or a new :class:`NullEvent`), already complete."""
         return NullEvent() if event is None else event
 
-    def query(self) -> bool:
-        """Always idle."""
-        return True
-
-    def synchronize(self) -> None:
-        """Nothing to wait for."""
-
 
 class DeviceBackend:
     """The accelerator of this process (or the CPU): ``type`` is ``"npu"``, ``"cuda"`` or
@@ -93,10 +89,7 @@ class DeviceBackend:
     override ``_register_chunk``, ``_unregister_chunk`` and ``_describe_return_code``."""
 
     def __init__(
-        self,
-        device_type: DeviceType,
-        module: ModuleType | None = None,
-        *,
+        self, device_type: DeviceType, module: ModuleType | None = None, *,
         chunk_bytes: int = REGISTER_CHUNK_BYTES,
     ) -> None:
         if device_type not in _DEVICE_TYPES:
@@ -177,8 +170,7 @@ class DeviceBackend:
             self._accel().empty_cache()
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Tell the caching allocator that ``tensor`` is in use on ``stream`` (a buffer allocated
-        on another stream)."""
+        """Tell the caching allocator that ``tensor`` is in use on ``stream``."""
         if self.is_accelerator:
             tensor.record_stream(stream)
 
@@ -226,9 +218,7 @@ class DeviceBackend:
                         f"{chunk_ptr + chunk_size:#x}) ({chunk_size} bytes) failed with return "
                         f"code {rc} ({self._describe_return_code(rc)}) while registering "
                         f"[{ptr:#x}, {end:#x}) in {len(chunks)} chunk(s)",
-                        return_code=rc,
-                        ptr=chunk_ptr,
-                        nbytes=chunk_size,
+                        return_code=rc, ptr=chunk_ptr, nbytes=chunk_size,
                     )
                 done.append((chunk_ptr, chunk_size))
             registration = HostRegistration(ptr, sum(size for _, size in chunks), tuple(chunks))
@@ -254,8 +244,7 @@ class DeviceBackend:
             self.bounced.add(registration.ptr, registration.ptr + registration.nbytes)
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src, non_blocking=True)`` from the host, through the bounce ring where
-        ``src`` lies in a range the probe found synchronous."""
+        """``dst.copy_(src, non_blocking=True)`` from the host, bounced where the probe said so."""
         if self.bounced.covers(src):
             self.bounced.ring().to_device(dst, src, self.current_stream())
         else:
@@ -292,9 +281,7 @@ class DeviceBackend:
                 first = HostRegistrationError(
                     f"{self.type} host unregister of [{chunk_ptr:#x}, {chunk_ptr + chunk_size:#x}) "
                     f"failed with return code {rc} ({self._describe_return_code(rc)})",
-                    return_code=rc,
-                    ptr=chunk_ptr,
-                    nbytes=chunk_size,
+                    return_code=rc, ptr=chunk_ptr, nbytes=chunk_size,
                 )
         if first is not None:
             if not quiet:

@@ -78,8 +78,7 @@ class ProbedDevice(Protocol):
 
 @dataclass(frozen=True)
 class CopyProbe:
-    """A non-blocking H2D copy from the registered range and one from pinned memory: pending
-    when the call returned, and the call's time."""
+    """A copy from the registered range and one from pinned memory: pending on return, and time."""
 
     registered_pending: bool
     registered_seconds: float
@@ -248,8 +247,7 @@ class BounceRing:
 
 
 class BouncedRanges:
-    """The host ranges whose copies bounce, and the ring (made on first use). Thread-safe;
-    ``covers`` is one dict check while nothing bounces."""
+    """The host ranges whose copies bounce, and the ring (made on first use). Thread-safe."""
 
     def __init__(self, alloc_host: Callable[..., torch.Tensor], new_event: Callable[[], Any]) -> None:
         self._alloc_host, self._new_event = alloc_host, new_event

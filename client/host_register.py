@@ -250,8 +250,7 @@ def release_host_buffers() -> None:
 def registered_host_buffer(
     nbytes: int, register: Callable[[int, int], Any], unregister: Callable[[int], Any]
 ) -> torch.Tensor:
-    """A zero-filled, page-aligned uint8 tensor of exactly ``nbytes`` over a new mapping,
-    registered with ``register``; unregistered once its last view is freed."""
+    """A zero-filled, page-aligned uint8 tensor of exactly ``nbytes`` over a new registered mapping."""
     arena = _HostArena(-1, max(nbytes, 1))
     buffer = torch.frombuffer(arena, dtype=torch.uint8)[:nbytes]
     register(buffer.data_ptr(), len(arena))

@@ -248,8 +248,7 @@ class SwapOptimizersContainer(OptimizersContainer):
             self._steps.invalidate()
 
     def loading_checkpoint(self, keys: Collection[str]) -> contextlib.AbstractContextManager[None]:
-        """Make ``state_dict()`` the load template of a checkpoint whose optimizer entry holds
-        ``keys`` (without ``optimizer.``) until the block ends."""
+        """``state_dict()`` is the template of a checkpoint holding optimizer keys in the block."""
         return self._load_template.loading(keys)
 
     # The seed's names for the state-dict helpers (its tests call some on the class).

@@ -35,8 +35,7 @@ def clone_value(value: Any) -> Any:
 
 
 class FlatIndex:
-    """A flat state dict's ``state.*`` and ``param_groups.*`` entries, by section and fqn (a
-    key split at its last dot); other keys are ignored."""
+    """A flat state dict's ``state.*`` and ``param_groups.*`` entries, by section and fqn."""
 
     SECTIONS = (STATE_PREFIX, PARAM_GROUPS_PREFIX)
     _KEY_OF = {STATE_PREFIX: state_key, PARAM_GROUPS_PREFIX: param_group_key}
@@ -115,8 +114,7 @@ def state_step(cpu_states: Mapping[torch.Tensor, HostCache], group: Mapping[str,
 
 
 def tensor_for_state_dict(tensor: Any, like_param: Any = None) -> Any:
-    """A CPU view of ``tensor`` for a checkpoint, DTensor-wrapped like ``like_param`` (a
-    swapped-out placeholder is an error)."""
+    """A CPU view of ``tensor`` for a checkpoint, DTensor-wrapped like ``like_param``."""
     local = dtensor_utils.unwrap_dtensor(tensor)
     if local.numel() != 0 and local.untyped_storage().size() == 0:
         raise RuntimeError(
@@ -132,8 +130,7 @@ def tensor_for_state_dict(tensor: Any, like_param: Any = None) -> Any:
 
 
 def move_step_to_device(step: Any) -> Any:
-    """``step`` on the current device if it is a CPU tensor, else unchanged (the seed's helper;
-    this container keeps steps on the host)."""
+    """``step`` on the current device if it is a CPU tensor, else unchanged (the seed's helper)."""
     if isinstance(step, torch.Tensor) and step.device.type == "cpu":
         return step.to(device_layer.get_device_backend().current_device())
     return step

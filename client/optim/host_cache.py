@@ -107,8 +107,7 @@ def moments_dtype(owner: Any, local_param: torch.Tensor) -> torch.dtype:
 def host_cache_ready(
     host: Mapping[str, Any] | None, group: Mapping[str, Any], local_param: Any = None, dtype: torch.dtype | None = None
 ) -> bool:
-    """Whether ``host`` holds every moment ``group`` needs, with data (and the right layout:
-    ``local_param``'s shape, ``dtype`` or else its dtype)."""
+    """Whether ``host`` holds every moment ``group`` needs, with data (and ``local_param``'s layout)."""
     if not host:
         return False
     for key in moment_keys(group):
@@ -123,8 +122,7 @@ def host_cache_ready(
 
 
 class HostCaches:
-    """Builds, checks and installs the host caches of a swap container (``owner``), whose
-    ``_allocate_host_cache`` hook decides where the tensors live."""
+    """Builds, checks and installs the host caches of a swap container (``owner``)."""
 
     def __init__(self, owner: Any):
         self._owner = owner
@@ -255,8 +253,7 @@ def host_states(hosts: Sequence[HostCache]) -> SliceStates:
 
 
 def steps_vector(steps: Sequence[Any]) -> torch.Tensor | None:
-    """``steps`` as the vector whose consecutive elements they are (the flat and remote caches
-    keep every step in one vector), else None."""
+    """``steps`` as the vector whose consecutive elements they are (the flat caches' layout), else None."""
     if not steps or not isinstance(steps[0], torch.Tensor):
         return None
     first = steps[0]

@@ -45,8 +45,7 @@ DEFAULT_IMPLEMENTATION = "fused"
 
 
 def group_implementation(group: Mapping[str, Any]) -> str:
-    """The update ``group``'s flags select, as ``torch.optim.adam.adam`` (both None:
-    :data:`DEFAULT_IMPLEMENTATION`)."""
+    """The update ``group``'s flags select, as ``torch.optim.adam.adam`` (both None: the default)."""
     fused, foreach = group.get("fused"), group.get("foreach")
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
@@ -126,8 +125,7 @@ def fused_check_passes(local_param: torch.Tensor, group: Mapping[str, Any]) -> b
 
 
 def plan_slices(sizes: Sequence[int], times: int) -> list[range]:
-    """Split items of byte ``sizes`` into at most ``times`` contiguous, non-empty runs: an item
-    goes to the slice its byte midpoint falls in."""
+    """Split items of byte ``sizes`` into at most ``times`` contiguous runs, by each item's byte midpoint."""
     if times < 1:
         raise ValueError(f"times must be >= 1, got {times}")
     total = sum(sizes)
@@ -331,8 +329,7 @@ def plan_slice(
 
 
 def full_slice_work(planned: SlicePlan, grads: list[Any]) -> SliceWork | None:
-    """The planned work of a slice's parameters with a gradient, if those pass torch's per-step
-    checks; else None."""
+    """The planned work of a slice's parameters with a gradient, if those pass the per-step checks."""
     full = planned.full
     if full is None:
         return None

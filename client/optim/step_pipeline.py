@@ -61,8 +61,7 @@ class StepPipeline:
         self._plans: dict[int, tuple[tuple[Any, ...], list[SlicePlan]]] = {}
 
     def run(self, optim: Optimizer, closure: Callable[[], _T] | None = None) -> _T | None:
-        """``optim.step(closure)`` through the host cache (called from the bound ``optim.step``,
-        so torch's step hooks and LR-scheduler tracking still apply)."""
+        """``optim.step(closure)`` through the host cache (torch's step hooks still apply)."""
         if torch.jit.is_scripting():
             raise RuntimeError("torch.jit.script is not supported by SwapOptimizersContainer")
         loss = None
@@ -88,8 +87,7 @@ class StepPipeline:
         self._plans.clear()
 
     def _plan_for(self, optim: Optimizer) -> list[SlicePlan]:
-        """``optim``'s slices with their per-parameter facts, rebuilt when one could have changed
-        (params or groups, a group's flags, the host caches, a load)."""
+        """``optim``'s slices with their per-parameter facts, rebuilt when one could have changed."""
         caches = self._owner.param_to_cpu_states_map
         key = (
             tuple((id(group), tuple(map(id, group["params"]))) for group in optim.param_groups),
@@ -236,8 +234,7 @@ class StepPipeline:
         return updated
 
     def _offload_slice(self, loaded: _LoadedSlice, updated: Any, stream: Any) -> Any:
-        """Enqueue D2H copies of ``loaded`` after ``updated``, drop the device buffers; return the
-        event the copies end with."""
+        """Enqueue D2H copies of ``loaded`` after ``updated``; return the event they end with."""
         work, device = loaded.work, loaded.device
         self._owner._before_host_write(work.params)
         backend = self._owner.device_backend

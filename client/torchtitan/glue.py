@@ -157,51 +157,43 @@ def _checkpoint_manager_init(original: Callable[..., Any]) -> Callable[..., Any]
     return __init__
 
 
-def _checkpoint_manager_save(original: Callable[..., Any]) -> Callable[..., Any]:
-    from swap_state.client.torchtitan.model import saving_checkpoint
+def _saving(last_step: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A save method's wrapper: it runs inside ``saving_checkpoint``."""
 
-    def save(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with saving_checkpoint():
-            return original(self, *args, **kwargs)
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def save(self: Any, *args: Any, **kwargs: Any) -> Any:
+            from swap_state.client.torchtitan.model import saving_checkpoint
 
-    return save
+            # A model-only last save is for export and inference: the model's tensors, not a reference.
+            model_only = last_step and getattr(self, "last_save_model_only", False)
+            with saving_checkpoint(refer=not model_only):
+                return original(self, *args, **kwargs)
 
+        return save
 
-def _checkpoint_manager_save_last_step(original: Callable[..., Any]) -> Callable[..., Any]:
-    from swap_state.client.torchtitan.model import saving_checkpoint
-
-    def _save_last_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # A model-only last save is for export and inference: the model's tensors, not a reference.
-        with saving_checkpoint(refer=not getattr(self, "last_save_model_only", False)):
-            return original(self, *args, **kwargs)
-
-    return _save_last_step
+    return make
 
 
 def _checkpoint_manager_dcp_load(original: Callable[..., Any]) -> Callable[..., Any]:
     def dcp_load(self: Any, state_dict: dict[str, Any], checkpoint_id: str, *args: Any, **kwargs: Any) -> Any:
         from_hf = bool(args[0]) if args else bool(kwargs.get("from_hf", False))
-        return checkpointing.load_matched(
-            self, lambda: original(self, state_dict, checkpoint_id, *args, **kwargs), state_dict, checkpoint_id, from_hf
-        )
+        load = functools.partial(original, self, state_dict, checkpoint_id, *args, **kwargs)
+        return checkpointing.load_matched(self, load, state_dict, checkpoint_id, from_hf)
 
     return dcp_load
 
 
-def _checkpoint_manager_close(original: Callable[..., Any]) -> Callable[..., Any]:
-    def close(self: Any) -> None:
-        checkpointing.finish_before_close(self)
-        original(self)
+def _first(hook: Callable[[Any], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A method's wrapper that calls ``hook(manager)`` first."""
 
-    return close
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self: Any) -> None:
+            hook(self)
+            original(self)
 
+        return method
 
-def _checkpoint_manager_del(original: Callable[..., Any]) -> Callable[..., Any]:
-    def __del__(self: Any) -> None:
-        checkpointing.skip_close_wait(self)
-        original(self)
-
-    return __del__
+    return make
 
 
 def install_job_hooks() -> None:
@@ -211,11 +203,11 @@ def install_job_hooks() -> None:
 
     manager = tt_checkpoint.CheckpointManager
     _wrap_method(manager, "__init__", _checkpoint_manager_init)
-    _wrap_method(manager, "save", _checkpoint_manager_save)
-    _wrap_method(manager, "_save_last_step", _checkpoint_manager_save_last_step)
+    _wrap_method(manager, "save", _saving(last_step=False))
+    _wrap_method(manager, "_save_last_step", _saving(last_step=True))
     _wrap_method(manager, "dcp_load", _checkpoint_manager_dcp_load)
-    _wrap_method(manager, "close", _checkpoint_manager_close)
-    _wrap_method(manager, "__del__", _checkpoint_manager_del)
+    _wrap_method(manager, "close", _first(checkpointing.finish_before_close))
+    _wrap_method(manager, "__del__", _first(checkpointing.skip_close_wait))
     train_module = sys.modules.get("torchtitan.train")
     trainer = getattr(train_module, "Trainer", None)
     if isinstance(trainer, type):

@@ -29,8 +29,7 @@ _saving: contextvars.ContextVar[bool] = contextvars.ContextVar("swap_state_savin
 
 @contextlib.contextmanager
 def saving_checkpoint(refer: bool = True) -> Iterator[None]:
-    """While active, a :class:`SnapshotModelWrapper`'s ``state_dict()`` is the reference (or,
-    ``refer=False``, the model's tensors)."""
+    """While active, a :class:`SnapshotModelWrapper`'s ``state_dict()`` is the reference (if ``refer``)."""
     token = _saving.set(refer)
     try:
         yield

@@ -38,8 +38,7 @@ BF16_MOMENTS = "fused_opt_states_bf16"
 
 
 class SwapStateOptimizersContainer(OptimizersContainer):
-    """The Configurable torchtitan 0.3 builds; ``Config.build`` and the class itself return the
-    swap container of the configured backend (:func:`build_swap_optimizers`)."""
+    """The Configurable torchtitan 0.3 builds: it returns the configured swap container."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config, SwapSettings):

@@ -103,8 +103,7 @@ def snapshots_to_keep(keep_latest_k: int) -> int:
 
 
 def embedded_snapshot_dir(dump_folder: str | None) -> str | None:
-    """``<dump_folder>/swap-state-snapshots`` (absolute), where a rerun finds an embedded
-    server's snapshots; None without a dump folder."""
+    """``<dump_folder>/swap-state-snapshots`` (absolute); None without a dump folder."""
     if not dump_folder:
         return None
     return os.path.join(os.path.abspath(os.path.expanduser(dump_folder)), SNAPSHOT_SUBDIR)

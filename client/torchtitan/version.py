@@ -30,8 +30,7 @@ def torchtitan_line() -> str:
 
 
 def require_line(line: str, entry: str) -> None:
-    """Raise :class:`WrongTorchtitanLine` naming the installed line's switch unless ``line``
-    is installed; ``entry`` names what was imported."""
+    """Raise :class:`WrongTorchtitanLine` naming the installed line's switch unless ``line`` is it."""
     installed = torchtitan_line()
     if installed != line:
         raise WrongTorchtitanLine(
