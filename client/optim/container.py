@@ -159,27 +159,21 @@ class SwapOptimizersContainer(OptimizersContainer):
         )
 
     # -- the parts -----------------------------------------------------------------------
-    def _part(self, name: str, build: Callable[[], Any]) -> Any:
-        part = self.__dict__.get(name)
-        if part is None:
-            part = self.__dict__[name] = build()
-        return part
-
-    @property
+    @functools.cached_property
     def _host_caches(self) -> HostCaches:
-        return self._part("_host_caches_part", lambda: HostCaches(self))
+        return HostCaches(self)
 
-    @property
+    @functools.cached_property
     def _steps(self) -> StepPipeline:
-        return self._part("_steps_part", lambda: StepPipeline(self, self._host_caches, pipeline=self._pipeline))
+        return StepPipeline(self, self._host_caches, pipeline=self._pipeline)
 
-    @property
+    @functools.cached_property
     def _loader(self) -> StateLoader:
-        return self._part("_loader_part", lambda: StateLoader(self, self._host_caches))
+        return StateLoader(self, self._host_caches)
 
-    @property
+    @functools.cached_property
     def _load_template(self) -> LoadTemplate:
-        return self._part("_load_template_part", LoadTemplate)
+        return LoadTemplate()
 
     @property
     def device_backend(self) -> DeviceBackend:

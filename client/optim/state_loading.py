@@ -30,15 +30,11 @@ __all__ = ["StateLoader"]
 
 @dataclass(eq=False)
 class _ParamLoad:
-    """A validated, prepared load of one parameter; applied by ``_commit_load``."""
+    """A validated, prepared load of one parameter (``entry``: its host cache's layout)."""
 
-    optimizer_index: int
-    group_index: int
+    entry: HostCacheEntry
     optim: Optimizer
     group: dict[str, Any]
-    param: torch.Tensor
-    fqn: str
-    keys: tuple[str, ...]
     sources: dict[str, torch.Tensor | None]  # None: never stepped in the checkpoint -> zeros
     step: float
     host: HostCache | None
@@ -70,7 +66,7 @@ class StateLoader:
         """Load a flat state dict (any alias of tied parameters); the checkpoint is only read."""
         owner = self._owner
         plan = self._plan_load(state_dict)
-        owner._before_host_write([load.param for load in plan.params])
+        owner._before_host_write([load.entry.param for load in plan.params])
         self._commit_load(plan)
         device_layer.get_device_backend().empty_cache()
         owner._after_load_state_dict()
@@ -113,28 +109,23 @@ class StateLoader:
         sources, step = _checked_sources(index, aliases, keys, group_load, local_param, dtype)
         host = self._owner.param_to_cpu_states_map.get(param)
         ready = host is not None and host_cache_ready(host, group_load.group, local_param, dtype)
-        return _ParamLoad(
-            optimizer_index, group_index, optim, group_load.group, param, aliases[0], keys, sources, step,
-            host if ready else None,
-        )  # fmt: skip
+        where = (optimizer_index, group_index)
+        entry = HostCacheEntry(param, aliases[0], keys, local_param.shape, dtype, *where)
+        return _ParamLoad(entry, optim, group_load.group, sources, step, host if ready else None)
 
     def _prepare_load(self, plan: _LoadPlan) -> None:
         """Allocate missing host caches and build placeholders; nothing live changes."""
         missing = [load for load in plan.params if load.host is None]
         if missing:
-            entries = []
-            for load in missing:
-                local = dtensor_utils.unwrap_dtensor(load.param)
-                dtype = moments_dtype(self._owner, local)
-                where = (load.optimizer_index, load.group_index)
-                entries.append(HostCacheEntry(load.param, load.fqn, load.keys, local.shape, dtype, *where))
+            entries = [load.entry for load in missing]
             allocated = self._owner._allocate_host_cache(entries)
             for load, entry in zip(missing, entries, strict=True):
                 load.host = self._host_caches.checked(entry, allocated.get(entry.param))
         for load in plan.params:
             assert load.host is not None
             load.placeholders = dict.fromkeys(MOMENT_KEYS)
-            load.placeholders.update((key, placeholder_like(load.param, load.host[key])) for key in load.keys)
+            for key in load.entry.keys:
+                load.placeholders[key] = placeholder_like(load.entry.param, load.host[key])
 
     def _commit_load(self, plan: _LoadPlan) -> None:
         """Apply a prepared plan; on an error, dict-level state is restored (not copied bytes)."""
@@ -154,7 +145,7 @@ class StateLoader:
         """Copy one parameter's state into its host cache and install its placeholders."""
         host = load.host
         assert host is not None
-        for key in load.keys:
+        for key in load.entry.keys:
             source = load.sources[key]
             target = host[key]
             assert target is not None
@@ -167,11 +158,12 @@ class StateLoader:
         host[STEP_KEY].fill_(load.step)  # type: ignore[union-attr]
         for key in MOMENT_KEYS:
             host.setdefault(key, None)
-        self._owner.param_to_cpu_states_map[load.param] = host
-        state = load.optim.state[load.param]
+        param = load.entry.param
+        self._owner.param_to_cpu_states_map[param] = host
+        state = load.optim.state[param]
         state.clear()
         state.update(load.placeholders)
-        self._owner.param_to_device_states_map[load.param] = state
+        self._owner.param_to_device_states_map[param] = state
 
     def _rollback_point(self) -> Callable[[], None]:
         """Snapshot every dict ``_commit_load`` mutates; the returned callable restores them."""
