@@ -1,9 +1,7 @@
 """In-process swap optimizer for torchtitan 0.2.x: Adam moments live in host memory.
 
-The seed's module (its tests import it as ``torchtitan_npu.patches.optimizer.swap_optimizer``):
-a facade over :mod:`swap_state.client.optim`. Importing it wraps torchtitan's
-``build_optimizers``: ``optimizer_config.swap_optimizer = True`` builds a
-:class:`SwapOptimizersContainer`, anything else goes to torchtitan's own function.
+The seed's module: a facade over :mod:`swap_state.client.optim`. Importing it wraps torchtitan's
+``build_optimizers`` (``optimizer_config.swap_optimizer = True`` builds a swap container).
 
 The seed's tests patch ``get_torch_device``, ``unwrap_dtensor``, ``wrap_like_param``,
 ``SwapOptimizersContainer`` and ``_original_build_optimizers`` here; setting one here sets the

@@ -1,17 +1,10 @@
 """Pure helpers of the swap optimizer: slice planning and the Adam/AdamW update calls.
 
-:func:`plan_slices` cuts an optimizer's parameters into byte-balanced slices; :func:`plan_slice`
-records per slice what holds between steps; per step :func:`full_slice_work` makes torch's
-per-step checks in one pass, and :func:`checked_slice` is the per-parameter path (it raises
-torch's errors).
-
-A group's implementation is torch's (torchtitan's ``optimizer.implementation``), read from its
-``fused`` / ``foreach`` flags as ``torch.optim.Adam.step`` reads them; one exception: neither
-flag set runs the fused kernel and is recorded as ``fused=True`` (so that its checkpoints resume
-on the same kernel under torch). ``"fused"`` is torch's ``_fused_adam`` restated for tensors
-already gathered (same grouping, ``grad_scale`` / ``found_inf`` / tensor-``lr`` handling and
-kernel arguments: bit-identical); ``"foreach"`` / ``"for-loop"`` call torch's functional
-``adam``. Adam's update is elementwise, so slice by slice gives the same bits as one call.
+A group's implementation is read from its ``fused`` / ``foreach`` flags as torch reads them
+(neither set: fused, recorded as ``fused=True`` so that checkpoints resume on the same kernel).
+``"fused"`` restates torch's ``_fused_adam`` for tensors already gathered, bit-identical;
+``"foreach"`` / ``"for-loop"`` call torch's functional ``adam``. Adam's update is elementwise,
+so slice by slice gives the same bits as one call.
 """
 
 from __future__ import annotations

@@ -5,11 +5,8 @@ byte-balanced slices. On an accelerator, per slice::
 
     load (H2D, load stream) -> Adam/AdamW (compute stream) -> offload (D2H, offload stream)
 
-so slice k+1 loads while slice k updates and offloads; at most two slices hold device buffers
-at a time, and every step, even one that raises, ends with no copy in flight. On a CPU-only
-process the update runs on the host cache. The update is the group's implementation
-(:mod:`swap_state.client.optim.kernels`), bit-identical to torch's. Each optimizer's ``step``
-is bound to its container's ``_swap_step``, which runs :meth:`StepPipeline.run`.
+so slice k+1 loads while slice k updates and offloads; every step, even one that raises, ends
+with no copy in flight. On a CPU-only process the update runs on the host cache.
 """
 
 from __future__ import annotations
