@@ -18,17 +18,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from swap_state.client.device import DeviceBackend
-
 __all__ = [
     "BOUNCE_SLOTS", "BOUNCE_SLOT_BYTES", "PROBE_MARGIN_S", "PROBE_SLOWDOWN", "BounceRing", "BouncedRanges",
-    "CopyProbe", "ProbeConfig", "copies_are_async", "host_bytes", "needs_bounce",
+    "CopyProbe", "ProbeConfig", "ProbedDevice", "copies_are_async", "host_bytes", "needs_bounce",
     "npu_versions", "probe_registered_copies", "warn_synchronous_copies",
 ]
 
@@ -65,6 +63,19 @@ class ProbeConfig:
     busy_matmuls: int = 8
 
 
+class ProbedDevice(Protocol):
+    """What the probe uses of :class:`~swap_state.client.device.DeviceBackend`."""
+
+    type: str
+    copy_probe: ProbeConfig
+
+    def current_device(self) -> torch.device: ...
+    def alloc_host(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor: ...
+    def stream(self) -> Any: ...
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
+    def event(self) -> Any: ...
+
+
 @dataclass(frozen=True)
 class CopyProbe:
     """A copy from the registered range and one from pinned memory: pending on return, and time."""
@@ -98,7 +109,7 @@ def host_bytes(ptr: int, nbytes: int) -> torch.Tensor:
 
 
 def probe_registered_copies(
-    backend: DeviceBackend, ptr: int, nbytes: int, config: ProbeConfig = ProbeConfig()
+    backend: ProbedDevice, ptr: int, nbytes: int, config: ProbeConfig = ProbeConfig()
 ) -> CopyProbe:
     """Time a non-blocking H2D copy from ``[ptr, ptr + nbytes)`` (only read) against one from
     pinned memory, each on a side stream behind ``config``'s device work."""
@@ -124,7 +135,7 @@ def probe_registered_copies(
     return CopyProbe(registered_pending, registered_s, pinned_pending, pinned_s)
 
 
-def needs_bounce(backend: DeviceBackend, ptr: int, nbytes: int) -> bool:
+def needs_bounce(backend: ProbedDevice, ptr: int, nbytes: int) -> bool:
     """Whether copies from a new registration must bounce (after the process's one WARNING).
     A probe that fails says False: a check must not fail what it checks."""
     try:
