@@ -97,40 +97,33 @@ class SwapOptimizersContainer(OptimizersContainer):
         unswapped: UnswappedOptimizers | None = None,
     ) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Adam)):
-            raise NotImplementedError(
-                f"Optimizer {getattr(optimizer_cls, '__name__', optimizer_cls)} not added."
-            )
+            name = getattr(optimizer_cls, "__name__", optimizer_cls)
+            raise NotImplementedError(f"Optimizer {name} not added.")
         if int(swap_optimizer_times) < 1:
             raise ValueError(f"swap_optimizer_times must be >= 1, got {swap_optimizer_times}")
         self.param_to_cpu_states_map = {}
         self.param_to_device_states_map = {}
         self.swap_optimizer_times = int(swap_optimizer_times)
-        self.moment_dtype = _checked_moment_dtype(moment_dtype)
+        if moment_dtype is not None and moment_dtype not in (torch.float32, torch.bfloat16):
+            allowed = "torch.float32 or torch.bfloat16 (or None: the parameter's)"
+            raise ValueError(f"moment_dtype must be {allowed}, got {moment_dtype}")
+        self.moment_dtype = moment_dtype
         self.unswapped = unswapped
         self._device_backend = device_backend or device_layer.get_device_backend()
         self._pipeline = self._device_backend.is_accelerator if pipeline is None else bool(pipeline)
-        self._init_grouped(model_parts, optimizer_cls, optimizer_kwargs, param_groups or _trainable_group)
-        self._init_swap_state()
-
-    def _init_grouped(
-        self,
-        model_parts: list[nn.Module],
-        optimizer_cls: type[Optimizer],
-        optimizer_kwargs: dict[str, Any],
-        param_groups: Callable[[nn.Module], list[dict[str, Any]]],
-    ) -> None:
-        """torchtitan's ``OptimizersContainer.__init__`` (its signature differs between 0.2 and 0.3)."""
+        # torchtitan's OptimizersContainer.__init__, written here: its signature differs between 0.2 and 0.3.
         self.model_parts = model_parts
         self.optimizers = []
         all_params: list[nn.Parameter] = []
         for model in model_parts:
-            groups = param_groups(model)
+            groups = (param_groups or _trainable_group)(model)
             self.optimizers.append(optimizer_cls(groups, **optimizer_kwargs))
             all_params.extend(param for group in groups for param in group["params"])
         if self.unswapped is not None:
             all_params.extend(self.unswapped.params)
         # The container's own step hooks (LR schedulers, torchtitan's MoE load balancing).
         Optimizer.__init__(self, all_params, optimizer_kwargs)
+        self._init_swap_state()
 
     def _init_swap_state(self) -> None:
         """Group steps, host caches, placeholders and bound steps for every optimizer."""
@@ -150,13 +143,11 @@ class SwapOptimizersContainer(OptimizersContainer):
         self._host_caches.install(entries)
         for optim in self.optimizers:
             optim.step = bind_swap_step(self, optim)  # type: ignore[method-assign]
+        mode = "pipelined" if self._steps.enabled() else "in place on CPU"
         logger.info(
             "swap optimizer: %d parameters, %.1f MiB of moments in host memory, %d slices, %s",
-            len(entries),
-            sum(e.nbytes for e in entries) / 2**20,
-            self.swap_optimizer_times,
-            "pipelined" if self._steps.enabled() else "in place on CPU",
-        )
+            len(entries), sum(e.nbytes for e in entries) / 2**20, self.swap_optimizer_times, mode,
+        )  # fmt: skip
 
     # -- the parts -----------------------------------------------------------------------
     @functools.cached_property
@@ -290,12 +281,6 @@ class SwapOptimizersContainer(OptimizersContainer):
 
     def _after_load_state_dict(self) -> None:
         """Called after ``load_state_dict()`` has written the host cache and emptied the cache."""
-
-
-def _checked_moment_dtype(dtype: torch.dtype | None) -> torch.dtype | None:
-    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"moment_dtype must be torch.float32 or torch.bfloat16 (or None: the parameter's), got {dtype}")
-    return dtype
 
 
 def _trainable_group(model: nn.Module) -> list[dict[str, Any]]:
