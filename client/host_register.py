@@ -126,17 +126,11 @@ def _cudart() -> Any:
 
 
 def _cuda_host_register(ptr: int, nbytes: int) -> int:
-    rc = int(_cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
-    if rc != 0:
-        _clear_cuda_error()
-    return rc
+    return _cuda_return_code(_cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
 
 
 def _cuda_host_unregister(ptr: int) -> int:
-    rc = int(_cudart().cudaHostUnregister(ptr))
-    if rc != 0:
-        _clear_cuda_error()
-    return rc
+    return _cuda_return_code(_cudart().cudaHostUnregister(ptr))
 
 
 def _cuda_error_string(rc: int) -> str:
@@ -147,15 +141,19 @@ def _cuda_error_string(rc: int) -> str:
         return "cudaError"
 
 
-def _clear_cuda_error() -> None:
-    # A failed runtime call leaves its code as the thread's "last error"; torch checks
-    # cudaGetLastError after kernel launches and would blame an unrelated kernel.
+def _cuda_return_code(rc: Any) -> int:
+    """``rc`` as an int; an error is cleared from the thread's "last error", which torch checks
+    after kernel launches (it would blame an unrelated kernel)."""
+    rc = int(rc)
+    if rc == 0:
+        return rc
     clear = getattr(_cudart(), "cudaGetLastError", None)
     if clear is None:
         library = _loaded_library("libcudart.so")
         clear = None if library is None else library.cudaGetLastError
     if clear is not None:
         clear()
+    return rc
 
 
 def _loaded_library(name: str, open_library: Callable[..., Any] = ctypes.CDLL) -> Any:

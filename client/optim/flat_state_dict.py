@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 from swap_state.client import device as device_layer  # an attribute: the seed's tests patch it
 from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.dtensor_utils import DTensor, wrap_like_param_without_device_move
-from swap_state.client.optim.host_cache import MOMENT_KEYS, STEP_KEY, HostCache, step_tensor
+from swap_state.client.optim.host_cache import MOMENT_KEYS, STEP_KEY, HostCache, has_data, step_tensor
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 
@@ -93,13 +93,10 @@ def flat_state_dict(
 
 def state_value(cpu_states: Mapping[torch.Tensor, HostCache], param: Any, state: Mapping[str, Any], key: str) -> Any:
     """``key``'s checkpoint value for ``param``: its host cache, else its device state."""
-    host = cpu_states.get(param)
-    value = host.get(key) if host is not None else None
+    value = (cpu_states.get(param) or {}).get(key)
     if value is None:
         value = state.get(key)
-    if value is None:
-        return None
-    return tensor_for_state_dict(value, param)
+    return None if value is None else tensor_for_state_dict(value, param)
 
 
 def state_step(cpu_states: Mapping[torch.Tensor, HostCache], group: Mapping[str, Any], param: Any) -> torch.Tensor:
@@ -116,14 +113,12 @@ def state_step(cpu_states: Mapping[torch.Tensor, HostCache], group: Mapping[str,
 def tensor_for_state_dict(tensor: Any, like_param: Any = None) -> Any:
     """A CPU view of ``tensor`` for a checkpoint, DTensor-wrapped like ``like_param``."""
     local = dtensor_utils.unwrap_dtensor(tensor)
-    if local.numel() != 0 and local.untyped_storage().size() == 0:
+    if not has_data(local):
         raise RuntimeError(
             "cannot checkpoint a swapped-out optimizer state without CPU cache: "
             f"tensor of shape {tuple(local.shape)} has no storage"
         )
-    value = local.detach()
-    if value.device.type != "cpu":
-        value = value.cpu()
+    value = local.detach().cpu()  # no copy where it is on the CPU
     if isinstance(like_param, DTensor):
         return wrap_like_param_without_device_move(value, like_param)
     return value

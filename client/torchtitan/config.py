@@ -1,17 +1,7 @@
 """torchtitan 0.2.x custom config module: the ``[optimizer]`` switches of swap-state.
 
-Use it with ``--job.custom_config_module=swap_state.client.torchtitan_config`` (or
-``custom_config_module`` under ``[job]`` in the TOML)::
-
-    [optimizer]
-    name = "AdamW"
-    swap_optimizer = true
-    swap_optimizer_times = 16
-    swap_optimizer_backend = "remote"          # "local": in-process pinned host cache
-    swap_state_server = "unix:///run/swap-state/swap-state.sock"   # "" -> $SWAP_STATE_SERVER
-    swap_state_job_id = "llama3-8b-run1"       # "" -> $SWAP_STATE_JOB_ID, else a uuid from rank 0
-    swap_state_checkpoint = "snapshot"         # whole-state snapshots; "full": the seed's state dict
-    swap_state_server_wait_s = 60.0            # a save waits this long for a restarting server
+Use it with ``--job.custom_config_module=swap_state.client.torchtitan_config`` and
+``swap_optimizer = true`` under ``[optimizer]`` (a full TOML example: the README's torchtitan section).
 
 Importing this module installs the ``build_optimizers`` wrapper and the job hooks
 (:mod:`swap_state.client.torchtitan.glue`; what they do: docs/torchtitan.md). Bad values raise

@@ -64,8 +64,13 @@ def build_swap_optimizers(config: Any, *, model_parts: list[nn.Module]) -> Optim
     settings = SwapSettings.of(config)
     partitions = {id(model): _Partition.of(config, index, model) for index, model in enumerate(model_parts)}
     unswapped = [optimizer for partition in partitions.values() for optimizer in partition.unswapped]
-    if unswapped:
-        _check_unswapped_allowed(settings, partitions.values())
+    if unswapped and settings.swap_state_checkpoint == "snapshot":
+        others = ", ".join(other for partition in partitions.values() for other in partition.others)
+        raise NotImplementedError(
+            f"optimizer.swap_state_checkpoint = 'snapshot' keeps the whole state in swap-state's "
+            f"snapshots, but param groups {others} are not Adam or AdamW and their state would be "
+            "missing there: use swap_state_checkpoint = 'full', or Adam/AdamW for those parameters"
+        )
     amsgrad = any(group.get("amsgrad") for partition in partitions.values() for group in partition.swapped)
     snapshot_dir = config.swap_state_snapshot_dir or embedded_snapshot_dir(_trainer_dump_folder(config))
     return build_swap_container(
@@ -121,16 +126,6 @@ class _Partition:
                 "nothing to keep; train this job without the swap_state override"
             )
         return cls(swapped, unswapped, others)
-
-
-def _check_unswapped_allowed(settings: SwapSettings, partitions: Any) -> None:
-    if settings.swap_state_checkpoint == "snapshot":
-        others = ", ".join(other for partition in partitions for other in partition.others)
-        raise NotImplementedError(
-            f"optimizer.swap_state_checkpoint = 'snapshot' keeps the whole state in swap-state's "
-            f"snapshots, but param groups {others} are not Adam or AdamW and their state would be "
-            "missing there: use swap_state_checkpoint = 'full', or Adam/AdamW for those parameters"
-        )
 
 
 def _flat_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
