@@ -72,13 +72,11 @@ def match_template(flat: Mapping[str, Any], held: Collection[str]) -> dict[str, 
     ``param_groups.<fqn>.step`` and the ``state.<fqn>.*`` of a parameter never stepped there.
     Every other key stays (DCP then names what is missing)."""
     held = frozenset(held)
-    stateful: set[str] = set()
-    grouped: set[str] = set()
-    for key in held:
-        if key.startswith(STATE_PREFIX):
-            stateful.add(key[len(STATE_PREFIX) :].rpartition(".")[0])
-        elif key.startswith(PARAM_GROUPS_PREFIX):
-            grouped.add(key[len(PARAM_GROUPS_PREFIX) :].rpartition(".")[0])
+
+    def fqns(prefix: str) -> set[str]:
+        return {key[len(prefix) :].rpartition(".")[0] for key in held if key.startswith(prefix)}
+
+    stateful, grouped = fqns(STATE_PREFIX), fqns(PARAM_GROUPS_PREFIX)
     template: dict[str, Any] = {}
     for key, value in flat.items():
         if key not in held:
@@ -101,15 +99,11 @@ def check_plain_optimizer_can_load(
     keys: Collection[str], checkpoint_id: str | os.PathLike[str], key: str = OPTIMIZER_KEY
 ) -> None:
     """SnapshotCheckpointError when the checkpoint's optimizer entry is a snapshot reference."""
-    held = optimizer_keys(keys, key)
-    if holds_snapshot_reference(held):
-        raise SnapshotCheckpointError(
-            SNAPSHOT_CHECKPOINT_ERROR.format(
-                path=os.fspath(checkpoint_id),
-                snapshot=_read_reference(checkpoint_id, f"{key}.{SNAPSHOT_REF_KEY}") or "(unreadable)",
-                key=f"{key}.{SNAPSHOT_REF_KEY}",
-            )
-        )
+    flat_key = f"{key}.{SNAPSHOT_REF_KEY}"
+    if holds_snapshot_reference(optimizer_keys(keys, key)):
+        ref = _read_reference(checkpoint_id, flat_key) or "(unreadable)"
+        message = SNAPSHOT_CHECKPOINT_ERROR.format(path=os.fspath(checkpoint_id), snapshot=ref, key=flat_key)
+        raise SnapshotCheckpointError(message)
 
 
 def _read_reference(checkpoint_id: str | os.PathLike[str], flat_key: str) -> str | None:
