@@ -95,7 +95,7 @@ class DeviceBackend:
         if device_type not in _DEVICE_TYPES:
             raise ValueError(f"unknown device type {device_type!r}; expected one of {_DEVICE_TYPES}")
         if device_type != "cpu" and module is None:
-            module = _device_module(device_type)
+            module = torch.cuda if device_type == "cuda" else _import_torch_npu()
         self.type: DeviceType = device_type
         self.module: ModuleType | None = module
         self.chunk_bytes = chunk_bytes
@@ -324,14 +324,6 @@ class DeviceBackend:
 def _import_torch_npu() -> ModuleType:
     importlib.import_module("torch_npu")
     return cast(ModuleType, torch.npu)  # type: ignore[attr-defined]
-
-
-def _device_module(device_type: DeviceType) -> ModuleType:
-    if device_type == "cuda":
-        return torch.cuda
-    if device_type == "npu":
-        return _import_torch_npu()
-    raise ValueError("the CPU backend has no device module")
 
 
 def _npu_available() -> bool:

@@ -164,10 +164,8 @@ def warn_synchronous_copies(versions: str, probe: CopyProbe) -> None:
         "asynchronous (the host waited %.2f ms, %.2f ms from pinned memory); copies from "
         "registered host memory go through a small ring of pinned bounce buffers from now on "
         "(slower than direct DMA; a torch_npu / CANN that honours aclrtHostRegister avoids it)",
-        versions,
-        probe.registered_seconds * 1e3,
-        probe.pinned_seconds * 1e3,
-    )
+        versions, probe.registered_seconds * 1e3, probe.pinned_seconds * 1e3,
+    )  # fmt: skip
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
