@@ -360,12 +360,9 @@ def _subset(
         low, high = bisect.bisect_left(indices, start), bisect.bisect_left(indices, end)
         if high > low:
             runs.append((group, low, high))
-    steps = full.host.steps
-    first = indices[0]
-    if steps is not None and indices[-1] - first + 1 == len(indices):
-        steps = steps[first : first + len(indices)]
-    else:
-        steps = None
+    steps, first = full.host.steps, indices[0]
+    consecutive = indices[-1] - first + 1 == len(indices)
+    steps = steps[first : first + len(indices)] if steps is not None and consecutive else None
     params = [full.params[i] for i in indices]
     return SliceWork(params, local_params, local_grads, SliceStates(tensors, steps), runs)
 
