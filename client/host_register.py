@@ -60,12 +60,8 @@ class HostRegistration:
 
 
 def page_chunks(
-    ptr: int,
-    nbytes: int,
-    chunk_bytes: int = REGISTER_CHUNK_BYTES,
-    page_size: int = PAGE_SIZE,
-    cuts: Sequence[int] = (),
-    spans: Sequence[tuple[int, int]] = (),
+    ptr: int, nbytes: int, chunk_bytes: int = REGISTER_CHUNK_BYTES, page_size: int = PAGE_SIZE,
+    cuts: Sequence[int] = (), spans: Sequence[tuple[int, int]] = (),
 ) -> list[tuple[int, int]]:
     """Split ``[ptr, ptr + nbytes)`` (page-aligned; size rounded up to pages) into ``(ptr, size)``
     chunks of at most ``chunk_bytes``.

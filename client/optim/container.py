@@ -84,17 +84,11 @@ class SwapOptimizersContainer(OptimizersContainer):
     _in_container_step: bool = False
 
     def __init__(
-        self,
-        model_parts: list[nn.Module],
-        optimizer_cls: type[Optimizer],
-        optimizer_kwargs: dict[str, Any],
-        swap_optimizer_times: int = DEFAULT_SWAP_TIMES,
-        *,
+        self, model_parts: list[nn.Module], optimizer_cls: type[Optimizer], optimizer_kwargs: dict[str, Any],
+        swap_optimizer_times: int = DEFAULT_SWAP_TIMES, *,
         param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
-        device_backend: DeviceBackend | None = None,
-        pipeline: bool | None = None,
-        moment_dtype: torch.dtype | None = None,
-        unswapped: UnswappedOptimizers | None = None,
+        device_backend: DeviceBackend | None = None, pipeline: bool | None = None,
+        moment_dtype: torch.dtype | None = None, unswapped: UnswappedOptimizers | None = None,
     ) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Adam)):
             name = getattr(optimizer_cls, "__name__", optimizer_cls)

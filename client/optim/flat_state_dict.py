@@ -67,8 +67,7 @@ class FlatIndex:
 
 
 def flat_state_dict(
-    model_parts: Sequence[nn.Module],
-    optimizers: Sequence[Optimizer],
+    model_parts: Sequence[nn.Module], optimizers: Sequence[Optimizer],
     cpu_states: Mapping[torch.Tensor, HostCache],
 ) -> dict[str, Any]:
     """The flat dict from the host cache: moments are views (DTensor-wrapped like their

@@ -130,10 +130,7 @@ class HostCaches:
         """Counts :meth:`install` calls (the step pipeline's plans are built against one)."""
 
     def entries(
-        self,
-        optimizer_index: int,
-        model: nn.Module,
-        optim: Optimizer,
+        self, optimizer_index: int, model: nn.Module, optim: Optimizer,
         pairs: Iterable[tuple[int, torch.Tensor]],
     ) -> list[HostCacheEntry]:
         """Entries for ``(group_index, param)`` pairs of ``optim``, in the given order."""

@@ -140,16 +140,9 @@ def plan_slices(sizes: Sequence[int], times: int) -> list[range]:
 
 
 def fused_adam_update(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor],
-    state_steps: list[torch.Tensor],
-    *,
-    group: Mapping[str, Any],
-    grad_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], state_steps: list[torch.Tensor], *,
+    group: Mapping[str, Any], grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
     steps: torch.Tensor | None = None,
 ) -> None:
     """One fused Adam/AdamW update of local tensors, steps incremented as torch does.
@@ -200,18 +193,10 @@ def _add_to_steps(vector: torch.Tensor | None, steps: list[torch.Tensor], minus:
 
 
 def adam_update(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor],
-    state_steps: list[torch.Tensor],
-    *,
-    group: Mapping[str, Any],
-    grad_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-    steps: torch.Tensor | None = None,
-    upcast: bool = False,
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], state_steps: list[torch.Tensor], *,
+    group: Mapping[str, Any], grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+    steps: torch.Tensor | None = None, upcast: bool = False,
 ) -> None:
     """One Adam/AdamW update of local tensors in ``group``'s implementation (``steps``: see
     :func:`fused_adam_update`). ``upcast``: moments of a lower precision than CPU parameters."""
@@ -244,11 +229,8 @@ def adam_update(
 
 
 def _upcast_update(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    moments: tuple[list[torch.Tensor], ...],
-    state_steps: list[torch.Tensor],
-    **update: Any,
+    params: list[torch.Tensor], grads: list[torch.Tensor], moments: tuple[list[torch.Tensor], ...],
+    state_steps: list[torch.Tensor], **update: Any,
 ) -> None:
     """Lower-precision moments on the CPU, where torch has no mixed-precision kernel: what the
     CUDA one does, in three steps (upcast, update, ``copy_`` back rounding to nearest even)."""
@@ -383,11 +365,8 @@ def checked_slice(
 
 
 def slice_work(
-    params: list[torch.Tensor],
-    groups: list[dict[str, Any]],
-    local_params: list[torch.Tensor],
-    local_grads: list[torch.Tensor],
-    hosts: list[HostCache],
+    params: list[torch.Tensor], groups: list[dict[str, Any]], local_params: list[torch.Tensor],
+    local_grads: list[torch.Tensor], hosts: list[HostCache],
 ) -> SliceWork:
     """A slice's work over complete host caches ``hosts`` (parallel lists)."""
     runs: list[tuple[dict[str, Any], int, int]] = []

@@ -91,14 +91,8 @@ class StateLoader:
         return plan
 
     def _plan_param_load(
-        self,
-        index: FlatIndex,
-        optimizer_index: int,
-        group_index: int,
-        optim: Optimizer,
-        group_load: _GroupLoad,
-        param: torch.Tensor,
-        fqns: Mapping[torch.Tensor, tuple[str, ...]],
+        self, index: FlatIndex, optimizer_index: int, group_index: int, optim: Optimizer,
+        group_load: _GroupLoad, param: torch.Tensor, fqns: Mapping[torch.Tensor, tuple[str, ...]],
     ) -> _ParamLoad:
         """One parameter's load: its sources (under any alias), checked against its shard."""
         aliases = param_fqns(fqns, param, optimizer_index)
@@ -212,12 +206,8 @@ def _plan_group_load(
 
 
 def _checked_sources(
-    index: FlatIndex,
-    aliases: Sequence[str],
-    keys: tuple[str, ...],
-    group_load: _GroupLoad,
-    local_param: torch.Tensor,
-    dtype: torch.dtype,
+    index: FlatIndex, aliases: Sequence[str], keys: tuple[str, ...], group_load: _GroupLoad,
+    local_param: torch.Tensor, dtype: torch.dtype,
 ) -> tuple[dict[str, torch.Tensor | None], float]:
     """``({key: checkpoint tensor}, step)`` of one parameter; only param-group entries: never
     stepped (torch creates state lazily), so zeros (``None``) and step 0."""

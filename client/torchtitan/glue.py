@@ -44,10 +44,7 @@ _WRAPPED_ORIGINAL_ATTR = "__swap_state_original__"
 
 
 def build_optimizers(
-    model_parts: list[nn.Module],
-    optimizer_config: Any,
-    parallel_dims: Any,
-    ft_manager: Any = None,
+    model_parts: list[nn.Module], optimizer_config: Any, parallel_dims: Any, ft_manager: Any = None,
 ) -> OptimizersContainer:
     """torchtitan's ``build_optimizers`` plus ``optimizer_config.swap_optimizer`` (Adam or AdamW;
     settings: :class:`SwapSettings`; optimizers-in-backward and TorchFT are not supported)."""
@@ -215,10 +212,7 @@ def install_job_hooks() -> None:
 
 
 def build_remote_container(
-    model_parts: list[Any],
-    optimizer_cls: type,
-    optimizer_kwargs: dict[str, Any],
-    swap_times: int,
+    model_parts: list[Any], optimizer_cls: type, optimizer_kwargs: dict[str, Any], swap_times: int,
     optimizer_config: Any,
 ):
     """The ``swap_optimizer_backend = "remote"`` branch of the ``build_optimizers`` wrapper."""

@@ -121,16 +121,11 @@ def shared_job_id(configured: str) -> str:
 
 
 def build_swap_container(
-    model_parts: list[nn.Module],
-    optimizer_cls: type[torch.optim.Optimizer],
-    optimizer_kwargs: dict[str, Any],
-    settings: SwapSettings,
-    *,
-    snapshot_dir: str | None = None,
+    model_parts: list[nn.Module], optimizer_cls: type[torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any], settings: SwapSettings, *, snapshot_dir: str | None = None,
     param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
     moment_dtype: torch.dtype | None = None,
-    model_state_dict: Callable[[nn.Module], dict[str, Any]] | None = None,
-    unswapped: Any = None,
+    model_state_dict: Callable[[nn.Module], dict[str, Any]] | None = None, unswapped: Any = None,
     local_container_cls: type | None = None,
 ):
     """The container ``settings`` ask for: in-process (``local``) or on the host's server.
