@@ -180,12 +180,8 @@ class DeviceBackend:
         return torch.zeros(tuple(shape), dtype=dtype, pin_memory=self.pin_memory_available)
 
     def alloc_host_bytes(self, nbytes: int, spans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
-        """A zero-filled uint8 host buffer for many tensors (``spans``: their ``(offset, nbytes)``).
-
-        Pinned without the power-of-two rounding of torch's pinned allocator (one 2.1 GB tensor
-        takes 4 GB there): a registered anonymous mapping. Where the Ascend probe finds
-        registrations not honoured, torch's pinned memory instead; on CPU :meth:`alloc_host`.
-        """
+        """A zero-filled uint8 host buffer for many tensors (``spans``), pinned without torch's
+        power-of-two rounding (a registered mapping; torch's pinned memory where the probe bounces)."""
         if not self.pin_memory_available:
             return self.alloc_host((nbytes,), torch.uint8)
         register = functools.partial(self.register_host_memory, spans=spans)
@@ -197,11 +193,8 @@ class DeviceBackend:
     def register_host_memory(
         self, ptr: int, nbytes: int, cuts: Sequence[int] = (), spans: Sequence[tuple[int, int]] = ()
     ) -> HostRegistration:
-        """Register ``[ptr, ptr + nbytes)`` (page-aligned) for DMA, in chunks (:func:`page_chunks`).
-
-        On CPU nothing is called, but the checks and bookkeeping apply, so CPU runs catch misuse.
-        A failed chunk unregisters those done and raises :class:`HostRegistrationError`.
-        """
+        """Register ``[ptr, ptr + nbytes)`` for DMA in chunks (:func:`page_chunks`), rolled back on a
+        failure. On CPU nothing is called, but the checks apply, so CPU runs catch misuse."""
         chunks = page_chunks(ptr, nbytes, self.chunk_bytes, cuts=cuts, spans=spans)
         release_host_buffers()  # a safe point: no lock held
         with self._lock:

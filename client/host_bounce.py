@@ -176,12 +176,8 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 class BounceRing:
     """Pinned staging slots, used round robin, for copies between unpinned host memory and the
-    device (contiguous tensors of equal byte size; threads take turns).
-
-    ``to_device`` returns once every piece is enqueued, as a pinned non-blocking copy does;
-    ``to_host`` returns once ``dst`` holds every byte (the host writes it, so an event on
-    ``stream`` could not vouch for it).
-    """
+    device. ``to_device`` returns once every piece is enqueued; ``to_host`` once ``dst`` holds
+    every byte (the host writes it, so an event on ``stream`` could not vouch for it)."""
 
     def __init__(self, slots: Sequence[torch.Tensor], new_event: Callable[[], Any]) -> None:
         if not slots:

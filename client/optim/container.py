@@ -56,21 +56,16 @@ class _instance_or_class_method:
 class SwapOptimizersContainer(OptimizersContainer):
     """torchtitan ``OptimizersContainer`` whose Adam/AdamW moments live in host memory.
 
-    One ``optimizer_cls`` (Adam or AdamW) per model part, as torchtitan builds them; the update
-    is the implementation the group's flags select (:mod:`swap_state.client.optim.kernels`).
-    Keyword-only extras: ``param_groups(model_part)``, ``device_backend``, ``pipeline`` (None:
-    on iff an accelerator), ``moment_dtype`` (None: the parameter's; ``torch.bfloat16``:
-    torchtitan's ``fused_opt_states_bf16``), ``unswapped`` (other optimizers: :mod:`.unswapped`).
+    One ``optimizer_cls`` (Adam or AdamW) per model part, as torchtitan builds them. Extras:
+    ``pipeline`` (None: on iff an accelerator), ``moment_dtype`` (``torch.bfloat16``: torchtitan's
+    ``fused_opt_states_bf16``), ``unswapped`` (other optimizers: :mod:`.unswapped`).
 
-    Call order, for subclasses (e.g. a host cache in shared memory):
-
-    ``__init__``: ``_allocate_host_cache(entries)`` once, every parameter, in update order.
-    ``step()``: gradients checked before anything changes; per slice
-    ``_before_host_write(params)`` before its host bytes change; ``_after_step()`` once every
-    offload is complete. ``load_state_dict(sd)``: validate -> ``_allocate_host_cache`` for
-    parameters without one -> ``_before_host_write(all params)`` -> copy in place ->
-    ``_after_load_state_dict()``. The container only copies into the cache's tensors, never
-    replaces them; ``_before_host_write`` may block (back-pressure).
+    Call order, for subclasses (e.g. a host cache in shared memory): ``__init__`` calls
+    ``_allocate_host_cache(entries)`` once, in update order; ``step()`` checks gradients first,
+    calls ``_before_host_write(params)`` per slice before its host bytes change (it may block) and
+    ``_after_step()`` once every offload is complete; ``load_state_dict`` validates, then
+    ``_allocate_host_cache`` for parameters without one -> ``_before_host_write(all params)`` ->
+    copy in place (never replacing the cache's tensors) -> ``_after_load_state_dict()``.
     """
 
     # The seed's tests build containers with __new__ and patch these; __init__ shadows them.
@@ -249,12 +244,8 @@ class SwapOptimizersContainer(OptimizersContainer):
     def _allocate_host_cache(
         self, entries: Sequence[HostCacheEntry]
     ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
-        """``{param: {key: tensor}}`` for ``entries``: every key of ``entry.keys`` (contiguous CPU
-        tensors of ``entry.shape`` / ``entry.dtype``) and ``STEP_KEY`` (0-dim ``STEP_DTYPE``).
-
-        Default: views of one exactly sized pinned buffer with an accelerator; on CPU, one
-        tensor per moment and one step vector.
-        """
+        """``{param: {key: tensor}}``: contiguous CPU tensors of ``entry.keys`` and a 0-dim ``STEP_KEY``.
+        Default: views of one exactly sized pinned buffer (on CPU, one tensor per moment)."""
         backend = self._backend
         if backend.pin_memory_available:
             return flat_host_caches(entries, backend.alloc_host_bytes)

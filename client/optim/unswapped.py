@@ -22,9 +22,7 @@ class UnswappedOptimizers:
     (torchtitan's ``get_flat_optim_state_dict`` / ``load_flat_optim_state_dict``)."""
 
     def __init__(
-        self,
-        optimizers: Sequence[Optimizer],
-        flat_state_dict: Callable[[Optimizer], dict[str, Any]],
+        self, optimizers: Sequence[Optimizer], flat_state_dict: Callable[[Optimizer], dict[str, Any]],
         load_flat_state_dict: Callable[[Optimizer, Mapping[str, Any]], None],
     ) -> None:
         self.optimizers = list(optimizers)

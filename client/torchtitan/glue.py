@@ -49,8 +49,7 @@ def build_optimizers(
     """torchtitan's ``build_optimizers`` plus ``optimizer_config.swap_optimizer`` (Adam or AdamW;
     settings: :class:`SwapSettings`; optimizers-in-backward and TorchFT are not supported)."""
     if not getattr(optimizer_config, "swap_optimizer", False):
-        original = original_build_optimizers
-        return original(model_parts, optimizer_config, parallel_dims, ft_manager)
+        return original_build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     name = optimizer_config.name
     optimizer_cls = SWAP_OPTIMIZER_CLASSES.get(name)
     if optimizer_cls is None:

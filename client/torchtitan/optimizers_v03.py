@@ -154,11 +154,8 @@ def _swap_optimizer_class(config: Any) -> type[torch.optim.Optimizer]:
 
 
 def _trainer_dump_folder(config: Any) -> str | None:
-    """The dump folder of the trainer config whose optimizer ``config`` is, else None.
-
-    torchtitan 0.3 builds the optimizer from its config alone, so it is read from the calling
-    frames: a local ``config`` whose ``optimizer`` is this very object.
-    """
+    """The dump folder of the trainer config whose optimizer ``config`` is, else None: torchtitan
+    0.3 builds the optimizer from its config alone, so it is a caller's local ``config``."""
     frame = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("config")
