@@ -1,14 +1,9 @@
 """One small accelerator layer for Ascend NPU, CUDA and CPU.
 
-Everything that touches a device goes through a :class:`DeviceBackend`. Selection order is NPU
-(``torch_npu``, imported lazily), CUDA, CPU; ``SWAP_STATE_DEVICE=npu|cuda|cpu`` forces one (an
-error where it is not there, never a silent fallback). On CPU, streams and events are
-:class:`NullStream` / :class:`NullEvent`, so the pipelined accelerator path runs unchanged.
-
-Host registration registers in chunks of at most :data:`REGISTER_CHUNK_BYTES` because single
-registrations of ~100 GiB are reported to fail on both CUDA and Ascend. On Ascend each
-registration is probed: where a non-blocking copy from it is not asynchronous (some CANN /
-torch_npu versions), copies from it are staged through a ring of pinned buffers.
+Selection order is NPU (``torch_npu``, imported lazily), CUDA, CPU; ``SWAP_STATE_DEVICE``
+forces one (an error where it is not there, never a silent fallback). On CPU, streams and events
+are :class:`NullStream` / :class:`NullEvent`, so the pipelined accelerator path runs unchanged.
+On Ascend each host registration is probed (:mod:`swap_state.client.host_bounce`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Copies from host memory the runtime does not treat as pinned (Ascend).
 
-Older torch_npu synchronizes after each non-blocking copy from memory it did not allocate,
-and CANN's docs warn about unlocked memory on kernels <= 5.10. Each Ascend registration is
-probed (:func:`needs_bounce`); where its copies are not asynchronous, one WARNING names the
-versions and copies from it go through a :class:`BounceRing` of pinned buffers. Nothing here
-imports torch_npu.
+Older torch_npu synchronizes after each non-blocking copy from memory it did not allocate (and
+CANN's docs warn about unlocked memory on kernels <= 5.10).
+Each Ascend registration is probed (:func:`needs_bounce`); where its copies are not
+asynchronous, copies from it go through a :class:`BounceRing` of pinned buffers.
 """
 
 from __future__ import annotations
@@ -55,8 +54,7 @@ def npu_versions() -> str:
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    """How :func:`probe_registered_copies` measures: bytes copied, and the device work (a few ms
-    of matmuls) enqueued first, so that an asynchronous copy cannot be done when the call returns."""
+    """The probe's bytes, and device work enqueued first so that an async copy is still pending."""
 
     nbytes: int = 4 << 20
     busy_side: int = 2048

@@ -63,14 +63,12 @@ def page_chunks(
     ptr: int, nbytes: int, chunk_bytes: int = REGISTER_CHUNK_BYTES, page_size: int = PAGE_SIZE,
     cuts: Sequence[int] = (), spans: Sequence[tuple[int, int]] = (),
 ) -> list[tuple[int, int]]:
-    """Split ``[ptr, ptr + nbytes)`` (page-aligned; size rounded up to pages) into ``(ptr, size)``
-    chunks of at most ``chunk_bytes``.
-
-    With ``spans`` (tensors' ``(offset, nbytes)``) or ``cuts`` (tensor starts), a chunk ends only
-    on a page boundary no tensor straddles, so one copy never spans two registrations (how a
-    driver treats that is not documented); a tensor over ``chunk_bytes`` gets one chunk of its
-    own, over the limit (a Llama-3-405B embedding moment is 8.4 GB: far below ~100 GiB).
-    """
+    """Split ``[ptr, ptr + nbytes)`` (page-aligned; size rounded up) into chunks of at most
+    ``chunk_bytes``. With ``spans`` (tensors' ``(offset, nbytes)``) or ``cuts`` (tensor starts),
+    a chunk ends only on a page boundary no tensor straddles, so one copy never spans two
+    registrations (how a driver treats that is not documented); a tensor over ``chunk_bytes``
+    gets a chunk of its own, over the limit (a Llama-3-405B embedding moment is 8.4 GB: far
+    below ~100 GiB)."""
     if ptr % page_size:
         raise ValueError(
             f"host pointer {ptr:#x} is not aligned to the {page_size}-byte page size; "
@@ -209,9 +207,8 @@ def _acl_host_unregister(ptr: int) -> int:
 
 # -- an exactly sized, registered host buffer --------------------------------------------------
 class _HostArena(mmap.mmap):
-    """An anonymous mapping with a ``release`` (unregister). ``__del__`` only queues it: a tensor
-    may die in a garbage collection anywhere, even inside the registration lock;
-    :func:`release_host_buffers`, at safe points, unregisters and unmaps it."""
+    """A mapping with a ``release`` (unregister); ``__del__`` only queues it, for
+    :func:`release_host_buffers`: a tensor may die in a garbage collection inside the lock."""
 
     release: Callable[[], Any] | None = None
 

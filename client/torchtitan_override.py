@@ -6,10 +6,8 @@
     # settings, under their 0.2 names, as the target's JSON arguments:
     --override.imports 'swap_state.client.torchtitan_override.swap_state={"swap_state_checkpoint": "snapshot"}'
 
-The target derives the optimizer's and the checkpoint manager's configs from the run's (param
-groups and implementation kept). The settings are :data:`SETTINGS`; the environment supplies
-the server and job id where they are empty, as in 0.2. A config registry function of the
-user's own can call :func:`with_swap_state` instead.
+The target derives the optimizer's and the checkpoint manager's configs from the run's; a
+config registry function of the user's own can call :func:`with_swap_state` instead.
 """
 
 from __future__ import annotations

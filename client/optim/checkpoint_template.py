@@ -1,15 +1,10 @@
 """Load templates that match the checkpoint being loaded, for DCP's strict loading.
 
-``dcp.load`` loads into a template (the container's ``state_dict()``) and fails on every key
-the checkpoint lacks. The seed's format has keys torch's does not, so a plain torchtitan AdamW
-checkpoint would fail with ``Missing key in checkpoint state_dict:
-optimizer.param_groups.<fqn>.step``. So, for the duration of a load, the loader tells the
-container which keys the checkpoint holds (its DCP metadata, no tensor read:
-:meth:`LoadTemplate.loading`), and ``state_dict()`` leaves out what torch's format lacks and
-the load derives (:func:`match_template`). Outside a load ``state_dict()`` is unchanged.
-
-A snapshot-mode checkpoint holds a reference instead of the moments: torch's own optimizer
-cannot load it, and :func:`check_plain_optimizer_can_load` says so, naming ``swap-state export``.
+``dcp.load`` fails on every template key the checkpoint lacks, and the seed's format has keys
+torch's does not (``param_groups.<fqn>.step``). So during a load the loader tells the container
+which keys the checkpoint holds (its DCP metadata), and ``state_dict()`` leaves out what the
+load derives (:func:`match_template`). A snapshot-mode checkpoint, which torch's own optimizer
+cannot load, fails naming ``swap-state export`` (:func:`check_plain_optimizer_can_load`).
 """
 
 from __future__ import annotations
@@ -150,12 +145,12 @@ class LoadTemplate:
 def load_template(
     optimizer: Any, checkpoint_id: str | os.PathLike[str], key: str = OPTIMIZER_KEY
 ) -> Iterator[None]:
-    """For callers of ``dcp.load`` outside torchtitan's CheckpointManager::
+    """For callers of ``dcp.load`` outside torchtitan's CheckpointManager (for any other optimizer
+    a snapshot-mode checkpoint raises :class:`SnapshotCheckpointError`)::
 
         with load_template(container, path):
             dcp.load({"optimizer": container, ...}, checkpoint_id=path)
-
-    For any other optimizer a snapshot-mode checkpoint raises :class:`SnapshotCheckpointError`."""
+    """
     keys = checkpoint_keys(checkpoint_id)
     if not hasattr(optimizer, "loading_checkpoint"):
         check_plain_optimizer_can_load(keys, checkpoint_id, key)

@@ -44,9 +44,8 @@ def wrap_like_param_without_device_move(local_tensor: torch.Tensor, like: Any) -
 
 
 def global_layout(param: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """``(global shape, offset of the local shard)`` of a DTensor; None for a plain tensor. A
-    snapshot stores every shard as one box of its global tensor: ValueError where a
-    ``_StridedShard`` makes it not one (:func:`check_shard_is_a_box`)."""
+    """``(global shape, offset of the local shard)`` of a DTensor (None for a plain tensor); a
+    snapshot stores every shard as one box (:func:`check_shard_is_a_box`)."""
     if not isinstance(param, DTensor):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -59,8 +58,7 @@ def global_layout(param: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
 
 def check_shard_is_a_box(param: DTensor, local_shape: tuple[int, ...], offset: tuple[int, ...]) -> None:
     """ValueError unless each dimension of ``param``'s local shard holds the global indices
-    ``[offset, offset + local size)`` in order, split as torch splits them (``_split_tensor``);
-    only dimensions with a ``_StridedShard`` are followed."""
+    ``[offset, offset + local size)`` in order (a ``_StridedShard`` may not)."""
     coordinate = param.device_mesh.get_coordinate()
     if coordinate is None:  # this rank holds no shard of it
         return

@@ -252,8 +252,7 @@ def _on_device(
 # -- slices: per-parameter facts planned once, checked per step --------------------
 @dataclass(eq=False)
 class SliceWork:
-    """A slice's parameters with a gradient, parallel lists in update order; ``runs``:
-    ``(group, start, end)`` of each param group's consecutive ones."""
+    """A slice's parameters with a gradient, in update order; ``runs``: ``(group, start, end)`` each."""
 
     params: list[torch.Tensor]
     local_params: list[torch.Tensor]
@@ -264,9 +263,8 @@ class SliceWork:
 
 @dataclass(eq=False)
 class SlicePlan:
-    """A slice and its parameters' groups and host caches (None while incomplete). ``full``: its
-    work when every gradient passes the per-step checks (gradients and DTensor shards filled in
-    per step); None where a parameter needs the per-parameter path."""
+    """A slice, its parameters' groups and host caches (None while incomplete); ``full``: its work
+    where every parameter can take the fast path (gradients and shards filled in per step)."""
 
     params: list[torch.Tensor]
     groups: list[dict[str, Any]]

@@ -1,7 +1,7 @@
 """What swap-state adds to torchtitan's ``CheckpointManager``, for both torchtitan lines.
 
-torchtitan 0.2's adapter wraps the manager's methods, 0.3's subclasses it; both call, over a
-job (each transparent for torch's own optimizers):
+0.2's adapter wraps the manager's methods, 0.3's subclasses it; both call, transparent for
+torch's own optimizers:
 
 1. :func:`attach` at the end of ``__init__``: retention, and the model's entry as a reference;
 2. saves run inside :func:`~swap_state.client.torchtitan.model.saving_checkpoint`;

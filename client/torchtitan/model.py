@@ -1,10 +1,7 @@
 """torchtitan's model entry in a whole-state snapshot-mode checkpoint: a reference, not tensors.
 
-With ``swap_state_checkpoint = "snapshot"`` the snapshots hold the model's parameters too, so
-the model's part of torchtitan's checkpoint is one key, :data:`MODEL_REF_KEY`, naming the same
-snapshot as the optimizer's entry. A save (inside :func:`saving_checkpoint`) stores the
-reference, except a model-only last save (for export); a load's template follows the
-checkpoint (:func:`match_model_template`).
+With ``swap_state_checkpoint = "snapshot"`` the snapshots hold the model's parameters too, so the
+model's part of the checkpoint is one key, :data:`MODEL_REF_KEY`, naming the optimizer's snapshot.
 """
 
 from __future__ import annotations

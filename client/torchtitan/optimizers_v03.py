@@ -1,12 +1,9 @@
 """torchtitan 0.3's swap-state optimizer: a ``Configurable`` whose ``Config`` extends
 ``OptimizersContainer.Config`` with the settings 0.2 names ``optimizer.<name>``.
 
-``Config(...).build(model_parts=...)`` returns the container of ``swap_optimizer_backend``
-(``local`` or ``remote``), with the flat FQN-keyed state dict torchtitan 0.3 saves, so
-checkpoints load with and without swap-state. Adam and AdamW param groups are swapped, one torch
-optimizer per model part (a group's ``decoupled_weight_decay`` decides its update); groups of
-other optimizers (``DistMuon``) are left to torchtitan's own (:mod:`.unswapped`).
-``implementation = "fused_opt_states_bf16"`` keeps the moments in bfloat16 everywhere.
+``Config(...).build(model_parts=...)`` returns the container of ``swap_optimizer_backend``. Adam
+and AdamW param groups are swapped (a group's ``decoupled_weight_decay`` decides its update);
+groups of other optimizers (``DistMuon``) are left to torchtitan's own (:mod:`.unswapped`).
 """
 
 from __future__ import annotations

@@ -128,10 +128,7 @@ def build_swap_container(
     model_state_dict: Callable[[nn.Module], dict[str, Any]] | None = None, unswapped: Any = None,
     local_container_cls: type | None = None,
 ):
-    """The container ``settings`` ask for: in-process (``local``) or on the host's server.
-    ``snapshot_dir``: an embedded server's; ``model_state_dict``: see RemoteConfig;
-    ``local_container_cls`` replaces :class:`SwapOptimizersContainer` (the seed's tests patch it).
-    """
+    """The container ``settings`` ask for (``local_container_cls``: the seed's tests patch it)."""
     # Only what is set: the seed's tests patch in containers that take none of these.
     given = {"param_groups": param_groups, "moment_dtype": moment_dtype, "unswapped": unswapped}
     extra = {name: value for name, value in given.items() if value is not None}

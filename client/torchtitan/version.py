@@ -1,8 +1,5 @@
-"""Which torchtitan line is installed, and the error that names the other line's switch.
-
-The line is told by what the installed torchtitan has (0.3's override mechanism), not by its
-version string, which source installs leave at 0.0.0.
-"""
+"""Which torchtitan line is installed (by its features: source installs say 0.0.0), and the
+error that names the other line's switch."""
 
 from __future__ import annotations
 
