@@ -10,11 +10,8 @@ import importlib
 import os
 from typing import Any
 
-# gRPC's fork handlers (pthread_atfork) make every fork of this process wait until gRPC's own
-# threads are quiescent; a gRPC thread waiting for the GIL the forking thread holds never is:
-# a trainer that forks (the embedded server, DataLoader workers) then hangs in fork(). The
-# trainer never uses gRPC in a forked child, so they are turned off, before gRPC is imported
-# (a value the user set is kept).
+# gRPC's fork handlers wait for its threads to be quiescent; one waiting for the GIL the forking
+# thread holds never is, so a trainer that forks hangs in fork(). No forked child uses gRPC.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 __all__ = ["RemoteSwapOptimizersContainer", "RemoteConfig", "SwapOptimizersContainer"]

@@ -1,38 +1,9 @@
 """One small accelerator layer for Ascend NPU, CUDA and CPU.
 
-Everything in swap-state that touches a device goes through a :class:`DeviceBackend`:
-the current device (and setting it in a helper thread), side streams, events (spinning or
-blocking), a stream context, synchronize, empty_cache, host allocations (pinned only where
-an accelerator exists) and DMA registration of an existing host mapping
-(:meth:`DeviceBackend.register_host_memory`).
-
-Selection order is NPU (``torch_npu``, imported lazily and only when installed), CUDA,
-CPU. ``SWAP_STATE_DEVICE=npu|cuda|cpu`` forces one; forcing a device that is not there
-is an error, never a silent fallback.
-
-On CPU, streams and events are :class:`NullStream` / :class:`NullEvent`: objects with the
-API of ``torch.cuda.Stream`` / ``torch.cuda.Event`` that do nothing, because every CPU op
-is synchronous. Code written for the pipelined accelerator path therefore runs
-unchanged on CPU.
-
-Typical use::
-
-    backend = get_device_backend()
-    side = backend.stream()
-    with backend.use_stream(side):
-        buf = host.to(backend.current_device(), non_blocking=True)
-        ready = backend.event()
-        ready.record(side)
-    backend.current_stream().wait_event(ready)
-
-Host registration (``register_host_memory(ptr, nbytes)``) wants a page-aligned pointer,
-rounds the size up to whole pages and registers in chunks of at most
-:data:`REGISTER_CHUNK_BYTES`, because single registrations of ~100 GiB are reported to fail
-on both CUDA and Ascend. Every return code is checked; a failure unregisters the chunks
-already registered and raises :class:`HostRegistrationError` with the code and the range.
-On Ascend each registration is probed: where a non-blocking copy from it is not asynchronous
-(some CANN / torch_npu versions), :meth:`DeviceBackend.copy_to_device` and
-:meth:`DeviceBackend.copy_to_host` stage copies from it through a ring of pinned buffers.
+Selection order is NPU (``torch_npu``, imported lazily), CUDA, CPU; ``SWAP_STATE_DEVICE``
+forces one (an error where it is not there, never a silent fallback). On CPU, streams and events
+are :class:`NullStream` / :class:`NullEvent`, so the pipelined accelerator path runs unchanged.
+On Ascend each host registration is probed (:mod:`swap_state.client.host_bounce`).
 """
 
 from __future__ import annotations
@@ -52,35 +23,15 @@ import torch
 
 from swap_state.client.host_bounce import BouncedRanges, ProbeConfig, needs_bounce
 from swap_state.client.host_register import (
-    PAGE_SIZE,
-    REGISTER_CHUNK_BYTES,
-    HostRegistration,
-    HostRegistrationError,
-    _acl_host_register,
-    _acl_host_unregister,
-    _cuda_error_string,
-    _cuda_host_register,
-    _cuda_host_unregister,
-    page_chunks,
-    registered_host_buffer,
-    release_host_buffers,
+    PAGE_SIZE, REGISTER_CHUNK_BYTES, HostRegistration, HostRegistrationError, _acl_host_register,
+    _acl_host_unregister, _cuda_error_string, _cuda_host_register, _cuda_host_unregister, page_chunks,
+    registered_host_buffer, release_host_buffers,
 )
 
 __all__ = [
-    "DEVICE_ENV_VAR",
-    "PAGE_SIZE",
-    "REGISTER_CHUNK_BYTES",
-    "DeviceBackend",
-    "DeviceType",
-    "HostRegistration",
-    "HostRegistrationError",
-    "NullEvent",
-    "NullStream",
-    "get_device_backend",
-    "page_chunks",
-    "register_host_memory",
-    "select_device_type",
-    "unregister_host_memory",
+    "DEVICE_ENV_VAR", "PAGE_SIZE", "REGISTER_CHUNK_BYTES", "DeviceBackend", "DeviceType",
+    "HostRegistration", "HostRegistrationError", "NullEvent", "NullStream", "get_device_backend",
+    "page_chunks", "register_host_memory", "select_device_type", "unregister_host_memory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -93,24 +44,27 @@ DEVICE_ENV_VAR = "SWAP_STATE_DEVICE"
 _DEVICE_TYPES: tuple[DeviceType, ...] = ("npu", "cuda", "cpu")
 
 
-class NullEvent:
-    """``torch.cuda.Event`` look-alike for CPU: every method returns at once."""
-
-    def record(self, stream: Any = None) -> None:
-        """Nothing to record: CPU work is complete when the call returns."""
-
-    def wait(self, stream: Any = None) -> None:
-        """Nothing to wait for."""
+class _Done:
+    """Complete or idle: CPU work is done when the call that enqueued it returns."""
 
     def query(self) -> bool:
-        """Always complete."""
         return True
 
     def synchronize(self) -> None:
         """Nothing to wait for."""
 
 
-class NullStream:
+class NullEvent(_Done):
+    """``torch.cuda.Event`` look-alike for CPU: every method returns at once."""
+
+    def record(self, stream: Any = None) -> None:
+        """Nothing to record."""
+
+    def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for."""
+
+
+class NullStream(_Done):
     """``torch.cuda.Stream`` look-alike for CPU: every method returns at once."""
 
     def wait_event(self, event: Any) -> None:
@@ -123,38 +77,20 @@ class NullStream:
         """Return ``event`` (or a new :class:`NullEvent`), already complete."""
         return NullEvent() if event is None else event
 
-    def query(self) -> bool:
-        """Always idle."""
-        return True
-
-    def synchronize(self) -> None:
-        """Nothing to wait for."""
-
 
 class DeviceBackend:
-    """The accelerator of this process (or the CPU), behind one small API.
-
-    ``type`` is ``"npu"``, ``"cuda"`` or ``"cpu"``; ``module`` is ``torch.npu`` /
-    ``torch.cuda`` (``None`` on CPU). Stream and event objects are the module's own on an
-    accelerator and :class:`NullStream` / :class:`NullEvent` on CPU.
-
-    Subclasses for other runtimes (or tests) override ``_register_chunk``,
-    ``_unregister_chunk`` and ``_describe_return_code``; the chunking, alignment checks,
-    rollback and bookkeeping of :meth:`register_host_memory` stay here. Registrations are
-    probed where ``probes_registered_copies`` (Ascend), with ``copy_probe``'s settings.
-    """
+    """The accelerator of this process (or the CPU): ``type`` is ``"npu"``, ``"cuda"`` or
+    ``"cpu"``, ``module`` ``torch.npu`` / ``torch.cuda`` (None on CPU). Subclasses (tests)
+    override ``_register_chunk``, ``_unregister_chunk`` and ``_describe_return_code``."""
 
     def __init__(
-        self,
-        device_type: DeviceType,
-        module: ModuleType | None = None,
-        *,
+        self, device_type: DeviceType, module: ModuleType | None = None, *,
         chunk_bytes: int = REGISTER_CHUNK_BYTES,
     ) -> None:
         if device_type not in _DEVICE_TYPES:
             raise ValueError(f"unknown device type {device_type!r}; expected one of {_DEVICE_TYPES}")
         if device_type != "cpu" and module is None:
-            module = _device_module(device_type)
+            module = torch.cuda if device_type == "cuda" else _import_torch_npu()
         self.type: DeviceType = device_type
         self.module: ModuleType | None = module
         self.chunk_bytes = chunk_bytes
@@ -199,23 +135,14 @@ class DeviceBackend:
         return self._accel().current_stream() if self.is_accelerator else self._null_stream
 
     def set_device(self, device: torch.device) -> None:
-        """Make ``device`` the current device of the calling thread (nothing on CPU).
-
-        A thread starts on the default device (0), whatever device its creator uses: a helper
-        thread that waits for events or copies must call this first, or CUDA/Ascend work
-        from it (an Ascend ``Event.synchronize``, too) goes to device 0 for every rank.
-        """
+        """Make ``device`` current in the calling thread: a new thread starts on device 0, so a
+        helper thread's work (an Ascend ``Event.synchronize``, too) would go there for every rank."""
         if self.is_accelerator:
             self._accel().set_device(device)
 
     def event(self, *, blocking: bool = False) -> Any:
-        """A new event (a :class:`NullEvent` on CPU).
-
-        ``blocking=True``: ``synchronize()`` sleeps until the event completes instead of
-        spinning a core (``torch.cuda.Event(blocking=True)``; torch_npu's has the same flag).
-        For waits off the critical path, such as a helper thread; a spinning wait returns
-        sooner, which the step's own waits want.
-        """
+        """A new event (a :class:`NullEvent` on CPU). ``blocking=True``: ``synchronize()`` sleeps
+        instead of spinning a core (for helper threads; a spinning wait returns sooner)."""
         if not self.is_accelerator:
             return NullEvent()
         # The default stays the plain call, which every CUDA / torch_npu version takes.
@@ -238,11 +165,7 @@ class DeviceBackend:
             self._accel().empty_cache()
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Tell the caching allocator that ``tensor`` is in use on ``stream``.
-
-        Needed for buffers allocated on one stream and used on another, so that freeing
-        them on the host does not hand their memory out before ``stream`` is done.
-        """
+        """Tell the caching allocator that ``tensor`` is in use on ``stream``."""
         if self.is_accelerator:
             tensor.record_stream(stream)
 
@@ -252,16 +175,8 @@ class DeviceBackend:
         return torch.zeros(tuple(shape), dtype=dtype, pin_memory=self.pin_memory_available)
 
     def alloc_host_bytes(self, nbytes: int, spans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
-        """A zero-filled uint8 host buffer of ``nbytes`` for many tensors (``spans``: their
-        ``(offset, nbytes)``), pinned where an accelerator exists.
-
-        Pinned without the power-of-two rounding of torch's pinned allocator (one 2.1 GB
-        tensor takes 4 GB there): a new anonymous mapping of exactly ``nbytes`` (page-rounded),
-        registered in chunks that never split a tensor, unregistered once its last tensor is
-        freed (at the next registration). Where the Ascend probe finds registrations not
-        honoured, torch's pinned memory instead (rounded up, but every copy direct). On CPU:
-        :meth:`alloc_host`.
-        """
+        """A zero-filled uint8 host buffer for many tensors (``spans``), pinned without torch's
+        power-of-two rounding (a registered mapping; torch's pinned memory where the probe bounces)."""
         if not self.pin_memory_available:
             return self.alloc_host((nbytes,), torch.uint8)
         register = functools.partial(self.register_host_memory, spans=spans)
@@ -273,17 +188,8 @@ class DeviceBackend:
     def register_host_memory(
         self, ptr: int, nbytes: int, cuts: Sequence[int] = (), spans: Sequence[tuple[int, int]] = ()
     ) -> HostRegistration:
-        """Register ``[ptr, ptr + nbytes)`` of an existing mapping for DMA.
-
-        The pointer must be page-aligned; the size is rounded up to whole pages and
-        registered in chunks of at most ``self.chunk_bytes``, never splitting one of
-        ``spans`` (the tensors' ``(offset, nbytes)``) and ending only at ``cuts`` (where
-        tensors start) when given: see :func:`page_chunks`. On CPU nothing is called
-        (the same checks and bookkeeping apply, so CPU runs catch misuse). Raises
-        :class:`HostRegistrationError` with the return code and range when a call fails,
-        after unregistering the chunks already registered. Then, on Ascend, the probe
-        (:meth:`_check_copies`).
-        """
+        """Register ``[ptr, ptr + nbytes)`` for DMA in chunks (:func:`page_chunks`), rolled back on a
+        failure. On CPU nothing is called, but the checks apply, so CPU runs catch misuse."""
         chunks = page_chunks(ptr, nbytes, self.chunk_bytes, cuts=cuts, spans=spans)
         release_host_buffers()  # a safe point: no lock held
         with self._lock:
@@ -300,9 +206,7 @@ class DeviceBackend:
                         f"{chunk_ptr + chunk_size:#x}) ({chunk_size} bytes) failed with return "
                         f"code {rc} ({self._describe_return_code(rc)}) while registering "
                         f"[{ptr:#x}, {end:#x}) in {len(chunks)} chunk(s)",
-                        return_code=rc,
-                        ptr=chunk_ptr,
-                        nbytes=chunk_size,
+                        return_code=rc, ptr=chunk_ptr, nbytes=chunk_size,
                     )
                 done.append((chunk_ptr, chunk_size))
             registration = HostRegistration(ptr, sum(size for _, size in chunks), tuple(chunks))
@@ -313,15 +217,13 @@ class DeviceBackend:
 
     @property
     def probes_registered_copies(self) -> bool:
-        """Whether registrations are probed: on Ascend, where not every CANN / torch_npu
-        honours ``aclrtHostRegister`` (older torch_npu synchronizes after each non-blocking
-        copy from memory it did not allocate). CUDA's registration is always honoured."""
+        """On Ascend: older torch_npu synchronizes after each non-blocking copy from memory it did
+        not allocate. CUDA's registration is always honoured."""
         return self.type == "npu"
 
     def _check_copies(self, registration: HostRegistration) -> None:
-        """Where probed: copies from a new registration that are not asynchronous go through
-        the bounce ring from now on (:func:`~swap_state.client.host_bounce.needs_bounce`).
-        The first registration is probed; the runtime treats every later one the same."""
+        """Where probed, a registration whose copies are not asynchronous goes through the bounce
+        ring. Only the first is probed: the runtime treats every later one the same."""
         if not self.probes_registered_copies:
             return
         if self._bounce_registered is None:
@@ -330,28 +232,22 @@ class DeviceBackend:
             self.bounced.add(registration.ptr, registration.ptr + registration.nbytes)
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src, non_blocking=True)`` on the current stream, ``src`` on the host (a
-        load): through the bounce ring where ``src`` lies in a range the probe found
-        synchronous (``self.bounced``; :class:`~swap_state.client.host_bounce.BounceRing`)."""
+        """``dst.copy_(src, non_blocking=True)`` from the host, bounced where the probe said so."""
         if self.bounced.covers(src):
             self.bounced.ring().to_device(dst, src, self.current_stream())
         else:
             dst.copy_(src, non_blocking=True)
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src, non_blocking=True)`` on the current stream, ``dst`` on the host (an
-        offload). Through the bounce ring, where ``dst`` lies in a range the probe found
-        synchronous, it returns with ``dst`` written: events recorded after it still hold."""
+        """``dst.copy_(src, non_blocking=True)`` to the host; through the bounce ring it returns
+        with ``dst`` written, so events recorded after it still hold."""
         if self.bounced.covers(dst):
             self.bounced.ring().to_host(dst, src, self.current_stream())
         else:
             dst.copy_(src, non_blocking=True)
 
     def unregister_host_memory(self, ptr: int) -> None:
-        """Unregister a range registered by :meth:`register_host_memory` at ``ptr``.
-
-        Every chunk is unregistered even if one fails; the first failure is raised.
-        """
+        """Unregister the range at ``ptr``: every chunk, even if one fails (the first is raised)."""
         with self._lock:
             registration = self._registrations.pop(ptr, None)
             if registration is None:
@@ -360,8 +256,7 @@ class DeviceBackend:
             self._unregister_chunks(list(registration.chunks), quiet=False)
 
     def registered_ranges(self) -> list[HostRegistration]:
-        """The live registrations, in registration order (host buffers whose last tensor has
-        gone are released first)."""
+        """The live registrations, in order (dead host buffers released first)."""
         release_host_buffers()
         with self._lock:
             return list(self._registrations.values())
@@ -374,9 +269,7 @@ class DeviceBackend:
                 first = HostRegistrationError(
                     f"{self.type} host unregister of [{chunk_ptr:#x}, {chunk_ptr + chunk_size:#x}) "
                     f"failed with return code {rc} ({self._describe_return_code(rc)})",
-                    return_code=rc,
-                    ptr=chunk_ptr,
-                    nbytes=chunk_size,
+                    return_code=rc, ptr=chunk_ptr, nbytes=chunk_size,
                 )
         if first is not None:
             if not quiet:
@@ -419,14 +312,6 @@ class DeviceBackend:
 def _import_torch_npu() -> ModuleType:
     importlib.import_module("torch_npu")
     return cast(ModuleType, torch.npu)  # type: ignore[attr-defined]
-
-
-def _device_module(device_type: DeviceType) -> ModuleType:
-    if device_type == "cuda":
-        return torch.cuda
-    if device_type == "npu":
-        return _import_torch_npu()
-    raise ValueError("the CPU backend has no device module")
 
 
 def _npu_available() -> bool:

@@ -1,13 +1,9 @@
 """Copies from host memory the runtime does not treat as pinned (Ascend).
 
-Not every CANN / torch_npu honours ``aclrtHostRegister``: older torch_npu synchronizes after
-each non-blocking copy from memory it did not allocate, and CANN's docs warn about unlocked
-memory on kernels <= 5.10. :class:`~swap_state.client.device.DeviceBackend` therefore probes
-each Ascend registration (:func:`probe_registered_copies`, decided by
-:func:`copies_are_async`); where copies from it are not asynchronous it logs one WARNING
-naming the versions (:func:`warn_synchronous_copies`, :func:`npu_versions`) and routes
-copies from that range through a :class:`BounceRing` of pinned buffers
-(:class:`BouncedRanges`). Nothing here imports torch_npu.
+Older torch_npu synchronizes after each non-blocking copy from memory it did not allocate (and
+CANN's docs warn about unlocked memory on kernels <= 5.10).
+Each Ascend registration is probed (:func:`needs_bounce`); where its copies are not
+asynchronous, copies from it go through a :class:`BounceRing` of pinned buffers.
 """
 
 from __future__ import annotations
@@ -28,27 +24,14 @@ from typing import Any, Protocol
 import torch
 
 __all__ = [
-    "BOUNCE_SLOTS",
-    "BOUNCE_SLOT_BYTES",
-    "PROBE_MARGIN_S",
-    "PROBE_SLOWDOWN",
-    "BounceRing",
-    "BouncedRanges",
-    "CopyProbe",
-    "ProbeConfig",
-    "ProbedDevice",
-    "copies_are_async",
-    "host_bytes",
-    "needs_bounce",
-    "npu_versions",
-    "probe_registered_copies",
-    "warn_synchronous_copies",
+    "BOUNCE_SLOTS", "BOUNCE_SLOT_BYTES", "PROBE_MARGIN_S", "PROBE_SLOWDOWN", "BounceRing", "BouncedRanges",
+    "CopyProbe", "ProbeConfig", "ProbedDevice", "copies_are_async", "host_bytes", "needs_bounce",
+    "npu_versions", "probe_registered_copies", "warn_synchronous_copies",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: The bounce ring: slots x bytes of pinned memory, enough for the host to stage a few
-#: pieces ahead of the copy engine.
+#: The bounce ring: slots x bytes of pinned memory (the host stages a few pieces ahead).
 BOUNCE_SLOTS = 4
 BOUNCE_SLOT_BYTES = 8 << 20
 
@@ -71,10 +54,7 @@ def npu_versions() -> str:
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    """How :func:`probe_registered_copies` measures: bytes copied, and the device work
-    (``busy_matmuls`` products of ``busy_side`` x ``busy_side`` fp32 matrices, a few ms on an
-    NPU) enqueued before each copy so that an asynchronous copy cannot be done when the host
-    gets control back."""
+    """The probe's bytes, and device work enqueued first so that an async copy is still pending."""
 
     nbytes: int = 4 << 20
     busy_side: int = 2048
@@ -96,8 +76,7 @@ class ProbedDevice(Protocol):
 
 @dataclass(frozen=True)
 class CopyProbe:
-    """A non-blocking H2D copy from the registered range, and one from the runtime's pinned
-    memory: was its event pending when the call returned, how long did the call take."""
+    """A copy from the registered range and one from pinned memory: pending on return, and time."""
 
     registered_pending: bool
     registered_seconds: float
@@ -112,12 +91,8 @@ PROBE_MARGIN_S = 1e-3
 
 
 def copies_are_async(probe: CopyProbe) -> bool:
-    """Whether non-blocking copies from the registered range are asynchronous.
-
-    Pending when the call returned: asynchronous. Not pending while the pinned copy was:
-    the runtime synchronized. Neither pending (the device outran the probe): decided by the
-    call times, a synchronizing call lasting as long as the copy.
-    """
+    """Whether copies from the registered range are asynchronous: pending, yes; not pending
+    while the pinned one was, no; neither pending: by the call times."""
     if probe.registered_pending:
         return True
     if probe.pinned_pending:
@@ -134,10 +109,8 @@ def host_bytes(ptr: int, nbytes: int) -> torch.Tensor:
 def probe_registered_copies(
     backend: ProbedDevice, ptr: int, nbytes: int, config: ProbeConfig = ProbeConfig()
 ) -> CopyProbe:
-    """Measure a non-blocking H2D copy of the first bytes of ``[ptr, ptr + nbytes)`` (only
-    read) against the same from ``backend.alloc_host`` (pinned) memory, each on a side
-    stream behind ``config``'s device work. Call after registering the range; returns with
-    the stream synchronized."""
+    """Time a non-blocking H2D copy from ``[ptr, ptr + nbytes)`` (only read) against one from
+    pinned memory, each on a side stream behind ``config``'s device work."""
     size = min(config.nbytes, nbytes)
     device = backend.current_device()
     sources = (backend.alloc_host((size,), torch.uint8), host_bytes(ptr, size))
@@ -161,9 +134,8 @@ def probe_registered_copies(
 
 
 def needs_bounce(backend: ProbedDevice, ptr: int, nbytes: int) -> bool:
-    """Probe a new registration (:func:`probe_registered_copies`); True, after the process's
-    one WARNING, when copies from it are not asynchronous. A probe that fails says False
-    (copy directly, as without the probe): a check must not fail what it checks."""
+    """Whether copies from a new registration must bounce (after the process's one WARNING).
+    A probe that fails says False: a check must not fail what it checks."""
     try:
         probe = probe_registered_copies(backend, ptr, nbytes, backend.copy_probe)
     except Exception as exc:
@@ -190,10 +162,8 @@ def warn_synchronous_copies(versions: str, probe: CopyProbe) -> None:
         "asynchronous (the host waited %.2f ms, %.2f ms from pinned memory); copies from "
         "registered host memory go through a small ring of pinned bounce buffers from now on "
         "(slower than direct DMA; a torch_npu / CANN that honours aclrtHostRegister avoids it)",
-        versions,
-        probe.registered_seconds * 1e3,
-        probe.pinned_seconds * 1e3,
-    )
+        versions, probe.registered_seconds * 1e3, probe.pinned_seconds * 1e3,
+    )  # fmt: skip
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -203,18 +173,9 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class BounceRing:
-    """Pinned staging buffers for copies between host memory that the runtime does not
-    treat as pinned and the device (host <-> slot <-> device), used round robin.
-
-    ``to_device(dst, src, stream)``: per piece of at most a slot, the host copies the piece
-    into the next slot (first waiting for that slot's last device copy), then enqueues
-    slot -> ``dst`` on ``stream``; it returns once every piece is enqueued, as a non-blocking
-    copy from pinned memory does. ``to_host(dst, src, stream)``: per piece, enqueues
-    ``src`` -> slot on ``stream``; the host waits for the oldest piece and copies it out while
-    the later ones are in flight; it returns once ``dst`` holds every byte: the host writes
-    ``dst``, so an event recorded on ``stream`` afterwards could not vouch for it. Both take
-    contiguous tensors of equal byte size; calls from several threads take turns.
-    """
+    """Pinned staging slots, used round robin, for copies between unpinned host memory and the
+    device. ``to_device`` returns once every piece is enqueued; ``to_host`` once ``dst`` holds
+    every byte (the host writes it, so an event on ``stream`` could not vouch for it)."""
 
     def __init__(self, slots: Sequence[torch.Tensor], new_event: Callable[[], Any]) -> None:
         if not slots:
@@ -248,7 +209,6 @@ class BounceRing:
         return [(start, min(size, nbytes - start)) for start in range(0, nbytes, size)]
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        """Stage host ``src`` into ``dst`` on the device (class doc)."""
         source, target = _flat_bytes(src), _flat_bytes(dst)
         with self._lock:
             for start, size in self._pieces(source.numel()):
@@ -259,7 +219,6 @@ class BounceRing:
                 self._mark(index, stream)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        """Stage device ``src`` into host ``dst``; returns with ``dst`` written (class doc)."""
         source, target = _flat_bytes(src), _flat_bytes(dst)
         in_flight: list[tuple[int, int, int]] = []
 
@@ -280,9 +239,7 @@ class BounceRing:
 
 
 class BouncedRanges:
-    """The host ranges whose copies go through the bounce ring, and the ring: made on first
-    use, of :data:`BOUNCE_SLOTS` buffers from ``alloc_host`` (pinned), events from
-    ``new_event``. Thread-safe; ``covers`` is one dict check while nothing bounces."""
+    """The host ranges whose copies bounce, and the ring (made on first use). Thread-safe."""
 
     def __init__(self, alloc_host: Callable[..., torch.Tensor], new_event: Callable[[], Any]) -> None:
         self._alloc_host, self._new_event = alloc_host, new_event

@@ -1,13 +1,7 @@
-"""Host memory registration for DMA: the page-aligned chunks a range is registered in, the
-vendor calls (CUDA's ``cudaHostRegister`` through ``torch.cuda.cudart()``, Ascend's
-``aclrtHostRegister`` from the ``libascendcl`` already loaded in the process, through ctypes),
-and an exactly sized, registered host buffer for many tensors (:func:`registered_host_buffer`:
-torch's pinned allocator rounds every allocation up to a power of two).
-
-:class:`~swap_state.client.device.DeviceBackend` calls these and keeps the bookkeeping
-(which ranges are registered, rollback of a partial registration); every call's return code
-is checked there, and on Ascend each registration is probed
-(:mod:`swap_state.client.host_bounce`).
+"""Host memory registration for DMA: page-aligned chunks, the vendor calls (CUDA's
+``cudaHostRegister``, Ascend's ``aclrtHostRegister`` through ctypes) and an exactly sized
+registered host buffer (torch's pinned allocator rounds up to a power of two).
+:class:`~swap_state.client.device.DeviceBackend` calls these and keeps the bookkeeping.
 """
 
 from __future__ import annotations
@@ -26,14 +20,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "PAGE_SIZE",
-    "REGISTER_CHUNK_BYTES",
-    "HostRegistration",
-    "HostRegistrationError",
-    "locate_library",
-    "page_chunks",
-    "registered_host_buffer",
-    "release_host_buffers",
+    "PAGE_SIZE", "REGISTER_CHUNK_BYTES", "HostRegistration", "HostRegistrationError", "locate_library",
+    "page_chunks", "registered_host_buffer", "release_host_buffers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,10 +41,7 @@ _ACL_HOST_REGISTER_MAPPED = 0
 
 
 class HostRegistrationError(RuntimeError):
-    """A host register/unregister call returned an error code.
-
-    ``return_code`` is the runtime's code, ``ptr``/``nbytes`` the chunk that failed.
-    """
+    """A host register/unregister call failed: ``return_code``, and the chunk ``ptr``/``nbytes``."""
 
     def __init__(self, message: str, *, return_code: int, ptr: int, nbytes: int) -> None:
         super().__init__(message)
@@ -75,31 +60,15 @@ class HostRegistration:
 
 
 def page_chunks(
-    ptr: int,
-    nbytes: int,
-    chunk_bytes: int = REGISTER_CHUNK_BYTES,
-    page_size: int = PAGE_SIZE,
-    cuts: Sequence[int] = (),
-    spans: Sequence[tuple[int, int]] = (),
+    ptr: int, nbytes: int, chunk_bytes: int = REGISTER_CHUNK_BYTES, page_size: int = PAGE_SIZE,
+    cuts: Sequence[int] = (), spans: Sequence[tuple[int, int]] = (),
 ) -> list[tuple[int, int]]:
-    """Split ``[ptr, ptr + nbytes)`` into page-aligned ``(ptr, size)`` chunks.
-
-    ``ptr`` must be page-aligned; ``nbytes`` is rounded up to whole pages (a mapping
-    always covers whole pages). Without ``cuts`` or ``spans`` every chunk but the last is
-    ``chunk_bytes`` rounded down to whole pages (at least one page).
-
-    ``spans``: the ``(offset, nbytes)`` of the tensors in the range (offsets from ``ptr``).
-    A chunk then ends only on a page boundary that no tensor straddles. ``cuts``: offsets
-    where a chunk may end (where the tensors start, each rounded down to its page), for
-    callers that know only the starts of page-aligned tensors. A chunk ends at the last
-    such boundary within ``chunk_bytes`` of its start or, where there is none, at the next
-    one: one copy never spans two registrations (how a driver treats such a copy is not
-    documented), and a tensor over ``chunk_bytes`` gets one registration of its own, over
-    the limit. Why over the limit rather than split: the limit guards against calls of
-    ~100 GiB, which fail; a single tensor that size on one rank is far beyond today's shapes
-    (a Llama-3-405B embedding moment is 8.4 GB unsharded), and if one comes its call fails
-    loudly with the code and range.
-    """
+    """Split ``[ptr, ptr + nbytes)`` (page-aligned; size rounded up) into chunks of at most
+    ``chunk_bytes``. With ``spans`` (tensors' ``(offset, nbytes)``) or ``cuts`` (tensor starts),
+    a chunk ends only on a page boundary no tensor straddles, so one copy never spans two
+    registrations (how a driver treats that is not documented); a tensor over ``chunk_bytes``
+    gets a chunk of its own, over the limit (a Llama-3-405B embedding moment is 8.4 GB: far
+    below ~100 GiB)."""
     if ptr % page_size:
         raise ValueError(
             f"host pointer {ptr:#x} is not aligned to the {page_size}-byte page size; "
@@ -151,17 +120,11 @@ def _cudart() -> Any:
 
 
 def _cuda_host_register(ptr: int, nbytes: int) -> int:
-    rc = int(_cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
-    if rc != 0:
-        _clear_cuda_error()
-    return rc
+    return _cuda_return_code(_cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
 
 
 def _cuda_host_unregister(ptr: int) -> int:
-    rc = int(_cudart().cudaHostUnregister(ptr))
-    if rc != 0:
-        _clear_cuda_error()
-    return rc
+    return _cuda_return_code(_cudart().cudaHostUnregister(ptr))
 
 
 def _cuda_error_string(rc: int) -> str:
@@ -172,15 +135,19 @@ def _cuda_error_string(rc: int) -> str:
         return "cudaError"
 
 
-def _clear_cuda_error() -> None:
-    # A failed runtime call leaves its code as the thread's "last error"; torch checks
-    # cudaGetLastError after kernel launches and would blame an unrelated kernel.
+def _cuda_return_code(rc: Any) -> int:
+    """``rc`` as an int; an error is cleared from the thread's "last error", which torch checks
+    after kernel launches (it would blame an unrelated kernel)."""
+    rc = int(rc)
+    if rc == 0:
+        return rc
     clear = getattr(_cudart(), "cudaGetLastError", None)
     if clear is None:
         library = _loaded_library("libcudart.so")
         clear = None if library is None else library.cudaGetLastError
     if clear is not None:
         clear()
+    return rc
 
 
 def _loaded_library(name: str, open_library: Callable[..., Any] = ctypes.CDLL) -> Any:
@@ -197,13 +164,9 @@ def _loaded_library(name: str, open_library: Callable[..., Any] = ctypes.CDLL) -
 
 
 def locate_library(name: str, symbol: str, open_library: Callable[..., Any] = ctypes.CDLL) -> tuple[Any, str]:
-    """``name`` as this process already has it: ``(library, where)``.
-
-    In order: the process's global symbols (``dlopen(NULL)``: a library loaded with
-    RTLD_GLOBAL), a mapping of ``name`` listed in ``/proc/self/maps`` (torch_npu loads
-    ``libascendcl`` privately), and only then ``name`` through the loader's search path.
-    Why: a second copy (another CANN earlier on ``LD_LIBRARY_PATH``) has its own runtime
-    state, and torch_npu would never know of the memory registered through it.
+    """``name`` as this process already has it, ``(library, where)``: the global symbols, a
+    mapping in ``/proc/self/maps`` (torch_npu loads ``libascendcl`` privately), then the loader's
+    path. A second copy has its own runtime state, and torch_npu would not see its registrations.
     """
     process = open_library(None)
     if hasattr(process, symbol):
@@ -223,12 +186,8 @@ def _acl() -> Any:
     if _ACL_LIB is None:
         lib, where = locate_library("libascendcl.so", "aclrtHostRegister")
         logger.debug("libascendcl from %s", where)
-        lib.aclrtHostRegister.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_uint64,
-            ctypes.c_int,
-            ctypes.POINTER(ctypes.c_void_p),
-        ]
+        out = ctypes.POINTER(ctypes.c_void_p)
+        lib.aclrtHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, out]
         lib.aclrtHostRegister.restype = ctypes.c_int
         lib.aclrtHostUnregister.argtypes = [ctypes.c_void_p]
         lib.aclrtHostUnregister.restype = ctypes.c_int
@@ -238,11 +197,8 @@ def _acl() -> Any:
 
 def _acl_host_register(ptr: int, nbytes: int) -> int:
     device_ptr = ctypes.c_void_p()
-    return int(
-        _acl().aclrtHostRegister(
-            ctypes.c_void_p(ptr), nbytes, _ACL_HOST_REGISTER_MAPPED, ctypes.byref(device_ptr)
-        )
-    )
+    mapped = _ACL_HOST_REGISTER_MAPPED
+    return int(_acl().aclrtHostRegister(ctypes.c_void_p(ptr), nbytes, mapped, ctypes.byref(device_ptr)))
 
 
 def _acl_host_unregister(ptr: int) -> int:
@@ -251,11 +207,8 @@ def _acl_host_unregister(ptr: int) -> int:
 
 # -- an exactly sized, registered host buffer --------------------------------------------------
 class _HostArena(mmap.mmap):
-    """An anonymous mapping with a ``release`` (unregister) to run once the last tensor over
-    it is freed. Its ``__del__`` only queues it, keeping it mapped: a tensor may die in a
-    garbage collection anywhere, even inside the backend's registration lock or while a
-    copy's range check walks the registrations; :func:`release_host_buffers`, called at safe
-    points, unregisters and then unmaps it."""
+    """A mapping with a ``release`` (unregister); ``__del__`` only queues it, for
+    :func:`release_host_buffers`: a tensor may die in a garbage collection inside the lock."""
 
     release: Callable[[], Any] | None = None
 
@@ -288,10 +241,7 @@ def release_host_buffers() -> None:
 def registered_host_buffer(
     nbytes: int, register: Callable[[int, int], Any], unregister: Callable[[int], Any]
 ) -> torch.Tensor:
-    """A zero-filled, page-aligned uint8 CPU tensor of exactly ``nbytes`` over a new anonymous
-    mapping, registered with ``register(ptr, size)``. Once the last tensor over it (any view)
-    is freed, :func:`release_host_buffers` calls ``unregister(ptr)`` and unmaps it; a failed
-    ``register`` leaves nothing behind."""
+    """A zero-filled, page-aligned uint8 tensor of exactly ``nbytes`` over a new registered mapping."""
     arena = _HostArena(-1, max(nbytes, 1))
     buffer = torch.frombuffer(arena, dtype=torch.uint8)[:nbytes]
     register(buffer.data_ptr(), len(arena))

@@ -6,19 +6,8 @@
     # settings, under their 0.2 names, as the target's JSON arguments:
     --override.imports 'swap_state.client.torchtitan_override.swap_state={"swap_state_checkpoint": "snapshot"}'
 
-The target derives both configs swap-state replaces from the ones the run has: the optimizer's
-(``OptimizersContainer.Config`` -> :class:`~swap_state.client.torchtitan.optimizers_v03.SwapStateOptimizersContainer`'s
-``Config``, keeping the param groups and implementation) and the checkpoint manager's
-(``CheckpointManager.Config`` -> :class:`~swap_state.client.torchtitan.checkpoint_v03.SwapStateCheckpointManager`'s).
-The settings are ``swap_optimizer_times``, ``swap_optimizer_backend`` (default 'remote'),
-``swap_state_server``, ``swap_state_job_id``, ``swap_state_checkpoint``,
-``swap_state_server_wait_s`` and ``swap_state_snapshot_dir``; the environment supplies the
-server and job id where they are empty (``SWAP_STATE_SERVER``, ``SWAP_STATE_JOB_ID``), as in 0.2.
-Other override targets combine with this one in the same flag.
-
-A config registry function of the user's own can build a swap-state config directly
-(:func:`with_swap_state`); torchtitan's CLI then also takes the settings as
-``--optimizer.<name>``.
+The target derives the optimizer's and the checkpoint manager's configs from the run's; a
+config registry function of the user's own can call :func:`with_swap_state` instead.
 """
 
 from __future__ import annotations
@@ -55,12 +44,8 @@ class _EitherNode(type):
 
 
 class SwapStateNodes(Configurable.Config, metaclass=_EitherNode):
-    """The target of :func:`swap_state`: the optimizer's and the checkpoint manager's config.
-
-    torchtitan 0.3 activates one override per ``module.function`` and gives each one target
-    class; swap-state replaces two nodes of the trainer's config, so this class stands for
-    either (``isinstance`` is true for both). Nothing builds it.
-    """
+    """The target of :func:`swap_state`: torchtitan 0.3 gives an override one target class, and
+    swap-state replaces two config nodes, so this stands for either. Nothing builds it."""
 
 
 @override(

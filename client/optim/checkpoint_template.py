@@ -1,34 +1,10 @@
 """Load templates that match the checkpoint being loaded, for DCP's strict loading.
 
-``dcp.load`` loads *into* a template (the container's ``state_dict()``) and, strictly, fails
-on every template key the checkpoint lacks. The swap containers' own format (the seed's) has
-keys torch's flattened optimizer state dict does not, so a plain torch/torchtitan AdamW
-checkpoint, loaded into the full template, fails with ``Missing key in checkpoint
-state_dict: optimizer.param_groups.<fqn>.step``. The design:
-
-- The loader tells the container which keys the checkpoint holds, read from its DCP metadata
-  (``FileSystemReader(path).read_metadata().state_dict_metadata``, no tensor read), for the
-  duration of the load: :meth:`LoadTemplate.loading` (the container's ``loading_checkpoint``). The torchtitan
-  glue does so around ``CheckpointManager.dcp_load``; a plain ``dcp.load`` caller uses
-  :func:`load_template`.
-- While it knows them, ``state_dict()`` is the template of *that* checkpoint
-  (:func:`match_template`): its own full dict less the keys torch's format lacks and the
-  checkpoint does not hold, each derived on load as the seed's load already does:
-  ``param_groups.<fqn>.step`` (the group step is the largest per-parameter step) and every
-  ``state.<fqn>.*`` of a parameter that has param-group entries but no state (torch creates
-  state on a parameter's first update: never stepped, it loads as zeros and step 0). Nothing
-  else is dropped: a checkpoint that lacks a moment of a stepped parameter still fails, naming
-  the key, and every key the checkpoint holds for a parameter of the template is loaded.
-- A remote container's template follows the checkpoint, not its ``checkpoint`` mode: a
-  snapshot reference (:data:`SNAPSHOT_REF_KEY`) loads
-  through the server (no new snapshot is taken for the template), anything else through the
-  full-state path (a plain checkpoint in snapshot mode takes its moments from the checkpoint).
-
-Without such a hint ``state_dict()`` is what it always was (a save, or an unaware caller).
-
-A checkpoint saved in snapshot mode holds a reference instead of the moments: torch's own
-optimizer cannot load it, and :func:`check_plain_optimizer_can_load` says so (naming
-``swap-state export``) instead of DCP's ``Missing key ... exp_avg``.
+``dcp.load`` fails on every template key the checkpoint lacks, and the seed's format has keys
+torch's does not (``param_groups.<fqn>.step``). So during a load the loader tells the container
+which keys the checkpoint holds (its DCP metadata), and ``state_dict()`` leaves out what the
+load derives (:func:`match_template`). A snapshot-mode checkpoint, which torch's own optimizer
+cannot load, fails naming ``swap-state export`` (:func:`check_plain_optimizer_can_load`).
 """
 
 from __future__ import annotations
@@ -42,29 +18,18 @@ from swap_state.client.optim.host_cache import STEP_KEY
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX
 
 __all__ = [
-    "MODEL_REF_KEY",
-    "OPTIMIZER_KEY",
-    "SNAPSHOT_CHECKPOINT_ERROR",
-    "SNAPSHOT_JOB_KEY",
-    "SNAPSHOT_REF_KEY",
-    "LoadTemplate",
-    "SnapshotCheckpointError",
-    "check_plain_optimizer_can_load",
-    "checkpoint_keys",
-    "holds_snapshot_reference",
-    "load_template",
-    "match_template",
-    "optimizer_keys",
+    "MODEL_REF_KEY", "OPTIMIZER_KEY", "SNAPSHOT_CHECKPOINT_ERROR", "SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY",
+    "LoadTemplate", "SnapshotCheckpointError", "check_plain_optimizer_can_load", "checkpoint_keys",
+    "holds_snapshot_reference", "load_template", "match_template", "optimizer_keys",
 ]
 
 #: The key torchtitan's CheckpointManager stores the optimizer under (``OPTIMIZER``).
 OPTIMIZER_KEY = "optimizer"
-#: Keys of a snapshot-mode state dict (beside the seed's ``param_groups.*`` / ``state.*.step``);
-#: :mod:`swap_state.client.remote.checkpoint` writes them.
+#: Keys of a snapshot-mode state dict (:mod:`swap_state.client.remote.checkpoint` writes them).
 SNAPSHOT_REF_KEY = "swap_state.snapshot_id"
 SNAPSHOT_JOB_KEY = "swap_state.job_id"
-#: The model's entry of a whole-state snapshot-mode checkpoint (a top-level key: torchtitan
-#: flattens the model's state dict into the checkpoint): the same snapshot as the optimizer's.
+#: The model's entry of a whole-state snapshot-mode checkpoint (top-level: torchtitan flattens
+#: the model's state dict).
 MODEL_REF_KEY = "swap_state.model_snapshot_id"
 
 SNAPSHOT_CHECKPOINT_ERROR = (
@@ -98,18 +63,15 @@ def optimizer_keys(keys: Collection[str], key: str = OPTIMIZER_KEY) -> frozenset
 
 
 def match_template(flat: Mapping[str, Any], held: Collection[str]) -> dict[str, Any]:
-    """``flat`` (a container's full flat dict) as a load template of a checkpoint holding the
-    optimizer keys ``held``: less ``param_groups.<fqn>.step`` where absent, and less every
-    ``state.<fqn>.*`` of a parameter with param-group entries and no state there. Every other
-    key stays, present in the checkpoint or not (DCP then names what is missing)."""
+    """``flat`` as the template of a checkpoint holding optimizer keys ``held``: less an absent
+    ``param_groups.<fqn>.step`` and the ``state.<fqn>.*`` of a parameter never stepped there.
+    Every other key stays (DCP then names what is missing)."""
     held = frozenset(held)
-    stateful: set[str] = set()
-    grouped: set[str] = set()
-    for key in held:
-        if key.startswith(STATE_PREFIX):
-            stateful.add(key[len(STATE_PREFIX) :].rpartition(".")[0])
-        elif key.startswith(PARAM_GROUPS_PREFIX):
-            grouped.add(key[len(PARAM_GROUPS_PREFIX) :].rpartition(".")[0])
+
+    def fqns(prefix: str) -> set[str]:
+        return {key[len(prefix) :].rpartition(".")[0] for key in held if key.startswith(prefix)}
+
+    stateful, grouped = fqns(STATE_PREFIX), fqns(PARAM_GROUPS_PREFIX)
     template: dict[str, Any] = {}
     for key, value in flat.items():
         if key not in held:
@@ -131,17 +93,12 @@ def holds_snapshot_reference(held: Collection[str]) -> bool:
 def check_plain_optimizer_can_load(
     keys: Collection[str], checkpoint_id: str | os.PathLike[str], key: str = OPTIMIZER_KEY
 ) -> None:
-    """SnapshotCheckpointError when the checkpoint's optimizer entry is a snapshot reference
-    (then torch's own optimizer cannot load it); nothing otherwise."""
-    held = optimizer_keys(keys, key)
-    if holds_snapshot_reference(held):
-        raise SnapshotCheckpointError(
-            SNAPSHOT_CHECKPOINT_ERROR.format(
-                path=os.fspath(checkpoint_id),
-                snapshot=_read_reference(checkpoint_id, f"{key}.{SNAPSHOT_REF_KEY}") or "(unreadable)",
-                key=f"{key}.{SNAPSHOT_REF_KEY}",
-            )
-        )
+    """SnapshotCheckpointError when the checkpoint's optimizer entry is a snapshot reference."""
+    flat_key = f"{key}.{SNAPSHOT_REF_KEY}"
+    if holds_snapshot_reference(optimizer_keys(keys, key)):
+        ref = _read_reference(checkpoint_id, flat_key) or "(unreadable)"
+        message = SNAPSHOT_CHECKPOINT_ERROR.format(path=os.fspath(checkpoint_id), snapshot=ref, key=flat_key)
+        raise SnapshotCheckpointError(message)
 
 
 def _read_reference(checkpoint_id: str | os.PathLike[str], flat_key: str) -> str | None:
@@ -151,12 +108,8 @@ def _read_reference(checkpoint_id: str | os.PathLike[str], flat_key: str) -> str
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
         holder: dict[str, Any] = {flat_key: ""}
-        dcp.load(
-            holder,
-            checkpoint_id=os.fspath(checkpoint_id),
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-            no_dist=True,
-        )
+        planner = DefaultLoadPlanner(allow_partial_load=True)
+        dcp.load(holder, checkpoint_id=os.fspath(checkpoint_id), planner=planner, no_dist=True)
         value = holder[flat_key]
         return value.decode() if isinstance(value, bytes) else str(value)
     except Exception:  # noqa: BLE001 - only the wording of an error depends on it
@@ -164,9 +117,8 @@ def _read_reference(checkpoint_id: str | os.PathLike[str], flat_key: str) -> str
 
 
 class LoadTemplate:
-    """While a checkpoint load announced its keys, a container's ``state_dict()`` is that
-    checkpoint's template (:func:`match_template`; a remote container picks the reference or
-    full form). Held by the container; ``loading(keys)`` is its ``loading_checkpoint``."""
+    """While a checkpoint load announced its keys, ``state_dict()`` is that checkpoint's
+    template (:func:`match_template`); ``loading(keys)`` is the container's ``loading_checkpoint``."""
 
     def __init__(self) -> None:
         self.keys: frozenset[str] | None = None
@@ -174,8 +126,7 @@ class LoadTemplate:
 
     @contextlib.contextmanager
     def loading(self, keys: Collection[str]) -> Iterator[None]:
-        """Make ``state_dict()`` the load template of a checkpoint whose optimizer entry holds
-        ``keys`` (without ``optimizer.``) until the block ends."""
+        """``state_dict()`` is the template of a checkpoint holding ``keys`` in the block."""
         previous = self.keys
         self.keys = frozenset(keys)
         try:
@@ -194,14 +145,12 @@ class LoadTemplate:
 def load_template(
     optimizer: Any, checkpoint_id: str | os.PathLike[str], key: str = OPTIMIZER_KEY
 ) -> Iterator[None]:
-    """For callers of ``dcp.load`` outside torchtitan's CheckpointManager::
+    """For callers of ``dcp.load`` outside torchtitan's CheckpointManager (for any other optimizer
+    a snapshot-mode checkpoint raises :class:`SnapshotCheckpointError`)::
 
         with load_template(container, path):
             dcp.load({"optimizer": container, ...}, checkpoint_id=path)
-
-    ``key``: the optimizer's key in the loaded dict. A swap container's ``state_dict()``
-    matches the checkpoint in the block; for any other optimizer a snapshot-mode checkpoint
-    raises :class:`SnapshotCheckpointError` first."""
+    """
     keys = checkpoint_keys(checkpoint_id)
     if not hasattr(optimizer, "loading_checkpoint"):
         check_plain_optimizer_can_load(keys, checkpoint_id, key)

@@ -1,12 +1,8 @@
 """``SwapOptimizersContainer``: torchtitan's ``OptimizersContainer`` with Adam moments in host memory.
 
-The container holds one object per job: the host caches (:mod:`.host_cache`), the step
-pipeline (:mod:`.step_pipeline`), the state loader (:mod:`.state_loading`) and the load
-template (:mod:`.checkpoint_template`); ``state_dict()`` is :func:`.flat_state_dict.flat_state_dict`.
-Each part reads the container's public state (``optimizers``, ``model_parts``, the two maps,
-``device_backend``) and calls its hooks, nothing else. This module holds construction, the
-parts and the hooks a subclass overrides. Importing it patches nothing in torchtitan (that
-is :mod:`swap_state.client.swap_optimizer`'s job, the seed's module name).
+The container holds one part per job (host caches, step pipeline, state loader, load
+template); each reads the container's public state and calls its hooks, nothing else.
+Importing it patches nothing in torchtitan (:mod:`swap_state.client.swap_optimizer` does).
 """
 
 from __future__ import annotations
@@ -31,15 +27,8 @@ from swap_state.client.device import DeviceBackend
 from swap_state.client.optim import flat_state_dict as _flat
 from swap_state.client.optim.checkpoint_template import LoadTemplate
 from swap_state.client.optim.host_cache import (
-    STEP_DTYPE,
-    STEP_KEY,
-    HostCache,
-    HostCacheEntry,
-    HostCaches,
-    flat_host_caches,
-    group_map,
-    placeholder_like,
-    step_tensor,
+    STEP_DTYPE, STEP_KEY, HostCache, HostCacheEntry, HostCaches, flat_host_caches, group_map,
+    placeholder_like, step_tensor,
 )
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.client.optim.state_loading import StateLoader
@@ -53,11 +42,8 @@ logger = logging.getLogger("swap_state.client.swap_optimizer")
 
 
 class _instance_or_class_method:
-    """Method bound to the instance when looked up on one, to the class otherwise.
-
-    The seed calls some helpers on the class (``SwapOptimizersContainer._state_value_for_state_dict(...)``)
-    and expects the class-level maps; through an instance they must see its own maps.
-    """
+    """Method bound to the instance when looked up on one, to the class otherwise (the seed
+    calls some helpers on the class and expects the class-level maps)."""
 
     def __init__(self, func: Callable[..., Any]) -> None:
         self.__func__ = func
@@ -70,57 +56,19 @@ class _instance_or_class_method:
 class SwapOptimizersContainer(OptimizersContainer):
     """torchtitan ``OptimizersContainer`` whose Adam/AdamW moments live in host memory.
 
-    ``SwapOptimizersContainer(model_parts, optimizer_cls, optimizer_kwargs, swap_optimizer_times)``
-    builds one ``optimizer_cls`` per model part as torchtitan does; ``optimizer_cls`` must
-    be ``torch.optim.Adam`` or ``AdamW`` (or a subclass). The update is the implementation
-    the param group's flags select, as torch selects it: ``fused=True`` the fused kernel,
-    ``foreach=True`` torch's foreach update, both False its for-loop (torchtitan's
-    ``optimizer.implementation``), each bit-identical to torch's Adam/AdamW with the same
-    flags; neither given (both None) runs the fused kernel and records ``fused=True`` in
-    the group (:mod:`swap_state.client.optim.kernels`).
+    One ``optimizer_cls`` (Adam or AdamW) per model part, as torchtitan builds them. Extras:
+    ``pipeline`` (None: on iff an accelerator), ``moment_dtype`` (``torch.bfloat16``: torchtitan's
+    ``fused_opt_states_bf16``), ``unswapped`` (other optimizers: :mod:`.unswapped`).
 
-    Keyword-only extras: ``param_groups(model_part) -> list[dict]`` to build param groups
-    (default: one group of every trainable parameter), ``device_backend`` (default:
-    ``get_torch_device()``), ``pipeline`` (default: on iff the backend is an accelerator;
-    ``True`` on CPU runs the load/offload pipeline with CPU "device" buffers), ``moment_dtype``
-    (default None: each parameter's dtype; ``torch.bfloat16``: bfloat16 moments of fp32
-    parameters, torchtitan's ``fused_opt_states_bf16``: half the host memory and transfers; on
-    CUDA torch's fused mixed-precision kernel, on the CPU the same arithmetic in three steps,
-    :func:`~swap_state.client.optim.kernels.adam_update`), ``unswapped`` (optimizers of other
-    parameters, stepped and checkpointed by their own code: :mod:`.unswapped`).
-
-    Call order, for subclasses (e.g. a container whose host cache is shared memory):
-
-    ``__init__``
-        1. one torch optimizer per model part; ``param_groups[i]["step"]`` is created;
-        2. ``_allocate_host_cache(entries)`` once, every parameter, in update order;
-        3. placeholders go into ``optimizer.state``; each optimizer's ``step`` is bound
-           to the swap pipeline.
-    ``step()`` (per container step; each optimizer in turn)
-        1. gradients are checked (sparse, DTensor layout, dtype) before anything changes;
-        2. every group's ``step`` += 1;
-        3. per slice, accelerator: load(k+1) is enqueued, update(k) runs after load(k),
-           then ``_before_host_write(params of k)``, then offload(k) is enqueued;
-           CPU: ``_before_host_write(params of k)``, then update(k) in place;
-        4. all offloads are waited for (host sync), then, once per container step,
-           ``_after_step()``.
-    ``state_dict()``
-        reads the host cache (views, no copy; no hook).
-    ``load_state_dict(sd)``
-        validate everything -> ``_allocate_host_cache`` for parameters without a cache ->
-        ``_before_host_write(all params)`` -> copy into the host cache (in place) ->
-        ``empty_cache()`` once -> ``_after_load_state_dict()``.
-
-    Override the hooks, not the parts: a subclass overrides ``_allocate_host_cache`` to place the cache (for example views of
-    a registered shared-memory segment; the container only copies into these tensors,
-    never replaces them), ``_before_host_write`` to guard bytes another reader still needs
-    (it may block: back-pressure), ``_after_step`` to publish a finished step and
-    ``_after_load_state_dict`` to publish a restore.
+    Call order, for subclasses (e.g. a host cache in shared memory): ``__init__`` calls
+    ``_allocate_host_cache(entries)`` once, in update order; ``step()`` checks gradients first,
+    calls ``_before_host_write(params)`` per slice before its host bytes change (it may block) and
+    ``_after_step()`` once every offload is complete; ``load_state_dict`` validates, then
+    ``_allocate_host_cache`` for parameters without one -> ``_before_host_write(all params)`` ->
+    copy in place (never replacing the cache's tensors) -> ``_after_load_state_dict()``.
     """
 
-    # The seed's tests build containers with __new__ and patch these; __init__ shadows
-    # them with per-instance dicts, and every method goes through ``self.``. The parts of such
-    # a container are built on first use.
+    # The seed's tests build containers with __new__ and patch these; __init__ shadows them.
     param_to_cpu_states_map: dict[torch.Tensor, HostCache] = {}  # noqa: RUF012
     param_to_device_states_map: dict[torch.Tensor, dict[str, Any]] = {}  # noqa: RUF012
     swap_optimizer_times: int = DEFAULT_SWAP_TIMES
@@ -131,55 +79,40 @@ class SwapOptimizersContainer(OptimizersContainer):
     _in_container_step: bool = False
 
     def __init__(
-        self,
-        model_parts: list[nn.Module],
-        optimizer_cls: type[Optimizer],
-        optimizer_kwargs: dict[str, Any],
-        swap_optimizer_times: int = DEFAULT_SWAP_TIMES,
-        *,
+        self, model_parts: list[nn.Module], optimizer_cls: type[Optimizer], optimizer_kwargs: dict[str, Any],
+        swap_optimizer_times: int = DEFAULT_SWAP_TIMES, *,
         param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
-        device_backend: DeviceBackend | None = None,
-        pipeline: bool | None = None,
-        moment_dtype: torch.dtype | None = None,
-        unswapped: UnswappedOptimizers | None = None,
+        device_backend: DeviceBackend | None = None, pipeline: bool | None = None,
+        moment_dtype: torch.dtype | None = None, unswapped: UnswappedOptimizers | None = None,
     ) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Adam)):
-            raise NotImplementedError(
-                f"Optimizer {getattr(optimizer_cls, '__name__', optimizer_cls)} not added."
-            )
+            name = getattr(optimizer_cls, "__name__", optimizer_cls)
+            raise NotImplementedError(f"Optimizer {name} not added.")
         if int(swap_optimizer_times) < 1:
             raise ValueError(f"swap_optimizer_times must be >= 1, got {swap_optimizer_times}")
         self.param_to_cpu_states_map = {}
         self.param_to_device_states_map = {}
         self.swap_optimizer_times = int(swap_optimizer_times)
-        self.moment_dtype = _checked_moment_dtype(moment_dtype)
+        if moment_dtype is not None and moment_dtype not in (torch.float32, torch.bfloat16):
+            allowed = "torch.float32 or torch.bfloat16 (or None: the parameter's)"
+            raise ValueError(f"moment_dtype must be {allowed}, got {moment_dtype}")
+        self.moment_dtype = moment_dtype
         self.unswapped = unswapped
         self._device_backend = device_backend or device_layer.get_device_backend()
         self._pipeline = self._device_backend.is_accelerator if pipeline is None else bool(pipeline)
-        self._init_grouped(model_parts, optimizer_cls, optimizer_kwargs, param_groups or _trainable_group)
-        self._init_swap_state()
-
-    def _init_grouped(
-        self,
-        model_parts: list[nn.Module],
-        optimizer_cls: type[Optimizer],
-        optimizer_kwargs: dict[str, Any],
-        param_groups: Callable[[nn.Module], list[dict[str, Any]]],
-    ) -> None:
-        """What torchtitan's ``OptimizersContainer.__init__`` does, one optimizer per model part,
-        written here because its signature differs between torchtitan 0.2 and 0.3."""
+        # torchtitan's OptimizersContainer.__init__, written here: its signature differs between 0.2 and 0.3.
         self.model_parts = model_parts
         self.optimizers = []
         all_params: list[nn.Parameter] = []
         for model in model_parts:
-            groups = param_groups(model)
+            groups = (param_groups or _trainable_group)(model)
             self.optimizers.append(optimizer_cls(groups, **optimizer_kwargs))
             all_params.extend(param for group in groups for param in group["params"])
         if self.unswapped is not None:
             all_params.extend(self.unswapped.params)
-        # torch's Optimizer state of the container itself: its step hooks (LR schedulers,
-        # torchtitan's MoE load balancing register on the container).
+        # The container's own step hooks (LR schedulers, torchtitan's MoE load balancing).
         Optimizer.__init__(self, all_params, optimizer_kwargs)
+        self._init_swap_state()
 
     def _init_swap_state(self) -> None:
         """Group steps, host caches, placeholders and bound steps for every optimizer."""
@@ -199,36 +132,28 @@ class SwapOptimizersContainer(OptimizersContainer):
         self._host_caches.install(entries)
         for optim in self.optimizers:
             optim.step = bind_swap_step(self, optim)  # type: ignore[method-assign]
+        mode = "pipelined" if self._steps.enabled() else "in place on CPU"
         logger.info(
             "swap optimizer: %d parameters, %.1f MiB of moments in host memory, %d slices, %s",
-            len(entries),
-            sum(e.nbytes for e in entries) / 2**20,
-            self.swap_optimizer_times,
-            "pipelined" if self._steps.enabled() else "in place on CPU",
-        )
+            len(entries), sum(e.nbytes for e in entries) / 2**20, self.swap_optimizer_times, mode,
+        )  # fmt: skip
 
     # -- the parts -----------------------------------------------------------------------
-    def _part(self, name: str, build: Callable[[], Any]) -> Any:
-        part = self.__dict__.get(name)
-        if part is None:
-            part = self.__dict__[name] = build()
-        return part
-
-    @property
+    @functools.cached_property
     def _host_caches(self) -> HostCaches:
-        return self._part("_host_caches_part", lambda: HostCaches(self))
+        return HostCaches(self)
 
-    @property
+    @functools.cached_property
     def _steps(self) -> StepPipeline:
-        return self._part("_steps_part", lambda: StepPipeline(self, self._host_caches, pipeline=self._pipeline))
+        return StepPipeline(self, self._host_caches, pipeline=self._pipeline)
 
-    @property
+    @functools.cached_property
     def _loader(self) -> StateLoader:
-        return self._part("_loader_part", lambda: StateLoader(self, self._host_caches))
+        return StateLoader(self, self._host_caches)
 
-    @property
+    @functools.cached_property
     def _load_template(self) -> LoadTemplate:
-        return self._part("_load_template_part", LoadTemplate)
+        return LoadTemplate()
 
     @property
     def device_backend(self) -> DeviceBackend:
@@ -245,8 +170,7 @@ class SwapOptimizersContainer(OptimizersContainer):
         """Step every optimizer through the swap pipeline, then call ``_after_step()`` once."""
         self._in_container_step = True
         try:
-            # Not super().step(): once any plain OptimizersContainer exists, torch has
-            # wrapped that method with the step hooks, which would then run twice.
+            # Not super().step(): torch may have wrapped it with the step hooks (run twice).
             for optimizer in self.optimizers:
                 optimizer.step(*args, **kwargs)
             if self.unswapped is not None:
@@ -269,8 +193,7 @@ class SwapOptimizersContainer(OptimizersContainer):
         return len(self.optimizers) + (len(self.unswapped.optimizers) if self.unswapped else 0)
 
     def _swap_step(self, optim: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-        """``optim.step(closure)`` through the pipeline (the bound step of every optimizer);
-        outside ``step()`` it calls ``_after_step()`` itself. A subclass may run checks first."""
+        """``optim.step(closure)`` through the pipeline; outside ``step()``, then ``_after_step()``."""
         loss = self._steps.run(optim, closure)
         if not self._in_container_step:
             self._after_step()
@@ -281,30 +204,25 @@ class SwapOptimizersContainer(OptimizersContainer):
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Flat ``state.<fqn>.<key>`` / ``param_groups.<fqn>.<key>`` dict from the host cache
-        (:func:`~swap_state.client.optim.flat_state_dict.flat_state_dict`). While a checkpoint
-        load announced its keys (``loading_checkpoint``), the keys torch's format lacks and that
-        checkpoint does not hold are left out (the load derives them)."""
+        """Flat ``state.<fqn>.<key>`` / ``param_groups.<fqn>.<key>`` dict over the host cache
+        (less what a loading checkpoint lacks: :meth:`loading_checkpoint`)."""
         flat = _flat.flat_state_dict(self.model_parts, self.optimizers, self.param_to_cpu_states_map)
         if self.unswapped is not None:
             flat.update(self.unswapped.state_dict())
         return self._load_template.apply(flat)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a flat state dict (from ``state_dict()``, any alias of tied parameters);
-        validated first, a failure leaves the container untouched (:class:`StateLoader`)."""
+        """Load a flat state dict; validated first, a failure leaves the container untouched."""
         try:
             self._loader.load(state_dict)
             if self.unswapped is not None:
                 self.unswapped.load_state_dict(state_dict)
         finally:
-            # Caches may be new or refilled, groups changed (failed loads roll back, but to
-            # dict copies): the step plans are rebuilt.
+            # Caches may be new, groups changed (a rollback restores copies): replan.
             self._steps.invalidate()
 
     def loading_checkpoint(self, keys: Collection[str]) -> contextlib.AbstractContextManager[None]:
-        """Make ``state_dict()`` the load template of a checkpoint whose optimizer entry holds
-        ``keys`` (without ``optimizer.``) until the block ends."""
+        """``state_dict()`` is the template of a checkpoint holding optimizer keys in the block."""
         return self._load_template.loading(keys)
 
     # The seed's names for the state-dict helpers (its tests call some on the class).
@@ -326,23 +244,13 @@ class SwapOptimizersContainer(OptimizersContainer):
     def _allocate_host_cache(
         self, entries: Sequence[HostCacheEntry]
     ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
-        """Allocate the host cache of ``entries`` (in update order); return ``{param: {key: tensor}}``.
-
-        Each dict holds every key of ``entry.keys`` (CPU, ``entry.shape``, ``entry.dtype``,
-        contiguous) and ``STEP_KEY`` (0-dim ``STEP_DTYPE``), holding either zeros or
-        restored state. Called once from ``__init__`` with every parameter, and again only
-        for parameters without a cache (param groups added later, or a load into a
-        container not built by ``__init__``). Default, with an accelerator: zeroed views of one
-        exactly sized pinned buffer per call (:func:`.host_cache.flat_host_caches`; pinning
-        each tensor would round each up to a power of two); on CPU, where nothing is pinned,
-        one zeroed tensor per moment and one step vector per call.
-        """
+        """``{param: {key: tensor}}``: contiguous CPU tensors of ``entry.keys`` and a 0-dim ``STEP_KEY``.
+        Default: views of one exactly sized pinned buffer (on CPU, one tensor per moment)."""
         backend = self._backend
         if backend.pin_memory_available:
             return flat_host_caches(entries, backend.alloc_host_bytes)
         cache: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        # The steps as one vector, in update order: a slice's steps are then incremented (and
-        # moved, pipelined) as one tensor (host_cache.steps_vector).
+        # The steps as one vector: a slice's steps are then incremented as one tensor.
         steps = backend.alloc_host((len(entries),), STEP_DTYPE)
         for index, entry in enumerate(entries):
             tensors = {key: backend.alloc_host(entry.shape, entry.dtype) for key in entry.keys}
@@ -351,12 +259,7 @@ class SwapOptimizersContainer(OptimizersContainer):
         return cache
 
     def _before_host_write(self, params: Sequence[torch.Tensor]) -> None:
-        """Called before the host cache of ``params`` is overwritten. Default: nothing.
-
-        In ``step()``: per slice, on CPU before the fused update of the slice, on an
-        accelerator before the slice's offload is enqueued. In ``load_state_dict()``: once,
-        with every parameter, after validation and before any byte changes. May block.
-        """
+        """Called before the host cache of ``params`` is overwritten (may block). Default: nothing."""
 
     def _after_step(self) -> None:
         """Called once per container step, after every offload of the step is complete."""
@@ -365,23 +268,14 @@ class SwapOptimizersContainer(OptimizersContainer):
         """Called after ``load_state_dict()`` has written the host cache and emptied the cache."""
 
 
-def _checked_moment_dtype(dtype: torch.dtype | None) -> torch.dtype | None:
-    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"moment_dtype must be torch.float32 or torch.bfloat16 (or None: the parameter's), got {dtype}")
-    return dtype
-
-
 def _trainable_group(model: nn.Module) -> list[dict[str, Any]]:
     """torchtitan's default: one param group of every trainable parameter."""
     return [{"params": [param for param in model.parameters() if param.requires_grad]}]
 
 
 def bind_swap_step(container: Any, optim: Optimizer) -> Callable[..., Any]:
-    """``optim.step`` bound to the swap pipeline, with torch's step hooks around it.
-
-    A method (``__func__`` + ``__self__``) so that LR schedulers can wrap it; the
-    container is held weakly so that the optimizer does not keep it alive.
-    """
+    """``optim.step`` bound to the swap pipeline, with torch's step hooks: a method, so that LR
+    schedulers can wrap it; the container held weakly."""
     owner_ref = weakref.ref(container)
 
     def swap_step(optimizer: Optimizer, closure: Callable[[], Any] | None = None) -> Any:

@@ -1,9 +1,6 @@
 """DTensor helpers of the swap optimizer: local shards in, DTensors laid out like a parameter out.
 
-The optimizer updates local shards only; checkpoints and ``optimizer.state`` carry DTensors
-laid out like their parameter. The job modules call ``unwrap_dtensor`` / ``wrap_like_param``
-as attributes of this module: the seed's tests patch them through
-:mod:`swap_state.client.swap_optimizer`.
+The job modules call these as attributes of this module: the seed's tests patch them.
 """
 
 from __future__ import annotations
@@ -16,11 +13,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 __all__ = [
-    "DTensor",
-    "check_shard_is_a_box",
-    "global_layout",
-    "unwrap_dtensor",
-    "wrap_like_param",
+    "DTensor", "check_shard_is_a_box", "global_layout", "unwrap_dtensor", "wrap_like_param",
     "wrap_like_param_without_device_move",
 ]
 
@@ -35,41 +28,24 @@ def unwrap_dtensor(tensor: Any) -> Any:
 def wrap_like_param(local_tensor: torch.Tensor, like: Any) -> Any:
     """``local_tensor`` as a DTensor laid out like ``like`` (unchanged if ``like`` is not one)."""
     if isinstance(like, DTensor):
-        return DTensor.from_local(
-            local_tensor,
-            device_mesh=like.device_mesh,
-            placements=like.placements,
-            shape=like.size(),
-            stride=like.stride(),
-            run_check=False,
-        )
+        layout = {"device_mesh": like.device_mesh, "placements": like.placements, "run_check": False}
+        return DTensor.from_local(local_tensor, shape=like.size(), stride=like.stride(), **layout)
     return local_tensor
 
 
 def wrap_like_param_without_device_move(local_tensor: torch.Tensor, like: Any) -> Any:
-    """Like :func:`wrap_like_param`, but never copies: the DTensor shares ``local_tensor``.
-
-    Built from a spec rather than ``DTensor.from_local`` so that a host-cache tensor stays
-    on the host even when the mesh is an accelerator mesh.
-    """
+    """Like :func:`wrap_like_param`, but sharing ``local_tensor``: built from a spec, so that a
+    host-cache tensor stays on the host even on an accelerator mesh."""
     if not isinstance(like, DTensor):
         return local_tensor
-    spec = DTensorSpec(
-        like.device_mesh,
-        like.placements,
-        tensor_meta=TensorMeta(shape=like.size(), stride=like.stride(), dtype=local_tensor.dtype),
-    )
+    meta = TensorMeta(shape=like.size(), stride=like.stride(), dtype=local_tensor.dtype)
+    spec = DTensorSpec(like.device_mesh, like.placements, tensor_meta=meta)
     return DTensor(local_tensor, spec, requires_grad=False)
 
 
 def global_layout(param: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """``(global shape, offset of the local shard)`` of a DTensor; None for a plain tensor.
-
-    A snapshot stores every shard as the box ``[offset, offset + local shape)`` of its global
-    tensor (DCP's chunks are the same). torch computes the offset for every placement, a
-    ``_StridedShard`` (FSDP over a tensor-parallel dimension) included, but a strided shard is
-    not always one box: ValueError then, naming the placements, rather than a snapshot with
-    rows out of place (:func:`check_shard_is_a_box`)."""
+    """``(global shape, offset of the local shard)`` of a DTensor (None for a plain tensor); a
+    snapshot stores every shard as one box (:func:`check_shard_is_a_box`)."""
     if not isinstance(param, DTensor):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -82,10 +58,7 @@ def global_layout(param: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
 
 def check_shard_is_a_box(param: DTensor, local_shape: tuple[int, ...], offset: tuple[int, ...]) -> None:
     """ValueError unless each dimension of ``param``'s local shard holds the global indices
-    ``[offset, offset + local size)`` in order. Found as torch distributes a tensor: each mesh
-    dimension's placement splits the indices left to right (``_split_tensor``, the strided
-    split of a ``_StridedShard`` too). Only dimensions with a ``_StridedShard`` are followed
-    (``Shard`` alone splits into contiguous chunks); O(global size of those dimensions)."""
+    ``[offset, offset + local size)`` in order (a ``_StridedShard`` may not)."""
     coordinate = param.device_mesh.get_coordinate()
     if coordinate is None:  # this rank holds no shard of it
         return

@@ -1,9 +1,7 @@
 """The seed's flat optimizer state dict: ``state.<fqn>.<key>``, ``param_groups.<fqn>.<hp>``.
 
-Keys come from :func:`swap_state.common.names.state_key` / ``param_group_key``; a parameter
-is named by its canonical FQN (DCP's, first registered alias first), so tied parameters are
-saved once and load from any alias (:mod:`.naming`). :func:`flat_state_dict` writes the dict
-from the host cache; :class:`FlatIndex` reads one for :mod:`swap_state.client.optim.state_loading`.
+A parameter is named by its canonical FQN, so tied parameters are saved once and load from
+any alias (:mod:`.naming`). :func:`flat_state_dict` writes the dict, :class:`FlatIndex` reads one.
 """
 
 from __future__ import annotations
@@ -19,17 +17,12 @@ from torch.optim import Optimizer
 from swap_state.client import device as device_layer  # an attribute: the seed's tests patch it
 from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.dtensor_utils import DTensor, wrap_like_param_without_device_move
-from swap_state.client.optim.host_cache import MOMENT_KEYS, STEP_KEY, HostCache, step_tensor
+from swap_state.client.optim.host_cache import MOMENT_KEYS, STEP_KEY, HostCache, has_data, step_tensor
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 
 __all__ = [
-    "FlatIndex",
-    "clone_value",
-    "flat_state_dict",
-    "move_step_to_device",
-    "state_step",
-    "state_value",
+    "FlatIndex", "clone_value", "flat_state_dict", "move_step_to_device", "state_step", "state_value",
     "tensor_for_state_dict",
 ]
 
@@ -42,11 +35,7 @@ def clone_value(value: Any) -> Any:
 
 
 class FlatIndex:
-    """A flat state dict's ``state.*`` and ``param_groups.*`` entries, by section and fqn.
-
-    A key is split at its last dot: ``state.layers.0.w.exp_avg`` is fqn ``layers.0.w``, key
-    ``exp_avg``. Other keys (e.g. a snapshot reference) are ignored.
-    """
+    """A flat state dict's ``state.*`` and ``param_groups.*`` entries, by section and fqn."""
 
     SECTIONS = (STATE_PREFIX, PARAM_GROUPS_PREFIX)
     _KEY_OF = {STATE_PREFIX: state_key, PARAM_GROUPS_PREFIX: param_group_key}
@@ -61,10 +50,7 @@ class FlatIndex:
                         self.sections[prefix].setdefault(fqn, {})[key] = value
 
     def lookup(self, section: str, aliases: Sequence[str], key: str) -> tuple[str, Any] | None:
-        """``(flat key, value)`` under the first alias that has ``key``, else None.
-
-        ``section`` is :data:`STATE_PREFIX` or :data:`PARAM_GROUPS_PREFIX`.
-        """
+        """``(flat key, value)`` under the first alias that has ``key`` in ``section``, else None."""
         for fqn in aliases:
             entries = self.sections[section].get(fqn)
             if entries is not None and key in entries:
@@ -81,16 +67,11 @@ class FlatIndex:
 
 
 def flat_state_dict(
-    model_parts: Sequence[nn.Module],
-    optimizers: Sequence[Optimizer],
+    model_parts: Sequence[nn.Module], optimizers: Sequence[Optimizer],
     cpu_states: Mapping[torch.Tensor, HostCache],
 ) -> dict[str, Any]:
-    """Flat ``state.<fqn>.<key>`` / ``param_groups.<fqn>.<key>`` dict from the host cache.
-
-    Moments are views of the host cache (DTensor-wrapped like their parameter, never copied
-    to a device); ``step`` values and group values are copies. Tied parameters appear once,
-    under their canonical name. torchtitan's own conversion is not used.
-    """
+    """The flat dict from the host cache: moments are views (DTensor-wrapped like their
+    parameter, never copied to a device), steps and group values copies."""
     flat: dict[str, Any] = {}
     for model, optim in zip(model_parts, optimizers, strict=True):
         fqns = fqns_by_param(model)
@@ -111,13 +92,10 @@ def flat_state_dict(
 
 def state_value(cpu_states: Mapping[torch.Tensor, HostCache], param: Any, state: Mapping[str, Any], key: str) -> Any:
     """``key``'s checkpoint value for ``param``: its host cache, else its device state."""
-    host = cpu_states.get(param)
-    value = host.get(key) if host is not None else None
+    value = (cpu_states.get(param) or {}).get(key)
     if value is None:
         value = state.get(key)
-    if value is None:
-        return None
-    return tensor_for_state_dict(value, param)
+    return None if value is None else tensor_for_state_dict(value, param)
 
 
 def state_step(cpu_states: Mapping[torch.Tensor, HostCache], group: Mapping[str, Any], param: Any) -> torch.Tensor:
@@ -132,31 +110,21 @@ def state_step(cpu_states: Mapping[torch.Tensor, HostCache], group: Mapping[str,
 
 
 def tensor_for_state_dict(tensor: Any, like_param: Any = None) -> Any:
-    """A CPU view of ``tensor`` for a checkpoint, DTensor-wrapped like ``like_param``.
-
-    A non-empty tensor without storage is a swapped-out placeholder: an error.
-    """
+    """A CPU view of ``tensor`` for a checkpoint, DTensor-wrapped like ``like_param``."""
     local = dtensor_utils.unwrap_dtensor(tensor)
-    if local.numel() != 0 and local.untyped_storage().size() == 0:
+    if not has_data(local):
         raise RuntimeError(
             "cannot checkpoint a swapped-out optimizer state without CPU cache: "
             f"tensor of shape {tuple(local.shape)} has no storage"
         )
-    value = local.detach()
-    if value.device.type != "cpu":
-        value = value.cpu()
+    value = local.detach().cpu()  # no copy where it is on the CPU
     if isinstance(like_param, DTensor):
         return wrap_like_param_without_device_move(value, like_param)
     return value
 
 
 def move_step_to_device(step: Any) -> Any:
-    """``step`` on the current device if it is a CPU tensor, else unchanged.
-
-    The seed's helper for a device-resident group step. This container keeps group and
-    per-parameter steps on the host; the pipeline copies per-parameter steps to the device
-    with their slice.
-    """
+    """``step`` on the current device if it is a CPU tensor, else unchanged (the seed's helper)."""
     if isinstance(step, torch.Tensor) and step.device.type == "cpu":
         return step.to(device_layer.get_device_backend().current_device())
     return step

@@ -1,15 +1,9 @@
 """The host cache: where a parameter's Adam moments and step live between steps.
 
-Per parameter, ``param_to_cpu_states_map[param]`` is a dict with every key of
-:data:`MOMENT_KEYS` (a CPU tensor shaped like the local shard, or None where the group does
-not use it: ``max_exp_avg_sq`` without amsgrad) and :data:`STEP_KEY` (a 0-dim
-:data:`STEP_DTYPE` tensor). ``optimizer.state[param]`` only holds zero-storage placeholders of
-the same shapes, so that torch code inspecting the state sees the usual keys.
-
-:class:`HostCaches` builds, checks and installs these caches for the
-:class:`~swap_state.client.optim.container.SwapOptimizersContainer` that holds it; the
-container's ``_allocate_host_cache`` hook decides where the tensors live; with an
-accelerator, by default, views of one flat pinned buffer (:func:`flat_host_caches`).
+``param_to_cpu_states_map[param]`` holds every key of :data:`MOMENT_KEYS` (a CPU tensor shaped
+like the local shard, or None where the group does not use it) and :data:`STEP_KEY` (a 0-dim
+:data:`STEP_DTYPE` tensor); ``optimizer.state[param]`` only zero-storage placeholders, so that
+torch code inspecting the state sees the usual keys.
 """
 
 from __future__ import annotations
@@ -28,29 +22,10 @@ from swap_state.client.optim.dtensor_utils import DTensor
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
 
 __all__ = [
-    "FLAT_ALIGN",
-    "FLAT_PAGE_RUN",
-    "MOMENT_KEYS",
-    "STEP_DTYPE",
-    "STEP_KEY",
-    "HostCache",
-    "HostCacheEntry",
-    "HostCaches",
-    "SliceStates",
-    "advance_group_step",
-    "as_number",
-    "device_placeholders",
-    "flat_host_caches",
-    "flat_layout",
-    "group_map",
-    "has_data",
-    "host_cache_ready",
-    "moments_dtype",
-    "host_states",
-    "moment_keys",
-    "placeholder_like",
-    "step_tensor",
-    "steps_vector",
+    "FLAT_ALIGN", "FLAT_PAGE_RUN", "MOMENT_KEYS", "STEP_DTYPE", "STEP_KEY", "HostCache", "HostCacheEntry",
+    "HostCaches", "SliceStates", "advance_group_step", "as_number", "device_placeholders",
+    "flat_host_caches", "flat_layout", "group_map", "has_data", "host_cache_ready", "moments_dtype",
+    "host_states", "moment_keys", "placeholder_like", "step_tensor", "steps_vector",
 ]
 
 #: Adam state tensors shaped like the parameter, in host-cache order.
@@ -62,8 +37,7 @@ STEP_DTYPE = torch.float32
 
 HostCache = dict[str, torch.Tensor | None]
 
-#: Alignment of a tensor in a flat host buffer (:func:`flat_layout`): a cache line and a disk
-#: sector, which DMA engines and vector loads handle best.
+#: Alignment of a tensor in a flat host buffer (:func:`flat_layout`): a cache line and a sector.
 FLAT_ALIGN = 512
 #: A tensor of at least this many pages starts on a page instead: registration chunks end
 #: only on page boundaries between tensors, which large tensors must leave (waste < 1/64).
@@ -72,13 +46,8 @@ FLAT_PAGE_RUN = 64
 
 @dataclass(frozen=True, eq=False)
 class HostCacheEntry:
-    """What ``SwapOptimizersContainer._allocate_host_cache`` allocates for one parameter.
-
-    ``keys`` are the moment keys (``exp_avg``, ``exp_avg_sq``, and ``max_exp_avg_sq`` with
-    amsgrad), each of ``shape`` (the local shard's shape) and ``dtype``; a 0-dim
-    :data:`STEP_DTYPE` tensor under :data:`STEP_KEY` goes with them. ``fqn`` is the
-    canonical checkpoint name.
-    """
+    """What ``_allocate_host_cache`` allocates for one parameter: ``keys`` (its moments) of the
+    local shard's ``shape`` and ``dtype``, and a step; ``fqn`` is the canonical checkpoint name."""
 
     param: torch.Tensor
     fqn: str
@@ -131,16 +100,14 @@ def advance_group_step(group: dict[str, Any]) -> None:
 
 
 def moments_dtype(owner: Any, local_param: torch.Tensor) -> torch.dtype:
-    """The dtype of ``local_param``'s moments: the container's ``moment_dtype`` (bfloat16 for
-    torchtitan's ``fused_opt_states_bf16``), else the parameter's."""
+    """The dtype of ``local_param``'s moments: the container's ``moment_dtype``, else its own."""
     return getattr(owner, "moment_dtype", None) or local_param.dtype
 
 
 def host_cache_ready(
     host: Mapping[str, Any] | None, group: Mapping[str, Any], local_param: Any = None, dtype: torch.dtype | None = None
 ) -> bool:
-    """Whether ``host`` holds every moment ``group`` needs, with data (and the right layout:
-    ``local_param``'s shape, ``dtype`` or else its dtype)."""
+    """Whether ``host`` holds every moment ``group`` needs, with data (and ``local_param``'s layout)."""
     if not host:
         return False
     for key in moment_keys(group):
@@ -155,26 +122,15 @@ def host_cache_ready(
 
 
 class HostCaches:
-    """Builds, checks and installs host caches for a swap container (held by it).
-
-    The container's ``_allocate_host_cache`` hook decides where the tensors live; this part
-    names the parameters, checks what the hook returns and installs it with fresh
-    zero-storage placeholders in ``optimizer.state``.
-    """
+    """Builds, checks and installs the host caches of a swap container (``owner``)."""
 
     def __init__(self, owner: Any):
-        # owner: the SwapOptimizersContainer holding this part (its public state and hooks;
-        # not imported: the container imports this module).
         self._owner = owner
         self.epoch = 0
-        """Counts :meth:`install` calls: the step pipeline's per-parameter plans are built
-        against one epoch (a cache installed may replace a parameter's)."""
+        """Counts :meth:`install` calls (the step pipeline's plans are built against one)."""
 
     def entries(
-        self,
-        optimizer_index: int,
-        model: nn.Module,
-        optim: Optimizer,
+        self, optimizer_index: int, model: nn.Module, optim: Optimizer,
         pairs: Iterable[tuple[int, torch.Tensor]],
     ) -> list[HostCacheEntry]:
         """Entries for ``(group_index, param)`` pairs of ``optim``, in the given order."""
@@ -184,18 +140,11 @@ class HostCaches:
             fqn = param_fqns(fqns, param, optimizer_index)[0]
             local = dtensor_utils.unwrap_dtensor(param)
             if not local.is_contiguous():
-                # The fused kernel walks memory linearly: a host cache laid out differently
-                # from the parameter would pair the wrong elements.
-                raise ValueError(
-                    f"parameter {fqn!r} is not contiguous; the swap optimizer needs contiguous parameters"
-                )
-            group = optim.param_groups[group_index]
-            entries.append(
-                HostCacheEntry(
-                    param, fqn, moment_keys(group), local.shape, moments_dtype(self._owner, local),
-                    optimizer_index, group_index,
-                )
-            )
+                # The fused kernel walks memory linearly: another layout pairs the wrong elements.
+                needs = "the swap optimizer needs contiguous parameters"
+                raise ValueError(f"parameter {fqn!r} is not contiguous; {needs}")
+            keys, dtype = moment_keys(optim.param_groups[group_index]), moments_dtype(self._owner, local)
+            entries.append(HostCacheEntry(param, fqn, keys, local.shape, dtype, optimizer_index, group_index))
         return entries
 
     @staticmethod
@@ -221,10 +170,7 @@ class HostCaches:
         return host
 
     def install(self, entries: Sequence[HostCacheEntry]) -> None:
-        """Allocate caches for ``entries`` and install them with fresh placeholders.
-
-        Every cache is checked before any is installed.
-        """
+        """Allocate, check (all first) and install caches for ``entries``, with placeholders."""
         if not entries:
             return
         owner = self._owner
@@ -241,21 +187,14 @@ class HostCaches:
 
 def device_placeholders(param: torch.Tensor, host: HostCache) -> dict[str, Any]:
     """Zero-storage stand-ins for ``optimizer.state[param]`` (None where no moment)."""
-    return {
-        key: None if host.get(key) is None else placeholder_like(param, host[key])
-        for key in MOMENT_KEYS
-    }
+    return {key: None if host.get(key) is None else placeholder_like(param, host[key]) for key in MOMENT_KEYS}
 
 
 def placeholder_like(param: Any, tensor: torch.Tensor) -> Any:
-    """A zero-storage tensor shaped like ``tensor`` (on its device) for ``optimizer.state``.
-
-    Wrapped like ``param`` only when ``param``'s local tensor is on the same device.
-    """
+    """A zero-storage tensor like ``tensor`` for ``optimizer.state``, wrapped like ``param``
+    where ``param``'s local tensor is on the same device."""
     local = dtensor_utils.unwrap_dtensor(tensor)
-    placeholder = torch.empty_strided(
-        local.size(), local.stride(), dtype=local.dtype, device=local.device
-    )
+    placeholder = torch.empty_strided(local.size(), local.stride(), dtype=local.dtype, device=local.device)
     placeholder.untyped_storage().resize_(0)
     if placeholder.device != dtensor_utils.unwrap_dtensor(param).device:
         return placeholder
@@ -276,15 +215,9 @@ def flat_layout(sizes: Sequence[int], page_size: int = PAGE_SIZE) -> tuple[list[
 def flat_host_caches(
     entries: Sequence[HostCacheEntry], allocate: Callable[[int, Sequence[tuple[int, int]]], torch.Tensor]
 ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
-    """The caches of ``entries`` as views of one zero-filled uint8 buffer
-    ``allocate(nbytes, spans)`` (spans: each tensor's ``(offset, nbytes)``), what
-    ``_allocate_host_cache`` returns. The moments go in entry order (update order), then
-    every entry's step in one :data:`STEP_DTYPE` vector.
-
-    Why one buffer: torch's pinned allocator rounds each allocation up to a power of two (a
-    2.1 GB moment takes 4 GB), and would round one big buffer too; ``allocate``
-    (:meth:`~swap_state.client.device.DeviceBackend.alloc_host_bytes`) sizes it exactly. Its
-    memory lives while any view does (a state dict a caller keeps holds all of it).
+    """The caches of ``entries`` as views of one buffer ``allocate(nbytes, spans)``: the moments
+    in update order, then every step in one vector. One exactly sized buffer, because torch's
+    pinned allocator rounds each allocation up to a power of two (a 2.1 GB moment takes 4 GB).
     """
     shapes = [(entry, key) for entry in entries for key in entry.keys]
     sizes = [entry.shape.numel() * entry.dtype.itemsize for entry, _ in shapes]
@@ -302,13 +235,9 @@ def flat_host_caches(
 
 @dataclass(eq=False)
 class SliceStates:
-    """State tensors of one update call over a slice: per key (:data:`MOMENT_KEYS` and
-    :data:`STEP_KEY`) one per parameter, in update order (None where the group has no such
-    moment); the host caches' (:func:`host_states`) or device buffers loaded from them.
-
-    ``steps``, when not None, is one vector whose elements are the ``STEP_KEY`` tensors, in
-    order: the slice's steps then move with one copy each way and are incremented by one
-    ``add_``, bit for bit what a copy and a ``+ 1`` per step give."""
+    """State tensors of one update call over a slice, per key one per parameter (None where the
+    group has no such moment). ``steps``: the vector whose elements are the ``STEP_KEY`` tensors,
+    or None; it moves with one copy and is incremented by one ``add_`` (the same bits)."""
 
     tensors: dict[str, list[Any]]
     steps: torch.Tensor | None = None
@@ -321,10 +250,7 @@ def host_states(hosts: Sequence[HostCache]) -> SliceStates:
 
 
 def steps_vector(steps: Sequence[Any]) -> torch.Tensor | None:
-    """``steps`` (0-dim :data:`STEP_DTYPE` tensors) as the vector whose consecutive
-    elements they are, in order, when they are (views of one storage at consecutive offsets);
-    else None. Why: the flat and remote host caches keep every parameter's step in one vector,
-    in update order, so a slice's steps are a run of it."""
+    """``steps`` as the vector whose consecutive elements they are (the flat caches' layout), else None."""
     if not steps or not isinstance(steps[0], torch.Tensor):
         return None
     first = steps[0]
@@ -333,13 +259,10 @@ def steps_vector(steps: Sequence[Any]) -> torch.Tensor | None:
     if (offset + len(steps)) * STEP_DTYPE.itemsize > storage.nbytes():
         return None
     for index, step in enumerate(steps):
-        if not (
-            isinstance(step, torch.Tensor)
-            and step.dim() == 0
-            and step.dtype == STEP_DTYPE
-            and step.device == first.device
-            and step.storage_offset() == offset + index
-            and step.untyped_storage().data_ptr() == base
-        ):
+        if not (isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == STEP_DTYPE):
+            return None
+        if step.device != first.device or step.storage_offset() != offset + index:
+            return None
+        if step.untyped_storage().data_ptr() != base:
             return None
     return first.as_strided((len(steps),), (1,), offset)

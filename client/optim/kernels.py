@@ -1,34 +1,10 @@
 """Pure helpers of the swap optimizer: slice planning and the Adam/AdamW update calls.
 
-Slices: :func:`plan_slices` cuts an optimizer's parameters into byte-balanced slices;
-:func:`plan_slice` records per slice what holds between steps (each parameter's group and host
-cache, the fused kernel's device and dtype check, made once as torch makes it when it creates
-a parameter's state); per step, :func:`full_slice_work` makes torch's per-step checks (no
-sparse gradient, DTensor placements) in one pass over the slice's gradients, and
-:func:`checked_slice` is the per-parameter path (a missing gradient, a cache to complete, or a
-check that fails: it raises torch's errors).
-
-A param group's *implementation* is torch's (and torchtitan's ``optimizer.implementation``):
-``"fused"``, ``"foreach"`` or ``"for-loop"``, read from the group's ``fused`` / ``foreach``
-flags exactly as ``torch.optim.Adam.step`` reads them (:func:`group_implementation`), so a
-checkpoint's flags take effect on load as they do for torch. One exception, documented: a
-group with neither flag set (both None) runs the fused kernel, where torch would pick by
-device (the container records it as ``fused=True``, :func:`pin_default_implementation`, so
-that its checkpoints resume on the same kernel under torch). :func:`adam_update` runs the
-group's implementation:
-
-- ``"fused"``: :func:`fused_adam_update`, torch's ``torch.optim.adam._fused_adam`` restated for
-  tensors the caller has already gathered (device buffers or the host cache): the same
-  grouping by device and dtype, the same ``grad_scale`` / ``found_inf`` / tensor-``lr``
-  handling, the same step increment and the same kernel arguments, so results are
-  bit-identical to ``torch.optim.Adam(..., fused=True)`` / ``AdamW(..., fused=True)``;
-- ``"foreach"`` / ``"for-loop"``: torch's functional ``torch.optim.adam.adam`` (what
-  ``Adam.step`` itself calls) with ``foreach=True`` / ``foreach=False``, ``fused=False``; the
-  step counts are CPU tensors then, as torch keeps them without ``fused`` or ``capturable``
-  (:func:`steps_on_device`).
-
-Adam's update is elementwise per tensor, so running it slice by slice gives the same bits as
-one call over the whole group.
+A group's implementation is read from its ``fused`` / ``foreach`` flags as torch reads them
+(neither set: fused, recorded as ``fused=True`` so that checkpoints resume on the same kernel).
+``"fused"`` restates torch's ``_fused_adam`` for tensors already gathered, bit-identical;
+``"foreach"`` / ``"for-loop"`` call torch's functional ``adam``. Adam's update is elementwise,
+so slice by slice gives the same bits as one call.
 """
 
 from __future__ import annotations
@@ -49,25 +25,10 @@ from swap_state.client.optim.dtensor_utils import DTensor
 from swap_state.client.optim.host_cache import STEP_KEY, HostCache, SliceStates, host_cache_ready, host_states
 
 __all__ = [
-    "DEFAULT_IMPLEMENTATION",
-    "IMPLEMENTATIONS",
-    "PendingSlice",
-    "SlicePlan",
-    "SliceWork",
-    "adam_update",
-    "checked_param_and_grad",
-    "grad_on_param_placements",
-    "PlacementError",
-    "checked_slice",
-    "full_slice_work",
-    "fused_adam_update",
-    "fused_check_passes",
-    "group_implementation",
-    "pin_default_implementation",
-    "plan_slice",
-    "plan_slices",
-    "slice_work",
-    "steps_on_device",
+    "DEFAULT_IMPLEMENTATION", "IMPLEMENTATIONS", "PendingSlice", "SlicePlan", "SliceWork", "adam_update",
+    "checked_param_and_grad", "grad_on_param_placements", "PlacementError", "checked_slice",
+    "full_slice_work", "fused_adam_update", "fused_check_passes", "group_implementation",
+    "pin_default_implementation", "plan_slice", "plan_slices", "slice_work", "steps_on_device",
 ]
 
 #: torchtitan's ``optimizer.implementation`` values, each run as torch runs it.
@@ -77,11 +38,7 @@ DEFAULT_IMPLEMENTATION = "fused"
 
 
 def group_implementation(group: Mapping[str, Any]) -> str:
-    """``"fused"``, ``"foreach"`` or ``"for-loop"``: the update ``group``'s flags select.
-
-    As ``torch.optim.adam.adam``: ``fused`` wins, then ``foreach``; an explicit False for
-    both is the for-loop. Both None: :data:`DEFAULT_IMPLEMENTATION`.
-    """
+    """The update ``group``'s flags select, as ``torch.optim.adam.adam`` (both None: the default)."""
     fused, foreach = group.get("fused"), group.get("foreach")
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
@@ -95,16 +52,13 @@ def group_implementation(group: Mapping[str, Any]) -> str:
 
 
 def pin_default_implementation(group: dict[str, Any]) -> None:
-    """A group with neither ``fused`` nor ``foreach`` set gets ``fused=True``: what it runs,
-    recorded, so that a checkpoint of it resumes on the same kernel under torch's own
-    optimizer (which would pick by device for None/None)."""
+    """A group with neither ``fused`` nor ``foreach`` set gets ``fused=True``, what it runs."""
     if group.get("fused") is None and group.get("foreach") is None:
         group["fused"] = DEFAULT_IMPLEMENTATION == "fused"
 
 
 def steps_on_device(group: Mapping[str, Any]) -> bool:
-    """Whether torch keeps ``group``'s step counts on the parameter's device (fused or
-    capturable) rather than on the CPU."""
+    """Whether torch keeps ``group``'s step counts on the device (fused or capturable)."""
     return group_implementation(group) == "fused" or bool(group.get("capturable", False))
 
 
@@ -126,8 +80,7 @@ def checked_param_and_grad(
 
 
 class PlacementError(RuntimeError):
-    """A gradient that cannot be brought to its parameter's placements; ``param`` is the
-    parameter (the step names it)."""
+    """A gradient that cannot be brought to its parameter's placements (``param``)."""
 
     def __init__(self, message: str, param: torch.Tensor):
         super().__init__(message)
@@ -135,11 +88,8 @@ class PlacementError(RuntimeError):
 
 
 def grad_on_param_placements(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` with ``param``'s placements. Without FSDP a tensor-parallel gradient can differ
-    from its parameter's (a sharded embedding's comes Replicate, a replicated norm's Partial);
-    torch's DTensor dispatch of the fused Adam redistributes it to the parameter's placements
-    before the local update, and so does this, with the same ``redistribute``, so the local
-    shards and the numbers are torch's. PlacementError where torch would fail too."""
+    """``grad`` redistributed to ``param``'s placements, as torch's DTensor dispatch of the fused
+    Adam does (without FSDP a sharded embedding's gradient comes Replicate, a norm's Partial)."""
     param_is, grad_is = isinstance(param, DTensor), isinstance(grad, DTensor)
     if not param_is and not grad_is:
         return grad
@@ -157,8 +107,7 @@ def grad_on_param_placements(param: torch.Tensor, grad: torch.Tensor) -> torch.T
 
 
 def fused_check_passes(local_param: torch.Tensor, group: Mapping[str, Any]) -> bool:
-    """Whether ``local_param`` passes torch's device and dtype check for ``group``'s fused
-    kernel (True for other implementations), without raising."""
+    """Whether ``local_param`` passes the fused kernel's device and dtype check (if fused)."""
     if group_implementation(group) != "fused":
         return True
     try:
@@ -169,12 +118,7 @@ def fused_check_passes(local_param: torch.Tensor, group: Mapping[str, Any]) -> b
 
 
 def plan_slices(sizes: Sequence[int], times: int) -> list[range]:
-    """Split items of the given byte sizes into at most ``times`` contiguous runs.
-
-    Whole items only, balanced by bytes: an item goes to the slice its byte midpoint
-    falls in, so each run holds about ``sum(sizes) / times`` bytes and the order of
-    the items (the update order) is kept. Empty runs are dropped.
-    """
+    """Split items of byte ``sizes`` into at most ``times`` contiguous runs, by each item's byte midpoint."""
     if times < 1:
         raise ValueError(f"times must be >= 1, got {times}")
     total = sum(sizes)
@@ -185,8 +129,7 @@ def plan_slices(sizes: Sequence[int], times: int) -> list[range]:
     slices: list[range] = []
     start, current, before = 0, 0, 0
     for index, size in enumerate(sizes):
-        # The midpoint's slice, (before + size / 2) * times // total, in integers: exact
-        # at any size (a float loses bytes above 2^53).
+        # In integers: a float loses bytes above 2^53.
         target = min(times - 1, (2 * before + size) * times // (2 * total))
         if target != current:
             slices.append(range(start, index))
@@ -197,27 +140,15 @@ def plan_slices(sizes: Sequence[int], times: int) -> list[range]:
 
 
 def fused_adam_update(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor],
-    state_steps: list[torch.Tensor],
-    *,
-    group: Mapping[str, Any],
-    grad_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], state_steps: list[torch.Tensor], *,
+    group: Mapping[str, Any], grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
     steps: torch.Tensor | None = None,
 ) -> None:
-    """One fused Adam/AdamW update of plain (local) tensors with ``group``'s settings.
+    """One fused Adam/AdamW update of local tensors, steps incremented as torch does.
 
-    ``max_exp_avg_sqs`` is empty unless ``group["amsgrad"]``. Steps are incremented
-    here, before the kernel, exactly as torch does; with ``found_inf`` they are
-    decremented again afterwards. ``steps``: a vector whose elements are ``state_steps``, in
-    order (or None); where every tensor is of one device and dtype (one kernel call), the
-    steps are then incremented by one ``add_`` on it instead of torch's ``_foreach_add_``
-    over the scalars (a CPU foreach falls back to one op per tensor): the same float32
-    ``+ 1``, so the same bits.
+    ``steps``: the vector ``state_steps`` are views of (or None); with one kernel call it takes
+    one ``add_`` instead of a CPU foreach's one op per tensor (the same float32 ``+ 1``).
     """
     if not params:
         return
@@ -226,8 +157,7 @@ def fused_adam_update(
     beta1, beta2 = (_to_scalar(beta) for beta in group["betas"])
     lr = group["lr"]
     kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
-    # As torch: a tensor lr on an accelerator is moved to each device; on CPU it is
-    # passed as it is.
+    # As torch: a tensor lr on an accelerator is moved to each device.
     lr_by_device: dict[torch.device, torch.Tensor] | None = (
         {lr.device: lr} if isinstance(lr, torch.Tensor) and str(lr.device) != "cpu" else None
     )
@@ -253,8 +183,7 @@ def fused_adam_update(
 
 
 def _add_to_steps(vector: torch.Tensor | None, steps: list[torch.Tensor], minus: Any = None) -> None:
-    """``+ 1`` (or ``- minus``) on every step, as torch does it over the scalars, or on
-    ``vector``, the tensor they are views of: one op, the same float32 arithmetic."""
+    """``+ 1`` (or ``- minus``) on every step, or in one op on ``vector``, their base."""
     if vector is not None:
         vector.add_(1) if minus is None else vector.sub_(minus)
     elif minus is None:
@@ -264,24 +193,13 @@ def _add_to_steps(vector: torch.Tensor | None, steps: list[torch.Tensor], minus:
 
 
 def adam_update(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor],
-    state_steps: list[torch.Tensor],
-    *,
-    group: Mapping[str, Any],
-    grad_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-    steps: torch.Tensor | None = None,
-    upcast: bool = False,
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], state_steps: list[torch.Tensor], *,
+    group: Mapping[str, Any], grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+    steps: torch.Tensor | None = None, upcast: bool = False,
 ) -> None:
-    """One Adam/AdamW update of plain (local) tensors with ``group``'s settings and
-    implementation (:func:`group_implementation`); steps are incremented here (``steps``:
-    the vector ``state_steps`` are views of, see :func:`fused_adam_update`; the foreach and
-    for-loop updates are torch's own and ignore it). ``upcast``: moments of a lower precision
-    than their CPU parameters (:func:`_upcast_update`)."""
+    """One Adam/AdamW update of local tensors in ``group``'s implementation (``steps``: see
+    :func:`fused_adam_update`). ``upcast``: moments of a lower precision than CPU parameters."""
     if not params:
         return
     if upcast:
@@ -300,45 +218,22 @@ def adam_update(
         raise RuntimeError("lr as a Tensor is not supported for capturable=False and foreach=True")
     beta1, beta2 = group["betas"]
     torch_functional_adam(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        max_exp_avg_sqs,
-        state_steps,
-        foreach=implementation == "foreach",
-        capturable=capturable,
-        differentiable=bool(group.get("differentiable", False)),
-        fused=False,
-        grad_scale=grad_scale,
-        found_inf=found_inf,
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+        foreach=implementation == "foreach", capturable=capturable, fused=False,
+        differentiable=bool(group.get("differentiable", False)), grad_scale=grad_scale, found_inf=found_inf,
         has_complex=any(torch.is_complex(p) for p in params),
-        decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
-        amsgrad=group["amsgrad"],
-        beta1=beta1,
-        beta2=beta2,
-        lr=group["lr"],
-        weight_decay=group["weight_decay"],
-        eps=group["eps"],
+        decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)), amsgrad=group["amsgrad"],
+        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
         maximize=group["maximize"],
-    )
+    )  # fmt: skip
 
 
 def _upcast_update(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    moments: tuple[list[torch.Tensor], ...],
-    state_steps: list[torch.Tensor],
-    **update: Any,
+    params: list[torch.Tensor], grads: list[torch.Tensor], moments: tuple[list[torch.Tensor], ...],
+    state_steps: list[torch.Tensor], **update: Any,
 ) -> None:
-    """The update of moments kept in a lower precision than their parameters, on the CPU.
-
-    torch's fused Adam has a mixed-precision kernel on CUDA only (on the CPU: "expected scalar
-    type Float but found BFloat16"). That kernel reads the moments into the parameters'
-    precision, updates both there and stores the moments rounded; this does the same in three
-    steps: the moments upcast (``moments``: exp_avgs, exp_avg_sqs, max_exp_avg_sqs), the update in
-    the parameters' dtype (:func:`adam_update`), the new moments rounded back (``copy_``: round to
-    nearest even, as the kernel's store)."""
+    """Lower-precision moments on the CPU, where torch has no mixed-precision kernel: what the
+    CUDA one does, in three steps (upcast, update, ``copy_`` back rounding to nearest even)."""
     upcast = [[moment.to(param.dtype) for moment, param in zip(kind, params)] for kind in moments]
     adam_update(params, grads, *upcast, state_steps, **update)
     for kind, wide in zip(moments, upcast):
@@ -357,8 +252,7 @@ def _on_device(
 # -- slices: per-parameter facts planned once, checked per step --------------------
 @dataclass(eq=False)
 class SliceWork:
-    """The parameters of one slice that have a gradient in this step, as parallel lists in
-    update order; ``runs``: ``(group, start, end)`` of each param group's consecutive ones."""
+    """A slice's parameters with a gradient, in update order; ``runs``: ``(group, start, end)`` each."""
 
     params: list[torch.Tensor]
     local_params: list[torch.Tensor]
@@ -369,13 +263,8 @@ class SliceWork:
 
 @dataclass(eq=False)
 class SlicePlan:
-    """A planned slice and the facts about its parameters that hold until the plan is
-    invalidated (:meth:`~swap_state.client.optim.step_pipeline.StepPipeline._plan_for`): each one's param group and host cache
-    (None while incomplete). ``full``: the slice's work when every parameter has a gradient
-    that passes the per-step checks (gradients, and a DTensor's local shards, which FSDP may
-    swap, filled in at each step); None when a parameter needs the per-parameter path (a
-    cache to complete, a group torch refuses, a dtype or device the fused kernel does not
-    take, plain and DTensor parameters mixed)."""
+    """A slice, its parameters' groups and host caches (None while incomplete); ``full``: its work
+    where every parameter can take the fast path (gradients and shards filled in per step)."""
 
     params: list[torch.Tensor]
     groups: list[dict[str, Any]]
@@ -385,19 +274,14 @@ class SlicePlan:
 
 
 PendingSlice = tuple[SlicePlan, list[int], list[torch.Tensor], list[torch.Tensor]]
-"""A slice on the per-parameter path: its plan, the indices with a gradient, their local
-parameters and gradients (:func:`checked_slice`)."""
+"""A slice on the per-parameter path: its plan, and :func:`checked_slice`'s result."""
 
 
 def plan_slice(
     params: list[torch.Tensor], groups: list[dict[str, Any]], caches: Mapping[torch.Tensor, Any]
 ) -> SlicePlan:
-    """The plan of one slice: what :class:`SlicePlan` caches, checked once.
-
-    A host cache counts when it holds every moment its group needs and a step; the fused
-    kernel's device and dtype check is made here, as torch makes it once, when it creates a
-    parameter's state (a parameter that fails it sends its slice down the per-parameter path,
-    which raises torch's error once it has a gradient)."""
+    """The plan of one slice; the fused kernel's device and dtype check is made here, once, as
+    torch makes it when it creates a parameter's state."""
     locals_: list[torch.Tensor | None] = []
     hosts: list[HostCache | None] = []
     kinds = set()
@@ -418,9 +302,7 @@ def plan_slice(
 
 
 def full_slice_work(planned: SlicePlan, grads: list[Any]) -> SliceWork | None:
-    """The planned work of a slice, over its parameters that have a gradient, when those
-    gradients pass torch's per-step checks (one pass over them each, no per-parameter call);
-    else None (the per-parameter path raises torch's error)."""
+    """The planned work of a slice's parameters with a gradient, if those pass the per-step checks."""
     full = planned.full
     if full is None:
         return None
@@ -431,8 +313,6 @@ def full_slice_work(planned: SlicePlan, grads: list[Any]) -> SliceWork | None:
             return None
         present = [grads[index] for index in indices]
     params = full.params if indices is None else [full.params[index] for index in indices]
-    # A plain parameter's gradient is a plain tensor (``type(g) is Tensor``: not a DTensor), a
-    # DTensor's a DTensor with its placements; neither sparse.
     if planned.dtensor:
         if not all(isinstance(grad, DTensor) for grad in present) or any(grad.is_sparse for grad in present):
             return None
@@ -453,20 +333,16 @@ def full_slice_work(planned: SlicePlan, grads: list[Any]) -> SliceWork | None:
 def _subset(
     full: SliceWork, indices: list[int], local_params: list[torch.Tensor], local_grads: list[torch.Tensor]
 ) -> SliceWork:
-    """``full`` restricted to ``indices`` (sorted): their host states, their group runs, and
-    the step vector's run when they are consecutive."""
+    """``full`` restricted to sorted ``indices`` (the step vector's run where consecutive)."""
     tensors = {key: [values[i] for i in indices] for key, values in full.host.tensors.items()}
     runs = []
     for group, start, end in full.runs:
         low, high = bisect.bisect_left(indices, start), bisect.bisect_left(indices, end)
         if high > low:
             runs.append((group, low, high))
-    steps = full.host.steps
-    first = indices[0]
-    if steps is not None and indices[-1] - first + 1 == len(indices):
-        steps = steps[first : first + len(indices)]
-    else:
-        steps = None
+    steps, first = full.host.steps, indices[0]
+    consecutive = indices[-1] - first + 1 == len(indices)
+    steps = steps[first : first + len(indices)] if steps is not None and consecutive else None
     params = [full.params[i] for i in indices]
     return SliceWork(params, local_params, local_grads, SliceStates(tensors, steps), runs)
 
@@ -474,8 +350,7 @@ def _subset(
 def checked_slice(
     planned: SlicePlan, grads: list[Any]
 ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
-    """The per-parameter path: the indices of the parameters with a gradient and their
-    local shards, after every check torch makes (:func:`checked_param_and_grad`)."""
+    """The per-parameter path: indices with a gradient and their local shards, checked."""
     indices, local_params, local_grads = [], [], []
     for index, (param, grad) in enumerate(zip(planned.params, grads, strict=True)):
         if grad is None:
@@ -488,11 +363,8 @@ def checked_slice(
 
 
 def slice_work(
-    params: list[torch.Tensor],
-    groups: list[dict[str, Any]],
-    local_params: list[torch.Tensor],
-    local_grads: list[torch.Tensor],
-    hosts: list[HostCache],
+    params: list[torch.Tensor], groups: list[dict[str, Any]], local_params: list[torch.Tensor],
+    local_grads: list[torch.Tensor], hosts: list[HostCache],
 ) -> SliceWork:
     """A slice's work over complete host caches ``hosts`` (parallel lists)."""
     runs: list[tuple[dict[str, Any], int, int]] = []

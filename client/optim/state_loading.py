@@ -1,17 +1,9 @@
 """``load_state_dict`` of the swap optimizer: validate and plan everything, then commit.
 
-Call order::
-
-    plan = container._plan_load(state_dict)    # validate every group and parameter;
-                                               # allocate missing host caches, placeholders
-    container._before_host_write(all params)   # hook, once
-    container._commit_load(plan)               # copy into the host cache; on an error the
-                                               # dict-level state is rolled back
-    get_torch_device().empty_cache()           # once
-    container._after_load_state_dict()         # hook
-
-Nothing live changes before ``_commit_load``, so a bad checkpoint (a missing key, a wrong
-shape or dtype, an amsgrad switch) raises naming the key and leaves the container as it was.
+Call order: ``_plan_load`` (validate; allocate missing host caches) -> the container's
+``_before_host_write(all params)`` -> ``_commit_load`` (copy in; dict-level state rolled back on
+an error) -> ``empty_cache()`` -> ``_after_load_state_dict()``. Nothing live changes before
+``_commit_load``, so a bad checkpoint raises naming the key and leaves the container as it was.
 """
 
 from __future__ import annotations
@@ -28,19 +20,8 @@ from swap_state.client.optim import dtensor_utils  # attributes: the seed's test
 from swap_state.client.optim.flat_state_dict import FlatIndex, clone_value
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.client.optim.host_cache import (
-    HostCaches,
-    placeholder_like,
-    MOMENT_KEYS,
-    STEP_KEY,
-    HostCache,
-    HostCacheEntry,
-    as_number,
-    group_map,
-    has_data,
-    host_cache_ready,
-    moments_dtype,
-    moment_keys,
-    step_tensor,
+    HostCaches, placeholder_like, MOMENT_KEYS, STEP_KEY, HostCache, HostCacheEntry, as_number, group_map,
+    has_data, host_cache_ready, moments_dtype, moment_keys, step_tensor,
 )
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 
@@ -49,15 +30,11 @@ __all__ = ["StateLoader"]
 
 @dataclass(eq=False)
 class _ParamLoad:
-    """A validated, prepared load of one parameter; applied by ``_commit_load``."""
+    """A validated, prepared load of one parameter (``entry``: its host cache's layout)."""
 
-    optimizer_index: int
-    group_index: int
+    entry: HostCacheEntry
     optim: Optimizer
     group: dict[str, Any]
-    param: torch.Tensor
-    fqn: str
-    keys: tuple[str, ...]
     sources: dict[str, torch.Tensor | None]  # None: never stepped in the checkpoint -> zeros
     step: float
     host: HostCache | None
@@ -79,28 +56,17 @@ class _LoadPlan:
 
 
 class StateLoader:
-    """``load_state_dict()`` of a swap container (call order in the module docstring), held
-    by the container; the container's ``_before_host_write`` / ``_after_load_state_dict``
-    hooks are called around the copy, its ``_allocate_host_cache`` for missing caches."""
+    """``load_state_dict()`` of a swap container (``owner``)."""
 
     def __init__(self, owner: Any, host_caches: HostCaches):
-        # owner: the SwapOptimizersContainer holding this part (its public state and hooks;
-        # not imported: the container imports this module).
         self._owner = owner
         self._host_caches = host_caches
 
     def load(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a flat state dict (from ``state_dict()``, any alias of tied parameters).
-
-        Everything is validated and prepared first; a bad key raises ``KeyError`` /
-        ``ValueError`` / ``TypeError`` naming it and leaves the container untouched. The
-        checkpoint's tensors are only read. A parameter with param-group entries but no
-        state was never stepped in the checkpoint (torch creates state lazily): it starts
-        from zeros and step 0.
-        """
+        """Load a flat state dict (any alias of tied parameters); the checkpoint is only read."""
         owner = self._owner
         plan = self._plan_load(state_dict)
-        owner._before_host_write([load.param for load in plan.params])
+        owner._before_host_write([load.entry.param for load in plan.params])
         self._commit_load(plan)
         device_layer.get_device_backend().empty_cache()
         owner._after_load_state_dict()
@@ -125,14 +91,8 @@ class StateLoader:
         return plan
 
     def _plan_param_load(
-        self,
-        index: FlatIndex,
-        optimizer_index: int,
-        group_index: int,
-        optim: Optimizer,
-        group_load: _GroupLoad,
-        param: torch.Tensor,
-        fqns: Mapping[torch.Tensor, tuple[str, ...]],
+        self, index: FlatIndex, optimizer_index: int, group_index: int, optim: Optimizer,
+        group_load: _GroupLoad, param: torch.Tensor, fqns: Mapping[torch.Tensor, tuple[str, ...]],
     ) -> _ParamLoad:
         """One parameter's load: its sources (under any alias), checked against its shard."""
         aliases = param_fqns(fqns, param, optimizer_index)
@@ -143,42 +103,26 @@ class StateLoader:
         sources, step = _checked_sources(index, aliases, keys, group_load, local_param, dtype)
         host = self._owner.param_to_cpu_states_map.get(param)
         ready = host is not None and host_cache_ready(host, group_load.group, local_param, dtype)
-        return _ParamLoad(
-            optimizer_index, group_index, optim, group_load.group, param, aliases[0], keys, sources, step,
-            host if ready else None,
-        )  # fmt: skip
+        where = (optimizer_index, group_index)
+        entry = HostCacheEntry(param, aliases[0], keys, local_param.shape, dtype, *where)
+        return _ParamLoad(entry, optim, group_load.group, sources, step, host if ready else None)
 
     def _prepare_load(self, plan: _LoadPlan) -> None:
         """Allocate missing host caches and build placeholders; nothing live changes."""
         missing = [load for load in plan.params if load.host is None]
         if missing:
-            entries = [
-                HostCacheEntry(
-                    load.param,
-                    load.fqn,
-                    load.keys,
-                    dtensor_utils.unwrap_dtensor(load.param).shape,
-                    moments_dtype(self._owner, dtensor_utils.unwrap_dtensor(load.param)),
-                    load.optimizer_index,
-                    load.group_index,
-                )
-                for load in missing
-            ]
+            entries = [load.entry for load in missing]
             allocated = self._owner._allocate_host_cache(entries)
             for load, entry in zip(missing, entries, strict=True):
                 load.host = self._host_caches.checked(entry, allocated.get(entry.param))
         for load in plan.params:
             assert load.host is not None
-            load.placeholders = {
-                key: placeholder_like(load.param, load.host[key])
-                if key in load.keys
-                else None
-                for key in MOMENT_KEYS
-            }
+            load.placeholders = dict.fromkeys(MOMENT_KEYS)
+            for key in load.entry.keys:
+                load.placeholders[key] = placeholder_like(load.entry.param, load.host[key])
 
     def _commit_load(self, plan: _LoadPlan) -> None:
-        """Apply a prepared plan. On an error, dict-level state is restored (bytes already
-        copied into the host cache are not: validation leaves nothing expected to fail)."""
+        """Apply a prepared plan; on an error, dict-level state is restored (not copied bytes)."""
         saved = self._rollback_point()
         try:
             for load in plan.params:
@@ -195,7 +139,7 @@ class StateLoader:
         """Copy one parameter's state into its host cache and install its placeholders."""
         host = load.host
         assert host is not None
-        for key in load.keys:
+        for key in load.entry.keys:
             source = load.sources[key]
             target = host[key]
             assert target is not None
@@ -208,11 +152,12 @@ class StateLoader:
         host[STEP_KEY].fill_(load.step)  # type: ignore[union-attr]
         for key in MOMENT_KEYS:
             host.setdefault(key, None)
-        self._owner.param_to_cpu_states_map[load.param] = host
-        state = load.optim.state[load.param]
+        param = load.entry.param
+        self._owner.param_to_cpu_states_map[param] = host
+        state = load.optim.state[param]
         state.clear()
         state.update(load.placeholders)
-        self._owner.param_to_device_states_map[load.param] = state
+        self._owner.param_to_device_states_map[param] = state
 
     def _rollback_point(self) -> Callable[[], None]:
         """Snapshot every dict ``_commit_load`` mutates; the returned callable restores them."""
@@ -232,10 +177,8 @@ class StateLoader:
             for optim, saved_state in states:
                 optim.state.clear()
                 optim.state.update(saved_state)
-            for live, saved_map in (
-                (owner.param_to_cpu_states_map, cpu_map),
-                (owner.param_to_device_states_map, device_map),
-            ):
+            maps = (owner.param_to_cpu_states_map, cpu_map), (owner.param_to_device_states_map, device_map)
+            for live, saved_map in maps:
                 live.clear()
                 live.update(saved_map)
             for optim, group_map_ in group_maps:
@@ -247,11 +190,8 @@ class StateLoader:
 def _plan_group_load(
     index: FlatIndex, optim: Optimizer, group: dict[str, Any], fqns: Mapping[torch.Tensor, tuple[str, ...]]
 ) -> _GroupLoad:
-    """The checkpoint's hyperparameters for ``group``, from the first of its parameters found.
-
-    Other parameters' group entries are not compared (a checkpoint may group differently),
-    except ``amsgrad``, which every parameter's load checks.
-    """
+    """The checkpoint's hyperparameters for ``group``, from the first of its parameters found
+    (a checkpoint may group differently; ``amsgrad`` is checked per parameter)."""
     for param in group["params"]:
         found = index.entries(PARAM_GROUPS_PREFIX, fqns.get(param, ()))
         if found is not None:
@@ -266,18 +206,11 @@ def _plan_group_load(
 
 
 def _checked_sources(
-    index: FlatIndex,
-    aliases: Sequence[str],
-    keys: tuple[str, ...],
-    group_load: _GroupLoad,
-    local_param: torch.Tensor,
-    dtype: torch.dtype,
+    index: FlatIndex, aliases: Sequence[str], keys: tuple[str, ...], group_load: _GroupLoad,
+    local_param: torch.Tensor, dtype: torch.dtype,
 ) -> tuple[dict[str, torch.Tensor | None], float]:
-    """``({key: checkpoint tensor}, step)`` of one parameter (canonical name ``aliases[0]``).
-
-    No state at all but param-group entries: never stepped in the checkpoint, so zeros
-    (``None`` sources) and step 0. Neither: a KeyError.
-    """
+    """``({key: checkpoint tensor}, step)`` of one parameter; only param-group entries: never
+    stepped (torch creates state lazily), so zeros (``None``) and step 0."""
     fqn = aliases[0]
     hits = {key: index.lookup(STATE_PREFIX, aliases, key) for key in (*keys, STEP_KEY)}
     if not any(hits.values()):
@@ -307,13 +240,11 @@ def _check_amsgrad(hit: tuple[str, Any] | None, group: Mapping[str, Any]) -> Non
 
 
 def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``value``'s local tensor if it can be copied into ``local_param``'s host cache of moments
-    of ``dtype``. Where that is not the parameter's dtype (bfloat16 moments), a checkpoint of
-    another floating dtype is converted by the copy: the precision the job asked for."""
+    """``value``'s local tensor if it fits the host cache of moments of ``dtype`` (with bfloat16
+    moments, another floating dtype is converted by the copy)."""
     if not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"optimizer state dict key {flat_key!r}: expected a tensor, got {type(value).__name__}"
-        )
+        got = type(value).__name__
+        raise TypeError(f"optimizer state dict key {flat_key!r}: expected a tensor, got {got}")
     local = dtensor_utils.unwrap_dtensor(value)
     if local.is_meta or not has_data(local):
         raise ValueError(f"optimizer state dict key {flat_key!r}: the tensor has no data")
@@ -335,14 +266,12 @@ def _checked_step(hit: tuple[str, Any] | None, group_load: _GroupLoad, fqn: str)
     """The parameter's step: its own entry, else its param group's."""
     if hit is None:
         if STEP_KEY not in group_load.values:
-            raise KeyError(
-                f"optimizer state dict has no {state_key(fqn, STEP_KEY)!r} and no param group step"
-            )
+            missing = state_key(fqn, STEP_KEY)
+            raise KeyError(f"optimizer state dict has no {missing!r} and no param group step")
         hit = (param_group_key(fqn, STEP_KEY), group_load.values[STEP_KEY])
     flat_key, value = hit
     try:
         return as_number(value)
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise ValueError(
-            f"optimizer state dict key {flat_key!r}: expected a number or one-element tensor"
-        ) from exc
+        expected = "expected a number or one-element tensor"
+        raise ValueError(f"optimizer state dict key {flat_key!r}: {expected}") from exc

@@ -3,29 +3,10 @@
 Per optimizer, the parameters (in update order) are cut into ``swap_optimizer_times``
 byte-balanced slices. On an accelerator, per slice::
 
-    load (H2D, load stream) -> fused Adam/AdamW (compute stream) -> offload (D2H, offload stream)
+    load (H2D, load stream) -> Adam/AdamW (compute stream) -> offload (D2H, offload stream)
 
-with events between the streams, so slice k+1 loads while slice k updates and offloads.
-Before it enqueues the load of slice k+1, the host waits until the offload of slice k-1 has
-completed: at most two slices hold device buffers at a time, however far an asynchronous
-device lags the host (:meth:`StepPipeline._pipelined_update`). Every step, even one that
-raises, ends with no copy in flight. On a CPU-only process the update runs directly on the
-host cache. The update is the param group's implementation, as torch picks it from the
-group's ``fused`` / ``foreach`` flags (torchtitan's ``optimizer.implementation``: "fused",
-"foreach" or "for-loop"; :mod:`swap_state.client.optim.kernels`), so results are
-bit-identical to torch's Adam/AdamW with the same implementation. Without ``fused`` or
-``capturable`` torch keeps step counts on the CPU: so does the pipeline (a CPU copy per slice
-instead of a device one).
-
-Each optimizer's ``step`` is bound to its container's ``_swap_step``
-(:func:`swap_state.client.optim.container.bind_swap_step`), which runs
-:meth:`StepPipeline.run`; ``torch.optim.Adam.step`` itself is never patched.
-
-Per step, the work per parameter is a few list passes: the slices, each parameter's group,
-host cache and the fused kernel's device and dtype check are planned once and kept until one
-of them could change (:meth:`StepPipeline._plan_for`); the per-step checks torch makes (no
-sparse gradient, DTensor placements) are one pass per slice; a slice's steps, one vector in the
-flat and remote caches, are moved with one copy and incremented with one ``add_``.
+so slice k+1 loads while slice k updates and offloads; every step, even one that raises, ends
+with no copy in flight. On a CPU-only process the update runs on the host cache.
 """
 
 from __future__ import annotations
@@ -39,31 +20,13 @@ from torch.optim import Optimizer
 
 from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.kernels import (
-    PendingSlice,
-    SlicePlan,
-    SliceWork,
-    adam_update,
-    PlacementError,
-    checked_slice,
-    full_slice_work,
-    group_implementation,
-    plan_slice,
-    plan_slices,
-    slice_work,
-    steps_on_device,
+    PendingSlice, SlicePlan, SliceWork, adam_update, PlacementError, checked_slice, full_slice_work,
+    group_implementation, plan_slice, plan_slices, slice_work, steps_on_device,
 )
 from swap_state.client.device import DeviceBackend
 from swap_state.client.optim.host_cache import (
-    MOMENT_KEYS,
-    HostCaches,
-    STEP_DTYPE,
-    STEP_KEY,
-    SliceStates,
-    advance_group_step,
-    as_number,
-    group_map,
-    host_cache_ready,
-    step_tensor,
+    MOMENT_KEYS, HostCaches, STEP_DTYPE, STEP_KEY, SliceStates, advance_group_step, as_number, group_map,
+    host_cache_ready, step_tensor,
 )
 
 __all__ = ["DEFAULT_SWAP_TIMES", "StepPipeline"]
@@ -83,20 +46,11 @@ class _LoadedSlice:
 
 
 class StepPipeline:
-    """The swap step of a container's optimizers, held by the container.
-
-    ``run(optim, closure)`` is one optimizer's update; the container's ``step()`` runs it for
-    each optimizer and then its ``_after_step`` hook. The container's ``_before_host_write``
-    hook is called before each slice's host bytes change, and ``_allocate_host_cache`` (through
-    the host caches) for parameters without a cache. ``pipeline``: None runs the load/offload
-    pipeline iff the device is an accelerator; True runs it on CPU too, with CPU "device"
-    buffers. The pipeline holds at most two slices' device buffers at a time and leaves no
-    copy in flight when ``run`` returns or raises.
-    """
+    """The swap step of a container's optimizers (``owner``: the container, whose
+    ``_before_host_write`` hook runs before each slice's host bytes change). ``pipeline``:
+    None runs the load/offload pipeline iff the device is an accelerator; True on CPU too."""
 
     def __init__(self, owner: Any, host_caches: HostCaches, *, pipeline: bool | None = None):
-        # owner: the SwapOptimizersContainer holding this part (its public state and hooks;
-        # not imported: the container imports this module).
         self._owner = owner
         self._host_caches = host_caches
         self._pipeline = pipeline
@@ -104,9 +58,7 @@ class StepPipeline:
         self._plans: dict[int, tuple[tuple[Any, ...], list[SlicePlan]]] = {}
 
     def run(self, optim: Optimizer, closure: Callable[[], _T] | None = None) -> _T | None:
-        """``optim.step(closure)``: one optimizer's update through the host cache (the
-        container calls it from the bound ``optim.step``, so torch's step hooks and
-        LR-scheduler tracking still apply)."""
+        """``optim.step(closure)`` through the host cache (torch's step hooks still apply)."""
         if torch.jit.is_scripting():
             raise RuntimeError("torch.jit.script is not supported by SwapOptimizersContainer")
         loss = None
@@ -128,16 +80,11 @@ class StepPipeline:
         return self._owner.device_backend.is_accelerator if self._pipeline is None else self._pipeline
 
     def invalidate(self) -> None:
-        """Forget the per-parameter plans: the host caches may have been replaced (a load).
-        The container calls it after every ``load_state_dict``, failed or not."""
+        """Forget the per-parameter plans: the host caches may have been replaced (a load)."""
         self._plans.clear()
 
     def _plan_for(self, optim: Optimizer) -> list[SlicePlan]:
-        """``optim``'s parameters in update order, cut into byte-balanced slices, with their
-        per-parameter facts; rebuilt when one could have changed: a parameter or group
-        replaced or added, a group's implementation, amsgrad or differentiable flag, a cache
-        installed or the cache map replaced (the host caches' epoch, the map's identity and
-        size), a load (:meth:`invalidate`). A new gradient tensor changes nothing planned."""
+        """``optim``'s slices with their per-parameter facts, rebuilt when one could have changed."""
         caches = self._owner.param_to_cpu_states_map
         key = (
             tuple((id(group), tuple(map(id, group["params"]))) for group in optim.param_groups),
@@ -158,12 +105,8 @@ class StepPipeline:
         return cached[1]
 
     def _collect_step_work(self, optim: Optimizer) -> list[SliceWork]:
-        """The parameters with gradients, per slice; validates them all before any change.
-
-        Per slice, one pass over the gradients for torch's per-step checks (no sparse
-        gradient, a DTensor gradient for a DTensor parameter with its placements); the rest
-        is the plan's. A slice that fails them, or lacks a gradient, takes the
-        per-parameter path, which raises torch's errors."""
+        """The parameters with gradients, per slice, all validated before any change; a slice
+        that fails the fast checks takes the per-parameter path, which raises torch's errors."""
         slices: list[SliceWork] = []
         pending: list[PendingSlice] = []
         for planned in self._plan_for(optim):
@@ -185,7 +128,7 @@ class StepPipeline:
         return slices
 
     def _name_of(self, param: torch.Tensor) -> str:
-        """The parameter's name in its model part (for an error message; not on a hot path)."""
+        """The parameter's name in its model part (for an error message)."""
         for part in self._owner.model_parts:
             for name, candidate in part.named_parameters(remove_duplicate=False):
                 if candidate is param:
@@ -193,8 +136,7 @@ class StepPipeline:
         return f"of shape {tuple(param.shape)}"
 
     def _complete_host_caches(self, optim: Optimizer, pending: list[PendingSlice]) -> list[SliceWork]:
-        """The work of slices on the per-parameter path: caches allocated for parameters that
-        have none, a missing per-param step added; the plan is rebuilt at the next step."""
+        """The work of slices on the per-parameter path, missing caches and steps added."""
         owner = self._owner
         caches = owner.param_to_cpu_states_map
         needed = [(p.params[i], p.groups[i]) for p, idx, _, _ in pending for i in idx if p.hosts[i] is None]
@@ -207,8 +149,7 @@ class StepPipeline:
         for param, group in needed:
             host = caches[param]
             if host.get(STEP_KEY) is None:
-                # A cache built without a per-param step (the seed's layout): every
-                # parameter has taken the group's steps so far.
+                # The seed's layout, without a per-param step: each took the group's steps.
                 host[STEP_KEY] = step_tensor(as_number(group.get(STEP_KEY, 0)))
         if needed:
             self.invalidate()
@@ -227,15 +168,8 @@ class StepPipeline:
             self._fused_update(optim, work, work.host)
 
     def _pipelined_update(self, optim: Optimizer, slices: list[SliceWork]) -> None:
-        """Accelerator: update(k) || load(k+1) || offload(k), then wait for all offloads.
-
-        Call order, per slice k: enqueue the update of slice k (after its load); the host
-        waits until the offload of slice k-1 has completed; enqueue the load of slice k+1,
-        then the offload of slice k (after its update). So at most two slices hold device
-        buffers at once (the one updating or offloading, and the one loading), whatever the
-        device's speed. On every exit, normal or an exception, the host waits for both side
-        streams: no copy of this step is still in flight when ``run`` returns or raises.
-        """
+        """Accelerator: update(k) || load(k+1) || offload(k); per slice k, the host waits for the
+        offload of k-1 before it enqueues the load of k+1, so at most two slices hold buffers."""
         if not slices:
             return
         load_stream, offload_stream = self._streams()
@@ -248,20 +182,14 @@ class StepPipeline:
                 updated = self._update_slice(optim, current, compute)
                 if index + 1 < len(slices):
                     if offloaded is not None:
-                        # Bounded device memory. The host runs ahead of an asynchronous
-                        # device: without this wait it would enqueue every slice's load at
-                        # once, and the caching allocator keeps a freed buffer until the
-                        # streams it was used on (record_stream) have passed it, so the peak
-                        # would be the whole moments. Slice k-1's offload completing frees its
-                        # buffers for slice k+1's load; the update of slice k, enqueued
-                        # before the wait, keeps the device busy meanwhile. Simpler than a
-                        # ring of preallocated buffers (no fixed slice shapes, no extra copy).
+                        # Bounded device memory: the host runs ahead of an asynchronous
+                        # device and would enqueue every load at once, the peak being the
+                        # whole moments. The update of slice k keeps the device busy meanwhile.
                         offloaded.synchronize()
                     upcoming = self._load_slice(slices[index + 1], load_stream)
                 offloaded = self._offload_slice(current, updated, offload_stream)
         finally:
-            # After an exception too: the copies enqueued so far read and write device buffers
-            # and host memory (a segment) that the caller may free or unmap once step() raised.
+            # After an exception too: the caller may free or unmap the host memory copied.
             load_stream.synchronize()
             offload_stream.synchronize()
 
@@ -273,14 +201,10 @@ class StepPipeline:
         return self._swap_streams
 
     def _load_slice(self, work: SliceWork, stream: Any) -> _LoadedSlice:
-        """Enqueue H2D copies of ``work``'s host cache on ``stream``; record ``ready`` after.
-
-        Moments one copy each, in host memory order; the steps in one copy where they are one
-        host vector (:func:`_load_steps`)."""
+        """Enqueue H2D copies of ``work``'s host cache on ``stream``, then its ``ready`` event."""
         backend = self._owner.device_backend
         device = SliceStates({key: [None] * len(work.params) for key in MOMENT_KEYS})
-        # Allocated while ``stream`` is current, so the caching allocator ties the blocks
-        # to the load stream; the compute and offload streams are recorded later.
+        # Allocated on the load stream; the compute and offload streams are recorded later.
         with backend.use_stream(stream):
             for index, local_param in enumerate(work.local_params):
                 for key in MOMENT_KEYS:
@@ -296,8 +220,7 @@ class StepPipeline:
         return _LoadedSlice(work, device, ready)
 
     def _update_slice(self, optim: Optimizer, loaded: _LoadedSlice, compute: Any) -> Any:
-        """Enqueue the update of ``loaded`` on ``compute`` after its loads; return the event the
-        update ends with. Call after :meth:`_load_slice` of ``loaded``, before its offload."""
+        """Enqueue the update of ``loaded`` on ``compute`` after its loads; return its end event."""
         backend = self._owner.device_backend
         compute.wait_event(loaded.ready)
         self._fused_update(optim, loaded.work, loaded.device)
@@ -308,8 +231,7 @@ class StepPipeline:
         return updated
 
     def _offload_slice(self, loaded: _LoadedSlice, updated: Any, stream: Any) -> Any:
-        """Enqueue D2H copies of ``loaded`` after ``updated``; drop the device buffers; return
-        the event the copies end with (once it has completed, the buffers' memory is free)."""
+        """Enqueue D2H copies of ``loaded`` after ``updated``; return the event they end with."""
         work, device = loaded.work, loaded.device
         self._owner._before_host_write(work.params)
         backend = self._owner.device_backend
@@ -327,21 +249,16 @@ class StepPipeline:
                 _record_stream(backend, buffer, stream)
             offloaded = backend.event()
             offloaded.record(stream)
-        # Freed here (the last references), before anything else is enqueued on ``stream``:
-        # the allocator's free-time event there is then not later than ``offloaded``, so the
-        # memory is reusable as soon as ``offloaded`` completes.
+        # Freed before anything else is enqueued on ``stream``: reusable once ``offloaded`` is done.
         device.tensors.clear()
         device.steps = None
         return offloaded
 
     def _fused_update(self, optim: Optimizer, work: SliceWork, states: SliceStates) -> None:
-        """One update call per param group of ``work`` with state tensors ``states``, in the
-        group's implementation (fused unless its flags say foreach or for-loop; the name is
-        the seed's)."""
+        """One update call per param group of ``work`` over ``states`` (the name is the seed's)."""
         tensors, steps = states.tensors, states.steps
         grad_scale, found_inf = getattr(optim, "grad_scale", None), getattr(optim, "found_inf", None)
-        # Moments of their own dtype (bfloat16) on the CPU, where torch has no mixed-precision
-        # fused kernel: decided once per slice from the container's setting, not per tensor.
+        # bfloat16 moments on the CPU, where torch has no mixed-precision fused kernel.
         upcast = getattr(self._owner, "moment_dtype", None) is not None and work.local_params[0].device.type == "cpu"
         for group, start, end in work.runs:
             adam_update(
@@ -360,10 +277,8 @@ class StepPipeline:
 
 
 def _copy_back(backend: DeviceBackend, host: torch.Tensor, buffer: torch.Tensor) -> None:
-    """Offload ``buffer`` into ``host`` on the current stream: through
-    :meth:`DeviceBackend.copy_to_host` (the bounce ring where registered memory is not honoured
-    as pinned), except a CPU step copy next to accelerator buffers (torch's layout without
-    fused/capturable), which is a host copy."""
+    """Offload ``buffer`` into ``host``; a CPU step copy next to accelerator buffers (torch's
+    layout without fused/capturable) is a host copy."""
     if backend.is_accelerator and buffer.device.type == "cpu":
         host.copy_(buffer)
     else:
@@ -371,18 +286,14 @@ def _copy_back(backend: DeviceBackend, host: torch.Tensor, buffer: torch.Tensor)
 
 
 def _record_stream(backend: DeviceBackend, tensor: torch.Tensor, stream: Any) -> None:
-    """``backend.record_stream``, except for a CPU step copy next to accelerator buffers
-    (no stream uses it)."""
+    """``backend.record_stream``, except for a CPU step copy (no stream uses it)."""
     if not (backend.is_accelerator and tensor.device.type == "cpu"):
         backend.record_stream(tensor, stream)
 
 
 def _load_steps(backend: DeviceBackend, work: SliceWork) -> tuple[list[Any], torch.Tensor | None]:
-    """The slice's steps for the update, and the vector they are views of (or None).
-
-    On the device where torch keeps them there (fused or capturable), else CPU copies (its
-    layout otherwise). One copy of the host step vector when there is one and the slice's
-    groups agree on where steps live; else one copy per parameter."""
+    """The slice's steps, where torch keeps them (:func:`steps_on_device`), and the vector they
+    are views of (one copy, where there is a host vector and the groups agree) or None."""
     host = work.host
     places = {steps_on_device(group) for group, _, _ in work.runs}
     if host.steps is not None and len(places) == 1:

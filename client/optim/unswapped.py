@@ -1,16 +1,9 @@
 """The optimizers of parameters swap-state does not swap, held by the swap container.
 
 torchtitan 0.3 lets param groups use other optimizers than Adam and AdamW (``DistMuon``).
-Their state stays where their own code keeps it: the container steps them after its swapped
-optimizers, zeroes their gradients, schedules their learning rates (they are among the
-container's optimizers when iterated) and checkpoints them with the functions it is given, in
-the same flat FQN-keyed dict as its own state. Nothing of theirs is in the host's shared memory
-or its snapshots, so a container with whole-state snapshot checkpoints refuses them (the
-adapter that builds them checks).
-
-Call order (the container's): ``step()`` after the swapped optimizers' steps, before
-``_after_step``; ``zero_grad()`` with theirs; ``state_dict()`` merged into the container's;
-``load_state_dict(flat)`` after the swapped state's load succeeded.
+Their state stays where their own code keeps it; the container steps them after its own,
+iterates them for LR schedulers and checkpoints them in its flat FQN-keyed dict. Nothing of
+theirs is in snapshots, so whole-state snapshot checkpoints refuse them (the adapter checks).
 """
 
 from __future__ import annotations
@@ -29,9 +22,7 @@ class UnswappedOptimizers:
     (torchtitan's ``get_flat_optim_state_dict`` / ``load_flat_optim_state_dict``)."""
 
     def __init__(
-        self,
-        optimizers: Sequence[Optimizer],
-        flat_state_dict: Callable[[Optimizer], dict[str, Any]],
+        self, optimizers: Sequence[Optimizer], flat_state_dict: Callable[[Optimizer], dict[str, Any]],
         load_flat_state_dict: Callable[[Optimizer, Mapping[str, Any]], None],
     ) -> None:
         self.optimizers = list(optimizers)

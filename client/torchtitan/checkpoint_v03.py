@@ -1,16 +1,12 @@
 """torchtitan 0.3's checkpoint manager with swap-state's additions (:mod:`.checkpointing`).
 
-A subclass of torchtitan's DCP ``CheckpointManager`` that overrides only the hooks torchtitan
-documents for subclasses (``BaseCheckpointManager``: "override the hooks, not the public
-methods", which guard them): ``__init__`` (then :func:`~.checkpointing.attach`), ``_save`` and
-``_save_last_step`` (inside :func:`~swap_state.client.torchtitan.model.saving_checkpoint`),
-``dcp_load`` (:func:`~.checkpointing.load_matched`), ``_close``
-(:func:`~.checkpointing.finish_before_close`) and ``__del__``. With torch's own optimizers it
-behaves as torchtitan's manager.
+It overrides only the hooks torchtitan documents for subclasses ("override the hooks, not the
+public methods"); with torch's own optimizers it behaves as torchtitan's manager.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +41,8 @@ class SwapStateCheckpointManager(CheckpointManager):
             super()._save_last_step(curr_step)
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        return checkpointing.load_matched(
-            self,
-            lambda: super(SwapStateCheckpointManager, self).dcp_load(state_dict, checkpoint_id, from_hf, from_quantized),
-            state_dict,
-            checkpoint_id,
-            from_hf,
-        )
+        run = functools.partial(super().dcp_load, state_dict, checkpoint_id, from_hf, from_quantized)
+        return checkpointing.load_matched(self, run, state_dict, checkpoint_id, from_hf)
 
     def _close(self) -> None:
         checkpointing.finish_before_close(self)

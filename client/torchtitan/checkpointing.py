@@ -1,25 +1,13 @@
 """What swap-state adds to torchtitan's ``CheckpointManager``, for both torchtitan lines.
 
-torchtitan 0.2's adapter wraps the manager's methods (:func:`swap_state.client.torchtitan.glue.install_job_hooks`);
-0.3's subclasses it and overrides its documented hooks
-(:class:`swap_state.client.torchtitan.checkpoint_v03.SwapStateCheckpointManager`). Both call
-these functions, in this order over a job:
+0.2's adapter wraps the manager's methods, 0.3's subclasses it; both call, transparent for
+torch's own optimizers:
 
-1. :func:`attach` at the end of the manager's ``__init__``: a container with server-side
-   snapshots follows the checkpoint retention (``keep_latest_k``, plus one:
-   :func:`~swap_state.client.torchtitan.settings.snapshots_to_keep`), and with whole-state
-   snapshots the model's entry becomes a reference
-   (:class:`~swap_state.client.torchtitan.model.SnapshotModelWrapper`);
-2. saves run inside :func:`~swap_state.client.torchtitan.model.saving_checkpoint` (the model's
-   entry is then the reference; a model-only last save keeps tensors);
-3. :func:`load_matched` around ``dcp_load``: the templates follow the checkpoint (a reference
-   or tensors; the optimizer keys it holds), and a snapshot-mode checkpoint loaded into
-   torch's own optimizer fails naming ``swap-state export``;
-4. :func:`finish_before_close` in ``close``: the snapshot the last checkpoint refers to is
-   made durable (an embedded server stops with the trainer); :func:`skip_close_wait` from
-   ``__del__``, where garbage collection is no place for RPCs and waits.
-
-Each is transparent for torch's own optimizers.
+1. :func:`attach` at the end of ``__init__``: retention, and the model's entry as a reference;
+2. saves run inside :func:`~swap_state.client.torchtitan.model.saving_checkpoint`;
+3. :func:`load_matched` around ``dcp_load``: the templates follow the checkpoint;
+4. :func:`finish_before_close` in ``close`` (an embedded server stops with the trainer);
+   :func:`skip_close_wait` from ``__del__``, where garbage collection is no place for RPCs.
 """
 
 from __future__ import annotations
@@ -51,28 +39,24 @@ def attach(manager: Any, config: Any, optimizers: Any, model_parts: Any) -> None
 def load_matched(
     manager: Any, load: Callable[[], Any], state_dict: Any, checkpoint_id: Any, from_hf: bool
 ) -> Any:
-    """Run ``load()`` (the manager's own ``dcp_load`` of ``state_dict``) with the templates
-    matched to the checkpoint at ``checkpoint_id``."""
-    from swap_state.client.optim.checkpoint_template import (
-        check_plain_optimizer_can_load,
-        checkpoint_keys,
-        optimizer_keys,
-    )
+    """Run ``load()`` (the manager's ``dcp_load``) with the templates matched to the checkpoint;
+    a snapshot-mode checkpoint loaded into torch's own optimizer fails naming ``swap-state export``."""
+    from swap_state.client.optim import checkpoint_template as template
     from swap_state.client.torchtitan.model import MODEL_REF_KEY, match_model_template
 
     if from_hf or not isinstance(state_dict, dict) or not os.path.isdir(str(checkpoint_id)):
         return load()
-    keys = checkpoint_keys(checkpoint_id)
+    keys = template.checkpoint_keys(checkpoint_id)
     optimizer = state_dict.get(OPTIMIZER_KEY)
     loading = getattr(optimizer, "loading_checkpoint", None)
     if optimizer is not None and loading is None:
-        check_plain_optimizer_can_load(keys, checkpoint_id)  # its error names the snapshot
+        template.check_plain_optimizer_can_load(keys, checkpoint_id)  # its error names the snapshot
     model = manager.__dict__.get("states", {}).get(MODEL_KEY)
     if MODEL_REF_KEY in keys or MODEL_REF_KEY in state_dict:
         match_model_template(state_dict, model, keys, checkpoint_id)
     if loading is None:
         return load()
-    with loading(optimizer_keys(keys)):
+    with loading(template.optimizer_keys(keys)):
         return load()
 
 

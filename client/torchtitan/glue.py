@@ -1,14 +1,9 @@
 """torchtitan glue: the ``build_optimizers`` wrapper that builds a swap container on request.
 
-Importing this module patches nothing. :func:`install_build_optimizers_wrapper` makes
-``torchtitan.components.optimizer.build_optimizers`` the wrapper; two modules call it at
-import: :mod:`swap_state.client.swap_optimizer` (the seed's tests expect that) and the
-custom config module :mod:`swap_state.client.torchtitan.config`, which then also calls
-:func:`rebind_imported_model_specs` and :func:`install_job_hooks` (the job config, checkpoint
-retention and checkpoint-matched load templates: see the end of this module).
-
-The wrapper calls this module's ``SwapOptimizersContainer`` and ``original_build_optimizers``
-at call time: the seed's tests patch them through the facade (:mod:`swap_state.client.swap_optimizer`).
+Importing this module patches nothing: :mod:`swap_state.client.swap_optimizer` and the custom
+config module call :func:`install_build_optimizers_wrapper` (the latter also
+:func:`install_job_hooks`). The wrapper looks up ``SwapOptimizersContainer`` and
+``original_build_optimizers`` here at call time: the seed's tests patch them.
 """
 
 from __future__ import annotations
@@ -34,49 +29,27 @@ from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.optim.kernels import IMPLEMENTATIONS
 from swap_state.client.torchtitan import checkpointing
 from swap_state.client.torchtitan.settings import (
-    SNAPSHOT_SUBDIR,
-    SWAP_OPTIMIZER_CLASSES,
-    SwapSettings,
-    build_swap_container,
-    check_choice,
-    shared_job_id,
-    snapshots_to_keep,
+    SNAPSHOT_SUBDIR, SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, check_choice,
+    shared_job_id, snapshots_to_keep,
 )
 from swap_state.client.torchtitan.settings import embedded_snapshot_dir as _snapshot_dir_of_dump
 
 __all__ = [
-    "SNAPSHOT_SUBDIR",
-    "build_optimizers",
-    "build_remote_container",
-    "current_job_config",
-    "embedded_snapshot_dir",
-    "install_build_optimizers_wrapper",
-    "install_job_hooks",
-    "original_build_optimizers",
-    "rebind_imported_model_specs",
-    "shared_job_id",
-    "snapshots_to_keep",
+    "SNAPSHOT_SUBDIR", "build_optimizers", "build_remote_container", "current_job_config",
+    "embedded_snapshot_dir", "install_build_optimizers_wrapper", "install_job_hooks",
+    "original_build_optimizers", "rebind_imported_model_specs", "shared_job_id", "snapshots_to_keep",
 ]
 
 _WRAPPED_ORIGINAL_ATTR = "__swap_state_original__"
 
 
 def build_optimizers(
-    model_parts: list[nn.Module],
-    optimizer_config: Any,
-    parallel_dims: Any,
-    ft_manager: Any = None,
+    model_parts: list[nn.Module], optimizer_config: Any, parallel_dims: Any, ft_manager: Any = None,
 ) -> OptimizersContainer:
-    """torchtitan's ``build_optimizers`` plus ``optimizer_config.swap_optimizer``.
-
-    Without ``swap_optimizer`` (or with it False) this is torchtitan's function. With it:
-    ``name`` must be ``Adam`` or ``AdamW``; the other settings (:class:`SwapSettings`, documented
-    in :mod:`swap_state.client.torchtitan.config`) pick the slices, the backend and the
-    checkpoint mode; optimizers-in-backward and TorchFT are not supported.
-    """
+    """torchtitan's ``build_optimizers`` plus ``optimizer_config.swap_optimizer`` (Adam or AdamW;
+    settings: :class:`SwapSettings`; optimizers-in-backward and TorchFT are not supported)."""
     if not getattr(optimizer_config, "swap_optimizer", False):
-        original = original_build_optimizers
-        return original(model_parts, optimizer_config, parallel_dims, ft_manager)
+        return original_build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     name = optimizer_config.name
     optimizer_cls = SWAP_OPTIMIZER_CLASSES.get(name)
     if optimizer_cls is None:
@@ -87,19 +60,15 @@ def build_optimizers(
         raise NotImplementedError("swap_optimizer does not support TorchFT")
     optimizer_kwargs = _optimizer_kwargs(optimizer_config)
     settings = SwapSettings.of(optimizer_config)
+    snapshot_dir = embedded_snapshot_dir(current_job_config())
     return build_swap_container(
-        model_parts,
-        optimizer_cls,
-        optimizer_kwargs,
-        settings,
-        snapshot_dir=embedded_snapshot_dir(current_job_config()),
-        local_container_cls=SwapOptimizersContainer,
-    )
+        model_parts, optimizer_cls, optimizer_kwargs, settings,
+        snapshot_dir=snapshot_dir, local_container_cls=SwapOptimizersContainer,
+    )  # fmt: skip
 
 
 def _optimizer_kwargs(optimizer_config: Any) -> dict[str, Any]:
-    """The torch optimizer's keyword arguments from torchtitan's ``[optimizer]`` section;
-    ``implementation`` maps to ``fused`` / ``foreach`` as torchtitan maps it."""
+    """The torch optimizer's keyword arguments from torchtitan's ``[optimizer]`` section."""
     implementation = getattr(optimizer_config, "implementation", "fused")
     check_choice("implementation", implementation, IMPLEMENTATIONS)
     return {
@@ -121,13 +90,8 @@ setattr(build_optimizers, _WRAPPED_ORIGINAL_ATTR, original_build_optimizers)
 
 
 def install_build_optimizers_wrapper() -> None:
-    """Make ``torchtitan.components.optimizer.build_optimizers`` this module's wrapper.
-
-    Idempotent: a wrapper already installed (also by an earlier import of this module) is
-    replaced, never wrapped again. Call it before ``torchtitan.models`` is imported: its
-    TrainSpecs keep the function they saw at import (else see
-    :func:`rebind_imported_model_specs`).
-    """
+    """Make torchtitan's ``build_optimizers`` this module's wrapper (idempotent). Call it before
+    ``torchtitan.models`` is imported, else :func:`rebind_imported_model_specs`."""
     _tt_optimizer.build_optimizers = build_optimizers
 
 
@@ -141,30 +105,10 @@ def rebind_imported_model_specs() -> None:
 
 
 # -- the job around the optimizer: torchtitan's Trainer and CheckpointManager -------------------
-#
-# build_optimizers sees only the [optimizer] section. What the swap container also needs from
-# the job comes from wrappers, installed by the custom config module
-# (:func:`install_job_hooks`), each idempotent and transparent for torch's own optimizers:
-#
-# - ``Trainer.__init__`` makes the job config current while it runs (it builds the optimizers
-#   inside): :func:`current_job_config`; the remote backend puts the embedded server's
-#   snapshots under ``<job.dump_folder>/swap-state-snapshots``.
-# - ``CheckpointManager.__init__`` tells a container with server-side snapshots the
-#   checkpoint retention (``keep_latest_k``, plus one: :func:`snapshots_to_keep`), and with
-#   whole-state snapshots replaces the model's entry by a reference
-#   (:mod:`swap_state.client.torchtitan.model`); ``save`` / ``_save_last_step`` say when
-#   that entry is saved as the reference (not in a model-only last save).
-# - ``CheckpointManager.dcp_load`` matches the model's template to the checkpoint (a
-#   reference or tensors) and tells a swap container which optimizer keys the checkpoint
-#   holds, so that its load template matches (:mod:`swap_state.client.optim.checkpoint_template`);
-#   a snapshot-mode checkpoint loaded into torch's own optimizer fails naming
-#   ``swap-state export``.
-# - ``CheckpointManager.close`` (Trainer.close calls it) waits until the snapshot the last
-#   checkpoint refers to is durable, so that checkpoint stays loadable after the trainer (and
-#   with it an embedded server) is gone.
+# build_optimizers sees only the [optimizer] section; what the container needs from the job
+# comes from idempotent wrappers (:func:`install_job_hooks`, :mod:`.checkpointing`).
 
 _current_job_config: contextvars.ContextVar[Any] = contextvars.ContextVar("swap_state_job_config", default=None)
-
 
 
 def current_job_config() -> Any:
@@ -209,66 +153,57 @@ def _checkpoint_manager_init(original: Callable[..., Any]) -> Callable[..., Any]
     return __init__
 
 
-def _checkpoint_manager_save(original: Callable[..., Any]) -> Callable[..., Any]:
-    from swap_state.client.torchtitan.model import saving_checkpoint
+def _saving(last_step: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A save method's wrapper: it runs inside ``saving_checkpoint``."""
 
-    def save(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with saving_checkpoint():
-            return original(self, *args, **kwargs)
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def save(self: Any, *args: Any, **kwargs: Any) -> Any:
+            from swap_state.client.torchtitan.model import saving_checkpoint
 
-    return save
+            # A model-only last save is for export and inference: the model's tensors, not a reference.
+            model_only = last_step and getattr(self, "last_save_model_only", False)
+            with saving_checkpoint(refer=not model_only):
+                return original(self, *args, **kwargs)
 
+        return save
 
-def _checkpoint_manager_save_last_step(original: Callable[..., Any]) -> Callable[..., Any]:
-    from swap_state.client.torchtitan.model import saving_checkpoint
-
-    def _save_last_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # A model-only last save is for export and inference: the model's tensors, not a reference.
-        with saving_checkpoint(refer=not getattr(self, "last_save_model_only", False)):
-            return original(self, *args, **kwargs)
-
-    return _save_last_step
+    return make
 
 
 def _checkpoint_manager_dcp_load(original: Callable[..., Any]) -> Callable[..., Any]:
     def dcp_load(self: Any, state_dict: dict[str, Any], checkpoint_id: str, *args: Any, **kwargs: Any) -> Any:
         from_hf = bool(args[0]) if args else bool(kwargs.get("from_hf", False))
-        return checkpointing.load_matched(
-            self, lambda: original(self, state_dict, checkpoint_id, *args, **kwargs), state_dict, checkpoint_id, from_hf
-        )
+        load = functools.partial(original, self, state_dict, checkpoint_id, *args, **kwargs)
+        return checkpointing.load_matched(self, load, state_dict, checkpoint_id, from_hf)
 
     return dcp_load
 
 
-def _checkpoint_manager_close(original: Callable[..., Any]) -> Callable[..., Any]:
-    def close(self: Any) -> None:
-        checkpointing.finish_before_close(self)
-        original(self)
+def _first(hook: Callable[[Any], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A method's wrapper that calls ``hook(manager)`` first."""
 
-    return close
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self: Any) -> None:
+            hook(self)
+            original(self)
 
+        return method
 
-def _checkpoint_manager_del(original: Callable[..., Any]) -> Callable[..., Any]:
-    def __del__(self: Any) -> None:
-        checkpointing.skip_close_wait(self)
-        original(self)
-
-    return __del__
+    return make
 
 
 def install_job_hooks() -> None:
-    """Wrap torchtitan's ``CheckpointManager.__init__`` / ``dcp_load`` / ``close`` and, when
-    ``torchtitan.train`` is imported (it is whenever torchtitan's ``main`` parses the config
-    that names the custom config module), ``Trainer.__init__``. Idempotent."""
+    """Wrap torchtitan's ``CheckpointManager`` and, once ``torchtitan.train`` is imported,
+    ``Trainer.__init__`` (it builds the optimizers inside: :func:`current_job_config`)."""
     import torchtitan.components.checkpoint as tt_checkpoint
 
     manager = tt_checkpoint.CheckpointManager
     _wrap_method(manager, "__init__", _checkpoint_manager_init)
-    _wrap_method(manager, "save", _checkpoint_manager_save)
-    _wrap_method(manager, "_save_last_step", _checkpoint_manager_save_last_step)
+    _wrap_method(manager, "save", _saving(last_step=False))
+    _wrap_method(manager, "_save_last_step", _saving(last_step=True))
     _wrap_method(manager, "dcp_load", _checkpoint_manager_dcp_load)
-    _wrap_method(manager, "close", _checkpoint_manager_close)
-    _wrap_method(manager, "__del__", _checkpoint_manager_del)
+    _wrap_method(manager, "close", _first(checkpointing.finish_before_close))
+    _wrap_method(manager, "__del__", _first(checkpointing.skip_close_wait))
     train_module = sys.modules.get("torchtitan.train")
     trainer = getattr(train_module, "Trainer", None)
     if isinstance(trainer, type):
@@ -276,16 +211,11 @@ def install_job_hooks() -> None:
 
 
 def build_remote_container(
-    model_parts: list[Any],
-    optimizer_cls: type,
-    optimizer_kwargs: dict[str, Any],
-    swap_times: int,
+    model_parts: list[Any], optimizer_cls: type, optimizer_kwargs: dict[str, Any], swap_times: int,
     optimizer_config: Any,
 ):
     """The ``swap_optimizer_backend = "remote"`` branch of the ``build_optimizers`` wrapper."""
-    settings = dataclasses.replace(
-        SwapSettings.of(optimizer_config), swap_optimizer_backend="remote", swap_optimizer_times=swap_times
-    )
-    return build_swap_container(
-        model_parts, optimizer_cls, optimizer_kwargs, settings, snapshot_dir=embedded_snapshot_dir(current_job_config())
-    )
+    remote = {"swap_optimizer_backend": "remote", "swap_optimizer_times": swap_times}
+    settings = dataclasses.replace(SwapSettings.of(optimizer_config), **remote)
+    where = {"snapshot_dir": embedded_snapshot_dir(current_job_config())}
+    return build_swap_container(model_parts, optimizer_cls, optimizer_kwargs, settings, **where)

@@ -1,22 +1,7 @@
 """torchtitan's model entry in a whole-state snapshot-mode checkpoint: a reference, not tensors.
 
-With ``swap_state_checkpoint = "snapshot"`` the remote container's snapshots hold the model's
-parameters and persistent buffers too (:mod:`swap_state.client.remote.model_area`), so the model's
-part of torchtitan's checkpoint (which ``CheckpointManager`` flattens into the top level of
-the checkpoint) is one key, :data:`MODEL_REF_KEY`, naming the same snapshot as the
-optimizer's entry. The glue (:func:`swap_state.client.torchtitan.glue.install_job_hooks`)
-puts a :class:`SnapshotModelWrapper` in place of torchtitan's ``ModelWrapper`` when the
-optimizers are such a container; with any other optimizer torchtitan is untouched.
-
-- **Save** (``CheckpointManager.save``, inside :func:`saving_checkpoint`): the reference;
-  the server takes the snapshot (one RPC, for model and optimizer together). The model-only
-  last save (``checkpoint.last_save_model_only``) stays real tensors: it is for export.
-- **Load**: the template follows the checkpoint (:func:`match_model_template`, called by the
-  glue's ``dcp_load`` with the checkpoint's keys): a reference for a whole-state checkpoint,
-  the model's tensors for any other (a seed checkpoint, a plain or a "full" checkpoint).
-  ``load_state_dict`` of a reference restores the snapshot server-side, unless the
-  optimizer's entry of the same checkpoint already did (DCP loads the optimizer first), and
-  the container puts the parameters back into the model.
+With ``swap_state_checkpoint = "snapshot"`` the snapshots hold the model's parameters too, so the
+model's part of the checkpoint is one key, :data:`MODEL_REF_KEY`, naming the optimizer's snapshot.
 """
 
 from __future__ import annotations
@@ -32,10 +17,7 @@ from torchtitan.components.checkpoint import ModelWrapper
 from swap_state.client.optim.checkpoint_template import MODEL_REF_KEY, OPTIMIZER_KEY, SnapshotCheckpointError
 
 __all__ = [
-    "MODEL_REF_KEY",
-    "ModelReferenceError",
-    "SnapshotModelWrapper",
-    "match_model_template",
+    "MODEL_REF_KEY", "ModelReferenceError", "SnapshotModelWrapper", "match_model_template",
     "saving_checkpoint",
 ]
 
@@ -44,8 +26,7 @@ _saving: contextvars.ContextVar[bool] = contextvars.ContextVar("swap_state_savin
 
 @contextlib.contextmanager
 def saving_checkpoint(refer: bool = True) -> Iterator[None]:
-    """While active, a :class:`SnapshotModelWrapper`'s ``state_dict()`` is the reference
-    (``refer``) or the model's tensors (``refer=False``: a model-only save)."""
+    """While active, a :class:`SnapshotModelWrapper`'s ``state_dict()`` is the reference (if ``refer``)."""
     token = _saving.set(refer)
     try:
         yield
@@ -77,8 +58,7 @@ class SnapshotModelWrapper(ModelWrapper):
         if isinstance(reference, bytes):
             reference = reference.decode()
         self.container.restore_reference(str(reference))  # puts the parameters back
-        # torchtitan's cache of the model's state dict: cache_state_dict in 0.2,
-        # cached_state_dict in 0.3.
+        # torchtitan's cache of the model's state dict (0.2's name, then 0.3's).
         for cache in ("cache_state_dict", "cached_state_dict"):
             if cache in self.__dict__:
                 self.__dict__[cache] = self._get_state_dict()
@@ -87,12 +67,8 @@ class SnapshotModelWrapper(ModelWrapper):
 def match_model_template(
     state_dict: dict[str, Any], wrapper: Any, keys: Collection[str], checkpoint_id: str | os.PathLike[str]
 ) -> None:
-    """Make the flattened load template ``state_dict`` hold the model in the checkpoint's
-    form: the reference where the checkpoint has one, else the model's tensors (in place).
-
-    ModelReferenceError when the checkpoint's model is a reference that this job cannot
-    restore: its optimizers keep no model in their snapshots, or the optimizer is left out
-    of the load (the snapshot restores both together)."""
+    """Make the load template ``state_dict`` hold the model in the checkpoint's form (in place);
+    ModelReferenceError where this job cannot restore the checkpoint's reference."""
     if MODEL_REF_KEY not in keys:
         if state_dict.pop(MODEL_REF_KEY, None) is not None and isinstance(wrapper, ModelWrapper):
             state_dict.update(ModelWrapper.state_dict(wrapper))

@@ -1,27 +1,9 @@
 """torchtitan 0.3's swap-state optimizer: a ``Configurable`` whose ``Config`` extends
 ``OptimizersContainer.Config`` with the settings 0.2 names ``optimizer.<name>``.
 
-``SwapStateOptimizersContainer.Config(...).build(model_parts=...)`` (what torchtitan's trainer
-calls) returns the container of ``swap_optimizer_backend``: the in-process
-:class:`~swap_state.client.optim.container.SwapOptimizersContainer` (``local``) or
-:class:`~swap_state.client.remote.container.RemoteSwapOptimizersContainer` (``remote``: the
-host's server, an embedded one without an address). Both are torchtitan
-``OptimizersContainer`` subclasses with the flat FQN-keyed state dict torchtitan 0.3 saves, so
-checkpoints load with and without swap-state.
-
-Param groups follow torchtitan's ``param_groups`` (first pattern wins, a pattern that matches
-nothing is an error), each with its own hyperparameters. Adam and AdamW groups are swapped, in
-one torch optimizer per model part (a group's ``decoupled_weight_decay`` is what makes it
-AdamW, and the update honours it per group). Groups of other optimizers (``DistMuon``) are left
-to torchtitan's own optimizer, logged once: stepped, scheduled and checkpointed by the
-container beside the swapped state (:mod:`swap_state.client.optim.unswapped`); whole-state
-snapshot checkpoints, which could not hold their state, refuse them naming the groups.
-
-``implementation = "fused_opt_states_bf16"`` keeps the moments in bfloat16, in the segment, its
-snapshots and exports (half the host memory and transfer). On CUDA the update is torch's fused
-mixed-precision kernel, as in torchtitan's own optimizer; on the CPU, where torch 2.13 has no such
-kernel, swap-state computes the same way in three steps (moments upcast, fp32 fused update,
-moments rounded to nearest even): see :func:`swap_state.client.optim.kernels.adam_update`.
+``Config(...).build(model_parts=...)`` returns the container of ``swap_optimizer_backend``. Adam
+and AdamW param groups are swapped (a group's ``decoupled_weight_decay`` decides its update);
+groups of other optimizers (``DistMuon``) are left to torchtitan's own (:mod:`.unswapped`).
 """
 
 from __future__ import annotations
@@ -35,17 +17,12 @@ import torch
 import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.utils import (
-    get_flat_optim_state_dict,
-    init_optim_state,
-    load_flat_optim_state_dict,
+    get_flat_optim_state_dict, init_optim_state, load_flat_optim_state_dict,
 )
 
 from swap_state.client.optim.unswapped import UnswappedOptimizers
 from swap_state.client.torchtitan.settings import (
-    SWAP_OPTIMIZER_CLASSES,
-    SwapSettings,
-    build_swap_container,
-    embedded_snapshot_dir,
+    SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, embedded_snapshot_dir,
 )
 
 __all__ = ["BF16_MOMENTS", "SwapStateOptimizersContainer", "build_swap_optimizers"]
@@ -58,14 +35,11 @@ BF16_MOMENTS = "fused_opt_states_bf16"
 
 
 class SwapStateOptimizersContainer(OptimizersContainer):
-    """The Configurable torchtitan 0.3 builds; its ``Config.build`` (and this class, called
-    like torchtitan's, ``SwapStateOptimizersContainer(config, model_parts=...)``) returns the
-    swap container of the configured backend (:func:`build_swap_optimizers`)."""
+    """The Configurable torchtitan 0.3 builds: it returns the configured swap container."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config, SwapSettings):
-        """torchtitan's optimizer Config and :class:`SwapSettings` (declared there, once for
-        both torchtitan lines), with 0.3's default backend and snapshot directory."""
+        """torchtitan's optimizer Config and :class:`SwapSettings`, with 0.3's defaults."""
 
         swap_optimizer_backend: Literal["local", "remote"] = "remote"
         """'remote': the host's swap-state-server (an embedded one for this trainer when no
@@ -87,8 +61,13 @@ def build_swap_optimizers(config: Any, *, model_parts: list[nn.Module]) -> Optim
     settings = SwapSettings.of(config)
     partitions = {id(model): _Partition.of(config, index, model) for index, model in enumerate(model_parts)}
     unswapped = [optimizer for partition in partitions.values() for optimizer in partition.unswapped]
-    if unswapped:
-        _check_unswapped_allowed(settings, partitions.values())
+    if unswapped and settings.swap_state_checkpoint == "snapshot":
+        others = ", ".join(other for partition in partitions.values() for other in partition.others)
+        raise NotImplementedError(
+            f"optimizer.swap_state_checkpoint = 'snapshot' keeps the whole state in swap-state's "
+            f"snapshots, but param groups {others} are not Adam or AdamW and their state would be "
+            "missing there: use swap_state_checkpoint = 'full', or Adam/AdamW for those parameters"
+        )
     amsgrad = any(group.get("amsgrad") for partition in partitions.values() for group in partition.swapped)
     snapshot_dir = config.swap_state_snapshot_dir or embedded_snapshot_dir(_trainer_dump_folder(config))
     return build_swap_container(
@@ -100,18 +79,15 @@ def build_swap_optimizers(config: Any, *, model_parts: list[nn.Module]) -> Optim
         snapshot_dir=snapshot_dir,
         param_groups=lambda model: partitions[id(model)].swapped,
         moment_dtype=torch.bfloat16 if config.implementation == BF16_MOMENTS else None,
-        # torchtitan 0.3's ModelWrapper checkpoints the module's own state dict (its hooks
-        # included: llama3 splits its fused wqkv into wq/wk/wv).
+        # 0.3's ModelWrapper checkpoints the module's own state dict (hooks: llama3 splits wqkv).
         model_state_dict=nn.Module.state_dict,
         unswapped=UnswappedOptimizers(unswapped, _flat_state_dict, _load_flat_state_dict) if unswapped else None,
     )
 
 
 class _Partition:
-    """One model part's parameters under ``config.param_groups`` (torchtitan's partition: the
-    first pattern wins, a pattern matching nothing is an error): the Adam and AdamW groups
-    swap-state swaps, completed with their optimizer's defaults (Adam's weight decay is 0,
-    AdamW's 0.01) as torchtitan's own optimizers would hold them, and torchtitan's own
+    """One model part's parameters under ``config.param_groups`` (torchtitan's partition): the
+    Adam and AdamW groups, completed with their optimizer's defaults, and torchtitan's own
     optimizers for the other groups."""
 
     def __init__(self, swapped: list[dict[str, Any]], unswapped: list[torch.optim.Optimizer], others: list[str]):
@@ -149,16 +125,6 @@ class _Partition:
         return cls(swapped, unswapped, others)
 
 
-def _check_unswapped_allowed(settings: SwapSettings, partitions: Any) -> None:
-    if settings.swap_state_checkpoint == "snapshot":
-        others = ", ".join(other for partition in partitions for other in partition.others)
-        raise NotImplementedError(
-            f"optimizer.swap_state_checkpoint = 'snapshot' keeps the whole state in swap-state's "
-            f"snapshots, but param groups {others} are not Adam or AdamW and their state would be "
-            "missing there: use swap_state_checkpoint = 'full', or Adam/AdamW for those parameters"
-        )
-
-
 def _flat_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     init_optim_state(optimizer)  # torchtitan's own order: state materialised first
     return get_flat_optim_state_dict(optimizer)
@@ -170,8 +136,7 @@ def _load_flat_state_dict(optimizer: torch.optim.Optimizer, flat: Any) -> None:
 
 
 def _complete_group(optimizer_cls: type, group: dict[str, Any], factory_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``group`` with every key torch's ``optimizer_cls`` would fill in, from a one-element
-    optimizer built with the same arguments (so torch's own defaults and checks apply)."""
+    """``group`` with every key torch's ``optimizer_cls`` fills in (from a one-element one)."""
     hyper = {key: value for key, value in group.items() if key not in _NOT_TORCH_GROUP_KEYS}
     template = optimizer_cls([torch.zeros(1)], **{**factory_kwargs, **hyper}).param_groups[0]
     complete = {key: value for key, value in template.items() if key not in _NOT_TORCH_GROUP_KEYS}
@@ -180,21 +145,14 @@ def _complete_group(optimizer_cls: type, group: dict[str, Any], factory_kwargs: 
 
 
 def _swap_optimizer_class(config: Any) -> type[torch.optim.Optimizer]:
-    """Adam when every swapped group is Adam, else AdamW (each group's
-    ``decoupled_weight_decay`` decides its update)."""
+    """Adam when every swapped group is Adam, else AdamW."""
     names = {group.optimizer_name for group in config.param_groups} & SWAP_OPTIMIZER_CLASSES.keys()
     return torch.optim.Adam if names == {"Adam"} else torch.optim.AdamW
 
 
 def _trainer_dump_folder(config: Any) -> str | None:
-    """The dump folder of the trainer config whose optimizer ``config`` is.
-
-    torchtitan 0.3 builds the optimizer from its config alone (``config.optimizer.build(
-    model_parts=...)`` in ``Trainer.__init__``); the job's dump folder, where an embedded
-    server keeps the job's snapshots so that a rerun finds them, is its caller's. It is read
-    from the calling frames: a local ``config`` whose ``optimizer`` is this very object.
-    None where there is none (the container was built outside a trainer).
-    """
+    """The dump folder of the trainer config whose optimizer ``config`` is, else None: torchtitan
+    0.3 builds the optimizer from its config alone, so it is a caller's local ``config``."""
     frame = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("config")

@@ -1,11 +1,8 @@
 """The swap-state settings of a torchtitan job and the container they build, for both lines.
 
-:class:`SwapSettings` declares them once: torchtitan 0.2's ``[optimizer]`` section
-(:mod:`swap_state.client.torchtitan.config`) and torchtitan 0.3's optimizer ``Config``
-(:mod:`swap_state.client.torchtitan.optimizers_v03`) are subclasses of it, so both lines'
-CLIs and TOML read the same fields, defaults and docstrings. Both adapters hand their config to
-:meth:`SwapSettings.of` and build with :func:`build_swap_container`, so a setting means the same
-on both lines and is checked in one place. Nothing here imports torchtitan.
+:class:`SwapSettings` declares them once: torchtitan 0.2's ``[optimizer]`` section and 0.3's
+optimizer ``Config`` subclass it, and both adapters build with :func:`build_swap_container`, so
+a setting means the same on both lines and is checked in one place. No torchtitan import here.
 """
 
 # No "from __future__ import annotations": torchtitan 0.2 merges the [optimizer] dataclass by its
@@ -25,16 +22,8 @@ from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
 from swap_state.client.remote.config import CHECKPOINT_MODES, ENV_JOB_ID, RemoteConfig
 
 __all__ = [
-    "BACKENDS",
-    "CHECKPOINT_MODES",
-    "SNAPSHOT_SUBDIR",
-    "SWAP_OPTIMIZER_CLASSES",
-    "SwapSettings",
-    "build_swap_container",
-    "check_choice",
-    "embedded_snapshot_dir",
-    "shared_job_id",
-    "snapshots_to_keep",
+    "BACKENDS", "CHECKPOINT_MODES", "SNAPSHOT_SUBDIR", "SWAP_OPTIMIZER_CLASSES", "SwapSettings",
+    "build_swap_container", "check_choice", "embedded_snapshot_dir", "shared_job_id", "snapshots_to_keep",
 ]
 
 #: ``optimizer.swap_optimizer_backend`` values.
@@ -50,9 +39,8 @@ SNAPSHOT_SUBDIR = "swap-state-snapshots"
 
 @dataclasses.dataclass(kw_only=True)  # torchtitan 0.3's Configurable takes keyword-only fields
 class SwapSettings:
-    """The settings both torchtitan lines share, under their names in the optimizer's config
-    (``optimizer.<name>``): the one declaration. torchtitan 0.3's Config overrides one default
-    (``swap_optimizer_backend``: 'remote') and adds ``swap_state_snapshot_dir``."""
+    """The settings both torchtitan lines share (``optimizer.<name>``); 0.3's Config defaults
+    ``swap_optimizer_backend`` to 'remote' and adds ``swap_state_snapshot_dir``."""
 
     swap_optimizer_times: int = DEFAULT_SWAP_TIMES
     """Number of slices the parameters are split into for the load/update/offload pipeline (>= 1)."""
@@ -70,27 +58,20 @@ class SwapSettings:
     rank reattaches to its state. Empty: $SWAP_STATE_JOB_ID, else one chosen by rank 0."""
 
     swap_state_checkpoint: Literal["full", "snapshot"] = "full"
-    """'full': state_dict() returns the moments (seed format). 'snapshot': checkpoints are
-    whole-state server-side snapshots: the model's parameters are copied into the segment
-    for each save's step, the checkpoint manager asks the server for one snapshot of model and
-    optimizer and stores two small references to it; a load restores it and puts the
-    parameters back (needs swap_optimizer_backend = "remote"; `swap-state export --format
-    torchtitan` makes a plain checkpoint of one). Loading follows the checkpoint: a plain
-    or 'full' checkpoint loads its tensors in either mode."""
+    """'full': state_dict() returns the moments (seed format). 'snapshot': a checkpoint holds
+    references to a whole-state server-side snapshot of model and optimizer (needs
+    swap_optimizer_backend = "remote"; `swap-state export` makes a plain one). A load follows
+    the checkpoint: a plain one loads its tensors in either mode."""
 
     swap_state_server_wait_s: float = RemoteConfig.server_wait_s
-    """Seconds a save in 'snapshot' mode waits for a swap-state server that is unreachable
-    (restarting after a crash, being upgraded) before it fails naming the address. Training
-    steps never wait for the server: they go on while it restarts."""
+    """Seconds a save in 'snapshot' mode waits for an unreachable swap-state server (restarting,
+    being upgraded) before it fails naming the address. Training steps never wait for it."""
 
     @classmethod
     def of(cls, config: Any) -> "SwapSettings":
-        """The settings of an optimizer config (missing attributes: the defaults), checked:
-        a bad value raises ValueError naming ``optimizer.<field>`` and the allowed values."""
+        """The settings of an optimizer config (missing attributes: the defaults), checked."""
         defaults = cls()
-        values = {
-            f.name: getattr(config, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(cls)
-        }
+        values = {f.name: getattr(config, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(cls)}
         settings = cls(**values)
         settings.check()
         return settings
@@ -116,24 +97,20 @@ def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 
 
 def snapshots_to_keep(keep_latest_k: int) -> int:
-    """The snapshots a job must keep so that every checkpoint torchtitan keeps loads:
-    ``keep_latest_k + 1`` (0: all). torchtitan (0.2 and 0.3) keeps up to one more than
-    ``keep_latest_k``: its last-step save does not purge, and a save's purge runs after it,
-    on a thread, so a trainer that dies in between leaves k + 1 as well."""
+    """The snapshots a job keeps so that every checkpoint torchtitan keeps loads (0: all):
+    torchtitan keeps up to ``keep_latest_k + 1`` (its last-step save does not purge)."""
     return 0 if keep_latest_k <= 0 else keep_latest_k + 1
 
 
 def embedded_snapshot_dir(dump_folder: str | None) -> str | None:
-    """``<dump_folder>/swap-state-snapshots`` (absolute), where an embedded server keeps the
-    job's snapshots so that a rerun of the job finds them; None without a dump folder."""
+    """``<dump_folder>/swap-state-snapshots`` (absolute); None without a dump folder."""
     if not dump_folder:
         return None
     return os.path.join(os.path.abspath(os.path.expanduser(dump_folder)), SNAPSHOT_SUBDIR)
 
 
 def shared_job_id(configured: str) -> str:
-    """The configured id, else $SWAP_STATE_JOB_ID, else one id chosen by rank 0 and
-    broadcast, so every rank of the run names the same job (snapshots span all ranks)."""
+    """The configured id, else $SWAP_STATE_JOB_ID, else one chosen by rank 0 and broadcast."""
     job_id = configured or os.environ.get(ENV_JOB_ID, "")
     if job_id:
         return job_id
@@ -144,29 +121,14 @@ def shared_job_id(configured: str) -> str:
 
 
 def build_swap_container(
-    model_parts: list[nn.Module],
-    optimizer_cls: type[torch.optim.Optimizer],
-    optimizer_kwargs: dict[str, Any],
-    settings: SwapSettings,
-    *,
-    snapshot_dir: str | None = None,
+    model_parts: list[nn.Module], optimizer_cls: type[torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any], settings: SwapSettings, *, snapshot_dir: str | None = None,
     param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
     moment_dtype: torch.dtype | None = None,
-    model_state_dict: Callable[[nn.Module], dict[str, Any]] | None = None,
-    unswapped: Any = None,
+    model_state_dict: Callable[[nn.Module], dict[str, Any]] | None = None, unswapped: Any = None,
     local_container_cls: type | None = None,
 ):
-    """The container ``settings`` ask for: in-process (``local``) or on the host's server.
-
-    ``snapshot_dir`` is where an embedded server (no address configured or in the
-    environment) keeps snapshots; ``param_groups`` builds a model part's groups (default:
-    one group of every trainable parameter); ``moment_dtype`` (None: the parameters') is the
-    moments' dtype; ``model_state_dict`` reads the model's checkpoint form (None: torch's
-    ``get_model_state_dict``, torchtitan 0.2's; see RemoteConfig); ``unswapped`` are the
-    optimizers of parameters swap-state does not swap (``UnswappedOptimizers``);
-    ``local_container_cls`` replaces
-    :class:`SwapOptimizersContainer` (the seed's tests patch it on the facade).
-    """
+    """The container ``settings`` ask for (``local_container_cls``: the seed's tests patch it)."""
     # Only what is set: the seed's tests patch in containers that take none of these.
     given = {"param_groups": param_groups, "moment_dtype": moment_dtype, "unswapped": unswapped}
     extra = {name: value for name, value in given.items() if value is not None}
@@ -185,12 +147,7 @@ def build_swap_container(
         model_state_dict=model_state_dict,
     )
     return RemoteSwapOptimizersContainer(
-        model_parts,
-        optimizer_cls,
-        optimizer_kwargs,
-        settings.swap_optimizer_times,
-        server=settings.swap_state_server or None,
-        job_id=shared_job_id(settings.swap_state_job_id),
-        config=config,
-        **extra,
-    )
+        model_parts, optimizer_cls, optimizer_kwargs, settings.swap_optimizer_times,
+        server=settings.swap_state_server or None, job_id=shared_job_id(settings.swap_state_job_id),
+        config=config, **extra,
+    )  # fmt: skip

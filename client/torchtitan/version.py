@@ -1,11 +1,5 @@
-"""Which torchtitan line is installed, and the error that names the other line's switch.
-
-torchtitan 0.2 is configured by TOML files and custom config modules, 0.3 by config registries
-and ``--override.imports``; swap-state has one adapter for each (0.2:
-:mod:`swap_state.client.torchtitan.glue`, 0.3: :mod:`swap_state.client.torchtitan_override`).
-The line is told by what the installed torchtitan has (0.3's override mechanism), not by its
-version string, which source installs leave at 0.0.0.
-"""
+"""Which torchtitan line is installed (by its features: source installs say 0.0.0), and the
+error that names the other line's switch."""
 
 from __future__ import annotations
 
@@ -33,8 +27,7 @@ def torchtitan_line() -> str:
 
 
 def require_line(line: str, entry: str) -> None:
-    """Raise :class:`WrongTorchtitanLine` naming the installed line's switch unless ``line``
-    is installed; ``entry`` names what was imported."""
+    """Raise :class:`WrongTorchtitanLine` naming the installed line's switch unless ``line`` is it."""
     installed = torchtitan_line()
     if installed != line:
         raise WrongTorchtitanLine(
