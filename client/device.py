@@ -201,13 +201,8 @@ class DeviceBackend:
                 if rc != 0:
                     self._unregister_chunks(done, quiet=True)
                     end = chunks[-1][0] + chunks[-1][1]
-                    raise HostRegistrationError(
-                        f"{self.type} host register of chunk [{chunk_ptr:#x}, "
-                        f"{chunk_ptr + chunk_size:#x}) ({chunk_size} bytes) failed with return "
-                        f"code {rc} ({self._describe_return_code(rc)}) while registering "
-                        f"[{ptr:#x}, {end:#x}) in {len(chunks)} chunk(s)",
-                        return_code=rc, ptr=chunk_ptr, nbytes=chunk_size,
-                    )
+                    whole = f" while registering [{ptr:#x}, {end:#x}) in {len(chunks)} chunk(s)"
+                    raise self._error("register", chunk_ptr, chunk_size, rc, whole)
                 done.append((chunk_ptr, chunk_size))
             registration = HostRegistration(ptr, sum(size for _, size in chunks), tuple(chunks))
             self._registrations[ptr] = registration
@@ -266,46 +261,48 @@ class DeviceBackend:
         for chunk_ptr, chunk_size in chunks:
             rc = self._unregister_chunk(chunk_ptr)
             if rc != 0 and first is None:
-                first = HostRegistrationError(
-                    f"{self.type} host unregister of [{chunk_ptr:#x}, {chunk_ptr + chunk_size:#x}) "
-                    f"failed with return code {rc} ({self._describe_return_code(rc)})",
-                    return_code=rc, ptr=chunk_ptr, nbytes=chunk_size,
-                )
+                first = self._error("unregister", chunk_ptr, chunk_size, rc)
         if first is not None:
             if not quiet:
                 raise first
             # Rolling back after a failed register: the register error is the one to report.
             logger.error("%s", first)
 
+    def _error(self, action: str, ptr: int, nbytes: int, rc: int, context: str = "") -> HostRegistrationError:
+        return HostRegistrationError(
+            f"{self.type} host {action} of chunk [{ptr:#x}, {ptr + nbytes:#x}) ({nbytes} bytes) failed "
+            f"with return code {rc} ({self._describe_return_code(rc)}){context}",
+            return_code=rc, ptr=ptr, nbytes=nbytes,
+        )
+
     def _register_chunk(self, ptr: int, nbytes: int) -> int:
         """Register one page-aligned chunk; return the runtime's code (0 = success)."""
-        if self.type == "cuda":
-            return _cuda_host_register(ptr, nbytes)
-        if self.type == "npu":
-            self._ensure_npu_context()
-            return _acl_host_register(ptr, nbytes)
-        return 0
+        calls = self._vendor_calls()
+        return calls[0](ptr, nbytes) if calls else 0
 
     def _unregister_chunk(self, ptr: int) -> int:
         """Unregister one chunk; return the runtime's code (0 = success)."""
-        if self.type == "cuda":
-            return _cuda_host_unregister(ptr)
+        calls = self._vendor_calls()
+        return calls[1](ptr) if calls else 0
+
+    def _vendor_calls(self) -> tuple[Any, Any] | None:
+        """This backend's (register, unregister) calls; None on CPU."""
         if self.type == "npu":
-            self._ensure_npu_context()
-            return _acl_host_unregister(ptr)
-        return 0
+            # ACL calls act on the calling thread's context; torch_npu creates it lazily.
+            module = self._accel()
+            module.set_device(module.current_device())
+        return _HOST_REGISTER_CALLS.get(self.type)
 
     def _describe_return_code(self, rc: int) -> str:
         if self.type == "cuda":
             return _cuda_error_string(rc)
-        if self.type == "npu":
-            return "aclError; see the CANN error code list"
-        return "no-op backend"
+        return "aclError; see the CANN error code list" if self.type == "npu" else "no-op backend"
 
-    def _ensure_npu_context(self) -> None:
-        # ACL calls act on the calling thread's context; torch_npu creates it lazily.
-        module = self._accel()
-        module.set_device(module.current_device())
+
+_HOST_REGISTER_CALLS = {
+    "cuda": (_cuda_host_register, _cuda_host_unregister),
+    "npu": (_acl_host_register, _acl_host_unregister),
+}
 
 
 # -- selection ------------------------------------------------------------------------------------

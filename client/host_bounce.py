@@ -17,16 +17,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 __all__ = [
     "BOUNCE_SLOTS", "BOUNCE_SLOT_BYTES", "PROBE_MARGIN_S", "PROBE_SLOWDOWN", "BounceRing", "BouncedRanges",
-    "CopyProbe", "ProbeConfig", "ProbedDevice", "copies_are_async", "host_bytes", "needs_bounce",
-    "npu_versions", "probe_registered_copies", "warn_synchronous_copies",
+    "CopyProbe", "ProbeConfig", "copies_are_async", "host_bytes", "needs_bounce",
+    "npu_versions", "probe_registered_copies",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,19 +58,6 @@ class ProbeConfig:
     nbytes: int = 4 << 20
     busy_side: int = 2048
     busy_matmuls: int = 8
-
-
-class ProbedDevice(Protocol):
-    """What the probe uses of :class:`~swap_state.client.device.DeviceBackend`."""
-
-    type: str
-    copy_probe: ProbeConfig
-
-    def current_device(self) -> torch.device: ...
-    def alloc_host(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor: ...
-    def stream(self) -> Any: ...
-    def use_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
-    def event(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -107,7 +93,7 @@ def host_bytes(ptr: int, nbytes: int) -> torch.Tensor:
 
 
 def probe_registered_copies(
-    backend: ProbedDevice, ptr: int, nbytes: int, config: ProbeConfig = ProbeConfig()
+    backend: Any, ptr: int, nbytes: int, config: ProbeConfig = ProbeConfig()
 ) -> CopyProbe:
     """Time a non-blocking H2D copy from ``[ptr, ptr + nbytes)`` (only read) against one from
     pinned memory, each on a side stream behind ``config``'s device work."""
@@ -133,9 +119,13 @@ def probe_registered_copies(
     return CopyProbe(registered_pending, registered_s, pinned_pending, pinned_s)
 
 
-def needs_bounce(backend: ProbedDevice, ptr: int, nbytes: int) -> bool:
+_WARNED_SYNCHRONOUS = False
+
+
+def needs_bounce(backend: Any, ptr: int, nbytes: int) -> bool:
     """Whether copies from a new registration must bounce (after the process's one WARNING).
     A probe that fails says False: a check must not fail what it checks."""
+    global _WARNED_SYNCHRONOUS
     try:
         probe = probe_registered_copies(backend, ptr, nbytes, backend.copy_probe)
     except Exception as exc:
@@ -143,27 +133,17 @@ def needs_bounce(backend: ProbedDevice, ptr: int, nbytes: int) -> bool:
         return False
     if copies_are_async(probe):
         return False
-    versions = npu_versions() if backend.type == "npu" else f"{backend.type}, torch {torch.__version__}"
-    warn_synchronous_copies(versions, probe)
+    if not _WARNED_SYNCHRONOUS:  # the process's one WARNING
+        _WARNED_SYNCHRONOUS = True
+        versions = npu_versions() if backend.type == "npu" else f"{backend.type}, torch {torch.__version__}"
+        logger.warning(
+            "%s: a non-blocking copy from memory registered with aclrtHostRegister is not "
+            "asynchronous (the host waited %.2f ms, %.2f ms from pinned memory); copies from "
+            "registered host memory go through a small ring of pinned bounce buffers from now on "
+            "(slower than direct DMA; a torch_npu / CANN that honours aclrtHostRegister avoids it)",
+            versions, probe.registered_seconds * 1e3, probe.pinned_seconds * 1e3,
+        )  # fmt: skip
     return True
-
-
-_WARNED_SYNCHRONOUS = False
-
-
-def warn_synchronous_copies(versions: str, probe: CopyProbe) -> None:
-    """The one WARNING of a process whose runtime does not honour registered memory."""
-    global _WARNED_SYNCHRONOUS
-    if _WARNED_SYNCHRONOUS:
-        return
-    _WARNED_SYNCHRONOUS = True
-    logger.warning(
-        "%s: a non-blocking copy from memory registered with aclrtHostRegister is not "
-        "asynchronous (the host waited %.2f ms, %.2f ms from pinned memory); copies from "
-        "registered host memory go through a small ring of pinned bounce buffers from now on "
-        "(slower than direct DMA; a torch_npu / CANN that honours aclrtHostRegister avoids it)",
-        versions, probe.registered_seconds * 1e3, probe.pinned_seconds * 1e3,
-    )  # fmt: skip
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -115,21 +115,17 @@ def _chunk_ends(
 
 
 # -- CUDA through torch.cuda.cudart() -------------------------------------------------------
-def _cudart() -> Any:
-    return torch.cuda.cudart()
-
-
 def _cuda_host_register(ptr: int, nbytes: int) -> int:
-    return _cuda_return_code(_cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+    return _cuda_return_code(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
 
 
 def _cuda_host_unregister(ptr: int) -> int:
-    return _cuda_return_code(_cudart().cudaHostUnregister(ptr))
+    return _cuda_return_code(torch.cuda.cudart().cudaHostUnregister(ptr))
 
 
 def _cuda_error_string(rc: int) -> str:
     try:
-        cudart = _cudart()
+        cudart = torch.cuda.cudart()
         return str(cudart.cudaGetErrorString(cudart.cudaError(rc)))
     except Exception:  # the description is best effort; the code is what counts
         return "cudaError"
@@ -141,7 +137,7 @@ def _cuda_return_code(rc: Any) -> int:
     rc = int(rc)
     if rc == 0:
         return rc
-    clear = getattr(_cudart(), "cudaGetLastError", None)
+    clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
     if clear is None:
         library = _loaded_library("libcudart.so")
         clear = None if library is None else library.cudaGetLastError
