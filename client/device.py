@@ -341,10 +341,7 @@ def select_device_type() -> DeviceType:
                 f"{DEVICE_ENV_VAR}={forced} but no {forced} device is available in this process"
             )
         return device_type
-    for device_type in _DEVICE_TYPES:
-        if _available(device_type):
-            return device_type
-    return "cpu"
+    return next(device_type for device_type in _DEVICE_TYPES if _available(device_type))  # "cpu" at last
 
 
 _BACKEND: DeviceBackend | None = None

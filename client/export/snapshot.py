@@ -234,39 +234,35 @@ def read_snapshot_state(locations: Sequence[Location], progress: bool | None = F
     by its tier, and assemble it. ``progress``, a bar of the bytes read: None shows it on a
     terminal once the read takes over a second; True always; False never."""
     disable = False if progress else None if progress is None else True
-    with tqdm(total=sum(info.bytes for _, info in locations), unit="B", unit_scale=True, delay=1.0,
-              desc=f"export {locations[0][1].snapshot_id}", disable=disable) as bar:
-        return _read(locations, bar)
-
-
-def _read(locations: Sequence[Location], bar: tqdm) -> SnapshotState:
     optimizer, model = _Assembler(), _Assembler()
     extras: dict[str, Any] = {}
     aliases: dict[str, str] = {}
     ranks: list[int] = []
-    for tier, info in locations:
-        for rank in info.ranks:  # all of the job's, or one host's share of a multi-host job
-            if rank in ranks:
-                continue
-            ranks.append(rank)
-            manifest = tier.read_manifest(info, rank)
-            tier.check_data_header(info, manifest)
-            where = str(info.path / manifest.data_file)
-            for record in manifest.tensors:
-                tensor = _tensor(tier.read_tensor(info, manifest, record), record)
-                if is_model_tensor(record.name):
-                    model.add(record.fqn or record.name[len(MODEL_PREFIX) :], record, tensor, where)
-                elif not _is_bookkeeping(record):
-                    optimizer.add(_state_key(record), record, tensor, where)
-                bar.update(record.nbytes)
-            for fqn, value in manifest.steps.items():
-                extras.setdefault(state_key(fqn, "step"), _decode_step(value))
-            for fqn, group in manifest.param_groups.items():
-                for hp, value in group.items():
-                    extras.setdefault(param_group_key(fqn, hp), _decode(value))
-            layouts = [TensorLayout(t.name, t.dtype, t.shape, 0, t.nbytes) for t in manifest.tensors]
-            metadata = parse_metadata(manifest.metadata_json, layouts, max_bytes=sys.maxsize)
-            aliases.update(metadata.model_aliases)
+    with tqdm(total=sum(info.bytes for _, info in locations), unit="B", unit_scale=True, delay=1.0,
+              desc=f"export {locations[0][1].snapshot_id}", disable=disable) as bar:
+        for tier, info in locations:
+            for rank in info.ranks:  # all of the job's, or one host's share of a multi-host job
+                if rank in ranks:
+                    continue
+                ranks.append(rank)
+                manifest = tier.read_manifest(info, rank)
+                tier.check_data_header(info, manifest)
+                where = str(info.path / manifest.data_file)
+                for record in manifest.tensors:
+                    tensor = _tensor(tier.read_tensor(info, manifest, record), record)
+                    if is_model_tensor(record.name):
+                        model.add(record.fqn or record.name[len(MODEL_PREFIX) :], record, tensor, where)
+                    elif not _is_bookkeeping(record):
+                        optimizer.add(_state_key(record), record, tensor, where)
+                    bar.update(record.nbytes)
+                for fqn, value in manifest.steps.items():
+                    extras.setdefault(state_key(fqn, "step"), _decode_step(value))
+                for fqn, group in manifest.param_groups.items():
+                    for hp, value in group.items():
+                        extras.setdefault(param_group_key(fqn, hp), _decode(value))
+                layouts = [TensorLayout(t.name, t.dtype, t.shape, 0, t.nbytes) for t in manifest.tensors]
+                metadata = parse_metadata(manifest.metadata_json, layouts, max_bytes=sys.maxsize)
+                aliases.update(metadata.model_aliases)
     first = locations[0][1]
     state = optimizer.finish(first)
     clash = set(state) & set(extras)
