@@ -147,13 +147,11 @@ def _size(text: str) -> int:
 
 
 def _seconds(text: str) -> float:
+    """A number; the config refuses one out of the flag's range, naming the flag."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
-    return value
 
 
 def _host_port(text: str) -> tuple[str | None, int]:
