@@ -229,11 +229,10 @@ class StoredSnapshots(SnapshotTier):
         if first is None or sorted(named) != list(range(first.world_size)):
             return None
         markers = self.markers(job_id, step, list(named.values()))
-        if len({(index.world_size, index.attempt, index.tenant) for index in markers.values()}) != 1:
-            return None  # markers of two attempts at the step (re-uploading, or another world size)
-        world_size = next(iter(markers.values())).world_size
-        if sorted(markers) != list(range(world_size)):
-            return None
+        if len(markers) != len(named) or len({(m.world_size, m.attempt, m.tenant)
+                                               for m in markers.values()}) != 1:
+            return None  # an invalid marker, or two attempts at the step (re-uploading, another world size)
+        world_size = markers[0].world_size
         files = tuple(record for rank in sorted(markers) for record in markers[rank].files)
         return self._info(SnapshotIndex(job_id, step, world_size, tuple(range(world_size)), files,
                                         max(m.created_unix for m in markers.values()), markers[0].attempt,
