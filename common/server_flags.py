@@ -227,8 +227,7 @@ def parse_server_argv(
     try:
         return config_from_args(args)
     except ConfigError as exc:
-        parser.error(str(exc))
-        raise AssertionError("unreachable") from None  # parser.error exits
+        parser.error(str(exc))  # exits
 
 
 _NEGATIVE = re.compile(r"-\d")

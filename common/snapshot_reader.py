@@ -248,7 +248,6 @@ class SnapshotReader(SnapshotTier):
         return complete[-1][0]
 
     def list(self, job_id: str | None = None) -> list[SnapshotInfo]:
-        """Complete snapshots of one job (or of all jobs), ordered by job, then step."""
         infos: list[SnapshotInfo] = []
         for job in [validate_job_id(job_id, SnapshotInvalid)] if job_id is not None else self.jobs():
             complete = self.complete(job)
