@@ -384,3 +384,14 @@ class SegmentHeader:
 
     def release(self) -> None:
         self._all.release()
+
+
+class HeaderWriter:
+    """Base of the two writers of a header (:mod:`.server_header`, :mod:`.trainer_header`)."""
+
+    def __init__(self, header: SegmentHeader):
+        self.segment = header
+        """The header itself: reads of every word, the cow table, the slots."""
+
+    def __getitem__(self, word: Word) -> int:
+        return self.segment[word]
