@@ -8,8 +8,6 @@ buffers); where it has no wheel, ``zlib.crc32`` and zlib's ``crc32_combine`` wri
 
 from __future__ import annotations
 
-import zlib
-
 __all__ = ["IMPLEMENTATION", "crc32", "crc32_combine", "format_crc", "parse_crc"]
 
 _POLY = 0xEDB88320  # the reflected CRC-32 polynomial
@@ -49,18 +47,15 @@ def _python_crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return _multmodp(_x2nmodp(len2, 3), crc1) ^ (crc2 & 0xFFFFFFFF)
 
 
+# crc32(data, value=0): CRC-32 of any bytes-like ``data``; ``value`` continues a running one.
 try:
-    from isal.isal_zlib import crc32 as _crc32, crc32_combine as _crc32_combine
+    from isal.isal_zlib import crc32, crc32_combine as _crc32_combine
     IMPLEMENTATION = "isal"
 except ImportError:  # no isal wheel for this platform: the standard library (slower)
-    _crc32, _crc32_combine = zlib.crc32, _python_crc32_combine
+    from zlib import crc32
+    _crc32_combine = _python_crc32_combine
     IMPLEMENTATION = "zlib"
 """Which implementation :func:`crc32` / :func:`crc32_combine` use: ``isal`` or ``zlib``."""
-
-
-def crc32(data, value: int = 0) -> int:
-    """CRC-32 of ``data`` (any bytes-like object); ``value`` continues a running checksum."""
-    return _crc32(data, value)
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:

@@ -61,13 +61,11 @@ def protect_chunk(
         return False
     slot = header.free_slot()
     if slot is None:  # back-pressure: wait for a free slot, or for the server to make it safe
-        found: dict[str, int | None] = {"slot": None, "epoch": epoch}
-
         def slot_or_safe() -> bool:
-            found["slot"] = header.free_slot()
-            found["epoch"] = header[Word.SNAP_EPOCH]
-            safe = not _needs_copy(header, chunk.index, found["epoch"])
-            return found["slot"] is not None or safe or (server_gone is not None and server_gone())
+            nonlocal slot, epoch
+            slot, epoch = header.free_slot(), header[Word.SNAP_EPOCH]
+            safe = not _needs_copy(header, chunk.index, epoch)
+            return slot is not None or safe or (server_gone is not None and server_gone())
 
         waited_since = time.monotonic_ns()
         try:
@@ -81,7 +79,6 @@ def protect_chunk(
                 f"{header[Word.STAGED_UPTO]} of {layout.n_chunks} chunks)"
             )
         # While waiting the server may have read or staged this chunk, or finished.
-        slot, epoch = found["slot"], found["epoch"]
         if not _needs_copy(header, chunk.index, epoch):
             return False
         if slot is None:  # the server is gone: nobody will free a slot

@@ -34,7 +34,7 @@ touches the other's, ``STAGE_SLOTS`` changes only while ``SNAP_EPOCH == 0``, and
    ``SLOT_TAKEN[j] += 1`` and last ``COW_EPOCH[c] = e``, then overwrites. Without a free slot
    it waits (back-pressure, counted in ``BP_WAITS``/``BP_WAIT_NS``; copies in ``COW_COPIES``).
 5. Whole-state snapshots: the model tensors (``model.<fqn>``, the last ones, from
-   :func:`first_model_chunk` on) change only when the trainer copies step N's parameters into
+   :attr:`SegmentLayout.model_from` on) change only when the trainer copies step N's parameters into
    them, for a snapshot of step N, started right before asking for it (overlapped with the
    next forward/backward). It protects their chunks by step 4 first (an earlier epoch may be
    open), and stores ``MODEL_STEP = N + 1`` once the copy has landed; a value above N when the
@@ -85,7 +85,7 @@ __all__ = [
     "TensorLayout", "Chunk", "SegmentLayout", "SegmentHeader", "align_up", "layout_hash",
     "layout_hash_word", "segment_file_bytes", "tensor_nbytes", "plan_segment", "chunk_table",
     "committed_step", "ASSUMED_FWD_BWD_S", "ASSUMED_PERSIST_BYTES_PER_S", "CopyBudget",
-    "copy_budget_needed", "stager_slot_count", "first_model_chunk", "model_bytes"
+    "copy_budget_needed", "stager_slot_count", "model_bytes"
 ]
 
 MAGIC = int.from_bytes(b"SWAPST01", "little")
@@ -207,16 +207,6 @@ class CopyBudget:
         )
 
 
-def first_model_chunk(tensors: Sequence["TensorLayout"], chunk_bytes: int) -> int:
-    """Index of the first chunk of the model tensors (protocol step 5); the chunk count if none."""
-    index = 0
-    for tensor in tensors:
-        if is_model_tensor(tensor.name):
-            return index
-        index += -(-tensor.nbytes // chunk_bytes)
-    return index
-
-
 def model_bytes(tensors: Sequence["TensorLayout"]) -> int:
     """Bytes of a segment's model tensors (parameters and persistent buffers)."""
     return sum(t.nbytes for t in tensors if is_model_tensor(t.name))
@@ -268,7 +258,13 @@ class SegmentLayout:
 
     @functools.cached_property
     def model_from(self) -> int:
-        return first_model_chunk(self.tensors, self.chunk_bytes)
+        """Index of the first chunk of the model tensors (protocol step 5); n_chunks if none."""
+        index = 0
+        for tensor in self.tensors:
+            if is_model_tensor(tensor.name):
+                return index
+            index += -(-tensor.nbytes // self.chunk_bytes)
+        return index
 
 
 def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
@@ -388,3 +384,14 @@ class SegmentHeader:
 
     def release(self) -> None:
         self._all.release()
+
+
+class HeaderWriter:
+    """Base of the two writers of a header (:mod:`.server_header`, :mod:`.trainer_header`)."""
+
+    def __init__(self, header: SegmentHeader):
+        self.segment = header
+        """The header itself: reads of every word, the cow table, the slots."""
+
+    def __getitem__(self, word: Word) -> int:
+        return self.segment[word]

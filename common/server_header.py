@@ -10,20 +10,13 @@ runs (:meth:`open_snapshot`, :meth:`close_snapshot`); the writer thread (:meth:`
 
 from __future__ import annotations
 
-from .segment import MAGIC, LAYOUT_VERSION, SegmentHeader, SegmentLayout, Word, layout_hash_word
+from .segment import MAGIC, LAYOUT_VERSION, HeaderWriter, SegmentLayout, Word, layout_hash_word
 
 __all__ = ["ServerHeader"]
 
 
-class ServerHeader:
+class ServerHeader(HeaderWriter):
     """The server's writes to one segment header."""
-
-    def __init__(self, header: SegmentHeader):
-        self.segment = header
-        """The header itself, for reads."""
-
-    def __getitem__(self, word: Word) -> int:
-        return self.segment[word]
 
     def initialize(self, layout: SegmentLayout, digest: str = "", descriptor_bytes: int = 0) -> None:
         """Once, on a zero-filled segment: the layout words, the descriptor's place (written

@@ -382,6 +382,15 @@ class SnapshotIndex:
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.files)
 
+    @classmethod
+    def parse(cls, raw: bytes, job_id: str, step: int) -> SnapshotIndex | None:
+        """The index in ``raw`` when it is valid and names ``job_id`` and ``step``, else None."""
+        try:
+            index = cls.from_json(json.loads(raw))
+        except ValueError:
+            return None
+        return index if (index.job_id, index.step) == (job_id, step) else None
+
     def file(self, name: str) -> FileRecord | None:
         return next((record for record in self.files if record.name == name), None)
 

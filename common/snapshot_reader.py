@@ -16,6 +16,7 @@ by the server's store. Reading needs no lock: the writer publishes by atomic ren
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -41,8 +42,7 @@ from .snapshot_format import (
 )
 
 __all__ = [
-    "SnapshotInfo", "SnapshotReader", "SnapshotTier", "RankFileVerifier", "READ_BLOCK_BYTES",
-    "check_manifest_sizes", "parse_rank_manifest"
+    "SnapshotInfo", "SnapshotReader", "SnapshotTier", "RankFileVerifier", "READ_BLOCK_BYTES"
 ]
 
 READ_BLOCK_BYTES = 8 << 20
@@ -67,6 +67,11 @@ class SnapshotInfo:
     latest: bool
     """Whether ``latest`` of its job resolves to it."""
     index: SnapshotIndex = dataclasses.field(repr=False, compare=False)
+
+    @classmethod
+    def of(cls, index: SnapshotIndex, path: pathlib.Path, latest: bool = False) -> SnapshotInfo:
+        return cls(snapshot_id_for(index.job_id, index.step), index.job_id, index.step, index.world_size,
+                   path, index.total_bytes, latest, index)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -135,24 +140,25 @@ class SnapshotTier(abc.ABC):
         record = info.index.file(name)
         if record is None:
             raise SnapshotCorrupt(f"the index of {info.path} does not list {name}")
-        return parse_rank_manifest(info, rank, self._read_listed(info, record), record, info.path / name)
+        raw = self._read_listed(info, record)
+        try:
+            manifest = RankManifest.from_json(json.loads(raw))
+        except ValueError as exc:
+            raise SnapshotCorrupt(f"{info.path / name} is not a valid manifest: {exc}") from None
+        if (manifest.job_id, manifest.step, manifest.rank, manifest.world_size) != (
+            info.job_id, info.step, rank, info.world_size,
+        ) or manifest.data_file != rank_data_name(rank):
+            raise SnapshotCorrupt(f"{info.path / name} describes another snapshot or rank")
+        return manifest
 
     def read_layout(self, info: SnapshotInfo) -> bytes | None:
         """The step's ``layout.json``, checked against the index; None when it lists none."""
-        record = info.index.layout
-        if record is None:
-            return None
-        raw = self._read_listed(info, record)
-        check_listed(raw, record, info.path / record.name)
-        return raw
+        return None if info.index.layout is None else self._read_listed(info, info.index.layout)
 
     def check_data_header(self, info: SnapshotInfo, manifest: RankManifest) -> None:
         """The data file's size and safetensors header, against the manifest."""
         verifier = RankFileVerifier(info, manifest)
-        size = self._size(info, manifest.data_file)
-        if size is None:
-            raise SnapshotCorrupt(f"{verifier.path} is missing")
-        verifier.check_size(size)
+        verifier.check_size(self._present_size(info, manifest.data_file))
         verifier.check_header(self._read_range(info, manifest.data_file, 0, len(verifier.header)))
 
     def read_tensor(self, info: SnapshotInfo, manifest: RankManifest, tensor: TensorRecord) -> bytes:
@@ -162,14 +168,22 @@ class SnapshotTier(abc.ABC):
             raise SnapshotCorrupt(f"{info.path / manifest.data_file}: tensor {tensor.name!r} fails its checksum")
         return data
 
-    def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
-        """A file the index lists, its size checked before it is read (a bad one may be huge)."""
-        size = self._size(info, record.name)
+    def _present_size(self, info: SnapshotInfo, name: str) -> int:
+        size = self._size(info, name)
         if size is None:
-            raise SnapshotCorrupt(f"{info.path / record.name} is missing")
+            raise SnapshotCorrupt(f"{info.path / name} is missing")
+        return size
+
+    def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
+        """A file the index lists, its size checked before it is read (a bad one may be huge),
+        then its crc32."""
+        size = self._present_size(info, record.name)
         if size != record.bytes:
             raise SnapshotCorrupt(f"{info.path / record.name} is {size} bytes, its index says {record.bytes}")
-        return self._read_range(info, record.name, 0, size)
+        raw = self._read_range(info, record.name, 0, size)
+        if len(raw) != record.bytes or crc32(raw) != record.crc32:
+            raise SnapshotCorrupt(f"{info.path / record.name} does not match its checksum in {INDEX_NAME}")
+        return raw
 
 
 class SnapshotReader(SnapshotTier):
@@ -201,10 +215,9 @@ class SnapshotReader(SnapshotTier):
     def load_index(self, job_id: str, path: pathlib.Path, step: int) -> SnapshotIndex | None:
         """The index of a complete snapshot directory, None when it is not one."""
         try:
-            index = SnapshotIndex.from_json(json.loads((path / INDEX_NAME).read_bytes()))
-        except (OSError, ValueError):
+            return SnapshotIndex.parse((path / INDEX_NAME).read_bytes(), job_id, step)
+        except OSError:
             return None
-        return index if (index.job_id, index.step) == (job_id, step) else None
 
     def complete(self, job_id: str) -> list[tuple[int, pathlib.Path, SnapshotIndex]]:
         """(step, directory, index) of every complete snapshot of ``job_id``."""
@@ -235,14 +248,11 @@ class SnapshotReader(SnapshotTier):
         return complete[-1][0]
 
     def list(self, job_id: str | None = None) -> list[SnapshotInfo]:
-        """Complete snapshots of one job (or of all jobs), ordered by job, then step."""
         infos: list[SnapshotInfo] = []
         for job in [validate_job_id(job_id, SnapshotInvalid)] if job_id is not None else self.jobs():
             complete = self.complete(job)
             latest = self._latest_step(job, complete)
-            for step, path, index in complete:
-                infos.append(SnapshotInfo(snapshot_id_for(job, step), job, step, index.world_size, path,
-                                          index.total_bytes, step == latest, index))
+            infos.extend(SnapshotInfo.of(index, path, step == latest) for step, path, index in complete)
         return infos
 
     def resolve(self, snapshot_id: str, job_id: str | None = None) -> SnapshotInfo:
@@ -271,39 +281,26 @@ class SnapshotReader(SnapshotTier):
         )
 
     def _size(self, info: SnapshotInfo, name: str) -> int | None:
-        try:
-            return (info.path / name).stat().st_size
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise SnapshotError(f"cannot read {info.path / name}: {exc}") from None
+        with _reading(info.path / name):
+            try:
+                return (info.path / name).stat().st_size
+            except FileNotFoundError:
+                return None
 
     def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
-        try:
+        with _reading(info.path / name):
             return read_range(info.path / name, offset, nbytes)
-        except FileNotFoundError:
-            raise SnapshotCorrupt(f"{info.path / name} is missing") from None
-        except OSError as exc:
-            raise SnapshotError(f"cannot read {info.path / name}: {exc}") from None
 
     def verify_data(self, info: SnapshotInfo, manifest: RankManifest) -> None:
         """Read the rank's safetensors file once through :class:`RankFileVerifier`."""
         verifier = RankFileVerifier(info, manifest)
-        path = verifier.path
-        try:
-            with open(path, "rb") as file:  # buffered: read(n) returns n bytes before the end
-                verifier.check_size(os.fstat(file.fileno()).st_size)
-                verifier.check_header(file.read(len(verifier.header)))
-                block = memoryview(bytearray(READ_BLOCK_BYTES))
-                while True:
-                    n = file.readinto(block)
-                    if not n:
-                        break
-                    verifier.feed(block[:n])
-        except FileNotFoundError:
-            raise SnapshotCorrupt(f"{path} is missing") from None
-        except OSError as exc:
-            raise SnapshotError(f"cannot read {path}: {exc}") from None
+        # buffered: read(n) returns n bytes before the end
+        with _reading(verifier.path), open(verifier.path, "rb") as file:
+            verifier.check_size(os.fstat(file.fileno()).st_size)
+            verifier.check_header(file.read(len(verifier.header)))
+            block = memoryview(bytearray(READ_BLOCK_BYTES))
+            while n := file.readinto(block):
+                verifier.feed(block[:n])
         verifier.finish()
 
 
@@ -323,9 +320,22 @@ class RankFileVerifier:
     """
 
     def __init__(self, info: SnapshotInfo, manifest: RankManifest):
+        """Checks what the manifest implies before a byte of the data is read: the file listed
+        in ``snapshot.json``, sizes from dtypes and shapes, no gaps."""
         self.path = info.path / manifest.data_file
         self._record = info.index.file(manifest.data_file)
-        self.header, self.expected_size = check_manifest_sizes(info, manifest)
+        if self._record is None:
+            raise SnapshotCorrupt(f"{info.path / INDEX_NAME} does not list {manifest.data_file}")
+        self.header = manifest.header_bytes()
+        position = 0
+        for tensor in manifest.tensors:
+            nbytes = math.prod(tensor.shape) * DTYPE_ITEMSIZE[tensor.dtype]
+            if tensor.nbytes != nbytes or tensor.data_offsets != (position, position + nbytes):
+                raise SnapshotCorrupt(f"{self.path}: manifest entry of {tensor.name!r} is inconsistent")
+            position += tensor.nbytes
+        self.expected_size = len(self.header) + position
+        if manifest.data_start != len(self.header) or manifest.data_file_bytes != self.expected_size:
+            raise SnapshotCorrupt(f"{self.path}: manifest sizes do not match its tensors")
         self._tensors = manifest.tensors
         self._index = 0  # the tensor the next byte belongs to
         self._left = self._tensors[0].nbytes if self._tensors else 0
@@ -378,48 +388,6 @@ class RankFileVerifier:
             raise SnapshotCorrupt(f"{self.path} does not match its checksum in {INDEX_NAME}")
 
 
-def parse_rank_manifest(info: SnapshotInfo, rank: int, raw: bytes, record: FileRecord, where: object) -> RankManifest:
-    """A rank's manifest from its bytes, checked against its ``record`` in the index (size,
-    crc32) and against the snapshot (job, step, rank, world size, data file name).
-    SnapshotCorrupt names ``where`` (the file or object read)."""
-    check_listed(raw, record, where)
-    try:
-        manifest = RankManifest.from_json(json.loads(raw))
-    except ValueError as exc:
-        raise SnapshotCorrupt(f"{where} is not a valid manifest: {exc}") from None
-    if (manifest.job_id, manifest.step, manifest.rank, manifest.world_size) != (
-        info.job_id, info.step, rank, info.world_size,
-    ) or manifest.data_file != rank_data_name(rank):
-        raise SnapshotCorrupt(f"{where} describes another snapshot or rank")
-    return manifest
-
-
-def check_listed(raw: bytes, record: FileRecord, where: object) -> None:
-    """SnapshotCorrupt unless ``raw`` has the size and crc32 the index records for it."""
-    if len(raw) != record.bytes or crc32(raw) != record.crc32:
-        raise SnapshotCorrupt(f"{where} does not match its checksum in {INDEX_NAME}")
-
-
-def check_manifest_sizes(info: SnapshotInfo, manifest: RankManifest) -> tuple[bytes, int]:
-    """(safetensors header, data file size) the manifest implies, checked before a byte of the
-    data is read: listed in ``snapshot.json``, sizes from dtypes and shapes, no gaps."""
-    path = info.path / manifest.data_file
-    if info.index.file(manifest.data_file) is None:
-        raise SnapshotCorrupt(f"{info.path / INDEX_NAME} does not list {manifest.data_file}")
-    header = manifest.header_bytes()
-    position = 0
-    for tensor in manifest.tensors:
-        if tensor.nbytes != math.prod(tensor.shape) * DTYPE_ITEMSIZE[tensor.dtype] or tensor.data_offsets != (
-            position, position + tensor.nbytes,
-        ):
-            raise SnapshotCorrupt(f"{path}: manifest entry of tensor {tensor.name!r} is inconsistent")
-        position += tensor.nbytes
-    expected = len(header) + position
-    if manifest.data_start != len(header) or manifest.data_file_bytes != expected:
-        raise SnapshotCorrupt(f"{path}: manifest sizes do not match its tensors")
-    return header, expected
-
-
 def _rank_ranges(ranks: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``[0-2, 5]``; ``[2, 3]`` stays ``[2, 3]``."""
     parts: list[str] = []
@@ -427,3 +395,14 @@ def _rank_ranges(ranks: Sequence[int]) -> str:
         run = [rank for _, rank in group]
         parts.extend([f"{run[0]}-{run[-1]}"] if len(run) >= 3 else map(str, run))
     return "[" + ", ".join(parts) + "]"
+
+
+@contextlib.contextmanager
+def _reading(path: object):
+    """A missing file is SnapshotCorrupt, any other failure to read it SnapshotError."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise SnapshotCorrupt(f"{path} is missing") from None
+    except OSError as exc:
+        raise SnapshotError(f"cannot read {path}: {exc}") from None

@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import json
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -132,12 +131,11 @@ class StoredSnapshots(SnapshotTier):
                 self._markers.move_to_end(cache_key)
                 return self._markers[cache_key]
         try:
-            index = SnapshotIndex.from_json(json.loads(self.store.get(info.key)))
+            index = SnapshotIndex.parse(self.store.get(info.key), job_id, step)
         except FileNotFoundError:
             return None  # removed while listing: not cached
-        except ValueError:
-            index = None
-        if index is not None and not _is_marker_of(index, job_id, step, rank):
+        names = {rank_data_name(rank), rank_manifest_name(rank)}
+        if index is not None and (index.ranks != (rank,) or {r.name for r in index.files} != names):
             index = None
         with self._lock:
             self._markers[cache_key] = index
@@ -182,15 +180,11 @@ class StoredSnapshots(SnapshotTier):
                 raw = self.store.get(key)
         except SnapshotCorrupt:  # missing: a step being uploaded, or put before indexes
             return None
-        try:
-            index = SnapshotIndex.from_json(json.loads(raw))
-        except ValueError:
-            return None
-        names = {record.name for record in index.files}
-        whole = all(rank_data_name(r) in names and rank_manifest_name(r) in names for r in range(index.world_size))
-        if (index.job_id, index.step) != (job_id, step) or not index.complete_job or not whole:
-            return None
-        return index
+        index = SnapshotIndex.parse(raw, job_id, step)
+        names = set() if index is None else {record.name for record in index.files}
+        whole = index is not None and index.complete_job and all(
+            rank_data_name(r) in names and rank_manifest_name(r) in names for r in range(index.world_size))
+        return index if whole else None
 
     def publish_step_index(self, job_id: str, step: int,
                            layout: Callable[[SnapshotInfo], bytes] | None = None) -> bool:
@@ -235,19 +229,17 @@ class StoredSnapshots(SnapshotTier):
         if first is None or sorted(named) != list(range(first.world_size)):
             return None
         markers = self.markers(job_id, step, list(named.values()))
-        if len({(index.world_size, index.attempt, index.tenant) for index in markers.values()}) != 1:
-            return None  # markers of two attempts at the step (re-uploading, or another world size)
-        world_size = next(iter(markers.values())).world_size
-        if sorted(markers) != list(range(world_size)):
-            return None
+        if len(markers) != len(named) or len({(m.world_size, m.attempt, m.tenant)
+                                               for m in markers.values()}) != 1:
+            return None  # an invalid marker, or two attempts at the step (re-uploading, another world size)
+        world_size = markers[0].world_size
         files = tuple(record for rank in sorted(markers) for record in markers[rank].files)
         return self._info(SnapshotIndex(job_id, step, world_size, tuple(range(world_size)), files,
                                         max(m.created_unix for m in markers.values()), markers[0].attempt,
                                         tenant=markers[0].tenant))
 
     def _info(self, index: SnapshotIndex) -> SnapshotInfo:
-        return SnapshotInfo(snapshot_id_for(index.job_id, index.step), index.job_id, index.step, index.world_size,
-                            self.location(index.job_id, index.step), index.total_bytes, False, index)  # type: ignore[arg-type]
+        return SnapshotInfo.of(index, self.location(index.job_id, index.step))  # type: ignore[arg-type]
 
     def resolve(self, snapshot_id: str, job_id: str | None = None) -> SnapshotInfo:
         """A complete snapshot in the store; SnapshotNotFound naming the store otherwise.
@@ -271,14 +263,6 @@ class StoredSnapshots(SnapshotTier):
         key = self.key(info.job_id, info.step, name)
         with self._reading(key):
             return self.store.get_range(key, offset, nbytes)
-
-
-def _is_marker_of(index: SnapshotIndex, job_id: str, step: int, rank: int) -> bool:
-    names = {record.name for record in index.files}
-    return (
-        (index.job_id, index.step, index.ranks) == (job_id, step, (rank,))
-        and names == {rank_data_name(rank), rank_manifest_name(rank)}
-    )
 
 
 def _with_latest(info: SnapshotInfo) -> SnapshotInfo:

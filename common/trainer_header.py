@@ -14,20 +14,13 @@ Call order over a trainer's life::
 
 from __future__ import annotations
 
-from .segment import SegmentHeader, Word
+from .segment import HeaderWriter, Word
 
 __all__ = ["TrainerHeader"]
 
 
-class TrainerHeader:
+class TrainerHeader(HeaderWriter):
     """The trainer's writes to one segment header (in the module docstring's order)."""
-
-    def __init__(self, header: SegmentHeader):
-        self.segment = header
-        """The header itself: reads of every word, the cow table, the slots."""
-
-    def __getitem__(self, word: Word) -> int:
-        return self.segment[word]
 
     # -- ownership -----------------------------------------------------------------------
     def claim(self, generation: int) -> None:
