@@ -178,16 +178,22 @@ class HostCaches:
         allocated = owner._allocate_host_cache(entries)
         checked = [(entry, self.checked(entry, allocated.get(entry.param))) for entry in entries]
         for entry, host in checked:
-            owner.param_to_cpu_states_map[entry.param] = host
-            state = owner.optimizers[entry.optimizer_index].state[entry.param]
-            state.clear()
-            state.update(device_placeholders(entry.param, host))
-            owner.param_to_device_states_map[entry.param] = state
+            self.set(entry, host)
+
+    def set(self, entry: HostCacheEntry, host: HostCache, placeholders: dict[str, Any] | None = None) -> None:
+        """Make ``host`` ``entry.param``'s cache, with ``placeholders`` (default: built now) in
+        its ``optimizer.state``."""
+        owner = self._owner
+        owner.param_to_cpu_states_map[entry.param] = host
+        state = owner.optimizers[entry.optimizer_index].state[entry.param]
+        state.clear()
+        state.update(device_placeholders(entry, host) if placeholders is None else placeholders)
+        owner.param_to_device_states_map[entry.param] = state
 
 
-def device_placeholders(param: torch.Tensor, host: HostCache) -> dict[str, Any]:
-    """Zero-storage stand-ins for ``optimizer.state[param]`` (None where no moment)."""
-    return {key: None if host.get(key) is None else placeholder_like(param, host[key]) for key in MOMENT_KEYS}
+def device_placeholders(entry: HostCacheEntry, host: HostCache) -> dict[str, Any]:
+    """Zero-storage stand-ins for ``optimizer.state[param]`` (None where the entry has no moment)."""
+    return {key: placeholder_like(entry.param, host[key]) if key in entry.keys else None for key in MOMENT_KEYS}
 
 
 def placeholder_like(param: Any, tensor: torch.Tensor) -> Any:

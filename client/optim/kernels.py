@@ -9,7 +9,6 @@ so slice by slice gives the same bits as one call.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from swap_state.client.optim.host_cache import STEP_KEY, HostCache, SliceStates,
 __all__ = [
     "DEFAULT_IMPLEMENTATION", "IMPLEMENTATIONS", "PendingSlice", "SlicePlan", "SliceWork", "adam_update",
     "checked_param_and_grad", "grad_on_param_placements", "PlacementError", "checked_slice",
-    "full_slice_work", "fused_adam_update", "fused_check_passes", "group_implementation",
+    "full_slice_work", "fused_check_passes", "group_implementation",
     "pin_default_implementation", "plan_slice", "plan_slices", "slice_work", "steps_on_device",
 ]
 
@@ -139,22 +138,40 @@ def plan_slices(sizes: Sequence[int], times: int) -> list[range]:
     return [run for run in slices if len(run)]
 
 
-def fused_adam_update(
+def adam_update(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], state_steps: list[torch.Tensor], *,
     group: Mapping[str, Any], grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-    steps: torch.Tensor | None = None,
+    steps: torch.Tensor | None = None, upcast: bool = False,
 ) -> None:
-    """One fused Adam/AdamW update of local tensors, steps incremented as torch does.
-
-    ``steps``: the vector ``state_steps`` are views of (or None); with one kernel call it takes
-    one ``add_`` instead of a CPU foreach's one op per tensor (the same float32 ``+ 1``).
-    """
+    """One Adam/AdamW update of local tensors in ``group``'s implementation, steps incremented as
+    torch does. ``upcast``: moments of a lower precision than CPU parameters. ``steps``: the vector
+    ``state_steps`` are views of (or None); with one fused kernel call it takes one ``add_``
+    instead of a CPU foreach's one op per tensor (the same float32 ``+ 1``)."""
     if not params:
         return
-    if group.get("differentiable", False):
-        raise RuntimeError("Adam with fused=True does not support differentiable=True")
-    beta1, beta2 = (_to_scalar(beta) for beta in group["betas"])
+    if upcast:
+        moments, update = (exp_avgs, exp_avg_sqs, max_exp_avg_sqs), {"grad_scale": grad_scale, "found_inf": found_inf}
+        return _upcast_update(params, grads, moments, state_steps, group=group, steps=steps, **update)
+    implementation = group_implementation(group)
+    beta1, beta2 = group["betas"]
+    if implementation != "fused":
+        capturable = bool(group.get("capturable", False))
+        if implementation == "foreach" and isinstance(group["lr"], torch.Tensor) and not capturable:
+            # Adam._init_group's check, word for word.
+            raise RuntimeError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        torch_functional_adam(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+            foreach=implementation == "foreach", capturable=capturable, fused=False,
+            differentiable=bool(group.get("differentiable", False)), grad_scale=grad_scale, found_inf=found_inf,
+            has_complex=any(torch.is_complex(p) for p in params),
+            decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)), amsgrad=group["amsgrad"],
+            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+            maximize=group["maximize"],
+        )  # fmt: skip
+        return
+    # torch's _fused_adam for tensors already gathered (differentiable was refused when checked).
+    beta1, beta2 = _to_scalar(beta1), _to_scalar(beta2)
     lr = group["lr"]
     kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
     # As torch: a tensor lr on an accelerator is moved to each device.
@@ -190,42 +207,6 @@ def _add_to_steps(vector: torch.Tensor | None, steps: list[torch.Tensor], minus:
         torch._foreach_add_(steps, 1)
     else:
         torch._foreach_sub_(steps, [minus] * len(steps))
-
-
-def adam_update(
-    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], state_steps: list[torch.Tensor], *,
-    group: Mapping[str, Any], grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-    steps: torch.Tensor | None = None, upcast: bool = False,
-) -> None:
-    """One Adam/AdamW update of local tensors in ``group``'s implementation (``steps``: see
-    :func:`fused_adam_update`). ``upcast``: moments of a lower precision than CPU parameters."""
-    if not params:
-        return
-    if upcast:
-        moments, update = (exp_avgs, exp_avg_sqs, max_exp_avg_sqs), {"grad_scale": grad_scale, "found_inf": found_inf}
-        return _upcast_update(params, grads, moments, state_steps, group=group, steps=steps, **update)
-    implementation = group_implementation(group)
-    if implementation == "fused":
-        fused_adam_update(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-            group=group, grad_scale=grad_scale, found_inf=found_inf, steps=steps,
-        )  # fmt: skip
-        return
-    capturable = bool(group.get("capturable", False))
-    if implementation == "foreach" and isinstance(group["lr"], torch.Tensor) and not capturable:
-        # Adam._init_group's check, word for word.
-        raise RuntimeError("lr as a Tensor is not supported for capturable=False and foreach=True")
-    beta1, beta2 = group["betas"]
-    torch_functional_adam(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-        foreach=implementation == "foreach", capturable=capturable, fused=False,
-        differentiable=bool(group.get("differentiable", False)), grad_scale=grad_scale, found_inf=found_inf,
-        has_complex=any(torch.is_complex(p) for p in params),
-        decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)), amsgrad=group["amsgrad"],
-        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-        maximize=group["maximize"],
-    )  # fmt: skip
 
 
 def _upcast_update(
@@ -327,24 +308,8 @@ def full_slice_work(planned: SlicePlan, grads: list[Any]) -> SliceWork | None:
         local_grads = present
     if indices is None:
         return dataclasses.replace(full, local_params=local_params, local_grads=local_grads)
-    return _subset(full, indices, local_params, local_grads)
-
-
-def _subset(
-    full: SliceWork, indices: list[int], local_params: list[torch.Tensor], local_grads: list[torch.Tensor]
-) -> SliceWork:
-    """``full`` restricted to sorted ``indices`` (the step vector's run where consecutive)."""
-    tensors = {key: [values[i] for i in indices] for key, values in full.host.tensors.items()}
-    runs = []
-    for group, start, end in full.runs:
-        low, high = bisect.bisect_left(indices, start), bisect.bisect_left(indices, end)
-        if high > low:
-            runs.append((group, low, high))
-    steps, first = full.host.steps, indices[0]
-    consecutive = indices[-1] - first + 1 == len(indices)
-    steps = steps[first : first + len(indices)] if steps is not None and consecutive else None
-    params = [full.params[i] for i in indices]
-    return SliceWork(params, local_params, local_grads, SliceStates(tensors, steps), runs)
+    groups, hosts = [planned.groups[i] for i in indices], [planned.hosts[i] for i in indices]
+    return slice_work(params, groups, local_params, local_grads, hosts)  # type: ignore[arg-type]
 
 
 def checked_slice(

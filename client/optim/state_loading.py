@@ -20,7 +20,7 @@ from swap_state.client.optim import dtensor_utils  # attributes: the seed's test
 from swap_state.client.optim.flat_state_dict import FlatIndex, clone_value
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.client.optim.host_cache import (
-    HostCaches, placeholder_like, MOMENT_KEYS, STEP_KEY, HostCache, HostCacheEntry, as_number, group_map,
+    HostCaches, MOMENT_KEYS, device_placeholders, STEP_KEY, HostCache, HostCacheEntry, as_number, group_map,
     has_data, host_cache_ready, moments_dtype, moment_keys, step_tensor,
 )
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
@@ -33,8 +33,6 @@ class _ParamLoad:
     """A validated, prepared load of one parameter (``entry``: its host cache's layout)."""
 
     entry: HostCacheEntry
-    optim: Optimizer
-    group: dict[str, Any]
     sources: dict[str, torch.Tensor | None]  # None: never stepped in the checkpoint -> zeros
     step: float
     host: HostCache | None
@@ -80,19 +78,25 @@ class StateLoader:
             for group_index, group in enumerate(optim.param_groups):
                 group_load = _plan_group_load(index, optim, group, fqns)
                 loads = [
-                    self._plan_param_load(index, optimizer_index, group_index, optim, group_load, param, fqns)
+                    self._plan_param_load(index, optimizer_index, group_index, group_load, param, fqns)
                     for param in group["params"]
                 ]
                 if STEP_KEY not in group_load.values and STEP_KEY in group and loads:
                     group_load.values[STEP_KEY] = step_tensor(max(load.step for load in loads))
                 plan.groups.append(group_load)
                 plan.params.extend(loads)
-        self._prepare_load(plan)
+        missing = [load for load in plan.params if load.host is None]  # allocated; nothing live changes
+        if missing:
+            allocated = self._owner._allocate_host_cache([load.entry for load in missing])
+            for load in missing:
+                load.host = self._host_caches.checked(load.entry, allocated.get(load.entry.param))
+        for load in plan.params:
+            load.placeholders = device_placeholders(load.entry, load.host)  # type: ignore[arg-type]
         return plan
 
     def _plan_param_load(
-        self, index: FlatIndex, optimizer_index: int, group_index: int, optim: Optimizer,
-        group_load: _GroupLoad, param: torch.Tensor, fqns: Mapping[torch.Tensor, tuple[str, ...]],
+        self, index: FlatIndex, optimizer_index: int, group_index: int, group_load: _GroupLoad,
+        param: torch.Tensor, fqns: Mapping[torch.Tensor, tuple[str, ...]],
     ) -> _ParamLoad:
         """One parameter's load: its sources (under any alias), checked against its shard."""
         aliases = param_fqns(fqns, param, optimizer_index)
@@ -105,21 +109,7 @@ class StateLoader:
         ready = host is not None and host_cache_ready(host, group_load.group, local_param, dtype)
         where = (optimizer_index, group_index)
         entry = HostCacheEntry(param, aliases[0], keys, local_param.shape, dtype, *where)
-        return _ParamLoad(entry, optim, group_load.group, sources, step, host if ready else None)
-
-    def _prepare_load(self, plan: _LoadPlan) -> None:
-        """Allocate missing host caches and build placeholders; nothing live changes."""
-        missing = [load for load in plan.params if load.host is None]
-        if missing:
-            entries = [load.entry for load in missing]
-            allocated = self._owner._allocate_host_cache(entries)
-            for load, entry in zip(missing, entries, strict=True):
-                load.host = self._host_caches.checked(entry, allocated.get(entry.param))
-        for load in plan.params:
-            assert load.host is not None
-            load.placeholders = dict.fromkeys(MOMENT_KEYS)
-            for key in load.entry.keys:
-                load.placeholders[key] = placeholder_like(load.entry.param, load.host[key])
+        return _ParamLoad(entry, sources, step, host if ready else None)
 
     def _commit_load(self, plan: _LoadPlan) -> None:
         """Apply a prepared plan; on an error, dict-level state is restored (not copied bytes)."""
@@ -152,12 +142,7 @@ class StateLoader:
         host[STEP_KEY].fill_(load.step)  # type: ignore[union-attr]
         for key in MOMENT_KEYS:
             host.setdefault(key, None)
-        param = load.entry.param
-        self._owner.param_to_cpu_states_map[param] = host
-        state = load.optim.state[param]
-        state.clear()
-        state.update(load.placeholders)
-        self._owner.param_to_device_states_map[param] = state
+        self._host_caches.set(load.entry, host, load.placeholders)
 
     def _rollback_point(self) -> Callable[[], None]:
         """Snapshot every dict ``_commit_load`` mutates; the returned callable restores them."""
