@@ -297,22 +297,23 @@ def _load_steps(backend: DeviceBackend, work: SliceWork) -> tuple[list[Any], tor
     host = work.host
     places = {steps_on_device(group) for group, _, _ in work.runs}
     if host.steps is not None and len(places) == 1:
-        if places.pop():
-            vector = torch.empty(host.steps.shape, dtype=STEP_DTYPE, device=work.local_params[0].device)
-            backend.copy_to_device(vector, host.steps)
-        else:
-            vector = host.steps.clone()
+        vector = _load_step(backend, host.steps, places.pop(), work.local_params[0].device)
         return list(vector.unbind()), vector
-    steps: list[Any] = []
-    for group, start, end in work.runs:
-        for index in range(start, end):
-            if steps_on_device(group):
-                step = torch.empty((), dtype=STEP_DTYPE, device=work.local_params[index].device)
-                backend.copy_to_device(step, host.tensors[STEP_KEY][index])
-            else:  # torch's layout without fused/capturable: the step stays on the CPU
-                step = host.tensors[STEP_KEY][index].clone()
-            steps.append(step)
+    steps = [
+        _load_step(backend, host.tensors[STEP_KEY][index], steps_on_device(group), work.local_params[index].device)
+        for group, start, end in work.runs
+        for index in range(start, end)
+    ]
     return steps, None
+
+
+def _load_step(backend: DeviceBackend, host: torch.Tensor, on_device: bool, device: torch.device) -> torch.Tensor:
+    """A copy of host steps on ``device``, or on the CPU (torch's layout without fused/capturable)."""
+    if not on_device:
+        return host.clone()
+    step = torch.empty(host.shape, dtype=STEP_DTYPE, device=device)
+    backend.copy_to_device(step, host)
+    return step
 
 
 def _buffers(device: SliceStates) -> list[torch.Tensor]:
