@@ -197,9 +197,6 @@ class SwapOptimizersContainer(OptimizersContainer):
             self._after_step()
         return loss
 
-    def _swap_pipeline_enabled(self) -> bool:
-        return self._steps.enabled()
-
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Flat ``state.<fqn>.<key>`` / ``param_groups.<fqn>.<key>`` dict over the host cache

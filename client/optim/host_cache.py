@@ -193,7 +193,8 @@ class HostCaches:
 
 def device_placeholders(entry: HostCacheEntry, host: HostCache) -> dict[str, Any]:
     """Zero-storage stand-ins for ``optimizer.state[param]`` (None where the entry has no moment)."""
-    return {key: placeholder_like(entry.param, host[key]) if key in entry.keys else None for key in MOMENT_KEYS}
+    keys = entry.keys
+    return {key: placeholder_like(entry.param, host[key]) if key in keys else None for key in MOMENT_KEYS}
 
 
 def placeholder_like(param: Any, tensor: torch.Tensor) -> Any:

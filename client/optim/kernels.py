@@ -151,8 +151,16 @@ def adam_update(
     if not params:
         return
     if upcast:
-        moments, update = (exp_avgs, exp_avg_sqs, max_exp_avg_sqs), {"grad_scale": grad_scale, "found_inf": found_inf}
-        return _upcast_update(params, grads, moments, state_steps, group=group, steps=steps, **update)
+        # Lower-precision moments on the CPU, where torch has no mixed-precision kernel: what the
+        # CUDA one does, in three steps (upcast, update, ``copy_`` back rounding to nearest even).
+        moments = (exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
+        wide = [[moment.to(param.dtype) for moment, param in zip(kind, params)] for kind in moments]
+        update = {"group": group, "grad_scale": grad_scale, "found_inf": found_inf, "steps": steps}
+        adam_update(params, grads, *wide, state_steps, **update)
+        for kind, values in zip(moments, wide):
+            for moment, value in zip(kind, values):
+                moment.copy_(value)
+        return
     implementation = group_implementation(group)
     beta1, beta2 = group["betas"]
     if implementation != "fused":
@@ -163,7 +171,8 @@ def adam_update(
         torch_functional_adam(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
             foreach=implementation == "foreach", capturable=capturable, fused=False,
-            differentiable=bool(group.get("differentiable", False)), grad_scale=grad_scale, found_inf=found_inf,
+            differentiable=bool(group.get("differentiable", False)),
+            grad_scale=grad_scale, found_inf=found_inf,
             has_complex=any(torch.is_complex(p) for p in params),
             decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)), amsgrad=group["amsgrad"],
             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
@@ -207,19 +216,6 @@ def _add_to_steps(vector: torch.Tensor | None, steps: list[torch.Tensor], minus:
         torch._foreach_add_(steps, 1)
     else:
         torch._foreach_sub_(steps, [minus] * len(steps))
-
-
-def _upcast_update(
-    params: list[torch.Tensor], grads: list[torch.Tensor], moments: tuple[list[torch.Tensor], ...],
-    state_steps: list[torch.Tensor], **update: Any,
-) -> None:
-    """Lower-precision moments on the CPU, where torch has no mixed-precision kernel: what the
-    CUDA one does, in three steps (upcast, update, ``copy_`` back rounding to nearest even)."""
-    upcast = [[moment.to(param.dtype) for moment, param in zip(kind, params)] for kind in moments]
-    adam_update(params, grads, *upcast, state_steps, **update)
-    for kind, wide in zip(moments, upcast):
-        for moment, value in zip(kind, wide):
-            moment.copy_(value)
 
 
 def _on_device(
@@ -295,15 +291,16 @@ def full_slice_work(planned: SlicePlan, grads: list[Any]) -> SliceWork | None:
         present = [grads[index] for index in indices]
     params = full.params if indices is None else [full.params[index] for index in indices]
     if planned.dtensor:
-        if not all(isinstance(grad, DTensor) for grad in present) or any(grad.is_sparse for grad in present):
-            return None
-        if any(grad.placements != param.placements for param, grad in zip(params, present, strict=True)):
-            return None
+        pairs = zip(params, present, strict=True)
+        fits = all(isinstance(grad, DTensor) and grad.placements == param.placements for param, grad in pairs)
+    else:
+        fits = all(type(grad) is torch.Tensor for grad in present)
+    if not fits or any(grad.is_sparse for grad in present):
+        return None
+    if planned.dtensor:
         unwrap = dtensor_utils.unwrap_dtensor
         local_params, local_grads = [unwrap(p) for p in params], [unwrap(g) for g in present]
     else:
-        if not all(type(grad) is torch.Tensor for grad in present) or any(grad.is_sparse for grad in present):
-            return None
         local_params = full.local_params if indices is None else [full.local_params[i] for i in indices]
         local_grads = present
     if indices is None:

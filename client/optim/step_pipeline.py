@@ -300,14 +300,14 @@ def _load_steps(backend: DeviceBackend, work: SliceWork) -> tuple[list[Any], tor
         vector = _load_step(backend, host.steps, places.pop(), work.local_params[0].device)
         return list(vector.unbind()), vector
     steps = [
-        _load_step(backend, host.tensors[STEP_KEY][index], steps_on_device(group), work.local_params[index].device)
+        _load_step(backend, host.tensors[STEP_KEY][i], steps_on_device(group), work.local_params[i].device)
         for group, start, end in work.runs
-        for index in range(start, end)
+        for i in range(start, end)
     ]
     return steps, None
 
 
-def _load_step(backend: DeviceBackend, host: torch.Tensor, on_device: bool, device: torch.device) -> torch.Tensor:
+def _load_step(backend: DeviceBackend, host: torch.Tensor, on_device: bool, device: Any) -> torch.Tensor:
     """A copy of host steps on ``device``, or on the CPU (torch's layout without fused/capturable)."""
     if not on_device:
         return host.clone()
