@@ -259,22 +259,18 @@ def plan_slice(
 ) -> SlicePlan:
     """The plan of one slice; the fused kernel's device and dtype check is made here, once, as
     torch makes it when it creates a parameter's state."""
-    locals_: list[torch.Tensor | None] = []
     hosts: list[HostCache | None] = []
     kinds = set()
     full = True
     for param, group in zip(params, groups, strict=True):
-        is_dtensor = isinstance(param, DTensor)
-        kinds.add(is_dtensor)
+        kinds.add(isinstance(param, DTensor))
         local = dtensor_utils.unwrap_dtensor(param)
-        locals_.append(None if is_dtensor else local)
         host = caches.get(param)
         ready = host_cache_ready(host, group) and host.get(STEP_KEY) is not None  # type: ignore[union-attr]
         hosts.append(host if ready else None)
         full = full and ready and not group.get("differentiable", False) and fused_check_passes(local, group)
-    work = None
-    if full and len(kinds) == 1:
-        work = slice_work(params, groups, [] if True in kinds else locals_, [], hosts)  # type: ignore[arg-type]
+    full = full and len(kinds) == 1
+    work = slice_work(params, groups, [], [], hosts) if full else None  # type: ignore[arg-type]
     return SlicePlan(params, groups, hosts, work, True in kinds)
 
 
@@ -297,12 +293,10 @@ def full_slice_work(planned: SlicePlan, grads: list[Any]) -> SliceWork | None:
         fits = all(type(grad) is torch.Tensor for grad in present)
     if not fits or any(grad.is_sparse for grad in present):
         return None
+    local_params, local_grads = params, present  # a plain tensor is its own local shard
     if planned.dtensor:
         unwrap = dtensor_utils.unwrap_dtensor
         local_params, local_grads = [unwrap(p) for p in params], [unwrap(g) for g in present]
-    else:
-        local_params = full.local_params if indices is None else [full.local_params[i] for i in indices]
-        local_grads = present
     if indices is None:
         return dataclasses.replace(full, local_params=local_params, local_grads=local_grads)
     groups, hosts = [planned.groups[i] for i in indices], [planned.hosts[i] for i in indices]
