@@ -224,7 +224,7 @@ class StepPipeline:
         backend = self._owner.device_backend
         compute.wait_event(loaded.ready)
         self._fused_update(optim, loaded.work, loaded.device)
-        for buffer in _buffers(loaded.device):
+        for _, buffer in _pairs(loaded.work, loaded.device):
             _record_stream(backend, buffer, compute)
         updated = backend.event()
         updated.record(compute)
@@ -237,15 +237,10 @@ class StepPipeline:
         backend = self._owner.device_backend
         with backend.use_stream(stream):
             stream.wait_event(updated)
-            keys = MOMENT_KEYS if device.steps is not None else (*MOMENT_KEYS, STEP_KEY)
-            for index in range(len(work.params)):  # in host memory order
-                for key in keys:
-                    buffer = device.tensors[key][index]
-                    if buffer is not None:
-                        _copy_back(backend, work.host.tensors[key][index], buffer)
-            if device.steps is not None:
-                _copy_back(backend, work.host.steps, device.steps)  # type: ignore[arg-type]
-            for buffer in _buffers(device):
+            pairs = _pairs(work, device)
+            for host, buffer in pairs:
+                _copy_back(backend, host, buffer)
+            for _, buffer in pairs:
                 _record_stream(backend, buffer, stream)
             offloaded = backend.event()
             offloaded.record(stream)
@@ -316,8 +311,15 @@ def _load_step(backend: DeviceBackend, host: torch.Tensor, on_device: bool, devi
     return step
 
 
-def _buffers(device: SliceStates) -> list[torch.Tensor]:
-    """The tensors a slice's device state holds (the step vector, not its views)."""
+def _pairs(work: SliceWork, device: SliceStates) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(host tensor, device buffer)`` of a slice in host memory order (the step vector, not its views)."""
     keys = MOMENT_KEYS if device.steps is not None else (*MOMENT_KEYS, STEP_KEY)
-    held = [tensor for key in keys for tensor in device.tensors[key] if tensor is not None]
-    return held if device.steps is None else [*held, device.steps]
+    pairs = [
+        (work.host.tensors[key][index], buffer)
+        for index in range(len(work.params))
+        for key in keys
+        if (buffer := device.tensors[key][index]) is not None
+    ]
+    if device.steps is not None:
+        pairs.append((work.host.steps, device.steps))  # type: ignore[arg-type]
+    return pairs
