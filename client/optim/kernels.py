@@ -21,11 +21,13 @@ from torch.optim.optimizer import _device_dtype_check_for_fused, _to_scalar
 
 from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.dtensor_utils import DTensor
-from swap_state.client.optim.host_cache import STEP_KEY, HostCache, SliceStates, host_cache_ready, host_states
+from swap_state.client.optim.host_cache import (
+    MOMENT_KEYS, STEP_KEY, HostCache, SliceStates, host_cache_ready, steps_vector,
+)
 
 __all__ = [
     "DEFAULT_IMPLEMENTATION", "IMPLEMENTATIONS", "PendingSlice", "SlicePlan", "SliceWork", "adam_update",
-    "checked_param_and_grad", "grad_on_param_placements", "PlacementError", "checked_slice",
+    "grad_on_param_placements", "PlacementError", "checked_slice",
     "full_slice_work", "fused_check_passes", "group_implementation",
     "pin_default_implementation", "plan_slice", "plan_slices", "slice_work", "steps_on_device",
 ]
@@ -59,23 +61,6 @@ def pin_default_implementation(group: dict[str, Any]) -> None:
 def steps_on_device(group: Mapping[str, Any]) -> bool:
     """Whether torch keeps ``group``'s step counts on the device (fused or capturable)."""
     return group_implementation(group) == "fused" or bool(group.get("capturable", False))
-
-
-def checked_param_and_grad(
-    param: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The local shards of ``param`` and ``grad``, after the checks torch's fused Adam makes."""
-    if grad.is_sparse:
-        raise RuntimeError(
-            "SwapOptimizersContainer does not support sparse gradients, please consider SparseAdam instead"
-        )
-    if group.get("differentiable", False):
-        raise RuntimeError("SwapOptimizersContainer does not support differentiable=True")
-    grad = grad_on_param_placements(param, grad)
-    local_param, local_grad = dtensor_utils.unwrap_dtensor(param), dtensor_utils.unwrap_dtensor(grad)
-    if group_implementation(group) == "fused":
-        _device_dtype_check_for_fused(local_param)
-    return local_param, local_grad
 
 
 class PlacementError(RuntimeError):
@@ -311,7 +296,16 @@ def checked_slice(
     for index, (param, grad) in enumerate(zip(planned.params, grads, strict=True)):
         if grad is None:
             continue  # as torch: no gradient, no update, no step increment
-        local_param, local_grad = checked_param_and_grad(param, grad, planned.groups[index])
+        group = planned.groups[index]
+        if grad.is_sparse:
+            sparse = "SwapOptimizersContainer does not support sparse gradients"
+            raise RuntimeError(f"{sparse}, please consider SparseAdam instead")
+        if group.get("differentiable", False):
+            raise RuntimeError("SwapOptimizersContainer does not support differentiable=True")
+        grad = grad_on_param_placements(param, grad)
+        local_param, local_grad = dtensor_utils.unwrap_dtensor(param), dtensor_utils.unwrap_dtensor(grad)
+        if group_implementation(group) == "fused":
+            _device_dtype_check_for_fused(local_param)  # torch's fused Adam's check
         indices.append(index)
         local_params.append(local_param)
         local_grads.append(local_grad)
@@ -329,4 +323,6 @@ def slice_work(
             runs[-1] = (group, runs[-1][1], index + 1)
         else:
             runs.append((group, index, index + 1))
-    return SliceWork(params, local_params, local_grads, host_states(hosts), runs)
+    tensors = {key: [host.get(key) for host in hosts] for key in (*MOMENT_KEYS, STEP_KEY)}
+    host = SliceStates(tensors, steps_vector(tensors[STEP_KEY]))
+    return SliceWork(params, local_params, local_grads, host, runs)
