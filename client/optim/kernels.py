@@ -168,20 +168,14 @@ def adam_update(
     beta1, beta2 = _to_scalar(beta1), _to_scalar(beta2)
     lr = group["lr"]
     kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
-    # As torch: a tensor lr on an accelerator is moved to each device.
-    lr_by_device: dict[torch.device, torch.Tensor] | None = (
-        {lr.device: lr} if isinstance(lr, torch.Tensor) and str(lr.device) != "cpu" else None
-    )
-    scale_by_device: dict[torch.device, torch.Tensor] = {}
-    inf_by_device: dict[torch.device, torch.Tensor] = {}
+    moves_lr = isinstance(lr, torch.Tensor) and str(lr.device) != "cpu"  # as torch: moved to each device
     grouped = Optimizer._group_tensors_by_device_and_dtype(
         [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps]  # type: ignore[list-item]
     )
     vector = steps if len(grouped) == 1 else None  # then d_steps is state_steps, in order
     for (device, _), ((d_params, d_grads, d_avgs, d_sqs, d_max, d_steps), _) in grouped.items():
-        device_lr: Any = lr if lr_by_device is None else _on_device(lr_by_device, lr, device)
-        device_scale = None if grad_scale is None else _on_device(scale_by_device, grad_scale, device)
-        device_inf = None if found_inf is None else _on_device(inf_by_device, found_inf, device)
+        device_lr = _on_device(lr, device) if moves_lr else lr
+        device_scale, device_inf = _on_device(grad_scale, device), _on_device(found_inf, device)
         _add_to_steps(vector, d_steps)
         kernel(
             d_params, d_grads, d_avgs, d_sqs, d_max, d_steps,
@@ -203,12 +197,9 @@ def _add_to_steps(vector: torch.Tensor | None, steps: list[torch.Tensor], minus:
         torch._foreach_sub_(steps, [minus] * len(steps))
 
 
-def _on_device(
-    cache: dict[torch.device, torch.Tensor], tensor: torch.Tensor, device: torch.device
-) -> torch.Tensor:
-    if device not in cache:
-        cache[device] = tensor.to(device=device, non_blocking=True)
-    return cache[device]
+def _on_device(tensor: torch.Tensor | None, device: torch.device) -> Any:
+    """``tensor`` on ``device`` (itself when it is there already), or None."""
+    return None if tensor is None else tensor.to(device=device, non_blocking=True)
 
 
 # -- slices: per-parameter facts planned once, checked per step --------------------
