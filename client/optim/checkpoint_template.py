@@ -14,6 +14,7 @@ import os
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
+from swap_state.client.optim.flat_state_dict import FlatIndex
 from swap_state.client.optim.host_cache import STEP_KEY
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX
 
@@ -67,11 +68,7 @@ def match_template(flat: Mapping[str, Any], held: Collection[str]) -> dict[str, 
     ``param_groups.<fqn>.step`` and the ``state.<fqn>.*`` of a parameter never stepped there.
     Every other key stays (DCP then names what is missing)."""
     held = frozenset(held)
-
-    def fqns(prefix: str) -> set[str]:
-        return {key[len(prefix) :].rpartition(".")[0] for key in held if key.startswith(prefix)}
-
-    stateful, grouped = fqns(STATE_PREFIX), fqns(PARAM_GROUPS_PREFIX)
+    stateful, grouped = (FlatIndex(dict.fromkeys(held)).sections[prefix] for prefix in FlatIndex.SECTIONS)
     template: dict[str, Any] = {}
     for key, value in flat.items():
         if key not in held:

@@ -157,13 +157,11 @@ class SwapOptimizersContainer(OptimizersContainer):
 
     @property
     def device_backend(self) -> DeviceBackend:
-        """The backend this container moves state with."""
-        return self._backend
-
-    @property
-    def _backend(self) -> DeviceBackend:
-        # A container built with __new__ (the seed's tests) has no backend of its own.
+        """The backend this container moves state with (a container built with __new__, as the
+        seed's tests do, has none of its own)."""
         return self._device_backend or device_layer.get_device_backend()
+
+    _backend = device_backend  # the subclasses' name
 
     # -- step ----------------------------------------------------------------------------
     def step(self, *args: Any, **kwargs: Any) -> None:
@@ -199,9 +197,6 @@ class SwapOptimizersContainer(OptimizersContainer):
             self._after_step()
         return loss
 
-    def _swap_pipeline_enabled(self) -> bool:
-        return self._steps.enabled()
-
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Flat ``state.<fqn>.<key>`` / ``param_groups.<fqn>.<key>`` dict over the host cache
@@ -230,10 +225,6 @@ class SwapOptimizersContainer(OptimizersContainer):
     def _state_value_for_state_dict(self, param: Any, state: Mapping[str, Any], key: str) -> Any:
         return _flat.state_value(self.param_to_cpu_states_map, param, state, key)
 
-    @_instance_or_class_method
-    def _state_step_for_state_dict(self, group: Mapping[str, Any], param: Any) -> torch.Tensor:
-        return _flat.state_step(self.param_to_cpu_states_map, group, param)
-
     _tensor_for_state_dict = staticmethod(_flat.tensor_for_state_dict)
     _move_step_to_device = staticmethod(_flat.move_step_to_device)
     _fqns_by_param = staticmethod(fqns_by_param)
@@ -246,7 +237,7 @@ class SwapOptimizersContainer(OptimizersContainer):
     ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """``{param: {key: tensor}}``: contiguous CPU tensors of ``entry.keys`` and a 0-dim ``STEP_KEY``.
         Default: views of one exactly sized pinned buffer (on CPU, one tensor per moment)."""
-        backend = self._backend
+        backend = self.device_backend
         if backend.pin_memory_available:
             return flat_host_caches(entries, backend.alloc_host_bytes)
         cache: dict[torch.Tensor, dict[str, torch.Tensor]] = {}

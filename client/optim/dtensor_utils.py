@@ -64,10 +64,9 @@ def check_shard_is_a_box(param: DTensor, local_shape: tuple[int, ...], offset: t
         return
     placements = param.placements
     for dim in range(param.ndim):
-        splits = [(m, p) for m, p in enumerate(placements) if isinstance(p, _StridedShard) and p.dim == dim]
-        if not splits:
-            continue
         splits = [(m, p) for m, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == dim]
+        if not any(isinstance(p, _StridedShard) for _, p in splits):
+            continue
         indices = torch.arange(param.shape[dim]).reshape((1,) * dim + (-1,))
         for mesh_dim, placement in splits:
             pieces, _ = placement._split_tensor(indices, param.device_mesh.size(mesh_dim), with_padding=False)

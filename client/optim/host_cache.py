@@ -25,7 +25,7 @@ __all__ = [
     "FLAT_ALIGN", "FLAT_PAGE_RUN", "MOMENT_KEYS", "STEP_DTYPE", "STEP_KEY", "HostCache", "HostCacheEntry",
     "HostCaches", "SliceStates", "advance_group_step", "as_number", "device_placeholders",
     "flat_host_caches", "flat_layout", "group_map", "has_data", "host_cache_ready", "moments_dtype",
-    "host_states", "moment_keys", "placeholder_like", "step_tensor", "steps_vector",
+    "moment_keys", "placeholder_like", "step_tensor", "steps_vector",
 ]
 
 #: Adam state tensors shaped like the parameter, in host-cache order.
@@ -178,16 +178,23 @@ class HostCaches:
         allocated = owner._allocate_host_cache(entries)
         checked = [(entry, self.checked(entry, allocated.get(entry.param))) for entry in entries]
         for entry, host in checked:
-            owner.param_to_cpu_states_map[entry.param] = host
-            state = owner.optimizers[entry.optimizer_index].state[entry.param]
-            state.clear()
-            state.update(device_placeholders(entry.param, host))
-            owner.param_to_device_states_map[entry.param] = state
+            self.set(entry, host)
+
+    def set(self, entry: HostCacheEntry, host: HostCache, placeholders: dict[str, Any] | None = None) -> None:
+        """Make ``host`` ``entry.param``'s cache, with ``placeholders`` (default: built now) in
+        its ``optimizer.state``."""
+        owner = self._owner
+        owner.param_to_cpu_states_map[entry.param] = host
+        state = owner.optimizers[entry.optimizer_index].state[entry.param]
+        state.clear()
+        state.update(device_placeholders(entry, host) if placeholders is None else placeholders)
+        owner.param_to_device_states_map[entry.param] = state
 
 
-def device_placeholders(param: torch.Tensor, host: HostCache) -> dict[str, Any]:
-    """Zero-storage stand-ins for ``optimizer.state[param]`` (None where no moment)."""
-    return {key: None if host.get(key) is None else placeholder_like(param, host[key]) for key in MOMENT_KEYS}
+def device_placeholders(entry: HostCacheEntry, host: HostCache) -> dict[str, Any]:
+    """Zero-storage stand-ins for ``optimizer.state[param]`` (None where the entry has no moment)."""
+    keys = entry.keys
+    return {key: placeholder_like(entry.param, host[key]) if key in keys else None for key in MOMENT_KEYS}
 
 
 def placeholder_like(param: Any, tensor: torch.Tensor) -> Any:
@@ -243,15 +250,10 @@ class SliceStates:
     steps: torch.Tensor | None = None
 
 
-def host_states(hosts: Sequence[HostCache]) -> SliceStates:
-    """The complete host caches ``hosts`` (every key present) as :class:`SliceStates`."""
-    tensors = {key: [host.get(key) for host in hosts] for key in (*MOMENT_KEYS, STEP_KEY)}
-    return SliceStates(tensors, steps_vector(tensors[STEP_KEY]))
-
-
 def steps_vector(steps: Sequence[Any]) -> torch.Tensor | None:
     """``steps`` as the vector whose consecutive elements they are (the flat caches' layout), else None."""
-    if not steps or not isinstance(steps[0], torch.Tensor):
+    scalars = all(isinstance(s, torch.Tensor) and s.dim() == 0 and s.dtype == STEP_DTYPE for s in steps)
+    if not steps or not scalars:
         return None
     first = steps[0]
     storage = first.untyped_storage()
@@ -259,10 +261,7 @@ def steps_vector(steps: Sequence[Any]) -> torch.Tensor | None:
     if (offset + len(steps)) * STEP_DTYPE.itemsize > storage.nbytes():
         return None
     for index, step in enumerate(steps):
-        if not (isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == STEP_DTYPE):
-            return None
-        if step.device != first.device or step.storage_offset() != offset + index:
-            return None
-        if step.untyped_storage().data_ptr() != base:
+        same_place = step.device == first.device and step.untyped_storage().data_ptr() == base
+        if not same_place or step.storage_offset() != offset + index:
             return None
     return first.as_strided((len(steps),), (1,), offset)

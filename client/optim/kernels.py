@@ -9,7 +9,6 @@ so slice by slice gives the same bits as one call.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,12 +21,14 @@ from torch.optim.optimizer import _device_dtype_check_for_fused, _to_scalar
 
 from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.dtensor_utils import DTensor
-from swap_state.client.optim.host_cache import STEP_KEY, HostCache, SliceStates, host_cache_ready, host_states
+from swap_state.client.optim.host_cache import (
+    MOMENT_KEYS, STEP_KEY, HostCache, SliceStates, host_cache_ready, steps_vector,
+)
 
 __all__ = [
     "DEFAULT_IMPLEMENTATION", "IMPLEMENTATIONS", "PendingSlice", "SlicePlan", "SliceWork", "adam_update",
-    "checked_param_and_grad", "grad_on_param_placements", "PlacementError", "checked_slice",
-    "full_slice_work", "fused_adam_update", "fused_check_passes", "group_implementation",
+    "grad_on_param_placements", "PlacementError", "checked_slice",
+    "full_slice_work", "fused_check_passes", "group_implementation",
     "pin_default_implementation", "plan_slice", "plan_slices", "slice_work", "steps_on_device",
 ]
 
@@ -60,23 +61,6 @@ def pin_default_implementation(group: dict[str, Any]) -> None:
 def steps_on_device(group: Mapping[str, Any]) -> bool:
     """Whether torch keeps ``group``'s step counts on the device (fused or capturable)."""
     return group_implementation(group) == "fused" or bool(group.get("capturable", False))
-
-
-def checked_param_and_grad(
-    param: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The local shards of ``param`` and ``grad``, after the checks torch's fused Adam makes."""
-    if grad.is_sparse:
-        raise RuntimeError(
-            "SwapOptimizersContainer does not support sparse gradients, please consider SparseAdam instead"
-        )
-    if group.get("differentiable", False):
-        raise RuntimeError("SwapOptimizersContainer does not support differentiable=True")
-    grad = grad_on_param_placements(param, grad)
-    local_param, local_grad = dtensor_utils.unwrap_dtensor(param), dtensor_utils.unwrap_dtensor(grad)
-    if group_implementation(group) == "fused":
-        _device_dtype_check_for_fused(local_param)
-    return local_param, local_grad
 
 
 class PlacementError(RuntimeError):
@@ -139,38 +123,59 @@ def plan_slices(sizes: Sequence[int], times: int) -> list[range]:
     return [run for run in slices if len(run)]
 
 
-def fused_adam_update(
+def adam_update(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], state_steps: list[torch.Tensor], *,
     group: Mapping[str, Any], grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-    steps: torch.Tensor | None = None,
+    steps: torch.Tensor | None = None, upcast: bool = False,
 ) -> None:
-    """One fused Adam/AdamW update of local tensors, steps incremented as torch does.
-
-    ``steps``: the vector ``state_steps`` are views of (or None); with one kernel call it takes
-    one ``add_`` instead of a CPU foreach's one op per tensor (the same float32 ``+ 1``).
-    """
+    """One Adam/AdamW update of local tensors in ``group``'s implementation, steps incremented as
+    torch does. ``upcast``: moments of a lower precision than CPU parameters. ``steps``: the vector
+    ``state_steps`` are views of (or None); with one fused kernel call it takes one ``add_``
+    instead of a CPU foreach's one op per tensor (the same float32 ``+ 1``)."""
     if not params:
         return
-    if group.get("differentiable", False):
-        raise RuntimeError("Adam with fused=True does not support differentiable=True")
-    beta1, beta2 = (_to_scalar(beta) for beta in group["betas"])
+    if upcast:
+        # Lower-precision moments on the CPU, where torch has no mixed-precision kernel: what the
+        # CUDA one does, in three steps (upcast, update, ``copy_`` back rounding to nearest even).
+        moments = (exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
+        wide = [[moment.to(param.dtype) for moment, param in zip(kind, params)] for kind in moments]
+        update = {"group": group, "grad_scale": grad_scale, "found_inf": found_inf, "steps": steps}
+        adam_update(params, grads, *wide, state_steps, **update)
+        for kind, values in zip(moments, wide):
+            for moment, value in zip(kind, values):
+                moment.copy_(value)
+        return
+    implementation = group_implementation(group)
+    beta1, beta2 = group["betas"]
+    if implementation != "fused":
+        capturable = bool(group.get("capturable", False))
+        if implementation == "foreach" and isinstance(group["lr"], torch.Tensor) and not capturable:
+            # Adam._init_group's check, word for word.
+            raise RuntimeError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        torch_functional_adam(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+            foreach=implementation == "foreach", capturable=capturable, fused=False,
+            differentiable=bool(group.get("differentiable", False)),
+            grad_scale=grad_scale, found_inf=found_inf,
+            has_complex=any(torch.is_complex(p) for p in params),
+            decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)), amsgrad=group["amsgrad"],
+            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+            maximize=group["maximize"],
+        )  # fmt: skip
+        return
+    # torch's _fused_adam for tensors already gathered (differentiable was refused when checked).
+    beta1, beta2 = _to_scalar(beta1), _to_scalar(beta2)
     lr = group["lr"]
     kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
-    # As torch: a tensor lr on an accelerator is moved to each device.
-    lr_by_device: dict[torch.device, torch.Tensor] | None = (
-        {lr.device: lr} if isinstance(lr, torch.Tensor) and str(lr.device) != "cpu" else None
-    )
-    scale_by_device: dict[torch.device, torch.Tensor] = {}
-    inf_by_device: dict[torch.device, torch.Tensor] = {}
+    moves_lr = isinstance(lr, torch.Tensor) and str(lr.device) != "cpu"  # as torch: moved to each device
     grouped = Optimizer._group_tensors_by_device_and_dtype(
         [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps]  # type: ignore[list-item]
     )
     vector = steps if len(grouped) == 1 else None  # then d_steps is state_steps, in order
     for (device, _), ((d_params, d_grads, d_avgs, d_sqs, d_max, d_steps), _) in grouped.items():
-        device_lr: Any = lr if lr_by_device is None else _on_device(lr_by_device, lr, device)
-        device_scale = None if grad_scale is None else _on_device(scale_by_device, grad_scale, device)
-        device_inf = None if found_inf is None else _on_device(inf_by_device, found_inf, device)
+        device_lr = _on_device(lr, device) if moves_lr else lr
+        device_scale, device_inf = _on_device(grad_scale, device), _on_device(found_inf, device)
         _add_to_steps(vector, d_steps)
         kernel(
             d_params, d_grads, d_avgs, d_sqs, d_max, d_steps,
@@ -192,61 +197,9 @@ def _add_to_steps(vector: torch.Tensor | None, steps: list[torch.Tensor], minus:
         torch._foreach_sub_(steps, [minus] * len(steps))
 
 
-def adam_update(
-    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], state_steps: list[torch.Tensor], *,
-    group: Mapping[str, Any], grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-    steps: torch.Tensor | None = None, upcast: bool = False,
-) -> None:
-    """One Adam/AdamW update of local tensors in ``group``'s implementation (``steps``: see
-    :func:`fused_adam_update`). ``upcast``: moments of a lower precision than CPU parameters."""
-    if not params:
-        return
-    if upcast:
-        moments, update = (exp_avgs, exp_avg_sqs, max_exp_avg_sqs), {"grad_scale": grad_scale, "found_inf": found_inf}
-        return _upcast_update(params, grads, moments, state_steps, group=group, steps=steps, **update)
-    implementation = group_implementation(group)
-    if implementation == "fused":
-        fused_adam_update(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-            group=group, grad_scale=grad_scale, found_inf=found_inf, steps=steps,
-        )  # fmt: skip
-        return
-    capturable = bool(group.get("capturable", False))
-    if implementation == "foreach" and isinstance(group["lr"], torch.Tensor) and not capturable:
-        # Adam._init_group's check, word for word.
-        raise RuntimeError("lr as a Tensor is not supported for capturable=False and foreach=True")
-    beta1, beta2 = group["betas"]
-    torch_functional_adam(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-        foreach=implementation == "foreach", capturable=capturable, fused=False,
-        differentiable=bool(group.get("differentiable", False)), grad_scale=grad_scale, found_inf=found_inf,
-        has_complex=any(torch.is_complex(p) for p in params),
-        decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)), amsgrad=group["amsgrad"],
-        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-        maximize=group["maximize"],
-    )  # fmt: skip
-
-
-def _upcast_update(
-    params: list[torch.Tensor], grads: list[torch.Tensor], moments: tuple[list[torch.Tensor], ...],
-    state_steps: list[torch.Tensor], **update: Any,
-) -> None:
-    """Lower-precision moments on the CPU, where torch has no mixed-precision kernel: what the
-    CUDA one does, in three steps (upcast, update, ``copy_`` back rounding to nearest even)."""
-    upcast = [[moment.to(param.dtype) for moment, param in zip(kind, params)] for kind in moments]
-    adam_update(params, grads, *upcast, state_steps, **update)
-    for kind, wide in zip(moments, upcast):
-        for moment, value in zip(kind, wide):
-            moment.copy_(value)
-
-
-def _on_device(
-    cache: dict[torch.device, torch.Tensor], tensor: torch.Tensor, device: torch.device
-) -> torch.Tensor:
-    if device not in cache:
-        cache[device] = tensor.to(device=device, non_blocking=True)
-    return cache[device]
+def _on_device(tensor: torch.Tensor | None, device: torch.device) -> Any:
+    """``tensor`` on ``device`` (itself when it is there already), or None."""
+    return None if tensor is None else tensor.to(device=device, non_blocking=True)
 
 
 # -- slices: per-parameter facts planned once, checked per step --------------------
@@ -282,22 +235,18 @@ def plan_slice(
 ) -> SlicePlan:
     """The plan of one slice; the fused kernel's device and dtype check is made here, once, as
     torch makes it when it creates a parameter's state."""
-    locals_: list[torch.Tensor | None] = []
     hosts: list[HostCache | None] = []
     kinds = set()
     full = True
     for param, group in zip(params, groups, strict=True):
-        is_dtensor = isinstance(param, DTensor)
-        kinds.add(is_dtensor)
+        kinds.add(isinstance(param, DTensor))
         local = dtensor_utils.unwrap_dtensor(param)
-        locals_.append(None if is_dtensor else local)
         host = caches.get(param)
         ready = host_cache_ready(host, group) and host.get(STEP_KEY) is not None  # type: ignore[union-attr]
         hosts.append(host if ready else None)
         full = full and ready and not group.get("differentiable", False) and fused_check_passes(local, group)
-    work = None
-    if full and len(kinds) == 1:
-        work = slice_work(params, groups, [] if True in kinds else locals_, [], hosts)  # type: ignore[arg-type]
+    full = full and len(kinds) == 1
+    work = slice_work(params, groups, [], [], hosts) if full else None  # type: ignore[arg-type]
     return SlicePlan(params, groups, hosts, work, True in kinds)
 
 
@@ -314,37 +263,20 @@ def full_slice_work(planned: SlicePlan, grads: list[Any]) -> SliceWork | None:
         present = [grads[index] for index in indices]
     params = full.params if indices is None else [full.params[index] for index in indices]
     if planned.dtensor:
-        if not all(isinstance(grad, DTensor) for grad in present) or any(grad.is_sparse for grad in present):
-            return None
-        if any(grad.placements != param.placements for param, grad in zip(params, present, strict=True)):
-            return None
+        pairs = zip(params, present, strict=True)
+        fits = all(isinstance(grad, DTensor) and grad.placements == param.placements for param, grad in pairs)
+    else:
+        fits = all(type(grad) is torch.Tensor for grad in present)
+    if not fits or any(grad.is_sparse for grad in present):
+        return None
+    local_params, local_grads = params, present  # a plain tensor is its own local shard
+    if planned.dtensor:
         unwrap = dtensor_utils.unwrap_dtensor
         local_params, local_grads = [unwrap(p) for p in params], [unwrap(g) for g in present]
-    else:
-        if not all(type(grad) is torch.Tensor for grad in present) or any(grad.is_sparse for grad in present):
-            return None
-        local_params = full.local_params if indices is None else [full.local_params[i] for i in indices]
-        local_grads = present
     if indices is None:
         return dataclasses.replace(full, local_params=local_params, local_grads=local_grads)
-    return _subset(full, indices, local_params, local_grads)
-
-
-def _subset(
-    full: SliceWork, indices: list[int], local_params: list[torch.Tensor], local_grads: list[torch.Tensor]
-) -> SliceWork:
-    """``full`` restricted to sorted ``indices`` (the step vector's run where consecutive)."""
-    tensors = {key: [values[i] for i in indices] for key, values in full.host.tensors.items()}
-    runs = []
-    for group, start, end in full.runs:
-        low, high = bisect.bisect_left(indices, start), bisect.bisect_left(indices, end)
-        if high > low:
-            runs.append((group, low, high))
-    steps, first = full.host.steps, indices[0]
-    consecutive = indices[-1] - first + 1 == len(indices)
-    steps = steps[first : first + len(indices)] if steps is not None and consecutive else None
-    params = [full.params[i] for i in indices]
-    return SliceWork(params, local_params, local_grads, SliceStates(tensors, steps), runs)
+    groups, hosts = [planned.groups[i] for i in indices], [planned.hosts[i] for i in indices]
+    return slice_work(params, groups, local_params, local_grads, hosts)  # type: ignore[arg-type]
 
 
 def checked_slice(
@@ -355,7 +287,16 @@ def checked_slice(
     for index, (param, grad) in enumerate(zip(planned.params, grads, strict=True)):
         if grad is None:
             continue  # as torch: no gradient, no update, no step increment
-        local_param, local_grad = checked_param_and_grad(param, grad, planned.groups[index])
+        group = planned.groups[index]
+        if grad.is_sparse:
+            sparse = "SwapOptimizersContainer does not support sparse gradients"
+            raise RuntimeError(f"{sparse}, please consider SparseAdam instead")
+        if group.get("differentiable", False):
+            raise RuntimeError("SwapOptimizersContainer does not support differentiable=True")
+        grad = grad_on_param_placements(param, grad)
+        local_param, local_grad = dtensor_utils.unwrap_dtensor(param), dtensor_utils.unwrap_dtensor(grad)
+        if group_implementation(group) == "fused":
+            _device_dtype_check_for_fused(local_param)  # torch's fused Adam's check
         indices.append(index)
         local_params.append(local_param)
         local_grads.append(local_grad)
@@ -373,4 +314,6 @@ def slice_work(
             runs[-1] = (group, runs[-1][1], index + 1)
         else:
             runs.append((group, index, index + 1))
-    return SliceWork(params, local_params, local_grads, host_states(hosts), runs)
+    tensors = {key: [host.get(key) for host in hosts] for key in (*MOMENT_KEYS, STEP_KEY)}
+    host = SliceStates(tensors, steps_vector(tensors[STEP_KEY]))
+    return SliceWork(params, local_params, local_grads, host, runs)

@@ -8,10 +8,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
-try:  # DCP's canonical FQNs (strips activation-checkpoint / compile / DDP prefixes)
-    from torch.distributed.checkpoint.state_dict import _get_fqns
-except ImportError:  # pragma: no cover - every torch this project supports has it
-    _get_fqns = None
+# DCP's canonical FQNs (strips activation-checkpoint / compile / DDP prefixes)
+from torch.distributed.checkpoint.state_dict import _get_fqns
 
 __all__ = ["fqns_by_param", "param_fqns"]
 
@@ -39,8 +37,6 @@ def param_fqns(
 
 
 def _canonical_fqns(model: nn.Module, name: str) -> list[str]:
-    if _get_fqns is None:  # pragma: no cover
-        return [name]
     fqns = _get_fqns(model, name)
     if len(fqns) != 1:
         raise NotImplementedError(

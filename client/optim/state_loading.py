@@ -20,7 +20,7 @@ from swap_state.client.optim import dtensor_utils  # attributes: the seed's test
 from swap_state.client.optim.flat_state_dict import FlatIndex, clone_value
 from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.client.optim.host_cache import (
-    HostCaches, placeholder_like, MOMENT_KEYS, STEP_KEY, HostCache, HostCacheEntry, as_number, group_map,
+    HostCaches, MOMENT_KEYS, device_placeholders, STEP_KEY, HostCache, HostCacheEntry, as_number, group_map,
     has_data, host_cache_ready, moments_dtype, moment_keys, step_tensor,
 )
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
@@ -33,26 +33,10 @@ class _ParamLoad:
     """A validated, prepared load of one parameter (``entry``: its host cache's layout)."""
 
     entry: HostCacheEntry
-    optim: Optimizer
-    group: dict[str, Any]
     sources: dict[str, torch.Tensor | None]  # None: never stepped in the checkpoint -> zeros
     step: float
     host: HostCache | None
     placeholders: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class _GroupLoad:
-    """The checkpoint's hyperparameters for one live param group."""
-
-    group: dict[str, Any]
-    values: dict[str, Any]
-
-
-@dataclass(eq=False)
-class _LoadPlan:
-    params: list[_ParamLoad] = field(default_factory=list)
-    groups: list[_GroupLoad] = field(default_factory=list)
 
 
 class StateLoader:
@@ -65,70 +49,63 @@ class StateLoader:
     def load(self, state_dict: Mapping[str, Any]) -> None:
         """Load a flat state dict (any alias of tied parameters); the checkpoint is only read."""
         owner = self._owner
-        plan = self._plan_load(state_dict)
-        owner._before_host_write([load.entry.param for load in plan.params])
-        self._commit_load(plan)
+        loads, groups = self._plan_load(state_dict)
+        owner._before_host_write([load.entry.param for load in loads])
+        self._commit_load(loads, groups)
         device_layer.get_device_backend().empty_cache()
         owner._after_load_state_dict()
 
-    def _plan_load(self, state_dict: Mapping[str, Any]) -> _LoadPlan:
+    def _plan_load(self, state_dict: Mapping[str, Any]) -> tuple[list[_ParamLoad], list[tuple[dict, dict]]]:
         """Validate ``state_dict`` against every group and parameter; prepare the load."""
         index = FlatIndex(state_dict)
-        plan = _LoadPlan()
+        plan: list[_ParamLoad] = []
+        groups: list[tuple[dict, dict]] = []  # (live group, the checkpoint's values)
         for optimizer_index, (model, optim) in enumerate(zip(self._owner.model_parts, self._owner.optimizers, strict=True)):
             fqns = fqns_by_param(model)
             for group_index, group in enumerate(optim.param_groups):
-                group_load = _plan_group_load(index, optim, group, fqns)
+                values = _plan_group_load(index, optim, group, fqns)
                 loads = [
-                    self._plan_param_load(index, optimizer_index, group_index, optim, group_load, param, fqns)
+                    self._plan_param_load(index, optimizer_index, group_index, group, values, param, fqns)
                     for param in group["params"]
                 ]
-                if STEP_KEY not in group_load.values and STEP_KEY in group and loads:
-                    group_load.values[STEP_KEY] = step_tensor(max(load.step for load in loads))
-                plan.groups.append(group_load)
-                plan.params.extend(loads)
-        self._prepare_load(plan)
-        return plan
+                if STEP_KEY not in values and STEP_KEY in group and loads:
+                    values[STEP_KEY] = step_tensor(max(load.step for load in loads))
+                groups.append((group, values))
+                plan.extend(loads)
+        missing = [load for load in plan if load.host is None]  # allocated; nothing live changes
+        if missing:
+            allocated = self._owner._allocate_host_cache([load.entry for load in missing])
+            for load in missing:
+                load.host = self._host_caches.checked(load.entry, allocated.get(load.entry.param))
+        for load in plan:
+            load.placeholders = device_placeholders(load.entry, load.host)  # type: ignore[arg-type]
+        return plan, groups
 
     def _plan_param_load(
-        self, index: FlatIndex, optimizer_index: int, group_index: int, optim: Optimizer,
-        group_load: _GroupLoad, param: torch.Tensor, fqns: Mapping[torch.Tensor, tuple[str, ...]],
+        self, index: FlatIndex, optimizer_index: int, group_index: int, group: dict[str, Any],
+        values: dict[str, Any], param: torch.Tensor, fqns: Mapping[torch.Tensor, tuple[str, ...]],
     ) -> _ParamLoad:
         """One parameter's load: its sources (under any alias), checked against its shard."""
         aliases = param_fqns(fqns, param, optimizer_index)
-        keys = moment_keys(group_load.group)
+        keys = moment_keys(group)
         local_param = dtensor_utils.unwrap_dtensor(param)
         dtype = moments_dtype(self._owner, local_param)
-        _check_amsgrad(index.lookup(PARAM_GROUPS_PREFIX, aliases, "amsgrad"), group_load.group)
-        sources, step = _checked_sources(index, aliases, keys, group_load, local_param, dtype)
+        _check_amsgrad(index.lookup(PARAM_GROUPS_PREFIX, aliases, "amsgrad"), group)
+        sources, step = _checked_sources(index, aliases, keys, values, local_param, dtype)
         host = self._owner.param_to_cpu_states_map.get(param)
-        ready = host is not None and host_cache_ready(host, group_load.group, local_param, dtype)
+        ready = host is not None and host_cache_ready(host, group, local_param, dtype)
         where = (optimizer_index, group_index)
         entry = HostCacheEntry(param, aliases[0], keys, local_param.shape, dtype, *where)
-        return _ParamLoad(entry, optim, group_load.group, sources, step, host if ready else None)
+        return _ParamLoad(entry, sources, step, host if ready else None)
 
-    def _prepare_load(self, plan: _LoadPlan) -> None:
-        """Allocate missing host caches and build placeholders; nothing live changes."""
-        missing = [load for load in plan.params if load.host is None]
-        if missing:
-            entries = [load.entry for load in missing]
-            allocated = self._owner._allocate_host_cache(entries)
-            for load, entry in zip(missing, entries, strict=True):
-                load.host = self._host_caches.checked(entry, allocated.get(entry.param))
-        for load in plan.params:
-            assert load.host is not None
-            load.placeholders = dict.fromkeys(MOMENT_KEYS)
-            for key in load.entry.keys:
-                load.placeholders[key] = placeholder_like(load.entry.param, load.host[key])
-
-    def _commit_load(self, plan: _LoadPlan) -> None:
+    def _commit_load(self, loads: list[_ParamLoad], groups: list[tuple[dict, dict]]) -> None:
         """Apply a prepared plan; on an error, dict-level state is restored (not copied bytes)."""
         saved = self._rollback_point()
         try:
-            for load in plan.params:
+            for load in loads:
                 self._commit_param_load(load)
-            for group_load in plan.groups:
-                group_load.group.update(group_load.values)
+            for group, values in groups:
+                group.update(values)
             for optim in self._owner.optimizers:
                 optim.param_to_group_map = group_map(optim)  # type: ignore[attr-defined]
         except BaseException:
@@ -152,35 +129,25 @@ class StateLoader:
         host[STEP_KEY].fill_(load.step)  # type: ignore[union-attr]
         for key in MOMENT_KEYS:
             host.setdefault(key, None)
-        param = load.entry.param
-        self._owner.param_to_cpu_states_map[param] = host
-        state = load.optim.state[param]
-        state.clear()
-        state.update(load.placeholders)
-        self._owner.param_to_device_states_map[param] = state
+        self._host_caches.set(load.entry, host, load.placeholders)
 
     def _rollback_point(self) -> Callable[[], None]:
         """Snapshot every dict ``_commit_load`` mutates; the returned callable restores them."""
         owner = self._owner
-        groups = [(g, dict(g)) for optim in owner.optimizers for g in optim.param_groups]
-        states = [(optim, dict(optim.state)) for optim in owner.optimizers]
-        param_states = [(s, dict(s)) for optim in owner.optimizers for s in optim.state.values()]
-        hosts = [(h, dict(h)) for h in owner.param_to_cpu_states_map.values() if h is not None]
-        cpu_map = dict(owner.param_to_cpu_states_map)
-        device_map = dict(owner.param_to_device_states_map)
-        group_maps = [(optim, getattr(optim, "param_to_group_map", None)) for optim in owner.optimizers]
+        optims = owner.optimizers
+        dicts = [
+            *(group for optim in optims for group in optim.param_groups), *(optim.state for optim in optims),
+            *(state for optim in optims for state in optim.state.values()),
+            *(host for host in owner.param_to_cpu_states_map.values() if host is not None),
+            owner.param_to_cpu_states_map, owner.param_to_device_states_map,
+        ]
+        saved = [(target, dict(target)) for target in dicts]
+        group_maps = [(optim, getattr(optim, "param_to_group_map", None)) for optim in optims]
 
         def restore() -> None:
-            for target, saved in [*groups, *param_states, *hosts]:
+            for target, contents in saved:
                 target.clear()
-                target.update(saved)
-            for optim, saved_state in states:
-                optim.state.clear()
-                optim.state.update(saved_state)
-            maps = (owner.param_to_cpu_states_map, cpu_map), (owner.param_to_device_states_map, device_map)
-            for live, saved_map in maps:
-                live.clear()
-                live.update(saved_map)
+                target.update(contents)
             for optim, group_map_ in group_maps:
                 optim.param_to_group_map = group_map_  # type: ignore[attr-defined]
 
@@ -189,7 +156,7 @@ class StateLoader:
 
 def _plan_group_load(
     index: FlatIndex, optim: Optimizer, group: dict[str, Any], fqns: Mapping[torch.Tensor, tuple[str, ...]]
-) -> _GroupLoad:
+) -> dict[str, Any]:
     """The checkpoint's hyperparameters for ``group``, from the first of its parameters found
     (a checkpoint may group differently; ``amsgrad`` is checked per parameter)."""
     for param in group["params"]:
@@ -197,16 +164,16 @@ def _plan_group_load(
         if found is not None:
             break
     else:
-        return _GroupLoad(group, {})
+        return {}
     _, entries = found
     values = {key: clone_value(value) for key, value in entries.items() if key != "params"}
     if isinstance(optim, torch.optim.AdamW) and "decoupled_weight_decay" in values:
         values["decoupled_weight_decay"] = True  # as AdamW.__setstate__
-    return _GroupLoad(group, values)
+    return values
 
 
 def _checked_sources(
-    index: FlatIndex, aliases: Sequence[str], keys: tuple[str, ...], group_load: _GroupLoad,
+    index: FlatIndex, aliases: Sequence[str], keys: tuple[str, ...], group_values: Mapping[str, Any],
     local_param: torch.Tensor, dtype: torch.dtype,
 ) -> tuple[dict[str, torch.Tensor | None], float]:
     """``({key: checkpoint tensor}, step)`` of one parameter; only param-group entries: never
@@ -227,7 +194,7 @@ def _checked_sources(
         if hit is None:
             raise KeyError(f"optimizer state dict has no {state_key(fqn, key)!r} (aliases tried: {list(aliases)})")
         sources[key] = _checked_state_tensor(hit[0], hit[1], local_param, dtype)
-    return sources, _checked_step(hits[STEP_KEY], group_load, fqn)
+    return sources, _checked_step(hits[STEP_KEY], group_values, fqn)
 
 
 def _check_amsgrad(hit: tuple[str, Any] | None, group: Mapping[str, Any]) -> None:
@@ -262,13 +229,13 @@ def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor, 
     return local
 
 
-def _checked_step(hit: tuple[str, Any] | None, group_load: _GroupLoad, fqn: str) -> float:
+def _checked_step(hit: tuple[str, Any] | None, group_values: Mapping[str, Any], fqn: str) -> float:
     """The parameter's step: its own entry, else its param group's."""
     if hit is None:
-        if STEP_KEY not in group_load.values:
+        if STEP_KEY not in group_values:
             missing = state_key(fqn, STEP_KEY)
             raise KeyError(f"optimizer state dict has no {missing!r} and no param group step")
-        hit = (param_group_key(fqn, STEP_KEY), group_load.values[STEP_KEY])
+        hit = (param_group_key(fqn, STEP_KEY), group_values[STEP_KEY])
     flat_key, value = hit
     try:
         return as_number(value)

@@ -224,7 +224,7 @@ class StepPipeline:
         backend = self._owner.device_backend
         compute.wait_event(loaded.ready)
         self._fused_update(optim, loaded.work, loaded.device)
-        for buffer in _buffers(loaded.device):
+        for _, buffer in _pairs(loaded.work, loaded.device):
             _record_stream(backend, buffer, compute)
         updated = backend.event()
         updated.record(compute)
@@ -237,15 +237,10 @@ class StepPipeline:
         backend = self._owner.device_backend
         with backend.use_stream(stream):
             stream.wait_event(updated)
-            keys = MOMENT_KEYS if device.steps is not None else (*MOMENT_KEYS, STEP_KEY)
-            for index in range(len(work.params)):  # in host memory order
-                for key in keys:
-                    buffer = device.tensors[key][index]
-                    if buffer is not None:
-                        _copy_back(backend, work.host.tensors[key][index], buffer)
-            if device.steps is not None:
-                _copy_back(backend, work.host.steps, device.steps)  # type: ignore[arg-type]
-            for buffer in _buffers(device):
+            pairs = _pairs(work, device)
+            for host, buffer in pairs:
+                _copy_back(backend, host, buffer)
+            for _, buffer in pairs:
                 _record_stream(backend, buffer, stream)
             offloaded = backend.event()
             offloaded.record(stream)
@@ -297,26 +292,34 @@ def _load_steps(backend: DeviceBackend, work: SliceWork) -> tuple[list[Any], tor
     host = work.host
     places = {steps_on_device(group) for group, _, _ in work.runs}
     if host.steps is not None and len(places) == 1:
-        if places.pop():
-            vector = torch.empty(host.steps.shape, dtype=STEP_DTYPE, device=work.local_params[0].device)
-            backend.copy_to_device(vector, host.steps)
-        else:
-            vector = host.steps.clone()
+        vector = _load_step(backend, host.steps, places.pop(), work.local_params[0].device)
         return list(vector.unbind()), vector
-    steps: list[Any] = []
-    for group, start, end in work.runs:
-        for index in range(start, end):
-            if steps_on_device(group):
-                step = torch.empty((), dtype=STEP_DTYPE, device=work.local_params[index].device)
-                backend.copy_to_device(step, host.tensors[STEP_KEY][index])
-            else:  # torch's layout without fused/capturable: the step stays on the CPU
-                step = host.tensors[STEP_KEY][index].clone()
-            steps.append(step)
+    steps = [
+        _load_step(backend, host.tensors[STEP_KEY][i], steps_on_device(group), work.local_params[i].device)
+        for group, start, end in work.runs
+        for i in range(start, end)
+    ]
     return steps, None
 
 
-def _buffers(device: SliceStates) -> list[torch.Tensor]:
-    """The tensors a slice's device state holds (the step vector, not its views)."""
+def _load_step(backend: DeviceBackend, host: torch.Tensor, on_device: bool, device: Any) -> torch.Tensor:
+    """A copy of host steps on ``device``, or on the CPU (torch's layout without fused/capturable)."""
+    if not on_device:
+        return host.clone()
+    step = torch.empty(host.shape, dtype=STEP_DTYPE, device=device)
+    backend.copy_to_device(step, host)
+    return step
+
+
+def _pairs(work: SliceWork, device: SliceStates) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(host tensor, device buffer)`` of a slice in host memory order (the step vector, not its views)."""
     keys = MOMENT_KEYS if device.steps is not None else (*MOMENT_KEYS, STEP_KEY)
-    held = [tensor for key in keys for tensor in device.tensors[key] if tensor is not None]
-    return held if device.steps is None else [*held, device.steps]
+    pairs = [
+        (work.host.tensors[key][index], buffer)
+        for index in range(len(work.params))
+        for key in keys
+        if (buffer := device.tensors[key][index]) is not None
+    ]
+    if device.steps is not None:
+        pairs.append((work.host.steps, device.steps))  # type: ignore[arg-type]
+    return pairs

@@ -24,7 +24,7 @@ from _swap_testing import (
 )
 from torchtitan.components.optimizer import OptimizersContainer
 
-from swap_state.client.optim import state_loading
+from swap_state.client.optim import host_cache
 from swap_state.client.optim.state_loading import StateLoader
 from swap_state.client import swap_optimizer
 from swap_state.client.swap_optimizer import SwapOptimizersContainer
@@ -181,14 +181,14 @@ def test_failure_while_preparing_changes_nothing(monkeypatch: pytest.MonkeyPatch
     _, _, checkpoint = _trained()
     target = _target()
     calls = iter(range(100))
-    original = state_loading.placeholder_like  # what the container's state loader calls
+    original = host_cache.placeholder_like  # what the state loader's placeholders call
 
     def flaky(param: Any, tensor: torch.Tensor) -> Any:
         if next(calls) == 5:
             raise MemoryError("placeholder allocation failed")
         return original(param, tensor)
 
-    monkeypatch.setattr(state_loading, "placeholder_like", flaky)
+    monkeypatch.setattr(host_cache, "placeholder_like", flaky)
     before = container_snapshot(target)
     with pytest.raises(MemoryError):
         target.load_state_dict(checkpoint)

@@ -303,7 +303,7 @@ def test_wrapper_installation_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> 
 def test_parity_with_default_backend_settings() -> None:
     """Without ``pipeline=...`` a CPU process runs in place (no accelerator)."""
     container, model, ref, ref_model = swap_and_reference(torch.optim.Adam, KWARGS, pipeline=None)
-    assert not container._swap_pipeline_enabled()
+    assert not container._steps.enabled()
     train(model, container, range(3))
     train(ref_model, ref, range(3))
     assert_matches_reference(container, model, ref, ref_model)
