@@ -18,13 +18,12 @@ from swap_state.common.snapshot_errors import (
 )
 
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.plan import RankResult
 from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.snapshot.directory import CommitResult
 from swap_state.server.snapshot.waiting import WatchedCondition
-from swap_state.server.snapshot.writer import RankWriter
+from swap_state.server.snapshot.writer import RankResult, RankWriter
 
 __all__ = ["SnapshotGroup", "RankSnapshot"]
 
