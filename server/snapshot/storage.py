@@ -175,20 +175,16 @@ class SnapshotStorage:
         if fd is not None:
             os.close(fd)  # closing the file releases the lock
 
-    def clean_stale(self) -> list[pathlib.PurePath]:
-        """``.partial-*``, ``.deleting-*`` and the latest pointer's temp file of every job."""
-        removed: list[pathlib.PurePath] = []
+    def clean_stale(self) -> None:
+        """Remove ``.partial-*``, ``.deleting-*`` and the latest pointer's temp file of every job."""
         for job in self._reader.jobs():
             job_dir = self._reader.job_dir(job)
             for name in os.listdir(job_dir):
                 path = job_dir / name
                 if name.startswith((".partial-", _DELETING_PREFIX)) and path.is_dir():
                     shutil.rmtree(path, ignore_errors=True)
-                    removed.append(path)
                 elif name == _LATEST_TMP:
                     path.unlink(missing_ok=True)
-                    removed.append(path)
-        return removed
 
     def location(self, job_id: str, step: int | None = None) -> pathlib.Path:
         """Where a job's snapshots are, or where the committed ``step`` goes; SnapshotInvalid
