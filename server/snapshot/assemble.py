@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import ContextManager
 
 from swap_state.common.segment import SegmentLayout
@@ -180,25 +180,17 @@ def _read_pieces(source: Source, manifests: Mapping[int, RankManifest], plan: Ma
         for manifest in read:
             source.check_data_header(manifest)
         if granted:
-            # Held as read, then (all verified) copied with the GIL released. Not copied into a
-            # staging area first: that was 0.53 GB/s against 0.85 GB/s this way (docs/benchmarks.md).
-            held = []
-            for name, pieces in plan.items():
-                for piece in pieces:
-                    data = source.read_tensor(manifests[piece.source_rank], piece.source)
-                    held.append((by_name[name], piece, data if type(data) is bytes else bytes(data)))
-            base = _posix.buffer_address(view)  # verified: only now the segment changes
-            for target, piece, data in held:
-                at, address = base + target.offset, _posix.bytes_address(data)
-                for run in piece.runs:
-                    _posix.memmove(at + run.target_offset, address + run.source_offset, run.nbytes)
+            # Held as read, then (all verified) copied. Not copied into a staging area first:
+            # that was 0.53 GB/s against 0.85 GB/s this way (docs/benchmarks.md).
+            _copy_pieces(view, by_name, list(_read_pieces_data(source, manifests, plan)))
             return True, False
     log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=source.info.snapshot_id, rank=rank,
               staged_bytes_needed=nbytes, budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
               detail="the budget's free bytes cannot hold the staged state: verifying the sources, then "
               "reading them again into the segment")
-    _fill(source, manifests, plan, None, {})  # verify everything first
-    _fill(source, manifests, plan, view, {n: by_name[n].offset for n in plan}, again=True)
+    for _ in _read_pieces_data(source, manifests, plan):  # verify everything first
+        pass
+    _copy_pieces(view, by_name, _read_pieces_data(source, manifests, plan, again=True))
     return False, False
 
 
@@ -288,10 +280,9 @@ class RecentSnapshots:
 RECENT = RecentSnapshots()
 
 
-def _fill(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
-          dest: memoryview | None, offsets: Mapping[str, int], again: bool = False) -> None:
-    """Read (verified) every piece's source tensor and copy its runs to ``dest`` at ``offsets``
-    (``dest`` None: verify only)."""
+def _read_pieces_data(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
+                      again: bool = False) -> Iterator[tuple[str, Piece, bytes]]:
+    """Every piece's source tensor, read and verified, as (target name, piece, bytes)."""
     for name, pieces in plan.items():
         for piece in pieces:
             try:
@@ -301,13 +292,16 @@ def _fill(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[s
                     raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "
                                           "partially overwritten: restore again") from None
                 raise
-            if dest is None:
-                continue
-            base = offsets[name]
-            with memoryview(data) as src:
-                for run in piece.runs:
-                    start = base + run.target_offset
-                    dest[start : start + run.nbytes] = src[run.source_offset : run.source_offset + run.nbytes]
+            yield name, piece, data if type(data) is bytes else bytes(data)
+
+
+def _copy_pieces(view: memoryview, by_name: Mapping, pieces: Iterable[tuple[str, Piece, bytes]]) -> None:
+    """Each piece's runs into its target tensor in ``view``, with the GIL released."""
+    base = _posix.buffer_address(view)
+    for name, piece, data in pieces:
+        at, address = base + by_name[name].offset, _posix.bytes_address(data)
+        for run in piece.runs:
+            _posix.memmove(at + run.target_offset, address + run.source_offset, run.nbytes)
 
 
 def _restored_metadata(saved: str, others: Sequence[str], placement: SnapshotMetadata | None) -> str:

@@ -381,12 +381,8 @@ class SnapshotCoordinator:
 
     def status(self, snapshot_id: str, rank: int) -> SnapshotStatus:
         """A rank's status now; one not in memory from disk, else the store (else SnapshotNotFound).
-        Blocking I/O: not for the event loop (:meth:`wait_status` is)."""
-        handle = self.handle(snapshot_id, rank)
-        status = handle.status() if handle is not None else self._status_at_rest(snapshot_id, rank)
-        if self.uploader is None or status.state is not SnapshotState.DURABLE:
-            return status
-        return self.uploader.annotate(status)
+        Blocking: not for the event loop (:meth:`wait_status` is, and this runs it)."""
+        return asyncio.run(self.wait_status(snapshot_id, rank))
 
     async def wait_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0,
                           wait_stored: bool = False) -> SnapshotStatus:

@@ -18,13 +18,12 @@ from swap_state.common.snapshot_errors import (
 )
 
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.plan import RankResult
 from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.snapshot.directory import CommitResult
 from swap_state.server.snapshot.waiting import WatchedCondition
-from swap_state.server.snapshot.writer import RankWriter
+from swap_state.server.snapshot.writer import RankResult, RankWriter
 
 __all__ = ["SnapshotGroup", "RankSnapshot"]
 
@@ -202,15 +201,12 @@ class RankSnapshot:
         cow_copies, bp_waits, bp_wait_ns = writer.counters()
         staged_chunks, staged_bytes, trainer_bytes = writer.server_counters()
         with group.cond:
-            state = group.state
-            error = ""
-            if state is SnapshotState.FAILED:
-                error = str(group.rank_errors.get(self.rank) or group.error)
+            state, error = group.state, self.exception  # the condition's lock is reentrant
             durable = state is SnapshotState.DURABLE and group.commit is not None
             return SnapshotStatus(
                 snapshot_id=group.snapshot_id, job_id=group.job_id, step=group.step, rank=self.rank,
                 world_size=group.world_size, state=state, bytes_total=writer.bytes_total,
-                bytes_persisted=writer.bytes_persisted, error=error, cow_copies=cow_copies,
+                bytes_persisted=writer.bytes_persisted, error=str(error or ""), cow_copies=cow_copies,
                 backpressure_waits=bp_waits, backpressure_wait_seconds=bp_wait_ns / 1e9,
                 path=str(group.commit.path if durable else group.partial), ranks_joined=len(group.handles),
                 ranks_persisted=len(group.results), segment_released=writer.segment_released.is_set(),

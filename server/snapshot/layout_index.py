@@ -203,15 +203,10 @@ class _Grid:
         for d, (s, size) in enumerate(zip(starts, global_shape)):
             if not s.rising() or s[0] != 0 or s[len(s) - 1] >= size:
                 raise ValueError(f"starts of {name} along dimension {d} must rise from 0 inside {size}")
-        owners = Progression.from_flat(raw.get("owners"), f"owners of {name}")
         cells = math.prod(len(s) for s in starts)
         if cells > world_size:  # each cell is some rank's shard
             raise ValueError(f"{name} is cut in {cells} shards, more than the {world_size} ranks")
-        if len(owners) != world_size or any(max(first, first + step * (count - 1)) >= cells
-                                            for first, step, count in owners.runs):
-            raise ValueError(f"owners of {name} must give each of {world_size} ranks a cell of {cells} or -1")
-        if all((first, step) == (_ABSENT, 0) for first, step, _ in owners.runs):
-            raise ValueError(f"no rank holds {name}")
+        owners = _per_rank(raw, "owners", world_size, cells, f"a cell of {cells}")
         return cls(name, dtype, global_shape, starts, owners)
 
 
@@ -243,12 +238,7 @@ class _Plain:
     @classmethod
     def from_json(cls, raw: dict, world_size: int) -> _Plain:
         name = raw["name"]
-        crcs = Progression.from_flat(raw.get("crc32s"), f"crc32s of {name}")
-        if len(crcs) != world_size or any(max(first, first + step * (count - 1)) >= 1 << 32
-                                          for first, step, count in crcs.runs):
-            raise ValueError(f"crc32s of {name} must give each of {world_size} ranks a crc32 or -1")
-        if all((first, step) == (_ABSENT, 0) for first, step, _ in crcs.runs):
-            raise ValueError(f"no rank holds {name}")
+        crcs = _per_rank(raw, "crc32s", world_size, 1 << 32, "a crc32")
         return cls(name, raw["dtype"], _shape(raw.get("shape"), f"shape of {name}"), crcs)
 
 
@@ -460,6 +450,18 @@ def plan_rank(targets: Sequence[TargetTensor], manifests: Mapping[int, Sequence[
               target_rank: int, same_world: bool) -> dict[str, list[Piece]]:
     """One new rank's plan from every old rank's records (an index built for it, then bound)."""
     return bind(LayoutIndex(manifests).plan(targets, target_rank=target_rank, same_world=same_world), manifests)
+
+
+def _per_rank(raw: dict, key: str, world_size: int, bound: int, each: str) -> Progression:
+    """``raw[key]``: per old rank a value below ``bound`` or -1, not all -1 (some rank holds it)."""
+    what = f"{key} of {raw['name']}"
+    values = Progression.from_flat(raw.get(key), what)
+    if len(values) != world_size or any(max(first, first + step * (count - 1)) >= bound
+                                        for first, step, count in values.runs):
+        raise ValueError(f"{what} must give each of {world_size} ranks {each} or -1")
+    if all((first, step) == (_ABSENT, 0) for first, step, _ in values.runs):
+        raise ValueError(f"no rank holds {raw['name']}")
+    return values
 
 
 def _shape(raw: object, what: str) -> tuple[int, ...]:

@@ -59,7 +59,7 @@ def restore(store: SnapshotDirectory, snapshot_id: str, buffer, layout: SegmentL
         info = source.info
         if may_read is not None:
             may_read(info)
-        if source.where == "local" and (info.world_size != world_size or rank not in info.ranks) and not info.index.complete_job:
+        if source.where == "local" and not info.index.complete_job:
             check_world_size(info, world_size)  # a host's own part of a multi-host snapshot: not resharded
         placement = parse_metadata(placement_json, layout.tensors, sys.maxsize) if placement_json else None
         done = assemble(source, view, layout, rank=rank, world_size=world_size, placement=placement,

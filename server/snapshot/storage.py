@@ -53,14 +53,9 @@ _LATEST_TMP = ".latest.tmp"
 
 def write_durable(path: pathlib.Path, data: bytes) -> None:
     """Create ``path`` (it must not exist), write ``data`` and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with SnapshotFile(path, direct=False) as file:
+        file.pwrite(data, 0)
+        file.fsync()
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -107,11 +102,6 @@ class SnapshotFile:
             raise ValueError(f"{self.path} is closed")
         return self._fd
 
-    def pwrite(self, data: bytes | memoryview, offset: int) -> None:
-        """All of ``data`` at ``offset``."""
-        with memoryview(data) as view:
-            pwrite_all(self.fileno(), view, offset)
-
     def open_direct(self) -> int | None:
         """A second descriptor of this file with ``O_DIRECT`` (the caller closes it); None where
         ``--direct-io`` or the filesystem refuses it (EINVAL: tmpfs, some network filesystems)."""
@@ -124,6 +114,11 @@ class SnapshotFile:
             if exc.errno == errno.EINVAL:
                 return None
             raise
+
+    def pwrite(self, data: bytes | memoryview, offset: int) -> None:
+        """All of ``data`` at ``offset``."""
+        with memoryview(data) as view:
+            pwrite_all(self.fileno(), view, offset)
 
     def start_writeback(self, offset: int, nbytes: int) -> None:
         # sync_file_range: the kernel starts writing these pages now, so the fsync at the end
@@ -180,20 +175,16 @@ class SnapshotStorage:
         if fd is not None:
             os.close(fd)  # closing the file releases the lock
 
-    def clean_stale(self) -> list[pathlib.PurePath]:
-        """``.partial-*``, ``.deleting-*`` and the latest pointer's temp file of every job."""
-        removed: list[pathlib.PurePath] = []
+    def clean_stale(self) -> None:
+        """Remove ``.partial-*``, ``.deleting-*`` and the latest pointer's temp file of every job."""
         for job in self._reader.jobs():
             job_dir = self._reader.job_dir(job)
             for name in os.listdir(job_dir):
                 path = job_dir / name
                 if name.startswith((".partial-", _DELETING_PREFIX)) and path.is_dir():
                     shutil.rmtree(path, ignore_errors=True)
-                    removed.append(path)
                 elif name == _LATEST_TMP:
                     path.unlink(missing_ok=True)
-                    removed.append(path)
-        return removed
 
     def location(self, job_id: str, step: int | None = None) -> pathlib.Path:
         """Where a job's snapshots are, or where the committed ``step`` goes; SnapshotInvalid

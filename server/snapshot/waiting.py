@@ -35,9 +35,6 @@ class WatchedCondition:
     def __exit__(self, *exc_info) -> None:
         self._cond.__exit__(*exc_info)
 
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._cond.wait(timeout)
-
     def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
         return self._cond.wait_for(predicate, timeout)
 

@@ -21,6 +21,7 @@ The segment's tensor area is only ever read here; the server writes its header w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 import threading
@@ -28,21 +29,25 @@ import time
 
 from swap_state.common.segment import Chunk, Word, stager_slot_count
 
+from swap_state.common.checksum import crc32, crc32_combine
 from swap_state.common.snapshot_errors import SnapshotError, from_os_error
-from swap_state.common.snapshot_metadata import SnapshotMetadata
+from swap_state.common.snapshot_format import (
+    FileRecord, RankManifest, TensorRecord, rank_data_name, rank_manifest_name, safetensors_header,
+    safetensors_metadata,
+)
+from swap_state.common.snapshot_metadata import SnapshotMetadata, TensorMetadata
 from swap_state.common.snapshot_metadata_parts import MetadataParts
 from swap_state.common.retry import wait_until
 from swap_state.common.server_header import ServerHeader
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.bandwidth import BandwidthLimiter
-from swap_state.server.snapshot.plan import RankFilePlan, RankResult
 from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.stager import Stager
 from swap_state.server.snapshot.sink import ChunkSink, open_sink
 from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.snapshot.waiting import Latch
 
-__all__ = ["Cancelled", "RankWriter"]
+__all__ = ["Cancelled", "RankResult", "RankWriter"]
 
 log = logging.getLogger("swap_state.server.snapshot_writer")
 
@@ -62,6 +67,15 @@ killed mid-step) ends the pausing for the rest of the snapshot."""
 TRAINER_YIELD_SHARE = 0.5
 """Most of its streaming time a writer spends paused for the trainer's steps: a trainer
 whose steps leave little time between them delays durability by 2x at most."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankResult:
+    """A rank whose data file and manifest are written and fsynced."""
+
+    manifest: RankManifest
+    files: tuple[FileRecord, FileRecord]
+    """(data file, manifest file) with sizes and crc32s, for snapshot.json."""
 
 
 class Cancelled(Exception):
@@ -299,18 +313,26 @@ class RankWriter:
         source = self.source
         if isinstance(self.metadata, MetadataParts):
             self.metadata = self.metadata.expand()  # per-tensor work: here, not in the RPC
-        plan = RankFilePlan(source, self.metadata)
-        action = f"writing {plan.data_name} of {source.job_id}/step-{source.step}"
+        tensors = source.layout.tensors
+        header, offsets = safetensors_header(
+            [(t.name, t.dtype, t.shape, t.nbytes) for t in tensors],
+            safetensors_metadata(source.job_id, source.step, source.rank, source.world_size),
+        )
+        data_name, manifest_name = rank_data_name(source.rank), rank_manifest_name(source.rank)
+        action = f"writing {data_name} of {source.job_id}/step-{source.step}"
         try:
             try:
-                crcs = self._write_data_file(plan)
+                crcs = self._write_data_file(data_name, header)
             finally:
                 self.release_segment()  # also when the file could not be created
-            data = plan.data_record(crcs)
-            manifest = plan.manifest(crcs, data, self.counters(), time.monotonic() - self.started_monotonic)
-            action = f"writing {plan.manifest_name} of {source.job_id}/step-{source.step}"
+            file_crc = crc32(header)  # combined from the tensors' crc32s
+            for tensor, value in zip(tensors, crcs):
+                file_crc = crc32_combine(file_crc, value, tensor.nbytes)
+            data = FileRecord(data_name, source.rank, len(header) + self.bytes_total, file_crc)
+            manifest = self._manifest(crcs, offsets, data, len(header))
+            action = f"writing {manifest_name} of {source.job_id}/step-{source.step}"
             raw = manifest.to_bytes()
-            self.storage.write_durable(self.partial, plan.manifest_name, raw)
+            self.storage.write_durable(self.partial, manifest_name, raw)
         except OSError as exc:
             raise from_os_error(exc, action, self.storage.root) from None
         rate = self.persist_rate()
@@ -319,14 +341,36 @@ class RankWriter:
                   stream_gbps=round(rate / 1e9, 3) if rate else None, direct_io=self.direct_io,
                   trainer_copied_bytes=self.trainer_copied_bytes,
                   staged_bytes=self.stager.staged_bytes if self.stager is not None else 0)
-        return plan.result(manifest, data, raw)
+        return RankResult(manifest, (data, FileRecord(manifest_name, source.rank, len(raw), crc32(raw))))
 
-    def _write_data_file(self, plan: RankFilePlan) -> list[int]:
+    def _manifest(self, crcs: list[int], offsets: list[tuple[int, int]], data: FileRecord,
+                  data_start: int) -> RankManifest:
+        """The rank's manifest: each tensor's place, crc32 and the trainer's metadata of it."""
+        source, metadata = self.source, self.metadata
+        records = []
+        for tensor, (begin, end), value in zip(source.layout.tensors, offsets, crcs):
+            meta = metadata.tensors.get(tensor.name, TensorMetadata())
+            records.append(TensorRecord(
+                name=tensor.name, dtype=tensor.dtype, shape=tensor.shape, nbytes=tensor.nbytes,
+                data_offsets=(begin, end), crc32=value, fqn=meta.fqn, key=meta.key,
+                global_shape=meta.global_shape, global_offset=meta.global_offset,
+            ))
+        cow_copies, bp_waits, bp_wait_ns = self.counters()
+        return RankManifest(
+            job_id=source.job_id, step=source.step, rank=source.rank, world_size=source.world_size,
+            data_file=data.name, data_file_bytes=data.bytes, data_start=data_start,
+            chunk_bytes=source.layout.chunk_bytes, tensors=tuple(records),
+            param_groups=metadata.param_groups, steps=metadata.steps, metadata_extra=metadata.extra,
+            cow_copies=cow_copies, backpressure_waits=bp_waits, backpressure_wait_seconds=bp_wait_ns / 1e9,
+            persist_seconds=time.monotonic() - self.started_monotonic,
+        )
+
+    def _write_data_file(self, name: str, header: bytes) -> list[int]:
         """Create the data file, put its header, stream the chunks (the stager alongside),
         release the segment, write the rest and fsync; the tensors' crc32s."""
-        with self.storage.create_file(self.partial, plan.data_name) as file, open_sink(file) as sink:
+        with self.storage.create_file(self.partial, name) as file, open_sink(file) as sink:
             self.direct_io = sink.direct
-            sink.write_all(plan.header)
+            sink.write_all(header)
             segment = memoryview(self.source.buffer)
             try:
                 if self.stager is not None and not self.cancel.is_set():
