@@ -231,16 +231,6 @@ def _read_tenants(config: ServerConfig) -> Tenants:
     return Tenants(proofs=UidProofs(listen.path)) if listen.scheme == "unix" else Tenants()
 
 
-def _grpc_server(config: ServerConfig, service: SwapStateService, health: health_aio.HealthServicer,
-                 tenants: Tenants) -> grpc.aio.Server:
-    """The gRPC server with the servicer and health, not bound yet."""
-    interceptors = [TokenAuthInterceptor(tenants)] if tenants.enabled else []
-    server = grpc.aio.server(interceptors=interceptors, options=grpc_server_options(config))
-    pb_grpc.add_SwapStateServicer_to_server(service, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    return server
-
-
 def _prepare_shm(config: ServerConfig, service: SwapStateService, gid: int | None) -> None:
     """Adopt (or with ``--discard-segments`` remove) what a previous server on this address
     left, then check the shm directory holds the rest of the budget. Nothing is adopted from a
@@ -330,7 +320,10 @@ async def start_server(config: ServerConfig) -> RunningServer:
             tenants.proofs.prepare()  # beside the socket, in the directory the guard checked
         service = _build_service(config, listen, gid, tenants, undo)
         health = health_aio.HealthServicer()
-        server = _grpc_server(config, service, health, tenants)
+        interceptors = [TokenAuthInterceptor(tenants)] if tenants.enabled else []
+        server = grpc.aio.server(interceptors=interceptors, options=grpc_server_options(config))
+        pb_grpc.add_SwapStateServicer_to_server(service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
         port = _bind(server, listen, creds)
         undo.push_async_callback(server.stop, None)
         if guard is not None:
@@ -353,19 +346,14 @@ async def start_server(config: ServerConfig) -> RunningServer:
     )
     auth = ("tenants" if config.tenants else "uid" if tenants.proofs is not None
             else "token" if tenants.enabled else "none")
-    _log_started(config, listen, address, service.arena, auth=auth, tls=creds is not None, metrics=metrics)
-    return running
-
-
-def _log_started(config: ServerConfig, listen: ListenAddress, address: str, arena: Arena, *,
-                 auth: str, tls: bool, metrics: MetricsServer | None) -> None:
-    """The one ``started`` line: where it listens, the budget, the snapshot dir, security."""
     log_event(
         log, "started", listen=address if listen.scheme == "unix" else f"tcp://{address}",
         socket=listen.path or "", shm_dir=config.shm_dir, budget_bytes=config.shm_size,
-        budget=format_size(config.shm_size), cow_pool_bytes=arena.cow_reserve_bytes,
-        cow_slots=arena.cow_pool_slots, chunk_bytes=config.chunk_bytes, grace_seconds=config.grace,
-        snapshot_dir=config.snapshot_dir or "", auth=auth, tls=tls,
+        budget=format_size(config.shm_size), cow_pool_bytes=service.arena.cow_reserve_bytes,
+        cow_slots=service.arena.cow_pool_slots, chunk_bytes=config.chunk_bytes, grace_seconds=config.grace,
+        snapshot_dir=config.snapshot_dir or "", auth=auth, tls=creds is not None,
         metrics=f"{metrics.address[0]}:{metrics.address[1]}" if metrics and metrics.address else "off",
         pid=os.getpid(),
     )
+    return running
+

@@ -97,14 +97,12 @@ class ServerCollector(Collector):
         """Every family, in a fixed order: server, arena, sessions, session counters, RPCs."""
         yield gauge("swap_state_up", "1 while the server serves.", 1)
         yield gauge("swap_state_start_time_seconds", "Unix time the server started.", self.started_at)
-        yield from self._arena_families()
-        yield from self._session_families()
-        yield from self._session_counters()
-        yield from self._rpc_families()
-
-    def _arena_families(self) -> Iterator[Metric]:
         for make, name, help_text, attr in _ARENA_FAMILIES:
             yield make(name, help_text, getattr(self.arena, attr))
+        yield from self._session_families()
+        for name, help_text, attr in _SESSION_COUNTERS:
+            yield counter(name, help_text, getattr(self.registry, attr))
+        yield from self._rpc_families()
 
     def _session_families(self) -> Iterator[Metric]:
         """Sessions by state, then the per-session gauges (labelled by job and rank)."""
@@ -134,10 +132,6 @@ class ServerCollector(Collector):
                 last_step.add_metric(key, s.last_committed_step)
             generation.add_metric(key, s.generation)
         yield from (segment_bytes, model_area, last_step, generation)
-
-    def _session_counters(self) -> Iterator[Metric]:
-        for name, help_text, attr in _SESSION_COUNTERS:
-            yield counter(name, help_text, getattr(self.registry, attr))
 
     def _rpc_families(self) -> Iterator[Metric]:
         counters = self.counters

@@ -254,7 +254,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             context.add_done_callback(lambda _context: handle.proceed())
         except Exception:  # no termination callback: let the writer go now
             handle.proceed()
-        self.snapshot_counters.started += 1
+        self.snapshot_counters["started"] += 1
         task = asyncio.get_running_loop().create_task(finish_snapshot(handle, held, self.snapshot_counters))
         self._finishing.add(task)
         task.add_done_callback(self._finished)

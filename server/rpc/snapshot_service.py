@@ -6,8 +6,8 @@ and their metrics collector, and the task that returns a snapshot's borrowed seg
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 
 from prometheus_client.core import Metric
@@ -40,38 +40,8 @@ def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
     return pb.SnapshotStatusReply(**values)
 
 
-@dataclasses.dataclass
-class SnapshotCounters:
-    """Totals over finished snapshot ranks, for the metrics endpoint."""
-
-    started: int = 0
-    """Snapshot RPCs that started persisting a rank."""
-    durable: int = 0
-    """Ranks whose snapshot became durable."""
-    failed: int = 0
-    """Ranks whose snapshot failed (disk full, I/O error, cancelled)."""
-    bytes_persisted: int = 0
-    """Bytes written to snapshot files."""
-    cow_copies: int = 0
-    """Chunks the trainers copied before overwriting them (copy-before-write)."""
-    backpressure_waits: int = 0
-    """Times a trainer waited for a free copy slot."""
-    backpressure_wait_seconds: float = 0.0
-    """Seconds trainers spent in those waits."""
-    server_staged_chunks: int = 0
-    """Chunks the server copied ahead of the trainers (so they did not have to)."""
-
-    def record(self, status: SnapshotStatus) -> None:
-        if status.state.value in ("durable", "stored"):
-            self.durable += 1
-        else:
-            self.failed += 1
-        for name in ("bytes_persisted", "cow_copies", "backpressure_waits", "backpressure_wait_seconds",
-                     "server_staged_chunks"):
-            setattr(self, name, getattr(self, name) + getattr(status, name))
-
-
-# (name, help, SnapshotCounters field) of the snapshot counters, then of the store's uploads.
+# (name, help, SnapshotCounters key) of the snapshot counters, then (name, help, uploader counters
+# field) of the store's uploads.
 _SNAPSHOT_COUNTERS = (
     ("swap_state_snapshots_started_total", "Snapshot ranks started.", "started"),
     ("swap_state_snapshots_durable_total", "Snapshot ranks made durable.", "durable"),
@@ -90,6 +60,17 @@ _UPLOAD_COUNTERS = (
     ("swap_state_store_bytes_total", "Bytes uploaded to the --snapshot-store.", "bytes_stored"),
     ("swap_state_store_upload_seconds_total", "Seconds spent uploading snapshots.", "seconds"),
 )
+_SUMMED = ("bytes_persisted", "cow_copies", "backpressure_waits", "backpressure_wait_seconds")
+
+
+class SnapshotCounters(collections.Counter):
+    """Totals of the snapshot ranks (keys: ``_SNAPSHOT_COUNTERS``' own), for the metrics endpoint:
+    "started" counted by the Snapshot RPC, the others by :meth:`record` once a rank settled."""
+
+    def record(self, status: SnapshotStatus) -> None:
+        self["durable" if status.state.value in ("durable", "stored") else "failed"] += 1
+        for name in _SUMMED:
+            self[name] += getattr(status, name)
 
 
 class SnapshotCollector(Collector):
@@ -103,7 +84,7 @@ class SnapshotCollector(Collector):
         running = self.coordinator.in_progress() if self.coordinator is not None else []
         yield gauge("swap_state_snapshots_in_progress", "Snapshot ranks persisting now.", len(running))
         for name, help_text, field in _SNAPSHOT_COUNTERS:
-            yield counter(name, help_text, getattr(self.counters, field))
+            yield counter(name, help_text, self.counters[field])
         uploader = self.coordinator.uploader if self.coordinator is not None else None
         if uploader is not None:
             for name, help_text, field in _UPLOAD_COUNTERS:
