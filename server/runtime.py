@@ -47,14 +47,13 @@ from swap_state.common.errors import StartupError
 from swap_state.server.rpc.listener import SocketGuard
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
-from swap_state.server.observability.metrics import MetricsServer, metrics_registry
+from swap_state.server.observability.metrics import MetricsServer, RpcCounters, metrics_registry
 from swap_state.server.rpc.service import SwapStateService
 from swap_state.server.rpc.validation import validate_descriptor
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.rpc.snapshot_service import SnapshotCollector
 from swap_state.server.memory.sessions import SessionRegistry
-from swap_state.server.observability.rpc_counters import RpcCounters
 
 __all__ = ["RunningServer", "SERVICE_NAME", "grpc_server_options", "start_server"]
 

@@ -11,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import Iterable, Iterator
 
+import grpc
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -20,10 +21,9 @@ from swap_state.server.memory.arena import Arena
 from swap_state.server.logs import log_event
 from swap_state.server.memory.session import SessionState
 from swap_state.server.memory.sessions import SessionRegistry
-from swap_state.server.observability.rpc_counters import RpcCounters
 
 __all__ = [
-    "CONTENT_TYPE", "MetricsServer", "ServerCollector", "counter", "gauge", "metrics_registry",
+    "CONTENT_TYPE", "MetricsServer", "RpcCounters", "ServerCollector", "counter", "gauge", "metrics_registry",
 ]
 
 log = logging.getLogger("swap_state.server.metrics")
@@ -48,6 +48,20 @@ def counter(name: str, help_text: str, value: float | None = None,
         raise ValueError(f"counter {name} must end in _total (it is rendered with it)")
     return CounterMetricFamily(name, help_text, value=value,
                                labels=None if labels is None else list(labels))
+
+
+class RpcCounters:
+    """Calls per (method, status code) and their total seconds, counted by the RPC boundary
+    (:func:`swap_state.server.rpc.statuses.rpc_boundary`)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[str, str], int] = {}
+        self.seconds: dict[str, float] = {}
+
+    def record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        key = (method, code.name)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        self.seconds[method] = self.seconds.get(method, 0.0) + seconds
 
 
 # (family, name, help, Arena attribute).

@@ -22,7 +22,7 @@ import grpc
 
 from swap_state.common.errors import REASON_METADATA_KEY, SwapStateError
 from swap_state.server.logs import log_event
-from swap_state.server.observability.rpc_counters import RpcCounters
+from swap_state.server.observability.metrics import RpcCounters
 
 __all__ = ["RpcCounters", "rpc_boundary", "status_for", "reason_metadata"]
 
