@@ -242,31 +242,25 @@ def _prepare_shm(config: ServerConfig, service: SwapStateService, gid: int | Non
         if removed:
             log_event(log, "leftover_segments_removed", logging.WARNING, files=removed,
                       bytes=removed_bytes, shm_dir=config.shm_dir)
-    else:
-        _adopt(config, service)
+    else:  # the sessions of the segments a previous server left, waiting for their trainers
+        adopted, refused = adopt_segments(
+            arena, lambda d: validate_descriptor(d, max_tensors=config.max_tensors))
+        for item in refused:
+            log_event(log, "segment_not_adopted", logging.WARNING, path=item.path, reason=item.reason,
+                      detail="left where it is; remove it by hand, or start with --discard-segments")
+        for item in adopted:
+            service.registry.adopt(item)
+            if service.snapshots is not None:
+                service.snapshots.note_epoch(item.open_epoch)
+        if adopted:
+            log_event(log, "segments_adopted", sessions=len(adopted), bytes=arena.used_bytes,
+                      shm_dir=config.shm_dir)
     check_shm_dir(config.shm_dir, config.shm_size - arena.used_bytes)
     if arena.cow_pool_slots == 0:
         log_event(log, "cow_pool_empty", logging.WARNING, cow_budget=config.cow_pool_bytes,
                   chunk_bytes=config.chunk_bytes,
                   detail="no copy-before-write slots: snapshots will make the trainer wait "
                   "until each chunk is persisted")
-
-
-def _adopt(config: ServerConfig, service: SwapStateService) -> None:
-    """The sessions of the segments a previous server left, waiting for their trainers."""
-    adopted, refused = adopt_segments(
-        service.arena, lambda d: validate_descriptor(d, max_tensors=config.max_tensors)
-    )
-    for item in refused:
-        log_event(log, "segment_not_adopted", logging.WARNING, path=item.path, reason=item.reason,
-                  detail="left where it is; remove it by hand, or start with --discard-segments")
-    for item in adopted:
-        service.registry.adopt(item)
-        if service.snapshots is not None:
-            service.snapshots.note_epoch(item.open_epoch)
-    if adopted:
-        log_event(log, "segments_adopted", sessions=len(adopted), bytes=service.arena.used_bytes,
-                  shm_dir=config.shm_dir)
 
 
 async def _start_metrics(config: ServerConfig, service: SwapStateService,
@@ -288,14 +282,6 @@ async def _start_metrics(config: ServerConfig, service: SwapStateService,
             f"--metrics-port {config.metrics_host}:{config.metrics_port}: {exc.strerror}"
         ) from None
     return metrics
-
-
-def _channel_address(listen: ListenAddress, port: int) -> str:
-    """A gRPC channel target for the bound address (a wildcard host becomes localhost)."""
-    if listen.scheme == "unix":
-        return f"unix://{listen.path}"
-    host = listen.host if listen.host not in ("0.0.0.0", "::", "") else "localhost"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def start_server(config: ServerConfig) -> RunningServer:
@@ -336,7 +322,9 @@ async def start_server(config: ServerConfig) -> RunningServer:
         metrics = await _start_metrics(config, service, started_at=time.time())
         undo.pop_all()
 
-    address = _channel_address(listen, port)
+    # The channel target of the bound address (a wildcard host becomes localhost).
+    wildcard = listen.scheme == "tcp" and listen.host in ("0.0.0.0", "::", "")
+    address = (dataclasses.replace(listen, host="localhost") if wildcard else listen).bind_target(port)
     running = RunningServer(
         config=config, address=address, listen=listen, socket_path=listen.path,
         metrics_address=metrics.address if metrics else None, arena=service.arena, sessions=service.registry,

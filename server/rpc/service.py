@@ -38,7 +38,7 @@ from swap_state.server.rpc.snapshot_service import (
 from swap_state.server.rpc.statuses import RpcCounters, rpc_boundary
 from swap_state.server.tenants import Tenant, Tenants
 from swap_state.server.rpc.validation import (
-    validate_client_host, validate_job_id, validate_job_id_filter, validate_local_world_size, validate_rank,
+    validate_client_host, validate_job_id, validate_local_world_size, validate_rank,
     validate_session, validate_snapshot_id, validate_snapshot_rank, validate_step, validate_tensor_specs,
 )
 
@@ -289,7 +289,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     @rpc_boundary
     async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
         caller = self._caller(context)
-        job_id = validate_job_id_filter(request.job_id)
+        job_id = validate_job_id(request.job_id) if request.job_id else None  # "": all jobs
         listed = await asyncio.to_thread(list_both_tiers, self._coordinator(), job_id)
         return pb.ListSnapshotsReply(snapshots=[
             info_reply(local, stored) for local, stored in listed
