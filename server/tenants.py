@@ -133,29 +133,23 @@ class Tenants:
     def tenant_of(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant | None:
         """The call's tenant by its token or uid; None for a missing or unknown token or proof
         (:data:`ANYONE` when callers are not told apart)."""
-        if self.proofs is not None:
-            return self._uid_tenant(metadata)
-        if not self._by_token:
+        if not self.enabled:
             return ANYONE
-        for key, value in metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                # Compared with every token, in constant time each: no early exit to time.
-                found = None
-                for expected, tenant in self._by_token.items():
-                    if hmac.compare_digest(given, expected):
-                        found = tenant
-                return found
-        return None
-
-    def _uid_tenant(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant | None:
-        for key, value in metadata or ():
-            if key == CALLER_METADATA_KEY:
-                uid = self.proofs.uid_of(value if isinstance(value, str) else bytes(value).decode("ascii", "replace"))
-                if uid is None:
-                    return None
-                return Tenant(f"uid:{uid}", admin=uid in (0, os.geteuid()))
-        return None
+        wanted = CALLER_METADATA_KEY if self.proofs is not None else "authorization"
+        value = next((value for key, value in metadata or () if key == wanted), None)
+        if value is None:
+            return None
+        if self.proofs is not None:
+            name = value if isinstance(value, str) else bytes(value).decode("ascii", "replace")
+            uid = self.proofs.uid_of(name)
+            return None if uid is None else Tenant(f"uid:{uid}", admin=uid in (0, os.geteuid()))
+        given = value.encode() if isinstance(value, str) else bytes(value)
+        # Compared with every token, in constant time each: no early exit to time.
+        found = None
+        for expected, tenant in self._by_token.items():
+            if hmac.compare_digest(given, expected):
+                found = tenant
+        return found
 
 
 def read_secret_file(path: pathlib.Path, flag: str) -> tuple[os.stat_result, str]:

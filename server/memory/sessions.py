@@ -132,13 +132,11 @@ class SessionRegistry:
         return max(0.0, self._clock() - session.orphaned_since)
 
     async def attach(
-        self, job_id: str, rank: int, world_size: int, *, client_pid: int = 0, client_host: str = "",
-        local_world_size: int = 0, tenant: Tenant = ANYONE,
+        self, job_id: str, rank: int, world_size: int, *, local_world_size: int, client_pid: int = 0,
+        client_host: str = "", tenant: Tenant = ANYONE,
     ) -> tuple[Session, bool]:
         """Open or re-open the session of (job_id, rank) for ``tenant``: (session, reattached).
-        ``local_world_size`` 0 means ``world_size``. PermissionDenied when another tenant's
-        session holds the job."""
-        local_world_size = local_world_size or world_size
+        PermissionDenied when another tenant's session holds the job."""
         self._check_open()
         for other in self._sessions.values():
             if other.job_id == job_id and not other.closed and not tenant.may_claim(other.tenant):
