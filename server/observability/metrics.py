@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 from prometheus_client import CollectorRegistry, generate_latest
@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from swap_state.server.memory.arena import Arena
 from swap_state.server.logs import log_event
-from swap_state.server.memory.session import SessionState
+from swap_state.server.memory.session import Session, SessionState
 from swap_state.server.memory.sessions import SessionRegistry
 
 __all__ = [
@@ -79,6 +79,19 @@ _ARENA_FAMILIES = (
     (counter, "swap_state_mlock_failures_total",
      "Segments that could not be mlock'd (RLIMIT_MEMLOCK / CAP_IPC_LOCK).", "mlock_failures"),
 )
+# (name, help, value of a Session) of the per-session gauges, labelled by job and rank (None: no sample).
+_SESSION_GAUGES: tuple[tuple[str, str, Callable[[Session], float | None]], ...] = (
+    ("swap_state_session_segment_bytes", "Segment bytes per session.",
+     lambda s: s.segment.file_bytes if s.segment else 0),
+    ("swap_state_session_model_area_bytes",
+     "Bytes of each session's segment that are model tensors: the parameters and "
+     "persistent buffers of whole-state snapshots (part of the segment bytes; 0 without).",
+     lambda s: s.segment.model_bytes if s.segment else 0),
+    ("swap_state_session_last_committed_step",
+     "Last committed step per session (sessions with a committed step only).",
+     lambda s: s.last_committed_step),
+    ("swap_state_session_generation", "Current generation per session.", lambda s: s.generation),
+)
 # (name, help, SessionRegistry attribute) of the session counters.
 _SESSION_COUNTERS = (
     ("swap_state_steps_committed_total", "Steps committed, all sessions.", "steps_committed_total"),
@@ -113,39 +126,20 @@ class ServerCollector(Collector):
         yield gauge("swap_state_start_time_seconds", "Unix time the server started.", self.started_at)
         for make, name, help_text, attr in _ARENA_FAMILIES:
             yield make(name, help_text, getattr(self.arena, attr))
-        yield from self._session_families()
-        for name, help_text, attr in _SESSION_COUNTERS:
-            yield counter(name, help_text, getattr(self.registry, attr))
-        yield from self._rpc_families()
-
-    def _session_families(self) -> Iterator[Metric]:
-        """Sessions by state, then the per-session gauges (labelled by job and rank)."""
         sessions = self.registry.sessions
         by_state = gauge("swap_state_sessions", "Sessions by state.", labels=["state"])
         for state in SessionState:
             by_state.add_metric([state.value], sum(1 for s in sessions if s.state is state))
         yield by_state
-        key_labels = ["job_id", "rank"]
-        segment_bytes = gauge("swap_state_session_segment_bytes", "Segment bytes per session.",
-                              labels=key_labels)
-        model_area = gauge(
-            "swap_state_session_model_area_bytes",
-            "Bytes of each session's segment that are model tensors: the parameters and "
-            "persistent buffers of whole-state snapshots (part of the segment bytes; 0 without).",
-            labels=key_labels)
-        last_step = gauge("swap_state_session_last_committed_step",
-                          "Last committed step per session (sessions with a committed step only).",
-                          labels=key_labels)
-        generation = gauge("swap_state_session_generation", "Current generation per session.",
-                           labels=key_labels)
-        for s in sessions:
-            key = [s.job_id, str(s.rank)]
-            segment_bytes.add_metric(key, s.segment.file_bytes if s.segment else 0)
-            model_area.add_metric(key, s.segment.model_bytes if s.segment else 0)
-            if s.last_committed_step is not None:
-                last_step.add_metric(key, s.last_committed_step)
-            generation.add_metric(key, s.generation)
-        yield from (segment_bytes, model_area, last_step, generation)
+        for name, help_text, value in _SESSION_GAUGES:
+            family = gauge(name, help_text, labels=["job_id", "rank"])
+            for s in sessions:
+                if (v := value(s)) is not None:
+                    family.add_metric([s.job_id, str(s.rank)], v)
+            yield family
+        for name, help_text, attr in _SESSION_COUNTERS:
+            yield counter(name, help_text, getattr(self.registry, attr))
+        yield from self._rpc_families()
 
     def _rpc_families(self) -> Iterator[Metric]:
         counters = self.counters
