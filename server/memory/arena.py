@@ -166,12 +166,6 @@ class Arena:
         with self._lock:
             return list(self._segments.values())
 
-    def segment_chunk_bytes(self, specs: Sequence[TensorSpec]) -> int:
-        """``--chunk-bytes``, or the largest tensor page aligned when smaller (a small model's
-        slots are small; each still counts as one slot of the pool)."""
-        largest = max((tensor_nbytes(dtype, shape) for _, dtype, shape in specs), default=0)
-        return max(PAGE_BYTES, min(self.chunk_bytes, align_up(largest)))
-
     def cow_share(self, world_size: int) -> int:
         """Most cow slots one session of a job with ``world_size`` ranks on this server may take."""
         if self.cow_pool_slots == 0:
@@ -243,7 +237,10 @@ class Arena:
     ) -> tuple[str, SegmentLayout]:
         """Plan and charge the segment and name its file: (name, layout). ResourceExhausted
         when the free budget, or ``tenant``'s quota, cannot hold it."""
-        chunk = self.segment_chunk_bytes(specs)
+        # --chunk-bytes, or the largest tensor page aligned when smaller (a small model's slots
+        # are small; each still counts as one slot of the pool).
+        largest = max((tensor_nbytes(dtype, shape) for _, dtype, shape in specs), default=0)
+        chunk = max(PAGE_BYTES, min(self.chunk_bytes, align_up(largest)))
         n_chunks = sum(-(-tensor_nbytes(dtype, shape) // chunk) for _, dtype, shape in specs)
         want = min(self.cow_share(world_size), n_chunks)
         layout = plan_segment(specs, chunk, want)  # planned outside the lock: O(tensors)
