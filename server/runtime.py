@@ -47,7 +47,7 @@ from swap_state.common.errors import StartupError
 from swap_state.server.rpc.listener import SocketGuard
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
-from swap_state.server.observability.metrics import MetricsServer, RpcCounters, metrics_registry
+from swap_state.server.observability.metrics import MetricsServer, metrics_registry
 from swap_state.server.rpc.service import SwapStateService
 from swap_state.server.rpc.validation import validate_descriptor
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
@@ -216,7 +216,7 @@ def _build_service(config: ServerConfig, listen: ListenAddress, gid: int | None,
         )
         undo.callback(snapshots.close)
     return SwapStateService(registry, arena, keepalive_interval=config.keepalive_interval,
-                            counters=RpcCounters(), snapshots=snapshots, tenants=tenants)
+                            snapshots=snapshots, tenants=tenants)
 
 
 def _read_tenants(config: ServerConfig) -> Tenants:

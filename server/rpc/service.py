@@ -35,7 +35,8 @@ from swap_state.server.snapshot.tiers import list_both_tiers
 from swap_state.server.rpc.snapshot_service import (
     MAX_STATUS_WAIT_S, SnapshotCounters, finish_snapshot, info_reply, metadata_parts, status_reply,
 )
-from swap_state.server.rpc.statuses import RpcCounters, rpc_boundary
+from swap_state.server.observability.metrics import RpcCounters
+from swap_state.server.rpc.statuses import rpc_boundary
 from swap_state.server.tenants import Tenant, Tenants
 from swap_state.server.rpc.validation import (
     validate_client_host, validate_job_id, validate_local_world_size, validate_rank,
@@ -79,7 +80,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     --snapshot-dir (the snapshot RPCs then fail naming the flag)."""
 
     def __init__(
-        self, registry: SessionRegistry, arena: Arena, *, keepalive_interval: float, counters: RpcCounters,
+        self, registry: SessionRegistry, arena: Arena, *, keepalive_interval: float,
         snapshots: SnapshotCoordinator | None = None, tenants: Tenants | None = None,
     ) -> None:
         self.tenants = tenants or Tenants()
@@ -89,7 +90,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         self.snapshot_counters = SnapshotCounters()
         self.arena = arena
         self.keepalive_interval = keepalive_interval
-        self.counters = counters  # used by rpc_boundary
+        self.counters = RpcCounters()  # counted by rpc_boundary
         self._finishing: set[asyncio.Task[None]] = set()
 
     def _caller(self, context) -> Tenant:
