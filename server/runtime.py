@@ -52,7 +52,6 @@ from swap_state.server.rpc.service import SwapStateService
 from swap_state.server.rpc.validation import validate_descriptor
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 from swap_state.server.snapshot.storage import SnapshotStorage
-from swap_state.server.rpc.snapshot_service import SnapshotCollector
 from swap_state.server.memory.sessions import SessionRegistry
 
 __all__ = ["RunningServer", "SERVICE_NAME", "grpc_server_options", "start_server"]
@@ -269,10 +268,8 @@ async def _start_metrics(config: ServerConfig, service: SwapStateService,
     closed) when it cannot listen."""
     if not config.metrics_port:
         return None
-    collectors = metrics_registry(
-        service.arena, service.registry, service.counters, started_at=started_at,
-        extra=[SnapshotCollector(service.snapshot_counters, service.snapshots)],
-    )
+    collectors = metrics_registry(service.arena, service.registry, service.counters,
+                                  service.snapshot_counters, service.snapshots, started_at=started_at)
     metrics = MetricsServer(collectors, config.metrics_host, config.metrics_port)
     try:
         await metrics.start()

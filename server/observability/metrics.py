@@ -7,6 +7,7 @@ server's own event loop (``GET /metrics`` only; bounded request size and time).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -21,9 +22,11 @@ from swap_state.server.memory.arena import Arena
 from swap_state.server.logs import log_event
 from swap_state.server.memory.session import Session, SessionState
 from swap_state.server.memory.sessions import SessionRegistry
+from swap_state.server.snapshot.coordinator import SnapshotCoordinator, SnapshotStatus
 
 __all__ = [
-    "CONTENT_TYPE", "MetricsServer", "RpcCounters", "ServerCollector", "counter", "gauge", "metrics_registry",
+    "CONTENT_TYPE", "MetricsServer", "RpcCounters", "ServerCollector", "SnapshotCounters", "counter", "gauge",
+    "metrics_registry",
 ]
 
 log = logging.getLogger("swap_state.server.metrics")
@@ -110,18 +113,55 @@ _SESSION_COUNTERS = (
 )
 
 
-class ServerCollector(Collector):
-    """Arena, session and RPC families, read from the live objects on every ``collect()``."""
+# (name, help, SnapshotCounters key) of the snapshot counters, then (name, help, uploader counters
+# field) of the store's uploads.
+_SNAPSHOT_COUNTERS = (
+    ("swap_state_snapshots_started_total", "Snapshot ranks started.", "started"),
+    ("swap_state_snapshots_durable_total", "Snapshot ranks made durable.", "durable"),
+    ("swap_state_snapshots_failed_total", "Snapshot ranks that failed.", "failed"),
+    ("swap_state_snapshot_bytes_total", "Bytes persisted by snapshots.", "bytes_persisted"),
+    ("swap_state_snapshot_cow_copies_total", "Chunks copied before write while a snapshot persisted.",
+     "cow_copies"),
+    ("swap_state_snapshot_backpressure_waits_total", "Trainer waits for a free copy-before-write slot.",
+     "backpressure_waits"),
+    ("swap_state_snapshot_backpressure_wait_seconds_total",
+     "Seconds trainers waited for a free copy-before-write slot.", "backpressure_wait_seconds"),
+)
+_UPLOAD_COUNTERS = (
+    ("swap_state_store_ranks_stored_total", "Snapshot ranks put in the --snapshot-store.", "ranks_stored"),
+    ("swap_state_store_ranks_failed_total", "Snapshot ranks whose upload failed.", "ranks_failed"),
+    ("swap_state_store_bytes_total", "Bytes uploaded to the --snapshot-store.", "bytes_stored"),
+    ("swap_state_store_upload_seconds_total", "Seconds spent uploading snapshots.", "seconds"),
+)
+_SUMMED = ("bytes_persisted", "cow_copies", "backpressure_waits", "backpressure_wait_seconds")
 
-    def __init__(self, arena: Arena, registry: SessionRegistry, counters: RpcCounters, *,
+
+class SnapshotCounters(collections.Counter):
+    """Totals of the snapshot ranks (keys: ``_SNAPSHOT_COUNTERS``' own), for the metrics endpoint:
+    "started" counted by the Snapshot RPC, the others by :meth:`record` once a rank settled."""
+
+    def record(self, status: SnapshotStatus) -> None:
+        self["durable" if status.state.value in ("durable", "stored") else "failed"] += 1
+        for name in _SUMMED:
+            self[name] += getattr(status, name)
+
+
+class ServerCollector(Collector):
+    """Every family of the server, read from the live objects on every ``collect()``."""
+
+    def __init__(self, arena: Arena, registry: SessionRegistry, counters: RpcCounters,
+                 snapshot_counters: SnapshotCounters, coordinator: SnapshotCoordinator | None, *,
                  started_at: float) -> None:
         self.arena = arena
         self.registry = registry
         self.counters = counters
+        self.snapshot_counters = snapshot_counters
+        self.coordinator = coordinator
         self.started_at = started_at
 
     def collect(self) -> Iterator[Metric]:
-        """Every family, in a fixed order: server, arena, sessions, session counters, RPCs."""
+        """Every family, in a fixed order: server, arena, sessions, session counters, RPCs,
+        snapshots, store uploads."""
         yield gauge("swap_state_up", "1 while the server serves.", 1)
         yield gauge("swap_state_start_time_seconds", "Unix time the server started.", self.started_at)
         for make, name, help_text, attr in _ARENA_FAMILIES:
@@ -140,6 +180,14 @@ class ServerCollector(Collector):
         for name, help_text, attr in _SESSION_COUNTERS:
             yield counter(name, help_text, getattr(self.registry, attr))
         yield from self._rpc_families()
+        running = self.coordinator.in_progress() if self.coordinator is not None else []
+        yield gauge("swap_state_snapshots_in_progress", "Snapshot ranks persisting now.", len(running))
+        for name, help_text, field in _SNAPSHOT_COUNTERS:
+            yield counter(name, help_text, self.snapshot_counters[field])
+        uploader = self.coordinator.uploader if self.coordinator is not None else None
+        if uploader is not None:
+            for name, help_text, field in _UPLOAD_COUNTERS:
+                yield counter(name, help_text, getattr(uploader.counters, field))
 
     def _rpc_families(self) -> Iterator[Metric]:
         counters = self.counters
@@ -156,14 +204,13 @@ class ServerCollector(Collector):
 
 
 def metrics_registry(
-    arena: Arena, registry: SessionRegistry, counters: RpcCounters, *, started_at: float,
-    extra: Iterable[Collector] = (),
+    arena: Arena, registry: SessionRegistry, counters: RpcCounters, snapshot_counters: SnapshotCounters,
+    coordinator: SnapshotCoordinator | None, *, started_at: float,
 ) -> CollectorRegistry:
-    """A private registry with the server's collector, then ``extra`` collectors, in order."""
+    """A private registry with the server's collector."""
     metrics = CollectorRegistry(auto_describe=False)
-    metrics.register(ServerCollector(arena, registry, counters, started_at=started_at))
-    for collector in extra:
-        metrics.register(collector)
+    metrics.register(ServerCollector(arena, registry, counters, snapshot_counters, coordinator,
+                                     started_at=started_at))
     return metrics
 
 

@@ -33,9 +33,9 @@ from swap_state.server.snapshot.restore import restore
 from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.tiers import list_both_tiers
 from swap_state.server.rpc.snapshot_service import (
-    MAX_STATUS_WAIT_S, SnapshotCounters, finish_snapshot, info_reply, metadata_parts, status_reply,
+    MAX_STATUS_WAIT_S, finish_snapshot, info_reply, metadata_parts, status_reply,
 )
-from swap_state.server.observability.metrics import RpcCounters
+from swap_state.server.observability.metrics import RpcCounters, SnapshotCounters
 from swap_state.server.rpc.statuses import rpc_boundary
 from swap_state.server.tenants import Tenant, Tenants
 from swap_state.server.rpc.validation import (
