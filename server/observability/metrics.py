@@ -179,7 +179,16 @@ class ServerCollector(Collector):
             yield family
         for name, help_text, attr in _SESSION_COUNTERS:
             yield counter(name, help_text, getattr(self.registry, attr))
-        yield from self._rpc_families()
+        calls = counter("swap_state_rpc_total", "RPCs by method and status code.",
+                        labels=["method", "code"])
+        for (method, code), n in sorted(self.counters.calls.items()):
+            calls.add_metric([method, code], n)
+        yield calls
+        seconds = counter("swap_state_rpc_seconds_total", "Seconds spent in RPCs by method.",
+                          labels=["method"])
+        for method, spent in sorted(self.counters.seconds.items()):
+            seconds.add_metric([method], spent)
+        yield seconds
         running = self.coordinator.in_progress() if self.coordinator is not None else []
         yield gauge("swap_state_snapshots_in_progress", "Snapshot ranks persisting now.", len(running))
         for name, help_text, field in _SNAPSHOT_COUNTERS:
@@ -188,19 +197,6 @@ class ServerCollector(Collector):
         if uploader is not None:
             for name, help_text, field in _UPLOAD_COUNTERS:
                 yield counter(name, help_text, getattr(uploader.counters, field))
-
-    def _rpc_families(self) -> Iterator[Metric]:
-        counters = self.counters
-        calls = counter("swap_state_rpc_total", "RPCs by method and status code.",
-                        labels=["method", "code"])
-        for (method, code), n in sorted(counters.calls.items()):
-            calls.add_metric([method, code], n)
-        yield calls
-        seconds = counter("swap_state_rpc_seconds_total", "Seconds spent in RPCs by method.",
-                          labels=["method"])
-        for method, spent in sorted(counters.seconds.items()):
-            seconds.add_metric([method], spent)
-        yield seconds
 
 
 def metrics_registry(
