@@ -24,7 +24,6 @@ class CopyBudgetPolicy:
         self.fwd_bwd_s = fwd_bwd_s
         """The forward/backward time assumed between a snapshot and the next optimizer step."""
         self._measured: float | None = None  # bytes/s, smoothed over snapshots
-        self._fixed: tuple[float, bool] | None = None
         self._lock = threading.Lock()
 
     def record(self, bytes_per_s: float | None) -> None:
@@ -35,14 +34,8 @@ class CopyBudgetPolicy:
             old = self._measured
             self._measured = bytes_per_s if old is None else 0.5 * old + 0.5 * bytes_per_s
 
-    def fix(self, rate: tuple[float, bool]) -> None:
-        """Use ``(bytes/s, measured)`` from now on, whatever is recorded (tests, benchmarks)."""
-        self._fixed = rate
-
     def rate(self) -> tuple[float, bool]:
         """(bytes/s, measured) the rule uses now."""
-        if self._fixed is not None:
-            return self._fixed
         measured = self._measured
         rate = measured if measured is not None else self.assumed_bytes_per_s
         if self.max_bandwidth is not None:

@@ -15,6 +15,7 @@ from typing import Any
 __all__ = ["LogfmtFormatter", "configure_logging", "log_event", "logfmt_value"]
 
 _LEVEL_NAMES = {"WARNING": "warn", "CRITICAL": "error"}
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r"}
 
 
 def logfmt_value(value: Any) -> str:
@@ -23,10 +24,7 @@ def logfmt_value(value: Any) -> str:
     text = f"{value:.6g}" if isinstance(value, float) else str(value)
     if text and all(ch.isprintable() and ch not in ' "=\\' for ch in text):
         return text
-    escaped = (
-        text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
-    )
-    escaped = "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in escaped)
+    escaped = "".join(_ESCAPES.get(ch) or (ch if ch.isprintable() else f"\\x{ord(ch):02x}") for ch in text)
     return f'"{escaped}"'
 
 

@@ -52,9 +52,7 @@ from swap_state.server.rpc.service import SwapStateService
 from swap_state.server.rpc.validation import validate_descriptor
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 from swap_state.server.snapshot.storage import SnapshotStorage
-from swap_state.server.rpc.snapshot_service import SnapshotCollector
 from swap_state.server.memory.sessions import SessionRegistry
-from swap_state.server.observability.rpc_counters import RpcCounters
 
 __all__ = ["RunningServer", "SERVICE_NAME", "grpc_server_options", "start_server"]
 
@@ -217,7 +215,7 @@ def _build_service(config: ServerConfig, listen: ListenAddress, gid: int | None,
         )
         undo.callback(snapshots.close)
     return SwapStateService(registry, arena, keepalive_interval=config.keepalive_interval,
-                            counters=RpcCounters(), snapshots=snapshots, tenants=tenants)
+                            snapshots=snapshots, tenants=tenants)
 
 
 def _read_tenants(config: ServerConfig) -> Tenants:
@@ -229,16 +227,6 @@ def _read_tenants(config: ServerConfig) -> Tenants:
         return Tenants({read_token_file(config.token_file): ANYONE})
     listen = config.listen_address
     return Tenants(proofs=UidProofs(listen.path)) if listen.scheme == "unix" else Tenants()
-
-
-def _grpc_server(config: ServerConfig, service: SwapStateService, health: health_aio.HealthServicer,
-                 tenants: Tenants) -> grpc.aio.Server:
-    """The gRPC server with the servicer and health, not bound yet."""
-    interceptors = [TokenAuthInterceptor(tenants)] if tenants.enabled else []
-    server = grpc.aio.server(interceptors=interceptors, options=grpc_server_options(config))
-    pb_grpc.add_SwapStateServicer_to_server(service, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    return server
 
 
 def _prepare_shm(config: ServerConfig, service: SwapStateService, gid: int | None) -> None:
@@ -253,8 +241,19 @@ def _prepare_shm(config: ServerConfig, service: SwapStateService, gid: int | Non
         if removed:
             log_event(log, "leftover_segments_removed", logging.WARNING, files=removed,
                       bytes=removed_bytes, shm_dir=config.shm_dir)
-    else:
-        _adopt(config, service)
+    else:  # the sessions of the segments a previous server left, waiting for their trainers
+        adopted, refused = adopt_segments(
+            arena, lambda d: validate_descriptor(d, max_tensors=config.max_tensors))
+        for item in refused:
+            log_event(log, "segment_not_adopted", logging.WARNING, path=item.path, reason=item.reason,
+                      detail="left where it is; remove it by hand, or start with --discard-segments")
+        for item in adopted:
+            service.registry.adopt(item)
+            if service.snapshots is not None:
+                service.snapshots.note_epoch(item.open_epoch)
+        if adopted:
+            log_event(log, "segments_adopted", sessions=len(adopted), bytes=arena.used_bytes,
+                      shm_dir=config.shm_dir)
     check_shm_dir(config.shm_dir, config.shm_size - arena.used_bytes)
     if arena.cow_pool_slots == 0:
         log_event(log, "cow_pool_empty", logging.WARNING, cow_budget=config.cow_pool_bytes,
@@ -263,33 +262,14 @@ def _prepare_shm(config: ServerConfig, service: SwapStateService, gid: int | Non
                   "until each chunk is persisted")
 
 
-def _adopt(config: ServerConfig, service: SwapStateService) -> None:
-    """The sessions of the segments a previous server left, waiting for their trainers."""
-    adopted, refused = adopt_segments(
-        service.arena, lambda d: validate_descriptor(d, max_tensors=config.max_tensors)
-    )
-    for item in refused:
-        log_event(log, "segment_not_adopted", logging.WARNING, path=item.path, reason=item.reason,
-                  detail="left where it is; remove it by hand, or start with --discard-segments")
-    for item in adopted:
-        service.registry.adopt(item)
-        if service.snapshots is not None:
-            service.snapshots.note_epoch(item.open_epoch)
-    if adopted:
-        log_event(log, "segments_adopted", sessions=len(adopted), bytes=service.arena.used_bytes,
-                  shm_dir=config.shm_dir)
-
-
 async def _start_metrics(config: ServerConfig, service: SwapStateService,
                          started_at: float) -> MetricsServer | None:
     """The metrics endpoint when ``--metrics-port`` asks for one; StartupError (the registry
     closed) when it cannot listen."""
     if not config.metrics_port:
         return None
-    collectors = metrics_registry(
-        service.arena, service.registry, service.counters, started_at=started_at,
-        extra=[SnapshotCollector(service.snapshot_counters, service.snapshots)],
-    )
+    collectors = metrics_registry(service.arena, service.registry, service.counters,
+                                  service.snapshot_counters, service.snapshots, started_at=started_at)
     metrics = MetricsServer(collectors, config.metrics_host, config.metrics_port)
     try:
         await metrics.start()
@@ -299,14 +279,6 @@ async def _start_metrics(config: ServerConfig, service: SwapStateService,
             f"--metrics-port {config.metrics_host}:{config.metrics_port}: {exc.strerror}"
         ) from None
     return metrics
-
-
-def _channel_address(listen: ListenAddress, port: int) -> str:
-    """A gRPC channel target for the bound address (a wildcard host becomes localhost)."""
-    if listen.scheme == "unix":
-        return f"unix://{listen.path}"
-    host = listen.host if listen.host not in ("0.0.0.0", "::", "") else "localhost"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def start_server(config: ServerConfig) -> RunningServer:
@@ -330,7 +302,10 @@ async def start_server(config: ServerConfig) -> RunningServer:
             tenants.proofs.prepare()  # beside the socket, in the directory the guard checked
         service = _build_service(config, listen, gid, tenants, undo)
         health = health_aio.HealthServicer()
-        server = _grpc_server(config, service, health, tenants)
+        interceptors = [TokenAuthInterceptor(tenants)] if tenants.enabled else []
+        server = grpc.aio.server(interceptors=interceptors, options=grpc_server_options(config))
+        pb_grpc.add_SwapStateServicer_to_server(service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
         port = _bind(server, listen, creds)
         undo.push_async_callback(server.stop, None)
         if guard is not None:
@@ -344,7 +319,9 @@ async def start_server(config: ServerConfig) -> RunningServer:
         metrics = await _start_metrics(config, service, started_at=time.time())
         undo.pop_all()
 
-    address = _channel_address(listen, port)
+    # The channel target of the bound address (a wildcard host becomes localhost).
+    wildcard = listen.scheme == "tcp" and listen.host in ("0.0.0.0", "::", "")
+    address = (dataclasses.replace(listen, host="localhost") if wildcard else listen).bind_target(port)
     running = RunningServer(
         config=config, address=address, listen=listen, socket_path=listen.path,
         metrics_address=metrics.address if metrics else None, arena=service.arena, sessions=service.registry,
@@ -353,19 +330,14 @@ async def start_server(config: ServerConfig) -> RunningServer:
     )
     auth = ("tenants" if config.tenants else "uid" if tenants.proofs is not None
             else "token" if tenants.enabled else "none")
-    _log_started(config, listen, address, service.arena, auth=auth, tls=creds is not None, metrics=metrics)
-    return running
-
-
-def _log_started(config: ServerConfig, listen: ListenAddress, address: str, arena: Arena, *,
-                 auth: str, tls: bool, metrics: MetricsServer | None) -> None:
-    """The one ``started`` line: where it listens, the budget, the snapshot dir, security."""
     log_event(
         log, "started", listen=address if listen.scheme == "unix" else f"tcp://{address}",
         socket=listen.path or "", shm_dir=config.shm_dir, budget_bytes=config.shm_size,
-        budget=format_size(config.shm_size), cow_pool_bytes=arena.cow_reserve_bytes,
-        cow_slots=arena.cow_pool_slots, chunk_bytes=config.chunk_bytes, grace_seconds=config.grace,
-        snapshot_dir=config.snapshot_dir or "", auth=auth, tls=tls,
+        budget=format_size(config.shm_size), cow_pool_bytes=service.arena.cow_reserve_bytes,
+        cow_slots=service.arena.cow_pool_slots, chunk_bytes=config.chunk_bytes, grace_seconds=config.grace,
+        snapshot_dir=config.snapshot_dir or "", auth=auth, tls=creds is not None,
         metrics=f"{metrics.address[0]}:{metrics.address[1]}" if metrics and metrics.address else "off",
         pid=os.getpid(),
     )
+    return running
+

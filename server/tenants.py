@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from swap_state.common.caller_proof import CALLER_METADATA_KEY, is_proof_name, proof_dir
 from swap_state.common.errors import PermissionDenied, StartupError
 
-__all__ = ["ANYONE", "Tenant", "Tenants", "UidProofs", "read_tenants_file", "tenant_uid"]
+__all__ = ["ANYONE", "Tenant", "Tenants", "UidProofs", "read_secret_file", "read_tenants_file", "tenant_uid"]
 
 _PROOF_DIR_MODE = 0o1733
 """Anyone who reaches the socket creates files; only the server lists or removes others'."""
@@ -133,40 +133,39 @@ class Tenants:
     def tenant_of(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant | None:
         """The call's tenant by its token or uid; None for a missing or unknown token or proof
         (:data:`ANYONE` when callers are not told apart)."""
-        if self.proofs is not None:
-            return self._uid_tenant(metadata)
-        if not self._by_token:
+        if not self.enabled:
             return ANYONE
-        for key, value in metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                # Compared with every token, in constant time each: no early exit to time.
-                found = None
-                for expected, tenant in self._by_token.items():
-                    if hmac.compare_digest(given, expected):
-                        found = tenant
-                return found
-        return None
+        wanted = CALLER_METADATA_KEY if self.proofs is not None else "authorization"
+        value = next((value for key, value in metadata or () if key == wanted), None)
+        if value is None:
+            return None
+        if self.proofs is not None:
+            name = value if isinstance(value, str) else bytes(value).decode("ascii", "replace")
+            uid = self.proofs.uid_of(name)
+            return None if uid is None else Tenant(f"uid:{uid}", admin=uid in (0, os.geteuid()))
+        given = value.encode() if isinstance(value, str) else bytes(value)
+        # Compared with every token, in constant time each: no early exit to time.
+        found = None
+        for expected, tenant in self._by_token.items():
+            if hmac.compare_digest(given, expected):
+                found = tenant
+        return found
 
-    def _uid_tenant(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant | None:
-        for key, value in metadata or ():
-            if key == CALLER_METADATA_KEY:
-                uid = self.proofs.uid_of(value if isinstance(value, str) else bytes(value).decode("ascii", "replace"))
-                if uid is None:
-                    return None
-                return Tenant(f"uid:{uid}", admin=uid in (0, os.geteuid()))
-        return None
+
+def read_secret_file(path: pathlib.Path, flag: str) -> tuple[os.stat_result, str]:
+    """(stat, text) of the file of ``flag`` (``--tenants``, ``--token-file``); StartupError
+    naming both when it cannot be read as text."""
+    try:
+        return path.stat(), path.read_text()
+    except OSError as exc:
+        raise StartupError(f"{flag} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise StartupError(f"{flag} {path}: not a text file") from None
 
 
 def read_tenants_file(path: pathlib.Path) -> Tenants:
     """The tenants of ``--tenants FILE``. StartupError naming the line or the fix."""
-    try:
-        info = path.stat()
-        text = path.read_text()
-    except OSError as exc:
-        raise StartupError(f"--tenants {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise StartupError(f"--tenants {path}: not a text file") from None
+    info, text = read_secret_file(path, "--tenants")
     shared_group = info.st_mode & stat.S_IRWXG and info.st_gid != os.getegid()  # a k8s Secret: the pod's fsGroup
     if info.st_mode & stat.S_IRWXO or shared_group:
         raise StartupError(f"--tenants {path} holds tokens and others may read it: chmod 600 {path}")

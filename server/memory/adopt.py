@@ -95,18 +95,16 @@ def adopt_segments(arena: Arena, validate: Validate) -> tuple[list[Adopted], lis
 def _newest_per_rank(arena: Arena, adopted: list[tuple[int, Adopted]]) -> list[Adopted]:
     """One segment per (job, rank): the highest seq; an older one was superseded (its session
     replaced) and is freed."""
-    newest: dict[tuple[str, int], tuple[int, Adopted]] = {}
-    for seq, item in adopted:
+    newest: dict[tuple[str, int], Adopted] = {}
+    for _, item in sorted(adopted, key=lambda pair: pair[0]):
         key = (item.descriptor.job_id, item.descriptor.rank)
-        if key not in newest:
-            newest[key] = (seq, item)
-            continue
-        (_, older), newest[key] = sorted((newest[key], (seq, item)), key=lambda pair: pair[0])
-        log_event(log, "segment_superseded", logging.WARNING, path=older.segment.path,
-                  job_id=older.descriptor.job_id, rank=older.descriptor.rank, by=newest[key][1].segment.path,
-                  detail="an older segment of the same job and rank: freed")
-        arena.free(older.segment)
-    return [item for _, item in newest.values()]
+        older, newest[key] = newest.get(key), item
+        if older is not None:
+            log_event(log, "segment_superseded", logging.WARNING, path=older.segment.path,
+                      job_id=older.descriptor.job_id, rank=older.descriptor.rank, by=item.segment.path,
+                      detail="an older segment of the same job and rank: freed")
+            arena.free(older.segment)
+    return list(newest.values())
 
 
 def _adopt_one(arena: Arena, name: str, validate: Validate) -> tuple[int, Adopted]:
@@ -124,7 +122,6 @@ def _adopt_one(arena: Arena, name: str, validate: Validate) -> tuple[int, Adopte
         segment = arena.segment_object(name, layout, descriptor.layout_hash, len(raw))
         segment.buffer = mmap.mmap(fd, layout.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     segment.header = SegmentHeader(segment.buffer, layout.n_chunks, layout.cow_slots)
-    segment.adopted = True
     segment.tenant = descriptor.tenant
     try:
         arena.adopt(segment, seq)

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from swap_state.common.segment import (
-    TensorSpec, PAGE_BYTES, CopyBudget, SegmentHeader, SegmentLayout, align_up, layout_hash,
+    TensorSpec, PAGE_BYTES, SegmentHeader, SegmentLayout, align_up, layout_hash,
     model_bytes, plan_segment, segment_file_bytes, tensor_nbytes,
 )
 from swap_state.common.segment_descriptor import SegmentDescriptor
@@ -153,22 +153,6 @@ class Arena:
                     self._staging_used -= nbytes
 
     @property
-    def persist_estimate(self) -> tuple[float, bool]:
-        """(bytes/s, measured) the copy-budget warning uses now; set to fix one."""
-        return self.copy_policy.rate()
-
-    @persist_estimate.setter
-    def persist_estimate(self, value: tuple[float, bool]) -> None:
-        self.copy_policy.fix(value)
-
-    @property
-    def assumed_fwd_bwd_s(self) -> float:
-        return self.copy_policy.fwd_bwd_s
-
-    def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
-        return self.copy_policy.budget(layout)
-
-    @property
     def cow_slots_used(self) -> int:
         return self._cow_used_slots
 
@@ -181,12 +165,6 @@ class Arena:
     def segments(self) -> list[Segment]:
         with self._lock:
             return list(self._segments.values())
-
-    def segment_chunk_bytes(self, specs: Sequence[TensorSpec]) -> int:
-        """``--chunk-bytes``, or the largest tensor page aligned when smaller (a small model's
-        slots are small; each still counts as one slot of the pool)."""
-        largest = max((tensor_nbytes(dtype, shape) for _, dtype, shape in specs), default=0)
-        return max(PAGE_BYTES, min(self.chunk_bytes, align_up(largest)))
 
     def cow_share(self, world_size: int) -> int:
         """Most cow slots one session of a job with ``world_size`` ranks on this server may take."""
@@ -211,9 +189,34 @@ class Arena:
         digest = specs_hash if specs_hash is not None else layout_hash(specs)
         segment = self.segment_object(name, layout, digest, len(raw))
         segment.tenant = tenant
-        self._materialize_or_undo(segment, raw)
-        self._register(segment)
-        self._warn_copy_budget(segment)
+        try:
+            self._materialize(segment, raw)
+        except BaseException:  # give the charge back and remove what this call created
+            self._release_charge(segment)
+            segment._unmap()
+            if segment._created:  # never unlink a file this call did not create
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(segment.path)
+            with self._lock:
+                self.allocation_failures += 1
+            raise
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._segments[segment.name] = segment
+                self.allocations += 1
+        if closed:  # shut down while we were faulting pages in
+            self._destroy(segment)
+            raise Unavailable("the server is shutting down")
+        budget = self.copy_policy.budget(segment.layout)
+        if budget.short_bytes:
+            log_event(
+                log, "copy_budget_short", logging.WARNING, segment=segment.name,
+                state_bytes=budget.state_bytes, slot_bytes=budget.slot_bytes,
+                needed_bytes=budget.needed_bytes, persist_bytes_per_s=int(budget.persist_bytes_per_s),
+                persist_measured=budget.persist_measured, assumed_fwd_bwd_s=budget.fwd_bwd_s,
+                cow_pool_slots=self.cow_pool_slots, detail=budget.warning(),
+            )
         return segment
 
     def segment_object(self, name: str, layout: SegmentLayout, digest: str, descriptor_bytes: int) -> Segment:
@@ -234,7 +237,10 @@ class Arena:
     ) -> tuple[str, SegmentLayout]:
         """Plan and charge the segment and name its file: (name, layout). ResourceExhausted
         when the free budget, or ``tenant``'s quota, cannot hold it."""
-        chunk = self.segment_chunk_bytes(specs)
+        # --chunk-bytes, or the largest tensor page aligned when smaller (a small model's slots
+        # are small; each still counts as one slot of the pool).
+        largest = max((tensor_nbytes(dtype, shape) for _, dtype, shape in specs), default=0)
+        chunk = max(PAGE_BYTES, min(self.chunk_bytes, align_up(largest)))
         n_chunks = sum(-(-tensor_nbytes(dtype, shape) // chunk) for _, dtype, shape in specs)
         want = min(self.cow_share(world_size), n_chunks)
         layout = plan_segment(specs, chunk, want)  # planned outside the lock: O(tensors)
@@ -248,7 +254,16 @@ class Arena:
             free = self._free()
             if charge > free:
                 self.allocation_failures += 1
-                raise self._over_budget(len(specs), layout, charge, free)
+                raise ResourceExhausted(
+                    f"segment for {len(specs)} tensors needs {charge} bytes "
+                    f"({format_size(charge)}, header and page padding included)"
+                    f"{_model_share(layout)} but only {free} "
+                    f"bytes ({format_size(free)}) are free of {self.total_bytes} bytes total "
+                    f"(--shm-size {format_size(self.total_bytes)}; {self._tensor_used} bytes in "
+                    f"{len(self._segments)} segments, {self.cow_reserve_bytes} bytes held for the "
+                    "copy-before-write pool): requested "
+                    f"{charge}, free {free}, total {self.total_bytes}"
+                )
             held = self._tenant_used.get(tenant, 0)
             if self.tenant_quota and held + charge > self.tenant_quota:
                 self.allocation_failures += 1
@@ -261,61 +276,12 @@ class Arena:
             self._seq += 1
             return f"{self.prefix}{owner}.{self._seq}", layout
 
-    def _over_budget(self, n_tensors: int, layout: SegmentLayout, charge: int, free: int) -> ResourceExhausted:
-        """The refusal of a segment the budget cannot hold, with every number; under the lock."""
-        return ResourceExhausted(
-            f"segment for {n_tensors} tensors needs {charge} bytes "
-            f"({format_size(charge)}, header and page padding included)"
-            f"{_model_share(layout)} but only {free} "
-            f"bytes ({format_size(free)}) are free of {self.total_bytes} bytes total "
-            f"(--shm-size {format_size(self.total_bytes)}; {self._tensor_used} bytes in "
-            f"{len(self._segments)} segments, {self.cow_reserve_bytes} bytes held for the "
-            "copy-before-write pool): requested "
-            f"{charge}, free {free}, total {self.total_bytes}"
-        )
-
     def _account(self, tenant: str, charge: int, layout: SegmentLayout, sign: int) -> None:
         """Add (``sign`` 1) or take back (-1) a segment's bytes and slots; under the lock."""
         self._tenant_used[tenant] = self._tenant_used.get(tenant, 0) + sign * charge
         self._tensor_used += sign * charge
         self._cow_used_slots += sign * layout.cow_slots
         self._cow_used_bytes += sign * layout.cow_slots * layout.chunk_bytes
-
-    def _materialize_or_undo(self, segment: Segment, descriptor: bytes) -> None:
-        """:meth:`_materialize`; on failure give the charge back and remove what it created."""
-        try:
-            self._materialize(segment, descriptor)
-        except BaseException:
-            self._release_charge(segment)
-            segment._unmap()
-            if segment._created:  # never unlink a file this call did not create
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(segment.path)
-            with self._lock:
-                self.allocation_failures += 1
-            raise
-
-    def _register(self, segment: Segment) -> None:
-        """Make the segment one of the arena's, unless the server shut down meanwhile."""
-        with self._lock:
-            closed = self._closed
-            if not closed:
-                self._segments[segment.name] = segment
-                self.allocations += 1
-        if closed:  # shut down while we were faulting pages in
-            self._destroy(segment)
-            raise Unavailable("the server is shutting down")
-
-    def _warn_copy_budget(self, segment: Segment) -> None:
-        budget = self.copy_budget(segment.layout)
-        if budget.short_bytes:
-            log_event(
-                log, "copy_budget_short", logging.WARNING, segment=segment.name,
-                state_bytes=budget.state_bytes, slot_bytes=budget.slot_bytes,
-                needed_bytes=budget.needed_bytes, persist_bytes_per_s=int(budget.persist_bytes_per_s),
-                persist_measured=budget.persist_measured, assumed_fwd_bwd_s=budget.fwd_bwd_s,
-                cow_pool_slots=self.cow_pool_slots, detail=budget.warning(),
-            )
 
     def _materialize(self, segment: Segment, descriptor: bytes) -> None:
         # O_EXCL|O_NOFOLLOW: never reuse or follow something another process put there.
@@ -354,22 +320,19 @@ class Arena:
                 while offset < segment.file_bytes:
                     offset += os.pwrite(fd, _ZERO_BLOCK[:segment.file_bytes - offset], offset)
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise self._shm_full(segment) from None
-            raise
-
-    def _shm_full(self, segment: Segment) -> ResourceExhausted:
-        vfs = os.statvfs(self.shm_dir)
-        available = vfs.f_bavail * vfs.f_frsize
-        log_event(log, "shm_full", logging.ERROR, shm_dir=self.shm_dir, requested=segment.size,
-                  available=available)
-        return ResourceExhausted(
-            f"{self.shm_dir} is full: could not commit {segment.size} bytes for a segment "
-            f"({available} bytes available on the filesystem, although the --shm-size budget "
-            "allowed it: something else uses that tmpfs). Raise `docker run --shm-size` / "
-            f"compose `shm_size`, or free {self.shm_dir}: requested {segment.size}, "
-            f"free {available}, total {self.total_bytes}"
-        )
+            if exc.errno != errno.ENOSPC:
+                raise
+            vfs = os.statvfs(self.shm_dir)
+            available = vfs.f_bavail * vfs.f_frsize
+            log_event(log, "shm_full", logging.ERROR, shm_dir=self.shm_dir, requested=segment.size,
+                      available=available)
+            raise ResourceExhausted(
+                f"{self.shm_dir} is full: could not commit {segment.size} bytes for a segment "
+                f"({available} bytes available on the filesystem, although the --shm-size budget "
+                "allowed it: something else uses that tmpfs). Raise `docker run --shm-size` / "
+                f"compose `shm_size`, or free {self.shm_dir}: requested {segment.size}, "
+                f"free {available}, total {self.total_bytes}"
+            ) from None
 
     def _lock_pages(self, segment: Segment) -> None:
         assert segment.buffer is not None

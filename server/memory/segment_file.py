@@ -51,8 +51,6 @@ class Segment:
         """Bytes of the file: the layout, then the descriptor's pages."""
         self.keep_file = False
         """Set at shutdown for a segment whose file stays for the next server to adopt."""
-        self.adopted = False
-        """Whether this server adopted the segment from a previous one."""
         self.tenant = ""
         """The tenant whose quota (``--tenant-shm-quota``) it is charged to."""
         self.cow_slots = layout.cow_slots

@@ -59,8 +59,8 @@ class Session:
     world_size: int
     """The job's (global) world size."""
     generation: int
-    local_world_size: int = 0
-    """Ranks of the job on this server (0 given: ``world_size``); a snapshot here needs them all."""
+    local_world_size: int
+    """Ranks of the job on this server (validated: 1 to ``world_size``); a snapshot here needs them all."""
     client_pid: int = 0
     client_host: str = ""
     tenant: str = ""
@@ -88,10 +88,6 @@ class Session:
     """The generation whose KeepAlive stream was last opened (0: none); reopened: a reconnect."""
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock, repr=False)
     streams: set[LivenessStream] = dataclasses.field(default_factory=set, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.local_world_size == 0:
-            self.local_world_size = self.world_size
 
     @property
     def layout(self) -> SegmentLayout | None:

@@ -132,40 +132,39 @@ class SessionRegistry:
         return max(0.0, self._clock() - session.orphaned_since)
 
     async def attach(
-        self, job_id: str, rank: int, world_size: int, *, client_pid: int = 0, client_host: str = "",
-        local_world_size: int = 0, tenant: Tenant = ANYONE,
+        self, job_id: str, rank: int, world_size: int, *, local_world_size: int, client_pid: int = 0,
+        client_host: str = "", tenant: Tenant = ANYONE,
     ) -> tuple[Session, bool]:
         """Open or re-open the session of (job_id, rank) for ``tenant``: (session, reattached).
-        ``local_world_size`` 0 means ``world_size``. PermissionDenied when another tenant's
-        session holds the job."""
-        local_world_size = local_world_size or world_size
+        PermissionDenied when another tenant's session holds the job."""
         self._check_open()
         for other in self._sessions.values():
             if other.job_id == job_id and not other.closed and not tenant.may_claim(other.tenant):
                 raise PermissionDenied(f"job {job_id!r} belongs to another tenant: choose another job id")
-        existing = self._by_key.get((job_id, rank))
-        if existing is not None:
-            self._refuse_if_live(existing)
-            async with existing.lock:  # waits for an in-flight Allocate of the old generation
-                if await self._reattach(existing, world_size, local_world_size, client_pid, client_host):
-                    return existing, True
-        session = Session(
-            session_id=secrets.token_hex(16), job_id=job_id, rank=rank, world_size=world_size,
-            generation=1, local_world_size=local_world_size, client_pid=client_pid,
-            client_host=client_host, tenant=tenant.name,
-        )
+        session = self._by_key.get((job_id, rank))
+        reattached = False
+        if session is not None:
+            self._refuse_if_live(session)
+            async with session.lock:  # waits for an in-flight Allocate of the old generation
+                reattached = await self._reattach(session, world_size, local_world_size)
+        if reattached:
+            self.reattaches += 1
+        else:
+            session = Session(
+                session_id=secrets.token_hex(16), job_id=job_id, rank=rank, world_size=world_size,
+                generation=1, local_world_size=local_world_size, tenant=tenant.name,
+            )
+            self._sessions[session.session_id] = session
+            self._by_key[(job_id, rank)] = session
+        session.client_pid, session.client_host = client_pid, client_host
         self._make_pending(session)
-        self._sessions[session.session_id] = session
-        self._by_key[(job_id, rank)] = session
         self.attaches += 1
         log_event(log, "session_attached", **session._describe(), world_size=world_size,
-                  local_world_size=local_world_size, reattached=False, client_pid=client_pid,
-                  client_host=client_host)
-        return session, False
+                  local_world_size=local_world_size, reattached=reattached, client_pid=client_pid,
+                  client_host=client_host, has_segment=session.segment is not None)
+        return session, reattached
 
-    async def _reattach(
-        self, existing: Session, world_size: int, local_world_size: int, client_pid: int, client_host: str
-    ) -> bool:
+    async def _reattach(self, existing: Session, world_size: int, local_world_size: int) -> bool:
         """Under ``existing.lock``: give the kept session a new generation (True), or free it
         when the job's world size changed (False: the caller opens a fresh session)."""
         self._check_open()
@@ -181,16 +180,7 @@ class SessionRegistry:
             await self._remove(existing, "world_size_changed")
             return False
         existing.generation += 1
-        existing.client_pid = client_pid
-        existing.client_host = client_host
         existing.rewind_allowed = True
-        self._make_pending(existing)
-        self.attaches += 1
-        self.reattaches += 1
-        log_event(log, "session_attached", **existing._describe(),
-                  world_size=world_size, local_world_size=local_world_size,
-                  reattached=True, client_pid=client_pid,
-                  client_host=client_host, has_segment=existing.segment is not None)
         return True
 
     def _check_open(self) -> None:
@@ -244,8 +234,7 @@ class SessionRegistry:
                   closed_snapshot_epoch=adopted.open_epoch)
         return session
 
-    async def detach(self, session_id: str, generation: int, *, keep: bool) -> None:
-        session = self.lookup(session_id, generation)
+    async def detach(self, session: Session, generation: int, *, keep: bool) -> None:
         async with session.lock:
             self._check_generation(session, generation)
             self._end_streams(session, "detached")
@@ -254,10 +243,9 @@ class SessionRegistry:
             else:
                 await self._remove(session, "detached")
 
-    def open_stream(self, session_id: str, generation: int) -> LivenessStream:
-        """Register a KeepAlive stream: the session is live until it closes."""
+    def open_stream(self, session: Session, generation: int) -> LivenessStream:
+        """Register a KeepAlive stream of the :meth:`lookup`'d session: live until it closes."""
         self._check_open()
-        session = self.lookup(session_id, generation)
         stream = LivenessStream(session, generation)
         session.streams.add(stream)
         if session.streamed_generation == generation and session.state is not SessionState.LIVE:
@@ -296,11 +284,10 @@ class SessionRegistry:
             stream.end(reason)
 
     async def allocate(
-        self, session_id: str, generation: int, checked: Sequence[TensorSpec]
+        self, session: Session, generation: int, checked: Sequence[TensorSpec]
     ) -> tuple[Segment, bool]:
         """Create the session's segment of ``checked`` tensors: (segment, reused). Idempotent
         for the same layout (a reattached trainer gets its bytes back); another is refused."""
-        session = self.lookup(session_id, generation)
         # Hashing is O(tensors) Python: off the loop, like the page faulting.
         wanted_hash = await asyncio.to_thread(layout_hash, checked)
         # Shielded: a creation the caller gave up on still lands in the session, so a retry
@@ -341,9 +328,10 @@ class SessionRegistry:
                       budget_free=self.arena.free_bytes)
             return segment, False
 
-    def commit_step(self, session_id: str, generation: int, step: int) -> int:
-        """Record ``step`` as committed (its moments are completely in the segment)."""
-        session = self.lookup(session_id, generation)
+    @staticmethod
+    def commit_step(session: Session, step: int) -> int:
+        """Record ``step`` as committed for the :meth:`lookup`'d session (its moments are
+        completely in the segment)."""
         if session.record_commit(step):
             log_event(log, "step_committed", logging.DEBUG, **session._describe(), step=step)
         return step

@@ -7,10 +7,12 @@ server's own event loop (``GET /metrics`` only; bounded request size and time).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
+import grpc
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -18,12 +20,13 @@ from prometheus_client.registry import Collector
 
 from swap_state.server.memory.arena import Arena
 from swap_state.server.logs import log_event
-from swap_state.server.memory.session import SessionState
+from swap_state.server.memory.session import Session, SessionState
 from swap_state.server.memory.sessions import SessionRegistry
-from swap_state.server.observability.rpc_counters import RpcCounters
+from swap_state.server.snapshot.coordinator import SnapshotCoordinator, SnapshotStatus
 
 __all__ = [
-    "CONTENT_TYPE", "MetricsServer", "ServerCollector", "counter", "gauge", "metrics_registry",
+    "CONTENT_TYPE", "MetricsServer", "RpcCounters", "ServerCollector", "SnapshotCounters", "counter", "gauge",
+    "metrics_registry",
 ]
 
 log = logging.getLogger("swap_state.server.metrics")
@@ -50,6 +53,20 @@ def counter(name: str, help_text: str, value: float | None = None,
                                labels=None if labels is None else list(labels))
 
 
+class RpcCounters:
+    """Calls per (method, status code) and their total seconds, counted by the RPC boundary
+    (:func:`swap_state.server.rpc.statuses.rpc_boundary`)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[str, str], int] = {}
+        self.seconds: dict[str, float] = {}
+
+    def record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        key = (method, code.name)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        self.seconds[method] = self.seconds.get(method, 0.0) + seconds
+
+
 # (family, name, help, Arena attribute).
 _ARENA_FAMILIES = (
     (gauge, "swap_state_budget_total_bytes", "The --shm-size budget.", "total_bytes"),
@@ -64,6 +81,19 @@ _ARENA_FAMILIES = (
      "Segment creations refused (budget) or failed (shm full).", "allocation_failures"),
     (counter, "swap_state_mlock_failures_total",
      "Segments that could not be mlock'd (RLIMIT_MEMLOCK / CAP_IPC_LOCK).", "mlock_failures"),
+)
+# (name, help, value of a Session) of the per-session gauges, labelled by job and rank (None: no sample).
+_SESSION_GAUGES: tuple[tuple[str, str, Callable[[Session], float | None]], ...] = (
+    ("swap_state_session_segment_bytes", "Segment bytes per session.",
+     lambda s: s.segment.file_bytes if s.segment else 0),
+    ("swap_state_session_model_area_bytes",
+     "Bytes of each session's segment that are model tensors: the parameters and "
+     "persistent buffers of whole-state snapshots (part of the segment bytes; 0 without).",
+     lambda s: s.segment.model_bytes if s.segment else 0),
+    ("swap_state_session_last_committed_step",
+     "Last committed step per session (sessions with a committed step only).",
+     lambda s: s.last_committed_step),
+    ("swap_state_session_generation", "Current generation per session.", lambda s: s.generation),
 )
 # (name, help, SessionRegistry attribute) of the session counters.
 _SESSION_COUNTERS = (
@@ -83,85 +113,100 @@ _SESSION_COUNTERS = (
 )
 
 
-class ServerCollector(Collector):
-    """Arena, session and RPC families, read from the live objects on every ``collect()``."""
+# (name, help, SnapshotCounters key) of the snapshot counters, then (name, help, uploader counters
+# field) of the store's uploads.
+_SNAPSHOT_COUNTERS = (
+    ("swap_state_snapshots_started_total", "Snapshot ranks started.", "started"),
+    ("swap_state_snapshots_durable_total", "Snapshot ranks made durable.", "durable"),
+    ("swap_state_snapshots_failed_total", "Snapshot ranks that failed.", "failed"),
+    ("swap_state_snapshot_bytes_total", "Bytes persisted by snapshots.", "bytes_persisted"),
+    ("swap_state_snapshot_cow_copies_total", "Chunks copied before write while a snapshot persisted.",
+     "cow_copies"),
+    ("swap_state_snapshot_backpressure_waits_total", "Trainer waits for a free copy-before-write slot.",
+     "backpressure_waits"),
+    ("swap_state_snapshot_backpressure_wait_seconds_total",
+     "Seconds trainers waited for a free copy-before-write slot.", "backpressure_wait_seconds"),
+)
+_UPLOAD_COUNTERS = (
+    ("swap_state_store_ranks_stored_total", "Snapshot ranks put in the --snapshot-store.", "ranks_stored"),
+    ("swap_state_store_ranks_failed_total", "Snapshot ranks whose upload failed.", "ranks_failed"),
+    ("swap_state_store_bytes_total", "Bytes uploaded to the --snapshot-store.", "bytes_stored"),
+    ("swap_state_store_upload_seconds_total", "Seconds spent uploading snapshots.", "seconds"),
+)
+_SUMMED = ("bytes_persisted", "cow_copies", "backpressure_waits", "backpressure_wait_seconds")
 
-    def __init__(self, arena: Arena, registry: SessionRegistry, counters: RpcCounters, *,
+
+class SnapshotCounters(collections.Counter):
+    """Totals of the snapshot ranks (keys: ``_SNAPSHOT_COUNTERS``' own), for the metrics endpoint:
+    "started" counted by the Snapshot RPC, the others by :meth:`record` once a rank settled."""
+
+    def record(self, status: SnapshotStatus) -> None:
+        self["durable" if status.state.value in ("durable", "stored") else "failed"] += 1
+        for name in _SUMMED:
+            self[name] += getattr(status, name)
+
+
+class ServerCollector(Collector):
+    """Every family of the server, read from the live objects on every ``collect()``."""
+
+    def __init__(self, arena: Arena, registry: SessionRegistry, counters: RpcCounters,
+                 snapshot_counters: SnapshotCounters, coordinator: SnapshotCoordinator | None, *,
                  started_at: float) -> None:
         self.arena = arena
         self.registry = registry
         self.counters = counters
+        self.snapshot_counters = snapshot_counters
+        self.coordinator = coordinator
         self.started_at = started_at
 
     def collect(self) -> Iterator[Metric]:
-        """Every family, in a fixed order: server, arena, sessions, session counters, RPCs."""
+        """Every family, in a fixed order: server, arena, sessions, session counters, RPCs,
+        snapshots, store uploads."""
         yield gauge("swap_state_up", "1 while the server serves.", 1)
         yield gauge("swap_state_start_time_seconds", "Unix time the server started.", self.started_at)
-        yield from self._arena_families()
-        yield from self._session_families()
-        yield from self._session_counters()
-        yield from self._rpc_families()
-
-    def _arena_families(self) -> Iterator[Metric]:
         for make, name, help_text, attr in _ARENA_FAMILIES:
             yield make(name, help_text, getattr(self.arena, attr))
-
-    def _session_families(self) -> Iterator[Metric]:
-        """Sessions by state, then the per-session gauges (labelled by job and rank)."""
         sessions = self.registry.sessions
         by_state = gauge("swap_state_sessions", "Sessions by state.", labels=["state"])
         for state in SessionState:
             by_state.add_metric([state.value], sum(1 for s in sessions if s.state is state))
         yield by_state
-        key_labels = ["job_id", "rank"]
-        segment_bytes = gauge("swap_state_session_segment_bytes", "Segment bytes per session.",
-                              labels=key_labels)
-        model_area = gauge(
-            "swap_state_session_model_area_bytes",
-            "Bytes of each session's segment that are model tensors: the parameters and "
-            "persistent buffers of whole-state snapshots (part of the segment bytes; 0 without).",
-            labels=key_labels)
-        last_step = gauge("swap_state_session_last_committed_step",
-                          "Last committed step per session (sessions with a committed step only).",
-                          labels=key_labels)
-        generation = gauge("swap_state_session_generation", "Current generation per session.",
-                           labels=key_labels)
-        for s in sessions:
-            key = [s.job_id, str(s.rank)]
-            segment_bytes.add_metric(key, s.segment.file_bytes if s.segment else 0)
-            model_area.add_metric(key, s.segment.model_bytes if s.segment else 0)
-            if s.last_committed_step is not None:
-                last_step.add_metric(key, s.last_committed_step)
-            generation.add_metric(key, s.generation)
-        yield from (segment_bytes, model_area, last_step, generation)
-
-    def _session_counters(self) -> Iterator[Metric]:
+        for name, help_text, value in _SESSION_GAUGES:
+            family = gauge(name, help_text, labels=["job_id", "rank"])
+            for s in sessions:
+                if (v := value(s)) is not None:
+                    family.add_metric([s.job_id, str(s.rank)], v)
+            yield family
         for name, help_text, attr in _SESSION_COUNTERS:
             yield counter(name, help_text, getattr(self.registry, attr))
-
-    def _rpc_families(self) -> Iterator[Metric]:
-        counters = self.counters
         calls = counter("swap_state_rpc_total", "RPCs by method and status code.",
                         labels=["method", "code"])
-        for (method, code), n in sorted(counters.calls.items()):
+        for (method, code), n in sorted(self.counters.calls.items()):
             calls.add_metric([method, code], n)
         yield calls
         seconds = counter("swap_state_rpc_seconds_total", "Seconds spent in RPCs by method.",
                           labels=["method"])
-        for method, spent in sorted(counters.seconds.items()):
+        for method, spent in sorted(self.counters.seconds.items()):
             seconds.add_metric([method], spent)
         yield seconds
+        running = self.coordinator.in_progress() if self.coordinator is not None else []
+        yield gauge("swap_state_snapshots_in_progress", "Snapshot ranks persisting now.", len(running))
+        for name, help_text, field in _SNAPSHOT_COUNTERS:
+            yield counter(name, help_text, self.snapshot_counters[field])
+        uploader = self.coordinator.uploader if self.coordinator is not None else None
+        if uploader is not None:
+            for name, help_text, field in _UPLOAD_COUNTERS:
+                yield counter(name, help_text, getattr(uploader.counters, field))
 
 
 def metrics_registry(
-    arena: Arena, registry: SessionRegistry, counters: RpcCounters, *, started_at: float,
-    extra: Iterable[Collector] = (),
+    arena: Arena, registry: SessionRegistry, counters: RpcCounters, snapshot_counters: SnapshotCounters,
+    coordinator: SnapshotCoordinator | None, *, started_at: float,
 ) -> CollectorRegistry:
-    """A private registry with the server's collector, then ``extra`` collectors, in order."""
+    """A private registry with the server's collector."""
     metrics = CollectorRegistry(auto_describe=False)
-    metrics.register(ServerCollector(arena, registry, counters, started_at=started_at))
-    for collector in extra:
-        metrics.register(collector)
+    metrics.register(ServerCollector(arena, registry, counters, snapshot_counters, coordinator,
+                                     started_at=started_at))
     return metrics
 
 

@@ -19,7 +19,7 @@ from swap_state.common.caller_proof import CALLER_METADATA_KEY
 from swap_state.common.errors import StartupError, Unauthenticated
 from swap_state.server.logs import log_event
 from swap_state.server.rpc.statuses import reason_metadata, status_for
-from swap_state.server.tenants import Tenants
+from swap_state.server.tenants import Tenants, read_secret_file
 
 __all__ = ["EXEMPT_PREFIXES", "TokenAuthInterceptor", "read_token_file"]
 
@@ -30,13 +30,8 @@ EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
 
 def read_token_file(path: pathlib.Path) -> str:
     """The token (surrounding whitespace stripped). Warns when others may read the file."""
-    try:
-        info = path.stat()
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise StartupError(f"--token-file {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise StartupError(f"--token-file {path}: not a text file") from None
+    info, token = read_secret_file(path, "--token-file")
+    token = token.strip()
     if not token or any(ch.isspace() for ch in token) or not token.isprintable():
         raise StartupError(f"--token-file {path}: expected one token without spaces")
     if info.st_mode & stat.S_IROTH:

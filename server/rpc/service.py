@@ -33,12 +33,13 @@ from swap_state.server.snapshot.restore import restore
 from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.tiers import list_both_tiers
 from swap_state.server.rpc.snapshot_service import (
-    MAX_STATUS_WAIT_S, SnapshotCounters, finish_snapshot, info_reply, metadata_parts, status_reply,
+    MAX_STATUS_WAIT_S, finish_snapshot, info_reply, metadata_parts, status_reply,
 )
-from swap_state.server.rpc.statuses import RpcCounters, rpc_boundary
+from swap_state.server.observability.metrics import RpcCounters, SnapshotCounters
+from swap_state.server.rpc.statuses import rpc_boundary
 from swap_state.server.tenants import Tenant, Tenants
 from swap_state.server.rpc.validation import (
-    validate_client_host, validate_job_id, validate_job_id_filter, validate_local_world_size, validate_rank,
+    validate_client_host, validate_job_id, validate_local_world_size, validate_rank,
     validate_session, validate_snapshot_id, validate_snapshot_rank, validate_step, validate_tensor_specs,
 )
 
@@ -79,7 +80,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     --snapshot-dir (the snapshot RPCs then fail naming the flag)."""
 
     def __init__(
-        self, registry: SessionRegistry, arena: Arena, *, keepalive_interval: float, counters: RpcCounters,
+        self, registry: SessionRegistry, arena: Arena, *, keepalive_interval: float,
         snapshots: SnapshotCoordinator | None = None, tenants: Tenants | None = None,
     ) -> None:
         self.tenants = tenants or Tenants()
@@ -89,7 +90,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         self.snapshot_counters = SnapshotCounters()
         self.arena = arena
         self.keepalive_interval = keepalive_interval
-        self.counters = counters  # used by rpc_boundary
+        self.counters = RpcCounters()  # counted by rpc_boundary
         self._finishing: set[asyncio.Task[None]] = set()
 
     def _caller(self, context) -> Tenant:
@@ -101,8 +102,9 @@ class SwapStateService(pb_grpc.SwapStateServicer):
 
     def _own_session(self, caller: Tenant, session_id: str, generation: int, *,
                      segment: bool = False) -> Session:
-        """The session, if its tenant is the caller's (or the caller is an admin); with
-        ``segment``, only once it has one."""
+        """The session of a valid (id, current generation), if its tenant is the caller's (or
+        the caller is an admin); with ``segment``, only once it has one."""
+        validate_session(session_id, generation)
         session = self.registry.lookup(session_id, generation)
         caller.check(session.tenant, f"session {session_id} (job {session.job_id!r})")
         if segment and session.segment is None:
@@ -143,9 +145,8 @@ class SwapStateService(pb_grpc.SwapStateServicer):
 
     @rpc_boundary
     async def KeepAlive(self, request: pb.KeepAliveRequest, context):
-        validate_session(request.session_id, request.generation)
-        self._own_session(self._caller(context), request.session_id, request.generation)
-        stream = self.registry.open_stream(request.session_id, request.generation)
+        session = self._own_session(self._caller(context), request.session_id, request.generation)
+        stream = self.registry.open_stream(session, request.generation)
         try:
             while True:
                 yield pb.KeepAliveEvent(server_time_ms=_now_ms())
@@ -159,27 +160,24 @@ class SwapStateService(pb_grpc.SwapStateServicer):
 
     @rpc_boundary
     async def Allocate(self, request: pb.AllocateRequest, context) -> pb.AllocateReply:
-        validate_session(request.session_id, request.generation)
-        self._own_session(self._caller(context), request.session_id, request.generation)  # unknown or stale: first
+        session = self._own_session(self._caller(context), request.session_id, request.generation)  # first
         # A generator: the O(tensors) conversion and checks run in a worker thread, off the loop.
         specs = ((t.name, t.dtype, t.shape) for t in request.tensors)
         checked = await asyncio.to_thread(validate_tensor_specs, specs, max_tensors=self.registry.max_tensors)
-        segment, reused = await self.registry.allocate(request.session_id, request.generation, checked)
+        segment, reused = await self.registry.allocate(session, request.generation, checked)
         return pb.AllocateReply(segment=await _segment_info(segment), reused=reused)
 
     @rpc_boundary
     async def CommitStep(self, request: pb.CommitStepRequest, context) -> pb.CommitStepReply:
         validate_step(request.step)
-        validate_session(request.session_id, request.generation)
-        self._own_session(self._caller(context), request.session_id, request.generation)
-        step = self.registry.commit_step(request.session_id, request.generation, request.step)
+        session = self._own_session(self._caller(context), request.session_id, request.generation)
+        step = self.registry.commit_step(session, request.step)
         return pb.CommitStepReply(committed_step=step)
 
     @rpc_boundary
     async def Detach(self, request: pb.DetachRequest, context) -> pb.DetachReply:
-        validate_session(request.session_id, request.generation)
-        self._own_session(self._caller(context), request.session_id, request.generation)
-        await self.registry.detach(request.session_id, request.generation, keep=request.keep)
+        session = self._own_session(self._caller(context), request.session_id, request.generation)
+        await self.registry.detach(session, request.generation, keep=request.keep)
         return pb.DetachReply()
 
     @rpc_boundary
@@ -206,7 +204,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
 
     def _session_stats(self, session: Session) -> pb.SessionStats:
         segment = session.segment
-        budget = self.arena.copy_budget(segment.layout) if segment is not None else None
+        budget = self.arena.copy_policy.budget(segment.layout) if segment is not None else None
         return pb.SessionStats(
             session_id=session.session_id, job_id=session.job_id, rank=session.rank,
             world_size=session.world_size, local_world_size=session.local_world_size,
@@ -226,7 +224,6 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     @rpc_boundary
     async def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
         caller = self._caller(context)
-        validate_session(request.session_id, request.generation)
         validate_step(request.step)
         coordinator = self._coordinator()
         session = self._own_session(caller, request.session_id, request.generation, segment=True)
@@ -258,7 +255,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             context.add_done_callback(lambda _context: handle.proceed())
         except Exception:  # no termination callback: let the writer go now
             handle.proceed()
-        self.snapshot_counters.started += 1
+        self.snapshot_counters["started"] += 1
         task = asyncio.get_running_loop().create_task(finish_snapshot(handle, held, self.snapshot_counters))
         self._finishing.add(task)
         task.add_done_callback(self._finished)
@@ -293,7 +290,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     @rpc_boundary
     async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
         caller = self._caller(context)
-        job_id = validate_job_id_filter(request.job_id)
+        job_id = validate_job_id(request.job_id) if request.job_id else None  # "": all jobs
         listed = await asyncio.to_thread(list_both_tiers, self._coordinator(), job_id)
         return pb.ListSnapshotsReply(snapshots=[
             info_reply(local, stored) for local, stored in listed
@@ -303,7 +300,6 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     @rpc_boundary
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
         caller = self._caller(context)
-        validate_session(request.session_id, request.generation)
         snapshot_id = validate_snapshot_id(request.snapshot_id or "latest", relative=True, latest=True)
         coordinator = self._coordinator()
         session = self._own_session(caller, request.session_id, request.generation, segment=True)

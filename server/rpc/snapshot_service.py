@@ -1,31 +1,23 @@
-"""The snapshot RPCs' helpers: protobuf replies of the snapshot domain, the snapshot counters
-and their metrics collector, and the task that returns a snapshot's borrowed segment
-(:func:`finish_snapshot`, tracked by the servicer, :mod:`.service`).
+"""The snapshot RPCs' helpers: protobuf replies of the snapshot domain and the task that
+returns a snapshot's borrowed segment (:func:`finish_snapshot`, tracked by the servicer,
+:mod:`.service`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-from collections.abc import Iterator
-
-from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
 
 from swap_state.proto import swap_state_pb2 as pb
 
 from swap_state.common.errors import InvalidArgument, MetadataBaseUnknown
 from swap_state.common.snapshot_metadata_parts import MetadataParts, base_id, parse_base, parse_delta
 from swap_state.common.snapshot_reader import SnapshotInfo
-from swap_state.server.observability.metrics import counter, gauge
+from swap_state.server.observability.metrics import SnapshotCounters
 from swap_state.server.memory.session import Session
-from swap_state.server.snapshot.coordinator import SnapshotCoordinator, RankSnapshot, SnapshotStatus
+from swap_state.server.snapshot.coordinator import RankSnapshot, SnapshotStatus
 
-__all__ = [
-    "MAX_STATUS_WAIT_S", "SnapshotCollector", "SnapshotCounters", "finish_snapshot", "info_reply",
-    "metadata_parts", "status_reply",
-]
+__all__ = ["MAX_STATUS_WAIT_S", "finish_snapshot", "info_reply", "metadata_parts", "status_reply"]
 
 MAX_STATUS_WAIT_S = 60.0
 
@@ -38,76 +30,6 @@ def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
     values = {name: getattr(status, name) for name in _REPLY_FIELDS}
     values["state"] = status.state.value
     return pb.SnapshotStatusReply(**values)
-
-
-@dataclasses.dataclass
-class SnapshotCounters:
-    """Totals over finished snapshot ranks, for the metrics endpoint."""
-
-    started: int = 0
-    """Snapshot RPCs that started persisting a rank."""
-    durable: int = 0
-    """Ranks whose snapshot became durable."""
-    failed: int = 0
-    """Ranks whose snapshot failed (disk full, I/O error, cancelled)."""
-    bytes_persisted: int = 0
-    """Bytes written to snapshot files."""
-    cow_copies: int = 0
-    """Chunks the trainers copied before overwriting them (copy-before-write)."""
-    backpressure_waits: int = 0
-    """Times a trainer waited for a free copy slot."""
-    backpressure_wait_seconds: float = 0.0
-    """Seconds trainers spent in those waits."""
-    server_staged_chunks: int = 0
-    """Chunks the server copied ahead of the trainers (so they did not have to)."""
-
-    def record(self, status: SnapshotStatus) -> None:
-        if status.state.value in ("durable", "stored"):
-            self.durable += 1
-        else:
-            self.failed += 1
-        for name in ("bytes_persisted", "cow_copies", "backpressure_waits", "backpressure_wait_seconds",
-                     "server_staged_chunks"):
-            setattr(self, name, getattr(self, name) + getattr(status, name))
-
-
-# (name, help, SnapshotCounters field) of the snapshot counters, then of the store's uploads.
-_SNAPSHOT_COUNTERS = (
-    ("swap_state_snapshots_started_total", "Snapshot ranks started.", "started"),
-    ("swap_state_snapshots_durable_total", "Snapshot ranks made durable.", "durable"),
-    ("swap_state_snapshots_failed_total", "Snapshot ranks that failed.", "failed"),
-    ("swap_state_snapshot_bytes_total", "Bytes persisted by snapshots.", "bytes_persisted"),
-    ("swap_state_snapshot_cow_copies_total", "Chunks copied before write while a snapshot persisted.",
-     "cow_copies"),
-    ("swap_state_snapshot_backpressure_waits_total", "Trainer waits for a free copy-before-write slot.",
-     "backpressure_waits"),
-    ("swap_state_snapshot_backpressure_wait_seconds_total",
-     "Seconds trainers waited for a free copy-before-write slot.", "backpressure_wait_seconds"),
-)
-_UPLOAD_COUNTERS = (
-    ("swap_state_store_ranks_stored_total", "Snapshot ranks put in the --snapshot-store.", "ranks_stored"),
-    ("swap_state_store_ranks_failed_total", "Snapshot ranks whose upload failed.", "ranks_failed"),
-    ("swap_state_store_bytes_total", "Bytes uploaded to the --snapshot-store.", "bytes_stored"),
-    ("swap_state_store_upload_seconds_total", "Seconds spent uploading snapshots.", "seconds"),
-)
-
-
-class SnapshotCollector(Collector):
-    """The snapshot families, read from the counters and the coordinator on every scrape."""
-
-    def __init__(self, counters: SnapshotCounters, coordinator: SnapshotCoordinator | None) -> None:
-        self.counters = counters
-        self.coordinator = coordinator
-
-    def collect(self) -> Iterator[Metric]:
-        running = self.coordinator.in_progress() if self.coordinator is not None else []
-        yield gauge("swap_state_snapshots_in_progress", "Snapshot ranks persisting now.", len(running))
-        for name, help_text, field in _SNAPSHOT_COUNTERS:
-            yield counter(name, help_text, getattr(self.counters, field))
-        uploader = self.coordinator.uploader if self.coordinator is not None else None
-        if uploader is not None:
-            for name, help_text, field in _UPLOAD_COUNTERS:
-                yield counter(name, help_text, getattr(uploader.counters, field))
 
 
 async def metadata_parts(session: Session, request: pb.SnapshotRequest,

@@ -22,9 +22,9 @@ import grpc
 
 from swap_state.common.errors import REASON_METADATA_KEY, SwapStateError
 from swap_state.server.logs import log_event
-from swap_state.server.observability.rpc_counters import RpcCounters
+from swap_state.server.observability.metrics import RpcCounters
 
-__all__ = ["RpcCounters", "rpc_boundary", "status_for", "reason_metadata"]
+__all__ = ["rpc_boundary", "status_for", "reason_metadata"]
 
 log = logging.getLogger("swap_state.server.rpc")
 

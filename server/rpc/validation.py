@@ -22,7 +22,7 @@ from swap_state.common.names import MODEL_PREFIX, is_model_tensor, parse_snapsho
 
 __all__ = [
     "MAX_NDIM", "MAX_SEGMENT_BYTES", "MAX_STEP", "MAX_WORLD_SIZE", "SAFETENSORS_MAX_HEADER_BYTES",
-    "validate_client_host", "validate_descriptor", "validate_job_id", "validate_job_id_filter",
+    "validate_client_host", "validate_descriptor", "validate_job_id",
     "validate_local_world_size", "validate_rank", "validate_session", "validate_snapshot_id",
     "validate_snapshot_rank", "validate_step", "validate_tensor_specs",
 ]
@@ -77,11 +77,6 @@ def validate_snapshot_rank(rank: int) -> int:
     if not 0 <= rank < MAX_WORLD_SIZE:
         raise InvalidArgument(f"rank {rank} must be in [0, {MAX_WORLD_SIZE})")
     return rank
-
-
-def validate_job_id_filter(job_id: str) -> str | None:
-    """ListSnapshots' job_id: empty means all jobs (None), else a valid job id."""
-    return validate_job_id(job_id) if job_id else None
 
 
 def validate_snapshot_id(snapshot_id: str, *, relative: bool, latest: bool) -> str:

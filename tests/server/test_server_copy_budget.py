@@ -7,14 +7,16 @@ import logging
 from swap_server_testkit import Trainer, spec
 
 from swap_state.proto import swap_state_pb2 as pb
+from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.memory.arena import Arena
 
 CHUNK = 64 << 10
 BIG = [("m.exp_avg", "float32", (64 * CHUNK // 4,))]  # 4 MiB: 64 chunks
 
 
-def make_arena(shm_dir, total=32 << 20, cow=4 * CHUNK) -> Arena:
-    return Arena(shm_dir=shm_dir, total_bytes=total, cow_pool_bytes=cow, chunk_bytes=CHUNK, tag="cb1")
+def make_arena(shm_dir, total=32 << 20, cow=4 * CHUNK, policy=None) -> Arena:
+    return Arena(shm_dir=shm_dir, total_bytes=total, cow_pool_bytes=cow, chunk_bytes=CHUNK, tag="cb1",
+                 copy_policy=policy)
 
 
 def _short_events(caplog):
@@ -23,26 +25,25 @@ def _short_events(caplog):
 
 def test_allocation_warns_when_the_copy_slots_cannot_cover_one_forward_backward(shm_dir, caplog):
     caplog.set_level(logging.WARNING, logger="swap_state")
-    arena = make_arena(shm_dir)
-    arena.persist_estimate = (10e6, False)  # 10 MB/s x 0.1 s: 1 MB persisted meanwhile
+    # 10 MB/s x 0.1 s: 1 MB persisted meanwhile
+    arena = make_arena(shm_dir, policy=CopyBudgetPolicy(assumed_bytes_per_s=10e6))
     seg = arena.create_segment("abc1", BIG, world_size=1)
     try:
         [fields] = _short_events(caplog)
         state = 4 << 20
         assert fields["state_bytes"] == state and fields["slot_bytes"] == 4 * CHUNK
         assert fields["needed_bytes"] == state - 1_000_000
-        assert fields["assumed_fwd_bwd_s"] == arena.assumed_fwd_bwd_s
+        assert fields["assumed_fwd_bwd_s"] == arena.copy_policy.fwd_bwd_s
         assert "raise --cow-budget" in fields["detail"]
     finally:
         arena.free(seg)
 
     caplog.clear()
-    roomy = make_arena(shm_dir, cow=64 * CHUNK)
-    roomy.persist_estimate = (10e6, False)
+    roomy = make_arena(shm_dir, cow=64 * CHUNK, policy=CopyBudgetPolicy(assumed_bytes_per_s=10e6))
     seg = roomy.create_segment("abc2", BIG, world_size=1)
     try:
         assert _short_events(caplog) == []
-        assert roomy.copy_budget(seg.layout).warning() == ""
+        assert roomy.copy_policy.budget(seg.layout).warning() == ""
     finally:
         roomy.free(seg)
 
