@@ -287,6 +287,8 @@ class ServerConfig:
             (self.grace >= 0, "--grace must be >= 0 seconds"),
             (0 <= self.metrics_port <= 65535, "--metrics-port must be 0 (off) or a port number"),
             (self.persist_max_bandwidth >= 0, "--persist-max-bandwidth must be >= 0 (0: unlimited)"),
+            (self.tenant_shm_quota >= 0, "--tenant-shm-quota must be >= 0 (0: no quota)"),
+            (self.tenant_snapshot_quota >= 0, "--tenant-snapshot-quota must be >= 0 (0: no quota)"),
             (1 <= self.stage_threads <= 64, "--stage-threads must be between 1 and 64"),
             (self.model_copy_timeout > 0, "--model-copy-timeout must be > 0 seconds"),
             (self.keep_latest >= 2, "--keep-latest must be >= 2 (the last snapshot must survive the next)"),

@@ -151,6 +151,8 @@ def test_argv_refuses_a_setting_that_has_no_flag(setting):
         (["--shm-size", "1G", "--direct-io", "reads"], "invalid choice: 'reads'"),
         (["--shm-size", "1G", "--cow-budget", "2G"], "exceeds --shm-size"),
         (["--shm-size", "1G", "--grace", "-1"], "must be >= 0"),
+        (["--shm-size", "1G", "--tenant-shm-quota", "-5G"], "--tenant-shm-quota must be >= 0"),
+        (["--shm-size", "1G", "--tenant-snapshot-quota", "-1G"], "--tenant-snapshot-quota must be >= 0"),
         (["--shm-size", "1G", "--metrics-port", "70000"], "out of range"),
         (["--shm-size", "1G", "--log-level", "loud"], "invalid choice"),
         (["--shm-size", "1G", "--no-such-flag"], "unrecognized arguments"),
