@@ -25,7 +25,7 @@ from swap_state.client.remote.rpc import SERVER_UID_ENV, ClientConfig, RemoteSes
 from swap_state.common.addresses import default_socket_path
 
 __all__ = [
-    "ENV_JOB_ID", "ENV_SERVER", "ENV_TOKEN_FILE", "Connection", "RemoteConfig", "connect",
+    "ENV_JOB_ID", "ENV_SERVER", "ENV_TOKEN_FILE", "RemoteConfig", "connect",
     "embedded_config_for", "embedded_world_size_hint", "host_server", "resolve_config", "snapshots_model"]
 
 ENV_SERVER = "SWAP_STATE_SERVER"
@@ -80,15 +80,6 @@ class RemoteConfig:
     """This job's snapshots the server must keep (0: all); None: the server's --keep-latest alone."""
 
 
-@dataclasses.dataclass
-class Connection:
-    """What :func:`connect` opened; the container owns (and closes) all of it."""
-
-    client: SwapStateClient
-    session: RemoteSession
-    embedded: EmbeddedServer | None
-
-
 CHECKPOINT_MODES: tuple[str, ...] = ("full", "snapshot")
 
 
@@ -135,8 +126,10 @@ def resolve_config(config: RemoteConfig | None, server: str | None, job_id: str 
     return config
 
 
-def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kwargs: dict[str, Any]) -> Connection:
-    """Fill in ``config.server`` (the host's, else an embedded one) and ``job_id``, then attach."""
+def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kwargs: dict[str, Any]
+            ) -> tuple[SwapStateClient, RemoteSession, EmbeddedServer | None]:
+    """Fill in ``config.server`` (the host's, else an embedded one) and ``job_id``, then attach;
+    the caller owns (and closes) what it returns."""
     embedded = None
     if config.rank is not None and config.world_size is not None:
         rank, world_size = config.rank, config.world_size
@@ -181,7 +174,7 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
         if embedded is not None:
             embedded.stop()
         raise
-    return Connection(client, session, embedded)
+    return client, session, embedded
 
 
 def host_server() -> str | None:

@@ -62,7 +62,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
                  server: str | None = None, job_id: str | None = None, config: RemoteConfig | None = None,
                  **container_kwargs: Any) -> None:
         self.remote_config = resolve_config(config, server, job_id)
-        self.segment = RemoteSegment.connect(self.remote_config, model_parts, optimizer_kwargs)
+        self.segment = RemoteSegment(self.remote_config, model_parts, optimizer_kwargs)
         self._metadata: OptimizerMetadata | None = None
         self._fresh_group_steps: tuple[Any, ...] = ()
         self._checkpoint_snapshot: SnapshotHandle | None = None  # the last checkpoint's reference
@@ -120,7 +120,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
 
     def _log_sizing(self, entries: Sequence[HostCacheEntry]) -> None:
         """What this rank's segment holds and a host of the job's ranks needs (``swap-state plan``)."""
-        tensors = self.segment.tensors
+        tensors = self.segment.mapping.tensors
         model = sum(t.nbytes for t in tensors if is_model_tensor(t.name))
         moments = sum(t.nbytes for t in tensors if t.name.startswith(STATE_PREFIX))
         params = sum(math.prod(entry.shape) for entry in entries)
@@ -134,7 +134,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         # snapshot persists.
         names_of = self._tensor_names
         names = itertools.chain((PARAM_STEPS, GROUP_STEPS), (n for p in params for n in names_of.get(p, ())))
-        self.segment.before_write(self._current_step(), names)
+        self.segment.mapping.before_write(self._current_step(), names)
 
     def _current_step(self) -> int:
         steps = [g[STEP_KEY] for g in all_param_groups(self.optimizers) if STEP_KEY in g]
@@ -157,7 +157,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         self._publish_step()  # the model is copied only for a snapshot
 
     def _after_load_state_dict(self) -> None:
-        self.segment.before_write(self._current_step(), [GROUP_STEPS])
+        self.segment.mapping.before_write(self._current_step(), [GROUP_STEPS])
         self.segment.state_replaced()
         if self.segment.model_area is not None:
             self.segment.model_area.invalidate()  # the model is loaded after the optimizer, if at all
@@ -192,8 +192,8 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         return self.segment.restore(snapshot_id, self.snapshot_metadata(), self._apply_restored_metadata)
 
     def _apply_restored_metadata(self, metadata_json: str) -> None:
-        views = self.segment.views
-        self._metadata.apply_restored(metadata_json, self.segment.tensors, views[PARAM_STEPS], views[GROUP_STEPS])
+        views, tensors = self.segment.views, self.segment.mapping.tensors
+        self._metadata.apply_restored(metadata_json, tensors, views[PARAM_STEPS], views[GROUP_STEPS])
         self._load_group_steps_from_segment()
 
     def snapshot_metadata(self) -> str:

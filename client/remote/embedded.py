@@ -222,15 +222,12 @@ class EmbeddedServer:
         """SIGTERM, then SIGKILL after the timeout; remove the private directory."""
         self._stopping.set()
         with self._restart_lock:
-            proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=self.config.stop_timeout_s)
+                self.terminate()
             except subprocess.TimeoutExpired:
                 log.warning("embedded swap-state-server ignored SIGTERM; killing it")
-                proc.kill()
-                proc.wait(timeout=self.config.stop_timeout_s)
+                self.kill()
+            self._proc = None
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None

@@ -32,8 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from swap_state.client.device import DeviceBackend
 from swap_state.client.optim.dtensor_utils import global_layout, unwrap_dtensor
-from swap_state.client.remote.segment_mapping import dtype_name
-from swap_state.client.remote.snapshot_guard import SnapshotGuard
+from swap_state.client.remote.segment_mapping import SegmentMapping, dtype_name
 from swap_state.common.names import model_tensor_name
 from swap_state.common.segment import Word
 from swap_state.common.trainer_header import TrainerHeader
@@ -111,7 +110,7 @@ class ModelArea:
     """The model tensors of one mapped segment; owned by the remote container."""
 
     def __init__(self, tensors: Sequence[ModelTensor], views: Mapping[str, torch.Tensor],
-                 guard: SnapshotGuard, header: TrainerHeader, backend: DeviceBackend, *,
+                 guard: SegmentMapping, header: TrainerHeader, backend: DeviceBackend, *,
                  model_parts: Sequence[nn.Module] = (), state_dict_of: StateDictOf | None = None):
         self.tensors = list(tensors)
         self._derived: dict[int, list[ModelTensor]] = {}  # by model part

@@ -51,7 +51,8 @@ class OptimizerMetadata:
     def whole(self, param_steps: torch.Tensor) -> str:
         """The metadata as one JSON text (a restore's layout): tensors, groups, steps."""
         steps = {entry.fqn: float(param_steps[index]) for index, entry in enumerate(self._entries)}
-        return encode_metadata(self._tensors(), self.param_groups_by_fqn(), steps, self._aliases())
+        groups = {entry.fqn: _json_group(self._group_of(entry)) for entry in self._entries}
+        return encode_metadata(self._tensors(), groups, steps, self._aliases())
 
     def parts(self, param_steps: torch.Tensor) -> tuple[str, str, str]:
         """(base id, base, delta), the base built once."""
@@ -67,10 +68,6 @@ class OptimizerMetadata:
 
     def _group_of(self, entry: HostCacheEntry) -> dict[str, Any]:
         return self._optimizers[entry.optimizer_index].param_groups[entry.group_index]
-
-    def param_groups_by_fqn(self) -> dict[str, dict[str, Any]]:
-        """Per canonical fqn, the JSON form of its param group's hyperparameters."""
-        return {entry.fqn: _json_group(self._group_of(entry)) for entry in self._entries}
 
     def apply_restored(self, metadata_json: str, segment_tensors: Any,
                        param_steps: torch.Tensor, group_steps: torch.Tensor) -> None:

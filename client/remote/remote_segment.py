@@ -2,10 +2,10 @@
 
 Call order::
 
-    seg = RemoteSegment.connect(config, model_parts, optimizer_kwargs)   # attach
+    seg = RemoteSegment(config, model_parts, optimizer_kwargs)   # attach
     views = seg.allocate(specs, backend, model_tensors)   # map, claim; torn? resumed?
     seg.watch_params(params)                  # the fingerprint's parameters
-    seg.check_not_torn(); seg.before_write(step, names)   # per slice of a step
+    seg.check_not_torn(); seg.mapping.before_write(step, names)   # per slice of a step
     seg.publish(step)                         # per step: fingerprint, end of write, commit
     seg.verify_kept_state()                   # first step after a reattach: keep or drop
     seg.snapshot(step, metadata_parts)        # between steps; -> SnapshotHandle
@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,12 +33,11 @@ from swap_state.client.device import DeviceBackend
 from swap_state.client.errors import (
     MetadataBaseUnknownError, SnapshotBusyError, SnapshotNotFoundError, SwapStateError)
 from swap_state.client.remote.config import (
-    Connection, RemoteConfig, connect, embedded_world_size_hint, snapshot_retention)
+    RemoteConfig, connect, embedded_world_size_hint, snapshot_retention)
 from swap_state.client.remote.fingerprint import UNKNOWN, ParamFingerprint
 from swap_state.client.remote.model_area import ModelArea, ModelTensor
 from swap_state.client.remote.rpc import RemoteSession
 from swap_state.client.remote.segment_mapping import SegmentMapping
-from swap_state.client.remote.snapshot_guard import SnapshotGuard
 from swap_state.client.remote.snapshots import SnapshotHandle
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
@@ -58,11 +57,12 @@ GROUP_STEPS = BOOKKEEPING_PREFIX + "group_steps"
 class RemoteSegment:
     """The attached session and its mapped segment (call order in the module docstring)."""
 
-    def __init__(self, config: RemoteConfig, connection: Connection):
+    def __init__(self, config: RemoteConfig, model_parts: Sequence[nn.Module],
+                 optimizer_kwargs: dict[str, Any]):
+        """Attach (starting an embedded server when no address is configured)."""
         self.config = config
-        self.client = connection.client
-        self.session: RemoteSession = connection.session
-        self.embedded = connection.embedded
+        self.session: RemoteSession
+        self.client, self.session, self.embedded = connect(config, model_parts, optimizer_kwargs)
         self.mapping: SegmentMapping | None = None
         self.views: dict[str, torch.Tensor] = {}  # the segment's tensors by name, while mapped
         self.model_area: ModelArea | None = None  # the model's tensors (whole-state snapshots)
@@ -71,23 +71,11 @@ class RemoteSegment:
         self.snapshot_step: int | None = None  # the step the last snapshot taken (or restored) holds
         self.snapshot_handle: SnapshotHandle | None = None
         self.closed = False
-        self._guard: SnapshotGuard | None = None
         self._backend: DeviceBackend | None = None
         self._fingerprint: ParamFingerprint | None = None
         self._verify_pending = False  # kept state not yet checked against the parameters
         self._base_sent = False  # the server acknowledged the metadata base once
         self._location_logged = False
-
-    @classmethod
-    def connect(cls, config: RemoteConfig, model_parts: Sequence[nn.Module],
-                optimizer_kwargs: dict[str, Any]) -> RemoteSegment:
-        """Attach (starting an embedded server when no address is configured)."""
-        return cls(config, connect(config, model_parts, optimizer_kwargs))
-
-    @property
-    def tensors(self) -> Any:
-        """The segment's tensor table (name, dtype, shape, offset), in segment order."""
-        return self.mapping.tensors
 
     def allocate(self, specs: Sequence[tuple[str, str, list[int]]], backend: DeviceBackend,
                  model_tensors: Sequence[ModelTensor] = (), model_parts: Sequence[nn.Module] = ()
@@ -105,10 +93,9 @@ class RemoteSegment:
         self.views = self.mapping.tensor_views()
         self.session.bind_header(self.mapping.trainer)
         self._claim(reply.reused)
-        self._guard = SnapshotGuard(self.mapping, self.config.backpressure_timeout_s,
-                                    server_gone=self.session.server_gone)
+        self.mapping.guard(self.config.backpressure_timeout_s, server_gone=self.session.server_gone)
         if model_tensors:
-            self.model_area = ModelArea(model_tensors, self.views, self._guard, self.mapping.trainer, backend,
+            self.model_area = ModelArea(model_tensors, self.views, self.mapping, self.mapping.trainer, backend,
                                         model_parts=model_parts, state_dict_of=self.config.model_state_dict)
         return self.views
 
@@ -176,10 +163,10 @@ class RemoteSegment:
                     "training starts from a fresh optimizer state. Load a checkpoint (or use a new "
                     "job id) to continue a run", self.config.job_id, self.session.rank,
                     self.resumed_step, why)
-        self._guard.before_write(0, list(self.views))
+        self.mapping.before_write(0, list(self.views))
         for view in self.views.values():
             view.zero_()
-        self._guard.end_write()
+        self.mapping.end_write()
         trainer = self.mapping.trainer
         trainer.count_state_drop()
         trainer.set_fingerprint(UNKNOWN)
@@ -189,15 +176,11 @@ class RemoteSegment:
         self.resumed_step = None
         return False
 
-    def before_write(self, step: int, names: Iterable[str]) -> None:
-        """Mark ``step`` as being written; protect the named tensors' bytes from a persisting snapshot."""
-        self._guard.before_write(step, names)
-
     def publish(self, step: int, params_known: bool = True) -> int:
         """The parameters' fingerprint (when known), end of write, commit: in that order."""
         if params_known:
             self.mapping.trainer.set_fingerprint(self._fingerprint.compute())
-        self._guard.end_write()
+        self.mapping.end_write()
         self.session.commit(step)
         return step
 
@@ -255,7 +238,7 @@ class RemoteSegment:
                     raise SnapshotNotFoundError(f"{e}{hint}") from e
             raise
         self.torn_step = None
-        self._guard.end_write()
+        self.mapping.end_write()
         if self.model_area is not None:
             self.model_area.copy_into_model(reply.step)  # the snapshot's parameters, buffers
         apply_metadata(reply.metadata_json)
@@ -345,9 +328,6 @@ class RemoteSegment:
         if self.model_area is not None:
             self.model_area.close()
             self.model_area = None
-        if self._guard is not None:
-            self._guard.close()
-            self._guard = None
         try:
             if self._backend is not None:
                 self._backend.synchronize()  # no copy in flight from or to the mapping

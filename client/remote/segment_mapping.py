@@ -6,6 +6,8 @@ Call order::
     mapping = SegmentMapping.open(segment_info)   # mmap + header check
     mapping.register_for_dma(backend)             # once; no-op on CPU
     views = mapping.tensor_views()                # name -> torch.Tensor on the mapping
+    mapping.guard(max_wait_s, server_gone)        # copy-before-write from here on
+    mapping.before_write(step, names); mapping.end_write()   # per step, the writing thread
     mapping.close()                               # unregister, unmap (views dropped first)
 """
 
@@ -13,12 +15,14 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable, Iterable
 
 import torch
 
 from swap_state.common.dtypes import DTYPE_NAMES
 from swap_state.proto import swap_state_pb2 as pb
-from swap_state.common.segment import SegmentHeader, TensorLayout, chunk_table
+from swap_state.common.copy_before_write import TrainerProtector
+from swap_state.common.segment import SegmentHeader, SegmentLayout, TensorLayout, Word, chunk_table
 from swap_state.common.trainer_header import TrainerHeader
 from swap_state.common.trainer_presence import hold
 
@@ -50,6 +54,8 @@ class SegmentMapping:
                              for t in info.tensors)
         self.chunks = chunk_table(self.tensors, info.chunk_bytes)
         self._registered: tuple[object, int] | None = None
+        self._protector: TrainerProtector | None = None
+        self._index = {t.name: i for i, t in enumerate(self.tensors)}
 
     @classmethod
     def open(cls, info: pb.SegmentInfo) -> SegmentMapping:
@@ -92,8 +98,37 @@ class SegmentMapping:
             backend.register_host_memory(self.data_ptr, info.size, cuts=cuts, spans=spans)
             self._registered = (backend, self.data_ptr)
 
+    def guard(self, max_wait_s: float | None, server_gone: Callable[[], bool] | None = None) -> None:
+        """Protect the bytes a persisting snapshot still needs (copy-before-write,
+        :mod:`swap_state.common.segment`) from now on. ``server_gone``: whether the server is
+        unreachable now (a snapshot that would make the trainer wait is then given up: protocol step 6)."""
+        info = self.info
+        layout = SegmentLayout(info.header_bytes, self.tensors, info.chunk_bytes, len(self.chunks),
+                               info.cow_slots, info.cow_slots_offset, info.size)
+        self._protector = TrainerProtector(self._mm, layout, header=self.trainer, max_wait_s=max_wait_s,
+                                           server_gone=server_gone)
+
+    def before_write(self, step: int, names: Iterable[str]) -> None:
+        """Mark ``step`` as being written (a reattach then knows the bytes are torn) and
+        make the chunks of ``names`` safe to overwrite; may wait (back-pressure)."""
+        self.trainer.begin_write(step)
+        self.protect(names)
+
+    def protect(self, names: Iterable[str]) -> None:
+        """Make the chunks of ``names`` safe to overwrite, marking no step (the model tensors)."""
+        if self.header[Word.SNAP_EPOCH] == 0:
+            return  # no snapshot persisting: the common case costs one word read
+        for name in names:
+            self._protector.before_write_tensor(self._index[name])
+
+    def end_write(self) -> None:
+        self.trainer.end_write()
+
     def close(self) -> None:
         """Unregister and unmap; every view handed out must have been dropped first."""
+        if self._protector is not None:
+            self._protector.close()
+            self._protector = None
         if self._registered is not None:
             backend, ptr = self._registered
             backend.unregister_host_memory(ptr)
