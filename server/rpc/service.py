@@ -224,6 +224,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     @rpc_boundary
     async def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
         caller = self._caller(context)
+        validate_session(request.session_id, request.generation)  # a bad id first, whatever else
         validate_step(request.step)
         coordinator = self._coordinator()
         session = self._own_session(caller, request.session_id, request.generation, segment=True)
@@ -300,6 +301,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     @rpc_boundary
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
         caller = self._caller(context)
+        validate_session(request.session_id, request.generation)  # a bad id first, whatever else
         snapshot_id = validate_snapshot_id(request.snapshot_id or "latest", relative=True, latest=True)
         coordinator = self._coordinator()
         session = self._own_session(caller, request.session_id, request.generation, segment=True)

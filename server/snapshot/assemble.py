@@ -188,9 +188,14 @@ def _read_pieces(source: Source, manifests: Mapping[int, RankManifest], plan: Ma
               staged_bytes_needed=nbytes, budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
               detail="the budget's free bytes cannot hold the staged state: verifying the sources, then "
               "reading them again into the segment")
-    for _ in _read_pieces_data(source, manifests, plan):  # verify everything first
-        pass
-    _copy_pieces(view, by_name, _read_pieces_data(source, manifests, plan, again=True))
+    # One source tensor held at a time: verify everything first, then read each again and copy it.
+    items = [(name, piece) for name, pieces in plan.items() for piece in pieces]
+    for _name, piece in items:
+        _read_piece(source, manifests, piece)
+    for name, piece in items:
+        data = _read_piece(source, manifests, piece, again=True)
+        _copy_pieces(view, by_name, [(name, piece, data)])
+        del data  # before the next read
     return False, False
 
 
@@ -280,19 +285,26 @@ class RecentSnapshots:
 RECENT = RecentSnapshots()
 
 
-def _read_pieces_data(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
-                      again: bool = False) -> Iterator[tuple[str, Piece, bytes]]:
+def _read_pieces_data(source: Source, manifests: Mapping[int, RankManifest],
+                      plan: Mapping[str, list[Piece]]) -> Iterator[tuple[str, Piece, bytes]]:
     """Every piece's source tensor, read and verified, as (target name, piece, bytes)."""
     for name, pieces in plan.items():
         for piece in pieces:
-            try:
-                data = source.read_tensor(manifests[piece.source_rank], piece.source)
-            except SnapshotCorrupt as exc:
-                if again:
-                    raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "
-                                          "partially overwritten: restore again") from None
-                raise
-            yield name, piece, data if type(data) is bytes else bytes(data)
+            yield name, piece, _read_piece(source, manifests, piece)
+
+
+def _read_piece(source: Source, manifests: Mapping[int, RankManifest], piece: Piece,
+                again: bool = False) -> bytes:
+    """The piece's whole source tensor, verified (``again``: read a second time, the segment
+    already changing)."""
+    try:
+        data = source.read_tensor(manifests[piece.source_rank], piece.source)
+    except SnapshotCorrupt as exc:
+        if again:
+            raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "
+                                  "partially overwritten: restore again") from None
+        raise
+    return data if type(data) is bytes else bytes(data)
 
 
 def _copy_pieces(view: memoryview, by_name: Mapping, pieces: Iterable[tuple[str, Piece, bytes]]) -> None:
