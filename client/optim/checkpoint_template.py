@@ -20,7 +20,7 @@ from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX
 
 __all__ = [
     "MODEL_REF_KEY", "OPTIMIZER_KEY", "SNAPSHOT_CHECKPOINT_ERROR", "SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY",
-    "LoadTemplate", "SnapshotCheckpointError", "check_plain_optimizer_can_load", "checkpoint_keys",
+    "SnapshotCheckpointError", "check_plain_optimizer_can_load", "checkpoint_keys",
     "holds_snapshot_reference", "load_template", "match_template", "optimizer_keys",
 ]
 
@@ -111,31 +111,6 @@ def _read_reference(checkpoint_id: str | os.PathLike[str], flat_key: str) -> str
         return value.decode() if isinstance(value, bytes) else str(value)
     except Exception:  # noqa: BLE001 - only the wording of an error depends on it
         return None
-
-
-class LoadTemplate:
-    """While a checkpoint load announced its keys, ``state_dict()`` is that checkpoint's
-    template (:func:`match_template`); ``loading(keys)`` is the container's ``loading_checkpoint``."""
-
-    def __init__(self) -> None:
-        self.keys: frozenset[str] | None = None
-        """The optimizer keys of the checkpoint being loaded (prefix stripped), else None."""
-
-    @contextlib.contextmanager
-    def loading(self, keys: Collection[str]) -> Iterator[None]:
-        """``state_dict()`` is the template of a checkpoint holding ``keys`` in the block."""
-        previous = self.keys
-        self.keys = frozenset(keys)
-        try:
-            yield
-        finally:
-            self.keys = previous
-
-    def apply(self, flat: dict[str, Any]) -> dict[str, Any]:
-        """``flat`` matched to the checkpoint being loaded, or as it is outside a load."""
-        if self.keys is None:
-            return flat
-        return match_template(flat, self.keys)
 
 
 @contextlib.contextmanager

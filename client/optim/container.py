@@ -25,7 +25,7 @@ from swap_state.client import device as device_layer  # an attribute: the seed's
 from swap_state.client.optim.kernels import pin_default_implementation
 from swap_state.client.device import DeviceBackend
 from swap_state.client.optim import flat_state_dict as _flat
-from swap_state.client.optim.checkpoint_template import LoadTemplate
+from swap_state.client.optim.checkpoint_template import match_template
 from swap_state.client.optim.host_cache import (
     STEP_DTYPE, STEP_KEY, HostCache, HostCacheEntry, HostCaches, flat_host_caches, group_map,
     placeholder_like, step_tensor,
@@ -77,6 +77,7 @@ class SwapOptimizersContainer(OptimizersContainer):
     _device_backend: DeviceBackend | None = None
     _pipeline: bool | None = None
     _in_container_step: bool = False
+    _loading_keys: frozenset[str] | None = None  # the optimizer keys of a checkpoint being loaded
 
     def __init__(
         self, model_parts: list[nn.Module], optimizer_cls: type[Optimizer], optimizer_kwargs: dict[str, Any],
@@ -151,10 +152,6 @@ class SwapOptimizersContainer(OptimizersContainer):
     def _loader(self) -> StateLoader:
         return StateLoader(self, self._host_caches)
 
-    @functools.cached_property
-    def _load_template(self) -> LoadTemplate:
-        return LoadTemplate()
-
     @property
     def device_backend(self) -> DeviceBackend:
         """The backend this container moves state with (a container built with __new__, as the
@@ -204,7 +201,7 @@ class SwapOptimizersContainer(OptimizersContainer):
         flat = _flat.flat_state_dict(self.model_parts, self.optimizers, self.param_to_cpu_states_map)
         if self.unswapped is not None:
             flat.update(self.unswapped.state_dict())
-        return self._load_template.apply(flat)
+        return flat if self._loading_keys is None else match_template(flat, self._loading_keys)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a flat state dict; validated first, a failure leaves the container untouched."""
@@ -216,9 +213,15 @@ class SwapOptimizersContainer(OptimizersContainer):
             # Caches may be new, groups changed (a rollback restores copies): replan.
             self._steps.invalidate()
 
-    def loading_checkpoint(self, keys: Collection[str]) -> contextlib.AbstractContextManager[None]:
-        """``state_dict()`` is the template of a checkpoint holding optimizer keys in the block."""
-        return self._load_template.loading(keys)
+    @contextlib.contextmanager
+    def loading_checkpoint(self, keys: Collection[str]) -> Iterator[None]:
+        """``state_dict()`` is the template of a checkpoint holding optimizer keys in the block
+        (:func:`match_template`: DCP's strict load fails on every key the checkpoint lacks)."""
+        previous, self._loading_keys = self._loading_keys, frozenset(keys)
+        try:
+            yield
+        finally:
+            self._loading_keys = previous
 
     # The seed's names for the state-dict helpers (its tests call some on the class).
     @_instance_or_class_method

@@ -211,7 +211,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         """Seed format in 'full' mode; in 'snapshot' mode a reference to a snapshot of the last
         committed step (taken now unless one exists) plus param groups and steps. While a load
         announced the checkpoint's keys, that checkpoint's template (no snapshot taken)."""
-        held = self._load_template.keys
+        held = self._loading_keys
         template = held is not None and holds_snapshot_reference(held)  # no snapshot taken
         if not template and (held is not None or self.remote_config.checkpoint != "snapshot"):
             # DCP loads into the template's views: no write under a snapshot still reading them.
