@@ -31,7 +31,7 @@ from swap_state.client.host_register import (
 __all__ = [
     "DEVICE_ENV_VAR", "PAGE_SIZE", "REGISTER_CHUNK_BYTES", "DeviceBackend", "DeviceType",
     "HostRegistration", "HostRegistrationError", "NullEvent", "NullStream", "get_device_backend",
-    "page_chunks", "register_host_memory", "select_device_type", "unregister_host_memory",
+    "page_chunks", "select_device_type",
 ]
 
 logger = logging.getLogger(__name__)
@@ -311,19 +311,15 @@ def _import_torch_npu() -> ModuleType:
     return cast(ModuleType, torch.npu)  # type: ignore[attr-defined]
 
 
-def _npu_available() -> bool:
-    if importlib.util.find_spec("torch_npu") is None:
-        return False
-    try:
-        return bool(_import_torch_npu().is_available())
-    except Exception as exc:  # a broken CANN install must not hide CUDA or CPU
-        logger.warning("torch_npu is installed but unusable: %s", exc)
-        return False
-
-
 def _available(device_type: DeviceType) -> bool:
     if device_type == "npu":
-        return _npu_available()
+        if importlib.util.find_spec("torch_npu") is None:
+            return False
+        try:
+            return bool(_import_torch_npu().is_available())
+        except Exception as exc:  # a broken CANN install must not hide CUDA or CPU
+            logger.warning("torch_npu is installed but unusable: %s", exc)
+            return False
     if device_type == "cuda":
         return torch.cuda.is_available()
     return True
@@ -357,14 +353,3 @@ def get_device_backend(*, refresh: bool = False) -> DeviceBackend:
             logger.info("swap-state device backend: %s", _BACKEND.type)
         return _BACKEND
 
-
-def register_host_memory(
-    ptr: int, nbytes: int, cuts: Sequence[int] = (), spans: Sequence[tuple[int, int]] = ()
-) -> HostRegistration:
-    """:meth:`DeviceBackend.register_host_memory` on the process-wide backend."""
-    return get_device_backend().register_host_memory(ptr, nbytes, cuts, spans)
-
-
-def unregister_host_memory(ptr: int) -> None:
-    """:meth:`DeviceBackend.unregister_host_memory` on the process-wide backend."""
-    get_device_backend().unregister_host_memory(ptr)

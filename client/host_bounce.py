@@ -24,7 +24,7 @@ import torch
 
 __all__ = [
     "BOUNCE_SLOTS", "BOUNCE_SLOT_BYTES", "PROBE_MARGIN_S", "PROBE_SLOWDOWN", "BounceRing", "BouncedRanges",
-    "CopyProbe", "ProbeConfig", "copies_are_async", "host_bytes", "needs_bounce",
+    "CopyProbe", "ProbeConfig", "copies_are_async", "needs_bounce",
     "npu_versions", "probe_registered_copies",
 ]
 
@@ -87,11 +87,6 @@ def copies_are_async(probe: CopyProbe) -> bool:
     return probe.registered_seconds <= limit
 
 
-def host_bytes(ptr: int, nbytes: int) -> torch.Tensor:
-    """A uint8 CPU tensor over ``[ptr, ptr + nbytes)``; the caller keeps the memory alive."""
-    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
-
-
 def probe_registered_copies(
     backend: Any, ptr: int, nbytes: int, config: ProbeConfig = ProbeConfig()
 ) -> CopyProbe:
@@ -99,7 +94,8 @@ def probe_registered_copies(
     pinned memory, each on a side stream behind ``config``'s device work."""
     size = min(config.nbytes, nbytes)
     device = backend.current_device()
-    sources = (backend.alloc_host((size,), torch.uint8), host_bytes(ptr, size))
+    registered = torch.frombuffer((ctypes.c_uint8 * size).from_address(ptr), dtype=torch.uint8)
+    sources = (backend.alloc_host((size,), torch.uint8), registered)
     target = torch.empty(size, dtype=torch.uint8, device=device)
     busy = torch.zeros((2, config.busy_side, config.busy_side), device=device)
     stream = backend.stream()

@@ -2,9 +2,9 @@
 it lives in :mod:`swap_state.client.remote.rpc`. Importing it does not import torch."""
 
 from swap_state.client.remote.rpc import (
-    START_HINT, ClientConfig, RemoteSession, ServerUnavailableError, SessionLostError, SwapStateClient,
+    ClientConfig, RemoteSession, ServerUnavailableError, SessionLostError, SwapStateClient,
     SwapStateError, normalize_target)
 
 __all__ = [
     "ClientConfig", "SwapStateError", "ServerUnavailableError", "SessionLostError", "SwapStateClient",
-    "RemoteSession", "normalize_target", "START_HINT"]
+    "RemoteSession", "normalize_target"]

@@ -30,7 +30,7 @@ from swap_state.client.optim.host_cache import (
     STEP_DTYPE, STEP_KEY, HostCache, HostCacheEntry, HostCaches, flat_host_caches, group_map,
     placeholder_like, step_tensor,
 )
-from swap_state.client.optim.naming import fqns_by_param, param_fqns
+from swap_state.client.optim.naming import fqns_by_param
 from swap_state.client.optim.state_loading import StateLoader
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES, StepPipeline
 from swap_state.client.optim.unswapped import UnswappedOptimizers
@@ -158,8 +158,6 @@ class SwapOptimizersContainer(OptimizersContainer):
         seed's tests do, has none of its own)."""
         return self._device_backend or device_layer.get_device_backend()
 
-    _backend = device_backend  # the subclasses' name
-
     # -- step ----------------------------------------------------------------------------
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Step every optimizer through the swap pipeline, then call ``_after_step()`` once."""
@@ -231,7 +229,6 @@ class SwapOptimizersContainer(OptimizersContainer):
     _tensor_for_state_dict = staticmethod(_flat.tensor_for_state_dict)
     _move_step_to_device = staticmethod(_flat.move_step_to_device)
     _fqns_by_param = staticmethod(fqns_by_param)
-    _param_fqns = staticmethod(param_fqns)
     _clone_loaded_state_for_device_placeholder = staticmethod(placeholder_like)
 
     # -- hooks for subclasses ------------------------------------------------------------

@@ -104,7 +104,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             params = [e.param for e in entries]
             model_tensors = plan_model_tensors(self.model_parts, params, self.remote_config.model_state_dict)
             specs.extend(t.spec() for t in model_tensors)  # last: protocol step 5
-        views = self.segment.allocate(specs, self._backend, model_tensors, self.model_parts)
+        views = self.segment.allocate(specs, self.device_backend, model_tensors, self.model_parts)
         self._log_sizing(entries)
         self._tensor_names: dict[torch.Tensor, list[str]] = {}
         cache: dict[torch.Tensor, dict[str, torch.Tensor]] = {}

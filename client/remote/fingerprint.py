@@ -17,7 +17,7 @@ import torch
 
 from swap_state.client.optim.dtensor_utils import DTensor, unwrap_dtensor
 
-__all__ = ["SAMPLES_PER_TENSOR", "UNKNOWN", "ParamFingerprint", "sample_indices", "sample_stride"]
+__all__ = ["SAMPLES_PER_TENSOR", "UNKNOWN", "ParamFingerprint", "sample_stride"]
 
 SAMPLES_PER_TENSOR = 64
 UNKNOWN = 0
@@ -29,12 +29,6 @@ def sample_stride(numel: int, count: int = SAMPLES_PER_TENSOR) -> tuple[int, int
     ``stride`` elements apart from element 0, all in range (Python ints: no bound on ``numel``)."""
     count = min(numel, count)
     return count, ((numel - 1) // (count - 1) if count > 1 else 1)
-
-
-def sample_indices(numel: int, count: int = SAMPLES_PER_TENSOR) -> list[int]:
-    """The indices :func:`sample_stride` describes."""
-    samples, stride = sample_stride(numel, count)
-    return [i * stride for i in range(samples)]
 
 
 def _samples(local: torch.Tensor) -> torch.Tensor | None:

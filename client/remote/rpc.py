@@ -38,13 +38,9 @@ from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
 __all__ = [
     "ClientConfig", "SwapStateError", "ServerUnavailableError", "SessionLostError", "SwapStateClient",
-    "RemoteSession", "normalize_target", "START_HINT", "start_hint", "tls_files"]
+    "RemoteSession", "normalize_target", "start_hint", "tls_files"]
 
 log = logging.getLogger("swap_state.client.rpc")  # the name users configure
-
-#: The hint's shape; :func:`start_hint` fills in what fits this machine.
-START_HINT = "start one with: swap-state-server --shm-size 64G --listen {address}"
-
 
 def start_hint(address: str, shm_dir: str = "/dev/shm") -> str:
     """How to start a server at ``address`` here: a ``--shm-size`` that fits ``shm_dir``, and

@@ -77,10 +77,6 @@ class SegmentMapping:
         return cls(info, mm, fd)
 
     @property
-    def buffer(self) -> mmap.mmap:
-        return self._mm
-
-    @property
     def data_ptr(self) -> int:
         return self._base.data_ptr()
 

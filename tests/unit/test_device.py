@@ -261,19 +261,6 @@ def test_failed_unregister_still_unregisters_every_chunk_and_raises() -> None:
     ]
 
 
-@pytest.mark.usefixtures("keep_process_backend")
-def test_module_level_registration_uses_the_process_backend(
-    monkeypatch: pytest.MonkeyPatch, mapping: tuple[mmap.mmap, int]
-) -> None:
-    _, ptr = mapping
-    monkeypatch.setenv(DEVICE_ENV_VAR, "cpu")
-    backend = device.get_device_backend(refresh=True)
-    device.register_host_memory(ptr, PAGE_SIZE)
-    assert [r.ptr for r in backend.registered_ranges()] == [ptr]
-    device.unregister_host_memory(ptr)
-    assert backend.registered_ranges() == []
-
-
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_streams_events_and_pinned_alloc() -> None:

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swap_state.client.remote.fingerprint import SAMPLES_PER_TENSOR, UNKNOWN, ParamFingerprint, sample_indices
+from swap_state.client.remote.fingerprint import SAMPLES_PER_TENSOR, UNKNOWN, ParamFingerprint, sample_stride
+
+
+def sample_indices(numel: int) -> list[int]:
+    """The indices :func:`sample_stride` describes."""
+    samples, stride = sample_stride(numel)
+    return [i * stride for i in range(samples)]
 
 
 @pytest.mark.parametrize("numel", [1, 2, 63, 64, 65, 2**24, 2**24 + 1, 4096 * 4097, 14336 * 4096, 2**31 + 5, 2**40 + 7])

@@ -95,7 +95,7 @@ class HookedContainer(SwapOptimizersContainer):
     """Logs its hooks into the backend's log and checks the host bytes are still old."""
 
     def _before_host_write(self, params: Sequence[torch.Tensor]) -> None:
-        log = self._backend.log  # type: ignore[attr-defined]
+        log = self.device_backend.log  # type: ignore[attr-defined]
         log.append(("before_host_write", tuple(self.names[p] for p in params)))
         for param in params:
             expected = self.expected_host.get(param)
@@ -105,7 +105,7 @@ class HookedContainer(SwapOptimizersContainer):
                 )
 
     def _after_step(self) -> None:
-        self._backend.log.append(("after_step",))  # type: ignore[attr-defined]
+        self.device_backend.log.append(("after_step",))  # type: ignore[attr-defined]
 
     def log_updates(self) -> None:
         """Log each fused update of the container's step pipeline (its part that runs them)."""
@@ -113,7 +113,7 @@ class HookedContainer(SwapOptimizersContainer):
         fused_update = steps._fused_update
 
         def logged(optim: Any, work: Any, states: Any) -> None:
-            self._backend.log.append(("update", tuple(self.names[p] for p in work.params)))  # type: ignore[attr-defined]
+            self.device_backend.log.append(("update", tuple(self.names[p] for p in work.params)))  # type: ignore[attr-defined]
             fused_update(optim, work, states)
 
         steps._fused_update = logged  # type: ignore[method-assign]
