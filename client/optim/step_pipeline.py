@@ -11,6 +11,7 @@ with no copy in flight. On a CPU-only process the update runs on the host cache.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -54,7 +55,6 @@ class StepPipeline:
         self._owner = owner
         self._host_caches = host_caches
         self._pipeline = pipeline
-        self._swap_streams: tuple[Any, Any] | None = None
         self._plans: dict[int, tuple[tuple[Any, ...], list[SlicePlan]]] = {}
 
     def run(self, optim: Optimizer, closure: Callable[[], _T] | None = None) -> _T | None:
@@ -172,7 +172,7 @@ class StepPipeline:
         offload of k-1 before it enqueues the load of k+1, so at most two slices hold buffers."""
         if not slices:
             return
-        load_stream, offload_stream = self._streams()
+        load_stream, offload_stream = self._streams
         compute = self._owner.device_backend.current_stream()
         offloaded: Any = None  # the event the previous slice's offload ends with
         try:
@@ -193,12 +193,11 @@ class StepPipeline:
             load_stream.synchronize()
             offload_stream.synchronize()
 
+    @functools.cached_property
     def _streams(self) -> tuple[Any, Any]:
         """``(load, offload)`` side streams, created on first use."""
-        if self._swap_streams is None:
-            backend = self._owner.device_backend
-            self._swap_streams = (backend.stream(), backend.stream())
-        return self._swap_streams
+        backend = self._owner.device_backend
+        return backend.stream(), backend.stream()
 
     def _load_slice(self, work: SliceWork, stream: Any) -> _LoadedSlice:
         """Enqueue H2D copies of ``work``'s host cache on ``stream``, then its ``ready`` event."""

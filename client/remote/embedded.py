@@ -109,14 +109,10 @@ class EmbeddedServer:
         self.snapshot_dir = os.path.abspath(os.path.expanduser(cfg.snapshot_dir or default_snapshot_dir()))
         self.address = f"unix://{socket_path}"
         self._log_path = os.path.join(self.workdir, "server.log")
-        try:
+        try:  # a ConfigError names the flag; a failed start leaves no directory behind
             server_config = cfg.server_config(self.address, self.snapshot_dir)
-        except BaseException:  # a ConfigError names the flag; leave no directory behind
-            self.stop()
-            raise
-        self._cmd = [sys.executable, "-m", "swap_state.server.cli", *config_to_argv(server_config)]
-        atexit.register(self._stop_at_exit, os.getpid())
-        try:
+            self._cmd = [sys.executable, "-m", "swap_state.server.cli", *config_to_argv(server_config)]
+            atexit.register(self._stop_at_exit, os.getpid())
             self._launch()
         except BaseException:
             self.stop()
