@@ -113,7 +113,8 @@ class HookedContainer(SwapOptimizersContainer):
         fused_update = steps._fused_update
 
         def logged(optim: Any, work: Any, states: Any) -> None:
-            self.device_backend.log.append(("update", tuple(self.names[p] for p in work.params)))  # type: ignore[attr-defined]
+            log = self.device_backend.log  # type: ignore[attr-defined]
+            log.append(("update", tuple(self.names[p] for p in work.params)))
             fused_update(optim, work, states)
 
         steps._fused_update = logged  # type: ignore[method-assign]
