@@ -166,7 +166,7 @@ class RemoteSegment:
         self.mapping.before_write(0, list(self.views))
         for view in self.views.values():
             view.zero_()
-        self.mapping.end_write()
+        self.mapping.trainer.end_write()
         trainer = self.mapping.trainer
         trainer.count_state_drop()
         trainer.set_fingerprint(UNKNOWN)
@@ -180,7 +180,7 @@ class RemoteSegment:
         """The parameters' fingerprint (when known), end of write, commit: in that order."""
         if params_known:
             self.mapping.trainer.set_fingerprint(self._fingerprint.compute())
-        self.mapping.end_write()
+        self.mapping.trainer.end_write()
         self.session.commit(step)
         return step
 
@@ -238,7 +238,7 @@ class RemoteSegment:
                     raise SnapshotNotFoundError(f"{e}{hint}") from e
             raise
         self.torn_step = None
-        self.mapping.end_write()
+        self.mapping.trainer.end_write()
         if self.model_area is not None:
             self.model_area.copy_into_model(reply.step)  # the snapshot's parameters, buffers
         apply_metadata(reply.metadata_json)

@@ -29,6 +29,7 @@ import grpc
 from swap_state.common.addresses import parse_address
 from swap_state.common.caller_proof import CallerProof
 from swap_state.common.errors import SERVER_STOPPING_NOTICE, ConfigError
+from swap_state.common.retry import wait_until
 from swap_state.client.errors import (
     ServerUnavailableError, SessionLostError, StaleGenerationError, SwapStateError, error_for, reason_of)
 from swap_state.common.segment import Word, tensor_nbytes
@@ -173,10 +174,8 @@ class SwapStateClient:
         path = self._socket_path
         # No socket file fails after SOCKET_APPEAR_S (for a server started just before to make
         # it), not the whole connect timeout.
-        deadline = time.monotonic() + min(SOCKET_APPEAR_S, self.config.connect_timeout_s)
-        while path is not None and not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if path is not None and not os.path.exists(path):
+        appear_s = min(SOCKET_APPEAR_S, self.config.connect_timeout_s)
+        if path is not None and not wait_until(lambda: os.path.exists(path), timeout_s=appear_s, first_s=0.05):
             raise ServerUnavailableError(
                 f"no swap-state-server at {self.config.address}: there is no socket file {path}. Is the "
                 "server running, and listening there? Point the trainer at the path it listens on "

@@ -7,7 +7,7 @@ Call order::
     mapping.register_for_dma(backend)             # once; no-op on CPU
     views = mapping.tensor_views()                # name -> torch.Tensor on the mapping
     mapping.guard(max_wait_s, server_gone)        # copy-before-write from here on
-    mapping.before_write(step, names); mapping.end_write()   # per step, the writing thread
+    mapping.before_write(step, names); mapping.trainer.end_write()   # per step, the writing thread
     mapping.close()                               # unregister, unmap (views dropped first)
 """
 
@@ -116,9 +116,6 @@ class SegmentMapping:
             return  # no snapshot persisting: the common case costs one word read
         for name in names:
             self._protector.before_write_tensor(self._index[name])
-
-    def end_write(self) -> None:
-        self.trainer.end_write()
 
     def close(self) -> None:
         """Unregister and unmap; every view handed out must have been dropped first."""
