@@ -125,23 +125,24 @@ def run_export(args: argparse.Namespace) -> int:
         if args.format == "torchtitan":
             from swap_state.client.export.torchtitan import export_torchtitan_checkpoint
 
-            titan = export_torchtitan_checkpoint(
+            result = export_torchtitan_checkpoint(
                 args.snapshot, args.out, args.snapshot_dir, snapshot_store=args.snapshot_store,
                 store_timeout_s=args.snapshot_store_timeout,
             )
-            print(
-                f"exported {args.snapshot} with snapshot {titan.snapshot_id} (ranks "
-                f"{list(titan.ranks)}: {titan.model_tensors} model tensors, "
-                f"{titan.optimizer_entries} optimizer entries) to {titan.out} (torchtitan)"
+        else:
+            result = export_snapshot(
+                args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir,
+                snapshot_store=args.snapshot_store, store_timeout_s=args.snapshot_store_timeout,
             )
-            return 0
-        result = export_snapshot(
-            args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir,
-            snapshot_store=args.snapshot_store, store_timeout_s=args.snapshot_store_timeout,
-        )
     except (SnapshotError, ConfigError) as exc:  # not found, corrupt, not exportable: no traceback
         print(f"swap-state export: {_one_line(exc, args.snapshot_store)}", file=sys.stderr)
         return 1
+    if result.format == "torchtitan":
+        print(
+            f"exported {args.snapshot} with snapshot {result.snapshot_id} (ranks {list(result.ranks)}: "
+            f"{result.model_tensors} model tensors, {result.entries} optimizer entries) to {result.out} (torchtitan)"
+        )
+        return 0
     share = ""
     if len(result.ranks) < result.world_size:
         share = f", ranks {list(result.ranks)} of world_size {result.world_size}"

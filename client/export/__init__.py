@@ -1,8 +1,7 @@
 """Offline export of snapshots: plain torch and DCP files (:mod:`.snapshot`), torchtitan
 checkpoints (:mod:`.torchtitan`); ``python -m swap_state.client.export`` is ``swap-state
-export`` (:mod:`.cli`)."""
+export``."""
 
-from swap_state.client.export.cli import main, run_export
 from swap_state.client.export.snapshot import (
     FORMATS,
     ExportError,
@@ -16,5 +15,5 @@ from swap_state.client.export.torchtitan import export_torchtitan_checkpoint
 
 __all__ = [
     "FORMATS", "ExportError", "ExportResult", "SnapshotState", "export_snapshot",
-    "export_torchtitan_checkpoint", "load_flat_state_dict", "main", "read_snapshot_state", "run_export",
+    "export_torchtitan_checkpoint", "load_flat_state_dict", "read_snapshot_state",
 ]

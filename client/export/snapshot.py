@@ -66,17 +66,19 @@ class ExportResult:
     snapshot_id: str
     """The exported snapshot."""
     out: pathlib.Path
-    """The file (torch) or directory (dcp) written."""
+    """The file (torch) or directory (dcp, torchtitan) written."""
     format: str
-    """``torch`` or ``dcp``."""
+    """``torch``, ``dcp`` or ``torchtitan``."""
     tensors: int
     """Number of ``state.<fqn>.<key>`` tensors."""
     entries: int
-    """Number of keys in the state dict."""
+    """Number of keys in the optimizer's flat state dict."""
     ranks: tuple[int, ...] = ()
     """The ranks exported: those the snapshot holds."""
     world_size: int = 0
     """The job's world size (above ``len(ranks)``: one host's snapshot)."""
+    model_tensors: int = 0
+    """Keys of the model's state dict written (``torchtitan``)."""
 
 
 def _decode(value: Any) -> Any:
@@ -228,6 +230,11 @@ class SnapshotState:
     ranks: tuple[int, ...]
     """Every rank read."""
 
+    @property
+    def flat(self) -> dict[str, Any]:
+        """The optimizer's flat state dict: moments, steps and param groups."""
+        return {**self.optimizer, **self.extras}
+
 
 def read_snapshot_state(locations: Sequence[Location], progress: bool | None = False) -> SnapshotState:
     """Read every rank of the snapshot ``locations`` hold (:func:`locate`), each read checked
@@ -293,7 +300,7 @@ def load_flat_state_dict(
 
     ``snapshot``: a snapshot directory, or with ``snapshot_dir`` an id (:func:`locate`)."""
     state = read_snapshot_state(locate(snapshot, snapshot_dir))
-    return state.info, {**state.optimizer, **state.extras}
+    return state.info, state.flat
 
 
 def export_snapshot(
@@ -314,7 +321,7 @@ def export_snapshot(
     if format not in FORMATS:
         raise ExportError(f"format {format!r} is not one of {FORMATS}")
     read = read_snapshot_state(locate(snapshot, snapshot_dir, snapshot_store, store_timeout_s), progress)
-    state = {**read.optimizer, **read.extras}
+    state = read.flat
     out_path = pathlib.Path(out)
     if format == "torch":
         out_path.parent.mkdir(parents=True, exist_ok=True)
