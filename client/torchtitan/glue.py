@@ -9,7 +9,6 @@ config module call :func:`install_build_optimizers_wrapper` (the latter also
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import functools
 import inspect
 import sys
@@ -29,15 +28,12 @@ from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.optim.kernels import IMPLEMENTATIONS
 from swap_state.client.torchtitan import checkpointing
 from swap_state.client.torchtitan.settings import (
-    SNAPSHOT_SUBDIR, SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, check_choice,
-    shared_job_id, snapshots_to_keep,
+    SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, check_choice, embedded_snapshot_dir,
 )
-from swap_state.client.torchtitan.settings import embedded_snapshot_dir as _snapshot_dir_of_dump
 
 __all__ = [
-    "SNAPSHOT_SUBDIR", "build_optimizers", "build_remote_container", "current_job_config",
-    "embedded_snapshot_dir", "install_build_optimizers_wrapper", "install_job_hooks",
-    "original_build_optimizers", "rebind_imported_model_specs", "shared_job_id", "snapshots_to_keep",
+    "build_optimizers", "current_job_config", "install_build_optimizers_wrapper", "install_job_hooks",
+    "original_build_optimizers", "rebind_imported_model_specs",
 ]
 
 _WRAPPED_ORIGINAL_ATTR = "__swap_state_original__"
@@ -60,7 +56,8 @@ def build_optimizers(
         raise NotImplementedError("swap_optimizer does not support TorchFT")
     optimizer_kwargs = _optimizer_kwargs(optimizer_config)
     settings = SwapSettings.of(optimizer_config)
-    snapshot_dir = embedded_snapshot_dir(current_job_config())
+    # An embedded server keeps the snapshots in <job.dump_folder>/swap-state-snapshots.
+    snapshot_dir = embedded_snapshot_dir(getattr(getattr(current_job_config(), "job", None), "dump_folder", None))
     return build_swap_container(
         model_parts, optimizer_cls, optimizer_kwargs, settings,
         snapshot_dir=snapshot_dir, local_container_cls=SwapOptimizersContainer,
@@ -114,11 +111,6 @@ _current_job_config: contextvars.ContextVar[Any] = contextvars.ContextVar("swap_
 def current_job_config() -> Any:
     """The JobConfig of the torchtitan ``Trainer`` being built in this context, else None."""
     return _current_job_config.get()
-
-
-def embedded_snapshot_dir(job_config: Any) -> str | None:
-    """``<job.dump_folder>/swap-state-snapshots`` (absolute) of a torchtitan 0.2 job config."""
-    return _snapshot_dir_of_dump(getattr(getattr(job_config, "job", None), "dump_folder", None))
 
 
 def _wrap_method(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -209,13 +201,3 @@ def install_job_hooks() -> None:
     if isinstance(trainer, type):
         _wrap_method(trainer, "__init__", _trainer_init)
 
-
-def build_remote_container(
-    model_parts: list[Any], optimizer_cls: type, optimizer_kwargs: dict[str, Any], swap_times: int,
-    optimizer_config: Any,
-):
-    """The ``swap_optimizer_backend = "remote"`` branch of the ``build_optimizers`` wrapper."""
-    remote = {"swap_optimizer_backend": "remote", "swap_optimizer_times": swap_times}
-    settings = dataclasses.replace(SwapSettings.of(optimizer_config), **remote)
-    where = {"snapshot_dir": embedded_snapshot_dir(current_job_config())}
-    return build_swap_container(model_parts, optimizer_cls, optimizer_kwargs, settings, **where)
