@@ -113,75 +113,66 @@ def current_job_config() -> Any:
     return _current_job_config.get()
 
 
-def _wrap_method(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace ``cls.name`` by ``make(original)`` once (a wrapper is never wrapped again)."""
+def _wrap_method(cls: type, name: str, hook: Callable[..., Any]) -> None:
+    """Replace ``cls.name`` by a method that calls ``hook(original, self, ...)``, once (a wrapper
+    is never wrapped again)."""
     current = cls.__dict__.get(name)
     original = getattr(current, _WRAPPED_ORIGINAL_ATTR, current)
-    wrapper = functools.wraps(original)(make(original))
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return hook(original, self, *args, **kwargs)
+
     setattr(wrapper, _WRAPPED_ORIGINAL_ATTR, original)
     setattr(cls, name, wrapper)
 
 
-def _trainer_init(original: Callable[..., Any]) -> Callable[..., Any]:
-    def __init__(self: Any, job_config: Any, *args: Any, **kwargs: Any) -> None:
-        token = _current_job_config.set(job_config)
-        try:
-            original(self, job_config, *args, **kwargs)
-        finally:
-            _current_job_config.reset(token)
-
-    return __init__
+def _trainer_init(original: Callable[..., Any], self: Any, job_config: Any, *args: Any, **kwargs: Any) -> None:
+    token = _current_job_config.set(job_config)
+    try:
+        original(self, job_config, *args, **kwargs)
+    finally:
+        _current_job_config.reset(token)
 
 
-def _checkpoint_manager_init(original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs).arguments
-        config, optimizers = bound.get("checkpoint_config"), bound.get("optimizers")
-        checkpointing.attach(self, config, optimizers, bound.get("model_parts"))
-
-    return __init__
+def _checkpoint_manager_init(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> None:
+    original(self, *args, **kwargs)
+    bound = inspect.signature(original).bind(self, *args, **kwargs).arguments
+    config, optimizers = bound.get("checkpoint_config"), bound.get("optimizers")
+    checkpointing.attach(self, config, optimizers, bound.get("model_parts"))
 
 
-def _saving(last_step: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A save method's wrapper: it runs inside ``saving_checkpoint``."""
+def _save(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    from swap_state.client.torchtitan.model import saving_checkpoint
 
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def save(self: Any, *args: Any, **kwargs: Any) -> Any:
-            from swap_state.client.torchtitan.model import saving_checkpoint
-
-            # A model-only last save is for export and inference: the model's tensors, not a reference.
-            model_only = last_step and getattr(self, "last_save_model_only", False)
-            with saving_checkpoint(refer=not model_only):
-                return original(self, *args, **kwargs)
-
-        return save
-
-    return make
+    with saving_checkpoint():
+        return original(self, *args, **kwargs)
 
 
-def _checkpoint_manager_dcp_load(original: Callable[..., Any]) -> Callable[..., Any]:
-    def dcp_load(self: Any, state_dict: dict[str, Any], checkpoint_id: str, *args: Any, **kwargs: Any) -> Any:
-        from_hf = bool(args[0]) if args else bool(kwargs.get("from_hf", False))
-        load = functools.partial(original, self, state_dict, checkpoint_id, *args, **kwargs)
-        return checkpointing.load_matched(self, load, state_dict, checkpoint_id, from_hf)
+def _save_last_step(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    from swap_state.client.torchtitan.model import saving_checkpoint
 
-    return dcp_load
+    # A model-only last save is for export and inference: the model's tensors, not a reference.
+    with saving_checkpoint(refer=not getattr(self, "last_save_model_only", False)):
+        return original(self, *args, **kwargs)
 
 
-def _first(hook: Callable[[Any], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A method's wrapper that calls ``hook(manager)`` first."""
+def _checkpoint_manager_dcp_load(
+    original: Callable[..., Any], self: Any, state_dict: dict[str, Any], checkpoint_id: str, *args: Any, **kwargs: Any
+) -> Any:
+    from_hf = bool(args[0]) if args else bool(kwargs.get("from_hf", False))
+    load = functools.partial(original, self, state_dict, checkpoint_id, *args, **kwargs)
+    return checkpointing.load_matched(self, load, state_dict, checkpoint_id, from_hf)
 
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self: Any) -> None:
-            hook(self)
-            original(self)
 
-        return method
+def _close(original: Callable[..., Any], self: Any) -> None:
+    checkpointing.finish_before_close(self)
+    original(self)
 
-    return make
+
+def _del(original: Callable[..., Any], self: Any) -> None:
+    checkpointing.skip_close_wait(self)
+    original(self)
 
 
 def install_job_hooks() -> None:
@@ -191,11 +182,11 @@ def install_job_hooks() -> None:
 
     manager = tt_checkpoint.CheckpointManager
     _wrap_method(manager, "__init__", _checkpoint_manager_init)
-    _wrap_method(manager, "save", _saving(last_step=False))
-    _wrap_method(manager, "_save_last_step", _saving(last_step=True))
+    _wrap_method(manager, "save", _save)
+    _wrap_method(manager, "_save_last_step", _save_last_step)
     _wrap_method(manager, "dcp_load", _checkpoint_manager_dcp_load)
-    _wrap_method(manager, "close", _first(checkpointing.finish_before_close))
-    _wrap_method(manager, "__del__", _first(checkpointing.skip_close_wait))
+    _wrap_method(manager, "close", _close)
+    _wrap_method(manager, "__del__", _del)
     train_module = sys.modules.get("torchtitan.train")
     trainer = getattr(train_module, "Trainer", None)
     if isinstance(trainer, type):
