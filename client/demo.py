@@ -140,21 +140,16 @@ def digest(model: nn.Module, moments: dict[str, torch.Tensor]) -> str:
 
 def reference_run(cfg: DemoConfig) -> tuple[str, list[float]]:
     """Plain fused AdamW from the same init on the same data: the digest to match, step times."""
-    warm_model, warm_optimizer = _plain_adamw(cfg)
-    for step in (1, 2):  # throw-away steps: one-time costs (thread pools, allocations) time neither run
-        train_step(warm_model, warm_optimizer, cfg, step)
-    model, optimizer = _plain_adamw(cfg)
-    times = []
-    for step in range(1, cfg.steps + 1):
-        start = time.perf_counter()
-        train_step(model, optimizer, cfg, step)
-        times.append(time.perf_counter() - start)
+    # Two throw-away steps first: one-time costs (thread pools, allocations) time neither run.
+    for steps in ((1, 2), range(1, cfg.steps + 1)):
+        model = build_model(cfg)
+        optimizer = torch.optim.AdamW(model.parameters(), fused=True, **OPTIMIZER_KWARGS)
+        times = []
+        for step in steps:
+            start = time.perf_counter()
+            train_step(model, optimizer, cfg, step)
+            times.append(time.perf_counter() - start)
     return digest(model, _moments(model, optimizer.state)), times
-
-
-def _plain_adamw(cfg: DemoConfig) -> tuple[TinyLM, torch.optim.AdamW]:
-    model = build_model(cfg)
-    return model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIMIZER_KWARGS)
 
 
 def _moments(model: nn.Module, states: dict) -> dict[str, torch.Tensor]:
@@ -314,30 +309,26 @@ def run(cfg: DemoConfig) -> dict:
             job_id=cfg.job_id,
             config=RemoteConfig(token=token, embedded=embedded, snapshot_replace_existing=True),
         )
-        return _train(cfg, container, model, reference_digest, plain_times)
+        where = container.remote_config.server
+        if container.segment.embedded is not None:
+            where += " (a private server started for this demo)"
+        print(f"swap-state-server: {where}")
+        store = ModelStore(cfg.state_dir)
+        start_step, source = _resume(container, cfg, model, store)
+        _check_steps_left(cfg, start_step, source)
+        handles: list = []
+        times: list[float] = []
+        try:
+            _steps(cfg, container, model, store, start_step, handles, times)
+        except KeyboardInterrupt:  # Ctrl-C: one line that says what is kept and how to resume
+            print(_interrupted(cfg, container), file=sys.stderr)
+            raise SystemExit(130) from None
+        _report_durable(handles)
+        result = _summarize(cfg, container, model, reference_digest, plain_times, times)
+        container.close()
+        return result
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> dict:
-    where = container.remote_config.server
-    if container.segment.embedded is not None:
-        where += " (a private server started for this demo)"
-    print(f"swap-state-server: {where}")
-    store = ModelStore(cfg.state_dir)
-    start_step, source = _resume(container, cfg, model, store)
-    _check_steps_left(cfg, start_step, source)
-    handles: list = []
-    times: list[float] = []
-    try:
-        _steps(cfg, container, model, store, start_step, handles, times)
-    except KeyboardInterrupt:  # Ctrl-C: one line that says what is kept and how to resume
-        print(_interrupted(cfg, container), file=sys.stderr)
-        raise SystemExit(130) from None
-    _report_durable(handles)
-    result = _summarize(cfg, container, model, reference_digest, plain_times, times)
-    container.close()
-    return result
 
 
 def _interrupted(cfg: DemoConfig, container) -> str:
@@ -388,19 +379,13 @@ def _report_durable(handles: list) -> None:
     for handle in handles:
         try:
             print(f"snapshot {handle.snapshot_id} durable at {handle.wait_durable().path}")
-        except SnapshotNotFoundError as e:
-            print(f"snapshot {handle.snapshot_id} is not on the server: {_server_reason(e)}")
-        except SnapshotFailedError as e:
-            print(f"snapshot {handle.snapshot_id} failed: {_server_reason(e)}")
-
-
-def _server_reason(error: Exception) -> str:
-    """The server's words in a client error (after "NOT_FOUND: " and the like)."""
-    text = str(error)
-    for code in ("NOT_FOUND: ", "FAILED_PRECONDITION: ", "failed: "):
-        if code in text:
-            return text.split(code, 1)[1]
-    return text
+        except (SnapshotNotFoundError, SnapshotFailedError) as e:
+            # The server's words in the client error: after "NOT_FOUND: " and the like.
+            text = str(e)
+            reason = next((text.split(code, 1)[1] for code in ("NOT_FOUND: ", "FAILED_PRECONDITION: ", "failed: ")
+                           if code in text), text)
+            what = "is not on the server" if isinstance(e, SnapshotNotFoundError) else "failed"
+            print(f"snapshot {handle.snapshot_id} {what}: {reason}")
 
 
 def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:
