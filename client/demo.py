@@ -178,17 +178,13 @@ class ModelStore:
         names = (n for n in os.listdir(self.dir) if n.startswith(prefix) and n.endswith(".pt"))
         return sorted(int(n[len(prefix) : -3]) for n in names)
 
-    def _write(self, model: nn.Module, kind: str, step: int) -> None:
-        tmp = self._path(kind, step) + ".tmp"
-        torch.save(model.state_dict(), tmp)
-        os.replace(tmp, self._path(kind, step))
-
     def save(self, model: nn.Module, step: int, snapshot: bool = False) -> None:
         if not self.dir:
             return
-        self._write(model, "step", step)
-        if snapshot:
-            self._write(model, "snap", step)
+        for kind in ("step", "snap") if snapshot else ("step",):
+            tmp = self._path(kind, step) + ".tmp"
+            torch.save(model.state_dict(), tmp)
+            os.replace(tmp, self._path(kind, step))
         for old in self._steps("step"):
             if old < step - 1:
                 os.unlink(self._path("step", old))
@@ -279,16 +275,6 @@ def _nothing_to_reattach(container, cfg: DemoConfig) -> str:
     )
 
 
-def _segment_bytes(container) -> int | None:
-    """Bytes of this trainer's segment on the server; None when it does not answer (restarting)."""
-    me = container.session.session_id
-    try:
-        stats = container.server_stats()
-    except SwapStateError:
-        return None
-    return sum(s.segment_bytes for s in stats.sessions if s.session_id == me)
-
-
 def run(cfg: DemoConfig) -> dict:
     from swap_state.client.remote.container import RemoteSwapOptimizersContainer
 
@@ -362,8 +348,12 @@ def _steps(cfg: DemoConfig, container, model, store, start_step: int, handles: l
             container.session.wait_connected(cfg.server_wait)  # a restarting server: wait
             handles.append(container.snapshot())
             note = f"  snapshot {handles[-1].snapshot_id} (consistent)"
-        held = _segment_bytes(container)
-        holds = "server unreachable (restarting?)" if held is None else f"server holds {held / 2**20:.2f} MiB"
+        me = container.session.session_id
+        try:  # the bytes of this trainer's segment on the server
+            held = sum(s.segment_bytes for s in container.server_stats().sessions if s.session_id == me)
+            holds = f"server holds {held / 2**20:.2f} MiB"
+        except SwapStateError:
+            holds = "server unreachable (restarting?)"
         print(f"step {step:4d}  loss {loss:.4f}  {times[-1] * 1e3:7.2f} ms  {holds}{note}")
         if step == cfg.crash_after_step:
             sys.stdout.flush()
