@@ -13,7 +13,6 @@ from typing import Any
 from torchtitan.components.checkpointer import CheckpointManager
 
 from swap_state.client.torchtitan import checkpointing
-from swap_state.client.torchtitan.model import saving_checkpoint
 
 __all__ = ["SwapStateCheckpointManager"]
 
@@ -32,12 +31,12 @@ class SwapStateCheckpointManager(CheckpointManager):
         checkpointing.attach(self, config, kwargs.get("optimizers"), kwargs.get("model_parts"))
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        with saving_checkpoint():
+        with checkpointing.saving_checkpoint():
             return super()._save(curr_step, last_step)
 
     def _save_last_step(self, curr_step: int) -> None:
         # A model-only last save is for export and inference: the model's tensors, not a reference.
-        with saving_checkpoint(refer=not self.last_save_model_only):
+        with checkpointing.saving_checkpoint(refer=not self.last_save_model_only):
             super()._save_last_step(curr_step)
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:

@@ -143,17 +143,13 @@ def _checkpoint_manager_init(original: Callable[..., Any], self: Any, *args: Any
 
 
 def _save(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    from swap_state.client.torchtitan.model import saving_checkpoint
-
-    with saving_checkpoint():
+    with checkpointing.saving_checkpoint():
         return original(self, *args, **kwargs)
 
 
 def _save_last_step(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    from swap_state.client.torchtitan.model import saving_checkpoint
-
     # A model-only last save is for export and inference: the model's tensors, not a reference.
-    with saving_checkpoint(refer=not getattr(self, "last_save_model_only", False)):
+    with checkpointing.saving_checkpoint(refer=not getattr(self, "last_save_model_only", False)):
         return original(self, *args, **kwargs)
 
 
