@@ -20,8 +20,12 @@ import re
 import sys
 
 from swap_state.common.addresses import default_listen
-from swap_state.common.errors import ConfigError
+from swap_state.common.errors import ConfigError, InvalidArgument, SwapStateError
+from swap_state.common.names import parse_snapshot_id
 from swap_state.common.object_store import STORE_FLAG
+from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S
+from swap_state.common.sizes import format_size
+from swap_state.common.sizing import plan_sizes
 from swap_state.common.snapshot_errors import SnapshotError, SnapshotStoreUnavailable
 
 __all__ = ["main", "build_parser", "run_export"]
@@ -206,9 +210,6 @@ def _count_model(spec: str) -> int:
 
 
 def _plan(args) -> int:
-    from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S
-    from swap_state.common.sizing import plan_sizes
-
     params = _parse_count(args.params) if args.params else _count_model(args.model)
     ranks_per_host = args.ranks_per_host or min(8, args.world_size)
     snapshots = args.checkpoint == "snapshot"
@@ -248,8 +249,6 @@ def _gib(n: int) -> str:
 
 def _amount(n: int) -> str:
     """GiB like the rest of the line, unless that would read 0.000 (small copy slots)."""
-    from swap_state.common.sizes import format_size
-
     return _gib(n) if n == 0 or n >= (1 << 30) // 2000 else format_size(n)
 
 
@@ -313,9 +312,6 @@ def _status(args) -> int:
 
 
 def _snapshots(args) -> int:
-    from swap_state.common.errors import InvalidArgument
-    from swap_state.common.names import parse_snapshot_id
-
     ref = None
     if args.snapshot:
         try:
@@ -348,8 +344,6 @@ def _where(snap) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from swap_state.client.remote.rpc import SwapStateError
-
     handlers = {"status": _status, "snapshots": _snapshots, "export": run_export, "plan": _plan}
     try:
         return handlers[args.command](args)

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from swap_state.client.errors import SwapStateError
+from swap_state.client.errors import SnapshotFailedError, SnapshotNotFoundError, SwapStateError
 from swap_state.client.scratch import make_scratch_dir
 from swap_state.client.remote.config import RemoteConfig
 from swap_state.client.remote.embedded import EmbeddedServerConfig
@@ -364,8 +364,6 @@ def _steps(cfg: DemoConfig, container, model, store, start_step: int, handles: l
 def _report_durable(handles: list) -> None:
     """Wait until each snapshot is durable and say where, or the server's reason why not
     (retired by its retention, lost when a server stopped while it persisted, failed)."""
-    from swap_state.client.errors import SnapshotFailedError, SnapshotNotFoundError
-
     for handle in handles:
         try:
             print(f"snapshot {handle.snapshot_id} durable at {handle.wait_durable().path}")
