@@ -57,7 +57,7 @@ def build_optimizers(
     optimizer_kwargs = _optimizer_kwargs(optimizer_config)
     settings = SwapSettings.of(optimizer_config)
     # An embedded server keeps the snapshots in <job.dump_folder>/swap-state-snapshots.
-    snapshot_dir = embedded_snapshot_dir(getattr(getattr(current_job_config(), "job", None), "dump_folder", None))
+    snapshot_dir = embedded_snapshot_dir(getattr(getattr(current_job_config.get(), "job", None), "dump_folder", None))
     return build_swap_container(
         model_parts, optimizer_cls, optimizer_kwargs, settings,
         snapshot_dir=snapshot_dir, local_container_cls=SwapOptimizersContainer,
@@ -105,12 +105,8 @@ def rebind_imported_model_specs() -> None:
 # build_optimizers sees only the [optimizer] section; what the container needs from the job
 # comes from idempotent wrappers (:func:`install_job_hooks`, :mod:`.checkpointing`).
 
-_current_job_config: contextvars.ContextVar[Any] = contextvars.ContextVar("swap_state_job_config", default=None)
-
-
-def current_job_config() -> Any:
-    """The JobConfig of the torchtitan ``Trainer`` being built in this context, else None."""
-    return _current_job_config.get()
+#: The JobConfig of the torchtitan ``Trainer`` being built in this context, else None.
+current_job_config: contextvars.ContextVar[Any] = contextvars.ContextVar("swap_state_job_config", default=None)
 
 
 def _wrap_method(cls: type, name: str, hook: Callable[..., Any]) -> None:
@@ -128,11 +124,11 @@ def _wrap_method(cls: type, name: str, hook: Callable[..., Any]) -> None:
 
 
 def _trainer_init(original: Callable[..., Any], self: Any, job_config: Any, *args: Any, **kwargs: Any) -> None:
-    token = _current_job_config.set(job_config)
+    token = current_job_config.set(job_config)
     try:
         original(self, job_config, *args, **kwargs)
     finally:
-        _current_job_config.reset(token)
+        current_job_config.reset(token)
 
 
 def _checkpoint_manager_init(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> None:
@@ -173,7 +169,7 @@ def _del(original: Callable[..., Any], self: Any) -> None:
 
 def install_job_hooks() -> None:
     """Wrap torchtitan's ``CheckpointManager`` and, once ``torchtitan.train`` is imported,
-    ``Trainer.__init__`` (it builds the optimizers inside: :func:`current_job_config`)."""
+    ``Trainer.__init__`` (it builds the optimizers inside: :data:`current_job_config`)."""
     import torchtitan.components.checkpoint as tt_checkpoint
 
     manager = tt_checkpoint.CheckpointManager

@@ -173,13 +173,13 @@ def test_trainer_init_makes_the_job_config_current(monkeypatch: pytest.MonkeyPat
 
     class Trainer:
         def __init__(self, job_config: Any) -> None:
-            seen.append(torchtitan_glue.current_job_config())
+            seen.append(torchtitan_glue.current_job_config.get())
 
     monkeypatch.setitem(sys.modules, "torchtitan.train", types.SimpleNamespace(Trainer=Trainer))
     torchtitan_glue.install_job_hooks()
     job = types.SimpleNamespace(job=types.SimpleNamespace(dump_folder="/runs/a"))
     Trainer(job)
-    assert seen == [job] and torchtitan_glue.current_job_config() is None
+    assert seen == [job] and torchtitan_glue.current_job_config.get() is None
     assert embedded_snapshot_dir(job.job.dump_folder) == "/runs/a/swap-state-snapshots"
 
 
