@@ -1,13 +1,14 @@
 """What swap-state adds to torchtitan's ``CheckpointManager``, for both torchtitan lines.
 
 0.2's adapter wraps the manager's methods, 0.3's subclasses it; both call, transparent for
-torch's own optimizers:
+torch's own optimizers, :func:`attach` at the end of ``__init__`` (retention, and the model's
+entry as a reference) and run the methods through the hooks here, each ``hook(run, manager,
+...)`` with ``run`` the manager's own method:
 
-1. :func:`attach` at the end of ``__init__``: retention, and the model's entry as a reference;
-2. saves run inside :func:`saving_checkpoint`;
-3. :func:`load_matched` around ``dcp_load``: the templates follow the checkpoint;
-4. :func:`finish_before_close` in ``close`` (an embedded server stops with the trainer);
-   :func:`skip_close_wait` from ``__del__``, where garbage collection is no place for RPCs.
+1. :func:`save` and :func:`save_last_step`: inside :func:`saving_checkpoint`;
+2. :func:`dcp_load`: the templates follow the checkpoint;
+3. :func:`close` waits for the last checkpoint's snapshot (an embedded server stops with the
+   trainer); :func:`delete`, from ``__del__``, does not: garbage collection is no place for RPCs.
 
 The model's entry in a whole-state snapshot-mode checkpoint is a reference, not tensors: with
 ``swap_state_checkpoint = "snapshot"`` the snapshots hold the model's parameters too, so the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
@@ -30,8 +32,8 @@ from swap_state.client.optim.checkpoint_template import MODEL_REF_KEY, OPTIMIZER
 from swap_state.client.torchtitan.settings import snapshots_to_keep
 
 __all__ = [
-    "MODEL_KEY", "MODEL_REF_KEY", "OPTIMIZER_KEY", "ModelReferenceError", "SnapshotModelWrapper", "attach",
-    "finish_before_close", "load_matched", "match_model_template", "saving_checkpoint", "skip_close_wait",
+    "MODEL_KEY", "MODEL_REF_KEY", "OPTIMIZER_KEY", "ModelReferenceError", "SnapshotModelWrapper", "attach", "close",
+    "dcp_load", "delete", "match_model_template", "save", "save_last_step", "saving_checkpoint",
 ]
 
 MODEL_KEY = "model"  # torchtitan's checkpoint MODEL
@@ -47,11 +49,26 @@ def attach(manager: Any, config: Any, optimizers: Any, model_parts: Any) -> None
         manager.states[MODEL_KEY] = SnapshotModelWrapper(model_parts, optimizers)
 
 
-def load_matched(
-    manager: Any, load: Callable[[], Any], state_dict: Any, checkpoint_id: Any, from_hf: bool
+def save(run: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """A save: the model's entry is the snapshot reference."""
+    with saving_checkpoint():
+        return run(*args, **kwargs)
+
+
+def save_last_step(run: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """The last step's save, a reference too, but for a model-only one: that one is for export
+    and inference, the model's tensors."""
+    with saving_checkpoint(refer=not getattr(manager, "last_save_model_only", False)):
+        return run(*args, **kwargs)
+
+
+def dcp_load(
+    run: Callable[..., Any], manager: Any, state_dict: Any, checkpoint_id: Any, *args: Any, **kwargs: Any
 ) -> Any:
-    """Run ``load()`` (the manager's ``dcp_load``) with the templates matched to the checkpoint;
-    a snapshot-mode checkpoint loaded into torch's own optimizer fails naming ``swap-state export``."""
+    """The manager's ``dcp_load`` with the templates matched to the checkpoint; a snapshot-mode
+    checkpoint loaded into torch's own optimizer fails naming ``swap-state export``."""
+    load = functools.partial(run, state_dict, checkpoint_id, *args, **kwargs)
+    from_hf = args[0] if args else kwargs.get("from_hf", False)
     if from_hf or not isinstance(state_dict, dict) or not os.path.isdir(str(checkpoint_id)):
         return load()
     keys = template.checkpoint_keys(checkpoint_id)
@@ -68,19 +85,21 @@ def load_matched(
         return load()
 
 
-def finish_before_close(manager: Any) -> None:
-    """Wait (once) until the snapshot the job's last checkpoint refers to is durable."""
+def close(run: Callable[[], Any], manager: Any) -> None:
+    """Wait (once) until the snapshot the job's last checkpoint refers to is durable, then close."""
     states = manager.__dict__.get("states")
     optimizer = states.get(OPTIMIZER_KEY) if isinstance(states, dict) else None
     finish = getattr(optimizer, "wait_checkpoint_durable", None)
     if finish is not None and getattr(manager, "enable", False) and not manager.__dict__.get(_CLOSED_ATTR):
         setattr(manager, _CLOSED_ATTR, True)
         finish()
+    run()
 
 
-def skip_close_wait(manager: Any) -> None:
+def delete(run: Callable[[], Any], manager: Any) -> None:
     """From ``__del__``: the close that follows does not wait (only an explicit close waits)."""
     manager.__dict__[_CLOSED_ATTR] = True
+    run()
 
 
 _saving: contextvars.ContextVar[bool] = contextvars.ContextVar("swap_state_saving_checkpoint", default=False)

@@ -110,61 +110,32 @@ current_job_config: contextvars.ContextVar[Any] = contextvars.ContextVar("swap_s
 
 
 def _wrap_method(cls: type, name: str, hook: Callable[..., Any]) -> None:
-    """Replace ``cls.name`` by a method that calls ``hook(original, self, ...)``, once (a wrapper
-    is never wrapped again)."""
+    """Replace ``cls.name`` by a method that calls ``hook(run, self, ...)``, ``run`` the original
+    bound to ``self``, once (a wrapper is never wrapped again)."""
     current = cls.__dict__.get(name)
     original = getattr(current, _WRAPPED_ORIGINAL_ATTR, current)
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return hook(original, self, *args, **kwargs)
+        return hook(functools.partial(original, self), self, *args, **kwargs)
 
     setattr(wrapper, _WRAPPED_ORIGINAL_ATTR, original)
     setattr(cls, name, wrapper)
 
 
-def _trainer_init(original: Callable[..., Any], self: Any, job_config: Any, *args: Any, **kwargs: Any) -> None:
+def _trainer_init(run: Callable[..., Any], trainer: Any, job_config: Any, *args: Any, **kwargs: Any) -> None:
     token = current_job_config.set(job_config)
     try:
-        original(self, job_config, *args, **kwargs)
+        run(job_config, *args, **kwargs)
     finally:
         current_job_config.reset(token)
 
 
-def _checkpoint_manager_init(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> None:
-    original(self, *args, **kwargs)
-    bound = inspect.signature(original).bind(self, *args, **kwargs).arguments
+def _checkpoint_manager_init(run: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> None:
+    run(*args, **kwargs)
+    bound = inspect.signature(run).bind(*args, **kwargs).arguments
     config, optimizers = bound.get("checkpoint_config"), bound.get("optimizers")
-    checkpointing.attach(self, config, optimizers, bound.get("model_parts"))
-
-
-def _save(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    with checkpointing.saving_checkpoint():
-        return original(self, *args, **kwargs)
-
-
-def _save_last_step(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    # A model-only last save is for export and inference: the model's tensors, not a reference.
-    with checkpointing.saving_checkpoint(refer=not getattr(self, "last_save_model_only", False)):
-        return original(self, *args, **kwargs)
-
-
-def _checkpoint_manager_dcp_load(
-    original: Callable[..., Any], self: Any, state_dict: dict[str, Any], checkpoint_id: str, *args: Any, **kwargs: Any
-) -> Any:
-    from_hf = bool(args[0]) if args else bool(kwargs.get("from_hf", False))
-    load = functools.partial(original, self, state_dict, checkpoint_id, *args, **kwargs)
-    return checkpointing.load_matched(self, load, state_dict, checkpoint_id, from_hf)
-
-
-def _close(original: Callable[..., Any], self: Any) -> None:
-    checkpointing.finish_before_close(self)
-    original(self)
-
-
-def _del(original: Callable[..., Any], self: Any) -> None:
-    checkpointing.skip_close_wait(self)
-    original(self)
+    checkpointing.attach(manager, config, optimizers, bound.get("model_parts"))
 
 
 def install_job_hooks() -> None:
@@ -174,11 +145,11 @@ def install_job_hooks() -> None:
 
     manager = tt_checkpoint.CheckpointManager
     _wrap_method(manager, "__init__", _checkpoint_manager_init)
-    _wrap_method(manager, "save", _save)
-    _wrap_method(manager, "_save_last_step", _save_last_step)
-    _wrap_method(manager, "dcp_load", _checkpoint_manager_dcp_load)
-    _wrap_method(manager, "close", _close)
-    _wrap_method(manager, "__del__", _del)
+    _wrap_method(manager, "save", checkpointing.save)
+    _wrap_method(manager, "_save_last_step", checkpointing.save_last_step)
+    _wrap_method(manager, "dcp_load", checkpointing.dcp_load)
+    _wrap_method(manager, "close", checkpointing.close)
+    _wrap_method(manager, "__del__", checkpointing.delete)
     train_module = sys.modules.get("torchtitan.train")
     trainer = getattr(train_module, "Trainer", None)
     if isinstance(trainer, type):
