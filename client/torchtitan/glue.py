@@ -57,7 +57,8 @@ def build_optimizers(
     optimizer_kwargs = _optimizer_kwargs(optimizer_config)
     settings = SwapSettings.of(optimizer_config)
     # An embedded server keeps the snapshots in <job.dump_folder>/swap-state-snapshots.
-    snapshot_dir = embedded_snapshot_dir(getattr(getattr(current_job_config.get(), "job", None), "dump_folder", None))
+    job = getattr(current_job_config.get(), "job", None)
+    snapshot_dir = embedded_snapshot_dir(getattr(job, "dump_folder", None))
     return build_swap_container(
         model_parts, optimizer_cls, optimizer_kwargs, settings,
         snapshot_dir=snapshot_dir, local_container_cls=SwapOptimizersContainer,
