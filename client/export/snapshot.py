@@ -98,14 +98,13 @@ def _decode_step(value: Any) -> torch.Tensor:
     return decoded if isinstance(decoded, torch.Tensor) else torch.tensor(float(decoded), dtype=torch.float32)
 
 
-def _is_bookkeeping(tensor: TensorRecord) -> bool:
-    """The container's own step vectors (``swap_state.param_steps`` ...): the manifest's
-    ``steps`` and ``param_groups`` carry the same values, so they are not exported."""
-    return not (tensor.fqn and tensor.key) and tensor.name.startswith(BOOKKEEPING_PREFIX)
-
-
-def _state_key(tensor: TensorRecord) -> str:
-    return state_key(tensor.fqn, tensor.key) if tensor.fqn and tensor.key else STATE_PREFIX + tensor.name
+def _state_key(tensor: TensorRecord) -> str | None:
+    """``state.<fqn>.<key>``, else ``state.<segment tensor name>``; None for the container's own
+    step vectors (``swap_state.param_steps`` ...): the manifest's ``steps`` and ``param_groups``
+    carry the same values, so they are not exported."""
+    if tensor.fqn and tensor.key:
+        return state_key(tensor.fqn, tensor.key)
+    return None if tensor.name.startswith(BOOKKEEPING_PREFIX) else STATE_PREFIX + tensor.name
 
 
 def _tensor(data: bytes, record: TensorRecord) -> torch.Tensor:
@@ -259,8 +258,8 @@ def read_snapshot_state(locations: Sequence[Location], progress: bool | None = F
                     tensor = _tensor(tier.read_tensor(info, manifest, record), record)
                     if is_model_tensor(record.name):
                         model.add(record.fqn or record.name[len(MODEL_PREFIX) :], record, tensor, where)
-                    elif not _is_bookkeeping(record):
-                        optimizer.add(_state_key(record), record, tensor, where)
+                    elif (key := _state_key(record)) is not None:
+                        optimizer.add(key, record, tensor, where)
                     bar.update(record.nbytes)
                 for fqn, value in manifest.steps.items():
                     extras.setdefault(state_key(fqn, "step"), _decode_step(value))
