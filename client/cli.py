@@ -20,8 +20,12 @@ import re
 import sys
 
 from swap_state.common.addresses import default_listen
-from swap_state.common.errors import ConfigError
+from swap_state.common.errors import ConfigError, InvalidArgument, SwapStateError
+from swap_state.common.names import parse_snapshot_id
 from swap_state.common.object_store import STORE_FLAG
+from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S
+from swap_state.common.sizes import format_size
+from swap_state.common.sizing import plan_sizes
 from swap_state.common.snapshot_errors import SnapshotError, SnapshotStoreUnavailable
 
 __all__ = ["main", "build_parser", "run_export"]
@@ -125,23 +129,24 @@ def run_export(args: argparse.Namespace) -> int:
         if args.format == "torchtitan":
             from swap_state.client.export.torchtitan import export_torchtitan_checkpoint
 
-            titan = export_torchtitan_checkpoint(
+            result = export_torchtitan_checkpoint(
                 args.snapshot, args.out, args.snapshot_dir, snapshot_store=args.snapshot_store,
                 store_timeout_s=args.snapshot_store_timeout,
             )
-            print(
-                f"exported {args.snapshot} with snapshot {titan.snapshot_id} (ranks "
-                f"{list(titan.ranks)}: {titan.model_tensors} model tensors, "
-                f"{titan.optimizer_entries} optimizer entries) to {titan.out} (torchtitan)"
+        else:
+            result = export_snapshot(
+                args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir,
+                snapshot_store=args.snapshot_store, store_timeout_s=args.snapshot_store_timeout,
             )
-            return 0
-        result = export_snapshot(
-            args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir,
-            snapshot_store=args.snapshot_store, store_timeout_s=args.snapshot_store_timeout,
-        )
     except (SnapshotError, ConfigError) as exc:  # not found, corrupt, not exportable: no traceback
         print(f"swap-state export: {_one_line(exc, args.snapshot_store)}", file=sys.stderr)
         return 1
+    if result.format == "torchtitan":
+        print(
+            f"exported {args.snapshot} with snapshot {result.snapshot_id} (ranks {list(result.ranks)}: "
+            f"{result.model_tensors} model tensors, {result.entries} optimizer entries) to {result.out} (torchtitan)"
+        )
+        return 0
     share = ""
     if len(result.ranks) < result.world_size:
         share = f", ranks {list(result.ranks)} of world_size {result.world_size}"
@@ -205,9 +210,6 @@ def _count_model(spec: str) -> int:
 
 
 def _plan(args) -> int:
-    from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S
-    from swap_state.common.sizing import plan_sizes
-
     params = _parse_count(args.params) if args.params else _count_model(args.model)
     ranks_per_host = args.ranks_per_host or min(8, args.world_size)
     snapshots = args.checkpoint == "snapshot"
@@ -247,8 +249,6 @@ def _gib(n: int) -> str:
 
 def _amount(n: int) -> str:
     """GiB like the rest of the line, unless that would read 0.000 (small copy slots)."""
-    from swap_state.common.sizes import format_size
-
     return _gib(n) if n == 0 or n >= (1 << 30) // 2000 else format_size(n)
 
 
@@ -312,9 +312,6 @@ def _status(args) -> int:
 
 
 def _snapshots(args) -> int:
-    from swap_state.common.errors import InvalidArgument
-    from swap_state.common.names import parse_snapshot_id
-
     ref = None
     if args.snapshot:
         try:
@@ -347,8 +344,6 @@ def _where(snap) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from swap_state.client.remote.rpc import SwapStateError
-
     handlers = {"status": _status, "snapshots": _snapshots, "export": run_export, "plan": _plan}
     try:
         return handlers[args.command](args)

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from swap_state.client.errors import SwapStateError
+from swap_state.client.errors import SnapshotFailedError, SnapshotNotFoundError, SwapStateError
 from swap_state.client.scratch import make_scratch_dir
 from swap_state.client.remote.config import RemoteConfig
 from swap_state.client.remote.embedded import EmbeddedServerConfig
@@ -113,13 +113,9 @@ def build_model(cfg: DemoConfig) -> TinyLM:
     return TinyLM(cfg.vocab, cfg.dim, cfg.layers)
 
 
-def batch(cfg: DemoConfig, step: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
-    return torch.randint(0, cfg.vocab, (8, 33), generator=gen)
-
-
 def train_step(model: nn.Module, optimizer, cfg: DemoConfig, step: int) -> float:
-    tokens = batch(cfg, step)
+    generator = torch.Generator().manual_seed(cfg.seed * 100_003 + step)  # the step's batch, the same in both runs
+    tokens = torch.randint(0, cfg.vocab, (8, 33), generator=generator)
     logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
     loss.backward()
@@ -140,21 +136,16 @@ def digest(model: nn.Module, moments: dict[str, torch.Tensor]) -> str:
 
 def reference_run(cfg: DemoConfig) -> tuple[str, list[float]]:
     """Plain fused AdamW from the same init on the same data: the digest to match, step times."""
-    warm_model, warm_optimizer = _plain_adamw(cfg)
-    for step in (1, 2):  # throw-away steps: one-time costs (thread pools, allocations) time neither run
-        train_step(warm_model, warm_optimizer, cfg, step)
-    model, optimizer = _plain_adamw(cfg)
-    times = []
-    for step in range(1, cfg.steps + 1):
-        start = time.perf_counter()
-        train_step(model, optimizer, cfg, step)
-        times.append(time.perf_counter() - start)
+    # Two throw-away steps first: one-time costs (thread pools, allocations) time neither run.
+    for steps in ((1, 2), range(1, cfg.steps + 1)):
+        model = build_model(cfg)
+        optimizer = torch.optim.AdamW(model.parameters(), fused=True, **OPTIMIZER_KWARGS)
+        times = []
+        for step in steps:
+            start = time.perf_counter()
+            train_step(model, optimizer, cfg, step)
+            times.append(time.perf_counter() - start)
     return digest(model, _moments(model, optimizer.state)), times
-
-
-def _plain_adamw(cfg: DemoConfig) -> tuple[TinyLM, torch.optim.AdamW]:
-    model = build_model(cfg)
-    return model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIMIZER_KWARGS)
 
 
 def _moments(model: nn.Module, states: dict) -> dict[str, torch.Tensor]:
@@ -183,17 +174,13 @@ class ModelStore:
         names = (n for n in os.listdir(self.dir) if n.startswith(prefix) and n.endswith(".pt"))
         return sorted(int(n[len(prefix) : -3]) for n in names)
 
-    def _write(self, model: nn.Module, kind: str, step: int) -> None:
-        tmp = self._path(kind, step) + ".tmp"
-        torch.save(model.state_dict(), tmp)
-        os.replace(tmp, self._path(kind, step))
-
     def save(self, model: nn.Module, step: int, snapshot: bool = False) -> None:
         if not self.dir:
             return
-        self._write(model, "step", step)
-        if snapshot:
-            self._write(model, "snap", step)
+        for kind in ("step", "snap") if snapshot else ("step",):
+            tmp = self._path(kind, step) + ".tmp"
+            torch.save(model.state_dict(), tmp)
+            os.replace(tmp, self._path(kind, step))
         for old in self._steps("step"):
             if old < step - 1:
                 os.unlink(self._path("step", old))
@@ -284,16 +271,6 @@ def _nothing_to_reattach(container, cfg: DemoConfig) -> str:
     )
 
 
-def _segment_bytes(container) -> int | None:
-    """Bytes of this trainer's segment on the server; None when it does not answer (restarting)."""
-    me = container.session.session_id
-    try:
-        stats = container.server_stats()
-    except SwapStateError:
-        return None
-    return sum(s.segment_bytes for s in stats.sessions if s.session_id == me)
-
-
 def run(cfg: DemoConfig) -> dict:
     from swap_state.client.remote.container import RemoteSwapOptimizersContainer
 
@@ -314,30 +291,26 @@ def run(cfg: DemoConfig) -> dict:
             job_id=cfg.job_id,
             config=RemoteConfig(token=token, embedded=embedded, snapshot_replace_existing=True),
         )
-        return _train(cfg, container, model, reference_digest, plain_times)
+        where = container.remote_config.server
+        if container.segment.embedded is not None:
+            where += " (a private server started for this demo)"
+        print(f"swap-state-server: {where}")
+        store = ModelStore(cfg.state_dir)
+        start_step, source = _resume(container, cfg, model, store)
+        _check_steps_left(cfg, start_step, source)
+        handles: list = []
+        times: list[float] = []
+        try:
+            _steps(cfg, container, model, store, start_step, handles, times)
+        except KeyboardInterrupt:  # Ctrl-C: one line that says what is kept and how to resume
+            print(_interrupted(cfg, container), file=sys.stderr)
+            raise SystemExit(130) from None
+        _report_durable(handles)
+        result = _summarize(cfg, container, model, reference_digest, plain_times, times)
+        container.close()
+        return result
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _train(cfg: DemoConfig, container, model, reference_digest, plain_times) -> dict:
-    where = container.remote_config.server
-    if container.segment.embedded is not None:
-        where += " (a private server started for this demo)"
-    print(f"swap-state-server: {where}")
-    store = ModelStore(cfg.state_dir)
-    start_step, source = _resume(container, cfg, model, store)
-    _check_steps_left(cfg, start_step, source)
-    handles: list = []
-    times: list[float] = []
-    try:
-        _steps(cfg, container, model, store, start_step, handles, times)
-    except KeyboardInterrupt:  # Ctrl-C: one line that says what is kept and how to resume
-        print(_interrupted(cfg, container), file=sys.stderr)
-        raise SystemExit(130) from None
-    _report_durable(handles)
-    result = _summarize(cfg, container, model, reference_digest, plain_times, times)
-    container.close()
-    return result
 
 
 def _interrupted(cfg: DemoConfig, container) -> str:
@@ -371,8 +344,12 @@ def _steps(cfg: DemoConfig, container, model, store, start_step: int, handles: l
             container.session.wait_connected(cfg.server_wait)  # a restarting server: wait
             handles.append(container.snapshot())
             note = f"  snapshot {handles[-1].snapshot_id} (consistent)"
-        held = _segment_bytes(container)
-        holds = "server unreachable (restarting?)" if held is None else f"server holds {held / 2**20:.2f} MiB"
+        me = container.session.session_id
+        try:  # the bytes of this trainer's segment on the server
+            held = sum(s.segment_bytes for s in container.server_stats().sessions if s.session_id == me)
+            holds = f"server holds {held / 2**20:.2f} MiB"
+        except SwapStateError:
+            holds = "server unreachable (restarting?)"
         print(f"step {step:4d}  loss {loss:.4f}  {times[-1] * 1e3:7.2f} ms  {holds}{note}")
         if step == cfg.crash_after_step:
             sys.stdout.flush()
@@ -383,24 +360,16 @@ def _steps(cfg: DemoConfig, container, model, store, start_step: int, handles: l
 def _report_durable(handles: list) -> None:
     """Wait until each snapshot is durable and say where, or the server's reason why not
     (retired by its retention, lost when a server stopped while it persisted, failed)."""
-    from swap_state.client.errors import SnapshotFailedError, SnapshotNotFoundError
-
     for handle in handles:
         try:
             print(f"snapshot {handle.snapshot_id} durable at {handle.wait_durable().path}")
-        except SnapshotNotFoundError as e:
-            print(f"snapshot {handle.snapshot_id} is not on the server: {_server_reason(e)}")
-        except SnapshotFailedError as e:
-            print(f"snapshot {handle.snapshot_id} failed: {_server_reason(e)}")
-
-
-def _server_reason(error: Exception) -> str:
-    """The server's words in a client error (after "NOT_FOUND: " and the like)."""
-    text = str(error)
-    for code in ("NOT_FOUND: ", "FAILED_PRECONDITION: ", "failed: "):
-        if code in text:
-            return text.split(code, 1)[1]
-    return text
+        except (SnapshotNotFoundError, SnapshotFailedError) as e:
+            # The server's words in the client error: after "NOT_FOUND: " and the like.
+            text = str(e)
+            reason = next((text.split(code, 1)[1] for code in ("NOT_FOUND: ", "FAILED_PRECONDITION: ", "failed: ")
+                           if code in text), text)
+            what = "is not on the server" if isinstance(e, SnapshotNotFoundError) else "failed"
+            print(f"snapshot {handle.snapshot_id} {what}: {reason}")
 
 
 def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:

@@ -6,6 +6,6 @@ The module lives in :mod:`swap_state.client.torchtitan.config`; importing this n
 ``JobConfig``.
 """
 
-from swap_state.client.torchtitan.config import JobConfig, Optimizer, build_remote_container, shared_job_id
+from swap_state.client.torchtitan.config import JobConfig, Optimizer, shared_job_id
 
-__all__ = ["Optimizer", "JobConfig", "build_remote_container", "shared_job_id"]
+__all__ = ["Optimizer", "JobConfig", "shared_job_id"]

@@ -66,17 +66,19 @@ class ExportResult:
     snapshot_id: str
     """The exported snapshot."""
     out: pathlib.Path
-    """The file (torch) or directory (dcp) written."""
+    """The file (torch) or directory (dcp, torchtitan) written."""
     format: str
-    """``torch`` or ``dcp``."""
+    """``torch``, ``dcp`` or ``torchtitan``."""
     tensors: int
     """Number of ``state.<fqn>.<key>`` tensors."""
     entries: int
-    """Number of keys in the state dict."""
+    """Number of keys in the optimizer's flat state dict."""
     ranks: tuple[int, ...] = ()
     """The ranks exported: those the snapshot holds."""
     world_size: int = 0
     """The job's world size (above ``len(ranks)``: one host's snapshot)."""
+    model_tensors: int = 0
+    """Keys of the model's state dict written (``torchtitan``)."""
 
 
 def _decode(value: Any) -> Any:
@@ -96,14 +98,13 @@ def _decode_step(value: Any) -> torch.Tensor:
     return decoded if isinstance(decoded, torch.Tensor) else torch.tensor(float(decoded), dtype=torch.float32)
 
 
-def _is_bookkeeping(tensor: TensorRecord) -> bool:
-    """The container's own step vectors (``swap_state.param_steps`` ...): the manifest's
-    ``steps`` and ``param_groups`` carry the same values, so they are not exported."""
-    return not (tensor.fqn and tensor.key) and tensor.name.startswith(BOOKKEEPING_PREFIX)
-
-
-def _state_key(tensor: TensorRecord) -> str:
-    return state_key(tensor.fqn, tensor.key) if tensor.fqn and tensor.key else STATE_PREFIX + tensor.name
+def _state_key(tensor: TensorRecord) -> str | None:
+    """``state.<fqn>.<key>``, else ``state.<segment tensor name>``; None for the container's own
+    step vectors (``swap_state.param_steps`` ...): the manifest's ``steps`` and ``param_groups``
+    carry the same values, so they are not exported."""
+    if tensor.fqn and tensor.key:
+        return state_key(tensor.fqn, tensor.key)
+    return None if tensor.name.startswith(BOOKKEEPING_PREFIX) else STATE_PREFIX + tensor.name
 
 
 def _tensor(data: bytes, record: TensorRecord) -> torch.Tensor:
@@ -228,6 +229,11 @@ class SnapshotState:
     ranks: tuple[int, ...]
     """Every rank read."""
 
+    @property
+    def flat(self) -> dict[str, Any]:
+        """The optimizer's flat state dict: moments, steps and param groups."""
+        return {**self.optimizer, **self.extras}
+
 
 def read_snapshot_state(locations: Sequence[Location], progress: bool | None = False) -> SnapshotState:
     """Read every rank of the snapshot ``locations`` hold (:func:`locate`), each read checked
@@ -252,8 +258,8 @@ def read_snapshot_state(locations: Sequence[Location], progress: bool | None = F
                     tensor = _tensor(tier.read_tensor(info, manifest, record), record)
                     if is_model_tensor(record.name):
                         model.add(record.fqn or record.name[len(MODEL_PREFIX) :], record, tensor, where)
-                    elif not _is_bookkeeping(record):
-                        optimizer.add(_state_key(record), record, tensor, where)
+                    elif (key := _state_key(record)) is not None:
+                        optimizer.add(key, record, tensor, where)
                     bar.update(record.nbytes)
                 for fqn, value in manifest.steps.items():
                     extras.setdefault(state_key(fqn, "step"), _decode_step(value))
@@ -293,7 +299,7 @@ def load_flat_state_dict(
 
     ``snapshot``: a snapshot directory, or with ``snapshot_dir`` an id (:func:`locate`)."""
     state = read_snapshot_state(locate(snapshot, snapshot_dir))
-    return state.info, {**state.optimizer, **state.extras}
+    return state.info, state.flat
 
 
 def export_snapshot(
@@ -314,7 +320,7 @@ def export_snapshot(
     if format not in FORMATS:
         raise ExportError(f"format {format!r} is not one of {FORMATS}")
     read = read_snapshot_state(locate(snapshot, snapshot_dir, snapshot_store, store_timeout_s), progress)
-    state = {**read.optimizer, **read.extras}
+    state = read.flat
     out_path = pathlib.Path(out)
     if format == "torch":
         out_path.parent.mkdir(parents=True, exist_ok=True)

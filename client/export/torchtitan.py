@@ -19,33 +19,16 @@ no partial output.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 import shutil
 import tempfile
 from typing import Any
 
-from swap_state.client.export.snapshot import ExportError, locate, read_snapshot_state, save_dcp
+from swap_state.client.export.snapshot import ExportError, ExportResult, locate, read_snapshot_state, save_dcp
 from swap_state.client.optim.checkpoint_template import MODEL_REF_KEY, OPTIMIZER_KEY, SNAPSHOT_REF_KEY
 
-__all__ = ["TorchtitanExportResult", "export_torchtitan_checkpoint", "read_checkpoint"]
-
-
-@dataclasses.dataclass(frozen=True)
-class TorchtitanExportResult:
-    """What :func:`export_torchtitan_checkpoint` wrote."""
-
-    snapshot_id: str
-    """The snapshot the checkpoint referred to."""
-    out: pathlib.Path
-    """The plain torchtitan checkpoint directory."""
-    model_tensors: int
-    """Keys of the model's state dict written."""
-    optimizer_entries: int
-    """Keys of the optimizer's flattened state dict written."""
-    ranks: tuple[int, ...]
-    """The ranks whose shards were assembled."""
+__all__ = ["export_torchtitan_checkpoint", "read_checkpoint"]
 
 
 def read_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -114,7 +97,7 @@ def export_torchtitan_checkpoint(
     snapshot_store: str | None = None,
     store_timeout_s: float | None = None,
     progress: bool | None = None,
-) -> TorchtitanExportResult:
+) -> ExportResult:
     """Write the plain torchtitan checkpoint of a whole-state snapshot-mode one (module
     docstring) to ``out_dir``, which must not exist yet. The snapshot is read from exactly one
     of ``snapshot_dir`` and ``snapshot_store`` (:func:`~.snapshot.locate`); ``progress`` as
@@ -133,7 +116,7 @@ def export_torchtitan_checkpoint(
     state = read_snapshot_state(locate(snapshot_id, snapshot_dir, snapshot_store, store_timeout_s), progress)
     if not state.model:
         raise ExportError(f"snapshot {snapshot_id} holds no model tensors (it was not taken with snapshot_model)")
-    plain = _plain_checkpoint(checkpoint, state.model, {**state.optimizer, **state.extras})
+    plain = _plain_checkpoint(checkpoint, state.model, state.flat)
     # DCP into a hidden sibling, renamed into place: never a half-written checkpoint there.
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -143,6 +126,5 @@ def export_torchtitan_checkpoint(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return TorchtitanExportResult(
-        snapshot_id, out, len(state.model), len(state.optimizer) + len(state.extras), state.ranks
-    )
+    return ExportResult(snapshot_id, out, "torchtitan", len(state.optimizer), len(plain[OPTIMIZER_KEY]), state.ranks,
+                        state.info.world_size, model_tensors=len(state.model))

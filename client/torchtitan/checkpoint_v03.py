@@ -6,14 +6,12 @@ public methods"); with torch's own optimizers it behaves as torchtitan's manager
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 from torchtitan.components.checkpointer import CheckpointManager
 
 from swap_state.client.torchtitan import checkpointing
-from swap_state.client.torchtitan.model import saving_checkpoint
 
 __all__ = ["SwapStateCheckpointManager"]
 
@@ -32,22 +30,16 @@ class SwapStateCheckpointManager(CheckpointManager):
         checkpointing.attach(self, config, kwargs.get("optimizers"), kwargs.get("model_parts"))
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        with saving_checkpoint():
-            return super()._save(curr_step, last_step)
+        return checkpointing.save(super()._save, self, curr_step, last_step)
 
     def _save_last_step(self, curr_step: int) -> None:
-        # A model-only last save is for export and inference: the model's tensors, not a reference.
-        with saving_checkpoint(refer=not self.last_save_model_only):
-            super()._save_last_step(curr_step)
+        checkpointing.save_last_step(super()._save_last_step, self, curr_step)
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        run = functools.partial(super().dcp_load, state_dict, checkpoint_id, from_hf, from_quantized)
-        return checkpointing.load_matched(self, run, state_dict, checkpoint_id, from_hf)
+        return checkpointing.dcp_load(super().dcp_load, self, state_dict, checkpoint_id, from_hf, from_quantized)
 
     def _close(self) -> None:
-        checkpointing.finish_before_close(self)
-        super()._close()
+        checkpointing.close(super()._close, self)
 
     def __del__(self) -> None:
-        checkpointing.skip_close_wait(self)
-        super().__del__()
+        checkpointing.delete(super().__del__, self)

@@ -12,12 +12,11 @@ ValueError naming the field and the allowed values.
 from dataclasses import dataclass, field
 
 from swap_state.client.torchtitan.glue import (
-    build_remote_container, install_build_optimizers_wrapper, install_job_hooks,
-    rebind_imported_model_specs, shared_job_id,
+    install_build_optimizers_wrapper, install_job_hooks, rebind_imported_model_specs,
 )
-from swap_state.client.torchtitan.settings import SwapSettings
+from swap_state.client.torchtitan.settings import SwapSettings, shared_job_id
 
-__all__ = ["Optimizer", "JobConfig", "build_remote_container", "shared_job_id"]
+__all__ = ["Optimizer", "JobConfig", "shared_job_id"]
 
 
 @dataclass

@@ -9,7 +9,6 @@ config module call :func:`install_build_optimizers_wrapper` (the latter also
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import functools
 import inspect
 import sys
@@ -29,15 +28,12 @@ from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.optim.kernels import IMPLEMENTATIONS
 from swap_state.client.torchtitan import checkpointing
 from swap_state.client.torchtitan.settings import (
-    SNAPSHOT_SUBDIR, SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, check_choice,
-    shared_job_id, snapshots_to_keep,
+    SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, check_choice, embedded_snapshot_dir,
 )
-from swap_state.client.torchtitan.settings import embedded_snapshot_dir as _snapshot_dir_of_dump
 
 __all__ = [
-    "SNAPSHOT_SUBDIR", "build_optimizers", "build_remote_container", "current_job_config",
-    "embedded_snapshot_dir", "install_build_optimizers_wrapper", "install_job_hooks",
-    "original_build_optimizers", "rebind_imported_model_specs", "shared_job_id", "snapshots_to_keep",
+    "build_optimizers", "current_job_config", "install_build_optimizers_wrapper", "install_job_hooks",
+    "original_build_optimizers", "rebind_imported_model_specs",
 ]
 
 _WRAPPED_ORIGINAL_ATTR = "__swap_state_original__"
@@ -60,7 +56,9 @@ def build_optimizers(
         raise NotImplementedError("swap_optimizer does not support TorchFT")
     optimizer_kwargs = _optimizer_kwargs(optimizer_config)
     settings = SwapSettings.of(optimizer_config)
-    snapshot_dir = embedded_snapshot_dir(current_job_config())
+    # An embedded server keeps the snapshots in <job.dump_folder>/swap-state-snapshots.
+    job = getattr(current_job_config.get(), "job", None)
+    snapshot_dir = embedded_snapshot_dir(getattr(job, "dump_folder", None))
     return build_swap_container(
         model_parts, optimizer_cls, optimizer_kwargs, settings,
         snapshot_dir=snapshot_dir, local_container_cls=SwapOptimizersContainer,
@@ -108,114 +106,53 @@ def rebind_imported_model_specs() -> None:
 # build_optimizers sees only the [optimizer] section; what the container needs from the job
 # comes from idempotent wrappers (:func:`install_job_hooks`, :mod:`.checkpointing`).
 
-_current_job_config: contextvars.ContextVar[Any] = contextvars.ContextVar("swap_state_job_config", default=None)
+#: The JobConfig of the torchtitan ``Trainer`` being built in this context, else None.
+current_job_config: contextvars.ContextVar[Any] = contextvars.ContextVar("swap_state_job_config", default=None)
 
 
-def current_job_config() -> Any:
-    """The JobConfig of the torchtitan ``Trainer`` being built in this context, else None."""
-    return _current_job_config.get()
-
-
-def embedded_snapshot_dir(job_config: Any) -> str | None:
-    """``<job.dump_folder>/swap-state-snapshots`` (absolute) of a torchtitan 0.2 job config."""
-    return _snapshot_dir_of_dump(getattr(getattr(job_config, "job", None), "dump_folder", None))
-
-
-def _wrap_method(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace ``cls.name`` by ``make(original)`` once (a wrapper is never wrapped again)."""
+def _wrap_method(cls: type, name: str, hook: Callable[..., Any]) -> None:
+    """Replace ``cls.name`` by a method that calls ``hook(run, self, ...)``, ``run`` the original
+    bound to ``self``, once (a wrapper is never wrapped again)."""
     current = cls.__dict__.get(name)
     original = getattr(current, _WRAPPED_ORIGINAL_ATTR, current)
-    wrapper = functools.wraps(original)(make(original))
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return hook(functools.partial(original, self), self, *args, **kwargs)
+
     setattr(wrapper, _WRAPPED_ORIGINAL_ATTR, original)
     setattr(cls, name, wrapper)
 
 
-def _trainer_init(original: Callable[..., Any]) -> Callable[..., Any]:
-    def __init__(self: Any, job_config: Any, *args: Any, **kwargs: Any) -> None:
-        token = _current_job_config.set(job_config)
-        try:
-            original(self, job_config, *args, **kwargs)
-        finally:
-            _current_job_config.reset(token)
-
-    return __init__
+def _trainer_init(run: Callable[..., Any], trainer: Any, job_config: Any, *args: Any, **kwargs: Any) -> None:
+    token = current_job_config.set(job_config)
+    try:
+        run(job_config, *args, **kwargs)
+    finally:
+        current_job_config.reset(token)
 
 
-def _checkpoint_manager_init(original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs).arguments
-        config, optimizers = bound.get("checkpoint_config"), bound.get("optimizers")
-        checkpointing.attach(self, config, optimizers, bound.get("model_parts"))
-
-    return __init__
-
-
-def _saving(last_step: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A save method's wrapper: it runs inside ``saving_checkpoint``."""
-
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def save(self: Any, *args: Any, **kwargs: Any) -> Any:
-            from swap_state.client.torchtitan.model import saving_checkpoint
-
-            # A model-only last save is for export and inference: the model's tensors, not a reference.
-            model_only = last_step and getattr(self, "last_save_model_only", False)
-            with saving_checkpoint(refer=not model_only):
-                return original(self, *args, **kwargs)
-
-        return save
-
-    return make
-
-
-def _checkpoint_manager_dcp_load(original: Callable[..., Any]) -> Callable[..., Any]:
-    def dcp_load(self: Any, state_dict: dict[str, Any], checkpoint_id: str, *args: Any, **kwargs: Any) -> Any:
-        from_hf = bool(args[0]) if args else bool(kwargs.get("from_hf", False))
-        load = functools.partial(original, self, state_dict, checkpoint_id, *args, **kwargs)
-        return checkpointing.load_matched(self, load, state_dict, checkpoint_id, from_hf)
-
-    return dcp_load
-
-
-def _first(hook: Callable[[Any], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A method's wrapper that calls ``hook(manager)`` first."""
-
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self: Any) -> None:
-            hook(self)
-            original(self)
-
-        return method
-
-    return make
+def _checkpoint_manager_init(run: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> None:
+    run(*args, **kwargs)
+    bound = inspect.signature(run).bind(*args, **kwargs).arguments
+    config, optimizers = bound.get("checkpoint_config"), bound.get("optimizers")
+    checkpointing.attach(manager, config, optimizers, bound.get("model_parts"))
 
 
 def install_job_hooks() -> None:
     """Wrap torchtitan's ``CheckpointManager`` and, once ``torchtitan.train`` is imported,
-    ``Trainer.__init__`` (it builds the optimizers inside: :func:`current_job_config`)."""
+    ``Trainer.__init__`` (it builds the optimizers inside: :data:`current_job_config`)."""
     import torchtitan.components.checkpoint as tt_checkpoint
 
     manager = tt_checkpoint.CheckpointManager
     _wrap_method(manager, "__init__", _checkpoint_manager_init)
-    _wrap_method(manager, "save", _saving(last_step=False))
-    _wrap_method(manager, "_save_last_step", _saving(last_step=True))
-    _wrap_method(manager, "dcp_load", _checkpoint_manager_dcp_load)
-    _wrap_method(manager, "close", _first(checkpointing.finish_before_close))
-    _wrap_method(manager, "__del__", _first(checkpointing.skip_close_wait))
+    _wrap_method(manager, "save", checkpointing.save)
+    _wrap_method(manager, "_save_last_step", checkpointing.save_last_step)
+    _wrap_method(manager, "dcp_load", checkpointing.dcp_load)
+    _wrap_method(manager, "close", checkpointing.close)
+    _wrap_method(manager, "__del__", checkpointing.delete)
     train_module = sys.modules.get("torchtitan.train")
     trainer = getattr(train_module, "Trainer", None)
     if isinstance(trainer, type):
         _wrap_method(trainer, "__init__", _trainer_init)
 
-
-def build_remote_container(
-    model_parts: list[Any], optimizer_cls: type, optimizer_kwargs: dict[str, Any], swap_times: int,
-    optimizer_config: Any,
-):
-    """The ``swap_optimizer_backend = "remote"`` branch of the ``build_optimizers`` wrapper."""
-    remote = {"swap_optimizer_backend": "remote", "swap_optimizer_times": swap_times}
-    settings = dataclasses.replace(SwapSettings.of(optimizer_config), **remote)
-    where = {"snapshot_dir": embedded_snapshot_dir(current_job_config())}
-    return build_swap_container(model_parts, optimizer_cls, optimizer_kwargs, settings, **where)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from snapshot_kit import SPECS, flip_byte_of_tensor, metadata_for, swap_state_cli
-from swap_state.client.export.cli import main
+from swap_state.client.cli import main as cli_main
 from swap_state.client.export.torchtitan import read_checkpoint
 from swap_state.client.optim.checkpoint_template import (
     MODEL_REF_KEY,
@@ -34,6 +34,11 @@ from swap_state.server.snapshot.coordinator import SnapshotState
 JOB, STEP, WORLD = "job", 3, 2
 SNAPSHOT = f"{JOB}/step-{STEP}"
 STEP_DIR = f"{JOB}/{step_dir_name(STEP)}"
+
+
+def main(argv: list[str]) -> int:
+    """``swap-state export`` with these arguments."""
+    return cli_main(["export", *argv])
 
 
 def _row_shards(specs) -> dict[str, tuple[list[int], list[int]]]:

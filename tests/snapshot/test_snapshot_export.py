@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from snapshot_kit import flip_byte
 
-from swap_state.client.export.cli import main
+from swap_state.client.cli import main as cli_main
 from swap_state.client.export.snapshot import export_snapshot
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_format import rank_data_name
@@ -21,6 +21,11 @@ SPECS = [
     ("w.exp_avg_sq", "float32", (4, 8)),
     ("b.exp_avg", "bfloat16", (8,)),
 ]
+
+
+def main(argv: list[str]) -> int:
+    """``swap-state export`` with these arguments."""
+    return cli_main(["export", *argv])
 
 
 def _fill(seg, values: dict[str, torch.Tensor]) -> None:

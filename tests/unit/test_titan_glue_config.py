@@ -18,6 +18,7 @@ from _swap_testing import ParityModel, assert_matches_reference, reference_optim
 from torchtitan.components.optimizer import OptimizersContainer
 
 from swap_state.client.torchtitan import glue as torchtitan_glue
+from swap_state.client.torchtitan.settings import embedded_snapshot_dir, snapshots_to_keep
 from swap_state.client.optim.checkpoint_template import SnapshotCheckpointError, load_template
 from swap_state.client.remote.embedded import EmbeddedServerConfig, default_snapshot_dir
 from swap_state.client.remote.config import (
@@ -162,7 +163,7 @@ def test_checkpoint_manager_tells_the_container_its_retention(tmp_path: Path) ->
 
 
 def test_snapshots_to_keep_covers_torchtitans_retention() -> None:
-    assert [torchtitan_glue.snapshots_to_keep(k) for k in (0, 2, 3, 10)] == [0, 3, 4, 11]
+    assert [snapshots_to_keep(k) for k in (0, 2, 3, 10)] == [0, 3, 4, 11]
 
 
 def test_trainer_init_makes_the_job_config_current(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,14 +173,14 @@ def test_trainer_init_makes_the_job_config_current(monkeypatch: pytest.MonkeyPat
 
     class Trainer:
         def __init__(self, job_config: Any) -> None:
-            seen.append(torchtitan_glue.current_job_config())
+            seen.append(torchtitan_glue.current_job_config.get())
 
     monkeypatch.setitem(sys.modules, "torchtitan.train", types.SimpleNamespace(Trainer=Trainer))
     torchtitan_glue.install_job_hooks()
     job = types.SimpleNamespace(job=types.SimpleNamespace(dump_folder="/runs/a"))
     Trainer(job)
-    assert seen == [job] and torchtitan_glue.current_job_config() is None
-    assert torchtitan_glue.embedded_snapshot_dir(job) == "/runs/a/swap-state-snapshots"
+    assert seen == [job] and torchtitan_glue.current_job_config.get() is None
+    assert embedded_snapshot_dir(job.job.dump_folder) == "/runs/a/swap-state-snapshots"
 
 
 def _plain_checkpoint(path: Path, steps: int = 5) -> tuple[torch.nn.Module, dict[str, Any]]:
