@@ -41,11 +41,8 @@ from .snapshot_format import (
     rank_manifest_name,
 )
 
-__all__ = [
-    "SnapshotInfo", "SnapshotReader", "SnapshotTier", "RankFileVerifier", "READ_BLOCK_BYTES"
-]
+__all__ = ["SnapshotInfo", "SnapshotReader", "SnapshotTier", "RankFileVerifier"]
 
-READ_BLOCK_BYTES = 8 << 20
 _ELSEWHERE = ("was it taken by another server (another host, or an embedded server with its own snapshot "
               "directory) or with another --snapshot-dir? Point the server (or swap-state export "
               "--snapshot-dir) at that directory")
@@ -291,26 +288,13 @@ class SnapshotReader(SnapshotTier):
         with _reading(info.path / name):
             return read_range(info.path / name, offset, nbytes)
 
-    def verify_data(self, info: SnapshotInfo, manifest: RankManifest) -> None:
-        """Read the rank's safetensors file once through :class:`RankFileVerifier`."""
-        verifier = RankFileVerifier(info, manifest)
-        # buffered: read(n) returns n bytes before the end
-        with _reading(verifier.path), open(verifier.path, "rb") as file:
-            verifier.check_size(os.fstat(file.fileno()).st_size)
-            verifier.check_header(file.read(len(verifier.header)))
-            block = memoryview(bytearray(READ_BLOCK_BYTES))
-            while n := file.readinto(block):
-                verifier.feed(block[:n])
-        verifier.finish()
-
 
 class RankFileVerifier:
     """Checks a rank's data file as its bytes arrive, in file order: the safetensors header
     (recomputed from the manifest, byte for byte), every tensor's crc32, then the file's crc32
     in ``snapshot.json``. SnapshotCorrupt names the file and the tensor.
 
-    The one checksum check: :meth:`SnapshotReader.verify_data` feeds it from reads, the
-    server's restore from its staged mapping. Call order::
+    The one checksum check: the server's restore feeds it from its staged mapping. Call order::
 
         verifier = RankFileVerifier(info, manifest)   # sizes checked, nothing read yet
         verifier.check_size(os.fstat(fd).st_size)

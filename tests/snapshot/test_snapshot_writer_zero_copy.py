@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from snapshot_kit import verify_rank_file
 
 from swap_state.common.segment import Word
 from swap_state.server.snapshot import sink as snapshot_sink
@@ -71,7 +72,7 @@ def test_chunk_overwritten_mid_read_is_rewritten_from_its_slot(make_segment, mak
     # The file holds step N's bytes, and its checksums (verified on restore) agree with them.
     assert _file_tensors(status.path + "/" + rank_data_name(0)) == at_step_n
     info = coordinator.directory.resolve("job/step-4")
-    coordinator.directory.verify_data(info, coordinator.directory.read_manifest(info, 0))
+    verify_rank_file(coordinator.directory, info)
     assert seg.mm[victim.offset : victim.offset + 1] == b"\xee"  # the trainer's write stands
     assert seg.header[Word.SNAP_EPOCH] == 0 and seg.slots_all_free()
 
