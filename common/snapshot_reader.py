@@ -113,8 +113,8 @@ class SnapshotTier(abc.ABC):
         SnapshotNotFound, saying where it looked, when no complete snapshot matches."""
 
     @abc.abstractmethod
-    def _size(self, info: SnapshotInfo, name: str) -> int | None:
-        """The size of the snapshot's file ``name``; None when it is missing."""
+    def _size(self, info: SnapshotInfo, name: str) -> int:
+        """The size of the snapshot's file ``name``; SnapshotCorrupt when it is missing."""
 
     @abc.abstractmethod
     def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
@@ -155,7 +155,7 @@ class SnapshotTier(abc.ABC):
     def check_data_header(self, info: SnapshotInfo, manifest: RankManifest) -> None:
         """The data file's size and safetensors header, against the manifest."""
         verifier = RankFileVerifier(info, manifest)
-        verifier.check_size(self._present_size(info, manifest.data_file))
+        verifier.check_size(self._size(info, manifest.data_file))
         verifier.check_header(self._read_range(info, manifest.data_file, 0, len(verifier.header)))
 
     def read_tensor(self, info: SnapshotInfo, manifest: RankManifest, tensor: TensorRecord) -> bytes:
@@ -165,16 +165,10 @@ class SnapshotTier(abc.ABC):
             raise SnapshotCorrupt(f"{info.path / manifest.data_file}: tensor {tensor.name!r} fails its checksum")
         return data
 
-    def _present_size(self, info: SnapshotInfo, name: str) -> int:
-        size = self._size(info, name)
-        if size is None:
-            raise SnapshotCorrupt(f"{info.path / name} is missing")
-        return size
-
     def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
         """A file the index lists, its size checked before it is read (a bad one may be huge),
         then its crc32."""
-        size = self._present_size(info, record.name)
+        size = self._size(info, record.name)
         if size != record.bytes:
             raise SnapshotCorrupt(f"{info.path / record.name} is {size} bytes, its index says {record.bytes}")
         raw = self._read_range(info, record.name, 0, size)
@@ -277,12 +271,9 @@ class SnapshotReader(SnapshotTier):
             "stopped or died is lost (it is never listed; the next one works); else " + _ELSEWHERE
         )
 
-    def _size(self, info: SnapshotInfo, name: str) -> int | None:
+    def _size(self, info: SnapshotInfo, name: str) -> int:
         with _reading(info.path / name):
-            try:
-                return (info.path / name).stat().st_size
-            except FileNotFoundError:
-                return None
+            return (info.path / name).stat().st_size
 
     def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
         with _reading(info.path / name):
