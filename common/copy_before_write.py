@@ -3,7 +3,7 @@
 Pure Python (the server's tests play the trainer with it). Call order, from the *one* thread
 that writes the segment (the header words it stores have a single writer)::
 
-    protector = TrainerProtector(segment_mmap, layout)
+    protector = TrainerProtector(segment_mmap, layout, header=trainer_header)
     for each write of bytes [offset, offset + nbytes) into the tensor area:
         protector.before_write(offset, nbytes)   # may copy chunks, may wait (back-pressure)
         ... write ...
@@ -99,15 +99,14 @@ class TrainerProtector:
         buffer,
         layout: SegmentLayout,
         *,
-        header: SegmentHeader | TrainerHeader | None = None,
+        header: SegmentHeader | TrainerHeader,
         max_wait_s: float | None = None,
         server_gone: Callable[[], bool] | None = None,
     ):
-        """``buffer``: the whole segment, writable; ``header``: one over it (None: made here);
-        ``max_wait_s``: BackPressureTimeout after waiting this long (None: no limit)."""
+        """``buffer``: the whole segment, writable; ``header``: one over it; ``max_wait_s``:
+        BackPressureTimeout after waiting this long (None: no limit)."""
         self._view = memoryview(buffer)
-        self._own_header = header is None
-        self.header = SegmentHeader(buffer, layout.n_chunks, layout.cow_slots) if header is None else header
+        self.header = header
         self.layout = layout
         self.max_wait_s = max_wait_s
         self.server_gone = server_gone
@@ -137,7 +136,5 @@ class TrainerProtector:
         return self.before_write(tensor.offset, tensor.nbytes)
 
     def close(self) -> None:
-        """Release the views (an mmap cannot be closed while they exist)."""
-        if self._own_header:
-            self.header.release()
+        """Release the view (an mmap cannot be closed while it exists)."""
         self._view.release()
