@@ -15,15 +15,16 @@ from swap_state.server.snapshot import writer as snapshot_writer
 from swap_state.server.snapshot.storage import SnapshotFile
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_format import rank_data_name
-from swap_state.common.copy_before_write import protect_chunk
+from swap_state.common.copy_before_write import TrainerProtector
 
 from test_snapshot_consistency import _file_tensors
 
 
 def _overwrite_as_trainer(seg, chunk) -> None:
     """The trainer's side for one chunk: copy before write (slot, COW_EPOCH), then write."""
-    with memoryview(seg.mm) as view:
-        assert protect_chunk(seg.header, view, seg.layout, chunk)
+    protector = TrainerProtector(seg.mm, seg.layout, header=seg.header)
+    assert protector.protect(chunk)
+    protector.close()
     seg.mm[chunk.offset : chunk.offset + chunk.nbytes] = b"\xee" * chunk.nbytes
 
 
