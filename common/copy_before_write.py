@@ -3,7 +3,7 @@
 Pure Python (the server's tests play the trainer with it). Call order, from the *one* thread
 that writes the segment (the header words it stores have a single writer)::
 
-    protector = TrainerProtector(segment_mmap, layout)
+    protector = TrainerProtector(segment_mmap, layout, header=trainer_header)
     for each write of bytes [offset, offset + nbytes) into the tensor area:
         protector.before_write(offset, nbytes)   # may copy chunks, may wait (back-pressure)
         ... write ...
@@ -22,7 +22,7 @@ from swap_state.common.retry import wait_until
 from swap_state.common.segment import Chunk, SegmentHeader, SegmentLayout, Word
 from swap_state.common.trainer_header import TrainerHeader
 
-__all__ = ["BackPressureTimeout", "protect_chunk", "TrainerProtector"]
+__all__ = ["BackPressureTimeout", "TrainerProtector"]
 
 _POLL_FIRST_S = 20e-6
 _POLL_MAX_S = 1e-3
@@ -42,77 +42,68 @@ def _needs_copy(header: SegmentHeader, chunk: int, epoch: int) -> bool:
     )
 
 
-def protect_chunk(
-    header: SegmentHeader | TrainerHeader,
-    view: memoryview,
-    layout: SegmentLayout,
-    chunk: Chunk,
-    *,
-    max_wait_s: float | None = None,
-    server_gone: Callable[[], bool] | None = None,
-) -> bool:
-    """Make ``chunk`` safe to overwrite (``view``: the whole segment, writable); True when it
-    was copied into a slot. ``server_gone()``: the server is unreachable, so a wait for a slot
-    gives the snapshot up instead (protocol step 6)."""
-    trainer = header if isinstance(header, TrainerHeader) else TrainerHeader(header)
-    header = trainer.segment
-    epoch = header[Word.SNAP_EPOCH]
-    if not _needs_copy(header, chunk.index, epoch):
-        return False
-    slot = header.free_slot()
-    if slot is None:  # back-pressure: wait for a free slot, or for the server to make it safe
-        def slot_or_safe() -> bool:
-            nonlocal slot, epoch
-            slot, epoch = header.free_slot(), header[Word.SNAP_EPOCH]
-            safe = not _needs_copy(header, chunk.index, epoch)
-            return slot is not None or safe or (server_gone is not None and server_gone())
-
-        waited_since = time.monotonic_ns()
-        try:
-            done = wait_until(slot_or_safe, timeout_s=max_wait_s, first_s=_POLL_FIRST_S, max_s=_POLL_MAX_S)
-        finally:
-            trainer.record_backpressure(time.monotonic_ns() - waited_since)
-        if not done:
-            raise BackPressureTimeout(
-                f"waited {max_wait_s} s for a free copy slot for chunk {chunk.index} "
-                f"(server persisted {header[Word.PERSISTED_UPTO]} and staged "
-                f"{header[Word.STAGED_UPTO]} of {layout.n_chunks} chunks)"
-            )
-        # While waiting the server may have read or staged this chunk, or finished.
-        if not _needs_copy(header, chunk.index, epoch):
-            return False
-        if slot is None:  # the server is gone: nobody will free a slot
-            trainer.abandon_snapshot(epoch)
-            return False
-    start = layout.cow_slots_offset + slot * layout.chunk_bytes
-    view[start : start + chunk.nbytes] = view[chunk.offset : chunk.offset + chunk.nbytes]
-    # Publication order matters: the server trusts the slot once it sees COW_EPOCH == epoch.
-    trainer.record_chunk_copy(chunk.index, slot, epoch)
-    return True
-
-
 class TrainerProtector:
-    """Byte-range front end of :func:`protect_chunk` for one mapped segment."""
+    """Copy-before-write for one mapped segment: :meth:`protect` makes one chunk safe to
+    overwrite, :meth:`before_write` every chunk of a byte range."""
 
     def __init__(
         self,
         buffer,
         layout: SegmentLayout,
         *,
-        header: SegmentHeader | TrainerHeader | None = None,
+        header: SegmentHeader | TrainerHeader,
         max_wait_s: float | None = None,
         server_gone: Callable[[], bool] | None = None,
     ):
-        """``buffer``: the whole segment, writable; ``header``: one over it (None: made here);
-        ``max_wait_s``: BackPressureTimeout after waiting this long (None: no limit)."""
+        """``buffer``: the whole segment, writable; ``header``: one over it; ``max_wait_s``:
+        BackPressureTimeout after waiting this long (None: no limit); ``server_gone()``: the
+        server is unreachable, so a wait for a slot gives the snapshot up instead (protocol
+        step 6)."""
         self._view = memoryview(buffer)
-        self._own_header = header is None
-        self.header = SegmentHeader(buffer, layout.n_chunks, layout.cow_slots) if header is None else header
+        self.trainer = header if isinstance(header, TrainerHeader) else TrainerHeader(header)
+        self.header = self.trainer.segment
         self.layout = layout
         self.max_wait_s = max_wait_s
         self.server_gone = server_gone
         self.chunks = layout.chunks
         self._starts = [c.offset for c in self.chunks]
+
+    def protect(self, chunk: Chunk) -> bool:
+        """Make ``chunk`` safe to overwrite; True when it was copied into a slot."""
+        header, layout = self.header, self.layout
+        epoch = header[Word.SNAP_EPOCH]
+        if not _needs_copy(header, chunk.index, epoch):
+            return False
+        slot = header.free_slot()
+        if slot is None:  # back-pressure: wait for a free slot, or for the server to make it safe
+            def slot_or_safe() -> bool:
+                nonlocal slot, epoch
+                slot, epoch = header.free_slot(), header[Word.SNAP_EPOCH]
+                safe = not _needs_copy(header, chunk.index, epoch)
+                return slot is not None or safe or (self.server_gone is not None and self.server_gone())
+
+            waited_since = time.monotonic_ns()
+            try:
+                done = wait_until(slot_or_safe, timeout_s=self.max_wait_s, first_s=_POLL_FIRST_S, max_s=_POLL_MAX_S)
+            finally:
+                self.trainer.record_backpressure(time.monotonic_ns() - waited_since)
+            if not done:
+                raise BackPressureTimeout(
+                    f"waited {self.max_wait_s} s for a free copy slot for chunk {chunk.index} "
+                    f"(server persisted {header[Word.PERSISTED_UPTO]} and staged "
+                    f"{header[Word.STAGED_UPTO]} of {layout.n_chunks} chunks)"
+                )
+            # While waiting the server may have read or staged this chunk, or finished.
+            if not _needs_copy(header, chunk.index, epoch):
+                return False
+            if slot is None:  # the server is gone: nobody will free a slot
+                self.trainer.abandon_snapshot(epoch)
+                return False
+        start = layout.cow_slots_offset + slot * layout.chunk_bytes
+        self._view[start : start + chunk.nbytes] = self._view[chunk.offset : chunk.offset + chunk.nbytes]
+        # Publication order matters: the server trusts the slot once it sees COW_EPOCH == epoch.
+        self.trainer.record_chunk_copy(chunk.index, slot, epoch)
+        return True
 
     def before_write(self, offset: int, nbytes: int) -> int:
         """Protect every chunk overlapping ``[offset, offset + nbytes)``; returns copies made."""
@@ -124,10 +115,7 @@ class TrainerProtector:
         while index < len(self.chunks) and self.chunks[index].offset < end:
             chunk = self.chunks[index]
             if chunk.offset + chunk.nbytes > offset:
-                copies += protect_chunk(
-                    self.header, self._view, self.layout, chunk, max_wait_s=self.max_wait_s,
-                    server_gone=self.server_gone,
-                )
+                copies += self.protect(chunk)
             index += 1
         return copies
 
@@ -137,7 +125,5 @@ class TrainerProtector:
         return self.before_write(tensor.offset, tensor.nbytes)
 
     def close(self) -> None:
-        """Release the views (an mmap cannot be closed while they exist)."""
-        if self._own_header:
-            self.header.release()
+        """Release the view (an mmap cannot be closed while it exists)."""
         self._view.release()

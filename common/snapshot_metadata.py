@@ -35,7 +35,7 @@ from .snapshot_errors import SnapshotInvalid
 
 __all__ = [
     "BOOKKEEPING_PREFIX", "MAX_METADATA_BYTES", "TENSOR_TAG", "TensorMetadata", "SnapshotMetadata",
-    "parse_metadata", "load_metadata_json", "metadata_from_json", "encode_metadata",
+    "parse_metadata", "load_metadata_json", "encode_metadata",
     "tagged_scalar", "tensor_entry"
 ]
 
@@ -163,13 +163,11 @@ def parse_metadata(
     metadata_json: str,
     tensors: Sequence[TensorLayout],
     max_bytes: int = MAX_METADATA_BYTES,
+    what: str = "metadata_json",
 ) -> SnapshotMetadata:
-    """Validate ``metadata_json`` against the segment's tensors (SnapshotInvalid otherwise)."""
-    return metadata_from_json(metadata_json, load_metadata_json(metadata_json, "metadata_json", max_bytes), tensors)
-
-
-def metadata_from_json(metadata_json: str, raw: dict[str, Any], tensors: Sequence[TensorLayout]) -> SnapshotMetadata:
-    """The schema's checks of ``raw``, the object :func:`load_metadata_json` made of ``metadata_json``."""
+    """Validate ``metadata_json`` against the segment's tensors (SnapshotInvalid otherwise;
+    ``what`` names the text where its size or syntax is wrong)."""
+    raw = load_metadata_json(metadata_json, what, max_bytes)
     by_name = {t.name: t for t in tensors}
     entries: dict[str, TensorMetadata] = {}
     for name, entry in _object(raw.get("tensors"), "tensors").items():

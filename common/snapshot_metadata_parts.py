@@ -37,7 +37,7 @@ from .snapshot_metadata import (
     _dims,
     encode_metadata,
     load_metadata_json,
-    metadata_from_json,
+    parse_metadata,
 )
 
 __all__ = ["MetadataBase", "MetadataParts", "base_id", "encode_base", "encode_delta", "parse_base", "parse_delta"]
@@ -99,12 +99,11 @@ def encode_delta(group_params: Sequence[Mapping[str, Any]], steps: Sequence[Any]
 
 def parse_base(base_json: str, tensors: Sequence[TensorLayout], max_bytes: int = MAX_METADATA_BYTES) -> MetadataBase:
     """Validate a base against the segment's tensors; SnapshotInvalid otherwise."""
-    raw = load_metadata_json(base_json, "metadata base", max_bytes)
-    whole = metadata_from_json(base_json, raw, tensors)  # unknown keys (fqns, groups) are kept
-    fqns = raw.get("fqns", [])
+    whole = parse_metadata(base_json, tensors, max_bytes, "metadata base")
+    fqns = whole.extra.get("fqns", [])  # unknown keys of the full schema: kept in extra
     if not isinstance(fqns, list) or not all(isinstance(f, str) and f for f in fqns):
         raise SnapshotInvalid("metadata base: fqns must be a list of non-empty strings")
-    groups = _dims(raw.get("groups", []), "groups", "metadata base")
+    groups = _dims(whole.extra.get("groups", []), "groups", "metadata base")
     if len(groups) != len(fqns):
         raise SnapshotInvalid(f"metadata base: {len(fqns)} fqns but {len(groups)} group indices")
     return MetadataBase(whole.tensors, dict(whole.model_aliases), tuple(fqns), groups,

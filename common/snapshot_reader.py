@@ -41,11 +41,8 @@ from .snapshot_format import (
     rank_manifest_name,
 )
 
-__all__ = [
-    "SnapshotInfo", "SnapshotReader", "SnapshotTier", "RankFileVerifier", "READ_BLOCK_BYTES"
-]
+__all__ = ["SnapshotInfo", "SnapshotReader", "SnapshotTier", "RankFileVerifier"]
 
-READ_BLOCK_BYTES = 8 << 20
 _ELSEWHERE = ("was it taken by another server (another host, or an embedded server with its own snapshot "
               "directory) or with another --snapshot-dir? Point the server (or swap-state export "
               "--snapshot-dir) at that directory")
@@ -116,8 +113,8 @@ class SnapshotTier(abc.ABC):
         SnapshotNotFound, saying where it looked, when no complete snapshot matches."""
 
     @abc.abstractmethod
-    def _size(self, info: SnapshotInfo, name: str) -> int | None:
-        """The size of the snapshot's file ``name``; None when it is missing."""
+    def _size(self, info: SnapshotInfo, name: str) -> int:
+        """The size of the snapshot's file ``name``; SnapshotCorrupt when it is missing."""
 
     @abc.abstractmethod
     def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
@@ -158,7 +155,7 @@ class SnapshotTier(abc.ABC):
     def check_data_header(self, info: SnapshotInfo, manifest: RankManifest) -> None:
         """The data file's size and safetensors header, against the manifest."""
         verifier = RankFileVerifier(info, manifest)
-        verifier.check_size(self._present_size(info, manifest.data_file))
+        verifier.check_size(self._size(info, manifest.data_file))
         verifier.check_header(self._read_range(info, manifest.data_file, 0, len(verifier.header)))
 
     def read_tensor(self, info: SnapshotInfo, manifest: RankManifest, tensor: TensorRecord) -> bytes:
@@ -168,16 +165,10 @@ class SnapshotTier(abc.ABC):
             raise SnapshotCorrupt(f"{info.path / manifest.data_file}: tensor {tensor.name!r} fails its checksum")
         return data
 
-    def _present_size(self, info: SnapshotInfo, name: str) -> int:
-        size = self._size(info, name)
-        if size is None:
-            raise SnapshotCorrupt(f"{info.path / name} is missing")
-        return size
-
     def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
         """A file the index lists, its size checked before it is read (a bad one may be huge),
         then its crc32."""
-        size = self._present_size(info, record.name)
+        size = self._size(info, record.name)
         if size != record.bytes:
             raise SnapshotCorrupt(f"{info.path / record.name} is {size} bytes, its index says {record.bytes}")
         raw = self._read_range(info, record.name, 0, size)
@@ -280,28 +271,13 @@ class SnapshotReader(SnapshotTier):
             "stopped or died is lost (it is never listed; the next one works); else " + _ELSEWHERE
         )
 
-    def _size(self, info: SnapshotInfo, name: str) -> int | None:
+    def _size(self, info: SnapshotInfo, name: str) -> int:
         with _reading(info.path / name):
-            try:
-                return (info.path / name).stat().st_size
-            except FileNotFoundError:
-                return None
+            return (info.path / name).stat().st_size
 
     def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
         with _reading(info.path / name):
             return read_range(info.path / name, offset, nbytes)
-
-    def verify_data(self, info: SnapshotInfo, manifest: RankManifest) -> None:
-        """Read the rank's safetensors file once through :class:`RankFileVerifier`."""
-        verifier = RankFileVerifier(info, manifest)
-        # buffered: read(n) returns n bytes before the end
-        with _reading(verifier.path), open(verifier.path, "rb") as file:
-            verifier.check_size(os.fstat(file.fileno()).st_size)
-            verifier.check_header(file.read(len(verifier.header)))
-            block = memoryview(bytearray(READ_BLOCK_BYTES))
-            while n := file.readinto(block):
-                verifier.feed(block[:n])
-        verifier.finish()
 
 
 class RankFileVerifier:
@@ -309,8 +285,7 @@ class RankFileVerifier:
     (recomputed from the manifest, byte for byte), every tensor's crc32, then the file's crc32
     in ``snapshot.json``. SnapshotCorrupt names the file and the tensor.
 
-    The one checksum check: :meth:`SnapshotReader.verify_data` feeds it from reads, the
-    server's restore from its staged mapping. Call order::
+    The one checksum check: the server's restore feeds it from its staged mapping. Call order::
 
         verifier = RankFileVerifier(info, manifest)   # sizes checked, nothing read yet
         verifier.check_size(os.fstat(fd).st_size)

@@ -112,16 +112,13 @@ class StoredSnapshots(SnapshotTier):
     def step_markers(self, job_id: str, step: int, ranks: Iterable[int] | None = None) -> dict[int, SnapshotIndex]:
         """The valid markers of one step, by rank (one listing); only those of ``ranks`` are read
         when given (a host asks for its own, not N requests per step)."""
-        objects = self._list_step(job_id, step)
-        if ranks is not None:
-            wanted = {marker_name(rank) for rank in ranks}
-            objects = [info for info in objects if info.key.rsplit("/", 1)[-1] in wanted]
-        return self.markers(job_id, step, objects)
+        named = _markers_by_rank(self._list_step(job_id, step))
+        wanted = named.keys() if ranks is None else set(ranks)
+        return self.markers(job_id, step, {rank: info for rank, info in named.items() if rank in wanted})
 
-    def markers(self, job_id: str, step: int, objects: list[ObjectInfo]) -> dict[int, SnapshotIndex]:
-        """The valid markers among a step's objects, by rank (an invalid one counts as absent)."""
-        read = {rank: self._marker(info, job_id, step, rank) for info in objects
-                if (rank := parse_marker_name(info.key.rsplit("/", 1)[-1])) is not None}
+    def markers(self, job_id: str, step: int, named: dict[int, ObjectInfo]) -> dict[int, SnapshotIndex]:
+        """The valid markers of a step's marker objects by rank (an invalid one counts as absent)."""
+        read = {rank: self._marker(info, job_id, step, rank) for rank, info in named.items()}
         return {rank: index for rank, index in read.items() if index is not None}
 
     def _marker(self, info: ObjectInfo, job_id: str, step: int, rank: int) -> SnapshotIndex | None:
@@ -161,7 +158,7 @@ class StoredSnapshots(SnapshotTier):
         infos: list[SnapshotInfo] = []
         for job in [job_id] if job_id is not None else self.jobs():
             found = [info for step in self.steps(job) if (info := self.step_info(job, step)) is not None]
-            infos.extend(found[:-1] + [_with_latest(info) for info in found[-1:]])
+            infos.extend(found[:-1] + [dataclasses.replace(info, latest=True) for info in found[-1:]])
         return infos
 
     def step_info(self, job_id: str, step: int) -> SnapshotInfo | None:
@@ -222,13 +219,13 @@ class StoredSnapshots(SnapshotTier):
     def complete_info(self, job_id: str, step: int, objects: list[ObjectInfo]) -> SnapshotInfo | None:
         """The step as one snapshot when its ``objects`` hold a marker of every rank; else None
         (names checked first: one marker read when a rank has none)."""
-        named = {rank: info for info in objects if (rank := parse_marker_name(info.key.rsplit("/", 1)[-1])) is not None}
+        named = _markers_by_rank(objects)
         if not named:
             return None
         first = self._marker(named[min(named)], job_id, step, min(named))
         if first is None or sorted(named) != list(range(first.world_size)):
             return None
-        markers = self.markers(job_id, step, list(named.values()))
+        markers = self.markers(job_id, step, named)
         if len(markers) != len(named) or len({(m.world_size, m.attempt, m.tenant)
                                                for m in markers.values()}) != 1:
             return None  # an invalid marker, or two attempts at the step (re-uploading, another world size)
@@ -249,15 +246,18 @@ class StoredSnapshots(SnapshotTier):
         for step in reversed(steps) if ref.latest else [ref.step] if ref.step in steps else []:
             info = self.step_info(ref.job_id, step)
             if info is not None:
-                return _with_latest(info) if ref.latest else info
+                return dataclasses.replace(info, latest=True) if ref.latest else info
         what = "no complete snapshot" if ref.latest else f"no complete snapshot {snapshot_id_for(ref.job_id, ref.step)}"
         complete = ", ".join(str(i.step) for i in self.list(ref.job_id)) or "none"
         raise SnapshotNotFound(f"{what} of job {ref.job_id!r} in the store {self.uri} (complete steps: [{complete}])")
 
-    def _size(self, info: SnapshotInfo, name: str) -> int | None:
+    def _size(self, info: SnapshotInfo, name: str) -> int:
         key = self.key(info.job_id, info.step, name)
         with self._reading(key):
-            return self.store.size(key)
+            size = self.store.size(key)
+        if size is None:
+            raise SnapshotCorrupt(f"{info.path / name} is missing")
+        return size
 
     def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
         key = self.key(info.job_id, info.step, name)
@@ -265,5 +265,6 @@ class StoredSnapshots(SnapshotTier):
             return self.store.get_range(key, offset, nbytes)
 
 
-def _with_latest(info: SnapshotInfo) -> SnapshotInfo:
-    return dataclasses.replace(info, latest=True)
+def _markers_by_rank(objects: Iterable[ObjectInfo]) -> dict[int, ObjectInfo]:
+    """The marker objects among a step's objects, by rank."""
+    return {rank: info for info in objects if (rank := parse_marker_name(info.key.rsplit("/", 1)[-1])) is not None}

@@ -32,6 +32,7 @@ from integration.workload import Workload, kwargs, train
 from swap_state.common.copy_before_write import TrainerProtector
 from swap_state.common.segment import PAGE_BYTES, SegmentHeader, Word, chunk_table, plan_segment
 from swap_state.common.server_header import ServerHeader
+from swap_state.common.snapshot_reader import RankFileVerifier, SnapshotInfo, SnapshotReader
 from swap_state.server.snapshot.coordinator import SnapshotSource
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "bitwise_diff",
     "data_file",
     "rank_manifest",
+    "verify_rank_file",
     "flip_byte_of_tensor",
     "tiny_tmpfs",
     "swap_state_cli",
@@ -306,6 +308,17 @@ def data_file(status_path: str, rank: int = 0) -> pathlib.Path:
 
 def rank_manifest(status_path: str, rank: int = 0) -> dict:
     return json.loads((pathlib.Path(status_path) / f"rank-{rank:05d}.manifest.json").read_text())
+
+
+def verify_rank_file(reader: SnapshotReader, info: SnapshotInfo, rank: int = 0) -> None:
+    """Read a rank's data file of a complete snapshot once through RankFileVerifier: its
+    header, every tensor's crc32 and the file's."""
+    verifier = RankFileVerifier(info, reader.read_manifest(info, rank))
+    data = verifier.path.read_bytes()
+    verifier.check_size(len(data))
+    verifier.check_header(data[: len(verifier.header)])
+    verifier.feed(data[len(verifier.header) :])
+    verifier.finish()
 
 
 def flip_byte_of_tensor(path: pathlib.Path, tensor: str, at: int = 5) -> None:

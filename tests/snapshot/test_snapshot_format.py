@@ -12,7 +12,7 @@ import pytest
 import safetensors.numpy
 import safetensors.torch
 import torch
-from snapshot_kit import SPECS, metadata_for
+from snapshot_kit import SPECS, metadata_for, verify_rank_file
 
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_errors import SnapshotInvalid
@@ -88,7 +88,7 @@ def test_manifest_records_layout_metadata_and_checksums(make_segment, make_coord
     assert files[rank_data_name(0)]["bytes"] == len(data_raw)
     assert (index["job_id"], index["step"], index["world_size"], index["ranks"]) == ("job", 42, 1, [0])
     # The store's own verification agrees.
-    coordinator.directory.verify_data(info, coordinator.directory.read_manifest(info, 0))
+    verify_rank_file(coordinator.directory, info)
 
 
 

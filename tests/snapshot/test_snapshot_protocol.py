@@ -11,7 +11,7 @@ import pytest
 
 from swap_state.common.segment import Word
 from swap_state.common.checksum import crc32_combine, format_crc, parse_crc
-from swap_state.common.copy_before_write import BackPressureTimeout, TrainerProtector, protect_chunk
+from swap_state.common.copy_before_write import BackPressureTimeout, TrainerProtector
 from swap_state.server.snapshot.bandwidth import BandwidthLimiter
 
 
@@ -22,22 +22,22 @@ def _publish(segment, epoch: int, persisted_upto: int = 0) -> None:
 
 def test_no_snapshot_no_copy(make_segment):
     seg = make_segment()
-    view = memoryview(seg.mm)
-    assert not protect_chunk(seg.header, view, seg.layout, seg.chunks[0])
+    protector = TrainerProtector(seg.mm, seg.layout, header=seg.header)
+    assert not protector.protect(seg.chunks[0])
     assert seg.header[Word.COW_COPIES] == 0
-    view.release()
+    protector.close()
 
 
 def test_copy_before_write_publishes_slot_in_order(make_segment):
     seg = make_segment(cow_slots=2)
     seg.fill(1)
     _publish(seg, epoch=3, persisted_upto=1)
-    view = memoryview(seg.mm)
+    protector = TrainerProtector(seg.mm, seg.layout, header=seg.header)
     chunk = seg.chunks[5]
     before = bytes(seg.mm[chunk.offset : chunk.offset + chunk.nbytes])
 
-    assert not protect_chunk(seg.header, view, seg.layout, seg.chunks[0])  # already persisted
-    assert protect_chunk(seg.header, view, seg.layout, chunk)
+    assert not protector.protect(seg.chunks[0])  # already persisted
+    assert protector.protect(chunk)
     slot = seg.header.cow_slot(chunk.index) - 1
     start = seg.layout.cow_slots_offset + slot * seg.layout.chunk_bytes
     assert bytes(seg.mm[start : start + chunk.nbytes]) == before
@@ -45,15 +45,15 @@ def test_copy_before_write_publishes_slot_in_order(make_segment):
     assert seg.header.slot_taken(slot) == seg.header.slot_freed(slot) + 1
     assert seg.header[Word.COW_COPIES] == 1
     # The chunk now holds its step-N bytes in a slot: later writes in this epoch need no copy.
-    assert not protect_chunk(seg.header, view, seg.layout, chunk)
+    assert not protector.protect(chunk)
     assert seg.header[Word.COW_COPIES] == 1
-    view.release()
+    protector.close()
 
 
 def test_backpressure_waits_until_server_reads_the_chunk(make_segment):
     seg = make_segment(cow_slots=0)
     _publish(seg, epoch=1)
-    view = memoryview(seg.mm)
+    protector = TrainerProtector(seg.mm, seg.layout, header=seg.header)
 
     def server_reads_chunk_zero():
         time.sleep(0.1)
@@ -61,21 +61,21 @@ def test_backpressure_waits_until_server_reads_the_chunk(make_segment):
 
     threading.Thread(target=server_reads_chunk_zero).start()
     started = time.monotonic()
-    assert not protect_chunk(seg.header, view, seg.layout, seg.chunks[0])
+    assert not protector.protect(seg.chunks[0])
     assert time.monotonic() - started >= 0.09
     assert seg.header[Word.BP_WAITS] == 1
     assert seg.header[Word.BP_WAIT_NS] >= 90_000_000
-    view.release()
+    protector.close()
 
 
 def test_backpressure_timeout_is_counted(make_segment):
     seg = make_segment(cow_slots=0)
     _publish(seg, epoch=1)
-    view = memoryview(seg.mm)
+    protector = TrainerProtector(seg.mm, seg.layout, header=seg.header, max_wait_s=0.05)
     with pytest.raises(BackPressureTimeout, match="chunk 0"):
-        protect_chunk(seg.header, view, seg.layout, seg.chunks[0], max_wait_s=0.05)
+        protector.protect(seg.chunks[0])
     assert seg.header[Word.BP_WAITS] == 1
-    view.release()
+    protector.close()
 
 
 def test_protector_covers_exactly_the_overlapping_chunks(make_segment):

@@ -11,7 +11,7 @@ import time
 import pytest
 from snapshot_kit import SPECS, Trainer, metadata_for
 
-from swap_state.common.copy_before_write import protect_chunk
+from swap_state.common.copy_before_write import TrainerProtector
 from swap_state.common.segment import CopyBudget, Word, plan_segment, stager_slot_count
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.server.copy_budget import CopyBudgetPolicy
@@ -114,8 +114,9 @@ def test_a_stager_copy_torn_by_the_trainer_loses_to_the_trainers_copy(make_segme
             done["torn"] = True
             half = n // 2
             real_memmove(dst, src, half)  # the first half still holds step N ...
-            with memoryview(seg.mm) as view:  # ... then the trainer copies and overwrites
-                assert protect_chunk(seg.header, view, seg.layout, victim)
+            protector = TrainerProtector(seg.mm, seg.layout, header=seg.header)
+            assert protector.protect(victim)  # ... then the trainer copies and overwrites
+            protector.close()
             seg.mm[victim.offset : victim.offset + victim.nbytes] = b"\xee" * victim.nbytes
             return real_memmove(dst + half, src + half, n - half)  # ... the rest is torn
         return real_memmove(dst, src, n)
@@ -157,8 +158,9 @@ def test_a_chunk_staged_while_the_writer_reads_it_is_rewritten_from_the_stager_s
             slot = seg.layout.cow_slots_offset + (victim.index % k) * seg.layout.chunk_bytes
             seg.mm[slot : slot + victim.nbytes] = at_victim  # the stager's copy ...
             seg.header[Word.STAGED_UPTO] = victim.index + 1  # ... published
-            with memoryview(seg.mm) as view:
-                assert not protect_chunk(seg.header, view, seg.layout, victim)  # safe: no copy
+            protector = TrainerProtector(seg.mm, seg.layout, header=seg.header)
+            assert not protector.protect(victim)  # safe: no copy
+            protector.close()
             seg.mm[victim.offset : victim.offset + victim.nbytes] = b"\xdd" * victim.nbytes
             data = memoryview(seg.mm)[victim.offset : victim.offset + victim.nbytes]  # torn
         return real_place(sink, data, crc)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from snapshot_kit import verify_rank_file
 
 from swap_state.common.segment import Word
 from swap_state.server.snapshot import sink as snapshot_sink
@@ -14,15 +15,16 @@ from swap_state.server.snapshot import writer as snapshot_writer
 from swap_state.server.snapshot.storage import SnapshotFile
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_format import rank_data_name
-from swap_state.common.copy_before_write import protect_chunk
+from swap_state.common.copy_before_write import TrainerProtector
 
 from test_snapshot_consistency import _file_tensors
 
 
 def _overwrite_as_trainer(seg, chunk) -> None:
     """The trainer's side for one chunk: copy before write (slot, COW_EPOCH), then write."""
-    with memoryview(seg.mm) as view:
-        assert protect_chunk(seg.header, view, seg.layout, chunk)
+    protector = TrainerProtector(seg.mm, seg.layout, header=seg.header)
+    assert protector.protect(chunk)
+    protector.close()
     seg.mm[chunk.offset : chunk.offset + chunk.nbytes] = b"\xee" * chunk.nbytes
 
 
@@ -71,7 +73,7 @@ def test_chunk_overwritten_mid_read_is_rewritten_from_its_slot(make_segment, mak
     # The file holds step N's bytes, and its checksums (verified on restore) agree with them.
     assert _file_tensors(status.path + "/" + rank_data_name(0)) == at_step_n
     info = coordinator.directory.resolve("job/step-4")
-    coordinator.directory.verify_data(info, coordinator.directory.read_manifest(info, 0))
+    verify_rank_file(coordinator.directory, info)
     assert seg.mm[victim.offset : victim.offset + 1] == b"\xee"  # the trainer's write stands
     assert seg.header[Word.SNAP_EPOCH] == 0 and seg.slots_all_free()
 
