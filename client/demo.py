@@ -32,7 +32,7 @@ from swap_state.client.remote.config import RemoteConfig
 from swap_state.client.remote.embedded import EmbeddedServerConfig
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.names import parse_snapshot_id
-from swap_state.common.server_config import field_docs
+from swap_state.common.server_flags import field_docs
 
 __all__ = ["DemoConfig", "TinyLM", "main", "run"]
 

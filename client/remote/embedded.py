@@ -24,9 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from swap_state.client.scratch import make_scratch_dir
 from swap_state.common.retry import wait_until
 from swap_state.common.errors import ConfigError
-from swap_state.common.server_config import (
-    EXIT_WITH_PARENT_ENV, ServerConfig, config_from_settings, config_to_argv, setting_value,
-)
+from swap_state.common.server_config import EXIT_WITH_PARENT_ENV, ServerConfig
+from swap_state.common.server_flags import config_from_settings, config_to_argv, setting_value
 
 __all__ = ["DEFAULT_SHM_SIZE_BYTES", "EmbeddedServerConfig", "EmbeddedServer", "default_snapshot_dir"]
 

@@ -20,7 +20,8 @@ import pytest
 from swap_server_testkit import Trainer, spec
 
 from swap_state.common.caller_proof import CallerProof
-from swap_state.common.server_config import ServerConfig, attach_negative_values, config_to_argv, user_flags
+from swap_state.common.server_config import ServerConfig
+from swap_state.common.server_flags import attach_negative_values, config_to_argv, user_flags
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 from swap_state.server.cli import build_parser, parse_config

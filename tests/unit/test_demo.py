@@ -108,7 +108,7 @@ def test_help_says_what_the_state_dir_holds_and_what_each_resume_does(capsys):
 
 
 def test_every_flag_explains_itself_and_step_seconds_parses():
-    from swap_state.common.server_config import field_docs
+    from swap_state.common.server_flags import field_docs
 
     docs = field_docs(demo.DemoConfig)
     undocumented = [f.name for f in dataclasses.fields(demo.DemoConfig) if len(docs.get(f.name, "")) < 10]
