@@ -38,6 +38,7 @@ from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_format import LAYOUT_NAME, FileRecord, SnapshotIndex
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, SnapshotMetadata, parse_metadata
 from swap_state.common.snapshot_metadata_parts import MetadataParts
+from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.common.names import parse_snapshot_id, shorten
 from swap_state.common.object_store import open_store
 from swap_state.common.stored_snapshots import StoredSnapshots
@@ -49,7 +50,6 @@ from swap_state.server.snapshot.group import RankSnapshot, SnapshotGroup
 from swap_state.server.snapshot.layout_index import LayoutIndex
 from swap_state.server.snapshot.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
-from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.snapshot.directory import SnapshotDirectory
 from swap_state.server.snapshot.upload import SnapshotUploader
 from swap_state.server.snapshot.writer import Cancelled, RankWriter
@@ -70,7 +70,7 @@ class SnapshotCoordinator:
                  max_metadata_bytes: int = MAX_METADATA_BYTES, clean_stale: bool = True,
                  stage_threads: int = 1, model_copy_timeout_s: float = 60.0,
                  copy_policy: CopyBudgetPolicy | None = None,
-                 storage: SnapshotStorage | None = None, store_uri: str | None = None,
+                 direct_io: str = "writes", store_uri: str | None = None,
                  store_timeout_s: float = 60.0, store_max_bandwidth: float | None = None,
                  tenant_snapshot_quota: int = 0):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
@@ -80,7 +80,7 @@ class SnapshotCoordinator:
         ``stage_threads``: stager threads per persisting rank (>= 1).
         ``model_copy_timeout_s``: the wait for the trainer's copy of the model (protocol step 5).
         ``copy_policy``: the memory rule's inputs, shared with the arena.
-        ``storage``: where snapshot files go (default: the directory ``snapshot_dir``).
+        ``direct_io``: ``--direct-io`` (writes, off): whether snapshot writes may use O_DIRECT.
         ``store_uri``: the store each durable snapshot is uploaded to (None: none).
         ``tenant_snapshot_quota``: bytes of snapshots one tenant may keep here (0: no quota)."""
         if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 1:
@@ -93,8 +93,8 @@ class SnapshotCoordinator:
             raise ValueError("give max_bandwidth or a copy_policy (which carries its own), not both")
         self.copy_policy = copy_policy or CopyBudgetPolicy(max_bandwidth=max_bandwidth)
         """Owns the memory rule's inputs; this coordinator records each snapshot's rate."""
-        self.directory = SnapshotDirectory(snapshot_dir, storage)
-        """The local tier, ``--snapshot-dir`` (its files: ``directory.storage``)."""
+        self.directory = SnapshotDirectory(snapshot_dir, direct_io)
+        """The local tier, ``--snapshot-dir``."""
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
         self.max_metadata_bytes = max_metadata_bytes
@@ -104,19 +104,19 @@ class SnapshotCoordinator:
         self._holding: dict[tuple[str, int], RankSnapshot] = {}  # (job, rank) -> reads a segment
         self._last_epoch = 0
         self._closed = False
-        storage = self.directory.storage
+        directory = self.directory
         try:
-            storage.create_root()
+            directory.create_root()
         except OSError as exc:
-            raise SnapshotError(f"cannot create snapshot directory {storage.root}: {exc}") from None
+            raise SnapshotError(f"cannot create snapshot directory {directory.root}: {exc}") from None
         try:
-            alone = storage.hold()
+            alone = directory.hold()
         except OSError as exc:
-            raise SnapshotError(f"cannot lock snapshot directory {storage.root}: {exc}") from None
+            raise SnapshotError(f"cannot lock snapshot directory {directory.root}: {exc}") from None
         if clean_stale and alone:
-            storage.clean_stale()
+            directory.clean_stale()
         elif clean_stale:
-            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(storage.root),
+            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(directory.root),
                       note="another live server uses this directory: its partial snapshots are left alone")
         self.uploader = None
         if store_uri:
@@ -232,7 +232,7 @@ class SnapshotCoordinator:
                 "the job's retention (keep_latest), remove old jobs, or ask for a larger quota"
             )
         partial = self.directory.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
-        group = SnapshotGroup(self.directory.storage, source, partial, self._retention_for(source))
+        group = SnapshotGroup(self.directory, source, partial, self._retention_for(source))
         self._groups[(source.job_id, source.step)] = group
         finished = sorted((g.finished_monotonic, key) for key, g in self._groups.items()
                           if g.finished_monotonic is not None
@@ -253,7 +253,7 @@ class SnapshotCoordinator:
         header = source.header
         self._last_epoch = max(self._last_epoch, header.highest_cow_epoch(), header[Word.ABANDONED_EPOCH]) + 1
         writer = RankWriter(
-            source, metadata, self._last_epoch, storage=self.directory.storage, partial=group.partial,
+            source, metadata, self._last_epoch, directory=self.directory, partial=group.partial,
             limiter=self._limiter, cancel=group.cancel, started_monotonic=time.monotonic(),
             stage_threads=self.stage_threads, model_copy_timeout_s=self.model_copy_timeout_s,
         )
@@ -351,13 +351,13 @@ class SnapshotCoordinator:
             group.fail(exc)
             return
         except OSError as exc:
-            group.fail(from_os_error(exc, f"committing {group.snapshot_id}", self.directory.storage.root))
+            group.fail(from_os_error(exc, f"committing {group.snapshot_id}", self.directory.root))
             return
         except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
             group.fail(SnapshotError(f"unexpected error committing {group.snapshot_id}: {exc!r}"))
             return
         if self.uploader is not None:  # before the waiters wake: their status says uploading
-            self.uploader.submit_committed(index, commit.path, group.keep)
+            self.uploader.submit(SnapshotInfo.of(index, commit.path, latest=True), group.keep)
         with group.cond:
             group.commit = commit
             group.state = SnapshotState.DURABLE
@@ -439,4 +439,4 @@ class SnapshotCoordinator:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self.uploader is not None:
             self.uploader.close()
-        self.directory.storage.release()
+        self.directory.release()

@@ -20,8 +20,7 @@ from swap_state.common.snapshot_errors import (
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
-from swap_state.server.snapshot.storage import SnapshotStorage
-from swap_state.server.snapshot.directory import CommitResult
+from swap_state.server.snapshot.directory import CommitResult, SnapshotDirectory
 from swap_state.server.snapshot.waiting import WatchedCondition
 from swap_state.server.snapshot.writer import RankResult, RankWriter
 
@@ -33,16 +32,16 @@ log = logging.getLogger("swap_state.server.snapshot_coordinator")
 class SnapshotGroup:
     """The ranks of one (job, step). Its condition guards every field below."""
 
-    def __init__(self, storage: SnapshotStorage, source: SnapshotSource, partial: pathlib.PurePath,
+    def __init__(self, directory: SnapshotDirectory, source: SnapshotSource, partial: pathlib.PurePath,
                  keep: int | None):
-        self.storage = storage
+        self.directory = directory
         self.keep = keep
         """Retention applied at commit: the job's wish, never below the server's floor."""
         self.job_id, self.step, self.world_size = source.job_id, source.step, source.world_size
         self.local_world_size = source.expected_ranks
         """Distinct ranks that complete the group (this server's share of ``world_size``)."""
         self.partial = partial
-        """The partial snapshot the ranks write into (the storage's)."""
+        """The partial snapshot the ranks write into (the directory's)."""
         self.snapshot_id = snapshot_id_for(self.job_id, self.step)
         self.tenant = source.tenant
         """The tenant that owns the job (``--tenants``), recorded in ``snapshot.json``."""
@@ -152,7 +151,7 @@ class SnapshotGroup:
             if self.state is not SnapshotState.FAILED or self.live_threads or self.discarded:
                 return
             self.discarded = True  # claimed: exactly one caller removes the partial snapshot
-        self.storage.discard(self.partial)
+        self.directory.discard(self.partial)
         with self.cond:
             self.discarded_done = True
             self.cond.notify_all()
