@@ -23,11 +23,10 @@ import asyncio
 import contextlib
 import logging
 import os
-import pathlib
 import threading
 import time
 
-from swap_state.common.segment import CopyBudget, SegmentLayout, Word
+from swap_state.common.segment import Word
 from swap_state.common.errors import PermissionDenied, ResourceExhausted
 from swap_state.common.sizes import format_size
 from swap_state.common.snapshot_errors import (
@@ -66,7 +65,7 @@ class SnapshotCoordinator:
     """Starts, tracks and commits snapshots under one snapshot directory."""
 
     def __init__(self, snapshot_dir: str | os.PathLike[str], *, keep_latest: int | None = 2,
-                 max_bandwidth: float | None = None, assemble_timeout_s: float = 300.0,
+                 assemble_timeout_s: float = 300.0,
                  max_metadata_bytes: int = MAX_METADATA_BYTES, clean_stale: bool = True,
                  stage_threads: int = 1, model_copy_timeout_s: float = 60.0,
                  copy_policy: CopyBudgetPolicy | None = None,
@@ -74,12 +73,12 @@ class SnapshotCoordinator:
                  store_timeout_s: float = 60.0, store_max_bandwidth: float | None = None,
                  tenant_snapshot_quota: int = 0):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
-        ``max_bandwidth``: bytes/s for all snapshot I/O (None: no cap; else the ``copy_policy``'s).
         ``assemble_timeout_s``: fail when not all ``local_world_size`` ranks started by then.
         ``clean_stale``: remove a previous run's partial snapshots (False: a live server shares it).
         ``stage_threads``: stager threads per persisting rank (>= 1).
         ``model_copy_timeout_s``: the wait for the trainer's copy of the model (protocol step 5).
-        ``copy_policy``: the memory rule's inputs, shared with the arena.
+        ``copy_policy``: the memory rule's inputs, shared with the arena, and the cap in bytes/s
+        on all snapshot I/O (``--persist-max-bandwidth``; default: no cap).
         ``direct_io``: ``--direct-io`` (writes, off): whether snapshot writes may use O_DIRECT.
         ``store_uri``: the store each durable snapshot is uploaded to (None: none).
         ``tenant_snapshot_quota``: bytes of snapshots one tenant may keep here (0: no quota)."""
@@ -89,9 +88,7 @@ class SnapshotCoordinator:
         self.tenant_snapshot_quota = tenant_snapshot_quota
         self.stage_threads = stage_threads
         self.model_copy_timeout_s = model_copy_timeout_s
-        if copy_policy is not None and max_bandwidth is not None:
-            raise ValueError("give max_bandwidth or a copy_policy (which carries its own), not both")
-        self.copy_policy = copy_policy or CopyBudgetPolicy(max_bandwidth=max_bandwidth)
+        self.copy_policy = copy_policy or CopyBudgetPolicy()
         """Owns the memory rule's inputs; this coordinator records each snapshot's rate."""
         self.directory = SnapshotDirectory(snapshot_dir, direct_io)
         """The local tier, ``--snapshot-dir``."""
@@ -126,22 +123,6 @@ class SnapshotCoordinator:
         """The store tier, ``--snapshot-store`` (None: none)."""
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
 
-    @property
-    def snapshot_dir(self) -> pathlib.Path:
-        return self.directory.root
-
-    @property
-    def assumed_fwd_bwd_s(self) -> float:
-        return self.copy_policy.fwd_bwd_s
-
-    def persist_bandwidth(self) -> tuple[float, bool]:
-        """(bytes/s, measured): the pace of recent snapshots, or the assumed one (the policy's)."""
-        return self.copy_policy.rate()
-
-    def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
-        """The memory rule for a segment of ``layout`` (the policy's)."""
-        return self.copy_policy.budget(layout)
-
     def note_epoch(self, epoch: int) -> None:
         """An epoch a dead server opened in an adopted segment: later ones number above it."""
         self._last_epoch = max(self._last_epoch, epoch)  # at start, before any snapshot
@@ -161,7 +142,7 @@ class SnapshotCoordinator:
             if isinstance(group, RankSnapshot):
                 return group  # a retry of this rank's Snapshot call
             handle = self._join(group, source, metadata, hold)
-        budget = self.copy_budget(source.layout)  # after the publish: the trainer's stall is not for this
+        budget = self.copy_policy.budget(source.layout)  # after the publish: the trainer's stall is not for this
         if budget.short_bytes:
             log_event(
                 log, "copy_budget_short", logging.WARNING, job_id=source.job_id, rank=source.rank,
@@ -379,15 +360,11 @@ class SnapshotCoordinator:
         with group.cond:
             return group.handles.get(rank)
 
-    def status(self, snapshot_id: str, rank: int) -> SnapshotStatus:
-        """A rank's status now; one not in memory from disk, else the store (else SnapshotNotFound).
-        Blocking: not for the event loop (:meth:`wait_status` is, and this runs it)."""
-        return asyncio.run(self.wait_status(snapshot_id, rank))
-
     async def wait_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0,
                           wait_stored: bool = False) -> SnapshotStatus:
-        """:meth:`status` after waiting up to ``wait_s`` for a terminal state (``wait_stored``: for
-        stored); awaits without holding a thread, save for reads from disk or the store."""
+        """A rank's status (one not in memory from disk, else the store, else SnapshotNotFound)
+        after waiting up to ``wait_s`` for a terminal state (``wait_stored``: for stored); awaits
+        without holding a thread, save for reads from disk or the store."""
         deadline = time.monotonic() + wait_s
         handle = self.handle(snapshot_id, rank)
         if handle is not None:

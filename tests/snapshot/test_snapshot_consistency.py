@@ -147,5 +147,5 @@ def test_status_in_progress_and_from_disk(make_segment, make_coordinator, tmp_pa
     assert coordinator.in_progress() == []
     # A new coordinator (a restarted server) answers from the manifest on disk.
     later = make_coordinator(tmp_path / "snapshots")
-    status = later.status("job/step-2", 0)
+    status = asyncio.run(later.wait_status("job/step-2", 0))
     assert status.state is SnapshotState.DURABLE and status.bytes_total == handle.status().bytes_total
