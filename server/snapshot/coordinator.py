@@ -10,7 +10,7 @@ Call order (the servicer):
 3. SnapshotStatus RPC: ``await coordinator.wait_status(snapshot_id, rank, wait_s)``:
    ``durable`` once this server's ``local_world_size`` ranks are on disk and committed,
    ``failed`` otherwise; ``stored`` once uploaded to the store, if any. ``in_progress()``: Stats.
-4. Before unmapping a segment: ``handle.cancel(reason)``, ``handle.wait_segment_released()``.
+4. Before unmapping a segment: ``handle.cancel(reason)``, ``handle.segment_released.wait()``.
 5. Server shutdown: ``coordinator.close()``.
 
 The ranks of a (job, step) on this server form a group that commits or fails together

@@ -1,7 +1,7 @@
 """One snapshot as the coordinator tracks it: the group of ranks of a (job, step) on this
 server (:class:`SnapshotGroup`), which commits or fails together (a failed rank cancels the
 others, their partial files go), and each rank's :class:`RankSnapshot`, the handle the servicer
-holds (``status()``, ``wait()``, ``wait_segment_released()``, ``proceed()``, ``cancel()``).
+holds (``status()``, ``wait()``, ``segment_released``, ``proceed()``, ``cancel()``).
 """
 
 from __future__ import annotations
@@ -165,6 +165,11 @@ class RankSnapshot:
         self.writer = writer
         """The rank's writer; the coordinator publishes, runs and releases through it."""
         self.rank = rank
+        self.epoch = writer.epoch
+        """The SNAP_EPOCH this rank's snapshot published."""
+        self.segment_released = writer.segment_released
+        """Set once the server no longer reads this rank's segment (safe to unmap); coroutines
+        await it without holding a thread (``wait_async``)."""
         self.thread: threading.Thread | None = None
         self.commits_at_start = writer.source.header[Word.TRAINER_COMMITS]
         """The segment's TRAINER_COMMITS when the snapshot began: a later Snapshot call of the
@@ -179,11 +184,6 @@ class RankSnapshot:
     @property
     def snapshot_id(self) -> str:
         return self._group.snapshot_id
-
-    @property
-    def epoch(self) -> int:
-        """The SNAP_EPOCH this rank's snapshot published."""
-        return self.writer.epoch
 
     @property
     def exception(self) -> SnapshotError | None:
@@ -229,14 +229,6 @@ class RankSnapshot:
         """:meth:`wait` for event-loop code: holds no thread while it waits."""
         await self._group.cond.until(self._settled, timeout)
         return self.status()
-
-    def wait_segment_released(self, timeout: float | None = None) -> bool:
-        """True once the server no longer reads this rank's segment (safe to unmap)."""
-        return self.writer.segment_released.wait(timeout)
-
-    async def segment_released(self) -> None:
-        """:meth:`wait_segment_released` for event-loop code: holds no thread while it waits."""
-        await self.writer.segment_released.wait_async()
 
     def proceed(self) -> None:
         """Let a writer started with ``hold=True`` stream (idempotent; see RankWriter.go)."""
