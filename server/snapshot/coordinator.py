@@ -65,11 +65,9 @@ class SnapshotCoordinator:
     """Starts, tracks and commits snapshots under one snapshot directory."""
 
     def __init__(self, snapshot_dir: str | os.PathLike[str], *, keep_latest: int | None = 2,
-                 assemble_timeout_s: float = 300.0,
-                 max_metadata_bytes: int = MAX_METADATA_BYTES, clean_stale: bool = True,
-                 stage_threads: int = 1, model_copy_timeout_s: float = 60.0,
-                 copy_policy: CopyBudgetPolicy | None = None,
-                 direct_io: str = "writes", store_uri: str | None = None,
+                 assemble_timeout_s: float = 300.0, max_metadata_bytes: int = MAX_METADATA_BYTES,
+                 clean_stale: bool = True, stage_threads: int = 1, model_copy_timeout_s: float = 60.0,
+                 copy_policy: CopyBudgetPolicy | None = None, direct_io: str = "writes", store_uri: str | None = None,
                  store_timeout_s: float = 60.0, store_max_bandwidth: float | None = None,
                  tenant_snapshot_quota: int = 0):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
