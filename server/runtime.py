@@ -51,7 +51,6 @@ from swap_state.server.observability.metrics import MetricsServer, metrics_regis
 from swap_state.server.rpc.service import SwapStateService
 from swap_state.server.rpc.validation import validate_descriptor
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
-from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.memory.sessions import SessionRegistry
 
 __all__ = ["RunningServer", "SERVICE_NAME", "grpc_server_options", "start_server"]
@@ -211,7 +210,7 @@ def _build_service(config: ServerConfig, listen: ListenAddress, gid: int | None,
             model_copy_timeout_s=config.model_copy_timeout, copy_policy=copy_policy,
             store_uri=config.snapshot_store, store_timeout_s=config.snapshot_store_timeout,
             store_max_bandwidth=config.snapshot_store_max_bandwidth or None,
-            storage=SnapshotStorage(config.snapshot_dir, direct_io=config.direct_io),
+            direct_io=config.direct_io,
         )
         undo.callback(snapshots.close)
     return SwapStateService(registry, arena, keepalive_interval=config.keepalive_interval,

@@ -187,8 +187,8 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         jobs = {s.job_id for s in sessions}
         in_progress = self.snapshots.in_progress() if self.snapshots else ()
         if self.snapshots is not None:
-            persist, measured = self.snapshots.persist_bandwidth()
-            fwd_bwd, stage_threads = self.snapshots.assumed_fwd_bwd_s, self.snapshots.stage_threads
+            persist, measured = self.snapshots.copy_policy.rate()
+            fwd_bwd, stage_threads = self.snapshots.copy_policy.fwd_bwd_s, self.snapshots.stage_threads
         else:
             persist, measured, fwd_bwd, stage_threads = 0.0, False, 0.0, 0
         return pb.StatsReply(

@@ -77,5 +77,5 @@ async def finish_snapshot(handle: RankSnapshot, held: contextlib.ExitStack,
     once the group is settled (all its ranks durable, or failed). Awaits without holding a
     thread: a rank may wait minutes for the others of its group."""
     with held:
-        await handle.segment_released()
+        await handle.segment_released.wait_async()
     counters.record(await handle.wait_async())

@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import ContextManager
 
 from swap_state.common.segment import SegmentLayout
@@ -123,7 +123,13 @@ def assemble(source: Source, view: memoryview, layout: SegmentLayout, *, rank: i
     if info.world_size == world_size:
         own = source.read_manifest(rank)  # SnapshotNotFound: this rank's file is on another host
         if _same_layout(own, layout, placement):
-            return _whole_rank(source, own, view, layout, rank, reserve_staging, staging_free_bytes)
+            # The trivial plan: the rank's own file, whole (each tensor a piece of itself).
+            plan = {t.name: [Piece(rank, t, (Run(0, 0, t.nbytes),))] if t.nbytes else [] for t in own.tensors}
+            staged, pinned = _read_pieces(source, {rank: own}, plan, view, layout, rank, reserve_staging,
+                                          staging_free_bytes, own if source.whole_files else None)
+            return RestoreResult(info.snapshot_id, info.step, own.metadata_json,
+                                 sum(t.nbytes for t in own.tensors), staged, pinned, source.where,
+                                 info.world_size, (rank,))
         if placement is None or not placement.tensors:
             check_layout(info, own, layout, world_size)  # raises, naming the first difference
     read = RECENT.read(source)
@@ -152,26 +158,15 @@ def assemble(source: Source, view: memoryview, layout: SegmentLayout, *, rank: i
                          info.world_size, tuple(needed), read.planned_from)
 
 
-def _whole_rank(source: Source, own: RankManifest, view: memoryview, layout: SegmentLayout, rank: int,
-                reserve_staging, staging_free_bytes) -> RestoreResult:
-    """The trivial plan: the rank's own file, whole, into its segment (each tensor a piece of itself)."""
-    plan = {t.name: [Piece(rank, t, (Run(0, 0, t.nbytes),))] if t.nbytes else [] for t in own.tensors}
-    whole = own if source.whole_files else None
-    staged, pinned = _read_pieces(source, {rank: own}, plan, view, layout, rank, reserve_staging,
-                                  staging_free_bytes, whole)
-    info = source.info
-    return RestoreResult(info.snapshot_id, info.step, own.metadata_json, sum(t.nbytes for t in own.tensors),
-                         staged, pinned, source.where, info.world_size, (rank,))
-
-
 def _read_pieces(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
                  view: memoryview, layout: SegmentLayout, rank: int, reserve_staging, staging_free_bytes,
                  whole: RankManifest | None = None) -> tuple[bool, bool]:
     """Every piece of ``plan`` read, verified, then copied into ``view``: (staged, pinned).
     ``whole``: a local rank file the plan takes whole, staged as one file when the budget holds it."""
     by_name = {t.name: t for t in layout.tensors}
+    items = [(name, piece) for name, pieces in plan.items() for piece in pieces]
     # Staged: every piece's whole source tensor (its checksum covers it whole).
-    nbytes = sum(piece.source.nbytes for pieces in plan.values() for piece in pieces)
+    nbytes = sum(piece.source.nbytes for _, piece in items)
     read = [whole] if whole is not None else [manifests[r] for r in ranks_needed(plan)]
     reserved = reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
     with reserved as granted:
@@ -182,14 +177,14 @@ def _read_pieces(source: Source, manifests: Mapping[int, RankManifest], plan: Ma
         if granted:
             # Held as read, then (all verified) copied. Not copied into a staging area first:
             # that was 0.53 GB/s against 0.85 GB/s this way (docs/benchmarks.md).
-            _copy_pieces(view, by_name, list(_read_pieces_data(source, manifests, plan)))
+            read_all = [(name, piece, _read_piece(source, manifests, piece)) for name, piece in items]
+            _copy_pieces(view, by_name, read_all)
             return True, False
     log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=source.info.snapshot_id, rank=rank,
               staged_bytes_needed=nbytes, budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
               detail="the budget's free bytes cannot hold the staged state: verifying the sources, then "
               "reading them again into the segment")
     # One source tensor held at a time: verify everything first, then read each again and copy it.
-    items = [(name, piece) for name, pieces in plan.items() for piece in pieces]
     for _name, piece in items:
         _read_piece(source, manifests, piece)
     for name, piece in items:
@@ -283,14 +278,6 @@ class RecentSnapshots:
 
 #: The server's one :class:`RecentSnapshots` (restores run in its executor threads).
 RECENT = RecentSnapshots()
-
-
-def _read_pieces_data(source: Source, manifests: Mapping[int, RankManifest],
-                      plan: Mapping[str, list[Piece]]) -> Iterator[tuple[str, Piece, bytes]]:
-    """Every piece's source tensor, read and verified, as (target name, piece, bytes)."""
-    for name, pieces in plan.items():
-        for piece in pieces:
-            yield name, piece, _read_piece(source, manifests, piece)
 
 
 def _read_piece(source: Source, manifests: Mapping[int, RankManifest], piece: Piece,

@@ -10,7 +10,7 @@ Call order (the servicer):
 3. SnapshotStatus RPC: ``await coordinator.wait_status(snapshot_id, rank, wait_s)``:
    ``durable`` once this server's ``local_world_size`` ranks are on disk and committed,
    ``failed`` otherwise; ``stored`` once uploaded to the store, if any. ``in_progress()``: Stats.
-4. Before unmapping a segment: ``handle.cancel(reason)``, ``handle.wait_segment_released()``.
+4. Before unmapping a segment: ``handle.cancel(reason)``, ``handle.segment_released.wait()``.
 5. Server shutdown: ``coordinator.close()``.
 
 The ranks of a (job, step) on this server form a group that commits or fails together
@@ -23,11 +23,10 @@ import asyncio
 import contextlib
 import logging
 import os
-import pathlib
 import threading
 import time
 
-from swap_state.common.segment import CopyBudget, SegmentLayout, Word
+from swap_state.common.segment import Word
 from swap_state.common.errors import PermissionDenied, ResourceExhausted
 from swap_state.common.sizes import format_size
 from swap_state.common.snapshot_errors import (
@@ -38,6 +37,7 @@ from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_format import LAYOUT_NAME, FileRecord, SnapshotIndex
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, SnapshotMetadata, parse_metadata
 from swap_state.common.snapshot_metadata_parts import MetadataParts
+from swap_state.common.snapshot_reader import SnapshotInfo
 from swap_state.common.names import parse_snapshot_id, shorten
 from swap_state.common.object_store import open_store
 from swap_state.common.stored_snapshots import StoredSnapshots
@@ -49,7 +49,6 @@ from swap_state.server.snapshot.group import RankSnapshot, SnapshotGroup
 from swap_state.server.snapshot.layout_index import LayoutIndex
 from swap_state.server.snapshot.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
-from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.snapshot.directory import SnapshotDirectory
 from swap_state.server.snapshot.upload import SnapshotUploader
 from swap_state.server.snapshot.writer import Cancelled, RankWriter
@@ -66,21 +65,19 @@ class SnapshotCoordinator:
     """Starts, tracks and commits snapshots under one snapshot directory."""
 
     def __init__(self, snapshot_dir: str | os.PathLike[str], *, keep_latest: int | None = 2,
-                 max_bandwidth: float | None = None, assemble_timeout_s: float = 300.0,
-                 max_metadata_bytes: int = MAX_METADATA_BYTES, clean_stale: bool = True,
-                 stage_threads: int = 1, model_copy_timeout_s: float = 60.0,
-                 copy_policy: CopyBudgetPolicy | None = None,
-                 storage: SnapshotStorage | None = None, store_uri: str | None = None,
+                 assemble_timeout_s: float = 300.0, max_metadata_bytes: int = MAX_METADATA_BYTES,
+                 clean_stale: bool = True, stage_threads: int = 1, model_copy_timeout_s: float = 60.0,
+                 copy_policy: CopyBudgetPolicy | None = None, direct_io: str = "writes", store_uri: str | None = None,
                  store_timeout_s: float = 60.0, store_max_bandwidth: float | None = None,
                  tenant_snapshot_quota: int = 0):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
-        ``max_bandwidth``: bytes/s for all snapshot I/O (None: no cap; else the ``copy_policy``'s).
         ``assemble_timeout_s``: fail when not all ``local_world_size`` ranks started by then.
         ``clean_stale``: remove a previous run's partial snapshots (False: a live server shares it).
         ``stage_threads``: stager threads per persisting rank (>= 1).
         ``model_copy_timeout_s``: the wait for the trainer's copy of the model (protocol step 5).
-        ``copy_policy``: the memory rule's inputs, shared with the arena.
-        ``storage``: where snapshot files go (default: the directory ``snapshot_dir``).
+        ``copy_policy``: the memory rule's inputs, shared with the arena, and the cap in bytes/s
+        on all snapshot I/O (``--persist-max-bandwidth``; default: no cap).
+        ``direct_io``: ``--direct-io`` (writes, off): whether snapshot writes may use O_DIRECT.
         ``store_uri``: the store each durable snapshot is uploaded to (None: none).
         ``tenant_snapshot_quota``: bytes of snapshots one tenant may keep here (0: no quota)."""
         if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 1:
@@ -89,12 +86,10 @@ class SnapshotCoordinator:
         self.tenant_snapshot_quota = tenant_snapshot_quota
         self.stage_threads = stage_threads
         self.model_copy_timeout_s = model_copy_timeout_s
-        if copy_policy is not None and max_bandwidth is not None:
-            raise ValueError("give max_bandwidth or a copy_policy (which carries its own), not both")
-        self.copy_policy = copy_policy or CopyBudgetPolicy(max_bandwidth=max_bandwidth)
+        self.copy_policy = copy_policy or CopyBudgetPolicy()
         """Owns the memory rule's inputs; this coordinator records each snapshot's rate."""
-        self.directory = SnapshotDirectory(snapshot_dir, storage)
-        """The local tier, ``--snapshot-dir`` (its files: ``directory.storage``)."""
+        self.directory = SnapshotDirectory(snapshot_dir, direct_io)
+        """The local tier, ``--snapshot-dir``."""
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
         self.max_metadata_bytes = max_metadata_bytes
@@ -104,19 +99,19 @@ class SnapshotCoordinator:
         self._holding: dict[tuple[str, int], RankSnapshot] = {}  # (job, rank) -> reads a segment
         self._last_epoch = 0
         self._closed = False
-        storage = self.directory.storage
+        directory = self.directory
         try:
-            storage.create_root()
+            directory.create_root()
         except OSError as exc:
-            raise SnapshotError(f"cannot create snapshot directory {storage.root}: {exc}") from None
+            raise SnapshotError(f"cannot create snapshot directory {directory.root}: {exc}") from None
         try:
-            alone = storage.hold()
+            alone = directory.hold()
         except OSError as exc:
-            raise SnapshotError(f"cannot lock snapshot directory {storage.root}: {exc}") from None
+            raise SnapshotError(f"cannot lock snapshot directory {directory.root}: {exc}") from None
         if clean_stale and alone:
-            storage.clean_stale()
+            directory.clean_stale()
         elif clean_stale:
-            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(storage.root),
+            log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(directory.root),
                       note="another live server uses this directory: its partial snapshots are left alone")
         self.uploader = None
         if store_uri:
@@ -125,22 +120,6 @@ class SnapshotCoordinator:
         self.stored = self.uploader.stored if self.uploader is not None else None
         """The store tier, ``--snapshot-store`` (None: none)."""
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
-
-    @property
-    def snapshot_dir(self) -> pathlib.Path:
-        return self.directory.root
-
-    @property
-    def assumed_fwd_bwd_s(self) -> float:
-        return self.copy_policy.fwd_bwd_s
-
-    def persist_bandwidth(self) -> tuple[float, bool]:
-        """(bytes/s, measured): the pace of recent snapshots, or the assumed one (the policy's)."""
-        return self.copy_policy.rate()
-
-    def copy_budget(self, layout: SegmentLayout) -> CopyBudget:
-        """The memory rule for a segment of ``layout`` (the policy's)."""
-        return self.copy_policy.budget(layout)
 
     def note_epoch(self, epoch: int) -> None:
         """An epoch a dead server opened in an adopted segment: later ones number above it."""
@@ -161,7 +140,7 @@ class SnapshotCoordinator:
             if isinstance(group, RankSnapshot):
                 return group  # a retry of this rank's Snapshot call
             handle = self._join(group, source, metadata, hold)
-        budget = self.copy_budget(source.layout)  # after the publish: the trainer's stall is not for this
+        budget = self.copy_policy.budget(source.layout)  # after the publish: the trainer's stall is not for this
         if budget.short_bytes:
             log_event(
                 log, "copy_budget_short", logging.WARNING, job_id=source.job_id, rank=source.rank,
@@ -232,7 +211,7 @@ class SnapshotCoordinator:
                 "the job's retention (keep_latest), remove old jobs, or ask for a larger quota"
             )
         partial = self.directory.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
-        group = SnapshotGroup(self.directory.storage, source, partial, self._retention_for(source))
+        group = SnapshotGroup(self.directory, source, partial, self._retention_for(source))
         self._groups[(source.job_id, source.step)] = group
         finished = sorted((g.finished_monotonic, key) for key, g in self._groups.items()
                           if g.finished_monotonic is not None
@@ -253,7 +232,7 @@ class SnapshotCoordinator:
         header = source.header
         self._last_epoch = max(self._last_epoch, header.highest_cow_epoch(), header[Word.ABANDONED_EPOCH]) + 1
         writer = RankWriter(
-            source, metadata, self._last_epoch, storage=self.directory.storage, partial=group.partial,
+            source, metadata, self._last_epoch, directory=self.directory, partial=group.partial,
             limiter=self._limiter, cancel=group.cancel, started_monotonic=time.monotonic(),
             stage_threads=self.stage_threads, model_copy_timeout_s=self.model_copy_timeout_s,
         )
@@ -351,13 +330,13 @@ class SnapshotCoordinator:
             group.fail(exc)
             return
         except OSError as exc:
-            group.fail(from_os_error(exc, f"committing {group.snapshot_id}", self.directory.storage.root))
+            group.fail(from_os_error(exc, f"committing {group.snapshot_id}", self.directory.root))
             return
         except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
             group.fail(SnapshotError(f"unexpected error committing {group.snapshot_id}: {exc!r}"))
             return
         if self.uploader is not None:  # before the waiters wake: their status says uploading
-            self.uploader.submit_committed(index, commit.path, group.keep)
+            self.uploader.submit(SnapshotInfo.of(index, commit.path, latest=True), group.keep)
         with group.cond:
             group.commit = commit
             group.state = SnapshotState.DURABLE
@@ -379,15 +358,11 @@ class SnapshotCoordinator:
         with group.cond:
             return group.handles.get(rank)
 
-    def status(self, snapshot_id: str, rank: int) -> SnapshotStatus:
-        """A rank's status now; one not in memory from disk, else the store (else SnapshotNotFound).
-        Blocking: not for the event loop (:meth:`wait_status` is, and this runs it)."""
-        return asyncio.run(self.wait_status(snapshot_id, rank))
-
     async def wait_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0,
                           wait_stored: bool = False) -> SnapshotStatus:
-        """:meth:`status` after waiting up to ``wait_s`` for a terminal state (``wait_stored``: for
-        stored); awaits without holding a thread, save for reads from disk or the store."""
+        """A rank's status (one not in memory from disk, else the store, else SnapshotNotFound)
+        after waiting up to ``wait_s`` for a terminal state (``wait_stored``: for stored); awaits
+        without holding a thread, save for reads from disk or the store."""
         deadline = time.monotonic() + wait_s
         handle = self.handle(snapshot_id, rank)
         if handle is not None:
@@ -439,4 +414,4 @@ class SnapshotCoordinator:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self.uploader is not None:
             self.uploader.close()
-        self.directory.storage.release()
+        self.directory.release()

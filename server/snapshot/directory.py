@@ -1,26 +1,52 @@
-"""The server's ``--snapshot-dir``: the commit sequence and retention, over its storage.
+"""The server's ``--snapshot-dir``: :class:`SnapshotDirectory`, where snapshot files go, their
+commit sequence and retention. Reading is its base's,
+:class:`~swap_state.common.snapshot_reader.SnapshotReader`; the files are written through
+:class:`~.storage.SnapshotFile` (modelled on DCP's ``StorageWriter``: callers hand it names
+and bytes, never build paths).
 
-Reading is :class:`~swap_state.common.snapshot_reader.SnapshotReader`'s, which this extends;
-where the files go is its :class:`~.storage.SnapshotStorage`'s. Writing (the coordinator):
-:meth:`~SnapshotDirectory.prepare_partial` per snapshot, the ranks' files, then
-:meth:`~SnapshotDirectory.commit`, or the storage's ``discard`` on failure.
+Directory layout under the root::
+
+    <root>/<job_id>/step-<N:012d>/          complete snapshots (snapshot.json present)
+    <root>/<job_id>/.partial-step-<N:012d>/ a snapshot being written (never listed)
+    <root>/<job_id>/.deleting-step-<N>/     an old snapshot being removed by retention
+    <root>/<job_id>/latest                  "step-<N:012d>": the last committed snapshot
+    <root>/.swap-state.lock                 a shared flock per live server
+
+Call order: ``create_root``, ``hold``, ``clean_stale`` (when alone) at server start; per
+snapshot :meth:`~SnapshotDirectory.prepare_partial`, ``create_file``/``write_durable`` per
+rank, then :meth:`~SnapshotDirectory.commit` (atomic: complete from here; ``latest``,
+retention's unlisting) and off the durability path ``empty_trash``, or ``discard`` on failure;
+``release`` at shutdown.
+
+Durability: a file is fsynced before it counts, a directory after names change in it;
+publication is a ``rename`` of the partial directory, removal a ``rename`` out of the listed
+names first: a directory removed halfway never looks complete. Every path is confined under
+the root. I/O failures raise ``OSError``; a path leaving the root SnapshotInvalid.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import pathlib
+import shutil
 import threading
+import time
 from collections.abc import Callable
 
-from swap_state.common.names import snapshot_id_for
+from swap_state.common.names import snapshot_id_for, step_dir_name
+from swap_state.common.object_store import fsync_dir
 from swap_state.common.snapshot_errors import SnapshotExists, from_os_error
 from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, LAYOUT_NAME, SnapshotIndex, dumps_json, partial_dir_name
 from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
-from swap_state.server.snapshot.storage import SnapshotStorage, StepState
+from swap_state.server.snapshot.storage import DIR_MODE, FILE_MODE, SnapshotFile, write_durable
 
-__all__ = ["SnapshotInfo", "CommitResult", "SnapshotDirectory"]
+__all__ = ["SnapshotInfo", "CommitResult", "SnapshotDirectory", "LOCK_NAME"]
+
+LOCK_NAME = ".swap-state.lock"
+_DELETING_PREFIX = ".deleting-"
+_LATEST_TMP = ".latest.tmp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,75 +63,176 @@ class CommitResult:
 
 
 class SnapshotDirectory(SnapshotReader):
-    """The snapshot root, read and written by the server. Thread-safe."""
+    """The snapshot root on a filesystem with POSIX rename and fsync, read and written by the
+    server. Thread-safe for different snapshots; commits serialise."""
 
-    def __init__(self, root: str | os.PathLike[str], storage: SnapshotStorage | None = None):
-        """``storage``: where the files go (default: the local directory ``root``)."""
+    def __init__(self, root: str | os.PathLike[str], direct_io: str = "writes"):
+        """``direct_io``: ``--direct-io`` (writes, off): whether snapshot writes may use O_DIRECT."""
         super().__init__(root)
+        self.direct_writes = direct_io == "writes"
         self.in_use: Callable[[str], set[int]] = lambda job_id: set()
         """The steps of a job retention must keep beyond ``keep_latest`` (the uploader's)."""
-        self.storage: SnapshotStorage = storage if storage is not None else SnapshotStorage(self.root)
         # Commits of different snapshots serialize here: latest and retention read the job dir.
         self._commit_lock = threading.Lock()
+        self._lock_fd: int | None = None
+
+    def create_root(self) -> None:
+        """Create the root if it is missing."""
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def hold(self) -> bool:
+        """A shared ``flock`` on ``.swap-state.lock`` until :meth:`release`; True when an exclusive
+        one was free first (no other live server, whose partial snapshots are not stale)."""
+        self._lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alone = True
+        except BlockingIOError:
+            alone = False
+        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)  # converts an exclusive lock, or waits for one
+        return alone
+
+    def release(self) -> None:
+        """Drop the share :meth:`hold` took."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the file releases the lock
+
+    def clean_stale(self) -> None:
+        """Remove ``.partial-*``, ``.deleting-*`` and the latest pointer's temp file of every job."""
+        for job in self.jobs():
+            job_dir = self.job_dir(job)
+            for name in os.listdir(job_dir):
+                path = job_dir / name
+                if name.startswith((".partial-", _DELETING_PREFIX)) and path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                elif name == _LATEST_TMP:
+                    path.unlink(missing_ok=True)
 
     def prepare_partial(self, job_id: str, step: int, replace: bool = False) -> pathlib.PurePath:
-        """An empty partial snapshot of ``step`` (replacing a stale one). SnapshotExists when
-        that step is already complete, unless ``replace`` (then :meth:`commit` replaces it)."""
-        state = self.storage.step_state(job_id, step)
-        if state is StepState.COMPLETE and not replace:
-            raise SnapshotExists(f"snapshot {snapshot_id_for(job_id, step)} already exists at "
-                                 f"{self.storage.location(job_id, step)}, from an earlier attempt at that "
-                                 "step: use a new job id, or let the snapshot replace it "
-                                 "(SnapshotRequest.replace_existing; torchtitan's glue does)")
-        if state is StepState.OTHER:
+        """A fresh, empty partial snapshot of ``step`` (a stale one is replaced; never listed).
+        SnapshotExists when that step is already complete, unless ``replace`` (then
+        :meth:`commit` replaces it)."""
+        final = self.final_dir(job_id, step)
+        if self.load_index(job_id, final, step) is not None:
+            if not replace:
+                raise SnapshotExists(f"snapshot {snapshot_id_for(job_id, step)} already exists at {final}, "
+                                     "from an earlier attempt at that step: use a new job id, or let the "
+                                     "snapshot replace it (SnapshotRequest.replace_existing; torchtitan's "
+                                     "glue does)")
+        elif os.path.lexists(final):
             # Not ours (we only ever publish complete snapshots there): refuse to touch it.
-            raise SnapshotExists(f"{self.storage.location(job_id, step)} exists but is not a complete "
-                                 f"snapshot; remove it to snapshot step {step}")
+            raise SnapshotExists(f"{final} exists but is not a complete snapshot; remove it to snapshot "
+                                 f"step {step}")
         try:
-            return self.storage.open_partial(job_id, step)
+            partial = self.job_dir(job_id) / partial_dir_name(step)
+            partial.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+            self.job_dir(job_id)  # re-check confinement now that it exists
+            if partial.exists():
+                shutil.rmtree(partial)
+            partial.mkdir(mode=DIR_MODE)
+            return partial
         except OSError as exc:
-            raise from_os_error(exc, f"creating {partial_dir_name(step)}", self.storage.location(job_id)) from None
+            raise from_os_error(exc, f"creating {partial_dir_name(step)}", self.job_dir(job_id)) from None
+
+    def create_file(self, partial: pathlib.PurePath, name: str) -> SnapshotFile:
+        """A new file ``name`` in ``partial`` (it must not exist), open for writing."""
+        return SnapshotFile(self._inside(partial) / name, direct=self.direct_writes)
+
+    def write_durable(self, partial: pathlib.PurePath, name: str, data: bytes) -> None:
+        """Create ``name`` in ``partial`` (it must not exist) with ``data``, durable on return."""
+        write_durable(self._inside(partial) / name, data)
 
     def commit(self, partial: pathlib.PurePath, index: SnapshotIndex, keep_latest: int | None,
                replace: bool = False, layout: bytes | None = None) -> CommitResult:
         """Publish a partial snapshot whose rank files are fsynced: write ``layout`` and
-        ``snapshot.json`` durably, seal, publish atomically as ``step-<N>``, point ``latest`` at
-        it, then retention (unlist all but the ``keep_latest`` highest steps; None keeps all;
-        bytes go in :meth:`empty_trash`). OSError before the publication is the caller's to
-        map; failures after it become warnings."""
+        ``snapshot.json`` durably, fsync the partial directory, rename it to ``step-<N>`` (an
+        existing one renamed out of the way first when ``replace``, else SnapshotExists: between
+        the renames the step is absent, never mixed), point ``latest`` at it, then retention
+        (unlist all but the ``keep_latest`` highest steps; None keeps all; bytes go in
+        :meth:`empty_trash`). OSError before the rename is the caller's to map; failures after
+        it become warnings."""
         if layout is not None:
-            self.storage.write_durable(partial, LAYOUT_NAME, layout)
-        self.storage.write_durable(partial, INDEX_NAME, dumps_json(index.to_json()))
-        self.storage.seal(partial)
+            self.write_durable(partial, LAYOUT_NAME, layout)
+        self.write_durable(partial, INDEX_NAME, dumps_json(index.to_json()))
+        fsync_dir(self._inside(partial))  # every file name created in it is durable
+        job_dir = self.job_dir(index.job_id)
+        final = job_dir / step_dir_name(index.step)
         with self._commit_lock:
-            published = self.storage.commit(partial, index.job_id, index.step, replace=replace)
-            warnings = list(published.warnings)
+            trash: list[pathlib.PurePath] = []
+            if final.exists():
+                if not replace:
+                    raise SnapshotExists(f"snapshot {index.snapshot_id} already exists at {final}")
+                trash.append(final.with_name(_DELETING_PREFIX + final.name + f".{os.getpid()}"))
+                os.rename(final, trash[0])
+            os.rename(self._inside(partial), final)
+            # From here on the snapshot is complete: what fails now is reported, not fatal.
+            warnings: list[str] = []
             try:
-                self.storage.set_latest(index.job_id, index.step)
+                fsync_dir(job_dir)
             except OSError as exc:
-                warnings.append(f"could not update {self.storage.location(index.job_id) / LATEST_NAME}: {exc}")
-            trash: list[pathlib.PurePath] = [published.replaced] if published.replaced is not None else []
+                warnings.append(f"could not fsync {job_dir} after the rename: {exc}")
+            try:
+                self._set_latest(job_dir, index.step)
+            except OSError as exc:
+                warnings.append(f"could not update {job_dir / LATEST_NAME}: {exc}")
             if keep_latest is not None:
                 self._retain(index.job_id, index.step, keep_latest, warnings, trash)
-        return CommitResult(published.path, tuple(warnings), tuple(trash))
+        return CommitResult(final, tuple(warnings), tuple(trash))
+
+    def _set_latest(self, job_dir: pathlib.Path, step: int) -> None:
+        """Write the pointer aside, fsync it, rename it over ``latest``, fsync the job dir; on
+        failure remove the pointer (``latest`` falls back to the highest step) and raise."""
+        try:
+            tmp = job_dir / _LATEST_TMP
+            tmp.unlink(missing_ok=True)
+            write_durable(tmp, (step_dir_name(step) + "\n").encode())
+            os.replace(tmp, job_dir / LATEST_NAME)
+            fsync_dir(job_dir)
+        except OSError:
+            # A stale pointer would hide the new snapshot.
+            try:
+                (job_dir / LATEST_NAME).unlink(missing_ok=True)
+            except OSError:
+                pass
+            raise
+
+    def discard(self, where: pathlib.PurePath) -> bool:
+        """Remove an unlisted location (a failed partial, a replaced snapshot), best effort;
+        True when it is gone."""
+        path = self._inside(where)
+        shutil.rmtree(path, ignore_errors=True)
+        return not path.exists()
 
     def empty_trash(self, commit: CommitResult) -> list[str]:
         """Remove the bytes of what ``commit`` unlisted; warnings for what could not be removed."""
         return [f"could not remove {where} (unlisted; removed at the next server start)"
-                for where in commit.trash if not self.storage.discard(where)]
+                for where in commit.trash if not self.discard(where)]
 
     def _retain(self, job_id: str, new_step: int, keep: int, warnings: list[str],
                 trash: list[pathlib.PurePath]) -> None:
-        """Unlist all but the ``keep`` highest steps (and the new one, and those in use) into ``trash``."""
+        """Unlist all but the ``keep`` highest steps (and the new one, and those in use) into
+        ``trash``: each renamed to ``.deleting-step-<N>.<unique>``, the job directory fsynced,
+        before any byte is removed."""
         try:
-            complete = self.storage.list(job_id)
+            complete = self.complete(job_id)
         except OSError as exc:
-            warnings.append(f"retention could not list {self.storage.location(job_id)}: {exc}")
+            warnings.append(f"retention could not list {self.job_dir(job_id)}: {exc}")
             return
-        keep_steps = {step for step, _ in complete[-keep:]} | {new_step} | self.in_use(job_id)
-        for step, where in complete:
+        keep_steps = {step for step, _, _ in complete[-keep:]} | {new_step} | self.in_use(job_id)
+        for step, path, _ in complete:
             if step not in keep_steps:
                 try:
-                    trash.append(self.storage.unlist(where))
+                    unlisted = path.with_name(f"{_DELETING_PREFIX}{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+                    os.rename(path, unlisted)
+                    fsync_dir(path.parent)
+                    trash.append(unlisted)
                 except OSError as exc:
-                    warnings.append(f"retention could not remove {where}: {exc}")
+                    warnings.append(f"retention could not remove {path}: {exc}")
+
+    def _inside(self, where: pathlib.PurePath) -> pathlib.Path:
+        """``where`` as a path, refused unless it is under the root."""
+        path = pathlib.Path(where)
+        if self.root not in path.parents:
+            raise ValueError(f"{where} is not inside the snapshot directory {self.root}")
+        return path

@@ -1,7 +1,7 @@
 """One snapshot as the coordinator tracks it: the group of ranks of a (job, step) on this
 server (:class:`SnapshotGroup`), which commits or fails together (a failed rank cancels the
 others, their partial files go), and each rank's :class:`RankSnapshot`, the handle the servicer
-holds (``status()``, ``wait()``, ``wait_segment_released()``, ``proceed()``, ``cancel()``).
+holds (``status()``, ``wait()``, ``segment_released``, ``proceed()``, ``cancel()``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from swap_state.common.snapshot_errors import (
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
-from swap_state.server.snapshot.storage import SnapshotStorage
-from swap_state.server.snapshot.directory import CommitResult
+from swap_state.server.snapshot.directory import CommitResult, SnapshotDirectory
 from swap_state.server.snapshot.waiting import WatchedCondition
 from swap_state.server.snapshot.writer import RankResult, RankWriter
 
@@ -33,16 +32,16 @@ log = logging.getLogger("swap_state.server.snapshot_coordinator")
 class SnapshotGroup:
     """The ranks of one (job, step). Its condition guards every field below."""
 
-    def __init__(self, storage: SnapshotStorage, source: SnapshotSource, partial: pathlib.PurePath,
+    def __init__(self, directory: SnapshotDirectory, source: SnapshotSource, partial: pathlib.PurePath,
                  keep: int | None):
-        self.storage = storage
+        self.directory = directory
         self.keep = keep
         """Retention applied at commit: the job's wish, never below the server's floor."""
         self.job_id, self.step, self.world_size = source.job_id, source.step, source.world_size
         self.local_world_size = source.expected_ranks
         """Distinct ranks that complete the group (this server's share of ``world_size``)."""
         self.partial = partial
-        """The partial snapshot the ranks write into (the storage's)."""
+        """The partial snapshot the ranks write into (the directory's)."""
         self.snapshot_id = snapshot_id_for(self.job_id, self.step)
         self.tenant = source.tenant
         """The tenant that owns the job (``--tenants``), recorded in ``snapshot.json``."""
@@ -152,7 +151,7 @@ class SnapshotGroup:
             if self.state is not SnapshotState.FAILED or self.live_threads or self.discarded:
                 return
             self.discarded = True  # claimed: exactly one caller removes the partial snapshot
-        self.storage.discard(self.partial)
+        self.directory.discard(self.partial)
         with self.cond:
             self.discarded_done = True
             self.cond.notify_all()
@@ -166,6 +165,11 @@ class RankSnapshot:
         self.writer = writer
         """The rank's writer; the coordinator publishes, runs and releases through it."""
         self.rank = rank
+        self.epoch = writer.epoch
+        """The SNAP_EPOCH this rank's snapshot published."""
+        self.segment_released = writer.segment_released
+        """Set once the server no longer reads this rank's segment (safe to unmap); coroutines
+        await it without holding a thread (``wait_async``)."""
         self.thread: threading.Thread | None = None
         self.commits_at_start = writer.source.header[Word.TRAINER_COMMITS]
         """The segment's TRAINER_COMMITS when the snapshot began: a later Snapshot call of the
@@ -180,11 +184,6 @@ class RankSnapshot:
     @property
     def snapshot_id(self) -> str:
         return self._group.snapshot_id
-
-    @property
-    def epoch(self) -> int:
-        """The SNAP_EPOCH this rank's snapshot published."""
-        return self.writer.epoch
 
     @property
     def exception(self) -> SnapshotError | None:
@@ -230,14 +229,6 @@ class RankSnapshot:
         """:meth:`wait` for event-loop code: holds no thread while it waits."""
         await self._group.cond.until(self._settled, timeout)
         return self.status()
-
-    def wait_segment_released(self, timeout: float | None = None) -> bool:
-        """True once the server no longer reads this rank's segment (safe to unmap)."""
-        return self.writer.segment_released.wait(timeout)
-
-    async def segment_released(self) -> None:
-        """:meth:`wait_segment_released` for event-loop code: holds no thread while it waits."""
-        await self.writer.segment_released.wait_async()
 
     def proceed(self) -> None:
         """Let a writer started with ``hold=True`` stream (idempotent; see RankWriter.go)."""

@@ -31,7 +31,7 @@ __all__ = ["RestoreResult", "check_layout", "restore"]
 log = logging.getLogger("swap_state.server.restore")
 
 
-def restore(store: SnapshotDirectory, snapshot_id: str, buffer, layout: SegmentLayout, *, rank: int,
+def restore(directory: SnapshotDirectory, snapshot_id: str, buffer, layout: SegmentLayout, *, rank: int,
             world_size: int, job_id: str | None = None, header: SegmentHeader | None = None,
             reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
             staging_free_bytes: Callable[[], int] | None = None, stored: StoredSnapshots | None = None,
@@ -55,7 +55,7 @@ def restore(store: SnapshotDirectory, snapshot_id: str, buffer, layout: SegmentL
             raise SnapshotError(f"segment buffer is smaller than its layout ({layout.size} bytes)")
         if header[Word.SNAP_EPOCH] != 0:
             raise SnapshotBusy("a snapshot of this segment is persisting; restore after it ends")
-        source = resolve_source(store, stored, snapshot_id, job_id, rank, world_size)
+        source = resolve_source(directory, stored, snapshot_id, job_id, rank, world_size)
         info = source.info
         if may_read is not None:
             may_read(info)

@@ -26,30 +26,30 @@ __all__ = ["list_both_tiers", "resolve_source"]
 log = logging.getLogger("swap_state.server.restore")
 
 
-def resolve_source(store: SnapshotDirectory, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,
+def resolve_source(directory: SnapshotDirectory, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,
                    rank: int, world_size: int) -> Source:
     """The snapshot to restore and the tier it is read from (the module docstring's rule)."""
     try:
-        local = store.resolve(snapshot_id, job_id)
+        local = directory.resolve(snapshot_id, job_id)
     except SnapshotNotFound:
         if stored is None:
             raise
         local = None
     if stored is None:
-        return Source(store, local)  # type: ignore[arg-type]
+        return Source(directory, local)  # type: ignore[arg-type]
     try:
         remote = stored.resolve(snapshot_id, job_id)
     except SnapshotNotFound as exc:
         if local is None:
-            raise SnapshotNotFound(f"{exc}; nor in this server's --snapshot-dir {store.root}") from None
-        return Source(store, local)
+            raise SnapshotNotFound(f"{exc}; nor in this server's --snapshot-dir {directory.root}") from None
+        return Source(directory, local)
     except SnapshotStoreUnavailable as exc:
         if local is not None and (local.index.complete_job or rank in local.ranks):
             log_event(log, "store_unreachable", logging.WARNING, store=stored.uri, error=str(exc),
                       detail=f"restoring {local.snapshot_id} from the local --snapshot-dir")
-            return Source(store, local)
+            return Source(directory, local)
         raise SnapshotStoreUnavailable(
-            f"{exc} (looking for {snapshot_id}); this server's --snapshot-dir {store.root} has no "
+            f"{exc} (looking for {snapshot_id}); this server's --snapshot-dir {directory.root} has no "
             f"copy for rank {rank}"
         ) from None
     if local is None:
@@ -58,19 +58,19 @@ def resolve_source(store: SnapshotDirectory, stored: StoredSnapshots | None, sna
     usable = whole or (local.world_size == world_size and rank in local.ranks)
     if parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid).latest and local.step != remote.step:
         if whole and local.step > remote.step:
-            return Source(store, local)
-        return _local_copy(store, remote, rank, world_size) or Source(stored, remote)
-    return Source(store, local) if usable else Source(stored, remote)
+            return Source(directory, local)
+        return _local_copy(directory, remote, rank, world_size) or Source(stored, remote)
+    return Source(directory, local) if usable else Source(stored, remote)
 
 
-def _local_copy(store: SnapshotDirectory, remote: SnapshotInfo, rank: int, world_size: int) -> Source | None:
+def _local_copy(directory: SnapshotDirectory, remote: SnapshotInfo, rank: int, world_size: int) -> Source | None:
     """This server's copy of the store's snapshot (same attempt, holding this rank), else None."""
     try:
-        copy = store.resolve(snapshot_id_for(remote.job_id, remote.step))
+        copy = directory.resolve(snapshot_id_for(remote.job_id, remote.step))
     except SnapshotNotFound:
         return None
     holds = copy.index.complete_job or (copy.world_size == world_size and rank in copy.ranks)
-    return Source(store, copy) if holds and copy.index.attempt == remote.index.attempt else None
+    return Source(directory, copy) if holds and copy.index.attempt == remote.index.attempt else None
 
 
 def list_both_tiers(coordinator, job_id: str | None) -> list[tuple[SnapshotInfo | None, SnapshotInfo | None]]:

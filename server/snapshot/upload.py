@@ -103,11 +103,6 @@ class SnapshotUploader:
         self._thread = threading.Thread(target=self._work, name="snapshot-upload", daemon=True)
         self._thread.start()
 
-    def submit_committed(self, index: SnapshotIndex, path, keep: int | None) -> None:
-        """:meth:`submit` of the snapshot the local store just committed at ``path``."""
-        self.submit(SnapshotInfo(index.snapshot_id, index.job_id, index.step, index.world_size,
-                                 path, index.total_bytes, True, index), keep)
-
     def stored_status(self, snapshot_id: str, rank: int) -> SnapshotStatus:
         """The status of a snapshot only the store holds (SnapshotNotFound naming it otherwise)."""
         info = self.stored.resolve(snapshot_id)

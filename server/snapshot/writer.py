@@ -41,10 +41,10 @@ from swap_state.common.retry import wait_until
 from swap_state.common.server_header import ServerHeader
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.bandwidth import BandwidthLimiter
+from swap_state.server.snapshot.directory import SnapshotDirectory
 from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.stager import Stager
 from swap_state.server.snapshot.sink import ChunkSink, open_sink
-from swap_state.server.snapshot.storage import SnapshotStorage
 from swap_state.server.snapshot.waiting import Latch
 
 __all__ = ["Cancelled", "RankResult", "RankWriter"]
@@ -86,13 +86,13 @@ class RankWriter:
     """Persists one rank's segment; one instance per rank and snapshot."""
 
     def __init__(self, source: SnapshotSource, metadata: SnapshotMetadata | MetadataParts, epoch: int,
-                 storage: SnapshotStorage, partial: pathlib.PurePath, limiter: BandwidthLimiter,
+                 directory: SnapshotDirectory, partial: pathlib.PurePath, limiter: BandwidthLimiter,
                  cancel: threading.Event, started_monotonic: float, stage_threads: int = 1,
                  model_copy_timeout_s: float = 60.0):
-        """``storage``, ``partial``: where the rank's files go. ``stage_threads``: the
+        """``directory``, ``partial``: where the rank's files go. ``stage_threads``: the
         :class:`Stager`'s. ``model_copy_timeout_s``: the wait for protocol step 5."""
         self.source, self.metadata, self.epoch = source, metadata, epoch
-        self.storage, self.partial, self.limiter, self.cancel = storage, partial, limiter, cancel
+        self.directory, self.partial, self.limiter, self.cancel = directory, partial, limiter, cancel
         self.started_monotonic = started_monotonic
         layout = source.layout
         self._header = ServerHeader(source.header)
@@ -332,9 +332,9 @@ class RankWriter:
             manifest = self._manifest(crcs, offsets, data, len(header))
             action = f"writing {manifest_name} of {source.job_id}/step-{source.step}"
             raw = manifest.to_bytes()
-            self.storage.write_durable(self.partial, manifest_name, raw)
+            self.directory.write_durable(self.partial, manifest_name, raw)
         except OSError as exc:
-            raise from_os_error(exc, action, self.storage.root) from None
+            raise from_os_error(exc, action, self.directory.root) from None
         rate = self.persist_rate()
         log_event(log, "snapshot_rank_persisted", job_id=source.job_id, step=source.step, rank=source.rank,
                   bytes=self.bytes_persisted, stream_seconds=round(self.stream_seconds, 4),
@@ -368,7 +368,7 @@ class RankWriter:
     def _write_data_file(self, name: str, header: bytes) -> list[int]:
         """Create the data file, put its header, stream the chunks (the stager alongside),
         release the segment, write the rest and fsync; the tensors' crc32s."""
-        with self.storage.create_file(self.partial, name) as file, open_sink(file) as sink:
+        with self.directory.create_file(self.partial, name) as file, open_sink(file) as sink:
             self.direct_io = sink.direct
             sink.write_all(header)
             segment = memoryview(self.source.buffer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from snapshot_kit import Segment, tiny_tmpfs
 
+from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 
 
@@ -26,7 +27,10 @@ def make_segment(tmp_path):
 def make_coordinator(tmp_path):
     made: list[SnapshotCoordinator] = []
 
-    def make(snapshot_dir=None, **kwargs) -> SnapshotCoordinator:
+    def make(snapshot_dir=None, max_bandwidth=None, **kwargs) -> SnapshotCoordinator:
+        """``max_bandwidth``: the cap on snapshot I/O, as ``--persist-max-bandwidth`` gives it."""
+        if max_bandwidth is not None:
+            kwargs["copy_policy"] = CopyBudgetPolicy(max_bandwidth=max_bandwidth)
         coordinator = SnapshotCoordinator(snapshot_dir or tmp_path / "snapshots", **kwargs)
         made.append(coordinator)
         return coordinator

@@ -96,7 +96,7 @@ def test_multi_rank_snapshot_is_durable_only_with_all_ranks(make_segment, make_c
     bytes0, bytes1 = seg0.fill(seed=3), seg1.fill(seed=4)
     coordinator = make_coordinator()
     h0 = coordinator.start(seg0.source("job", 9, rank=0, world_size=2))
-    assert h0.wait_segment_released(10)
+    assert h0.segment_released.wait(10)
     status = h0.wait(timeout=0.3)
     assert status.state is SnapshotState.PERSISTING  # rank 1 has not started
     assert (status.ranks_joined, status.ranks_persisted) == (1, 1)
@@ -147,5 +147,5 @@ def test_status_in_progress_and_from_disk(make_segment, make_coordinator, tmp_pa
     assert coordinator.in_progress() == []
     # A new coordinator (a restarted server) answers from the manifest on disk.
     later = make_coordinator(tmp_path / "snapshots")
-    status = later.status("job/step-2", 0)
+    status = asyncio.run(later.wait_status("job/step-2", 0))
     assert status.state is SnapshotState.DURABLE and status.bytes_total == handle.status().bytes_total

@@ -162,11 +162,12 @@ _KILLED_WRITER = """
 import pathlib, sys, time
 from snapshot_kit import Segment
 from swap_state.server.snapshot import sink
+from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 sink.BOUNCE_BYTES = 4096  # O_DIRECT writes page by page: the file grows as it streams
 seg = Segment(pathlib.Path(sys.argv[1]))
 seg.fill(99)
-coordinator = SnapshotCoordinator(sys.argv[2], max_bandwidth=20_000)
+coordinator = SnapshotCoordinator(sys.argv[2], copy_policy=CopyBudgetPolicy(max_bandwidth=20_000))
 coordinator.start(seg.source("job", 2))
 print("consistent", flush=True)
 time.sleep(60)
@@ -266,7 +267,7 @@ def test_symlinked_job_dir_is_refused(make_coordinator, make_segment, tmp_path):
     coordinator = make_coordinator()
     outside = tmp_path / "outside"
     outside.mkdir()
-    (coordinator.snapshot_dir / "job").symlink_to(outside)
+    (coordinator.directory.root / "job").symlink_to(outside)
     seg = make_segment()
     with pytest.raises(SnapshotInvalid, match="outside"):
         coordinator.start(seg.source("job", 1))

@@ -4,6 +4,7 @@ of a rank held by another host's server says so."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -53,14 +54,14 @@ def test_local_ranks_make_the_snapshot_durable_and_it_records_them(host_snapshot
     manifest = coordinator.directory.read_manifest(info, 2)
     assert (manifest.rank, manifest.world_size) == (2, WORLD)
     # A status answered from disk (another server on the same directory) says the same.
-    reader = SnapshotCoordinator(coordinator.snapshot_dir, clean_stale=False)
-    status = reader.status("job/step-5", 1)
+    reader = SnapshotCoordinator(coordinator.directory.root, clean_stale=False)
+    status = asyncio.run(reader.wait_status("job/step-5", 1))
     assert (status.state, status.world_size, status.local_world_size, status.ranks) == (
         SnapshotState.DURABLE, WORLD, 2, LOCAL,
     )
     assert (status.ranks_joined, status.ranks_persisted) == (2, 2)
     with pytest.raises(SnapshotNotFound, match="another host's server"):
-        reader.status("job/step-5", 0)
+        asyncio.run(reader.wait_status("job/step-5", 0))
     reader.close()
 
 

@@ -177,7 +177,7 @@ def test_copy_budget_warning_at_snapshot_names_the_numbers(make_segment, make_co
     seg = make_segment(specs=WIDE, cow_slots=4)
     seg.fill(seed=6)
     coordinator = make_coordinator(copy_policy=CopyBudgetPolicy(assumed_bytes_per_s=100_000, fwd_bwd_s=0.5))
-    budget = coordinator.copy_budget(seg.layout)
+    budget = coordinator.copy_policy.budget(seg.layout)
     state = sum(t.nbytes for t in seg.layout.tensors)
     assert budget.needed_bytes == state - 50_000 and budget.slot_bytes == 4 * 4096
     assert budget.short_bytes == state - 50_000 - 4 * 4096
@@ -189,10 +189,10 @@ def test_copy_budget_warning_at_snapshot_names_the_numbers(make_segment, make_co
     assert fields["assumed_fwd_bwd_s"] == 0.5 and fields["persist_measured"] is False
     assert f"short by {budget.short_bytes} bytes" in fields["detail"]
     # The snapshot measured the persist rate: the estimate uses it from now on.
-    rate, measured = coordinator.persist_bandwidth()
+    rate, measured = coordinator.copy_policy.rate()
     assert measured and rate > 0
     roomy = plan_segment(WIDE, 4096, 96)
-    assert coordinator.copy_budget(roomy).warning() == ""
+    assert coordinator.copy_policy.budget(roomy).warning() == ""
 
 
 def test_copy_budget_rule():

@@ -91,9 +91,11 @@ _SERVER = """
 import pathlib, sys, time
 from snapshot_kit import Segment
 from test_snapshot_staging import WIDE
+from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 seg = Segment(pathlib.Path(sys.argv[1]), WIDE, cow_slots=96, attach=True)
-coordinator = SnapshotCoordinator(sys.argv[2], max_bandwidth=20_000, clean_stale=False)
+coordinator = SnapshotCoordinator(sys.argv[2], copy_policy=CopyBudgetPolicy(max_bandwidth=20_000),
+                                  clean_stale=False)
 coordinator.start(seg.source("job", 2))
 print("consistent", flush=True)
 time.sleep(60)

@@ -1,6 +1,6 @@
-"""The storage seam's local implementation on its own: files are written and fsynced, the
-partial snapshot is published by one rename after its directory is fsynced, nothing partial
-is ever listed, and a committed file reads back by range."""
+"""The snapshot directory's writing on its own: files are written and fsynced, the partial
+snapshot is published by one rename after its directory is fsynced, nothing partial is ever
+listed, a replaced or retired snapshot is unlisted before its bytes go."""
 
 from __future__ import annotations
 
@@ -10,33 +10,31 @@ import pathlib
 import pytest
 
 from swap_state.common.snapshot_errors import SnapshotExists
-from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, FileRecord, SnapshotIndex, dumps_json
-from swap_state.server.snapshot.storage import SnapshotStorage
-from swap_state.server.snapshot.storage import StepState, pwrite_all
+from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, FileRecord, SnapshotIndex
+from swap_state.server.snapshot.directory import SnapshotDirectory
+from swap_state.server.snapshot.storage import pwrite_all
 
 DATA = "rank-00000.safetensors"
 
 
-def _index(step: int) -> bytes:
-    index = SnapshotIndex(job_id="job", step=step, world_size=1, ranks=(0,),
-                          files=(FileRecord(DATA, 0, 10, 0),), created_unix=0.0)
-    return dumps_json(index.to_json())
+def _index(step: int) -> SnapshotIndex:
+    return SnapshotIndex(job_id="job", step=step, world_size=1, ranks=(0,),
+                         files=(FileRecord(DATA, 0, 10, 0),), created_unix=0.0)
 
 
-def _write_partial(storage: SnapshotStorage, step: int) -> pathlib.PurePath:
-    partial = storage.open_partial("job", step)
-    with storage.create_file(partial, DATA) as file:
+def _write_partial(directory: SnapshotDirectory, step: int, replace: bool = False) -> pathlib.PurePath:
+    partial = directory.prepare_partial("job", step, replace=replace)
+    with directory.create_file(partial, DATA) as file:
         file.pwrite(b"hello", 0)
         pwrite_all(file.fileno(), memoryview(b"world"), 5)  # the writer's zero-copy path
         file.fsync()
-    storage.write_durable(partial, INDEX_NAME, _index(step))
     return partial
 
 
 def test_write_fsync_seal_commit_by_rename_and_nothing_partial_listed(tmp_path, monkeypatch):
-    storage = SnapshotStorage(tmp_path / "snapshots")
-    storage.create_root()
-    assert storage.hold()  # alone on the directory
+    directory = SnapshotDirectory(tmp_path / "snapshots")
+    directory.create_root()
+    assert directory.hold()  # alone on the directory
     trace: list[tuple[str, str]] = []
     real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
 
@@ -56,12 +54,9 @@ def test_write_fsync_seal_commit_by_rename_and_nothing_partial_listed(tmp_path, 
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "replace", replace)
 
-    assert storage.step_state("job", 3) is StepState.ABSENT
-    partial = _write_partial(storage, 3)
-    assert storage.list("job") == []  # an index in a partial snapshot does not make it listed
-    storage.seal(partial)
-    published = storage.commit(partial, "job", 3, replace=False)
-    storage.set_latest("job", 3)
+    partial = _write_partial(directory, 3)
+    assert directory.list("job") == []  # a partial snapshot is never listed
+    committed = directory.commit(partial, _index(3), keep_latest=None)
     monkeypatch.undo()
 
     assert trace == [
@@ -74,32 +69,36 @@ def test_write_fsync_seal_commit_by_rename_and_nothing_partial_listed(tmp_path, 
         ("replace", ".latest.tmp->latest"),
         ("fsync", "job"),
     ]
-    assert published.replaced is None and published.warnings == ()
-    assert storage.list("job") == [(3, published.path)]
-    assert storage.step_state("job", 3) is StepState.COMPLETE
-    assert (storage.location("job") / LATEST_NAME).read_text() == "step-000000000003\n"
-    assert (published.path / DATA).read_bytes() == b"helloworld"
+    assert committed.trash == () and committed.warnings == ()
+    assert [(i.step, i.path) for i in directory.list("job")] == [(3, committed.path)]
+    assert (directory.job_dir("job") / LATEST_NAME).read_text() == "step-000000000003\n"
+    assert (committed.path / DATA).read_bytes() == b"helloworld"
 
     # The step again: refused, or the old one moved aside (unlisted) and discarded.
-    again = _write_partial(storage, 3)
     with pytest.raises(SnapshotExists):
-        storage.commit(again, "job", 3, replace=False)
-    replaced = storage.commit(again, "job", 3, replace=True)
-    assert replaced.replaced is not None and storage.list("job") == [(3, replaced.path)]
-    assert storage.discard(replaced.replaced)
+        _write_partial(directory, 3)
+    refused = _write_partial(directory, 3, replace=True)
+    with pytest.raises(SnapshotExists):
+        directory.commit(refused, _index(3), keep_latest=None)
+    assert directory.discard(refused)
+    again = _write_partial(directory, 3, replace=True)
+    replaced = directory.commit(again, _index(3), keep_latest=None, replace=True)
+    assert len(replaced.trash) == 1 and [i.path for i in directory.list("job")] == [replaced.path]
+    assert directory.empty_trash(replaced) == []
 
     # Retention's removal; a failed snapshot's partial is discarded, never listed.
-    storage.remove(replaced.path)
-    failed = _write_partial(storage, 4)
-    assert storage.list("job") == [] and storage.discard(failed)
-    assert sorted(p.name for p in pathlib.Path(storage.location("job")).iterdir()) == [LATEST_NAME]
-    storage.release()
+    retired = directory.commit(_write_partial(directory, 4), _index(4), keep_latest=1)
+    assert [i.step for i in directory.list("job")] == [4] and directory.empty_trash(retired) == []
+    failed = _write_partial(directory, 5)
+    assert [i.step for i in directory.list("job")] == [4] and directory.discard(failed)
+    assert sorted(p.name for p in directory.job_dir("job").iterdir()) == [LATEST_NAME, "step-000000000004"]
+    directory.release()
 
 
 def test_locations_outside_the_root_are_refused(tmp_path):
-    storage = SnapshotStorage(tmp_path / "snapshots")
-    storage.create_root()
+    directory = SnapshotDirectory(tmp_path / "snapshots")
+    directory.create_root()
     with pytest.raises(ValueError, match="not inside"):
-        storage.create_file(tmp_path, "x")
+        directory.create_file(tmp_path, "x")
     with pytest.raises(ValueError, match="not inside"):
-        storage.discard(tmp_path)
+        directory.discard(tmp_path)

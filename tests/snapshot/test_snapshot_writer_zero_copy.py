@@ -87,7 +87,7 @@ def test_held_writer_streams_only_after_proceed(make_segment, make_coordinator, 
     assert seg.header[Word.SNAP_EPOCH] == handle.epoch != 0  # consistent on return
     time.sleep(0.2)
     assert handle.status().bytes_persisted == 0
-    assert not handle.wait_segment_released(0)
+    assert not handle.segment_released.wait(0)
     handle.proceed()
     status = handle.wait(20)
     assert status.state is SnapshotState.DURABLE, status.error
@@ -104,6 +104,6 @@ def test_cancelling_a_held_writer_does_not_wait_for_the_hold(make_segment, make_
     handle.cancel("test")
     status = handle.wait(10)
     assert status.state is SnapshotState.FAILED
-    assert handle.wait_segment_released(5)
+    assert handle.segment_released.wait(5)
     assert time.monotonic() - t0 < 5
     assert seg.header[Word.SNAP_EPOCH] == 0
