@@ -24,6 +24,7 @@ Used from one asyncio loop; blocking arena work runs in worker threads.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import secrets
@@ -40,14 +41,16 @@ from swap_state.common.segment_descriptor import SegmentDescriptor
 from swap_state.server.logs import log_event
 from swap_state.server.memory.adopt import Adopted
 from swap_state.server.memory.arena import Arena
-from swap_state.server.memory.freed import FreedSession, FreedSessions
 from swap_state.server.memory.segment_file import Segment
-from swap_state.server.memory.session import LivenessStream, Session, SessionState
+from swap_state.server.memory.session import FreedSession, LivenessStream, Session, SessionState
 from swap_state.server.tenants import ANYONE, Tenant
 
 __all__ = ["SessionRegistry"]
 
 log = logging.getLogger("swap_state.server.sessions")
+
+#: Freed (job id, rank) pairs remembered; one record is a few hundred bytes.
+MAX_FREED = 1024
 
 
 class SessionRegistry:
@@ -72,8 +75,9 @@ class SessionRegistry:
         """Sessions rebuilt from a previous server's segments at start."""
         self.reconnects = 0
         """KeepAlive streams reopened by a trainer without a new Attach (its server restarted)."""
-        self.freed = FreedSessions()
-        """The last sessions freed (bounded): why a trainer finds no state for its job/rank."""
+        self._freed: collections.OrderedDict[tuple[str, int], FreedSession] = collections.OrderedDict()
+        """The last :data:`MAX_FREED` sessions freed, by (job id, rank): why a trainer finds no
+        state for its job/rank."""
 
     @property
     def steps_committed_total(self) -> int:
@@ -100,12 +104,12 @@ class SessionRegistry:
 
     def why_no_state(self, job_id: str, rank: int) -> str:
         """Why this server holds no state for (job_id, rank) if it freed it, else ""."""
-        freed = self.freed.of(job_id, rank)
+        freed = self._freed.get((job_id, rank))
         return freed.describe(self._clock()) if freed is not None else ""
 
     def _not_found(self, session_id: str, otherwise: str) -> NotFound:
         """Why ``session_id`` is gone, when this registry freed it; else ``otherwise``."""
-        freed = self.freed.by_id(session_id)
+        freed = next((f for f in self._freed.values() if f.session_id == session_id), None)  # errors only
         if freed is None:
             return NotFound(otherwise)
         grace = "; a longer --grace keeps a vanished trainer's state longer" if freed.reason == "grace_expired" else ""
@@ -345,8 +349,12 @@ class SessionRegistry:
         self._retired_commits += session.steps_committed
         self._retired_drops += session.kept_states_dropped
         if reason != "shutdown":
-            self.freed.add(FreedSession(session.session_id, session.job_id, session.rank, reason,
-                                        self._clock(), self.grace, session.last_committed_step))
+            key = (session.job_id, session.rank)
+            self._freed.pop(key, None)
+            self._freed[key] = FreedSession(session.session_id, session.job_id, session.rank, reason,
+                                            self._clock(), self.grace, session.last_committed_step)
+            while len(self._freed) > MAX_FREED:
+                self._freed.popitem(last=False)
         segment, session.segment = session.segment, None
         freed = segment.size if segment is not None else 0
         if segment is not None:
