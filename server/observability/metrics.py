@@ -26,7 +26,6 @@ from swap_state.server.snapshot.coordinator import SnapshotCoordinator, Snapshot
 
 __all__ = [
     "CONTENT_TYPE", "MetricsServer", "RpcCounters", "ServerCollector", "SnapshotCounters", "counter", "gauge",
-    "metrics_registry",
 ]
 
 log = logging.getLogger("swap_state.server.metrics")
@@ -199,22 +198,13 @@ class ServerCollector(Collector):
                 yield counter(name, help_text, getattr(uploader.counters, field))
 
 
-def metrics_registry(
-    arena: Arena, registry: SessionRegistry, counters: RpcCounters, snapshot_counters: SnapshotCounters,
-    coordinator: SnapshotCoordinator | None, *, started_at: float,
-) -> CollectorRegistry:
-    """A private registry with the server's collector."""
-    metrics = CollectorRegistry(auto_describe=False)
-    metrics.register(ServerCollector(arena, registry, counters, snapshot_counters, coordinator,
-                                     started_at=started_at))
-    return metrics
-
-
 class MetricsServer:
-    """``GET /metrics`` on host:port: ``metrics`` in the Prometheus text format 0.0.4."""
+    """``GET /metrics`` on host:port: the collector's families in the Prometheus text format
+    0.0.4, from a private registry."""
 
-    def __init__(self, metrics: CollectorRegistry, host: str, port: int) -> None:
-        self._metrics = metrics
+    def __init__(self, collector: Collector, host: str, port: int) -> None:
+        self._metrics = CollectorRegistry(auto_describe=False)
+        self._metrics.register(collector)
         self._host = host
         self._port = port
         self._server: asyncio.base_events.Server | None = None
