@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from swap_state.common.segment import (
-    TensorSpec, PAGE_BYTES, SegmentHeader, SegmentLayout, align_up, layout_hash,
+    TensorSpec, PAGE_BYTES, SegmentHeader, SegmentLayout, align_up,
     model_bytes, plan_segment, segment_file_bytes, tensor_nbytes,
 )
 from swap_state.common.segment_descriptor import SegmentDescriptor
@@ -172,23 +172,21 @@ class Arena:
             return 0
         return max(1, self.cow_pool_slots // min(max(world_size, 1), LOCAL_RANKS_HINT))
 
-    def create_segment(
-        self, owner: str, specs: Sequence[TensorSpec], world_size: int, *, specs_hash: str | None = None,
-        descriptor: SegmentDescriptor | None = None, tenant: str = "",
-    ) -> Segment:
-        """Plan, charge, create, pre-fault, map and initialise a segment (blocking).
+    def create_segment(self, owner: str, descriptor: SegmentDescriptor) -> Segment:
+        """Plan, charge, create, pre-fault, map and initialise the segment of ``descriptor``'s
+        tensors (blocking), charged to its tenant's quota, with the copy slots of a job of its
+        ``local_world_size`` ranks here.
 
-        ``owner``: a server-issued hex id, part of the file name. ``specs_hash``: the caller's
-        ``layout_hash(specs)`` if known. ``descriptor``: what a successor server needs to adopt
-        it, written after the copy slots. ``tenant``: whose quota it is charged to.
+        ``owner``: a server-issued hex id, part of the file name. The descriptor, what a
+        successor server needs to adopt the segment, is written after the copy slots.
         """
         if not owner.isalnum():
             raise ValueError("segment owner must be a server-issued alphanumeric id")
-        raw = descriptor.encode() if descriptor is not None else b""
-        name, layout = self._charge(owner, specs, world_size, len(raw), tenant)
-        digest = specs_hash if specs_hash is not None else layout_hash(specs)
-        segment = self.segment_object(name, layout, digest, len(raw))
-        segment.tenant = tenant
+        raw = descriptor.encode()
+        name, layout = self._charge(owner, descriptor.tensors, descriptor.local_world_size, len(raw),
+                                    descriptor.tenant)
+        segment = self.segment_object(name, layout, descriptor.layout_hash, len(raw))
+        segment.tenant = descriptor.tenant
         try:
             self._materialize(segment, raw)
         except BaseException:  # give the charge back and remove what this call created
@@ -231,10 +229,8 @@ class Arena:
         """What a segment takes of the budget besides its copy slots (which the pool holds)."""
         return segment_file_bytes(layout, descriptor_bytes) - layout.cow_slots * layout.chunk_bytes
 
-    def _charge(
-        self, owner: str, specs: Sequence[TensorSpec], world_size: int, descriptor_bytes: int = 0,
-        tenant: str = "",
-    ) -> tuple[str, SegmentLayout]:
+    def _charge(self, owner: str, specs: Sequence[TensorSpec], world_size: int, descriptor_bytes: int,
+                tenant: str) -> tuple[str, SegmentLayout]:
         """Plan and charge the segment and name its file: (name, layout). ResourceExhausted
         when the free budget, or ``tenant``'s quota, cannot hold it."""
         # --chunk-bytes, or the largest tensor page aligned when smaller (a small model's slots
@@ -296,8 +292,7 @@ class Arena:
                 os.fchown(fd, -1, self.gid)
             os.fchmod(fd, 0o660 if self.gid is not None and not owner else 0o600)  # umask-independent
             self._commit(fd, segment)
-            if descriptor:
-                os.pwrite(fd, descriptor, segment.layout.size)  # before MAGIC (initialize)
+            os.pwrite(fd, descriptor, segment.layout.size)  # before MAGIC (initialize)
             segment.buffer = mmap.mmap(fd, segment.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)

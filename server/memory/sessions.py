@@ -320,10 +320,7 @@ class SessionRegistry:
             log_event(log, "segment_allocating", **session._describe(), tensors=len(checked))
             descriptor = SegmentDescriptor(session.job_id, session.rank, session.world_size,
                                            session.local_world_size, tuple(checked), wanted_hash, session.tenant)
-            segment = await asyncio.to_thread(
-                self.arena.create_segment, session.session_id, checked, session.local_world_size,
-                specs_hash=wanted_hash, descriptor=descriptor, tenant=session.tenant,
-            )
+            segment = await asyncio.to_thread(self.arena.create_segment, session.session_id, descriptor)
             session.segment = segment
             log_event(log, "segment_allocated", **session._describe(), path=segment.path,
                       bytes=segment.size, tensors=len(checked), chunks=segment.layout.n_chunks,
