@@ -16,7 +16,7 @@ from swap_state.common.errors import FailedPrecondition, NoSegment
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word, committed_step
 from swap_state.common.server_header import ServerHeader
 from swap_state.common.snapshot_metadata_parts import MetadataBase
-from swap_state.server.memory.segment_file import Segment
+from swap_state.server.memory.arena import Segment
 
 __all__ = ["FreedSession", "LivenessStream", "Session", "SessionState"]
 

@@ -40,8 +40,7 @@ from swap_state.common.segment import TensorSpec, layout_hash
 from swap_state.common.segment_descriptor import SegmentDescriptor
 from swap_state.server.logs import log_event
 from swap_state.server.memory.adopt import Adopted
-from swap_state.server.memory.arena import Arena
-from swap_state.server.memory.segment_file import Segment
+from swap_state.server.memory.arena import Arena, Segment
 from swap_state.server.memory.session import FreedSession, LivenessStream, Session, SessionState
 from swap_state.server.tenants import ANYONE, Tenant
 

@@ -24,8 +24,7 @@ from swap_state.common.errors import (
 )
 from swap_state.common.names import parse_snapshot_id
 from swap_state.server.logs import log_event
-from swap_state.server.memory.arena import Arena
-from swap_state.server.memory.segment_file import Segment
+from swap_state.server.memory.arena import Arena, Segment
 from swap_state.server.memory.session import Session
 from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
