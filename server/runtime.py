@@ -214,7 +214,7 @@ def _build_service(config: ServerConfig, listen: ListenAddress, gid: int | None,
             storage=SnapshotStorage(config.snapshot_dir, direct_io=config.direct_io),
         )
         undo.callback(snapshots.close)
-    return SwapStateService(registry, arena, keepalive_interval=config.keepalive_interval,
+    return SwapStateService(registry, keepalive_interval=config.keepalive_interval,
                             snapshots=snapshots, tenants=tenants)
 
 
@@ -309,7 +309,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
         port = _bind(server, listen, creds)
         undo.push_async_callback(server.stop, None)
         if guard is not None:
-            guard.bound(socket_gid)
+            guard.bound()
         _prepare_shm(config, service, gid)
 
         await server.start()

@@ -160,7 +160,9 @@ class SessionRegistry:
             self._sessions[session.session_id] = session
             self._by_key[(job_id, rank)] = session
         session.client_pid, session.client_host = client_pid, client_host
-        self._make_pending(session)
+        session.state = SessionState.PENDING
+        session.orphaned_since = None
+        session.stream_deadline = self._clock() + self.stream_wait
         self.attaches += 1
         log_event(log, "session_attached", **session._describe(), world_size=world_size,
                   local_world_size=local_world_size, reattached=reattached, client_pid=client_pid,
@@ -191,7 +193,9 @@ class SessionRegistry:
             raise Unavailable("the server is shutting down")
 
     def _refuse_if_live(self, session: Session) -> None:
-        if session.awaiting_reconnect and not session.closed and self._trainer_present(session):
+        # An adopted session whose trainer still maps its segment: that trainer reconnects.
+        if (session.awaiting_reconnect and not session.closed and session.segment is not None
+                and trainer_presence.held(session.segment.path)):
             left = max(0.0, self.grace - self.orphaned_seconds(session))
             raise SessionLive(
                 f"job {session.job_id} rank {session.rank} was live when the previous server "
@@ -207,16 +211,6 @@ class SessionRegistry:
                 f"{session.generation}): another trainer with the same job id and rank? Stop that "
                 "trainer first, or give this one another job id"
             )
-
-    @staticmethod
-    def _trainer_present(session: Session) -> bool:
-        """Whether the trainer of an adopted session still maps its segment (it reconnects)."""
-        return session.segment is not None and trainer_presence.held(session.segment.path)
-
-    def _make_pending(self, session: Session) -> None:
-        session.state = SessionState.PENDING
-        session.orphaned_since = None
-        session.stream_deadline = self._clock() + self.stream_wait
 
     def adopt(self, adopted: Adopted) -> Session:
         """A session rebuilt from a segment a previous server left, orphaned until its
