@@ -123,7 +123,7 @@ class Segment:
         """The tenant whose quota (``--tenant-shm-quota``) it is charged to."""
         self.cow_slots = layout.cow_slots
         self.model_bytes = model_bytes(layout.tensors)  # once: stats and scrapes read it often
-        self.charge = _tensor_charge(layout, descriptor_bytes)
+        self.charge = _tensor_charge(layout, descriptor_bytes)  # what it takes of the tensor budget
         self.buffer: mmap.mmap | None = None
         self.header: SegmentHeader | None = None
         self.locked = False
