@@ -47,7 +47,7 @@ from swap_state.common.errors import StartupError
 from swap_state.server.rpc.listener import SocketGuard
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
-from swap_state.server.observability.metrics import MetricsServer, metrics_registry
+from swap_state.server.observability.metrics import MetricsServer, ServerCollector
 from swap_state.server.rpc.service import SwapStateService
 from swap_state.server.rpc.validation import validate_descriptor
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
@@ -213,7 +213,7 @@ def _build_service(config: ServerConfig, listen: ListenAddress, gid: int | None,
             direct_io=config.direct_io,
         )
         undo.callback(snapshots.close)
-    return SwapStateService(registry, arena, keepalive_interval=config.keepalive_interval,
+    return SwapStateService(registry, keepalive_interval=config.keepalive_interval,
                             snapshots=snapshots, tenants=tenants)
 
 
@@ -267,9 +267,9 @@ async def _start_metrics(config: ServerConfig, service: SwapStateService,
     closed) when it cannot listen."""
     if not config.metrics_port:
         return None
-    collectors = metrics_registry(service.arena, service.registry, service.counters,
-                                  service.snapshot_counters, service.snapshots, started_at=started_at)
-    metrics = MetricsServer(collectors, config.metrics_host, config.metrics_port)
+    collector = ServerCollector(service.arena, service.registry, service.counters,
+                                service.snapshot_counters, service.snapshots, started_at=started_at)
+    metrics = MetricsServer(collector, config.metrics_host, config.metrics_port)
     try:
         await metrics.start()
     except OSError as exc:
@@ -308,7 +308,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
         port = _bind(server, listen, creds)
         undo.push_async_callback(server.stop, None)
         if guard is not None:
-            guard.bound(socket_gid)
+            guard.bound()
         _prepare_shm(config, service, gid)
 
         await server.start()

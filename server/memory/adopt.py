@@ -35,9 +35,8 @@ from swap_state.common.segment import (
 from swap_state.common.segment_descriptor import MAX_DESCRIPTOR_BYTES, SegmentDescriptor
 from swap_state.common.server_header import ServerHeader
 from swap_state.server.logs import log_event
-from swap_state.server.memory.arena import Arena
+from swap_state.server.memory.arena import Arena, Segment
 from swap_state.server.tenants import tenant_uid
-from swap_state.server.memory.segment_file import Segment
 
 __all__ = ["Adopted", "Refused", "Validate", "adopt_segments", "discard_segments"]
 

@@ -1,4 +1,4 @@
-"""The arena: the host budget and the shared-memory segment files.
+"""The arena: the host budget and the shared-memory segment files (:class:`Segment`).
 
 One segment file per session under the shm directory, named only from the server's own ids
 (``swap-state.<tag>.<session id>.<seq>``), mode 0600 (0660 with a group), committed with
@@ -13,6 +13,13 @@ A segment whose slots fall short of the memory rule is logged (``copy_budget_sho
 :class:`~swap_state.server.copy_budget.CopyBudgetPolicy`). :meth:`Arena.reserve_staging`
 holds free bytes for a restore. Blocking methods (``create_segment``, ``free``) are
 thread-safe and meant for a worker thread: committing tens of GiB takes seconds.
+
+A segment only knows its file, its mapping and who is still borrowing it; the arena creates,
+maps and frees it and owns its accounting. Call order::
+
+    segment = arena.create_segment(...)       # file committed, mapped, header initialised
+    with segment.borrow() as buffer: ...      # read or write the mapping (snapshot, restore)
+    arena.free(segment)                       # unmapped and unlinked once the last borrow ends
 """
 
 from __future__ import annotations
@@ -25,10 +32,10 @@ import mmap
 import os
 import pathlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from swap_state.common.segment import (
-    TensorSpec, PAGE_BYTES, SegmentHeader, SegmentLayout, align_up, layout_hash,
+    TensorSpec, PAGE_BYTES, SegmentHeader, SegmentLayout, align_up,
     model_bytes, plan_segment, segment_file_bytes, tensor_nbytes,
 )
 from swap_state.common.segment_descriptor import SegmentDescriptor
@@ -40,9 +47,8 @@ from swap_state.server import _posix
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
 from swap_state.server.tenants import tenant_uid
-from swap_state.server.memory.segment_file import Segment
 
-__all__ = ["LOCAL_RANKS_HINT", "SEGMENT_PREFIX", "Arena"]
+__all__ = ["LOCAL_RANKS_HINT", "SEGMENT_PREFIX", "Arena", "Segment"]
 
 log = logging.getLogger("swap_state.server.arena")
 
@@ -71,6 +77,11 @@ def _populate(address: int, size: int) -> None:
         list(pool.map(lambda at: _posix.populate_write(address + at, min(_POPULATE_CHUNK, size - at)), chunks))
 
 
+def _tensor_charge(layout: SegmentLayout, descriptor_bytes: int) -> int:
+    """What a segment takes of the budget besides its copy slots (which the pool holds)."""
+    return segment_file_bytes(layout, descriptor_bytes) - layout.cow_slots * layout.chunk_bytes
+
+
 def _model_share(layout: SegmentLayout) -> str:
     """The over-budget message's clause on the model tensors ("" without any)."""
     nbytes = model_bytes(layout.tensors)
@@ -81,6 +92,80 @@ def _model_share(layout: SegmentLayout) -> str:
         "buffers (whole-state snapshots; RemoteConfig.snapshot_model=False or "
         "swap_state_checkpoint='full' leaves them out),"
     )
+
+
+class Segment:
+    """One session's shared-memory file, mapped by the server (``buffer``: a writable mmap).
+
+    Hold :meth:`borrow` while using ``buffer`` from code that may outlive the session (a
+    snapshot still persisting): the file is unmapped and unlinked after the last borrower.
+    """
+
+    def __init__(
+        self, name: str, path: pathlib.Path, layout: SegmentLayout, specs_hash: str, *,
+        lock: threading.Lock, destroy: Callable[[Segment], None], descriptor_bytes: int = 0,
+    ) -> None:
+        """``lock`` and ``destroy``: the arena's (its lock guards the borrow count; ``destroy``
+        runs when the last borrower of a freed segment is done). ``descriptor_bytes``: the
+        encoded descriptor's length after the copy slots."""
+        self.name = name
+        self.path = path
+        self.layout = layout
+        self.layout_hash = specs_hash
+        self.size = layout.size
+        """Bytes mapped (the layout; the trainer maps as many)."""
+        self.descriptor_bytes = descriptor_bytes
+        self.file_bytes = segment_file_bytes(layout, descriptor_bytes)
+        """Bytes of the file: the layout, then the descriptor's pages."""
+        self.keep_file = False
+        """Set at shutdown for a segment whose file stays for the next server to adopt."""
+        self.tenant = ""
+        """The tenant whose quota (``--tenant-shm-quota``) it is charged to."""
+        self.cow_slots = layout.cow_slots
+        self.model_bytes = model_bytes(layout.tensors)  # once: stats and scrapes read it often
+        self.charge = _tensor_charge(layout, descriptor_bytes)  # what it takes of the tensor budget
+        self.buffer: mmap.mmap | None = None
+        self.header: SegmentHeader | None = None
+        self.locked = False
+        self._lock = lock
+        self._destroy = destroy
+        self._refs = 0
+        self._created = False
+        self._freeing = False
+        self._closed = False
+
+    @property
+    def freed(self) -> bool:
+        """True once :meth:`Arena.free` was called (the bytes may still be borrowed)."""
+        return self._freeing
+
+    @contextlib.contextmanager
+    def borrow(self) -> Iterator[mmap.mmap]:
+        """Keep the mapping alive for the duration of the block; yields ``buffer``."""
+        with self._lock:
+            if self._freeing or self.buffer is None:
+                raise Unavailable(f"segment {self.name} was freed")
+            self._refs += 1
+        try:
+            yield self.buffer
+        finally:
+            with self._lock:
+                self._refs -= 1
+                close_now = self._refs == 0 and self._freeing
+            if close_now:
+                self._destroy(self)
+
+    def _unmap(self) -> None:
+        if self.header is not None:
+            self.header.release()
+            self.header = None
+        if self.buffer is not None:
+            try:
+                self.buffer.close()
+            except BufferError:
+                # A memoryview kept without borrow(): the mapping goes when it does. Never a crash.
+                log_event(log, "segment_unmap_deferred", logging.WARNING, segment=self.name)
+            self.buffer = None
 
 
 class Arena:
@@ -172,23 +257,21 @@ class Arena:
             return 0
         return max(1, self.cow_pool_slots // min(max(world_size, 1), LOCAL_RANKS_HINT))
 
-    def create_segment(
-        self, owner: str, specs: Sequence[TensorSpec], world_size: int, *, specs_hash: str | None = None,
-        descriptor: SegmentDescriptor | None = None, tenant: str = "",
-    ) -> Segment:
-        """Plan, charge, create, pre-fault, map and initialise a segment (blocking).
+    def create_segment(self, owner: str, descriptor: SegmentDescriptor) -> Segment:
+        """Plan, charge, create, pre-fault, map and initialise the segment of ``descriptor``'s
+        tensors (blocking), charged to its tenant's quota, with the copy slots of a job of its
+        ``local_world_size`` ranks here.
 
-        ``owner``: a server-issued hex id, part of the file name. ``specs_hash``: the caller's
-        ``layout_hash(specs)`` if known. ``descriptor``: what a successor server needs to adopt
-        it, written after the copy slots. ``tenant``: whose quota it is charged to.
+        ``owner``: a server-issued hex id, part of the file name. The descriptor, what a
+        successor server needs to adopt the segment, is written after the copy slots.
         """
         if not owner.isalnum():
             raise ValueError("segment owner must be a server-issued alphanumeric id")
-        raw = descriptor.encode() if descriptor is not None else b""
-        name, layout = self._charge(owner, specs, world_size, len(raw), tenant)
-        digest = specs_hash if specs_hash is not None else layout_hash(specs)
-        segment = self.segment_object(name, layout, digest, len(raw))
-        segment.tenant = tenant
+        raw = descriptor.encode()
+        name, layout = self._charge(owner, descriptor.tensors, descriptor.local_world_size, len(raw),
+                                    descriptor.tenant)
+        segment = self.segment_object(name, layout, descriptor.layout_hash, len(raw))
+        segment.tenant = descriptor.tenant
         try:
             self._materialize(segment, raw)
         except BaseException:  # give the charge back and remove what this call created
@@ -221,20 +304,11 @@ class Arena:
 
     def segment_object(self, name: str, layout: SegmentLayout, digest: str, descriptor_bytes: int) -> Segment:
         """The :class:`Segment` of file ``name``, freed through this arena (not mapped or charged)."""
-        return Segment(
-            name, self.shm_dir / name, layout, digest, self._tensor_charge(layout, descriptor_bytes),
-            lock=self._lock, destroy=self._destroy, descriptor_bytes=descriptor_bytes,
-        )
+        return Segment(name, self.shm_dir / name, layout, digest, lock=self._lock, destroy=self._destroy,
+                       descriptor_bytes=descriptor_bytes)
 
-    @staticmethod
-    def _tensor_charge(layout: SegmentLayout, descriptor_bytes: int) -> int:
-        """What a segment takes of the budget besides its copy slots (which the pool holds)."""
-        return segment_file_bytes(layout, descriptor_bytes) - layout.cow_slots * layout.chunk_bytes
-
-    def _charge(
-        self, owner: str, specs: Sequence[TensorSpec], world_size: int, descriptor_bytes: int = 0,
-        tenant: str = "",
-    ) -> tuple[str, SegmentLayout]:
+    def _charge(self, owner: str, specs: Sequence[TensorSpec], world_size: int, descriptor_bytes: int,
+                tenant: str) -> tuple[str, SegmentLayout]:
         """Plan and charge the segment and name its file: (name, layout). ResourceExhausted
         when the free budget, or ``tenant``'s quota, cannot hold it."""
         # --chunk-bytes, or the largest tensor page aligned when smaller (a small model's slots
@@ -250,7 +324,7 @@ class Arena:
             slots = min(want, self.cow_pool_slots - self._cow_used_slots)
             if slots != layout.cow_slots:
                 layout = plan_segment(specs, chunk, slots)
-            charge = self._tensor_charge(layout, descriptor_bytes)
+            charge = _tensor_charge(layout, descriptor_bytes)
             free = self._free()
             if charge > free:
                 self.allocation_failures += 1
@@ -296,8 +370,7 @@ class Arena:
                 os.fchown(fd, -1, self.gid)
             os.fchmod(fd, 0o660 if self.gid is not None and not owner else 0o600)  # umask-independent
             self._commit(fd, segment)
-            if descriptor:
-                os.pwrite(fd, descriptor, segment.layout.size)  # before MAGIC (initialize)
+            os.pwrite(fd, descriptor, segment.layout.size)  # before MAGIC (initialize)
             segment.buffer = mmap.mmap(fd, segment.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)

@@ -1,7 +1,9 @@
 """One trainer rank's session as the server holds it: :class:`Session`, its
 :class:`SessionState` and the :class:`LivenessStream` (an open KeepAlive stream) that keeps it
-live. The lifecycle is the registry's (:mod:`.sessions`); these types hold the state and read
-the segment's header words.
+live, and :class:`FreedSession`, what the registry remembers of one it freed (so that a trainer
+that finds no state, a fresh Attach or NOT_FOUND for its old session id, is told when and why).
+The lifecycle is the registry's (:mod:`.sessions`); these types hold the state and read the
+segment's header words.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from swap_state.common.errors import FailedPrecondition, NoSegment
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word, committed_step
 from swap_state.common.server_header import ServerHeader
 from swap_state.common.snapshot_metadata_parts import MetadataBase
-from swap_state.server.memory.segment_file import Segment
+from swap_state.server.memory.arena import Segment
 
-__all__ = ["LivenessStream", "Session", "SessionState"]
+__all__ = ["FreedSession", "LivenessStream", "Session", "SessionState"]
 
 
 class SessionState(str, enum.Enum):
@@ -138,3 +140,35 @@ class Session:
     def _describe(self) -> dict[str, object]:
         return {"session_id": self.session_id, "job_id": self.job_id, "rank": self.rank,
                 "generation": self.generation, **({"tenant": self.tenant} if self.tenant else {})}
+
+
+# Why a session was freed (the registry's reasons, as logged in ``session_freed``), in words.
+_WHY = {
+    "grace_expired": "no trainer reattached within the server's --grace of {grace:g} s after "
+    "the previous one went away",
+    "detached": "its trainer detached without keeping it",
+    "world_size_changed": "a trainer of the same job and rank attached with another world size",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FreedSession:
+    """One freed session: whose it was, when (the registry's clock) and why."""
+
+    session_id: str
+    job_id: str
+    rank: int
+    reason: str
+    freed_at: float
+    grace: float
+    last_committed_step: int | None
+
+    def describe(self, now: float) -> str:
+        """``the server freed the state of job J rank R 12.3 s ago (...): why (reason=...)``."""
+        why = _WHY.get(self.reason, "it was freed").format(grace=self.grace)
+        step = "" if self.last_committed_step is None else f", last committed step {self.last_committed_step}"
+        return (
+            f"the server freed the state of job {self.job_id} rank {self.rank} "
+            f"{max(0.0, now - self.freed_at):.1f} s ago (session {self.session_id}{step}): "
+            f"{why} (reason={self.reason})"
+        )

@@ -24,6 +24,7 @@ Used from one asyncio loop; blocking arena work runs in worker threads.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import secrets
@@ -39,15 +40,16 @@ from swap_state.common.segment import TensorSpec, layout_hash
 from swap_state.common.segment_descriptor import SegmentDescriptor
 from swap_state.server.logs import log_event
 from swap_state.server.memory.adopt import Adopted
-from swap_state.server.memory.arena import Arena
-from swap_state.server.memory.freed import FreedSession, FreedSessions
-from swap_state.server.memory.segment_file import Segment
-from swap_state.server.memory.session import LivenessStream, Session, SessionState
+from swap_state.server.memory.arena import Arena, Segment
+from swap_state.server.memory.session import FreedSession, LivenessStream, Session, SessionState
 from swap_state.server.tenants import ANYONE, Tenant
 
 __all__ = ["SessionRegistry"]
 
 log = logging.getLogger("swap_state.server.sessions")
+
+#: Freed (job id, rank) pairs remembered; one record is a few hundred bytes.
+MAX_FREED = 1024
 
 
 class SessionRegistry:
@@ -72,8 +74,9 @@ class SessionRegistry:
         """Sessions rebuilt from a previous server's segments at start."""
         self.reconnects = 0
         """KeepAlive streams reopened by a trainer without a new Attach (its server restarted)."""
-        self.freed = FreedSessions()
-        """The last sessions freed (bounded): why a trainer finds no state for its job/rank."""
+        self._freed: collections.OrderedDict[tuple[str, int], FreedSession] = collections.OrderedDict()
+        """The last :data:`MAX_FREED` sessions freed, by (job id, rank): why a trainer finds no
+        state for its job/rank."""
 
     @property
     def steps_committed_total(self) -> int:
@@ -100,12 +103,12 @@ class SessionRegistry:
 
     def why_no_state(self, job_id: str, rank: int) -> str:
         """Why this server holds no state for (job_id, rank) if it freed it, else ""."""
-        freed = self.freed.of(job_id, rank)
+        freed = self._freed.get((job_id, rank))
         return freed.describe(self._clock()) if freed is not None else ""
 
     def _not_found(self, session_id: str, otherwise: str) -> NotFound:
         """Why ``session_id`` is gone, when this registry freed it; else ``otherwise``."""
-        freed = self.freed.by_id(session_id)
+        freed = next((f for f in self._freed.values() if f.session_id == session_id), None)  # errors only
         if freed is None:
             return NotFound(otherwise)
         grace = "; a longer --grace keeps a vanished trainer's state longer" if freed.reason == "grace_expired" else ""
@@ -157,7 +160,9 @@ class SessionRegistry:
             self._sessions[session.session_id] = session
             self._by_key[(job_id, rank)] = session
         session.client_pid, session.client_host = client_pid, client_host
-        self._make_pending(session)
+        session.state = SessionState.PENDING
+        session.orphaned_since = None
+        session.stream_deadline = self._clock() + self.stream_wait
         self.attaches += 1
         log_event(log, "session_attached", **session._describe(), world_size=world_size,
                   local_world_size=local_world_size, reattached=reattached, client_pid=client_pid,
@@ -188,7 +193,9 @@ class SessionRegistry:
             raise Unavailable("the server is shutting down")
 
     def _refuse_if_live(self, session: Session) -> None:
-        if session.awaiting_reconnect and not session.closed and self._trainer_present(session):
+        # An adopted session whose trainer still maps its segment: that trainer reconnects.
+        if (session.awaiting_reconnect and not session.closed and session.segment is not None
+                and trainer_presence.held(session.segment.path)):
             left = max(0.0, self.grace - self.orphaned_seconds(session))
             raise SessionLive(
                 f"job {session.job_id} rank {session.rank} was live when the previous server "
@@ -204,16 +211,6 @@ class SessionRegistry:
                 f"{session.generation}): another trainer with the same job id and rank? Stop that "
                 "trainer first, or give this one another job id"
             )
-
-    @staticmethod
-    def _trainer_present(session: Session) -> bool:
-        """Whether the trainer of an adopted session still maps its segment (it reconnects)."""
-        return session.segment is not None and trainer_presence.held(session.segment.path)
-
-    def _make_pending(self, session: Session) -> None:
-        session.state = SessionState.PENDING
-        session.orphaned_since = None
-        session.stream_deadline = self._clock() + self.stream_wait
 
     def adopt(self, adopted: Adopted) -> Session:
         """A session rebuilt from a segment a previous server left, orphaned until its
@@ -316,10 +313,7 @@ class SessionRegistry:
             log_event(log, "segment_allocating", **session._describe(), tensors=len(checked))
             descriptor = SegmentDescriptor(session.job_id, session.rank, session.world_size,
                                            session.local_world_size, tuple(checked), wanted_hash, session.tenant)
-            segment = await asyncio.to_thread(
-                self.arena.create_segment, session.session_id, checked, session.local_world_size,
-                specs_hash=wanted_hash, descriptor=descriptor, tenant=session.tenant,
-            )
+            segment = await asyncio.to_thread(self.arena.create_segment, session.session_id, descriptor)
             session.segment = segment
             log_event(log, "segment_allocated", **session._describe(), path=segment.path,
                       bytes=segment.size, tensors=len(checked), chunks=segment.layout.n_chunks,
@@ -345,8 +339,12 @@ class SessionRegistry:
         self._retired_commits += session.steps_committed
         self._retired_drops += session.kept_states_dropped
         if reason != "shutdown":
-            self.freed.add(FreedSession(session.session_id, session.job_id, session.rank, reason,
-                                        self._clock(), self.grace, session.last_committed_step))
+            key = (session.job_id, session.rank)
+            self._freed.pop(key, None)
+            self._freed[key] = FreedSession(session.session_id, session.job_id, session.rank, reason,
+                                            self._clock(), self.grace, session.last_committed_step)
+            while len(self._freed) > MAX_FREED:
+                self._freed.popitem(last=False)
         segment, session.segment = session.segment, None
         freed = segment.size if segment is not None else 0
         if segment is not None:

@@ -10,7 +10,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 from prometheus_client import CollectorRegistry, generate_latest
@@ -25,8 +25,7 @@ from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator, SnapshotStatus
 
 __all__ = [
-    "CONTENT_TYPE", "MetricsServer", "RpcCounters", "ServerCollector", "SnapshotCounters", "counter", "gauge",
-    "metrics_registry",
+    "CONTENT_TYPE", "MetricsServer", "RpcCounters", "ServerCollector", "SnapshotCounters",
 ]
 
 log = logging.getLogger("swap_state.server.metrics")
@@ -34,23 +33,6 @@ log = logging.getLogger("swap_state.server.metrics")
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # "text/plain; version=0.0.4; charset=utf-8"
 _MAX_REQUEST_BYTES = 8192
 _REQUEST_TIMEOUT = 5.0
-
-
-def gauge(name: str, help_text: str, value: float | None = None,
-          labels: Iterable[str] | None = None) -> GaugeMetricFamily:
-    """A gauge family: one unlabelled ``value``, or ``labels`` and ``add_metric`` calls."""
-    return GaugeMetricFamily(name, help_text, value=value,
-                             labels=None if labels is None else list(labels))
-
-
-def counter(name: str, help_text: str, value: float | None = None,
-            labels: Iterable[str] | None = None) -> CounterMetricFamily:
-    """A counter family. ``name`` must end in ``_total``: prometheus_client stores it without
-    the suffix and renders ``<name>_total``, so the exposed name is exactly ``name``."""
-    if not name.endswith("_total"):
-        raise ValueError(f"counter {name} must end in _total (it is rendered with it)")
-    return CounterMetricFamily(name, help_text, value=value,
-                               labels=None if labels is None else list(labels))
 
 
 class RpcCounters:
@@ -67,19 +49,23 @@ class RpcCounters:
         self.seconds[method] = self.seconds.get(method, 0.0) + seconds
 
 
-# (family, name, help, Arena attribute).
-_ARENA_FAMILIES = (
-    (gauge, "swap_state_budget_total_bytes", "The --shm-size budget.", "total_bytes"),
-    (gauge, "swap_state_budget_used_bytes",
+# Every counter's name ends in ``_total``: prometheus_client stores a counter without the
+# suffix and renders ``<name>_total``, so the exposed name is exactly the one written here.
+# (name, help, Arena attribute) of the arena's gauges, then of its counters.
+_ARENA_GAUGES = (
+    ("swap_state_budget_total_bytes", "The --shm-size budget.", "total_bytes"),
+    ("swap_state_budget_used_bytes",
      "Bytes of all segment files (tensors, headers, padding, cow slots).", "used_bytes"),
-    (gauge, "swap_state_budget_free_bytes", "Bytes a new segment may still take (the cow pool held back).",
+    ("swap_state_budget_free_bytes", "Bytes a new segment may still take (the cow pool held back).",
      "free_bytes"),
-    (gauge, "swap_state_cow_pool_slots", "Copy-before-write slots in the host pool.", "cow_pool_slots"),
-    (gauge, "swap_state_cow_pool_slots_used", "Copy-before-write slots given to segments.", "cow_slots_used"),
-    (counter, "swap_state_segment_allocations_total", "Segments created.", "allocations"),
-    (counter, "swap_state_segment_allocation_failures_total",
+    ("swap_state_cow_pool_slots", "Copy-before-write slots in the host pool.", "cow_pool_slots"),
+    ("swap_state_cow_pool_slots_used", "Copy-before-write slots given to segments.", "cow_slots_used"),
+)
+_ARENA_COUNTERS = (
+    ("swap_state_segment_allocations_total", "Segments created.", "allocations"),
+    ("swap_state_segment_allocation_failures_total",
      "Segment creations refused (budget) or failed (shm full).", "allocation_failures"),
-    (counter, "swap_state_mlock_failures_total",
+    ("swap_state_mlock_failures_total",
      "Segments that could not be mlock'd (RLIMIT_MEMLOCK / CAP_IPC_LOCK).", "mlock_failures"),
 )
 # (name, help, value of a Session) of the per-session gauges, labelled by job and rank (None: no sample).
@@ -162,59 +148,52 @@ class ServerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Every family, in a fixed order: server, arena, sessions, session counters, RPCs,
         snapshots, store uploads."""
-        yield gauge("swap_state_up", "1 while the server serves.", 1)
-        yield gauge("swap_state_start_time_seconds", "Unix time the server started.", self.started_at)
-        for make, name, help_text, attr in _ARENA_FAMILIES:
-            yield make(name, help_text, getattr(self.arena, attr))
+        yield GaugeMetricFamily("swap_state_up", "1 while the server serves.", 1)
+        yield GaugeMetricFamily("swap_state_start_time_seconds", "Unix time the server started.", self.started_at)
+        for name, help_text, attr in _ARENA_GAUGES:
+            yield GaugeMetricFamily(name, help_text, getattr(self.arena, attr))
+        for name, help_text, attr in _ARENA_COUNTERS:
+            yield CounterMetricFamily(name, help_text, getattr(self.arena, attr))
         sessions = self.registry.sessions
-        by_state = gauge("swap_state_sessions", "Sessions by state.", labels=["state"])
+        by_state = GaugeMetricFamily("swap_state_sessions", "Sessions by state.", labels=["state"])
         for state in SessionState:
             by_state.add_metric([state.value], sum(1 for s in sessions if s.state is state))
         yield by_state
         for name, help_text, value in _SESSION_GAUGES:
-            family = gauge(name, help_text, labels=["job_id", "rank"])
+            family = GaugeMetricFamily(name, help_text, labels=["job_id", "rank"])
             for s in sessions:
                 if (v := value(s)) is not None:
                     family.add_metric([s.job_id, str(s.rank)], v)
             yield family
         for name, help_text, attr in _SESSION_COUNTERS:
-            yield counter(name, help_text, getattr(self.registry, attr))
-        calls = counter("swap_state_rpc_total", "RPCs by method and status code.",
-                        labels=["method", "code"])
+            yield CounterMetricFamily(name, help_text, getattr(self.registry, attr))
+        calls = CounterMetricFamily("swap_state_rpc_total", "RPCs by method and status code.",
+                                    labels=["method", "code"])
         for (method, code), n in sorted(self.counters.calls.items()):
             calls.add_metric([method, code], n)
         yield calls
-        seconds = counter("swap_state_rpc_seconds_total", "Seconds spent in RPCs by method.",
-                          labels=["method"])
+        seconds = CounterMetricFamily("swap_state_rpc_seconds_total", "Seconds spent in RPCs by method.",
+                                      labels=["method"])
         for method, spent in sorted(self.counters.seconds.items()):
             seconds.add_metric([method], spent)
         yield seconds
         running = self.coordinator.in_progress() if self.coordinator is not None else []
-        yield gauge("swap_state_snapshots_in_progress", "Snapshot ranks persisting now.", len(running))
+        yield GaugeMetricFamily("swap_state_snapshots_in_progress", "Snapshot ranks persisting now.", len(running))
         for name, help_text, field in _SNAPSHOT_COUNTERS:
-            yield counter(name, help_text, self.snapshot_counters[field])
+            yield CounterMetricFamily(name, help_text, self.snapshot_counters[field])
         uploader = self.coordinator.uploader if self.coordinator is not None else None
         if uploader is not None:
             for name, help_text, field in _UPLOAD_COUNTERS:
-                yield counter(name, help_text, getattr(uploader.counters, field))
-
-
-def metrics_registry(
-    arena: Arena, registry: SessionRegistry, counters: RpcCounters, snapshot_counters: SnapshotCounters,
-    coordinator: SnapshotCoordinator | None, *, started_at: float,
-) -> CollectorRegistry:
-    """A private registry with the server's collector."""
-    metrics = CollectorRegistry(auto_describe=False)
-    metrics.register(ServerCollector(arena, registry, counters, snapshot_counters, coordinator,
-                                     started_at=started_at))
-    return metrics
+                yield CounterMetricFamily(name, help_text, getattr(uploader.counters, field))
 
 
 class MetricsServer:
-    """``GET /metrics`` on host:port: ``metrics`` in the Prometheus text format 0.0.4."""
+    """``GET /metrics`` on host:port: the collector's families in the Prometheus text format
+    0.0.4, from a private registry."""
 
-    def __init__(self, metrics: CollectorRegistry, host: str, port: int) -> None:
-        self._metrics = metrics
+    def __init__(self, collector: Collector, host: str, port: int) -> None:
+        self._metrics = CollectorRegistry(auto_describe=False)
+        self._metrics.register(collector)
         self._host = host
         self._port = port
         self._server: asyncio.base_events.Server | None = None

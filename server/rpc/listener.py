@@ -108,11 +108,11 @@ class SocketGuard:
         os.unlink(self.path)
         log_event(log, "stale_socket_replaced", logging.WARNING, path=self.path)
 
-    def bound(self, gid: int | None) -> None:
+    def bound(self) -> None:
         """After bind: set 0660 (+ group) and remember the inode, so we only ever unlink ours."""
         os.chmod(self.path, SOCKET_MODE)
-        if gid is not None:
-            os.chown(self.path, -1, gid)
+        if self._shared_gid is not None:
+            os.chown(self.path, -1, self._shared_gid)
         info = os.lstat(self.path)
         self._inode = (info.st_dev, info.st_ino)
 

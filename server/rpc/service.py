@@ -24,8 +24,7 @@ from swap_state.common.errors import (
 )
 from swap_state.common.names import parse_snapshot_id
 from swap_state.server.logs import log_event
-from swap_state.server.memory.arena import Arena
-from swap_state.server.memory.segment_file import Segment
+from swap_state.server.memory.arena import Segment
 from swap_state.server.memory.session import Session
 from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
@@ -80,7 +79,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     --snapshot-dir (the snapshot RPCs then fail naming the flag)."""
 
     def __init__(
-        self, registry: SessionRegistry, arena: Arena, *, keepalive_interval: float,
+        self, registry: SessionRegistry, *, keepalive_interval: float,
         snapshots: SnapshotCoordinator | None = None, tenants: Tenants | None = None,
     ) -> None:
         self.tenants = tenants or Tenants()
@@ -88,7 +87,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         self.registry = registry
         self.snapshots = snapshots
         self.snapshot_counters = SnapshotCounters()
-        self.arena = arena
+        self.arena = registry.arena
         self.keepalive_interval = keepalive_interval
         self.counters = RpcCounters()  # counted by rpc_boundary
         self._finishing: set[asyncio.Task[None]] = set()

@@ -19,12 +19,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from swap_state.common import trainer_presence
+from swap_state.common.segment import layout_hash
+from swap_state.common.segment_descriptor import SegmentDescriptor
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
 __all__ = [
     "Trainer",
     "ServerProcess",
+    "descriptor",
     "spec",
     "wait_until",
 ]
@@ -32,6 +35,12 @@ __all__ = [
 
 def spec(name: str, shape: tuple[int, ...], dtype: str = "float32") -> pb.TensorSpec:
     return pb.TensorSpec(name=name, dtype=dtype, shape=list(shape))
+
+
+def descriptor(specs, world_size: int = 1, job_id: str = "job", rank: int = 0) -> SegmentDescriptor:
+    """What ``Arena.create_segment`` takes: the segment of ``specs`` of a job whose ranks are all here."""
+    specs = tuple((name, dtype, tuple(shape)) for name, dtype, shape in specs)
+    return SegmentDescriptor(job_id, rank, world_size, world_size, specs, layout_hash(specs))
 
 
 async def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02, what: str = "") -> None:

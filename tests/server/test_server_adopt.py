@@ -36,8 +36,8 @@ def _leave(arena: Arena) -> None:
 
 def test_the_segments_an_old_server_left_are_adopted_with_their_bytes_and_charge(shm_dir):
     old = _arena(shm_dir)
-    first = old.create_segment("a" * 32, SPECS, 2, descriptor=_descriptor(rank=0))
-    second = old.create_segment("b" * 32, SPECS, 2, descriptor=_descriptor(rank=1))
+    first = old.create_segment("a" * 32, _descriptor(rank=0))
+    second = old.create_segment("b" * 32, _descriptor(rank=1))
     first.buffer[first.layout.tensors[0].offset] = 7
     first.header[Word.TRAINER_GENERATION] = 3
     first.header[Word.SNAP_EPOCH] = 9  # the old server died mid-snapshot
@@ -60,8 +60,8 @@ def test_the_segments_an_old_server_left_are_adopted_with_their_bytes_and_charge
 
 def test_an_older_segment_of_the_same_rank_is_superseded_and_freed(shm_dir):
     old = _arena(shm_dir)
-    stale = old.create_segment("a" * 32, SPECS, 2, descriptor=_descriptor())
-    current = old.create_segment("b" * 32, SPECS, 2, descriptor=_descriptor())
+    stale = old.create_segment("a" * 32, _descriptor())
+    current = old.create_segment("b" * 32, _descriptor())
     _leave(old)
     new = _arena(shm_dir)
     adopted, refused = adopt_segments(new, _validate)
@@ -73,10 +73,11 @@ def test_an_older_segment_of_the_same_rank_is_superseded_and_freed(shm_dir):
 
 def test_what_does_not_pass_a_check_is_refused_with_the_reason_and_left(shm_dir):
     old = _arena(shm_dir)
-    plain = old.create_segment("a" * 32, SPECS, 2)  # no descriptor: never adopted
-    other_version = old.create_segment("b" * 32, SPECS, 2, descriptor=_descriptor(rank=1))
+    plain = old.create_segment("a" * 32, _descriptor(rank=0))
+    plain.header[Word.DESCRIPTOR_BYTES] = 0  # no descriptor: never adopted
+    other_version = old.create_segment("b" * 32, _descriptor(rank=1))
     other_version.header[Word.VERSION] = 3
-    wrong_hash = old.create_segment("c" * 32, SPECS, 2, descriptor=_descriptor("k"))
+    wrong_hash = old.create_segment("c" * 32, _descriptor("k"))
     wrong_hash.header[Word.LAYOUT_HASH] ^= 1
     _leave(old)
     small = _arena(shm_dir, total=1 << 20, cow=4 * CHUNK)  # a smaller budget than its creator's
@@ -92,7 +93,7 @@ def test_what_does_not_pass_a_check_is_refused_with_the_reason_and_left(shm_dir)
 def test_a_budget_too_small_for_a_segment_refuses_it_naming_the_flags(shm_dir):
     old = _arena(shm_dir, total=64 << 20)
     specs = [("state.w.exp_avg", "float32", (1024, 1024))]
-    big = old.create_segment("a" * 32, specs, 2, descriptor=_descriptor(specs=specs))
+    big = old.create_segment("a" * 32, _descriptor(specs=specs))
     _leave(old)
     adopted, refused = adopt_segments(_arena(shm_dir, total=2 << 20), _validate)
     assert adopted == [] and len(refused) == 1

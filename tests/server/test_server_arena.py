@@ -10,7 +10,7 @@ import stat
 
 import grpc
 import pytest
-from swap_server_testkit import Trainer, spec
+from swap_server_testkit import Trainer, descriptor, spec
 
 from swap_state.common.segment import MAGIC, PAGE_BYTES, SegmentHeader, Word
 from swap_state.server.memory import arena as arena_mod
@@ -31,12 +31,12 @@ def make_arena(shm_dir, total=16 << 20, cow=4 * CHUNK, **kw) -> Arena:
 
 def test_segment_file_layout_header_and_accounting(shm_dir):
     arena = make_arena(shm_dir)
-    seg = arena.create_segment("abc123", SPECS, world_size=1)
+    seg = arena.create_segment("abc123", descriptor(SPECS, 1))
     try:
         assert seg.path.parent == shm_dir and seg.path.name.startswith("swap-state.t3st.abc123.")
         info = os.stat(seg.path)
-        assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_size == seg.size
-        assert info.st_blocks * 512 >= seg.size  # every page committed
+        assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_size == seg.file_bytes
+        assert info.st_blocks * 512 >= seg.file_bytes  # every page committed
         assert all(t.offset % PAGE_BYTES == 0 for t in seg.layout.tensors)
         assert seg.header[Word.MAGIC] == MAGIC
         # The largest tensor (12000 bytes) is smaller than --chunk-bytes: page-aligned chunks.
@@ -44,8 +44,8 @@ def test_segment_file_layout_header_and_accounting(shm_dir):
         # Another mapping of the file sees the server's header.
         with open(seg.path, "rb") as f:
             assert int.from_bytes(f.read(8), "little") == MAGIC
-        assert arena.used_bytes == seg.size
-        assert arena.free_bytes == (16 << 20) - 4 * CHUNK - seg.layout.cow_slots_offset
+        assert arena.used_bytes == seg.file_bytes  # the layout, then its descriptor
+        assert arena.free_bytes == (16 << 20) - 4 * CHUNK - seg.layout.cow_slots_offset - (seg.file_bytes - seg.size)
         assert arena.cow_slots_used == seg.cow_slots == seg.layout.n_chunks == 2  # no more than chunks
     finally:
         arena.free(seg)
@@ -54,12 +54,12 @@ def test_segment_file_layout_header_and_accounting(shm_dir):
 
 def test_small_segments_get_small_chunks_and_slots_large_ones_chunk_bytes(shm_dir):
     arena = make_arena(shm_dir)
-    small = arena.create_segment("small1", [("x", "float32", (10,))], world_size=1)
-    big = arena.create_segment("big1", [("y", "float32", (3 * CHUNK // 4,))], world_size=1)
+    small = arena.create_segment("small1", descriptor([("x", "float32", (10,))], 1))
+    big = arena.create_segment("big1", descriptor([("y", "float32", (3 * CHUNK // 4,))], 1))
     try:
         assert small.layout.chunk_bytes == PAGE_BYTES and small.cow_slots == 1
         assert big.layout.chunk_bytes == CHUNK and big.cow_slots == 3
-        assert arena.used_bytes == small.size + big.size  # exact: the files' bytes
+        assert arena.used_bytes == small.file_bytes + big.file_bytes  # exact: the files' bytes
         assert arena.cow_slots_used == 4  # each slot still counts as one slot of the pool
     finally:
         arena.free(small)
@@ -77,7 +77,7 @@ def test_cow_share_splits_the_pool_between_local_ranks(shm_dir):
 
 def test_group_makes_segments_0660(shm_dir):
     arena = make_arena(shm_dir, gid=os.getgid())
-    seg = arena.create_segment("g1", SPECS, world_size=1)
+    seg = arena.create_segment("g1", descriptor(SPECS, 1))
     assert stat.S_IMODE(os.stat(seg.path).st_mode) == 0o660
     assert os.stat(seg.path).st_gid == os.getgid()
     arena.free(seg)
@@ -90,7 +90,7 @@ def test_full_tmpfs_fails_the_allocation_not_a_later_page_fault(shm_dir, monkeyp
     monkeypatch.setattr(arena_mod.os, "posix_fallocate", enospc)
     arena = make_arena(shm_dir)
     with pytest.raises(ResourceExhausted) as err:
-        arena.create_segment("full1", SPECS, world_size=1)
+        arena.create_segment("full1", descriptor(SPECS, 1))
     message = str(err.value)
     assert "docker run --shm-size" in message and "shm_size" in message
     assert "requested" in message and "free" in message and "total" in message
@@ -117,7 +117,7 @@ def test_fallocate_unsupported_falls_back_to_writing_pages(shm_dir, monkeypatch)
 
     monkeypatch.setattr(arena_mod.os, "posix_fallocate", unsupported)
     arena = make_arena(shm_dir)
-    seg = arena.create_segment("nofa", SPECS, world_size=1)
+    seg = arena.create_segment("nofa", descriptor(SPECS, 1))
     assert os.stat(seg.path).st_blocks * 512 >= seg.size
     arena.free(seg)
 
@@ -126,8 +126,8 @@ def test_mlock_refusal_warns_once_naming_the_fix(shm_dir, monkeypatch, caplog):
     monkeypatch.setattr(arena_mod, "_mlock", lambda address, length: errno.EPERM)
     caplog.set_level(logging.DEBUG, logger="swap_state")
     arena = make_arena(shm_dir)
-    first = arena.create_segment("ml1", SPECS, world_size=1)
-    second = arena.create_segment("ml2", SPECS, world_size=1)
+    first = arena.create_segment("ml1", descriptor(SPECS, 1))
+    second = arena.create_segment("ml2", descriptor(SPECS, 1))
     assert not first.locked and not second.locked and arena.mlock_failures == 2
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.msg == "mlock_refused"]
     assert len(warnings) == 1
@@ -152,7 +152,7 @@ def test_mlock_locks_the_pages_when_allowed(shm_dir):
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     arena = make_arena(shm_dir)
     before = _locked_kib()
-    seg = arena.create_segment("ml3", SPECS, world_size=1)
+    seg = arena.create_segment("ml3", descriptor(SPECS, 1))
     cap_ipc_lock = bool(int(_proc_status("CapEff"), 16) & (1 << 14))
     allowed = cap_ipc_lock or soft == resource.RLIM_INFINITY or soft >= seg.size + (before << 10)
     if allowed:
@@ -166,7 +166,7 @@ def test_mlock_locks_the_pages_when_allowed(shm_dir):
 
 def test_free_waits_for_borrowers(shm_dir):
     arena = make_arena(shm_dir)
-    seg = arena.create_segment("br1", SPECS, world_size=1)
+    seg = arena.create_segment("br1", descriptor(SPECS, 1))
     with seg.borrow() as buffer:
         arena.free(seg)
         assert seg.freed and seg.path.exists()  # still being read: not gone yet
@@ -179,12 +179,12 @@ def test_free_waits_for_borrowers(shm_dir):
 
 def test_close_frees_everything_and_refuses_more(shm_dir):
     arena = make_arena(shm_dir)
-    arena.create_segment("c1", SPECS, world_size=1)
-    arena.create_segment("c2", SPECS, world_size=1)
+    arena.create_segment("c1", descriptor(SPECS, 1))
+    arena.create_segment("c2", descriptor(SPECS, 1))
     arena.close()
     assert os.listdir(shm_dir) == [] and arena.used_bytes == 0
     with pytest.raises(Unavailable):
-        arena.create_segment("c3", SPECS, world_size=1)
+        arena.create_segment("c3", descriptor(SPECS, 1))
 
 
 def test_leftovers_of_the_same_tag_only_are_removed(shm_dir):
@@ -212,7 +212,7 @@ def test_shm_dir_check(shm_dir, tmp_path):
 
 def test_header_reads_back_through_segment_header(shm_dir):
     arena = make_arena(shm_dir)
-    seg = arena.create_segment("hd1", SPECS, world_size=1)
+    seg = arena.create_segment("hd1", descriptor(SPECS, 1))
     with open(seg.path, "r+b") as f:
         import mmap
 

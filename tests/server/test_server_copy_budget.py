@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from swap_server_testkit import Trainer, spec
+from swap_server_testkit import Trainer, descriptor, spec
 
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.server.copy_budget import CopyBudgetPolicy
@@ -27,7 +27,7 @@ def test_allocation_warns_when_the_copy_slots_cannot_cover_one_forward_backward(
     caplog.set_level(logging.WARNING, logger="swap_state")
     # 10 MB/s x 0.1 s: 1 MB persisted meanwhile
     arena = make_arena(shm_dir, policy=CopyBudgetPolicy(assumed_bytes_per_s=10e6))
-    seg = arena.create_segment("abc1", BIG, world_size=1)
+    seg = arena.create_segment("abc1", descriptor(BIG, 1))
     try:
         [fields] = _short_events(caplog)
         state = 4 << 20
@@ -40,7 +40,7 @@ def test_allocation_warns_when_the_copy_slots_cannot_cover_one_forward_backward(
 
     caplog.clear()
     roomy = make_arena(shm_dir, cow=64 * CHUNK, policy=CopyBudgetPolicy(assumed_bytes_per_s=10e6))
-    seg = roomy.create_segment("abc2", BIG, world_size=1)
+    seg = roomy.create_segment("abc2", descriptor(BIG, 1))
     try:
         assert _short_events(caplog) == []
         assert roomy.copy_policy.budget(seg.layout).warning() == ""

@@ -14,7 +14,9 @@ from swap_server_testkit import Trainer, spec, wait_until
 from swap_state.client import cli
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.common.segment import MAGIC, PAGE_BYTES, SegmentHeader, Word, layout_hash
-from swap_state.server.memory.freed import FreedSession, FreedSessions
+from swap_state.common.errors import NotFound
+from swap_state.server.memory import sessions as sessions_mod
+from swap_state.server.memory.session import FreedSession
 
 TENSORS = [spec("layers.0.exp_avg", (1000, 33)), spec("layers.0.exp_avg_sq", (1000, 33)),
            spec("step", (), "int64")]
@@ -392,14 +394,21 @@ async def test_a_detached_session_is_remembered_as_detached(server, stub):
     assert "reason=detached" in again.previous_session
 
 
-def test_the_record_of_freed_sessions_is_bounded():
-    freed = FreedSessions(limit=3)
-    for rank in range(5):
-        freed.add(FreedSession(f"s{rank}", "j", rank, "grace_expired", float(rank), 5.0, None))
-    assert len(freed) == 3 and freed.of("j", 1) is None and freed.by_id("s1") is None
-    assert freed.of("j", 4).session_id == "s4" and freed.by_id("s2").rank == 2
+async def test_the_record_of_freed_sessions_is_bounded(server, stub, monkeypatch):
+    monkeypatch.setattr(sessions_mod, "MAX_FREED", 3)
+    trainers = [Trainer(stub, "bounded", rank=rank, world_size=5) for rank in range(5)]
+    for trainer in trainers:
+        await trainer.attach()
+        await trainer.detach(keep=False)
+    registry = server.sessions
+    assert registry.why_no_state("bounded", 1) == "" and "rank 4" in registry.why_no_state("bounded", 4)
+    with pytest.raises(NotFound, match="never attached"):
+        registry.lookup(trainers[1].session_id, 1)
+    with pytest.raises(NotFound, match="reason=detached"):
+        registry.lookup(trainers[2].session_id, 1)
+    freed = FreedSession("s4", "j", 4, "grace_expired", 4.0, 5.0, None)
     assert "rank 4 8.0 s ago (session s4): no trainer reattached within the server's --grace of 5 s" in (
-        freed.of("j", 4).describe(12.0)
+        freed.describe(12.0)
     )
 
 
