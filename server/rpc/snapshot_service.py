@@ -34,8 +34,9 @@ def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
 
 async def metadata_parts(session: Session, request: pb.SnapshotRequest,
                          max_bytes: int) -> MetadataParts | None:
-    """A Snapshot request's metadata as a base and a delta (None: it sent ``metadata_json``).
-    A base sent along is validated and kept with the session; one only named must be the one
+    """A Snapshot request's metadata as a base and a delta (None: it sent ``metadata_json``,
+    which stays for a trainer whose client predates the base and delta while its host's server
+    is upgraded under it). A base sent along is validated and kept with the session; one only named must be the one
     kept (else METADATA_BASE_UNKNOWN: the trainer sends it again)."""
     if not request.metadata_base_id:
         return None
