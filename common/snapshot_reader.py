@@ -23,7 +23,7 @@ import json
 import math
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from .checksum import crc32, crc32_combine
 from .dtypes import DTYPE_ITEMSIZE
@@ -41,7 +41,7 @@ from .snapshot_format import (
     rank_manifest_name,
 )
 
-__all__ = ["SnapshotInfo", "SnapshotReader", "SnapshotTier", "RankFileVerifier"]
+__all__ = ["SnapshotInfo", "SnapshotReader", "SnapshotTier", "RankFileVerifier", "reading_file"]
 
 _ELSEWHERE = ("was it taken by another server (another host, or an embedded server with its own snapshot "
               "directory) or with another --snapshot-dir? Point the server (or swap-state export "
@@ -272,11 +272,11 @@ class SnapshotReader(SnapshotTier):
         )
 
     def _size(self, info: SnapshotInfo, name: str) -> int:
-        with _reading(info.path / name):
+        with reading_file(info.path / name):
             return (info.path / name).stat().st_size
 
     def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
-        with _reading(info.path / name):
+        with reading_file(info.path / name):
             return read_range(info.path / name, offset, nbytes)
 
 
@@ -373,7 +373,7 @@ def _rank_ranges(ranks: Sequence[int]) -> str:
 
 
 @contextlib.contextmanager
-def _reading(path: object):
+def reading_file(path: object) -> Iterator[None]:
     """A missing file is SnapshotCorrupt, any other failure to read it SnapshotError."""
     try:
         yield

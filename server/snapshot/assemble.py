@@ -1,8 +1,8 @@
 """Restore: a rank's segment built from a snapshot's rank files, locally or from the store, at
 the snapshot's layout or another. One path: plan, stage, verify, then copy. Call order::
 
-    source = resolve_source(...)         # a Source: the snapshot and its tier (.tiers, .sources)
-    result = assemble(source, view, layout, rank=..., world_size=..., placement=...,
+    tier, info = resolve_source(...)     # the snapshot and the tier it is read from (.tiers)
+    result = assemble(tier, info, view, layout, rank=..., world_size=..., placement=...,
                       reserve_staging=..., staging_free_bytes=...)
 
 The plan: at the snapshot's world size and layout, the rank's own file, whole (one manifest
@@ -32,12 +32,12 @@ from swap_state.common.segment import SegmentLayout
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, RankManifest
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, SnapshotMetadata
-from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader, SnapshotTier
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.reshard import Piece, Run, TargetTensor, ranks_needed
-from swap_state.server.snapshot.sources import Source
+from swap_state.server.snapshot import sources
 
 __all__ = ["RECENT", "RestoreResult", "assemble", "check_layout", "check_world_size"]
 
@@ -113,26 +113,25 @@ def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMe
     )
 
 
-def assemble(source: Source, view: memoryview, layout: SegmentLayout, *, rank: int, world_size: int,
-             placement: SnapshotMetadata | None,
+def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: SegmentLayout, *, rank: int,
+             world_size: int, placement: SnapshotMetadata | None,
              reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
              staging_free_bytes: Callable[[], int] | None = None) -> RestoreResult:
     """Plan, read and verify every piece of ``rank``'s tensors, then copy them into ``view``.
     ``staging_free_bytes()``: the free budget, for the log line when it cannot hold them."""
-    info = source.info
     if info.world_size == world_size:
-        own = source.read_manifest(rank)  # SnapshotNotFound: this rank's file is on another host
+        own = tier.read_manifest(info, rank)  # SnapshotNotFound: this rank's file is on another host
         if _same_layout(own, layout, placement):
             # The trivial plan: the rank's own file, whole (each tensor a piece of itself).
             plan = {t.name: [Piece(rank, t, (Run(0, 0, t.nbytes),))] if t.nbytes else [] for t in own.tensors}
-            staged, pinned = _read_pieces(source, {rank: own}, plan, view, layout, rank, reserve_staging,
-                                          staging_free_bytes, own if source.whole_files else None)
+            staged, pinned = _read_pieces(tier, info, {rank: own}, plan, view, layout, rank, reserve_staging,
+                                          staging_free_bytes, own if isinstance(tier, SnapshotReader) else None)
             return RestoreResult(info.snapshot_id, info.step, own.metadata_json,
-                                 sum(t.nbytes for t in own.tensors), staged, pinned, source.where,
+                                 sum(t.nbytes for t in own.tensors), staged, pinned, tier.where,
                                  info.world_size, (rank,))
         if placement is None or not placement.tensors:
             check_layout(info, own, layout, world_size)  # raises, naming the first difference
-    read = RECENT.read(source)
+    read = RECENT.read(tier, info)
     if placement is None or not placement.tensors:  # the trainer's (RestoreRequest.metadata_json)
         raise SnapshotLayoutMismatch(f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with "
                                      f"world_size {info.world_size}, this job has {world_size}, and the "
@@ -150,17 +149,17 @@ def assemble(source: Source, view: memoryview, layout: SegmentLayout, *, rank: i
     base = min(needed or info.ranks)
     manifests = {r: read.manifest(r) for r in sorted({*needed, base})}
     plan = bind(plan, {r: m.tensors for r, m in manifests.items()})
-    staged, _ = _read_pieces(source, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
+    staged, _ = _read_pieces(tier, info, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
     others = [manifests[r].metadata_json for r in needed if r != base]
     nbytes = sum(t.nbytes for t in layout.tensors if t.name in plan)
     metadata = _restored_metadata(manifests[base].metadata_json, others, placement)
-    return RestoreResult(info.snapshot_id, info.step, metadata, nbytes, staged, False, source.where,
+    return RestoreResult(info.snapshot_id, info.step, metadata, nbytes, staged, False, tier.where,
                          info.world_size, tuple(needed), read.planned_from)
 
 
-def _read_pieces(source: Source, manifests: Mapping[int, RankManifest], plan: Mapping[str, list[Piece]],
-                 view: memoryview, layout: SegmentLayout, rank: int, reserve_staging, staging_free_bytes,
-                 whole: RankManifest | None = None) -> tuple[bool, bool]:
+def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int, RankManifest],
+                 plan: Mapping[str, list[Piece]], view: memoryview, layout: SegmentLayout, rank: int,
+                 reserve_staging, staging_free_bytes, whole: RankManifest | None = None) -> tuple[bool, bool]:
     """Every piece of ``plan`` read, verified, then copied into ``view``: (staged, pinned).
     ``whole``: a local rank file the plan takes whole, staged as one file when the budget holds it."""
     by_name = {t.name: t for t in layout.tensors}
@@ -171,24 +170,24 @@ def _read_pieces(source: Source, manifests: Mapping[int, RankManifest], plan: Ma
     reserved = reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
     with reserved as granted:
         if granted and whole is not None:
-            return True, source.copy_whole_file(whole, view, layout)  # checks the header itself
+            return True, sources.copy_whole_file(info, whole, view, layout)  # checks the header itself
         for manifest in read:
-            source.check_data_header(manifest)
+            tier.check_data_header(info, manifest)
         if granted:
             # Held as read, then (all verified) copied. Not copied into a staging area first:
             # that was 0.53 GB/s against 0.85 GB/s this way (docs/benchmarks.md).
-            read_all = [(name, piece, _read_piece(source, manifests, piece)) for name, piece in items]
+            read_all = [(name, piece, _read_piece(tier, info, manifests, piece)) for name, piece in items]
             _copy_pieces(view, by_name, read_all)
             return True, False
-    log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=source.info.snapshot_id, rank=rank,
+    log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id, rank=rank,
               staged_bytes_needed=nbytes, budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
               detail="the budget's free bytes cannot hold the staged state: verifying the sources, then "
               "reading them again into the segment")
     # One source tensor held at a time: verify everything first, then read each again and copy it.
     for _name, piece in items:
-        _read_piece(source, manifests, piece)
+        _read_piece(tier, info, manifests, piece)
     for name, piece in items:
-        data = _read_piece(source, manifests, piece, again=True)
+        data = _read_piece(tier, info, manifests, piece, again=True)
         _copy_pieces(view, by_name, [(name, piece, data)])
         del data  # before the next read
     return False, False
@@ -198,27 +197,27 @@ class ReadSnapshot:
     """A snapshot's layout index and the manifests read from it, each verified, shared by the
     ranks of this server that restore it."""
 
-    def __init__(self, source: Source):
-        self._source = source
+    def __init__(self, tier: SnapshotTier, info: SnapshotInfo):
+        self._tier, self._info = tier, info
         self._lock = threading.Lock()
         self._manifests: dict[int, RankManifest] = {}
-        raw = source.read_layout()
+        raw = tier.read_layout(info)
         self.planned_from = "layout-index" if raw is not None else "every-manifest"
         if raw is None:  # written before layout indexes, or a step read from the store's markers
-            self._manifests = {r: source.read_manifest(r) for r in source.info.ranks}
-            self.index = LayoutIndex({r: m.tensors for r, m in self._manifests.items()}, source.info.world_size)
+            self._manifests = {r: tier.read_manifest(info, r) for r in info.ranks}
+            self.index = LayoutIndex({r: m.tensors for r, m in self._manifests.items()}, info.world_size)
             return
         try:
-            self.index = LayoutIndex.from_bytes(raw, source.info.world_size)
+            self.index = LayoutIndex.from_bytes(raw, info.world_size)
         except ValueError as exc:
-            raise SnapshotCorrupt(f"{source.info.path / LAYOUT_NAME} is not a valid layout index: {exc}") from None
+            raise SnapshotCorrupt(f"{info.path / LAYOUT_NAME} is not a valid layout index: {exc}") from None
 
     def manifest(self, rank: int) -> RankManifest:
         """Old rank ``rank``'s manifest, read once."""
         with self._lock:
             found = self._manifests.get(rank)
         if found is None:
-            found = self._source.read_manifest(rank)
+            found = self._tier.read_manifest(self._info, rank)
             with self._lock:
                 found = self._manifests.setdefault(rank, found)
         return found
@@ -238,11 +237,10 @@ class RecentSnapshots:
         self._kept_count = 0  # which keep a release timer ends (the timer holds no reference)
         self._release: threading.Timer | None = None
 
-    def read(self, source: Source) -> ReadSnapshot:
-        info = source.info
+    def read(self, tier: SnapshotTier, info: SnapshotInfo) -> ReadSnapshot:
         # A snapshot replaced under the same id (a step trained again) has another index: its
         # files' checksums, its attempt and time.
-        key = (source.where, str(info.path), info.index)
+        key = (tier.where, str(info.path), info.index)
         with self._lock:
             loading = self._loading.setdefault(key, threading.Lock())
         # The first rank reads while the others of this snapshot wait for it and share the
@@ -252,7 +250,7 @@ class RecentSnapshots:
                 with self._lock:
                     read = self._live.get(key)
                 if read is None:
-                    read = ReadSnapshot(source)
+                    read = ReadSnapshot(tier, info)
                 with self._lock:
                     self._live[key] = read
                     self._keep(read)
@@ -280,12 +278,12 @@ class RecentSnapshots:
 RECENT = RecentSnapshots()
 
 
-def _read_piece(source: Source, manifests: Mapping[int, RankManifest], piece: Piece,
+def _read_piece(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int, RankManifest], piece: Piece,
                 again: bool = False) -> bytes:
     """The piece's whole source tensor, verified (``again``: read a second time, the segment
     already changing)."""
     try:
-        data = source.read_tensor(manifests[piece.source_rank], piece.source)
+        data = tier.read_tensor(info, manifests[piece.source_rank], piece.source)
     except SnapshotCorrupt as exc:
         if again:
             raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "

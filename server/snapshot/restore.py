@@ -55,17 +55,16 @@ def restore(directory: SnapshotDirectory, snapshot_id: str, buffer, layout: Segm
             raise SnapshotError(f"segment buffer is smaller than its layout ({layout.size} bytes)")
         if header[Word.SNAP_EPOCH] != 0:
             raise SnapshotBusy("a snapshot of this segment is persisting; restore after it ends")
-        source = resolve_source(directory, stored, snapshot_id, job_id, rank, world_size)
-        info = source.info
+        tier, info = resolve_source(directory, stored, snapshot_id, job_id, rank, world_size)
         if may_read is not None:
             may_read(info)
-        if source.where == "local" and not info.index.complete_job:
+        if tier.where == "local" and not info.index.complete_job:
             check_world_size(info, world_size)  # a host's own part of a multi-host snapshot: not resharded
         placement = parse_metadata(placement_json, layout.tensors, sys.maxsize) if placement_json else None
-        done = assemble(source, view, layout, rank=rank, world_size=world_size, placement=placement,
+        done = assemble(tier, info, view, layout, rank=rank, world_size=world_size, placement=placement,
                         reserve_staging=reserve_staging, staging_free_bytes=staging_free_bytes)
         log_event(log, "restore_assembled", snapshot_id=info.snapshot_id, rank=rank, world_size=world_size,
-                  snapshot_world_size=info.world_size, source=source.where,
+                  snapshot_world_size=info.world_size, source=tier.where,
                   source_ranks=list(done.source_ranks), bytes=done.bytes_restored, staged=done.staged,
                   plan=done.plan, location=str(info.path))
         return done
