@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 
 from .checksum import crc32, crc32_combine
 from .dtypes import DTYPE_ITEMSIZE
-from .names import is_job_id, parse_snapshot_id, parse_step_dir_name, snapshot_id_for, step_dir_name, validate_job_id
+from .names import is_job_id, parse_snapshot_id, parse_step_dir_name, snapshot_id_for, validate_job_id
 from .object_store import read_range
 from .snapshot_errors import SnapshotCorrupt, SnapshotError, SnapshotInvalid, SnapshotNotFound
 from .snapshot_format import (
@@ -79,6 +79,13 @@ class SnapshotInfo:
     def local_world_size(self) -> int:
         """How many ranks this directory holds."""
         return self.index.local_world_size
+
+    def file(self, name: str) -> FileRecord:
+        """The index's record of its file ``name``; SnapshotCorrupt when it lists none."""
+        record = self.index.file(name)
+        if record is None:
+            raise SnapshotCorrupt(f"{self.path / INDEX_NAME} does not list {name}")
+        return record
 
     def describe_ranks(self) -> str:
         """``ranks [2, 3] of world_size 4`` (ranges shortened for big jobs)."""
@@ -192,9 +199,6 @@ class SnapshotReader(SnapshotTier):
             raise SnapshotInvalid(f"job directory {path} resolves outside {self.root}")
         return path
 
-    def final_dir(self, job_id: str, step: int) -> pathlib.Path:
-        return self.job_dir(job_id) / step_dir_name(step)
-
     def jobs(self) -> list[str]:
         try:
             names = sorted(os.listdir(self.root))
@@ -298,9 +302,7 @@ class RankFileVerifier:
         """Checks what the manifest implies before a byte of the data is read: the file listed
         in ``snapshot.json``, sizes from dtypes and shapes, no gaps."""
         self.path = info.path / manifest.data_file
-        self._record = info.index.file(manifest.data_file)
-        if self._record is None:
-            raise SnapshotCorrupt(f"{info.path / INDEX_NAME} does not list {manifest.data_file}")
+        self._record = info.file(manifest.data_file)
         self.header = manifest.header_bytes()
         position = 0
         for tensor in manifest.tensors:
