@@ -8,7 +8,7 @@ import pathlib
 
 from swap_state.common.snapshot_format import RankManifest, SnapshotIndex, TensorRecord
 from swap_state.common.snapshot_reader import SnapshotInfo
-from swap_state.server.snapshot.assemble import RecentSnapshots
+from swap_state.server.snapshot.restore import RecentSnapshots
 from swap_state.server.snapshot.layout_index import LayoutIndex
 from swap_state.server.snapshot.reshard import TargetTensor, ranks_needed
 
