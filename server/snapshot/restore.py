@@ -123,7 +123,7 @@ def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMe
 
 
 def restore(directory: SnapshotDirectory, snapshot_id: str, buffer, layout: SegmentLayout, *, rank: int,
-            world_size: int, job_id: str | None = None, header: SegmentHeader | None = None,
+            world_size: int, header: SegmentHeader, job_id: str | None = None,
             reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
             staging_free_bytes: Callable[[], int] | None = None, stored: StoredSnapshots | None = None,
             placement_json: str = "",
@@ -131,17 +131,14 @@ def restore(directory: SnapshotDirectory, snapshot_id: str, buffer, layout: Segm
     """Verify ``snapshot_id`` (``<job>/step-<N>``, or ``latest`` of ``job_id``) for ``rank`` against
     ``layout``, then copy it into ``buffer`` (the writable mapped segment, not under a snapshot).
 
-    ``world_size``: the job's global one. ``reserve_staging(nbytes)``: yields whether the budget
-    holds the staged bytes (None: always). ``stored``: the store, for snapshots this server
-    does not hold. ``placement_json``: the rank's DTensor placement, needed to reshard.
+    ``world_size``: the job's global one. ``header``: the segment's (a snapshot's epoch refuses
+    the restore). ``reserve_staging(nbytes)``: yields whether the budget holds the staged bytes
+    (None: always). ``stored``: the store, for snapshots this server does not hold.
+    ``placement_json``: the rank's DTensor placement, needed to reshard.
     ``may_read(info)`` raises (PermissionDenied) before anything is read. On any error
     (SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt, SnapshotBusy) the segment is untouched.
     """
-    own_header = header is None
-    if header is None:
-        header = SegmentHeader(buffer, layout.n_chunks, layout.cow_slots)
-    view = memoryview(buffer)
-    try:
+    with memoryview(buffer) as view:
         if view.nbytes < layout.size:
             raise SnapshotError(f"segment buffer is smaller than its layout ({layout.size} bytes)")
         if header[Word.SNAP_EPOCH] != 0:
@@ -159,10 +156,6 @@ def restore(directory: SnapshotDirectory, snapshot_id: str, buffer, layout: Segm
                   source_ranks=list(done.source_ranks), bytes=done.bytes_restored, staged=done.staged,
                   plan=done.plan, location=str(info.path))
         return done
-    finally:
-        view.release()
-        if own_header:
-            header.release()
 
 
 def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: SegmentLayout, *, rank: int,

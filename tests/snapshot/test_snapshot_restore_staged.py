@@ -44,7 +44,7 @@ def _target(make_segment):
 
 
 def _restore(store, seg, **kwargs):
-    return restore(store, "job/latest", seg.mm, seg.layout, rank=0, world_size=1, **kwargs)
+    return restore(store, "job/latest", seg.mm, seg.layout, header=seg.header, rank=0, world_size=1, **kwargs)
 
 
 def test_staged_restore_reads_once_and_never_verifies_twice(snapshot, make_segment, monkeypatch):
