@@ -231,16 +231,12 @@ class SnapshotReader(SnapshotTier):
 
     def _latest_step(self, job_id: str, complete: Sequence[tuple[int, pathlib.Path, SnapshotIndex]]) -> int | None:
         """The pointer's step when it names a complete snapshot, else the highest step."""
-        if not complete:
-            return None
+        steps = [step for step, _, _ in complete]
         try:
-            pointer = (self.job_dir(job_id) / LATEST_NAME).read_text().strip()
+            pointer = parse_step_dir_name((self.job_dir(job_id) / LATEST_NAME).read_text().strip())
         except OSError:
-            pointer = ""
-        step = parse_step_dir_name(pointer)
-        if step is not None and any(s == step for s, _, _ in complete):
-            return step
-        return complete[-1][0]
+            pointer = None
+        return pointer if pointer in steps else steps[-1] if steps else None
 
     def list(self, job_id: str | None = None) -> list[SnapshotInfo]:
         infos: list[SnapshotInfo] = []
