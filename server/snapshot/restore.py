@@ -83,10 +83,9 @@ def check_world_size(info: SnapshotInfo, world_size: int) -> None:
                                      f"world_size {info.world_size}, this job has {world_size}{held}")
 
 
-def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayout, world_size: int) -> None:
-    """SnapshotLayoutMismatch unless the snapshot fits a segment of ``layout`` in a job of
-    ``world_size`` ranks, naming the file and the first differing tensor."""
-    check_world_size(info, world_size)
+def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayout) -> None:
+    """SnapshotLayoutMismatch unless the rank file of ``manifest`` (taken at the job's world size)
+    fits a segment of ``layout``, naming the file and the first differing tensor."""
     path = info.path / manifest.data_file
     ours = {t.name: t for t in layout.tensors}
     theirs = {t.name for t in manifest.tensors}
@@ -175,7 +174,7 @@ def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: S
                                  sum(t.nbytes for t in own.tensors), staged, pinned, tier.where,
                                  info.world_size, (rank,))
         if placement is None or not placement.tensors:
-            check_layout(info, own, layout, world_size)  # raises, naming the first difference
+            check_layout(info, own, layout)  # raises, naming the first difference
     read = RECENT.read(tier, info)
     if placement is None or not placement.tensors:  # the trainer's (RestoreRequest.metadata_json)
         raise SnapshotLayoutMismatch(f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with "
