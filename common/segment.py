@@ -178,13 +178,6 @@ class CopyBudget:
     """Whether that bandwidth was measured on this server (else assumed)."""
     fwd_bwd_s: float
 
-    @classmethod
-    def of(cls, layout: SegmentLayout, persist_bytes_per_s: float, measured: bool,
-           fwd_bwd_s: float) -> CopyBudget:
-        """The rule for a segment of ``layout``: its tensors against all its copy slots."""
-        return cls(layout.tensor_bytes, layout.cow_slots * layout.chunk_bytes, persist_bytes_per_s, measured,
-                   fwd_bwd_s)
-
     @property
     def needed_bytes(self) -> int:
         return copy_budget_needed(self.state_bytes, self.persist_bytes_per_s, self.fwd_bwd_s)

@@ -23,11 +23,11 @@ import json
 import math
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from .checksum import crc32, crc32_combine
 from .dtypes import DTYPE_ITEMSIZE
-from .names import is_job_id, parse_snapshot_id, parse_step_dir_name, snapshot_id_for, step_dir_name, validate_job_id
+from .names import is_job_id, parse_snapshot_id, parse_step_dir_name, snapshot_id_for, validate_job_id
 from .object_store import read_range
 from .snapshot_errors import SnapshotCorrupt, SnapshotError, SnapshotInvalid, SnapshotNotFound
 from .snapshot_format import (
@@ -41,7 +41,7 @@ from .snapshot_format import (
     rank_manifest_name,
 )
 
-__all__ = ["SnapshotInfo", "SnapshotReader", "SnapshotTier", "RankFileVerifier"]
+__all__ = ["SnapshotInfo", "SnapshotReader", "SnapshotTier", "RankFileVerifier", "reading_file"]
 
 _ELSEWHERE = ("was it taken by another server (another host, or an embedded server with its own snapshot "
               "directory) or with another --snapshot-dir? Point the server (or swap-state export "
@@ -79,6 +79,13 @@ class SnapshotInfo:
     def local_world_size(self) -> int:
         """How many ranks this directory holds."""
         return self.index.local_world_size
+
+    def file(self, name: str) -> FileRecord:
+        """The index's record of its file ``name``; SnapshotCorrupt when it lists none."""
+        record = self.index.file(name)
+        if record is None:
+            raise SnapshotCorrupt(f"{self.path / INDEX_NAME} does not list {name}")
+        return record
 
     def describe_ranks(self) -> str:
         """``ranks [2, 3] of world_size 4`` (ranges shortened for big jobs)."""
@@ -192,9 +199,6 @@ class SnapshotReader(SnapshotTier):
             raise SnapshotInvalid(f"job directory {path} resolves outside {self.root}")
         return path
 
-    def final_dir(self, job_id: str, step: int) -> pathlib.Path:
-        return self.job_dir(job_id) / step_dir_name(step)
-
     def jobs(self) -> list[str]:
         try:
             names = sorted(os.listdir(self.root))
@@ -227,16 +231,12 @@ class SnapshotReader(SnapshotTier):
 
     def _latest_step(self, job_id: str, complete: Sequence[tuple[int, pathlib.Path, SnapshotIndex]]) -> int | None:
         """The pointer's step when it names a complete snapshot, else the highest step."""
-        if not complete:
-            return None
+        steps = [step for step, _, _ in complete]
         try:
-            pointer = (self.job_dir(job_id) / LATEST_NAME).read_text().strip()
+            pointer = parse_step_dir_name((self.job_dir(job_id) / LATEST_NAME).read_text().strip())
         except OSError:
-            pointer = ""
-        step = parse_step_dir_name(pointer)
-        if step is not None and any(s == step for s, _, _ in complete):
-            return step
-        return complete[-1][0]
+            pointer = None
+        return pointer if pointer in steps else steps[-1] if steps else None
 
     def list(self, job_id: str | None = None) -> list[SnapshotInfo]:
         infos: list[SnapshotInfo] = []
@@ -272,11 +272,11 @@ class SnapshotReader(SnapshotTier):
         )
 
     def _size(self, info: SnapshotInfo, name: str) -> int:
-        with _reading(info.path / name):
+        with reading_file(info.path / name):
             return (info.path / name).stat().st_size
 
     def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
-        with _reading(info.path / name):
+        with reading_file(info.path / name):
             return read_range(info.path / name, offset, nbytes)
 
 
@@ -298,9 +298,7 @@ class RankFileVerifier:
         """Checks what the manifest implies before a byte of the data is read: the file listed
         in ``snapshot.json``, sizes from dtypes and shapes, no gaps."""
         self.path = info.path / manifest.data_file
-        self._record = info.index.file(manifest.data_file)
-        if self._record is None:
-            raise SnapshotCorrupt(f"{info.path / INDEX_NAME} does not list {manifest.data_file}")
+        self._record = info.file(manifest.data_file)
         self.header = manifest.header_bytes()
         position = 0
         for tensor in manifest.tensors:
@@ -373,7 +371,7 @@ def _rank_ranges(ranks: Sequence[int]) -> str:
 
 
 @contextlib.contextmanager
-def _reading(path: object):
+def reading_file(path: object) -> Iterator[None]:
     """A missing file is SnapshotCorrupt, any other failure to read it SnapshotError."""
     try:
         yield

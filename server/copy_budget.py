@@ -43,6 +43,6 @@ class CopyBudgetPolicy:
         return rate, measured is not None
 
     def budget(self, layout: SegmentLayout) -> CopyBudget:
-        """The rule for a segment of ``layout``: its copy slots against what the disk cannot
-        persist within one forward/backward."""
-        return CopyBudget.of(layout, *self.rate(), self.fwd_bwd_s)
+        """The rule for a segment of ``layout``: do all its copy slots cover what of its tensors
+        the disk cannot persist within one forward/backward?"""
+        return CopyBudget(layout.tensor_bytes, layout.cow_slots * layout.chunk_bytes, *self.rate(), self.fwd_bwd_s)

@@ -43,8 +43,7 @@ from swap_state.common.stored_snapshots import StoredSnapshots
 from tqdm import tqdm
 
 __all__ = [
-    "FORMATS", "ExportError", "ExportResult", "SnapshotState", "export_snapshot", "load_flat_state_dict",
-    "locate", "read_snapshot_state",
+    "FORMATS", "ExportError", "ExportResult", "SnapshotState", "export_snapshot", "locate", "read_snapshot_state",
 ]
 
 FORMATS = ("torch", "dcp")
@@ -290,16 +289,6 @@ def save_dcp(state: dict[str, Any], path: pathlib.Path) -> None:
         # no_dist=True is the point here; DCP still warns that it assumes one process.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=str(path), no_dist=True)
-
-
-def load_flat_state_dict(
-    snapshot: str | os.PathLike[str], *, snapshot_dir: str | os.PathLike[str] | None = None
-) -> tuple[SnapshotInfo, dict[str, Any]]:
-    """Verify a snapshot and build its flat state dict (see the module docstring).
-
-    ``snapshot``: a snapshot directory, or with ``snapshot_dir`` an id (:func:`locate`)."""
-    state = read_snapshot_state(locate(snapshot, snapshot_dir))
-    return state.info, state.flat
 
 
 def export_snapshot(

@@ -113,7 +113,7 @@ class SnapshotDirectory(SnapshotReader):
         """A fresh, empty partial snapshot of ``step`` (a stale one is replaced; never listed).
         SnapshotExists when that step is already complete, unless ``replace`` (then
         :meth:`commit` replaces it)."""
-        final = self.final_dir(job_id, step)
+        final = self.job_dir(job_id) / step_dir_name(step)
         if self.load_index(job_id, final, step) is not None:
             if not replace:
                 raise SnapshotExists(f"snapshot {snapshot_id_for(job_id, step)} already exists at {final}, "

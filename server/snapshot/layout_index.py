@@ -7,7 +7,7 @@ shards form a grid per tensor, whose interval starts and per-rank cells are stor
 arithmetic runs (:class:`Progression`), so the index stays small at any N and planning a rank
 is O(T log R). Anything else keeps its records whole (:func:`~.reshard.plan_tensor`).
 
-Call order (:mod:`.assemble`)::
+Call order (:mod:`.restore`)::
 
     index = LayoutIndex(manifests)  |  LayoutIndex.from_bytes(raw, world_size)   # layout.json
     targets, index = index.promoted(targets)

@@ -1,19 +1,15 @@
-"""The snapshot a restore reads, verified: :class:`Source`, one complete snapshot and the tier
-(``--snapshot-dir`` or ``--snapshot-store``) it is read from, which checks every read.
-
-A local rank file the plan takes whole is read once (*staged*, :class:`Staging`: mapped, read
-ahead and pinned with ``mlock`` by a reader thread) while this thread checksums it; only when
-every checksum passed are the bytes copied into the segment. Where ``mlock`` is refused the
-pages may be evicted, so every copied chunk is checked again as it lands: a file that changed
-underneath fails the restore ("restore again"). Mapped, not O_DIRECT into fresh memory: that
-was slower on the 2-core VM, where fresh memory faults in at about the disk's rate
-(docs/benchmarks.md).
+"""A local rank file a restore's plan takes whole (:func:`copy_whole_file`) is read once
+(*staged*, :class:`Staging`: mapped, read ahead and pinned with ``mlock`` by a reader thread)
+while this thread checksums it; only when every checksum passed are the bytes copied into the
+segment. Where ``mlock`` is refused the pages may be evicted, so every copied chunk is checked
+again as it lands: a file that changed underneath fails the restore ("restore again"). Mapped,
+not O_DIRECT into fresh memory: that was slower on the 2-core VM, where fresh memory faults in
+at about the disk's rate (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import queue
@@ -22,12 +18,12 @@ import threading
 from swap_state.common.checksum import crc32
 from swap_state.common.segment import SegmentLayout
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
-from swap_state.common.snapshot_format import RankManifest, TensorRecord
-from swap_state.common.snapshot_reader import RankFileVerifier, SnapshotInfo, SnapshotReader, SnapshotTier
+from swap_state.common.snapshot_format import RankManifest
+from swap_state.common.snapshot_reader import RankFileVerifier, SnapshotInfo, reading_file
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
 
-__all__ = ["Source"]
+__all__ = ["copy_whole_file"]
 
 log = logging.getLogger("swap_state.server.restore")
 
@@ -41,47 +37,14 @@ READ_AHEAD_REGIONS = 8
 _mlock = _posix.mlock  # a module name, so that tests can replace it
 
 
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """One complete snapshot and the tier it is read from."""
-
-    tier: SnapshotTier
-    info: SnapshotInfo
-
-    @property
-    def where(self) -> str:
-        """``local`` or ``store``: what the restore reply and logs say."""
-        return self.tier.where
-
-    @property
-    def whole_files(self) -> bool:
-        """A directory: a rank's whole file can be staged (:meth:`copy_whole_file`)."""
-        return isinstance(self.tier, SnapshotReader)
-
-    def read_layout(self) -> bytes | None:
-        return self.tier.read_layout(self.info)
-
-    def read_manifest(self, rank: int) -> RankManifest:
-        return self.tier.read_manifest(self.info, rank)  # SnapshotNotFound: the rank is elsewhere
-
-    def check_data_header(self, manifest: RankManifest) -> None:
-        self.tier.check_data_header(self.info, manifest)
-
-    def read_tensor(self, manifest: RankManifest, tensor: TensorRecord) -> bytes:
-        return self.tier.read_tensor(self.info, manifest, tensor)
-
-    def copy_whole_file(self, manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> bool:
-        """Stage the rank's data file once, verify all of it, then copy its tensors to their
-        places in ``view`` (``layout``'s, in the same order); whether the staged bytes were
-        pinned (else each copy was checked again)."""
-        verifier = RankFileVerifier(self.info, manifest)  # the reader's checks, fed from the staged pages
-        path = verifier.path
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise SnapshotCorrupt(f"{path} is missing") from None
-        except OSError as exc:
-            raise SnapshotError(f"cannot read {path}: {exc}") from None
+def copy_whole_file(info: SnapshotInfo, manifest: RankManifest, view: memoryview, layout: SegmentLayout) -> bool:
+    """Stage the rank's data file of a snapshot in a directory once, verify all of it, then
+    copy its tensors to their places in ``view`` (``layout``'s, in the same order); whether the
+    staged bytes were pinned (else each copy was checked again)."""
+    verifier = RankFileVerifier(info, manifest)  # the reader's checks, fed from the staged pages
+    path = verifier.path
+    with reading_file(path):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
             verifier.check_size(size)
@@ -109,8 +72,6 @@ class Source:
                 return staged.pinned
             finally:
                 staged.close()
-        except OSError as exc:
-            raise SnapshotError(f"cannot read {path}: {exc}") from None
         finally:
             os.close(fd)
 

@@ -15,10 +15,9 @@ import logging
 
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable
-from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.sources import Source
 from swap_state.server.snapshot.directory import SnapshotDirectory
 
 __all__ = ["list_both_tiers", "resolve_source"]
@@ -27,7 +26,7 @@ log = logging.getLogger("swap_state.server.restore")
 
 
 def resolve_source(directory: SnapshotDirectory, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,
-                   rank: int, world_size: int) -> Source:
+                   rank: int, world_size: int) -> tuple[SnapshotTier, SnapshotInfo]:
     """The snapshot to restore and the tier it is read from (the module docstring's rule)."""
     try:
         local = directory.resolve(snapshot_id, job_id)
@@ -36,41 +35,42 @@ def resolve_source(directory: SnapshotDirectory, stored: StoredSnapshots | None,
             raise
         local = None
     if stored is None:
-        return Source(directory, local)  # type: ignore[arg-type]
+        return directory, local  # type: ignore[return-value]
     try:
         remote = stored.resolve(snapshot_id, job_id)
     except SnapshotNotFound as exc:
         if local is None:
             raise SnapshotNotFound(f"{exc}; nor in this server's --snapshot-dir {directory.root}") from None
-        return Source(directory, local)
+        return directory, local
     except SnapshotStoreUnavailable as exc:
         if local is not None and (local.index.complete_job or rank in local.ranks):
             log_event(log, "store_unreachable", logging.WARNING, store=stored.uri, error=str(exc),
                       detail=f"restoring {local.snapshot_id} from the local --snapshot-dir")
-            return Source(directory, local)
+            return directory, local
         raise SnapshotStoreUnavailable(
             f"{exc} (looking for {snapshot_id}); this server's --snapshot-dir {directory.root} has no "
             f"copy for rank {rank}"
         ) from None
     if local is None:
-        return Source(stored, remote)
+        return stored, remote
     whole = local.index.complete_job
     usable = whole or (local.world_size == world_size and rank in local.ranks)
     if parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid).latest and local.step != remote.step:
         if whole and local.step > remote.step:
-            return Source(directory, local)
-        return _local_copy(directory, remote, rank, world_size) or Source(stored, remote)
-    return Source(directory, local) if usable else Source(stored, remote)
+            return directory, local
+        return _local_copy(directory, remote, rank, world_size) or (stored, remote)
+    return (directory, local) if usable else (stored, remote)
 
 
-def _local_copy(directory: SnapshotDirectory, remote: SnapshotInfo, rank: int, world_size: int) -> Source | None:
+def _local_copy(directory: SnapshotDirectory, remote: SnapshotInfo, rank: int,
+                world_size: int) -> tuple[SnapshotTier, SnapshotInfo] | None:
     """This server's copy of the store's snapshot (same attempt, holding this rank), else None."""
     try:
         copy = directory.resolve(snapshot_id_for(remote.job_id, remote.step))
     except SnapshotNotFound:
         return None
     holds = copy.index.complete_job or (copy.world_size == world_size and rank in copy.ranks)
-    return Source(directory, copy) if holds and copy.index.attempt == remote.index.attempt else None
+    return (directory, copy) if holds and copy.index.attempt == remote.index.attempt else None
 
 
 def list_both_tiers(coordinator, job_id: str | None) -> list[tuple[SnapshotInfo | None, SnapshotInfo | None]]:

@@ -266,8 +266,8 @@ class SnapshotUploader:
     def _upload_rank(self, info: SnapshotInfo, rank: int, existing: SnapshotIndex | None) -> int:
         """The rank's data, manifest, then marker; nothing when ``existing`` already says the same.
         Returns the rank's bytes."""
-        data = _record(info, rank_data_name(rank))
-        manifest = _record(info, rank_manifest_name(rank))
+        data = info.file(rank_data_name(rank))
+        manifest = info.file(rank_manifest_name(rank))
         marker = SnapshotIndex(info.job_id, info.step, info.world_size, (rank,), (data, manifest), time.time(),
                                info.index.attempt, tenant=info.index.tenant)
         if existing is not None and existing.tenant != info.index.tenant:
@@ -355,10 +355,3 @@ class SnapshotUploader:
                     status.state, status.error = StoreState.FAILED, error
                     self.counters.ranks_failed += 1
             self._cond.notify_all()
-
-
-def _record(info: SnapshotInfo, name: str) -> FileRecord:
-    record = info.index.file(name)
-    if record is None:
-        raise SnapshotCorrupt(f"{info.path}/snapshot.json does not list {name}")
-    return record

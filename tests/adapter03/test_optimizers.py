@@ -168,7 +168,7 @@ def test_bf16_moments_match_an_fp32_compute_reference_and_stay_bf16(build_swap):
 
 
 def test_bf16_moments_stay_bf16_in_a_snapshot_and_its_export(start_server, tmp_path):
-    from swap_state.client.export.snapshot import load_flat_state_dict
+    from swap_state.client.export.snapshot import locate, read_snapshot_state
 
     server = start_server(snapshot_dir=tmp_path)
     model = _model()
@@ -180,7 +180,7 @@ def test_bf16_moments_stay_bf16_in_a_snapshot_and_its_export(start_server, tmp_p
         full = SwapOptimizersContainer.state_dict(swap)  # the seed's dict, whatever the mode
         live = {key: value.clone() for key, value in full.items() if key.endswith("exp_avg")}
         status = swap.snapshot().wait_durable(timeout_s=60)
-        _, exported = load_flat_state_dict(status.path)
+        exported = read_snapshot_state(locate(status.path)).flat
     finally:
         swap.close()
     moments = {key: value for key, value in exported.items() if key.endswith(("exp_avg", "exp_avg_sq"))}

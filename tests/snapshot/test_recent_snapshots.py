@@ -8,7 +8,7 @@ import pathlib
 
 from swap_state.common.snapshot_format import RankManifest, SnapshotIndex, TensorRecord
 from swap_state.common.snapshot_reader import SnapshotInfo
-from swap_state.server.snapshot.assemble import RecentSnapshots
+from swap_state.server.snapshot.restore import RecentSnapshots
 from swap_state.server.snapshot.layout_index import LayoutIndex
 from swap_state.server.snapshot.reshard import TargetTensor, ranks_needed
 
@@ -18,8 +18,8 @@ def _manifest(rank: int) -> RankManifest:
     return RankManifest("job", 6, rank, 2, f"rank-{rank}.safetensors", 8, 0, 8, (record,), {}, {}, {}, 0, 0, 0.0, 0.0)
 
 
-class CountingSource:
-    """A source whose manifests are counted as they are read."""
+class CountingTier:
+    """A tier holding one snapshot, whose manifests are counted as they are read."""
 
     where = "local"
 
@@ -28,59 +28,60 @@ class CountingSource:
         self.info = SnapshotInfo("job/step-6", "job", 6, 2, pathlib.Path("/snaps/job/step-6"), 0, True, index)
         self.reads: list[int] = []
 
-    def read_layout(self) -> bytes | None:
+    def read_layout(self, info: SnapshotInfo) -> bytes | None:
         return None  # a snapshot written before layout indexes: planned from its manifests
 
-    def read_manifest(self, rank: int) -> RankManifest:
+    def read_manifest(self, info: SnapshotInfo, rank: int) -> RankManifest:
         self.reads.append(rank)
         return _manifest(rank)
 
 
-class IndexedSource(CountingSource):
+class IndexedTier(CountingTier):
     """A snapshot with a layout index: no manifest is read to plan, each needed one once."""
 
-    def read_layout(self) -> bytes | None:
+    def read_layout(self, info: SnapshotInfo) -> bytes | None:
         self.reads.append("layout")
         return LayoutIndex({r: _manifest(r).tensors for r in (0, 1)}).to_bytes()
 
 
 def test_ranks_restoring_together_read_the_manifests_once():
     recent = RecentSnapshots(keep_s=60)
-    source = CountingSource()
-    first, second = recent.read(source), recent.read(source)
-    assert first is second and source.reads == [0, 1]
+    tier = CountingTier()
+    first, second = recent.read(tier, tier.info), recent.read(tier, tier.info)
+    assert first is second and tier.reads == [0, 1]
     whole = TargetTensor("w", "float32", (4,), (4,), (0,))
     assert ranks_needed(first.index.plan([whole], target_rank=0, same_world=False)) == [0, 1]
 
 
 def test_with_a_layout_index_only_the_needed_manifests_are_read_once():
-    source = IndexedSource()
-    read = RecentSnapshots(keep_s=60).read(source)
+    tier = IndexedTier()
+    read = RecentSnapshots(keep_s=60).read(tier, tier.info)
     upper = TargetTensor("w", "float32", (2,), (4,), (2,))
     assert ranks_needed(read.index.plan([upper], target_rank=0, same_world=False)) == [1]
     assert read.manifest(1) is read.manifest(1)
-    assert source.reads == ["layout", 1]
+    assert tier.reads == ["layout", 1]
 
 
 def test_a_replaced_snapshot_is_read_again():
     recent = RecentSnapshots(keep_s=60)
-    recent.read(CountingSource(attempt=1))
-    again = CountingSource(attempt=2)  # the step trained again: the same id, another index
-    recent.read(again)
+    first = CountingTier(attempt=1)
+    recent.read(first, first.info)
+    again = CountingTier(attempt=2)  # the step trained again: the same id, another index
+    recent.read(again, again.info)
     assert again.reads == [0, 1]
 
 
 def test_an_entry_is_dropped_once_unused():
     recent = RecentSnapshots(keep_s=0.0)
-    source = CountingSource()
-    read = recent.read(source)
+    tier = CountingTier()
+    read = recent.read(tier, tier.info)
     recent._release.join(timeout=10)  # the release timer ran
-    assert recent.read(source) is read  # still in use here: shared
+    assert recent.read(tier, tier.info) is read  # still in use here: shared
     del read
-    source.reads.clear()
+    tier.reads.clear()
     recent._release.join(timeout=10)
-    recent.read(source)
-    assert source.reads == [0, 1]  # nobody held it: read anew
+    recent.read(tier, tier.info)
+    assert tier.reads == [0, 1]  # nobody held it: read anew
 
 
 def test_another_snapshots_restore_does_not_wait_for_a_slow_read():
@@ -92,20 +93,20 @@ def test_another_snapshots_restore_does_not_wait_for_a_slow_read():
     release = threading.Event()
     started = threading.Event()
 
-    class SlowSource(CountingSource):
-        def read_manifest(self, rank):
+    class SlowTier(CountingTier):
+        def read_manifest(self, info, rank):
             started.set()
             assert release.wait(timeout=30)
-            return super().read_manifest(rank)
+            return super().read_manifest(info, rank)
 
-    slow, other = SlowSource(attempt=1), CountingSource(attempt=2)
+    slow, other = SlowTier(attempt=1), CountingTier(attempt=2)
     results = {}
-    first = threading.Thread(target=lambda: results.setdefault("first", recent.read(slow)))
-    second = threading.Thread(target=lambda: results.setdefault("second", recent.read(slow)))
+    first = threading.Thread(target=lambda: results.setdefault("first", recent.read(slow, slow.info)))
+    second = threading.Thread(target=lambda: results.setdefault("second", recent.read(slow, slow.info)))
     first.start()
     assert started.wait(timeout=30)
     second.start()
-    assert recent.read(other) is not None and other.reads == [0, 1]  # not blocked by the slow read
+    assert recent.read(other, other.info) is not None and other.reads == [0, 1]  # not blocked by the slow read
     release.set()
     first.join(timeout=30)
     second.join(timeout=30)

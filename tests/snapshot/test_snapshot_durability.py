@@ -207,7 +207,8 @@ def test_killed_writer_leaves_nothing_listed_and_previous_loads(make_segment, ma
     with pytest.raises(SnapshotNotFound):
         reader.directory.resolve("job/step-5")
     target = make_segment("target")
-    result = restore(reader.directory, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1)
+    result = restore(reader.directory, "latest", target.mm, target.layout,
+                     header=target.header, job_id="job", rank=0, world_size=1)
     assert result.step == 1 and target.tensors() == at_step_1
     # A restarted server removes the killed writer's leftovers (once no other server is live).
     assert (snapshots / "job" / ".partial-step-000000000002").exists()
@@ -304,7 +305,8 @@ def test_a_retrained_step_is_refused_or_replaced_never_answered_with_old_bytes(m
     assert again is not first and again.wait(20).state is SnapshotState.DURABLE
     assert _steps(coordinator) == [3]
     target = make_segment("target")
-    restore(coordinator.directory, "job/step-3", target.mm, target.layout, job_id="job", rank=0, world_size=1)
+    restore(coordinator.directory, "job/step-3", target.mm, target.layout,
+            header=target.header, job_id="job", rank=0, world_size=1)
     assert target.tensors() == retrained
     # A restarted server (nothing in memory) decides the same from the disk.
     coordinator.close()
@@ -337,7 +339,8 @@ def test_another_run_reaching_a_durable_step_writes_its_own_bytes_or_is_refused(
                                                 replace_existing=True))
     assert again is not first and again.wait(20).state is SnapshotState.DURABLE
     target = make_segment("target")
-    restore(coordinator.directory, "job/step-3", target.mm, target.layout, job_id="job", rank=0, world_size=1)
+    restore(coordinator.directory, "job/step-3", target.mm, target.layout,
+            header=target.header, job_id="job", rank=0, world_size=1)
     assert target.tensors() == mine
 
 
@@ -359,7 +362,8 @@ def test_a_job_resumed_at_another_world_size_replaces_a_step_its_earlier_size_to
     info = coordinator.directory.resolve("job/step-6")
     assert (info.world_size, info.ranks) == (1, (0,))
     target = make_segment("target")
-    restore(coordinator.directory, "job/step-6", target.mm, target.layout, job_id="job", rank=0, world_size=1)
+    restore(coordinator.directory, "job/step-6", target.mm, target.layout,
+            header=target.header, job_id="job", rank=0, world_size=1)
     assert target.tensors() == mine
 
 

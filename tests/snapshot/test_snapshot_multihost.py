@@ -72,19 +72,20 @@ def test_restore_of_a_present_rank_works_and_of_another_hosts_rank_is_a_clear_er
     store = coordinator.directory
     target = make_segment("target")
     target.fill(7)
-    result = restore(store, "latest", target.mm, target.layout, job_id="job", rank=2, world_size=WORLD)
+    result = restore(store, "latest", target.mm, target.layout,
+                     header=target.header, job_id="job", rank=2, world_size=WORLD)
     assert (result.snapshot_id, result.step) == ("job/step-5", 5)
     assert target.tensors() == contents[2]
 
     before = target.tensor_area()
     with pytest.raises(SnapshotNotFound) as caught:
-        restore(store, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=WORLD)
+        restore(store, "latest", target.mm, target.layout, header=target.header, job_id="job", rank=0, world_size=WORLD)
     message = str(caught.value)
     assert "holds ranks [1, 2] of world_size 4, not rank 0" in message
     assert "the snapshot of rank 0 is on another host's server" in message
     # The global world size must still match.
     with pytest.raises(SnapshotLayoutMismatch, match="world_size 4, this job has 2"):
-        restore(store, "latest", target.mm, target.layout, job_id="job", rank=1, world_size=2)
+        restore(store, "latest", target.mm, target.layout, header=target.header, job_id="job", rank=1, world_size=2)
     assert target.tensor_area() == before
 
 

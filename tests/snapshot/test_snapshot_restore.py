@@ -38,7 +38,8 @@ def _target(make_segment, specs=SPECS):
 
 
 def _restore(store, seg, snapshot_id="job/step-8", world_size=1):
-    return restore(store, snapshot_id, seg.mm, seg.layout, job_id="job", rank=0, world_size=world_size)
+    return restore(store, snapshot_id, seg.mm, seg.layout,
+                   header=seg.header, job_id="job", rank=0, world_size=world_size)
 
 
 def test_restore_roundtrip_returns_step_and_metadata(snapshot, make_segment):
@@ -171,9 +172,11 @@ def test_the_same_world_size_at_another_layout_is_resharded(make_segment, make_c
     before = target.tensor_area()
     with pytest.raises(SnapshotLayoutMismatch, match=r"tensor 'w.exp_avg' is float32\[4, 8\], the segment's is "
                                                       r"float32\[8, 8\]"):
-        restore(coordinator.directory, "latest", target.mm, target.layout, job_id="job", rank=1, world_size=2)
+        restore(coordinator.directory, "latest", target.mm, target.layout,
+                header=target.header, job_id="job", rank=1, world_size=2)
     assert target.tensor_area() == before
-    result = restore(coordinator.directory, "latest", target.mm, target.layout, job_id="job", rank=1, world_size=2,
+    result = restore(coordinator.directory, "latest", target.mm, target.layout,
+                     header=target.header, job_id="job", rank=1, world_size=2,
                      placement_json=metadata_for(target, step=4))
     assert target.tensors() == {"w.exp_avg": shards[0] + shards[1], "n.exp_avg": norm}
     assert (result.step, result.snapshot_world_size, sorted(result.source_ranks)) == (4, 2, [0, 1])
@@ -192,11 +195,13 @@ def test_a_reshard_plans_from_the_steps_layout_index_checked_first(make_segment,
     before = target.tensor_area()
     flip_byte(info.path / LAYOUT_NAME, 20)
     with pytest.raises(SnapshotCorrupt, match=r"layout.json does not match its checksum"):
-        restore(coordinator.directory, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1,
+        restore(coordinator.directory, "latest", target.mm, target.layout,
+                header=target.header, job_id="job", rank=0, world_size=1,
                 placement_json=metadata_for(target, step=4))
     assert target.tensor_area() == before
     flip_byte(info.path / LAYOUT_NAME, 20)  # back as written
-    result = restore(coordinator.directory, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1,
+    result = restore(coordinator.directory, "latest", target.mm, target.layout,
+                     header=target.header, job_id="job", rank=0, world_size=1,
                      placement_json=metadata_for(target, step=4))
     assert target.tensors()["w.exp_avg"] == shards[0] + shards[1]
     assert result.plan == "layout-index"

@@ -44,7 +44,7 @@ def _target(make_segment):
 
 
 def _restore(store, seg, **kwargs):
-    return restore(store, "job/latest", seg.mm, seg.layout, rank=0, world_size=1, **kwargs)
+    return restore(store, "job/latest", seg.mm, seg.layout, header=seg.header, rank=0, world_size=1, **kwargs)
 
 
 def test_staged_restore_reads_once_and_never_verifies_twice(snapshot, make_segment, monkeypatch):
@@ -99,7 +99,7 @@ def test_a_budget_that_cannot_hold_the_state_falls_back_and_says_so(snapshot, ma
     assert fields["staged_bytes_needed"] == asked[0] and fields["budget_free_bytes"] == 1234
 
 
-def test_the_budget_holds_the_staged_bytes_only_while_restoring(snapshot, make_segment):
+def test_the_budget_holds_the_staged_bytes_only_while_restoring(snapshot, make_segment, monkeypatch):
     store, _, contents = snapshot
     held = []
 
@@ -110,17 +110,14 @@ def test_the_budget_holds_the_staged_bytes_only_while_restoring(snapshot, make_s
         held.remove(nbytes)
 
     seg, _ = _target(make_segment)
-    real = sources_module.Source.copy_whole_file
+    real = sources_module.copy_whole_file
 
     def spy(*args):
         assert held == [sum(len(b) for b in contents.values())]
         return real(*args)
 
-    sources_module.Source.copy_whole_file = spy
-    try:
-        assert _restore(store, seg, reserve_staging=grant).staged
-    finally:
-        sources_module.Source.copy_whole_file = real
+    monkeypatch.setattr(sources_module, "copy_whole_file", spy)
+    assert _restore(store, seg, reserve_staging=grant).staged
     assert held == [] and seg.tensors() == contents
 
 

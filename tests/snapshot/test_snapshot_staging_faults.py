@@ -147,7 +147,8 @@ def test_server_killed_while_staging(make_segment, make_coordinator, tmp_path):
     fresh = make_segment("fresh", specs=WIDE, cow_slots=96)
     reader.close()
     restarted = make_coordinator(snapshots)
-    result = restore(restarted.directory, "latest", fresh.mm, fresh.layout, job_id="job", rank=0, world_size=1)
+    result = restore(restarted.directory, "latest", fresh.mm, fresh.layout,
+                     header=fresh.header, job_id="job", rank=0, world_size=1)
     assert result.step == 1 and fresh.tensors() == at_step_1
     assert not (snapshots / "job" / ".partial-step-000000000002").exists()
     handle = restarted.start(fresh.source("job", 2))
@@ -189,7 +190,8 @@ def test_snapshot_failing_midway_while_staging(make_segment, make_coordinator, m
     assert sorted(p.name for p in coordinator.directory.job_dir("job").iterdir()) == [LATEST_NAME, "step-000000000001"]
     monkeypatch.undo()
     target = make_segment("target", specs=WIDE)
-    restore(coordinator.directory, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1)
+    restore(coordinator.directory, "latest", target.mm, target.layout,
+            header=target.header, job_id="job", rank=0, world_size=1)
     assert target.tensors() == at_step_1
 
 
@@ -229,5 +231,6 @@ def test_a_snapshot_the_trainer_gave_up_fails_and_the_next_one_holds_its_step(ma
     handle = coordinator.start(seg.source("job", 4))  # a new epoch, above the abandoned one
     assert handle.wait(60).state is SnapshotState.DURABLE
     target = make_segment("target", specs=WIDE)
-    restore(coordinator.directory, "latest", target.mm, target.layout, job_id="job", rank=0, world_size=1)
+    restore(coordinator.directory, "latest", target.mm, target.layout,
+            header=target.header, job_id="job", rank=0, world_size=1)
     assert target.tensors() == at_step_4

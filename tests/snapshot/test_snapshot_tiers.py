@@ -41,9 +41,8 @@ def tiers(tmp_path):
 
 
 def _where(local, stored, snapshot_id, rank=2, world=WORLD):
-    source = resolve_source(local, stored, snapshot_id, JOB, rank, world)
-    info, in_store = source.info, source.where == "store"
-    return info.step, "store" if in_store else "local"
+    tier, info = resolve_source(local, stored, snapshot_id, JOB, rank, world)
+    return info.step, tier.where
 
 
 def test_a_host_reads_its_own_ranks_here_and_a_lost_hosts_from_the_store(tiers):
@@ -88,6 +87,6 @@ def test_nothing_anywhere_and_an_unreachable_store(tiers, tmp_path):
 
     down = StoredSnapshots(Unreachable(tmp_path / "store", "s3://down/x"))
     _local(local.root, 4, [2, 3])
-    assert resolve_source(local, down, "latest", JOB, 2, WORLD).info.step == 4  # its own rank: read here
+    assert resolve_source(local, down, "latest", JOB, 2, WORLD)[1].step == 4  # its own rank: read here
     with pytest.raises(SnapshotStoreUnavailable, match="s3://down/x"):
         resolve_source(local, down, "latest", JOB, 0, WORLD)
