@@ -33,9 +33,8 @@ from swap_state.client.optim.host_cache import (
 from swap_state.client.optim.naming import fqns_by_param
 from swap_state.client.optim.state_loading import StateLoader
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES, StepPipeline
-from swap_state.client.optim.unswapped import UnswappedOptimizers
 
-__all__ = ["SwapOptimizersContainer", "bind_swap_step"]
+__all__ = ["SwapOptimizersContainer", "UnswappedOptimizers", "bind_swap_step"]
 
 # The facade's name: what users configure logging for.
 logger = logging.getLogger("swap_state.client.swap_optimizer")
@@ -53,12 +52,54 @@ class _instance_or_class_method:
         return types.MethodType(self.__func__, objtype if obj is None else obj)
 
 
+class UnswappedOptimizers:
+    """The optimizers of parameters swap-state does not swap (torchtitan 0.3 lets param groups
+    use other optimizers than Adam and AdamW: ``DistMuon``), with their own step and state.
+
+    Their state stays where their own code keeps it; the container steps them after its own,
+    iterates them for LR schedulers and checkpoints them in its flat FQN-keyed dict. Nothing of
+    theirs is in snapshots, so whole-state snapshot checkpoints refuse them (the adapter checks).
+    ``flat_state_dict(optimizer)`` and ``load_flat_state_dict(optimizer, flat)`` convert their
+    state to and from the flat dict (torchtitan's ``get_flat_optim_state_dict`` /
+    ``load_flat_optim_state_dict``)."""
+
+    def __init__(
+        self, optimizers: Sequence[Optimizer], flat_state_dict: Callable[[Optimizer], dict[str, Any]],
+        load_flat_state_dict: Callable[[Optimizer, Mapping[str, Any]], None],
+    ) -> None:
+        self.optimizers = list(optimizers)
+        self._flat_state_dict = flat_state_dict
+        self._load_flat_state_dict = load_flat_state_dict
+
+    @property
+    def params(self) -> list[Any]:
+        return [param for optimizer in self.optimizers for group in optimizer.param_groups for param in group["params"]]
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for optimizer in self.optimizers:
+            flat.update(self._flat_state_dict(optimizer))
+        return flat
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        for optimizer in self.optimizers:
+            self._load_flat_state_dict(optimizer, state_dict)
+
+
 class SwapOptimizersContainer(OptimizersContainer):
     """torchtitan ``OptimizersContainer`` whose Adam/AdamW moments live in host memory.
 
     One ``optimizer_cls`` (Adam or AdamW) per model part, as torchtitan builds them. Extras:
     ``pipeline`` (None: on iff an accelerator), ``moment_dtype`` (``torch.bfloat16``: torchtitan's
-    ``fused_opt_states_bf16``), ``unswapped`` (other optimizers: :mod:`.unswapped`).
+    ``fused_opt_states_bf16``), ``unswapped`` (other optimizers: :class:`UnswappedOptimizers`).
 
     Call order, for subclasses (e.g. a host cache in shared memory): ``__init__`` calls
     ``_allocate_host_cache(entries)`` once, in update order; ``step()`` checks gradients first,
