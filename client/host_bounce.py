@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "BOUNCE_SLOTS", "BOUNCE_SLOT_BYTES", "PROBE_MARGIN_S", "PROBE_SLOWDOWN", "BounceRing", "BouncedRanges",
+    "BOUNCE_SLOTS", "BOUNCE_SLOT_BYTES", "PROBE_MARGIN_S", "PROBE_SLOWDOWN", "BounceRing",
     "CopyProbe", "ProbeConfig", "copies_are_async", "needs_bounce",
     "npu_versions", "probe_registered_copies",
 ]
@@ -213,35 +213,3 @@ class BounceRing:
             for piece in in_flight:
                 land(*piece)
 
-
-class BouncedRanges:
-    """The host ranges whose copies bounce, and the ring (made on first use). Thread-safe."""
-
-    def __init__(self, alloc_host: Callable[..., torch.Tensor], new_event: Callable[[], Any]) -> None:
-        self._alloc_host, self._new_event = alloc_host, new_event
-        self._ranges: dict[int, int] = {}  # start -> end
-        self._ring: BounceRing | None = None
-        self._lock = threading.Lock()
-
-    def add(self, start: int, end: int) -> None:
-        with self._lock:
-            self._ranges[start] = end
-
-    def discard(self, start: int) -> None:
-        with self._lock:
-            self._ranges.pop(start, None)
-
-    def covers(self, host: torch.Tensor) -> bool:
-        """Whether ``host``'s first byte lies in one of the ranges."""
-        if not self._ranges:
-            return False
-        ptr = host.data_ptr()
-        with self._lock:
-            return any(start <= ptr < end for start, end in self._ranges.items())
-
-    def ring(self) -> BounceRing:
-        with self._lock:
-            if self._ring is None:
-                slots = [self._alloc_host((BOUNCE_SLOT_BYTES,), torch.uint8) for _ in range(BOUNCE_SLOTS)]
-                self._ring = BounceRing(slots, self._new_event)
-            return self._ring
