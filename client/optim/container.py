@@ -27,10 +27,9 @@ from swap_state.client.device import DeviceBackend
 from swap_state.client.optim import flat_state_dict as _flat
 from swap_state.client.optim.checkpoint_template import match_template
 from swap_state.client.optim.host_cache import (
-    STEP_DTYPE, STEP_KEY, HostCache, HostCacheEntry, HostCaches, flat_host_caches, group_map,
+    STEP_DTYPE, STEP_KEY, HostCache, HostCacheEntry, HostCaches, flat_host_caches, fqns_by_param, group_map,
     placeholder_like, step_tensor,
 )
-from swap_state.client.optim.naming import fqns_by_param
 from swap_state.client.optim.state_loading import StateLoader
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES, StepPipeline
 
