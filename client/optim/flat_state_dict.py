@@ -1,7 +1,7 @@
 """The seed's flat optimizer state dict: ``state.<fqn>.<key>``, ``param_groups.<fqn>.<hp>``.
 
 A parameter is named by its canonical FQN, so tied parameters are saved once and load from
-any alias (:mod:`.naming`). :func:`flat_state_dict` writes the dict, :class:`FlatIndex` reads one.
+any alias (:func:`~.host_cache.fqns_by_param`). :func:`flat_state_dict` writes the dict, :class:`FlatIndex` reads one.
 """
 
 from __future__ import annotations
