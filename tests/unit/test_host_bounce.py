@@ -19,9 +19,9 @@ import torch
 from fake_async_device import AsyncFakeBackend, FakeEvent, FakeStream
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from swap_state.client import device, host_bounce
-from swap_state.client.device import PAGE_SIZE
-from swap_state.client.host_bounce import (
+from swap_state.client import device
+from swap_state.client.device import (
+    PAGE_SIZE,
     BounceRing,
     CopyProbe,
     ProbeConfig,
@@ -125,7 +125,7 @@ def region() -> Iterator[tuple[mmap.mmap, int]]:
 
 @pytest.fixture
 def one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(host_bounce, "_WARNED_SYNCHRONOUS", False)
+    monkeypatch.setattr(device, "_WARNED_SYNCHRONOUS", False)
 
 
 @pytest.mark.parametrize("synchronizing", [False, True])
@@ -146,7 +146,7 @@ def test_synchronous_registration_bounces_with_one_warning(
     backend = SyncingBackend(synchronizing=True)
     second = mmap.mmap(-1, PAGE_SIZE)
     second_ptr = torch.frombuffer(second, dtype=torch.uint8).data_ptr()
-    with caplog.at_level(logging.WARNING, logger=host_bounce.__name__):
+    with caplog.at_level(logging.WARNING, logger="swap_state.client.host_bounce"):
         backend.register_host_memory(region[1], 4 * PAGE_SIZE)
         backend.register_host_memory(second_ptr, PAGE_SIZE)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
