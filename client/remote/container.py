@@ -40,7 +40,7 @@ from swap_state.client.optim.dtensor_utils import global_layout
 from swap_state.client.optim.host_cache import STEP_KEY, HostCacheEntry
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
 from swap_state.client.remote.config import (
-    RemoteConfig, follow_checkpoint_retention, resolve_config, snapshot_retention, snapshots_model)
+    RemoteConfig, follow_checkpoint_retention, resolve_config, snapshots_model)
 from swap_state.client.remote.model_area import ModelArea, plan_model_tensors
 from swap_state.client.remote.remote_segment import GROUP_STEPS, PARAM_STEPS, RemoteSegment
 from swap_state.client.remote.rpc import SnapshotHandle
@@ -164,7 +164,8 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         self.segment.mapping.before_write(self._current_step(), [GROUP_STEPS])
         self.segment.state_replaced()
         if self.segment.model_area is not None:
-            self.segment.model_area.invalidate()  # the model is loaded after the optimizer, if at all
+            # The model is loaded after the optimizer, if at all: the next snapshot copies it first.
+            self.segment.model_area.copied_step = None
         self._publish_step(params_known=False)  # the model may be loaded after the optimizer
 
     def _verify_kept_state(self) -> None:
@@ -203,9 +204,6 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
     def snapshot_metadata(self) -> str:
         """What the server cannot know: fqns, keys, DTensor layout, param groups, steps."""
         return self._metadata.whole(self.segment.views[PARAM_STEPS])
-
-    def snapshot_retention(self) -> dict[str, Any]:
-        return snapshot_retention(self.remote_config)
 
     def follow_checkpoint_retention(self, keep_latest_k: int) -> None:
         """This job's snapshots follow its checkpoint retention (``keep_latest_k``)."""

@@ -92,7 +92,7 @@ class RemoteSegment:
         self.mapping = SegmentMapping.open(reply.segment)
         self.mapping.register_for_dma(backend)
         self.views = self.mapping.tensor_views()
-        self.session.bind_header(self.mapping.trainer)
+        self.session.header = self.mapping.trainer
         self._claim(reply.reused)
         self.mapping.guard(self.config.backpressure_timeout_s, server_gone=self.session.server_gone)
         if model_tensors:
@@ -324,7 +324,7 @@ class RemoteSegment:
     def _release_mapping(self) -> None:
         if self.mapping is None:
             return
-        self.session.bind_header(None)  # drop every reference to the views before unmapping
+        self.session.header = None  # drop every reference to the views before unmapping
         self.views = {}
         if self.model_area is not None:
             self.model_area.close()

@@ -4,7 +4,7 @@ Call order::
 
     client = SwapStateClient(ClientConfig(address, token=...))
     session = client.attach(job_id, rank, world_size)   # starts the keep-alive stream
-    session.allocate(specs); session.bind_header(mapping.trainer)   # commits need no RPC
+    session.allocate(specs); session.header = mapping.trainer   # commits need no RPC
     session.commit(step)                                 # per step (header words)
     session.snapshot(step, ...)                          # optional, between steps
     session.close(keep=False); client.close()
@@ -327,7 +327,8 @@ class RemoteSession:
         self._connected.set()  # attached just now
         self._disconnected_at = 0.0
         self.reconnects = 0  # times the keep-alive came back after the server was unreachable
-        self._header: TrainerHeader | None = None
+        self.header: TrainerHeader | None = None
+        """The mapped segment's header, committed through (no RPC per step); None before unmapping."""
         self._closing = threading.Event()
         self._stream = None
         self._thread = threading.Thread(target=self._keepalive_loop, name=f"swap-state-keepalive-{rank}",
@@ -450,15 +451,11 @@ class RemoteSession:
         self.segment = reply.segment
         return reply
 
-    def bind_header(self, header: TrainerHeader | None) -> None:
-        """Commit through the mapped segment's ``header`` (no RPC per step); None before unmapping."""
-        self._header = header
-
     def commit(self, step: int) -> int:
         """Commit ``step`` (its writes are complete): header words when bound, else an RPC;
         refused when another trainer took the segment over."""
         self.check_alive()
-        header = self._header
+        header = self.header
         if header is None:
             request = pb.CommitStepRequest(session_id=self.session_id, generation=self.generation, step=step)
             self.last_committed_step = self._call("CommitStep", request).committed_step
