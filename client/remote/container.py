@@ -229,14 +229,13 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
     def checkpoint_reference(self) -> str:
         """The id of a snapshot of the last committed step, taken now unless one exists ("" with
         no committed step or torn state); returns once the model's copy has landed."""
-        step = self.session.last_committed_step
-        if step is not None and step != self.segment.snapshot_step and self.segment.torn_step is None:
+        step, handle = self.session.last_committed_step, self.segment.snapshot_handle
+        if step is not None and (handle is None or handle.step != step) and self.segment.torn_step is None:
             self.session.wait_connected(self.remote_config.server_wait_s)
-            self.snapshot()
+            handle = self.snapshot()
         if self.snapshots_model:
             # A trainer killed once the save returns must leave a snapshot the server can complete.
             self.segment.model_area.wait_published()
-        handle = self.segment.snapshot_handle
         self._checkpoint_snapshot = handle
         return handle.snapshot_id if handle is not None else ""
 

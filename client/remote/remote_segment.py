@@ -69,8 +69,7 @@ class RemoteSegment:
         self.model_area: ModelArea | None = None  # the model's tensors (whole-state snapshots)
         self.torn_step: int | None = None  # the step the previous trainer died writing
         self.resumed_step: int | None = None  # the step a reattach (or a restore) resumed at
-        self.snapshot_step: int | None = None  # the step the last snapshot taken (or restored) holds
-        self.snapshot_handle: SnapshotHandle | None = None
+        self.snapshot_handle: SnapshotHandle | None = None  # the last snapshot taken (or restored)
         self.closed = False
         self._backend: DeviceBackend | None = None
         self._fingerprint: ParamFingerprint | None = None
@@ -203,7 +202,7 @@ class RemoteSegment:
             job, embedded_dir = self.config.job_id, self.embedded and self.embedded.snapshot_dir
             log.info("first snapshot %s goes to %s", reply.snapshot_id, os.path.join(embedded_dir, str(job))
                      if embedded_dir else f"the --snapshot-dir of server {self.config.server} (folder {job})")
-        self.snapshot_step, self.snapshot_handle = step, handle
+        self.snapshot_handle = handle
         return handle
 
     def _send_snapshot(self, step: int, metadata_parts: tuple[str, str, str]) -> Any:
@@ -246,7 +245,6 @@ class RemoteSegment:
         self.session.commit(reply.step)
         self.resumed_step = reply.step
         # A checkpoint of this step now refers to the restored snapshot.
-        self.snapshot_step = reply.step
         self.snapshot_handle = SnapshotHandle(reply.snapshot_id, reply.step, self.session.rank, self.client)
         resharded = reply.snapshot_world_size not in (0, self.session.world_size)
         log.info("restored %s (step %d) from the server's %s%s", reply.snapshot_id, reply.step,
