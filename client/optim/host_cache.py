@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.optim import Optimizer
 
-from swap_state.client.device import PAGE_SIZE
+from swap_state.client.host_register import PAGE_SIZE
 from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.dtensor_utils import DTensor
 

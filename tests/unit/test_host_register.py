@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from swap_state.client import device
-from swap_state.client.device import (
-    PAGE_SIZE, DeviceBackend, HostRegistrationError, locate_library, page_chunks, registered_host_buffer)
+from swap_state.client import host_register
+from swap_state.client.device import PAGE_SIZE, DeviceBackend, HostRegistrationError
+from swap_state.client.host_register import locate_library, page_chunks, registered_host_buffer
 
 PAGE = 4096
 
@@ -97,7 +97,7 @@ def test_registered_buffer_is_exact_and_unregisters_with_its_last_view() -> None
     del view
     gc.collect()
     assert len(calls) == 1  # queued: released at a safe point, never inside a collection
-    device.release_host_buffers()
+    host_register.release_host_buffers()
     assert calls[-1] == ("unregister", ptr, 0)
 
 
@@ -109,7 +109,7 @@ def test_failed_registration_leaves_nothing_registered() -> None:
     with pytest.raises(HostRegistrationError):
         registered_host_buffer(100, refuse, unregistered.append)
     gc.collect()
-    device.release_host_buffers()
+    host_register.release_host_buffers()
     assert unregistered == []
 
 
@@ -156,7 +156,7 @@ def test_module_reads_acl_through_locate_library(monkeypatch: pytest.MonkeyPatch
         found.append((name, symbol))
         return Acl(), "the process's global symbols"
 
-    monkeypatch.setattr(device, "_ACL_LIB", None)
-    monkeypatch.setattr(device, "locate_library", locate)
-    assert device._acl_host_unregister(PAGE_SIZE) == 0
+    monkeypatch.setattr(host_register, "_ACL_LIB", None)
+    monkeypatch.setattr(host_register, "locate_library", locate)
+    assert host_register._acl_host_unregister(PAGE_SIZE) == 0
     assert found == [("libascendcl.so", "aclrtHostRegister")]

@@ -10,7 +10,7 @@ import types
 import torch
 
 from swap_state.client.device import DeviceBackend
-from swap_state.client.device import PAGE_SIZE
+from swap_state.client.host_register import PAGE_SIZE
 from swap_state.client.remote.segment_mapping import SegmentMapping
 from swap_state.common.segment import TensorLayout
 
