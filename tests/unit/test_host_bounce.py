@@ -19,8 +19,8 @@ import torch
 from fake_async_device import AsyncFakeBackend, FakeEvent, FakeStream
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from swap_state.client import device
-from swap_state.client.device import (
+from swap_state.client import device, host_register
+from swap_state.client.host_register import (
     PAGE_SIZE,
     BounceRing,
     CopyProbe,
@@ -125,7 +125,7 @@ def region() -> Iterator[tuple[mmap.mmap, int]]:
 
 @pytest.fixture
 def one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(device, "_WARNED_SYNCHRONOUS", False)
+    monkeypatch.setattr(host_register, "_WARNED_SYNCHRONOUS", False)
 
 
 @pytest.mark.parametrize("synchronizing", [False, True])
