@@ -39,9 +39,8 @@ from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.optim.dtensor_utils import global_layout
 from swap_state.client.optim.host_cache import STEP_KEY, HostCacheEntry
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
-from swap_state.client.remote.config import (
-    RemoteConfig, follow_checkpoint_retention, resolve_config, snapshots_model)
-from swap_state.client.remote.model_area import ModelArea, plan_model_tensors
+from swap_state.client.remote.config import RemoteConfig, follow_checkpoint_retention, resolve_config
+from swap_state.client.remote.model_area import ModelArea
 from swap_state.client.remote.remote_segment import GROUP_STEPS, PARAM_STEPS, RemoteSegment
 from swap_state.client.remote.rpc import SnapshotHandle
 from swap_state.client.remote.segment_mapping import dtype_name
@@ -103,12 +102,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         n_groups = sum(len(o.param_groups) for o in self.optimizers)
         specs = [(PARAM_STEPS, "float32", [len(entries)]), (GROUP_STEPS, "float32", [n_groups])]
         specs += [(state_key(e.fqn, k), dtype_name(e.dtype), list(e.shape)) for e in entries for k in e.keys]
-        model_tensors = []
-        if snapshots_model(self.remote_config):
-            params = [e.param for e in entries]
-            model_tensors = plan_model_tensors(self.model_parts, params, self.remote_config.model_state_dict)
-            specs.extend(t.spec() for t in model_tensors)  # last: protocol step 5
-        views = self.segment.allocate(specs, self.device_backend, model_tensors, self.model_parts)
+        views = self.segment.allocate(specs, self.device_backend, [entry.param for entry in entries])
         self._log_sizing(entries)
         self._tensor_names: dict[torch.Tensor, list[str]] = {}
         cache: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
@@ -119,7 +113,6 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             cache[entry.param][STEP_KEY] = param_steps[index]
             self._tensor_names[entry.param] = names
         self._metadata = OptimizerMetadata(entries, self.optimizers, self.segment.model_area)
-        self.segment.watch_params([entry.param for entry in entries])
         return cache
 
     def _log_sizing(self, entries: Sequence[HostCacheEntry]) -> None:

@@ -3,8 +3,7 @@
 Call order::
 
     seg = RemoteSegment(config, model_parts, optimizer_kwargs)   # attach
-    views = seg.allocate(specs, backend, model_tensors)   # map, claim; torn? resumed?
-    seg.watch_params(params)                  # the fingerprint's parameters
+    views = seg.allocate(specs, backend, params)   # map, claim; torn? resumed?
     seg.check_not_torn(); seg.mapping.before_write(step, names)   # per slice of a step
     seg.publish(step)                         # per step: fingerprint, end of write, commit
     seg.verify_kept_state()                   # first step after a reattach: keep or drop
@@ -35,8 +34,8 @@ from swap_state.client.errors import (
     MetadataBaseUnknownError, SnapshotBusyError, SnapshotNotFoundError, SwapStateError)
 from swap_state.client.optim.dtensor_utils import DTensor, unwrap_dtensor
 from swap_state.client.remote.config import (
-    RemoteConfig, connect, embedded_world_size_hint, snapshot_retention)
-from swap_state.client.remote.model_area import ModelArea, ModelTensor
+    RemoteConfig, connect, embedded_world_size_hint, snapshot_retention, snapshots_model)
+from swap_state.client.remote.model_area import ModelArea, plan_model_tensors
 from swap_state.client.remote.rpc import RemoteSession, SnapshotHandle
 from swap_state.client.remote.segment_mapping import SegmentMapping
 from swap_state.common.errors import InvalidArgument
@@ -62,6 +61,7 @@ class RemoteSegment:
                  optimizer_kwargs: dict[str, Any]):
         """Attach (starting an embedded server when no address is configured)."""
         self.config = config
+        self.model_parts = list(model_parts)
         self.session: RemoteSession
         self.client, self.session, self.embedded = connect(config, model_parts, optimizer_kwargs)
         self.mapping: SegmentMapping | None = None
@@ -78,15 +78,19 @@ class RemoteSegment:
         self._location_logged = False
 
     def allocate(self, specs: Sequence[tuple[str, str, list[int]]], backend: DeviceBackend,
-                 model_tensors: Sequence[ModelTensor] = (), model_parts: Sequence[nn.Module] = ()
-                 ) -> dict[str, torch.Tensor]:
-        """Allocate, map, register for DMA, claim the header; the views by name."""
+                 params: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Allocate (with the model's tensors when snapshots hold them), map, register for DMA,
+        claim the header; the views by name. ``params``: the optimizer's, which the fingerprint
+        samples (a reattach's kept state is then to check against them)."""
         if self.mapping is not None:
             raise NotImplementedError(
                 "RemoteSwapOptimizersContainer allocates its segment once: every parameter "
                 "and param group must exist when the container is built"
             )
-        reply = self.session.allocate(specs)
+        model_tensors = []
+        if snapshots_model(self.config):
+            model_tensors = plan_model_tensors(self.model_parts, params, self.config.model_state_dict)
+        reply = self.session.allocate([*specs, *(t.spec() for t in model_tensors)])  # last: protocol step 5
         self._backend = backend
         self.mapping = SegmentMapping.open(reply.segment)
         self.mapping.register_for_dma(backend)
@@ -96,7 +100,9 @@ class RemoteSegment:
         self.mapping.guard(self.config.backpressure_timeout_s, server_gone=self.session.server_gone)
         if model_tensors:
             self.model_area = ModelArea(model_tensors, self.views, self.mapping, self.mapping.trainer, backend,
-                                        model_parts=model_parts, state_dict_of=self.config.model_state_dict)
+                                        model_parts=self.model_parts, state_dict_of=self.config.model_state_dict)
+        self._fingerprint = ParamFingerprint(list(params))
+        self._verify_pending = self.resumed_step is not None
         return self.views
 
     def _claim(self, reused: bool) -> None:
@@ -135,11 +141,6 @@ class RemoteSegment:
         """Refuse to write into torn state: only a restore or a full load may."""
         if self.torn_step is not None:
             raise SwapStateError(self.torn_message())
-
-    def watch_params(self, params: Sequence[torch.Tensor]) -> None:
-        """The parameters the fingerprint samples; a reattach's kept state is now to check."""
-        self._fingerprint = ParamFingerprint(list(params))
-        self._verify_pending = self.resumed_step is not None
 
     def state_replaced(self) -> None:
         """A load or restore wrote the whole state: nothing to check; its parameters are unknown."""
