@@ -344,7 +344,7 @@ def step_while_snapshot(p: Probe) -> dict[str, Any]:
 def fingerprint(p: Probe) -> dict[str, Any]:
     """:class:`ParamFingerprint` of one bf16 parameter of a real LLM shape: its time, and that
     the device computes the value the host computes from the same bytes."""
-    from swap_state.client.remote.fingerprint import ParamFingerprint, sample_stride
+    from swap_state.client.remote.remote_segment import ParamFingerprint, sample_stride
 
     torch.manual_seed(0)
     param = torch.randn(p.sizes.fingerprint_shape, dtype=torch.bfloat16, device=p.device)

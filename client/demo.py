@@ -27,9 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from swap_state.client.errors import SnapshotFailedError, SnapshotNotFoundError, SwapStateError
-from swap_state.client.scratch import make_scratch_dir
 from swap_state.client.remote.config import RemoteConfig
-from swap_state.client.remote.embedded import EmbeddedServerConfig
+from swap_state.client.remote.embedded import EmbeddedServerConfig, make_scratch_dir
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.names import parse_snapshot_id
 from swap_state.common.server_flags import field_docs

@@ -2,8 +2,9 @@
 
 Selection order is NPU (``torch_npu``, imported lazily), CUDA, CPU; ``SWAP_STATE_DEVICE``
 forces one (an error where it is not there, never a silent fallback). On CPU, streams and events
-are :class:`NullStream` / :class:`NullEvent`, so the pipelined accelerator path runs unchanged.
-On Ascend each host registration is probed (:mod:`swap_state.client.host_bounce`).
+are :class:`NullStream`, so the pipelined accelerator path runs unchanged.
+On Ascend each host registration is probed (:func:`~swap_state.client.host_register.needs_bounce`):
+where its copies are not asynchronous, they go through a ring of pinned bounce buffers.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from typing import Any, Literal, cast
 
 import torch
 
-from swap_state.client.host_bounce import BouncedRanges, ProbeConfig, needs_bounce
 from swap_state.client.host_register import (
-    PAGE_SIZE, REGISTER_CHUNK_BYTES, HostRegistration, HostRegistrationError, _acl_host_register,
-    _acl_host_unregister, _cuda_error_string, _cuda_host_register, _cuda_host_unregister, page_chunks,
-    registered_host_buffer, release_host_buffers,
+    BOUNCE_SLOT_BYTES, BOUNCE_SLOTS, PAGE_SIZE, REGISTER_CHUNK_BYTES, BounceRing, HostRegistration,
+    HostRegistrationError, ProbeConfig, _acl_host_register, _acl_host_unregister, _cuda_error_string,
+    _cuda_host_register, _cuda_host_unregister, needs_bounce, page_chunks, registered_host_buffer,
+    release_host_buffers,
 )
 
 __all__ = [
@@ -44,8 +45,10 @@ DEVICE_ENV_VAR = "SWAP_STATE_DEVICE"
 _DEVICE_TYPES: tuple[DeviceType, ...] = ("npu", "cuda", "cpu")
 
 
-class _Done:
-    """Complete or idle: CPU work is done when the call that enqueued it returns."""
+class NullStream:
+    """``torch.cuda.Stream`` and ``torch.cuda.Event`` look-alike for CPU (:data:`NullEvent` is
+    the same class): CPU work is done when the call that enqueued it returns, so every method
+    returns at once."""
 
     def query(self) -> bool:
         return True
@@ -53,19 +56,11 @@ class _Done:
     def synchronize(self) -> None:
         """Nothing to wait for."""
 
-
-class NullEvent(_Done):
-    """``torch.cuda.Event`` look-alike for CPU: every method returns at once."""
-
     def record(self, stream: Any = None) -> None:
         """Nothing to record."""
 
     def wait(self, stream: Any = None) -> None:
         """Nothing to wait for."""
-
-
-class NullStream(_Done):
-    """``torch.cuda.Stream`` look-alike for CPU: every method returns at once."""
 
     def wait_event(self, event: Any) -> None:
         """Nothing to wait for."""
@@ -74,8 +69,11 @@ class NullStream(_Done):
         """Nothing to wait for."""
 
     def record_event(self, event: Any = None) -> Any:
-        """Return ``event`` (or a new :class:`NullEvent`), already complete."""
-        return NullEvent() if event is None else event
+        """Return ``event`` (or a new one), already complete."""
+        return NullStream() if event is None else event
+
+
+NullEvent = NullStream
 
 
 class DeviceBackend:
@@ -97,7 +95,9 @@ class DeviceBackend:
         self._null_stream = NullStream()
         self._registrations: dict[int, HostRegistration] = {}
         self._lock = threading.Lock()
-        self.bounced = BouncedRanges(self.alloc_host, self.event)
+        self._bounced: dict[int, int] = {}  # start -> end of the host ranges whose copies bounce
+        self._bounce_ring: BounceRing | None = None  # made on first use
+        self._bounce_lock = threading.Lock()
         self.copy_probe = ProbeConfig()
         self._bounce_registered: bool | None = None  # the probe's verdict, once it has run
 
@@ -181,7 +181,7 @@ class DeviceBackend:
             return self.alloc_host((nbytes,), torch.uint8)
         register = functools.partial(self.register_host_memory, spans=spans)
         buffer = registered_host_buffer(nbytes, register, self.unregister_host_memory)
-        if self.bounced.covers(buffer):
+        if self.bounces(buffer):
             return self.alloc_host((nbytes,), torch.uint8)  # ``buffer`` goes: unregistered
         return buffer
 
@@ -224,20 +224,37 @@ class DeviceBackend:
         if self._bounce_registered is None:
             self._bounce_registered = needs_bounce(self, registration.ptr, registration.nbytes)
         if self._bounce_registered:
-            self.bounced.add(registration.ptr, registration.ptr + registration.nbytes)
+            with self._bounce_lock:
+                self._bounced[registration.ptr] = registration.ptr + registration.nbytes
+
+    def bounces(self, host: torch.Tensor) -> bool:
+        """Whether ``host``'s first byte lies in a range whose copies bounce (thread-safe)."""
+        if not self._bounced:
+            return False
+        ptr = host.data_ptr()
+        with self._bounce_lock:
+            return any(start <= ptr < end for start, end in self._bounced.items())
+
+    def bounce_ring(self) -> BounceRing:
+        """The bounce ring, its pinned slots made on first use."""
+        with self._bounce_lock:
+            if self._bounce_ring is None:
+                slots = [self.alloc_host((BOUNCE_SLOT_BYTES,), torch.uint8) for _ in range(BOUNCE_SLOTS)]
+                self._bounce_ring = BounceRing(slots, self.event)
+            return self._bounce_ring
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src, non_blocking=True)`` from the host, bounced where the probe said so."""
-        if self.bounced.covers(src):
-            self.bounced.ring().to_device(dst, src, self.current_stream())
+        if self.bounces(src):
+            self.bounce_ring().to_device(dst, src, self.current_stream())
         else:
             dst.copy_(src, non_blocking=True)
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src, non_blocking=True)`` to the host; through the bounce ring it returns
         with ``dst`` written, so events recorded after it still hold."""
-        if self.bounced.covers(dst):
-            self.bounced.ring().to_host(dst, src, self.current_stream())
+        if self.bounces(dst):
+            self.bounce_ring().to_host(dst, src, self.current_stream())
         else:
             dst.copy_(src, non_blocking=True)
 
@@ -247,7 +264,8 @@ class DeviceBackend:
             registration = self._registrations.pop(ptr, None)
             if registration is None:
                 raise KeyError(f"no host range registered at {ptr:#x}")
-            self.bounced.discard(ptr)
+            with self._bounce_lock:
+                self._bounced.pop(ptr, None)
             self._unregister_chunks(list(registration.chunks), quiet=False)
 
     def registered_ranges(self) -> list[HostRegistration]:
@@ -352,4 +370,3 @@ def get_device_backend(*, refresh: bool = False) -> DeviceBackend:
             _BACKEND = DeviceBackend(select_device_type())
             logger.info("swap-state device backend: %s", _BACKEND.type)
         return _BACKEND
-

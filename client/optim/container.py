@@ -27,15 +27,13 @@ from swap_state.client.device import DeviceBackend
 from swap_state.client.optim import flat_state_dict as _flat
 from swap_state.client.optim.checkpoint_template import match_template
 from swap_state.client.optim.host_cache import (
-    STEP_DTYPE, STEP_KEY, HostCache, HostCacheEntry, HostCaches, flat_host_caches, group_map,
+    STEP_DTYPE, STEP_KEY, HostCache, HostCacheEntry, HostCaches, flat_host_caches, fqns_by_param, group_map,
     placeholder_like, step_tensor,
 )
-from swap_state.client.optim.naming import fqns_by_param
 from swap_state.client.optim.state_loading import StateLoader
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES, StepPipeline
-from swap_state.client.optim.unswapped import UnswappedOptimizers
 
-__all__ = ["SwapOptimizersContainer", "bind_swap_step"]
+__all__ = ["SwapOptimizersContainer", "UnswappedOptimizers", "bind_swap_step"]
 
 # The facade's name: what users configure logging for.
 logger = logging.getLogger("swap_state.client.swap_optimizer")
@@ -53,12 +51,56 @@ class _instance_or_class_method:
         return types.MethodType(self.__func__, objtype if obj is None else obj)
 
 
+class UnswappedOptimizers:
+    """The optimizers of parameters swap-state does not swap (torchtitan 0.3 lets param groups
+    use other optimizers than Adam and AdamW: ``DistMuon``), with their own step and state.
+
+    Their state stays where their own code keeps it; the container steps them after its own,
+    iterates them for LR schedulers and checkpoints them in its flat FQN-keyed dict. Nothing of
+    theirs is in snapshots, so whole-state snapshot checkpoints refuse them (the adapter checks).
+    ``flat_state_dict(optimizer)`` and ``load_flat_state_dict(optimizer, flat)`` convert their
+    state to and from the flat dict (torchtitan's ``get_flat_optim_state_dict`` /
+    ``load_flat_optim_state_dict``)."""
+
+    def __init__(
+        self, optimizers: Sequence[Optimizer] = (),
+        flat_state_dict: Callable[[Optimizer], dict[str, Any]] | None = None,
+        load_flat_state_dict: Callable[[Optimizer, Mapping[str, Any]], None] | None = None,
+    ) -> None:
+        """No ``optimizers``: none (a container without other optimizers holds this)."""
+        self.optimizers = list(optimizers)
+        self._flat_state_dict = flat_state_dict
+        self._load_flat_state_dict = load_flat_state_dict
+
+    @property
+    def params(self) -> list[Any]:
+        return [param for optimizer in self.optimizers for group in optimizer.param_groups for param in group["params"]]
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for optimizer in self.optimizers:
+            flat.update(self._flat_state_dict(optimizer))
+        return flat
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        for optimizer in self.optimizers:
+            self._load_flat_state_dict(optimizer, state_dict)
+
+
 class SwapOptimizersContainer(OptimizersContainer):
     """torchtitan ``OptimizersContainer`` whose Adam/AdamW moments live in host memory.
 
     One ``optimizer_cls`` (Adam or AdamW) per model part, as torchtitan builds them. Extras:
     ``pipeline`` (None: on iff an accelerator), ``moment_dtype`` (``torch.bfloat16``: torchtitan's
-    ``fused_opt_states_bf16``), ``unswapped`` (other optimizers: :mod:`.unswapped`).
+    ``fused_opt_states_bf16``), ``unswapped`` (other optimizers: :class:`UnswappedOptimizers`).
 
     Call order, for subclasses (e.g. a host cache in shared memory): ``__init__`` calls
     ``_allocate_host_cache(entries)`` once, in update order; ``step()`` checks gradients first,
@@ -73,7 +115,7 @@ class SwapOptimizersContainer(OptimizersContainer):
     param_to_device_states_map: dict[torch.Tensor, dict[str, Any]] = {}  # noqa: RUF012
     swap_optimizer_times: int = DEFAULT_SWAP_TIMES
     moment_dtype: torch.dtype | None = None
-    unswapped: UnswappedOptimizers | None = None
+    unswapped: UnswappedOptimizers = UnswappedOptimizers()
     _device_backend: DeviceBackend | None = None
     _pipeline: bool | None = None
     _in_container_step: bool = False
@@ -98,7 +140,7 @@ class SwapOptimizersContainer(OptimizersContainer):
             allowed = "torch.float32 or torch.bfloat16 (or None: the parameter's)"
             raise ValueError(f"moment_dtype must be {allowed}, got {moment_dtype}")
         self.moment_dtype = moment_dtype
-        self.unswapped = unswapped
+        self.unswapped = unswapped or UnswappedOptimizers()
         self._device_backend = device_backend or device_layer.get_device_backend()
         self._pipeline = self._device_backend.is_accelerator if pipeline is None else bool(pipeline)
         # torchtitan's OptimizersContainer.__init__, written here: its signature differs between 0.2 and 0.3.
@@ -109,8 +151,7 @@ class SwapOptimizersContainer(OptimizersContainer):
             groups = (param_groups or _trainable_group)(model)
             self.optimizers.append(optimizer_cls(groups, **optimizer_kwargs))
             all_params.extend(param for group in groups for param in group["params"])
-        if self.unswapped is not None:
-            all_params.extend(self.unswapped.params)
+        all_params.extend(self.unswapped.params)
         # The container's own step hooks (LR schedulers, torchtitan's MoE load balancing).
         Optimizer.__init__(self, all_params, optimizer_kwargs)
         self._init_swap_state()
@@ -166,8 +207,7 @@ class SwapOptimizersContainer(OptimizersContainer):
             # Not super().step(): torch may have wrapped it with the step hooks (run twice).
             for optimizer in self.optimizers:
                 optimizer.step(*args, **kwargs)
-            if self.unswapped is not None:
-                self.unswapped.step()
+            self.unswapped.step()
         finally:
             self._in_container_step = False
         self._after_step()
@@ -175,15 +215,14 @@ class SwapOptimizersContainer(OptimizersContainer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
-        if self.unswapped is not None:
-            self.unswapped.zero_grad(set_to_none)
+        self.unswapped.zero_grad(set_to_none)
 
     def __iter__(self) -> Iterator[Optimizer]:
         """Every optimizer, the unswapped ones last (torchtitan's LR schedulers iterate)."""
-        return itertools.chain(self.optimizers, self.unswapped.optimizers if self.unswapped else ())
+        return itertools.chain(self.optimizers, self.unswapped.optimizers)
 
     def __len__(self) -> int:
-        return len(self.optimizers) + (len(self.unswapped.optimizers) if self.unswapped else 0)
+        return len(self.optimizers) + len(self.unswapped.optimizers)
 
     def _swap_step(self, optim: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
         """``optim.step(closure)`` through the pipeline; outside ``step()``, then ``_after_step()``."""
@@ -197,16 +236,14 @@ class SwapOptimizersContainer(OptimizersContainer):
         """Flat ``state.<fqn>.<key>`` / ``param_groups.<fqn>.<key>`` dict over the host cache
         (less what a loading checkpoint lacks: :meth:`loading_checkpoint`)."""
         flat = _flat.flat_state_dict(self.model_parts, self.optimizers, self.param_to_cpu_states_map)
-        if self.unswapped is not None:
-            flat.update(self.unswapped.state_dict())
+        flat.update(self.unswapped.state_dict())
         return flat if self._loading_keys is None else match_template(flat, self._loading_keys)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a flat state dict; validated first, a failure leaves the container untouched."""
         try:
             self._loader.load(state_dict)
-            if self.unswapped is not None:
-                self.unswapped.load_state_dict(state_dict)
+            self.unswapped.load_state_dict(state_dict)
         finally:
             # Caches may be new, groups changed (a rollback restores copies): replan.
             self._steps.invalidate()

@@ -1,7 +1,7 @@
 """The seed's flat optimizer state dict: ``state.<fqn>.<key>``, ``param_groups.<fqn>.<hp>``.
 
 A parameter is named by its canonical FQN, so tied parameters are saved once and load from
-any alias (:mod:`.naming`). :func:`flat_state_dict` writes the dict, :class:`FlatIndex` reads one.
+any alias (:func:`~.host_cache.fqns_by_param`). :func:`flat_state_dict` writes the dict, :class:`FlatIndex` reads one.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch.optim import Optimizer
 from swap_state.client import device as device_layer  # an attribute: the seed's tests patch it
 from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.dtensor_utils import DTensor, wrap_like_param_without_device_move
-from swap_state.client.optim.host_cache import MOMENT_KEYS, STEP_KEY, HostCache, has_data, step_tensor
-from swap_state.client.optim.naming import fqns_by_param, param_fqns
+from swap_state.client.optim.host_cache import (
+    MOMENT_KEYS, STEP_KEY, HostCache, fqns_by_param, has_data, param_fqns, step_tensor)
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 
 __all__ = [

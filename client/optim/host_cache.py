@@ -14,18 +14,20 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+# DCP's canonical FQNs (strips activation-checkpoint / compile / DDP prefixes)
+from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.optim import Optimizer
 
 from swap_state.client.host_register import PAGE_SIZE
 from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.dtensor_utils import DTensor
-from swap_state.client.optim.naming import fqns_by_param, param_fqns
 
 __all__ = [
     "FLAT_ALIGN", "FLAT_PAGE_RUN", "MOMENT_KEYS", "STEP_DTYPE", "STEP_KEY", "HostCache", "HostCacheEntry",
     "HostCaches", "SliceStates", "advance_group_step", "as_number", "device_placeholders",
-    "flat_host_caches", "flat_layout", "group_map", "has_data", "host_cache_ready", "moments_dtype",
-    "moment_keys", "placeholder_like", "step_tensor", "steps_vector",
+    "flat_host_caches", "flat_layout", "fqns_by_param", "group_map", "has_data", "host_cache_ready",
+    "moments_dtype", "moment_keys", "param_fqns", "placeholder_like", "step_tensor", "steps_vector",
 ]
 
 #: Adam state tensors shaped like the parameter, in host-cache order.
@@ -265,3 +267,38 @@ def steps_vector(steps: Sequence[Any]) -> torch.Tensor | None:
         if not same_place or step.storage_offset() != offset + index:
             return None
     return first.as_strided((len(steps),), (1,), offset)
+
+# -- parameter names in checkpoints ---------------------------------------------------------------
+# The canonical FQN (DCP's, first registered alias first), so tied parameters are saved once and
+# load from any alias.
+
+def fqns_by_param(model: nn.Module) -> dict[torch.Tensor, tuple[str, ...]]:
+    """Every parameter's checkpoint names, canonical (first registered) first."""
+    names: dict[torch.Tensor, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(param, []).extend(_canonical_fqns(model, name))
+    return {param: tuple(dict.fromkeys(fqns)) for param, fqns in names.items()}
+
+
+def param_fqns(
+    fqns: Mapping[torch.Tensor, tuple[str, ...]], param: torch.Tensor, optimizer_index: int | None = None
+) -> tuple[str, ...]:
+    """``param``'s names from :func:`fqns_by_param`; a clear error for a stranger."""
+    names = fqns.get(param)
+    if not names:
+        where = "" if optimizer_index is None else f" of optimizer {optimizer_index}"
+        raise ValueError(
+            f"a parameter{where} (shape {tuple(param.shape)}) is not in its model part; "
+            "swap optimizer state is keyed by parameter FQN"
+        )
+    return names
+
+
+def _canonical_fqns(model: nn.Module, name: str) -> list[str]:
+    fqns = _get_fqns(model, name)
+    if len(fqns) != 1:
+        raise NotImplementedError(
+            f"parameter {name!r} maps to several FQNs {sorted(fqns)} (a flattened FSDP1 parameter); "
+            "the swap optimizer needs one parameter per FQN"
+        )
+    return list(fqns)

@@ -18,10 +18,9 @@ from torch.optim import Optimizer
 from swap_state.client import device as device_layer  # an attribute: the seed's tests patch it
 from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
 from swap_state.client.optim.flat_state_dict import FlatIndex, clone_value
-from swap_state.client.optim.naming import fqns_by_param, param_fqns
 from swap_state.client.optim.host_cache import (
     HostCaches, MOMENT_KEYS, device_placeholders, STEP_KEY, HostCache, HostCacheEntry, as_number, group_map,
-    has_data, host_cache_ready, moments_dtype, moment_keys, step_tensor,
+    fqns_by_param, has_data, host_cache_ready, moments_dtype, moment_keys, param_fqns, step_tensor,
 )
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 

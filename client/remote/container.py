@@ -22,6 +22,7 @@ import itertools
 import logging
 import math
 import os
+import sys
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -35,17 +36,19 @@ from swap_state.client.errors import (
     NotFoundError, ServerUnavailableError, SnapshotFailedError, SnapshotNotFoundError, SwapStateError)
 from swap_state.client.optim.checkpoint_template import SNAPSHOT_JOB_KEY, SNAPSHOT_REF_KEY, holds_snapshot_reference
 from swap_state.client.optim.container import SwapOptimizersContainer
+from swap_state.client.optim.dtensor_utils import global_layout
 from swap_state.client.optim.host_cache import STEP_KEY, HostCacheEntry
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
-from swap_state.client.remote.config import (
-    RemoteConfig, follow_checkpoint_retention, resolve_config, snapshot_retention, snapshots_model)
-from swap_state.client.remote.model_area import plan_model_tensors
-from swap_state.client.remote.optimizer_metadata import OptimizerMetadata, all_param_groups
+from swap_state.client.remote.config import RemoteConfig, follow_checkpoint_retention, resolve_config
+from swap_state.client.remote.model_area import ModelArea
 from swap_state.client.remote.remote_segment import GROUP_STEPS, PARAM_STEPS, RemoteSegment
+from swap_state.client.remote.rpc import SnapshotHandle
 from swap_state.client.remote.segment_mapping import dtype_name
-from swap_state.client.remote.snapshots import SnapshotHandle
-from swap_state.common.names import STATE_PREFIX, is_model_tensor, state_key
+from swap_state.common.names import STATE_PREFIX, is_model_tensor, param_group_key, state_key
 from swap_state.common.sizing import plan_for_rank
+from swap_state.common.snapshot_metadata import (
+    TENSOR_TAG, TensorMetadata, encode_metadata, parse_metadata, tagged_scalar)
+from swap_state.common.snapshot_metadata_parts import base_id, encode_base, encode_delta
 
 __all__ = [
     "GROUP_STEPS", "PARAM_STEPS", "SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY", "RemoteConfig",
@@ -99,12 +102,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         n_groups = sum(len(o.param_groups) for o in self.optimizers)
         specs = [(PARAM_STEPS, "float32", [len(entries)]), (GROUP_STEPS, "float32", [n_groups])]
         specs += [(state_key(e.fqn, k), dtype_name(e.dtype), list(e.shape)) for e in entries for k in e.keys]
-        model_tensors = []
-        if snapshots_model(self.remote_config):
-            params = [e.param for e in entries]
-            model_tensors = plan_model_tensors(self.model_parts, params, self.remote_config.model_state_dict)
-            specs.extend(t.spec() for t in model_tensors)  # last: protocol step 5
-        views = self.segment.allocate(specs, self.device_backend, model_tensors, self.model_parts)
+        views = self.segment.allocate(specs, self.device_backend, [entry.param for entry in entries])
         self._log_sizing(entries)
         self._tensor_names: dict[torch.Tensor, list[str]] = {}
         cache: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
@@ -115,7 +113,6 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             cache[entry.param][STEP_KEY] = param_steps[index]
             self._tensor_names[entry.param] = names
         self._metadata = OptimizerMetadata(entries, self.optimizers, self.segment.model_area)
-        self.segment.watch_params([entry.param for entry in entries])
         return cache
 
     def _log_sizing(self, entries: Sequence[HostCacheEntry]) -> None:
@@ -160,7 +157,8 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         self.segment.mapping.before_write(self._current_step(), [GROUP_STEPS])
         self.segment.state_replaced()
         if self.segment.model_area is not None:
-            self.segment.model_area.invalidate()  # the model is loaded after the optimizer, if at all
+            # The model is loaded after the optimizer, if at all: the next snapshot copies it first.
+            self.segment.model_area.copied_step = None
         self._publish_step(params_known=False)  # the model may be loaded after the optimizer
 
     def _verify_kept_state(self) -> None:
@@ -200,9 +198,6 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         """What the server cannot know: fqns, keys, DTensor layout, param groups, steps."""
         return self._metadata.whole(self.segment.views[PARAM_STEPS])
 
-    def snapshot_retention(self) -> dict[str, Any]:
-        return snapshot_retention(self.remote_config)
-
     def follow_checkpoint_retention(self, keep_latest_k: int) -> None:
         """This job's snapshots follow its checkpoint retention (``keep_latest_k``)."""
         follow_checkpoint_retention(self.remote_config, keep_latest_k)
@@ -227,14 +222,13 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
     def checkpoint_reference(self) -> str:
         """The id of a snapshot of the last committed step, taken now unless one exists ("" with
         no committed step or torn state); returns once the model's copy has landed."""
-        step = self.session.last_committed_step
-        if step is not None and step != self.segment.snapshot_step and self.segment.torn_step is None:
+        step, handle = self.session.last_committed_step, self.segment.snapshot_handle
+        if step is not None and (handle is None or handle.step != step) and self.segment.torn_step is None:
             self.session.wait_connected(self.remote_config.server_wait_s)
-            self.snapshot()
+            handle = self.snapshot()
         if self.snapshots_model:
             # A trainer killed once the save returns must leave a snapshot the server can complete.
             self.segment.model_area.wait_published()
-        handle = self.segment.snapshot_handle
         self._checkpoint_snapshot = handle
         return handle.snapshot_id if handle is not None else ""
 
@@ -322,6 +316,112 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         # No view outlives the mapping (vars(): an __init__ that failed early set no map).
         vars(self).get("param_to_cpu_states_map", {}).clear()
         self.segment.close(keep)
+
+
+class OptimizerMetadata:
+    """What a snapshot's metadata says of the optimizers (fqns, moment keys, DTensor layout,
+    param groups, steps: what the server cannot know), read when asked (groups and steps change):
+    sent as a base built once plus a per-snapshot delta; a restore sends the layout whole and
+    gets the snapshot's metadata back."""
+
+    def __init__(self, entries: Sequence[HostCacheEntry], optimizers: Sequence[Optimizer],
+                 model_area: ModelArea | None):
+        self._entries = list(entries)
+        self._optimizers = optimizers
+        self._model_area = model_area
+        self._base: tuple[str, str] | None = None  # (id, text): what no step changes
+
+    def _tensors(self) -> dict[str, TensorMetadata]:
+        tensors: dict[str, TensorMetadata] = {}
+        for entry in self._entries:
+            global_shape, global_offset = global_layout(entry.param) or (None, None)
+            for key in entry.keys:
+                tensors[state_key(entry.fqn, key)] = TensorMetadata(entry.fqn, key, global_shape, global_offset)
+        if self._model_area is not None:
+            tensors.update(self._model_area.metadata())
+        return tensors
+
+    def _aliases(self) -> dict[str, str] | None:
+        return self._model_area.aliases() if self._model_area is not None else None
+
+    def whole(self, param_steps: torch.Tensor) -> str:
+        """The metadata as one JSON text (a restore's layout): tensors, groups, steps."""
+        steps = {entry.fqn: float(param_steps[index]) for index, entry in enumerate(self._entries)}
+        groups = {entry.fqn: _json_group(self._group_of(entry)) for entry in self._entries}
+        return encode_metadata(self._tensors(), groups, steps, self._aliases())
+
+    def parts(self, param_steps: torch.Tensor) -> tuple[str, str, str]:
+        """(base id, base, delta), the base built once."""
+        if self._base is None:
+            offsets = group_offsets(self._optimizers)
+            text = encode_base(self._tensors(), self._aliases(), [e.fqn for e in self._entries],
+                               [offsets[e.optimizer_index] + e.group_index for e in self._entries])
+            self._base = (base_id(text), text)
+        groups = [_json_group(group) for group in all_param_groups(self._optimizers)]
+        counts = param_steps  # the per-parameter steps are one tensor
+        steps = float(counts[0]) if len(counts) and bool((counts == counts[0]).all()) else counts.tolist()
+        return self._base[0], self._base[1], encode_delta(groups, steps)
+
+    def _group_of(self, entry: HostCacheEntry) -> dict[str, Any]:
+        return self._optimizers[entry.optimizer_index].param_groups[entry.group_index]
+
+    def apply_restored(self, metadata_json: str, segment_tensors: Any,
+                       param_steps: torch.Tensor, group_steps: torch.Tensor) -> None:
+        """The snapshot's hyperparameters into the live groups, its steps into the bookkeeping
+        tensors (a restore at another layout does not copy those; the metadata has them per fqn)."""
+        if not metadata_json:
+            return
+        restored = parse_metadata(metadata_json, segment_tensors, max_bytes=sys.maxsize)
+        offsets = group_offsets(self._optimizers)
+        for index, entry in enumerate(self._entries):
+            if entry.fqn in restored.steps:
+                param_steps[index] = _step_value(restored.steps[entry.fqn])
+            saved = restored.param_groups.get(entry.fqn)
+            if not saved:
+                continue
+            group = self._group_of(entry)
+            for key, value in saved.items():
+                if key != STEP_KEY and key in group:
+                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
+            if STEP_KEY in saved:
+                group_steps[offsets[entry.optimizer_index] + entry.group_index] = _step_value(saved[STEP_KEY])
+
+    def apply_saved_param_groups(self, state_dict: Mapping[str, Any]) -> None:
+        """A checkpoint's hyperparameters (not ``params`` or ``step``) into the live groups."""
+        for entry in self._entries:
+            group = self._group_of(entry)
+            for name in list(group):
+                key = param_group_key(entry.fqn, name)
+                if name not in ("params", STEP_KEY) and key in state_dict:
+                    group[name] = state_dict[key]
+
+
+def all_param_groups(optimizers: Sequence[Any]) -> list[dict[str, Any]]:
+    """Every param group of every optimizer, in the segment's group-steps order."""
+    return [g for o in optimizers for g in o.param_groups]
+
+
+def json_value(value: Any) -> Any:
+    """A hyperparameter in the metadata's JSON form: a 0-dim tensor tagged, a tuple a list."""
+    if isinstance(value, torch.Tensor):
+        return tagged_scalar(float(value), dtype_name(value.dtype))
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _json_group(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: json_value(v) for k, v in group.items() if k != "params"}
+
+
+def group_offsets(optimizers: Sequence[Any]) -> list[int]:
+    """Where each optimizer's param groups start in the segment's group steps."""
+    return list(itertools.accumulate((len(o.param_groups) for o in optimizers), initial=0))
+
+
+def _step_value(value: Any) -> float:
+    """A step count as the metadata holds it (a number, or a tagged 0-dim tensor)."""
+    return float(value[TENSOR_TAG]) if isinstance(value, dict) else float(value)
 
 
 def is_moment_key(key: str) -> bool:

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -21,13 +22,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from swap_state.client.scratch import make_scratch_dir
 from swap_state.common.retry import wait_until
 from swap_state.common.errors import ConfigError
 from swap_state.common.server_config import EXIT_WITH_PARENT_ENV, ServerConfig
 from swap_state.common.server_flags import config_from_settings, config_to_argv, setting_value
 
-__all__ = ["DEFAULT_SHM_SIZE_BYTES", "EmbeddedServerConfig", "EmbeddedServer", "default_snapshot_dir"]
+__all__ = [
+    "DEFAULT_SHM_SIZE_BYTES", "OWNER_FILE", "EmbeddedServerConfig", "EmbeddedServer", "default_snapshot_dir",
+    "make_scratch_dir", "sweep_stale"]
 
 DEFAULT_SHM_SIZE_BYTES = 256 << 20  # a server started on its own (a container sizes it from the model)
 #: Quick deaths in a row after which the watchdog stops restarting (the server cannot run here).
@@ -228,3 +230,60 @@ class EmbeddedServer:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
         atexit.unregister(self._stop_at_exit)
+
+# -- scratch folders that a killed process does not leave behind for good --------------------------
+# A trainer or the demo killed with SIGKILL runs no cleanup, so its temporary folders stay.
+# make_scratch_dir writes the owner's pid into each folder it makes and, first, removes the
+# folders of the same prefix whose owner is gone (dead pid, or an empty folder, no owner file).
+
+OWNER_FILE = ".owner-pid"
+
+
+def make_scratch_dir(prefix: str, dir: str | None = None) -> str:
+    """``tempfile.mkdtemp(prefix=prefix)`` with the owner's pid in it, after :func:`sweep_stale`."""
+    sweep_stale(prefix, dir)
+    path = tempfile.mkdtemp(prefix=prefix, dir=dir)
+    with open(os.path.join(path, OWNER_FILE), "w") as f:
+        f.write(str(os.getpid()))
+    return path
+
+
+def sweep_stale(prefix: str, dir: str | None = None) -> list[str]:
+    """Remove this user's ``prefix*`` folders whose owner process is gone; returns them."""
+    base = dir or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid() or os.path.islink(path) or not os.path.isdir(path):
+                continue
+            if _owner_alive(path):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _owner_alive(path: str) -> bool:
+    try:
+        with open(os.path.join(path, OWNER_FILE)) as f:
+            pid = int(f.read().strip() or 0)
+    except FileNotFoundError:
+        return bool(os.listdir(path))  # no owner file: only an empty folder is known stale
+    except (OSError, ValueError):
+        return True
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True

@@ -219,10 +219,6 @@ class ModelArea:
         self.copied_step = step
         self._header.publish_model(step)
 
-    def invalidate(self) -> None:
-        """The model may be replaced (a checkpoint load): the next snapshot copies it first."""
-        self.copied_step = None
-
     def close(self) -> None:
         """Before the segment is unmapped: no copy may still write into it."""
         try:

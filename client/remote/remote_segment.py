@@ -3,8 +3,7 @@
 Call order::
 
     seg = RemoteSegment(config, model_parts, optimizer_kwargs)   # attach
-    views = seg.allocate(specs, backend, model_tensors)   # map, claim; torn? resumed?
-    seg.watch_params(params)                  # the fingerprint's parameters
+    views = seg.allocate(specs, backend, params)   # map, claim; torn? resumed?
     seg.check_not_torn(); seg.mapping.before_write(step, names)   # per slice of a step
     seg.publish(step)                         # per step: fingerprint, end of write, commit
     seg.verify_kept_state()                   # first step after a reattach: keep or drop
@@ -20,6 +19,7 @@ else kept moments are used only when the parameters' fingerprint matches the kep
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -32,20 +32,20 @@ import torch.nn as nn
 from swap_state.client.device import DeviceBackend
 from swap_state.client.errors import (
     MetadataBaseUnknownError, SnapshotBusyError, SnapshotNotFoundError, SwapStateError)
+from swap_state.client.optim.dtensor_utils import DTensor, unwrap_dtensor
 from swap_state.client.remote.config import (
-    RemoteConfig, connect, embedded_world_size_hint, snapshot_retention)
-from swap_state.client.remote.fingerprint import UNKNOWN, ParamFingerprint
-from swap_state.client.remote.model_area import ModelArea, ModelTensor
-from swap_state.client.remote.rpc import RemoteSession
+    RemoteConfig, connect, embedded_world_size_hint, snapshot_retention, snapshots_model)
+from swap_state.client.remote.model_area import ModelArea, plan_model_tensors
+from swap_state.client.remote.rpc import RemoteSession, SnapshotHandle
 from swap_state.client.remote.segment_mapping import SegmentMapping
-from swap_state.client.remote.snapshots import SnapshotHandle
 from swap_state.common.errors import InvalidArgument
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.retry import wait_until
 from swap_state.common.segment import Word
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX
 
-__all__ = ["GROUP_STEPS", "PARAM_STEPS", "RemoteSegment"]
+__all__ = [
+    "GROUP_STEPS", "PARAM_STEPS", "SAMPLES_PER_TENSOR", "UNKNOWN", "ParamFingerprint", "RemoteSegment", "sample_stride"]
 
 log = logging.getLogger("swap_state.client.remote_container")
 
@@ -61,6 +61,7 @@ class RemoteSegment:
                  optimizer_kwargs: dict[str, Any]):
         """Attach (starting an embedded server when no address is configured)."""
         self.config = config
+        self.model_parts = list(model_parts)
         self.session: RemoteSession
         self.client, self.session, self.embedded = connect(config, model_parts, optimizer_kwargs)
         self.mapping: SegmentMapping | None = None
@@ -68,8 +69,7 @@ class RemoteSegment:
         self.model_area: ModelArea | None = None  # the model's tensors (whole-state snapshots)
         self.torn_step: int | None = None  # the step the previous trainer died writing
         self.resumed_step: int | None = None  # the step a reattach (or a restore) resumed at
-        self.snapshot_step: int | None = None  # the step the last snapshot taken (or restored) holds
-        self.snapshot_handle: SnapshotHandle | None = None
+        self.snapshot_handle: SnapshotHandle | None = None  # the last snapshot taken (or restored)
         self.closed = False
         self._backend: DeviceBackend | None = None
         self._fingerprint: ParamFingerprint | None = None
@@ -78,25 +78,31 @@ class RemoteSegment:
         self._location_logged = False
 
     def allocate(self, specs: Sequence[tuple[str, str, list[int]]], backend: DeviceBackend,
-                 model_tensors: Sequence[ModelTensor] = (), model_parts: Sequence[nn.Module] = ()
-                 ) -> dict[str, torch.Tensor]:
-        """Allocate, map, register for DMA, claim the header; the views by name."""
+                 params: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Allocate (with the model's tensors when snapshots hold them), map, register for DMA,
+        claim the header; the views by name. ``params``: the optimizer's, which the fingerprint
+        samples (a reattach's kept state is then to check against them)."""
         if self.mapping is not None:
             raise NotImplementedError(
                 "RemoteSwapOptimizersContainer allocates its segment once: every parameter "
                 "and param group must exist when the container is built"
             )
-        reply = self.session.allocate(specs)
+        model_tensors = []
+        if snapshots_model(self.config):
+            model_tensors = plan_model_tensors(self.model_parts, params, self.config.model_state_dict)
+        reply = self.session.allocate([*specs, *(t.spec() for t in model_tensors)])  # last: protocol step 5
         self._backend = backend
         self.mapping = SegmentMapping.open(reply.segment)
         self.mapping.register_for_dma(backend)
         self.views = self.mapping.tensor_views()
-        self.session.bind_header(self.mapping.trainer)
+        self.session.header = self.mapping.trainer
         self._claim(reply.reused)
         self.mapping.guard(self.config.backpressure_timeout_s, server_gone=self.session.server_gone)
         if model_tensors:
             self.model_area = ModelArea(model_tensors, self.views, self.mapping, self.mapping.trainer, backend,
-                                        model_parts=model_parts, state_dict_of=self.config.model_state_dict)
+                                        model_parts=self.model_parts, state_dict_of=self.config.model_state_dict)
+        self._fingerprint = ParamFingerprint(list(params))
+        self._verify_pending = self.resumed_step is not None
         return self.views
 
     def _claim(self, reused: bool) -> None:
@@ -135,11 +141,6 @@ class RemoteSegment:
         """Refuse to write into torn state: only a restore or a full load may."""
         if self.torn_step is not None:
             raise SwapStateError(self.torn_message())
-
-    def watch_params(self, params: Sequence[torch.Tensor]) -> None:
-        """The parameters the fingerprint samples; a reattach's kept state is now to check."""
-        self._fingerprint = ParamFingerprint(list(params))
-        self._verify_pending = self.resumed_step is not None
 
     def state_replaced(self) -> None:
         """A load or restore wrote the whole state: nothing to check; its parameters are unknown."""
@@ -202,7 +203,7 @@ class RemoteSegment:
             job, embedded_dir = self.config.job_id, self.embedded and self.embedded.snapshot_dir
             log.info("first snapshot %s goes to %s", reply.snapshot_id, os.path.join(embedded_dir, str(job))
                      if embedded_dir else f"the --snapshot-dir of server {self.config.server} (folder {job})")
-        self.snapshot_step, self.snapshot_handle = step, handle
+        self.snapshot_handle = handle
         return handle
 
     def _send_snapshot(self, step: int, metadata_parts: tuple[str, str, str]) -> Any:
@@ -245,7 +246,6 @@ class RemoteSegment:
         self.session.commit(reply.step)
         self.resumed_step = reply.step
         # A checkpoint of this step now refers to the restored snapshot.
-        self.snapshot_step = reply.step
         self.snapshot_handle = SnapshotHandle(reply.snapshot_id, reply.step, self.session.rank, self.client)
         resharded = reply.snapshot_world_size not in (0, self.session.world_size)
         log.info("restored %s (step %d) from the server's %s%s", reply.snapshot_id, reply.step,
@@ -323,7 +323,7 @@ class RemoteSegment:
     def _release_mapping(self) -> None:
         if self.mapping is None:
             return
-        self.session.bind_header(None)  # drop every reference to the views before unmapping
+        self.session.header = None  # drop every reference to the views before unmapping
         self.views = {}
         if self.model_area is not None:
             self.model_area.close()
@@ -334,3 +334,79 @@ class RemoteSegment:
         finally:
             self.mapping.close()  # unregisters it for DMA, then unmaps
             self.mapping = None
+
+# -- the parameters' fingerprint ------------------------------------------------------------------
+# Written with each step's commit: a reattach uses kept moments only when the parameters are
+# those of the kept step. A 64-bit digest of up to SAMPLES_PER_TENSOR evenly spaced elements of
+# every parameter's local data, bit for bit (every step changes essentially every element); the
+# stride is an integer, as a float32 ``linspace`` rounds its last index out of range above 2^24
+# elements.
+
+SAMPLES_PER_TENSOR = 64
+UNKNOWN = 0
+"""The header value for "parameters not known" (after a load or restore): never matches."""
+
+
+def sample_stride(numel: int, count: int = SAMPLES_PER_TENSOR) -> tuple[int, int]:
+    """``(samples, stride)`` of a tensor of ``numel`` elements: ``min(numel, count)`` samples
+    ``stride`` elements apart from element 0, all in range (Python ints: no bound on ``numel``)."""
+    count = min(numel, count)
+    return count, ((numel - 1) // (count - 1) if count > 1 else 1)
+
+
+def _samples(local: torch.Tensor) -> torch.Tensor | None:
+    """A strided view of ``local``'s samples (a copy only when ``local`` is not contiguous)."""
+    flat = local.detach().reshape(-1)
+    count, stride = sample_stride(flat.numel())
+    return flat.as_strided((count,), (stride,), flat.storage_offset()) if count else None
+
+
+class ParamFingerprint:
+    """Fingerprint of a fixed list of parameters (their order is part of it): made once,
+    ``compute()`` after each update (on its stream), before the commit.
+
+    The sample views are kept while the list of data pointers is unchanged: a kept view holds
+    its storage alive, so no other allocation can take its address; when a pointer differs,
+    the views of the parameters whose (pointer, dtype, size, device) changed are made again."""
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        self._params = list(params)
+        self._dtensors = [i for i, p in enumerate(self._params) if isinstance(p, DTensor)]
+        self._keys: list[tuple[int, torch.dtype, int, torch.device] | None] = [None] * len(self._params)
+        self._views: list[torch.Tensor | None] = [None] * len(self._params)
+        self._pointers: list[int] | None = None
+        self._groups: list[list[list[torch.Tensor]]] = []
+
+    def _current_groups(self) -> list[list[list[torch.Tensor]]]:
+        """Per device, per dtype (both by name): the sample views, in parameter order."""
+        locals_ = list(self._params)
+        for index in self._dtensors:  # a DTensor's local shard may be swapped by FSDP
+            locals_[index] = unwrap_dtensor(locals_[index])
+        pointers = [local.data_ptr() for local in locals_]
+        if pointers != self._pointers:
+            for index, local in enumerate(locals_):
+                key = (local.data_ptr(), local.dtype, local.numel(), local.device)
+                if key != self._keys[index]:
+                    self._keys[index], self._views[index] = key, _samples(local)
+            by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
+            for view in self._views:
+                if view is not None:
+                    by_device.setdefault(view.device, {}).setdefault(view.dtype, []).append(view)
+            self._groups = [
+                [dtypes[dtype] for dtype in sorted(dtypes, key=str)]
+                for _, dtypes in sorted(by_device.items(), key=lambda item: str(item[0]))
+            ]
+            self._pointers = pointers
+        return self._groups
+
+    def compute(self) -> int:
+        """The digest (never :data:`UNKNOWN`) of the parameters as they are now."""
+        digest = hashlib.blake2b(digest_size=8)
+        # Raw bytes: bit-exact whatever the dtype, bfloat16 included.
+        for dtypes in self._current_groups():
+            gathered = [torch.cat(views).view(torch.uint8) for views in dtypes]
+            joined = gathered[0] if len(gathered) == 1 else torch.cat(gathered)
+            host = joined.cpu()  # the one copy to the host (and wait) per device
+            digest.update(host.numpy().tobytes())
+        value = int.from_bytes(digest.digest(), "little")
+        return value or 1

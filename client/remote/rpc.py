@@ -4,7 +4,7 @@ Call order::
 
     client = SwapStateClient(ClientConfig(address, token=...))
     session = client.attach(job_id, rank, world_size)   # starts the keep-alive stream
-    session.allocate(specs); session.bind_header(mapping.trainer)   # commits need no RPC
+    session.allocate(specs); session.header = mapping.trainer   # commits need no RPC
     session.commit(step)                                 # per step (header words)
     session.snapshot(step, ...)                          # optional, between steps
     session.close(keep=False); client.close()
@@ -31,7 +31,8 @@ from swap_state.common.caller_proof import CallerProof
 from swap_state.common.errors import SERVER_STOPPING_NOTICE, ConfigError
 from swap_state.common.retry import wait_until
 from swap_state.client.errors import (
-    ServerUnavailableError, SessionLostError, StaleGenerationError, SwapStateError, error_for, reason_of)
+    ServerUnavailableError, SessionLostError, SnapshotFailedError, StaleGenerationError, SwapStateError,
+    error_for, reason_of)
 from swap_state.common.segment import Word, tensor_nbytes
 from swap_state.common.trainer_header import TrainerHeader
 from swap_state.proto import swap_state_pb2 as pb
@@ -39,7 +40,7 @@ from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
 __all__ = [
     "ClientConfig", "SwapStateError", "ServerUnavailableError", "SessionLostError", "SwapStateClient",
-    "RemoteSession", "normalize_target", "start_hint", "tls_files"]
+    "RemoteSession", "SnapshotHandle", "normalize_target", "start_hint", "tls_files"]
 
 log = logging.getLogger("swap_state.client.rpc")  # the name users configure
 
@@ -255,6 +256,48 @@ class SwapStateClient:
             self._proof.remove()
 
 
+@dataclasses.dataclass
+class SnapshotHandle:
+    """A snapshot in progress (``c.snapshot()`` returns once it is consistent): wait until it is
+    durable, or in the store."""
+
+    snapshot_id: str
+    step: int
+    rank: int
+    client: SwapStateClient
+
+    def status(self, wait_s: float = 0.0, wait_stored: bool = False):
+        return self.client.snapshot_status(self.snapshot_id, self.rank, wait_s, wait_stored)
+
+    def wait_durable(self, timeout_s: float = 600.0):
+        """The status once durable (or stored); SnapshotFailedError if it failed, TimeoutError."""
+        return self._wait(timeout_s, stored=False)
+
+    def wait_stored(self, timeout_s: float = 600.0):
+        """The status once this rank's files are in the ``--snapshot-store``; SwapStateError
+        when the upload failed or there is no store; TimeoutError."""
+        return self._wait(timeout_s, stored=True)
+
+    def _wait(self, timeout_s: float, stored: bool):
+        deadline = time.monotonic() + timeout_s
+        goal = ("stored",) if stored else ("durable", "stored")
+        while True:
+            remaining = deadline - time.monotonic()
+            reply = self.status(wait_s=max(0.0, min(remaining, 5.0)), wait_stored=stored)
+            if reply.state in goal:
+                return reply
+            if reply.state == "failed":
+                raise SnapshotFailedError(f"snapshot {self.snapshot_id} failed: {reply.error}")
+            if stored and reply.state == "durable" and reply.store_state in ("", "failed"):
+                why = reply.store_error or "the server has no --snapshot-store"
+                raise SwapStateError(f"snapshot {self.snapshot_id} is durable but not stored: {why}")
+            if remaining <= 0:
+                what = "stored" if stored else "durable"
+                done = reply.bytes_stored if stored else reply.bytes_persisted
+                raise TimeoutError(f"snapshot {self.snapshot_id} not {what} after {timeout_s}s "
+                                   f"({done}/{reply.bytes_total} bytes)")
+
+
 #: What a trainer whose KeepAlive stream failed should do next, by the stream's status code.
 _LOST_NEXT = {
     grpc.StatusCode.NOT_FOUND: "restart the trainer and restore a snapshot (--resume latest in "
@@ -284,7 +327,8 @@ class RemoteSession:
         self._connected.set()  # attached just now
         self._disconnected_at = 0.0
         self.reconnects = 0  # times the keep-alive came back after the server was unreachable
-        self._header: TrainerHeader | None = None
+        self.header: TrainerHeader | None = None
+        """The mapped segment's header, committed through (no RPC per step); None before unmapping."""
         self._closing = threading.Event()
         self._stream = None
         self._thread = threading.Thread(target=self._keepalive_loop, name=f"swap-state-keepalive-{rank}",
@@ -407,15 +451,11 @@ class RemoteSession:
         self.segment = reply.segment
         return reply
 
-    def bind_header(self, header: TrainerHeader | None) -> None:
-        """Commit through the mapped segment's ``header`` (no RPC per step); None before unmapping."""
-        self._header = header
-
     def commit(self, step: int) -> int:
         """Commit ``step`` (its writes are complete): header words when bound, else an RPC;
         refused when another trainer took the segment over."""
         self.check_alive()
-        header = self._header
+        header = self.header
         if header is None:
             request = pb.CommitStepRequest(session_id=self.session_id, generation=self.generation, step=step)
             self.last_committed_step = self._call("CommitStep", request).committed_step

@@ -3,7 +3,7 @@
 
 ``Config(...).build(model_parts=...)`` returns the container of ``swap_optimizer_backend``. Adam
 and AdamW param groups are swapped (a group's ``decoupled_weight_decay`` decides its update);
-groups of other optimizers (``DistMuon``) are left to torchtitan's own (:mod:`.unswapped`).
+groups of other optimizers (``DistMuon``) are left to torchtitan's own (``UnswappedOptimizers``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torchtitan.components.optimizer.utils import (
     get_flat_optim_state_dict, init_optim_state, load_flat_optim_state_dict,
 )
 
-from swap_state.client.optim.unswapped import UnswappedOptimizers
+from swap_state.client.optim.container import UnswappedOptimizers
 from swap_state.client.torchtitan.settings import (
     SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, embedded_snapshot_dir,
 )

@@ -22,6 +22,7 @@ from torchtitan.config import Checkpoint as CheckpointConfig
 
 import swap_state.client.torchtitan.config  # noqa: F401  (installs the CheckpointManager hooks)
 from swap_state.client.optim.checkpoint_template import SnapshotCheckpointError, match_template
+from swap_state.client.remote.config import snapshot_retention
 from swap_state.client.remote.container import SNAPSHOT_REF_KEY
 from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
 from swap_state.client.optim.container import SwapOptimizersContainer
@@ -194,7 +195,7 @@ def test_keep_latest_k_zero_keeps_every_snapshot(start_server, gloo_one_rank, tm
     container = remote(W, model, server.address, "keep-all", checkpoint="snapshot")
     state = TrainState()
     manager = _manager(tmp_path, model, container, state, keep_latest_k=0)
-    assert container.snapshot_retention() == {"keep_all": True, "replace_existing": True}
+    assert snapshot_retention(container.remote_config) == {"keep_all": True, "replace_existing": True}
     for step in range(1, 5):
         train(model, container, W, range(step, step + 1))
         state.step = step

@@ -19,9 +19,9 @@ import torch
 from fake_async_device import AsyncFakeBackend, FakeEvent, FakeStream
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from swap_state.client import host_bounce
-from swap_state.client.device import PAGE_SIZE
-from swap_state.client.host_bounce import (
+from swap_state.client import device, host_register
+from swap_state.client.host_register import (
+    PAGE_SIZE,
     BounceRing,
     CopyProbe,
     ProbeConfig,
@@ -125,7 +125,7 @@ def region() -> Iterator[tuple[mmap.mmap, int]]:
 
 @pytest.fixture
 def one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(host_bounce, "_WARNED_SYNCHRONOUS", False)
+    monkeypatch.setattr(host_register, "_WARNED_SYNCHRONOUS", False)
 
 
 @pytest.mark.parametrize("synchronizing", [False, True])
@@ -146,17 +146,17 @@ def test_synchronous_registration_bounces_with_one_warning(
     backend = SyncingBackend(synchronizing=True)
     second = mmap.mmap(-1, PAGE_SIZE)
     second_ptr = torch.frombuffer(second, dtype=torch.uint8).data_ptr()
-    with caplog.at_level(logging.WARNING, logger=host_bounce.__name__):
+    with caplog.at_level(logging.WARNING, logger="swap_state.client.host_bounce"):
         backend.register_host_memory(region[1], 4 * PAGE_SIZE)
         backend.register_host_memory(second_ptr, PAGE_SIZE)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "bounce buffers" in warnings[0].getMessage()
     assert "torch" in warnings[0].getMessage()  # the versions (CANN / torch_npu on Ascend)
     host = torch.frombuffer(region[0], dtype=torch.uint8)
-    assert backend.bounced.covers(host[100:]) and backend.bounced.covers(torch.frombuffer(second, dtype=torch.uint8))
-    assert not backend.bounced.covers(torch.zeros(4))
+    assert backend.bounces(host[100:]) and backend.bounces(torch.frombuffer(second, dtype=torch.uint8))
+    assert not backend.bounces(torch.zeros(4))
     backend.unregister_host_memory(region[1])
-    assert not backend.bounced.covers(host)
+    assert not backend.bounces(host)
     backend.unregister_host_memory(second_ptr)
     del host
 
@@ -166,13 +166,13 @@ def test_asynchronous_registration_copies_directly(region: Any, caplog: pytest.L
     backend = SyncingBackend(synchronizing=False)
     with caplog.at_level(logging.WARNING):
         backend.register_host_memory(region[1], 4 * PAGE_SIZE)
-    assert not caplog.records and not backend.bounced.covers(torch.frombuffer(region[0], dtype=torch.uint8))
+    assert not caplog.records and not backend.bounces(torch.frombuffer(region[0], dtype=torch.uint8))
     backend.unregister_host_memory(region[1])
 
 
 @pytest.mark.usefixtures("one_warning")
 def test_backend_copies_go_through_the_ring_both_ways(region: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(host_bounce, "BOUNCE_SLOT_BYTES", 1000)
+    monkeypatch.setattr(device, "BOUNCE_SLOT_BYTES", 1000)
     backend = SyncingBackend(synchronizing=True)
     backend.register_host_memory(region[1], 4 * PAGE_SIZE)
     host = torch.frombuffer(region[0], dtype=torch.uint8)
@@ -182,7 +182,7 @@ def test_backend_copies_go_through_the_ring_both_ways(region: Any, monkeypatch: 
     with backend.use_stream(side):
         on_device = torch.empty_like(moment)
         backend.copy_to_device(on_device, moment)
-        ring = backend.bounced.ring()
+        ring = backend.bounce_ring()
         assert ring.pieces == 5  # 4096 bytes in 1000-byte slots
         plain = torch.empty(3)
         backend.copy_to_device(plain, torch.ones(3))  # not registered: a direct copy
@@ -276,4 +276,4 @@ def test_alloc_host_bytes_falls_back_to_the_pinned_allocator_where_bouncing(one_
     buffer = backend.alloc_host_bytes(3 * PAGE_SIZE, [(0, 3 * PAGE_SIZE)])
     # The registered mapping was refused (copies from it would bounce) and released.
     assert buffer.numel() == 3 * PAGE_SIZE and backend.registered_ranges() == []
-    assert not backend.bounced.covers(buffer)
+    assert not backend.bounces(buffer)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swap_state.client.remote.fingerprint import SAMPLES_PER_TENSOR, UNKNOWN, ParamFingerprint, sample_stride
+from swap_state.client.remote.remote_segment import SAMPLES_PER_TENSOR, UNKNOWN, ParamFingerprint, sample_stride
 
 
 def sample_indices(numel: int) -> list[int]:

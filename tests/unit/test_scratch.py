@@ -1,4 +1,4 @@
-"""Scratch folders of killed processes are swept by the next one (client/scratch.py)."""
+"""Scratch folders of killed processes are swept by the next one (client/remote/embedded.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from swap_state.client.scratch import OWNER_FILE, make_scratch_dir, sweep_stale
+from swap_state.client.remote.embedded import OWNER_FILE, make_scratch_dir, sweep_stale
 
 
 def test_a_dead_owners_folder_is_swept_and_a_live_ones_kept(tmp_path):
