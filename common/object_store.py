@@ -86,6 +86,11 @@ class ObjectStore(abc.ABC):
             raise FileNotFoundError(f"{self.describe(key)} does not exist")
         return self.get_range(key, 0, size)
 
+    def local_path(self, key: str) -> pathlib.Path | None:
+        """Where the object is on this host's filesystem (a reader may map it); None: only
+        :meth:`get_range` reads it."""
+        return None
+
     def describe(self, key: str) -> str:
         """The object's full name for messages: the store's URI joined with the key."""
         return self.uri.rstrip("/") + "/" + key
@@ -140,6 +145,9 @@ class PosixObjectStore(ObjectStore):
 
     def get_range(self, key: str, offset: int, nbytes: int) -> bytes:
         return read_range(self._path(key), offset, nbytes)
+
+    def local_path(self, key: str) -> pathlib.Path:
+        return self._path(key)
 
     def size(self, key: str) -> int | None:
         try:

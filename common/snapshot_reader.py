@@ -25,7 +25,7 @@ import os
 import pathlib
 from collections.abc import Iterator, Sequence
 
-from .checksum import crc32, crc32_combine
+from .checksum import crc32
 from .dtypes import DTYPE_ITEMSIZE
 from .names import is_job_id, parse_snapshot_id, parse_step_dir_name, snapshot_id_for, validate_job_id
 from .object_store import read_range
@@ -41,7 +41,7 @@ from .snapshot_format import (
     rank_manifest_name,
 )
 
-__all__ = ["SnapshotInfo", "SnapshotReader", "SnapshotTier", "RankFileVerifier", "reading_file"]
+__all__ = ["SnapshotInfo", "SnapshotReader", "SnapshotTier", "reading_file"]
 
 _ELSEWHERE = ("was it taken by another server (another host, or an embedded server with its own snapshot "
               "directory) or with another --snapshot-dir? Point the server (or swap-state export "
@@ -160,10 +160,24 @@ class SnapshotTier(abc.ABC):
         return None if info.index.layout is None else self._read_listed(info, info.index.layout)
 
     def check_data_header(self, info: SnapshotInfo, manifest: RankManifest) -> None:
-        """The data file's size and safetensors header, against the manifest."""
-        verifier = RankFileVerifier(info, manifest)
-        verifier.check_size(self._size(info, manifest.data_file))
-        verifier.check_header(self._read_range(info, manifest.data_file, 0, len(verifier.header)))
+        """The data file's size and safetensors header, against the manifest and the index; the
+        sizes the manifest implies are checked before a byte is read."""
+        path, record, header = info.path / manifest.data_file, info.file(manifest.data_file), manifest.header_bytes()
+        position = 0
+        for tensor in manifest.tensors:
+            nbytes = math.prod(tensor.shape) * DTYPE_ITEMSIZE[tensor.dtype]
+            if tensor.nbytes != nbytes or tensor.data_offsets != (position, position + nbytes):
+                raise SnapshotCorrupt(f"{path}: manifest entry of {tensor.name!r} is inconsistent")
+            position += tensor.nbytes
+        expected = len(header) + position
+        if manifest.data_start != len(header) or manifest.data_file_bytes != expected:
+            raise SnapshotCorrupt(f"{path}: manifest sizes do not match its tensors")
+        size = self._size(info, manifest.data_file)
+        if size != expected or size != record.bytes:
+            raise SnapshotCorrupt(f"{path} is {size} bytes; its manifest implies {expected} and "
+                                  f"{INDEX_NAME} says {record.bytes}")
+        if self._read_range(info, manifest.data_file, 0, len(header)) != header:
+            raise SnapshotCorrupt(f"{path}: safetensors header does not match its manifest")
 
     def read_tensor(self, info: SnapshotInfo, manifest: RankManifest, tensor: TensorRecord) -> bytes:
         """One tensor's bytes, checked against its crc32 (SnapshotCorrupt names file and tensor)."""
@@ -171,6 +185,11 @@ class SnapshotTier(abc.ABC):
         if len(data) != tensor.nbytes or crc32(data) != tensor.crc32:
             raise SnapshotCorrupt(f"{info.path / manifest.data_file}: tensor {tensor.name!r} fails its checksum")
         return data
+
+    def local_file(self, info: SnapshotInfo, name: str) -> pathlib.Path | None:
+        """Where the snapshot's file ``name`` is on this host's filesystem, for a tier that has
+        one (restore maps it); None: read through :meth:`_read_range` only."""
+        return None
 
     def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
         """A file the index lists, its size checked before it is read (a bad one may be huge),
@@ -279,86 +298,8 @@ class SnapshotReader(SnapshotTier):
         with reading_file(info.path / name):
             return read_range(info.path / name, offset, nbytes)
 
-
-class RankFileVerifier:
-    """Checks a rank's data file as its bytes arrive, in file order: the safetensors header
-    (recomputed from the manifest, byte for byte), every tensor's crc32, then the file's crc32
-    in ``snapshot.json``. SnapshotCorrupt names the file and the tensor.
-
-    The one checksum check: the server's restore feeds it from its staged mapping. Call order::
-
-        verifier = RankFileVerifier(info, manifest)   # sizes checked, nothing read yet
-        verifier.check_size(os.fstat(fd).st_size)
-        verifier.check_header(first len(verifier.header) bytes)
-        verifier.feed(data) ...                        # the rest, in order, any pieces
-        verifier.finish()                              # every tensor seen, file crc32
-    """
-
-    def __init__(self, info: SnapshotInfo, manifest: RankManifest):
-        """Checks what the manifest implies before a byte of the data is read: the file listed
-        in ``snapshot.json``, sizes from dtypes and shapes, no gaps."""
-        self.path = info.path / manifest.data_file
-        self._record = info.file(manifest.data_file)
-        self.header = manifest.header_bytes()
-        position = 0
-        for tensor in manifest.tensors:
-            nbytes = math.prod(tensor.shape) * DTYPE_ITEMSIZE[tensor.dtype]
-            if tensor.nbytes != nbytes or tensor.data_offsets != (position, position + nbytes):
-                raise SnapshotCorrupt(f"{self.path}: manifest entry of {tensor.name!r} is inconsistent")
-            position += tensor.nbytes
-        self.expected_size = len(self.header) + position
-        if manifest.data_start != len(self.header) or manifest.data_file_bytes != self.expected_size:
-            raise SnapshotCorrupt(f"{self.path}: manifest sizes do not match its tensors")
-        self._tensors = manifest.tensors
-        self._index = 0  # the tensor the next byte belongs to
-        self._left = self._tensors[0].nbytes if self._tensors else 0
-        self._value = 0  # crc32 of the current tensor so far
-        self._file_crc = 0
-
-    def check_size(self, size: int) -> None:
-        if size != self.expected_size or size != self._record.bytes:
-            raise SnapshotCorrupt(
-                f"{self.path} is {size} bytes; its manifest implies {self.expected_size} "
-                f"and {INDEX_NAME} says {self._record.bytes}"
-            )
-
-    def check_header(self, data) -> None:
-        if data != self.header:
-            raise SnapshotCorrupt(f"{self.path}: safetensors header does not match its manifest")
-        self._file_crc = crc32(self.header)
-        self._skip_empty()
-
-    def feed(self, data) -> None:
-        """The next bytes after the header (a bytes-like object), in file order."""
-        view = memoryview(data)
-        while len(view):
-            if self._index >= len(self._tensors):
-                raise SnapshotCorrupt(f"{self.path} has bytes past its last tensor")
-            take = min(self._left, len(view))
-            self._value = crc32(view[:take], self._value)
-            view = view[take:]
-            self._left -= take
-            self._skip_empty()
-
-    def _skip_empty(self) -> None:
-        """Close every tensor that has all its bytes (empty ones at once)."""
-        while self._index < len(self._tensors) and self._left == 0:
-            tensor = self._tensors[self._index]
-            if self._value != tensor.crc32:
-                raise SnapshotCorrupt(
-                    f"{self.path}: tensor {tensor.name!r} fails its checksum "
-                    f"(crc32 {self._value:08x}, manifest says {tensor.crc32:08x})"
-                )
-            self._file_crc = crc32_combine(self._file_crc, self._value, tensor.nbytes)
-            self._index += 1
-            self._value = 0
-            self._left = self._tensors[self._index].nbytes if self._index < len(self._tensors) else 0
-
-    def finish(self) -> None:
-        if self._index < len(self._tensors):
-            raise SnapshotCorrupt(f"{self.path} ends inside tensor {self._tensors[self._index].name!r}")
-        if self._file_crc != self._record.crc32:
-            raise SnapshotCorrupt(f"{self.path} does not match its checksum in {INDEX_NAME}")
+    def local_file(self, info: SnapshotInfo, name: str) -> pathlib.Path:
+        return info.path / name
 
 
 def _rank_ranges(ranks: Sequence[int]) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import pathlib
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -263,6 +264,9 @@ class StoredSnapshots(SnapshotTier):
         key = self.key(info.job_id, info.step, name)
         with self._reading(key):
             return self.store.get_range(key, offset, nbytes)
+
+    def local_file(self, info: SnapshotInfo, name: str) -> pathlib.Path | None:
+        return self.store.local_path(self.key(info.job_id, info.step, name))
 
 
 def _markers_by_rank(objects: Iterable[ObjectInfo]) -> dict[int, ObjectInfo]:

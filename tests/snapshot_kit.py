@@ -29,10 +29,11 @@ import torch
 import torch.nn as nn
 from integration.workload import Workload, kwargs, train
 
+from swap_state.common.checksum import crc32
 from swap_state.common.copy_before_write import TrainerProtector
 from swap_state.common.segment import PAGE_BYTES, SegmentHeader, Word, chunk_table, plan_segment
 from swap_state.common.server_header import ServerHeader
-from swap_state.common.snapshot_reader import RankFileVerifier, SnapshotInfo, SnapshotReader
+from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
 from swap_state.server.snapshot.coordinator import SnapshotSource
 
 __all__ = [
@@ -311,14 +312,13 @@ def rank_manifest(status_path: str, rank: int = 0) -> dict:
 
 
 def verify_rank_file(reader: SnapshotReader, info: SnapshotInfo, rank: int = 0) -> None:
-    """Read a rank's data file of a complete snapshot once through RankFileVerifier: its
-    header, every tensor's crc32 and the file's."""
-    verifier = RankFileVerifier(info, reader.read_manifest(info, rank))
-    data = verifier.path.read_bytes()
-    verifier.check_size(len(data))
-    verifier.check_header(data[: len(verifier.header)])
-    verifier.feed(data[len(verifier.header) :])
-    verifier.finish()
+    """A rank's data file of a complete snapshot, checked as restore reads it (size, header,
+    every tensor's crc32), and its whole crc32 as ``snapshot.json`` records it."""
+    manifest = reader.read_manifest(info, rank)
+    reader.check_data_header(info, manifest)
+    for tensor in manifest.tensors:
+        reader.read_tensor(info, manifest, tensor)
+    assert crc32((info.path / manifest.data_file).read_bytes()) == info.file(manifest.data_file).crc32
 
 
 def flip_byte_of_tensor(path: pathlib.Path, tensor: str, at: int = 5) -> None:

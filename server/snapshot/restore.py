@@ -1,25 +1,25 @@
 """Restore: a durable snapshot into a session's segment, built from the snapshot's rank files,
 locally or from the store, at the snapshot's layout or another. One path: pick the tier, plan,
-stage, verify, then copy. Call order (the servicer, for Restore)::
+stage and verify (:mod:`.staging`), then copy. Call order (the servicer, for Restore)::
 
     result = restore(coordinator.directory, snapshot_id, segment_mmap, layout, job_id=...,
                      rank=..., world_size=..., reserve_staging=..., stored=..., placement_json=...)
 
 returns the snapshot's step and the trainer's metadata once the tensors are written. It picks
-the tier (:func:`~.tiers.resolve_source`) and checks the segment; :func:`assemble` plans, reads
+the tier (:func:`~.tiers.resolve_source`) and checks the segment; :func:`assemble` plans, stages
 and verifies. Any mismatch raises (SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt,
 naming the file and tensor) before the segment changes.
 
-The plan: at the snapshot's world size and layout, the rank's own file, whole (one manifest
-read; a local file staged whole, :mod:`.sources`). Otherwise each new rank's shards are cut from
-the old ranks' shards, planned from the step's ``layout.json`` (:mod:`.layout_index`; from
-every manifest for a snapshot without one), read once for the ranks of this server restoring it
+The plan: at the snapshot's world size and layout, the trivial one: the rank's own file, each
+tensor a piece of itself (one manifest read). Otherwise each new rank's shards are cut from the
+old ranks' shards, planned from the step's ``layout.json`` (:mod:`.layout_index`; from every
+manifest for a snapshot without one), read once for the ranks of this server restoring it
 together (:data:`RECENT`); the targets' placement is the trainer's (RestoreRequest.metadata_json).
 
 Everything read is verified (manifests against the index, data headers, every source tensor's
-crc32) before a byte of the segment changes. The bytes are staged within ``reserve_staging``
-(the arena's budget); when it cannot hold them, the sources are verified in a first pass and
-read again into the segment, each checked again (a change in between: "restore again").
+crc32) before a byte of the segment changes. The source tensors are staged within
+``reserve_staging`` (the arena's budget); when it cannot hold them, each is verified in a first
+pass and staged again alone for its copy, checked again (a change in between: "restore again").
 """
 
 from __future__ import annotations
@@ -31,21 +31,21 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ContextManager
 
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
 from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
-from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, RankManifest
+from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, RankManifest, TensorRecord
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, SnapshotMetadata, parse_metadata
-from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader, SnapshotTier
+from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot import sources
 from swap_state.server.snapshot.directory import SnapshotDirectory
 from swap_state.server.snapshot.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.reshard import Piece, Run, TargetTensor, ranks_needed
+from swap_state.server.snapshot.staging import staged_tensors
 from swap_state.server.snapshot.tiers import resolve_source
 
 __all__ = ["RECENT", "RestoreResult", "assemble", "check_layout", "check_world_size", "restore"]
@@ -64,8 +64,6 @@ class RestoreResult:
     bytes_restored: int
     staged: bool = True
     """Read once and staged (else verified, then read again: the budget could not hold it)."""
-    pinned: bool = True
-    """The staged bytes could not change before the copy (else each copy was checked again)."""
     source: str = "local"
     """Where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)."""
     snapshot_world_size: int = 0
@@ -168,11 +166,10 @@ def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: S
         if _same_layout(own, layout, placement):
             # The trivial plan: the rank's own file, whole (each tensor a piece of itself).
             plan = {t.name: [Piece(rank, t, (Run(0, 0, t.nbytes),))] if t.nbytes else [] for t in own.tensors}
-            staged, pinned = _read_pieces(tier, info, {rank: own}, plan, view, layout, rank, reserve_staging,
-                                          staging_free_bytes, own if isinstance(tier, SnapshotReader) else None)
+            staged = _read_pieces(tier, info, {rank: own}, plan, view, layout, rank, reserve_staging,
+                                  staging_free_bytes)
             return RestoreResult(info.snapshot_id, info.step, own.metadata_json,
-                                 sum(t.nbytes for t in own.tensors), staged, pinned, tier.where,
-                                 info.world_size, (rank,))
+                                 sum(t.nbytes for t in own.tensors), staged, tier.where, info.world_size, (rank,))
         if placement is None or not placement.tensors:
             check_layout(info, own, layout)  # raises, naming the first difference
     read = RECENT.read(tier, info)
@@ -193,48 +190,50 @@ def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: S
     base = min(needed or info.ranks)
     manifests = {r: read.manifest(r) for r in sorted({*needed, base})}
     plan = bind(plan, {r: m.tensors for r, m in manifests.items()})
-    staged, _ = _read_pieces(tier, info, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
+    staged = _read_pieces(tier, info, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes)
     others = [manifests[r].metadata_json for r in needed if r != base]
     nbytes = sum(t.nbytes for t in layout.tensors if t.name in plan)
     metadata = _restored_metadata(manifests[base].metadata_json, others, placement)
-    return RestoreResult(info.snapshot_id, info.step, metadata, nbytes, staged, False, tier.where,
-                         info.world_size, tuple(needed), read.planned_from)
+    return RestoreResult(info.snapshot_id, info.step, metadata, nbytes, staged, tier.where, info.world_size,
+                         tuple(needed), read.planned_from)
 
 
 def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int, RankManifest],
                  plan: Mapping[str, list[Piece]], view: memoryview, layout: SegmentLayout, rank: int,
-                 reserve_staging, staging_free_bytes, whole: RankManifest | None = None) -> tuple[bool, bool]:
-    """Every piece of ``plan`` read, verified, then copied into ``view``: (staged, pinned).
-    ``whole``: a local rank file the plan takes whole, staged as one file when the budget holds it."""
+                 reserve_staging, staging_free_bytes) -> bool:
+    """Every piece of ``plan`` staged and verified, then copied into ``view``; whether the
+    budget held every source tensor at once (else each was verified, then staged again alone)."""
     by_name = {t.name: t for t in layout.tensors}
-    items = [(name, piece) for name, pieces in plan.items() for piece in pieces]
-    # Staged: every piece's whole source tensor (its checksum covers it whole).
-    nbytes = sum(piece.source.nbytes for _, piece in items)
-    read = [whole] if whole is not None else [manifests[r] for r in ranks_needed(plan)]
+    # Staged: every piece's whole source tensor (its checksum covers it whole), in file order.
+    sources: dict[int, dict[str, TensorRecord]] = {}
+    for pieces in plan.values():
+        for piece in pieces:
+            sources.setdefault(piece.source_rank, {})[piece.source.name] = piece.source
+    wanted = {r: (manifests[r], sorted(ts.values(), key=lambda t: t.data_offsets[0])) for r, ts in sorted(sources.items())}
+    nbytes = sum(t.nbytes for _, tensors in wanted.values() for t in tensors)
     reserved = reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
     with reserved as granted:
-        if granted and whole is not None:
-            return True, sources.copy_whole_file(info, whole, view, layout)  # checks the header itself
-        for manifest in read:
-            tier.check_data_header(info, manifest)
         if granted:
-            # Held as read, then (all verified) copied. Not copied into a staging area first:
-            # that was 0.53 GB/s against 0.85 GB/s this way (docs/benchmarks.md).
-            read_all = [(name, piece, _read_piece(tier, info, manifests, piece)) for name, piece in items]
-            _copy_pieces(view, by_name, read_all)
-            return True, False
+            with staged_tensors(tier, info, wanted) as addresses:  # verified: only now the segment changes
+                _copy_pieces(view, by_name, plan, addresses)
+            return True
     log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id, rank=rank,
               staged_bytes_needed=nbytes, budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
               detail="the budget's free bytes cannot hold the staged state: verifying the sources, then "
               "reading them again into the segment")
-    # One source tensor held at a time: verify everything first, then read each again and copy it.
-    for _name, piece in items:
-        _read_piece(tier, info, manifests, piece)
-    for name, piece in items:
-        data = _read_piece(tier, info, manifests, piece, again=True)
-        _copy_pieces(view, by_name, [(name, piece, data)])
-        del data  # before the next read
-    return False, False
+    # One source tensor staged at a time: every one verified first, then each again and copied.
+    alone = [{r: (manifest, [tensor])} for r, (manifest, tensors) in wanted.items() for tensor in tensors]
+    for one in alone:
+        with staged_tensors(tier, info, one):
+            pass
+    for one in alone:
+        try:
+            with staged_tensors(tier, info, one) as addresses:
+                _copy_pieces(view, by_name, plan, addresses)
+        except SnapshotCorrupt as exc:
+            raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "
+                                  "partially overwritten: restore again") from None
+    return False
 
 
 class ReadSnapshot:
@@ -322,27 +321,17 @@ class RecentSnapshots:
 RECENT = RecentSnapshots()
 
 
-def _read_piece(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int, RankManifest], piece: Piece,
-                again: bool = False) -> bytes:
-    """The piece's whole source tensor, verified (``again``: read a second time, the segment
-    already changing)."""
-    try:
-        data = tier.read_tensor(info, manifests[piece.source_rank], piece.source)
-    except SnapshotCorrupt as exc:
-        if again:
-            raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "
-                                  "partially overwritten: restore again") from None
-        raise
-    return data if type(data) is bytes else bytes(data)
-
-
-def _copy_pieces(view: memoryview, by_name: Mapping, pieces: Iterable[tuple[str, Piece, bytes]]) -> None:
-    """Each piece's runs into its target tensor in ``view``, with the GIL released."""
+def _copy_pieces(view: memoryview, by_name: Mapping, plan: Mapping[str, list[Piece]],
+                 addresses: Mapping[tuple[int, str], int]) -> None:
+    """The runs of each piece whose source tensor is staged (at ``addresses``) into its target
+    tensor in ``view``, with the GIL released."""
     base = _posix.buffer_address(view)
-    for name, piece, data in pieces:
-        at, address = base + by_name[name].offset, _posix.bytes_address(data)
-        for run in piece.runs:
-            _posix.memmove(at + run.target_offset, address + run.source_offset, run.nbytes)
+    for name, pieces in plan.items():
+        at = base + by_name[name].offset
+        for piece in pieces:
+            source = addresses.get((piece.source_rank, piece.source.name))
+            for run in piece.runs if source is not None else ():
+                _posix.memmove(at + run.target_offset, source + run.source_offset, run.nbytes)
 
 
 def _restored_metadata(saved: str, others: Sequence[str], placement: SnapshotMetadata | None) -> str:

@@ -1,5 +1,6 @@
-"""Restore reads each chunk once: staged (mapped, pinned), verified, and copied only once
-every checksum passed; bounded by the budget, else today's verify-then-copy, logged."""
+"""Restore stages every source tensor once (a file on this host mapped and pinned, else read into
+memory), verifies it, and copies only once every checksum passed; bounded by the budget, else
+verify-then-copy, logged."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from snapshot_kit import flip_byte, metadata_for
 
 from swap_state.common.snapshot_errors import SnapshotCorrupt
 from swap_state.common.snapshot_format import rank_data_name
-from swap_state.server.snapshot import sources as sources_module
+from swap_state.common.snapshot_reader import SnapshotReader, SnapshotTier
+from swap_state.server.snapshot import restore as restore_module
+from swap_state.server.snapshot import staging as staging_module
 from swap_state.server.snapshot.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
 
@@ -28,7 +31,7 @@ SPECS = [
 
 @pytest.fixture
 def snapshot(make_segment, make_coordinator, monkeypatch):
-    monkeypatch.setattr(sources_module, "STAGE_REGION_BYTES", 8192)  # many regions, small file
+    monkeypatch.setattr(staging_module, "STAGE_REGION_BYTES", 8192)  # many regions, small file
     seg = make_segment("source", specs=SPECS)
     contents = seg.fill(21)
     coordinator = make_coordinator()
@@ -47,26 +50,51 @@ def _restore(store, seg, **kwargs):
     return restore(store, "job/latest", seg.mm, seg.layout, header=seg.header, rank=0, world_size=1, **kwargs)
 
 
-def test_staged_restore_reads_once_and_never_verifies_twice(snapshot, make_segment, monkeypatch):
-    store, _, contents = snapshot
+def _no_reads_into_memory(monkeypatch):
+    def refused(*args):
+        raise AssertionError("a tensor was read into memory")
 
-    opened = []
-    real_open = sources_module.os.open
+    monkeypatch.setattr(SnapshotTier, "read_tensor", refused)
+
+
+def test_a_file_on_this_host_is_mapped_once_never_read_into_memory(snapshot, make_segment, monkeypatch):
+    store, _, contents = snapshot
+    _no_reads_into_memory(monkeypatch)
+    mapped = []
+    real_open = staging_module.os.open
 
     def counting_open(path, flags, *args, **kwargs):
-        opened.append(str(path))
         if str(path).endswith(rank_data_name(0)):
-            assert not flags & sources_module.os.O_DIRECT  # through the page cache, mapped
+            assert not flags & staging_module.os.O_DIRECT  # through the page cache, mapped
+            mapped.append(path)
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(sources_module.os, "open", counting_open)
+    monkeypatch.setattr(staging_module.os, "open", counting_open)
     seg, _ = _target(make_segment)
     result = _restore(store, seg)
     assert result.staged and result.step == 3
     assert seg.tensors() == contents
-    assert [p for p in opened if p.endswith(rank_data_name(0))] and len(
-        [p for p in opened if p.endswith(rank_data_name(0))]
-    ) == 1
+    assert len(mapped) == 2  # the header's read, then the one mapping
+
+
+class _NotLocal(SnapshotReader):
+    """A tier with no files on this host (as an object store): read through ``_read_range``."""
+
+    def local_file(self, info, name):
+        return None
+
+
+@pytest.mark.parametrize("corrupt", [None, "a.exp_avg"])
+def test_a_tier_without_local_files_is_read_into_memory(snapshot, make_segment, corrupt):
+    store, info, contents = snapshot
+    seg, before = _target(make_segment)
+    if corrupt:
+        flip_byte(info.path / rank_data_name(0), _tensor_data_offset(info, corrupt))
+        with pytest.raises(SnapshotCorrupt, match=f"{rank_data_name(0)}: tensor '{corrupt}' fails its checksum"):
+            _restore(_NotLocal(store.root), seg)
+        assert seg.tensor_area() == before
+        return
+    assert _restore(_NotLocal(store.root), seg).staged and seg.tensors() == contents
 
 
 @pytest.mark.parametrize("tensor", ["a.exp_avg", "c.exp_avg"])
@@ -110,34 +138,49 @@ def test_the_budget_holds_the_staged_bytes_only_while_restoring(snapshot, make_s
         held.remove(nbytes)
 
     seg, _ = _target(make_segment)
-    real = sources_module.copy_whole_file
+    real = restore_module.staged_tensors
 
     def spy(*args):
         assert held == [sum(len(b) for b in contents.values())]
         return real(*args)
 
-    monkeypatch.setattr(sources_module, "copy_whole_file", spy)
+    monkeypatch.setattr(restore_module, "staged_tensors", spy)
     assert _restore(store, seg, reserve_staging=grant).staged
     assert held == [] and seg.tensors() == contents
 
 
-def test_unpinned_staging_checks_every_copy_again(snapshot, make_segment, monkeypatch, caplog):
-    store, info, contents = snapshot
-    monkeypatch.setattr(sources_module, "_mlock", lambda address, length: errno.ENOMEM)
+def test_a_tensor_mlock_refuses_is_read_into_memory_instead(snapshot, make_segment, monkeypatch, caplog):
+    store, _, contents = snapshot
+    monkeypatch.setattr(staging_module, "_mlock", lambda address, length: errno.ENOMEM)
+    read = []
+    real_read = SnapshotTier.read_tensor
+    monkeypatch.setattr(SnapshotTier, "read_tensor", lambda *args: read.append(args[3].name) or real_read(*args))
     seg, _ = _target(make_segment)
     with caplog.at_level(logging.WARNING, logger="swap_state.server.restore"):
         result = _restore(store, seg)
-    assert result.staged and not result.pinned and seg.tensors() == contents
-    assert any(r.msg == "restore_unpinned" for r in caplog.records)
+    assert result.staged and seg.tensors() == contents
+    assert sorted(read) == ["a.exp_avg", "b.exp_avg", "c.exp_avg"]  # not the empty one
+    assert [r.msg for r in caplog.records].count("restore_unpinned") == 1
 
-    # A file that changes after it was verified (its pages were not pinned) fails the restore.
-    real_copy = sources_module._copy_staged
 
-    def changed_underneath(staged, manifest, view, layout, path):
-        flip_byte(path, _tensor_data_offset(info, "b.exp_avg"))
-        return real_copy(staged, manifest, view, layout, path)
+def test_a_file_changed_between_the_checks_and_the_copy_fails_saying_restore_again(snapshot, make_segment,
+                                                                                    monkeypatch):
+    store, info, _ = snapshot
 
-    monkeypatch.setattr(sources_module, "_copy_staged", changed_underneath)
-    seg2 = make_segment("target2", specs=SPECS)
-    with pytest.raises(SnapshotCorrupt, match="changed while being restored.*'b.exp_avg'.*restore again"):
-        _restore(store, seg2)
+    @contextlib.contextmanager
+    def refuse(nbytes):
+        yield False
+
+    passes = []
+    real = restore_module.staged_tensors
+
+    def changed_underneath(tier, info_, wanted):
+        passes.append([t.name for _, tensors in wanted.values() for t in tensors])
+        if len(passes) == 4:  # the three tensors verified (the empty one has no piece): the copies
+            flip_byte(info.path / rank_data_name(0), _tensor_data_offset(info, "b.exp_avg"))
+        return real(tier, info_, wanted)
+
+    monkeypatch.setattr(restore_module, "staged_tensors", changed_underneath)
+    seg = make_segment("target2", specs=SPECS)
+    with pytest.raises(SnapshotCorrupt, match="'b.exp_avg' fails its checksum.*changed while being restored.*restore again"):
+        _restore(store, seg, reserve_staging=refuse)
