@@ -189,8 +189,8 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         f"{restore:.2f} GB/s = {_pct(frac)} of {read:.2f} GB/s {label} ({how} read of the snapshot's own file "
         f"right before each restore; its cold buffered read {cold_read:.2f} GB/s = {_pct(_ratio(restore, cold_read))})",
         frac >= 0.9 if not math.isnan(frac) else None,
-        f"restore reads the file once (--direct-io writes, the default: mapped, read ahead and pinned region by "
-        f"region by a reader thread while crc32 ({crc:.2f} GB/s) checks the regions read), then copies the verified bytes into "
+        f"restore reads the file once (mapped, and pinned tensor by tensor by a reader thread while crc32 "
+        f"({crc:.2f} GB/s) checks the tensors pinned), then copies the verified bytes into "
         f"the segment (memmove, memcpy ceiling {memmove:.2f} GB/s: "
         f"{fmt_ms(main['restore']['bytes'] / (memmove * 1e9) if memmove else float('nan'))} for "
         f"{fmt_bytes(main['restore']['bytes'])}) only once every checksum passed (an O_DIRECT read "
