@@ -211,6 +211,8 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
             sources.setdefault(piece.source_rank, {})[piece.source.name] = piece.source
     wanted = {r: (manifests[r], sorted(ts.values(), key=lambda t: t.data_offsets[0])) for r, ts in sorted(sources.items())}
     nbytes = sum(t.nbytes for _, tensors in wanted.values() for t in tensors)
+    for manifest, _ in wanted.values():
+        tier.check_data_header(info, manifest)
     reserved = reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
     with reserved as granted:
         if granted:

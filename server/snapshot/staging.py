@@ -43,14 +43,14 @@ Wanted = Mapping[int, tuple[RankManifest, Sequence[TensorRecord]]]
 
 @contextlib.contextmanager
 def staged_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted) -> Iterator[dict[tuple[int, str], int]]:
-    """Stage and verify every tensor of ``wanted`` (each data file's size and header first);
-    yields the address of each one's bytes by (source rank, tensor name), valid and unchanging
-    until the block ends. SnapshotCorrupt names the file and the tensor."""
+    """Stage and verify every tensor of ``wanted`` (each data file's header checked before:
+    :meth:`~SnapshotTier.check_data_header`); yields the address of each one's bytes by (source
+    rank, tensor name), valid and unchanging until the block ends. SnapshotCorrupt names the
+    file and the tensor."""
     addresses: dict[tuple[int, str], int] = {}
     held: list[bytes] = []
     with contextlib.ExitStack() as stack:
         for rank, (manifest, tensors) in wanted.items():
-            tier.check_data_header(info, manifest)
             path = tier.local_file(info, manifest.data_file)
             pinned = stack.enter_context(PinnedFile(path, manifest, tensors)) if path is not None else None
             for tensor in tensors:
