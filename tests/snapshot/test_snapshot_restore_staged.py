@@ -4,6 +4,7 @@ verify-then-copy, logged."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -11,13 +12,16 @@ import logging
 import pytest
 from snapshot_kit import flip_byte, metadata_for
 
+from swap_state.common.object_store import PosixObjectStore
 from swap_state.common.snapshot_errors import SnapshotCorrupt
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.common.snapshot_reader import SnapshotReader, SnapshotTier
+from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server.snapshot import restore as restore_module
 from swap_state.server.snapshot import staging as staging_module
 from swap_state.server.snapshot.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
+from swap_state.server.snapshot.directory import SnapshotDirectory
 
 from test_snapshot_restore import _tensor_data_offset
 
@@ -75,6 +79,19 @@ def test_a_file_on_this_host_is_mapped_once_never_read_into_memory(snapshot, mak
     assert result.staged and result.step == 3
     assert seg.tensors() == contents
     assert len(mapped) == 2  # the header's read, then the one mapping
+
+
+def test_a_directory_store_is_mapped_too(make_segment, make_coordinator, tmp_path, monkeypatch):
+    source = make_segment("source", specs=SPECS)
+    contents = source.fill(5)
+    coordinator = make_coordinator(store_uri=str(tmp_path / "store"))
+    coordinator.start(source.source("job", 3, metadata_json=metadata_for(source, step=3)))
+    assert asyncio.run(coordinator.wait_status("job/step-3", 0, wait_s=30, wait_stored=True)).state.value == "stored"
+    _no_reads_into_memory(monkeypatch)
+    seg, _ = _target(make_segment)
+    result = _restore(SnapshotDirectory(tmp_path / "another-host"), seg,
+                      stored=StoredSnapshots(PosixObjectStore(tmp_path / "store")))
+    assert result.source == "store" and seg.tensors() == contents
 
 
 class _NotLocal(SnapshotReader):
