@@ -31,7 +31,7 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import ContextManager
 
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
@@ -204,12 +204,14 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
     """Every piece of ``plan`` staged and verified, then copied into ``view``; whether the
     budget held every source tensor at once (else each was verified, then staged again alone)."""
     by_name = {t.name: t for t in layout.tensors}
-    # Staged: every piece's whole source tensor (its checksum covers it whole), in file order.
-    sources: dict[int, dict[str, TensorRecord]] = {}
-    for pieces in plan.values():
+    # Each piece's whole source tensor is staged (its checksum covers it whole).
+    by_source: dict[tuple[int, str], list[tuple[str, Piece]]] = {}
+    for name, pieces in plan.items():
         for piece in pieces:
-            sources.setdefault(piece.source_rank, {})[piece.source.name] = piece.source
-    wanted = {r: (manifests[r], sorted(ts.values(), key=lambda t: t.data_offsets[0])) for r, ts in sorted(sources.items())}
+            by_source.setdefault((piece.source_rank, piece.source.name), []).append((name, piece))
+    wanted: dict[int, tuple[RankManifest, list[TensorRecord]]] = {}
+    for (source_rank, _), [(_, piece), *_] in sorted(by_source.items()):
+        wanted.setdefault(source_rank, (manifests[source_rank], []))[1].append(piece.source)
     nbytes = sum(t.nbytes for _, tensors in wanted.values() for t in tensors)
     for manifest, _ in wanted.values():
         tier.check_data_header(info, manifest)
@@ -217,21 +219,21 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
     with reserved as granted:
         if granted:
             with staged_tensors(tier, info, wanted) as addresses:  # verified: only now the segment changes
-                _copy_pieces(view, by_name, plan, addresses)
+                _copy_pieces(view, by_name, [item for items in by_source.values() for item in items], addresses)
             return True
     log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id, rank=rank,
               staged_bytes_needed=nbytes, budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
               detail="the budget's free bytes cannot hold the staged state: verifying the sources, then "
               "reading them again into the segment")
     # One source tensor staged at a time: every one verified first, then each again and copied.
-    alone = [{r: (manifest, [tensor])} for r, (manifest, tensors) in wanted.items() for tensor in tensors]
-    for one in alone:
+    alone = [(items, {r: (manifests[r], [items[0][1].source])}) for (r, _), items in by_source.items()]
+    for _, one in alone:
         with staged_tensors(tier, info, one):
             pass
-    for one in alone:
+    for items, one in alone:
         try:
             with staged_tensors(tier, info, one) as addresses:
-                _copy_pieces(view, by_name, plan, addresses)
+                _copy_pieces(view, by_name, items, addresses)
         except SnapshotCorrupt as exc:
             raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "
                                   "partially overwritten: restore again") from None
@@ -323,17 +325,15 @@ class RecentSnapshots:
 RECENT = RecentSnapshots()
 
 
-def _copy_pieces(view: memoryview, by_name: Mapping, plan: Mapping[str, list[Piece]],
+def _copy_pieces(view: memoryview, by_name: Mapping, items: Iterable[tuple[str, Piece]],
                  addresses: Mapping[tuple[int, str], int]) -> None:
-    """The runs of each piece whose source tensor is staged (at ``addresses``) into its target
-    tensor in ``view``, with the GIL released."""
+    """The runs of each (target tensor name, piece) from its staged source tensor (at
+    ``addresses``) into ``view``, with the GIL released."""
     base = _posix.buffer_address(view)
-    for name, pieces in plan.items():
-        at = base + by_name[name].offset
-        for piece in pieces:
-            source = addresses.get((piece.source_rank, piece.source.name))
-            for run in piece.runs if source is not None else ():
-                _posix.memmove(at + run.target_offset, source + run.source_offset, run.nbytes)
+    for name, piece in items:
+        at, source = base + by_name[name].offset, addresses[piece.source_rank, piece.source.name]
+        for run in piece.runs:
+            _posix.memmove(at + run.target_offset, source + run.source_offset, run.nbytes)
 
 
 def _restored_metadata(saved: str, others: Sequence[str], placement: SnapshotMetadata | None) -> str:
