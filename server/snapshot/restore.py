@@ -210,7 +210,8 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
         for piece in pieces:
             by_source.setdefault((piece.source_rank, piece.source.name), []).append((name, piece))
     wanted: dict[int, tuple[RankManifest, list[TensorRecord]]] = {}
-    for (source_rank, _), [(_, piece), *_] in sorted(by_source.items()):
+    for source_rank, name in sorted(by_source):
+        [(_, piece), *_] = by_source[source_rank, name]
         wanted.setdefault(source_rank, (manifests[source_rank], []))[1].append(piece.source)
     nbytes = sum(t.nbytes for _, tensors in wanted.values() for t in tensors)
     for manifest, _ in wanted.values():
@@ -219,7 +220,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
     with reserved as granted:
         if granted:
             with staged_tensors(tier, info, wanted) as addresses:  # verified: only now the segment changes
-                _copy_pieces(view, by_name, [item for items in by_source.values() for item in items], addresses)
+                _copy_pieces(view, by_name, [(name, p) for name, pieces in plan.items() for p in pieces], addresses)
             return True
     log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id, rank=rank,
               staged_bytes_needed=nbytes, budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,

@@ -56,14 +56,11 @@ def staged_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted) -> It
             for tensor in tensors:
                 address = pinned.verified(tensor) if pinned is not None else None
                 if address is None:  # not on this host's filesystem, or not pinned
-                    held.append(data := _bytes(tier.read_tensor(info, manifest, tensor)))
-                    address = _posix.bytes_address(data)
+                    data = tier.read_tensor(info, manifest, tensor)
+                    held.append(data if type(data) is bytes else bytes(data))
+                    address = _posix.bytes_address(held[-1])
                 addresses[rank, tensor.name] = address
         yield addresses
-
-
-def _bytes(data) -> bytes:
-    return data if type(data) is bytes else bytes(data)
 
 
 class PinnedFile:
