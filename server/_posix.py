@@ -23,12 +23,11 @@ _libc.mlock.restype = ctypes.c_int
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.munmap.restype = ctypes.c_int
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
-_libc.munmap.restype = ctypes.c_int
 _MAP_FAILED = ctypes.c_void_p(-1).value
-
 
 _SYNC_FILE_RANGE = getattr(_libc, "sync_file_range", None)  # Linux only
 if _SYNC_FILE_RANGE is not None:
@@ -39,17 +38,13 @@ _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do no
 
 def mlock(address: int, length: int) -> int:
     """mlock(2) (reads the pages in and pins them); 0 on success, else the errno."""
-    if _libc.mlock(address, length) == 0:
-        return 0
-    return ctypes.get_errno()
+    return 0 if _libc.mlock(address, length) == 0 else ctypes.get_errno()
 
 
 def populate_write(address: int, length: int) -> int:
     """madvise(MADV_POPULATE_WRITE): map every page of the range writable now; threads may
     populate disjoint ranges at once. 0 on success, else the errno (EINVAL before Linux 5.14)."""
-    if _libc.madvise(address, length, _MADV_POPULATE_WRITE) == 0:
-        return 0
-    return ctypes.get_errno()
+    return 0 if _libc.madvise(address, length, _MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
 
 
 def set_parent_death_signal(signum: int) -> int:
@@ -59,9 +54,7 @@ def set_parent_death_signal(signum: int) -> int:
         prctl = _libc.prctl
     except AttributeError:
         return 38  # ENOSYS
-    if prctl(1, signum, 0, 0, 0) == 0:  # PR_SET_PDEATHSIG
-        return 0
-    return ctypes.get_errno()
+    return 0 if prctl(1, signum, 0, 0, 0) == 0 else ctypes.get_errno()  # 1: PR_SET_PDEATHSIG
 
 
 def mmap_read_only(fd: int, size: int) -> int:

@@ -187,11 +187,14 @@ class Arena:
         self.tag = tag
         self.gid = gid
         self.mlock_enabled = mlock
-        # Counters for Stats/metrics (read without the lock; ints are atomic enough to read).
+        # Counters and gauges for Stats/metrics, written under the lock, read without it (ints are
+        # atomic enough to read): the pool's slots (and their bytes) in live segment files (part of
+        # ``used_bytes``), and the bytes restores hold right now (:meth:`reserve_staging`).
         self.allocations = self.allocation_failures = self.mlock_failures = 0
+        self.cow_slots_used = self.cow_used_bytes = self.staging_bytes = 0
         self._lock = threading.Lock()
         self._segments: dict[str, Segment] = {}
-        self._tensor_used = self._cow_used_slots = self._cow_used_bytes = self._staging_used = 0
+        self._tensor_used = 0
         self._seq = 0
         self._closed = self._warned_mlock = False
         self.copy_policy = copy_policy or CopyBudgetPolicy()
@@ -205,7 +208,7 @@ class Arena:
     def used_bytes(self) -> int:
         """Bytes of all live segment files (tensors, headers, padding and their cow slots)."""
         with self._lock:
-            return self._tensor_used + self._cow_used_bytes
+            return self._tensor_used + self.cow_used_bytes
 
     @property
     def free_bytes(self) -> int:
@@ -215,12 +218,7 @@ class Arena:
 
     def _free(self) -> int:
         """:attr:`free_bytes`, under the lock."""
-        return self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self._staging_used
-
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes restores hold right now (see :meth:`reserve_staging`)."""
-        return self._staging_used
+        return self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self.staging_bytes
 
     @contextlib.contextmanager
     def reserve_staging(self, nbytes: int) -> Iterator[bool]:
@@ -229,22 +227,13 @@ class Arena:
         with self._lock:
             granted = 0 <= nbytes <= self._free()
             if granted:
-                self._staging_used += nbytes
+                self.staging_bytes += nbytes
         try:
             yield granted
         finally:
             if granted:
                 with self._lock:
-                    self._staging_used -= nbytes
-
-    @property
-    def cow_slots_used(self) -> int:
-        return self._cow_used_slots
-
-    @property
-    def cow_used_bytes(self) -> int:
-        """Bytes of the pool's slots in live segment files (part of ``used_bytes``)."""
-        return self._cow_used_bytes
+                    self.staging_bytes -= nbytes
 
     @property
     def segments(self) -> list[Segment]:
@@ -291,15 +280,7 @@ class Arena:
         if closed:  # shut down while we were faulting pages in
             self._destroy(segment)
             raise Unavailable("the server is shutting down")
-        budget = self.copy_policy.budget(segment.layout)
-        if budget.short_bytes:
-            log_event(
-                log, "copy_budget_short", logging.WARNING, segment=segment.name,
-                state_bytes=budget.state_bytes, slot_bytes=budget.slot_bytes,
-                needed_bytes=budget.needed_bytes, persist_bytes_per_s=int(budget.persist_bytes_per_s),
-                persist_measured=budget.persist_measured, assumed_fwd_bwd_s=budget.fwd_bwd_s,
-                cow_pool_slots=self.cow_pool_slots, detail=budget.warning(),
-            )
+        self.copy_policy.warn_if_short(log, segment.layout, segment=segment.name, cow_pool_slots=self.cow_pool_slots)
         return segment
 
     def segment_object(self, name: str, layout: SegmentLayout, digest: str, descriptor_bytes: int) -> Segment:
@@ -321,7 +302,7 @@ class Arena:
         with self._lock:
             if self._closed:
                 raise Unavailable("the server is shutting down")
-            slots = min(want, self.cow_pool_slots - self._cow_used_slots)
+            slots = min(want, self.cow_pool_slots - self.cow_slots_used)
             if slots != layout.cow_slots:
                 layout = plan_segment(specs, chunk, slots)
             charge = _tensor_charge(layout, descriptor_bytes)
@@ -354,8 +335,8 @@ class Arena:
         """Add (``sign`` 1) or take back (-1) a segment's bytes and slots; under the lock."""
         self._tenant_used[tenant] = self._tenant_used.get(tenant, 0) + sign * charge
         self._tensor_used += sign * charge
-        self._cow_used_slots += sign * layout.cow_slots
-        self._cow_used_bytes += sign * layout.cow_slots * layout.chunk_bytes
+        self.cow_slots_used += sign * layout.cow_slots
+        self.cow_used_bytes += sign * layout.cow_slots * layout.chunk_bytes
 
     def _materialize(self, segment: Segment, descriptor: bytes) -> None:
         # O_EXCL|O_NOFOLLOW: never reuse or follow something another process put there.
@@ -469,7 +450,7 @@ class Arena:
         one; ResourceExhausted when this server's budget cannot hold it."""
         with self._lock:
             free = self._free()
-            pool_free = self.cow_pool_slots - self._cow_used_slots
+            pool_free = self.cow_pool_slots - self.cow_slots_used
             if segment.charge > free or segment.cow_slots > pool_free:
                 raise ResourceExhausted(
                     f"it needs {segment.charge} bytes and {segment.cow_slots} copy slots, this "

@@ -89,17 +89,15 @@ class SocketGuard:
                 f"{self.path} exists and is not a socket; refusing to replace it (remove it or "
                 "pass another --listen)"
             )
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
         live = True  # also on timeouts and the like: something is there; do not clobber it
-        try:
-            probe.connect(str(self.path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            live = False
-        except OSError:
-            pass
-        finally:
-            probe.close()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            try:
+                probe.connect(str(self.path))
+            except (ConnectionRefusedError, FileNotFoundError):
+                live = False
+            except OSError:
+                pass
         if live:
             raise StartupError(
                 f"something is listening on unix://{self.path} although no swap-state-server "

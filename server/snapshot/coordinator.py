@@ -140,15 +140,8 @@ class SnapshotCoordinator:
             if isinstance(group, RankSnapshot):
                 return group  # a retry of this rank's Snapshot call
             handle = self._join(group, source, metadata, hold)
-        budget = self.copy_policy.budget(source.layout)  # after the publish: the trainer's stall is not for this
-        if budget.short_bytes:
-            log_event(
-                log, "copy_budget_short", logging.WARNING, job_id=source.job_id, rank=source.rank,
-                step=source.step, state_bytes=budget.state_bytes, slot_bytes=budget.slot_bytes,
-                needed_bytes=budget.needed_bytes, persist_bytes_per_s=int(budget.persist_bytes_per_s),
-                persist_measured=budget.persist_measured, assumed_fwd_bwd_s=budget.fwd_bwd_s,
-                detail=budget.warning(),
-            )
+        # After the publish: the trainer's stall is not for this.
+        self.copy_policy.warn_if_short(log, source.layout, job_id=source.job_id, rank=source.rank, step=source.step)
         return handle
 
     def _group_for(self, source: SnapshotSource) -> SnapshotGroup | RankSnapshot:

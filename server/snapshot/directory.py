@@ -26,6 +26,7 @@ the root. I/O failures raise ``OSError``; a path leaving the root SnapshotInvali
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import os
@@ -190,11 +191,8 @@ class SnapshotDirectory(SnapshotReader):
             os.replace(tmp, job_dir / LATEST_NAME)
             fsync_dir(job_dir)
         except OSError:
-            # A stale pointer would hide the new snapshot.
-            try:
+            with contextlib.suppress(OSError):  # a stale pointer would hide the new snapshot
                 (job_dir / LATEST_NAME).unlink(missing_ok=True)
-            except OSError:
-                pass
             raise
 
     def discard(self, where: pathlib.PurePath) -> bool:

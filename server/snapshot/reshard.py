@@ -214,10 +214,7 @@ def _check_tiling(target: TargetTensor, chosen: Sequence[tuple[int, TensorRecord
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
     """Row-major element strides."""
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    return strides
+    return [math.prod(shape[d + 1:]) for d in range(len(shape))]
 
 
 def _runs(common: Box, source: Box, target: Box, itemsize: int) -> tuple[Run, ...]:

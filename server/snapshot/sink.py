@@ -248,6 +248,4 @@ class DirectSink(ChunkSink):
 def open_sink(file: SnapshotFile) -> ChunkSink:
     """A :class:`DirectSink` when ``file`` gives an O_DIRECT descriptor, else a :class:`BufferedSink`."""
     fd = file.open_direct()
-    if fd is None:
-        return BufferedSink(file)
-    return DirectSink(file, fd)
+    return BufferedSink(file) if fd is None else DirectSink(file, fd)

@@ -274,22 +274,20 @@ class SnapshotUploader:
             raise SnapshotError(f"{self.stored.location(info.job_id, info.step)} belongs to another tenant: "
                                    "its objects are left alone (two tenants used one job id)")
         key = lambda name: self.stored.key(info.job_id, info.step, name)  # noqa: E731
-        if existing is not None and (existing.world_size, existing.attempt, existing.files) == (
-            info.world_size, info.index.attempt, (data, manifest),
-        ):
-            self._set(info, rank, bytes_stored=data.bytes + manifest.bytes)
-            return data.bytes + manifest.bytes
-        if existing is not None:  # an earlier attempt at the step: unlisted before its data changes
-            self.stored.store.delete(key(INDEX_NAME))
-            self.stored.store.delete(key(marker_name(rank)))
-        self.stored.store.put(key(data.name), self._verified_blocks(info, rank, data))
-        raw = (info.path / manifest.name).read_bytes()
-        if len(raw) != manifest.bytes or crc32(raw) != manifest.crc32:
-            raise SnapshotCorrupt(f"{info.path / manifest.name} no longer matches its checksum in snapshot.json")
-        self.stored.store.put(key(manifest.name), raw)
-        self.stored.store.put(key(marker_name(rank)), dumps_json(marker.to_json()))  # last
-        self._set(info, rank, bytes_stored=data.bytes + manifest.bytes)
-        return data.bytes + manifest.bytes
+        nbytes = data.bytes + manifest.bytes
+        same = (info.world_size, info.index.attempt, (data, manifest))
+        if existing is None or (existing.world_size, existing.attempt, existing.files) != same:
+            if existing is not None:  # an earlier attempt at the step: unlisted before its data changes
+                self.stored.store.delete(key(INDEX_NAME))
+                self.stored.store.delete(key(marker_name(rank)))
+            self.stored.store.put(key(data.name), self._verified_blocks(info, rank, data))
+            raw = (info.path / manifest.name).read_bytes()
+            if len(raw) != manifest.bytes or crc32(raw) != manifest.crc32:
+                raise SnapshotCorrupt(f"{info.path / manifest.name} no longer matches its checksum in snapshot.json")
+            self.stored.store.put(key(manifest.name), raw)
+            self.stored.store.put(key(marker_name(rank)), dumps_json(marker.to_json()))  # last
+        self._set(info, rank, bytes_stored=nbytes)
+        return nbytes
 
     def _verified_blocks(self, info: SnapshotInfo, rank: int, record: FileRecord) -> Iterator[bytes]:
         """The local data file in blocks; raises (aborting the put) unless its size and crc32 match."""
