@@ -274,9 +274,7 @@ async def _start_metrics(config: ServerConfig, service: SwapStateService,
         await metrics.start()
     except OSError as exc:
         await service.registry.close()
-        raise StartupError(
-            f"--metrics-port {config.metrics_host}:{config.metrics_port}: {exc.strerror}"
-        ) from None
+        raise StartupError(f"--metrics-port {config.metrics_host}:{config.metrics_port}: {exc.strerror}") from None
     return metrics
 
 

@@ -112,15 +112,11 @@ class Segment:
         self.path = path
         self.layout = layout
         self.layout_hash = specs_hash
-        self.size = layout.size
-        """Bytes mapped (the layout; the trainer maps as many)."""
+        self.size = layout.size  # bytes mapped (the layout; the trainer maps as many)
         self.descriptor_bytes = descriptor_bytes
-        self.file_bytes = segment_file_bytes(layout, descriptor_bytes)
-        """Bytes of the file: the layout, then the descriptor's pages."""
-        self.keep_file = False
-        """Set at shutdown for a segment whose file stays for the next server to adopt."""
-        self.tenant = ""
-        """The tenant whose quota (``--tenant-shm-quota``) it is charged to."""
+        self.file_bytes = segment_file_bytes(layout, descriptor_bytes)  # the layout, then the descriptor's pages
+        self.keep_file = False  # set at shutdown when the file stays for the next server to adopt
+        self.tenant = ""  # whose quota (--tenant-shm-quota) it is charged to
         self.cow_slots = layout.cow_slots
         self.model_bytes = model_bytes(layout.tensors)  # once: stats and scrapes read it often
         self.charge = _tensor_charge(layout, descriptor_bytes)  # what it takes of the tensor budget
@@ -177,8 +173,7 @@ class Arena:
         tenant_quota: int = 0,
     ) -> None:
         self.shm_dir = shm_dir
-        self.tenant_quota = tenant_quota
-        """Bytes of segments one tenant may hold (``--tenant-shm-quota``; 0: no quota)."""
+        self.tenant_quota = tenant_quota  # bytes of segments one tenant may hold (0: no quota)
         self._tenant_used: dict[str, int] = {}
         self.total_bytes = total_bytes
         self.chunk_bytes = chunk_bytes
@@ -197,8 +192,7 @@ class Arena:
         self._tensor_used = 0
         self._seq = 0
         self._closed = self._warned_mlock = False
-        self.copy_policy = copy_policy or CopyBudgetPolicy()
-        """The server's memory-rule inputs (shared with its snapshot coordinator)."""
+        self.copy_policy = copy_policy or CopyBudgetPolicy()  # shared with the snapshot coordinator
 
     @property
     def prefix(self) -> str:

@@ -121,9 +121,7 @@ class Session:
         """Record a committed step in the header; False for a repeat of the last (a retry).
         Going backwards needs ``force`` (restore) or the one-time allowance after a reattach."""
         if self.segment is None or self.segment.header is None:
-            raise NoSegment(
-                f"session {self.session_id} has no segment: call Allocate before CommitStep"
-            )
+            raise NoSegment(f"session {self.session_id} has no segment: call Allocate before CommitStep")
         last = self.last_committed_step
         if last is not None and step < last and not (force or self.rewind_allowed):
             raise FailedPrecondition(

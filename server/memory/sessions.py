@@ -69,14 +69,11 @@ class SessionRegistry:
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[tuple[Segment, bool]]] = set()
         self._retired_commits = self._retired_drops = 0  # of freed sessions
+        # Counters for Stats and the metrics (whose help texts say what each counts).
         self.attaches = self.reattaches = self.sessions_freed = self.sessions_expired = 0
-        self.sessions_adopted = 0
-        """Sessions rebuilt from a previous server's segments at start."""
-        self.reconnects = 0
-        """KeepAlive streams reopened by a trainer without a new Attach (its server restarted)."""
+        self.sessions_adopted = self.reconnects = 0
+        # The last MAX_FREED sessions freed, by (job id, rank): why a trainer finds no state.
         self._freed: collections.OrderedDict[tuple[str, int], FreedSession] = collections.OrderedDict()
-        """The last :data:`MAX_FREED` sessions freed, by (job id, rank): why a trainer finds no
-        state for its job/rank."""
 
     @property
     def steps_committed_total(self) -> int:
@@ -263,9 +260,7 @@ class SessionRegistry:
         session.streams.discard(stream)
         if session.closed or stream.generation != session.generation:
             return
-        if session.state is SessionState.LIVE and not any(
-            s.generation == session.generation for s in session.streams
-        ):
+        if session.state is SessionState.LIVE and not any(s.generation == session.generation for s in session.streams):
             self._orphan(session, stream.end_reason or "stream_closed")
 
     def _orphan(self, session: Session, reason: str) -> None:
@@ -280,18 +275,14 @@ class SessionRegistry:
         for stream in list(session.streams):
             stream.end(reason)
 
-    async def allocate(
-        self, session: Session, generation: int, checked: Sequence[TensorSpec]
-    ) -> tuple[Segment, bool]:
+    async def allocate(self, session: Session, generation: int, checked: Sequence[TensorSpec]) -> tuple[Segment, bool]:
         """Create the session's segment of ``checked`` tensors: (segment, reused). Idempotent
         for the same layout (a reattached trainer gets its bytes back); another is refused."""
         # Hashing is O(tensors) Python: off the loop, like the page faulting.
         wanted_hash = await asyncio.to_thread(layout_hash, checked)
         # Shielded: a creation the caller gave up on still lands in the session, so a retry
         # gets reused=True and no committed bytes are left without an owner.
-        task = asyncio.get_running_loop().create_task(
-            self._allocate_locked(session, generation, checked, wanted_hash)
-        )
+        task = asyncio.get_running_loop().create_task(self._allocate_locked(session, generation, checked, wanted_hash))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return await asyncio.shield(task)

@@ -24,9 +24,7 @@ from swap_state.server.memory.session import Session, SessionState
 from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator, SnapshotStatus
 
-__all__ = [
-    "CONTENT_TYPE", "MetricsServer", "RpcCounters", "ServerCollector", "SnapshotCounters",
-]
+__all__ = ["CONTENT_TYPE", "MetricsServer", "RpcCounters", "ServerCollector", "SnapshotCounters"]
 
 log = logging.getLogger("swap_state.server.metrics")
 

@@ -85,9 +85,7 @@ def validate_snapshot_id(snapshot_id: str, *, relative: bool, latest: bool) -> s
     (``step-25``), still relative when it was."""
     ref = parse_snapshot_id(snapshot_id, _SOME_JOB if relative else None)
     if ref.latest and not latest:
-        raise InvalidArgument(
-            f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>' (e.g. demo/step-25)"
-        )
+        raise InvalidArgument(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>' (e.g. demo/step-25)")
     name = "latest" if ref.latest else f"step-{ref.step}"
     return f"{ref.job_id}/{name}" if "/" in snapshot_id else name
 

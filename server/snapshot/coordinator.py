@@ -73,23 +73,17 @@ class SnapshotCoordinator:
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
         ``assemble_timeout_s``: fail when not all ``local_world_size`` ranks started by then.
         ``clean_stale``: remove a previous run's partial snapshots (False: a live server shares it).
-        ``stage_threads``: stager threads per persisting rank (>= 1).
-        ``model_copy_timeout_s``: the wait for the trainer's copy of the model (protocol step 5).
-        ``copy_policy``: the memory rule's inputs, shared with the arena, and the cap in bytes/s
-        on all snapshot I/O (``--persist-max-bandwidth``; default: no cap).
-        ``direct_io``: ``--direct-io`` (writes, off): whether snapshot writes may use O_DIRECT.
-        ``store_uri``: the store each durable snapshot is uploaded to (None: none).
-        ``tenant_snapshot_quota``: bytes of snapshots one tenant may keep here (0: no quota)."""
+        ``stage_threads``: stager threads per persisting rank. ``copy_policy``: the memory rule's
+        inputs, shared with the arena, and the cap on all snapshot I/O (``--persist-max-bandwidth``).
+        ``store_uri``: the store each durable snapshot is uploaded to (None: none)."""
         if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 1:
             raise ValueError(f"keep_latest must be >= 2 or None (keep all), assemble_timeout_s > 0 and "
                              f"stage_threads >= 1: got {keep_latest}, {assemble_timeout_s}, {stage_threads}")
         self.tenant_snapshot_quota = tenant_snapshot_quota
         self.stage_threads = stage_threads
         self.model_copy_timeout_s = model_copy_timeout_s
-        self.copy_policy = copy_policy or CopyBudgetPolicy()
-        """Owns the memory rule's inputs; this coordinator records each snapshot's rate."""
-        self.directory = SnapshotDirectory(snapshot_dir, direct_io)
-        """The local tier, ``--snapshot-dir``."""
+        self.copy_policy = copy_policy or CopyBudgetPolicy()  # this coordinator records each snapshot's rate
+        self.directory = SnapshotDirectory(snapshot_dir, direct_io)  # the local tier
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
         self.max_metadata_bytes = max_metadata_bytes
@@ -117,8 +111,7 @@ class SnapshotCoordinator:
         if store_uri:
             stored = StoredSnapshots(open_store(store_uri, store_timeout_s))
             self.uploader = SnapshotUploader(stored, self.directory, store_max_bandwidth)
-        self.stored = self.uploader.stored if self.uploader is not None else None
-        """The store tier, ``--snapshot-store`` (None: none)."""
+        self.stored = self.uploader.stored if self.uploader is not None else None  # the store tier, if any
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
 
     def note_epoch(self, epoch: int) -> None:
@@ -343,9 +336,8 @@ class SnapshotCoordinator:
         ref = parse_snapshot_id(snapshot_id, None, SnapshotInvalid)
         if ref.step is None:  # a status is about one snapshot, never ``latest``
             raise SnapshotInvalid(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
-        key = (ref.job_id, ref.step)
         with self._lock:
-            group = self._groups.get(key)
+            group = self._groups.get((ref.job_id, ref.step))
         if group is None:
             return None
         with group.cond:
@@ -370,7 +362,6 @@ class SnapshotCoordinator:
         return await asyncio.to_thread(self.uploader.annotate, status)
 
     def _status_at_rest(self, snapshot_id: str, rank: int) -> SnapshotStatus:
-        """The status of a snapshot not in memory: from disk, else from the store."""
         try:
             info = self.directory.resolve(snapshot_id)
         except SnapshotNotFound:

@@ -35,18 +35,13 @@ class SnapshotGroup:
     def __init__(self, directory: SnapshotDirectory, source: SnapshotSource, partial: pathlib.PurePath,
                  keep: int | None):
         self.directory = directory
-        self.keep = keep
-        """Retention applied at commit: the job's wish, never below the server's floor."""
+        self.keep = keep  # retention applied at commit: the job's wish, never below the server's floor
         self.job_id, self.step, self.world_size = source.job_id, source.step, source.world_size
-        self.local_world_size = source.expected_ranks
-        """Distinct ranks that complete the group (this server's share of ``world_size``)."""
-        self.partial = partial
-        """The partial snapshot the ranks write into (the directory's)."""
+        self.local_world_size = source.expected_ranks  # the ranks that complete the group here
+        self.partial = partial  # the partial snapshot the ranks write into
         self.snapshot_id = snapshot_id_for(self.job_id, self.step)
-        self.tenant = source.tenant
-        """The tenant that owns the job (``--tenants``), recorded in ``snapshot.json``."""
-        self.cond = WatchedCondition()
-        """Threads wait on it, and RPCs await it (:mod:`.waiting`: no thread held)."""
+        self.tenant = source.tenant  # recorded in snapshot.json
+        self.cond = WatchedCondition()  # threads wait on it, RPCs await it (no thread held)
         self.cancel = threading.Event()
         self.handles: dict[int, RankSnapshot] = {}
         self.results: dict[int, RankResult] = {}
@@ -57,8 +52,7 @@ class SnapshotGroup:
         self.live_threads = 0
         self.discarded = False  # failed, and one thread has claimed removing its files
         self.discarded_done = False  # ... and they are gone
-        self.replace = source.replace_existing
-        """At commit, replace a durable snapshot of the same step (an earlier attempt's)."""
+        self.replace = source.replace_existing  # at commit, replace an earlier attempt's durable snapshot
         self.timer: threading.Timer | None = None
         self.finished_monotonic: float | None = None
 
@@ -162,11 +156,9 @@ class RankSnapshot:
 
     def __init__(self, group: SnapshotGroup, rank: int, writer: RankWriter):
         self._group = group
-        self.writer = writer
-        """The rank's writer; the coordinator publishes, runs and releases through it."""
+        self.writer = writer  # the coordinator publishes, runs and releases through it
         self.rank = rank
-        self.epoch = writer.epoch
-        """The SNAP_EPOCH this rank's snapshot published."""
+        self.epoch = writer.epoch  # the SNAP_EPOCH this rank's snapshot published
         self.segment_released = writer.segment_released
         """Set once the server no longer reads this rank's segment (safe to unmap); coroutines
         await it without holding a thread (``wait_async``)."""

@@ -19,18 +19,13 @@ __all__ = ["SnapshotSource", "check_source"]
 class SnapshotSource:
     """One rank's segment to snapshot, as the servicer hands it to the coordinator."""
 
-    buffer: Any
-    """Writable buffer over the whole mapped segment (an mmap or a memoryview of it)."""
-    layout: SegmentLayout
-    """The segment's layout; tensors in update order."""
-    header: SegmentHeader
-    """A SegmentHeader over the same buffer; owned (and released) by the caller."""
+    buffer: Any  # writable, over the whole mapped segment (an mmap or a memoryview of it)
+    layout: SegmentLayout  # tensors in update order
+    header: SegmentHeader  # over the same buffer; owned (and released) by the caller
     job_id: str
     rank: int
-    world_size: int
-    """Ranks of the job (global, across hosts)."""
-    step: int
-    """The committed step the segment holds (the caller checks it is the last committed)."""
+    world_size: int  # ranks of the job (global, across hosts)
+    step: int  # the committed step the segment holds (the caller checks it is the last committed)
     metadata_json: str = ""
     """The trainer's description of the tensors (``snapshot_metadata`` schema); may be empty."""
     metadata_parts: MetadataParts | None = None
@@ -46,8 +41,7 @@ class SnapshotSource:
     session_id: str = ""
     """The session that asks: a start is a retry only from the same session and ``generation``."""
     generation: int = 0
-    tenant: str = ""
-    """The tenant that owns the session (``--tenants``), recorded in the snapshot."""
+    tenant: str = ""  # the session's, recorded in the snapshot
     bounded_retention: bool = False
     """The job's own retention may not exceed the server's ``--keep-latest`` (a non-admin tenant)."""
 

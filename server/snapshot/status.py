@@ -26,50 +26,38 @@ class SnapshotState(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class SnapshotStatus:
-    """One rank's view of a snapshot; field for field a SnapshotStatusReply, plus a few."""
+    """One rank's view of a snapshot; field for field a SnapshotStatusReply (described by the
+    proto's comments), plus a few."""
 
     snapshot_id: str
     job_id: str
     step: int
     rank: int
-    world_size: int
-    """The job's (global) world size."""
+    world_size: int  # the job's (global) world size
     state: SnapshotState
-    bytes_total: int
-    """Tensor bytes of this rank."""
+    bytes_total: int  # tensor bytes of this rank
     bytes_persisted: int
-    error: str
-    """Why it failed (empty unless failed)."""
-    cow_copies: int
-    """Chunks the trainer copied before writing, during this snapshot (this rank)."""
-    backpressure_waits: int
-    """Times the trainer waited for a free copy slot, during this snapshot (this rank)."""
+    error: str  # why it failed (empty unless failed)
+    cow_copies: int  # chunks the trainer copied before writing, during this snapshot (this rank)
+    backpressure_waits: int  # times the trainer waited for a free copy slot, likewise
     backpressure_wait_seconds: float
-    path: str
-    """The snapshot directory (the partial one until durable)."""
+    path: str  # the snapshot directory (the partial one until durable)
     ranks_joined: int
-    ranks_persisted: int
-    """Ranks whose files are written and fsynced."""
-    segment_released: bool
-    """Whether the server is done reading this rank's segment."""
+    ranks_persisted: int  # ranks whose files are written and fsynced
+    segment_released: bool  # whether the server is done reading this rank's segment
     warnings: tuple[str, ...] = ()
     """Problems after the commit (latest pointer, retention) that did not fail the snapshot."""
     local_world_size: int = 0
     """Ranks that must be durable on this server before the snapshot is (0: ``world_size``)."""
     ranks: tuple[int, ...] = ()
     """The ranks that have joined (in memory) or that the durable snapshot holds (from disk)."""
-    server_staged_chunks: int = 0
-    """Chunks the server's stager copied ahead of the trainer (this rank; 0 from disk)."""
+    server_staged_chunks: int = 0  # this and trainer_copied_bytes: 0 from disk
     server_staged_bytes: int = 0
     trainer_copied_bytes: int = 0
-    """Bytes of the chunks the trainer copied itself (0 from disk)."""
     store_state: str = ""
-    """The upload to the store: "" (no store), uploading, stored or failed."""
     store_error: str = ""
     store_path: str = ""
-    """Where the snapshot is (or goes) in the store."""
     bytes_stored: int = 0
-    """Bytes of this rank's files put in the store so far."""
 
     @classmethod
     def from_disk(cls, info: SnapshotInfo, manifest: RankManifest) -> "SnapshotStatus":

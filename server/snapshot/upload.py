@@ -65,23 +65,19 @@ class StoreState(str, enum.Enum):
 class UploadStatus:
     """One rank's upload."""
 
-    state: StoreState
-    """uploading until its marker is in the store, then stored; or failed."""
+    state: StoreState  # uploading until its marker is in the store, then stored; or failed
     bytes_stored: int = 0
-    error: str = ""
-    """Why it failed, naming the store's URI (empty unless failed)."""
+    error: str = ""  # why it failed, naming the store's URI
 
 
 @dataclasses.dataclass
 class UploadCounters:
     """Totals since the server started, for the metrics endpoint."""
 
-    ranks_stored: int = 0
-    """Ranks whose files and marker were put in the store."""
+    ranks_stored: int = 0  # ranks whose files and marker were put in the store
     ranks_failed: int = 0
     bytes_stored: int = 0
-    seconds: float = 0.0
-    """Seconds spent uploading (snapshots' upload wall time)."""
+    seconds: float = 0.0  # snapshots' upload wall time
 
 
 class SnapshotUploader:

@@ -89,22 +89,21 @@ class RankWriter:
                  directory: SnapshotDirectory, partial: pathlib.PurePath, limiter: BandwidthLimiter,
                  cancel: threading.Event, started_monotonic: float, stage_threads: int = 1,
                  model_copy_timeout_s: float = 60.0):
-        """``directory``, ``partial``: where the rank's files go. ``stage_threads``: the
-        :class:`Stager`'s. ``model_copy_timeout_s``: the wait for protocol step 5."""
+        """``model_copy_timeout_s``: the wait for protocol step 5."""
         self.source, self.metadata, self.epoch = source, metadata, epoch
         self.directory, self.partial, self.limiter, self.cancel = directory, partial, limiter, cancel
         self.started_monotonic = started_monotonic
         layout = source.layout
-        self._header = ServerHeader(source.header)
-        """The server's writes to the segment's header (protocol steps 1 and 3)."""
+        self._header = ServerHeader(source.header)  # the server's words (protocol steps 1 and 3)
         self.chunks = layout.chunks
         self.model_from = layout.model_from
         """The first chunk of the model tensors (the chunk count when there are none)."""
         self.model_copy_timeout_s = model_copy_timeout_s
         self.bytes_total = layout.tensor_bytes
-        self.bytes_persisted = 0  # written by the writer thread only
-        self.trainer_copied_bytes = 0  # chunks the trainer copied itself (writer thread)
-        self.stream_seconds = 0.0  # time spent streaming the chunks (writer thread)
+        # Written by the writer thread only: bytes persisted, of the chunks the trainer copied
+        # itself, and the time spent streaming the chunks.
+        self.bytes_persisted = self.trainer_copied_bytes = 0
+        self.stream_seconds = 0.0
         self.stage_slots = stager_slot_count(source.layout.cow_slots)
         self.stager = Stager(self, self.stage_slots, stage_threads) if self.stage_slots else None
         self._trainer_yield = self.stager is not None
@@ -165,11 +164,10 @@ class RankWriter:
         self.segment_released.set()
 
     def model_published(self) -> bool:
-        """Whether the trainer has copied the model tensors of the step (or a later one): step 5."""
+        """Protocol step 5: the trainer has copied the model tensors of the step (or a later one)."""
         return self.source.header[Word.MODEL_STEP] >= self.source.step + 1
 
     def _wait_for_model(self) -> None:
-        """Before the first model chunk: wait (bounded, cancellable) for protocol step 5."""
         def nap(seconds: float) -> None:
             if self.cancel.wait(seconds):
                 raise Cancelled()
