@@ -29,8 +29,7 @@ from swap_state.common.errors import PermissionDenied, StartupError
 
 __all__ = ["ANYONE", "Tenant", "Tenants", "UidProofs", "read_secret_file", "read_tenants_file", "tenant_uid"]
 
-_PROOF_DIR_MODE = 0o1733
-"""Anyone who reaches the socket creates files; only the server lists or removes others'."""
+_PROOF_DIR_MODE = 0o1733  # anyone who reaches the socket creates files; only the server lists or removes others'
 _CACHED_PROOFS = 1 << 14
 
 
@@ -38,10 +37,8 @@ _CACHED_PROOFS = 1 << 14
 class Tenant:
     """A caller's identity."""
 
-    name: str
-    """What owns jobs and snapshots (``""``: the single tenant of a server without tenants)."""
-    admin: bool = False
-    """Reaches every tenant's jobs, sessions and snapshots."""
+    name: str  # what owns jobs and snapshots ("": the single tenant of a server without tenants)
+    admin: bool = False  # reaches every tenant's jobs, sessions and snapshots
 
     def may_reach(self, owner: str) -> bool:
         """Whether this tenant may see or touch what ``owner`` owns ("": nobody's, reachable by all)."""

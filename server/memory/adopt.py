@@ -56,10 +56,8 @@ class Adopted:
     segment: Segment
     descriptor: SegmentDescriptor
     session_id: str
-    generation: int
-    """The generation that owned it (``TRAINER_GENERATION``; at least 1)."""
-    open_epoch: int
-    """The snapshot epoch the previous server left open (now closed), 0 when none."""
+    generation: int  # the generation that owned it (``TRAINER_GENERATION``; at least 1)
+    open_epoch: int  # the snapshot epoch the previous server left open (now closed), 0 when none
 
 
 @dataclasses.dataclass(frozen=True)

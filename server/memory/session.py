@@ -58,31 +58,23 @@ class Session:
     session_id: str
     job_id: str
     rank: int
-    world_size: int
-    """The job's (global) world size."""
+    world_size: int  # the job's (global) world size
     generation: int
-    local_world_size: int
-    """Ranks of the job on this server (validated: 1 to ``world_size``); a snapshot here needs them all."""
+    local_world_size: int  # ranks of the job on this server; a snapshot here needs them all
     client_pid: int = 0
     client_host: str = ""
-    tenant: str = ""
-    """The tenant that owns it (``--tenants``): only its calls, or an admin's, reach it."""
+    tenant: str = ""  # only its calls, or an admin's, reach the session
     segment: Segment | None = None
-    rpc_commits: int = 0
-    """Steps committed through the CommitStep RPC (trainers commit through the header)."""
+    rpc_commits: int = 0  # steps committed through the CommitStep RPC (trainers commit through the header)
     state: SessionState = SessionState.PENDING
-    orphaned_since: float | None = None
-    """Monotonic time the session became orphaned (None unless orphaned)."""
-    stream_deadline: float | None = None
-    """Monotonic time by which a pending session must open its KeepAlive stream."""
+    orphaned_since: float | None = None  # monotonic time it became orphaned
+    stream_deadline: float | None = None  # monotonic time by which a pending session must open its stream
     rewind_allowed: bool = False
     """After a reattach the trainer may commit an earlier step once (it restored a checkpoint)."""
-    closed: bool = False
-    """True once removed from the registry (its segment freed or being freed)."""
+    closed: bool = False  # removed from the registry (its segment freed or being freed)
     metadata_base: tuple[str, MetadataBase] | None = None
     """(id, parsed base) of the snapshot metadata base the trainer sent last; in memory only."""
-    adopted: bool = False
-    """Rebuilt from a previous server's segment at this server's start."""
+    adopted: bool = False  # rebuilt from a previous server's segment at this server's start
     awaiting_reconnect: bool = False
     """Adopted, its trainer not back yet: while that trainer still maps the segment, only it
     takes the session back (a fresh Attach is refused)."""
@@ -102,20 +94,17 @@ class Session:
     @property
     def last_committed_step(self) -> int | None:
         """The last committed step the segment's header holds (None: none yet)."""
-        header = self.header
-        return committed_step(header) if header is not None else None
+        return committed_step(self.header) if self.header is not None else None
 
     @property
     def kept_states_dropped(self) -> int:
         """Reattached states the trainer dropped (not its parameters' state; header word)."""
-        header = self.header
-        return header[Word.STATE_DROPS] if header is not None else 0
+        return self.header[Word.STATE_DROPS] if self.header is not None else 0
 
     @property
     def steps_committed(self) -> int:
         """Steps committed to this session's segment, through the header or the RPC."""
-        header = self.header
-        return self.rpc_commits + (header[Word.TRAINER_COMMITS] if header is not None else 0)
+        return self.rpc_commits + (self.header[Word.TRAINER_COMMITS] if self.header is not None else 0)
 
     def record_commit(self, step: int, *, force: bool = False) -> bool:
         """Record a committed step in the header; False for a repeat of the last (a retry).

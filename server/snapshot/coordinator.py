@@ -57,8 +57,7 @@ log = logging.getLogger("swap_state.server.snapshot_coordinator")
 
 __all__ = ["SnapshotSource", "SnapshotState", "SnapshotStatus", "RankSnapshot", "SnapshotCoordinator"]
 
-HISTORY = 64
-"""Finished snapshots whose status stays in memory (older ones are answered from disk)."""
+HISTORY = 64  # finished snapshots whose status stays in memory (older ones are answered from disk)
 
 
 class SnapshotCoordinator:

@@ -54,10 +54,8 @@ _LATEST_TMP = ".latest.tmp"
 class CommitResult:
     """What :meth:`SnapshotDirectory.commit` did."""
 
-    path: pathlib.PurePath
-    """The complete snapshot's location (its directory, on the local filesystem)."""
-    warnings: tuple[str, ...]
-    """Failures after the snapshot was durable (latest pointer, retention): reported, not fatal."""
+    path: pathlib.PurePath  # the complete snapshot's directory
+    warnings: tuple[str, ...]  # failures after it was durable (latest pointer, retention): reported, not fatal
     trash: tuple[pathlib.PurePath, ...] = ()
     """Unlisted locations whose bytes :meth:`SnapshotDirectory.empty_trash` removes once the
     snapshot was reported durable (deleting 512 MiB took 130 ms on ext4 here)."""
@@ -71,14 +69,13 @@ class SnapshotDirectory(SnapshotReader):
         """``direct_io``: ``--direct-io`` (writes, off): whether snapshot writes may use O_DIRECT."""
         super().__init__(root)
         self.direct_writes = direct_io == "writes"
+        # The steps of a job retention must keep beyond ``keep_latest`` (the uploader's).
         self.in_use: Callable[[str], set[int]] = lambda job_id: set()
-        """The steps of a job retention must keep beyond ``keep_latest`` (the uploader's)."""
         # Commits of different snapshots serialize here: latest and retention read the job dir.
         self._commit_lock = threading.Lock()
         self._lock_fd: int | None = None
 
     def create_root(self) -> None:
-        """Create the root if it is missing."""
         self.root.mkdir(parents=True, exist_ok=True)
 
     def hold(self) -> bool:
@@ -94,10 +91,9 @@ class SnapshotDirectory(SnapshotReader):
         return alone
 
     def release(self) -> None:
-        """Drop the share :meth:`hold` took."""
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
-            os.close(fd)  # closing the file releases the lock
+            os.close(fd)  # closing the file releases the share hold() took
 
     def clean_stale(self) -> None:
         """Remove ``.partial-*``, ``.deleting-*`` and the latest pointer's temp file of every job."""

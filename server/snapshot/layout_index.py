@@ -34,8 +34,7 @@ __all__ = ["LAYOUT_FORMAT", "LayoutIndex", "Progression", "bind", "plan_rank"]
 
 LAYOUT_FORMAT = "swap-state-layout"
 LAYOUT_VERSION = 1
-_ABSENT = -1
-"""An owner or checksum run's value for a rank that holds nothing of the tensor."""
+_ABSENT = -1  # an owner or checksum run's value for a rank that holds nothing of the tensor
 _MAX_INT = 1 << 62
 
 

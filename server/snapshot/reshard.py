@@ -31,23 +31,18 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 class TargetTensor:
     """One tensor of the restoring rank's segment."""
 
-    name: str
-    """The segment tensor name; the old ranks' records of this name are its sources."""
-    dtype: str
-    """Segment dtype name (``float32``, ``bfloat16``, ...); the sources must have the same."""
+    name: str  # the old ranks' records of this name are its sources
+    dtype: str  # ``float32``, ``bfloat16``, ...: the sources must have the same
     shape: tuple[int, ...]
-    global_shape: tuple[int, ...] | None
-    """DTensor global shape; None for a plain (non-DTensor) tensor."""
-    global_offset: tuple[int, ...] | None
-    """DTensor offset of the new rank's shard in the global tensor; None for a plain tensor."""
+    global_shape: tuple[int, ...] | None  # a DTensor's; None for a plain tensor
+    global_offset: tuple[int, ...] | None  # of the new rank's shard in the global tensor; None for a plain tensor
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One contiguous byte copy from a source tensor into the target tensor."""
 
-    source_offset: int
-    """Byte offset inside the source tensor's bytes (not the file: add ``data_offsets[0]``)."""
+    source_offset: int  # inside the source tensor's bytes (not the file: add ``data_offsets[0]``)
     target_offset: int
     nbytes: int
 
@@ -57,10 +52,8 @@ class Piece:
     """What one old rank's tensor contributes to a target tensor."""
 
     source_rank: int
-    source: TensorRecord
-    """That rank's record of the tensor (its ``data_offsets`` locate it in the file)."""
-    runs: tuple[Run, ...]
-    """Contiguous byte copies, ascending ``target_offset``."""
+    source: TensorRecord  # that rank's record of the tensor (its ``data_offsets`` locate it in the file)
+    runs: tuple[Run, ...]  # ascending ``target_offset``
 
 
 def plan_tensor(target: TargetTensor, sources: Sequence[tuple[int, TensorRecord]], *,
@@ -84,10 +77,7 @@ def plan_tensor(target: TargetTensor, sources: Sequence[tuple[int, TensorRecord]
 
 def _nearest(holders: Sequence[tuple[int, TensorRecord]], target_rank: int) -> tuple[int, TensorRecord]:
     """Which old rank holding the same bytes a new rank reads: its own, else one spread by rank."""
-    for pair in holders:
-        if pair[0] == target_rank:
-            return pair
-    return holders[target_rank % len(holders)]
+    return next((pair for pair in holders if pair[0] == target_rank), holders[target_rank % len(holders)])
 
 
 def ranks_needed(plan: Mapping[str, list[Piece]]) -> list[int]:

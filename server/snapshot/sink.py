@@ -49,23 +49,18 @@ BOUNCE_BYTES = 8 << 20
 """One bounce buffer, one write: measured here, 8 MiB writes reach the disk's O_DIRECT
 bandwidth with one or two in flight."""
 
-WRITES_IN_FLIGHT = 2
-"""Bounce buffers being written at once while the next one fills."""
-
-_WRITEBACK_BYTES = 8 << 20
-"""The buffered sink starts the disk writeback of every this many bytes."""
+WRITES_IN_FLIGHT = 2  # bounce buffers being written at once while the next one fills
+_WRITEBACK_BYTES = 8 << 20  # the buffered sink starts the disk writeback of every this many bytes
 
 
 class ChunkSink(abc.ABC):
     """The bytes of one data file, in order; see the module docstring for the call order."""
 
-    direct: bool = False
-    """Whether the bytes bypass the page cache (O_DIRECT)."""
+    direct: bool = False  # whether the bytes bypass the page cache (O_DIRECT)
 
     def __init__(self, file: SnapshotFile):
         self.file = file
-        self.position = 0
-        """File offset of the next :meth:`put`."""
+        self.position = 0  # file offset of the next put
         self._pending = 0  # bytes of the last put, not final yet
 
     @abc.abstractmethod

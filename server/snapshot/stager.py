@@ -22,12 +22,11 @@ __all__ = ["Stager"]
 log = logging.getLogger("swap_state.server.snapshot_stager")
 
 
+# Longest nap of a stager whose ring is full before it looks at PERSISTED_UPTO again (the
+# writer also wakes it after every chunk), and longest a writer waits, per chunk, for a busy
+# stager (Stager.yield_to).
 _STAGE_WAIT_S = 0.005
-"""Longest nap of a stager whose ring is full before it looks at ``PERSISTED_UPTO`` again
-(the writer also wakes it after every chunk)."""
-
 _YIELD_MAX_S = 0.5
-"""Longest a writer waits, per chunk, for a busy stager (see :meth:`Stager.yield_to`)."""
 
 
 class Stager:
@@ -43,12 +42,9 @@ class Stager:
         self.threads = max(1, threads)
         self.stop_event = threading.Event()
         self.progress = threading.Condition()
-        self.staged_chunks = 0
-        """Chunks copied into a stager slot (this thread only)."""
-        self.staged_bytes = 0
+        self.staged_chunks = self.staged_bytes = 0  # copied into a stager slot (this thread only)
         self.thread: threading.Thread | None = None
-        self.idle = threading.Event()
-        """Set while the stager has nothing to copy: done, stopped, or its ring is full."""
+        self.idle = threading.Event()  # set while it has nothing to copy: done, stopped, or its ring is full
         self._base = 0
 
     def start(self, segment: memoryview) -> None:

@@ -13,10 +13,10 @@ from swap_state.server import _posix
 
 __all__ = ["SnapshotFile", "pwrite_all", "write_durable"]
 
+# Snapshots, their job directories and the lock are the server user's alone, whatever the
+# umask or the root directory's mode (a shared /snapshots, a hostPath).
 FILE_MODE = 0o600
 DIR_MODE = 0o700
-"""Snapshots, their job directories and the lock are the server user's alone, whatever the
-umask or the root directory's mode (a shared /snapshots, a hostPath)."""
 
 
 def write_durable(path: pathlib.Path, data: bytes) -> None:
@@ -45,7 +45,6 @@ class SnapshotFile:
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
 
     def fileno(self) -> int:
-        """The descriptor open for writing."""
         if self._fd is None:
             raise ValueError(f"{self.path} is closed")
         return self._fd
@@ -64,7 +63,6 @@ class SnapshotFile:
             raise
 
     def pwrite(self, data: bytes | memoryview, offset: int) -> None:
-        """All of ``data`` at ``offset``."""
         with memoryview(data) as view:
             pwrite_all(self.fileno(), view, offset)
 

@@ -47,10 +47,8 @@ __all__ = ["StoreState", "UploadStatus", "UploadCounters", "SnapshotUploader", "
 
 log = logging.getLogger("swap_state.server.snapshot_upload")
 
-UPLOAD_BLOCK_BYTES = 8 << 20
-"""The local file is read, checksummed and handed to the store in blocks of this size."""
-HISTORY = 256
-"""Snapshots whose upload status stays in memory (older ones are answered from the store)."""
+UPLOAD_BLOCK_BYTES = 8 << 20  # the local file is read, checksummed and handed to the store in such blocks
+HISTORY = 256  # snapshots whose upload status stays in memory (older ones are answered from the store)
 
 
 class StoreState(str, enum.Enum):

@@ -51,8 +51,7 @@ __all__ = ["Cancelled", "RankResult", "RankWriter"]
 
 log = logging.getLogger("swap_state.server.snapshot_writer")
 
-HOLD_MAX_S = 0.25
-"""How long a writer started with ``hold`` waits for :meth:`RankWriter.go` at most."""
+HOLD_MAX_S = 0.25  # how long a writer started with ``hold`` waits for RankWriter.go at most
 
 
 def _place(sink: ChunkSink, data: memoryview, crc: int) -> int:
@@ -74,8 +73,7 @@ class RankResult:
     """A rank whose data file and manifest are written and fsynced."""
 
     manifest: RankManifest
-    files: tuple[FileRecord, FileRecord]
-    """(data file, manifest file) with sizes and crc32s, for snapshot.json."""
+    files: tuple[FileRecord, FileRecord]  # (data file, manifest file) with sizes and crc32s, for snapshot.json
 
 
 class Cancelled(Exception):
@@ -96,8 +94,7 @@ class RankWriter:
         layout = source.layout
         self._header = ServerHeader(source.header)  # the server's words (protocol steps 1 and 3)
         self.chunks = layout.chunks
-        self.model_from = layout.model_from
-        """The first chunk of the model tensors (the chunk count when there are none)."""
+        self.model_from = layout.model_from  # the first model chunk (the chunk count when there are none)
         self.model_copy_timeout_s = model_copy_timeout_s
         self.bytes_total = layout.tensor_bytes
         # Written by the writer thread only: bytes persisted, of the chunks the trainer copied
@@ -107,8 +104,7 @@ class RankWriter:
         self.stage_slots = stager_slot_count(source.layout.cow_slots)
         self.stager = Stager(self, self.stage_slots, stage_threads) if self.stage_slots else None
         self._trainer_yield = self.stager is not None
-        self.direct_io = False
-        """Whether the data file was written with O_DIRECT (known once it is created)."""
+        self.direct_io = False  # whether the data file was written with O_DIRECT (known once it is created)
         self._paused_s = 0.0  # time the writer paused for the trainer's steps (writer thread)
         self._stream_started = 0.0
         self.segment_released = Latch()
