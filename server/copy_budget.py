@@ -19,12 +19,9 @@ class CopyBudgetPolicy:
 
     def __init__(self, *, assumed_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
                  max_bandwidth: float | None = None, fwd_bwd_s: float = ASSUMED_FWD_BWD_S):
-        self.assumed_bytes_per_s = assumed_bytes_per_s
-        """The persist rate until a snapshot measured one."""
-        self.max_bandwidth = max_bandwidth
-        """The writers' cap (``--persist-max-bandwidth``): no rate is above it."""
-        self.fwd_bwd_s = fwd_bwd_s
-        """The forward/backward time assumed between a snapshot and the next optimizer step."""
+        self.assumed_bytes_per_s = assumed_bytes_per_s  # the persist rate until a snapshot measured one
+        self.max_bandwidth = max_bandwidth  # the writers' cap (``--persist-max-bandwidth``): no rate is above it
+        self.fwd_bwd_s = fwd_bwd_s  # the forward/backward time assumed between a snapshot and the next optimizer step
         self._measured: float | None = None  # bytes/s, smoothed over snapshots
         self._lock = threading.Lock()
 

@@ -57,8 +57,7 @@ class Tenant:
             )
 
 
-ANYONE = Tenant("", admin=True)
-"""The one tenant of a server without ``--tenants``."""
+ANYONE = Tenant("", admin=True)  # the one tenant of a server without ``--tenants``
 
 
 def tenant_uid(name: str) -> int | None:

@@ -23,8 +23,7 @@ from swap_state.common.snapshot_format import TensorRecord
 
 __all__ = ["Piece", "Run", "TargetTensor", "plan_tensor", "ranks_needed"]
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-"""A box of a global tensor as (offset, shape)."""
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # a box of a global tensor as (offset, shape)
 
 
 @dataclasses.dataclass(frozen=True)

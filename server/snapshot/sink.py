@@ -42,12 +42,11 @@ __all__ = ["BLOCK_BYTES", "BufferedSink", "ChunkSink", "DirectSink", "open_sink"
 
 log = logging.getLogger("swap_state.server.snapshot_writer")
 
-BLOCK_BYTES = 4096
-"""The alignment O_DIRECT needs on every filesystem Linux has (logical blocks are 512 or 4096)."""
+BLOCK_BYTES = 4096  # the alignment O_DIRECT needs on every filesystem Linux has (logical blocks are 512 or 4096)
 
+# One bounce buffer, one write: measured here, 8 MiB writes reach the disk's O_DIRECT
+# bandwidth with one or two in flight.
 BOUNCE_BYTES = 8 << 20
-"""One bounce buffer, one write: measured here, 8 MiB writes reach the disk's O_DIRECT
-bandwidth with one or two in flight."""
 
 WRITES_IN_FLIGHT = 2  # bounce buffers being written at once while the next one fills
 _WRITEBACK_BYTES = 8 << 20  # the buffered sink starts the disk writeback of every this many bytes

@@ -26,20 +26,16 @@ class SnapshotSource:
     rank: int
     world_size: int  # ranks of the job (global, across hosts)
     step: int  # the committed step the segment holds (the caller checks it is the last committed)
-    metadata_json: str = ""
-    """The trainer's description of the tensors (``snapshot_metadata`` schema); may be empty."""
+    metadata_json: str = ""  # the trainer's description of the tensors (``snapshot_metadata`` schema); may be empty
     metadata_parts: MetadataParts | None = None
     """The same as a validated base and delta (then ``metadata_json`` is empty), expanded by the writer."""
     local_world_size: int = 0
     """Ranks of the job on this server, 1..world_size (0: ``world_size``): a complete snapshot here."""
-    keep_latest: int = 0
-    """Durable snapshots the job asks to keep; the server keeps at least its ``--keep-latest``."""
-    keep_all: bool = False
-    """The job keeps every checkpoint: retention removes none of its snapshots."""
+    keep_latest: int = 0  # durable snapshots the job asks to keep; the server keeps at least its ``--keep-latest``
+    keep_all: bool = False  # the job keeps every checkpoint: retention removes none of its snapshots
     replace_existing: bool = False
     """A durable snapshot of this step from an earlier attempt is replaced instead of refused."""
-    session_id: str = ""
-    """The session that asks: a start is a retry only from the same session and ``generation``."""
+    session_id: str = ""  # the session that asks: a start is a retry only from the same session and ``generation``
     generation: int = 0
     tenant: str = ""  # the session's, recorded in the snapshot
     bounded_retention: bool = False

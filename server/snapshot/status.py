@@ -19,8 +19,7 @@ class SnapshotState(str, enum.Enum):
 
     PERSISTING = "persisting"
     DURABLE = "durable"
-    STORED = "stored"
-    """Durable, and every file of the rank is in the ``--snapshot-store`` too."""
+    STORED = "stored"  # durable, and every file of the rank is in the ``--snapshot-store`` too
     FAILED = "failed"
 
 
@@ -47,10 +46,8 @@ class SnapshotStatus:
     segment_released: bool  # whether the server is done reading this rank's segment
     warnings: tuple[str, ...] = ()
     """Problems after the commit (latest pointer, retention) that did not fail the snapshot."""
-    local_world_size: int = 0
-    """Ranks that must be durable on this server before the snapshot is (0: ``world_size``)."""
-    ranks: tuple[int, ...] = ()
-    """The ranks that have joined (in memory) or that the durable snapshot holds (from disk)."""
+    local_world_size: int = 0  # ranks that must be durable on this server before the snapshot is (0: ``world_size``)
+    ranks: tuple[int, ...] = ()  # the ranks that have joined (in memory) or that the durable snapshot holds (from disk)
     server_staged_chunks: int = 0  # this and trainer_copied_bytes: 0 from disk
     server_staged_bytes: int = 0
     trainer_copied_bytes: int = 0

@@ -59,13 +59,12 @@ def _place(sink: ChunkSink, data: memoryview, crc: int) -> int:
     return sink.put(data, crc)
 
 
+# Longest a writer pauses for one optimizer step of the trainer; a longer step (a trainer
+# killed mid-step) ends the pausing for the rest of the snapshot.
 TRAINER_YIELD_MAX_S = 2.0
-"""Longest a writer pauses for one optimizer step of the trainer; a longer step (a trainer
-killed mid-step) ends the pausing for the rest of the snapshot."""
-
+# Most of its streaming time a writer spends paused for the trainer's steps: a trainer whose
+# steps leave little time between them delays durability by 2x at most.
 TRAINER_YIELD_SHARE = 0.5
-"""Most of its streaming time a writer spends paused for the trainer's steps: a trainer
-whose steps leave little time between them delays durability by 2x at most."""
 
 
 @dataclasses.dataclass(frozen=True)
