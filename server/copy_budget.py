@@ -5,11 +5,9 @@ One :class:`CopyBudgetPolicy` per server, shared by the arena and the snapshot c
 
 from __future__ import annotations
 
-import logging
 import threading
 
 from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S, CopyBudget, SegmentLayout
-from swap_state.server.logs import log_event
 
 __all__ = ["CopyBudgetPolicy"]
 
@@ -46,13 +44,11 @@ class CopyBudgetPolicy:
         the disk cannot persist within one forward/backward?"""
         return CopyBudget(layout.tensor_bytes, layout.cow_slots * layout.chunk_bytes, *self.rate(), self.fwd_bwd_s)
 
-    def warn_if_short(self, logger: logging.Logger, layout: SegmentLayout, **where: object) -> None:
-        """Log ``copy_budget_short`` (``where``: whose segment) when :meth:`budget` falls short."""
+    def shortfall(self, layout: SegmentLayout) -> dict[str, object] | None:
+        """The fields of a ``copy_budget_short`` warning when :meth:`budget` falls short, else None."""
         budget = self.budget(layout)
-        if budget.short_bytes:
-            log_event(
-                logger, "copy_budget_short", logging.WARNING, **where, state_bytes=budget.state_bytes,
-                slot_bytes=budget.slot_bytes, needed_bytes=budget.needed_bytes,
-                persist_bytes_per_s=int(budget.persist_bytes_per_s), persist_measured=budget.persist_measured,
-                assumed_fwd_bwd_s=budget.fwd_bwd_s, detail=budget.warning(),
-            )
+        if not budget.short_bytes:
+            return None
+        return dict(state_bytes=budget.state_bytes, slot_bytes=budget.slot_bytes, needed_bytes=budget.needed_bytes,
+                    persist_bytes_per_s=int(budget.persist_bytes_per_s), persist_measured=budget.persist_measured,
+                    assumed_fwd_bwd_s=budget.fwd_bwd_s, detail=budget.warning())

@@ -274,7 +274,9 @@ class Arena:
         if closed:  # shut down while we were faulting pages in
             self._destroy(segment)
             raise Unavailable("the server is shutting down")
-        self.copy_policy.warn_if_short(log, segment.layout, segment=segment.name, cow_pool_slots=self.cow_pool_slots)
+        if (short := self.copy_policy.shortfall(segment.layout)) is not None:
+            log_event(log, "copy_budget_short", logging.WARNING, segment=segment.name,
+                      cow_pool_slots=self.cow_pool_slots, **short)
         return segment
 
     def segment_object(self, name: str, layout: SegmentLayout, digest: str, descriptor_bytes: int) -> Segment:

@@ -133,7 +133,9 @@ class SnapshotCoordinator:
                 return group  # a retry of this rank's Snapshot call
             handle = self._join(group, source, metadata, hold)
         # After the publish: the trainer's stall is not for this.
-        self.copy_policy.warn_if_short(log, source.layout, job_id=source.job_id, rank=source.rank, step=source.step)
+        if (short := self.copy_policy.shortfall(source.layout)) is not None:
+            log_event(log, "copy_budget_short", logging.WARNING, job_id=source.job_id, rank=source.rank,
+                      step=source.step, **short)
         return handle
 
     def _group_for(self, source: SnapshotSource) -> SnapshotGroup | RankSnapshot:
