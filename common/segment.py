@@ -137,11 +137,9 @@ def committed_step(header: "SegmentHeader") -> int | None:
     """The last committed step the segment holds, None when none: the trainer's
     ``TRAINER_COMMITTED`` once it committed after the server's last ``RESTORED_SEQ``, else the
     server's ``COMMITTED_STEP`` (in between a reader sees the older step, never a wrong one)."""
-    if header[Word.TRAINER_RESTORED_SEQ] == header[Word.RESTORED_SEQ]:
-        trainer = header[Word.TRAINER_COMMITTED]
-        return trainer - 1 if trainer else None
-    server = header[Word.COMMITTED_STEP]
-    return server - 1 if server else None
+    trainer_current = header[Word.TRAINER_RESTORED_SEQ] == header[Word.RESTORED_SEQ]
+    value = header[Word.TRAINER_COMMITTED if trainer_current else Word.COMMITTED_STEP]
+    return value - 1 if value else None
 
 
 def stager_slot_count(cow_slots: int) -> int:
@@ -252,12 +250,8 @@ class SegmentLayout:
     @functools.cached_property
     def model_from(self) -> int:
         """Index of the first chunk of the model tensors (protocol step 5); n_chunks if none."""
-        index = 0
-        for tensor in self.tensors:
-            if is_model_tensor(tensor.name):
-                return index
-            index += -(-tensor.nbytes // self.chunk_bytes)
-        return index
+        first = next((i for i, t in enumerate(self.tensors) if is_model_tensor(t.name)), len(self.tensors))
+        return next((c.index for c in self.chunks if c.tensor_index >= first), len(self.chunks))
 
 
 def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
@@ -307,11 +301,9 @@ def chunk_table(tensors: Sequence[TensorLayout], chunk_bytes: int) -> list[Chunk
     """Chunks in update order: each tensor split into pieces of at most ``chunk_bytes``."""
     chunks: list[Chunk] = []
     for tensor_index, tensor in enumerate(tensors):
-        start = 0
-        while start < tensor.nbytes:
+        for start in range(0, tensor.nbytes, chunk_bytes):
             nbytes = min(chunk_bytes, tensor.nbytes - start)
             chunks.append(Chunk(len(chunks), tensor_index, tensor.offset + start, nbytes))
-            start += nbytes
     return chunks
 
 
