@@ -169,14 +169,11 @@ class TensorRecord:
     """[begin, end) within the safetensors data section."""
     crc32: int
     """zlib CRC-32 of the tensor's bytes."""
+    # The trainer's facts, as in :class:`~.snapshot_metadata.TensorMetadata` (None: not given).
     fqn: str | None = None
-    """Parameter fqn from the trainer's metadata, None when it gave none."""
     key: str | None = None
-    """State key (``exp_avg``, ``exp_avg_sq``, ...), None when the trainer gave none."""
     global_shape: tuple[int, ...] | None = None
-    """DTensor global shape, None for a plain tensor."""
     global_offset: tuple[int, ...] | None = None
-    """DTensor offset of this shard in the global tensor, None for a plain tensor."""
 
     def to_json(self) -> dict[str, Any]:
         """Its manifest entry; the trainer's facts only when it gave them."""
@@ -396,17 +393,10 @@ class SnapshotIndex:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": INDEX_FORMAT,
-            "version": FORMAT_VERSION,
-            "snapshot_id": self.snapshot_id,
-            "job_id": self.job_id,
-            "step": self.step,
-            "world_size": self.world_size,
-            "local_world_size": self.local_world_size,
-            "ranks": list(self.ranks),
-            "created_unix": self.created_unix,
-            "attempt": self.attempt,
-            "files": [f.to_json() for f in self.files],
+            "format": INDEX_FORMAT, "version": FORMAT_VERSION, "snapshot_id": self.snapshot_id,
+            "job_id": self.job_id, "step": self.step, "world_size": self.world_size,
+            "local_world_size": self.local_world_size, "ranks": list(self.ranks),
+            "created_unix": self.created_unix, "attempt": self.attempt, "files": [f.to_json() for f in self.files],
             **({"layout": self.layout.to_json()} if self.layout is not None else {}),
             **({"tenant": self.tenant} if self.tenant else {}),
         }

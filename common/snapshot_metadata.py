@@ -200,14 +200,9 @@ _MANIFEST_FIELDS = ("tensors", "param_groups", "steps")  # a manifest's own fiel
 
 def tensor_entry(tensor: TensorMetadata | Any) -> dict[str, Any]:
     """A tensor's ``tensors`` entry, of a TensorMetadata or anything with its attributes."""
-    entry: dict[str, Any] = {}
-    if tensor.fqn is not None:
-        entry["fqn"] = tensor.fqn
-    if tensor.key is not None:
-        entry["key"] = tensor.key
+    entry: dict[str, Any] = {name: value for name in ("fqn", "key") if (value := getattr(tensor, name)) is not None}
     if tensor.global_shape is not None:
-        entry["global_shape"] = list(tensor.global_shape)
-        entry["global_offset"] = list(tensor.global_offset or ())
+        entry.update(global_shape=list(tensor.global_shape), global_offset=list(tensor.global_offset or ()))
     return entry
 
 

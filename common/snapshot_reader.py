@@ -141,10 +141,7 @@ class SnapshotTier(abc.ABC):
                 f"rank {rank} attaches to)"
             )
         name = rank_manifest_name(rank)
-        record = info.index.file(name)
-        if record is None:
-            raise SnapshotCorrupt(f"the index of {info.path} does not list {name}")
-        raw = self._read_listed(info, record)
+        raw = self._read_listed(info, info.file(name))
         try:
             manifest = RankManifest.from_json(json.loads(raw))
         except ValueError as exc:
