@@ -26,7 +26,8 @@ from urllib.parse import urlparse
 
 from .errors import ConfigError
 
-__all__ = ["ObjectInfo", "ObjectStore", "PosixObjectStore", "S3ObjectStore", "open_store", "read_range", "fsync_dir", "STORE_FLAG"]
+__all__ = ["ObjectInfo", "ObjectStore", "PosixObjectStore", "S3ObjectStore", "open_store", "read_range", "fsync_dir",
+           "STORE_FLAG"]
 
 STORE_FLAG = "--snapshot-store"
 _TMP_MARK = ".tmp-"
@@ -156,7 +157,7 @@ class PosixObjectStore(ObjectStore):
             return None
 
     def list(self, prefix: str) -> list[ObjectInfo]:
-        folder, _, start = prefix.rpartition("/")
+        folder = prefix.rpartition("/")[0]
         base = self._path(folder) if folder else self.root
         found: list[ObjectInfo] = []
         for directory, _dirs, files in os.walk(base):
@@ -288,11 +289,8 @@ class S3ObjectStore(ObjectStore):
         return sorted(name for name in names if name and "/" not in name)
 
     def delete(self, key: str) -> None:
-        try:
-            with self._errors(key):
-                self._obs.delete(self._store, key)
-        except FileNotFoundError:
-            pass
+        with contextlib.suppress(FileNotFoundError), self._errors(key):
+            self._obs.delete(self._store, key)
 
     @contextlib.contextmanager
     def _errors(self, key: str) -> Iterator[None]:
