@@ -31,14 +31,7 @@ from .names import is_job_id, parse_snapshot_id, parse_step_dir_name, snapshot_i
 from .object_store import read_range
 from .snapshot_errors import SnapshotCorrupt, SnapshotError, SnapshotInvalid, SnapshotNotFound
 from .snapshot_format import (
-    INDEX_NAME,
-    LATEST_NAME,
-    FileRecord,
-    RankManifest,
-    SnapshotIndex,
-    TensorRecord,
-    rank_data_name,
-    rank_manifest_name,
+    INDEX_NAME, LATEST_NAME, FileRecord, RankManifest, SnapshotIndex, TensorRecord, rank_data_name, rank_manifest_name,
 )
 
 __all__ = ["SnapshotInfo", "SnapshotReader", "SnapshotTier", "reading_file"]
