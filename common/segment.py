@@ -16,8 +16,7 @@ touches the other's, ``STAGE_SLOTS`` changes only while ``SNAP_EPOCH == 0``, and
 1. Snapshot(step=N), between steps: before replying the server frees every trainer slot
    (``SLOT_FREED[j] = SLOT_TAKEN[j]``), stores ``SNAP_STEP = N``, ``PERSISTED_UPTO = 0``,
    ``STAGED_UPTO = 0``, ``STAGE_SLOTS = k`` and last ``SNAP_EPOCH = e`` (e > 0, increasing).
-   ``STAGE_SLOTS`` changes only while ``SNAP_EPOCH == 0``. From the reply on the snapshot is
-   *consistent*: the trainer may mutate again.
+   From the reply on the snapshot is *consistent*: the trainer may mutate again.
 2. The stager copies chunk c into its slot ``c % k`` (a ring) once the writer is done with
    chunk ``c - k`` (``PERSISTED_UPTO > c - k``); it skips chunks the writer is done with and
    those the trainer copied (``COW_EPOCH[c] == e``), and after each stores ``STAGED_UPTO = c +
@@ -276,11 +275,8 @@ def segment_file_bytes(layout: "SegmentLayout", descriptor_bytes: int) -> int:
     return layout.size + align_up(descriptor_bytes)
 
 
-def plan_segment(
-    specs: Sequence[tuple[str, str, Sequence[int]]],
-    chunk_bytes: int,
-    max_cow_slots: int,
-) -> SegmentLayout:
+def plan_segment(specs: Sequence[tuple[str, str, Sequence[int]]], chunk_bytes: int,
+                 max_cow_slots: int) -> SegmentLayout:
     """Place tensors at page-aligned offsets after the header, then the cow slots (at most one
     per chunk: more could never be used)."""
     if chunk_bytes <= 0 or chunk_bytes % PAGE_BYTES:

@@ -26,7 +26,6 @@ class SegmentDescriptor:
     job_id: str
     rank: int
     world_size: int
-    """The job's (global) world size."""
     local_world_size: int
     """Ranks of the job on the server (its host)."""
     tensors: tuple[tuple[str, str, tuple[int, ...]], ...]
