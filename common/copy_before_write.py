@@ -46,15 +46,8 @@ class TrainerProtector:
     """Copy-before-write for one mapped segment: :meth:`protect` makes one chunk safe to
     overwrite, :meth:`before_write` every chunk of a byte range."""
 
-    def __init__(
-        self,
-        buffer,
-        layout: SegmentLayout,
-        *,
-        header: SegmentHeader | TrainerHeader,
-        max_wait_s: float | None = None,
-        server_gone: Callable[[], bool] | None = None,
-    ):
+    def __init__(self, buffer, layout: SegmentLayout, *, header: SegmentHeader | TrainerHeader,
+                 max_wait_s: float | None = None, server_gone: Callable[[], bool] | None = None):
         """``buffer``: the whole segment, writable; ``header``: one over it; ``max_wait_s``:
         BackPressureTimeout after waiting this long (None: no limit); ``server_gone()``: the
         server is unreachable, so a wait for a slot gives the snapshot up instead (protocol

@@ -1,9 +1,6 @@
-"""The server's command line, generated from :class:`~.server_config.ServerConfig`, both ways.
-
-:func:`add_server_flags` declares one argparse option per field with a
-:class:`~.server_config.Flag`; :func:`config_from_args` turns the parsed namespace into a
-``ServerConfig``; :func:`config_to_argv` is the reverse, for the trainer's embedded server, so
-that ``parse(config_to_argv(c)) == c``. No grpc, no server imports.
+"""The server's command line, generated from :class:`~.server_config.ServerConfig`, both ways:
+:func:`add_server_flags` and :func:`config_from_args` read it, :func:`config_to_argv` writes it
+for the trainer's embedded server (``parse(config_to_argv(c)) == c``). No grpc, no server imports.
 """
 
 from __future__ import annotations
@@ -190,7 +187,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The namespace of a parser built with :func:`add_server_flags` -> config (or ConfigError)."""
-    return config_from_settings({flag.name: getattr(args, flag.name) for flag in user_flags() if hasattr(args, flag.name)})
+    given = {flag.name: getattr(args, flag.name) for flag in user_flags() if hasattr(args, flag.name)}
+    return config_from_settings(given)
 
 
 def setting_value(name: str, value: Any) -> Any:
