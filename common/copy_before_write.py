@@ -102,15 +102,9 @@ class TrainerProtector:
         """Protect every chunk overlapping ``[offset, offset + nbytes)``; returns copies made."""
         if nbytes <= 0 or self.header[Word.SNAP_EPOCH] == 0:
             return 0
-        end = offset + nbytes
-        index = max(0, bisect.bisect_right(self._starts, offset) - 1)
-        copies = 0
-        while index < len(self.chunks) and self.chunks[index].offset < end:
-            chunk = self.chunks[index]
-            if chunk.offset + chunk.nbytes > offset:
-                copies += self.protect(chunk)
-            index += 1
-        return copies
+        first = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        last = bisect.bisect_left(self._starts, offset + nbytes)  # chunks [first, last) start before the end
+        return sum(self.protect(chunk) for chunk in self.chunks[first:last] if chunk.offset + chunk.nbytes > offset)
 
     def before_write_tensor(self, tensor_index: int) -> int:
         """Protect all chunks of one tensor of the layout."""

@@ -81,11 +81,8 @@ DATA_ALIGN = 4096
 O_DIRECT. Older files are padded to 8 only; readers take both (:meth:`RankManifest.header_bytes`)."""
 
 
-def safetensors_header(
-    tensors: Sequence[tuple[str, str, Sequence[int], int]],
-    metadata: Mapping[str, str],
-    align: int = DATA_ALIGN,
-) -> tuple[bytes, list[tuple[int, int]]]:
+def safetensors_header(tensors: Sequence[tuple[str, str, Sequence[int], int]], metadata: Mapping[str, str],
+                       align: int = DATA_ALIGN) -> tuple[bytes, list[tuple[int, int]]]:
     """The bytes before the data (length + JSON padded so the data starts ``align``-aligned) and
     each tensor's ``data_offsets``, for ``(name, dtype, shape, nbytes)`` in file order.
     Deterministic: restore recomputes it from the manifest and compares byte for byte."""
@@ -409,9 +406,7 @@ class SnapshotIndex:
         world_size = _int(raw.get("world_size"), "world_size", 1)
         ranks = _dims(raw.get("ranks"), "ranks")
         if not ranks or list(ranks) != sorted(set(ranks)) or ranks[-1] >= world_size:
-            raise ValueError(
-                f"ranks {list(ranks)[:16]} are not distinct ascending ranks of 0..{world_size - 1}"
-            )
+            raise ValueError(f"ranks {list(ranks)[:16]} are not distinct ascending ranks of 0..{world_size - 1}")
         local = raw.get("local_world_size", len(ranks))
         if _int(local, "local_world_size", 1) != len(ranks):
             raise ValueError(f"local_world_size {local} is not the number of ranks {len(ranks)}")

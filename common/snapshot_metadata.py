@@ -108,9 +108,7 @@ def _check_value(value: Any, what: str) -> None:
         if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise SnapshotInvalid(f"metadata_json: {what}: {TENSOR_TAG} must be a number")
         if value.get("dtype", "float32") not in DTYPE_ITEMSIZE:
-            raise SnapshotInvalid(
-                f"metadata_json: {what}: dtype must be one of {sorted(DTYPE_ITEMSIZE)}"
-            )
+            raise SnapshotInvalid(f"metadata_json: {what}: dtype must be one of {sorted(DTYPE_ITEMSIZE)}")
 
 
 def _tensor_entry(name: str, raw: Any, layout: TensorLayout) -> TensorMetadata:
@@ -159,12 +157,8 @@ def load_metadata_json(text: str, what: str = "metadata_json", max_bytes: int = 
     return raw
 
 
-def parse_metadata(
-    metadata_json: str,
-    tensors: Sequence[TensorLayout],
-    max_bytes: int = MAX_METADATA_BYTES,
-    what: str = "metadata_json",
-) -> SnapshotMetadata:
+def parse_metadata(metadata_json: str, tensors: Sequence[TensorLayout], max_bytes: int = MAX_METADATA_BYTES,
+                   what: str = "metadata_json") -> SnapshotMetadata:
     """Validate ``metadata_json`` against the segment's tensors (SnapshotInvalid otherwise;
     ``what`` names the text where its size or syntax is wrong)."""
     raw = load_metadata_json(metadata_json, what, max_bytes)
@@ -206,12 +200,8 @@ def tensor_entry(tensor: TensorMetadata | Any) -> dict[str, Any]:
     return entry
 
 
-def encode_metadata(
-    tensors: Mapping[str, TensorMetadata],
-    param_groups: Mapping[str, Mapping[str, Any]],
-    steps: Mapping[str, Any],
-    model_aliases: Mapping[str, str] | None = None,
-) -> str:
+def encode_metadata(tensors: Mapping[str, TensorMetadata], param_groups: Mapping[str, Mapping[str, Any]],
+                    steps: Mapping[str, Any], model_aliases: Mapping[str, str] | None = None) -> str:
     """The ``metadata_json`` a trainer sends: the inverse of :func:`parse_metadata` (values
     JSON-ready, or :func:`tagged_scalar`)."""
     raw: dict[str, Any] = {"tensors": {name: tensor_entry(t) for name, t in tensors.items()},
