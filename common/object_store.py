@@ -206,11 +206,8 @@ class S3ObjectStore(ObjectStore):
         self.uri = uri
         self._obs = obstore
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
-        client_options = {
-            "allow_http": endpoint.startswith("http://"),
-            "connect_timeout": f"{max(1, int(min(timeout_s, 10)))}s",
-            "timeout": f"{max(1, int(timeout_s))}s",
-        }
+        client_options = {"allow_http": endpoint.startswith("http://"), "timeout": f"{max(1, int(timeout_s))}s",
+                          "connect_timeout": f"{max(1, int(min(timeout_s, 10)))}s"}
         retry = {
             "max_retries": 3,
             "retry_timeout": datetime.timedelta(seconds=timeout_s),

@@ -174,10 +174,8 @@ class TensorRecord:
 
     def to_json(self) -> dict[str, Any]:
         """Its manifest entry; the trainer's facts only when it gave them."""
-        entry: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-        entry.update(tensor_entry(self))
-        entry.update(nbytes=self.nbytes, data_offsets=list(self.data_offsets), crc32=format_crc(self.crc32))
-        return entry
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), **tensor_entry(self),
+                "nbytes": self.nbytes, "data_offsets": list(self.data_offsets), "crc32": format_crc(self.crc32)}
 
     @classmethod
     def from_json(cls, raw: Any) -> TensorRecord:

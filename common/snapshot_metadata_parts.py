@@ -100,8 +100,7 @@ def parse_base(base_json: str, tensors: Sequence[TensorLayout], max_bytes: int =
     groups = _dims(whole.extra.get("groups", []), "groups", "metadata base")
     if len(groups) != len(fqns):
         raise SnapshotInvalid(f"metadata base: {len(fqns)} fqns but {len(groups)} group indices")
-    return MetadataBase(whole.tensors, dict(whole.model_aliases), tuple(fqns), groups,
-                        max(groups, default=-1) + 1)
+    return MetadataBase(whole.tensors, dict(whole.model_aliases), tuple(fqns), groups, max(groups, default=-1) + 1)
 
 
 def parse_delta(delta_json: str, base: MetadataBase, max_bytes: int = MAX_METADATA_BYTES) -> MetadataParts:
