@@ -345,7 +345,5 @@ def open_store(uri: str, timeout_s: float = 60.0) -> ObjectStore:
         return PosixObjectStore(parsed.path, uri)
     if parsed.scheme == "" and uri:
         return PosixObjectStore(uri)
-    raise ConfigError(
-        f"{STORE_FLAG} {uri!r}: expected s3://BUCKET/PREFIX, file:///PATH or a path on a "
-        "filesystem every host mounts"
-    )
+    raise ConfigError(f"{STORE_FLAG} {uri!r}: expected s3://BUCKET/PREFIX, file:///PATH or a path on a filesystem "
+                      "every host mounts")

@@ -144,9 +144,8 @@ def committed_step(header: "SegmentHeader") -> int | None:
 def stager_slot_count(cow_slots: int) -> int:
     """Slots the server's stager takes of ``cow_slots`` (protocol step 1); the rest (at least
     one) stay the trainer's fallback."""
-    if cow_slots <= 2:  # a ring of one slot could only stage the chunk being read
-        return 0
-    return cow_slots - max(1, cow_slots // 32)
+    # none below 3 slots: a ring of one slot could only stage the chunk being read
+    return 0 if cow_slots <= 2 else cow_slots - max(1, cow_slots // 32)
 
 
 ASSUMED_PERSIST_BYTES_PER_S = 1e9

@@ -274,10 +274,8 @@ class ServerConfig:
         elif self.cow_budget < 0:
             raise ConfigError("--cow-budget must be >= 0")
         if self.cow_budget > self.shm_size:
-            raise ConfigError(
-                f"--cow-budget {format_size(self.cow_budget)} exceeds --shm-size "
-                f"{format_size(self.shm_size)} (the pool is part of the budget)"
-            )
+            raise ConfigError(f"--cow-budget {format_size(self.cow_budget)} exceeds --shm-size "
+                              f"{format_size(self.shm_size)} (the pool is part of the budget)")
         if self.snapshot_store and self.snapshot_dir is None:
             raise ConfigError("--snapshot-store needs --snapshot-dir: snapshots become durable there first, then "
                               "are uploaded")

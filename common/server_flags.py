@@ -263,10 +263,8 @@ def config_to_argv(config: ServerConfig) -> list[str]:
     named = {f.name for f in flags} | {f.spec.host_field for f in flags if f.spec.host_field}
     for field in dataclasses.fields(ServerConfig):
         if field.name not in named and getattr(config, field.name) != field.default:
-            raise ValueError(
-                f"ServerConfig.{field.name}={getattr(config, field.name)!r} has no command-line "
-                "flag: a server started from argv cannot reproduce it"
-            )
+            raise ValueError(f"ServerConfig.{field.name}={getattr(config, field.name)!r} has no command-line "
+                             "flag: a server started from argv cannot reproduce it")
     argv: list[str] = []
     for flag in flags:
         value, field = getattr(config, flag.name), flag.field

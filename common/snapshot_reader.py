@@ -125,9 +125,7 @@ class SnapshotTier(abc.ABC):
         here (on a multi-host job: on another host)."""
         if rank not in info.ranks:
             if not 0 <= rank < info.world_size:
-                raise SnapshotNotFound(
-                    f"{info.snapshot_id} has world_size {info.world_size}: there is no rank {rank}"
-                )
+                raise SnapshotNotFound(f"{info.snapshot_id} has world_size {info.world_size}: there is no rank {rank}")
             raise SnapshotNotFound(
                 f"{info.snapshot_id} at {info.path} holds {info.describe_ranks()}, not rank "
                 f"{rank}: the snapshot of rank {rank} is on another host's server (the one "
