@@ -22,9 +22,7 @@ _TCP = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([A-Za-z0-9_.-]+):(\d+)")
 
 def default_socket_path() -> pathlib.Path:
     """$XDG_RUNTIME_DIR/swap-state/swap-state.sock, else /run/swap-state/swap-state.sock."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = pathlib.Path(runtime) if runtime else pathlib.Path("/run")
-    return base / "swap-state" / "swap-state.sock"
+    return pathlib.Path(os.environ.get("XDG_RUNTIME_DIR") or "/run") / "swap-state" / "swap-state.sock"
 
 
 def default_listen() -> str:
@@ -45,9 +43,7 @@ class ListenAddress:
 
     @property
     def url(self) -> str:
-        if self.scheme == "unix":
-            return f"unix://{self.path}"
-        return f"tcp://{self._host_port()}"
+        return f"unix://{self.path}" if self.scheme == "unix" else f"tcp://{self._host_port()}"
 
     def _host_port(self, port: int | None = None) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host

@@ -46,15 +46,8 @@ class TrainerProtector:
     """Copy-before-write for one mapped segment: :meth:`protect` makes one chunk safe to
     overwrite, :meth:`before_write` every chunk of a byte range."""
 
-    def __init__(
-        self,
-        buffer,
-        layout: SegmentLayout,
-        *,
-        header: SegmentHeader | TrainerHeader,
-        max_wait_s: float | None = None,
-        server_gone: Callable[[], bool] | None = None,
-    ):
+    def __init__(self, buffer, layout: SegmentLayout, *, header: SegmentHeader | TrainerHeader,
+                 max_wait_s: float | None = None, server_gone: Callable[[], bool] | None = None):
         """``buffer``: the whole segment, writable; ``header``: one over it; ``max_wait_s``:
         BackPressureTimeout after waiting this long (None: no limit); ``server_gone()``: the
         server is unreachable, so a wait for a slot gives the snapshot up instead (protocol
@@ -109,15 +102,9 @@ class TrainerProtector:
         """Protect every chunk overlapping ``[offset, offset + nbytes)``; returns copies made."""
         if nbytes <= 0 or self.header[Word.SNAP_EPOCH] == 0:
             return 0
-        end = offset + nbytes
-        index = max(0, bisect.bisect_right(self._starts, offset) - 1)
-        copies = 0
-        while index < len(self.chunks) and self.chunks[index].offset < end:
-            chunk = self.chunks[index]
-            if chunk.offset + chunk.nbytes > offset:
-                copies += self.protect(chunk)
-            index += 1
-        return copies
+        first = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        last = bisect.bisect_left(self._starts, offset + nbytes)  # chunks [first, last) start before the end
+        return sum(self.protect(chunk) for chunk in self.chunks[first:last] if chunk.offset + chunk.nbytes > offset)
 
     def before_write_tensor(self, tensor_index: int) -> int:
         """Protect all chunks of one tensor of the layout."""

@@ -1,9 +1,8 @@
 """Domain errors, and the machine-readable reason each one carries over the wire.
 
-The server maps them to gRPC status codes in one place (:mod:`swap_state.server.rpc.statuses`)
-and sends the ``reason`` in :data:`REASON_METADATA_KEY`; the client raises the same class again
-(:data:`ERROR_FOR_REASON`). Each class names its ``code`` (a ``grpc.StatusCode`` member name)
-and its ``reason``; the first class to declare a reason is the one the client raises.
+The server maps each class's ``code`` (a ``grpc.StatusCode`` member name) to its status in one
+place (:mod:`swap_state.server.rpc.statuses`) and sends its ``reason`` in
+:data:`REASON_METADATA_KEY`; the client raises the same class again (:data:`ERROR_FOR_REASON`).
 """
 
 from __future__ import annotations

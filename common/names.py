@@ -67,9 +67,8 @@ class SnapshotRef:
         return f"{self.job_id}/latest" if self.step is None else snapshot_id_for(self.job_id, self.step)
 
 
-def parse_snapshot_id(
-    snapshot_id: object, job_id: str | None = None, error: type[Exception] = InvalidArgument
-) -> SnapshotRef:
+def parse_snapshot_id(snapshot_id: object, job_id: str | None = None,
+                      error: type[Exception] = InvalidArgument) -> SnapshotRef:
     """``<job>/step-<N>`` (any zero padding), ``<job>/latest``, or ``latest`` / ``step-<N>`` of
     ``job_id``; anything else raises ``error`` naming the accepted forms."""
     match = _SNAPSHOT_ID.fullmatch(snapshot_id) if isinstance(snapshot_id, str) else None

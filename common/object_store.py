@@ -26,7 +26,8 @@ from urllib.parse import urlparse
 
 from .errors import ConfigError
 
-__all__ = ["ObjectInfo", "ObjectStore", "PosixObjectStore", "S3ObjectStore", "open_store", "read_range", "fsync_dir", "STORE_FLAG"]
+__all__ = ["ObjectInfo", "ObjectStore", "PosixObjectStore", "S3ObjectStore", "open_store", "read_range", "fsync_dir",
+           "STORE_FLAG"]
 
 STORE_FLAG = "--snapshot-store"
 _TMP_MARK = ".tmp-"
@@ -156,7 +157,7 @@ class PosixObjectStore(ObjectStore):
             return None
 
     def list(self, prefix: str) -> list[ObjectInfo]:
-        folder, _, start = prefix.rpartition("/")
+        folder = prefix.rpartition("/")[0]
         base = self._path(folder) if folder else self.root
         found: list[ObjectInfo] = []
         for directory, _dirs, files in os.walk(base):
@@ -205,11 +206,8 @@ class S3ObjectStore(ObjectStore):
         self.uri = uri
         self._obs = obstore
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
-        client_options = {
-            "allow_http": endpoint.startswith("http://"),
-            "connect_timeout": f"{max(1, int(min(timeout_s, 10)))}s",
-            "timeout": f"{max(1, int(timeout_s))}s",
-        }
+        client_options = {"allow_http": endpoint.startswith("http://"), "timeout": f"{max(1, int(timeout_s))}s",
+                          "connect_timeout": f"{max(1, int(min(timeout_s, 10)))}s"}
         retry = {
             "max_retries": 3,
             "retry_timeout": datetime.timedelta(seconds=timeout_s),
@@ -288,11 +286,8 @@ class S3ObjectStore(ObjectStore):
         return sorted(name for name in names if name and "/" not in name)
 
     def delete(self, key: str) -> None:
-        try:
-            with self._errors(key):
-                self._obs.delete(self._store, key)
-        except FileNotFoundError:
-            pass
+        with contextlib.suppress(FileNotFoundError), self._errors(key):
+            self._obs.delete(self._store, key)
 
     @contextlib.contextmanager
     def _errors(self, key: str) -> Iterator[None]:
@@ -350,7 +345,5 @@ def open_store(uri: str, timeout_s: float = 60.0) -> ObjectStore:
         return PosixObjectStore(parsed.path, uri)
     if parsed.scheme == "" and uri:
         return PosixObjectStore(uri)
-    raise ConfigError(
-        f"{STORE_FLAG} {uri!r}: expected s3://BUCKET/PREFIX, file:///PATH or a path on a "
-        "filesystem every host mounts"
-    )
+    raise ConfigError(f"{STORE_FLAG} {uri!r}: expected s3://BUCKET/PREFIX, file:///PATH or a path on a filesystem "
+                      "every host mounts")

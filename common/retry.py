@@ -10,14 +10,8 @@ from collections.abc import Callable
 __all__ = ["wait_until"]
 
 
-def wait_until(
-    ready: Callable[[], bool],
-    *,
-    timeout_s: float | None,
-    first_s: float = 1e-3,
-    max_s: float = 0.05,
-    sleep: Callable[[float], object] = time.sleep,
-) -> bool:
+def wait_until(ready: Callable[[], bool], *, timeout_s: float | None, first_s: float = 1e-3, max_s: float = 0.05,
+               sleep: Callable[[float], object] = time.sleep) -> bool:
     """Call ``ready()`` (at once, and once more at the deadline) until it returns true: True
     then, False once ``timeout_s`` (None: no limit) passed. Sleeps ``first_s``, doubling up to
     ``max_s``; ``sleep`` may raise to abort the wait (a cancelled snapshot)."""

@@ -16,8 +16,7 @@ touches the other's, ``STAGE_SLOTS`` changes only while ``SNAP_EPOCH == 0``, and
 1. Snapshot(step=N), between steps: before replying the server frees every trainer slot
    (``SLOT_FREED[j] = SLOT_TAKEN[j]``), stores ``SNAP_STEP = N``, ``PERSISTED_UPTO = 0``,
    ``STAGED_UPTO = 0``, ``STAGE_SLOTS = k`` and last ``SNAP_EPOCH = e`` (e > 0, increasing).
-   ``STAGE_SLOTS`` changes only while ``SNAP_EPOCH == 0``. From the reply on the snapshot is
-   *consistent*: the trainer may mutate again.
+   From the reply on the snapshot is *consistent*: the trainer may mutate again.
 2. The stager copies chunk c into its slot ``c % k`` (a ring) once the writer is done with
    chunk ``c - k`` (``PERSISTED_UPTO > c - k``); it skips chunks the writer is done with and
    those the trainer copied (``COW_EPOCH[c] == e``), and after each stores ``STAGED_UPTO = c +
@@ -137,19 +136,16 @@ def committed_step(header: "SegmentHeader") -> int | None:
     """The last committed step the segment holds, None when none: the trainer's
     ``TRAINER_COMMITTED`` once it committed after the server's last ``RESTORED_SEQ``, else the
     server's ``COMMITTED_STEP`` (in between a reader sees the older step, never a wrong one)."""
-    if header[Word.TRAINER_RESTORED_SEQ] == header[Word.RESTORED_SEQ]:
-        trainer = header[Word.TRAINER_COMMITTED]
-        return trainer - 1 if trainer else None
-    server = header[Word.COMMITTED_STEP]
-    return server - 1 if server else None
+    trainer_current = header[Word.TRAINER_RESTORED_SEQ] == header[Word.RESTORED_SEQ]
+    value = header[Word.TRAINER_COMMITTED if trainer_current else Word.COMMITTED_STEP]
+    return value - 1 if value else None
 
 
 def stager_slot_count(cow_slots: int) -> int:
     """Slots the server's stager takes of ``cow_slots`` (protocol step 1); the rest (at least
     one) stay the trainer's fallback."""
-    if cow_slots <= 2:  # a ring of one slot could only stage the chunk being read
-        return 0
-    return cow_slots - max(1, cow_slots // 32)
+    # none below 3 slots: a ring of one slot could only stage the chunk being read
+    return 0 if cow_slots <= 2 else cow_slots - max(1, cow_slots // 32)
 
 
 ASSUMED_PERSIST_BYTES_PER_S = 1e9
@@ -252,12 +248,8 @@ class SegmentLayout:
     @functools.cached_property
     def model_from(self) -> int:
         """Index of the first chunk of the model tensors (protocol step 5); n_chunks if none."""
-        index = 0
-        for tensor in self.tensors:
-            if is_model_tensor(tensor.name):
-                return index
-            index += -(-tensor.nbytes // self.chunk_bytes)
-        return index
+        first = next((i for i, t in enumerate(self.tensors) if is_model_tensor(t.name)), len(self.tensors))
+        return next((c.index for c in self.chunks if c.tensor_index >= first), len(self.chunks))
 
 
 def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
@@ -282,11 +274,8 @@ def segment_file_bytes(layout: "SegmentLayout", descriptor_bytes: int) -> int:
     return layout.size + align_up(descriptor_bytes)
 
 
-def plan_segment(
-    specs: Sequence[tuple[str, str, Sequence[int]]],
-    chunk_bytes: int,
-    max_cow_slots: int,
-) -> SegmentLayout:
+def plan_segment(specs: Sequence[tuple[str, str, Sequence[int]]], chunk_bytes: int,
+                 max_cow_slots: int) -> SegmentLayout:
     """Place tensors at page-aligned offsets after the header, then the cow slots (at most one
     per chunk: more could never be used)."""
     if chunk_bytes <= 0 or chunk_bytes % PAGE_BYTES:
@@ -307,11 +296,9 @@ def chunk_table(tensors: Sequence[TensorLayout], chunk_bytes: int) -> list[Chunk
     """Chunks in update order: each tensor split into pieces of at most ``chunk_bytes``."""
     chunks: list[Chunk] = []
     for tensor_index, tensor in enumerate(tensors):
-        start = 0
-        while start < tensor.nbytes:
+        for start in range(0, tensor.nbytes, chunk_bytes):
             nbytes = min(chunk_bytes, tensor.nbytes - start)
             chunks.append(Chunk(len(chunks), tensor_index, tensor.offset + start, nbytes))
-            start += nbytes
     return chunks
 
 

@@ -15,8 +15,7 @@ DESCRIPTOR_FORMAT = "swap-state-segment/1"
 #: A descriptor longer than this is refused unread (a hostile header must not make a server
 #: allocate gigabytes): 1M tensors at 64 bytes each.
 MAX_DESCRIPTOR_BYTES = 64 << 20
-_PLAIN_FIELDS = (("job_id", str), ("rank", int), ("world_size", int), ("local_world_size", int),
-                 ("layout_hash", str))
+_PLAIN_FIELDS = (("job_id", str), ("rank", int), ("world_size", int), ("local_world_size", int), ("layout_hash", str))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +25,6 @@ class SegmentDescriptor:
     job_id: str
     rank: int
     world_size: int
-    """The job's (global) world size."""
     local_world_size: int
     """Ranks of the job on the server (its host)."""
     tensors: tuple[tuple[str, str, tuple[int, ...]], ...]

@@ -240,49 +240,45 @@ class ServerConfig:
     """gRPC receive limit per message (a 1M-tensor Allocate fits); replies may be twice this."""
 
     def __post_init__(self) -> None:
-        def fail(message: str) -> None:
-            raise ConfigError(message)
-
         if not isinstance(self.shm_size, int) or self.shm_size <= 0:
             got = format_size(self.shm_size) if isinstance(self.shm_size, int) else repr(self.shm_size)
-            fail(f"--shm-size must be positive, e.g. --shm-size 64G (got {got})")
+            raise ConfigError(f"--shm-size must be positive, e.g. --shm-size 64G (got {got})")
         listen = parse_address(self.listen)  # raises ConfigError
         if listen.scheme == "tcp":
             if (self.tls_cert is None) != (self.tls_key is None):
-                fail("--tls-cert and --tls-key go together")
+                raise ConfigError("--tls-cert and --tls-key go together")
             if self.tls_cert is None and not self.insecure:
-                fail(f"--listen {self.listen}: TCP needs --tls-cert/--tls-key, or --insecure to accept "
-                     "plaintext (bulk data never crosses gRPC, but tokens and control do)")
-            if self.token_file is None and self.tenants is None and self.tls_client_ca is None and not _loopback(listen.host):
-                fail(f"--listen {self.listen} reaches beyond this host, and without --token-file anyone who "
-                     "reaches it could attach to, read and roll back every job's state: give --token-file "
-                     "FILE (its token, sent by every trainer) or --tls-client-ca (client certificates), or "
-                     "listen on tcp://127.0.0.1:PORT or a unix socket")
+                raise ConfigError(f"--listen {self.listen}: TCP needs --tls-cert/--tls-key, or --insecure to "
+                                  "accept plaintext (bulk data never crosses gRPC, but tokens and control do)")
+            if (self.token_file is None and self.tenants is None and self.tls_client_ca is None
+                    and not _loopback(listen.host)):
+                raise ConfigError(f"--listen {self.listen} reaches beyond this host, and without --token-file "
+                                  "anyone who reaches it could attach to, read and roll back every job's state: "
+                                  "give --token-file FILE (its token, sent by every trainer) or --tls-client-ca "
+                                  "(client certificates), or listen on tcp://127.0.0.1:PORT or a unix socket")
         if self.token_file is not None and self.tenants is not None:
-            fail("--token-file and --tenants exclude each other: list that token as a tenant in --tenants")
+            raise ConfigError("--token-file and --tenants exclude each other: list that token as a tenant in --tenants")
         if self.tls_client_ca is not None and self.tls_cert is None:
-            fail("--tls-client-ca needs --tls-cert/--tls-key (mutual TLS on --listen tcp://...)")
+            raise ConfigError("--tls-client-ca needs --tls-cert/--tls-key (mutual TLS on --listen tcp://...)")
         if listen.scheme != "tcp" and (self.tls_cert is not None or self.tls_key is not None):
-            fail("--tls-cert/--tls-key only apply to --listen tcp://...")
+            raise ConfigError("--tls-cert/--tls-key only apply to --listen tcp://...")
         for flag, value, choices in (("--direct-io", self.direct_io, DIRECT_IO_MODES),
                                      ("--log-level", self.log_level, LOG_LEVELS)):
             if value not in choices:
-                fail(f"{flag} must be one of {', '.join(choices)}")
+                raise ConfigError(f"{flag} must be one of {', '.join(choices)}")
         if self.chunk_bytes <= 0 or self.chunk_bytes % PAGE_BYTES:
-            fail(f"--chunk-bytes must be a positive multiple of the page size ({PAGE_BYTES})")
+            raise ConfigError(f"--chunk-bytes must be a positive multiple of the page size ({PAGE_BYTES})")
         if self.cow_budget is None:  # 1 GiB, at most an eighth of a small budget; whole chunks
             budget = min(GiB, self.shm_size // 8)
             object.__setattr__(self, "cow_budget", budget // self.chunk_bytes * self.chunk_bytes)
         elif self.cow_budget < 0:
-            fail("--cow-budget must be >= 0")
+            raise ConfigError("--cow-budget must be >= 0")
         if self.cow_budget > self.shm_size:
-            fail(
-                f"--cow-budget {format_size(self.cow_budget)} exceeds --shm-size "
-                f"{format_size(self.shm_size)} (the pool is part of the budget)"
-            )
+            raise ConfigError(f"--cow-budget {format_size(self.cow_budget)} exceeds --shm-size "
+                              f"{format_size(self.shm_size)} (the pool is part of the budget)")
         if self.snapshot_store and self.snapshot_dir is None:
-            fail("--snapshot-store needs --snapshot-dir: snapshots become durable there first, "
-                 "then are uploaded")
+            raise ConfigError("--snapshot-store needs --snapshot-dir: snapshots become durable there first, then "
+                              "are uploaded")
         for ok, message in (  # each rule as it must hold (a NaN breaks it)
             (self.grace >= 0, "--grace must be >= 0 seconds"),
             (0 <= self.metrics_port <= 65535, "--metrics-port must be 0 (off) or a port number"),
@@ -303,7 +299,7 @@ class ServerConfig:
              "max_tensors must be >= 1 and max_message_bytes >= 4 KiB"),
         ):
             if not ok:
-                fail(message)
+                raise ConfigError(message)
 
     @property
     def listen_address(self) -> ListenAddress:

@@ -1,9 +1,6 @@
-"""The server's command line, generated from :class:`~.server_config.ServerConfig`, both ways.
-
-:func:`add_server_flags` declares one argparse option per field with a
-:class:`~.server_config.Flag`; :func:`config_from_args` turns the parsed namespace into a
-``ServerConfig``; :func:`config_to_argv` is the reverse, for the trainer's embedded server, so
-that ``parse(config_to_argv(c)) == c``. No grpc, no server imports.
+"""The server's command line, generated from :class:`~.server_config.ServerConfig`, both ways:
+:func:`add_server_flags` and :func:`config_from_args` read it, :func:`config_to_argv` writes it
+for the trainer's embedded server (``parse(config_to_argv(c)) == c``). No grpc, no server imports.
 """
 
 from __future__ import annotations
@@ -74,8 +71,7 @@ class UserFlag:
 
     @property
     def required(self) -> bool:
-        return (self.field.default is dataclasses.MISSING
-                and self.field.default_factory is dataclasses.MISSING)
+        return self.field.default is dataclasses.MISSING and self.field.default_factory is dataclasses.MISSING
 
     @property
     def metavar(self) -> str | None:
@@ -190,7 +186,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The namespace of a parser built with :func:`add_server_flags` -> config (or ConfigError)."""
-    return config_from_settings({flag.name: getattr(args, flag.name) for flag in user_flags() if hasattr(args, flag.name)})
+    given = {flag.name: getattr(args, flag.name) for flag in user_flags() if hasattr(args, flag.name)}
+    return config_from_settings(given)
 
 
 def setting_value(name: str, value: Any) -> Any:
@@ -215,9 +212,8 @@ def config_from_settings(settings: Mapping[str, Any]) -> ServerConfig:
     return ServerConfig(**values)
 
 
-def parse_server_argv(
-    argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
-) -> ServerConfig:
+def parse_server_argv(argv: list[str] | None = None,
+                      parser: argparse.ArgumentParser | None = None) -> ServerConfig:
     """Flags (None: ``sys.argv[1:]``) -> config, exiting 2 with usage on bad flags. ``parser``:
     one built with :func:`add_server_flags` (None: a bare one)."""
     if parser is None:
@@ -267,10 +263,8 @@ def config_to_argv(config: ServerConfig) -> list[str]:
     named = {f.name for f in flags} | {f.spec.host_field for f in flags if f.spec.host_field}
     for field in dataclasses.fields(ServerConfig):
         if field.name not in named and getattr(config, field.name) != field.default:
-            raise ValueError(
-                f"ServerConfig.{field.name}={getattr(config, field.name)!r} has no command-line "
-                "flag: a server started from argv cannot reproduce it"
-            )
+            raise ValueError(f"ServerConfig.{field.name}={getattr(config, field.name)!r} has no command-line "
+                             "flag: a server started from argv cannot reproduce it")
     argv: list[str] = []
     for flag in flags:
         value, field = getattr(config, flag.name), flag.field

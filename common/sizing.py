@@ -61,17 +61,9 @@ class SizingPlan:
 
 
 def plan_sizes(
-    params: int,
-    world_size: int,
-    ranks_per_host: int,
-    *,
-    sharded: bool = True,
-    moment_bytes: int = 4,
-    model_bytes_per_param: int = 0,
-    amsgrad: bool = False,
-    snapshots: bool = False,
-    persist_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
-    fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
+    params: int, world_size: int, ranks_per_host: int, *, sharded: bool = True, moment_bytes: int = 4,
+    model_bytes_per_param: int = 0, amsgrad: bool = False, snapshots: bool = False,
+    persist_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S, fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
 ) -> SizingPlan:
     """The plan for ``params`` parameters on ``world_size`` ranks, ``ranks_per_host`` per host.
     ``sharded``: FSDP (else every rank holds all); ``model_bytes_per_param``: the parameters'
@@ -85,13 +77,8 @@ def plan_sizes(
 
 
 def plan_for_rank(
-    params_per_rank: int,
-    moments_per_rank: int,
-    model_copy_per_rank: int,
-    ranks_per_host: int,
-    *,
-    snapshots: bool = False,
-    persist_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
+    params_per_rank: int, moments_per_rank: int, model_copy_per_rank: int, ranks_per_host: int, *,
+    snapshots: bool = False, persist_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
     fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
 ) -> SizingPlan:
     """The plan from one rank's bytes (what a trainer knows at attach)."""

@@ -17,71 +17,61 @@ __all__ = [
 class SnapshotError(SwapStateError):
     """Base of every snapshot/restore error; also used for I/O failures without a better class."""
 
-    code = "INTERNAL"
-    reason = "SNAPSHOT_ERROR"
+    code, reason = "INTERNAL", "SNAPSHOT_ERROR"
 
 
 class SnapshotInvalid(SnapshotError):
     """A malformed request: job id, snapshot id, metadata_json, rank/world size."""
 
-    code = "INVALID_ARGUMENT"
-    reason = "INVALID_ARGUMENT"
+    code = reason = "INVALID_ARGUMENT"
 
 
 class SnapshotNotFound(SnapshotError):
     """No complete snapshot (or no in-memory snapshot record) under that id."""
 
-    code = "NOT_FOUND"
-    reason = "SNAPSHOT_NOT_FOUND"
+    code, reason = "NOT_FOUND", "SNAPSHOT_NOT_FOUND"
 
 
 class SnapshotBusy(SnapshotError):
     """The segment cannot be snapshotted or restored now (persisting, mid-step, cleaning up)."""
 
-    code = "FAILED_PRECONDITION"
-    reason = "SNAPSHOT_BUSY"
+    code, reason = "FAILED_PRECONDITION", "SNAPSHOT_BUSY"
 
 
 class SnapshotExists(SnapshotError):
     """A complete snapshot of that job and step is already on disk."""
 
-    code = "FAILED_PRECONDITION"
-    reason = "SNAPSHOT_EXISTS"
+    code, reason = "FAILED_PRECONDITION", "SNAPSHOT_EXISTS"
 
 
 class SnapshotFailed(SnapshotError):
     """The snapshot this rank tries to join has already failed (another rank's error)."""
 
-    code = "FAILED_PRECONDITION"
-    reason = "SNAPSHOT_FAILED"
+    code, reason = "FAILED_PRECONDITION", "SNAPSHOT_FAILED"
 
 
 class SnapshotCorrupt(SnapshotError):
     """A snapshot file does not verify (checksum, size, header); the message names file and tensor."""
 
-    code = "DATA_LOSS"
-    reason = "SNAPSHOT_CORRUPT"
+    code, reason = "DATA_LOSS", "SNAPSHOT_CORRUPT"
 
 
 class SnapshotLayoutMismatch(SnapshotError):
     """The snapshot does not fit the target: other world size, tensor names, dtypes or shapes."""
 
-    code = "FAILED_PRECONDITION"
-    reason = "LAYOUT_MISMATCH"
+    code, reason = "FAILED_PRECONDITION", "LAYOUT_MISMATCH"
 
 
 class SnapshotDiskFull(SnapshotError):
     """The snapshot directory ran out of space (ENOSPC/EDQUOT); the message names the directory."""
 
-    code = "RESOURCE_EXHAUSTED"
-    reason = "DISK_FULL"
+    code, reason = "RESOURCE_EXHAUSTED", "DISK_FULL"
 
 
 class SnapshotStoreUnavailable(SnapshotError):
     """The snapshot store failed a request (unreachable, refusing, timed out); names the object."""
 
-    code = "UNAVAILABLE"
-    reason = "STORE_UNAVAILABLE"
+    code, reason = "UNAVAILABLE", "STORE_UNAVAILABLE"
 
 
 def from_os_error(exc: OSError, action: str, directory: object) -> SnapshotError:

@@ -81,11 +81,8 @@ DATA_ALIGN = 4096
 O_DIRECT. Older files are padded to 8 only; readers take both (:meth:`RankManifest.header_bytes`)."""
 
 
-def safetensors_header(
-    tensors: Sequence[tuple[str, str, Sequence[int], int]],
-    metadata: Mapping[str, str],
-    align: int = DATA_ALIGN,
-) -> tuple[bytes, list[tuple[int, int]]]:
+def safetensors_header(tensors: Sequence[tuple[str, str, Sequence[int], int]], metadata: Mapping[str, str],
+                       align: int = DATA_ALIGN) -> tuple[bytes, list[tuple[int, int]]]:
     """The bytes before the data (length + JSON padded so the data starts ``align``-aligned) and
     each tensor's ``data_offsets``, for ``(name, dtype, shape, nbytes)`` in file order.
     Deterministic: restore recomputes it from the manifest and compares byte for byte."""
@@ -169,21 +166,16 @@ class TensorRecord:
     """[begin, end) within the safetensors data section."""
     crc32: int
     """zlib CRC-32 of the tensor's bytes."""
+    # The trainer's facts, as in :class:`~.snapshot_metadata.TensorMetadata` (None: not given).
     fqn: str | None = None
-    """Parameter fqn from the trainer's metadata, None when it gave none."""
     key: str | None = None
-    """State key (``exp_avg``, ``exp_avg_sq``, ...), None when the trainer gave none."""
     global_shape: tuple[int, ...] | None = None
-    """DTensor global shape, None for a plain tensor."""
     global_offset: tuple[int, ...] | None = None
-    """DTensor offset of this shard in the global tensor, None for a plain tensor."""
 
     def to_json(self) -> dict[str, Any]:
         """Its manifest entry; the trainer's facts only when it gave them."""
-        entry: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-        entry.update(tensor_entry(self))
-        entry.update(nbytes=self.nbytes, data_offsets=list(self.data_offsets), crc32=format_crc(self.crc32))
-        return entry
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), **tensor_entry(self),
+                "nbytes": self.nbytes, "data_offsets": list(self.data_offsets), "crc32": format_crc(self.crc32)}
 
     @classmethod
     def from_json(cls, raw: Any) -> TensorRecord:
@@ -396,17 +388,10 @@ class SnapshotIndex:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": INDEX_FORMAT,
-            "version": FORMAT_VERSION,
-            "snapshot_id": self.snapshot_id,
-            "job_id": self.job_id,
-            "step": self.step,
-            "world_size": self.world_size,
-            "local_world_size": self.local_world_size,
-            "ranks": list(self.ranks),
-            "created_unix": self.created_unix,
-            "attempt": self.attempt,
-            "files": [f.to_json() for f in self.files],
+            "format": INDEX_FORMAT, "version": FORMAT_VERSION, "snapshot_id": self.snapshot_id,
+            "job_id": self.job_id, "step": self.step, "world_size": self.world_size,
+            "local_world_size": self.local_world_size, "ranks": list(self.ranks),
+            "created_unix": self.created_unix, "attempt": self.attempt, "files": [f.to_json() for f in self.files],
             **({"layout": self.layout.to_json()} if self.layout is not None else {}),
             **({"tenant": self.tenant} if self.tenant else {}),
         }
@@ -419,9 +404,7 @@ class SnapshotIndex:
         world_size = _int(raw.get("world_size"), "world_size", 1)
         ranks = _dims(raw.get("ranks"), "ranks")
         if not ranks or list(ranks) != sorted(set(ranks)) or ranks[-1] >= world_size:
-            raise ValueError(
-                f"ranks {list(ranks)[:16]} are not distinct ascending ranks of 0..{world_size - 1}"
-            )
+            raise ValueError(f"ranks {list(ranks)[:16]} are not distinct ascending ranks of 0..{world_size - 1}")
         local = raw.get("local_world_size", len(ranks))
         if _int(local, "local_world_size", 1) != len(ranks):
             raise ValueError(f"local_world_size {local} is not the number of ranks {len(ranks)}")

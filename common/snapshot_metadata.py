@@ -108,9 +108,7 @@ def _check_value(value: Any, what: str) -> None:
         if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise SnapshotInvalid(f"metadata_json: {what}: {TENSOR_TAG} must be a number")
         if value.get("dtype", "float32") not in DTYPE_ITEMSIZE:
-            raise SnapshotInvalid(
-                f"metadata_json: {what}: dtype must be one of {sorted(DTYPE_ITEMSIZE)}"
-            )
+            raise SnapshotInvalid(f"metadata_json: {what}: dtype must be one of {sorted(DTYPE_ITEMSIZE)}")
 
 
 def _tensor_entry(name: str, raw: Any, layout: TensorLayout) -> TensorMetadata:
@@ -159,12 +157,8 @@ def load_metadata_json(text: str, what: str = "metadata_json", max_bytes: int = 
     return raw
 
 
-def parse_metadata(
-    metadata_json: str,
-    tensors: Sequence[TensorLayout],
-    max_bytes: int = MAX_METADATA_BYTES,
-    what: str = "metadata_json",
-) -> SnapshotMetadata:
+def parse_metadata(metadata_json: str, tensors: Sequence[TensorLayout], max_bytes: int = MAX_METADATA_BYTES,
+                   what: str = "metadata_json") -> SnapshotMetadata:
     """Validate ``metadata_json`` against the segment's tensors (SnapshotInvalid otherwise;
     ``what`` names the text where its size or syntax is wrong)."""
     raw = load_metadata_json(metadata_json, what, max_bytes)
@@ -200,23 +194,14 @@ _MANIFEST_FIELDS = ("tensors", "param_groups", "steps")  # a manifest's own fiel
 
 def tensor_entry(tensor: TensorMetadata | Any) -> dict[str, Any]:
     """A tensor's ``tensors`` entry, of a TensorMetadata or anything with its attributes."""
-    entry: dict[str, Any] = {}
-    if tensor.fqn is not None:
-        entry["fqn"] = tensor.fqn
-    if tensor.key is not None:
-        entry["key"] = tensor.key
+    entry: dict[str, Any] = {name: value for name in ("fqn", "key") if (value := getattr(tensor, name)) is not None}
     if tensor.global_shape is not None:
-        entry["global_shape"] = list(tensor.global_shape)
-        entry["global_offset"] = list(tensor.global_offset or ())
+        entry.update(global_shape=list(tensor.global_shape), global_offset=list(tensor.global_offset or ()))
     return entry
 
 
-def encode_metadata(
-    tensors: Mapping[str, TensorMetadata],
-    param_groups: Mapping[str, Mapping[str, Any]],
-    steps: Mapping[str, Any],
-    model_aliases: Mapping[str, str] | None = None,
-) -> str:
+def encode_metadata(tensors: Mapping[str, TensorMetadata], param_groups: Mapping[str, Mapping[str, Any]],
+                    steps: Mapping[str, Any], model_aliases: Mapping[str, str] | None = None) -> str:
     """The ``metadata_json`` a trainer sends: the inverse of :func:`parse_metadata` (values
     JSON-ready, or :func:`tagged_scalar`)."""
     raw: dict[str, Any] = {"tensors": {name: tensor_entry(t) for name, t in tensors.items()},

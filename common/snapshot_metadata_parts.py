@@ -30,14 +30,8 @@ from typing import Any
 from .segment import TensorLayout
 from .snapshot_errors import SnapshotInvalid
 from .snapshot_metadata import (
-    MAX_METADATA_BYTES,
-    SnapshotMetadata,
-    TensorMetadata,
-    _check_value,
-    _dims,
-    encode_metadata,
-    load_metadata_json,
-    parse_metadata,
+    MAX_METADATA_BYTES, SnapshotMetadata, TensorMetadata, _check_value, _dims, encode_metadata, load_metadata_json,
+    parse_metadata, tensor_entry,
 )
 
 __all__ = ["MetadataBase", "MetadataParts", "base_id", "encode_base", "encode_delta", "parse_base", "parse_delta"]
@@ -80,9 +74,9 @@ def encode_base(
     fqns: Sequence[str], groups: Sequence[int],
 ) -> str:
     """The base a trainer sends once (its fields as :func:`encode_metadata` writes them)."""
-    whole = json.loads(encode_metadata(tensors, {}, {}, model_aliases))
-    return json.dumps({"tensors": whole["tensors"], "model_aliases": whole.get("model_aliases", {}),
-                       "fqns": list(fqns), "groups": [int(g) for g in groups]}, allow_nan=False)
+    return json.dumps({"tensors": {name: tensor_entry(t) for name, t in tensors.items()},
+                       "model_aliases": dict(model_aliases or {}), "fqns": list(fqns),
+                       "groups": [int(g) for g in groups]}, allow_nan=False)
 
 
 def base_id(base_json: str) -> str:
@@ -106,8 +100,7 @@ def parse_base(base_json: str, tensors: Sequence[TensorLayout], max_bytes: int =
     groups = _dims(whole.extra.get("groups", []), "groups", "metadata base")
     if len(groups) != len(fqns):
         raise SnapshotInvalid(f"metadata base: {len(fqns)} fqns but {len(groups)} group indices")
-    return MetadataBase(whole.tensors, dict(whole.model_aliases), tuple(fqns), groups,
-                        max(groups, default=-1) + 1)
+    return MetadataBase(whole.tensors, dict(whole.model_aliases), tuple(fqns), groups, max(groups, default=-1) + 1)
 
 
 def parse_delta(delta_json: str, base: MetadataBase, max_bytes: int = MAX_METADATA_BYTES) -> MetadataParts:

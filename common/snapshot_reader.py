@@ -31,14 +31,7 @@ from .names import is_job_id, parse_snapshot_id, parse_step_dir_name, snapshot_i
 from .object_store import read_range
 from .snapshot_errors import SnapshotCorrupt, SnapshotError, SnapshotInvalid, SnapshotNotFound
 from .snapshot_format import (
-    INDEX_NAME,
-    LATEST_NAME,
-    FileRecord,
-    RankManifest,
-    SnapshotIndex,
-    TensorRecord,
-    rank_data_name,
-    rank_manifest_name,
+    INDEX_NAME, LATEST_NAME, FileRecord, RankManifest, SnapshotIndex, TensorRecord, rank_data_name, rank_manifest_name,
 )
 
 __all__ = ["SnapshotInfo", "SnapshotReader", "SnapshotTier", "reading_file"]
@@ -132,19 +125,14 @@ class SnapshotTier(abc.ABC):
         here (on a multi-host job: on another host)."""
         if rank not in info.ranks:
             if not 0 <= rank < info.world_size:
-                raise SnapshotNotFound(
-                    f"{info.snapshot_id} has world_size {info.world_size}: there is no rank {rank}"
-                )
+                raise SnapshotNotFound(f"{info.snapshot_id} has world_size {info.world_size}: there is no rank {rank}")
             raise SnapshotNotFound(
                 f"{info.snapshot_id} at {info.path} holds {info.describe_ranks()}, not rank "
                 f"{rank}: the snapshot of rank {rank} is on another host's server (the one "
                 f"rank {rank} attaches to)"
             )
         name = rank_manifest_name(rank)
-        record = info.index.file(name)
-        if record is None:
-            raise SnapshotCorrupt(f"the index of {info.path} does not list {name}")
-        raw = self._read_listed(info, record)
+        raw = self._read_listed(info, info.file(name))
         try:
             manifest = RankManifest.from_json(json.loads(raw))
         except ValueError as exc:

@@ -194,17 +194,16 @@ class StoredSnapshots(SnapshotTier):
         info = self.complete_info(job_id, step, objects)
         if info is None:
             return False
-        if not any(o.key == prefix + INDEX_NAME for o in objects):
-            if not self._claim(prefix, info.index.attempt):
-                return True  # another host that saw every marker puts it
-            index = info.index
-            if layout is not None:
-                raw = layout(info)
-                with self._reading(prefix + LAYOUT_NAME):
-                    self.store.put(prefix + LAYOUT_NAME, raw)
-                index = dataclasses.replace(index, layout=FileRecord(LAYOUT_NAME, -1, len(raw), crc32(raw)))
-            with self._reading(prefix + INDEX_NAME):
-                self.store.put(prefix + INDEX_NAME, dumps_json(index.to_json()))
+        if any(o.key == prefix + INDEX_NAME for o in objects) or not self._claim(prefix, info.index.attempt):
+            return True  # put already, or another host that saw every marker puts it
+        index = info.index
+        if layout is not None:
+            raw = layout(info)
+            with self._reading(prefix + LAYOUT_NAME):
+                self.store.put(prefix + LAYOUT_NAME, raw)
+            index = dataclasses.replace(index, layout=FileRecord(LAYOUT_NAME, -1, len(raw), crc32(raw)))
+        with self._reading(prefix + INDEX_NAME):
+            self.store.put(prefix + INDEX_NAME, dumps_json(index.to_json()))
         return True
 
     def _claim(self, prefix: str, attempt: int) -> bool:
