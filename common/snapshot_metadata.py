@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -175,7 +176,7 @@ def parse_metadata(metadata_json: str, tensors: Sequence[TensorLayout], max_byte
     steps = _object(raw.get("steps"), "steps")
     for fqn, value in steps.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):
+            if not abs(value) <= sys.float_info.max:  # NaN, inf, and an int no double holds
                 raise SnapshotInvalid(f"metadata_json: steps[{shorten(fqn)}] must be finite")
             continue
         if not (isinstance(value, dict) and TENSOR_TAG in value):

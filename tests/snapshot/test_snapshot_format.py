@@ -111,6 +111,7 @@ def test_a_version_1_manifest_is_still_read_with_its_metadata_verbatim(make_segm
         ("{", "not valid JSON"),
         ('{"param_groups": {"w": {"lr": NaN}}}', "not valid JSON"),
         ('{"steps": {"w": 1e999}}', "not valid JSON"),
+        ('{"steps": {"w": 1%s}}' % ("0" * 400), "must be finite"),
         ('{"tensors": {"nope": {"fqn": "x"}}}', "not a segment tensor"),
         ('{"tensors": {"emb.exp_avg": {"global_shape": [1, 2]}}}', "has 2 dims"),
         ('{"tensors": {"emb.exp_avg": {"global_offset": [0]}}}', "needs global_shape"),
