@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from swap_state.client.optim.flat_state_dict import FlatIndex
@@ -21,8 +21,7 @@ from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX
 __all__ = [
     "MODEL_REF_KEY", "OPTIMIZER_KEY", "SNAPSHOT_CHECKPOINT_ERROR", "SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY",
     "SnapshotCheckpointError", "check_plain_optimizer_can_load", "checkpoint_keys",
-    "holds_snapshot_reference", "load_template", "match_template", "optimizer_keys",
-]
+    "holds_snapshot_reference", "load_template", "match_template", "optimizer_keys"]
 
 #: The key torchtitan's CheckpointManager stores the optimizer under (``OPTIMIZER``).
 OPTIMIZER_KEY = "optimizer"
@@ -87,9 +86,8 @@ def holds_snapshot_reference(held: Collection[str]) -> bool:
     return SNAPSHOT_REF_KEY in held
 
 
-def check_plain_optimizer_can_load(
-    keys: Collection[str], checkpoint_id: str | os.PathLike[str], key: str = OPTIMIZER_KEY
-) -> None:
+def check_plain_optimizer_can_load(keys: Collection[str], checkpoint_id: str | os.PathLike[str],
+                                   key: str = OPTIMIZER_KEY) -> None:
     """SnapshotCheckpointError when the checkpoint's optimizer entry is a snapshot reference."""
     flat_key = f"{key}.{SNAPSHOT_REF_KEY}"
     if holds_snapshot_reference(optimizer_keys(keys, key)):
@@ -113,10 +111,8 @@ def _read_reference(checkpoint_id: str | os.PathLike[str], flat_key: str) -> str
         return None
 
 
-@contextlib.contextmanager
-def load_template(
-    optimizer: Any, checkpoint_id: str | os.PathLike[str], key: str = OPTIMIZER_KEY
-) -> Iterator[None]:
+def load_template(optimizer: Any, checkpoint_id: str | os.PathLike[str],
+                  key: str = OPTIMIZER_KEY) -> contextlib.AbstractContextManager[None]:
     """For callers of ``dcp.load`` outside torchtitan's CheckpointManager (for any other optimizer
     a snapshot-mode checkpoint raises :class:`SnapshotCheckpointError`)::
 
@@ -126,7 +122,5 @@ def load_template(
     keys = checkpoint_keys(checkpoint_id)
     if not hasattr(optimizer, "loading_checkpoint"):
         check_plain_optimizer_can_load(keys, checkpoint_id, key)
-        yield
-        return
-    with optimizer.loading_checkpoint(optimizer_keys(keys, key)):
-        yield
+        return contextlib.nullcontext()
+    return optimizer.loading_checkpoint(optimizer_keys(keys, key))

@@ -8,6 +8,7 @@ Importing it patches nothing in torchtitan (:mod:`swap_state.client.swap_optimiz
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -28,8 +29,7 @@ from swap_state.client.optim import flat_state_dict as _flat
 from swap_state.client.optim.checkpoint_template import match_template
 from swap_state.client.optim.host_cache import (
     STEP_DTYPE, STEP_KEY, HostCache, HostCacheEntry, HostCaches, flat_host_caches, fqns_by_param, group_map,
-    placeholder_like, step_tensor,
-)
+    placeholder_like, step_tensor)
 from swap_state.client.optim.state_loading import StateLoader
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES, StepPipeline
 
@@ -51,6 +51,7 @@ class _instance_or_class_method:
         return types.MethodType(self.__func__, objtype if obj is None else obj)
 
 
+@dataclasses.dataclass(eq=False)
 class UnswappedOptimizers:
     """The optimizers of parameters swap-state does not swap (torchtitan 0.3 lets param groups
     use other optimizers than Adam and AdamW: ``DistMuon``), with their own step and state.
@@ -62,15 +63,9 @@ class UnswappedOptimizers:
     state to and from the flat dict (torchtitan's ``get_flat_optim_state_dict`` /
     ``load_flat_optim_state_dict``)."""
 
-    def __init__(
-        self, optimizers: Sequence[Optimizer] = (),
-        flat_state_dict: Callable[[Optimizer], dict[str, Any]] | None = None,
-        load_flat_state_dict: Callable[[Optimizer, Mapping[str, Any]], None] | None = None,
-    ) -> None:
-        """No ``optimizers``: none (a container without other optimizers holds this)."""
-        self.optimizers = list(optimizers)
-        self._flat_state_dict = flat_state_dict
-        self._load_flat_state_dict = load_flat_state_dict
+    optimizers: list[Optimizer] = dataclasses.field(default_factory=list)
+    flat_state_dict: Callable[[Optimizer], dict[str, Any]] | None = None
+    load_flat_state_dict: Callable[[Optimizer, Mapping[str, Any]], None] | None = None
 
     @property
     def params(self) -> list[Any]:
@@ -87,12 +82,12 @@ class UnswappedOptimizers:
     def state_dict(self) -> dict[str, Any]:
         flat: dict[str, Any] = {}
         for optimizer in self.optimizers:
-            flat.update(self._flat_state_dict(optimizer))
+            flat.update(self.flat_state_dict(optimizer))
         return flat
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         for optimizer in self.optimizers:
-            self._load_flat_state_dict(optimizer, state_dict)
+            self.load_flat_state_dict(optimizer, state_dict)
 
 
 class SwapOptimizersContainer(OptimizersContainer):
@@ -121,13 +116,11 @@ class SwapOptimizersContainer(OptimizersContainer):
     _in_container_step: bool = False
     _loading_keys: frozenset[str] | None = None  # the optimizer keys of a checkpoint being loaded
 
-    def __init__(
-        self, model_parts: list[nn.Module], optimizer_cls: type[Optimizer], optimizer_kwargs: dict[str, Any],
-        swap_optimizer_times: int = DEFAULT_SWAP_TIMES, *,
-        param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
-        device_backend: DeviceBackend | None = None, pipeline: bool | None = None,
-        moment_dtype: torch.dtype | None = None, unswapped: UnswappedOptimizers | None = None,
-    ) -> None:
+    def __init__(self, model_parts: list[nn.Module], optimizer_cls: type[Optimizer], optimizer_kwargs: dict[str, Any],
+                 swap_optimizer_times: int = DEFAULT_SWAP_TIMES, *,
+                 param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
+                 device_backend: DeviceBackend | None = None, pipeline: bool | None = None,
+                 moment_dtype: torch.dtype | None = None, unswapped: UnswappedOptimizers | None = None) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Adam)):
             name = getattr(optimizer_cls, "__name__", optimizer_cls)
             raise NotImplementedError(f"Optimizer {name} not added.")
@@ -175,10 +168,8 @@ class SwapOptimizersContainer(OptimizersContainer):
         for optim in self.optimizers:
             optim.step = bind_swap_step(self, optim)  # type: ignore[method-assign]
         mode = "pipelined" if self._steps.enabled() else "in place on CPU"
-        logger.info(
-            "swap optimizer: %d parameters, %.1f MiB of moments in host memory, %d slices, %s",
-            len(entries), sum(e.nbytes for e in entries) / 2**20, self.swap_optimizer_times, mode,
-        )  # fmt: skip
+        logger.info("swap optimizer: %d parameters, %.1f MiB of moments in host memory, %d slices, %s",
+                    len(entries), sum(e.nbytes for e in entries) / 2**20, self.swap_optimizer_times, mode)
 
     # -- the parts -----------------------------------------------------------------------
     @functools.cached_property
@@ -269,9 +260,7 @@ class SwapOptimizersContainer(OptimizersContainer):
     _clone_loaded_state_for_device_placeholder = staticmethod(placeholder_like)
 
     # -- hooks for subclasses ------------------------------------------------------------
-    def _allocate_host_cache(
-        self, entries: Sequence[HostCacheEntry]
-    ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+    def _allocate_host_cache(self, entries: Sequence[HostCacheEntry]) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """``{param: {key: tensor}}``: contiguous CPU tensors of ``entry.keys`` and a 0-dim ``STEP_KEY``.
         Default: views of one exactly sized pinned buffer (on CPU, one tensor per moment)."""
         backend = self.device_backend

@@ -12,17 +12,13 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-__all__ = [
-    "DTensor", "check_shard_is_a_box", "global_layout", "unwrap_dtensor", "wrap_like_param",
-    "wrap_like_param_without_device_move",
-]
+__all__ = ["DTensor", "check_shard_is_a_box", "global_layout", "unwrap_dtensor", "wrap_like_param",
+           "wrap_like_param_without_device_move"]
 
 
 def unwrap_dtensor(tensor: Any) -> Any:
     """The local tensor of a DTensor; anything else unchanged."""
-    if isinstance(tensor, DTensor):
-        return tensor.to_local()
-    return tensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def wrap_like_param(local_tensor: torch.Tensor, like: Any) -> Any:
@@ -77,9 +73,7 @@ def check_shard_is_a_box(param: DTensor, local_shape: tuple[int, ...], offset: t
                 f"a DTensor of shape {tuple(param.shape)} with placements {placements} holds, on this rank, "
                 f"the indices {_ranges(held)} of dimension {dim}: not one contiguous range at offset "
                 f"{offset[dim]}. swap-state snapshots store each shard as one box of its global tensor; "
-                "use a layout whose shards are boxes (e.g. evenly divisible sizes) or "
-                "swap_state_checkpoint = 'full'"
-            )
+                "use a layout whose shards are boxes (e.g. evenly divisible sizes) or swap_state_checkpoint = 'full'")
 
 
 def _ranges(indices: list[int]) -> str:

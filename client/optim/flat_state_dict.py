@@ -21,10 +21,8 @@ from swap_state.client.optim.host_cache import (
     MOMENT_KEYS, STEP_KEY, HostCache, fqns_by_param, has_data, param_fqns, step_tensor)
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 
-__all__ = [
-    "FlatIndex", "clone_value", "flat_state_dict", "move_step_to_device", "state_step", "state_value",
-    "tensor_for_state_dict",
-]
+__all__ = ["FlatIndex", "clone_value", "flat_state_dict", "move_step_to_device", "state_step", "state_value",
+           "tensor_for_state_dict"]
 
 
 def clone_value(value: Any) -> Any:
@@ -66,10 +64,8 @@ class FlatIndex:
         return None
 
 
-def flat_state_dict(
-    model_parts: Sequence[nn.Module], optimizers: Sequence[Optimizer],
-    cpu_states: Mapping[torch.Tensor, HostCache],
-) -> dict[str, Any]:
+def flat_state_dict(model_parts: Sequence[nn.Module], optimizers: Sequence[Optimizer],
+                    cpu_states: Mapping[torch.Tensor, HostCache]) -> dict[str, Any]:
     """The flat dict from the host cache: moments are views (DTensor-wrapped like their
     parameter, never copied to a device), steps and group values copies."""
     flat: dict[str, Any] = {}
@@ -100,8 +96,7 @@ def state_value(cpu_states: Mapping[torch.Tensor, HostCache], param: Any, state:
 
 def state_step(cpu_states: Mapping[torch.Tensor, HostCache], group: Mapping[str, Any], param: Any) -> torch.Tensor:
     """The per-param step when known, else the group's step, as a new CPU tensor."""
-    host = cpu_states.get(param) or {}
-    step = host.get(STEP_KEY)
+    step = (cpu_states.get(param) or {}).get(STEP_KEY)
     if step is None:
         step = group.get(STEP_KEY, 0)
     if isinstance(step, torch.Tensor):
@@ -113,10 +108,8 @@ def tensor_for_state_dict(tensor: Any, like_param: Any = None) -> Any:
     """A CPU view of ``tensor`` for a checkpoint, DTensor-wrapped like ``like_param``."""
     local = dtensor_utils.unwrap_dtensor(tensor)
     if not has_data(local):
-        raise RuntimeError(
-            "cannot checkpoint a swapped-out optimizer state without CPU cache: "
-            f"tensor of shape {tuple(local.shape)} has no storage"
-        )
+        raise RuntimeError("cannot checkpoint a swapped-out optimizer state without CPU cache: "
+                           f"tensor of shape {tuple(local.shape)} has no storage")
     value = local.detach().cpu()  # no copy where it is on the CPU
     if isinstance(like_param, DTensor):
         return wrap_like_param_without_device_move(value, like_param)

@@ -106,9 +106,8 @@ def moments_dtype(owner: Any, local_param: torch.Tensor) -> torch.dtype:
     return getattr(owner, "moment_dtype", None) or local_param.dtype
 
 
-def host_cache_ready(
-    host: Mapping[str, Any] | None, group: Mapping[str, Any], local_param: Any = None, dtype: torch.dtype | None = None
-) -> bool:
+def host_cache_ready(host: Mapping[str, Any] | None, group: Mapping[str, Any], local_param: Any = None,
+                     dtype: torch.dtype | None = None) -> bool:
     """Whether ``host`` holds every moment ``group`` needs, with data (and ``local_param``'s layout)."""
     if not host:
         return False
@@ -116,9 +115,7 @@ def host_cache_ready(
         tensor = host.get(key)
         if not isinstance(tensor, torch.Tensor) or not has_data(tensor):
             return False
-        if local_param is not None and (
-            tensor.shape != local_param.shape or tensor.dtype != (dtype or local_param.dtype)
-        ):
+        if local_param is not None and (tensor.shape, tensor.dtype) != (local_param.shape, dtype or local_param.dtype):
             return False
     return True
 
@@ -131,10 +128,8 @@ class HostCaches:
         self.epoch = 0
         """Counts :meth:`install` calls (the step pipeline's plans are built against one)."""
 
-    def entries(
-        self, optimizer_index: int, model: nn.Module, optim: Optimizer,
-        pairs: Iterable[tuple[int, torch.Tensor]],
-    ) -> list[HostCacheEntry]:
+    def entries(self, optimizer_index: int, model: nn.Module, optim: Optimizer,
+                pairs: Iterable[tuple[int, torch.Tensor]]) -> list[HostCacheEntry]:
         """Entries for ``(group_index, param)`` pairs of ``optim``, in the given order."""
         fqns = fqns_by_param(model)
         entries = []
@@ -143,8 +138,7 @@ class HostCaches:
             local = dtensor_utils.unwrap_dtensor(param)
             if not local.is_contiguous():
                 # The fused kernel walks memory linearly: another layout pairs the wrong elements.
-                needs = "the swap optimizer needs contiguous parameters"
-                raise ValueError(f"parameter {fqn!r} is not contiguous; {needs}")
+                raise ValueError(f"parameter {fqn!r} is not contiguous; the swap optimizer needs contiguous parameters")
             keys, dtype = moment_keys(optim.param_groups[group_index]), moments_dtype(self._owner, local)
             entries.append(HostCacheEntry(param, fqn, keys, local.shape, dtype, optimizer_index, group_index))
         return entries
@@ -161,10 +155,8 @@ class HostCaches:
             if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
                 raise ValueError(f"host cache of {entry.fqn!r} has no tensor under {key!r}")
             if tensor.device.type != "cpu" or tensor.shape != shape or tensor.dtype != dtype:
-                raise ValueError(
-                    f"host cache {entry.fqn!r}.{key}: expected a CPU {dtype} tensor of shape {tuple(shape)}, "
-                    f"got {tensor.device} {tensor.dtype} {tuple(tensor.shape)}"
-                )
+                raise ValueError(f"host cache {entry.fqn!r}.{key}: expected a CPU {dtype} tensor of shape "
+                                 f"{tuple(shape)}, got {tensor.device} {tensor.dtype} {tuple(tensor.shape)}")
             if not tensor.is_contiguous() or not has_data(tensor):
                 raise ValueError(f"host cache {entry.fqn!r}.{key} must be contiguous and have storage")
         host: HostCache = {key: tensors[key] if key in entry.keys else None for key in MOMENT_KEYS}
@@ -175,9 +167,8 @@ class HostCaches:
         """Allocate, check (all first) and install caches for ``entries``, with placeholders."""
         if not entries:
             return
-        owner = self._owner
         self.epoch += 1
-        allocated = owner._allocate_host_cache(entries)
+        allocated = self._owner._allocate_host_cache(entries)
         checked = [(entry, self.checked(entry, allocated.get(entry.param))) for entry in entries]
         for entry, host in checked:
             self.set(entry, host)
@@ -195,8 +186,7 @@ class HostCaches:
 
 def device_placeholders(entry: HostCacheEntry, host: HostCache) -> dict[str, Any]:
     """Zero-storage stand-ins for ``optimizer.state[param]`` (None where the entry has no moment)."""
-    keys = entry.keys
-    return {key: placeholder_like(entry.param, host[key]) if key in keys else None for key in MOMENT_KEYS}
+    return {key: placeholder_like(entry.param, host[key]) if key in entry.keys else None for key in MOMENT_KEYS}
 
 
 def placeholder_like(param: Any, tensor: torch.Tensor) -> Any:
@@ -226,8 +216,7 @@ def flat_host_caches(
 ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
     """The caches of ``entries`` as views of one buffer ``allocate(nbytes, spans)``: the moments
     in update order, then every step in one vector. One exactly sized buffer, because torch's
-    pinned allocator rounds each allocation up to a power of two (a 2.1 GB moment takes 4 GB).
-    """
+    pinned allocator rounds each allocation up to a power of two (a 2.1 GB moment takes 4 GB)."""
     shapes = [(entry, key) for entry in entries for key in entry.keys]
     sizes = [entry.shape.numel() * entry.dtype.itemsize for entry, _ in shapes]
     sizes.append(len(entries) * STEP_DTYPE.itemsize)
@@ -280,25 +269,20 @@ def fqns_by_param(model: nn.Module) -> dict[torch.Tensor, tuple[str, ...]]:
     return {param: tuple(dict.fromkeys(fqns)) for param, fqns in names.items()}
 
 
-def param_fqns(
-    fqns: Mapping[torch.Tensor, tuple[str, ...]], param: torch.Tensor, optimizer_index: int | None = None
-) -> tuple[str, ...]:
+def param_fqns(fqns: Mapping[torch.Tensor, tuple[str, ...]], param: torch.Tensor,
+               optimizer_index: int | None = None) -> tuple[str, ...]:
     """``param``'s names from :func:`fqns_by_param`; a clear error for a stranger."""
     names = fqns.get(param)
     if not names:
         where = "" if optimizer_index is None else f" of optimizer {optimizer_index}"
-        raise ValueError(
-            f"a parameter{where} (shape {tuple(param.shape)}) is not in its model part; "
-            "swap optimizer state is keyed by parameter FQN"
-        )
+        raise ValueError(f"a parameter{where} (shape {tuple(param.shape)}) is not in its model part; "
+                         "swap optimizer state is keyed by parameter FQN")
     return names
 
 
 def _canonical_fqns(model: nn.Module, name: str) -> list[str]:
     fqns = _get_fqns(model, name)
     if len(fqns) != 1:
-        raise NotImplementedError(
-            f"parameter {name!r} maps to several FQNs {sorted(fqns)} (a flattened FSDP1 parameter); "
-            "the swap optimizer needs one parameter per FQN"
-        )
+        raise NotImplementedError(f"parameter {name!r} maps to several FQNs {sorted(fqns)} (a flattened FSDP1 "
+                                  "parameter); the swap optimizer needs one parameter per FQN")
     return list(fqns)

@@ -106,10 +106,8 @@ def plan_slices(sizes: Sequence[int], times: int) -> list[range]:
     if times < 1:
         raise ValueError(f"times must be >= 1, got {times}")
     total = sum(sizes)
-    if not sizes:
-        return []
     if total == 0:
-        return [range(len(sizes))]
+        return [range(len(sizes))] if sizes else []
     slices: list[range] = []
     start, current, before = 0, 0, 0
     for index, size in enumerate(sizes):
@@ -169,9 +167,8 @@ def adam_update(
     lr = group["lr"]
     kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
     moves_lr = isinstance(lr, torch.Tensor) and str(lr.device) != "cpu"  # as torch: moved to each device
-    grouped = Optimizer._group_tensors_by_device_and_dtype(
-        [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps]  # type: ignore[list-item]
-    )
+    tensors = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps]
+    grouped = Optimizer._group_tensors_by_device_and_dtype(tensors)  # type: ignore[arg-type]
     vector = steps if len(grouped) == 1 else None  # then d_steps is state_steps, in order
     for (device, _), ((d_params, d_grads, d_avgs, d_sqs, d_max, d_steps), _) in grouped.items():
         device_lr = _on_device(lr, device) if moves_lr else lr
@@ -230,9 +227,8 @@ PendingSlice = tuple[SlicePlan, list[int], list[torch.Tensor], list[torch.Tensor
 """A slice on the per-parameter path: its plan, and :func:`checked_slice`'s result."""
 
 
-def plan_slice(
-    params: list[torch.Tensor], groups: list[dict[str, Any]], caches: Mapping[torch.Tensor, Any]
-) -> SlicePlan:
+def plan_slice(params: list[torch.Tensor], groups: list[dict[str, Any]],
+               caches: Mapping[torch.Tensor, Any]) -> SlicePlan:
     """The plan of one slice; the fused kernel's device and dtype check is made here, once, as
     torch makes it when it creates a parameter's state."""
     hosts: list[HostCache | None] = []
@@ -279,9 +275,7 @@ def full_slice_work(planned: SlicePlan, grads: list[Any]) -> SliceWork | None:
     return slice_work(params, groups, local_params, local_grads, hosts)  # type: ignore[arg-type]
 
 
-def checked_slice(
-    planned: SlicePlan, grads: list[Any]
-) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+def checked_slice(planned: SlicePlan, grads: list[Any]) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
     """The per-parameter path: indices with a gradient and their local shards, checked."""
     indices, local_params, local_grads = [], [], []
     for index, (param, grad) in enumerate(zip(planned.params, grads, strict=True)):
@@ -303,10 +297,8 @@ def checked_slice(
     return indices, local_params, local_grads
 
 
-def slice_work(
-    params: list[torch.Tensor], groups: list[dict[str, Any]], local_params: list[torch.Tensor],
-    local_grads: list[torch.Tensor], hosts: list[HostCache],
-) -> SliceWork:
+def slice_work(params: list[torch.Tensor], groups: list[dict[str, Any]], local_params: list[torch.Tensor],
+               local_grads: list[torch.Tensor], hosts: list[HostCache]) -> SliceWork:
     """A slice's work over complete host caches ``hosts`` (parallel lists)."""
     runs: list[tuple[dict[str, Any], int, int]] = []
     for index, group in enumerate(groups):

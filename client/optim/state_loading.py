@@ -59,14 +59,13 @@ class StateLoader:
         index = FlatIndex(state_dict)
         plan: list[_ParamLoad] = []
         groups: list[tuple[dict, dict]] = []  # (live group, the checkpoint's values)
-        for optimizer_index, (model, optim) in enumerate(zip(self._owner.model_parts, self._owner.optimizers, strict=True)):
+        parts = zip(self._owner.model_parts, self._owner.optimizers, strict=True)
+        for optimizer_index, (model, optim) in enumerate(parts):
             fqns = fqns_by_param(model)
             for group_index, group in enumerate(optim.param_groups):
                 values = _plan_group_load(index, optim, group, fqns)
-                loads = [
-                    self._plan_param_load(index, optimizer_index, group_index, group, values, param, fqns)
-                    for param in group["params"]
-                ]
+                loads = [self._plan_param_load(index, optimizer_index, group_index, group, values, param, fqns)
+                         for param in group["params"]]
                 if STEP_KEY not in values and STEP_KEY in group and loads:
                     values[STEP_KEY] = step_tensor(max(load.step for load in loads))
                 groups.append((group, values))
@@ -80,10 +79,9 @@ class StateLoader:
             load.placeholders = device_placeholders(load.entry, load.host)  # type: ignore[arg-type]
         return plan, groups
 
-    def _plan_param_load(
-        self, index: FlatIndex, optimizer_index: int, group_index: int, group: dict[str, Any],
-        values: dict[str, Any], param: torch.Tensor, fqns: Mapping[torch.Tensor, tuple[str, ...]],
-    ) -> _ParamLoad:
+    def _plan_param_load(self, index: FlatIndex, optimizer_index: int, group_index: int, group: dict[str, Any],
+                         values: dict[str, Any], param: torch.Tensor,
+                         fqns: Mapping[torch.Tensor, tuple[str, ...]]) -> _ParamLoad:
         """One parameter's load: its sources (under any alias), checked against its shard."""
         aliases = param_fqns(fqns, param, optimizer_index)
         keys = moment_keys(group)
@@ -93,8 +91,7 @@ class StateLoader:
         sources, step = _checked_sources(index, aliases, keys, values, local_param, dtype)
         host = self._owner.param_to_cpu_states_map.get(param)
         ready = host is not None and host_cache_ready(host, group, local_param, dtype)
-        where = (optimizer_index, group_index)
-        entry = HostCacheEntry(param, aliases[0], keys, local_param.shape, dtype, *where)
+        entry = HostCacheEntry(param, aliases[0], keys, local_param.shape, dtype, optimizer_index, group_index)
         return _ParamLoad(entry, sources, step, host if ready else None)
 
     def _commit_load(self, loads: list[_ParamLoad], groups: list[tuple[dict, dict]]) -> None:
@@ -116,8 +113,7 @@ class StateLoader:
         host = load.host
         assert host is not None
         for key in load.entry.keys:
-            source = load.sources[key]
-            target = host[key]
+            source, target = load.sources[key], host[key]
             assert target is not None
             if source is None:
                 target.zero_()
@@ -134,12 +130,10 @@ class StateLoader:
         """Snapshot every dict ``_commit_load`` mutates; the returned callable restores them."""
         owner = self._owner
         optims = owner.optimizers
-        dicts = [
-            *(group for optim in optims for group in optim.param_groups), *(optim.state for optim in optims),
-            *(state for optim in optims for state in optim.state.values()),
-            *(host for host in owner.param_to_cpu_states_map.values() if host is not None),
-            owner.param_to_cpu_states_map, owner.param_to_device_states_map,
-        ]
+        dicts = [*(group for optim in optims for group in optim.param_groups), *(optim.state for optim in optims),
+                 *(state for optim in optims for state in optim.state.values()),
+                 *(host for host in owner.param_to_cpu_states_map.values() if host is not None),
+                 owner.param_to_cpu_states_map, owner.param_to_device_states_map]
         saved = [(target, dict(target)) for target in dicts]
         group_maps = [(optim, getattr(optim, "param_to_group_map", None)) for optim in optims]
 
@@ -153,9 +147,8 @@ class StateLoader:
         return restore
 
 
-def _plan_group_load(
-    index: FlatIndex, optim: Optimizer, group: dict[str, Any], fqns: Mapping[torch.Tensor, tuple[str, ...]]
-) -> dict[str, Any]:
+def _plan_group_load(index: FlatIndex, optim: Optimizer, group: dict[str, Any],
+                     fqns: Mapping[torch.Tensor, tuple[str, ...]]) -> dict[str, Any]:
     """The checkpoint's hyperparameters for ``group``, from the first of its parameters found
     (a checkpoint may group differently; ``amsgrad`` is checked per parameter)."""
     for param in group["params"]:
@@ -171,21 +164,17 @@ def _plan_group_load(
     return values
 
 
-def _checked_sources(
-    index: FlatIndex, aliases: Sequence[str], keys: tuple[str, ...], group_values: Mapping[str, Any],
-    local_param: torch.Tensor, dtype: torch.dtype,
-) -> tuple[dict[str, torch.Tensor | None], float]:
+def _checked_sources(index: FlatIndex, aliases: Sequence[str], keys: tuple[str, ...], group_values: Mapping[str, Any],
+                     local_param: torch.Tensor, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor | None], float]:
     """``({key: checkpoint tensor}, step)`` of one parameter; only param-group entries: never
     stepped (torch creates state lazily), so zeros (``None``) and step 0."""
     fqn = aliases[0]
     hits = {key: index.lookup(STATE_PREFIX, aliases, key) for key in (*keys, STEP_KEY)}
     if not any(hits.values()):
         if index.entries(PARAM_GROUPS_PREFIX, aliases) is None:
-            raise KeyError(
-                f"optimizer state dict has no entries for parameter {fqn!r}: "
-                f"no {state_key(fqn, 'exp_avg')!r} nor {param_group_key(fqn, '*')!r} "
-                f"(aliases tried: {list(aliases)})"
-            )
+            raise KeyError(f"optimizer state dict has no entries for parameter {fqn!r}: "
+                           f"no {state_key(fqn, 'exp_avg')!r} nor {param_group_key(fqn, '*')!r} "
+                           f"(aliases tried: {list(aliases)})")
         return dict.fromkeys(keys), 0.0
     sources: dict[str, torch.Tensor | None] = {}
     for key in keys:
@@ -199,32 +188,25 @@ def _checked_sources(
 def _check_amsgrad(hit: tuple[str, Any] | None, group: Mapping[str, Any]) -> None:
     """The host cache layout is fixed at construction: a checkpoint cannot switch amsgrad."""
     if hit is not None and bool(hit[1]) != bool(group.get("amsgrad", False)):
-        raise ValueError(
-            f"optimizer state dict key {hit[0]!r} is {hit[1]} but this container was built with "
-            f"amsgrad={group.get('amsgrad', False)} (the host cache layout is fixed)"
-        )
+        raise ValueError(f"optimizer state dict key {hit[0]!r} is {hit[1]} but this container was built with "
+                         f"amsgrad={group.get('amsgrad', False)} (the host cache layout is fixed)")
 
 
 def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``value``'s local tensor if it fits the host cache of moments of ``dtype`` (with bfloat16
     moments, another floating dtype is converted by the copy)."""
     if not isinstance(value, torch.Tensor):
-        got = type(value).__name__
-        raise TypeError(f"optimizer state dict key {flat_key!r}: expected a tensor, got {got}")
+        raise TypeError(f"optimizer state dict key {flat_key!r}: expected a tensor, got {type(value).__name__}")
     local = dtensor_utils.unwrap_dtensor(value)
     if local.is_meta or not has_data(local):
         raise ValueError(f"optimizer state dict key {flat_key!r}: the tensor has no data")
     if local.shape != local_param.shape:
-        raise ValueError(
-            f"optimizer state dict key {flat_key!r}: shape {tuple(local.shape)} does not match "
-            f"the parameter's local shape {tuple(local_param.shape)}"
-        )
+        raise ValueError(f"optimizer state dict key {flat_key!r}: shape {tuple(local.shape)} does not match "
+                         f"the parameter's local shape {tuple(local_param.shape)}")
     converts = dtype != local_param.dtype and local.is_floating_point()
     if local.dtype != dtype and not converts:
-        raise ValueError(
-            f"optimizer state dict key {flat_key!r}: dtype {local.dtype} does not match "
-            f"the parameter's {local_param.dtype}"
-        )
+        raise ValueError(f"optimizer state dict key {flat_key!r}: dtype {local.dtype} does not match "
+                         f"the parameter's {local_param.dtype}")
     return local
 
 
@@ -232,12 +214,10 @@ def _checked_step(hit: tuple[str, Any] | None, group_values: Mapping[str, Any], 
     """The parameter's step: its own entry, else its param group's."""
     if hit is None:
         if STEP_KEY not in group_values:
-            missing = state_key(fqn, STEP_KEY)
-            raise KeyError(f"optimizer state dict has no {missing!r} and no param group step")
+            raise KeyError(f"optimizer state dict has no {state_key(fqn, STEP_KEY)!r} and no param group step")
         hit = (param_group_key(fqn, STEP_KEY), group_values[STEP_KEY])
     flat_key, value = hit
     try:
         return as_number(value)
     except (TypeError, ValueError, RuntimeError) as exc:
-        expected = "expected a number or one-element tensor"
-        raise ValueError(f"optimizer state dict key {flat_key!r}: {expected}") from exc
+        raise ValueError(f"optimizer state dict key {flat_key!r}: expected a number or one-element tensor") from exc

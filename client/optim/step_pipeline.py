@@ -256,18 +256,10 @@ class StepPipeline:
         upcast = getattr(self._owner, "moment_dtype", None) is not None and work.local_params[0].device.type == "cpu"
         for group, start, end in work.runs:
             adam_update(
-                work.local_params[start:end],
-                work.local_grads[start:end],
-                tensors["exp_avg"][start:end],
-                tensors["exp_avg_sq"][start:end],
-                tensors["max_exp_avg_sq"][start:end] if group["amsgrad"] else [],
-                tensors[STEP_KEY][start:end],
-                group=group,
-                grad_scale=grad_scale,
-                found_inf=found_inf,
-                steps=None if steps is None else steps[start:end],
-                upcast=upcast,
-            )
+                work.local_params[start:end], work.local_grads[start:end], tensors["exp_avg"][start:end],
+                tensors["exp_avg_sq"][start:end], tensors["max_exp_avg_sq"][start:end] if group["amsgrad"] else [],
+                tensors[STEP_KEY][start:end], group=group, grad_scale=grad_scale, found_inf=found_inf,
+                steps=None if steps is None else steps[start:end], upcast=upcast)
 
 
 def _copy_back(backend: DeviceBackend, host: torch.Tensor, buffer: torch.Tensor) -> None:
@@ -293,11 +285,8 @@ def _load_steps(backend: DeviceBackend, work: SliceWork) -> tuple[list[Any], tor
     if host.steps is not None and len(places) == 1:
         vector = _load_step(backend, host.steps, places.pop(), work.local_params[0].device)
         return list(vector.unbind()), vector
-    steps = [
-        _load_step(backend, host.tensors[STEP_KEY][i], steps_on_device(group), work.local_params[i].device)
-        for group, start, end in work.runs
-        for i in range(start, end)
-    ]
+    steps = [_load_step(backend, host.tensors[STEP_KEY][i], steps_on_device(group), work.local_params[i].device)
+             for group, start, end in work.runs for i in range(start, end)]
     return steps, None
 
 
@@ -313,12 +302,8 @@ def _load_step(backend: DeviceBackend, host: torch.Tensor, on_device: bool, devi
 def _pairs(work: SliceWork, device: SliceStates) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(host tensor, device buffer)`` of a slice in host memory order (the step vector, not its views)."""
     keys = MOMENT_KEYS if device.steps is not None else (*MOMENT_KEYS, STEP_KEY)
-    pairs = [
-        (work.host.tensors[key][index], buffer)
-        for index in range(len(work.params))
-        for key in keys
-        if (buffer := device.tensors[key][index]) is not None
-    ]
+    pairs = [(work.host.tensors[key][index], buffer) for index in range(len(work.params)) for key in keys
+             if (buffer := device.tensors[key][index]) is not None]
     if device.steps is not None:
         pairs.append((work.host.steps, device.steps))  # type: ignore[arg-type]
     return pairs
