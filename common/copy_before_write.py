@@ -81,11 +81,9 @@ class TrainerProtector:
             finally:
                 self.trainer.record_backpressure(time.monotonic_ns() - waited_since)
             if not done:
-                raise BackPressureTimeout(
-                    f"waited {self.max_wait_s} s for a free copy slot for chunk {chunk.index} "
-                    f"(server persisted {header[Word.PERSISTED_UPTO]} and staged "
-                    f"{header[Word.STAGED_UPTO]} of {layout.n_chunks} chunks)"
-                )
+                raise BackPressureTimeout(f"waited {self.max_wait_s} s for a free copy slot for chunk {chunk.index} "
+                                          f"(server persisted {header[Word.PERSISTED_UPTO]} and staged "
+                                          f"{header[Word.STAGED_UPTO]} of {layout.n_chunks} chunks)")
             # While waiting the server may have read or staged this chunk, or finished.
             if not _needs_copy(header, chunk.index, epoch):
                 return False

@@ -73,10 +73,8 @@ def parse_snapshot_id(snapshot_id: object, job_id: str | None = None,
     ``job_id``; anything else raises ``error`` naming the accepted forms."""
     match = _SNAPSHOT_ID.fullmatch(snapshot_id) if isinstance(snapshot_id, str) else None
     if match is None:
-        raise error(
-            f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>' (e.g. demo/step-25 or "
-            "demo/step-000000000025), '<job>/latest' or 'latest'"
-        )
+        raise error(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>' (e.g. demo/step-25 or "
+                    "demo/step-000000000025), '<job>/latest' or 'latest'")
     job = match.group("job") or job_id
     if job is None:
         raise error(f"snapshot id {shorten(snapshot_id)} needs a job id")

@@ -187,13 +187,11 @@ class CopyBudget:
         if not self.short_bytes:
             return ""
         how = "measured" if self.persist_measured else "assumed"
-        return (
-            f"copy budget short by {self.short_bytes} bytes: {self.slot_bytes} bytes of copy "
-            f"slots, {self.needed_bytes} needed = state {self.state_bytes} bytes - persist "
-            f"{self.persist_bytes_per_s / 1e9:.2f} GB/s ({how}) x forward/backward "
-            f"{self.fwd_bwd_s:g} s (assumed); snapshots will make the trainer copy or wait: "
-            f"raise --cow-budget by {self.short_bytes} bytes"
-        )
+        return (f"copy budget short by {self.short_bytes} bytes: {self.slot_bytes} bytes of copy "
+                f"slots, {self.needed_bytes} needed = state {self.state_bytes} bytes - persist "
+                f"{self.persist_bytes_per_s / 1e9:.2f} GB/s ({how}) x forward/backward "
+                f"{self.fwd_bwd_s:g} s (assumed); snapshots will make the trainer copy or wait: "
+                f"raise --cow-budget by {self.short_bytes} bytes")
 
 
 def model_bytes(tensors: Sequence["TensorLayout"]) -> int:

@@ -65,10 +65,8 @@ def _loopback(host: str) -> bool:
         return False  # a host name: it may resolve anywhere
 
 
-def _flag(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
-          **spec: Any) -> Any:
-    return dataclasses.field(default=default, default_factory=default_factory,
-                             metadata={FLAG: Flag(**spec)})
+def _flag(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, **spec: Any) -> Any:
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={FLAG: Flag(**spec)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +79,9 @@ class ServerConfig:
     suffixes, binary). Checked against the shm directory at start; the server exits with an
     error if it does not fit and never falls back to disk."""
 
-    listen: str = _flag(
-        default_factory=default_listen, metavar="ADDRESS", example="unix:///run/swap-state/s.sock",
-        default_text="unix://$XDG_RUNTIME_DIR/swap-state/swap-state.sock if XDG_RUNTIME_DIR is "
-        "set, else unix:///run/swap-state/swap-state.sock",
-    )
+    listen: str = _flag(default_factory=default_listen, metavar="ADDRESS", example="unix:///run/swap-state/s.sock",
+                        default_text="unix://$XDG_RUNTIME_DIR/swap-state/swap-state.sock if XDG_RUNTIME_DIR is "
+                        "set, else unix:///run/swap-state/swap-state.sock")
     """Where to serve: unix:///path (socket file mode 0660) or tcp://host:port (needs
     --tls-cert/--tls-key or --insecure)."""
 
@@ -163,8 +159,7 @@ class ServerConfig:
     chunk_bytes: int = _flag(64 * MiB, kind="size", example="32M")
     """Snapshot granularity and copy-before-write slot size; a multiple of the page size."""
 
-    cow_budget: int | None = _flag(None, kind="size", example="2G",
-                                   default_text="min(1G, shm-size/8), in whole chunks")
+    cow_budget: int | None = _flag(None, kind="size", example="2G", default_text="min(1G, shm-size/8), in whole chunks")
     """Host-wide copy-before-write pool in bytes that lets snapshots run while trainers keep
     stepping; split into per-session slots of --chunk-bytes and held back from --shm-size."""
 

@@ -212,8 +212,7 @@ def config_from_settings(settings: Mapping[str, Any]) -> ServerConfig:
     return ServerConfig(**values)
 
 
-def parse_server_argv(argv: list[str] | None = None,
-                      parser: argparse.ArgumentParser | None = None) -> ServerConfig:
+def parse_server_argv(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> ServerConfig:
     """Flags (None: ``sys.argv[1:]``) -> config, exiting 2 with usage on bad flags. ``parser``:
     one built with :func:`add_server_flags` (None: a bare one)."""
     if parser is None:

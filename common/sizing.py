@@ -60,11 +60,10 @@ class SizingPlan:
         ]
 
 
-def plan_sizes(
-    params: int, world_size: int, ranks_per_host: int, *, sharded: bool = True, moment_bytes: int = 4,
-    model_bytes_per_param: int = 0, amsgrad: bool = False, snapshots: bool = False,
-    persist_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S, fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
-) -> SizingPlan:
+def plan_sizes(params: int, world_size: int, ranks_per_host: int, *, sharded: bool = True, moment_bytes: int = 4,
+               model_bytes_per_param: int = 0, amsgrad: bool = False, snapshots: bool = False,
+               persist_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
+               fwd_bwd_s: float = ASSUMED_FWD_BWD_S) -> SizingPlan:
     """The plan for ``params`` parameters on ``world_size`` ranks, ``ranks_per_host`` per host.
     ``sharded``: FSDP (else every rank holds all); ``model_bytes_per_param``: the parameters'
     copy of whole-state snapshots (0 without); ``snapshots``: size the pool for no pause."""
@@ -76,11 +75,9 @@ def plan_sizes(
                          persist_bytes_per_s=persist_bytes_per_s, fwd_bwd_s=fwd_bwd_s)
 
 
-def plan_for_rank(
-    params_per_rank: int, moments_per_rank: int, model_copy_per_rank: int, ranks_per_host: int, *,
-    snapshots: bool = False, persist_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
-    fwd_bwd_s: float = ASSUMED_FWD_BWD_S,
-) -> SizingPlan:
+def plan_for_rank(params_per_rank: int, moments_per_rank: int, model_copy_per_rank: int, ranks_per_host: int, *,
+                  snapshots: bool = False, persist_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
+                  fwd_bwd_s: float = ASSUMED_FWD_BWD_S) -> SizingPlan:
     """The plan from one rank's bytes (what a trainer knows at attach)."""
     host_state = (moments_per_rank + model_copy_per_rank) * ranks_per_host
     segments = int(host_state * (1 + _HEADROOM)) + 64 * MiB
@@ -89,5 +86,4 @@ def plan_for_rank(
     else:  # the server's own default (--cow-budget auto), held back from --shm-size
         pool = min(GiB, -(-segments // GiB) * GiB // 7)
     shm_size = -(-(segments + pool) // GiB) * GiB
-    return SizingPlan(params_per_rank, moments_per_rank, model_copy_per_rank, ranks_per_host, pool,
-                      snapshots, shm_size)
+    return SizingPlan(params_per_rank, moments_per_rank, model_copy_per_rank, ranks_per_host, pool, snapshots, shm_size)

@@ -78,9 +78,7 @@ def from_os_error(exc: OSError, action: str, directory: object) -> SnapshotError
     """The domain error for an I/O failure while ``action`` in ``directory``: disk full and
     quota become SnapshotDiskFull, saying what to do."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return SnapshotDiskFull(
-            f"snapshot directory {directory} is full ({exc.strerror}) while {action}; "
-            "the snapshot was discarded and training is unaffected: free space, "
-            "lower --keep-latest or point --snapshot-dir at a larger volume"
-        )
+        return SnapshotDiskFull(f"snapshot directory {directory} is full ({exc.strerror}) while {action}; "
+                                "the snapshot was discarded and training is unaffected: free space, "
+                                "lower --keep-latest or point --snapshot-dir at a larger volume")
     return SnapshotError(f"I/O error while {action} in snapshot directory {directory}: {exc}")

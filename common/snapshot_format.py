@@ -187,18 +187,12 @@ class TensorRecord:
         dtype = _str(raw.get("dtype"), f"dtype of {name}")
         if dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"dtype {dtype!r} of {name} is not supported")
-        return cls(
-            name=name,
-            dtype=dtype,
-            shape=_dims(raw.get("shape"), f"shape of {name}"),
-            nbytes=_int(raw.get("nbytes"), f"nbytes of {name}"),
-            data_offsets=(offsets[0], offsets[1]),
-            crc32=parse_crc(raw.get("crc32")),
-            fqn=_opt(_str, raw.get("fqn"), f"fqn of {name}"),
-            key=_opt(_str, raw.get("key"), f"key of {name}"),
-            global_shape=_opt(_dims, raw.get("global_shape"), f"global_shape of {name}"),
-            global_offset=_opt(_dims, raw.get("global_offset"), f"global_offset of {name}"),
-        )
+        return cls(name=name, dtype=dtype, shape=_dims(raw.get("shape"), f"shape of {name}"),
+                   nbytes=_int(raw.get("nbytes"), f"nbytes of {name}"), data_offsets=(offsets[0], offsets[1]),
+                   crc32=parse_crc(raw.get("crc32")), fqn=_opt(_str, raw.get("fqn"), f"fqn of {name}"),
+                   key=_opt(_str, raw.get("key"), f"key of {name}"),
+                   global_shape=_opt(_dims, raw.get("global_shape"), f"global_shape of {name}"),
+                   global_offset=_opt(_dims, raw.get("global_offset"), f"global_offset of {name}"))
 
 
 _MANIFEST_HEAD: tuple[tuple[Any, ...], ...] = (
@@ -287,21 +281,16 @@ class RankManifest:
             raise ValueError("tensors must be a list")
         fields = {name: parse(raw.get(name), name, *minimum)
                   for name, parse, *minimum in _MANIFEST_HEAD + _MANIFEST_TAIL}
-        return cls(
-            **fields,
-            tensors=tuple(TensorRecord.from_json(t) for t in tensors),
-            metadata_extra=_object(raw.get("metadata_extra"), "metadata_extra") if version != 1 else {},
-            verbatim_metadata_json=_str(raw.get("metadata_json"), "metadata_json") if version == 1 else None,
-        )
+        return cls(**fields, tensors=tuple(TensorRecord.from_json(t) for t in tensors),
+                   metadata_extra=_object(raw.get("metadata_extra"), "metadata_extra") if version != 1 else {},
+                   verbatim_metadata_json=_str(raw.get("metadata_json"), "metadata_json") if version == 1 else None)
 
     def header_bytes(self) -> bytes:
         """The safetensors header this manifest implies (restore compares it to the file)."""
         # An 8-aligned header that happens to end on DATA_ALIGN is the same bytes either way.
-        header, _ = safetensors_header(
-            [(t.name, t.dtype, t.shape, t.nbytes) for t in self.tensors],
-            safetensors_metadata(self.job_id, self.step, self.rank, self.world_size),
-            align=DATA_ALIGN if self.data_start % DATA_ALIGN == 0 else 8,
-        )
+        header, _ = safetensors_header([(t.name, t.dtype, t.shape, t.nbytes) for t in self.tensors],
+                                       safetensors_metadata(self.job_id, self.step, self.rank, self.world_size),
+                                       align=DATA_ALIGN if self.data_start % DATA_ALIGN == 0 else 8)
         return header
 
 
@@ -325,12 +314,8 @@ class FileRecord:
         name = _str(raw.get("name"), "file name")
         if "/" in name or name in ("", ".", ".."):
             raise ValueError(f"file name {name!r} is not a plain name")
-        return cls(
-            name=name,
-            rank=_int(raw.get("rank"), f"rank of {name}"),
-            bytes=_int(raw.get("bytes"), f"bytes of {name}"),
-            crc32=parse_crc(raw.get("crc32")),
-        )
+        return cls(name=name, rank=_int(raw.get("rank"), f"rank of {name}"),
+                   bytes=_int(raw.get("bytes"), f"bytes of {name}"), crc32=parse_crc(raw.get("crc32")))
 
 
 @dataclasses.dataclass(frozen=True)

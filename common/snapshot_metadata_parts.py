@@ -69,10 +69,8 @@ class MetadataParts:
                                 {"model_aliases": aliases} if aliases else {})
 
 
-def encode_base(
-    tensors: Mapping[str, TensorMetadata], model_aliases: Mapping[str, str] | None,
-    fqns: Sequence[str], groups: Sequence[int],
-) -> str:
+def encode_base(tensors: Mapping[str, TensorMetadata], model_aliases: Mapping[str, str] | None, fqns: Sequence[str],
+                groups: Sequence[int]) -> str:
     """The base a trainer sends once (its fields as :func:`encode_metadata` writes them)."""
     return json.dumps({"tensors": {name: tensor_entry(t) for name, t in tensors.items()},
                        "model_aliases": dict(model_aliases or {}), "fqns": list(fqns),

@@ -126,11 +126,9 @@ class SnapshotTier(abc.ABC):
         if rank not in info.ranks:
             if not 0 <= rank < info.world_size:
                 raise SnapshotNotFound(f"{info.snapshot_id} has world_size {info.world_size}: there is no rank {rank}")
-            raise SnapshotNotFound(
-                f"{info.snapshot_id} at {info.path} holds {info.describe_ranks()}, not rank "
-                f"{rank}: the snapshot of rank {rank} is on another host's server (the one "
-                f"rank {rank} attaches to)"
-            )
+            raise SnapshotNotFound(f"{info.snapshot_id} at {info.path} holds {info.describe_ranks()}, not rank "
+                                   f"{rank}: the snapshot of rank {rank} is on another host's server (the one "
+                                   f"rank {rank} attaches to)")
         name = rank_manifest_name(rank)
         raw = self._read_listed(info, info.file(name))
         try:
@@ -267,16 +265,12 @@ class SnapshotReader(SnapshotTier):
     def _why_missing(self, step: int, kept: list[int]) -> str:
         """Why a step the caller expects is not here, and which setting to change."""
         if kept and step < kept[0]:
-            return (
-                f"the job's oldest snapshot kept is step {kept[0]}, so retention removed it. The "
-                "server keeps the larger of its --keep-latest and the job's own retention (the "
-                "trainer sends torchtitan's checkpoint.keep_latest_k); raise that to keep more"
-            )
+            return (f"the job's oldest snapshot kept is step {kept[0]}, so retention removed it. The "
+                    "server keeps the larger of its --keep-latest and the job's own retention (the "
+                    "trainer sends torchtitan's checkpoint.keep_latest_k); raise that to keep more")
         listed = ", ".join(str(s) for s in kept) or "none"
-        return (
-            f"the job's snapshots here are steps [{listed}]. A snapshot still persisting when its server "
-            "stopped or died is lost (it is never listed; the next one works); else " + _ELSEWHERE
-        )
+        return (f"the job's snapshots here are steps [{listed}]. A snapshot still persisting when its server "
+                "stopped or died is lost (it is never listed; the next one works); else " + _ELSEWHERE)
 
     def _size(self, info: SnapshotInfo, name: str) -> int:
         with reading_file(info.path / name):

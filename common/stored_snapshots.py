@@ -184,8 +184,7 @@ class StoredSnapshots(SnapshotTier):
             rank_data_name(r) in names and rank_manifest_name(r) in names for r in range(index.world_size))
         return index if whole else None
 
-    def publish_step_index(self, job_id: str, step: int,
-                           layout: Callable[[SnapshotInfo], bytes] | None = None) -> bool:
+    def publish_step_index(self, job_id: str, step: int, layout: Callable[[SnapshotInfo], bytes] | None = None) -> bool:
         """Put the step's index when every rank's marker is there and none is yet (the same bytes
         whoever puts it); whether the step is complete. ``layout(step)``: the step's
         ``layout.json``, put before the index that records it."""

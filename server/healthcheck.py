@@ -29,9 +29,8 @@ def check(listen: str, *, timeout: float = 3.0, service: str = "",
         channel = grpc.insecure_channel(target)
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout
-            )
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                              timeout=timeout)
         except grpc.RpcError as exc:
             return False, f"{address.url}: {exc.code().name}: {exc.details()}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
@@ -39,21 +38,16 @@ def check(listen: str, *, timeout: float = 3.0, service: str = "",
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m swap_state.server.healthcheck",
-        description="Exit 0 when the swap-state-server at --listen reports SERVING.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m swap_state.server.healthcheck",
+                                     description="Exit 0 when the swap-state-server at --listen reports SERVING.")
     parser.add_argument("--listen", default=default_listen(),
                         help=f"the server's --listen address (default {default_listen()})")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
-    parser.add_argument("--service", default="",
-                        help="health service name (default '': the whole server)")
-    parser.add_argument("--tls-ca", type=pathlib.Path, default=None,
-                        help="PEM roots for a tcp:// server with TLS")
+    parser.add_argument("--service", default="", help="health service name (default '': the whole server)")
+    parser.add_argument("--tls-ca", type=pathlib.Path, default=None, help="PEM roots for a tcp:// server with TLS")
     args = parser.parse_args(argv)
     try:
-        serving, seen = check(args.listen, timeout=args.timeout, service=args.service,
-                              tls_ca=args.tls_ca)
+        serving, seen = check(args.listen, timeout=args.timeout, service=args.service, tls_ca=args.tls_ca)
     except (ConfigError, OSError) as exc:
         print(f"healthcheck: {exc}", file=sys.stderr)
         return 1

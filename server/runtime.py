@@ -195,23 +195,20 @@ def _build_service(config: ServerConfig, listen: ListenAddress, gid: int | None,
     """The servicer with its arena, session registry and snapshot coordinator (whose close is
     pushed on ``undo``)."""
     copy_policy = CopyBudgetPolicy(max_bandwidth=config.persist_max_bandwidth or None)
-    arena = Arena(
-        shm_dir=config.shm_dir, total_bytes=config.shm_size, cow_pool_bytes=config.cow_pool_bytes,
-        chunk_bytes=config.chunk_bytes, tag=_segment_tag(listen), gid=gid, mlock=config.mlock,
-        copy_policy=copy_policy, tenant_quota=config.tenant_shm_quota,
-    )
+    arena = Arena(shm_dir=config.shm_dir, total_bytes=config.shm_size, cow_pool_bytes=config.cow_pool_bytes,
+                  chunk_bytes=config.chunk_bytes, tag=_segment_tag(listen), gid=gid, mlock=config.mlock,
+                  copy_policy=copy_policy, tenant_quota=config.tenant_shm_quota)
     registry = SessionRegistry(arena, grace=config.grace, stream_wait=config.stream_wait,
                                max_tensors=config.max_tensors)
     snapshots = None
     if config.snapshot_dir is not None:
-        snapshots = SnapshotCoordinator(
-            config.snapshot_dir, keep_latest=config.keep_latest, stage_threads=config.stage_threads,
-            tenant_snapshot_quota=config.tenant_snapshot_quota,
-            model_copy_timeout_s=config.model_copy_timeout, copy_policy=copy_policy,
-            store_uri=config.snapshot_store, store_timeout_s=config.snapshot_store_timeout,
-            store_max_bandwidth=config.snapshot_store_max_bandwidth or None,
-            direct_io=config.direct_io,
-        )
+        snapshots = SnapshotCoordinator(config.snapshot_dir, keep_latest=config.keep_latest,
+                                        stage_threads=config.stage_threads,
+                                        tenant_snapshot_quota=config.tenant_snapshot_quota,
+                                        model_copy_timeout_s=config.model_copy_timeout, copy_policy=copy_policy,
+                                        store_uri=config.snapshot_store, store_timeout_s=config.snapshot_store_timeout,
+                                        store_max_bandwidth=config.snapshot_store_max_bandwidth or None,
+                                        direct_io=config.direct_io)
         undo.callback(snapshots.close)
     return SwapStateService(registry, keepalive_interval=config.keepalive_interval,
                             snapshots=snapshots, tenants=tenants)
@@ -241,8 +238,7 @@ def _prepare_shm(config: ServerConfig, service: SwapStateService, gid: int | Non
             log_event(log, "leftover_segments_removed", logging.WARNING, files=removed,
                       bytes=removed_bytes, shm_dir=config.shm_dir)
     else:  # the sessions of the segments a previous server left, waiting for their trainers
-        adopted, refused = adopt_segments(
-            arena, lambda d: validate_descriptor(d, max_tensors=config.max_tensors))
+        adopted, refused = adopt_segments(arena, lambda d: validate_descriptor(d, max_tensors=config.max_tensors))
         for item in refused:
             log_event(log, "segment_not_adopted", logging.WARNING, path=item.path, reason=item.reason,
                       detail="left where it is; remove it by hand, or start with --discard-segments")
@@ -251,8 +247,7 @@ def _prepare_shm(config: ServerConfig, service: SwapStateService, gid: int | Non
             if service.snapshots is not None:
                 service.snapshots.note_epoch(item.open_epoch)
         if adopted:
-            log_event(log, "segments_adopted", sessions=len(adopted), bytes=arena.used_bytes,
-                      shm_dir=config.shm_dir)
+            log_event(log, "segments_adopted", sessions=len(adopted), bytes=arena.used_bytes, shm_dir=config.shm_dir)
     check_shm_dir(config.shm_dir, config.shm_size - arena.used_bytes)
     if arena.cow_pool_slots == 0:
         log_event(log, "cow_pool_empty", logging.WARNING, cow_budget=config.cow_pool_bytes,
@@ -261,8 +256,7 @@ def _prepare_shm(config: ServerConfig, service: SwapStateService, gid: int | Non
                   "until each chunk is persisted")
 
 
-async def _start_metrics(config: ServerConfig, service: SwapStateService,
-                         started_at: float) -> MetricsServer | None:
+async def _start_metrics(config: ServerConfig, service: SwapStateService, started_at: float) -> MetricsServer | None:
     """The metrics endpoint when ``--metrics-port`` asks for one; StartupError (the registry
     closed) when it cannot listen."""
     if not config.metrics_port:
@@ -319,22 +313,18 @@ async def start_server(config: ServerConfig) -> RunningServer:
     # The channel target of the bound address (a wildcard host becomes localhost).
     wildcard = listen.scheme == "tcp" and listen.host in ("0.0.0.0", "::", "")
     address = (dataclasses.replace(listen, host="localhost") if wildcard else listen).bind_target(port)
-    running = RunningServer(
-        config=config, address=address, listen=listen, socket_path=listen.path,
-        metrics_address=metrics.address if metrics else None, arena=service.arena, sessions=service.registry,
-        service=service, health=health, _grpc=server, _guard=guard, _proofs=tenants.proofs,
-        _metrics=metrics,
-    )
+    running = RunningServer(config=config, address=address, listen=listen, socket_path=listen.path,
+                            metrics_address=metrics.address if metrics else None, arena=service.arena,
+                            sessions=service.registry, service=service, health=health, _grpc=server, _guard=guard,
+                            _proofs=tenants.proofs, _metrics=metrics)
     auth = ("tenants" if config.tenants else "uid" if tenants.proofs is not None
             else "token" if tenants.enabled else "none")
-    log_event(
-        log, "started", listen=address if listen.scheme == "unix" else f"tcp://{address}",
-        socket=listen.path or "", shm_dir=config.shm_dir, budget_bytes=config.shm_size,
-        budget=format_size(config.shm_size), cow_pool_bytes=service.arena.cow_reserve_bytes,
-        cow_slots=service.arena.cow_pool_slots, chunk_bytes=config.chunk_bytes, grace_seconds=config.grace,
-        snapshot_dir=config.snapshot_dir or "", auth=auth, tls=creds is not None,
-        metrics=f"{metrics.address[0]}:{metrics.address[1]}" if metrics and metrics.address else "off",
-        pid=os.getpid(),
-    )
+    log_event(log, "started", listen=address if listen.scheme == "unix" else f"tcp://{address}",
+              socket=listen.path or "", shm_dir=config.shm_dir, budget_bytes=config.shm_size,
+              budget=format_size(config.shm_size), cow_pool_bytes=service.arena.cow_reserve_bytes,
+              cow_slots=service.arena.cow_pool_slots, chunk_bytes=config.chunk_bytes, grace_seconds=config.grace,
+              snapshot_dir=config.snapshot_dir or "", auth=auth, tls=creds is not None,
+              metrics=f"{metrics.address[0]}:{metrics.address[1]}" if metrics and metrics.address else "off",
+              pid=os.getpid())
     return running
 

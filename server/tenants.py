@@ -51,10 +51,8 @@ class Tenant:
     def check(self, owner: str, what: str) -> None:
         """PermissionDenied naming ``what`` unless this tenant may reach ``owner``'s."""
         if not self.may_reach(owner):
-            raise PermissionDenied(
-                f"{what} belongs to another tenant: the caller's tenant {self.name!r} may not "
-                "use it (a job id is its tenant's: choose another job id)"
-            )
+            raise PermissionDenied(f"{what} belongs to another tenant: the caller's tenant {self.name!r} may not "
+                                   "use it (a job id is its tenant's: choose another job id)")
 
 
 ANYONE = Tenant("", admin=True)  # the one tenant of a server without ``--tenants``

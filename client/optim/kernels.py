@@ -121,12 +121,10 @@ def plan_slices(sizes: Sequence[int], times: int) -> list[range]:
     return [run for run in slices if len(run)]
 
 
-def adam_update(
-    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], state_steps: list[torch.Tensor], *,
-    group: Mapping[str, Any], grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-    steps: torch.Tensor | None = None, upcast: bool = False,
-) -> None:
+def adam_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], state_steps: list[torch.Tensor],
+                *, group: Mapping[str, Any], grad_scale: torch.Tensor | None = None,
+                found_inf: torch.Tensor | None = None, steps: torch.Tensor | None = None, upcast: bool = False) -> None:
     """One Adam/AdamW update of local tensors in ``group``'s implementation, steps incremented as
     torch does. ``upcast``: moments of a lower precision than CPU parameters. ``steps``: the vector
     ``state_steps`` are views of (or None); with one fused kernel call it takes one ``add_``

@@ -141,12 +141,11 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
         config.server = host_server()
     if config.server is None:
         if world_size > 1 and rank == 0:  # every rank starts its own; rank 0 says so
-            log.warning(
-                "no swap-state-server for this job: none is configured (RemoteConfig.server, $%s; "
-                "torchtitan: optimizer.swap_state_server) and none answers at %s, so each of its %d ranks "
-                "starts a private server: no shared memory budget per host, no --snapshot-store. Start one "
-                "per host (swap-state-server --shm-size SIZE) or set $%s",
-                ENV_SERVER, default_socket_path(), world_size, ENV_SERVER)
+            log.warning("no swap-state-server for this job: none is configured (RemoteConfig.server, $%s; "
+                        "torchtitan: optimizer.swap_state_server) and none answers at %s, so each of its %d ranks "
+                        "starts a private server: no shared memory budget per host, no --snapshot-store. Start one "
+                        "per host (swap-state-server --shm-size SIZE) or set $%s", ENV_SERVER, default_socket_path(),
+                        world_size, ENV_SERVER)
         embedded = EmbeddedServer(embedded_config_for(config, model_parts, optimizer_kwargs, rank, world_size))
         embedded.start()
         config.server = embedded.address

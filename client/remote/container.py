@@ -60,10 +60,9 @@ log = logging.getLogger("swap_state.client.remote_container")  # the name users 
 class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
     """Swap optimizer whose host cache lives in swap-state-server's shared memory."""
 
-    def __init__(self, model_parts: list[nn.Module], optimizer_cls: type[Optimizer],
-                 optimizer_kwargs: dict[str, Any], swap_optimizer_times: int = DEFAULT_SWAP_TIMES, *,
-                 server: str | None = None, job_id: str | None = None, config: RemoteConfig | None = None,
-                 **container_kwargs: Any) -> None:
+    def __init__(self, model_parts: list[nn.Module], optimizer_cls: type[Optimizer], optimizer_kwargs: dict[str, Any],
+                 swap_optimizer_times: int = DEFAULT_SWAP_TIMES, *, server: str | None = None,
+                 job_id: str | None = None, config: RemoteConfig | None = None, **container_kwargs: Any) -> None:
         self.remote_config = resolve_config(config, server, job_id)
         self.segment = RemoteSegment(self.remote_config, model_parts, optimizer_kwargs)
         self._metadata: OptimizerMetadata | None = None

@@ -57,8 +57,7 @@ GROUP_STEPS = BOOKKEEPING_PREFIX + "group_steps"
 class RemoteSegment:
     """The attached session and its mapped segment (call order in the module docstring)."""
 
-    def __init__(self, config: RemoteConfig, model_parts: Sequence[nn.Module],
-                 optimizer_kwargs: dict[str, Any]):
+    def __init__(self, config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kwargs: dict[str, Any]):
         """Attach (starting an embedded server when no address is configured)."""
         self.config = config
         self.model_parts = list(model_parts)
@@ -83,10 +82,8 @@ class RemoteSegment:
         claim the header; the views by name. ``params``: the optimizer's, which the fingerprint
         samples (a reattach's kept state is then to check against them)."""
         if self.mapping is not None:
-            raise NotImplementedError(
-                "RemoteSwapOptimizersContainer allocates its segment once: every parameter "
-                "and param group must exist when the container is built"
-            )
+            raise NotImplementedError("RemoteSwapOptimizersContainer allocates its segment once: every parameter "
+                                      "and param group must exist when the container is built")
         model_tensors = []
         if snapshots_model(self.config):
             model_tensors = plan_model_tensors(self.model_parts, params, self.config.model_state_dict)
@@ -162,8 +159,7 @@ class RemoteSegment:
                "restored state and stopped before its next step)")
         log.warning("dropping the swap-state optimizer state kept for job %s rank %d at step %s: %s; "
                     "training starts from a fresh optimizer state. Load a checkpoint (or use a new "
-                    "job id) to continue a run", self.config.job_id, self.session.rank,
-                    self.resumed_step, why)
+                    "job id) to continue a run", self.config.job_id, self.session.rank, self.resumed_step, why)
         self.mapping.before_write(0, list(self.views))
         for view in self.views.values():
             view.zero_()
@@ -233,8 +229,7 @@ class RemoteSegment:
         except SnapshotNotFoundError as e:
             if self.embedded is not None and self.embedded.snapshot_dir is not None:
                 # An embedded server lacks what the embedded servers of a run of another size took.
-                hint = embedded_world_size_hint(self.embedded.snapshot_dir, self.config.job_id,
-                                                self.session.world_size)
+                hint = embedded_world_size_hint(self.embedded.snapshot_dir, self.config.job_id, self.session.world_size)
                 if hint:
                     raise SnapshotNotFoundError(f"{e}{hint}") from e
             raise

@@ -224,8 +224,7 @@ class SwapStateClient:
         reply = self.call("Attach", pb.AttachRequest(
             job_id=job_id, rank=rank, world_size=world_size, local_world_size=local_world_size,
             client_pid=os.getpid(), client_host=socket.gethostname()))
-        return RemoteSession(self, job_id, rank, world_size, reply,
-                             local_world_size=local_world_size or world_size)
+        return RemoteSession(self, job_id, rank, world_size, reply, local_world_size=local_world_size or world_size)
 
     def stats(self) -> pb.StatsReply:
         return self.call("Stats", pb.StatsRequest())
@@ -331,8 +330,7 @@ class RemoteSession:
         """The mapped segment's header, committed through (no RPC per step); None before unmapping."""
         self._closing = threading.Event()
         self._stream = None
-        self._thread = threading.Thread(target=self._keepalive_loop, name=f"swap-state-keepalive-{rank}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._keepalive_loop, name=f"swap-state-keepalive-{rank}", daemon=True)
         self._thread.start()
 
     def _keepalive_loop(self) -> None:

@@ -50,8 +50,7 @@ class SegmentMapping:
         self.header = SegmentHeader(mm)
         self.header.check()
         self.trainer = TrainerHeader(self.header)  # the trainer's only writes to the header
-        self.tensors = tuple(TensorLayout(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes)
-                             for t in info.tensors)
+        self.tensors = tuple(TensorLayout(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in info.tensors)
         self.chunks = chunk_table(self.tensors, info.chunk_bytes)
         self._registered: tuple[object, int] | None = None
         self._protector: TrainerProtector | None = None

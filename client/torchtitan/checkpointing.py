@@ -62,9 +62,8 @@ def save_last_step(run: Callable[..., Any], manager: Any, *args: Any, **kwargs: 
         return run(*args, **kwargs)
 
 
-def dcp_load(
-    run: Callable[..., Any], manager: Any, state_dict: Any, checkpoint_id: Any, *args: Any, **kwargs: Any
-) -> Any:
+def dcp_load(run: Callable[..., Any], manager: Any, state_dict: Any, checkpoint_id: Any, *args: Any,
+             **kwargs: Any) -> Any:
     """The manager's ``dcp_load`` with the templates matched to the checkpoint; a snapshot-mode
     checkpoint loaded into torch's own optimizer fails naming ``swap-state export``."""
     load = functools.partial(run, state_dict, checkpoint_id, *args, **kwargs)
@@ -145,9 +144,8 @@ class SnapshotModelWrapper(ModelWrapper):
                 self.__dict__[cache] = self._get_state_dict()
 
 
-def match_model_template(
-    state_dict: dict[str, Any], wrapper: Any, keys: Collection[str], checkpoint_id: str | os.PathLike[str]
-) -> None:
+def match_model_template(state_dict: dict[str, Any], wrapper: Any, keys: Collection[str],
+                         checkpoint_id: str | os.PathLike[str]) -> None:
     """Make the load template ``state_dict`` hold the model in the checkpoint's form (in place);
     ModelReferenceError where this job cannot restore the checkpoint's reference."""
     if MODEL_REF_KEY not in keys:
@@ -156,20 +154,16 @@ def match_model_template(
         return
     path = os.fspath(checkpoint_id)
     if not isinstance(wrapper, SnapshotModelWrapper):
-        raise ModelReferenceError(
-            f"checkpoint {path} holds its model in a swap-state whole-state snapshot (key "
-            f"{MODEL_REF_KEY!r}), not as tensors: load it with optimizer.swap_optimizer = true, "
-            "swap_optimizer_backend = 'remote' and swap_state_checkpoint = 'snapshot', or turn "
-            "it into a plain torchtitan checkpoint with `swap-state export --format torchtitan "
-            f"{path} OUT_DIR --snapshot-dir <the server's --snapshot-dir>`"
-        )
+        raise ModelReferenceError(f"checkpoint {path} holds its model in a swap-state whole-state snapshot (key "
+                                  f"{MODEL_REF_KEY!r}), not as tensors: load it with optimizer.swap_optimizer = true, "
+                                  "swap_optimizer_backend = 'remote' and swap_state_checkpoint = 'snapshot', or turn "
+                                  "it into a plain torchtitan checkpoint with `swap-state export --format torchtitan "
+                                  f"{path} OUT_DIR --snapshot-dir <the server's --snapshot-dir>`")
     if OPTIMIZER_KEY not in state_dict:
-        raise ModelReferenceError(
-            f"checkpoint {path} holds model and optimizer in one swap-state snapshot: the model "
-            "cannot be loaded without the optimizer (checkpoint.exclude_from_loading names "
-            "'optimizer', or a model-only load); export it first with `swap-state export "
-            f"--format torchtitan {path} OUT_DIR --snapshot-dir <the server's --snapshot-dir>`"
-        )
+        raise ModelReferenceError(f"checkpoint {path} holds model and optimizer in one swap-state snapshot: the model "
+                                  "cannot be loaded without the optimizer (checkpoint.exclude_from_loading names "
+                                  "'optimizer', or a model-only load); export it first with `swap-state export "
+                                  f"--format torchtitan {path} OUT_DIR --snapshot-dir <the server's --snapshot-dir>`")
     for key in ModelWrapper.state_dict(wrapper):  # the model's tensors: not in this checkpoint
         state_dict.pop(key, None)
     state_dict[MODEL_REF_KEY] = ""

@@ -39,9 +39,8 @@ __all__ = [
 _WRAPPED_ORIGINAL_ATTR = "__swap_state_original__"
 
 
-def build_optimizers(
-    model_parts: list[nn.Module], optimizer_config: Any, parallel_dims: Any, ft_manager: Any = None,
-) -> OptimizersContainer:
+def build_optimizers(model_parts: list[nn.Module], optimizer_config: Any, parallel_dims: Any,
+                     ft_manager: Any = None) -> OptimizersContainer:
     """torchtitan's ``build_optimizers`` plus ``optimizer_config.swap_optimizer`` (Adam or AdamW;
     settings: :class:`SwapSettings`; optimizers-in-backward and TorchFT are not supported)."""
     if not getattr(optimizer_config, "swap_optimizer", False):

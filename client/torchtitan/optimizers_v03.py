@@ -118,10 +118,8 @@ class _Partition:
                 "state stays in the trainer, checkpointed beside swap-state's", ", ".join(others), index,
             )  # fmt: skip
         if not swapped:
-            raise ValueError(
-                f"optimizer.param_groups give model part {index} no Adam or AdamW group: swap-state has "
-                "nothing to keep; train this job without the swap_state override"
-            )
+            raise ValueError(f"optimizer.param_groups give model part {index} no Adam or AdamW group: swap-state has "
+                             "nothing to keep; train this job without the swap_state override")
         return cls(swapped, unswapped, others)
 
 

@@ -83,11 +83,9 @@ class SwapSettings:
         if isinstance(times, bool) or not isinstance(times, int) or times < 1:
             raise ValueError(f"optimizer.swap_optimizer_times must be an integer >= 1, got {times!r}")
         if self.swap_optimizer_backend == "local" and self.swap_state_checkpoint != "full":
-            raise ValueError(
-                f"optimizer.swap_state_checkpoint = {self.swap_state_checkpoint!r} needs a swap-state "
-                "server: set optimizer.swap_optimizer_backend = 'remote' (the 'local' backend "
-                "checkpoints 'full')"
-            )
+            raise ValueError(f"optimizer.swap_state_checkpoint = {self.swap_state_checkpoint!r} needs a swap-state "
+                             "server: set optimizer.swap_optimizer_backend = 'remote' (the 'local' backend "
+                             "checkpoints 'full')")
 
 
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -120,14 +118,12 @@ def shared_job_id(configured: str) -> str:
     return candidate[0]
 
 
-def build_swap_container(
-    model_parts: list[nn.Module], optimizer_cls: type[torch.optim.Optimizer],
-    optimizer_kwargs: dict[str, Any], settings: SwapSettings, *, snapshot_dir: str | None = None,
-    param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
-    moment_dtype: torch.dtype | None = None,
-    model_state_dict: Callable[[nn.Module], dict[str, Any]] | None = None, unswapped: Any = None,
-    local_container_cls: type | None = None,
-):
+def build_swap_container(model_parts: list[nn.Module], optimizer_cls: type[torch.optim.Optimizer],
+                         optimizer_kwargs: dict[str, Any], settings: SwapSettings, *, snapshot_dir: str | None = None,
+                         param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
+                         moment_dtype: torch.dtype | None = None,
+                         model_state_dict: Callable[[nn.Module], dict[str, Any]] | None = None, unswapped: Any = None,
+                         local_container_cls: type | None = None):
     """The container ``settings`` ask for (``local_container_cls``: the seed's tests patch it)."""
     # Only what is set: the seed's tests patch in containers that take none of these.
     given = {"param_groups": param_groups, "moment_dtype": moment_dtype, "unswapped": unswapped}
@@ -140,12 +136,10 @@ def build_swap_container(
     from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
     from swap_state.client.remote.embedded import EmbeddedServerConfig
 
-    config = RemoteConfig(
-        checkpoint=settings.swap_state_checkpoint,
-        server_wait_s=float(settings.swap_state_server_wait_s),
-        embedded=EmbeddedServerConfig(snapshot_dir=snapshot_dir) if snapshot_dir else None,
-        model_state_dict=model_state_dict,
-    )
+    config = RemoteConfig(checkpoint=settings.swap_state_checkpoint,
+                          server_wait_s=float(settings.swap_state_server_wait_s),
+                          embedded=EmbeddedServerConfig(snapshot_dir=snapshot_dir) if snapshot_dir else None,
+                          model_state_dict=model_state_dict)
     return RemoteSwapOptimizersContainer(
         model_parts, optimizer_cls, optimizer_kwargs, settings.swap_optimizer_times,
         server=settings.swap_state_server or None, job_id=shared_job_id(settings.swap_state_job_id),

@@ -30,7 +30,5 @@ def require_line(line: str, entry: str) -> None:
     """Raise :class:`WrongTorchtitanLine` naming the installed line's switch unless ``line`` is it."""
     installed = torchtitan_line()
     if installed != line:
-        raise WrongTorchtitanLine(
-            f"{entry} is for torchtitan {line}, but torchtitan {installed} is installed: "
-            f"use {SWITCHES[installed]}"
-        )
+        raise WrongTorchtitanLine(f"{entry} is for torchtitan {line}, but torchtitan {installed} is installed: "
+                                  f"use {SWITCHES[installed]}")

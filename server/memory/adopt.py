@@ -161,10 +161,8 @@ def _read_words(fd: int, size: int) -> SegmentHeader:
     if words[Word.MAGIC] != MAGIC:
         raise _NotAdoptable("no swap-state segment magic")
     if words[Word.VERSION] != LAYOUT_VERSION:
-        raise _NotAdoptable(
-            f"layout version {words[Word.VERSION]}, this server reads {LAYOUT_VERSION} (a server "
-            "of another release made it: restore a snapshot instead)"
-        )
+        raise _NotAdoptable(f"layout version {words[Word.VERSION]}, this server reads {LAYOUT_VERSION} (a server "
+                            "of another release made it: restore a snapshot instead)")
     return words
 
 

@@ -87,11 +87,9 @@ def _model_share(layout: SegmentLayout) -> str:
     nbytes = model_bytes(layout.tensors)
     if not nbytes:
         return ""
-    return (
-        f", of which {nbytes} bytes ({format_size(nbytes)}) are the model's parameters and "
-        "buffers (whole-state snapshots; RemoteConfig.snapshot_model=False or "
-        "swap_state_checkpoint='full' leaves them out),"
-    )
+    return (f", of which {nbytes} bytes ({format_size(nbytes)}) are the model's parameters and "
+            "buffers (whole-state snapshots; RemoteConfig.snapshot_model=False or "
+            "swap_state_checkpoint='full' leaves them out),")
 
 
 class Segment:
@@ -101,10 +99,8 @@ class Segment:
     snapshot still persisting): the file is unmapped and unlinked after the last borrower.
     """
 
-    def __init__(
-        self, name: str, path: pathlib.Path, layout: SegmentLayout, specs_hash: str, *,
-        lock: threading.Lock, destroy: Callable[[Segment], None], descriptor_bytes: int = 0,
-    ) -> None:
+    def __init__(self, name: str, path: pathlib.Path, layout: SegmentLayout, specs_hash: str, *, lock: threading.Lock,
+                 destroy: Callable[[Segment], None], descriptor_bytes: int = 0) -> None:
         """``lock`` and ``destroy``: the arena's (its lock guards the borrow count; ``destroy``
         runs when the last borrower of a freed segment is done). ``descriptor_bytes``: the
         encoded descriptor's length after the copy slots."""
@@ -167,11 +163,9 @@ class Segment:
 class Arena:
     """Budget accounting and segment files. Thread-safe; see the module docstring."""
 
-    def __init__(
-        self, *, shm_dir: pathlib.Path, total_bytes: int, cow_pool_bytes: int, chunk_bytes: int, tag: str,
-        gid: int | None = None, mlock: bool = True, copy_policy: CopyBudgetPolicy | None = None,
-        tenant_quota: int = 0,
-    ) -> None:
+    def __init__(self, *, shm_dir: pathlib.Path, total_bytes: int, cow_pool_bytes: int, chunk_bytes: int, tag: str,
+                 gid: int | None = None, mlock: bool = True, copy_policy: CopyBudgetPolicy | None = None,
+                 tenant_quota: int = 0) -> None:
         self.shm_dir = shm_dir
         self.tenant_quota = tenant_quota  # bytes of segments one tenant may hold (0: no quota)
         self._tenant_used: dict[str, int] = {}
@@ -251,8 +245,7 @@ class Arena:
         if not owner.isalnum():
             raise ValueError("segment owner must be a server-issued alphanumeric id")
         raw = descriptor.encode()
-        name, layout = self._charge(owner, descriptor.tensors, descriptor.local_world_size, len(raw),
-                                    descriptor.tenant)
+        name, layout = self._charge(owner, descriptor.tensors, descriptor.local_world_size, len(raw), descriptor.tenant)
         segment = self.segment_object(name, layout, descriptor.layout_hash, len(raw))
         segment.tenant = descriptor.tenant
         try:
@@ -305,16 +298,14 @@ class Arena:
             free = self._free()
             if charge > free:
                 self.allocation_failures += 1
-                raise ResourceExhausted(
-                    f"segment for {len(specs)} tensors needs {charge} bytes "
-                    f"({format_size(charge)}, header and page padding included)"
-                    f"{_model_share(layout)} but only {free} "
-                    f"bytes ({format_size(free)}) are free of {self.total_bytes} bytes total "
-                    f"(--shm-size {format_size(self.total_bytes)}; {self._tensor_used} bytes in "
-                    f"{len(self._segments)} segments, {self.cow_reserve_bytes} bytes held for the "
-                    "copy-before-write pool): requested "
-                    f"{charge}, free {free}, total {self.total_bytes}"
-                )
+                raise ResourceExhausted(f"segment for {len(specs)} tensors needs {charge} bytes "
+                                        f"({format_size(charge)}, header and page padding included)"
+                                        f"{_model_share(layout)} but only {free} "
+                                        f"bytes ({format_size(free)}) are free of {self.total_bytes} bytes total "
+                                        f"(--shm-size {format_size(self.total_bytes)}; {self._tensor_used} bytes in "
+                                        f"{len(self._segments)} segments, {self.cow_reserve_bytes} bytes held for the "
+                                        "copy-before-write pool): requested "
+                                        f"{charge}, free {free}, total {self.total_bytes}")
             held = self._tenant_used.get(tenant, 0)
             if self.tenant_quota and held + charge > self.tenant_quota:
                 self.allocation_failures += 1
@@ -374,8 +365,7 @@ class Arena:
                 raise
             vfs = os.statvfs(self.shm_dir)
             available = vfs.f_bavail * vfs.f_frsize
-            log_event(log, "shm_full", logging.ERROR, shm_dir=self.shm_dir, requested=segment.size,
-                      available=available)
+            log_event(log, "shm_full", logging.ERROR, shm_dir=self.shm_dir, requested=segment.size, available=available)
             raise ResourceExhausted(
                 f"{self.shm_dir} is full: could not commit {segment.size} bytes for a segment "
                 f"({available} bytes available on the filesystem, although the --shm-size budget "
@@ -397,12 +387,10 @@ class Arena:
             first = not self._warned_mlock
             self._warned_mlock = True
         # Once per server: an unlocked segment may be swapped (slower steps), not an error.
-        log_event(
-            log, "mlock_refused", logging.WARNING if first else logging.DEBUG, segment=segment.name,
-            bytes=segment.size, errno=errno.errorcode.get(err, str(err)),
-            hint="raise RLIMIT_MEMLOCK (ulimit -l unlimited; docker --ulimit memlock=-1) or grant "
-            "CAP_IPC_LOCK; segments stay usable but may be swapped",
-        )
+        log_event(log, "mlock_refused", logging.WARNING if first else logging.DEBUG, segment=segment.name,
+                  bytes=segment.size, errno=errno.errorcode.get(err, str(err)),
+                  hint="raise RLIMIT_MEMLOCK (ulimit -l unlimited; docker --ulimit memlock=-1) or grant "
+                  "CAP_IPC_LOCK; segments stay usable but may be swapped")
 
     def _release_charge(self, segment: Segment) -> None:
         with self._lock:
@@ -448,11 +436,9 @@ class Arena:
             free = self._free()
             pool_free = self.cow_pool_slots - self.cow_slots_used
             if segment.charge > free or segment.cow_slots > pool_free:
-                raise ResourceExhausted(
-                    f"it needs {segment.charge} bytes and {segment.cow_slots} copy slots, this "
-                    f"server has {free} bytes and {pool_free} slots free: start it with the "
-                    "--shm-size and --cow-budget of the one before"
-                )
+                raise ResourceExhausted(f"it needs {segment.charge} bytes and {segment.cow_slots} copy slots, this "
+                                        f"server has {free} bytes and {pool_free} slots free: start it with the "
+                                        "--shm-size and --cow-budget of the one before")
             self._account(segment.tenant, segment.charge, segment.layout, 1)
             self._segments[segment.name] = segment
             self._seq = max(self._seq, seq)

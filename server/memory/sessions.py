@@ -116,25 +116,19 @@ class SessionRegistry:
         if session.closed:
             raise self._not_found(session.session_id, f"session {session.session_id} was freed: Attach again")
         if generation > session.generation:
-            raise StaleGeneration(
-                f"generation {generation} was never issued for job {session.job_id} rank "
-                f"{session.rank} (current: {session.generation})"
-            )
+            raise StaleGeneration(f"generation {generation} was never issued for job {session.job_id} rank "
+                                  f"{session.rank} (current: {session.generation})")
         if generation != session.generation:
-            raise StaleGeneration(
-                f"stale generation {generation} for job {session.job_id} rank {session.rank}: "
-                f"the session was re-attached as generation {session.generation}"
-            )
+            raise StaleGeneration(f"stale generation {generation} for job {session.job_id} rank {session.rank}: "
+                                  f"the session was re-attached as generation {session.generation}")
 
     def orphaned_seconds(self, session: Session) -> float:
         if session.state is not SessionState.ORPHANED or session.orphaned_since is None:
             return 0.0
         return max(0.0, self._clock() - session.orphaned_since)
 
-    async def attach(
-        self, job_id: str, rank: int, world_size: int, *, local_world_size: int, client_pid: int = 0,
-        client_host: str = "", tenant: Tenant = ANYONE,
-    ) -> tuple[Session, bool]:
+    async def attach(self, job_id: str, rank: int, world_size: int, *, local_world_size: int, client_pid: int = 0,
+                     client_host: str = "", tenant: Tenant = ANYONE) -> tuple[Session, bool]:
         """Open or re-open the session of (job_id, rank) for ``tenant``: (session, reattached).
         PermissionDenied when another tenant's session holds the job."""
         self._check_open()
@@ -150,10 +144,8 @@ class SessionRegistry:
         if reattached:
             self.reattaches += 1
         else:
-            session = Session(
-                session_id=secrets.token_hex(16), job_id=job_id, rank=rank, world_size=world_size,
-                generation=1, local_world_size=local_world_size, tenant=tenant.name,
-            )
+            session = Session(session_id=secrets.token_hex(16), job_id=job_id, rank=rank, world_size=world_size,
+                              generation=1, local_world_size=local_world_size, tenant=tenant.name)
             self._sessions[session.session_id] = session
             self._by_key[(job_id, rank)] = session
         session.client_pid, session.client_host = client_pid, client_host
@@ -176,8 +168,7 @@ class SessionRegistry:
         if existing.world_size != world_size or existing.local_world_size != local_world_size:
             log_event(log, "session_replaced", logging.WARNING, **existing._describe(),
                       old_world_size=existing.world_size, new_world_size=world_size,
-                      old_local_world_size=existing.local_world_size,
-                      new_local_world_size=local_world_size,
+                      old_local_world_size=existing.local_world_size, new_local_world_size=local_world_size,
                       detail="world size changed; the kept segment does not fit the new job")
             await self._remove(existing, "world_size_changed")
             return False
@@ -194,31 +185,25 @@ class SessionRegistry:
         if (session.awaiting_reconnect and not session.closed and session.segment is not None
                 and trainer_presence.held(session.segment.path)):
             left = max(0.0, self.grace - self.orphaned_seconds(session))
-            raise SessionLive(
-                f"job {session.job_id} rank {session.rank} was live when the previous server "
-                "stopped, and its trainer process still maps its segment: this server adopted its "
-                f"state and keeps it for that trainer, which reconnects by itself, for another "
-                f"{left:.0f} s (--grace). Another trainer of this job id and rank can attach once "
-                "that one has ended; to run beside it, use another job id"
-            )
+            raise SessionLive(f"job {session.job_id} rank {session.rank} was live when the previous server "
+                              "stopped, and its trainer process still maps its segment: this server adopted its "
+                              f"state and keeps it for that trainer, which reconnects by itself, for another "
+                              f"{left:.0f} s (--grace). Another trainer of this job id and rank can attach once "
+                              "that one has ended; to run beside it, use another job id")
         if session.state is SessionState.LIVE and not session.closed:
-            raise SessionLive(
-                f"job {session.job_id} rank {session.rank} is attached and live (client pid "
-                f"{session.client_pid} on {session.client_host or '?'}, generation "
-                f"{session.generation}): another trainer with the same job id and rank? Stop that "
-                "trainer first, or give this one another job id"
-            )
+            raise SessionLive(f"job {session.job_id} rank {session.rank} is attached and live (client pid "
+                              f"{session.client_pid} on {session.client_host or '?'}, generation "
+                              f"{session.generation}): another trainer with the same job id and rank? Stop that "
+                              "trainer first, or give this one another job id")
 
     def adopt(self, adopted: Adopted) -> Session:
         """A session rebuilt from a segment a previous server left, orphaned until its
         trainer's KeepAlive stream comes back."""
         d = adopted.descriptor
-        session = Session(
-            session_id=adopted.session_id, job_id=d.job_id, rank=d.rank, world_size=d.world_size,
-            generation=adopted.generation, local_world_size=d.local_world_size, tenant=d.tenant,
-            segment=adopted.segment, adopted=True, streamed_generation=adopted.generation,
-            awaiting_reconnect=True,
-        )
+        session = Session(session_id=adopted.session_id, job_id=d.job_id, rank=d.rank, world_size=d.world_size,
+                          generation=adopted.generation, local_world_size=d.local_world_size, tenant=d.tenant,
+                          segment=adopted.segment, adopted=True, streamed_generation=adopted.generation,
+                          awaiting_reconnect=True)
         self._sessions[session.session_id] = session
         self._by_key[(session.job_id, session.rank)] = session
         self.sessions_adopted += 1
@@ -295,21 +280,18 @@ class SessionRegistry:
             if session.segment is not None:
                 if session.segment.layout_hash == wanted_hash:
                     return session.segment, True
-                raise LayoutMismatch(
-                    f"job {session.job_id} rank {session.rank} already has a segment with another "
-                    f"layout (hash {session.segment.layout_hash[:12]}, requested "
-                    f"{wanted_hash[:12]}): Detach with keep=false, then Attach and Allocate again"
-                )
+                raise LayoutMismatch(f"job {session.job_id} rank {session.rank} already has a segment with another "
+                                     f"layout (hash {session.segment.layout_hash[:12]}, requested "
+                                     f"{wanted_hash[:12]}): Detach with keep=false, then Attach and Allocate again")
             started = time.perf_counter()
             log_event(log, "segment_allocating", **session._describe(), tensors=len(checked))
             descriptor = SegmentDescriptor(session.job_id, session.rank, session.world_size,
                                            session.local_world_size, tuple(checked), wanted_hash, session.tenant)
             segment = await asyncio.to_thread(self.arena.create_segment, session.session_id, descriptor)
             session.segment = segment
-            log_event(log, "segment_allocated", **session._describe(), path=segment.path,
-                      bytes=segment.size, tensors=len(checked), chunks=segment.layout.n_chunks,
-                      cow_slots=segment.cow_slots, mlocked=segment.locked,
-                      seconds=round(time.perf_counter() - started, 3),
+            log_event(log, "segment_allocated", **session._describe(), path=segment.path, bytes=segment.size,
+                      tensors=len(checked), chunks=segment.layout.n_chunks, cow_slots=segment.cow_slots,
+                      mlocked=segment.locked, seconds=round(time.perf_counter() - started, 3),
                       budget_free=self.arena.free_bytes)
             return segment, False
 

@@ -51,10 +51,8 @@ def _docker_size(nbytes: int) -> str:
 def require_shm_dir(shm_dir: pathlib.Path) -> None:
     """StartupError unless ``shm_dir`` is a directory (before anything looks inside it)."""
     if not shm_dir.is_dir():
-        raise StartupError(
-            f"--shm-dir {shm_dir} does not exist or is not a directory: create it (a tmpfs, e.g. "
-            "mount -t tmpfs -o size=64G tmpfs DIR) or leave --shm-dir at /dev/shm"
-        )
+        raise StartupError(f"--shm-dir {shm_dir} does not exist or is not a directory: create it (a tmpfs, e.g. "
+                           "mount -t tmpfs -o size=64G tmpfs DIR) or leave --shm-dir at /dev/shm")
 
 
 def check_shm_dir(shm_dir: pathlib.Path, shm_size: int) -> int:
@@ -63,23 +61,19 @@ def check_shm_dir(shm_dir: pathlib.Path, shm_size: int) -> int:
     require_shm_dir(shm_dir)
     fstype = filesystem_type(shm_dir)
     if fstype is not None and fstype not in MEMORY_FILESYSTEMS:
-        raise StartupError(
-            f"--shm-dir {shm_dir} is on a {fstype} filesystem, not tmpfs: segments there would be "
-            "backed by disk. Use /dev/shm (or another tmpfs mount)."
-        )
+        raise StartupError(f"--shm-dir {shm_dir} is on a {fstype} filesystem, not tmpfs: segments there would be "
+                           "backed by disk. Use /dev/shm (or another tmpfs mount).")
     if fstype is None:
         log_event(log, "shm_fs_unknown", logging.WARNING, shm_dir=shm_dir,
                   detail="cannot read /proc/self/mountinfo; assuming a memory filesystem")
     vfs = os.statvfs(shm_dir)
     available = vfs.f_bavail * vfs.f_frsize
     if available < shm_size:
-        raise StartupError(
-            f"{shm_dir} has {available} bytes ({format_size(available)}) available, less than "
-            f"--shm-size {shm_size} bytes ({format_size(shm_size)}). Give the container a larger "
-            f"shared-memory mount, e.g. `docker run --shm-size {_docker_size(shm_size)} ...` "
-            "or `shm_size:` in the compose service (Kubernetes: a Memory emptyDir at /dev/shm with "
-            "a sizeLimit), or lower --shm-size. The server never falls back to disk."
-        )
+        raise StartupError(f"{shm_dir} has {available} bytes ({format_size(available)}) available, less than "
+                           f"--shm-size {shm_size} bytes ({format_size(shm_size)}). Give the container a larger "
+                           f"shared-memory mount, e.g. `docker run --shm-size {_docker_size(shm_size)} ...` "
+                           "or `shm_size:` in the compose service (Kubernetes: a Memory emptyDir at /dev/shm with "
+                           "a sizeLimit), or lower --shm-size. The server never falls back to disk.")
     if not os.access(shm_dir, os.W_OK | os.X_OK):
         raise StartupError(f"--shm-dir {shm_dir} is not writable by this user")
     return available

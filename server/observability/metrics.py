@@ -198,8 +198,7 @@ class MetricsServer:
         self.address: tuple[str, int] | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self._host, self._port,
-                                                  reuse_address=True)
+        self._server = await asyncio.start_server(self._handle, self._host, self._port, reuse_address=True)
         sock = self._server.sockets[0].getsockname()
         self.address = (sock[0], sock[1])
 
@@ -222,10 +221,8 @@ class MetricsServer:
                 status, data, ctype = "404 Not Found", b"try /metrics\n", "text/plain"
             else:
                 status, data, ctype = "200 OK", generate_latest(self._metrics), CONTENT_TYPE
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(data)}\r\n"
-                "Connection: close\r\n\r\n".encode()
-            )
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(data)}\r\n"
+                         "Connection: close\r\n\r\n".encode())
             if method != "HEAD":
                 writer.write(data)
             await writer.drain()

@@ -35,8 +35,7 @@ def read_token_file(path: pathlib.Path) -> str:
     if not token or any(ch.isspace() for ch in token) or not token.isprintable():
         raise StartupError(f"--token-file {path}: expected one token without spaces")
     if info.st_mode & stat.S_IROTH:
-        log_event(log, "token_file_world_readable", logging.WARNING, path=path,
-                  hint=f"chmod o-r {path}")
+        log_event(log, "token_file_world_readable", logging.WARNING, path=path, hint=f"chmod o-r {path}")
     return token
 
 
@@ -45,11 +44,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         self._tenants = tenants
         self.denied = 0
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    async def intercept_service(self,
+                                continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = handler_call_details.method or ""
         if (method.startswith(EXEMPT_PREFIXES)
                 or self._tenants.tenant_of(handler_call_details.invocation_metadata) is not None):

@@ -85,10 +85,8 @@ class SocketGuard:
         except FileNotFoundError:
             return
         if not stat.S_ISSOCK(info.st_mode):
-            raise StartupError(
-                f"{self.path} exists and is not a socket; refusing to replace it (remove it or "
-                "pass another --listen)"
-            )
+            raise StartupError(f"{self.path} exists and is not a socket; refusing to replace it (remove it or "
+                               "pass another --listen)")
         live = True  # also on timeouts and the like: something is there; do not clobber it
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             probe.settimeout(1.0)
@@ -99,10 +97,8 @@ class SocketGuard:
             except OSError:
                 pass
         if live:
-            raise StartupError(
-                f"something is listening on unix://{self.path} although no swap-state-server "
-                "holds its lock; refusing to replace a live socket (pass another --listen)"
-            )
+            raise StartupError(f"something is listening on unix://{self.path} although no swap-state-server "
+                               "holds its lock; refusing to replace a live socket (pass another --listen)")
         os.unlink(self.path)
         log_event(log, "stale_socket_replaced", logging.WARNING, path=self.path)
 

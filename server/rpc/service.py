@@ -78,10 +78,8 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     """Every RPC of the SwapState service. ``snapshots``: the coordinator, or None without
     --snapshot-dir (the snapshot RPCs then fail naming the flag)."""
 
-    def __init__(
-        self, registry: SessionRegistry, *, keepalive_interval: float,
-        snapshots: SnapshotCoordinator | None = None, tenants: Tenants | None = None,
-    ) -> None:
+    def __init__(self, registry: SessionRegistry, *, keepalive_interval: float,
+                 snapshots: SnapshotCoordinator | None = None, tenants: Tenants | None = None) -> None:
         self.tenants = tenants or Tenants()
         """Who calls (:mod:`swap_state.server.tenants`): each call's tenant from its token."""
         self.registry = registry
@@ -99,8 +97,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             raise Unauthenticated("missing or wrong token")
         return tenant
 
-    def _own_session(self, caller: Tenant, session_id: str, generation: int, *,
-                     segment: bool = False) -> Session:
+    def _own_session(self, caller: Tenant, session_id: str, generation: int, *, segment: bool = False) -> Session:
         """The session of a valid (id, current generation), if its tenant is the caller's (or
         the caller is an admin); with ``segment``, only once it has one."""
         validate_session(session_id, generation)
@@ -126,10 +123,9 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         if not caller.may_claim(owner):
             raise PermissionDenied(f"the snapshots of job {request.job_id!r} belong to another tenant: "
                                    "choose another job id")
-        session, reattached = await self.registry.attach(
-            request.job_id, request.rank, request.world_size, client_pid=request.client_pid,
-            client_host=request.client_host, local_world_size=local_world_size, tenant=caller,
-        )
+        session, reattached = await self.registry.attach(request.job_id, request.rank, request.world_size,
+                                                         client_pid=request.client_pid, client_host=request.client_host,
+                                                         local_world_size=local_world_size, tenant=caller)
         reply = pb.AttachReply(
             session_id=session.session_id, generation=session.generation, reattached=reattached,
             has_segment=session.segment is not None,
@@ -204,21 +200,19 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     def _session_stats(self, session: Session) -> pb.SessionStats:
         segment = session.segment
         budget = self.arena.copy_policy.budget(segment.layout) if segment is not None else None
-        return pb.SessionStats(
-            session_id=session.session_id, job_id=session.job_id, rank=session.rank,
-            world_size=session.world_size, local_world_size=session.local_world_size,
-            generation=session.generation, state=session.state.value,
-            segment_bytes=segment.file_bytes if segment else 0,
-            model_bytes=segment.model_bytes if segment else 0,
-            last_committed_step=session.last_committed_step or 0,
-            has_committed_step=session.last_committed_step is not None,
-            steps_committed=session.steps_committed,
-            orphaned_seconds=self.registry.orphaned_seconds(session),
-            copy_slot_bytes=budget.slot_bytes if budget else 0,
-            copy_budget_needed_bytes=budget.needed_bytes if budget else 0,
-            copy_budget_warning=budget.warning() if budget and self.snapshots else "",
-            adopted=session.adopted,
-        )
+        return pb.SessionStats(session_id=session.session_id, job_id=session.job_id, rank=session.rank,
+                               world_size=session.world_size, local_world_size=session.local_world_size,
+                               generation=session.generation, state=session.state.value,
+                               segment_bytes=segment.file_bytes if segment else 0,
+                               model_bytes=segment.model_bytes if segment else 0,
+                               last_committed_step=session.last_committed_step or 0,
+                               has_committed_step=session.last_committed_step is not None,
+                               steps_committed=session.steps_committed,
+                               orphaned_seconds=self.registry.orphaned_seconds(session),
+                               copy_slot_bytes=budget.slot_bytes if budget else 0,
+                               copy_budget_needed_bytes=budget.needed_bytes if budget else 0,
+                               copy_budget_warning=budget.warning() if budget and self.snapshots else "",
+                               adopted=session.adopted)
 
     @rpc_boundary
     async def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
@@ -229,24 +223,19 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         session = self._own_session(caller, request.session_id, request.generation, segment=True)
         async with session.lock:
             if session.last_committed_step != request.step:
-                raise FailedPrecondition(
-                    f"snapshot of step {request.step} refused: the last committed step of "
-                    f"{session.job_id}/rank {session.rank} is {session.last_committed_step}"
-                )
+                raise FailedPrecondition(f"snapshot of step {request.step} refused: the last committed step of "
+                                         f"{session.job_id}/rank {session.rank} is {session.last_committed_step}")
             # The writer reads the segment after this reply; borrow() keeps the mapping
             # alive (a detach or grace expiry waits) until the writer lets go.
             with contextlib.ExitStack() as stack:
                 parts = await metadata_parts(session, request, coordinator.max_metadata_bytes)
                 buffer = stack.enter_context(session.segment.borrow())
-                source = SnapshotSource(
-                    buffer, session.layout, session.header, session.job_id, session.rank,
-                    session.world_size, request.step, request.metadata_json, metadata_parts=parts,
-                    local_world_size=session.local_world_size,
-                    keep_latest=request.keep_latest, keep_all=request.keep_all,
-                    replace_existing=request.replace_existing,
-                    session_id=session.session_id, generation=session.generation, tenant=session.tenant,
-                    bounded_retention=not caller.admin,
-                )
+                source = SnapshotSource(buffer, session.layout, session.header, session.job_id, session.rank,
+                                        session.world_size, request.step, request.metadata_json, metadata_parts=parts,
+                                        local_world_size=session.local_world_size, keep_latest=request.keep_latest,
+                                        keep_all=request.keep_all, replace_existing=request.replace_existing,
+                                        session_id=session.session_id, generation=session.generation,
+                                        tenant=session.tenant, bounded_retention=not caller.admin)
                 # hold: the writer streams once this reply is sent (the trainer's stall is
                 # this RPC; a writer already streaming would compete for the GIL and CPUs).
                 handle = await asyncio.to_thread(coordinator.start, source, hold=True)
@@ -316,8 +305,6 @@ class SwapStateService(pb_grpc.SwapStateServicer):
                     may_read=lambda info: caller.check(info.index.tenant, f"snapshot {info.snapshot_id}"),
                 )
             session.record_commit(result.step, force=True)
-        return pb.RestoreReply(
-            snapshot_id=result.snapshot_id, step=result.step, metadata_json=result.metadata_json,
-            source=result.source, snapshot_world_size=result.snapshot_world_size,
-            source_ranks=result.source_ranks,
-        )
+        return pb.RestoreReply(snapshot_id=result.snapshot_id, step=result.step, metadata_json=result.metadata_json,
+                               source=result.source, snapshot_world_size=result.snapshot_world_size,
+                               source_ranks=result.source_ranks)

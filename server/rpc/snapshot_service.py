@@ -32,8 +32,7 @@ def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
     return pb.SnapshotStatusReply(**values)
 
 
-async def metadata_parts(session: Session, request: pb.SnapshotRequest,
-                         max_bytes: int) -> MetadataParts | None:
+async def metadata_parts(session: Session, request: pb.SnapshotRequest, max_bytes: int) -> MetadataParts | None:
     """A Snapshot request's metadata as a base and a delta (None: it sent ``metadata_json``,
     which stays for a trainer whose client predates the base and delta while its host's server
     is upgraded under it). A base sent along is validated and kept with the session; one only named must be the one
@@ -45,8 +44,7 @@ async def metadata_parts(session: Session, request: pb.SnapshotRequest,
     if request.metadata_base_json:
         if base_id(request.metadata_base_json) != request.metadata_base_id:
             raise InvalidArgument("metadata_base_id is not the digest of metadata_base_json")
-        base = await asyncio.to_thread(parse_base, request.metadata_base_json, session.layout.tensors,
-                                       max_bytes)
+        base = await asyncio.to_thread(parse_base, request.metadata_base_json, session.layout.tensors, max_bytes)
         session.metadata_base = (request.metadata_base_id, base)
     held = session.metadata_base
     if held is None or held[0] != request.metadata_base_id:
@@ -72,8 +70,7 @@ def info_reply(local: SnapshotInfo | None, stored: SnapshotInfo | None) -> pb.Sn
     return reply
 
 
-async def finish_snapshot(handle: RankSnapshot, held: contextlib.ExitStack,
-                          counters: SnapshotCounters) -> None:
+async def finish_snapshot(handle: RankSnapshot, held: contextlib.ExitStack, counters: SnapshotCounters) -> None:
     """Return the borrowed mapping once the writer is done with it, then count the result
     once the group is settled (all its ranks durable, or failed). Awaits without holding a
     thread: a rank may wait minutes for the others of its group."""

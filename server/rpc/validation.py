@@ -57,10 +57,8 @@ def validate_local_world_size(local_world_size: int, world_size: int) -> int:
     if local_world_size == 0:
         return world_size
     if not 1 <= local_world_size <= world_size:
-        raise InvalidArgument(
-            f"local_world_size {local_world_size} must be in [1, world_size {world_size}] "
-            "(0: the whole job on this server)"
-        )
+        raise InvalidArgument(f"local_world_size {local_world_size} must be in [1, world_size {world_size}] "
+                              "(0: the whole job on this server)")
     return local_world_size
 
 
@@ -102,12 +100,8 @@ def validate_client_host(host: str) -> str:
     return host
 
 
-def validate_tensor_specs(
-    specs: Iterable[tuple[str, str, Sequence[int]]],
-    *,
-    max_tensors: int,
-    max_total_bytes: int = MAX_SEGMENT_BYTES,
-) -> list[TensorSpec]:
+def validate_tensor_specs(specs: Iterable[tuple[str, str, Sequence[int]]], *, max_tensors: int,
+                          max_total_bytes: int = MAX_SEGMENT_BYTES) -> list[TensorSpec]:
     """Names unique and well formed, dtypes known, dims >= 0, sizes bounded (over
     ``max_total_bytes`` is nonsense; over the free budget is the arena's RESOURCE_EXHAUSTED)."""
     out: list[TensorSpec] = []
@@ -126,10 +120,8 @@ def validate_tensor_specs(
         if is_model_tensor(name):
             model_from = index if model_from is None else model_from
         elif model_from is not None:
-            raise InvalidArgument(
-                f"tensors[{index}] ({shorten(name)}) follows model tensor {model_from}: the "
-                f"model tensors ({MODEL_PREFIX}*) must come after every other tensor"
-            )
+            raise InvalidArgument(f"tensors[{index}] ({shorten(name)}) follows model tensor {model_from}: the "
+                                  f"model tensors ({MODEL_PREFIX}*) must come after every other tensor")
         itemsize = DTYPE_ITEMSIZE.get(dtype)
         if itemsize is None:
             raise _unknown_dtype(index, name, dtype)
@@ -141,18 +133,14 @@ def validate_tensor_specs(
         # At most 32 dims below 2**63 each: the product is a big int, never an overflow.
         total += math.prod(dims) * itemsize
         if total > max_total_bytes:
-            raise InvalidArgument(
-                f"tensors[{index}] ({name}) shape {list(dims)[:8]}: the tensors exceed the "
-                f"largest possible segment ({max_total_bytes} bytes)"
-            )
+            raise InvalidArgument(f"tensors[{index}] ({name}) shape {list(dims)[:8]}: the tensors exceed the "
+                                  f"largest possible segment ({max_total_bytes} bytes)")
         header_bound += len(name) + _HEADER_BYTES_PER_TENSOR + _HEADER_BYTES_PER_DIM * len(dims)
         out.append((name, dtype, dims))
     if header_bound > SAFETENSORS_MAX_HEADER_BYTES:
-        raise InvalidArgument(
-            f"{len(out)} tensors would give the snapshot file a safetensors header of up to "
-            f"{header_bound} bytes, over the {SAFETENSORS_MAX_HEADER_BYTES} bytes safetensors "
-            "readers accept: fewer tensors per rank (shard the model over more ranks)"
-        )
+        raise InvalidArgument(f"{len(out)} tensors would give the snapshot file a safetensors header of up to "
+                              f"{header_bound} bytes, over the {SAFETENSORS_MAX_HEADER_BYTES} bytes safetensors "
+                              "readers accept: fewer tensors per rank (shard the model over more ranks)")
     return out
 
 
@@ -160,17 +148,13 @@ def validate_tensor_specs(
 def _bad_name(index: int, name: str, seen: set[str]) -> InvalidArgument:
     if name in seen:
         return InvalidArgument(f"tensors[{index}].name {shorten(name)} is duplicated")
-    return InvalidArgument(
-        f"tensors[{index}].name {shorten(name)} is invalid: use 1-512 characters of "
-        "[A-Za-z0-9_.:/-]"
-    )
+    return InvalidArgument(f"tensors[{index}].name {shorten(name)} is invalid: use 1-512 characters of "
+                           "[A-Za-z0-9_.:/-]")
 
 
 def _unknown_dtype(index: int, name: str, dtype: str) -> InvalidArgument:
-    return InvalidArgument(
-        f"tensors[{index}] ({name}): unknown dtype {shorten(dtype)}; "
-        f"expected one of {', '.join(DTYPE_ITEMSIZE)}"
-    )
+    return InvalidArgument(f"tensors[{index}] ({name}): unknown dtype {shorten(dtype)}; "
+                           f"expected one of {', '.join(DTYPE_ITEMSIZE)}")
 
 
 def validate_descriptor(descriptor: SegmentDescriptor, *, max_tensors: int) -> list[TensorSpec]:

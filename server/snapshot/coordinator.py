@@ -218,11 +218,9 @@ class SnapshotCoordinator:
         # header and the epoch a trainer gave up (protocol step 6).
         header = source.header
         self._last_epoch = max(self._last_epoch, header.highest_cow_epoch(), header[Word.ABANDONED_EPOCH]) + 1
-        writer = RankWriter(
-            source, metadata, self._last_epoch, directory=self.directory, partial=group.partial,
-            limiter=self._limiter, cancel=group.cancel, started_monotonic=time.monotonic(),
-            stage_threads=self.stage_threads, model_copy_timeout_s=self.model_copy_timeout_s,
-        )
+        writer = RankWriter(source, metadata, self._last_epoch, directory=self.directory, partial=group.partial,
+                            limiter=self._limiter, cancel=group.cancel, started_monotonic=time.monotonic(),
+                            stage_threads=self.stage_threads, model_copy_timeout_s=self.model_copy_timeout_s)
         if not hold:
             writer.go()
         handle = RankSnapshot(group, source.rank, writer)

@@ -98,8 +98,7 @@ def _check_source(target: TargetTensor, rank: int, record: TensorRecord, itemsiz
             raise SnapshotLayoutMismatch(f"tensor {name}: old rank {rank} saved it as {saved} but the "
                                          f"restoring segment has {wanted}")
         raise SnapshotLayoutMismatch(f"tensor {name}: global shape {record.global_shape} in old rank {rank} "
-                                     f"but {target.global_shape} in the restoring job; the model config "
-                                     "must match")
+                                     f"but {target.global_shape} in the restoring job; the model config " "must match")
     # The runs address the source's bytes by its shape; a record whose size disagrees would
     # send them past the tensor's end.
     if record.nbytes != math.prod(record.shape) * itemsize:

@@ -123,8 +123,7 @@ def restore(directory: SnapshotDirectory, snapshot_id: str, buffer, layout: Segm
             world_size: int, header: SegmentHeader, job_id: str | None = None,
             reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
             staging_free_bytes: Callable[[], int] | None = None, stored: StoredSnapshots | None = None,
-            placement_json: str = "",
-            may_read: Callable[[SnapshotInfo], None] | None = None) -> RestoreResult:
+            placement_json: str = "", may_read: Callable[[SnapshotInfo], None] | None = None) -> RestoreResult:
     """Verify ``snapshot_id`` (``<job>/step-<N>``, or ``latest`` of ``job_id``) for ``rank`` against
     ``layout``, then copy it into ``buffer`` (the writable mapped segment, not under a snapshot).
 
@@ -149,9 +148,8 @@ def restore(directory: SnapshotDirectory, snapshot_id: str, buffer, layout: Segm
         done = assemble(tier, info, view, layout, rank=rank, world_size=world_size, placement=placement,
                         reserve_staging=reserve_staging, staging_free_bytes=staging_free_bytes)
         log_event(log, "restore_assembled", snapshot_id=info.snapshot_id, rank=rank, world_size=world_size,
-                  snapshot_world_size=info.world_size, source=tier.where,
-                  source_ranks=list(done.source_ranks), bytes=done.bytes_restored, staged=done.staged,
-                  plan=done.plan, location=str(info.path))
+                  snapshot_world_size=info.world_size, source=tier.where, source_ranks=list(done.source_ranks),
+                  bytes=done.bytes_restored, staged=done.staged, plan=done.plan, location=str(info.path))
         return done
 
 

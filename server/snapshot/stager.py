@@ -50,8 +50,7 @@ class Stager:
     def start(self, segment: memoryview) -> None:
         self._base = buffer_address(segment)
         self.idle.clear()
-        self.thread = threading.Thread(target=self._run, name=f"{threading.current_thread().name}-stage",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"{threading.current_thread().name}-stage", daemon=True)
         self.thread.start()
 
     def wake(self) -> None:

@@ -60,11 +60,9 @@ class SnapshotStatus:
     def from_disk(cls, info: SnapshotInfo, manifest: RankManifest) -> "SnapshotStatus":
         """A durable snapshot no longer in memory, as its index and the rank's manifest say."""
         total = sum(t.nbytes for t in manifest.tensors)
-        return cls(
-            snapshot_id=info.snapshot_id, job_id=info.job_id, step=info.step, rank=manifest.rank,
-            world_size=info.world_size, state=SnapshotState.DURABLE, bytes_total=total, bytes_persisted=total,
-            error="", cow_copies=manifest.cow_copies, backpressure_waits=manifest.backpressure_waits,
-            backpressure_wait_seconds=manifest.backpressure_wait_seconds, path=str(info.path),
-            ranks_joined=info.local_world_size, ranks_persisted=info.local_world_size, segment_released=True,
-            local_world_size=info.local_world_size, ranks=info.ranks,
-        )
+        return cls(snapshot_id=info.snapshot_id, job_id=info.job_id, step=info.step, rank=manifest.rank,
+                   world_size=info.world_size, state=SnapshotState.DURABLE, bytes_total=total, bytes_persisted=total,
+                   error="", cow_copies=manifest.cow_copies, backpressure_waits=manifest.backpressure_waits,
+                   backpressure_wait_seconds=manifest.backpressure_wait_seconds, path=str(info.path),
+                   ranks_joined=info.local_world_size, ranks_persisted=info.local_world_size, segment_released=True,
+                   local_world_size=info.local_world_size, ranks=info.ranks)

@@ -124,8 +124,7 @@ class RankWriter:
     def server_counters(self) -> tuple[int, int, int]:
         """(chunks the stager copied, their bytes, bytes the trainer copied itself) so far."""
         stager = self.stager
-        return (stager.staged_chunks if stager else 0, stager.staged_bytes if stager else 0,
-                self.trainer_copied_bytes)
+        return (stager.staged_chunks if stager else 0, stager.staged_bytes if stager else 0, self.trainer_copied_bytes)
 
     def persist_rate(self) -> float | None:
         """Bytes/s the chunks streamed at (what moves ``PERSISTED_UPTO``), once done; None before."""
@@ -167,9 +166,8 @@ class RankWriter:
             if self.cancel.wait(seconds):
                 raise Cancelled()
 
-        published = wait_until(
-            self.model_published, timeout_s=self.model_copy_timeout_s, first_s=1e-4, max_s=0.01, sleep=nap
-        )
+        published = wait_until(self.model_published, timeout_s=self.model_copy_timeout_s, first_s=1e-4, max_s=0.01,
+                               sleep=nap)
         if not published:
             copied = self.source.header[Word.MODEL_STEP]
             raise SnapshotError("the trainer did not copy the model's parameters of step "
@@ -349,14 +347,13 @@ class RankWriter:
                 global_shape=meta.global_shape, global_offset=meta.global_offset,
             ))
         cow_copies, bp_waits, bp_wait_ns = self.counters()
-        return RankManifest(
-            job_id=source.job_id, step=source.step, rank=source.rank, world_size=source.world_size,
-            data_file=data.name, data_file_bytes=data.bytes, data_start=data_start,
-            chunk_bytes=source.layout.chunk_bytes, tensors=tuple(records),
-            param_groups=metadata.param_groups, steps=metadata.steps, metadata_extra=metadata.extra,
-            cow_copies=cow_copies, backpressure_waits=bp_waits, backpressure_wait_seconds=bp_wait_ns / 1e9,
-            persist_seconds=time.monotonic() - self.started_monotonic,
-        )
+        return RankManifest(job_id=source.job_id, step=source.step, rank=source.rank, world_size=source.world_size,
+                            data_file=data.name, data_file_bytes=data.bytes, data_start=data_start,
+                            chunk_bytes=source.layout.chunk_bytes, tensors=tuple(records),
+                            param_groups=metadata.param_groups, steps=metadata.steps, metadata_extra=metadata.extra,
+                            cow_copies=cow_copies, backpressure_waits=bp_waits,
+                            backpressure_wait_seconds=bp_wait_ns / 1e9,
+                            persist_seconds=time.monotonic() - self.started_monotonic)
 
     def _write_data_file(self, name: str, header: bytes) -> list[int]:
         """Create the data file, put its header, stream the chunks (the stager alongside),
