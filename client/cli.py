@@ -32,12 +32,9 @@ __all__ = ["main", "build_parser", "run_export"]
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--server",
-        default=os.environ.get("SWAP_STATE_SERVER") or default_listen(),
-        help="server address: unix:///path/to.sock or tcp://host:port (default: $SWAP_STATE_SERVER, "
-        f"else the server's own default, {default_listen()})",
-    )
+    parser.add_argument("--server", default=os.environ.get("SWAP_STATE_SERVER") or default_listen(),
+                        help="server address: unix:///path/to.sock or tcp://host:port (default: $SWAP_STATE_SERVER, "
+                        f"else the server's own default, {default_listen()})")
     parser.add_argument("--token-file", default=None, help="file holding the server's --token-file secret")
     parser.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
     parser.add_argument("--tls-root-cert", default=None, metavar="PEM",
@@ -64,12 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a snapshot as a standard torch or DCP checkpoint, or a "
                             "snapshot-mode torchtitan checkpoint as a plain one")
     _add_export_arguments(export)
-    plan = sub.add_parser(
-        "plan", help="the shared memory a job needs, per rank and per host, and the --shm-size to give",
-        description="Sizes a host's server for a job: the Adam moments per rank (and the parameters' "
-        "copy of whole-state snapshots), the copy pool for snapshots without a pause, and "
-        "the --shm-size and --cow-budget to start each host's swap-state-server with.",
-    )
+    plan = sub.add_parser("plan",
+                          help="the shared memory a job needs, per rank and per host, and the --shm-size to give",
+                          description="Sizes a host's server for a job: the Adam moments per rank (and the parameters' "
+                          "copy of whole-state snapshots), the copy pool for snapshots without a pause, and "
+                          "the --shm-size and --cow-budget to start each host's swap-state-server with.")
     _add_plan_arguments(plan)
     return parser
 
@@ -129,31 +125,24 @@ def run_export(args: argparse.Namespace) -> int:
         if args.format == "torchtitan":
             from swap_state.client.export.torchtitan import export_torchtitan_checkpoint
 
-            result = export_torchtitan_checkpoint(
-                args.snapshot, args.out, args.snapshot_dir, snapshot_store=args.snapshot_store,
-                store_timeout_s=args.snapshot_store_timeout,
-            )
+            result = export_torchtitan_checkpoint(args.snapshot, args.out, args.snapshot_dir,
+                                                  snapshot_store=args.snapshot_store,
+                                                  store_timeout_s=args.snapshot_store_timeout)
         else:
-            result = export_snapshot(
-                args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir,
-                snapshot_store=args.snapshot_store, store_timeout_s=args.snapshot_store_timeout,
-            )
+            result = export_snapshot(args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir,
+                                     snapshot_store=args.snapshot_store, store_timeout_s=args.snapshot_store_timeout)
     except (SnapshotError, ConfigError) as exc:  # not found, corrupt, not exportable: no traceback
         print(f"swap-state export: {_one_line(exc, args.snapshot_store)}", file=sys.stderr)
         return 1
     if result.format == "torchtitan":
-        print(
-            f"exported {args.snapshot} with snapshot {result.snapshot_id} (ranks {list(result.ranks)}: "
-            f"{result.model_tensors} model tensors, {result.entries} optimizer entries) to {result.out} (torchtitan)"
-        )
+        print(f"exported {args.snapshot} with snapshot {result.snapshot_id} (ranks {list(result.ranks)}: "
+              f"{result.model_tensors} model tensors, {result.entries} optimizer entries) to {result.out} (torchtitan)")
         return 0
     share = ""
     if len(result.ranks) < result.world_size:
         share = f", ranks {list(result.ranks)} of world_size {result.world_size}"
-    print(
-        f"exported {result.snapshot_id} ({result.tensors} tensors, {result.entries} entries"
-        f"{share}) to {result.out} ({result.format})"
-    )
+    print(f"exported {result.snapshot_id} ({result.tensors} tensors, {result.entries} entries"
+          f"{share}) to {result.out} ({result.format})")
     return 0
 
 
@@ -272,16 +261,12 @@ def budget_rest(stats) -> str:
 def _status(args) -> int:
     with contextlib.closing(_client(args)) as client:
         stats = client.stats()
-    print(
-        f"budget: used {_gib(stats.budget_used_bytes)} / {_gib(stats.budget_total_bytes)} "
-        f"({budget_rest(stats)}); steps committed: {stats.steps_committed_total}"
-    )
+    print(f"budget: used {_gib(stats.budget_used_bytes)} / {_gib(stats.budget_total_bytes)} "
+          f"({budget_rest(stats)}); steps committed: {stats.steps_committed_total}")
     if stats.stage_threads or stats.persist_bytes_per_second:
         how = "measured" if stats.persist_bandwidth_measured else "assumed"
-        print(
-            f"snapshots: persist {stats.persist_bytes_per_second / 1e9:.2f} GB/s ({how}), forward/backward "
-            f"{stats.assumed_fwd_bwd_seconds:g} s (assumed), {stats.stage_threads} staging thread(s)"
-        )
+        print(f"snapshots: persist {stats.persist_bytes_per_second / 1e9:.2f} GB/s ({how}), forward/backward "
+              f"{stats.assumed_fwd_bwd_seconds:g} s (assumed), {stats.stage_threads} staging thread(s)")
     adopted = (f" ({stats.sessions_adopted_total} adopted from the previous server, "
                f"{stats.reconnects_total} trainer reconnects)") if stats.sessions_adopted_total else ""
     print(f"sessions: {len(stats.sessions)}{adopted}")
@@ -293,19 +278,15 @@ def _status(args) -> int:
         if s.copy_slot_bytes or s.copy_budget_needed_bytes:
             budget = (f" copy slots {_gib(s.copy_slot_bytes)} (needed {_gib(s.copy_budget_needed_bytes)}"
                       f"{', SHORT' if s.copy_budget_warning else ''})")
-        print(
-            f"  {s.job_id}/rank {s.rank}/{s.world_size} gen {s.generation} {s.state}"
-            f"{' (adopted)' if s.adopted else ''} {_gib(s.segment_bytes)}{model} last step {step}{budget}"
-        )
+        print(f"  {s.job_id}/rank {s.rank}/{s.world_size} gen {s.generation} {s.state}"
+              f"{' (adopted)' if s.adopted else ''} {_gib(s.segment_bytes)}{model} last step {step}{budget}")
         if s.copy_budget_warning:
             warnings.append(f"{s.job_id}/rank {s.rank}: {s.copy_budget_warning}")
     for snap in stats.snapshots_in_progress:
         pct = 100.0 * snap.bytes_persisted / max(1, snap.bytes_total)
-        print(
-            f"  snapshot {snap.snapshot_id} rank {snap.rank}: {snap.state} {pct:.1f}%; server staged "
-            f"{snap.server_staged_chunks} chunks, trainer copied {snap.cow_copies}, "
-            f"back-pressure waits {snap.backpressure_waits}"
-        )
+        print(f"  snapshot {snap.snapshot_id} rank {snap.rank}: {snap.state} {pct:.1f}%; server staged "
+              f"{snap.server_staged_chunks} chunks, trainer copied {snap.cow_copies}, "
+              f"back-pressure waits {snap.backpressure_waits}")
     for warning in warnings:
         print(f"WARNING {warning}")
     return 0

@@ -194,21 +194,17 @@ class ModelStore:
     def require(self, mode: str) -> None:
         """Refuse to resume (``--resume mode``) without a --state-dir, saying what it is for."""
         if not self.dir:
-            raise SystemExit(
-                f"demo: --resume {mode}: --state-dir was not given: it keeps the model parameters of "
-                "the demo's recent and snapshot steps (the server holds only the optimizer state), so a "
-                "restarted demo needs the --state-dir of the run it continues; --resume none starts over"
-            )
+            raise SystemExit(f"demo: --resume {mode}: --state-dir was not given: it keeps the model parameters of "
+                             "the demo's recent and snapshot steps (the server holds only the optimizer state), so a "
+                             "restarted demo needs the --state-dir of the run it continues; --resume none starts over")
 
     def load(self, model: nn.Module, step: int, mode: str = "auto") -> None:
         self.require(mode)
         path = self.find(step)
         if path is None:
-            raise SystemExit(
-                f"demo: --resume {mode}: --state-dir {self.dir} has no model parameters of step "
-                f"{step} (it keeps the last two steps and the last {self.KEEP_SNAPSHOTS} snapshot "
-                "steps of the run that used it): was it another run's --state-dir?"
-            )
+            raise SystemExit(f"demo: --resume {mode}: --state-dir {self.dir} has no model parameters of step "
+                             f"{step} (it keeps the last two steps and the last {self.KEEP_SNAPSHOTS} snapshot "
+                             "steps of the run that used it): was it another run's --state-dir?")
         model.load_state_dict(torch.load(path, weights_only=True))
 
 
@@ -237,10 +233,8 @@ def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> 
     if container.client.list_snapshots(container.remote_config.job_id).snapshots:
         return _restore(container, cfg, model, store, "latest")
     if mode == "latest" or kept is not None or container.segment.torn_step is not None:
-        raise SystemExit(
-            f"demo: --resume {mode}: job {cfg.job_id!r} has no snapshot to restore; "
-            "start over with a new --job-id"
-        )
+        raise SystemExit(f"demo: --resume {mode}: job {cfg.job_id!r} has no snapshot to restore; "
+                         "start over with a new --job-id")
     return 0, "a fresh start"
 
 
@@ -262,12 +256,10 @@ def _nothing_to_reattach(container, cfg: DemoConfig) -> str:
         "it holds none (a restarted server, a first run of this --job-id, or more than the "
         "server's --grace seconds since the last trainer of this job went away)"
     )
-    return (
-        f"demo: --resume reattach: the server has no state for job {cfg.job_id!r} rank "
-        f"{container.session.rank}: {why}. Restore a snapshot instead (--resume latest, or "
-        "--resume auto: reattach, else restore), or start the server with a longer --grace so "
-        "that a restarted trainer finds its state"
-    )
+    return (f"demo: --resume reattach: the server has no state for job {cfg.job_id!r} rank "
+            f"{container.session.rank}: {why}. Restore a snapshot instead (--resume latest, or "
+            "--resume auto: reattach, else restore), or start the server with a longer --grace so "
+            "that a restarted trainer finds its state")
 
 
 def run(cfg: DemoConfig) -> dict:
@@ -374,11 +366,8 @@ def _report_durable(handles: list) -> None:
 def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:
     """A resumed state past ``--steps`` has nothing to train nor compare with: say so."""
     if start_step > cfg.steps:
-        raise SystemExit(
-            f"demo: nothing left to train: the run resumed at step {start_step} ({source}) and "
-            f"--steps {cfg.steps} is the step to reach; give --steps above {start_step} to "
-            "train on"
-        )
+        raise SystemExit(f"demo: nothing left to train: the run resumed at step {start_step} ({source}) and "
+                         f"--steps {cfg.steps} is the step to reach; give --steps above {start_step} to " "train on")
     if start_step == cfg.steps and start_step:
         print(f"nothing left to train: resumed at step {start_step} = --steps ({source}); "
               "checking the state against plain AdamW's")

@@ -81,10 +81,8 @@ class DeviceBackend:
     ``"cpu"``, ``module`` ``torch.npu`` / ``torch.cuda`` (None on CPU). Subclasses (tests)
     override ``_register_chunk``, ``_unregister_chunk`` and ``_describe_return_code``."""
 
-    def __init__(
-        self, device_type: DeviceType, module: ModuleType | None = None, *,
-        chunk_bytes: int = REGISTER_CHUNK_BYTES,
-    ) -> None:
+    def __init__(self, device_type: DeviceType, module: ModuleType | None = None, *,
+                 chunk_bytes: int = REGISTER_CHUNK_BYTES) -> None:
         if device_type not in _DEVICE_TYPES:
             raise ValueError(f"unknown device type {device_type!r}; expected one of {_DEVICE_TYPES}")
         if device_type != "cpu" and module is None:
@@ -185,9 +183,8 @@ class DeviceBackend:
             return self.alloc_host((nbytes,), torch.uint8)  # ``buffer`` goes: unregistered
         return buffer
 
-    def register_host_memory(
-        self, ptr: int, nbytes: int, cuts: Sequence[int] = (), spans: Sequence[tuple[int, int]] = ()
-    ) -> HostRegistration:
+    def register_host_memory(self, ptr: int, nbytes: int, cuts: Sequence[int] = (),
+                             spans: Sequence[tuple[int, int]] = ()) -> HostRegistration:
         """Register ``[ptr, ptr + nbytes)`` for DMA in chunks (:func:`page_chunks`), rolled back on a
         failure. On CPU nothing is called, but the checks apply, so CPU runs catch misuse."""
         chunks = page_chunks(ptr, nbytes, self.chunk_bytes, cuts=cuts, spans=spans)
@@ -351,9 +348,7 @@ def select_device_type() -> DeviceType:
             raise ValueError(f"{DEVICE_ENV_VAR}={forced!r}: expected one of {', '.join(_DEVICE_TYPES)}")
         device_type = cast(DeviceType, forced)
         if not _available(device_type):
-            raise RuntimeError(
-                f"{DEVICE_ENV_VAR}={forced} but no {forced} device is available in this process"
-            )
+            raise RuntimeError(f"{DEVICE_ENV_VAR}={forced} but no {forced} device is available in this process")
         return device_type
     return next(device_type for device_type in _DEVICE_TYPES if _available(device_type))  # "cpu" at last
 

@@ -67,10 +67,8 @@ class HostRegistration:
     chunks: tuple[tuple[int, int], ...]
 
 
-def page_chunks(
-    ptr: int, nbytes: int, chunk_bytes: int = REGISTER_CHUNK_BYTES, page_size: int = PAGE_SIZE,
-    cuts: Sequence[int] = (), spans: Sequence[tuple[int, int]] = (),
-) -> list[tuple[int, int]]:
+def page_chunks(ptr: int, nbytes: int, chunk_bytes: int = REGISTER_CHUNK_BYTES, page_size: int = PAGE_SIZE,
+                cuts: Sequence[int] = (), spans: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
     """Split ``[ptr, ptr + nbytes)`` (page-aligned; size rounded up) into chunks of at most
     ``chunk_bytes``. With ``spans`` (tensors' ``(offset, nbytes)``) or ``cuts`` (tensor starts),
     a chunk ends only on a page boundary no tensor straddles, so one copy never spans two
@@ -99,9 +97,7 @@ def page_chunks(
     return chunks
 
 
-def _chunk_ends(
-    total: int, page_size: int, cuts: Sequence[int], spans: Sequence[tuple[int, int]]
-) -> list[int]:
+def _chunk_ends(total: int, page_size: int, cuts: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[int]:
     """The sorted page boundaries in ``(0, total]`` a chunk may end at (see :func:`page_chunks`)."""
     candidates = {cut - cut % page_size for cut in cuts}
     for offset, size in spans:
@@ -242,9 +238,8 @@ def release_host_buffers() -> None:
         del arena  # unmapped here (its __del__ has run once already)
 
 
-def registered_host_buffer(
-    nbytes: int, register: Callable[[int, int], Any], unregister: Callable[[int], Any]
-) -> torch.Tensor:
+def registered_host_buffer(nbytes: int, register: Callable[[int, int], Any],
+                           unregister: Callable[[int], Any]) -> torch.Tensor:
     """A zero-filled, page-aligned uint8 tensor of exactly ``nbytes`` over a new registered mapping."""
     arena = _HostArena(-1, max(nbytes, 1))
     buffer = torch.frombuffer(arena, dtype=torch.uint8)[:nbytes]
@@ -318,9 +313,7 @@ def copies_are_async(probe: CopyProbe) -> bool:
     return probe.registered_seconds <= limit
 
 
-def probe_registered_copies(
-    backend: Any, ptr: int, nbytes: int, config: ProbeConfig = ProbeConfig()
-) -> CopyProbe:
+def probe_registered_copies(backend: Any, ptr: int, nbytes: int, config: ProbeConfig = ProbeConfig()) -> CopyProbe:
     """Time a non-blocking H2D copy from ``[ptr, ptr + nbytes)`` (only read) against one from
     pinned memory, each on a side stream behind ``config``'s device work."""
     size = min(config.nbytes, nbytes)

@@ -65,10 +65,8 @@ def swap_state(config: Any, **settings: Any) -> Any:
         SwapSettings.of(replaced)  # a bad value fails now, naming the setting
         return replaced
     if type(config) not in (CheckpointManager.Config, SwapStateCheckpointManager.Config):
-        raise NotImplementedError(
-            f"swap-state extends torchtitan's CheckpointManager; this run's checkpoint config is "
-            f"{type(config).__qualname__}"
-        )
+        raise NotImplementedError(f"swap-state extends torchtitan's CheckpointManager; this run's checkpoint config is "
+                                  f"{type(config).__qualname__}")
     return derive(config, SwapStateCheckpointManager.Config)
 
 

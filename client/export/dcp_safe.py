@@ -48,10 +48,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in METADATA_GLOBALS.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
-        raise UnsafeCheckpoint(
-            f"{self.path} asks to load {module}.{name}, which is no part of a DCP checkpoint's "
-            "metadata: refused (a checkpoint is data; this file may have been planted)"
-        )
+        raise UnsafeCheckpoint(f"{self.path} asks to load {module}.{name}, which is no part of a DCP checkpoint's "
+                               "metadata: refused (a checkpoint is data; this file may have been planted)")
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -126,10 +126,8 @@ class _Assembler:
             kept = self.values.setdefault(key, local)
             self.sources.setdefault(key, where)
             if tuple(kept.shape) != tuple(local.shape):
-                raise ExportError(
-                    f"{where}: {key} has shape {list(local.shape)}, another rank's is "
-                    f"{list(kept.shape)} ({self.sources[key]})"
-                )
+                raise ExportError(f"{where}: {key} has shape {list(local.shape)}, another rank's is "
+                                  f"{list(kept.shape)} ({self.sources[key]})")
             return
         shape = record.global_shape
         if key not in self.values:
@@ -141,10 +139,8 @@ class _Assembler:
             raise ExportError(f"{where}: {key} has global shape {list(shape)}, another rank disagrees")
         offset = record.global_offset or (0,) * len(shape)
         if any(o + s > g for o, s, g in zip(offset, local.shape, shape)):
-            raise ExportError(
-                f"{where}: shard {record.name!r} of shape {list(local.shape)} at offset "
-                f"{list(offset)} exceeds global shape {list(shape)}"
-            )
+            raise ExportError(f"{where}: shard {record.name!r} of shape {list(local.shape)} at offset "
+                              f"{list(offset)} exceeds global shape {list(shape)}")
         region = tuple(slice(o, o + s) for o, s in zip(offset, local.shape))
         target[region] = local
         self.covered[key][region] = True
@@ -155,20 +151,14 @@ class _Assembler:
                 cover = f"cover {int(mask.sum())} of {mask.numel()} elements of the global tensor"
                 if info.index.complete_job:
                     raise ExportError(f"{key}: the shards of all ranks {cover}")
-                raise ExportError(
-                    f"{key}: the shards of the {info.describe_ranks()} in {info.path} {cover}; the "
-                    "other ranks' shards are in the snapshots of the same step on the other hosts' "
-                    "servers, so this host's snapshot alone cannot be exported as a full state dict"
-                )
+                raise ExportError(f"{key}: the shards of the {info.describe_ranks()} in {info.path} {cover}; the "
+                                  "other ranks' shards are in the snapshots of the same step on the other hosts' "
+                                  "servers, so this host's snapshot alone cannot be exported as a full state dict")
         return self.values
 
 
-def locate(
-    snapshot: str | os.PathLike[str],
-    snapshot_dir: str | os.PathLike[str] | None = None,
-    snapshot_store: str | None = None,
-    timeout_s: float | None = None,
-) -> list[Location]:
+def locate(snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str] | None = None,
+           snapshot_store: str | None = None, timeout_s: float | None = None) -> list[Location]:
     """Where the snapshot's ranks are: an id (or its URI there, as ``swap-state snapshots``
     prints it) in the store ``snapshot_store``; an id under ``snapshot_dir`` itself or, as the
     embedded servers of a multi-rank job keep them, in each ``rank-*`` directory below it; else
@@ -192,11 +182,9 @@ def locate(
         except ExportError:
             found = False
         if not found:
-            raise ExportError(
-                f"{path} is not a snapshot directory (<snapshot-dir>/<job>/step-<N>, e.g. "
-                "/snapshots/demo/step-25 or /snapshots/demo/step-000000000025); an id such as "
-                "demo/step-25 needs --snapshot-dir (or --snapshot-store)"
-            )
+            raise ExportError(f"{path} is not a snapshot directory (<snapshot-dir>/<job>/step-<N>, e.g. "
+                              "/snapshots/demo/step-25 or /snapshots/demo/step-000000000025); an id such as "
+                              "demo/step-25 needs --snapshot-dir (or --snapshot-store)")
     snapshot_id, root = os.fspath(snapshot), pathlib.Path(snapshot_dir)
     job = parse_snapshot_id(snapshot_id, error=ExportError).job_id
     if not root.is_dir():
@@ -204,11 +192,9 @@ def locate(
     roots = [root] if (root / job).is_dir() else sorted(root.glob("rank-*"))
     readers = [SnapshotReader(r) for r in roots if (r / job).is_dir()]
     if not readers:
-        raise SnapshotNotFound(
-            f"snapshot {snapshot_id} is not in {root} (no {job}/ there, nor in rank-*/ below it): "
-            "pass the --snapshot-dir of the server that took it (an embedded server under "
-            "torchtitan keeps them in <job.dump_folder>/swap-state-snapshots)"
-        )
+        raise SnapshotNotFound(f"snapshot {snapshot_id} is not in {root} (no {job}/ there, nor in rank-*/ below it): "
+                               "pass the --snapshot-dir of the server that took it (an embedded server under "
+                               "torchtitan keeps them in <job.dump_folder>/swap-state-snapshots)")
     return [(reader, reader.resolve(snapshot_id)) for reader in readers]
 
 
@@ -291,16 +277,9 @@ def save_dcp(state: dict[str, Any], path: pathlib.Path) -> None:
         dcp.save(state, checkpoint_id=str(path), no_dist=True)
 
 
-def export_snapshot(
-    snapshot: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    format: str = "torch",
-    *,
-    snapshot_dir: str | os.PathLike[str] | None = None,
-    snapshot_store: str | None = None,
-    store_timeout_s: float | None = None,
-    progress: bool | None = None,
-) -> ExportResult:
+def export_snapshot(snapshot: str | os.PathLike[str], out: str | os.PathLike[str], format: str = "torch", *,
+                    snapshot_dir: str | os.PathLike[str] | None = None, snapshot_store: str | None = None,
+                    store_timeout_s: float | None = None, progress: bool | None = None) -> ExportResult:
     """Write ``snapshot`` to ``out`` as a torch file (``format="torch"``) or a DCP directory
     (``format="dcp"``). Raises SnapshotError subclasses (not found, corrupt, ExportError).
 

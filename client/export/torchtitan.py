@@ -64,16 +64,12 @@ def _snapshot_id(checkpoint: dict[str, Any], path: pathlib.Path) -> str:
     model_ref = checkpoint.get(MODEL_REF_KEY)
     optimizer_ref = optimizer.get(SNAPSHOT_REF_KEY) if isinstance(optimizer, dict) else None
     if model_ref is None:
-        raise ExportError(
-            f"{path} is not a whole-state snapshot-mode torchtitan checkpoint: it has no "
-            f"{MODEL_REF_KEY!r} (a plain or 'full' checkpoint needs no export; a snapshot of the "
-            "optimizer alone exports with --format dcp)"
-        )
+        raise ExportError(f"{path} is not a whole-state snapshot-mode torchtitan checkpoint: it has no "
+                          f"{MODEL_REF_KEY!r} (a plain or 'full' checkpoint needs no export; a snapshot of the "
+                          "optimizer alone exports with --format dcp)")
     if optimizer_ref is not None and _text(optimizer_ref) != _text(model_ref):
-        raise ExportError(
-            f"{path}: the model refers to snapshot {_text(model_ref)!r}, the optimizer to "
-            f"{_text(optimizer_ref)!r}"
-        )
+        raise ExportError(f"{path}: the model refers to snapshot {_text(model_ref)!r}, the optimizer to "
+                          f"{_text(optimizer_ref)!r}")
     if not _text(model_ref):
         raise ExportError(f"{path} was saved before the first step: its snapshot reference is empty")
     return _text(model_ref)
@@ -89,24 +85,17 @@ def _plain_checkpoint(checkpoint: dict[str, Any], model: dict[str, Any], optimiz
     return out
 
 
-def export_torchtitan_checkpoint(
-    checkpoint_dir: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    snapshot_dir: str | os.PathLike[str] | None = None,
-    *,
-    snapshot_store: str | None = None,
-    store_timeout_s: float | None = None,
-    progress: bool | None = None,
-) -> ExportResult:
+def export_torchtitan_checkpoint(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
+                                 snapshot_dir: str | os.PathLike[str] | None = None, *,
+                                 snapshot_store: str | None = None, store_timeout_s: float | None = None,
+                                 progress: bool | None = None) -> ExportResult:
     """Write the plain torchtitan checkpoint of a whole-state snapshot-mode one (module
     docstring) to ``out_dir``, which must not exist yet. The snapshot is read from exactly one
     of ``snapshot_dir`` and ``snapshot_store`` (:func:`~.snapshot.locate`); ``progress`` as
     :func:`~.snapshot.read_snapshot_state`. Raises SnapshotError subclasses."""
     if snapshot_dir is None and snapshot_store is None:
-        raise ExportError(
-            "--format torchtitan needs --snapshot-dir DIR (the server's local snapshot directory) "
-            "or --snapshot-store URI (its snapshot store)"
-        )
+        raise ExportError("--format torchtitan needs --snapshot-dir DIR (the server's local snapshot directory) "
+                          "or --snapshot-store URI (its snapshot store)")
     source = pathlib.Path(checkpoint_dir)
     out = pathlib.Path(out_dir)
     if out.exists():
