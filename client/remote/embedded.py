@@ -28,8 +28,8 @@ from swap_state.common.server_config import EXIT_WITH_PARENT_ENV, ServerConfig
 from swap_state.common.server_flags import config_from_settings, config_to_argv, setting_value
 
 __all__ = [
-    "DEFAULT_SHM_SIZE_BYTES", "OWNER_FILE", "EmbeddedServerConfig", "EmbeddedServer", "default_snapshot_dir",
-    "make_scratch_dir", "sweep_stale"]
+    "DEFAULT_SHM_SIZE_BYTES", "OWNER_FILE", "OWNERLESS_GRACE_S", "EmbeddedServerConfig", "EmbeddedServer",
+    "default_snapshot_dir", "make_scratch_dir", "sweep_stale"]
 
 DEFAULT_SHM_SIZE_BYTES = 256 << 20  # a server started on its own (a container sizes it from the model)
 #: Quick deaths in a row after which the watchdog stops restarting (the server cannot run here).
@@ -234,9 +234,11 @@ class EmbeddedServer:
 # -- scratch folders that a killed process does not leave behind for good --------------------------
 # A trainer or the demo killed with SIGKILL runs no cleanup, so its temporary folders stay.
 # make_scratch_dir writes the owner's pid into each folder it makes and, first, removes the
-# folders of the same prefix whose owner is gone (dead pid, or an empty folder, no owner file).
+# folders of the same prefix whose owner is gone (dead pid, or an empty folder, no owner file,
+# older than OWNERLESS_GRACE_S: a younger one is another process's between mkdtemp and its write).
 
 OWNER_FILE = ".owner-pid"
+OWNERLESS_GRACE_S = 60.0
 
 
 def make_scratch_dir(prefix: str, dir: str | None = None) -> str:
@@ -274,8 +276,8 @@ def _owner_alive(path: str) -> bool:
     try:
         with open(os.path.join(path, OWNER_FILE)) as f:
             pid = int(f.read().strip() or 0)
-    except FileNotFoundError:
-        return bool(os.listdir(path))  # no owner file: only an empty folder is known stale
+    except FileNotFoundError:  # no owner file: only an empty folder no one is making is stale
+        return bool(os.listdir(path)) or time.time() - os.stat(path).st_mtime < OWNERLESS_GRACE_S
     except (OSError, ValueError):
         return True
     if pid <= 0:
