@@ -49,8 +49,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swap-state", description=__doc__.split("\n\n")[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
-    status = sub.add_parser("status", help="sessions, budget and running snapshots")
-    _add_server_args(status)
+    _add_server_args(sub.add_parser("status", help="sessions, budget and running snapshots"))
     snaps = sub.add_parser("snapshots", help="list durable snapshots, in the server's --snapshot-dir and its --snapshot-store")
     _add_server_args(snaps)
     snaps.add_argument("--job-id", default="", help="only this job (default: all)")
@@ -122,15 +121,13 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         if not args.snapshot_store_timeout > 0:
             raise ExportError("--snapshot-store-timeout must be > 0 seconds")
+        store = dict(snapshot_store=args.snapshot_store, store_timeout_s=args.snapshot_store_timeout)
         if args.format == "torchtitan":
             from swap_state.client.export.torchtitan import export_torchtitan_checkpoint
 
-            result = export_torchtitan_checkpoint(args.snapshot, args.out, args.snapshot_dir,
-                                                  snapshot_store=args.snapshot_store,
-                                                  store_timeout_s=args.snapshot_store_timeout)
+            result = export_torchtitan_checkpoint(args.snapshot, args.out, args.snapshot_dir, **store)
         else:
-            result = export_snapshot(args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir,
-                                     snapshot_store=args.snapshot_store, store_timeout_s=args.snapshot_store_timeout)
+            result = export_snapshot(args.snapshot, args.out, args.format, snapshot_dir=args.snapshot_dir, **store)
     except (SnapshotError, ConfigError) as exc:  # not found, corrupt, not exportable: no traceback
         print(f"swap-state export: {_one_line(exc, args.snapshot_store)}", file=sys.stderr)
         return 1
@@ -141,8 +138,8 @@ def run_export(args: argparse.Namespace) -> int:
     share = ""
     if len(result.ranks) < result.world_size:
         share = f", ranks {list(result.ranks)} of world_size {result.world_size}"
-    print(f"exported {result.snapshot_id} ({result.tensors} tensors, {result.entries} entries"
-          f"{share}) to {result.out} ({result.format})")
+    print(f"exported {result.snapshot_id} ({result.tensors} tensors, {result.entries} entries{share}) to {result.out} "
+          f"({result.format})")
     return 0
 
 

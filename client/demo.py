@@ -35,8 +35,7 @@ from swap_state.common.server_flags import field_docs
 
 __all__ = ["DemoConfig", "TinyLM", "main", "run"]
 
-#: ``--resume`` besides a snapshot id.
-RESUME_MODES = ("none", "reattach", "latest", "auto")
+RESUME_MODES = ("none", "reattach", "latest", "auto")  # --resume besides a snapshot id
 
 
 @dataclasses.dataclass
@@ -195,16 +194,17 @@ class ModelStore:
         """Refuse to resume (``--resume mode``) without a --state-dir, saying what it is for."""
         if not self.dir:
             raise SystemExit(f"demo: --resume {mode}: --state-dir was not given: it keeps the model parameters of "
-                             "the demo's recent and snapshot steps (the server holds only the optimizer state), so a "
-                             "restarted demo needs the --state-dir of the run it continues; --resume none starts over")
+                             "the demo's recent and snapshot steps (the server holds only the optimizer state), "
+                             "so a restarted demo needs the --state-dir of the run it continues; --resume none "
+                             "starts over")
 
     def load(self, model: nn.Module, step: int, mode: str = "auto") -> None:
         self.require(mode)
         path = self.find(step)
         if path is None:
-            raise SystemExit(f"demo: --resume {mode}: --state-dir {self.dir} has no model parameters of step "
-                             f"{step} (it keeps the last two steps and the last {self.KEEP_SNAPSHOTS} snapshot "
-                             "steps of the run that used it): was it another run's --state-dir?")
+            raise SystemExit(f"demo: --resume {mode}: --state-dir {self.dir} has no model parameters of step {step} "
+                             f"(it keeps the last two steps and the last {self.KEEP_SNAPSHOTS} snapshot steps of "
+                             "the run that used it): was it another run's --state-dir?")
         model.load_state_dict(torch.load(path, weights_only=True))
 
 
@@ -221,10 +221,8 @@ def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> 
             store.load(model, kept, mode)
             print(f"reattached: the server kept the moments of step {kept}")
             return kept, "the moments the server kept"
-        why = (
-            f"the server kept the moments of step {kept}, but --state-dir has no model "
-            "parameters of that step (the trainer died between its commit and its save)"
-        )
+        why = (f"the server kept the moments of step {kept}, but --state-dir has no model parameters of that step "
+               "(the trainer died between its commit and its save)")
         if mode == "reattach":
             raise SystemExit(f"demo: --resume reattach: {why}; --resume auto restores the latest snapshot")
         print(f"{why}: restoring the latest snapshot")
@@ -254,12 +252,10 @@ def _nothing_to_reattach(container, cfg: DemoConfig) -> str:
         return f"demo: --resume reattach: {container.segment.torn_message()} (--resume auto does that)"
     why = container.session.previous_session or (
         "it holds none (a restarted server, a first run of this --job-id, or more than the "
-        "server's --grace seconds since the last trainer of this job went away)"
-    )
-    return (f"demo: --resume reattach: the server has no state for job {cfg.job_id!r} rank "
-            f"{container.session.rank}: {why}. Restore a snapshot instead (--resume latest, or "
-            "--resume auto: reattach, else restore), or start the server with a longer --grace so "
-            "that a restarted trainer finds its state")
+        "server's --grace seconds since the last trainer of this job went away)")
+    return (f"demo: --resume reattach: the server has no state for job {cfg.job_id!r} rank {container.session.rank}: "
+            f"{why}. Restore a snapshot instead (--resume latest, or --resume auto: reattach, else restore), or "
+            "start the server with a longer --grace so that a restarted trainer finds its state")
 
 
 def run(cfg: DemoConfig) -> dict:
@@ -367,7 +363,7 @@ def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:
     """A resumed state past ``--steps`` has nothing to train nor compare with: say so."""
     if start_step > cfg.steps:
         raise SystemExit(f"demo: nothing left to train: the run resumed at step {start_step} ({source}) and "
-                         f"--steps {cfg.steps} is the step to reach; give --steps above {start_step} to " "train on")
+                         f"--steps {cfg.steps} is the step to reach; give --steps above {start_step} to train on")
     if start_step == cfg.steps and start_step:
         print(f"nothing left to train: resumed at step {start_step} = --steps ({source}); "
               "checking the state against plain AdamW's")
@@ -401,10 +397,8 @@ def _resume_arg(text: str) -> str:
     try:
         parse_snapshot_id(text, "job")  # the form only: --job-id may come later
     except InvalidArgument:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is none of {', '.join(RESUME_MODES)}, nor a snapshot id such as "
-            "demo/step-25 (or demo/step-000000000025) or step-25"
-        ) from None
+        raise argparse.ArgumentTypeError(f"{text!r} is none of {', '.join(RESUME_MODES)}, nor a snapshot id such as "
+                                         "demo/step-25 (or demo/step-000000000025) or step-25") from None
     return text
 
 

@@ -59,18 +59,11 @@ class NullStream:
     def record(self, stream: Any = None) -> None:
         """Nothing to record."""
 
-    def wait(self, stream: Any = None) -> None:
-        """Nothing to wait for."""
-
     def wait_event(self, event: Any) -> None:
         """Nothing to wait for."""
 
     def wait_stream(self, stream: Any) -> None:
         """Nothing to wait for."""
-
-    def record_event(self, event: Any = None) -> Any:
-        """Return ``event`` (or a new one), already complete."""
-        return NullStream() if event is None else event
 
 
 NullEvent = NullStream
@@ -120,9 +113,7 @@ class DeviceBackend:
 
     def current_device(self) -> torch.device:
         """The device new tensors of this backend go to."""
-        if not self.is_accelerator:
-            return torch.device("cpu")
-        return torch.device(self.type, self._accel().current_device())
+        return torch.device(self.type, self._accel().current_device()) if self.is_accelerator else torch.device("cpu")
 
     def stream(self) -> Any:
         """A new side stream (a :class:`NullStream` on CPU)."""
@@ -287,8 +278,7 @@ class DeviceBackend:
         return HostRegistrationError(
             f"{self.type} host {action} of chunk [{ptr:#x}, {ptr + nbytes:#x}) ({nbytes} bytes) failed "
             f"with return code {rc} ({self._describe_return_code(rc)}){context}",
-            return_code=rc, ptr=ptr, nbytes=nbytes,
-        )
+            return_code=rc, ptr=ptr, nbytes=nbytes)
 
     def _register_chunk(self, ptr: int, nbytes: int) -> int:
         """Register one page-aligned chunk; return the runtime's code (0 = success)."""

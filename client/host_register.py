@@ -38,8 +38,7 @@ logger = logging.getLogger(__name__)
 #: CUDA and Ascend; 32 GiB is a multiple of every page size in use (4 KiB .. 1 GiB).
 REGISTER_CHUNK_BYTES = 32 << 30
 
-#: The host page size; registration pointers must be aligned to it.
-PAGE_SIZE = mmap.PAGESIZE
+PAGE_SIZE = mmap.PAGESIZE  # registration pointers must be aligned to it
 
 # cudaHostRegisterPortable: the range counts as pinned for every CUDA context of the
 # process, not only the current one.
@@ -53,9 +52,7 @@ class HostRegistrationError(RuntimeError):
 
     def __init__(self, message: str, *, return_code: int, ptr: int, nbytes: int) -> None:
         super().__init__(message)
-        self.return_code = return_code
-        self.ptr = ptr
-        self.nbytes = nbytes
+        self.return_code, self.ptr, self.nbytes = return_code, ptr, nbytes
 
 
 @dataclass(frozen=True)
@@ -76,10 +73,8 @@ def page_chunks(ptr: int, nbytes: int, chunk_bytes: int = REGISTER_CHUNK_BYTES, 
     gets a chunk of its own, over the limit (a Llama-3-405B embedding moment is 8.4 GB: far
     below ~100 GiB)."""
     if ptr % page_size:
-        raise ValueError(
-            f"host pointer {ptr:#x} is not aligned to the {page_size}-byte page size; "
-            "DMA registration needs a page-aligned pointer (map the region with mmap)"
-        )
+        raise ValueError(f"host pointer {ptr:#x} is not aligned to the {page_size}-byte page size; "
+                         "DMA registration needs a page-aligned pointer (map the region with mmap)")
     if nbytes <= 0:
         raise ValueError(f"cannot register {nbytes} bytes at {ptr:#x}: size must be positive")
     total = -(-nbytes // page_size) * page_size
@@ -157,10 +152,8 @@ def _loaded_library(name: str, open_library: Callable[..., Any] = ctypes.CDLL) -
             paths = {line.split()[-1] for line in maps if name in line}
     except OSError:
         return None
-    for path in sorted(paths):
-        if path.startswith("/"):
-            return open_library(path)
-    return None
+    path = next((path for path in sorted(paths) if path.startswith("/")), None)
+    return None if path is None else open_library(path)
 
 
 def locate_library(name: str, symbol: str, open_library: Callable[..., Any] = ctypes.CDLL) -> tuple[Any, str]:

@@ -30,11 +30,8 @@ from swap_state.client.torchtitan.settings import SwapSettings  # noqa: E402
 __all__ = ["SETTINGS", "SwapStateNodes", "swap_state", "with_swap_state"]
 
 #: The settings the target takes (the fields swap-state adds to the optimizer's Config).
-SETTINGS: tuple[str, ...] = tuple(
-    f.name
-    for f in dataclasses.fields(SwapStateOptimizersContainer.Config)
-    if f.name not in {g.name for g in dataclasses.fields(OptimizersContainer.Config)}
-)
+SETTINGS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SwapStateOptimizersContainer.Config)
+                                  if f.name not in {g.name for g in dataclasses.fields(OptimizersContainer.Config)})
 _REPLACED = (OptimizersContainer.Config, BaseCheckpointManager.Config)
 
 
@@ -57,16 +54,15 @@ def swap_state(config: Any, **settings: Any) -> Any:
     manager's); ``settings`` are the target's JSON arguments."""
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
-        raise ValueError(
-            f"--override.imports swap_state.client.torchtitan_override.swap_state: unknown setting(s) {', '.join(unknown)}; the settings are {', '.join(SETTINGS)}"
-        )
+        raise ValueError(f"--override.imports swap_state.client.torchtitan_override.swap_state: unknown setting(s) "
+                         f"{', '.join(unknown)}; the settings are {', '.join(SETTINGS)}")
     if isinstance(config, OptimizersContainer.Config):
         replaced = derive(config, SwapStateOptimizersContainer.Config, **settings)
         SwapSettings.of(replaced)  # a bad value fails now, naming the setting
         return replaced
     if type(config) not in (CheckpointManager.Config, SwapStateCheckpointManager.Config):
-        raise NotImplementedError(f"swap-state extends torchtitan's CheckpointManager; this run's checkpoint config is "
-                                  f"{type(config).__qualname__}")
+        raise NotImplementedError(f"swap-state extends torchtitan's CheckpointManager; this run's checkpoint "
+                                  f"config is {type(config).__qualname__}")
     return derive(config, SwapStateCheckpointManager.Config)
 
 

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 __all__ = ["METADATA_GLOBALS", "SafeFileSystemReader", "SafeLoadPlanner", "UnsafeCheckpoint"]
 
+# The globals a DCP ``.metadata`` pickle may name (torch's dtypes besides: ``torch.<dtype>``).
 METADATA_GLOBALS: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
@@ -33,7 +34,6 @@ METADATA_GLOBALS: dict[str, frozenset[str]] = {
     "pathlib": frozenset({"PosixPath", "PurePosixPath"}),
     "collections": frozenset({"OrderedDict"}),
 }
-"""The globals a DCP ``.metadata`` pickle may name (torch's dtypes besides: ``torch.<dtype>``)."""
 
 
 class UnsafeCheckpoint(pickle.UnpicklingError):
@@ -46,7 +46,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
-        if name in METADATA_GLOBALS.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if is_dtype or name in METADATA_GLOBALS.get(module, ()):
             return super().find_class(module, name)
         raise UnsafeCheckpoint(f"{self.path} asks to load {module}.{name}, which is no part of a DCP checkpoint's "
                                "metadata: refused (a checkpoint is data; this file may have been planted)")

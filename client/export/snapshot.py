@@ -42,13 +42,11 @@ from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader, Snap
 from swap_state.common.stored_snapshots import StoredSnapshots
 from tqdm import tqdm
 
-__all__ = [
-    "FORMATS", "ExportError", "ExportResult", "SnapshotState", "export_snapshot", "locate", "read_snapshot_state",
-]
+__all__ = ["FORMATS", "ExportError", "ExportResult", "SnapshotState", "export_snapshot", "locate",
+           "read_snapshot_state"]
 
 FORMATS = ("torch", "dcp")
-#: Seconds one request to the store may take, retries included (the server's default too).
-STORE_TIMEOUT_S = 60.0
+STORE_TIMEOUT_S = 60.0  # seconds one request to the store may take, retries included (the server's default too)
 
 Location = tuple[SnapshotTier, SnapshotInfo]
 
@@ -63,21 +61,13 @@ class ExportResult:
     """What :func:`export_snapshot` wrote."""
 
     snapshot_id: str
-    """The exported snapshot."""
-    out: pathlib.Path
-    """The file (torch) or directory (dcp, torchtitan) written."""
-    format: str
-    """``torch``, ``dcp`` or ``torchtitan``."""
-    tensors: int
-    """Number of ``state.<fqn>.<key>`` tensors."""
-    entries: int
-    """Number of keys in the optimizer's flat state dict."""
-    ranks: tuple[int, ...] = ()
-    """The ranks exported: those the snapshot holds."""
-    world_size: int = 0
-    """The job's world size (above ``len(ranks)``: one host's snapshot)."""
-    model_tensors: int = 0
-    """Keys of the model's state dict written (``torchtitan``)."""
+    out: pathlib.Path  # the file (torch) or directory (dcp, torchtitan) written
+    format: str  # torch, dcp or torchtitan
+    tensors: int  # number of state.<fqn>.<key> tensors
+    entries: int  # number of keys in the optimizer's flat state dict
+    ranks: tuple[int, ...] = ()  # the ranks exported: those the snapshot holds
+    world_size: int = 0  # the job's world size (above len(ranks): one host's snapshot)
+    model_tensors: int = 0  # keys of the model's state dict written (torchtitan)
 
 
 def _decode(value: Any) -> Any:
@@ -202,17 +192,13 @@ def locate(snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str
 class SnapshotState:
     """A verified snapshot's contents as state dicts (global tensors assembled from shards)."""
 
-    info: SnapshotInfo
-    """The snapshot (the first location's, when several hold its ranks)."""
-    optimizer: dict[str, torch.Tensor]
-    """``state.<fqn>.<key>`` moments."""
-    extras: dict[str, Any]
-    """``state.<fqn>.step`` and ``param_groups.<fqn>.<hp>``."""
+    info: SnapshotInfo  # the snapshot (the first location's, when several hold its ranks)
+    optimizer: dict[str, torch.Tensor]  # state.<fqn>.<key> moments
+    extras: dict[str, Any]  # state.<fqn>.step and param_groups.<fqn>.<hp>
+    # Whole-state snapshots: the model state dict (parameters and persistent buffers, tied
+    # weights under each of their keys); empty otherwise.
     model: dict[str, torch.Tensor]
-    """Whole-state snapshots: the model state dict (parameters and persistent buffers, tied
-    weights under each of their keys); empty otherwise."""
-    ranks: tuple[int, ...]
-    """Every rank read."""
+    ranks: tuple[int, ...]  # every rank read
 
     @property
     def flat(self) -> dict[str, Any]:
