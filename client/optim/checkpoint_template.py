@@ -25,7 +25,7 @@ __all__ = [
 
 #: The key torchtitan's CheckpointManager stores the optimizer under (``OPTIMIZER``).
 OPTIMIZER_KEY = "optimizer"
-#: Keys of a snapshot-mode state dict (:mod:`swap_state.client.remote.checkpoint` writes them).
+#: Keys of a snapshot-mode state dict (:mod:`swap_state.client.remote.container` writes them).
 SNAPSHOT_REF_KEY = "swap_state.snapshot_id"
 SNAPSHOT_JOB_KEY = "swap_state.job_id"
 #: The model's entry of a whole-state snapshot-mode checkpoint (top-level: torchtitan flattens
