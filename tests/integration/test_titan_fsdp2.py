@@ -89,12 +89,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def init_ranks(rank: int, port: int, world: int = WORLD, net: type[nn.Module] = Net):
     """Join the gloo group of ``world`` ranks; ``build(seed)``: a ``net`` sharded with FSDP2."""
+    import faulthandler
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import swap_state.client.torchtitan.config  # noqa: F401  (the CheckpointManager hooks)
 
+    faulthandler.enable(all_threads=True)  # a native abort in a rank prints every thread's Python stack
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
 
