@@ -24,6 +24,7 @@ own trainer, CheckpointManager.save in snapshot mode vs plain sync and async).
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import os
 import shlex
@@ -184,7 +185,7 @@ def run_size(args: argparse.Namespace, params: int, server: Any, snapshot_dir: s
     import torch
 
     from bench import measure
-    from bench.workload import VARIANTS, build_model, build_variant, model_shape, timed_steps
+    from bench.workload import VARIANTS, build_model, build_variant, model_shape, remote_container, timed_steps
 
     device = torch.device("cpu")
     width, layers = model_shape(params)
@@ -237,8 +238,9 @@ def run_size(args: argparse.Namespace, params: int, server: Any, snapshot_dir: s
 
         _log(f"  restore ({args.restore_reps} reps, cold and warm)")
         restore = measure.restore_throughput(
-            remote, stall["swap_state"]["snapshot_ids"][-1], snapshot_dir,
-            stall["swap_state"]["bytes_total"], args.restore_reps,
+            remote, lambda: remote_container(copy.deepcopy(base), device, args.swap_times, server.address, job_id),
+            stall["swap_state"]["snapshot_ids"][-1], snapshot_dir, stall["swap_state"]["bytes_total"],
+            args.restore_reps,
         )  # fmt: skip
         return {
             "params": actual,

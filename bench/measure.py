@@ -7,6 +7,7 @@ import os
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -314,30 +315,38 @@ def _cold_read(paths: list[str], snapshot_dir: str, direct: bool = False) -> flo
         buffer.close()
 
 
-def restore_throughput(remote: Variant, snapshot_id: str, snapshot_dir: str, nbytes: int, reps: int) -> dict[str, Any]:
-    """``container.restore(id)`` as the trainer sees it: cold (the snapshot's pages dropped
-    from the page cache first) and warm (just read). The server reads the file once, verifies
-    every checksum, and only then copies the staged bytes into the segment. Next to each cold
-    restore, a plain cold read of the same files (same disk, same moment): the reference."""
+def restore_throughput(remote: Variant, new_trainer: Callable[[], Any], snapshot_id: str, snapshot_dir: str,
+                       nbytes: int, reps: int) -> dict[str, Any]:
+    """``container.restore(id)`` as the trainer sees it, two ways:
+
+    * a new trainer's (``new_trainer()``: a container of the job, no step taken), its segment
+      holding nothing: the server reads the file straight into it, verifying as it lands. Cold
+      (the snapshot's pages dropped first); each closed after, so the next one is new too.
+    * the running trainer's (``remote``), its segment holding a committed step: the server reads
+      the file once, verifies every checksum, and only then copies the staged bytes into the
+      segment (a corrupt snapshot leaves it untouched). Cold and warm (just read).
+
+    Next to each cold restore, a plain cold read and an O_DIRECT read of the same files (same
+    disk, same moment): the references. ``remote`` is closed after (the job's one trainer)."""
     container = remote.optimizer
     job, _, step = snapshot_id.partition("/step-")
     step_dir = os.path.join(snapshot_dir, job, f"step-{int(step):012d}")
     files = sorted(os.path.join(step_dir, f) for f in os.listdir(step_dir) if f.endswith(".safetensors"))
+    file_bytes = sum(os.path.getsize(f) for f in files)
     cold, warm, read, direct_read = [], [], [], []
     for _ in range(reps):
-        read.append(_cold_read(files, snapshot_dir))
+        _references(files, snapshot_dir, read, direct_read)
+        cold.append(_timed_restore(container, snapshot_id, snapshot_dir))
+        warm.append(_timed_restore(container, snapshot_id, None))
+    container.close()
+    new, new_direct_read = [], []
+    for _ in range(reps):
+        trainer = new_trainer()
         try:
-            direct_read.append(_cold_read(files, snapshot_dir, direct=True))
-        except OSError:
-            pass  # no O_DIRECT on this filesystem: the buffered read is the reference
-        drop_tree_cache(snapshot_dir)
-        t0 = time.perf_counter()
-        container.restore(snapshot_id)
-        cold.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        container.restore(snapshot_id)
-        warm.append(time.perf_counter() - t0)
-    file_bytes = sum(os.path.getsize(f) for f in files)
+            _references(files, snapshot_dir, [], new_direct_read)
+            new.append(_timed_restore(trainer, snapshot_id, snapshot_dir))
+        finally:
+            trainer.close()
     return {
         "snapshot_id": snapshot_id,
         "bytes": nbytes,
@@ -347,7 +356,26 @@ def restore_throughput(remote: Variant, snapshot_id: str, snapshot_dir: str, nby
         "warm_gbps": summarize([gbps(nbytes, t) for t in warm]),
         "file_cold_read_gbps": summarize([gbps(file_bytes, t) for t in read]),
         "file_direct_read_gbps": summarize([gbps(file_bytes, t) for t in direct_read]),
+        "new_trainer_gbps": summarize([gbps(nbytes, t) for t in new]),
+        "new_trainer_file_direct_read_gbps": summarize([gbps(file_bytes, t) for t in new_direct_read]),
     }
+
+
+def _references(files: list[str], snapshot_dir: str, read: list[float], direct_read: list[float]) -> None:
+    read.append(_cold_read(files, snapshot_dir))
+    try:
+        direct_read.append(_cold_read(files, snapshot_dir, direct=True))
+    except OSError:
+        pass  # no O_DIRECT on this filesystem: the buffered read is the reference
+
+
+def _timed_restore(container: Any, snapshot_id: str, drop_dir: str | None) -> float:
+    """Seconds of ``container.restore(snapshot_id)``, ``drop_dir``'s pages dropped first."""
+    if drop_dir is not None:
+        drop_tree_cache(drop_dir)
+    t0 = time.perf_counter()
+    container.restore(snapshot_id)
+    return time.perf_counter() - t0
 
 
 def memory(remote: Variant, server_pid: int, state_bytes: int) -> dict[str, Any]:

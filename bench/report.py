@@ -164,9 +164,15 @@ def markdown(results: dict[str, Any]) -> str:
         "buffered, same file, same moment |")
     add(f"| O_DIRECT read of the snapshot's own file, right before each restore | "
         f"{_gb(rs.get('file_direct_read_gbps'))} | the disk's own limit: the reference for restore |")
-    add(f"| **swap-state restore**, cold page cache | **{_gb(rs['cold_gbps'])}** | "
+    if rs.get("new_trainer_gbps"):
+        new = _med(rs["new_trainer_gbps"])
+        add(f"| **swap-state restore, a new trainer's** (its segment fresh), cold | **{_gb(rs['new_trainer_gbps'])}** | "
+            f"{_pct(_ratio(new, _med(rs.get('new_trainer_file_direct_read_gbps'))))} of the file's O_DIRECT read "
+            f"right before each ({_gb(rs.get('new_trainer_file_direct_read_gbps'))}): read straight into the segment |")
+    add(f"| **swap-state restore, the running trainer's** (a committed step kept), cold | **{_gb(rs['cold_gbps'])}** | "
         f"{_pct(_ratio(_med(rs['cold_gbps']), _med(rs.get('file_direct_read_gbps'))))} of the file's O_DIRECT read, "
-        f"{_pct(_ratio(_med(rs['cold_gbps']), _med(rs.get('file_cold_read_gbps'))))} of its cold buffered read |")
+        f"{_pct(_ratio(_med(rs['cold_gbps']), _med(rs.get('file_cold_read_gbps'))))} of its cold buffered read: "
+        "staged and verified, then copied |")
     add(f"| swap-state restore, warm page cache | {_gb(rs['warm_gbps'])} | "
         f"{_pct(_ratio(_med(rs['warm_gbps']), _med(d.get('read_warm_gbps'))))} of warm read |")
     if d.get("notes"):

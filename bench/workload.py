@@ -120,6 +120,18 @@ class Variant:
             close()
 
 
+def remote_container(model: nn.Module, device: torch.device, swap_times: int, server: str | None,
+                     job_id: str | None):
+    """The remote container of ``model`` (AdamW as every variant), no step taken."""
+    from swap_state.client.device import DeviceBackend
+    from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
+
+    # The CPU section stays on the CPU even where a GPU exists (the containers would pick it).
+    extra: dict[str, Any] = {"device_backend": DeviceBackend("cpu")} if device.type == "cpu" else {}
+    return RemoteSwapOptimizersContainer([model], torch.optim.AdamW, dict(ADAMW_KWARGS), swap_times, server=server,
+                                         job_id=job_id, config=RemoteConfig(rpc_timeout_s=60.0), **extra)
+
+
 def build_variant(
     name: str,
     base: nn.Module,
@@ -134,10 +146,8 @@ def build_variant(
     and its first ``step()`` (gradients already exist): the optimizer state, as far as the
     allocator hands out fresh pages (it may also reuse memory freed earlier)."""
     from swap_state.client.device import DeviceBackend
-    from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
     from swap_state.client.swap_optimizer import SwapOptimizersContainer
 
-    # The CPU section stays on the CPU even where a GPU exists (the containers would pick it).
     extra: dict[str, Any] = {"device_backend": DeviceBackend("cpu")} if device.type == "cpu" else {}
     model = copy.deepcopy(base)
     width = model.layers[0].in_features
@@ -153,10 +163,7 @@ def build_variant(
     elif name == "inproc":
         optimizer = SwapOptimizersContainer([model], torch.optim.AdamW, kwargs, swap_times, **extra)
     elif name == "remote":
-        optimizer = RemoteSwapOptimizersContainer(
-            [model], torch.optim.AdamW, kwargs, swap_times,
-            server=server, job_id=job_id, config=RemoteConfig(rpc_timeout_s=60.0), **extra,
-        )  # fmt: skip
+        optimizer = remote_container(model, device, swap_times, server, job_id)
     else:
         raise ValueError(name)
     optimizer.step()  # plain AdamW allocates its moments lazily, on the first step

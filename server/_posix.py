@@ -14,7 +14,7 @@ import mmap
 
 __all__ = [
     "buffer_address", "bytes_address", "memmove", "mlock", "mmap_read_only", "munmap", "populate_write",
-    "set_parent_death_signal", "start_writeback", "view_at",
+    "set_parent_death_signal", "start_writeback", "view_at", "zero",
 ]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -90,6 +90,11 @@ def bytes_address(data: bytes) -> int:
 def memmove(destination: int, source: int, nbytes: int) -> None:
     """Copy ``nbytes`` between raw addresses with the GIL released."""
     ctypes.memmove(destination, source, nbytes)
+
+
+def zero(destination: int, nbytes: int) -> None:
+    """Zero ``nbytes`` at a raw address with the GIL released."""
+    ctypes.memset(destination, 0, nbytes)
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from swap_state.client.device import DeviceBackend
 from swap_state.client.errors import (
-    MetadataBaseUnknownError, SnapshotBusyError, SnapshotNotFoundError, SwapStateError)
+    MetadataBaseUnknownError, ServerUnavailableError, SnapshotBusyError, SnapshotNotFoundError, SwapStateError)
 from swap_state.client.optim.dtensor_utils import DTensor, unwrap_dtensor
 from swap_state.client.remote.config import (
     RemoteConfig, connect, embedded_world_size_hint, snapshot_retention, snapshots_model)
@@ -129,8 +129,9 @@ class RemoteSegment:
             log.info("no swap-state optimizer state kept for this trainer: %s", self.session.previous_session)
 
     def torn_message(self) -> str:
-        return (f"the kept optimizer state of {self.config.job_id}/rank {self.session.rank} "
-                f"is torn: the previous trainer died while writing step {self.torn_step}. "
+        why = (f"a trainer died while writing step {self.torn_step}" if self.torn_step else
+               "a restore or a load replacing the whole state did not finish")  # step 0: marked by those
+        return (f"the kept optimizer state of {self.config.job_id}/rank {self.session.rank} is torn: {why}. "
                 "Restore a snapshot (container.restore('latest')) or load a full checkpoint "
                 "before stepping, or use a new job id")
 
@@ -224,14 +225,20 @@ class RemoteSegment:
         self.wait_released(f"restore of {snapshot_id}")
         if self.model_area is not None:
             self.model_area.wait_published()  # no copy of the model may land after the restore
+        # Nothing to keep (a fresh or torn state): marked being written, the server copies each
+        # tensor as soon as it is verified, and zeroes them when one fails (a fresh state is zero).
+        replaceable = self.torn_step is not None or self.session.last_committed_step is None
+        if replaceable:
+            self.mapping.trainer.begin_write(0)
         try:
-            reply = self.session.restore(snapshot_id, metadata_json)
-        except SnapshotNotFoundError as e:
-            if self.embedded is not None and self.embedded.snapshot_dir is not None:
-                # An embedded server lacks what the embedded servers of a run of another size took.
-                hint = embedded_world_size_hint(self.embedded.snapshot_dir, self.config.job_id, self.session.world_size)
-                if hint:
-                    raise SnapshotNotFoundError(f"{e}{hint}") from e
+            reply = self._send_restore(snapshot_id, metadata_json)
+        except BaseException as e:
+            if replaceable and self.torn_step is None:
+                answered = isinstance(e, SwapStateError) and not isinstance(e, ServerUnavailableError) and e.reason
+                if answered:  # the server's restore ended: the segment is as it was, fresh
+                    self.mapping.trainer.end_write()
+                else:  # it may still be writing: torn until a restore or a load succeeds
+                    self.torn_step = 0
             raise
         self.torn_step = None
         self.mapping.trainer.end_write()
@@ -248,6 +255,17 @@ class RemoteSegment:
                  f", resharded from world size {reply.snapshot_world_size} (ranks {list(reply.source_ranks)})"
                  if resharded else "")
         return reply.step
+
+    def _send_restore(self, snapshot_id: str, metadata_json: str) -> Any:
+        try:
+            return self.session.restore(snapshot_id, metadata_json)
+        except SnapshotNotFoundError as e:
+            if self.embedded is not None and self.embedded.snapshot_dir is not None:
+                # An embedded server lacks what the embedded servers of a run of another size took.
+                hint = embedded_world_size_hint(self.embedded.snapshot_dir, self.config.job_id, self.session.world_size)
+                if hint:
+                    raise SnapshotNotFoundError(f"{e}{hint}") from e
+            raise
 
     def handle_for(self, snapshot_id: str) -> SnapshotHandle | None:
         """A handle on ``<job>/step-<N>`` for this rank (None for other forms, e.g. latest)."""

@@ -17,7 +17,7 @@ import os
 import pathlib
 import queue
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
@@ -42,11 +42,13 @@ Wanted = Mapping[int, tuple[RankManifest, Sequence[TensorRecord]]]
 
 
 @contextlib.contextmanager
-def staged_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted) -> Iterator[dict[tuple[int, str], int]]:
+def staged_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted,
+                   each: Callable[[tuple[int, str], int], None] | None = None) -> Iterator[dict[tuple[int, str], int]]:
     """Stage and verify every tensor of ``wanted`` (each data file's header checked before:
     :meth:`~SnapshotTier.check_data_header`); yields the address of each one's bytes by (source
-    rank, tensor name), valid and unchanging until the block ends. SnapshotCorrupt names the
-    file and the tensor."""
+    rank, tensor name), valid and unchanging until the block ends. ``each(key, address)`` runs
+    as soon as one is verified, while the next ones are read. SnapshotCorrupt names the file and
+    the tensor."""
     addresses: dict[tuple[int, str], int] = {}
     held: list[bytes] = []
     with contextlib.ExitStack() as stack:
@@ -60,6 +62,8 @@ def staged_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted) -> It
                     held.append(data if type(data) is bytes else bytes(data))
                     address = _posix.bytes_address(held[-1])
                 addresses[rank, tensor.name] = address
+                if each is not None:
+                    each((rank, tensor.name), address)
         yield addresses
 
 

@@ -165,6 +165,7 @@ def test_restore_into_fresh_server_on_the_same_snapshot_dir(start_server):
     fresh_model.load_state_dict(params_at_5)
     fresh = remote(W, fresh_model, second.address, "moved")
     assert fresh.restore("latest") == 5
+    assert "streamed=true" in second.log_text()  # a new trainer's segment: copied as verified
     train(fresh_model, fresh, W, range(6, 11))
 
     ref_model, ref_opt = reference(W, build_wide, 10)
@@ -227,6 +228,28 @@ def test_flipped_byte_refuses_restore_naming_file_and_tensor(start_server):
     assert container.session.last_committed_step == 6
     train(model, container, W, range(7, 9))  # steps included: training goes on as if nothing
     ref_model, ref_opt = reference(W, build_wide, 8)
+    assert mismatches(model, container, ref_model, ref_opt) == []
+    container.close()
+
+
+def test_a_new_trainers_failed_restore_leaves_its_state_fresh(start_server):
+    """Its segment held nothing: the server read straight into it, and zeroed it on failure."""
+    server = start_server(chunk_bytes=CHUNK)
+    model = build_wide(W)
+    first = remote(W, model, server.address, "fresh")
+    train(model, first, W, range(1, 5))
+    status = first.snapshot().wait_durable(timeout_s=60)
+    first.close()
+    flip_byte_of_tensor(data_file(status.path), "state.mid.weight.exp_avg_sq", at=CHUNK + 5)
+
+    model = build_wide(W)
+    container = remote(W, model, server.address, "fresh")
+    with pytest.raises(SwapStateError) as info:
+        container.restore("latest")
+    assert info.value.code == grpc.StatusCode.DATA_LOSS and "'state.mid.weight.exp_avg_sq'" in str(info.value)
+    assert container.session.last_committed_step is None and container.segment.torn_step is None
+    train(model, container, W, range(1, 4))  # as a new run: from zero moments
+    ref_model, ref_opt = reference(W, build_wide, 3)
     assert mismatches(model, container, ref_model, ref_opt) == []
     container.close()
 

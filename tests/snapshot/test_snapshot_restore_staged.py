@@ -157,9 +157,9 @@ def test_the_budget_holds_the_staged_bytes_only_while_restoring(snapshot, make_s
     seg, _ = _target(make_segment)
     real = restore_module.staged_tensors
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         assert held == [sum(len(b) for b in contents.values())]
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(restore_module, "staged_tensors", spy)
     assert _restore(store, seg, reserve_staging=grant).staged
