@@ -113,7 +113,7 @@ class Word(enum.IntEnum):
     LAYOUT_HASH = 14  # server, at creation: the layout hash's first 8 bytes (adoption checks it)
     RESTORED_SEQ = 15  # server: restores into this segment so far
     TRAINER_GENERATION = 16  # trainer: the generation that owns the segment now
-    WRITING_STEP = 17  # trainer: step + 1 being written (0: not mutating)
+    WRITING_STEP = 17  # trainer: step + 1 being written (0: not mutating; 1 during a restore it may lose)
     COW_COPIES = 18  # trainer: chunks copied before write, all snapshots
     BP_WAITS = 19  # trainer: waits for a free cow slot, all snapshots
     BP_WAIT_NS = 20  # trainer: nanoseconds spent in those waits

@@ -233,7 +233,7 @@ def test_flipped_byte_refuses_restore_naming_file_and_tensor(start_server):
 
 
 def test_a_new_trainers_failed_restore_leaves_its_state_fresh(start_server):
-    """Its segment held nothing: the server read straight into it, and zeroed it on failure."""
+    """Its segment held nothing: the server copied each tensor as verified, and zeroed them on failure."""
     server = start_server(chunk_bytes=CHUNK)
     model = build_wide(W)
     first = remote(W, model, server.address, "fresh")
@@ -251,6 +251,20 @@ def test_a_new_trainers_failed_restore_leaves_its_state_fresh(start_server):
     train(model, container, W, range(1, 4))  # as a new run: from zero moments
     ref_model, ref_opt = reference(W, build_wide, 3)
     assert mismatches(model, container, ref_model, ref_opt) == []
+    container.close()
+
+
+def test_a_new_trainers_restore_without_an_answer_leaves_its_state_torn(start_server):
+    """No answer (the server gone): the trainer cannot know what reached its segment."""
+    server = start_server(chunk_bytes=CHUNK)
+    model = build_wide(W)
+    container = remote(W, model, server.address, "unanswered")
+    server.kill()
+    with pytest.raises(SwapStateError):
+        container.restore("latest")
+    assert container.segment.torn_step == 0
+    with pytest.raises(SwapStateError, match="a restore or a load replacing the whole state did not finish"):
+        train(model, container, W, range(1, 2))
     container.close()
 
 
