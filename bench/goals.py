@@ -193,10 +193,10 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         f"({how} read of the snapshot's own file right before each restore); the running trainer's (a committed "
         f"step kept) {kept:.2f} GB/s = {_pct(_ratio(kept, read))} of {read:.2f} GB/s",
         frac >= 0.9 if not math.isnan(frac) else None,
-        f"a new trainer's segment holds nothing: the server reads the file straight into it (O_DIRECT where "
-        f"aligned) while crc32 ({crc:.2f} GB/s) checks each region landed, and zeroes it if one fails. A running "
-        f"trainer's segment holds a committed step that a corrupt snapshot must not touch: the file is read "
-        f"once (mapped, pinned by a reader thread while crc32 checks), then copied into the segment (memmove, "
+        f"the file is read once (mapped, pinned tensor by tensor by a reader thread while crc32 "
+        f"({crc:.2f} GB/s) checks each). A new trainer's segment holds nothing: each tensor is copied into it "
+        f"as soon as it is verified, and zeroed if one fails. A running trainer's segment holds a committed "
+        f"step that a corrupt snapshot must not touch: everything is copied into the segment (memmove, "
         f"ceiling {memmove:.2f} GB/s: {fmt_ms(restore['bytes'] / (memmove * 1e9) if memmove else float('nan'))} "
         f"for {fmt_bytes(restore['bytes'])}) only once every checksum passed; warm "
         f"{_gb(restore['warm_gbps'])} GB/s vs warm buffered read {warm:.2f} GB/s is its CPU part",

@@ -320,8 +320,9 @@ def restore_throughput(remote: Variant, new_trainer: Callable[[], Any], snapshot
     """``container.restore(id)`` as the trainer sees it, two ways:
 
     * a new trainer's (``new_trainer()``: a container of the job, no step taken), its segment
-      holding nothing: the server reads the file straight into it, verifying as it lands. Cold
-      (the snapshot's pages dropped first); each closed after, so the next one is new too.
+      holding nothing: the server copies each tensor into it as soon as it is verified, while
+      it reads the next ones. Cold (the snapshot's pages dropped first); each closed after, so
+      the next one is new too.
     * the running trainer's (``remote``), its segment holding a committed step: the server reads
       the file once, verifies every checksum, and only then copies the staged bytes into the
       segment (a corrupt snapshot leaves it untouched). Cold and warm (just read).
