@@ -237,10 +237,13 @@ def run_size(args: argparse.Namespace, params: int, server: Any, snapshot_dir: s
         memory = measure.memory(remote, server.pid, state_bytes)
 
         _log(f"  restore ({args.restore_reps} reps, cold and warm)")
+
+        def new_trainer(model=base):  # the job's next trainer: the same model, no step taken
+            return remote_container(copy.deepcopy(model), device, args.swap_times, server.address, job_id)
+
         restore = measure.restore_throughput(
-            remote, lambda: remote_container(copy.deepcopy(base), device, args.swap_times, server.address, job_id),
-            stall["swap_state"]["snapshot_ids"][-1], snapshot_dir, stall["swap_state"]["bytes_total"],
-            args.restore_reps,
+            remote, new_trainer, stall["swap_state"]["snapshot_ids"][-1], snapshot_dir,
+            stall["swap_state"]["bytes_total"], args.restore_reps,
         )  # fmt: skip
         return {
             "params": actual,
