@@ -344,7 +344,7 @@ def restore_throughput(remote: Variant, new_trainer: Callable[[], Any], snapshot
     for _ in range(reps):
         trainer = new_trainer()
         try:
-            _references(files, snapshot_dir, [], new_direct_read)
+            _references(files, snapshot_dir, None, new_direct_read)
             new.append(_timed_restore(trainer, snapshot_id, snapshot_dir))
         finally:
             trainer.close()
@@ -362,8 +362,10 @@ def restore_throughput(remote: Variant, new_trainer: Callable[[], Any], snapshot
     }
 
 
-def _references(files: list[str], snapshot_dir: str, read: list[float], direct_read: list[float]) -> None:
-    read.append(_cold_read(files, snapshot_dir))
+def _references(files: list[str], snapshot_dir: str, read: list[float] | None, direct_read: list[float]) -> None:
+    """A cold buffered read of ``files`` into ``read`` (unless None), an O_DIRECT one into ``direct_read``."""
+    if read is not None:
+        read.append(_cold_read(files, snapshot_dir))
     try:
         direct_read.append(_cold_read(files, snapshot_dir, direct=True))
     except OSError:

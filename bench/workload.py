@@ -123,13 +123,18 @@ class Variant:
 def remote_container(model: nn.Module, device: torch.device, swap_times: int, server: str | None,
                      job_id: str | None):
     """The remote container of ``model`` (AdamW as every variant), no step taken."""
-    from swap_state.client.device import DeviceBackend
     from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
 
-    # The CPU section stays on the CPU even where a GPU exists (the containers would pick it).
-    extra: dict[str, Any] = {"device_backend": DeviceBackend("cpu")} if device.type == "cpu" else {}
     return RemoteSwapOptimizersContainer([model], torch.optim.AdamW, dict(ADAMW_KWARGS), swap_times, server=server,
-                                         job_id=job_id, config=RemoteConfig(rpc_timeout_s=60.0), **extra)
+                                         job_id=job_id, config=RemoteConfig(rpc_timeout_s=60.0),
+                                         **_device_backend(device))
+
+
+def _device_backend(device: torch.device) -> dict[str, Any]:
+    """The CPU section stays on the CPU even where a GPU exists (the containers would pick it)."""
+    from swap_state.client.device import DeviceBackend
+
+    return {"device_backend": DeviceBackend("cpu")} if device.type == "cpu" else {}
 
 
 def build_variant(
@@ -145,10 +150,8 @@ def build_variant(
     taken), and ``rss_delta`` says how the trainer's RSS grew from building the optimizer
     and its first ``step()`` (gradients already exist): the optimizer state, as far as the
     allocator hands out fresh pages (it may also reuse memory freed earlier)."""
-    from swap_state.client.device import DeviceBackend
     from swap_state.client.swap_optimizer import SwapOptimizersContainer
 
-    extra: dict[str, Any] = {"device_backend": DeviceBackend("cpu")} if device.type == "cpu" else {}
     model = copy.deepcopy(base)
     width = model.layers[0].in_features
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1)).to(device)
@@ -161,7 +164,7 @@ def build_variant(
     if name == "plain":
         optimizer: Any = torch.optim.AdamW(model.parameters(), fused=True, **kwargs)
     elif name == "inproc":
-        optimizer = SwapOptimizersContainer([model], torch.optim.AdamW, kwargs, swap_times, **extra)
+        optimizer = SwapOptimizersContainer([model], torch.optim.AdamW, kwargs, swap_times, **_device_backend(device))
     elif name == "remote":
         optimizer = remote_container(model, device, swap_times, server, job_id)
     else:

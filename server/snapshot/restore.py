@@ -177,10 +177,10 @@ def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: S
         if _same_layout(own, layout, placement):
             # The trivial plan: the rank's own file, whole (each tensor a piece of itself).
             plan = {t.name: [Piece(rank, t, (Run(0, 0, t.nbytes),))] if t.nbytes else [] for t in own.tensors}
-            staged, streamed = _read_pieces(tier, info, {rank: own}, plan, view, layout, rank, reserve_staging,
-                                            staging_free_bytes, replaceable)
+            staged = _read_pieces(tier, info, {rank: own}, plan, view, layout, rank, reserve_staging,
+                                  staging_free_bytes, replaceable)
             return RestoreResult(info.snapshot_id, info.step, own.metadata_json, sum(t.nbytes for t in own.tensors),
-                                 staged, tier.where, info.world_size, (rank,), streamed=streamed)
+                                 staged, tier.where, info.world_size, (rank,), streamed=staged and replaceable)
         if placement is None or not placement.tensors:
             check_layout(info, own, layout)  # raises, naming the first difference
     read = RECENT.read(tier, info)
@@ -201,21 +201,21 @@ def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: S
     base = min(needed or info.ranks)
     manifests = {r: read.manifest(r) for r in sorted({*needed, base})}
     plan = bind(plan, {r: m.tensors for r, m in manifests.items()})
-    staged, streamed = _read_pieces(tier, info, manifests, plan, view, layout, rank, reserve_staging,
-                                    staging_free_bytes, replaceable)
+    staged = _read_pieces(tier, info, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes,
+                          replaceable)
     others = [manifests[r].metadata_json for r in needed if r != base]
     nbytes = sum(t.nbytes for t in layout.tensors if t.name in plan)
     metadata = _restored_metadata(manifests[base].metadata_json, others, placement)
     return RestoreResult(info.snapshot_id, info.step, metadata, nbytes, staged, tier.where, info.world_size,
-                         tuple(needed), read.planned_from, streamed)
+                         tuple(needed), read.planned_from, staged and replaceable)
 
 
 def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int, RankManifest],
                  plan: Mapping[str, list[Piece]], view: memoryview, layout: SegmentLayout, rank: int,
-                 reserve_staging, staging_free_bytes, replaceable: bool) -> tuple[bool, bool]:
+                 reserve_staging, staging_free_bytes, replaceable: bool) -> bool:
     """Every piece of ``plan`` staged and verified, then copied into ``view``; whether the
-    budget held every source tensor at once (else each was verified, then staged again alone),
-    and whether each was copied once verified (``replaceable``: a failure zeroes the targets)."""
+    budget held every source tensor at once (else each was verified, then staged again alone).
+    Staged and ``replaceable``: each copied once verified, and a failure zeroes the targets."""
     by_name = {t.name: t for t in layout.tensors}
     # Each piece's whole source tensor is staged (its checksum covers it whole).
     by_source: dict[tuple[int, str], list[tuple[str, Piece]]] = {}
@@ -237,7 +237,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
                 with staged_tensors(tier, info, wanted, each=each) as addresses:
                     if each is None:  # verified: only now the segment changes
                         _copy_pieces(view, by_name, [(n, p) for n, pieces in plan.items() for p in pieces], addresses)
-                return True, replaceable
+                return True
             except BaseException:
                 if replaceable:  # some tensors were copied: as fresh as before (a torn one stays marked)
                     base = _posix.buffer_address(view)
@@ -260,7 +260,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
         except SnapshotCorrupt as exc:
             raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "
                                   "partially overwritten: restore again") from None
-    return False, False
+    return False
 
 
 class ReadSnapshot:
