@@ -98,6 +98,8 @@ def init_ranks(rank: int, port: int, world: int = WORLD, net: type[nn.Module] = 
     import swap_state.client.torchtitan.config  # noqa: F401  (the CheckpointManager hooks)
 
     faulthandler.enable(all_threads=True)  # a native abort in a rank prints every thread's Python stack
+    # The CPUs shared out: more torch threads than CPUs spin in OpenMP's barriers.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
 

@@ -20,18 +20,25 @@ would name it package ``torchtitan`` and shadow the real one.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from warm_start import SOCKET_ENV as WARM_SOCKET_ENV
+from warm_start import import_time_env
+
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
 LAUNCHER = HERE / "launcher.py"
+WARM_START = HERE / "warm_start.py"
 
 LOSS_FILE_ENV = "SWAP_STATE_TEST_LOSS_FILE"
 STOP_AFTER_STEP_ENV = "SWAP_STATE_TEST_STOP_AFTER_STEP"
@@ -233,6 +240,76 @@ def finished_run(argv: list[str], loss_file: Path, returncode: int, output: str,
     return run
 
 
+def rank_threads(nproc: int) -> str:
+    """OMP_NUM_THREADS for each of ``nproc`` ranks: this machine's CPUs shared out, at least 1.
+    More threads than CPUs spin in OpenMP's barriers: on the 2-CPU CI machine a 2-rank
+    torchtitan run at 2 threads a rank took 40 s of CPU, at 1 thread 28 s, with the same losses."""
+    return str(max(1, len(os.sched_getaffinity(0)) // nproc))
+
+
+class WarmStarts:
+    """This process's warm-start servers (warm_start.py), one per python and import-time
+    environment, started on first use; they die with this process. A run through one costs
+    about half the CPU of a cold one. ``SWAP_STATE_TEST_WARM_START=0``: every run cold."""
+
+    #: What the servers import: torchtitan's costly imports, not torchtitan (3.6 s of CPU).
+    MODULES = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.tensor",
+               "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.pipelining",
+               "datasets")
+    READY_TIMEOUT_S = 120.0
+
+    def __init__(self) -> None:
+        self._folder: Path | None = None
+        self._servers: dict[tuple, str | None] = {}
+        self._procs: list[subprocess.Popen] = []
+
+    def argv(self, python: str, env: dict[str, str]) -> list[str]:
+        """What comes between ``python`` and a script to run it warm (``env`` gains the
+        server's socket), or nothing (cold)."""
+        if os.environ.get("SWAP_STATE_TEST_WARM_START", "1") == "0":
+            return []
+        key = (python, tuple(sorted(import_time_env(env).items())))
+        if key not in self._servers:
+            self._servers[key] = self._start(python, env)
+        path = self._servers[key]
+        if path is None:
+            return []
+        env[WARM_SOCKET_ENV] = path
+        return [str(WARM_START), "run"]
+
+    def _start(self, python: str, env: dict[str, str]) -> str | None:
+        if self._folder is None:
+            self._folder = Path(tempfile.mkdtemp(prefix="swap-state-warm-"))  # short: a socket path
+            atexit.register(self.close)
+        n = len(self._procs)
+        path = self._folder / f"{n}.sock"
+        with open(self._folder / f"{n}.log", "wb") as log:
+            proc = subprocess.Popen([python, str(WARM_START), "serve", str(path), *self.MODULES], env=env,
+                                    cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self._procs.append(proc)
+        deadline = time.monotonic() + self.READY_TIMEOUT_S
+        while not path.exists():  # the server renames its bound socket into place when ready
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return None  # runs go cold; the log says why
+            time.sleep(0.05)
+        return str(path)
+
+    def close(self) -> None:
+        for proc in self._procs:
+            proc.kill()
+            proc.wait()
+        self._procs.clear()
+        self._servers.clear()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+
+#: The warm starts of every launch in this process.
+WARM = WarmStarts()
+
+
 def runner_argv(python: str, nproc: int) -> list[str]:
     """What runs a launcher: ``python`` itself for one rank; for several, torchrun (gloo on
     the CPU), which runs the launcher once per rank."""
@@ -266,13 +343,14 @@ def launch(
     loss_file = fresh_loss_file(dump_folder) if loss_file is None else Path(loss_file)
     loss_file.write_text("")
 
-    argv = [*runner_argv(sys.executable, nproc), str(LAUNCHER), *base_flags(assets, dump_folder, steps=steps), *flags]
     run_env = launcher_env(assets, {LOSS_FILE_ENV: str(loss_file)})
-    run_env.setdefault("OMP_NUM_THREADS", "2")
+    run_env.setdefault("OMP_NUM_THREADS", rank_threads(nproc))
     run_env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT)] + ([run_env["PYTHONPATH"]] if run_env.get("PYTHONPATH") else [])
     )
     run_env.update(env or {})
+    argv = [*runner_argv(sys.executable, nproc), *WARM.argv(sys.executable, run_env), str(LAUNCHER),
+            *base_flags(assets, dump_folder, steps=steps), *flags]
 
     start = time.monotonic()
     try:

@@ -39,11 +39,13 @@ from titan_testkit import (  # noqa: F401 (Losses, as_losses: this kit's fixture
     TitanAssets,
     TrainerRun,
     TrainerRunError,
+    WARM,
     _tail,
     as_losses,
     finished_run,
     fresh_loss_file,
     launcher_env,
+    rank_threads,
     runner_argv,
 )
 
@@ -182,10 +184,11 @@ def launch03(
     loss_file = fresh_loss_file(dump_folder)
     log_path = loss_file.with_name(loss_file.name.replace("losses-", "output-").replace(".jsonl", ".log"))
     loss_file.write_text("")
-    argv = [*runner_argv(str(python), nproc), str(LAUNCHER03), *job_argv(assets, dump_folder, flags, steps)]
     run_env = _for_titan03(launcher_env(assets, {LOSS_FILE_ENV: str(loss_file)}))
-    run_env.setdefault("OMP_NUM_THREADS", "2")
+    run_env.setdefault("OMP_NUM_THREADS", rank_threads(nproc))
     run_env.update(env or {})
+    argv = [*runner_argv(str(python), nproc), *WARM.argv(str(python), run_env), str(LAUNCHER03),
+            *job_argv(assets, dump_folder, flags, steps)]
 
     returncode, wall = (groups or ProcessGroups()).run(argv, env=run_env, log_path=log_path, timeout=timeout)
     output = log_path.read_text(errors="replace")
