@@ -243,7 +243,7 @@ def finished_run(argv: list[str], loss_file: Path, returncode: int, output: str,
 def rank_threads(nproc: int) -> str:
     """OMP_NUM_THREADS for each of ``nproc`` ranks: this machine's CPUs shared out, at least 1.
     More threads than CPUs spin in OpenMP's barriers: on the 2-CPU CI machine a 2-rank
-    torchtitan run at 2 threads a rank took 40 s of CPU, at 1 thread 28 s, with the same losses."""
+    torchtitan test at 2 threads a rank took 44 s of CPU (user and system), at 1 thread 32 s."""
     return str(max(1, len(os.sched_getaffinity(0)) // nproc))
 
 
