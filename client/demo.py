@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from swap_state.client.errors import SnapshotFailedError, SnapshotNotFoundError, SwapStateError
+from swap_state.client.errors import (
+    ServerUnavailableError, SessionLostError, SnapshotFailedError, SnapshotNotFoundError, SwapStateError)
 from swap_state.client.remote.config import RemoteConfig
 from swap_state.client.remote.embedded import EmbeddedServerConfig, make_scratch_dir
 from swap_state.common.errors import InvalidArgument
@@ -276,7 +277,8 @@ def run(cfg: DemoConfig) -> dict:
         container = RemoteSwapOptimizersContainer(
             [model], torch.optim.AdamW, dict(OPTIMIZER_KWARGS), cfg.swap_times, server=cfg.server,
             job_id=cfg.job_id,
-            config=RemoteConfig(token=token, embedded=embedded, snapshot_replace_existing=True),
+            config=RemoteConfig(token=token, embedded=embedded, snapshot_replace_existing=True,
+                                server_wait_s=cfg.server_wait),
         )
         where = container.remote_config.server
         if container.segment.embedded is not None:
@@ -328,11 +330,9 @@ def _steps(cfg: DemoConfig, container, model, store, start_step: int, handles: l
         store.save(model, step, snapshot=is_snapshot)
         note = ""
         if is_snapshot:
-            container.session.wait_connected(cfg.server_wait)  # a restarting server: wait
-            handles.append(container.snapshot())
-            note = f"  snapshot {handles[-1].snapshot_id} (consistent)"
+            note = _snapshot(container, step, handles)
         me = container.session.session_id
-        try:  # the bytes of this trainer's segment on the server
+        try:  # the bytes of this trainer's segment on the server (not waited for: steps never wait)
             held = sum(s.segment_bytes for s in container.server_stats().sessions if s.session_id == me)
             holds = f"server holds {held / 2**20:.2f} MiB"
         except SwapStateError:
@@ -344,12 +344,28 @@ def _steps(cfg: DemoConfig, container, model, store, start_step: int, handles: l
         time.sleep(max(0.0, cfg.step_seconds - (time.perf_counter() - begin)))
 
 
+def _snapshot(container, step: int, handles: list) -> str:
+    """Take a snapshot (a restarting server is waited for, ``--server-wait``); one the server
+    cannot take now is said and training goes on: the next one is tried as usual."""
+    try:
+        handles.append(container.snapshot())
+    except SessionLostError:
+        raise  # the state is gone: nothing to train on
+    except SwapStateError as e:  # unreachable past --server-wait, a full disk, ...
+        print(f"snapshot of step {step} not taken: {e}", file=sys.stderr)
+        return "  snapshot not taken (see stderr)"
+    return f"  snapshot {handles[-1].snapshot_id} (consistent)"
+
+
 def _report_durable(handles: list) -> None:
     """Wait until each snapshot is durable and say where, or the server's reason why not
     (retired by its retention, lost when a server stopped while it persisted, failed)."""
     for handle in handles:
         try:
             print(f"snapshot {handle.snapshot_id} durable at {handle.wait_durable().path}")
+        except ServerUnavailableError as e:
+            print(f"snapshot {handle.snapshot_id}: not confirmed durable: {e}")
+            continue
         except (SnapshotNotFoundError, SnapshotFailedError) as e:
             # The server's words in the client error: after "NOT_FOUND: " and the like.
             text = str(e)

@@ -152,9 +152,9 @@ class ServerConfig:
     adopts them and its trainers lose nothing."""
 
     free_segments_on_stop: bool = _flag(False, example="--free-segments-on-stop")
-    """On SIGTERM/SIGINT free every segment. Without it, the segments of live sessions stay
-    in --shm-dir for the next server on this --listen to adopt (a rolling upgrade costs the
-    trainers nothing); the other sessions' are freed."""
+    """On SIGTERM/SIGINT free every segment. Without it, the segments of every session the
+    server holds (live ones, and orphaned ones within --grace) stay in --shm-dir for the next
+    server on this --listen to adopt (a rolling upgrade costs the trainers nothing)."""
 
     chunk_bytes: int = _flag(64 * MiB, kind="size", example="32M")
     """Snapshot granularity and copy-before-write slot size; a multiple of the page size."""

@@ -65,7 +65,8 @@ class RemoteConfig:
     backpressure_timeout_s: float = 300.0
     """Longest wait for a copy-before-write slot, or for a snapshot still persisting."""
     server_wait_s: float = 60.0
-    """How long a snapshot-mode checkpoint waits for an unreachable (restarting) server."""
+    """How long a snapshot, a wait on one, a listing, Stats or the detach is tried again while the
+    server is unreachable (restarting); steps never wait for the server."""
     embedded: EmbeddedServerConfig | None = None
     """Settings of the embedded server; None: sized from the model."""
     checkpoint: str = "full"
@@ -164,7 +165,7 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
             raise ValueError(f"${SERVER_UID_ENV} must be a uid (a number), got {uid_env!r}") from None
     client = SwapStateClient(ClientConfig(
         config.server, token=token, timeout_s=config.rpc_timeout_s,
-        connect_timeout_s=config.connect_timeout_s, server_uid=server_uid,
+        connect_timeout_s=config.connect_timeout_s, server_uid=server_uid, server_wait_s=config.server_wait_s,
         **tls_files(config.tls_root_cert, config.tls_client_cert, config.tls_client_key)))
     try:
         session = client.attach(config.job_id, rank, world_size, local_world_size)

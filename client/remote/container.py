@@ -177,7 +177,9 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
 
     def snapshot(self) -> SnapshotHandle:
         """Snapshot the last committed step on the server (between steps); returns once it is
-        consistent. A whole-state snapshot's model copy lands after (the next update waits)."""
+        consistent. A whole-state snapshot's model copy lands after (the next update waits). A
+        server restart is ridden through (``RemoteConfig.server_wait_s``), else
+        ServerUnavailableError: training may go on and snapshot later."""
         self._verify_kept_state()
         step = self.session.last_committed_step
         if step is None:
@@ -223,8 +225,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         no committed step or torn state); returns once the model's copy has landed."""
         step, handle = self.session.last_committed_step, self.segment.snapshot_handle
         if step is not None and (handle is None or handle.step != step) and self.segment.torn_step is None:
-            self.session.wait_connected(self.remote_config.server_wait_s)
-            handle = self.snapshot()
+            handle = self.snapshot()  # a restarting server is waited for (server_wait_s)
         if self.snapshots_model:
             # A trainer killed once the save returns must leave a snapshot the server can complete.
             self.segment.model_area.wait_published()
@@ -293,16 +294,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
 
     def server_stats(self, wait_s: float = 0.0):
         """The server's Stats reply; a restarting server is waited for up to ``wait_s``."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return self.client.stats()
-            except ServerUnavailableError:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                self.session.wait_connected(left)  # returns at once until the outage is seen
-                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        return self.client.stats(wait_s=wait_s)
 
     def close(self, keep: bool = False) -> None:
         """Detach (freeing the segment unless ``keep``), unmap, stop an embedded server; idempotent."""

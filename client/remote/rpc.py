@@ -10,8 +10,11 @@ Call order::
     session.close(keep=False); client.close()
 
 A broken keep-alive stream (the server died or stops) *disconnects* the session: steps go on,
-the keep-alive thread reconnects, RPCs fail fast with :class:`ServerUnavailableError`. It is
-*lost* (:class:`SessionLostError`) only when a server answers that it does not hold it.
+the keep-alive thread reconnects. A call that a restart cuts or meets (UNAVAILABLE, or CANCELLED
+by a stopping server) rides through it: the calls in :data:`RIDES_THROUGH` are tried again
+against the successor for up to ``ClientConfig.server_wait_s``, then raise
+:class:`ServerUnavailableError`. The session is *lost* (:class:`SessionLostError`) only when a
+server answers that it does not hold it.
 """
 
 from __future__ import annotations
@@ -62,7 +65,13 @@ def start_hint(address: str, shm_dir: str = "/dev/shm") -> str:
     return f"start one with: swap-state-server --shm-size {size} --listen {address}{tls}{why}"
 
 
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED without a reason: a stopping server cancelled the call (no client call is cancelled).
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+#: The calls tried again when a server restart cuts them: each is a retry the server recognises
+#: (a Snapshot of the same run and step returns the same handle) or only reads. Attach waits for
+#: the server itself; Allocate, Restore and CommitStep are not retried: each changes the segment,
+#: and an attempt the old server began is the successor's to adopt or refuse.
+RIDES_THROUGH = frozenset({"Snapshot", "SnapshotStatus", "ListSnapshots", "Stats", "Detach"})
 SOCKET_APPEAR_S = 3.0  # how long a missing unix socket may take to appear (a server just started)
 SERVER_UID_ENV = "SWAP_STATE_SERVER_UID"  # the environment's ClientConfig.server_uid
 _POLLER_SETTLE_S = 0.25
@@ -96,6 +105,9 @@ class ClientConfig:
     """The PEM private key of ``tls_client_cert``."""
     server_uid: int | None = None
     """The uid owning a unix:// server's socket besides this user's and root's; others are refused."""
+    server_wait_s: float = 0.0
+    """How long a call in :data:`RIDES_THROUGH` that an unreachable (restarting) server cut or
+    refused is tried again; 0: it fails at once."""
 
 
 #: Where each TLS file comes from when neither an argument nor a RemoteConfig field names it.
@@ -148,14 +160,33 @@ class SwapStateClient:
         self._proof: CallerProof | None = None  # this process's uid proof, once made
         self._proof_lock = threading.Lock()
 
-    def call(self, name: str, request, timeout_s: float | None = None):
-        """Invoke unary RPC ``name`` with the deadline and error mapping every call gets."""
+    def call(self, name: str, request, timeout_s: float | None = None, wait_s: float | None = None):
+        """Invoke unary RPC ``name`` with the deadline and error mapping every call gets. A call
+        in :data:`RIDES_THROUGH` is tried again while the server is unreachable, for up to
+        ``wait_s`` (default ``config.server_wait_s``)."""
         self._prove_uid()
-        try:
-            timeout = timeout_s or self.config.timeout_s
-            return getattr(self._stub, name)(request, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise self._translate(name, e) from e
+        timeout = timeout_s or self.config.timeout_s
+        wait_s = (self.config.server_wait_s if wait_s is None else wait_s) if name in RIDES_THROUGH else 0.0
+        deadline = time.monotonic() + wait_s
+        delay = _RECONNECT_FIRST_S
+        while True:
+            try:
+                return getattr(self._stub, name)(request, timeout=timeout, metadata=self._metadata)
+            except grpc.RpcError as e:
+                error = self._translate(name, e)
+                cause = e
+            left = deadline - time.monotonic()
+            if not isinstance(error, ServerUnavailableError) or left <= 0:
+                if wait_s > 0 and isinstance(error, ServerUnavailableError):
+                    error = ServerUnavailableError(f"{error} (tried again for {wait_s:g} s: "
+                                                   "RemoteConfig.server_wait_s)", error.code)
+                raise error from cause
+            if delay == _RECONNECT_FIRST_S:
+                log.warning("%s: swap-state-server at %s is unreachable (a restart?): trying again for up to "
+                            "%.0f s", name, self.config.address, left)
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, _RECONNECT_MAX_S)
+            self._prove_uid()  # a server just started may have made its callers' directory since
 
     def _translate(self, name: str, e: grpc.RpcError) -> SwapStateError:
         code = e.code() if hasattr(e, "code") else None
@@ -226,8 +257,10 @@ class SwapStateClient:
             client_pid=os.getpid(), client_host=socket.gethostname()))
         return RemoteSession(self, job_id, rank, world_size, reply, local_world_size=local_world_size or world_size)
 
-    def stats(self) -> pb.StatsReply:
-        return self.call("Stats", pb.StatsRequest())
+    def stats(self, wait_s: float | None = None) -> pb.StatsReply:
+        """The server's Stats; an unreachable server is tried for ``wait_s`` (default
+        ``config.server_wait_s``; 0 for an answer now or an error)."""
+        return self.call("Stats", pb.StatsRequest(), wait_s=wait_s)
 
     def list_snapshots(self, job_id: str = "") -> pb.ListSnapshotsReply:
         return self.call("ListSnapshots", pb.ListSnapshotsRequest(job_id=job_id))
@@ -407,23 +440,6 @@ class RemoteSession:
     def server_gone(self) -> bool:
         """Whether the server is unreachable now (the keep-alive thread reconnects)."""
         return not self._connected.is_set()
-
-    def wait_connected(self, timeout_s: float) -> None:
-        """Return once the server is reachable; ServerUnavailableError after ``timeout_s``,
-        SessionLostError as soon as a server answers that it lost the session."""
-        self.check_alive()
-        deadline = time.monotonic() + timeout_s
-        while not self._connected.wait(max(0.0, min(0.1, deadline - time.monotonic()))):
-            self.check_alive()
-            if time.monotonic() >= deadline:
-                break
-        else:
-            return
-        down = time.monotonic() - self._disconnected_at
-        raise ServerUnavailableError(
-            f"swap-state-server at {self.client.config.address} has been unreachable for {down:.0f} s "
-            f"(waited {timeout_s:g} s for it to come back); {start_hint(self.client.config.address)}",
-            grpc.StatusCode.UNAVAILABLE)
 
     def check_alive(self) -> None:
         """Raise the keep-alive failure, if any (cheap; called before each step)."""

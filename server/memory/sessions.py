@@ -14,8 +14,10 @@ Lifecycle::
 * A live session is never taken over: a second trainer with the same job id and rank is refused.
 * A session adopted from a previous server begins orphaned; its trainer's KeepAlive stream
   (same session id and generation) makes it live again, counted as a reconnect.
-* At shutdown the segments of live and pending sessions stay for the next server to adopt
-  (unless ``keep_segments`` is off); the others are freed.
+* At shutdown the segments of every session not freed stay for the next server to adopt
+  (unless ``keep_segments`` is off): live and pending ones, and orphaned ones within their grace
+  (an adopted session whose trainer is still reconnecting, a crashed trainer's kept state); the
+  successor adopts them with a grace of its own.
 
 Request values are validated by the servicer (:mod:`..rpc.validation`) before they get here.
 Used from one asyncio loop; blocking arena work runs in worker threads.
@@ -65,7 +67,6 @@ class SessionRegistry:
         self._sessions: dict[str, Session] = {}
         self._by_key: dict[tuple[str, int], Session] = {}
         self._shutting_down = False
-        self._live_at_stop: set[str] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[tuple[Segment, bool]]] = set()
         self._retired_commits = self._retired_drops = 0  # of freed sessions
@@ -362,16 +363,14 @@ class SessionRegistry:
 
     def begin_shutdown(self) -> None:
         """Refuse new attaches and streams; end every KeepAlive stream with a notice."""
-        if not self._shutting_down:  # which trainers were here when the stop began
-            self._live_at_stop = {s.session_id for s in self._sessions.values()
-                                  if s.state is not SessionState.ORPHANED}
         self._shutting_down = True
         for session in self._sessions.values():
             self._end_streams(session, SERVER_STOPPING_NOTICE)
 
     async def close(self, keep_segments: bool = False) -> None:
         """Stop the reaper and end every session (shutdown). ``keep_segments``: the segment
-        files of live and pending sessions stay for the next server to adopt."""
+        files of the sessions not freed stay for the next server to adopt (a restart between an
+        adoption and its trainer's reconnect must not lose that trainer's state)."""
         self.begin_shutdown()
         if self._reaper is not None:
             self._reaper.cancel()
@@ -381,7 +380,7 @@ class SessionRegistry:
         kept = []
         for session in list(self._sessions.values()):
             async with session.lock:  # lets an in-flight Allocate finish first
-                if keep_segments and session.segment is not None and session.session_id in self._live_at_stop:
+                if keep_segments and session.segment is not None and not session.closed:
                     kept.append(session.segment)
                     log_event(log, "session_kept", **session._describe(), path=session.segment.path,
                               bytes=session.segment.file_bytes)

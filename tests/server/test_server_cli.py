@@ -211,21 +211,29 @@ async def test_signal_stops_cleanly(server_process, shm_dir, sock_dir, connect, 
     assert "event=started" in proc.output and "event=stopped" in proc.output
 
 
-async def test_a_stop_keeps_live_sessions_segments_for_the_next_server(server_process, shm_dir, sock_dir, connect):
+async def test_a_stop_keeps_every_held_sessions_segment_for_the_next_server(server_process, shm_dir, sock_dir,
+                                                                              connect):
+    """Live sessions' segments, and an orphaned one within its --grace (its trainer detached
+    keeping it, or died): a restart in that window must not lose what the server promised to
+    keep. A segment detached without keep is freed."""
     sock = sock_dir / "s.sock"
     proc = server_process(base_args(shm_dir, sock))
     proc.wait_ready(sock)
-    live, gone = Trainer(connect(f"unix://{sock}"), "live"), Trainer(connect(f"unix://{sock}"), "gone")
-    for trainer in (live, gone):
+    live, away, done = (Trainer(connect(f"unix://{sock}"), job) for job in ("live", "away", "done"))
+    for trainer in (live, away, done):
         await trainer.attach()
         await trainer.keep_alive()
-    kept = (await live.allocate([spec("m", (4096,))])).segment
-    freed = (await gone.allocate([spec("m", (4096,))])).segment
-    await gone.detach(keep=True)  # orphaned: its trainer went away
+    kept = [(await t.allocate([spec("m", (4096,))])).segment for t in (live, away)]
+    freed = (await done.allocate([spec("m", (4096,))])).segment
+    await away.detach(keep=True)  # orphaned: its trainer went away, the state kept for --grace
+    await done.detach(keep=False)
     proc.proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0, proc.output
-    assert os.listdir(shm_dir) == [os.path.basename(kept.path)] and not os.path.exists(freed.path)
-    assert "event=session_kept" in proc.output
+    assert sorted(os.listdir(shm_dir)) == sorted(os.path.basename(s.path) for s in kept)
+    assert not os.path.exists(freed.path)
+    assert proc.output.count("event=session_kept") == 2
+    for trainer in (live, away, done):
+        trainer.close()
     trainer.close()
 
 
