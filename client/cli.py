@@ -306,6 +306,10 @@ def _snapshots(args) -> int:
         if snap.ranks and len(snap.ranks) < snap.world_size:
             ranks = f"ranks {','.join(map(str, snap.ranks))} of {snap.world_size}"
         print(f"{snap.snapshot_id}\t{ranks}\t{_gib(snap.bytes)}\t{_where(snap)}{marker}")
+    if reply.store_error:  # listed from this server's --snapshot-dir only: not "none"
+        print(f"swap-state snapshots: the snapshot store could not be read, so only this server's own "
+              f"snapshots are listed (the store may hold more, and newer): {reply.store_error}", file=sys.stderr)
+        return 3
     if not snapshots:
         print(f"no snapshot {ref}" if ref is not None else "no snapshots")
     return 0

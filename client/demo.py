@@ -229,8 +229,13 @@ def _resume(container, cfg: DemoConfig, model: nn.Module, store: ModelStore) -> 
         print(f"{why}: restoring the latest snapshot")
     elif mode == "reattach":
         raise SystemExit(_nothing_to_reattach(container, cfg))
-    if container.client.list_snapshots(container.remote_config.job_id).snapshots:
-        return _restore(container, cfg, model, store, "latest")
+    listed = container.client.list_snapshots(container.remote_config.job_id)
+    if listed.snapshots:
+        return _restore(container, cfg, model, store, "latest")  # fails naming a store it cannot read
+    if listed.store_error:  # no snapshot here, and the store, which may hold some, unread: never start over
+        raise SystemExit(f"demo: --resume {mode}: job {cfg.job_id!r} has no snapshot on this server, and the "
+                         f"snapshot store could not be read ({listed.store_error}): it may hold this job's "
+                         "snapshots. Fix the store and run again; --resume none starts over")
     if mode == "latest" or kept is not None or container.segment.torn_step is not None:
         raise SystemExit(f"demo: --resume {mode}: job {cfg.job_id!r} has no snapshot to restore; "
                          "start over with a new --job-id")

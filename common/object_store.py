@@ -9,7 +9,9 @@
   another host must see an object only whole (temporary name, fsync, rename, directory fsync).
 
 A put of an existing key replaces it whole. A missing object raises ``FileNotFoundError``;
-every other failure an ``OSError`` naming the store and the key. Callers verify what they read.
+every other failure an ``OSError`` naming the store and the key, an unreachable store included
+(a directory store whose root is gone: unmounted, removed, a file in its place, is unreachable,
+never empty). Callers verify what they read.
 """
 
 from __future__ import annotations
@@ -92,6 +94,10 @@ class ObjectStore(abc.ABC):
         :meth:`get_range` reads it."""
         return None
 
+    def create_root(self) -> None:
+        """Make the store's root where it has one to make (a writer, at start); from then on a
+        missing root is an unreachable store. Nothing for a bucket."""
+
     def describe(self, key: str) -> str:
         """The object's full name for messages: the store's URI joined with the key."""
         return self.uri.rstrip("/") + "/" + key
@@ -104,6 +110,16 @@ class PosixObjectStore(ObjectStore):
     def __init__(self, root: str | os.PathLike[str], uri: str | None = None):
         self.root = pathlib.Path(os.path.abspath(root))
         self.uri = uri or str(self.root)
+
+    def create_root(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _check_root(self) -> None:
+        """OSError (not FileNotFoundError: no object is missing) when the root is no directory."""
+        if not self.root.is_dir():
+            what = "is not a directory" if self.root.exists() else "does not exist"
+            raise OSError(f"the store {self.uri} is unreachable: its root {self.root} {what} (a filesystem "
+                          f"not mounted, or removed? the server makes it at start; check {STORE_FLAG})")
 
     def _path(self, key: str) -> pathlib.Path:
         parts = key.split("/")
@@ -124,6 +140,7 @@ class PosixObjectStore(ObjectStore):
     def _write(self, key: str, chunks: Iterable[bytes | memoryview], publish) -> None:
         """A temporary written whole and fsynced, then ``publish(temporary, path)``."""
         path = self._path(key)
+        self._check_root()  # never a new root on the disk under an unmounted filesystem
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + _TMP_MARK + secrets.token_hex(4))
         try:
@@ -145,7 +162,11 @@ class PosixObjectStore(ObjectStore):
         fsync_dir(path.parent)
 
     def get_range(self, key: str, offset: int, nbytes: int) -> bytes:
-        return read_range(self._path(key), offset, nbytes)
+        try:
+            return read_range(self._path(key), offset, nbytes)
+        except (FileNotFoundError, NotADirectoryError):
+            self._check_root()  # an object is missing only from a store that is there
+            raise
 
     def local_path(self, key: str) -> pathlib.Path:
         return self._path(key)
@@ -153,10 +174,12 @@ class PosixObjectStore(ObjectStore):
     def size(self, key: str) -> int | None:
         try:
             return os.stat(self._path(key)).st_size
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            self._check_root()
             return None
 
     def list(self, prefix: str) -> list[ObjectInfo]:
+        self._check_root()  # os.walk would take a missing root for an empty one
         folder = prefix.rpartition("/")[0]
         base = self._path(folder) if folder else self.root
         found: list[ObjectInfo] = []
@@ -174,6 +197,7 @@ class PosixObjectStore(ObjectStore):
         return sorted(found, key=lambda info: info.key)
 
     def list_folders(self, prefix: str) -> list[str]:
+        self._check_root()
         base = self._path(prefix.rstrip("/")) if prefix else self.root
         try:
             return sorted(entry.name for entry in os.scandir(base) if entry.is_dir(follow_symlinks=False))

@@ -345,10 +345,12 @@ class ListSnapshotsRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ListSnapshotsReply(_message.Message):
-    __slots__ = ("snapshots",)
+    __slots__ = ("snapshots", "store_error")
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    STORE_ERROR_FIELD_NUMBER: _ClassVar[int]
     snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
-    def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
+    store_error: str
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ..., store_error: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("session_id", "generation", "snapshot_id", "metadata_json")

@@ -280,11 +280,11 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
         caller = self._caller(context)
         job_id = validate_job_id(request.job_id) if request.job_id else None  # "": all jobs
-        listed = await asyncio.to_thread(list_both_tiers, self._coordinator(), job_id)
+        listed, store_error = await asyncio.to_thread(list_both_tiers, self._coordinator(), job_id)
         return pb.ListSnapshotsReply(snapshots=[
             info_reply(local, stored) for local, stored in listed
             if caller.may_reach((local or stored).index.tenant)  # type: ignore[union-attr]
-        ])
+        ], store_error=store_error)
 
     @rpc_boundary
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:

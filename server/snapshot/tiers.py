@@ -14,6 +14,7 @@ import dataclasses
 import logging
 
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
+from swap_state.common.object_store import STORE_FLAG
 from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable
 from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
@@ -43,6 +44,12 @@ def resolve_source(directory: SnapshotDirectory, stored: StoredSnapshots | None,
             raise SnapshotNotFound(f"{exc}; nor in this server's --snapshot-dir {directory.root}") from None
         return directory, local
     except SnapshotStoreUnavailable as exc:
+        if local is not None and parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid).latest:
+            # The store may hold a newer step (another host's, a lost host's): never a silent rewind.
+            raise SnapshotStoreUnavailable(
+                f"{exc}: 'latest' cannot be resolved while the store is unreachable (it may hold a step "
+                f"newer than this server's newest, {local.snapshot_id}); fix the store, or restore "
+                f"{local.snapshot_id} by its id") from None
         if local is not None and (local.index.complete_job or rank in local.ranks):
             log_event(log, "store_unreachable", logging.WARNING, store=stored.uri, error=str(exc),
                       detail=f"restoring {local.snapshot_id} from the local --snapshot-dir")
@@ -73,23 +80,27 @@ def _local_copy(directory: SnapshotDirectory, remote: SnapshotInfo, rank: int,
     return (directory, copy) if holds and copy.index.attempt == remote.index.attempt else None
 
 
-def list_both_tiers(coordinator, job_id: str | None) -> list[tuple[SnapshotInfo | None, SnapshotInfo | None]]:
+def list_both_tiers(coordinator, job_id: str | None
+                    ) -> tuple[list[tuple[SnapshotInfo | None, SnapshotInfo | None]], str]:
     """Every snapshot in either tier as (local, stored), by job then step; ``latest`` marks
-    the step Restore's ``latest`` resolves to (for a rank of the job at its world size)."""
+    the step Restore's ``latest`` resolves to (for a rank of the job at its world size). And why
+    the store could not be listed ("" when it was, or there is none): then only the local tier
+    is listed, which is not "no snapshot" (the store may hold newer ones)."""
     local = {(i.job_id, i.step): i for i in coordinator.directory.list(job_id)}
-    stored = {}
+    stored, store_error = {}, ""
     if coordinator.stored is not None:
         try:
             stored = {(i.job_id, i.step): i for i in coordinator.stored.list(job_id)}
         except SnapshotStoreUnavailable as exc:  # the local tier is still worth listing
+            store_error = f"{STORE_FLAG} {coordinator.stored.uri}: {exc}"
             log_event(log, "store_unreachable", logging.WARNING, store=coordinator.stored.uri, error=str(exc),
                       detail="listing the local snapshots only")
     if not stored:
-        return [(info, None) for _, info in sorted(local.items())]
+        return [(info, None) for _, info in sorted(local.items())], store_error
     newest: dict[str, int] = {}
     for (job, step), info in [*local.items(), *stored.items()]:
         if info.index.complete_job:
             newest[job] = max(newest.get(job, step), step)
     keys = sorted(set(local) | set(stored))
     return [tuple(None if i is None else dataclasses.replace(i, latest=newest.get(key[0]) == key[1])
-                  for i in (local.get(key), stored.get(key))) for key in keys]  # type: ignore[misc]
+                  for i in (local.get(key), stored.get(key))) for key in keys], store_error  # type: ignore[misc]

@@ -94,6 +94,11 @@ class SnapshotUploader:
         self._closed = threading.Event()
         self._current: tuple[str, int] | None = None  # (job, step) being read now
         local.in_use = self.in_use  # local retention keeps what is being uploaded
+        try:
+            stored.store.create_root()  # from now on a missing root is an unreachable store
+        except OSError as exc:  # the uploads say it again, each, until it is fixed
+            log_event(log, "store_unreachable", logging.WARNING, store=self.uri, error=str(exc),
+                      detail="cannot create the store's root at start")
         self._thread = threading.Thread(target=self._work, name="snapshot-upload", daemon=True)
         self._thread.start()
 

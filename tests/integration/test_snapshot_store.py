@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import grpc
 import pytest
 import torch
 
-from swap_state.client.remote.rpc import ClientConfig, SwapStateClient, SwapStateError
+from swap_state.client.remote.rpc import ClientConfig, SnapshotHandle, SwapStateClient, SwapStateError
 from swap_state.client.remote.container import RemoteSwapOptimizersContainer
 from swap_state.common.object_store import open_store
 from swap_state.common.retry import wait_until
@@ -163,6 +165,47 @@ def test_an_unreachable_store_fails_stored_naming_it_while_the_snapshot_stays_du
         assert container.restore("latest") == 2  # from the local tier
     finally:
         container.close()
+
+
+def test_an_unreachable_store_is_never_no_snapshot(start_server, hosts_shm, tmp_path):
+    """Issue 48 item 2: host A uploads steps 3 and 6 to a file:// store and is lost; with the
+    store unreachable (its root replaced by a file), host B's demo with --resume latest or auto
+    fails naming the store instead of starting over (auto trained from step 1), listings and
+    Restore say the store could not be read; once the store is back, latest restores step 6."""
+    store = tmp_path / "store"
+    demo = [sys.executable, "-m", "swap_state.client.demo", "--job-id", "moved", "--steps", "6",
+            "--snapshot-every", "3", "--state-dir", str(tmp_path / "state")]
+    host_a = _host(start_server, hosts_shm, tmp_path, "a", f"file://{store}")
+    first = subprocess.run([*demo, "--server", host_a.address], capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    client = SwapStateClient(ClientConfig(host_a.address))
+    for step in (3, 6):
+        SnapshotHandle(f"moved/step-{step}", step, 0, client).wait_stored(timeout_s=60)
+    client.close()
+    host_a.kill()  # host A is lost
+
+    host_b = _host(start_server, hosts_shm, tmp_path, "b", f"file://{store}")
+    store.rename(tmp_path / "store-away")
+    store.write_text("not a directory")  # the store unreachable: its root replaced by a file
+    for mode in ("latest", "auto"):
+        resumed = subprocess.run([*demo, "--server", host_b.address, "--resume", mode],
+                                 capture_output=True, text=True, timeout=120)
+        assert resumed.returncode != 0, resumed.stdout
+        assert "step    1" not in resumed.stdout  # never trained from the start
+        assert "snapshot store could not be read" in resumed.stderr and str(store) in resumed.stderr, resumed.stderr
+    listed = swap_state_cli("snapshots", "--server", host_b.address, "--job-id", "moved")
+    assert listed.returncode == 3 and str(store) in listed.stderr, (listed.stdout, listed.stderr)
+    client = SwapStateClient(ClientConfig(host_b.address))
+    reply = client.list_snapshots("moved")
+    client.close()
+    assert list(reply.snapshots) == [] and str(store) in reply.store_error
+
+    store.unlink()
+    (tmp_path / "store-away").rename(store)  # the store is back
+    back = subprocess.run([*demo, "--server", host_b.address, "--resume", "latest"],
+                          capture_output=True, text=True, timeout=120)
+    assert back.returncode == 0, back.stderr
+    assert "restored the latest snapshot: step 6" in back.stdout, back.stdout
 
 
 def test_snapshots_cli_and_metrics_show_both_tiers(start_server, hosts_shm, tmp_path):

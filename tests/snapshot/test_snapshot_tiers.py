@@ -37,6 +37,7 @@ def _stored(store, step: int, attempt: int = 1) -> None:
 def tiers(tmp_path):
     local = SnapshotDirectory(tmp_path / "local")
     store = PosixObjectStore(tmp_path / "store")
+    store.create_root()  # as the server does at start
     return local, store, StoredSnapshots(store)
 
 
@@ -87,6 +88,26 @@ def test_nothing_anywhere_and_an_unreachable_store(tiers, tmp_path):
 
     down = StoredSnapshots(Unreachable(tmp_path / "store", "s3://down/x"))
     _local(local.root, 4, [2, 3])
-    assert resolve_source(local, down, "latest", JOB, 2, WORLD)[1].step == 4  # its own rank: read here
+    assert resolve_source(local, down, "j/step-4", JOB, 2, WORLD)[1].step == 4  # its own rank: read here
+    # 'latest' is not this host's newest while the store, which may hold a newer step, is unread.
+    with pytest.raises(SnapshotStoreUnavailable, match=r"s3://down/x.*'latest' cannot be resolved.*restore j/step-4"):
+        resolve_source(local, down, "latest", JOB, 2, WORLD)
     with pytest.raises(SnapshotStoreUnavailable, match="s3://down/x"):
-        resolve_source(local, down, "latest", JOB, 0, WORLD)
+        resolve_source(local, down, "j/step-4", JOB, 0, WORLD)  # another host's rank: only the store has it
+
+
+def test_a_store_whose_root_is_gone_is_unreachable_not_empty(tiers, tmp_path):
+    local, store, stored = tiers
+    _stored(store, 5)
+    assert [i.step for i in stored.list(JOB)] == [5]
+    (tmp_path / "store").rename(tmp_path / "away")
+    for broken in ("missing", "a file"):
+        if broken == "a file":
+            (tmp_path / "store").write_text("x")
+        for read in (lambda: stored.list(JOB), lambda: stored.list(), lambda: stored.steps(JOB),
+                     lambda: stored.step_index(JOB, 5)):
+            with pytest.raises(SnapshotStoreUnavailable, match="root .* (does not exist|is not a directory)"):
+                read()
+        with pytest.raises(OSError, match="unreachable"):
+            store.put("j/x", b"1")  # never a new root on the disk under an unmounted filesystem
+    assert not (tmp_path / "store").is_dir()

@@ -20,7 +20,7 @@ class _Container:
         self.segment = types.SimpleNamespace(torn_step=None, embedded=None)
         self.session = types.SimpleNamespace(rank=0, previous_session=previous_session)
         self.remote_config = types.SimpleNamespace(job_id="demo")
-        listed = types.SimpleNamespace(snapshots=list(snapshots))
+        listed = types.SimpleNamespace(snapshots=list(snapshots), store_error="")
         self.client = types.SimpleNamespace(list_snapshots=lambda job_id: listed)
         self.restores_to = restores_to
         self.restored: list[str] = []
