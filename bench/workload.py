@@ -73,10 +73,10 @@ class RpcCounter:
         self.enabled = True
         original = client.call
 
-        def call(name: str, request: Any, timeout_s: float | None = None) -> Any:
+        def call(name: str, request: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return original(name, request, timeout_s)
+                return original(name, request, timeout_s, **kwargs)
             finally:
                 if self.enabled:
                     self.counts[name] += 1

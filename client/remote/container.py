@@ -294,7 +294,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
 
     def server_stats(self, wait_s: float = 0.0):
         """The server's Stats reply; a restarting server is waited for up to ``wait_s``."""
-        return self.client.stats(wait_s=wait_s)
+        return self.client.stats(server_wait_s=wait_s)
 
     def close(self, keep: bool = False) -> None:
         """Detach (freeing the segment unless ``keep``), unmap, stop an embedded server; idempotent."""

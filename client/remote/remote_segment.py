@@ -220,8 +220,9 @@ class RemoteSegment:
         """Replace every tensor with a durable snapshot's (resharded to ``metadata_json``, this
         rank's layout); ``apply_metadata(restored_json)`` runs before the commit. Returns the step."""
         self.state_replaced()  # first: a trainer killed mid-restore leaves nothing to trust
-        # A snapshot still persisting may be the newest: "latest" must mean it.
-        self.wait_for_persisting_snapshot(f"restore of {snapshot_id}")
+        # A snapshot still persisting may be the newest: "latest" must mean it. A restore does
+        # not wait for an unreachable server: it fails fast (docs/restarts.md).
+        self.wait_for_persisting_snapshot(f"restore of {snapshot_id}", server_wait_s=0.0)
         self.wait_released(f"restore of {snapshot_id}")
         if self.model_area is not None:
             self.model_area.wait_published()  # no copy of the model may land after the restore
@@ -276,15 +277,16 @@ class RemoteSegment:
         rank = self.session.rank
         return None if ref.step is None else SnapshotHandle(str(ref), ref.step, rank, self.client)
 
-    def wait_for_persisting_snapshot(self, why: str) -> None:
-        """Wait (bounded, logged) while the header's ``SNAP_STEP`` snapshot is persisting."""
+    def wait_for_persisting_snapshot(self, why: str, server_wait_s: float | None = None) -> None:
+        """Wait (bounded, logged) while the header's ``SNAP_STEP`` snapshot is persisting;
+        ``server_wait_s``: how long an unreachable server is tried (default: the client's)."""
         snap_step = int(self.mapping.header[Word.SNAP_STEP])
         previous = SnapshotHandle(snapshot_id_for(self.config.job_id, snap_step), snap_step,
                                   self.session.rank, self.client)
         try:
-            status = previous.status()
+            status = previous.status(server_wait_s=server_wait_s)
         except SwapStateError:
-            return  # no such snapshot
+            return  # no such snapshot, or no server: the call that follows says so
         if status.state != "persisting":
             return
         timeout_s = self.config.backpressure_timeout_s

@@ -72,6 +72,9 @@ _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 
 #: the server itself; Allocate, Restore and CommitStep are not retried: each changes the segment,
 #: and an attempt the old server began is the successor's to adopt or refuse.
 RIDES_THROUGH = frozenset({"Snapshot", "SnapshotStatus", "ListSnapshots", "Stats", "Detach"})
+#: A detach that fails costs nothing but memory until the server's --grace: a trainer exiting
+#: while its server is gone for good waits this long at most, not server_wait_s.
+DETACH_WAIT_S = 5.0
 SOCKET_APPEAR_S = 3.0  # how long a missing unix socket may take to appear (a server just started)
 SERVER_UID_ENV = "SWAP_STATE_SERVER_UID"  # the environment's ClientConfig.server_uid
 _POLLER_SETTLE_S = 0.25
@@ -160,13 +163,14 @@ class SwapStateClient:
         self._proof: CallerProof | None = None  # this process's uid proof, once made
         self._proof_lock = threading.Lock()
 
-    def call(self, name: str, request, timeout_s: float | None = None, wait_s: float | None = None):
+    def call(self, name: str, request, timeout_s: float | None = None, server_wait_s: float | None = None):
         """Invoke unary RPC ``name`` with the deadline and error mapping every call gets. A call
         in :data:`RIDES_THROUGH` is tried again while the server is unreachable, for up to
-        ``wait_s`` (default ``config.server_wait_s``)."""
+        ``server_wait_s`` (default ``config.server_wait_s``)."""
         self._prove_uid()
         timeout = timeout_s or self.config.timeout_s
-        wait_s = (self.config.server_wait_s if wait_s is None else wait_s) if name in RIDES_THROUGH else 0.0
+        wait_s = self.config.server_wait_s if server_wait_s is None else server_wait_s
+        wait_s = wait_s if name in RIDES_THROUGH else 0.0
         deadline = time.monotonic() + wait_s
         delay = _RECONNECT_FIRST_S
         while True:
@@ -257,19 +261,22 @@ class SwapStateClient:
             client_pid=os.getpid(), client_host=socket.gethostname()))
         return RemoteSession(self, job_id, rank, world_size, reply, local_world_size=local_world_size or world_size)
 
-    def stats(self, wait_s: float | None = None) -> pb.StatsReply:
-        """The server's Stats; an unreachable server is tried for ``wait_s`` (default
+    def stats(self, server_wait_s: float | None = None) -> pb.StatsReply:
+        """The server's Stats; an unreachable server is tried for ``server_wait_s`` (default
         ``config.server_wait_s``; 0 for an answer now or an error)."""
-        return self.call("Stats", pb.StatsRequest(), wait_s=wait_s)
+        return self.call("Stats", pb.StatsRequest(), server_wait_s=server_wait_s)
 
     def list_snapshots(self, job_id: str = "") -> pb.ListSnapshotsReply:
         return self.call("ListSnapshots", pb.ListSnapshotsRequest(job_id=job_id))
 
-    def snapshot_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0,
-                        wait_stored: bool = False) -> pb.SnapshotStatusReply:
+    def snapshot_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0, wait_stored: bool = False,
+                        server_wait_s: float | None = None) -> pb.SnapshotStatusReply:
+        """``wait_s``: how long the server waits for a terminal state; ``server_wait_s``: how long
+        an unreachable server is tried again (default ``config.server_wait_s``)."""
         request = pb.SnapshotStatusRequest(snapshot_id=snapshot_id, rank=rank, wait_seconds=wait_s,
                                            wait_stored=wait_stored)
-        return self.call("SnapshotStatus", request, timeout_s=self.config.timeout_s + wait_s)
+        return self.call("SnapshotStatus", request, timeout_s=self.config.timeout_s + wait_s,
+                         server_wait_s=server_wait_s)
 
     def open_keepalive(self, session_id: str, generation: int):
         """The server-streaming KeepAlive call; long deadline, renewed by the caller."""
@@ -298,8 +305,8 @@ class SnapshotHandle:
     rank: int
     client: SwapStateClient
 
-    def status(self, wait_s: float = 0.0, wait_stored: bool = False):
-        return self.client.snapshot_status(self.snapshot_id, self.rank, wait_s, wait_stored)
+    def status(self, wait_s: float = 0.0, wait_stored: bool = False, server_wait_s: float | None = None):
+        return self.client.snapshot_status(self.snapshot_id, self.rank, wait_s, wait_stored, server_wait_s)
 
     def wait_durable(self, timeout_s: float = 600.0):
         """The status once durable (or stored); SnapshotFailedError if it failed, TimeoutError."""
@@ -505,7 +512,8 @@ class RemoteSession:
         try:
             if self._lost is None:
                 request = pb.DetachRequest(session_id=self.session_id, generation=self.generation, keep=keep)
-                self.client.call("Detach", request)
+                self.client.call("Detach", request,
+                                 server_wait_s=min(DETACH_WAIT_S, self.client.config.server_wait_s))
         finally:
             self._closing.set()
             if self._stream is not None:

@@ -17,6 +17,7 @@ import grpc
 import pytest
 import torch
 
+from swap_state.client.errors import StoreUnavailableError
 from swap_state.client.remote.rpc import ClientConfig, SnapshotHandle, SwapStateClient, SwapStateError
 from swap_state.client.remote.container import RemoteSwapOptimizersContainer
 from swap_state.common.object_store import open_store
@@ -162,7 +163,9 @@ def test_an_unreachable_store_fails_stored_naming_it_while_the_snapshot_stays_du
         message = str(caught.value)
         assert "durable but not stored" in message and store in message and "--snapshot-store" in message
         train(model, container, w, range(3, 6))  # training goes on
-        assert container.restore("latest") == 2  # from the local tier
+        with pytest.raises(StoreUnavailableError, match=r"'latest' cannot be resolved.*restore unreach/step-2"):
+            container.restore("latest")  # the store may hold a newer step: never a silent rewind
+        assert container.restore("unreach/step-2") == 2  # from the local tier, named
     finally:
         container.close()
 
