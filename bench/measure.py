@@ -323,9 +323,10 @@ def restore_throughput(remote: Variant, new_trainer: Callable[[], Any], snapshot
       holding nothing: the server copies each tensor into it as soon as it is verified, while
       it reads the next ones. Cold (the snapshot's pages dropped first); each closed after, so
       the next one is new too.
-    * the running trainer's (``remote``), its segment holding a committed step: the server reads
-      the file once, verifies every checksum, and only then copies the staged bytes into the
-      segment (a corrupt snapshot leaves it untouched). Cold and warm (just read).
+    * the running trainer's (``remote``), its segment holding a committed step: the server copies
+      the kept bytes aside (the segment's copy slots), reads the file once and copies it in as
+      verified, putting them back on a failure (a corrupt snapshot leaves the state as it was).
+      Cold and warm (just read: O_DIRECT reads bypass the page cache, so about as cold).
 
     Next to each cold restore, a plain cold read and an O_DIRECT read of the same files (same
     disk, same moment): the references. ``remote`` is closed after (the job's one trainer)."""

@@ -172,8 +172,8 @@ def markdown(results: dict[str, Any]) -> str:
     add(f"| **swap-state restore, the running trainer's** (a committed step kept), cold | **{_gb(rs['cold_gbps'])}** | "
         f"{_pct(_ratio(_med(rs['cold_gbps']), _med(rs.get('file_direct_read_gbps'))))} of the file's O_DIRECT read, "
         f"{_pct(_ratio(_med(rs['cold_gbps']), _med(rs.get('file_cold_read_gbps'))))} of its cold buffered read: "
-        "staged and verified, then copied |")
-    add(f"| swap-state restore, warm page cache | {_gb(rs['warm_gbps'])} | "
+        "its kept bytes copied aside first, the file read once and copied in as verified |")
+    add(f"| swap-state restore, the running trainer's, just read again | {_gb(rs['warm_gbps'])} | "
         f"{_pct(_ratio(_med(rs['warm_gbps']), _med(d.get('read_warm_gbps'))))} of warm read |")
     if d.get("notes"):
         add("")

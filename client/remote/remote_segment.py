@@ -234,12 +234,16 @@ class RemoteSegment:
         try:
             reply = self._send_restore(snapshot_id, metadata_json)
         except BaseException as e:
-            if replaceable and self.torn_step is None:
-                answered = isinstance(e, SwapStateError) and not isinstance(e, ServerUnavailableError) and e.reason
-                if answered:  # the server's restore ended: the segment is as it was, fresh
+            answered = isinstance(e, SwapStateError) and not isinstance(e, ServerUnavailableError) and e.reason
+            if answered:  # the server's restore ended: the segment is as it was (fresh, or kept)
+                if replaceable and self.torn_step is None:
                     self.mapping.trainer.end_write()
-                else:  # it may still be writing: torn until a restore or a load succeeds
-                    self.torn_step = 0
+            elif self.torn_step is None:
+                # It may have been writing (a kept state is copied in as read, put back on a
+                # failure the server saw): torn until a restore or a load succeeds.
+                if not replaceable:
+                    self.mapping.trainer.begin_write(0)
+                self.torn_step = 0
             raise
         self.torn_step = None
         self.mapping.trainer.end_write()

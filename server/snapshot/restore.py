@@ -1,14 +1,14 @@
 """Restore: a durable snapshot into a session's segment, built from the snapshot's rank files,
 locally or from the store, at the snapshot's layout or another. One path: pick the tier, plan,
-stage and verify (:mod:`.staging`), then copy. Call order (the servicer, for Restore)::
+read, verify and copy (:mod:`.staging`). Call order (the servicer, for Restore)::
 
     result = restore(coordinator.directory, snapshot_id, segment_mmap, layout, job_id=...,
                      rank=..., world_size=..., reserve_staging=..., stored=..., placement_json=...)
 
 returns the snapshot's step and the trainer's metadata once the tensors are written. It picks
-the tier (:func:`~.tiers.resolve_source`) and checks the segment; :func:`assemble` plans, stages
+the tier (:func:`~.tiers.resolve_source`) and checks the segment; :func:`assemble` plans, reads
 and verifies. Any mismatch raises (SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt,
-naming the file and tensor) before the segment changes.
+naming the file and tensor), the segment as it was (below).
 
 The plan: at the snapshot's world size and layout, the trivial one: the rank's own file, each
 tensor a piece of itself (one manifest read). Otherwise each new rank's shards are cut from the
@@ -17,22 +17,29 @@ manifest for a snapshot without one), read once for the ranks of this server res
 together (:data:`RECENT`); the targets' placement is the trainer's (RestoreRequest.metadata_json).
 
 Everything read is verified (manifests against the index, data headers, every source tensor's
-crc32) before a byte of the segment changes, unless the segment holds nothing to keep: the
-trainer marked it being written (``WRITING_STEP``: a fresh or torn state). Then each source
-tensor is copied as soon as it is verified, while the next ones are read (*streamed*: the copy
-hides behind the disk, where copying after the last check made a cold restore 79-82% of the
-O_DIRECT read of the file), and a failure zeroes the targets (a fresh state is all zero: it
-stays fresh; a torn one stays torn, the trainer's mark with it). The source tensors are staged within
-``reserve_staging`` (the arena's budget); when it cannot hold them, each is verified in a first
-pass and staged again alone for its copy, checked again (a change in between: "restore again").
+crc32) as it is read once, in file order (:mod:`.staging`), and copied into the segment as it
+comes. A segment that holds nothing to keep (the trainer marked it being written: a fresh or torn
+state) has its targets zeroed when a check fails (a fresh state is all zero: it stays fresh; a
+torn one stays torn, the trainer's mark with it). A running trainer's state is kept: a thread
+copies each target aside before its first write, into the segment's copy slots (idle: no
+snapshot reads a segment being restored) and, for what they cannot hold, memory the budget
+lends (``reserve_staging``), and a failed check puts every target back, so a corrupt snapshot
+leaves that state as it was. Copying as it reads keeps the restore at the disk's pace, where
+verifying everything before the first copy made it 0.5-0.8x the file's O_DIRECT read (and
+staging in the page cache up to 5x slower on first touch: docs/benchmarks.md). Where neither
+holds the kept state, every checksum is checked in a first read, then the file read again into
+the segment (a change in between: "restore again"), logged with what to raise.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
+import mmap
 import sys
 import threading
 import time
@@ -51,7 +58,7 @@ from swap_state.server.logs import log_event
 from swap_state.server.snapshot.directory import SnapshotDirectory
 from swap_state.server.snapshot.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.reshard import Piece, Run, TargetTensor, ranks_needed
-from swap_state.server.snapshot.staging import staged_tensors
+from swap_state.server.snapshot.staging import stream_tensors
 from swap_state.server.snapshot.tiers import resolve_source
 
 __all__ = ["RECENT", "RestoreResult", "assemble", "check_layout", "check_world_size", "restore"]
@@ -68,8 +75,12 @@ class RestoreResult:
     step: int
     metadata_json: str
     bytes_restored: int
-    staged: bool = True
-    """Read once and staged (else verified, then read again: the budget could not hold it)."""
+    kept: str = "nothing"
+    """What kept the segment's state safe while the snapshot was read: ``nothing`` (it held
+    nothing to keep: a failure zeroes what was written), ``slots`` (its bytes copied aside into
+    the segment's copy slots, put back on a failure), ``memory`` (the same, in memory the budget
+    lent), ``slots+memory`` (what the slots could not hold in memory), ``verify-first`` (every
+    checksum checked in a first read, then read again and copied: neither could hold it)."""
     source: str = "local"
     """Where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)."""
     snapshot_world_size: int = 0
@@ -77,8 +88,16 @@ class RestoreResult:
     source_ranks: tuple[int, ...] = ()
     plan: str = "own-file"
     """What the plan came from: ``own-file``, ``layout-index`` or ``every-manifest``."""
-    streamed: bool = False
-    """Each tensor copied once verified (the segment held nothing to keep), not after the last."""
+
+    @property
+    def staged(self) -> bool:
+        """Read once (not verified first, then read again)."""
+        return self.kept != "verify-first"
+
+    @property
+    def streamed(self) -> bool:
+        """Copied into the segment as it was read (the segment held nothing to keep)."""
+        return self.kept == "nothing"
 
 
 def check_world_size(info: SnapshotInfo, world_size: int) -> None:
@@ -160,7 +179,7 @@ def restore(directory: SnapshotDirectory, snapshot_id: str, buffer, layout: Segm
                         replaceable=header[Word.WRITING_STEP] != 0)
         log_event(log, "restore_assembled", snapshot_id=info.snapshot_id, rank=rank, world_size=world_size,
                   snapshot_world_size=info.world_size, source=tier.where, source_ranks=list(done.source_ranks),
-                  bytes=done.bytes_restored, staged=done.staged, streamed=done.streamed, plan=done.plan,
+                  bytes=done.bytes_restored, staged=done.staged, streamed=done.streamed, kept=done.kept, plan=done.plan,
                   location=str(info.path), seconds=round(time.monotonic() - started, 4))
         return done
 
@@ -177,10 +196,10 @@ def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: S
         if _same_layout(own, layout, placement):
             # The trivial plan: the rank's own file, whole (each tensor a piece of itself).
             plan = {t.name: [Piece(rank, t, (Run(0, 0, t.nbytes),))] if t.nbytes else [] for t in own.tensors}
-            staged = _read_pieces(tier, info, {rank: own}, plan, view, layout, rank, reserve_staging,
-                                  staging_free_bytes, replaceable)
+            kept = _read_pieces(tier, info, {rank: own}, plan, view, layout, rank, reserve_staging,
+                                staging_free_bytes, replaceable)
             return RestoreResult(info.snapshot_id, info.step, own.metadata_json, sum(t.nbytes for t in own.tensors),
-                                 staged, tier.where, info.world_size, (rank,), streamed=staged and replaceable)
+                                 kept, tier.where, info.world_size, (rank,))
         if placement is None or not placement.tensors:
             check_layout(info, own, layout)  # raises, naming the first difference
     read = RECENT.read(tier, info)
@@ -201,23 +220,25 @@ def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: S
     base = min(needed or info.ranks)
     manifests = {r: read.manifest(r) for r in sorted({*needed, base})}
     plan = bind(plan, {r: m.tensors for r, m in manifests.items()})
-    staged = _read_pieces(tier, info, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes,
-                          replaceable)
+    kept = _read_pieces(tier, info, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes,
+                        replaceable)
     others = [manifests[r].metadata_json for r in needed if r != base]
     nbytes = sum(t.nbytes for t in layout.tensors if t.name in plan)
     metadata = _restored_metadata(manifests[base].metadata_json, others, placement)
-    return RestoreResult(info.snapshot_id, info.step, metadata, nbytes, staged, tier.where, info.world_size,
-                         tuple(needed), read.planned_from, staged and replaceable)
+    return RestoreResult(info.snapshot_id, info.step, metadata, nbytes, kept, tier.where, info.world_size,
+                         tuple(needed), read.planned_from)
 
 
 def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int, RankManifest],
                  plan: Mapping[str, list[Piece]], view: memoryview, layout: SegmentLayout, rank: int,
-                 reserve_staging, staging_free_bytes, replaceable: bool) -> bool:
-    """Every piece of ``plan`` staged and verified, then copied into ``view``; whether the
-    budget held every source tensor at once (else each was verified, then staged again alone).
-    Staged and ``replaceable``: each copied once verified, and a failure zeroes the targets."""
+                 reserve_staging, staging_free_bytes, replaceable: bool) -> str:
+    """Every piece of ``plan`` read once, verified and copied into ``view`` as it is read; what
+    kept the segment's state safe meanwhile (:attr:`RestoreResult.kept`). ``replaceable``: the
+    segment holds nothing to keep (a failure zeroes the targets). Else the targets' bytes are
+    copied aside first (into the segment's copy slots, idle while no snapshot reads it, else into
+    memory the budget lends) and put back on a failure: either way the trainer finds its state
+    untouched by a corrupt snapshot. Where neither holds them: verified first, then read again."""
     by_name = {t.name: t for t in layout.tensors}
-    # Each piece's whole source tensor is staged (its checksum covers it whole).
     by_source: dict[tuple[int, str], list[tuple[str, Piece]]] = {}
     for name, pieces in plan.items():
         for piece in pieces:
@@ -226,41 +247,108 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
     for source_rank, name in sorted(by_source):
         [(_, piece), *_] = by_source[source_rank, name]
         wanted.setdefault(source_rank, (manifests[source_rank], []))[1].append(piece.source)
-    nbytes = sum(t.nbytes for _, tensors in wanted.values() for t in tensors)
-    for manifest, _ in wanted.values():
-        tier.check_data_header(info, manifest)
-    reserved = reserve_staging(nbytes) if reserve_staging is not None else contextlib.nullcontext(True)
+    base = _posix.buffer_address(view)
+    targets = [by_name[name] for name in plan]
+    if replaceable:
+        try:
+            stream_tensors(tier, info, wanted, _Copier(base, by_name, by_source))
+        except BaseException:  # as fresh as before (a torn one stays marked)
+            for target in targets:
+                _posix.zero(base + target.offset, target.nbytes)
+            raise
+        return "nothing"
+    # Aside: the segment's copy slots (idle: no snapshot reads it, checked before), then memory.
+    slots_at, slots_left = base + layout.cow_slots_offset, layout.cow_slots * layout.chunk_bytes
+    in_slots, overflow = [], []
+    for target in (t for t in targets if t.nbytes):
+        fits = target.nbytes <= slots_left
+        (in_slots if fits else overflow).append(target)
+        slots_left -= target.nbytes if fits else 0
+    nbytes = sum(t.nbytes for t in overflow)
+    reserved = reserve_staging(nbytes) if reserve_staging is not None and nbytes else contextlib.nullcontext(True)
     with reserved as granted:
         if granted:
-            each = (lambda key, at: _copy_pieces(view, by_name, by_source[key], {key: at})) if replaceable else None
-            try:
-                with staged_tensors(tier, info, wanted, each=each) as addresses:
-                    if each is None:  # verified: only now the segment changes
-                        _copy_pieces(view, by_name, [(n, p) for n, pieces in plan.items() for p in pieces], addresses)
-                return True
-            except BaseException:
-                if replaceable:  # some tensors were copied: as fresh as before (a torn one stays marked)
-                    base = _posix.buffer_address(view)
-                    for name in plan:
-                        _posix.zero(base + by_name[name].offset, by_name[name].nbytes)
-                raise
+            with mmap.mmap(-1, max(nbytes, 1)) as memory, memoryview(memory) as memory_view:
+                aside = _aside_places(in_slots, slots_at) + _aside_places(overflow, _posix.buffer_address(memory_view))
+                _read_with_undo(tier, info, wanted, _Copier(base, by_name, by_source), base, aside)
+            return "slots" if not overflow else "memory" if not in_slots else "slots+memory"
     log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id, rank=rank,
-              staged_bytes_needed=nbytes, budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
-              detail="the budget's free bytes cannot hold the staged state: verifying the sources, then "
-              "reading them again into the segment")
-    # One source tensor staged at a time: every one verified first, then each again and copied.
-    alone = [(items, {r: (manifests[r], [items[0][1].source])}) for (r, _), items in by_source.items()]
-    for _, one in alone:
-        with staged_tensors(tier, info, one):
-            pass
-    for items, one in alone:
-        try:
-            with staged_tensors(tier, info, one) as addresses:
-                _copy_pieces(view, by_name, items, addresses)
-        except SnapshotCorrupt as exc:
-            raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "
-                                  "partially overwritten: restore again") from None
-    return False
+              kept_bytes=sum(t.nbytes for t in targets), copy_slot_bytes=layout.cow_slots * layout.chunk_bytes,
+              budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
+              detail="neither the segment's copy slots nor the budget's free bytes hold the state it keeps: "
+              "verifying every checksum first, then reading the snapshot again into the segment (twice the "
+              "reads); a larger --cow-budget (or --shm-size) reads it once")
+    stream_tensors(tier, info, wanted, lambda *_: None)
+    try:
+        stream_tensors(tier, info, wanted, _Copier(base, by_name, by_source))
+    except SnapshotCorrupt as exc:
+        raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "
+                              "partially overwritten: restore again") from None
+    return "verify-first"
+
+
+def _aside_places(targets, at: int) -> list[tuple[object, int]]:
+    """Each target with where its bytes go aside, one after the other from ``at``."""
+    places = []
+    for target in targets:
+        places.append((target, at))
+        at += target.nbytes
+    return places
+
+
+def _read_with_undo(tier: SnapshotTier, info: SnapshotInfo, wanted, copier: _Copier, base: int,
+                    aside: Sequence[tuple[object, int]]) -> None:
+    """Stream into the targets, each copied aside (target, where) by a thread before its first
+    write (memory is faster than the disk: it stays ahead); all put back if the restore fails."""
+    ready = {target.name: threading.Event() for target, _ in aside}
+
+    def copy_aside() -> None:
+        for target, kept in aside:
+            _posix.memmove(kept, base + target.offset, target.nbytes)
+            ready[target.name].set()
+
+    thread = threading.Thread(target=copy_aside, name="restore-aside", daemon=True)
+    thread.start()
+    copier.before_write = lambda name: ready[name].wait()
+    try:
+        stream_tensors(tier, info, wanted, copier)
+    except BaseException:
+        thread.join()
+        for target, kept in aside:  # each target as it was (those not written are too)
+            _posix.memmove(base + target.offset, kept, target.nbytes)
+        raise
+    finally:
+        thread.join()
+
+
+class _Copier:
+    """A :data:`~.staging.Deliver`: the bytes of a source tensor, as they come, into the runs of
+    the target tensors they fill (``before_write(target)`` first, when set)."""
+
+    def __init__(self, base: int, by_name: Mapping, by_source: Mapping[tuple[int, str], list[tuple[str, Piece]]]):
+        self._base, self._by_name = base, by_name
+        # Per source tensor: (target name, target address, its runs by source offset, their starts).
+        self._runs: dict[tuple[int, str], list[tuple[str, int, list[Run], list[int]]]] = {}
+        for key, items in by_source.items():
+            for name, piece in items:
+                runs = sorted(piece.runs, key=lambda run: run.source_offset)
+                self._runs.setdefault(key, []).append(
+                    (name, base + by_name[name].offset, runs, [run.source_offset for run in runs]))
+        self.before_write: Callable[[str], None] | None = None
+
+    def __call__(self, key: tuple[int, str], offset: int, address: int, nbytes: int) -> None:
+        end = offset + nbytes
+        for name, target, runs, starts in self._runs.get(key, ()):
+            first = max(0, bisect.bisect_right(starts, offset) - 1)
+            for run in itertools.islice(runs, first, None):
+                if run.source_offset >= end:
+                    break
+                lo, hi = max(run.source_offset, offset), min(run.source_offset + run.nbytes, end)
+                if hi <= lo:
+                    continue
+                if self.before_write is not None:
+                    self.before_write(name)
+                _posix.memmove(target + run.target_offset + lo - run.source_offset, address + lo - offset, hi - lo)
 
 
 class ReadSnapshot:
@@ -346,17 +434,6 @@ class RecentSnapshots:
 
 #: The server's one :class:`RecentSnapshots` (restores run in its executor threads).
 RECENT = RecentSnapshots()
-
-
-def _copy_pieces(view: memoryview, by_name: Mapping, items: Iterable[tuple[str, Piece]],
-                 addresses: Mapping[tuple[int, str], int]) -> None:
-    """The runs of each (target tensor name, piece) from its staged source tensor (at
-    ``addresses``) into ``view``, with the GIL released."""
-    base = _posix.buffer_address(view)
-    for name, piece in items:
-        at, source = base + by_name[name].offset, addresses[piece.source_rank, piece.source.name]
-        for run in piece.runs:
-            _posix.memmove(at + run.target_offset, source + run.source_offset, run.nbytes)
 
 
 def _restored_metadata(saved: str, others: Sequence[str], placement: SnapshotMetadata | None) -> str:

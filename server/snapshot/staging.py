@@ -1,18 +1,22 @@
-"""Restore's staging: the source tensors a plan reads, each verified (crc32) and held unchanged
-until the caller has copied them into the segment (:func:`staged_tensors`).
+"""Restore's reads: every source tensor a plan needs, streamed in file order and checked against
+its crc32 as its bytes pass (:func:`stream_tensors`); the caller decides where the bytes go.
 
-A tier whose files are on this host's filesystem (``--snapshot-dir``, a directory store) has its
-data files mapped read only: a reader thread reads the tensors in and pins them (``mlock``),
-region by region in file order, while this thread checksums each one. The bytes are read once,
-into the page cache, never into fresh memory, which faults in at about the disk's rate on the
-2-core VM (docs/benchmarks.md). Any other tier (an object store), and a tensor some of whose
-pages ``mlock`` refused, is read into memory.
+A tier whose files are on this host's filesystem (``--snapshot-dir``, a directory store) is read
+by a reader thread with O_DIRECT (buffered where the filesystem refuses it), one read in flight,
+into a small ring of buffers reused from restore to restore, while this thread checksums and
+delivers the block before. The bytes go from the disk into memory already touched, as a plain
+O_DIRECT read's do: on the 2-core VM a read into memory touched for the first time (fresh pages,
+or the page cache of a mapped file) took 1.3-5x as long as the same read into a reused buffer
+(docs/benchmarks.md). Two reads in flight were slower there than one. Any other tier (an object
+store) is read tensor by tensor into memory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
+import dataclasses
+import errno
+import mmap
 import os
 import pathlib
 import queue
@@ -24,123 +28,206 @@ from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
 from swap_state.common.snapshot_format import RankManifest, TensorRecord
 from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotTier, reading_file
 from swap_state.server import _posix
-from swap_state.server.logs import log_event
 
-__all__ = ["staged_tensors"]
+__all__ = ["BLOCK_BYTES", "Deliver", "stream_tensors"]
 
-log = logging.getLogger("swap_state.server.restore")
-
-STAGE_REGION_BYTES = 16 << 20
-"""The reader thread pins the tensors in regions of this size (mlock's faults read ahead; a
-``posix_fadvise(WILLNEED)`` ahead of them made pinning 256 MiB 1.7x slower on the 2-core VM:
-0.12-0.18 s against 0.07 s)."""
-
-_mlock = _posix.mlock  # a module name, so that tests can replace it
+BLOCK_BYTES = 8 << 20
+"""One read: the size at which the VM's disk reached its O_DIRECT rate (as the writer's)."""
+RING_BUFFERS = 2
+"""Blocks in the ring: one being read while the one before is checked and delivered."""
+_ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and addresses on every Linux filesystem
+_MERGE_GAP = 1 << 20  # tensors of one file this close are read as one span (the gap read and dropped)
 
 Wanted = Mapping[int, tuple[RankManifest, Sequence[TensorRecord]]]
 """Per source rank: its manifest and the tensors read from its data file."""
 
+Deliver = Callable[[tuple[int, str], int, int, int], None]
+"""``deliver(key, offset, address, nbytes)``: bytes ``[offset, offset + nbytes)`` of the source
+tensor ``key`` (source rank, name) are at ``address``, valid during the call only. A tensor's
+bytes come in order; they are not yet verified (its checksum is checked after its last byte)."""
 
-@contextlib.contextmanager
-def staged_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted,
-                   each: Callable[[tuple[int, str], int], None] | None = None) -> Iterator[dict[tuple[int, str], int]]:
-    """Stage and verify every tensor of ``wanted`` (each data file's header checked before:
-    :meth:`~SnapshotTier.check_data_header`); yields the address of each one's bytes by (source
-    rank, tensor name), valid and unchanging until the block ends. ``each(key, address)`` runs
-    as soon as one is verified, while the next ones are read. SnapshotCorrupt names the file and
-    the tensor."""
-    addresses: dict[tuple[int, str], int] = {}
-    held: list[bytes] = []
-    with contextlib.ExitStack() as stack:
-        for rank, (manifest, tensors) in wanted.items():
-            path = tier.local_file(info, manifest.data_file)
-            pinned = stack.enter_context(PinnedFile(path, manifest, tensors)) if path is not None else None
-            for tensor in tensors:
-                address = pinned.verified(tensor) if pinned is not None else None
-                if address is None:  # not on this host's filesystem, or not pinned
+
+def stream_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted, deliver: Deliver) -> None:
+    """Read every tensor of ``wanted`` once (each data file's header checked before:
+    :meth:`~SnapshotTier.check_data_header`), delivering its bytes in order as they are read.
+    SnapshotCorrupt names the file and the tensor whose checksum fails; its bytes, and those of
+    the tensors before it, were delivered: the caller undoes them."""
+    for rank, (manifest, tensors) in wanted.items():
+        tier.check_data_header(info, manifest)
+        path = tier.local_file(info, manifest.data_file)
+        if path is None:
+            for tensor in tensors:  # read whole and checked by the tier, then delivered
+                if tensor.nbytes:
                     data = tier.read_tensor(info, manifest, tensor)
-                    held.append(data if type(data) is bytes else bytes(data))
-                    address = _posix.bytes_address(held[-1])
-                addresses[rank, tensor.name] = address
-                if each is not None:
-                    each((rank, tensor.name), address)
-        yield addresses
+                    held = data if type(data) is bytes else bytes(data)  # alive through the delivery
+                    deliver((rank, tensor.name), 0, _posix.bytes_address(held), tensor.nbytes)
+            continue
+        with _FileStream(path, manifest, tensors) as stream:
+            stream.run(lambda name, *where: deliver((rank, name), *where))
 
 
-class PinnedFile:
-    """A rank's data file mapped read only; a reader thread pins the pages of the given tensors,
-    in file order, while the caller checks each one (:meth:`verified`)."""
+@dataclasses.dataclass
+class _Span:
+    """Tensors of one file read as one aligned range ``[start, end)`` of the file."""
+
+    start: int
+    end: int
+    tensors: list[TensorRecord]
+
+
+def _spans(tensors: Sequence[TensorRecord], data_start: int) -> list[_Span]:
+    spans: list[_Span] = []
+    for tensor in sorted((t for t in tensors if t.nbytes), key=lambda t: t.data_offsets[0]):
+        begin, end = data_start + tensor.data_offsets[0], data_start + tensor.data_offsets[1]
+        if spans and begin - spans[-1].end <= _MERGE_GAP:
+            spans[-1].end = max(spans[-1].end, _align_up(end))
+            spans[-1].tensors.append(tensor)
+        else:
+            spans.append(_Span(begin - begin % _ALIGN, _align_up(end), [tensor]))
+    return spans
+
+
+def _align_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class _Ring:
+    """``RING_BUFFERS`` page-aligned buffers of ``BLOCK_BYTES``; rings are kept for the next
+    restore (their pages stay touched), one per restore running at once."""
+
+    _free: list[_Ring] = []
+    _lock = threading.Lock()
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.memory = mmap.mmap(-1, RING_BUFFERS * block_bytes)
+        self.view = memoryview(self.memory)
+        self.address = _posix.buffer_address(self.view)
+
+    def buffer(self, index: int) -> memoryview:
+        return self.view[index * self.block_bytes:(index + 1) * self.block_bytes]
+
+    @classmethod
+    @contextlib.contextmanager
+    def taken(cls) -> Iterator[_Ring]:
+        with cls._lock:
+            ring = cls._free.pop() if cls._free else None
+        if ring is None or ring.block_bytes != BLOCK_BYTES:
+            ring = _Ring(BLOCK_BYTES)
+        try:
+            yield ring
+        finally:
+            with cls._lock:
+                cls._free.append(ring)
+
+
+class _FileStream:
+    """One rank's data file read span by span, block by block, by a reader thread (one read in
+    flight) into a ring, while :meth:`run` checks and delivers each block."""
 
     def __init__(self, path: pathlib.Path, manifest: RankManifest, tensors: Sequence[TensorRecord]):
         self.path = path
-        self._tensors = sorted(tensors, key=lambda t: t.data_offsets[0])
-        self._start = manifest.data_start
+        self._spans = _spans(tensors, manifest.data_start)
         with reading_file(path):
-            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+                self.direct = True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # a filesystem without O_DIRECT (tmpfs): buffered
+                    raise
+                self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                self.direct = False
+        self._data_start = manifest.data_start
         try:
             self.size = os.fstat(self._fd).st_size
             if self.size != manifest.data_file_bytes:
                 raise SnapshotCorrupt(f"{path} changed while being restored: restore again")
-            try:
-                self.address = _posix.mmap_read_only(self._fd, self.size) if self.size else 0
-            except OSError as exc:
-                raise SnapshotError(f"cannot map {path}: {exc}") from None
         except BaseException:
             os.close(self._fd)
             raise
-        self._pinned: dict[str, int] = {}  # tensor name -> mlock's errno (0: pinned)
-        self._warned = False
-        self._ready: queue.Queue[tuple[str, int] | BaseException] = queue.Queue()
+        self._stack = contextlib.ExitStack()
+        self._free: queue.Queue[int] = queue.Queue()
+        self._full: queue.Queue[tuple[int, int, int] | BaseException | None] = queue.Queue()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="restore-stage", daemon=True)
-        self._thread.start()
 
-    def __enter__(self) -> PinnedFile:
+    def __enter__(self) -> _FileStream:
+        self._ring = self._stack.enter_context(_Ring.taken())
+        for index in range(RING_BUFFERS):
+            self._free.put(index)
+        self._thread = threading.Thread(target=self._read_all, name="restore-read", daemon=True)
+        self._thread.start()
         return self
 
     def __exit__(self, *exc_info) -> None:
         self._stop.set()
+        for index in range(RING_BUFFERS):  # a reader waiting for a buffer wakes and sees the stop
+            self._free.put(index)
         self._thread.join()
-        if self.size:
-            _posix.munmap(self.address, self.size)  # also unpins
         os.close(self._fd)
+        self._stack.close()
 
-    def _run(self) -> None:
+    def _read_all(self) -> None:
         try:
-            for tensor in self._tensors:
-                start, failed = self._start + tensor.data_offsets[0], 0
-                for offset in range(0, tensor.nbytes, STAGE_REGION_BYTES):
+            block = self._ring.block_bytes
+            for span in self._spans:
+                for position in range(span.start, span.end, block):
+                    index = self._free.get()
                     if self._stop.is_set():
                         return
-                    length = min(STAGE_REGION_BYTES, tensor.nbytes - offset)
-                    failed = failed or _mlock(self.address + start + offset, length)  # reads it in, pins it
-                if tensor.nbytes:
-                    self._ready.put((tensor.name, failed))
-        except BaseException as exc:  # reported by verified()
-            self._ready.put(exc)
+                    length = min(block, span.end - position)
+                    self._full.put((index, position, self._read(self._ring.buffer(index)[:length], position)))
+        except BaseException as exc:  # raised by run()
+            self._full.put(exc)
 
-    def verified(self, tensor: TensorRecord) -> int | None:
-        """The address of ``tensor``'s bytes once pinned and checked against its crc32; None when
-        ``mlock`` refused some of its pages (the caller reads it instead)."""
-        address = self.address + self._start + tensor.data_offsets[0]
-        if tensor.nbytes:
-            while tensor.name not in self._pinned:
-                item = self._ready.get()
+    def _read(self, buffer: memoryview, position: int) -> int:
+        """Read ``buffer`` whole from ``position``, unless the file ends first; bytes read."""
+        done = 0
+        while done < len(buffer):
+            got = self._read_once(buffer[done:], position + done)
+            if got == 0:
+                break
+            done += got
+        return done
+
+    def _read_once(self, buffer: memoryview, position: int) -> int:
+        try:
+            return os.preadv(self._fd, [buffer], position)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not self.direct:
+                raise SnapshotError(f"cannot read {self.path}: {exc}") from None
+            # Opened, then refused (a filesystem that takes the flag but not the I/O): buffered.
+            os.close(self._fd)
+            self._fd, self.direct = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC), False
+            return os.preadv(self._fd, [buffer], position)
+
+    def run(self, deliver: Callable[[str, int, int, int], None]) -> None:
+        """Check and deliver every block as the reader hands it over (SnapshotCorrupt on a
+        tensor whose crc32 fails, after its last bytes were delivered)."""
+        for span in self._spans:
+            pending = list(span.tensors)  # in file order; the first one is being read
+            value = 0
+            while pending:
+                item = self._full.get()
                 if isinstance(item, BaseException):
                     raise item
-                self._pinned[item[0]] = item[1]
-            if self._pinned[tensor.name]:
-                if not self._warned:
-                    self._warned = True
-                    log_event(log, "restore_unpinned", logging.WARNING, path=str(self.path),
-                              errno=self._pinned[tensor.name], detail="mlock refused (RLIMIT_MEMLOCK?): "
-                              "the tensors it could not pin are read into memory instead")
-                return None
-            with _posix.view_at(address, tensor.nbytes) as view:
-                value = crc32(view)
-        else:
-            value = 0
-        if value != tensor.crc32:
-            raise SnapshotCorrupt(f"{self.path}: tensor {tensor.name!r} fails its checksum "
-                                  f"(crc32 {value:08x}, manifest says {tensor.crc32:08x})")
-        return address
+                index, at, got = item
+                if got < min(self._ring.block_bytes, span.end - at) and at + got < self.size:  # short before the end
+                    raise SnapshotError(f"{self.path}: a read at {at} returned {got} bytes, short of the file's end")
+                address = self._ring.address + index * self._ring.block_bytes
+                while pending:
+                    tensor = pending[0]
+                    start = self._data_start + tensor.data_offsets[0]
+                    lo, hi = max(start, at), min(start + tensor.nbytes, at + got)
+                    with _posix.view_at(address + lo - at, hi - lo) as part:
+                        value = crc32(part, value)
+                    deliver(tensor.name, lo - start, address + lo - at, hi - lo)
+                    if hi < start + tensor.nbytes:
+                        break  # its next bytes are in the next block
+                    if value != tensor.crc32:
+                        raise SnapshotCorrupt(f"{self.path}: tensor {tensor.name!r} fails its checksum "
+                                              f"(crc32 {value:08x}, manifest says {tensor.crc32:08x})")
+                    pending.pop(0)
+                    value = 0
+                    if pending and self._data_start + pending[0].data_offsets[0] >= at + got:
+                        break  # the next tensor starts in a later block
+                self._free.put(index)

@@ -254,11 +254,15 @@ def test_a_new_trainers_failed_restore_leaves_its_state_fresh(start_server):
     container.close()
 
 
-def test_a_new_trainers_restore_without_an_answer_leaves_its_state_torn(start_server):
-    """No answer (the server gone): the trainer cannot know what reached its segment."""
+@pytest.mark.parametrize("running", [False, True], ids=["new-trainer", "running-trainer"])
+def test_a_restore_without_an_answer_leaves_the_state_torn(start_server, running):
+    """No answer (the server gone): the trainer cannot know what reached its segment (a running
+    trainer's kept state is copied in as read, and put back only by a server that saw the failure)."""
     server = start_server(chunk_bytes=CHUNK)
     model = build_wide(W)
     container = remote(W, model, server.address, "unanswered")
+    if running:
+        train(model, container, W, range(1, 2))
     server.kill()
     with pytest.raises(SwapStateError):
         container.restore("latest")

@@ -1,13 +1,15 @@
-"""Restore stages every source tensor once (a file on this host mapped and pinned, else read into
-memory), verifies it, and copies only once every checksum passed; bounded by the budget, else
-verify-then-copy, logged."""
+"""Restore reads every source tensor once (a file on this host with O_DIRECT through a small ring
+of reused buffers, else into memory) and checks it as it passes. A running trainer's state is
+copied aside first (the segment's copy slots, else memory the budget lends) and put back when a
+checksum fails; where neither holds it, every checksum is checked first and the file read again,
+logged."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
+import os
 
 import pytest
 from snapshot_kit import flip_byte, metadata_for
@@ -26,16 +28,17 @@ from swap_state.server.snapshot.directory import SnapshotDirectory
 from test_snapshot_restore import _tensor_data_offset
 
 SPECS = [
-    ("a.exp_avg", "float32", (3, 5000)),  # 60000 bytes: spans several 8 KiB regions
+    ("a.exp_avg", "float32", (3, 5000)),  # 60000 bytes: spans several 8 KiB blocks
     ("b.exp_avg", "bfloat16", (7, 1000)),
     ("c.exp_avg", "uint8", (12345,)),
     ("d.exp_avg", "float32", (0, 4)),
 ]
+STATE_BYTES = 60000 + 14000 + 12345
 
 
 @pytest.fixture
 def snapshot(make_segment, make_coordinator, monkeypatch):
-    monkeypatch.setattr(staging_module, "STAGE_REGION_BYTES", 8192)  # many regions, small file
+    monkeypatch.setattr(staging_module, "BLOCK_BYTES", 8192)  # many blocks, small file
     seg = make_segment("source", specs=SPECS)
     contents = seg.fill(21)
     coordinator = make_coordinator()
@@ -61,27 +64,22 @@ def _no_reads_into_memory(monkeypatch):
     monkeypatch.setattr(SnapshotTier, "read_tensor", refused)
 
 
-def test_a_file_on_this_host_is_mapped_once_never_read_into_memory(snapshot, make_segment, monkeypatch):
+@pytest.mark.parametrize("cow_slots", [64, 0], ids=["aside-in-the-copy-slots", "aside-in-memory"])
+def test_a_file_on_this_host_is_read_once_never_into_memory(snapshot, make_segment, monkeypatch, cow_slots):
     store, _, contents = snapshot
     _no_reads_into_memory(monkeypatch)
-    mapped = []
-    real_open = staging_module.os.open
-
-    def counting_open(path, flags, *args, **kwargs):
-        if str(path).endswith(rank_data_name(0)):
-            assert not flags & staging_module.os.O_DIRECT  # through the page cache, mapped
-            mapped.append(path)
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(staging_module.os, "open", counting_open)
-    seg, _ = _target(make_segment)
+    reads = []
+    real_preadv = staging_module.os.preadv
+    monkeypatch.setattr(staging_module.os, "preadv", lambda fd, buffers, at: reads.append(at) or real_preadv(fd, buffers, at))
+    seg = make_segment("target", specs=SPECS, cow_slots=cow_slots)
+    seg.fill(99)
     result = _restore(store, seg)
-    assert result.staged and result.step == 3
+    assert (result.staged, result.kept, result.step) == (True, "slots" if cow_slots else "memory", 3)
     assert seg.tensors() == contents
-    assert len(mapped) == 2  # the header's read, then the one mapping
+    assert len(reads) == len(set(reads)) > 1  # each block once
 
 
-def test_a_directory_store_is_mapped_too(make_segment, make_coordinator, tmp_path, monkeypatch):
+def test_a_directory_store_is_read_from_its_files_too(make_segment, make_coordinator, tmp_path, monkeypatch):
     source = make_segment("source", specs=SPECS)
     contents = source.fill(5)
     coordinator = make_coordinator(store_uri=str(tmp_path / "store"))
@@ -126,7 +124,22 @@ def test_a_corrupt_region_changes_nothing_and_names_file_and_tensor(snapshot, ma
     assert seg.tensor_area() == before
 
 
-def test_a_budget_that_cannot_hold_the_state_falls_back_and_says_so(snapshot, make_segment, caplog):
+@pytest.mark.parametrize("cow_slots", [64, 0], ids=["aside-in-the-copy-slots", "aside-in-memory"])
+@pytest.mark.parametrize("tensor", ["a.exp_avg", "c.exp_avg"])
+def test_a_corrupt_tensor_leaves_the_kept_state_as_it_was(snapshot, make_segment, tensor, cow_slots):
+    """The tensors before it were already copied in: they are put back."""
+    store, info, _ = snapshot
+    flip_byte(info.path / rank_data_name(0), _tensor_data_offset(info, tensor))
+    seg = make_segment("target", specs=SPECS, cow_slots=cow_slots)
+    seg.fill(99)
+    before = seg.tensor_area()
+    with pytest.raises(SnapshotCorrupt) as caught:
+        _restore(store, seg)
+    assert str(info.path / rank_data_name(0)) in str(caught.value) and repr(tensor) in str(caught.value)
+    assert seg.tensor_area() == before
+
+
+def test_neither_slots_nor_budget_verifies_first_reads_again_and_says_what_to_raise(snapshot, make_segment, caplog):
     store, _, contents = snapshot
     asked = []
 
@@ -135,16 +148,19 @@ def test_a_budget_that_cannot_hold_the_state_falls_back_and_says_so(snapshot, ma
         asked.append(nbytes)
         yield False
 
-    seg, _ = _target(make_segment)
+    seg = make_segment("target", specs=SPECS, cow_slots=0)
+    seg.fill(99)
     with caplog.at_level(logging.WARNING, logger="swap_state.server.restore"):
         result = _restore(store, seg, reserve_staging=refuse, staging_free_bytes=lambda: 1234)
-    assert not result.staged and seg.tensors() == contents
-    assert asked == [sum(len(b) for b in contents.values())]
-    [fields] = [r.swap_state_fields for r in caplog.records if r.msg == "restore_unstaged"]
-    assert fields["staged_bytes_needed"] == asked[0] and fields["budget_free_bytes"] == 1234
+    assert (result.staged, result.kept) == (False, "verify-first") and seg.tensors() == contents
+    assert asked == [STATE_BYTES]
+    [record] = [r for r in caplog.records if r.msg == "restore_unstaged"]
+    fields = record.swap_state_fields
+    assert fields["kept_bytes"] == STATE_BYTES and fields["budget_free_bytes"] == 1234
+    assert "--cow-budget" in fields["detail"]
 
 
-def test_the_budget_holds_the_staged_bytes_only_while_restoring(snapshot, make_segment, monkeypatch):
+def test_the_budget_lends_the_memory_only_while_restoring(snapshot, make_segment, monkeypatch):
     store, _, contents = snapshot
     held = []
 
@@ -154,30 +170,30 @@ def test_the_budget_holds_the_staged_bytes_only_while_restoring(snapshot, make_s
         yield True
         held.remove(nbytes)
 
-    seg, _ = _target(make_segment)
-    real = restore_module.staged_tensors
+    seg = make_segment("target", specs=SPECS, cow_slots=0)
+    real = restore_module.stream_tensors
 
     def spy(*args, **kwargs):
-        assert held == [sum(len(b) for b in contents.values())]
+        assert held == [STATE_BYTES]
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(restore_module, "staged_tensors", spy)
-    assert _restore(store, seg, reserve_staging=grant).staged
+    monkeypatch.setattr(restore_module, "stream_tensors", spy)
+    assert _restore(store, seg, reserve_staging=grant).kept == "memory"
     assert held == [] and seg.tensors() == contents
 
 
-def test_a_tensor_mlock_refuses_is_read_into_memory_instead(snapshot, make_segment, monkeypatch, caplog):
+def test_a_filesystem_refusing_o_direct_is_read_buffered(snapshot, make_segment, monkeypatch):
     store, _, contents = snapshot
-    monkeypatch.setattr(staging_module, "_mlock", lambda address, length: errno.ENOMEM)
-    read = []
-    real_read = SnapshotTier.read_tensor
-    monkeypatch.setattr(SnapshotTier, "read_tensor", lambda *args: read.append(args[3].name) or real_read(*args))
+    real_open = staging_module.os.open
+
+    def no_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")  # as tmpfs answers
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(staging_module.os, "open", no_direct)
     seg, _ = _target(make_segment)
-    with caplog.at_level(logging.WARNING, logger="swap_state.server.restore"):
-        result = _restore(store, seg)
-    assert result.staged and seg.tensors() == contents
-    assert sorted(read) == ["a.exp_avg", "b.exp_avg", "c.exp_avg"]  # not the empty one
-    assert [r.msg for r in caplog.records].count("restore_unpinned") == 1
+    assert _restore(store, seg).staged and seg.tensors() == contents
 
 
 def test_a_file_changed_between_the_checks_and_the_copy_fails_saying_restore_again(snapshot, make_segment,
@@ -189,15 +205,15 @@ def test_a_file_changed_between_the_checks_and_the_copy_fails_saying_restore_aga
         yield False
 
     passes = []
-    real = restore_module.staged_tensors
+    real = restore_module.stream_tensors
 
-    def changed_underneath(tier, info_, wanted):
-        passes.append([t.name for _, tensors in wanted.values() for t in tensors])
-        if len(passes) == 4:  # the three tensors verified (the empty one has no piece): the copies
+    def changed_underneath(tier, info_, wanted, deliver):
+        passes.append(1)
+        if len(passes) == 2:  # verified in the first pass: the second one copies
             flip_byte(info.path / rank_data_name(0), _tensor_data_offset(info, "b.exp_avg"))
-        return real(tier, info_, wanted)
+        return real(tier, info_, wanted, deliver)
 
-    monkeypatch.setattr(restore_module, "staged_tensors", changed_underneath)
-    seg = make_segment("target2", specs=SPECS)
+    monkeypatch.setattr(restore_module, "stream_tensors", changed_underneath)
+    seg = make_segment("target2", specs=SPECS, cow_slots=0)
     with pytest.raises(SnapshotCorrupt, match="'b.exp_avg' fails its checksum.*changed while being restored.*restore again"):
         _restore(store, seg, reserve_staging=refuse)

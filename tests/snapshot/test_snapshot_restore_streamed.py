@@ -1,5 +1,5 @@
-"""Restore into a segment the trainer marked being written (it holds nothing to keep): each
-tensor copied as soon as it is verified, while the next ones are read; a failure zeroes them."""
+"""Restore into a segment the trainer marked being written (it holds nothing to keep): the bytes
+copied in as they are read and checked; a failure zeroes them."""
 
 from __future__ import annotations
 
@@ -41,25 +41,23 @@ def _restore(directory, seg):
                    world_size=1)
 
 
-@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "mlock-refused-read-into-memory"])
-def test_a_marked_segment_gets_each_tensor_once_verified_bitwise(make_segment, make_coordinator, monkeypatch,
-                                                                  pinned):
+def test_a_marked_segment_gets_each_tensor_as_it_is_read_bitwise(make_segment, make_coordinator, monkeypatch):
+    monkeypatch.setattr(staging, "BLOCK_BYTES", 4 << 20)  # the large tensor: several blocks
     directory, contents = _snapshot(make_segment, make_coordinator, LARGE)
     seg = _marked_target(make_segment, LARGE)
-    if not pinned:
-        monkeypatch.setattr(staging, "_mlock", lambda address, length: 12)  # ENOMEM
-    copied_before_the_last_check = []
-    real_verified = staging.PinnedFile.verified
+    copied_before_the_last_read = []
+    real_preadv = staging.os.preadv
+    head = contents["blocks.0.w.exp_avg"][:1 << 20]
 
-    def verified(self, tensor):
-        copied_before_the_last_check.append(seg.tensors()["blocks.0.w.exp_avg"] == contents["blocks.0.w.exp_avg"])
-        return real_verified(self, tensor)
+    def preadv(fd, buffers, at):
+        copied_before_the_last_read.append(seg.tensors()["blocks.0.w.exp_avg"][:1 << 20] == head)
+        return real_preadv(fd, buffers, at)
 
-    monkeypatch.setattr(staging.PinnedFile, "verified", verified)
+    monkeypatch.setattr(staging.os, "preadv", preadv)
     result = _restore(directory, seg)
-    assert (result.streamed, result.staged, result.step) == (True, True, 8)
+    assert (result.streamed, result.staged, result.kept, result.step) == (True, True, "nothing", 8)
     assert seg.tensors() == contents
-    assert copied_before_the_last_check[-1]  # the first tensor landed while later ones were checked
+    assert copied_before_the_last_read[-1]  # the first tensor's first bytes landed while later ones were read
 
 
 @pytest.mark.parametrize("tensor", ["blocks.0.w.exp_avg", "emb.exp_avg"])
@@ -75,7 +73,7 @@ def test_a_corrupt_tensor_is_named_and_the_marked_segment_zeroed(make_segment, m
     assert seg.header[Word.WRITING_STEP] == 1  # the trainer's word: still marked
 
 
-def test_an_unmarked_segment_is_staged_and_left_untouched_on_failure(make_segment, make_coordinator):
+def test_an_unmarked_segment_is_kept_aside_and_left_untouched_on_failure(make_segment, make_coordinator):
     directory, contents = _snapshot(make_segment, make_coordinator, SPECS)
     seg = make_segment("target", specs=SPECS)
     seg.fill(1234)
@@ -87,4 +85,4 @@ def test_an_unmarked_segment_is_staged_and_left_untouched_on_failure(make_segmen
     assert seg.tensor_area() == before
     flip_byte_of_tensor(path, "emb.exp_avg", at=7)  # back as it was
     result = _restore(directory, seg)
-    assert (result.streamed, result.staged) == (False, True) and seg.tensors() == contents
+    assert (result.streamed, result.staged, result.kept) == (False, True, "slots+memory") and seg.tensors() == contents
