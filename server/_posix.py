@@ -13,7 +13,7 @@ import ctypes.util
 import mmap
 
 __all__ = [
-    "buffer_address", "bytes_address", "memmove", "mlock", "mmap_read_only", "munmap", "populate_write",
+    "buffer_address", "bytes_address", "memmove", "mlock", "mlock_on_fault", "mmap_read_only", "munmap", "populate_write",
     "set_parent_death_signal", "start_writeback", "view_at", "zero",
 ]
 
@@ -39,6 +39,22 @@ _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do no
 def mlock(address: int, length: int) -> int:
     """mlock(2) (reads the pages in and pins them); 0 on success, else the errno."""
     return 0 if _libc.mlock(address, length) == 0 else ctypes.get_errno()
+
+
+_MLOCK2 = getattr(_libc, "mlock2", None)  # glibc 2.27
+if _MLOCK2 is not None:
+    _MLOCK2.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _MLOCK2.restype = ctypes.c_int
+_MLOCK_ONFAULT = 1
+
+
+def mlock_on_fault(address: int, length: int) -> int:
+    """mlock2(MLOCK_ONFAULT): pin each page of the range as it is faulted in, from now on,
+    without faulting any (a short hold of the process's memory map lock, where mlock walks and
+    faults the whole range holding it); 0 on success, else the errno (ENOSYS where there is none)."""
+    if _MLOCK2 is None:
+        return 38  # ENOSYS
+    return 0 if _MLOCK2(address, length, _MLOCK_ONFAULT) == 0 else ctypes.get_errno()
 
 
 def populate_write(address: int, length: int) -> int:

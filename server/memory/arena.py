@@ -60,21 +60,20 @@ LOCAL_RANKS_HINT = 8
 _ZERO_BLOCK = bytes(1 << 20)
 _POPULATE_CHUNK = 256 << 20
 _POPULATE_THREADS = min(8, len(os.sched_getaffinity(0)))
+# One pool for every allocation of the server: the ranks of a host allocate at once, and their
+# faults on threads beyond the CPUs only contend (measured: docs/benchmarks.md).
+_POPULATE_POOL = concurrent.futures.ThreadPoolExecutor(_POPULATE_THREADS, thread_name_prefix="swap-state-populate")
 
-_mlock = _posix.mlock  # a module name, so that tests can replace it
+_mlock = _posix.mlock  # module names, so that tests can replace them
+_mlock_on_fault = _posix.mlock_on_fault
 
 
 def _populate(address: int, size: int) -> None:
-    """Fault a segment's pages in on several threads before mlock (which faults on one, and
-    the kernel serialises parallel mlocks). Measured on a 2-CPU VM, create_segment of 2 GiB:
-    0.90 GiB/s before, 3.0 after. Best effort: without MADV_POPULATE_WRITE mlock does it."""
+    """Fault a segment's pages in on the shared threads (mlock faults on one, and the kernel
+    serialises parallel mlocks). Measured on a 2-CPU VM, create_segment of 2 GiB: 0.90 GiB/s
+    before, 3.0 after. Best effort: without MADV_POPULATE_WRITE mlock does it."""
     chunks = range(0, size, _POPULATE_CHUNK)
-    threads = min(len(chunks), _POPULATE_THREADS)
-    if threads <= 1:
-        _posix.populate_write(address, size)
-        return
-    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="swap-state-populate") as pool:
-        list(pool.map(lambda at: _posix.populate_write(address + at, min(_POPULATE_CHUNK, size - at)), chunks))
+    list(_POPULATE_POOL.map(lambda at: _posix.populate_write(address + at, min(_POPULATE_CHUNK, size - at)), chunks))
 
 
 def _tensor_charge(layout: SegmentLayout, descriptor_bytes: int) -> int:
@@ -377,8 +376,12 @@ class Arena:
     def _lock_pages(self, segment: Segment) -> None:
         assert segment.buffer is not None
         address = _posix.buffer_address(segment.buffer)
+        # Pinned as the populate faults them: mlock's own walk afterwards held the process's memory
+        # map lock for writing, stalling the faults of the other ranks allocating at once.
+        err = _mlock_on_fault(address, segment.size)
         _populate(address, segment.size)
-        err = _mlock(address, segment.size)
+        if err in (errno.ENOSYS, errno.EINVAL):  # no mlock2 (an old kernel or libc): lock the faulted pages
+            err = _mlock(address, segment.size)
         if err == 0:
             segment.locked = True
             return

@@ -37,7 +37,7 @@ def test_quiet_steps_bench_at_a_small_size(tmp_path):
 def test_allocate_bench_at_a_small_size(tmp_path):
     result, md = _run("bench.allocate", "--size", "64M", "--ranks", "2", "--reps", "1", out=tmp_path,
                       stem="allocate")
-    for key in ("one_rank", "ranks_at_once", "memset"):
+    for key in ("one_rank", "ranks_at_once", "tmpfs_one", "tmpfs_at_once"):
         assert result["gib_per_s"][key]["n"] == 1 and result["gib_per_s"][key]["median"] > 0, key
     assert "2 ranks at once ÷ one rank" in md
 

@@ -122,7 +122,9 @@ def test_fallocate_unsupported_falls_back_to_writing_pages(shm_dir, monkeypatch)
     arena.free(seg)
 
 
-def test_mlock_refusal_warns_once_naming_the_fix(shm_dir, monkeypatch, caplog):
+@pytest.mark.parametrize("no_mlock2", [False, True], ids=["mlock2-refused", "no-mlock2-mlock-refused"])
+def test_mlock_refusal_warns_once_naming_the_fix(shm_dir, monkeypatch, caplog, no_mlock2):
+    monkeypatch.setattr(arena_mod, "_mlock_on_fault", lambda address, length: errno.ENOSYS if no_mlock2 else errno.EPERM)
     monkeypatch.setattr(arena_mod, "_mlock", lambda address, length: errno.EPERM)
     caplog.set_level(logging.DEBUG, logger="swap_state")
     arena = make_arena(shm_dir)
@@ -148,7 +150,10 @@ def _locked_kib() -> int:
     return int(_proc_status("VmLck"))
 
 
-def test_mlock_locks_the_pages_when_allowed(shm_dir):
+@pytest.mark.parametrize("no_mlock2", [False, True], ids=["mlock2-on-fault", "no-mlock2-mlock-after"])
+def test_mlock_locks_the_pages_when_allowed(shm_dir, monkeypatch, no_mlock2):
+    if no_mlock2:
+        monkeypatch.setattr(arena_mod, "_mlock_on_fault", lambda address, length: errno.ENOSYS)
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     arena = make_arena(shm_dir)
     before = _locked_kib()
