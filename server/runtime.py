@@ -210,6 +210,10 @@ def _build_service(config: ServerConfig, listen: ListenAddress, gid: int | None,
                                         store_max_bandwidth=config.snapshot_store_max_bandwidth or None,
                                         direct_io=config.direct_io)
         undo.callback(snapshots.close)
+        # A group waiting for a rank that already moved past its step fails at once (a restart
+        # split it between two servers): the coordinator reads the ranks' committed steps here.
+        snapshots.committed_steps = lambda job_id: {s.rank: s.last_committed_step for s in registry.sessions
+                                                    if s.job_id == job_id}
     return SwapStateService(registry, keepalive_interval=config.keepalive_interval,
                             snapshots=snapshots, tenants=tenants)
 

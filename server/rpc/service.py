@@ -22,12 +22,13 @@ from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 from swap_state.common.errors import (
     FailedPrecondition, InvalidArgument, NoSegment, PermissionDenied, SnapshotsDisabled, Unauthenticated,
 )
-from swap_state.common.names import parse_snapshot_id
+from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.server.logs import log_event
 from swap_state.server.memory.arena import Segment
 from swap_state.server.memory.session import Session
 from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
+from swap_state.server.snapshot.group import SnapshotAlreadyFailed
 from swap_state.server.snapshot.restore import restore
 from swap_state.server.snapshot.source import SnapshotSource
 from swap_state.server.snapshot.tiers import list_both_tiers
@@ -238,7 +239,12 @@ class SwapStateService(pb_grpc.SwapStateServicer):
                                         tenant=session.tenant, bounded_retention=not caller.admin)
                 # hold: the writer streams once this reply is sent (the trainer's stall is
                 # this RPC; a writer already streaming would compete for the GIL and CPUs).
-                handle = await asyncio.to_thread(coordinator.start, source, hold=True)
+                try:
+                    handle = await asyncio.to_thread(coordinator.start, source, hold=True)
+                except SnapshotAlreadyFailed:
+                    # One contract whatever the timing: the failure shows on the handle (its
+                    # status), for this rank as for the ranks that were there.
+                    return pb.SnapshotReply(snapshot_id=snapshot_id_for(session.job_id, request.step), consistent=True)
                 held = stack.pop_all()  # started: finish_snapshot returns the mapping
         try:
             context.add_done_callback(lambda _context: handle.proceed())

@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from swap_state.common.segment import Word
 from swap_state.common.errors import PermissionDenied, ResourceExhausted
@@ -58,6 +59,7 @@ log = logging.getLogger("swap_state.server.snapshot_coordinator")
 __all__ = ["SnapshotSource", "SnapshotState", "SnapshotStatus", "RankSnapshot", "SnapshotCoordinator"]
 
 HISTORY = 64  # finished snapshots whose status stays in memory (older ones are answered from disk)
+ASSEMBLY_CHECK_S = 1.0  # how often a group waiting for ranks looks for one that moved past its step
 
 
 class SnapshotCoordinator:
@@ -111,6 +113,8 @@ class SnapshotCoordinator:
             stored = StoredSnapshots(open_store(store_uri, store_timeout_s))
             self.uploader = SnapshotUploader(stored, self.directory, store_max_bandwidth)
         self.stored = self.uploader.stored if self.uploader is not None else None  # the store tier, if any
+        self.committed_steps: Callable[[str], dict[int, int | None]] | None = None
+        """The last committed step of each rank of a job attached here (the server's sessions)."""
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
 
     def note_epoch(self, epoch: int) -> None:
@@ -121,7 +125,8 @@ class SnapshotCoordinator:
         """Begin (or join) the snapshot of ``source.step`` for ``source.job_id``; returns once it
         is consistent. Idempotent for a rank's retry. ``hold``: the writer waits for
         ``handle.proceed()`` (at most ``writer.HOLD_MAX_S``), so the reply gets out first.
-        Raises SnapshotInvalid, SnapshotBusy, SnapshotExists, SnapshotFailed (another rank's)."""
+        Raises SnapshotInvalid, SnapshotBusy, SnapshotExists; SnapshotAlreadyFailed when the
+        group failed before this rank came (its status says so: :meth:`wait_status`)."""
         check_source(source)
         metadata = source.metadata_parts or parse_metadata(source.metadata_json, source.layout.tensors,
                                                            self.max_metadata_bytes)
@@ -206,9 +211,7 @@ class SnapshotCoordinator:
         for _, key in finished[: max(0, len(finished) - HISTORY)]:
             del self._groups[key]
         if group.local_world_size > 1:
-            group.timer = threading.Timer(self.assemble_timeout_s, self._assemble_expired, (group,))
-            group.timer.daemon = True
-            group.timer.start()
+            self._watch_assembly(group, time.monotonic() + self.assemble_timeout_s)
         return group
 
     def _join(self, group: SnapshotGroup, source: SnapshotSource, metadata: SnapshotMetadata | MetadataParts,
@@ -255,11 +258,32 @@ class SnapshotCoordinator:
             return None
         return max(self.keep_latest, source.keep_latest)
 
-    def _assemble_expired(self, group: SnapshotGroup) -> None:
+    def _watch_assembly(self, group: SnapshotGroup, deadline: float) -> None:
+        """Until every rank of ``group`` joined: fail it at ``deadline``, or as soon as a missing
+        rank is seen past its step (checked every :data:`ASSEMBLY_CHECK_S`)."""
+        group.timer = threading.Timer(max(0.0, min(ASSEMBLY_CHECK_S, deadline - time.monotonic())),
+                                      self._check_assembly, (group, deadline))
+        group.timer.daemon = True
+        group.timer.start()
+
+    def _check_assembly(self, group: SnapshotGroup, deadline: float) -> None:
         with group.cond:
-            if len(group.handles) == group.local_world_size:
+            if len(group.handles) == group.local_world_size or group.state is not SnapshotState.PERSISTING:
                 return
             joined = sorted(group.handles)
+        # A rank here that committed past the step never asks for it again: its Snapshot went to
+        # a server before a restart (or failed there). The group cannot complete: say so now.
+        passed = {rank: step for rank, step in (self.committed_steps(group.job_id) if self.committed_steps else {}).items()
+                  if rank not in joined and step is not None and step > group.step}
+        if passed:
+            rank, step = min(passed.items())
+            group.fail(SnapshotFailed(f"rank {rank} of job {group.job_id} committed step {step} without snapshotting "
+                                      f"step {group.step} on this server (its request went to a server before a "
+                                      f"restart, or failed there): {group.snapshot_id} cannot complete"))
+            return
+        if time.monotonic() < deadline:
+            self._watch_assembly(group, deadline)
+            return
         expected = f"world_size {group.world_size}"
         if group.local_world_size != group.world_size:
             expected = (f"the {group.local_world_size} ranks expected on this server "
@@ -342,6 +366,13 @@ class SnapshotCoordinator:
         with group.cond:
             return group.handles.get(rank)
 
+    def _missed_status(self, snapshot_id: str, rank: int) -> SnapshotStatus | None:
+        """A failed group's status for a rank that came after it failed (or never came)."""
+        ref = parse_snapshot_id(snapshot_id, None, SnapshotInvalid)
+        with self._lock:
+            group = self._groups.get((ref.job_id, ref.step))
+        return group.missed_status(rank) if group is not None else None
+
     async def wait_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0,
                           wait_stored: bool = False) -> SnapshotStatus:
         """A rank's status (one not in memory from disk, else the store, else SnapshotNotFound)
@@ -351,6 +382,8 @@ class SnapshotCoordinator:
         handle = self.handle(snapshot_id, rank)
         if handle is not None:
             status = await handle.wait_async(wait_s) if wait_s > 0 else handle.status()
+        elif (missed := self._missed_status(snapshot_id, rank)) is not None:
+            return missed
         else:
             status = await asyncio.to_thread(self._status_at_rest, snapshot_id, rank)
         if self.uploader is None or status.state is not SnapshotState.DURABLE:

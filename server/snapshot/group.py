@@ -24,9 +24,14 @@ from swap_state.server.snapshot.directory import CommitResult, SnapshotDirectory
 from swap_state.server.snapshot.waiting import WatchedCondition
 from swap_state.server.snapshot.writer import RankResult, RankWriter
 
-__all__ = ["SnapshotGroup", "RankSnapshot"]
+__all__ = ["SnapshotAlreadyFailed", "SnapshotGroup", "RankSnapshot"]
 
 log = logging.getLogger("swap_state.server.snapshot_coordinator")
+
+
+class SnapshotAlreadyFailed(SnapshotFailed):
+    """A rank asked for a snapshot its group had already failed without it: not refused (the
+    servicer answers with the snapshot's id), its status says failed, as every rank's does."""
 
 
 class SnapshotGroup:
@@ -92,10 +97,23 @@ class SnapshotGroup:
             return self
         if mine is None and self.world_size == source.world_size:
             # This rank missed the failed attempt: joining a new one alone would only time out.
-            raise SnapshotFailed(f"{self.snapshot_id} failed: {error}")
+            raise SnapshotAlreadyFailed(f"{self.snapshot_id} failed: {error}")
         if not drained:
             raise SnapshotBusy(f"the failed attempt at {self.snapshot_id} is still being cleaned up")
         return None  # a participant retries, or another run starts: a fresh attempt
+
+    def missed_status(self, rank: int) -> SnapshotStatus | None:
+        """The status of a rank that never joined this group: failed with the group's error
+        once the group failed (the rank came after), else None."""
+        with self.cond:
+            if self.state is not SnapshotState.FAILED:
+                return None
+            return SnapshotStatus(
+                snapshot_id=self.snapshot_id, job_id=self.job_id, step=self.step, rank=rank, world_size=self.world_size,
+                state=SnapshotState.FAILED, bytes_total=0, bytes_persisted=0, error=str(self.error or ""), cow_copies=0,
+                backpressure_waits=0, backpressure_wait_seconds=0.0, path=str(self.partial),
+                ranks_joined=len(self.handles), ranks_persisted=len(self.results), segment_released=True,
+                local_world_size=self.local_world_size, ranks=tuple(sorted(self.handles)))
 
     def add_handle(self, handle: RankSnapshot) -> None:
         """A rank joined, its thread about to start; the assembly timer stops once all did."""
