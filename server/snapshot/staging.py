@@ -217,6 +217,8 @@ class _FileStream:
                 while pending:
                     tensor = pending[0]
                     start = self._data_start + tensor.data_offsets[0]
+                    if start >= at + got:
+                        break  # it starts in a later block (this one was a gap between tensors)
                     lo, hi = max(start, at), min(start + tensor.nbytes, at + got)
                     with _posix.view_at(address + lo - at, hi - lo) as part:
                         value = crc32(part, value)
@@ -228,6 +230,4 @@ class _FileStream:
                                               f"(crc32 {value:08x}, manifest says {tensor.crc32:08x})")
                     pending.pop(0)
                     value = 0
-                    if pending and self._data_start + pending[0].data_offsets[0] >= at + got:
-                        break  # the next tensor starts in a later block
                 self._free.put(index)
