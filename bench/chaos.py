@@ -103,9 +103,9 @@ class Chaos:
         self.violations: list[str] = []
         self.faults: dict[str, int] = {}
         self.recoveries: list[float] = []
-        self.verified: set[tuple[str, str, int]] = set()
+        self.verified: set[tuple] = set()  # (host, job, step, and the index file's identity)
         self.newest: dict[tuple[str, str], int] = {}
-        self.references: dict[tuple[str, int], tuple[dict, dict]] = {}
+        self.references = {name: chaos_trainer.Reference(name) for name in self.jobs}
         self.started = time.monotonic()
 
     # -- hosts ------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ class Chaos:
         job.floor, job.expected_exit = floor, False
         address = self.hosts[job.host].server.address
         cmd = [sys.executable, "-m", "bench.chaos_trainer", "--server", address, "--job", job.name,
-               "--ranks", str(job.ranks), "--steps", "1000000", "--progress", str(job.progress),
+               "--ranks", str(job.ranks), "--steps", "1000000", "--step-seconds", "0.1", "--progress", str(job.progress),
                "--stop-file", str(self.stop_file)]
         with open(job.log, "ab") as log:
             job.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -181,40 +181,46 @@ class Chaos:
         return self.newest.get((self.hosts[job.host].name, job.name), 0)
 
     def verify_snapshots(self, host: Host) -> None:
+        """The host's complete snapshots: the newest never goes back; each new one (or one
+        replaced by a later attempt at its step) is checked against plain AdamW, by step."""
+        found = []
         for job in self.jobs:
-            steps = sorted(int(p.parent.name.removeprefix("step-")) for p in (host.snapshots / job).glob("step-*/snapshot.json"))
-            if not steps:
+            indexes = sorted((int(p.parent.name.removeprefix("step-")), p)
+                             for p in (host.snapshots / job).glob("step-*/snapshot.json"))
+            if not indexes:
                 continue
-            newest = steps[-1]
-            key = (host.name, job)
+            newest, key = indexes[-1][0], (host.name, job)
             if newest < self.newest.get(key, 0):
-                self.violation(f"{job}'s newest durable step on host {host.name} went back: {self.newest[key]} -> {newest}")
+                self.violation(f"{job}'s newest durable step on host {host.name} went back: "
+                               f"{self.newest[key]} -> {newest}")
             self.newest[key] = max(newest, self.newest.get(key, 0))
-            for step in steps:
-                if (host.name, job, step) not in self.verified:
-                    self.verify(host, job, step)
+            for step, index in indexes:
+                with contextlib.suppress(OSError):  # retired meanwhile
+                    stat = index.stat()
+                    mark = (host.name, job, step, stat.st_ino, stat.st_mtime_ns)
+                    if mark not in self.verified:
+                        found.append((job, step, mark))
+        for job, step, mark in sorted(found):
+            self.verify(host, job, step, mark)
 
-    def verify(self, host: Host, job: str, step: int) -> None:
+    def verify(self, host: Host, job: str, step: int, mark: tuple) -> None:
         try:
             state = read_snapshot_state(locate(f"{job}/step-{step}", host.snapshots))
         except (SwapStateError, OSError) as e:
             if (host.snapshots / job / f"step-{step:012d}").exists():  # not retired meanwhile
                 self.violation(f"{job}/step-{step} on host {host.name} cannot be read: {e}")
             return
-        model, moments = self.reference(job, step)
-        wrong = [k for k, v in model.items() if not torch.equal(state.model.get(k, torch.empty(0)), v)]
-        wrong += [k for k, v in moments.items() if not torch.equal(state.optimizer.get(k, torch.empty(0)), v)]
+        reference = self.references[job] = self.references[job].at(step)
+        wrong = [k for k, v in reference.model.state_dict().items()
+                 if not torch.equal(state.model.get(k, torch.empty(0)), v)]
+        for name, param in reference.model.named_parameters():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if not torch.equal(state.optimizer.get(f"state.{name}.{key}", torch.empty(0)),
+                                   reference.optimizer.state[param][key]):
+                    wrong.append(f"state.{name}.{key}")
         if wrong:
             self.violation(f"{job}/step-{step} on host {host.name} is not plain AdamW's: {wrong[:4]}")
-        self.verified.add((host.name, job, step))
-
-    def reference(self, job: str, step: int) -> tuple[dict, dict]:
-        if (job, step) not in self.references:
-            model, optimizer = chaos_trainer.reference(job, step)
-            moments = {f"state.{name}.{key}": optimizer.state[p][key] for name, p in model.named_parameters()
-                       for key in ("exp_avg", "exp_avg_sq")}
-            self.references[job, step] = ({k: v.detach() for k, v in model.state_dict().items()}, moments)
-        return self.references[job, step]
+        self.verified.add(mark)
 
     def check_server(self, host: Host) -> None:
         pid = host.server.pid if host.server is not None else None

@@ -4,7 +4,7 @@ steps, its progress as JSON lines for :mod:`bench.chaos` to check.
 
 It resumes from the job's newest snapshot when there is one (model and moments: whole state),
 else starts fresh; a snapshot tier it cannot read is waited for, never taken for "none". Its
-numbers are plain AdamW's: :func:`reference` trains the same model on the same data.
+numbers are plain AdamW's: :class:`Reference` trains the same model on the same data.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from swap_state.client.errors import ServerUnavailableError, SessionLostError, S
 from swap_state.client.remote.config import RemoteConfig
 from swap_state.client.remote.container import RemoteSwapOptimizersContainer
 
-__all__ = ["LR", "build", "batch", "reference"]
+__all__ = ["LR", "Reference", "build", "batch"]
 
 LR = 1e-2
 WIDTH = 64
@@ -49,13 +49,21 @@ def _train_step(model: nn.Module, optimizer, job: str, step: int) -> None:
     optimizer.zero_grad()
 
 
-def reference(job: str, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Plain fused AdamW after ``steps`` steps of ``job``."""
-    model = build(job)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    for step in range(1, steps + 1):
-        _train_step(model, optimizer, job, step)
-    return model, optimizer
+class Reference:
+    """Plain fused AdamW trained on ``job``'s data, advanced step by step (:meth:`at`)."""
+
+    def __init__(self, job: str):
+        self.job, self.step = job, 0
+        self.model = build(job)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, fused=True)
+
+    def at(self, step: int) -> Reference:
+        """This reference at ``step`` (a fresh one when ``step`` is behind it)."""
+        reference = self if step >= self.step else Reference(self.job)
+        for next_step in range(reference.step + 1, step + 1):
+            _train_step(reference.model, reference.optimizer, reference.job, next_step)
+        reference.step = step
+        return reference
 
 
 class _Progress:
