@@ -64,8 +64,9 @@ class SwapSettings:
     the checkpoint: a plain one loads its tensors in either mode."""
 
     swap_state_server_wait_s: float = RemoteConfig.server_wait_s
-    """Seconds a save in 'snapshot' mode waits for an unreachable swap-state server (restarting,
-    being upgraded) before it fails naming the address. Training steps never wait for it."""
+    """Seconds a save in 'snapshot' mode (and any snapshot, wait on one or listing) waits for an
+    unreachable swap-state server (restarting, being upgraded) before it fails naming the
+    address. Training steps never wait for it."""
 
     @classmethod
     def of(cls, config: Any) -> "SwapSettings":
