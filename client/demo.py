@@ -12,6 +12,7 @@ AdamW's. A restarted demo continues with ``--state-dir`` and ``--resume`` (see `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -183,6 +184,15 @@ class ModelStore:
         for old in self._steps("step"):
             if old < step - 1:
                 os.unlink(self._path("step", old))
+
+    def settle_snapshot(self, step: int, taken: bool) -> None:
+        """After a snapshot's attempt: a step whose snapshot was not taken is no snapshot step
+        (it must not push out the parameters of the snapshots that were); the last few kept."""
+        if not self.dir:
+            return
+        if not taken:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path("snap", step))
         for old in self._steps("snap")[: -self.KEEP_SNAPSHOTS]:
             os.unlink(self._path("snap", old))
 
@@ -336,6 +346,7 @@ def _steps(cfg: DemoConfig, container, model, store, start_step: int, handles: l
         note = ""
         if is_snapshot:
             note = _snapshot(container, step, handles)
+            store.settle_snapshot(step, taken=bool(handles) and handles[-1].step == step)
         me = container.session.session_id
         try:  # the bytes of this trainer's segment on the server (not waited for: steps never wait)
             held = sum(s.segment_bytes for s in container.server_stats().sessions if s.session_id == me)
@@ -392,7 +403,11 @@ def _check_steps_left(cfg: DemoConfig, start_step: int, source: str) -> None:
 
 def _summarize(cfg, container, model, reference_digest, plain_times, times) -> dict:
     final = digest(model, _moments(model, container.param_to_cpu_states_map))
-    stats = container.server_stats(wait_s=cfg.server_wait)  # a server restarted meanwhile
+    try:
+        stats = container.server_stats(wait_s=cfg.server_wait)  # a server restarted meanwhile
+    except ServerUnavailableError as e:  # gone for good: the run's own result still counts
+        stats = None
+        print(f"server budget: unknown ({e})", file=sys.stderr)
     plain_ms = statistics.median(plain_times) * 1e3
     remote_ms = statistics.median(times) * 1e3 if times else None
     if remote_ms is None:
@@ -400,12 +415,13 @@ def _summarize(cfg, container, model, reference_digest, plain_times, times) -> d
     else:
         print(f"median step: plain AdamW {plain_ms:.2f} ms, swap-state remote {remote_ms:.2f} ms "
               f"(ratio {remote_ms / plain_ms:.2f})")
-    print(f"server budget used {stats.budget_used_bytes / 2**20:.2f} MiB of {stats.budget_total_bytes / 2**20:.0f} MiB")
+    if stats is not None:
+        print(f"server budget used {stats.budget_used_bytes / 2**20:.2f} MiB of {stats.budget_total_bytes / 2**20:.0f} MiB")
     equal = final == reference_digest
     print("parameters and moments bitwise equal to plain AdamW:", "yes" if equal else "NO")
     result = {"step": cfg.steps, "digest": final, "reference_digest": reference_digest,
               "bitwise_equal": equal, "plain_step_ms": plain_ms, "remote_step_ms": remote_ms,
-              "server_bytes": stats.budget_used_bytes}
+              "server_bytes": stats.budget_used_bytes if stats is not None else None}
     if cfg.report:
         with open(cfg.report, "w") as f:
             json.dump(result, f, indent=2)

@@ -74,7 +74,7 @@ HEALTHY_TIMEOUT_S = 60.0
 RUN_TIMEOUT_S = 90.0  # one trainer container: torch import plus STEPS tiny steps
 SNAPSHOT_TIMEOUT_S = 60.0
 SERVER_STOP_TIMEOUT_S = 30.0
-FAIL_FAST_S = 15.0  # a trainer whose server stopped must exit within this
+TRAINS_ON_S = 60.0  # a trainer whose server stopped for good trains on to its last step within this
 SERVER_WAIT_S = 3.0  # --server-wait of that trainer: its snapshot waits this long first
 SHM_REFUSAL_S = 10.0  # "at once": python start-up plus the size check
 #: The least step time of a trainer the scenario kills or freezes after its first snapshot:
@@ -290,9 +290,9 @@ def trainer_sigkill_then_reattach(stack: Stack) -> None:
 
 def server_stop_then_restore(stack: Stack) -> None:
     """Stop the server container under a running trainer, its /dev/shm lost with it: the
-    trainer steps on, its next snapshot waits ``--server-wait`` for a server, then it fails and
-    says so. A new server container restores the latest snapshot; a new trainer finishes
-    bitwise equal."""
+    trainer steps on to its last step; each snapshot waits ``--server-wait`` for a server, then
+    is not taken, saying so (a trainer never dies of a snapshot). A new server container
+    restores the latest snapshot; a new trainer finishes bitwise equal."""
     server = start_healthy_server(stack)
     trainer = stack.start_trainer(demo_cmd(server_wait=SERVER_WAIT_S, paced=True))
     wait_first_snapshot(stack, trainer)
@@ -305,13 +305,14 @@ def server_stop_then_restore(stack: Stack) -> None:
     stack.server_stopped()
     trainer.resume()
     try:
-        rc = trainer.wait(FAIL_FAST_S)
+        rc = trainer.wait(TRAINS_ON_S)
     except TimeoutError:
         trainer.kill()
-        pytest.fail(f"trainer still running {FAIL_FAST_S}s after its server stopped" + _tail(trainer))
-    assert rc > 0, f"trainer should exit with an error status, got {rc}" + _tail(trainer)
-    assert "server" in trainer.logs[logged_before:].lower(), (
-        "the trainer's error should name the server" + _tail(trainer))
+        pytest.fail(f"trainer still running {TRAINS_ON_S}s after its server stopped" + _tail(trainer))
+    assert rc == 0, f"trainer should train on to its last step, got {rc}" + _tail(trainer)
+    after = trainer.logs[logged_before:]
+    assert "snapshot of step" in after and "not taken" in after and "not reachable" in after, (
+        "the trainer should say which snapshots it could not take, naming the server" + _tail(trainer))
 
     start_healthy_server(stack)
     resumed = stack.start_trainer(demo_cmd(resume="latest"))
