@@ -208,12 +208,11 @@ def _build_service(config: ServerConfig, listen: ListenAddress, gid: int | None,
                                         model_copy_timeout_s=config.model_copy_timeout, copy_policy=copy_policy,
                                         store_uri=config.snapshot_store, store_timeout_s=config.snapshot_store_timeout,
                                         store_max_bandwidth=config.snapshot_store_max_bandwidth or None,
-                                        direct_io=config.direct_io)
+                                        direct_io=config.direct_io,
+                                        committed_steps=lambda job_id: {s.rank: s.last_committed_step
+                                                                        for s in registry.sessions
+                                                                        if s.job_id == job_id})
         undo.callback(snapshots.close)
-        # A group waiting for a rank that already moved past its step fails at once (a restart
-        # split it between two servers): the coordinator reads the ranks' committed steps here.
-        snapshots.committed_steps = lambda job_id: {s.rank: s.last_committed_step for s in registry.sessions
-                                                    if s.job_id == job_id}
     return SwapStateService(registry, keepalive_interval=config.keepalive_interval,
                             snapshots=snapshots, tenants=tenants)
 

@@ -70,13 +70,16 @@ class SnapshotCoordinator:
                  clean_stale: bool = True, stage_threads: int = 1, model_copy_timeout_s: float = 60.0,
                  copy_policy: CopyBudgetPolicy | None = None, direct_io: str = "writes", store_uri: str | None = None,
                  store_timeout_s: float = 60.0, store_max_bandwidth: float | None = None,
-                 tenant_snapshot_quota: int = 0):
+                 tenant_snapshot_quota: int = 0,
+                 committed_steps: Callable[[str], dict[int, int | None]] | None = None):
         """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
         ``assemble_timeout_s``: fail when not all ``local_world_size`` ranks started by then.
         ``clean_stale``: remove a previous run's partial snapshots (False: a live server shares it).
         ``stage_threads``: stager threads per persisting rank. ``copy_policy``: the memory rule's
         inputs, shared with the arena, and the cap on all snapshot I/O (``--persist-max-bandwidth``).
-        ``store_uri``: the store each durable snapshot is uploaded to (None: none)."""
+        ``store_uri``: the store each durable snapshot is uploaded to (None: none).
+        ``committed_steps(job)``: the last committed step of each rank of ``job`` attached here
+        (a group waiting for a rank already past its step fails at once)."""
         if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 1:
             raise ValueError(f"keep_latest must be >= 2 or None (keep all), assemble_timeout_s > 0 and "
                              f"stage_threads >= 1: got {keep_latest}, {assemble_timeout_s}, {stage_threads}")
@@ -113,8 +116,7 @@ class SnapshotCoordinator:
             stored = StoredSnapshots(open_store(store_uri, store_timeout_s))
             self.uploader = SnapshotUploader(stored, self.directory, store_max_bandwidth)
         self.stored = self.uploader.stored if self.uploader is not None else None  # the store tier, if any
-        self.committed_steps: Callable[[str], dict[int, int | None]] | None = None
-        """The last committed step of each rank of a job attached here (the server's sessions)."""
+        self.committed_steps = committed_steps
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
 
     def note_epoch(self, epoch: int) -> None:

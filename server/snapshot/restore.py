@@ -249,9 +249,10 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
         wanted.setdefault(source_rank, (manifests[source_rank], []))[1].append(piece.source)
     base = _posix.buffer_address(view)
     targets = [by_name[name] for name in plan]
+    copier = _Copier(base, by_name, by_source)
     if replaceable:
         try:
-            stream_tensors(tier, info, wanted, _Copier(base, by_name, by_source))
+            stream_tensors(tier, info, wanted, copier)
         except BaseException:  # as fresh as before (a torn one stays marked)
             for target in targets:
                 _posix.zero(base + target.offset, target.nbytes)
@@ -270,7 +271,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
         if granted:
             with mmap.mmap(-1, max(nbytes, 1)) as memory, memoryview(memory) as memory_view:
                 aside = _aside_places(in_slots, slots_at) + _aside_places(overflow, _posix.buffer_address(memory_view))
-                _read_with_undo(tier, info, wanted, _Copier(base, by_name, by_source), base, aside)
+                _read_with_undo(tier, info, wanted, copier, base, aside)
             return "slots" if not overflow else "memory" if not in_slots else "slots+memory"
     log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id, rank=rank,
               kept_bytes=sum(t.nbytes for t in targets), copy_slot_bytes=layout.cow_slots * layout.chunk_bytes,
@@ -280,7 +281,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
               "reads); a larger --cow-budget (or --shm-size) reads it once")
     stream_tensors(tier, info, wanted, lambda *_: None)
     try:
-        stream_tensors(tier, info, wanted, _Copier(base, by_name, by_source))
+        stream_tensors(tier, info, wanted, copier)
     except SnapshotCorrupt as exc:
         raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "
                               "partially overwritten: restore again") from None
