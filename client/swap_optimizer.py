@@ -1,29 +1,35 @@
-"""In-process swap optimizer for torchtitan 0.2.x: Adam moments live in host memory.
+"""The seed's module (torchtitan 0.2): the in-process swap container as the seed's tests use it.
 
-The seed's module: a facade over :mod:`swap_state.client.optim`. Importing it wraps torchtitan's
-``build_optimizers`` (``optimizer_config.swap_optimizer = True`` builds a swap container).
+Everything here exists because the seed's test file builds or patches things its way; the
+container itself is :class:`swap_state.client.optim.container.SwapOptimizersContainer`, which
+needs no torchtitan. Importing this module wraps torchtitan's ``build_optimizers``
+(``optimizer_config.swap_optimizer = True`` builds a swap container).
 
-The seed's tests patch ``get_torch_device``, ``unwrap_dtensor``, ``wrap_like_param``,
-``SwapOptimizersContainer`` and ``_original_build_optimizers`` here; setting one here sets the
-attribute the code calls in its own module too (:class:`_SeedFacade`).
+The seed's tests build containers with ``__new__`` and patch ``param_to_cpu_states_map`` on the
+class; they patch ``get_torch_device``, ``wrap_like_param``, ``SwapOptimizersContainer`` and
+``_original_build_optimizers`` here, where the code reads them at call time (the last two: the
+``build_optimizers`` wrapper).
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
 from collections.abc import Callable
 from typing import Any
 
-from swap_state.client.torchtitan import glue as _glue
+import torch
+
 from swap_state.client.device import DeviceBackend, get_device_backend
-from swap_state.client.optim.dtensor_utils import (
+from swap_state.client.optim import container as _container
+from swap_state.client.optim import flat_state_dict as _flat
+from swap_state.client.optim.dtensor_utils import (  # noqa: F401 (the seed's names)
     DTensor, unwrap_dtensor, wrap_like_param, wrap_like_param_without_device_move,
 )
-from swap_state.client.optim.host_cache import MOMENT_KEYS, STEP_DTYPE, STEP_KEY, HostCache, HostCacheEntry  # noqa: F401 (HostCache: kept importable here)
+from swap_state.client.optim.host_cache import (  # noqa: F401 (the seed's names)
+    MOMENT_KEYS, STEP_DTYPE, STEP_KEY, HostCacheEntry, fqns_by_param, placeholder_like,
+)
+from swap_state.client.optim.moment_store import PinnedHostMemory
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
-from swap_state.client.optim.container import SwapOptimizersContainer
+from swap_state.client.torchtitan import glue as _glue
 
 __all__ = [
     "DEFAULT_SWAP_TIMES", "MOMENT_KEYS", "STEP_DTYPE", "STEP_KEY", "DTensor", "HostCacheEntry",
@@ -31,9 +37,48 @@ __all__ = [
     "unwrap_dtensor", "wrap_like_param", "wrap_like_param_without_device_move",
 ]
 
-
 #: The process's device backend (``empty_cache``, ``current_device``, streams, ...).
 get_torch_device: Callable[[], DeviceBackend] = get_device_backend
+
+
+class SwapOptimizersContainer(_container.SwapOptimizersContainer):
+    """The in-process container, plus what the seed's tests do with it: build it with
+    ``__new__`` (``model_parts`` and ``optimizers`` set, the maps patched on the class; its
+    parts are built on first use) and call the state-dict helpers on the class."""
+
+    param_to_cpu_states_map: dict[torch.Tensor, dict[str, Any]] = {}  # noqa: RUF012
+    param_to_device_states_map: dict[torch.Tensor, dict[str, Any]] = {}  # noqa: RUF012
+    swap_optimizer_times = DEFAULT_SWAP_TIMES
+    moment_dtype = None
+    unswapped = _container.UnswappedOptimizers()
+    _loading_keys = None
+    _in_container_step = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in ("store", "_host_caches", "_steps", "_loader"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        backend = get_torch_device()  # this module's: the seed's tests patch it
+        self._build_parts(PinnedHostMemory(backend), backend, None)
+        return getattr(self, name)
+
+    @classmethod
+    def _state_value_for_state_dict(cls, param: Any, state: Any, key: str) -> Any:
+        return _flat.state_value(cls.param_to_cpu_states_map, param, state, key)
+
+    _tensor_for_state_dict = staticmethod(_flat.tensor_for_state_dict)
+    _fqns_by_param = staticmethod(fqns_by_param)
+
+    @staticmethod
+    def _move_step_to_device(step: Any) -> Any:
+        """``step`` on the current device if it is a CPU tensor, else unchanged."""
+        if isinstance(step, torch.Tensor) and step.device.type == "cpu":
+            return step.to(get_torch_device().current_device())
+        return step
+
+    @staticmethod
+    def _clone_loaded_state_for_device_placeholder(param: Any, tensor: torch.Tensor) -> Any:
+        return placeholder_like(param, tensor, wrap_like_param)
+
 
 build_optimizers = _glue.build_optimizers
 install_build_optimizers_wrapper = _glue.install_build_optimizers_wrapper
@@ -41,26 +86,3 @@ install_build_optimizers_wrapper = _glue.install_build_optimizers_wrapper
 _original_build_optimizers = _glue.original_build_optimizers
 
 install_build_optimizers_wrapper()
-
-#: The names the seed's tests patch here: (module, attribute) the code calls.
-_PATCHED_THROUGH: dict[str, tuple[str, str]] = {
-    "get_torch_device": ("swap_state.client.device", "get_device_backend"),
-    "unwrap_dtensor": ("swap_state.client.optim.dtensor_utils", "unwrap_dtensor"),
-    "wrap_like_param": ("swap_state.client.optim.dtensor_utils", "wrap_like_param"),
-    "SwapOptimizersContainer": ("swap_state.client.torchtitan.glue", "SwapOptimizersContainer"),
-    "_original_build_optimizers": ("swap_state.client.torchtitan.glue", "original_build_optimizers"),
-}
-
-
-class _SeedFacade(types.ModuleType):
-    """This module's type: setting one of :data:`_PATCHED_THROUGH`'s names (a test's patch,
-    or its undo) also sets the attribute the code calls."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        target = _PATCHED_THROUGH.get(name)
-        if target is not None:
-            setattr(importlib.import_module(target[0]), target[1], value)
-
-
-sys.modules[__name__].__class__ = _SeedFacade

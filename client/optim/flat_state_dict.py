@@ -14,21 +14,19 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from swap_state.client import device as device_layer  # an attribute: the seed's tests patch it
-from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
-from swap_state.client.optim.dtensor_utils import DTensor, wrap_like_param_without_device_move
+from swap_state.client.optim.dtensor_utils import DTensor, unwrap_dtensor, wrap_like_param_without_device_move
 from swap_state.client.optim.host_cache import (
     MOMENT_KEYS, STEP_KEY, HostCache, fqns_by_param, has_data, param_fqns, step_tensor)
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 
-__all__ = ["FlatIndex", "clone_value", "flat_state_dict", "move_step_to_device", "state_step", "state_value",
+__all__ = ["FlatIndex", "clone_value", "flat_state_dict", "state_step", "state_value",
            "tensor_for_state_dict"]
 
 
 def clone_value(value: Any) -> Any:
     """A checkpoint value detached from its source: tensors cloned to CPU, others deep-copied."""
     if isinstance(value, torch.Tensor):
-        return dtensor_utils.unwrap_dtensor(value).detach().cpu().clone()
+        return unwrap_dtensor(value).detach().cpu().clone()
     return copy.deepcopy(value)
 
 
@@ -100,13 +98,13 @@ def state_step(cpu_states: Mapping[torch.Tensor, HostCache], group: Mapping[str,
     if step is None:
         step = group.get(STEP_KEY, 0)
     if isinstance(step, torch.Tensor):
-        return dtensor_utils.unwrap_dtensor(step).detach().cpu().clone()
+        return unwrap_dtensor(step).detach().cpu().clone()
     return step_tensor(step)
 
 
 def tensor_for_state_dict(tensor: Any, like_param: Any = None) -> Any:
     """A CPU view of ``tensor`` for a checkpoint, DTensor-wrapped like ``like_param``."""
-    local = dtensor_utils.unwrap_dtensor(tensor)
+    local = unwrap_dtensor(tensor)
     if not has_data(local):
         raise RuntimeError("cannot checkpoint a swapped-out optimizer state without CPU cache: "
                            f"tensor of shape {tuple(local.shape)} has no storage")
@@ -114,10 +112,3 @@ def tensor_for_state_dict(tensor: Any, like_param: Any = None) -> Any:
     if isinstance(like_param, DTensor):
         return wrap_like_param_without_device_move(value, like_param)
     return value
-
-
-def move_step_to_device(step: Any) -> Any:
-    """``step`` on the current device if it is a CPU tensor, else unchanged (the seed's helper)."""
-    if isinstance(step, torch.Tensor) and step.device.type == "cpu":
-        return step.to(device_layer.get_device_backend().current_device())
-    return step

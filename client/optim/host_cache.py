@@ -20,8 +20,7 @@ from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.optim import Optimizer
 
 from swap_state.client.host_register import PAGE_SIZE
-from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
-from swap_state.client.optim.dtensor_utils import DTensor
+from swap_state.client.optim.dtensor_utils import DTensor, unwrap_dtensor, wrap_like_param
 
 __all__ = [
     "FLAT_ALIGN", "FLAT_PAGE_RUN", "MOMENT_KEYS", "STEP_DTYPE", "STEP_KEY", "HostCache", "HostCacheEntry",
@@ -48,7 +47,7 @@ FLAT_PAGE_RUN = 64
 
 @dataclass(frozen=True, eq=False)
 class HostCacheEntry:
-    """What ``_allocate_host_cache`` allocates for one parameter: ``keys`` (its moments) of the
+    """What a moment store allocates for one parameter: ``keys`` (its moments) of the
     local shard's ``shape`` and ``dtype``, and a step; ``fqn`` is the canonical checkpoint name."""
 
     param: torch.Tensor
@@ -88,7 +87,7 @@ def step_tensor(value: float) -> torch.Tensor:
 def as_number(value: Any) -> float:
     """A step or hyperparameter (number or one-element tensor) as a float."""
     if isinstance(value, torch.Tensor):
-        return float(dtensor_utils.unwrap_dtensor(value).item())
+        return float(unwrap_dtensor(value).item())
     return float(value)
 
 
@@ -101,9 +100,9 @@ def advance_group_step(group: dict[str, Any]) -> None:
         group[STEP_KEY] = step_tensor(as_number(step or 0) + 1)
 
 
-def moments_dtype(owner: Any, local_param: torch.Tensor) -> torch.dtype:
+def moments_dtype(moment_dtype: torch.dtype | None, local_param: torch.Tensor) -> torch.dtype:
     """The dtype of ``local_param``'s moments: the container's ``moment_dtype``, else its own."""
-    return getattr(owner, "moment_dtype", None) or local_param.dtype
+    return moment_dtype or local_param.dtype
 
 
 def host_cache_ready(host: Mapping[str, Any] | None, group: Mapping[str, Any], local_param: Any = None,
@@ -121,10 +120,17 @@ def host_cache_ready(host: Mapping[str, Any] | None, group: Mapping[str, Any], l
 
 
 class HostCaches:
-    """Builds, checks and installs the host caches of a swap container (``owner``)."""
+    """Builds, checks and installs the host caches of a swap container's ``optimizers`` in
+    ``cpu_states`` (``param_to_cpu_states_map``), their placeholders in ``device_states``
+    (``param_to_device_states_map``); ``store`` allocates them."""
 
-    def __init__(self, owner: Any):
-        self._owner = owner
+    def __init__(self, store: Any, optimizers: Sequence[Optimizer], cpu_states: dict[torch.Tensor, HostCache],
+                 device_states: dict[torch.Tensor, dict[str, Any]], moment_dtype: torch.dtype | None):
+        self.store = store
+        self.optimizers = optimizers
+        self.cpu_states = cpu_states
+        self.device_states = device_states
+        self.moment_dtype = moment_dtype
         self.epoch = 0
         """Counts :meth:`install` calls (the step pipeline's plans are built against one)."""
 
@@ -135,11 +141,11 @@ class HostCaches:
         entries = []
         for group_index, param in pairs:
             fqn = param_fqns(fqns, param, optimizer_index)[0]
-            local = dtensor_utils.unwrap_dtensor(param)
+            local = unwrap_dtensor(param)
             if not local.is_contiguous():
                 # The fused kernel walks memory linearly: another layout pairs the wrong elements.
                 raise ValueError(f"parameter {fqn!r} is not contiguous; the swap optimizer needs contiguous parameters")
-            keys, dtype = moment_keys(optim.param_groups[group_index]), moments_dtype(self._owner, local)
+            keys, dtype = moment_keys(optim.param_groups[group_index]), moments_dtype(self.moment_dtype, local)
             entries.append(HostCacheEntry(param, fqn, keys, local.shape, dtype, optimizer_index, group_index))
         return entries
 
@@ -147,7 +153,7 @@ class HostCaches:
     def checked(entry: HostCacheEntry, tensors: Mapping[str, Any] | None) -> HostCache:
         """``tensors`` from ``_allocate_host_cache`` checked against ``entry``, in map format."""
         if tensors is None:
-            raise ValueError(f"_allocate_host_cache returned no cache for {entry.fqn!r}")
+            raise ValueError(f"the moment store allocated no cache for {entry.fqn!r}")
         expected = {key: (entry.shape, entry.dtype) for key in entry.keys}
         expected[STEP_KEY] = (torch.Size(()), STEP_DTYPE)
         for key, (shape, dtype) in expected.items():
@@ -168,7 +174,7 @@ class HostCaches:
         if not entries:
             return
         self.epoch += 1
-        allocated = self._owner._allocate_host_cache(entries)
+        allocated = self.store.allocate(entries, self.optimizers)
         checked = [(entry, self.checked(entry, allocated.get(entry.param))) for entry in entries]
         for entry, host in checked:
             self.set(entry, host)
@@ -176,12 +182,11 @@ class HostCaches:
     def set(self, entry: HostCacheEntry, host: HostCache, placeholders: dict[str, Any] | None = None) -> None:
         """Make ``host`` ``entry.param``'s cache, with ``placeholders`` (default: built now) in
         its ``optimizer.state``."""
-        owner = self._owner
-        owner.param_to_cpu_states_map[entry.param] = host
-        state = owner.optimizers[entry.optimizer_index].state[entry.param]
+        self.cpu_states[entry.param] = host
+        state = self.optimizers[entry.optimizer_index].state[entry.param]
         state.clear()
         state.update(device_placeholders(entry, host) if placeholders is None else placeholders)
-        owner.param_to_device_states_map[entry.param] = state
+        self.device_states[entry.param] = state
 
 
 def device_placeholders(entry: HostCacheEntry, host: HostCache) -> dict[str, Any]:
@@ -189,15 +194,15 @@ def device_placeholders(entry: HostCacheEntry, host: HostCache) -> dict[str, Any
     return {key: placeholder_like(entry.param, host[key]) if key in entry.keys else None for key in MOMENT_KEYS}
 
 
-def placeholder_like(param: Any, tensor: torch.Tensor) -> Any:
+def placeholder_like(param: Any, tensor: torch.Tensor, wrap: Any = wrap_like_param) -> Any:
     """A zero-storage tensor like ``tensor`` for ``optimizer.state``, wrapped like ``param``
-    where ``param``'s local tensor is on the same device."""
-    local = dtensor_utils.unwrap_dtensor(tensor)
+    (by ``wrap``) where ``param``'s local tensor is on the same device."""
+    local = unwrap_dtensor(tensor)
     placeholder = torch.empty_strided(local.size(), local.stride(), dtype=local.dtype, device=local.device)
     placeholder.untyped_storage().resize_(0)
-    if placeholder.device != dtensor_utils.unwrap_dtensor(param).device:
+    if placeholder.device != unwrap_dtensor(param).device:
         return placeholder
-    return dtensor_utils.wrap_like_param(placeholder, param)
+    return wrap(placeholder, param)
 
 
 def flat_layout(sizes: Sequence[int], page_size: int = PAGE_SIZE) -> tuple[list[int], int]:

@@ -19,8 +19,7 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam as torch_functional_adam
 from torch.optim.optimizer import _device_dtype_check_for_fused, _to_scalar
 
-from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
-from swap_state.client.optim.dtensor_utils import DTensor
+from swap_state.client.optim.dtensor_utils import DTensor, unwrap_dtensor
 from swap_state.client.optim.host_cache import (
     MOMENT_KEYS, STEP_KEY, HostCache, SliceStates, host_cache_ready, steps_vector,
 )
@@ -234,7 +233,7 @@ def plan_slice(params: list[torch.Tensor], groups: list[dict[str, Any]],
     full = True
     for param, group in zip(params, groups, strict=True):
         kinds.add(isinstance(param, DTensor))
-        local = dtensor_utils.unwrap_dtensor(param)
+        local = unwrap_dtensor(param)
         host = caches.get(param)
         ready = host_cache_ready(host, group) and host.get(STEP_KEY) is not None  # type: ignore[union-attr]
         hosts.append(host if ready else None)
@@ -265,8 +264,7 @@ def full_slice_work(planned: SlicePlan, grads: list[Any]) -> SliceWork | None:
         return None
     local_params, local_grads = params, present  # a plain tensor is its own local shard
     if planned.dtensor:
-        unwrap = dtensor_utils.unwrap_dtensor
-        local_params, local_grads = [unwrap(p) for p in params], [unwrap(g) for g in present]
+        local_params, local_grads = [unwrap_dtensor(p) for p in params], [unwrap_dtensor(g) for g in present]
     if indices is None:
         return dataclasses.replace(full, local_params=local_params, local_grads=local_grads)
     groups, hosts = [planned.groups[i] for i in indices], [planned.hosts[i] for i in indices]
@@ -286,7 +284,7 @@ def checked_slice(planned: SlicePlan, grads: list[Any]) -> tuple[list[int], list
         if group.get("differentiable", False):
             raise RuntimeError("SwapOptimizersContainer does not support differentiable=True")
         grad = grad_on_param_placements(param, grad)
-        local_param, local_grad = dtensor_utils.unwrap_dtensor(param), dtensor_utils.unwrap_dtensor(grad)
+        local_param, local_grad = unwrap_dtensor(param), unwrap_dtensor(grad)
         if group_implementation(group) == "fused":
             _device_dtype_check_for_fused(local_param)  # torch's fused Adam's check
         indices.append(index)

@@ -1,8 +1,8 @@
 """``load_state_dict`` of the swap optimizer: validate and plan everything, then commit.
 
-Call order: ``_plan_load`` (validate; allocate missing host caches) -> the container's
-``_before_host_write(all params)`` -> ``_commit_load`` (copy in; dict-level state rolled back on
-an error) -> ``empty_cache()`` -> ``_after_load_state_dict()``. Nothing live changes before
+Call order: ``_plan_load`` (validate; the store allocates missing host caches) -> the store's
+``before_write(all params)`` -> ``_commit_load`` (copy in; dict-level state rolled back on
+an error) -> ``empty_cache()`` -> the store's ``after_load()``. Nothing live changes before
 ``_commit_load``, so a bad checkpoint raises naming the key and leaves the container as it was.
 """
 
@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.optim import Optimizer
 
-from swap_state.client import device as device_layer  # an attribute: the seed's tests patch it
-from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
+from swap_state.client.device import DeviceBackend
+from swap_state.client.optim.dtensor_utils import unwrap_dtensor
 from swap_state.client.optim.flat_state_dict import FlatIndex, clone_value
 from swap_state.client.optim.host_cache import (
     HostCaches, MOMENT_KEYS, device_placeholders, STEP_KEY, HostCache, HostCacheEntry, as_number, group_map,
@@ -39,27 +40,29 @@ class _ParamLoad:
 
 
 class StateLoader:
-    """``load_state_dict()`` of a swap container (``owner``)."""
+    """``load_state_dict()`` into the host caches ``host_caches`` holds for the optimizers of
+    ``model_parts`` (``backend`` empties the device cache after)."""
 
-    def __init__(self, owner: Any, host_caches: HostCaches):
-        self._owner = owner
+    def __init__(self, host_caches: HostCaches, backend: DeviceBackend, model_parts: Sequence[nn.Module]):
         self._host_caches = host_caches
+        self._backend = backend
+        self._model_parts = model_parts
 
     def load(self, state_dict: Mapping[str, Any]) -> None:
         """Load a flat state dict (any alias of tied parameters); the checkpoint is only read."""
-        owner = self._owner
+        store = self._host_caches.store
         loads, groups = self._plan_load(state_dict)
-        owner._before_host_write([load.entry.param for load in loads])
+        store.before_write([load.entry.param for load in loads])
         self._commit_load(loads, groups)
-        device_layer.get_device_backend().empty_cache()
-        owner._after_load_state_dict()
+        self._backend.empty_cache()
+        store.after_load()
 
     def _plan_load(self, state_dict: Mapping[str, Any]) -> tuple[list[_ParamLoad], list[tuple[dict, dict]]]:
         """Validate ``state_dict`` against every group and parameter; prepare the load."""
         index = FlatIndex(state_dict)
         plan: list[_ParamLoad] = []
         groups: list[tuple[dict, dict]] = []  # (live group, the checkpoint's values)
-        parts = zip(self._owner.model_parts, self._owner.optimizers, strict=True)
+        parts = zip(self._model_parts, self._host_caches.optimizers, strict=True)
         for optimizer_index, (model, optim) in enumerate(parts):
             fqns = fqns_by_param(model)
             for group_index, group in enumerate(optim.param_groups):
@@ -72,7 +75,7 @@ class StateLoader:
                 plan.extend(loads)
         missing = [load for load in plan if load.host is None]  # allocated; nothing live changes
         if missing:
-            allocated = self._owner._allocate_host_cache([load.entry for load in missing])
+            allocated = self._host_caches.store.allocate([load.entry for load in missing], self._host_caches.optimizers)
             for load in missing:
                 load.host = self._host_caches.checked(load.entry, allocated.get(load.entry.param))
         for load in plan:
@@ -85,11 +88,11 @@ class StateLoader:
         """One parameter's load: its sources (under any alias), checked against its shard."""
         aliases = param_fqns(fqns, param, optimizer_index)
         keys = moment_keys(group)
-        local_param = dtensor_utils.unwrap_dtensor(param)
-        dtype = moments_dtype(self._owner, local_param)
+        local_param = unwrap_dtensor(param)
+        dtype = moments_dtype(self._host_caches.moment_dtype, local_param)
         _check_amsgrad(index.lookup(PARAM_GROUPS_PREFIX, aliases, "amsgrad"), group)
         sources, step = _checked_sources(index, aliases, keys, values, local_param, dtype)
-        host = self._owner.param_to_cpu_states_map.get(param)
+        host = self._host_caches.cpu_states.get(param)
         ready = host is not None and host_cache_ready(host, group, local_param, dtype)
         entry = HostCacheEntry(param, aliases[0], keys, local_param.shape, dtype, optimizer_index, group_index)
         return _ParamLoad(entry, sources, step, host if ready else None)
@@ -102,7 +105,7 @@ class StateLoader:
                 self._commit_param_load(load)
             for group, values in groups:
                 group.update(values)
-            for optim in self._owner.optimizers:
+            for optim in self._host_caches.optimizers:
                 optim.param_to_group_map = group_map(optim)  # type: ignore[attr-defined]
         except BaseException:
             saved()
@@ -128,12 +131,12 @@ class StateLoader:
 
     def _rollback_point(self) -> Callable[[], None]:
         """Snapshot every dict ``_commit_load`` mutates; the returned callable restores them."""
-        owner = self._owner
-        optims = owner.optimizers
+        caches = self._host_caches
+        optims = caches.optimizers
         dicts = [*(group for optim in optims for group in optim.param_groups), *(optim.state for optim in optims),
                  *(state for optim in optims for state in optim.state.values()),
-                 *(host for host in owner.param_to_cpu_states_map.values() if host is not None),
-                 owner.param_to_cpu_states_map, owner.param_to_device_states_map]
+                 *(host for host in caches.cpu_states.values() if host is not None),
+                 caches.cpu_states, caches.device_states]
         saved = [(target, dict(target)) for target in dicts]
         group_maps = [(optim, getattr(optim, "param_to_group_map", None)) for optim in optims]
 
@@ -197,7 +200,7 @@ def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor, 
     moments, another floating dtype is converted by the copy)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"optimizer state dict key {flat_key!r}: expected a tensor, got {type(value).__name__}")
-    local = dtensor_utils.unwrap_dtensor(value)
+    local = unwrap_dtensor(value)
     if local.is_meta or not has_data(local):
         raise ValueError(f"optimizer state dict key {flat_key!r}: the tensor has no data")
     if local.shape != local_param.shape:

@@ -12,14 +12,15 @@ with no copy in flight. On a CPU-only process the update runs on the host cache.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+import torch.nn as nn
 from torch.optim import Optimizer
 
-from swap_state.client.optim import dtensor_utils  # attributes: the seed's tests patch them
+from swap_state.client.optim.dtensor_utils import unwrap_dtensor
 from swap_state.client.optim.kernels import (
     PendingSlice, SlicePlan, SliceWork, adam_update, PlacementError, checked_slice, full_slice_work,
     group_implementation, plan_slice, plan_slices, slice_work, steps_on_device,
@@ -47,13 +48,17 @@ class _LoadedSlice:
 
 
 class StepPipeline:
-    """The swap step of a container's optimizers (``owner``: the container, whose
-    ``_before_host_write`` hook runs before each slice's host bytes change). ``pipeline``:
-    None runs the load/offload pipeline iff the device is an accelerator; True on CPU too."""
+    """The swap step of the optimizers whose caches ``host_caches`` holds, in ``swap_times``
+    slices (their store hears of each slice's host write before it), moving state with
+    ``backend``; ``model_parts`` name parameters in errors. ``pipeline``: None runs the
+    load/offload pipeline iff the device is an accelerator; True on CPU too."""
 
-    def __init__(self, owner: Any, host_caches: HostCaches, *, pipeline: bool | None = None):
-        self._owner = owner
+    def __init__(self, host_caches: HostCaches, backend: DeviceBackend, model_parts: Sequence[nn.Module],
+                 swap_times: int, *, pipeline: bool | None = None):
         self._host_caches = host_caches
+        self._backend = backend
+        self._model_parts = model_parts
+        self._swap_times = swap_times
         self._pipeline = pipeline
         self._plans: dict[int, tuple[tuple[Any, ...], list[SlicePlan]]] = {}
 
@@ -66,6 +71,7 @@ class StepPipeline:
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
+            self._host_caches.store.before_step()
             slices = self._collect_step_work(optim)
             for group in optim.param_groups:
                 advance_group_step(group)
@@ -77,7 +83,7 @@ class StepPipeline:
 
     def enabled(self) -> bool:
         """Whether the load/offload pipeline runs (else the update runs on the host cache)."""
-        return self._owner.device_backend.is_accelerator if self._pipeline is None else self._pipeline
+        return self._backend.is_accelerator if self._pipeline is None else self._pipeline
 
     def invalidate(self) -> None:
         """Forget the per-parameter plans: the host caches may have been replaced (a load)."""
@@ -85,7 +91,7 @@ class StepPipeline:
 
     def _plan_for(self, optim: Optimizer) -> list[SlicePlan]:
         """``optim``'s slices with their per-parameter facts, rebuilt when one could have changed."""
-        caches = self._owner.param_to_cpu_states_map
+        caches = self._host_caches.cpu_states
         key = (
             tuple((id(group), tuple(map(id, group["params"]))) for group in optim.param_groups),
             tuple((group_implementation(g), bool(g.get("amsgrad")), bool(g.get("differentiable")))
@@ -95,10 +101,10 @@ class StepPipeline:
         cached = self._plans.get(id(optim))
         if cached is None or cached[0] != key:
             params = [param for group in optim.param_groups for param in group["params"]]
-            sizes = [dtensor_utils.unwrap_dtensor(p).numel() * p.element_size() for p in params]
+            sizes = [unwrap_dtensor(p).numel() * p.element_size() for p in params]
             optim.param_to_group_map = groups = group_map(optim)  # type: ignore[attr-defined]
             slices = []
-            for run in plan_slices(sizes, self._owner.swap_optimizer_times):
+            for run in plan_slices(sizes, self._swap_times):
                 planned = [params[i] for i in run]
                 slices.append(plan_slice(planned, [groups[p] for p in planned], caches))
             self._plans[id(optim)] = cached = (key, slices)
@@ -129,7 +135,7 @@ class StepPipeline:
 
     def _name_of(self, param: torch.Tensor) -> str:
         """The parameter's name in its model part (for an error message)."""
-        for part in self._owner.model_parts:
+        for part in self._model_parts:
             for name, candidate in part.named_parameters(remove_duplicate=False):
                 if candidate is param:
                     return name
@@ -137,15 +143,14 @@ class StepPipeline:
 
     def _complete_host_caches(self, optim: Optimizer, pending: list[PendingSlice]) -> list[SliceWork]:
         """The work of slices on the per-parameter path, missing caches and steps added."""
-        owner = self._owner
-        caches = owner.param_to_cpu_states_map
+        caches = self._host_caches.cpu_states
         needed = [(p.params[i], p.groups[i]) for p, idx, _, _ in pending for i in idx if p.hosts[i] is None]
         missing = [(param, group) for param, group in needed if not host_cache_ready(caches.get(param), group)]
         if missing:
-            index = next(i for i, o in enumerate(owner.optimizers) if o is optim)
+            index = next(i for i, o in enumerate(self._host_caches.optimizers) if o is optim)
             group_index = {id(g): gi for gi, g in enumerate(optim.param_groups)}
             pairs = [(group_index[id(group)], param) for param, group in missing]
-            self._host_caches.install(self._host_caches.entries(index, owner.model_parts[index], optim, pairs))
+            self._host_caches.install(self._host_caches.entries(index, self._model_parts[index], optim, pairs))
         for param, group in needed:
             host = caches[param]
             if host.get(STEP_KEY) is None:
@@ -164,7 +169,7 @@ class StepPipeline:
     def _inplace_update(self, optim: Optimizer, slices: list[SliceWork]) -> None:
         """CPU: the fused kernel updates the host cache directly, slice by slice."""
         for work in slices:
-            self._owner._before_host_write(work.params)
+            self._host_caches.store.before_write(work.params)
             self._fused_update(optim, work, work.host)
 
     def _pipelined_update(self, optim: Optimizer, slices: list[SliceWork]) -> None:
@@ -173,7 +178,7 @@ class StepPipeline:
         if not slices:
             return
         load_stream, offload_stream = self._streams
-        compute = self._owner.device_backend.current_stream()
+        compute = self._backend.current_stream()
         offloaded: Any = None  # the event the previous slice's offload ends with
         try:
             upcoming = self._load_slice(slices[0], load_stream)
@@ -196,12 +201,11 @@ class StepPipeline:
     @functools.cached_property
     def _streams(self) -> tuple[Any, Any]:
         """``(load, offload)`` side streams, created on first use."""
-        backend = self._owner.device_backend
-        return backend.stream(), backend.stream()
+        return self._backend.stream(), self._backend.stream()
 
     def _load_slice(self, work: SliceWork, stream: Any) -> _LoadedSlice:
         """Enqueue H2D copies of ``work``'s host cache on ``stream``, then its ``ready`` event."""
-        backend = self._owner.device_backend
+        backend = self._backend
         device = SliceStates({key: [None] * len(work.params) for key in MOMENT_KEYS})
         # Allocated on the load stream; the compute and offload streams are recorded later.
         with backend.use_stream(stream):
@@ -220,7 +224,7 @@ class StepPipeline:
 
     def _update_slice(self, optim: Optimizer, loaded: _LoadedSlice, compute: Any) -> Any:
         """Enqueue the update of ``loaded`` on ``compute`` after its loads; return its end event."""
-        backend = self._owner.device_backend
+        backend = self._backend
         compute.wait_event(loaded.ready)
         self._fused_update(optim, loaded.work, loaded.device)
         for _, buffer in _pairs(loaded.work, loaded.device):
@@ -232,8 +236,8 @@ class StepPipeline:
     def _offload_slice(self, loaded: _LoadedSlice, updated: Any, stream: Any) -> Any:
         """Enqueue D2H copies of ``loaded`` after ``updated``; return the event they end with."""
         work, device = loaded.work, loaded.device
-        self._owner._before_host_write(work.params)
-        backend = self._owner.device_backend
+        self._host_caches.store.before_write(work.params)
+        backend = self._backend
         with backend.use_stream(stream):
             stream.wait_event(updated)
             pairs = _pairs(work, device)
@@ -253,7 +257,7 @@ class StepPipeline:
         tensors, steps = states.tensors, states.steps
         grad_scale, found_inf = getattr(optim, "grad_scale", None), getattr(optim, "found_inf", None)
         # bfloat16 moments on the CPU, where torch has no mixed-precision fused kernel.
-        upcast = getattr(self._owner, "moment_dtype", None) is not None and work.local_params[0].device.type == "cpu"
+        upcast = self._host_caches.moment_dtype is not None and work.local_params[0].device.type == "cpu"
         for group, start, end in work.runs:
             adam_update(
                 work.local_params[start:end], work.local_grads[start:end], tensors["exp_avg"][start:end],

@@ -3,13 +3,15 @@
 Importing this module patches nothing: :mod:`swap_state.client.swap_optimizer` and the custom
 config module call :func:`install_build_optimizers_wrapper` (the latter also
 :func:`install_job_hooks`). The wrapper looks up ``SwapOptimizersContainer`` and
-``original_build_optimizers`` here at call time: the seed's tests patch them.
+``_original_build_optimizers`` in :mod:`swap_state.client.swap_optimizer` at call time: the
+seed's tests patch them there.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import importlib
 import inspect
 import sys
 from collections.abc import Callable
@@ -24,7 +26,6 @@ require_line("0.2", "swap_state.client.torchtitan.glue (the custom config module
 import torchtitan.components.optimizer as _tt_optimizer  # noqa: E402
 from torchtitan.components.optimizer import OptimizersContainer  # noqa: E402
 
-from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.optim.kernels import IMPLEMENTATIONS
 from swap_state.client.torchtitan import checkpointing
 from swap_state.client.torchtitan.settings import (
@@ -43,8 +44,9 @@ def build_optimizers(model_parts: list[nn.Module], optimizer_config: Any, parall
                      ft_manager: Any = None) -> OptimizersContainer:
     """torchtitan's ``build_optimizers`` plus ``optimizer_config.swap_optimizer`` (Adam or AdamW;
     settings: :class:`SwapSettings`; optimizers-in-backward and TorchFT are not supported)."""
+    seed = importlib.import_module("swap_state.client.swap_optimizer")  # the names the seed's tests patch
     if not getattr(optimizer_config, "swap_optimizer", False):
-        return original_build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+        return seed._original_build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     name = optimizer_config.name
     optimizer_cls = SWAP_OPTIMIZER_CLASSES.get(name)
     if optimizer_cls is None:
@@ -60,7 +62,7 @@ def build_optimizers(model_parts: list[nn.Module], optimizer_config: Any, parall
     snapshot_dir = embedded_snapshot_dir(getattr(job, "dump_folder", None))
     return build_swap_container(
         model_parts, optimizer_cls, optimizer_kwargs, settings,
-        snapshot_dir=snapshot_dir, local_container_cls=SwapOptimizersContainer,
+        snapshot_dir=snapshot_dir, local_container_cls=seed.SwapOptimizersContainer,
     )  # fmt: skip
 
 

@@ -144,13 +144,14 @@ def swap_and_reference(
     pipeline: bool | None = False,
     container_cls: type[SwapOptimizersContainer] = SwapOptimizersContainer,
     seed: int = 0,
+    **container_kwargs: Any,
 ) -> tuple[SwapOptimizersContainer, nn.Module, torch.optim.Optimizer, nn.Module]:
     """A container and torch's reference on identical copies of a :class:`ParityModel`."""
     torch.manual_seed(seed)
     model = ParityModel(mesh)
     ref_model = copy.deepcopy(model)
     container = container_cls(
-        [model], optimizer_cls, dict(kwargs), times, param_groups=groups, pipeline=pipeline
+        [model], optimizer_cls, dict(kwargs), times, param_groups=groups, pipeline=pipeline, **container_kwargs
     )
     return container, model, reference_optimizer(ref_model, optimizer_cls, kwargs, groups), ref_model
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import io
-import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,9 @@ from torchtitan.components.optimizer import OptimizersContainer
 
 from swap_state.client.optim import host_cache
 from swap_state.client.optim.state_loading import StateLoader
-from swap_state.client import swap_optimizer
 from swap_state.client.swap_optimizer import SwapOptimizersContainer
+from swap_state.client.device import DeviceBackend
+from swap_state.client.optim.moment_store import PinnedHostMemory
 
 KWARGS = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 PIPELINES = [pytest.param(False, id="inplace"), pytest.param(True, id="pipelined")]
@@ -222,23 +222,22 @@ def test_load_hooks_and_single_empty_cache(monkeypatch: pytest.MonkeyPatch) -> N
     events: list[Any] = []
     snapshot: dict[torch.Tensor, torch.Tensor] = {}
 
-    class Hooked(SwapOptimizersContainer):
-        def _before_host_write(self, params: Sequence[torch.Tensor]) -> None:
+    class Recording(PinnedHostMemory):
+        def before_write(self, params: Sequence[torch.Tensor]) -> None:
             if not snapshot:
                 return  # training before the load
-            unchanged = all(
-                torch.equal(self.param_to_cpu_states_map[p]["exp_avg"], snapshot[p]) for p in params
-            )
+            unchanged = all(torch.equal(target.param_to_cpu_states_map[p]["exp_avg"], snapshot[p]) for p in params)
             events.append(("before_host_write", len(params), unchanged))
 
-        def _after_load_state_dict(self) -> None:
+        def after_load(self) -> None:
             events.append(("after_load",))
 
-    target, model, _, _ = swap_and_reference(torch.optim.AdamW, KWARGS, container_cls=Hooked, seed=1)
+    backend = DeviceBackend("cpu")
+    target, model, _, _ = swap_and_reference(torch.optim.AdamW, KWARGS, seed=1, device_backend=backend,
+                                             store=Recording(backend))
     train(model, target, range(1), seed=7)
     snapshot.update({p: target.param_to_cpu_states_map[p]["exp_avg"].clone() for p in model.parameters()})
-    device = types.SimpleNamespace(empty_cache=lambda: events.append(("empty_cache",)))
-    monkeypatch.setattr(swap_optimizer, "get_torch_device", lambda: device)
+    monkeypatch.setattr(backend, "empty_cache", lambda: events.append(("empty_cache",)))
     hosts_before = {p: dict(h) for p, h in target.param_to_cpu_states_map.items()}
     target.load_state_dict(checkpoint)
     n_params = len(list(model.parameters()))

@@ -22,6 +22,8 @@ from _swap_testing import (
 from torchtitan.config import Optimizer as OptimizerConfig
 
 from swap_state.client import swap_optimizer
+from swap_state.client.device import DeviceBackend
+from swap_state.client.optim.moment_store import PinnedHostMemory
 from swap_state.client.swap_optimizer import (
     STEP_DTYPE,
     STEP_KEY,
@@ -49,10 +51,8 @@ def test_state_maps_are_per_instance() -> None:
     assert set(first.param_to_cpu_states_map) == set(first_model.parameters())
     assert set(second.param_to_device_states_map) == set(second_model.parameters())
     assert class_cpu == class_cpu_before and class_device == class_device_before
-    # through an instance, helpers see its maps; through the class, the class's
+    # the seed's helper, called on the class, reads the class's map (a built container's are its own)
     param = next(first_model.parameters())
-    value = first._state_value_for_state_dict(param, {}, "exp_avg")
-    assert value.data_ptr() == first.param_to_cpu_states_map[param]["exp_avg"].data_ptr()
     with pytest.raises(RuntimeError, match="without CPU cache"):
         SwapOptimizersContainer._state_value_for_state_dict(
             param, first.optimizers[0].state[param], "exp_avg"
@@ -196,12 +196,13 @@ def test_non_contiguous_parameter_is_rejected() -> None:
         SwapOptimizersContainer([model], torch.optim.AdamW, dict(KWARGS), 2)
 
 
-class FlatArenaContainer(SwapOptimizersContainer):
+class FlatArenaStore(PinnedHostMemory):
     """Host cache carved from one flat buffer, as a shared-memory segment would be."""
 
-    def _allocate_host_cache(
-        self, entries: Sequence[HostCacheEntry]
-    ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+    def __init__(self) -> None:
+        super().__init__(DeviceBackend("cpu"))
+
+    def allocate(self, entries: Sequence[HostCacheEntry], optimizers: Any) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         self.entries = list(entries)
         total = sum(len(e.keys) * e.shape.numel() + 1 for e in entries)
         self.arena = torch.zeros(total, dtype=torch.float32)
@@ -219,11 +220,12 @@ class FlatArenaContainer(SwapOptimizersContainer):
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["inplace", "pipelined"])
-def test_subclass_host_cache_is_used_in_place(pipeline: bool) -> None:
+def test_a_stores_host_cache_is_used_in_place(pipeline: bool) -> None:
+    store = FlatArenaStore()
     container, model, ref, ref_model = swap_and_reference(
-        torch.optim.AdamW, {**KWARGS, "amsgrad": True}, pipeline=pipeline, container_cls=FlatArenaContainer
+        torch.optim.AdamW, {**KWARGS, "amsgrad": True}, pipeline=pipeline, store=store
     )
-    entries = container.entries  # type: ignore[attr-defined]
+    entries = store.entries
     order = [p for g in container.optimizers[0].param_groups for p in g["params"]]
     assert [e.param for e in entries] == order
     assert entries[0].fqn == "embedding.weight" and entries[0].keys == (
@@ -235,23 +237,22 @@ def test_subclass_host_cache_is_used_in_place(pipeline: bool) -> None:
     train(model, container, range(10))
     train(ref_model, ref, range(10))
     assert_matches_reference(container, model, ref, ref_model)
-    arena = container.arena  # type: ignore[attr-defined]
+    arena = store.arena
     for host in container.param_to_cpu_states_map.values():
         for tensor in host.values():
             assert tensor is None or tensor.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
 
 
-def test_bad_host_cache_from_subclass_names_the_parameter() -> None:
-    class Wrong(SwapOptimizersContainer):
-        def _allocate_host_cache(
-            self, entries: Sequence[HostCacheEntry]
-        ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
-            cache = super()._allocate_host_cache(entries)
+def test_a_bad_host_cache_from_a_store_names_the_parameter() -> None:
+    class Wrong(PinnedHostMemory):
+        def allocate(self, entries: Sequence[HostCacheEntry], optimizers: Any) -> dict[torch.Tensor, Any]:
+            cache = super().allocate(entries, optimizers)
             cache[entries[-1].param]["exp_avg_sq"] = torch.zeros(1)
             return cache
 
     with pytest.raises(ValueError, match=r"'1\.bias'\.exp_avg_sq"):
-        Wrong([nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))], torch.optim.AdamW, dict(KWARGS), 2)
+        SwapOptimizersContainer([nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))], torch.optim.AdamW, dict(KWARGS),
+                                2, store=Wrong(DeviceBackend("cpu")))
 
 
 def _config(**overrides: Any) -> OptimizerConfig:

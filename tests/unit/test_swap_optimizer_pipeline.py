@@ -20,7 +20,8 @@ from _swap_testing import apply_grads, make_grads
 
 from swap_state.client.optim.kernels import plan_slices
 from swap_state.client.device import DeviceBackend
-from swap_state.client.swap_optimizer import SwapOptimizersContainer
+from swap_state.client.optim.container import SwapOptimizersContainer
+from swap_state.client.optim.moment_store import PinnedHostMemory
 
 
 class _Event:
@@ -91,33 +92,37 @@ class RecordingBackend(DeviceBackend):
         super().copy_to_host(dst, src)
 
 
-class HookedContainer(SwapOptimizersContainer):
-    """Logs its hooks into the backend's log and checks the host bytes are still old."""
+class RecordingStore(PinnedHostMemory):
+    """Logs the store's calls into the backend's log and checks the host bytes are still old."""
 
-    def _before_host_write(self, params: Sequence[torch.Tensor]) -> None:
-        log = self.device_backend.log  # type: ignore[attr-defined]
-        log.append(("before_host_write", tuple(self.names[p] for p in params)))
+    def __init__(self, backend: RecordingBackend):
+        super().__init__(backend)
+        self.log = backend.log
+        self.names: dict[torch.Tensor, str] = {}
+        self.expected_host: dict[torch.Tensor, torch.Tensor] = {}
+        self.caches: dict[torch.Tensor, Any] = {}
+
+    def before_write(self, params: Sequence[torch.Tensor]) -> None:
+        self.log.append(("before_host_write", tuple(self.names[p] for p in params)))
         for param in params:
             expected = self.expected_host.get(param)
             if expected is not None:
-                assert torch.equal(self.param_to_cpu_states_map[param]["exp_avg"], expected), (
-                    "host written before hook"
-                )
+                assert torch.equal(self.caches[param]["exp_avg"], expected), "host written before hook"
 
-    def _after_step(self) -> None:
-        self.device_backend.log.append(("after_step",))  # type: ignore[attr-defined]
+    def after_step(self) -> None:
+        self.log.append(("after_step",))
 
-    def log_updates(self) -> None:
-        """Log each fused update of the container's step pipeline (its part that runs them)."""
-        steps = self._steps
-        fused_update = steps._fused_update
 
-        def logged(optim: Any, work: Any, states: Any) -> None:
-            log = self.device_backend.log  # type: ignore[attr-defined]
-            log.append(("update", tuple(self.names[p] for p in work.params)))
-            fused_update(optim, work, states)
+def log_updates(container: SwapOptimizersContainer, store: RecordingStore) -> None:
+    """Log each fused update of the container's step pipeline (its part that runs them)."""
+    steps = container._steps
+    fused_update = steps._fused_update
 
-        steps._fused_update = logged  # type: ignore[method-assign]
+    def logged(optim: Any, work: Any, states: Any) -> None:
+        store.log.append(("update", tuple(store.names[p] for p in work.params)))
+        fused_update(optim, work, states)
+
+    steps._fused_update = logged  # type: ignore[method-assign]
 
 
 def _model() -> nn.Module:
@@ -125,21 +130,22 @@ def _model() -> nn.Module:
     return nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(6)])
 
 
-def _container(pipeline: bool, times: int = 3) -> tuple[HookedContainer, nn.Module, RecordingBackend]:
+def _container(pipeline: bool, times: int = 3) -> tuple[SwapOptimizersContainer, nn.Module, RecordingBackend]:
     backend = RecordingBackend()
+    store = RecordingStore(backend)
     model = _model()
-    container = HookedContainer(
-        [model], torch.optim.AdamW, {"lr": 1e-2}, times, device_backend=backend, pipeline=pipeline
+    container = SwapOptimizersContainer(
+        [model], torch.optim.AdamW, {"lr": 1e-2}, times, device_backend=backend, pipeline=pipeline, store=store
     )
-    container.names = {p: n for n, p in model.named_parameters()}  # type: ignore[attr-defined]
-    container.expected_host = {}  # type: ignore[attr-defined]
-    container.log_updates()
+    store.names = {p: n for n, p in model.named_parameters()}
+    store.caches = container.param_to_cpu_states_map
+    log_updates(container, store)
     return container, model, backend
 
 
-def _step(container: HookedContainer, model: nn.Module, step: int) -> None:
+def _step(container: SwapOptimizersContainer, model: nn.Module, step: int) -> None:
     apply_grads(model, make_grads(model, step))
-    container.expected_host = {  # type: ignore[attr-defined]
+    container.store.expected_host = {  # type: ignore[attr-defined]
         p: container.param_to_cpu_states_map[p]["exp_avg"].clone() for p in model.parameters()
     }
     container.step()
