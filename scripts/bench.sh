@@ -9,5 +9,5 @@ bash scripts/setup.sh
 # The plot's matplotlib is the optional `bench` extra.
 .venv/bin/python -c "import matplotlib" 2>/dev/null \
   || .venv/bin/python -m pip install -q --disable-pip-version-check \
-       -c .venv/torch-constraint.txt -e ".[client,dev,bench]" 2>&1 | { grep -v "is ignored" || true; }
+       -c .venv/torch-constraint.txt -e ".[client,torchtitan,dev,bench]" 2>&1 | { grep -v "is ignored" || true; }
 exec .venv/bin/python -m bench "$@"

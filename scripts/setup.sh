@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs swap-state with its client and dev extras.
+# Creates .venv and installs swap-state with its client, torchtitan and dev extras.
 # torch is installed first, pinned, so nothing later can resolve a newer (CUDA, multi-GB) build.
 # Idempotent: a second run only reinstalls when pyproject.toml changed.
 set -euo pipefail
@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="${SWAP_STATE_TORCH_VERSION:-2.13.0}"
 VENV="${SWAP_STATE_VENV:-.venv}"
-# The torchtitan line this venv gets (the client extra admits 0.2 and 0.3; a venv holds one).
+# The torchtitan line this venv gets (the torchtitan extra admits 0.2 and 0.3; a venv holds one).
 # scripts/test.sh builds a second venv with 0.3 for its trainer tests (tests/torchtitan03).
 TORCHTITAN="${SWAP_STATE_TORCHTITAN:-torchtitan>=0.2,<0.3}"
 
@@ -32,7 +32,7 @@ pip_install "torch==$TORCH_VERSION"
 # The constraint keeps every later resolution on the torch just installed.
 constraint="$VENV/torch-constraint.txt"
 printf '%s\n' "torch==$TORCH_VERSION" "$TORCHTITAN" > "$constraint"
-say "installing swap-state with its client and dev extras ($TORCHTITAN; one to two minutes)"
-pip_install -c "$constraint" -e ".[client,dev]"
+say "installing swap-state with its client, torchtitan and dev extras ($TORCHTITAN; one to two minutes)"
+pip_install -c "$constraint" -e ".[client,torchtitan,dev]"
 echo "$want" > "$stamp"
 say "done"

@@ -54,18 +54,14 @@ def test_a_mixin_is_found():
     assert classes_with_several_project_bases({REPO / "x.py": tree}) == ["x.py: C(A, B)"]
 
 
-#: The in-process container's hooks (its docstring): a part calls them on the container.
-CONTAINER_HOOKS = {"_allocate_host_cache", "_before_host_write", "_after_step", "_after_load_state_dict"}
-
-
 def reach_ins(trees: dict[pathlib.Path, ast.Module]) -> list[str]:
     """``self.<part>.<_private>``: an object reaching into the private fields of an object it
-    holds (or of the one holding it), other than the container's documented hooks."""
+    holds (or of the one holding it)."""
     found = []
     for path, tree in trees.items():
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                    and node.attr not in CONTAINER_HOOKS and isinstance(node.value, ast.Attribute)
+                    and isinstance(node.value, ast.Attribute)
                     and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
     return found
@@ -77,7 +73,28 @@ def test_no_object_reaches_into_another():
 
 def test_a_reach_in_is_found():
     tree = ast.parse("class A:\n    def f(self):\n        return self._c._views, self._c.views, self._c._after_step\n")
-    assert reach_ins({REPO / "x.py": tree}) == ["x.py:3: self._c._views"]
+    assert reach_ins({REPO / "x.py": tree}) == ["x.py:3: self._c._views", "x.py:3: self._c._after_step"]
+
+
+def owner_references(trees: dict[pathlib.Path, ast.Module]) -> list[str]:
+    """A name or attribute ``owner``/``_owner``: a part holding the object that holds it."""
+    found = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", getattr(node, "arg", None))
+            if name in ("owner", "_owner"):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {name}")
+    return found
+
+
+def test_no_part_of_the_swap_optimizer_holds_its_owner():
+    trees = {path: tree for path, tree in _modules().items() if path.parent == REPO / "client" / "optim"}
+    assert trees and owner_references(trees) == []
+
+
+def test_an_owner_reference_is_found():
+    tree = ast.parse("class A:\n    def __init__(self, owner):\n        self._owner = owner\n")
+    assert owner_references({REPO / "x.py": tree}) == ["x.py:2: owner", "x.py:3: _owner", "x.py:3: owner"]
 
 
 def lengths() -> list[tuple[str, int, int]]:

@@ -424,7 +424,7 @@ def test_metadata_base_goes_once_and_a_server_that_lost_it_gets_it_again(start_s
     model = build_wide(W)
     container = remote(W, model, server.address, "parts")
     train(model, container, W, range(1, 3))
-    ident, base, delta = container._metadata.parts(container.segment.views[PARAM_STEPS])
+    ident, base, delta = container.store.metadata.parts(container.segment.views[PARAM_STEPS])
     tensors = container.segment.mapping.tensors
     assert parse_delta(delta, parse_base(base, tensors)).expand().raw == container.snapshot_metadata()
     sent = []
@@ -448,7 +448,7 @@ def test_metadata_base_goes_once_and_a_server_that_lost_it_gets_it_again(start_s
         real(3, metadata_base_id="0" * 32, metadata_delta_json=delta)
     # A base the server never saw (as after its restart): refused once, then sent along.
     other = json.dumps(json.loads(base), indent=1)  # the same base, another text and digest
-    container._metadata._base = (base_id(other), other)
+    container.store.metadata._base = (base_id(other), other)
     sent.clear()
     train(model, container, W, range(4, 5))
     third = container.snapshot().wait_durable(timeout_s=60)
