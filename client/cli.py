@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import pathlib
 import re
 import sys
 
+from swap_state.client.remote.environment import server_from_env
 from swap_state.common.addresses import default_listen
 from swap_state.common.errors import ConfigError, InvalidArgument, SwapStateError
 from swap_state.common.names import parse_snapshot_id
@@ -32,7 +32,7 @@ __all__ = ["main", "build_parser", "run_export"]
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", default=os.environ.get("SWAP_STATE_SERVER") or default_listen(),
+    parser.add_argument("--server", default=server_from_env() or default_listen(),
                         help="server address: unix:///path/to.sock or tcp://host:port (default: $SWAP_STATE_SERVER, "
                         f"else the server's own default, {default_listen()})")
     parser.add_argument("--token-file", default=None, help="file holding the server's --token-file secret")

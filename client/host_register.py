@@ -247,7 +247,7 @@ def registered_host_buffer(nbytes: int, register: Callable[[int, int], Any],
 # (:func:`needs_bounce`); where its copies are not asynchronous, copies from it go through a
 # :class:`BounceRing` of pinned buffers.
 
-_bounce_log = logging.getLogger("swap_state.client.host_bounce")  # the name its warnings have
+_bounce_log = logging.getLogger(__name__)
 
 #: The bounce ring: slots x bytes of pinned memory (the host stages a few pieces ahead).
 BOUNCE_SLOTS = 4

@@ -114,7 +114,9 @@ class SwapStateServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CommitStep(self, request, context):
-        """Marks a step whose moments are completely written into the segment (O(1) per step).
+        """Marks a step whose moments are completely written into the segment. A trainer commits
+        through its header words instead (no RPC per step); this is for a client that does not
+        map the segment (admin tools, test kits driving the server by hand).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

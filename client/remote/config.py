@@ -6,6 +6,7 @@ Without an address: the host's server at the default socket, else a private embe
 from __future__ import annotations
 
 import dataclasses
+import enum
 import glob
 import logging
 import os
@@ -21,19 +22,18 @@ from swap_state.client.optim.dtensor_utils import unwrap_dtensor
 from swap_state.client.remote.model_area import model_state_bytes
 from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig, default_snapshot_dir
 from swap_state.client.errors import ServerUnavailableError
+from swap_state.client.remote.environment import (
+    ENV_JOB_ID, ENV_SERVER, ENV_TOKEN_FILE, job_id_from_env, server_from_env, token_file_from_env)
 from swap_state.client.remote.rpc import SERVER_UID_ENV, ClientConfig, RemoteSession, SwapStateClient, tls_files
 from swap_state.common.addresses import default_socket_path
 
 __all__ = [
-    "ENV_JOB_ID", "ENV_SERVER", "ENV_TOKEN_FILE", "RemoteConfig", "connect",
+    "CheckpointMode", "ENV_JOB_ID", "ENV_SERVER", "ENV_TOKEN_FILE", "RemoteConfig", "connect",
     "embedded_config_for", "embedded_world_size_hint", "host_server", "resolve_config", "snapshots_model"]
 
-ENV_SERVER = "SWAP_STATE_SERVER"
-ENV_JOB_ID = "SWAP_STATE_JOB_ID"
-ENV_TOKEN_FILE = "SWAP_STATE_TOKEN_FILE"
 HOST_SERVER_PROBE_S = 2.0  # how long the trainer asks the default socket whether a server answers
 
-log = logging.getLogger("swap_state.client.remote_container")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -81,12 +81,21 @@ class RemoteConfig:
     """This job's snapshots the server must keep (0: all); None: the server's --keep-latest alone."""
 
 
-CHECKPOINT_MODES: tuple[str, ...] = ("full", "snapshot")
+class CheckpointMode(str, enum.Enum):
+    """``RemoteConfig.checkpoint``: what ``state_dict()`` returns (a member equals its string)."""
+
+    FULL = "full"
+    """The seed's flat dict with the moments."""
+    SNAPSHOT = "snapshot"
+    """A reference to a server-side snapshot, plus param groups and steps."""
+
+
+CHECKPOINT_MODES: tuple[str, ...] = tuple(mode.value for mode in CheckpointMode)
 
 
 def snapshots_model(config: RemoteConfig) -> bool:
     """Whether the segment holds the model too (``RemoteConfig.snapshot_model``)."""
-    return config.checkpoint == "snapshot" if config.snapshot_model is None else bool(config.snapshot_model)
+    return config.checkpoint == CheckpointMode.SNAPSHOT if config.snapshot_model is None else bool(config.snapshot_model)
 
 
 def snapshot_retention(config: RemoteConfig) -> dict[str, Any]:
@@ -122,8 +131,8 @@ def resolve_config(config: RemoteConfig | None, server: str | None, job_id: str 
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
         raise ValueError(f"RemoteConfig.snapshot_keep_latest must be None or an integer >= 0 (0: keep all), "
                          f"got {keep!r}")
-    config.server = server or config.server or os.environ.get(ENV_SERVER) or None
-    config.job_id = job_id or config.job_id or os.environ.get(ENV_JOB_ID) or None
+    config.server = server or config.server or server_from_env()
+    config.job_id = job_id or config.job_id or job_id_from_env()
     return config
 
 
@@ -153,7 +162,7 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
     if config.job_id is None:
         config.job_id = f"job-{uuid.uuid4().hex[:12]}"
     local_world_size = _resolve_local_world_size(config, world_size, embedded is not None)
-    token, token_file = config.token, os.environ.get(ENV_TOKEN_FILE)
+    token, token_file = config.token, token_file_from_env()
     if token is None and token_file:
         with open(token_file) as f:
             token = f.read().strip()

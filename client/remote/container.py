@@ -33,7 +33,7 @@ from swap_state.client.optim.checkpoint_template import SNAPSHOT_JOB_KEY, SNAPSH
 from swap_state.client.optim.container import SwapOptimizersContainer
 from swap_state.client.optim.host_cache import STEP_KEY
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
-from swap_state.client.remote.config import RemoteConfig, follow_checkpoint_retention, resolve_config
+from swap_state.client.remote.config import CheckpointMode, RemoteConfig, follow_checkpoint_retention, resolve_config
 from swap_state.client.remote.remote_segment import GROUP_STEPS, PARAM_STEPS, RemoteSegment
 from swap_state.client.remote.rpc import SnapshotHandle
 from swap_state.client.remote.segment_store import SegmentStore
@@ -121,7 +121,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         announced the checkpoint's keys, that checkpoint's template (no snapshot taken)."""
         held = self._loading_keys
         template = held is not None and holds_snapshot_reference(held)  # no snapshot taken
-        if not template and (held is not None or self.remote_config.checkpoint != "snapshot"):
+        if not template and (held is not None or self.remote_config.checkpoint != CheckpointMode.SNAPSHOT):
             # DCP loads into the template's views: no write under a snapshot still reading them.
             self.segment.wait_released("state_dict()")
             return super().state_dict()  # matched to the checkpoint's keys while loading
@@ -152,7 +152,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
     @property
     def whole_state_checkpoints(self) -> bool:
         """Whether a checkpoint's model entry may be a reference too (snapshot mode, whole state)."""
-        return self.snapshots_model and self.remote_config.checkpoint == "snapshot"
+        return self.snapshots_model and self.remote_config.checkpoint == CheckpointMode.SNAPSHOT
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """A snapshot reference is restored on the server; a full dict takes the seed's validated load."""

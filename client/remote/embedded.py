@@ -35,7 +35,7 @@ DEFAULT_SHM_SIZE_BYTES = 256 << 20  # a server started on its own (a container s
 #: Quick deaths in a row after which the watchdog stops restarting (the server cannot run here).
 CRASH_LOOP = 3
 QUICK_DEATH_S = 10.0
-log = logging.getLogger("swap_state.client.embedded")  # the name users configure
+log = logging.getLogger(__name__)
 
 
 def default_snapshot_dir() -> str:

@@ -47,7 +47,7 @@ from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX
 __all__ = [
     "GROUP_STEPS", "PARAM_STEPS", "SAMPLES_PER_TENSOR", "UNKNOWN", "ParamFingerprint", "RemoteSegment", "sample_stride"]
 
-log = logging.getLogger("swap_state.client.remote_container")
+log = logging.getLogger(__name__)
 
 #: Segment tensors beside the moments: every parameter's step, every param group's step.
 PARAM_STEPS = BOOKKEEPING_PREFIX + "param_steps"

@@ -45,7 +45,7 @@ __all__ = [
     "ClientConfig", "SwapStateError", "ServerUnavailableError", "SessionLostError", "SwapStateClient",
     "RemoteSession", "SnapshotHandle", "normalize_target", "start_hint", "tls_files"]
 
-log = logging.getLogger("swap_state.client.rpc")  # the name users configure
+log = logging.getLogger(__name__)
 
 def start_hint(address: str, shm_dir: str = "/dev/shm") -> str:
     """How to start a server at ``address`` here: a ``--shm-size`` that fits ``shm_dir``, and
@@ -473,8 +473,9 @@ class RemoteSession:
         return reply
 
     def commit(self, step: int) -> int:
-        """Commit ``step`` (its writes are complete): header words when bound, else an RPC;
-        refused when another trainer took the segment over."""
+        """Commit ``step`` (its writes are complete); refused when another trainer took the
+        segment over. A trainer's segment is mapped: header words, no RPC. The CommitStep RPC
+        is for a session whose segment this process does not map (admin tools, test kits)."""
         self.check_alive()
         header = self.header
         if header is None:

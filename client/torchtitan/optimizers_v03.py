@@ -21,13 +21,14 @@ from torchtitan.components.optimizer.utils import (
 )
 
 from swap_state.client.optim.container import UnswappedOptimizers
+from swap_state.client.remote.config import CheckpointMode
 from swap_state.client.torchtitan.settings import (
     SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, embedded_snapshot_dir,
 )
 
 __all__ = ["BF16_MOMENTS", "SwapStateOptimizersContainer", "build_swap_optimizers"]
 
-logger = logging.getLogger("swap_state.client.torchtitan")
+logger = logging.getLogger(__name__)
 
 _NOT_TORCH_GROUP_KEYS = ("params", "param_names")
 #: torchtitan's implementation with bfloat16 Adam moments of fp32 parameters (fused kernel).
@@ -61,7 +62,7 @@ def build_swap_optimizers(config: Any, *, model_parts: list[nn.Module]) -> Optim
     settings = SwapSettings.of(config)
     partitions = {id(model): _Partition.of(config, index, model) for index, model in enumerate(model_parts)}
     unswapped = [optimizer for partition in partitions.values() for optimizer in partition.unswapped]
-    if unswapped and settings.swap_state_checkpoint == "snapshot":
+    if unswapped and settings.swap_state_checkpoint == CheckpointMode.SNAPSHOT:
         others = ", ".join(other for partition in partitions.values() for other in partition.others)
         raise NotImplementedError(
             f"optimizer.swap_state_checkpoint = 'snapshot' keeps the whole state in swap-state's "

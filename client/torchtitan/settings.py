@@ -8,6 +8,7 @@ a setting means the same on both lines and is checked in one place. No torchtita
 # No "from __future__ import annotations": torchtitan 0.2 merges the [optimizer] dataclass by its
 # fields' types, which must be real classes, not strings.
 import dataclasses
+import enum
 import os
 import uuid
 from collections.abc import Callable
@@ -19,15 +20,23 @@ import torch.nn as nn
 
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
 # ``optimizer.swap_state_checkpoint`` values: the remote container's checkpoint modes.
-from swap_state.client.remote.config import CHECKPOINT_MODES, ENV_JOB_ID, RemoteConfig
+from swap_state.client.remote.config import CHECKPOINT_MODES, CheckpointMode, RemoteConfig
+from swap_state.client.remote.environment import job_id_from_env
 
 __all__ = [
-    "BACKENDS", "CHECKPOINT_MODES", "SNAPSHOT_SUBDIR", "SWAP_OPTIMIZER_CLASSES", "SwapSettings",
+    "BACKENDS", "CHECKPOINT_MODES", "Backend", "SNAPSHOT_SUBDIR", "SWAP_OPTIMIZER_CLASSES", "SwapSettings",
     "build_swap_container", "check_choice", "embedded_snapshot_dir", "shared_job_id", "snapshots_to_keep",
 ]
 
 #: ``optimizer.swap_optimizer_backend`` values.
-BACKENDS: tuple[str, ...] = ("local", "remote")
+class Backend(str, enum.Enum):
+    """``optimizer.swap_optimizer_backend``: where the moments live (a member equals its string)."""
+
+    LOCAL = "local"
+    REMOTE = "remote"
+
+
+BACKENDS: tuple[str, ...] = tuple(backend.value for backend in Backend)
 #: The optimizers whose moments swap-state keeps, by torchtitan's names for them.
 SWAP_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "Adam": torch.optim.Adam,
@@ -83,7 +92,7 @@ class SwapSettings:
         times = self.swap_optimizer_times
         if isinstance(times, bool) or not isinstance(times, int) or times < 1:
             raise ValueError(f"optimizer.swap_optimizer_times must be an integer >= 1, got {times!r}")
-        if self.swap_optimizer_backend == "local" and self.swap_state_checkpoint != "full":
+        if self.swap_optimizer_backend == Backend.LOCAL and self.swap_state_checkpoint != CheckpointMode.FULL:
             raise ValueError(f"optimizer.swap_state_checkpoint = {self.swap_state_checkpoint!r} needs a swap-state "
                              "server: set optimizer.swap_optimizer_backend = 'remote' (the 'local' backend "
                              "checkpoints 'full')")
@@ -110,7 +119,7 @@ def embedded_snapshot_dir(dump_folder: str | None) -> str | None:
 
 def shared_job_id(configured: str) -> str:
     """The configured id, else $SWAP_STATE_JOB_ID, else one chosen by rank 0 and broadcast."""
-    job_id = configured or os.environ.get(ENV_JOB_ID, "")
+    job_id = configured or job_id_from_env()
     if job_id:
         return job_id
     candidate = [f"job-{uuid.uuid4().hex[:12]}"]
@@ -129,7 +138,7 @@ def build_swap_container(model_parts: list[nn.Module], optimizer_cls: type[torch
     # Only what is set: the seed's tests patch in containers that take none of these.
     given = {"param_groups": param_groups, "moment_dtype": moment_dtype, "unswapped": unswapped}
     extra = {name: value for name, value in given.items() if value is not None}
-    if settings.swap_optimizer_backend == "local":
+    if settings.swap_optimizer_backend == Backend.LOCAL:
         from swap_state.client.optim.container import SwapOptimizersContainer
 
         container_cls = local_container_cls or SwapOptimizersContainer

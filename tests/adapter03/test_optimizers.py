@@ -116,7 +116,7 @@ OTHER = [ParamGroupConfig(pattern=r"\.bias$", optimizer_name="SGD", optimizer_kw
 def test_groups_of_other_optimizers_are_left_to_torchtitan_and_checkpointed_beside(build_swap, caplog):
     plain_model, swap_model = _model(), _model()
     plain = OptimizersContainer.Config(param_groups=OTHER).build(model_parts=[plain_model])
-    with caplog.at_level("INFO", logger="swap_state.client.torchtitan"):
+    with caplog.at_level("INFO", logger="swap_state.client"):
         swap = build_swap(swap_model, param_groups=OTHER)
     assert "leaves param groups SGD [\\.bias$]" in caplog.text
     assert [type(o).__name__ for o in swap] == ["AdamW", "SGD"]  # what LR schedulers iterate

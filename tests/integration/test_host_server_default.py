@@ -44,7 +44,7 @@ def host_server_process(no_server_env, private_shm_dir, tmp_path):
 def test_a_trainer_with_no_address_uses_the_hosts_server_at_the_default_socket(host_server_process, caplog):
     w = Workload()
     model = build(w)
-    with caplog.at_level(logging.INFO, logger="swap_state.client.remote_container"):
+    with caplog.at_level(logging.INFO, logger="swap_state.client"):
         container = remote(w, model, None, "found-by-default")
     sizing = [r.getMessage() for r in caplog.records if "swap-state segment of job found-by-default" in r.getMessage()]
     assert len(sizing) == 1 and "parameters: moments" in sizing[0] and "--shm-size" in sizing[0], sizing
@@ -64,7 +64,7 @@ def test_without_a_hosts_server_a_multi_rank_job_warns_once_and_starts_private_s
     stale.write_text("")  # not a socket: nothing answers there
     w = Workload()
     model = build(w)
-    with caplog.at_level(logging.WARNING, logger="swap_state.client.remote_container"):
+    with caplog.at_level(logging.WARNING, logger="swap_state.client"):
         rank0 = remote(w, model, None, "private", rank=0, world_size=2)
         rank1 = remote(w, build(w), None, "private", rank=1, world_size=2)
     try:

@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 W = Workload()
 LLAMA3_8B_MLP = (14336, 4096)
 QWEN25_7B_EMBEDDING = (152064, 3584)
-REMOTE_LOGGER = "swap_state.client.remote_container"
+REMOTE_LOGGER = "swap_state.client"
 
 
 class MlpNet(nn.Module):

@@ -33,7 +33,7 @@ def test_a_rerun_from_fresh_weights_drops_the_kept_state(server, caplog):
     model = build(w)  # fresh weights, same seed: a rerun with nothing to load
     second = remote(w, model, server.address, "rerun")
     assert second.resumed_step == 5
-    with caplog.at_level(logging.WARNING, logger="swap_state.client.remote_container"):
+    with caplog.at_level(logging.WARNING, logger="swap_state.client"):
         train(model, second, w, range(1, 6))
     assert reference_mismatches(model, second, w, steps=5) == []
     assert "dropping the swap-state optimizer state kept for job rerun rank 0 at step 5" in caplog.text
@@ -53,7 +53,7 @@ def test_a_reattach_with_the_kept_steps_parameters_keeps_the_state(server, caplo
     model2 = build(w)
     model2.load_state_dict(params_at_3)
     second = remote(w, model2, server.address, "resume")
-    with caplog.at_level(logging.WARNING, logger="swap_state.client.remote_container"):
+    with caplog.at_level(logging.WARNING, logger="swap_state.client"):
         train(model2, second, w, range(4, 11))
     assert "dropping" not in caplog.text
     assert reference_mismatches(model2, second, w) == []

@@ -145,7 +145,7 @@ def test_a_container_after_the_grace_period_logs_why_it_starts_fresh(start_serve
         _wait_for(lambda: not client.stats().sessions, "the session freed after --grace")
     finally:
         client.close()
-    with caplog.at_level(logging.INFO, logger="swap_state.client.remote_container"):
+    with caplog.at_level(logging.INFO, logger="swap_state.client"):
         second = remote(w, build(w), server.address, "expired")
     assert second.resumed_step is None
     assert "(reason=grace_expired)" in second.session.previous_session

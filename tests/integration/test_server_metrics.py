@@ -45,4 +45,6 @@ def test_metrics_count_steps_and_snapshots(start_server):
     assert metrics["swap_state_snapshot_bytes_total"] > 0
     assert "swap_state_snapshot_backpressure_waits_total" in metrics
     assert metrics["swap_state_steps_committed_total"] == 3
+    # The trainer committed those steps through its header words: no CommitStep RPC per step.
+    assert not [name for name, value in metrics.items() if 'method="CommitStep"' in name and value]
     container.close()

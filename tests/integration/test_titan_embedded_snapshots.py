@@ -33,7 +33,7 @@ def test_snapshots_of_an_embedded_server_outlive_it(no_server_env, private_shm_d
     assert first.segment.embedded.snapshot_dir == str(snapshots)
     train(model, first, W, range(1, 6))
     params_at_5 = params_copy(model)
-    with caplog.at_level(logging.INFO, logger="swap_state.client.remote_container"):
+    with caplog.at_level(logging.INFO, logger="swap_state.client"):
         saved = first.state_dict()
         first.segment.snapshot_handle.wait_durable(timeout_s=60)
     assert saved[SNAPSHOT_REF_KEY] == "lasting/step-5"

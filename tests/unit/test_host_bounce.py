@@ -146,7 +146,7 @@ def test_synchronous_registration_bounces_with_one_warning(
     backend = SyncingBackend(synchronizing=True)
     second = mmap.mmap(-1, PAGE_SIZE)
     second_ptr = torch.frombuffer(second, dtype=torch.uint8).data_ptr()
-    with caplog.at_level(logging.WARNING, logger="swap_state.client.host_bounce"):
+    with caplog.at_level(logging.WARNING, logger="swap_state.client"):
         backend.register_host_memory(region[1], 4 * PAGE_SIZE)
         backend.register_host_memory(second_ptr, PAGE_SIZE)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
