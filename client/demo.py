@@ -278,7 +278,6 @@ def run(cfg: DemoConfig) -> dict:
     from swap_state.client.remote.container import RemoteSwapOptimizersContainer
 
     token = open(cfg.token_file).read().strip() if cfg.token_file else None
-    reference_digest, plain_times = reference_run(cfg)
     model = build_model(cfg)
     # A scratch folder of a demo killed on purpose (--crash-after-step) is swept by the next.
     scratch = make_scratch_dir("swap-state-demo-")
@@ -299,6 +298,8 @@ def run(cfg: DemoConfig) -> dict:
         if container.segment.embedded is not None:
             where += " (a private server started for this demo)"
         print(f"swap-state-server: {where}")
+        # After the attach: a wrong address fails before a second is spent on the reference.
+        reference_digest, plain_times = reference_run(cfg)
         store = ModelStore(cfg.state_dir)
         start_step, source = _resume(container, cfg, model, store)
         _check_steps_left(cfg, start_step, source)

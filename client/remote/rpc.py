@@ -75,7 +75,10 @@ RIDES_THROUGH = frozenset({"Snapshot", "SnapshotStatus", "ListSnapshots", "Stats
 #: A detach that fails costs nothing but memory until the server's --grace: a trainer exiting
 #: while its server is gone for good waits this long at most, not server_wait_s.
 DETACH_WAIT_S = 5.0
-SOCKET_APPEAR_S = 3.0  # how long a missing unix socket may take to appear (a server just started)
+#: How long a missing unix socket may take to appear (a server started just before the trainer;
+#: a server in another container is waited for by its health check, not by this): short, so
+#: that a wrong path fails within seconds of the trainer's start.
+SOCKET_APPEAR_S = 1.0
 SERVER_UID_ENV = "SWAP_STATE_SERVER_UID"  # the environment's ClientConfig.server_uid
 _POLLER_SETTLE_S = 0.25
 # grpc's channel backoff (2 min by default) and the keep-alive's stay short: a restarted

@@ -114,3 +114,18 @@ def test_every_flag_explains_itself_and_step_seconds_parses():
     undocumented = [f.name for f in dataclasses.fields(demo.DemoConfig) if len(docs.get(f.name, "")) < 10]
     assert undocumented == []
     assert demo.parse_args(["--step-seconds", "0.25"]).step_seconds == 0.25
+
+
+def test_the_demo_at_a_wrong_socket_fails_first_naming_the_path(tmp_path):
+    """The first-day mistake: the demo stops with the path before it trains anything (its
+    reference run comes after the attach), exit status 2. Its time is measured, not asserted:
+    docs/benchmarks.md ("first-day fail-fast")."""
+    import subprocess
+    import sys
+
+    wrong = tmp_path / "no-server.sock"
+    proc = subprocess.run([sys.executable, "-m", "swap_state.client.demo", "--server", f"unix://{wrong}",
+                           "--steps", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"there is no socket file {wrong}" in proc.stderr and "swap-state-server --shm-size" in proc.stderr
+    assert "bitwise" not in proc.stdout and "step " not in proc.stdout
