@@ -77,8 +77,9 @@ RIDES_THROUGH = frozenset({"Snapshot", "SnapshotStatus", "ListSnapshots", "Stats
 DETACH_WAIT_S = 5.0
 #: How long a missing unix socket may take to appear (a server started just before the trainer;
 #: a server in another container is waited for by its health check, not by this): short, so
-#: that a wrong path fails within seconds of the trainer's start.
-SOCKET_APPEAR_S = 1.0
+#: that a wrong path fails within seconds of the trainer's start (a trainer restarted beside a
+#: restarting server is the rarer case; its scheduler restarts it again).
+SOCKET_APPEAR_S = 1.5
 SERVER_UID_ENV = "SWAP_STATE_SERVER_UID"  # the environment's ClientConfig.server_uid
 _POLLER_SETTLE_S = 0.25
 # grpc's channel backoff (2 min by default) and the keep-alive's stay short: a restarted
