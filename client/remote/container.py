@@ -104,7 +104,12 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         return self.segment.snapshot(step, self.store.metadata.parts(self.segment.views[PARAM_STEPS]))
 
     def restore(self, snapshot_id: str = "latest") -> int:
-        """Replace the moments and steps with a durable snapshot's (server-verified); its step."""
+        """Replace the moments and steps with a durable snapshot's (server-verified); its step.
+
+        Args:
+            snapshot_id: ``"<job>/step-<N>"``, or ``"latest"``: the job's newest durable step
+                (local, or in the ``--snapshot-store``), at this or another world size and layout.
+        """
         return self.segment.restore(snapshot_id, self.snapshot_metadata(), self.store.apply_restored_metadata)
 
     def snapshot_metadata(self) -> str:
@@ -192,8 +197,13 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
 
     def wait_checkpoint_durable(self, timeout_s: float | None = None, stored: bool = False) -> None:
         """Block until the snapshot the last snapshot-mode ``state_dict()`` referred to is
-        durable (``stored``: in the ``--snapshot-store`` too); raise if it failed. Call before
-        the trainer exits: a detach ends a snapshot still persisting."""
+        durable; raise if it failed. Call before the trainer exits: a detach ends a snapshot
+        still persisting.
+
+        Args:
+            timeout_s: how long to wait (None: ``RemoteConfig.backpressure_timeout_s``).
+            stored: wait until it is in the ``--snapshot-store`` too.
+        """
         handle = self._checkpoint_snapshot
         if handle is None or self.segment.closed:
             return
@@ -209,7 +219,12 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         return self.client.stats(server_wait_s=wait_s)
 
     def close(self, keep: bool = False) -> None:
-        """Detach (freeing the segment unless ``keep``), unmap, stop an embedded server; idempotent."""
+        """Detach, unmap, stop an embedded server; idempotent (also run at interpreter exit).
+
+        Args:
+            keep: keep the segment on the server for its ``--grace`` (a restarted trainer of
+                this job and rank reattaches to it); False frees it now.
+        """
         if self.segment.closed:
             return
         try:
