@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from swap_state.common.segment import Word
-from swap_state.common.errors import PermissionDenied, ResourceExhausted
+from swap_state.common.errors import ResourceExhausted
 from swap_state.common.sizes import format_size
 from swap_state.common.snapshot_errors import (
     SnapshotBusy, SnapshotError, SnapshotFailed, SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable,
@@ -188,12 +188,8 @@ class SnapshotCoordinator:
         return self._store_owners[job_id]
 
     def _new_group(self, source: SnapshotSource) -> SnapshotGroup:
-        """Refused for another tenant's job, or past ``--tenant-snapshot-quota`` (the tenant's
-        snapshots here and this one, estimated from this rank's bytes)."""
-        owner = self.job_owner(source.job_id)
-        if owner not in (None, "", source.tenant):
-            raise PermissionDenied(f"the snapshots of job {source.job_id!r} belong to another tenant: "
-                                   "choose another job id")
+        """Refused past ``--tenant-snapshot-quota`` (the tenant's snapshots here and this one,
+        estimated from this rank's bytes); whose job it is the caller decided."""
         quota = self.tenant_snapshot_quota
         mine = [i.bytes for i in self.directory.list() if i.index.tenant == source.tenant] if quota else []
         held, new = sum(mine), sum(t.nbytes for t in source.layout.tensors) * source.expected_ranks
