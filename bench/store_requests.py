@@ -27,8 +27,8 @@ from swap_state.common.snapshot_format import (
     rank_manifest_name, step_dir_name,
 )
 from swap_state.common.stored_snapshots import StoredSnapshots
-from swap_state.server.snapshot.directory import SnapshotDirectory
-from swap_state.server.snapshot.upload import SnapshotUploader, StoreState
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.upload import SnapshotUploader, StoreState
 
 JOB = "big"
 S3_REQUESTS = {"get_range": 2}  # a HEAD for the size, then the GET; every other call is one

@@ -165,8 +165,7 @@ class ServerConfig:
 
     direct_io: str = _flag("writes", choices=DIRECT_IO_MODES, example="off")
     """Whether snapshot writes to --snapshot-dir bypass the page cache with O_DIRECT. writes:
-    snapshots persist through aligned bounce buffers, several writes in flight (measured on a
-    virtio disk: 1.35-1.39 GB/s, 1.7-2.2x buffered write + fsync); where the filesystem refuses
+    snapshots persist through aligned bounce buffers, several writes in flight; where the filesystem refuses
     O_DIRECT they are buffered, logged. off: buffered, for a filesystem that accepts O_DIRECT
     but serves it slowly (network filesystems may turn each O_DIRECT write into a synchronous
     round trip). Restores always read through the page cache, mapped and pinned."""

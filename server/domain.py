@@ -25,7 +25,7 @@ from swap_state.common.errors import (
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.segment import TensorSpec
 from swap_state.common.snapshot_metadata_parts import MetadataParts, base_id, parse_base, parse_delta
-from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.server.logs import log_event
 from swap_state.server.memory.arena import Segment
 from swap_state.server.memory.session import LivenessStream, Session
@@ -33,10 +33,10 @@ from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.observability.metrics import SnapshotCounters
 from swap_state.server.snapshot.coordinator import RankSnapshot, SnapshotCoordinator
 from swap_state.server.snapshot.group import SnapshotAlreadyFailed
-from swap_state.server.snapshot.restore import RestoreResult, restore
-from swap_state.server.snapshot.source import SnapshotSource
+from swap_state.server.snapshot.restoring.restore import RestoreResult, restore
+from swap_state.server.snapshot.writing.source import SnapshotSource
 from swap_state.server.snapshot.status import SnapshotStatus
-from swap_state.server.snapshot.tiers import list_both_tiers
+from swap_state.server.snapshot.restoring.tier_choice import list_both_tiers
 from swap_state.server.tenants import Tenant
 
 __all__ = ["MAX_STATUS_WAIT_S", "SnapshotAsk", "StateServer"]

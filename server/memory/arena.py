@@ -50,7 +50,7 @@ from swap_state.server.tenants import tenant_uid
 
 __all__ = ["LOCAL_RANKS_HINT", "SEGMENT_PREFIX", "Arena", "Segment"]
 
-log = logging.getLogger("swap_state.server.arena")
+log = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "swap-state"
 # The cow pool is shared by the sessions of a host; a session takes at most

@@ -48,7 +48,7 @@ from swap_state.server.tenants import ANYONE, Tenant
 
 __all__ = ["SessionRegistry"]
 
-log = logging.getLogger("swap_state.server.sessions")
+log = logging.getLogger(__name__)
 
 #: Freed (job id, rank) pairs remembered; one record is a few hundred bytes.
 MAX_FREED = 1024

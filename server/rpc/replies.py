@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 from swap_state.proto import swap_state_pb2 as pb
 
-from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.server.snapshot.status import SnapshotStatus
 
 __all__ = ["info_reply", "reply_of", "status_reply"]

@@ -6,7 +6,7 @@ Call order (the servicer):
    at server start (it removes what a killed writer left; ``note_epoch`` of adopted segments).
 2. Snapshot RPC: ``handle = coordinator.start(SnapshotSource(...))`` validates and publishes
    the snapshot epoch: on return the snapshot is *consistent*, the trainer may go on. A thread
-   persists the rank (:mod:`.writer`), a stager copies ahead of the trainer (:mod:`.stager`).
+   persists the rank (:mod:`.writing.writer`), a stager copies ahead of the trainer (:mod:`.writing.copy_ahead`).
 3. SnapshotStatus RPC: ``await coordinator.wait_status(snapshot_id, rank, wait_s)``:
    ``durable`` once this server's ``local_world_size`` ranks are on disk and committed,
    ``failed`` otherwise; ``stored`` once uploaded to the store, if any. ``in_progress()``: Stats.
@@ -38,23 +38,23 @@ from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_format import LAYOUT_NAME, FileRecord, SnapshotIndex
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, SnapshotMetadata, parse_metadata
 from swap_state.common.snapshot_metadata_parts import MetadataParts
-from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.common.names import parse_snapshot_id, shorten
 from swap_state.common.object_store import open_store
 from swap_state.common.stored_snapshots import StoredSnapshots
 
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.bandwidth import BandwidthLimiter
+from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.group import RankSnapshot, SnapshotGroup
-from swap_state.server.snapshot.layout_index import LayoutIndex
-from swap_state.server.snapshot.source import SnapshotSource, check_source
+from swap_state.server.snapshot.restoring.layout_index import LayoutIndex
+from swap_state.server.snapshot.writing.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
-from swap_state.server.snapshot.directory import SnapshotDirectory
-from swap_state.server.snapshot.upload import SnapshotUploader
-from swap_state.server.snapshot.writer import Cancelled, RankWriter
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.upload import SnapshotUploader
+from swap_state.server.snapshot.writing.writer import Cancelled, RankWriter
 
-log = logging.getLogger("swap_state.server.snapshot_coordinator")
+log = logging.getLogger(__name__)
 
 __all__ = ["SnapshotSource", "SnapshotState", "SnapshotStatus", "RankSnapshot", "SnapshotCoordinator"]
 

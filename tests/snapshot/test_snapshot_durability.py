@@ -15,7 +15,7 @@ import pytest
 from snapshot_kit import Trainer
 
 from swap_state.common.segment import Word
-from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_errors import (
     SnapshotDiskFull,
@@ -161,7 +161,7 @@ def test_latest_pointer_and_its_fallback(make_segment, make_coordinator):
 _KILLED_WRITER = """
 import pathlib, sys, time
 from snapshot_kit import Segment
-from swap_state.server.snapshot import sink
+from swap_state.server.snapshot.writing import sink
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 sink.BOUNCE_BYTES = 4096  # O_DIRECT writes page by page: the file grows as it streams

@@ -12,7 +12,7 @@ import torch
 from snapshot_kit import metadata_for
 
 from swap_state.client.export.snapshot import ExportError, export_snapshot
-from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator, SnapshotState
 from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotLayoutMismatch, SnapshotNotFound
 from swap_state.common.snapshot_format import INDEX_NAME, SnapshotIndex, rank_data_name

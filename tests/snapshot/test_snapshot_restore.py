@@ -8,7 +8,7 @@ import pytest
 from snapshot_kit import SPECS, flip_byte, metadata_for
 
 from swap_state.common.segment import Word
-from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_errors import (
     SnapshotBusy,

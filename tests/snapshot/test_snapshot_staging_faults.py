@@ -18,8 +18,8 @@ from swap_state.common.copy_before_write import BackPressureTimeout
 from swap_state.common.segment import Word
 from swap_state.common.snapshot_errors import SnapshotDiskFull, SnapshotNotFound
 from swap_state.common.snapshot_format import LATEST_NAME
-from swap_state.server.snapshot import writer as snapshot_writer
-from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.writing import writer as snapshot_writer
+from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
 
 from test_snapshot_consistency import _file_tensors

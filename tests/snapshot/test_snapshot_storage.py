@@ -11,8 +11,8 @@ import pytest
 
 from swap_state.common.snapshot_errors import SnapshotExists
 from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, FileRecord, SnapshotIndex
-from swap_state.server.snapshot.directory import SnapshotDirectory
-from swap_state.server.snapshot.storage import pwrite_all
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.writing.snapshot_file import pwrite_all
 
 DATA = "rank-00000.safetensors"
 

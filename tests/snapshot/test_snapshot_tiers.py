@@ -10,8 +10,8 @@ from swap_state.common.object_store import PosixObjectStore
 from swap_state.common.snapshot_errors import SnapshotNotFound, SnapshotStoreUnavailable
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name
 from swap_state.common.stored_snapshots import StoredSnapshots, marker_name
-from swap_state.server.snapshot.directory import SnapshotDirectory
-from swap_state.server.snapshot.tiers import resolve_source
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.restoring.tier_choice import resolve_source
 
 JOB, WORLD = "j", 4
 

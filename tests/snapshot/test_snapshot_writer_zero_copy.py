@@ -10,9 +10,9 @@ import pytest
 from snapshot_kit import verify_rank_file
 
 from swap_state.common.segment import Word
-from swap_state.server.snapshot import sink as snapshot_sink
-from swap_state.server.snapshot import writer as snapshot_writer
-from swap_state.server.snapshot.storage import SnapshotFile
+from swap_state.server.snapshot.writing import sink as snapshot_sink
+from swap_state.server.snapshot.writing import writer as snapshot_writer
+from swap_state.server.snapshot.writing.snapshot_file import SnapshotFile
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.common.copy_before_write import TrainerProtector

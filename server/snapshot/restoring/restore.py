@@ -1,12 +1,12 @@
 """Restore: a durable snapshot into a session's segment, built from the snapshot's rank files,
 locally or from the store, at the snapshot's layout or another. One path: pick the tier, plan,
-read, verify and copy (:mod:`.staging`). Call order (the servicer, for Restore)::
+read, verify and copy (:mod:`.restore_reads`). Call order (the servicer, for Restore)::
 
     result = restore(coordinator.directory, snapshot_id, segment_mmap, layout, job_id=...,
                      rank=..., world_size=..., reserve_staging=..., stored=..., placement_json=...)
 
 returns the snapshot's step and the trainer's metadata once the tensors are written. It picks
-the tier (:func:`~.tiers.resolve_source`) and checks the segment; :func:`assemble` plans, reads
+the tier (:func:`~.tier_choice.resolve_source`) and checks the segment; :func:`assemble` plans, reads
 and verifies. Any mismatch raises (SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt,
 naming the file and tensor), the segment as it was (below).
 
@@ -17,16 +17,16 @@ manifest for a snapshot without one), read once for the ranks of this server res
 together (:data:`RECENT`); the targets' placement is the trainer's (RestoreRequest.metadata_json).
 
 Everything read is verified (manifests against the index, data headers, every source tensor's
-crc32) as it is read once, in file order (:mod:`.staging`), and copied into the segment as it
+crc32) as it is read once, in file order (:mod:`.restore_reads`), and copied into the segment as it
 comes. A segment that holds nothing to keep (the trainer marked it being written: a fresh or torn
 state) has its targets zeroed when a check fails (a fresh state is all zero: it stays fresh; a
 torn one stays torn, the trainer's mark with it). A running trainer's state is kept: a thread
 copies each target aside before its first write, into the segment's copy slots (idle: no
 snapshot reads a segment being restored) and, for what they cannot hold, memory the budget
 lends (``reserve_staging``), and a failed check puts every target back, so a corrupt snapshot
-leaves that state as it was. Copying as it reads keeps the restore at the disk's pace, where
-verifying everything before the first copy made it 0.5-0.8x the file's O_DIRECT read (and
-staging in the page cache up to 5x slower on first touch: docs/benchmarks.md). Where neither
+leaves that state as it was. Copying as it reads keeps the restore at the disk's pace, which
+verifying everything before the first copy (or staging in the page cache) does not
+(docs/benchmarks.md). Where neither
 holds the kept state, every checksum is checked in a first read, then the file read again into
 the segment (a change in between: "restore again"), logged with what to raise.
 """
@@ -44,26 +44,26 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ContextManager
 
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
 from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, RankManifest, TensorRecord
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, SnapshotMetadata, parse_metadata
-from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotTier
+from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.directory import SnapshotDirectory
-from swap_state.server.snapshot.layout_index import LayoutIndex, bind
-from swap_state.server.snapshot.reshard import Piece, Run, TargetTensor, ranks_needed
-from swap_state.server.snapshot.staging import stream_tensors
-from swap_state.server.snapshot.tiers import resolve_source
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, bind
+from swap_state.server.snapshot.restoring.reshard import Piece, Run, TargetTensor, ranks_needed
+from swap_state.server.snapshot.restoring.restore_reads import stream_tensors
+from swap_state.server.snapshot.restoring.tier_choice import resolve_source
 
 __all__ = ["RECENT", "RestoreResult", "assemble", "check_layout", "check_world_size", "restore"]
 
-log = logging.getLogger("swap_state.server.restore")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,7 +323,7 @@ def _read_with_undo(tier: SnapshotTier, info: SnapshotInfo, wanted, copier: _Cop
 
 
 class _Copier:
-    """A :data:`~.staging.Deliver`: the bytes of a source tensor, as they come, into the runs of
+    """A :data:`~.restore_reads.Deliver`: the bytes of a source tensor, as they come, into the runs of
     the target tensors they fill (``before_write(target)`` first, when set)."""
 
     def __init__(self, base: int, by_name: Mapping, by_source: Mapping[tuple[int, str], list[tuple[str, Piece]]]):

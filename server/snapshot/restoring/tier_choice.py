@@ -16,14 +16,14 @@ import logging
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.object_store import STORE_FLAG
 from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable
-from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotTier
+from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 
 __all__ = ["list_both_tiers", "resolve_source"]
 
-log = logging.getLogger("swap_state.server.restore")
+log = logging.getLogger(__name__)
 
 
 def resolve_source(directory: SnapshotDirectory, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,

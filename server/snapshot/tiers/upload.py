@@ -34,18 +34,18 @@ from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
 from swap_state.common.snapshot_format import (
     INDEX_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name,
 )
-from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.common.stored_snapshots import StoredSnapshots, marker_name, parse_marker_name
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.bandwidth import BandwidthLimiter
-from swap_state.server.snapshot.layout_index import LayoutIndex
+from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
+from swap_state.server.snapshot.restoring.layout_index import LayoutIndex
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
-from swap_state.server.snapshot.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 from swap_state.server.snapshot.waiting import WatchedCondition
 
 __all__ = ["StoreState", "UploadStatus", "UploadCounters", "SnapshotUploader", "UPLOAD_BLOCK_BYTES", "HISTORY"]
 
-log = logging.getLogger("swap_state.server.snapshot_upload")
+log = logging.getLogger(__name__)
 
 UPLOAD_BLOCK_BYTES = 8 << 20  # the local file is read, checksummed and handed to the store in such blocks
 HISTORY = 256  # snapshots whose upload status stays in memory (older ones are answered from the store)

@@ -7,7 +7,7 @@ Call order (the coordinator):
    slots, stores ``SNAP_STEP``, ``PERSISTED_UPTO = 0``, ``STAGED_UPTO = 0``, ``STAGE_SLOTS``
    and last ``SNAP_EPOCH``): from its return the snapshot is *consistent*.
 2. :meth:`RankWriter.run` in a background thread. Once let go (:meth:`RankWriter.go`) it starts
-   a :class:`~.stager.Stager`, which copies chunks ahead of the writer into its slots and
+   a :class:`~.copy_ahead.Stager`, which copies chunks ahead of the writer into its slots and
    publishes ``STAGED_UPTO``. The writer yields to a stager that can still copy, and once all
    is staged, to the trainer's optimizer steps; it streams the chunks in update order into the
    rank's data file through a :class:`~.sink.ChunkSink` (from the stager's slot when staged,
@@ -40,16 +40,16 @@ from swap_state.common.snapshot_metadata_parts import MetadataParts
 from swap_state.common.retry import wait_until
 from swap_state.common.server_header import ServerHeader
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.bandwidth import BandwidthLimiter
-from swap_state.server.snapshot.directory import SnapshotDirectory
-from swap_state.server.snapshot.source import SnapshotSource
-from swap_state.server.snapshot.stager import Stager
-from swap_state.server.snapshot.sink import ChunkSink, open_sink
+from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.writing.source import SnapshotSource
+from swap_state.server.snapshot.writing.copy_ahead import Stager
+from swap_state.server.snapshot.writing.sink import ChunkSink, open_sink
 from swap_state.server.snapshot.waiting import Latch
 
 __all__ = ["Cancelled", "RankResult", "RankWriter"]
 
-log = logging.getLogger("swap_state.server.snapshot_writer")
+log = logging.getLogger(__name__)
 
 HOLD_MAX_S = 0.25  # how long a writer started with ``hold`` waits for RankWriter.go at most
 

@@ -1,7 +1,7 @@
 """The server's ``--snapshot-dir``: :class:`SnapshotDirectory`, where snapshot files go, their
 commit sequence and retention. Reading is its base's,
 :class:`~swap_state.common.snapshot_reader.SnapshotReader`; the files are written through
-:class:`~.storage.SnapshotFile` (modelled on DCP's ``StorageWriter``: callers hand it names
+:class:`~swap_state.server.snapshot.writing.snapshot_file.SnapshotFile` (modelled on DCP's ``StorageWriter``: callers hand it names
 and bytes, never build paths).
 
 Directory layout under the root::
@@ -40,8 +40,9 @@ from swap_state.common.names import snapshot_id_for, step_dir_name
 from swap_state.common.object_store import fsync_dir
 from swap_state.common.snapshot_errors import SnapshotExists, from_os_error
 from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, LAYOUT_NAME, SnapshotIndex, dumps_json, partial_dir_name
-from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
-from swap_state.server.snapshot.storage import DIR_MODE, FILE_MODE, SnapshotFile, write_durable
+from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.common.snapshot_tier import SnapshotInfo
+from swap_state.server.snapshot.writing.snapshot_file import DIR_MODE, FILE_MODE, SnapshotFile, write_durable
 
 __all__ = ["SnapshotInfo", "CommitResult", "SnapshotDirectory", "LOCK_NAME"]
 
@@ -58,7 +59,7 @@ class CommitResult:
     warnings: tuple[str, ...]  # failures after it was durable (latest pointer, retention): reported, not fatal
     trash: tuple[pathlib.PurePath, ...] = ()
     """Unlisted locations whose bytes :meth:`SnapshotDirectory.empty_trash` removes once the
-    snapshot was reported durable (deleting 512 MiB took 130 ms on ext4 here)."""
+    snapshot was reported durable (deleting a large snapshot takes long enough to delay it)."""
 
 
 class SnapshotDirectory(SnapshotReader):
