@@ -204,13 +204,7 @@ def _build_state(config: ServerConfig, listen: ListenAddress, gid: int | None,
                                max_tensors=config.max_tensors)
     snapshots = None
     if config.snapshot_dir is not None:
-        snapshots = SnapshotCoordinator(config.snapshot_dir, keep_latest=config.keep_latest,
-                                        stage_threads=config.stage_threads,
-                                        tenant_snapshot_quota=config.tenant_snapshot_quota,
-                                        model_copy_timeout_s=config.model_copy_timeout, copy_policy=copy_policy,
-                                        store_uri=config.snapshot_store, store_timeout_s=config.snapshot_store_timeout,
-                                        store_max_bandwidth=config.snapshot_store_max_bandwidth or None,
-                                        direct_io=config.direct_io,
+        snapshots = SnapshotCoordinator(config.snapshot_dir, config.snapshot_settings, copy_policy=copy_policy,
                                         committed_steps=lambda job_id: {s.rank: s.last_committed_step
                                                                         for s in registry.sessions
                                                                         if s.job_id == job_id})

@@ -2,7 +2,7 @@
 
 Call order (the servicer):
 
-1. ``SnapshotCoordinator(snapshot_dir, keep_latest=K, copy_policy=P, stage_threads=T)`` once
+1. ``SnapshotCoordinator(snapshot_dir, settings, copy_policy=P)`` once
    at server start (it removes what a killed writer left; ``note_epoch`` of adopted segments).
 2. Snapshot RPC: ``handle = coordinator.start(SnapshotSource(...))`` validates and publishes
    the snapshot epoch: on return the snapshot is *consistent*, the trainer may go on. A thread
@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 from swap_state.common.segment import Word
+from swap_state.common.server_config import SnapshotSettings
 from swap_state.common.errors import ResourceExhausted
 from swap_state.common.sizes import format_size
 from swap_state.common.snapshot_errors import (
@@ -65,29 +66,26 @@ ASSEMBLY_CHECK_S = 1.0  # how often a group waiting for ranks looks for one that
 class SnapshotCoordinator:
     """Starts, tracks and commits snapshots under one snapshot directory."""
 
-    def __init__(self, snapshot_dir: str | os.PathLike[str], *, keep_latest: int | None = 2,
+    def __init__(self, snapshot_dir: str | os.PathLike[str], settings: SnapshotSettings = SnapshotSettings(), *,
                  assemble_timeout_s: float = 300.0, max_metadata_bytes: int = MAX_METADATA_BYTES,
-                 clean_stale: bool = True, stage_threads: int = 1, model_copy_timeout_s: float = 60.0,
-                 copy_policy: CopyBudgetPolicy | None = None, direct_io: str = "writes", store_uri: str | None = None,
-                 store_timeout_s: float = 60.0, store_max_bandwidth: float | None = None,
-                 tenant_snapshot_quota: int = 0,
+                 clean_stale: bool = True, copy_policy: CopyBudgetPolicy | None = None,
                  committed_steps: Callable[[str], dict[int, int | None]] | None = None):
-        """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
+        """``settings``: retention, writers, store (the server's flags).
         ``assemble_timeout_s``: fail when not all ``local_world_size`` ranks started by then.
         ``clean_stale``: remove a previous run's partial snapshots (False: a live server shares it).
-        ``stage_threads``: stager threads per persisting rank. ``copy_policy``: the memory rule's
-        inputs, shared with the arena, and the cap on all snapshot I/O (``--persist-max-bandwidth``).
-        ``store_uri``: the store each durable snapshot is uploaded to (None: none).
+        ``copy_policy``: the memory rule's inputs, shared with the arena, and the cap on all
+        snapshot I/O (``--persist-max-bandwidth``).
         ``committed_steps(job)``: the last committed step of each rank of ``job`` attached here
         (a group waiting for a rank already past its step fails at once)."""
+        keep_latest, stage_threads = settings.keep_latest, settings.stage_threads
         if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 1:
             raise ValueError(f"keep_latest must be >= 2 or None (keep all), assemble_timeout_s > 0 and "
                              f"stage_threads >= 1: got {keep_latest}, {assemble_timeout_s}, {stage_threads}")
-        self.tenant_snapshot_quota = tenant_snapshot_quota
+        self.settings = settings
+        self.tenant_snapshot_quota = settings.tenant_snapshot_quota
         self.stage_threads = stage_threads
-        self.model_copy_timeout_s = model_copy_timeout_s
         self.copy_policy = copy_policy or CopyBudgetPolicy()  # this coordinator records each snapshot's rate
-        self.directory = SnapshotDirectory(snapshot_dir, direct_io)  # the local tier
+        self.directory = SnapshotDirectory(snapshot_dir, settings.direct_io)  # the local tier
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
         self.max_metadata_bytes = max_metadata_bytes
@@ -112,9 +110,9 @@ class SnapshotCoordinator:
             log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(directory.root),
                       note="another live server uses this directory: its partial snapshots are left alone")
         self.uploader = None
-        if store_uri:
-            stored = StoredSnapshots(open_store(store_uri, store_timeout_s))
-            self.uploader = SnapshotUploader(stored, self.directory, store_max_bandwidth)
+        if settings.store_uri:
+            stored = StoredSnapshots(open_store(settings.store_uri, settings.store_timeout_s))
+            self.uploader = SnapshotUploader(stored, self.directory, settings.store_max_bandwidth)
         self.stored = self.uploader.stored if self.uploader is not None else None  # the store tier, if any
         self.committed_steps = committed_steps
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
@@ -221,7 +219,7 @@ class SnapshotCoordinator:
         self._last_epoch = max(self._last_epoch, header.highest_cow_epoch(), header[Word.ABANDONED_EPOCH]) + 1
         writer = RankWriter(source, metadata, self._last_epoch, directory=self.directory, partial=group.partial,
                             limiter=self._limiter, cancel=group.cancel, started_monotonic=time.monotonic(),
-                            stage_threads=self.stage_threads, model_copy_timeout_s=self.model_copy_timeout_s)
+                            settings=self.settings)
         if not hold:
             writer.go()
         handle = RankSnapshot(group, source.rank, writer)

@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 from swap_state.common.names import snapshot_id_for, step_dir_name
 from swap_state.common.object_store import fsync_dir
+from swap_state.common.server_config import DirectIO, SnapshotSettings
 from swap_state.common.snapshot_errors import SnapshotExists, from_os_error
 from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, LAYOUT_NAME, SnapshotIndex, dumps_json, partial_dir_name
 from swap_state.common.snapshot_reader import SnapshotReader
@@ -66,10 +67,10 @@ class SnapshotDirectory(SnapshotReader):
     """The snapshot root on a filesystem with POSIX rename and fsync, read and written by the
     server. Thread-safe for different snapshots; commits serialise."""
 
-    def __init__(self, root: str | os.PathLike[str], direct_io: str = "writes"):
-        """``direct_io``: ``--direct-io`` (writes, off): whether snapshot writes may use O_DIRECT."""
+    def __init__(self, root: str | os.PathLike[str], direct_io: DirectIO = SnapshotSettings.direct_io):
+        """``direct_io``: ``--direct-io``: whether snapshot writes may use O_DIRECT."""
         super().__init__(root)
-        self.direct_writes = direct_io == "writes"
+        self.direct_writes = direct_io is DirectIO.WRITES
         # The steps of a job retention must keep beyond ``keep_latest`` (the uploader's).
         self.in_use: Callable[[str], set[int]] = lambda job_id: set()
         # Commits of different snapshots serialize here: latest and retention read the job dir.

@@ -28,6 +28,7 @@ import threading
 import time
 
 from swap_state.common.segment import Chunk, Word, stager_slot_count
+from swap_state.common.server_config import SnapshotSettings
 
 from swap_state.common.checksum import crc32, crc32_combine
 from swap_state.common.snapshot_errors import SnapshotError, from_os_error
@@ -84,9 +85,9 @@ class RankWriter:
 
     def __init__(self, source: SnapshotSource, metadata: SnapshotMetadata | MetadataParts, epoch: int,
                  directory: SnapshotDirectory, partial: pathlib.PurePath, limiter: BandwidthLimiter,
-                 cancel: threading.Event, started_monotonic: float, stage_threads: int = 1,
-                 model_copy_timeout_s: float = 60.0):
-        """``model_copy_timeout_s``: the wait for protocol step 5."""
+                 cancel: threading.Event, started_monotonic: float, settings: SnapshotSettings):
+        """``settings.model_copy_timeout_s``: the wait for protocol step 5; ``stage_threads``:
+        the copy-ahead's."""
         self.source, self.metadata, self.epoch = source, metadata, epoch
         self.directory, self.partial, self.limiter, self.cancel = directory, partial, limiter, cancel
         self.started_monotonic = started_monotonic
@@ -94,14 +95,14 @@ class RankWriter:
         self._header = ServerHeader(source.header)  # the server's words (protocol steps 1 and 3)
         self.chunks = layout.chunks
         self.model_from = layout.model_from  # the first model chunk (the chunk count when there are none)
-        self.model_copy_timeout_s = model_copy_timeout_s
+        self.model_copy_timeout_s = settings.model_copy_timeout_s
         self.bytes_total = layout.tensor_bytes
         # Written by the writer thread only: bytes persisted, of the chunks the trainer copied
         # itself, and the time spent streaming the chunks.
         self.bytes_persisted = self.trainer_copied_bytes = 0
         self.stream_seconds = 0.0
         self.stage_slots = stager_slot_count(source.layout.cow_slots)
-        self.stager = Stager(self, self.stage_slots, stage_threads) if self.stage_slots else None
+        self.stager = Stager(self, self.stage_slots, settings.stage_threads) if self.stage_slots else None
         self._trainer_yield = self.stager is not None
         self.direct_io = False  # whether the data file was written with O_DIRECT (known once it is created)
         self._paused_s = 0.0  # time the writer paused for the trainer's steps (writer thread)
