@@ -90,7 +90,7 @@ def host_snapshot(root: pathlib.Path, world: int, ranks: range, step: int) -> Sn
 def upload(uploader: SnapshotUploader, local: SnapshotDirectory, step: int, timeout_s: float = 60) -> None:
     """Submit the host's step and wait until the worker is done with it (stored, then the step's
     index and retention: it no longer holds the step)."""
-    info = local.resolve(f"{JOB}/step-{step}")
+    info = local.reader.resolve(f"{JOB}/step-{step}")
     uploader.submit(info, 2)
     deadline = time.monotonic() + timeout_s
     while any(uploader.status(JOB, step, r).state is StoreState.UPLOADING for r in info.ranks) or uploader.in_use(JOB):

@@ -85,7 +85,8 @@ class SnapshotCoordinator:
         self.tenant_snapshot_quota = settings.tenant_snapshot_quota
         self.stage_threads = stage_threads
         self.copy_policy = copy_policy or CopyBudgetPolicy()  # this coordinator records each snapshot's rate
-        self.directory = SnapshotDirectory(snapshot_dir, settings.direct_io)  # the local tier
+        self.directory = SnapshotDirectory(snapshot_dir, settings.direct_io)  # where snapshots are written
+        self.local = self.directory.reader  # the local tier: what they are read from
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
         self.max_metadata_bytes = max_metadata_bytes
@@ -168,7 +169,7 @@ class SnapshotCoordinator:
     def job_owner(self, job_id: str) -> str | None:
         """The tenant that owns ``job_id``'s snapshots: its newest one's here, else in the store
         (remembered: an owner does not change); None when neither has one or it is unreachable."""
-        snapshots = self.directory.list(job_id)
+        snapshots = self.local.list(job_id)
         if snapshots:
             return snapshots[-1].index.tenant
         if self.stored is None:
@@ -189,7 +190,7 @@ class SnapshotCoordinator:
         """Refused past ``--tenant-snapshot-quota`` (the tenant's snapshots here and this one,
         estimated from this rank's bytes); whose job it is the caller decided."""
         quota = self.tenant_snapshot_quota
-        mine = [i.bytes for i in self.directory.list() if i.index.tenant == source.tenant] if quota else []
+        mine = [i.bytes for i in self.local.list() if i.index.tenant == source.tenant] if quota else []
         held, new = sum(mine), sum(t.nbytes for t in source.layout.tensors) * source.expected_ranks
         if quota and held + new > quota:
             raise ResourceExhausted(
@@ -321,7 +322,7 @@ class SnapshotCoordinator:
             attempt = 1  # or one more than the snapshot of the step this commit replaces
             if group.replace:
                 with contextlib.suppress(SnapshotError):
-                    attempt = self.directory.resolve(group.snapshot_id).index.attempt + 1
+                    attempt = self.local.resolve(group.snapshot_id).index.attempt + 1
             layout = None  # one host's part of a multi-host step gets its layout index in the store
             if len(results) == group.world_size:
                 layout = LayoutIndex({r: result.manifest.tensors for r, result in results.items()},
@@ -350,24 +351,21 @@ class SnapshotCoordinator:
         for warning in self.directory.empty_trash(commit):  # off the durability path
             log_event(log, "snapshot_retention_failed", logging.WARNING, snapshot_id=group.snapshot_id, error=warning)
 
-    def handle(self, snapshot_id: str, rank: int) -> RankSnapshot | None:
-        """The in-memory handle of a rank's snapshot (``<job>/step-<N>``), if any."""
+    def _group(self, snapshot_id: str) -> SnapshotGroup | None:
+        """The in-memory group of a snapshot (``<job>/step-<N>``, never ``latest``), if any."""
         ref = parse_snapshot_id(snapshot_id, None, SnapshotInvalid)
         if ref.step is None:  # a status is about one snapshot, never ``latest``
             raise SnapshotInvalid(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
         with self._lock:
-            group = self._groups.get((ref.job_id, ref.step))
+            return self._groups.get((ref.job_id, ref.step))
+
+    def handle(self, snapshot_id: str, rank: int) -> RankSnapshot | None:
+        """The in-memory handle of a rank's snapshot, if any."""
+        group = self._group(snapshot_id)
         if group is None:
             return None
         with group.cond:
             return group.handles.get(rank)
-
-    def _missed_status(self, snapshot_id: str, rank: int) -> SnapshotStatus | None:
-        """A failed group's status for a rank that came after it failed (or never came)."""
-        ref = parse_snapshot_id(snapshot_id, None, SnapshotInvalid)
-        with self._lock:
-            group = self._groups.get((ref.job_id, ref.step))
-        return group.missed_status(rank) if group is not None else None
 
     async def wait_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0,
                           wait_stored: bool = False) -> SnapshotStatus:
@@ -375,11 +373,11 @@ class SnapshotCoordinator:
         after waiting up to ``wait_s`` for a terminal state (``wait_stored``: for stored); awaits
         without holding a thread, save for reads from disk or the store."""
         deadline = time.monotonic() + wait_s
-        handle = self.handle(snapshot_id, rank)
+        handle, group = self.handle(snapshot_id, rank), self._group(snapshot_id)
         if handle is not None:
             status = await handle.wait_async(wait_s) if wait_s > 0 else handle.status()
-        elif (missed := self._missed_status(snapshot_id, rank)) is not None:
-            return missed
+        elif group is not None and (missed := group.missed_status(rank)) is not None:
+            return missed  # the group failed before this rank came (or it never came)
         else:
             status = await asyncio.to_thread(self._status_at_rest, snapshot_id, rank)
         if self.uploader is None or status.state is not SnapshotState.DURABLE:
@@ -391,12 +389,12 @@ class SnapshotCoordinator:
 
     def _status_at_rest(self, snapshot_id: str, rank: int) -> SnapshotStatus:
         try:
-            info = self.directory.resolve(snapshot_id)
+            info = self.local.resolve(snapshot_id)
         except SnapshotNotFound:
             if self.uploader is None:
                 raise
             return self.uploader.stored_status(snapshot_id, rank)  # only in the store
-        return SnapshotStatus.from_disk(info, self.directory.read_manifest(info, rank))
+        return SnapshotStatus.from_disk(info, self.local.read_manifest(info, rank))
 
     def in_progress(self) -> list[SnapshotStatus]:
         """Statuses of every rank of every snapshot still persisting (for Stats)."""

@@ -24,7 +24,6 @@ from swap_state.server.snapshot.restoring import restore as restore_module
 from swap_state.server.snapshot.restoring import restore_reads as staging_module
 from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
-from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 
 from test_snapshot_restore import _tensor_data_offset
 
@@ -45,7 +44,7 @@ def snapshot(make_segment, make_coordinator, monkeypatch):
     coordinator = make_coordinator()
     status = coordinator.start(seg.source("job", 3, metadata_json=metadata_for(seg, step=3))).wait(20)
     assert status.state is SnapshotState.DURABLE
-    return coordinator.directory, coordinator.directory.resolve("job/step-3"), contents
+    return coordinator.local, coordinator.local.resolve("job/step-3"), contents
 
 
 def _target(make_segment):
@@ -88,7 +87,7 @@ def test_a_directory_store_is_read_from_its_files_too(make_segment, make_coordin
     assert asyncio.run(coordinator.wait_status("job/step-3", 0, wait_s=30, wait_stored=True)).state.value == "stored"
     _no_reads_into_memory(monkeypatch)
     seg, _ = _target(make_segment)
-    result = _restore(SnapshotDirectory(tmp_path / "another-host"), seg,
+    result = _restore(SnapshotReader(tmp_path / "another-host"), seg,
                       stored=StoredSnapshots(PosixObjectStore(tmp_path / "store")))
     assert result.source == "store" and seg.tensors() == contents
 

@@ -25,7 +25,7 @@ def _snapshot(make_segment, make_coordinator, specs):
     coordinator = make_coordinator()
     status = coordinator.start(seg.source("job", 8, metadata_json=metadata_for(seg, step=8))).wait(60)
     assert status.state is SnapshotState.DURABLE
-    return coordinator.directory, contents
+    return coordinator.local, contents
 
 
 def _marked_target(make_segment, specs):

@@ -150,8 +150,8 @@ def test_a_chunk_in_pieces_overwritten_midway_is_finished_from_the_trainer_slot(
     status = coordinator.start(seg.source("job", 4)).wait(20)
     assert seen["done"] and status.state is SnapshotState.DURABLE, status.error
     assert _file_tensors(status.path + "/" + rank_data_name(0)) == at_step_n
-    info = coordinator.directory.resolve("job/step-4")
-    verify_rank_file(coordinator.directory, info)
+    info = coordinator.local.resolve("job/step-4")
+    verify_rank_file(coordinator.local, info)
     [data_file] = [f for f in info.index.files if f.name == rank_data_name(0)]
     assert os.path.getsize(status.path + "/" + rank_data_name(0)) == data_file.bytes
 

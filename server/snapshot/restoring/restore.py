@@ -2,7 +2,7 @@
 locally or from the store, at the snapshot's layout or another. One path: pick the tier, plan,
 read, verify and copy (:mod:`.restore_reads`). Call order (the servicer, for Restore)::
 
-    result = restore(coordinator.directory, snapshot_id, segment_mmap, layout, job_id=...,
+    result = restore(coordinator.local, snapshot_id, segment_mmap, layout, job_id=...,
                      rank=..., world_size=..., reserve_staging=..., stored=..., placement_json=...)
 
 returns the snapshot's step and the trainer's metadata once the tensors are written. It picks
@@ -51,11 +51,11 @@ from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
 from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, RankManifest, TensorRecord
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, SnapshotMetadata, parse_metadata
+from swap_state.common.snapshot_reader import SnapshotReader
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.restoring.reshard import Piece, Run, TargetTensor, ranks_needed
 from swap_state.server.snapshot.restoring.restore_reads import stream_tensors
@@ -146,7 +146,7 @@ def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMe
     )
 
 
-def restore(directory: SnapshotDirectory, snapshot_id: str, buffer, layout: SegmentLayout, *, rank: int,
+def restore(directory: SnapshotReader, snapshot_id: str, buffer, layout: SegmentLayout, *, rank: int,
             world_size: int, header: SegmentHeader, job_id: str | None = None,
             reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
             staging_free_bytes: Callable[[], int] | None = None, stored: StoredSnapshots | None = None,

@@ -153,7 +153,7 @@ class SnapshotUploader:
     def resume_pending(self) -> list[str]:
         """At start: each job's newest local snapshot not all in the store is uploaded again; their ids."""
         pending = []
-        newest = {info.job_id: info for info in self._local.list()}
+        newest = {info.job_id: info for info in self._local.reader.list()}
         for info in newest.values():
             if set(info.ranks) - set(self.stored.step_markers(info.job_id, info.step, info.ranks)):
                 self.submit(info, None)
@@ -253,7 +253,7 @@ class SnapshotUploader:
     def _layout(self, local: SnapshotInfo, whole: SnapshotInfo) -> bytes:
         """The store's step's ``layout.json``: the local one when this host holds every rank, else
         built from every rank's manifest in the store."""
-        raw = self._local.read_layout(local) if local.index.complete_job else None
+        raw = self._local.reader.read_layout(local) if local.index.complete_job else None
         if raw is not None:
             return raw
         manifests = {rank: self.stored.read_manifest(whole, rank).tensors for rank in whole.ranks}
