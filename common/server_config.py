@@ -9,7 +9,6 @@ construction; checks against the environment happen at start-up.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import ipaddress
 import pathlib
 from typing import Any
@@ -19,24 +18,18 @@ from .errors import ConfigError
 from .object_store import STORE_TIMEOUT_S
 from .segment import PAGE_BYTES
 from .sizes import GiB, KiB, MiB, format_size
+from .text_enum import TextEnum
 
 __all__ = ["EXIT_WITH_PARENT_ENV", "FLAG", "DirectIO", "Flag", "LogLevel", "ServerConfig", "SnapshotSettings"]
 
 
-class _Mode(str, enum.Enum):
-    """A flag's value out of a fixed set: the member is its text."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class LogLevel(_Mode):
+class LogLevel(TextEnum):
     """``--log-level``."""
 
     DEBUG, INFO, WARNING, ERROR = "debug", "info", "warning", "error"
 
 
-class DirectIO(_Mode):
+class DirectIO(TextEnum):
     """``--direct-io``: whether snapshot writes may bypass the page cache."""
 
     WRITES, OFF = "writes", "off"

@@ -47,6 +47,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import ContextManager
 
+from swap_state.common.text_enum import TextEnum
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
 from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, RankManifest, TensorRecord
@@ -61,9 +62,25 @@ from swap_state.server.snapshot.restoring.reshard import Piece, Run, TargetTenso
 from swap_state.server.snapshot.restoring.restore_reads import stream_tensors
 from swap_state.server.snapshot.restoring.tier_choice import resolve_source
 
-__all__ = ["RECENT", "RestoreResult", "assemble", "check_layout", "check_world_size", "restore"]
+__all__ = ["RECENT", "Kept", "PlanSource", "RestoreResult", "assemble", "check_layout", "check_world_size", "restore"]
 
 log = logging.getLogger(__name__)
+
+
+class Kept(TextEnum):
+    """What kept the segment's state safe while the snapshot was read."""
+
+    NOTHING = "nothing"  # it held nothing to keep: a failure zeroes what was written
+    SLOTS = "slots"  # its bytes copied aside into the segment's copy slots, put back on a failure
+    MEMORY = "memory"  # the same, in memory the budget lent
+    SLOTS_MEMORY = "slots+memory"  # what the slots could not hold, in memory
+    VERIFY_FIRST = "verify-first"  # every checksum checked in a first read, then read again and copied
+
+
+class PlanSource(TextEnum):
+    """What a restore's plan came from."""
+
+    OWN_FILE, LAYOUT_INDEX, EVERY_MANIFEST = "own-file", "layout-index", "every-manifest"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,29 +92,25 @@ class RestoreResult:
     step: int
     metadata_json: str
     bytes_restored: int
-    kept: str = "nothing"
-    """What kept the segment's state safe while the snapshot was read: ``nothing`` (it held
-    nothing to keep: a failure zeroes what was written), ``slots`` (its bytes copied aside into
-    the segment's copy slots, put back on a failure), ``memory`` (the same, in memory the budget
-    lent), ``slots+memory`` (what the slots could not hold in memory), ``verify-first`` (every
-    checksum checked in a first read, then read again and copied: neither could hold it)."""
+    kept: Kept = Kept.NOTHING
+    """What kept the segment's state safe while the snapshot was read."""
     source: str = "local"
     """Where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)."""
     snapshot_world_size: int = 0
     """The world size the snapshot was taken at (resharded when not the job's)."""
     source_ranks: tuple[int, ...] = ()
-    plan: str = "own-file"
-    """What the plan came from: ``own-file``, ``layout-index`` or ``every-manifest``."""
+    plan: PlanSource = PlanSource.OWN_FILE
+    """What the plan came from."""
 
     @property
     def staged(self) -> bool:
         """Read once (not verified first, then read again)."""
-        return self.kept != "verify-first"
+        return self.kept is not Kept.VERIFY_FIRST
 
     @property
     def streamed(self) -> bool:
         """Copied into the segment as it was read (the segment held nothing to keep)."""
-        return self.kept == "nothing"
+        return self.kept is Kept.NOTHING
 
 
 def check_world_size(info: SnapshotInfo, world_size: int) -> None:
@@ -231,7 +244,7 @@ def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: S
 
 def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int, RankManifest],
                  plan: Mapping[str, list[Piece]], view: memoryview, layout: SegmentLayout, rank: int,
-                 reserve_staging, staging_free_bytes, replaceable: bool) -> str:
+                 reserve_staging, staging_free_bytes, replaceable: bool) -> Kept:
     """Every piece of ``plan`` read once, verified and copied into ``view`` as it is read; what
     kept the segment's state safe meanwhile (:attr:`RestoreResult.kept`). ``replaceable``: the
     segment holds nothing to keep (a failure zeroes the targets). Else the targets' bytes are
@@ -257,7 +270,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
             for target in targets:
                 _posix.zero(base + target.offset, target.nbytes)
             raise
-        return "nothing"
+        return Kept.NOTHING
     # Aside: the segment's copy slots (idle: no snapshot reads it, checked before), then memory.
     slots_at, slots_left = base + layout.cow_slots_offset, layout.cow_slots * layout.chunk_bytes
     in_slots, overflow = [], []
@@ -272,7 +285,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
             with mmap.mmap(-1, max(nbytes, 1)) as memory, memoryview(memory) as memory_view:
                 aside = _aside_places(in_slots, slots_at) + _aside_places(overflow, _posix.buffer_address(memory_view))
                 _read_with_undo(tier, info, wanted, copier, base, aside)
-            return "slots" if not overflow else "memory" if not in_slots else "slots+memory"
+            return Kept.SLOTS if not overflow else Kept.MEMORY if not in_slots else Kept.SLOTS_MEMORY
     log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id, rank=rank,
               kept_bytes=sum(t.nbytes for t in targets), copy_slot_bytes=layout.cow_slots * layout.chunk_bytes,
               budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
@@ -285,7 +298,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
     except SnapshotCorrupt as exc:
         raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "
                               "partially overwritten: restore again") from None
-    return "verify-first"
+    return Kept.VERIFY_FIRST
 
 
 def _aside_places(targets, at: int) -> list[tuple[object, int]]:
@@ -361,7 +374,7 @@ class ReadSnapshot:
         self._lock = threading.Lock()
         self._manifests: dict[int, RankManifest] = {}
         raw = tier.read_layout(info)
-        self.planned_from = "layout-index" if raw is not None else "every-manifest"
+        self.planned_from = PlanSource.LAYOUT_INDEX if raw is not None else PlanSource.EVERY_MANIFEST
         if raw is None:  # written before layout indexes, or a step read from the store's markers
             self._manifests = {r: tier.read_manifest(info, r) for r in info.ranks}
             self.index = LayoutIndex({r: m.tensors for r, m in self._manifests.items()}, info.world_size)
