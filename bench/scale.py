@@ -8,13 +8,13 @@ N ranks: the records every old rank's manifest holds. For each N and a shrink to
 grow to 5N/4 it measures, in this process:
 
 - **build**: the step's layout index (``layout.json``,
-  :class:`~swap_state.server.snapshot.layout_index.LayoutIndex`) from every old rank's records,
+  :class:`~swap_state.server.snapshot.restoring.layout_index.LayoutIndex`) from every old rank's records,
   as the server that commits the step (or publishes it in the store) does once per step:
   CPU seconds, peak Python memory and its bytes;
 - **plan**: what one new rank pays to plan its restore: ``layout.json`` parsed, planned, the
   manifests of the old ranks it reads (``reads``) parsed, the plan bound to their records;
 - **baseline**: the same rank planned tensor by tensor over every old rank's records held in
-  memory (:func:`~swap_state.server.snapshot.reshard.plan_tensor`, the planner before any
+  memory (:func:`~swap_state.server.snapshot.restoring.reshard.plan_tensor`, the planner before any
   index; reading those N manifests not counted), measured in the same run, the plans compared
   equal: the ratio is the figure to read, not the seconds.
 
@@ -40,8 +40,8 @@ import tracemalloc
 
 from bench.store_requests import count_requests
 from swap_state.common.snapshot_format import RankManifest, TensorRecord, dumps_json
-from swap_state.server.snapshot.layout_index import LayoutIndex, bind
-from swap_state.server.snapshot.reshard import TargetTensor, plan_tensor, ranks_needed
+from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, bind
+from swap_state.server.snapshot.restoring.reshard import TargetTensor, plan_tensor, ranks_needed
 
 DIM, FFN, KV, VOCAB, LAYERS = 8192, 28672, 1024, 128256, 80
 MOMENTS = ("exp_avg", "exp_avg_sq")

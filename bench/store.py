@@ -34,7 +34,7 @@ from swap_state.common.object_store import open_store
 from swap_state.common.retry import wait_until
 from swap_state.common.snapshot_format import rank_data_name, rank_manifest_name
 from swap_state.common.stored_snapshots import StoredSnapshots
-from swap_state.server.snapshot.upload import UPLOAD_BLOCK_BYTES
+from swap_state.server.snapshot.tiers.upload import UPLOAD_BLOCK_BYTES
 
 from bench import hardware, util
 from bench.cli import MOMENT_BYTES_PER_PARAM, _contention, _isolate, _log, _pin_process

@@ -27,8 +27,8 @@ from swap_state.common.snapshot_format import (
     rank_manifest_name, step_dir_name,
 )
 from swap_state.common.stored_snapshots import StoredSnapshots
-from swap_state.server.snapshot.directory import SnapshotDirectory
-from swap_state.server.snapshot.upload import SnapshotUploader, StoreState
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.upload import SnapshotUploader, StoreState
 
 JOB = "big"
 S3_REQUESTS = {"get_range": 2}  # a HEAD for the size, then the GET; every other call is one
@@ -90,7 +90,7 @@ def host_snapshot(root: pathlib.Path, world: int, ranks: range, step: int) -> Sn
 def upload(uploader: SnapshotUploader, local: SnapshotDirectory, step: int, timeout_s: float = 60) -> None:
     """Submit the host's step and wait until the worker is done with it (stored, then the step's
     index and retention: it no longer holds the step)."""
-    info = local.resolve(f"{JOB}/step-{step}")
+    info = local.reader.resolve(f"{JOB}/step-{step}")
     uploader.submit(info, 2)
     deadline = time.monotonic() + timeout_s
     while any(uploader.status(JOB, step, r).state is StoreState.UPLOADING for r in info.ranks) or uploader.in_use(JOB):

@@ -1,7 +1,7 @@
 """CRC-32 (zlib/IEEE) of snapshot files: per tensor as the bytes stream by, the whole file's
 *combined* from those (:func:`crc32_combine`), not a second pass.
 
-From ISA-L (``isal.isal_zlib``: about 6x ``zlib.crc32`` here, and it releases the GIL on large
+From ISA-L (``isal.isal_zlib``: several times ``zlib.crc32``, and it releases the GIL on large
 buffers); where it has no wheel, ``zlib.crc32`` and zlib's ``crc32_combine`` written out below
 (the ``zlib`` module does not expose it). The values are the same either way.
 """

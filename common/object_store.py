@@ -28,8 +28,11 @@ from urllib.parse import urlparse
 
 from .errors import ConfigError
 
-__all__ = ["ObjectInfo", "ObjectStore", "PosixObjectStore", "S3ObjectStore", "open_store", "read_range", "fsync_dir",
+__all__ = ["STORE_TIMEOUT_S", "ObjectInfo", "ObjectStore", "PosixObjectStore", "S3ObjectStore", "open_store", "read_range", "fsync_dir",
            "STORE_FLAG"]
+
+STORE_TIMEOUT_S = 60.0
+"""Seconds one request to a store may take, retries included, unless told otherwise."""
 
 STORE_FLAG = "--snapshot-store"
 _TMP_MARK = ".tmp-"
@@ -223,7 +226,7 @@ class S3ObjectStore(ObjectStore):
     """``s3://bucket/prefix`` through obstore, from the AWS environment (a plain-http endpoint is
     allowed as given). Every request is bounded: ``timeout_s``, a few retries within it."""
 
-    def __init__(self, uri: str, timeout_s: float = 60.0):
+    def __init__(self, uri: str, timeout_s: float = STORE_TIMEOUT_S):
         import obstore  # the one place it is imported: a server without a store never needs it
         from obstore.store import S3Store
 
@@ -355,7 +358,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def open_store(uri: str, timeout_s: float = 60.0) -> ObjectStore:
+def open_store(uri: str, timeout_s: float = STORE_TIMEOUT_S) -> ObjectStore:
     """The store ``uri`` names: ``s3://bucket[/prefix]``, ``file:///path`` or a path.
     ConfigError naming ``--snapshot-store`` for anything else."""
     parsed = urlparse(uri)

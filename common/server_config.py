@@ -15,15 +15,47 @@ from typing import Any
 
 from .addresses import ListenAddress, default_listen, parse_address
 from .errors import ConfigError
+from .object_store import STORE_TIMEOUT_S
 from .segment import PAGE_BYTES
 from .sizes import GiB, KiB, MiB, format_size
+from .text_enum import TextEnum
 
-__all__ = ["DIRECT_IO_MODES", "EXIT_WITH_PARENT_ENV", "FLAG", "LOG_LEVELS", "Flag", "ServerConfig"]
+__all__ = ["EXIT_WITH_PARENT_ENV", "FLAG", "DirectIO", "Flag", "LogLevel", "ServerConfig", "SnapshotSettings"]
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
-DIRECT_IO_MODES = ("writes", "off")
-"""The values of ``--direct-io``."""
+class LogLevel(TextEnum):
+    """``--log-level``."""
+
+    DEBUG, INFO, WARNING, ERROR = "debug", "info", "warning", "error"
+
+
+class DirectIO(TextEnum):
+    """``--direct-io``: whether snapshot writes may bypass the page cache."""
+
+    WRITES, OFF = "writes", "off"
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotSettings:
+    """What the snapshot coordinator takes: each default declared here once (the server's flags
+    default to these; :meth:`ServerConfig.snapshot_settings` builds it from them)."""
+
+    keep_latest: int | None = 2
+    """Complete snapshots kept per job (>= 2; None keeps all)."""
+    stage_threads: int = 1
+    """Copy-ahead threads per persisting rank."""
+    model_copy_timeout_s: float = 60.0
+    """Seconds the writer waits for the trainer's copy of the model's parameters."""
+    direct_io: DirectIO = DirectIO.WRITES
+    """Whether snapshot writes may use O_DIRECT."""
+    store_uri: str | None = None
+    """The store each durable snapshot is uploaded to (None: none)."""
+    store_timeout_s: float = STORE_TIMEOUT_S
+    """Seconds one request to the store may take, retries included."""
+    store_max_bandwidth: float | None = None
+    """The cap on uploads in bytes/s (None: none)."""
+    tenant_snapshot_quota: int = 0
+    """Bytes of snapshots one tenant may keep (0: no quota)."""
 
 EXIT_WITH_PARENT_ENV = "SWAP_STATE_EXIT_WITH_PARENT"
 """Environment variable an embedded server is started with: the trainer's pid. The server then
@@ -108,7 +140,7 @@ class ServerConfig:
     uploaded in the background; a rank this server does not hold (a lost host's, one of
     another world size) is restored from it. Needs --snapshot-dir."""
 
-    snapshot_store_timeout: float = _flag(60.0, kind="seconds", example="120")
+    snapshot_store_timeout: float = _flag(SnapshotSettings.store_timeout_s, kind="seconds", example="120")
     """Seconds one request to --snapshot-store may take, retries included, before the upload
     or restore fails naming the store."""
 
@@ -129,7 +161,7 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     """Interface for the metrics endpoint: the HOST of ``--metrics-port HOST:PORT``."""
 
-    log_level: str = _flag("info", choices=LOG_LEVELS, example="debug")
+    log_level: LogLevel = _flag(LogLevel.INFO, kind="str", choices=tuple(LogLevel), example="debug")
     """Structured (key=value) log verbosity on stderr."""
 
     shm_dir: pathlib.Path = _flag(pathlib.Path("/dev/shm"), metavar="DIR", example="/dev/shm")
@@ -163,10 +195,9 @@ class ServerConfig:
     """Host-wide copy-before-write pool in bytes that lets snapshots run while trainers keep
     stepping; split into per-session slots of --chunk-bytes and held back from --shm-size."""
 
-    direct_io: str = _flag("writes", choices=DIRECT_IO_MODES, example="off")
+    direct_io: DirectIO = _flag(SnapshotSettings.direct_io, kind="str", choices=tuple(DirectIO), example="off")
     """Whether snapshot writes to --snapshot-dir bypass the page cache with O_DIRECT. writes:
-    snapshots persist through aligned bounce buffers, several writes in flight (measured on a
-    virtio disk: 1.35-1.39 GB/s, 1.7-2.2x buffered write + fsync); where the filesystem refuses
+    snapshots persist through aligned bounce buffers, several writes in flight; where the filesystem refuses
     O_DIRECT they are buffered, logged. off: buffered, for a filesystem that accepts O_DIRECT
     but serves it slowly (network filesystems may turn each O_DIRECT write into a synchronous
     round trip). Restores always read through the page cache, mapped and pinned."""
@@ -175,17 +206,17 @@ class ServerConfig:
     """Upper bound for snapshot writes to --snapshot-dir in bytes/s (size suffixes allowed);
     0 means unlimited."""
 
-    stage_threads: int = _flag(1, metavar="N", example="2")
+    stage_threads: int = _flag(SnapshotSettings.stage_threads, metavar="N", example="2")
     """Threads per persisting snapshot that copy chunks into spare slots ahead of the trainer,
     so it rarely copies or waits itself (a segment with fewer than 3 copy-before-write slots
     has none to spare: its trainer copies what the writer has not read)."""
 
-    model_copy_timeout: float = _flag(60.0, kind="seconds", example="120")
+    model_copy_timeout: float = _flag(SnapshotSettings.model_copy_timeout_s, kind="seconds", example="120")
     """Whole-state snapshots: seconds the writer waits for the trainer to finish copying the
     model's parameters of the snapshot's step into its segment (it does so right after the
     step, overlapped with the next forward/backward) before the snapshot fails."""
 
-    keep_latest: int = _flag(2, metavar="K", example="3")
+    keep_latest: int = _flag(SnapshotSettings.keep_latest, metavar="K", example="3")
     """Durable snapshots kept per job, at least 2: older ones are removed only after a newer one
     is durable. A job may ask to keep more (torchtitan's keep_latest_k), except a tenant that is
     not an admin: it keeps at most K."""
@@ -195,7 +226,7 @@ class ServerConfig:
     on this server; an Allocate beyond it fails RESOURCE_EXHAUSTED naming this flag, and other
     tenants are unaffected. 0: no quota (--shm-size bounds all)."""
 
-    tenant_snapshot_quota: int = _flag(0, kind="size", example="500G")
+    tenant_snapshot_quota: int = _flag(SnapshotSettings.tenant_snapshot_quota, kind="size", example="500G")
     """Bytes of snapshots one tenant may keep in --snapshot-dir: a snapshot that would take it
     beyond is refused (RESOURCE_EXHAUSTED naming this flag) before a byte is written. Retention
     removes old snapshots only after a new one is durable: allow (keep + 1) snapshots of a job.
@@ -257,10 +288,11 @@ class ServerConfig:
             raise ConfigError("--tls-client-ca needs --tls-cert/--tls-key (mutual TLS on --listen tcp://...)")
         if listen.scheme != "tcp" and (self.tls_cert is not None or self.tls_key is not None):
             raise ConfigError("--tls-cert/--tls-key only apply to --listen tcp://...")
-        for flag, value, choices in (("--direct-io", self.direct_io, DIRECT_IO_MODES),
-                                     ("--log-level", self.log_level, LOG_LEVELS)):
-            if value not in choices:
-                raise ConfigError(f"{flag} must be one of {', '.join(choices)}")
+        for name, mode in (("direct_io", DirectIO), ("log_level", LogLevel)):
+            try:
+                object.__setattr__(self, name, mode(getattr(self, name)))
+            except ValueError:
+                raise ConfigError(f"--{name.replace('_', '-')} must be one of {', '.join(mode)}") from None
         if self.chunk_bytes <= 0 or self.chunk_bytes % PAGE_BYTES:
             raise ConfigError(f"--chunk-bytes must be a positive multiple of the page size ({PAGE_BYTES})")
         if self.cow_budget is None:  # 1 GiB, at most an eighth of a small budget; whole chunks
@@ -299,6 +331,15 @@ class ServerConfig:
     @property
     def listen_address(self) -> ListenAddress:
         return parse_address(self.listen)
+
+    @property
+    def snapshot_settings(self) -> SnapshotSettings:
+        """The snapshot coordinator's settings from these flags."""
+        return SnapshotSettings(
+            keep_latest=self.keep_latest, stage_threads=self.stage_threads,
+            model_copy_timeout_s=self.model_copy_timeout, direct_io=self.direct_io, store_uri=self.snapshot_store,
+            store_timeout_s=self.snapshot_store_timeout, tenant_snapshot_quota=self.tenant_snapshot_quota,
+            store_max_bandwidth=self.snapshot_store_max_bandwidth or None)
 
     @property
     def cow_pool_bytes(self) -> int:

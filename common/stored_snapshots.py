@@ -43,7 +43,7 @@ from .snapshot_errors import SnapshotCorrupt, SnapshotInvalid, SnapshotNotFound,
 from .snapshot_format import (
     INDEX_NAME, LAYOUT_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name,
 )
-from .snapshot_reader import SnapshotInfo, SnapshotTier
+from .snapshot_tier import SnapshotInfo, SnapshotTier
 
 __all__ = ["StorePath", "StoredSnapshots", "marker_name", "parse_marker_name"]
 

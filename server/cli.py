@@ -23,7 +23,7 @@ from swap_state.server.runtime import start_server
 
 __all__ = ["build_parser", "config_from_args", "main", "parse_config"]
 
-log = logging.getLogger("swap_state.server")
+log = logging.getLogger(__name__)
 
 _EPILOG = textwrap.dedent(
     """\

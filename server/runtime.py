@@ -38,8 +38,9 @@ from swap_state.server.memory.adopt import adopt_segments, discard_segments
 from swap_state.server.memory.arena import Arena
 from swap_state.server.dir_trust import check_own_directory
 from swap_state.server.memory.shm_dir import check_shm_dir, require_shm_dir
-from swap_state.server.rpc.auth import TokenAuthInterceptor, read_token_file
+from swap_state.server.rpc.auth import CallerAuthInterceptor, read_token_file
 from swap_state.server.tenants import ANYONE, Tenants, UidProofs, read_tenants_file
+from swap_state.server.domain import StateServer
 from swap_state.common.addresses import ListenAddress
 from swap_state.common.server_config import ServerConfig
 from swap_state.common.sizes import format_size
@@ -55,7 +56,7 @@ from swap_state.server.memory.sessions import SessionRegistry
 
 __all__ = ["RunningServer", "SERVICE_NAME", "grpc_server_options", "start_server"]
 
-log = logging.getLogger("swap_state.server")
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SwapState"].full_name  # "swap_state.v1.SwapState"
 
@@ -88,6 +89,7 @@ class RunningServer:
     metrics_address: tuple[str, int] | None
     arena: Arena
     sessions: SessionRegistry
+    state: StateServer
     service: SwapStateService
     health: health_aio.HealthServicer
     _grpc: grpc.aio.Server
@@ -112,10 +114,10 @@ class RunningServer:
             await self._grpc.stop(grace)
             if self._metrics is not None:
                 await self._metrics.stop()
-            if self.service.snapshots is not None:
+            if self.state.snapshots is not None:
                 # Let running snapshots finish (bounded) before their segments are freed.
-                await asyncio.to_thread(self.service.snapshots.close)
-            await self.service.drain(timeout_s=grace + 5.0)  # borrowed segments back
+                await asyncio.to_thread(self.state.snapshots.close)
+            await self.state.drain(timeout_s=grace + 5.0)  # borrowed segments back
             await self.sessions.close(keep_segments=not self.config.free_segments_on_stop)
         finally:
             if self._guard is not None:
@@ -190,9 +192,9 @@ def _bind(server: grpc.aio.Server, listen: ListenAddress, creds: grpc.ServerCred
     return port
 
 
-def _build_service(config: ServerConfig, listen: ListenAddress, gid: int | None, tenants: Tenants,
-                  undo: contextlib.AsyncExitStack) -> SwapStateService:
-    """The servicer with its arena, session registry and snapshot coordinator (whose close is
+def _build_state(config: ServerConfig, listen: ListenAddress, gid: int | None,
+                 undo: contextlib.AsyncExitStack) -> StateServer:
+    """The server's state: arena, session registry and snapshot coordinator (whose close is
     pushed on ``undo``)."""
     copy_policy = CopyBudgetPolicy(max_bandwidth=config.persist_max_bandwidth or None)
     arena = Arena(shm_dir=config.shm_dir, total_bytes=config.shm_size, cow_pool_bytes=config.cow_pool_bytes,
@@ -202,19 +204,12 @@ def _build_service(config: ServerConfig, listen: ListenAddress, gid: int | None,
                                max_tensors=config.max_tensors)
     snapshots = None
     if config.snapshot_dir is not None:
-        snapshots = SnapshotCoordinator(config.snapshot_dir, keep_latest=config.keep_latest,
-                                        stage_threads=config.stage_threads,
-                                        tenant_snapshot_quota=config.tenant_snapshot_quota,
-                                        model_copy_timeout_s=config.model_copy_timeout, copy_policy=copy_policy,
-                                        store_uri=config.snapshot_store, store_timeout_s=config.snapshot_store_timeout,
-                                        store_max_bandwidth=config.snapshot_store_max_bandwidth or None,
-                                        direct_io=config.direct_io,
+        snapshots = SnapshotCoordinator(config.snapshot_dir, config.snapshot_settings, copy_policy=copy_policy,
                                         committed_steps=lambda job_id: {s.rank: s.last_committed_step
                                                                         for s in registry.sessions
                                                                         if s.job_id == job_id})
         undo.callback(snapshots.close)
-    return SwapStateService(registry, keepalive_interval=config.keepalive_interval,
-                            snapshots=snapshots, tenants=tenants)
+    return StateServer(registry, snapshots)
 
 
 def _read_tenants(config: ServerConfig) -> Tenants:
@@ -228,11 +223,11 @@ def _read_tenants(config: ServerConfig) -> Tenants:
     return Tenants(proofs=UidProofs(listen.path)) if listen.scheme == "unix" else Tenants()
 
 
-def _prepare_shm(config: ServerConfig, service: SwapStateService, gid: int | None) -> None:
+def _prepare_shm(config: ServerConfig, state: StateServer, gid: int | None) -> None:
     """Adopt (or with ``--discard-segments`` remove) what a previous server on this address
     left, then check the shm directory holds the rest of the budget. Nothing is adopted from a
     directory other users can write."""
-    arena = service.arena
+    arena = state.arena
     require_shm_dir(config.shm_dir)
     check_own_directory(config.shm_dir, "--shm-dir", shared_gid=gid, sticky_ok=True)
     if config.discard_segments:
@@ -246,9 +241,9 @@ def _prepare_shm(config: ServerConfig, service: SwapStateService, gid: int | Non
             log_event(log, "segment_not_adopted", logging.WARNING, path=item.path, reason=item.reason,
                       detail="left where it is; remove it by hand, or start with --discard-segments")
         for item in adopted:
-            service.registry.adopt(item)
-            if service.snapshots is not None:
-                service.snapshots.note_epoch(item.open_epoch)
+            state.registry.adopt(item)
+            if state.snapshots is not None:
+                state.snapshots.note_epoch(item.open_epoch)
         if adopted:
             log_event(log, "segments_adopted", sessions=len(adopted), bytes=arena.used_bytes, shm_dir=config.shm_dir)
     check_shm_dir(config.shm_dir, config.shm_size - arena.used_bytes)
@@ -264,13 +259,14 @@ async def _start_metrics(config: ServerConfig, service: SwapStateService, starte
     closed) when it cannot listen."""
     if not config.metrics_port:
         return None
-    collector = ServerCollector(service.arena, service.registry, service.counters,
-                                service.snapshot_counters, service.snapshots, started_at=started_at)
+    state = service.state
+    collector = ServerCollector(state.arena, state.registry, service.counters,
+                                state.snapshot_counters, state.snapshots, started_at=started_at)
     metrics = MetricsServer(collector, config.metrics_host, config.metrics_port)
     try:
         await metrics.start()
     except OSError as exc:
-        await service.registry.close()
+        await state.registry.close()
         raise StartupError(f"--metrics-port {config.metrics_host}:{config.metrics_port}: {exc.strerror}") from None
     return metrics
 
@@ -294,9 +290,10 @@ async def start_server(config: ServerConfig) -> RunningServer:
             undo.callback(guard.release)
         if tenants.proofs is not None:
             tenants.proofs.prepare()  # beside the socket, in the directory the guard checked
-        service = _build_service(config, listen, gid, tenants, undo)
+        state = _build_state(config, listen, gid, undo)
+        service = SwapStateService(state, keepalive_interval=config.keepalive_interval)
         health = health_aio.HealthServicer()
-        interceptors = [TokenAuthInterceptor(tenants)] if tenants.enabled else []
+        interceptors = [CallerAuthInterceptor(tenants)] if tenants.enabled else []
         server = grpc.aio.server(interceptors=interceptors, options=grpc_server_options(config))
         pb_grpc.add_SwapStateServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -304,12 +301,12 @@ async def start_server(config: ServerConfig) -> RunningServer:
         undo.push_async_callback(server.stop, None)
         if guard is not None:
             guard.bound()
-        _prepare_shm(config, service, gid)
+        _prepare_shm(config, state, gid)
 
         await server.start()
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        service.registry.start()
+        state.registry.start()
         metrics = await _start_metrics(config, service, started_at=time.time())
         undo.pop_all()
 
@@ -317,15 +314,15 @@ async def start_server(config: ServerConfig) -> RunningServer:
     wildcard = listen.scheme == "tcp" and listen.host in ("0.0.0.0", "::", "")
     address = (dataclasses.replace(listen, host="localhost") if wildcard else listen).bind_target(port)
     running = RunningServer(config=config, address=address, listen=listen, socket_path=listen.path,
-                            metrics_address=metrics.address if metrics else None, arena=service.arena,
-                            sessions=service.registry, service=service, health=health, _grpc=server, _guard=guard,
+                            metrics_address=metrics.address if metrics else None, arena=state.arena,
+                            sessions=state.registry, state=state, service=service, health=health, _grpc=server, _guard=guard,
                             _proofs=tenants.proofs, _metrics=metrics)
     auth = ("tenants" if config.tenants else "uid" if tenants.proofs is not None
             else "token" if tenants.enabled else "none")
     log_event(log, "started", listen=address if listen.scheme == "unix" else f"tcp://{address}",
               socket=listen.path or "", shm_dir=config.shm_dir, budget_bytes=config.shm_size,
-              budget=format_size(config.shm_size), cow_pool_bytes=service.arena.cow_reserve_bytes,
-              cow_slots=service.arena.cow_pool_slots, chunk_bytes=config.chunk_bytes, grace_seconds=config.grace,
+              budget=format_size(config.shm_size), cow_pool_bytes=state.arena.cow_reserve_bytes,
+              cow_slots=state.arena.cow_pool_slots, chunk_bytes=config.chunk_bytes, grace_seconds=config.grace,
               snapshot_dir=config.snapshot_dir or "", auth=auth, tls=creds is not None,
               metrics=f"{metrics.address[0]}:{metrics.address[1]}" if metrics and metrics.address else "off",
               pid=os.getpid())

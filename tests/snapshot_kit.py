@@ -33,7 +33,8 @@ from swap_state.common.checksum import crc32
 from swap_state.common.copy_before_write import TrainerProtector
 from swap_state.common.segment import PAGE_BYTES, SegmentHeader, Word, chunk_table, plan_segment
 from swap_state.common.server_header import ServerHeader
-from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
+from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.server.snapshot.coordinator import SnapshotSource
 
 __all__ = [

@@ -62,7 +62,7 @@ def test_import_contracts_hold(staged: pathlib.Path):
         ("server", "import torch"),
         # the server's layers: rpc > observability > snapshot | memory > logs | _posix
         ("server/memory", "from swap_state.server.rpc import service"),
-        ("server/memory", "from swap_state.server.snapshot import writer"),
+        ("server/memory", "from swap_state.server.snapshot.writing import writer"),
         ("server/snapshot", "from swap_state.server.observability import metrics"),
     ],
 )

@@ -38,7 +38,8 @@ from swap_state.common.segment import TensorLayout
 from swap_state.common.snapshot_errors import SnapshotError, SnapshotNotFound, SnapshotStoreUnavailable
 from swap_state.common.snapshot_format import TensorRecord
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, TENSOR_TAG, parse_metadata
-from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader, SnapshotTier
+from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
 from tqdm import tqdm
 

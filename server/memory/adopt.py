@@ -44,7 +44,7 @@ Validate = Callable[[SegmentDescriptor], list[TensorSpec]]
 """Checks a descriptor's values as an Attach and an Allocate are (raises naming what is
 wrong); returns the checked tensor specs."""
 
-log = logging.getLogger("swap_state.server.arena")  # the arena's logger: one place to look
+log = logging.getLogger(__name__)
 
 _SESSION_ID = re.compile(r"([0-9a-f]{32})\.([0-9]{1,18})")
 

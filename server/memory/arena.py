@@ -50,7 +50,7 @@ from swap_state.server.tenants import tenant_uid
 
 __all__ = ["LOCAL_RANKS_HINT", "SEGMENT_PREFIX", "Arena", "Segment"]
 
-log = logging.getLogger("swap_state.server.arena")
+log = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "swap-state"
 # The cow pool is shared by the sessions of a host; a session takes at most
@@ -70,8 +70,8 @@ _mlock_on_fault = _posix.mlock_on_fault
 
 def _populate(address: int, size: int) -> None:
     """Fault a segment's pages in on the shared threads (mlock faults on one, and the kernel
-    serialises parallel mlocks). Measured on a 2-CPU VM, create_segment of 2 GiB: 0.90 GiB/s
-    before, 3.0 after. Best effort: without MADV_POPULATE_WRITE mlock does it."""
+    serialises parallel mlocks: docs/benchmarks.md). Best effort: without MADV_POPULATE_WRITE
+    mlock does it."""
     chunks = range(0, size, _POPULATE_CHUNK)
     list(_POPULATE_POOL.map(lambda at: _posix.populate_write(address + at, min(_POPULATE_CHUNK, size - at)), chunks))
 

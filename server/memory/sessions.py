@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from swap_state.common.errors import (
-    SERVER_STOPPING_NOTICE, LayoutMismatch, NotFound, PermissionDenied, SessionLive, StaleGeneration,
+    SERVER_STOPPING_NOTICE, LayoutMismatch, NotFound, SessionLive, StaleGeneration,
     Unavailable,
 )
 from swap_state.common import trainer_presence
@@ -48,7 +48,7 @@ from swap_state.server.tenants import ANYONE, Tenant
 
 __all__ = ["SessionRegistry"]
 
-log = logging.getLogger("swap_state.server.sessions")
+log = logging.getLogger(__name__)
 
 #: Freed (job id, rank) pairs remembered; one record is a few hundred bytes.
 MAX_FREED = 1024
@@ -130,12 +130,9 @@ class SessionRegistry:
 
     async def attach(self, job_id: str, rank: int, world_size: int, *, local_world_size: int, client_pid: int = 0,
                      client_host: str = "", tenant: Tenant = ANYONE) -> tuple[Session, bool]:
-        """Open or re-open the session of (job_id, rank) for ``tenant``: (session, reattached).
-        PermissionDenied when another tenant's session holds the job."""
+        """Open or re-open the session of (job_id, rank) for ``tenant`` (who may claim the job:
+        :mod:`swap_state.server.domain` decides): (session, reattached)."""
         self._check_open()
-        for other in self._sessions.values():
-            if other.job_id == job_id and not other.closed and not tenant.may_claim(other.tenant):
-                raise PermissionDenied(f"job {job_id!r} belongs to another tenant: choose another job id")
         session = self._by_key.get((job_id, rank))
         reattached = False
         if session is not None:

@@ -15,7 +15,7 @@ from swap_state.server.logs import log_event
 
 __all__ = ["MEMORY_FILESYSTEMS", "check_shm_dir", "filesystem_type", "require_shm_dir"]
 
-log = logging.getLogger("swap_state.server.arena")  # the arena's logger: one place to look
+log = logging.getLogger(__name__)
 
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 

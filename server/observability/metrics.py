@@ -26,7 +26,7 @@ from swap_state.server.snapshot.coordinator import SnapshotCoordinator, Snapshot
 
 __all__ = ["CONTENT_TYPE", "MetricsServer", "RpcCounters", "ServerCollector", "SnapshotCounters"]
 
-log = logging.getLogger("swap_state.server.metrics")
+log = logging.getLogger(__name__)
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # "text/plain; version=0.0.4; charset=utf-8"
 _MAX_REQUEST_BYTES = 8192

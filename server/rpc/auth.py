@@ -1,13 +1,15 @@
 """Caller authentication as a grpc.aio server interceptor: a bearer token (``--token-file``, or
 a tenant's of ``--tenants``) or a uid proof (:class:`~swap_state.server.tenants.Tenants`).
 
-A call without a known one fails UNAUTHENTICATED before its request is deserialised. The gRPC
+A call without a known one fails UNAUTHENTICATED before its request is deserialised; a known
+one's tenant, resolved once, is the servicer's :func:`caller` while the call runs. The gRPC
 health service is exempt so orchestrator probes work without the secret (it reveals nothing but
 SERVING / NOT_SERVING).
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import pathlib
 import stat
@@ -19,11 +21,18 @@ from swap_state.common.caller_proof import CALLER_METADATA_KEY
 from swap_state.common.errors import StartupError, Unauthenticated
 from swap_state.server.logs import log_event
 from swap_state.server.rpc.statuses import reason_metadata, status_for
-from swap_state.server.tenants import Tenants, read_secret_file
+from swap_state.server.tenants import ANYONE, Tenant, Tenants, read_secret_file
 
-__all__ = ["EXEMPT_PREFIXES", "TokenAuthInterceptor", "read_token_file"]
+__all__ = ["EXEMPT_PREFIXES", "CallerAuthInterceptor", "caller", "read_token_file"]
 
-log = logging.getLogger("swap_state.server.auth")
+log = logging.getLogger(__name__)
+
+_CALLER: contextvars.ContextVar[Tenant] = contextvars.ContextVar("swap_state_caller", default=ANYONE)
+
+
+def caller() -> Tenant:
+    """The tenant of the call being served (:data:`ANYONE` where callers are not told apart)."""
+    return _CALLER.get()
 
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
 
@@ -39,7 +48,10 @@ def read_token_file(path: pathlib.Path) -> str:
     return token
 
 
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+class CallerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Tells callers apart (token or uid proof): refuses an unknown one, runs a known one's
+    call with its tenant as :func:`caller`."""
+
     def __init__(self, tenants: Tenants) -> None:
         self._tenants = tenants
         self.denied = 0
@@ -48,15 +60,38 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
                                 continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
                                 handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = handler_call_details.method or ""
-        if (method.startswith(EXEMPT_PREFIXES)
-                or self._tenants.tenant_of(handler_call_details.invocation_metadata) is not None):
+        if method.startswith(EXEMPT_PREFIXES):
             return await continuation(handler_call_details)
+        tenant = self._tenants.tenant_of(handler_call_details.invocation_metadata)
+        if tenant is not None:
+            handler = await continuation(handler_call_details)
+            return None if handler is None else _as_caller(handler, tenant)
         self.denied += 1
         log_event(log, "unauthenticated", logging.WARNING, method=method, denied_total=self.denied)
         handler = await continuation(handler_call_details)
         if handler is None:  # unknown method: let grpc answer UNIMPLEMENTED as usual
             return None
         return _deny(handler, self._tenants.proofs is not None)
+
+
+def _as_caller(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethodHandler:
+    """``handler`` with its behaviour run as ``tenant``'s call."""
+    if handler.response_streaming:
+        behaviour = handler.unary_stream or handler.stream_stream
+
+        async def run(request, context):
+            _CALLER.set(tenant)
+            async for item in behaviour(request, context):
+                yield item
+    else:
+        behaviour = handler.unary_unary or handler.stream_unary
+
+        async def run(request, context):  # type: ignore[misc]
+            _CALLER.set(tenant)
+            return await behaviour(request, context)
+    kind = ("stream_" if handler.request_streaming else "unary_") + (
+        "stream" if handler.response_streaming else "unary")
+    return handler._replace(**{kind: run})  # type: ignore[attr-defined]
 
 
 def _deny(handler: grpc.RpcMethodHandler, by_uid: bool) -> grpc.RpcMethodHandler:

@@ -22,7 +22,7 @@ from swap_state.server.logs import log_event
 
 __all__ = ["SocketGuard", "SOCKET_MODE"]
 
-log = logging.getLogger("swap_state.server.listener")
+log = logging.getLogger(__name__)
 
 SOCKET_MODE = 0o660
 

@@ -26,7 +26,7 @@ from swap_state.server.observability.metrics import RpcCounters
 
 __all__ = ["rpc_boundary", "status_for", "reason_metadata"]
 
-log = logging.getLogger("swap_state.server.rpc")
+log = logging.getLogger(__name__)
 
 # grpc.aio raises this from context.abort(); it must pass through untouched.
 _AbortError: type[BaseException] = grpc.aio.AbortError

@@ -1,5 +1,5 @@
-"""Snapshots: the coordinator and its groups of ranks, the rank writers (what a rank's files
-hold) and their stager, the ``--snapshot-dir`` (where the files go, the commit sequence and
-retention: directory), the store's upload, and restore from either tier."""
+"""Snapshots: the coordinator and its groups of ranks; writing (a rank's writer, its copy-ahead,
+sink and files), tiers (the ``--snapshot-dir`` directory and the store's upload) and restoring
+(the tier to read, the plan and the reads)."""
 
 __all__: list[str] = []

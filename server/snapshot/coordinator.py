@@ -2,11 +2,11 @@
 
 Call order (the servicer):
 
-1. ``SnapshotCoordinator(snapshot_dir, keep_latest=K, copy_policy=P, stage_threads=T)`` once
+1. ``SnapshotCoordinator(snapshot_dir, settings, copy_policy=P)`` once
    at server start (it removes what a killed writer left; ``note_epoch`` of adopted segments).
 2. Snapshot RPC: ``handle = coordinator.start(SnapshotSource(...))`` validates and publishes
    the snapshot epoch: on return the snapshot is *consistent*, the trainer may go on. A thread
-   persists the rank (:mod:`.writer`), a stager copies ahead of the trainer (:mod:`.stager`).
+   persists the rank (:mod:`.writing.writer`), a stager copies ahead of the trainer (:mod:`.writing.copy_ahead`).
 3. SnapshotStatus RPC: ``await coordinator.wait_status(snapshot_id, rank, wait_s)``:
    ``durable`` once this server's ``local_world_size`` ranks are on disk and committed,
    ``failed`` otherwise; ``stored`` once uploaded to the store, if any. ``in_progress()``: Stats.
@@ -28,7 +28,8 @@ import time
 from collections.abc import Callable
 
 from swap_state.common.segment import Word
-from swap_state.common.errors import PermissionDenied, ResourceExhausted
+from swap_state.common.server_config import SnapshotSettings
+from swap_state.common.errors import ResourceExhausted
 from swap_state.common.sizes import format_size
 from swap_state.common.snapshot_errors import (
     SnapshotBusy, SnapshotError, SnapshotFailed, SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable,
@@ -38,23 +39,23 @@ from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_format import LAYOUT_NAME, FileRecord, SnapshotIndex
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, SnapshotMetadata, parse_metadata
 from swap_state.common.snapshot_metadata_parts import MetadataParts
-from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.common.names import parse_snapshot_id, shorten
 from swap_state.common.object_store import open_store
 from swap_state.common.stored_snapshots import StoredSnapshots
 
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.bandwidth import BandwidthLimiter
+from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.group import RankSnapshot, SnapshotGroup
-from swap_state.server.snapshot.layout_index import LayoutIndex
-from swap_state.server.snapshot.source import SnapshotSource, check_source
+from swap_state.server.snapshot.restoring.layout_index import LayoutIndex
+from swap_state.server.snapshot.writing.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
-from swap_state.server.snapshot.directory import SnapshotDirectory
-from swap_state.server.snapshot.upload import SnapshotUploader
-from swap_state.server.snapshot.writer import Cancelled, RankWriter
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.upload import SnapshotUploader
+from swap_state.server.snapshot.writing.writer import Cancelled, RankWriter
 
-log = logging.getLogger("swap_state.server.snapshot_coordinator")
+log = logging.getLogger(__name__)
 
 __all__ = ["SnapshotSource", "SnapshotState", "SnapshotStatus", "RankSnapshot", "SnapshotCoordinator"]
 
@@ -65,29 +66,27 @@ ASSEMBLY_CHECK_S = 1.0  # how often a group waiting for ranks looks for one that
 class SnapshotCoordinator:
     """Starts, tracks and commits snapshots under one snapshot directory."""
 
-    def __init__(self, snapshot_dir: str | os.PathLike[str], *, keep_latest: int | None = 2,
+    def __init__(self, snapshot_dir: str | os.PathLike[str], settings: SnapshotSettings = SnapshotSettings(), *,
                  assemble_timeout_s: float = 300.0, max_metadata_bytes: int = MAX_METADATA_BYTES,
-                 clean_stale: bool = True, stage_threads: int = 1, model_copy_timeout_s: float = 60.0,
-                 copy_policy: CopyBudgetPolicy | None = None, direct_io: str = "writes", store_uri: str | None = None,
-                 store_timeout_s: float = 60.0, store_max_bandwidth: float | None = None,
-                 tenant_snapshot_quota: int = 0,
+                 clean_stale: bool = True, copy_policy: CopyBudgetPolicy | None = None,
                  committed_steps: Callable[[str], dict[int, int | None]] | None = None):
-        """``keep_latest``: complete snapshots kept per job (>= 2; None keeps all).
+        """``settings``: retention, writers, store (the server's flags).
         ``assemble_timeout_s``: fail when not all ``local_world_size`` ranks started by then.
         ``clean_stale``: remove a previous run's partial snapshots (False: a live server shares it).
-        ``stage_threads``: stager threads per persisting rank. ``copy_policy``: the memory rule's
-        inputs, shared with the arena, and the cap on all snapshot I/O (``--persist-max-bandwidth``).
-        ``store_uri``: the store each durable snapshot is uploaded to (None: none).
+        ``copy_policy``: the memory rule's inputs, shared with the arena, and the cap on all
+        snapshot I/O (``--persist-max-bandwidth``).
         ``committed_steps(job)``: the last committed step of each rank of ``job`` attached here
         (a group waiting for a rank already past its step fails at once)."""
+        keep_latest, stage_threads = settings.keep_latest, settings.stage_threads
         if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 1:
             raise ValueError(f"keep_latest must be >= 2 or None (keep all), assemble_timeout_s > 0 and "
                              f"stage_threads >= 1: got {keep_latest}, {assemble_timeout_s}, {stage_threads}")
-        self.tenant_snapshot_quota = tenant_snapshot_quota
+        self.settings = settings
+        self.tenant_snapshot_quota = settings.tenant_snapshot_quota
         self.stage_threads = stage_threads
-        self.model_copy_timeout_s = model_copy_timeout_s
         self.copy_policy = copy_policy or CopyBudgetPolicy()  # this coordinator records each snapshot's rate
-        self.directory = SnapshotDirectory(snapshot_dir, direct_io)  # the local tier
+        self.directory = SnapshotDirectory(snapshot_dir, settings.direct_io)  # where snapshots are written
+        self.local = self.directory.reader  # the local tier: what they are read from
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
         self.max_metadata_bytes = max_metadata_bytes
@@ -112,9 +111,9 @@ class SnapshotCoordinator:
             log_event(log, "snapshot_dir_shared", logging.INFO, snapshot_dir=str(directory.root),
                       note="another live server uses this directory: its partial snapshots are left alone")
         self.uploader = None
-        if store_uri:
-            stored = StoredSnapshots(open_store(store_uri, store_timeout_s))
-            self.uploader = SnapshotUploader(stored, self.directory, store_max_bandwidth)
+        if settings.store_uri:
+            stored = StoredSnapshots(open_store(settings.store_uri, settings.store_timeout_s))
+            self.uploader = SnapshotUploader(stored, self.directory, settings.store_max_bandwidth)
         self.stored = self.uploader.stored if self.uploader is not None else None  # the store tier, if any
         self.committed_steps = committed_steps
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
@@ -170,7 +169,7 @@ class SnapshotCoordinator:
     def job_owner(self, job_id: str) -> str | None:
         """The tenant that owns ``job_id``'s snapshots: its newest one's here, else in the store
         (remembered: an owner does not change); None when neither has one or it is unreachable."""
-        snapshots = self.directory.list(job_id)
+        snapshots = self.local.list(job_id)
         if snapshots:
             return snapshots[-1].index.tenant
         if self.stored is None:
@@ -188,14 +187,10 @@ class SnapshotCoordinator:
         return self._store_owners[job_id]
 
     def _new_group(self, source: SnapshotSource) -> SnapshotGroup:
-        """Refused for another tenant's job, or past ``--tenant-snapshot-quota`` (the tenant's
-        snapshots here and this one, estimated from this rank's bytes)."""
-        owner = self.job_owner(source.job_id)
-        if owner not in (None, "", source.tenant):
-            raise PermissionDenied(f"the snapshots of job {source.job_id!r} belong to another tenant: "
-                                   "choose another job id")
+        """Refused past ``--tenant-snapshot-quota`` (the tenant's snapshots here and this one,
+        estimated from this rank's bytes); whose job it is the caller decided."""
         quota = self.tenant_snapshot_quota
-        mine = [i.bytes for i in self.directory.list() if i.index.tenant == source.tenant] if quota else []
+        mine = [i.bytes for i in self.local.list() if i.index.tenant == source.tenant] if quota else []
         held, new = sum(mine), sum(t.nbytes for t in source.layout.tensors) * source.expected_ranks
         if quota and held + new > quota:
             raise ResourceExhausted(
@@ -225,7 +220,7 @@ class SnapshotCoordinator:
         self._last_epoch = max(self._last_epoch, header.highest_cow_epoch(), header[Word.ABANDONED_EPOCH]) + 1
         writer = RankWriter(source, metadata, self._last_epoch, directory=self.directory, partial=group.partial,
                             limiter=self._limiter, cancel=group.cancel, started_monotonic=time.monotonic(),
-                            stage_threads=self.stage_threads, model_copy_timeout_s=self.model_copy_timeout_s)
+                            settings=self.settings)
         if not hold:
             writer.go()
         handle = RankSnapshot(group, source.rank, writer)
@@ -327,7 +322,7 @@ class SnapshotCoordinator:
             attempt = 1  # or one more than the snapshot of the step this commit replaces
             if group.replace:
                 with contextlib.suppress(SnapshotError):
-                    attempt = self.directory.resolve(group.snapshot_id).index.attempt + 1
+                    attempt = self.local.resolve(group.snapshot_id).index.attempt + 1
             layout = None  # one host's part of a multi-host step gets its layout index in the store
             if len(results) == group.world_size:
                 layout = LayoutIndex({r: result.manifest.tensors for r, result in results.items()},
@@ -356,24 +351,21 @@ class SnapshotCoordinator:
         for warning in self.directory.empty_trash(commit):  # off the durability path
             log_event(log, "snapshot_retention_failed", logging.WARNING, snapshot_id=group.snapshot_id, error=warning)
 
-    def handle(self, snapshot_id: str, rank: int) -> RankSnapshot | None:
-        """The in-memory handle of a rank's snapshot (``<job>/step-<N>``), if any."""
+    def _group(self, snapshot_id: str) -> SnapshotGroup | None:
+        """The in-memory group of a snapshot (``<job>/step-<N>``, never ``latest``), if any."""
         ref = parse_snapshot_id(snapshot_id, None, SnapshotInvalid)
         if ref.step is None:  # a status is about one snapshot, never ``latest``
             raise SnapshotInvalid(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>'")
         with self._lock:
-            group = self._groups.get((ref.job_id, ref.step))
+            return self._groups.get((ref.job_id, ref.step))
+
+    def handle(self, snapshot_id: str, rank: int) -> RankSnapshot | None:
+        """The in-memory handle of a rank's snapshot, if any."""
+        group = self._group(snapshot_id)
         if group is None:
             return None
         with group.cond:
             return group.handles.get(rank)
-
-    def _missed_status(self, snapshot_id: str, rank: int) -> SnapshotStatus | None:
-        """A failed group's status for a rank that came after it failed (or never came)."""
-        ref = parse_snapshot_id(snapshot_id, None, SnapshotInvalid)
-        with self._lock:
-            group = self._groups.get((ref.job_id, ref.step))
-        return group.missed_status(rank) if group is not None else None
 
     async def wait_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0,
                           wait_stored: bool = False) -> SnapshotStatus:
@@ -381,11 +373,11 @@ class SnapshotCoordinator:
         after waiting up to ``wait_s`` for a terminal state (``wait_stored``: for stored); awaits
         without holding a thread, save for reads from disk or the store."""
         deadline = time.monotonic() + wait_s
-        handle = self.handle(snapshot_id, rank)
+        handle, group = self.handle(snapshot_id, rank), self._group(snapshot_id)
         if handle is not None:
             status = await handle.wait_async(wait_s) if wait_s > 0 else handle.status()
-        elif (missed := self._missed_status(snapshot_id, rank)) is not None:
-            return missed
+        elif group is not None and (missed := group.missed_status(rank)) is not None:
+            return missed  # the group failed before this rank came (or it never came)
         else:
             status = await asyncio.to_thread(self._status_at_rest, snapshot_id, rank)
         if self.uploader is None or status.state is not SnapshotState.DURABLE:
@@ -397,12 +389,12 @@ class SnapshotCoordinator:
 
     def _status_at_rest(self, snapshot_id: str, rank: int) -> SnapshotStatus:
         try:
-            info = self.directory.resolve(snapshot_id)
+            info = self.local.resolve(snapshot_id)
         except SnapshotNotFound:
             if self.uploader is None:
                 raise
             return self.uploader.stored_status(snapshot_id, rank)  # only in the store
-        return SnapshotStatus.from_disk(info, self.directory.read_manifest(info, rank))
+        return SnapshotStatus.from_disk(info, self.local.read_manifest(info, rank))
 
     def in_progress(self) -> list[SnapshotStatus]:
         """Statuses of every rank of every snapshot still persisting (for Stats)."""

@@ -18,15 +18,15 @@ from swap_state.common.snapshot_errors import (
 )
 
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.source import SnapshotSource
+from swap_state.server.snapshot.writing.source import SnapshotSource
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
-from swap_state.server.snapshot.directory import CommitResult, SnapshotDirectory
+from swap_state.server.snapshot.tiers.directory import CommitResult, SnapshotDirectory
 from swap_state.server.snapshot.waiting import WatchedCondition
-from swap_state.server.snapshot.writer import RankResult, RankWriter
+from swap_state.server.snapshot.writing.writer import RankResult, RankWriter
 
 __all__ = ["SnapshotAlreadyFailed", "SnapshotGroup", "RankSnapshot"]
 
-log = logging.getLogger("swap_state.server.snapshot_coordinator")
+log = logging.getLogger(__name__)
 
 
 class SnapshotAlreadyFailed(SnapshotFailed):

@@ -9,7 +9,7 @@ import dataclasses
 import enum
 
 from swap_state.common.snapshot_format import RankManifest
-from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.common.snapshot_tier import SnapshotInfo
 
 __all__ = ["SnapshotState", "SnapshotStatus"]
 

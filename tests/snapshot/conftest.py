@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from snapshot_kit import Segment, tiny_tmpfs
 
+from swap_state.common.server_config import SnapshotSettings
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 
@@ -31,7 +32,9 @@ def make_coordinator(tmp_path):
         """``max_bandwidth``: the cap on snapshot I/O, as ``--persist-max-bandwidth`` gives it."""
         if max_bandwidth is not None:
             kwargs["copy_policy"] = CopyBudgetPolicy(max_bandwidth=max_bandwidth)
-        coordinator = SnapshotCoordinator(snapshot_dir or tmp_path / "snapshots", **kwargs)
+        settings = SnapshotSettings(**{name: kwargs.pop(name) for name in SnapshotSettings.__dataclass_fields__
+                                       if name in kwargs})
+        coordinator = SnapshotCoordinator(snapshot_dir or tmp_path / "snapshots", settings, **kwargs)
         made.append(coordinator)
         return coordinator
 

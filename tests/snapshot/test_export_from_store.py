@@ -81,7 +81,7 @@ def stored_snapshot(make_segment, make_coordinator, tmp_path):
         for rank, handle in enumerate(handles):
             assert handle.wait(20).state is SnapshotState.DURABLE
             assert asyncio.run(coordinator.wait_status(SNAPSHOT, rank, wait_s=30, wait_stored=True)).state.value == "stored"
-        shutil.rmtree(coordinator.directory.root / JOB)  # the store holds the only copy now
+        shutil.rmtree(coordinator.local.root / JOB)  # the store holds the only copy now
         return contents
 
     return stored

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pathlib
 
 from swap_state.common.snapshot_format import RankManifest, SnapshotIndex, TensorRecord
-from swap_state.common.snapshot_reader import SnapshotInfo
-from swap_state.server.snapshot.restore import RecentSnapshots
-from swap_state.server.snapshot.layout_index import LayoutIndex
-from swap_state.server.snapshot.reshard import TargetTensor, ranks_needed
+from swap_state.common.snapshot_tier import SnapshotInfo
+from swap_state.server.snapshot.restoring.restore import RecentSnapshots
+from swap_state.server.snapshot.restoring.layout_index import LayoutIndex
+from swap_state.server.snapshot.restoring.reshard import TargetTensor, ranks_needed
 
 
 def _manifest(rank: int) -> RankManifest:

@@ -12,8 +12,8 @@ import pytest
 from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.snapshot_errors import SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import TensorRecord
-from swap_state.server.snapshot.layout_index import LayoutIndex, plan_rank
-from swap_state.server.snapshot.reshard import Piece, Run, TargetTensor, plan_tensor, ranks_needed
+from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, plan_rank
+from swap_state.server.snapshot.restoring.reshard import Piece, Run, TargetTensor, plan_tensor, ranks_needed
 
 S0, S1, R = ("S", 0), ("S", 1), ("R",)
 

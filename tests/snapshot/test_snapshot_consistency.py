@@ -51,7 +51,7 @@ def test_snapshot_is_exact_while_trainer_mutates(make_segment, make_coordinator,
         assert status.cow_copies == trainer.copies
     assert status.backpressure_waits > 0
     assert status.backpressure_wait_seconds > 0
-    manifest = coordinator.directory.read_manifest(coordinator.directory.resolve("job/step-10"), 0)
+    manifest = coordinator.local.read_manifest(coordinator.local.resolve("job/step-10"), 0)
     assert (manifest.cow_copies, manifest.backpressure_waits) == (status.cow_copies, status.backpressure_waits)
     # The segment is handed back clean: no epoch, every slot free.
     assert seg.header[Word.SNAP_EPOCH] == 0
@@ -100,11 +100,11 @@ def test_multi_rank_snapshot_is_durable_only_with_all_ranks(make_segment, make_c
     status = h0.wait(timeout=0.3)
     assert status.state is SnapshotState.PERSISTING  # rank 1 has not started
     assert (status.ranks_joined, status.ranks_persisted) == (1, 1)
-    assert coordinator.directory.list("job") == []
+    assert coordinator.local.list("job") == []
     h1 = coordinator.start(seg1.source("job", 9, rank=1, world_size=2))
     assert h1.wait(20).state is SnapshotState.DURABLE
     assert h0.status().state is SnapshotState.DURABLE
-    [info] = coordinator.directory.list("job")
+    [info] = coordinator.local.list("job")
     assert info.world_size == 2 and info.latest
     assert [f.name for f in info.index.files] == [
         "rank-00000.safetensors", "rank-00000.manifest.json",
@@ -127,7 +127,7 @@ def test_missing_rank_times_out_and_leaves_nothing(make_segment, make_coordinato
     # The late rank learns of the failure at once instead of waiting for a doomed group.
     with pytest.raises(SnapshotFailed, match="only ranks"):
         coordinator.start(seg1.source("job", 4, rank=1, world_size=2))
-    job_dir = coordinator.directory.job_dir("job")
+    job_dir = coordinator.local.job_dir("job")
     assert [p.name for p in job_dir.iterdir()] == []
     # A participant's retry is a fresh attempt, which the other rank may then join.
     h0 = coordinator.start(seg0.source("job", 4, rank=0, world_size=2))

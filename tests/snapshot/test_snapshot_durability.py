@@ -15,7 +15,7 @@ import pytest
 from snapshot_kit import Trainer
 
 from swap_state.common.segment import Word
-from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_errors import (
     SnapshotDiskFull,
@@ -34,7 +34,7 @@ def _snapshot(coordinator, seg, step: int) -> None:
 
 
 def _steps(coordinator) -> list[int]:
-    return [info.step for info in coordinator.directory.list("job")]
+    return [info.step for info in coordinator.local.list("job")]
 
 
 def test_durability_order_and_retention(make_segment, make_coordinator, monkeypatch):
@@ -43,7 +43,7 @@ def test_durability_order_and_retention(make_segment, make_coordinator, monkeypa
     coordinator = make_coordinator(keep_latest=2)
     _snapshot(coordinator, seg, 1)
     _snapshot(coordinator, seg, 2)
-    job_dir = coordinator.directory.job_dir("job")
+    job_dir = coordinator.local.job_dir("job")
 
     trace: list[tuple[str, str]] = []
     real_fsync, real_rename, real_replace, real_rmtree = os.fsync, os.rename, os.replace, shutil.rmtree
@@ -95,7 +95,7 @@ def test_durability_order_and_retention(make_segment, make_coordinator, monkeypa
     delete = at(("rmtree", unlisted[1].split("->")[1]))
     assert data < manifest < index < partial_dir < publish < parent < latest < trash < delete
     assert _steps(coordinator) == [2, 3]
-    assert [i.step for i in coordinator.directory.list("job") if i.latest] == [3]
+    assert [i.step for i in coordinator.local.list("job") if i.latest] == [3]
     _snapshot(coordinator, seg, 4)
     assert _steps(coordinator) == [3, 4]
 
@@ -134,18 +134,18 @@ def test_the_job_retention_raises_the_floor_and_a_missing_step_says_why(make_seg
         coordinator.start(seg.source("job", step, keep_all=True)).wait(20)
     assert _steps(coordinator) == [6, 7, 8, 9, 10]
     with pytest.raises(SnapshotNotFound, match="retention removed it.*keep_latest_k"):
-        coordinator.directory.resolve("job/step-3")
+        coordinator.local.resolve("job/step-3")
     with pytest.raises(SnapshotNotFound, match=r"steps \[6, 7, 8, 9, 10\].*another --snapshot-dir"):
-        coordinator.directory.resolve("job/step-99")
+        coordinator.local.resolve("job/step-99")
     with pytest.raises(SnapshotNotFound, match="another --snapshot-dir"):
-        coordinator.directory.resolve("other/latest")
+        coordinator.local.resolve("other/latest")
 
 
 def test_latest_pointer_and_its_fallback(make_segment, make_coordinator):
     seg = make_segment()
     seg.fill(3)
     coordinator = make_coordinator(keep_latest=None)
-    store = coordinator.directory
+    store = coordinator.local
     with pytest.raises(SnapshotNotFound):
         store.resolve("latest", job_id="job")
     _snapshot(coordinator, seg, 20)
@@ -161,7 +161,7 @@ def test_latest_pointer_and_its_fallback(make_segment, make_coordinator):
 _KILLED_WRITER = """
 import pathlib, sys, time
 from snapshot_kit import Segment
-from swap_state.server.snapshot import sink
+from swap_state.server.snapshot.writing import sink
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 sink.BOUNCE_BYTES = 4096  # O_DIRECT writes page by page: the file grows as it streams
@@ -203,11 +203,11 @@ def test_killed_writer_leaves_nothing_listed_and_previous_loads(make_segment, ma
     reader = make_coordinator(snapshots, clean_stale=False)
     assert _steps(reader) == [1]
     with pytest.raises(SnapshotNotFound):
-        reader.directory.resolve("job/step-2")
+        reader.local.resolve("job/step-2")
     with pytest.raises(SnapshotNotFound):
-        reader.directory.resolve("job/step-5")
+        reader.local.resolve("job/step-5")
     target = make_segment("target")
-    result = restore(reader.directory, "latest", target.mm, target.layout,
+    result = restore(reader.local, "latest", target.mm, target.layout,
                      header=target.header, job_id="job", rank=0, world_size=1)
     assert result.step == 1 and target.tensors() == at_step_1
     # A restarted server removes the killed writer's leftovers (once no other server is live).
@@ -236,7 +236,7 @@ def test_disk_full_fails_clearly_and_leaves_the_segment_alone(make_segment, make
     assert big.tensor_area() == before
     assert big.header[Word.SNAP_EPOCH] == 0 and big.slots_all_free()
     assert _steps(coordinator) == [1]
-    assert coordinator.directory.resolve("job/latest").step == 1
+    assert coordinator.local.resolve("job/latest").step == 1
     assert sorted(p.name for p in (small_tmpfs / "job").iterdir()) == [LATEST_NAME, "step-000000000001"]
 
     # Training goes on: a trainer held up by the (slowed) failing snapshot is released by it.
@@ -260,7 +260,7 @@ def test_job_ids_that_would_escape_are_refused(make_segment, make_coordinator, j
     with pytest.raises(SnapshotInvalid):
         coordinator.start(seg.source(job_id, 1))
     with pytest.raises(SnapshotInvalid):
-        coordinator.directory.job_dir(job_id)
+        coordinator.local.job_dir(job_id)
     assert seg.header[Word.SNAP_EPOCH] == 0
 
 
@@ -268,13 +268,13 @@ def test_symlinked_job_dir_is_refused(make_coordinator, make_segment, tmp_path):
     coordinator = make_coordinator()
     outside = tmp_path / "outside"
     outside.mkdir()
-    (coordinator.directory.root / "job").symlink_to(outside)
+    (coordinator.local.root / "job").symlink_to(outside)
     seg = make_segment()
     with pytest.raises(SnapshotInvalid, match="outside"):
         coordinator.start(seg.source("job", 1))
     assert list(outside.iterdir()) == []
     with pytest.raises(SnapshotInvalid):
-        coordinator.directory.resolve("../../outside/step-1")
+        coordinator.local.resolve("../../outside/step-1")
 
 
 def test_a_second_live_server_on_the_directory_leaves_its_partials_alone(make_coordinator, tmp_path):
@@ -305,12 +305,12 @@ def test_a_retrained_step_is_refused_or_replaced_never_answered_with_old_bytes(m
     assert again is not first and again.wait(20).state is SnapshotState.DURABLE
     assert _steps(coordinator) == [3]
     target = make_segment("target")
-    restore(coordinator.directory, "job/step-3", target.mm, target.layout,
+    restore(coordinator.local, "job/step-3", target.mm, target.layout,
             header=target.header, job_id="job", rank=0, world_size=1)
     assert target.tensors() == retrained
     # A restarted server (nothing in memory) decides the same from the disk.
     coordinator.close()
-    restarted = make_coordinator(coordinator.directory.root, keep_latest=None)
+    restarted = make_coordinator(coordinator.local.root, keep_latest=None)
     with pytest.raises(SnapshotExists, match="earlier attempt"):
         restarted.start(seg.source("job", 3))
     assert restarted.start(seg.source("job", 3, replace_existing=True)).wait(20).state is SnapshotState.DURABLE
@@ -339,7 +339,7 @@ def test_another_run_reaching_a_durable_step_writes_its_own_bytes_or_is_refused(
                                                 replace_existing=True))
     assert again is not first and again.wait(20).state is SnapshotState.DURABLE
     target = make_segment("target")
-    restore(coordinator.directory, "job/step-3", target.mm, target.layout,
+    restore(coordinator.local, "job/step-3", target.mm, target.layout,
             header=target.header, job_id="job", rank=0, world_size=1)
     assert target.tensors() == mine
 
@@ -359,10 +359,10 @@ def test_a_job_resumed_at_another_world_size_replaces_a_step_its_earlier_size_to
         coordinator.start(alone.source("job", 6, world_size=1, session_id="c" * 32))
     replaced = coordinator.start(alone.source("job", 6, world_size=1, session_id="c" * 32, replace_existing=True))
     assert replaced.wait(20).state is SnapshotState.DURABLE
-    info = coordinator.directory.resolve("job/step-6")
+    info = coordinator.local.resolve("job/step-6")
     assert (info.world_size, info.ranks) == (1, (0,))
     target = make_segment("target")
-    restore(coordinator.directory, "job/step-6", target.mm, target.layout,
+    restore(coordinator.local, "job/step-6", target.mm, target.layout,
             header=target.header, job_id="job", rank=0, world_size=1)
     assert target.tensors() == mine
 
@@ -376,8 +376,8 @@ def test_snapshot_files_and_directories_are_the_server_users_alone_whatever_the_
         _snapshot(coordinator, seg, 1)
     finally:
         os.umask(old)
-    root = coordinator.directory.root
-    job_dir = coordinator.directory.job_dir("job")
+    root = coordinator.local.root
+    job_dir = coordinator.local.job_dir("job")
     assert stat.S_IMODE(os.stat(root / ".swap-state.lock").st_mode) == 0o600
     for directory, dirs, files in os.walk(job_dir):
         for name in dirs:

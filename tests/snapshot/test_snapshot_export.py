@@ -86,7 +86,7 @@ def sharded_snapshot(make_segment, make_coordinator):
                 f"param_groups.{fqn}.step": torch.tensor(3.0),
             }
         )
-    return coordinator.directory.resolve("job/step-3").path, coordinator.directory.root, expected
+    return coordinator.local.resolve("job/step-3").path, coordinator.local.root, expected
 
 
 def _assert_same(loaded: dict, expected: dict) -> None:

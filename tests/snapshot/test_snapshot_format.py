@@ -30,7 +30,7 @@ def _durable(make_segment, make_coordinator, metadata_json: str, seed: int = 1):
     coordinator = make_coordinator()
     status = coordinator.start(seg.source("job", 42, metadata_json=metadata_json)).wait(20)
     assert status.state is SnapshotState.DURABLE, status.error
-    return seg, contents, coordinator, coordinator.directory.resolve("job/step-42")
+    return seg, contents, coordinator, coordinator.local.resolve("job/step-42")
 
 
 def test_rank_file_loads_with_safetensors_numpy_and_torch(make_segment, make_coordinator):
@@ -88,7 +88,7 @@ def test_manifest_records_layout_metadata_and_checksums(make_segment, make_coord
     assert files[rank_data_name(0)]["bytes"] == len(data_raw)
     assert (index["job_id"], index["step"], index["world_size"], index["ranks"]) == ("job", 42, 1, [0])
     # The store's own verification agrees.
-    verify_rank_file(coordinator.directory, info)
+    verify_rank_file(coordinator.local, info)
 
 
 
@@ -124,8 +124,8 @@ def test_bad_metadata_is_refused_before_anything_happens(make_segment, make_coor
     coordinator = make_coordinator()
     with pytest.raises(SnapshotInvalid, match=message):
         coordinator.start(seg.source("job", 1, metadata_json=metadata))
-    assert coordinator.directory.list() == []
-    assert not coordinator.directory.job_dir("job").exists()
+    assert coordinator.local.list() == []
+    assert not coordinator.local.job_dir("job").exists()
 
 
 def test_metadata_size_is_bounded(make_segment, make_coordinator):
@@ -139,7 +139,7 @@ def test_files_written_before_with_an_8_byte_aligned_header_still_verify(make_se
     """Snapshots of earlier versions pad the header to 8 bytes only: their manifests say so
     (``data_start``), and restore recomputes that header, not the block-aligned one."""
     seg, contents, coordinator, info = _durable(make_segment, make_coordinator, "")
-    manifest = coordinator.directory.read_manifest(info, 0)
+    manifest = coordinator.local.read_manifest(info, 0)
     assert manifest.data_start % DATA_ALIGN == 0
     old_header, _ = safetensors_header(
         [(t.name, t.dtype, t.shape, t.nbytes) for t in manifest.tensors],

@@ -12,7 +12,7 @@ import torch
 from snapshot_kit import metadata_for
 
 from swap_state.client.export.snapshot import ExportError, export_snapshot
-from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator, SnapshotState
 from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotLayoutMismatch, SnapshotNotFound
 from swap_state.common.snapshot_format import INDEX_NAME, SnapshotIndex, rank_data_name
@@ -42,7 +42,7 @@ def host_snapshot(make_segment, make_coordinator):
 
 def test_local_ranks_make_the_snapshot_durable_and_it_records_them(host_snapshot):
     coordinator, _ = host_snapshot
-    [info] = coordinator.directory.list("job")
+    [info] = coordinator.local.list("job")
     assert (info.world_size, info.ranks, info.local_world_size) == (WORLD, LOCAL, 2)
     raw = json.loads((info.path / INDEX_NAME).read_bytes())
     assert (raw["world_size"], raw["ranks"], raw["local_world_size"]) == (WORLD, [1, 2], 2)
@@ -51,10 +51,10 @@ def test_local_ranks_make_the_snapshot_durable_and_it_records_them(host_snapshot
         [INDEX_NAME] + [f"rank-0000{r}.{ext}" for r in LOCAL for ext in ("safetensors", "manifest.json")]
     )
     # The rank files keep the job's world size.
-    manifest = coordinator.directory.read_manifest(info, 2)
+    manifest = coordinator.local.read_manifest(info, 2)
     assert (manifest.rank, manifest.world_size) == (2, WORLD)
     # A status answered from disk (another server on the same directory) says the same.
-    reader = SnapshotCoordinator(coordinator.directory.root, clean_stale=False)
+    reader = SnapshotCoordinator(coordinator.local.root, clean_stale=False)
     status = asyncio.run(reader.wait_status("job/step-5", 1))
     assert (status.state, status.world_size, status.local_world_size, status.ranks) == (
         SnapshotState.DURABLE, WORLD, 2, LOCAL,
@@ -69,7 +69,7 @@ def test_restore_of_a_present_rank_works_and_of_another_hosts_rank_is_a_clear_er
     host_snapshot, make_segment
 ):
     coordinator, contents = host_snapshot
-    store = coordinator.directory
+    store = coordinator.local
     target = make_segment("target")
     target.fill(7)
     result = restore(store, "latest", target.mm, target.layout,
@@ -107,7 +107,7 @@ def test_ranks_of_one_server_must_agree_and_not_exceed_local_world_size(make_seg
         handles.append(coordinator.start(_source(segs[1], 1, step=6)))
         coordinator.start(_source(segs[2], 2, step=6))
     assert all(h.wait(20).state is SnapshotState.DURABLE for h in handles)
-    assert coordinator.directory.resolve("job/step-6").ranks == (0, 1)
+    assert coordinator.local.resolve("job/step-6").ranks == (0, 1)
 
 
 def test_a_missing_local_rank_times_out_naming_local_world_size(make_segment, make_coordinator):
@@ -117,7 +117,7 @@ def test_a_missing_local_rank_times_out_naming_local_world_size(make_segment, ma
     status = coordinator.start(_source(seg, 1)).wait(20)
     assert status.state is SnapshotState.FAILED
     assert "only ranks [1] of the 2 ranks expected on this server (local_world_size" in status.error
-    assert coordinator.directory.list("job") == []
+    assert coordinator.local.list("job") == []
 
 
 def test_local_world_size_one_completes_alone(make_segment, make_coordinator):
@@ -125,7 +125,7 @@ def test_local_world_size_one_completes_alone(make_segment, make_coordinator):
     seg = make_segment("r3")
     seg.fill(4)
     assert coordinator.start(_source(seg, 3, local_world_size=1)).wait(20).state is SnapshotState.DURABLE
-    [info] = coordinator.directory.list("job")
+    [info] = coordinator.local.list("job")
     assert (info.world_size, info.ranks) == (WORLD, (3,))
 
 
@@ -166,7 +166,7 @@ def _export_snapshot(make_segment, make_coordinator, *, sharded: bool):
                            "param_groups": {}, "steps": {"m.w": 3, "m.b": 3}})
         handles.append(coordinator.start(_source(seg, rank, step=3, metadata=meta)))
     assert all(h.wait(20).state is SnapshotState.DURABLE for h in handles)
-    return coordinator.directory.resolve("job/step-3").path, bias
+    return coordinator.local.resolve("job/step-3").path, bias
 
 
 def test_export_of_one_hosts_replicated_snapshot_exports_its_ranks(make_segment, make_coordinator, tmp_path):

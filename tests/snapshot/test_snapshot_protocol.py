@@ -12,7 +12,7 @@ import pytest
 from swap_state.common.segment import Word
 from swap_state.common.checksum import crc32_combine, format_crc, parse_crc
 from swap_state.common.copy_before_write import BackPressureTimeout, TrainerProtector
-from swap_state.server.snapshot.bandwidth import BandwidthLimiter
+from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
 
 
 def _publish(segment, epoch: int, persisted_upto: int = 0) -> None:

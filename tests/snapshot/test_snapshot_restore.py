@@ -8,7 +8,7 @@ import pytest
 from snapshot_kit import SPECS, flip_byte, metadata_for
 
 from swap_state.common.segment import Word
-from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_errors import (
     SnapshotBusy,
@@ -28,7 +28,7 @@ def snapshot(make_segment, make_coordinator):
     coordinator = make_coordinator()
     status = coordinator.start(seg.source("job", 8, metadata_json=metadata)).wait(20)
     assert status.state is SnapshotState.DURABLE
-    return coordinator.directory, coordinator.directory.resolve("job/step-8"), contents, metadata
+    return coordinator.local, coordinator.local.resolve("job/step-8"), contents, metadata
 
 
 def _target(make_segment, specs=SPECS):
@@ -172,10 +172,10 @@ def test_the_same_world_size_at_another_layout_is_resharded(make_segment, make_c
     before = target.tensor_area()
     with pytest.raises(SnapshotLayoutMismatch, match=r"tensor 'w.exp_avg' is float32\[4, 8\], the segment's is "
                                                       r"float32\[8, 8\]"):
-        restore(coordinator.directory, "latest", target.mm, target.layout,
+        restore(coordinator.local, "latest", target.mm, target.layout,
                 header=target.header, job_id="job", rank=1, world_size=2)
     assert target.tensor_area() == before
-    result = restore(coordinator.directory, "latest", target.mm, target.layout,
+    result = restore(coordinator.local, "latest", target.mm, target.layout,
                      header=target.header, job_id="job", rank=1, world_size=2,
                      placement_json=metadata_for(target, step=4))
     assert target.tensors() == {"w.exp_avg": shards[0] + shards[1], "n.exp_avg": norm}
@@ -187,7 +187,7 @@ def test_a_reshard_plans_from_the_steps_layout_index_checked_first(make_segment,
     crc32 in ``snapshot.json``; a reshard plans from it, and one that changed is refused,
     naming it, before the segment changes."""
     coordinator, shards, _ = _fsdp_pair(make_segment, make_coordinator)
-    info = coordinator.directory.resolve("job/step-4")
+    info = coordinator.local.resolve("job/step-4")
     assert info.index.layout is not None
     assert (info.path / LAYOUT_NAME).stat().st_size == info.index.layout.bytes
     target = make_segment("one", specs=WHOLE)  # resumed on one rank
@@ -195,12 +195,12 @@ def test_a_reshard_plans_from_the_steps_layout_index_checked_first(make_segment,
     before = target.tensor_area()
     flip_byte(info.path / LAYOUT_NAME, 20)
     with pytest.raises(SnapshotCorrupt, match=r"layout.json does not match its checksum"):
-        restore(coordinator.directory, "latest", target.mm, target.layout,
+        restore(coordinator.local, "latest", target.mm, target.layout,
                 header=target.header, job_id="job", rank=0, world_size=1,
                 placement_json=metadata_for(target, step=4))
     assert target.tensor_area() == before
     flip_byte(info.path / LAYOUT_NAME, 20)  # back as written
-    result = restore(coordinator.directory, "latest", target.mm, target.layout,
+    result = restore(coordinator.local, "latest", target.mm, target.layout,
                      header=target.header, job_id="job", rank=0, world_size=1,
                      placement_json=metadata_for(target, step=4))
     assert target.tensors()["w.exp_avg"] == shards[0] + shards[1]

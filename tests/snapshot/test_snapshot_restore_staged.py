@@ -17,13 +17,13 @@ from snapshot_kit import flip_byte, metadata_for
 from swap_state.common.object_store import PosixObjectStore
 from swap_state.common.snapshot_errors import SnapshotCorrupt
 from swap_state.common.snapshot_format import rank_data_name
-from swap_state.common.snapshot_reader import SnapshotReader, SnapshotTier
+from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.common.snapshot_tier import SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
-from swap_state.server.snapshot import restore as restore_module
-from swap_state.server.snapshot import staging as staging_module
-from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.restoring import restore as restore_module
+from swap_state.server.snapshot.restoring import restore_reads as staging_module
+from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
-from swap_state.server.snapshot.directory import SnapshotDirectory
 
 from test_snapshot_restore import _tensor_data_offset
 
@@ -44,7 +44,7 @@ def snapshot(make_segment, make_coordinator, monkeypatch):
     coordinator = make_coordinator()
     status = coordinator.start(seg.source("job", 3, metadata_json=metadata_for(seg, step=3))).wait(20)
     assert status.state is SnapshotState.DURABLE
-    return coordinator.directory, coordinator.directory.resolve("job/step-3"), contents
+    return coordinator.local, coordinator.local.resolve("job/step-3"), contents
 
 
 def _target(make_segment):
@@ -87,7 +87,7 @@ def test_a_directory_store_is_read_from_its_files_too(make_segment, make_coordin
     assert asyncio.run(coordinator.wait_status("job/step-3", 0, wait_s=30, wait_stored=True)).state.value == "stored"
     _no_reads_into_memory(monkeypatch)
     seg, _ = _target(make_segment)
-    result = _restore(SnapshotDirectory(tmp_path / "another-host"), seg,
+    result = _restore(SnapshotReader(tmp_path / "another-host"), seg,
                       stored=StoredSnapshots(PosixObjectStore(tmp_path / "store")))
     assert result.source == "store" and seg.tensors() == contents
 
@@ -150,7 +150,7 @@ def test_neither_slots_nor_budget_verifies_first_reads_again_and_says_what_to_ra
 
     seg = make_segment("target", specs=SPECS, cow_slots=0)
     seg.fill(99)
-    with caplog.at_level(logging.WARNING, logger="swap_state.server.restore"):
+    with caplog.at_level(logging.WARNING, logger="swap_state.server.snapshot.restoring.restore"):
         result = _restore(store, seg, reserve_staging=refuse, staging_free_bytes=lambda: 1234)
     assert (result.staged, result.kept) == (False, "verify-first") and seg.tensors() == contents
     assert asked == [STATE_BYTES]

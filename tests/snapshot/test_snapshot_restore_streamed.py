@@ -9,9 +9,9 @@ from snapshot_kit import SPECS, flip_byte_of_tensor, metadata_for
 from swap_state.common.segment import Word
 from swap_state.common.snapshot_errors import SnapshotCorrupt
 from swap_state.common.snapshot_format import rank_data_name
-from swap_state.server.snapshot import staging
+from swap_state.server.snapshot.restoring import restore_reads as staging
 from swap_state.server.snapshot.coordinator import SnapshotState
-from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.restoring.restore import restore
 
 # A tensor over 2^24 elements, several staging regions long and not a whole number of pages,
 # followed by one whose offset in the file is therefore not page aligned.
@@ -25,7 +25,7 @@ def _snapshot(make_segment, make_coordinator, specs):
     coordinator = make_coordinator()
     status = coordinator.start(seg.source("job", 8, metadata_json=metadata_for(seg, step=8))).wait(60)
     assert status.state is SnapshotState.DURABLE
-    return coordinator.directory, contents
+    return coordinator.local, contents
 
 
 def _marked_target(make_segment, specs):

@@ -15,12 +15,12 @@ from snapshot_kit import PAGE_BYTES, verify_rank_file
 
 from swap_state.common.segment import Word
 from swap_state.common.snapshot_format import rank_data_name
-from swap_state.server.snapshot import sink as snapshot_sink
-from swap_state.server.snapshot import writer as snapshot_writer
+from swap_state.server.snapshot.writing import sink as snapshot_sink
+from swap_state.server.snapshot.writing import writer as snapshot_writer
 from swap_state.server.snapshot.coordinator import SnapshotState
-from swap_state.server.snapshot import storage as local_storage
-from swap_state.server.snapshot.storage import SnapshotFile
-from swap_state.server.snapshot.sink import BLOCK_BYTES, BufferedSink, DirectSink, open_sink
+from swap_state.server.snapshot.writing import snapshot_file as local_storage
+from swap_state.server.snapshot.writing.snapshot_file import SnapshotFile
+from swap_state.server.snapshot.writing.sink import BLOCK_BYTES, BufferedSink, DirectSink, open_sink
 
 from test_snapshot_consistency import _file_tensors
 from test_snapshot_writer_zero_copy import _overwrite_as_trainer
@@ -150,8 +150,8 @@ def test_a_chunk_in_pieces_overwritten_midway_is_finished_from_the_trainer_slot(
     status = coordinator.start(seg.source("job", 4)).wait(20)
     assert seen["done"] and status.state is SnapshotState.DURABLE, status.error
     assert _file_tensors(status.path + "/" + rank_data_name(0)) == at_step_n
-    info = coordinator.directory.resolve("job/step-4")
-    verify_rank_file(coordinator.directory, info)
+    info = coordinator.local.resolve("job/step-4")
+    verify_rank_file(coordinator.local, info)
     [data_file] = [f for f in info.index.files if f.name == rank_data_name(0)]
     assert os.path.getsize(status.path + "/" + rank_data_name(0)) == data_file.bytes
 
@@ -162,7 +162,7 @@ def test_each_persisted_rank_logs_how_it_was_written(make_segment, make_coordina
         monkeypatch.setattr(SnapshotFile, "open_direct", lambda self: None)
     seg = make_segment()
     at_step_n = seg.fill(seed=3)
-    with caplog.at_level(logging.INFO, logger="swap_state.server.snapshot_writer"):
+    with caplog.at_level(logging.INFO, logger="swap_state.server.snapshot.writing.writer"):
         status = make_coordinator().start(seg.source("job", 2)).wait(20)
     assert status.state is SnapshotState.DURABLE and _file_tensors(status.path + "/" + rank_data_name(0)) == at_step_n
     [fields] = [r.swap_state_fields for r in caplog.records if r.msg == "snapshot_rank_persisted"]

@@ -15,8 +15,8 @@ from swap_state.common.copy_before_write import TrainerProtector
 from swap_state.common.segment import CopyBudget, Word, plan_segment, stager_slot_count
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.server.copy_budget import CopyBudgetPolicy
-from swap_state.server.snapshot import stager as snapshot_stager
-from swap_state.server.snapshot import writer as snapshot_writer
+from swap_state.server.snapshot.writing import copy_ahead as snapshot_stager
+from swap_state.server.snapshot.writing import writer as snapshot_writer
 from swap_state.server.snapshot.coordinator import SnapshotState
 
 from test_snapshot_consistency import _file_tensors
@@ -181,7 +181,7 @@ def test_copy_budget_warning_at_snapshot_names_the_numbers(make_segment, make_co
     state = sum(t.nbytes for t in seg.layout.tensors)
     assert budget.needed_bytes == state - 50_000 and budget.slot_bytes == 4 * 4096
     assert budget.short_bytes == state - 50_000 - 4 * 4096
-    with caplog.at_level(logging.WARNING, logger="swap_state.server.snapshot_coordinator"):
+    with caplog.at_level(logging.WARNING, logger="swap_state.server.snapshot.coordinator"):
         status = coordinator.start(seg.source("job", 1)).wait(20)
     assert status.state is SnapshotState.DURABLE
     [fields] = [r.swap_state_fields for r in caplog.records if r.msg == "copy_budget_short"]

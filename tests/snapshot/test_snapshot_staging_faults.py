@@ -18,8 +18,8 @@ from swap_state.common.copy_before_write import BackPressureTimeout
 from swap_state.common.segment import Word
 from swap_state.common.snapshot_errors import SnapshotDiskFull, SnapshotNotFound
 from swap_state.common.snapshot_format import LATEST_NAME
-from swap_state.server.snapshot import writer as snapshot_writer
-from swap_state.server.snapshot.restore import restore
+from swap_state.server.snapshot.writing import writer as snapshot_writer
+from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
 
 from test_snapshot_consistency import _file_tensors
@@ -40,7 +40,7 @@ def _durable(coordinator, seg, step: int) -> None:
 
 
 def _steps(coordinator) -> list[int]:
-    return [info.step for info in coordinator.directory.list("job")]
+    return [info.step for info in coordinator.local.list("job")]
 
 
 _TRAINER = """
@@ -127,7 +127,7 @@ def test_server_killed_while_staging(make_segment, make_coordinator, tmp_path):
     reader = make_coordinator(snapshots, clean_stale=False)
     assert _steps(reader) == [1]
     with pytest.raises(SnapshotNotFound):
-        reader.directory.resolve("job/step-2")
+        reader.local.resolve("job/step-2")
     # On the dead server's segment the staged chunks need no copy; past them the trainer
     # copies into its own few slots, then gives up within its bound instead of hanging.
     staged = seg.header[Word.STAGED_UPTO]
@@ -147,7 +147,7 @@ def test_server_killed_while_staging(make_segment, make_coordinator, tmp_path):
     fresh = make_segment("fresh", specs=WIDE, cow_slots=96)
     reader.close()
     restarted = make_coordinator(snapshots)
-    result = restore(restarted.directory, "latest", fresh.mm, fresh.layout,
+    result = restore(restarted.local, "latest", fresh.mm, fresh.layout,
                      header=fresh.header, job_id="job", rank=0, world_size=1)
     assert result.step == 1 and fresh.tensors() == at_step_1
     assert not (snapshots / "job" / ".partial-step-000000000002").exists()
@@ -187,10 +187,10 @@ def test_snapshot_failing_midway_while_staging(make_segment, make_coordinator, m
     assert trainer.error is None and seg.tensors() == trainer.expected_final()
     assert seg.header[Word.SNAP_EPOCH] == 0 and seg.slots_all_free()
     assert _steps(coordinator) == [1]
-    assert sorted(p.name for p in coordinator.directory.job_dir("job").iterdir()) == [LATEST_NAME, "step-000000000001"]
+    assert sorted(p.name for p in coordinator.local.job_dir("job").iterdir()) == [LATEST_NAME, "step-000000000001"]
     monkeypatch.undo()
     target = make_segment("target", specs=WIDE)
-    restore(coordinator.directory, "latest", target.mm, target.layout,
+    restore(coordinator.local, "latest", target.mm, target.layout,
             header=target.header, job_id="job", rank=0, world_size=1)
     assert target.tensors() == at_step_1
 
@@ -208,7 +208,7 @@ def test_disk_full_while_staging_on_a_tiny_tmpfs(make_segment, make_coordinator,
     assert status.state is SnapshotState.FAILED and "full" in status.error
     assert trainer.error is None and big.tensors() == trainer.expected_final() != before
     assert big.header[Word.SNAP_EPOCH] == 0 and big.slots_all_free()
-    assert slow.directory.list("job") == []
+    assert slow.local.list("job") == []
     assert status.server_staged_chunks > 0
 
 
@@ -231,6 +231,6 @@ def test_a_snapshot_the_trainer_gave_up_fails_and_the_next_one_holds_its_step(ma
     handle = coordinator.start(seg.source("job", 4))  # a new epoch, above the abandoned one
     assert handle.wait(60).state is SnapshotState.DURABLE
     target = make_segment("target", specs=WIDE)
-    restore(coordinator.directory, "latest", target.mm, target.layout,
+    restore(coordinator.local, "latest", target.mm, target.layout,
             header=target.header, job_id="job", rank=0, world_size=1)
     assert target.tensors() == at_step_4

@@ -11,8 +11,8 @@ import pytest
 
 from swap_state.common.snapshot_errors import SnapshotExists
 from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, FileRecord, SnapshotIndex
-from swap_state.server.snapshot.directory import SnapshotDirectory
-from swap_state.server.snapshot.storage import pwrite_all
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.writing.snapshot_file import pwrite_all
 
 DATA = "rank-00000.safetensors"
 
@@ -55,7 +55,7 @@ def test_write_fsync_seal_commit_by_rename_and_nothing_partial_listed(tmp_path, 
     monkeypatch.setattr(os, "replace", replace)
 
     partial = _write_partial(directory, 3)
-    assert directory.list("job") == []  # a partial snapshot is never listed
+    assert directory.reader.list("job") == []  # a partial snapshot is never listed
     committed = directory.commit(partial, _index(3), keep_latest=None)
     monkeypatch.undo()
 
@@ -70,8 +70,8 @@ def test_write_fsync_seal_commit_by_rename_and_nothing_partial_listed(tmp_path, 
         ("fsync", "job"),
     ]
     assert committed.trash == () and committed.warnings == ()
-    assert [(i.step, i.path) for i in directory.list("job")] == [(3, committed.path)]
-    assert (directory.job_dir("job") / LATEST_NAME).read_text() == "step-000000000003\n"
+    assert [(i.step, i.path) for i in directory.reader.list("job")] == [(3, committed.path)]
+    assert (directory.reader.job_dir("job") / LATEST_NAME).read_text() == "step-000000000003\n"
     assert (committed.path / DATA).read_bytes() == b"helloworld"
 
     # The step again: refused, or the old one moved aside (unlisted) and discarded.
@@ -83,15 +83,15 @@ def test_write_fsync_seal_commit_by_rename_and_nothing_partial_listed(tmp_path, 
     assert directory.discard(refused)
     again = _write_partial(directory, 3, replace=True)
     replaced = directory.commit(again, _index(3), keep_latest=None, replace=True)
-    assert len(replaced.trash) == 1 and [i.path for i in directory.list("job")] == [replaced.path]
+    assert len(replaced.trash) == 1 and [i.path for i in directory.reader.list("job")] == [replaced.path]
     assert directory.empty_trash(replaced) == []
 
     # Retention's removal; a failed snapshot's partial is discarded, never listed.
     retired = directory.commit(_write_partial(directory, 4), _index(4), keep_latest=1)
-    assert [i.step for i in directory.list("job")] == [4] and directory.empty_trash(retired) == []
+    assert [i.step for i in directory.reader.list("job")] == [4] and directory.empty_trash(retired) == []
     failed = _write_partial(directory, 5)
-    assert [i.step for i in directory.list("job")] == [4] and directory.discard(failed)
-    assert sorted(p.name for p in directory.job_dir("job").iterdir()) == [LATEST_NAME, "step-000000000004"]
+    assert [i.step for i in directory.reader.list("job")] == [4] and directory.discard(failed)
+    assert sorted(p.name for p in directory.reader.job_dir("job").iterdir()) == [LATEST_NAME, "step-000000000004"]
     directory.release()
 
 

@@ -10,8 +10,8 @@ from swap_state.common.object_store import PosixObjectStore
 from swap_state.common.snapshot_errors import SnapshotNotFound, SnapshotStoreUnavailable
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name
 from swap_state.common.stored_snapshots import StoredSnapshots, marker_name
-from swap_state.server.snapshot.directory import SnapshotDirectory
-from swap_state.server.snapshot.tiers import resolve_source
+from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.server.snapshot.restoring.tier_choice import resolve_source
 
 JOB, WORLD = "j", 4
 
@@ -35,7 +35,7 @@ def _stored(store, step: int, attempt: int = 1) -> None:
 
 @pytest.fixture
 def tiers(tmp_path):
-    local = SnapshotDirectory(tmp_path / "local")
+    local = SnapshotReader(tmp_path / "local")
     store = PosixObjectStore(tmp_path / "store")
     store.create_root()  # as the server does at start
     return local, store, StoredSnapshots(store)

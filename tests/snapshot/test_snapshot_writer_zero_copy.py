@@ -10,9 +10,9 @@ import pytest
 from snapshot_kit import verify_rank_file
 
 from swap_state.common.segment import Word
-from swap_state.server.snapshot import sink as snapshot_sink
-from swap_state.server.snapshot import writer as snapshot_writer
-from swap_state.server.snapshot.storage import SnapshotFile
+from swap_state.server.snapshot.writing import sink as snapshot_sink
+from swap_state.server.snapshot.writing import writer as snapshot_writer
+from swap_state.server.snapshot.writing.snapshot_file import SnapshotFile
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.common.copy_before_write import TrainerProtector
@@ -72,8 +72,8 @@ def test_chunk_overwritten_mid_read_is_rewritten_from_its_slot(make_segment, mak
     assert status.cow_copies == 1
     # The file holds step N's bytes, and its checksums (verified on restore) agree with them.
     assert _file_tensors(status.path + "/" + rank_data_name(0)) == at_step_n
-    info = coordinator.directory.resolve("job/step-4")
-    verify_rank_file(coordinator.directory, info)
+    info = coordinator.local.resolve("job/step-4")
+    verify_rank_file(coordinator.local, info)
     assert seg.mm[victim.offset : victim.offset + 1] == b"\xee"  # the trainer's write stands
     assert seg.header[Word.SNAP_EPOCH] == 0 and seg.slots_all_free()
 

@@ -11,8 +11,8 @@ import pytest
 from bench.store_requests import JOB, count_requests
 from swap_state.common.snapshot_format import LAYOUT_NAME, step_dir_name
 from swap_state.common.stored_snapshots import StoredSnapshots
-from swap_state.server.snapshot.layout_index import LayoutIndex
-from swap_state.server.snapshot.reshard import TargetTensor
+from swap_state.server.snapshot.restoring.layout_index import LayoutIndex
+from swap_state.server.snapshot.restoring.reshard import TargetTensor
 
 HOSTS, RANKS_PER_HOST = 4, 16
 WORLD = HOSTS * RANKS_PER_HOST

@@ -1,16 +1,9 @@
 """The server's ``--snapshot-dir``: :class:`SnapshotDirectory`, where snapshot files go, their
-commit sequence and retention. Reading is its base's,
-:class:`~swap_state.common.snapshot_reader.SnapshotReader`; the files are written through
-:class:`~.storage.SnapshotFile` (modelled on DCP's ``StorageWriter``: callers hand it names
-and bytes, never build paths).
-
-Directory layout under the root::
-
-    <root>/<job_id>/step-<N:012d>/          complete snapshots (snapshot.json present)
-    <root>/<job_id>/.partial-step-<N:012d>/ a snapshot being written (never listed)
-    <root>/<job_id>/.deleting-step-<N>/     an old snapshot being removed by retention
-    <root>/<job_id>/latest                  "step-<N:012d>": the last committed snapshot
-    <root>/.swap-state.lock                 a shared flock per live server
+commit sequence and retention. Reading is its reader's (:attr:`SnapshotDirectory.reader`, the
+local tier, whose docstring draws the layout; beside it ``<root>/.swap-state.lock``, a shared
+flock per live server). The files are written through
+:class:`~swap_state.server.snapshot.writing.snapshot_file.SnapshotFile` (modelled on DCP's
+``StorageWriter``: callers hand it names and bytes, never build paths).
 
 Call order: ``create_root``, ``hold``, ``clean_stale`` (when alone) at server start; per
 snapshot :meth:`~SnapshotDirectory.prepare_partial`, ``create_file``/``write_durable`` per
@@ -38,12 +31,13 @@ from collections.abc import Callable
 
 from swap_state.common.names import snapshot_id_for, step_dir_name
 from swap_state.common.object_store import fsync_dir
+from swap_state.common.server_config import DirectIO, SnapshotSettings
 from swap_state.common.snapshot_errors import SnapshotExists, from_os_error
 from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, LAYOUT_NAME, SnapshotIndex, dumps_json, partial_dir_name
-from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotReader
-from swap_state.server.snapshot.storage import DIR_MODE, FILE_MODE, SnapshotFile, write_durable
+from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.server.snapshot.writing.snapshot_file import DIR_MODE, FILE_MODE, SnapshotFile, write_durable
 
-__all__ = ["SnapshotInfo", "CommitResult", "SnapshotDirectory", "LOCK_NAME"]
+__all__ = ["CommitResult", "SnapshotDirectory", "LOCK_NAME"]
 
 LOCK_NAME = ".swap-state.lock"
 _DELETING_PREFIX = ".deleting-"
@@ -58,17 +52,18 @@ class CommitResult:
     warnings: tuple[str, ...]  # failures after it was durable (latest pointer, retention): reported, not fatal
     trash: tuple[pathlib.PurePath, ...] = ()
     """Unlisted locations whose bytes :meth:`SnapshotDirectory.empty_trash` removes once the
-    snapshot was reported durable (deleting 512 MiB took 130 ms on ext4 here)."""
+    snapshot was reported durable (deleting a large snapshot takes long enough to delay it)."""
 
 
-class SnapshotDirectory(SnapshotReader):
+class SnapshotDirectory:
     """The snapshot root on a filesystem with POSIX rename and fsync, read and written by the
     server. Thread-safe for different snapshots; commits serialise."""
 
-    def __init__(self, root: str | os.PathLike[str], direct_io: str = "writes"):
-        """``direct_io``: ``--direct-io`` (writes, off): whether snapshot writes may use O_DIRECT."""
-        super().__init__(root)
-        self.direct_writes = direct_io == "writes"
+    def __init__(self, root: str | os.PathLike[str], direct_io: DirectIO = SnapshotSettings.direct_io):
+        """``direct_io``: ``--direct-io``: whether snapshot writes may use O_DIRECT."""
+        self.reader = SnapshotReader(root)  # the local tier: what this directory holds, read
+        self.root = self.reader.root
+        self.direct_writes = direct_io is DirectIO.WRITES
         # The steps of a job retention must keep beyond ``keep_latest`` (the uploader's).
         self.in_use: Callable[[str], set[int]] = lambda job_id: set()
         # Commits of different snapshots serialize here: latest and retention read the job dir.
@@ -97,8 +92,8 @@ class SnapshotDirectory(SnapshotReader):
 
     def clean_stale(self) -> None:
         """Remove ``.partial-*``, ``.deleting-*`` and the latest pointer's temp file of every job."""
-        for job in self.jobs():
-            job_dir = self.job_dir(job)
+        for job in self.reader.jobs():
+            job_dir = self.reader.job_dir(job)
             for name in os.listdir(job_dir):
                 path = job_dir / name
                 if name.startswith((".partial-", _DELETING_PREFIX)) and path.is_dir():
@@ -110,8 +105,8 @@ class SnapshotDirectory(SnapshotReader):
         """A fresh, empty partial snapshot of ``step`` (a stale one is replaced; never listed).
         SnapshotExists when that step is already complete, unless ``replace`` (then
         :meth:`commit` replaces it)."""
-        final = self.job_dir(job_id) / step_dir_name(step)
-        if self.load_index(job_id, final, step) is not None:
+        final = self.reader.job_dir(job_id) / step_dir_name(step)
+        if self.reader.load_index(job_id, final, step) is not None:
             if not replace:
                 raise SnapshotExists(f"snapshot {snapshot_id_for(job_id, step)} already exists at {final}, "
                                      "from an earlier attempt at that step: use a new job id, or let the "
@@ -122,15 +117,15 @@ class SnapshotDirectory(SnapshotReader):
             raise SnapshotExists(f"{final} exists but is not a complete snapshot; remove it to snapshot "
                                  f"step {step}")
         try:
-            partial = self.job_dir(job_id) / partial_dir_name(step)
+            partial = self.reader.job_dir(job_id) / partial_dir_name(step)
             partial.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-            self.job_dir(job_id)  # re-check confinement now that it exists
+            self.reader.job_dir(job_id)  # re-check confinement now that it exists
             if partial.exists():
                 shutil.rmtree(partial)
             partial.mkdir(mode=DIR_MODE)
             return partial
         except OSError as exc:
-            raise from_os_error(exc, f"creating {partial_dir_name(step)}", self.job_dir(job_id)) from None
+            raise from_os_error(exc, f"creating {partial_dir_name(step)}", self.reader.job_dir(job_id)) from None
 
     def create_file(self, partial: pathlib.PurePath, name: str) -> SnapshotFile:
         """A new file ``name`` in ``partial`` (it must not exist), open for writing."""
@@ -153,7 +148,7 @@ class SnapshotDirectory(SnapshotReader):
             self.write_durable(partial, LAYOUT_NAME, layout)
         self.write_durable(partial, INDEX_NAME, dumps_json(index.to_json()))
         fsync_dir(self._inside(partial))  # every file name created in it is durable
-        job_dir = self.job_dir(index.job_id)
+        job_dir = self.reader.job_dir(index.job_id)
         final = job_dir / step_dir_name(index.step)
         with self._commit_lock:
             trash: list[pathlib.PurePath] = []
@@ -209,9 +204,9 @@ class SnapshotDirectory(SnapshotReader):
         ``trash``: each renamed to ``.deleting-step-<N>.<unique>``, the job directory fsynced,
         before any byte is removed."""
         try:
-            complete = self.complete(job_id)
+            complete = self.reader.complete(job_id)
         except OSError as exc:
-            warnings.append(f"retention could not list {self.job_dir(job_id)}: {exc}")
+            warnings.append(f"retention could not list {self.reader.job_dir(job_id)}: {exc}")
             return
         keep_steps = {step for step, _, _ in complete[-keep:]} | {new_step} | self.in_use(job_id)
         for step, path, _ in complete:

@@ -5,10 +5,10 @@ A tier whose files are on this host's filesystem (``--snapshot-dir``, a director
 by a reader thread with O_DIRECT (buffered where the filesystem refuses it), one read in flight,
 into a small ring of buffers reused from restore to restore, while this thread checksums and
 delivers the block before. The bytes go from the disk into memory already touched, as a plain
-O_DIRECT read's do: on the 2-core VM a read into memory touched for the first time (fresh pages,
-or the page cache of a mapped file) took 1.3-5x as long as the same read into a reused buffer
-(docs/benchmarks.md). Two reads in flight were slower there than one. Any other tier (an object
-store) is read tensor by tensor into memory.
+O_DIRECT read's do: a read into memory touched for the first time (fresh pages, or the page
+cache of a mapped file) is slower than into a reused buffer, and two reads in flight were no
+faster than one (docs/benchmarks.md). Any other tier (an object store) is read tensor by tensor
+into memory.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
 from swap_state.common.snapshot_format import RankManifest, TensorRecord
-from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotTier, reading_file
+from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier, reading_file
 from swap_state.server import _posix
 
 __all__ = ["BLOCK_BYTES", "Deliver", "stream_tensors"]

@@ -28,7 +28,7 @@ from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import TensorRecord
 
-from swap_state.server.snapshot.reshard import Piece, TargetTensor, _check_box, _intersect, _runs, plan_tensor
+from swap_state.server.snapshot.restoring.reshard import Piece, TargetTensor, _check_box, _intersect, _runs, plan_tensor
 
 __all__ = ["LAYOUT_FORMAT", "LayoutIndex", "Progression", "bind", "plan_rank"]
 

@@ -7,7 +7,7 @@ Call order (the coordinator):
    slots, stores ``SNAP_STEP``, ``PERSISTED_UPTO = 0``, ``STAGED_UPTO = 0``, ``STAGE_SLOTS``
    and last ``SNAP_EPOCH``): from its return the snapshot is *consistent*.
 2. :meth:`RankWriter.run` in a background thread. Once let go (:meth:`RankWriter.go`) it starts
-   a :class:`~.stager.Stager`, which copies chunks ahead of the writer into its slots and
+   a :class:`~.copy_ahead.Stager`, which copies chunks ahead of the writer into its slots and
    publishes ``STAGED_UPTO``. The writer yields to a stager that can still copy, and once all
    is staged, to the trainer's optimizer steps; it streams the chunks in update order into the
    rank's data file through a :class:`~.sink.ChunkSink` (from the stager's slot when staged,
@@ -28,6 +28,7 @@ import threading
 import time
 
 from swap_state.common.segment import Chunk, Word, stager_slot_count
+from swap_state.common.server_config import SnapshotSettings
 
 from swap_state.common.checksum import crc32, crc32_combine
 from swap_state.common.snapshot_errors import SnapshotError, from_os_error
@@ -40,16 +41,16 @@ from swap_state.common.snapshot_metadata_parts import MetadataParts
 from swap_state.common.retry import wait_until
 from swap_state.common.server_header import ServerHeader
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.bandwidth import BandwidthLimiter
-from swap_state.server.snapshot.directory import SnapshotDirectory
-from swap_state.server.snapshot.source import SnapshotSource
-from swap_state.server.snapshot.stager import Stager
-from swap_state.server.snapshot.sink import ChunkSink, open_sink
+from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.writing.source import SnapshotSource
+from swap_state.server.snapshot.writing.copy_ahead import Stager
+from swap_state.server.snapshot.writing.sink import ChunkSink, open_sink
 from swap_state.server.snapshot.waiting import Latch
 
 __all__ = ["Cancelled", "RankResult", "RankWriter"]
 
-log = logging.getLogger("swap_state.server.snapshot_writer")
+log = logging.getLogger(__name__)
 
 HOLD_MAX_S = 0.25  # how long a writer started with ``hold`` waits for RankWriter.go at most
 
@@ -84,9 +85,9 @@ class RankWriter:
 
     def __init__(self, source: SnapshotSource, metadata: SnapshotMetadata | MetadataParts, epoch: int,
                  directory: SnapshotDirectory, partial: pathlib.PurePath, limiter: BandwidthLimiter,
-                 cancel: threading.Event, started_monotonic: float, stage_threads: int = 1,
-                 model_copy_timeout_s: float = 60.0):
-        """``model_copy_timeout_s``: the wait for protocol step 5."""
+                 cancel: threading.Event, started_monotonic: float, settings: SnapshotSettings):
+        """``settings.model_copy_timeout_s``: the wait for protocol step 5; ``stage_threads``:
+        the copy-ahead's."""
         self.source, self.metadata, self.epoch = source, metadata, epoch
         self.directory, self.partial, self.limiter, self.cancel = directory, partial, limiter, cancel
         self.started_monotonic = started_monotonic
@@ -94,14 +95,14 @@ class RankWriter:
         self._header = ServerHeader(source.header)  # the server's words (protocol steps 1 and 3)
         self.chunks = layout.chunks
         self.model_from = layout.model_from  # the first model chunk (the chunk count when there are none)
-        self.model_copy_timeout_s = model_copy_timeout_s
+        self.model_copy_timeout_s = settings.model_copy_timeout_s
         self.bytes_total = layout.tensor_bytes
         # Written by the writer thread only: bytes persisted, of the chunks the trainer copied
         # itself, and the time spent streaming the chunks.
         self.bytes_persisted = self.trainer_copied_bytes = 0
         self.stream_seconds = 0.0
         self.stage_slots = stager_slot_count(source.layout.cow_slots)
-        self.stager = Stager(self, self.stage_slots, stage_threads) if self.stage_slots else None
+        self.stager = Stager(self, self.stage_slots, settings.stage_threads) if self.stage_slots else None
         self._trainer_yield = self.stager is not None
         self.direct_io = False  # whether the data file was written with O_DIRECT (known once it is created)
         self._paused_s = 0.0  # time the writer paused for the trainer's steps (writer thread)

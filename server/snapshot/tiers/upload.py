@@ -34,18 +34,18 @@ from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
 from swap_state.common.snapshot_format import (
     INDEX_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name,
 )
-from swap_state.common.snapshot_reader import SnapshotInfo
+from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.common.stored_snapshots import StoredSnapshots, marker_name, parse_marker_name
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.bandwidth import BandwidthLimiter
-from swap_state.server.snapshot.layout_index import LayoutIndex
+from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
+from swap_state.server.snapshot.restoring.layout_index import LayoutIndex
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
-from swap_state.server.snapshot.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 from swap_state.server.snapshot.waiting import WatchedCondition
 
 __all__ = ["StoreState", "UploadStatus", "UploadCounters", "SnapshotUploader", "UPLOAD_BLOCK_BYTES", "HISTORY"]
 
-log = logging.getLogger("swap_state.server.snapshot_upload")
+log = logging.getLogger(__name__)
 
 UPLOAD_BLOCK_BYTES = 8 << 20  # the local file is read, checksummed and handed to the store in such blocks
 HISTORY = 256  # snapshots whose upload status stays in memory (older ones are answered from the store)
@@ -153,7 +153,7 @@ class SnapshotUploader:
     def resume_pending(self) -> list[str]:
         """At start: each job's newest local snapshot not all in the store is uploaded again; their ids."""
         pending = []
-        newest = {info.job_id: info for info in self._local.list()}
+        newest = {info.job_id: info for info in self._local.reader.list()}
         for info in newest.values():
             if set(info.ranks) - set(self.stored.step_markers(info.job_id, info.step, info.ranks)):
                 self.submit(info, None)
@@ -253,7 +253,7 @@ class SnapshotUploader:
     def _layout(self, local: SnapshotInfo, whole: SnapshotInfo) -> bytes:
         """The store's step's ``layout.json``: the local one when this host holds every rank, else
         built from every rank's manifest in the store."""
-        raw = self._local.read_layout(local) if local.index.complete_job else None
+        raw = self._local.reader.read_layout(local) if local.index.complete_job else None
         if raw is not None:
             return raw
         manifests = {rank: self.stored.read_manifest(whole, rank).tensors for rank in whole.ranks}

@@ -41,6 +41,15 @@ class SnapshotSource:
     bounded_retention: bool = False
     """The job's own retention may not exceed the server's ``--keep-latest`` (a non-admin tenant)."""
 
+    @classmethod
+    def of(cls, session: Any, buffer: Any, ask: Any, **more: Any) -> SnapshotSource:
+        """The source of a server session (``memory.session.Session``) for a Snapshot call's
+        ``ask`` (``domain.SnapshotAsk``); ``more``: the other fields."""
+        return cls(buffer, session.layout, session.header, session.job_id, session.rank, session.world_size,
+                   ask.step, ask.metadata_json, local_world_size=session.local_world_size,
+                   keep_latest=ask.keep_latest, keep_all=ask.keep_all, replace_existing=ask.replace_existing,
+                   session_id=session.session_id, generation=session.generation, tenant=session.tenant, **more)
+
     @property
     def run(self) -> tuple[str, int]:
         """Which run of the job/rank asks: (session id, generation)."""

@@ -16,17 +16,17 @@ import logging
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.object_store import STORE_FLAG
 from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable
-from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotTier
+from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.directory import SnapshotDirectory
 
 __all__ = ["list_both_tiers", "resolve_source"]
 
-log = logging.getLogger("swap_state.server.restore")
+log = logging.getLogger(__name__)
 
 
-def resolve_source(directory: SnapshotDirectory, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,
+def resolve_source(directory: SnapshotReader, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,
                    rank: int, world_size: int) -> tuple[SnapshotTier, SnapshotInfo]:
     """The snapshot to restore and the tier it is read from (the module docstring's rule)."""
     try:
@@ -69,7 +69,7 @@ def resolve_source(directory: SnapshotDirectory, stored: StoredSnapshots | None,
     return (directory, local) if usable else (stored, remote)
 
 
-def _local_copy(directory: SnapshotDirectory, remote: SnapshotInfo, rank: int,
+def _local_copy(directory: SnapshotReader, remote: SnapshotInfo, rank: int,
                 world_size: int) -> tuple[SnapshotTier, SnapshotInfo] | None:
     """This server's copy of the store's snapshot (same attempt, holding this rank), else None."""
     try:
@@ -86,7 +86,7 @@ def list_both_tiers(coordinator, job_id: str | None
     the step Restore's ``latest`` resolves to (for a rank of the job at its world size). And why
     the store could not be listed ("" when it was, or there is none): then only the local tier
     is listed, which is not "no snapshot" (the store may hold newer ones)."""
-    local = {(i.job_id, i.step): i for i in coordinator.directory.list(job_id)}
+    local = {(i.job_id, i.step): i for i in coordinator.local.list(job_id)}
     stored, store_error = {}, ""
     if coordinator.stored is not None:
         try:

@@ -2,8 +2,8 @@
 bounce buffers, several writes in flight) or :class:`BufferedSink` (``pwrite`` into the page
 cache, zero copy), chosen by :func:`open_sink`.
 
-Why O_DIRECT: buffered writes leave the pace to the kernel's writeback (measured on this VM:
-0.2-0.7 GB/s buffered + fsync, 1.8 GB/s O_DIRECT + fsync). Why bounce buffers: safetensors
+Why O_DIRECT: buffered writes leave the pace to the kernel's writeback (docs/benchmarks.md,
+"Disk speed"). Why bounce buffers: safetensors
 packs tensors without gaps, so a tensor's place is rarely block aligned; the bytes are copied
 once into an aligned buffer (the copy a buffered write makes anyway), checksummed there while
 cache-hot, and written from it. Where the filesystem refuses O_DIRECT the buffered sink writes.
@@ -36,16 +36,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from swap_state.common.checksum import crc32
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.storage import SnapshotFile, pwrite_all
+from swap_state.server.snapshot.writing.snapshot_file import SnapshotFile, pwrite_all
 
 __all__ = ["BLOCK_BYTES", "BufferedSink", "ChunkSink", "DirectSink", "open_sink"]
 
-log = logging.getLogger("swap_state.server.snapshot_writer")
+log = logging.getLogger(__name__)
 
 BLOCK_BYTES = 4096  # the alignment O_DIRECT needs on every filesystem Linux has (logical blocks are 512 or 4096)
 
-# One bounce buffer, one write: measured here, 8 MiB writes reach the disk's O_DIRECT
-# bandwidth with one or two in flight.
+# One bounce buffer, one write: large enough to reach the disk's O_DIRECT bandwidth with one
+# or two in flight (docs/benchmarks.md).
 BOUNCE_BYTES = 8 << 20
 
 WRITES_IN_FLIGHT = 2  # bounce buffers being written at once while the next one fills

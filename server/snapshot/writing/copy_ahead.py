@@ -19,7 +19,7 @@ from swap_state.server._posix import buffer_address
 
 __all__ = ["Stager"]
 
-log = logging.getLogger("swap_state.server.snapshot_stager")
+log = logging.getLogger(__name__)
 
 
 # Longest nap of a stager whose ring is full before it looks at PERSISTED_UPTO again (the

@@ -1,6 +1,6 @@
 """The files of a snapshot being written: :class:`SnapshotFile` (one new file of a partial
 snapshot, ``O_EXCL``, optionally O_DIRECT), :func:`write_durable` and :func:`pwrite_all`.
-Where they go, and the commit that publishes them: :class:`~.directory.SnapshotDirectory`.
+Where they go, and the commit that publishes them: :class:`~swap_state.server.snapshot.tiers.directory.SnapshotDirectory`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Restore: a durable snapshot into a session's segment, built from the snapshot's rank files,
 locally or from the store, at the snapshot's layout or another. One path: pick the tier, plan,
-read, verify and copy (:mod:`.staging`). Call order (the servicer, for Restore)::
+read, verify and copy (:mod:`.restore_reads`). Call order (the servicer, for Restore)::
 
-    result = restore(coordinator.directory, snapshot_id, segment_mmap, layout, job_id=...,
+    result = restore(coordinator.local, snapshot_id, segment_mmap, layout, job_id=...,
                      rank=..., world_size=..., reserve_staging=..., stored=..., placement_json=...)
 
 returns the snapshot's step and the trainer's metadata once the tensors are written. It picks
-the tier (:func:`~.tiers.resolve_source`) and checks the segment; :func:`assemble` plans, reads
+the tier (:func:`~.tier_choice.resolve_source`) and checks the segment; :func:`assemble` plans, reads
 and verifies. Any mismatch raises (SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt,
 naming the file and tensor), the segment as it was (below).
 
@@ -17,16 +17,16 @@ manifest for a snapshot without one), read once for the ranks of this server res
 together (:data:`RECENT`); the targets' placement is the trainer's (RestoreRequest.metadata_json).
 
 Everything read is verified (manifests against the index, data headers, every source tensor's
-crc32) as it is read once, in file order (:mod:`.staging`), and copied into the segment as it
+crc32) as it is read once, in file order (:mod:`.restore_reads`), and copied into the segment as it
 comes. A segment that holds nothing to keep (the trainer marked it being written: a fresh or torn
 state) has its targets zeroed when a check fails (a fresh state is all zero: it stays fresh; a
 torn one stays torn, the trainer's mark with it). A running trainer's state is kept: a thread
 copies each target aside before its first write, into the segment's copy slots (idle: no
 snapshot reads a segment being restored) and, for what they cannot hold, memory the budget
 lends (``reserve_staging``), and a failed check puts every target back, so a corrupt snapshot
-leaves that state as it was. Copying as it reads keeps the restore at the disk's pace, where
-verifying everything before the first copy made it 0.5-0.8x the file's O_DIRECT read (and
-staging in the page cache up to 5x slower on first touch: docs/benchmarks.md). Where neither
+leaves that state as it was. Copying as it reads keeps the restore at the disk's pace, which
+verifying everything before the first copy (or staging in the page cache) does not
+(docs/benchmarks.md). Where neither
 holds the kept state, every checksum is checked in a first read, then the file read again into
 the segment (a change in between: "restore again"), logged with what to raise.
 """
@@ -44,26 +44,43 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ContextManager
 
+from swap_state.common.text_enum import TextEnum
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
 from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, RankManifest, TensorRecord
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, SnapshotMetadata, parse_metadata
-from swap_state.common.snapshot_reader import SnapshotInfo, SnapshotTier
+from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.directory import SnapshotDirectory
-from swap_state.server.snapshot.layout_index import LayoutIndex, bind
-from swap_state.server.snapshot.reshard import Piece, Run, TargetTensor, ranks_needed
-from swap_state.server.snapshot.staging import stream_tensors
-from swap_state.server.snapshot.tiers import resolve_source
+from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, bind
+from swap_state.server.snapshot.restoring.reshard import Piece, Run, TargetTensor, ranks_needed
+from swap_state.server.snapshot.restoring.restore_reads import stream_tensors
+from swap_state.server.snapshot.restoring.tier_choice import resolve_source
 
-__all__ = ["RECENT", "RestoreResult", "assemble", "check_layout", "check_world_size", "restore"]
+__all__ = ["RECENT", "Kept", "PlanSource", "RestoreResult", "assemble", "check_layout", "check_world_size", "restore"]
 
-log = logging.getLogger("swap_state.server.restore")
+log = logging.getLogger(__name__)
+
+
+class Kept(TextEnum):
+    """What kept the segment's state safe while the snapshot was read."""
+
+    NOTHING = "nothing"  # it held nothing to keep: a failure zeroes what was written
+    SLOTS = "slots"  # its bytes copied aside into the segment's copy slots, put back on a failure
+    MEMORY = "memory"  # the same, in memory the budget lent
+    SLOTS_MEMORY = "slots+memory"  # what the slots could not hold, in memory
+    VERIFY_FIRST = "verify-first"  # every checksum checked in a first read, then read again and copied
+
+
+class PlanSource(TextEnum):
+    """What a restore's plan came from."""
+
+    OWN_FILE, LAYOUT_INDEX, EVERY_MANIFEST = "own-file", "layout-index", "every-manifest"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,29 +92,25 @@ class RestoreResult:
     step: int
     metadata_json: str
     bytes_restored: int
-    kept: str = "nothing"
-    """What kept the segment's state safe while the snapshot was read: ``nothing`` (it held
-    nothing to keep: a failure zeroes what was written), ``slots`` (its bytes copied aside into
-    the segment's copy slots, put back on a failure), ``memory`` (the same, in memory the budget
-    lent), ``slots+memory`` (what the slots could not hold in memory), ``verify-first`` (every
-    checksum checked in a first read, then read again and copied: neither could hold it)."""
+    kept: Kept = Kept.NOTHING
+    """What kept the segment's state safe while the snapshot was read."""
     source: str = "local"
     """Where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)."""
     snapshot_world_size: int = 0
     """The world size the snapshot was taken at (resharded when not the job's)."""
     source_ranks: tuple[int, ...] = ()
-    plan: str = "own-file"
-    """What the plan came from: ``own-file``, ``layout-index`` or ``every-manifest``."""
+    plan: PlanSource = PlanSource.OWN_FILE
+    """What the plan came from."""
 
     @property
     def staged(self) -> bool:
         """Read once (not verified first, then read again)."""
-        return self.kept != "verify-first"
+        return self.kept is not Kept.VERIFY_FIRST
 
     @property
     def streamed(self) -> bool:
         """Copied into the segment as it was read (the segment held nothing to keep)."""
-        return self.kept == "nothing"
+        return self.kept is Kept.NOTHING
 
 
 def check_world_size(info: SnapshotInfo, world_size: int) -> None:
@@ -146,7 +159,7 @@ def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMe
     )
 
 
-def restore(directory: SnapshotDirectory, snapshot_id: str, buffer, layout: SegmentLayout, *, rank: int,
+def restore(directory: SnapshotReader, snapshot_id: str, buffer, layout: SegmentLayout, *, rank: int,
             world_size: int, header: SegmentHeader, job_id: str | None = None,
             reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
             staging_free_bytes: Callable[[], int] | None = None, stored: StoredSnapshots | None = None,
@@ -231,7 +244,7 @@ def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: S
 
 def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int, RankManifest],
                  plan: Mapping[str, list[Piece]], view: memoryview, layout: SegmentLayout, rank: int,
-                 reserve_staging, staging_free_bytes, replaceable: bool) -> str:
+                 reserve_staging, staging_free_bytes, replaceable: bool) -> Kept:
     """Every piece of ``plan`` read once, verified and copied into ``view`` as it is read; what
     kept the segment's state safe meanwhile (:attr:`RestoreResult.kept`). ``replaceable``: the
     segment holds nothing to keep (a failure zeroes the targets). Else the targets' bytes are
@@ -257,7 +270,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
             for target in targets:
                 _posix.zero(base + target.offset, target.nbytes)
             raise
-        return "nothing"
+        return Kept.NOTHING
     # Aside: the segment's copy slots (idle: no snapshot reads it, checked before), then memory.
     slots_at, slots_left = base + layout.cow_slots_offset, layout.cow_slots * layout.chunk_bytes
     in_slots, overflow = [], []
@@ -272,7 +285,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
             with mmap.mmap(-1, max(nbytes, 1)) as memory, memoryview(memory) as memory_view:
                 aside = _aside_places(in_slots, slots_at) + _aside_places(overflow, _posix.buffer_address(memory_view))
                 _read_with_undo(tier, info, wanted, copier, base, aside)
-            return "slots" if not overflow else "memory" if not in_slots else "slots+memory"
+            return Kept.SLOTS if not overflow else Kept.MEMORY if not in_slots else Kept.SLOTS_MEMORY
     log_event(log, "restore_unstaged", logging.WARNING, snapshot_id=info.snapshot_id, rank=rank,
               kept_bytes=sum(t.nbytes for t in targets), copy_slot_bytes=layout.cow_slots * layout.chunk_bytes,
               budget_free_bytes=staging_free_bytes() if staging_free_bytes else None,
@@ -285,7 +298,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
     except SnapshotCorrupt as exc:
         raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "
                               "partially overwritten: restore again") from None
-    return "verify-first"
+    return Kept.VERIFY_FIRST
 
 
 def _aside_places(targets, at: int) -> list[tuple[object, int]]:
@@ -323,7 +336,7 @@ def _read_with_undo(tier: SnapshotTier, info: SnapshotInfo, wanted, copier: _Cop
 
 
 class _Copier:
-    """A :data:`~.staging.Deliver`: the bytes of a source tensor, as they come, into the runs of
+    """A :data:`~.restore_reads.Deliver`: the bytes of a source tensor, as they come, into the runs of
     the target tensors they fill (``before_write(target)`` first, when set)."""
 
     def __init__(self, base: int, by_name: Mapping, by_source: Mapping[tuple[int, str], list[tuple[str, Piece]]]):
@@ -361,7 +374,7 @@ class ReadSnapshot:
         self._lock = threading.Lock()
         self._manifests: dict[int, RankManifest] = {}
         raw = tier.read_layout(info)
-        self.planned_from = "layout-index" if raw is not None else "every-manifest"
+        self.planned_from = PlanSource.LAYOUT_INDEX if raw is not None else PlanSource.EVERY_MANIFEST
         if raw is None:  # written before layout indexes, or a step read from the store's markers
             self._manifests = {r: tier.read_manifest(info, r) for r in info.ranks}
             self.index = LayoutIndex({r: m.tensors for r, m in self._manifests.items()}, info.world_size)

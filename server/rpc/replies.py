@@ -1,0 +1,42 @@
+"""Protobuf replies of the domain's values, built at the boundary by the servicer
+(:mod:`.service`)."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from swap_state.proto import swap_state_pb2 as pb
+
+from swap_state.common.snapshot_tier import SnapshotInfo
+from swap_state.server.snapshot.status import SnapshotStatus
+
+__all__ = ["info_reply", "reply_of", "status_reply"]
+
+R = TypeVar("R")
+
+
+def reply_of(reply: type[R], value: Any, **given: Any) -> R:
+    """A ``reply`` message whose every field is ``value``'s attribute of the same name (save
+    those ``given``)."""
+    fields = {f.name: getattr(value, f.name) for f in reply.DESCRIPTOR.fields if f.name not in given}  # type: ignore[attr-defined]
+    return reply(**fields, **given)
+
+
+def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
+    """The protobuf of a status (its state as its string)."""
+    return reply_of(pb.SnapshotStatusReply, status, state=status.state.value)
+
+
+def info_reply(local: SnapshotInfo | None, stored: SnapshotInfo | None) -> pb.SnapshotInfo:
+    """One listed snapshot: its local facts (path, this host's ranks) and where it is in the
+    store; ``latest`` as the tier the server would restore ``latest`` from says."""
+    first = local or stored
+    assert first is not None
+    reply = pb.SnapshotInfo(snapshot_id=first.snapshot_id, job_id=first.job_id, step=first.step,
+                            world_size=first.world_size, bytes=first.bytes, latest=first.latest,
+                            ranks=first.ranks, local_world_size=first.local_world_size)
+    if local is not None:
+        reply.local, reply.path = True, str(local.path)
+    if stored is not None:
+        reply.stored, reply.store_path = True, str(stored.path)
+    return reply

@@ -1,0 +1,1 @@
+"""Restoring: the tier to read, the plan (layout index, resharding) and the reads."""

@@ -1,0 +1,1 @@
+"""Committing snapshots to the tiers: the local directory and the store upload."""
