@@ -20,13 +20,13 @@ import sys
 
 from swap_state.client.remote.environment import server_from_env
 from swap_state.common.addresses import default_listen
-from swap_state.common.errors import ConfigError, InvalidArgument, SwapStateError
+from swap_state.common.errors import ConfigError, InvalidRequestError, SwapStateError
 from swap_state.common.names import parse_snapshot_id
 from swap_state.common.object_store import STORE_FLAG
 from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S
 from swap_state.common.sizes import format_size
 from swap_state.common.sizing import plan_sizes
-from swap_state.common.snapshot_errors import SnapshotError, SnapshotStoreUnavailable
+from swap_state.common.snapshot_errors import SnapshotError, StoreUnavailableError
 
 __all__ = ["main", "build_parser", "run_export"]
 
@@ -106,7 +106,7 @@ def _one_line(exc: Exception, store: str | None) -> str:
     """The error on one line, an object not named twice (``reading X failed: X: why``); a
     failing store's names the flag and the URI, and for S3 where its settings come from."""
     message = re.sub(r"reading (\S+) failed: \1: ", r"reading \1 failed: ", " ".join(str(exc).split()))
-    if store is not None and isinstance(exc, SnapshotStoreUnavailable):
+    if store is not None and isinstance(exc, StoreUnavailableError):
         if not message.startswith(STORE_FLAG):
             message = f"{STORE_FLAG} {store}: {message}"
         if store.startswith("s3://"):
@@ -294,7 +294,7 @@ def _snapshots(args) -> int:
     if args.snapshot:
         try:
             ref = parse_snapshot_id(args.snapshot, args.job_id or None)
-        except InvalidArgument as e:
+        except InvalidRequestError as e:
             print(f"swap-state snapshots: {e}", file=sys.stderr)
             return 2
     with contextlib.closing(_client(args)) as client:

@@ -31,7 +31,7 @@ from swap_state.client.errors import (
     ServerUnavailableError, SessionLostError, SnapshotFailedError, SnapshotNotFoundError, SwapStateError)
 from swap_state.client.remote.config import RemoteConfig
 from swap_state.client.remote.embedded import EmbeddedServerConfig, make_scratch_dir
-from swap_state.common.errors import InvalidArgument
+from swap_state.common.errors import InvalidRequestError
 from swap_state.common.names import parse_snapshot_id
 from swap_state.common.server_flags import field_docs
 
@@ -434,7 +434,7 @@ def _resume_arg(text: str) -> str:
         return text
     try:
         parse_snapshot_id(text, "job")  # the form only: --job-id may come later
-    except InvalidArgument:
+    except InvalidRequestError:
         raise argparse.ArgumentTypeError(f"{text!r} is none of {', '.join(RESUME_MODES)}, nor a snapshot id such as "
                                          "demo/step-25 (or demo/step-000000000025) or step-25") from None
     return text

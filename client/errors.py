@@ -1,5 +1,5 @@
-"""The exceptions a trainer catches: the common errors under their ``...Error`` names, raised
-again from the ``swap-state-reason`` trailing metadata the server sends (:func:`error_for`).
+"""The exceptions a trainer catches (the common errors, one name each), raised again from the
+``swap-state-reason`` trailing metadata the server sends (:func:`error_for`).
 """
 
 from __future__ import annotations
@@ -7,12 +7,13 @@ from __future__ import annotations
 import grpc
 
 from swap_state.common.errors import (
-    ERROR_FOR_REASON, REASON_METADATA_KEY, FailedPrecondition, InvalidArgument, LayoutMismatch,
-    MetadataBaseUnknown, NoSegment, NotFound, PermissionDenied, ResourceExhausted, SessionLive,
-    SnapshotsDisabled, StaleGeneration, SwapStateError, Unauthenticated, Unavailable)
+    ERROR_FOR_REASON, REASON_METADATA_KEY, FailedPreconditionError, InvalidRequestError, LayoutMismatchError,
+    MetadataBaseUnknownError, NoSegmentError, NotFoundError, PermissionDeniedError, BudgetExhaustedError,
+    SessionLiveError, SnapshotsDisabledError, StaleGenerationError, SwapStateError, UnauthenticatedError,
+    ServerUnavailableError)
 from swap_state.common.snapshot_errors import (
-    SnapshotBusy, SnapshotCorrupt, SnapshotDiskFull, SnapshotExists, SnapshotFailed, SnapshotNotFound,
-    SnapshotStoreUnavailable)
+    SnapshotBusyError, SnapshotCorruptError, DiskFullError, SnapshotExistsError, SnapshotFailedError,
+    SnapshotNotFoundError, StoreUnavailableError)
 
 __all__ = [
     "SwapStateError", "ServerUnavailableError", "SessionLostError", "InvalidRequestError", "NotFoundError",
@@ -22,26 +23,6 @@ __all__ = [
     "SnapshotFailedError", "SnapshotCorruptError", "StoreUnavailableError", "PermissionDeniedError",
     "UnauthenticatedError", "ERROR_FOR_REASON", "error_for", "reason_of"]
 
-ServerUnavailableError = Unavailable
-InvalidRequestError = InvalidArgument
-NotFoundError = NotFound
-SnapshotNotFoundError = SnapshotNotFound
-BudgetExhaustedError = ResourceExhausted
-DiskFullError = SnapshotDiskFull
-FailedPreconditionError = FailedPrecondition
-StaleGenerationError = StaleGeneration
-SessionLiveError = SessionLive
-MetadataBaseUnknownError = MetadataBaseUnknown
-LayoutMismatchError = LayoutMismatch
-NoSegmentError = NoSegment
-SnapshotsDisabledError = SnapshotsDisabled
-SnapshotBusyError = SnapshotBusy
-SnapshotExistsError = SnapshotExists
-SnapshotFailedError = SnapshotFailed
-SnapshotCorruptError = SnapshotCorrupt
-StoreUnavailableError = SnapshotStoreUnavailable
-UnauthenticatedError = Unauthenticated
-PermissionDeniedError = PermissionDenied
 
 
 class SessionLostError(SwapStateError):

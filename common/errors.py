@@ -8,10 +8,10 @@ place (:mod:`swap_state.server.rpc.statuses`) and sends its ``reason`` in
 from __future__ import annotations
 
 __all__ = [
-    "REASON_METADATA_KEY", "SwapStateError", "ERROR_FOR_REASON", "InvalidArgument", "NotFound",
-    "ResourceExhausted", "FailedPrecondition", "StaleGeneration", "SessionLive", "LayoutMismatch",
-    "NoSegment", "MetadataBaseUnknown", "SnapshotsDisabled", "PermissionDenied", "Unauthenticated",
-    "Unavailable", "ConfigError", "StartupError", "SERVER_STOPPING_NOTICE"
+    "REASON_METADATA_KEY", "SwapStateError", "ERROR_FOR_REASON", "InvalidRequestError", "NotFoundError",
+    "BudgetExhaustedError", "FailedPreconditionError", "StaleGenerationError", "SessionLiveError", "LayoutMismatchError",
+    "NoSegmentError", "MetadataBaseUnknownError", "SnapshotsDisabledError", "PermissionDeniedError", "UnauthenticatedError",
+    "ServerUnavailableError", "ConfigError", "StartupError", "SERVER_STOPPING_NOTICE"
 ]
 
 REASON_METADATA_KEY = "swap-state-reason"
@@ -49,80 +49,80 @@ class SwapStateError(RuntimeError):
 ERROR_FOR_REASON["INTERNAL"] = SwapStateError
 
 
-class InvalidArgument(SwapStateError):
+class InvalidRequestError(SwapStateError):
     """The request itself is malformed (ids, shapes, dtypes, sizes)."""
 
     code = reason = "INVALID_ARGUMENT"
 
 
-class NotFound(SwapStateError):
+class NotFoundError(SwapStateError):
     """The request names a session (or other object) the server does not have."""
 
     code = reason = "NOT_FOUND"
 
 
-class ResourceExhausted(SwapStateError):
+class BudgetExhaustedError(SwapStateError):
     """The request does not fit into the budget (or the shm filesystem is full)."""
 
     code = reason = "RESOURCE_EXHAUSTED"
 
 
-class FailedPrecondition(SwapStateError):
+class FailedPreconditionError(SwapStateError):
     """The request is well formed but the session is not in a state that allows it
     (step going backwards, a refused snapshot step)."""
 
     code = reason = "FAILED_PRECONDITION"
 
 
-class StaleGeneration(FailedPrecondition):
+class StaleGenerationError(FailedPreconditionError):
     """The caller's generation is not the session's current one: another trainer reattached."""
 
     reason = "STALE_GENERATION"
 
 
-class SessionLive(FailedPrecondition):
+class SessionLiveError(FailedPreconditionError):
     """The job/rank is attached by a live trainer (same job id and rank twice?)."""
 
     reason = "SESSION_LIVE"
 
 
-class LayoutMismatch(FailedPrecondition):
+class LayoutMismatchError(FailedPreconditionError):
     """A segment or snapshot does not fit the requested tensors (names, dtypes, shapes, ranks)."""
 
     reason = "LAYOUT_MISMATCH"
 
 
-class NoSegment(FailedPrecondition):
+class NoSegmentError(FailedPreconditionError):
     """The session has no segment yet: Allocate first."""
 
     reason = "NO_SEGMENT"
 
 
-class MetadataBaseUnknown(FailedPrecondition):
+class MetadataBaseUnknownError(FailedPreconditionError):
     """A snapshot names a metadata base this server does not hold (restarted): send it again."""
 
     reason = "METADATA_BASE_UNKNOWN"
 
 
-class SnapshotsDisabled(FailedPrecondition):
+class SnapshotsDisabledError(FailedPreconditionError):
     """The server was started without ``--snapshot-dir``."""
 
     reason = "SNAPSHOTS_DISABLED"
 
 
-class PermissionDenied(SwapStateError):
+class PermissionDeniedError(SwapStateError):
     """The caller's tenant (``--tenants``) may not use another tenant's job, session or snapshot."""
 
     code = reason = "PERMISSION_DENIED"
 
 
-class Unauthenticated(SwapStateError):
+class UnauthenticatedError(SwapStateError):
     """Missing or wrong bearer token."""
 
     code = reason = "UNAUTHENTICATED"
 
 
-class Unavailable(SwapStateError):
+class ServerUnavailableError(SwapStateError):
     """The server is shutting down, or (on the client) cannot be reached within the deadline."""
 
     code = reason = "UNAVAILABLE"

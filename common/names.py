@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from .errors import InvalidArgument
+from .errors import InvalidRequestError
 
 __all__ = [
     "JOB_ID_RULE", "SnapshotRef", "is_job_id", "validate_job_id", "shorten", "snapshot_id_for",
@@ -40,8 +40,8 @@ def is_job_id(job_id: object) -> bool:
     return isinstance(job_id, str) and bool(_JOB_ID.fullmatch(job_id)) and not job_id.startswith(".")
 
 
-def validate_job_id(job_id: object, error: type[Exception] = InvalidArgument) -> str:
-    """``job_id`` if it follows the rule, else ``error`` (a subclass of InvalidArgument)."""
+def validate_job_id(job_id: object, error: type[Exception] = InvalidRequestError) -> str:
+    """``job_id`` if it follows the rule, else ``error`` (a subclass of InvalidRequestError)."""
     if not is_job_id(job_id):
         raise error(f"job_id {shorten(job_id)} is invalid: use {JOB_ID_RULE}")
     return job_id  # type: ignore[return-value]
@@ -68,7 +68,7 @@ class SnapshotRef:
 
 
 def parse_snapshot_id(snapshot_id: object, job_id: str | None = None,
-                      error: type[Exception] = InvalidArgument) -> SnapshotRef:
+                      error: type[Exception] = InvalidRequestError) -> SnapshotRef:
     """``<job>/step-<N>`` (any zero padding), ``<job>/latest``, or ``latest`` / ``step-<N>`` of
     ``job_id``; anything else raises ``error`` naming the accepted forms."""
     match = _SNAPSHOT_ID.fullmatch(snapshot_id) if isinstance(snapshot_id, str) else None

@@ -8,9 +8,9 @@ import errno
 from .errors import SwapStateError
 
 __all__ = [
-    "SnapshotError", "SnapshotInvalid", "SnapshotNotFound", "SnapshotBusy", "SnapshotExists",
-    "SnapshotFailed", "SnapshotCorrupt", "SnapshotLayoutMismatch", "SnapshotDiskFull",
-    "SnapshotStoreUnavailable", "from_os_error"
+    "SnapshotError", "SnapshotInvalid", "SnapshotNotFoundError", "SnapshotBusyError", "SnapshotExistsError",
+    "SnapshotFailedError", "SnapshotCorruptError", "SnapshotLayoutMismatch", "DiskFullError",
+    "StoreUnavailableError", "from_os_error"
 ]
 
 
@@ -26,31 +26,31 @@ class SnapshotInvalid(SnapshotError):
     code = reason = "INVALID_ARGUMENT"
 
 
-class SnapshotNotFound(SnapshotError):
+class SnapshotNotFoundError(SnapshotError):
     """No complete snapshot (or no in-memory snapshot record) under that id."""
 
     code, reason = "NOT_FOUND", "SNAPSHOT_NOT_FOUND"
 
 
-class SnapshotBusy(SnapshotError):
+class SnapshotBusyError(SnapshotError):
     """The segment cannot be snapshotted or restored now (persisting, mid-step, cleaning up)."""
 
     code, reason = "FAILED_PRECONDITION", "SNAPSHOT_BUSY"
 
 
-class SnapshotExists(SnapshotError):
+class SnapshotExistsError(SnapshotError):
     """A complete snapshot of that job and step is already on disk."""
 
     code, reason = "FAILED_PRECONDITION", "SNAPSHOT_EXISTS"
 
 
-class SnapshotFailed(SnapshotError):
+class SnapshotFailedError(SnapshotError):
     """The snapshot this rank tries to join has already failed (another rank's error)."""
 
     code, reason = "FAILED_PRECONDITION", "SNAPSHOT_FAILED"
 
 
-class SnapshotCorrupt(SnapshotError):
+class SnapshotCorruptError(SnapshotError):
     """A snapshot file does not verify (checksum, size, header); the message names file and tensor."""
 
     code, reason = "DATA_LOSS", "SNAPSHOT_CORRUPT"
@@ -62,13 +62,13 @@ class SnapshotLayoutMismatch(SnapshotError):
     code, reason = "FAILED_PRECONDITION", "LAYOUT_MISMATCH"
 
 
-class SnapshotDiskFull(SnapshotError):
+class DiskFullError(SnapshotError):
     """The snapshot directory ran out of space (ENOSPC/EDQUOT); the message names the directory."""
 
     code, reason = "RESOURCE_EXHAUSTED", "DISK_FULL"
 
 
-class SnapshotStoreUnavailable(SnapshotError):
+class StoreUnavailableError(SnapshotError):
     """The snapshot store failed a request (unreachable, refusing, timed out); names the object."""
 
     code, reason = "UNAVAILABLE", "STORE_UNAVAILABLE"
@@ -76,9 +76,9 @@ class SnapshotStoreUnavailable(SnapshotError):
 
 def from_os_error(exc: OSError, action: str, directory: object) -> SnapshotError:
     """The domain error for an I/O failure while ``action`` in ``directory``: disk full and
-    quota become SnapshotDiskFull, saying what to do."""
+    quota become DiskFullError, saying what to do."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return SnapshotDiskFull(f"snapshot directory {directory} is full ({exc.strerror}) while {action}; "
+        return DiskFullError(f"snapshot directory {directory} is full ({exc.strerror}) while {action}; "
                                 "the snapshot was discarded and training is unaffected: free space, "
                                 "lower --keep-latest or point --snapshot-dir at a larger volume")
     return SnapshotError(f"I/O error while {action} in snapshot directory {directory}: {exc}")

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from .names import is_job_id, parse_snapshot_id, parse_step_dir_name, validate_job_id
 from .object_store import read_range
-from .snapshot_errors import SnapshotInvalid, SnapshotNotFound
+from .snapshot_errors import SnapshotInvalid, SnapshotNotFoundError
 from .snapshot_format import INDEX_NAME, LATEST_NAME, SnapshotIndex
 from .snapshot_tier import SnapshotInfo, SnapshotTier, reading_file
 
@@ -101,8 +101,8 @@ class SnapshotReader(SnapshotTier):
         if found is not None:
             return found
         if ref.latest:
-            raise SnapshotNotFound(f"job {job!r} has no complete snapshot in {self.root}: {_ELSEWHERE}")
-        raise SnapshotNotFound(f"no complete snapshot {ref} in {self.root}: "
+            raise SnapshotNotFoundError(f"job {job!r} has no complete snapshot in {self.root}: {_ELSEWHERE}")
+        raise SnapshotNotFoundError(f"no complete snapshot {ref} in {self.root}: "
                                + self._why_missing(ref.step, [info.step for info in snapshots]))
 
     def _why_missing(self, step: int, kept: list[int]) -> str:

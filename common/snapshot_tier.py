@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from .checksum import crc32
 from .dtypes import DTYPE_ITEMSIZE
 from .names import snapshot_id_for
-from .snapshot_errors import SnapshotCorrupt, SnapshotError, SnapshotNotFound
+from .snapshot_errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
 from .snapshot_format import INDEX_NAME, FileRecord, RankManifest, SnapshotIndex, TensorRecord, rank_data_name, rank_manifest_name
 
 __all__ = ["SnapshotInfo", "SnapshotTier", "reading_file"]
@@ -57,10 +57,10 @@ class SnapshotInfo:
         return self.index.local_world_size
 
     def file(self, name: str) -> FileRecord:
-        """The index's record of its file ``name``; SnapshotCorrupt when it lists none."""
+        """The index's record of its file ``name``; SnapshotCorruptError when it lists none."""
         record = self.index.file(name)
         if record is None:
-            raise SnapshotCorrupt(f"{self.path / INDEX_NAME} does not list {name}")
+            raise SnapshotCorruptError(f"{self.path / INDEX_NAME} does not list {name}")
         return record
 
     def describe_ranks(self) -> str:
@@ -93,23 +93,23 @@ class SnapshotTier(abc.ABC):
     @abc.abstractmethod
     def resolve(self, snapshot_id: str, job_id: str | None = None) -> SnapshotInfo:
         """``<job>/step-<N>``, ``<job>/latest``, or ``latest`` / ``step-<N>`` of ``job_id``;
-        SnapshotNotFound, saying where it looked, when no complete snapshot matches."""
+        SnapshotNotFoundError, saying where it looked, when no complete snapshot matches."""
 
     @abc.abstractmethod
     def _size(self, info: SnapshotInfo, name: str) -> int:
-        """The size of the snapshot's file ``name``; SnapshotCorrupt when it is missing."""
+        """The size of the snapshot's file ``name``; SnapshotCorruptError when it is missing."""
 
     @abc.abstractmethod
     def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
         """``nbytes`` of file ``name`` from ``offset`` (fewer only at its end)."""
 
     def read_manifest(self, info: SnapshotInfo, rank: int) -> RankManifest:
-        """The rank's manifest, checked against the index; SnapshotNotFound when the rank is not
+        """The rank's manifest, checked against the index; SnapshotNotFoundError when the rank is not
         here (on a multi-host job: on another host)."""
         if rank not in info.ranks:
             if not 0 <= rank < info.world_size:
-                raise SnapshotNotFound(f"{info.snapshot_id} has world_size {info.world_size}: there is no rank {rank}")
-            raise SnapshotNotFound(f"{info.snapshot_id} at {info.path} holds {info.describe_ranks()}, not rank "
+                raise SnapshotNotFoundError(f"{info.snapshot_id} has world_size {info.world_size}: there is no rank {rank}")
+            raise SnapshotNotFoundError(f"{info.snapshot_id} at {info.path} holds {info.describe_ranks()}, not rank "
                                    f"{rank}: the snapshot of rank {rank} is on another host's server (the one "
                                    f"rank {rank} attaches to)")
         name = rank_manifest_name(rank)
@@ -117,11 +117,11 @@ class SnapshotTier(abc.ABC):
         try:
             manifest = RankManifest.from_json(json.loads(raw))
         except ValueError as exc:
-            raise SnapshotCorrupt(f"{info.path / name} is not a valid manifest: {exc}") from None
+            raise SnapshotCorruptError(f"{info.path / name} is not a valid manifest: {exc}") from None
         if (manifest.job_id, manifest.step, manifest.rank, manifest.world_size) != (
             info.job_id, info.step, rank, info.world_size,
         ) or manifest.data_file != rank_data_name(rank):
-            raise SnapshotCorrupt(f"{info.path / name} describes another snapshot or rank")
+            raise SnapshotCorruptError(f"{info.path / name} describes another snapshot or rank")
         return manifest
 
     def read_layout(self, info: SnapshotInfo) -> bytes | None:
@@ -136,23 +136,23 @@ class SnapshotTier(abc.ABC):
         for tensor in manifest.tensors:
             nbytes = math.prod(tensor.shape) * DTYPE_ITEMSIZE[tensor.dtype]
             if tensor.nbytes != nbytes or tensor.data_offsets != (position, position + nbytes):
-                raise SnapshotCorrupt(f"{path}: manifest entry of {tensor.name!r} is inconsistent")
+                raise SnapshotCorruptError(f"{path}: manifest entry of {tensor.name!r} is inconsistent")
             position += tensor.nbytes
         expected = len(header) + position
         if manifest.data_start != len(header) or manifest.data_file_bytes != expected:
-            raise SnapshotCorrupt(f"{path}: manifest sizes do not match its tensors")
+            raise SnapshotCorruptError(f"{path}: manifest sizes do not match its tensors")
         size = self._size(info, manifest.data_file)
         if size != expected or size != record.bytes:
-            raise SnapshotCorrupt(f"{path} is {size} bytes; its manifest implies {expected} and "
+            raise SnapshotCorruptError(f"{path} is {size} bytes; its manifest implies {expected} and "
                                   f"{INDEX_NAME} says {record.bytes}")
         if self._read_range(info, manifest.data_file, 0, len(header)) != header:
-            raise SnapshotCorrupt(f"{path}: safetensors header does not match its manifest")
+            raise SnapshotCorruptError(f"{path}: safetensors header does not match its manifest")
 
     def read_tensor(self, info: SnapshotInfo, manifest: RankManifest, tensor: TensorRecord) -> bytes:
-        """One tensor's bytes, checked against its crc32 (SnapshotCorrupt names file and tensor)."""
+        """One tensor's bytes, checked against its crc32 (SnapshotCorruptError names file and tensor)."""
         data = self._read_range(info, manifest.data_file, manifest.data_start + tensor.data_offsets[0], tensor.nbytes)
         if len(data) != tensor.nbytes or crc32(data) != tensor.crc32:
-            raise SnapshotCorrupt(f"{info.path / manifest.data_file}: tensor {tensor.name!r} fails its checksum")
+            raise SnapshotCorruptError(f"{info.path / manifest.data_file}: tensor {tensor.name!r} fails its checksum")
         return data
 
     def local_file(self, info: SnapshotInfo, name: str) -> pathlib.Path | None:
@@ -165,10 +165,10 @@ class SnapshotTier(abc.ABC):
         then its crc32."""
         size = self._size(info, record.name)
         if size != record.bytes:
-            raise SnapshotCorrupt(f"{info.path / record.name} is {size} bytes, its index says {record.bytes}")
+            raise SnapshotCorruptError(f"{info.path / record.name} is {size} bytes, its index says {record.bytes}")
         raw = self._read_range(info, record.name, 0, size)
         if len(raw) != record.bytes or crc32(raw) != record.crc32:
-            raise SnapshotCorrupt(f"{info.path / record.name} does not match its checksum in {INDEX_NAME}")
+            raise SnapshotCorruptError(f"{info.path / record.name} does not match its checksum in {INDEX_NAME}")
         return raw
 
 
@@ -183,10 +183,10 @@ def _rank_ranges(ranks: Sequence[int]) -> str:
 
 @contextlib.contextmanager
 def reading_file(path: object) -> Iterator[None]:
-    """A missing file is SnapshotCorrupt, any other failure to read it SnapshotError."""
+    """A missing file is SnapshotCorruptError, any other failure to read it SnapshotError."""
     try:
         yield
     except FileNotFoundError:
-        raise SnapshotCorrupt(f"{path} is missing") from None
+        raise SnapshotCorruptError(f"{path} is missing") from None
     except OSError as exc:
         raise SnapshotError(f"cannot read {path}: {exc}") from None

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from .checksum import crc32
 from .names import parse_snapshot_id, parse_step_dir_name, snapshot_id_for, step_dir_name, validate_job_id
 from .object_store import ObjectInfo, ObjectStore
-from .snapshot_errors import SnapshotCorrupt, SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable
+from .snapshot_errors import SnapshotCorruptError, SnapshotInvalid, SnapshotNotFoundError, StoreUnavailableError
 from .snapshot_format import (
     INDEX_NAME, LAYOUT_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name,
 )
@@ -86,14 +86,14 @@ class StoredSnapshots(SnapshotTier):
 
     @contextlib.contextmanager
     def _reading(self, key: str) -> Iterator[None]:
-        """A store request: a missing object is SnapshotCorrupt (a listed snapshot lost a file),
-        any other failure SnapshotStoreUnavailable; both name the object."""
+        """A store request: a missing object is SnapshotCorruptError (a listed snapshot lost a file),
+        any other failure StoreUnavailableError; both name the object."""
         try:
             yield
         except FileNotFoundError as error:
-            raise SnapshotCorrupt(f"{self.store.describe(key)} is missing from the store") from error
+            raise SnapshotCorruptError(f"{self.store.describe(key)} is missing from the store") from error
         except OSError as error:
-            raise SnapshotStoreUnavailable(f"reading {self.store.describe(key)} failed: {error}") from error
+            raise StoreUnavailableError(f"reading {self.store.describe(key)} failed: {error}") from error
 
     @staticmethod
     def step_prefix(job_id: str, step: int) -> str:
@@ -176,7 +176,7 @@ class StoredSnapshots(SnapshotTier):
         try:
             with self._reading(key):
                 raw = self.store.get(key)
-        except SnapshotCorrupt:  # missing: a step being uploaded, or put before indexes
+        except SnapshotCorruptError:  # missing: a step being uploaded, or put before indexes
             return None
         index = SnapshotIndex.parse(raw, job_id, step)
         names = set() if index is None else {record.name for record in index.files}
@@ -212,7 +212,7 @@ class StoredSnapshots(SnapshotTier):
         try:
             with self._reading(key):
                 return self.store.create(key, b"")
-        except SnapshotStoreUnavailable:
+        except StoreUnavailableError:
             return True
 
     def complete_info(self, job_id: str, step: int, objects: list[ObjectInfo]) -> SnapshotInfo | None:
@@ -238,7 +238,7 @@ class StoredSnapshots(SnapshotTier):
         return SnapshotInfo.of(index, self.location(index.job_id, index.step))  # type: ignore[arg-type]
 
     def resolve(self, snapshot_id: str, job_id: str | None = None) -> SnapshotInfo:
-        """A complete snapshot in the store; SnapshotNotFound naming the store otherwise.
+        """A complete snapshot in the store; SnapshotNotFoundError naming the store otherwise.
         ``latest``: the newest step that is complete (the steps below it are not read)."""
         ref = parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid)
         steps = self.steps(ref.job_id)
@@ -248,14 +248,14 @@ class StoredSnapshots(SnapshotTier):
                 return dataclasses.replace(info, latest=True) if ref.latest else info
         what = "no complete snapshot" if ref.latest else f"no complete snapshot {snapshot_id_for(ref.job_id, ref.step)}"
         complete = ", ".join(str(i.step) for i in self.list(ref.job_id)) or "none"
-        raise SnapshotNotFound(f"{what} of job {ref.job_id!r} in the store {self.uri} (complete steps: [{complete}])")
+        raise SnapshotNotFoundError(f"{what} of job {ref.job_id!r} in the store {self.uri} (complete steps: [{complete}])")
 
     def _size(self, info: SnapshotInfo, name: str) -> int:
         key = self.key(info.job_id, info.step, name)
         with self._reading(key):
             size = self.store.size(key)
         if size is None:
-            raise SnapshotCorrupt(f"{info.path / name} is missing")
+            raise SnapshotCorruptError(f"{info.path / name} is missing")
         return size
 
     def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:

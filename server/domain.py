@@ -20,7 +20,8 @@ import logging
 from collections.abc import Callable, Iterable
 
 from swap_state.common.errors import (
-    FailedPrecondition, InvalidArgument, MetadataBaseUnknown, NoSegment, PermissionDenied, SnapshotsDisabled,
+    FailedPreconditionError, InvalidRequestError, MetadataBaseUnknownError, NoSegmentError, PermissionDeniedError,
+    SnapshotsDisabledError,
 )
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.segment import TensorSpec
@@ -89,7 +90,7 @@ class StateServer:
     async def _claim(self, tenant: Tenant, job_id: str) -> None:
         """PermissionDenied unless ``tenant`` may use job id ``job_id``."""
         if not all(tenant.may_claim(owner) for owner in await self._job_owners(job_id)):
-            raise PermissionDenied(f"job {job_id!r} (its sessions or snapshots) belongs to another tenant: "
+            raise PermissionDeniedError(f"job {job_id!r} (its sessions or snapshots) belongs to another tenant: "
                                    "choose another job id")
 
     def session(self, caller: Tenant, session_id: str, generation: int, *, segment: bool = False) -> Session:
@@ -98,12 +99,12 @@ class StateServer:
         session = self.registry.lookup(session_id, generation)
         caller.check(session.tenant, f"session {session_id} (job {session.job_id!r})")
         if segment and session.segment is None:
-            raise NoSegment(f"session {session_id} has no segment yet: call Allocate first")
+            raise NoSegmentError(f"session {session_id} has no segment yet: call Allocate first")
         return session
 
     def _coordinator(self) -> SnapshotCoordinator:
         if self.snapshots is None:
-            raise SnapshotsDisabled("this server keeps no snapshots: start it with --snapshot-dir DIR")
+            raise SnapshotsDisabledError("this server keeps no snapshots: start it with --snapshot-dir DIR")
         return self.snapshots
 
     # -- sessions --------------------------------------------------------------------------
@@ -168,7 +169,7 @@ class StateServer:
         await self._claim(Tenant(session.tenant), session.job_id)
         async with session.lock:
             if session.last_committed_step != ask.step:
-                raise FailedPrecondition(f"snapshot of step {ask.step} refused: the last committed step of "
+                raise FailedPreconditionError(f"snapshot of step {ask.step} refused: the last committed step of "
                                          f"{session.job_id}/rank {session.rank} is {session.last_committed_step}")
             # The writer reads the segment after the reply; borrow() keeps the mapping alive (a
             # detach or grace expiry waits) until the writer lets go.
@@ -198,15 +199,15 @@ class StateServer:
         if not ask.metadata_base_id:
             return None
         if ask.metadata_json:
-            raise InvalidArgument("metadata_json and metadata_base_id exclude each other: send one")
+            raise InvalidRequestError("metadata_json and metadata_base_id exclude each other: send one")
         if ask.metadata_base_json:
             if base_id(ask.metadata_base_json) != ask.metadata_base_id:
-                raise InvalidArgument("metadata_base_id is not the digest of metadata_base_json")
+                raise InvalidRequestError("metadata_base_id is not the digest of metadata_base_json")
             base = await asyncio.to_thread(parse_base, ask.metadata_base_json, session.layout.tensors, max_bytes)
             session.metadata_base = (ask.metadata_base_id, base)
         held = session.metadata_base
         if held is None or held[0] != ask.metadata_base_id:
-            raise MetadataBaseUnknown(
+            raise MetadataBaseUnknownError(
                 f"this server does not hold the snapshot metadata base {ask.metadata_base_id} of "
                 f"{session.job_id}/rank {session.rank} (it restarted since the trainer sent it): send it again")
         return parse_delta(ask.metadata_delta_json, held[1], max_bytes)
@@ -233,7 +234,7 @@ class StateServer:
                               wait_stored: bool) -> SnapshotStatus:
         """A rank's status after waiting up to ``wait_s`` (at most :data:`MAX_STATUS_WAIT_S`)."""
         coordinator = self._coordinator()
-        for tenant in await self._job_owners(parse_snapshot_id(snapshot_id, None, InvalidArgument).job_id):
+        for tenant in await self._job_owners(parse_snapshot_id(snapshot_id, None, InvalidRequestError).job_id):
             caller.check(tenant, f"snapshot {snapshot_id}")
         wait_s = min(max(wait_s, 0.0), MAX_STATUS_WAIT_S)
         return await coordinator.wait_status(snapshot_id, rank, wait_s, wait_stored)

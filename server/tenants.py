@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterable
 
 from swap_state.common.caller_proof import CALLER_METADATA_KEY, is_proof_name, proof_dir
-from swap_state.common.errors import PermissionDenied, StartupError
+from swap_state.common.errors import PermissionDeniedError, StartupError
 
 __all__ = ["ANYONE", "Tenant", "Tenants", "UidProofs", "read_secret_file", "read_tenants_file", "tenant_uid"]
 
@@ -51,7 +51,7 @@ class Tenant:
     def check(self, owner: str, what: str) -> None:
         """PermissionDenied naming ``what`` unless this tenant may reach ``owner``'s."""
         if not self.may_reach(owner):
-            raise PermissionDenied(f"{what} belongs to another tenant: the caller's tenant {self.name!r} may not "
+            raise PermissionDeniedError(f"{what} belongs to another tenant: the caller's tenant {self.name!r} may not "
                                    "use it (a job id is its tenant's: choose another job id)")
 
 

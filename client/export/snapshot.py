@@ -1,7 +1,7 @@
 """``swap-state export``: a snapshot as a standard checkpoint, loadable without swap-state.
 
 Reads a complete snapshot from a snapshot directory or a snapshot store through one seam,
-:class:`~swap_state.common.snapshot_reader.SnapshotTier`, whose reads check every manifest,
+:class:`~swap_state.common.snapshot_tier.SnapshotTier`, whose reads check every manifest,
 data file header and tensor crc32 (an error names the file and tensor; nothing is written),
 and writes the seed's flat optimizer state dict::
 
@@ -33,9 +33,9 @@ from swap_state.client.remote.segment_mapping import TORCH_DTYPES
 from swap_state.common.names import (
     MODEL_PREFIX, STATE_PREFIX, is_model_tensor, param_group_key, parse_snapshot_id, state_key,
 )
-from swap_state.common.object_store import STORE_FLAG, PosixObjectStore, open_store
+from swap_state.common.object_store import STORE_FLAG, STORE_TIMEOUT_S, PosixObjectStore, open_store
 from swap_state.common.segment import TensorLayout
-from swap_state.common.snapshot_errors import SnapshotError, SnapshotNotFound, SnapshotStoreUnavailable
+from swap_state.common.snapshot_errors import SnapshotError, SnapshotNotFoundError, StoreUnavailableError
 from swap_state.common.snapshot_format import TensorRecord
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, TENSOR_TAG, parse_metadata
 from swap_state.common.snapshot_reader import SnapshotReader
@@ -47,7 +47,6 @@ __all__ = ["FORMATS", "ExportError", "ExportResult", "SnapshotState", "export_sn
            "read_snapshot_state"]
 
 FORMATS = ("torch", "dcp")
-STORE_TIMEOUT_S = 60.0  # seconds one request to the store may take, retries included (the server's default too)
 
 Location = tuple[SnapshotTier, SnapshotInfo]
 
@@ -161,7 +160,7 @@ def locate(snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str
     if snapshot_store is not None:
         store = open_store(snapshot_store, timeout_s or STORE_TIMEOUT_S)
         if isinstance(store, PosixObjectStore) and not store.root.is_dir():
-            raise SnapshotStoreUnavailable(f"{STORE_FLAG} {snapshot_store}: {store.root} is not a directory")
+            raise StoreUnavailableError(f"{STORE_FLAG} {snapshot_store}: {store.root} is not a directory")
         stored = StoredSnapshots(store)
         return [(stored, stored.resolve(os.fspath(snapshot).removeprefix(snapshot_store.rstrip("/") + "/")))]
     if snapshot_dir is None:
@@ -179,11 +178,11 @@ def locate(snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str
     snapshot_id, root = os.fspath(snapshot), pathlib.Path(snapshot_dir)
     job = parse_snapshot_id(snapshot_id, error=ExportError).job_id
     if not root.is_dir():
-        raise SnapshotNotFound(f"--snapshot-dir {root} is not a directory")
+        raise SnapshotNotFoundError(f"--snapshot-dir {root} is not a directory")
     roots = [root] if (root / job).is_dir() else sorted(root.glob("rank-*"))
     readers = [SnapshotReader(r) for r in roots if (r / job).is_dir()]
     if not readers:
-        raise SnapshotNotFound(f"snapshot {snapshot_id} is not in {root} (no {job}/ there, nor in rank-*/ below it): "
+        raise SnapshotNotFoundError(f"snapshot {snapshot_id} is not in {root} (no {job}/ there, nor in rank-*/ below it): "
                                "pass the --snapshot-dir of the server that took it (an embedded server under "
                                "torchtitan keeps them in <job.dump_folder>/swap-state-snapshots)")
     return [(reader, reader.resolve(snapshot_id)) for reader in readers]

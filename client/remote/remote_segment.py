@@ -38,7 +38,7 @@ from swap_state.client.remote.config import (
 from swap_state.client.remote.model_area import ModelArea, plan_model_tensors
 from swap_state.client.remote.rpc import RemoteSession, SnapshotHandle
 from swap_state.client.remote.segment_mapping import SegmentMapping
-from swap_state.common.errors import InvalidArgument
+from swap_state.common.errors import InvalidRequestError
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.retry import wait_until
 from swap_state.common.segment import Word
@@ -276,7 +276,7 @@ class RemoteSegment:
         """A handle on ``<job>/step-<N>`` for this rank (None for other forms, e.g. latest)."""
         try:
             ref = parse_snapshot_id(snapshot_id)
-        except InvalidArgument:
+        except InvalidRequestError:
             return None
         rank = self.session.rank
         return None if ref.step is None else SnapshotHandle(str(ref), ref.step, rank, self.client)

@@ -42,7 +42,7 @@ from swap_state.common.segment_descriptor import SegmentDescriptor
 
 from swap_state.common.server_header import ServerHeader
 from swap_state.common.sizes import format_size
-from swap_state.common.errors import ResourceExhausted, Unavailable
+from swap_state.common.errors import BudgetExhaustedError, ServerUnavailableError
 from swap_state.server import _posix
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
@@ -135,7 +135,7 @@ class Segment:
         """Keep the mapping alive for the duration of the block; yields ``buffer``."""
         with self._lock:
             if self._freeing or self.buffer is None:
-                raise Unavailable(f"segment {self.name} was freed")
+                raise ServerUnavailableError(f"segment {self.name} was freed")
             self._refs += 1
         try:
             yield self.buffer
@@ -265,7 +265,7 @@ class Arena:
                 self.allocations += 1
         if closed:  # shut down while we were faulting pages in
             self._destroy(segment)
-            raise Unavailable("the server is shutting down")
+            raise ServerUnavailableError("the server is shutting down")
         if (short := self.copy_policy.shortfall(segment.layout)) is not None:
             log_event(log, "copy_budget_short", logging.WARNING, segment=segment.name,
                       cow_pool_slots=self.cow_pool_slots, **short)
@@ -278,7 +278,7 @@ class Arena:
 
     def _charge(self, owner: str, specs: Sequence[TensorSpec], world_size: int, descriptor_bytes: int,
                 tenant: str) -> tuple[str, SegmentLayout]:
-        """Plan and charge the segment and name its file: (name, layout). ResourceExhausted
+        """Plan and charge the segment and name its file: (name, layout). BudgetExhaustedError
         when the free budget, or ``tenant``'s quota, cannot hold it."""
         # --chunk-bytes, or the largest tensor page aligned when smaller (a small model's slots
         # are small; each still counts as one slot of the pool).
@@ -289,7 +289,7 @@ class Arena:
         layout = plan_segment(specs, chunk, want)  # planned outside the lock: O(tensors)
         with self._lock:
             if self._closed:
-                raise Unavailable("the server is shutting down")
+                raise ServerUnavailableError("the server is shutting down")
             slots = min(want, self.cow_pool_slots - self.cow_slots_used)
             if slots != layout.cow_slots:
                 layout = plan_segment(specs, chunk, slots)
@@ -297,7 +297,7 @@ class Arena:
             free = self._free()
             if charge > free:
                 self.allocation_failures += 1
-                raise ResourceExhausted(f"segment for {len(specs)} tensors needs {charge} bytes "
+                raise BudgetExhaustedError(f"segment for {len(specs)} tensors needs {charge} bytes "
                                         f"({format_size(charge)}, header and page padding included)"
                                         f"{_model_share(layout)} but only {free} "
                                         f"bytes ({format_size(free)}) are free of {self.total_bytes} bytes total "
@@ -308,7 +308,7 @@ class Arena:
             held = self._tenant_used.get(tenant, 0)
             if self.tenant_quota and held + charge > self.tenant_quota:
                 self.allocation_failures += 1
-                raise ResourceExhausted(
+                raise BudgetExhaustedError(
                     f"segment of {format_size(charge)} refused: this tenant holds {format_size(held)} "
                     f"of its --tenant-shm-quota {format_size(self.tenant_quota)} on this server; free a "
                     "session of it (Detach) or ask for a larger quota (other tenants are unaffected)"
@@ -365,7 +365,7 @@ class Arena:
             vfs = os.statvfs(self.shm_dir)
             available = vfs.f_bavail * vfs.f_frsize
             log_event(log, "shm_full", logging.ERROR, shm_dir=self.shm_dir, requested=segment.size, available=available)
-            raise ResourceExhausted(
+            raise BudgetExhaustedError(
                 f"{self.shm_dir} is full: could not commit {segment.size} bytes for a segment "
                 f"({available} bytes available on the filesystem, although the --shm-size budget "
                 "allowed it: something else uses that tmpfs). Raise `docker run --shm-size` / "
@@ -434,12 +434,12 @@ class Arena:
 
     def adopt(self, segment: Segment, seq: int) -> None:
         """Charge a segment a previous server left (checked by :mod:`.adopt`) like a created
-        one; ResourceExhausted when this server's budget cannot hold it."""
+        one; BudgetExhaustedError when this server's budget cannot hold it."""
         with self._lock:
             free = self._free()
             pool_free = self.cow_pool_slots - self.cow_slots_used
             if segment.charge > free or segment.cow_slots > pool_free:
-                raise ResourceExhausted(f"it needs {segment.charge} bytes and {segment.cow_slots} copy slots, this "
+                raise BudgetExhaustedError(f"it needs {segment.charge} bytes and {segment.cow_slots} copy slots, this "
                                         f"server has {free} bytes and {pool_free} slots free: start it with the "
                                         "--shm-size and --cow-budget of the one before")
             self._account(segment.tenant, segment.charge, segment.layout, 1)

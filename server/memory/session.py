@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import enum
 
-from swap_state.common.errors import FailedPrecondition, NoSegment
+from swap_state.common.errors import FailedPreconditionError, NoSegmentError
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word, committed_step
 from swap_state.common.server_header import ServerHeader
 from swap_state.common.snapshot_metadata_parts import MetadataBase
@@ -110,10 +110,10 @@ class Session:
         """Record a committed step in the header; False for a repeat of the last (a retry).
         Going backwards needs ``force`` (restore) or the one-time allowance after a reattach."""
         if self.segment is None or self.segment.header is None:
-            raise NoSegment(f"session {self.session_id} has no segment: call Allocate before CommitStep")
+            raise NoSegmentError(f"session {self.session_id} has no segment: call Allocate before CommitStep")
         last = self.last_committed_step
         if last is not None and step < last and not (force or self.rewind_allowed):
-            raise FailedPrecondition(
+            raise FailedPreconditionError(
                 f"step {step} goes backwards: step {last} is already committed for job "
                 f"{self.job_id} rank {self.rank} (an earlier step is accepted once after a reattach)"
             )

@@ -34,8 +34,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from swap_state.common.errors import (
-    SERVER_STOPPING_NOTICE, LayoutMismatch, NotFound, SessionLive, StaleGeneration,
-    Unavailable,
+    SERVER_STOPPING_NOTICE, LayoutMismatchError, NotFoundError, SessionLiveError, StaleGenerationError,
+    ServerUnavailableError,
 )
 from swap_state.common import trainer_presence
 from swap_state.common.segment import TensorSpec, layout_hash
@@ -104,23 +104,23 @@ class SessionRegistry:
         freed = self._freed.get((job_id, rank))
         return freed.describe(self._clock()) if freed is not None else ""
 
-    def _not_found(self, session_id: str, otherwise: str) -> NotFound:
+    def _not_found(self, session_id: str, otherwise: str) -> NotFoundError:
         """Why ``session_id`` is gone, when this registry freed it; else ``otherwise``."""
         freed = next((f for f in self._freed.values() if f.session_id == session_id), None)  # errors only
         if freed is None:
-            return NotFound(otherwise)
+            return NotFoundError(otherwise)
         grace = "; a longer --grace keeps a vanished trainer's state longer" if freed.reason == "grace_expired" else ""
-        return NotFound(f"{freed.describe(self._clock())}. Its optimizer state is gone: Attach again and "
+        return NotFoundError(f"{freed.describe(self._clock())}. Its optimizer state is gone: Attach again and "
                         f"restore a snapshot (or load a checkpoint){grace}")
 
     def _check_generation(self, session: Session, generation: int) -> None:
         if session.closed:
             raise self._not_found(session.session_id, f"session {session.session_id} was freed: Attach again")
         if generation > session.generation:
-            raise StaleGeneration(f"generation {generation} was never issued for job {session.job_id} rank "
+            raise StaleGenerationError(f"generation {generation} was never issued for job {session.job_id} rank "
                                   f"{session.rank} (current: {session.generation})")
         if generation != session.generation:
-            raise StaleGeneration(f"stale generation {generation} for job {session.job_id} rank {session.rank}: "
+            raise StaleGenerationError(f"stale generation {generation} for job {session.job_id} rank {session.rank}: "
                                   f"the session was re-attached as generation {session.generation}")
 
     def orphaned_seconds(self, session: Session) -> float:
@@ -176,20 +176,20 @@ class SessionRegistry:
 
     def _check_open(self) -> None:
         if self._shutting_down:
-            raise Unavailable("the server is shutting down")
+            raise ServerUnavailableError("the server is shutting down")
 
     def _refuse_if_live(self, session: Session) -> None:
         # An adopted session whose trainer still maps its segment: that trainer reconnects.
         if (session.awaiting_reconnect and not session.closed and session.segment is not None
                 and trainer_presence.held(session.segment.path)):
             left = max(0.0, self.grace - self.orphaned_seconds(session))
-            raise SessionLive(f"job {session.job_id} rank {session.rank} was live when the previous server "
+            raise SessionLiveError(f"job {session.job_id} rank {session.rank} was live when the previous server "
                               "stopped, and its trainer process still maps its segment: this server adopted its "
                               f"state and keeps it for that trainer, which reconnects by itself, for another "
                               f"{left:.0f} s (--grace). Another trainer of this job id and rank can attach once "
                               "that one has ended; to run beside it, use another job id")
         if session.state is SessionState.LIVE and not session.closed:
-            raise SessionLive(f"job {session.job_id} rank {session.rank} is attached and live (client pid "
+            raise SessionLiveError(f"job {session.job_id} rank {session.rank} is attached and live (client pid "
                               f"{session.client_pid} on {session.client_host or '?'}, generation "
                               f"{session.generation}): another trainer with the same job id and rank? Stop that "
                               "trainer first, or give this one another job id")
@@ -278,7 +278,7 @@ class SessionRegistry:
             if session.segment is not None:
                 if session.segment.layout_hash == wanted_hash:
                     return session.segment, True
-                raise LayoutMismatch(f"job {session.job_id} rank {session.rank} already has a segment with another "
+                raise LayoutMismatchError(f"job {session.job_id} rank {session.rank} already has a segment with another "
                                      f"layout (hash {session.segment.layout_hash[:12]}, requested "
                                      f"{wanted_hash[:12]}): Detach with keep=false, then Attach and Allocate again")
             started = time.perf_counter()

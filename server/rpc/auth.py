@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from swap_state.common.caller_proof import CALLER_METADATA_KEY
-from swap_state.common.errors import StartupError, Unauthenticated
+from swap_state.common.errors import StartupError, UnauthenticatedError
 from swap_state.server.logs import log_event
 from swap_state.server.rpc.statuses import reason_metadata, status_for
 from swap_state.server.tenants import ANYONE, Tenant, Tenants, read_secret_file
@@ -95,7 +95,7 @@ def _as_caller(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethod
 
 
 def _deny(handler: grpc.RpcMethodHandler, by_uid: bool) -> grpc.RpcMethodHandler:
-    error = Unauthenticated(
+    error = UnauthenticatedError(
         "this server tells callers apart by their uid, and the call names no proof file it owns "
         f"(metadata '{CALLER_METADATA_KEY}'): swap-state's client sends one; another client must "
         "create an empty file of a random 32-hex-digit name in <socket>.callers and name it"

@@ -1,7 +1,7 @@
 """Validation of request values, before any of them reaches the domain.
 
 The servicer calls these first thing in every RPC, for every id a client sends; the domain
-trusts them. Every check raises :class:`~swap_state.common.errors.InvalidArgument` naming the
+trusts them. Every check raises :class:`~swap_state.common.errors.InvalidRequestError` naming the
 field and the rule, quoting the value with :func:`~swap_state.common.names.shorten`: the message
 travels back as gRPC metadata, which a hostile 20,000-character id must not overflow. Job ids
 may become a directory name under the snapshot directory, hence their strict charset.
@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from swap_state.common.dtypes import DTYPE_ITEMSIZE
-from swap_state.common.errors import InvalidArgument
+from swap_state.common.errors import InvalidRequestError
 from swap_state.common.segment import TensorSpec
 from swap_state.common.segment_descriptor import SegmentDescriptor
 from swap_state.common.snapshot_format import DATA_ALIGN
@@ -47,9 +47,9 @@ _SOME_JOB = "job"
 
 def validate_rank(rank: int, world_size: int) -> None:
     if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise InvalidArgument(f"world_size {world_size} must be in [1, {MAX_WORLD_SIZE}]")
+        raise InvalidRequestError(f"world_size {world_size} must be in [1, {MAX_WORLD_SIZE}]")
     if not 0 <= rank < world_size:
-        raise InvalidArgument(f"rank {rank} must be < world_size {world_size}")
+        raise InvalidRequestError(f"rank {rank} must be < world_size {world_size}")
 
 
 def validate_local_world_size(local_world_size: int, world_size: int) -> int:
@@ -57,7 +57,7 @@ def validate_local_world_size(local_world_size: int, world_size: int) -> int:
     if local_world_size == 0:
         return world_size
     if not 1 <= local_world_size <= world_size:
-        raise InvalidArgument(f"local_world_size {local_world_size} must be in [1, world_size {world_size}] "
+        raise InvalidRequestError(f"local_world_size {local_world_size} must be in [1, world_size {world_size}] "
                               "(0: the whole job on this server)")
     return local_world_size
 
@@ -65,15 +65,15 @@ def validate_local_world_size(local_world_size: int, world_size: int) -> int:
 def validate_session(session_id: str, generation: int) -> None:
     """The (session_id, generation) pair every call after Attach carries."""
     if not _SESSION_ID.fullmatch(session_id):
-        raise InvalidArgument(f"session_id {shorten(session_id)} is not a session id issued by this server")
+        raise InvalidRequestError(f"session_id {shorten(session_id)} is not a session id issued by this server")
     if generation <= 0:
-        raise InvalidArgument("generation is required (the value Attach returned)")
+        raise InvalidRequestError("generation is required (the value Attach returned)")
 
 
 def validate_snapshot_rank(rank: int) -> int:
     """A rank named without its world size (SnapshotStatus): at least in range."""
     if not 0 <= rank < MAX_WORLD_SIZE:
-        raise InvalidArgument(f"rank {rank} must be in [0, {MAX_WORLD_SIZE})")
+        raise InvalidRequestError(f"rank {rank} must be in [0, {MAX_WORLD_SIZE})")
     return rank
 
 
@@ -83,20 +83,20 @@ def validate_snapshot_id(snapshot_id: str, *, relative: bool, latest: bool) -> s
     (``step-25``), still relative when it was."""
     ref = parse_snapshot_id(snapshot_id, _SOME_JOB if relative else None)
     if ref.latest and not latest:
-        raise InvalidArgument(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>' (e.g. demo/step-25)")
+        raise InvalidRequestError(f"snapshot id {shorten(snapshot_id)} is not '<job>/step-<N>' (e.g. demo/step-25)")
     name = "latest" if ref.latest else f"step-{ref.step}"
     return f"{ref.job_id}/{name}" if "/" in snapshot_id else name
 
 
 def validate_step(step: int) -> int:
     if not 0 <= step <= MAX_STEP:
-        raise InvalidArgument(f"step {step} out of range [0, {MAX_STEP}]")
+        raise InvalidRequestError(f"step {step} out of range [0, {MAX_STEP}]")
     return step
 
 
 def validate_client_host(host: str) -> str:
     if len(host) > 255 or not host.isprintable():
-        raise InvalidArgument("client_host must be at most 255 printable characters")
+        raise InvalidRequestError("client_host must be at most 255 printable characters")
     return host
 
 
@@ -113,47 +113,47 @@ def validate_tensor_specs(specs: Iterable[tuple[str, str, Sequence[int]]], *, ma
     # Hot loop (up to max_tensors iterations): the valid case does as little work as possible.
     for index, (name, dtype, shape) in enumerate(specs):
         if index >= max_tensors:
-            raise InvalidArgument(f"too many tensors: at most {max_tensors} per segment")
+            raise InvalidRequestError(f"too many tensors: at most {max_tensors} per segment")
         if name in seen or not name_ok(name):
             raise _bad_name(index, name, seen)
         seen.add(name)
         if is_model_tensor(name):
             model_from = index if model_from is None else model_from
         elif model_from is not None:
-            raise InvalidArgument(f"tensors[{index}] ({shorten(name)}) follows model tensor {model_from}: the "
+            raise InvalidRequestError(f"tensors[{index}] ({shorten(name)}) follows model tensor {model_from}: the "
                                   f"model tensors ({MODEL_PREFIX}*) must come after every other tensor")
         itemsize = DTYPE_ITEMSIZE.get(dtype)
         if itemsize is None:
             raise _unknown_dtype(index, name, dtype)
         dims = tuple(map(int, shape))
         if len(dims) > MAX_NDIM:
-            raise InvalidArgument(f"tensors[{index}] ({name}): more than {MAX_NDIM} dims")
+            raise InvalidRequestError(f"tensors[{index}] ({name}): more than {MAX_NDIM} dims")
         if dims and min(dims) < 0:
-            raise InvalidArgument(f"tensors[{index}] ({name}): negative dim in shape {list(dims)}")
+            raise InvalidRequestError(f"tensors[{index}] ({name}): negative dim in shape {list(dims)}")
         # At most 32 dims below 2**63 each: the product is a big int, never an overflow.
         total += math.prod(dims) * itemsize
         if total > max_total_bytes:
-            raise InvalidArgument(f"tensors[{index}] ({name}) shape {list(dims)[:8]}: the tensors exceed the "
+            raise InvalidRequestError(f"tensors[{index}] ({name}) shape {list(dims)[:8]}: the tensors exceed the "
                                   f"largest possible segment ({max_total_bytes} bytes)")
         header_bound += len(name) + _HEADER_BYTES_PER_TENSOR + _HEADER_BYTES_PER_DIM * len(dims)
         out.append((name, dtype, dims))
     if header_bound > SAFETENSORS_MAX_HEADER_BYTES:
-        raise InvalidArgument(f"{len(out)} tensors would give the snapshot file a safetensors header of up to "
+        raise InvalidRequestError(f"{len(out)} tensors would give the snapshot file a safetensors header of up to "
                               f"{header_bound} bytes, over the {SAFETENSORS_MAX_HEADER_BYTES} bytes safetensors "
                               "readers accept: fewer tensors per rank (shard the model over more ranks)")
     return out
 
 
 # The refusals' messages, out of validate_tensor_specs' hot loop (called only on a refusal).
-def _bad_name(index: int, name: str, seen: set[str]) -> InvalidArgument:
+def _bad_name(index: int, name: str, seen: set[str]) -> InvalidRequestError:
     if name in seen:
-        return InvalidArgument(f"tensors[{index}].name {shorten(name)} is duplicated")
-    return InvalidArgument(f"tensors[{index}].name {shorten(name)} is invalid: use 1-512 characters of "
+        return InvalidRequestError(f"tensors[{index}].name {shorten(name)} is duplicated")
+    return InvalidRequestError(f"tensors[{index}].name {shorten(name)} is invalid: use 1-512 characters of "
                            "[A-Za-z0-9_.:/-]")
 
 
-def _unknown_dtype(index: int, name: str, dtype: str) -> InvalidArgument:
-    return InvalidArgument(f"tensors[{index}] ({name}): unknown dtype {shorten(dtype)}; "
+def _unknown_dtype(index: int, name: str, dtype: str) -> InvalidRequestError:
+    return InvalidRequestError(f"tensors[{index}] ({name}): unknown dtype {shorten(dtype)}; "
                            f"expected one of {', '.join(DTYPE_ITEMSIZE)}")
 
 
@@ -163,5 +163,5 @@ def validate_descriptor(descriptor: SegmentDescriptor, *, max_tensors: int) -> l
     validate_job_id(descriptor.job_id)
     validate_rank(descriptor.rank, descriptor.world_size)
     if validate_local_world_size(descriptor.local_world_size, descriptor.world_size) != descriptor.local_world_size:
-        raise InvalidArgument("local_world_size 0 in a segment descriptor")
+        raise InvalidRequestError("local_world_size 0 in a segment descriptor")
     return validate_tensor_specs(descriptor.tensors, max_tensors=max_tensors)

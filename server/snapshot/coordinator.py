@@ -29,11 +29,11 @@ from collections.abc import Callable
 
 from swap_state.common.segment import Word
 from swap_state.common.server_config import SnapshotSettings
-from swap_state.common.errors import ResourceExhausted
+from swap_state.common.errors import BudgetExhaustedError
 from swap_state.common.sizes import format_size
 from swap_state.common.snapshot_errors import (
-    SnapshotBusy, SnapshotError, SnapshotFailed, SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable,
-    from_os_error,
+    SnapshotBusyError, SnapshotError, SnapshotFailedError, SnapshotInvalid, SnapshotNotFoundError,
+    StoreUnavailableError, from_os_error,
 )
 from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_format import LAYOUT_NAME, FileRecord, SnapshotIndex
@@ -126,14 +126,14 @@ class SnapshotCoordinator:
         """Begin (or join) the snapshot of ``source.step`` for ``source.job_id``; returns once it
         is consistent. Idempotent for a rank's retry. ``hold``: the writer waits for
         ``handle.proceed()`` (at most ``writer.HOLD_MAX_S``), so the reply gets out first.
-        Raises SnapshotInvalid, SnapshotBusy, SnapshotExists; SnapshotAlreadyFailed when the
+        Raises SnapshotInvalid, SnapshotBusyError, SnapshotExistsError; SnapshotAlreadyFailed when the
         group failed before this rank came (its status says so: :meth:`wait_status`)."""
         check_source(source)
         metadata = source.metadata_parts or parse_metadata(source.metadata_json, source.layout.tensors,
                                                            self.max_metadata_bytes)
         with self._lock:
             if self._closed:
-                raise SnapshotBusy("the snapshot coordinator is shut down")
+                raise SnapshotBusyError("the snapshot coordinator is shut down")
             group = self._group_for(source)
             if isinstance(group, RankSnapshot):
                 return group  # a retry of this rank's Snapshot call
@@ -156,13 +156,13 @@ class SnapshotCoordinator:
                 del self._groups[key]  # a fresh attempt at the step
         holder = self._holding.get((source.job_id, source.rank))
         if holder is not None:
-            raise SnapshotBusy(f"rank {source.rank} of job {source.job_id} is still persisting "
+            raise SnapshotBusyError(f"rank {source.rank} of job {source.job_id} is still persisting "
                                f"{holder.snapshot_id}")
         if source.header[Word.SNAP_EPOCH] != 0:
-            raise SnapshotBusy("the segment is being snapshotted (SNAP_EPOCH is set)")
+            raise SnapshotBusyError("the segment is being snapshotted (SNAP_EPOCH is set)")
         writing = source.header[Word.WRITING_STEP]
         if writing:
-            raise SnapshotBusy(f"the trainer is writing step {writing - 1}; snapshot between steps, "
+            raise SnapshotBusyError(f"the trainer is writing step {writing - 1}; snapshot between steps, "
                                "after CommitStep")
         return group if group is not None else self._new_group(source)
 
@@ -179,7 +179,7 @@ class SnapshotCoordinator:
                 steps = self.stored.steps(job_id)
                 newest = next((info for step in reversed(steps)
                                if (info := self.stored.step_info(job_id, step)) is not None), None)
-            except SnapshotStoreUnavailable:
+            except StoreUnavailableError:
                 return None  # a restore still checks the snapshot it reads
             if newest is None:
                 return None
@@ -193,7 +193,7 @@ class SnapshotCoordinator:
         mine = [i.bytes for i in self.local.list() if i.index.tenant == source.tenant] if quota else []
         held, new = sum(mine), sum(t.nbytes for t in source.layout.tensors) * source.expected_ranks
         if quota and held + new > quota:
-            raise ResourceExhausted(
+            raise BudgetExhaustedError(
                 f"snapshot {source.job_id}/step-{source.step} refused: about {format_size(new)} more "
                 f"would take this tenant's snapshots in {self.directory.root} from {format_size(held)} "
                 f"past its --tenant-snapshot-quota {format_size(quota)}; lower "
@@ -274,7 +274,7 @@ class SnapshotCoordinator:
                   if rank not in joined and step is not None and step > group.step}
         if passed:
             rank, step = min(passed.items())
-            group.fail(SnapshotFailed(f"rank {rank} of job {group.job_id} committed step {step} without snapshotting "
+            group.fail(SnapshotFailedError(f"rank {rank} of job {group.job_id} committed step {step} without snapshotting "
                                       f"step {group.step} on this server (its request went to a server before a "
                                       f"restart, or failed there): {group.snapshot_id} cannot complete"))
             return
@@ -285,7 +285,7 @@ class SnapshotCoordinator:
         if group.local_world_size != group.world_size:
             expected = (f"the {group.local_world_size} ranks expected on this server "
                         f"(local_world_size; {expected})")
-        group.fail(SnapshotFailed(f"only ranks {joined} of {expected} started {group.snapshot_id} "
+        group.fail(SnapshotFailedError(f"only ranks {joined} of {expected} started {group.snapshot_id} "
                                   f"within {self.assemble_timeout_s:g} s"))
 
     def _run(self, group: SnapshotGroup, handle: RankSnapshot) -> None:
@@ -369,7 +369,7 @@ class SnapshotCoordinator:
 
     async def wait_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0,
                           wait_stored: bool = False) -> SnapshotStatus:
-        """A rank's status (one not in memory from disk, else the store, else SnapshotNotFound)
+        """A rank's status (one not in memory from disk, else the store, else SnapshotNotFoundError)
         after waiting up to ``wait_s`` for a terminal state (``wait_stored``: for stored); awaits
         without holding a thread, save for reads from disk or the store."""
         deadline = time.monotonic() + wait_s
@@ -390,7 +390,7 @@ class SnapshotCoordinator:
     def _status_at_rest(self, snapshot_id: str, rank: int) -> SnapshotStatus:
         try:
             info = self.local.resolve(snapshot_id)
-        except SnapshotNotFound:
+        except SnapshotNotFoundError:
             if self.uploader is None:
                 raise
             return self.uploader.stored_status(snapshot_id, rank)  # only in the store
@@ -416,7 +416,7 @@ class SnapshotCoordinator:
             groups = list(self._groups.values())
         threads = []
         for group in groups:
-            group.fail(SnapshotFailed("the server is shutting down"))
+            group.fail(SnapshotFailedError("the server is shutting down"))
             with group.cond:
                 threads.extend(h.thread for h in group.handles.values() if h.thread is not None)
         deadline = None if timeout is None else time.monotonic() + timeout

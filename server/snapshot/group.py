@@ -14,7 +14,7 @@ import time
 from swap_state.common.names import snapshot_id_for
 from swap_state.common.segment import Word
 from swap_state.common.snapshot_errors import (
-    SnapshotBusy, SnapshotError, SnapshotExists, SnapshotFailed, SnapshotInvalid,
+    SnapshotBusyError, SnapshotError, SnapshotExistsError, SnapshotFailedError, SnapshotInvalid,
 )
 
 from swap_state.server.logs import log_event
@@ -29,7 +29,7 @@ __all__ = ["SnapshotAlreadyFailed", "SnapshotGroup", "RankSnapshot"]
 log = logging.getLogger(__name__)
 
 
-class SnapshotAlreadyFailed(SnapshotFailed):
+class SnapshotAlreadyFailed(SnapshotFailedError):
     """A rank asked for a snapshot its group had already failed without it: not refused (the
     servicer answers with the snapshot's id), its status says failed, as every rank's does."""
 
@@ -75,7 +75,7 @@ class SnapshotGroup:
             return mine
         if state is SnapshotState.DURABLE:
             if not source.replace_existing:
-                raise SnapshotExists(
+                raise SnapshotExistsError(
                     f"snapshot {self.snapshot_id} is already durable, from an earlier attempt at that step "
                     "(the trainer retrained it, e.g. after loading an older checkpoint): its bytes are not "
                     "this state's. Use a new job id, or let the snapshot replace it (SnapshotRequest."
@@ -83,7 +83,7 @@ class SnapshotGroup:
             return None  # a fresh attempt, which replaces the durable one at its commit
         if state is SnapshotState.PERSISTING:
             if mine is not None or self.world_size != source.world_size:
-                raise SnapshotBusy(f"an earlier attempt at {self.snapshot_id} (another run, or before a "
+                raise SnapshotBusyError(f"an earlier attempt at {self.snapshot_id} (another run, or before a "
                                    "retrained step) is still persisting")
             if self.local_world_size != source.expected_ranks:
                 raise SnapshotInvalid(f"{self.snapshot_id} was started with local_world_size "
@@ -99,7 +99,7 @@ class SnapshotGroup:
             # This rank missed the failed attempt: joining a new one alone would only time out.
             raise SnapshotAlreadyFailed(f"{self.snapshot_id} failed: {error}")
         if not drained:
-            raise SnapshotBusy(f"the failed attempt at {self.snapshot_id} is still being cleaned up")
+            raise SnapshotBusyError(f"the failed attempt at {self.snapshot_id} is still being cleaned up")
         return None  # a participant retries, or another run starts: a fresh attempt
 
     def missed_status(self, rank: int) -> SnapshotStatus | None:
@@ -246,4 +246,4 @@ class RankSnapshot:
 
     def cancel(self, reason: str) -> None:
         """Fail the whole snapshot (all ranks); a no-op once it is durable."""
-        self._group.fail(SnapshotFailed(f"cancelled: {reason}"), self.rank)
+        self._group.fail(SnapshotFailedError(f"cancelled: {reason}"), self.rank)

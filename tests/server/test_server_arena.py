@@ -18,7 +18,7 @@ from swap_state.server.memory import shm_dir as shm_dir_mod
 from swap_state.server.memory.adopt import discard_segments
 from swap_state.server.memory.arena import Arena
 from swap_state.server.memory.shm_dir import check_shm_dir
-from swap_state.common.errors import ResourceExhausted, StartupError, Unavailable
+from swap_state.common.errors import BudgetExhaustedError, StartupError, ServerUnavailableError
 
 CHUNK = 64 << 10
 SPECS = [("a", "float32", (3000,)), ("b", "bfloat16", (10, 10)), ("c", "uint8", (0,))]
@@ -89,7 +89,7 @@ def test_full_tmpfs_fails_the_allocation_not_a_later_page_fault(shm_dir, monkeyp
 
     monkeypatch.setattr(arena_mod.os, "posix_fallocate", enospc)
     arena = make_arena(shm_dir)
-    with pytest.raises(ResourceExhausted) as err:
+    with pytest.raises(BudgetExhaustedError) as err:
         arena.create_segment("full1", descriptor(SPECS, 1))
     message = str(err.value)
     assert "docker run --shm-size" in message and "shm_size" in message
@@ -176,7 +176,7 @@ def test_free_waits_for_borrowers(shm_dir):
         arena.free(seg)
         assert seg.freed and seg.path.exists()  # still being read: not gone yet
         assert buffer[:8] == MAGIC.to_bytes(8, "little")
-        with pytest.raises(Unavailable):
+        with pytest.raises(ServerUnavailableError):
             with seg.borrow():
                 pass
     assert not seg.path.exists() and arena.used_bytes == 0 and seg.buffer is None
@@ -188,7 +188,7 @@ def test_close_frees_everything_and_refuses_more(shm_dir):
     arena.create_segment("c2", descriptor(SPECS, 1))
     arena.close()
     assert os.listdir(shm_dir) == [] and arena.used_bytes == 0
-    with pytest.raises(Unavailable):
+    with pytest.raises(ServerUnavailableError):
         arena.create_segment("c3", descriptor(SPECS, 1))
 
 

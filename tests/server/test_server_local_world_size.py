@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from swap_state.proto import swap_state_pb2 as pb
-from swap_state.common.errors import InvalidArgument
+from swap_state.common.errors import InvalidRequestError
 from swap_state.server.rpc.validation import validate_local_world_size
 
 
@@ -15,7 +15,7 @@ def test_zero_means_world_size_and_the_range_is_one_to_world_size():
     assert validate_local_world_size(1, 16) == 1
     assert validate_local_world_size(8, 16) == 8
     assert validate_local_world_size(16, 16) == 16
-    with pytest.raises(InvalidArgument, match=r"local_world_size 17 must be in \[1, world_size 16\]"):
+    with pytest.raises(InvalidRequestError, match=r"local_world_size 17 must be in \[1, world_size 16\]"):
         validate_local_world_size(17, 16)
 
 

@@ -15,7 +15,7 @@ from swap_state.common.segment import tensor_nbytes
 from swap_state.common.snapshot_format import DATA_ALIGN, safetensors_header
 from swap_state.server.rpc import validation as vd
 from swap_state.server.rpc.validation import validate_job_id, validate_tensor_specs
-from swap_state.common.errors import InvalidArgument
+from swap_state.common.errors import InvalidRequestError
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -25,7 +25,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
     ["", "../x", "..", ".", ".hidden", "a/b", "a b", "x" * 129, "job\x00", "jöb", "\\..\\x"],
 )
 def test_bad_job_ids_are_rejected(job_id):
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(InvalidRequestError):
         validate_job_id(job_id)
 
 
@@ -41,7 +41,7 @@ def test_good_ids_and_specs_pass():
 
 
 def test_model_tensors_before_other_tensors_are_refused():
-    with pytest.raises(InvalidArgument, match=r"model tensors \(model\.\*\) must come after every other"):
+    with pytest.raises(InvalidRequestError, match=r"model tensors \(model\.\*\) must come after every other"):
         validate_tensor_specs([("model.w", "float32", [2]), ("s", "int64", [])], max_tensors=2)
 
 
@@ -57,7 +57,7 @@ def test_the_header_bound_holds_and_refuses_a_header_safetensors_would_not_read(
                              for n, _, d in specs)  # the padding that block-aligns the data first
     assert len(header) - len('{"__metadata__":{}}') - 8 <= bound
     many = [(f"state.{i:0490d}.exp_avg", "float32", [1]) for i in range(200_000)]
-    with pytest.raises(InvalidArgument, match=r"safetensors header of up to .* \(shard the model over more ranks\)"):
+    with pytest.raises(InvalidRequestError, match=r"safetensors header of up to .* \(shard the model over more ranks\)"):
         validate_tensor_specs(many, max_tensors=1 << 20)
 
 

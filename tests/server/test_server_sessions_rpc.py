@@ -14,7 +14,7 @@ from swap_server_testkit import Trainer, spec, wait_until
 from swap_state.client import cli
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.common.segment import MAGIC, PAGE_BYTES, SegmentHeader, Word, layout_hash
-from swap_state.common.errors import NotFound
+from swap_state.common.errors import NotFoundError
 from swap_state.server.memory import sessions as sessions_mod
 from swap_state.server.memory.session import FreedSession
 
@@ -402,9 +402,9 @@ async def test_the_record_of_freed_sessions_is_bounded(server, stub, monkeypatch
         await trainer.detach(keep=False)
     registry = server.sessions
     assert registry.why_no_state("bounded", 1) == "" and "rank 4" in registry.why_no_state("bounded", 4)
-    with pytest.raises(NotFound, match="never attached"):
+    with pytest.raises(NotFoundError, match="never attached"):
         registry.lookup(trainers[1].session_id, 1)
-    with pytest.raises(NotFound, match="reason=detached"):
+    with pytest.raises(NotFoundError, match="reason=detached"):
         registry.lookup(trainers[2].session_id, 1)
     freed = FreedSession("s4", "j", 4, "grace_expired", 4.0, 5.0, None)
     assert "rank 4 8.0 s ago (session s4): no trainer reattached within the server's --grace of 5 s" in (

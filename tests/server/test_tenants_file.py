@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from swap_state.common.errors import ConfigError, PermissionDenied, StartupError
+from swap_state.common.errors import ConfigError, PermissionDeniedError, StartupError
 from swap_state.common.server_config import ServerConfig
 from swap_state.server.tenants import ANYONE, Tenant, Tenants, read_tenants_file
 
@@ -53,7 +53,7 @@ def test_a_tenant_reaches_its_own_and_an_admin_all():
     assert alice.may_reach("")  # written before tenants (or without them): nobody's, as it was
     assert ops.may_reach("bob") and ops.may_reach("")
     assert alice.may_claim(None) and alice.may_claim("") and not alice.may_claim("bob")
-    with pytest.raises(PermissionDenied, match="job 'x' belongs to another tenant"):
+    with pytest.raises(PermissionDeniedError, match="job 'x' belongs to another tenant"):
         alice.check("bob", "job 'x'")
 
 

@@ -340,7 +340,7 @@ def test_a_hostile_layout_index_is_refused(raw, message):
 
 def test_a_mangled_layout_index_is_a_value_error_never_a_crash():
     """Every value of a valid layout.json swapped for another kind of value, one at a time:
-    refused with ValueError (SnapshotCorrupt to the restore), or read; never another error."""
+    refused with ValueError (SnapshotCorruptError to the restore), or read; never another error."""
     overlapping = [((0, 0), (2, 4)), ((1, 0), (2, 4))]  # not a grid: kept as records
     records = {rank: [_record("w", "float32", box, (8, 6)), _plain(rank, 5)[1],
                       _record("v", "float32", overlapping[rank], (4, 4))]

@@ -11,7 +11,7 @@ from snapshot_kit import Trainer, metadata_for
 
 from swap_state.common.segment import Word
 from swap_state.server.snapshot.coordinator import SnapshotState
-from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotFailed
+from swap_state.common.snapshot_errors import SnapshotBusyError, SnapshotFailedError
 from swap_state.common.snapshot_format import rank_data_name
 
 
@@ -81,12 +81,12 @@ def test_snapshot_refused_while_trainer_writes_or_segment_busy(make_segment, mak
     seg.fill(seed=2)
     coordinator = make_coordinator(max_bandwidth=100_000)
     seg.header[Word.WRITING_STEP] = 6
-    with pytest.raises(SnapshotBusy, match="writing step 5"):
+    with pytest.raises(SnapshotBusyError, match="writing step 5"):
         coordinator.start(seg.source("job", 5))
     seg.header[Word.WRITING_STEP] = 0
     handle = coordinator.start(seg.source("job", 5))
     assert coordinator.start(seg.source("job", 5)) is handle  # a retried RPC
-    with pytest.raises(SnapshotBusy, match="still persisting job/step-5"):
+    with pytest.raises(SnapshotBusyError, match="still persisting job/step-5"):
         coordinator.start(seg.source("job", 6))
     assert handle.wait(20).state is SnapshotState.DURABLE
 
@@ -122,10 +122,10 @@ def test_missing_rank_times_out_and_leaves_nothing(make_segment, make_coordinato
     status = h0.wait(timeout=10)
     assert status.state is SnapshotState.FAILED
     assert "only ranks [0] of world_size 2" in status.error
-    assert isinstance(h0.exception, SnapshotFailed)
+    assert isinstance(h0.exception, SnapshotFailedError)
     assert seg0.header[Word.SNAP_EPOCH] == 0
     # The late rank learns of the failure at once instead of waiting for a doomed group.
-    with pytest.raises(SnapshotFailed, match="only ranks"):
+    with pytest.raises(SnapshotFailedError, match="only ranks"):
         coordinator.start(seg1.source("job", 4, rank=1, world_size=2))
     job_dir = coordinator.local.job_dir("job")
     assert [p.name for p in job_dir.iterdir()] == []

@@ -18,10 +18,10 @@ from swap_state.common.segment import Word
 from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_errors import (
-    SnapshotDiskFull,
-    SnapshotExists,
+    DiskFullError,
+    SnapshotExistsError,
     SnapshotInvalid,
-    SnapshotNotFound,
+    SnapshotNotFoundError,
 )
 from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, rank_data_name
 
@@ -114,7 +114,7 @@ def test_retention_keep_three_and_keep_all(make_segment, make_coordinator, tmp_p
         make_coordinator(tmp_path / "k1", keep_latest=1)
     # A retried RPC gets its durable handle back; a restarted server refuses to redo the step.
     assert keep3.start(seg.source("job", 5)).status().state is SnapshotState.DURABLE
-    with pytest.raises(SnapshotExists):
+    with pytest.raises(SnapshotExistsError):
         make_coordinator(tmp_path / "k3").start(seg.source("job", 5))
     assert seg.header[Word.SNAP_EPOCH] == 0
 
@@ -133,11 +133,11 @@ def test_the_job_retention_raises_the_floor_and_a_missing_step_says_why(make_seg
     for step in range(8, 11):
         coordinator.start(seg.source("job", step, keep_all=True)).wait(20)
     assert _steps(coordinator) == [6, 7, 8, 9, 10]
-    with pytest.raises(SnapshotNotFound, match="retention removed it.*keep_latest_k"):
+    with pytest.raises(SnapshotNotFoundError, match="retention removed it.*keep_latest_k"):
         coordinator.local.resolve("job/step-3")
-    with pytest.raises(SnapshotNotFound, match=r"steps \[6, 7, 8, 9, 10\].*another --snapshot-dir"):
+    with pytest.raises(SnapshotNotFoundError, match=r"steps \[6, 7, 8, 9, 10\].*another --snapshot-dir"):
         coordinator.local.resolve("job/step-99")
-    with pytest.raises(SnapshotNotFound, match="another --snapshot-dir"):
+    with pytest.raises(SnapshotNotFoundError, match="another --snapshot-dir"):
         coordinator.local.resolve("other/latest")
 
 
@@ -146,7 +146,7 @@ def test_latest_pointer_and_its_fallback(make_segment, make_coordinator):
     seg.fill(3)
     coordinator = make_coordinator(keep_latest=None)
     store = coordinator.local
-    with pytest.raises(SnapshotNotFound):
+    with pytest.raises(SnapshotNotFoundError):
         store.resolve("latest", job_id="job")
     _snapshot(coordinator, seg, 20)
     _snapshot(coordinator, seg, 10)  # e.g. after rolling back: latest is the last taken
@@ -202,9 +202,9 @@ def test_killed_writer_leaves_nothing_listed_and_previous_loads(make_segment, ma
 
     reader = make_coordinator(snapshots, clean_stale=False)
     assert _steps(reader) == [1]
-    with pytest.raises(SnapshotNotFound):
+    with pytest.raises(SnapshotNotFoundError):
         reader.local.resolve("job/step-2")
-    with pytest.raises(SnapshotNotFound):
+    with pytest.raises(SnapshotNotFoundError):
         reader.local.resolve("job/step-5")
     target = make_segment("target")
     result = restore(reader.local, "latest", target.mm, target.layout,
@@ -231,7 +231,7 @@ def test_disk_full_fails_clearly_and_leaves_the_segment_alone(make_segment, make
     handle = coordinator.start(big.source("job", 2))
     status = handle.wait(20)
     assert status.state is SnapshotState.FAILED
-    assert isinstance(handle.exception, SnapshotDiskFull)
+    assert isinstance(handle.exception, DiskFullError)
     assert str(small_tmpfs) in status.error and "full" in status.error
     assert big.tensor_area() == before
     assert big.header[Word.SNAP_EPOCH] == 0 and big.slots_all_free()
@@ -299,7 +299,7 @@ def test_a_retrained_step_is_refused_or_replaced_never_answered_with_old_bytes(m
     # The trainer loads an older checkpoint and trains step 3 again: other bytes, a commit.
     retrained = seg.fill(2)
     seg.header[Word.TRAINER_COMMITS] += 1
-    with pytest.raises(SnapshotExists, match="earlier attempt.*replace_existing"):
+    with pytest.raises(SnapshotExistsError, match="earlier attempt.*replace_existing"):
         coordinator.start(seg.source("job", 3))
     again = coordinator.start(seg.source("job", 3, replace_existing=True))
     assert again is not first and again.wait(20).state is SnapshotState.DURABLE
@@ -311,7 +311,7 @@ def test_a_retrained_step_is_refused_or_replaced_never_answered_with_old_bytes(m
     # A restarted server (nothing in memory) decides the same from the disk.
     coordinator.close()
     restarted = make_coordinator(coordinator.local.root, keep_latest=None)
-    with pytest.raises(SnapshotExists, match="earlier attempt"):
+    with pytest.raises(SnapshotExistsError, match="earlier attempt"):
         restarted.start(seg.source("job", 3))
     assert restarted.start(seg.source("job", 3, replace_existing=True)).wait(20).state is SnapshotState.DURABLE
 
@@ -330,10 +330,10 @@ def test_another_run_reaching_a_durable_step_writes_its_own_bytes_or_is_refused(
     second_run = make_segment("second")
     mine = second_run.fill(2)
     second_run.header[Word.TRAINER_COMMITS] = 3  # the same count of commits as the first run
-    with pytest.raises(SnapshotExists, match="earlier attempt"):
+    with pytest.raises(SnapshotExistsError, match="earlier attempt"):
         coordinator.start(second_run.source("job", 3, session_id="b" * 32, generation=1))
     # The same session reattached (a new generation) is another run too.
-    with pytest.raises(SnapshotExists):
+    with pytest.raises(SnapshotExistsError):
         coordinator.start(first_run.source("job", 3, session_id="a" * 32, generation=2))
     again = coordinator.start(second_run.source("job", 3, session_id="b" * 32, generation=1,
                                                 replace_existing=True))
@@ -355,7 +355,7 @@ def test_a_job_resumed_at_another_world_size_replaces_a_step_its_earlier_size_to
 
     alone = make_segment("alone")
     mine = alone.fill(3)
-    with pytest.raises(SnapshotExists):
+    with pytest.raises(SnapshotExistsError):
         coordinator.start(alone.source("job", 6, world_size=1, session_id="c" * 32))
     replaced = coordinator.start(alone.source("job", 6, world_size=1, session_id="c" * 32, replace_existing=True))
     assert replaced.wait(20).state is SnapshotState.DURABLE

@@ -14,7 +14,7 @@ from snapshot_kit import metadata_for
 from swap_state.client.export.snapshot import ExportError, export_snapshot
 from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator, SnapshotState
-from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotLayoutMismatch, SnapshotNotFound
+from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotLayoutMismatch, SnapshotNotFoundError
 from swap_state.common.snapshot_format import INDEX_NAME, SnapshotIndex, rank_data_name
 
 WORLD = 4
@@ -60,7 +60,7 @@ def test_local_ranks_make_the_snapshot_durable_and_it_records_them(host_snapshot
         SnapshotState.DURABLE, WORLD, 2, LOCAL,
     )
     assert (status.ranks_joined, status.ranks_persisted) == (2, 2)
-    with pytest.raises(SnapshotNotFound, match="another host's server"):
+    with pytest.raises(SnapshotNotFoundError, match="another host's server"):
         asyncio.run(reader.wait_status("job/step-5", 0))
     reader.close()
 
@@ -78,7 +78,7 @@ def test_restore_of_a_present_rank_works_and_of_another_hosts_rank_is_a_clear_er
     assert target.tensors() == contents[2]
 
     before = target.tensor_area()
-    with pytest.raises(SnapshotNotFound) as caught:
+    with pytest.raises(SnapshotNotFoundError) as caught:
         restore(store, "latest", target.mm, target.layout, header=target.header, job_id="job", rank=0, world_size=WORLD)
     message = str(caught.value)
     assert "holds ranks [1, 2] of world_size 4, not rank 0" in message

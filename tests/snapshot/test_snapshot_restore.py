@@ -11,10 +11,10 @@ from swap_state.common.segment import Word
 from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_errors import (
-    SnapshotBusy,
-    SnapshotCorrupt,
+    SnapshotBusyError,
+    SnapshotCorruptError,
     SnapshotLayoutMismatch,
-    SnapshotNotFound,
+    SnapshotNotFoundError,
 )
 from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, rank_data_name, rank_manifest_name
 
@@ -62,7 +62,7 @@ def test_flipped_data_byte_is_refused_naming_file_and_tensor(snapshot, make_segm
     store, info, _, _ = snapshot
     flip_byte(info.path / rank_data_name(0), _tensor_data_offset(info, "layers.0.b.exp_avg_sq"))
     seg, before = _target(make_segment)
-    with pytest.raises(SnapshotCorrupt) as caught:
+    with pytest.raises(SnapshotCorruptError) as caught:
         _restore(store, seg)
     assert str(info.path / rank_data_name(0)) in str(caught.value)
     assert "'layers.0.b.exp_avg_sq'" in str(caught.value)
@@ -80,7 +80,7 @@ def test_flipped_header_or_manifest_byte_is_refused(snapshot, make_segment, file
     store, info, _, _ = snapshot
     flip_byte(info.path / file, offset)
     seg, before = _target(make_segment)
-    with pytest.raises(SnapshotCorrupt, match=message) as caught:
+    with pytest.raises(SnapshotCorruptError, match=message) as caught:
         _restore(store, seg)
     assert file in str(caught.value)
     assert seg.tensor_area() == before
@@ -92,10 +92,10 @@ def test_truncated_or_missing_file_is_refused(snapshot, make_segment):
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size - 1)
     seg, before = _target(make_segment)
-    with pytest.raises(SnapshotCorrupt, match="bytes"):
+    with pytest.raises(SnapshotCorruptError, match="bytes"):
         _restore(store, seg)
     path.unlink()
-    with pytest.raises(SnapshotCorrupt, match="missing"):
+    with pytest.raises(SnapshotCorruptError, match="missing"):
         _restore(store, seg)
     assert seg.tensor_area() == before
 
@@ -125,9 +125,9 @@ def test_world_size_mismatch_and_unknown_ids(snapshot, make_segment):
     with pytest.raises(SnapshotLayoutMismatch, match="world_size 1, this job has 2") as caught:
         _restore(store, seg, world_size=2)
     assert INDEX_NAME in str(caught.value)
-    with pytest.raises(SnapshotNotFound):
+    with pytest.raises(SnapshotNotFoundError):
         _restore(store, seg, "job/step-9")
-    with pytest.raises(SnapshotNotFound):
+    with pytest.raises(SnapshotNotFoundError):
         _restore(store, seg, "other/latest")
     assert seg.tensor_area() == before
 
@@ -136,7 +136,7 @@ def test_restore_refused_while_the_segment_is_being_snapshotted(snapshot, make_s
     store, _, _, _ = snapshot
     seg, before = _target(make_segment)
     seg.header[Word.SNAP_EPOCH] = 5
-    with pytest.raises(SnapshotBusy):
+    with pytest.raises(SnapshotBusyError):
         _restore(store, seg)
     assert seg.tensor_area() == before
 
@@ -194,7 +194,7 @@ def test_a_reshard_plans_from_the_steps_layout_index_checked_first(make_segment,
     target.fill(99)
     before = target.tensor_area()
     flip_byte(info.path / LAYOUT_NAME, 20)
-    with pytest.raises(SnapshotCorrupt, match=r"layout.json does not match its checksum"):
+    with pytest.raises(SnapshotCorruptError, match=r"layout.json does not match its checksum"):
         restore(coordinator.local, "latest", target.mm, target.layout,
                 header=target.header, job_id="job", rank=0, world_size=1,
                 placement_json=metadata_for(target, step=4))

@@ -15,7 +15,7 @@ import pytest
 from snapshot_kit import flip_byte, metadata_for
 
 from swap_state.common.object_store import PosixObjectStore
-from swap_state.common.snapshot_errors import SnapshotCorrupt
+from swap_state.common.snapshot_errors import SnapshotCorruptError
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.common.snapshot_reader import SnapshotReader
 from swap_state.common.snapshot_tier import SnapshotTier
@@ -105,7 +105,7 @@ def test_a_tier_without_local_files_is_read_into_memory(snapshot, make_segment, 
     seg, before = _target(make_segment)
     if corrupt:
         flip_byte(info.path / rank_data_name(0), _tensor_data_offset(info, corrupt))
-        with pytest.raises(SnapshotCorrupt, match=f"{rank_data_name(0)}: tensor '{corrupt}' fails its checksum"):
+        with pytest.raises(SnapshotCorruptError, match=f"{rank_data_name(0)}: tensor '{corrupt}' fails its checksum"):
             _restore(_NotLocal(store.root), seg)
         assert seg.tensor_area() == before
         return
@@ -118,7 +118,7 @@ def test_a_corrupt_region_changes_nothing_and_names_file_and_tensor(snapshot, ma
     store, info, _ = snapshot
     flip_byte(info.path / rank_data_name(0), _tensor_data_offset(info, tensor))
     seg, before = _target(make_segment)
-    with pytest.raises(SnapshotCorrupt) as caught:
+    with pytest.raises(SnapshotCorruptError) as caught:
         _restore(store, seg)
     assert str(info.path / rank_data_name(0)) in str(caught.value) and repr(tensor) in str(caught.value)
     assert seg.tensor_area() == before
@@ -133,7 +133,7 @@ def test_a_corrupt_tensor_leaves_the_kept_state_as_it_was(snapshot, make_segment
     seg = make_segment("target", specs=SPECS, cow_slots=cow_slots)
     seg.fill(99)
     before = seg.tensor_area()
-    with pytest.raises(SnapshotCorrupt) as caught:
+    with pytest.raises(SnapshotCorruptError) as caught:
         _restore(store, seg)
     assert str(info.path / rank_data_name(0)) in str(caught.value) and repr(tensor) in str(caught.value)
     assert seg.tensor_area() == before
@@ -215,7 +215,7 @@ def test_a_file_changed_between_the_checks_and_the_copy_fails_saying_restore_aga
 
     monkeypatch.setattr(restore_module, "stream_tensors", changed_underneath)
     seg = make_segment("target2", specs=SPECS, cow_slots=0)
-    with pytest.raises(SnapshotCorrupt, match="'b.exp_avg' fails its checksum.*changed while being restored.*restore again"):
+    with pytest.raises(SnapshotCorruptError, match="'b.exp_avg' fails its checksum.*changed while being restored.*restore again"):
         _restore(store, seg, reserve_staging=refuse)
 
 

@@ -7,7 +7,7 @@ import pytest
 from snapshot_kit import SPECS, flip_byte_of_tensor, metadata_for
 
 from swap_state.common.segment import Word
-from swap_state.common.snapshot_errors import SnapshotCorrupt
+from swap_state.common.snapshot_errors import SnapshotCorruptError
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.server.snapshot.restoring import restore_reads as staging
 from swap_state.server.snapshot.coordinator import SnapshotState
@@ -66,7 +66,7 @@ def test_a_corrupt_tensor_is_named_and_the_marked_segment_zeroed(make_segment, m
     path = directory.resolve("job/step-8").path / rank_data_name(0)
     flip_byte_of_tensor(path, tensor, at=17 << 20 if tensor.startswith("blocks") else 7)  # the large one: its 3rd block
     seg = _marked_target(make_segment, LARGE)
-    with pytest.raises(SnapshotCorrupt) as caught:
+    with pytest.raises(SnapshotCorruptError) as caught:
         _restore(directory, seg)
     assert str(path) in str(caught.value) and repr(tensor) in str(caught.value)
     assert all(value == bytes(len(value)) for value in seg.tensors().values())  # fresh again
@@ -80,7 +80,7 @@ def test_an_unmarked_segment_is_kept_aside_and_left_untouched_on_failure(make_se
     before = seg.tensor_area()
     path = directory.resolve("job/step-8").path / rank_data_name(0)
     flip_byte_of_tensor(path, "emb.exp_avg", at=7)
-    with pytest.raises(SnapshotCorrupt):
+    with pytest.raises(SnapshotCorruptError):
         _restore(directory, seg)
     assert seg.tensor_area() == before
     flip_byte_of_tensor(path, "emb.exp_avg", at=7)  # back as it was

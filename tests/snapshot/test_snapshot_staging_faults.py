@@ -16,7 +16,7 @@ from snapshot_kit import Trainer
 
 from swap_state.common.copy_before_write import BackPressureTimeout
 from swap_state.common.segment import Word
-from swap_state.common.snapshot_errors import SnapshotDiskFull, SnapshotNotFound
+from swap_state.common.snapshot_errors import DiskFullError, SnapshotNotFoundError
 from swap_state.common.snapshot_format import LATEST_NAME
 from swap_state.server.snapshot.writing import writer as snapshot_writer
 from swap_state.server.snapshot.restoring.restore import restore
@@ -126,7 +126,7 @@ def test_server_killed_while_staging(make_segment, make_coordinator, tmp_path):
     # Nothing torn is listed; a restarted server removes the partial.
     reader = make_coordinator(snapshots, clean_stale=False)
     assert _steps(reader) == [1]
-    with pytest.raises(SnapshotNotFound):
+    with pytest.raises(SnapshotNotFoundError):
         reader.local.resolve("job/step-2")
     # On the dead server's segment the staged chunks need no copy; past them the trainer
     # copies into its own few slots, then gives up within its bound instead of hanging.
@@ -182,7 +182,7 @@ def test_snapshot_failing_midway_while_staging(make_segment, make_coordinator, m
     trainer.start()
     status = handle.wait(20)
     trainer.join(20)
-    assert status.state is SnapshotState.FAILED and isinstance(handle.exception, SnapshotDiskFull)
+    assert status.state is SnapshotState.FAILED and isinstance(handle.exception, DiskFullError)
     assert status.server_staged_chunks > 0
     assert trainer.error is None and seg.tensors() == trainer.expected_final()
     assert seg.header[Word.SNAP_EPOCH] == 0 and seg.slots_all_free()

@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from swap_state.common.snapshot_errors import SnapshotExists
+from swap_state.common.snapshot_errors import SnapshotExistsError
 from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, FileRecord, SnapshotIndex
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 from swap_state.server.snapshot.writing.snapshot_file import pwrite_all
@@ -75,10 +75,10 @@ def test_write_fsync_seal_commit_by_rename_and_nothing_partial_listed(tmp_path, 
     assert (committed.path / DATA).read_bytes() == b"helloworld"
 
     # The step again: refused, or the old one moved aside (unlisted) and discarded.
-    with pytest.raises(SnapshotExists):
+    with pytest.raises(SnapshotExistsError):
         _write_partial(directory, 3)
     refused = _write_partial(directory, 3, replace=True)
-    with pytest.raises(SnapshotExists):
+    with pytest.raises(SnapshotExistsError):
         directory.commit(refused, _index(3), keep_latest=None)
     assert directory.discard(refused)
     again = _write_partial(directory, 3, replace=True)

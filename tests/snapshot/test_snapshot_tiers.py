@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from swap_state.common.object_store import PosixObjectStore
-from swap_state.common.snapshot_errors import SnapshotNotFound, SnapshotStoreUnavailable
+from swap_state.common.snapshot_errors import SnapshotNotFoundError, StoreUnavailableError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name
 from swap_state.common.stored_snapshots import StoredSnapshots, marker_name
 from swap_state.common.snapshot_reader import SnapshotReader
@@ -77,7 +77,7 @@ def test_a_whole_local_snapshot_newer_than_the_store_wins_latest(tiers):
 
 def test_nothing_anywhere_and_an_unreachable_store(tiers, tmp_path):
     local, store, stored = tiers
-    with pytest.raises(SnapshotNotFound, match="--snapshot-dir"):
+    with pytest.raises(SnapshotNotFoundError, match="--snapshot-dir"):
         resolve_source(local, stored, "latest", JOB, 0, WORLD)
 
     class Unreachable(PosixObjectStore):
@@ -90,9 +90,9 @@ def test_nothing_anywhere_and_an_unreachable_store(tiers, tmp_path):
     _local(local.root, 4, [2, 3])
     assert resolve_source(local, down, "j/step-4", JOB, 2, WORLD)[1].step == 4  # its own rank: read here
     # 'latest' is not this host's newest while the store, which may hold a newer step, is unread.
-    with pytest.raises(SnapshotStoreUnavailable, match=r"s3://down/x.*'latest' cannot be resolved.*restore j/step-4"):
+    with pytest.raises(StoreUnavailableError, match=r"s3://down/x.*'latest' cannot be resolved.*restore j/step-4"):
         resolve_source(local, down, "latest", JOB, 2, WORLD)
-    with pytest.raises(SnapshotStoreUnavailable, match="s3://down/x"):
+    with pytest.raises(StoreUnavailableError, match="s3://down/x"):
         resolve_source(local, down, "j/step-4", JOB, 0, WORLD)  # another host's rank: only the store has it
 
 
@@ -106,7 +106,7 @@ def test_a_store_whose_root_is_gone_is_unreachable_not_empty(tiers, tmp_path):
             (tmp_path / "store").write_text("x")
         for read in (lambda: stored.list(JOB), lambda: stored.list(), lambda: stored.steps(JOB),
                      lambda: stored.step_index(JOB, 5)):
-            with pytest.raises(SnapshotStoreUnavailable, match="root .* (does not exist|is not a directory)"):
+            with pytest.raises(StoreUnavailableError, match="root .* (does not exist|is not a directory)"):
                 read()
         with pytest.raises(OSError, match="unreachable"):
             store.put("j/x", b"1")  # never a new root on the disk under an unmounted filesystem

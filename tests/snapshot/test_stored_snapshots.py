@@ -12,7 +12,7 @@ import pytest
 
 from swap_state.common.errors import ConfigError
 from swap_state.common.object_store import PosixObjectStore, S3ObjectStore, open_store
-from swap_state.common.snapshot_errors import SnapshotNotFound
+from swap_state.common.snapshot_errors import SnapshotNotFoundError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name
 from swap_state.common.stored_snapshots import StoredSnapshots, marker_name, parse_marker_name
 
@@ -65,7 +65,7 @@ def test_a_step_is_complete_only_with_every_ranks_marker(tmp_path):
     for rank in (0, 2):
         _put_rank(store, "j", 5, rank, 3)  # rank 1 still uploading
     assert stored.list("j") == []
-    with pytest.raises(SnapshotNotFound, match=str(tmp_path)):
+    with pytest.raises(SnapshotNotFoundError, match=str(tmp_path)):
         stored.resolve("latest", "j")
     _put_rank(store, "j", 5, 1, 3)
     _put_rank(store, "j", 3, 0, 1)

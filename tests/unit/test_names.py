@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from swap_state.common.errors import InvalidArgument
+from swap_state.common.errors import InvalidRequestError
 from swap_state.common.names import (
     SnapshotRef,
     parse_snapshot_id,
@@ -37,7 +37,7 @@ def test_the_directory_name_is_the_padded_spelling():
 
 
 def test_a_bad_id_names_both_spellings():
-    with pytest.raises(InvalidArgument) as err:
+    with pytest.raises(InvalidRequestError) as err:
         parse_snapshot_id("demo/25")
     assert "demo/step-25 or demo/step-000000000025" in str(err.value)
 
@@ -57,7 +57,7 @@ def test_the_server_accepts_both_spellings_and_passes_on_the_short_one(given, re
 
 
 def test_the_server_refuses_latest_where_a_step_is_needed():
-    with pytest.raises(InvalidArgument, match="demo/step-25"):
+    with pytest.raises(InvalidRequestError, match="demo/step-25"):
         validate_snapshot_id("demo/latest", relative=False, latest=False)
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(InvalidRequestError):
         validate_snapshot_id("step-25", relative=False, latest=False)  # needs its job

@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 
 from swap_state.common.dtypes import DTYPE_ITEMSIZE
-from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotLayoutMismatch
+from swap_state.common.snapshot_errors import SnapshotCorruptError, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import TensorRecord
 
 from swap_state.server.snapshot.restoring.reshard import Piece, TargetTensor, _check_box, _intersect, _runs, plan_tensor
@@ -426,7 +426,7 @@ def bind(plan: Mapping[str, list[Piece]], records: Mapping[int, Sequence[TensorR
         for piece in pieces:
             real, box = by_rank[piece.source_rank].get(name), piece.source
             if real is None or not _same_shard(real, box):
-                raise SnapshotCorrupt(
+                raise SnapshotCorruptError(
                     f"the layout index of the snapshot says old rank {piece.source_rank} holds tensor {name} "
                     f"as {box.dtype}{list(box.shape)} at {box.global_offset}, its manifest says "
                     f"{'nothing' if real is None else f'{real.dtype}{list(real.shape)} at {real.global_offset}'}")

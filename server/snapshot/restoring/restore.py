@@ -7,7 +7,7 @@ read, verify and copy (:mod:`.restore_reads`). Call order (the servicer, for Res
 
 returns the snapshot's step and the trainer's metadata once the tensors are written. It picks
 the tier (:func:`~.tier_choice.resolve_source`) and checks the segment; :func:`assemble` plans, reads
-and verifies. Any mismatch raises (SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt,
+and verifies. Any mismatch raises (SnapshotNotFoundError, SnapshotLayoutMismatch, SnapshotCorruptError,
 naming the file and tensor), the segment as it was (below).
 
 The plan: at the snapshot's world size and layout, the trivial one: the rank's own file, each
@@ -49,7 +49,7 @@ from typing import ContextManager
 
 from swap_state.common.text_enum import TextEnum
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
-from swap_state.common.snapshot_errors import SnapshotBusy, SnapshotCorrupt, SnapshotError, SnapshotLayoutMismatch
+from swap_state.common.snapshot_errors import SnapshotBusyError, SnapshotCorruptError, SnapshotError, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, RankManifest, TensorRecord
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, SnapshotMetadata, parse_metadata
 from swap_state.common.snapshot_reader import SnapshotReader
@@ -171,8 +171,8 @@ def restore(directory: SnapshotReader, snapshot_id: str, buffer, layout: Segment
     the restore). ``reserve_staging(nbytes)``: yields whether the budget holds the staged bytes
     (None: always). ``stored``: the store, for snapshots this server does not hold.
     ``placement_json``: the rank's DTensor placement, needed to reshard.
-    ``may_read(info)`` raises (PermissionDenied) before anything is read. On any error
-    (SnapshotNotFound, SnapshotLayoutMismatch, SnapshotCorrupt, SnapshotBusy) the segment is
+    ``may_read(info)`` raises (PermissionDeniedError) before anything is read. On any error
+    (SnapshotNotFoundError, SnapshotLayoutMismatch, SnapshotCorruptError, SnapshotBusyError) the segment is
     untouched, unless the trainer marked it being written (it held nothing to keep).
     """
     started = time.monotonic()
@@ -180,7 +180,7 @@ def restore(directory: SnapshotReader, snapshot_id: str, buffer, layout: Segment
         if view.nbytes < layout.size:
             raise SnapshotError(f"segment buffer is smaller than its layout ({layout.size} bytes)")
         if header[Word.SNAP_EPOCH] != 0:
-            raise SnapshotBusy("a snapshot of this segment is persisting; restore after it ends")
+            raise SnapshotBusyError("a snapshot of this segment is persisting; restore after it ends")
         tier, info = resolve_source(directory, stored, snapshot_id, job_id, rank, world_size)
         if may_read is not None:
             may_read(info)
@@ -205,7 +205,7 @@ def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: S
     ``staging_free_bytes()``: the free budget, for the log line when it cannot hold them.
     ``replaceable``: the segment holds nothing to keep (copied as verified; a failure zeroes it)."""
     if info.world_size == world_size:
-        own = tier.read_manifest(info, rank)  # SnapshotNotFound: this rank's file is on another host
+        own = tier.read_manifest(info, rank)  # SnapshotNotFoundError: this rank's file is on another host
         if _same_layout(own, layout, placement):
             # The trivial plan: the rank's own file, whole (each tensor a piece of itself).
             plan = {t.name: [Piece(rank, t, (Run(0, 0, t.nbytes),))] if t.nbytes else [] for t in own.tensors}
@@ -295,8 +295,8 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
     stream_tensors(tier, info, wanted, lambda *_: None)
     try:
         stream_tensors(tier, info, wanted, copier)
-    except SnapshotCorrupt as exc:
-        raise SnapshotCorrupt(f"{exc}; it changed while being restored and the segment is "
+    except SnapshotCorruptError as exc:
+        raise SnapshotCorruptError(f"{exc}; it changed while being restored and the segment is "
                               "partially overwritten: restore again") from None
     return Kept.VERIFY_FIRST
 
@@ -382,7 +382,7 @@ class ReadSnapshot:
         try:
             self.index = LayoutIndex.from_bytes(raw, info.world_size)
         except ValueError as exc:
-            raise SnapshotCorrupt(f"{info.path / LAYOUT_NAME} is not a valid layout index: {exc}") from None
+            raise SnapshotCorruptError(f"{info.path / LAYOUT_NAME} is not a valid layout index: {exc}") from None
 
     def manifest(self, rank: int) -> RankManifest:
         """Old rank ``rank``'s manifest, read once."""

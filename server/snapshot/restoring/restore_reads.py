@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from swap_state.common.checksum import crc32
-from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
+from swap_state.common.snapshot_errors import SnapshotCorruptError, SnapshotError
 from swap_state.common.snapshot_format import RankManifest, TensorRecord
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier, reading_file
 from swap_state.server import _posix
@@ -50,7 +50,7 @@ bytes come in order; they are not yet verified (its checksum is checked after it
 def stream_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted, deliver: Deliver) -> None:
     """Read every tensor of ``wanted`` once (each data file's header checked before:
     :meth:`~SnapshotTier.check_data_header`), delivering its bytes in order as they are read.
-    SnapshotCorrupt names the file and the tensor whose checksum fails; its bytes, and those of
+    SnapshotCorruptError names the file and the tensor whose checksum fails; its bytes, and those of
     the tensors before it, were delivered: the caller undoes them."""
     for rank, (manifest, tensors) in wanted.items():
         tier.check_data_header(info, manifest)
@@ -141,7 +141,7 @@ class _FileStream:
         try:
             self.size = os.fstat(self._fd).st_size
             if self.size != manifest.data_file_bytes:
-                raise SnapshotCorrupt(f"{path} changed while being restored: restore again")
+                raise SnapshotCorruptError(f"{path} changed while being restored: restore again")
         except BaseException:
             os.close(self._fd)
             raise
@@ -201,7 +201,7 @@ class _FileStream:
             return os.preadv(self._fd, [buffer], position)
 
     def run(self, deliver: Callable[[str, int, int, int], None]) -> None:
-        """Check and deliver every block as the reader hands it over (SnapshotCorrupt on a
+        """Check and deliver every block as the reader hands it over (SnapshotCorruptError on a
         tensor whose crc32 fails, after its last bytes were delivered)."""
         for span in self._spans:
             pending = list(span.tensors)  # in file order; the first one is being read
@@ -226,7 +226,7 @@ class _FileStream:
                     if hi < start + tensor.nbytes:
                         break  # its next bytes are in the next block
                     if value != tensor.crc32:
-                        raise SnapshotCorrupt(f"{self.path}: tensor {tensor.name!r} fails its checksum "
+                        raise SnapshotCorruptError(f"{self.path}: tensor {tensor.name!r} fails its checksum "
                                               f"(crc32 {value:08x}, manifest says {tensor.crc32:08x})")
                     pending.pop(0)
                     value = 0

@@ -15,7 +15,7 @@ import logging
 
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.object_store import STORE_FLAG
-from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotNotFound, SnapshotStoreUnavailable
+from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotNotFoundError, StoreUnavailableError
 from swap_state.common.snapshot_reader import SnapshotReader
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
@@ -31,7 +31,7 @@ def resolve_source(directory: SnapshotReader, stored: StoredSnapshots | None, sn
     """The snapshot to restore and the tier it is read from (the module docstring's rule)."""
     try:
         local = directory.resolve(snapshot_id, job_id)
-    except SnapshotNotFound:
+    except SnapshotNotFoundError:
         if stored is None:
             raise
         local = None
@@ -39,14 +39,14 @@ def resolve_source(directory: SnapshotReader, stored: StoredSnapshots | None, sn
         return directory, local  # type: ignore[return-value]
     try:
         remote = stored.resolve(snapshot_id, job_id)
-    except SnapshotNotFound as exc:
+    except SnapshotNotFoundError as exc:
         if local is None:
-            raise SnapshotNotFound(f"{exc}; nor in this server's --snapshot-dir {directory.root}") from None
+            raise SnapshotNotFoundError(f"{exc}; nor in this server's --snapshot-dir {directory.root}") from None
         return directory, local
-    except SnapshotStoreUnavailable as exc:
+    except StoreUnavailableError as exc:
         if local is not None and parse_snapshot_id(snapshot_id, job_id, SnapshotInvalid).latest:
             # The store may hold a newer step (another host's, a lost host's): never a silent rewind.
-            raise SnapshotStoreUnavailable(
+            raise StoreUnavailableError(
                 f"{exc}: 'latest' cannot be resolved while the store is unreachable (it may hold a step "
                 f"newer than this server's newest, {local.snapshot_id}); fix the store, or restore "
                 f"{local.snapshot_id} by its id") from None
@@ -54,7 +54,7 @@ def resolve_source(directory: SnapshotReader, stored: StoredSnapshots | None, sn
             log_event(log, "store_unreachable", logging.WARNING, store=stored.uri, error=str(exc),
                       detail=f"restoring {local.snapshot_id} from the local --snapshot-dir")
             return directory, local
-        raise SnapshotStoreUnavailable(
+        raise StoreUnavailableError(
             f"{exc} (looking for {snapshot_id}); this server's --snapshot-dir {directory.root} has no "
             f"copy for rank {rank}"
         ) from None
@@ -74,7 +74,7 @@ def _local_copy(directory: SnapshotReader, remote: SnapshotInfo, rank: int,
     """This server's copy of the store's snapshot (same attempt, holding this rank), else None."""
     try:
         copy = directory.resolve(snapshot_id_for(remote.job_id, remote.step))
-    except SnapshotNotFound:
+    except SnapshotNotFoundError:
         return None
     holds = copy.index.complete_job or (copy.world_size == world_size and rank in copy.ranks)
     return (directory, copy) if holds and copy.index.attempt == remote.index.attempt else None
@@ -91,7 +91,7 @@ def list_both_tiers(coordinator, job_id: str | None
     if coordinator.stored is not None:
         try:
             stored = {(i.job_id, i.step): i for i in coordinator.stored.list(job_id)}
-        except SnapshotStoreUnavailable as exc:  # the local tier is still worth listing
+        except StoreUnavailableError as exc:  # the local tier is still worth listing
             store_error = f"{STORE_FLAG} {coordinator.stored.uri}: {exc}"
             log_event(log, "store_unreachable", logging.WARNING, store=coordinator.stored.uri, error=str(exc),
                       detail="listing the local snapshots only")

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from swap_state.common.names import snapshot_id_for, step_dir_name
 from swap_state.common.object_store import fsync_dir
 from swap_state.common.server_config import DirectIO, SnapshotSettings
-from swap_state.common.snapshot_errors import SnapshotExists, from_os_error
+from swap_state.common.snapshot_errors import SnapshotExistsError, from_os_error
 from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, LAYOUT_NAME, SnapshotIndex, dumps_json, partial_dir_name
 from swap_state.common.snapshot_reader import SnapshotReader
 from swap_state.server.snapshot.writing.snapshot_file import DIR_MODE, FILE_MODE, SnapshotFile, write_durable
@@ -103,18 +103,18 @@ class SnapshotDirectory:
 
     def prepare_partial(self, job_id: str, step: int, replace: bool = False) -> pathlib.PurePath:
         """A fresh, empty partial snapshot of ``step`` (a stale one is replaced; never listed).
-        SnapshotExists when that step is already complete, unless ``replace`` (then
+        SnapshotExistsError when that step is already complete, unless ``replace`` (then
         :meth:`commit` replaces it)."""
         final = self.reader.job_dir(job_id) / step_dir_name(step)
         if self.reader.load_index(job_id, final, step) is not None:
             if not replace:
-                raise SnapshotExists(f"snapshot {snapshot_id_for(job_id, step)} already exists at {final}, "
+                raise SnapshotExistsError(f"snapshot {snapshot_id_for(job_id, step)} already exists at {final}, "
                                      "from an earlier attempt at that step: use a new job id, or let the "
                                      "snapshot replace it (SnapshotRequest.replace_existing; torchtitan's "
                                      "glue does)")
         elif os.path.lexists(final):
             # Not ours (we only ever publish complete snapshots there): refuse to touch it.
-            raise SnapshotExists(f"{final} exists but is not a complete snapshot; remove it to snapshot "
+            raise SnapshotExistsError(f"{final} exists but is not a complete snapshot; remove it to snapshot "
                                  f"step {step}")
         try:
             partial = self.reader.job_dir(job_id) / partial_dir_name(step)
@@ -139,7 +139,7 @@ class SnapshotDirectory:
                replace: bool = False, layout: bytes | None = None) -> CommitResult:
         """Publish a partial snapshot whose rank files are fsynced: write ``layout`` and
         ``snapshot.json`` durably, fsync the partial directory, rename it to ``step-<N>`` (an
-        existing one renamed out of the way first when ``replace``, else SnapshotExists: between
+        existing one renamed out of the way first when ``replace``, else SnapshotExistsError: between
         the renames the step is absent, never mixed), point ``latest`` at it, then retention
         (unlist all but the ``keep_latest`` highest steps; None keeps all; bytes go in
         :meth:`empty_trash`). OSError before the rename is the caller's to map; failures after
@@ -154,7 +154,7 @@ class SnapshotDirectory:
             trash: list[pathlib.PurePath] = []
             if final.exists():
                 if not replace:
-                    raise SnapshotExists(f"snapshot {index.snapshot_id} already exists at {final}")
+                    raise SnapshotExistsError(f"snapshot {index.snapshot_id} already exists at {final}")
                 trash.append(final.with_name(_DELETING_PREFIX + final.name + f".{os.getpid()}"))
                 os.rename(final, trash[0])
             os.rename(self._inside(partial), final)

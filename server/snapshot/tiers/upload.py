@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 from swap_state.common.checksum import crc32
 from swap_state.common.object_store import STORE_FLAG
-from swap_state.common.snapshot_errors import SnapshotCorrupt, SnapshotError
+from swap_state.common.snapshot_errors import SnapshotCorruptError, SnapshotError
 from swap_state.common.snapshot_format import (
     INDEX_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name,
 )
@@ -103,7 +103,7 @@ class SnapshotUploader:
         self._thread.start()
 
     def stored_status(self, snapshot_id: str, rank: int) -> SnapshotStatus:
-        """The status of a snapshot only the store holds (SnapshotNotFound naming it otherwise)."""
+        """The status of a snapshot only the store holds (SnapshotNotFoundError naming it otherwise)."""
         info = self.stored.resolve(snapshot_id)
         status = SnapshotStatus.from_disk(info, self.stored.read_manifest(info, rank))
         return dataclasses.replace(status, state=SnapshotState.STORED, store_state=StoreState.STORED.value,
@@ -282,7 +282,7 @@ class SnapshotUploader:
             self.stored.store.put(key(data.name), self._verified_blocks(info, rank, data))
             raw = (info.path / manifest.name).read_bytes()
             if len(raw) != manifest.bytes or crc32(raw) != manifest.crc32:
-                raise SnapshotCorrupt(f"{info.path / manifest.name} no longer matches its checksum in snapshot.json")
+                raise SnapshotCorruptError(f"{info.path / manifest.name} no longer matches its checksum in snapshot.json")
             self.stored.store.put(key(manifest.name), raw)
             self.stored.store.put(key(marker_name(rank)), dumps_json(marker.to_json()))  # last
         self._set(info, rank, bytes_stored=nbytes)
@@ -305,7 +305,7 @@ class SnapshotUploader:
                     break  # before the last block goes: the upload must not complete
                 yield block
         if size != record.bytes or value != record.crc32:
-            raise SnapshotCorrupt(f"{path} no longer matches its checksum in snapshot.json: not uploaded")
+            raise SnapshotCorruptError(f"{path} no longer matches its checksum in snapshot.json: not uploaded")
 
     def _retain(self, job_id: str, keep: int | None) -> None:
         """The job's ``keep`` newest complete steps stay, and everything newer; the older steps
