@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from swap_state.client.device import host_bytes
 from swap_state.client.errors import (
     ServerUnavailableError, SessionLostError, SnapshotFailedError, SnapshotNotFoundError, SwapStateError)
 from swap_state.client.remote.config import RemoteConfig
@@ -130,7 +131,7 @@ def digest(model: nn.Module, moments: dict[str, torch.Tensor]) -> str:
     named = dict(model.named_parameters()) | {f"moment.{k}": v for k, v in moments.items()}
     for name in sorted(named):
         h.update(name.encode())
-        h.update(named[name].detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(host_bytes(named[name].detach().contiguous()))
     return h.hexdigest()
 
 

@@ -10,6 +10,7 @@ where its copies are not asynchronous, they go through a ring of pinned bounce b
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib
 import importlib.util
@@ -30,6 +31,7 @@ from swap_state.client.host_register import (
 )
 
 __all__ = [
+    "host_bytes",
     "DEVICE_ENV_VAR", "PAGE_SIZE", "REGISTER_CHUNK_BYTES", "DeviceBackend", "DeviceType",
     "HostRegistration", "HostRegistrationError", "NullEvent", "NullStream", "get_device_backend",
     "page_chunks", "select_device_type",
@@ -355,3 +357,11 @@ def get_device_backend(*, refresh: bool = False) -> DeviceBackend:
             _BACKEND = DeviceBackend(select_device_type())
             logger.info("swap-state device backend: %s", _BACKEND.type)
         return _BACKEND
+
+
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, not copied, for a hash (``tensor.numpy()`` would
+    need numpy, which a plain trainer need not have). The tensor must outlive the view."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("host_bytes needs a contiguous CPU tensor")
+    return memoryview((ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr()))

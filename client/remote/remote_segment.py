@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from swap_state.client.device import DeviceBackend
+from swap_state.client.device import DeviceBackend, host_bytes
 from swap_state.client.errors import (
     MetadataBaseUnknownError, ServerUnavailableError, SnapshotBusyError, SnapshotNotFoundError, SwapStateError)
 from swap_state.client.optim.dtensor_utils import DTensor, unwrap_dtensor
@@ -426,6 +426,6 @@ class ParamFingerprint:
             gathered = [torch.cat(views).view(torch.uint8) for views in dtypes]
             joined = gathered[0] if len(gathered) == 1 else torch.cat(gathered)
             host = joined.cpu()  # the one copy to the host (and wait) per device
-            digest.update(host.numpy().tobytes())
+            digest.update(host_bytes(host))
         value = int.from_bytes(digest.digest(), "little")
         return value or 1
