@@ -58,7 +58,7 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def put(self, key: str, chunks: bytes | Iterable[bytes | memoryview]) -> None:
         """Store ``chunks`` (bytes, or pieces concatenated) under ``key``, visible only once whole;
-        an exception from the iterable aborts the put and is raised as it is."""
+        an exception from the iterable aborts the put."""
 
     @abc.abstractmethod
     def create(self, key: str, data: bytes) -> bool:
@@ -246,30 +246,13 @@ class S3ObjectStore(ObjectStore):
         except Exception as exc:  # obstore raises its own config errors
             raise ConfigError(f"{STORE_FLAG} {uri}: {exc}") from exc
 
-    def put(self, key: str, chunks: Iterable[bytes | memoryview]) -> None:
-        if isinstance(chunks, bytes):
-            with self._errors(key):
+    def put(self, key: str, chunks: bytes | Iterable[bytes | memoryview]) -> None:
+        with self._errors(key):
+            if isinstance(chunks, bytes):
                 self._obs.put(self._store, key, chunks)  # small: one request
-            return
-        raised: list[BaseException] = []
-
-        def feed() -> Iterator[bytes]:
-            try:
-                for chunk in chunks:
-                    yield chunk if isinstance(chunk, bytes) else bytes(chunk)
-            except BaseException as exc:
-                raised.append(exc)
-                raise
-
-        try:
-            with self._errors(key):
-                # An iterable goes up as a multipart upload with parts in flight; an exception
-                # from it aborts the upload (nothing becomes visible).
-                self._obs.put(self._store, key, feed(), chunk_size=8 << 20, max_concurrency=8)
-        except OSError:
-            if raised:  # the caller's own error (a checksum that failed), not the store's
-                raise raised[0] from None
-            raise
+            else:  # a multipart upload with parts in flight; an exception from chunks aborts it
+                pieces = (chunk if isinstance(chunk, bytes) else bytes(chunk) for chunk in chunks)
+                self._obs.put(self._store, key, pieces, chunk_size=8 << 20, max_concurrency=8)
 
     def create(self, key: str, data: bytes) -> bool:
         try:
