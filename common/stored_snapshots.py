@@ -11,16 +11,9 @@ Layout under the store's root (an :class:`~.object_store.ObjectStore`)::
     <job>/step-<N:012d>/snapshot.json             the step's index: every rank's files and the
                                                   layout's, put once every rank's marker is there
 
-Each host puts its own ranks' objects (data, manifest, then the marker); nothing is renamed.
 A step is *complete* when the markers of every rank ``0..world_size-1`` are there and agree on
-the world size and the attempt (a step trained again: each host deletes the step's index and
-its old marker before its new data goes up), so a reader never sees a partial step nor one
-mixing two attempts. Retention deletes the index and the markers first.
-
-After putting its markers a host lists the step and, when every rank's marker is there, puts
-the layout and the index (of hosts that see every marker at once, the one that creates the
-attempt's claim object; the writer: ``swap_state.server.snapshot.tiers.store``). The store being consistent after writes, the
-host that lists last sees every marker, so a complete step gets its index. A reader finds a
+the world size and the attempt, so a reader never sees a partial step nor one mixing two
+attempts (how hosts write it: ``swap_state.server.snapshot.tiers.store``). A reader finds a
 job's steps in one listing of folders and each step in one read of its index; a step without
 one is read from its markers. Nothing read is trusted: a marker must name its own job, step
 and rank, and every file is checked against its size and crc32 (:class:`.SnapshotTier`).

@@ -1,12 +1,14 @@
 """The store's writer (``--snapshot-store``): :class:`StoreTier`, the :class:`~.seam.TierWriter`
 of the layout :mod:`swap_state.common.stored_snapshots` draws (and reads).
 
-Commit rule: per rank its objects (data, manifest), then its marker, put last; once every
-rank's marker of the step is there, the step's ``layout.json`` and ``snapshot.json``, put by the
-host that creates the attempt's claim object. A step trained again (another attempt): each host
-deletes the step's index and its rank's old marker before its new data goes up, so a reader
-never sees a step mixing two attempts. Retention: the job's ``keep`` newest complete steps stay,
-and everything newer; an older step goes index and markers first.
+Commit rule: each host puts its own ranks' objects (data, manifest), then each rank's marker,
+last; nothing is renamed. After its markers a host lists the step and, when every rank's marker
+is there, puts ``layout.json`` then ``snapshot.json`` (of hosts that see every marker at once,
+the one that creates the attempt's claim object; the store being consistent after writes, the
+host that lists last sees every marker, so a complete step gets its index). A step trained
+again (another attempt): each host deletes the step's index and its rank's old marker before
+its new data goes up. Retention: the job's ``keep`` newest complete steps stay, and everything
+newer; an older step goes index and markers first.
 """
 
 from __future__ import annotations
@@ -109,9 +111,7 @@ class StoreTier(TierWriter):
     def publish_step_index(self, job_id: str, step: int, layout: Callable[[SnapshotInfo], bytes] | None = None) -> bool:
         """Put the step's index when every rank's marker is there and none is yet (the same bytes
         whoever puts it); whether the step is complete. ``layout(step)``: the step's
-        ``layout.json``, put before the index that records it. Of the hosts that see every marker
-        at once, the one that creates the attempt's claim object puts them; the store being
-        consistent after writes, the host that lists last sees every marker."""
+        ``layout.json``, put before the index that records it."""
         prefix = self.stored.step_prefix(job_id, step)
         objects = self.stored.list_step(job_id, step)
         info = self.stored.complete_info(job_id, step, objects)

@@ -25,7 +25,6 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
 
 from swap_state.common.object_store import STORE_FLAG
 from swap_state.common.snapshot_errors import SnapshotError
