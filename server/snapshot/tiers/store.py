@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from swap_state.common.checksum import crc32
-from swap_state.common.object_store import ObjectStore
+from swap_state.common.object_store import ObjectWriter
 from swap_state.common.snapshot_errors import SnapshotError, StoreUnavailableError
 from swap_state.common.snapshot_format import (
     INDEX_NAME, LAYOUT_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name,
@@ -36,9 +34,6 @@ from swap_state.server.snapshot.writing.sink import ChunkSink
 __all__ = ["StoreTier"]
 
 log = logging.getLogger(__name__)
-
-_END, _ABORT = object(), object()  # what a put sink's queue ends with: the object is whole, or abandoned
-
 
 class StoreTier(TierWriter):
     """Writes steps into one store (commit rule above); ``plan.source`` is required: the store
@@ -73,7 +68,7 @@ class StoreTier(TierWriter):
         return StepWrite(plan, location, tuple(todo))
 
     def open_file(self, target: StepWrite, name: str) -> ChunkSink:
-        return _PutSink(self.store, self._key(target.plan, name))
+        return _PutSink(self.store.open_writer(self._key(target.plan, name)))
 
     def write_file(self, target: StepWrite, name: str, data: bytes) -> None:
         self.store.put(self._key(target.plan, name), data)  # one request: a small object
@@ -169,58 +164,41 @@ class StoreTier(TierWriter):
 
 
 class _PutSink(ChunkSink):
-    """One object put from pieces pushed in order. The store pulls them (an S3 multipart upload
-    keeps parts in flight) in a thread of its own through a short queue: memory stays bounded
-    and the pusher reads the next block while the last goes up. The object is visible only once
-    :meth:`finish` returned; closed before, the put is abandoned and nothing becomes visible."""
+    """A ChunkSink over one object's writer: a piece goes to the store once final (``advance``);
+    the object is visible only once :meth:`finish` returned, closed before, it is abandoned."""
 
-    def __init__(self, store: ObjectStore, key: str):
+    def __init__(self, writer: ObjectWriter):
         super().__init__()
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=2)
-        self._held: object = b""
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._put, args=(store, key), name="store-put", daemon=True)
-        self._thread.start()
-
-    def _put(self, store: ObjectStore, key: str) -> None:
-        try:
-            store.put(key, self._blocks())
-        except BaseException as exc:  # raised in the pusher's thread, by finish
-            self._error = exc
-            while self._queue.get() not in (_END, _ABORT):
-                pass  # drained until the pusher's last item: it never waits on a failed put
-
-    def _blocks(self) -> Iterator[bytes]:
-        while (block := self._queue.get()) is not _END:
-            if block is _ABORT:
-                raise SnapshotError("the put was abandoned")  # aborts it: nothing becomes visible
-            yield block  # type: ignore[misc]
+        self._writer: ObjectWriter | None = writer
+        self._held: bytes = b""
 
     def room(self) -> int:
         return 1 << 62
 
     def put(self, data: memoryview, crc: int) -> int:
-        # A whole bytes block goes as it is; any other view is copied: its buffer is the caller's.
+        # A whole bytes block is held as it is; any other view is copied: its buffer is the caller's.
         self._held = data.obj if isinstance(data.obj, bytes) and data.nbytes == len(data.obj) else bytes(data)
         self._pending = data.nbytes
         return crc32(data, crc)
 
     def advance(self) -> None:
-        self._send(self._held)
-        self.position, self._pending = self.position + self._pending, 0
+        self._live().write(self._held)
+        self._held, self.position, self._pending = b"", self.position + self._pending, 0
 
     def finish(self) -> None:
-        self._send(_END)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+        writer, self._writer = self._live(), None
+        try:
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(_ABORT)
-            self._thread.join()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.abort()
 
-    def _send(self, item: object) -> None:
-        if self._error is not None:  # the put failed: it reads no more
-            raise self._error
-        self._queue.put(item)
+    def _live(self) -> ObjectWriter:
+        if self._writer is None:
+            raise ValueError("the object was committed or abandoned")
+        return self._writer
