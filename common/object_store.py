@@ -1,4 +1,5 @@
-"""The snapshot store's transport: whole objects put, byte ranges read, keys listed.
+"""The snapshot store's transport: objects put whole or written in order (:class:`ObjectWriter`,
+visible only once committed), byte ranges read, keys listed.
 
 ``--snapshot-store URI`` names a place every host reaches, behind one interface
 (:class:`ObjectStore`):
