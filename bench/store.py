@@ -34,7 +34,7 @@ from swap_state.common.object_store import open_store
 from swap_state.common.retry import wait_until
 from swap_state.common.snapshot_format import rank_data_name, rank_manifest_name
 from swap_state.common.stored_snapshots import StoredSnapshots
-from swap_state.server.snapshot.tiers.upload import UPLOAD_BLOCK_BYTES
+from swap_state.server.snapshot.tiers.seam import COPY_BLOCK_BYTES
 
 from bench import hardware, util
 from bench.cli import MOMENT_BYTES_PER_PARAM, _contention, _isolate, _log, _pin_process
@@ -144,7 +144,7 @@ def _put_files(store, files: list[Path], prefix: str) -> tuple[int, float]:
     """``store.put`` of each local file, read in the uploader's blocks; (bytes, seconds)."""
     def blocks(path: Path):
         with open(path, "rb", buffering=0) as f:
-            while block := f.read(UPLOAD_BLOCK_BYTES):
+            while block := f.read(COPY_BLOCK_BYTES):
                 yield block
 
     t0 = time.perf_counter()

@@ -1,4 +1,5 @@
-"""The snapshot store's transport: whole objects put, byte ranges read, keys listed.
+"""The snapshot store's transport: objects put whole or written in order (:class:`ObjectWriter`,
+visible only once committed), byte ranges read, keys listed.
 
 ``--snapshot-store URI`` names a place every host reaches, behind one interface
 (:class:`ObjectStore`):
@@ -23,12 +24,13 @@ import datetime
 import os
 import pathlib
 import secrets
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 from urllib.parse import urlparse
 
 from .errors import ConfigError
 
-__all__ = ["STORE_TIMEOUT_S", "ObjectInfo", "ObjectStore", "PosixObjectStore", "S3ObjectStore", "open_store", "read_range", "fsync_dir",
+__all__ = ["STORE_TIMEOUT_S", "ObjectInfo", "ObjectStore", "ObjectWriter", "PosixObjectStore", "S3ObjectStore", "open_store", "read_range", "fsync_dir",
            "STORE_FLAG"]
 
 STORE_TIMEOUT_S = 60.0
@@ -49,6 +51,23 @@ class ObjectInfo:
     """Changes whenever the object is put again (an ETag; a file's inode and mtime)."""
 
 
+class ObjectWriter(abc.ABC):
+    """One object being put, its bytes written in order (bounded memory): visible only once
+    :meth:`commit` returned; after :meth:`abort` (or a failed commit) nothing is."""
+
+    @abc.abstractmethod
+    def write(self, data: bytes | memoryview) -> None:
+        """The object's next bytes (``data`` may be reused once this returns)."""
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """Make the object visible, whole."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Abandon the object (idempotent; nothing becomes visible)."""
+
+
 class ObjectStore(abc.ABC):
     """Whole objects under a root. Thread-safe. Keys are ``/``-separated, relative."""
 
@@ -56,9 +75,23 @@ class ObjectStore(abc.ABC):
     """The store as the user named it (messages name it)."""
 
     @abc.abstractmethod
+    def open_writer(self, key: str) -> ObjectWriter:
+        """A new object ``key``, written in order; it replaces an existing one at its commit."""
+
     def put(self, key: str, chunks: bytes | Iterable[bytes | memoryview]) -> None:
         """Store ``chunks`` (bytes, or pieces concatenated) under ``key``, visible only once whole;
-        an exception from the iterable aborts the put and is raised as it is."""
+        an exception from the iterable aborts the put."""
+        self._fill(self.open_writer(key), (chunks,) if isinstance(chunks, bytes) else chunks)
+
+    @staticmethod
+    def _fill(writer: ObjectWriter, chunks: Iterable[bytes | memoryview]) -> None:
+        try:
+            for chunk in chunks:
+                writer.write(chunk)
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
 
     @abc.abstractmethod
     def create(self, key: str, data: bytes) -> bool:
@@ -130,39 +163,21 @@ class PosixObjectStore(ObjectStore):
             raise ValueError(f"store key {key!r} is not a plain relative key")
         return self.root.joinpath(*parts)
 
-    def put(self, key: str, chunks: bytes | Iterable[bytes | memoryview]) -> None:
-        self._write(key, (chunks,) if isinstance(chunks, bytes) else chunks, os.replace)
+    def open_writer(self, key: str) -> ObjectWriter:
+        return self._writer(key, os.replace)
 
     def create(self, key: str, data: bytes) -> bool:
         try:
-            self._write(key, (data,), os.link)  # a link fails where a name exists: one creator wins
+            self._fill(self._writer(key, os.link), (data,))  # a link fails where a name exists: one creator wins
         except FileExistsError:
             return False
         return True
 
-    def _write(self, key: str, chunks: Iterable[bytes | memoryview], publish) -> None:
-        """A temporary written whole and fsynced, then ``publish(temporary, path)``."""
+    def _writer(self, key: str, publish: Callable[[pathlib.Path, pathlib.Path], None]) -> ObjectWriter:
         path = self._path(key)
         self._check_root()  # never a new root on the disk under an unmounted filesystem
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + _TMP_MARK + secrets.token_hex(4))
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                for chunk in chunks:
-                    view = memoryview(chunk)
-                    while view.nbytes:
-                        view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            publish(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            self._prune(path.parent)
-            raise
-        tmp.unlink(missing_ok=True)  # a link leaves it as a second name
-        fsync_dir(path.parent)
+        return _PosixWriter(path, publish, self._prune)
 
     def get_range(self, key: str, offset: int, nbytes: int) -> bytes:
         try:
@@ -222,6 +237,39 @@ class PosixObjectStore(ObjectStore):
             parent = parent.parent
 
 
+class _PosixWriter(ObjectWriter):
+    """A temporary file beside ``path``, fsynced at commit, then ``publish(temporary, path)``
+    (a rename; a link to create only) and the folder fsynced."""
+
+    def __init__(self, path: pathlib.Path, publish: Callable[[pathlib.Path, pathlib.Path], None],
+                 prune: Callable[[pathlib.Path], None]):
+        self._path, self._publish, self._prune = path, publish, prune
+        self._tmp = path.with_name(path.name + _TMP_MARK + secrets.token_hex(4))
+        self._fd: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view.nbytes:
+            view = view[os.write(self._fd, view):]  # type: ignore[arg-type]
+
+    def commit(self) -> None:
+        os.fsync(self._fd)  # type: ignore[arg-type]
+        self._close()
+        self._publish(self._tmp, self._path)
+        self._tmp.unlink(missing_ok=True)  # a link leaves it as a second name
+        fsync_dir(self._path.parent)
+
+    def abort(self) -> None:
+        self._close()
+        self._tmp.unlink(missing_ok=True)
+        self._prune(self._path.parent)
+
+    def _close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
 class S3ObjectStore(ObjectStore):
     """``s3://bucket/prefix`` through obstore, from the AWS environment (a plain-http endpoint is
     allowed as given). Every request is bounded: ``timeout_s``, a few retries within it."""
@@ -246,30 +294,18 @@ class S3ObjectStore(ObjectStore):
         except Exception as exc:  # obstore raises its own config errors
             raise ConfigError(f"{STORE_FLAG} {uri}: {exc}") from exc
 
-    def put(self, key: str, chunks: Iterable[bytes | memoryview]) -> None:
-        if isinstance(chunks, bytes):
-            with self._errors(key):
-                self._obs.put(self._store, key, chunks)  # small: one request
+    def put(self, key: str, chunks: bytes | Iterable[bytes | memoryview]) -> None:
+        if not isinstance(chunks, bytes):
+            super().put(key, chunks)
             return
-        raised: list[BaseException] = []
+        with self._errors(key):
+            self._obs.put(self._store, key, chunks)  # small: one request
 
-        def feed() -> Iterator[bytes]:
-            try:
-                for chunk in chunks:
-                    yield chunk if isinstance(chunk, bytes) else bytes(chunk)
-            except BaseException as exc:
-                raised.append(exc)
-                raise
-
-        try:
-            with self._errors(key):
-                # An iterable goes up as a multipart upload with parts in flight; an exception
-                # from it aborts the upload (nothing becomes visible).
-                self._obs.put(self._store, key, feed(), chunk_size=8 << 20, max_concurrency=8)
-        except OSError:
-            if raised:  # the caller's own error (a checksum that failed), not the store's
-                raise raised[0] from None
-            raise
+    def open_writer(self, key: str) -> ObjectWriter:
+        # A multipart upload with parts in flight once past one buffer, completed at commit.
+        with self._errors(key):
+            file = self._obs.open_writer(self._store, key, buffer_size=8 << 20, max_concurrency=8)
+        return _S3Writer(file, lambda: self._errors(key))
 
     def create(self, key: str, data: bytes) -> bool:
         try:
@@ -330,6 +366,30 @@ class S3ObjectStore(ObjectStore):
                 raise FileExistsError(f"{where} exists") from error
             text = str(error).strip()
             raise OSError(f"{where}: {text.splitlines()[0] if text else type(error).__name__}") from error
+
+
+class _S3Writer(ObjectWriter):
+    """obstore's writer: it completes the upload only at close; left by an exception (abort) it
+    abandons it, and nothing becomes visible."""
+
+    def __init__(self, file: Any, errors: Callable[[], contextlib.AbstractContextManager[None]]):
+        self._file: Any = file
+        self._errors = errors  # the store's error mapping, naming the object
+
+    def write(self, data: bytes | memoryview) -> None:
+        with self._errors():
+            self._file.write(data)
+
+    def commit(self) -> None:
+        file, self._file = self._file, None
+        with self._errors():
+            file.close()
+
+    def abort(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(Exception):
+                file.__exit__(OSError, OSError("abandoned"), None)
 
 
 def read_range(path: str | os.PathLike[str], offset: int, nbytes: int) -> bytes:

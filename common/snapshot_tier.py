@@ -113,7 +113,7 @@ class SnapshotTier(abc.ABC):
                                    f"{rank}: the snapshot of rank {rank} is on another host's server (the one "
                                    f"rank {rank} attaches to)")
         name = rank_manifest_name(rank)
-        raw = self._read_listed(info, info.file(name))
+        raw = self.read_listed(info, info.file(name))
         try:
             manifest = RankManifest.from_json(json.loads(raw))
         except ValueError as exc:
@@ -126,7 +126,7 @@ class SnapshotTier(abc.ABC):
 
     def read_layout(self, info: SnapshotInfo) -> bytes | None:
         """The step's ``layout.json``, checked against the index; None when it lists none."""
-        return None if info.index.layout is None else self._read_listed(info, info.index.layout)
+        return None if info.index.layout is None else self.read_listed(info, info.index.layout)
 
     def check_data_header(self, info: SnapshotInfo, manifest: RankManifest) -> None:
         """The data file's size and safetensors header, against the manifest and the index; the
@@ -155,14 +155,22 @@ class SnapshotTier(abc.ABC):
             raise SnapshotCorruptError(f"{info.path / manifest.data_file}: tensor {tensor.name!r} fails its checksum")
         return data
 
+    def read_blocks(self, info: SnapshotInfo, name: str, block_bytes: int) -> Iterator[bytes]:
+        """The file ``name`` from its start in blocks of ``block_bytes``, unchecked: for a copy
+        into another tier, which checks the crc32 on the way (bounded memory)."""
+        offset = 0
+        while block := self._read_range(info, name, offset, block_bytes):
+            yield block
+            offset += len(block)
+
     def local_file(self, info: SnapshotInfo, name: str) -> pathlib.Path | None:
         """Where the snapshot's file ``name`` is on this host's filesystem, for a tier that has
         one (restore maps it); None: read through :meth:`_read_range` only."""
         return None
 
-    def _read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
-        """A file the index lists, its size checked before it is read (a bad one may be huge),
-        then its crc32."""
+    def read_listed(self, info: SnapshotInfo, record: FileRecord) -> bytes:
+        """A small file the index lists, whole: its size checked before it is read (a bad one
+        may be huge), then its crc32."""
         size = self._size(info, record.name)
         if size != record.bytes:
             raise SnapshotCorruptError(f"{info.path / record.name} is {size} bytes, its index says {record.bytes}")

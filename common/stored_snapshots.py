@@ -11,16 +11,9 @@ Layout under the store's root (an :class:`~.object_store.ObjectStore`)::
     <job>/step-<N:012d>/snapshot.json             the step's index: every rank's files and the
                                                   layout's, put once every rank's marker is there
 
-Each host puts its own ranks' objects (data, manifest, then the marker); nothing is renamed.
 A step is *complete* when the markers of every rank ``0..world_size-1`` are there and agree on
-the world size and the attempt (a step trained again: each host deletes the step's index and
-its old marker before its new data goes up), so a reader never sees a partial step nor one
-mixing two attempts. Retention deletes the index and the markers first.
-
-After putting its markers a host lists the step and, when every rank's marker is there, puts
-the layout and the index (:meth:`publish_step_index`; of hosts that see every marker at once,
-the one that creates the attempt's claim object). The store being consistent after writes, the
-host that lists last sees every marker, so a complete step gets its index. A reader finds a
+the world size and the attempt, so a reader never sees a partial step nor one mixing two
+attempts (how hosts write it: ``swap_state.server.snapshot.tiers.store``). A reader finds a
 job's steps in one listing of folders and each step in one read of its index; a step without
 one is read from its markers. Nothing read is trusted: a marker must name its own job, step
 and rank, and every file is checked against its size and crc32 (:class:`.SnapshotTier`).
@@ -34,21 +27,18 @@ import dataclasses
 import pathlib
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
-from .checksum import crc32
 from .names import parse_snapshot_id, parse_step_dir_name, snapshot_id_for, step_dir_name, validate_job_id
 from .object_store import ObjectInfo, ObjectStore
 from .snapshot_errors import SnapshotCorruptError, SnapshotInvalid, SnapshotNotFoundError, StoreUnavailableError
-from .snapshot_format import (
-    INDEX_NAME, LAYOUT_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name,
-)
+from .snapshot_format import INDEX_NAME, SnapshotIndex, rank_data_name, rank_manifest_name
 from .snapshot_tier import SnapshotInfo, SnapshotTier
 
-__all__ = ["StorePath", "StoredSnapshots", "marker_name", "parse_marker_name"]
+__all__ = ["CLAIM_PREFIX", "StorePath", "StoredSnapshots", "marker_name", "parse_marker_name"]
 
 _MARKER_SUFFIX = ".stored.json"
-_CLAIM_PREFIX = "publishing.attempt-"
+CLAIM_PREFIX = "publishing.attempt-"
 """``publishing.attempt-<A>``: created by the host that puts attempt A's indexes."""
 _MARKER_NAME = re.compile(r"rank-([0-9]{5})" + re.escape(_MARKER_SUFFIX))
 _MAX_CACHED_MARKERS = 1 << 16
@@ -85,7 +75,7 @@ class StoredSnapshots(SnapshotTier):
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def _reading(self, key: str) -> Iterator[None]:
+    def reading(self, key: str) -> Iterator[None]:
         """A store request: a missing object is SnapshotCorruptError (a listed snapshot lost a file),
         any other failure StoreUnavailableError; both name the object."""
         try:
@@ -102,9 +92,9 @@ class StoredSnapshots(SnapshotTier):
     def key(self, job_id: str, step: int, name: str) -> str:
         return self.step_prefix(job_id, step) + name
 
-    def _list_step(self, job_id: str, step: int) -> list[ObjectInfo]:
+    def list_step(self, job_id: str, step: int) -> list[ObjectInfo]:
         prefix = self.step_prefix(job_id, step)
-        with self._reading(prefix):
+        with self.reading(prefix):
             return self.store.list(prefix)
 
     def location(self, job_id: str, step: int) -> StorePath:
@@ -113,7 +103,7 @@ class StoredSnapshots(SnapshotTier):
     def step_markers(self, job_id: str, step: int, ranks: Iterable[int] | None = None) -> dict[int, SnapshotIndex]:
         """The valid markers of one step, by rank (one listing); only those of ``ranks`` are read
         when given (a host asks for its own, not N requests per step)."""
-        named = _markers_by_rank(self._list_step(job_id, step))
+        named = _markers_by_rank(self.list_step(job_id, step))
         wanted = named.keys() if ranks is None else set(ranks)
         return self.markers(job_id, step, {rank: info for rank, info in named.items() if rank in wanted})
 
@@ -143,13 +133,13 @@ class StoredSnapshots(SnapshotTier):
 
     def jobs(self) -> list[str]:
         """The jobs with anything in the store (one listing of folders)."""
-        with self._reading(""):
+        with self.reading(""):
             return self.store.list_folders("")
 
     def steps(self, job_id: str) -> list[int]:
         """The steps of a job with anything in the store, ascending (one listing of folders)."""
         prefix = validate_job_id(job_id, SnapshotInvalid) + "/"
-        with self._reading(prefix):
+        with self.reading(prefix):
             names = self.store.list_folders(prefix)
         return sorted(step for name in names if (step := parse_step_dir_name(name)) is not None)
 
@@ -168,13 +158,13 @@ class StoredSnapshots(SnapshotTier):
         index = self.step_index(job_id, step)
         if index is not None:
             return self._info(index)
-        return self.complete_info(job_id, step, self._list_step(job_id, step))
+        return self.complete_info(job_id, step, self.list_step(job_id, step))
 
     def step_index(self, job_id: str, step: int) -> SnapshotIndex | None:
         """The step's index when there is a valid one (one read), else None."""
         key = self.key(job_id, step, INDEX_NAME)
         try:
-            with self._reading(key):
+            with self.reading(key):
                 raw = self.store.get(key)
         except SnapshotCorruptError:  # missing: a step being uploaded, or put before indexes
             return None
@@ -183,37 +173,6 @@ class StoredSnapshots(SnapshotTier):
         whole = index is not None and index.complete_job and all(
             rank_data_name(r) in names and rank_manifest_name(r) in names for r in range(index.world_size))
         return index if whole else None
-
-    def publish_step_index(self, job_id: str, step: int, layout: Callable[[SnapshotInfo], bytes] | None = None) -> bool:
-        """Put the step's index when every rank's marker is there and none is yet (the same bytes
-        whoever puts it); whether the step is complete. ``layout(step)``: the step's
-        ``layout.json``, put before the index that records it."""
-        prefix = self.step_prefix(job_id, step)
-        objects = self._list_step(job_id, step)
-        info = self.complete_info(job_id, step, objects)
-        if info is None:
-            return False
-        if any(o.key == prefix + INDEX_NAME for o in objects) or not self._claim(prefix, info.index.attempt):
-            return True  # put already, or another host that saw every marker puts it
-        index = info.index
-        if layout is not None:
-            raw = layout(info)
-            with self._reading(prefix + LAYOUT_NAME):
-                self.store.put(prefix + LAYOUT_NAME, raw)
-            index = dataclasses.replace(index, layout=FileRecord(LAYOUT_NAME, -1, len(raw), crc32(raw)))
-        with self._reading(prefix + INDEX_NAME):
-            self.store.put(prefix + INDEX_NAME, dumps_json(index.to_json()))
-        return True
-
-    def _claim(self, prefix: str, attempt: int) -> bool:
-        """Whether this host puts the step's indexes: it created the attempt's claim object, or
-        the store has no conditional writes (then each host puts the same bytes)."""
-        key = f"{prefix}{_CLAIM_PREFIX}{attempt}"
-        try:
-            with self._reading(key):
-                return self.store.create(key, b"")
-        except StoreUnavailableError:
-            return True
 
     def complete_info(self, job_id: str, step: int, objects: list[ObjectInfo]) -> SnapshotInfo | None:
         """The step as one snapshot when its ``objects`` hold a marker of every rank; else None
@@ -252,7 +211,7 @@ class StoredSnapshots(SnapshotTier):
 
     def _size(self, info: SnapshotInfo, name: str) -> int:
         key = self.key(info.job_id, info.step, name)
-        with self._reading(key):
+        with self.reading(key):
             size = self.store.size(key)
         if size is None:
             raise SnapshotCorruptError(f"{info.path / name} is missing")
@@ -260,7 +219,7 @@ class StoredSnapshots(SnapshotTier):
 
     def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
         key = self.key(info.job_id, info.step, name)
-        with self._reading(key):
+        with self.reading(key):
             return self.store.get_range(key, offset, nbytes)
 
     def local_file(self, info: SnapshotInfo, name: str) -> pathlib.Path | None:

@@ -52,6 +52,8 @@ from swap_state.server.snapshot.restoring.layout_index import LayoutIndex
 from swap_state.server.snapshot.writing.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.seam import StepPlan
+from swap_state.server.snapshot.tiers.store import StoreTier
 from swap_state.server.snapshot.tiers.upload import SnapshotUploader
 from swap_state.server.snapshot.writing.writer import Cancelled, RankWriter
 
@@ -113,7 +115,7 @@ class SnapshotCoordinator:
         self.uploader = None
         if settings.store_uri:
             stored = StoredSnapshots(open_store(settings.store_uri, settings.store_timeout_s))
-            self.uploader = SnapshotUploader(stored, self.directory, settings.store_max_bandwidth)
+            self.uploader = SnapshotUploader(StoreTier(stored), self.directory, settings.store_max_bandwidth)
         self.stored = self.uploader.stored if self.uploader is not None else None  # the store tier, if any
         self.committed_steps = committed_steps
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
@@ -199,8 +201,9 @@ class SnapshotCoordinator:
                 f"past its --tenant-snapshot-quota {format_size(quota)}; lower "
                 "the job's retention (keep_latest), remove old jobs, or ask for a larger quota"
             )
-        partial = self.directory.prepare_partial(source.job_id, source.step, replace=source.replace_existing)
-        group = SnapshotGroup(self.directory, source, partial, self._retention_for(source))
+        plan = StepPlan(source.job_id, source.step, source.world_size, (), source.tenant, self._retention_for(source),
+                        replace=source.replace_existing)
+        group = SnapshotGroup(self.directory, self.directory.prepare(plan), source)
         self._groups[(source.job_id, source.step)] = group
         finished = sorted((g.finished_monotonic, key) for key, g in self._groups.items()
                           if g.finished_monotonic is not None
@@ -218,7 +221,7 @@ class SnapshotCoordinator:
         # header and the epoch a trainer gave up (protocol step 6).
         header = source.header
         self._last_epoch = max(self._last_epoch, header.highest_cow_epoch(), header[Word.ABANDONED_EPOCH]) + 1
-        writer = RankWriter(source, metadata, self._last_epoch, directory=self.directory, partial=group.partial,
+        writer = RankWriter(source, metadata, self._last_epoch, tier=self.directory, target=group.target,
                             limiter=self._limiter, cancel=group.cancel, started_monotonic=time.monotonic(),
                             settings=self.settings)
         if not hold:
@@ -331,7 +334,7 @@ class SnapshotCoordinator:
                 job_id=group.job_id, step=group.step, world_size=group.world_size, ranks=ranks, files=tuple(files),
                 created_unix=time.time(), attempt=attempt, tenant=group.tenant,
                 layout=None if layout is None else FileRecord(LAYOUT_NAME, -1, len(layout), crc32(layout)))
-            commit = self.directory.commit(group.partial, index, group.keep, replace=group.replace, layout=layout)
+            commit = self.directory.finish(group.target, index, layout)
         except SnapshotError as exc:
             group.fail(exc)
             return

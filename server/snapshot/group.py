@@ -7,7 +7,6 @@ holds (``status()``, ``wait()``, ``segment_released``, ``proceed()``, ``cancel()
 from __future__ import annotations
 
 import logging
-import pathlib
 import threading
 import time
 
@@ -20,7 +19,7 @@ from swap_state.common.snapshot_errors import (
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.writing.source import SnapshotSource
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
-from swap_state.server.snapshot.tiers.directory import CommitResult, SnapshotDirectory
+from swap_state.server.snapshot.tiers.seam import CommitResult, StepWrite, TierWriter
 from swap_state.server.snapshot.waiting import WatchedCondition
 from swap_state.server.snapshot.writing.writer import RankResult, RankWriter
 
@@ -37,13 +36,12 @@ class SnapshotAlreadyFailed(SnapshotFailedError):
 class SnapshotGroup:
     """The ranks of one (job, step). Its condition guards every field below."""
 
-    def __init__(self, directory: SnapshotDirectory, source: SnapshotSource, partial: pathlib.PurePath,
-                 keep: int | None):
-        self.directory = directory
-        self.keep = keep  # retention applied at commit: the job's wish, never below the server's floor
+    def __init__(self, tier: TierWriter, target: StepWrite, source: SnapshotSource):
+        self.tier, self.target = tier, target  # where the ranks write, and the step's place there
+        self.keep = target.plan.keep  # retention applied at commit: the job's wish, never below the server's floor
         self.job_id, self.step, self.world_size = source.job_id, source.step, source.world_size
         self.local_world_size = source.expected_ranks  # the ranks that complete the group here
-        self.partial = partial  # the partial snapshot the ranks write into
+        self.partial = target.location  # the partial snapshot the ranks write into
         self.snapshot_id = snapshot_id_for(self.job_id, self.step)
         self.tenant = source.tenant  # recorded in snapshot.json
         self.cond = WatchedCondition()  # threads wait on it, RPCs await it (no thread held)
@@ -57,7 +55,7 @@ class SnapshotGroup:
         self.live_threads = 0
         self.discarded = False  # failed, and one thread has claimed removing its files
         self.discarded_done = False  # ... and they are gone
-        self.replace = source.replace_existing  # at commit, replace an earlier attempt's durable snapshot
+        self.replace = target.plan.replace  # at commit, replace an earlier attempt's durable snapshot
         self.timer: threading.Timer | None = None
         self.finished_monotonic: float | None = None
 
@@ -163,7 +161,7 @@ class SnapshotGroup:
             if self.state is not SnapshotState.FAILED or self.live_threads or self.discarded:
                 return
             self.discarded = True  # claimed: exactly one caller removes the partial snapshot
-        self.directory.discard(self.partial)
+        self.tier.discard(self.target)
         with self.cond:
             self.discarded_done = True
             self.cond.notify_all()

@@ -15,6 +15,7 @@ import pytest
 from snapshot_kit import Trainer
 
 from swap_state.common.segment import Word
+from swap_state.server.snapshot.tiers.seam import StepPlan
 from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.common.snapshot_errors import (
@@ -280,7 +281,8 @@ def test_symlinked_job_dir_is_refused(make_coordinator, make_segment, tmp_path):
 def test_a_second_live_server_on_the_directory_leaves_its_partials_alone(make_coordinator, tmp_path):
     root = tmp_path / "shared"
     first = make_coordinator(root)
-    partial = first.directory.prepare_partial("job", 7)  # a snapshot the first server is writing
+    plan = StepPlan("job", 7, 1, (0,), "", None)
+    partial = pathlib.Path(first.directory.prepare(plan).location)  # a snapshot the first server is writing
     second = make_coordinator(root)  # e.g. a second embedded server on the per-user default
     assert partial.is_dir()
     first.close()

@@ -4,6 +4,7 @@ listed, a replaced or retired snapshot is unlisted before its bytes go."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 
@@ -12,7 +13,7 @@ import pytest
 from swap_state.common.snapshot_errors import SnapshotExistsError
 from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, FileRecord, SnapshotIndex
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
-from swap_state.server.snapshot.writing.snapshot_file import pwrite_all
+from swap_state.server.snapshot.tiers.seam import StepPlan, StepWrite
 
 DATA = "rank-00000.safetensors"
 
@@ -22,12 +23,12 @@ def _index(step: int) -> SnapshotIndex:
                          files=(FileRecord(DATA, 0, 10, 0),), created_unix=0.0)
 
 
-def _write_partial(directory: SnapshotDirectory, step: int, replace: bool = False) -> pathlib.PurePath:
-    partial = directory.prepare_partial("job", step, replace=replace)
-    with directory.create_file(partial, DATA) as file:
-        file.pwrite(b"hello", 0)
-        pwrite_all(file.fileno(), memoryview(b"world"), 5)  # the writer's zero-copy path
-        file.fsync()
+def _write_partial(directory: SnapshotDirectory, step: int, replace: bool = False, keep: int | None = None) -> StepWrite:
+    partial = directory.prepare(StepPlan("job", step, 1, (0,), "", keep, replace=replace))
+    with directory.open_file(partial, DATA) as sink:
+        sink.write_all(b"hello")
+        sink.write_all(b"world")
+        sink.finish()
     return partial
 
 
@@ -56,7 +57,7 @@ def test_write_fsync_seal_commit_by_rename_and_nothing_partial_listed(tmp_path, 
 
     partial = _write_partial(directory, 3)
     assert directory.reader.list("job") == []  # a partial snapshot is never listed
-    committed = directory.commit(partial, _index(3), keep_latest=None)
+    committed = directory.finish(partial, _index(3), None)
     monkeypatch.undo()
 
     assert trace == [
@@ -79,15 +80,16 @@ def test_write_fsync_seal_commit_by_rename_and_nothing_partial_listed(tmp_path, 
         _write_partial(directory, 3)
     refused = _write_partial(directory, 3, replace=True)
     with pytest.raises(SnapshotExistsError):
-        directory.commit(refused, _index(3), keep_latest=None)
+        directory.finish(dataclasses.replace(refused, plan=dataclasses.replace(refused.plan, replace=False)),
+                         _index(3), None)
     assert directory.discard(refused)
     again = _write_partial(directory, 3, replace=True)
-    replaced = directory.commit(again, _index(3), keep_latest=None, replace=True)
+    replaced = directory.finish(again, _index(3), None)
     assert len(replaced.trash) == 1 and [i.path for i in directory.reader.list("job")] == [replaced.path]
     assert directory.empty_trash(replaced) == []
 
     # Retention's removal; a failed snapshot's partial is discarded, never listed.
-    retired = directory.commit(_write_partial(directory, 4), _index(4), keep_latest=1)
+    retired = directory.finish(_write_partial(directory, 4, keep=1), _index(4), None)
     assert [i.step for i in directory.reader.list("job")] == [4] and directory.empty_trash(retired) == []
     failed = _write_partial(directory, 5)
     assert [i.step for i in directory.reader.list("job")] == [4] and directory.discard(failed)
@@ -98,7 +100,8 @@ def test_write_fsync_seal_commit_by_rename_and_nothing_partial_listed(tmp_path, 
 def test_locations_outside_the_root_are_refused(tmp_path):
     directory = SnapshotDirectory(tmp_path / "snapshots")
     directory.create_root()
+    outside = StepWrite(StepPlan("job", 1, 1, (0,), "", None), tmp_path, (0,))
     with pytest.raises(ValueError, match="not inside"):
-        directory.create_file(tmp_path, "x")
+        directory.open_file(outside, "x")
     with pytest.raises(ValueError, match="not inside"):
-        directory.discard(tmp_path)
+        directory.discard(outside)

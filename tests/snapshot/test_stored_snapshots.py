@@ -15,6 +15,7 @@ from swap_state.common.object_store import PosixObjectStore, S3ObjectStore, open
 from swap_state.common.snapshot_errors import SnapshotNotFoundError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name
 from swap_state.common.stored_snapshots import StoredSnapshots, marker_name, parse_marker_name
+from swap_state.server.snapshot.tiers.store import StoreTier
 
 
 def _marker(job: str, step: int, rank: int, world: int, *, files=None) -> bytes:
@@ -144,13 +145,13 @@ def test_of_two_hosts_that_see_every_marker_one_builds_the_layout_index(tmp_path
         built.append("b")
         return b"{}"
 
-    host_a = threading.Thread(target=StoredSnapshots(store).publish_step_index, args=("job", 4, layout_a))
+    host_a = threading.Thread(target=StoreTier(StoredSnapshots(store)).publish_step_index, args=("job", 4, layout_a))
     host_a.start()
     deadline = time.monotonic() + 30
     while store.size(StoredSnapshots.step_prefix("job", 4) + "publishing.attempt-1") is None:
         assert time.monotonic() < deadline, "host A never claimed the step"
         time.sleep(0.01)  # until A holds the claim
-    assert StoredSnapshots(store).publish_step_index("job", 4, layout_b) is True
+    assert StoreTier(StoredSnapshots(store)).publish_step_index("job", 4, layout_b) is True
     b_done.set()
     host_a.join(30)
     assert built == ["a"]

@@ -1,16 +1,16 @@
-"""The server's ``--snapshot-dir``: :class:`SnapshotDirectory`, where snapshot files go, their
-commit sequence and retention. Reading is its reader's (:attr:`SnapshotDirectory.reader`, the
-local tier, whose docstring draws the layout; beside it ``<root>/.swap-state.lock``, a shared
-flock per live server). The files are written through
-:class:`~swap_state.server.snapshot.writing.snapshot_file.SnapshotFile` (modelled on DCP's
-``StorageWriter``: callers hand it names and bytes, never build paths).
+"""The server's ``--snapshot-dir``: :class:`SnapshotDirectory`, the local tier's writer (the
+:class:`~.seam.TierWriter` seam: callers hand it names and bytes, never build paths) and its
+retention. Reading is its reader's (:attr:`SnapshotDirectory.reader`, whose docstring draws the
+layout; beside it ``<root>/.swap-state.lock``, a shared flock per live server).
 
 Call order: ``create_root``, ``hold``, ``clean_stale`` (when alone) at server start; per
-snapshot :meth:`~SnapshotDirectory.prepare_partial`, ``create_file``/``write_durable`` per
-rank, then :meth:`~SnapshotDirectory.commit` (atomic: complete from here; ``latest``,
-retention's unlisting) and off the durability path ``empty_trash``, or ``discard`` on failure;
-``release`` at shutdown.
+snapshot the seam's (``prepare``: a partial directory; ``open_file``/``write_file`` per rank;
+``finish``: the commit rule below, complete from its rename on, then ``latest`` and retention's
+unlisting) and off the durability path ``empty_trash``, or ``discard`` on failure; ``release``
+at shutdown.
 
+Commit rule: every file fsynced, ``layout.json`` and ``snapshot.json`` written durably, the
+partial directory fsynced and renamed to ``step-<N>``, then the ``latest`` pointer.
 Durability: a file is fsynced before it counts, a directory after names change in it;
 publication is a ``rename`` of the partial directory, removal a ``rename`` out of the listed
 names first: a directory removed halfway never looks complete. Every path is confined under
@@ -20,7 +20,6 @@ the root. I/O failures raise ``OSError``; a path leaving the root SnapshotInvali
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import os
 import pathlib
@@ -33,29 +32,22 @@ from swap_state.common.names import snapshot_id_for, step_dir_name
 from swap_state.common.object_store import fsync_dir
 from swap_state.common.server_config import DirectIO, SnapshotSettings
 from swap_state.common.snapshot_errors import SnapshotExistsError, from_os_error
-from swap_state.common.snapshot_format import INDEX_NAME, LATEST_NAME, LAYOUT_NAME, SnapshotIndex, dumps_json, partial_dir_name
+from swap_state.common.snapshot_format import (
+    INDEX_NAME, LATEST_NAME, LAYOUT_NAME, FileRecord, SnapshotIndex, dumps_json, partial_dir_name,
+)
 from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
+from swap_state.server.snapshot.writing.sink import ChunkSink, open_sink
 from swap_state.server.snapshot.writing.snapshot_file import DIR_MODE, FILE_MODE, SnapshotFile, write_durable
 
-__all__ = ["CommitResult", "SnapshotDirectory", "LOCK_NAME"]
+__all__ = ["SnapshotDirectory", "LOCK_NAME"]
 
 LOCK_NAME = ".swap-state.lock"
 _DELETING_PREFIX = ".deleting-"
 _LATEST_TMP = ".latest.tmp"
 
 
-@dataclasses.dataclass(frozen=True)
-class CommitResult:
-    """What :meth:`SnapshotDirectory.commit` did."""
-
-    path: pathlib.PurePath  # the complete snapshot's directory
-    warnings: tuple[str, ...]  # failures after it was durable (latest pointer, retention): reported, not fatal
-    trash: tuple[pathlib.PurePath, ...] = ()
-    """Unlisted locations whose bytes :meth:`SnapshotDirectory.empty_trash` removes once the
-    snapshot was reported durable (deleting a large snapshot takes long enough to delay it)."""
-
-
-class SnapshotDirectory:
+class SnapshotDirectory(TierWriter):
     """The snapshot root on a filesystem with POSIX rename and fsync, read and written by the
     server. Thread-safe for different snapshots; commits serialise."""
 
@@ -101,13 +93,14 @@ class SnapshotDirectory:
                 elif name == _LATEST_TMP:
                     path.unlink(missing_ok=True)
 
-    def prepare_partial(self, job_id: str, step: int, replace: bool = False) -> pathlib.PurePath:
-        """A fresh, empty partial snapshot of ``step`` (a stale one is replaced; never listed).
-        SnapshotExistsError when that step is already complete, unless ``replace`` (then
-        :meth:`commit` replaces it)."""
+    def prepare(self, plan: StepPlan) -> StepWrite:
+        """A fresh, empty partial snapshot of the step (a stale one is replaced; never listed).
+        SnapshotExistsError when that step is already complete, unless ``plan.replace`` (then
+        :meth:`finish` replaces it)."""
+        job_id, step = plan.job_id, plan.step
         final = self.reader.job_dir(job_id) / step_dir_name(step)
         if self.reader.load_index(job_id, final, step) is not None:
-            if not replace:
+            if not plan.replace:
                 raise SnapshotExistsError(f"snapshot {snapshot_id_for(job_id, step)} already exists at {final}, "
                                      "from an earlier attempt at that step: use a new job id, or let the "
                                      "snapshot replace it (SnapshotRequest.replace_existing; torchtitan's "
@@ -123,31 +116,34 @@ class SnapshotDirectory:
             if partial.exists():
                 shutil.rmtree(partial)
             partial.mkdir(mode=DIR_MODE)
-            return partial
+            return StepWrite(plan, partial, plan.ranks)
         except OSError as exc:
             raise from_os_error(exc, f"creating {partial_dir_name(step)}", self.reader.job_dir(job_id)) from None
 
-    def create_file(self, partial: pathlib.PurePath, name: str) -> SnapshotFile:
-        """A new file ``name`` in ``partial`` (it must not exist), open for writing."""
-        return SnapshotFile(self._inside(partial) / name, direct=self.direct_writes)
+    def open_file(self, target: StepWrite, name: str) -> ChunkSink:
+        """A new file ``name`` in the partial directory (it must not exist): O_DIRECT where
+        ``--direct-io`` and the filesystem allow, else buffered; fsynced at the sink's finish."""
+        return open_sink(SnapshotFile(self._inside(target.location) / name, direct=self.direct_writes))
 
-    def write_durable(self, partial: pathlib.PurePath, name: str, data: bytes) -> None:
-        """Create ``name`` in ``partial`` (it must not exist) with ``data``, durable on return."""
-        write_durable(self._inside(partial) / name, data)
+    def write_file(self, target: StepWrite, name: str, data: bytes) -> None:
+        write_durable(self._inside(target.location) / name, data)
 
-    def commit(self, partial: pathlib.PurePath, index: SnapshotIndex, keep_latest: int | None,
-               replace: bool = False, layout: bytes | None = None) -> CommitResult:
+    def finish_rank(self, target: StepWrite, rank: int, files: tuple[FileRecord, ...]) -> None:
+        """Nothing: a rank's files are fsynced as written and listed by the step's snapshot.json."""
+
+    def finish(self, target: StepWrite, index: SnapshotIndex, layout: bytes | None) -> CommitResult:
         """Publish a partial snapshot whose rank files are fsynced: write ``layout`` and
         ``snapshot.json`` durably, fsync the partial directory, rename it to ``step-<N>`` (an
-        existing one renamed out of the way first when ``replace``, else SnapshotExistsError: between
-        the renames the step is absent, never mixed), point ``latest`` at it, then retention
-        (unlist all but the ``keep_latest`` highest steps; None keeps all; bytes go in
+        existing one renamed out of the way first when ``plan.replace``, else SnapshotExistsError:
+        between the renames the step is absent, never mixed), point ``latest`` at it, then
+        retention (unlist all but the ``plan.keep`` highest steps; None keeps all; bytes go in
         :meth:`empty_trash`). OSError before the rename is the caller's to map; failures after
         it become warnings."""
+        partial, keep_latest, replace = self._inside(target.location), target.plan.keep, target.plan.replace
         if layout is not None:
-            self.write_durable(partial, LAYOUT_NAME, layout)
-        self.write_durable(partial, INDEX_NAME, dumps_json(index.to_json()))
-        fsync_dir(self._inside(partial))  # every file name created in it is durable
+            write_durable(partial / LAYOUT_NAME, layout)
+        write_durable(partial / INDEX_NAME, dumps_json(index.to_json()))
+        fsync_dir(partial)  # every file name created in it is durable
         job_dir = self.reader.job_dir(index.job_id)
         final = job_dir / step_dir_name(index.step)
         with self._commit_lock:
@@ -157,7 +153,7 @@ class SnapshotDirectory:
                     raise SnapshotExistsError(f"snapshot {index.snapshot_id} already exists at {final}")
                 trash.append(final.with_name(_DELETING_PREFIX + final.name + f".{os.getpid()}"))
                 os.rename(final, trash[0])
-            os.rename(self._inside(partial), final)
+            os.rename(partial, final)
             # From here on the snapshot is complete: what fails now is reported, not fatal.
             warnings: list[str] = []
             try:
@@ -186,7 +182,10 @@ class SnapshotDirectory:
                 (job_dir / LATEST_NAME).unlink(missing_ok=True)
             raise
 
-    def discard(self, where: pathlib.PurePath) -> bool:
+    def discard(self, target: StepWrite) -> bool:
+        return self._remove(target.location)
+
+    def _remove(self, where: pathlib.PurePath) -> bool:
         """Remove an unlisted location (a failed partial, a replaced snapshot), best effort;
         True when it is gone."""
         path = self._inside(where)
@@ -196,7 +195,7 @@ class SnapshotDirectory:
     def empty_trash(self, commit: CommitResult) -> list[str]:
         """Remove the bytes of what ``commit`` unlisted; warnings for what could not be removed."""
         return [f"could not remove {where} (unlisted; removed at the next server start)"
-                for where in commit.trash if not self.discard(where)]
+                for where in commit.trash if not self._remove(where)]
 
     def _retain(self, job_id: str, new_step: int, keep: int, warnings: list[str],
                 trash: list[pathlib.PurePath]) -> None:

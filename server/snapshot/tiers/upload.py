@@ -2,19 +2,18 @@
 
 Call order (the coordinator and the runtime)::
 
-    uploader = SnapshotUploader(StoredSnapshots(open_store(uri)), local_store)  # server start;
+    uploader = SnapshotUploader(StoreTier(StoredSnapshots(open_store(uri))), local)  # server start;
                                          # its worker first resumes unfinished uploads
     uploader.submit(info, keep)          # after each local commit (the snapshot is durable)
     uploader.status(job, step, rank)     # None: never submitted here; else its UploadStatus
     await uploader.wait_async(job, step, rank, t)  # until stored or failed (bounded)
     uploader.close()                     # at shutdown: the running upload is abandoned
 
-One worker thread uploads one snapshot at a time from the local files (only the newest queued
-one of a job; the skipped ones fail ``stored``, saying so). Per rank: the data file, its crc32
-checked against ``snapshot.json`` before the put completes, the manifest, then the rank's
-marker (an equal marker already there: skipped). Then the step's index once every host's ranks
-are there, then store retention (never the newest complete step, nor steps newer than the
-oldest kept one). A failing store fails the upload, naming the URI; training goes on.
+One worker thread uploads one snapshot at a time (only the newest queued one of a job; the
+skipped ones fail ``stored``, saying so): the local snapshot's files written through the
+store's write seam (:class:`~.store.StoreTier`, its commit rule there) by
+:func:`~.seam.copy_rank`, each file's crc32 checked against ``snapshot.json`` on the way. A
+failing store fails the upload, naming the URI; training goes on.
 """
 
 from __future__ import annotations
@@ -26,28 +25,23 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
 
-from swap_state.common.checksum import crc32
 from swap_state.common.object_store import STORE_FLAG
-from swap_state.common.snapshot_errors import SnapshotCorruptError, SnapshotError
-from swap_state.common.snapshot_format import (
-    INDEX_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name,
-)
+from swap_state.common.snapshot_errors import SnapshotError
+from swap_state.common.snapshot_format import rank_data_name, rank_manifest_name
 from swap_state.common.snapshot_tier import SnapshotInfo
-from swap_state.common.stored_snapshots import StoredSnapshots, marker_name, parse_marker_name
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
-from swap_state.server.snapshot.restoring.layout_index import LayoutIndex
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.seam import StepPlan, copy_rank
+from swap_state.server.snapshot.tiers.store import StoreTier
 from swap_state.server.snapshot.waiting import WatchedCondition
+from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
 
-__all__ = ["StoreState", "UploadStatus", "UploadCounters", "SnapshotUploader", "UPLOAD_BLOCK_BYTES", "HISTORY"]
+__all__ = ["StoreState", "UploadStatus", "UploadCounters", "SnapshotUploader", "HISTORY"]
 
 log = logging.getLogger(__name__)
 
-UPLOAD_BLOCK_BYTES = 8 << 20  # the local file is read, checksummed and handed to the store in such blocks
 HISTORY = 256  # snapshots whose upload status stays in memory (older ones are answered from the store)
 
 
@@ -81,9 +75,10 @@ class UploadCounters:
 class SnapshotUploader:
     """Uploads durable local snapshots to the store, one worker thread (call order above)."""
 
-    def __init__(self, stored: StoredSnapshots, local: SnapshotDirectory, max_bandwidth: float | None = None):
+    def __init__(self, tier: StoreTier, local: SnapshotDirectory, max_bandwidth: float | None = None):
         """``max_bandwidth``: bytes/s for all uploads (None: no cap)."""
-        self.stored = stored
+        self._tier = tier  # what the snapshots are written through
+        self.stored = stored = tier.stored  # what the store holds, read
         self.uri = stored.uri
         self._local = local
         self._limiter = BandwidthLimiter(max_bandwidth)
@@ -220,111 +215,33 @@ class SnapshotUploader:
         return {current[1]} if current is not None and current[0] == job_id else set()
 
     def _upload_ranks(self, info: SnapshotInfo, keep: int | None) -> None:
-        begin = time.monotonic()
-        stored: dict[int, SnapshotIndex] | None = None
-        for rank in info.ranks:
-            try:
-                if stored is None:  # one listing of the step for all its ranks
-                    stored = self.stored.step_markers(info.job_id, info.step, info.ranks)
-                nbytes = self._upload_rank(info, rank, stored.get(rank))
-            except (OSError, SnapshotError) as exc:
-                self._fail(info, rank, exc)
-                return
-            # Counted before the rank reads stored: a scrape after wait_stored sees its bytes.
-            self.counters.bytes_stored += nbytes
-            self.counters.ranks_stored += 1
-            self._set(info, rank, state=StoreState.STORED)
+        begin, local = time.monotonic(), info.index
+        plan = StepPlan(info.job_id, info.step, info.world_size, info.ranks, local.tenant, keep, source=local)
+        rank = info.ranks[0]
         try:
-            self.stored.publish_step_index(info.job_id, info.step, layout=lambda whole: self._layout(info, whole))
-        except (OSError, SnapshotError) as exc:  # the step reads from its markers instead
-            log_event(log, "store_index_failed", logging.WARNING, snapshot_id=info.snapshot_id,
-                      store=self.uri, error=str(exc))
+            target = self._tier.prepare(plan)  # one listing of the step for all its ranks
+            for rank in info.ranks:
+                nbytes = info.file(rank_data_name(rank)).bytes + info.file(rank_manifest_name(rank)).bytes
+                if rank in target.ranks:
+                    copy_rank(self._local.reader, info, rank, self._tier, target, self._limiter, self._closed,
+                              lambda size, rank=rank: self._set(info, rank, bytes_stored=size))
+                # Counted before the rank reads stored: a scrape after wait_stored sees its bytes.
+                self.counters.bytes_stored += nbytes
+                self.counters.ranks_stored += 1
+                self._set(info, rank, state=StoreState.STORED, bytes_stored=nbytes)
+        except (OSError, SnapshotError) as exc:
+            self._fail(info, rank, exc)
+            return
+        try:
+            layout = self._local.reader.read_layout(info) if local.complete_job else None
+        except (OSError, SnapshotError):
+            layout = None  # the store builds it from the manifests it holds
+        self._tier.finish(target, local, layout)  # the step's index, retention: they only warn
         seconds = time.monotonic() - begin
         self.counters.seconds += seconds
         log_event(log, "snapshot_stored", snapshot_id=info.snapshot_id, ranks=list(info.ranks),
                   store=self.uri, bytes=info.bytes, seconds=round(seconds, 3),
                   bytes_per_s=int(info.bytes / seconds) if seconds > 0 else None)
-        try:
-            self._retain(info.job_id, keep)
-        except (OSError, SnapshotError) as exc:
-            log_event(log, "store_retention_failed", logging.WARNING, job_id=info.job_id,
-                      store=self.uri, error=str(exc))
-
-    def _layout(self, local: SnapshotInfo, whole: SnapshotInfo) -> bytes:
-        """The store's step's ``layout.json``: the local one when this host holds every rank, else
-        built from every rank's manifest in the store."""
-        raw = self._local.reader.read_layout(local) if local.index.complete_job else None
-        if raw is not None:
-            return raw
-        manifests = {rank: self.stored.read_manifest(whole, rank).tensors for rank in whole.ranks}
-        try:
-            return LayoutIndex(manifests, whole.world_size).to_bytes()
-        except Exception as exc:  # a bug must not end the upload worker: the step reads from its markers
-            raise SnapshotError(f"building the layout index of {whole.snapshot_id}: {exc!r}") from exc
-
-    def _upload_rank(self, info: SnapshotInfo, rank: int, existing: SnapshotIndex | None) -> int:
-        """The rank's data, manifest, then marker; nothing when ``existing`` already says the same.
-        Returns the rank's bytes."""
-        data = info.file(rank_data_name(rank))
-        manifest = info.file(rank_manifest_name(rank))
-        marker = SnapshotIndex(info.job_id, info.step, info.world_size, (rank,), (data, manifest), time.time(),
-                               info.index.attempt, tenant=info.index.tenant)
-        if existing is not None and existing.tenant != info.index.tenant:
-            raise SnapshotError(f"{self.stored.location(info.job_id, info.step)} belongs to another tenant: "
-                                   "its objects are left alone (two tenants used one job id)")
-        key = lambda name: self.stored.key(info.job_id, info.step, name)  # noqa: E731
-        nbytes = data.bytes + manifest.bytes
-        same = (info.world_size, info.index.attempt, (data, manifest))
-        if existing is None or (existing.world_size, existing.attempt, existing.files) != same:
-            if existing is not None:  # an earlier attempt at the step: unlisted before its data changes
-                self.stored.store.delete(key(INDEX_NAME))
-                self.stored.store.delete(key(marker_name(rank)))
-            self.stored.store.put(key(data.name), self._verified_blocks(info, rank, data))
-            raw = (info.path / manifest.name).read_bytes()
-            if len(raw) != manifest.bytes or crc32(raw) != manifest.crc32:
-                raise SnapshotCorruptError(f"{info.path / manifest.name} no longer matches its checksum in snapshot.json")
-            self.stored.store.put(key(manifest.name), raw)
-            self.stored.store.put(key(marker_name(rank)), dumps_json(marker.to_json()))  # last
-        self._set(info, rank, bytes_stored=nbytes)
-        return nbytes
-
-    def _verified_blocks(self, info: SnapshotInfo, rank: int, record: FileRecord) -> Iterator[bytes]:
-        """The local data file in blocks; raises (aborting the put) unless its size and crc32 match."""
-        path = info.path / record.name
-        value, size = 0, 0
-        with open(path, "rb", buffering=0) as file:
-            while block := file.read(UPLOAD_BLOCK_BYTES):
-                if not self._limiter.acquire(len(block), self._closed):
-                    raise SnapshotError("the server is shutting down: upload abandoned")
-                value = crc32(block, value)
-                size += len(block)
-                if size > record.bytes:
-                    break
-                self._set(info, rank, bytes_stored=size)
-                if size == record.bytes and value != record.crc32:
-                    break  # before the last block goes: the upload must not complete
-                yield block
-        if size != record.bytes or value != record.crc32:
-            raise SnapshotCorruptError(f"{path} no longer matches its checksum in snapshot.json: not uploaded")
-
-    def _retain(self, job_id: str, keep: int | None) -> None:
-        """The job's ``keep`` newest complete steps stay, and everything newer; the older steps
-        go, index and markers first."""
-        if keep is None:
-            return
-        complete = [info.step for info in self.stored.list(job_id)]
-        if not complete:
-            return
-        oldest_kept = complete[-keep:][0]
-        for step in self.stored.steps(job_id):
-            if step >= oldest_kept:
-                break
-            prefix = self.stored.step_prefix(job_id, step)
-            objects = [o.key for o in self.stored.store.list(prefix)]
-            first = [k for k in objects if k == prefix + INDEX_NAME or parse_marker_name(k.rsplit("/", 1)[-1]) is not None]
-            for key in sorted(first, key=lambda k: not k.endswith(INDEX_NAME)) + [k for k in objects if k not in first]:
-                self.stored.store.delete(key)
-            log_event(log, "store_retention_removed", snapshot_id=f"{job_id}/step-{step}", store=self.uri)
 
     def _set(self, info: SnapshotInfo, rank: int, **changes) -> None:
         with self._cond:

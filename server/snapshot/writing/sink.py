@@ -8,7 +8,7 @@ packs tensors without gaps, so a tensor's place is rarely block aligned; the byt
 once into an aligned buffer (the copy a buffered write makes anyway), checksummed there while
 cache-hot, and written from it. Where the filesystem refuses O_DIRECT the buffered sink writes.
 
-Call order (the writer)::
+Call order (the writer; a tier's :meth:`~..tiers.seam.TierWriter.open_file` gives the sink)::
 
     sink = open_sink(file)
     sink.write_all(header)                       # the file's first bytes
@@ -57,8 +57,7 @@ class ChunkSink(abc.ABC):
 
     direct: bool = False  # whether the bytes bypass the page cache (O_DIRECT)
 
-    def __init__(self, file: SnapshotFile):
-        self.file = file
+    def __init__(self) -> None:
         self.position = 0  # file offset of the next put
         self._pending = 0  # bytes of the last put, not final yet
 
@@ -86,7 +85,8 @@ class ChunkSink(abc.ABC):
         """Every final byte written and durable (fsync)."""
 
     def close(self) -> None:
-        """Release what the sink holds (idempotent); makes nothing durable."""
+        """Release what the sink holds, its file included (idempotent); makes nothing durable,
+        and a sink closed before :meth:`finish` leaves no complete file."""
 
     def write_all(self, data: bytes) -> None:
         """``data`` at :attr:`position`, final (the safetensors header)."""
@@ -111,7 +111,8 @@ class BufferedSink(ChunkSink):
     writeback started every ``_WRITEBACK_BYTES``; fsync at the end."""
 
     def __init__(self, file: SnapshotFile):
-        super().__init__(file)
+        super().__init__()
+        self.file = file  # owned: closed with the sink
         self._fd = file.fileno()
         self._kicked = 0  # file bytes [0, _kicked) have had writeback started
 
@@ -133,6 +134,9 @@ class BufferedSink(ChunkSink):
     def finish(self) -> None:
         self.file.fsync()
 
+    def close(self) -> None:
+        self.file.close()
+
 
 class DirectSink(ChunkSink):
     """O_DIRECT writes of ``WRITES_IN_FLIGHT + 1`` aligned bounce buffers: one fills while a pool
@@ -143,7 +147,8 @@ class DirectSink(ChunkSink):
 
     def __init__(self, file: SnapshotFile, direct_fd: int, bounce_bytes: int | None = None,
                  in_flight: int = WRITES_IN_FLIGHT):
-        super().__init__(file)
+        super().__init__()
+        self.file = file  # owned: closed with the sink
         bounce_bytes = BOUNCE_BYTES if bounce_bytes is None else bounce_bytes
         if bounce_bytes <= 0 or bounce_bytes % BLOCK_BYTES:
             raise ValueError(f"bounce_bytes must be a positive multiple of {BLOCK_BYTES}")
@@ -230,6 +235,7 @@ class DirectSink(ChunkSink):
         if pool is None:
             return
         pool.shutdown(wait=True)  # no write may land in a buffer being unmapped
+        self.file.close()
         fd, self._direct_fd = self._direct_fd, None
         if fd is not None:
             os.close(fd)
@@ -240,6 +246,11 @@ class DirectSink(ChunkSink):
 
 
 def open_sink(file: SnapshotFile) -> ChunkSink:
-    """A :class:`DirectSink` when ``file`` gives an O_DIRECT descriptor, else a :class:`BufferedSink`."""
-    fd = file.open_direct()
-    return BufferedSink(file) if fd is None else DirectSink(file, fd)
+    """A :class:`DirectSink` when ``file`` gives an O_DIRECT descriptor, else a :class:`BufferedSink`;
+    the sink owns ``file`` (closed with it, here when no sink could be made)."""
+    try:
+        fd = file.open_direct()
+        return BufferedSink(file) if fd is None else DirectSink(file, fd)
+    except BaseException:
+        file.close()
+        raise

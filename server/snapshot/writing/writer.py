@@ -10,7 +10,7 @@ Call order (the coordinator):
    a :class:`~.copy_ahead.Stager`, which copies chunks ahead of the writer into its slots and
    publishes ``STAGED_UPTO``. The writer yields to a stager that can still copy, and once all
    is staged, to the trainer's optimizer steps; it streams the chunks in update order into the
-   rank's data file through a :class:`~.sink.ChunkSink` (from the stager's slot when staged,
+   rank's data file through the tier's :class:`~.sink.ChunkSink` (from the stager's slot when staged,
    else from the segment), storing ``PERSISTED_UPTO = c + 1`` as soon as chunk c is copied
    out and checksummed (the trainer waits on memory speed, not the disk). Then it releases
    the segment (``SNAP_EPOCH = 0``), fsyncs and writes the manifest. On any error the stager
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pathlib
 import threading
 import time
 
@@ -42,10 +41,10 @@ from swap_state.common.retry import wait_until
 from swap_state.common.server_header import ServerHeader
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
-from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.seam import StepWrite, TierWriter
 from swap_state.server.snapshot.writing.source import SnapshotSource
 from swap_state.server.snapshot.writing.copy_ahead import Stager
-from swap_state.server.snapshot.writing.sink import ChunkSink, open_sink
+from swap_state.server.snapshot.writing.sink import ChunkSink
 from swap_state.server.snapshot.waiting import Latch
 
 __all__ = ["Cancelled", "RankResult", "RankWriter"]
@@ -84,12 +83,12 @@ class RankWriter:
     """Persists one rank's segment; one instance per rank and snapshot."""
 
     def __init__(self, source: SnapshotSource, metadata: SnapshotMetadata | MetadataParts, epoch: int,
-                 directory: SnapshotDirectory, partial: pathlib.PurePath, limiter: BandwidthLimiter,
+                 tier: TierWriter, target: StepWrite, limiter: BandwidthLimiter,
                  cancel: threading.Event, started_monotonic: float, settings: SnapshotSettings):
         """``settings.model_copy_timeout_s``: the wait for protocol step 5; ``stage_threads``:
         the copy-ahead's."""
         self.source, self.metadata, self.epoch = source, metadata, epoch
-        self.directory, self.partial, self.limiter, self.cancel = directory, partial, limiter, cancel
+        self.tier, self.target, self.limiter, self.cancel = tier, target, limiter, cancel
         self.started_monotonic = started_monotonic
         layout = source.layout
         self._header = ServerHeader(source.header)  # the server's words (protocol steps 1 and 3)
@@ -324,16 +323,18 @@ class RankWriter:
             manifest = self._manifest(crcs, offsets, data, len(header))
             action = f"writing {manifest_name} of {source.job_id}/step-{source.step}"
             raw = manifest.to_bytes()
-            self.directory.write_durable(self.partial, manifest_name, raw)
+            self.tier.write_file(self.target, manifest_name, raw)
+            files = (data, FileRecord(manifest_name, source.rank, len(raw), crc32(raw)))
+            self.tier.finish_rank(self.target, source.rank, files)
         except OSError as exc:
-            raise from_os_error(exc, action, self.directory.root) from None
+            raise from_os_error(exc, action, self.tier.root) from None
         rate = self.persist_rate()
         log_event(log, "snapshot_rank_persisted", job_id=source.job_id, step=source.step, rank=source.rank,
                   bytes=self.bytes_persisted, stream_seconds=round(self.stream_seconds, 4),
                   stream_gbps=round(rate / 1e9, 3) if rate else None, direct_io=self.direct_io,
                   trainer_copied_bytes=self.trainer_copied_bytes,
                   staged_bytes=self.stager.staged_bytes if self.stager is not None else 0)
-        return RankResult(manifest, (data, FileRecord(manifest_name, source.rank, len(raw), crc32(raw))))
+        return RankResult(manifest, files)
 
     def _manifest(self, crcs: list[int], offsets: list[tuple[int, int]], data: FileRecord,
                   data_start: int) -> RankManifest:
@@ -359,7 +360,7 @@ class RankWriter:
     def _write_data_file(self, name: str, header: bytes) -> list[int]:
         """Create the data file, put its header, stream the chunks (the stager alongside),
         release the segment, write the rest and fsync; the tensors' crc32s."""
-        with self.directory.create_file(self.partial, name) as file, open_sink(file) as sink:
+        with self.tier.open_file(self.target, name) as sink:
             self.direct_io = sink.direct
             sink.write_all(header)
             segment = memoryview(self.source.buffer)
