@@ -228,8 +228,9 @@ def start_healthy_server(stack: Stack, shm_size: str = SERVER_SHM_SIZE) -> Servi
 
 
 def _durable_snapshots(snapshot_dir: Path) -> list[Path]:
-    """The server's `latest` pointers: one appears (per job) once a snapshot is durable."""
-    return list(snapshot_dir.rglob("latest"))
+    """The server's `latest` pointers: one appears (per job) once a snapshot is durable. Only
+    the job directories are looked in: a step's partial directory may be renamed mid-walk."""
+    return list(snapshot_dir.glob("*/latest"))
 
 
 def wait_first_snapshot(stack: Stack, trainer: Service) -> None:
