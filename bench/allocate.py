@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _allocate(address: str, job: str, rank: int, world: int, nbytes: int) -> None:
-    client = SwapStateClient(ClientConfig(address, timeout_s=600.0))
+    client = SwapStateClient(ClientConfig(address, rpc_timeout_s=600.0))
     try:
         session = client.attach(job, rank, world)
         session.allocate([("state.w.exp_avg", "float32", [nbytes // 4])])

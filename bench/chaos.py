@@ -325,7 +325,7 @@ class Chaos:
         filler.unlink()
 
     def hostile(self, host: Host) -> None:
-        client = SwapStateClient(ClientConfig(host.server.address, timeout_s=5.0))
+        client = SwapStateClient(ClientConfig(host.server.address, rpc_timeout_s=5.0))
         calls = [
             ("Attach", pb.AttachRequest(job_id="../../etc/passwd", rank=0, world_size=1)),
             ("Attach", pb.AttachRequest(job_id="x" * 5000, rank=0, world_size=1)),

@@ -35,7 +35,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=server_from_env() or default_listen(),
                         help="server address: unix:///path/to.sock or tcp://host:port (default: $SWAP_STATE_SERVER, "
                         f"else the server's own default, {default_listen()})")
-    parser.add_argument("--token-file", default=None, help="file holding the server's --token-file secret")
+    parser.add_argument("--token-file", default=None, help="file holding the server's --token-file secret (default: $SWAP_STATE_TOKEN_FILE)")
     parser.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
     parser.add_argument("--tls-root-cert", default=None, metavar="PEM",
                         help="roots that sign a tcp:// server's certificate (default: $SWAP_STATE_TLS_ROOT_CERT)")
@@ -212,15 +212,16 @@ def _plan(args) -> int:
 
 
 def _client(args):
-    from swap_state.client.remote.rpc import ClientConfig, SwapStateClient, tls_files
+    from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
 
     token = pathlib.Path(args.token_file).read_text().strip() if args.token_file else None
+    config = ClientConfig(args.server, token=token, tls_root_cert=args.tls_root_cert,
+                          tls_client_cert=args.tls_client_cert, tls_client_key=args.tls_client_key,
+                          rpc_timeout_s=args.timeout, connect_timeout_s=args.timeout, server_wait_s=0.0)
     try:
-        tls = tls_files(args.tls_root_cert, args.tls_client_cert, args.tls_client_key)
+        client = SwapStateClient(config)
     except ValueError as exc:
         raise SystemExit(f"swap-state: {exc}") from None
-    client = SwapStateClient(ClientConfig(args.server, token=token, timeout_s=args.timeout,
-                                          connect_timeout_s=args.timeout, **tls))
     try:
         client.wait_ready()  # a server started a moment ago (a socket still to appear) is waited for
     except BaseException:

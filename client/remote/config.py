@@ -23,8 +23,8 @@ from swap_state.client.remote.model_area import model_state_bytes
 from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig, default_snapshot_dir
 from swap_state.client.errors import ServerUnavailableError
 from swap_state.client.remote.environment import (
-    ENV_JOB_ID, ENV_SERVER, ENV_TOKEN_FILE, job_id_from_env, server_from_env, token_file_from_env)
-from swap_state.client.remote.rpc import SERVER_UID_ENV, ClientConfig, RemoteSession, SwapStateClient, tls_files
+    ENV_JOB_ID, ENV_SERVER, ENV_TOKEN_FILE, job_id_from_env, server_from_env)
+from swap_state.client.remote.rpc import ClientConfig, RemoteSession, SwapStateClient
 from swap_state.common.addresses import default_socket_path
 
 __all__ = [
@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class RemoteConfig:
-    server: str | None = None
-    """Server address; None: $SWAP_STATE_SERVER, else the host's server (default socket), else embedded."""
+class RemoteConfig(ClientConfig):
+    """A remote container's settings: how to reach the server (:class:`ClientConfig`), then the job's."""
+
     job_id: str | None = None
     """Shared by all ranks of a run; None: $SWAP_STATE_JOB_ID, else a fresh id (no reattach)."""
     rank: int | None = None
@@ -48,25 +48,8 @@ class RemoteConfig:
     """None: torch.distributed's world size when initialised, else $WORLD_SIZE, else 1."""
     local_world_size: int | None = None
     """Ranks attached to this rank's server; None: $LOCAL_WORLD_SIZE, else world_size (embedded: 1)."""
-    token: str | None = None
-    """None: the contents of $SWAP_STATE_TOKEN_FILE when set."""
-    server_uid: int | None = None
-    """The uid owning the server's socket when neither yours nor root's; None: $SWAP_STATE_SERVER_UID."""
-    tls_root_cert: str | None = None
-    """PEM roots of a tcp:// server's certificate; None: $SWAP_STATE_TLS_ROOT_CERT, else no TLS."""
-    tls_client_cert: str | None = None
-    """PEM certificate for a server with --tls-client-ca; None: $SWAP_STATE_TLS_CLIENT_CERT."""
-    tls_client_key: str | None = None
-    """PEM file of that certificate's private key; None: $SWAP_STATE_TLS_CLIENT_KEY when set."""
-    rpc_timeout_s: float = 10.0
-    """Deadline of every control RPC."""
-    connect_timeout_s: float = 10.0
-    """How long attach waits for an unreachable server before failing."""
     backpressure_timeout_s: float = 300.0
     """Longest wait for a copy-before-write slot, or for a snapshot still persisting."""
-    server_wait_s: float = 60.0
-    """How long a snapshot, a wait on one, a listing, Stats or the detach is tried again while the
-    server is unreachable (restarting); steps never wait for the server."""
     embedded: EmbeddedServerConfig | None = None
     """Settings of the embedded server; None: sized from the model."""
     checkpoint: str = "full"
@@ -162,20 +145,7 @@ def connect(config: RemoteConfig, model_parts: Sequence[nn.Module], optimizer_kw
     if config.job_id is None:
         config.job_id = f"job-{uuid.uuid4().hex[:12]}"
     local_world_size = _resolve_local_world_size(config, world_size, embedded is not None)
-    token, token_file = config.token, token_file_from_env()
-    if token is None and token_file:
-        with open(token_file) as f:
-            token = f.read().strip()
-    server_uid, uid_env = config.server_uid, os.environ.get(SERVER_UID_ENV, "")
-    if server_uid is None and uid_env:
-        try:
-            server_uid = int(uid_env)
-        except ValueError:
-            raise ValueError(f"${SERVER_UID_ENV} must be a uid (a number), got {uid_env!r}") from None
-    client = SwapStateClient(ClientConfig(
-        config.server, token=token, timeout_s=config.rpc_timeout_s,
-        connect_timeout_s=config.connect_timeout_s, server_uid=server_uid, server_wait_s=config.server_wait_s,
-        **tls_files(config.tls_root_cert, config.tls_client_cert, config.tls_client_key)))
+    client = SwapStateClient(config)
     try:
         session = client.attach(config.job_id, rank, world_size, local_world_size)
     except BaseException:

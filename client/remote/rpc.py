@@ -33,6 +33,8 @@ from swap_state.common.addresses import parse_address
 from swap_state.common.caller_proof import CallerProof
 from swap_state.common.errors import SERVER_STOPPING_NOTICE, ConfigError
 from swap_state.common.retry import wait_until
+from swap_state.client.remote.environment import (
+    ENV_SERVER, ENV_SERVER_UID, ENV_TLS, server_from_env, server_uid_from_env, tls_file_from_env, token_file_from_env)
 from swap_state.client.errors import (
     ServerUnavailableError, SessionLostError, SnapshotFailedError, StaleGenerationError, SwapStateError,
     error_for, reason_of)
@@ -43,7 +45,7 @@ from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
 __all__ = [
     "ClientConfig", "SwapStateError", "ServerUnavailableError", "SessionLostError", "SwapStateClient",
-    "RemoteSession", "SnapshotHandle", "normalize_target", "start_hint", "tls_files"]
+    "RemoteSession", "SnapshotHandle", "normalize_target", "start_hint"]
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +82,6 @@ DETACH_WAIT_S = 5.0
 #: that a wrong path fails within seconds of the trainer's start (a trainer restarted beside a
 #: restarting server is the rarer case; its scheduler restarts it again).
 SOCKET_APPEAR_S = 1.5
-SERVER_UID_ENV = "SWAP_STATE_SERVER_UID"  # the environment's ClientConfig.server_uid
 _POLLER_SETTLE_S = 0.25
 # grpc's channel backoff (2 min by default) and the keep-alive's stay short: a restarted
 # server is found within about a second.
@@ -96,45 +97,56 @@ _CHANNEL_OPTIONS = [
 
 @dataclasses.dataclass
 class ClientConfig:
-    address: str
-    """Server address: ``unix:///path/to/sock``, a bare socket path, or ``tcp://host:port``."""
+    """How a process reaches its server (the trainer's :class:`RemoteConfig` adds the job's
+    settings). A field left None is read from the environment when the client is made."""
+
+    server: str | None = None
+    """``unix:///path/to/sock``, a bare socket path, or ``tcp://host:port``; None: $SWAP_STATE_SERVER
+    (a trainer then looks for the host's server at the default socket, else starts an embedded one)."""
     token: str | None = None
-    """Shared secret sent as ``authorization: Bearer <token>`` (server's --token-file)."""
-    timeout_s: float = 10.0
-    """Deadline of every unary RPC, in seconds."""
-    connect_timeout_s: float = 10.0
-    """How long attach waits for the channel to become ready."""
-    tls_root_cert: bytes | None = None
-    """PEM roots for a tcp:// server with TLS; None means an insecure channel."""
-    tls_client_cert: bytes | None = None
-    """PEM certificate chain this client presents (for a server with --tls-client-ca)."""
-    tls_client_key: bytes | None = None
-    """The PEM private key of ``tls_client_cert``."""
+    """Shared secret sent as ``authorization: Bearer`` (the server's --token-file); None: the
+    contents of $SWAP_STATE_TOKEN_FILE when set."""
     server_uid: int | None = None
-    """The uid owning a unix:// server's socket besides this user's and root's; others are refused."""
-    server_wait_s: float = 0.0
-    """How long a call in :data:`RIDES_THROUGH` that an unreachable (restarting) server cut or
-    refused is tried again; 0: it fails at once."""
+    """The uid owning a unix:// server's socket when neither yours nor root's (others are
+    refused); None: $SWAP_STATE_SERVER_UID."""
+    tls_root_cert: str | None = None
+    """PEM roots of a tcp:// server's certificate; None: $SWAP_STATE_TLS_ROOT_CERT, else no TLS."""
+    tls_client_cert: str | None = None
+    """PEM certificate for a server with --tls-client-ca; None: $SWAP_STATE_TLS_CLIENT_CERT."""
+    tls_client_key: str | None = None
+    """PEM file of that certificate's private key; None: $SWAP_STATE_TLS_CLIENT_KEY."""
+    rpc_timeout_s: float = 10.0
+    """Deadline of every control RPC."""
+    connect_timeout_s: float = 10.0
+    """How long attach waits for an unreachable server before failing."""
+    server_wait_s: float = 60.0
+    """How long a call in :data:`RIDES_THROUGH` (a snapshot, a wait on one, a listing, Stats, the
+    detach) is tried again while the server is unreachable (restarting); 0: it fails at once.
+    Steps never wait for the server."""
 
 
-#: Where each TLS file comes from when neither an argument nor a RemoteConfig field names it.
-TLS_ENV = {"tls_root_cert": "SWAP_STATE_TLS_ROOT_CERT", "tls_client_cert": "SWAP_STATE_TLS_CLIENT_CERT",
-           "tls_client_key": "SWAP_STATE_TLS_CLIENT_KEY"}
-
-
-def tls_files(root_cert: str | None, client_cert: str | None, client_key: str | None) -> dict[str, bytes | None]:
-    """ClientConfig's TLS fields: each file (else its environment variable's) read."""
-    given = {"tls_root_cert": root_cert, "tls_client_cert": client_cert, "tls_client_key": client_key}
+def _read_tls_files(config: ClientConfig) -> dict[str, bytes | None]:
+    """Each TLS file of ``config`` (else its environment variable's), read."""
     out: dict[str, bytes | None] = {}
-    for field, path in given.items():
-        path = path or os.environ.get(TLS_ENV[field]) or None
+    for field in ENV_TLS:
+        path = getattr(config, field) or tls_file_from_env(field)
         try:
             out[field] = open(path, "rb").read() if path else None
         except OSError as exc:
-            raise ValueError(f"cannot read the TLS file {path} ({field}, ${TLS_ENV[field]}): {exc.strerror}") from None
+            raise ValueError(f"cannot read the TLS file {path} ({field}, ${ENV_TLS[field]}): {exc.strerror}") from None
     if (out["tls_client_cert"] is None) != (out["tls_client_key"] is None):
         raise ValueError("a TLS client certificate and its key go together (tls_client_cert, tls_client_key)")
     return out
+
+
+def _read_token(config: ClientConfig) -> str | None:
+    if config.token is not None:
+        return config.token
+    path = token_file_from_env()
+    if not path:
+        return None
+    with open(path) as f:
+        return f.read().strip()
 
 
 def normalize_target(address: str) -> str:
@@ -150,20 +162,26 @@ class SwapStateClient:
 
     def __init__(self, config: ClientConfig):
         self.config = config
-        self.target = normalize_target(config.address)
+        self.address = config.server or server_from_env() or ""
+        if not self.address:
+            raise SwapStateError(f"no swap-state-server address: set ${ENV_SERVER} or pass one (RemoteConfig.server; "
+                                 "torchtitan: --optimizer.swap_state_server; the CLI: --server)")
+        self.target = normalize_target(self.address)
         self._socket_path = (self.target.removeprefix("unix://").removeprefix("unix:")
                              if self.target.startswith("unix:") else None)
-        if config.tls_root_cert is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=config.tls_root_cert,
-                                                 private_key=config.tls_client_key,
-                                                 certificate_chain=config.tls_client_cert)
+        self.server_uid = config.server_uid if config.server_uid is not None else server_uid_from_env()
+        tls = _read_tls_files(config)
+        if tls["tls_root_cert"] is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=tls["tls_root_cert"],
+                                                 private_key=tls["tls_client_key"],
+                                                 certificate_chain=tls["tls_client_cert"])
             self._channel = grpc.secure_channel(self.target, creds, options=_CHANNEL_OPTIONS)
         else:
             self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.SwapStateStub(self._channel)
         self._ready_at = float("-inf")
-        self._metadata: tuple[tuple[str, str], ...] = ((("authorization", f"Bearer {config.token}"),)
-                                                       if config.token else ())
+        token = _read_token(config)
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._proof: CallerProof | None = None  # this process's uid proof, once made
         self._proof_lock = threading.Lock()
 
@@ -172,7 +190,7 @@ class SwapStateClient:
         in :data:`RIDES_THROUGH` is tried again while the server is unreachable, for up to
         ``server_wait_s`` (default ``config.server_wait_s``)."""
         self._prove_uid()
-        timeout = timeout_s or self.config.timeout_s
+        timeout = timeout_s or self.config.rpc_timeout_s
         wait_s = self.config.server_wait_s if server_wait_s is None else server_wait_s
         wait_s = wait_s if name in RIDES_THROUGH else 0.0
         deadline = time.monotonic() + wait_s
@@ -191,7 +209,7 @@ class SwapStateClient:
                 raise error from cause
             if delay == _RECONNECT_FIRST_S:
                 log.warning("%s: swap-state-server at %s is unreachable (a restart?): trying again for up to "
-                            "%.0f s", name, self.config.address, left)
+                            "%.0f s", name, self.address, left)
             time.sleep(min(delay, left))
             delay = min(2 * delay, _RECONNECT_MAX_S)
             self._prove_uid()  # a server just started may have made its callers' directory since
@@ -199,10 +217,10 @@ class SwapStateClient:
     def _translate(self, name: str, e: grpc.RpcError) -> SwapStateError:
         code = e.code() if hasattr(e, "code") else None
         details = e.details() if hasattr(e, "details") else str(e)
-        where = f"swap-state-server at {self.config.address}"
+        where = f"swap-state-server at {self.address}"
         reason = reason_of(e)
         if code in _UNREACHABLE and reason is None:  # with a reason, the server answered
-            hint = start_hint(self.config.address)
+            hint = start_hint(self.address)
             return ServerUnavailableError(f"{name}: {where} is not reachable ({code.name}: {details}); "
                                           f"{hint}", code)
         code_name = code.name if code is not None else "UNKNOWN"
@@ -217,27 +235,27 @@ class SwapStateClient:
         appear_s = min(SOCKET_APPEAR_S, self.config.connect_timeout_s)
         if path is not None and not wait_until(lambda: os.path.exists(path), timeout_s=appear_s, first_s=0.05):
             raise ServerUnavailableError(
-                f"no swap-state-server at {self.config.address}: there is no socket file {path}. Is the "
+                f"no swap-state-server at {self.address}: there is no socket file {path}. Is the "
                 "server running, and listening there? Point the trainer at the path it listens on "
                 f"(RemoteConfig.server, $SWAP_STATE_SERVER, torchtitan optimizer.swap_state_server), or "
-                f"{start_hint(self.config.address)}", grpc.StatusCode.UNAVAILABLE)
+                f"{start_hint(self.address)}", grpc.StatusCode.UNAVAILABLE)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError as e:
             raise ServerUnavailableError(
-                f"swap-state-server at {self.config.address} is not reachable after {timeout_s:.0f}s; "
-                f"{start_hint(self.config.address)}", grpc.StatusCode.UNAVAILABLE) from e
+                f"swap-state-server at {self.address} is not reachable after {timeout_s:.0f}s; "
+                f"{start_hint(self.address)}", grpc.StatusCode.UNAVAILABLE) from e
         if path is not None:
             try:
                 owner = os.stat(path).st_uid
             except OSError:
                 owner = os.getuid()  # gone between connect and here: the call itself will say so
-            uid = self.config.server_uid
+            uid = self.server_uid
             if owner not in {os.getuid(), 0} | ({uid} if uid is not None else set()):
                 raise SwapStateError(
-                    f"refusing to talk to {self.config.address}: the socket belongs to uid {owner}, not to "
+                    f"refusing to talk to {self.address}: the socket belongs to uid {owner}, not to "
                     f"you (uid {os.getuid()}) or root, so another user may have taken its path. If that user "
-                    f"runs your server, say so: RemoteConfig.server_uid / ${SERVER_UID_ENV}={owner}")
+                    f"runs your server, say so: ClientConfig.server_uid / ${ENV_SERVER_UID}={owner}")
         self._prove_uid()
         self._ready_at = time.monotonic()
 
@@ -279,7 +297,7 @@ class SwapStateClient:
         an unreachable server is tried again (default ``config.server_wait_s``)."""
         request = pb.SnapshotStatusRequest(snapshot_id=snapshot_id, rank=rank, wait_seconds=wait_s,
                                            wait_stored=wait_stored)
-        return self.call("SnapshotStatus", request, timeout_s=self.config.timeout_s + wait_s,
+        return self.call("SnapshotStatus", request, timeout_s=self.config.rpc_timeout_s + wait_s,
                          server_wait_s=server_wait_s)
 
     def open_keepalive(self, session_id: str, generation: int):
@@ -406,7 +424,7 @@ class RemoteSession:
                     self.reconnects += 1
                     down = time.monotonic() - self._disconnected_at
                     log.warning("swap-state-server at %s is back after %.1f s: session %s/rank %d "
-                                "reconnected (reconnect %d)", self.client.config.address, down, self.job_id,
+                                "reconnected (reconnect %d)", self.client.address, down, self.job_id,
                                 self.rank, self.reconnects)
                     self._connected.set()
                 if event.notice:
@@ -436,7 +454,7 @@ class RemoteSession:
                      "segment (started with --discard-segments, or the segment failed its checks: "
                      "see the server's log)")
         self._lost = SessionLostError(f"lost the swap-state session {self.job_id}/rank {self.rank} at "
-                                      f"{self.client.config.address}{after}: {why}; "
+                                      f"{self.client.address}{after}: {why}; "
                                       f"{_LOST_NEXT.get(code, _LOST_NEXT[None])}", code)
 
     def _mark_gone(self, why: str) -> str:
@@ -445,7 +463,7 @@ class RemoteSession:
             self._disconnected_at = time.monotonic()
             log.warning("swap-state-server at %s is unreachable (%s): training goes on (steps need no "
                         "server); snapshots and restores fail until it is back; reconnecting",
-                        self.client.config.address, why)
+                        self.client.address, why)
         return "gone"
 
     def server_gone(self) -> bool:
@@ -471,7 +489,7 @@ class RemoteSession:
         tensors = [pb.TensorSpec(name=n, dtype=d, shape=list(s)) for n, d, s in specs]
         request = pb.AllocateRequest(session_id=self.session_id, generation=self.generation, tensors=tensors)
         nbytes = sum(tensor_nbytes(d, s) for _, d, s in specs)
-        deadline = max(60.0 + nbytes / _SLOWEST_ALLOCATE_BYTES_PER_S, self.client.config.timeout_s)
+        deadline = max(60.0 + nbytes / _SLOWEST_ALLOCATE_BYTES_PER_S, self.client.config.rpc_timeout_s)
         reply = self._call("Allocate", request, timeout_s=deadline)
         self.segment = reply.segment
         return reply
@@ -508,7 +526,7 @@ class RemoteSession:
         """``metadata_json``: this rank's layout, so the server can reshard to it."""
         request = pb.RestoreRequest(session_id=self.session_id, generation=self.generation,
                                     snapshot_id=snapshot_id, metadata_json=metadata_json)
-        return self._call("Restore", request, timeout_s=max(300.0, self.client.config.timeout_s))
+        return self._call("Restore", request, timeout_s=max(300.0, self.client.config.rpc_timeout_s))
 
     def close(self, keep: bool = False) -> None:
         """Detach (free the segment unless ``keep``) and stop the keep-alive stream."""

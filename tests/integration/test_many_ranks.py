@@ -21,7 +21,7 @@ def test_sixteen_ranks_arriving_apart_all_become_durable_and_the_server_answers_
     models = [build(w) for w in work]
     ranks = [remote(w, model, server.address, "sixteen", rank=rank, world_size=RANKS, rpc_timeout_s=10.0)
              for rank, (w, model) in enumerate(zip(work, models))]
-    observer = SwapStateClient(ClientConfig(server.address, timeout_s=5.0))
+    observer = SwapStateClient(ClientConfig(server.address, rpc_timeout_s=5.0))
     try:
         for rank, container in enumerate(ranks):
             train(models[rank], container, work[rank], range(1, 3))

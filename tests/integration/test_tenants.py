@@ -34,7 +34,7 @@ def server(start_server, tmp_path):
 
 @pytest.fixture
 def clients(server):
-    made = {name: SwapStateClient(ClientConfig(server.address, token=token, timeout_s=10.0))
+    made = {name: SwapStateClient(ClientConfig(server.address, token=token, rpc_timeout_s=10.0))
             for name, token in TOKENS.items()}
     yield made
     for client in made.values():
@@ -123,7 +123,7 @@ def test_ownership_outlives_a_server_restart(server, clients):
 
 
 def test_an_unknown_token_is_unauthenticated(server):
-    client = SwapStateClient(ClientConfig(server.address, token="no-such-token-0123456789", timeout_s=10.0))
+    client = SwapStateClient(ClientConfig(server.address, token="no-such-token-0123456789", rpc_timeout_s=10.0))
     try:
         with pytest.raises(errors.UnauthenticatedError):
             client.attach("train", 0, 1)
@@ -136,7 +136,7 @@ def test_quotas_bound_one_tenant_and_spare_the_others(start_server, tmp_path):
     path.write_text(f"alice {TOKENS['alice']}\nbob {TOKENS['bob']}\n")
     path.chmod(0o600)
     server = start_server(tenants=str(path), tenant_shm_quota="1536K", tenant_snapshot_quota="1M")
-    alice, bob = (SwapStateClient(ClientConfig(server.address, token=TOKENS[name], timeout_s=10.0))
+    alice, bob = (SwapStateClient(ClientConfig(server.address, token=TOKENS[name], rpc_timeout_s=10.0))
                   for name in ("alice", "bob"))
     big = [("w", "float32", [384, 512])]  # 768 KiB: two pass a 1.5 MiB quota with their headers
     try:
@@ -173,7 +173,7 @@ def test_other_hosts_see_the_owner_in_the_store(start_server, tmp_path):
     store = str(tmp_path / "store")
     host_a, host_b = (start_server(tenants=str(path), snapshot_store=store, snapshot_dir=tmp_path / name)
                       for name in ("a-snapshots", "b-snapshots"))
-    alice_a, alice_b, bob_b = (SwapStateClient(ClientConfig(host.address, token=TOKENS[who], timeout_s=10.0))
+    alice_a, alice_b, bob_b = (SwapStateClient(ClientConfig(host.address, token=TOKENS[who], rpc_timeout_s=10.0))
                                for host, who in ((host_a, "alice"), (host_b, "alice"), (host_b, "bob")))
     try:
         mine = alice_a.attach("shared", 0, 1)
@@ -218,7 +218,7 @@ def test_a_client_made_before_its_server_proves_its_uid_once_it_is_up(tmp_path, 
     """A trainer that called before the server was up (refused: nothing listens) proves its
     uid once the server answers: its later calls are not refused as unproven."""
     sock = tmp_path / "s.sock"
-    client = SwapStateClient(ClientConfig(f"unix://{sock}", timeout_s=5.0, connect_timeout_s=30.0))
+    client = SwapStateClient(ClientConfig(f"unix://{sock}", rpc_timeout_s=5.0, connect_timeout_s=30.0, server_wait_s=0.0))
     log = (tmp_path / "server.log").open("w")
     proc = None
     try:

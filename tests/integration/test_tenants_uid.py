@@ -33,7 +33,7 @@ entry = pwd.getpwnam(user)
 os.setgroups([])
 os.setgid(entry.pw_gid)
 os.setuid(entry.pw_uid)
-client = SwapStateClient(ClientConfig(address, timeout_s=10.0))
+client = SwapStateClient(ClientConfig(address, rpc_timeout_s=10.0))
 out = {"uid": os.getuid()}
 try:
     if action == "own":
@@ -103,7 +103,7 @@ class RootServer:
              "--shm-dir", str(self.shm), "--socket-group", GROUP, "--snapshot-dir", str(self.root / "snapshots"),
              "--chunk-bytes", "64K", "--grace", "60"],
             stdout=subprocess.DEVNULL, stderr=self.log)
-        self.admin = SwapStateClient(ClientConfig(self.address, timeout_s=10.0, connect_timeout_s=30.0))
+        self.admin = SwapStateClient(ClientConfig(self.address, rpc_timeout_s=10.0, connect_timeout_s=30.0))
         self.admin.wait_ready()  # root: an admin
 
     def kill_and_start(self) -> None:

@@ -69,9 +69,8 @@ def mtls(tmp_path, private_shm_dir):
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def serving() -> bool:
-        client = SwapStateClient(ClientConfig(address, tls_root_cert=open(files["ca"][0], "rb").read(),
-                                              tls_client_cert=open(files["client"][0], "rb").read(),
-                                              tls_client_key=open(files["client"][1], "rb").read()))
+        client = SwapStateClient(ClientConfig(address, tls_root_cert=files["ca"][0], tls_client_cert=files["client"][0],
+                                              tls_client_key=files["client"][1]))
         try:
             client.stats()
             return True

@@ -16,7 +16,7 @@ SPECS = [("state.w.exp_avg", "float32", [4, 4])]
 
 @pytest.fixture
 def client(server):
-    client = SwapStateClient(ClientConfig(server.address, timeout_s=10.0))
+    client = SwapStateClient(ClientConfig(server.address, rpc_timeout_s=10.0))
     yield client
     client.close()
 
