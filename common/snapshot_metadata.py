@@ -36,7 +36,7 @@ from .snapshot_errors import SnapshotInvalid
 
 __all__ = [
     "BOOKKEEPING_PREFIX", "MAX_METADATA_BYTES", "TENSOR_TAG", "TensorMetadata", "SnapshotMetadata",
-    "parse_metadata", "load_metadata_json", "encode_metadata",
+    "EMPTY_METADATA", "parse_metadata", "load_metadata_json", "encode_metadata",
     "tagged_scalar", "tensor_entry"
 ]
 
@@ -156,6 +156,10 @@ def load_metadata_json(text: str, what: str = "metadata_json", max_bytes: int = 
     if not isinstance(raw, dict):
         raise SnapshotInvalid(f"{what} must be a JSON object")
     return raw
+
+
+EMPTY_METADATA = SnapshotMetadata("", {}, {}, {})
+"""A snapshot's metadata when its trainer sent none."""
 
 
 def parse_metadata(metadata_json: str, tensors: Sequence[TensorLayout], max_bytes: int = MAX_METADATA_BYTES,

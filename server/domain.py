@@ -53,10 +53,8 @@ class SnapshotAsk:
 
     step: int
     """The step to snapshot: the session's last committed one."""
-    metadata_json: str = ""
-    """The whole metadata (a trainer whose client predates the base and delta)."""
     metadata_base_id: str = ""
-    """The digest of the metadata base the delta applies to ("": ``metadata_json`` is sent)."""
+    """The digest of the metadata base the delta applies to ("": no metadata)."""
     metadata_base_json: str = ""
     """The base itself, when sent along (else the one kept with the session)."""
     metadata_delta_json: str = ""
@@ -193,13 +191,11 @@ class StateServer:
 
     @staticmethod
     async def _metadata_parts(session: Session, ask: SnapshotAsk, max_bytes: int) -> MetadataParts | None:
-        """The metadata as a base and a delta (None: ``metadata_json`` was sent). A base sent
-        along is validated and kept with the session; one only named must be the one kept (else
+        """The metadata as a base and a delta (None: none sent). A base sent along is validated
+        and kept with the session; one only named must be the one kept (else
         METADATA_BASE_UNKNOWN: the trainer sends it again)."""
         if not ask.metadata_base_id:
             return None
-        if ask.metadata_json:
-            raise InvalidRequestError("metadata_json and metadata_base_id exclude each other: send one")
         if ask.metadata_base_json:
             if base_id(ask.metadata_base_json) != ask.metadata_base_id:
                 raise InvalidRequestError("metadata_base_id is not the digest of metadata_base_json")

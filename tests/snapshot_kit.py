@@ -33,6 +33,8 @@ from swap_state.common.checksum import crc32
 from swap_state.common.copy_before_write import TrainerProtector
 from swap_state.common.segment import PAGE_BYTES, SegmentHeader, Word, chunk_table, plan_segment
 from swap_state.common.server_header import ServerHeader
+from swap_state.common.snapshot_metadata import parse_metadata
+from swap_state.common.snapshot_metadata_parts import MetadataParts, encode_base, encode_delta, parse_base, parse_delta
 from swap_state.common.snapshot_reader import SnapshotReader
 from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.server.snapshot.coordinator import SnapshotSource
@@ -124,7 +126,7 @@ class Segment:
             rank=rank,
             world_size=world_size,
             step=step,
-            metadata_json=metadata_json,
+            metadata_parts=metadata_parts(metadata_json, self.layout.tensors),
             keep_latest=keep_latest,
             keep_all=keep_all,
             replace_existing=replace_existing,
@@ -142,6 +144,22 @@ class Segment:
         self.header.release()
         self.mm.close()
         self._file.close()
+
+
+def metadata_parts(metadata_json: str, tensors) -> MetadataParts | None:
+    """A trainer's metadata, written whole for readability here, as the base and delta a
+    snapshot carries (validated on the way, as the server validates them)."""
+    if not metadata_json:
+        return None
+    whole = parse_metadata(metadata_json, tensors)
+    fqns = list(dict.fromkeys([*whole.param_groups, *whole.steps]))
+    groups: list[dict] = []
+    for fqn in fqns:
+        if whole.param_groups.get(fqn, {}) not in groups:
+            groups.append(whole.param_groups.get(fqn, {}))
+    indices = [groups.index(whole.param_groups.get(fqn, {})) for fqn in fqns]
+    base = parse_base(encode_base(whole.tensors, whole.model_aliases, fqns, indices), tensors)
+    return parse_delta(encode_delta(groups, [whole.steps.get(fqn, 0) for fqn in fqns]), base)
 
 
 def metadata_for(segment: Segment, *, step: int = 7, global_shapes: dict | None = None) -> str:

@@ -512,13 +512,13 @@ class RemoteSession:
         self.last_committed_step = step
         return step
 
-    def snapshot(self, step: int, metadata_json: str = "", keep_latest: int = 0, keep_all: bool = False,
-                 replace_existing: bool = False, **metadata_parts: str) -> pb.SnapshotReply:
+    def snapshot(self, step: int, keep_latest: int = 0, keep_all: bool = False, replace_existing: bool = False,
+                 **metadata_parts: str) -> pb.SnapshotReply:
         """Snapshot committed ``step`` with the job's retention. ``metadata_parts``:
-        ``metadata_base_id``/``_base_json``/``_delta_json`` instead of ``metadata_json``."""
+        ``metadata_base_id``/``_base_json``/``_delta_json`` (none: no metadata)."""
         self.check_alive()
         request = pb.SnapshotRequest(
-            session_id=self.session_id, generation=self.generation, step=step, metadata_json=metadata_json,
+            session_id=self.session_id, generation=self.generation, step=step,
             keep_latest=keep_latest, keep_all=keep_all, replace_existing=replace_existing, **metadata_parts)
         return self._call("Snapshot", request)
 

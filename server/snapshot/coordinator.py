@@ -37,8 +37,7 @@ from swap_state.common.snapshot_errors import (
 )
 from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_format import LAYOUT_NAME, FileRecord, SnapshotIndex
-from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES, SnapshotMetadata, parse_metadata
-from swap_state.common.snapshot_metadata_parts import MetadataParts
+from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES
 from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.common.names import parse_snapshot_id, shorten
 from swap_state.common.object_store import open_store
@@ -131,15 +130,13 @@ class SnapshotCoordinator:
         Raises SnapshotInvalid, SnapshotBusyError, SnapshotExistsError; SnapshotAlreadyFailed when the
         group failed before this rank came (its status says so: :meth:`wait_status`)."""
         check_source(source)
-        metadata = source.metadata_parts or parse_metadata(source.metadata_json, source.layout.tensors,
-                                                           self.max_metadata_bytes)
         with self._lock:
             if self._closed:
                 raise SnapshotBusyError("the snapshot coordinator is shut down")
             group = self._group_for(source)
             if isinstance(group, RankSnapshot):
                 return group  # a retry of this rank's Snapshot call
-            handle = self._join(group, source, metadata, hold)
+            handle = self._join(group, source, hold)
         # After the publish: the trainer's stall is not for this.
         if (short := self.copy_policy.shortfall(source.layout)) is not None:
             log_event(log, "copy_budget_short", logging.WARNING, job_id=source.job_id, rank=source.rank,
@@ -214,14 +211,13 @@ class SnapshotCoordinator:
             self._watch_assembly(group, time.monotonic() + self.assemble_timeout_s)
         return group
 
-    def _join(self, group: SnapshotGroup, source: SnapshotSource, metadata: SnapshotMetadata | MetadataParts,
-              hold: bool) -> RankSnapshot:
+    def _join(self, group: SnapshotGroup, source: SnapshotSource, hold: bool) -> RankSnapshot:
         """Under self._lock: this rank's writer, handle and thread; publish, then start the thread."""
         # The epoch increases per segment even across coordinators: above every COW_EPOCH in the
         # header and the epoch a trainer gave up (protocol step 6).
         header = source.header
         self._last_epoch = max(self._last_epoch, header.highest_cow_epoch(), header[Word.ABANDONED_EPOCH]) + 1
-        writer = RankWriter(source, metadata, self._last_epoch, tier=self.directory, target=group.target,
+        writer = RankWriter(source, self._last_epoch, tier=self.directory, target=group.target,
                             limiter=self._limiter, cancel=group.cancel, started_monotonic=time.monotonic(),
                             settings=self.settings)
         if not hold:

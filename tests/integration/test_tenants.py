@@ -14,6 +14,7 @@ import pytest
 from swap_state.client import errors
 from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
 from swap_state.common.names import parse_snapshot_id, step_dir_name
+from swap_state.common.retry import wait_until
 from swap_state.common.snapshot_format import INDEX_NAME
 from swap_state.proto import swap_state_pb2 as pb
 
@@ -43,7 +44,7 @@ def clients(server):
 
 def _snapshot(session, step: int) -> str:
     session.commit(step)
-    snapshot_id = session.snapshot(step, "").snapshot_id
+    snapshot_id = session.snapshot(step).snapshot_id
     status = session.client.snapshot_status(snapshot_id, session.rank, wait_s=30.0)
     assert status.state == "durable", status
     return snapshot_id
@@ -155,7 +156,7 @@ def test_quotas_bound_one_tenant_and_spare_the_others(start_server, tmp_path):
         _snapshot(small, 1)
         small.commit(2)
         with pytest.raises(errors.BudgetExhaustedError, match="--tenant-snapshot-quota"):
-            small.snapshot(2, "")
+            small.snapshot(2)
         theirs = bob.attach("b2", 0, 1)
         theirs.allocate(half)
         _snapshot(theirs, 1)  # Bob's snapshots are counted apart
@@ -179,7 +180,7 @@ def test_other_hosts_see_the_owner_in_the_store(start_server, tmp_path):
         mine = alice_a.attach("shared", 0, 1)
         mine.allocate(SPECS)
         mine.commit(1)
-        snapshot_id = mine.snapshot(1, "").snapshot_id
+        snapshot_id = mine.snapshot(1).snapshot_id
         stored = alice_a.snapshot_status(snapshot_id, 0, wait_s=30.0, wait_stored=True)
         assert stored.store_state == "stored", stored
         mine.close()
@@ -207,7 +208,7 @@ def test_a_tenant_keeps_at_most_the_servers_keep_latest(server, clients):
     session.allocate(SPECS)
     for step in (1, 2, 3):
         session.commit(step)
-        snapshot_id = session.snapshot(step, "", keep_all=True).snapshot_id
+        snapshot_id = session.snapshot(step, keep_all=True).snapshot_id
         assert session.client.snapshot_status(snapshot_id, 0, wait_s=30.0).state == "durable"
     listed = [s.step for s in clients["bob"].list_snapshots("hoarder").snapshots]
     assert listed == [2, 3]
@@ -218,7 +219,8 @@ def test_a_client_made_before_its_server_proves_its_uid_once_it_is_up(tmp_path, 
     """A trainer that called before the server was up (refused: nothing listens) proves its
     uid once the server answers: its later calls are not refused as unproven."""
     sock = tmp_path / "s.sock"
-    client = SwapStateClient(ClientConfig(f"unix://{sock}", rpc_timeout_s=5.0, connect_timeout_s=30.0, server_wait_s=0.0))
+    client = SwapStateClient(ClientConfig(f"unix://{sock}", rpc_timeout_s=5.0, connect_timeout_s=30.0,
+                                          server_wait_s=0.0))
     log = (tmp_path / "server.log").open("w")
     proc = None
     try:
@@ -227,6 +229,8 @@ def test_a_client_made_before_its_server_proves_its_uid_once_it_is_up(tmp_path, 
         proc = subprocess.Popen([sys.executable, "-m", "swap_state.server.cli", "--shm-size", "64M",
                                  "--listen", f"unix://{sock}", "--shm-dir", private_shm_dir],
                                 stdout=subprocess.DEVNULL, stderr=log)
+        # The socket may take longer than the client's short wait for it on a loaded machine.
+        assert wait_until(lambda: sock.exists() or proc.poll() is not None, timeout_s=60) and proc.poll() is None
         client.wait_ready()
         assert client.stats().budget_total_bytes == 64 << 20
     finally:

@@ -40,7 +40,7 @@ try:
         session = client.attach("uid-job", 0, 1)
         out["segment"] = session.allocate([("w", "float32", [64, 64])]).segment.path
         session.commit(1)
-        snapshot_id = session.snapshot(1, "").snapshot_id
+        snapshot_id = session.snapshot(1).snapshot_id
         out["state"] = client.snapshot_status(snapshot_id, 0, wait_s=30.0).state
         out.update(snapshot_id=snapshot_id, session_id=session.session_id, generation=session.generation)
         session.close(keep=True)  # kept for its trainer (--grace): still this user's

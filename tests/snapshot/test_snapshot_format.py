@@ -128,13 +128,6 @@ def test_bad_metadata_is_refused_before_anything_happens(make_segment, make_coor
     assert not coordinator.local.job_dir("job").exists()
 
 
-def test_metadata_size_is_bounded(make_segment, make_coordinator):
-    seg = make_segment()
-    coordinator = make_coordinator(max_metadata_bytes=1000)
-    with pytest.raises(SnapshotInvalid, match="more than the limit of 1000"):
-        coordinator.start(seg.source("job", 1, metadata_json=json.dumps({"pad": "x" * 1000})))
-
-
 def test_files_written_before_with_an_8_byte_aligned_header_still_verify(make_segment, make_coordinator):
     """Snapshots of earlier versions pad the header to 8 bytes only: their manifests say so
     (``data_start``), and restore recomputes that header, not the block-aligned one."""

@@ -69,7 +69,7 @@ def _session(streams: list) -> RemoteSession:
         return last[0] if not isinstance(last[0], grpc.RpcError) else _Stream(last[0])
 
     client = types.SimpleNamespace(
-        config=types.SimpleNamespace(address="unix:///tmp/ss.sock", server_wait_s=0.0),
+        address="unix:///tmp/ss.sock", config=types.SimpleNamespace(server_wait_s=0.0),
         open_keepalive=open_keepalive,
         call=lambda *args, **kwargs: None,
     )

@@ -26,9 +26,9 @@ class SnapshotSource:
     rank: int
     world_size: int  # ranks of the job (global, across hosts)
     step: int  # the committed step the segment holds (the caller checks it is the last committed)
-    metadata_json: str = ""  # the trainer's description of the tensors (``snapshot_metadata`` schema); may be empty
     metadata_parts: MetadataParts | None = None
-    """The same as a validated base and delta (then ``metadata_json`` is empty), expanded by the writer."""
+    """The trainer's description of the tensors, validated as a base and a delta, expanded by
+    the writer (``snapshot_metadata_parts``); None: none."""
     local_world_size: int = 0
     """Ranks of the job on this server, 1..world_size (0: ``world_size``): a complete snapshot here."""
     keep_latest: int = 0  # durable snapshots the job asks to keep; the server keeps at least its ``--keep-latest``
@@ -46,7 +46,7 @@ class SnapshotSource:
         """The source of a server session (``memory.session.Session``) for a Snapshot call's
         ``ask`` (``domain.SnapshotAsk``); ``more``: the other fields."""
         return cls(buffer, session.layout, session.header, session.job_id, session.rank, session.world_size,
-                   ask.step, ask.metadata_json, local_world_size=session.local_world_size,
+                   ask.step, local_world_size=session.local_world_size,
                    keep_latest=ask.keep_latest, keep_all=ask.keep_all, replace_existing=ask.replace_existing,
                    session_id=session.session_id, generation=session.generation, tenant=session.tenant, **more)
 

@@ -35,8 +35,7 @@ from swap_state.common.snapshot_format import (
     FileRecord, RankManifest, TensorRecord, rank_data_name, rank_manifest_name, safetensors_header,
     safetensors_metadata,
 )
-from swap_state.common.snapshot_metadata import SnapshotMetadata, TensorMetadata
-from swap_state.common.snapshot_metadata_parts import MetadataParts
+from swap_state.common.snapshot_metadata import EMPTY_METADATA, TensorMetadata
 from swap_state.common.retry import wait_until
 from swap_state.common.server_header import ServerHeader
 from swap_state.server.logs import log_event
@@ -82,12 +81,13 @@ class Cancelled(Exception):
 class RankWriter:
     """Persists one rank's segment; one instance per rank and snapshot."""
 
-    def __init__(self, source: SnapshotSource, metadata: SnapshotMetadata | MetadataParts, epoch: int,
+    def __init__(self, source: SnapshotSource, epoch: int,
                  tier: TierWriter, target: StepWrite, limiter: BandwidthLimiter,
                  cancel: threading.Event, started_monotonic: float, settings: SnapshotSettings):
         """``settings.model_copy_timeout_s``: the wait for protocol step 5; ``stage_threads``:
         the copy-ahead's."""
-        self.source, self.metadata, self.epoch = source, metadata, epoch
+        self.source, self.epoch = source, epoch
+        self.metadata = EMPTY_METADATA  # expanded from the source's parts in run(), after the stall
         self.tier, self.target, self.limiter, self.cancel = tier, target, limiter, cancel
         self.started_monotonic = started_monotonic
         layout = source.layout
@@ -302,8 +302,8 @@ class RankWriter:
         released (``segment_released`` set) before this returns or raises."""
         self.go_event.wait(HOLD_MAX_S)
         source = self.source
-        if isinstance(self.metadata, MetadataParts):
-            self.metadata = self.metadata.expand()  # per-tensor work: here, not in the RPC
+        if source.metadata_parts is not None:
+            self.metadata = source.metadata_parts.expand()  # per-tensor work: here, not in the RPC
         tensors = source.layout.tensors
         header, offsets = safetensors_header(
             [(t.name, t.dtype, t.shape, t.nbytes) for t in tensors],
