@@ -15,6 +15,7 @@ import tempfile
 import pytest
 
 from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
+from swap_state.common.retry import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -103,6 +104,8 @@ class RootServer:
              "--shm-dir", str(self.shm), "--socket-group", GROUP, "--snapshot-dir", str(self.root / "snapshots"),
              "--chunk-bytes", "64K", "--grace", "60"],
             stdout=subprocess.DEVNULL, stderr=self.log)
+        sock = self.root / "s.sock"  # a loaded machine may take longer than the client's short wait for it
+        assert wait_until(lambda: sock.exists() or self.proc.poll() is not None, timeout_s=60) and self.proc.poll() is None
         self.admin = SwapStateClient(ClientConfig(self.address, rpc_timeout_s=10.0, connect_timeout_s=30.0))
         self.admin.wait_ready()  # root: an admin
 
