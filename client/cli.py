@@ -19,10 +19,11 @@ import re
 import sys
 
 from swap_state.client.remote.environment import server_from_env
+from swap_state.client.remote.rpc import ClientConfig
 from swap_state.common.addresses import default_listen
 from swap_state.common.errors import ConfigError, InvalidRequestError, SwapStateError
 from swap_state.common.names import parse_snapshot_id
-from swap_state.common.object_store import STORE_FLAG
+from swap_state.common.object_store import STORE_FLAG, STORE_TIMEOUT_S
 from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S
 from swap_state.common.sizes import format_size
 from swap_state.common.sizing import plan_sizes
@@ -35,8 +36,10 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=server_from_env() or default_listen(),
                         help="server address: unix:///path/to.sock or tcp://host:port (default: $SWAP_STATE_SERVER, "
                         f"else the server's own default, {default_listen()})")
-    parser.add_argument("--token-file", default=None, help="file holding the server's --token-file secret (default: $SWAP_STATE_TOKEN_FILE)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
+    parser.add_argument("--token-file", default=None,
+                        help="file holding the server's --token-file secret (default: $SWAP_STATE_TOKEN_FILE)")
+    parser.add_argument("--timeout", type=float, default=ClientConfig.rpc_timeout_s,
+                        help=f"RPC deadline in seconds (default: {ClientConfig.rpc_timeout_s:g})")
     parser.add_argument("--tls-root-cert", default=None, metavar="PEM",
                         help="roots that sign a tcp:// server's certificate (default: $SWAP_STATE_TLS_ROOT_CERT)")
     parser.add_argument("--tls-client-cert", default=None, metavar="PEM",
@@ -97,8 +100,8 @@ def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "read is verified. Not with --snapshot-dir",
     )  # fmt: skip
     parser.add_argument(
-        "--snapshot-store-timeout", type=float, default=60.0, metavar="SECONDS",
-        help="seconds one request to --snapshot-store may take, retries included (default: 60)",
+        "--snapshot-store-timeout", type=float, default=STORE_TIMEOUT_S, metavar="SECONDS",
+        help=f"seconds one request to --snapshot-store may take, retries included (default: {STORE_TIMEOUT_S:g})",
     )  # fmt: skip
 
 
@@ -212,7 +215,7 @@ def _plan(args) -> int:
 
 
 def _client(args):
-    from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
+    from swap_state.client.remote.rpc import SwapStateClient
 
     token = pathlib.Path(args.token_file).read_text().strip() if args.token_file else None
     config = ClientConfig(args.server, token=token, tls_root_cert=args.tls_root_cert,
