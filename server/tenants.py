@@ -1,15 +1,7 @@
-"""Who calls: the tenant of a call, from its bearer token or its uid, and what it may reach.
-
-``--tenants FILE`` maps tokens to tenants, one per line: ``TENANT TOKEN [admin]`` (``#``
-comments). Without it or ``--token-file``, on a unix socket, the caller's uid is its tenant
-(``uid:<N>``, proven by a file it owns: :mod:`swap_state.common.caller_proof`); root and the
-server's uid are admins. With ``--token-file``, or on TCP without tokens, there is one tenant,
-``""``, with every right.
-
-A job, its sessions and its snapshots belong to the tenant whose call created them; another
-tenant's call on them fails PERMISSION_DENIED, Stats and ListSnapshots show only the caller's;
-an admin reaches all. The file holds secrets: the server refuses one others (but its own
-group: a Kubernetes Secret's fsGroup) may read, or owned by another user than it or root.
+"""Who calls: the tenant of a call, from its bearer token (``--tenants FILE``: ``TENANT TOKEN [admin]``
+per line) or on a unix socket its uid (``uid:<N>``, proven by a file it owns; root and the server's
+uid are admins), else one tenant with every right. A job, its sessions and snapshots belong to the
+tenant whose call created them; another tenant's call on them fails PERMISSION_DENIED.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""The arena: the host budget and the shared-memory segment files (:class:`Segment`).
-
-One segment file per session under the shm directory, named only from the server's own ids
-(``swap-state.<tag>.<session id>.<seq>``), mode 0600 (0660 with a group), committed with
-``posix_fallocate`` when created (a full tmpfs fails with RESOURCE_EXHAUSTED, never a SIGBUS
-in the trainer mid-step), then mlock'd best effort. The server maps every segment itself
-(``Segment.buffer``).
-
-Budget: ``total`` is ``--shm-size``. The copy-before-write pool (``--cow-budget``, whole slots
-of ``chunk_bytes``) is held back from it; a segment takes its slots from the pool and its
-header + tensors (+ padding) from the rest, so tensors never eat the slots snapshots rely on.
-A segment whose slots fall short of the memory rule is logged (``copy_budget_short``,
-:class:`~swap_state.server.copy_budget.CopyBudgetPolicy`). :meth:`Arena.reserve_staging`
-holds free bytes for a restore. Blocking methods (``create_segment``, ``free``) are
-thread-safe and meant for a worker thread: committing tens of GiB takes seconds.
-
-A segment only knows its file, its mapping and who is still borrowing it; the arena creates,
-maps and frees it and owns its accounting. Call order::
+"""The arena: the host budget (``--shm-size``, the ``--cow-budget`` pool of copy slots held back from
+it so tensors never eat the slots snapshots rely on) and the shared-memory segment files
+(:class:`Segment`), committed with ``posix_fallocate`` when created (a full tmpfs fails with
+RESOURCE_EXHAUSTED, never a SIGBUS in the trainer mid-step), then mlock'd best effort. Blocking
+methods are thread-safe and meant for a worker thread (committing tens of GiB takes seconds). Call order::
 
     segment = arena.create_segment(...)       # file committed, mapped, header initialised
     with segment.borrow() as buffer: ...      # read or write the mapping (snapshot, restore)
@@ -92,17 +79,13 @@ def _model_share(layout: SegmentLayout) -> str:
 
 
 class Segment:
-    """One session's shared-memory file, mapped by the server (``buffer``: a writable mmap).
-
-    Hold :meth:`borrow` while using ``buffer`` from code that may outlive the session (a
-    snapshot still persisting): the file is unmapped and unlinked after the last borrower.
-    """
+    """One session's shared-memory file, mapped by the server (``buffer``). Hold :meth:`borrow` while
+    using ``buffer`` from code that may outlive the session: unmapped after the last borrower."""
 
     def __init__(self, name: str, path: pathlib.Path, layout: SegmentLayout, specs_hash: str, *, lock: threading.Lock,
                  destroy: Callable[[Segment], None], descriptor_bytes: int = 0) -> None:
-        """``lock`` and ``destroy``: the arena's (its lock guards the borrow count; ``destroy``
-        runs when the last borrower of a freed segment is done). ``descriptor_bytes``: the
-        encoded descriptor's length after the copy slots."""
+        """``destroy`` runs when the last borrower of a freed segment is done; ``descriptor_bytes``:
+        the encoded descriptor's length after the copy slots."""
         self.name = name
         self.path = path
         self.layout = layout
@@ -160,7 +143,7 @@ class Segment:
 
 
 class Arena:
-    """Budget accounting and segment files. Thread-safe; see the module docstring."""
+    """Budget accounting and segment files. Thread-safe."""
 
     def __init__(self, *, shm_dir: pathlib.Path, total_bytes: int, cow_pool_bytes: int, chunk_bytes: int, tag: str,
                  gid: int | None = None, mlock: bool = True, copy_policy: CopyBudgetPolicy | None = None,
@@ -203,8 +186,7 @@ class Arena:
         with self._lock:
             return self._free()
 
-    def _free(self) -> int:
-        """:attr:`free_bytes`, under the lock."""
+    def _free(self) -> int:  # under the lock
         return self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self.staging_bytes
 
     @contextlib.contextmanager
@@ -234,13 +216,9 @@ class Arena:
         return max(1, self.cow_pool_slots // min(max(world_size, 1), LOCAL_RANKS_HINT))
 
     def create_segment(self, owner: str, descriptor: SegmentDescriptor) -> Segment:
-        """Plan, charge, create, pre-fault, map and initialise the segment of ``descriptor``'s
-        tensors (blocking), charged to its tenant's quota, with the copy slots of a job of its
-        ``local_world_size`` ranks here.
-
-        ``owner``: a server-issued hex id, part of the file name. The descriptor, what a
-        successor server needs to adopt the segment, is written after the copy slots.
-        """
+        """Plan, charge (to its tenant's quota), create, pre-fault, map and initialise the segment of
+        ``descriptor``'s tensors (blocking). ``owner``: a server-issued hex id, part of the file
+        name. The descriptor, what a successor server needs to adopt it, goes after the copy slots."""
         if not owner.isalnum():
             raise ValueError("segment owner must be a server-issued alphanumeric id")
         raw = descriptor.encode()

@@ -1,9 +1,6 @@
-"""One trainer rank's session as the server holds it: :class:`Session`, its
-:class:`SessionState` and the :class:`LivenessStream` (an open KeepAlive stream) that keeps it
-live, and :class:`FreedSession`, what the registry remembers of one it freed (so that a trainer
-that finds no state, a fresh Attach or NOT_FOUND for its old session id, is told when and why).
-The lifecycle is the registry's (:mod:`.sessions`); these types hold the state and read the
-segment's header words.
+"""One trainer rank's session as the server holds it (:class:`Session`, its :class:`SessionState`,
+the :class:`LivenessStream` that keeps it live), and :class:`FreedSession`, what the registry
+remembers of one it freed, so a trainer that finds no state is told when and why.
 """
 
 from __future__ import annotations

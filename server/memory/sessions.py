@@ -7,20 +7,10 @@ Lifecycle::
                   └── no stream within stream_wait ──┼──> orphaned ──grace──> freed
                                                      └── reattach / stream reopened
 
-* Liveness is the KeepAlive stream being open, nothing else (heavy work never stands in for it).
-* An orphaned session keeps its segment for ``grace`` seconds; the same (job, rank) attaching
-  in time gets it back with a new generation, and calls of an older generation fail
-  FAILED_PRECONDITION, so a stale trainer cannot commit.
-* A live session is never taken over: a second trainer with the same job id and rank is refused.
-* A session adopted from a previous server begins orphaned; its trainer's KeepAlive stream
-  (same session id and generation) makes it live again, counted as a reconnect.
-* At shutdown the segments of every session not freed stay for the next server to adopt
-  (unless ``keep_segments`` is off): live and pending ones, and orphaned ones within their grace
-  (an adopted session whose trainer is still reconnecting, a crashed trainer's kept state); the
-  successor adopts them with a grace of its own.
-
-Request values are validated by the servicer (:mod:`..rpc.validation`) before they get here.
-Used from one asyncio loop; blocking arena work runs in worker threads.
+Liveness is the KeepAlive stream being open, nothing else. An orphaned session keeps its segment
+for ``grace`` seconds; the same (job, rank) attaching in time gets it back with a new generation
+(an older generation's calls fail FAILED_PRECONDITION). A live session is never taken over. An
+adopted session begins orphaned. Used from one asyncio loop; blocking arena work runs in threads.
 """
 
 from __future__ import annotations
@@ -50,8 +40,7 @@ __all__ = ["SessionRegistry"]
 
 log = logging.getLogger(__name__)
 
-#: Freed (job id, rank) pairs remembered; one record is a few hundred bytes.
-MAX_FREED = 1024
+MAX_FREED = 1024  # freed (job id, rank) pairs remembered; one record is a few hundred bytes
 
 
 class SessionRegistry:
@@ -326,8 +315,7 @@ class SessionRegistry:
                   budget_used=self.arena.used_bytes)
 
     async def reap(self) -> int:
-        """Orphan pending sessions past their stream deadline; free orphans past the grace
-        period. Returns how many sessions were freed."""
+        """Orphan pending sessions past their stream deadline; free orphans past the grace; how many freed."""
         now = self._clock()
         freed = 0
         for session in list(self._sessions.values()):

@@ -1,10 +1,7 @@
-"""Caller authentication as a grpc.aio server interceptor: a bearer token (``--token-file``, or
-a tenant's of ``--tenants``) or a uid proof (:class:`~swap_state.server.tenants.Tenants`).
-
-A call without a known one fails UNAUTHENTICATED before its request is deserialised; a known
-one's tenant, resolved once, is the servicer's :func:`caller` while the call runs. The gRPC
-health service is exempt so orchestrator probes work without the secret (it reveals nothing but
-SERVING / NOT_SERVING).
+"""Caller authentication as a grpc.aio server interceptor: a bearer token or a uid proof
+(:class:`~swap_state.server.tenants.Tenants`). An unknown caller fails UNAUTHENTICATED before its
+request is deserialised; a known one's tenant is the servicer's :func:`caller`. The health service
+is exempt so orchestrator probes work without the secret (it reveals only SERVING / NOT_SERVING).
 """
 
 from __future__ import annotations

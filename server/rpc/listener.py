@@ -1,8 +1,6 @@
-"""Owning a Unix socket path: one live server per path, stale files replaced, 0660.
-
-A lock file next to the socket (``<socket>.lock``, flock'd for the server's lifetime) makes the
-check race-free, and a server that died (even by SIGKILL) releases it. With the lock held, a
-socket file at the path is stale, unless something answers on it (never clobbered).
+"""Owning a Unix socket path: one live server per path, stale files replaced, 0660. A lock file
+beside the socket (``<socket>.lock``, flock'd for the server's lifetime, released even by SIGKILL)
+makes the check race-free; with it held, a socket file there is stale unless something answers on it.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ SOCKET_MODE = 0o660
 
 
 class SocketGuard:
-    """The lock and the socket file of one Unix socket path (module docstring)."""
+    """The lock and the socket file of one Unix socket path."""
 
     def __init__(self, path: pathlib.Path, shared_gid: int | None = None) -> None:
         self.path = path

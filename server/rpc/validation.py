@@ -1,10 +1,7 @@
-"""Validation of request values, before any of them reaches the domain.
-
-The servicer calls these first thing in every RPC, for every id a client sends; the domain
-trusts them. Every check raises :class:`~swap_state.common.errors.InvalidRequestError` naming the
-field and the rule, quoting the value with :func:`~swap_state.common.names.shorten`: the message
-travels back as gRPC metadata, which a hostile 20,000-character id must not overflow. Job ids
-may become a directory name under the snapshot directory, hence their strict charset.
+"""Validation of request values, first thing in every RPC, before any reaches the domain (which
+trusts them). Every check raises InvalidRequestError naming the field and the rule, quoting the
+value with :func:`~swap_state.common.names.shorten` (the message travels back as gRPC metadata,
+which a hostile 20,000-character id must not overflow).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Restore's reads: every source tensor a plan needs, streamed in file order and checked against
-its crc32 as its bytes pass (:func:`stream_tensors`); the caller decides where the bytes go.
-
-A tier whose files are on this host's filesystem (``--snapshot-dir``, a directory store) is read
-by a reader thread with O_DIRECT (buffered where the filesystem refuses it), one read in flight,
-into a small ring of buffers reused from restore to restore, while this thread checksums and
-delivers the block before. The bytes go from the disk into memory already touched, as a plain
-O_DIRECT read's do: a read into memory touched for the first time (fresh pages, or the page
-cache of a mapped file) is slower than into a reused buffer, and two reads in flight were no
-faster than one (docs/benchmarks.md). Any other tier (an object store) is read tensor by tensor
-into memory.
+its crc32 as its bytes pass (:func:`stream_tensors`); the caller decides where the bytes go. Local
+files are read by a reader thread with O_DIRECT, one read in flight, into a ring of buffers reused
+from restore to restore (a read into freshly touched memory is slower: docs/benchmarks.md); any
+other tier (an object store) tensor by tensor into memory.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Which tier a snapshot is read from: this server's ``--snapshot-dir`` or the ``--snapshot-store``.
-
-The same rule answers Restore (:func:`resolve_source`) and ListSnapshots' ``latest``
-(:func:`list_both_tiers`): a snapshot in the local directory is read locally when it holds
-the restoring rank at the job's world size, or every rank of its job; otherwise from the store.
-With a store, ``latest`` is the newest step complete for the whole job in either tier: one
-host's own snapshot of a multi-host job is not (its other ranks may never reach the store), so
-every rank of a job resolves ``latest`` to the same step.
+"""Which tier a snapshot is read from, for Restore (:func:`resolve_source`) and ListSnapshots'
+``latest`` (:func:`list_both_tiers`): the local ``--snapshot-dir`` when it holds the restoring rank
+at the job's world size, or every rank of its job; otherwise the ``--snapshot-store``. With a store,
+``latest`` is the newest step complete for the whole job in either tier, so every rank of a job
+resolves it to the same step.
 """
 
 from __future__ import annotations

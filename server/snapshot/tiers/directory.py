@@ -1,20 +1,9 @@
 """The server's ``--snapshot-dir``: :class:`SnapshotDirectory`, the local tier's writer (the
-:class:`~.seam.TierWriter` seam: callers hand it names and bytes, never build paths) and its
-retention. Reading is its reader's (:attr:`SnapshotDirectory.reader`, whose docstring draws the
-layout; beside it ``<root>/.swap-state.lock``, a shared flock per live server).
-
-Call order: ``create_root``, ``hold``, ``clean_stale`` (when alone) at server start; per
-snapshot the seam's (``prepare``: a partial directory; ``open_file``/``write_file`` per rank;
-``finish``: the commit rule below, complete from its rename on, then ``latest`` and retention's
-unlisting) and off the durability path ``empty_trash``, or ``discard`` on failure; ``release``
-at shutdown.
-
-Commit rule: every file fsynced, ``layout.json`` and ``snapshot.json`` written durably, the
-partial directory fsynced and renamed to ``step-<N>``, then the ``latest`` pointer.
-Durability: a file is fsynced before it counts, a directory after names change in it;
-publication is a ``rename`` of the partial directory, removal a ``rename`` out of the listed
-names first: a directory removed halfway never looks complete. Every path is confined under
-the root. I/O failures raise ``OSError``; a path leaving the root SnapshotInvalid.
+:class:`~.seam.TierWriter` seam) and its retention; reading is its :attr:`~SnapshotDirectory.reader`'s.
+Call order: ``create_root``, ``hold``, ``clean_stale`` (when alone) at start; per snapshot the seam's,
+then ``empty_trash`` off the durability path (``discard`` on failure); ``release`` at shutdown.
+Commit rule: every file fsynced, the partial directory fsynced and renamed to ``step-<N>``, then
+``latest``; removal renames out of the listed names first, so nothing removed halfway looks complete.
 """
 
 from __future__ import annotations
@@ -52,7 +41,6 @@ class SnapshotDirectory(TierWriter):
     server. Thread-safe for different snapshots; commits serialise."""
 
     def __init__(self, root: str | os.PathLike[str], direct_io: DirectIO = SnapshotSettings.direct_io):
-        """``direct_io``: ``--direct-io``: whether snapshot writes may use O_DIRECT."""
         self.reader = SnapshotReader(root)  # the local tier: what this directory holds, read
         self.root = self.reader.root
         self.direct_writes = direct_io is DirectIO.WRITES
@@ -186,8 +174,7 @@ class SnapshotDirectory(TierWriter):
         return self._remove(target.location)
 
     def _remove(self, where: pathlib.PurePath) -> bool:
-        """Remove an unlisted location (a failed partial, a replaced snapshot), best effort;
-        True when it is gone."""
+        """Remove an unlisted location, best effort; True when it is gone."""
         path = self._inside(where)
         shutil.rmtree(path, ignore_errors=True)
         return not path.exists()

@@ -1,9 +1,6 @@
-"""The write seam of the snapshot tiers (:class:`TierWriter`), beside the read seam
-(:class:`~swap_state.common.snapshot_tier.SnapshotTier`): where a step's files go and the one
-rule that makes them a complete snapshot there. Modelled on DCP's ``StorageWriter`` (prepare,
-write, finish). The tiers: the local directory (:mod:`.directory`, what a live snapshot is
-written into) and the store (:mod:`.store`, what a durable local snapshot is copied into by
-:func:`copy_rank`).
+"""The write seam of the snapshot tiers (:class:`TierWriter`, modelled on DCP's ``StorageWriter``:
+prepare, write, finish), beside the read seam (:class:`~swap_state.common.snapshot_tier.SnapshotTier`):
+the local directory (:mod:`.directory`) and the store (:mod:`.store`, written by :func:`copy_rank`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""The store's writer (``--snapshot-store``): :class:`StoreTier`, the :class:`~.seam.TierWriter`
-of the layout :mod:`swap_state.common.stored_snapshots` draws (and reads).
-
-Commit rule: each host puts its own ranks' objects (data, manifest), then each rank's marker,
-last; nothing is renamed. After its markers a host lists the step and, when every rank's marker
-is there, puts ``layout.json`` then ``snapshot.json`` (of hosts that see every marker at once,
-the one that creates the attempt's claim object; the store being consistent after writes, the
-host that lists last sees every marker, so a complete step gets its index). A step trained
-again (another attempt): each host deletes the step's index and its rank's old marker before
-its new data goes up. Retention: the job's ``keep`` newest complete steps stay, and everything
-newer; an older step goes index and markers first.
+"""The store's writer (``--snapshot-store``): :class:`StoreTier`, the :class:`~.seam.TierWriter` of
+the layout :mod:`swap_state.common.stored_snapshots` reads. Commit rule: each host puts its ranks'
+objects, then each rank's marker, last; a host that then lists every rank's marker puts
+``layout.json`` then ``snapshot.json`` (the one that creates the attempt's claim object; the host
+that lists last sees every marker, so a complete step gets its index). A step trained again: the
+index and the rank's old marker go before its new data. Retention removes index and markers first.
 """
 
 from __future__ import annotations

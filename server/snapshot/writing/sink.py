@@ -1,26 +1,15 @@
 """Where a rank writer's bytes go, in file order: :class:`DirectSink` (O_DIRECT through aligned
-bounce buffers, several writes in flight) or :class:`BufferedSink` (``pwrite`` into the page
-cache, zero copy), chosen by :func:`open_sink`.
+bounce buffers: buffered writes leave the pace to the kernel's writeback, and safetensors packs
+tensors without block alignment) or :class:`BufferedSink` (``pwrite`` into the page cache), chosen
+by :func:`open_sink`. Call order (the writer)::
 
-Why O_DIRECT: buffered writes leave the pace to the kernel's writeback (docs/benchmarks.md,
-"Disk speed"). Why bounce buffers: safetensors
-packs tensors without gaps, so a tensor's place is rarely block aligned; the bytes are copied
-once into an aligned buffer (the copy a buffered write makes anyway), checksummed there while
-cache-hot, and written from it. Where the filesystem refuses O_DIRECT the buffered sink writes.
-
-Call order (the writer; a tier's :meth:`~..tiers.seam.TierWriter.open_file` gives the sink)::
-
-    sink = open_sink(file)
     sink.write_all(header)                       # the file's first bytes
     for each piece of each chunk:                # a piece is at most sink.room() bytes
         crc = sink.put(piece, crc_before)        # placed at the sink's position, not final
         [crc = sink.replace(other, crc_before)]  # the same range, from another source
-        sink.advance()                           # final: the position moves past it
+        sink.advance()                           # final: no buffer holding it goes to disk before
     sink.finish()                                # everything written and fsynced
     sink.close()                                 # on every path (a context manager)
-
-A piece is final only at :meth:`ChunkSink.advance`: until then the writer may replace it (the
-copy-before-write redo, :mod:`.writer`), so no buffer holding it goes to the disk before.
 """
 
 from __future__ import annotations
@@ -44,16 +33,14 @@ log = logging.getLogger(__name__)
 
 BLOCK_BYTES = 4096  # the alignment O_DIRECT needs on every filesystem Linux has (logical blocks are 512 or 4096)
 
-# One bounce buffer, one write: large enough to reach the disk's O_DIRECT bandwidth with one
-# or two in flight (docs/benchmarks.md).
-BOUNCE_BYTES = 8 << 20
+BOUNCE_BYTES = 8 << 20  # one bounce buffer, one write: reaches the disk's O_DIRECT bandwidth with one or two in flight
 
 WRITES_IN_FLIGHT = 2  # bounce buffers being written at once while the next one fills
 _WRITEBACK_BYTES = 8 << 20  # the buffered sink starts the disk writeback of every this many bytes
 
 
 class ChunkSink(abc.ABC):
-    """The bytes of one data file, in order; see the module docstring for the call order."""
+    """The bytes of one data file, in order (the call order: the module docstring)."""
 
     direct: bool = False  # whether the bytes bypass the page cache (O_DIRECT)
 
@@ -85,8 +72,7 @@ class ChunkSink(abc.ABC):
         """Every final byte written and durable (fsync)."""
 
     def close(self) -> None:
-        """Release what the sink holds, its file included (idempotent); makes nothing durable,
-        and a sink closed before :meth:`finish` leaves no complete file."""
+        """Release what the sink holds, its file included (idempotent); makes nothing durable."""
 
     def write_all(self, data: bytes) -> None:
         """``data`` at :attr:`position`, final (the safetensors header)."""
@@ -226,8 +212,7 @@ class DirectSink(ChunkSink):
             buffer, future = self._busy.popleft()
             future.result()
             self._free.append(buffer)
-        fd = self.file.fileno()
-        os.ftruncate(fd, self.position)  # the last block was written padded
+        os.ftruncate(self.file.fileno(), self.position)  # the last block was written padded
         self.file.fsync()
 
     def close(self) -> None:
