@@ -214,9 +214,8 @@ def _read_tenants(config: ServerConfig) -> Tenants:
 
 
 def _prepare_shm(config: ServerConfig, state: StateServer, gid: int | None) -> None:
-    """Adopt (or with ``--discard-segments`` remove) what a previous server on this address
-    left, then check the shm directory holds the rest of the budget. Nothing is adopted from a
-    directory other users can write."""
+    """Adopt (or with ``--discard-segments`` remove) what a previous server on this address left,
+    then check the shm directory holds the rest of the budget."""
     arena = state.arena
     require_shm_dir(config.shm_dir)
     check_own_directory(config.shm_dir, "--shm-dir", shared_gid=gid, sticky_ok=True)
@@ -245,8 +244,7 @@ def _prepare_shm(config: ServerConfig, state: StateServer, gid: int | None) -> N
 
 
 async def _start_metrics(config: ServerConfig, service: SwapStateService, started_at: float) -> MetricsServer | None:
-    """The metrics endpoint when ``--metrics-port`` asks for one; StartupError (the registry
-    closed) when it cannot listen."""
+    """The ``--metrics-port`` endpoint, if any; StartupError (the registry closed) when it cannot listen."""
     if not config.metrics_port:
         return None
     state = service.state

@@ -56,9 +56,8 @@ _mlock_on_fault = _posix.mlock_on_fault
 
 
 def _populate(address: int, size: int) -> None:
-    """Fault a segment's pages in on the shared threads (mlock faults on one, and the kernel
-    serialises parallel mlocks: docs/benchmarks.md). Best effort: without MADV_POPULATE_WRITE
-    mlock does it."""
+    """Fault a segment's pages in on the shared threads (mlock faults on one: docs/benchmarks.md);
+    best effort: without MADV_POPULATE_WRITE mlock does it."""
     chunks = range(0, size, _POPULATE_CHUNK)
     list(_POPULATE_POOL.map(lambda at: _posix.populate_write(address + at, min(_POPULATE_CHUNK, size - at)), chunks))
 

@@ -66,17 +66,14 @@ class Session:
     state: SessionState = SessionState.PENDING
     orphaned_since: float | None = None  # monotonic time it became orphaned
     stream_deadline: float | None = None  # monotonic time by which a pending session must open its stream
-    rewind_allowed: bool = False
-    """After a reattach the trainer may commit an earlier step once (it restored a checkpoint)."""
+    rewind_allowed: bool = False  # after a reattach the trainer may commit an earlier step once (a restore)
     closed: bool = False  # removed from the registry (its segment freed or being freed)
-    metadata_base: tuple[str, MetadataBase] | None = None
-    """(id, parsed base) of the snapshot metadata base the trainer sent last; in memory only."""
+    metadata_base: tuple[str, MetadataBase] | None = None  # (id, parsed base) the trainer sent last; memory only
     adopted: bool = False  # rebuilt from a previous server's segment at this server's start
     awaiting_reconnect: bool = False
     """Adopted, its trainer not back yet: while that trainer still maps the segment, only it
     takes the session back (a fresh Attach is refused)."""
-    streamed_generation: int = 0
-    """The generation whose KeepAlive stream was last opened (0: none); reopened: a reconnect."""
+    streamed_generation: int = 0  # the generation whose KeepAlive stream was last opened (0: none)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock, repr=False)
     streams: set[LivenessStream] = dataclasses.field(default_factory=set, repr=False)
 

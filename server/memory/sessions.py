@@ -353,9 +353,8 @@ class SessionRegistry:
             self._end_streams(session, SERVER_STOPPING_NOTICE)
 
     async def close(self, keep_segments: bool = False) -> None:
-        """Stop the reaper and end every session (shutdown). ``keep_segments``: the segment
-        files of the sessions not freed stay for the next server to adopt (a restart between an
-        adoption and its trainer's reconnect must not lose that trainer's state)."""
+        """Stop the reaper and end every session (shutdown); with ``keep_segments`` the segment files of
+        the sessions not freed stay for the next server to adopt."""
         self.begin_shutdown()
         if self._reaper is not None:
             self._reaper.cancel()

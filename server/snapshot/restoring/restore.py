@@ -61,20 +61,15 @@ class PlanSource(TextEnum):
 class RestoreResult:
     """What a successful restore loaded."""
 
-    snapshot_id: str
-    """The resolved id (``latest`` becomes ``<job>/step-<N>``)."""
+    snapshot_id: str  # the resolved id (``latest`` becomes ``<job>/step-<N>``)
     step: int
     metadata_json: str
     bytes_restored: int
     kept: Kept = Kept.NOTHING
-    """What kept the segment's state safe while the snapshot was read."""
-    source: str = "local"
-    """Where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)."""
-    snapshot_world_size: int = 0
-    """The world size the snapshot was taken at (resharded when not the job's)."""
+    source: str = "local"  # where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)
+    snapshot_world_size: int = 0  # the world size the snapshot was taken at (resharded when not the job's)
     source_ranks: tuple[int, ...] = ()
     plan: PlanSource = PlanSource.OWN_FILE
-    """What the plan came from."""
 
     @property
     def staged(self) -> bool:
@@ -305,7 +300,6 @@ class _Copier:
     the target tensors they fill (``before_write(target)`` first, when set)."""
 
     def __init__(self, base: int, by_name: Mapping, by_source: Mapping[tuple[int, str], list[tuple[str, Piece]]]):
-        self._base, self._by_name = base, by_name
         # Per source tensor: (target name, target address, its runs by source offset, their starts).
         self._runs: dict[tuple[int, str], list[tuple[str, int, list[Run], list[int]]]] = {}
         for key, items in by_source.items():

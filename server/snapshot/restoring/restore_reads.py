@@ -42,10 +42,9 @@ bytes come in order; they are not yet verified (its checksum is checked after it
 
 
 def stream_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted, deliver: Deliver) -> None:
-    """Read every tensor of ``wanted`` once (each data file's header checked before:
-    :meth:`~SnapshotTier.check_data_header`), delivering its bytes in order as they are read.
-    SnapshotCorruptError names the file and the tensor whose checksum fails; its bytes, and those of
-    the tensors before it, were delivered: the caller undoes them."""
+    """Read every tensor of ``wanted`` once (each data file's header checked first), delivering its
+    bytes in order as read. SnapshotCorruptError names the file and tensor whose checksum fails; its
+    bytes and those before were delivered: the caller undoes them."""
     for rank, (manifest, tensors) in wanted.items():
         tier.check_data_header(info, manifest)
         path = tier.local_file(info, manifest.data_file)

@@ -79,10 +79,8 @@ def _local_copy(directory: SnapshotReader, remote: SnapshotInfo, rank: int,
 
 def list_both_tiers(coordinator, job_id: str | None
                     ) -> tuple[list[tuple[SnapshotInfo | None, SnapshotInfo | None]], str]:
-    """Every snapshot in either tier as (local, stored), by job then step; ``latest`` marks
-    the step Restore's ``latest`` resolves to (for a rank of the job at its world size). And why
-    the store could not be listed ("" when it was, or there is none): then only the local tier
-    is listed, which is not "no snapshot" (the store may hold newer ones)."""
+    """Every snapshot in either tier as (local, stored), by job then step, ``latest`` marking the
+    step Restore's ``latest`` resolves to; and why the store could not be listed ("" when it was)."""
     local = {(i.job_id, i.step): i for i in coordinator.local.list(job_id)}
     stored, store_error = {}, ""
     if coordinator.stored is not None:

@@ -82,9 +82,8 @@ class SnapshotDirectory(TierWriter):
                     path.unlink(missing_ok=True)
 
     def prepare(self, plan: StepPlan) -> StepWrite:
-        """A fresh, empty partial snapshot of the step (a stale one is replaced; never listed).
-        SnapshotExistsError when that step is already complete, unless ``plan.replace`` (then
-        :meth:`finish` replaces it)."""
+        """A fresh, empty partial snapshot of the step (a stale one is replaced); SnapshotExistsError
+        when that step is already complete, unless ``plan.replace``."""
         job_id, step = plan.job_id, plan.step
         final = self.reader.job_dir(job_id) / step_dir_name(step)
         if self.reader.load_index(job_id, final, step) is not None:
@@ -109,8 +108,7 @@ class SnapshotDirectory(TierWriter):
             raise from_os_error(exc, f"creating {partial_dir_name(step)}", self.reader.job_dir(job_id)) from None
 
     def open_file(self, target: StepWrite, name: str) -> ChunkSink:
-        """A new file ``name`` in the partial directory (it must not exist): O_DIRECT where
-        ``--direct-io`` and the filesystem allow, else buffered; fsynced at the sink's finish."""
+        """A new file ``name`` in the partial directory: O_DIRECT where ``--direct-io`` and the filesystem allow."""
         return open_sink(SnapshotFile(self._inside(target.location) / name, direct=self.direct_writes))
 
     def write_file(self, target: StepWrite, name: str, data: bytes) -> None:
@@ -120,13 +118,9 @@ class SnapshotDirectory(TierWriter):
         """Nothing: a rank's files are fsynced as written and listed by the step's snapshot.json."""
 
     def finish(self, target: StepWrite, index: SnapshotIndex, layout: bytes | None) -> CommitResult:
-        """Publish a partial snapshot whose rank files are fsynced: write ``layout`` and
-        ``snapshot.json`` durably, fsync the partial directory, rename it to ``step-<N>`` (an
-        existing one renamed out of the way first when ``plan.replace``, else SnapshotExistsError:
-        between the renames the step is absent, never mixed), point ``latest`` at it, then
-        retention (unlist all but the ``plan.keep`` highest steps; None keeps all; bytes go in
-        :meth:`empty_trash`). OSError before the rename is the caller's to map; failures after
-        it become warnings."""
+        """The commit rule (module docstring): an existing step is renamed out of the way first when
+        ``plan.replace`` (between the renames the step is absent, never mixed), then retention
+        (its bytes go in :meth:`empty_trash`). OSError before the rename; warnings after it."""
         partial, keep_latest, replace = self._inside(target.location), target.plan.keep, target.plan.replace
         if layout is not None:
             write_durable(partial / LAYOUT_NAME, layout)
@@ -187,8 +181,7 @@ class SnapshotDirectory(TierWriter):
     def _retain(self, job_id: str, new_step: int, keep: int, warnings: list[str],
                 trash: list[pathlib.PurePath]) -> None:
         """Unlist all but the ``keep`` highest steps (and the new one, and those in use) into
-        ``trash``: each renamed to ``.deleting-step-<N>.<unique>``, the job directory fsynced,
-        before any byte is removed."""
+        ``trash`` (renamed, the job directory fsynced) before any byte is removed."""
         try:
             complete = self.reader.complete(job_id)
         except OSError as exc:

@@ -193,15 +193,12 @@ class DirectSink(ChunkSink):
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
-                    self._refused(exc)
+                    if not self.fell_back:
+                        self.fell_back = True
+                        log_event(log, "snapshot_direct_io_refused", logging.WARNING, error=str(exc),
+                                  detail="the filesystem accepted O_DIRECT at open but refused a write: "
+                                  "this snapshot's writes go through the page cache")
             pwrite_all(self.file.fileno(), data, offset)
-
-    def _refused(self, exc: OSError) -> None:
-        if not self.fell_back:
-            self.fell_back = True
-            log_event(log, "snapshot_direct_io_refused", logging.WARNING, error=str(exc),
-                      detail="the filesystem accepted O_DIRECT at open but refused a write: "
-                      "this snapshot's writes go through the page cache")
 
     def finish(self) -> None:
         if self._fill:

@@ -126,9 +126,8 @@ class RankWriter:
         self._header.open_snapshot(self.source.step, self.stage_slots, self.epoch, self.source.layout.cow_slots)
 
     def go(self) -> None:
-        """Let ``run`` start streaming. The Snapshot RPC holds the writer until its reply (the
-        trainer's stall) is out, so it does not compete for the GIL; safe at any length (the
-        snapshot is consistent), and ``run`` waits ``HOLD_MAX_S`` at most."""
+        """Let ``run`` stream: the Snapshot RPC holds it until its reply is out, so the writer does not
+        compete with it for the GIL (``run`` waits ``HOLD_MAX_S`` at most)."""
         self.go_event.set()
 
     def release_segment(self) -> None:
