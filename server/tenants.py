@@ -131,11 +131,8 @@ class Tenants:
             return None if uid is None else Tenant(f"uid:{uid}", admin=uid in (0, os.geteuid()))
         given = value.encode() if isinstance(value, str) else bytes(value)
         # Compared with every token, in constant time each: no early exit to time.
-        found = None
-        for expected, tenant in self._by_token.items():
-            if hmac.compare_digest(given, expected):
-                found = tenant
-        return found
+        found = [tenant for expected, tenant in self._by_token.items() if hmac.compare_digest(given, expected)]
+        return found[0] if found else None
 
 
 def read_secret_file(path: pathlib.Path, flag: str) -> tuple[os.stat_result, str]:

@@ -103,11 +103,10 @@ def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayo
         if target.name not in theirs:
             raise SnapshotLayoutMismatch(f"{path}: has no tensor {target.name!r} the segment holds")
     for position, (tensor, target) in enumerate(zip(manifest.tensors, layout.tensors)):
-        if (tensor.dtype, tensor.shape) != (ours[tensor.name].dtype, ours[tensor.name].shape):
-            ours_now = ours[tensor.name]
-            raise SnapshotLayoutMismatch(f"{path}: tensor {tensor.name!r} is "
-                                         f"{tensor.dtype}{list(tensor.shape)}, the segment's is "
-                                         f"{ours_now.dtype}{list(ours_now.shape)}")
+        mine = ours[tensor.name]
+        if (tensor.dtype, tensor.shape) != (mine.dtype, mine.shape):
+            raise SnapshotLayoutMismatch(f"{path}: tensor {tensor.name!r} is {tensor.dtype}{list(tensor.shape)}, "
+                                         f"the segment's is {mine.dtype}{list(mine.shape)}")
         if tensor.name != target.name:
             raise SnapshotLayoutMismatch(f"{path}: tensor {tensor.name!r} is at position {position}, the "
                                          f"segment has {target.name!r} there (the update order differs)")

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from swap_state.common.checksum import crc32
+from swap_state.common.segment import align_up
 from swap_state.common.snapshot_errors import SnapshotCorruptError, SnapshotError
 from swap_state.common.snapshot_format import RankManifest, TensorRecord
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier, reading_file
@@ -73,15 +74,11 @@ def _spans(tensors: Sequence[TensorRecord], data_start: int) -> list[_Span]:
     for tensor in sorted((t for t in tensors if t.nbytes), key=lambda t: t.data_offsets[0]):
         begin, end = data_start + tensor.data_offsets[0], data_start + tensor.data_offsets[1]
         if spans and begin - spans[-1].end <= _MERGE_GAP:
-            spans[-1].end = max(spans[-1].end, _align_up(end))
+            spans[-1].end = max(spans[-1].end, align_up(end, _ALIGN))
             spans[-1].tensors.append(tensor)
         else:
-            spans.append(_Span(begin - begin % _ALIGN, _align_up(end), [tensor]))
+            spans.append(_Span(begin - begin % _ALIGN, align_up(end, _ALIGN), [tensor]))
     return spans
-
-
-def _align_up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 class _Ring:

@@ -8,6 +8,7 @@ start (it resumes unfinished uploads), ``submit`` after each local commit, ``sta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -173,11 +174,9 @@ class SnapshotUploader:
         """``item``, unless a newer snapshot of its job is queued behind it (the newest is what a
         lost host needs); the skipped ones fail ``stored``; other jobs' items keep their places."""
         pending: list[tuple[SnapshotInfo, int | None] | None] = []
-        while True:
-            try:
+        with contextlib.suppress(queue.Empty):
+            while True:
                 pending.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
         kept = []
         for other in pending:
             if other is not None and other[0].job_id == item[0].job_id and other[0].step > item[0].step:

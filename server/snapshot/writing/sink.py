@@ -23,6 +23,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from swap_state.common.checksum import crc32
+from swap_state.common.segment import align_up
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.writing.snapshot_file import SnapshotFile, pwrite_all
@@ -202,7 +203,7 @@ class DirectSink(ChunkSink):
 
     def finish(self) -> None:
         if self._fill:
-            padded = -(-self._fill // BLOCK_BYTES) * BLOCK_BYTES
+            padded = align_up(self._fill, BLOCK_BYTES)
             self._current[self._fill : padded] = bytes(padded - self._fill)
             self._submit(padded)
         while self._busy:
