@@ -85,10 +85,7 @@ class Segment:
                  destroy: Callable[[Segment], None], descriptor_bytes: int = 0) -> None:
         """``destroy`` runs when the last borrower of a freed segment is done; ``descriptor_bytes``:
         the encoded descriptor's length after the copy slots."""
-        self.name = name
-        self.path = path
-        self.layout = layout
-        self.layout_hash = specs_hash
+        self.name, self.path, self.layout, self.layout_hash = name, path, layout, specs_hash
         self.size = layout.size  # bytes mapped (the layout; the trainer maps as many)
         self.descriptor_bytes = descriptor_bytes
         self.file_bytes = segment_file_bytes(layout, descriptor_bytes)  # the layout, then the descriptor's pages
@@ -100,12 +97,9 @@ class Segment:
         self.buffer: mmap.mmap | None = None
         self.header: SegmentHeader | None = None
         self.locked = False
-        self._lock = lock
-        self._destroy = destroy
+        self._lock, self._destroy = lock, destroy
         self._refs = 0
-        self._created = False
-        self._freeing = False
-        self._closed = False
+        self._created = self._freeing = self._closed = False
 
     @property
     def freed(self) -> bool:
@@ -150,13 +144,10 @@ class Arena:
         self.shm_dir = shm_dir
         self.tenant_quota = tenant_quota  # bytes of segments one tenant may hold (0: no quota)
         self._tenant_used: dict[str, int] = {}
-        self.total_bytes = total_bytes
-        self.chunk_bytes = chunk_bytes
+        self.total_bytes, self.chunk_bytes = total_bytes, chunk_bytes
         self.cow_pool_slots = cow_pool_bytes // chunk_bytes
         self.cow_reserve_bytes = self.cow_pool_slots * chunk_bytes
-        self.tag = tag
-        self.gid = gid
-        self.mlock_enabled = mlock
+        self.tag, self.gid, self.mlock_enabled = tag, gid, mlock
         # Counters and gauges for Stats/metrics, written under the lock, read without it (ints are
         # atomic enough to read): the pool's slots (and their bytes) in live segment files (part of
         # ``used_bytes``), and the bytes restores hold right now (:meth:`reserve_staging`).

@@ -28,8 +28,7 @@ class LivenessStream:
     """One open KeepAlive stream; the server ends it by calling :meth:`end`."""
 
     def __init__(self, session: Session, generation: int) -> None:
-        self.session = session
-        self.generation = generation
+        self.session, self.generation = session, generation
         self.end_reason: str | None = None
         self._ended = asyncio.Event()
 

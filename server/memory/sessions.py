@@ -48,10 +48,7 @@ class SessionRegistry:
 
     def __init__(self, arena: Arena, *, grace: float, stream_wait: float, max_tensors: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.arena = arena
-        self.grace = grace
-        self.stream_wait = stream_wait
-        self.max_tensors = max_tensors
+        self.arena, self.grace, self.stream_wait, self.max_tensors = arena, grace, stream_wait, max_tensors
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._by_key: dict[tuple[str, int], Session] = {}

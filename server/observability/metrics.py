@@ -136,12 +136,8 @@ class ServerCollector(Collector):
     def __init__(self, arena: Arena, registry: SessionRegistry, counters: RpcCounters,
                  snapshot_counters: SnapshotCounters, coordinator: SnapshotCoordinator | None, *,
                  started_at: float) -> None:
-        self.arena = arena
-        self.registry = registry
-        self.counters = counters
-        self.snapshot_counters = snapshot_counters
-        self.coordinator = coordinator
-        self.started_at = started_at
+        self.arena, self.registry, self.counters = arena, registry, counters
+        self.snapshot_counters, self.coordinator, self.started_at = snapshot_counters, coordinator, started_at
 
     def collect(self) -> Iterator[Metric]:
         """Every family, in a fixed order: server, arena, sessions, session counters, RPCs,
@@ -192,8 +188,7 @@ class MetricsServer:
     def __init__(self, collector: Collector, host: str, port: int) -> None:
         self._metrics = CollectorRegistry(auto_describe=False)
         self._metrics.register(collector)
-        self._host = host
-        self._port = port
+        self._host, self._port = host, port
         self._server: asyncio.base_events.Server | None = None
         self.address: tuple[str, int] | None = None
 

@@ -72,7 +72,6 @@ class CallerAuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _as_caller(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethodHandler:
-    """``handler`` with its behaviour run as ``tenant``'s call."""
     if handler.response_streaming:
         behaviour = handler.unary_stream or handler.stream_stream
 

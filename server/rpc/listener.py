@@ -29,8 +29,7 @@ class SocketGuard:
     """The lock and the socket file of one Unix socket path."""
 
     def __init__(self, path: pathlib.Path, shared_gid: int | None = None) -> None:
-        self.path = path
-        self._shared_gid = shared_gid
+        self.path, self._shared_gid = path, shared_gid
         self.lock_path = path.with_name(path.name + ".lock")
         self._lock_fd: int | None = None
         self._inode: tuple[int, int] | None = None
@@ -109,7 +108,6 @@ class SocketGuard:
         self._inode = (info.st_dev, info.st_ino)
 
     def release(self) -> None:
-        """Unlink the socket (if it is still ours) and drop the lock."""
         if self._inode is not None:
             with contextlib.suppress(FileNotFoundError):
                 info = os.lstat(self.path)

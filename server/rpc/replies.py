@@ -23,7 +23,6 @@ def reply_of(reply: type[R], value: Any, **given: Any) -> R:
 
 
 def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
-    """The protobuf of a status (its state as its string)."""
     return reply_of(pb.SnapshotStatusReply, status, state=status.state.value)
 
 

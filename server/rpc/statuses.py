@@ -30,12 +30,10 @@ _AbortError: type[BaseException] = grpc.aio.AbortError
 
 
 def status_for(exc: SwapStateError) -> grpc.StatusCode:
-    """The status code the error class names (``SwapStateError.code``)."""
     return grpc.StatusCode[exc.code]
 
 
 def reason_metadata(exc: SwapStateError) -> tuple[tuple[str, str], ...]:
-    """The trailing metadata that carries the error's machine-readable reason."""
     return ((REASON_METADATA_KEY, exc.reason),)
 
 

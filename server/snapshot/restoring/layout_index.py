@@ -87,7 +87,6 @@ class Progression:
         return found
 
     def rising(self) -> bool:
-        """Whether the sequence strictly increases."""
         return all(step > 0 or count == 1 for _, step, count in self.runs) and \
             all(self[end - 1] < self[end] for end in self._ends[:-1])
 
@@ -216,7 +215,6 @@ class _Plain:
                 for rank, crc in enumerate(self.crcs) if crc != _ABSENT]
 
     def same_bytes(self) -> bool:
-        """Every rank holding it holds the same bytes."""
         crcs = {first for first, _, _ in self.crcs.runs if first != _ABSENT}
         return len(crcs) == 1 and all(step == 0 for _, step, _ in self.crcs.runs)
 

@@ -76,7 +76,6 @@ def _nearest(holders: Sequence[tuple[int, TensorRecord]], target_rank: int) -> t
 
 
 def ranks_needed(plan: Mapping[str, list[Piece]]) -> list[int]:
-    """The distinct old ranks a plan reads from, sorted."""
     return sorted({piece.source_rank for pieces in plan.values() for piece in pieces})
 
 
@@ -197,7 +196,6 @@ def _check_tiling(target: TargetTensor, chosen: Sequence[tuple[int, TensorRecord
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
-    """Row-major element strides."""
     return [math.prod(shape[d + 1:]) for d in range(len(shape))]
 
 

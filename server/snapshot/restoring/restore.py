@@ -83,7 +83,6 @@ class RestoreResult:
 
 
 def check_world_size(info: SnapshotInfo, world_size: int) -> None:
-    """SnapshotLayoutMismatch unless the snapshot was taken at ``world_size``."""
     if info.world_size != world_size:
         held = "" if info.index.complete_job else f" (this server holds its {info.describe_ranks()})"
         raise SnapshotLayoutMismatch(f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with "
