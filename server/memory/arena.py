@@ -155,8 +155,7 @@ class Arena:
         self.cow_slots_used = self.cow_used_bytes = self.staging_bytes = 0
         self._lock = threading.Lock()
         self._segments: dict[str, Segment] = {}
-        self._tensor_used = 0
-        self._seq = 0
+        self._tensor_used = self._seq = 0
         self._closed = self._warned_mlock = False
         self.copy_policy = copy_policy or CopyBudgetPolicy()  # shared with the snapshot coordinator
 

@@ -132,8 +132,7 @@ class DirectSink(ChunkSink):
 
     direct = True
 
-    def __init__(self, file: SnapshotFile, direct_fd: int, bounce_bytes: int | None = None,
-                 in_flight: int = WRITES_IN_FLIGHT):
+    def __init__(self, file: SnapshotFile, direct_fd: int, bounce_bytes: int | None = None):
         super().__init__()
         self.file = file  # owned: closed with the sink
         bounce_bytes = BOUNCE_BYTES if bounce_bytes is None else bounce_bytes
@@ -141,9 +140,9 @@ class DirectSink(ChunkSink):
             raise ValueError(f"bounce_bytes must be a positive multiple of {BLOCK_BYTES}")
         self._direct_fd: int | None = direct_fd
         self._bounce = bounce_bytes
-        self._free = collections.deque(mmap.mmap(-1, bounce_bytes) for _ in range(in_flight + 1))
+        self._free = collections.deque(mmap.mmap(-1, bounce_bytes) for _ in range(WRITES_IN_FLIGHT + 1))
         self._busy: collections.deque[tuple[mmap.mmap, Future[None]]] = collections.deque()
-        self._pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="snapshot-write")
+        self._pool = ThreadPoolExecutor(max_workers=WRITES_IN_FLIGHT, thread_name_prefix="snapshot-write")
         self._current = self._free.popleft()
         self._address = _posix.buffer_address(self._current)
         self._fill = 0  # final bytes in the current buffer
