@@ -90,8 +90,7 @@ class RunningServer:
     _stop_task: asyncio.Task[None] | None = None
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stop serving; idempotent. ``grace``: seconds in-flight RPCs may still run
-        (default ``config.shutdown_grace``)."""
+        """Stop serving (idempotent); in-flight RPCs get ``grace`` seconds (``config.shutdown_grace``)."""
         if self._stop_task is None:
             self._stop_task = asyncio.get_running_loop().create_task(self._stop(grace))
         await asyncio.shield(self._stop_task)

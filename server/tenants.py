@@ -136,8 +136,7 @@ class Tenants:
 
 
 def read_secret_file(path: pathlib.Path, flag: str) -> tuple[os.stat_result, str]:
-    """(stat, text) of the file of ``flag`` (``--tenants``, ``--token-file``); StartupError
-    naming both when it cannot be read as text."""
+    """(stat, text) of the file of ``flag``; StartupError naming both when it cannot be read as text."""
     try:
         return path.stat(), path.read_text()
     except OSError as exc:

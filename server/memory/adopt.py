@@ -78,8 +78,7 @@ def adopt_segments(arena: Arena, validate: Validate) -> tuple[list[Adopted], lis
 
 
 def _newest_per_rank(arena: Arena, adopted: list[tuple[int, Adopted]]) -> list[Adopted]:
-    """One segment per (job, rank): the highest seq; an older one was superseded (its session
-    replaced) and is freed."""
+    """One segment per (job, rank): the highest seq; an older one was superseded and is freed."""
     newest: dict[tuple[str, int], Adopted] = {}
     for _, item in sorted(adopted, key=lambda pair: pair[0]):
         key = (item.descriptor.job_id, item.descriptor.rank)

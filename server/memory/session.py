@@ -48,8 +48,7 @@ class LivenessStream:
 
 @dataclasses.dataclass(eq=False)
 class Session:
-    """One trainer rank's state on this host; :meth:`record_commit` is the one way a step is
-    committed through the server."""
+    """One trainer rank's state on this host; :meth:`record_commit` commits a step through the server."""
 
     session_id: str
     job_id: str

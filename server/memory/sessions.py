@@ -181,8 +181,7 @@ class SessionRegistry:
                               "trainer first, or give this one another job id")
 
     def adopt(self, adopted: Adopted) -> Session:
-        """A session rebuilt from a segment a previous server left, orphaned until its
-        trainer's KeepAlive stream comes back."""
+        """A session rebuilt from a previous server's segment, orphaned until its trainer's stream is back."""
         d = adopted.descriptor
         session = Session(session_id=adopted.session_id, job_id=d.job_id, rank=d.rank, world_size=d.world_size,
                           generation=adopted.generation, local_world_size=d.local_world_size, tenant=d.tenant,
@@ -281,8 +280,7 @@ class SessionRegistry:
 
     @staticmethod
     def commit_step(session: Session, step: int) -> int:
-        """Record ``step`` as committed for the :meth:`lookup`'d session (its moments are
-        completely in the segment)."""
+        """Record ``step`` as committed (its moments are completely in the segment)."""
         if session.record_commit(step):
             log_event(log, "step_committed", logging.DEBUG, **session._describe(), step=step)
         return step

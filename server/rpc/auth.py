@@ -46,8 +46,7 @@ def read_token_file(path: pathlib.Path) -> str:
 
 
 class CallerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Tells callers apart (token or uid proof): refuses an unknown one, runs a known one's
-    call with its tenant as :func:`caller`."""
+    """Refuses an unknown caller; runs a known one's call with its tenant as :func:`caller`."""
 
     def __init__(self, tenants: Tenants) -> None:
         self._tenants = tenants

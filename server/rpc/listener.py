@@ -54,8 +54,7 @@ class SocketGuard:
             raise
 
     def _lock(self) -> int:
-        """An exclusive flock on the lock file at :attr:`lock_path` now (one unlinked meanwhile,
-        by a server stopping, does not count)."""
+        """An exclusive flock on the file at :attr:`lock_path` now (one unlinked meanwhile does not count)."""
         for _ in range(10):
             try:
                 fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)

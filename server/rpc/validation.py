@@ -155,8 +155,7 @@ def _unknown_dtype(index: int, name: str, dtype: str) -> InvalidRequestError:
 
 
 def validate_descriptor(descriptor: SegmentDescriptor, *, max_tensors: int) -> list[TensorSpec]:
-    """A segment descriptor a previous server left passes what an Attach and an Allocate
-    pass; returns its checked tensor specs."""
+    """The checks of an Attach and an Allocate, on a previous server's descriptor; its tensor specs."""
     validate_job_id(descriptor.job_id)
     validate_rank(descriptor.rank, descriptor.world_size)
     if validate_local_world_size(descriptor.local_world_size, descriptor.world_size) != descriptor.local_world_size:

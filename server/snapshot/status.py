@@ -25,8 +25,7 @@ class SnapshotState(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class SnapshotStatus:
-    """One rank's view of a snapshot; field for field a SnapshotStatusReply (described by the
-    proto's comments), plus a few."""
+    """One rank's view of a snapshot; field for field a SnapshotStatusReply (the proto says each)."""
 
     snapshot_id: str
     job_id: str

@@ -90,8 +90,7 @@ def check_world_size(info: SnapshotInfo, world_size: int) -> None:
 
 
 def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayout) -> None:
-    """SnapshotLayoutMismatch unless the rank file of ``manifest`` (taken at the job's world size)
-    fits a segment of ``layout``, naming the file and the first differing tensor."""
+    """SnapshotLayoutMismatch, naming the file and first differing tensor, unless ``manifest`` fits ``layout``."""
     path = info.path / manifest.data_file
     ours = {t.name: t for t in layout.tensors}
     theirs = {t.name for t in manifest.tensors}
@@ -323,8 +322,7 @@ class _Copier:
 
 
 class ReadSnapshot:
-    """A snapshot's layout index and the manifests read from it, each verified, shared by the
-    ranks of this server that restore it."""
+    """A snapshot's layout index and manifests, each verified, shared by this server's restoring ranks."""
 
     def __init__(self, tier: SnapshotTier, info: SnapshotInfo):
         self._tier, self._info = tier, info

@@ -37,8 +37,7 @@ _LATEST_TMP = ".latest.tmp"
 
 
 class SnapshotDirectory(TierWriter):
-    """The snapshot root on a filesystem with POSIX rename and fsync, read and written by the
-    server. Thread-safe for different snapshots; commits serialise."""
+    """The snapshot root (POSIX rename and fsync). Thread-safe for different snapshots; commits serialise."""
 
     def __init__(self, root: str | os.PathLike[str], direct_io: DirectIO = SnapshotSettings.direct_io):
         self.reader = SnapshotReader(root)  # the local tier: what this directory holds, read

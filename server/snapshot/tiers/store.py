@@ -31,8 +31,7 @@ __all__ = ["StoreTier"]
 log = logging.getLogger(__name__)
 
 class StoreTier(TierWriter):
-    """Writes steps into one store (commit rule above); ``plan.source`` is required: the store
-    takes copies of durable snapshots. Thread-safe."""
+    """Writes copies of durable snapshots (``plan.source`` required) into one store. Thread-safe."""
 
     def __init__(self, stored: StoredSnapshots):
         self.stored = stored  # the store's reader: markers, indexes, layout
@@ -94,8 +93,7 @@ class StoreTier(TierWriter):
         return CommitResult(target.location, tuple(warnings))
 
     def discard(self, target: StepWrite) -> bool:
-        """Nothing to remove: objects without their rank's marker are never read; the next attempt
-        puts them again, retention removes them."""
+        """Nothing to remove: objects without their rank's marker are never read (retention removes them)."""
         return False
 
     def publish_step_index(self, job_id: str, step: int, layout: Callable[[SnapshotInfo], bytes] | None = None) -> bool:
