@@ -1,33 +1,24 @@
-"""libc calls the standard library does not expose, through ctypes, in one place.
-
-Python's ``mmap`` has no ``mlock`` and no address of a mapping, ``os`` has no
-``sync_file_range``, and a copy between two mappings without the GIL needs ``memmove`` on raw
-addresses; ctypes releases the GIL for every foreign call, so the stager, the restore and the
-writer copy while the event loop serves. Every function checks its return code.
+"""libc calls the standard library does not expose (``mlock``, a mapping's address,
+``sync_file_range``, ``memmove`` between raw addresses), through ctypes, which releases the GIL for
+every foreign call: the stager, the restore and the writer copy while the event loop serves.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import mmap
 
 __all__ = [
-    "buffer_address", "bytes_address", "memmove", "mlock", "mlock_on_fault", "mmap_read_only", "munmap", "populate_write",
+    "buffer_address", "bytes_address", "memmove", "mlock", "mlock_on_fault", "populate_write",
     "set_parent_death_signal", "start_writeback", "view_at", "zero",
 ]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.mlock.restype = ctypes.c_int
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-_libc.munmap.restype = ctypes.c_int
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 _SYNC_FILE_RANGE = getattr(_libc, "sync_file_range", None)  # Linux only
 if _SYNC_FILE_RANGE is not None:
@@ -71,20 +62,6 @@ def set_parent_death_signal(signum: int) -> int:
     except AttributeError:
         return 38  # ENOSYS
     return 0 if prctl(1, signum, 0, 0, 0) == 0 else ctypes.get_errno()  # 1: PR_SET_PDEATHSIG
-
-
-def mmap_read_only(fd: int, size: int) -> int:
-    """The address of a read-only shared mapping of ``size`` bytes of ``fd`` (OSError on failure)."""
-    address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if address in (None, _MAP_FAILED):
-        raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed")
-    return address
-
-
-def munmap(address: int, size: int) -> None:
-    """Unmap (and so unpin) a mapping made by :func:`mmap_read_only`; OSError on failure."""
-    if _libc.munmap(address, size) != 0:
-        raise OSError(ctypes.get_errno(), f"munmap of {size} bytes at {address:#x} failed")
 
 
 def view_at(address: int, size: int) -> memoryview:

@@ -1,6 +1,4 @@
-"""``swap-state-server``: parse flags into :class:`ServerConfig`, run until SIGTERM/SIGINT.
-
-The flags come from :class:`ServerConfig` (:mod:`swap_state.common.server_flags`). Exit codes:
+"""``swap-state-server``: parse flags into :class:`ServerConfig`, run until SIGTERM/SIGINT. Exit codes:
 0 after a clean stop, 1 when the environment does not allow starting, 2 for bad flags.
 """
 
@@ -16,12 +14,12 @@ import textwrap
 
 from swap_state.common.errors import StartupError
 from swap_state.common.server_config import EXIT_WITH_PARENT_ENV, ServerConfig
-from swap_state.common.server_flags import add_server_flags, config_from_args, parse_server_argv
+from swap_state.common.server_flags import add_server_flags, parse_server_argv
 from swap_state.server import _posix
 from swap_state.server.logs import configure_logging, log_event
 from swap_state.server.runtime import start_server
 
-__all__ = ["build_parser", "config_from_args", "main", "parse_config"]
+__all__ = ["build_parser", "main", "parse_config"]
 
 log = logging.getLogger(__name__)
 

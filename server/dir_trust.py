@@ -1,7 +1,5 @@
-"""The directories the server keeps its state in (the socket's, ``--snapshot-dir``,
-``--shm-dir``) must be its own: a directory another user owns or can write into lets that user
-plant or replace files the server trusts, so the server refuses to start on one.
-"""
+"""The directories the server keeps its state in must be its own: another user who owns or can
+write one could plant or replace files the server trusts, so the server refuses to start on it."""
 
 from __future__ import annotations
 
@@ -16,11 +14,8 @@ __all__ = ["check_own_directory"]
 
 def check_own_directory(path: pathlib.Path, what: str, *, shared_gid: int | None = None,
                         sticky_ok: bool = False) -> None:
-    """StartupError unless ``path`` is owned by this user or root and writable by no one else.
-
-    ``shared_gid``: a group that may write it too (``--shm-group``). ``sticky_ok``: a sticky
-    directory is accepted, whoever can write it (/dev/shm: nobody can remove another's files,
-    and the server creates its own exclusively)."""
+    """StartupError unless ``path`` is owned by this user or root and writable by no one else but
+    ``shared_gid``; with ``sticky_ok`` a sticky directory (/dev/shm) is accepted, whoever can write it."""
     info = os.stat(path)
     me = os.geteuid()
     if info.st_uid not in (0, me):

@@ -1,17 +1,8 @@
-"""Starting and stopping the server in-process: :func:`start_server` -> :class:`RunningServer`.
-
-Used by the CLI, by tests, and by the client's embedded mode. Start-up order matters:
-
-1. read the token and TLS files, resolve the group, prepare the snapshot directory;
-2. take the Unix socket path (lock file; a live server there -> refuse, a stale file -> replace);
-3. bind (grpc), so that for TCP a second server on the same port fails here;
-4. adopt the segments a previous server on the same address left (or remove them with
-   ``--discard-segments``), then check the shm directory has room for the rest of the budget;
-5. start serving, health SERVING, reaper, metrics; one ``started`` log line.
-
-Stop: health NOT_SERVING, KeepAlive streams end with a notice, in-flight RPCs get
-``shutdown_grace`` seconds, running snapshots end, then the segments of live sessions stay for
-the next server (unless ``--free-segments-on-stop``), the others are unlinked.
+"""Starting and stopping the server in-process (:func:`start_server` -> :class:`RunningServer`), for
+the CLI, tests and the client's embedded mode. Start-up order matters: read the secrets, take the
+socket path, bind (a second server on the same TCP port fails here), adopt or discard the segments
+a previous server left, check the shm directory, then serve. Stop: health NOT_SERVING, streams end
+with a notice, RPCs get ``shutdown_grace``, snapshots end, live sessions' segments stay for the next.
 """
 
 from __future__ import annotations
@@ -99,8 +90,7 @@ class RunningServer:
     _stop_task: asyncio.Task[None] | None = None
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stop serving; idempotent. ``grace``: seconds in-flight RPCs may still run
-        (default ``config.shutdown_grace``)."""
+        """Stop serving (idempotent); in-flight RPCs get ``grace`` seconds (``config.shutdown_grace``)."""
         if self._stop_task is None:
             self._stop_task = asyncio.get_running_loop().create_task(self._stop(grace))
         await asyncio.shield(self._stop_task)
@@ -194,8 +184,7 @@ def _bind(server: grpc.aio.Server, listen: ListenAddress, creds: grpc.ServerCred
 
 def _build_state(config: ServerConfig, listen: ListenAddress, gid: int | None,
                  undo: contextlib.AsyncExitStack) -> StateServer:
-    """The server's state: arena, session registry and snapshot coordinator (whose close is
-    pushed on ``undo``)."""
+    """The server's state (the coordinator's close pushed on ``undo``)."""
     copy_policy = CopyBudgetPolicy(max_bandwidth=config.persist_max_bandwidth or None)
     arena = Arena(shm_dir=config.shm_dir, total_bytes=config.shm_size, cow_pool_bytes=config.cow_pool_bytes,
                   chunk_bytes=config.chunk_bytes, tag=_segment_tag(listen), gid=gid, mlock=config.mlock,
@@ -224,9 +213,8 @@ def _read_tenants(config: ServerConfig) -> Tenants:
 
 
 def _prepare_shm(config: ServerConfig, state: StateServer, gid: int | None) -> None:
-    """Adopt (or with ``--discard-segments`` remove) what a previous server on this address
-    left, then check the shm directory holds the rest of the budget. Nothing is adopted from a
-    directory other users can write."""
+    """Adopt (or with ``--discard-segments`` remove) what a previous server on this address left,
+    then check the shm directory holds the rest of the budget."""
     arena = state.arena
     require_shm_dir(config.shm_dir)
     check_own_directory(config.shm_dir, "--shm-dir", shared_gid=gid, sticky_ok=True)
@@ -255,8 +243,7 @@ def _prepare_shm(config: ServerConfig, state: StateServer, gid: int | None) -> N
 
 
 async def _start_metrics(config: ServerConfig, service: SwapStateService, started_at: float) -> MetricsServer | None:
-    """The metrics endpoint when ``--metrics-port`` asks for one; StartupError (the registry
-    closed) when it cannot listen."""
+    """The ``--metrics-port`` endpoint, if any; StartupError (the registry closed) when it cannot listen."""
     if not config.metrics_port:
         return None
     state = service.state
@@ -272,8 +259,7 @@ async def _start_metrics(config: ServerConfig, service: SwapStateService, starte
 
 
 async def start_server(config: ServerConfig) -> RunningServer:
-    """Start a server on ``config.listen`` (steps in the module docstring's order; what a
-    failed step leaves is undone); :class:`StartupError` with an actionable message."""
+    """Start a server on ``config.listen`` (what a failed step leaves is undone); StartupError."""
     listen = config.listen_address
     tenants = _read_tenants(config)
     gid = _resolve_group(config.shm_group)

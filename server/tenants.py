@@ -1,15 +1,7 @@
-"""Who calls: the tenant of a call, from its bearer token or its uid, and what it may reach.
-
-``--tenants FILE`` maps tokens to tenants, one per line: ``TENANT TOKEN [admin]`` (``#``
-comments). Without it or ``--token-file``, on a unix socket, the caller's uid is its tenant
-(``uid:<N>``, proven by a file it owns: :mod:`swap_state.common.caller_proof`); root and the
-server's uid are admins. With ``--token-file``, or on TCP without tokens, there is one tenant,
-``""``, with every right.
-
-A job, its sessions and its snapshots belong to the tenant whose call created them; another
-tenant's call on them fails PERMISSION_DENIED, Stats and ListSnapshots show only the caller's;
-an admin reaches all. The file holds secrets: the server refuses one others (but its own
-group: a Kubernetes Secret's fsGroup) may read, or owned by another user than it or root.
+"""Who calls: the tenant of a call, from its bearer token (``--tenants FILE``: ``TENANT TOKEN [admin]``
+per line) or on a unix socket its uid (``uid:<N>``, proven by a file it owns; root and the server's
+uid are admins), else one tenant with every right. A job, its sessions and snapshots belong to the
+tenant whose call created them; another tenant's call on them fails PERMISSION_DENIED.
 """
 
 from __future__ import annotations
@@ -139,16 +131,12 @@ class Tenants:
             return None if uid is None else Tenant(f"uid:{uid}", admin=uid in (0, os.geteuid()))
         given = value.encode() if isinstance(value, str) else bytes(value)
         # Compared with every token, in constant time each: no early exit to time.
-        found = None
-        for expected, tenant in self._by_token.items():
-            if hmac.compare_digest(given, expected):
-                found = tenant
-        return found
+        found = [tenant for expected, tenant in self._by_token.items() if hmac.compare_digest(given, expected)]
+        return found[0] if found else None
 
 
 def read_secret_file(path: pathlib.Path, flag: str) -> tuple[os.stat_result, str]:
-    """(stat, text) of the file of ``flag`` (``--tenants``, ``--token-file``); StartupError
-    naming both when it cannot be read as text."""
+    """(stat, text) of the file of ``flag``; StartupError naming both when it cannot be read as text."""
     try:
         return path.stat(), path.read_text()
     except OSError as exc:

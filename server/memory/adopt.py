@@ -1,20 +1,8 @@
-"""Adoption: a server starting on the shm directory and address of one that died or was
-stopped takes over the segments it left, so the trainers using them lose nothing.
-
-Nothing in the shm directory is trusted. A file is adopted only when it is, in this order:
-named ``swap-state.<tag>.<session id>.<seq>`` with this server's tag; a regular file of this
-server's uid (or, to a root server, of its tenant's), opened without following links or
-blocking; a header with the magic and this layout version; a descriptor of sane length whose
-values pass the checks of an Attach and an Allocate (``validate``); a layout, planned again
-from it, equal to the header words, with equal layout hashes; the file exactly the size they
-give; and room in this server's budget. Anything else is left where it is and reported
-(:class:`Refused`). Of two segments of the same (job, rank) the newer (higher seq) is adopted,
-the older removed.
-
-Call order (the runtime's, before it serves)::
-
-    adopted, refused = adopt_segments(arena, validate)
-    for a in adopted: registry.adopt(a)        # the session, waiting for its trainer
+"""Adoption: a server starting on the shm directory of one that died or was stopped takes over the
+segments it left, so their trainers lose nothing. Nothing there is trusted: a file is adopted only
+when its name (this tag), owner, header (magic, version), descriptor (the checks of an Attach and an
+Allocate), replanned layout, hash and size all agree, and the budget holds it; anything else is
+left and reported (:class:`Refused`). Of two segments of one (job, rank) the newer is adopted.
 """
 
 from __future__ import annotations
@@ -73,8 +61,8 @@ class _NotAdoptable(Exception):
 
 
 def adopt_segments(arena: Arena, validate: Validate) -> tuple[list[Adopted], list[Refused]]:
-    """Adopt every segment of ``arena.prefix`` that passes the module docstring's checks; the
-    others are left and returned with the reason."""
+    """Adopt every segment of ``arena.prefix`` that passes the module docstring's checks (the
+    runtime's, before it serves; each then ``registry.adopt``'d); the others, with the reason."""
     adopted: list[tuple[int, Adopted]] = []
     refused: list[Refused] = []
     for entry in sorted(os.scandir(arena.shm_dir), key=lambda e: e.name):
@@ -90,8 +78,7 @@ def adopt_segments(arena: Arena, validate: Validate) -> tuple[list[Adopted], lis
 
 
 def _newest_per_rank(arena: Arena, adopted: list[tuple[int, Adopted]]) -> list[Adopted]:
-    """One segment per (job, rank): the highest seq; an older one was superseded (its session
-    replaced) and is freed."""
+    """One segment per (job, rank): the highest seq; an older one was superseded and is freed."""
     newest: dict[tuple[str, int], Adopted] = {}
     for _, item in sorted(adopted, key=lambda pair: pair[0]):
         key = (item.descriptor.job_id, item.descriptor.rank)

@@ -1,21 +1,8 @@
-"""The arena: the host budget and the shared-memory segment files (:class:`Segment`).
-
-One segment file per session under the shm directory, named only from the server's own ids
-(``swap-state.<tag>.<session id>.<seq>``), mode 0600 (0660 with a group), committed with
-``posix_fallocate`` when created (a full tmpfs fails with RESOURCE_EXHAUSTED, never a SIGBUS
-in the trainer mid-step), then mlock'd best effort. The server maps every segment itself
-(``Segment.buffer``).
-
-Budget: ``total`` is ``--shm-size``. The copy-before-write pool (``--cow-budget``, whole slots
-of ``chunk_bytes``) is held back from it; a segment takes its slots from the pool and its
-header + tensors (+ padding) from the rest, so tensors never eat the slots snapshots rely on.
-A segment whose slots fall short of the memory rule is logged (``copy_budget_short``,
-:class:`~swap_state.server.copy_budget.CopyBudgetPolicy`). :meth:`Arena.reserve_staging`
-holds free bytes for a restore. Blocking methods (``create_segment``, ``free``) are
-thread-safe and meant for a worker thread: committing tens of GiB takes seconds.
-
-A segment only knows its file, its mapping and who is still borrowing it; the arena creates,
-maps and frees it and owns its accounting. Call order::
+"""The arena: the host budget (``--shm-size``, the ``--cow-budget`` pool of copy slots held back from
+it so tensors never eat the slots snapshots rely on) and the shared-memory segment files
+(:class:`Segment`), committed with ``posix_fallocate`` when created (a full tmpfs fails with
+RESOURCE_EXHAUSTED, never a SIGBUS in the trainer mid-step), then mlock'd best effort. Blocking
+methods are thread-safe and meant for a worker thread (committing tens of GiB takes seconds). Call order::
 
     segment = arena.create_segment(...)       # file committed, mapped, header initialised
     with segment.borrow() as buffer: ...      # read or write the mapping (snapshot, restore)
@@ -69,9 +56,8 @@ _mlock_on_fault = _posix.mlock_on_fault
 
 
 def _populate(address: int, size: int) -> None:
-    """Fault a segment's pages in on the shared threads (mlock faults on one, and the kernel
-    serialises parallel mlocks: docs/benchmarks.md). Best effort: without MADV_POPULATE_WRITE
-    mlock does it."""
+    """Fault a segment's pages in on the shared threads (mlock faults on one: docs/benchmarks.md);
+    best effort: without MADV_POPULATE_WRITE mlock does it."""
     chunks = range(0, size, _POPULATE_CHUNK)
     list(_POPULATE_POOL.map(lambda at: _posix.populate_write(address + at, min(_POPULATE_CHUNK, size - at)), chunks))
 
@@ -92,21 +78,14 @@ def _model_share(layout: SegmentLayout) -> str:
 
 
 class Segment:
-    """One session's shared-memory file, mapped by the server (``buffer``: a writable mmap).
-
-    Hold :meth:`borrow` while using ``buffer`` from code that may outlive the session (a
-    snapshot still persisting): the file is unmapped and unlinked after the last borrower.
-    """
+    """One session's shared-memory file, mapped by the server (``buffer``). Hold :meth:`borrow` while
+    using ``buffer`` from code that may outlive the session: unmapped after the last borrower."""
 
     def __init__(self, name: str, path: pathlib.Path, layout: SegmentLayout, specs_hash: str, *, lock: threading.Lock,
                  destroy: Callable[[Segment], None], descriptor_bytes: int = 0) -> None:
-        """``lock`` and ``destroy``: the arena's (its lock guards the borrow count; ``destroy``
-        runs when the last borrower of a freed segment is done). ``descriptor_bytes``: the
-        encoded descriptor's length after the copy slots."""
-        self.name = name
-        self.path = path
-        self.layout = layout
-        self.layout_hash = specs_hash
+        """``destroy`` runs when the last borrower of a freed segment is done; ``descriptor_bytes``:
+        the encoded descriptor's length after the copy slots."""
+        self.name, self.path, self.layout, self.layout_hash = name, path, layout, specs_hash
         self.size = layout.size  # bytes mapped (the layout; the trainer maps as many)
         self.descriptor_bytes = descriptor_bytes
         self.file_bytes = segment_file_bytes(layout, descriptor_bytes)  # the layout, then the descriptor's pages
@@ -118,12 +97,9 @@ class Segment:
         self.buffer: mmap.mmap | None = None
         self.header: SegmentHeader | None = None
         self.locked = False
-        self._lock = lock
-        self._destroy = destroy
+        self._lock, self._destroy = lock, destroy
         self._refs = 0
-        self._created = False
-        self._freeing = False
-        self._closed = False
+        self._created = self._freeing = self._closed = False
 
     @property
     def freed(self) -> bool:
@@ -160,7 +136,7 @@ class Segment:
 
 
 class Arena:
-    """Budget accounting and segment files. Thread-safe; see the module docstring."""
+    """Budget accounting and segment files. Thread-safe."""
 
     def __init__(self, *, shm_dir: pathlib.Path, total_bytes: int, cow_pool_bytes: int, chunk_bytes: int, tag: str,
                  gid: int | None = None, mlock: bool = True, copy_policy: CopyBudgetPolicy | None = None,
@@ -168,13 +144,10 @@ class Arena:
         self.shm_dir = shm_dir
         self.tenant_quota = tenant_quota  # bytes of segments one tenant may hold (0: no quota)
         self._tenant_used: dict[str, int] = {}
-        self.total_bytes = total_bytes
-        self.chunk_bytes = chunk_bytes
+        self.total_bytes, self.chunk_bytes = total_bytes, chunk_bytes
         self.cow_pool_slots = cow_pool_bytes // chunk_bytes
         self.cow_reserve_bytes = self.cow_pool_slots * chunk_bytes
-        self.tag = tag
-        self.gid = gid
-        self.mlock_enabled = mlock
+        self.tag, self.gid, self.mlock_enabled = tag, gid, mlock
         # Counters and gauges for Stats/metrics, written under the lock, read without it (ints are
         # atomic enough to read): the pool's slots (and their bytes) in live segment files (part of
         # ``used_bytes``), and the bytes restores hold right now (:meth:`reserve_staging`).
@@ -182,8 +155,7 @@ class Arena:
         self.cow_slots_used = self.cow_used_bytes = self.staging_bytes = 0
         self._lock = threading.Lock()
         self._segments: dict[str, Segment] = {}
-        self._tensor_used = 0
-        self._seq = 0
+        self._tensor_used = self._seq = 0
         self._closed = self._warned_mlock = False
         self.copy_policy = copy_policy or CopyBudgetPolicy()  # shared with the snapshot coordinator
 
@@ -203,8 +175,7 @@ class Arena:
         with self._lock:
             return self._free()
 
-    def _free(self) -> int:
-        """:attr:`free_bytes`, under the lock."""
+    def _free(self) -> int:  # under the lock
         return self.total_bytes - self.cow_reserve_bytes - self._tensor_used - self.staging_bytes
 
     @contextlib.contextmanager
@@ -234,13 +205,9 @@ class Arena:
         return max(1, self.cow_pool_slots // min(max(world_size, 1), LOCAL_RANKS_HINT))
 
     def create_segment(self, owner: str, descriptor: SegmentDescriptor) -> Segment:
-        """Plan, charge, create, pre-fault, map and initialise the segment of ``descriptor``'s
-        tensors (blocking), charged to its tenant's quota, with the copy slots of a job of its
-        ``local_world_size`` ranks here.
-
-        ``owner``: a server-issued hex id, part of the file name. The descriptor, what a
-        successor server needs to adopt the segment, is written after the copy slots.
-        """
+        """Plan, charge (to its tenant's quota), create, pre-fault, map and initialise the segment of
+        ``descriptor``'s tensors (blocking). ``owner``: a server-issued hex id, part of the file
+        name. The descriptor, what a successor server needs to adopt it, goes after the copy slots."""
         if not owner.isalnum():
             raise ValueError("segment owner must be a server-issued alphanumeric id")
         raw = descriptor.encode()

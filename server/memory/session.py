@@ -1,9 +1,6 @@
-"""One trainer rank's session as the server holds it: :class:`Session`, its
-:class:`SessionState` and the :class:`LivenessStream` (an open KeepAlive stream) that keeps it
-live, and :class:`FreedSession`, what the registry remembers of one it freed (so that a trainer
-that finds no state, a fresh Attach or NOT_FOUND for its old session id, is told when and why).
-The lifecycle is the registry's (:mod:`.sessions`); these types hold the state and read the
-segment's header words.
+"""One trainer rank's session as the server holds it (:class:`Session`, its :class:`SessionState`,
+the :class:`LivenessStream` that keeps it live), and :class:`FreedSession`, what the registry
+remembers of one it freed, so a trainer that finds no state is told when and why.
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ class LivenessStream:
     """One open KeepAlive stream; the server ends it by calling :meth:`end`."""
 
     def __init__(self, session: Session, generation: int) -> None:
-        self.session = session
-        self.generation = generation
+        self.session, self.generation = session, generation
         self.end_reason: str | None = None
         self._ended = asyncio.Event()
 
@@ -52,8 +48,7 @@ class LivenessStream:
 
 @dataclasses.dataclass(eq=False)
 class Session:
-    """One trainer rank's state on this host; :meth:`record_commit` is the one way a step is
-    committed through the server."""
+    """One trainer rank's state on this host; :meth:`record_commit` commits a step through the server."""
 
     session_id: str
     job_id: str
@@ -69,17 +64,14 @@ class Session:
     state: SessionState = SessionState.PENDING
     orphaned_since: float | None = None  # monotonic time it became orphaned
     stream_deadline: float | None = None  # monotonic time by which a pending session must open its stream
-    rewind_allowed: bool = False
-    """After a reattach the trainer may commit an earlier step once (it restored a checkpoint)."""
+    rewind_allowed: bool = False  # after a reattach the trainer may commit an earlier step once (a restore)
     closed: bool = False  # removed from the registry (its segment freed or being freed)
-    metadata_base: tuple[str, MetadataBase] | None = None
-    """(id, parsed base) of the snapshot metadata base the trainer sent last; in memory only."""
+    metadata_base: tuple[str, MetadataBase] | None = None  # (id, parsed base) the trainer sent last; memory only
     adopted: bool = False  # rebuilt from a previous server's segment at this server's start
     awaiting_reconnect: bool = False
     """Adopted, its trainer not back yet: while that trainer still maps the segment, only it
     takes the session back (a fresh Attach is refused)."""
-    streamed_generation: int = 0
-    """The generation whose KeepAlive stream was last opened (0: none); reopened: a reconnect."""
+    streamed_generation: int = 0  # the generation whose KeepAlive stream was last opened (0: none)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock, repr=False)
     streams: set[LivenessStream] = dataclasses.field(default_factory=set, repr=False)
 

@@ -7,20 +7,10 @@ Lifecycle::
                   └── no stream within stream_wait ──┼──> orphaned ──grace──> freed
                                                      └── reattach / stream reopened
 
-* Liveness is the KeepAlive stream being open, nothing else (heavy work never stands in for it).
-* An orphaned session keeps its segment for ``grace`` seconds; the same (job, rank) attaching
-  in time gets it back with a new generation, and calls of an older generation fail
-  FAILED_PRECONDITION, so a stale trainer cannot commit.
-* A live session is never taken over: a second trainer with the same job id and rank is refused.
-* A session adopted from a previous server begins orphaned; its trainer's KeepAlive stream
-  (same session id and generation) makes it live again, counted as a reconnect.
-* At shutdown the segments of every session not freed stay for the next server to adopt
-  (unless ``keep_segments`` is off): live and pending ones, and orphaned ones within their grace
-  (an adopted session whose trainer is still reconnecting, a crashed trainer's kept state); the
-  successor adopts them with a grace of its own.
-
-Request values are validated by the servicer (:mod:`..rpc.validation`) before they get here.
-Used from one asyncio loop; blocking arena work runs in worker threads.
+Liveness is the KeepAlive stream being open, nothing else. An orphaned session keeps its segment
+for ``grace`` seconds; the same (job, rank) attaching in time gets it back with a new generation
+(an older generation's calls fail FAILED_PRECONDITION). A live session is never taken over. An
+adopted session begins orphaned. Used from one asyncio loop; blocking arena work runs in threads.
 """
 
 from __future__ import annotations
@@ -50,8 +40,7 @@ __all__ = ["SessionRegistry"]
 
 log = logging.getLogger(__name__)
 
-#: Freed (job id, rank) pairs remembered; one record is a few hundred bytes.
-MAX_FREED = 1024
+MAX_FREED = 1024  # freed (job id, rank) pairs remembered; one record is a few hundred bytes
 
 
 class SessionRegistry:
@@ -59,10 +48,7 @@ class SessionRegistry:
 
     def __init__(self, arena: Arena, *, grace: float, stream_wait: float, max_tensors: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.arena = arena
-        self.grace = grace
-        self.stream_wait = stream_wait
-        self.max_tensors = max_tensors
+        self.arena, self.grace, self.stream_wait, self.max_tensors = arena, grace, stream_wait, max_tensors
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._by_key: dict[tuple[str, int], Session] = {}
@@ -195,8 +181,7 @@ class SessionRegistry:
                               "trainer first, or give this one another job id")
 
     def adopt(self, adopted: Adopted) -> Session:
-        """A session rebuilt from a segment a previous server left, orphaned until its
-        trainer's KeepAlive stream comes back."""
+        """A session rebuilt from a previous server's segment, orphaned until its trainer's stream is back."""
         d = adopted.descriptor
         session = Session(session_id=adopted.session_id, job_id=d.job_id, rank=d.rank, world_size=d.world_size,
                           generation=adopted.generation, local_world_size=d.local_world_size, tenant=d.tenant,
@@ -295,8 +280,7 @@ class SessionRegistry:
 
     @staticmethod
     def commit_step(session: Session, step: int) -> int:
-        """Record ``step`` as committed for the :meth:`lookup`'d session (its moments are
-        completely in the segment)."""
+        """Record ``step`` as committed (its moments are completely in the segment)."""
         if session.record_commit(step):
             log_event(log, "step_committed", logging.DEBUG, **session._describe(), step=step)
         return step
@@ -326,8 +310,7 @@ class SessionRegistry:
                   budget_used=self.arena.used_bytes)
 
     async def reap(self) -> int:
-        """Orphan pending sessions past their stream deadline; free orphans past the grace
-        period. Returns how many sessions were freed."""
+        """Orphan pending sessions past their stream deadline; free orphans past the grace; how many freed."""
         now = self._clock()
         freed = 0
         for session in list(self._sessions.values()):
@@ -365,9 +348,8 @@ class SessionRegistry:
             self._end_streams(session, SERVER_STOPPING_NOTICE)
 
     async def close(self, keep_segments: bool = False) -> None:
-        """Stop the reaper and end every session (shutdown). ``keep_segments``: the segment
-        files of the sessions not freed stay for the next server to adopt (a restart between an
-        adoption and its trainer's reconnect must not lose that trainer's state)."""
+        """Stop the reaper and end every session (shutdown); with ``keep_segments`` the segment files of
+        the sessions not freed stay for the next server to adopt."""
         self.begin_shutdown()
         if self._reaper is not None:
             self._reaper.cancel()

@@ -42,10 +42,8 @@ def filesystem_type(path: pathlib.Path) -> str | None:
 
 def _docker_size(nbytes: int) -> str:
     """A size in the form docker's --shm-size takes, rounded up (``64g``, ``512m``)."""
-    gib, mib = 1 << 30, 1 << 20
-    if nbytes >= gib:
-        return f"{-(-nbytes // gib)}g"
-    return f"{-(-nbytes // mib)}m"
+    unit, suffix = (1 << 30, "g") if nbytes >= 1 << 30 else (1 << 20, "m")
+    return f"{-(-nbytes // unit)}{suffix}"
 
 
 def require_shm_dir(shm_dir: pathlib.Path) -> None:

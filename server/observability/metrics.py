@@ -34,8 +34,7 @@ _REQUEST_TIMEOUT = 5.0
 
 
 class RpcCounters:
-    """Calls per (method, status code) and their total seconds, counted by the RPC boundary
-    (:func:`swap_state.server.rpc.statuses.rpc_boundary`)."""
+    """Calls per (method, status code) and their total seconds, counted by the RPC boundary."""
 
     def __init__(self) -> None:
         self.calls: dict[tuple[str, str], int] = {}
@@ -136,16 +135,10 @@ class ServerCollector(Collector):
     def __init__(self, arena: Arena, registry: SessionRegistry, counters: RpcCounters,
                  snapshot_counters: SnapshotCounters, coordinator: SnapshotCoordinator | None, *,
                  started_at: float) -> None:
-        self.arena = arena
-        self.registry = registry
-        self.counters = counters
-        self.snapshot_counters = snapshot_counters
-        self.coordinator = coordinator
-        self.started_at = started_at
+        self.arena, self.registry, self.counters = arena, registry, counters
+        self.snapshot_counters, self.coordinator, self.started_at = snapshot_counters, coordinator, started_at
 
     def collect(self) -> Iterator[Metric]:
-        """Every family, in a fixed order: server, arena, sessions, session counters, RPCs,
-        snapshots, store uploads."""
         yield GaugeMetricFamily("swap_state_up", "1 while the server serves.", 1)
         yield GaugeMetricFamily("swap_state_start_time_seconds", "Unix time the server started.", self.started_at)
         for name, help_text, attr in _ARENA_GAUGES:
@@ -186,14 +179,12 @@ class ServerCollector(Collector):
 
 
 class MetricsServer:
-    """``GET /metrics`` on host:port: the collector's families in the Prometheus text format
-    0.0.4, from a private registry."""
+    """``GET /metrics`` on host:port: the collector's families (text format 0.0.4), a private registry."""
 
     def __init__(self, collector: Collector, host: str, port: int) -> None:
         self._metrics = CollectorRegistry(auto_describe=False)
         self._metrics.register(collector)
-        self._host = host
-        self._port = port
+        self._host, self._port = host, port
         self._server: asyncio.base_events.Server | None = None
         self.address: tuple[str, int] | None = None
 

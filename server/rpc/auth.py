@@ -1,10 +1,7 @@
-"""Caller authentication as a grpc.aio server interceptor: a bearer token (``--token-file``, or
-a tenant's of ``--tenants``) or a uid proof (:class:`~swap_state.server.tenants.Tenants`).
-
-A call without a known one fails UNAUTHENTICATED before its request is deserialised; a known
-one's tenant, resolved once, is the servicer's :func:`caller` while the call runs. The gRPC
-health service is exempt so orchestrator probes work without the secret (it reveals nothing but
-SERVING / NOT_SERVING).
+"""Caller authentication as a grpc.aio server interceptor: a bearer token or a uid proof
+(:class:`~swap_state.server.tenants.Tenants`). An unknown caller fails UNAUTHENTICATED before its
+request is deserialised; a known one's tenant is the servicer's :func:`caller`. The health service
+is exempt so orchestrator probes work without the secret (it reveals only SERVING / NOT_SERVING).
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ def read_token_file(path: pathlib.Path) -> str:
 
 
 class CallerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Tells callers apart (token or uid proof): refuses an unknown one, runs a known one's
-    call with its tenant as :func:`caller`."""
+    """Refuses an unknown caller; runs a known one's call with its tenant as :func:`caller`."""
 
     def __init__(self, tenants: Tenants) -> None:
         self._tenants = tenants
@@ -75,7 +71,6 @@ class CallerAuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _as_caller(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethodHandler:
-    """``handler`` with its behaviour run as ``tenant``'s call."""
     if handler.response_streaming:
         behaviour = handler.unary_stream or handler.stream_stream
 

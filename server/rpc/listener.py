@@ -1,8 +1,6 @@
-"""Owning a Unix socket path: one live server per path, stale files replaced, 0660.
-
-A lock file next to the socket (``<socket>.lock``, flock'd for the server's lifetime) makes the
-check race-free, and a server that died (even by SIGKILL) releases it. With the lock held, a
-socket file at the path is stale, unless something answers on it (never clobbered).
+"""Owning a Unix socket path: one live server per path, stale files replaced, 0660. A lock file
+beside the socket (``<socket>.lock``, flock'd for the server's lifetime, released even by SIGKILL)
+makes the check race-free; with it held, a socket file there is stale unless something answers on it.
 """
 
 from __future__ import annotations
@@ -28,11 +26,10 @@ SOCKET_MODE = 0o660
 
 
 class SocketGuard:
-    """The lock and the socket file of one Unix socket path (module docstring)."""
+    """The lock and the socket file of one Unix socket path."""
 
     def __init__(self, path: pathlib.Path, shared_gid: int | None = None) -> None:
-        self.path = path
-        self._shared_gid = shared_gid
+        self.path, self._shared_gid = path, shared_gid
         self.lock_path = path.with_name(path.name + ".lock")
         self._lock_fd: int | None = None
         self._inode: tuple[int, int] | None = None
@@ -57,8 +54,7 @@ class SocketGuard:
             raise
 
     def _lock(self) -> int:
-        """An exclusive flock on the lock file at :attr:`lock_path` now (one unlinked meanwhile,
-        by a server stopping, does not count)."""
+        """An exclusive flock on the file at :attr:`lock_path` now (one unlinked meanwhile does not count)."""
         for _ in range(10):
             try:
                 fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -111,7 +107,6 @@ class SocketGuard:
         self._inode = (info.st_dev, info.st_ino)
 
     def release(self) -> None:
-        """Unlink the socket (if it is still ours) and drop the lock."""
         if self._inode is not None:
             with contextlib.suppress(FileNotFoundError):
                 info = os.lstat(self.path)

@@ -16,14 +16,12 @@ R = TypeVar("R")
 
 
 def reply_of(reply: type[R], value: Any, **given: Any) -> R:
-    """A ``reply`` message whose every field is ``value``'s attribute of the same name (save
-    those ``given``)."""
+    """A ``reply`` whose every field not ``given`` is ``value``'s attribute of the same name."""
     fields = {f.name: getattr(value, f.name) for f in reply.DESCRIPTOR.fields if f.name not in given}  # type: ignore[attr-defined]
     return reply(**fields, **given)
 
 
 def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
-    """The protobuf of a status (its state as its string)."""
     return reply_of(pb.SnapshotStatusReply, status, state=status.state.value)
 
 

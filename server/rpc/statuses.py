@@ -1,9 +1,6 @@
-"""The one place where domain errors become gRPC status codes.
-
-:func:`rpc_boundary` wraps every servicer method: a
-:class:`~swap_state.common.errors.SwapStateError` becomes its status code and message; anything
-else becomes INTERNAL with a reference id logged with the traceback, so a bug in one request
-never crashes the server or leaves the caller hanging.
+"""The one place where domain errors become gRPC status codes (:func:`rpc_boundary`): a
+SwapStateError becomes its code and message, anything else INTERNAL with a reference id logged
+with the traceback, so a bug in one request never crashes the server or leaves the caller hanging.
 """
 
 from __future__ import annotations
@@ -33,12 +30,10 @@ _AbortError: type[BaseException] = grpc.aio.AbortError
 
 
 def status_for(exc: SwapStateError) -> grpc.StatusCode:
-    """The status code the error class names (``SwapStateError.code``)."""
     return grpc.StatusCode[exc.code]
 
 
 def reason_metadata(exc: SwapStateError) -> tuple[tuple[str, str], ...]:
-    """The trailing metadata that carries the error's machine-readable reason."""
     return ((REASON_METADATA_KEY, exc.reason),)
 
 

@@ -1,10 +1,7 @@
-"""Validation of request values, before any of them reaches the domain.
-
-The servicer calls these first thing in every RPC, for every id a client sends; the domain
-trusts them. Every check raises :class:`~swap_state.common.errors.InvalidRequestError` naming the
-field and the rule, quoting the value with :func:`~swap_state.common.names.shorten`: the message
-travels back as gRPC metadata, which a hostile 20,000-character id must not overflow. Job ids
-may become a directory name under the snapshot directory, hence their strict charset.
+"""Validation of request values, first thing in every RPC, before any reaches the domain (which
+trusts them). Every check raises InvalidRequestError naming the field and the rule, quoting the
+value with :func:`~swap_state.common.names.shorten` (the message travels back as gRPC metadata,
+which a hostile 20,000-character id must not overflow).
 """
 
 from __future__ import annotations
@@ -158,8 +155,7 @@ def _unknown_dtype(index: int, name: str, dtype: str) -> InvalidRequestError:
 
 
 def validate_descriptor(descriptor: SegmentDescriptor, *, max_tensors: int) -> list[TensorSpec]:
-    """A segment descriptor a previous server left passes what an Attach and an Allocate
-    pass; returns its checked tensor specs."""
+    """The checks of an Attach and an Allocate, on a previous server's descriptor; its tensor specs."""
     validate_job_id(descriptor.job_id)
     validate_rank(descriptor.rank, descriptor.world_size)
     if validate_local_world_size(descriptor.local_world_size, descriptor.world_size) != descriptor.local_world_size:

@@ -101,8 +101,7 @@ class SnapshotGroup:
         return None  # a participant retries, or another run starts: a fresh attempt
 
     def missed_status(self, rank: int) -> SnapshotStatus | None:
-        """The status of a rank that never joined this group: failed with the group's error
-        once the group failed (the rank came after), else None."""
+        """A rank that never joined this group: failed with the group's error once it failed, else None."""
         with self.cond:
             if self.state is not SnapshotState.FAILED:
                 return None
@@ -184,8 +183,7 @@ class RankSnapshot:
         same step with the same count is a retry, with another a retrained step."""
 
     def is_retry(self, source: SnapshotSource) -> bool:
-        """Whether ``source`` asks again for this snapshot: the same run (session, generation),
-        nothing committed since."""
+        """Whether ``source`` asks again for this snapshot: the same run, nothing committed since."""
         commits = source.header[Word.TRAINER_COMMITS]
         return source.run == self.writer.source.run and commits == self.commits_at_start
 

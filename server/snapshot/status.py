@@ -25,8 +25,7 @@ class SnapshotState(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class SnapshotStatus:
-    """One rank's view of a snapshot; field for field a SnapshotStatusReply (described by the
-    proto's comments), plus a few."""
+    """One rank's view of a snapshot; field for field a SnapshotStatusReply (the proto says each)."""
 
     snapshot_id: str
     job_id: str
@@ -44,8 +43,7 @@ class SnapshotStatus:
     ranks_joined: int
     ranks_persisted: int  # ranks whose files are written and fsynced
     segment_released: bool  # whether the server is done reading this rank's segment
-    warnings: tuple[str, ...] = ()
-    """Problems after the commit (latest pointer, retention) that did not fail the snapshot."""
+    warnings: tuple[str, ...] = ()  # problems after the commit (latest pointer, retention): not a failure
     local_world_size: int = 0  # ranks that must be durable on this server before the snapshot is (0: ``world_size``)
     ranks: tuple[int, ...] = ()  # the ranks that have joined (in memory) or that the durable snapshot holds (from disk)
     server_staged_chunks: int = 0  # this and trainer_copied_bytes: 0 from disk

@@ -1,18 +1,10 @@
-"""One step's layout index: for every tensor, where each old rank's shard lies (``layout.json``).
+"""One step's layout index (``layout.json``): for every tensor, where each old rank's shard lies, so
+a restore at another world size or layout plans from one small object (DCP's ``.metadata`` is
+the model), not from N manifests. A DTensor's shards form a grid stored as arithmetic runs
+(:class:`Progression`): small at any N, planning a rank is O(T log R). Call order (:mod:`.restore`)::
 
-A restore at another world size or layout plans from this one small object, written once per
-step, never from N manifests (DCP's ``.metadata`` is the model). It holds no byte ranges or
-checksums of shards: the few manifests a plan reads give those (:func:`bind`). A DTensor's
-shards form a grid per tensor, whose interval starts and per-rank cells are stored as
-arithmetic runs (:class:`Progression`), so the index stays small at any N and planning a rank
-is O(T log R). Anything else keeps its records whole (:func:`~.reshard.plan_tensor`).
-
-Call order (:mod:`.restore`)::
-
-    index = LayoutIndex(manifests)  |  LayoutIndex.from_bytes(raw, world_size)   # layout.json
-    targets, index = index.promoted(targets)
-    plan = index.plan(targets, target_rank=..., same_world=...)   # pieces of box records
-    plan = bind(plan, {rank: manifest.tensors for rank in ranks_needed(plan)})
+    targets, index = LayoutIndex.from_bytes(raw, world_size).promoted(targets)
+    plan = bind(index.plan(targets, target_rank=..., same_world=...), {rank: manifest.tensors, ...})
 """
 
 from __future__ import annotations
@@ -95,7 +87,6 @@ class Progression:
         return found
 
     def rising(self) -> bool:
-        """Whether the sequence strictly increases."""
         return all(step > 0 or count == 1 for _, step, count in self.runs) and \
             all(self[end - 1] < self[end] for end in self._ends[:-1])
 
@@ -224,7 +215,6 @@ class _Plain:
                 for rank, crc in enumerate(self.crcs) if crc != _ABSENT]
 
     def same_bytes(self) -> bool:
-        """Every rank holding it holds the same bytes."""
         crcs = {first for first, _, _ in self.crcs.runs if first != _ABSENT}
         return len(crcs) == 1 and all(step == 0 for _, step, _ in self.crcs.runs)
 
@@ -276,7 +266,7 @@ _KINDS: dict[str, type] = {"starts": _Grid, "crc32s": _Plain, "records": _Record
 
 
 class LayoutIndex:
-    """Every old rank's shards of one snapshot, by tensor (see the module docstring)."""
+    """Every old rank's shards of one snapshot, by tensor."""
 
     def __init__(self, manifests: Mapping[int, Sequence[TensorRecord]], world_size: int | None = None):
         if not manifests:

@@ -1,13 +1,9 @@
-"""Plans the byte copies that reshard a snapshot to another world size: :func:`plan_tensor` says,
-for a tensor of the restoring rank, which old ranks' tensors to read (:class:`Piece`) and which
-contiguous byte ranges of them go where (:class:`Run`). A DTensor shard is the box
-``[global_offset, global_offset + shape)`` of its global tensor, stored row-major. Pure Python
-on ints (the server must not import torch); it reads and copies nothing.
-
-Rules: dtypes and global shapes must match; replicas count once (the restoring rank's own when
-it holds one, else one spread by rank); the chosen shards must tile the target box exactly. A
-plain tensor is taken whole from one old rank: only when all hold the same bytes (crc32), or at
-the snapshot's own world size (each rank its own). :mod:`.layout_index` plans a whole rank.
+"""Plans the byte copies that reshard a snapshot to another world size (:func:`plan_tensor`): which
+old ranks' tensors to read (:class:`Piece`) and which byte ranges of them go where (:class:`Run`),
+a DTensor shard being the row-major box ``[global_offset, global_offset + shape)``. Pure Python.
+Rules: dtypes and global shapes match; replicas count once (the restoring rank's own, else one
+spread by rank); shards tile the target box exactly; a plain tensor is taken whole from one old
+rank, only when all hold the same bytes (crc32) or at the snapshot's own world size.
 """
 
 from __future__ import annotations
@@ -80,7 +76,6 @@ def _nearest(holders: Sequence[tuple[int, TensorRecord]], target_rank: int) -> t
 
 
 def ranks_needed(plan: Mapping[str, list[Piece]]) -> list[int]:
-    """The distinct old ranks a plan reads from, sorted."""
     return sorted({piece.source_rank for pieces in plan.values() for piece in pieces})
 
 
@@ -201,7 +196,6 @@ def _check_tiling(target: TargetTensor, chosen: Sequence[tuple[int, TensorRecord
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
-    """Row-major element strides."""
     return [math.prod(shape[d + 1:]) for d in range(len(shape))]
 
 

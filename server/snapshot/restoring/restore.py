@@ -1,34 +1,8 @@
-"""Restore: a durable snapshot into a session's segment, built from the snapshot's rank files,
-locally or from the store, at the snapshot's layout or another. One path: pick the tier, plan,
-read, verify and copy (:mod:`.restore_reads`). Call order (the servicer, for Restore)::
-
-    result = restore(coordinator.local, snapshot_id, segment_mmap, layout, job_id=...,
-                     rank=..., world_size=..., reserve_staging=..., stored=..., placement_json=...)
-
-returns the snapshot's step and the trainer's metadata once the tensors are written. It picks
-the tier (:func:`~.tier_choice.resolve_source`) and checks the segment; :func:`assemble` plans, reads
-and verifies. Any mismatch raises (SnapshotNotFoundError, SnapshotLayoutMismatch, SnapshotCorruptError,
-naming the file and tensor), the segment as it was (below).
-
-The plan: at the snapshot's world size and layout, the trivial one: the rank's own file, each
-tensor a piece of itself (one manifest read). Otherwise each new rank's shards are cut from the
-old ranks' shards, planned from the step's ``layout.json`` (:mod:`.layout_index`; from every
-manifest for a snapshot without one), read once for the ranks of this server restoring it
-together (:data:`RECENT`); the targets' placement is the trainer's (RestoreRequest.metadata_json).
-
-Everything read is verified (manifests against the index, data headers, every source tensor's
-crc32) as it is read once, in file order (:mod:`.restore_reads`), and copied into the segment as it
-comes. A segment that holds nothing to keep (the trainer marked it being written: a fresh or torn
-state) has its targets zeroed when a check fails (a fresh state is all zero: it stays fresh; a
-torn one stays torn, the trainer's mark with it). A running trainer's state is kept: a thread
-copies each target aside before its first write, into the segment's copy slots (idle: no
-snapshot reads a segment being restored) and, for what they cannot hold, memory the budget
-lends (``reserve_staging``), and a failed check puts every target back, so a corrupt snapshot
-leaves that state as it was. Copying as it reads keeps the restore at the disk's pace, which
-verifying everything before the first copy (or staging in the page cache) does not
-(docs/benchmarks.md). Where neither
-holds the kept state, every checksum is checked in a first read, then the file read again into
-the segment (a change in between: "restore again"), logged with what to raise.
+"""Restore: a durable snapshot into a session's segment, locally or from the store, at the
+snapshot's layout or resharded to another (planned from the step's ``layout.json``,
+:mod:`.layout_index`). One path: pick the tier (:mod:`.tier_choice`), plan, then read, verify and
+copy as it reads (:mod:`.restore_reads`), which keeps the restore at the disk's pace; a failed
+check leaves the segment's state as it was (:func:`_read_pieces`).
 """
 
 from __future__ import annotations
@@ -87,20 +61,15 @@ class PlanSource(TextEnum):
 class RestoreResult:
     """What a successful restore loaded."""
 
-    snapshot_id: str
-    """The resolved id (``latest`` becomes ``<job>/step-<N>``)."""
+    snapshot_id: str  # the resolved id (``latest`` becomes ``<job>/step-<N>``)
     step: int
     metadata_json: str
     bytes_restored: int
     kept: Kept = Kept.NOTHING
-    """What kept the segment's state safe while the snapshot was read."""
-    source: str = "local"
-    """Where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)."""
-    snapshot_world_size: int = 0
-    """The world size the snapshot was taken at (resharded when not the job's)."""
+    source: str = "local"  # where the files were read: ``local`` (--snapshot-dir) or ``store`` (--snapshot-store)
+    snapshot_world_size: int = 0  # the world size the snapshot was taken at (resharded when not the job's)
     source_ranks: tuple[int, ...] = ()
     plan: PlanSource = PlanSource.OWN_FILE
-    """What the plan came from."""
 
     @property
     def staged(self) -> bool:
@@ -114,7 +83,6 @@ class RestoreResult:
 
 
 def check_world_size(info: SnapshotInfo, world_size: int) -> None:
-    """SnapshotLayoutMismatch unless the snapshot was taken at ``world_size``."""
     if info.world_size != world_size:
         held = "" if info.index.complete_job else f" (this server holds its {info.describe_ranks()})"
         raise SnapshotLayoutMismatch(f"{info.path / INDEX_NAME}: {info.snapshot_id} was taken with "
@@ -122,8 +90,7 @@ def check_world_size(info: SnapshotInfo, world_size: int) -> None:
 
 
 def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayout) -> None:
-    """SnapshotLayoutMismatch unless the rank file of ``manifest`` (taken at the job's world size)
-    fits a segment of ``layout``, naming the file and the first differing tensor."""
+    """SnapshotLayoutMismatch, naming the file and first differing tensor, unless ``manifest`` fits ``layout``."""
     path = info.path / manifest.data_file
     ours = {t.name: t for t in layout.tensors}
     theirs = {t.name for t in manifest.tensors}
@@ -134,11 +101,10 @@ def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayo
         if target.name not in theirs:
             raise SnapshotLayoutMismatch(f"{path}: has no tensor {target.name!r} the segment holds")
     for position, (tensor, target) in enumerate(zip(manifest.tensors, layout.tensors)):
-        if (tensor.dtype, tensor.shape) != (ours[tensor.name].dtype, ours[tensor.name].shape):
-            ours_now = ours[tensor.name]
-            raise SnapshotLayoutMismatch(f"{path}: tensor {tensor.name!r} is "
-                                         f"{tensor.dtype}{list(tensor.shape)}, the segment's is "
-                                         f"{ours_now.dtype}{list(ours_now.shape)}")
+        mine = ours[tensor.name]
+        if (tensor.dtype, tensor.shape) != (mine.dtype, mine.shape):
+            raise SnapshotLayoutMismatch(f"{path}: tensor {tensor.name!r} is {tensor.dtype}{list(tensor.shape)}, "
+                                         f"the segment's is {mine.dtype}{list(mine.shape)}")
         if tensor.name != target.name:
             raise SnapshotLayoutMismatch(f"{path}: tensor {tensor.name!r} is at position {position}, the "
                                          f"segment has {target.name!r} there (the update order differs)")
@@ -166,15 +132,10 @@ def restore(directory: SnapshotReader, snapshot_id: str, buffer, layout: Segment
             placement_json: str = "", may_read: Callable[[SnapshotInfo], None] | None = None) -> RestoreResult:
     """Verify ``snapshot_id`` (``<job>/step-<N>``, or ``latest`` of ``job_id``) for ``rank`` against
     ``layout``, then copy it into ``buffer`` (the writable mapped segment, not under a snapshot).
-
-    ``world_size``: the job's global one. ``header``: the segment's (a snapshot's epoch refuses
-    the restore). ``reserve_staging(nbytes)``: yields whether the budget holds the staged bytes
-    (None: always). ``stored``: the store, for snapshots this server does not hold.
-    ``placement_json``: the rank's DTensor placement, needed to reshard.
-    ``may_read(info)`` raises (PermissionDeniedError) before anything is read. On any error
-    (SnapshotNotFoundError, SnapshotLayoutMismatch, SnapshotCorruptError, SnapshotBusyError) the segment is
-    untouched, unless the trainer marked it being written (it held nothing to keep).
-    """
+    ``reserve_staging(nbytes)`` yields whether the budget holds the staged bytes (None: always);
+    ``placement_json`` is the rank's DTensor placement, needed to reshard; ``may_read(info)`` raises
+    (PermissionDeniedError) before anything is read. On any error the segment is untouched, unless
+    the trainer marked it being written (it held nothing to keep)."""
     started = time.monotonic()
     with memoryview(buffer) as view:
         if view.nbytes < layout.size:
@@ -303,11 +264,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
 
 def _aside_places(targets, at: int) -> list[tuple[object, int]]:
     """Each target with where its bytes go aside, one after the other from ``at``."""
-    places = []
-    for target in targets:
-        places.append((target, at))
-        at += target.nbytes
-    return places
+    return list(zip(targets, itertools.accumulate((t.nbytes for t in targets[:-1]), initial=at)))
 
 
 def _read_with_undo(tier: SnapshotTier, info: SnapshotInfo, wanted, copier: _Copier, base: int,
@@ -340,7 +297,6 @@ class _Copier:
     the target tensors they fill (``before_write(target)`` first, when set)."""
 
     def __init__(self, base: int, by_name: Mapping, by_source: Mapping[tuple[int, str], list[tuple[str, Piece]]]):
-        self._base, self._by_name = base, by_name
         # Per source tensor: (target name, target address, its runs by source offset, their starts).
         self._runs: dict[tuple[int, str], list[tuple[str, int, list[Run], list[int]]]] = {}
         for key, items in by_source.items():
@@ -366,8 +322,7 @@ class _Copier:
 
 
 class ReadSnapshot:
-    """A snapshot's layout index and the manifests read from it, each verified, shared by the
-    ranks of this server that restore it."""
+    """A snapshot's layout index and manifests, each verified, shared by this server's restoring ranks."""
 
     def __init__(self, tier: SnapshotTier, info: SnapshotInfo):
         self._tier, self._info = tier, info

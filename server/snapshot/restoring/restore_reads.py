@@ -1,14 +1,8 @@
 """Restore's reads: every source tensor a plan needs, streamed in file order and checked against
-its crc32 as its bytes pass (:func:`stream_tensors`); the caller decides where the bytes go.
-
-A tier whose files are on this host's filesystem (``--snapshot-dir``, a directory store) is read
-by a reader thread with O_DIRECT (buffered where the filesystem refuses it), one read in flight,
-into a small ring of buffers reused from restore to restore, while this thread checksums and
-delivers the block before. The bytes go from the disk into memory already touched, as a plain
-O_DIRECT read's do: a read into memory touched for the first time (fresh pages, or the page
-cache of a mapped file) is slower than into a reused buffer, and two reads in flight were no
-faster than one (docs/benchmarks.md). Any other tier (an object store) is read tensor by tensor
-into memory.
+its crc32 as its bytes pass (:func:`stream_tensors`); the caller decides where the bytes go. Local
+files are read by a reader thread with O_DIRECT, one read in flight, into a ring of buffers reused
+from restore to restore (a read into freshly touched memory is slower: docs/benchmarks.md); any
+other tier (an object store) tensor by tensor into memory.
 """
 
 from __future__ import annotations
@@ -24,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from swap_state.common.checksum import crc32
+from swap_state.common.segment import align_up
 from swap_state.common.snapshot_errors import SnapshotCorruptError, SnapshotError
 from swap_state.common.snapshot_format import RankManifest, TensorRecord
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier, reading_file
@@ -48,10 +43,9 @@ bytes come in order; they are not yet verified (its checksum is checked after it
 
 
 def stream_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted, deliver: Deliver) -> None:
-    """Read every tensor of ``wanted`` once (each data file's header checked before:
-    :meth:`~SnapshotTier.check_data_header`), delivering its bytes in order as they are read.
-    SnapshotCorruptError names the file and the tensor whose checksum fails; its bytes, and those of
-    the tensors before it, were delivered: the caller undoes them."""
+    """Read every tensor of ``wanted`` once (each data file's header checked first), delivering its
+    bytes in order as read. SnapshotCorruptError names the file and tensor whose checksum fails; its
+    bytes and those before were delivered: the caller undoes them."""
     for rank, (manifest, tensors) in wanted.items():
         tier.check_data_header(info, manifest)
         path = tier.local_file(info, manifest.data_file)
@@ -80,15 +74,11 @@ def _spans(tensors: Sequence[TensorRecord], data_start: int) -> list[_Span]:
     for tensor in sorted((t for t in tensors if t.nbytes), key=lambda t: t.data_offsets[0]):
         begin, end = data_start + tensor.data_offsets[0], data_start + tensor.data_offsets[1]
         if spans and begin - spans[-1].end <= _MERGE_GAP:
-            spans[-1].end = max(spans[-1].end, _align_up(end))
+            spans[-1].end = max(spans[-1].end, align_up(end, _ALIGN))
             spans[-1].tensors.append(tensor)
         else:
-            spans.append(_Span(begin - begin % _ALIGN, _align_up(end), [tensor]))
+            spans.append(_Span(begin - begin % _ALIGN, align_up(end, _ALIGN), [tensor]))
     return spans
-
-
-def _align_up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 class _Ring:

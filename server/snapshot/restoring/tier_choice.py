@@ -1,11 +1,8 @@
-"""Which tier a snapshot is read from: this server's ``--snapshot-dir`` or the ``--snapshot-store``.
-
-The same rule answers Restore (:func:`resolve_source`) and ListSnapshots' ``latest``
-(:func:`list_both_tiers`): a snapshot in the local directory is read locally when it holds
-the restoring rank at the job's world size, or every rank of its job; otherwise from the store.
-With a store, ``latest`` is the newest step complete for the whole job in either tier: one
-host's own snapshot of a multi-host job is not (its other ranks may never reach the store), so
-every rank of a job resolves ``latest`` to the same step.
+"""Which tier a snapshot is read from, for Restore (:func:`resolve_source`) and ListSnapshots'
+``latest`` (:func:`list_both_tiers`): the local ``--snapshot-dir`` when it holds the restoring rank
+at the job's world size, or every rank of its job; otherwise the ``--snapshot-store``. With a store,
+``latest`` is the newest step complete for the whole job in either tier, so every rank of a job
+resolves it to the same step.
 """
 
 from __future__ import annotations
@@ -82,10 +79,8 @@ def _local_copy(directory: SnapshotReader, remote: SnapshotInfo, rank: int,
 
 def list_both_tiers(coordinator, job_id: str | None
                     ) -> tuple[list[tuple[SnapshotInfo | None, SnapshotInfo | None]], str]:
-    """Every snapshot in either tier as (local, stored), by job then step; ``latest`` marks
-    the step Restore's ``latest`` resolves to (for a rank of the job at its world size). And why
-    the store could not be listed ("" when it was, or there is none): then only the local tier
-    is listed, which is not "no snapshot" (the store may hold newer ones)."""
+    """Every snapshot in either tier as (local, stored), by job then step, ``latest`` marking the
+    step Restore's ``latest`` resolves to; and why the store could not be listed ("" when it was)."""
     local = {(i.job_id, i.step): i for i in coordinator.local.list(job_id)}
     stored, store_error = {}, ""
     if coordinator.stored is not None:

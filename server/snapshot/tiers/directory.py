@@ -1,20 +1,9 @@
 """The server's ``--snapshot-dir``: :class:`SnapshotDirectory`, the local tier's writer (the
-:class:`~.seam.TierWriter` seam: callers hand it names and bytes, never build paths) and its
-retention. Reading is its reader's (:attr:`SnapshotDirectory.reader`, whose docstring draws the
-layout; beside it ``<root>/.swap-state.lock``, a shared flock per live server).
-
-Call order: ``create_root``, ``hold``, ``clean_stale`` (when alone) at server start; per
-snapshot the seam's (``prepare``: a partial directory; ``open_file``/``write_file`` per rank;
-``finish``: the commit rule below, complete from its rename on, then ``latest`` and retention's
-unlisting) and off the durability path ``empty_trash``, or ``discard`` on failure; ``release``
-at shutdown.
-
-Commit rule: every file fsynced, ``layout.json`` and ``snapshot.json`` written durably, the
-partial directory fsynced and renamed to ``step-<N>``, then the ``latest`` pointer.
-Durability: a file is fsynced before it counts, a directory after names change in it;
-publication is a ``rename`` of the partial directory, removal a ``rename`` out of the listed
-names first: a directory removed halfway never looks complete. Every path is confined under
-the root. I/O failures raise ``OSError``; a path leaving the root SnapshotInvalid.
+:class:`~.seam.TierWriter` seam) and its retention; reading is its :attr:`~SnapshotDirectory.reader`'s.
+Call order: ``create_root``, ``hold``, ``clean_stale`` (when alone) at start; per snapshot the seam's,
+then ``empty_trash`` off the durability path (``discard`` on failure); ``release`` at shutdown.
+Commit rule: every file fsynced, the partial directory fsynced and renamed to ``step-<N>``, then
+``latest``; removal renames out of the listed names first, so nothing removed halfway looks complete.
 """
 
 from __future__ import annotations
@@ -48,11 +37,9 @@ _LATEST_TMP = ".latest.tmp"
 
 
 class SnapshotDirectory(TierWriter):
-    """The snapshot root on a filesystem with POSIX rename and fsync, read and written by the
-    server. Thread-safe for different snapshots; commits serialise."""
+    """The snapshot root (POSIX rename and fsync). Thread-safe for different snapshots; commits serialise."""
 
     def __init__(self, root: str | os.PathLike[str], direct_io: DirectIO = SnapshotSettings.direct_io):
-        """``direct_io``: ``--direct-io``: whether snapshot writes may use O_DIRECT."""
         self.reader = SnapshotReader(root)  # the local tier: what this directory holds, read
         self.root = self.reader.root
         self.direct_writes = direct_io is DirectIO.WRITES
@@ -94,9 +81,8 @@ class SnapshotDirectory(TierWriter):
                     path.unlink(missing_ok=True)
 
     def prepare(self, plan: StepPlan) -> StepWrite:
-        """A fresh, empty partial snapshot of the step (a stale one is replaced; never listed).
-        SnapshotExistsError when that step is already complete, unless ``plan.replace`` (then
-        :meth:`finish` replaces it)."""
+        """A fresh, empty partial snapshot of the step (a stale one is replaced); SnapshotExistsError
+        when that step is already complete, unless ``plan.replace``."""
         job_id, step = plan.job_id, plan.step
         final = self.reader.job_dir(job_id) / step_dir_name(step)
         if self.reader.load_index(job_id, final, step) is not None:
@@ -121,8 +107,7 @@ class SnapshotDirectory(TierWriter):
             raise from_os_error(exc, f"creating {partial_dir_name(step)}", self.reader.job_dir(job_id)) from None
 
     def open_file(self, target: StepWrite, name: str) -> ChunkSink:
-        """A new file ``name`` in the partial directory (it must not exist): O_DIRECT where
-        ``--direct-io`` and the filesystem allow, else buffered; fsynced at the sink's finish."""
+        """A new file ``name`` in the partial directory: O_DIRECT where ``--direct-io`` and the filesystem allow."""
         return open_sink(SnapshotFile(self._inside(target.location) / name, direct=self.direct_writes))
 
     def write_file(self, target: StepWrite, name: str, data: bytes) -> None:
@@ -132,13 +117,9 @@ class SnapshotDirectory(TierWriter):
         """Nothing: a rank's files are fsynced as written and listed by the step's snapshot.json."""
 
     def finish(self, target: StepWrite, index: SnapshotIndex, layout: bytes | None) -> CommitResult:
-        """Publish a partial snapshot whose rank files are fsynced: write ``layout`` and
-        ``snapshot.json`` durably, fsync the partial directory, rename it to ``step-<N>`` (an
-        existing one renamed out of the way first when ``plan.replace``, else SnapshotExistsError:
-        between the renames the step is absent, never mixed), point ``latest`` at it, then
-        retention (unlist all but the ``plan.keep`` highest steps; None keeps all; bytes go in
-        :meth:`empty_trash`). OSError before the rename is the caller's to map; failures after
-        it become warnings."""
+        """The commit rule (module docstring): an existing step is renamed out of the way first when
+        ``plan.replace`` (between the renames the step is absent, never mixed), then retention
+        (its bytes go in :meth:`empty_trash`). OSError before the rename; warnings after it."""
         partial, keep_latest, replace = self._inside(target.location), target.plan.keep, target.plan.replace
         if layout is not None:
             write_durable(partial / LAYOUT_NAME, layout)
@@ -186,8 +167,7 @@ class SnapshotDirectory(TierWriter):
         return self._remove(target.location)
 
     def _remove(self, where: pathlib.PurePath) -> bool:
-        """Remove an unlisted location (a failed partial, a replaced snapshot), best effort;
-        True when it is gone."""
+        """Remove an unlisted location, best effort; True when it is gone."""
         path = self._inside(where)
         shutil.rmtree(path, ignore_errors=True)
         return not path.exists()
@@ -200,8 +180,7 @@ class SnapshotDirectory(TierWriter):
     def _retain(self, job_id: str, new_step: int, keep: int, warnings: list[str],
                 trash: list[pathlib.PurePath]) -> None:
         """Unlist all but the ``keep`` highest steps (and the new one, and those in use) into
-        ``trash``: each renamed to ``.deleting-step-<N>.<unique>``, the job directory fsynced,
-        before any byte is removed."""
+        ``trash`` (renamed, the job directory fsynced) before any byte is removed."""
         try:
             complete = self.reader.complete(job_id)
         except OSError as exc:

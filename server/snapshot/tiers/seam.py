@@ -1,9 +1,6 @@
-"""The write seam of the snapshot tiers (:class:`TierWriter`), beside the read seam
-(:class:`~swap_state.common.snapshot_tier.SnapshotTier`): where a step's files go and the one
-rule that makes them a complete snapshot there. Modelled on DCP's ``StorageWriter`` (prepare,
-write, finish). The tiers: the local directory (:mod:`.directory`, what a live snapshot is
-written into) and the store (:mod:`.store`, what a durable local snapshot is copied into by
-:func:`copy_rank`).
+"""The write seam of the snapshot tiers (:class:`TierWriter`, modelled on DCP's ``StorageWriter``:
+prepare, write, finish), beside the read seam (:class:`~swap_state.common.snapshot_tier.SnapshotTier`):
+the local directory (:mod:`.directory`) and the store (:mod:`.store`, written by :func:`copy_rank`).
 """
 
 from __future__ import annotations
@@ -31,17 +28,11 @@ class StepPlan:
 
     job_id: str
     step: int
-    world_size: int
-    """The job's (global) number of ranks."""
-    ranks: tuple[int, ...]
-    """The ranks this host writes, ascending, when known at prepare (a copy; a live snapshot's
-    ranks join as they come: empty)."""
-    tenant: str
-    """The tenant that owns the job, recorded with the files."""
-    keep: int | None
-    """The job's complete steps the tier keeps at :meth:`TierWriter.finish` (None: all)."""
-    replace: bool = False
-    """Whether :meth:`TierWriter.finish` replaces a complete step of an earlier attempt (else refuses)."""
+    world_size: int  # the job's (global) number of ranks
+    ranks: tuple[int, ...]  # the ranks this host writes, ascending, when known at prepare (a live snapshot's: empty)
+    tenant: str  # the tenant that owns the job, recorded with the files
+    keep: int | None  # the job's complete steps the tier keeps at TierWriter.finish (None: all)
+    replace: bool = False  # whether TierWriter.finish replaces a complete step of an earlier attempt (else refuses)
     source: SnapshotIndex | None = None
     """The files to write when known before (a durable snapshot copied into the tier): a tier
     may find a rank already holding them and skip it; the store needs it (its markers)."""
@@ -52,21 +43,16 @@ class StepWrite:
     """A step being written into one tier: what :meth:`TierWriter.prepare` gave."""
 
     plan: StepPlan
-    location: pathlib.PurePath | str
-    """Where its files go until :meth:`TierWriter.finish` (a partial directory; the step's place in
-    the store), for messages and :meth:`TierWriter.discard`."""
-    ranks: tuple[int, ...]
-    """The ranks of the plan to write; a rank the tier holds already (the same files) is not here."""
+    location: pathlib.PurePath | str  # where its files go until TierWriter.finish (a partial directory)
+    ranks: tuple[int, ...]  # the ranks of the plan to write; a rank the tier holds already is not here
 
 
 @dataclasses.dataclass(frozen=True)
 class CommitResult:
     """What :meth:`TierWriter.finish` did."""
 
-    path: pathlib.PurePath | str
-    """Where the complete step is (a directory; the step's place in the store)."""
-    warnings: tuple[str, ...]
-    """Failures after it was complete (latest pointer, index, retention): reported, not fatal."""
+    path: pathlib.PurePath | str  # where the complete step is (a directory; the step's place in the store)
+    warnings: tuple[str, ...]  # failures after it was complete (latest pointer, index, retention): not fatal
     trash: tuple[pathlib.PurePath, ...] = ()
     """Unlisted locations whose bytes the directory's ``empty_trash`` removes once the snapshot
     was reported durable (deleting a large snapshot takes long enough to delay it)."""

@@ -1,14 +1,9 @@
-"""The store's writer (``--snapshot-store``): :class:`StoreTier`, the :class:`~.seam.TierWriter`
-of the layout :mod:`swap_state.common.stored_snapshots` draws (and reads).
-
-Commit rule: each host puts its own ranks' objects (data, manifest), then each rank's marker,
-last; nothing is renamed. After its markers a host lists the step and, when every rank's marker
-is there, puts ``layout.json`` then ``snapshot.json`` (of hosts that see every marker at once,
-the one that creates the attempt's claim object; the store being consistent after writes, the
-host that lists last sees every marker, so a complete step gets its index). A step trained
-again (another attempt): each host deletes the step's index and its rank's old marker before
-its new data goes up. Retention: the job's ``keep`` newest complete steps stay, and everything
-newer; an older step goes index and markers first.
+"""The store's writer (``--snapshot-store``): :class:`StoreTier`, the :class:`~.seam.TierWriter` of
+the layout :mod:`swap_state.common.stored_snapshots` reads. Commit rule: each host puts its ranks'
+objects, then each rank's marker, last; a host that then lists every rank's marker puts
+``layout.json`` then ``snapshot.json`` (the one that creates the attempt's claim object; the host
+that lists last sees every marker, so a complete step gets its index). A step trained again: the
+index and the rank's old marker go before its new data. Retention removes index and markers first.
 """
 
 from __future__ import annotations
@@ -36,8 +31,7 @@ __all__ = ["StoreTier"]
 log = logging.getLogger(__name__)
 
 class StoreTier(TierWriter):
-    """Writes steps into one store (commit rule above); ``plan.source`` is required: the store
-    takes copies of durable snapshots. Thread-safe."""
+    """Writes copies of durable snapshots (``plan.source`` required) into one store. Thread-safe."""
 
     def __init__(self, stored: StoredSnapshots):
         self.stored = stored  # the store's reader: markers, indexes, layout
@@ -99,8 +93,7 @@ class StoreTier(TierWriter):
         return CommitResult(target.location, tuple(warnings))
 
     def discard(self, target: StepWrite) -> bool:
-        """Nothing to remove: objects without their rank's marker are never read; the next attempt
-        puts them again, retention removes them."""
+        """Nothing to remove: objects without their rank's marker are never read (retention removes them)."""
         return False
 
     def publish_step_index(self, job_id: str, step: int, layout: Callable[[SnapshotInfo], bytes] | None = None) -> bool:

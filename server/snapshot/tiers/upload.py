@@ -1,23 +1,14 @@
-"""The second tier: each durable local snapshot's ranks uploaded to the store in the background.
-
-Call order (the coordinator and the runtime)::
-
-    uploader = SnapshotUploader(StoreTier(StoredSnapshots(open_store(uri))), local)  # server start;
-                                         # its worker first resumes unfinished uploads
-    uploader.submit(info, keep)          # after each local commit (the snapshot is durable)
-    uploader.status(job, step, rank)     # None: never submitted here; else its UploadStatus
-    await uploader.wait_async(job, step, rank, t)  # until stored or failed (bounded)
-    uploader.close()                     # at shutdown: the running upload is abandoned
-
-One worker thread uploads one snapshot at a time (only the newest queued one of a job; the
-skipped ones fail ``stored``, saying so): the local snapshot's files written through the
-store's write seam (:class:`~.store.StoreTier`, its commit rule there) by
-:func:`~.seam.copy_rank`, each file's crc32 checked against ``snapshot.json`` on the way. A
-failing store fails the upload, naming the URI; training goes on.
+"""The second tier: each durable local snapshot's ranks uploaded to the store by one background worker
+(only the newest queued snapshot of a job; the skipped ones fail ``stored``, saying so), through the
+store's write seam (:class:`~.store.StoreTier`), each file's crc32 checked on the way. A failing
+store fails the upload, naming the URI; training goes on. Call order: ``SnapshotUploader(...)`` at
+start (it resumes unfinished uploads), ``submit`` after each local commit, ``status`` /
+``wait_async`` from the RPCs, ``close`` at shutdown (the running upload is abandoned).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -73,10 +64,9 @@ class UploadCounters:
 
 
 class SnapshotUploader:
-    """Uploads durable local snapshots to the store, one worker thread (call order above)."""
+    """Uploads durable local snapshots to the store, one worker thread."""
 
     def __init__(self, tier: StoreTier, local: SnapshotDirectory, max_bandwidth: float | None = None):
-        """``max_bandwidth``: bytes/s for all uploads (None: no cap)."""
         self._tier = tier  # what the snapshots are written through
         self.stored = stored = tier.stored  # what the store holds, read
         self.uri = stored.uri
@@ -184,11 +174,9 @@ class SnapshotUploader:
         """``item``, unless a newer snapshot of its job is queued behind it (the newest is what a
         lost host needs); the skipped ones fail ``stored``; other jobs' items keep their places."""
         pending: list[tuple[SnapshotInfo, int | None] | None] = []
-        while True:
-            try:
+        with contextlib.suppress(queue.Empty):
+            while True:
                 pending.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
         kept = []
         for other in pending:
             if other is not None and other[0].job_id == item[0].job_id and other[0].step > item[0].step:

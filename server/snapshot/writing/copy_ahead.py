@@ -37,9 +37,7 @@ class Stager:
 
     def __init__(self, writer: Any, slots: int, threads: int):
         # ``writer``: the :class:`~.writer.RankWriter` that owns it (not imported: it imports this).
-        self.writer = writer
-        self.slots = slots
-        self.threads = max(1, threads)
+        self.writer, self.slots, self.threads = writer, slots, max(1, threads)
         self.stop_event = threading.Event()
         self.progress = threading.Condition()
         self.staged_chunks = self.staged_bytes = 0  # copied into a stager slot (this thread only)

@@ -1,26 +1,15 @@
 """Where a rank writer's bytes go, in file order: :class:`DirectSink` (O_DIRECT through aligned
-bounce buffers, several writes in flight) or :class:`BufferedSink` (``pwrite`` into the page
-cache, zero copy), chosen by :func:`open_sink`.
+bounce buffers: buffered writes leave the pace to the kernel's writeback, and safetensors packs
+tensors without block alignment) or :class:`BufferedSink` (``pwrite`` into the page cache), chosen
+by :func:`open_sink`. Call order (the writer)::
 
-Why O_DIRECT: buffered writes leave the pace to the kernel's writeback (docs/benchmarks.md,
-"Disk speed"). Why bounce buffers: safetensors
-packs tensors without gaps, so a tensor's place is rarely block aligned; the bytes are copied
-once into an aligned buffer (the copy a buffered write makes anyway), checksummed there while
-cache-hot, and written from it. Where the filesystem refuses O_DIRECT the buffered sink writes.
-
-Call order (the writer; a tier's :meth:`~..tiers.seam.TierWriter.open_file` gives the sink)::
-
-    sink = open_sink(file)
     sink.write_all(header)                       # the file's first bytes
     for each piece of each chunk:                # a piece is at most sink.room() bytes
         crc = sink.put(piece, crc_before)        # placed at the sink's position, not final
         [crc = sink.replace(other, crc_before)]  # the same range, from another source
-        sink.advance()                           # final: the position moves past it
+        sink.advance()                           # final: no buffer holding it goes to disk before
     sink.finish()                                # everything written and fsynced
     sink.close()                                 # on every path (a context manager)
-
-A piece is final only at :meth:`ChunkSink.advance`: until then the writer may replace it (the
-copy-before-write redo, :mod:`.writer`), so no buffer holding it goes to the disk before.
 """
 
 from __future__ import annotations
@@ -34,6 +23,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from swap_state.common.checksum import crc32
+from swap_state.common.segment import align_up
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.writing.snapshot_file import SnapshotFile, pwrite_all
@@ -44,16 +34,14 @@ log = logging.getLogger(__name__)
 
 BLOCK_BYTES = 4096  # the alignment O_DIRECT needs on every filesystem Linux has (logical blocks are 512 or 4096)
 
-# One bounce buffer, one write: large enough to reach the disk's O_DIRECT bandwidth with one
-# or two in flight (docs/benchmarks.md).
-BOUNCE_BYTES = 8 << 20
+BOUNCE_BYTES = 8 << 20  # one bounce buffer, one write: reaches the disk's O_DIRECT bandwidth with one or two in flight
 
 WRITES_IN_FLIGHT = 2  # bounce buffers being written at once while the next one fills
 _WRITEBACK_BYTES = 8 << 20  # the buffered sink starts the disk writeback of every this many bytes
 
 
 class ChunkSink(abc.ABC):
-    """The bytes of one data file, in order; see the module docstring for the call order."""
+    """The bytes of one data file, in order (the call order: the module docstring)."""
 
     direct: bool = False  # whether the bytes bypass the page cache (O_DIRECT)
 
@@ -85,8 +73,7 @@ class ChunkSink(abc.ABC):
         """Every final byte written and durable (fsync)."""
 
     def close(self) -> None:
-        """Release what the sink holds, its file included (idempotent); makes nothing durable,
-        and a sink closed before :meth:`finish` leaves no complete file."""
+        """Release what the sink holds, its file included (idempotent); makes nothing durable."""
 
     def write_all(self, data: bytes) -> None:
         """``data`` at :attr:`position`, final (the safetensors header)."""
@@ -145,8 +132,7 @@ class DirectSink(ChunkSink):
 
     direct = True
 
-    def __init__(self, file: SnapshotFile, direct_fd: int, bounce_bytes: int | None = None,
-                 in_flight: int = WRITES_IN_FLIGHT):
+    def __init__(self, file: SnapshotFile, direct_fd: int, bounce_bytes: int | None = None):
         super().__init__()
         self.file = file  # owned: closed with the sink
         bounce_bytes = BOUNCE_BYTES if bounce_bytes is None else bounce_bytes
@@ -154,9 +140,9 @@ class DirectSink(ChunkSink):
             raise ValueError(f"bounce_bytes must be a positive multiple of {BLOCK_BYTES}")
         self._direct_fd: int | None = direct_fd
         self._bounce = bounce_bytes
-        self._free = collections.deque(mmap.mmap(-1, bounce_bytes) for _ in range(in_flight + 1))
+        self._free = collections.deque(mmap.mmap(-1, bounce_bytes) for _ in range(WRITES_IN_FLIGHT + 1))
         self._busy: collections.deque[tuple[mmap.mmap, Future[None]]] = collections.deque()
-        self._pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="snapshot-write")
+        self._pool = ThreadPoolExecutor(max_workers=WRITES_IN_FLIGHT, thread_name_prefix="snapshot-write")
         self._current = self._free.popleft()
         self._address = _posix.buffer_address(self._current)
         self._fill = 0  # final bytes in the current buffer
@@ -207,27 +193,23 @@ class DirectSink(ChunkSink):
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
-                    self._refused(exc)
+                    if not self.fell_back:
+                        self.fell_back = True
+                        log_event(log, "snapshot_direct_io_refused", logging.WARNING, error=str(exc),
+                                  detail="the filesystem accepted O_DIRECT at open but refused a write: "
+                                  "this snapshot's writes go through the page cache")
             pwrite_all(self.file.fileno(), data, offset)
-
-    def _refused(self, exc: OSError) -> None:
-        if not self.fell_back:
-            self.fell_back = True
-            log_event(log, "snapshot_direct_io_refused", logging.WARNING, error=str(exc),
-                      detail="the filesystem accepted O_DIRECT at open but refused a write: "
-                      "this snapshot's writes go through the page cache")
 
     def finish(self) -> None:
         if self._fill:
-            padded = -(-self._fill // BLOCK_BYTES) * BLOCK_BYTES
+            padded = align_up(self._fill, BLOCK_BYTES)
             self._current[self._fill : padded] = bytes(padded - self._fill)
             self._submit(padded)
         while self._busy:
             buffer, future = self._busy.popleft()
             future.result()
             self._free.append(buffer)
-        fd = self.file.fileno()
-        os.ftruncate(fd, self.position)  # the last block was written padded
+        os.ftruncate(self.file.fileno(), self.position)  # the last block was written padded
         self.file.fsync()
 
     def close(self) -> None:

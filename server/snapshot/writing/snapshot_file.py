@@ -40,8 +40,7 @@ class SnapshotFile:
 
     def __init__(self, path: pathlib.Path, direct: bool = True):
         """``direct``: :meth:`open_direct` may give an O_DIRECT descriptor (``--direct-io``)."""
-        self.path = path
-        self.direct = direct
+        self.path, self.direct = path, direct
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
 
     def fileno(self) -> int:

@@ -1,22 +1,9 @@
 """The server's side of the copy-before-write protocol: persist one rank's segment, and stage
 the chunks the trainer would reach first (:mod:`swap_state.common.segment`, steps 1-3).
 
-Call order (the coordinator):
-
-1. ``RankWriter(...)``, then in the Snapshot call :meth:`RankWriter.publish` (frees leftover
-   slots, stores ``SNAP_STEP``, ``PERSISTED_UPTO = 0``, ``STAGED_UPTO = 0``, ``STAGE_SLOTS``
-   and last ``SNAP_EPOCH``): from its return the snapshot is *consistent*.
-2. :meth:`RankWriter.run` in a background thread. Once let go (:meth:`RankWriter.go`) it starts
-   a :class:`~.copy_ahead.Stager`, which copies chunks ahead of the writer into its slots and
-   publishes ``STAGED_UPTO``. The writer yields to a stager that can still copy, and once all
-   is staged, to the trainer's optimizer steps; it streams the chunks in update order into the
-   rank's data file through the tier's :class:`~.sink.ChunkSink` (from the stager's slot when staged,
-   else from the segment), storing ``PERSISTED_UPTO = c + 1`` as soon as chunk c is copied
-   out and checksummed (the trainer waits on memory speed, not the disk). Then it releases
-   the segment (``SNAP_EPOCH = 0``), fsyncs and writes the manifest. On any error the stager
-   is stopped and the segment released all the same.
-
-The segment's tensor area is only ever read here; the server writes its header words and slots.
+Call order (the coordinator): ``RankWriter(...)``; :meth:`RankWriter.publish` in the Snapshot call
+(from its return the snapshot is *consistent*); :meth:`RankWriter.run` in a background thread,
+which streams once let go (:meth:`RankWriter.go`). The segment's tensor area is only read here.
 """
 
 from __future__ import annotations
@@ -84,8 +71,6 @@ class RankWriter:
     def __init__(self, source: SnapshotSource, epoch: int,
                  tier: TierWriter, target: StepWrite, limiter: BandwidthLimiter,
                  cancel: threading.Event, started_monotonic: float, settings: SnapshotSettings):
-        """``settings.model_copy_timeout_s``: the wait for protocol step 5; ``stage_threads``:
-        the copy-ahead's."""
         self.source, self.epoch = source, epoch
         self.metadata = EMPTY_METADATA  # expanded from the source's parts in run(), after the stall
         self.tier, self.target, self.limiter, self.cancel = tier, target, limiter, cancel
@@ -141,9 +126,8 @@ class RankWriter:
         self._header.open_snapshot(self.source.step, self.stage_slots, self.epoch, self.source.layout.cow_slots)
 
     def go(self) -> None:
-        """Let ``run`` start streaming. The Snapshot RPC holds the writer until its reply (the
-        trainer's stall) is out, so it does not compete for the GIL; safe at any length (the
-        snapshot is consistent), and ``run`` waits ``HOLD_MAX_S`` at most."""
+        """Let ``run`` stream: the Snapshot RPC holds it until its reply is out, so the writer does not
+        compete with it for the GIL (``run`` waits ``HOLD_MAX_S`` at most)."""
         self.go_event.set()
 
     def release_segment(self) -> None:
