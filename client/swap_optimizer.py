@@ -1,14 +1,7 @@
-"""The seed's module (torchtitan 0.2): the in-process swap container as the seed's tests use it.
-
-Everything here exists because the seed's test file builds or patches things its way; the
-container itself is :class:`swap_state.client.optim.container.SwapOptimizersContainer`, which
-needs no torchtitan. Importing this module wraps torchtitan's ``build_optimizers``
-(``optimizer_config.swap_optimizer = True`` builds a swap container).
-
-The seed's tests build containers with ``__new__`` and patch ``param_to_cpu_states_map`` on the
-class; they patch ``get_torch_device``, ``wrap_like_param``, ``SwapOptimizersContainer`` and
-``_original_build_optimizers`` here, where the code reads them at call time (the last two: the
-``build_optimizers`` wrapper).
+"""The seed's module (torchtitan 0.2): everything here exists because the seed's tests build
+containers with ``__new__`` and patch ``param_to_cpu_states_map``, ``get_torch_device``,
+``wrap_like_param``, ``SwapOptimizersContainer`` and ``_original_build_optimizers`` here, where
+the code reads them at call time. Importing it wraps torchtitan's ``build_optimizers``.
 """
 
 from __future__ import annotations

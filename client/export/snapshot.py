@@ -1,21 +1,8 @@
-"""``swap-state export``: a snapshot as a standard checkpoint, loadable without swap-state.
-
-Reads a complete snapshot from a snapshot directory or a snapshot store through one seam,
-:class:`~swap_state.common.snapshot_tier.SnapshotTier`, whose reads check every manifest,
-data file header and tensor crc32 (an error names the file and tensor; nothing is written),
-and writes the seed's flat optimizer state dict::
-
-    state.<fqn>.<key>           tensors (exp_avg, exp_avg_sq, ...), full (global) shape
-    state.<fqn>.step            0-dim float32 tensor (as torch's Adam keeps it)
-    param_groups.<fqn>.<hp>     hyperparameters (floats, tuples, bools, None, tensors)
-
-as one ``torch.save`` file (``torch.load(out, weights_only=True)``) or a DCP directory
-(``dcp.load`` into a template, any sharding). DTensor shards are assembled into global tensors
-(each shard is one box: the trainer checks it), every element covered. One host's snapshot of
-a multi-host job exports that host's ranks: complete for replicated (DDP) state; a sharded
-tensor with shards on other hosts is refused, naming the ranks present. A tensor without
-fqn/key is written as ``state.<segment tensor name>``, except the container's own step
-vectors. Model tensors go into ``--format torchtitan`` only (:mod:`.torchtitan`).
+"""``swap-state export``: a snapshot as the seed's flat optimizer state dict (``state.<fqn>.<key>``
+global tensors, ``state.<fqn>.step``, ``param_groups.<fqn>.<hp>``), a ``torch.save`` file or a DCP
+directory, loadable without swap-state. Every read is checked by its
+:class:`~swap_state.common.snapshot_tier.SnapshotTier`; shards are assembled with every element
+covered, or the export is refused naming the ranks present (one host's snapshot of a multi-host job).
 """
 
 from __future__ import annotations
@@ -254,7 +241,6 @@ def read_snapshot_state(locations: Sequence[Location], progress: bool | None = F
 
 
 def save_dcp(state: dict[str, Any], path: pathlib.Path) -> None:
-    """``dcp.save`` in this one process."""
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():

@@ -26,7 +26,7 @@ __all__ = [
     "FLAT_ALIGN", "FLAT_PAGE_RUN", "MOMENT_KEYS", "STEP_DTYPE", "STEP_KEY", "HostCache", "HostCacheEntry",
     "HostCaches", "SliceStates", "advance_group_step", "as_number", "device_placeholders",
     "flat_host_caches", "flat_layout", "fqns_by_param", "group_map", "has_data", "host_cache_ready",
-    "moments_dtype", "moment_keys", "param_fqns", "placeholder_like", "step_tensor", "steps_vector",
+    "moment_keys", "param_fqns", "placeholder_like", "step_tensor", "steps_vector",
 ]
 
 #: Adam state tensors shaped like the parameter, in host-cache order.
@@ -100,11 +100,6 @@ def advance_group_step(group: dict[str, Any]) -> None:
         group[STEP_KEY] = step_tensor(as_number(step or 0) + 1)
 
 
-def moments_dtype(moment_dtype: torch.dtype | None, local_param: torch.Tensor) -> torch.dtype:
-    """The dtype of ``local_param``'s moments: the container's ``moment_dtype``, else its own."""
-    return moment_dtype or local_param.dtype
-
-
 def host_cache_ready(host: Mapping[str, Any] | None, group: Mapping[str, Any], local_param: Any = None,
                      dtype: torch.dtype | None = None) -> bool:
     """Whether ``host`` holds every moment ``group`` needs, with data (and ``local_param``'s layout)."""
@@ -145,7 +140,7 @@ class HostCaches:
             if not local.is_contiguous():
                 # The fused kernel walks memory linearly: another layout pairs the wrong elements.
                 raise ValueError(f"parameter {fqn!r} is not contiguous; the swap optimizer needs contiguous parameters")
-            keys, dtype = moment_keys(optim.param_groups[group_index]), moments_dtype(self.moment_dtype, local)
+            keys, dtype = moment_keys(optim.param_groups[group_index]), self.moment_dtype or local.dtype
             entries.append(HostCacheEntry(param, fqn, keys, local.shape, dtype, optimizer_index, group_index))
         return entries
 
@@ -262,12 +257,11 @@ def steps_vector(steps: Sequence[Any]) -> torch.Tensor | None:
             return None
     return first.as_strided((len(steps),), (1,), offset)
 
-# -- parameter names in checkpoints ---------------------------------------------------------------
-# The canonical FQN (DCP's, first registered alias first), so tied parameters are saved once and
-# load from any alias.
+
 
 def fqns_by_param(model: nn.Module) -> dict[torch.Tensor, tuple[str, ...]]:
-    """Every parameter's checkpoint names, canonical (first registered) first."""
+    """Every parameter's checkpoint names, DCP's canonical (first registered) first: tied
+    parameters are saved once and load from any alias."""
     names: dict[torch.Tensor, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(param, []).extend(_canonical_fqns(model, name))

@@ -21,7 +21,7 @@ from swap_state.client.optim.dtensor_utils import unwrap_dtensor
 from swap_state.client.optim.flat_state_dict import FlatIndex, clone_value
 from swap_state.client.optim.host_cache import (
     HostCaches, MOMENT_KEYS, device_placeholders, STEP_KEY, HostCache, HostCacheEntry, as_number, group_map,
-    fqns_by_param, has_data, host_cache_ready, moments_dtype, moment_keys, param_fqns, step_tensor,
+    fqns_by_param, has_data, host_cache_ready, moment_keys, param_fqns, step_tensor,
 )
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 
@@ -89,7 +89,7 @@ class StateLoader:
         aliases = param_fqns(fqns, param, optimizer_index)
         keys = moment_keys(group)
         local_param = unwrap_dtensor(param)
-        dtype = moments_dtype(self._host_caches.moment_dtype, local_param)
+        dtype = self._host_caches.moment_dtype or local_param.dtype
         _check_amsgrad(index.lookup(PARAM_GROUPS_PREFIX, aliases, "amsgrad"), group)
         sources, step = _checked_sources(index, aliases, keys, values, local_param, dtype)
         host = self._host_caches.cpu_states.get(param)

@@ -1,12 +1,6 @@
-"""The swap step: moments stream through the accelerator in slices, or update in place on CPU.
-
-Per optimizer, the parameters (in update order) are cut into ``swap_optimizer_times``
-byte-balanced slices. On an accelerator, per slice::
-
-    load (H2D, load stream) -> Adam/AdamW (compute stream) -> offload (D2H, offload stream)
-
-so slice k+1 loads while slice k updates and offloads; every step, even one that raises, ends
-with no copy in flight. On a CPU-only process the update runs on the host cache.
+"""The swap step: per optimizer, ``swap_optimizer_times`` byte-balanced slices, each loaded (H2D),
+updated and offloaded (D2H) on three streams, so that slice k+1 loads while slice k updates;
+every step, even one that raises, ends with no copy in flight. On CPU the update runs in place.
 """
 
 from __future__ import annotations
@@ -200,7 +194,6 @@ class StepPipeline:
 
     @functools.cached_property
     def _streams(self) -> tuple[Any, Any]:
-        """``(load, offload)`` side streams, created on first use."""
         return self._backend.stream(), self._backend.stream()
 
     def _load_slice(self, work: SliceWork, stream: Any) -> _LoadedSlice:
@@ -240,11 +233,12 @@ class StepPipeline:
         backend = self._backend
         with backend.use_stream(stream):
             stream.wait_event(updated)
-            pairs = _pairs(work, device)
-            for host, buffer in pairs:
-                _copy_back(backend, host, buffer)
-            for _, buffer in pairs:
-                _record_stream(backend, buffer, stream)
+            for host, buffer in _pairs(work, device):
+                if backend.is_accelerator and buffer.device.type == "cpu":
+                    host.copy_(buffer)  # a CPU step copy (torch's layout without fused/capturable)
+                else:
+                    backend.copy_to_host(host, buffer)
+                    backend.record_stream(buffer, stream)
             offloaded = backend.event()
             offloaded.record(stream)
         # Freed before anything else is enqueued on ``stream``: reusable once ``offloaded`` is done.
@@ -264,15 +258,6 @@ class StepPipeline:
                 tensors["exp_avg_sq"][start:end], tensors["max_exp_avg_sq"][start:end] if group["amsgrad"] else [],
                 tensors[STEP_KEY][start:end], group=group, grad_scale=grad_scale, found_inf=found_inf,
                 steps=None if steps is None else steps[start:end], upcast=upcast)
-
-
-def _copy_back(backend: DeviceBackend, host: torch.Tensor, buffer: torch.Tensor) -> None:
-    """Offload ``buffer`` into ``host``; a CPU step copy next to accelerator buffers (torch's
-    layout without fused/capturable) is a host copy."""
-    if backend.is_accelerator and buffer.device.type == "cpu":
-        host.copy_(buffer)
-    else:
-        backend.copy_to_host(host, buffer)
 
 
 def _record_stream(backend: DeviceBackend, tensor: torch.Tensor, stream: Any) -> None:

@@ -1,10 +1,6 @@
-"""The moments in the server's segment: the remote container's moment store.
-
-:class:`SegmentStore` is a :class:`~swap_state.client.optim.moment_store.MomentStore` over a
-:class:`~swap_state.client.remote.remote_segment.RemoteSegment`: it allocates the segment, marks
-each slice's write in the header, commits every step (header words, no RPC), checks a
-reattach's kept state before the first step, and keeps the group steps in the segment.
-:class:`OptimizerMetadata` is what a snapshot says of the optimizers.
+"""The remote container's moment store, the server's segment (:class:`SegmentStore`: each step
+committed by header words, no RPC), and what a snapshot says of the optimizers
+(:class:`OptimizerMetadata`).
 """
 
 from __future__ import annotations
