@@ -43,8 +43,7 @@ RESUME_MODES = ("none", "reattach", "latest", "auto")  # --resume besides a snap
 
 @dataclasses.dataclass
 class DemoConfig:
-    """The demo's settings; each field is a flag (``job_id`` -> ``--job-id``), its docstring
-    the flag's help."""
+    """The demo's settings; each field is a flag (``job_id`` -> ``--job-id``), its docstring the help."""
 
     server: str | None = None
     """the server's address (unix:///path or host:port); default: $SWAP_STATE_SERVER, else the

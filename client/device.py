@@ -67,9 +67,8 @@ NullEvent = NullStream
 
 
 class DeviceBackend:
-    """The accelerator of this process (or the CPU): ``type`` is ``"npu"``, ``"cuda"`` or
-    ``"cpu"``, ``module`` ``torch.npu`` / ``torch.cuda`` (None on CPU). Subclasses (tests)
-    override ``_register_chunk``, ``_unregister_chunk`` and ``_describe_return_code``."""
+    """The accelerator of this process (or the CPU); tests override ``_register_chunk``,
+    ``_unregister_chunk`` and ``_describe_return_code``."""
 
     def __init__(self, device_type: DeviceType, module: ModuleType | None = None, *,
                  chunk_bytes: int = REGISTER_CHUNK_BYTES) -> None:

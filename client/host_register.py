@@ -154,10 +154,9 @@ def _loaded_library(name: str, open_library: Callable[..., Any] = ctypes.CDLL) -
 
 
 def locate_library(name: str, symbol: str, open_library: Callable[..., Any] = ctypes.CDLL) -> tuple[Any, str]:
-    """``name`` as this process already has it, ``(library, where)``: the global symbols, a
-    mapping in ``/proc/self/maps`` (torch_npu loads ``libascendcl`` privately), then the loader's
-    path. A second copy has its own runtime state, and torch_npu would not see its registrations.
-    """
+    """``(library, where)``: ``name`` as this process already has it (global symbols, a mapping in
+    ``/proc/self/maps``: torch_npu loads ``libascendcl`` privately), else from the loader's path. A
+    second copy has its own runtime state, and torch_npu would not see its registrations."""
     process = open_library(None)
     if hasattr(process, symbol):
         return process, "the process's global symbols"

@@ -76,10 +76,8 @@ def export_torchtitan_checkpoint(checkpoint_dir: str | os.PathLike[str], out_dir
                                  snapshot_dir: str | os.PathLike[str] | None = None, *,
                                  snapshot_store: str | None = None, store_timeout_s: float | None = None,
                                  progress: bool | None = None) -> ExportResult:
-    """Write the plain torchtitan checkpoint of a whole-state snapshot-mode one (module
-    docstring) to ``out_dir``, which must not exist yet. The snapshot is read from exactly one
-    of ``snapshot_dir`` and ``snapshot_store`` (:func:`~.snapshot.locate`); ``progress`` as
-    :func:`~.snapshot.read_snapshot_state`. Raises SnapshotError subclasses."""
+    """Write the plain torchtitan checkpoint of a whole-state snapshot-mode one to ``out_dir``, which
+    must not exist yet; raises SnapshotError subclasses."""
     if snapshot_dir is None and snapshot_store is None:
         raise ExportError("--format torchtitan needs --snapshot-dir DIR (the server's local snapshot directory) "
                           "or --snapshot-store URI (its snapshot store)")

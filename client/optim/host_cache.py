@@ -47,8 +47,7 @@ FLAT_PAGE_RUN = 64
 
 @dataclass(frozen=True, eq=False)
 class HostCacheEntry:
-    """What a moment store allocates for one parameter: ``keys`` (its moments) of the
-    local shard's ``shape`` and ``dtype``, and a step; ``fqn`` is the canonical checkpoint name."""
+    """What a moment store allocates for one parameter: ``keys`` of the local shard's shape and dtype, and a step."""
 
     param: torch.Tensor
     fqn: str
@@ -115,9 +114,8 @@ def host_cache_ready(host: Mapping[str, Any] | None, group: Mapping[str, Any], l
 
 
 class HostCaches:
-    """Builds, checks and installs the host caches of a swap container's ``optimizers`` in
-    ``cpu_states`` (``param_to_cpu_states_map``), their placeholders in ``device_states``
-    (``param_to_device_states_map``); ``store`` allocates them."""
+    """Builds, checks and installs the host caches (``cpu_states``) of ``optimizers`` and their placeholders
+    (``device_states``); ``store`` allocates them."""
 
     def __init__(self, store: Any, optimizers: Sequence[Optimizer], cpu_states: dict[torch.Tensor, HostCache],
                  device_states: dict[torch.Tensor, dict[str, Any]], moment_dtype: torch.dtype | None):
@@ -146,7 +144,7 @@ class HostCaches:
 
     @staticmethod
     def checked(entry: HostCacheEntry, tensors: Mapping[str, Any] | None) -> HostCache:
-        """``tensors`` from ``_allocate_host_cache`` checked against ``entry``, in map format."""
+        """``tensors`` the store allocated, checked against ``entry``, in map format."""
         if tensors is None:
             raise ValueError(f"the moment store allocated no cache for {entry.fqn!r}")
         expected = {key: (entry.shape, entry.dtype) for key in entry.keys}
@@ -175,8 +173,7 @@ class HostCaches:
             self.set(entry, host)
 
     def set(self, entry: HostCacheEntry, host: HostCache, placeholders: dict[str, Any] | None = None) -> None:
-        """Make ``host`` ``entry.param``'s cache, with ``placeholders`` (default: built now) in
-        its ``optimizer.state``."""
+        """Make ``host`` ``entry.param``'s cache, ``placeholders`` (default: built now) its ``optimizer.state``."""
         self.cpu_states[entry.param] = host
         state = self.optimizers[entry.optimizer_index].state[entry.param]
         state.clear()
@@ -190,8 +187,7 @@ def device_placeholders(entry: HostCacheEntry, host: HostCache) -> dict[str, Any
 
 
 def placeholder_like(param: Any, tensor: torch.Tensor, wrap: Any = wrap_like_param) -> Any:
-    """A zero-storage tensor like ``tensor`` for ``optimizer.state``, wrapped like ``param``
-    (by ``wrap``) where ``param``'s local tensor is on the same device."""
+    """A zero-storage tensor like ``tensor`` for ``optimizer.state``, wrapped like ``param`` where on its device."""
     local = unwrap_dtensor(tensor)
     placeholder = torch.empty_strided(local.size(), local.stride(), dtype=local.dtype, device=local.device)
     placeholder.untyped_storage().resize_(0)
@@ -201,8 +197,8 @@ def placeholder_like(param: Any, tensor: torch.Tensor, wrap: Any = wrap_like_par
 
 
 def flat_layout(sizes: Sequence[int], page_size: int = PAGE_SIZE) -> tuple[list[int], int]:
-    """Offsets of tensors of ``sizes`` bytes placed in order in one buffer, and its size:
-    each on :data:`FLAT_ALIGN` bytes, or on a page when at least :data:`FLAT_PAGE_RUN` pages."""
+    """Offsets of tensors of ``sizes`` bytes in one buffer, and its size: :data:`FLAT_ALIGN`-aligned, or
+    page-aligned from :data:`FLAT_PAGE_RUN` pages."""
     offsets, end = [], 0
     for size in sizes:
         align = page_size if size >= FLAT_PAGE_RUN * page_size else FLAT_ALIGN
@@ -233,9 +229,8 @@ def flat_host_caches(
 
 @dataclass(eq=False)
 class SliceStates:
-    """State tensors of one update call over a slice, per key one per parameter (None where the
-    group has no such moment). ``steps``: the vector whose elements are the ``STEP_KEY`` tensors,
-    or None; it moves with one copy and is incremented by one ``add_`` (the same bits)."""
+    """State tensors of one update call over a slice, per key one per parameter (None: no such moment);
+    ``steps``: the vector the ``STEP_KEY`` tensors are elements of (one copy, one ``add_``), or None."""
 
     tensors: dict[str, list[Any]]
     steps: torch.Tensor | None = None

@@ -68,8 +68,7 @@ class PlacementError(RuntimeError):
 
 
 def grad_on_param_placements(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` redistributed to ``param``'s placements, as torch's DTensor dispatch of the fused
-    Adam does (without FSDP a sharded embedding's gradient comes Replicate, a norm's Partial)."""
+    """``grad`` redistributed to ``param``'s placements, as torch's DTensor dispatch of the fused Adam does."""
     param_is, grad_is = isinstance(param, DTensor), isinstance(grad, DTensor)
     if not param_is and not grad_is:
         return grad
@@ -206,8 +205,8 @@ class SliceWork:
 
 @dataclass(eq=False)
 class SlicePlan:
-    """A slice, its parameters' groups and host caches (None while incomplete); ``full``: its work
-    where every parameter can take the fast path (gradients and shards filled in per step)."""
+    """A slice, its parameters' groups and host caches (None while incomplete); ``full``: its work when
+    every parameter can take the fast path."""
 
     params: list[torch.Tensor]
     groups: list[dict[str, Any]]
@@ -222,8 +221,7 @@ PendingSlice = tuple[SlicePlan, list[int], list[torch.Tensor], list[torch.Tensor
 
 def plan_slice(params: list[torch.Tensor], groups: list[dict[str, Any]],
                caches: Mapping[torch.Tensor, Any]) -> SlicePlan:
-    """The plan of one slice; the fused kernel's device and dtype check is made here, once, as
-    torch makes it when it creates a parameter's state."""
+    """The plan of one slice; the fused kernel's device and dtype check is made here, once, as torch does."""
     hosts: list[HostCache | None] = []
     kinds = set()
     full = True

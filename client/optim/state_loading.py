@@ -40,8 +40,7 @@ class _ParamLoad:
 
 
 class StateLoader:
-    """``load_state_dict()`` into the host caches ``host_caches`` holds for the optimizers of
-    ``model_parts`` (``backend`` empties the device cache after)."""
+    """``load_state_dict()`` into the host caches of the optimizers of ``model_parts``."""
 
     def __init__(self, host_caches: HostCaches, backend: DeviceBackend, model_parts: Sequence[nn.Module]):
         self._host_caches = host_caches
@@ -152,8 +151,8 @@ class StateLoader:
 
 def _plan_group_load(index: FlatIndex, optim: Optimizer, group: dict[str, Any],
                      fqns: Mapping[torch.Tensor, tuple[str, ...]]) -> dict[str, Any]:
-    """The checkpoint's hyperparameters for ``group``, from the first of its parameters found
-    (a checkpoint may group differently; ``amsgrad`` is checked per parameter)."""
+    """The checkpoint's hyperparameters for ``group``, from the first of its parameters found (a
+    checkpoint may group differently)."""
     for param in group["params"]:
         found = index.entries(PARAM_GROUPS_PREFIX, fqns.get(param, ()))
         if found is not None:
@@ -169,8 +168,8 @@ def _plan_group_load(index: FlatIndex, optim: Optimizer, group: dict[str, Any],
 
 def _checked_sources(index: FlatIndex, aliases: Sequence[str], keys: tuple[str, ...], group_values: Mapping[str, Any],
                      local_param: torch.Tensor, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor | None], float]:
-    """``({key: checkpoint tensor}, step)`` of one parameter; only param-group entries: never
-    stepped (torch creates state lazily), so zeros (``None``) and step 0."""
+    """``({key: checkpoint tensor}, step)`` of one parameter; with only param-group entries (never
+    stepped: torch creates state lazily), zeros (``None``) and step 0."""
     fqn = aliases[0]
     hits = {key: index.lookup(STATE_PREFIX, aliases, key) for key in (*keys, STEP_KEY)}
     if not any(hits.values()):
@@ -196,8 +195,7 @@ def _check_amsgrad(hit: tuple[str, Any] | None, group: Mapping[str, Any]) -> Non
 
 
 def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``value``'s local tensor if it fits the host cache of moments of ``dtype`` (with bfloat16
-    moments, another floating dtype is converted by the copy)."""
+    """``value``'s local tensor if it fits a moment of ``dtype`` (bfloat16 moments convert floats)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"optimizer state dict key {flat_key!r}: expected a tensor, got {type(value).__name__}")
     local = unwrap_dtensor(value)

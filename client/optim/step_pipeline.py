@@ -42,10 +42,8 @@ class _LoadedSlice:
 
 
 class StepPipeline:
-    """The swap step of the optimizers whose caches ``host_caches`` holds, in ``swap_times``
-    slices (their store hears of each slice's host write before it), moving state with
-    ``backend``; ``model_parts`` name parameters in errors. ``pipeline``: None runs the
-    load/offload pipeline iff the device is an accelerator; True on CPU too."""
+    """The swap step of the optimizers ``host_caches`` holds, in ``swap_times`` slices; ``pipeline``: None
+    runs the load/offload pipeline iff the device is an accelerator, True on CPU too."""
 
     def __init__(self, host_caches: HostCaches, backend: DeviceBackend, model_parts: Sequence[nn.Module],
                  swap_times: int, *, pipeline: bool | None = None):
@@ -105,8 +103,8 @@ class StepPipeline:
         return cached[1]
 
     def _collect_step_work(self, optim: Optimizer) -> list[SliceWork]:
-        """The parameters with gradients, per slice, all validated before any change; a slice
-        that fails the fast checks takes the per-parameter path, which raises torch's errors."""
+        """The parameters with gradients, per slice, all validated before any change (a slice that fails
+        the fast checks takes the per-parameter path, which raises torch's errors)."""
         slices: list[SliceWork] = []
         pending: list[PendingSlice] = []
         for planned in self._plan_for(optim):
@@ -267,8 +265,7 @@ def _record_stream(backend: DeviceBackend, tensor: torch.Tensor, stream: Any) ->
 
 
 def _load_steps(backend: DeviceBackend, work: SliceWork) -> tuple[list[Any], torch.Tensor | None]:
-    """The slice's steps, where torch keeps them (:func:`steps_on_device`), and the vector they
-    are views of (one copy, where there is a host vector and the groups agree) or None."""
+    """The slice's steps where torch keeps them, and the vector they are views of (one copy) or None."""
     host = work.host
     places = {steps_on_device(group) for group, _, _ in work.runs}
     if host.steps is not None and len(places) == 1:

@@ -45,8 +45,7 @@ def save(run: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> An
 
 
 def save_last_step(run: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
-    """The last step's save: a reference too, unless model-only (that one is for export and
-    inference: the model's tensors)."""
+    """The last step's save: a reference too, unless model-only (for export and inference)."""
     with saving_checkpoint(refer=not getattr(manager, "last_save_model_only", False)):
         return run(*args, **kwargs)
 
