@@ -319,8 +319,7 @@ def run(cfg: DemoConfig) -> dict:
 
 
 def _interrupted(cfg: DemoConfig, container) -> str:
-    """Detach, keeping the state on a host's server (a private one stops with the demo); say
-    what is kept and how to resume."""
+    """Detach, keeping the state on a host's server; say what is kept and how to resume."""
     job, done = container.remote_config.job_id, container.session.last_committed_step
     private = container.segment.embedded is not None
     container.close(keep=not private)

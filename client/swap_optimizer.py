@@ -35,9 +35,8 @@ get_torch_device: Callable[[], DeviceBackend] = get_device_backend
 
 
 class SwapOptimizersContainer(_container.SwapOptimizersContainer):
-    """The in-process container, plus what the seed's tests do with it: build it with
-    ``__new__`` (``model_parts`` and ``optimizers`` set, the maps patched on the class; its
-    parts are built on first use) and call the state-dict helpers on the class."""
+    """The in-process container as the seed's tests use it: built with ``__new__`` (its parts built on
+    first use, the maps patched on the class), its state-dict helpers called on the class."""
 
     param_to_cpu_states_map: dict[torch.Tensor, dict[str, Any]] = {}  # noqa: RUF012
     param_to_device_states_map: dict[torch.Tensor, dict[str, Any]] = {}  # noqa: RUF012
@@ -63,7 +62,6 @@ class SwapOptimizersContainer(_container.SwapOptimizersContainer):
 
     @staticmethod
     def _move_step_to_device(step: Any) -> Any:
-        """``step`` on the current device if it is a CPU tensor, else unchanged."""
         if isinstance(step, torch.Tensor) and step.device.type == "cpu":
             return step.to(get_torch_device().current_device())
         return step

@@ -127,11 +127,9 @@ class StepPipeline:
 
     def _name_of(self, param: torch.Tensor) -> str:
         """The parameter's name in its model part (for an error message)."""
-        for part in self._model_parts:
-            for name, candidate in part.named_parameters(remove_duplicate=False):
-                if candidate is param:
-                    return name
-        return f"of shape {tuple(param.shape)}"
+        named = (name for part in self._model_parts for name, candidate in part.named_parameters(remove_duplicate=False)
+                 if candidate is param)
+        return next(named, f"of shape {tuple(param.shape)}")
 
     def _complete_host_caches(self, optim: Optimizer, pending: list[PendingSlice]) -> list[SliceWork]:
         """The work of slices on the per-parameter path, missing caches and steps added."""

@@ -33,8 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class SegmentStore:
-    """The moments, per-parameter and group steps in ``segment`` (mapped in ``backend``'s
-    registered memory); call order: :class:`~swap_state.client.optim.moment_store.MomentStore`'s."""
+    """The moments, per-parameter and group steps in ``segment``; call order: the ``MomentStore``'s."""
 
     def __init__(self, segment: RemoteSegment, backend: DeviceBackend):
         self.segment = segment
@@ -139,10 +138,8 @@ class SegmentStore:
 
 
 class OptimizerMetadata:
-    """What a snapshot's metadata says of the optimizers (fqns, moment keys, DTensor layout,
-    param groups, steps: what the server cannot know), read when asked (groups and steps change):
-    sent as a base built once plus a per-snapshot delta; a restore sends the layout whole and
-    gets the snapshot's metadata back."""
+    """What a snapshot's metadata says of the optimizers (what the server cannot know), read when asked:
+    sent as a base built once plus a per-snapshot delta; a restore sends the layout whole."""
 
     def __init__(self, entries: Sequence[HostCacheEntry], optimizers: Sequence[Optimizer],
                  model_area: ModelArea | None):
