@@ -193,8 +193,8 @@ class DeviceBackend:
         return self.type == "npu"
 
     def _check_copies(self, registration: HostRegistration) -> None:
-        """A probed registration whose copies are not asynchronous bounces; only the first is probed
-        (the runtime treats every later one the same)."""
+        """Where probed, a registration whose copies are not asynchronous goes through the bounce
+        ring. Only the first is probed: the runtime treats every later one the same."""
         if not self.probes_registered_copies:
             return
         if self._bounce_registered is None:
@@ -345,8 +345,8 @@ def get_device_backend(*, refresh: bool = False) -> DeviceBackend:
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, not copied, for a hash (``tensor.numpy()`` needs numpy, which
-    a plain trainer need not have). The tensor must outlive the view."""
+    """The bytes of a contiguous CPU tensor, not copied, for a hash (``tensor.numpy()`` would
+    need numpy, which a plain trainer need not have). The tensor must outlive the view."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("host_bytes needs a contiguous CPU tensor")
     return memoryview((ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr()))

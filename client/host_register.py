@@ -196,8 +196,8 @@ def _acl_host_unregister(ptr: int) -> int:
 
 # -- an exactly sized, registered host buffer --------------------------------------------------
 class _HostArena(mmap.mmap):
-    """A mapping with a ``release`` (unregister); ``__del__`` only queues it for :func:`release_host_buffers`
-    (a tensor may die in a garbage collection inside the lock)."""
+    """A mapping with a ``release`` (unregister); ``__del__`` only queues it, for
+    :func:`release_host_buffers`: a tensor may die in a garbage collection inside the lock."""
 
     release: Callable[[], Any] | None = None
 

@@ -72,8 +72,8 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(_EmptyStateDictLoadPlanner):
-    """Loads a whole checkpoint into a fresh dict (as ``dcp_to_torch_save``), other entries with
-    ``torch.load(weights_only=True)``; ``refused`` as the reader's."""
+    """Loads a whole checkpoint into a fresh dict (as ``dcp_to_torch_save`` does), the
+    non-tensor entries with ``torch.load(weights_only=True)``. ``refused`` as the reader's."""
 
     refused: UnsafeCheckpoint | None = None
 

@@ -197,8 +197,8 @@ def placeholder_like(param: Any, tensor: torch.Tensor, wrap: Any = wrap_like_par
 
 
 def flat_layout(sizes: Sequence[int], page_size: int = PAGE_SIZE) -> tuple[list[int], int]:
-    """Offsets of tensors of ``sizes`` bytes in one buffer, and its size: :data:`FLAT_ALIGN`-aligned, or
-    page-aligned from :data:`FLAT_PAGE_RUN` pages."""
+    """Offsets of tensors of ``sizes`` bytes placed in order in one buffer, and its size:
+    each on :data:`FLAT_ALIGN` bytes, or on a page when at least :data:`FLAT_PAGE_RUN` pages."""
     offsets, end = [], 0
     for size in sizes:
         align = page_size if size >= FLAT_PAGE_RUN * page_size else FLAT_ALIGN
@@ -251,7 +251,6 @@ def steps_vector(steps: Sequence[Any]) -> torch.Tensor | None:
         if not same_place or step.storage_offset() != offset + index:
             return None
     return first.as_strided((len(steps),), (1,), offset)
-
 
 
 def fqns_by_param(model: nn.Module) -> dict[torch.Tensor, tuple[str, ...]]:

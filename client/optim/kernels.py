@@ -205,8 +205,8 @@ class SliceWork:
 
 @dataclass(eq=False)
 class SlicePlan:
-    """A slice, its parameters' groups and host caches (None while incomplete); ``full``: its work when
-    every parameter can take the fast path."""
+    """A slice, its parameters' groups and host caches (None while incomplete); ``full``: its work
+    where every parameter can take the fast path (gradients and shards filled in per step)."""
 
     params: list[torch.Tensor]
     groups: list[dict[str, Any]]

@@ -151,8 +151,8 @@ class StateLoader:
 
 def _plan_group_load(index: FlatIndex, optim: Optimizer, group: dict[str, Any],
                      fqns: Mapping[torch.Tensor, tuple[str, ...]]) -> dict[str, Any]:
-    """The checkpoint's hyperparameters for ``group``, from the first of its parameters found (a
-    checkpoint may group differently)."""
+    """The checkpoint's hyperparameters for ``group``, from the first of its parameters found
+    (a checkpoint may group differently; ``amsgrad`` is checked per parameter)."""
     for param in group["params"]:
         found = index.entries(PARAM_GROUPS_PREFIX, fqns.get(param, ()))
         if found is not None:
@@ -168,8 +168,8 @@ def _plan_group_load(index: FlatIndex, optim: Optimizer, group: dict[str, Any],
 
 def _checked_sources(index: FlatIndex, aliases: Sequence[str], keys: tuple[str, ...], group_values: Mapping[str, Any],
                      local_param: torch.Tensor, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor | None], float]:
-    """``({key: checkpoint tensor}, step)`` of one parameter; with only param-group entries (never
-    stepped: torch creates state lazily), zeros (``None``) and step 0."""
+    """``({key: checkpoint tensor}, step)`` of one parameter; only param-group entries: never
+    stepped (torch creates state lazily), so zeros (``None``) and step 0."""
     fqn = aliases[0]
     hits = {key: index.lookup(STATE_PREFIX, aliases, key) for key in (*keys, STEP_KEY)}
     if not any(hits.values()):

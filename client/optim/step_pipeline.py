@@ -103,8 +103,8 @@ class StepPipeline:
         return cached[1]
 
     def _collect_step_work(self, optim: Optimizer) -> list[SliceWork]:
-        """The parameters with gradients, per slice, all validated before any change (a slice that fails
-        the fast checks takes the per-parameter path, which raises torch's errors)."""
+        """The parameters with gradients, per slice, all validated before any change; a slice
+        that fails the fast checks takes the per-parameter path, which raises torch's errors."""
         slices: list[SliceWork] = []
         pending: list[PendingSlice] = []
         for planned in self._plan_for(optim):

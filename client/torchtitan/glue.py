@@ -40,7 +40,7 @@ _WRAPPED_ORIGINAL_ATTR = "__swap_state_original__"
 def build_optimizers(model_parts: list[nn.Module], optimizer_config: Any, parallel_dims: Any,
                      ft_manager: Any = None) -> OptimizersContainer:
     """torchtitan's ``build_optimizers`` plus ``optimizer_config.swap_optimizer`` (Adam or AdamW;
-    not with optimizers-in-backward or TorchFT)."""
+    settings: :class:`SwapSettings`; optimizers-in-backward and TorchFT are not supported)."""
     seed = importlib.import_module("swap_state.client.swap_optimizer")  # the names the seed's tests patch
     if not getattr(optimizer_config, "swap_optimizer", False):
         return seed._original_build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
