@@ -374,8 +374,7 @@ def _snapshot(container, step: int, handles: list) -> str:
 
 
 def _report_durable(handles: list) -> None:
-    """Wait until each snapshot is durable and say where, or the server's reason why not
-    (retired by its retention, lost when a server stopped while it persisted, failed)."""
+    """Wait until each snapshot is durable and say where, or the server's reason why not."""
     for handle in handles:
         try:
             print(f"snapshot {handle.snapshot_id} durable at {handle.wait_durable().path}")

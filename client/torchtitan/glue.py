@@ -107,8 +107,7 @@ current_job_config: contextvars.ContextVar[Any] = contextvars.ContextVar("swap_s
 
 
 def _wrap_method(cls: type, name: str, hook: Callable[..., Any]) -> None:
-    """Replace ``cls.name`` by a method that calls ``hook(run, self, ...)``, ``run`` the original
-    bound to ``self``, once (a wrapper is never wrapped again)."""
+    """Replace ``cls.name`` by a method calling ``hook(run, self, ...)``, ``run`` the original (never a wrapper)."""
     current = cls.__dict__.get(name)
     original = getattr(current, _WRAPPED_ORIGINAL_ATTR, current)
 
