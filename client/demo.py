@@ -43,8 +43,7 @@ RESUME_MODES = ("none", "reattach", "latest", "auto")  # --resume besides a snap
 
 @dataclasses.dataclass
 class DemoConfig:
-    """The demo's settings; each field is a flag (``job_id`` -> ``--job-id``), its docstring
-    the flag's help."""
+    """The demo's settings; each field is a flag (``job_id`` -> ``--job-id``), its docstring the help."""
 
     server: str | None = None
     """the server's address (unix:///path or host:port); default: $SWAP_STATE_SERVER, else the
@@ -320,8 +319,7 @@ def run(cfg: DemoConfig) -> dict:
 
 
 def _interrupted(cfg: DemoConfig, container) -> str:
-    """Detach, keeping the state on a host's server (a private one stops with the demo); say
-    what is kept and how to resume."""
+    """Detach, keeping the state on a host's server; say what is kept and how to resume."""
     job, done = container.remote_config.job_id, container.session.last_committed_step
     private = container.segment.embedded is not None
     container.close(keep=not private)
@@ -376,8 +374,7 @@ def _snapshot(container, step: int, handles: list) -> str:
 
 
 def _report_durable(handles: list) -> None:
-    """Wait until each snapshot is durable and say where, or the server's reason why not
-    (retired by its retention, lost when a server stopped while it persisted, failed)."""
+    """Wait until each snapshot is durable and say where, or the server's reason why not."""
     for handle in handles:
         try:
             print(f"snapshot {handle.snapshot_id} durable at {handle.wait_durable().path}")

@@ -1,10 +1,6 @@
-"""One small accelerator layer for Ascend NPU, CUDA and CPU.
-
-Selection order is NPU (``torch_npu``, imported lazily), CUDA, CPU; ``SWAP_STATE_DEVICE``
-forces one (an error where it is not there, never a silent fallback). On CPU, streams and events
-are :class:`NullStream`, so the pipelined accelerator path runs unchanged.
-On Ascend each host registration is probed (:func:`~swap_state.client.host_register.needs_bounce`):
-where its copies are not asynchronous, they go through a ring of pinned bounce buffers.
+"""One small accelerator layer for Ascend NPU, CUDA and CPU: NPU, then CUDA, then CPU, unless
+``SWAP_STATE_DEVICE`` forces one (an error where it is not there, never a silent fallback). On CPU,
+streams and events are :class:`NullStream`, so the pipelined accelerator path runs unchanged.
 """
 
 from __future__ import annotations
@@ -48,9 +44,8 @@ _DEVICE_TYPES: tuple[DeviceType, ...] = ("npu", "cuda", "cpu")
 
 
 class NullStream:
-    """``torch.cuda.Stream`` and ``torch.cuda.Event`` look-alike for CPU (:data:`NullEvent` is
-    the same class): CPU work is done when the call that enqueued it returns, so every method
-    returns at once."""
+    """``torch.cuda.Stream`` and ``Event`` look-alike for CPU (:data:`NullEvent`): CPU work is
+    done when the call that enqueued it returns, so every method returns at once."""
 
     def query(self) -> bool:
         return True
@@ -72,9 +67,8 @@ NullEvent = NullStream
 
 
 class DeviceBackend:
-    """The accelerator of this process (or the CPU): ``type`` is ``"npu"``, ``"cuda"`` or
-    ``"cpu"``, ``module`` ``torch.npu`` / ``torch.cuda`` (None on CPU). Subclasses (tests)
-    override ``_register_chunk``, ``_unregister_chunk`` and ``_describe_return_code``."""
+    """The accelerator of this process (or the CPU); tests override ``_register_chunk``,
+    ``_unregister_chunk`` and ``_describe_return_code``."""
 
     def __init__(self, device_type: DeviceType, module: ModuleType | None = None, *,
                  chunk_bytes: int = REGISTER_CHUNK_BYTES) -> None:
@@ -114,11 +108,9 @@ class DeviceBackend:
         return self.module
 
     def current_device(self) -> torch.device:
-        """The device new tensors of this backend go to."""
         return torch.device(self.type, self._accel().current_device()) if self.is_accelerator else torch.device("cpu")
 
     def stream(self) -> Any:
-        """A new side stream (a :class:`NullStream` on CPU)."""
         return self._accel().Stream() if self.is_accelerator else NullStream()
 
     def current_stream(self) -> Any:
@@ -140,29 +132,24 @@ class DeviceBackend:
         return self._accel().Event(blocking=True) if blocking else self._accel().Event()
 
     def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        """Context that makes ``stream`` current (does nothing on CPU)."""
         if not self.is_accelerator:
             return contextlib.nullcontext(stream)
         return cast(contextlib.AbstractContextManager[Any], self._accel().stream(stream))
 
     def synchronize(self) -> None:
-        """Wait for all work on the current device."""
         if self.is_accelerator:
             self._accel().synchronize()
 
     def empty_cache(self) -> None:
-        """Return cached, unused device memory to the runtime."""
         if self.is_accelerator:
             self._accel().empty_cache()
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Tell the caching allocator that ``tensor`` is in use on ``stream``."""
         if self.is_accelerator:
             tensor.record_stream(stream)
 
     # -- host memory ---------------------------------------------------------------------
     def alloc_host(self, shape: Sequence[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A zero-filled host tensor, pinned when an accelerator exists."""
         return torch.zeros(tuple(shape), dtype=dtype, pin_memory=self.pin_memory_available)
 
     def alloc_host_bytes(self, nbytes: int, spans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
@@ -202,8 +189,7 @@ class DeviceBackend:
 
     @property
     def probes_registered_copies(self) -> bool:
-        """On Ascend: older torch_npu synchronizes after each non-blocking copy from memory it did
-        not allocate. CUDA's registration is always honoured."""
+        """Only Ascend's registrations are probed (older torch_npu synchronizes after their copies)."""
         return self.type == "npu"
 
     def _check_copies(self, registration: HostRegistration) -> None:
@@ -293,7 +279,6 @@ class DeviceBackend:
         return calls[1](ptr) if calls else 0
 
     def _vendor_calls(self) -> tuple[Any, Any] | None:
-        """This backend's (register, unregister) calls; None on CPU."""
         if self.type == "npu":
             # ACL calls act on the calling thread's context; torch_npu creates it lazily.
             module = self._accel()

@@ -24,7 +24,6 @@ __all__ = [
     "UnauthenticatedError", "ERROR_FOR_REASON", "error_for", "reason_of"]
 
 
-
 class SessionLostError(SwapStateError):
     """The server dropped the session (the client's own finding; no server sends it)."""
 

@@ -1,8 +1,6 @@
-"""Host memory registration for DMA: page-aligned chunks, the vendor calls (CUDA's
-``cudaHostRegister``, Ascend's ``aclrtHostRegister`` through ctypes), an exactly sized
-registered host buffer (torch's pinned allocator rounds up to a power of two), and on Ascend the
-probe of a registration's copies and the pinned bounce ring for those that are not asynchronous.
-:class:`~swap_state.client.device.DeviceBackend` calls these and keeps the bookkeeping.
+"""Host memory registration for DMA (page-aligned chunks, CUDA's and Ascend's calls), exactly sized
+registered host buffers, and on Ascend the probe of a registration's copies and the pinned bounce
+ring for those that are not asynchronous; :class:`~swap_state.client.device.DeviceBackend` calls these.
 """
 
 from __future__ import annotations
@@ -70,8 +68,7 @@ def page_chunks(ptr: int, nbytes: int, chunk_bytes: int = REGISTER_CHUNK_BYTES, 
     ``chunk_bytes``. With ``spans`` (tensors' ``(offset, nbytes)``) or ``cuts`` (tensor starts),
     a chunk ends only on a page boundary no tensor straddles, so one copy never spans two
     registrations (how a driver treats that is not documented); a tensor over ``chunk_bytes``
-    gets a chunk of its own, over the limit (a Llama-3-405B embedding moment is 8.4 GB: far
-    below ~100 GiB)."""
+    gets a chunk of its own, over the limit."""
     if ptr % page_size:
         raise ValueError(f"host pointer {ptr:#x} is not aligned to the {page_size}-byte page size; "
                          "DMA registration needs a page-aligned pointer (map the region with mmap)")
@@ -157,10 +154,9 @@ def _loaded_library(name: str, open_library: Callable[..., Any] = ctypes.CDLL) -
 
 
 def locate_library(name: str, symbol: str, open_library: Callable[..., Any] = ctypes.CDLL) -> tuple[Any, str]:
-    """``name`` as this process already has it, ``(library, where)``: the global symbols, a
-    mapping in ``/proc/self/maps`` (torch_npu loads ``libascendcl`` privately), then the loader's
-    path. A second copy has its own runtime state, and torch_npu would not see its registrations.
-    """
+    """``(library, where)``: ``name`` as this process already has it (global symbols, a mapping in
+    ``/proc/self/maps``: torch_npu loads ``libascendcl`` privately), else from the loader's path. A
+    second copy has its own runtime state, and torch_npu would not see its registrations."""
     process = open_library(None)
     if hasattr(process, symbol):
         return process, "the process's global symbols"
@@ -241,13 +237,9 @@ def registered_host_buffer(nbytes: int, register: Callable[[int, int], Any],
     return buffer
 
 
-# -- Ascend: copies from host memory the runtime does not treat as pinned -------------------------
-# Older torch_npu synchronizes after each non-blocking copy from memory it did not allocate (and
-# CANN's docs warn about unlocked memory on kernels <= 5.10). Each Ascend registration is probed
-# (:func:`needs_bounce`); where its copies are not asynchronous, copies from it go through a
-# :class:`BounceRing` of pinned buffers.
-
-_bounce_log = logging.getLogger(__name__)
+# -- Ascend: older torch_npu synchronizes after each non-blocking copy from memory it did not
+# allocate (and CANN's docs warn about unlocked memory on kernels <= 5.10), so a registration is
+# probed and, where its copies are not asynchronous, they go through a ring of pinned buffers.
 
 #: The bounce ring: slots x bytes of pinned memory (the host stages a few pieces ahead).
 BOUNCE_SLOTS = 4
@@ -342,14 +334,14 @@ def needs_bounce(backend: Any, ptr: int, nbytes: int) -> bool:
     try:
         probe = probe_registered_copies(backend, ptr, nbytes, backend.copy_probe)
     except Exception as exc:
-        _bounce_log.warning("could not probe copies from registered host memory (%s); copying directly", exc)
+        logger.warning("could not probe copies from registered host memory (%s); copying directly", exc)
         return False
     if copies_are_async(probe):
         return False
-    if not _WARNED_SYNCHRONOUS:  # the process's one WARNING
+    if not _WARNED_SYNCHRONOUS:
         _WARNED_SYNCHRONOUS = True
         versions = npu_versions() if backend.type == "npu" else f"{backend.type}, torch {torch.__version__}"
-        _bounce_log.warning(
+        logger.warning(
             "%s: a non-blocking copy from memory registered with aclrtHostRegister is not "
             "asynchronous (the host waited %.2f ms, %.2f ms from pinned memory); copies from "
             "registered host memory go through a small ring of pinned bounce buffers from now on "

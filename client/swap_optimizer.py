@@ -1,14 +1,7 @@
-"""The seed's module (torchtitan 0.2): the in-process swap container as the seed's tests use it.
-
-Everything here exists because the seed's test file builds or patches things its way; the
-container itself is :class:`swap_state.client.optim.container.SwapOptimizersContainer`, which
-needs no torchtitan. Importing this module wraps torchtitan's ``build_optimizers``
-(``optimizer_config.swap_optimizer = True`` builds a swap container).
-
-The seed's tests build containers with ``__new__`` and patch ``param_to_cpu_states_map`` on the
-class; they patch ``get_torch_device``, ``wrap_like_param``, ``SwapOptimizersContainer`` and
-``_original_build_optimizers`` here, where the code reads them at call time (the last two: the
-``build_optimizers`` wrapper).
+"""The seed's module (torchtitan 0.2): everything here exists because the seed's tests build
+containers with ``__new__`` and patch ``param_to_cpu_states_map``, ``get_torch_device``,
+``wrap_like_param``, ``SwapOptimizersContainer`` and ``_original_build_optimizers`` here, where
+the code reads them at call time. Importing it wraps torchtitan's ``build_optimizers``.
 """
 
 from __future__ import annotations
@@ -42,9 +35,8 @@ get_torch_device: Callable[[], DeviceBackend] = get_device_backend
 
 
 class SwapOptimizersContainer(_container.SwapOptimizersContainer):
-    """The in-process container, plus what the seed's tests do with it: build it with
-    ``__new__`` (``model_parts`` and ``optimizers`` set, the maps patched on the class; its
-    parts are built on first use) and call the state-dict helpers on the class."""
+    """The in-process container as the seed's tests use it: built with ``__new__`` (its parts built on
+    first use, the maps patched on the class), its state-dict helpers called on the class."""
 
     param_to_cpu_states_map: dict[torch.Tensor, dict[str, Any]] = {}  # noqa: RUF012
     param_to_device_states_map: dict[torch.Tensor, dict[str, Any]] = {}  # noqa: RUF012
@@ -70,7 +62,6 @@ class SwapOptimizersContainer(_container.SwapOptimizersContainer):
 
     @staticmethod
     def _move_step_to_device(step: Any) -> Any:
-        """``step`` on the current device if it is a CPU tensor, else unchanged."""
         if isinstance(step, torch.Tensor) and step.device.type == "cpu":
             return step.to(get_torch_device().current_device())
         return step

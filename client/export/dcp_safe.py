@@ -1,11 +1,7 @@
-"""Reading a DCP checkpoint without executing it: a checkpoint is data, never code.
-
-DCP's own reader unpickles ``.metadata`` with plain ``pickle`` and loads every non-tensor
-entry with ``torch.load(weights_only=False)``: a planted checkpoint runs whatever it names.
-:class:`SafeFileSystemReader` unpickles ``.metadata`` with only the classes DCP's metadata is
-made of (:data:`METADATA_GLOBALS`), and :class:`SafeLoadPlanner` loads the other entries with
-``torch.load(weights_only=True)`` (tensors and plain containers). Anything else is refused,
-naming what the file asked for. Hand-written because DCP has no such option (torch 2.13).
+"""Reading a DCP checkpoint without executing it: DCP's own reader unpickles ``.metadata`` with
+plain ``pickle`` and non-tensor entries with ``torch.load(weights_only=False)``, so a planted
+checkpoint runs whatever it names. Here only DCP's metadata classes and ``weights_only=True``
+loads pass; anything else is refused, naming what the file asked for (DCP has no such option).
 """
 
 from __future__ import annotations

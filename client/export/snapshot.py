@@ -1,21 +1,8 @@
-"""``swap-state export``: a snapshot as a standard checkpoint, loadable without swap-state.
-
-Reads a complete snapshot from a snapshot directory or a snapshot store through one seam,
-:class:`~swap_state.common.snapshot_tier.SnapshotTier`, whose reads check every manifest,
-data file header and tensor crc32 (an error names the file and tensor; nothing is written),
-and writes the seed's flat optimizer state dict::
-
-    state.<fqn>.<key>           tensors (exp_avg, exp_avg_sq, ...), full (global) shape
-    state.<fqn>.step            0-dim float32 tensor (as torch's Adam keeps it)
-    param_groups.<fqn>.<hp>     hyperparameters (floats, tuples, bools, None, tensors)
-
-as one ``torch.save`` file (``torch.load(out, weights_only=True)``) or a DCP directory
-(``dcp.load`` into a template, any sharding). DTensor shards are assembled into global tensors
-(each shard is one box: the trainer checks it), every element covered. One host's snapshot of
-a multi-host job exports that host's ranks: complete for replicated (DDP) state; a sharded
-tensor with shards on other hosts is refused, naming the ranks present. A tensor without
-fqn/key is written as ``state.<segment tensor name>``, except the container's own step
-vectors. Model tensors go into ``--format torchtitan`` only (:mod:`.torchtitan`).
+"""``swap-state export``: a snapshot as the seed's flat optimizer state dict (``state.<fqn>.<key>``
+global tensors, ``state.<fqn>.step``, ``param_groups.<fqn>.<hp>``), a ``torch.save`` file or a DCP
+directory, loadable without swap-state. Every read is checked by its
+:class:`~swap_state.common.snapshot_tier.SnapshotTier`; shards are assembled with every element
+covered, or the export is refused naming the ranks present (one host's snapshot of a multi-host job).
 """
 
 from __future__ import annotations
@@ -52,8 +39,7 @@ Location = tuple[SnapshotTier, SnapshotInfo]
 
 
 class ExportError(SnapshotError):
-    """The snapshot cannot be exported: it cannot be expressed as a flat state dict (e.g.
-    shards leave holes), or the store or a flag stands in the way; the message says which."""
+    """The snapshot cannot be exported (e.g. shards leave holes, or a store or flag stands in the way)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +57,7 @@ class ExportResult:
 
 
 def _decode(value: Any) -> Any:
-    """Manifest JSON -> state-dict value: tagged 0-dim tensors, lists back to tuples (JSON has
-    no tuples; torch optimizers keep betas as one)."""
+    """Manifest JSON -> state-dict value: tagged 0-dim tensors, lists back to tuples (torch keeps betas as one)."""
     if isinstance(value, dict):
         if TENSOR_TAG in value:
             return torch.tensor(value[TENSOR_TAG], dtype=TORCH_DTYPES[value.get("dtype", "float32")])
@@ -88,9 +73,8 @@ def _decode_step(value: Any) -> torch.Tensor:
 
 
 def _state_key(tensor: TensorRecord) -> str | None:
-    """``state.<fqn>.<key>``, else ``state.<segment tensor name>``; None for the container's own
-    step vectors (``swap_state.param_steps`` ...): the manifest's ``steps`` and ``param_groups``
-    carry the same values, so they are not exported."""
+    """``state.<fqn>.<key>``, else ``state.<segment tensor name>``; None for the container's own step
+    vectors (the manifest's ``steps`` and ``param_groups`` carry their values)."""
     if tensor.fqn and tensor.key:
         return state_key(tensor.fqn, tensor.key)
     return None if tensor.name.startswith(BOOKKEEPING_PREFIX) else STATE_PREFIX + tensor.name
@@ -254,7 +238,6 @@ def read_snapshot_state(locations: Sequence[Location], progress: bool | None = F
 
 
 def save_dcp(state: dict[str, Any], path: pathlib.Path) -> None:
-    """``dcp.save`` in this one process."""
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():
@@ -266,11 +249,8 @@ def save_dcp(state: dict[str, Any], path: pathlib.Path) -> None:
 def export_snapshot(snapshot: str | os.PathLike[str], out: str | os.PathLike[str], format: str = "torch", *,
                     snapshot_dir: str | os.PathLike[str] | None = None, snapshot_store: str | None = None,
                     store_timeout_s: float | None = None, progress: bool | None = None) -> ExportResult:
-    """Write ``snapshot`` to ``out`` as a torch file (``format="torch"``) or a DCP directory
-    (``format="dcp"``). Raises SnapshotError subclasses (not found, corrupt, ExportError).
-
-    ``snapshot``, ``snapshot_dir``, ``snapshot_store``: as :func:`locate`, each store request
-    bounded by ``store_timeout_s``. ``progress``: as :func:`read_snapshot_state`."""
+    """Write ``snapshot`` (found as :func:`locate` finds it) to ``out`` as a torch file or a DCP
+    directory; raises SnapshotError subclasses (not found, corrupt, ExportError)."""
     if format not in FORMATS:
         raise ExportError(f"format {format!r} is not one of {FORMATS}")
     read = read_snapshot_state(locate(snapshot, snapshot_dir, snapshot_store, store_timeout_s), progress)

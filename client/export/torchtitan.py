@@ -1,20 +1,7 @@
-"""``swap-state export --format torchtitan``: a snapshot-mode torchtitan checkpoint as a plain one.
-
-A torchtitan checkpoint saved with ``swap_state_checkpoint = "snapshot"`` (``.../step-N``)
-holds references to a whole-state snapshot (:data:`MODEL_REF_KEY` for the model and
-``optimizer.swap_state.snapshot_id`` for the optimizer) and torchtitan's small states
-(``lr_scheduler``, ``dataloader``, ``train_state``). The export, offline and without a server:
-
-1. reads that checkpoint (DCP, no template: it holds no big tensors) and the snapshot id;
-2. reads the snapshot from ``--snapshot-dir`` or ``--snapshot-store`` (:func:`~.snapshot.locate`),
-   every read checked, shards assembled (:func:`~.snapshot.read_snapshot_state`);
-3. writes a DCP checkpoint that plain torchtitan (``swap_optimizer = false``) loads: the
-   model's state dict at the top level (torchtitan flattens the model there), ``optimizer``
-   in torch's flattened optimizer format (``state.<fqn>.exp_avg`` ..., ``state.<fqn>.step``,
-   ``param_groups.<fqn>.<hp>``), the small states copied as they are.
-
-It writes into a hidden sibling directory renamed into place at the end, so an error leaves
-no partial output.
+"""``swap-state export --format torchtitan``: a snapshot-mode torchtitan checkpoint as a plain one,
+offline: the checkpoint's references (model and optimizer) resolved against the snapshot, written
+as a DCP checkpoint plain torchtitan loads (the model's state dict at the top level, ``optimizer``
+flat, the small states such as ``lr_scheduler`` copied as they are).
 """
 
 from __future__ import annotations
@@ -89,10 +76,8 @@ def export_torchtitan_checkpoint(checkpoint_dir: str | os.PathLike[str], out_dir
                                  snapshot_dir: str | os.PathLike[str] | None = None, *,
                                  snapshot_store: str | None = None, store_timeout_s: float | None = None,
                                  progress: bool | None = None) -> ExportResult:
-    """Write the plain torchtitan checkpoint of a whole-state snapshot-mode one (module
-    docstring) to ``out_dir``, which must not exist yet. The snapshot is read from exactly one
-    of ``snapshot_dir`` and ``snapshot_store`` (:func:`~.snapshot.locate`); ``progress`` as
-    :func:`~.snapshot.read_snapshot_state`. Raises SnapshotError subclasses."""
+    """Write the plain torchtitan checkpoint of a whole-state snapshot-mode one to ``out_dir``, which
+    must not exist yet; raises SnapshotError subclasses."""
     if snapshot_dir is None and snapshot_store is None:
         raise ExportError("--format torchtitan needs --snapshot-dir DIR (the server's local snapshot directory) "
                           "or --snapshot-store URI (its snapshot store)")

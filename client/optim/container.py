@@ -1,10 +1,6 @@
-"""``SwapOptimizersContainer``: an optimizers container whose Adam moments live in a moment store.
-
-torchtitan's container shape (one optimizer per model part, a flat FQN-keyed state dict, LR
-schedulers iterate it) without torchtitan: a plain PyTorch loop uses it as it is, and torchtitan's
-adapters (:mod:`swap_state.client.torchtitan`) hand it to torchtitan's trainer. It is composed of
-one part per job, each handed what it uses: the host caches (over a
-:class:`~swap_state.client.optim.moment_store.MomentStore`), the step pipeline, the state loader.
+"""``SwapOptimizersContainer``: torchtitan's container shape (one optimizer per model part, a flat
+FQN-keyed state dict) without torchtitan, whose Adam moments live in a moment store; composed of
+the host caches, the step pipeline and the state loader.
 """
 
 from __future__ import annotations
@@ -38,15 +34,9 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(eq=False)
 class UnswappedOptimizers:
-    """The optimizers of parameters swap-state does not swap (torchtitan 0.3 lets param groups
-    use other optimizers than Adam and AdamW: ``DistMuon``), with their own step and state.
-
-    Their state stays where their own code keeps it; the container steps them after its own,
-    iterates them for LR schedulers and checkpoints them in its flat FQN-keyed dict. Nothing of
-    theirs is in snapshots, so whole-state snapshot checkpoints refuse them (the adapter checks).
-    ``flat_state_dict(optimizer)`` and ``load_flat_state_dict(optimizer, flat)`` convert their
-    state to and from the flat dict (torchtitan's ``get_flat_optim_state_dict`` /
-    ``load_flat_optim_state_dict``)."""
+    """The optimizers of parameters swap-state does not swap (torchtitan 0.3's ``DistMuon``
+    groups): stepped after the container's own, checkpointed in its flat dict through
+    ``flat_state_dict`` / ``load_flat_state_dict``; nothing of theirs is in snapshots."""
 
     optimizers: list[Optimizer] = dataclasses.field(default_factory=list)
     flat_state_dict: Callable[[Optimizer], dict[str, Any]] | None = None

@@ -1,7 +1,4 @@
-"""DTensor helpers of the swap optimizer: local shards in, DTensors laid out like a parameter out.
-
-The job modules call these as attributes of this module: the seed's tests patch them.
-"""
+"""DTensor helpers of the swap optimizer: local shards in, DTensors laid out like a parameter out."""
 
 from __future__ import annotations
 
@@ -17,7 +14,6 @@ __all__ = ["DTensor", "check_shard_is_a_box", "global_layout", "unwrap_dtensor",
 
 
 def unwrap_dtensor(tensor: Any) -> Any:
-    """The local tensor of a DTensor; anything else unchanged."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 

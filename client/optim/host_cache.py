@@ -26,7 +26,7 @@ __all__ = [
     "FLAT_ALIGN", "FLAT_PAGE_RUN", "MOMENT_KEYS", "STEP_DTYPE", "STEP_KEY", "HostCache", "HostCacheEntry",
     "HostCaches", "SliceStates", "advance_group_step", "as_number", "device_placeholders",
     "flat_host_caches", "flat_layout", "fqns_by_param", "group_map", "has_data", "host_cache_ready",
-    "moments_dtype", "moment_keys", "param_fqns", "placeholder_like", "step_tensor", "steps_vector",
+    "moment_keys", "param_fqns", "placeholder_like", "step_tensor", "steps_vector",
 ]
 
 #: Adam state tensors shaped like the parameter, in host-cache order.
@@ -47,8 +47,7 @@ FLAT_PAGE_RUN = 64
 
 @dataclass(frozen=True, eq=False)
 class HostCacheEntry:
-    """What a moment store allocates for one parameter: ``keys`` (its moments) of the
-    local shard's ``shape`` and ``dtype``, and a step; ``fqn`` is the canonical checkpoint name."""
+    """What a moment store allocates for one parameter: ``keys`` of the local shard's shape and dtype, and a step."""
 
     param: torch.Tensor
     fqn: str
@@ -100,11 +99,6 @@ def advance_group_step(group: dict[str, Any]) -> None:
         group[STEP_KEY] = step_tensor(as_number(step or 0) + 1)
 
 
-def moments_dtype(moment_dtype: torch.dtype | None, local_param: torch.Tensor) -> torch.dtype:
-    """The dtype of ``local_param``'s moments: the container's ``moment_dtype``, else its own."""
-    return moment_dtype or local_param.dtype
-
-
 def host_cache_ready(host: Mapping[str, Any] | None, group: Mapping[str, Any], local_param: Any = None,
                      dtype: torch.dtype | None = None) -> bool:
     """Whether ``host`` holds every moment ``group`` needs, with data (and ``local_param``'s layout)."""
@@ -120,9 +114,8 @@ def host_cache_ready(host: Mapping[str, Any] | None, group: Mapping[str, Any], l
 
 
 class HostCaches:
-    """Builds, checks and installs the host caches of a swap container's ``optimizers`` in
-    ``cpu_states`` (``param_to_cpu_states_map``), their placeholders in ``device_states``
-    (``param_to_device_states_map``); ``store`` allocates them."""
+    """Builds, checks and installs the host caches (``cpu_states``) of ``optimizers`` and their placeholders
+    (``device_states``); ``store`` allocates them."""
 
     def __init__(self, store: Any, optimizers: Sequence[Optimizer], cpu_states: dict[torch.Tensor, HostCache],
                  device_states: dict[torch.Tensor, dict[str, Any]], moment_dtype: torch.dtype | None):
@@ -145,13 +138,13 @@ class HostCaches:
             if not local.is_contiguous():
                 # The fused kernel walks memory linearly: another layout pairs the wrong elements.
                 raise ValueError(f"parameter {fqn!r} is not contiguous; the swap optimizer needs contiguous parameters")
-            keys, dtype = moment_keys(optim.param_groups[group_index]), moments_dtype(self.moment_dtype, local)
+            keys, dtype = moment_keys(optim.param_groups[group_index]), self.moment_dtype or local.dtype
             entries.append(HostCacheEntry(param, fqn, keys, local.shape, dtype, optimizer_index, group_index))
         return entries
 
     @staticmethod
     def checked(entry: HostCacheEntry, tensors: Mapping[str, Any] | None) -> HostCache:
-        """``tensors`` from ``_allocate_host_cache`` checked against ``entry``, in map format."""
+        """``tensors`` the store allocated, checked against ``entry``, in map format."""
         if tensors is None:
             raise ValueError(f"the moment store allocated no cache for {entry.fqn!r}")
         expected = {key: (entry.shape, entry.dtype) for key in entry.keys}
@@ -180,8 +173,7 @@ class HostCaches:
             self.set(entry, host)
 
     def set(self, entry: HostCacheEntry, host: HostCache, placeholders: dict[str, Any] | None = None) -> None:
-        """Make ``host`` ``entry.param``'s cache, with ``placeholders`` (default: built now) in
-        its ``optimizer.state``."""
+        """Make ``host`` ``entry.param``'s cache, ``placeholders`` (default: built now) its ``optimizer.state``."""
         self.cpu_states[entry.param] = host
         state = self.optimizers[entry.optimizer_index].state[entry.param]
         state.clear()
@@ -195,8 +187,7 @@ def device_placeholders(entry: HostCacheEntry, host: HostCache) -> dict[str, Any
 
 
 def placeholder_like(param: Any, tensor: torch.Tensor, wrap: Any = wrap_like_param) -> Any:
-    """A zero-storage tensor like ``tensor`` for ``optimizer.state``, wrapped like ``param``
-    (by ``wrap``) where ``param``'s local tensor is on the same device."""
+    """A zero-storage tensor like ``tensor`` for ``optimizer.state``, wrapped like ``param`` where on its device."""
     local = unwrap_dtensor(tensor)
     placeholder = torch.empty_strided(local.size(), local.stride(), dtype=local.dtype, device=local.device)
     placeholder.untyped_storage().resize_(0)
@@ -238,9 +229,8 @@ def flat_host_caches(
 
 @dataclass(eq=False)
 class SliceStates:
-    """State tensors of one update call over a slice, per key one per parameter (None where the
-    group has no such moment). ``steps``: the vector whose elements are the ``STEP_KEY`` tensors,
-    or None; it moves with one copy and is incremented by one ``add_`` (the same bits)."""
+    """State tensors of one update call over a slice, per key one per parameter (None: no such moment);
+    ``steps``: the vector the ``STEP_KEY`` tensors are elements of (one copy, one ``add_``), or None."""
 
     tensors: dict[str, list[Any]]
     steps: torch.Tensor | None = None
@@ -262,12 +252,10 @@ def steps_vector(steps: Sequence[Any]) -> torch.Tensor | None:
             return None
     return first.as_strided((len(steps),), (1,), offset)
 
-# -- parameter names in checkpoints ---------------------------------------------------------------
-# The canonical FQN (DCP's, first registered alias first), so tied parameters are saved once and
-# load from any alias.
 
 def fqns_by_param(model: nn.Module) -> dict[torch.Tensor, tuple[str, ...]]:
-    """Every parameter's checkpoint names, canonical (first registered) first."""
+    """Every parameter's checkpoint names, DCP's canonical (first registered) first: tied
+    parameters are saved once and load from any alias."""
     names: dict[torch.Tensor, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(param, []).extend(_canonical_fqns(model, name))

@@ -1,10 +1,6 @@
-"""Pure helpers of the swap optimizer: slice planning and the Adam/AdamW update calls.
-
-A group's implementation is read from its ``fused`` / ``foreach`` flags as torch reads them
-(neither set: fused, recorded as ``fused=True`` so that checkpoints resume on the same kernel).
-``"fused"`` restates torch's ``_fused_adam`` for tensors already gathered, bit-identical;
-``"foreach"`` / ``"for-loop"`` call torch's functional ``adam``. Adam's update is elementwise,
-so slice by slice gives the same bits as one call.
+"""Pure helpers of the swap optimizer: slice planning and the Adam/AdamW update calls, in the
+implementation a group's ``fused`` / ``foreach`` flags select as torch reads them, bit-identical to
+torch's. Adam's update is elementwise, so slice by slice gives the same bits as one call.
 """
 
 from __future__ import annotations
@@ -52,7 +48,8 @@ def group_implementation(group: Mapping[str, Any]) -> str:
 
 
 def pin_default_implementation(group: dict[str, Any]) -> None:
-    """A group with neither ``fused`` nor ``foreach`` set gets ``fused=True``, what it runs."""
+    """A group with neither ``fused`` nor ``foreach`` set gets ``fused=True``, what it runs (a
+    checkpoint then resumes on the same kernel)."""
     if group.get("fused") is None and group.get("foreach") is None:
         group["fused"] = DEFAULT_IMPLEMENTATION == "fused"
 
@@ -71,8 +68,7 @@ class PlacementError(RuntimeError):
 
 
 def grad_on_param_placements(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` redistributed to ``param``'s placements, as torch's DTensor dispatch of the fused
-    Adam does (without FSDP a sharded embedding's gradient comes Replicate, a norm's Partial)."""
+    """``grad`` redistributed to ``param``'s placements, as torch's DTensor dispatch of the fused Adam does."""
     param_is, grad_is = isinstance(param, DTensor), isinstance(grad, DTensor)
     if not param_is and not grad_is:
         return grad
@@ -192,7 +188,6 @@ def _add_to_steps(vector: torch.Tensor | None, steps: list[torch.Tensor], minus:
 
 
 def _on_device(tensor: torch.Tensor | None, device: torch.device) -> Any:
-    """``tensor`` on ``device`` (itself when it is there already), or None."""
     return None if tensor is None else tensor.to(device=device, non_blocking=True)
 
 
@@ -226,8 +221,7 @@ PendingSlice = tuple[SlicePlan, list[int], list[torch.Tensor], list[torch.Tensor
 
 def plan_slice(params: list[torch.Tensor], groups: list[dict[str, Any]],
                caches: Mapping[torch.Tensor, Any]) -> SlicePlan:
-    """The plan of one slice; the fused kernel's device and dtype check is made here, once, as
-    torch makes it when it creates a parameter's state."""
+    """The plan of one slice; the fused kernel's device and dtype check is made here, once, as torch does."""
     hosts: list[HostCache | None] = []
     kinds = set()
     full = True

@@ -21,7 +21,7 @@ from swap_state.client.optim.dtensor_utils import unwrap_dtensor
 from swap_state.client.optim.flat_state_dict import FlatIndex, clone_value
 from swap_state.client.optim.host_cache import (
     HostCaches, MOMENT_KEYS, device_placeholders, STEP_KEY, HostCache, HostCacheEntry, as_number, group_map,
-    fqns_by_param, has_data, host_cache_ready, moments_dtype, moment_keys, param_fqns, step_tensor,
+    fqns_by_param, has_data, host_cache_ready, moment_keys, param_fqns, step_tensor,
 )
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 
@@ -40,8 +40,7 @@ class _ParamLoad:
 
 
 class StateLoader:
-    """``load_state_dict()`` into the host caches ``host_caches`` holds for the optimizers of
-    ``model_parts`` (``backend`` empties the device cache after)."""
+    """``load_state_dict()`` into the host caches of the optimizers of ``model_parts``."""
 
     def __init__(self, host_caches: HostCaches, backend: DeviceBackend, model_parts: Sequence[nn.Module]):
         self._host_caches = host_caches
@@ -89,7 +88,7 @@ class StateLoader:
         aliases = param_fqns(fqns, param, optimizer_index)
         keys = moment_keys(group)
         local_param = unwrap_dtensor(param)
-        dtype = moments_dtype(self._host_caches.moment_dtype, local_param)
+        dtype = self._host_caches.moment_dtype or local_param.dtype
         _check_amsgrad(index.lookup(PARAM_GROUPS_PREFIX, aliases, "amsgrad"), group)
         sources, step = _checked_sources(index, aliases, keys, values, local_param, dtype)
         host = self._host_caches.cpu_states.get(param)
@@ -196,8 +195,7 @@ def _check_amsgrad(hit: tuple[str, Any] | None, group: Mapping[str, Any]) -> Non
 
 
 def _checked_state_tensor(flat_key: str, value: Any, local_param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``value``'s local tensor if it fits the host cache of moments of ``dtype`` (with bfloat16
-    moments, another floating dtype is converted by the copy)."""
+    """``value``'s local tensor if it fits a moment of ``dtype`` (bfloat16 moments convert floats)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"optimizer state dict key {flat_key!r}: expected a tensor, got {type(value).__name__}")
     local = unwrap_dtensor(value)

@@ -1,12 +1,6 @@
-"""The swap step: moments stream through the accelerator in slices, or update in place on CPU.
-
-Per optimizer, the parameters (in update order) are cut into ``swap_optimizer_times``
-byte-balanced slices. On an accelerator, per slice::
-
-    load (H2D, load stream) -> Adam/AdamW (compute stream) -> offload (D2H, offload stream)
-
-so slice k+1 loads while slice k updates and offloads; every step, even one that raises, ends
-with no copy in flight. On a CPU-only process the update runs on the host cache.
+"""The swap step: per optimizer, ``swap_optimizer_times`` byte-balanced slices, each loaded (H2D),
+updated and offloaded (D2H) on three streams, so that slice k+1 loads while slice k updates;
+every step, even one that raises, ends with no copy in flight. On CPU the update runs in place.
 """
 
 from __future__ import annotations
@@ -48,10 +42,8 @@ class _LoadedSlice:
 
 
 class StepPipeline:
-    """The swap step of the optimizers whose caches ``host_caches`` holds, in ``swap_times``
-    slices (their store hears of each slice's host write before it), moving state with
-    ``backend``; ``model_parts`` name parameters in errors. ``pipeline``: None runs the
-    load/offload pipeline iff the device is an accelerator; True on CPU too."""
+    """The swap step of the optimizers ``host_caches`` holds, in ``swap_times`` slices; ``pipeline``: None
+    runs the load/offload pipeline iff the device is an accelerator, True on CPU too."""
 
     def __init__(self, host_caches: HostCaches, backend: DeviceBackend, model_parts: Sequence[nn.Module],
                  swap_times: int, *, pipeline: bool | None = None):
@@ -135,11 +127,9 @@ class StepPipeline:
 
     def _name_of(self, param: torch.Tensor) -> str:
         """The parameter's name in its model part (for an error message)."""
-        for part in self._model_parts:
-            for name, candidate in part.named_parameters(remove_duplicate=False):
-                if candidate is param:
-                    return name
-        return f"of shape {tuple(param.shape)}"
+        named = (name for part in self._model_parts for name, candidate in part.named_parameters(remove_duplicate=False)
+                 if candidate is param)
+        return next(named, f"of shape {tuple(param.shape)}")
 
     def _complete_host_caches(self, optim: Optimizer, pending: list[PendingSlice]) -> list[SliceWork]:
         """The work of slices on the per-parameter path, missing caches and steps added."""
@@ -200,7 +190,6 @@ class StepPipeline:
 
     @functools.cached_property
     def _streams(self) -> tuple[Any, Any]:
-        """``(load, offload)`` side streams, created on first use."""
         return self._backend.stream(), self._backend.stream()
 
     def _load_slice(self, work: SliceWork, stream: Any) -> _LoadedSlice:
@@ -240,11 +229,12 @@ class StepPipeline:
         backend = self._backend
         with backend.use_stream(stream):
             stream.wait_event(updated)
-            pairs = _pairs(work, device)
-            for host, buffer in pairs:
-                _copy_back(backend, host, buffer)
-            for _, buffer in pairs:
-                _record_stream(backend, buffer, stream)
+            for host, buffer in _pairs(work, device):
+                if backend.is_accelerator and buffer.device.type == "cpu":
+                    host.copy_(buffer)  # a CPU step copy (torch's layout without fused/capturable)
+                else:
+                    backend.copy_to_host(host, buffer)
+                    backend.record_stream(buffer, stream)
             offloaded = backend.event()
             offloaded.record(stream)
         # Freed before anything else is enqueued on ``stream``: reusable once ``offloaded`` is done.
@@ -266,15 +256,6 @@ class StepPipeline:
                 steps=None if steps is None else steps[start:end], upcast=upcast)
 
 
-def _copy_back(backend: DeviceBackend, host: torch.Tensor, buffer: torch.Tensor) -> None:
-    """Offload ``buffer`` into ``host``; a CPU step copy next to accelerator buffers (torch's
-    layout without fused/capturable) is a host copy."""
-    if backend.is_accelerator and buffer.device.type == "cpu":
-        host.copy_(buffer)
-    else:
-        backend.copy_to_host(host, buffer)
-
-
 def _record_stream(backend: DeviceBackend, tensor: torch.Tensor, stream: Any) -> None:
     """``backend.record_stream``, except for a CPU step copy (no stream uses it)."""
     if not (backend.is_accelerator and tensor.device.type == "cpu"):
@@ -282,8 +263,7 @@ def _record_stream(backend: DeviceBackend, tensor: torch.Tensor, stream: Any) ->
 
 
 def _load_steps(backend: DeviceBackend, work: SliceWork) -> tuple[list[Any], torch.Tensor | None]:
-    """The slice's steps, where torch keeps them (:func:`steps_on_device`), and the vector they
-    are views of (one copy, where there is a host vector and the groups agree) or None."""
+    """The slice's steps where torch keeps them, and the vector they are views of (one copy) or None."""
     host = work.host
     places = {steps_on_device(group) for group, _, _ in work.runs}
     if host.steps is not None and len(places) == 1:

@@ -1,8 +1,5 @@
-"""``RemoteSwapOptimizersContainer``: the swap optimizer with its host cache in the host's
-swap-state-server: the in-process container (same checkpoint contract) whose host cache is
-views on a :class:`~swap_state.client.remote.remote_segment.RemoteSegment`.
-
-Call order::
+"""``RemoteSwapOptimizersContainer``: the in-process swap container (same checkpoint contract)
+whose host cache is views on the host's swap-state-server segment. Call order::
 
     c = RemoteSwapOptimizersContainer(model_parts, torch.optim.AdamW, kwargs, 8,
                                       server="unix:///run/swap-state/swap-state.sock", job_id="run1")
@@ -10,9 +7,7 @@ Call order::
     c.snapshot()                                 # between steps; one RPC, returns when consistent
     c.close()                                    # detach (also at interpreter exit)
 
-Checkpoint modes (``RemoteConfig.checkpoint``): 'full', the seed's flat dict with the moments;
-'snapshot', a reference to a server-side snapshot (:data:`SNAPSHOT_REF_KEY`) plus param groups
-and steps. A load follows the dict (a reference or not), not the mode.
+A load follows the dict (a snapshot reference or the moments), not ``RemoteConfig.checkpoint``.
 """
 
 from __future__ import annotations

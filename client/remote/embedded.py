@@ -231,11 +231,9 @@ class EmbeddedServer:
             self.workdir = None
         atexit.unregister(self._stop_at_exit)
 
-# -- scratch folders that a killed process does not leave behind for good --------------------------
-# A trainer or the demo killed with SIGKILL runs no cleanup, so its temporary folders stay.
-# make_scratch_dir writes the owner's pid into each folder it makes and, first, removes the
-# folders of the same prefix whose owner is gone (dead pid, or an empty folder, no owner file,
-# older than OWNERLESS_GRACE_S: a younger one is another process's between mkdtemp and its write).
+# -- scratch folders: a process killed with SIGKILL runs no cleanup, so each folder holds its
+# owner's pid and the next make_scratch_dir sweeps those whose owner is gone (an empty folder with
+# no owner file only after OWNERLESS_GRACE_S: a younger one is between mkdtemp and its write).
 
 OWNER_FILE = ".owner-pid"
 OWNERLESS_GRACE_S = 60.0

@@ -1,22 +1,14 @@
-"""The model's part of a whole-state snapshot: its parameters and persistent buffers, copied
-into the segment when a snapshot of step N is asked for (protocol step 5 of
-:mod:`swap_state.common.segment`). They are the segment's last tensors, ``model.<fqn>``, one
-per distinct tensor (tied weights once, other keys as aliases; a DTensor's local shard).
-
-An entry of ``state_dict_of`` that is no live parameter or buffer is *derived* (a state-dict
-hook made it, e.g. torchtitan 0.3's llama3 splitting ``wqkv``): made again before each copy,
-loaded back through the module's ``load_state_dict`` after a restore.
-
-Call order::
+"""The model's part of a whole-state snapshot: the segment's last tensors, ``model.<fqn>``, one
+per distinct tensor (tied weights once), copied in when a snapshot of step N is asked for
+(protocol step 5 of :mod:`swap_state.common.segment`). A *derived* entry (made by a state-dict
+hook, e.g. torchtitan 0.3's llama3 splitting ``wqkv``) is made again before each copy and loaded
+back through the module's ``load_state_dict``. Call order::
 
     tensors = plan_model_tensors(model_parts, optimizer_params)   # before the Allocate
     area = ModelArea(tensors, views, guard, header, backend)      # after it
     area.wait_copy()              # per step, before its first update
     area.copy_from_model(N)       # snapshot of committed step N: start the copy, then Snapshot
     area.copy_into_model(R)       # after the server restored the segment
-
-The copy (a side stream, or a CPU helper thread) overlaps the next forward and backward; the
-next update waits for it. A helper thread publishes ``MODEL_STEP`` once it has landed.
 """
 
 from __future__ import annotations

@@ -94,9 +94,8 @@ class SegmentMapping:
             self._registered = (backend, self.data_ptr)
 
     def guard(self, max_wait_s: float | None, server_gone: Callable[[], bool] | None = None) -> None:
-        """Protect the bytes a persisting snapshot still needs (copy-before-write,
-        :mod:`swap_state.common.segment`) from now on. ``server_gone``: whether the server is
-        unreachable now (a snapshot that would make the trainer wait is then given up: protocol step 6)."""
+        """Protect the bytes a persisting snapshot still needs (copy-before-write) from now on; ``server_gone``:
+        whether the server is unreachable now (a snapshot that would make the trainer wait is then given up)."""
         info = self.info
         layout = SegmentLayout(info.header_bytes, self.tensors, info.chunk_bytes, len(self.chunks),
                                info.cow_slots, info.cow_slots_offset, info.size)

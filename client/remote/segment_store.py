@@ -1,10 +1,6 @@
-"""The moments in the server's segment: the remote container's moment store.
-
-:class:`SegmentStore` is a :class:`~swap_state.client.optim.moment_store.MomentStore` over a
-:class:`~swap_state.client.remote.remote_segment.RemoteSegment`: it allocates the segment, marks
-each slice's write in the header, commits every step (header words, no RPC), checks a
-reattach's kept state before the first step, and keeps the group steps in the segment.
-:class:`OptimizerMetadata` is what a snapshot says of the optimizers.
+"""The remote container's moment store, the server's segment (:class:`SegmentStore`: each step
+committed by header words, no RPC), and what a snapshot says of the optimizers
+(:class:`OptimizerMetadata`).
 """
 
 from __future__ import annotations
@@ -37,8 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class SegmentStore:
-    """The moments, per-parameter and group steps in ``segment`` (mapped in ``backend``'s
-    registered memory); call order: :class:`~swap_state.client.optim.moment_store.MomentStore`'s."""
+    """The moments, per-parameter and group steps in ``segment``; call order: the ``MomentStore``'s."""
 
     def __init__(self, segment: RemoteSegment, backend: DeviceBackend):
         self.segment = segment
@@ -143,10 +138,8 @@ class SegmentStore:
 
 
 class OptimizerMetadata:
-    """What a snapshot's metadata says of the optimizers (fqns, moment keys, DTensor layout,
-    param groups, steps: what the server cannot know), read when asked (groups and steps change):
-    sent as a base built once plus a per-snapshot delta; a restore sends the layout whole and
-    gets the snapshot's metadata back."""
+    """What a snapshot's metadata says of the optimizers (what the server cannot know), read when asked:
+    sent as a base built once plus a per-snapshot delta; a restore sends the layout whole."""
 
     def __init__(self, entries: Sequence[HostCacheEntry], optimizers: Sequence[Optimizer],
                  model_area: ModelArea | None):

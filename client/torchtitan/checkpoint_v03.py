@@ -17,9 +17,8 @@ __all__ = ["SwapStateCheckpointManager"]
 
 
 class SwapStateCheckpointManager(CheckpointManager):
-    """torchtitan 0.3's ``CheckpointManager``: retention follows ``keep_latest_k``, whole-state
-    snapshot checkpoints refer to the server's snapshot, loads match the checkpoint's form, and
-    ``close`` waits until the last checkpoint's snapshot is durable."""
+    """torchtitan 0.3's ``CheckpointManager`` with :mod:`.checkpointing`'s additions (retention, snapshot
+    references, loads in the checkpoint's form, ``close`` waiting for durability)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):

@@ -1,19 +1,8 @@
-"""What swap-state adds to torchtitan's ``CheckpointManager``, for both torchtitan lines.
-
-0.2's adapter wraps the manager's methods, 0.3's subclasses it; both call, transparent for
-torch's own optimizers, :func:`attach` at the end of ``__init__`` (retention, and the model's
-entry as a reference) and run the methods through the hooks here, each ``hook(run, manager,
-...)`` with ``run`` the manager's own method:
-
-1. :func:`save` and :func:`save_last_step`: inside :func:`saving_checkpoint`;
-2. :func:`dcp_load`: the templates follow the checkpoint;
-3. :func:`close` waits for the last checkpoint's snapshot (an embedded server stops with the
-   trainer); :func:`delete`, from ``__del__``, does not: garbage collection is no place for RPCs.
-
-The model's entry in a whole-state snapshot-mode checkpoint is a reference, not tensors: with
-``swap_state_checkpoint = "snapshot"`` the snapshots hold the model's parameters too, so the
-model's part of the checkpoint is one key, :data:`MODEL_REF_KEY`, naming the optimizer's
-snapshot (:class:`SnapshotModelWrapper`).
+"""What swap-state adds to torchtitan's ``CheckpointManager``, for both torchtitan lines (0.2's
+adapter wraps its methods, 0.3's subclasses it): :func:`attach` at the end of ``__init__``, and
+hooks ``hook(run, manager, ...)`` around the manager's own methods ``run``, transparent for
+torch's own optimizers. In a whole-state snapshot-mode checkpoint the model's entry is one key,
+:data:`MODEL_REF_KEY`, naming the optimizer's snapshot (:class:`SnapshotModelWrapper`).
 """
 
 from __future__ import annotations
@@ -56,8 +45,7 @@ def save(run: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> An
 
 
 def save_last_step(run: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
-    """The last step's save: a reference too, unless model-only (that one is for export and
-    inference: the model's tensors)."""
+    """The last step's save: a reference too, unless model-only (for export and inference)."""
     with saving_checkpoint(refer=not getattr(manager, "last_save_model_only", False)):
         return run(*args, **kwargs)
 
@@ -96,7 +84,8 @@ def close(run: Callable[[], Any], manager: Any) -> None:
 
 
 def delete(run: Callable[[], Any], manager: Any) -> None:
-    """From ``__del__``: the close that follows does not wait (only an explicit close waits)."""
+    """From ``__del__``: the close that follows does not wait (garbage collection is no place
+    for RPCs; only an explicit close waits)."""
     manager.__dict__[_CLOSED_ATTR] = True
     run()
 

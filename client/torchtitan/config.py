@@ -1,11 +1,6 @@
-"""torchtitan 0.2.x custom config module: the ``[optimizer]`` switches of swap-state.
-
-Use it with ``--job.custom_config_module=swap_state.client.torchtitan_config`` and
-``swap_optimizer = true`` under ``[optimizer]`` (a full TOML example: the README's torchtitan section).
-
-Importing this module installs the ``build_optimizers`` wrapper and the job hooks
-(:mod:`swap_state.client.torchtitan.glue`; what they do: docs/torchtitan.md). Bad values raise
-ValueError naming the field and the allowed values.
+"""torchtitan 0.2.x custom config module (``--job.custom_config_module=swap_state.client.torchtitan_config``
+and ``swap_optimizer = true`` under ``[optimizer]``); importing it installs the ``build_optimizers``
+wrapper and the job hooks (docs/torchtitan.md).
 """
 
 # No "from __future__ import annotations": torchtitan merges these dataclasses by field type.

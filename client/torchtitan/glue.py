@@ -1,10 +1,7 @@
-"""torchtitan glue: the ``build_optimizers`` wrapper that builds a swap container on request.
-
-Importing this module patches nothing: :mod:`swap_state.client.swap_optimizer` and the custom
-config module call :func:`install_build_optimizers_wrapper` (the latter also
-:func:`install_job_hooks`). The wrapper looks up ``SwapOptimizersContainer`` and
-``_original_build_optimizers`` in :mod:`swap_state.client.swap_optimizer` at call time: the
-seed's tests patch them there.
+"""torchtitan 0.2 glue: the ``build_optimizers`` wrapper that builds a swap container on request,
+and the job hooks. Importing it patches nothing; the wrapper reads ``SwapOptimizersContainer`` and
+``_original_build_optimizers`` from :mod:`swap_state.client.swap_optimizer` at call time (the
+seed's tests patch them there).
 """
 
 from __future__ import annotations
@@ -103,17 +100,14 @@ def rebind_imported_model_specs() -> None:
             module.build_optimizers = wrapped
 
 
-# -- the job around the optimizer: torchtitan's Trainer and CheckpointManager -------------------
-# build_optimizers sees only the [optimizer] section; what the container needs from the job
-# comes from idempotent wrappers (:func:`install_job_hooks`, :mod:`.checkpointing`).
+# -- build_optimizers sees only the [optimizer] section: the rest of the job through idempotent wrappers
 
 #: The JobConfig of the torchtitan ``Trainer`` being built in this context, else None.
 current_job_config: contextvars.ContextVar[Any] = contextvars.ContextVar("swap_state_job_config", default=None)
 
 
 def _wrap_method(cls: type, name: str, hook: Callable[..., Any]) -> None:
-    """Replace ``cls.name`` by a method that calls ``hook(run, self, ...)``, ``run`` the original
-    bound to ``self``, once (a wrapper is never wrapped again)."""
+    """Replace ``cls.name`` by a method calling ``hook(run, self, ...)``, ``run`` the original (never a wrapper)."""
     current = cls.__dict__.get(name)
     original = getattr(current, _WRAPPED_ORIGINAL_ATTR, current)
 

@@ -87,9 +87,8 @@ def build_swap_optimizers(config: Any, *, model_parts: list[nn.Module]) -> Optim
 
 
 class _Partition:
-    """One model part's parameters under ``config.param_groups`` (torchtitan's partition): the
-    Adam and AdamW groups, completed with their optimizer's defaults, and torchtitan's own
-    optimizers for the other groups."""
+    """One model part's ``config.param_groups``: the Adam and AdamW groups, completed with their
+    optimizer's defaults, and torchtitan's own optimizers for the other groups."""
 
     def __init__(self, swapped: list[dict[str, Any]], unswapped: list[torch.optim.Optimizer], others: list[str]):
         self.swapped, self.unswapped, self.others = swapped, unswapped, others

@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
-# ``optimizer.swap_state_checkpoint`` values: the remote container's checkpoint modes.
 from swap_state.client.remote.config import CHECKPOINT_MODES, CheckpointMode, RemoteConfig
 from swap_state.client.remote.environment import job_id_from_env
 
@@ -28,7 +27,7 @@ __all__ = [
     "build_swap_container", "check_choice", "embedded_snapshot_dir", "shared_job_id", "snapshots_to_keep",
 ]
 
-#: ``optimizer.swap_optimizer_backend`` values.
+
 class Backend(str, enum.Enum):
     """``optimizer.swap_optimizer_backend``: where the moments live (a member equals its string)."""
 
