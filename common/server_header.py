@@ -16,8 +16,6 @@ __all__ = ["ServerHeader"]
 
 
 class ServerHeader(HeaderWriter):
-    """The server's writes to one segment header."""
-
     def initialize(self, layout: SegmentLayout, digest: str = "", descriptor_bytes: int = 0) -> None:
         """Once, on a zero-filled segment: the layout words, the descriptor's place (written
         before; 0 bytes: never adopted), ``LAYOUT_HASH``, and ``MAGIC`` last."""
@@ -41,7 +39,6 @@ class ServerHeader(HeaderWriter):
         header[Word.COMMITTED_STEP] = step + 1
         header[Word.RESTORED_SEQ] = header[Word.RESTORED_SEQ] + 1
 
-    # -- snapshots (protocol steps 1-3) ---------------------------------------------------
     def free_all_slots(self, cow_slots: int) -> None:
         """``SLOT_FREED[j] = SLOT_TAKEN[j]`` for every slot (only while ``SNAP_EPOCH == 0``)."""
         for slot in range(cow_slots):

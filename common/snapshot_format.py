@@ -24,15 +24,13 @@ from typing import Any
 
 from .checksum import format_crc, parse_crc
 from .dtypes import SAFETENSORS_DTYPES
-from .names import parse_step_dir_name, snapshot_id_for, step_dir_name
+from .names import snapshot_id_for, step_dir_name
 from .snapshot_metadata import tensor_entry
 
 __all__ = [
-    "FORMAT_VERSION", "INDEX_NAME", "LAYOUT_NAME", "LATEST_NAME", "SAFETENSORS_DTYPES",
-    "MANIFEST_FORMAT", "MANIFEST_VERSION", "INDEX_FORMAT", "TensorRecord", "RankManifest",
-    "FileRecord", "SnapshotIndex", "snapshot_id_for", "step_dir_name", "partial_dir_name",
-    "parse_step_dir_name", "rank_data_name", "rank_manifest_name", "safetensors_header",
-    "DATA_ALIGN", "safetensors_metadata", "dumps_json"
+    "FORMAT_VERSION", "INDEX_NAME", "LAYOUT_NAME", "LATEST_NAME", "MANIFEST_FORMAT", "MANIFEST_VERSION", "INDEX_FORMAT",
+    "TensorRecord", "RankManifest", "FileRecord", "SnapshotIndex", "step_dir_name", "partial_dir_name", "rank_data_name",
+    "rank_manifest_name", "safetensors_header", "DATA_ALIGN", "safetensors_metadata", "dumps_json",
 ]
 
 FORMAT_VERSION = 1
@@ -50,11 +48,8 @@ MAX_LAYOUT_BYTES = 256 << 20
 LATEST_NAME = "latest"
 
 
-_PARTIAL_PREFIX = ".partial-"
-
-
 def partial_dir_name(step: int) -> str:
-    return _PARTIAL_PREFIX + step_dir_name(step)
+    return ".partial-" + step_dir_name(step)
 
 
 def rank_data_name(rank: int) -> str:
@@ -173,7 +168,6 @@ class TensorRecord:
     global_offset: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Its manifest entry; the trainer's facts only when it gave them."""
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), **tensor_entry(self),
                 "nbytes": self.nbytes, "data_offsets": list(self.data_offsets), "crc32": format_crc(self.crc32)}
 
@@ -218,7 +212,6 @@ class RankManifest:
     world_size: int
     """Number of ranks of the snapshot (and of the job when it was taken)."""
     data_file: str
-    """Name of the safetensors file, relative to the snapshot directory."""
     data_file_bytes: int
     data_start: int
     """Offset of the data section in the safetensors file (8 + header length)."""
@@ -347,12 +340,10 @@ class SnapshotIndex:
 
     @property
     def local_world_size(self) -> int:
-        """Ranks held here (``len(ranks)``); below ``world_size`` for one host of several."""
         return len(self.ranks)
 
     @property
     def complete_job(self) -> bool:
-        """Whether this directory holds every rank of the job."""
         return len(self.ranks) == self.world_size
 
     @property

@@ -29,7 +29,6 @@ class SnapshotInfo:
     """A complete snapshot as listed."""
 
     snapshot_id: str
-    """``<job_id>/step-<step>``."""
     job_id: str
     step: int
     world_size: int
@@ -53,7 +52,6 @@ class SnapshotInfo:
 
     @property
     def local_world_size(self) -> int:
-        """How many ranks this directory holds."""
         return self.index.local_world_size
 
     def file(self, name: str) -> FileRecord:
@@ -64,7 +62,7 @@ class SnapshotInfo:
         return record
 
     def describe_ranks(self) -> str:
-        """``ranks [2, 3] of world_size 4`` (ranges shortened for big jobs)."""
+        """``ranks [0-2, 5] of world_size 8``."""
         return f"ranks {_rank_ranges(self.ranks)} of world_size {self.world_size}"
 
 
