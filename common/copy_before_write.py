@@ -24,9 +24,6 @@ from swap_state.common.trainer_header import TrainerHeader
 
 __all__ = ["BackPressureTimeout", "TrainerProtector"]
 
-_POLL_FIRST_S = 20e-6
-_POLL_MAX_S = 1e-3
-
 
 class BackPressureTimeout(TimeoutError):
     """The trainer waited longer than ``max_wait_s`` for a free copy slot (a stuck server)."""
@@ -77,7 +74,7 @@ class TrainerProtector:
 
             waited_since = time.monotonic_ns()
             try:
-                done = wait_until(slot_or_safe, timeout_s=self.max_wait_s, first_s=_POLL_FIRST_S, max_s=_POLL_MAX_S)
+                done = wait_until(slot_or_safe, timeout_s=self.max_wait_s, first_s=20e-6, max_s=1e-3)
             finally:
                 self.trainer.record_backpressure(time.monotonic_ns() - waited_since)
             if not done:

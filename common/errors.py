@@ -10,8 +10,8 @@ from __future__ import annotations
 __all__ = [
     "REASON_METADATA_KEY", "SwapStateError", "ERROR_FOR_REASON", "InvalidRequestError", "NotFoundError",
     "BudgetExhaustedError", "FailedPreconditionError", "StaleGenerationError", "SessionLiveError", "LayoutMismatchError",
-    "NoSegmentError", "MetadataBaseUnknownError", "SnapshotsDisabledError", "PermissionDeniedError", "UnauthenticatedError",
-    "ServerUnavailableError", "ConfigError", "StartupError", "SERVER_STOPPING_NOTICE"
+    "NoSegmentError", "MetadataBaseUnknownError", "SnapshotsDisabledError", "PermissionDeniedError",
+    "UnauthenticatedError", "ServerUnavailableError", "ConfigError", "StartupError", "SERVER_STOPPING_NOTICE",
 ]
 
 REASON_METADATA_KEY = "swap-state-reason"

@@ -13,7 +13,7 @@ import ipaddress
 import pathlib
 from typing import Any
 
-from .addresses import ListenAddress, default_listen, parse_address
+from .addresses import default_listen, parse_address
 from .errors import ConfigError
 from .object_store import STORE_TIMEOUT_S
 from .segment import PAGE_BYTES
@@ -196,11 +196,10 @@ class ServerConfig:
     stepping; split into per-session slots of --chunk-bytes and held back from --shm-size."""
 
     direct_io: DirectIO = _flag(SnapshotSettings.direct_io, kind="str", choices=tuple(DirectIO), example="off")
-    """Whether snapshot writes to --snapshot-dir bypass the page cache with O_DIRECT. writes:
-    snapshots persist through aligned bounce buffers, several writes in flight; where the filesystem refuses
-    O_DIRECT they are buffered, logged. off: buffered, for a filesystem that accepts O_DIRECT
-    but serves it slowly (network filesystems may turn each O_DIRECT write into a synchronous
-    round trip). Restores always read through the page cache, mapped and pinned."""
+    """Whether snapshot writes to --snapshot-dir bypass the page cache with O_DIRECT. writes: yes,
+    buffered (and logged) where the filesystem refuses O_DIRECT. off: buffered, for a filesystem
+    that serves O_DIRECT slowly (network filesystems may make each write a synchronous round
+    trip). Restores always read through the page cache."""
 
     persist_max_bandwidth: int = _flag(0, kind="size", metavar="BYTES_PER_S", example="2G")
     """Upper bound for snapshot writes to --snapshot-dir in bytes/s (size suffixes allowed);
@@ -327,10 +326,6 @@ class ServerConfig:
         ):
             if not ok:
                 raise ConfigError(message)
-
-    @property
-    def listen_address(self) -> ListenAddress:
-        return parse_address(self.listen)
 
     @property
     def snapshot_settings(self) -> SnapshotSettings:

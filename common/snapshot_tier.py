@@ -11,13 +11,12 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import pathlib
 from collections.abc import Iterator, Sequence
 
 from .checksum import crc32
-from .dtypes import DTYPE_ITEMSIZE
 from .names import snapshot_id_for
+from .segment import tensor_nbytes
 from .snapshot_errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
 from .snapshot_format import INDEX_NAME, FileRecord, RankManifest, SnapshotIndex, TensorRecord, rank_data_name, rank_manifest_name
 
@@ -132,7 +131,7 @@ class SnapshotTier(abc.ABC):
         path, record, header = info.path / manifest.data_file, info.file(manifest.data_file), manifest.header_bytes()
         position = 0
         for tensor in manifest.tensors:
-            nbytes = math.prod(tensor.shape) * DTYPE_ITEMSIZE[tensor.dtype]
+            nbytes = tensor_nbytes(tensor.dtype, tensor.shape)
             if tensor.nbytes != nbytes or tensor.data_offsets != (position, position + nbytes):
                 raise SnapshotCorruptError(f"{path}: manifest entry of {tensor.name!r} is inconsistent")
             position += tensor.nbytes
