@@ -1,9 +1,6 @@
-"""Typed configuration of the state server: the one declaration of its flags.
-
-:class:`ServerConfig` is what the CLI is generated from (:mod:`.server_flags`: a field with a
-:class:`Flag` is a flag, its docstring the help), what :func:`swap_state.server.start_server`
-takes and what the trainer's embedded server builds its argv from. It validates values on
-construction; checks against the environment happen at start-up.
+"""Typed configuration of the state server, the one declaration of its flags: the CLI is generated
+from :class:`ServerConfig` (a field with a :class:`Flag` is a flag, its docstring the help). It
+validates values on construction; checks against the environment happen at start-up.
 """
 
 from __future__ import annotations

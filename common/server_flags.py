@@ -171,8 +171,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     """Declare every user flag on ``parser``; one not given leaves no attribute (the config's
     default holds)."""
     for flag in user_flags():
-        options: dict[str, Any] = {"dest": flag.name, "default": argparse.SUPPRESS,
-                                   "help": flag.help()}
+        options: dict[str, Any] = {"dest": flag.name, "default": argparse.SUPPRESS, "help": flag.help()}
         if flag.kind == "switch":
             if flag.field.default is not False:
                 raise TypeError(f"{flag.name}: a switch flag must default to False")

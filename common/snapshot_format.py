@@ -7,9 +7,8 @@ A complete snapshot of step N of a job is the directory ``<dir>/<job>/step-<N:01
     ...                         (one pair per rank)
     snapshot.json               a SnapshotIndex, written last: ranks, files, their crc32s
 
-On a multi-host job each host's directory holds the ranks attached to its server; together
-they form the job's snapshot. The safetensors header depends only on the segment layout (and
-job, step, rank as string metadata), so it is written before the data, streamed without gaps.
+On a multi-host job each host's directory holds its server's ranks. The safetensors header
+depends only on the segment layout, so it is written before the data, streamed without gaps.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ from .snapshot_metadata import tensor_entry
 
 __all__ = [
     "FORMAT_VERSION", "INDEX_NAME", "LAYOUT_NAME", "LATEST_NAME", "MANIFEST_FORMAT", "MANIFEST_VERSION", "INDEX_FORMAT",
-    "TensorRecord", "RankManifest", "FileRecord", "SnapshotIndex", "step_dir_name", "partial_dir_name", "rank_data_name",
-    "rank_manifest_name", "safetensors_header", "DATA_ALIGN", "safetensors_metadata", "dumps_json",
+    "TensorRecord", "RankManifest", "FileRecord", "SnapshotIndex", "step_dir_name", "partial_dir_name",
+    "rank_data_name", "rank_manifest_name", "safetensors_header", "DATA_ALIGN", "safetensors_metadata", "dumps_json",
 ]
 
 FORMAT_VERSION = 1

@@ -25,7 +25,7 @@ __all__ = ["SnapshotInfo", "SnapshotTier", "reading_file"]
 
 @dataclasses.dataclass(frozen=True)
 class SnapshotInfo:
-    """A complete snapshot as listed."""
+    """A complete snapshot as a tier lists it."""
 
     snapshot_id: str
     job_id: str

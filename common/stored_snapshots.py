@@ -4,12 +4,10 @@ Layout under the store's root (an :class:`~.object_store.ObjectStore`)::
 
     <job>/step-<N:012d>/rank-00000.safetensors    the rank's data file, byte for byte the local one
     <job>/step-<N:012d>/rank-00000.manifest.json  its manifest
-    <job>/step-<N:012d>/rank-00000.stored.json    its marker, put last: a SnapshotIndex of
-                                                  ranks [0] listing those two files (size, crc32)
-    <job>/step-<N:012d>/layout.json               the step's layout index (every rank's shards,
-                                                  compact), put just before the step's index
-    <job>/step-<N:012d>/snapshot.json             the step's index: every rank's files and the
-                                                  layout's, put once every rank's marker is there
+    <job>/step-<N:012d>/rank-00000.stored.json    its marker, put last: a SnapshotIndex of ranks [0]
+    <job>/step-<N:012d>/layout.json               the step's layout index, put just before its index
+    <job>/step-<N:012d>/snapshot.json             the step's index (all ranks' files and the layout's),
+                                                  put once every rank's marker is there
 
 A step is *complete* when the markers of every rank ``0..world_size-1`` are there and agree on
 the world size and the attempt, so a reader never sees a partial step nor one mixing two
