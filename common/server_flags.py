@@ -48,8 +48,6 @@ def field_docs(cls: type) -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class UserFlag:
-    """One command-line flag: the field it sets and its declaration."""
-
     field: dataclasses.Field
     spec: Flag
 
@@ -184,7 +182,6 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The namespace of a parser built with :func:`add_server_flags` -> config (or ConfigError)."""
     given = {flag.name: getattr(args, flag.name) for flag in user_flags() if hasattr(args, flag.name)}
     return config_from_settings(given)
 

@@ -1,11 +1,9 @@
-"""Every header word the server writes, in one place: the server's side of the segment
-protocol (:mod:`.segment`; the trainer's is :mod:`.trainer_header`). Nothing else on the
-server's side stores into a segment header; a test fails when another module does.
-
-Writers: the arena at creation (:meth:`initialize`); a CommitStep RPC or a Restore
-(:meth:`record_commit`); the Snapshot call and the writer's release while no stager or writer
-runs (:meth:`open_snapshot`, :meth:`close_snapshot`); the writer thread (:meth:`persisted`,
-:meth:`free_slot`); the stager thread (:meth:`staged`).
+"""Every header word the server writes, in one place (a test fails when another module does): the
+server's side of the segment protocol (:mod:`.segment`). Callers: the arena at creation
+(:meth:`initialize`); a CommitStep RPC or a Restore (:meth:`record_commit`); the Snapshot call
+and the writer's release while no stager or writer runs (:meth:`open_snapshot`,
+:meth:`close_snapshot`); the writer thread (:meth:`persisted`, :meth:`free_slot`); the stager
+thread (:meth:`staged`).
 """
 
 from __future__ import annotations

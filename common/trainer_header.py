@@ -21,7 +21,6 @@ __all__ = ["TrainerHeader"]
 
 class TrainerHeader(HeaderWriter):
     def claim(self, generation: int) -> None:
-        """``TRAINER_GENERATION``: the generation that owns the segment from now on (attach)."""
         self.segment[Word.TRAINER_GENERATION] = generation
 
     def begin_write(self, step: int) -> bool:
@@ -46,7 +45,6 @@ class TrainerHeader(HeaderWriter):
         header[Word.COW_COPIES] = header[Word.COW_COPIES] + 1
 
     def record_backpressure(self, waited_ns: int) -> None:
-        """One wait for a free slot of ``waited_ns`` nanoseconds (``BP_WAITS``, ``BP_WAIT_NS``)."""
         header = self.segment
         header[Word.BP_WAITS] = header[Word.BP_WAITS] + 1
         header[Word.BP_WAIT_NS] = header[Word.BP_WAIT_NS] + waited_ns
