@@ -43,7 +43,7 @@ INDEX_NAME = "snapshot.json"
 LAYOUT_NAME = "layout.json"
 """The step's layout index (the server's ``LayoutIndex``): where every rank's shards lie."""
 MAX_LAYOUT_BYTES = 256 << 20
-"""A layout index is a few hundred kB for a 70B job; past this it is refused."""
+"""A bigger layout index is refused (far above any real job's: docs/benchmarks.md)."""
 LATEST_NAME = "latest"
 
 

@@ -1,7 +1,4 @@
-"""A snapshot directory read only, one tier (:class:`~.snapshot_tier.SnapshotTier`):
-:class:`SnapshotReader` lists, resolves, reads manifests and tensors, verifies.
-
-Directory layout under the snapshot root (``--snapshot-dir``)::
+"""A snapshot directory (``--snapshot-dir``) read only, one tier (:class:`~.snapshot_tier.SnapshotTier`)::
 
     <root>/<job_id>/step-<N:012d>/          complete snapshots (snapshot.json present)
     <root>/<job_id>/.partial-step-<N:012d>/ a snapshot being written (never listed)
