@@ -9,8 +9,8 @@ trainer): no locks; a reader may see an old value, never a torn one (aligned 8-b
 
 Snapshot protocol for committed step N, epoch e. Chunks are in tensor order (the trainer's
 update order); of the ``COW_SLOTS`` spare slots (``CHUNK_BYTES`` each), ``[0, k)`` are the
-server's *stager*'s and ``[k, COW_SLOTS)`` the trainer's *fallback* for this epoch
-(``k = stager_slot_count``; ``STAGE_SLOTS`` changes only while ``SNAP_EPOCH == 0``):
+server's *stager*'s and ``[k, COW_SLOTS)`` the trainer's *fallback* for this epoch; neither side
+touches the other's (``k = stager_slot_count``; ``STAGE_SLOTS`` changes only while ``SNAP_EPOCH == 0``):
 
 1. Snapshot(step=N), between steps: before replying the server frees every trainer slot
    (``SLOT_FREED[j] = SLOT_TAKEN[j]``), stores ``SNAP_STEP = N``, ``PERSISTED_UPTO = 0``,
@@ -34,9 +34,10 @@ server's *stager*'s and ``[k, COW_SLOTS)`` the trainer's *fallback* for this epo
 5. Whole-state snapshots: the model tensors (``model.<fqn>``, the last ones, from
    :attr:`SegmentLayout.model_from` on) change only when the trainer copies step N's
    parameters into them, right before asking for a snapshot of step N. It protects their
-   chunks by step 4 first and stores ``MODEL_STEP = N + 1`` once the copy has landed; a value
-   above N when the copy begins is withdrawn first (``MODEL_STEP = 0``), any other stays (a
-   snapshot waiting for it must not wait for a copy that may wait for that snapshot's writer).
+   chunks by step 4 first (an earlier epoch may be open) and stores ``MODEL_STEP = N + 1`` once
+   the copy has landed; a value above N when the copy begins is withdrawn first (``MODEL_STEP =
+   0``), any other stays (a snapshot waiting for it must not wait for a copy that may wait for
+   that snapshot's writer).
    Stager and writer start on the first model chunk only once ``MODEL_STEP >= N + 1``
    (bounded: a trainer that never publishes fails the snapshot), so nobody reads those chunks
    before the copy, which writes the very bytes the snapshot holds, is complete.
@@ -54,7 +55,7 @@ Adoption by a server restarted on the same shm directory and address: ``DESCRIPT
 JSON (:class:`~.segment_descriptor.SegmentDescriptor`) lie at ``DESCRIPTOR_OFFSET`` (the
 layout's ``size``, outside what the trainer maps), ``LAYOUT_HASH`` holds the layout hash's first
 8 bytes, ``TRAINER_GENERATION`` the owning generation; :mod:`swap_state.server.memory.adopt`
-checks all of it. No torch, no grpc.
+checks all of it and closes an epoch left open (never listed). No torch, no grpc.
 """
 
 from __future__ import annotations

@@ -259,15 +259,12 @@ class ServerConfig:
         if self.cow_budget is None:  # 1 GiB, at most an eighth of a small budget; whole chunks
             budget = min(GiB, self.shm_size // 8)
             object.__setattr__(self, "cow_budget", budget // self.chunk_bytes * self.chunk_bytes)
-        elif self.cow_budget < 0:
-            raise ConfigError("--cow-budget must be >= 0")
-        if self.cow_budget > self.shm_size:
-            raise ConfigError(f"--cow-budget {format_size(self.cow_budget)} exceeds --shm-size "
-                              f"{format_size(self.shm_size)} (the pool is part of the budget)")
-        if self.snapshot_store and self.snapshot_dir is None:
-            raise ConfigError("--snapshot-store needs --snapshot-dir: snapshots become durable there first, then "
-                              "are uploaded")
         for ok, message in (  # each rule as it must hold (a NaN breaks it)
+            (self.cow_budget >= 0, "--cow-budget must be >= 0"),
+            (self.cow_budget <= self.shm_size, f"--cow-budget {format_size(self.cow_budget)} exceeds --shm-size "
+                                               f"{format_size(self.shm_size)} (the pool is part of the budget)"),
+            (not self.snapshot_store or self.snapshot_dir is not None,
+             "--snapshot-store needs --snapshot-dir: snapshots become durable there first, then are uploaded"),
             (self.grace >= 0, "--grace must be >= 0 seconds"),
             (0 <= self.metrics_port <= 65535, "--metrics-port must be 0 (off) or a port number"),
             (self.persist_max_bandwidth >= 0, "--persist-max-bandwidth must be >= 0 (0: unlimited)"),
@@ -276,8 +273,7 @@ class ServerConfig:
             (1 <= self.stage_threads <= 64, "--stage-threads must be between 1 and 64"),
             (self.model_copy_timeout > 0, "--model-copy-timeout must be > 0 seconds"),
             (self.keep_latest >= 2, "--keep-latest must be >= 2 (the last snapshot must survive the next)"),
-            (self.snapshot_store_max_bandwidth >= 0,
-             "--snapshot-store-max-bandwidth must be >= 0 (0: unlimited)"),
+            (self.snapshot_store_max_bandwidth >= 0, "--snapshot-store-max-bandwidth must be >= 0 (0: unlimited)"),
             (self.snapshot_store_timeout > 0, "--snapshot-store-timeout must be > 0 seconds"),
             (self.shm_dir.is_absolute(), "--shm-dir must be an absolute path"),
             (self.stream_wait >= 0, "stream_wait must be >= 0"),
