@@ -31,8 +31,6 @@ def default_listen() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ListenAddress:
-    """A parsed address."""
-
     scheme: Literal["unix", "tcp"]
     path: pathlib.Path | None = None
     """The socket file (unix only), absolute and normalised."""

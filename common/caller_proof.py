@@ -1,11 +1,8 @@
-"""Who calls over a unix socket: a file the caller creates proves its uid to the server.
-
-grpc's Python server does not expose a unix socket peer's credentials (``SO_PEERCRED``), so
-the server keeps a directory ``<socket>.callers`` (mode 1733: anyone may create a file, only
-the server may list it or remove another's); a client creates an empty file of a secret random
-name there (``O_EXCL``, 0600: owned by its uid) and sends the name with every call
-(:data:`CALLER_METADATA_KEY`). The server ``lstat``\\ s it: a regular file with one link, its
-owner is the caller. The client removes it when it closes.
+"""Who calls over a unix socket: a file the caller creates proves its uid to the server (grpc's
+Python server does not expose the peer's ``SO_PEERCRED``). In ``<socket>.callers`` (mode 1733:
+anyone may create, only the server may list or remove another's) a client creates an empty file
+of a secret random name (``O_EXCL``, 0600) and sends the name with every call; the server
+``lstat``\\ s it: a regular file with one link, its owner is the caller.
 """
 
 from __future__ import annotations
@@ -18,13 +15,11 @@ import secrets
 __all__ = ["CALLER_METADATA_KEY", "CallerProof", "is_proof_name", "proof_dir"]
 
 CALLER_METADATA_KEY = "swap-state-caller"
-"""The metadata key of a call's proof file name."""
 
 _NAME = re.compile(r"[0-9a-f]{32}")
 
 
 def proof_dir(socket_path: str | os.PathLike[str]) -> str:
-    """The directory of proof files of the server listening on ``socket_path``."""
     return os.fspath(socket_path) + ".callers"
 
 

@@ -1,9 +1,7 @@
 """CRC-32 (zlib/IEEE) of snapshot files: per tensor as the bytes stream by, the whole file's
-*combined* from those (:func:`crc32_combine`), not a second pass.
-
-From ISA-L (``isal.isal_zlib``: several times ``zlib.crc32``, and it releases the GIL on large
-buffers); where it has no wheel, ``zlib.crc32`` and zlib's ``crc32_combine`` written out below
-(the ``zlib`` module does not expose it). The values are the same either way.
+*combined* from those (:func:`crc32_combine`), not a second pass. From ISA-L (faster, and it
+releases the GIL on large buffers); without its wheel, ``zlib.crc32`` and zlib's
+``crc32_combine`` written out below (the ``zlib`` module does not expose it): the same values.
 """
 
 from __future__ import annotations
@@ -42,20 +40,16 @@ def _x2nmodp(n: int, k: int) -> int:
     return p
 
 
-def _python_crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """zlib's crc32_combine in Python (the fallback without isal)."""
-    return _multmodp(_x2nmodp(len2, 3), crc1) ^ (crc2 & 0xFFFFFFFF)
-
-
 # crc32(data, value=0): CRC-32 of any bytes-like ``data``; ``value`` continues a running one.
 try:
     from isal.isal_zlib import crc32, crc32_combine as _crc32_combine
     IMPLEMENTATION = "isal"
 except ImportError:  # no isal wheel for this platform: the standard library (slower)
     from zlib import crc32
-    _crc32_combine = _python_crc32_combine
     IMPLEMENTATION = "zlib"
-"""Which implementation :func:`crc32` / :func:`crc32_combine` use: ``isal`` or ``zlib``."""
+
+    def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+        return _multmodp(_x2nmodp(len2, 3), crc1) ^ (crc2 & 0xFFFFFFFF)
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:

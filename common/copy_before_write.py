@@ -1,15 +1,8 @@
-"""The trainer's side of the copy-before-write protocol (:mod:`.segment`, steps 4 and 6).
-
-Pure Python (the server's tests play the trainer with it). Call order, from the *one* thread
-that writes the segment (the header words it stores have a single writer)::
-
-    protector = TrainerProtector(segment_mmap, layout, header=trainer_header)
-    for each write of bytes [offset, offset + nbytes) into the tensor area:
-        protector.before_write(offset, nbytes)   # may copy chunks, may wait (back-pressure)
-        ... write ...
-    protector.close()                            # before unmapping
-
-``before_write`` costs one header word read when no snapshot is persisting.
+"""The trainer's side of the copy-before-write protocol (:mod:`.segment`, steps 4 and 6), pure
+Python (the server's tests play the trainer with it). Called from the *one* thread that writes
+the segment (its header words have a single writer): :meth:`TrainerProtector.before_write` before
+each write into the tensor area (it may copy chunks or wait; one header word read when no
+snapshot is persisting), :meth:`~TrainerProtector.close` before unmapping.
 """
 
 from __future__ import annotations
@@ -23,9 +16,6 @@ from swap_state.common.segment import Chunk, SegmentHeader, SegmentLayout, Word
 from swap_state.common.trainer_header import TrainerHeader
 
 __all__ = ["BackPressureTimeout", "TrainerProtector"]
-
-_POLL_FIRST_S = 20e-6
-_POLL_MAX_S = 1e-3
 
 
 class BackPressureTimeout(TimeoutError):
@@ -77,7 +67,7 @@ class TrainerProtector:
 
             waited_since = time.monotonic_ns()
             try:
-                done = wait_until(slot_or_safe, timeout_s=self.max_wait_s, first_s=_POLL_FIRST_S, max_s=_POLL_MAX_S)
+                done = wait_until(slot_or_safe, timeout_s=self.max_wait_s, first_s=20e-6, max_s=1e-3)
             finally:
                 self.trainer.record_backpressure(time.monotonic_ns() - waited_since)
             if not done:

@@ -10,8 +10,8 @@ from __future__ import annotations
 __all__ = [
     "REASON_METADATA_KEY", "SwapStateError", "ERROR_FOR_REASON", "InvalidRequestError", "NotFoundError",
     "BudgetExhaustedError", "FailedPreconditionError", "StaleGenerationError", "SessionLiveError", "LayoutMismatchError",
-    "NoSegmentError", "MetadataBaseUnknownError", "SnapshotsDisabledError", "PermissionDeniedError", "UnauthenticatedError",
-    "ServerUnavailableError", "ConfigError", "StartupError", "SERVER_STOPPING_NOTICE"
+    "NoSegmentError", "MetadataBaseUnknownError", "SnapshotsDisabledError", "PermissionDeniedError",
+    "UnauthenticatedError", "ServerUnavailableError", "ConfigError", "StartupError", "SERVER_STOPPING_NOTICE",
 ]
 
 REASON_METADATA_KEY = "swap-state-reason"
@@ -28,7 +28,8 @@ ERROR_FOR_REASON: dict[str, type[SwapStateError]] = {}
 class SwapStateError(RuntimeError):
     """A swap-state call failed for a reason the caller can act on (on the client: raised again
     from the reason received). ``code``: the status code (the client's: the ``grpc.StatusCode``
-    received, None for a local error); ``reason``: the machine-readable reason."""
+    received, None for a local error); ``reason``: the machine-readable reason. A subclass
+    declares them as class keywords: ``class E(SwapStateError, code=..., reason=...)``."""
 
     code: object = "INTERNAL"
     reason: str | None = "INTERNAL"
@@ -40,8 +41,12 @@ class SwapStateError(RuntimeError):
         if reason is not None:
             self.reason = reason
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, code: object = None, reason: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+        if reason is not None:
+            cls.reason = reason
         if isinstance(cls.__dict__.get("reason"), str):
             ERROR_FOR_REASON.setdefault(cls.reason, cls)
 
@@ -49,83 +54,57 @@ class SwapStateError(RuntimeError):
 ERROR_FOR_REASON["INTERNAL"] = SwapStateError
 
 
-class InvalidRequestError(SwapStateError):
+class InvalidRequestError(SwapStateError, code="INVALID_ARGUMENT", reason="INVALID_ARGUMENT"):
     """The request itself is malformed (ids, shapes, dtypes, sizes)."""
 
-    code = reason = "INVALID_ARGUMENT"
 
-
-class NotFoundError(SwapStateError):
+class NotFoundError(SwapStateError, code="NOT_FOUND", reason="NOT_FOUND"):
     """The request names a session (or other object) the server does not have."""
 
-    code = reason = "NOT_FOUND"
 
-
-class BudgetExhaustedError(SwapStateError):
+class BudgetExhaustedError(SwapStateError, code="RESOURCE_EXHAUSTED", reason="RESOURCE_EXHAUSTED"):
     """The request does not fit into the budget (or the shm filesystem is full)."""
 
-    code = reason = "RESOURCE_EXHAUSTED"
 
-
-class FailedPreconditionError(SwapStateError):
+class FailedPreconditionError(SwapStateError, code="FAILED_PRECONDITION", reason="FAILED_PRECONDITION"):
     """The request is well formed but the session is not in a state that allows it
     (step going backwards, a refused snapshot step)."""
 
-    code = reason = "FAILED_PRECONDITION"
 
-
-class StaleGenerationError(FailedPreconditionError):
+class StaleGenerationError(FailedPreconditionError, reason="STALE_GENERATION"):
     """The caller's generation is not the session's current one: another trainer reattached."""
 
-    reason = "STALE_GENERATION"
 
-
-class SessionLiveError(FailedPreconditionError):
+class SessionLiveError(FailedPreconditionError, reason="SESSION_LIVE"):
     """The job/rank is attached by a live trainer (same job id and rank twice?)."""
 
-    reason = "SESSION_LIVE"
 
-
-class LayoutMismatchError(FailedPreconditionError):
+class LayoutMismatchError(FailedPreconditionError, reason="LAYOUT_MISMATCH"):
     """A segment or snapshot does not fit the requested tensors (names, dtypes, shapes, ranks)."""
 
-    reason = "LAYOUT_MISMATCH"
 
-
-class NoSegmentError(FailedPreconditionError):
+class NoSegmentError(FailedPreconditionError, reason="NO_SEGMENT"):
     """The session has no segment yet: Allocate first."""
 
-    reason = "NO_SEGMENT"
 
-
-class MetadataBaseUnknownError(FailedPreconditionError):
+class MetadataBaseUnknownError(FailedPreconditionError, reason="METADATA_BASE_UNKNOWN"):
     """A snapshot names a metadata base this server does not hold (restarted): send it again."""
 
-    reason = "METADATA_BASE_UNKNOWN"
 
-
-class SnapshotsDisabledError(FailedPreconditionError):
+class SnapshotsDisabledError(FailedPreconditionError, reason="SNAPSHOTS_DISABLED"):
     """The server was started without ``--snapshot-dir``."""
 
-    reason = "SNAPSHOTS_DISABLED"
 
-
-class PermissionDeniedError(SwapStateError):
+class PermissionDeniedError(SwapStateError, code="PERMISSION_DENIED", reason="PERMISSION_DENIED"):
     """The caller's tenant (``--tenants``) may not use another tenant's job, session or snapshot."""
 
-    code = reason = "PERMISSION_DENIED"
 
-
-class UnauthenticatedError(SwapStateError):
+class UnauthenticatedError(SwapStateError, code="UNAUTHENTICATED", reason="UNAUTHENTICATED"):
     """Missing or wrong bearer token."""
 
-    code = reason = "UNAUTHENTICATED"
 
-
-class ServerUnavailableError(SwapStateError):
+class ServerUnavailableError(SwapStateError, code="UNAVAILABLE", reason="UNAVAILABLE"):
     """The server is shutting down, or (on the client) cannot be reached within the deadline."""
-
-    code = reason = "UNAVAILABLE"
 
 
 class ConfigError(ValueError):

@@ -1,9 +1,6 @@
-"""The one grammar for ids and keys: job ids, snapshot ids, step directories and flat keys.
-
-Job ids become directory names and metric labels, so they are restricted. Snapshot ids are
-``<job>/step-<N>`` (any zero padding), ``<job>/latest``, or ``step-<N>`` / ``latest`` of a job.
-Flat keys are the seed's ``state.<fqn>.<key>`` and ``param_groups.<fqn>.<hyperparameter>``;
-a whole-state snapshot's model tensors are ``model.<fqn>``, after every other tensor.
+"""The one grammar for ids and keys: job ids (restricted: they become directory names and metric
+labels), snapshot ids, step directories, the seed's flat keys, and ``model.<fqn>``: a whole-state
+snapshot's model tensors, after every other tensor.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""The snapshot store's transport: objects put whole or written in order (:class:`ObjectWriter`,
-visible only once committed), byte ranges read, keys listed.
-
-``--snapshot-store URI`` names a place every host reaches, behind one interface
-(:class:`ObjectStore`):
-
-* ``s3://bucket/prefix``: any S3-compatible store through obstore (standard ``AWS_*``
-  variables); chosen over s3fs by measurement and weight (docs/benchmarks.md).
-* a path, or ``file://`` path, on a filesystem every host mounts: by hand, because a reader on
-  another host must see an object only whole (temporary name, fsync, rename, directory fsync).
-
-A put of an existing key replaces it whole. A missing object raises ``FileNotFoundError``;
-every other failure an ``OSError`` naming the store and the key, an unreachable store included
-(a directory store whose root is gone: unmounted, removed, a file in its place, is unreachable,
-never empty). Callers verify what they read.
+"""The snapshot store's transport (``--snapshot-store URI``, :class:`ObjectStore`): objects put
+whole or written in order, byte ranges read, keys listed. ``s3://bucket/prefix`` goes through
+obstore (chosen over s3fs: docs/benchmarks.md); a path or ``file://`` path on a filesystem every
+host mounts is written by hand, so that a reader on another host sees an object only whole.
+A missing object raises ``FileNotFoundError``; every other failure, an unreachable store
+included (never taken for an empty one), an ``OSError`` naming the store and the key.
 """
 
 from __future__ import annotations
@@ -30,8 +21,8 @@ from urllib.parse import urlparse
 
 from .errors import ConfigError
 
-__all__ = ["STORE_TIMEOUT_S", "ObjectInfo", "ObjectStore", "ObjectWriter", "PosixObjectStore", "S3ObjectStore", "open_store", "read_range", "fsync_dir",
-           "STORE_FLAG"]
+__all__ = ["STORE_TIMEOUT_S", "ObjectInfo", "ObjectStore", "ObjectWriter", "PosixObjectStore", "S3ObjectStore",
+           "open_store", "read_range", "fsync_dir", "STORE_FLAG"]
 
 STORE_TIMEOUT_S = 60.0
 """Seconds one request to a store may take, retries included, unless told otherwise."""
@@ -42,8 +33,6 @@ _TMP_MARK = ".tmp-"
 
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
-    """One listed object."""
-
     key: str
     """Its key relative to the store's root (``/``-separated)."""
     size: int
@@ -71,8 +60,7 @@ class ObjectWriter(abc.ABC):
 class ObjectStore(abc.ABC):
     """Whole objects under a root. Thread-safe. Keys are ``/``-separated, relative."""
 
-    uri: str
-    """The store as the user named it (messages name it)."""
+    uri: str  # the store as the user named it (messages name it)
 
     @abc.abstractmethod
     def open_writer(self, key: str) -> ObjectWriter:
@@ -119,7 +107,6 @@ class ObjectStore(abc.ABC):
         """Remove ``key``; no error when it is already gone."""
 
     def get(self, key: str) -> bytes:
-        """The whole object (small ones: markers, manifests)."""
         size = self.size(key)
         if size is None:
             raise FileNotFoundError(f"{self.describe(key)} does not exist")
@@ -135,7 +122,6 @@ class ObjectStore(abc.ABC):
         missing root is an unreachable store. Nothing for a bucket."""
 
     def describe(self, key: str) -> str:
-        """The object's full name for messages: the store's URI joined with the key."""
         return self.uri.rstrip("/") + "/" + key
 
 
@@ -283,12 +269,9 @@ class S3ObjectStore(ObjectStore):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
         client_options = {"allow_http": endpoint.startswith("http://"), "timeout": f"{max(1, int(timeout_s))}s",
                           "connect_timeout": f"{max(1, int(min(timeout_s, 10)))}s"}
-        retry = {
-            "max_retries": 3,
-            "retry_timeout": datetime.timedelta(seconds=timeout_s),
-            "backoff": {"init_backoff": datetime.timedelta(milliseconds=100),
-                        "max_backoff": datetime.timedelta(seconds=5), "base": 2},
-        }
+        backoff = {"init_backoff": datetime.timedelta(milliseconds=100), "max_backoff": datetime.timedelta(seconds=5),
+                   "base": 2}
+        retry = {"max_retries": 3, "retry_timeout": datetime.timedelta(seconds=timeout_s), "backoff": backoff}
         try:
             self._store = S3Store.from_url(uri, client_options=client_options, retry_config=retry)
         except Exception as exc:  # obstore raises its own config errors
@@ -393,7 +376,7 @@ class _S3Writer(ObjectWriter):
 
 
 def read_range(path: str | os.PathLike[str], offset: int, nbytes: int) -> bytes:
-    """``nbytes`` of a file from ``offset`` (fewer only at its end): ``pread`` until done."""
+    """``nbytes`` of a file from ``offset`` (fewer only at its end)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         parts: list[bytes] = []
@@ -419,8 +402,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 def open_store(uri: str, timeout_s: float = STORE_TIMEOUT_S) -> ObjectStore:
-    """The store ``uri`` names: ``s3://bucket[/prefix]``, ``file:///path`` or a path.
-    ConfigError naming ``--snapshot-store`` for anything else."""
+    """The store ``uri`` names; ConfigError naming ``--snapshot-store`` for anything else."""
     parsed = urlparse(uri)
     if parsed.scheme == "s3":
         if not parsed.netloc:

@@ -10,8 +10,7 @@ trainer): no locks; a reader may see an old value, never a torn one (aligned 8-b
 Snapshot protocol for committed step N, epoch e. Chunks are in tensor order (the trainer's
 update order); of the ``COW_SLOTS`` spare slots (``CHUNK_BYTES`` each), ``[0, k)`` are the
 server's *stager*'s and ``[k, COW_SLOTS)`` the trainer's *fallback* for this epoch; neither side
-touches the other's, ``STAGE_SLOTS`` changes only while ``SNAP_EPOCH == 0``, and ``k`` is
-:func:`stager_slot_count` (none below 3 slots):
+touches the other's (``k = stager_slot_count``; ``STAGE_SLOTS`` changes only while ``SNAP_EPOCH == 0``):
 
 1. Snapshot(step=N), between steps: before replying the server frees every trainer slot
    (``SLOT_FREED[j] = SLOT_TAKEN[j]``), stores ``SNAP_STEP = N``, ``PERSISTED_UPTO = 0``,
@@ -29,19 +28,19 @@ touches the other's, ``STAGE_SLOTS`` changes only while ``SNAP_EPOCH == 0``, and
    stops the stager and stores ``SNAP_EPOCH = 0``.
 4. Before the trainer overwrites chunk c while ``SNAP_EPOCH == e != 0``, ``PERSISTED_UPTO <=
    c``, ``STAGED_UPTO <= c`` and ``COW_EPOCH[c] != e``, it copies the chunk into a free slot j
-   of its own (free: ``SLOT_TAKEN[j] == SLOT_FREED[j]``), stores ``COW_SLOT[c] = j + 1``,
+   of its own (``SLOT_TAKEN[j] == SLOT_FREED[j]``), stores ``COW_SLOT[c] = j + 1``,
    ``SLOT_TAKEN[j] += 1`` and last ``COW_EPOCH[c] = e``, then overwrites. Without a free slot
    it waits (back-pressure, counted in ``BP_WAITS``/``BP_WAIT_NS``; copies in ``COW_COPIES``).
 5. Whole-state snapshots: the model tensors (``model.<fqn>``, the last ones, from
-   :attr:`SegmentLayout.model_from` on) change only when the trainer copies step N's parameters into
-   them, for a snapshot of step N, started right before asking for it (overlapped with the
-   next forward/backward). It protects their chunks by step 4 first (an earlier epoch may be
-   open), and stores ``MODEL_STEP = N + 1`` once the copy has landed; a value above N when the
-   copy begins is withdrawn first (``MODEL_STEP = 0``), any other stays (a snapshot waiting for
-   it must not wait for a copy that may wait for that snapshot's writer). Stager and writer
-   start on the first model chunk only once ``MODEL_STEP >= N + 1`` (bounded: a trainer that
-   never publishes fails the snapshot). Nobody reads those chunks before the copy is complete,
-   and the copy writes the very bytes the snapshot holds.
+   :attr:`SegmentLayout.model_from` on) change only when the trainer copies step N's
+   parameters into them, right before asking for a snapshot of step N. It protects their
+   chunks by step 4 first (an earlier epoch may be open) and stores ``MODEL_STEP = N + 1`` once
+   the copy has landed; a value above N when the copy begins is withdrawn first (``MODEL_STEP =
+   0``), any other stays (a snapshot waiting for it must not wait for a copy that may wait for
+   that snapshot's writer).
+   Stager and writer start on the first model chunk only once ``MODEL_STEP >= N + 1``
+   (bounded: a trainer that never publishes fails the snapshot), so nobody reads those chunks
+   before the copy, which writes the very bytes the snapshot holds, is complete.
 6. A trainer whose server is unreachable (KeepAlive broke) that would wait in step 4 stores
    ``ABANDONED_EPOCH = e`` and overwrites without a copy. The writer checks it after its last
    read (and per chunk) and fails epoch e. Epochs only grow (a server starting on kept
@@ -51,19 +50,12 @@ Why the bytes persisted are step N's: the trainer overwrites chunk c in epoch e 
 own copy (``COW_EPOCH[c] = e`` first) or once ``PERSISTED_UPTO > c`` or ``STAGED_UPTO > c``; so
 a torn read is followed by ``COW_EPOCH[c] == e`` or by a clean stager copy, and step 3 checks
 both. A stager slot is reused for chunk c + k only after the writer is done with chunk c.
-Server-side writers: ``PERSISTED_UPTO`` and ``SLOT_FREED`` are the writer thread's,
-``STAGED_UPTO`` the stager's (joined before ``SNAP_EPOCH = 0``); step 1 and step 3's end run
-while neither runs.
 
-Adoption (a server restarted on the same shm directory and address): after the copy slots, at
-``DESCRIPTOR_OFFSET`` (= the layout's ``size``, outside what the trainer maps), lie
-``DESCRIPTOR_BYTES`` of JSON (:class:`~.segment_descriptor.SegmentDescriptor`); ``LAYOUT_HASH``
-holds the layout hash's first 8 bytes, the file name (``swap-state.<tag>.<session id>.<seq>``)
-the session id, ``TRAINER_GENERATION`` the owning generation. The successor checks all of it
-(:mod:`swap_state.server.memory.adopt`) and closes an epoch left open: never listed.
-
-Memory rule: a snapshot does not slow the trainer when the stager's slots cover what the writer
-cannot persist before the next optimizer step (:func:`copy_budget_needed`). No torch, no grpc.
+Adoption by a server restarted on the same shm directory and address: ``DESCRIPTOR_BYTES`` of
+JSON (:class:`~.segment_descriptor.SegmentDescriptor`) lie at ``DESCRIPTOR_OFFSET`` (the
+layout's ``size``, outside what the trainer maps), ``LAYOUT_HASH`` holds the layout hash's first
+8 bytes, ``TRAINER_GENERATION`` the owning generation; :mod:`swap_state.server.memory.adopt`
+checks all of it and closes an epoch left open (never listed). No torch, no grpc.
 """
 
 from __future__ import annotations
@@ -80,11 +72,10 @@ from .dtypes import DTYPE_ITEMSIZE
 from .names import is_model_tensor
 
 __all__ = [
-    "TensorSpec", "MAGIC", "LAYOUT_VERSION", "PAGE_BYTES", "DTYPE_ITEMSIZE", "Word",
-    "TensorLayout", "Chunk", "SegmentLayout", "SegmentHeader", "align_up", "layout_hash",
-    "layout_hash_word", "segment_file_bytes", "tensor_nbytes", "plan_segment", "chunk_table",
-    "committed_step", "ASSUMED_FWD_BWD_S", "ASSUMED_PERSIST_BYTES_PER_S", "CopyBudget",
-    "copy_budget_needed", "stager_slot_count", "model_bytes"
+    "TensorSpec", "MAGIC", "LAYOUT_VERSION", "PAGE_BYTES", "Word", "TensorLayout", "Chunk", "SegmentLayout",
+    "SegmentHeader", "align_up", "layout_hash", "layout_hash_word", "segment_file_bytes", "tensor_nbytes",
+    "plan_segment", "chunk_table", "committed_step", "ASSUMED_FWD_BWD_S", "ASSUMED_PERSIST_BYTES_PER_S",
+    "CopyBudget", "copy_budget_needed", "stager_slot_count", "model_bytes",
 ]
 
 MAGIC = int.from_bytes(b"SWAPST01", "little")
@@ -142,9 +133,8 @@ def committed_step(header: "SegmentHeader") -> int | None:
 
 
 def stager_slot_count(cow_slots: int) -> int:
-    """Slots the server's stager takes of ``cow_slots`` (protocol step 1); the rest (at least
-    one) stay the trainer's fallback."""
-    # none below 3 slots: a ring of one slot could only stage the chunk being read
+    """Slots the server's stager takes of ``cow_slots``; the rest (at least one) stay the
+    trainer's fallback. None below 3 slots: a ring of one slot could only stage the chunk being read."""
     return 0 if cow_slots <= 2 else cow_slots - max(1, cow_slots // 32)
 
 
@@ -163,8 +153,8 @@ def copy_budget_needed(state_bytes: int, persist_bytes_per_s: float, fwd_bwd_s: 
 
 @dataclasses.dataclass(frozen=True)
 class CopyBudget:
-    """The memory rule for one segment: do its copy slots cover what the disk cannot persist
-    within one forward/backward?"""
+    """The memory rule for one segment: a snapshot does not slow the trainer when its copy slots
+    cover what the disk cannot persist within one forward/backward."""
 
     state_bytes: int
     slot_bytes: int
@@ -263,7 +253,6 @@ def layout_hash(specs: Sequence[tuple[str, str, Sequence[int]]]) -> str:
 
 
 def layout_hash_word(digest: str) -> int:
-    """The ``LAYOUT_HASH`` word of a layout hash (its first 8 bytes)."""
     return int(digest[:16], 16)
 
 
@@ -329,7 +318,6 @@ class SegmentHeader:
         return self._all[self._cow_epoch + chunk]
 
     def highest_cow_epoch(self) -> int:
-        """The largest ``COW_EPOCH`` of any chunk (0 when none), in one pass over the words."""
         return max(self._all[self._cow_epoch : self._cow_epoch + self.n_chunks], default=0)
 
     def set_cow_epoch(self, chunk: int, epoch: int) -> None:
@@ -368,8 +356,7 @@ class HeaderWriter:
     """Base of the two writers of a header (:mod:`.server_header`, :mod:`.trainer_header`)."""
 
     def __init__(self, header: SegmentHeader):
-        self.segment = header
-        """The header itself: reads of every word, the cow table, the slots."""
+        self.segment = header  # reads of every word, the cow table, the slots
 
     def __getitem__(self, word: Word) -> int:
         return self.segment[word]

@@ -1,9 +1,6 @@
-"""Typed configuration of the state server: the one declaration of its flags.
-
-:class:`ServerConfig` is what the CLI is generated from (:mod:`.server_flags`: a field with a
-:class:`Flag` is a flag, its docstring the help), what :func:`swap_state.server.start_server`
-takes and what the trainer's embedded server builds its argv from. It validates values on
-construction; checks against the environment happen at start-up.
+"""Typed configuration of the state server, the one declaration of its flags: the CLI is generated
+from :class:`ServerConfig` (a field with a :class:`Flag` is a flag, its docstring the help). It
+validates values on construction; checks against the environment happen at start-up.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ import ipaddress
 import pathlib
 from typing import Any
 
-from .addresses import ListenAddress, default_listen, parse_address
+from .addresses import default_listen, parse_address
 from .errors import ConfigError
 from .object_store import STORE_TIMEOUT_S
 from .segment import PAGE_BYTES
@@ -110,17 +107,14 @@ class ServerConfig:
     """Whole host budget for all segments, the copy-before-write pool included (bytes; K/M/G/T
     suffixes, binary). Checked against the shm directory at start; the server exits with an
     error if it does not fit and never falls back to disk."""
-
     listen: str = _flag(default_factory=default_listen, metavar="ADDRESS", example="unix:///run/swap-state/s.sock",
                         default_text="unix://$XDG_RUNTIME_DIR/swap-state/swap-state.sock if XDG_RUNTIME_DIR is "
                         "set, else unix:///run/swap-state/swap-state.sock")
     """Where to serve: unix:///path (socket file mode 0660) or tcp://host:port (needs
     --tls-cert/--tls-key or --insecure)."""
-
     token_file: pathlib.Path | None = _flag(None, example="/etc/swap-state/token")
     """File holding a bearer token; clients must send 'authorization: Bearer <token>' or get
     UNAUTHENTICATED (the health service is exempt). Without it, no authentication."""
-
     tenants: pathlib.Path | None = _flag(None, metavar="FILE", example="/etc/swap-state/tenants")
     """File of tenants, one per line: 'TENANT TOKEN' or 'TENANT TOKEN admin' (mode 0600). A
     job, its sessions and snapshots belong to the tenant whose token created them; another
@@ -128,140 +122,107 @@ class ServerConfig:
     caller's, an admin tenant reaches all. Instead of --token-file (one tenant). Without
     either, on a unix socket, each caller's uid is its tenant (root and this server's user
     are admins)."""
-
     snapshot_dir: pathlib.Path | None = _flag(None, metavar="DIR", example="/ckpt/swap-state")
     """Directory for durable snapshots (safetensors + manifest per job and step); created if
     missing. Without it, snapshots are refused."""
-
     snapshot_store: str | None = _flag(None, metavar="URI", example="s3://ckpt-bucket/swap-state")
     """A second snapshot tier every host reaches: s3://BUCKET/PREFIX on any S3-compatible
     store (endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... and the AWS
     config), or a path (file:///PATH) on a filesystem all hosts mount. Each durable snapshot is
     uploaded in the background; a rank this server does not hold (a lost host's, one of
     another world size) is restored from it. Needs --snapshot-dir."""
-
     snapshot_store_timeout: float = _flag(SnapshotSettings.store_timeout_s, kind="seconds", example="120")
     """Seconds one request to --snapshot-store may take, retries included, before the upload
     or restore fails naming the store."""
-
     snapshot_store_max_bandwidth: int = _flag(0, kind="size", metavar="BYTES_PER_S", example="500M")
     """Upper bound for uploads to --snapshot-store in bytes/s (size suffixes allowed), so that
     they leave the network to the training job's collectives; 0 means unlimited."""
-
     grace: float = _flag(30.0, kind="seconds", example="120")
     """Seconds a session whose trainer vanished (KeepAlive stream closed) keeps its segment for
     the same job/rank to reattach."""
-
     metrics_port: int = _flag(0, kind="host_port", host_field="metrics_host", metavar="[HOST:]PORT",
                               example="9464 or 127.0.0.1:9464")
     """Serve Prometheus metrics (text format) at http://HOST:PORT/metrics; 0 turns them off.
     HOST defaults to 127.0.0.1 (this host only); 0.0.0.0:PORT lets a scraper on another host in
     (the metrics name jobs, sizes and steps)."""
-
     metrics_host: str = "127.0.0.1"
     """Interface for the metrics endpoint: the HOST of ``--metrics-port HOST:PORT``."""
-
     log_level: LogLevel = _flag(LogLevel.INFO, kind="str", choices=tuple(LogLevel), example="debug")
     """Structured (key=value) log verbosity on stderr."""
-
     shm_dir: pathlib.Path = _flag(pathlib.Path("/dev/shm"), metavar="DIR", example="/dev/shm")
     """Memory filesystem (tmpfs) for the segment files; the trainers must see the same
     directory."""
-
     shm_group: str | None = _flag(None, metavar="GROUP", example="trainers")
     """Group (name or gid) given to segment files and the socket; segments become 0660 instead of
     0600 so trainers running as another user in that group can map them."""
-
     socket_group: str | None = _flag(None, metavar="GROUP", example="trainers")
     """Group (name or gid) given to the socket instead of --shm-group: the users who may call
     this server. For a server run as root, which gives each caller's segment files to that
     caller (0600): --socket-group alone lets a group of users train, each on their own state."""
-
     discard_segments: bool = _flag(False, example="--discard-segments")
     """At start, remove the segment files a previous server on this --listen left in
     --shm-dir instead of adopting them: every trainer that was using them loses its state
     (it must restore a snapshot). Without it, a server restarted after a crash or an upgrade
     adopts them and its trainers lose nothing."""
-
     free_segments_on_stop: bool = _flag(False, example="--free-segments-on-stop")
     """On SIGTERM/SIGINT free every segment. Without it, the segments of every session the
     server holds (live ones, and orphaned ones within --grace) stay in --shm-dir for the next
     server on this --listen to adopt (a rolling upgrade costs the trainers nothing)."""
-
     chunk_bytes: int = _flag(64 * MiB, kind="size", example="32M")
     """Snapshot granularity and copy-before-write slot size; a multiple of the page size."""
-
     cow_budget: int | None = _flag(None, kind="size", example="2G", default_text="min(1G, shm-size/8), in whole chunks")
     """Host-wide copy-before-write pool in bytes that lets snapshots run while trainers keep
     stepping; split into per-session slots of --chunk-bytes and held back from --shm-size."""
-
     direct_io: DirectIO = _flag(SnapshotSettings.direct_io, kind="str", choices=tuple(DirectIO), example="off")
-    """Whether snapshot writes to --snapshot-dir bypass the page cache with O_DIRECT. writes:
-    snapshots persist through aligned bounce buffers, several writes in flight; where the filesystem refuses
-    O_DIRECT they are buffered, logged. off: buffered, for a filesystem that accepts O_DIRECT
-    but serves it slowly (network filesystems may turn each O_DIRECT write into a synchronous
-    round trip). Restores always read through the page cache, mapped and pinned."""
-
+    """Whether snapshot writes to --snapshot-dir bypass the page cache with O_DIRECT. writes: yes,
+    buffered (and logged) where the filesystem refuses O_DIRECT. off: buffered, for a filesystem
+    that serves O_DIRECT slowly (network filesystems may make each write a synchronous round
+    trip). Restores always read through the page cache."""
     persist_max_bandwidth: int = _flag(0, kind="size", metavar="BYTES_PER_S", example="2G")
     """Upper bound for snapshot writes to --snapshot-dir in bytes/s (size suffixes allowed);
     0 means unlimited."""
-
     stage_threads: int = _flag(SnapshotSettings.stage_threads, metavar="N", example="2")
     """Threads per persisting snapshot that copy chunks into spare slots ahead of the trainer,
     so it rarely copies or waits itself (a segment with fewer than 3 copy-before-write slots
     has none to spare: its trainer copies what the writer has not read)."""
-
     model_copy_timeout: float = _flag(SnapshotSettings.model_copy_timeout_s, kind="seconds", example="120")
     """Whole-state snapshots: seconds the writer waits for the trainer to finish copying the
     model's parameters of the snapshot's step into its segment (it does so right after the
     step, overlapped with the next forward/backward) before the snapshot fails."""
-
     keep_latest: int = _flag(SnapshotSettings.keep_latest, metavar="K", example="3")
     """Durable snapshots kept per job, at least 2: older ones are removed only after a newer one
     is durable. A job may ask to keep more (torchtitan's keep_latest_k), except a tenant that is
     not an admin: it keeps at most K."""
-
     tenant_shm_quota: int = _flag(0, kind="size", example="16G")
     """Bytes of segments one tenant (--tenants; without it, all callers together) may hold
     on this server; an Allocate beyond it fails RESOURCE_EXHAUSTED naming this flag, and other
     tenants are unaffected. 0: no quota (--shm-size bounds all)."""
-
     tenant_snapshot_quota: int = _flag(SnapshotSettings.tenant_snapshot_quota, kind="size", example="500G")
     """Bytes of snapshots one tenant may keep in --snapshot-dir: a snapshot that would take it
     beyond is refused (RESOURCE_EXHAUSTED naming this flag) before a byte is written. Retention
     removes old snapshots only after a new one is durable: allow (keep + 1) snapshots of a job.
     0: no quota."""
-
     tls_cert: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/server.pem")
     """TLS certificate chain for --listen tcp://..."""
-
     tls_key: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/server.key")
     """TLS private key for --listen tcp://..."""
-
     tls_client_ca: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/clients-ca.pem")
     """Require a TLS client certificate signed by these roots (mutual TLS): only trainers holding
     one connect. Needs --tls-cert/--tls-key."""
-
     insecure: bool = _flag(False, example="--listen tcp://127.0.0.1:7070 --insecure")
     """Allow --listen tcp://... without TLS (tokens and control messages in plaintext; bulk data
     never crosses gRPC)."""
-
     mlock: bool = True
     """Try to mlock segments (best effort; a refusal is logged once, never fatal)."""
-
     keepalive_interval: float = 2.0
     """Seconds between KeepAlive events the server sends on each liveness stream."""
-
     stream_wait: float = 10.0
     """Seconds after Attach within which the trainer must open its KeepAlive stream; after
     that the session counts as orphaned (and is freed ``grace`` seconds later)."""
-
     shutdown_grace: float = 10.0
     """On SIGTERM/SIGINT: seconds in-flight RPCs get to finish before they are cancelled."""
-
     max_tensors: int = 1 << 20
     """Most tensors one Allocate may name."""
-
     max_message_bytes: int = 64 * MiB
     """gRPC receive limit per message (a 1M-tensor Allocate fits); replies may be twice this."""
 
@@ -298,15 +259,12 @@ class ServerConfig:
         if self.cow_budget is None:  # 1 GiB, at most an eighth of a small budget; whole chunks
             budget = min(GiB, self.shm_size // 8)
             object.__setattr__(self, "cow_budget", budget // self.chunk_bytes * self.chunk_bytes)
-        elif self.cow_budget < 0:
-            raise ConfigError("--cow-budget must be >= 0")
-        if self.cow_budget > self.shm_size:
-            raise ConfigError(f"--cow-budget {format_size(self.cow_budget)} exceeds --shm-size "
-                              f"{format_size(self.shm_size)} (the pool is part of the budget)")
-        if self.snapshot_store and self.snapshot_dir is None:
-            raise ConfigError("--snapshot-store needs --snapshot-dir: snapshots become durable there first, then "
-                              "are uploaded")
         for ok, message in (  # each rule as it must hold (a NaN breaks it)
+            (self.cow_budget >= 0, "--cow-budget must be >= 0"),
+            (self.cow_budget <= self.shm_size, f"--cow-budget {format_size(self.cow_budget)} exceeds --shm-size "
+                                               f"{format_size(self.shm_size)} (the pool is part of the budget)"),
+            (not self.snapshot_store or self.snapshot_dir is not None,
+             "--snapshot-store needs --snapshot-dir: snapshots become durable there first, then are uploaded"),
             (self.grace >= 0, "--grace must be >= 0 seconds"),
             (0 <= self.metrics_port <= 65535, "--metrics-port must be 0 (off) or a port number"),
             (self.persist_max_bandwidth >= 0, "--persist-max-bandwidth must be >= 0 (0: unlimited)"),
@@ -315,8 +273,7 @@ class ServerConfig:
             (1 <= self.stage_threads <= 64, "--stage-threads must be between 1 and 64"),
             (self.model_copy_timeout > 0, "--model-copy-timeout must be > 0 seconds"),
             (self.keep_latest >= 2, "--keep-latest must be >= 2 (the last snapshot must survive the next)"),
-            (self.snapshot_store_max_bandwidth >= 0,
-             "--snapshot-store-max-bandwidth must be >= 0 (0: unlimited)"),
+            (self.snapshot_store_max_bandwidth >= 0, "--snapshot-store-max-bandwidth must be >= 0 (0: unlimited)"),
             (self.snapshot_store_timeout > 0, "--snapshot-store-timeout must be > 0 seconds"),
             (self.shm_dir.is_absolute(), "--shm-dir must be an absolute path"),
             (self.stream_wait >= 0, "stream_wait must be >= 0"),
@@ -327,10 +284,6 @@ class ServerConfig:
         ):
             if not ok:
                 raise ConfigError(message)
-
-    @property
-    def listen_address(self) -> ListenAddress:
-        return parse_address(self.listen)
 
     @property
     def snapshot_settings(self) -> SnapshotSettings:

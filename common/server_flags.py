@@ -48,8 +48,6 @@ def field_docs(cls: type) -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class UserFlag:
-    """One command-line flag: the field it sets and its declaration."""
-
     field: dataclasses.Field
     spec: Flag
 
@@ -171,8 +169,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     """Declare every user flag on ``parser``; one not given leaves no attribute (the config's
     default holds)."""
     for flag in user_flags():
-        options: dict[str, Any] = {"dest": flag.name, "default": argparse.SUPPRESS,
-                                   "help": flag.help()}
+        options: dict[str, Any] = {"dest": flag.name, "default": argparse.SUPPRESS, "help": flag.help()}
         if flag.kind == "switch":
             if flag.field.default is not False:
                 raise TypeError(f"{flag.name}: a switch flag must default to False")
@@ -185,7 +182,6 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The namespace of a parser built with :func:`add_server_flags` -> config (or ConfigError)."""
     given = {flag.name: getattr(args, flag.name) for flag in user_flags() if hasattr(args, flag.name)}
     return config_from_settings(given)
 

@@ -1,11 +1,9 @@
-"""Every header word the server writes, in one place: the server's side of the segment
-protocol (:mod:`.segment`; the trainer's is :mod:`.trainer_header`). Nothing else on the
-server's side stores into a segment header; a test fails when another module does.
-
-Writers: the arena at creation (:meth:`initialize`); a CommitStep RPC or a Restore
-(:meth:`record_commit`); the Snapshot call and the writer's release while no stager or writer
-runs (:meth:`open_snapshot`, :meth:`close_snapshot`); the writer thread (:meth:`persisted`,
-:meth:`free_slot`); the stager thread (:meth:`staged`).
+"""Every header word the server writes, in one place (a test fails when another module does): the
+server's side of the segment protocol (:mod:`.segment`). Callers: the arena at creation
+(:meth:`initialize`); a CommitStep RPC or a Restore (:meth:`record_commit`); the Snapshot call
+and the writer's release while no stager or writer runs (:meth:`open_snapshot`,
+:meth:`close_snapshot`); the writer thread (:meth:`persisted`, :meth:`free_slot`); the stager
+thread (:meth:`staged`).
 """
 
 from __future__ import annotations
@@ -16,8 +14,6 @@ __all__ = ["ServerHeader"]
 
 
 class ServerHeader(HeaderWriter):
-    """The server's writes to one segment header."""
-
     def initialize(self, layout: SegmentLayout, digest: str = "", descriptor_bytes: int = 0) -> None:
         """Once, on a zero-filled segment: the layout words, the descriptor's place (written
         before; 0 bytes: never adopted), ``LAYOUT_HASH``, and ``MAGIC`` last."""
@@ -41,7 +37,6 @@ class ServerHeader(HeaderWriter):
         header[Word.COMMITTED_STEP] = step + 1
         header[Word.RESTORED_SEQ] = header[Word.RESTORED_SEQ] + 1
 
-    # -- snapshots (protocol steps 1-3) ---------------------------------------------------
     def free_all_slots(self, cow_slots: int) -> None:
         """``SLOT_FREED[j] = SLOT_TAKEN[j]`` for every slot (only while ``SNAP_EPOCH == 0``)."""
         for slot in range(cow_slots):

@@ -43,7 +43,6 @@ class SizingPlan:
         return self.per_rank * self.ranks_per_host
 
     def lines(self) -> list[str]:
-        """The plan, one fact per line."""
         copy = f" + model copy {format_size(self.model_copy_per_rank)}" if self.model_copy_per_rank else ""
         if self.snapshots:
             pool = f"+ copy pool {format_size(self.copy_pool)} (what the disk cannot persist within a forward/backward)"

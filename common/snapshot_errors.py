@@ -14,64 +14,44 @@ __all__ = [
 ]
 
 
-class SnapshotError(SwapStateError):
+class SnapshotError(SwapStateError, code="INTERNAL", reason="SNAPSHOT_ERROR"):
     """Base of every snapshot/restore error; also used for I/O failures without a better class."""
 
-    code, reason = "INTERNAL", "SNAPSHOT_ERROR"
 
-
-class SnapshotInvalid(SnapshotError):
+class SnapshotInvalid(SnapshotError, code="INVALID_ARGUMENT", reason="INVALID_ARGUMENT"):
     """A malformed request: job id, snapshot id, metadata_json, rank/world size."""
 
-    code = reason = "INVALID_ARGUMENT"
 
-
-class SnapshotNotFoundError(SnapshotError):
+class SnapshotNotFoundError(SnapshotError, code="NOT_FOUND", reason="SNAPSHOT_NOT_FOUND"):
     """No complete snapshot (or no in-memory snapshot record) under that id."""
 
-    code, reason = "NOT_FOUND", "SNAPSHOT_NOT_FOUND"
 
-
-class SnapshotBusyError(SnapshotError):
+class SnapshotBusyError(SnapshotError, code="FAILED_PRECONDITION", reason="SNAPSHOT_BUSY"):
     """The segment cannot be snapshotted or restored now (persisting, mid-step, cleaning up)."""
 
-    code, reason = "FAILED_PRECONDITION", "SNAPSHOT_BUSY"
 
-
-class SnapshotExistsError(SnapshotError):
+class SnapshotExistsError(SnapshotError, code="FAILED_PRECONDITION", reason="SNAPSHOT_EXISTS"):
     """A complete snapshot of that job and step is already on disk."""
 
-    code, reason = "FAILED_PRECONDITION", "SNAPSHOT_EXISTS"
 
-
-class SnapshotFailedError(SnapshotError):
+class SnapshotFailedError(SnapshotError, code="FAILED_PRECONDITION", reason="SNAPSHOT_FAILED"):
     """The snapshot this rank tries to join has already failed (another rank's error)."""
 
-    code, reason = "FAILED_PRECONDITION", "SNAPSHOT_FAILED"
 
-
-class SnapshotCorruptError(SnapshotError):
+class SnapshotCorruptError(SnapshotError, code="DATA_LOSS", reason="SNAPSHOT_CORRUPT"):
     """A snapshot file does not verify (checksum, size, header); the message names file and tensor."""
 
-    code, reason = "DATA_LOSS", "SNAPSHOT_CORRUPT"
 
-
-class SnapshotLayoutMismatch(SnapshotError):
+class SnapshotLayoutMismatch(SnapshotError, code="FAILED_PRECONDITION", reason="LAYOUT_MISMATCH"):
     """The snapshot does not fit the target: other world size, tensor names, dtypes or shapes."""
 
-    code, reason = "FAILED_PRECONDITION", "LAYOUT_MISMATCH"
 
-
-class DiskFullError(SnapshotError):
+class DiskFullError(SnapshotError, code="RESOURCE_EXHAUSTED", reason="DISK_FULL"):
     """The snapshot directory ran out of space (ENOSPC/EDQUOT); the message names the directory."""
 
-    code, reason = "RESOURCE_EXHAUSTED", "DISK_FULL"
 
-
-class StoreUnavailableError(SnapshotError):
+class StoreUnavailableError(SnapshotError, code="UNAVAILABLE", reason="STORE_UNAVAILABLE"):
     """The snapshot store failed a request (unreachable, refusing, timed out); names the object."""
-
-    code, reason = "UNAVAILABLE", "STORE_UNAVAILABLE"
 
 
 def from_os_error(exc: OSError, action: str, directory: object) -> SnapshotError:

@@ -7,9 +7,8 @@ A complete snapshot of step N of a job is the directory ``<dir>/<job>/step-<N:01
     ...                         (one pair per rank)
     snapshot.json               a SnapshotIndex, written last: ranks, files, their crc32s
 
-On a multi-host job each host's directory holds the ranks attached to its server; together
-they form the job's snapshot. The safetensors header depends only on the segment layout (and
-job, step, rank as string metadata), so it is written before the data, streamed without gaps.
+On a multi-host job each host's directory holds its server's ranks. The safetensors header
+depends only on the segment layout, so it is written before the data, streamed without gaps.
 """
 
 from __future__ import annotations
@@ -24,15 +23,13 @@ from typing import Any
 
 from .checksum import format_crc, parse_crc
 from .dtypes import SAFETENSORS_DTYPES
-from .names import parse_step_dir_name, snapshot_id_for, step_dir_name
+from .names import snapshot_id_for, step_dir_name
 from .snapshot_metadata import tensor_entry
 
 __all__ = [
-    "FORMAT_VERSION", "INDEX_NAME", "LAYOUT_NAME", "LATEST_NAME", "SAFETENSORS_DTYPES",
-    "MANIFEST_FORMAT", "MANIFEST_VERSION", "INDEX_FORMAT", "TensorRecord", "RankManifest",
-    "FileRecord", "SnapshotIndex", "snapshot_id_for", "step_dir_name", "partial_dir_name",
-    "parse_step_dir_name", "rank_data_name", "rank_manifest_name", "safetensors_header",
-    "DATA_ALIGN", "safetensors_metadata", "dumps_json"
+    "FORMAT_VERSION", "INDEX_NAME", "LAYOUT_NAME", "LATEST_NAME", "MANIFEST_FORMAT", "MANIFEST_VERSION", "INDEX_FORMAT",
+    "TensorRecord", "RankManifest", "FileRecord", "SnapshotIndex", "step_dir_name", "partial_dir_name",
+    "rank_data_name", "rank_manifest_name", "safetensors_header", "DATA_ALIGN", "safetensors_metadata", "dumps_json",
 ]
 
 FORMAT_VERSION = 1
@@ -46,15 +43,12 @@ INDEX_NAME = "snapshot.json"
 LAYOUT_NAME = "layout.json"
 """The step's layout index (the server's ``LayoutIndex``): where every rank's shards lie."""
 MAX_LAYOUT_BYTES = 256 << 20
-"""A layout index is a few hundred kB for a 70B job; past this it is refused."""
+"""A bigger layout index is refused (far above any real job's: docs/benchmarks.md)."""
 LATEST_NAME = "latest"
 
 
-_PARTIAL_PREFIX = ".partial-"
-
-
 def partial_dir_name(step: int) -> str:
-    return _PARTIAL_PREFIX + step_dir_name(step)
+    return ".partial-" + step_dir_name(step)
 
 
 def rank_data_name(rank: int) -> str:
@@ -173,7 +167,6 @@ class TensorRecord:
     global_offset: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Its manifest entry; the trainer's facts only when it gave them."""
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), **tensor_entry(self),
                 "nbytes": self.nbytes, "data_offsets": list(self.data_offsets), "crc32": format_crc(self.crc32)}
 
@@ -218,7 +211,6 @@ class RankManifest:
     world_size: int
     """Number of ranks of the snapshot (and of the job when it was taken)."""
     data_file: str
-    """Name of the safetensors file, relative to the snapshot directory."""
     data_file_bytes: int
     data_start: int
     """Offset of the data section in the safetensors file (8 + header length)."""
@@ -347,12 +339,10 @@ class SnapshotIndex:
 
     @property
     def local_world_size(self) -> int:
-        """Ranks held here (``len(ranks)``); below ``world_size`` for one host of several."""
         return len(self.ranks)
 
     @property
     def complete_job(self) -> bool:
-        """Whether this directory holds every rank of the job."""
         return len(self.ranks) == self.world_size
 
     @property

@@ -1,7 +1,4 @@
-"""A snapshot directory read only, one tier (:class:`~.snapshot_tier.SnapshotTier`):
-:class:`SnapshotReader` lists, resolves, reads manifests and tensors, verifies.
-
-Directory layout under the snapshot root (``--snapshot-dir``)::
+"""A snapshot directory (``--snapshot-dir``) read only, one tier (:class:`~.snapshot_tier.SnapshotTier`)::
 
     <root>/<job_id>/step-<N:012d>/          complete snapshots (snapshot.json present)
     <root>/<job_id>/.partial-step-<N:012d>/ a snapshot being written (never listed)
@@ -9,8 +6,7 @@ Directory layout under the snapshot root (``--snapshot-dir``)::
     <root>/<job_id>/latest                  "step-<N:012d>": the last committed snapshot
 
 A directory is listed only when its ``snapshot.json`` parses and names the same job and step,
-so a half-written snapshot is never listed or loaded. Used by the client's export (offline) and
-by the server's store. Reading needs no lock: the writer publishes by atomic rename.
+so a half-written snapshot is never listed or loaded; the writer publishes by atomic rename.
 """
 
 from __future__ import annotations
@@ -33,8 +29,6 @@ _ELSEWHERE = ("was it taken by another server (another host, or an embedded serv
 
 
 class SnapshotReader(SnapshotTier):
-    """A snapshot root directory, read only."""
-
     where = "local"
 
     def __init__(self, root: str | os.PathLike[str]):
@@ -56,14 +50,12 @@ class SnapshotReader(SnapshotTier):
                 if is_job_id(name) and (self.root / name).is_dir() and not (self.root / name).is_symlink()]
 
     def load_index(self, job_id: str, path: pathlib.Path, step: int) -> SnapshotIndex | None:
-        """The index of a complete snapshot directory, None when it is not one."""
         try:
             return SnapshotIndex.parse((path / INDEX_NAME).read_bytes(), job_id, step)
         except OSError:
             return None
 
     def complete(self, job_id: str) -> list[tuple[int, pathlib.Path, SnapshotIndex]]:
-        """(step, directory, index) of every complete snapshot of ``job_id``."""
         job_dir = self.job_dir(job_id)
         try:
             names = os.listdir(job_dir)

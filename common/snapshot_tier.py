@@ -11,13 +11,12 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import pathlib
 from collections.abc import Iterator, Sequence
 
 from .checksum import crc32
-from .dtypes import DTYPE_ITEMSIZE
 from .names import snapshot_id_for
+from .segment import tensor_nbytes
 from .snapshot_errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
 from .snapshot_format import INDEX_NAME, FileRecord, RankManifest, SnapshotIndex, TensorRecord, rank_data_name, rank_manifest_name
 
@@ -26,10 +25,9 @@ __all__ = ["SnapshotInfo", "SnapshotTier", "reading_file"]
 
 @dataclasses.dataclass(frozen=True)
 class SnapshotInfo:
-    """A complete snapshot as listed."""
+    """A complete snapshot as a tier lists it."""
 
     snapshot_id: str
-    """``<job_id>/step-<step>``."""
     job_id: str
     step: int
     world_size: int
@@ -53,7 +51,6 @@ class SnapshotInfo:
 
     @property
     def local_world_size(self) -> int:
-        """How many ranks this directory holds."""
         return self.index.local_world_size
 
     def file(self, name: str) -> FileRecord:
@@ -64,7 +61,7 @@ class SnapshotInfo:
         return record
 
     def describe_ranks(self) -> str:
-        """``ranks [2, 3] of world_size 4`` (ranges shortened for big jobs)."""
+        """``ranks [0-2, 5] of world_size 8``."""
         return f"ranks {_rank_ranges(self.ranks)} of world_size {self.world_size}"
 
 
@@ -134,7 +131,7 @@ class SnapshotTier(abc.ABC):
         path, record, header = info.path / manifest.data_file, info.file(manifest.data_file), manifest.header_bytes()
         position = 0
         for tensor in manifest.tensors:
-            nbytes = math.prod(tensor.shape) * DTYPE_ITEMSIZE[tensor.dtype]
+            nbytes = tensor_nbytes(tensor.dtype, tensor.shape)
             if tensor.nbytes != nbytes or tensor.data_offsets != (position, position + nbytes):
                 raise SnapshotCorruptError(f"{path}: manifest entry of {tensor.name!r} is inconsistent")
             position += tensor.nbytes

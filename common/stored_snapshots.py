@@ -4,19 +4,15 @@ Layout under the store's root (an :class:`~.object_store.ObjectStore`)::
 
     <job>/step-<N:012d>/rank-00000.safetensors    the rank's data file, byte for byte the local one
     <job>/step-<N:012d>/rank-00000.manifest.json  its manifest
-    <job>/step-<N:012d>/rank-00000.stored.json    its marker, put last: a SnapshotIndex of
-                                                  ranks [0] listing those two files (size, crc32)
-    <job>/step-<N:012d>/layout.json               the step's layout index (every rank's shards,
-                                                  compact), put just before the step's index
-    <job>/step-<N:012d>/snapshot.json             the step's index: every rank's files and the
-                                                  layout's, put once every rank's marker is there
+    <job>/step-<N:012d>/rank-00000.stored.json    its marker, put last: a SnapshotIndex of ranks [0]
+    <job>/step-<N:012d>/layout.json               the step's layout index, put just before its index
+    <job>/step-<N:012d>/snapshot.json             the step's index (all ranks' files and the layout's),
+                                                  put once every rank's marker is there
 
 A step is *complete* when the markers of every rank ``0..world_size-1`` are there and agree on
 the world size and the attempt, so a reader never sees a partial step nor one mixing two
-attempts (how hosts write it: ``swap_state.server.snapshot.tiers.store``). A reader finds a
-job's steps in one listing of folders and each step in one read of its index; a step without
-one is read from its markers. Nothing read is trusted: a marker must name its own job, step
-and rank, and every file is checked against its size and crc32 (:class:`.SnapshotTier`).
+attempts (how hosts write it: ``swap_state.server.snapshot.tiers.store``). Nothing read is
+trusted: a marker must name its own job, step and rank.
 """
 
 from __future__ import annotations
@@ -49,7 +45,6 @@ def marker_name(rank: int) -> str:
 
 
 def parse_marker_name(name: str) -> int | None:
-    """The rank of ``rank-XXXXX.stored.json``; None for any other name."""
     match = _MARKER_NAME.fullmatch(name)
     return int(match[1]) if match else None
 
@@ -132,12 +127,11 @@ class StoredSnapshots(SnapshotTier):
         return index
 
     def jobs(self) -> list[str]:
-        """The jobs with anything in the store (one listing of folders)."""
         with self.reading(""):
             return self.store.list_folders("")
 
     def steps(self, job_id: str) -> list[int]:
-        """The steps of a job with anything in the store, ascending (one listing of folders)."""
+        """The steps of a job with anything in the store, ascending."""
         prefix = validate_job_id(job_id, SnapshotInvalid) + "/"
         with self.reading(prefix):
             names = self.store.list_folders(prefix)
@@ -161,7 +155,6 @@ class StoredSnapshots(SnapshotTier):
         return self.complete_info(job_id, step, self.list_step(job_id, step))
 
     def step_index(self, job_id: str, step: int) -> SnapshotIndex | None:
-        """The step's index when there is a valid one (one read), else None."""
         key = self.key(job_id, step, INDEX_NAME)
         try:
             with self.reading(key):
@@ -227,5 +220,4 @@ class StoredSnapshots(SnapshotTier):
 
 
 def _markers_by_rank(objects: Iterable[ObjectInfo]) -> dict[int, ObjectInfo]:
-    """The marker objects among a step's objects, by rank."""
     return {rank: info for info in objects if (rank := parse_marker_name(info.key.rsplit("/", 1)[-1])) is not None}

@@ -20,14 +20,9 @@ __all__ = ["TrainerHeader"]
 
 
 class TrainerHeader(HeaderWriter):
-    """The trainer's writes to one segment header (in the module docstring's order)."""
-
-    # -- ownership -----------------------------------------------------------------------
     def claim(self, generation: int) -> None:
-        """``TRAINER_GENERATION``: the generation that owns the segment from now on (attach)."""
         self.segment[Word.TRAINER_GENERATION] = generation
 
-    # -- writes of a step (the torn-state mark) ------------------------------------------
     def begin_write(self, step: int) -> bool:
         """``WRITING_STEP = step + 1`` unless a write is already marked; whether it stored.
         A trainer that dies between this and :meth:`end_write` leaves torn state."""
@@ -40,7 +35,6 @@ class TrainerHeader(HeaderWriter):
         """``WRITING_STEP = 0``: every write of the step has landed."""
         self.segment[Word.WRITING_STEP] = 0
 
-    # -- copy-before-write (protocol step 4) ----------------------------------------------
     def record_chunk_copy(self, chunk: int, slot: int, epoch: int) -> None:
         """After copying ``chunk`` into trainer ``slot``: ``COW_SLOT``, ``SLOT_TAKEN``, last
         ``COW_EPOCH`` (the server trusts the slot from that store on), and the copy counted."""
@@ -51,7 +45,6 @@ class TrainerHeader(HeaderWriter):
         header[Word.COW_COPIES] = header[Word.COW_COPIES] + 1
 
     def record_backpressure(self, waited_ns: int) -> None:
-        """One wait for a free slot of ``waited_ns`` nanoseconds (``BP_WAITS``, ``BP_WAIT_NS``)."""
         header = self.segment
         header[Word.BP_WAITS] = header[Word.BP_WAITS] + 1
         header[Word.BP_WAIT_NS] = header[Word.BP_WAIT_NS] + waited_ns
@@ -60,7 +53,6 @@ class TrainerHeader(HeaderWriter):
         """Protocol step 6: ``ABANDONED_EPOCH = epoch``, before overwriting without a copy."""
         self.segment[Word.ABANDONED_EPOCH] = epoch
 
-    # -- the per-step commit --------------------------------------------------------------
     def set_fingerprint(self, value: int) -> None:
         """``PARAMS_FINGERPRINT``: the parameters that go with the state (0: not known)."""
         self.segment[Word.PARAMS_FINGERPRINT] = value
@@ -74,10 +66,9 @@ class TrainerHeader(HeaderWriter):
         header[Word.TRAINER_COMMITS] = header[Word.TRAINER_COMMITS] + 1
 
     def count_state_drop(self) -> None:
-        """``STATE_DROPS += 1``: a kept state dropped as not belonging to the parameters."""
+        """A kept state dropped as not belonging to the parameters."""
         self.segment[Word.STATE_DROPS] = self.segment[Word.STATE_DROPS] + 1
 
-    # -- whole-state snapshots (protocol step 5) -------------------------------------------
     def publish_model(self, step: int) -> None:
         """``MODEL_STEP = step + 1``, once every write of the model copy has landed."""
         self.segment[Word.MODEL_STEP] = step + 1

@@ -1,8 +1,6 @@
-"""Whether a trainer process still has its segment: a shared ``flock`` on the segment file.
-
-The trainer holds it while mapped (:func:`hold`); the kernel drops it however the process ends.
-A server that adopted a session asks :func:`held` before giving it to a fresh Attach: a trainer
-still holding it will reconnect, and its state must not go to another run meanwhile.
+"""Whether a trainer process still has its segment: a shared ``flock`` on the segment file, held
+while mapped and dropped by the kernel however the process ends. A server asks before giving an
+adopted session to a fresh Attach: a trainer still holding it will reconnect.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from swap_state.server.memory.shm_dir import check_shm_dir, require_shm_dir
 from swap_state.server.rpc.auth import CallerAuthInterceptor, read_token_file
 from swap_state.server.tenants import ANYONE, Tenants, UidProofs, read_tenants_file
 from swap_state.server.domain import StateServer
-from swap_state.common.addresses import ListenAddress
+from swap_state.common.addresses import ListenAddress, parse_address
 from swap_state.common.server_config import ServerConfig
 from swap_state.common.sizes import format_size
 from swap_state.common.errors import StartupError
@@ -208,7 +208,7 @@ def _read_tenants(config: ServerConfig) -> Tenants:
         return read_tenants_file(config.tenants)
     if config.token_file is not None:
         return Tenants({read_token_file(config.token_file): ANYONE})
-    listen = config.listen_address
+    listen = parse_address(config.listen)
     return Tenants(proofs=UidProofs(listen.path)) if listen.scheme == "unix" else Tenants()
 
 
@@ -260,7 +260,7 @@ async def _start_metrics(config: ServerConfig, service: SwapStateService, starte
 
 async def start_server(config: ServerConfig) -> RunningServer:
     """Start a server on ``config.listen`` (what a failed step leaves is undone); StartupError."""
-    listen = config.listen_address
+    listen = parse_address(config.listen)
     tenants = _read_tenants(config)
     gid = _resolve_group(config.shm_group)
     socket_gid = _resolve_group(config.socket_group, "--socket-group") if config.socket_group else gid
