@@ -44,7 +44,7 @@ def test_refusals_are_typed_by_reason(client, session):
     _raises(errors.SessionLiveError, client.attach, "typed-errors", 0, 1)
     session.commit(1)
     # Not the last committed step: a plain precondition, which nobody may retry as "busy".
-    error = _raises(errors.FailedPreconditionError, session.snapshot, 7, "")
+    error = _raises(errors.FailedPreconditionError, session.snapshot, 7)
     assert error.reason == "FAILED_PRECONDITION" and not isinstance(error, errors.SnapshotBusyError)
     _raises(errors.SnapshotNotFoundError, session.restore, "typed-errors/step-99")
     _raises(errors.InvalidRequestError, session.restore, "no/such/form")

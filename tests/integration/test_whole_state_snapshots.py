@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from swap_state.client.errors import SnapshotFailedError, SwapStateError
 from swap_state.client.optim.checkpoint_template import SNAPSHOT_REF_KEY
-from swap_state.client.remote.container import RemoteConfig, RemoteSwapOptimizersContainer
+from swap_state.client.remote.container import PARAM_STEPS, RemoteConfig, RemoteSwapOptimizersContainer
 from swap_state.common.segment import Word
 
 from snapshot_kit import CHUNK, bitwise_diff, build_wide, data_file, params_copy, rank_manifest, record_state, reference
@@ -130,7 +130,9 @@ def _snapshot_without_the_models_copy(start_server, job_id: str):
     container = remote(W, model, server.address, job_id, checkpoint="snapshot")
     train(model, container, W, range(1, 3))
     container.segment.mapping.header[Word.MODEL_STEP] = 0
-    return container, container.session.snapshot(2, container.snapshot_metadata())
+    ident, base, delta = container.store.metadata.parts(container.segment.views[PARAM_STEPS])
+    return container, container.session.snapshot(2, metadata_base_id=ident, metadata_base_json=base,
+                                                 metadata_delta_json=delta)
 
 
 def test_a_trainer_that_never_copies_the_model_fails_the_snapshot_not_silently(start_server):
