@@ -13,7 +13,7 @@ from typing import Literal
 
 from .errors import ConfigError
 
-__all__ = ["ListenAddress", "parse_address", "default_socket_path", "default_listen", "MAX_UNIX_PATH"]
+__all__ = ["ListenAddress", "parse_address", "parse_peers", "default_socket_path", "default_listen", "MAX_UNIX_PATH"]
 
 # Linux sun_path is 108 bytes including the terminating NUL.
 MAX_UNIX_PATH = 107
@@ -75,3 +75,11 @@ def parse_address(text: str, flag: str = "--listen") -> ListenAddress:
     if len(os.fsencode(str(path))) > MAX_UNIX_PATH:
         raise ConfigError(f"{flag} {text!r}: a unix socket path may have at most {MAX_UNIX_PATH} bytes")
     return ListenAddress("unix", path=path)
+
+
+def parse_peers(text: str, flag: str = "--replica-peers") -> tuple[ListenAddress, ...]:
+    """``tcp://HOST:PORT[,tcp://HOST:PORT...]``, each as its peer gives it to ``--replica-listen``."""
+    peers = tuple(parse_address(part, flag) for part in text.split(",") if part.strip())
+    if not peers or any(peer.scheme != "tcp" or peer.port == 0 for peer in peers):
+        raise ConfigError(f"{flag} {text!r}: expected tcp://HOST:PORT, comma separated (each peer's --replica-listen)")
+    return peers

@@ -10,7 +10,7 @@ import ipaddress
 import pathlib
 from typing import Any
 
-from .addresses import default_listen, parse_address
+from .addresses import default_listen, parse_address, parse_peers
 from .errors import ConfigError
 from .object_store import STORE_TIMEOUT_S
 from .segment import PAGE_BYTES
@@ -53,6 +53,12 @@ class SnapshotSettings:
     """The cap on uploads in bytes/s (None: none)."""
     tenant_snapshot_quota: int = 0
     """Bytes of snapshots one tenant may keep (0: no quota)."""
+    replica_peers: str | None = None
+    """The peers each durable snapshot is replicated to (``tcp://HOST:PORT,...``; None: none)."""
+    replica_secret_file: pathlib.Path | None = None
+    """The secret the peers prove to each other."""
+    replica_max_bandwidth: float | None = None
+    """The cap on sending replicas in bytes/s (None: none)."""
 
 EXIT_WITH_PARENT_ENV = "SWAP_STATE_EXIT_WITH_PARENT"
 """Environment variable an embedded server is started with: the trainer's pid. The server then
@@ -137,6 +143,25 @@ class ServerConfig:
     snapshot_store_max_bandwidth: int = _flag(0, kind="size", metavar="BYTES_PER_S", example="500M")
     """Upper bound for uploads to --snapshot-store in bytes/s (size suffixes allowed), so that
     they leave the network to the training job's collectives; 0 means unlimited."""
+    replica_peers: str | None = _flag(None, metavar="ADDR[,ADDR...]", example="tcp://host-b:7071")
+    """Replicate each durable snapshot's files into the memory of a peer server on another host
+    (each ADDR as that peer gives it to --replica-listen; the first that takes a snapshot gets
+    it), so a lost host's state is restored from the peer's memory instead of the store. A
+    peer that is down or full fails the replica, never the snapshot. Needs --snapshot-dir and
+    --replica-secret-file."""
+    replica_listen: str | None = _flag(None, metavar="tcp://HOST:PORT", example="tcp://0.0.0.0:7071")
+    """Take replicas from the servers whose --replica-peers name this address, into memory set
+    aside with --replica-size (files under --shm-dir, so a restarted server keeps them). Needs
+    --replica-secret-file and --replica-size."""
+    replica_size: int = _flag(0, kind="size", example="96G")
+    """Memory for the replicas peers send (besides --shm-size, which is the trainers'): the
+    oldest replicas are evicted for newer ones, never a job's newest; a replica that does not
+    fit is refused (the sender's snapshot stays durable)."""
+    replica_secret_file: pathlib.Path | None = _flag(None, metavar="FILE", example="/etc/swap-state/replica-secret")
+    """A secret of at least 16 bytes (mode 0600) every replica peer holds: each side proves it
+    holds it before a byte is sent (HMAC, never the secret itself)."""
+    replica_max_bandwidth: int = _flag(0, kind="size", metavar="BYTES_PER_S", example="2G")
+    """Upper bound for sending replicas to --replica-peers in bytes/s; 0 means unlimited."""
     grace: float = _flag(30.0, kind="seconds", example="120")
     """Seconds a session whose trainer vanished (KeepAlive stream closed) keeps its segment for
     the same job/rank to reattach."""
@@ -231,6 +256,10 @@ class ServerConfig:
             got = format_size(self.shm_size) if isinstance(self.shm_size, int) else repr(self.shm_size)
             raise ConfigError(f"--shm-size must be positive, e.g. --shm-size 64G (got {got})")
         listen = parse_address(self.listen)  # raises ConfigError
+        if self.replica_peers is not None:
+            parse_peers(self.replica_peers)
+        if self.replica_listen is not None and parse_address(self.replica_listen, "--replica-listen").scheme != "tcp":
+            raise ConfigError(f"--replica-listen {self.replica_listen}: expected tcp://HOST:PORT")
         if listen.scheme == "tcp":
             if (self.tls_cert is None) != (self.tls_key is None):
                 raise ConfigError("--tls-cert and --tls-key go together")
@@ -265,6 +294,14 @@ class ServerConfig:
                                                f"{format_size(self.shm_size)} (the pool is part of the budget)"),
             (not self.snapshot_store or self.snapshot_dir is not None,
              "--snapshot-store needs --snapshot-dir: snapshots become durable there first, then are uploaded"),
+            (not self.replica_peers or self.snapshot_dir is not None,
+             "--replica-peers needs --snapshot-dir: snapshots become durable there first, then are replicated"),
+            (not (self.replica_peers or self.replica_listen) or self.replica_secret_file is not None,
+             "--replica-peers and --replica-listen need --replica-secret-file (the secret every peer holds)"),
+            (not self.replica_listen or self.replica_size > 0,
+             "--replica-listen needs --replica-size: the memory the replicas may take, e.g. --replica-size 96G"),
+            (self.replica_size >= 0 and self.replica_max_bandwidth >= 0,
+             "--replica-size and --replica-max-bandwidth must be >= 0"),
             (self.grace >= 0, "--grace must be >= 0 seconds"),
             (0 <= self.metrics_port <= 65535, "--metrics-port must be 0 (off) or a port number"),
             (self.persist_max_bandwidth >= 0, "--persist-max-bandwidth must be >= 0 (0: unlimited)"),
@@ -292,7 +329,8 @@ class ServerConfig:
             keep_latest=self.keep_latest, stage_threads=self.stage_threads,
             model_copy_timeout_s=self.model_copy_timeout, direct_io=self.direct_io, store_uri=self.snapshot_store,
             store_timeout_s=self.snapshot_store_timeout, tenant_snapshot_quota=self.tenant_snapshot_quota,
-            store_max_bandwidth=self.snapshot_store_max_bandwidth or None)
+            store_max_bandwidth=self.snapshot_store_max_bandwidth or None, replica_peers=self.replica_peers,
+            replica_secret_file=self.replica_secret_file, replica_max_bandwidth=self.replica_max_bandwidth or None)
 
     @property
     def cow_pool_bytes(self) -> int:

@@ -257,19 +257,21 @@ class SnapshotReply(_message.Message):
     def __init__(self, snapshot_id: _Optional[str] = ..., consistent: _Optional[bool] = ...) -> None: ...
 
 class SnapshotStatusRequest(_message.Message):
-    __slots__ = ("snapshot_id", "rank", "wait_seconds", "wait_stored")
+    __slots__ = ("snapshot_id", "rank", "wait_seconds", "wait_stored", "wait_replicated")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WAIT_STORED_FIELD_NUMBER: _ClassVar[int]
+    WAIT_REPLICATED_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     rank: int
     wait_seconds: float
     wait_stored: bool
-    def __init__(self, snapshot_id: _Optional[str] = ..., rank: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., wait_stored: _Optional[bool] = ...) -> None: ...
+    wait_replicated: bool
+    def __init__(self, snapshot_id: _Optional[str] = ..., rank: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., wait_stored: _Optional[bool] = ..., wait_replicated: _Optional[bool] = ...) -> None: ...
 
 class SnapshotStatusReply(_message.Message):
-    __slots__ = ("snapshot_id", "rank", "state", "bytes_total", "bytes_persisted", "error", "cow_copies", "backpressure_waits", "backpressure_wait_seconds", "path", "step", "server_staged_chunks", "server_staged_bytes", "trainer_copied_bytes", "store_state", "store_error", "store_path", "bytes_stored")
+    __slots__ = ("snapshot_id", "rank", "state", "bytes_total", "bytes_persisted", "error", "cow_copies", "backpressure_waits", "backpressure_wait_seconds", "path", "step", "server_staged_chunks", "server_staged_bytes", "trainer_copied_bytes", "store_state", "store_error", "store_path", "bytes_stored", "replica_state", "replica_peer", "replica_error")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +290,9 @@ class SnapshotStatusReply(_message.Message):
     STORE_ERROR_FIELD_NUMBER: _ClassVar[int]
     STORE_PATH_FIELD_NUMBER: _ClassVar[int]
     BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_STATE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_PEER_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ERROR_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     rank: int
     state: str
@@ -306,7 +311,10 @@ class SnapshotStatusReply(_message.Message):
     store_error: str
     store_path: str
     bytes_stored: int
-    def __init__(self, snapshot_id: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_persisted: _Optional[int] = ..., error: _Optional[str] = ..., cow_copies: _Optional[int] = ..., backpressure_waits: _Optional[int] = ..., backpressure_wait_seconds: _Optional[float] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., server_staged_chunks: _Optional[int] = ..., server_staged_bytes: _Optional[int] = ..., trainer_copied_bytes: _Optional[int] = ..., store_state: _Optional[str] = ..., store_error: _Optional[str] = ..., store_path: _Optional[str] = ..., bytes_stored: _Optional[int] = ...) -> None: ...
+    replica_state: str
+    replica_peer: str
+    replica_error: str
+    def __init__(self, snapshot_id: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_persisted: _Optional[int] = ..., error: _Optional[str] = ..., cow_copies: _Optional[int] = ..., backpressure_waits: _Optional[int] = ..., backpressure_wait_seconds: _Optional[float] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., server_staged_chunks: _Optional[int] = ..., server_staged_bytes: _Optional[int] = ..., trainer_copied_bytes: _Optional[int] = ..., store_state: _Optional[str] = ..., store_error: _Optional[str] = ..., store_path: _Optional[str] = ..., bytes_stored: _Optional[int] = ..., replica_state: _Optional[str] = ..., replica_peer: _Optional[str] = ..., replica_error: _Optional[str] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
     __slots__ = ("snapshot_id", "job_id", "step", "world_size", "path", "bytes", "latest", "ranks", "local_world_size", "local", "stored", "store_path")

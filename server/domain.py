@@ -227,13 +227,13 @@ class StateServer:
             await asyncio.wait(set(self._finishing), timeout=timeout_s)
 
     async def snapshot_status(self, caller: Tenant, snapshot_id: str, rank: int, wait_s: float,
-                              wait_stored: bool) -> SnapshotStatus:
+                              wait_stored: bool, wait_replicated: bool = False) -> SnapshotStatus:
         """A rank's status after waiting up to ``wait_s`` (at most :data:`MAX_STATUS_WAIT_S`)."""
         coordinator = self._coordinator()
         for tenant in await self._job_owners(parse_snapshot_id(snapshot_id, None, InvalidRequestError).job_id):
             caller.check(tenant, f"snapshot {snapshot_id}")
         wait_s = min(max(wait_s, 0.0), MAX_STATUS_WAIT_S)
-        return await coordinator.wait_status(snapshot_id, rank, wait_s, wait_stored)
+        return await coordinator.wait_status(snapshot_id, rank, wait_s, wait_stored, wait_replicated)
 
     async def list_snapshots(self, caller: Tenant, job_id: str | None
                              ) -> tuple[list[tuple[SnapshotInfo | None, SnapshotInfo | None]], str]:

@@ -33,7 +33,7 @@ from swap_state.server.rpc.auth import CallerAuthInterceptor, read_token_file
 from swap_state.server.tenants import ANYONE, Tenants, UidProofs, read_tenants_file
 from swap_state.server.domain import StateServer
 from swap_state.common.addresses import ListenAddress, parse_address
-from swap_state.common.server_config import ServerConfig
+from swap_state.common.server_config import DirectIO, ServerConfig
 from swap_state.common.sizes import format_size
 from swap_state.common.errors import StartupError
 from swap_state.server.rpc.listener import SocketGuard
@@ -43,6 +43,9 @@ from swap_state.server.observability.metrics import MetricsServer, ServerCollect
 from swap_state.server.rpc.service import SwapStateService
 from swap_state.server.rpc.validation import validate_descriptor
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.replica_receiver import ReplicaReceiver
+from swap_state.server.snapshot.tiers.replica_wire import read_secret
 from swap_state.server.memory.sessions import SessionRegistry
 
 __all__ = ["RunningServer", "SERVICE_NAME", "grpc_server_options", "start_server"]
@@ -198,7 +201,29 @@ def _build_state(config: ServerConfig, listen: ListenAddress, gid: int | None,
                                                                         for s in registry.sessions
                                                                         if s.job_id == job_id})
         undo.callback(snapshots.close)
+    if config.replica_listen is not None:
+        undo.callback(_start_replica_receiver(config, listen, snapshots).close)
     return StateServer(registry, snapshots)
+
+
+def _start_replica_receiver(config: ServerConfig, listen: ListenAddress,
+                            snapshots: SnapshotCoordinator | None) -> ReplicaReceiver:
+    """``--replica-listen``: peers' replicas into memory, under --shm-dir beside this server's
+    segments (named after its address: a restarted server keeps them)."""
+    directory = SnapshotDirectory(config.shm_dir / f"swap-state-replicas-{_segment_tag(listen)}", DirectIO.OFF)
+    address = parse_address(config.replica_listen or "", "--replica-listen")
+    receiver = ReplicaReceiver(address, read_secret(config.replica_secret_file or pathlib.Path()), directory,
+                               config.replica_size, snapshots.job_owner if snapshots is not None else lambda job: None)
+    try:
+        directory.create_root()
+        if directory.hold():
+            directory.clean_stale()
+        port = receiver.start()
+    except OSError as exc:
+        raise StartupError(f"--replica-listen {config.replica_listen}: {exc.strerror or exc}") from None
+    log_event(log, "replica_listening", address=f"tcp://{address.host}:{port}", directory=str(directory.root),
+              replica_size=config.replica_size, held=len(directory.reader.list()))
+    return receiver
 
 
 def _read_tenants(config: ServerConfig) -> Tenants:

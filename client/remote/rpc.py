@@ -292,11 +292,12 @@ class SwapStateClient:
         return self.call("ListSnapshots", pb.ListSnapshotsRequest(job_id=job_id))
 
     def snapshot_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0, wait_stored: bool = False,
-                        server_wait_s: float | None = None) -> pb.SnapshotStatusReply:
-        """``wait_s``: how long the server waits for a terminal state; ``server_wait_s``: how long
+                        server_wait_s: float | None = None, wait_replicated: bool = False) -> pb.SnapshotStatusReply:
+        """``wait_s``: how long the server waits for a terminal state (``wait_stored``,
+        ``wait_replicated``: past durable, for the store, the peer); ``server_wait_s``: how long
         an unreachable server is tried again (default ``config.server_wait_s``)."""
         request = pb.SnapshotStatusRequest(snapshot_id=snapshot_id, rank=rank, wait_seconds=wait_s,
-                                           wait_stored=wait_stored)
+                                           wait_stored=wait_stored, wait_replicated=wait_replicated)
         return self.call("SnapshotStatus", request, timeout_s=self.config.rpc_timeout_s + wait_s,
                          server_wait_s=server_wait_s)
 
@@ -338,6 +339,23 @@ class SnapshotHandle:
         """The status once this rank's files are in the ``--snapshot-store``; SwapStateError
         when the upload failed or there is no store; TimeoutError."""
         return self._wait(timeout_s, stored=True)
+
+    def wait_replicated(self, timeout_s: float = 600.0):
+        """The status once the snapshot is in a peer server's memory (its ``--replica-peers``);
+        SwapStateError when its replica failed or the server has no peers; TimeoutError."""
+        deadline = time.monotonic() + timeout_s
+        self.wait_durable(timeout_s)
+        while True:
+            remaining = deadline - time.monotonic()
+            reply = self.client.snapshot_status(self.snapshot_id, self.rank, max(0.0, min(remaining, 5.0)),
+                                                wait_replicated=True)
+            if reply.replica_state == "replicated":
+                return reply
+            if reply.replica_state in ("", "failed"):
+                why = reply.replica_error or "the server has no --replica-peers"
+                raise SwapStateError(f"snapshot {self.snapshot_id} is durable but not replicated: {why}")
+            if remaining <= 0:
+                raise TimeoutError(f"snapshot {self.snapshot_id} not replicated after {timeout_s}s")
 
     def _wait(self, timeout_s: float, stored: bool):
         deadline = time.monotonic() + timeout_s

@@ -179,7 +179,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         snapshot_id = validate_snapshot_id(request.snapshot_id, relative=False, latest=False)
         validate_snapshot_rank(request.rank)
         status = await self.state.snapshot_status(caller(), snapshot_id, request.rank, request.wait_seconds,
-                                                  request.wait_stored)
+                                                  request.wait_stored, request.wait_replicated)
         return status_reply(status)
 
     @rpc_boundary

@@ -39,6 +39,7 @@ from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_format import LAYOUT_NAME, FileRecord, SnapshotIndex
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES
 from swap_state.common.snapshot_tier import SnapshotInfo
+from swap_state.common.addresses import parse_peers
 from swap_state.common.names import parse_snapshot_id, shorten
 from swap_state.common.object_store import open_store
 from swap_state.common.stored_snapshots import StoredSnapshots
@@ -52,6 +53,9 @@ from swap_state.server.snapshot.writing.source import SnapshotSource, check_sour
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 from swap_state.server.snapshot.tiers.seam import StepPlan
+from swap_state.server.snapshot.tiers.replica import ReplicaTier
+from swap_state.server.snapshot.tiers.replica_wire import read_secret
+from swap_state.server.snapshot.tiers.replicate import SnapshotReplicator
 from swap_state.server.snapshot.tiers.store import StoreTier
 from swap_state.server.snapshot.tiers.upload import SnapshotUploader
 from swap_state.server.snapshot.writing.writer import Cancelled, RankWriter
@@ -116,6 +120,10 @@ class SnapshotCoordinator:
             stored = StoredSnapshots(open_store(settings.store_uri, settings.store_timeout_s))
             self.uploader = SnapshotUploader(StoreTier(stored), self.directory, settings.store_max_bandwidth)
         self.stored = self.uploader.stored if self.uploader is not None else None  # the store tier, if any
+        self.replicator = None
+        if settings.replica_peers:
+            tier = ReplicaTier(parse_peers(settings.replica_peers), read_secret(settings.replica_secret_file))
+            self.replicator = SnapshotReplicator(tier, self.directory, settings.replica_max_bandwidth)
         self.committed_steps = committed_steps
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
 
@@ -342,6 +350,8 @@ class SnapshotCoordinator:
             return
         if self.uploader is not None:  # before the waiters wake: their status says uploading
             self.uploader.submit(SnapshotInfo.of(index, commit.path, latest=True), group.keep)
+        if self.replicator is not None:  # likewise: replicating
+            self.replicator.submit(SnapshotInfo.of(index, commit.path, latest=True))
         with group.cond:
             group.commit = commit
             group.state = SnapshotState.DURABLE
@@ -367,7 +377,7 @@ class SnapshotCoordinator:
             return group.handles.get(rank)
 
     async def wait_status(self, snapshot_id: str, rank: int, wait_s: float = 0.0,
-                          wait_stored: bool = False) -> SnapshotStatus:
+                          wait_stored: bool = False, wait_replicated: bool = False) -> SnapshotStatus:
         """A rank's status (one not in memory from disk, else the store, else SnapshotNotFoundError)
         after waiting up to ``wait_s`` for a terminal state (``wait_stored``: for stored); awaits
         without holding a thread, save for reads from disk or the store."""
@@ -379,7 +389,13 @@ class SnapshotCoordinator:
             return missed  # the group failed before this rank came (or it never came)
         else:
             status = await asyncio.to_thread(self._status_at_rest, snapshot_id, rank)
-        if self.uploader is None or status.state is not SnapshotState.DURABLE:
+        if status.state is not SnapshotState.DURABLE:
+            return status
+        if self.replicator is not None:
+            if wait_replicated:
+                await self.replicator.wait_async(status.job_id, status.step, max(0.0, deadline - time.monotonic()))
+            status = self.replicator.annotate(status)
+        if self.uploader is None:
             return status
         if wait_stored:
             await self.uploader.wait_async(status.job_id, status.step, status.rank,
@@ -423,4 +439,6 @@ class SnapshotCoordinator:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self.uploader is not None:
             self.uploader.close()
+        if self.replicator is not None:
+            self.replicator.close()
         self.directory.release()

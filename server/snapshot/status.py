@@ -53,6 +53,9 @@ class SnapshotStatus:
     store_error: str = ""
     store_path: str = ""
     bytes_stored: int = 0
+    replica_state: str = ""
+    replica_peer: str = ""
+    replica_error: str = ""
 
     @classmethod
     def from_disk(cls, info: SnapshotInfo, manifest: RankManifest) -> "SnapshotStatus":

@@ -49,7 +49,8 @@ def test_help_explains_every_flag_with_an_example():
                 "--cow-budget", "--direct-io", "--persist-max-bandwidth", "--stage-threads", "--model-copy-timeout", "--keep-latest",
                 "--snapshot-store", "--snapshot-store-timeout", "--snapshot-store-max-bandwidth",
                 "--tls-cert", "--discard-segments", "--free-segments-on-stop",
-                "--tls-key", "--tls-client-ca", "--insecure"}
+                "--tls-key", "--tls-client-ca", "--insecure", "--replica-peers", "--replica-listen",
+                "--replica-size", "--replica-secret-file", "--replica-max-bandwidth"}
     assert {a.option_strings[0] for a in flags} == expected
     for action in flags:
         assert action.option_strings[0] in result.stdout

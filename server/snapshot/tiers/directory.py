@@ -25,6 +25,7 @@ from swap_state.common.snapshot_format import (
     INDEX_NAME, LATEST_NAME, LAYOUT_NAME, FileRecord, SnapshotIndex, dumps_json, partial_dir_name,
 )
 from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.sink import ChunkSink, open_sink
 from swap_state.server.snapshot.writing.snapshot_file import DIR_MODE, FILE_MODE, SnapshotFile, write_durable
@@ -165,6 +166,14 @@ class SnapshotDirectory(TierWriter):
 
     def discard(self, target: StepWrite) -> bool:
         return self._remove(target.location)
+
+    def remove_step(self, info: SnapshotInfo) -> bool:
+        """Unlist a complete step (renamed out of the listed names first), then remove its bytes;
+        True when gone. Not a job's newest step: ``latest`` may name it."""
+        with self._commit_lock:
+            unlisted = info.path.with_name(f"{_DELETING_PREFIX}{info.path.name}.{os.getpid()}.{time.monotonic_ns()}")
+            os.rename(info.path, unlisted)
+        return self._remove(unlisted)
 
     def _remove(self, where: pathlib.PurePath) -> bool:
         """Remove an unlisted location, best effort; True when it is gone."""

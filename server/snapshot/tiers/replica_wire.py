@@ -1,0 +1,195 @@
+"""The replica tier's wire between two servers: one TCP connection per writing thread, a mutual
+HMAC handshake on the secret both hold (``--replica-secret-file``), then frames: a fixed header
+(magic, kind, length) and a JSON control message or raw data. Every frame is bounded before it
+is read, nothing is unpickled, every socket operation has a timeout. The chosen transport and
+the measurement behind it: docs/replicas.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import pathlib
+import secrets
+import socket
+import stat
+import struct
+from typing import Any
+
+from swap_state.common.addresses import ListenAddress
+from swap_state.common.errors import StartupError
+from swap_state.common.snapshot_errors import SnapshotError
+from swap_state.common.snapshot_format import MAX_LAYOUT_BYTES
+from swap_state.server.tenants import read_secret_file
+
+__all__ = ["Connection", "DATA_FRAME_BYTES", "ReplicaRefused", "WireError", "accept_sender", "connect_to_peer",
+           "read_secret"]
+
+_MAGIC = b"SSR1"
+_HEADER = struct.Struct("!4sBQ")  # magic, kind, payload length
+_CONTROL, _DATA = 1, 2
+DATA_FRAME_BYTES = 8 << 20  # a data frame's most bytes (a sink's room)
+_MAX_CONTROL_BYTES = MAX_LAYOUT_BYTES + (1 << 20)  # a commit carries the step's layout index
+IO_TIMEOUT_S = 60.0  # the longest a peer may leave a frame unsent or unread
+_VERSION = 1
+_SOCKET_BUFFER_BYTES = 4 << 20
+
+
+class WireError(SnapshotError):
+    """The connection broke, timed out, or the other side broke the protocol."""
+
+
+class ReplicaRefused(SnapshotError):
+    """The peer answered with a refusal (``reason``: its machine-readable cause)."""
+
+    def __init__(self, message: str, reason: str = "refused"):
+        super().__init__(message)
+        self.why = reason
+
+
+def read_secret(path: pathlib.Path, flag: str = "--replica-secret-file") -> bytes:
+    """The shared secret in ``path``: at least 16 bytes, readable by its owner only; StartupError."""
+    info, text = read_secret_file(path, flag)
+    secret = text.strip().encode()
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise StartupError(f"{flag} {path} holds a secret and others may read it: chmod 600 {path}")
+    if len(secret) < 16:
+        raise StartupError(f"{flag} {path} holds {len(secret)} bytes: a secret needs at least 16 "
+                           f"(e.g. head -c 32 /dev/urandom | base64 > {path})")
+    return secret
+
+
+class Connection:
+    """Frames over one connected socket."""
+
+    def __init__(self, sock: socket.socket, peer: str):
+        sock.settimeout(IO_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
+        self.sock, self.peer = sock, peer
+        self.authenticated = False  # until then a frame is small: an unknown caller allocates nothing much
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, message: dict[str, Any]) -> None:
+        payload = json.dumps(message, allow_nan=False).encode()
+        self._send(_CONTROL, payload)
+
+    def send_data(self, data: bytes | memoryview) -> None:
+        if len(data) > DATA_FRAME_BYTES:
+            raise ValueError(f"a data frame holds at most {DATA_FRAME_BYTES} bytes")
+        self._send(_DATA, data)
+
+    def request(self, message: dict[str, Any], data: bytes | memoryview | None = None) -> dict[str, Any]:
+        """Send ``message`` (and ``data``), then the peer's answer; ReplicaRefused when it refused."""
+        self.send(message)
+        if data is not None:
+            self.send_data(data)
+        answer = self.receive()
+        if not answer.get("ok"):
+            raise ReplicaRefused(f"replica peer {self.peer} refused {message.get('op')}: {answer.get('error')}",
+                                 str(answer.get("reason", "refused")))
+        return answer
+
+    def receive(self) -> dict[str, Any]:
+        """The next control message (a dict)."""
+        message = self.receive_frame()
+        if not isinstance(message, dict):
+            raise WireError(f"replica peer {self.peer} sent data where a control message belongs")
+        return message
+
+    def receive_frame(self, data_limit: int = DATA_FRAME_BYTES) -> dict[str, Any] | bytearray:
+        """The next frame: a control message, or data (at most ``data_limit`` bytes)."""
+        magic, kind, length = _HEADER.unpack(self._exactly(_HEADER.size))
+        limits = {_CONTROL: _MAX_CONTROL_BYTES, _DATA: data_limit} if self.authenticated else {_CONTROL: 4096}
+        limit = limits.get(kind, -1) if magic == _MAGIC else -1
+        if length > limit:
+            raise WireError(f"replica peer {self.peer} sent a frame of kind {kind} and {length} bytes: "
+                            "not the protocol, or over its limit")
+        payload = self._exactly(length)
+        if kind == _DATA:
+            return payload
+        try:
+            message = json.loads(payload)
+        except ValueError:
+            raise WireError(f"replica peer {self.peer} sent a control frame that is not JSON") from None
+        if not isinstance(message, dict):
+            raise WireError(f"replica peer {self.peer} sent a control frame that is not an object")
+        return message
+
+    def receive_data(self, limit: int = DATA_FRAME_BYTES) -> bytearray:
+        data = self.receive_frame(limit)
+        if isinstance(data, dict):
+            raise WireError(f"replica peer {self.peer} sent a control message where data belongs")
+        return data
+
+    def _send(self, kind: int, payload: bytes | memoryview) -> None:
+        try:
+            self.sock.sendall(_HEADER.pack(_MAGIC, kind, len(payload)))
+            self.sock.sendall(payload)
+        except OSError as exc:
+            raise WireError(f"sending to replica peer {self.peer} failed: {exc}") from None
+
+    def _exactly(self, nbytes: int) -> bytearray:
+        buffer = bytearray(nbytes)
+        view, done = memoryview(buffer), 0
+        try:
+            while done < nbytes:
+                got = self.sock.recv_into(view[done:], nbytes - done)
+                if got == 0:
+                    raise WireError(f"replica peer {self.peer} closed the connection")
+                done += got
+        except OSError as exc:  # a timeout included
+            raise WireError(f"receiving from replica peer {self.peer} failed: {exc}") from None
+        finally:
+            view.release()
+        return buffer
+
+
+def _proof(secret: bytes, role: bytes, sender_nonce: str, peer_nonce: str) -> str:
+    return hmac.new(secret, b"|".join((role, sender_nonce.encode(), peer_nonce.encode())), hashlib.sha256).hexdigest()
+
+
+def connect_to_peer(peer: ListenAddress, secret: bytes, timeout_s: float = 10.0) -> Connection:
+    """A connection to ``peer`` after both proved they hold ``secret``; WireError / ReplicaRefused."""
+    try:
+        sock = socket.create_connection((peer.host, peer.port), timeout=timeout_s)
+    except OSError as exc:
+        raise WireError(f"cannot reach replica peer {peer.url}: {exc}") from None
+    conn = Connection(sock, peer.url)
+    try:
+        nonce = secrets.token_hex(16)
+        conn.send({"op": "hello", "version": _VERSION, "nonce": nonce, "pid": os.getpid()})
+        challenge = conn.receive()
+        if not challenge.get("ok"):
+            raise ReplicaRefused(f"replica peer {peer.url} refused the connection: {challenge.get('error')}")
+        peer_nonce = str(challenge.get("nonce", ""))
+        if not hmac.compare_digest(str(challenge.get("proof", "")), _proof(secret, b"peer", nonce, peer_nonce)):
+            raise ReplicaRefused(f"replica peer {peer.url} does not hold this server's --replica-secret-file",
+                                 "unauthenticated")
+        conn.request({"op": "auth", "proof": _proof(secret, b"sender", nonce, peer_nonce)})
+        conn.authenticated = True
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def accept_sender(conn: Connection, secret: bytes) -> None:
+    """The peer's side of the handshake; WireError (answered first) when the sender fails it."""
+    hello = conn.receive()
+    if hello.get("op") != "hello" or hello.get("version") != _VERSION:
+        conn.send({"ok": False, "reason": "version", "error": f"expected protocol version {_VERSION}"})
+        raise WireError(f"replica sender {conn.peer} speaks another protocol: {str(hello)[:80]}")
+    sender_nonce, nonce = str(hello.get("nonce", "")), secrets.token_hex(16)
+    conn.send({"ok": True, "nonce": nonce, "proof": _proof(secret, b"peer", sender_nonce, nonce)})
+    auth = conn.receive()
+    if not hmac.compare_digest(str(auth.get("proof", "")), _proof(secret, b"sender", sender_nonce, nonce)):
+        conn.send({"ok": False, "reason": "unauthenticated", "error": "wrong --replica-secret-file"})
+        raise WireError(f"replica sender {conn.peer} does not hold this server's --replica-secret-file")
+    conn.authenticated = True
+    conn.send({"ok": True})

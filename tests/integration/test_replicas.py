@@ -1,0 +1,154 @@
+"""Snapshots replicated into a peer server's memory (``--replica-peers`` -> ``--replica-listen``):
+two real server processes stand for two hosts, each with its own shm and snapshot directories,
+the replica wire over loopback. What arrives is the sender's files byte for byte; a wrong
+secret, a full peer, a peer that is down, a corrupt file and a hostile caller fail the replica
+(or the caller), never the snapshot, and say why."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import socket
+import tempfile
+
+import pytest
+
+from swap_state.client.errors import SwapStateError
+from swap_state.common.addresses import parse_address
+from swap_state.common.checksum import crc32
+from swap_state.common.snapshot_format import INDEX_NAME, rank_data_name
+from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES, ReplicaRefused, connect_to_peer
+
+from .test_server_metrics import _free_port
+from .workload import Workload, build, remote, train
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+W = Workload(seed=3)
+
+
+@pytest.fixture
+def hosts_shm():
+    """A folder in /dev/shm for the hosts' shm directories, removed afterwards."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="swap-state-replica-hosts-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _secret(tmp_path: pathlib.Path, name: str = "secret", text: str = "a-replica-secret-of-32-bytes-xyz") -> str:
+    path = tmp_path / name
+    path.write_text(text + "\n")
+    os.chmod(path, 0o600)
+    return str(path)
+
+
+def _peer(start_server, hosts_shm, tmp_path, secret: str, size: str = "64M"):
+    """Host b: a server taking replicas; (server, its replica address, its shm directory)."""
+    port, shm = _free_port(), hosts_shm / "b"
+    shm.mkdir()
+    server = start_server(snapshot_dir=tmp_path / "b-snapshots", shm_dir=str(shm), replica_listen=f"tcp://127.0.0.1:{port}",
+                          replica_size=size, replica_secret_file=secret)
+    return server, f"tcp://127.0.0.1:{port}", shm
+
+
+def _sender(start_server, hosts_shm, tmp_path, peers: str, secret: str):
+    shm = hosts_shm / "a"
+    shm.mkdir()
+    return start_server(snapshot_dir=tmp_path / "a-snapshots", shm_dir=str(shm), replica_peers=peers,
+                        replica_secret_file=secret)
+
+
+def _snapshot(server, job: str):
+    model = build(W)
+    container = remote(W, model, server.address, job)
+    train(model, container, W, range(1, 4))
+    return container, container.snapshot()
+
+
+def test_a_snapshot_is_replicated_into_the_peers_memory_byte_for_byte(start_server, hosts_shm, tmp_path):
+    secret = _secret(tmp_path)
+    _, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
+    sender = _sender(start_server, hosts_shm, tmp_path, address, secret)
+    container, handle = _snapshot(sender, "replicated")
+    try:
+        reply = handle.wait_replicated(timeout_s=60)
+        durable = handle.wait_durable(timeout_s=10)
+    finally:
+        container.close()
+    assert reply.replica_state == "replicated" and address in reply.replica_peer, reply
+    replicas = list(peer_shm.glob("swap-state-replicas-*/replicated/step-*"))
+    assert [path.name for path in replicas] == [pathlib.Path(durable.path).name]
+    local = pathlib.Path(durable.path)
+    for name in (rank_data_name(0), INDEX_NAME):
+        assert (replicas[0] / name).read_bytes() == (local / name).read_bytes(), name
+
+
+def test_a_wrong_secret_fails_the_replica_not_the_snapshot(start_server, hosts_shm, tmp_path):
+    _, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, _secret(tmp_path))
+    sender = _sender(start_server, hosts_shm, tmp_path, address,
+                     _secret(tmp_path, "other", "another-secret-of-at-least-16-bytes"))
+    container, handle = _snapshot(sender, "wrong-secret")
+    try:
+        assert handle.wait_durable(timeout_s=60).state == "durable"
+        with pytest.raises(SwapStateError, match="does not hold this server's --replica-secret-file"):
+            handle.wait_replicated(timeout_s=60)
+    finally:
+        container.close()
+    assert not list(peer_shm.glob("swap-state-replicas-*/wrong-secret/step-*"))
+
+
+def test_a_full_peer_refuses_and_says_which_flag(start_server, hosts_shm, tmp_path):
+    secret = _secret(tmp_path)
+    _, address, _ = _peer(start_server, hosts_shm, tmp_path, secret, size="4K")
+    sender = _sender(start_server, hosts_shm, tmp_path, address, secret)
+    container, handle = _snapshot(sender, "full")
+    try:
+        with pytest.raises(SwapStateError, match="raise --replica-size"):
+            handle.wait_replicated(timeout_s=60)
+        assert handle.wait_durable(timeout_s=10).state == "durable"
+    finally:
+        container.close()
+
+
+def test_a_peer_that_is_down_fails_the_replica_naming_it(start_server, hosts_shm, tmp_path):
+    address = f"tcp://127.0.0.1:{_free_port()}"  # nothing listens there
+    sender = _sender(start_server, hosts_shm, tmp_path, address, _secret(tmp_path))
+    container, handle = _snapshot(sender, "down")
+    try:
+        with pytest.raises(SwapStateError, match=f"cannot reach replica peer {address}"):
+            handle.wait_replicated(timeout_s=60)
+    finally:
+        container.close()
+
+
+def test_a_file_that_arrives_unlike_its_checksum_is_refused_and_never_listed(start_server, hosts_shm, tmp_path):
+    secret = _secret(tmp_path)
+    _, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
+    conn = connect_to_peer(parse_address(address), pathlib.Path(secret).read_text().strip().encode())
+    try:
+        conn.request({"op": "prepare", "job_id": "corrupt", "step": 1, "world_size": 1, "tenant": "",
+                      "keep": None, "replace": False, "bytes": 1 << 20})
+        data = os.urandom(1 << 20)
+        conn.send({"op": "open", "name": rank_data_name(0)})
+        conn.send_data(data)
+        with pytest.raises(ReplicaRefused, match="not as sent"):
+            conn.request({"op": "end", "bytes": len(data), "crc32": crc32(data) ^ 1})
+        with pytest.raises(ReplicaRefused, match="the step failed"):
+            conn.request({"op": "finish_rank", "rank": 0, "files": []})
+    finally:
+        conn.close()
+    assert not list(peer_shm.glob("swap-state-replicas-*/corrupt/step-*"))
+
+
+def test_a_caller_without_the_secret_gets_nothing_and_cannot_make_it_allocate(start_server, hosts_shm, tmp_path):
+    secret = _secret(tmp_path)
+    _, address, _ = _peer(start_server, hosts_shm, tmp_path, secret)
+    peer = parse_address(address)
+    with socket.create_connection((peer.host, peer.port), timeout=10) as sock:
+        sock.sendall(b"SSR1\x01" + (DATA_FRAME_BYTES * 64).to_bytes(8, "big"))  # a 512 MiB "hello"
+        sock.settimeout(10)
+        assert sock.recv(1) == b""  # closed, nothing read or allocated
+    with pytest.raises(ReplicaRefused, match="does not hold"):
+        connect_to_peer(peer, b"not-the-secret-but-long-enough")
+    connect_to_peer(peer, pathlib.Path(secret).read_text().strip().encode()).close()  # still serving
