@@ -251,7 +251,7 @@ class StateServer:
         async with session.lock:
             with session.segment.borrow() as buffer:
                 result = await asyncio.to_thread(
-                    restore, coordinator.local, snapshot_id, buffer, session.layout, rank=session.rank,
+                    restore, coordinator.host, snapshot_id, buffer, session.layout, rank=session.rank,
                     world_size=session.world_size, job_id=session.job_id, header=session.header,
                     reserve_staging=arena.reserve_staging, staging_free_bytes=lambda: arena.free_bytes,
                     stored=coordinator.stored, placement_json=placement_json,

@@ -194,30 +194,40 @@ def _build_state(config: ServerConfig, listen: ListenAddress, gid: int | None,
                   copy_policy=copy_policy, tenant_quota=config.tenant_shm_quota)
     registry = SessionRegistry(arena, grace=config.grace, stream_wait=config.stream_wait,
                                max_tensors=config.max_tensors)
+    replicas = _replica_directory(config, listen) if config.replica_listen is not None else None
     snapshots = None
     if config.snapshot_dir is not None:
         snapshots = SnapshotCoordinator(config.snapshot_dir, config.snapshot_settings, copy_policy=copy_policy,
                                         committed_steps=lambda job_id: {s.rank: s.last_committed_step
                                                                         for s in registry.sessions
-                                                                        if s.job_id == job_id})
+                                                                        if s.job_id == job_id},
+                                        replicas=replicas.reader if replicas is not None else None)
         undo.callback(snapshots.close)
-    if config.replica_listen is not None:
-        undo.callback(_start_replica_receiver(config, listen, snapshots).close)
+    if replicas is not None:
+        undo.callback(_start_replica_receiver(config, replicas, snapshots).close)
     return StateServer(registry, snapshots)
 
 
-def _start_replica_receiver(config: ServerConfig, listen: ListenAddress,
-                            snapshots: SnapshotCoordinator | None) -> ReplicaReceiver:
-    """``--replica-listen``: peers' replicas into memory, under --shm-dir beside this server's
-    segments (named after its address: a restarted server keeps them)."""
+def _replica_directory(config: ServerConfig, listen: ListenAddress) -> SnapshotDirectory:
+    """Where peers' replicas are kept: under --shm-dir beside this server's segments, named after
+    its address (a restarted server keeps them)."""
     directory = SnapshotDirectory(config.shm_dir / f"swap-state-replicas-{_segment_tag(listen)}", DirectIO.OFF)
-    address = parse_address(config.replica_listen or "", "--replica-listen")
-    receiver = ReplicaReceiver(address, read_secret(config.replica_secret_file or pathlib.Path()), directory,
-                               config.replica_size, snapshots.job_owner if snapshots is not None else lambda job: None)
     try:
         directory.create_root()
         if directory.hold():
             directory.clean_stale()
+    except OSError as exc:
+        raise StartupError(f"--replica-listen: cannot use {directory.root}: {exc.strerror or exc}") from None
+    return directory
+
+
+def _start_replica_receiver(config: ServerConfig, directory: SnapshotDirectory,
+                            snapshots: SnapshotCoordinator | None) -> ReplicaReceiver:
+    """``--replica-listen``: take peers' replicas into ``directory`` (memory)."""
+    address = parse_address(config.replica_listen or "", "--replica-listen")
+    receiver = ReplicaReceiver(address, read_secret(config.replica_secret_file or pathlib.Path()), directory,
+                               config.replica_size, snapshots.job_owner if snapshots is not None else lambda job: None)
+    try:
         port = receiver.start()
     except OSError as exc:
         raise StartupError(f"--replica-listen {config.replica_listen}: {exc.strerror or exc}") from None

@@ -38,7 +38,8 @@ from swap_state.common.snapshot_errors import (
 from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_format import LAYOUT_NAME, FileRecord, SnapshotIndex
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES
-from swap_state.common.snapshot_tier import SnapshotInfo
+from swap_state.common.snapshot_reader import SnapshotReader
+from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 from swap_state.common.addresses import parse_peers
 from swap_state.common.names import parse_snapshot_id, shorten
 from swap_state.common.object_store import open_store
@@ -48,6 +49,7 @@ from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.group import RankSnapshot, SnapshotGroup
+from swap_state.server.snapshot.restoring.host_snapshots import HostSnapshots
 from swap_state.server.snapshot.restoring.layout_index import LayoutIndex
 from swap_state.server.snapshot.writing.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
@@ -74,14 +76,16 @@ class SnapshotCoordinator:
     def __init__(self, snapshot_dir: str | os.PathLike[str], settings: SnapshotSettings = SnapshotSettings(), *,
                  assemble_timeout_s: float = 300.0, max_metadata_bytes: int = MAX_METADATA_BYTES,
                  clean_stale: bool = True, copy_policy: CopyBudgetPolicy | None = None,
-                 committed_steps: Callable[[str], dict[int, int | None]] | None = None):
+                 committed_steps: Callable[[str], dict[int, int | None]] | None = None,
+                 replicas: SnapshotReader | None = None):
         """``settings``: retention, writers, store (the server's flags).
         ``assemble_timeout_s``: fail when not all ``local_world_size`` ranks started by then.
         ``clean_stale``: remove a previous run's partial snapshots (False: a live server shares it).
         ``copy_policy``: the memory rule's inputs, shared with the arena, and the cap on all
         snapshot I/O (``--persist-max-bandwidth``).
         ``committed_steps(job)``: the last committed step of each rank of ``job`` attached here
-        (a group waiting for a rank already past its step fails at once)."""
+        (a group waiting for a rank already past its step fails at once). ``replicas``: the
+        replicas peers sent this server (``--replica-listen``), restored from beside its own."""
         keep_latest, stage_threads = settings.keep_latest, settings.stage_threads
         if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 1:
             raise ValueError(f"keep_latest must be >= 2 or None (keep all), assemble_timeout_s > 0 and "
@@ -92,6 +96,7 @@ class SnapshotCoordinator:
         self.copy_policy = copy_policy or CopyBudgetPolicy()  # this coordinator records each snapshot's rate
         self.directory = SnapshotDirectory(snapshot_dir, settings.direct_io)  # where snapshots are written
         self.local = self.directory.reader  # the local tier: what they are read from
+        self.host: SnapshotTier = self.local if replicas is None else HostSnapshots([self.local, replicas])
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
         self.max_metadata_bytes = max_metadata_bytes

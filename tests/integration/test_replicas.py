@@ -21,7 +21,9 @@ from swap_state.common.snapshot_format import INDEX_NAME, rank_data_name
 from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES, ReplicaRefused, connect_to_peer
 
 from .test_server_metrics import _free_port
-from .workload import Workload, build, remote, train
+from snapshot_kit import params_copy, reference
+
+from .workload import Workload, build, mismatches, remote, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -152,3 +154,47 @@ def test_a_caller_without_the_secret_gets_nothing_and_cannot_make_it_allocate(st
     with pytest.raises(ReplicaRefused, match="does not hold"):
         connect_to_peer(peer, b"not-the-secret-but-long-enough")
     connect_to_peer(peer, pathlib.Path(secret).read_text().strip().encode()).close()  # still serving
+
+
+def test_a_lost_hosts_ranks_resume_from_the_replica_in_the_other_hosts_memory(start_server, hosts_shm, tmp_path):
+    """Two hosts replicating into each other, no store: host a is lost with its disks, its ranks
+    restart beside host b's and restore the newest step from b's memory, bitwise as if
+    uninterrupted."""
+    secret, ports = _secret(tmp_path), {"a": _free_port(), "b": _free_port()}
+    hosts, work = {"a": (0, 1), "b": (2, 3)}, {rank: Workload(seed=rank) for rank in range(4)}
+    servers = {}
+    for host, other in (("a", "b"), ("b", "a")):
+        (hosts_shm / host).mkdir()
+        servers[host] = start_server(snapshot_dir=tmp_path / f"{host}-snapshots", shm_dir=str(hosts_shm / host),
+                                     replica_listen=f"tcp://127.0.0.1:{ports[host]}", replica_size="64M",
+                                     replica_peers=f"tcp://127.0.0.1:{ports[other]}", replica_secret_file=secret)
+    models = {rank: build(work[rank]) for rank in range(4)}
+    containers = {rank: remote(work[rank], models[rank], servers[host].address, "lost", rank=rank, world_size=4,
+                               local_world_size=2) for host, ranks in hosts.items() for rank in ranks}
+    try:
+        for rank in range(4):
+            train(models[rank], containers[rank], work[rank], range(1, 6))
+        params_at_5 = {rank: params_copy(models[rank]) for rank in range(4)}
+        for handle in [containers[rank].snapshot() for rank in range(4)]:
+            assert handle.wait_replicated(timeout_s=60).replica_state == "replicated"
+        for rank in hosts["a"]:
+            containers.pop(rank).close()
+        servers["a"].stop()  # host a is lost, its memory and disks with it
+        shutil.rmtree(tmp_path / "a-snapshots")
+        shutil.rmtree(hosts_shm / "a")
+        for rank in hosts["a"]:
+            models[rank] = build(work[rank])
+            containers[rank] = remote(work[rank], models[rank], servers["b"].address, "lost", rank=rank,
+                                      world_size=4, local_world_size=2)
+        for rank in range(4):
+            if rank in hosts["b"]:
+                train(models[rank], containers[rank], work[rank], range(6, 8))  # diverge, then go back
+            assert containers[rank].restore("latest") == 5
+            models[rank].load_state_dict(params_at_5[rank])
+            train(models[rank], containers[rank], work[rank], range(6, 11))
+            ref_model, ref_opt = reference(work[rank], build, 10)
+            assert mismatches(models[rank], containers[rank], ref_model, ref_opt) == [], rank
+        assert "restore_assembled" in servers["b"].log_text()
+    finally:
+        for container in containers.values():
+            container.close()

@@ -26,7 +26,6 @@ from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
 from swap_state.common.snapshot_errors import SnapshotBusyError, SnapshotCorruptError, SnapshotError, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, RankManifest, TensorRecord
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, SnapshotMetadata, parse_metadata
-from swap_state.common.snapshot_reader import SnapshotReader
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server import _posix
@@ -125,7 +124,7 @@ def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMe
     )
 
 
-def restore(directory: SnapshotReader, snapshot_id: str, buffer, layout: SegmentLayout, *, rank: int,
+def restore(directory: SnapshotTier, snapshot_id: str, buffer, layout: SegmentLayout, *, rank: int,
             world_size: int, header: SegmentHeader, job_id: str | None = None,
             reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
             staging_free_bytes: Callable[[], int] | None = None, stored: StoredSnapshots | None = None,

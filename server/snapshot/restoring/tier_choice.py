@@ -13,7 +13,6 @@ import logging
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.object_store import STORE_FLAG
 from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotNotFoundError, StoreUnavailableError
-from swap_state.common.snapshot_reader import SnapshotReader
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server.logs import log_event
@@ -23,7 +22,7 @@ __all__ = ["list_both_tiers", "resolve_source"]
 log = logging.getLogger(__name__)
 
 
-def resolve_source(directory: SnapshotReader, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,
+def resolve_source(directory: SnapshotTier, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,
                    rank: int, world_size: int) -> tuple[SnapshotTier, SnapshotInfo]:
     """The snapshot to restore and the tier it is read from (the module docstring's rule)."""
     try:
@@ -66,7 +65,7 @@ def resolve_source(directory: SnapshotReader, stored: StoredSnapshots | None, sn
     return (directory, local) if usable else (stored, remote)
 
 
-def _local_copy(directory: SnapshotReader, remote: SnapshotInfo, rank: int,
+def _local_copy(directory: SnapshotTier, remote: SnapshotInfo, rank: int,
                 world_size: int) -> tuple[SnapshotTier, SnapshotInfo] | None:
     """This server's copy of the store's snapshot (same attempt, holding this rank), else None."""
     try:
@@ -81,7 +80,7 @@ def list_both_tiers(coordinator, job_id: str | None
                     ) -> tuple[list[tuple[SnapshotInfo | None, SnapshotInfo | None]], str]:
     """Every snapshot in either tier as (local, stored), by job then step, ``latest`` marking the
     step Restore's ``latest`` resolves to; and why the store could not be listed ("" when it was)."""
-    local = {(i.job_id, i.step): i for i in coordinator.local.list(job_id)}
+    local = {(i.job_id, i.step): i for i in coordinator.host.list(job_id)}
     stored, store_error = {}, ""
     if coordinator.stored is not None:
         try:
