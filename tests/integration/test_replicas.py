@@ -17,6 +17,7 @@ import pytest
 from swap_state.client.errors import SwapStateError
 from swap_state.common.addresses import parse_address
 from swap_state.common.checksum import crc32
+from swap_state.common.retry import wait_until
 from swap_state.common.snapshot_format import INDEX_NAME, rank_data_name
 from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES, ReplicaRefused, connect_to_peer
 
@@ -54,11 +55,11 @@ def _peer(start_server, hosts_shm, tmp_path, secret: str, size: str = "64M"):
     return server, f"tcp://127.0.0.1:{port}", shm
 
 
-def _sender(start_server, hosts_shm, tmp_path, peers: str, secret: str):
+def _sender(start_server, hosts_shm, tmp_path, peers: str, secret: str, **settings):
     shm = hosts_shm / "a"
     shm.mkdir()
     return start_server(snapshot_dir=tmp_path / "a-snapshots", shm_dir=str(shm), replica_peers=peers,
-                        replica_secret_file=secret)
+                        replica_secret_file=secret, **settings)
 
 
 def _snapshot(server, job: str):
@@ -198,3 +199,41 @@ def test_a_lost_hosts_ranks_resume_from_the_replica_in_the_other_hosts_memory(st
     finally:
         for container in containers.values():
             container.close()
+
+
+def test_a_flipped_byte_in_a_replica_is_never_loaded(start_server, hosts_shm, tmp_path):
+    secret = _secret(tmp_path)
+    peer, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
+    sender = _sender(start_server, hosts_shm, tmp_path, address, secret)
+    container, handle = _snapshot(sender, "rot")
+    try:
+        handle.wait_replicated(timeout_s=60)
+    finally:
+        container.close()
+    [data] = peer_shm.glob(f"swap-state-replicas-*/rot/step-*/{rank_data_name(0)}")
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0x40  # inside the last tensor
+    data.write_bytes(bytes(raw))
+    model = build(W)
+    again = remote(W, model, peer.address, "rot")
+    try:
+        with pytest.raises(SwapStateError, match=f"{rank_data_name(0)}.*fails its checksum"):
+            again.restore("latest")
+    finally:
+        again.close()
+
+
+def test_a_peer_killed_mid_replica_fails_the_replica_not_the_snapshot(start_server, hosts_shm, tmp_path):
+    secret = _secret(tmp_path)
+    peer, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
+    sender = _sender(start_server, hosts_shm, tmp_path, address, secret, replica_max_bandwidth="64K")
+    container, handle = _snapshot(sender, "killed")
+    try:
+        assert handle.wait_durable(timeout_s=60).state == "durable"
+        assert wait_until(lambda: list(peer_shm.glob("swap-state-replicas-*/killed/.partial-*/*")), timeout_s=60)
+        peer.kill()
+        with pytest.raises(SwapStateError, match="not replicated: replicating killed/step-3"):
+            handle.wait_replicated(timeout_s=120)
+        assert handle.wait_durable(timeout_s=10).state == "durable"
+    finally:
+        container.close()
