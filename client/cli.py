@@ -320,12 +320,17 @@ def _snapshots(args) -> int:
 
 
 def _where(snap) -> str:
-    """Which tiers hold the snapshot, and where: its directory alone, ``store <uri>`` or ``local+store``."""
+    """Which tiers hold the snapshot, and where: its directory alone, ``store <uri>`` or
+    ``local+store``; then its replica's state and peer, if it has one."""
     if not snap.stored:
-        return snap.path
-    if not snap.local:
-        return f"store {snap.store_path}"
-    return f"local+store {snap.path} {snap.store_path}"
+        where = snap.path
+    elif not snap.local:
+        where = f"store {snap.store_path}"
+    else:
+        where = f"local+store {snap.path} {snap.store_path}"
+    if snap.replica_state:
+        where += f"\treplica {snap.replica_state}" + (f" {snap.replica_peer}" if snap.replica_peer else "")
+    return where
 
 
 def main(argv: list[str] | None = None) -> int:

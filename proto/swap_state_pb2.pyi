@@ -317,7 +317,7 @@ class SnapshotStatusReply(_message.Message):
     def __init__(self, snapshot_id: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_persisted: _Optional[int] = ..., error: _Optional[str] = ..., cow_copies: _Optional[int] = ..., backpressure_waits: _Optional[int] = ..., backpressure_wait_seconds: _Optional[float] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., server_staged_chunks: _Optional[int] = ..., server_staged_bytes: _Optional[int] = ..., trainer_copied_bytes: _Optional[int] = ..., store_state: _Optional[str] = ..., store_error: _Optional[str] = ..., store_path: _Optional[str] = ..., bytes_stored: _Optional[int] = ..., replica_state: _Optional[str] = ..., replica_peer: _Optional[str] = ..., replica_error: _Optional[str] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
-    __slots__ = ("snapshot_id", "job_id", "step", "world_size", "path", "bytes", "latest", "ranks", "local_world_size", "local", "stored", "store_path")
+    __slots__ = ("snapshot_id", "job_id", "step", "world_size", "path", "bytes", "latest", "ranks", "local_world_size", "local", "stored", "store_path", "replica_state", "replica_peer")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +330,8 @@ class SnapshotInfo(_message.Message):
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     STORE_PATH_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_STATE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_PEER_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: str
     job_id: str
     step: int
@@ -342,7 +344,9 @@ class SnapshotInfo(_message.Message):
     local: bool
     stored: bool
     store_path: str
-    def __init__(self, snapshot_id: _Optional[str] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., latest: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., local_world_size: _Optional[int] = ..., local: _Optional[bool] = ..., stored: _Optional[bool] = ..., store_path: _Optional[str] = ...) -> None: ...
+    replica_state: str
+    replica_peer: str
+    def __init__(self, snapshot_id: _Optional[str] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., latest: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., local_world_size: _Optional[int] = ..., local: _Optional[bool] = ..., stored: _Optional[bool] = ..., store_path: _Optional[str] = ..., replica_state: _Optional[str] = ..., replica_peer: _Optional[str] = ...) -> None: ...
 
 class ListSnapshotsRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from swap_state.common.errors import (
     FailedPreconditionError, InvalidRequestError, MetadataBaseUnknownError, NoSegmentError, PermissionDeniedError,
@@ -236,10 +237,14 @@ class StateServer:
         return await coordinator.wait_status(snapshot_id, rank, wait_s, wait_stored, wait_replicated)
 
     async def list_snapshots(self, caller: Tenant, job_id: str | None
-                             ) -> tuple[list[tuple[SnapshotInfo | None, SnapshotInfo | None]], str]:
-        """(local, stored) of each snapshot the caller may see, and the store's error ("": none)."""
-        listed, store_error = await asyncio.to_thread(list_both_tiers, self._coordinator(), job_id)
-        return [(local, stored) for local, stored in listed
+                             ) -> tuple[list[tuple[SnapshotInfo | None, SnapshotInfo | None, Any]], str]:
+        """(local, stored, replica state) of each snapshot the caller may see, and the store's
+        error ("": none)."""
+        coordinator = self._coordinator()
+        listed, store_error = await asyncio.to_thread(list_both_tiers, coordinator, job_id)
+        replicator = coordinator.replicator
+        return [(local, stored, replicator and replicator.state((local or stored).job_id, (local or stored).step))
+                for local, stored in listed
                 if caller.may_reach((local or stored).index.tenant)], store_error  # type: ignore[union-attr]
 
     async def restore(self, caller: Tenant, session_id: str, generation: int, snapshot_id: str,

@@ -25,9 +25,10 @@ def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
     return reply_of(pb.SnapshotStatusReply, status, state=status.state.value)
 
 
-def info_reply(local: SnapshotInfo | None, stored: SnapshotInfo | None) -> pb.SnapshotInfo:
+def info_reply(local: SnapshotInfo | None, stored: SnapshotInfo | None, replica: Any = None) -> pb.SnapshotInfo:
     """One listed snapshot: its local facts (path, this host's ranks) and where it is in the
-    store; ``latest`` as the tier the server would restore ``latest`` from says."""
+    store, and its replica's state (a ``ReplicaState``) if any; ``latest`` as the tier the server
+    would restore ``latest`` from says."""
     first = local or stored
     assert first is not None
     reply = pb.SnapshotInfo(snapshot_id=first.snapshot_id, job_id=first.job_id, step=first.step,
@@ -37,4 +38,6 @@ def info_reply(local: SnapshotInfo | None, stored: SnapshotInfo | None) -> pb.Sn
         reply.local, reply.path = True, str(local.path)
     if stored is not None:
         reply.stored, reply.store_path = True, str(stored.path)
+    if replica is not None:
+        reply.replica_state, reply.replica_peer = replica.state, replica.peer
     return reply

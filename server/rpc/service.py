@@ -186,7 +186,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
         job_id = validate_job_id(request.job_id) if request.job_id else None  # "": all jobs
         listed, store_error = await self.state.list_snapshots(caller(), job_id)
-        return pb.ListSnapshotsReply(snapshots=[info_reply(local, stored) for local, stored in listed],
+        return pb.ListSnapshotsReply(snapshots=[info_reply(*found) for found in listed],
                                      store_error=store_error)
 
     @rpc_boundary

@@ -22,7 +22,7 @@ from swap_state.common.snapshot_format import INDEX_NAME, rank_data_name
 from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES, ReplicaRefused, connect_to_peer
 
 from .test_server_metrics import _free_port
-from snapshot_kit import params_copy, reference
+from snapshot_kit import params_copy, reference, swap_state_cli
 
 from .workload import Workload, build, mismatches, remote, train
 
@@ -80,6 +80,8 @@ def test_a_snapshot_is_replicated_into_the_peers_memory_byte_for_byte(start_serv
     finally:
         container.close()
     assert reply.replica_state == "replicated" and address in reply.replica_peer, reply
+    listed = swap_state_cli("snapshots", "--server", sender.address, "--job-id", "replicated")
+    assert listed.returncode == 0 and f"replica replicated {address}" in listed.stdout, listed
     replicas = list(peer_shm.glob("swap-state-replicas-*/replicated/step-*"))
     assert [path.name for path in replicas] == [pathlib.Path(durable.path).name]
     local = pathlib.Path(durable.path)
