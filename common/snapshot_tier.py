@@ -100,6 +100,15 @@ class SnapshotTier(abc.ABC):
     def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
         """``nbytes`` of file ``name`` from ``offset`` (fewer only at its end)."""
 
+    def size(self, info: SnapshotInfo, name: str) -> int:
+        """The size of the snapshot's file ``name`` (as :meth:`_size`)."""
+        return self._size(info, name)
+
+    def read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
+        """Bytes of file ``name``, unchecked: for a reader on another host (a peer server), which
+        checks them against the index it was sent, or for a tier made of others."""
+        return self._read_range(info, name, offset, nbytes)
+
     def read_manifest(self, info: SnapshotInfo, rank: int) -> RankManifest:
         """The rank's manifest, checked against the index; SnapshotNotFoundError when the rank is not
         here (on a multi-host job: on another host)."""

@@ -226,7 +226,8 @@ def _start_replica_receiver(config: ServerConfig, directory: SnapshotDirectory,
     """``--replica-listen``: take peers' replicas into ``directory`` (memory)."""
     address = parse_address(config.replica_listen or "", "--replica-listen")
     receiver = ReplicaReceiver(address, read_secret(config.replica_secret_file or pathlib.Path()), directory,
-                               config.replica_size, snapshots.job_owner if snapshots is not None else lambda job: None)
+                               config.replica_size, snapshots.job_owner if snapshots is not None else lambda job: None,
+                               snapshots.held if snapshots is not None else None)
     try:
         port = receiver.start()
     except OSError as exc:

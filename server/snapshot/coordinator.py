@@ -51,6 +51,7 @@ from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.group import RankSnapshot, SnapshotGroup
 from swap_state.server.snapshot.restoring.host_snapshots import HostSnapshots
 from swap_state.server.snapshot.restoring.layout_index import LayoutIndex
+from swap_state.server.snapshot.restoring.peer_snapshots import PeerSnapshots
 from swap_state.server.snapshot.writing.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
@@ -96,7 +97,6 @@ class SnapshotCoordinator:
         self.copy_policy = copy_policy or CopyBudgetPolicy()  # this coordinator records each snapshot's rate
         self.directory = SnapshotDirectory(snapshot_dir, settings.direct_io)  # where snapshots are written
         self.local = self.directory.reader  # the local tier: what they are read from
-        self.host: SnapshotTier = self.local if replicas is None else HostSnapshots([self.local, replicas])
         self.keep_latest = keep_latest
         self.assemble_timeout_s = assemble_timeout_s
         self.max_metadata_bytes = max_metadata_bytes
@@ -125,10 +125,16 @@ class SnapshotCoordinator:
             stored = StoredSnapshots(open_store(settings.store_uri, settings.store_timeout_s))
             self.uploader = SnapshotUploader(StoreTier(stored), self.directory, settings.store_max_bandwidth)
         self.stored = self.uploader.stored if self.uploader is not None else None  # the store tier, if any
-        self.replicator = None
+        self.replicator, peers = None, []
         if settings.replica_peers:
-            tier = ReplicaTier(parse_peers(settings.replica_peers), read_secret(settings.replica_secret_file))
-            self.replicator = SnapshotReplicator(tier, self.directory, settings.replica_max_bandwidth)
+            addresses, secret = parse_peers(settings.replica_peers), read_secret(settings.replica_secret_file)
+            self.replicator = SnapshotReplicator(ReplicaTier(addresses, secret), self.directory,
+                                                 settings.replica_max_bandwidth)
+            peers = [PeerSnapshots(address, secret) for address in addresses]
+        mine = [self.local] if replicas is None else [self.local, replicas]
+        # What peers may read (never their own answers again), and what restores read from.
+        self.held: SnapshotTier = HostSnapshots(mine) if len(mine) > 1 else self.local
+        self.host: SnapshotTier = HostSnapshots([*mine, *peers]) if len(mine) + len(peers) > 1 else self.local
         self.committed_steps = committed_steps
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
 

@@ -159,9 +159,12 @@ def test_a_caller_without_the_secret_gets_nothing_and_cannot_make_it_allocate(st
     connect_to_peer(peer, pathlib.Path(secret).read_text().strip().encode()).close()  # still serving
 
 
-def test_a_lost_hosts_ranks_resume_from_the_replica_in_the_other_hosts_memory(start_server, hosts_shm, tmp_path):
+@pytest.mark.parametrize("where", ["beside_the_peer", "on_a_replacement_host"])
+def test_a_lost_hosts_ranks_resume_from_the_replica_in_the_other_hosts_memory(where, start_server, hosts_shm,
+                                                                              tmp_path):
     """Two hosts replicating into each other, no store: host a is lost with its disks, its ranks
-    restart beside host b's and restore the newest step from b's memory, bitwise as if
+    restart beside host b's (and read b's memory), or on a new host c whose --replica-peers names
+    b (and read b's memory over the replica wire), and restore the newest step bitwise as if
     uninterrupted."""
     secret, ports = _secret(tmp_path), {"a": _free_port(), "b": _free_port()}
     hosts, work = {"a": (0, 1), "b": (2, 3)}, {rank: Workload(seed=rank) for rank in range(4)}
@@ -185,9 +188,14 @@ def test_a_lost_hosts_ranks_resume_from_the_replica_in_the_other_hosts_memory(st
         servers["a"].stop()  # host a is lost, its memory and disks with it
         shutil.rmtree(tmp_path / "a-snapshots")
         shutil.rmtree(hosts_shm / "a")
+        new_host = servers["b"]
+        if where == "on_a_replacement_host":
+            (hosts_shm / "c").mkdir()
+            new_host = start_server(snapshot_dir=tmp_path / "c-snapshots", shm_dir=str(hosts_shm / "c"),
+                                    replica_peers=f"tcp://127.0.0.1:{ports['b']}", replica_secret_file=secret)
         for rank in hosts["a"]:
             models[rank] = build(work[rank])
-            containers[rank] = remote(work[rank], models[rank], servers["b"].address, "lost", rank=rank,
+            containers[rank] = remote(work[rank], models[rank], new_host.address, "lost", rank=rank,
                                       world_size=4, local_world_size=2)
         for rank in range(4):
             if rank in hosts["b"]:
@@ -197,7 +205,7 @@ def test_a_lost_hosts_ranks_resume_from_the_replica_in_the_other_hosts_memory(st
             train(models[rank], containers[rank], work[rank], range(6, 11))
             ref_model, ref_opt = reference(work[rank], build, 10)
             assert mismatches(models[rank], containers[rank], ref_model, ref_opt) == [], rank
-        assert "restore_assembled" in servers["b"].log_text()
+        assert "restore_assembled" in new_host.log_text()
     finally:
         for container in containers.values():
             container.close()

@@ -23,11 +23,14 @@ from swap_state.common.addresses import ListenAddress
 from swap_state.common.checksum import crc32
 from swap_state.common.names import validate_job_id
 from swap_state.common.snapshot_errors import SnapshotError, SnapshotInvalid
-from swap_state.common.snapshot_format import MAX_LAYOUT_BYTES, FileRecord, SnapshotIndex, rank_data_name, rank_manifest_name
+from swap_state.common.snapshot_format import (
+    LAYOUT_NAME, MAX_LAYOUT_BYTES, FileRecord, SnapshotIndex, rank_data_name, rank_manifest_name)
+from swap_state.common.snapshot_tier import SnapshotTier
 from swap_state.common.sizes import format_size
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
-from swap_state.server.snapshot.tiers.replica_wire import IO_TIMEOUT_S, Connection, WireError, accept_sender
+from swap_state.server.snapshot.tiers.replica_wire import (
+    DATA_FRAME_BYTES, IO_TIMEOUT_S, Connection, WireError, accept_sender)
 from swap_state.server.snapshot.tiers.seam import StepPlan, StepWrite
 
 __all__ = ["ReplicaReceiver"]
@@ -35,6 +38,7 @@ __all__ = ["ReplicaReceiver"]
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 64  # senders served at once (a host's ranks each write on their own connection)
+MAX_READ_BYTES = 256 << 20  # the most one read returns (a tensor of a restore; it asks again for more)
 
 
 class _Refusal(Exception):
@@ -58,9 +62,11 @@ class ReplicaReceiver:
     """Accepts replicas from peers into ``directory`` (in memory), at most ``size`` bytes."""
 
     def __init__(self, listen: ListenAddress, secret: bytes, directory: SnapshotDirectory, size: int,
-                 job_owner: Callable[[str], str | None] = lambda job_id: None):
-        """``job_owner(job)``: the tenant this server knows as the job's (its own snapshots), or None."""
+                 job_owner: Callable[[str], str | None] = lambda job_id: None, host: SnapshotTier | None = None):
+        """``job_owner(job)``: the tenant this server knows as the job's (its own snapshots), or
+        None; ``host``: what peers may read (this host's snapshots and replicas; default: the replicas)."""
         self.listen, self.directory, self.size = listen, directory, size
+        self.host = host or directory.reader
         self._secret, self._job_owner = secret, job_owner
         self._steps: dict[str, _Step] = {}
         self._lock = threading.Lock()
@@ -128,6 +134,9 @@ class ReplicaReceiver:
     def _handle(self, conn: Connection, message: dict[str, Any], step: _Step | None) -> _Step | None:
         """One message of a sender (the seam's calls, in its order); the step it works on after."""
         op = message.get("op")
+        if op in ("list", "read"):
+            self._serve_read(conn, op, message)
+            return step
         if op == "prepare":
             token, step = self._prepare(message)
             conn.send({"ok": True, "token": token})
@@ -161,6 +170,27 @@ class ReplicaReceiver:
             raise _Refusal("unknown_op", f"unknown operation {str(op)[:40]!r}")
         conn.send({"ok": True})
         return step
+
+    def _serve_read(self, conn: Connection, op: str, message: dict[str, Any]) -> None:
+        """A peer restoring a lost host's ranks: the complete steps of a job here, or a file's bytes
+        (the reader checks them against the index it listed)."""
+        try:
+            job_id = validate_job_id(str(message.get("job_id", "")), SnapshotInvalid)
+            if op == "list":
+                listed = [info.index.to_json() for info in self.host.list(job_id)]
+                conn.send({"ok": True, "snapshots": listed})
+                return
+            info = self.host.resolve(f"{job_id}/step-{int(message['step'])}")
+            name, offset, nbytes = str(message["name"]), int(message["offset"]), int(message["nbytes"])
+            if name not in {record.name for record in info.index.files} | {LAYOUT_NAME} or offset < 0 or nbytes < 0:
+                raise _Refusal("invalid", f"{name[:60]!r} at {offset}+{nbytes} is not a file range of {info.snapshot_id}")
+            data = self.host.read_range(info, name, offset, min(nbytes, MAX_READ_BYTES))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _Refusal("invalid", f"a malformed {op}: {exc}") from None
+        conn.send({"ok": True, "bytes": len(data)})
+        with memoryview(data) as view:
+            for start in range(0, len(data), DATA_FRAME_BYTES):
+                conn.send_data(view[start : start + DATA_FRAME_BYTES])
 
     def _prepare(self, message: dict[str, Any]) -> tuple[str, _Step]:
         try:
