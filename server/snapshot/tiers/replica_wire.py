@@ -2,7 +2,7 @@
 HMAC handshake on the secret both hold (``--replica-secret-file``), then frames: a fixed header
 (magic, kind, length) and a JSON control message or raw data. Every frame is bounded before it
 is read, nothing is unpickled, every socket operation has a timeout. The chosen transport and
-the measurement behind it: docs/replicas.md.
+the measurement behind it: docs/replica_transport.md.
 """
 
 from __future__ import annotations
