@@ -627,6 +627,25 @@ class _Pair:
             proc.stop()
 
 
+def raw_tcp_seconds(path: str, reps: int, shm_dir: str = "/dev/shm") -> list[float]:
+    """The baseline row alone: the file ``path`` sent by one process to another over loopback
+    into a buffer in ``shm_dir``, ``reps`` times; the seconds of each (for other benchmarks)."""
+    size = os.path.getsize(path)
+    fd, dst = tempfile.mkstemp(prefix="swap-state-bench-raw-", dir=shm_dir)
+    os.ftruncate(fd, size)
+    os.close(fd)
+    try:
+        with open(os.devnull, "w") as log:
+            pair = _Pair("raw", sys.executable, {"size": size, "chunk": 8 << 20, "src": path, "dst": dst},
+                         (None, None), log)
+            try:
+                return [pair.once(crc=False)["seconds"] for _ in range(reps)]
+            finally:
+                pair.stop()
+    finally:
+        os.unlink(dst)
+
+
 def _modes(pin: str, cpus: list[int]) -> list[tuple[str, tuple[int | None, int | None]]]:
     pinned = ("pinned", (cpus[0], cpus[1 % len(cpus)]))
     unpinned = ("unpinned", (None, None))

@@ -135,7 +135,7 @@ class _SendingSink(ChunkSink):
         super().__init__()
         self._conn, self._limiter, self._cancel = conn, limiter, cancel
         self._buffer = bytearray(DATA_FRAME_BYTES)
-        self._crc = 0
+        self._crc = self._next_crc = 0
 
     def room(self) -> int:
         return DATA_FRAME_BYTES
@@ -143,14 +143,17 @@ class _SendingSink(ChunkSink):
     def put(self, data: memoryview, crc: int) -> int:
         self._buffer[: data.nbytes] = data
         self._pending = data.nbytes
-        return crc32(data, crc)
+        value = crc32(data, crc)
+        # The file's crc32 so far, sent at the end: the caller's when it continues the same one.
+        self._next_crc = value if crc == self._crc else crc32(data, self._crc)
+        return value
 
     def advance(self) -> None:
         if not self._limiter.acquire(self._pending, self._cancel):
             raise SnapshotError("the server is shutting down: the replica was abandoned")
         with memoryview(self._buffer)[: self._pending] as piece:
-            self._crc = crc32(piece, self._crc)
             self._conn.send_data(piece)
+        self._crc = self._next_crc
         self.position += self._pending
         self._pending = 0
 

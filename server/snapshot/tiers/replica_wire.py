@@ -71,6 +71,7 @@ class Connection:
             sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
         self.sock, self.peer = sock, peer
         self.authenticated = False  # until then a frame is small: an unknown caller allocates nothing much
+        self._data = bytearray(0)  # data frames land here, reused: fresh memory is slower to fill
 
     def close(self) -> None:
         self.sock.close()
@@ -102,17 +103,22 @@ class Connection:
             raise WireError(f"replica peer {self.peer} sent data where a control message belongs")
         return message
 
-    def receive_frame(self, data_limit: int = DATA_FRAME_BYTES) -> dict[str, Any] | bytearray:
-        """The next frame: a control message, or data (at most ``data_limit`` bytes)."""
+    def receive_frame(self, data_limit: int = DATA_FRAME_BYTES) -> dict[str, Any] | memoryview:
+        """The next frame: a control message, or data (at most ``data_limit`` bytes; valid until
+        the next receive)."""
         magic, kind, length = _HEADER.unpack(self._exactly(_HEADER.size))
         limits = {_CONTROL: _MAX_CONTROL_BYTES, _DATA: data_limit} if self.authenticated else {_CONTROL: 4096}
         limit = limits.get(kind, -1) if magic == _MAGIC else -1
         if length > limit:
             raise WireError(f"replica peer {self.peer} sent a frame of kind {kind} and {length} bytes: "
                             "not the protocol, or over its limit")
-        payload = self._exactly(length)
         if kind == _DATA:
-            return payload
+            if length > len(self._data):
+                self._data = bytearray(max(length, min(DATA_FRAME_BYTES, 2 * len(self._data) or 1 << 20)))
+            view = memoryview(self._data)[:length]
+            self._fill(view)
+            return view
+        payload = self._exactly(length)
         try:
             message = json.loads(payload)
         except ValueError:
@@ -121,7 +127,8 @@ class Connection:
             raise WireError(f"replica peer {self.peer} sent a control frame that is not an object")
         return message
 
-    def receive_data(self, limit: int = DATA_FRAME_BYTES) -> bytearray:
+    def receive_data(self, limit: int = DATA_FRAME_BYTES) -> memoryview:
+        """The next data frame (valid until the next receive)."""
         data = self.receive_frame(limit)
         if isinstance(data, dict):
             raise WireError(f"replica peer {self.peer} sent a control message where data belongs")
@@ -136,18 +143,20 @@ class Connection:
 
     def _exactly(self, nbytes: int) -> bytearray:
         buffer = bytearray(nbytes)
-        view, done = memoryview(buffer), 0
+        with memoryview(buffer) as view:
+            self._fill(view)
+        return buffer
+
+    def _fill(self, view: memoryview) -> None:
+        done = 0
         try:
-            while done < nbytes:
-                got = self.sock.recv_into(view[done:], nbytes - done)
+            while done < view.nbytes:
+                got = self.sock.recv_into(view[done:], view.nbytes - done)
                 if got == 0:
                     raise WireError(f"replica peer {self.peer} closed the connection")
                 done += got
         except OSError as exc:  # a timeout included
             raise WireError(f"receiving from replica peer {self.peer} failed: {exc}") from None
-        finally:
-            view.release()
-        return buffer
 
 
 def _proof(secret: bytes, role: bytes, sender_nonce: str, peer_nonce: str) -> str:
