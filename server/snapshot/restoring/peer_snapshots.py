@@ -20,6 +20,8 @@ __all__ = ["PeerSnapshots"]
 
 log = logging.getLogger(__name__)
 
+CONNECT_TIMEOUT_S = 3.0  # a lost peer is passed over quickly: a restore has other places to look
+
 
 class PeerSnapshots(SnapshotTier):
     """One peer's complete snapshots of a job (its own and the replicas it holds), read remotely."""
@@ -68,7 +70,7 @@ class PeerSnapshots(SnapshotTier):
         with self._lock:
             try:
                 if self._conn is None:
-                    self._conn = connect_to_peer(self.peer, self._secret)
+                    self._conn = connect_to_peer(self.peer, self._secret, CONNECT_TIMEOUT_S)
                 answer = self._conn.request(message)
                 if not data:
                     return answer
