@@ -19,13 +19,13 @@ import time
 
 from bench.util import cpu_count, gbps, summarize
 
-__all__ = ["crc32_bandwidth", "disk_bandwidth", "drop_file_cache", "fresh_memory_bandwidth", "machine",
+__all__ = ["cpu_model", "crc32_bandwidth", "disk_bandwidth", "drop_file_cache", "fresh_memory_bandwidth", "machine",
            "memcpy_bandwidth"]
 
 BLOCK = 8 << 20
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -114,7 +114,7 @@ def machine(work_dir: str) -> dict[str, object]:
     except Exception:  # pragma: no cover
         swap_state_version = "?"
     return {
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpus_usable": cpu_count(),
         "cpus_online": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

@@ -53,6 +53,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from bench.hardware import cpu_model
 from bench.util import fmt_bytes, gbps, loadavg, parse_size, summarize
 
 __all__ = ["main"]
@@ -677,7 +678,7 @@ def measure(args) -> dict[str, Any]:
     os.makedirs(args.out, exist_ok=True)
     result: dict[str, Any] = {
         "machine": {"cpus": cpus, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "processor": _cpu_model()},
+                    "python": platform.python_version(), "processor": cpu_model()},
         "args": {"sizes": sizes, "chunk": chunk, "reps": args.reps, "pin": args.pin, "rows": wanted},
         "crc_impl": crc_name, "mooncake_python": mooncake_python, "mooncake_skipped": mooncake_skip,
         "loadavg_before": loadavg(), "runs": [], "failures": [],
@@ -712,17 +713,6 @@ def _file_crc(f, crc, chunk: int) -> int:
     while block := f.read(chunk):
         value = crc(block, value)
     return value & 0xFFFFFFFF
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _run(size, mode, mode_cpus, base, wanted, pythons, mooncake_skip, expected, reps, log) -> dict[str, Any]:
