@@ -247,3 +247,23 @@ def test_a_peer_killed_mid_replica_fails_the_replica_not_the_snapshot(start_serv
         assert handle.wait_durable(timeout_s=10).state == "durable"
     finally:
         container.close()
+
+
+def test_a_restarted_peer_keeps_its_replicas_and_restores_from_them(start_server, hosts_shm, tmp_path):
+    secret = _secret(tmp_path)
+    peer, address, _ = _peer(start_server, hosts_shm, tmp_path, secret)
+    sender = _sender(start_server, hosts_shm, tmp_path, address, secret)
+    container, handle = _snapshot(sender, "kept")
+    try:
+        handle.wait_replicated(timeout_s=60)
+    finally:
+        container.close()
+    peer.restart()  # on the same address: the replicas are files under its --shm-dir, named after it
+    listed = swap_state_cli("snapshots", "--server", peer.address, "--job-id", "kept")
+    assert listed.returncode == 0 and "kept/step-3" in listed.stdout, listed
+    model = build(W)
+    again = remote(W, model, peer.address, "kept")
+    try:
+        assert again.restore("latest") == 3
+    finally:
+        again.close()
