@@ -267,3 +267,31 @@ def test_a_restarted_peer_keeps_its_replicas_and_restores_from_them(start_server
         assert again.restore("latest") == 3
     finally:
         again.close()
+
+
+def test_both_hosts_lost_the_job_resumes_from_the_store(start_server, hosts_shm, tmp_path):
+    """Replicas and the store together: when the host and its peer are both lost, a new host
+    (its --replica-peers naming the lost peer) passes over the peer and restores from the store."""
+    secret, store = _secret(tmp_path), str(tmp_path / "store")
+    peer, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
+    sender = _sender(start_server, hosts_shm, tmp_path, address, secret, snapshot_store=store)
+    container, handle = _snapshot(sender, "both")
+    try:
+        handle.wait_replicated(timeout_s=60)
+        handle.wait_stored(timeout_s=60)
+    finally:
+        container.close()
+    for lost in (sender, peer):
+        lost.kill()
+    shutil.rmtree(peer_shm)
+    (hosts_shm / "c").mkdir()
+    new_host = start_server(snapshot_dir=tmp_path / "c-snapshots", shm_dir=str(hosts_shm / "c"),
+                            replica_peers=address, replica_secret_file=secret, snapshot_store=store)
+    model = build(W)
+    again = remote(W, model, new_host.address, "both")
+    try:
+        assert again.restore("latest") == 3
+    finally:
+        again.close()
+    log = new_host.log_text()
+    assert "source=store" in log and "replica_peer_unreadable" in log, log[-3000:]
