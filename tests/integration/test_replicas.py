@@ -18,7 +18,7 @@ from swap_state.client.errors import SwapStateError
 from swap_state.common.addresses import parse_address
 from swap_state.common.checksum import crc32
 from swap_state.common.retry import wait_until
-from swap_state.common.snapshot_format import INDEX_NAME, rank_data_name
+from swap_state.common.snapshot_format import INDEX_NAME, rank_data_name, rank_manifest_name
 from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES, ReplicaRefused, connect_to_peer
 
 from .test_server_metrics import _free_port
@@ -295,3 +295,19 @@ def test_both_hosts_lost_the_job_resumes_from_the_store(start_server, hosts_shm,
         again.close()
     log = new_host.log_text()
     assert "source=store" in log and "replica_peer_unreadable" in log, log[-3000:]
+
+
+def test_a_malformed_message_from_a_peer_is_refused_and_the_peer_keeps_serving(start_server, hosts_shm, tmp_path):
+    secret = _secret(tmp_path)
+    _, address, _ = _peer(start_server, hosts_shm, tmp_path, secret)
+    conn = connect_to_peer(parse_address(address), pathlib.Path(secret).read_text().strip().encode())
+    try:
+        conn.request({"op": "prepare", "job_id": "malformed", "step": 1, "world_size": 1, "tenant": "",
+                      "keep": None, "replace": False, "bytes": 0})
+        with pytest.raises(ReplicaRefused, match="malformed 'finish_rank'"):
+            conn.request({"op": "finish_rank", "rank": 0, "files": [{"name": 7}]})
+        with pytest.raises(ReplicaRefused, match="not a rank file"):
+            conn.request({"op": "write", "name": "../../etc/passwd"}, b"x")
+        conn.request({"op": "write", "name": rank_manifest_name(0)}, b"{}")  # the connection still in step
+    finally:
+        conn.close()

@@ -121,6 +121,8 @@ class ReplicaReceiver:
                     step = self._handle(conn, message, step)
                 except _Refusal as refusal:
                     conn.send({"ok": False, "reason": refusal.reason, "error": str(refusal)})
+                except (ValueError, TypeError, KeyError) as exc:  # a malformed message of a peer
+                    conn.send({"ok": False, "reason": "invalid", "error": f"a malformed {message.get('op')!r}: {exc}"})
                 except (SnapshotError, OSError) as exc:
                     conn.send({"ok": False, "reason": "failed", "error": str(exc)})
         except WireError as exc:
@@ -134,6 +136,7 @@ class ReplicaReceiver:
     def _handle(self, conn: Connection, message: dict[str, Any], step: _Step | None) -> _Step | None:
         """One message of a sender (the seam's calls, in its order); the step it works on after."""
         op = message.get("op")
+        small = bytes(conn.receive_data()) if op == "write" else b""  # read before any refusal: in step
         if op in ("list", "read"):
             self._serve_read(conn, op, message)
             return step
@@ -156,7 +159,9 @@ class ReplicaReceiver:
         if op == "open":
             self._receive_file(conn, step, self._file_name(step, message.get("name")))
         elif op == "write":
-            self._receive_small(conn, step, self._file_name(step, message.get("name")))
+            name = self._file_name(step, message.get("name"))
+            self.directory.write_file(step.target, name, small)
+            step.received[name] = (len(small), crc32(small))
         elif op == "finish_rank":
             files = tuple(FileRecord.from_json(raw) for raw in message.get("files", ()))
             self._check_received(step, files)
@@ -275,11 +280,6 @@ class ReplicaReceiver:
                 raise _Refusal("corrupt", step.failed)
             sink.finish()
         step.received[name] = (size, value)
-
-    def _receive_small(self, conn: Connection, step: _Step, name: str) -> None:
-        data = conn.receive_data()
-        self.directory.write_file(step.target, name, bytes(data))
-        step.received[name] = (len(data), crc32(data))
 
     def _check_received(self, step: _Step, files: tuple[FileRecord, ...]) -> None:
         for record in files:
