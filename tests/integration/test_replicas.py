@@ -69,6 +69,15 @@ def _snapshot(server, job: str):
     return container, container.snapshot()
 
 
+def _restore_latest(server, job: str) -> int:
+    """A new trainer of ``job`` at ``server`` restores its latest snapshot; the step."""
+    container = remote(W, build(W), server.address, job)
+    try:
+        return container.restore("latest")
+    finally:
+        container.close()
+
+
 def test_a_snapshot_is_replicated_into_the_peers_memory_byte_for_byte(start_server, hosts_shm, tmp_path):
     secret = _secret(tmp_path)
     _, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
@@ -224,13 +233,8 @@ def test_a_flipped_byte_in_a_replica_is_never_loaded(start_server, hosts_shm, tm
     raw = bytearray(data.read_bytes())
     raw[-5] ^= 0x40  # inside the last tensor
     data.write_bytes(bytes(raw))
-    model = build(W)
-    again = remote(W, model, peer.address, "rot")
-    try:
-        with pytest.raises(SwapStateError, match=f"{rank_data_name(0)}.*fails its checksum"):
-            again.restore("latest")
-    finally:
-        again.close()
+    with pytest.raises(SwapStateError, match=f"{rank_data_name(0)}.*fails its checksum"):
+        _restore_latest(peer, "rot")
 
 
 def test_a_peer_killed_mid_replica_fails_the_replica_not_the_snapshot(start_server, hosts_shm, tmp_path):
@@ -261,12 +265,7 @@ def test_a_restarted_peer_keeps_its_replicas_and_restores_from_them(start_server
     peer.restart()  # on the same address: the replicas are files under its --shm-dir, named after it
     listed = swap_state_cli("snapshots", "--server", peer.address, "--job-id", "kept")
     assert listed.returncode == 0 and "kept/step-3" in listed.stdout, listed
-    model = build(W)
-    again = remote(W, model, peer.address, "kept")
-    try:
-        assert again.restore("latest") == 3
-    finally:
-        again.close()
+    assert _restore_latest(peer, "kept") == 3
 
 
 def test_both_hosts_lost_the_job_resumes_from_the_store(start_server, hosts_shm, tmp_path):
@@ -287,12 +286,7 @@ def test_both_hosts_lost_the_job_resumes_from_the_store(start_server, hosts_shm,
     (hosts_shm / "c").mkdir()
     new_host = start_server(snapshot_dir=tmp_path / "c-snapshots", shm_dir=str(hosts_shm / "c"),
                             replica_peers=address, replica_secret_file=secret, snapshot_store=store)
-    model = build(W)
-    again = remote(W, model, new_host.address, "both")
-    try:
-        assert again.restore("latest") == 3
-    finally:
-        again.close()
+    assert _restore_latest(new_host, "both") == 3
     log = new_host.log_text()
     assert "source=store" in log and "replica_peer_unreadable" in log, log[-3000:]
 
