@@ -1,16 +1,16 @@
 """``python -m bench.replicas``: snapshots replicated into a peer server's memory (issue 50,
 item 8), each number beside a baseline measured in the same run.
 
-1. replication: a durable snapshot until it is replicated (the server's ``snapshot_replicated``
-   line) vs a raw TCP copy of the same files between two processes over loopback
-   (``bench.transport``'s baseline), from memory (/dev/shm) and from where the replica reads them;
-2. host loss: host a (one rank) replicates into host b and uploads to a directory store, then is
+1. replication: a snapshot sent to the peer while the disk persists, from its start until the
+   peer committed it (the server's ``snapshot_replicated`` line), vs a raw TCP copy of the same
+   data file between two processes over loopback from /dev/shm (``bench.transport``'s baseline);
+2. the optimizer step while a snapshot is persisted and replicated, vs the steps just before
+   (no snapshot); ``--isolate`` pins both servers to the last CPU and the trainer to the others;
+3. host loss: host a (one rank) replicates into host b and uploads to a directory store, then is
    lost (server stopped, directories deleted); its rank restarts on host b and restores from b's
    memory, and on a fresh host c from the directory store: from the restart to the first step.
 
 Output under --out: replicas.md (tables), replicas.json (every sample).
-Not measured yet: the optimizer step while a replica is sent (isolated), and the ratio with the
-replica sent while the disk persists (today it is sent once the snapshot is durable).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import argparse
 import copy
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -32,7 +33,7 @@ from swap_state.client.remote import container as remote_container
 from swap_state.client.remote.embedded import EmbeddedServer, EmbeddedServerConfig
 from swap_state.common.retry import wait_until
 
-from bench.cli import MOMENT_BYTES_PER_PARAM, _log
+from bench.cli import MOMENT_BYTES_PER_PARAM, _log, _pin_process
 from bench.report import write_json
 from bench.transport import raw_tcp_seconds
 from bench.util import fmt_bytes, gbps, parse_size, summarize
@@ -41,6 +42,7 @@ from bench.workload import ADAMW_KWARGS, Variant, build_model
 __all__ = ["main"]
 
 WAIT_S = 600.0
+QUIET_STEPS = 5  # steps without a snapshot measured before each one with
 SECRET = "bench-replica-secret-0123456789abcdef"
 
 
@@ -50,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--params", default="16M", help="model parameters (fp32 Adam moments: 8 bytes each; K/M/G suffixes)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each timing")
     p.add_argument("--out", default="results", help="folder for replicas.md and replicas.json")
+    p.add_argument("--isolate", action="store_true", help="both servers on the last CPU, the trainer on the "
+                   "others (as a GPU host's server has cores of its own)")
     p.add_argument("--work-dir", default=None, help="folder for the snapshot directories and the store "
                    "(removed at the end); None: --out")
     return p
@@ -108,14 +112,15 @@ def _free_port() -> int:
 
 
 def replication_section(args, a: _Host, remote: Variant) -> dict[str, Any]:
+    """Snapshots sent while the disk persists: from the snapshot's start to the peer's commit
+    (the server's ``snapshot_replicated`` line), against a raw TCP copy of the same data file
+    from /dev/shm (where the sender reads it: the trainer's segment) in the same run."""
     s: dict[str, list[float]] = defaultdict(list)
     for _ in range(args.reps):
         remote.step()
         handle = remote.optimizer.snapshot()
-        folder = Path(handle.wait_durable(WAIT_S).path)
-        t0 = time.perf_counter()
         handle.wait_replicated(WAIT_S)
-        s["durable_to_replicated_s"].append(time.perf_counter() - t0)
+        folder = Path(handle.wait_durable(WAIT_S).path)
         nbytes, seconds = a.replicated(handle.snapshot_id)
         s["replica_gbps"].append(gbps(nbytes, seconds))
         data = folder / "rank-00000.safetensors"
@@ -125,16 +130,31 @@ def replication_section(args, a: _Host, remote: Variant) -> dict[str, Any]:
             raw_memory = min(raw_tcp_seconds(str(in_memory), 1))
         finally:
             shutil.rmtree(in_memory.parent, ignore_errors=True)
-        raw_disk = min(raw_tcp_seconds(str(data), 1))
-        size = data.stat().st_size
-        s["raw_tcp_memory_gbps"].append(gbps(size, raw_memory))
-        s["raw_tcp_file_gbps"].append(gbps(size, raw_disk))
+        s["raw_tcp_memory_gbps"].append(gbps(data.stat().st_size, raw_memory))
         s["ratio_to_raw_tcp_memory"].append(s["replica_gbps"][-1] / s["raw_tcp_memory_gbps"][-1])
-        s["ratio_to_raw_tcp_file"].append(s["replica_gbps"][-1] / s["raw_tcp_file_gbps"][-1])
         _log(f"  replica {handle.snapshot_id} ({fmt_bytes(nbytes)}): {s['replica_gbps'][-1]:.3f} GB/s; raw TCP of "
-             f"the data file {s['raw_tcp_memory_gbps'][-1]:.3f} GB/s from /dev/shm, "
-             f"{s['raw_tcp_file_gbps'][-1]:.3f} GB/s from the snapshot directory")
+             f"the data file {s['raw_tcp_memory_gbps'][-1]:.3f} GB/s from /dev/shm")
     return {"bytes": nbytes, **{k: {**summarize(v), "samples": v} for k, v in s.items()}}
+
+
+def step_section(args, remote: Variant) -> dict[str, Any]:
+    """The optimizer step while a snapshot persists and is sent to the peer, against the steps
+    just before it (no snapshot), alternating ``--reps`` times."""
+    s: dict[str, list[float]] = defaultdict(list)
+    for _ in range(args.reps):
+        quiet = [remote.step()[1] for _ in range(QUIET_STEPS)]
+        handle = remote.optimizer.snapshot()
+        during = [remote.step()[1]]
+        while handle.status().state == "persisting":  # settled with the replica (the commit waits for it)
+            during.append(remote.step()[1])
+        handle.wait_replicated(WAIT_S)
+        s["quiet_step_s"].extend(quiet)
+        s["replicating_step_s"].extend(during)
+        s["mean_ratio"].append(statistics.mean(during) / statistics.mean(quiet))
+        s["worst_ratio"].append(max(during) / statistics.median(quiet))
+        _log(f"  {len(during)} steps while replicating: mean {s['mean_ratio'][-1]:.3f}x, worst "
+             f"{s['worst_ratio'][-1]:.3f}x of the quiet steps' mean / median")
+    return {k: {**summarize(v), "samples": v} for k, v in s.items()}
 
 
 def _restart(address: str, base, job: str) -> tuple[float, float, float, Variant]:
@@ -191,21 +211,34 @@ def _cell(stats: dict[str, Any], worst: str = "min", digits: int = 3) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    rep, loss = result["replication"], result["host_loss"]
+    rep, step, loss = result["replication"], result["step"], result["host_loss"]
     lines = ["# Replicas in a peer's memory", "", f"`{result['command']}`, {fmt_bytes(result['state_bytes'])} of moments, "
              f"{result['seconds']:.0f} s. Cells: median / mean / worst.", "",
              "| replication | GB/s or ratio |", "| --- | --- |",
-             f"| durable -> replicated (server's own line) | {_cell(rep['replica_gbps'])} |",
+             f"| snapshot start -> replicated, while the disk persists | {_cell(rep['replica_gbps'])} |",
              f"| raw TCP of the data file from /dev/shm | {_cell(rep['raw_tcp_memory_gbps'])} |",
-             f"| raw TCP of the data file from the snapshot directory | {_cell(rep['raw_tcp_file_gbps'])} |",
-             f"| replication ÷ raw TCP from /dev/shm | {_cell(rep['ratio_to_raw_tcp_memory'])} |",
-             f"| replication ÷ raw TCP from the snapshot directory | {_cell(rep['ratio_to_raw_tcp_file'])} |", "",
+             f"| replication ÷ raw TCP | {_cell(rep['ratio_to_raw_tcp_memory'])} |", "",
+             f"| optimizer step while replicating{' (isolated)' if result['isolated'] else ''} | ratio |",
+             "| --- | --- |",
+             f"| mean step ÷ quiet mean | {_cell(step['mean_ratio'], 'max')} |",
+             f"| worst step ÷ quiet median | {_cell(step['worst_ratio'], 'max')} |", "",
              "| host loss, one rank | from the peer's memory | from the directory store |", "| --- | --- | --- |"]
     for key, label in (("restore_gbps", "restore GB/s"), ("restore_s", "restore s"),
                        ("restart_to_first_step_s", "restart (attach, restore, first step) s")):
         worst = "min" if key.endswith("gbps") else "max"
         lines.append(f"| {label} | {_cell(loss['replica_' + key], worst)} | {_cell(loss['store_' + key], worst)} |")
     return "\n".join(lines) + "\n"
+
+
+def _isolate_servers(*hosts: _Host) -> None:
+    """Both servers on the last CPU, this trainer (and torch's threads) on the others."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--isolate needs at least 2 usable CPUs")
+    for host in hosts:
+        _pin_process(host.server.pid, cpus[-1:])
+    _pin_process("self", cpus[:-1])
+    torch.set_num_threads(len(cpus) - 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,9 +258,13 @@ def main(argv: list[str] | None = None) -> int:
                   replica_secret_file=str(secret))
         a = _Host(work, "sender", state, replica_peers=f"tcp://127.0.0.1:{port}", replica_secret_file=str(secret))
         try:
+            if args.isolate:
+                _isolate_servers(a, b)
             a.ranks.append(remote := _remote(base, a.address, f"bench-replicas-{os.getpid()}"))
             _log(f"replication: {fmt_bytes(state)} of moments")
             replication = replication_section(args, a, remote)
+            _log("the optimizer step while replicating")
+            step = step_section(args, remote)
         finally:
             a.close()
             b.close()
@@ -236,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = {"command": "python -m bench.replicas " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "state_bytes": state, "replication": replication, "host_loss": loss,
+              "state_bytes": state, "replication": replication, "step": step, "host_loss": loss,
+              "isolated": args.isolate,
               "seconds": time.monotonic() - started}
     write_json(result, os.path.join(args.out, "replicas.json"))
     Path(args.out, "replicas.md").write_text(markdown(result))

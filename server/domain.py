@@ -242,8 +242,8 @@ class StateServer:
         error ("": none)."""
         coordinator = self._coordinator()
         listed, store_error = await asyncio.to_thread(list_both_tiers, coordinator, job_id)
-        replicator = coordinator.replicator
-        return [(local, stored, replicator and replicator.state((local or stored).job_id, (local or stored).step))
+        states = coordinator.replica_states
+        return [(local, stored, states and states.state((local or stored).job_id, (local or stored).step))
                 for local, stored in listed
                 if caller.may_reach((local or stored).index.tenant)], store_error  # type: ignore[union-attr]
 

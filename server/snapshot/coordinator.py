@@ -55,10 +55,11 @@ from swap_state.server.snapshot.restoring.peer_snapshots import PeerSnapshots
 from swap_state.server.snapshot.writing.source import SnapshotSource, check_source
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
-from swap_state.server.snapshot.tiers.seam import StepPlan
+from swap_state.server.snapshot.tiers.seam import StepPlan, TierWriter
 from swap_state.server.snapshot.tiers.replica import ReplicaTier
 from swap_state.server.snapshot.tiers.replica_wire import read_secret
-from swap_state.server.snapshot.tiers.replicate import SnapshotReplicator
+from swap_state.server.snapshot.tiers.mirror import MirroredTier
+from swap_state.server.snapshot.tiers.replicate import ReplicaStates
 from swap_state.server.snapshot.tiers.store import StoreTier
 from swap_state.server.snapshot.tiers.upload import SnapshotUploader
 from swap_state.server.snapshot.writing.writer import Cancelled, RankWriter
@@ -125,11 +126,13 @@ class SnapshotCoordinator:
             stored = StoredSnapshots(open_store(settings.store_uri, settings.store_timeout_s))
             self.uploader = SnapshotUploader(StoreTier(stored), self.directory, settings.store_max_bandwidth)
         self.stored = self.uploader.stored if self.uploader is not None else None  # the store tier, if any
-        self.replicator, peers = None, []
+        self.tier: TierWriter = self.directory  # where snapshots are written: the directory, mirrored to a peer
+        self.replica_states, self._replica_tier, peers = None, None, []
         if settings.replica_peers:
             addresses, secret = parse_peers(settings.replica_peers), read_secret(settings.replica_secret_file)
-            self.replicator = SnapshotReplicator(ReplicaTier(addresses, secret), self.directory,
-                                                 settings.replica_max_bandwidth)
+            self._replica_tier = ReplicaTier(addresses, secret, BandwidthLimiter(settings.replica_max_bandwidth))
+            self.replica_states = ReplicaStates()
+            self.tier = MirroredTier(self.directory, self._replica_tier, self.replica_states)
             peers = [PeerSnapshots(address, secret) for address in addresses]
         mine = [self.local] if replicas is None else [self.local, replicas]
         # What peers may read (never their own answers again), and what restores read from.
@@ -218,8 +221,8 @@ class SnapshotCoordinator:
                 "the job's retention (keep_latest), remove old jobs, or ask for a larger quota"
             )
         plan = StepPlan(source.job_id, source.step, source.world_size, (), source.tenant, self._retention_for(source),
-                        replace=source.replace_existing)
-        group = SnapshotGroup(self.directory, self.directory.prepare(plan), source)
+                        replace=source.replace_existing, expected_bytes=new)
+        group = SnapshotGroup(self.tier, self.tier.prepare(plan), source)
         self._groups[(source.job_id, source.step)] = group
         finished = sorted((g.finished_monotonic, key) for key, g in self._groups.items()
                           if g.finished_monotonic is not None
@@ -236,7 +239,7 @@ class SnapshotCoordinator:
         # header and the epoch a trainer gave up (protocol step 6).
         header = source.header
         self._last_epoch = max(self._last_epoch, header.highest_cow_epoch(), header[Word.ABANDONED_EPOCH]) + 1
-        writer = RankWriter(source, self._last_epoch, tier=self.directory, target=group.target,
+        writer = RankWriter(source, self._last_epoch, tier=group.tier, target=group.target,
                             limiter=self._limiter, cancel=group.cancel, started_monotonic=time.monotonic(),
                             settings=self.settings)
         if not hold:
@@ -349,7 +352,7 @@ class SnapshotCoordinator:
                 job_id=group.job_id, step=group.step, world_size=group.world_size, ranks=ranks, files=tuple(files),
                 created_unix=time.time(), attempt=attempt, tenant=group.tenant,
                 layout=None if layout is None else FileRecord(LAYOUT_NAME, -1, len(layout), crc32(layout)))
-            commit = self.directory.finish(group.target, index, layout)
+            commit = group.tier.finish(group.target, index, layout)
         except SnapshotError as exc:
             group.fail(exc)
             return
@@ -361,8 +364,6 @@ class SnapshotCoordinator:
             return
         if self.uploader is not None:  # before the waiters wake: their status says uploading
             self.uploader.submit(SnapshotInfo.of(index, commit.path, latest=True), group.keep)
-        if self.replicator is not None:  # likewise: replicating
-            self.replicator.submit(SnapshotInfo.of(index, commit.path, latest=True))
         with group.cond:
             group.commit = commit
             group.state = SnapshotState.DURABLE
@@ -402,10 +403,11 @@ class SnapshotCoordinator:
             status = await asyncio.to_thread(self._status_at_rest, snapshot_id, rank)
         if status.state is not SnapshotState.DURABLE:
             return status
-        if self.replicator is not None:
+        if self.replica_states is not None:
             if wait_replicated:
-                await self.replicator.wait_async(status.job_id, status.step, max(0.0, deadline - time.monotonic()))
-            status = self.replicator.annotate(status)
+                await self.replica_states.wait_async(status.job_id, status.step,
+                                                     max(0.0, deadline - time.monotonic()))
+            status = self.replica_states.annotate(status)
         if self.uploader is None:
             return status
         if wait_stored:
@@ -450,6 +452,6 @@ class SnapshotCoordinator:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self.uploader is not None:
             self.uploader.close()
-        if self.replicator is not None:
-            self.replicator.close()
+        if self._replica_tier is not None:
+            self._replica_tier.close()
         self.directory.release()

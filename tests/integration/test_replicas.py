@@ -18,7 +18,7 @@ from swap_state.client.errors import SwapStateError
 from swap_state.common.addresses import parse_address
 from swap_state.common.checksum import crc32
 from swap_state.common.retry import wait_until
-from swap_state.common.snapshot_format import INDEX_NAME, rank_data_name, rank_manifest_name
+from swap_state.common.snapshot_format import INDEX_NAME, FileRecord, rank_data_name, rank_manifest_name
 from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES, ReplicaRefused, connect_to_peer
 
 from .test_server_metrics import _free_port
@@ -146,8 +146,10 @@ def test_a_file_that_arrives_unlike_its_checksum_is_refused_and_never_listed(sta
         data = os.urandom(1 << 20)
         conn.send({"op": "open", "name": rank_data_name(0)})
         conn.send_data(data)
-        with pytest.raises(ReplicaRefused, match="not as sent"):
-            conn.request({"op": "end", "bytes": len(data), "crc32": crc32(data) ^ 1})
+        conn.request({"op": "end", "bytes": len(data)})
+        claimed = FileRecord(rank_data_name(0), 0, len(data), crc32(data) ^ 1)  # not the bytes that arrived
+        with pytest.raises(ReplicaRefused, match="not here as its index lists it"):
+            conn.request({"op": "finish_rank", "rank": 0, "files": [claimed.to_json()]})
         with pytest.raises(ReplicaRefused, match="the step failed"):
             conn.request({"op": "finish_rank", "rank": 0, "files": []})
     finally:
@@ -240,11 +242,17 @@ def test_a_flipped_byte_in_a_replica_is_never_loaded(start_server, hosts_shm, tm
 def test_a_peer_killed_mid_replica_fails_the_replica_not_the_snapshot(start_server, hosts_shm, tmp_path):
     secret = _secret(tmp_path)
     peer, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
-    sender = _sender(start_server, hosts_shm, tmp_path, address, secret, replica_max_bandwidth="64K")
-    container, handle = _snapshot(sender, "killed")
+    # 1 KiB/s: the first snapshot's bytes take the cap's next seconds, so the second waits in
+    # mid-replica (prepared on the peer, its data held back) while the peer is killed.
+    sender = _sender(start_server, hosts_shm, tmp_path, address, secret, replica_max_bandwidth="1K")
+    model = build(W)
+    container = remote(W, model, sender.address, "killed")
     try:
-        assert handle.wait_durable(timeout_s=60).state == "durable"
-        assert wait_until(lambda: list(peer_shm.glob("swap-state-replicas-*/killed/.partial-*/*")), timeout_s=60)
+        train(model, container, W, range(1, 3))
+        container.snapshot().wait_replicated(timeout_s=60)
+        train(model, container, W, range(3, 4))
+        handle = container.snapshot()
+        assert wait_until(lambda: list(peer_shm.glob("swap-state-replicas-*/killed/.partial-*")), timeout_s=60)
         peer.kill()
         with pytest.raises(SwapStateError, match="not replicated: replicating killed/step-3"):
             handle.wait_replicated(timeout_s=120)

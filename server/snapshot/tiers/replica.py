@@ -7,9 +7,11 @@ each writing thread has its own connection to it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from swap_state.common.addresses import ListenAddress
 from swap_state.common.checksum import crc32
@@ -18,9 +20,12 @@ from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
 from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES, Connection, connect_to_peer
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
-from swap_state.server.snapshot.writing.sink import ChunkSink
+from swap_state.server import _posix
+from swap_state.server.snapshot.writing.sink import ChunkSink, copy_piece
 
 __all__ = ["ReplicaTier"]
+
+SEND_BUFFERS = 3  # a data file's frame buffers: one fills while the others are sent
 
 
 @dataclasses.dataclass
@@ -46,9 +51,8 @@ class ReplicaTier(TierWriter):
 
     def prepare(self, plan: StepPlan) -> StepWrite:
         """The step on the first peer that takes it; SnapshotError naming each peer's refusal."""
-        nbytes = plan.source.total_bytes if plan.source is not None else 0
         message = {"op": "prepare", "job_id": plan.job_id, "step": plan.step, "world_size": plan.world_size,
-                   "tenant": plan.tenant, "keep": plan.keep, "replace": plan.replace, "bytes": nbytes}
+                   "tenant": plan.tenant, "keep": plan.keep, "replace": plan.replace, "bytes": plan.expected_bytes}
         why = []
         for peer in self.peers:
             try:
@@ -129,33 +133,66 @@ class ReplicaTier(TierWriter):
 
 
 class _SendingSink(ChunkSink):
-    """A data file streamed to the peer: a piece is sent once final (``advance``)."""
+    """A data file streamed to the peer: pieces fill a frame-sized buffer and a full one is sent
+    by a thread of its own, so the writer waits on the network only while every buffer is in
+    flight (a network slower than the disk). The peer checks the size at ``end`` and the crc32
+    against the rank's files (``finish_rank``)."""
 
     def __init__(self, conn: Connection, limiter: BandwidthLimiter, cancel: threading.Event):
         super().__init__()
         self._conn, self._limiter, self._cancel = conn, limiter, cancel
-        self._buffer = bytearray(DATA_FRAME_BYTES)
-        self._crc = self._next_crc = 0
+        self._free = collections.deque(bytearray(DATA_FRAME_BYTES) for _ in range(SEND_BUFFERS))
+        self._busy: collections.deque[tuple[bytearray, Future[None]]] = collections.deque()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-send")
+        self._current = self._free.popleft()
+        self._fill = 0
 
     def room(self) -> int:
-        return DATA_FRAME_BYTES
+        return DATA_FRAME_BYTES - self._fill
+
+    def place(self, data: memoryview) -> None:
+        """:meth:`put` without the crc32 (a caller that has it already)."""
+        if data.nbytes > self.room():
+            raise ValueError(f"a piece of {data.nbytes} bytes does not fit the {self.room()} left")
+        copy_piece(self._current, _posix.buffer_address(self._current), self._fill, data)
+        self._pending = data.nbytes
 
     def put(self, data: memoryview, crc: int) -> int:
-        self._buffer[: data.nbytes] = data
-        self._pending = data.nbytes
-        value = crc32(data, crc)
-        # The file's crc32 so far, sent at the end: the caller's when it continues the same one.
-        self._next_crc = value if crc == self._crc else crc32(data, self._crc)
-        return value
+        self.place(data)
+        return crc32(data, crc)
 
     def advance(self) -> None:
-        if not self._limiter.acquire(self._pending, self._cancel):
-            raise SnapshotError("the server is shutting down: the replica was abandoned")
-        with memoryview(self._buffer)[: self._pending] as piece:
-            self._conn.send_data(piece)
-        self._crc = self._next_crc
+        self._fill += self._pending
         self.position += self._pending
         self._pending = 0
+        if self._fill == DATA_FRAME_BYTES:
+            self._submit()
+
+    def _submit(self) -> None:
+        self._busy.append((self._current, self._pool.submit(self._send, self._current, self._fill)))
+        if not self._free:
+            buffer, future = self._busy.popleft()
+            future.result()
+            self._free.append(buffer)
+        self._current, self._fill = self._free.popleft(), 0
+
+    def _send(self, buffer: bytearray, nbytes: int) -> None:
+        if not self._limiter.acquire(nbytes, self._cancel):
+            raise SnapshotError("the server is shutting down: the replica was abandoned")
+        with memoryview(buffer) as whole, whole[:nbytes] as data:
+            self._conn.send_data(data)
 
     def finish(self) -> None:
-        self._conn.request({"op": "end", "bytes": self.position, "crc32": self._crc})
+        if self._fill:
+            self._submit()
+        while self._busy:
+            buffer, future = self._busy.popleft()
+            future.result()
+            self._free.append(buffer)
+        self._conn.request({"op": "end", "bytes": self.position})
+
+    def close(self) -> None:
+        if any(not future.done() for _, future in self._busy):
+            self._conn.abort()  # a failed file: a send stuck on the peer returns now
+        self._pool.shutdown(wait=True)
+        self._busy.clear()

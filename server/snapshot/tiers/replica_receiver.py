@@ -52,7 +52,8 @@ class _Step:
     """A step being received: the senders' connections join it by its token."""
 
     target: StepWrite
-    nbytes: int  # declared at prepare: held against --replica-size until finished
+    nbytes: int  # declared at prepare, or what arrived when more: held against --replica-size until finished
+    arrived: int = 0  # bytes received so far
     received: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # name -> (bytes, crc32)
     failed: str = ""
     touched: float = dataclasses.field(default_factory=time.monotonic)
@@ -70,6 +71,7 @@ class ReplicaReceiver:
         self._secret, self._job_owner = secret, job_owner
         self._steps: dict[str, _Step] = {}
         self._lock = threading.Lock()
+        self._room = threading.Lock()  # held while room is made and reserved: two steps never take the same
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._sock: socket.socket | None = None
         self._closed = threading.Event()
@@ -160,6 +162,7 @@ class ReplicaReceiver:
             self._receive_file(conn, step, self._file_name(step, message.get("name")))
         elif op == "write":
             name = self._file_name(step, message.get("name"))
+            self._reserve(step, len(small))
             self.directory.write_file(step.target, name, small)
             step.received[name] = (len(small), crc32(small))
         elif op == "finish_rank":
@@ -210,18 +213,29 @@ class ReplicaReceiver:
         owner = self._owner(job_id)
         if owner is not None and owner != tenant:
             raise _Refusal("permission_denied", f"job {job_id} belongs to another tenant on this peer")
-        self._make_room(job_id, step, nbytes)
         plan = StepPlan(job_id, step, world_size, (), tenant, keep, replace=bool(message.get("replace")))
-        target = self.directory.prepare(plan)
-        token, state = secrets.token_hex(16), _Step(target, nbytes)
-        with self._lock:
-            self._steps[token] = state
+        with self._room:
+            self._make_room(job_id, step, nbytes)
+            target = self.directory.prepare(plan)
+            token, state = secrets.token_hex(16), _Step(target, nbytes)
+            with self._lock:
+                self._steps[token] = state
         log_event(log, "replica_receiving", job_id=job_id, step=step, bytes=nbytes)
         return token, state
 
     def _owner(self, job_id: str) -> str | None:
         replicas = self.directory.reader.list(job_id)
         return replicas[-1].index.tenant if replicas else self._job_owner(job_id)
+
+    def _reserve(self, step: _Step, nbytes: int) -> None:
+        """``nbytes`` more arrived for ``step``: past what its prepare declared (an estimate),
+        room is made for them; _Refusal when there is none."""
+        with self._room:
+            step.arrived += nbytes
+            if step.arrived > step.nbytes:
+                plan = step.target.plan
+                self._make_room(plan.job_id, plan.step, step.arrived - step.nbytes)
+                step.nbytes = step.arrived
 
     def _make_room(self, job_id: str, step: int, nbytes: int) -> None:
         """Evict the oldest replicas (never a job's newest) until ``nbytes`` more fit; _Refusal else."""
@@ -260,13 +274,22 @@ class ReplicaReceiver:
         return name
 
     def _receive_file(self, conn: Connection, step: _Step, name: str) -> None:
-        """Data frames into the file, until ``end`` names its size and crc32."""
+        """Data frames into the file, until ``end`` names its size (its crc32 is checked against
+        the rank's files, at ``finish_rank``)."""
         size = value = 0
+        refused = None  # once refused, the frames are read to the end and dropped: the wire stays in step
         with self.directory.open_file(step.target, name) as sink:
             while True:
                 frame = conn.receive_frame()
                 if isinstance(frame, dict):
                     break
+                if refused is None:
+                    try:
+                        self._reserve(step, len(frame))
+                    except _Refusal as refusal:
+                        refused, step.failed = refusal, step.failed or str(refusal)
+                if refused is not None or step.failed:
+                    continue
                 with memoryview(frame) as view:
                     done = 0
                     while done < view.nbytes:
@@ -275,8 +298,10 @@ class ReplicaReceiver:
                             done += piece.nbytes
                         sink.advance()
                 size += len(frame)
-            if frame.get("op") != "end" or (size, value) != (frame.get("bytes"), frame.get("crc32")):
-                step.failed = f"{name} arrived with {size} bytes and crc32 {value:08x}, not as sent"
+            if refused is not None:
+                raise refused
+            if frame.get("op") != "end" or size != frame.get("bytes"):
+                step.failed = f"{name} arrived with {size} bytes, not the {frame.get('bytes')} sent"
                 raise _Refusal("corrupt", step.failed)
             sink.finish()
         step.received[name] = (size, value)

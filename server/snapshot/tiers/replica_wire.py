@@ -7,6 +7,7 @@ the measurement behind it: docs/replica_transport.md.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -75,6 +76,11 @@ class Connection:
 
     def close(self) -> None:
         self.sock.close()
+
+    def abort(self) -> None:
+        """End the connection now: a send or receive blocked in another thread fails at once."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def send(self, message: dict[str, Any]) -> None:
         payload = json.dumps(message, allow_nan=False).encode()

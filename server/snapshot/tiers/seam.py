@@ -33,6 +33,7 @@ class StepPlan:
     tenant: str  # the tenant that owns the job, recorded with the files
     keep: int | None  # the job's complete steps the tier keeps at TierWriter.finish (None: all)
     replace: bool = False  # whether TierWriter.finish replaces a complete step of an earlier attempt (else refuses)
+    expected_bytes: int = 0  # the step's bytes on this host, as far as known at prepare (a tier with a budget reserves them)
     source: SnapshotIndex | None = None
     """The files to write when known before (a durable snapshot copied into the tier): a tier
     may find a rank already holding them and skip it; the store needs it (its markers)."""

@@ -28,7 +28,7 @@ from swap_state.server import _posix
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.writing.snapshot_file import SnapshotFile, pwrite_all
 
-__all__ = ["BLOCK_BYTES", "BufferedSink", "ChunkSink", "DirectSink", "open_sink"]
+__all__ = ["BLOCK_BYTES", "BufferedSink", "ChunkSink", "DirectSink", "copy_piece", "open_sink"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ class ChunkSink(abc.ABC):
     def put(self, data: memoryview, crc: int) -> int:
         """Place ``data`` (at most :meth:`room` bytes) at :attr:`position`, not final yet;
         ``crc`` continued over the bytes as placed."""
+
+    def place(self, data: memoryview) -> None:
+        """:meth:`put` for a caller that has the bytes' crc32 already (another sink's copy)."""
+        self.put(data, 0)
 
     def replace(self, data: memoryview, crc: int) -> int:
         """Place ``data`` over the last :meth:`put` (the same length); as :meth:`put`."""
@@ -155,10 +159,7 @@ class DirectSink(ChunkSink):
         n = data.nbytes
         if n > self.room():
             raise ValueError(f"a piece of {n} bytes does not fit the {self.room()} left")
-        if data.readonly:  # the header, from bytes: small, copied holding the GIL
-            self._current[self._fill : self._fill + n] = data
-        else:  # a segment's bytes: copied with the GIL released
-            _posix.memmove(self._address + self._fill, _posix.buffer_address(data), n)
+        copy_piece(self._current, self._address, self._fill, data)
         self._pending = n
         with memoryview(self._current) as whole, whole[self._fill : self._fill + n] as placed:
             return crc32(placed, crc)
@@ -225,6 +226,14 @@ class DirectSink(ChunkSink):
             buffer.close()
         self._busy.clear()
         self._free.clear()
+
+
+def copy_piece(buffer: mmap.mmap | bytearray, address: int, offset: int, data: memoryview) -> None:
+    """``data`` into ``buffer`` (whose first byte is at ``address``) at ``offset``."""
+    if data.readonly:  # the header, from bytes: small, copied holding the GIL
+        buffer[offset : offset + data.nbytes] = data
+    else:  # a segment's bytes: copied with the GIL released
+        _posix.memmove(address + offset, _posix.buffer_address(data), data.nbytes)
 
 
 def open_sink(file: SnapshotFile) -> ChunkSink:
