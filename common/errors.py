@@ -91,6 +91,10 @@ class MetadataBaseUnknownError(FailedPreconditionError, reason="METADATA_BASE_UN
     """A snapshot names a metadata base this server does not hold (restarted): send it again."""
 
 
+class ReplicaPeersUnsetError(FailedPreconditionError, reason="REPLICA_PEERS_UNSET"):
+    """A memory-only snapshot asked of a server without ``--replica-peers``."""
+
+
 class SnapshotsDisabledError(FailedPreconditionError, reason="SNAPSHOTS_DISABLED"):
     """The server was started without ``--snapshot-dir``."""
 

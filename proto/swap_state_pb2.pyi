@@ -227,7 +227,7 @@ class StatsReply(_message.Message):
     def __init__(self, budget_total_bytes: _Optional[int] = ..., budget_used_bytes: _Optional[int] = ..., budget_free_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., steps_committed_total: _Optional[int] = ..., snapshots_in_progress: _Optional[_Iterable[_Union[SnapshotStatusReply, _Mapping]]] = ..., persist_bytes_per_second: _Optional[float] = ..., persist_bandwidth_measured: _Optional[bool] = ..., assumed_fwd_bwd_seconds: _Optional[float] = ..., stage_threads: _Optional[int] = ..., cow_pool_bytes: _Optional[int] = ..., cow_pool_used_bytes: _Optional[int] = ..., sessions_adopted_total: _Optional[int] = ..., reconnects_total: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ("session_id", "generation", "step", "keep_latest", "keep_all", "replace_existing", "metadata_base_id", "metadata_base_json", "metadata_delta_json")
+    __slots__ = ("session_id", "generation", "step", "keep_latest", "keep_all", "replace_existing", "metadata_base_id", "metadata_base_json", "metadata_delta_json", "memory_only")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class SnapshotRequest(_message.Message):
     METADATA_BASE_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_BASE_JSON_FIELD_NUMBER: _ClassVar[int]
     METADATA_DELTA_JSON_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     generation: int
     step: int
@@ -246,7 +247,8 @@ class SnapshotRequest(_message.Message):
     metadata_base_id: str
     metadata_base_json: str
     metadata_delta_json: str
-    def __init__(self, session_id: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., keep_latest: _Optional[int] = ..., keep_all: _Optional[bool] = ..., replace_existing: _Optional[bool] = ..., metadata_base_id: _Optional[str] = ..., metadata_base_json: _Optional[str] = ..., metadata_delta_json: _Optional[str] = ...) -> None: ...
+    memory_only: bool
+    def __init__(self, session_id: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., keep_latest: _Optional[int] = ..., keep_all: _Optional[bool] = ..., replace_existing: _Optional[bool] = ..., metadata_base_id: _Optional[str] = ..., metadata_base_json: _Optional[str] = ..., metadata_delta_json: _Optional[str] = ..., memory_only: _Optional[bool] = ...) -> None: ...
 
 class SnapshotReply(_message.Message):
     __slots__ = ("snapshot_id", "consistent")

@@ -66,6 +66,8 @@ class SnapshotAsk:
     """The job keeps every snapshot."""
     replace_existing: bool = False
     """A durable snapshot of this step from an earlier attempt is replaced."""
+    memory_only: bool = False
+    """Kept in this host's memory and a peer's, not on disk (``SnapshotRequest.memory_only``)."""
 
 
 class StateServer:

@@ -194,30 +194,32 @@ def _build_state(config: ServerConfig, listen: ListenAddress, gid: int | None,
                   copy_policy=copy_policy, tenant_quota=config.tenant_shm_quota)
     registry = SessionRegistry(arena, grace=config.grace, stream_wait=config.stream_wait,
                                max_tensors=config.max_tensors)
-    replicas = _replica_directory(config, listen) if config.replica_listen is not None else None
+    replicas = _memory_directory(config, listen, "replicas", "--replica-listen") if config.replica_listen else None
+    memory = _memory_directory(config, listen, "memory", "--replica-peers") if config.replica_peers else None
     snapshots = None
     if config.snapshot_dir is not None:
         snapshots = SnapshotCoordinator(config.snapshot_dir, config.snapshot_settings, copy_policy=copy_policy,
                                         committed_steps=lambda job_id: {s.rank: s.last_committed_step
                                                                         for s in registry.sessions
                                                                         if s.job_id == job_id},
-                                        replicas=replicas.reader if replicas is not None else None)
+                                        replicas=replicas.reader if replicas is not None else None, memory=memory)
         undo.callback(snapshots.close)
     if replicas is not None:
         undo.callback(_start_replica_receiver(config, replicas, snapshots).close)
     return StateServer(registry, snapshots)
 
 
-def _replica_directory(config: ServerConfig, listen: ListenAddress) -> SnapshotDirectory:
-    """Where peers' replicas are kept: under --shm-dir beside this server's segments, named after
-    its address (a restarted server keeps them)."""
-    directory = SnapshotDirectory(config.shm_dir / f"swap-state-replicas-{_segment_tag(listen)}", DirectIO.OFF)
+def _memory_directory(config: ServerConfig, listen: ListenAddress, kind: str, flag: str) -> SnapshotDirectory:
+    """Where peers' replicas (``kind`` "replicas") or this server's memory-only snapshots
+    ("memory") are kept: under --shm-dir beside its segments, named after its address (a
+    restarted server keeps them)."""
+    directory = SnapshotDirectory(config.shm_dir / f"swap-state-{kind}-{_segment_tag(listen)}", DirectIO.OFF)
     try:
         directory.create_root()
         if directory.hold():
             directory.clean_stale()
     except OSError as exc:
-        raise StartupError(f"--replica-listen: cannot use {directory.root}: {exc.strerror or exc}") from None
+        raise StartupError(f"{flag}: cannot use {directory.root}: {exc.strerror or exc}") from None
     return directory
 
 

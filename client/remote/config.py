@@ -62,6 +62,11 @@ class RemoteConfig(ClientConfig):
     """A snapshot of a step with a durable one from an earlier attempt replaces it (else refused)."""
     snapshot_keep_latest: int | None = None
     """This job's snapshots the server must keep (0: all); None: the server's --keep-latest alone."""
+    replica_interval: int = 0
+    """Every this many steps a memory-only snapshot (in the host's memory and a peer server's,
+    ``--replica-peers``; never on disk), taken as the next step begins, unless that step was
+    snapshotted already (a checkpoint); 0: none. A lost host then costs at most this many steps;
+    ``swap-state plan`` gives the shortest interval the link and the step time allow."""
 
 
 class CheckpointMode(str, enum.Enum):

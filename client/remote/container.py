@@ -33,6 +33,7 @@ from swap_state.client.remote.remote_segment import GROUP_STEPS, PARAM_STEPS, Re
 from swap_state.client.remote.rpc import SnapshotHandle
 from swap_state.client.remote.segment_store import SegmentStore
 from swap_state.common.names import STATE_PREFIX
+from swap_state.common.segment import Word
 
 __all__ = [
     "GROUP_STEPS", "PARAM_STEPS", "SNAPSHOT_JOB_KEY", "SNAPSHOT_REF_KEY", "RemoteConfig",
@@ -87,16 +88,36 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         """The step a reattach (or a restore) resumed at; None for a fresh segment."""
         return self.segment.resumed_step
 
-    def snapshot(self) -> SnapshotHandle:
+    def snapshot(self, memory_only: bool = False) -> SnapshotHandle:
         """Snapshot the last committed step on the server (between steps); returns once it is
         consistent. A whole-state snapshot's model copy lands after (the next update waits). A
         server restart is ridden through (``RemoteConfig.server_wait_s``), else
-        ServerUnavailableError: training may go on and snapshot later."""
+        ServerUnavailableError: training may go on and snapshot later. ``memory_only``: kept in
+        the host's memory and a peer server's (``--replica-peers``), never on disk."""
         self.store.verify_kept_state()
         step = self.session.last_committed_step
         if step is None:
             step = self.store.publish_step()
-        return self.segment.snapshot(step, self.store.metadata.parts(self.segment.views[PARAM_STEPS]))
+        return self.segment.snapshot(step, self.store.metadata.parts(self.segment.views[PARAM_STEPS]), memory_only)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self._replica_snapshot()
+        super().step(*args, **kwargs)
+
+    def _replica_snapshot(self) -> None:
+        """``RemoteConfig.replica_interval``: a memory-only snapshot of the last committed step as
+        the next begins (after any checkpoint of it); skipped while a snapshot reads the segment
+        (training never waits for one)."""
+        interval, step = self.remote_config.replica_interval, self.session.last_committed_step
+        if not interval or not step or step % interval:
+            return
+        handle = self.segment.snapshot_handle
+        if handle is not None and handle.step == step:
+            return  # snapshotted already (a checkpoint, or this same step)
+        if self.segment.mapping.header[Word.SNAP_EPOCH]:
+            log.info("replica snapshot of step %d skipped: the previous snapshot still persists", step)
+            return
+        self.snapshot(memory_only=True)
 
     def restore(self, snapshot_id: str = "latest") -> int:
         """Replace the moments and steps with a durable snapshot's (server-verified); its step.

@@ -182,18 +182,19 @@ class RemoteSegment:
         self.session.commit(step)
         return step
 
-    def snapshot(self, step: int, metadata_parts: tuple[str, str, str]) -> SnapshotHandle:
+    def snapshot(self, step: int, metadata_parts: tuple[str, str, str], memory_only: bool = False) -> SnapshotHandle:
         """Snapshot committed ``step`` (the model's copy starts first); returns once consistent.
-        ``metadata_parts``: (base id, base, delta) of its metadata."""
+        ``metadata_parts``: (base id, base, delta) of its metadata; ``memory_only``: in the host's
+        memory and a peer's, not on disk (``SnapshotRequest.memory_only``)."""
         area = self.model_area
         if area is not None and area.copied_step != step:
             area.copy_from_model(step)  # not copied since a load (or no step yet): now
         try:
-            reply = self._send_snapshot(step, metadata_parts)
+            reply = self._send_snapshot(step, metadata_parts, memory_only)
         except SnapshotBusyError:
             # The server persists one snapshot of a segment at a time: wait, then try once more.
             self.wait_for_persisting_snapshot(f"snapshot of step {step}")
-            reply = self._send_snapshot(step, metadata_parts)
+            reply = self._send_snapshot(step, metadata_parts, memory_only)
         handle = SnapshotHandle(reply.snapshot_id, step, self.session.rank, self.client)
         if not self._location_logged:
             self._location_logged = True
@@ -203,9 +204,9 @@ class RemoteSegment:
         self.snapshot_handle = handle
         return handle
 
-    def _send_snapshot(self, step: int, metadata_parts: tuple[str, str, str]) -> Any:
+    def _send_snapshot(self, step: int, metadata_parts: tuple[str, str, str], memory_only: bool) -> Any:
         ident, base, delta = metadata_parts
-        retention = snapshot_retention(self.config)
+        retention = {**snapshot_retention(self.config), "memory_only": memory_only}
         parts = {"metadata_base_id": ident, "metadata_delta_json": delta}
         if not self._base_sent:
             parts["metadata_base_json"] = base

@@ -531,13 +531,13 @@ class RemoteSession:
         return step
 
     def snapshot(self, step: int, keep_latest: int = 0, keep_all: bool = False, replace_existing: bool = False,
-                 **metadata_parts: str) -> pb.SnapshotReply:
-        """Snapshot committed ``step`` with the job's retention. ``metadata_parts``:
-        ``metadata_base_id``/``_base_json``/``_delta_json`` (none: no metadata)."""
+                 memory_only: bool = False, **metadata_parts: str) -> pb.SnapshotReply:
+        """Snapshot committed ``step`` with the job's retention (``memory_only``: see
+        ``SnapshotRequest``). ``metadata_parts``: ``metadata_base_id``/``_base_json``/``_delta_json``."""
         self.check_alive()
         request = pb.SnapshotRequest(
-            session_id=self.session_id, generation=self.generation, step=step,
-            keep_latest=keep_latest, keep_all=keep_all, replace_existing=replace_existing, **metadata_parts)
+            session_id=self.session_id, generation=self.generation, step=step, keep_latest=keep_latest,
+            keep_all=keep_all, replace_existing=replace_existing, memory_only=memory_only, **metadata_parts)
         return self._call("Snapshot", request)
 
     def restore(self, snapshot_id: str = "latest", metadata_json: str = "") -> pb.RestoreReply:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from swap_state.common.segment import Word
 from swap_state.common.server_config import SnapshotSettings
-from swap_state.common.errors import BudgetExhaustedError
+from swap_state.common.errors import BudgetExhaustedError, ReplicaPeersUnsetError
 from swap_state.common.sizes import format_size
 from swap_state.common.snapshot_errors import (
     SnapshotBusyError, SnapshotError, SnapshotFailedError, SnapshotInvalid, SnapshotNotFoundError,
@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SnapshotSource", "SnapshotState", "SnapshotStatus", "RankSnapshot", "SnapshotCoordinator"]
 
+MEMORY_KEEP = 2  # a job's memory-only snapshots kept here: the newest and, while it is written, the one before
 HISTORY = 64  # finished snapshots whose status stays in memory (older ones are answered from disk)
 ASSEMBLY_CHECK_S = 1.0  # how often a group waiting for ranks looks for one that moved past its step
 
@@ -79,7 +80,7 @@ class SnapshotCoordinator:
                  assemble_timeout_s: float = 300.0, max_metadata_bytes: int = MAX_METADATA_BYTES,
                  clean_stale: bool = True, copy_policy: CopyBudgetPolicy | None = None,
                  committed_steps: Callable[[str], dict[int, int | None]] | None = None,
-                 replicas: SnapshotReader | None = None):
+                 replicas: SnapshotReader | None = None, memory: SnapshotDirectory | None = None):
         """``settings``: retention, writers, store (the server's flags).
         ``assemble_timeout_s``: fail when not all ``local_world_size`` ranks started by then.
         ``clean_stale``: remove a previous run's partial snapshots (False: a live server shares it).
@@ -87,7 +88,8 @@ class SnapshotCoordinator:
         snapshot I/O (``--persist-max-bandwidth``).
         ``committed_steps(job)``: the last committed step of each rank of ``job`` attached here
         (a group waiting for a rank already past its step fails at once). ``replicas``: the
-        replicas peers sent this server (``--replica-listen``), restored from beside its own."""
+        replicas peers sent this server (``--replica-listen``), restored from beside its own.
+        ``memory``: where memory-only snapshots are kept here (with ``--replica-peers``)."""
         keep_latest, stage_threads = settings.keep_latest, settings.stage_threads
         if (keep_latest is not None and keep_latest < 2) or assemble_timeout_s <= 0 or stage_threads < 1:
             raise ValueError(f"keep_latest must be >= 2 or None (keep all), assemble_timeout_s > 0 and "
@@ -127,14 +129,17 @@ class SnapshotCoordinator:
             self.uploader = SnapshotUploader(StoreTier(stored), self.directory, settings.store_max_bandwidth)
         self.stored = self.uploader.stored if self.uploader is not None else None  # the store tier, if any
         self.tier: TierWriter = self.directory  # where snapshots are written: the directory, mirrored to a peer
+        self.memory, self.memory_tier = memory, None  # memory-only snapshots: here, mirrored to a peer
         self.replica_states, self._replica_tier, peers = None, None, []
         if settings.replica_peers:
             addresses, secret = parse_peers(settings.replica_peers), read_secret(settings.replica_secret_file)
             self._replica_tier = ReplicaTier(addresses, secret, BandwidthLimiter(settings.replica_max_bandwidth))
             self.replica_states = ReplicaStates()
             self.tier = MirroredTier(self.directory, self._replica_tier, self.replica_states)
+            if memory is not None:
+                self.memory_tier = MirroredTier(memory, self._replica_tier, self.replica_states)
             peers = [PeerSnapshots(address, secret) for address in addresses]
-        mine = [self.local] if replicas is None else [self.local, replicas]
+        mine = [self.local, *([memory.reader] if memory is not None else []), *([replicas] if replicas else [])]
         # What peers may read (never their own answers again), and what restores read from.
         self.held: SnapshotTier = HostSnapshots(mine) if len(mine) > 1 else self.local
         self.host: SnapshotTier = HostSnapshots([*mine, *peers]) if len(mine) + len(peers) > 1 else self.local
@@ -210,7 +215,7 @@ class SnapshotCoordinator:
     def _new_group(self, source: SnapshotSource) -> SnapshotGroup:
         """Refused past ``--tenant-snapshot-quota`` (the tenant's snapshots here and this one,
         estimated from this rank's bytes); whose job it is the caller decided."""
-        quota = self.tenant_snapshot_quota
+        quota = 0 if source.memory_only else self.tenant_snapshot_quota
         mine = [i.bytes for i in self.local.list() if i.index.tenant == source.tenant] if quota else []
         held, new = sum(mine), sum(t.nbytes for t in source.layout.tensors) * source.expected_ranks
         if quota and held + new > quota:
@@ -220,9 +225,15 @@ class SnapshotCoordinator:
                 f"past its --tenant-snapshot-quota {format_size(quota)}; lower "
                 "the job's retention (keep_latest), remove old jobs, or ask for a larger quota"
             )
-        plan = StepPlan(source.job_id, source.step, source.world_size, (), source.tenant, self._retention_for(source),
-                        replace=source.replace_existing, expected_bytes=new)
-        group = SnapshotGroup(self.tier, self.tier.prepare(plan), source)
+        tier, keep = self.tier, self._retention_for(source)
+        if source.memory_only:
+            if self.memory_tier is None:
+                raise ReplicaPeersUnsetError(f"snapshot {source.job_id}/step-{source.step} asks for memory only: "
+                                             "this server has no --replica-peers to send it to")
+            tier, keep = self.memory_tier, MEMORY_KEEP
+        plan = StepPlan(source.job_id, source.step, source.world_size, (), source.tenant, keep,
+                        replace=source.replace_existing or source.memory_only, expected_bytes=new)
+        group = SnapshotGroup(tier, tier.prepare(plan), source)
         self._groups[(source.job_id, source.step)] = group
         finished = sorted((g.finished_monotonic, key) for key, g in self._groups.items()
                           if g.finished_monotonic is not None
@@ -362,14 +373,15 @@ class SnapshotCoordinator:
         except Exception as exc:  # a bug must fail the snapshot, not hang its waiters
             group.fail(SnapshotError(f"unexpected error committing {group.snapshot_id}: {exc!r}"))
             return
-        if self.uploader is not None:  # before the waiters wake: their status says uploading
+        if self.uploader is not None and not group.memory_only:  # before the waiters wake: their status says uploading
             self.uploader.submit(SnapshotInfo.of(index, commit.path, latest=True), group.keep)
         with group.cond:
             group.commit = commit
             group.state = SnapshotState.DURABLE
             group.finished_monotonic = time.monotonic()
             group.cond.notify_all()
-        for warning in self.directory.empty_trash(commit):  # off the durability path
+        directory = self.memory if group.memory_only and self.memory is not None else self.directory
+        for warning in directory.empty_trash(commit):  # off the durability path
             log_event(log, "snapshot_retention_failed", logging.WARNING, snapshot_id=group.snapshot_id, error=warning)
 
     def _group(self, snapshot_id: str) -> SnapshotGroup | None:

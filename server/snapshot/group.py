@@ -44,6 +44,7 @@ class SnapshotGroup:
         self.partial = target.location  # the partial snapshot the ranks write into
         self.snapshot_id = snapshot_id_for(self.job_id, self.step)
         self.tenant = source.tenant  # recorded in snapshot.json
+        self.memory_only = source.memory_only  # in this host's memory and a peer's: never uploaded
         self.cond = WatchedCondition()  # threads wait on it, RPCs await it (no thread held)
         self.cancel = threading.Event()
         self.handles: dict[int, RankSnapshot] = {}

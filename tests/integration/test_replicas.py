@@ -173,10 +173,11 @@ def test_a_caller_without_the_secret_gets_nothing_and_cannot_make_it_allocate(st
 @pytest.mark.parametrize("where", ["beside_the_peer", "on_a_replacement_host"])
 def test_a_lost_hosts_ranks_resume_from_the_replica_in_the_other_hosts_memory(where, start_server, hosts_shm,
                                                                               tmp_path):
-    """Two hosts replicating into each other, no store: host a is lost with its disks, its ranks
-    restart beside host b's (and read b's memory), or on a new host c whose --replica-peers names
-    b (and read b's memory over the replica wire), and restore the newest step bitwise as if
-    uninterrupted."""
+    """Two hosts replicating into each other, no store, a snapshot on disk at step 2 and a
+    memory-only one every 5 steps (``replica_interval``): host a is lost with its memory and disks
+    at step 6, its ranks restart beside host b's (and read b's memory), or on a new host c whose
+    --replica-peers names b (and read b's memory over the replica wire), and restore step 5, the
+    newest replicated, bitwise as if uninterrupted: the loss costs the step since."""
     secret, ports = _secret(tmp_path), {"a": _free_port(), "b": _free_port()}
     hosts, work = {"a": (0, 1), "b": (2, 3)}, {rank: Workload(seed=rank) for rank in range(4)}
     servers = {}
@@ -187,13 +188,21 @@ def test_a_lost_hosts_ranks_resume_from_the_replica_in_the_other_hosts_memory(wh
                                      replica_peers=f"tcp://127.0.0.1:{ports[other]}", replica_secret_file=secret)
     models = {rank: build(work[rank]) for rank in range(4)}
     containers = {rank: remote(work[rank], models[rank], servers[host].address, "lost", rank=rank, world_size=4,
-                               local_world_size=2) for host, ranks in hosts.items() for rank in ranks}
+                               local_world_size=2, replica_interval=5) for host, ranks in hosts.items() for rank in ranks}
     try:
         for rank in range(4):
-            train(models[rank], containers[rank], work[rank], range(1, 6))
-        params_at_5 = {rank: params_copy(models[rank]) for rank in range(4)}
-        for handle in [containers[rank].snapshot() for rank in range(4)]:
+            train(models[rank], containers[rank], work[rank], range(1, 3))
+        for handle in [containers[rank].snapshot() for rank in range(4)]:  # on disk, and replicated
             assert handle.wait_replicated(timeout_s=60).replica_state == "replicated"
+        params_at_5 = {}
+        for rank in range(4):
+            train(models[rank], containers[rank], work[rank], range(3, 6))
+            params_at_5[rank] = params_copy(models[rank])
+            train(models[rank], containers[rank], work[rank], range(6, 7))  # snapshots step 5 as it begins
+        for rank in range(4):
+            handle = containers[rank].segment.snapshot_handle
+            assert handle.step == 5 and handle.wait_replicated(timeout_s=60).replica_state == "replicated"
+        assert not list((tmp_path / "b-snapshots").glob("lost/step-*5")), "memory-only, yet on disk"
         for rank in hosts["a"]:
             containers.pop(rank).close()
         servers["a"].stop()  # host a is lost, its memory and disks with it
@@ -313,3 +322,17 @@ def test_a_malformed_message_from_a_peer_is_refused_and_the_peer_keeps_serving(s
         conn.request({"op": "write", "name": rank_manifest_name(0)}, b"{}")  # the connection still in step
     finally:
         conn.close()
+
+
+def test_a_memory_only_snapshot_without_replica_peers_is_refused_naming_the_flag(start_server, tmp_path):
+    server = start_server(snapshot_dir=tmp_path / "snapshots")
+    model = build(W)
+    container = remote(W, model, server.address, "no-peers")
+    try:
+        train(model, container, W, range(1, 3))
+        with pytest.raises(SwapStateError, match="no --replica-peers") as refused:
+            container.snapshot(memory_only=True)
+        assert refused.value.reason == "REPLICA_PEERS_UNSET"
+        assert container.snapshot().wait_durable(timeout_s=60).state == "durable"  # nothing was left behind
+    finally:
+        container.close()

@@ -40,6 +40,8 @@ class SnapshotSource:
     tenant: str = ""  # the session's, recorded in the snapshot
     bounded_retention: bool = False
     """The job's own retention may not exceed the server's ``--keep-latest`` (a non-admin tenant)."""
+    memory_only: bool = False
+    """Kept in this host's memory and a peer's (``--replica-peers``), not on disk."""
 
     @classmethod
     def of(cls, session: Any, buffer: Any, ask: Any, **more: Any) -> SnapshotSource:
@@ -48,6 +50,7 @@ class SnapshotSource:
         return cls(buffer, session.layout, session.header, session.job_id, session.rank, session.world_size,
                    ask.step, local_world_size=session.local_world_size,
                    keep_latest=ask.keep_latest, keep_all=ask.keep_all, replace_existing=ask.replace_existing,
+                   memory_only=ask.memory_only,
                    session_id=session.session_id, generation=session.generation, tenant=session.tenant, **more)
 
     @property
