@@ -336,3 +336,28 @@ def test_a_memory_only_snapshot_without_replica_peers_is_refused_naming_the_flag
         assert container.snapshot().wait_durable(timeout_s=60).state == "durable"  # nothing was left behind
     finally:
         container.close()
+
+
+def test_a_flipped_byte_in_a_replica_falls_back_to_the_stores_copy_of_the_step(start_server, hosts_shm, tmp_path):
+    """Host a is lost; its replica in b's memory rotted: a new host c reads b's replica over the
+    wire, finds the bad crc32 before anything is kept, and restores the same step from the store."""
+    secret, store = _secret(tmp_path), str(tmp_path / "store")
+    peer, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
+    sender = _sender(start_server, hosts_shm, tmp_path, address, secret, snapshot_store=store)
+    container, handle = _snapshot(sender, "rot-stored")
+    try:
+        handle.wait_replicated(timeout_s=60)
+        handle.wait_stored(timeout_s=60)
+    finally:
+        container.close()
+    sender.kill()
+    [data] = peer_shm.glob(f"swap-state-replicas-*/rot-stored/step-*/{rank_data_name(0)}")
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0x40
+    data.write_bytes(bytes(raw))
+    (hosts_shm / "c").mkdir()
+    new_host = start_server(snapshot_dir=tmp_path / "c-snapshots", shm_dir=str(hosts_shm / "c"),
+                            replica_peers=address, replica_secret_file=secret, snapshot_store=store)
+    assert _restore_latest(new_host, "rot-stored") == 3
+    log = new_host.log_text()
+    assert "event=restore_fallback" in log and "fails its checksum" in log and "source=store" in log, log[-3000:]

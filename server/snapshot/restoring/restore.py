@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -23,7 +24,9 @@ from typing import ContextManager
 
 from swap_state.common.text_enum import TextEnum
 from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
-from swap_state.common.snapshot_errors import SnapshotBusyError, SnapshotCorruptError, SnapshotError, SnapshotLayoutMismatch
+from swap_state.common.names import snapshot_id_for
+from swap_state.common.snapshot_errors import (
+    SnapshotBusyError, SnapshotCorruptError, SnapshotError, SnapshotLayoutMismatch, SnapshotNotFoundError)
 from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, RankManifest, TensorRecord
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, SnapshotMetadata, parse_metadata
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
@@ -34,6 +37,7 @@ from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.restoring.reshard import Piece, Run, TargetTensor, ranks_needed
 from swap_state.server.snapshot.restoring.restore_reads import stream_tensors
 from swap_state.server.snapshot.restoring.tier_choice import resolve_source
+from swap_state.server.snapshot.tiers.replica_wire import WireError
 
 __all__ = ["RECENT", "Kept", "PlanSource", "RestoreResult", "assemble", "check_layout", "check_world_size", "restore"]
 
@@ -147,14 +151,38 @@ def restore(directory: SnapshotTier, snapshot_id: str, buffer, layout: SegmentLa
         if tier.where == "local" and not info.index.complete_job:
             check_world_size(info, world_size)  # a host's own part of a multi-host snapshot: not resharded
         placement = parse_metadata(placement_json, layout.tensors, sys.maxsize) if placement_json else None
-        done = assemble(tier, info, view, layout, rank=rank, world_size=world_size, placement=placement,
-                        reserve_staging=reserve_staging, staging_free_bytes=staging_free_bytes,
-                        replaceable=header[Word.WRITING_STEP] != 0)
+        read = functools.partial(assemble, view=view, layout=layout, rank=rank, world_size=world_size,
+                                 placement=placement, reserve_staging=reserve_staging,
+                                 staging_free_bytes=staging_free_bytes, replaceable=header[Word.WRITING_STEP] != 0)
+        try:
+            done = read(tier, info)
+        except (SnapshotCorruptError, SnapshotNotFoundError, WireError) as exc:
+            tier, info = _store_copy(stored, tier, info, exc)  # the segment is as before (or zero): read again
+            done = read(tier, info)
         log_event(log, "restore_assembled", snapshot_id=info.snapshot_id, rank=rank, world_size=world_size,
                   snapshot_world_size=info.world_size, source=tier.where, source_ranks=list(done.source_ranks),
                   bytes=done.bytes_restored, staged=done.staged, streamed=done.streamed, kept=done.kept, plan=done.plan,
                   location=str(info.path), seconds=round(time.monotonic() - started, 4))
         return done
+
+
+def _store_copy(stored: StoredSnapshots | None, tier: SnapshotTier, info: SnapshotInfo,
+                failure: SnapshotError) -> tuple[SnapshotTier, SnapshotInfo]:
+    """After ``tier``'s copy of ``info`` failed (corrupt, gone, its peer lost): the store's copy of
+    the same step and attempt, logged; else ``failure`` again. Never an older step: every rank of
+    the job must restore the same one."""
+    if stored is None or tier is stored:
+        raise failure
+    try:
+        copy = stored.resolve(snapshot_id_for(info.job_id, info.step))
+    except SnapshotError:
+        copy = None
+    if copy is None or copy.index.attempt != info.index.attempt:
+        raise type(failure)(f"{failure}; the --snapshot-store holds no copy of {info.snapshot_id} to read "
+                            "instead: restore an older step by its id") from None
+    log_event(log, "restore_fallback", logging.WARNING, snapshot_id=info.snapshot_id, failed=tier.where,
+              error=str(failure), detail="reading the --snapshot-store's copy of the same step instead")
+    return stored, copy
 
 
 def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: SegmentLayout, *, rank: int,
