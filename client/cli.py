@@ -26,7 +26,7 @@ from swap_state.common.names import parse_snapshot_id
 from swap_state.common.object_store import STORE_FLAG, STORE_TIMEOUT_S
 from swap_state.common.segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S
 from swap_state.common.sizes import format_size
-from swap_state.common.sizing import plan_sizes
+from swap_state.common.sizing import plan_sizes, replica_lines
 from swap_state.common.snapshot_errors import SnapshotError, StoreUnavailableError
 
 __all__ = ["main", "build_parser", "run_export"]
@@ -165,6 +165,10 @@ def _add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--step-seconds", type=float, default=None,
                       help="seconds of a forward and backward, e.g. 1.5 (default: the server's assumed 0.1): "
                       "what the disk has to persist in before the next step overwrites")
+    plan.add_argument("--replica-gbps", type=float, default=None,
+                      help="GB/s one host can send to its peer, e.g. 12 (a 100 Gb/s link): adds the shortest "
+                      "RemoteConfig.replica_interval the link and --step-seconds allow, and the --replica-size "
+                      "each peer needs (servers with --replica-peers)")
     plan.add_argument("--no-fsdp", action="store_true",
                       help="every rank holds every parameter (DDP, or tensor/pipeline parallel alone: "
                       "give --params as one rank's count)")
@@ -210,7 +214,10 @@ def _plan(args) -> int:
                           fwd_bwd_s=args.step_seconds or ASSUMED_FWD_BWD_S)
     except ValueError as exc:
         raise SystemExit(f"swap-state plan: {exc}") from None
-    print("\n".join(plan.lines()))
+    lines = plan.lines()
+    if args.replica_gbps:
+        lines += replica_lines(plan, args.replica_gbps * 1e9, args.step_seconds or ASSUMED_FWD_BWD_S)
+    print("\n".join(lines))
     return 0
 
 

@@ -7,11 +7,12 @@ cannot persist within one forward/backward (:func:`~.segment.copy_budget_needed`
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from .segment import ASSUMED_FWD_BWD_S, ASSUMED_PERSIST_BYTES_PER_S, copy_budget_needed
 from .sizes import GiB, MiB, format_size
 
-__all__ = ["SizingPlan", "plan_for_rank", "plan_sizes"]
+__all__ = ["SizingPlan", "plan_for_rank", "plan_sizes", "replica_lines"]
 
 _HEADROOM = 0.02
 """Headers, step counts, page rounding: a little over the tensors' bytes."""
@@ -86,3 +87,19 @@ def plan_for_rank(params_per_rank: int, moments_per_rank: int, model_copy_per_ra
         pool = min(GiB, -(-segments // GiB) * GiB // 7)
     shm_size = -(-(segments + pool) // GiB) * GiB
     return SizingPlan(params_per_rank, moments_per_rank, model_copy_per_rank, ranks_per_host, pool, snapshots, shm_size)
+
+
+def replica_lines(plan: SizingPlan, link_bytes_per_s: float, step_s: float) -> list[str]:
+    """Memory-only snapshots sent to a peer (``--replica-peers``): the shortest replica interval
+    (a host's state sent within the steps between two, so one never waits for the last) and
+    the memory they hold (a job's newest two, here and at the peer)."""
+    if link_bytes_per_s <= 0 or step_s <= 0:
+        raise ValueError("the link's GB/s and the step's seconds must be > 0")
+    send_s = plan.per_host / link_bytes_per_s
+    interval = max(1, math.ceil(send_s / step_s))
+    held = 2 * plan.per_host
+    return [f"replicas:  a host's {format_size(plan.per_host)} takes {send_s:.1f} s to send at "
+            f"{link_bytes_per_s / 1e9:g} GB/s: replica_interval >= {interval} steps of {step_s:g} s; a lost host "
+            f"costs at most that many steps",
+            f"           each peer: --replica-size {max(1, -(-held // GiB))}G; memory-only snapshots take "
+            f"{format_size(held)} of this host's /dev/shm beside --shm-size"]

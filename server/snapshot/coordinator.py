@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SnapshotSource", "SnapshotState", "SnapshotStatus", "RankSnapshot", "SnapshotCoordinator"]
 
-MEMORY_KEEP = 2  # a job's memory-only snapshots kept here: the newest and, while it is written, the one before
+MEMORY_KEEP = 1  # a job's memory-only snapshots kept here: the newest (and, while one is written, the one before it)
 HISTORY = 64  # finished snapshots whose status stays in memory (older ones are answered from disk)
 ASSEMBLY_CHECK_S = 1.0  # how often a group waiting for ranks looks for one that moved past its step
 

@@ -42,3 +42,12 @@ def test_a_torchtitan_flavour_is_counted_on_the_meta_device(capsys):
     assert "per rank:  6," in out  # the debug model's ~6.2M parameters
     with pytest.raises(SystemExit, match="give --params instead"):
         cli.main(["plan", "--model", "llama3:nosuch", "--world-size", "1"])
+
+
+def test_the_shortest_replica_interval_is_the_host_state_over_the_link_in_steps(capsys):
+    # 4 ranks of 2^30 parameters' moments (8 GiB each): 32 GiB a host, 34.36 s at 1 GB/s; 10 s steps.
+    assert cli.main(["plan", "--params", str(4 << 30), "--world-size", "4", "--replica-gbps", "1",
+                     "--step-seconds", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "takes 34.4 s to send at 1 GB/s: replica_interval >= 4 steps of 10 s" in out, out
+    assert "each peer: --replica-size 64G" in out, out
