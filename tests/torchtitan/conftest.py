@@ -2,7 +2,9 @@
 
     titan_assets                      session: tokenizer + c4_test dataset, generated offline
     run_trainer(dump, *flags, steps=6, env=None, timeout=240, expect_returncode=0, check=True,
-                nproc=1)                      nproc > 1: under torchrun (gloo), rank 0's losses
+                nproc=1, hosts=None)          nproc > 1: under torchrun (gloo), rank 0's losses;
+                                      hosts=[env, ...]: one torchrun launch per host (--nnodes),
+                                      each with its env (e.g. its host's SWAP_STATE_SERVER)
         -> Losses                     a list of float.hex() strings, one per step run, with
                                       .steps (step numbers) and .run (TrainerRun: output,
                                       returncode, wall_s, argv)
@@ -31,8 +33,9 @@ def titan_assets(tmp_path_factory) -> TitanAssets:
 @pytest.fixture
 def run_trainer(titan_assets):
     def run(dump_folder, *flags: str, steps: int = 6, env: dict[str, str] | None = None,
-            timeout: float = 240.0, expect_returncode: int = 0, check: bool = True, nproc: int = 1) -> Losses:
-        return as_losses(launch(titan_assets, dump_folder, *flags, steps=steps, env=env,
-                                timeout=timeout, expect_returncode=expect_returncode, check=check, nproc=nproc))
+            timeout: float = 240.0, expect_returncode: int = 0, check: bool = True, nproc: int = 1,
+            hosts: list[dict[str, str]] | None = None) -> Losses:
+        return as_losses(launch(titan_assets, dump_folder, *flags, steps=steps, env=env, timeout=timeout,
+                                expect_returncode=expect_returncode, check=check, nproc=nproc, hosts=hosts))
 
     return run

@@ -25,10 +25,13 @@ import json
 import os
 import random
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -310,12 +313,71 @@ class WarmStarts:
 WARM = WarmStarts()
 
 
-def runner_argv(python: str, nproc: int) -> list[str]:
+def runner_argv(python: str, nproc: int, *, nnodes: int = 1, node_rank: int = 0,
+                master_port: int | None = None) -> list[str]:
     """What runs a launcher: ``python`` itself for one rank; for several, torchrun (gloo on
-    the CPU), which runs the launcher once per rank."""
+    the CPU), which runs the launcher once per rank. With ``nnodes`` above 1: node
+    ``node_rank`` of a multi-node torchrun job (``nproc`` ranks on this node), meeting the
+    others at the static rendezvous on 127.0.0.1:``master_port`` that node 0 serves."""
+    if nnodes > 1:
+        if master_port is None:
+            raise ValueError("a multi-node torchrun needs the rendezvous port (master_port)")
+        return [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
+                f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={master_port}"]
     if nproc == 1:
         return [python]
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+#: Seconds the other hosts' launches get to end by themselves once one has failed (its peers
+#: would otherwise wait in a collective until gloo's timeout), before they are killed.
+FAILED_PEER_GRACE_S = 10.0
+
+
+def run_launches(argvs: list[list[str]], envs: list[dict[str, str]], timeout: float
+                 ) -> tuple[list[int] | None, str, float]:
+    """Run the launches side by side (each in its own session, output to a temporary file):
+    their return codes (None: timed out, all killed), their outputs (one after the other,
+    headed by their host's index when there are several) and the wall time. Once one fails,
+    the others are killed after :data:`FAILED_PEER_GRACE_S`."""
+    outputs = [tempfile.TemporaryFile() for _ in argvs]
+    start = time.monotonic()
+    procs = [subprocess.Popen(argv, cwd=str(REPO_ROOT), env=env, stdout=out, stderr=subprocess.STDOUT,
+                              start_new_session=True) for argv, env, out in zip(argvs, envs, outputs)]
+    deadline, failed_at, timed_out = start + timeout, None, False
+    try:
+        while any(proc.poll() is None for proc in procs):
+            now = time.monotonic()
+            if now > deadline:
+                timed_out = True
+                break
+            if failed_at is None and any(proc.returncode not in (None, 0) for proc in procs):
+                failed_at = now
+            if failed_at is not None and now > failed_at + FAILED_PEER_GRACE_S:
+                break  # the failure is reported; its peers are killed
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+    wall = time.monotonic() - start
+    texts = []
+    for host, out in enumerate(outputs):
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+        out.close()
+        texts.append(text if len(argvs) == 1 else f"--- host {host} (torchrun node rank {host}) ---\n{text}")
+    return None if timed_out else [proc.returncode for proc in procs], "\n".join(texts), wall
 
 
 def launch(
@@ -329,19 +391,29 @@ def launch(
     expect_returncode: int = 0,
     loss_file: str | os.PathLike | None = None,
     nproc: int = 1,
+    hosts: Sequence[dict[str, str]] | None = None,
 ) -> TrainerRun:
     """Run the CPU launcher on ``base_flags(assets, dump_folder, steps=steps) + flags``
     (``nproc`` ranks under torchrun when above 1; rank 0 records the losses).
 
-    ``env`` is added to (and overrides) this process's environment. The loss file defaults
-    to ``<dump_folder>/losses-<n>.jsonl`` (a fresh one per call). With ``check`` a return
-    code other than ``expect_returncode`` or a timeout raises :class:`TrainerRunError`
-    carrying the output's tail.
+    ``env`` is added to (and overrides) this process's environment. ``hosts``: the job runs
+    as on ``len(hosts)`` hosts, the way multi-host torchrun does: one torchrun launch per
+    host (``--nnodes len(hosts) --node-rank i``, ``nproc // len(hosts)`` ranks each, one
+    static rendezvous on 127.0.0.1), launch ``i`` with ``hosts[i]`` added to its environment
+    (for example its host's ``SWAP_STATE_SERVER``); its ranks are ``i * nproc // len(hosts)``
+    on. The run fails when any launch does. The loss file defaults to
+    ``<dump_folder>/losses-<n>.jsonl`` (a fresh one per call). With ``check`` a return code
+    other than ``expect_returncode`` (any launch's) or a timeout raises
+    :class:`TrainerRunError` carrying the output's tail.
     """
     dump_folder = Path(dump_folder)
     dump_folder.mkdir(parents=True, exist_ok=True)
     loss_file = fresh_loss_file(dump_folder) if loss_file is None else Path(loss_file)
     loss_file.write_text("")
+    host_envs = list(hosts) if hosts else [{}]
+    if nproc % len(host_envs):
+        raise ValueError(f"{nproc} ranks do not split evenly over {len(host_envs)} hosts")
+    per_host = nproc // len(host_envs)
 
     run_env = launcher_env(assets, {LOSS_FILE_ENV: str(loss_file)})
     run_env.setdefault("OMP_NUM_THREADS", rank_threads(nproc))
@@ -349,16 +421,20 @@ def launch(
         [str(REPO_ROOT)] + ([run_env["PYTHONPATH"]] if run_env.get("PYTHONPATH") else [])
     )
     run_env.update(env or {})
-    argv = [*runner_argv(sys.executable, nproc), *WARM.argv(sys.executable, run_env), str(LAUNCHER),
-            *base_flags(assets, dump_folder, steps=steps), *flags]
+    port = free_port() if len(host_envs) > 1 else None
+    argvs, envs = [], []
+    for node, host_env in enumerate(host_envs):
+        node_env = {**run_env, **host_env}
+        argvs.append([*runner_argv(sys.executable, per_host, nnodes=len(host_envs), node_rank=node,
+                                   master_port=port),
+                      *WARM.argv(sys.executable, node_env), str(LAUNCHER),
+                      *base_flags(assets, dump_folder, steps=steps), *flags])
+        envs.append(node_env)
+    argv = [arg for node_argv in argvs for arg in (*node_argv, "&")][:-1]  # what ran, as one line
 
-    start = time.monotonic()
-    try:
-        proc = subprocess.run(argv, cwd=str(REPO_ROOT), env=run_env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
-        raise TrainerRunError(f"trainer timed out after {timeout}s: {' '.join(argv)}\n{_tail(out)}")
-    wall = time.monotonic() - start
-    return finished_run(argv, loss_file, proc.returncode, proc.stdout, wall,
+    returncodes, output, wall = run_launches(argvs, envs, timeout)
+    if returncodes is None:
+        raise TrainerRunError(f"trainer timed out after {timeout}s: {' '.join(argv)}\n{_tail(output)}")
+    returncode = next((code for code in returncodes if code != expect_returncode), expect_returncode)
+    return finished_run(argv, loss_file, returncode, output, wall,
                         check=check, expect_returncode=expect_returncode)
