@@ -1,8 +1,8 @@
 """``python -m bench.replicas``: snapshots replicated into a peer server's memory (issue 50,
 item 8), each number beside a baseline measured in the same run.
 
-1. replication: a snapshot sent to the peer while the disk persists, from its start until the
-   peer committed it (the server's ``snapshot_replicated`` line), vs a raw TCP copy of the same
+1. replication: a snapshot sent to the peer while the disk persists, and a memory-only one (this
+   host's memory and the peer's), each from its start until the peer committed it (the server's ``snapshot_replicated`` line), vs a raw TCP copy of the same
    data file between two processes over loopback from /dev/shm (``bench.transport``'s baseline);
 2. the optimizer step while a snapshot is persisted and replicated, vs the steps just before
    (no snapshot); ``--isolate`` pins both servers to the last CPU and the trainer to the others;
@@ -117,12 +117,13 @@ def replication_section(args, a: _Host, remote: Variant) -> dict[str, Any]:
     from /dev/shm (where the sender reads it: the trainer's segment) in the same run."""
     s: dict[str, list[float]] = defaultdict(list)
     for _ in range(args.reps):
-        remote.step()
-        handle = remote.optimizer.snapshot()
-        handle.wait_replicated(WAIT_S)
-        folder = Path(handle.wait_durable(WAIT_S).path)
-        nbytes, seconds = a.replicated(handle.snapshot_id)
-        s["replica_gbps"].append(gbps(nbytes, seconds))
+        for kind, memory_only in (("", False), ("memory_only_", True)):
+            remote.step()
+            handle = remote.optimizer.snapshot(memory_only=memory_only)
+            handle.wait_replicated(WAIT_S)
+            folder = Path(handle.wait_durable(WAIT_S).path)
+            nbytes, seconds = a.replicated(handle.snapshot_id)
+            s[f"{kind}replica_gbps"].append(gbps(nbytes, seconds))
         data = folder / "rank-00000.safetensors"
         in_memory = Path(tempfile.mkdtemp(prefix="swap-state-bench-raw-src-", dir="/dev/shm")) / data.name
         shutil.copyfile(data, in_memory)
@@ -131,9 +132,11 @@ def replication_section(args, a: _Host, remote: Variant) -> dict[str, Any]:
         finally:
             shutil.rmtree(in_memory.parent, ignore_errors=True)
         s["raw_tcp_memory_gbps"].append(gbps(data.stat().st_size, raw_memory))
-        s["ratio_to_raw_tcp_memory"].append(s["replica_gbps"][-1] / s["raw_tcp_memory_gbps"][-1])
-        _log(f"  replica {handle.snapshot_id} ({fmt_bytes(nbytes)}): {s['replica_gbps'][-1]:.3f} GB/s; raw TCP of "
-             f"the data file {s['raw_tcp_memory_gbps'][-1]:.3f} GB/s from /dev/shm")
+        for kind in ("", "memory_only_"):
+            s[f"{kind}ratio_to_raw_tcp_memory"].append(s[f"{kind}replica_gbps"][-1] / s["raw_tcp_memory_gbps"][-1])
+        _log(f"  replica ({fmt_bytes(nbytes)}): {s['replica_gbps'][-1]:.3f} GB/s while the disk persists, "
+             f"{s['memory_only_replica_gbps'][-1]:.3f} GB/s memory-only; raw TCP of the data file "
+             f"{s['raw_tcp_memory_gbps'][-1]:.3f} GB/s from /dev/shm")
     return {"bytes": nbytes, **{k: {**summarize(v), "samples": v} for k, v in s.items()}}
 
 
@@ -216,8 +219,10 @@ def markdown(result: dict[str, Any]) -> str:
              f"{result['seconds']:.0f} s. Cells: median / mean / worst.", "",
              "| replication | GB/s or ratio |", "| --- | --- |",
              f"| snapshot start -> replicated, while the disk persists | {_cell(rep['replica_gbps'])} |",
+             f"| snapshot start -> replicated, memory-only | {_cell(rep['memory_only_replica_gbps'])} |",
              f"| raw TCP of the data file from /dev/shm | {_cell(rep['raw_tcp_memory_gbps'])} |",
-             f"| replication ÷ raw TCP | {_cell(rep['ratio_to_raw_tcp_memory'])} |", "",
+             f"| replication while the disk persists ÷ raw TCP | {_cell(rep['ratio_to_raw_tcp_memory'])} |",
+             f"| memory-only replication ÷ raw TCP | {_cell(rep['memory_only_ratio_to_raw_tcp_memory'])} |", "",
              f"| optimizer step while replicating{' (isolated)' if result['isolated'] else ''} | ratio |",
              "| --- | --- |",
              f"| mean step ÷ quiet mean | {_cell(step['mean_ratio'], 'max')} |",
