@@ -153,12 +153,13 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         flat[SNAPSHOT_JOB_KEY] = self.remote_config.job_id
         return flat
 
-    def checkpoint_reference(self) -> str:
+    def checkpoint_reference(self, memory_only: bool = False) -> str:
         """The id of a snapshot of the last committed step, taken now unless one exists ("" with
-        no committed step or torn state); returns once the model's copy has landed."""
+        no committed step or torn state; ``memory_only``: see :meth:`snapshot`); returns once the
+        model's copy has landed."""
         step, handle = self.session.last_committed_step, self.segment.snapshot_handle
         if step is not None and (handle is None or handle.step != step) and self.segment.torn_step is None:
-            handle = self.snapshot()  # a restarting server is waited for (server_wait_s)
+            handle = self.snapshot(memory_only)  # a restarting server is waited for (server_wait_s)
         if self.snapshots_model:
             # A trainer killed once the save returns must leave a snapshot the server can complete.
             self.segment.model_area.wait_published()
