@@ -1,19 +1,20 @@
 """``python -m bench.chaos --minutes M --seed S``: faults in a row, not one at a time.
 
 Two hosts (a server process each, with its own shm and snapshot directories, the snapshot dir a
-small tmpfs where mounting one is allowed) share a ``file://`` store; three jobs train on them
+small tmpfs where mounting one is allowed) share a ``file://`` store and replicate each snapshot
+into each other's memory (``--replica-peers``); three jobs train on them
 (:mod:`bench.chaos_trainer`: ``solo-a`` on host a, ``pair`` (two ranks in lockstep) and
 ``solo-b`` on host b), whole-state snapshots every 3 steps. A schedule drawn from the seed
 injects, one after another: trainer SIGKILLs, server SIGKILLs and SIGTERMs (a successor adopts
 the segments), a lost host (server killed, shm and snapshot dirs wiped, its jobs moved to the
-other host, resuming from the store), a full snapshot disk, a store outage and hostile
+other host, resuming from the replicas in its memory or the store, whichever is newer), a full snapshot disk, a store outage and hostile
 clients. The invariants, checked as it runs (a violation is printed at once and fails the run):
 
 - no trainer dies (only the harness kills them) or stalls (a step within ``--stall-s``);
 - a trainer resumes at a step no older than the newest durable one known before its fault
-  (the newest complete stored one, after a lost host);
-- every durable snapshot found on a host holds plain AdamW's bytes of its step (model and
-  moments, bitwise);
+  (after a lost host: the newest complete stored one, or replicated into the other host);
+- every durable snapshot and replica found on a host holds plain AdamW's bytes of its step
+  (model and moments, bitwise);
 - a job's newest durable step on a host never goes back (a lost host starts afresh);
 - recovery: every trainer a fault touched steps again within ``--stall-s``;
 - each server's anonymous memory and open files stay bounded;
@@ -98,6 +99,8 @@ class Chaos:
         self.stop_file = work / "stop"
         self.hosts = {name: Host(name, pathlib.Path(tempfile.mkdtemp(prefix=f"chaos-{name}-", dir="/dev/shm")),
                                  work / f"{name}-snapshots") for name in ("a", "b")}
+        self.replica_ports = {name: _free_port() for name in self.hosts}  # kept by a replacement host
+        self.secret = work / "replica-secret"
         self.jobs = {name: Job(name, ranks, host, work / f"{name}.progress", work / f"{name}.log")
                      for name, ranks, host in (("solo-a", 1, "a"), ("pair", 2, "b"), ("solo-b", 1, "b"))}
         self.violations: list[str] = []
@@ -115,10 +118,14 @@ class Chaos:
             done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m,mode=0700", "tmpfs", str(host.snapshots)],
                                   capture_output=True, text=True)
             host.mounted = done.returncode == 0
+        other = next(name for name in self.hosts if name != host.name)
         config = EmbeddedServerConfig(shm_size_bytes=512 << 20, snapshot_dir=str(host.snapshots), auto_restart=False,
                                       server={"shm_dir": str(host.shm), "grace": 300.0, "keep_latest": 3,
                                               "snapshot_store": f"file://{self.store}", "snapshot_store_timeout": 5.0,
-                                              "free_segments_on_stop": False})
+                                              "free_segments_on_stop": False,
+                                              "replica_listen": f"tcp://127.0.0.1:{self.replica_ports[host.name]}",
+                                              "replica_peers": f"tcp://127.0.0.1:{self.replica_ports[other]}",
+                                              "replica_size": "256M", "replica_secret_file": str(self.secret)})
         host.server = EmbeddedServer(config).start()
 
     def say(self, text: str) -> None:
@@ -180,16 +187,21 @@ class Chaos:
     def newest_durable(self, job: Job) -> int:
         return self.newest.get((self.hosts[job.host].name, job.name), 0)
 
+    def snapshot_roots(self, host: Host) -> list[tuple[str, pathlib.Path]]:
+        """(name, directory) of the host's snapshots and of the replicas it holds."""
+        return [(host.name, host.snapshots),
+                *((f"{host.name}-replicas", p) for p in sorted(host.shm.glob("swap-state-replicas-*")))]
+
     def verify_snapshots(self, host: Host) -> None:
-        """The host's complete snapshots: the newest never goes back; each new one (or one
-        replaced by a later attempt at its step) is checked against plain AdamW, by step."""
+        """The host's complete snapshots and replicas: the newest never goes back; each new one
+        (or one replaced by a later attempt at its step) is checked against plain AdamW, by step."""
         found = []
-        for job in self.jobs:
+        for (name, root), job in ((root, job) for root in self.snapshot_roots(host) for job in self.jobs):
             indexes = sorted((int(p.parent.name.removeprefix("step-")), p)
-                             for p in (host.snapshots / job).glob("step-*/snapshot.json"))
+                             for p in (root / job).glob("step-*/snapshot.json"))
             if not indexes:
                 continue
-            newest, key = indexes[-1][0], (host.name, job)
+            newest, key = indexes[-1][0], (name, job)
             if newest < self.newest.get(key, 0):
                 self.violation(f"{job}'s newest durable step on host {host.name} went back: "
                                f"{self.newest[key]} -> {newest}")
@@ -199,16 +211,16 @@ class Chaos:
                     stat = index.stat()
                     mark = (host.name, job, step, stat.st_ino, stat.st_mtime_ns)
                     if mark not in self.verified:
-                        found.append((job, step, mark))
-        for job, step, mark in sorted(found):
-            self.verify(host, job, step, mark)
+                        found.append((job, step, mark, root))
+        for job, step, mark, root in sorted(found):
+            self.verify(host, job, step, mark, root)
 
-    def verify(self, host: Host, job: str, step: int, mark: tuple) -> None:
+    def verify(self, host: Host, job: str, step: int, mark: tuple, root: pathlib.Path) -> None:
         try:
-            state = read_snapshot_state(locate(f"{job}/step-{step}", host.snapshots))
+            state = read_snapshot_state(locate(f"{job}/step-{step}", root))
         except (SwapStateError, OSError) as e:
-            if (host.snapshots / job / f"step-{step:012d}").exists():  # not retired meanwhile
-                self.violation(f"{job}/step-{step} on host {host.name} cannot be read: {e}")
+            if (root / job / f"step-{step:012d}").exists():  # not retired (nor evicted) meanwhile
+                self.violation(f"{job}/step-{step} in {root} on host {host.name} cannot be read: {e}")
             return
         reference = self.references[job] = self.references[job].at(step)
         wrong = [k for k, v in reference.model.state_dict().items()
@@ -290,8 +302,11 @@ class Chaos:
         for job in on_host:
             with contextlib.suppress(SwapStateError, OSError):
                 floors[job.name] = max((i.step for i in stored.list(job.name)), default=0)
+            replicated = [int(p.parent.name.removeprefix("step-"))
+                          for p in other.shm.glob(f"swap-state-replicas-*/{job.name}/step-*/snapshot.json")]
+            floors[job.name] = max([floors.get(job.name, 0), *replicated])
         self.say(f"fault: host {host.name} lost; {[j.name for j in on_host]} move to host {other.name} "
-                 f"(newest stored steps {floors})")
+                 f"(newest stored or replicated steps {floors})")
         host.server.kill()
         for job in on_host:
             self.kill_job(job)
@@ -300,7 +315,7 @@ class Chaos:
             for entry in list(path.iterdir()) if path.exists() else []:
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         for (name, job), _ in list(self.newest.items()):
-            if name == host.name:
+            if name in (host.name, f"{host.name}-replicas"):
                 del self.newest[name, job]
         self.verified = {v for v in self.verified if v[0] != host.name}
         self.start_host(host)  # a replacement host, empty
@@ -357,6 +372,8 @@ class Chaos:
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> int:
         self.store.mkdir()
+        self.secret.write_text("chaos-replica-secret-0123456789abcdef")
+        self.secret.chmod(0o600)
         for host in self.hosts.values():
             self.start_host(host)
         for job in self.jobs.values():
@@ -385,7 +402,8 @@ class Chaos:
                     self.violation(f"{job.name}'s trainer ended with {code}: {job.log.read_text(errors='replace')[-800:]}")
         self.check()
         for host in self.hosts.values():
-            left = sorted(p.name for p in host.shm.iterdir())
+            left = sorted(p.name for p in host.shm.iterdir()
+                          if not p.name.startswith(("swap-state-replicas-", "swap-state-memory-")))
             if left:
                 self.violation(f"host {host.name}'s shm directory still holds {left} after every trainer detached")
 
@@ -407,6 +425,14 @@ class Chaos:
                  f"({sum(self.faults.values())}); recoveries {len(self.recoveries)}, mean {mean:.1f} s, worst {worst:.1f} s; "
                  f"snapshots verified bitwise {len(self.verified)}; steps reached {steps}; violations {len(self.violations)}")
         return 1 if self.violations else 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

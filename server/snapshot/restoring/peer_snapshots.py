@@ -14,13 +14,12 @@ from swap_state.common.snapshot_errors import SnapshotError, SnapshotNotFoundErr
 from swap_state.common.snapshot_format import SnapshotIndex
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.tiers.replica_wire import Connection, connect_to_peer
+from swap_state.server.snapshot.tiers.replica_wire import CONNECT_TIMEOUT_S, Connection, connect_to_peer
 
 __all__ = ["PeerSnapshots"]
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 3.0  # a lost peer is passed over quickly: a restore has other places to look
 
 
 class PeerSnapshots(SnapshotTier):

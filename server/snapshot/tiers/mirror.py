@@ -8,6 +8,7 @@ step stays durable here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -60,8 +61,12 @@ class MirroredTier(TierWriter):
 
     def open_file(self, target: StepWrite, name: str) -> ChunkSink:
         sink = self.primary.open_file(target, name)
-        mirror = self._mirror(target)
-        copy = self._try(mirror, lambda on: self.mirror.open_file(on, name))
+        try:
+            mirror = self._mirror(target)
+            copy = self._try(mirror, lambda on: self.mirror.open_file(on, name))
+        except BaseException:
+            sink.close()
+            raise
         return sink if copy is None else _TeeSink(sink, copy, lambda exc: self._fail(mirror, exc))
 
     def write_file(self, target: StepWrite, name: str, data: bytes) -> None:
@@ -104,8 +109,8 @@ class MirroredTier(TierWriter):
             if mirror.target is None and not mirror.error:
                 try:
                     mirror.target = self.mirror.prepare(mirror.plan)
-                except (OSError, SnapshotError) as exc:
-                    mirror.error = str(exc)
+                except Exception as exc:  # the mirror's failure, a bug included, is never the step's
+                    mirror.error = _why(exc)
         return mirror
 
     def _try(self, mirror: _Mirror, call: Callable[[StepWrite], T]) -> T | None:
@@ -114,13 +119,13 @@ class MirroredTier(TierWriter):
             return None
         try:
             return call(mirror.target)
-        except (OSError, SnapshotError) as exc:
+        except Exception as exc:  # the mirror's failure, a bug included, is never the step's
             self._fail(mirror, exc)
             return None
 
     def _fail(self, mirror: _Mirror, exc: BaseException) -> None:
         with mirror.lock:
-            mirror.error = mirror.error or str(exc)
+            mirror.error = mirror.error or _why(exc)
 
     def _forget(self, target: StepWrite) -> _Mirror | None:
         with self._lock:
@@ -181,7 +186,13 @@ class _TeeSink(ChunkSink):
             return
         try:
             call(self._copy)
-        except (OSError, SnapshotError) as exc:
+        except Exception as exc:  # the copy's failure, a bug included, is never the file's
             copy, self._copy = self._copy, None
-            copy.close()
+            with contextlib.suppress(Exception):
+                copy.close()
             self._failed(exc)
+
+
+def _why(exc: BaseException) -> str:
+    """An expected failure's own message; an unexpected one's type too (a bug to report)."""
+    return str(exc) if isinstance(exc, (OSError, SnapshotError)) else f"unexpected error: {exc!r}"

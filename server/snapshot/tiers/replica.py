@@ -17,7 +17,8 @@ from swap_state.common.addresses import ListenAddress
 from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
-from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES, Connection, connect_to_peer
+from swap_state.server.snapshot.tiers.replica_wire import (
+    CONNECT_TIMEOUT_S, DATA_FRAME_BYTES, Connection, connect_to_peer)
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
 from swap_state.server import _posix
@@ -56,7 +57,7 @@ class ReplicaTier(TierWriter):
         why = []
         for peer in self.peers:
             try:
-                conn = connect_to_peer(peer, self._secret)
+                conn = connect_to_peer(peer, self._secret, CONNECT_TIMEOUT_S)
             except SnapshotError as exc:
                 why.append(str(exc))
                 continue

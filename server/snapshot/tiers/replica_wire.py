@@ -25,7 +25,7 @@ from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import MAX_LAYOUT_BYTES
 from swap_state.server.tenants import read_secret_file
 
-__all__ = ["Connection", "DATA_FRAME_BYTES", "ReplicaRefused", "WireError", "accept_sender", "connect_to_peer",
+__all__ = ["CONNECT_TIMEOUT_S", "Connection", "DATA_FRAME_BYTES", "ReplicaRefused", "WireError", "accept_sender", "connect_to_peer",
            "read_secret"]
 
 _MAGIC = b"SSR1"
@@ -34,6 +34,7 @@ _CONTROL, _DATA = 1, 2
 DATA_FRAME_BYTES = 8 << 20  # a data frame's most bytes (a sink's room)
 _MAX_CONTROL_BYTES = MAX_LAYOUT_BYTES + (1 << 20)  # a commit carries the step's layout index
 IO_TIMEOUT_S = 60.0  # the longest a peer may leave a frame unsent or unread
+CONNECT_TIMEOUT_S = 3.0  # a lost peer is passed over quickly: a snapshot or a restore has other places to go
 _VERSION = 1
 _SOCKET_BUFFER_BYTES = 4 << 20
 

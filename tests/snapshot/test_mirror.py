@@ -1,0 +1,67 @@
+"""The mirrored tier on its own (a fake peer tier, the real directory): a mirror that fails,
+a bug included, at any call of the seam leaves the step durable, its replica state failed with
+the reason, and no file open (the chaos run found a bug in the mirror leaking two descriptors
+per snapshot, with every snapshot failing)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from swap_state.server.snapshot.coordinator import SnapshotState
+from swap_state.server.snapshot.tiers.mirror import MirroredTier
+from swap_state.server.snapshot.tiers.replicate import ReplicaStates
+from swap_state.server.snapshot.tiers.seam import StepWrite
+
+
+class _BrokenPeer:
+    """A peer tier whose call ``broken`` raises a bug; the others do nothing."""
+
+    root = "tcp://peer:1"
+
+    def __init__(self, broken: str):
+        self.broken, self.discarded = broken, 0
+
+    def _call(self, name: str) -> None:
+        if name == self.broken:
+            raise RuntimeError(f"a bug in {name}")
+
+    def prepare(self, plan):
+        self._call("prepare")
+        return StepWrite(plan, "peer/step", ())
+
+    def open_file(self, target, name):
+        self._call("open_file")
+        raise AssertionError("not reached in these tests")
+
+    def write_file(self, target, name, data):
+        self._call("write_file")
+
+    def finish_rank(self, target, rank, files):
+        self._call("finish_rank")
+
+    def discard(self, target):
+        self.discarded += 1
+        return True
+
+
+@pytest.mark.parametrize("broken", ["prepare", "open_file"])
+def test_a_mirror_that_fails_leaves_the_step_durable_and_no_file_open(broken, make_segment, make_coordinator):
+    seg = make_segment()
+    seg.fill(3)
+    coordinator = make_coordinator()
+    peer, states = _BrokenPeer(broken), ReplicaStates()
+    coordinator.tier = MirroredTier(coordinator.directory, peer, states)
+    coordinator.replica_states = states
+    opened = []  # after each snapshot: the first may open what the coordinator keeps
+    for step in (2, 3, 4, 5):
+        seg.fill(step + 1)
+        handle = coordinator.start(seg.source("job", step))
+        assert handle.wait(20).state is SnapshotState.DURABLE
+        handle.thread.join(20)  # it commits, then empties the trash
+        found = states.state("job", step)
+        assert found.state == "failed" and f"unexpected error: RuntimeError('a bug in {broken}')" in found.error
+        opened.append(len(os.listdir("/proc/self/fd")))
+    assert opened[1:] == opened[:1] * 3, opened
+    assert peer.discarded == (4 if broken == "open_file" else 0)  # a prepared step is discarded on the peer
