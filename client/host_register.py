@@ -27,8 +27,7 @@ __all__ = [
     "BOUNCE_SLOTS", "BOUNCE_SLOT_BYTES", "PAGE_SIZE", "PROBE_MARGIN_S", "PROBE_SLOWDOWN", "REGISTER_CHUNK_BYTES",
     "BounceRing", "CopyProbe", "HostRegistration", "HostRegistrationError", "ProbeConfig", "copies_are_async",
     "locate_library", "needs_bounce", "npu_versions", "page_chunks", "probe_registered_copies",
-    "registered_host_buffer", "release_host_buffers",
-]
+    "registered_host_buffer", "release_host_buffers"]
 
 logger = logging.getLogger(__name__)
 

@@ -317,8 +317,7 @@ class ServerConfig:
             (self.shutdown_grace >= 0, "shutdown_grace must be >= 0"),
             (self.keepalive_interval > 0, "keepalive_interval must be > 0"),
             (self.max_tensors >= 1 and self.max_message_bytes >= 4 * KiB,
-             "max_tensors must be >= 1 and max_message_bytes >= 4 KiB"),
-        ):
+             "max_tensors must be >= 1 and max_message_bytes >= 4 KiB")):
             if not ok:
                 raise ConfigError(message)
 

@@ -22,8 +22,7 @@ from typing import Any
 
 from swap_state.common.errors import (
     FailedPreconditionError, InvalidRequestError, MetadataBaseUnknownError, NoSegmentError, PermissionDeniedError,
-    SnapshotsDisabledError,
-)
+    SnapshotsDisabledError)
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.segment import TensorSpec
 from swap_state.common.snapshot_metadata_parts import MetadataParts, base_id, parse_base, parse_delta

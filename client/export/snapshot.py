@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from swap_state.client.remote.segment_mapping import TORCH_DTYPES
 from swap_state.common.names import (
-    MODEL_PREFIX, STATE_PREFIX, is_model_tensor, param_group_key, parse_snapshot_id, state_key,
-)
+    MODEL_PREFIX, STATE_PREFIX, is_model_tensor, param_group_key, parse_snapshot_id, state_key)
 from swap_state.common.object_store import STORE_FLAG, STORE_TIMEOUT_S, PosixObjectStore, open_store
 from swap_state.common.segment import TensorLayout
 from swap_state.common.snapshot_errors import SnapshotError, SnapshotNotFoundError, StoreUnavailableError

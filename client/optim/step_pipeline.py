@@ -17,13 +17,11 @@ from torch.optim import Optimizer
 from swap_state.client.optim.dtensor_utils import unwrap_dtensor
 from swap_state.client.optim.kernels import (
     PendingSlice, SlicePlan, SliceWork, adam_update, PlacementError, checked_slice, full_slice_work,
-    group_implementation, plan_slice, plan_slices, slice_work, steps_on_device,
-)
+    group_implementation, plan_slice, plan_slices, slice_work, steps_on_device)
 from swap_state.client.device import DeviceBackend
 from swap_state.client.optim.host_cache import (
     MOMENT_KEYS, HostCaches, STEP_DTYPE, STEP_KEY, SliceStates, advance_group_step, as_number, group_map,
-    host_cache_ready, step_tensor,
-)
+    host_cache_ready, step_tensor)
 
 __all__ = ["DEFAULT_SWAP_TIMES", "StepPipeline"]
 
@@ -217,7 +215,8 @@ class StepPipeline:
         compute.wait_event(loaded.ready)
         self._fused_update(optim, loaded.work, loaded.device)
         for _, buffer in _pairs(loaded.work, loaded.device):
-            _record_stream(backend, buffer, compute)
+            if not (backend.is_accelerator and buffer.device.type == "cpu"):  # a CPU step copy: no stream uses it
+                backend.record_stream(buffer, compute)
         updated = backend.event()
         updated.record(compute)
         return updated
@@ -254,12 +253,6 @@ class StepPipeline:
                 tensors["exp_avg_sq"][start:end], tensors["max_exp_avg_sq"][start:end] if group["amsgrad"] else [],
                 tensors[STEP_KEY][start:end], group=group, grad_scale=grad_scale, found_inf=found_inf,
                 steps=None if steps is None else steps[start:end], upcast=upcast)
-
-
-def _record_stream(backend: DeviceBackend, tensor: torch.Tensor, stream: Any) -> None:
-    """``backend.record_stream``, except for a CPU step copy (no stream uses it)."""
-    if not (backend.is_accelerator and tensor.device.type == "cpu"):
-        backend.record_stream(tensor, stream)
 
 
 def _load_steps(backend: DeviceBackend, work: SliceWork) -> tuple[list[Any], torch.Tensor | None]:

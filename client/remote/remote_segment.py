@@ -414,8 +414,7 @@ class ParamFingerprint:
                     by_device.setdefault(view.device, {}).setdefault(view.dtype, []).append(view)
             self._groups = [
                 [dtypes[dtype] for dtype in sorted(dtypes, key=str)]
-                for _, dtypes in sorted(by_device.items(), key=lambda item: str(item[0]))
-            ]
+                for _, dtypes in sorted(by_device.items(), key=lambda item: str(item[0]))]
             self._pointers = pointers
         return self._groups
 

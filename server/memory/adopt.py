@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterator
 
 from swap_state.common.segment import (
     FIXED_WORDS, LAYOUT_VERSION, MAGIC, TensorSpec, SegmentHeader, SegmentLayout, Word, layout_hash,
-    layout_hash_word, plan_segment, segment_file_bytes,
-)
+    layout_hash_word, plan_segment, segment_file_bytes)
 from swap_state.common.segment_descriptor import MAX_DESCRIPTOR_BYTES, SegmentDescriptor
 from swap_state.common.server_header import ServerHeader
 from swap_state.server.logs import log_event

@@ -23,8 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from swap_state.common.segment import (
     TensorSpec, PAGE_BYTES, SegmentHeader, SegmentLayout, align_up,
-    model_bytes, plan_segment, segment_file_bytes, tensor_nbytes,
-)
+    model_bytes, plan_segment, segment_file_bytes, tensor_nbytes)
 from swap_state.common.segment_descriptor import SegmentDescriptor
 
 from swap_state.common.server_header import ServerHeader
@@ -278,8 +277,7 @@ class Arena:
                 raise BudgetExhaustedError(
                     f"segment of {format_size(charge)} refused: this tenant holds {format_size(held)} "
                     f"of its --tenant-shm-quota {format_size(self.tenant_quota)} on this server; free a "
-                    "session of it (Detach) or ask for a larger quota (other tenants are unaffected)"
-                )
+                    "session of it (Detach) or ask for a larger quota (other tenants are unaffected)")
             self._account(tenant, charge, layout, 1)
             self._seq += 1
             return f"{self.prefix}{owner}.{self._seq}", layout
@@ -337,8 +335,7 @@ class Arena:
                 f"({available} bytes available on the filesystem, although the --shm-size budget "
                 "allowed it: something else uses that tmpfs). Raise `docker run --shm-size` / "
                 f"compose `shm_size`, or free {self.shm_dir}: requested {segment.size}, "
-                f"free {available}, total {self.total_bytes}"
-            ) from None
+                f"free {available}, total {self.total_bytes}") from None
 
     def _lock_pages(self, segment: Segment) -> None:
         assert segment.buffer is not None

@@ -25,8 +25,7 @@ from collections.abc import Callable, Sequence
 
 from swap_state.common.errors import (
     SERVER_STOPPING_NOTICE, LayoutMismatchError, NotFoundError, SessionLiveError, StaleGenerationError,
-    ServerUnavailableError,
-)
+    ServerUnavailableError)
 from swap_state.common import trainer_presence
 from swap_state.common.segment import TensorSpec, layout_hash
 from swap_state.common.segment_descriptor import SegmentDescriptor

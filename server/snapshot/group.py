@@ -13,8 +13,7 @@ import time
 from swap_state.common.names import snapshot_id_for
 from swap_state.common.segment import Word
 from swap_state.common.snapshot_errors import (
-    SnapshotBusyError, SnapshotError, SnapshotExistsError, SnapshotFailedError, SnapshotInvalid,
-)
+    SnapshotBusyError, SnapshotError, SnapshotExistsError, SnapshotFailedError, SnapshotInvalid)
 
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.writing.source import SnapshotSource
@@ -218,8 +217,7 @@ class RankSnapshot:
                 ranks_persisted=len(group.results), segment_released=writer.segment_released.is_set(),
                 warnings=group.commit.warnings if durable else (), local_world_size=group.local_world_size,
                 ranks=tuple(sorted(group.handles)), server_staged_chunks=staged_chunks,
-                server_staged_bytes=staged_bytes, trainer_copied_bytes=trainer_bytes,
-            )
+                server_staged_bytes=staged_bytes, trainer_copied_bytes=trainer_bytes)
 
     def _settled(self) -> bool:
         """Durable, or failed *and* cleaned up; under the group's condition."""

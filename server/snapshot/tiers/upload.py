@@ -247,8 +247,7 @@ class SnapshotUploader:
             error = (
                 f"uploading rank {rank} of {info.snapshot_id} to the snapshot store {self.uri} failed: "
                 f"{exc}. The snapshot stays durable in {info.path} and training goes on; check the "
-                f"store ({STORE_FLAG}; for s3, AWS_ENDPOINT_URL and the credentials)"
-            )
+                f"store ({STORE_FLAG}; for s3, AWS_ENDPOINT_URL and the credentials)")
         log_event(log, "snapshot_store_failed", logging.ERROR, snapshot_id=info.snapshot_id,
                   rank=rank, store=self.uri, error=str(exc))
         with self._cond:
