@@ -115,8 +115,7 @@ def build_model(cfg: DemoConfig) -> TinyLM:
 def train_step(model: nn.Module, optimizer, cfg: DemoConfig, step: int) -> float:
     generator = torch.Generator().manual_seed(cfg.seed * 100_003 + step)  # the step's batch, the same in both runs
     tokens = torch.randint(0, cfg.vocab, (8, 33), generator=generator)
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+    loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()

@@ -41,7 +41,6 @@ def reason_of(error: grpc.RpcError) -> str | None:
 
 def error_for(reason: str | None, message: str, code: grpc.StatusCode | None) -> SwapStateError:
     """The exception of the class that declared ``reason`` (else :class:`SwapStateError`)."""
-    cls = ERROR_FOR_REASON.get(reason or "", SwapStateError)
-    error = cls(message, code)
+    error = ERROR_FOR_REASON.get(reason or "", SwapStateError)(message, code)
     error.reason = reason
     return error

@@ -293,8 +293,7 @@ def copies_are_async(probe: CopyProbe) -> bool:
         return True
     if probe.pinned_pending:
         return False
-    limit = max(PROBE_SLOWDOWN * probe.pinned_seconds, probe.pinned_seconds + PROBE_MARGIN_S)
-    return probe.registered_seconds <= limit
+    return probe.registered_seconds <= max(PROBE_SLOWDOWN * probe.pinned_seconds, probe.pinned_seconds + PROBE_MARGIN_S)
 
 
 def probe_registered_copies(backend: Any, ptr: int, nbytes: int, config: ProbeConfig = ProbeConfig()) -> CopyProbe:

@@ -221,8 +221,7 @@ def read_snapshot_state(locations: Sequence[Location], progress: bool | None = F
                     for hp, value in group.items():
                         extras.setdefault(param_group_key(fqn, hp), _decode(value))
                 layouts = [TensorLayout(t.name, t.dtype, t.shape, 0, t.nbytes) for t in manifest.tensors]
-                metadata = parse_metadata(manifest.metadata_json, layouts, max_bytes=sys.maxsize)
-                aliases.update(metadata.model_aliases)
+                aliases.update(parse_metadata(manifest.metadata_json, layouts, max_bytes=sys.maxsize).model_aliases)
     first = locations[0][1]
     state = optimizer.finish(first)
     clash = set(state) & set(extras)

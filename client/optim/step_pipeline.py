@@ -150,8 +150,7 @@ class StepPipeline:
         for planned, indices, local_params, local_grads in pending:
             hosts = [planned.hosts[i] or caches[planned.params[i]] for i in indices]
             groups = [planned.groups[i] for i in indices]
-            params = [planned.params[i] for i in indices]
-            works.append(slice_work(params, groups, local_params, local_grads, hosts))
+            works.append(slice_work([planned.params[i] for i in indices], groups, local_params, local_grads, hosts))
         return works
 
     def _inplace_update(self, optim: Optimizer, slices: list[SliceWork]) -> None:

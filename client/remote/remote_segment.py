@@ -279,8 +279,7 @@ class RemoteSegment:
             ref = parse_snapshot_id(snapshot_id)
         except InvalidRequestError:
             return None
-        rank = self.session.rank
-        return None if ref.step is None else SnapshotHandle(str(ref), ref.step, rank, self.client)
+        return None if ref.step is None else SnapshotHandle(str(ref), ref.step, self.session.rank, self.client)
 
     def wait_for_persisting_snapshot(self, why: str, server_wait_s: float | None = None) -> None:
         """Wait (bounded, logged) while the header's ``SNAP_STEP`` snapshot is persisting;
@@ -427,5 +426,4 @@ class ParamFingerprint:
             joined = gathered[0] if len(gathered) == 1 else torch.cat(gathered)
             host = joined.cpu()  # the one copy to the host (and wait) per device
             digest.update(host_bytes(host))
-        value = int.from_bytes(digest.digest(), "little")
-        return value or 1
+        return int.from_bytes(digest.digest(), "little") or 1

@@ -142,8 +142,7 @@ def install_job_hooks() -> None:
     _wrap_method(manager, "dcp_load", checkpointing.dcp_load)
     _wrap_method(manager, "close", checkpointing.close)
     _wrap_method(manager, "__del__", checkpointing.delete)
-    train_module = sys.modules.get("torchtitan.train")
-    trainer = getattr(train_module, "Trainer", None)
+    trainer = getattr(sys.modules.get("torchtitan.train"), "Trainer", None)
     if isinstance(trainer, type):
         _wrap_method(trainer, "__init__", _trainer_init)
 

@@ -76,8 +76,7 @@ class SwapSettings:
     def of(cls, config: Any) -> "SwapSettings":
         """The settings of an optimizer config (missing attributes: the defaults), checked."""
         defaults = cls()
-        values = {f.name: getattr(config, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(cls)}
-        settings = cls(**values)
+        settings = cls(**{f.name: getattr(config, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(cls)})
         settings.check()
         return settings
 

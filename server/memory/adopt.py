@@ -115,8 +115,7 @@ def _adopt_one(arena: Arena, name: str, validate: Validate) -> tuple[int, Adopte
     open_epoch = header[Word.SNAP_EPOCH]
     if open_epoch:
         header.close_snapshot(layout.cow_slots)  # that snapshot died with its server
-    generation = max(1, header[Word.TRAINER_GENERATION])
-    return seq, Adopted(segment, descriptor, session_id, generation, open_epoch)
+    return seq, Adopted(segment, descriptor, session_id, max(1, header[Word.TRAINER_GENERATION]), open_epoch)
 
 
 @contextlib.contextmanager

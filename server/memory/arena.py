@@ -291,8 +291,7 @@ class Arena:
 
     def _materialize(self, segment: Segment, descriptor: bytes) -> None:
         # O_EXCL|O_NOFOLLOW: never reuse or follow something another process put there.
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(segment.path, flags, 0o600)
+        fd = os.open(segment.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         segment._created = True
         try:
             owner = tenant_uid(segment.tenant) if os.geteuid() == 0 else None

@@ -184,8 +184,7 @@ class RankSnapshot:
 
     def is_retry(self, source: SnapshotSource) -> bool:
         """Whether ``source`` asks again for this snapshot: the same run, nothing committed since."""
-        commits = source.header[Word.TRAINER_COMMITS]
-        return source.run == self.writer.source.run and commits == self.commits_at_start
+        return source.run == self.writer.source.run and source.header[Word.TRAINER_COMMITS] == self.commits_at_start
 
     @property
     def snapshot_id(self) -> str:

@@ -98,8 +98,7 @@ class SnapshotUploader:
         """Upload a durable local snapshot's ranks, then apply ``keep`` (None: keep all)."""
         with self._cond:
             self._statuses.pop((info.job_id, info.step), None)
-            uploading = {rank: UploadStatus(StoreState.UPLOADING) for rank in info.ranks}
-            self._statuses[(info.job_id, info.step)] = uploading
+            self._statuses[(info.job_id, info.step)] = {rank: UploadStatus(StoreState.UPLOADING) for rank in info.ranks}
             while len(self._statuses) > HISTORY:  # the oldest first (dicts keep insertion order)
                 del self._statuses[next(iter(self._statuses))]
             self._cond.notify_all()
