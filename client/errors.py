@@ -17,11 +17,10 @@ from swap_state.common.snapshot_errors import (
 
 __all__ = [
     "SwapStateError", "ServerUnavailableError", "SessionLostError", "InvalidRequestError", "NotFoundError",
-    "SnapshotNotFoundError", "BudgetExhaustedError", "DiskFullError", "FailedPreconditionError",
-    "StaleGenerationError", "SessionLiveError", "MetadataBaseUnknownError", "LayoutMismatchError",
-    "NoSegmentError", "SnapshotsDisabledError", "SnapshotBusyError", "SnapshotExistsError",
-    "SnapshotFailedError", "SnapshotCorruptError", "StoreUnavailableError", "PermissionDeniedError",
-    "UnauthenticatedError", "ERROR_FOR_REASON", "error_for", "reason_of"]
+    "SnapshotNotFoundError", "BudgetExhaustedError", "DiskFullError", "FailedPreconditionError", "StaleGenerationError",
+    "SessionLiveError", "MetadataBaseUnknownError", "LayoutMismatchError", "NoSegmentError", "SnapshotsDisabledError",
+    "SnapshotBusyError", "SnapshotExistsError", "SnapshotFailedError", "SnapshotCorruptError", "StoreUnavailableError",
+    "PermissionDeniedError", "UnauthenticatedError", "ERROR_FOR_REASON", "error_for", "reason_of"]
 
 
 class SessionLostError(SwapStateError):

@@ -35,9 +35,8 @@ from .segment import TensorLayout
 from .snapshot_errors import SnapshotInvalid
 
 __all__ = [
-    "BOOKKEEPING_PREFIX", "MAX_METADATA_BYTES", "TENSOR_TAG", "TensorMetadata", "SnapshotMetadata",
-    "EMPTY_METADATA", "parse_metadata", "load_metadata_json", "encode_metadata",
-    "tagged_scalar", "tensor_entry"]
+    "BOOKKEEPING_PREFIX", "MAX_METADATA_BYTES", "TENSOR_TAG", "TensorMetadata", "SnapshotMetadata", "EMPTY_METADATA",
+    "parse_metadata", "load_metadata_json", "encode_metadata", "tagged_scalar", "tensor_entry"]
 
 MAX_METADATA_BYTES = 16 << 20
 TENSOR_TAG = "__tensor__"

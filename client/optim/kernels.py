@@ -21,9 +21,8 @@ from swap_state.client.optim.host_cache import (
 
 __all__ = [
     "DEFAULT_IMPLEMENTATION", "IMPLEMENTATIONS", "PendingSlice", "SlicePlan", "SliceWork", "adam_update",
-    "grad_on_param_placements", "PlacementError", "checked_slice",
-    "full_slice_work", "fused_check_passes", "group_implementation",
-    "pin_default_implementation", "plan_slice", "plan_slices", "slice_work", "steps_on_device"]
+    "grad_on_param_placements", "PlacementError", "checked_slice", "full_slice_work", "fused_check_passes",
+    "group_implementation", "pin_default_implementation", "plan_slice", "plan_slices", "slice_work", "steps_on_device"]
 
 #: torchtitan's ``optimizer.implementation`` values, each run as torch runs it.
 IMPLEMENTATIONS: tuple[str, ...] = ("fused", "foreach", "for-loop")

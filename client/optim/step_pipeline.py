@@ -67,8 +67,10 @@ class StepPipeline:
                 advance_group_step(group)
             if self.enabled():
                 self._pipelined_update(optim, slices)
-            else:
-                self._inplace_update(optim, slices)
+            else:  # CPU: the fused kernel updates the host cache directly, slice by slice
+                for work in slices:
+                    self._host_caches.store.before_write(work.params)
+                    self._fused_update(optim, work, work.host)
         return loss
 
     def enabled(self) -> bool:
@@ -153,11 +155,6 @@ class StepPipeline:
             works.append(slice_work([planned.params[i] for i in indices], groups, local_params, local_grads, hosts))
         return works
 
-    def _inplace_update(self, optim: Optimizer, slices: list[SliceWork]) -> None:
-        """CPU: the fused kernel updates the host cache directly, slice by slice."""
-        for work in slices:
-            self._host_caches.store.before_write(work.params)
-            self._fused_update(optim, work, work.host)
 
     def _pipelined_update(self, optim: Optimizer, slices: list[SliceWork]) -> None:
         """Accelerator: update(k) || load(k+1) || offload(k); per slice k, the host waits for the

@@ -139,16 +139,6 @@ def _read_tls_files(config: ClientConfig) -> dict[str, bytes | None]:
     return out
 
 
-def _read_token(config: ClientConfig) -> str | None:
-    if config.token is not None:
-        return config.token
-    path = token_file_from_env()
-    if not path:
-        return None
-    with open(path) as f:
-        return f.read().strip()
-
-
 def normalize_target(address: str) -> str:
     """A user-facing address (the server's ``--listen`` rules) as a gRPC target string."""
     try:
@@ -178,7 +168,10 @@ class SwapStateClient:
             self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.SwapStateStub(self._channel)
         self._ready_at = float("-inf")
-        token = _read_token(config)
+        token = config.token
+        if token is None and (path := token_file_from_env()):
+            with open(path) as f:
+                token = f.read().strip()
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._proof: CallerProof | None = None  # this process's uid proof, once made
         self._proof_lock = threading.Lock()

@@ -54,13 +54,6 @@ _mlock = _posix.mlock  # module names, so that tests can replace them
 _mlock_on_fault = _posix.mlock_on_fault
 
 
-def _populate(address: int, size: int) -> None:
-    """Fault a segment's pages in on the shared threads (mlock faults on one: docs/benchmarks.md);
-    best effort: without MADV_POPULATE_WRITE mlock does it."""
-    chunks = range(0, size, _POPULATE_CHUNK)
-    list(_POPULATE_POOL.map(lambda at: _posix.populate_write(address + at, min(_POPULATE_CHUNK, size - at)), chunks))
-
-
 def _tensor_charge(layout: SegmentLayout, descriptor_bytes: int) -> int:
     """What a segment takes of the budget besides its copy slots (which the pool holds)."""
     return segment_file_bytes(layout, descriptor_bytes) - layout.cow_slots * layout.chunk_bytes
@@ -342,7 +335,10 @@ class Arena:
         # Pinned as the populate faults them: mlock's own walk afterwards held the process's memory
         # map lock for writing, stalling the faults of the other ranks allocating at once.
         err = _mlock_on_fault(address, segment.size)
-        _populate(address, segment.size)
+        # The pages faulted in on the shared threads (mlock faults on one: docs/benchmarks.md); best effort:
+        # without MADV_POPULATE_WRITE mlock does it.
+        list(_POPULATE_POOL.map(lambda at: _posix.populate_write(address + at, min(_POPULATE_CHUNK, segment.size - at)),
+                                range(0, segment.size, _POPULATE_CHUNK)))
         if err in (errno.ENOSYS, errno.EINVAL):  # no mlock2 (an old kernel or libc): lock the faulted pages
             err = _mlock(address, segment.size)
         if err == 0:

@@ -19,9 +19,8 @@ from swap_state.common.names import MODEL_PREFIX, is_model_tensor, parse_snapsho
 
 __all__ = [
     "MAX_NDIM", "MAX_SEGMENT_BYTES", "MAX_STEP", "MAX_WORLD_SIZE", "SAFETENSORS_MAX_HEADER_BYTES",
-    "validate_client_host", "validate_descriptor", "validate_job_id",
-    "validate_local_world_size", "validate_rank", "validate_session", "validate_snapshot_id",
-    "validate_snapshot_rank", "validate_step", "validate_tensor_specs"]
+    "validate_client_host", "validate_descriptor", "validate_job_id", "validate_local_world_size", "validate_rank",
+    "validate_session", "validate_snapshot_id", "validate_snapshot_rank", "validate_step", "validate_tensor_specs"]
 
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,512}")
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")
