@@ -19,8 +19,7 @@ __all__ = ["RemoteSwapOptimizersContainer", "RemoteConfig", "SwapOptimizersConta
 _LAZY = {
     "RemoteSwapOptimizersContainer": "swap_state.client.remote.container",
     "RemoteConfig": "swap_state.client.remote.container",
-    "SwapOptimizersContainer": "swap_state.client.optim.container",
-}
+    "SwapOptimizersContainer": "swap_state.client.optim.container"}
 
 
 def __getattr__(name: str) -> Any:

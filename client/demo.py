@@ -92,8 +92,7 @@ class TinyLM(nn.Module):
         self.embedding = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-            for _ in range(layers)
-        )
+            for _ in range(layers))
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.lm_head.weight = self.embedding.weight
         nn.init.normal_(self.embedding.weight, std=0.02)  # tied: keep the logits small
@@ -116,8 +115,7 @@ def build_model(cfg: DemoConfig) -> TinyLM:
 def train_step(model: nn.Module, optimizer, cfg: DemoConfig, step: int) -> float:
     generator = torch.Generator().manual_seed(cfg.seed * 100_003 + step)  # the step's batch, the same in both runs
     tokens = torch.randint(0, cfg.vocab, (8, 33), generator=generator)
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+    loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -292,8 +290,7 @@ def run(cfg: DemoConfig) -> dict:
             [model], torch.optim.AdamW, dict(OPTIMIZER_KWARGS), cfg.swap_times, server=cfg.server,
             job_id=cfg.job_id,
             config=RemoteConfig(token=token, embedded=embedded, snapshot_replace_existing=True,
-                                server_wait_s=cfg.server_wait),
-        )
+                                server_wait_s=cfg.server_wait))
         where = container.remote_config.server
         if container.segment.embedded is not None:
             where += " (a private server started for this demo)"

@@ -22,16 +22,12 @@ import torch
 from swap_state.client.host_register import (
     BOUNCE_SLOT_BYTES, BOUNCE_SLOTS, PAGE_SIZE, REGISTER_CHUNK_BYTES, BounceRing, HostRegistration,
     HostRegistrationError, ProbeConfig, _acl_host_register, _acl_host_unregister, _cuda_error_string,
-    _cuda_host_register, _cuda_host_unregister, needs_bounce, page_chunks, registered_host_buffer,
-    release_host_buffers,
-)
+    _cuda_host_register, _cuda_host_unregister, needs_bounce, page_chunks, registered_host_buffer, release_host_buffers)
 
 __all__ = [
-    "host_bytes",
-    "DEVICE_ENV_VAR", "PAGE_SIZE", "REGISTER_CHUNK_BYTES", "DeviceBackend", "DeviceType",
-    "HostRegistration", "HostRegistrationError", "NullEvent", "NullStream", "get_device_backend",
-    "page_chunks", "select_device_type",
-]
+    "host_bytes", "DEVICE_ENV_VAR", "PAGE_SIZE", "REGISTER_CHUNK_BYTES", "DeviceBackend", "DeviceType",
+    "HostRegistration", "HostRegistrationError", "NullEvent", "NullStream", "get_device_backend", "page_chunks",
+    "select_device_type"]
 
 logger = logging.getLogger(__name__)
 
@@ -293,8 +289,7 @@ class DeviceBackend:
 
 _HOST_REGISTER_CALLS = {
     "cuda": (_cuda_host_register, _cuda_host_unregister),
-    "npu": (_acl_host_register, _acl_host_unregister),
-}
+    "npu": (_acl_host_register, _acl_host_unregister)}
 
 
 # -- selection ------------------------------------------------------------------------------------

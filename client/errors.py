@@ -17,11 +17,10 @@ from swap_state.common.snapshot_errors import (
 
 __all__ = [
     "SwapStateError", "ServerUnavailableError", "SessionLostError", "InvalidRequestError", "NotFoundError",
-    "SnapshotNotFoundError", "BudgetExhaustedError", "DiskFullError", "FailedPreconditionError",
-    "StaleGenerationError", "SessionLiveError", "MetadataBaseUnknownError", "LayoutMismatchError",
-    "NoSegmentError", "SnapshotsDisabledError", "SnapshotBusyError", "SnapshotExistsError",
-    "SnapshotFailedError", "SnapshotCorruptError", "StoreUnavailableError", "PermissionDeniedError",
-    "UnauthenticatedError", "ERROR_FOR_REASON", "error_for", "reason_of"]
+    "SnapshotNotFoundError", "BudgetExhaustedError", "DiskFullError", "FailedPreconditionError", "StaleGenerationError",
+    "SessionLiveError", "MetadataBaseUnknownError", "LayoutMismatchError", "NoSegmentError", "SnapshotsDisabledError",
+    "SnapshotBusyError", "SnapshotExistsError", "SnapshotFailedError", "SnapshotCorruptError", "StoreUnavailableError",
+    "PermissionDeniedError", "UnauthenticatedError", "ERROR_FOR_REASON", "error_for", "reason_of"]
 
 
 class SessionLostError(SwapStateError):
@@ -41,7 +40,6 @@ def reason_of(error: grpc.RpcError) -> str | None:
 
 def error_for(reason: str | None, message: str, code: grpc.StatusCode | None) -> SwapStateError:
     """The exception of the class that declared ``reason`` (else :class:`SwapStateError`)."""
-    cls = ERROR_FOR_REASON.get(reason or "", SwapStateError)
-    error = cls(message, code)
+    error = ERROR_FOR_REASON.get(reason or "", SwapStateError)(message, code)
     error.reason = reason
     return error

@@ -27,8 +27,7 @@ __all__ = [
     "BOUNCE_SLOTS", "BOUNCE_SLOT_BYTES", "PAGE_SIZE", "PROBE_MARGIN_S", "PROBE_SLOWDOWN", "REGISTER_CHUNK_BYTES",
     "BounceRing", "CopyProbe", "HostRegistration", "HostRegistrationError", "ProbeConfig", "copies_are_async",
     "locate_library", "needs_bounce", "npu_versions", "page_chunks", "probe_registered_copies",
-    "registered_host_buffer", "release_host_buffers",
-]
+    "registered_host_buffer", "release_host_buffers"]
 
 logger = logging.getLogger(__name__)
 
@@ -294,8 +293,7 @@ def copies_are_async(probe: CopyProbe) -> bool:
         return True
     if probe.pinned_pending:
         return False
-    limit = max(PROBE_SLOWDOWN * probe.pinned_seconds, probe.pinned_seconds + PROBE_MARGIN_S)
-    return probe.registered_seconds <= limit
+    return probe.registered_seconds <= max(PROBE_SLOWDOWN * probe.pinned_seconds, probe.pinned_seconds + PROBE_MARGIN_S)
 
 
 def probe_registered_copies(backend: Any, ptr: int, nbytes: int, config: ProbeConfig = ProbeConfig()) -> CopyProbe:

@@ -15,11 +15,9 @@ from swap_state.client.device import DeviceBackend, get_device_backend
 from swap_state.client.optim import container as _container
 from swap_state.client.optim import flat_state_dict as _flat
 from swap_state.client.optim.dtensor_utils import (  # noqa: F401 (the seed's names)
-    DTensor, unwrap_dtensor, wrap_like_param, wrap_like_param_without_device_move,
-)
+    DTensor, unwrap_dtensor, wrap_like_param, wrap_like_param_without_device_move)
 from swap_state.client.optim.host_cache import (  # noqa: F401 (the seed's names)
-    MOMENT_KEYS, STEP_DTYPE, STEP_KEY, HostCacheEntry, fqns_by_param, placeholder_like,
-)
+    MOMENT_KEYS, STEP_DTYPE, STEP_KEY, HostCacheEntry, fqns_by_param, placeholder_like)
 from swap_state.client.optim.moment_store import PinnedHostMemory
 from swap_state.client.optim.step_pipeline import DEFAULT_SWAP_TIMES
 from swap_state.client.torchtitan import glue as _glue
@@ -27,8 +25,7 @@ from swap_state.client.torchtitan import glue as _glue
 __all__ = [
     "DEFAULT_SWAP_TIMES", "MOMENT_KEYS", "STEP_DTYPE", "STEP_KEY", "DTensor", "HostCacheEntry",
     "SwapOptimizersContainer", "build_optimizers", "get_torch_device", "install_build_optimizers_wrapper",
-    "unwrap_dtensor", "wrap_like_param", "wrap_like_param_without_device_move",
-]
+    "unwrap_dtensor", "wrap_like_param", "wrap_like_param_without_device_move"]
 
 #: The process's device backend (``empty_cache``, ``current_device``, streams, ...).
 get_torch_device: Callable[[], DeviceBackend] = get_device_backend

@@ -47,8 +47,7 @@ class SwapStateNodes(Configurable.Config, metaclass=_EitherNode):
 
 @override(
     target=SwapStateNodes,
-    description="swap-state: Adam moments on the host's swap-state server (optimizer and checkpoint manager)",
-)
+    description="swap-state: Adam moments on the host's swap-state server (optimizer and checkpoint manager)")
 def swap_state(config: Any, **settings: Any) -> Any:
     """The swap-state config that replaces ``config`` (the optimizer's or the checkpoint
     manager's); ``settings`` are the target's JSON arguments."""

@@ -28,8 +28,7 @@ def _needs_copy(header: SegmentHeader, chunk: int, epoch: int) -> bool:
         and header[Word.STAGED_UPTO] <= chunk
         and header[Word.PERSISTED_UPTO] <= chunk
         and header.cow_epoch(chunk) != epoch
-        and header[Word.ABANDONED_EPOCH] != epoch
-    )
+        and header[Word.ABANDONED_EPOCH] != epoch)
 
 
 class TrainerProtector:

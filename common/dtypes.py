@@ -12,8 +12,7 @@ _TABLE: dict[str, tuple[int, str]] = {
     "float64": (8, "F64"),
     "int64": (8, "I64"),
     "int32": (4, "I32"),
-    "uint8": (1, "U8"),
-}
+    "uint8": (1, "U8")}
 
 DTYPE_NAMES: tuple[str, ...] = tuple(_TABLE)
 DTYPE_ITEMSIZE: dict[str, int] = {name: size for name, (size, _) in _TABLE.items()}

@@ -11,8 +11,7 @@ __all__ = [
     "REASON_METADATA_KEY", "SwapStateError", "ERROR_FOR_REASON", "InvalidRequestError", "NotFoundError",
     "BudgetExhaustedError", "FailedPreconditionError", "StaleGenerationError", "SessionLiveError", "LayoutMismatchError",
     "NoSegmentError", "MetadataBaseUnknownError", "SnapshotsDisabledError", "PermissionDeniedError",
-    "UnauthenticatedError", "ServerUnavailableError", "ConfigError", "StartupError", "SERVER_STOPPING_NOTICE",
-]
+    "UnauthenticatedError", "ServerUnavailableError", "ConfigError", "StartupError", "SERVER_STOPPING_NOTICE"]
 
 REASON_METADATA_KEY = "swap-state-reason"
 """Trailing-metadata key of a refused call: the refusing error's ``reason``."""

@@ -13,8 +13,7 @@ from .errors import InvalidRequestError
 __all__ = [
     "JOB_ID_RULE", "SnapshotRef", "is_job_id", "validate_job_id", "shorten", "snapshot_id_for",
     "parse_snapshot_id", "step_dir_name", "parse_step_dir_name", "state_key", "param_group_key",
-    "STATE_PREFIX", "PARAM_GROUPS_PREFIX", "MODEL_PREFIX", "model_tensor_name", "is_model_tensor"
-]
+    "STATE_PREFIX", "PARAM_GROUPS_PREFIX", "MODEL_PREFIX", "model_tensor_name", "is_model_tensor"]
 
 JOB_ID_RULE = "1-128 characters of [A-Za-z0-9_.-], not starting with '.'"
 _JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")

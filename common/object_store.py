@@ -302,8 +302,7 @@ class S3ObjectStore(ObjectStore):
         if nbytes <= 0:
             return b""
         with self._errors(key):
-            size = self._obs.head(self._store, key)["size"]
-            end = min(size, offset + nbytes)
+            end = min(self._obs.head(self._store, key)["size"], offset + nbytes)
             if end <= offset:
                 return b""
             return bytes(self._obs.get_range(self._store, key, start=offset, end=end))

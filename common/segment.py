@@ -75,8 +75,7 @@ __all__ = [
     "TensorSpec", "MAGIC", "LAYOUT_VERSION", "PAGE_BYTES", "Word", "TensorLayout", "Chunk", "SegmentLayout",
     "SegmentHeader", "align_up", "layout_hash", "layout_hash_word", "segment_file_bytes", "tensor_nbytes",
     "plan_segment", "chunk_table", "committed_step", "ASSUMED_FWD_BWD_S", "ASSUMED_PERSIST_BYTES_PER_S",
-    "CopyBudget", "copy_budget_needed", "stager_slot_count", "model_bytes",
-]
+    "CopyBudget", "copy_budget_needed", "stager_slot_count", "model_bytes"]
 
 MAGIC = int.from_bytes(b"SWAPST01", "little")
 LAYOUT_VERSION = 4  # 2: STAGE_SLOTS / STAGED_UPTO; 3: MODEL_STEP; 4: descriptor, ABANDONED_EPOCH

@@ -38,8 +38,7 @@ class SegmentDescriptor:
         return json.dumps({
             "format": DESCRIPTOR_FORMAT, **{key: getattr(self, key) for key, _ in _PLAIN_FIELDS},
             "tensors": [[name, dtype, list(shape)] for name, dtype, shape in self.tensors],
-            **({"tenant": self.tenant} if self.tenant else {}),
-        }, separators=(",", ":")).encode()
+            **({"tenant": self.tenant} if self.tenant else {})}, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> SegmentDescriptor:

@@ -286,8 +286,7 @@ class ServerConfig:
         if self.chunk_bytes <= 0 or self.chunk_bytes % PAGE_BYTES:
             raise ConfigError(f"--chunk-bytes must be a positive multiple of the page size ({PAGE_BYTES})")
         if self.cow_budget is None:  # 1 GiB, at most an eighth of a small budget; whole chunks
-            budget = min(GiB, self.shm_size // 8)
-            object.__setattr__(self, "cow_budget", budget // self.chunk_bytes * self.chunk_bytes)
+            object.__setattr__(self, "cow_budget", min(GiB, self.shm_size // 8) // self.chunk_bytes * self.chunk_bytes)
         for ok, message in (  # each rule as it must hold (a NaN breaks it)
             (self.cow_budget >= 0, "--cow-budget must be >= 0"),
             (self.cow_budget <= self.shm_size, f"--cow-budget {format_size(self.cow_budget)} exceeds --shm-size "
@@ -317,8 +316,7 @@ class ServerConfig:
             (self.shutdown_grace >= 0, "shutdown_grace must be >= 0"),
             (self.keepalive_interval > 0, "keepalive_interval must be > 0"),
             (self.max_tensors >= 1 and self.max_message_bytes >= 4 * KiB,
-             "max_tensors must be >= 1 and max_message_bytes >= 4 KiB"),
-        ):
+             "max_tensors must be >= 1 and max_message_bytes >= 4 KiB")):
             if not ok:
                 raise ConfigError(message)
 

@@ -23,8 +23,7 @@ from .sizes import KiB, MiB, GiB, TiB, parse_size
 
 __all__ = [
     "UserFlag", "add_server_flags", "attach_negative_values", "config_from_args", "config_to_argv",
-    "field_docs", "format_size_flag", "parse_server_argv", "user_flags"
-]
+    "field_docs", "format_size_flag", "parse_server_argv", "user_flags"]
 
 
 @functools.cache
@@ -107,8 +106,7 @@ class UserFlag:
         default = self.default_text()
         if default is not None:
             parts.append(f"Default: {default}.")
-        examples = [e if e.startswith("--") else f"{self.option} {e}"
-                    for e in self.spec.example.split(" or ")]
+        examples = [e if e.startswith("--") else f"{self.option} {e}" for e in self.spec.example.split(" or ")]
         parts.append("e.g. " + " or ".join(examples))
         return " ".join(p for p in parts if p).replace("%", "%%")  # argparse %-formats help
 
@@ -136,8 +134,7 @@ def _size(text: str) -> int:
         return sign * parse_size(stripped.removeprefix("-").removesuffix("/s"))
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(
-            str(exc) if sign > 0 else f"not a size: {text!r} (expected e.g. 512M, 64G or 1T)"
-        ) from None
+            str(exc) if sign > 0 else f"not a size: {text!r} (expected e.g. 512M, 64G or 1T)") from None
 
 
 def _seconds(text: str) -> float:
@@ -161,8 +158,7 @@ def _host_port(text: str) -> tuple[str | None, int]:
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
     "size": _size, "seconds": _seconds, "host_port": _host_port, "int": int, "float": float, "str": str,
-    "path": pathlib.Path, "switch": bool,
-}
+    "path": pathlib.Path, "switch": bool}
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:

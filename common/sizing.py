@@ -56,8 +56,7 @@ class SizingPlan:
             f"= {format_size(self.per_rank)}",
             f"per host:  {self.ranks_per_host} ranks = {format_size(self.per_host)} of segments, {pool}",
             f"server:    swap-state-server {flags}  (and at least as much in /dev/shm: docker "
-            "--shm-size, or a Memory emptyDir's sizeLimit)",
-        ]
+            "--shm-size, or a Memory emptyDir's sizeLimit)"]
 
 
 def plan_sizes(params: int, world_size: int, ranks_per_host: int, *, sharded: bool = True, moment_bytes: int = 4,

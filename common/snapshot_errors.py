@@ -10,8 +10,7 @@ from .errors import SwapStateError
 __all__ = [
     "SnapshotError", "SnapshotInvalid", "SnapshotNotFoundError", "SnapshotBusyError", "SnapshotExistsError",
     "SnapshotFailedError", "SnapshotCorruptError", "SnapshotLayoutMismatch", "DiskFullError",
-    "StoreUnavailableError", "from_os_error"
-]
+    "StoreUnavailableError", "from_os_error"]
 
 
 class SnapshotError(SwapStateError, code="INTERNAL", reason="SNAPSHOT_ERROR"):

@@ -29,8 +29,7 @@ from .snapshot_metadata import tensor_entry
 __all__ = [
     "FORMAT_VERSION", "INDEX_NAME", "LAYOUT_NAME", "LATEST_NAME", "MANIFEST_FORMAT", "MANIFEST_VERSION", "INDEX_FORMAT",
     "TensorRecord", "RankManifest", "FileRecord", "SnapshotIndex", "step_dir_name", "partial_dir_name",
-    "rank_data_name", "rank_manifest_name", "safetensors_header", "DATA_ALIGN", "safetensors_metadata", "dumps_json",
-]
+    "rank_data_name", "rank_manifest_name", "safetensors_header", "DATA_ALIGN", "safetensors_metadata", "dumps_json"]
 
 FORMAT_VERSION = 1
 MANIFEST_VERSION = 2
@@ -190,13 +189,11 @@ class TensorRecord:
 
 _MANIFEST_HEAD: tuple[tuple[Any, ...], ...] = (
     ("job_id", _str), ("step", _int), ("rank", _int), ("world_size", _int, 1), ("data_file", _str),
-    ("data_file_bytes", _int), ("data_start", _int, 8), ("chunk_bytes", _int),
-)
+    ("data_file_bytes", _int), ("data_start", _int, 8), ("chunk_bytes", _int))
 """(field, parser, minimum) of a manifest's plain fields before its tensors, each under its own key."""
 _MANIFEST_TAIL: tuple[tuple[Any, ...], ...] = (
     ("param_groups", _object), ("steps", _object), ("cow_copies", _int), ("backpressure_waits", _int),
-    ("backpressure_wait_seconds", _float), ("persist_seconds", _float),
-)
+    ("backpressure_wait_seconds", _float), ("persist_seconds", _float))
 """The same, after its tensors."""
 
 
@@ -255,8 +252,7 @@ class RankManifest:
             **{name: getattr(self, name) for name, *_ in _MANIFEST_HEAD},
             "checksum": "crc32", "tensors": [t.to_json() for t in self.tensors],
             **{name: getattr(self, name) for name, *_ in _MANIFEST_TAIL},
-            "metadata_extra": self.metadata_extra,
-        }
+            "metadata_extra": self.metadata_extra}
 
     def to_bytes(self) -> bytes:
         """The manifest file: compact JSON (it is read by machines, a thousand at a time)."""
@@ -368,8 +364,7 @@ class SnapshotIndex:
             "local_world_size": self.local_world_size, "ranks": list(self.ranks),
             "created_unix": self.created_unix, "attempt": self.attempt, "files": [f.to_json() for f in self.files],
             **({"layout": self.layout.to_json()} if self.layout is not None else {}),
-            **({"tenant": self.tenant} if self.tenant else {}),
-        }
+            **({"tenant": self.tenant} if self.tenant else {})}
 
     @classmethod
     def from_json(cls, raw: Any) -> SnapshotIndex:

@@ -35,10 +35,8 @@ from .segment import TensorLayout
 from .snapshot_errors import SnapshotInvalid
 
 __all__ = [
-    "BOOKKEEPING_PREFIX", "MAX_METADATA_BYTES", "TENSOR_TAG", "TensorMetadata", "SnapshotMetadata",
-    "EMPTY_METADATA", "parse_metadata", "load_metadata_json", "encode_metadata",
-    "tagged_scalar", "tensor_entry"
-]
+    "BOOKKEEPING_PREFIX", "MAX_METADATA_BYTES", "TENSOR_TAG", "TensorMetadata", "SnapshotMetadata", "EMPTY_METADATA",
+    "parse_metadata", "load_metadata_json", "encode_metadata", "tagged_scalar", "tensor_entry"]
 
 MAX_METADATA_BYTES = 16 << 20
 TENSOR_TAG = "__tensor__"
@@ -96,8 +94,7 @@ def _finite_float(text: str) -> float:
 
 
 def _dims(value: Any, what: str, source: str = "metadata_json") -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in value):
+    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
         raise SnapshotInvalid(f"{source}: {what} must be a list of non-negative integers")
     return tuple(value)
 

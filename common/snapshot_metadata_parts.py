@@ -31,8 +31,7 @@ from .segment import TensorLayout
 from .snapshot_errors import SnapshotInvalid
 from .snapshot_metadata import (
     MAX_METADATA_BYTES, SnapshotMetadata, TensorMetadata, _check_value, _dims, encode_metadata, load_metadata_json,
-    parse_metadata, tensor_entry,
-)
+    parse_metadata, tensor_entry)
 
 __all__ = ["MetadataBase", "MetadataParts", "base_id", "encode_base", "encode_delta", "parse_base", "parse_delta"]
 

@@ -125,8 +125,7 @@ class SnapshotTier(abc.ABC):
         except ValueError as exc:
             raise SnapshotCorruptError(f"{info.path / name} is not a valid manifest: {exc}") from None
         if (manifest.job_id, manifest.step, manifest.rank, manifest.world_size) != (
-            info.job_id, info.step, rank, info.world_size,
-        ) or manifest.data_file != rank_data_name(rank):
+            info.job_id, info.step, rank, info.world_size) or manifest.data_file != rank_data_name(rank):
             raise SnapshotCorruptError(f"{info.path / name} describes another snapshot or rank")
         return manifest
 

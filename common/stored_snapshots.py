@@ -177,8 +177,7 @@ class StoredSnapshots(SnapshotTier):
         if first is None or sorted(named) != list(range(first.world_size)):
             return None
         markers = self.markers(job_id, step, named)
-        if len(markers) != len(named) or len({(m.world_size, m.attempt, m.tenant)
-                                               for m in markers.values()}) != 1:
+        if len(markers) != len(named) or len({(m.world_size, m.attempt, m.tenant) for m in markers.values()}) != 1:
             return None  # an invalid marker, or two attempts at the step (re-uploading, another world size)
         world_size = markers[0].world_size
         files = tuple(record for rank in sorted(markers) for record in markers[rank].files)

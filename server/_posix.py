@@ -10,8 +10,7 @@ import ctypes.util
 
 __all__ = [
     "buffer_address", "bytes_address", "memmove", "mlock", "mlock_on_fault", "populate_write",
-    "set_parent_death_signal", "start_writeback", "view_at", "zero",
-]
+    "set_parent_death_signal", "start_writeback", "view_at", "zero"]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)

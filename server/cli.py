@@ -56,11 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
             "The per-host swap-state server: owns the shared-memory segments that hold "
             "optimizer state for the trainers on this host, and serves the gRPC control plane "
             "(attach, allocate, commit-step, snapshot, stats). It never touches an accelerator.",
-            width=78,
-        ),
+            width=78),
         epilog=_EPILOG,
-        formatter_class=_HelpFormatter,
-    )
+        formatter_class=_HelpFormatter)
     add_server_flags(parser)
     return parser
 

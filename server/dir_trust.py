@@ -22,8 +22,7 @@ def check_own_directory(path: pathlib.Path, what: str, *, shared_gid: int | None
         raise StartupError(
             f"{what} {path} is owned by uid {info.st_uid}, not by this server's user (uid {me}) or root: "
             f"that user could replace what the server keeps there. Use a directory this user owns "
-            f"(mkdir it, or chown {me} {path})"
-        )
+            f"(mkdir it, or chown {me} {path})")
     if sticky_ok and info.st_mode & stat.S_ISVTX:
         return
     others = bool(info.st_mode & stat.S_IWOTH)
@@ -32,5 +31,4 @@ def check_own_directory(path: pathlib.Path, what: str, *, shared_gid: int | None
         raise StartupError(
             f"{what} {path} can be written by other users (mode {stat.filemode(info.st_mode)}, group "
             f"{info.st_gid}): they could plant or replace files the server trusts. Run chmod go-w {path}, "
-            "or use a directory only this user can write"
-        )
+            "or use a directory only this user can write")

@@ -22,8 +22,7 @@ from typing import Any
 
 from swap_state.common.errors import (
     FailedPreconditionError, InvalidRequestError, MetadataBaseUnknownError, NoSegmentError, PermissionDeniedError,
-    SnapshotsDisabledError,
-)
+    SnapshotsDisabledError)
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
 from swap_state.common.segment import TensorSpec
 from swap_state.common.snapshot_metadata_parts import MetadataParts, base_id, parse_base, parse_delta
@@ -125,8 +124,7 @@ class StateServer:
         """The session's segment for the tensors ``specs()`` checks (run in a worker thread,
         after the session was found): (segment, reused)."""
         session = self.session(caller, session_id, generation)
-        checked = await asyncio.to_thread(specs)
-        return await self.registry.allocate(session, generation, checked)
+        return await self.registry.allocate(session, generation, await asyncio.to_thread(specs))
 
     def commit_step(self, caller: Tenant, session_id: str, generation: int, step: int) -> int:
         return self.registry.commit_step(self.session(caller, session_id, generation), step)
@@ -155,8 +153,7 @@ class StateServer:
     def snapshots_in_progress(self, caller: Tenant, sessions: Iterable[Session]) -> list[SnapshotStatus]:
         """The persisting ranks of the jobs of ``sessions`` (an admin: all)."""
         jobs = {s.job_id for s in sessions}
-        running = self.snapshots.in_progress() if self.snapshots else ()
-        return [s for s in running if caller.admin or s.job_id in jobs]
+        return [s for s in (self.snapshots.in_progress() if self.snapshots else ()) if caller.admin or s.job_id in jobs]
 
     # -- snapshots -------------------------------------------------------------------------
 

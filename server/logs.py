@@ -32,8 +32,7 @@ class LogfmtFormatter(logging.Formatter):
     """Formats records made by :func:`log_event` (and plain ones, as ``msg=...``)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        created = time.gmtime(record.created)
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", created) + f".{int(record.msecs):03d}Z"
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
         level = _LEVEL_NAMES.get(record.levelname, record.levelname.lower())
         parts = [f"ts={stamp}", f"level={level}", f"logger={record.name}"]
         fields = getattr(record, "swap_state_fields", None)

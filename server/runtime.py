@@ -68,8 +68,7 @@ def grpc_server_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.http2.max_ping_strikes", 0),
         # Linux default is SO_REUSEPORT on: a second server on the same TCP port would bind
         # "successfully" and steal half the connections.
-        ("grpc.so_reuseport", 0),
-    ]
+        ("grpc.so_reuseport", 0)]
 
 
 @dataclasses.dataclass(eq=False)

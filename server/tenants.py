@@ -126,8 +126,7 @@ class Tenants:
         if value is None:
             return None
         if self.proofs is not None:
-            name = value if isinstance(value, str) else bytes(value).decode("ascii", "replace")
-            uid = self.proofs.uid_of(name)
+            uid = self.proofs.uid_of(value if isinstance(value, str) else bytes(value).decode("ascii", "replace"))
             return None if uid is None else Tenant(f"uid:{uid}", admin=uid in (0, os.geteuid()))
         given = value.encode() if isinstance(value, str) else bytes(value)
         # Compared with every token, in constant time each: no early exit to time.

@@ -22,14 +22,12 @@ __all__ = ["METADATA_GLOBALS", "SafeFileSystemReader", "SafeLoadPlanner", "Unsaf
 METADATA_GLOBALS: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    }),
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
     "torch.serialization": frozenset({"_get_layout"}),
     "torch": frozenset({"Size"}),
     "pathlib": frozenset({"PosixPath", "PurePosixPath"}),
-    "collections": frozenset({"OrderedDict"}),
-}
+    "collections": frozenset({"OrderedDict"})}
 
 
 class UnsafeCheckpoint(pickle.UnpicklingError):
@@ -83,8 +81,7 @@ class SafeLoadPlanner(_EmptyStateDictLoadPlanner):
         except pickle.UnpicklingError as exc:
             self.refused = UnsafeCheckpoint(
                 f"entry {read_item.dest_index.fqn!r} of the checkpoint is not plain data (tensors, "
-                f"numbers, strings, containers): refused ({str(exc).splitlines()[0].split('. ')[0]})"
-            )
+                f"numbers, strings, containers): refused ({str(exc).splitlines()[0].split('. ')[0]})")
             raise self.refused from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from swap_state.client.remote.segment_mapping import TORCH_DTYPES
 from swap_state.common.names import (
-    MODEL_PREFIX, STATE_PREFIX, is_model_tensor, param_group_key, parse_snapshot_id, state_key,
-)
+    MODEL_PREFIX, STATE_PREFIX, is_model_tensor, param_group_key, parse_snapshot_id, state_key)
 from swap_state.common.object_store import STORE_FLAG, STORE_TIMEOUT_S, PosixObjectStore, open_store
 from swap_state.common.segment import TensorLayout
 from swap_state.common.snapshot_errors import SnapshotError, SnapshotNotFoundError, StoreUnavailableError
@@ -222,8 +221,7 @@ def read_snapshot_state(locations: Sequence[Location], progress: bool | None = F
                     for hp, value in group.items():
                         extras.setdefault(param_group_key(fqn, hp), _decode(value))
                 layouts = [TensorLayout(t.name, t.dtype, t.shape, 0, t.nbytes) for t in manifest.tensors]
-                metadata = parse_metadata(manifest.metadata_json, layouts, max_bytes=sys.maxsize)
-                aliases.update(metadata.model_aliases)
+                aliases.update(parse_metadata(manifest.metadata_json, layouts, max_bytes=sys.maxsize).model_aliases)
     first = locations[0][1]
     state = optimizer.finish(first)
     clash = set(state) & set(extras)

@@ -41,8 +41,7 @@ SNAPSHOT_CHECKPOINT_ERROR = (
     "checkpoint with `swap-state export --format torchtitan {path} OUT_DIR --snapshot-dir "
     "<snapshot-dir>` (the snapshot alone: `swap-state export <snapshot-dir>/<job>/step-<N> OUT "
     "--format dcp`), or leave the optimizer out (checkpoint.exclude_from_loading = "
-    "['optimizer'], when the checkpoint holds the model's tensors)."
-)
+    "['optimizer'], when the checkpoint holds the model's tensors).")
 
 
 class SnapshotCheckpointError(ValueError):

@@ -31,8 +31,7 @@ def wrap_like_param_without_device_move(local_tensor: torch.Tensor, like: Any) -
     if not isinstance(like, DTensor):
         return local_tensor
     meta = TensorMeta(shape=like.size(), stride=like.stride(), dtype=local_tensor.dtype)
-    spec = DTensorSpec(like.device_mesh, like.placements, tensor_meta=meta)
-    return DTensor(local_tensor, spec, requires_grad=False)
+    return DTensor(local_tensor, DTensorSpec(like.device_mesh, like.placements, tensor_meta=meta), requires_grad=False)
 
 
 def global_layout(param: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -19,8 +19,7 @@ from swap_state.client.optim.host_cache import (
     MOMENT_KEYS, STEP_KEY, HostCache, fqns_by_param, has_data, param_fqns, step_tensor)
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 
-__all__ = ["FlatIndex", "clone_value", "flat_state_dict", "state_step", "state_value",
-           "tensor_for_state_dict"]
+__all__ = ["FlatIndex", "clone_value", "flat_state_dict", "state_step", "state_value", "tensor_for_state_dict"]
 
 
 def clone_value(value: Any) -> Any:

@@ -26,8 +26,7 @@ __all__ = [
     "FLAT_ALIGN", "FLAT_PAGE_RUN", "MOMENT_KEYS", "STEP_DTYPE", "STEP_KEY", "HostCache", "HostCacheEntry",
     "HostCaches", "SliceStates", "advance_group_step", "as_number", "device_placeholders",
     "flat_host_caches", "flat_layout", "fqns_by_param", "group_map", "has_data", "host_cache_ready",
-    "moment_keys", "param_fqns", "placeholder_like", "step_tensor", "steps_vector",
-]
+    "moment_keys", "param_fqns", "placeholder_like", "step_tensor", "steps_vector"]
 
 #: Adam state tensors shaped like the parameter, in host-cache order.
 MOMENT_KEYS: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")

@@ -17,15 +17,12 @@ from torch.optim.optimizer import _device_dtype_check_for_fused, _to_scalar
 
 from swap_state.client.optim.dtensor_utils import DTensor, unwrap_dtensor
 from swap_state.client.optim.host_cache import (
-    MOMENT_KEYS, STEP_KEY, HostCache, SliceStates, host_cache_ready, steps_vector,
-)
+    MOMENT_KEYS, STEP_KEY, HostCache, SliceStates, host_cache_ready, steps_vector)
 
 __all__ = [
     "DEFAULT_IMPLEMENTATION", "IMPLEMENTATIONS", "PendingSlice", "SlicePlan", "SliceWork", "adam_update",
-    "grad_on_param_placements", "PlacementError", "checked_slice",
-    "full_slice_work", "fused_check_passes", "group_implementation",
-    "pin_default_implementation", "plan_slice", "plan_slices", "slice_work", "steps_on_device",
-]
+    "grad_on_param_placements", "PlacementError", "checked_slice", "full_slice_work", "fused_check_passes",
+    "group_implementation", "pin_default_implementation", "plan_slice", "plan_slices", "slice_work", "steps_on_device"]
 
 #: torchtitan's ``optimizer.implementation`` values, each run as torch runs it.
 IMPLEMENTATIONS: tuple[str, ...] = ("fused", "foreach", "for-loop")
@@ -81,8 +78,7 @@ def grad_on_param_placements(param: torch.Tensor, grad: torch.Tensor) -> torch.T
         f"parameter {param.placements if param_is else 'none (a plain tensor)'}"
         + (" on another device mesh" if param_is and grad_is else "")
         + ": SwapOptimizersContainer updates local shards and cannot bring one to the other",
-        param,
-    )
+        param)
 
 
 def fused_check_passes(local_param: torch.Tensor, group: Mapping[str, Any]) -> bool:

@@ -21,8 +21,7 @@ from swap_state.client.optim.dtensor_utils import unwrap_dtensor
 from swap_state.client.optim.flat_state_dict import FlatIndex, clone_value
 from swap_state.client.optim.host_cache import (
     HostCaches, MOMENT_KEYS, device_placeholders, STEP_KEY, HostCache, HostCacheEntry, as_number, group_map,
-    fqns_by_param, has_data, host_cache_ready, moment_keys, param_fqns, step_tensor,
-)
+    fqns_by_param, has_data, host_cache_ready, moment_keys, param_fqns, step_tensor)
 from swap_state.common.names import PARAM_GROUPS_PREFIX, STATE_PREFIX, param_group_key, state_key
 
 __all__ = ["StateLoader"]

@@ -17,13 +17,11 @@ from torch.optim import Optimizer
 from swap_state.client.optim.dtensor_utils import unwrap_dtensor
 from swap_state.client.optim.kernels import (
     PendingSlice, SlicePlan, SliceWork, adam_update, PlacementError, checked_slice, full_slice_work,
-    group_implementation, plan_slice, plan_slices, slice_work, steps_on_device,
-)
+    group_implementation, plan_slice, plan_slices, slice_work, steps_on_device)
 from swap_state.client.device import DeviceBackend
 from swap_state.client.optim.host_cache import (
     MOMENT_KEYS, HostCaches, STEP_DTYPE, STEP_KEY, SliceStates, advance_group_step, as_number, group_map,
-    host_cache_ready, step_tensor,
-)
+    host_cache_ready, step_tensor)
 
 __all__ = ["DEFAULT_SWAP_TIMES", "StepPipeline"]
 
@@ -69,8 +67,10 @@ class StepPipeline:
                 advance_group_step(group)
             if self.enabled():
                 self._pipelined_update(optim, slices)
-            else:
-                self._inplace_update(optim, slices)
+            else:  # CPU: the fused kernel updates the host cache directly, slice by slice
+                for work in slices:
+                    self._host_caches.store.before_write(work.params)
+                    self._fused_update(optim, work, work.host)
         return loss
 
     def enabled(self) -> bool:
@@ -152,15 +152,9 @@ class StepPipeline:
         for planned, indices, local_params, local_grads in pending:
             hosts = [planned.hosts[i] or caches[planned.params[i]] for i in indices]
             groups = [planned.groups[i] for i in indices]
-            params = [planned.params[i] for i in indices]
-            works.append(slice_work(params, groups, local_params, local_grads, hosts))
+            works.append(slice_work([planned.params[i] for i in indices], groups, local_params, local_grads, hosts))
         return works
 
-    def _inplace_update(self, optim: Optimizer, slices: list[SliceWork]) -> None:
-        """CPU: the fused kernel updates the host cache directly, slice by slice."""
-        for work in slices:
-            self._host_caches.store.before_write(work.params)
-            self._fused_update(optim, work, work.host)
 
     def _pipelined_update(self, optim: Optimizer, slices: list[SliceWork]) -> None:
         """Accelerator: update(k) || load(k+1) || offload(k); per slice k, the host waits for the
@@ -217,7 +211,8 @@ class StepPipeline:
         compute.wait_event(loaded.ready)
         self._fused_update(optim, loaded.work, loaded.device)
         for _, buffer in _pairs(loaded.work, loaded.device):
-            _record_stream(backend, buffer, compute)
+            if not (backend.is_accelerator and buffer.device.type == "cpu"):  # a CPU step copy: no stream uses it
+                backend.record_stream(buffer, compute)
         updated = backend.event()
         updated.record(compute)
         return updated
@@ -254,12 +249,6 @@ class StepPipeline:
                 tensors["exp_avg_sq"][start:end], tensors["max_exp_avg_sq"][start:end] if group["amsgrad"] else [],
                 tensors[STEP_KEY][start:end], group=group, grad_scale=grad_scale, found_inf=found_inf,
                 steps=None if steps is None else steps[start:end], upcast=upcast)
-
-
-def _record_stream(backend: DeviceBackend, tensor: torch.Tensor, stream: Any) -> None:
-    """``backend.record_stream``, except for a CPU step copy (no stream uses it)."""
-    if not (backend.is_accelerator and tensor.device.type == "cpu"):
-        backend.record_stream(tensor, stream)
 
 
 def _load_steps(backend: DeviceBackend, work: SliceWork) -> tuple[list[Any], torch.Tensor | None]:

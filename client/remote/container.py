@@ -206,8 +206,7 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
             except SnapshotFailedError as e:
                 raise SnapshotFailedError(
                     f"the checkpoint refers to snapshot {snapshot_id}, which never completed ({e}); "
-                    "load an earlier checkpoint (torchtitan: --checkpoint.load_step=<step>)"
-                ) from e
+                    "load an earlier checkpoint (torchtitan: --checkpoint.load_step=<step>)") from e
         self.restore(snapshot_id)
         self.store.restored_reference = snapshot_id
         self.store.metadata.apply_saved_param_groups(state_dict)

@@ -128,8 +128,7 @@ class ModelArea:
 
     def metadata(self) -> dict[str, TensorMetadata]:
         """The manifest entries of the model tensors: fqn, key, DTensor layout."""
-        return {t.name: TensorMetadata(t.fqn, t.key, *(global_layout(t.source) or (None, None)))
-                for t in self.tensors}
+        return {t.name: TensorMetadata(t.fqn, t.key, *(global_layout(t.source) or (None, None))) for t in self.tensors}
 
     def aliases(self) -> dict[str, str]:
         """Per alias key of a tied tensor, the fqn it is stored under."""

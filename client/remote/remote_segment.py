@@ -279,8 +279,7 @@ class RemoteSegment:
             ref = parse_snapshot_id(snapshot_id)
         except InvalidRequestError:
             return None
-        rank = self.session.rank
-        return None if ref.step is None else SnapshotHandle(str(ref), ref.step, rank, self.client)
+        return None if ref.step is None else SnapshotHandle(str(ref), ref.step, self.session.rank, self.client)
 
     def wait_for_persisting_snapshot(self, why: str, server_wait_s: float | None = None) -> None:
         """Wait (bounded, logged) while the header's ``SNAP_STEP`` snapshot is persisting;
@@ -414,8 +413,7 @@ class ParamFingerprint:
                     by_device.setdefault(view.device, {}).setdefault(view.dtype, []).append(view)
             self._groups = [
                 [dtypes[dtype] for dtype in sorted(dtypes, key=str)]
-                for _, dtypes in sorted(by_device.items(), key=lambda item: str(item[0]))
-            ]
+                for _, dtypes in sorted(by_device.items(), key=lambda item: str(item[0]))]
             self._pointers = pointers
         return self._groups
 
@@ -428,5 +426,4 @@ class ParamFingerprint:
             joined = gathered[0] if len(gathered) == 1 else torch.cat(gathered)
             host = joined.cpu()  # the one copy to the host (and wait) per device
             digest.update(host_bytes(host))
-        value = int.from_bytes(digest.digest(), "little")
-        return value or 1
+        return int.from_bytes(digest.digest(), "little") or 1

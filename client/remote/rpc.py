@@ -139,16 +139,6 @@ def _read_tls_files(config: ClientConfig) -> dict[str, bytes | None]:
     return out
 
 
-def _read_token(config: ClientConfig) -> str | None:
-    if config.token is not None:
-        return config.token
-    path = token_file_from_env()
-    if not path:
-        return None
-    with open(path) as f:
-        return f.read().strip()
-
-
 def normalize_target(address: str) -> str:
     """A user-facing address (the server's ``--listen`` rules) as a gRPC target string."""
     try:
@@ -172,15 +162,16 @@ class SwapStateClient:
         self.server_uid = config.server_uid if config.server_uid is not None else server_uid_from_env()
         tls = _read_tls_files(config)
         if tls["tls_root_cert"] is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=tls["tls_root_cert"],
-                                                 private_key=tls["tls_client_key"],
-                                                 certificate_chain=tls["tls_client_cert"])
+            creds = grpc.ssl_channel_credentials(tls["tls_root_cert"], tls["tls_client_key"], tls["tls_client_cert"])
             self._channel = grpc.secure_channel(self.target, creds, options=_CHANNEL_OPTIONS)
         else:
             self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.SwapStateStub(self._channel)
         self._ready_at = float("-inf")
-        token = _read_token(config)
+        token = config.token
+        if token is None and (path := token_file_from_env()):
+            with open(path) as f:
+                token = f.read().strip()
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._proof: CallerProof | None = None  # this process's uid proof, once made
         self._proof_lock = threading.Lock()
@@ -220,9 +211,8 @@ class SwapStateClient:
         where = f"swap-state-server at {self.address}"
         reason = reason_of(e)
         if code in _UNREACHABLE and reason is None:  # with a reason, the server answered
-            hint = start_hint(self.address)
             return ServerUnavailableError(f"{name}: {where} is not reachable ({code.name}: {details}); "
-                                          f"{hint}", code)
+                                          f"{start_hint(self.address)}", code)
         code_name = code.name if code is not None else "UNKNOWN"
         return error_for(reason, f"{name} failed at {where}: {code_name}: {details}", code)
 
@@ -250,8 +240,7 @@ class SwapStateClient:
                 owner = os.stat(path).st_uid
             except OSError:
                 owner = os.getuid()  # gone between connect and here: the call itself will say so
-            uid = self.server_uid
-            if owner not in {os.getuid(), 0} | ({uid} if uid is not None else set()):
+            if owner not in {os.getuid(), 0, self.server_uid}:  # server_uid None matches no owner
                 raise SwapStateError(
                     f"refusing to talk to {self.address}: the socket belongs to uid {owner}, not to "
                     f"you (uid {os.getuid()}) or root, so another user may have taken its path. If that user "
@@ -310,9 +299,7 @@ class SwapStateClient:
     def close(self) -> None:
         # grpc's connectivity poller (started by wait_ready) notices its unsubscription only
         # after up to 0.2 s; closing the channel before that makes it die with a traceback.
-        settle = _POLLER_SETTLE_S - (time.monotonic() - self._ready_at)
-        if settle > 0:
-            time.sleep(settle)
+        time.sleep(max(0.0, _POLLER_SETTLE_S - (time.monotonic() - self._ready_at)))
         self._channel.close()
         if self._proof is not None:
             self._proof.remove()
@@ -553,8 +540,7 @@ class RemoteSession:
         try:
             if self._lost is None:
                 request = pb.DetachRequest(session_id=self.session_id, generation=self.generation, keep=keep)
-                self.client.call("Detach", request,
-                                 server_wait_s=min(DETACH_WAIT_S, self.client.config.server_wait_s))
+                self.client.call("Detach", request, server_wait_s=min(DETACH_WAIT_S, self.client.config.server_wait_s))
         finally:
             self._closing.set()
             if self._stream is not None:

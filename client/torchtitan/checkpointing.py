@@ -22,8 +22,7 @@ from swap_state.client.torchtitan.settings import snapshots_to_keep
 
 __all__ = [
     "MODEL_KEY", "MODEL_REF_KEY", "OPTIMIZER_KEY", "ModelReferenceError", "SnapshotModelWrapper", "attach", "close",
-    "dcp_load", "delete", "match_model_template", "save", "save_last_step", "saving_checkpoint",
-]
+    "dcp_load", "delete", "match_model_template", "save", "save_last_step", "saving_checkpoint"]
 
 MODEL_KEY = "model"  # torchtitan's checkpoint MODEL
 _CLOSED_ATTR = "_swap_state_closed"

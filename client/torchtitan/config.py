@@ -7,8 +7,7 @@ wrapper and the job hooks (docs/torchtitan.md).
 from dataclasses import dataclass, field
 
 from swap_state.client.torchtitan.glue import (
-    install_build_optimizers_wrapper, install_job_hooks, rebind_imported_model_specs,
-)
+    install_build_optimizers_wrapper, install_job_hooks, rebind_imported_model_specs)
 from swap_state.client.torchtitan.settings import SwapSettings, shared_job_id
 
 __all__ = ["Optimizer", "JobConfig", "shared_job_id"]

@@ -26,13 +26,11 @@ from torchtitan.components.optimizer import OptimizersContainer  # noqa: E402
 from swap_state.client.optim.kernels import IMPLEMENTATIONS
 from swap_state.client.torchtitan import checkpointing
 from swap_state.client.torchtitan.settings import (
-    SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, check_choice, embedded_snapshot_dir,
-)
+    SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, check_choice, embedded_snapshot_dir)
 
 __all__ = [
     "build_optimizers", "current_job_config", "install_build_optimizers_wrapper", "install_job_hooks",
-    "original_build_optimizers", "rebind_imported_model_specs",
-]
+    "original_build_optimizers", "rebind_imported_model_specs"]
 
 _WRAPPED_ORIGINAL_ATTR = "__swap_state_original__"
 
@@ -73,15 +71,13 @@ def _optimizer_kwargs(optimizer_config: Any) -> dict[str, Any]:
         "eps": optimizer_config.eps,
         "weight_decay": optimizer_config.weight_decay,
         "fused": implementation == "fused",
-        "foreach": implementation == "foreach",
-    }
+        "foreach": implementation == "foreach"}
 
 
 # torchtitan's own function, also when a wrapper was installed before this module was
 # (re)imported: a wrapper is never wrapped again.
 original_build_optimizers: Callable[..., OptimizersContainer] = getattr(
-    _tt_optimizer.build_optimizers, _WRAPPED_ORIGINAL_ATTR, _tt_optimizer.build_optimizers
-)
+    _tt_optimizer.build_optimizers, _WRAPPED_ORIGINAL_ATTR, _tt_optimizer.build_optimizers)
 setattr(build_optimizers, _WRAPPED_ORIGINAL_ATTR, original_build_optimizers)
 
 
@@ -146,8 +142,7 @@ def install_job_hooks() -> None:
     _wrap_method(manager, "dcp_load", checkpointing.dcp_load)
     _wrap_method(manager, "close", checkpointing.close)
     _wrap_method(manager, "__del__", checkpointing.delete)
-    train_module = sys.modules.get("torchtitan.train")
-    trainer = getattr(train_module, "Trainer", None)
+    trainer = getattr(sys.modules.get("torchtitan.train"), "Trainer", None)
     if isinstance(trainer, type):
         _wrap_method(trainer, "__init__", _trainer_init)
 

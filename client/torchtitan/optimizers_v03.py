@@ -17,14 +17,12 @@ import torch
 import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.utils import (
-    get_flat_optim_state_dict, init_optim_state, load_flat_optim_state_dict,
-)
+    get_flat_optim_state_dict, init_optim_state, load_flat_optim_state_dict)
 
 from swap_state.client.optim.container import UnswappedOptimizers
 from swap_state.client.remote.config import CheckpointMode
 from swap_state.client.torchtitan.settings import (
-    SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, embedded_snapshot_dir,
-)
+    SWAP_OPTIMIZER_CLASSES, SwapSettings, build_swap_container, embedded_snapshot_dir)
 
 __all__ = ["BF16_MOMENTS", "SwapStateOptimizersContainer", "build_swap_optimizers"]
 
@@ -67,8 +65,7 @@ def build_swap_optimizers(config: Any, *, model_parts: list[nn.Module]) -> Optim
         raise NotImplementedError(
             f"optimizer.swap_state_checkpoint = 'snapshot' keeps the whole state in swap-state's "
             f"snapshots, but param groups {others} are not Adam or AdamW and their state would be "
-            "missing there: use swap_state_checkpoint = 'full', or Adam/AdamW for those parameters"
-        )
+            "missing there: use swap_state_checkpoint = 'full', or Adam/AdamW for those parameters")
     amsgrad = any(group.get("amsgrad") for partition in partitions.values() for group in partition.swapped)
     snapshot_dir = config.swap_state_snapshot_dir or embedded_snapshot_dir(_trainer_dump_folder(config))
     return build_swap_container(
@@ -82,8 +79,7 @@ def build_swap_optimizers(config: Any, *, model_parts: list[nn.Module]) -> Optim
         moment_dtype=torch.bfloat16 if config.implementation == BF16_MOMENTS else None,
         # 0.3's ModelWrapper checkpoints the module's own state dict (hooks: llama3 splits wqkv).
         model_state_dict=nn.Module.state_dict,
-        unswapped=UnswappedOptimizers(unswapped, _flat_state_dict, _load_flat_state_dict) if unswapped else None,
-    )
+        unswapped=UnswappedOptimizers(unswapped, _flat_state_dict, _load_flat_state_dict) if unswapped else None)
 
 
 class _Partition:

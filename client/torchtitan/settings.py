@@ -24,8 +24,7 @@ from swap_state.client.remote.environment import job_id_from_env
 
 __all__ = [
     "BACKENDS", "CHECKPOINT_MODES", "Backend", "SNAPSHOT_SUBDIR", "SWAP_OPTIMIZER_CLASSES", "SwapSettings",
-    "build_swap_container", "check_choice", "embedded_snapshot_dir", "shared_job_id", "snapshots_to_keep",
-]
+    "build_swap_container", "check_choice", "embedded_snapshot_dir", "shared_job_id", "snapshots_to_keep"]
 
 
 class Backend(str, enum.Enum):
@@ -37,10 +36,7 @@ class Backend(str, enum.Enum):
 
 BACKENDS: tuple[str, ...] = tuple(backend.value for backend in Backend)
 #: The optimizers whose moments swap-state keeps, by torchtitan's names for them.
-SWAP_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
-    "Adam": torch.optim.Adam,
-    "AdamW": torch.optim.AdamW,
-}
+SWAP_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 #: Where the embedded server's snapshots go under torchtitan, relative to the dump folder.
 SNAPSHOT_SUBDIR = "swap-state-snapshots"
 
@@ -80,8 +76,7 @@ class SwapSettings:
     def of(cls, config: Any) -> "SwapSettings":
         """The settings of an optimizer config (missing attributes: the defaults), checked."""
         defaults = cls()
-        values = {f.name: getattr(config, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(cls)}
-        settings = cls(**values)
+        settings = cls(**{f.name: getattr(config, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(cls)})
         settings.check()
         return settings
 

@@ -12,8 +12,7 @@ __all__ = ["SWITCHES", "WrongTorchtitanLine", "require_line", "torchtitan_line"]
 SWITCHES = {
     "0.2": "--job.custom_config_module=swap_state.client.torchtitan_config with "
     "optimizer.swap_optimizer = true (TOML [optimizer] section)",
-    "0.3": "--override.imports swap_state.client.torchtitan_override.swap_state",
-}
+    "0.3": "--override.imports swap_state.client.torchtitan_override.swap_state"}
 
 
 class WrongTorchtitanLine(ImportError):

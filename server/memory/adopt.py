@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterator
 
 from swap_state.common.segment import (
     FIXED_WORDS, LAYOUT_VERSION, MAGIC, TensorSpec, SegmentHeader, SegmentLayout, Word, layout_hash,
-    layout_hash_word, plan_segment, segment_file_bytes,
-)
+    layout_hash_word, plan_segment, segment_file_bytes)
 from swap_state.common.segment_descriptor import MAX_DESCRIPTOR_BYTES, SegmentDescriptor
 from swap_state.common.server_header import ServerHeader
 from swap_state.server.logs import log_event
@@ -116,8 +115,7 @@ def _adopt_one(arena: Arena, name: str, validate: Validate) -> tuple[int, Adopte
     open_epoch = header[Word.SNAP_EPOCH]
     if open_epoch:
         header.close_snapshot(layout.cow_slots)  # that snapshot died with its server
-    generation = max(1, header[Word.TRAINER_GENERATION])
-    return seq, Adopted(segment, descriptor, session_id, generation, open_epoch)
+    return seq, Adopted(segment, descriptor, session_id, max(1, header[Word.TRAINER_GENERATION]), open_epoch)
 
 
 @contextlib.contextmanager

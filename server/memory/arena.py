@@ -23,8 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from swap_state.common.segment import (
     TensorSpec, PAGE_BYTES, SegmentHeader, SegmentLayout, align_up,
-    model_bytes, plan_segment, segment_file_bytes, tensor_nbytes,
-)
+    model_bytes, plan_segment, segment_file_bytes, tensor_nbytes)
 from swap_state.common.segment_descriptor import SegmentDescriptor
 
 from swap_state.common.server_header import ServerHeader
@@ -53,13 +52,6 @@ _POPULATE_POOL = concurrent.futures.ThreadPoolExecutor(_POPULATE_THREADS, thread
 
 _mlock = _posix.mlock  # module names, so that tests can replace them
 _mlock_on_fault = _posix.mlock_on_fault
-
-
-def _populate(address: int, size: int) -> None:
-    """Fault a segment's pages in on the shared threads (mlock faults on one: docs/benchmarks.md);
-    best effort: without MADV_POPULATE_WRITE mlock does it."""
-    chunks = range(0, size, _POPULATE_CHUNK)
-    list(_POPULATE_POOL.map(lambda at: _posix.populate_write(address + at, min(_POPULATE_CHUNK, size - at)), chunks))
 
 
 def _tensor_charge(layout: SegmentLayout, descriptor_bytes: int) -> int:
@@ -278,8 +270,7 @@ class Arena:
                 raise BudgetExhaustedError(
                     f"segment of {format_size(charge)} refused: this tenant holds {format_size(held)} "
                     f"of its --tenant-shm-quota {format_size(self.tenant_quota)} on this server; free a "
-                    "session of it (Detach) or ask for a larger quota (other tenants are unaffected)"
-                )
+                    "session of it (Detach) or ask for a larger quota (other tenants are unaffected)")
             self._account(tenant, charge, layout, 1)
             self._seq += 1
             return f"{self.prefix}{owner}.{self._seq}", layout
@@ -293,8 +284,7 @@ class Arena:
 
     def _materialize(self, segment: Segment, descriptor: bytes) -> None:
         # O_EXCL|O_NOFOLLOW: never reuse or follow something another process put there.
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(segment.path, flags, 0o600)
+        fd = os.open(segment.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         segment._created = True
         try:
             owner = tenant_uid(segment.tenant) if os.geteuid() == 0 else None
@@ -337,8 +327,7 @@ class Arena:
                 f"({available} bytes available on the filesystem, although the --shm-size budget "
                 "allowed it: something else uses that tmpfs). Raise `docker run --shm-size` / "
                 f"compose `shm_size`, or free {self.shm_dir}: requested {segment.size}, "
-                f"free {available}, total {self.total_bytes}"
-            ) from None
+                f"free {available}, total {self.total_bytes}") from None
 
     def _lock_pages(self, segment: Segment) -> None:
         assert segment.buffer is not None
@@ -346,7 +335,10 @@ class Arena:
         # Pinned as the populate faults them: mlock's own walk afterwards held the process's memory
         # map lock for writing, stalling the faults of the other ranks allocating at once.
         err = _mlock_on_fault(address, segment.size)
-        _populate(address, segment.size)
+        # The pages faulted in on the shared threads (mlock faults on one: docs/benchmarks.md); best effort:
+        # without MADV_POPULATE_WRITE mlock does it.
+        list(_POPULATE_POOL.map(lambda at: _posix.populate_write(address + at, min(_POPULATE_CHUNK, segment.size - at)),
+                                range(0, segment.size, _POPULATE_CHUNK)))
         if err in (errno.ENOSYS, errno.EINVAL):  # no mlock2 (an old kernel or libc): lock the faulted pages
             err = _mlock(address, segment.size)
         if err == 0:

@@ -107,8 +107,7 @@ class Session:
         if last is not None and step < last and not (force or self.rewind_allowed):
             raise FailedPreconditionError(
                 f"step {step} goes backwards: step {last} is already committed for job "
-                f"{self.job_id} rank {self.rank} (an earlier step is accepted once after a reattach)"
-            )
+                f"{self.job_id} rank {self.rank} (an earlier step is accepted once after a reattach)")
         self.rewind_allowed = False
         if step == last:
             return False
@@ -126,8 +125,7 @@ _WHY = {
     "grace_expired": "no trainer reattached within the server's --grace of {grace:g} s after "
     "the previous one went away",
     "detached": "its trainer detached without keeping it",
-    "world_size_changed": "a trainer of the same job and rank attached with another world size",
-}
+    "world_size_changed": "a trainer of the same job and rank attached with another world size"}
 
 
 @dataclasses.dataclass(frozen=True)

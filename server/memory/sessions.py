@@ -25,8 +25,7 @@ from collections.abc import Callable, Sequence
 
 from swap_state.common.errors import (
     SERVER_STOPPING_NOTICE, LayoutMismatchError, NotFoundError, SessionLiveError, StaleGenerationError,
-    ServerUnavailableError,
-)
+    ServerUnavailableError)
 from swap_state.common import trainer_presence
 from swap_state.common.segment import TensorSpec, layout_hash
 from swap_state.common.segment_descriptor import SegmentDescriptor
@@ -338,8 +337,7 @@ class SessionRegistry:
 
     def start(self) -> None:
         if self._reaper is None:
-            loop = asyncio.get_running_loop()
-            self._reaper = loop.create_task(self._reap_forever(), name="swap-state-reaper")
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="swap-state-reaper")
 
     def begin_shutdown(self) -> None:
         """Refuse new attaches and streams; end every KeepAlive stream with a notice."""

@@ -53,18 +53,15 @@ _ARENA_GAUGES = (
     ("swap_state_budget_total_bytes", "The --shm-size budget.", "total_bytes"),
     ("swap_state_budget_used_bytes",
      "Bytes of all segment files (tensors, headers, padding, cow slots).", "used_bytes"),
-    ("swap_state_budget_free_bytes", "Bytes a new segment may still take (the cow pool held back).",
-     "free_bytes"),
+    ("swap_state_budget_free_bytes", "Bytes a new segment may still take (the cow pool held back).", "free_bytes"),
     ("swap_state_cow_pool_slots", "Copy-before-write slots in the host pool.", "cow_pool_slots"),
-    ("swap_state_cow_pool_slots_used", "Copy-before-write slots given to segments.", "cow_slots_used"),
-)
+    ("swap_state_cow_pool_slots_used", "Copy-before-write slots given to segments.", "cow_slots_used"))
 _ARENA_COUNTERS = (
     ("swap_state_segment_allocations_total", "Segments created.", "allocations"),
     ("swap_state_segment_allocation_failures_total",
      "Segment creations refused (budget) or failed (shm full).", "allocation_failures"),
     ("swap_state_mlock_failures_total",
-     "Segments that could not be mlock'd (RLIMIT_MEMLOCK / CAP_IPC_LOCK).", "mlock_failures"),
-)
+     "Segments that could not be mlock'd (RLIMIT_MEMLOCK / CAP_IPC_LOCK).", "mlock_failures"))
 # (name, help, value of a Session) of the per-session gauges, labelled by job and rank (None: no sample).
 _SESSION_GAUGES: tuple[tuple[str, str, Callable[[Session], float | None]], ...] = (
     ("swap_state_session_segment_bytes", "Segment bytes per session.",
@@ -76,8 +73,7 @@ _SESSION_GAUGES: tuple[tuple[str, str, Callable[[Session], float | None]], ...] 
     ("swap_state_session_last_committed_step",
      "Last committed step per session (sessions with a committed step only).",
      lambda s: s.last_committed_step),
-    ("swap_state_session_generation", "Current generation per session.", lambda s: s.generation),
-)
+    ("swap_state_session_generation", "Current generation per session.", lambda s: s.generation))
 # (name, help, SessionRegistry attribute) of the session counters.
 _SESSION_COUNTERS = (
     ("swap_state_steps_committed_total", "Steps committed, all sessions.", "steps_committed_total"),
@@ -87,13 +83,11 @@ _SESSION_COUNTERS = (
     ("swap_state_attaches_total", "Attach calls that succeeded.", "attaches"),
     ("swap_state_reattaches_total", "Attaches that got a kept session back.", "reattaches"),
     ("swap_state_sessions_freed_total", "Sessions freed (any reason).", "sessions_freed"),
-    ("swap_state_sessions_expired_total", "Orphaned sessions freed after the grace period.",
-     "sessions_expired"),
+    ("swap_state_sessions_expired_total", "Orphaned sessions freed after the grace period.", "sessions_expired"),
     ("swap_state_sessions_adopted_total", "Sessions adopted at start from a previous server's segments.",
      "sessions_adopted"),
     ("swap_state_session_reconnects_total",
-     "KeepAlive streams trainers reopened without a new Attach (server restarted).", "reconnects"),
-)
+     "KeepAlive streams trainers reopened without a new Attach (server restarted).", "reconnects"))
 
 
 # (name, help, SnapshotCounters key) of the snapshot counters, then (name, help, uploader counters
@@ -103,19 +97,16 @@ _SNAPSHOT_COUNTERS = (
     ("swap_state_snapshots_durable_total", "Snapshot ranks made durable.", "durable"),
     ("swap_state_snapshots_failed_total", "Snapshot ranks that failed.", "failed"),
     ("swap_state_snapshot_bytes_total", "Bytes persisted by snapshots.", "bytes_persisted"),
-    ("swap_state_snapshot_cow_copies_total", "Chunks copied before write while a snapshot persisted.",
-     "cow_copies"),
+    ("swap_state_snapshot_cow_copies_total", "Chunks copied before write while a snapshot persisted.", "cow_copies"),
     ("swap_state_snapshot_backpressure_waits_total", "Trainer waits for a free copy-before-write slot.",
      "backpressure_waits"),
     ("swap_state_snapshot_backpressure_wait_seconds_total",
-     "Seconds trainers waited for a free copy-before-write slot.", "backpressure_wait_seconds"),
-)
+     "Seconds trainers waited for a free copy-before-write slot.", "backpressure_wait_seconds"))
 _UPLOAD_COUNTERS = (
     ("swap_state_store_ranks_stored_total", "Snapshot ranks put in the --snapshot-store.", "ranks_stored"),
     ("swap_state_store_ranks_failed_total", "Snapshot ranks whose upload failed.", "ranks_failed"),
     ("swap_state_store_bytes_total", "Bytes uploaded to the --snapshot-store.", "bytes_stored"),
-    ("swap_state_store_upload_seconds_total", "Seconds spent uploading snapshots.", "seconds"),
-)
+    ("swap_state_store_upload_seconds_total", "Seconds spent uploading snapshots.", "seconds"))
 _SUMMED = ("bytes_persisted", "cow_copies", "backpressure_waits", "backpressure_wait_seconds")
 
 

@@ -96,8 +96,7 @@ def _deny(handler: grpc.RpcMethodHandler, by_uid: bool) -> grpc.RpcMethodHandler
         "create an empty file of a random 32-hex-digit name in <socket>.callers and name it"
         if by_uid else
         "missing or wrong token: send metadata 'authorization: Bearer <token>' with the "
-        "contents of the server's --token-file (or your tenant's token of its --tenants)"
-    )
+        "contents of the server's --token-file (or your tenant's token of its --tenants)")
     code = status_for(error)
 
     async def deny_unary(request, context):

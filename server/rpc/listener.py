@@ -42,8 +42,7 @@ class SocketGuard:
         except OSError as exc:
             raise StartupError(
                 f"cannot create {self.path.parent} for the socket: {exc.strerror}; pass "
-                "--listen unix:///some/writable/dir/swap-state.sock"
-            ) from None
+                "--listen unix:///some/writable/dir/swap-state.sock") from None
         # Another user able to write here could take the socket's name or replace the lock.
         check_own_directory(self.path.parent, "the socket's directory (--listen)", shared_gid=self._shared_gid)
         self._lock_fd = self._lock()
@@ -67,8 +66,7 @@ class SocketGuard:
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise StartupError(
                         f"another swap-state-server is already running on unix://{self.path} "
-                        f"(it holds {self.lock_path}); stop it first or pass another --listen"
-                    ) from None
+                        f"(it holds {self.lock_path}); stop it first or pass another --listen") from None
                 raise
             if _same_file(fd, self.lock_path):
                 return fd

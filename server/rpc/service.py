@@ -24,8 +24,7 @@ from swap_state.server.rpc.replies import info_reply, reply_of, status_reply
 from swap_state.server.rpc.statuses import rpc_boundary
 from swap_state.server.rpc.validation import (
     validate_client_host, validate_job_id, validate_local_world_size, validate_rank,
-    validate_session, validate_snapshot_id, validate_snapshot_rank, validate_step, validate_tensor_specs,
-)
+    validate_session, validate_snapshot_id, validate_snapshot_rank, validate_step, validate_tensor_specs)
 
 __all__ = ["SwapStateService", "segment_info"]
 
@@ -38,13 +37,10 @@ def segment_info(segment: Segment) -> pb.SegmentInfo:
     return pb.SegmentInfo(
         path=str(segment.path), size=segment.size, header_bytes=layout.header_bytes,
         tensors=[
-            pb.TensorPlacement(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset,
-                               nbytes=t.nbytes)
-            for t in layout.tensors
-        ],
+            pb.TensorPlacement(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset, nbytes=t.nbytes)
+            for t in layout.tensors],
         chunk_bytes=layout.chunk_bytes, cow_slots=layout.cow_slots,
-        cow_slots_offset=layout.cow_slots_offset, layout_hash=segment.layout_hash,
-    )
+        cow_slots_offset=layout.cow_slots_offset, layout_hash=segment.layout_hash)
 
 
 async def _segment_info(segment: Segment) -> pb.SegmentInfo:
@@ -90,8 +86,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             has_committed_step=session.last_committed_step is not None,
             last_committed_step=session.last_committed_step or 0,
             keepalive_interval_ms=int(self.keepalive_interval * 1000),
-            previous_session="" if reattached else self.state.registry.why_no_state(request.job_id, request.rank),
-        )
+            previous_session="" if reattached else self.state.registry.why_no_state(request.job_id, request.rank))
         if session.segment is not None:
             reply.segment.CopyFrom(await _segment_info(session.segment))
         return reply
@@ -147,8 +142,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             persist_bytes_per_second=persist, persist_bandwidth_measured=measured,
             assumed_fwd_bwd_seconds=fwd_bwd, stage_threads=stage_threads,
             cow_pool_bytes=arena.cow_reserve_bytes, cow_pool_used_bytes=arena.cow_used_bytes,
-            sessions_adopted_total=registry.sessions_adopted, reconnects_total=registry.reconnects,
-        )
+            sessions_adopted_total=registry.sessions_adopted, reconnects_total=registry.reconnects)
 
     def _session_stats(self, session: Session) -> pb.SessionStats:
         segment = session.segment
@@ -186,8 +180,7 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
         job_id = validate_job_id(request.job_id) if request.job_id else None  # "": all jobs
         listed, store_error = await self.state.list_snapshots(caller(), job_id)
-        return pb.ListSnapshotsReply(snapshots=[info_reply(*found) for found in listed],
-                                     store_error=store_error)
+        return pb.ListSnapshotsReply(snapshots=[info_reply(*found) for found in listed], store_error=store_error)
 
     @rpc_boundary
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:

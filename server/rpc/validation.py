@@ -19,10 +19,8 @@ from swap_state.common.names import MODEL_PREFIX, is_model_tensor, parse_snapsho
 
 __all__ = [
     "MAX_NDIM", "MAX_SEGMENT_BYTES", "MAX_STEP", "MAX_WORLD_SIZE", "SAFETENSORS_MAX_HEADER_BYTES",
-    "validate_client_host", "validate_descriptor", "validate_job_id",
-    "validate_local_world_size", "validate_rank", "validate_session", "validate_snapshot_id",
-    "validate_snapshot_rank", "validate_step", "validate_tensor_specs",
-]
+    "validate_client_host", "validate_descriptor", "validate_job_id", "validate_local_world_size", "validate_rank",
+    "validate_session", "validate_snapshot_id", "validate_snapshot_rank", "validate_step", "validate_tensor_specs"]
 
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,512}")
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")
@@ -121,7 +119,8 @@ def validate_tensor_specs(specs: Iterable[tuple[str, str, Sequence[int]]], *, ma
                                   f"model tensors ({MODEL_PREFIX}*) must come after every other tensor")
         itemsize = DTYPE_ITEMSIZE.get(dtype)
         if itemsize is None:
-            raise _unknown_dtype(index, name, dtype)
+            raise InvalidRequestError(f"tensors[{index}] ({name}): unknown dtype {shorten(dtype)}; "
+                                      f"expected one of {', '.join(DTYPE_ITEMSIZE)}")
         dims = tuple(map(int, shape))
         if len(dims) > MAX_NDIM:
             raise InvalidRequestError(f"tensors[{index}] ({name}): more than {MAX_NDIM} dims")
@@ -147,11 +146,6 @@ def _bad_name(index: int, name: str, seen: set[str]) -> InvalidRequestError:
         return InvalidRequestError(f"tensors[{index}].name {shorten(name)} is duplicated")
     return InvalidRequestError(f"tensors[{index}].name {shorten(name)} is invalid: use 1-512 characters of "
                            "[A-Za-z0-9_.:/-]")
-
-
-def _unknown_dtype(index: int, name: str, dtype: str) -> InvalidRequestError:
-    return InvalidRequestError(f"tensors[{index}] ({name}): unknown dtype {shorten(dtype)}; "
-                           f"expected one of {', '.join(DTYPE_ITEMSIZE)}")
 
 
 def validate_descriptor(descriptor: SegmentDescriptor, *, max_tensors: int) -> list[TensorSpec]:

@@ -33,8 +33,7 @@ from swap_state.common.errors import BudgetExhaustedError, ReplicaPeersUnsetErro
 from swap_state.common.sizes import format_size
 from swap_state.common.snapshot_errors import (
     SnapshotBusyError, SnapshotError, SnapshotFailedError, SnapshotInvalid, SnapshotNotFoundError,
-    StoreUnavailableError, from_os_error,
-)
+    StoreUnavailableError, from_os_error)
 from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_format import LAYOUT_NAME, FileRecord, SnapshotIndex
 from swap_state.common.snapshot_metadata import MAX_METADATA_BYTES
@@ -223,8 +222,7 @@ class SnapshotCoordinator:
                 f"snapshot {source.job_id}/step-{source.step} refused: about {format_size(new)} more "
                 f"would take this tenant's snapshots in {self.directory.root} from {format_size(held)} "
                 f"past its --tenant-snapshot-quota {format_size(quota)}; lower "
-                "the job's retention (keep_latest), remove old jobs, or ask for a larger quota"
-            )
+                "the job's retention (keep_latest), remove old jobs, or ask for a larger quota")
         tier, keep = self.tier, self._retention_for(source)
         if source.memory_only:
             if self.memory_tier is None:
@@ -417,8 +415,7 @@ class SnapshotCoordinator:
             return status
         if self.replica_states is not None:
             if wait_replicated:
-                await self.replica_states.wait_async(status.job_id, status.step,
-                                                     max(0.0, deadline - time.monotonic()))
+                await self.replica_states.wait_async(status.job_id, status.step, max(0.0, deadline - time.monotonic()))
             status = self.replica_states.annotate(status)
         if self.uploader is None:
             return status

@@ -13,8 +13,7 @@ import time
 from swap_state.common.names import snapshot_id_for
 from swap_state.common.segment import Word
 from swap_state.common.snapshot_errors import (
-    SnapshotBusyError, SnapshotError, SnapshotExistsError, SnapshotFailedError, SnapshotInvalid,
-)
+    SnapshotBusyError, SnapshotError, SnapshotExistsError, SnapshotFailedError, SnapshotInvalid)
 
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.writing.source import SnapshotSource
@@ -185,8 +184,7 @@ class RankSnapshot:
 
     def is_retry(self, source: SnapshotSource) -> bool:
         """Whether ``source`` asks again for this snapshot: the same run, nothing committed since."""
-        commits = source.header[Word.TRAINER_COMMITS]
-        return source.run == self.writer.source.run and commits == self.commits_at_start
+        return source.run == self.writer.source.run and source.header[Word.TRAINER_COMMITS] == self.commits_at_start
 
     @property
     def snapshot_id(self) -> str:
@@ -218,8 +216,7 @@ class RankSnapshot:
                 ranks_persisted=len(group.results), segment_released=writer.segment_released.is_set(),
                 warnings=group.commit.warnings if durable else (), local_world_size=group.local_world_size,
                 ranks=tuple(sorted(group.handles)), server_staged_chunks=staged_chunks,
-                server_staged_bytes=staged_bytes, trainer_copied_bytes=trainer_bytes,
-            )
+                server_staged_bytes=staged_bytes, trainer_copied_bytes=trainer_bytes)
 
     def _settled(self) -> bool:
         """Durable, or failed *and* cleaned up; under the group's condition."""

@@ -22,8 +22,7 @@ from swap_state.common.object_store import fsync_dir
 from swap_state.common.server_config import DirectIO, SnapshotSettings
 from swap_state.common.snapshot_errors import SnapshotExistsError, from_os_error
 from swap_state.common.snapshot_format import (
-    INDEX_NAME, LATEST_NAME, LAYOUT_NAME, FileRecord, SnapshotIndex, dumps_json, partial_dir_name,
-)
+    INDEX_NAME, LATEST_NAME, LAYOUT_NAME, FileRecord, SnapshotIndex, dumps_json, partial_dir_name)
 from swap_state.common.snapshot_reader import SnapshotReader
 from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter

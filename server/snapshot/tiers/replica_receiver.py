@@ -185,8 +185,7 @@ class ReplicaReceiver:
         try:
             job_id = validate_job_id(str(message.get("job_id", "")), SnapshotInvalid)
             if op == "list":
-                listed = [info.index.to_json() for info in self.host.list(job_id)]
-                conn.send({"ok": True, "snapshots": listed})
+                conn.send({"ok": True, "snapshots": [info.index.to_json() for info in self.host.list(job_id)]})
                 return
             info = self.host.resolve(f"{job_id}/step-{int(message['step'])}")
             name, offset, nbytes = str(message["name"]), int(message["offset"]), int(message["nbytes"])
@@ -216,8 +215,7 @@ class ReplicaReceiver:
         plan = StepPlan(job_id, step, world_size, (), tenant, keep, replace=bool(message.get("replace")))
         with self._room:
             self._make_room(job_id, step, nbytes)
-            target = self.directory.prepare(plan)
-            token, state = secrets.token_hex(16), _Step(target, nbytes)
+            token, state = secrets.token_hex(16), _Step(self.directory.prepare(plan), nbytes)
             with self._lock:
                 self._steps[token] = state
         log_event(log, "replica_receiving", job_id=job_id, step=step, bytes=nbytes)

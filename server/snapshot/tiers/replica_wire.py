@@ -84,8 +84,7 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
 
     def send(self, message: dict[str, Any]) -> None:
-        payload = json.dumps(message, allow_nan=False).encode()
-        self._send(_CONTROL, payload)
+        self._send(_CONTROL, json.dumps(message, allow_nan=False).encode())
 
     def send_data(self, data: bytes | memoryview) -> None:
         if len(data) > DATA_FRAME_BYTES:

@@ -17,8 +17,7 @@ from swap_state.common.checksum import crc32
 from swap_state.common.object_store import ObjectWriter
 from swap_state.common.snapshot_errors import SnapshotError, StoreUnavailableError
 from swap_state.common.snapshot_format import (
-    INDEX_NAME, LAYOUT_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name,
-)
+    INDEX_NAME, LAYOUT_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name)
 from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.common.stored_snapshots import CLAIM_PREFIX, StoredSnapshots, marker_name, parse_marker_name
 from swap_state.server.logs import log_event

@@ -98,8 +98,7 @@ class SnapshotUploader:
         """Upload a durable local snapshot's ranks, then apply ``keep`` (None: keep all)."""
         with self._cond:
             self._statuses.pop((info.job_id, info.step), None)
-            uploading = {rank: UploadStatus(StoreState.UPLOADING) for rank in info.ranks}
-            self._statuses[(info.job_id, info.step)] = uploading
+            self._statuses[(info.job_id, info.step)] = {rank: UploadStatus(StoreState.UPLOADING) for rank in info.ranks}
             while len(self._statuses) > HISTORY:  # the oldest first (dicts keep insertion order)
                 del self._statuses[next(iter(self._statuses))]
             self._cond.notify_all()
@@ -247,8 +246,7 @@ class SnapshotUploader:
             error = (
                 f"uploading rank {rank} of {info.snapshot_id} to the snapshot store {self.uri} failed: "
                 f"{exc}. The snapshot stays durable in {info.path} and training goes on; check the "
-                f"store ({STORE_FLAG}; for s3, AWS_ENDPOINT_URL and the credentials)"
-            )
+                f"store ({STORE_FLAG}; for s3, AWS_ENDPOINT_URL and the credentials)")
         log_event(log, "snapshot_store_failed", logging.ERROR, snapshot_id=info.snapshot_id,
                   rank=rank, store=self.uri, error=str(exc))
         with self._cond:

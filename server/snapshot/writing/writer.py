@@ -20,8 +20,7 @@ from swap_state.common.checksum import crc32, crc32_combine
 from swap_state.common.snapshot_errors import SnapshotError, from_os_error
 from swap_state.common.snapshot_format import (
     FileRecord, RankManifest, TensorRecord, rank_data_name, rank_manifest_name, safetensors_header,
-    safetensors_metadata,
-)
+    safetensors_metadata)
 from swap_state.common.snapshot_metadata import EMPTY_METADATA, TensorMetadata
 from swap_state.common.retry import wait_until
 from swap_state.common.server_header import ServerHeader
@@ -291,8 +290,7 @@ class RankWriter:
         tensors = source.layout.tensors
         header, offsets = safetensors_header(
             [(t.name, t.dtype, t.shape, t.nbytes) for t in tensors],
-            safetensors_metadata(source.job_id, source.step, source.rank, source.world_size),
-        )
+            safetensors_metadata(source.job_id, source.step, source.rank, source.world_size))
         data_name, manifest_name = rank_data_name(source.rank), rank_manifest_name(source.rank)
         action = f"writing {data_name} of {source.job_id}/step-{source.step}"
         try:
@@ -330,8 +328,7 @@ class RankWriter:
             records.append(TensorRecord(
                 name=tensor.name, dtype=tensor.dtype, shape=tensor.shape, nbytes=tensor.nbytes,
                 data_offsets=(begin, end), crc32=value, fqn=meta.fqn, key=meta.key,
-                global_shape=meta.global_shape, global_offset=meta.global_offset,
-            ))
+                global_shape=meta.global_shape, global_offset=meta.global_offset))
         cow_copies, bp_waits, bp_wait_ns = self.counters()
         return RankManifest(job_id=source.job_id, step=source.step, rank=source.rank, world_size=source.world_size,
                             data_file=data.name, data_file_bytes=data.bytes, data_start=data_start,
