@@ -137,8 +137,8 @@ class SnapshotGroup:
     def fail(self, error: SnapshotError, rank: int | None = None) -> None:
         """First failure wins; cancels the other ranks; removes files once no thread writes."""
         with self.cond:
-            if rank is not None:
-                self.rank_errors.setdefault(rank, error)
+            if rank is not None:  # kept without the traceback: its frames hold the writer's buffers
+                self.rank_errors.setdefault(rank, type(error)(str(error)))
             if self.state is not SnapshotState.PERSISTING:
                 return
             self.state = SnapshotState.FAILED

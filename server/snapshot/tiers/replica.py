@@ -17,8 +17,7 @@ from swap_state.common.addresses import ListenAddress
 from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
-from swap_state.server.snapshot.tiers.replica_wire import (
-    CONNECT_TIMEOUT_S, DATA_FRAME_BYTES, Connection, connect_to_peer)
+from swap_state.server.snapshot.tiers.replica_wire import CONNECT_TIMEOUT_S, Connection, connect_to_peer
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
 from swap_state.server import _posix
@@ -27,6 +26,7 @@ from swap_state.server.snapshot.writing.sink import ChunkSink, copy_piece
 __all__ = ["ReplicaTier"]
 
 SEND_BUFFERS = 3  # a data file's frame buffers: one fills while the others are sent
+SEND_BUFFER_BYTES = 2 << 20  # a frame sent (at most DATA_FRAME_BYTES): 6 MiB of buffers per rank sending
 
 
 @dataclasses.dataclass
@@ -142,14 +142,14 @@ class _SendingSink(ChunkSink):
     def __init__(self, conn: Connection, limiter: BandwidthLimiter, cancel: threading.Event):
         super().__init__()
         self._conn, self._limiter, self._cancel = conn, limiter, cancel
-        self._free = collections.deque(bytearray(DATA_FRAME_BYTES) for _ in range(SEND_BUFFERS))
+        self._free = collections.deque(bytearray(SEND_BUFFER_BYTES) for _ in range(SEND_BUFFERS))
         self._busy: collections.deque[tuple[bytearray, Future[None]]] = collections.deque()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-send")
         self._current = self._free.popleft()
         self._fill = 0
 
     def room(self) -> int:
-        return DATA_FRAME_BYTES - self._fill
+        return SEND_BUFFER_BYTES - self._fill
 
     def place(self, data: memoryview) -> None:
         """:meth:`put` without the crc32 (a caller that has it already)."""
@@ -166,7 +166,7 @@ class _SendingSink(ChunkSink):
         self._fill += self._pending
         self.position += self._pending
         self._pending = 0
-        if self._fill == DATA_FRAME_BYTES:
+        if self._fill == SEND_BUFFER_BYTES:
             self._submit()
 
     def _submit(self) -> None:
@@ -197,3 +197,5 @@ class _SendingSink(ChunkSink):
             self._conn.abort()  # a failed file: a send stuck on the peer returns now
         self._pool.shutdown(wait=True)
         self._busy.clear()
+        self._free.clear()  # the buffers go now, even while a traceback still holds the sink
+        self._current = bytearray(0)
