@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -97,13 +98,13 @@ def find_load_step(run: Callable[..., int], manager: Any, folder: str = "") -> i
                   if info.stored or info.local_world_size == info.world_size}
         for older in reversed([s for s in _steps(manager.folder) if s <= step]):
             path, marker = manager._create_checkpoint_id(older), _marker(manager, older)
-            snapshot_id = open(marker).read() if os.path.isfile(marker) else None
-            if os.path.isfile(os.path.join(path, ".metadata")) and (snapshot_id is None or snapshot_id in listed):
-                chosen[0] = older
-                break
-            if snapshot_id is not None:
+            snapshot_id = Path(marker).read_text() if os.path.isfile(marker) else None
+            if snapshot_id is not None and snapshot_id not in listed:
                 log.warning("checkpoint %s is passed over: its memory-only snapshot %s is on none of the hosts this "
                             "server reads (its memory, the replicas it holds, its peers')", path, snapshot_id)
+            elif os.path.isfile(os.path.join(path, ".metadata")):
+                chosen[0] = older
+                break
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(chosen, src=0)
     return chosen[0]
@@ -139,8 +140,7 @@ def _mark(manager: Any, step: int, snapshot_id: str) -> None:
     marker = _marker(manager, step)
     if _rank() == 0 and snapshot_id:
         os.makedirs(os.path.dirname(marker), exist_ok=True)
-        with open(marker, "w") as f:
-            f.write(snapshot_id)
+        Path(marker).write_text(snapshot_id)
     elif _rank() == 0 and os.path.isfile(marker):
         os.remove(marker)
 
