@@ -3,6 +3,11 @@ adapter wraps its methods, 0.3's subclasses it): :func:`attach` at the end of ``
 hooks ``hook(run, manager, ...)`` around the manager's own methods ``run``, transparent for
 torch's own optimizers. In a whole-state snapshot-mode checkpoint the model's entry is one key,
 :data:`MODEL_REF_KEY`, naming the optimizer's snapshot (:class:`SnapshotModelWrapper`).
+
+With ``swap_state_replica_interval`` (the container's ``RemoteConfig.replica_interval``) a step of
+that interval which torchtitan would not save is saved anyway, its snapshot memory-only, and its
+folder marked (:data:`MEMORY_ONLY_MARKER`, holding the snapshot's id): torchtitan resumes from
+its own folder, so a memory-only snapshot needs one.
 """
 
 from __future__ import annotations
@@ -10,10 +15,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import logging
 import os
+import re
+import shutil
 from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torchtitan.components.checkpoint import ModelWrapper
 
 from swap_state.client.optim import checkpoint_template as template
@@ -21,10 +31,14 @@ from swap_state.client.optim.checkpoint_template import MODEL_REF_KEY, OPTIMIZER
 from swap_state.client.torchtitan.settings import snapshots_to_keep
 
 __all__ = [
-    "MODEL_KEY", "MODEL_REF_KEY", "OPTIMIZER_KEY", "ModelReferenceError", "SnapshotModelWrapper", "attach", "close",
-    "dcp_load", "delete", "match_model_template", "save", "save_last_step", "saving_checkpoint"]
+    "MEMORY_ONLY_MARKER", "MODEL_KEY", "MODEL_REF_KEY", "OPTIMIZER_KEY", "ModelReferenceError", "SnapshotModelWrapper",
+    "attach", "close", "dcp_load", "delete", "find_load_step", "match_model_template", "purge_stale_checkpoints",
+    "save", "save_last_step", "saving_checkpoint", "should_save"]
+
+log = logging.getLogger(__name__)
 
 MODEL_KEY = "model"  # torchtitan's checkpoint MODEL
+MEMORY_ONLY_MARKER = "swap-state-memory-only"
 _CLOSED_ATTR = "_swap_state_closed"
 
 
@@ -37,10 +51,98 @@ def attach(manager: Any, config: Any, optimizers: Any, model_parts: Any) -> None
         manager.states[MODEL_KEY] = SnapshotModelWrapper(model_parts, optimizers)
 
 
-def save(run: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
-    """A save: the model's entry is the snapshot reference."""
-    with saving_checkpoint():
-        return run(*args, **kwargs)
+def save(run: Callable[..., Any], manager: Any, curr_step: int, last_step: bool = False) -> Any:
+    """A save: the model's entry is the snapshot reference. At a step of the replica interval that
+    torchtitan would not save, a save anyway whose snapshot is memory-only (taken first: the
+    save's reference calls reuse it); rank 0 marks its folder before the save."""
+    interval = _replica_interval(manager)
+    saves = not interval or manager._should_save(curr_step, last_step)
+    replica = not saves and curr_step % interval == 0 and manager.enable and not manager.load_only
+    token = _replica_save.set(replica)
+    try:
+        with saving_checkpoint():
+            if replica or (interval and saves):  # a persisted save unmarks an earlier attempt's folder
+                _mark(manager, curr_step, _container(manager).checkpoint_reference(memory_only=True) if replica else "")
+            return run(curr_step, last_step)
+    finally:
+        _replica_save.reset(token)
+
+
+def should_save(run: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> bool:
+    """torchtitan's answer, or True during a replica step's save (:func:`save`)."""
+    return _replica_save.get() or run(*args, **kwargs)
+
+
+def purge_stale_checkpoints(run: Callable[[], Any], manager: Any) -> Any:
+    """Before torchtitan counts its ``keep_latest_k``: rank 0 removes the memory-only folders
+    older than the newest (their snapshots are gone: a server keeps a job's newest memory-only
+    one), so they never push the newest persisted checkpoint out."""
+    if _replica_interval(manager) and _rank() == 0:
+        for step in _steps(manager.folder)[:-1]:
+            if os.path.isfile(_marker(manager, step)):
+                shutil.rmtree(manager._create_checkpoint_id(step), ignore_errors=True)
+    return run()
+
+
+def find_load_step(run: Callable[..., int], manager: Any, folder: str = "") -> int:
+    """torchtitan's newest step, passing over memory-only folders whose snapshot is complete on
+    none of the places this host's server reads (both hosts lost, a server restarted without
+    it): rank 0 asks, every rank loads its answer."""
+    step = run(folder)
+    if folder or step <= 0 or not _replica_interval(manager) or not os.path.isfile(_marker(manager, step)):
+        return step
+    chosen = [-1]
+    if _rank() == 0:
+        container = _container(manager)
+        listed = {info.snapshot_id for info in container.client.list_snapshots(container.remote_config.job_id).snapshots
+                  if info.stored or info.local_world_size == info.world_size}
+        for older in reversed([s for s in _steps(manager.folder) if s <= step]):
+            path, marker = manager._create_checkpoint_id(older), _marker(manager, older)
+            snapshot_id = Path(marker).read_text() if os.path.isfile(marker) else None
+            if snapshot_id is not None and snapshot_id not in listed:
+                log.warning("checkpoint %s is passed over: its memory-only snapshot %s is on none of the hosts this "
+                            "server reads (its memory, the replicas it holds, its peers')", path, snapshot_id)
+            elif os.path.isfile(os.path.join(path, ".metadata")):
+                chosen[0] = older
+                break
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
+_replica_save: contextvars.ContextVar[bool] = contextvars.ContextVar("swap_state_replica_save", default=False)
+
+
+def _container(manager: Any) -> Any:
+    states = manager.__dict__.get("states")
+    return states.get(OPTIMIZER_KEY) if isinstance(states, dict) else None
+
+
+def _replica_interval(manager: Any) -> int:
+    return getattr(getattr(_container(manager), "remote_config", None), "replica_interval", 0)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _steps(folder: str) -> list[int]:
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return sorted(int(m.group(1)) for name in names if (m := re.fullmatch(r"step-(\d+)", name)))
+
+
+def _marker(manager: Any, step: int) -> str:
+    return os.path.join(manager._create_checkpoint_id(step), MEMORY_ONLY_MARKER)
+
+
+def _mark(manager: Any, step: int, snapshot_id: str) -> None:
+    """On rank 0, mark the step's folder as holding memory-only ``snapshot_id`` ("": unmark)."""
+    marker = _marker(manager, step)
+    if _rank() == 0 and snapshot_id:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        Path(marker).write_text(snapshot_id)
+    elif _rank() == 0 and os.path.isfile(marker):
+        os.remove(marker)
 
 
 def save_last_step(run: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
@@ -73,9 +175,7 @@ def dcp_load(run: Callable[..., Any], manager: Any, state_dict: Any, checkpoint_
 
 def close(run: Callable[[], Any], manager: Any) -> None:
     """Wait (once) until the snapshot the job's last checkpoint refers to is durable, then close."""
-    states = manager.__dict__.get("states")
-    optimizer = states.get(OPTIMIZER_KEY) if isinstance(states, dict) else None
-    finish = getattr(optimizer, "wait_checkpoint_durable", None)
+    finish = getattr(_container(manager), "wait_checkpoint_durable", None)
     if finish is not None and getattr(manager, "enable", False) and not manager.__dict__.get(_CLOSED_ATTR):
         setattr(manager, _CLOSED_ATTR, True)
         finish()

@@ -72,6 +72,13 @@ class SwapSettings:
     unreachable swap-state server (restarting, being upgraded) before it fails naming the
     address. Training steps never wait for it."""
 
+    swap_state_replica_interval: int = 0
+    """Every this many steps, between torchtitan's checkpoint.interval saves, a checkpoint whose
+    snapshot is memory-only: in this host's memory and a peer server's (--replica-peers), never
+    on the disk or store; torchtitan writes its small folder as usual. Needs
+    swap_state_checkpoint = 'snapshot' and a server with --replica-peers. A lost host costs at
+    most this many steps; 0: none."""
+
     @classmethod
     def of(cls, config: Any) -> "SwapSettings":
         """The settings of an optimizer config (missing attributes: the defaults), checked."""
@@ -90,6 +97,12 @@ class SwapSettings:
             raise ValueError(f"optimizer.swap_state_checkpoint = {self.swap_state_checkpoint!r} needs a swap-state "
                              "server: set optimizer.swap_optimizer_backend = 'remote' (the 'local' backend "
                              "checkpoints 'full')")
+        interval = self.swap_state_replica_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"optimizer.swap_state_replica_interval must be an integer >= 0, got {interval!r}")
+        if interval and self.swap_state_checkpoint != CheckpointMode.SNAPSHOT:
+            raise ValueError("optimizer.swap_state_replica_interval needs optimizer.swap_state_checkpoint = 'snapshot' "
+                             "(and swap_optimizer_backend = 'remote'): its checkpoints are memory-only snapshots")
 
 
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -142,6 +155,7 @@ def build_swap_container(model_parts: list[nn.Module], optimizer_cls: type[torch
 
     config = RemoteConfig(checkpoint=settings.swap_state_checkpoint,
                           server_wait_s=float(settings.swap_state_server_wait_s),
+                          replica_interval=settings.swap_state_replica_interval,
                           embedded=EmbeddedServerConfig(snapshot_dir=snapshot_dir) if snapshot_dir else None,
                           model_state_dict=model_state_dict)
     return RemoteSwapOptimizersContainer(

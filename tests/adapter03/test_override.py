@@ -67,6 +67,7 @@ def test_a_registry_built_swap_config_keeps_its_settings_under_the_target():
         ({"swap_optimizer_backend": "gpu"}, "optimizer.swap_optimizer_backend must be one of 'local', 'remote', got 'gpu'"),
         ({"swap_optimizer_times": 0}, "optimizer.swap_optimizer_times must be an integer >= 1, got 0"),
         ({"swap_optimizer_backend": "local", "swap_state_checkpoint": "snapshot"}, "needs a swap-state server"),
+        ({"swap_state_replica_interval": 2}, "optimizer.swap_state_replica_interval needs optimizer.swap_state_checkpoint"),
     ],
 )
 def test_bad_settings_fail_at_the_override_naming_them(settings, message):

@@ -18,6 +18,10 @@ checkpoint
 
 The resumes load step N (``--checkpoint.load_step``) and save nothing (``--checkpoint.load_only``),
 so neither changes what the other restores.
+
+With ``optimizer.swap_state_replica_interval`` the job checkpoints between torchtitan's own saves
+with memory-only snapshots (in a host's memory and its peer's, never on disk): a lost host
+resumes from the newest of them, and one whose snapshot is gone is passed over on load.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ import pytest
 from swap_state.client.remote.embedded import EmbeddedServer
 from swap_state.client.remote.environment import ENV_SERVER
 from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
-from test_swap_state_trainer import CHECKPOINT, N, SCHEDULE, remote
+from swap_state.client.torchtitan.checkpointing import MEMORY_ONLY_MARKER
+from test_swap_state_trainer import CHECKPOINT, N, SCHEDULE, _loaded, remote
 from test_titan_resume_anywhere import NO_DATALOADER
-from titan_testkit import free_port
+from titan_testkit import STOP_AFTER_STEP_ENV, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_server_env")]
 
@@ -153,3 +158,74 @@ def test_a_lost_hosts_job_resumes_on_the_other_and_on_a_new_host_with_plain_torc
     b_wire = hosts["b"].replica_listen.removeprefix("tcp://")
     assert all((r["world_size"], r["snapshot_world_size"]) == ("4", "4") and r["location"].startswith(f"/{b_wire}/")
                for r in restores.values()), restores
+
+
+def _folders(dump: pathlib.Path) -> dict[str, str | None]:
+    """torchtitan's checkpoint folders under ``dump``: the memory-only snapshot each marks, else None."""
+    return {path.name: (path / MEMORY_ONLY_MARKER).read_text() if (path / MEMORY_ONLY_MARKER).exists() else None
+            for path in sorted((dump / "ckpt").iterdir())}
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_hosts_job_resumes_from_a_memory_only_checkpoint_with_plain_torchtitans_losses(run_trainer, hosts,
+                                                                                              tmp_path):
+    """2 hosts x 1 rank (one trainer process a host: the 2-core CI machine runs 2, and each
+    host's rank takes the same path as 2 would), torchtitan's checkpoints every 3 steps and a
+    memory-only one every step, keep_latest_k = 2. The job stops after step 5: its folders are
+    torchtitan's step 3 and the memory-only step 5 (1, 2 and 4 removed before torchtitan's purge,
+    which would have taken step 3). Host a is lost; on b (2 ranks, no --checkpoint.load_step)
+    torchtitan loads step 5 from b's memory and a's replica there, and step 6's loss equals
+    plain torchtitan's resuming its own step-5 checkpoint (2 ranks)."""
+    a, b = hosts["a"].server, hosts["b"].server
+    swap = (*remote(None, "snapshot", job_id=JOB), "--optimizer.swap_state_replica_interval=1",
+            "--checkpoint.keep_latest_k=2")
+    # Plain torchtitan checkpointing at step 5, stopped there and resumed.
+    plain_flags = (SCHEDULE, *CHECKPOINT[:2], "--checkpoint.interval=5", CHECKPOINT[3])
+    plain = run_trainer(tmp_path / "plain", *plain_flags, steps=2 * N, nproc=2, env={STOP_AFTER_STEP_ENV: "5"})
+    plain_resumed = run_trainer(tmp_path / "plain", *plain_flags, steps=2 * N, nproc=2)
+    assert _loaded(plain_resumed.run.output, tmp_path / "plain", step=5) and plain_resumed.steps == [6], \
+        plain_resumed.run.output[-3000:]
+    first = run_trainer(tmp_path / "swap", SCHEDULE, *CHECKPOINT, *swap, steps=2 * N, nproc=2, hosts=_on(a, b),
+                        env={STOP_AFTER_STEP_ENV: "5"})
+    assert first.steps == [1, 2, 3, 4, 5] and first == plain, f"{first} != {plain}\n{first.run.output[-3000:]}"
+    assert _folders(tmp_path / "swap") == {"step-3": None, "step-5": f"{JOB}/step-5"}
+    for server, rank in ((a, 0), (b, 1)):
+        _wait_replicated(server, f"{JOB}/step-5", range(rank, rank + 1))
+    assert not [path for host in hosts.values() for path in host.snapshots.rglob("step-*5")]  # never on disk
+    a.kill()
+    shutil.rmtree(hosts["a"].shm)
+    shutil.rmtree(hosts["a"].snapshots)
+
+    on_b = run_trainer(tmp_path / "swap", SCHEDULE, *CHECKPOINT, *swap, "--checkpoint.load_only", steps=2 * N,
+                       nproc=2, hosts=_on(b))
+    assert _loaded(on_b.run.output, tmp_path / "swap", step=5), on_b.run.output[-3000:]
+    assert on_b.steps == [6] and on_b == plain_resumed, f"{on_b} != {plain_resumed}\n{b.log_text()[-3000:]}"
+    restores = _restores(b)
+    assert sorted(restores) == [0, 1] and {r["snapshot_id"] for r in restores.values()} == {f"{JOB}/step-5"}, restores
+
+
+@pytest.mark.timeout(240)
+def test_a_memory_only_checkpoint_whose_snapshot_is_gone_is_passed_over_on_load(run_trainer, hosts, start_server,
+                                                                                tmp_path):
+    """1 rank on host a, torchtitan's checkpoints every 3 steps, memory-only ones every 2, stopped
+    after step 4. Host a's server restarts on its disk with its memory lost and no
+    --replica-peers (b's replica out of reach): the rerun passes over the memory-only step 4,
+    saying so, loads torchtitan's step 3 and trains step 4 as the job did; step 4's save (the
+    last step's, persisted) unmarks its folder."""
+    a = hosts["a"]
+    job = "titan-replica-gone"
+    first = run_trainer(tmp_path, SCHEDULE, *CHECKPOINT, *remote(a.server, "snapshot", job_id=job),
+                        "--optimizer.swap_state_replica_interval=2", steps=2 * N, env={STOP_AFTER_STEP_ENV: "4"})
+    assert first.steps == [1, 2, 3, 4]
+    assert _folders(tmp_path) == {"step-3": None, "step-4": f"{job}/step-4"}
+    a.server.kill()
+    shutil.rmtree(a.shm)
+    restarted = start_server(shm_size_bytes=512 << 20, snapshot_dir=a.snapshots)
+    rerun = run_trainer(tmp_path, SCHEDULE, *CHECKPOINT, *remote(restarted, "snapshot", job_id=job),
+                        "--optimizer.swap_state_replica_interval=2", steps=4)
+    output = rerun.run.output
+    assert f"checkpoint {tmp_path / 'ckpt' / 'step-4'} is passed over: its memory-only snapshot {job}/step-4" in output, \
+        output[-3000:]
+    assert _loaded(output, tmp_path, step=3), output[-3000:]
+    assert rerun.steps == [4] and rerun == first[3:], f"{rerun} != {first}\n{output[-3000:]}"
+    assert _folders(tmp_path) == {"step-3": None, "step-4": None}

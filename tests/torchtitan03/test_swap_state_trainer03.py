@@ -1,7 +1,8 @@
 """torchtitan 0.3's own trainer with swap-state switched on by the override target
 (``--override.imports swap_state.client.torchtitan_override.swap_state``), against the plain
 trainer: the same losses bitwise with a host's server and with the embedded default, a
-snapshot-mode save at step 3 resumed to 6, a SIGKILL after a checkpoint and a rerun, several
+snapshot-mode save at step 3 resumed to 6, a memory-only checkpoint of the replica interval
+resumed, a SIGKILL after a checkpoint and a rerun, several
 param groups, the settings on torchtitan's CLI where the registry builds the config, two
 ranks whose checkpoint resumes on one, FSDP2 x TP2 on four, and a pipeline of two stages on
 two ranks whose checkpoint resumes on one.
@@ -15,7 +16,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_titan_replicas import hosts  # noqa: F401 (a fixture: servers a and b replicating into each other)
 from titan_testkit import LOSS_RANK_ENV, STOP_AFTER_STEP_ENV, STOP_MODE_ENV
+
+from swap_state.client.torchtitan.checkpointing import MEMORY_ONLY_MARKER
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_server_env")]
 
@@ -71,6 +75,24 @@ def test_snapshot_mode_saved_at_3_resumes_to_6_bitwise(reference, run_trainer03,
     assert f"Loading the checkpoint from {step_dir}" in resumed.run.output, _tail(resumed)
     assert resumed.steps == list(range(N + 1, 2 * N + 1))
     assert resumed == reference[N:], _tail(resumed)
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_interval_checkpoint_is_memory_only_and_resumes_bitwise(reference, run_trainer03, hosts, tmp_path):
+    """swap_state_replica_interval = 2 beside torchtitan's checkpoints every 3 steps, stopped
+    after step 4: the folders are torchtitan's step 3 and step 4, marked memory-only (step 2's
+    removed), nothing of step 4 on host a's disk; the rerun resumes from step 4 bitwise."""
+    a = hosts["a"]
+    flags = (*CHECKPOINT, *swap_state(swap_state_server=a.server.address, swap_state_checkpoint="snapshot",
+                                      swap_state_job_id="replica03", swap_state_replica_interval=2))
+    first = run_trainer03(tmp_path, *flags, steps=2 * N, env={STOP_AFTER_STEP_ENV: "4", STOP_MODE_ENV: "return"})
+    assert first == reference[:4], _tail(first)
+    assert sorted(path.name for path in (tmp_path / "ckpt").iterdir()) == ["step-3", "step-4"]
+    assert (tmp_path / "ckpt" / "step-4" / MEMORY_ONLY_MARKER).read_text() == "replica03/step-4"
+    assert not list(a.snapshots.rglob("step-*4"))
+    resumed = run_trainer03(tmp_path, *flags, steps=2 * N)
+    assert f"Loading the checkpoint from {tmp_path / 'ckpt' / 'step-4'}" in resumed.run.output, _tail(resumed)
+    assert resumed.steps == [5, 6] and resumed == reference[4:], _tail(resumed) + a.server.log_text()
 
 
 @pytest.mark.timeout(300)

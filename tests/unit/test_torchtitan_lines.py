@@ -39,9 +39,38 @@ def test_0_2_cli_sets_the_settings_declared_once():
         ({"swap_state_checkpoint": "all"}, "optimizer.swap_state_checkpoint must be one of 'full', 'snapshot', got 'all'"),
         ({"swap_optimizer_times": True}, "optimizer.swap_optimizer_times must be an integer >= 1, got True"),
         ({"swap_state_checkpoint": "snapshot"}, "set optimizer.swap_optimizer_backend = 'remote'"),
+        ({"swap_state_replica_interval": -1}, "optimizer.swap_state_replica_interval must be an integer >= 0, got -1"),
+        ({"swap_state_replica_interval": 2.0}, "optimizer.swap_state_replica_interval must be an integer >= 0, got 2.0"),
+        ({"swap_optimizer_backend": "remote", "swap_state_replica_interval": 2},
+         "optimizer.swap_state_replica_interval needs optimizer.swap_state_checkpoint = 'snapshot'"),
+        ({"swap_state_checkpoint": "snapshot", "swap_state_replica_interval": 2},
+         "set optimizer.swap_optimizer_backend = 'remote'"),  # local backend
     ],
 )
 def test_settings_are_checked_naming_the_field(values, message):
     with pytest.raises(ValueError) as info:
         SwapSettings.of(type("Config", (), values)())
     assert message in str(info.value)
+
+
+def test_the_replica_interval_reaches_the_container_config():
+    from swap_state.client.remote.config import RemoteConfig
+    from swap_state.client.torchtitan import settings as settings_module
+
+    built = {}
+
+    class Container:
+        def __init__(self, *args, config: RemoteConfig, **kwargs):
+            built["config"] = config
+
+    settings = SwapSettings(swap_optimizer_backend="remote", swap_state_checkpoint="snapshot",
+                            swap_state_replica_interval=2, swap_state_job_id="j")
+    settings.check()
+    import swap_state.client.remote.container as container_module
+    original = container_module.RemoteSwapOptimizersContainer
+    container_module.RemoteSwapOptimizersContainer = Container
+    try:
+        settings_module.build_swap_container([], object, {}, settings)
+    finally:
+        container_module.RemoteSwapOptimizersContainer = original
+    assert built["config"].replica_interval == 2
