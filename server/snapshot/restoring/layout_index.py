@@ -209,17 +209,44 @@ class _Plain:
     shape: tuple[int, ...]
     crcs: Progression
 
-    def holders(self) -> list[tuple[int, TensorRecord]]:
+    def record(self, rank: int) -> TensorRecord:
         nbytes = math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
-        return [(rank, TensorRecord(self.name, self.dtype, self.shape, nbytes, (0, nbytes), crc))
-                for rank, crc in enumerate(self.crcs) if crc != _ABSENT]
+        return TensorRecord(self.name, self.dtype, self.shape, nbytes, (0, nbytes), self.crcs[rank])
 
-    def same_bytes(self) -> bool:
-        crcs = {first for first, _, _ in self.crcs.runs if first != _ABSENT}
-        return len(crcs) == 1 and all(step == 0 for _, step, _ in self.crcs.runs)
+    def differs(self) -> bool:
+        """Whether two old ranks hold different bytes: from the runs, never per rank (a run
+        that steps holds at most one -1, so three of its values hold two crc32s)."""
+        found: set[int] = set()
+        for first, step, count in self.crcs.runs:
+            found.update(range(first, first + step * min(count, 3), step) if step else (first,))
+            found.discard(_ABSENT)
+            if len(found) > 1:
+                return True
+        return False
 
     def plan(self, target: TargetTensor, target_rank: int, same_world: bool) -> list[Piece]:
-        return plan_tensor(target, self.holders(), target_rank=target_rank, same_world=same_world)
+        """One piece from one holder, chosen in O(runs) (N equal copies are one run), then
+        checked against the target by :func:`plan_tensor`."""
+        own = target_rank < len(self.crcs) and self.crcs[target_rank] != _ABSENT
+        if self.differs() and not (same_world and own):  # plan_tensor says which two differ
+            first = next(r for r, crc in enumerate(self.crcs) if crc != _ABSENT)
+            other = next(r for r, crc in enumerate(self.crcs) if crc not in (_ABSENT, self.crcs[first]))
+            sources = [(first, self.record(first)), (other, self.record(other))]
+            return plan_tensor(target, sources, target_rank=target_rank, same_world=same_world)
+        chosen = target_rank if own else self._spread(target_rank)
+        return plan_tensor(target, [(chosen, self.record(chosen))])
+
+    def _spread(self, target_rank: int) -> int:
+        """The holder a new rank that holds no copy reads: the (target_rank mod holders)-th."""
+        absent = [r for run in self.crcs.positions(_ABSENT) for r in (run.start, run.stop)]
+        edges = [0, *absent, len(self.crcs)]  # holders are the ranges between absent ones
+        holding = [range(lo, hi) for lo, hi in zip(edges[::2], edges[1::2]) if hi > lo]
+        k = target_rank % sum(len(r) for r in holding)
+        for found in holding:
+            if k < len(found):
+                return found[k]
+            k -= len(found)
+        raise AssertionError("unreachable")
 
     def to_json(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "crc32s": self.crcs.flat()}
@@ -325,7 +352,7 @@ class LayoutIndex:
             found = self._tensors.get(target.name)
             if target.global_shape is None and isinstance(found, _Grid) and found.global_shape == target.shape:
                 target = dataclasses.replace(target, global_shape=target.shape, global_offset=(0,) * len(target.shape))
-            elif target.global_shape is not None and isinstance(found, _Plain) and found.same_bytes() \
+            elif target.global_shape is not None and isinstance(found, _Plain) and not found.differs() \
                     and found.shape == tuple(target.global_shape) and all(found.shape):
                 owners = Progression([(_ABSENT if crc == _ABSENT else 0, 0, count) for crc, _, count in found.crcs.runs])
                 starts = tuple(Progression([(0, 0, 1)]) for _ in found.shape)
