@@ -4,6 +4,9 @@ when plain copies differ are decided from the runs alone."""
 
 from __future__ import annotations
 
+import json
+import random
+
 import pytest
 from swap_state.common.snapshot_errors import SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import TensorRecord
@@ -63,3 +66,37 @@ def test_differing_plain_copies_are_found_from_the_runs(crcs):
 def test_a_layout_module_keeps_one_planner():
     """The per-tensor planner checks what the index chose; no second plain path beside it."""
     assert not hasattr(layout_index._Plain, "holders")  # noqa: SLF001
+
+
+def _sequences():
+    """Sequences a layout holds (TP inside FSDP owners, replicated cells, gaps) and random ones."""
+    dp, tp = 6, 4
+    yield [t * dp + d for d in range(dp) for t in range(tp)]  # col-wise TP x FSDP: cell of rank d*tp+t
+    yield [d for d in range(dp) for _ in range(tp)]  # replicated over TP
+    yield [d if d < 3 else -1 for d in range(dp) for _ in range(tp)]  # short tensor: empty shards
+    yield [5, -1, 5, 5, -1, 5, 5]
+    rng = random.Random(51)
+    for _ in range(200):
+        yield [rng.choice([-1, 0, 1, 2, 7]) if rng.random() < 0.5 else rng.randrange(-1, 9) for _ in range(rng.randrange(1, 30))]
+
+
+@pytest.mark.parametrize("values", list(_sequences()))
+def test_a_progression_is_its_values(values):
+    runs = Progression.of(values)
+    read = Progression.from_flat(json.loads(json.dumps(runs.flat())), "x")
+    for seq in (runs, read):
+        assert list(seq) == values and [seq[i] for i in range(len(values))] == values
+        for value in set(values):
+            assert sorted(i for r in seq.positions(value) for i in r) == [i for i, v in enumerate(values) if v == value]
+        assert seq.bounds() == (min(values), max(values))
+    rising = sorted(set(values))
+    assert [Progression.of(rising).count_at_most(v) for v in range(-2, 10)] == \
+        [sum(x <= v for x in rising) for v in range(-2, 10)]
+    assert Progression.of(rising).rising() and (Progression.of(values).rising() == (values == rising))
+
+
+def test_tp_inside_fsdp_is_one_run_per_tensor():
+    """The owners of a col-wise TP8 x FSDP tensor at 16,384 ranks: one run, not 2,048."""
+    dp, tp = 2048, 8
+    assert len(Progression.of([t * dp + d for d in range(dp) for t in range(tp)]).runs) == 1
+    assert len(Progression.of([d for d in range(dp) for _ in range(tp)]).runs) == 1
