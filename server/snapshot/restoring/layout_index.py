@@ -22,7 +22,7 @@ from swap_state.common.snapshot_format import TensorRecord
 
 from swap_state.server.snapshot.restoring.reshard import Piece, TargetTensor, _check_box, _intersect, _runs, plan_tensor
 
-__all__ = ["LAYOUT_FORMAT", "LayoutIndex", "Progression", "bind", "plan_rank"]
+__all__ = ["LAYOUT_FORMAT", "LayoutIndex", "Progression", "bind"]
 
 LAYOUT_FORMAT = "swap-state-layout"
 LAYOUT_VERSION = 2  # 2: runs of runs (first, step, count, times, shift)
@@ -87,16 +87,28 @@ class Progression:
                 k, rest = divmod(value - first, step or shift)
                 if not rest and 0 <= k < (count if step else times):
                     found.append(range(start + k, end, count) if step else range(start + k * count, start + (k + 1) * count))
-            else:  # both move: solve for one per value of the other (the smaller: TP's 8)
-                for time in range(times) if times <= count else ():
-                    k, rest = divmod(value - first - shift * time, step)
-                    found.extend([range(start + time * count + k, start + time * count + k + 1)]
-                                 if not rest and 0 <= k < count else [])
-                for k in range(count) if times > count else ():
-                    time, rest = divmod(value - first - step * k, shift)
-                    found.extend([range(start + time * count + k, start + time * count + k + 1)]
-                                 if not rest and 0 <= time < times else [])
+            else:  # both move: solve for one per value of the other (the fewer: TP's 8)
+                for a in range(min(times, count)):
+                    if times <= count:
+                        time, (k, rest) = a, divmod(value - first - shift * a, step)
+                    else:
+                        k, (time, rest) = a, divmod(value - first - step * a, shift)
+                    if not rest and 0 <= k < count and 0 <= time < times:
+                        found.append(range(start + time * count + k, start + time * count + k + 1))
         return found
+
+    def holder(self, value: int, rank: int) -> int | None:
+        """The index holding ``value`` that ``rank`` reads: its own when it holds it, else one
+        spread by ``rank`` (8 new ranks read a replicated tensor from 8 old ones); None: none."""
+        if rank < len(self) and self[rank] == value:
+            return rank
+        found = self.positions(value)
+        n = rank % max(1, sum(len(r) for r in found))
+        for ranks in found:
+            if n < len(ranks):
+                return ranks[n]
+            n -= len(ranks)
+        return None
 
     def bounds(self) -> tuple[int, int]:
         """The least and greatest values (each run's are at its corners)."""
@@ -174,7 +186,10 @@ class _Grid:
             cell = 0
             for i, width in zip(coords, widths):
                 cell = cell * width + i
-            rank = self._holder(cell, target_rank)
+            rank = self.owners.holder(cell, target_rank)
+            if rank is None:
+                raise SnapshotLayoutMismatch(f"tensor {self.name}: no old rank holds its shard at {self.cell_box(cell)[0]}; "
+                                             "check that the snapshot holds every old rank")
             record = self.cell_record(cell)
             source_box = (record.global_offset, record.shape)
             common = _intersect(source_box, target_box)  # type: ignore[arg-type]
@@ -182,18 +197,6 @@ class _Grid:
                 pieces.append(Piece(rank, record, _runs(common, source_box, target_box,  # type: ignore[arg-type]
                                                         DTYPE_ITEMSIZE[self.dtype])))
         return sorted(pieces, key=lambda piece: piece.source_rank)
-
-    def _holder(self, cell: int, target_rank: int) -> int:
-        """The old rank a new rank reads ``cell`` from: its own when that holds it, else one
-        spread by the new rank (8 new ranks read a replicated tensor from 8 old ones)."""
-        if target_rank < len(self.owners) and self.owners[target_rank] == cell:
-            return target_rank
-        holders = self.owners.positions(cell)
-        if not holders:
-            raise SnapshotLayoutMismatch(
-                f"tensor {self.name}: no old rank holds its shard at {self.cell_box(cell)[0]}; "
-                "check that the snapshot holds every old rank")
-        return _nth(holders, target_rank)
 
     def to_json(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "global_shape": list(self.global_shape),
@@ -231,9 +234,8 @@ class _Plain:
         return TensorRecord(self.name, self.dtype, self.shape, nbytes, (0, nbytes), self.crcs[rank])
 
     def held(self) -> set[int]:
-        """The crc32s old ranks hold (two at most: enough to say they differ), from the runs:
-        a 3 x 3 corner of each run holds two of its values when it holds two (one -1 at most
-        per line of values that steps)."""
+        """The crc32s old ranks hold (two at most: enough to say they differ), from the runs: a
+        3 x 3 corner of a run holds two of its values when it holds two (a line holds one -1)."""
         found: set[int] = set()
         for first, step, count, times, shift in self.crcs.runs:
             found.update(first + step * k + shift * t for k in range(min(count, 3)) for t in range(min(times, 3)))
@@ -241,9 +243,6 @@ class _Plain:
             if len(found) > 1:
                 break
         return found
-
-    def differs(self) -> bool:
-        return len(self.held()) > 1
 
     def plan(self, target: TargetTensor, target_rank: int, same_world: bool) -> list[Piece]:
         """One piece from one holder, chosen in O(runs) (N equal copies are one run), then
@@ -253,10 +252,10 @@ class _Plain:
         if len(held) > 1 and not (same_world and own):  # plan_tensor says which two differ
             first = next(r for r, crc in enumerate(self.crcs) if crc != _ABSENT)
             other = next(r for r, crc in enumerate(self.crcs) if crc not in (_ABSENT, self.crcs[first]))
-            sources = [(first, self.record(first)), (other, self.record(other))]
-            return plan_tensor(target, sources, target_rank=target_rank, same_world=same_world)
-        chosen = target_rank if own else _nth(self.crcs.positions(held.pop()), target_rank)
-        return plan_tensor(target, [(chosen, self.record(chosen))])
+            return plan_tensor(target, [(r, self.record(r)) for r in (first, other)], target_rank=target_rank,
+                               same_world=same_world)
+        chosen = target_rank if own else self.crcs.holder(held.pop(), target_rank)
+        return plan_tensor(target, [(chosen, self.record(chosen))])  # type: ignore[list-item]
 
     def to_json(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "crc32s": self.crcs.flat()}
@@ -362,7 +361,7 @@ class LayoutIndex:
             found = self._tensors.get(target.name)
             if target.global_shape is None and isinstance(found, _Grid) and found.global_shape == target.shape:
                 target = dataclasses.replace(target, global_shape=target.shape, global_offset=(0,) * len(target.shape))
-            elif target.global_shape is not None and isinstance(found, _Plain) and not found.differs() \
+            elif target.global_shape is not None and isinstance(found, _Plain) and len(found.held()) == 1 \
                     and found.shape == tuple(target.global_shape) and all(found.shape):
                 owners = Progression([cut for run in found.crcs.runs for cut in (  # held: cell 0; a run of one value stays one
                     [(_ABSENT if run[0] == _ABSENT else 0, 0, *run[2:4], 0)] if run[1] == run[4] == 0 else
@@ -474,22 +473,6 @@ def _same_shard(real: TensorRecord, box: TensorRecord) -> bool:
         (tuple(box.global_shape or ()), tuple(box.global_offset or ()))
 
 
-def plan_rank(targets: Sequence[TargetTensor], manifests: Mapping[int, Sequence[TensorRecord]], *,
-              target_rank: int, same_world: bool) -> dict[str, list[Piece]]:
-    """One new rank's plan from every old rank's records (an index built for it, then bound)."""
-    return bind(LayoutIndex(manifests).plan(targets, target_rank=target_rank, same_world=same_world), manifests)
-
-
-def _nth(found: Sequence[range], n: int) -> int:
-    """The ``n``-th (modulo their number) of the old ranks ``found``, in the order found."""
-    n %= sum(len(r) for r in found)
-    for ranks in found:
-        if n < len(ranks):
-            return ranks[n]
-        n -= len(ranks)
-    raise AssertionError("unreachable")
-
-
 def _per_rank(raw: dict, key: str, world_size: int, bound: int, each: str) -> Progression:
     """``raw[key]``: per old rank a value below ``bound`` or -1, not all -1 (some rank holds it)."""
     what = f"{key} of {raw['name']}"
@@ -503,12 +486,10 @@ def _per_rank(raw: dict, key: str, world_size: int, bound: int, each: str) -> Pr
 
 def _widened(entry: dict) -> dict:
     """A version 1 entry's runs ``[first, step, count]`` as version 2's, moved 0 times over."""
-    def widen(runs: object) -> object:
-        return [n for i in range(0, len(runs), 3) for n in (*runs[i:i + 3], 1, 0)] \
-            if isinstance(runs, list) and len(runs) % 3 == 0 else runs
-    starts = entry.get("starts")
-    return {**entry, **{key: widen(entry[key]) for key in ("owners", "crc32s") if key in entry},
-            **({"starts": [widen(s) for s in starts]} if isinstance(starts, list) else {})}
+    def widen(runs):
+        return [n for i in range(0, len(runs), 3) for n in (*runs[i:i + 3], 1, 0)] if isinstance(runs, list) and len(runs) % 3 == 0 else runs
+    return {key: [widen(s) for s in value] if key == "starts" and isinstance(value, list) else
+            widen(value) if key in ("owners", "crc32s") else value for key, value in entry.items()}
 
 
 def _shape(raw: object, what: str) -> tuple[int, ...]:
