@@ -1,22 +1,26 @@
 """How restore planning scales with the number of ranks, simulated (no tensors, no server).
 
-    python -m bench.scale [--ranks 8,64,256,1024,2048] [--repeat 3] [--out DIR]
+    python -m bench.scale [--ranks 8,64,256,1024,2048] [--layouts 70b-fsdp] [--whole-ranks 2048]
+                          [--repeat 3] [--out DIR]
+    python -m bench.scale --ranks 1024,16384 --layouts 405b-fsdp,405b-tp8 --store-ranks ''
 
-A synthetic Llama-3-70B job: 723 parameters (80 layers of wq, wk, wv, wo, w1, w2, w3 and two
-norms; the embedding, the final norm and the output), two moments each, FSDP ``Shard(0)`` over
-N ranks: the records every old rank's manifest holds. For each N and a shrink to 3N/4 and a
-grow to 5N/4 it measures, in this process:
+Layouts (``--layouts``): ``70b-fsdp``, Llama-3-70B (723 parameters, two moments each) FSDP
+``Shard(0)`` over N ranks (the rounds before this one); ``405b-fsdp`` and ``405b-tp8``, a
+405B-class model (dim 16384, ffn 53248, 126 layers, kv 1024, vocab 128256: 1,137 parameters,
+two moments and a plain replicated ``step`` each), FSDP, and TP8 (innermost) x FSDP. For each
+N and a shrink to 3N/4 and a grow to 5N/4 (whole TP groups) it measures, in this process:
 
-- **build**: the step's layout index (``layout.json``,
-  :class:`~swap_state.server.snapshot.restoring.layout_index.LayoutIndex`) from every old rank's records,
-  as the server that commits the step (or publishes it in the store) does once per step:
-  CPU seconds, peak Python memory and its bytes;
 - **plan**: what one new rank pays to plan its restore: ``layout.json`` parsed, planned, the
-  manifests of the old ranks it reads (``reads``) parsed, the plan bound to their records;
-- **baseline**: the same rank planned tensor by tensor over every old rank's records held in
-  memory (:func:`~swap_state.server.snapshot.restoring.reshard.plan_tensor`, the planner before any
-  index; reading those N manifests not counted), measured in the same run, the plans compared
-  equal: the ratio is the figure to read, not the seconds.
+  manifests of the old ranks it reads (``reads``) parsed, the plan bound to their records: CPU
+  seconds and peak Python memory (tracemalloc); and **read/need**: the bytes its reads cover
+  (:func:`~swap_state.server.snapshot.restoring.restore_reads.read_spans`) over the bytes its
+  new shards need;
+- up to ``--whole-ranks`` old ranks, where every old rank's records fit in memory: **build**, the
+  step's layout index from them (:class:`~swap_state.server.snapshot.restoring.layout_index.LayoutIndex`),
+  as the server that commits the step does once per step, checked equal to the one the bench
+  plans from (built per kind of tensor, which reaches 16,384 ranks); and **baseline**, the same
+  rank planned tensor by tensor over every old rank's records
+  (:func:`~swap_state.server.snapshot.restoring.reshard.plan_tensor`), the plans compared equal.
 
 Reported per case: median, mean and worst of ``--repeat`` runs. Then, once, one rank's
 **manifest** at the largest N: its bytes and the CPU of parsing it, as written now (compact,
@@ -30,8 +34,10 @@ fresh reader.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
+import math
 import pathlib
 import statistics
 import tempfile
@@ -42,25 +48,45 @@ from bench.store_requests import count_requests
 from swap_state.common.snapshot_format import RankManifest, TensorRecord, dumps_json
 from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.restoring.reshard import TargetTensor, plan_tensor, ranks_needed
+from swap_state.server.snapshot.restoring.restore_reads import read_spans
 
-DIM, FFN, KV, VOCAB, LAYERS = 8192, 28672, 1024, 128256, 80
 MOMENTS = ("exp_avg", "exp_avg_sq")
+#: (dim, ffn, kv, vocab, layers) of the models simulated.
+MODELS = {"70b": (8192, 28672, 1024, 128256, 80), "405b": (16384, 53248, 1024, 128256, 126)}
+#: name: (model, TP degree, a plain replicated ``step`` per parameter as torch's Adam keeps).
+LAYOUTS = {"70b-fsdp": ("70b", 1, False), "405b-fsdp": ("405b", 1, True), "405b-tp8": ("405b", 8, True)}
 
 
-def llama3_70b_shapes() -> dict[str, tuple[int, ...]]:
-    """The 723 parameters of Llama-3-70B by fqn."""
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (VOCAB, DIM)}
-    for layer in range(LAYERS):
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A job's parameters and how they are cut: fqn -> (global shape, how TP cuts it: ``col``
+    Shard(0), ``row`` Shard(1), ``rep`` replicated), TP innermost (rank = dp * tp + t), FSDP
+    Shard(0) over the dp ranks of what TP left (FSDP2's strided shard)."""
+
+    params: dict[str, tuple[tuple[int, ...], str]]
+    tp: int
+    steps: bool
+
+    @classmethod
+    def named(cls, name: str) -> Layout:
+        model, tp, steps = LAYOUTS[name]
+        return cls(model_params(*MODELS[model]), tp, steps)
+
+
+def model_params(dim: int, ffn: int, kv: int, vocab: int, layers: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A Llama-3 model's parameters by fqn (723 for 70B, 1,137 for 405B), with their TP cut."""
+    params = {"tok_embeddings.weight": ((vocab, dim), "col")}
+    for layer in range(layers):
         p = f"layers.{layer}."
-        shapes.update({
-            p + "attention.wq.weight": (DIM, DIM), p + "attention.wk.weight": (KV, DIM),
-            p + "attention.wv.weight": (KV, DIM), p + "attention.wo.weight": (DIM, DIM),
-            p + "feed_forward.w1.weight": (FFN, DIM), p + "feed_forward.w2.weight": (DIM, FFN),
-            p + "feed_forward.w3.weight": (FFN, DIM),
-            p + "attention_norm.weight": (DIM,), p + "ffn_norm.weight": (DIM,),
+        params.update({
+            p + "attention.wq.weight": ((dim, dim), "col"), p + "attention.wk.weight": ((kv, dim), "col"),
+            p + "attention.wv.weight": ((kv, dim), "col"), p + "attention.wo.weight": ((dim, dim), "row"),
+            p + "feed_forward.w1.weight": ((ffn, dim), "col"), p + "feed_forward.w2.weight": ((dim, ffn), "row"),
+            p + "feed_forward.w3.weight": ((ffn, dim), "col"),
+            p + "attention_norm.weight": ((dim,), "rep"), p + "ffn_norm.weight": ((dim,), "rep"),
         })  # fmt: skip
-    shapes.update({"norm.weight": (DIM,), "output.weight": (VOCAB, DIM)})
-    return shapes
+    params.update({"norm.weight": ((dim,), "rep"), "output.weight": ((vocab, dim), "col")})
+    return params
 
 
 def shard0(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -70,40 +96,68 @@ def shard0(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, max(0, min(chunk, size - start))
 
 
-def box(shape: tuple[int, ...], parts: int, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    start, length = shard0(shape[0], parts, index)
-    return (start, *[0] * (len(shape) - 1)), (length, *shape[1:])
+def box(shape: tuple[int, ...], cut: str, world: int, tp: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Rank ``rank``'s (global offset, local shape) of a parameter."""
+    dp, t = divmod(rank, tp)
+    offset, local = [0] * len(shape), list(shape)
+    if tp > 1 and cut != "rep":
+        d = 0 if cut == "col" else 1
+        offset[d], local[d] = shard0(shape[d], tp, t)
+    start, local[0] = shard0(local[0], world // tp, dp)
+    offset[0] += start
+    return tuple(offset), tuple(local)
 
 
-def manifests(shapes: dict[str, tuple[int, ...]], world: int) -> dict[int, list[TensorRecord]]:
+def tensors(layout: Layout, world: int, rank: int) -> list[tuple[str, tuple[int, ...], tuple[int, ...] | None, tuple[int, ...] | None]]:
+    """One rank's tensors in segment order: (name, local shape, global shape, global offset)."""
+    out = []
+    for fqn, (shape, cut) in layout.params.items():
+        offset, local = box(shape, cut, world, layout.tp, rank)
+        out.extend((f"state.{fqn}.{m}", local, shape, offset) for m in MOMENTS)
+        if layout.steps:
+            out.append((f"state.{fqn}.step", (), None, None))
+    return out
+
+
+def manifests(layout: Layout, world: int) -> dict[int, list[TensorRecord]]:
     """Every old rank's records."""
-    return {rank: rank_records(shapes, world, rank) for rank in range(world)}
+    return {rank: rank_records(layout, world, rank) for rank in range(world)}
 
 
-def rank_records(shapes: dict[str, tuple[int, ...]], world: int, rank: int) -> list[TensorRecord]:
-    """One rank's records: both moments of every parameter, its Shard(0) box."""
+def rank_records(layout: Layout, world: int, rank: int) -> list[TensorRecord]:
+    """One rank's records, laid out one after the other in its file."""
     records, position = [], 0
-    for fqn, shape in shapes.items():
-        offset, local = box(shape, world, rank)
-        nbytes = 4
-        for n in local:
-            nbytes *= n
-        for moment in MOMENTS:
-            records.append(TensorRecord(
-                name=f"state.{fqn}.{moment}", dtype="float32", shape=local, nbytes=nbytes,
-                data_offsets=(position, position + nbytes), crc32=0, fqn=fqn, key=moment,
-                global_shape=shape, global_offset=offset,
-            ))
-            position += nbytes
+    for name, local, shape, offset in tensors(layout, world, rank):
+        nbytes = 4 * math.prod(local)
+        fqn, key = name[len("state."):].rsplit(".", 1)
+        records.append(TensorRecord(name=name, dtype="float32", shape=local, nbytes=nbytes,
+                                    data_offsets=(position, position + nbytes), crc32=0, fqn=fqn, key=key,
+                                    global_shape=shape, global_offset=offset))
+        position += nbytes
     return records
 
 
-def targets(shapes: dict[str, tuple[int, ...]], world: int, rank: int) -> list[TargetTensor]:
-    out = []
-    for fqn, shape in shapes.items():
-        offset, local = box(shape, world, rank)
-        out.extend(TargetTensor(f"state.{fqn}.{m}", "float32", local, shape, offset) for m in MOMENTS)
-    return out
+def layout_json(layout: Layout, world: int) -> bytes:
+    """The step's ``layout.json`` without every rank's records (16,384 ranks of 3,411 tensors
+    would not fit): one index of a tensor per kind (shape and cut), each entry then given the
+    names of that kind. At the sizes the build is timed it is checked equal to the real build."""
+    kinds: dict[tuple, list[str]] = {}
+    for fqn, (shape, cut) in layout.params.items():
+        kinds.setdefault((shape, cut), []).append(fqn)
+    sample = Layout({fqns[0]: kind for kind, fqns in kinds.items()}, layout.tp, layout.steps)
+    doc = json.loads(LayoutIndex(manifests(sample, world), world).to_bytes())
+    by_name = {entry["name"]: entry for entry in doc["tensors"]}
+    entries = []
+    for fqns in kinds.values():
+        for fqn in fqns:
+            for suffix in (*MOMENTS, *(("step",) if layout.steps else ())):
+                entries.append({**by_name[f"state.{fqns[0]}.{suffix}"], "name": f"state.{fqn}.{suffix}"})
+    doc["tensors"] = sorted(entries, key=lambda entry: entry["name"])
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def targets(layout: Layout, world: int, rank: int) -> list[TargetTensor]:
+    return [TargetTensor(name, "float32", local, shape, offset) for name, local, shape, offset in tensors(layout, world, rank)]
 
 
 def timed(fn) -> tuple[float, object]:
@@ -126,47 +180,65 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "mean": statistics.fmean(values), "worst": max(values)}
 
 
-def run_case(shapes, old: int, new: int, repeat: int) -> dict:
-    records = manifests(shapes, old)
+def run_case(layout: Layout, old: int, new: int, repeat: int, whole: bool) -> dict:
+    """One new rank's plan at ``new`` ranks from a snapshot of ``old``; ``whole``: every old
+    rank's records are built too, for the layout's build and the baseline."""
     rank = new // 2  # a rank in the middle: its boxes straddle old ones
-    wanted = targets(shapes, new, rank)
-    holders: dict[str, list[tuple[int, TensorRecord]]] = {}
-    for r in sorted(records):
-        for record in records[r]:
-            holders.setdefault(record.name, []).append((r, record))
-    raw = LayoutIndex(records, old).to_bytes()
+    wanted = targets(layout, new, rank)
+    raw = layout_json(layout, old)
     needed = ranks_needed(LayoutIndex.from_bytes(raw, old).plan(wanted, target_rank=rank, same_world=False))
-    manifest_bytes = {r: rank_manifest(shapes, old, r, records[r]).to_bytes() for r in needed}
+    manifest_bytes = {r: rank_manifest(layout, old, r, rank_records(layout, old, r)).to_bytes() for r in needed}
 
     def restore_plan():
         """What a new rank pays: layout.json parsed, planned, the needed manifests parsed, bound."""
         plan = LayoutIndex.from_bytes(raw, old).plan(wanted, target_rank=rank, same_world=False)
-        read = {r: RankManifest.from_json(json.loads(manifest_bytes[r])).tensors for r in ranks_needed(plan)}
-        return bind(plan, read)
+        read = {r: RankManifest.from_json(json.loads(manifest_bytes[r])) for r in ranks_needed(plan)}
+        return bind(plan, {r: m.tensors for r, m in read.items()}), read
 
+    plan_s = [timed(restore_plan)[0] for _ in range(repeat)]
+    plan, read = restore_plan()
+    case = {"old_ranks": old, "new_ranks": new, "tensors_per_rank": len(wanted), "layout_bytes": len(raw),
+            "manifests_read": len(needed), "plan_cpu_s": summary(plan_s), "plan_peak_mb": peak_bytes(restore_plan) / 2**20,
+            **read_bytes(plan, read)}
+    return {**case, **(built(layout, old, raw, plan, wanted, rank, repeat) if whole else {})}
+
+
+def read_bytes(plan: dict, read: dict[int, RankManifest]) -> dict[str, int]:
+    """The bytes the restore reads (the spans :mod:`.restore_reads` reads, gaps and alignment
+    included) and the bytes its new shards need (the runs)."""
+    sources: dict[int, dict[str, TensorRecord]] = {}
+    for pieces in plan.values():
+        for piece in pieces:
+            sources.setdefault(piece.source_rank, {})[piece.source.name] = piece.source
+    spans = [span for r, held in sources.items() for span in read_spans(read[r], list(held.values()))]
+    return {"bytes_read": sum(span.end - span.start for span in spans),
+            "bytes_needed": sum(run.nbytes for pieces in plan.values() for piece in pieces for run in piece.runs)}
+
+
+def built(layout: Layout, old: int, raw: bytes, plan: dict, wanted: list[TargetTensor], rank: int, repeat: int) -> dict:
+    """The layout's build from every old rank's records (checked equal to ``raw``) and the
+    baseline plan over them (checked equal to ``plan``)."""
+    records = manifests(layout, old)
+    holders: dict[str, list[tuple[int, TensorRecord]]] = {}
+    for r in sorted(records):
+        for record in records[r]:
+            holders.setdefault(record.name, []).append((r, record))
+    assert LayoutIndex(records, old).to_bytes() == raw
     # The N old ranks' records live here only for the build and the baseline: frozen, the
-    # collector does not walk their millions of objects inside a timed plan (a server
-    # restoring holds none of them).
+    # collector does not walk their millions of objects inside a timed call.
     gc.collect()
     gc.freeze()
-    build_s, plan_s, base_s = [], [], []
+    build_s, base_s = [], []
     for _ in range(repeat):
         build_s.append(timed(lambda: LayoutIndex(records, old).to_bytes())[0])
-        seconds, plan = timed(restore_plan)
-        plan_s.append(seconds)
         seconds, baseline = timed(lambda: {t.name: plan_tensor(t, holders[t.name], target_rank=rank) for t in wanted})
         base_s.append(seconds)
         assert {n: [(p.source_rank, p.source, p.runs) for p in ps] for n, ps in plan.items()} == \
                {n: [(p.source_rank, p.source, p.runs) for p in ps] for n, ps in baseline.items()}
     gc.unfreeze()
-    return {
-        "old_ranks": old, "new_ranks": new, "tensors_per_rank": len(wanted),
-        "layout_build_cpu_s": summary(build_s), "layout_build_peak_mb": peak_bytes(lambda: LayoutIndex(records, old).to_bytes()) / 2**20,
-        "layout_bytes": len(raw), "manifests_read": len(needed),
-        "plan_cpu_s": summary(plan_s), "plan_peak_mb": peak_bytes(restore_plan) / 2**20,
-        "baseline_plan_cpu_s": summary(base_s),
-        "plan_speedup_median": statistics.median(base_s) / max(statistics.median(plan_s), 1e-9),
-    }  # fmt: skip
+    return {"layout_build_cpu_s": summary(build_s),
+            "layout_build_peak_mb": peak_bytes(lambda: LayoutIndex(records, old).to_bytes()) / 2**20,
+            "baseline_plan_cpu_s": summary(base_s)}
 
 
 #: An AdamW param group's hyperparameters as torchtitan's trainer sends them per fqn.
@@ -175,19 +247,20 @@ ADAMW_GROUP = {"lr": 8e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.
                "fused": None, "decoupled_weight_decay": True, "initial_lr": 8e-4}
 
 
-def rank_manifest(shapes, world: int, rank: int, records: list[TensorRecord]) -> RankManifest:
+def rank_manifest(layout: Layout, world: int, rank: int, records: list[TensorRecord]) -> RankManifest:
     """A rank's manifest as the server writes it: its records, the trainer's groups and steps."""
-    steps = {fqn: {"__tensor__": 1000.0, "dtype": "float32"} for fqn in shapes}
-    return RankManifest("job", 1000, rank, world, "rank.safetensors", 0, 4096, 64 << 20, tuple(records),
-                        {fqn: ADAMW_GROUP for fqn in shapes}, steps, {}, 0, 0, 0.0, 1.0)
+    steps = {fqn: {"__tensor__": 1000.0, "dtype": "float32"} for fqn in layout.params}
+    data_bytes = records[-1].data_offsets[1]
+    return RankManifest("job", 1000, rank, world, "rank.safetensors", 4096 + data_bytes, 4096, 64 << 20,
+                        tuple(records), {fqn: ADAMW_GROUP for fqn in layout.params}, steps, {}, 0, 0, 0.0, 1.0)
 
 
-def manifest_case(shapes, world: int, repeat: int) -> dict:
+def manifest_case(layout: Layout, world: int, repeat: int) -> dict:
     """One middle rank's manifest at ``world`` ranks: bytes and parse CPU, compact (now) and
     version 1 (before), from the same records."""
     rank = world // 2
-    records = rank_records(shapes, world, rank)
-    manifest = rank_manifest(shapes, world, rank, records)
+    records = rank_records(layout, world, rank)
+    manifest = rank_manifest(layout, world, rank, records)
     compact = manifest.to_bytes()
     old = manifest.to_json()
     old.pop("metadata_extra")
@@ -213,23 +286,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--store-ranks", default="8,64,256,1024,2048",
                         help="world sizes whose store requests are counted, comma-separated ('' for none)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="write scale.json here too")
+    parser.add_argument("--layouts", default="70b-fsdp", help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    parser.add_argument("--whole-ranks", type=int, default=2048,
+                        help="up to this N every old rank's records are built too: the layout's build and the baseline")
     args = parser.parse_args(argv)
-    shapes = llama3_70b_shapes()
     results, lines = [], []
-    header = (f"{'N -> M':>13} {'build s':>8} {'layout kB':>9} {'plan s':>7} {'plan MB':>7} {'reads':>5} "
-              f"{'baseline s':>10} {'x':>6}")
+    header = (f"{'layout':>9} {'N -> M':>13} {'build s':>8} {'layout kB':>9} {'plan s':>7} {'plan MB':>7} {'reads':>5} "
+              f"{'read/need':>9} {'baseline s':>10} {'x':>6}")
     print(header)
-    for old in (int(n) for n in args.ranks.split(",")):
-        for new in sorted({max(1, old * 3 // 4), old * 5 // 4}):
-            case = run_case(shapes, old, new, args.repeat)
-            results.append(case)
-            line = (f"{old:>5} -> {new:<5} {case['layout_build_cpu_s']['median']:8.2f} {case['layout_bytes'] / 1e3:9.0f} "
-                    f"{case['plan_cpu_s']['median']:7.3f} {case['plan_peak_mb']:7.1f} {case['manifests_read']:5} "
-                    f"{case['baseline_plan_cpu_s']['median']:10.3f} {case['plan_speedup_median']:6.0f}"
-                    f"   (plan mean {case['plan_cpu_s']['mean']:.3f}, worst {case['plan_cpu_s']['worst']:.3f})")
-            lines.append(line)
-            print(line, flush=True)
-    manifest = manifest_case(shapes, old, args.repeat)
+    for name in args.layouts.split(","):
+        layout = Layout.named(name)
+        for old in (int(n) for n in args.ranks.split(",")):
+            for new in sorted({max(layout.tp, n // layout.tp * layout.tp) for n in (old * 3 // 4, old * 5 // 4)}):
+                case = {"layout": name, **run_case(layout, old, new, args.repeat, old <= args.whole_ranks)}
+                results.append(case)
+                lines.append(_line(case))
+                print(lines[-1], flush=True)
+    layout = Layout.named(args.layouts.split(",")[-1])
+    manifest = manifest_case(layout, old, args.repeat)
     line = (f"one rank's manifest at {old} ranks ({manifest['tensors']} tensors): "
             f"{manifest['compact_bytes'] / 1e6:.2f} MB compact vs {manifest['version_1_bytes'] / 1e6:.2f} MB "
             f"version 1; parse {_fmt(manifest['parse_cpu_s']['compact'])} vs {_fmt(manifest['parse_cpu_s']['version_1'])}; "
@@ -259,6 +333,18 @@ def main(argv: list[str] | None = None) -> None:
             "the manifests of the `reads` old ranks it needs parsed, bound); baseline: the same rank planned "
             "tensor by tensor over every old rank's records in memory (reading them not counted); x = "
             "baseline / plan.\n\n```\n" + table + "\n```\n")
+
+
+def _line(case: dict) -> str:
+    """One case's row: medians (``-`` where every old rank's records were not built), then
+    the plan's mean and worst."""
+    build, base, plan = case.get("layout_build_cpu_s"), case.get("baseline_plan_cpu_s"), case["plan_cpu_s"]
+    build_s = f"{build['median']:.2f}" if build else "-"
+    base_s, ratio = (f"{base['median']:.3f}", f"{base['median'] / max(plan['median'], 1e-9):.0f}") if base else ("-", "-")
+    return (f"{case['layout']:>9} {case['old_ranks']:>5} -> {case['new_ranks']:<5} {build_s:>8} "
+            f"{case['layout_bytes'] / 1e3:9.0f} {plan['median']:7.3f} {case['plan_peak_mb']:7.1f} "
+            f"{case['manifests_read']:5} {case['bytes_read'] / case['bytes_needed']:9.3f} {base_s:>10} {ratio:>6}"
+            f"   (plan mean {plan['mean']:.3f}, worst {plan['worst']:.3f})")
 
 
 def _calls(counter) -> str:

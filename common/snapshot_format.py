@@ -243,8 +243,15 @@ class RankManifest:
         if self.verbatim_metadata_json is not None:
             return self.verbatim_metadata_json
         tensors = {t.name: entry for t in self.tensors if (entry := tensor_entry(t))}
-        return json.dumps({"tensors": tensors, "steps": self.steps, "param_groups": self.param_groups,
-                           **self.metadata_extra}, allow_nan=False)
+        return json.dumps({"tensors": tensors, **self.metadata_fields()}, allow_nan=False)
+
+    def metadata_fields(self) -> dict[str, Any]:
+        """The trainer's metadata but its tensors, from the fields parsed with the manifest (a
+        version 1 manifest's text parsed here): a reshard merges them, never their text."""
+        if self.verbatim_metadata_json is not None:
+            raw = json.loads(self.verbatim_metadata_json) if self.verbatim_metadata_json.strip() else {}
+            return {key: value for key, value in raw.items() if key != "tensors"}
+        return {"steps": self.steps, "param_groups": self.param_groups, **self.metadata_extra}
 
     def to_json(self) -> dict[str, Any]:
         return {

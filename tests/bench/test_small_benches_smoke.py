@@ -73,12 +73,15 @@ def test_check_cost_prints_attach_and_snapshot_latency(capsys):
 
 @pytest.mark.timeout(180)
 def test_scale_bench_at_a_small_size(tmp_path):
-    result, md = _run("bench.scale", "--ranks", "8", "--repeat", "1", "--store-ranks", "16", out=tmp_path,
-                      stem="scale")
+    result, md = _run("bench.scale", "--ranks", "8", "--repeat", "1", "--store-ranks", "16",
+                      "--layouts", "70b-fsdp,405b-tp8", out=tmp_path, stem="scale")
     plans, manifest, [store] = result["plans"], result["manifest"], result["store"]
-    assert [(case["old_ranks"], case["new_ranks"]) for case in plans] == [(8, 6), (8, 10)]
-    assert all(case["tensors_per_rank"] == 1446 and case["plan_cpu_s"]["median"] > 0 for case in plans)
+    assert [(case["layout"], case["old_ranks"], case["new_ranks"]) for case in plans] == \
+        [("70b-fsdp", 8, 6), ("70b-fsdp", 8, 10), ("405b-tp8", 8, 8)]  # TP8 keeps whole TP groups
+    assert [case["tensors_per_rank"] for case in plans] == [1446, 1446, 3411]  # 405B: moments and a step each
+    assert all(case["plan_cpu_s"]["median"] > 0 and case["baseline_plan_cpu_s"]["median"] > 0 for case in plans)
     assert all(0 < case["layout_bytes"] < 1 << 20 and case["manifests_read"] >= 1 for case in plans)
-    assert manifest["tensors"] == 1446 and 0 < manifest["compact_bytes"] < manifest["version_1_bytes"]
+    assert all(case["bytes_read"] >= case["bytes_needed"] > 0 for case in plans)
+    assert manifest["tensors"] == 3411 and 0 < manifest["compact_bytes"] < manifest["version_1_bytes"]
     assert store["ranks"] == 16 and 0 < store["upload_per_rank"] <= 10 and store["latest_requests"] <= 20
     assert "8 -> 6" in md and "one rank's manifest at 8 ranks" in md and "store requests at 16 ranks" in md

@@ -12,7 +12,7 @@ import pytest
 from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.snapshot_errors import SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import TensorRecord
-from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, plan_rank
+from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.restoring.reshard import Piece, Run, TargetTensor, plan_tensor, ranks_needed
 
 S0, S1, R = ("S", 0), ("S", 1), ("R",)
@@ -238,6 +238,11 @@ def test_mismatches(target, sources, message):
     with pytest.raises(SnapshotLayoutMismatch, match=message) as caught:
         plan_tensor(target, sources)
     assert target.name in str(caught.value)
+
+
+def plan_rank(targets, manifests, *, target_rank: int, same_world: bool) -> dict[str, list[Piece]]:
+    """One new rank's plan from every old rank's records (an index built for it, then bound)."""
+    return bind(LayoutIndex(manifests).plan(targets, target_rank=target_rank, same_world=same_world), manifests)
 
 
 def test_plan_rank_and_ranks_needed():

@@ -22,34 +22,40 @@ from swap_state.common.snapshot_format import TensorRecord
 
 from swap_state.server.snapshot.restoring.reshard import Piece, TargetTensor, _check_box, _intersect, _runs, plan_tensor
 
-__all__ = ["LAYOUT_FORMAT", "LayoutIndex", "Progression", "bind", "plan_rank"]
+__all__ = ["LAYOUT_FORMAT", "LayoutIndex", "Progression", "bind"]
 
 LAYOUT_FORMAT = "swap-state-layout"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: runs of runs (first, step, count, times, shift)
 _ABSENT = -1  # an owner or checksum run's value for a rank that holds nothing of the tensor
 _MAX_INT = 1 << 62
 
 
 class Progression:
-    """A sequence of ints stored as arithmetic runs ``(first, step, count)``."""
+    """A sequence of ints stored as runs ``(first, step, count, times, shift)``: ``count`` values
+    from ``first`` by ``step``, all that ``times`` over, ``first`` moved by ``shift`` each time
+    (TP inside FSDP numbers a tensor's shards so: one run, not one per TP group)."""
 
-    __slots__ = ("runs", "_firsts", "_ends")
+    __slots__ = ("runs", "_ends")
 
-    def __init__(self, runs: Sequence[tuple[int, int, int]]):
+    def __init__(self, runs: Sequence[tuple[int, int, int, int, int]]):
         self.runs = tuple(runs)
-        self._firsts = [first for first, _, _ in self.runs]
-        self._ends = list(itertools.accumulate(count for _, _, count in self.runs))
+        self._ends = list(itertools.accumulate(count * times for _, _, count, times, _ in self.runs))
 
     @classmethod
     def of(cls, values: Sequence[int]) -> Progression:
-        runs, i = [], 0
+        runs: list[tuple[int, int, int, int, int]] = []
+        i = 0
         while i < len(values):
             step = values[i + 1] - values[i] if i + 1 < len(values) else 0
             j = i + 1
             while j < len(values) and values[j] - values[j - 1] == step:
                 j += 1
-            runs.append((values[i], step, j - i))
-            i = j
+            first, count, i = values[i], j - i, j
+            if runs and runs[-1][1:3] == (step, count) and (runs[-1][3] == 1 or first == runs[-1][0] + runs[-1][4] * runs[-1][3]):
+                last = runs[-1]  # the same run again, moved: one more time of it
+                runs[-1] = (last[0], step, count, last[3] + 1, first - last[0] if last[3] == 1 else last[4])
+            else:
+                runs.append((first, step, count, 1, 0))
         return cls(runs)
 
     def __len__(self) -> int:
@@ -57,52 +63,81 @@ class Progression:
 
     def __getitem__(self, i: int) -> int:
         r = bisect.bisect_right(self._ends, i)
-        first, step, _ = self.runs[r]
-        return first + step * (i - (self._ends[r - 1] if r else 0))
+        first, step, count, _, shift = self.runs[r]
+        time, k = divmod(i - (self._ends[r - 1] if r else 0), count)
+        return first + shift * time + step * k
 
     def __iter__(self) -> Iterator[int]:
-        for first, step, count in self.runs:
-            yield from range(first, first + step * count, step) if step else itertools.repeat(first, count)
+        for first, step, count, times, shift in self.runs:
+            for start in range(first, first + shift * times, shift) if shift else itertools.repeat(first, times):
+                yield from range(start, start + step * count, step) if step else itertools.repeat(start, count)
 
     def count_at_most(self, value: int) -> int:
         """How many elements are <= ``value`` (the sequence strictly increasing)."""
-        r = bisect.bisect_right(self._firsts, value) - 1
-        if r < 0:
-            return 0
-        first, step, count = self.runs[r]
-        return (self._ends[r - 1] if r else 0) + (min(count, (value - first) // step + 1) if step else 1)
+        return bisect.bisect_right(range(len(self)), value, key=self.__getitem__)
 
     def positions(self, value: int) -> list[range]:
         """The indices holding ``value``, as ranges (a replicated tensor's N holders are one)."""
         found: list[range] = []
-        for (first, step, count), end in zip(self.runs, self._ends):
-            start = end - count
-            if step == 0:
-                if first == value:
-                    found.append(range(start, end))
-                continue
-            k, rest = divmod(value - first, step)
-            if not rest and 0 <= k < count:
-                found.append(range(start + k, start + k + 1))
+        for (first, step, count, times, shift), end in zip(self.runs, self._ends):
+            start = end - count * times
+            if not step and not shift:
+                found.extend([range(start, end)] if first == value else [])
+            elif not step or not shift:  # one of the two moves: solve for it
+                k, rest = divmod(value - first, step or shift)
+                if not rest and 0 <= k < (count if step else times):
+                    found.append(range(start + k, end, count) if step else range(start + k * count, start + (k + 1) * count))
+            else:  # both move: solve for one per value of the other (the fewer: TP's 8)
+                for a in range(min(times, count)):
+                    if times <= count:
+                        time, (k, rest) = a, divmod(value - first - shift * a, step)
+                    else:
+                        k, (time, rest) = a, divmod(value - first - step * a, shift)
+                    if not rest and 0 <= k < count and 0 <= time < times:
+                        found.append(range(start + time * count + k, start + time * count + k + 1))
         return found
 
+    def holder(self, value: int, rank: int) -> int | None:
+        """The index holding ``value`` that ``rank`` reads: its own when it holds it, else one
+        spread by ``rank`` (8 new ranks read a replicated tensor from 8 old ones); None: none."""
+        if rank < len(self) and self[rank] == value:
+            return rank
+        found = self.positions(value)
+        n = rank % max(1, sum(len(r) for r in found))
+        for ranks in found:
+            if n < len(ranks):
+                return ranks[n]
+            n -= len(ranks)
+        return None
+
+    def bounds(self) -> tuple[int, int]:
+        """The least and greatest values (each run's are at its corners)."""
+        corners = [first + step * k + shift * t for first, step, count, times, shift in self.runs
+                   for k in (0, count - 1) for t in (0, times - 1)]
+        return min(corners), max(corners)
+
     def rising(self) -> bool:
-        return all(step > 0 or count == 1 for _, step, count in self.runs) and \
+        return all((step > 0 or count == 1) and (times == 1 or shift > step * (count - 1))
+                   for _, step, count, times, shift in self.runs) and \
             all(self[end - 1] < self[end] for end in self._ends[:-1])
 
     def flat(self) -> list[int]:
         return [n for run in self.runs for n in run]
 
     @classmethod
-    def from_flat(cls, raw: object, what: str) -> Progression:
-        """From its JSON (``[first, step, count, ...]``), every value checked in bounds."""
-        if not isinstance(raw, list) or len(raw) % 3 or not all(type(n) is int and abs(n) < _MAX_INT for n in raw):
-            raise ValueError(f"{what} must be a flat list of (first, step, count) integer runs")
-        runs = [tuple(raw[i : i + 3]) for i in range(0, len(raw), 3)]
-        for first, step, count in runs:
-            if count < 1 or min(first, first + step * (count - 1)) < _ABSENT:
-                raise ValueError(f"{what} has a run {[first, step, count]} out of bounds")
-        return cls(runs)  # type: ignore[arg-type]
+    def from_flat(cls, raw: object, what: str, width: int = 5) -> Progression:
+        """From its JSON (``[first, step, count, times, shift, ...]``; a version 1 layout's runs
+        are ``[first, step, count]``), every value checked in bounds."""
+        if not isinstance(raw, list) or len(raw) % width or not all(type(n) is int and abs(n) < _MAX_INT for n in raw):
+            raise ValueError(f"{what} must be a flat list of runs of {width} integers")
+        runs = [(*raw[i : i + 3], *(raw[i + 3 : i + 5] or (1, 0))) for i in range(0, len(raw), width)]
+        for run in runs:
+            if min(run[2:4]) < 1 or abs(run[1] * run[2]) + abs(run[3] * run[4]) >= _MAX_INT:
+                raise ValueError(f"{what} has a run {list(run)} out of bounds")
+        values = cls(runs)  # type: ignore[arg-type]
+        if values.runs and values.bounds()[0] < _ABSENT:
+            raise ValueError(f"{what} has a run out of bounds")
+        return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +186,10 @@ class _Grid:
             cell = 0
             for i, width in zip(coords, widths):
                 cell = cell * width + i
-            rank = self._holder(cell, target_rank)
+            rank = self.owners.holder(cell, target_rank)
+            if rank is None:
+                raise SnapshotLayoutMismatch(f"tensor {self.name}: no old rank holds its shard at {self.cell_box(cell)[0]}; "
+                                             "check that the snapshot holds every old rank")
             record = self.cell_record(cell)
             source_box = (record.global_offset, record.shape)
             common = _intersect(source_box, target_box)  # type: ignore[arg-type]
@@ -159,24 +197,6 @@ class _Grid:
                 pieces.append(Piece(rank, record, _runs(common, source_box, target_box,  # type: ignore[arg-type]
                                                         DTYPE_ITEMSIZE[self.dtype])))
         return sorted(pieces, key=lambda piece: piece.source_rank)
-
-    def _holder(self, cell: int, target_rank: int) -> int:
-        """The old rank a new rank reads ``cell`` from: its own when that holds it, else one
-        spread by the new rank (8 new ranks read a replicated tensor from 8 old ones)."""
-        if target_rank < len(self.owners) and self.owners[target_rank] == cell:
-            return target_rank
-        holders = self.owners.positions(cell)
-        count = sum(len(r) for r in holders)
-        if not count:
-            raise SnapshotLayoutMismatch(
-                f"tensor {self.name}: no old rank holds its shard at {self.cell_box(cell)[0]}; "
-                "check that the snapshot holds every old rank")
-        k = target_rank % count
-        for found in holders:
-            if k < len(found):
-                return found[k]
-            k -= len(found)
-        raise AssertionError("unreachable")
 
     def to_json(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "global_shape": list(self.global_shape),
@@ -209,17 +229,33 @@ class _Plain:
     shape: tuple[int, ...]
     crcs: Progression
 
-    def holders(self) -> list[tuple[int, TensorRecord]]:
+    def record(self, rank: int) -> TensorRecord:
         nbytes = math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
-        return [(rank, TensorRecord(self.name, self.dtype, self.shape, nbytes, (0, nbytes), crc))
-                for rank, crc in enumerate(self.crcs) if crc != _ABSENT]
+        return TensorRecord(self.name, self.dtype, self.shape, nbytes, (0, nbytes), self.crcs[rank])
 
-    def same_bytes(self) -> bool:
-        crcs = {first for first, _, _ in self.crcs.runs if first != _ABSENT}
-        return len(crcs) == 1 and all(step == 0 for _, step, _ in self.crcs.runs)
+    def held(self) -> set[int]:
+        """The crc32s old ranks hold (two at most: enough to say they differ), from the runs: a
+        3 x 3 corner of a run holds two of its values when it holds two (a line holds one -1)."""
+        found: set[int] = set()
+        for first, step, count, times, shift in self.crcs.runs:
+            found.update(first + step * k + shift * t for k in range(min(count, 3)) for t in range(min(times, 3)))
+            found.discard(_ABSENT)
+            if len(found) > 1:
+                break
+        return found
 
     def plan(self, target: TargetTensor, target_rank: int, same_world: bool) -> list[Piece]:
-        return plan_tensor(target, self.holders(), target_rank=target_rank, same_world=same_world)
+        """One piece from one holder, chosen in O(runs) (N equal copies are one run), then
+        checked against the target by :func:`plan_tensor`."""
+        own = target_rank < len(self.crcs) and self.crcs[target_rank] != _ABSENT
+        held = self.held()
+        if len(held) > 1 and not (same_world and own):  # plan_tensor says which two differ
+            first = next(r for r, crc in enumerate(self.crcs) if crc != _ABSENT)
+            other = next(r for r, crc in enumerate(self.crcs) if crc not in (_ABSENT, self.crcs[first]))
+            return plan_tensor(target, [(r, self.record(r)) for r in (first, other)], target_rank=target_rank,
+                               same_world=same_world)
+        chosen = target_rank if own else self.crcs.holder(held.pop(), target_rank)
+        return plan_tensor(target, [(chosen, self.record(chosen))])  # type: ignore[list-item]
 
     def to_json(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "crc32s": self.crcs.flat()}
@@ -290,8 +326,8 @@ class LayoutIndex:
             doc = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"not JSON: {exc}") from None
-        if not isinstance(doc, dict) or (doc.get("format"), doc.get("version")) != (LAYOUT_FORMAT, LAYOUT_VERSION):
-            raise ValueError(f"not a {LAYOUT_FORMAT} of version {LAYOUT_VERSION}")
+        if not isinstance(doc, dict) or doc.get("format") != LAYOUT_FORMAT or doc.get("version") not in (1, LAYOUT_VERSION):
+            raise ValueError(f"not a {LAYOUT_FORMAT} of version 1 or {LAYOUT_VERSION}")
         if doc.get("world_size") != world_size or not isinstance(doc.get("tensors"), list):
             raise ValueError(f"not the layout of {world_size} ranks")
         index = object.__new__(cls)
@@ -304,7 +340,7 @@ class LayoutIndex:
             if kind is not _Records and (not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPE_ITEMSIZE):
                 raise ValueError(f"dtype of {entry['name']} is not supported")
             try:
-                index._tensors[entry["name"]] = kind.from_json(entry, world_size)
+                index._tensors[entry["name"]] = kind.from_json(_widened(entry) if doc["version"] == 1 else entry, world_size)
             except (KeyError, TypeError, IndexError) as exc:  # a shape the checks above did not foresee
                 raise ValueError(f"tensor {entry['name']} is malformed: {exc!r}") from None
         return index
@@ -325,10 +361,12 @@ class LayoutIndex:
             found = self._tensors.get(target.name)
             if target.global_shape is None and isinstance(found, _Grid) and found.global_shape == target.shape:
                 target = dataclasses.replace(target, global_shape=target.shape, global_offset=(0,) * len(target.shape))
-            elif target.global_shape is not None and isinstance(found, _Plain) and found.same_bytes() \
+            elif target.global_shape is not None and isinstance(found, _Plain) and len(found.held()) == 1 \
                     and found.shape == tuple(target.global_shape) and all(found.shape):
-                owners = Progression([(_ABSENT if crc == _ABSENT else 0, 0, count) for crc, _, count in found.crcs.runs])
-                starts = tuple(Progression([(0, 0, 1)]) for _ in found.shape)
+                owners = Progression([cut for run in found.crcs.runs for cut in (  # held: cell 0; a run of one value stays one
+                    [(_ABSENT if run[0] == _ABSENT else 0, 0, *run[2:4], 0)] if run[1] == run[4] == 0 else
+                    Progression.of([_ABSENT if crc == _ABSENT else 0 for crc in Progression([run])]).runs)])
+                starts = tuple(Progression([(0, 0, 1, 1, 0)]) for _ in found.shape)
                 promoted[target.name] = _Grid(found.name, found.dtype, found.shape, starts, owners)
             out.append(target)
         if not promoted:
@@ -435,22 +473,23 @@ def _same_shard(real: TensorRecord, box: TensorRecord) -> bool:
         (tuple(box.global_shape or ()), tuple(box.global_offset or ()))
 
 
-def plan_rank(targets: Sequence[TargetTensor], manifests: Mapping[int, Sequence[TensorRecord]], *,
-              target_rank: int, same_world: bool) -> dict[str, list[Piece]]:
-    """One new rank's plan from every old rank's records (an index built for it, then bound)."""
-    return bind(LayoutIndex(manifests).plan(targets, target_rank=target_rank, same_world=same_world), manifests)
-
-
 def _per_rank(raw: dict, key: str, world_size: int, bound: int, each: str) -> Progression:
     """``raw[key]``: per old rank a value below ``bound`` or -1, not all -1 (some rank holds it)."""
     what = f"{key} of {raw['name']}"
     values = Progression.from_flat(raw.get(key), what)
-    if len(values) != world_size or any(max(first, first + step * (count - 1)) >= bound
-                                        for first, step, count in values.runs):
+    if len(values) != world_size or values.bounds()[1] >= bound:
         raise ValueError(f"{what} must give each of {world_size} ranks {each} or -1")
-    if all((first, step) == (_ABSENT, 0) for first, step, _ in values.runs):
+    if values.bounds() == (_ABSENT, _ABSENT):
         raise ValueError(f"no rank holds {raw['name']}")
     return values
+
+
+def _widened(entry: dict) -> dict:
+    """A version 1 entry's runs ``[first, step, count]`` as version 2's, moved 0 times over."""
+    def widen(runs):
+        return [n for i in range(0, len(runs), 3) for n in (*runs[i:i + 3], 1, 0)] if isinstance(runs, list) and len(runs) % 3 == 0 else runs
+    return {key: [widen(s) for s in value] if key == "starts" and isinstance(value, list) else
+            widen(value) if key in ("owners", "crc32s") else value for key, value in entry.items()}
 
 
 def _shape(raw: object, what: str) -> tuple[int, ...]:

@@ -223,9 +223,8 @@ def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: S
     plan = bind(plan, {r: m.tensors for r, m in manifests.items()})
     kept = _read_pieces(tier, info, manifests, plan, view, layout, rank, reserve_staging, staging_free_bytes,
                         replaceable)
-    others = [manifests[r].metadata_json for r in needed if r != base]
     nbytes = sum(t.nbytes for t in layout.tensors if t.name in plan)
-    metadata = _restored_metadata(manifests[base].metadata_json, others, placement)
+    metadata = _restored_metadata(manifests[base], [manifests[r] for r in needed if r != base], placement)
     return RestoreResult(info.snapshot_id, info.step, metadata, nbytes, kept, tier.where, info.world_size,
                          tuple(needed), read.planned_from)
 
@@ -432,17 +431,13 @@ class RecentSnapshots:
 RECENT = RecentSnapshots()
 
 
-def _restored_metadata(saved: str, others: Sequence[str], placement: SnapshotMetadata | None) -> str:
-    """The snapshot's metadata as Restore returns it: the old rank's (``saved``), completed by the
+def _restored_metadata(base: RankManifest, others: Sequence[RankManifest], placement: SnapshotMetadata) -> str:
+    """The snapshot's metadata as Restore returns it: the old rank ``base``'s, completed by the
     per-parameter entries of the ``others`` read (a pipeline stage holds only its own), with the
     restoring rank's own tensor entries (after a reshard the old offsets are not its own)."""
-    if not saved.strip() or (not others and (placement is None or not placement.tensors)):
-        return saved
-    raw = json.loads(saved)
+    raw = base.metadata_fields()
     for other in others:
-        for key, entries in (json.loads(other) if other.strip() else {}).items():
-            if key != "tensors" and isinstance(entries, dict):
+        for key, entries in other.metadata_fields().items():
+            if isinstance(entries, dict):
                 raw[key] = {**entries, **raw.get(key, {})}
-    if placement is not None and placement.tensors:
-        raw["tensors"] = json.loads(placement.raw).get("tensors", {})
-    return json.dumps(raw, allow_nan=False)
+    return json.dumps({"tensors": json.loads(placement.raw).get("tensors", {}), **raw}, allow_nan=False)

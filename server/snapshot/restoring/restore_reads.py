@@ -24,7 +24,7 @@ from swap_state.common.snapshot_format import RankManifest, TensorRecord
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier, reading_file
 from swap_state.server import _posix
 
-__all__ = ["BLOCK_BYTES", "Deliver", "stream_tensors"]
+__all__ = ["BLOCK_BYTES", "Deliver", "read_spans", "stream_tensors"]
 
 BLOCK_BYTES = 8 << 20
 """One read: the size at which the VM's disk reached its O_DIRECT rate (as the writer's)."""
@@ -69,7 +69,9 @@ class _Span:
     tensors: list[TensorRecord]
 
 
-def _spans(tensors: Sequence[TensorRecord], data_start: int) -> list[_Span]:
+def read_spans(manifest: RankManifest, tensors: Sequence[TensorRecord]) -> list[_Span]:
+    """The ranges of ``manifest``'s data file a restore reads for ``tensors``."""
+    data_start = manifest.data_start
     spans: list[_Span] = []
     for tensor in sorted((t for t in tensors if t.nbytes), key=lambda t: t.data_offsets[0]):
         begin, end = data_start + tensor.data_offsets[0], data_start + tensor.data_offsets[1]
@@ -117,7 +119,7 @@ class _FileStream:
 
     def __init__(self, path: pathlib.Path, manifest: RankManifest, tensors: Sequence[TensorRecord]):
         self.path = path
-        self._spans = _spans(tensors, manifest.data_start)
+        self._spans = read_spans(manifest, tensors)
         with reading_file(path):
             try:
                 self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
