@@ -52,8 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--params", default="16M", help="model parameters (fp32 Adam moments: 8 bytes each; K/M/G suffixes)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each timing")
     p.add_argument("--out", default="results", help="folder for replicas.md and replicas.json")
-    p.add_argument("--isolate", action="store_true", help="both servers on the last CPU, the trainer on the "
-                   "others (as a GPU host's server has cores of its own)")
+    p.add_argument("--isolate", action="store_true", help="replication: the sender and the peer each on a CPU of "
+                   "its own (two hosts); the step: both servers on the last CPU, the trainer on the others (as a GPU "
+                   "host's server has cores of its own)")
     p.add_argument("--work-dir", default=None, help="folder for the snapshot directories and the store "
                    "(removed at the end); None: --out")
     return p
@@ -65,10 +66,10 @@ class _Host:
     def __init__(self, work: str, tag: str, state_bytes: int, **server: Any):
         self.shm_dir = tempfile.mkdtemp(prefix=f"swap-state-bench-{tag}-", dir="/dev/shm")
         self.snapshot_dir = tempfile.mkdtemp(prefix=f"{tag}-snapshots-", dir=work)
-        shm = 2 * state_bytes + (64 << 20)
+        shm = 2 * state_bytes + (64 << 20)  # a copy pool of the state: as the no-pause bench's --cow-budget state
         self.server = EmbeddedServer(EmbeddedServerConfig(
-            shm_size_bytes=shm + shm // 8, snapshot_dir=self.snapshot_dir,
-            server={"cow_budget": shm // 8, "shm_dir": self.shm_dir, **server})).start()
+            shm_size_bytes=shm + state_bytes, snapshot_dir=self.snapshot_dir,
+            server={"cow_budget": state_bytes, "shm_dir": self.shm_dir, **server})).start()
         self.address, self.ranks = self.server.address, []
 
     def restored_from(self) -> str:
@@ -111,10 +112,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def replication_section(args, a: _Host, remote: Variant) -> dict[str, Any]:
+def replication_section(args, a: _Host, b: _Host, remote: Variant) -> dict[str, Any]:
     """Snapshots sent while the disk persists: from the snapshot's start to the peer's commit
     (the server's ``snapshot_replicated`` line), against a raw TCP copy of the same data file
-    from /dev/shm (where the sender reads it: the trainer's segment) in the same run."""
+    from /dev/shm (where the sender reads it: the trainer's segment) in the same run. With
+    --isolate each side on a CPU of its own, as two hosts: the sender (and the idle trainer) on
+    the first, the peer on the last; the raw copy likewise."""
+    cpus = sorted(os.sched_getaffinity(0))
+    sides = (cpus[0], cpus[-1]) if args.isolate else (None, None)
+    if args.isolate:
+        _pin_process(a.server.pid, cpus[:1])
+        _pin_process(b.server.pid, cpus[-1:])
     s: dict[str, list[float]] = defaultdict(list)
     for _ in range(args.reps):
         for kind, memory_only in (("", False), ("memory_only_", True)):
@@ -128,7 +136,7 @@ def replication_section(args, a: _Host, remote: Variant) -> dict[str, Any]:
         in_memory = Path(tempfile.mkdtemp(prefix="swap-state-bench-raw-src-", dir="/dev/shm")) / data.name
         shutil.copyfile(data, in_memory)
         try:
-            raw_memory = min(raw_tcp_seconds(str(in_memory), 1))
+            raw_memory = min(raw_tcp_seconds(str(in_memory), 1, cpus=sides))
         finally:
             shutil.rmtree(in_memory.parent, ignore_errors=True)
         s["raw_tcp_memory_gbps"].append(gbps(data.stat().st_size, raw_memory))
@@ -263,12 +271,12 @@ def main(argv: list[str] | None = None) -> int:
                   replica_secret_file=str(secret))
         a = _Host(work, "sender", state, replica_peers=f"tcp://127.0.0.1:{port}", replica_secret_file=str(secret))
         try:
-            if args.isolate:
-                _isolate_servers(a, b)
             a.ranks.append(remote := _remote(base, a.address, f"bench-replicas-{os.getpid()}"))
             _log(f"replication: {fmt_bytes(state)} of moments")
-            replication = replication_section(args, a, remote)
+            replication = replication_section(args, a, b, remote)
             _log("the optimizer step while replicating")
+            if args.isolate:
+                _isolate_servers(a, b)
             step = step_section(args, remote)
         finally:
             a.close()

@@ -203,9 +203,11 @@ class _Pair:
             proc.stop()
 
 
-def raw_tcp_seconds(path: str, reps: int, shm_dir: str = "/dev/shm") -> list[float]:
+def raw_tcp_seconds(path: str, reps: int, shm_dir: str = "/dev/shm",
+                    cpus: tuple[int | None, int | None] = (None, None)) -> list[float]:
     """The baseline row alone: the file ``path`` sent by one process to another over loopback
-    into a buffer in ``shm_dir``, ``reps`` times; the seconds of each (for other benchmarks)."""
+    into a buffer in ``shm_dir``, ``reps`` times; the seconds of each (for other benchmarks).
+    ``cpus``: the sender's and the receiver's CPU (None: unpinned)."""
     size = os.path.getsize(path)
     fd, dst = tempfile.mkstemp(prefix="swap-state-bench-raw-", dir=shm_dir)
     os.ftruncate(fd, size)
@@ -213,7 +215,7 @@ def raw_tcp_seconds(path: str, reps: int, shm_dir: str = "/dev/shm") -> list[flo
     try:
         with open(os.devnull, "w") as log:
             pair = _Pair("raw", sys.executable, {"size": size, "chunk": 8 << 20, "src": path, "dst": dst},
-                         (None, None), log)
+                         cpus, log)
             try:
                 return [pair.once(crc=False)["seconds"] for _ in range(reps)]
             finally:
