@@ -144,11 +144,12 @@ class ServerConfig:
     """Upper bound for uploads to --snapshot-store in bytes/s (size suffixes allowed), so that
     they leave the network to the training job's collectives; 0 means unlimited."""
     replica_peers: str | None = _flag(None, metavar="ADDR[,ADDR...]", example="tcp://host-b:7071")
-    """Replicate each durable snapshot's files into the memory of a peer server on another host
-    (each ADDR as that peer gives it to --replica-listen; the first that takes a snapshot gets
-    it), so a lost host's state is restored from the peer's memory instead of the store. A
-    peer that is down or full fails the replica, never the snapshot. Needs --snapshot-dir and
-    --replica-secret-file."""
+    """Send each snapshot, while the disk persists it, into the memory of a peer server on another
+    host (each ADDR as that peer gives it to --replica-listen; the first that takes a snapshot
+    gets it), so a lost host's state is restored from the peer's memory instead of the store;
+    memory-only snapshots (a trainer's replica interval) go to this host's memory and the peer's
+    alone. A peer that is down or full fails the replica, never the snapshot. Needs
+    --snapshot-dir and --replica-secret-file."""
     replica_listen: str | None = _flag(None, metavar="tcp://HOST:PORT", example="tcp://0.0.0.0:7071")
     """Take replicas from the servers whose --replica-peers name this address, into memory set
     aside with --replica-size (files under --shm-dir, so a restarted server keeps them). Needs
@@ -161,7 +162,8 @@ class ServerConfig:
     """A secret of at least 16 bytes (mode 0600) every replica peer holds: each side proves it
     holds it before a byte is sent (HMAC, never the secret itself)."""
     replica_max_bandwidth: int = _flag(0, kind="size", metavar="BYTES_PER_S", example="2G")
-    """Upper bound for sending replicas to --replica-peers in bytes/s; 0 means unlimited."""
+    """Upper bound for sending replicas to --replica-peers in bytes/s (a snapshot is sent while
+    the disk persists it, so this paces its persisting too); 0 means unlimited."""
     grace: float = _flag(30.0, kind="seconds", example="120")
     """Seconds a session whose trainer vanished (KeepAlive stream closed) keeps its segment for
     the same job/rank to reattach."""
