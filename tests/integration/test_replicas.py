@@ -285,26 +285,37 @@ def test_a_restarted_peer_keeps_its_replicas_and_restores_from_them(start_server
     assert _restore_latest(peer, "kept") == 3
 
 
-def test_both_hosts_lost_the_job_resumes_from_the_store(start_server, hosts_shm, tmp_path):
-    """Replicas and the store together: when the host and its peer are both lost, a new host
-    (its --replica-peers naming the lost peer) passes over the peer and restores from the store."""
+def _replicated_and_stored(start_server, hosts_shm, tmp_path, job: str):
+    """Host a's snapshot of ``job``, replicated into host b and stored: (a, b, b's shm directory,
+    a function starting a new host c whose --replica-peers name b, with the store)."""
     secret, store = _secret(tmp_path), str(tmp_path / "store")
     peer, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
     sender = _sender(start_server, hosts_shm, tmp_path, address, secret, snapshot_store=store)
-    container, handle = _snapshot(sender, "both")
+    container, handle = _snapshot(sender, job)
     try:
         handle.wait_replicated(timeout_s=60)
         handle.wait_stored(timeout_s=60)
     finally:
         container.close()
+
+    def new_host():
+        (hosts_shm / "c").mkdir()
+        return start_server(snapshot_dir=tmp_path / "c-snapshots", shm_dir=str(hosts_shm / "c"),
+                            replica_peers=address, replica_secret_file=secret, snapshot_store=store)
+
+    return sender, peer, peer_shm, new_host
+
+
+def test_both_hosts_lost_the_job_resumes_from_the_store(start_server, hosts_shm, tmp_path):
+    """Replicas and the store together: when the host and its peer are both lost, a new host
+    (its --replica-peers naming the lost peer) passes over the peer and restores from the store."""
+    sender, peer, peer_shm, new_host = _replicated_and_stored(start_server, hosts_shm, tmp_path, "both")
     for lost in (sender, peer):
         lost.kill()
     shutil.rmtree(peer_shm)
-    (hosts_shm / "c").mkdir()
-    new_host = start_server(snapshot_dir=tmp_path / "c-snapshots", shm_dir=str(hosts_shm / "c"),
-                            replica_peers=address, replica_secret_file=secret, snapshot_store=store)
-    assert _restore_latest(new_host, "both") == 3
-    log = new_host.log_text()
+    host_c = new_host()
+    assert _restore_latest(host_c, "both") == 3
+    log = host_c.log_text()
     assert "source=store" in log and "replica_peer_unreadable" in log, log[-3000:]
 
 
@@ -341,23 +352,13 @@ def test_a_memory_only_snapshot_without_replica_peers_is_refused_naming_the_flag
 def test_a_flipped_byte_in_a_replica_falls_back_to_the_stores_copy_of_the_step(start_server, hosts_shm, tmp_path):
     """Host a is lost; its replica in b's memory rotted: a new host c reads b's replica over the
     wire, finds the bad crc32 before anything is kept, and restores the same step from the store."""
-    secret, store = _secret(tmp_path), str(tmp_path / "store")
-    peer, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
-    sender = _sender(start_server, hosts_shm, tmp_path, address, secret, snapshot_store=store)
-    container, handle = _snapshot(sender, "rot-stored")
-    try:
-        handle.wait_replicated(timeout_s=60)
-        handle.wait_stored(timeout_s=60)
-    finally:
-        container.close()
+    sender, _, peer_shm, new_host = _replicated_and_stored(start_server, hosts_shm, tmp_path, "rot-stored")
     sender.kill()
     [data] = peer_shm.glob(f"swap-state-replicas-*/rot-stored/step-*/{rank_data_name(0)}")
     raw = bytearray(data.read_bytes())
     raw[-5] ^= 0x40
     data.write_bytes(bytes(raw))
-    (hosts_shm / "c").mkdir()
-    new_host = start_server(snapshot_dir=tmp_path / "c-snapshots", shm_dir=str(hosts_shm / "c"),
-                            replica_peers=address, replica_secret_file=secret, snapshot_store=store)
-    assert _restore_latest(new_host, "rot-stored") == 3
-    log = new_host.log_text()
+    host_c = new_host()
+    assert _restore_latest(host_c, "rot-stored") == 3
+    log = host_c.log_text()
     assert "event=restore_fallback" in log and "fails its checksum" in log and "source=store" in log, log[-3000:]
