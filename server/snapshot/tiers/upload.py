@@ -1,9 +1,11 @@
 """The second tier: each durable local snapshot's ranks uploaded to the store by one background worker
 (only the newest queued snapshot of a job; the skipped ones fail ``stored``, saying so), through the
-store's write seam (:class:`~.store.StoreTier`), each file's crc32 checked on the way. A failing
-store fails the upload, naming the URI; training goes on. Call order: ``SnapshotUploader(...)`` at
-start (it resumes unfinished uploads), ``submit`` after each local commit, ``status`` /
-``wait_async`` from the RPCs, ``close`` at shutdown (the running upload is abandoned).
+store's write seam (:class:`~.store.StoreTier`), each file's crc32 checked on the way; the step's
+host part, index and retention (:meth:`~.store.StoreTier.finish`) by a second thread, so the next
+upload never waits for them. A failing store fails the upload, naming the URI; training goes on.
+Call order: ``SnapshotUploader(...)`` at start (it resumes unfinished uploads), ``submit`` after
+each local commit, ``status`` / ``wait_async`` from the RPCs, ``close`` at shutdown (the running
+upload is abandoned).
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ class SnapshotUploader:
         except OSError as exc:  # the uploads say it again, each, until it is fixed
             log_event(log, "store_unreachable", logging.WARNING, store=self.uri, error=str(exc),
                       detail="cannot create the store's root at start")
+        self._finishing: queue.Queue = queue.Queue()  # (what, the call finishing a step) in order
+        self._finisher = threading.Thread(target=self._finish_steps, name="snapshot-publish", daemon=True)
+        self._finisher.start()
         self._thread = threading.Thread(target=self._work, name="snapshot-upload", daemon=True)
         self._thread.start()
 
@@ -148,6 +153,24 @@ class SnapshotUploader:
         self._closed.set()
         self._queue.put(None)
         self._thread.join(timeout_s)
+        self._finishing.put(None)
+        self._finisher.join(timeout_s)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Whether every step handed on was finished (index, retention) within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self._finishing.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._finishing.unfinished_tasks
+
+    def _finish_steps(self) -> None:
+        while (item := self._finishing.get()) is not None:
+            try:
+                item()
+            except Exception as exc:  # a bug must not end the thread: the step reads from its parts
+                log_event(log, "store_index_failed", logging.ERROR, store=self.uri, error=repr(exc))
+            finally:
+                self._finishing.task_done()
 
     def _work(self) -> None:
         try:
@@ -219,11 +242,14 @@ class SnapshotUploader:
         except (OSError, SnapshotError) as exc:
             self._fail(info, rank, exc)
             return
-        try:
+        try:  # the whole job's layout index, or this host's ranks' records for its part of it
             layout = self._local.reader.read_layout(info) if local.complete_job else None
-        except (OSError, SnapshotError):
-            layout = None  # the store builds it from the manifests it holds
-        self._tier.finish(target, local, layout)  # the step's index, retention: they only warn
+            tensors = None if layout else {r: self._local.reader.read_manifest(info, r).tensors for r in info.ranks}
+        except (OSError, SnapshotError) as exc:
+            layout = tensors = None  # the step's index is put without layout.json, logged
+            log_event(log, "store_layout_part_unread", logging.WARNING, snapshot_id=info.snapshot_id, error=str(exc))
+        # Host part, the step's index, retention: they only warn, off this thread.
+        self._finishing.put(lambda: self._tier.finish(target, local, layout, tensors))
         seconds = time.monotonic() - begin
         self.counters.seconds += seconds
         log_event(log, "snapshot_stored", snapshot_id=info.snapshot_id, ranks=list(info.ranks),
