@@ -4,15 +4,13 @@ Layout under the store's root (an :class:`~.object_store.ObjectStore`)::
 
     <job>/step-<N:012d>/rank-00000.safetensors    the rank's data file, byte for byte the local one
     <job>/step-<N:012d>/rank-00000.manifest.json  its manifest
-    <job>/step-<N:012d>/rank-00000.stored.json    its marker, put last: a SnapshotIndex of ranks [0]
-    <job>/step-<N:012d>/host-00000-00008-of-00016.part.json  a host's part (first rank, count, world
-                                                  size), put after its
-                                                  markers: a SnapshotIndex of its ranks plus their part
-                                                  of the layout index (``layout_kinds``, and the digest
-                                                  of ``layout-names.<digest>.json``: tensor names, kinds)
+    <job>/step-<N:012d>/rank-00000.stored.json    its marker, after its files: a SnapshotIndex of ranks [0]
+    <job>/step-<N:012d>/host-00000-00008-of-00016.part.json  a host's part (first rank, count, world size),
+                                                  after its markers: a SnapshotIndex of its ranks and their
+                                                  part of the layout index (``layout-names.<digest>.json``)
     <job>/step-<N:012d>/layout.json               the step's layout index, put just before its index
     <job>/step-<N:012d>/snapshot.json             the step's index (all ranks' files and the layout's),
-                                                  put once every rank's marker is there
+                                                  put once every rank's marker and host part is there
 
 A step is *complete* when the markers of every rank ``0..world_size-1`` are there and agree on
 the world size and the attempt, so a reader never sees a partial step nor one mixing two
@@ -25,6 +23,7 @@ parts, from every marker (logged: N reads).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -201,6 +200,10 @@ class StoredSnapshots(SnapshotTier):
         if parts := _parts(objects):
             world_size = next((w for w in {key[2] for key in parts} if covered(objects, w)), None)
             found = None if world_size is None else self.host_parts(job_id, step, objects, world_size)
+            if found is not None:
+                log.info("store_step_from_parts: %s of %s has every host's part and no index (being published, or "
+                         "its publisher failed): read from its %d parts", self.step_prefix(job_id, step), self.uri,
+                         len(found[1]))
             return None if found is None else self._info(found[0])
         first = self._marker(named[min(named)], job_id, step, min(named))
         if first is None or sorted(named) != list(range(first.world_size)):
@@ -222,9 +225,10 @@ class StoredSnapshots(SnapshotTier):
         parts read, when they cover ranks ``0..world_size-1`` once and agree on the attempt and
         the tenant; None otherwise (one part missing, or a step being uploaded again)."""
         docs, indexes = [], []
-        for (first, count, _), info in sorted(_parts(objects, world_size).items()):
-            with self.reading(info.key):
-                raw = self.store.get(info.key)
+        parts = sorted(_parts(objects, world_size).items())
+        with concurrent.futures.ThreadPoolExecutor(min(16, len(parts) or 1)) as pool:  # a request each, overlapped
+            raws = list(pool.map(self._get, [info.key for _, info in parts]))
+        for ((first, count, _), info), raw in zip(parts, raws):
             try:
                 doc = json.loads(raw)
                 index = SnapshotIndex.from_json(doc)
@@ -242,6 +246,10 @@ class StoredSnapshots(SnapshotTier):
         files = tuple(sorted((f for index in indexes for f in index.files), key=lambda f: f.rank))
         return SnapshotIndex(job_id, step, world_size, tuple(ranks), files, max(i.created_unix for i in indexes),
                              indexes[0].attempt, tenant=indexes[0].tenant), docs
+
+    def _get(self, key: str) -> bytes:
+        with self.reading(key):
+            return self.store.get(key)
 
     def _info(self, index: SnapshotIndex) -> SnapshotInfo:
         return SnapshotInfo.of(index, self.location(index.job_id, index.step))  # type: ignore[arg-type]

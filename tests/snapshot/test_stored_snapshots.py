@@ -13,11 +13,12 @@ import pytest
 
 from swap_state.common.errors import ConfigError
 from swap_state.common.object_store import PosixObjectStore, S3ObjectStore, open_store
-from swap_state.common.snapshot_errors import SnapshotNotFoundError
+from swap_state.common.snapshot_errors import SnapshotCorruptError, SnapshotNotFoundError
 from swap_state.common.snapshot_format import (
     FileRecord, SnapshotIndex, TensorRecord, dumps_json, rank_data_name, rank_manifest_name)
 from swap_state.common.stored_snapshots import StoredSnapshots, marker_name, parse_marker_name
-from swap_state.server.snapshot.restoring.layout_index import LayoutIndex
+from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, layout_part
+from swap_state.server.snapshot.restoring.restore import PlanSource, ReadSnapshot
 from swap_state.server.snapshot.tiers.seam import StepPlan
 from swap_state.server.snapshot.tiers.store import StoreTier
 
@@ -141,7 +142,7 @@ def _put_host(store, job: str, step: int, rank: int, world: int, *, layout: bool
     _put_rank(store, job, step, rank, world)
     files = (FileRecord(rank_data_name(rank), rank, 10, 1), FileRecord(rank_manifest_name(rank), rank, 5, 2))
     plan = StepPlan(job, step, world, (rank,), "", None, source=SnapshotIndex(job, step, world, (rank,), files, 1.0))
-    StoreTier(StoredSnapshots(store))._put_part(plan, {rank: [_record(rank, world)]} if layout else None)
+    StoreTier(StoredSnapshots(store))._put_part(plan, layout_part({rank: [_record(rank, world)]}) if layout else None)
 
 
 class _HeldStore(CountingStore):
@@ -217,3 +218,21 @@ def test_parts_without_a_layout_put_the_index_without_one_and_say_why(tmp_path, 
     [record] = [r for r in caplog.records if r.msg == "store_layout_unbuilt"]
     assert "holds no part of the layout index" in record.swap_state_fields["error"]
     assert store.read["marker"] == store.read["manifest"] == 0
+
+
+def test_a_step_not_yet_published_is_planned_from_its_parts_and_one_before_them_says_why(tmp_path, caplog):
+    store = CountingStore(tmp_path)
+    for rank in range(2):
+        _put_host(store, "job", 4, rank, 2)
+    stored = StoredSnapshots(store)
+    with caplog.at_level(logging.INFO):
+        read = ReadSnapshot(stored, stored.resolve("job/latest"))
+    assert read.planned_from is PlanSource.LAYOUT_INDEX and "restore_layout_from_parts" in caplog.text
+    assert read.index.to_bytes() == LayoutIndex({r: [_record(r, 2)] for r in range(2)}, 2).to_bytes()
+    assert store.read["marker"] == store.read["manifest"] == 0, store.read  # parts and names only
+    for rank in range(2):
+        _put_rank(store, "old", 4, rank, 2)  # before host parts: no part, no index
+    with caplog.at_level(logging.WARNING), pytest.raises(SnapshotCorruptError):  # its manifests are stubs here
+        ReadSnapshot(stored, stored.resolve("old/latest"))
+    [record] = [r for r in caplog.records if r.msg == "restore_every_manifest"]
+    assert "host parts are missing" in record.swap_state_fields["detail"]

@@ -341,10 +341,8 @@ class LayoutIndex:
                 first = None
                 for name in names:  # one layout per kind: the others are it renamed (records: each its own)
                     if first is None or isinstance(first, _Records):
-                        first = _layout_of(name, [(e[0], TensorRecord(name, e[1], tuple(e[2]), e[3], (0, e[3]), e[4],
-                                                                      global_shape=_opt_dims(e[5]),
-                                                                      global_offset=_opt_dims(e[6]))) for e in entries],
-                                           world_size)
+                        first = _layout_of(name, [(e[0], TensorRecord(name, e[1], _shape(e[2], name), e[3], (0, e[3]), e[4], None, None, *(
+                            None if box is None else _shape(box, name) for box in e[5:7]))) for e in entries], world_size)
                     index._tensors[name] = first if first.name == name else dataclasses.replace(first, name=name)
         except (KeyError, TypeError, IndexError, ValueError, SnapshotLayoutMismatch) as exc:
             raise ValueError(f"the hosts' parts of the layout index do not merge: {exc!r}") from None
@@ -444,14 +442,6 @@ def layout_part(manifests: Mapping[int, Sequence[TensorRecord]]) -> tuple[list, 
     names = sorted(holders)
     kind_of = [kinds.setdefault(json.dumps(holders[name]), len(kinds)) for name in names]
     return [json.loads(raw) for raw in kinds], names, kind_of
-
-
-def _opt_dims(raw: object) -> tuple[int, ...] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list) or not all(type(n) is int and 0 <= n < _MAX_INT for n in raw):
-        raise ValueError("a shape or offset must be a list of sizes")
-    return tuple(raw)
 
 
 def _layout_of(name: str, pairs: list[tuple[int, TensorRecord]], world_size: int) -> _Layout:

@@ -363,6 +363,8 @@ class ReadSnapshot:
             try:
                 if found is not None and found[0].files == info.index.files:
                     self.index, self.planned_from = parts_layout(tier, prefix, found[1], info.world_size), PlanSource.LAYOUT_INDEX
+                    log_event(log, "restore_layout_from_parts", snapshot_id=info.snapshot_id, hosts=len(found[1]),
+                              detail="the step has no layout.json yet: merged from its hosts' parts")
                     return
                 why = "its host parts are missing or not its files (written before them, or uploaded again)"
             except ValueError as exc:

@@ -90,7 +90,7 @@ class StoreTier(TierWriter):
         then retention; the last two only warn: the ranks are stored with their markers."""
         plan, warnings = target.plan, []
         try:
-            self._put_part(plan, tensors)
+            self._put_part(plan, None if tensors is None else layout_part(tensors))
             self.publish_step_index(plan.job_id, plan.step, plan.source.attempt if plan.source else 1,
                                     plan.world_size, layout)
         except (OSError, SnapshotError) as exc:
@@ -105,15 +105,16 @@ class StoreTier(TierWriter):
                       store=self.stored.uri, error=str(exc))
         return CommitResult(target.location, tuple(warnings))
 
-    def _put_part(self, plan: StepPlan, tensors: Mapping[int, Sequence[TensorRecord]] | None) -> None:
+    def _put_part(self, plan: StepPlan, part: tuple[list, list[str], list[int]] | None) -> None:
         """The host's part, after its markers: its ranks' files as a SnapshotIndex, and their part
-        of the layout index (kinds here, tensor names in the ``layout-names`` object they share)."""
+        of the layout index (:func:`layout_part`: kinds here, tensor names in the ``layout-names``
+        object they share)."""
         source, ranks = plan.source, plan.ranks
         files = tuple(source.file(name) for r in ranks for name in (rank_data_name(r), rank_manifest_name(r)))
         doc = SnapshotIndex(plan.job_id, plan.step, plan.world_size, ranks, files, time.time(), source.attempt,
                             tenant=plan.tenant).to_json()
-        if tensors is not None:
-            kinds, names, kind_of = layout_part(tensors)
+        if part is not None:
+            kinds, names, kind_of = part
             raw = json.dumps({"names": names, "kind_of": kind_of}, separators=(",", ":")).encode()
             self.store.put(self._key(plan, names_key(raw)), raw)
             doc.update(layout_names=names_key(raw), layout_kinds=kinds)
