@@ -365,6 +365,8 @@ def publish_case(layout: Layout, name: str, world: int, when: str, repeat: int) 
                 "setup_cpu_s": setup_s, "cpu_s": summary(cpu), "peak_mb": peak_bytes(lambda: publish(root, world)) / 2**20,
                 "requests": store.requests(), "calls": dict(store.calls), "read": dict(store.read),
                 "layout_bytes": len(raw)}
+        latest = store_publish.latest_unpublished(root)
+        case.update(latest_requests=latest.requests(), latest_calls=dict(latest.calls))
         if when == "after":
             assert raw == layout_json(layout, world), "the layout merged from the parts is not the step's"
             late = store_publish.late_host(root, world)
@@ -382,7 +384,8 @@ def _publish_line(case: dict) -> str:
     line = (f"publish {case['when']:>6} {case['layout']} {case['ranks']:>5} ranks ({case['hosts']} hosts): "
             f"CPU {cpu['median']:.2f} s (mean {cpu['mean']:.2f}, worst {cpu['worst']:.2f}), peak {case['peak_mb']:.0f} MB, "
             f"{case['requests']} requests ({_calls(case['calls'])}; read {_calls(case['read'])}), "
-            f"layout.json {case['layout_bytes'] / 1e3:.0f} kB")
+            f"layout.json {case['layout_bytes'] / 1e3:.0f} kB; latest without the step's index "
+            f"{case['latest_requests']} requests ({_calls(case['latest_calls'])})")
     if case["when"] == "after":
         line += (f"; a host finishing meanwhile: {case['late_requests']} requests ({_calls(case['late_calls'])}); "
                  f"a host's part {case['part_bytes'] / 1e3:.1f} kB + names {case['names_bytes'] / 1e3:.0f} kB, "

@@ -27,6 +27,7 @@ import shutil
 
 from bench.store_requests import CountingStore
 from swap_state.common.checksum import crc32
+from swap_state.common.object_store import PosixObjectStore
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name
 from swap_state.common.stored_snapshots import StoredSnapshots, marker_name
 from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, layout_part
@@ -102,7 +103,7 @@ def publish_after(root: pathlib.Path, world: int) -> tuple[CountingStore, bytes]
         store.delete(prefix + name)
     store.calls.clear()
     assert StoreTier(StoredSnapshots(store)).publish_step_index(JOB, STEP, 1, world) is True
-    return store, store.get(prefix + "layout.json")
+    return store, PosixObjectStore(root).get(prefix + "layout.json")  # read here: not the publisher's
 
 
 def publish_before(root: pathlib.Path, world: int) -> tuple[CountingStore, bytes]:
@@ -122,6 +123,16 @@ def late_host(root: pathlib.Path, world: int) -> CountingStore:
     store.delete(prefix + "snapshot.json")
     store.calls.clear()
     assert StoreTier(StoredSnapshots(store)).publish_step_index(JOB, STEP, 1, world) is True
+    return store
+
+
+def latest_unpublished(root: pathlib.Path) -> CountingStore:
+    """``latest`` from a fresh reader when the newest step has no index (nor layout.json)."""
+    prefix = StoredSnapshots.step_prefix(JOB, STEP)
+    for name in ("snapshot.json", "layout.json"):
+        PosixObjectStore(root).delete(prefix + name)
+    store = CountingStore(root)
+    assert StoredSnapshots(store).resolve("latest", JOB).step == STEP
     return store
 
 
