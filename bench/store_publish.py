@@ -76,7 +76,7 @@ def setup_after(root: pathlib.Path, layout, world: int) -> CountingStore:
         ranks = tuple(range(first, first + RANKS_PER_HOST))
         files = tuple(f for r in ranks for f in _files(r))
         plan = StepPlan(JOB, STEP, world, ranks, "", None, source=SnapshotIndex(JOB, STEP, world, ranks, files, 1.0))
-        tier._put_part(plan, host_part(layout, world, range(first, first + RANKS_PER_HOST), cache))
+        tier.put_part(plan, host_part(layout, world, range(first, first + RANKS_PER_HOST), cache))
     return store
 
 

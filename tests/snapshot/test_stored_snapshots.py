@@ -22,7 +22,9 @@ from swap_state.server.snapshot.restoring.restore import PlanSource, ReadSnapsho
 from swap_state.server.snapshot.tiers.seam import StepPlan
 from swap_state.server.snapshot.tiers.store import StoreTier
 
-from bench.store_requests import CountingStore
+from bench.store_requests import JOB, CountingStore, host_snapshot
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.upload import SnapshotUploader, StoreState
 
 
 def _marker(job: str, step: int, rank: int, world: int, *, files=None) -> bytes:
@@ -142,7 +144,7 @@ def _put_host(store, job: str, step: int, rank: int, world: int, *, layout: bool
     _put_rank(store, job, step, rank, world)
     files = (FileRecord(rank_data_name(rank), rank, 10, 1), FileRecord(rank_manifest_name(rank), rank, 5, 2))
     plan = StepPlan(job, step, world, (rank,), "", None, source=SnapshotIndex(job, step, world, (rank,), files, 1.0))
-    StoreTier(StoredSnapshots(store))._put_part(plan, layout_part({rank: [_record(rank, world)]}) if layout else None)
+    StoreTier(StoredSnapshots(store)).put_part(plan, layout_part({rank: [_record(rank, world)]}) if layout else None)
 
 
 class _HeldStore(CountingStore):
@@ -236,3 +238,42 @@ def test_a_step_not_yet_published_is_planned_from_its_parts_and_one_before_them_
         ReadSnapshot(stored, stored.resolve("old/latest"))
     [record] = [r for r in caplog.records if r.msg == "restore_every_manifest"]
     assert "host parts are missing" in record.swap_state_fields["detail"]
+
+
+class _PartlessStore(CountingStore):
+    """A store that refuses the hosts' parts (full, say, just after the markers went in)."""
+
+    def open_writer(self, key: str):
+        if key.endswith(".part.json"):
+            raise OSError(28, "No space left on device")
+        return super().open_writer(key)
+
+
+@pytest.mark.timeout(60)
+def test_a_host_part_not_put_fails_stored_and_a_restarted_server_puts_it(tmp_path):
+    """The ranks count as stored only with their host's part (a step reads from the parts):
+    a part the store refused fails the upload, and the next server on the directory resumes it."""
+    local_root = tmp_path / "host"
+    local = host_snapshot(local_root, 2, range(2), 3)
+    uploader = SnapshotUploader(StoreTier(StoredSnapshots(_PartlessStore(tmp_path / "store"))), local)
+    try:
+        uploader.submit(local.reader.resolve(f"{JOB}/step-3"), None)
+        deadline = time.monotonic() + 30
+        while uploader.status(JOB, 3, 1).state is StoreState.UPLOADING:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert uploader.status(JOB, 3, 1).state is StoreState.FAILED and "No space" in uploader.status(JOB, 3, 1).error
+    finally:
+        uploader.close()
+    store = CountingStore(tmp_path / "store")
+    assert StoredSnapshots(store).step_index(JOB, 3) is None
+    resumed = SnapshotUploader(StoreTier(StoredSnapshots(store)), SnapshotDirectory(local_root))
+    try:
+        deadline = time.monotonic() + 30
+        while StoredSnapshots(store).step_index(JOB, 3) is None:
+            assert time.monotonic() < deadline, "the restarted server did not resume the upload"
+            time.sleep(0.05)
+    finally:
+        resumed.close()
+    prefix = StoredSnapshots.step_prefix(JOB, 3)
+    assert store.size(prefix + "host-00000-00002-of-00002.part.json") and store.read["marker"] <= 2  # its own only

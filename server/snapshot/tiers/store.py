@@ -16,17 +16,17 @@ import json
 import logging
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from swap_state.common.checksum import crc32
 from swap_state.common.object_store import ObjectWriter
 from swap_state.common.snapshot_errors import SnapshotError, StoreUnavailableError
 from swap_state.common.snapshot_format import (
-    INDEX_NAME, LAYOUT_NAME, FileRecord, SnapshotIndex, TensorRecord, dumps_json, rank_data_name, rank_manifest_name)
+    INDEX_NAME, LAYOUT_NAME, FileRecord, SnapshotIndex, dumps_json, rank_data_name, rank_manifest_name)
 from swap_state.common.stored_snapshots import (
     CLAIM_PREFIX, StoredSnapshots, covered, marker_name, names_key, parse_marker_name, part_name)
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, layout_part
+from swap_state.server.snapshot.restoring.layout_index import LayoutIndex
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.sink import ChunkSink
 
@@ -83,14 +83,14 @@ class StoreTier(TierWriter):
                                plan.source.attempt if plan.source else 1, tenant=plan.tenant)
         self.store.put(self._key(plan, marker_name(rank)), dumps_json(marker.to_json()))
 
-    def finish(self, target: StepWrite, index: SnapshotIndex, layout: bytes | None,
-               tensors: Mapping[int, Sequence[TensorRecord]] | None = None) -> CommitResult:
-        """The host's part (``tensors``: its ranks' records, for its part of the layout index), then
-        the step's index once every host's part is there (failing, the step reads from the parts),
-        then retention; the last two only warn: the ranks are stored with their markers."""
+    def finish(self, target: StepWrite, index: SnapshotIndex, layout: bytes | None, part_put: bool = False) -> CommitResult:
+        """The host's part unless ``part_put`` (:meth:`put_part`), then the step's index once every
+        host's part is there (failing, the step reads from the parts), then retention; the last two
+        only warn: the ranks are stored with their markers and part."""
         plan, warnings = target.plan, []
         try:
-            self._put_part(plan, None if tensors is None else layout_part(tensors))
+            if not part_put:
+                self.put_part(plan, None)
             self.publish_step_index(plan.job_id, plan.step, plan.source.attempt if plan.source else 1,
                                     plan.world_size, layout)
         except (OSError, SnapshotError) as exc:
@@ -105,7 +105,7 @@ class StoreTier(TierWriter):
                       store=self.stored.uri, error=str(exc))
         return CommitResult(target.location, tuple(warnings))
 
-    def _put_part(self, plan: StepPlan, part: tuple[list, list[str], list[int]] | None) -> None:
+    def put_part(self, plan: StepPlan, part: tuple[list, list[str], list[int]] | None) -> None:
         """The host's part, after its markers: its ranks' files as a SnapshotIndex, and their part
         of the layout index (:func:`layout_part`: kinds here, tensor names in the ``layout-names``
         object they share)."""
