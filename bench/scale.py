@@ -28,7 +28,10 @@ version 2) and as written before (version 1: indented, null fields, the trainer'
 beside the same facts), built from the same records in the same run. Last, **store requests**
 at each N (:mod:`bench.store_requests`: the server's uploader on a real directory store, 8 ranks
 per host, counted per call as S3 requests): two steps' uploads per rank, and ``latest`` from a
-fresh reader.
+fresh reader. With ``--publish-ranks``, one step's **publish** at each N (:mod:`bench.store_publish`):
+the publishing host's CPU, peak Python memory and store requests, after (host parts) and, up to
+``--publish-before-ranks``, before (every marker and manifest read), a host that finds the claim
+taken, and ``latest`` when the newest step has no index.
 """
 
 from __future__ import annotations
