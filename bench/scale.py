@@ -28,7 +28,10 @@ version 2) and as written before (version 1: indented, null fields, the trainer'
 beside the same facts), built from the same records in the same run. Last, **store requests**
 at each N (:mod:`bench.store_requests`: the server's uploader on a real directory store, 8 ranks
 per host, counted per call as S3 requests): two steps' uploads per rank, and ``latest`` from a
-fresh reader.
+fresh reader. With ``--publish-ranks``, one step's **publish** at each N (:mod:`bench.store_publish`):
+the publishing host's CPU, peak Python memory and store requests, after (host parts) and, up to
+``--publish-before-ranks``, before (every marker and manifest read), a host that finds the claim
+taken, and ``latest`` when the newest step has no index.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import tempfile
 import time
 import tracemalloc
 
+from bench import store_publish
 from bench.store_requests import count_requests
 from swap_state.common.snapshot_format import RankManifest, TensorRecord, dumps_json
 from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, bind
@@ -289,6 +293,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layouts", default="70b-fsdp", help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--whole-ranks", type=int, default=2048,
                         help="up to this N every old rank's records are built too: the layout's build and the baseline")
+    parser.add_argument("--publish-ranks", default="",
+                        help="world sizes at which one step's publish is measured (the last layout), comma-separated")
+    parser.add_argument("--publish-before-ranks", type=int, default=1024,
+                        help="up to this N the publish before host parts is measured too (every manifest read)")
     args = parser.parse_args(argv)
     results, lines = [], []
     header = (f"{'layout':>9} {'N -> M':>13} {'build s':>8} {'layout kB':>9} {'plan s':>7} {'plan MB':>7} {'reads':>5} "
@@ -296,21 +304,22 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     for name in args.layouts.split(","):
         layout = Layout.named(name)
-        for old in (int(n) for n in args.ranks.split(",")):
+        for old in (int(n) for n in args.ranks.split(",") if n):
             for new in sorted({max(layout.tp, n // layout.tp * layout.tp) for n in (old * 3 // 4, old * 5 // 4)}):
                 case = {"layout": name, **run_case(layout, old, new, args.repeat, old <= args.whole_ranks)}
                 results.append(case)
                 lines.append(_line(case))
                 print(lines[-1], flush=True)
-    layout = Layout.named(args.layouts.split(",")[-1])
-    manifest = manifest_case(layout, old, args.repeat)
-    line = (f"one rank's manifest at {old} ranks ({manifest['tensors']} tensors): "
-            f"{manifest['compact_bytes'] / 1e6:.2f} MB compact vs {manifest['version_1_bytes'] / 1e6:.2f} MB "
-            f"version 1; parse {_fmt(manifest['parse_cpu_s']['compact'])} vs {_fmt(manifest['parse_cpu_s']['version_1'])}; "
-            f"the trainer's metadata rebuilt from a compact one (once per rank a restore reads) "
-            f"{_fmt(manifest['metadata_rebuild_cpu_s'])}")
-    lines.append(line)
-    print(line, flush=True)
+    layout, manifest = Layout.named(args.layouts.split(",")[-1]), None
+    for old in [int(n) for n in args.ranks.split(",") if n][-1:]:
+        manifest = manifest_case(layout, old, args.repeat)
+        line = (f"one rank's manifest at {old} ranks ({manifest['tensors']} tensors): "
+                f"{manifest['compact_bytes'] / 1e6:.2f} MB compact vs {manifest['version_1_bytes'] / 1e6:.2f} MB "
+                f"version 1; parse {_fmt(manifest['parse_cpu_s']['compact'])} vs {_fmt(manifest['parse_cpu_s']['version_1'])}; "
+                f"the trainer's metadata rebuilt from a compact one (once per rank a restore reads) "
+                f"{_fmt(manifest['metadata_rebuild_cpu_s'])}")
+        lines.append(line)
+        print(line, flush=True)
     stores = []
     for world in (int(n) for n in args.store_ranks.split(",") if n):
         with tempfile.TemporaryDirectory() as root:
@@ -322,9 +331,16 @@ def main(argv: list[str] | None = None) -> None:
                 f"({_calls(counted.latest)})")
         lines.append(line)
         print(line, flush=True)
+    publishes = []
+    for world in (int(n) for n in args.publish_ranks.split(",") if n):
+        for when in ("before", "after") if world <= args.publish_before_ranks else ("after",):
+            publishes.append(publish_case(layout, args.layouts.split(",")[-1], world, when, args.repeat))
+            lines.append(_publish_line(publishes[-1]))
+            print(lines[-1], flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "scale.json").write_text(json.dumps({"plans": results, "manifest": manifest, "store": stores}, indent=1))
+        (args.out / "scale.json").write_text(json.dumps({"plans": results, "manifest": manifest, "store": stores,
+                                                         "publish": publishes}, indent=1))
         table = "\n".join([header, *lines])
         (args.out / "scale.md").write_text(
             "# Restore planning at scale (bench.scale)\n\nCPU seconds (median of the runs; the plan's mean "
@@ -333,6 +349,51 @@ def main(argv: list[str] | None = None) -> None:
             "the manifests of the `reads` old ranks it needs parsed, bound); baseline: the same rank planned "
             "tensor by tensor over every old rank's records in memory (reading them not counted); x = "
             "baseline / plan.\n\n```\n" + table + "\n```\n")
+
+
+def publish_case(layout: Layout, name: str, world: int, when: str, repeat: int) -> dict:
+    """One step's publish at ``world`` ranks (:mod:`bench.store_publish`): the publisher's CPU
+    seconds, peak Python MB and store requests; after, also a host's own part and a late host."""
+    root = pathlib.Path(tempfile.mkdtemp(prefix="publish-"))
+    try:
+        setup = store_publish.setup_after if when == "after" else store_publish.setup_before
+        setup_s = timed(lambda: setup(root, layout, world))[0]
+        publish = store_publish.publish_after if when == "after" else store_publish.publish_before
+        gc.collect()
+        cpu = []
+        for _ in range(repeat if when == "after" else 1):
+            seconds, (store, raw) = timed(lambda: publish(root, world))
+            cpu.append(seconds)
+        case = {"layout": name, "ranks": world, "hosts": world // store_publish.RANKS_PER_HOST, "when": when,
+                "setup_cpu_s": setup_s, "cpu_s": summary(cpu), "peak_mb": peak_bytes(lambda: publish(root, world)) / 2**20,
+                "requests": store.requests(), "calls": dict(store.calls), "read": dict(store.read),
+                "layout_bytes": len(raw)}
+        latest = store_publish.latest_unpublished(root)
+        case.update(latest_requests=latest.requests(), latest_calls=dict(latest.calls))
+        if when == "after":
+            assert raw == layout_json(layout, world), "the layout merged from the parts is not the step's"
+            late = store_publish.late_host(root, world)
+            part, names = store_publish.own_part(layout, world)
+            own = summary([timed(lambda: store_publish.own_part(layout, world))[0] for _ in range(repeat)])
+            case.update(late_requests=late.requests(), late_calls=dict(late.calls), part_bytes=part,
+                        names_bytes=names, own_part_cpu_s=own)
+        return case
+    finally:
+        store_publish.clean(root)
+
+
+def _publish_line(case: dict) -> str:
+    cpu = case["cpu_s"]
+    line = (f"publish {case['when']:>6} {case['layout']} {case['ranks']:>5} ranks ({case['hosts']} hosts): "
+            f"CPU {cpu['median']:.2f} s (mean {cpu['mean']:.2f}, worst {cpu['worst']:.2f}), peak {case['peak_mb']:.0f} MB, "
+            f"{case['requests']} requests ({_calls(case['calls'])}; read {_calls(case['read'])}), "
+            f"layout.json {case['layout_bytes'] / 1e3:.0f} kB; latest without the step's index "
+            f"{case['latest_requests']} requests ({_calls(case['latest_calls'])})")
+    if case["when"] == "after":
+        line += (f"; a host finishing meanwhile: {case['late_requests']} requests ({_calls(case['late_calls'])}); "
+                 f"a host's part {case['part_bytes'] / 1e3:.1f} kB + names {case['names_bytes'] / 1e3:.0f} kB, "
+                 f"built in {_fmt(case['own_part_cpu_s'])}")
+    return line
 
 
 def _line(case: dict) -> str:

@@ -7,16 +7,18 @@ upload two steps (3 and 5), then half of a third (7); a fresh reader then finds 
 The counts are of :class:`ObjectStore` calls, each one S3 request (``get_range``: two, a HEAD
 and the GET; a listing: one per thousand keys, counted as one here).
 
-The hosts finish one after the other, so one of them (the last) sees every marker and puts the
-step's layout index and index, reading every rank's marker and manifest once: about 3 requests
-per rank per step. Of hosts that finish at the same moment and each see every marker, only the
-one that creates the step's claim object does that (``tests/snapshot/test_stored_snapshots.py``).
+The hosts finish one after the other, so one of them (the last) sees every marker and host part
+and puts the step's layout index and index, reading every host's part (one per host) and each
+distinct ``layout-names`` object once; no host reads another's markers or manifests. Of hosts that
+finish at the same moment and each see every part, only the one that creates the step's claim
+object reads anything (``tests/snapshot/test_stored_snapshots.py``).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import pathlib
 import time
 
@@ -49,6 +51,7 @@ class CountingStore(PosixObjectStore):
     def __init__(self, root: pathlib.Path):
         super().__init__(root)
         self.calls: collections.Counter[str] = collections.Counter()
+        self.read: collections.Counter[str] = collections.Counter()  # objects read, by kind
 
     def requests(self) -> int:
         return sum(n * S3_REQUESTS.get(name, 1) for name, n in self.calls.items())
@@ -58,7 +61,6 @@ class CountingStore(PosixObjectStore):
         return PosixObjectStore.open_writer(self, key)
 
     create = _counted("create")
-    get_range = _counted("get_range")
     size = _counted("size")
     list = _counted("list")
     list_folders = _counted("list_folders")
@@ -66,7 +68,23 @@ class CountingStore(PosixObjectStore):
 
     def get(self, key: str) -> bytes:  # one request (S3ObjectStore.get), not a size and a range
         self.calls["get"] += 1
-        return PosixObjectStore.get_range(self, key, 0, 1 << 30)
+        self.read[_kind(key)] += 1
+        return PosixObjectStore.get_range(self, key, 0, os.stat(self.local_path(key)).st_size)
+
+    def get_range(self, key: str, offset: int, nbytes: int) -> bytes:
+        self.calls["get_range"] += 1
+        self.read[_kind(key)] += 1
+        return PosixObjectStore.get_range(self, key, offset, nbytes)
+
+
+def _kind(key: str) -> str:
+    """What a read object is: marker, manifest, part, names, index, layout or data."""
+    name = key.rsplit("/", 1)[-1]
+    for suffix, kind in ((".stored.json", "marker"), (".manifest.json", "manifest"), (".part.json", "part"),
+                         (".safetensors", "data"), ("snapshot.json", "index"), ("layout.json", "layout")):
+        if name.endswith(suffix):
+            return kind
+    return "names" if name.startswith("layout-names.") else name
 
 
 def rank_manifest(world: int, rank: int, step: int) -> bytes:
@@ -97,7 +115,8 @@ def upload(uploader: SnapshotUploader, local: SnapshotDirectory, step: int, time
     info = local.reader.resolve(f"{JOB}/step-{step}")
     uploader.submit(info, 2)
     deadline = time.monotonic() + timeout_s
-    while any(uploader.status(JOB, step, r).state is StoreState.UPLOADING for r in info.ranks) or uploader.in_use(JOB):
+    while any(uploader.status(JOB, step, r).state is StoreState.UPLOADING for r in info.ranks) or uploader.in_use(JOB) \
+            or not uploader.drain(0):
         if time.monotonic() > deadline:
             raise TimeoutError(f"upload of step {step} still running after {timeout_s} s")
         time.sleep(0.01)

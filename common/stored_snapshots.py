@@ -4,22 +4,31 @@ Layout under the store's root (an :class:`~.object_store.ObjectStore`)::
 
     <job>/step-<N:012d>/rank-00000.safetensors    the rank's data file, byte for byte the local one
     <job>/step-<N:012d>/rank-00000.manifest.json  its manifest
-    <job>/step-<N:012d>/rank-00000.stored.json    its marker, put last: a SnapshotIndex of ranks [0]
+    <job>/step-<N:012d>/rank-00000.stored.json    its marker, after its files: a SnapshotIndex of ranks [0]
+    <job>/step-<N:012d>/host-00000-00008-of-00016.part.json  a host's part (first rank, count, world size),
+                                                  after its markers: a SnapshotIndex of its ranks and their
+                                                  part of the layout index (``layout-names.<digest>.json``)
     <job>/step-<N:012d>/layout.json               the step's layout index, put just before its index
     <job>/step-<N:012d>/snapshot.json             the step's index (all ranks' files and the layout's),
-                                                  put once every rank's marker is there
+                                                  put once every rank's marker and host part is there
 
 A step is *complete* when the markers of every rank ``0..world_size-1`` are there and agree on
 the world size and the attempt, so a reader never sees a partial step nor one mixing two
 attempts (how hosts write it: ``swap_state.server.snapshot.tiers.store``). Nothing read is
-trusted: a marker must name its own job, step and rank.
+trusted: a marker must name its own job, step and rank. A step without its index is read from
+its hosts' parts (one read per host), the markers listed, not read; a step written before host
+parts, from every marker (logged: N reads).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
+import json
+import logging
 import pathlib
 import re
 import threading
@@ -31,13 +40,17 @@ from .snapshot_errors import SnapshotCorruptError, SnapshotInvalid, SnapshotNotF
 from .snapshot_format import INDEX_NAME, SnapshotIndex, rank_data_name, rank_manifest_name
 from .snapshot_tier import SnapshotInfo, SnapshotTier
 
-__all__ = ["CLAIM_PREFIX", "StorePath", "StoredSnapshots", "marker_name", "parse_marker_name"]
+__all__ = ["CLAIM_PREFIX", "StorePath", "StoredSnapshots", "covered", "marker_name", "names_key", "parse_marker_name",
+           "part_name"]
+
+log = logging.getLogger(__name__)
 
 _MARKER_SUFFIX = ".stored.json"
 CLAIM_PREFIX = "publishing.attempt-"
 """``publishing.attempt-<A>``: created by the host that puts attempt A's indexes."""
 _MARKER_NAME = re.compile(r"rank-([0-9]{5})" + re.escape(_MARKER_SUFFIX))
 _MAX_CACHED_MARKERS = 1 << 16
+_PART_NAME = re.compile(r"host-([0-9]{5})-([0-9]{5})-of-([0-9]{5})\.part\.json")
 
 
 def marker_name(rank: int) -> str:
@@ -47,6 +60,16 @@ def marker_name(rank: int) -> str:
 def parse_marker_name(name: str) -> int | None:
     match = _MARKER_NAME.fullmatch(name)
     return int(match[1]) if match else None
+
+
+def part_name(first: int, count: int, world_size: int) -> str:
+    return f"host-{first:05d}-{count:05d}-of-{world_size:05d}.part.json"
+
+
+def names_key(names: bytes) -> str:
+    """The name of a host part's ``layout-names`` object: its content's digest (hosts of the
+    same tensors put the same object; the publisher reads each distinct one once)."""
+    return f"layout-names.{hashlib.sha256(names).hexdigest()[:32]}.json"
 
 
 class StorePath(str):
@@ -169,13 +192,24 @@ class StoredSnapshots(SnapshotTier):
 
     def complete_info(self, job_id: str, step: int, objects: list[ObjectInfo]) -> SnapshotInfo | None:
         """The step as one snapshot when its ``objects`` hold a marker of every rank; else None
-        (names checked first: one marker read when a rank has none)."""
+        (names checked first: one marker read when a rank has none). With host parts, from them
+        (one read per host); before them, from every marker."""
         named = _markers_by_rank(objects)
         if not named:
             return None
+        if parts := _parts(objects):
+            world_size = next((w for w in {key[2] for key in parts} if covered(objects, w)), None)
+            found = None if world_size is None else self.host_parts(job_id, step, objects, world_size)
+            if found is not None:
+                log.info("store_step_from_parts: %s of %s has every host's part and no index (being published, or "
+                         "its publisher failed): read from its %d parts", self.step_prefix(job_id, step), self.uri,
+                         len(found[1]))
+            return None if found is None else self._info(found[0])
         first = self._marker(named[min(named)], job_id, step, min(named))
         if first is None or sorted(named) != list(range(first.world_size)):
             return None
+        log.warning("store_markers_read: %s of %s has no index and no host parts (written before them): reading its "
+                    "%d markers", self.step_prefix(job_id, step), self.uri, len(named))
         markers = self.markers(job_id, step, named)
         if len(markers) != len(named) or len({(m.world_size, m.attempt, m.tenant) for m in markers.values()}) != 1:
             return None  # an invalid marker, or two attempts at the step (re-uploading, another world size)
@@ -184,6 +218,38 @@ class StoredSnapshots(SnapshotTier):
         return self._info(SnapshotIndex(job_id, step, world_size, tuple(range(world_size)), files,
                                         max(m.created_unix for m in markers.values()), markers[0].attempt,
                                         tenant=markers[0].tenant))
+
+    def host_parts(self, job_id: str, step: int, objects: list[ObjectInfo],
+                   world_size: int) -> tuple[SnapshotIndex, list[dict]] | None:
+        """The step's index from its hosts' parts among ``objects`` (one read each), with the
+        parts read, when they cover ranks ``0..world_size-1`` once and agree on the attempt and
+        the tenant; None otherwise (one part missing, or a step being uploaded again)."""
+        docs, indexes = [], []
+        parts = sorted(_parts(objects, world_size).items())
+        with concurrent.futures.ThreadPoolExecutor(min(16, len(parts) or 1)) as pool:  # a request each, overlapped
+            raws = list(pool.map(self._get, [info.key for _, info in parts]))
+        for ((first, count, _), info), raw in zip(parts, raws):
+            try:
+                doc = json.loads(raw)
+                index = SnapshotIndex.from_json(doc)
+            except (ValueError, RecursionError):
+                return None
+            names = {name for r in index.ranks for name in (rank_data_name(r), rank_manifest_name(r))}
+            if (index.job_id, index.step, index.world_size, index.ranks[0], len(index.ranks)) != (
+                    job_id, step, world_size, first, count) or {f.name for f in index.files} != names:
+                return None
+            docs.append(doc)
+            indexes.append(index)
+        ranks = sorted(r for index in indexes for r in index.ranks)
+        if ranks != list(range(world_size)) or len({(i.attempt, i.tenant) for i in indexes}) != 1:
+            return None
+        files = tuple(sorted((f for index in indexes for f in index.files), key=lambda f: f.rank))
+        return SnapshotIndex(job_id, step, world_size, tuple(ranks), files, max(i.created_unix for i in indexes),
+                             indexes[0].attempt, tenant=indexes[0].tenant), docs
+
+    def _get(self, key: str) -> bytes:
+        with self.reading(key):
+            return self.store.get(key)
 
     def _info(self, index: SnapshotIndex) -> SnapshotInfo:
         return SnapshotInfo.of(index, self.location(index.job_id, index.step))  # type: ignore[arg-type]
@@ -216,6 +282,20 @@ class StoredSnapshots(SnapshotTier):
 
     def local_file(self, info: SnapshotInfo, name: str) -> pathlib.Path | None:
         return self.store.local_path(self.key(info.job_id, info.step, name))
+
+
+def covered(objects: Iterable[ObjectInfo], world_size: int) -> bool:
+    """Whether ``objects`` (a step's) name a marker of every rank and host parts of as many ranks
+    (names only: nothing is read)."""
+    objects = list(objects)
+    return sorted(_markers_by_rank(objects)) == list(range(world_size)) and \
+        sum(count for _, count, _ in _parts(objects, world_size)) == world_size
+
+
+def _parts(objects: Iterable[ObjectInfo], world_size: int | None = None) -> dict[tuple[int, int, int], ObjectInfo]:
+    """A step's host parts (of ``world_size`` when given) by (first rank, count, world size)."""
+    return {(int(m[1]), int(m[2]), int(m[3])): info for info in objects
+            if (m := _PART_NAME.fullmatch(info.key.rsplit("/", 1)[-1])) and world_size in (None, int(m[3]))}
 
 
 def _markers_by_rank(objects: Iterable[ObjectInfo]) -> dict[int, ObjectInfo]:

@@ -230,6 +230,7 @@ def test_snapshots_cli_and_metrics_show_both_tiers(start_server, hosts_shm, tmp_
     assert listed.returncode == 0, listed.stderr
     assert "tiers/step-2" in listed.stdout and "local+store" in listed.stdout, listed.stdout
     assert [o.key for o in open_store(str(store)).list("tiers/")] == [
+        "tiers/step-000000000002/host-00000-00001-of-00001.part.json",  # the host's part, after its markers
         "tiers/step-000000000002/layout.json",  # the step's layout index, put before its index
         "tiers/step-000000000002/publishing.attempt-1",  # the claim of the host that put them
         "tiers/step-000000000002/rank-00000.manifest.json",

@@ -22,9 +22,12 @@ WORLD = HOSTS * RANKS_PER_HOST
 def test_uploads_and_latest_cost_requests_that_do_not_grow_with_the_ranks(tmp_path):
     counted = count_requests(tmp_path, WORLD, RANKS_PER_HOST)
     assert counted.upload_per_rank <= 10, (counted.upload_per_rank, counted.upload)
-    # Data, manifest, marker per rank; per step the claim, the layout index and the index, by
-    # the host that saw every marker (it reads every manifest for the layout index).
-    assert (counted.upload["put"], counted.upload["create"]) == (2 * (3 * WORLD + 2), 2), counted.upload
+    # Data, manifest, marker per rank, a part and a names object per host; per step the claim,
+    # the layout index and the index, by the host that saw every part (it reads the parts and
+    # the one names object, no rank's marker or manifest: O(hosts), not O(ranks)).
+    assert (counted.upload["put"], counted.upload["create"]) == (2 * (3 * WORLD + 2 * HOSTS + 2), 2), counted.upload
+    assert counted.store.read["marker"] == counted.store.read["manifest"] == 0, counted.store.read
+    assert (counted.store.read["part"], counted.store.read["names"]) == (2 * HOSTS, 2), counted.store.read
     layout = StoredSnapshots(counted.store).store.get(f"{JOB}/{step_dir_name(5)}/{LAYOUT_NAME}")
     assert LayoutIndex.from_bytes(layout, WORLD).plan(
         [TargetTensor("w", "float32", (WORLD,), (WORLD,), (0,))], target_rank=0, same_world=False

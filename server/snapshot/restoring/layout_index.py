@@ -22,7 +22,7 @@ from swap_state.common.snapshot_format import TensorRecord
 
 from swap_state.server.snapshot.restoring.reshard import Piece, TargetTensor, _check_box, _intersect, _runs, plan_tensor
 
-__all__ = ["LAYOUT_FORMAT", "LayoutIndex", "Progression", "bind"]
+__all__ = ["LAYOUT_FORMAT", "LayoutIndex", "Progression", "bind", "layout_part"]
 
 LAYOUT_FORMAT = "swap-state-layout"
 LAYOUT_VERSION = 2  # 2: runs of runs (first, step, count, times, shift)
@@ -320,6 +320,37 @@ class LayoutIndex:
                                              for name, pairs in holders.items()}
 
     @classmethod
+    def merged(cls, parts: Sequence[tuple[Sequence, Sequence[str], Sequence[int]]], world_size: int) -> LayoutIndex:
+        """The index of every host's :func:`layout_part` (``(kinds, names, kind_of)``, any order),
+        in time linear in the parts: a tensor's records at each host are a kind, and tensors of
+        the same kind at every host are laid out once. ValueError when the parts are not valid."""
+        try:
+            columns = {id(names): dict(zip(names, kind_of, strict=True)) for _, names, kind_of in parts}
+            classes: dict[tuple, list[str]] = {}
+            for name in sorted({name for column in columns.values() for name in column}):
+                classes.setdefault(tuple(column.get(name, -1) for column in columns.values()), []).append(name)
+            index = object.__new__(cls)
+            index.world_size, index._tensors = world_size, {}
+            for names in classes.values():
+                entries = sorted((entry for kinds, part_names, _ in parts
+                                  if (k := columns[id(part_names)].get(names[0])) is not None for entry in kinds[k]),
+                                 key=lambda entry: entry[0])
+                ranks = [entry[0] for entry in entries]
+                if not 0 <= ranks[0] <= ranks[-1] < world_size or len(set(ranks)) != len(ranks):
+                    raise ValueError(f"{names[0]} is held twice by a rank or by a rank out of 0..{world_size - 1}")
+                first = None
+                for name in names:  # one layout per kind: the others are it renamed (records: each its own)
+                    if first is None or isinstance(first, _Records):
+                        first = _layout_of(name, [(e[0], TensorRecord(name, e[1], _shape(e[2], name), e[3], (0, e[3]), e[4], None, None, *(
+                            None if box is None else _shape(box, name) for box in e[5:7]))) for e in entries], world_size)
+                    index._tensors[name] = first if first.name == name else dataclasses.replace(first, name=name)
+        except (KeyError, TypeError, IndexError, ValueError, SnapshotLayoutMismatch) as exc:
+            raise ValueError(f"the hosts' parts of the layout index do not merge: {exc!r}") from None
+        if not index._tensors:
+            raise ValueError("the hosts' parts hold no tensor")
+        return index
+
+    @classmethod
     def from_bytes(cls, raw: bytes, world_size: int) -> LayoutIndex:
         """``layout.json`` of a snapshot of ``world_size`` ranks; ValueError when it is not one."""
         try:
@@ -389,6 +420,28 @@ class LayoutIndex:
                                          f"({len(missing)} such in all); restore into a job with the same "
                                          "model and optimizer state as the snapshot's")
         return {t.name: self._tensors[t.name].plan(t, target_rank, same_world) for t in targets}
+
+
+def layout_part(manifests: Mapping[int, Sequence[TensorRecord]]) -> tuple[list, list[str], list[int]]:
+    """One host's ranks' part of the layout index (what :meth:`LayoutIndex.merged` merges):
+    ``(kinds, names, kind_of)``: each distinct list of per-rank entries ``[rank, dtype, shape,
+    nbytes, crc32, global_shape, global_offset]`` (a DTensor's crc32 left out: its box is its
+    identity), and per tensor name (sorted) the kind it is. Tensors cut alike are one kind, so
+    the part is small and ``names, kind_of`` are the same on every host of the same tensors."""
+    holders: dict[str, list] = {}
+    for rank in sorted(manifests):
+        for r in manifests[rank]:
+            entry = [rank, r.dtype, list(r.shape), r.nbytes, 0 if r.global_shape is not None else r.crc32,
+                     None if r.global_shape is None else list(r.global_shape),
+                     None if r.global_offset is None else list(r.global_offset)]
+            held = holders.setdefault(r.name, [])
+            if held and held[-1][0] == rank:
+                raise SnapshotLayoutMismatch(f"tensor {r.name} appears twice in the manifest of old rank {rank}")
+            held.append(entry)
+    kinds: dict[str, int] = {}
+    names = sorted(holders)
+    kind_of = [kinds.setdefault(json.dumps(holders[name]), len(kinds)) for name in names]
+    return [json.loads(raw) for raw in kinds], names, kind_of
 
 
 def _layout_of(name: str, pairs: list[tuple[int, TensorRecord]], world_size: int) -> _Layout:

@@ -38,6 +38,7 @@ from swap_state.server.snapshot.restoring.reshard import Piece, Run, TargetTenso
 from swap_state.server.snapshot.restoring.restore_reads import stream_tensors
 from swap_state.server.snapshot.restoring.tier_choice import resolve_source
 from swap_state.server.snapshot.tiers.replica_wire import WireError
+from swap_state.server.snapshot.tiers.store import parts_layout
 
 __all__ = ["RECENT", "Kept", "PlanSource", "RestoreResult", "assemble", "check_layout", "check_world_size", "restore"]
 
@@ -356,6 +357,20 @@ class ReadSnapshot:
         self._manifests: dict[int, RankManifest] = {}
         raw = tier.read_layout(info)
         self.planned_from = PlanSource.LAYOUT_INDEX if raw is not None else PlanSource.EVERY_MANIFEST
+        if raw is None and isinstance(tier, StoredSnapshots):  # not yet published: the hosts' parts
+            prefix = tier.step_prefix(info.job_id, info.step)
+            found = tier.host_parts(info.job_id, info.step, tier.list_step(info.job_id, info.step), info.world_size)
+            try:
+                if found is not None and found[0].files == info.index.files:
+                    self.index, self.planned_from = parts_layout(tier, prefix, found[1], info.world_size), PlanSource.LAYOUT_INDEX
+                    log_event(log, "restore_layout_from_parts", snapshot_id=info.snapshot_id, hosts=len(found[1]),
+                              detail="the step has no layout.json yet: merged from its hosts' parts")
+                    return
+                why = "its host parts are missing or not its files (written before them, or uploaded again)"
+            except ValueError as exc:
+                why = str(exc)
+            log_event(log, "restore_every_manifest", logging.WARNING, snapshot_id=info.snapshot_id,
+                      ranks=info.world_size, detail=f"no layout.json, and {why}: every rank's manifest is read")
         if raw is None:  # written before layout indexes, or a step read from the store's markers
             self._manifests = {r: tier.read_manifest(info, r) for r in info.ranks}
             self.index = LayoutIndex({r: m.tensors for r, m in self._manifests.items()}, info.world_size)

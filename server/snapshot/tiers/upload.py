@@ -1,9 +1,11 @@
 """The second tier: each durable local snapshot's ranks uploaded to the store by one background worker
 (only the newest queued snapshot of a job; the skipped ones fail ``stored``, saying so), through the
-store's write seam (:class:`~.store.StoreTier`), each file's crc32 checked on the way. A failing
-store fails the upload, naming the URI; training goes on. Call order: ``SnapshotUploader(...)`` at
-start (it resumes unfinished uploads), ``submit`` after each local commit, ``status`` /
-``wait_async`` from the RPCs, ``close`` at shutdown (the running upload is abandoned).
+store's write seam (:class:`~.store.StoreTier`), each file's crc32 checked on the way; the step's
+host part, index and retention (:meth:`~.store.StoreTier.finish`) by a second thread, so the next
+upload never waits for them. A failing store fails the upload, naming the URI; training goes on.
+Call order: ``SnapshotUploader(...)`` at start (it resumes unfinished uploads), ``submit`` after
+each local commit, ``status`` / ``wait_async`` from the RPCs, ``close`` at shutdown (the running
+upload is abandoned).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from swap_state.common.object_store import STORE_FLAG
 from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import rank_data_name, rank_manifest_name
 from swap_state.common.snapshot_tier import SnapshotInfo
+from swap_state.common.stored_snapshots import part_name
 from swap_state.server.logs import log_event
+from swap_state.server.snapshot.restoring.layout_index import layout_part
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 from swap_state.server.snapshot.tiers.seam import StepPlan, copy_rank
@@ -84,6 +88,9 @@ class SnapshotUploader:
         except OSError as exc:  # the uploads say it again, each, until it is fixed
             log_event(log, "store_unreachable", logging.WARNING, store=self.uri, error=str(exc),
                       detail="cannot create the store's root at start")
+        self._finishing: queue.Queue = queue.Queue()  # (what, the call finishing a step) in order
+        self._finisher = threading.Thread(target=self._finish_steps, name="snapshot-publish", daemon=True)
+        self._finisher.start()
         self._thread = threading.Thread(target=self._work, name="snapshot-upload", daemon=True)
         self._thread.start()
 
@@ -135,11 +142,13 @@ class SnapshotUploader:
                                    bytes_stored=upload.bytes_stored)
 
     def resume_pending(self) -> list[str]:
-        """At start: each job's newest local snapshot not all in the store is uploaded again; their ids."""
+        """At start: each job's newest local snapshot not all in the store (a marker or its host part
+        missing) is uploaded again; their ids."""
         pending = []
         newest = {info.job_id: info for info in self._local.reader.list()}
         for info in newest.values():
-            if set(info.ranks) - set(self.stored.step_markers(info.job_id, info.step, info.ranks)):
+            if set(info.ranks) - set(self.stored.step_markers(info.job_id, info.step, info.ranks)) or self.stored.store.size(
+                    self.stored.key(info.job_id, info.step, part_name(info.ranks[0], len(info.ranks), info.world_size))) is None:
                 self.submit(info, None)
                 pending.append(info.snapshot_id)
         return pending
@@ -148,6 +157,24 @@ class SnapshotUploader:
         self._closed.set()
         self._queue.put(None)
         self._thread.join(timeout_s)
+        self._finishing.put(None)
+        self._finisher.join(timeout_s)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Whether every step handed on was finished (index, retention) within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self._finishing.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._finishing.unfinished_tasks
+
+    def _finish_steps(self) -> None:
+        while (item := self._finishing.get()) is not None:
+            try:
+                item()
+            except Exception as exc:  # a bug must not end the thread: the step reads from its parts
+                log_event(log, "store_index_failed", logging.ERROR, store=self.uri, error=repr(exc))
+            finally:
+                self._finishing.task_done()
 
     def _work(self) -> None:
         try:
@@ -207,23 +234,25 @@ class SnapshotUploader:
         rank = info.ranks[0]
         try:
             target = self._tier.prepare(plan)  # one listing of the step for all its ranks
-            for rank in info.ranks:
-                nbytes = info.file(rank_data_name(rank)).bytes + info.file(rank_manifest_name(rank)).bytes
-                if rank in target.ranks:
-                    copy_rank(self._local.reader, info, rank, self._tier, target, self._limiter, self._closed,
-                              lambda size, rank=rank: self._set(info, rank, bytes_stored=size))
-                # Counted before the rank reads stored: a scrape after wait_stored sees its bytes.
-                self.counters.bytes_stored += nbytes
-                self.counters.ranks_stored += 1
-                self._set(info, rank, state=StoreState.STORED, bytes_stored=nbytes)
+            for rank in target.ranks:
+                copy_rank(self._local.reader, info, rank, self._tier, target, self._limiter, self._closed,
+                          lambda size, rank=rank: self._set(info, rank, bytes_stored=size))
+            # The host's part after its markers (with it its ranks count): the whole job's layout
+            # index, or this host's ranks' records for their part of it.
+            layout = self._local.reader.read_layout(info) if local.complete_job else None
+            tensors = None if layout else {r: self._local.reader.read_manifest(info, r).tensors for r in info.ranks}
+            self._tier.put_part(plan, None if tensors is None else layout_part(tensors))
         except (OSError, SnapshotError) as exc:
             self._fail(info, rank, exc)
             return
-        try:
-            layout = self._local.reader.read_layout(info) if local.complete_job else None
-        except (OSError, SnapshotError):
-            layout = None  # the store builds it from the manifests it holds
-        self._tier.finish(target, local, layout)  # the step's index, retention: they only warn
+        for rank in info.ranks:
+            nbytes = info.file(rank_data_name(rank)).bytes + info.file(rank_manifest_name(rank)).bytes
+            # Counted before the rank reads stored: a scrape after wait_stored sees its bytes.
+            self.counters.bytes_stored += nbytes
+            self.counters.ranks_stored += 1
+            self._set(info, rank, state=StoreState.STORED, bytes_stored=nbytes)
+        # The step's index and retention: they only warn, off this thread.
+        self._finishing.put(lambda: self._tier.finish(target, local, layout, part_put=True))
         seconds = time.monotonic() - begin
         self.counters.seconds += seconds
         log_event(log, "snapshot_stored", snapshot_id=info.snapshot_id, ranks=list(info.ranks),
