@@ -100,6 +100,10 @@ class SnapshotTier(abc.ABC):
     def _read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:
         """``nbytes`` of file ``name`` from ``offset`` (fewer only at its end)."""
 
+    def places(self, info: SnapshotInfo, ranks: Sequence[int]) -> list[str]:
+        """Where those ranks' files of the snapshot are read from (for the logs)."""
+        return [str(info.path)]
+
     def size(self, info: SnapshotInfo, name: str) -> int:
         """The size of the snapshot's file ``name`` (as :meth:`_size`)."""
         return self._size(info, name)

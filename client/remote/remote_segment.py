@@ -257,7 +257,7 @@ class RemoteSegment:
         self.snapshot_handle = SnapshotHandle(reply.snapshot_id, reply.step, self.session.rank, self.client)
         resharded = reply.snapshot_world_size not in (0, self.session.world_size)
         log.info("restored %s (step %d) from the server's %s%s", reply.snapshot_id, reply.step,
-                 "store" if reply.source == "store" else "snapshot directory",
+                 "store" if reply.source == "store" else "snapshots (its directory, memory, replicas or peers')",
                  f", resharded from world size {reply.snapshot_world_size} (ranks {list(reply.source_ranks)})"
                  if resharded else "")
         return reply.step

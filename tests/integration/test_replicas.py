@@ -225,7 +225,10 @@ def test_a_lost_hosts_ranks_resume_from_the_replica_in_the_other_hosts_memory(wh
             train(models[rank], containers[rank], work[rank], range(6, 11))
             ref_model, ref_opt = reference(work[rank], build, 10)
             assert mismatches(models[rank], containers[rank], ref_model, ref_opt) == [], rank
-        assert "restore_assembled" in new_host.log_text()
+        assembled = [line for line in new_host.log_text().splitlines() if "event=restore_assembled" in line]
+        replicas_of_a = "swap-state-replicas-" if where != "on_a_replacement_host" else f"127.0.0.1:{ports['b']}/"
+        assert assembled and all(replicas_of_a in line.split("read_from=")[1] for line in assembled
+                                 if " rank=0 " in line), assembled  # a's rank 0: b's replicas, here or over the wire
     finally:
         for container in containers.values():
             container.close()

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from swap_state.common.names import parse_snapshot_id
 from swap_state.common.snapshot_errors import SnapshotCorruptError, SnapshotInvalid, SnapshotNotFoundError
+from swap_state.common.snapshot_format import rank_data_name
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 
 __all__ = ["HostSnapshots"]
@@ -78,6 +79,11 @@ class HostSnapshots(SnapshotTier):
         if found is None:
             raise SnapshotCorruptError(f"{info.snapshot_id} as listed here has no file {name}")
         return found
+
+    def places(self, info: SnapshotInfo, ranks: Sequence[int]) -> list[str]:
+        """The distinct places (this host's directory, memory, replicas, a peer) the ranks' data come from."""
+        held = self._files.get(info.snapshot_id, {})
+        return sorted({str(held[name][1].path) for rank in ranks if (name := rank_data_name(rank)) in held})
 
     def local_file(self, info: SnapshotInfo, name: str) -> pathlib.Path | None:
         part, part_info = self._part(info, name)

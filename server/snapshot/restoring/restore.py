@@ -163,7 +163,8 @@ def restore(directory: SnapshotTier, snapshot_id: str, buffer, layout: SegmentLa
         log_event(log, "restore_assembled", snapshot_id=info.snapshot_id, rank=rank, world_size=world_size,
                   snapshot_world_size=info.world_size, source=tier.where, source_ranks=list(done.source_ranks),
                   bytes=done.bytes_restored, staged=done.staged, streamed=done.streamed, kept=done.kept, plan=done.plan,
-                  location=str(info.path), seconds=round(time.monotonic() - started, 4))
+                  location=str(info.path), read_from=tier.places(info, done.source_ranks),
+                  seconds=round(time.monotonic() - started, 4))
         return done
 
 
