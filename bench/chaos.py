@@ -54,6 +54,7 @@ from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.proto import swap_state_pb2 as pb
 
 from bench import chaos_trainer
+from bench.util import free_port
 
 __all__ = ["main"]
 
@@ -99,7 +100,7 @@ class Chaos:
         self.stop_file = work / "stop"
         self.hosts = {name: Host(name, pathlib.Path(tempfile.mkdtemp(prefix=f"chaos-{name}-", dir="/dev/shm")),
                                  work / f"{name}-snapshots") for name in ("a", "b")}
-        self.replica_ports = {name: _free_port() for name in self.hosts}  # kept by a replacement host
+        self.replica_ports = {name: free_port() for name in self.hosts}  # kept by a replacement host
         self.secret = work / "replica-secret"
         self.jobs = {name: Job(name, ranks, host, work / f"{name}.progress", work / f"{name}.log")
                      for name, ranks, host in (("solo-a", 1, "a"), ("pair", 2, "b"), ("solo-b", 1, "b"))}
@@ -425,14 +426,6 @@ class Chaos:
                  f"({sum(self.faults.values())}); recoveries {len(self.recoveries)}, mean {mean:.1f} s, worst {worst:.1f} s; "
                  f"snapshots verified bitwise {len(self.verified)}; steps reached {steps}; violations {len(self.violations)}")
         return 1 if self.violations else 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

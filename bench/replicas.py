@@ -36,7 +36,7 @@ from swap_state.common.retry import wait_until
 from bench.cli import MOMENT_BYTES_PER_PARAM, _log, _pin_process
 from bench.report import write_json
 from bench.transport import raw_tcp_seconds
-from bench.util import fmt_bytes, gbps, parse_size, summarize
+from bench.util import fmt_bytes, free_port, gbps, parse_size, summarize
 from bench.workload import ADAMW_KWARGS, Variant, build_model
 
 __all__ = ["main"]
@@ -102,14 +102,6 @@ def _remote(base, address: str, job: str) -> Variant:
         [model], torch.optim.AdamW, dict(ADAMW_KWARGS), 16, server=address, job_id=job,
         config=remote_container.RemoteConfig(rpc_timeout_s=60.0), device_backend=DeviceBackend("cpu"))
     return Variant("remote", model, optimizer, x, lambda: None)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def replication_section(args, a: _Host, b: _Host, remote: Variant) -> dict[str, Any]:
@@ -183,7 +175,7 @@ def host_loss_section(args, work: str, base, state: int) -> dict[str, Any]:
     secret = Path(work) / "replica-secret"
     secret.write_text(SECRET)
     secret.chmod(0o600)
-    store, port = str(Path(work) / "store"), _free_port()
+    store, port = str(Path(work) / "store"), free_port()
     s: dict[str, list[float]] = defaultdict(list)
     for rep in range(args.reps):
         job = f"bench-replica-loss-{os.getpid()}-{rep}"
@@ -266,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         secret = Path(work) / "replica-secret"
         secret.write_text(SECRET)
         secret.chmod(0o600)
-        port = _free_port()
+        port = free_port()
         b = _Host(work, "peer", state, replica_listen=f"tcp://127.0.0.1:{port}", replica_size=str(4 * state),
                   replica_secret_file=str(secret))
         a = _Host(work, "sender", state, replica_peers=f"tcp://127.0.0.1:{port}", replica_secret_file=str(secret))

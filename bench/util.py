@@ -173,3 +173,12 @@ def loadavg() -> list[float]:
             return [float(v) for v in f.read().split()[:3]]
     except (OSError, ValueError):
         return []
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server told to listen on it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -136,13 +136,20 @@ def test_a_peer_that_is_down_fails_the_replica_naming_it(start_server, hosts_shm
         container.close()
 
 
-def test_a_file_that_arrives_unlike_its_checksum_is_refused_and_never_listed(start_server, hosts_shm, tmp_path):
+def _prepared_step(start_server, hosts_shm, tmp_path, job: str, nbytes: int):
+    """A peer, and a connection to it that prepared step 1 of ``job`` as a sender does:
+    (the connection, the peer's shm directory)."""
     secret = _secret(tmp_path)
     _, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
     conn = connect_to_peer(parse_address(address), pathlib.Path(secret).read_text().strip().encode())
+    conn.request({"op": "prepare", "job_id": job, "step": 1, "world_size": 1, "tenant": "", "keep": None,
+                  "replace": False, "bytes": nbytes})
+    return conn, peer_shm
+
+
+def test_a_file_that_arrives_unlike_its_checksum_is_refused_and_never_listed(start_server, hosts_shm, tmp_path):
+    conn, peer_shm = _prepared_step(start_server, hosts_shm, tmp_path, "corrupt", 1 << 20)
     try:
-        conn.request({"op": "prepare", "job_id": "corrupt", "step": 1, "world_size": 1, "tenant": "",
-                      "keep": None, "replace": False, "bytes": 1 << 20})
         data = os.urandom(1 << 20)
         conn.send({"op": "open", "name": rank_data_name(0)})
         conn.send_data(data)
@@ -323,12 +330,8 @@ def test_both_hosts_lost_the_job_resumes_from_the_store(start_server, hosts_shm,
 
 
 def test_a_malformed_message_from_a_peer_is_refused_and_the_peer_keeps_serving(start_server, hosts_shm, tmp_path):
-    secret = _secret(tmp_path)
-    _, address, _ = _peer(start_server, hosts_shm, tmp_path, secret)
-    conn = connect_to_peer(parse_address(address), pathlib.Path(secret).read_text().strip().encode())
+    conn, _ = _prepared_step(start_server, hosts_shm, tmp_path, "malformed", 0)
     try:
-        conn.request({"op": "prepare", "job_id": "malformed", "step": 1, "world_size": 1, "tenant": "",
-                      "keep": None, "replace": False, "bytes": 0})
         with pytest.raises(ReplicaRefused, match="malformed 'finish_rank'"):
             conn.request({"op": "finish_rank", "rank": 0, "files": [{"name": 7}]})
         with pytest.raises(ReplicaRefused, match="not a rank file"):
