@@ -69,3 +69,43 @@ def parse_crc(text: object) -> int:
     if not isinstance(text, str) or len(text) != 8:
         raise ValueError(f"not a crc32: {text!r}")
     return int(text, 16)
+
+
+class BlockChecksum:
+    """The crc32 of each ``block_bytes`` block of one tensor's bytes (the last may be shorter),
+    fed in order, and the whole tensor's, combined from them (one pass over the bytes). Blocks
+    let a reader verify a byte range without reading the whole tensor (a reshard's restore)."""
+
+    __slots__ = ("block_bytes", "blocks", "_value", "_fill")
+
+    def __init__(self, block_bytes: int):
+        self.block_bytes = block_bytes
+        self.blocks: list[int] = []
+        self._value = self._fill = 0
+
+    def update(self, data: memoryview) -> None:
+        at, n = 0, data.nbytes
+        while at < n:
+            take = min(n - at, self.block_bytes - self._fill)
+            with data[at : at + take] as part:
+                self._value = crc32(part, self._value)
+            at, self._fill = at + take, self._fill + take
+            if self._fill == self.block_bytes:
+                self.blocks.append(self._value)
+                self._value = self._fill = 0
+
+    def mark(self) -> tuple[int, int, int]:
+        """Where the checksum stands, for :meth:`rewind` (bytes fed again from another source)."""
+        return len(self.blocks), self._value, self._fill
+
+    def rewind(self, mark: tuple[int, int, int]) -> None:
+        del self.blocks[mark[0]:]
+        _, self._value, self._fill = mark
+
+    def finish(self) -> tuple[int, list[int]]:
+        """(the crc32 of every byte fed, each block's crc32)."""
+        blocks = self.blocks + ([self._value] if self._fill else [])
+        whole = 0
+        for index, value in enumerate(blocks):
+            whole = crc32_combine(whole, value, self._fill if index == len(self.blocks) else self.block_bytes)
+        return whole, blocks

@@ -13,6 +13,7 @@ depends only on the segment layout, so it is written before the data, streamed w
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import json
@@ -29,7 +30,7 @@ from .snapshot_metadata import tensor_entry
 __all__ = [
     "FORMAT_VERSION", "INDEX_NAME", "LAYOUT_NAME", "LATEST_NAME", "MANIFEST_FORMAT", "MANIFEST_VERSION", "INDEX_FORMAT",
     "TensorRecord", "RankManifest", "FileRecord", "SnapshotIndex", "step_dir_name", "partial_dir_name",
-    "rank_data_name", "rank_manifest_name", "safetensors_header", "DATA_ALIGN", "safetensors_metadata", "dumps_json"]
+    "rank_data_name", "rank_manifest_name", "safetensors_header", "DATA_ALIGN", "checksum_block_bytes", "safetensors_metadata", "dumps_json"]
 
 FORMAT_VERSION = 1
 MANIFEST_VERSION = 2
@@ -164,10 +165,24 @@ class TensorRecord:
     key: str | None = None
     global_shape: tuple[int, ...] | None = None
     global_offset: tuple[int, ...] | None = None
+    block_bytes: int = 0
+    """The size of the blocks :attr:`block_crcs` checks (:func:`checksum_block_bytes`); 0: the
+    tensor is checked whole only (written before blocks, or a layout index's record)."""
+    block_crcs: bytes = b""
+    """Each block's crc32, little-endian uint32s: a byte range is read and checked without the rest."""
 
     def to_json(self) -> dict[str, Any]:
+        blocks = {"block_bytes": self.block_bytes, "block_crcs": base64.b64encode(self.block_crcs).decode()} \
+            if self.block_bytes else {}
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), **tensor_entry(self),
-                "nbytes": self.nbytes, "data_offsets": list(self.data_offsets), "crc32": format_crc(self.crc32)}
+                "nbytes": self.nbytes, "data_offsets": list(self.data_offsets), "crc32": format_crc(self.crc32),
+                **blocks}
+
+    def blocks(self) -> tuple[int, list[int]]:
+        """(block size, each block's crc32): the tensor whole as one block when it has none."""
+        if not self.block_bytes:
+            return max(self.nbytes, 1), [self.crc32]
+        return self.block_bytes, list(struct.unpack(f"<{len(self.block_crcs) // 4}I", self.block_crcs))
 
     @classmethod
     def from_json(cls, raw: Any) -> TensorRecord:
@@ -184,7 +199,37 @@ class TensorRecord:
                    crc32=parse_crc(raw.get("crc32")), fqn=_opt(_str, raw.get("fqn"), f"fqn of {name}"),
                    key=_opt(_str, raw.get("key"), f"key of {name}"),
                    global_shape=_opt(_dims, raw.get("global_shape"), f"global_shape of {name}"),
-                   global_offset=_opt(_dims, raw.get("global_offset"), f"global_offset of {name}"))
+                   global_offset=_opt(_dims, raw.get("global_offset"), f"global_offset of {name}"),
+                   **_block_crcs(raw, name))
+
+
+def checksum_block_bytes(nbytes: int) -> int:
+    """The block size a writer checksums a tensor of ``nbytes`` in: the least power-of-two
+    multiple of 4 KiB (O_DIRECT's alignment) giving at most ``MAX_TENSOR_BLOCKS`` blocks. Small
+    blocks make a range read exact (a reshard at 16,384 ranks reads shards of 8-64 KiB rows);
+    the cap bounds a manifest (8 bytes of JSON a block) and the writer's work per block."""
+    block = DATA_ALIGN
+    while block * MAX_TENSOR_BLOCKS < nbytes:
+        block *= 2
+    return block
+
+
+MAX_TENSOR_BLOCKS = 64
+"""A range read rounds out to blocks: at most 2 of 64 blocks more than it needs."""
+
+
+def _block_crcs(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    """A tensor entry's blocks, checked to tile its bytes; none in entries written before them."""
+    if raw.get("block_bytes") is None:
+        return {}
+    block, nbytes = _int(raw["block_bytes"], f"block_bytes of {name}", 1), _int(raw.get("nbytes"), f"nbytes of {name}")
+    try:
+        crcs = base64.b64decode(_str(raw.get("block_crcs"), f"block_crcs of {name}"), validate=True)
+    except ValueError:
+        raise ValueError(f"block_crcs of {name} is not base64") from None
+    if len(crcs) != 4 * -(-nbytes // block):
+        raise ValueError(f"block_crcs of {name} must hold one crc32 per {block}-byte block of its {nbytes} bytes")
+    return {"block_bytes": block, "block_crcs": crcs}
 
 
 _MANIFEST_HEAD: tuple[tuple[Any, ...], ...] = (

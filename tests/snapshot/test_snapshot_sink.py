@@ -42,12 +42,13 @@ def _write(sink, pieces: list[bytes], replace_every: int = 0) -> int:
         done = 0
         while done < len(piece):
             size = min(sink.room(), len(piece) - done)
-            before = crc
             if replace_every and index % replace_every == 0:
-                sink.put(memoryview(bytearray(size)), before)  # wrong bytes first ...
-                crc = sink.replace(view[done : done + size], before)  # ... replaced before final
+                sink.put(memoryview(bytearray(size))).release()  # wrong bytes first ...
+                placed = sink.replace(view[done : done + size])  # ... replaced before final
             else:
-                crc = sink.put(view[done : done + size], before)
+                placed = sink.put(view[done : done + size])
+            with placed:
+                crc = zlib.crc32(placed, crc)  # the bytes as placed
             sink.advance()
             done += size
     sink.finish()
@@ -136,14 +137,14 @@ def test_a_chunk_in_pieces_overwritten_midway_is_finished_from_the_trainer_slot(
     real_place = snapshot_writer._place
     seen = {"pieces": 0, "done": False}
 
-    def place(sink, data, crc):
+    def place(sink, data):
         assert sink.direct
         if not seen["done"] and seg.header[Word.PERSISTED_UPTO] == victim.index:
             seen["pieces"] += 1
             if seen["pieces"] == 3:  # two pieces of the victim placed: the trainer overwrites it
                 seen["done"] = True
                 _overwrite_as_trainer(seg, victim)
-        return real_place(sink, data, crc)
+        return real_place(sink, data)
 
     monkeypatch.setattr(snapshot_writer, "_place", place)
     coordinator = make_coordinator()

@@ -10,7 +10,7 @@ import pytest
 from snapshot_kit import verify_rank_file
 
 from swap_state.common.segment import Word
-from swap_state.server.snapshot.writing import sink as snapshot_sink
+from swap_state.common import checksum
 from swap_state.server.snapshot.writing import writer as snapshot_writer
 from swap_state.server.snapshot.writing.snapshot_file import SnapshotFile
 from swap_state.server.snapshot.coordinator import SnapshotState
@@ -39,7 +39,7 @@ def test_chunk_overwritten_mid_read_is_rewritten_from_its_slot(make_segment, mak
     if not direct:
         monkeypatch.setattr(SnapshotFile, "open_direct", lambda self: None)
 
-    real_place, real_crc = snapshot_writer._place, snapshot_sink.crc32
+    real_place, real_crc = snapshot_writer._place, checksum.crc32
     state = {"done": False}
 
     def is_victim(data) -> bool:
@@ -47,13 +47,13 @@ def test_chunk_overwritten_mid_read_is_rewritten_from_its_slot(make_segment, mak
 
     at_step_n_chunk = bytes(seg.mm[victim.offset : victim.offset + victim.nbytes])
 
-    def place(sink, data, crc):
+    def place(sink, data):
         assert sink.direct is direct
         if when == "during-write" and is_victim(data):
             state["done"] = True
             _overwrite_as_trainer(seg, victim)
             data = memoryview(seg.mm)[victim.offset : victim.offset + victim.nbytes]  # torn: new bytes
-        return real_place(sink, data, crc)
+        return real_place(sink, data)
 
     def crc(data, value=0):
         if when == "during-crc" and is_victim(data):
@@ -63,7 +63,7 @@ def test_chunk_overwritten_mid_read_is_rewritten_from_its_slot(make_segment, mak
         return real_crc(data, value)
 
     monkeypatch.setattr(snapshot_writer, "_place", place)
-    monkeypatch.setattr(snapshot_sink, "crc32", crc)
+    monkeypatch.setattr(checksum, "crc32", crc)  # the writer's tensor checksums
     coordinator = make_coordinator()
     handle = coordinator.start(seg.source("job", 4))
     status = handle.wait(20)

@@ -143,7 +143,7 @@ class MirroredTier(TierWriter):
 
 class _TeeSink(ChunkSink):
     """A data file into the primary's sink and a copy of each final piece to the peer's; the
-    crc32 is the primary's (the peer checks the file against it). The copy's failure is handed
+    bytes placed are the primary's (their crc32 is the file's: the peer checks it). The copy's failure is handed
     to ``failed`` and ends the copy, never the file."""
 
     def __init__(self, primary: ChunkSink, copy: ChunkSink, failed: Callable[[BaseException], None]):
@@ -155,15 +155,15 @@ class _TeeSink(ChunkSink):
     def room(self) -> int:
         return self._primary.room() if self._copy is None else min(self._primary.room(), self._copy.room())
 
-    def put(self, data: memoryview, crc: int) -> int:
-        value = self._primary.put(data, crc)
-        self._on_copy(lambda copy: copy.place(data))
-        return value
+    def put(self, data: memoryview) -> memoryview:
+        placed = self._primary.put(data)
+        self._on_copy(lambda copy: copy.put(data).release())
+        return placed
 
-    def replace(self, data: memoryview, crc: int) -> int:
-        value = self._primary.replace(data, crc)
-        self._on_copy(lambda copy: copy.place(data))
-        return value
+    def replace(self, data: memoryview) -> memoryview:
+        placed = self._primary.replace(data)
+        self._on_copy(lambda copy: copy.put(data).release())
+        return placed
 
     def advance(self) -> None:
         self._primary.advance()

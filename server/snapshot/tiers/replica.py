@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from swap_state.common.addresses import ListenAddress
-from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
 from swap_state.server.snapshot.tiers.replica_wire import CONNECT_TIMEOUT_S, Connection, connect_to_peer
@@ -151,16 +150,13 @@ class _SendingSink(ChunkSink):
     def room(self) -> int:
         return SEND_BUFFER_BYTES - self._fill
 
-    def place(self, data: memoryview) -> None:
-        """:meth:`put` without the crc32 (a caller that has it already)."""
+    def put(self, data: memoryview) -> memoryview:
         if data.nbytes > self.room():
             raise ValueError(f"a piece of {data.nbytes} bytes does not fit the {self.room()} left")
         copy_piece(self._current, _posix.buffer_address(self._current), self._fill, data)
         self._pending = data.nbytes
-
-    def put(self, data: memoryview, crc: int) -> int:
-        self.place(data)
-        return crc32(data, crc)
+        with memoryview(self._current) as whole:
+            return whole[self._fill : self._fill + data.nbytes]
 
     def advance(self) -> None:
         self._fill += self._pending

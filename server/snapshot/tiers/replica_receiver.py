@@ -291,8 +291,8 @@ class ReplicaReceiver:
                 with memoryview(frame) as view:
                     done = 0
                     while done < view.nbytes:
-                        with view[done : done + sink.room()] as piece:
-                            value = sink.put(piece, value)
+                        with view[done : done + sink.room()] as piece, sink.put(piece) as placed:
+                            value = crc32(placed, value)
                             done += piece.nbytes
                         sink.advance()
                 size += len(frame)

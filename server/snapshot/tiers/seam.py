@@ -11,6 +11,7 @@ import pathlib
 import threading
 from collections.abc import Callable, Iterable
 
+from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_errors import SnapshotCorruptError, SnapshotError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex, rank_data_name, rank_manifest_name
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
@@ -131,8 +132,8 @@ def _copy_file(blocks: Iterable[bytes], record: FileRecord, sink: ChunkSink, inf
         with memoryview(block) as view:
             done = 0
             while done < view.nbytes:
-                with view[done : done + sink.room()] as piece:
-                    value, placed = sink.put(piece, value), piece.nbytes
+                with view[done : done + sink.room()] as piece, sink.put(piece) as bytes_placed:
+                    value, placed = crc32(bytes_placed, value), piece.nbytes
                 done, size = done + placed, size + placed
                 if size > record.bytes or (size == record.bytes and value != record.crc32):
                     _check(info, record, size, value)

@@ -226,11 +226,11 @@ class _PutSink(ChunkSink):
     def room(self) -> int:
         return 1 << 62
 
-    def put(self, data: memoryview, crc: int) -> int:
+    def put(self, data: memoryview) -> memoryview:
         # A whole bytes block is held as it is; any other view is copied: its buffer is the caller's.
         self._held = data.obj if isinstance(data.obj, bytes) and data.nbytes == len(data.obj) else bytes(data)
         self._pending = data.nbytes
-        return crc32(data, crc)
+        return memoryview(self._held)
 
     def advance(self) -> None:
         self._live().write(self._held)

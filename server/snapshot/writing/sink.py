@@ -5,8 +5,9 @@ by :func:`open_sink`. Call order (the writer)::
 
     sink.write_all(header)                       # the file's first bytes
     for each piece of each chunk:                # a piece is at most sink.room() bytes
-        crc = sink.put(piece, crc_before)        # placed at the sink's position, not final
-        [crc = sink.replace(other, crc_before)]  # the same range, from another source
+        with sink.put(piece) as placed:          # placed at the sink's position, not final;
+            checksum.update(placed)              # the caller checksums the bytes as placed
+        [with sink.replace(other) as placed: ...]  # the same range, from another source
         sink.advance()                           # final: no buffer holding it goes to disk before
     sink.finish()                                # everything written and fsynced
     sink.close()                                 # on every path (a context manager)
@@ -22,7 +23,6 @@ import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from swap_state.common.checksum import crc32
 from swap_state.common.segment import align_up
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
@@ -54,19 +54,16 @@ class ChunkSink(abc.ABC):
         """The most bytes the next :meth:`put` takes."""
 
     @abc.abstractmethod
-    def put(self, data: memoryview, crc: int) -> int:
-        """Place ``data`` (at most :meth:`room` bytes) at :attr:`position`, not final yet;
-        ``crc`` continued over the bytes as placed."""
+    def put(self, data: memoryview) -> memoryview:
+        """Place ``data`` (at most :meth:`room` bytes) at :attr:`position`, not final yet; the
+        bytes as placed (what reaches the file), for the caller to checksum and release before
+        :meth:`advance`."""
 
-    def place(self, data: memoryview) -> None:
-        """:meth:`put` for a caller that has the bytes' crc32 already (another sink's copy)."""
-        self.put(data, 0)
-
-    def replace(self, data: memoryview, crc: int) -> int:
+    def replace(self, data: memoryview) -> memoryview:
         """Place ``data`` over the last :meth:`put` (the same length); as :meth:`put`."""
         if data.nbytes != self._pending:
             raise ValueError("replace takes the length of the last put")
-        return self.put(data, crc)
+        return self.put(data)
 
     @abc.abstractmethod
     def advance(self) -> None:
@@ -86,7 +83,7 @@ class ChunkSink(abc.ABC):
             while done < view.nbytes:
                 size = min(self.room(), view.nbytes - done)
                 with view[done : done + size] as piece:
-                    self.put(piece, 0)
+                    self.put(piece).release()
                 self.advance()
                 done += size
 
@@ -110,10 +107,10 @@ class BufferedSink(ChunkSink):
     def room(self) -> int:
         return 1 << 62
 
-    def put(self, data: memoryview, crc: int) -> int:
+    def put(self, data: memoryview) -> memoryview:
         pwrite_all(self._fd, data, self.position)
         self._pending = data.nbytes
-        return crc32(data, crc)
+        return data[:]  # the caller's bytes as written; the caller's own view stays its own
 
     def advance(self) -> None:
         self.position += self._pending
@@ -155,14 +152,14 @@ class DirectSink(ChunkSink):
     def room(self) -> int:
         return self._bounce - self._fill
 
-    def put(self, data: memoryview, crc: int) -> int:
+    def put(self, data: memoryview) -> memoryview:
         n = data.nbytes
         if n > self.room():
             raise ValueError(f"a piece of {n} bytes does not fit the {self.room()} left")
         copy_piece(self._current, self._address, self._fill, data)
         self._pending = n
-        with memoryview(self._current) as whole, whole[self._fill : self._fill + n] as placed:
-            return crc32(placed, crc)
+        with memoryview(self._current) as whole:
+            return whole[self._fill : self._fill + n]
 
     def advance(self) -> None:
         self._fill += self._pending

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import struct
 import threading
 import time
 
 from swap_state.common.segment import Chunk, Word, stager_slot_count
 from swap_state.common.server_config import SnapshotSettings
 
-from swap_state.common.checksum import crc32, crc32_combine
+from swap_state.common.checksum import BlockChecksum, crc32, crc32_combine
 from swap_state.common.snapshot_errors import SnapshotError, from_os_error
 from swap_state.common.snapshot_format import (
-    FileRecord, RankManifest, TensorRecord, rank_data_name, rank_manifest_name, safetensors_header,
-    safetensors_metadata)
+    FileRecord, RankManifest, TensorRecord, checksum_block_bytes, rank_data_name, rank_manifest_name,
+    safetensors_header, safetensors_metadata)
 from swap_state.common.snapshot_metadata import EMPTY_METADATA, TensorMetadata
 from swap_state.common.retry import wait_until
 from swap_state.common.server_header import ServerHeader
@@ -39,9 +40,9 @@ log = logging.getLogger(__name__)
 HOLD_MAX_S = 0.25  # how long a writer started with ``hold`` waits for RankWriter.go at most
 
 
-def _place(sink: ChunkSink, data: memoryview, crc: int) -> int:
+def _place(sink: ChunkSink, data: memoryview) -> memoryview:
     """``sink.put``: a module name, so that tests can race the trainer against the read."""
-    return sink.put(data, crc)
+    return sink.put(data)
 
 
 # Longest a writer pauses for one optimizer step of the trainer; a longer step (a trainer
@@ -184,15 +185,15 @@ class RankWriter:
         finally:
             self._paused_s += time.monotonic() - began
 
-    def _stream(self, sink: ChunkSink, view: memoryview) -> list[int]:
-        """Put every chunk into ``sink`` after the header, in file order; per-tensor crc32s. The
-        sink's copies and crc32 release the GIL, so the event loop answers RPCs meanwhile."""
-        crcs = [0] * len(self.source.layout.tensors)
+    def _stream(self, sink: ChunkSink, view: memoryview) -> list[BlockChecksum]:
+        """Put every chunk into ``sink`` after the header, in file order; per-tensor checksums.
+        The sink's copies and crc32 release the GIL, so the event loop answers RPCs meanwhile."""
+        crcs = [BlockChecksum(checksum_block_bytes(t.nbytes)) for t in self.source.layout.tensors]
         started = self._stream_started = time.monotonic()
         try:
             for chunk in self.chunks:
                 self._before_chunk(chunk)
-                crcs[chunk.tensor_index] = self._persist_chunk(sink, view, chunk, crcs[chunk.tensor_index])
+                self._persist_chunk(sink, view, chunk, crcs[chunk.tensor_index])
                 self.bytes_persisted += chunk.nbytes
             self._check_not_abandoned()  # after the last read: protocol step 6
         finally:
@@ -221,9 +222,9 @@ class RankWriter:
                                 "snapshot up: it found the server unreachable (its KeepAlive stream broke) "
                                 "and overwrote chunks without a copy; take the snapshot again")
 
-    def _persist_chunk(self, sink: ChunkSink, view: memoryview, chunk: Chunk, before: int) -> int:
-        """Put ``chunk`` into ``sink``, piece by piece, and publish ``PERSISTED_UPTO = c + 1``;
-        returns its tensor's crc32 continued from ``before``.
+    def _persist_chunk(self, sink: ChunkSink, view: memoryview, chunk: Chunk, checksum: BlockChecksum) -> None:
+        """Put ``chunk`` into ``sink``, piece by piece, into its tensor's ``checksum``, and publish
+        ``PERSISTED_UPTO = c + 1``.
 
         Why this stays exact: while chunk c is read, ``PERSISTED_UPTO <= c``, so the trainer
         overwrites c only after its own copy into a slot with ``COW_EPOCH[c] = e`` stored first,
@@ -232,8 +233,8 @@ class RankWriter:
         piece is placed (and checksummed), :meth:`_safe_source` reads those words again:
 
         - ``COW_EPOCH[c] == e``: the trainer's slot holds step N's bytes and this piece may be
-          torn: it and the rest of the chunk are placed again from that slot (the crc continues
-          from before the piece); the slot is freed after.
+          torn: it and the rest of the chunk are placed again from that slot (the checksum
+          rewound to before the piece); the slot is freed after.
         - else, read from the segment and now ``STAGED_UPTO > c``: the stager copied the chunk
           cleanly meanwhile: the piece and the rest come from its slot.
         - else: no overwrite of c began before the check: the piece is step N's bytes.
@@ -245,25 +246,25 @@ class RankWriter:
         stage_at = layout.cow_slots_offset + (c % ring) * layout.chunk_bytes if ring else None
         source = stage_at if stage_at is not None and c < self.source.header[Word.STAGED_UPTO] else chunk.offset
         trainer_slot: int | None = None
-        value, done = before, 0
+        done = 0
         while done < n:
-            size = min(n - done, sink.room())
-            with view[source + done : source + done + size] as data:
-                placed = _place(sink, data, value)
+            size, before = min(n - done, sink.room()), checksum.mark()
+            with view[source + done : source + done + size] as data, _place(sink, data) as placed:
+                checksum.update(placed)
             safe, slot = self._safe_source(chunk, source, stage_at)
             if safe != source:  # not charged to the limiter again: the trainer may be waiting
                 source, trainer_slot = safe, slot
-                with view[source + done : source + done + size] as data:
-                    placed = sink.replace(data, value)
+                checksum.rewind(before)
+                with view[source + done : source + done + size] as data, sink.replace(data) as placed:
+                    checksum.update(placed)
             sink.advance()
-            value, done = placed, done + size
+            done += size
         if trainer_slot is not None:
             self.trainer_copied_bytes += n
             self._header.free_slot(trainer_slot)
         self._header.persisted(c + 1)  # also frees the chunk's stager slot
         if self.stager is not None:
             self.stager.wake()
-        return value
 
     def _safe_source(self, chunk: Chunk, source: int, stage_at: int | None) -> tuple[int, int | None]:
         """After a piece of ``chunk`` was read from ``source``: (where its step-N bytes are now,
@@ -295,14 +296,15 @@ class RankWriter:
         action = f"writing {data_name} of {source.job_id}/step-{source.step}"
         try:
             try:
-                crcs = self._write_data_file(data_name, header)
+                checksums = self._write_data_file(data_name, header)
             finally:
                 self.release_segment()  # also when the file could not be created
+            sums = [checksum.finish() for checksum in checksums]
             file_crc = crc32(header)  # combined from the tensors' crc32s
-            for tensor, value in zip(tensors, crcs):
+            for tensor, (value, _) in zip(tensors, sums):
                 file_crc = crc32_combine(file_crc, value, tensor.nbytes)
             data = FileRecord(data_name, source.rank, len(header) + self.bytes_total, file_crc)
-            manifest = self._manifest(crcs, offsets, data, len(header))
+            manifest = self._manifest(sums, checksums, offsets, data, len(header))
             action = f"writing {manifest_name} of {source.job_id}/step-{source.step}"
             raw = manifest.to_bytes()
             self.tier.write_file(self.target, manifest_name, raw)
@@ -318,17 +320,18 @@ class RankWriter:
                   staged_bytes=self.stager.staged_bytes if self.stager is not None else 0)
         return RankResult(manifest, files)
 
-    def _manifest(self, crcs: list[int], offsets: list[tuple[int, int]], data: FileRecord,
-                  data_start: int) -> RankManifest:
-        """The rank's manifest: each tensor's place, crc32 and the trainer's metadata of it."""
+    def _manifest(self, sums: list[tuple[int, list[int]]], checksums: list[BlockChecksum],
+                  offsets: list[tuple[int, int]], data: FileRecord, data_start: int) -> RankManifest:
+        """The rank's manifest: each tensor's place, crc32s and the trainer's metadata of it."""
         source, metadata = self.source, self.metadata
         records = []
-        for tensor, (begin, end), value in zip(source.layout.tensors, offsets, crcs):
+        for tensor, (begin, end), (value, blocks), checksum in zip(source.layout.tensors, offsets, sums, checksums):
             meta = metadata.tensors.get(tensor.name, TensorMetadata())
             records.append(TensorRecord(
                 name=tensor.name, dtype=tensor.dtype, shape=tensor.shape, nbytes=tensor.nbytes,
                 data_offsets=(begin, end), crc32=value, fqn=meta.fqn, key=meta.key,
-                global_shape=meta.global_shape, global_offset=meta.global_offset))
+                global_shape=meta.global_shape, global_offset=meta.global_offset,
+                block_bytes=checksum.block_bytes, block_crcs=struct.pack(f"<{len(blocks)}I", *blocks)))
         cow_copies, bp_waits, bp_wait_ns = self.counters()
         return RankManifest(job_id=source.job_id, step=source.step, rank=source.rank, world_size=source.world_size,
                             data_file=data.name, data_file_bytes=data.bytes, data_start=data_start,
@@ -338,9 +341,9 @@ class RankWriter:
                             backpressure_wait_seconds=bp_wait_ns / 1e9,
                             persist_seconds=time.monotonic() - self.started_monotonic)
 
-    def _write_data_file(self, name: str, header: bytes) -> list[int]:
+    def _write_data_file(self, name: str, header: bytes) -> list[BlockChecksum]:
         """Create the data file, put its header, stream the chunks (the stager alongside),
-        release the segment, write the rest and fsync; the tensors' crc32s."""
+        release the segment, write the rest and fsync; the tensors' checksums."""
         with self.tier.open_file(self.target, name) as sink:
             self.direct_io = sink.direct
             sink.write_all(header)
