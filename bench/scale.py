@@ -13,8 +13,9 @@ N and a shrink to 3N/4 and a grow to 5N/4 (whole TP groups) it measures, in this
 - **plan**: what one new rank pays to plan its restore: ``layout.json`` parsed, planned, the
   manifests of the old ranks it reads (``reads``) parsed, the plan bound to their records: CPU
   seconds and peak Python memory (tracemalloc); and **read/need**: the bytes its reads cover
-  (:func:`~swap_state.server.snapshot.restoring.restore_reads.read_spans`) over the bytes its
-  new shards need;
+  (:func:`~swap_state.server.snapshot.restoring.restore_reads.read_spans`: whole checksum blocks,
+  by exact range as from a store or a peer; **direct**: page aligned, as from a local file with
+  O_DIRECT) over the bytes its new shards need;
 - up to ``--whole-ranks`` old ranks, where every old rank's records fit in memory: **build**, the
   step's layout index from them (:class:`~swap_state.server.snapshot.restoring.layout_index.LayoutIndex`),
   as the server that commits the step does once per step, checked equal to the one the bench
@@ -49,10 +50,10 @@ import tracemalloc
 
 from bench import store_publish
 from bench.store_requests import count_requests
-from swap_state.common.snapshot_format import RankManifest, TensorRecord, dumps_json
+from swap_state.common.snapshot_format import RankManifest, TensorRecord, checksum_block_bytes, dumps_json
 from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.restoring.reshard import TargetTensor, plan_tensor, ranks_needed
-from swap_state.server.snapshot.restoring.restore_reads import read_spans
+from swap_state.server.snapshot.restoring.restore_reads import plan_reads, read_spans
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 #: (dim, ffn, kv, vocab, layers) of the models simulated.
@@ -134,9 +135,11 @@ def rank_records(layout: Layout, world: int, rank: int) -> list[TensorRecord]:
     for name, local, shape, offset in tensors(layout, world, rank):
         nbytes = 4 * math.prod(local)
         fqn, key = name[len("state."):].rsplit(".", 1)
+        block = checksum_block_bytes(nbytes)  # and zero crc32s, as many as the writer's
         records.append(TensorRecord(name=name, dtype="float32", shape=local, nbytes=nbytes,
                                     data_offsets=(position, position + nbytes), crc32=0, fqn=fqn, key=key,
-                                    global_shape=shape, global_offset=offset))
+                                    global_shape=shape, global_offset=offset, block_bytes=block,
+                                    block_crcs=bytes(4 * -(-nbytes // block))))
         position += nbytes
     return records
 
@@ -208,14 +211,16 @@ def run_case(layout: Layout, old: int, new: int, repeat: int, whole: bool) -> di
 
 
 def read_bytes(plan: dict, read: dict[int, RankManifest]) -> dict[str, int]:
-    """The bytes the restore reads (the spans :mod:`.restore_reads` reads, gaps and alignment
-    included) and the bytes its new shards need (the runs)."""
-    sources: dict[int, dict[str, TensorRecord]] = {}
-    for pieces in plan.values():
-        for piece in pieces:
-            sources.setdefault(piece.source_rank, {})[piece.source.name] = piece.source
-    spans = [span for r, held in sources.items() for span in read_spans(read[r], list(held.values()))]
-    return {"bytes_read": sum(span.end - span.start for span in spans),
+    """The bytes the restore reads (the spans :mod:`.restore_reads` reads: whole checksum blocks,
+    by exact range from a store or a peer, page aligned from a local file with O_DIRECT) and
+    the bytes its new shards need (the runs)."""
+    wanted = plan_reads(plan, read)
+
+    def spanned(align: int) -> int:
+        return sum(span.end - span.start for manifest, reads in wanted.values()
+                   for span in read_spans(manifest, reads, align))
+
+    return {"bytes_read": spanned(1), "bytes_read_direct": spanned(4096),
             "bytes_needed": sum(run.nbytes for pieces in plan.values() for piece in pieces for run in piece.runs)}
 
 
@@ -300,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     results, lines = [], []
     header = (f"{'layout':>9} {'N -> M':>13} {'build s':>8} {'layout kB':>9} {'plan s':>7} {'plan MB':>7} {'reads':>5} "
-              f"{'read/need':>9} {'baseline s':>10} {'x':>6}")
+              f"{'read/need':>9} {'direct':>6} {'baseline s':>10} {'x':>6}")
     print(header)
     for name in args.layouts.split(","):
         layout = Layout.named(name)
@@ -404,7 +409,8 @@ def _line(case: dict) -> str:
     base_s, ratio = (f"{base['median']:.3f}", f"{base['median'] / max(plan['median'], 1e-9):.0f}") if base else ("-", "-")
     return (f"{case['layout']:>9} {case['old_ranks']:>5} -> {case['new_ranks']:<5} {build_s:>8} "
             f"{case['layout_bytes'] / 1e3:9.0f} {plan['median']:7.3f} {case['plan_peak_mb']:7.1f} "
-            f"{case['manifests_read']:5} {case['bytes_read'] / case['bytes_needed']:9.3f} {base_s:>10} {ratio:>6}"
+            f"{case['manifests_read']:5} {case['bytes_read'] / case['bytes_needed']:9.3f} "
+            f"{case['bytes_read_direct'] / case['bytes_needed']:6.3f} {base_s:>10} {ratio:>6}"
             f"   (plan mean {plan['mean']:.3f}, worst {plan['worst']:.3f})")
 
 

@@ -178,11 +178,14 @@ class TensorRecord:
                 "nbytes": self.nbytes, "data_offsets": list(self.data_offsets), "crc32": format_crc(self.crc32),
                 **blocks}
 
-    def blocks(self) -> tuple[int, list[int]]:
-        """(block size, each block's crc32): the tensor whole as one block when it has none."""
-        if not self.block_bytes:
-            return max(self.nbytes, 1), [self.crc32]
-        return self.block_bytes, list(struct.unpack(f"<{len(self.block_crcs) // 4}I", self.block_crcs))
+    @property
+    def block_size(self) -> int:
+        """The bytes each checked block holds: the whole tensor when it has no blocks."""
+        return self.block_bytes or max(self.nbytes, 1)
+
+    def block_crc(self, index: int) -> int:
+        """Block ``index``'s crc32 (of :attr:`block_size` bytes, the last block's fewer)."""
+        return struct.unpack_from("<I", self.block_crcs, 4 * index)[0] if self.block_bytes else self.crc32
 
     @classmethod
     def from_json(cls, raw: Any) -> TensorRecord:

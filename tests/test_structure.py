@@ -120,7 +120,7 @@ def test_modules_and_functions_fit():
     assert too_long == []
 
 
-RUNTIME_LINE_BUDGET = 20_050
+RUNTIME_LINE_BUDGET = 20_200
 """A ratchet on runtime code (client/, server/, common/, generated files aside): lowered as code
 goes, raised only with the reason written here. Issues 49 and 50 ask for 17,000 lines before the
 peer tier and 18,500 with it; after dead code and repeated docstrings were cut (about 700 lines)
@@ -130,7 +130,9 @@ on 2026-12-07 for issue 50's rest (sent while the disk persists, memory-only sna
 replica interval in the API and both torchtitan lines, the store fallback: about 450) and issue
 51's planner (O(runs) plain tensors, layout.json v2: about 40) and publishing (each host's part
 of the layout index, the publisher's merge and thread, the bounded fallbacks: about 240), after
-a pass that cut 170 more (layout, one-use helpers and locals)."""
+a pass that cut 170 more (layout, one-use helpers and locals). Raised from 20,050 the same day for
+issue 51's item 3 (about 150): per-block checksums written in the tensors' one pass, and restores
+that read and check byte ranges instead of whole source tensors, the store's included."""
 
 
 def test_runtime_code_stays_within_its_line_budget():

@@ -76,3 +76,24 @@ def test_format_and_parse_are_unchanged():
     for bad in ("", "deadbee", 12, None, "deadbeef0"):
         with pytest.raises(ValueError):
             checksum.parse_crc(bad)
+
+
+@pytest.mark.parametrize("block", [4096, 16384])
+def test_block_checksums_match_zlib_per_block_and_whole_fed_in_any_pieces(block):
+    """The writer's one pass: pieces of any size, one of them placed again after a rewind (a
+    chunk the trainer overwrote, read again from its slot)."""
+    rng = random.Random(block)
+    data = rng.randbytes(5 * block + 123)
+    summed = checksum.BlockChecksum(block)
+    view, at = memoryview(data), 0
+    while at < len(data):
+        size = min(rng.choice([1, 100, block - 1, block, 3 * block + 7]), len(data) - at)
+        mark = summed.mark()
+        summed.update(memoryview(bytes(size)))  # wrong bytes first ...
+        summed.rewind(mark)
+        summed.update(view[at:at + size])  # ... then the right ones
+        at += size
+    whole, blocks = summed.finish()
+    assert whole == zlib.crc32(data)
+    assert blocks == [zlib.crc32(data[i:i + block]) for i in range(0, len(data), block)]
+    assert checksum.BlockChecksum(block).finish() == (0, [])  # an empty tensor

@@ -217,21 +217,3 @@ def test_a_file_changed_between_the_checks_and_the_copy_fails_saying_restore_aga
     seg = make_segment("target2", specs=SPECS, cow_slots=0)
     with pytest.raises(SnapshotCorruptError, match="'b.exp_avg' fails its checksum.*changed while being restored.*restore again"):
         _restore(store, seg, reserve_staging=refuse)
-
-
-def test_tensors_with_gaps_between_them_are_read_in_spans(snapshot, make_segment, monkeypatch):
-    """A plan needing some tensors of a file (a reshard): blocks that fall between them are
-    read and dropped, each wanted tensor delivered whole and checked."""
-    store, info, contents = snapshot
-    monkeypatch.setattr(staging_module, "BLOCK_BYTES", 4096)
-    monkeypatch.setattr(staging_module, "_MERGE_GAP", 1 << 20)
-    manifest = store.read_manifest(info, 0)
-    wanted = [t for t in manifest.tensors if t.name in ("a.exp_avg", "c.exp_avg")]  # b.exp_avg between them
-    got: dict[str, bytearray] = {t.name: bytearray(t.nbytes) for t in wanted}
-
-    def deliver(key, offset, address, nbytes):
-        with staging_module._posix.view_at(address, nbytes) as part:
-            got[key[1]][offset:offset + nbytes] = part
-
-    staging_module.stream_tensors(store, info, {0: (manifest, wanted)}, deliver)
-    assert {name: bytes(value) for name, value in got.items()} == {n: contents[n] for n in got}

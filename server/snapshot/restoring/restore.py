@@ -27,7 +27,7 @@ from swap_state.common.segment import SegmentHeader, SegmentLayout, Word
 from swap_state.common.names import snapshot_id_for
 from swap_state.common.snapshot_errors import (
     SnapshotBusyError, SnapshotCorruptError, SnapshotError, SnapshotLayoutMismatch, SnapshotNotFoundError)
-from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, RankManifest, TensorRecord
+from swap_state.common.snapshot_format import INDEX_NAME, LAYOUT_NAME, RankManifest
 from swap_state.common.snapshot_metadata import BOOKKEEPING_PREFIX, SnapshotMetadata, parse_metadata
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 from swap_state.common.stored_snapshots import StoredSnapshots
@@ -35,7 +35,7 @@ from swap_state.server import _posix
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.restoring.reshard import Piece, Run, TargetTensor, ranks_needed
-from swap_state.server.snapshot.restoring.restore_reads import stream_tensors
+from swap_state.server.snapshot.restoring.restore_reads import plan_reads, stream_tensors
 from swap_state.server.snapshot.restoring.tier_choice import resolve_source
 from swap_state.server.snapshot.tiers.replica_wire import WireError
 from swap_state.server.snapshot.tiers.store import parts_layout
@@ -245,10 +245,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
     for name, pieces in plan.items():
         for piece in pieces:
             by_source.setdefault((piece.source_rank, piece.source.name), []).append((name, piece))
-    wanted: dict[int, tuple[RankManifest, list[TensorRecord]]] = {}
-    for source_rank, name in sorted(by_source):
-        [(_, piece), *_] = by_source[source_rank, name]
-        wanted.setdefault(source_rank, (manifests[source_rank], []))[1].append(piece.source)
+    wanted = plan_reads(plan, manifests)  # only the bytes the runs need, in whole checksum blocks
     base = _posix.buffer_address(view)
     targets = [by_name[name] for name in plan]
     copier = _Copier(base, by_name, by_source)

@@ -1,8 +1,10 @@
-"""Restore's reads: every source tensor a plan needs, streamed in file order and checked against
-its crc32 as its bytes pass (:func:`stream_tensors`); the caller decides where the bytes go. Local
-files are read by a reader thread with O_DIRECT, one read in flight, into a ring of buffers reused
-from restore to restore (a read into freshly touched memory is slower: docs/benchmarks.md); any
-other tier (an object store) tensor by tensor into memory.
+"""Restore's reads: the byte ranges of source tensors a plan needs (:class:`TensorRead`, rounded
+out to the tensors' checksum blocks), streamed in file order, each block checked against its
+crc32 as its bytes pass (:func:`stream_tensors`); the caller decides where the bytes go. Ranges
+that meet in a file are read as one span, nothing between them. A local file is read with
+O_DIRECT (spans aligned to its 4 KiB), any other tier (an object store, a peer) by exact byte
+range; either by a reader thread, one read in flight, into a ring of buffers reused from restore
+to restore (a read into freshly touched memory is slower: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import pathlib
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from swap_state.common.checksum import crc32
 from swap_state.common.segment import align_up
@@ -23,64 +25,127 @@ from swap_state.common.snapshot_errors import SnapshotCorruptError, SnapshotErro
 from swap_state.common.snapshot_format import RankManifest, TensorRecord
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier, reading_file
 from swap_state.server import _posix
+from swap_state.server.snapshot.restoring.reshard import Piece
 
-__all__ = ["BLOCK_BYTES", "Deliver", "read_spans", "stream_tensors"]
+__all__ = ["BLOCK_BYTES", "Deliver", "TensorRead", "plan_reads", "read_spans", "stream_tensors"]
 
 BLOCK_BYTES = 8 << 20
 """One read: the size at which the VM's disk reached its O_DIRECT rate (as the writer's)."""
 RING_BUFFERS = 2
 """Blocks in the ring: one being read while the one before is checked and delivered."""
 _ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and addresses on every Linux filesystem
-_MERGE_GAP = 1 << 20  # tensors of one file this close are read as one span (the gap read and dropped)
 
-Wanted = Mapping[int, tuple[RankManifest, Sequence[TensorRecord]]]
-"""Per source rank: its manifest and the tensors read from its data file."""
+
+@dataclasses.dataclass(frozen=True)
+class TensorRead:
+    """What a restore reads of one source tensor: byte ranges ``[lo, hi)`` of its bytes, each
+    made of whole checksum blocks (so each is checked), ascending and disjoint."""
+
+    tensor: TensorRecord
+    ranges: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def covering(cls, tensor: TensorRecord, runs: Iterable[tuple[int, int]]) -> TensorRead:
+        """The ranges holding every ``[start, end)`` of ``runs``, rounded out to the tensor's blocks."""
+        block, merged = tensor.block_size, []
+        for start, end in sorted(runs):
+            lo, hi = start - start % block, min(align_up(end, block), tensor.nbytes)
+            if merged and lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            elif hi > lo:
+                merged.append((lo, hi))
+        return cls(tensor, tuple(merged))
+
+    @classmethod
+    def whole(cls, tensor: TensorRecord) -> TensorRead:
+        return cls.covering(tensor, [(0, tensor.nbytes)])
+
+
+Wanted = Mapping[int, tuple[RankManifest, Sequence[TensorRead]]]
+"""Per source rank: its manifest and what is read from its data file."""
+
+def plan_reads(plan: Mapping[str, Sequence[Piece]], manifests: Mapping[int, RankManifest]) -> Wanted:
+    """What a restore reads for ``plan``: per source tensor the bytes its pieces' runs need."""
+    runs: dict[tuple[int, str], tuple[TensorRecord, list[tuple[int, int]]]] = {}
+    for pieces in plan.values():
+        for piece in pieces:
+            _, spans = runs.setdefault((piece.source_rank, piece.source.name), (piece.source, []))
+            spans.extend((run.source_offset, run.source_offset + run.nbytes) for run in piece.runs)
+    wanted: dict[int, tuple[RankManifest, list[TensorRead]]] = {}
+    for (rank, _), (tensor, spans) in sorted(runs.items()):
+        wanted.setdefault(rank, (manifests[rank], []))[1].append(TensorRead.covering(tensor, spans))
+    return wanted
+
 
 Deliver = Callable[[tuple[int, str], int, int, int], None]
 """``deliver(key, offset, address, nbytes)``: bytes ``[offset, offset + nbytes)`` of the source
 tensor ``key`` (source rank, name) are at ``address``, valid during the call only. A tensor's
-bytes come in order; they are not yet verified (its checksum is checked after its last byte)."""
+bytes come in ascending order; they are not yet verified (a block's checksum is checked after
+its last byte)."""
 
 
 def stream_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted, deliver: Deliver) -> None:
-    """Read every tensor of ``wanted`` once (each data file's header checked first), delivering its
+    """Read every range of ``wanted`` once (each data file's header checked first), delivering its
     bytes in order as read. SnapshotCorruptError names the file and tensor whose checksum fails; its
     bytes and those before were delivered: the caller undoes them."""
-    for rank, (manifest, tensors) in wanted.items():
+    for rank, (manifest, reads) in wanted.items():
         tier.check_data_header(info, manifest)
         path = tier.local_file(info, manifest.data_file)
-        if path is None:
-            for tensor in tensors:  # read whole and checked by the tier, then delivered
-                if tensor.nbytes:
-                    data = tier.read_tensor(info, manifest, tensor)
-                    held = data if type(data) is bytes else bytes(data)  # alive through the delivery
-                    deliver((rank, tensor.name), 0, _posix.bytes_address(held), tensor.nbytes)
-            continue
-        with _FileStream(path, manifest, tensors) as stream:
+        with contextlib.ExitStack() as stack:
+            if path is not None:
+                source: _LocalFile | _TierFile = stack.enter_context(_LocalFile(path, manifest))
+            else:
+                source = _TierFile(tier, info, manifest)
+            stream = stack.enter_context(_Stream(source, manifest, read_spans(manifest, reads, source.align)))
             stream.run(lambda name, *where: deliver((rank, name), *where))
 
 
 @dataclasses.dataclass
 class _Span:
-    """Tensors of one file read as one aligned range ``[start, end)`` of the file."""
+    """Ranges of one file read as one range ``[start, end)`` of the file."""
 
     start: int
     end: int
-    tensors: list[TensorRecord]
+    items: list[tuple[TensorRecord, int, int]]  # (tensor, lo, hi), in file order
 
 
-def read_spans(manifest: RankManifest, tensors: Sequence[TensorRecord]) -> list[_Span]:
-    """The ranges of ``manifest``'s data file a restore reads for ``tensors``."""
-    data_start = manifest.data_start
+def read_spans(manifest: RankManifest, reads: Sequence[TensorRead], align: int = _ALIGN) -> list[_Span]:
+    """The ranges of ``manifest``'s data file a restore reads for ``reads``, ``align``-aligned."""
+    items = sorted(((read.tensor, lo, hi) for read in reads for lo, hi in read.ranges),
+                   key=lambda item: item[0].data_offsets[0] + item[1])
     spans: list[_Span] = []
-    for tensor in sorted((t for t in tensors if t.nbytes), key=lambda t: t.data_offsets[0]):
-        begin, end = data_start + tensor.data_offsets[0], data_start + tensor.data_offsets[1]
-        if spans and begin - spans[-1].end <= _MERGE_GAP:
-            spans[-1].end = max(spans[-1].end, align_up(end, _ALIGN))
-            spans[-1].tensors.append(tensor)
+    for tensor, lo, hi in items:
+        begin, end = (manifest.data_start + tensor.data_offsets[0] + at for at in (lo, hi))
+        if spans and begin - begin % align <= spans[-1].end:
+            spans[-1].end = max(spans[-1].end, align_up(end, align))
+            spans[-1].items.append((tensor, lo, hi))
         else:
-            spans.append(_Span(begin - begin % _ALIGN, align_up(end, _ALIGN), [tensor]))
+            spans.append(_Span(begin - begin % align, align_up(end, align), [(tensor, lo, hi)]))
     return spans
+
+
+class _BlockCheck:
+    """One range of a tensor checked block by block as its bytes come (its start: a block's)."""
+
+    def __init__(self, tensor: TensorRecord, lo: int, path: pathlib.Path):
+        self.tensor, self.path = tensor, path
+        self.index, self.value, self.fill = lo // tensor.block_size, 0, 0
+
+    def feed(self, data: memoryview) -> None:
+        tensor, at = self.tensor, 0
+        while at < data.nbytes:
+            block = min(tensor.block_size, tensor.nbytes - self.index * tensor.block_size)
+            take = min(data.nbytes - at, block - self.fill)
+            with data[at : at + take] as part:
+                self.value = crc32(part, self.value)
+            at, self.fill = at + take, self.fill + take
+            if self.fill == block:
+                expected = tensor.block_crc(self.index)
+                if self.value != expected:
+                    where = f"block {self.index}: " if tensor.block_bytes else ""
+                    raise SnapshotCorruptError(f"{self.path}: tensor {tensor.name!r} fails its checksum ({where}crc32 "
+                                               f"{self.value:08x}, manifest says {expected:08x})")
+                self.index, self.value, self.fill = self.index + 1, 0, 0
 
 
 class _Ring:
@@ -113,13 +178,30 @@ class _Ring:
                 cls._free.append(ring)
 
 
-class _FileStream:
-    """One rank's data file read span by span, block by block, by a reader thread (one read in
-    flight) into a ring, while :meth:`run` checks and delivers each block."""
+class _TierFile:
+    """A file of a tier without one on this host's filesystem, by exact byte ranges. A source
+    of bytes for :class:`_Stream`, as :class:`_LocalFile`: :meth:`read` fills ``buffer`` from
+    ``position`` unless the file ends first (bytes read); reads are ``align``-aligned."""
 
-    def __init__(self, path: pathlib.Path, manifest: RankManifest, tensors: Sequence[TensorRecord]):
+    align = 1
+
+    def __init__(self, tier: SnapshotTier, info: SnapshotInfo, manifest: RankManifest):
+        self._tier, self._info, self._name = tier, info, manifest.data_file
+        self.path = info.path / manifest.data_file
+
+    def read(self, buffer: memoryview, position: int) -> int:
+        data = self._tier.read_range(self._info, self._name, position, buffer.nbytes)
+        buffer[: len(data)] = data
+        return len(data)
+
+
+class _LocalFile:
+    """A file on this host, read with O_DIRECT where its filesystem takes it, else buffered."""
+
+    align = _ALIGN
+
+    def __init__(self, path: pathlib.Path, manifest: RankManifest):
         self.path = path
-        self._spans = read_spans(manifest, tensors)
         with reading_file(path):
             try:
                 self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
@@ -129,50 +211,20 @@ class _FileStream:
                     raise
                 self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 self.direct = False
-        self._data_start = manifest.data_start
         try:
-            self.size = os.fstat(self._fd).st_size
-            if self.size != manifest.data_file_bytes:
+            if os.fstat(self._fd).st_size != manifest.data_file_bytes:
                 raise SnapshotCorruptError(f"{path} changed while being restored: restore again")
         except BaseException:
             os.close(self._fd)
             raise
-        self._stack = contextlib.ExitStack()
-        self._free: queue.Queue[int] = queue.Queue()
-        self._full: queue.Queue[tuple[int, int, int] | BaseException | None] = queue.Queue()
-        self._stop = threading.Event()
 
-    def __enter__(self) -> _FileStream:
-        self._ring = self._stack.enter_context(_Ring.taken())
-        for index in range(RING_BUFFERS):
-            self._free.put(index)
-        self._thread = threading.Thread(target=self._read_all, name="restore-read", daemon=True)
-        self._thread.start()
+    def __enter__(self) -> _LocalFile:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self._stop.set()
-        for index in range(RING_BUFFERS):  # a reader waiting for a buffer wakes and sees the stop
-            self._free.put(index)
-        self._thread.join()
         os.close(self._fd)
-        self._stack.close()
 
-    def _read_all(self) -> None:
-        try:
-            block = self._ring.block_bytes
-            for span in self._spans:
-                for position in range(span.start, span.end, block):
-                    index = self._free.get()
-                    if self._stop.is_set():
-                        return
-                    length = min(block, span.end - position)
-                    self._full.put((index, position, self._read(self._ring.buffer(index)[:length], position)))
-        except BaseException as exc:  # raised by run()
-            self._full.put(exc)
-
-    def _read(self, buffer: memoryview, position: int) -> int:
-        """Read ``buffer`` whole from ``position``, unless the file ends first; bytes read."""
+    def read(self, buffer: memoryview, position: int) -> int:
         done = 0
         while done < len(buffer):
             got = self._read_once(buffer[done:], position + done)
@@ -192,34 +244,75 @@ class _FileStream:
             self._fd, self.direct = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC), False
             return os.preadv(self._fd, [buffer], position)
 
+
+class _Stream:
+    """One data file's spans read block by block by a reader thread (one read in flight) into
+    a ring, while :meth:`run` checks and delivers each block."""
+
+    def __init__(self, source: _LocalFile | _TierFile, manifest: RankManifest, spans: list[_Span]):
+        self._source, self._spans = source, spans
+        self._data_start, self._size = manifest.data_start, manifest.data_file_bytes
+        self._stack = contextlib.ExitStack()
+        self._free: queue.Queue[int] = queue.Queue()
+        self._full: queue.Queue[tuple[int, int, int] | BaseException | None] = queue.Queue()
+        self._stop = threading.Event()
+
+    def __enter__(self) -> _Stream:
+        self._ring = self._stack.enter_context(_Ring.taken())
+        for index in range(RING_BUFFERS):
+            self._free.put(index)
+        self._thread = threading.Thread(target=self._read_all, name="restore-read", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        for index in range(RING_BUFFERS):  # a reader waiting for a buffer wakes and sees the stop
+            self._free.put(index)
+        self._thread.join()
+        self._stack.close()
+
+    def _read_all(self) -> None:
+        try:
+            block = self._ring.block_bytes
+            for span in self._spans:
+                for position in range(span.start, span.end, block):
+                    index = self._free.get()
+                    if self._stop.is_set():
+                        return
+                    length = min(block, span.end - position)
+                    self._full.put((index, position, self._source.read(self._ring.buffer(index)[:length], position)))
+        except BaseException as exc:  # raised by run()
+            self._full.put(exc)
+
     def run(self, deliver: Callable[[str, int, int, int], None]) -> None:
         """Check and deliver every block as the reader hands it over (SnapshotCorruptError on a
-        tensor whose crc32 fails, after its last bytes were delivered)."""
+        block whose crc32 fails, after its last bytes were delivered)."""
         for span in self._spans:
-            pending = list(span.tensors)  # in file order; the first one is being read
-            value = 0
+            pending = list(span.items)  # in file order; the first one is being read
+            check: _BlockCheck | None = None
             while pending:
                 item = self._full.get()
                 if isinstance(item, BaseException):
                     raise item
                 index, at, got = item
-                if got < min(self._ring.block_bytes, span.end - at) and at + got < self.size:  # short before the end
-                    raise SnapshotError(f"{self.path}: a read at {at} returned {got} bytes, short of the file's end")
+                if got < min(self._ring.block_bytes, span.end - at) and at + got < self._size:
+                    raise SnapshotError(f"{self._source.path}: a read at {at} returned {got} bytes, short of "
+                                        "the file's end")
                 address = self._ring.address + index * self._ring.block_bytes
                 while pending:
-                    tensor = pending[0]
+                    tensor, lo, hi = pending[0]
                     start = self._data_start + tensor.data_offsets[0]
-                    if start >= at + got:
-                        break  # it starts in a later block (this one was a gap between tensors)
-                    lo, hi = max(start, at), min(start + tensor.nbytes, at + got)
-                    with _posix.view_at(address + lo - at, hi - lo) as part:
-                        value = crc32(part, value)
-                    deliver(tensor.name, lo - start, address + lo - at, hi - lo)
-                    if hi < start + tensor.nbytes:
+                    if start + lo >= at + got:
+                        break  # it starts in a later block
+                    check = check or _BlockCheck(tensor, lo, self._source.path)
+                    first, last = max(start + lo, at), min(start + hi, at + got)
+                    with _posix.view_at(address + first - at, last - first) as part:
+                        check.feed(part)
+                    deliver(tensor.name, first - start, address + first - at, last - first)
+                    if last < start + hi:
                         break  # its next bytes are in the next block
-                    if value != tensor.crc32:
-                        raise SnapshotCorruptError(f"{self.path}: tensor {tensor.name!r} fails its checksum "
-                                              f"(crc32 {value:08x}, manifest says {tensor.crc32:08x})")
                     pending.pop(0)
-                    value = 0
+                    check = None
                 self._free.put(index)
+
