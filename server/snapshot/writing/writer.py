@@ -188,17 +188,17 @@ class RankWriter:
     def _stream(self, sink: ChunkSink, view: memoryview) -> list[BlockChecksum]:
         """Put every chunk into ``sink`` after the header, in file order; per-tensor checksums.
         The sink's copies and crc32 release the GIL, so the event loop answers RPCs meanwhile."""
-        crcs = [BlockChecksum(checksum_block_bytes(t.nbytes)) for t in self.source.layout.tensors]
+        checksums = [BlockChecksum(checksum_block_bytes(t.nbytes)) for t in self.source.layout.tensors]
         started = self._stream_started = time.monotonic()
         try:
             for chunk in self.chunks:
                 self._before_chunk(chunk)
-                self._persist_chunk(sink, view, chunk, crcs[chunk.tensor_index])
+                self._persist_chunk(sink, view, chunk, checksums[chunk.tensor_index])
                 self.bytes_persisted += chunk.nbytes
             self._check_not_abandoned()  # after the last read: protocol step 6
         finally:
             self.stream_seconds = time.monotonic() - started
-        return crcs
+        return checksums
 
     def _before_chunk(self, chunk: Chunk) -> None:
         """Wait until ``chunk`` may be streamed (the model's copy, the stager, the trainer's step,
