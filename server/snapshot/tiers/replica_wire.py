@@ -91,6 +91,19 @@ class Connection:
             raise ValueError(f"a data frame holds at most {DATA_FRAME_BYTES} bytes")
         self._send(_DATA, data)
 
+    def send_file(self, fd: int, offset: int, nbytes: int) -> None:
+        """A data frame of ``nbytes`` of the file ``fd`` (readable) at ``offset``, sent by the kernel
+        from its page cache (``sendfile``: no copy through this process)."""
+        if nbytes > DATA_FRAME_BYTES:
+            raise ValueError(f"a data frame holds at most {DATA_FRAME_BYTES} bytes")
+        try:
+            self.sock.sendall(_HEADER.pack(_MAGIC, _DATA, nbytes))
+            with open(fd, "rb", buffering=0, closefd=False) as file:
+                if self.sock.sendfile(file, offset, nbytes) != nbytes:
+                    raise OSError(f"the file ended before {offset + nbytes}")
+        except OSError as exc:
+            raise WireError(f"sending to replica peer {self.peer} failed: {exc}") from None
+
     def request(self, message: dict[str, Any], data: bytes | memoryview | None = None) -> dict[str, Any]:
         """Send ``message`` (and ``data``), then the peer's answer; ReplicaRefused when it refused."""
         self.send(message)

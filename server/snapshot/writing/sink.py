@@ -11,24 +11,29 @@ by :func:`open_sink`. Call order (the writer)::
         sink.advance()                           # final: no buffer holding it goes to disk before
     sink.finish()                                # everything written and fsynced
     sink.close()                                 # on every path (a context manager)
+
+A :attr:`ChunkSink.follower` (the mirror to a peer) is handed the final bytes as the sink writes
+them (:class:`Final`), in file order, so they are sent from where they were placed: no copy.
 """
 
 from __future__ import annotations
 
 import abc
 import collections
+import dataclasses
 import errno
 import logging
 import mmap
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from swap_state.common.segment import align_up
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.writing.snapshot_file import SnapshotFile, pwrite_all
 
-__all__ = ["BLOCK_BYTES", "BufferedSink", "ChunkSink", "DirectSink", "copy_piece", "open_sink"]
+__all__ = ["BLOCK_BYTES", "BufferedSink", "ChunkSink", "DirectSink", "Final", "copy_piece", "open_sink"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,18 @@ WRITES_IN_FLIGHT = 2  # bounce buffers being written at once while the next one 
 _WRITEBACK_BYTES = 8 << 20  # the buffered sink starts the disk writeback of every this many bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class Final:
+    """Final bytes of a sink's file at ``offset``: ``view``, a buffer of the sink's that it reuses
+    only once the follower's future is done; or (``view`` None) ``nbytes`` of the file ``fd``,
+    whose pages stay as written (sent from the page cache)."""
+
+    offset: int
+    nbytes: int
+    view: memoryview | None = None
+    fd: int = -1
+
+
 class ChunkSink(abc.ABC):
     """The bytes of one data file, in order (the call order: the module docstring)."""
 
@@ -48,6 +65,8 @@ class ChunkSink(abc.ABC):
     def __init__(self) -> None:
         self.position = 0  # file offset of the next put
         self._pending = 0  # bytes of the last put, not final yet
+        # Handed the final bytes in file order; its future must not raise (a follower's failure is its own).
+        self.follower: Callable[[Final], Future[None] | None] | None = None
 
     @abc.abstractmethod
     def room(self) -> int:
@@ -102,7 +121,7 @@ class BufferedSink(ChunkSink):
         super().__init__()
         self.file = file  # owned: closed with the sink
         self._fd = file.fileno()
-        self._kicked = 0  # file bytes [0, _kicked) have had writeback started
+        self._kicked = 0  # file bytes [0, _kicked) have had writeback started (and were handed to the follower)
 
     def room(self) -> int:
         return 1 << 62
@@ -116,10 +135,17 @@ class BufferedSink(ChunkSink):
         self.position += self._pending
         self._pending = 0
         if self.position - self._kicked >= _WRITEBACK_BYTES:
-            self.file.start_writeback(self._kicked, self.position - self._kicked)
-            self._kicked = self.position
+            self._kick()
+
+    def _kick(self) -> None:
+        nbytes, self._kicked = self.position - self._kicked, self.position
+        self.file.start_writeback(self._kicked - nbytes, nbytes)
+        if self.follower is not None:
+            self.follower(Final(self._kicked - nbytes, nbytes, fd=self._fd))
 
     def finish(self) -> None:
+        if self.position > self._kicked:
+            self._kick()
         self.file.fsync()
 
     def close(self) -> None:
@@ -142,7 +168,8 @@ class DirectSink(ChunkSink):
         self._direct_fd: int | None = direct_fd
         self._bounce = bounce_bytes
         self._free = collections.deque(mmap.mmap(-1, bounce_bytes) for _ in range(WRITES_IN_FLIGHT + 1))
-        self._busy: collections.deque[tuple[mmap.mmap, Future[None]]] = collections.deque()
+        # A buffer in flight: its write, and its follower's send (None: no follower).
+        self._busy: collections.deque[tuple[mmap.mmap, Future[None], Future[None] | None]] = collections.deque()
         self._pool = ThreadPoolExecutor(max_workers=WRITES_IN_FLIGHT, thread_name_prefix="snapshot-write")
         self._current = self._free.popleft()
         self._address = _posix.buffer_address(self._current)
@@ -169,14 +196,15 @@ class DirectSink(ChunkSink):
             self._submit(self._bounce)
 
     def _submit(self, nbytes: int) -> None:
-        """Write the current buffer's first ``nbytes`` (a block multiple) in the pool and take the
-        next free buffer (waiting for the oldest write when none is free)."""
+        """Write the current buffer's first ``nbytes`` (a block multiple) in the pool, hand its final
+        bytes to the follower, and take the next free buffer (waiting for the oldest write and
+        send when none is free)."""
         buffer, offset = self._current, self.position - self._fill
-        self._busy.append((buffer, self._pool.submit(self._write, buffer, nbytes, offset)))
+        written = self._pool.submit(self._write, buffer, nbytes, offset)
+        sent = None if self.follower is None else self.follower(Final(offset, self._fill, memoryview(buffer)[:self._fill]))
+        self._busy.append((buffer, written, sent))
         if not self._free:
-            done, future = self._busy.popleft()
-            future.result()
-            self._free.append(done)
+            self._reclaim()
         self._current = self._free.popleft()
         self._address = _posix.buffer_address(self._current)
         self._fill = 0
@@ -204,22 +232,28 @@ class DirectSink(ChunkSink):
             self._current[self._fill : padded] = bytes(padded - self._fill)
             self._submit(padded)
         while self._busy:
-            buffer, future = self._busy.popleft()
-            future.result()
-            self._free.append(buffer)
+            self._reclaim()
         os.ftruncate(self.file.fileno(), self.position)  # the last block was written padded
         self.file.fsync()
+
+    def _reclaim(self) -> None:
+        """The oldest buffer in flight, free once written and sent; the write's error raised."""
+        buffer, written, sent = self._busy.popleft()
+        wait([written] if sent is None else [written, sent])
+        self._free.append(buffer)
+        written.result()
 
     def close(self) -> None:
         pool, self._pool = self._pool, None
         if pool is None:
             return
         pool.shutdown(wait=True)  # no write may land in a buffer being unmapped
+        wait([sent for _, _, sent in self._busy if sent is not None])  # nor a send read one
         self.file.close()
         fd, self._direct_fd = self._direct_fd, None
         if fd is not None:
             os.close(fd)
-        for buffer in [self._current, *self._free, *(b for b, _ in self._busy)]:
+        for buffer in [self._current, *self._free, *(b for b, _, _ in self._busy)]:
             buffer.close()
         self._busy.clear()
         self._free.clear()
