@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+SEND_PIECE_BYTES = 2 << 20  # a piece is sent as soon as it is final, while the cache still holds it
+
 
 @dataclasses.dataclass
 class _Mirror:
@@ -155,7 +157,7 @@ class _TeeSink(ChunkSink):
         primary.follower = lambda final: self._on_copy(lambda copy: copy.send(final))
 
     def room(self) -> int:
-        return self._primary.room()
+        return min(self._primary.room(), SEND_PIECE_BYTES)
 
     def put(self, data: memoryview) -> memoryview:
         return self._primary.put(data)

@@ -49,7 +49,7 @@ _WRITEBACK_BYTES = 8 << 20  # the buffered sink starts the disk writeback of eve
 class Final:
     """Final bytes of a sink's file at ``offset``: ``view``, a buffer of the sink's that it reuses
     only once the follower's future is done; or (``view`` None) ``nbytes`` of the file ``fd``,
-    whose pages stay as written (sent from the page cache)."""
+    whose pages stay as written."""
 
     offset: int
     nbytes: int
@@ -65,7 +65,8 @@ class ChunkSink(abc.ABC):
     def __init__(self) -> None:
         self.position = 0  # file offset of the next put
         self._pending = 0  # bytes of the last put, not final yet
-        # Handed the final bytes in file order; its future must not raise (a follower's failure is its own).
+        # Handed the final bytes in file order, its futures done in that order; they never raise
+        # (the follower's failure is its own).
         self.follower: Callable[[Final], Future[None] | None] | None = None
 
     @abc.abstractmethod
@@ -174,6 +175,7 @@ class DirectSink(ChunkSink):
         self._current = self._free.popleft()
         self._address = _posix.buffer_address(self._current)
         self._fill = 0  # final bytes in the current buffer
+        self._sent: Future[None] | None = None  # the follower's last send from the current buffer
         self.fell_back = False
 
     def room(self) -> int:
@@ -189,6 +191,10 @@ class DirectSink(ChunkSink):
             return whole[self._fill : self._fill + n]
 
     def advance(self) -> None:
+        if self.follower is not None and self._pending:  # sent now, while the cache holds it
+            with memoryview(self._current) as whole:
+                piece = Final(self.position, self._pending, whole[self._fill : self._fill + self._pending])
+            self._sent = self.follower(piece) or self._sent
         self._fill += self._pending
         self.position += self._pending
         self._pending = 0
@@ -196,13 +202,12 @@ class DirectSink(ChunkSink):
             self._submit(self._bounce)
 
     def _submit(self, nbytes: int) -> None:
-        """Write the current buffer's first ``nbytes`` (a block multiple) in the pool, hand its final
-        bytes to the follower, and take the next free buffer (waiting for the oldest write and
-        send when none is free)."""
+        """Write the current buffer's first ``nbytes`` (a block multiple) in the pool and take the
+        next free buffer (waiting for the oldest write, and the follower's last send of it,
+        when none is free)."""
         buffer, offset = self._current, self.position - self._fill
-        written = self._pool.submit(self._write, buffer, nbytes, offset)
-        sent = None if self.follower is None else self.follower(Final(offset, self._fill, memoryview(buffer)[:self._fill]))
-        self._busy.append((buffer, written, sent))
+        self._busy.append((buffer, self._pool.submit(self._write, buffer, nbytes, offset), self._sent))
+        self._sent = None
         if not self._free:
             self._reclaim()
         self._current = self._free.popleft()
@@ -248,7 +253,7 @@ class DirectSink(ChunkSink):
         if pool is None:
             return
         pool.shutdown(wait=True)  # no write may land in a buffer being unmapped
-        wait([sent for _, _, sent in self._busy if sent is not None])  # nor a send read one
+        wait([sent for sent in (self._sent, *(s for _, _, s in self._busy)) if sent is not None])  # nor a send read one
         self.file.close()
         fd, self._direct_fd = self._direct_fd, None
         if fd is not None:
