@@ -154,7 +154,7 @@ class _TeeSink(ChunkSink):
         self.direct = primary.direct
         self._primary, self._failed = primary, failed
         self._copy: SendingSink | None = copy
-        primary.follower = lambda final: self._on_copy(lambda copy: copy.send(final))
+        primary.follower = lambda data: self._on_copy(lambda copy: copy.send(data))
 
     def room(self) -> int:
         return min(self._primary.room(), SEND_PIECE_BYTES)

@@ -19,7 +19,7 @@ from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
 from swap_state.server.snapshot.tiers.replica_wire import CONNECT_TIMEOUT_S, DATA_FRAME_BYTES, Connection, connect_to_peer
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
-from swap_state.server.snapshot.writing.sink import ChunkSink, Final
+from swap_state.server.snapshot.writing.sink import ChunkSink
 
 __all__ = ["ReplicaTier", "SendingSink"]
 
@@ -131,11 +131,10 @@ class ReplicaTier(TierWriter):
 
 
 class SendingSink(ChunkSink):
-    """A data file streamed to the peer in frames by a thread of its own: the final bytes handed
-    to :meth:`send` (a tee's primary follows into it: sent from where the disk's writes placed
-    them), or its own pieces, copied (alone). A failed send is raised by the next call, and the
-    sends after it are dropped. The peer checks the size at ``end`` and the crc32 against the
-    rank's files (``finish_rank``)."""
+    """A data file streamed to the peer in frames by a thread of its own: the bytes a tee's primary
+    hands to :meth:`send` (the :attr:`~.ChunkSink.follower`), or its own pieces copied. A failed
+    send is raised by the next call and drops the sends after it. The peer checks the size at
+    ``end`` and the crc32 against the rank's files (``finish_rank``)."""
 
     def __init__(self, conn: Connection, limiter: BandwidthLimiter, cancel: threading.Event):
         super().__init__()
@@ -153,39 +152,33 @@ class SendingSink(ChunkSink):
         return memoryview(self._held)
 
     def advance(self) -> None:
-        self.send(Final(self.position, self._pending, memoryview(self._held)))
+        self.send(memoryview(self._held))
         self._held, self._pending = b"", 0
 
-    def send(self, final: Final) -> Future[None]:
-        """Send ``final`` after what was handed before; a future that does not raise."""
+    def send(self, data: memoryview) -> Future[None]:
+        """Send ``data`` after what was handed before, then release it; a future that does not raise."""
         if self._error is not None:
-            if final.view is not None:
-                final.view.release()  # its buffer's owner may close it now
+            data.release()  # its buffer's owner may reuse it now
             raise self._error
         while self._sending and (self._sending[0].done() or len(self._sending) >= SENDS_QUEUED):
             wait([self._sending.popleft()])  # bounded: a writer alone waits for the network here
-        self._sending.append(future := self._pool.submit(self._send, final))
-        self.position = final.offset + final.nbytes
+        self.position += data.nbytes  # before the send thread releases it
+        self._sending.append(future := self._pool.submit(self._send, data))
         return future
 
-    def _send(self, final: Final) -> None:
+    def _send(self, data: memoryview) -> None:
         try:
-            if self._error is not None:
-                return
-            for start in range(0, final.nbytes, DATA_FRAME_BYTES):
-                nbytes = min(DATA_FRAME_BYTES, final.nbytes - start)
-                if not self._limiter.acquire(nbytes, self._cancel):
-                    raise SnapshotError("the server is shutting down: the replica was abandoned")
-                if final.view is None:
-                    self._conn.send_file(final.fd, final.offset + start, nbytes)
-                else:
-                    with final.view[start : start + nbytes] as frame:  # released, whatever a traceback holds
-                        self._conn.send_data(frame)
+            for start in range(0, data.nbytes, DATA_FRAME_BYTES):
+                if self._error is not None:
+                    return  # dropped: the stream broke before it
+                with data[start : start + DATA_FRAME_BYTES] as frame:  # released, whatever a traceback holds
+                    if not self._limiter.acquire(frame.nbytes, self._cancel):
+                        raise SnapshotError("the server is shutting down: the replica was abandoned")
+                    self._conn.send_data(frame)
         except BaseException as exc:  # raised by the next call on the sink
             self._error = self._error or exc
         finally:
-            if final.view is not None:
-                final.view.release()
+            data.release()
 
     def finish(self) -> None:
         wait(self._sending)

@@ -11,7 +11,6 @@ import contextlib
 import hashlib
 import hmac
 import json
-import mmap
 import os
 import pathlib
 import secrets
@@ -91,22 +90,6 @@ class Connection:
         if len(data) > DATA_FRAME_BYTES:
             raise ValueError(f"a data frame holds at most {DATA_FRAME_BYTES} bytes")
         self._send(_DATA, data)
-
-    def send_file(self, fd: int, offset: int, nbytes: int) -> None:
-        """A data frame of ``nbytes`` of the file ``fd`` (readable) at ``offset``, sent from its pages
-        mapped (no copy through a buffer). Not ``sendfile``: its pages lent to the socket cost the
-        receiver more than the copy saves here (docs/benchmarks.md, replicas)."""
-        if nbytes > DATA_FRAME_BYTES:
-            raise ValueError(f"a data frame holds at most {DATA_FRAME_BYTES} bytes")
-        try:
-            self.sock.sendall(_HEADER.pack(_MAGIC, _DATA, nbytes))
-            start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            with mmap.mmap(fd, offset + nbytes - start, offset=start, prot=mmap.PROT_READ,
-                           flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as pages, memoryview(pages) as view:
-                with view[offset - start :] as data:
-                    self.sock.sendall(data)
-        except OSError as exc:
-            raise WireError(f"sending to replica peer {self.peer} failed: {exc}") from None
 
     def request(self, message: dict[str, Any], data: bytes | memoryview | None = None) -> dict[str, Any]:
         """Send ``message`` (and ``data``), then the peer's answer; ReplicaRefused when it refused."""

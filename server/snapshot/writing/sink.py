@@ -11,16 +11,12 @@ by :func:`open_sink`. Call order (the writer)::
         sink.advance()                           # final: no buffer holding it goes to disk before
     sink.finish()                                # everything written and fsynced
     sink.close()                                 # on every path (a context manager)
-
-A :attr:`ChunkSink.follower` (the mirror to a peer) is handed the final bytes as the sink writes
-them (:class:`Final`), in file order, so they are sent from where they were placed: no copy.
 """
 
 from __future__ import annotations
 
 import abc
 import collections
-import dataclasses
 import errno
 import logging
 import mmap
@@ -33,7 +29,7 @@ from swap_state.server import _posix
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.writing.snapshot_file import SnapshotFile, pwrite_all
 
-__all__ = ["BLOCK_BYTES", "BufferedSink", "ChunkSink", "DirectSink", "Final", "copy_piece", "open_sink"]
+__all__ = ["BLOCK_BYTES", "BufferedSink", "ChunkSink", "DirectSink", "open_sink"]
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +41,6 @@ WRITES_IN_FLIGHT = 2  # bounce buffers being written at once while the next one 
 _WRITEBACK_BYTES = 8 << 20  # the buffered sink starts the disk writeback of every this many bytes
 
 
-@dataclasses.dataclass(frozen=True)
-class Final:
-    """Final bytes of a sink's file at ``offset``: ``view``, a buffer of the sink's that it reuses
-    only once the follower's future is done; or (``view`` None) ``nbytes`` of the file ``fd``,
-    whose pages stay as written."""
-
-    offset: int
-    nbytes: int
-    view: memoryview | None = None
-    fd: int = -1
-
-
 class ChunkSink(abc.ABC):
     """The bytes of one data file, in order (the call order: the module docstring)."""
 
@@ -65,9 +49,10 @@ class ChunkSink(abc.ABC):
     def __init__(self) -> None:
         self.position = 0  # file offset of the next put
         self._pending = 0  # bytes of the last put, not final yet
-        # Handed the final bytes in file order, its futures done in that order; they never raise
-        # (the follower's failure is its own).
-        self.follower: Callable[[Final], Future[None] | None] | None = None
+        # The mirror: handed views of the final bytes in file order, sent from where they were placed
+        # (no copy) and released; its futures end in that order, never raising (its failure is its
+        # own), and the sink reuses no buffer before.
+        self.follower: Callable[[memoryview], Future[None] | None] | None = None
 
     @abc.abstractmethod
     def room(self) -> int:
@@ -139,10 +124,12 @@ class BufferedSink(ChunkSink):
             self._kick()
 
     def _kick(self) -> None:
-        nbytes, self._kicked = self.position - self._kicked, self.position
-        self.file.start_writeback(self._kicked - nbytes, nbytes)
-        if self.follower is not None:
-            self.follower(Final(self._kicked - nbytes, nbytes, fd=self._fd))
+        start, self._kicked = self._kicked, self.position
+        self.file.start_writeback(start, self._kicked - start)
+        if self.follower is not None:  # the pages as written, mapped: unmapped once the view is released
+            at = start - start % mmap.ALLOCATIONGRANULARITY
+            pages = mmap.mmap(self._fd, self._kicked - at, offset=at, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            self.follower(memoryview(pages)[start - at :])
 
     def finish(self) -> None:
         if self.position > self._kicked:
@@ -169,8 +156,7 @@ class DirectSink(ChunkSink):
         self._direct_fd: int | None = direct_fd
         self._bounce = bounce_bytes
         self._free = collections.deque(mmap.mmap(-1, bounce_bytes) for _ in range(WRITES_IN_FLIGHT + 1))
-        # A buffer in flight: its write, and its follower's send (None: no follower).
-        self._busy: collections.deque[tuple[mmap.mmap, Future[None], Future[None] | None]] = collections.deque()
+        self._busy: collections.deque[tuple[mmap.mmap, Future[None], Future[None] | None]] = collections.deque()  # written, sent
         self._pool = ThreadPoolExecutor(max_workers=WRITES_IN_FLIGHT, thread_name_prefix="snapshot-write")
         self._current = self._free.popleft()
         self._address = _posix.buffer_address(self._current)
@@ -185,7 +171,10 @@ class DirectSink(ChunkSink):
         n = data.nbytes
         if n > self.room():
             raise ValueError(f"a piece of {n} bytes does not fit the {self.room()} left")
-        copy_piece(self._current, self._address, self._fill, data)
+        if data.readonly:  # the header, from bytes: small, copied holding the GIL
+            self._current[self._fill : self._fill + n] = data
+        else:  # a segment's bytes: copied with the GIL released
+            _posix.memmove(self._address + self._fill, _posix.buffer_address(data), n)
         self._pending = n
         with memoryview(self._current) as whole:
             return whole[self._fill : self._fill + n]
@@ -193,8 +182,7 @@ class DirectSink(ChunkSink):
     def advance(self) -> None:
         if self.follower is not None and self._pending:  # sent now, while the cache holds it
             with memoryview(self._current) as whole:
-                piece = Final(self.position, self._pending, whole[self._fill : self._fill + self._pending])
-            self._sent = self.follower(piece) or self._sent
+                self._sent = self.follower(whole[self._fill : self._fill + self._pending]) or self._sent
         self._fill += self._pending
         self.position += self._pending
         self._pending = 0
@@ -203,8 +191,7 @@ class DirectSink(ChunkSink):
 
     def _submit(self, nbytes: int) -> None:
         """Write the current buffer's first ``nbytes`` (a block multiple) in the pool and take the
-        next free buffer (waiting for the oldest write, and the follower's last send of it,
-        when none is free)."""
+        next free buffer (waiting for the oldest write and its sends when none is free)."""
         buffer, offset = self._current, self.position - self._fill
         self._busy.append((buffer, self._pool.submit(self._write, buffer, nbytes, offset), self._sent))
         self._sent = None
@@ -262,14 +249,6 @@ class DirectSink(ChunkSink):
             buffer.close()
         self._busy.clear()
         self._free.clear()
-
-
-def copy_piece(buffer: mmap.mmap | bytearray, address: int, offset: int, data: memoryview) -> None:
-    """``data`` into ``buffer`` (whose first byte is at ``address``) at ``offset``."""
-    if data.readonly:  # the header, from bytes: small, copied holding the GIL
-        buffer[offset : offset + data.nbytes] = data
-    else:  # a segment's bytes: copied with the GIL released
-        _posix.memmove(address + offset, _posix.buffer_address(data), data.nbytes)
 
 
 def open_sink(file: SnapshotFile) -> ChunkSink:
