@@ -9,7 +9,7 @@ import ctypes
 import ctypes.util
 
 __all__ = [
-    "buffer_address", "bytes_address", "memmove", "mlock", "mlock_on_fault", "populate_write",
+    "buffer_address", "bytes_address", "in_memory", "memmove", "mlock", "mlock_on_fault", "populate_write",
     "set_parent_death_signal", "start_writeback", "view_at", "zero"]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -18,6 +18,9 @@ _libc.mlock.restype = ctypes.c_int
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
+_libc.fstatfs.argtypes = (ctypes.c_int, ctypes.c_void_p)
+_libc.fstatfs.restype = ctypes.c_int
+_TMPFS_MAGIC = 0x01021994
 
 _SYNC_FILE_RANGE = getattr(_libc, "sync_file_range", None)  # Linux only
 if _SYNC_FILE_RANGE is not None:
@@ -51,6 +54,12 @@ def populate_write(address: int, length: int) -> int:
     """madvise(MADV_POPULATE_WRITE): map every page of the range writable now; threads may
     populate disjoint ranges at once. 0 on success, else the errno (EINVAL before Linux 5.14)."""
     return 0 if _libc.madvise(address, length, _MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
+
+
+def in_memory(fd: int) -> bool:
+    """Whether ``fd``'s file is on tmpfs (``struct statfs`` starts with ``f_type``, a long)."""
+    found = ctypes.create_string_buffer(256)  # larger than struct statfs on every Linux ABI
+    return _libc.fstatfs(fd, found) == 0 and ctypes.c_long.from_buffer(found).value == _TMPFS_MAGIC
 
 
 def set_parent_death_signal(signum: int) -> int:

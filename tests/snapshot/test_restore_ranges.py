@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pathlib
+import tempfile
 
 import pytest
 from snapshot_kit import flip_byte, metadata_for
@@ -74,9 +76,9 @@ def test_a_reshard_reads_only_the_blocks_its_new_shard_needs(fsdp4, make_segment
     real_local, real_remote = restore_reads._LocalFile.read, restore_reads._TierFile.read
 
     def spy(real):
-        def read(self, buffer, position):
+        def read(self, buffer, address, position):
             reads.append((position, buffer.nbytes))
-            return real(self, buffer, position)
+            return real(self, buffer, address, position)
         return read
 
     monkeypatch.setattr(restore_reads._LocalFile, "read", spy(real_local))
@@ -135,3 +137,37 @@ def test_a_manifest_whose_blocks_do_not_tile_its_tensor_is_refused(fsdp4, change
     raw["tensors"][0] = change(raw["tensors"][0])
     with pytest.raises(ValueError, match=message):
         RankManifest.from_json(raw)
+
+
+@pytest.fixture
+def in_memory_dir():
+    """A snapshot directory on tmpfs, as a server's memory-only snapshots and replicas are."""
+    if not pathlib.Path("/dev/shm").is_dir():
+        pytest.skip("needs /dev/shm (tmpfs)")
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="swap-state-test-") as path:
+        yield pathlib.Path(path)
+
+
+def test_a_snapshot_in_memory_is_read_where_it_lies_and_still_checked(in_memory_dir, make_segment,
+                                                                       make_coordinator, monkeypatch):
+    """A file on tmpfs is mapped, not read into buffers (no pread); its blocks are checked all the same."""
+    seg = make_segment("mem", specs=_shard_spec(1, 0))
+    contents = seg.fill(5)
+    local = make_coordinator(snapshot_dir=in_memory_dir)
+    assert local.start(seg.source("job", 3, metadata_json=metadata_for(seg, step=3))).wait(30).state is SnapshotState.DURABLE
+    reads = []
+    real_preadv = restore_reads.os.preadv
+    monkeypatch.setattr(restore_reads.os, "preadv", lambda *args: reads.append(args[2]) or real_preadv(*args))
+    target = make_segment("back", specs=_shard_spec(1, 0))
+
+    def restore_back():
+        return restore(local.local, "job/step-3", target.mm, target.layout, header=target.header, job_id="job",
+                       rank=0, world_size=1)
+
+    restore_back()
+    assert target.tensors() == contents and reads == []
+    info = local.local.resolve("job/step-3")
+    manifest = local.local.read_manifest(info, 0)
+    flip_byte(info.path / rank_data_name(0), manifest.data_start + 3 * ROW)
+    with pytest.raises(SnapshotCorruptError, match=r"tensor 'w.exp_avg' fails its checksum \(block 0:"):
+        restore_back()

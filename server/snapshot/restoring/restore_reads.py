@@ -180,8 +180,9 @@ class _Ring:
 
 class _TierFile:
     """A file of a tier without one on this host's filesystem, by exact byte ranges. A source
-    of bytes for :class:`_Stream`, as :class:`_LocalFile`: :meth:`read` fills ``buffer`` from
-    ``position`` unless the file ends first (bytes read); reads are ``align``-aligned."""
+    of bytes for :class:`_Stream`, as :class:`_LocalFile`: :meth:`read` fills ``buffer`` (at
+    ``address``) from ``position`` unless the file ends first, or points into memory holding
+    them: (where they are, how many); reads are ``align``-aligned."""
 
     align = 1
 
@@ -189,14 +190,17 @@ class _TierFile:
         self._tier, self._info, self._name = tier, info, manifest.data_file
         self.path = info.path / manifest.data_file
 
-    def read(self, buffer: memoryview, position: int) -> int:
+    def read(self, buffer: memoryview, address: int, position: int) -> tuple[int, int]:
         data = self._tier.read_range(self._info, self._name, position, buffer.nbytes)
         buffer[: len(data)] = data
-        return len(data)
+        return address, len(data)
 
 
 class _LocalFile:
-    """A file on this host, read with O_DIRECT where its filesystem takes it, else buffered."""
+    """A file on this host, read with O_DIRECT where its filesystem takes it, else buffered; a
+    file in memory (tmpfs: this host's memory-only snapshots, the replicas it holds) is mapped
+    and read where it lies, without a copy (nothing truncates those files while they are read).
+    """
 
     align = _ALIGN
 
@@ -211,9 +215,13 @@ class _LocalFile:
                     raise
                 self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 self.direct = False
+        self._mapped: mmap.mmap | None = None
         try:
             if os.fstat(self._fd).st_size != manifest.data_file_bytes:
                 raise SnapshotCorruptError(f"{path} changed while being restored: restore again")
+            if _posix.in_memory(self._fd):  # private: never written, so never copied
+                self._mapped = mmap.mmap(self._fd, 0, flags=mmap.MAP_PRIVATE)
+                self._mapped_at = _posix.buffer_address(self._mapped)
         except BaseException:
             os.close(self._fd)
             raise
@@ -222,16 +230,20 @@ class _LocalFile:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        if self._mapped is not None:
+            self._mapped.close()
         os.close(self._fd)
 
-    def read(self, buffer: memoryview, position: int) -> int:
+    def read(self, buffer: memoryview, address: int, position: int) -> tuple[int, int]:
+        if self._mapped is not None:
+            return self._mapped_at + position, max(0, min(len(buffer), len(self._mapped) - position))
         done = 0
         while done < len(buffer):
             got = self._read_once(buffer[done:], position + done)
             if got == 0:
                 break
             done += got
-        return done
+        return address, done
 
     def _read_once(self, buffer: memoryview, position: int) -> int:
         try:
@@ -247,14 +259,15 @@ class _LocalFile:
 
 class _Stream:
     """One data file's spans read block by block by a reader thread (one read in flight) into
-    a ring, while :meth:`run` checks and delivers each block."""
+    a ring, which also checks each block's crc32s, while :meth:`run`, in the caller's thread,
+    delivers the blocks read before: the copies and the checks run on two cores."""
 
     def __init__(self, source: _LocalFile | _TierFile, manifest: RankManifest, spans: list[_Span]):
         self._source, self._spans = source, spans
         self._data_start, self._size = manifest.data_start, manifest.data_file_bytes
         self._stack = contextlib.ExitStack()
         self._free: queue.Queue[int] = queue.Queue()
-        self._full: queue.Queue[tuple[int, int, int] | BaseException | None] = queue.Queue()
+        self._full: queue.Queue[tuple[int, list[tuple]] | BaseException | None] = queue.Queue()
         self._stop = threading.Event()
 
     def __enter__(self) -> _Stream:
@@ -274,32 +287,26 @@ class _Stream:
 
     def _read_all(self) -> None:
         try:
-            block = self._ring.block_bytes
             for span in self._spans:
-                for position in range(span.start, span.end, block):
-                    index = self._free.get()
-                    if self._stop.is_set():
-                        return
-                    length = min(block, span.end - position)
-                    self._full.put((index, position, self._source.read(self._ring.buffer(index)[:length], position)))
-        except BaseException as exc:  # raised by run()
+                self._read_span(span)
+            self._full.put(None)
+        except BaseException as exc:  # raised by run(), after the deliveries before it
             self._full.put(exc)
 
-    def run(self, deliver: Callable[[str, int, int, int], None]) -> None:
-        """Check and deliver every block as the reader hands it over (SnapshotCorruptError on a
-        block whose crc32 fails, after its last bytes were delivered)."""
-        for span in self._spans:
-            pending = list(span.items)  # in file order; the first one is being read
-            check: _BlockCheck | None = None
-            while pending:
-                item = self._full.get()
-                if isinstance(item, BaseException):
-                    raise item
-                index, at, got = item
-                if got < min(self._ring.block_bytes, span.end - at) and at + got < self._size:
-                    raise SnapshotError(f"{self._source.path}: a read at {at} returned {got} bytes, short of "
-                                        "the file's end")
-                address = self._ring.address + index * self._ring.block_bytes
+    def _read_span(self, span: _Span) -> None:
+        """Each block of ``span`` read and its tensors' blocks checked; handed to :meth:`run` as
+        the deliveries it makes. SnapshotCorruptError after the deliveries before the failure."""
+        pending, check, block = list(span.items), None, self._ring.block_bytes  # items in file order
+        for at in range(span.start, span.end, block):
+            index = self._free.get()
+            if self._stop.is_set():
+                return
+            length = min(block, span.end - at)
+            address, got = self._source.read(self._ring.buffer(index)[:length], self._ring.address + index * block, at)
+            if got < length and at + got < self._size:
+                raise SnapshotError(f"{self._source.path}: a read at {at} returned {got} bytes, short of the file's end")
+            deliveries: list[tuple[str, int, int, int]] = []
+            try:
                 while pending:
                     tensor, lo, hi = pending[0]
                     start = self._data_start + tensor.data_offsets[0]
@@ -309,10 +316,21 @@ class _Stream:
                     first, last = max(start + lo, at), min(start + hi, at + got)
                     with _posix.view_at(address + first - at, last - first) as part:
                         check.feed(part)
-                    deliver(tensor.name, first - start, address + first - at, last - first)
+                    deliveries.append((tensor.name, first - start, address + first - at, last - first))
                     if last < start + hi:
                         break  # its next bytes are in the next block
                     pending.pop(0)
                     check = None
-                self._free.put(index)
+            finally:
+                self._full.put((index, deliveries))
 
+    def run(self, deliver: Callable[[str, int, int, int], None]) -> None:
+        """Deliver every block as the reader hands it over, checked (SnapshotCorruptError on a
+        block whose crc32 fails, after the bytes before it were delivered)."""
+        while (item := self._full.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            index, deliveries = item
+            for delivery in deliveries:
+                deliver(*delivery)
+            self._free.put(index)
