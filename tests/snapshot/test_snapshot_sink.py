@@ -8,9 +8,7 @@ import errno
 import logging
 import os
 import random
-import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from snapshot_kit import PAGE_BYTES, verify_rank_file
@@ -77,27 +75,6 @@ def test_buffered_sink_writes_exactly_the_pieces(tmp_path):
     with SnapshotFile(tmp_path / "f") as file, BufferedSink(file) as sink:
         crc = _write(sink, pieces, replace_every=2)
     assert (tmp_path / "f").read_bytes() == b"".join(pieces) and crc == zlib.crc32(b"".join(pieces))
-
-
-@pytest.mark.parametrize("direct", [True, False])
-def test_a_follower_gets_the_final_bytes_in_order_from_a_buffer_not_reused_before_it_is_done(tmp_path, direct):
-    """What a mirror sends: the bytes as the file holds them (each piece after its replace), in
-    order, from the sink's bounce buffer (held until the send is done) or its file's pages."""
-    pieces, sent = _pieces(random.Random(6), 150_000), bytearray()
-    pool = ThreadPoolExecutor(1)
-
-    def send(data):
-        time.sleep(0.002)  # late: a bounce buffer reused before this send is done shows in the bytes
-        with data:
-            sent.extend(data)
-
-    with SnapshotFile(tmp_path / "f") as file:
-        fd = file.open_direct() if direct else None
-        with DirectSink(file, fd, bounce_bytes=16384) if direct else BufferedSink(file) as sink:
-            sink.follower = lambda data: pool.submit(send, data)
-            crc = _write(sink, pieces, replace_every=3)
-            pool.shutdown()  # the sends before the file closes (a tee closes its copy first)
-    assert bytes(sent) == b"".join(pieces) and crc == zlib.crc32(sent)
 
 
 def test_a_direct_write_the_filesystem_refuses_is_made_buffered(tmp_path, monkeypatch, caplog):

@@ -19,7 +19,7 @@ from typing import TypeVar
 from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.tiers.replica import ReplicaTier, SendingSink
+from swap_state.server.snapshot.tiers.replica import ReplicaTier
 from swap_state.server.snapshot.tiers.replicate import ReplicaStates
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.sink import ChunkSink
@@ -29,8 +29,6 @@ __all__ = ["MirroredTier"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-SEND_PIECE_BYTES = 2 << 20  # a piece is sent as soon as it is final, while the cache still holds it
 
 
 @dataclasses.dataclass
@@ -144,30 +142,33 @@ class MirroredTier(TierWriter):
 
 
 class _TeeSink(ChunkSink):
-    """A data file into the primary's sink, followed by the peer's: each run of final bytes is
-    sent from where the primary placed it (its bounce buffer, or its file's pages), whose crc32
-    is the file's (the peer checks it). The copy's failure is handed to ``failed`` and ends the
-    copy, never the file."""
+    """A data file into the primary's sink and a copy of each final piece to the peer's; the
+    bytes placed are the primary's (their crc32 is the file's: the peer checks it). The copy's failure is handed
+    to ``failed`` and ends the copy, never the file."""
 
-    def __init__(self, primary: ChunkSink, copy: SendingSink, failed: Callable[[BaseException], None]):
+    def __init__(self, primary: ChunkSink, copy: ChunkSink, failed: Callable[[BaseException], None]):
         super().__init__()
         self.direct = primary.direct
         self._primary, self._failed = primary, failed
-        self._copy: SendingSink | None = copy
-        primary.follower = lambda data: self._on_copy(lambda copy: copy.send(data))
+        self._copy: ChunkSink | None = copy
 
     def room(self) -> int:
-        return min(self._primary.room(), SEND_PIECE_BYTES)
+        return self._primary.room() if self._copy is None else min(self._primary.room(), self._copy.room())
 
     def put(self, data: memoryview) -> memoryview:
-        return self._primary.put(data)
+        placed = self._primary.put(data)
+        self._on_copy(lambda copy: copy.put(data).release())
+        return placed
 
     def replace(self, data: memoryview) -> memoryview:
-        return self._primary.replace(data)
+        placed = self._primary.replace(data)
+        self._on_copy(lambda copy: copy.put(data).release())
+        return placed
 
     def advance(self) -> None:
         self._primary.advance()
         self.position = self._primary.position
+        self._on_copy(lambda copy: copy.advance())
 
     def finish(self) -> None:
         self._primary.finish()
@@ -175,23 +176,21 @@ class _TeeSink(ChunkSink):
 
     def close(self) -> None:
         try:
-            if self._copy is not None:
-                self._copy.close()  # first: no send reads a buffer of the primary's once it closes
-        finally:
             self._primary.close()
+        finally:
+            if self._copy is not None:
+                self._copy.close()
 
-    def _on_copy(self, call: Callable[[SendingSink], T]) -> T | None:
+    def _on_copy(self, call: Callable[[ChunkSink], object]) -> None:
         if self._copy is None:
-            return None
+            return
         try:
-            return call(self._copy)
+            call(self._copy)
         except Exception as exc:  # the copy's failure, a bug included, is never the file's
             copy, self._copy = self._copy, None
-            self._primary.follower = None
             with contextlib.suppress(Exception):
                 copy.close()
             self._failed(exc)
-            return None
 
 
 def _why(exc: BaseException) -> str:

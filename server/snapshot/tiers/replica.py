@@ -11,19 +11,21 @@ import collections
 import dataclasses
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from swap_state.common.addresses import ListenAddress
 from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
-from swap_state.server.snapshot.tiers.replica_wire import CONNECT_TIMEOUT_S, DATA_FRAME_BYTES, Connection, connect_to_peer
+from swap_state.server.snapshot.tiers.replica_wire import CONNECT_TIMEOUT_S, Connection, connect_to_peer
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
-from swap_state.server.snapshot.writing.sink import ChunkSink
+from swap_state.server import _posix
+from swap_state.server.snapshot.writing.sink import ChunkSink, copy_piece
 
-__all__ = ["ReplicaTier", "SendingSink"]
+__all__ = ["ReplicaTier"]
 
-SENDS_QUEUED = 4  # a data file's sends waiting or in flight: what the writer may run ahead of the network
+SEND_BUFFERS = 3  # a data file's frame buffers: one fills while the others are sent
+SEND_BUFFER_BYTES = 2 << 20  # a frame sent (at most DATA_FRAME_BYTES): 6 MiB of buffers per rank sending
 
 
 @dataclasses.dataclass
@@ -83,10 +85,10 @@ class ReplicaTier(TierWriter):
                 remote.connections[threading.get_ident()] = conn
         return conn
 
-    def open_file(self, target: StepWrite, name: str) -> SendingSink:
+    def open_file(self, target: StepWrite, name: str) -> ChunkSink:
         conn = self._connection(target)
         conn.send({"op": "open", "name": name})
-        return SendingSink(conn, self._limiter, self._cancel)
+        return _SendingSink(conn, self._limiter, self._cancel)
 
     def write_file(self, target: StepWrite, name: str, data: bytes) -> None:
         self._connection(target).request({"op": "write", "name": name}, data)
@@ -130,64 +132,66 @@ class ReplicaTier(TierWriter):
                     conn.close()
 
 
-class SendingSink(ChunkSink):
-    """A data file streamed to the peer in frames by a thread of its own: the bytes a tee's primary
-    hands to :meth:`send` (the :attr:`~.ChunkSink.follower`), or its own pieces copied. A failed
-    send is raised by the next call and drops the sends after it. The peer checks the size at
-    ``end`` and the crc32 against the rank's files (``finish_rank``)."""
+class _SendingSink(ChunkSink):
+    """A data file streamed to the peer: pieces fill a frame-sized buffer and a full one is sent
+    by a thread of its own, so the writer waits on the network only while every buffer is in
+    flight (a network slower than the disk). The peer checks the size at ``end`` and the crc32
+    against the rank's files (``finish_rank``)."""
 
     def __init__(self, conn: Connection, limiter: BandwidthLimiter, cancel: threading.Event):
         super().__init__()
         self._conn, self._limiter, self._cancel = conn, limiter, cancel
+        self._free = collections.deque(bytearray(SEND_BUFFER_BYTES) for _ in range(SEND_BUFFERS))
+        self._busy: collections.deque[tuple[bytearray, Future[None]]] = collections.deque()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-send")
-        self._sending: collections.deque[Future[None]] = collections.deque()
-        self._error: BaseException | None = None
-        self._held = b""  # a piece put, copied: the caller's buffer is its own
+        self._current = self._free.popleft()
+        self._fill = 0
 
     def room(self) -> int:
-        return DATA_FRAME_BYTES
+        return SEND_BUFFER_BYTES - self._fill
 
     def put(self, data: memoryview) -> memoryview:
-        self._held, self._pending = bytes(data), data.nbytes
-        return memoryview(self._held)
+        if data.nbytes > self.room():
+            raise ValueError(f"a piece of {data.nbytes} bytes does not fit the {self.room()} left")
+        copy_piece(self._current, _posix.buffer_address(self._current), self._fill, data)
+        self._pending = data.nbytes
+        with memoryview(self._current) as whole:
+            return whole[self._fill : self._fill + data.nbytes]
 
     def advance(self) -> None:
-        self.send(memoryview(self._held))
-        self._held, self._pending = b"", 0
+        self._fill += self._pending
+        self.position += self._pending
+        self._pending = 0
+        if self._fill == SEND_BUFFER_BYTES:
+            self._submit()
 
-    def send(self, data: memoryview) -> Future[None]:
-        """Send ``data`` after what was handed before, then release it; a future that does not raise."""
-        if self._error is not None:
-            data.release()  # its buffer's owner may reuse it now
-            raise self._error
-        while self._sending and (self._sending[0].done() or len(self._sending) >= SENDS_QUEUED):
-            wait([self._sending.popleft()])  # bounded: a writer alone waits for the network here
-        self.position += data.nbytes  # before the send thread releases it
-        self._sending.append(future := self._pool.submit(self._send, data))
-        return future
+    def _submit(self) -> None:
+        self._busy.append((self._current, self._pool.submit(self._send, self._current, self._fill)))
+        if not self._free:
+            buffer, future = self._busy.popleft()
+            future.result()
+            self._free.append(buffer)
+        self._current, self._fill = self._free.popleft(), 0
 
-    def _send(self, data: memoryview) -> None:
-        try:
-            for start in range(0, data.nbytes, DATA_FRAME_BYTES):
-                if self._error is not None:
-                    return  # dropped: the stream broke before it
-                with data[start : start + DATA_FRAME_BYTES] as frame:  # released, whatever a traceback holds
-                    if not self._limiter.acquire(frame.nbytes, self._cancel):
-                        raise SnapshotError("the server is shutting down: the replica was abandoned")
-                    self._conn.send_data(frame)
-        except BaseException as exc:  # raised by the next call on the sink
-            self._error = self._error or exc
-        finally:
-            data.release()
+    def _send(self, buffer: bytearray, nbytes: int) -> None:
+        if not self._limiter.acquire(nbytes, self._cancel):
+            raise SnapshotError("the server is shutting down: the replica was abandoned")
+        with memoryview(buffer) as whole, whole[:nbytes] as data:
+            self._conn.send_data(data)
 
     def finish(self) -> None:
-        wait(self._sending)
-        if self._error is not None:
-            raise self._error
+        if self._fill:
+            self._submit()
+        while self._busy:
+            buffer, future = self._busy.popleft()
+            future.result()
+            self._free.append(buffer)
         self._conn.request({"op": "end", "bytes": self.position})
 
     def close(self) -> None:
-        if any(not future.done() for future in self._sending):
+        if any(not future.done() for _, future in self._busy):
             self._conn.abort()  # a failed file: a send stuck on the peer returns now
         self._pool.shutdown(wait=True)
-        self._sending.clear()
+        self._busy.clear()
+        self._free.clear()  # the buffers go now, even while a traceback still holds the sink
+        self._current = bytearray(0)

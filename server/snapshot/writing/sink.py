@@ -21,15 +21,14 @@ import errno
 import logging
 import mmap
 import os
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from swap_state.common.segment import align_up
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.writing.snapshot_file import SnapshotFile, pwrite_all
 
-__all__ = ["BLOCK_BYTES", "BufferedSink", "ChunkSink", "DirectSink", "open_sink"]
+__all__ = ["BLOCK_BYTES", "BufferedSink", "ChunkSink", "DirectSink", "copy_piece", "open_sink"]
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +48,6 @@ class ChunkSink(abc.ABC):
     def __init__(self) -> None:
         self.position = 0  # file offset of the next put
         self._pending = 0  # bytes of the last put, not final yet
-        # The mirror: handed views of the final bytes in file order, sent from where they were placed
-        # (no copy) and released; its futures end in that order, never raising (its failure is its
-        # own), and the sink reuses no buffer before.
-        self.follower: Callable[[memoryview], Future[None] | None] | None = None
 
     @abc.abstractmethod
     def room(self) -> int:
@@ -107,7 +102,7 @@ class BufferedSink(ChunkSink):
         super().__init__()
         self.file = file  # owned: closed with the sink
         self._fd = file.fileno()
-        self._kicked = 0  # file bytes [0, _kicked) have had writeback started (and were handed to the follower)
+        self._kicked = 0  # file bytes [0, _kicked) have had writeback started
 
     def room(self) -> int:
         return 1 << 62
@@ -121,19 +116,10 @@ class BufferedSink(ChunkSink):
         self.position += self._pending
         self._pending = 0
         if self.position - self._kicked >= _WRITEBACK_BYTES:
-            self._kick()
-
-    def _kick(self) -> None:
-        start, self._kicked = self._kicked, self.position
-        self.file.start_writeback(start, self._kicked - start)
-        if self.follower is not None:  # the pages as written, mapped: unmapped once the view is released
-            at = start - start % mmap.ALLOCATIONGRANULARITY
-            pages = mmap.mmap(self._fd, self._kicked - at, offset=at, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-            self.follower(memoryview(pages)[start - at :])
+            self.file.start_writeback(self._kicked, self.position - self._kicked)
+            self._kicked = self.position
 
     def finish(self) -> None:
-        if self.position > self._kicked:
-            self._kick()
         self.file.fsync()
 
     def close(self) -> None:
@@ -156,12 +142,11 @@ class DirectSink(ChunkSink):
         self._direct_fd: int | None = direct_fd
         self._bounce = bounce_bytes
         self._free = collections.deque(mmap.mmap(-1, bounce_bytes) for _ in range(WRITES_IN_FLIGHT + 1))
-        self._busy: collections.deque[tuple[mmap.mmap, Future[None], Future[None] | None]] = collections.deque()  # written, sent
+        self._busy: collections.deque[tuple[mmap.mmap, Future[None]]] = collections.deque()
         self._pool = ThreadPoolExecutor(max_workers=WRITES_IN_FLIGHT, thread_name_prefix="snapshot-write")
         self._current = self._free.popleft()
         self._address = _posix.buffer_address(self._current)
         self._fill = 0  # final bytes in the current buffer
-        self._sent: Future[None] | None = None  # the follower's last send from the current buffer
         self.fell_back = False
 
     def room(self) -> int:
@@ -171,18 +156,12 @@ class DirectSink(ChunkSink):
         n = data.nbytes
         if n > self.room():
             raise ValueError(f"a piece of {n} bytes does not fit the {self.room()} left")
-        if data.readonly:  # the header, from bytes: small, copied holding the GIL
-            self._current[self._fill : self._fill + n] = data
-        else:  # a segment's bytes: copied with the GIL released
-            _posix.memmove(self._address + self._fill, _posix.buffer_address(data), n)
+        copy_piece(self._current, self._address, self._fill, data)
         self._pending = n
         with memoryview(self._current) as whole:
             return whole[self._fill : self._fill + n]
 
     def advance(self) -> None:
-        if self.follower is not None and self._pending:  # sent now, while the cache holds it
-            with memoryview(self._current) as whole:
-                self._sent = self.follower(whole[self._fill : self._fill + self._pending]) or self._sent
         self._fill += self._pending
         self.position += self._pending
         self._pending = 0
@@ -191,12 +170,13 @@ class DirectSink(ChunkSink):
 
     def _submit(self, nbytes: int) -> None:
         """Write the current buffer's first ``nbytes`` (a block multiple) in the pool and take the
-        next free buffer (waiting for the oldest write and its sends when none is free)."""
+        next free buffer (waiting for the oldest write when none is free)."""
         buffer, offset = self._current, self.position - self._fill
-        self._busy.append((buffer, self._pool.submit(self._write, buffer, nbytes, offset), self._sent))
-        self._sent = None
+        self._busy.append((buffer, self._pool.submit(self._write, buffer, nbytes, offset)))
         if not self._free:
-            self._reclaim()
+            done, future = self._busy.popleft()
+            future.result()
+            self._free.append(done)
         self._current = self._free.popleft()
         self._address = _posix.buffer_address(self._current)
         self._fill = 0
@@ -224,31 +204,33 @@ class DirectSink(ChunkSink):
             self._current[self._fill : padded] = bytes(padded - self._fill)
             self._submit(padded)
         while self._busy:
-            self._reclaim()
+            buffer, future = self._busy.popleft()
+            future.result()
+            self._free.append(buffer)
         os.ftruncate(self.file.fileno(), self.position)  # the last block was written padded
         self.file.fsync()
-
-    def _reclaim(self) -> None:
-        """The oldest buffer in flight, free once written and sent; the write's error raised."""
-        buffer, written, sent = self._busy.popleft()
-        wait([written] if sent is None else [written, sent])
-        self._free.append(buffer)
-        written.result()
 
     def close(self) -> None:
         pool, self._pool = self._pool, None
         if pool is None:
             return
         pool.shutdown(wait=True)  # no write may land in a buffer being unmapped
-        wait([sent for sent in (self._sent, *(s for _, _, s in self._busy)) if sent is not None])  # nor a send read one
         self.file.close()
         fd, self._direct_fd = self._direct_fd, None
         if fd is not None:
             os.close(fd)
-        for buffer in [self._current, *self._free, *(b for b, _, _ in self._busy)]:
+        for buffer in [self._current, *self._free, *(b for b, _ in self._busy)]:
             buffer.close()
         self._busy.clear()
         self._free.clear()
+
+
+def copy_piece(buffer: mmap.mmap | bytearray, address: int, offset: int, data: memoryview) -> None:
+    """``data`` into ``buffer`` (whose first byte is at ``address``) at ``offset``."""
+    if data.readonly:  # the header, from bytes: small, copied holding the GIL
+        buffer[offset : offset + data.nbytes] = data
+    else:  # a segment's bytes: copied with the GIL released
+        _posix.memmove(address + offset, _posix.buffer_address(data), data.nbytes)
 
 
 def open_sink(file: SnapshotFile) -> ChunkSink:

@@ -41,8 +41,7 @@ class SnapshotFile:
     def __init__(self, path: pathlib.Path, direct: bool = True):
         """``direct``: :meth:`open_direct` may give an O_DIRECT descriptor (``--direct-io``)."""
         self.path, self.direct = path, direct
-        # Readable too: a mirror sends the file's final bytes from its pages mapped (BufferedSink).
-        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
 
     def fileno(self) -> int:
         if self._fd is None:
