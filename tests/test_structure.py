@@ -120,7 +120,7 @@ def test_modules_and_functions_fit():
     assert too_long == []
 
 
-RUNTIME_LINE_BUDGET = 20_200
+RUNTIME_LINE_BUDGET = 20_230
 """A ratchet on runtime code (client/, server/, common/, generated files aside): lowered as code
 goes, raised only with the reason written here. Issues 49 and 50 ask for 17,000 lines before the
 peer tier and 18,500 with it; after dead code and repeated docstrings were cut (about 700 lines)
@@ -132,7 +132,9 @@ replica interval in the API and both torchtitan lines, the store fallback: about
 of the layout index, the publisher's merge and thread, the bounded fallbacks: about 240), after
 a pass that cut 170 more (layout, one-use helpers and locals). Raised from 20,050 the same day for
 issue 51's item 3 (about 150): per-block checksums written in the tensors' one pass, and restores
-that read and check byte ranges instead of whole source tensors, the store's included."""
+that read and check byte ranges instead of whole source tensors, the store's included; then 30
+for restores that check on the reader's core while the caller's copies, and read a file on tmpfs
+(memory-only snapshots, replicas) where it lies: a restore from the peer's memory 1.3x faster."""
 
 
 def test_runtime_code_stays_within_its_line_budget():
