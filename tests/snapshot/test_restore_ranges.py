@@ -171,3 +171,20 @@ def test_a_snapshot_in_memory_is_read_where_it_lies_and_still_checked(in_memory_
     flip_byte(info.path / rank_data_name(0), manifest.data_start + 3 * ROW)
     with pytest.raises(SnapshotCorruptError, match=r"tensor 'w.exp_avg' fails its checksum \(block 0:"):
         restore_back()
+
+
+def test_a_delivery_that_fails_ends_the_reads_of_every_span(fsdp4, monkeypatch):
+    """The caller's copy failing midway (its error raised as it is) stops the reader thread,
+    however many spans were left to read: nothing hangs."""
+    local, _ = fsdp4
+    monkeypatch.setattr(restore_reads, "BLOCK_BYTES", 4096)
+    info = local.resolve("job/step-3")
+    manifest = local.read_manifest(info, 0)
+    tensor = manifest.tensors[0]
+    reads = TensorRead.covering(tensor, [(i * 32768, i * 32768 + 4096) for i in range(16)])  # 16 spans
+
+    def deliver(*_):
+        raise OSError("the copy failed")
+
+    with pytest.raises(OSError, match="the copy failed"):
+        restore_reads.stream_tensors(local, info, {0: (manifest, [reads])}, deliver)

@@ -288,6 +288,8 @@ class _Stream:
     def _read_all(self) -> None:
         try:
             for span in self._spans:
+                if self._stop.is_set():  # run() gave up: nobody takes the blocks
+                    return
                 self._read_span(span)
             self._full.put(None)
         except BaseException as exc:  # raised by run(), after the deliveries before it
