@@ -226,6 +226,8 @@ def _block_crcs(raw: dict[str, Any], name: str) -> dict[str, Any]:
     if raw.get("block_bytes") is None:
         return {}
     block, nbytes = _int(raw["block_bytes"], f"block_bytes of {name}", 1), _int(raw.get("nbytes"), f"nbytes of {name}")
+    if block % DATA_ALIGN:  # as written; a byte-sized block would make a reader crawl
+        raise ValueError(f"block_bytes of {name} must be a multiple of {DATA_ALIGN}, got {block}")
     try:
         crcs = base64.b64decode(_str(raw.get("block_crcs"), f"block_crcs of {name}"), validate=True)
     except ValueError:

@@ -129,6 +129,7 @@ def test_a_tensor_without_blocks_is_read_and_checked_whole(fsdp4, make_segment, 
     (lambda t: {**t, "block_crcs": t["block_crcs"][:-8]}, "one crc32 per 16384-byte block"),
     (lambda t: {**t, "block_crcs": "not base64!"}, "not base64"),
     (lambda t: {**t, "block_bytes": 0}, "block_bytes of w.exp_avg must be an integer >= 1"),
+    (lambda t: {**t, "block_bytes": 1}, "block_bytes of w.exp_avg must be a multiple of 4096"),
 ])
 def test_a_manifest_whose_blocks_do_not_tile_its_tensor_is_refused(fsdp4, change, message):
     local, _ = fsdp4

@@ -56,10 +56,6 @@ class TensorRead:
                 merged.append((lo, hi))
         return cls(tensor, tuple(merged))
 
-    @classmethod
-    def whole(cls, tensor: TensorRecord) -> TensorRead:
-        return cls.covering(tensor, [(0, tensor.nbytes)])
-
 
 Wanted = Mapping[int, tuple[RankManifest, Sequence[TensorRead]]]
 """Per source rank: its manifest and what is read from its data file."""
