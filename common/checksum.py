@@ -84,15 +84,17 @@ class BlockChecksum:
         self._value = self._fill = 0
 
     def update(self, data: memoryview) -> None:
-        at, n = 0, data.nbytes
-        while at < n:
-            take = min(n - at, self.block_bytes - self._fill)
-            with data[at : at + take] as part:
-                self._value = crc32(part, self._value)
-            at, self._fill = at + take, self._fill + take
-            if self._fill == self.block_bytes:
+        at, n, block = 0, data.nbytes, self.block_bytes
+        if self._fill:  # the open block first
+            at = min(n, block - self._fill)
+            self._value, self._fill = crc32(data[:at], self._value), self._fill + at
+            if self._fill == block:
                 self.blocks.append(self._value)
                 self._value = self._fill = 0
+        whole = at + (n - at) // block * block  # then whole blocks, a call each (the slices freed at once)
+        self.blocks += [crc32(data[i : i + block]) for i in range(at, whole, block)]
+        if whole < n:
+            self._value, self._fill = crc32(data[whole:]), n - whole
 
     def mark(self) -> tuple[int, int, int]:
         """Where the checksum stands, for :meth:`rewind` (bytes fed again from another source)."""
