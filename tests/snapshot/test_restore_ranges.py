@@ -189,3 +189,15 @@ def test_a_delivery_that_fails_ends_the_reads_of_every_span(fsdp4, monkeypatch):
 
     with pytest.raises(OSError, match="the copy failed"):
         restore_reads.stream_tensors(local, info, {0: (manifest, [reads])}, deliver)
+
+
+def test_a_tier_answering_more_bytes_than_asked_is_refused(fsdp4, make_segment, monkeypatch):
+    """A store or peer whose range read returns more than it was asked is not trusted: the
+    restore fails naming the file (and a restore falls back to the store's copy on that)."""
+    local, _ = fsdp4
+    tier = _Remote(local.root)
+    real = _Remote._read_range
+    monkeypatch.setattr(_Remote, "_read_range", lambda self, info, name, offset, nbytes:
+                        real(self, info, name, offset, nbytes) + (b"x" if offset >= 4096 else b""))
+    with pytest.raises(SnapshotCorruptError, match=r"rank-0000[01].safetensors: a read of \d+ bytes at \d+ returned"):
+        _resume(tier, make_segment, 0)

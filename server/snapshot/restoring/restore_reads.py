@@ -183,11 +183,12 @@ class _TierFile:
     align = 1
 
     def __init__(self, tier: SnapshotTier, info: SnapshotInfo, manifest: RankManifest):
-        self._tier, self._info, self._name = tier, info, manifest.data_file
-        self.path = info.path / manifest.data_file
+        self._tier, self._info, self._name, self.path = tier, info, manifest.data_file, info.path / manifest.data_file
 
     def read(self, buffer: memoryview, address: int, position: int) -> tuple[int, int]:
         data = self._tier.read_range(self._info, self._name, position, buffer.nbytes)
+        if len(data) > buffer.nbytes:  # a store or peer answering with more than asked: not trusted
+            raise SnapshotCorruptError(f"{self.path}: a read of {buffer.nbytes} bytes at {position} returned {len(data)}")
         buffer[: len(data)] = data
         return address, len(data)
 
