@@ -206,19 +206,19 @@ class TensorRecord:
                    **_block_crcs(raw, name))
 
 
+MAX_TENSOR_BLOCKS = 64
+"""A range read rounds out to blocks: at most 2 of 64 blocks more than it needs."""
+
+
 def checksum_block_bytes(nbytes: int) -> int:
     """The block size a writer checksums a tensor of ``nbytes`` in: the least power-of-two
     multiple of 4 KiB (O_DIRECT's alignment) giving at most ``MAX_TENSOR_BLOCKS`` blocks. Small
     blocks make a range read exact (a reshard at 16,384 ranks reads shards of 8-64 KiB rows);
-    the cap bounds a manifest (8 bytes of JSON a block) and the writer's work per block."""
+    the cap bounds a manifest (about 5.3 bytes of JSON a block) and the writer's work per block."""
     block = DATA_ALIGN
     while block * MAX_TENSOR_BLOCKS < nbytes:
         block *= 2
     return block
-
-
-MAX_TENSOR_BLOCKS = 64
-"""A range read rounds out to blocks: at most 2 of 64 blocks more than it needs."""
 
 
 def _block_crcs(raw: dict[str, Any], name: str) -> dict[str, Any]:

@@ -143,8 +143,8 @@ class MirroredTier(TierWriter):
 
 class _TeeSink(ChunkSink):
     """A data file into the primary's sink and a copy of each final piece to the peer's; the
-    bytes placed are the primary's (their crc32 is the file's: the peer checks it). The copy's failure is handed
-    to ``failed`` and ends the copy, never the file."""
+    bytes placed are the primary's (their crc32 is the file's: the peer checks it). The copy's
+    failure is handed to ``failed`` and ends the copy, never the file."""
 
     def __init__(self, primary: ChunkSink, copy: ChunkSink, failed: Callable[[BaseException], None]):
         super().__init__()
