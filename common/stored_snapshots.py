@@ -226,8 +226,11 @@ class StoredSnapshots(SnapshotTier):
         the tenant; None otherwise (one part missing, or a step being uploaded again)."""
         docs, indexes = [], []
         parts = sorted(_parts(objects, world_size).items())
-        with concurrent.futures.ThreadPoolExecutor(min(16, len(parts) or 1)) as pool:  # a request each, overlapped
-            raws = list(pool.map(self._get, [info.key for _, info in parts]))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(min(16, len(parts) or 1)) as pool:  # a request each, overlapped
+                raws = list(pool.map(self._get, [info.key for _, info in parts]))
+        except SnapshotCorruptError:  # a part gone since the listing: the step is being deleted (retention)
+            return None
         for ((first, count, _), info), raw in zip(parts, raws):
             try:
                 doc = json.loads(raw)

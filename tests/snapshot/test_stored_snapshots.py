@@ -189,6 +189,20 @@ def test_of_two_hosts_that_see_every_part_one_reads_them_and_the_other_reads_not
         o for o in b_store.list(StoredSnapshots.step_prefix("job", 4)) if not o.key.endswith("snapshot.json")]).index.files
 
 
+def test_a_step_whose_part_goes_between_listing_and_reading_is_not_complete(tmp_path):
+    """Retention (another host's, say) deletes a step while this host lists it: the part listed
+    is gone when read, and the step is not complete, not an error for the whole listing."""
+    store = PosixObjectStore(tmp_path)
+    for step in (2, 4):
+        for rank in range(2):
+            _put_host(store, "job", step, rank, 2)
+    stored = StoredSnapshots(store)
+    listed = stored.list_step("job", 2)
+    store.delete(next(o.key for o in listed if o.key.endswith(".part.json")))
+    assert stored.complete_info("job", 2, listed) is None
+    assert [info.step for info in stored.list("job")] == [4]
+
+
 def test_a_step_missing_a_host_part_is_not_complete_and_costs_no_read(tmp_path):
     store = CountingStore(tmp_path)
     _put_host(store, "job", 4, 0, 2)
