@@ -180,8 +180,7 @@ class StoredSnapshots(SnapshotTier):
     def step_index(self, job_id: str, step: int) -> SnapshotIndex | None:
         key = self.key(job_id, step, INDEX_NAME)
         try:
-            with self.reading(key):
-                raw = self.store.get(key)
+            raw = self.get(key)
         except SnapshotCorruptError:  # missing: a step being uploaded, or put before indexes
             return None
         index = SnapshotIndex.parse(raw, job_id, step)
@@ -228,7 +227,7 @@ class StoredSnapshots(SnapshotTier):
         parts = sorted(_parts(objects, world_size).items())
         try:
             with concurrent.futures.ThreadPoolExecutor(min(16, len(parts) or 1)) as pool:  # a request each, overlapped
-                raws = list(pool.map(self._get, [info.key for _, info in parts]))
+                raws = list(pool.map(self.get, [info.key for _, info in parts]))
         except SnapshotCorruptError:  # a part gone since the listing: the step is being deleted (retention)
             return None
         for ((first, count, _), info), raw in zip(parts, raws):
@@ -250,7 +249,8 @@ class StoredSnapshots(SnapshotTier):
         return SnapshotIndex(job_id, step, world_size, tuple(ranks), files, max(i.created_unix for i in indexes),
                              indexes[0].attempt, tenant=indexes[0].tenant), docs
 
-    def _get(self, key: str) -> bytes:
+    def get(self, key: str) -> bytes:
+        """One object, whole (as :meth:`reading` says when it fails)."""
         with self.reading(key):
             return self.store.get(key)
 

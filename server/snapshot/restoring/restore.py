@@ -35,7 +35,7 @@ from swap_state.server import _posix
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.restoring.layout_index import LayoutIndex, bind
 from swap_state.server.snapshot.restoring.reshard import Piece, Run, TargetTensor, ranks_needed
-from swap_state.server.snapshot.restoring.restore_reads import plan_reads, stream_tensors
+from swap_state.server.snapshot.restoring.restore_reads import pieces_by_source, plan_reads, stream_tensors
 from swap_state.server.snapshot.restoring.tier_choice import resolve_source
 from swap_state.server.snapshot.tiers.replica_wire import WireError
 from swap_state.server.snapshot.tiers.store import parts_layout
@@ -241,10 +241,7 @@ def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int,
     memory the budget lends) and put back on a failure: either way the trainer finds its state
     untouched by a corrupt snapshot. Where neither holds them: verified first, then read again."""
     by_name = {t.name: t for t in layout.tensors}
-    by_source: dict[tuple[int, str], list[tuple[str, Piece]]] = {}
-    for name, pieces in plan.items():
-        for piece in pieces:
-            by_source.setdefault((piece.source_rank, piece.source.name), []).append((name, piece))
+    by_source = pieces_by_source(plan)
     wanted = plan_reads(plan, manifests)  # only the bytes the runs need, in whole checksum blocks
     base = _posix.buffer_address(view)
     targets = [by_name[name] for name in plan]

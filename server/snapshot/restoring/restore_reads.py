@@ -27,7 +27,7 @@ from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier, reading_
 from swap_state.server import _posix
 from swap_state.server.snapshot.restoring.reshard import Piece
 
-__all__ = ["BLOCK_BYTES", "Deliver", "TensorRead", "plan_reads", "read_spans", "stream_tensors"]
+__all__ = ["BLOCK_BYTES", "Deliver", "TensorRead", "pieces_by_source", "plan_reads", "read_spans", "stream_tensors"]
 
 BLOCK_BYTES = 8 << 20
 """One read: the size at which the VM's disk reached its O_DIRECT rate (as the writer's)."""
@@ -60,16 +60,20 @@ class TensorRead:
 Wanted = Mapping[int, tuple[RankManifest, Sequence[TensorRead]]]
 """Per source rank: its manifest and what is read from its data file."""
 
+def pieces_by_source(plan: Mapping[str, Sequence[Piece]]) -> dict[tuple[int, str], list[tuple[str, Piece]]]:
+    """``plan``'s pieces by source tensor (old rank, name), each with the target it fills."""
+    by_source: dict[tuple[int, str], list[tuple[str, Piece]]] = {}
+    for name, piece in ((name, piece) for name, pieces in plan.items() for piece in pieces):
+        by_source.setdefault((piece.source_rank, piece.source.name), []).append((name, piece))
+    return by_source
+
+
 def plan_reads(plan: Mapping[str, Sequence[Piece]], manifests: Mapping[int, RankManifest]) -> Wanted:
     """What a restore reads for ``plan``: per source tensor the bytes its pieces' runs need."""
-    runs: dict[tuple[int, str], tuple[TensorRecord, list[tuple[int, int]]]] = {}
-    for pieces in plan.values():
-        for piece in pieces:
-            _, spans = runs.setdefault((piece.source_rank, piece.source.name), (piece.source, []))
-            spans.extend((run.source_offset, run.source_offset + run.nbytes) for run in piece.runs)
-    wanted: dict[int, tuple[RankManifest, list[TensorRead]]] = {}
-    for (rank, _), (tensor, spans) in sorted(runs.items()):
-        wanted.setdefault(rank, (manifests[rank], []))[1].append(TensorRead.covering(tensor, spans))
+    wanted: dict[int, tuple[RankManifest, list[TensorRead]]] = {}  # by old rank, its tensors in name order
+    for (rank, _), items in sorted(pieces_by_source(plan).items()):
+        runs = [(run.source_offset, run.source_offset + run.nbytes) for _, piece in items for run in piece.runs]
+        wanted.setdefault(rank, (manifests[rank], []))[1].append(TensorRead.covering(items[0][1].source, runs))
     return wanted
 
 

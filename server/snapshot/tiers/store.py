@@ -201,8 +201,7 @@ def parts_layout(stored: StoredSnapshots, prefix: str, docs: Sequence[dict], wor
         if not isinstance(key, str) or not _NAMES_KEY.fullmatch(key):
             raise ValueError(f"the host part of ranks {doc.get('ranks', [])[:1]}... holds no part of the layout index")
         if key not in names:
-            with stored.reading(prefix + key):
-                raw = stored.store.get(prefix + key)
+            raw = stored.get(prefix + key)
             if names_key(raw) != key:
                 raise ValueError(f"{prefix + key} does not hold what its name says")
             try:

@@ -299,12 +299,12 @@ class RankWriter:
                 checksums = self._write_data_file(data_name, header)
             finally:
                 self.release_segment()  # also when the file could not be created
-            sums = [checksum.finish() for checksum in checksums]
+            sums = [(checksum.block_bytes, *checksum.finish()) for checksum in checksums]
             file_crc = crc32(header)  # combined from the tensors' crc32s
-            for tensor, (value, _) in zip(tensors, sums):
+            for tensor, (_, value, _) in zip(tensors, sums):
                 file_crc = crc32_combine(file_crc, value, tensor.nbytes)
             data = FileRecord(data_name, source.rank, len(header) + self.bytes_total, file_crc)
-            manifest = self._manifest(sums, checksums, offsets, data, len(header))
+            manifest = self._manifest(sums, offsets, data, len(header))
             action = f"writing {manifest_name} of {source.job_id}/step-{source.step}"
             raw = manifest.to_bytes()
             self.tier.write_file(self.target, manifest_name, raw)
@@ -320,18 +320,18 @@ class RankWriter:
                   staged_bytes=self.stager.staged_bytes if self.stager is not None else 0)
         return RankResult(manifest, files)
 
-    def _manifest(self, sums: list[tuple[int, list[int]]], checksums: list[BlockChecksum],
-                  offsets: list[tuple[int, int]], data: FileRecord, data_start: int) -> RankManifest:
-        """The rank's manifest: each tensor's place, crc32s and the trainer's metadata of it."""
+    def _manifest(self, sums: list[tuple[int, int, list[int]]], offsets: list[tuple[int, int]], data: FileRecord,
+                  data_start: int) -> RankManifest:
+        """The rank's manifest: each tensor's place, ``sums`` (block size, crc32, blocks') and metadata."""
         source, metadata = self.source, self.metadata
         records = []
-        for tensor, (begin, end), (value, blocks), checksum in zip(source.layout.tensors, offsets, sums, checksums):
+        for tensor, (begin, end), (block_bytes, value, blocks) in zip(source.layout.tensors, offsets, sums):
             meta = metadata.tensors.get(tensor.name, TensorMetadata())
             records.append(TensorRecord(
                 name=tensor.name, dtype=tensor.dtype, shape=tensor.shape, nbytes=tensor.nbytes,
                 data_offsets=(begin, end), crc32=value, fqn=meta.fqn, key=meta.key,
                 global_shape=meta.global_shape, global_offset=meta.global_offset,
-                block_bytes=checksum.block_bytes, block_crcs=struct.pack(f"<{len(blocks)}I", *blocks)))
+                block_bytes=block_bytes, block_crcs=struct.pack(f"<{len(blocks)}I", *blocks)))
         cow_copies, bp_waits, bp_wait_ns = self.counters()
         return RankManifest(job_id=source.job_id, step=source.step, rank=source.rank, world_size=source.world_size,
                             data_file=data.name, data_file_bytes=data.bytes, data_start=data_start,
