@@ -47,6 +47,7 @@ from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 from swap_state.server.snapshot.tiers.replica_receiver import ReplicaReceiver
 from swap_state.server.snapshot.tiers.replica_wire import read_secret
 from swap_state.server.memory.sessions import SessionRegistry
+from swap_state.server.snapshot.tiers.spares import SpareFiles
 
 __all__ = ["RunningServer", "SERVICE_NAME", "grpc_server_options", "start_server"]
 
@@ -211,12 +212,14 @@ def _build_state(config: ServerConfig, listen: ListenAddress, gid: int | None,
 def _memory_directory(config: ServerConfig, listen: ListenAddress, kind: str, flag: str) -> SnapshotDirectory:
     """Where peers' replicas (``kind`` "replicas") or this server's memory-only snapshots
     ("memory") are kept: under --shm-dir beside its segments, named after its address (a
-    restarted server keeps them)."""
+    restarted server keeps them), with the spare files that new steps are written over (at most
+    --replica-size of them for replicas; for memory-only snapshots, those of the last step removed)."""
     directory = SnapshotDirectory(config.shm_dir / f"swap-state-{kind}-{_segment_tag(listen)}", DirectIO.OFF)
     try:
         directory.create_root()
         if directory.hold():
             directory.clean_stale()
+            directory.spares = SpareFiles(directory.root, config.replica_size if kind == "replicas" else None)
     except OSError as exc:
         raise StartupError(f"{flag}: cannot use {directory.root}: {exc.strerror or exc}") from None
     return directory

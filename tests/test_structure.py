@@ -120,7 +120,7 @@ def test_modules_and_functions_fit():
     assert too_long == []
 
 
-RUNTIME_LINE_BUDGET = 20_233
+RUNTIME_LINE_BUDGET = 20_444
 """A ratchet on runtime code (client/, server/, common/, generated files aside): lowered as code
 goes, raised only with the reason written here. Issues 49 and 50 ask for 17,000 lines before the
 peer tier and 18,500 with it; after dead code and repeated docstrings were cut (about 700 lines)
@@ -135,7 +135,11 @@ issue 51's item 3 (about 150): per-block checksums written in the tensors' one p
 that read and check byte ranges instead of whole source tensors, the store's included; then 30
 for restores that check on the reader's core while the caller's copies, and read a file on tmpfs
 (memory-only snapshots, replicas) where it lies: a restore from the peer's memory 1.3x faster;
-then 3 for a store listing that met a step being deleted (a part gone between list and read)."""
+then 3 for a store listing that met a step being deleted (a part gone between list and read).
+Raised from 20,233 on 2026-12-07 (second session) for replication's sender and peer: spare files
+(a removed step's pages written over: 20% faster memory-only replication, a quarter less CPU on
+both hosts), a replica sent from a file in memory by reference (sendfile), the stager started
+before a replica's file opens (the first step while replicating 2x -> 1.0x)."""
 
 
 def test_runtime_code_stays_within_its_line_budget():

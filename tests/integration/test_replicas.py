@@ -368,3 +368,30 @@ def test_a_flipped_byte_in_a_replica_falls_back_to_the_stores_copy_of_the_step(s
     assert _restore_latest(host_c, "rot-stored") == 3
     log = host_c.log_text()
     assert "event=restore_fallback" in log and "fails its checksum" in log and "source=store" in log, log[-3000:]
+
+
+def test_memory_only_snapshots_in_a_row_are_written_over_the_pages_of_those_removed(start_server, hosts_shm,
+                                                                                     tmp_path):
+    """A fresh tmpfs page costs its allocation and zeroing (docs/benchmarks.md): each host keeps
+    the data file of the step its retention removed and writes the next step over it; the
+    replica stays the sender's bytes, and restores."""
+    secret = _secret(tmp_path)
+    _, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
+    sender = _sender(start_server, hosts_shm, tmp_path, address, secret)
+    model = build(W)
+    container = remote(W, model, sender.address, "reused")
+    inodes: dict[str, set[int]] = {"memory": set(), "replicas": set()}
+    try:
+        for step in range(1, 6):
+            train(model, container, W, range(step, step + 1))
+            assert container.snapshot(memory_only=True).wait_replicated(timeout_s=60).replica_state == "replicated"
+            files = {kind: list(shm.glob(f"swap-state-{kind}-*/reused/step-*/{rank_data_name(0)}"))
+                     for kind, shm in (("memory", hosts_shm / "a"), ("replicas", peer_shm))}
+            assert [len(found) for found in files.values()] == [1, 1], files  # the newest step only
+            assert files["memory"][0].read_bytes() == files["replicas"][0].read_bytes()
+            for kind, (found,) in files.items():
+                inodes[kind].add(found.stat().st_ino)
+    finally:
+        container.close()
+    assert [len(seen) for seen in inodes.values()] == [2, 2], inodes  # two files, written over in turn
+    assert _restore_latest(sender, "reused") == 5

@@ -7,7 +7,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import pathlib
 import random
+import shutil
+import tempfile
 import zlib
 
 import pytest
@@ -168,3 +171,20 @@ def test_each_persisted_rank_logs_how_it_was_written(make_segment, make_coordina
     assert status.state is SnapshotState.DURABLE and _file_tensors(status.path + "/" + rank_data_name(0)) == at_step_n
     [fields] = [r.swap_state_fields for r in caplog.records if r.msg == "snapshot_rank_persisted"]
     assert fields["direct_io"] is direct and fields["bytes"] == status.bytes_total and fields["rank"] == 0
+
+
+def test_a_file_in_memory_is_written_without_a_bounce_buffer_and_offered_by_reference(tmp_path):
+    """tmpfs takes O_DIRECT since Linux 6.6, but a bounce buffer there is a copy for nothing; its
+    pages hold the bytes, so a replica may be sent from them (``held_in``); a disk file's may not."""
+    folder = tempfile.mkdtemp(prefix="swap-state-sink-", dir="/dev/shm")
+    try:
+        with open_sink(SnapshotFile(pathlib.Path(folder) / "f")) as sink:
+            assert isinstance(sink, BufferedSink) and sink.held_in is not None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    with SnapshotFile(tmp_path / "f") as file:
+        fd = file.open_direct()
+        assert fd is not None, "the test directory is on a filesystem without O_DIRECT"
+        os.close(fd)
+    with open_sink(SnapshotFile(tmp_path / "g")) as sink:
+        assert sink.held_in is None

@@ -284,3 +284,30 @@ def test_with_everything_staged_the_writer_pauses_for_the_trainers_step(make_seg
     status = handle.wait(20)
     assert time.monotonic() - started < 4
     _exact(seg, status, at_step_n)
+
+
+def test_the_stager_starts_before_a_slow_file_opens(make_segment, make_coordinator):
+    """A replica's file opens only once its peer answered (a connection, a handshake, a prepare):
+    the stager does not wait for it, so the trainer's next step finds its chunks staged. Here the
+    file opens only once the stager filled its ring (else the snapshot fails)."""
+    seg = make_segment(specs=WIDE, cow_slots=96)
+    at_step_n = seg.fill(seed=2)
+    coordinator = make_coordinator()
+    directory, n = coordinator.directory, seg.layout.n_chunks
+
+    class SlowToOpen:
+        root = directory.root
+
+        def __getattr__(self, name):
+            return getattr(directory, name)
+
+        def open_file(self, target, name):
+            deadline, ring = time.monotonic() + 10, min(n, seg.header[Word.STAGE_SLOTS])
+            while seg.header[Word.STAGED_UPTO] < ring:
+                if time.monotonic() > deadline:
+                    raise OSError(f"{name} opened with {seg.header[Word.STAGED_UPTO]} of {ring} chunks staged")
+                time.sleep(0.005)
+            return directory.open_file(target, name)
+
+    coordinator.tier = SlowToOpen()
+    _exact(seg, coordinator.start(seg.source("job", 5, metadata_json=metadata_for(seg))).wait(20), at_step_n)

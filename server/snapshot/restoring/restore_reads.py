@@ -26,6 +26,7 @@ from swap_state.common.snapshot_format import RankManifest, TensorRecord
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier, reading_file
 from swap_state.server import _posix
 from swap_state.server.snapshot.restoring.reshard import Piece
+from swap_state.server.snapshot.tiers.spares import hold_for_reading
 
 __all__ = ["BLOCK_BYTES", "Deliver", "TensorRead", "pieces_by_source", "plan_reads", "read_spans", "stream_tensors"]
 
@@ -200,7 +201,7 @@ class _TierFile:
 class _LocalFile:
     """A file on this host, read with O_DIRECT where its filesystem takes it, else buffered; a
     file in memory (tmpfs: this host's memory-only snapshots, the replicas it holds) is mapped
-    and read where it lies, without a copy (nothing truncates those files while they are read).
+    and read where it lies, without a copy, held for reading so that no step written later reuses it.
     """
 
     align = _ALIGN
@@ -218,9 +219,12 @@ class _LocalFile:
                 self.direct = False
         self._mapped: mmap.mmap | None = None
         try:
+            in_memory = _posix.in_memory(self._fd)
+            if in_memory:
+                hold_for_reading(self._fd, path)
             if os.fstat(self._fd).st_size != manifest.data_file_bytes:
                 raise SnapshotCorruptError(f"{path} changed while being restored: restore again")
-            if _posix.in_memory(self._fd):  # private: never written, so never copied
+            if in_memory:  # private: never written, so never copied
                 self._mapped = mmap.mmap(self._fd, 0, flags=mmap.MAP_PRIVATE)
                 self._mapped_at = _posix.buffer_address(self._mapped)
         except BaseException:

@@ -26,6 +26,7 @@ from swap_state.common.snapshot_format import (
 from swap_state.common.snapshot_reader import SnapshotReader
 from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
+from swap_state.server.snapshot.tiers.spares import SpareFiles
 from swap_state.server.snapshot.writing.sink import ChunkSink, open_sink
 from swap_state.server.snapshot.writing.snapshot_file import DIR_MODE, FILE_MODE, SnapshotFile, write_durable
 
@@ -43,6 +44,8 @@ class SnapshotDirectory(TierWriter):
         self.reader = SnapshotReader(root)  # the local tier: what this directory holds, read
         self.root = self.reader.root
         self.direct_writes = direct_io is DirectIO.WRITES
+        # In memory (tmpfs): removed steps' data files, written over by new ones (set once created).
+        self.spares: SpareFiles | None = None
         # The steps of a job retention must keep beyond ``keep_latest`` (the uploader's).
         self.in_use: Callable[[str], set[int]] = lambda job_id: set()
         # Commits of different snapshots serialize here: latest and retention read the job dir.
@@ -107,8 +110,11 @@ class SnapshotDirectory(TierWriter):
             raise from_os_error(exc, f"creating {partial_dir_name(step)}", self.reader.job_dir(job_id)) from None
 
     def open_file(self, target: StepWrite, name: str) -> ChunkSink:
-        """A new file ``name`` in the partial directory: O_DIRECT where ``--direct-io`` and the filesystem allow."""
-        return open_sink(SnapshotFile(self._inside(target.location) / name, direct=self.direct_writes))
+        """A new file ``name`` in the partial directory: O_DIRECT where ``--direct-io`` and the
+        filesystem allow; in memory, a data file is a spare written over where there is one."""
+        path = self._inside(target.location) / name
+        spare = self.spares is not None and name.endswith(".safetensors") and self.spares.take(path)
+        return open_sink(SnapshotFile(path, direct=self.direct_writes, spare=spare))
 
     def write_file(self, target: StepWrite, name: str, data: bytes) -> None:
         write_durable(self._inside(target.location) / name, data)
@@ -177,6 +183,8 @@ class SnapshotDirectory(TierWriter):
     def _remove(self, where: pathlib.PurePath) -> bool:
         """Remove an unlisted location, best effort; True when it is gone."""
         path = self._inside(where)
+        if self.spares is not None:
+            self.spares.keep(sorted(path.glob("*.safetensors")))
         shutil.rmtree(path, ignore_errors=True)
         return not path.exists()
 

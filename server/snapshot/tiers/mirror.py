@@ -19,7 +19,7 @@ from typing import TypeVar
 from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.tiers.replica import ReplicaTier
+from swap_state.server.snapshot.tiers.replica import ReplicaTier, SendingSink
 from swap_state.server.snapshot.tiers.replicate import ReplicaStates
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.sink import ChunkSink
@@ -60,7 +60,7 @@ class MirroredTier(TierWriter):
         return target
 
     def open_file(self, target: StepWrite, name: str) -> ChunkSink:
-        sink = self.primary.open_file(target, name)
+        sink = self.primary.open_file(target, name)  # opened first: a copy by reference needs its file
         try:
             mirror = self._mirror(target)
             copy = self._try(mirror, lambda on: self.mirror.open_file(on, name))
@@ -143,32 +143,44 @@ class MirroredTier(TierWriter):
 
 class _TeeSink(ChunkSink):
     """A data file into the primary's sink and a copy of each final piece to the peer's; the
-    bytes placed are the primary's (their crc32 is the file's: the peer checks it). The copy's
-    failure is handed to ``failed`` and ends the copy, never the file."""
+    bytes placed are the primary's (their crc32 is the file's: the peer checks it). A primary in
+    memory (memory-only snapshots) is sent from its file once final, by reference: the copy into
+    send buffers and the socket's copy were half the sender's work. The copy's failure is handed
+    to ``failed`` and ends the copy, never the file."""
 
-    def __init__(self, primary: ChunkSink, copy: ChunkSink, failed: Callable[[BaseException], None]):
+    def __init__(self, primary: ChunkSink, copy: SendingSink, failed: Callable[[BaseException], None]):
         super().__init__()
         self.direct = primary.direct
         self._primary, self._failed = primary, failed
-        self._copy: ChunkSink | None = copy
+        self._copy: SendingSink | None = copy
+        self._by_reference = primary.held_in is not None
 
     def room(self) -> int:
-        return self._primary.room() if self._copy is None else min(self._primary.room(), self._copy.room())
+        if self._copy is None or self._by_reference:
+            return self._primary.room()
+        return min(self._primary.room(), self._copy.room())
 
     def put(self, data: memoryview) -> memoryview:
         placed = self._primary.put(data)
-        self._on_copy(lambda copy: copy.put(data).release())
+        if not self._by_reference:
+            self._on_copy(lambda copy: copy.put(data).release())
         return placed
 
     def replace(self, data: memoryview) -> memoryview:
         placed = self._primary.replace(data)
-        self._on_copy(lambda copy: copy.put(data).release())
+        if not self._by_reference:
+            self._on_copy(lambda copy: copy.put(data).release())
         return placed
 
     def advance(self) -> None:
+        start = self._primary.position
         self._primary.advance()
         self.position = self._primary.position
-        self._on_copy(lambda copy: copy.advance())
+        held, nbytes = self._primary.held_in, self.position - start
+        if held is None:
+            self._on_copy(lambda copy: copy.advance())
+        else:
+            self._on_copy(lambda copy: copy.put_held(held, start, nbytes))
 
     def finish(self) -> None:
         self._primary.finish()
@@ -176,12 +188,12 @@ class _TeeSink(ChunkSink):
 
     def close(self) -> None:
         try:
-            self._primary.close()
-        finally:
             if self._copy is not None:
-                self._copy.close()
+                self._copy.close()  # first: its sends may read the primary's file
+        finally:
+            self._primary.close()
 
-    def _on_copy(self, call: Callable[[ChunkSink], object]) -> None:
+    def _on_copy(self, call: Callable[[SendingSink], object]) -> None:
         if self._copy is None:
             return
         try:

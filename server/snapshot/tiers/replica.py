@@ -16,13 +16,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from swap_state.common.addresses import ListenAddress
 from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
-from swap_state.server.snapshot.tiers.replica_wire import CONNECT_TIMEOUT_S, Connection, connect_to_peer
+from swap_state.server.snapshot.tiers.replica_wire import CONNECT_TIMEOUT_S, DATA_FRAME_BYTES, Connection, connect_to_peer
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
 from swap_state.server import _posix
 from swap_state.server.snapshot.writing.sink import ChunkSink, copy_piece
 
-__all__ = ["ReplicaTier"]
+__all__ = ["ReplicaTier", "SendingSink"]
 
 SEND_BUFFERS = 3  # a data file's frame buffers: one fills while the others are sent
 SEND_BUFFER_BYTES = 2 << 20  # a frame sent (at most DATA_FRAME_BYTES): 6 MiB of buffers per rank sending
@@ -85,10 +85,10 @@ class ReplicaTier(TierWriter):
                 remote.connections[threading.get_ident()] = conn
         return conn
 
-    def open_file(self, target: StepWrite, name: str) -> ChunkSink:
+    def open_file(self, target: StepWrite, name: str) -> SendingSink:
         conn = self._connection(target)
         conn.send({"op": "open", "name": name})
-        return _SendingSink(conn, self._limiter, self._cancel)
+        return SendingSink(conn, self._limiter, self._cancel)
 
     def write_file(self, target: StepWrite, name: str, data: bytes) -> None:
         self._connection(target).request({"op": "write", "name": name}, data)
@@ -132,20 +132,22 @@ class ReplicaTier(TierWriter):
                     conn.close()
 
 
-class _SendingSink(ChunkSink):
+class SendingSink(ChunkSink):
     """A data file streamed to the peer: pieces fill a frame-sized buffer and a full one is sent
     by a thread of its own, so the writer waits on the network only while every buffer is in
-    flight (a network slower than the disk). The peer checks the size at ``end`` and the crc32
-    against the rank's files (``finish_rank``)."""
+    flight (a network slower than the disk); bytes another sink holds in memory
+    (:meth:`put_held`) are sent from its file by reference instead. The peer checks the size at
+    ``end`` and the crc32 against the rank's files (``finish_rank``)."""
 
     def __init__(self, conn: Connection, limiter: BandwidthLimiter, cancel: threading.Event):
         super().__init__()
         self._conn, self._limiter, self._cancel = conn, limiter, cancel
         self._free = collections.deque(bytearray(SEND_BUFFER_BYTES) for _ in range(SEND_BUFFERS))
-        self._busy: collections.deque[tuple[bytearray, Future[None]]] = collections.deque()
+        self._busy: collections.deque[tuple[bytearray | None, Future[None]]] = collections.deque()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-send")
         self._current = self._free.popleft()
         self._fill = 0
+        self._held: tuple[int, int, int] | None = None  # (fd, offset, bytes) not sent yet
 
     def room(self) -> int:
         return SEND_BUFFER_BYTES - self._fill
@@ -153,6 +155,7 @@ class _SendingSink(ChunkSink):
     def put(self, data: memoryview) -> memoryview:
         if data.nbytes > self.room():
             raise ValueError(f"a piece of {data.nbytes} bytes does not fit the {self.room()} left")
+        self._send_held()
         copy_piece(self._current, _posix.buffer_address(self._current), self._fill, data)
         self._pending = data.nbytes
         with memoryview(self._current) as whole:
@@ -165,27 +168,53 @@ class _SendingSink(ChunkSink):
         if self._fill == SEND_BUFFER_BYTES:
             self._submit()
 
+    def put_held(self, fd: int, offset: int, nbytes: int) -> None:
+        """The final bytes ``[offset, offset + nbytes)`` of ``fd`` (a sink's :attr:`held_in`) next:
+        sent from the file, frames of up to ``DATA_FRAME_BYTES``, no copy here."""
+        if self._fill:
+            self._submit()
+        held = self._held
+        if held is not None and (held[0] != fd or held[1] + held[2] != offset or held[2] + nbytes > DATA_FRAME_BYTES):
+            self._send_held()
+            held = None
+        self._held = (fd, offset, nbytes) if held is None else (fd, held[1], held[2] + nbytes)
+        self.position += nbytes
+
+    def _send_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self._in_flight(None, self._pool.submit(self._send, None, *held))
+
     def _submit(self) -> None:
-        self._busy.append((self._current, self._pool.submit(self._send, self._current, self._fill)))
-        if not self._free:
-            buffer, future = self._busy.popleft()
-            future.result()
-            self._free.append(buffer)
+        self._in_flight(self._current, self._pool.submit(self._send, self._current, -1, 0, self._fill))
         self._current, self._fill = self._free.popleft(), 0
 
-    def _send(self, buffer: bytearray, nbytes: int) -> None:
+    def _in_flight(self, buffer: bytearray | None, future: Future[None]) -> None:
+        """Track a send; wait for the oldest while no buffer is free or too many are in flight."""
+        self._busy.append((buffer, future))
+        while self._busy and (not self._free or len(self._busy) > SEND_BUFFERS):
+            self._done(*self._busy.popleft())
+
+    def _done(self, buffer: bytearray | None, future: Future[None]) -> None:
+        future.result()
+        if buffer is not None:
+            self._free.append(buffer)
+
+    def _send(self, buffer: bytearray | None, fd: int, offset: int, nbytes: int) -> None:
         if not self._limiter.acquire(nbytes, self._cancel):
             raise SnapshotError("the server is shutting down: the replica was abandoned")
+        if buffer is None:
+            self._conn.send_file(fd, offset, nbytes)
+            return
         with memoryview(buffer) as whole, whole[:nbytes] as data:
             self._conn.send_data(data)
 
     def finish(self) -> None:
         if self._fill:
             self._submit()
+        self._send_held()
         while self._busy:
-            buffer, future = self._busy.popleft()
-            future.result()
-            self._free.append(buffer)
+            self._done(*self._busy.popleft())
         self._conn.request({"op": "end", "bytes": self.position})
 
     def close(self) -> None:

@@ -93,10 +93,11 @@ class ReplicaReceiver:
             self._sock.close()
 
     def held_bytes(self) -> int:
-        """Bytes of complete replicas and of steps being received (declared)."""
+        """Bytes of complete replicas, of steps being received (declared) and of spare files."""
         with self._lock:
             receiving = sum(step.nbytes for step in self._steps.values())
-        return receiving + sum(info.bytes for info in self.directory.reader.list())
+        spares = self.directory.spares.bytes if self.directory.spares is not None else 0
+        return receiving + spares + sum(info.bytes for info in self.directory.reader.list())
 
     def _accept(self) -> None:
         assert self._sock is not None
@@ -236,9 +237,13 @@ class ReplicaReceiver:
                 step.nbytes = step.arrived
 
     def _make_room(self, job_id: str, step: int, nbytes: int) -> None:
-        """Evict the oldest replicas (never a job's newest) until ``nbytes`` more fit; _Refusal else."""
+        """Drop the spare files, then evict the oldest replicas (never a job's newest) until
+        ``nbytes`` more fit; _Refusal else."""
         self._drop_abandoned()
         while self.held_bytes() + nbytes > self.size:
+            if self.directory.spares is not None and self.directory.spares.bytes:
+                self.directory.spares.drop()  # an evicted replica's files become spares: dropped next
+                continue
             complete = self.directory.reader.list()
             newest = {info.job_id: info.step for info in complete}
             evictable = sorted((info for info in complete if info.step != newest[info.job_id]),

@@ -44,6 +44,9 @@ class ChunkSink(abc.ABC):
     """The bytes of one data file, in order (the call order: the module docstring)."""
 
     direct: bool = False  # whether the bytes bypass the page cache (O_DIRECT)
+    held_in: int | None = None
+    """A descriptor of a file in memory that holds every final byte at its position until the
+    file is removed: a copy may be sent from it by reference (``sendfile``), not from the pieces."""
 
     def __init__(self) -> None:
         self.position = 0  # file offset of the next put
@@ -96,13 +99,16 @@ class ChunkSink(abc.ABC):
 
 class BufferedSink(ChunkSink):
     """``pwrite`` from the caller's view straight into the page cache (no copy of its own),
-    writeback started every ``_WRITEBACK_BYTES``; fsync at the end."""
+    writeback started every ``_WRITEBACK_BYTES``; fsync at the end. A file in memory (tmpfs)
+    holds its final bytes (:attr:`held_in`); it may be a spare file, longer than what is
+    written: the end cuts it to size."""
 
     def __init__(self, file: SnapshotFile):
         super().__init__()
         self.file = file  # owned: closed with the sink
         self._fd = file.fileno()
         self._kicked = 0  # file bytes [0, _kicked) have had writeback started
+        self.held_in = self._fd if _posix.in_memory(self._fd) else None
 
     def room(self) -> int:
         return 1 << 62
@@ -120,6 +126,7 @@ class BufferedSink(ChunkSink):
             self._kicked = self.position
 
     def finish(self) -> None:
+        os.ftruncate(self._fd, self.position)
         self.file.fsync()
 
     def close(self) -> None:

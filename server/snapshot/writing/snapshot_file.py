@@ -38,10 +38,13 @@ class SnapshotFile:
     """One new file of a partial snapshot directory (``O_EXCL``), open for writing; a context
     manager. Its bytes are durable once :meth:`fsync` returned."""
 
-    def __init__(self, path: pathlib.Path, direct: bool = True):
-        """``direct``: :meth:`open_direct` may give an O_DIRECT descriptor (``--direct-io``)."""
+    def __init__(self, path: pathlib.Path, direct: bool = True, spare: bool = False):
+        """``direct``: :meth:`open_direct` may give an O_DIRECT descriptor (``--direct-io``);
+        ``spare``: the file exists, a removed step's, to be written over (:mod:`..tiers.spares`)."""
         self.path, self.direct = path, direct
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        create = 0 if spare else os.O_CREAT | os.O_EXCL
+        # Readable too: a file in memory is sent to a replica peer from its pages (sendfile).
+        self._fd: int | None = os.open(path, os.O_RDWR | create | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
 
     def fileno(self) -> int:
         if self._fd is None:
@@ -50,9 +53,11 @@ class SnapshotFile:
 
     def open_direct(self) -> int | None:
         """A second descriptor of this file with ``O_DIRECT`` (the caller closes it); None where
-        ``--direct-io`` or the filesystem refuses it (EINVAL: tmpfs, some network filesystems)."""
+        ``--direct-io`` or the filesystem refuses it (EINVAL: some network filesystems), and on
+        tmpfs (memory-only snapshots, replicas): it takes O_DIRECT since Linux 6.6, but its pages
+        are memory, so a bounce buffer would only add a copy."""
         flag = getattr(os, "O_DIRECT", 0)
-        if not flag or not self.direct:
+        if not flag or not self.direct or _posix.in_memory(self.fileno()):
             return None
         try:
             return os.open(self.path, os.O_WRONLY | flag | os.O_CLOEXEC)

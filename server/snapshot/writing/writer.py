@@ -8,6 +8,7 @@ which streams once let go (:meth:`RankWriter.go`). The segment's tensor area is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import struct
@@ -342,15 +343,18 @@ class RankWriter:
                             persist_seconds=time.monotonic() - self.started_monotonic)
 
     def _write_data_file(self, name: str, header: bytes) -> list[BlockChecksum]:
-        """Create the data file, put its header, stream the chunks (the stager alongside),
-        release the segment, write the rest and fsync; the tensors' checksums."""
-        with self.tier.open_file(self.target, name) as sink:
-            self.direct_io = sink.direct
-            sink.write_all(header)
-            segment = memoryview(self.source.buffer)
+        """Start the stager, create the data file, put its header, stream the chunks, release the
+        segment, write the rest and fsync; the tensors' checksums."""
+        segment = memoryview(self.source.buffer)
+        with contextlib.ExitStack() as opened:
             try:
                 if self.stager is not None and not self.cancel.is_set():
+                    # Before the file: opening it may wait on a replica peer, and the trainer's
+                    # next step must find its chunks staged meanwhile.
                     self.stager.start(segment)
+                sink = opened.enter_context(self.tier.open_file(self.target, name))
+                self.direct_io = sink.direct
+                sink.write_all(header)
                 crcs = self._stream(sink, segment)
             finally:
                 if self.stager is not None:

@@ -1,0 +1,110 @@
+"""Data files of removed steps kept for new ones to be written over, in a directory in memory
+(this host's memory-only snapshots, the replicas it holds): on tmpfs a fresh page costs its
+allocation and zeroing, which made writing a replica about 3x as slow as copying it
+(docs/benchmarks.md, "Replicas in a peer's memory"); a page written over costs a copy.
+
+A reader that maps such a file holds a shared ``flock`` on it (:func:`hold_for_reading`), and a
+file is taken for reuse only under an exclusive one, so no file is written over while read.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import fcntl
+import os
+import pathlib
+import shutil
+import threading
+
+from swap_state.common.snapshot_errors import SnapshotCorruptError
+
+__all__ = ["SPARE_DIR_NAME", "SpareFiles", "hold_for_reading"]
+
+SPARE_DIR_NAME = ".spare"  # under the directory's root: never a job id, so never listed
+
+
+class SpareFiles:
+    """Removed data files, oldest first, at most ``limit_bytes`` of them (None: those of the
+    last removal only); thread-safe."""
+
+    def __init__(self, root: pathlib.Path, limit_bytes: int | None = None):
+        self.folder, self.limit_bytes = root / SPARE_DIR_NAME, limit_bytes
+        shutil.rmtree(self.folder, ignore_errors=True)  # a previous server's: nothing lists them
+        self.folder.mkdir(mode=0o700)
+        self._files: collections.OrderedDict[pathlib.Path, int] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._count = 0
+
+    @property
+    def bytes(self) -> int:
+        with self._lock:
+            return sum(self._files.values())
+
+    def keep(self, paths: list[pathlib.Path]) -> None:
+        """Take ``paths`` (of a step being removed) as spares: each renamed away unless a reader
+        holds it (then left to be removed with its step); the oldest dropped past the limit."""
+        kept = {}
+        for path in paths:
+            with contextlib.suppress(OSError), _opened(path, os.O_RDONLY) as fd:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # being read: removed with its step, never written over
+                with self._lock:
+                    self._count += 1
+                    spare = self.folder / f"{self._count}"
+                os.rename(path, spare)
+                kept[spare] = os.fstat(fd).st_size
+        with self._lock:
+            stale = list(self._files) if self.limit_bytes is None else []
+            for path in stale:
+                del self._files[path]
+            self._files.update(kept)
+            while self.limit_bytes is not None and sum(self._files.values()) > self.limit_bytes:
+                stale.append(self._files.popitem(last=False)[0])
+        for path in stale:
+            path.unlink(missing_ok=True)
+
+    def drop(self) -> None:
+        """Remove every spare (their memory is needed)."""
+        with self._lock:
+            stale, self._files = list(self._files), collections.OrderedDict()
+        for path in stale:
+            path.unlink(missing_ok=True)
+
+    def take(self, path: pathlib.Path) -> bool:
+        """Whether the largest spare now lies at ``path`` (renamed there), to be written over: its
+        bytes are stale until written (the writer cuts it to its size)."""
+        with self._lock:
+            spare = max(self._files, key=self._files.__getitem__, default=None)
+            if spare is not None:
+                del self._files[spare]
+        if spare is None:
+            return False
+        try:
+            os.rename(spare, path)
+            return True
+        except OSError:
+            return False
+
+
+def hold_for_reading(fd: int, path: pathlib.Path) -> None:
+    """A shared ``flock`` on ``fd`` (released when it closes), so :meth:`SpareFiles.keep` leaves the
+    file alone; SnapshotCorruptError when ``path`` no longer names the file (taken as a spare)."""
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        same = os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:
+        raise SnapshotCorruptError(f"{path} was removed while being restored: restore again")
+
+
+@contextlib.contextmanager
+def _opened(path: pathlib.Path, flags: int):
+    fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
