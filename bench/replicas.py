@@ -43,6 +43,9 @@ __all__ = ["main"]
 
 WAIT_S = 600.0
 QUIET_STEPS = 5  # steps without a snapshot measured before each one with
+# Untimed snapshots of each kind first: a job's first replicas write fresh pages, the later ones
+# write over those of the steps retention removed (spare files), as a job does for good.
+WARM_UP = 2
 SECRET = "bench-replica-secret-0123456789abcdef"
 
 
@@ -55,9 +58,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--isolate", action="store_true", help="replication: the sender and the peer each on a CPU of "
                    "its own (two hosts); the step: both servers on the last CPU, the trainer on the others (as a GPU "
                    "host's server has cores of its own)")
-    p.add_argument("--peer-normal-priority", action="store_true", help="with --isolate, the step: leave the peer "
-                   "(another host's server, here sharing the sender's CPU) at normal priority instead of SCHED_IDLE, "
-                   "so that its receiving competes with the sender's server as it would not on a cluster")
     p.add_argument("--work-dir", default=None, help="folder for the snapshot directories and the store "
                    "(removed at the end); None: --out")
     return p
@@ -108,7 +108,8 @@ def _remote(base, address: str, job: str) -> Variant:
 
 
 def replication_section(args, a: _Host, b: _Host, remote: Variant) -> dict[str, Any]:
-    """Snapshots sent while the disk persists: from the snapshot's start to the peer's commit
+    """Snapshots sent while the disk persists and memory-only ones, after ``WARM_UP`` of each:
+    from the snapshot's start to the peer's commit
     (the server's ``snapshot_replicated`` line), against a raw TCP copy of the same data file
     from /dev/shm (where the sender reads it: the trainer's segment) in the same run. With
     --isolate each side on a CPU of its own, as two hosts: the sender (and the idle trainer) on
@@ -119,6 +120,10 @@ def replication_section(args, a: _Host, b: _Host, remote: Variant) -> dict[str, 
         _pin_process(a.server.pid, cpus[:1])
         _pin_process(b.server.pid, cpus[-1:])
     s: dict[str, list[float]] = defaultdict(list)
+    for _ in range(WARM_UP):
+        for memory_only in (False, True):
+            remote.step()
+            remote.optimizer.snapshot(memory_only=memory_only).wait_replicated(WAIT_S)
     for _ in range(args.reps):
         for kind, memory_only in (("", False), ("memory_only_", True)):
             remote.step()
@@ -226,7 +231,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"| raw TCP of the data file from /dev/shm | {_cell(rep['raw_tcp_memory_gbps'])} |",
              f"| replication while the disk persists ÷ raw TCP | {_cell(rep['ratio_to_raw_tcp_memory'])} |",
              f"| memory-only replication ÷ raw TCP | {_cell(rep['memory_only_ratio_to_raw_tcp_memory'])} |", "",
-             f"| optimizer step while replicating{_isolation(result)} | ratio |",
+             f"| optimizer step while replicating{' (isolated)' if result['isolated'] else ''} | ratio |",
              "| --- | --- |",
              f"| mean step ÷ quiet mean | {_cell(step['mean_ratio'], 'max')} |",
              f"| worst step ÷ quiet median | {_cell(step['worst_ratio'], 'max')} |", "",
@@ -238,24 +243,13 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _isolation(result: dict[str, Any]) -> str:
-    if not result["isolated"]:
-        return ""
-    return f" (isolated, the peer at {'normal priority' if result['peer_normal_priority'] else 'SCHED_IDLE'})"
-
-
-def _isolate_servers(sender: _Host, peer: _Host, peer_idle: bool = True) -> None:
-    """Both servers on the last CPU, this trainer (and torch's threads) on the others; the peer
-    (another host's server) at SCHED_IDLE when ``peer_idle``: it takes only the CPU the sender's
-    server leaves, as a peer on another host takes none of it."""
+def _isolate_servers(*hosts: _Host) -> None:
+    """Both servers on the last CPU, this trainer (and torch's threads) on the others."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise SystemExit("--isolate needs at least 2 usable CPUs")
-    for host in (sender, peer):
+    for host in hosts:
         _pin_process(host.server.pid, cpus[-1:])
-    if peer_idle:
-        for tid in os.listdir(f"/proc/{peer.server.pid}/task"):
-            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
     _pin_process("self", cpus[:-1])
     torch.set_num_threads(len(cpus) - 1)
 
@@ -282,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             replication = replication_section(args, a, b, remote)
             _log("the optimizer step while replicating")
             if args.isolate:
-                _isolate_servers(a, b, peer_idle=not args.peer_normal_priority)
+                _isolate_servers(a, b)
             step = step_section(args, remote)
         finally:
             a.close()
@@ -293,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     result = {"command": "python -m bench.replicas " + " ".join(argv if argv is not None else sys.argv[1:]),
               "state_bytes": state, "replication": replication, "step": step, "host_loss": loss,
-              "isolated": args.isolate, "peer_normal_priority": args.peer_normal_priority,
+              "isolated": args.isolate,
               "seconds": time.monotonic() - started}
     write_json(result, os.path.join(args.out, "replicas.json"))
     Path(args.out, "replicas.md").write_text(markdown(result))

@@ -157,7 +157,8 @@ class ServerConfig:
     replica_size: int = _flag(0, kind="size", example="96G")
     """Memory for the replicas peers send (besides --shm-size, which is the trainers'): the
     oldest replicas are evicted for newer ones, never a job's newest; a replica that does not
-    fit is refused (the sender's snapshot stays durable)."""
+    fit is refused (the sender's snapshot stays durable). Removed replicas' files are kept as
+    spares within it, for newer ones to be written over (dropped first when room is needed)."""
     replica_secret_file: pathlib.Path | None = _flag(None, metavar="FILE", example="/etc/swap-state/replica-secret")
     """A secret of at least 16 bytes (mode 0600) every replica peer holds: each side proves it
     holds it before a byte is sent (HMAC, never the secret itself)."""

@@ -91,12 +91,13 @@ def plan_for_rank(params_per_rank: int, moments_per_rank: int, model_copy_per_ra
 def replica_lines(plan: SizingPlan, link_bytes_per_s: float, step_s: float) -> list[str]:
     """Memory-only snapshots sent to a peer (``--replica-peers``): the shortest replica interval
     (a host's state sent within the steps between two, so one never waits for the last) and
-    the memory they hold (a job's newest two, here and at the peer)."""
+    the memory they hold, here and at the peer: a job's newest two, and the pages of the one
+    removed before, which the next is written over (fresh tmpfs pages are slower to fill)."""
     if link_bytes_per_s <= 0 or step_s <= 0:
         raise ValueError("the link's GB/s and the step's seconds must be > 0")
     send_s = plan.per_host / link_bytes_per_s
     interval = max(1, math.ceil(send_s / step_s))
-    held = 2 * plan.per_host
+    held = 3 * plan.per_host
     return [f"replicas:  a host's {format_size(plan.per_host)} takes {send_s:.1f} s to send at "
             f"{link_bytes_per_s / 1e9:g} GB/s: replica_interval >= {interval} steps of {step_s:g} s; a lost host "
             f"costs at most that many steps",

@@ -9,10 +9,12 @@ import os
 
 import pytest
 
+from swap_state.common.segment import Word, stager_slot_count
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.server.snapshot.tiers.mirror import MirroredTier
 from swap_state.server.snapshot.tiers.replicate import ReplicaStates
-from swap_state.server.snapshot.tiers.seam import StepWrite
+from swap_state.server.snapshot.tiers.seam import CommitResult, StepWrite
+from swap_state.server.snapshot.writing.sink import ChunkSink
 
 
 class _BrokenPeer:
@@ -65,3 +67,50 @@ def test_a_mirror_that_fails_leaves_the_step_durable_and_no_file_open(broken, ma
         opened.append(len(os.listdir("/proc/self/fd")))
     assert opened[1:] == opened[:1] * 3, opened
     assert peer.discarded == (4 if broken == "open_file" else 0)  # a prepared step is discarded on the peer
+
+
+class _RecordingPeer(_BrokenPeer):
+    """A peer tier that takes everything: its data file's sink records ``STAGED_UPTO`` at the
+    first data chunk it is handed."""
+
+    def __init__(self, header):
+        super().__init__(broken="")
+        self.header, self.staged_at_first_chunk = header, None
+
+    def open_file(self, target, name):
+        peer = self
+
+        class Recording(ChunkSink):
+            def room(self):
+                return 1 << 20
+
+            def put(self, data):
+                if self.position and peer.staged_at_first_chunk is None:  # past the header
+                    peer.staged_at_first_chunk = peer.header[Word.STAGED_UPTO]
+                self._pending = data.nbytes
+                return data[:]
+
+            def advance(self):
+                self.position += self._pending
+
+            def finish(self):
+                pass
+
+        return Recording()
+
+    def finish(self, target, index, layout):
+        return CommitResult("peer/step", ())
+
+
+def test_a_mirrored_file_lets_the_stager_fill_its_ring_first(make_segment, make_coordinator):
+    """A replica's copies and sends take the CPU that the stager's copies need (the trainer's next
+    step waits for those): the writer lets the stager go first, though its disk is O_DIRECT."""
+    seg = make_segment(specs=[(f"layer{i}.exp_avg", "float32", (8, 1024)) for i in range(12)], cow_slots=96)
+    seg.fill(3)
+    coordinator = make_coordinator()
+    peer, states = _RecordingPeer(seg.header), ReplicaStates()
+    coordinator.tier = MirroredTier(coordinator.directory, peer, states)
+    coordinator.replica_states = states
+    handle = coordinator.start(seg.source("job", 2))
+    assert handle.wait(20).state is SnapshotState.DURABLE and handle.writer.direct_io
+    assert peer.staged_at_first_chunk == min(seg.layout.n_chunks, stager_slot_count(96))

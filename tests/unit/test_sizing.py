@@ -50,4 +50,4 @@ def test_the_shortest_replica_interval_is_the_host_state_over_the_link_in_steps(
                      "--step-seconds", "10"]) == 0
     out = capsys.readouterr().out
     assert "takes 34.4 s to send at 1 GB/s: replica_interval >= 4 steps of 10 s" in out, out
-    assert "each peer: --replica-size 64G" in out, out
+    assert "each peer: --replica-size 96G" in out, out  # two steps of 32 GiB and the spare pages of a third

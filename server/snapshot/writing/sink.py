@@ -44,6 +44,10 @@ class ChunkSink(abc.ABC):
     """The bytes of one data file, in order (the call order: the module docstring)."""
 
     direct: bool = False  # whether the bytes bypass the page cache (O_DIRECT)
+    stager_first: bool = True
+    """Whether the writer lets the stager copy before each chunk (its copies are what the trainer's
+    next step waits for, and this sink's copies and sends compete with them); not an O_DIRECT
+    sink's, whose pause would idle the disk."""
     held_in: int | None = None
     """A descriptor of a file in memory that holds every final byte at its position until the
     file is removed: a copy may be sent from it by reference (``sendfile``), not from the pieces."""
@@ -138,7 +142,7 @@ class DirectSink(ChunkSink):
     writes the others. The last is written padded to a block, the file truncated back before
     the fsync. A write refused with EINVAL after the open is made buffered instead, logged once."""
 
-    direct = True
+    direct, stager_first = True, False
 
     def __init__(self, file: SnapshotFile, direct_fd: int, bounce_bytes: int | None = None):
         super().__init__()

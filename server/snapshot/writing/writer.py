@@ -90,6 +90,7 @@ class RankWriter:
         self.stager = Stager(self, self.stage_slots, settings.stage_threads) if self.stage_slots else None
         self._trainer_yield = self.stager is not None
         self.direct_io = False  # whether the data file was written with O_DIRECT (known once it is created)
+        self._stager_first = True  # the sink's ``stager_first`` (known once it is created)
         self._paused_s = 0.0  # time the writer paused for the trainer's steps (writer thread)
         self._stream_started = 0.0
         self.segment_released = Latch()
@@ -208,9 +209,7 @@ class RankWriter:
         if chunk.index == self.model_from:
             self._wait_for_model()
         if self.stager is not None:
-            if not self.direct_io:
-                # A buffered write's copy competes with the stager's; an O_DIRECT writer idle
-                # here would idle the disk instead.
+            if self._stager_first:
                 self.stager.yield_to()
             self._yield_to_trainer(len(self.chunks))
         if not self.limiter.acquire(chunk.nbytes, self.cancel):
@@ -353,7 +352,7 @@ class RankWriter:
                     # next step must find its chunks staged meanwhile.
                     self.stager.start(segment)
                 sink = opened.enter_context(self.tier.open_file(self.target, name))
-                self.direct_io = sink.direct
+                self.direct_io, self._stager_first = sink.direct, sink.stager_first
                 sink.write_all(header)
                 crcs = self._stream(sink, segment)
             finally:
