@@ -6,14 +6,18 @@ per snapshot, with every snapshot failing)."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
 from swap_state.common.segment import Word, stager_slot_count
 from swap_state.server.snapshot.coordinator import SnapshotState
 from swap_state.server.snapshot.tiers.mirror import MirroredTier
+from swap_state.server.snapshot.tiers.replica import SendingSink
+from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES
 from swap_state.server.snapshot.tiers.replicate import ReplicaStates
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepWrite
+from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.writing.sink import ChunkSink
 
 
@@ -114,3 +118,35 @@ def test_a_mirrored_file_lets_the_stager_fill_its_ring_first(make_segment, make_
     handle = coordinator.start(seg.source("job", 2))
     assert handle.wait(20).state is SnapshotState.DURABLE and handle.writer.direct_io
     assert peer.staged_at_first_chunk == min(seg.layout.n_chunks, stager_slot_count(96))
+
+
+class _Wire:
+    """A connection that records the frames sent by reference and answers every request."""
+
+    def __init__(self):
+        self.frames = []
+
+    def send_file(self, fd, offset, nbytes):
+        self.frames.append((fd, offset, nbytes))
+
+    def request(self, message):
+        self.frames.append(message)
+        return {"ok": True}
+
+
+def test_bytes_held_in_memory_are_sent_by_reference_in_frames_the_peer_takes():
+    """A chunk larger than a data frame (the server's default chunk is 64 MiB) is sent in frames of
+    at most DATA_FRAME_BYTES, in file order; ranges that meet share frames."""
+    wire = _Wire()
+    sink = SendingSink(wire, BandwidthLimiter(None), threading.Event())
+    try:
+        sink.put_held(7, 0, 100)
+        sink.put_held(7, 100, 3 * DATA_FRAME_BYTES)
+        sink.put_held(7, 100 + 3 * DATA_FRAME_BYTES, 50)
+        sink.finish()
+    finally:
+        sink.close()
+    total = 150 + 3 * DATA_FRAME_BYTES
+    assert wire.frames[:-1] == [(7, start, min(DATA_FRAME_BYTES, total - start))
+                                for start in range(0, total, DATA_FRAME_BYTES)]
+    assert wire.frames[-1] == {"op": "end", "bytes": total}

@@ -103,3 +103,15 @@ def test_a_peer_drops_its_spare_files_to_make_room_instead_of_refusing(tmp_path)
     finally:
         conn.close()
         receiver.close()
+
+
+def test_a_file_still_being_written_is_never_taken(tmp_path):
+    """Another rank's failure discards the step while this rank still writes its file."""
+    directory = SnapshotDirectory(tmp_path / "memory")
+    directory.create_root()
+    directory.spares = SpareFiles(directory.root)
+    target = directory.prepare(StepPlan("job", 1, 2, (), "", keep=1))
+    with directory.open_file(target, rank_data_name(0)) as sink:
+        sink.write_all(b"z" * 4096)
+        directory.discard(target)
+        assert _files(directory.spares) == []

@@ -114,7 +114,10 @@ class SnapshotDirectory(TierWriter):
         filesystem allow; in memory, a data file is a spare written over where there is one."""
         path = self._inside(target.location) / name
         spare = self.spares is not None and name.endswith(".safetensors") and self.spares.take(path)
-        return open_sink(SnapshotFile(path, direct=self.direct_writes, spare=spare))
+        file = SnapshotFile(path, direct=self.direct_writes, spare=spare)
+        if self.spares is not None:  # never a spare while written (another rank's failure discards the step)
+            fcntl.flock(file.fileno(), fcntl.LOCK_SH)
+        return open_sink(file)
 
     def write_file(self, target: StepWrite, name: str, data: bytes) -> None:
         write_durable(self._inside(target.location) / name, data)

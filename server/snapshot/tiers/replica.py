@@ -173,12 +173,15 @@ class SendingSink(ChunkSink):
         sent from the file, frames of up to ``DATA_FRAME_BYTES``, no copy here."""
         if self._fill:
             self._submit()
-        held = self._held
-        if held is not None and (held[0] != fd or held[1] + held[2] != offset or held[2] + nbytes > DATA_FRAME_BYTES):
-            self._send_held()
-            held = None
-        self._held = (fd, offset, nbytes) if held is None else (fd, held[1], held[2] + nbytes)
-        self.position += nbytes
+        while nbytes:
+            held = self._held
+            if held is not None and (held[0] != fd or held[1] + held[2] != offset or held[2] == DATA_FRAME_BYTES):
+                self._send_held()
+                held = None
+            start, size = (offset, 0) if held is None else held[1:]
+            more = min(nbytes, DATA_FRAME_BYTES - size)
+            self._held = (fd, start, size + more)
+            offset, nbytes, self.position = offset + more, nbytes - more, self.position + more
 
     def _send_held(self) -> None:
         held, self._held = self._held, None

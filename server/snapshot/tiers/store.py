@@ -83,14 +83,19 @@ class StoreTier(TierWriter):
                                plan.source.attempt if plan.source else 1, tenant=plan.tenant)
         self.store.put(self._key(plan, marker_name(rank)), dumps_json(marker.to_json()))
 
-    def finish(self, target: StepWrite, index: SnapshotIndex, layout: bytes | None, part_put: bool = False) -> CommitResult:
-        """The host's part unless ``part_put`` (:meth:`put_part`), then the step's index once every
-        host's part is there (failing, the step reads from the parts), then retention; the last two
-        only warn: the ranks are stored with their markers and part."""
+    def finish(self, target: StepWrite, index: SnapshotIndex, layout: bytes | None) -> CommitResult:
+        """The host's part (:meth:`put_part`, without its part of the layout index), then
+        :meth:`publish`. The uploader calls the two itself: the part on its thread (its ranks
+        count as stored from there), the rest on another."""
+        self.put_part(target.plan, None)
+        return self.publish(target, index, layout)
+
+    def publish(self, target: StepWrite, index: SnapshotIndex, layout: bytes | None) -> CommitResult:
+        """After the host's part: the step's index once every host's part is there (failing, the
+        step reads from the parts), then retention; both only warn: the ranks are stored with
+        their markers and part."""
         plan, warnings = target.plan, []
         try:
-            if not part_put:
-                self.put_part(plan, None)
             self.publish_step_index(plan.job_id, plan.step, plan.source.attempt if plan.source else 1,
                                     plan.world_size, layout)
         except (OSError, SnapshotError) as exc:

@@ -1,8 +1,8 @@
 """The second tier: each durable local snapshot's ranks uploaded to the store by one background worker
 (only the newest queued snapshot of a job; the skipped ones fail ``stored``, saying so), through the
-store's write seam (:class:`~.store.StoreTier`), each file's crc32 checked on the way; the step's
-host part, index and retention (:meth:`~.store.StoreTier.finish`) by a second thread, so the next
-upload never waits for them. A failing store fails the upload, naming the URI; training goes on.
+store's write seam (:class:`~.store.StoreTier`), each file's crc32 checked on the way, then the
+host's part; the step's index and retention (:meth:`~.store.StoreTier.publish`) by a second
+thread, so the next upload never waits for them. A failing store fails the upload, naming the URI; training goes on.
 Call order: ``SnapshotUploader(...)`` at start (it resumes unfinished uploads), ``submit`` after
 each local commit, ``status`` / ``wait_async`` from the RPCs, ``close`` at shutdown (the running
 upload is abandoned).
@@ -252,7 +252,7 @@ class SnapshotUploader:
             self.counters.ranks_stored += 1
             self._set(info, rank, state=StoreState.STORED, bytes_stored=nbytes)
         # The step's index and retention: they only warn, off this thread.
-        self._finishing.put(lambda: self._tier.finish(target, local, layout, part_put=True))
+        self._finishing.put(lambda: self._tier.publish(target, local, layout))
         seconds = time.monotonic() - begin
         self.counters.seconds += seconds
         log_event(log, "snapshot_stored", snapshot_id=info.snapshot_id, ranks=list(info.ranks),
