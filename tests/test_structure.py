@@ -120,7 +120,7 @@ def test_modules_and_functions_fit():
     assert too_long == []
 
 
-RUNTIME_LINE_BUDGET = 20_449
+RUNTIME_LINE_BUDGET = 20_456
 """A ratchet on runtime code (client/, server/, common/, generated files aside): lowered as code
 goes, raised only with the reason written here. Issues 49 and 50 ask for 17,000 lines before the
 peer tier and 18,500 with it; after dead code and repeated docstrings were cut (about 700 lines)
@@ -140,7 +140,9 @@ Raised from 20,233 on 2026-12-07 (second session) for replication's sender and p
 (a removed step's pages written over: 20% faster memory-only replication, a quarter less CPU on
 both hosts), a replica sent from a file in memory by reference (sendfile), the stager started
 before a replica's file opens and let go first while the writer mirrors (the optimizer step
-while replicating 1.2-1.3x -> 1.01x)."""
+while replicating 1.2-1.3x -> 1.01x); then 7 for ranges held in memory split into data frames (the
+default 64 MiB chunk), a file being written never taken as a spare, and the store tier's finish
+split into the host's part and its publishing (the uploader's ``part_put`` flag gone)."""
 
 
 def test_runtime_code_stays_within_its_line_budget():
