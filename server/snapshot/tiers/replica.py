@@ -186,10 +186,10 @@ class SendingSink(ChunkSink):
     def _send_held(self) -> None:
         held, self._held = self._held, None
         if held is not None:
-            self._in_flight(None, self._pool.submit(self._send, None, *held))
+            self._in_flight(None, self._pool.submit(self._send_file, *held))
 
     def _submit(self) -> None:
-        self._in_flight(self._current, self._pool.submit(self._send, self._current, -1, 0, self._fill))
+        self._in_flight(self._current, self._pool.submit(self._send_buffer, self._current, self._fill))
         self._current, self._fill = self._free.popleft(), 0
 
     def _in_flight(self, buffer: bytearray | None, future: Future[None]) -> None:
@@ -203,14 +203,18 @@ class SendingSink(ChunkSink):
         if buffer is not None:
             self._free.append(buffer)
 
-    def _send(self, buffer: bytearray | None, fd: int, offset: int, nbytes: int) -> None:
-        if not self._limiter.acquire(nbytes, self._cancel):
-            raise SnapshotError("the server is shutting down: the replica was abandoned")
-        if buffer is None:
-            self._conn.send_file(fd, offset, nbytes)
-            return
+    def _send_buffer(self, buffer: bytearray, nbytes: int) -> None:
+        self._pace(nbytes)
         with memoryview(buffer) as whole, whole[:nbytes] as data:
             self._conn.send_data(data)
+
+    def _send_file(self, fd: int, offset: int, nbytes: int) -> None:
+        self._pace(nbytes)
+        self._conn.send_file(fd, offset, nbytes)
+
+    def _pace(self, nbytes: int) -> None:
+        if not self._limiter.acquire(nbytes, self._cancel):
+            raise SnapshotError("the server is shutting down: the replica was abandoned")
 
     def finish(self) -> None:
         if self._fill:

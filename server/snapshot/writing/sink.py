@@ -112,7 +112,7 @@ class BufferedSink(ChunkSink):
         self.file = file  # owned: closed with the sink
         self._fd = file.fileno()
         self._kicked = 0  # file bytes [0, _kicked) have had writeback started
-        self.held_in = self._fd if _posix.in_memory(self._fd) else None
+        self.held_in = self._fd if file.in_memory else None
 
     def room(self) -> int:
         return 1 << 62

@@ -45,6 +45,7 @@ class SnapshotFile:
         create = 0 if spare else os.O_CREAT | os.O_EXCL
         # Readable too: a file in memory is sent to a replica peer from its pages (sendfile).
         self._fd: int | None = os.open(path, os.O_RDWR | create | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+        self.in_memory = _posix.in_memory(self._fd)  # on tmpfs: memory-only snapshots, replicas
 
     def fileno(self) -> int:
         if self._fd is None:
@@ -57,7 +58,7 @@ class SnapshotFile:
         tmpfs (memory-only snapshots, replicas): it takes O_DIRECT since Linux 6.6, but its pages
         are memory, so a bounce buffer would only add a copy."""
         flag = getattr(os, "O_DIRECT", 0)
-        if not flag or not self.direct or _posix.in_memory(self.fileno()):
+        if not flag or not self.direct or self.in_memory:
             return None
         try:
             return os.open(self.path, os.O_WRONLY | flag | os.O_CLOEXEC)

@@ -90,7 +90,6 @@ class RankWriter:
         self.stager = Stager(self, self.stage_slots, settings.stage_threads) if self.stage_slots else None
         self._trainer_yield = self.stager is not None
         self.direct_io = False  # whether the data file was written with O_DIRECT (known once it is created)
-        self._stager_first = True  # the sink's ``stager_first`` (known once it is created)
         self._paused_s = 0.0  # time the writer paused for the trainer's steps (writer thread)
         self._stream_started = 0.0
         self.segment_released = Latch()
@@ -194,7 +193,7 @@ class RankWriter:
         started = self._stream_started = time.monotonic()
         try:
             for chunk in self.chunks:
-                self._before_chunk(chunk)
+                self._before_chunk(chunk, sink)
                 self._persist_chunk(sink, view, chunk, checksums[chunk.tensor_index])
                 self.bytes_persisted += chunk.nbytes
             self._check_not_abandoned()  # after the last read: protocol step 6
@@ -202,14 +201,14 @@ class RankWriter:
             self.stream_seconds = time.monotonic() - started
         return checksums
 
-    def _before_chunk(self, chunk: Chunk) -> None:
+    def _before_chunk(self, chunk: Chunk, sink: ChunkSink) -> None:
         """Wait until ``chunk`` may be streamed (the model's copy, the stager, the trainer's step,
         the bandwidth cap); Cancelled when the snapshot was cancelled meanwhile."""
         self._check_not_abandoned()
         if chunk.index == self.model_from:
             self._wait_for_model()
         if self.stager is not None:
-            if self._stager_first:
+            if sink.stager_first:
                 self.stager.yield_to()
             self._yield_to_trainer(len(self.chunks))
         if not self.limiter.acquire(chunk.nbytes, self.cancel):
@@ -352,7 +351,7 @@ class RankWriter:
                     # next step must find its chunks staged meanwhile.
                     self.stager.start(segment)
                 sink = opened.enter_context(self.tier.open_file(self.target, name))
-                self.direct_io, self._stager_first = sink.direct, sink.stager_first
+                self.direct_io = sink.direct
                 sink.write_all(header)
                 crcs = self._stream(sink, segment)
             finally:
