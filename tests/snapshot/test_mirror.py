@@ -133,32 +133,38 @@ def test_a_mirrored_file_lets_the_stager_fill_its_ring_first(make_segment, make_
 
 
 class _Wire:
-    """A connection that records the frames sent by reference and answers every request."""
+    """A connection that records the data frames sent (their bytes as they were when sent) and
+    answers every request."""
 
     def __init__(self):
         self.frames = []
 
-    def send_file(self, fd, offset, nbytes):
-        self.frames.append((fd, offset, nbytes))
+    def send_data(self, data):
+        self.frames.append(bytes(data))
 
     def request(self, message):
         self.frames.append(message)
         return {"ok": True}
 
 
-def test_bytes_held_in_memory_are_sent_by_reference_in_frames_the_peer_takes():
-    """A chunk larger than a data frame (the server's default chunk is 64 MiB) is sent in frames of
-    at most DATA_FRAME_BYTES, in file order; ranges that meet share frames."""
+def test_a_piece_is_sent_once_final_from_the_bytes_as_they_are_then():
+    """A piece goes out at ``advance`` (after the writer's check), not at ``put``: a piece placed
+    again (``replace``: the trainer overwrote the source) is sent as replaced; a piece is never
+    over a data frame."""
     wire = _Wire()
     sink = SendingSink(wire, BandwidthLimiter(None), threading.Event())
     try:
-        sink.put_held(7, 0, 100)
-        sink.put_held(7, 100, 3 * DATA_FRAME_BYTES)
-        sink.put_held(7, 100 + 3 * DATA_FRAME_BYTES, 50)
+        first, second = bytearray(b"a" * 100), bytearray(b"b" * 50)
+        sink.put(memoryview(first)).release()
+        first[:] = b"c" * 100  # the source changed before the check
+        assert wire.frames == []
+        sink.replace(memoryview(first)).release()
+        sink.advance()
+        sink.put(memoryview(second)).release()
+        sink.advance()
+        with pytest.raises(ValueError, match="over a data frame"):
+            sink.put(memoryview(bytearray(DATA_FRAME_BYTES + 1)))
         sink.finish()
     finally:
         sink.close()
-    total = 150 + 3 * DATA_FRAME_BYTES
-    assert wire.frames[:-1] == [(7, start, min(DATA_FRAME_BYTES, total - start))
-                                for start in range(0, total, DATA_FRAME_BYTES)]
-    assert wire.frames[-1] == {"op": "end", "bytes": total}
+    assert wire.frames == [b"c" * 100, b"b" * 50, {"op": "end", "bytes": 150}]

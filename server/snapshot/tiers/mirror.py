@@ -60,7 +60,7 @@ class MirroredTier(TierWriter):
         return target
 
     def open_file(self, target: StepWrite, name: str) -> ChunkSink:
-        sink = self.primary.open_file(target, name)  # opened first: a copy by reference needs its file
+        sink = self.primary.open_file(target, name)
         try:
             mirror = self._mirror(target)
             copy = self._try(mirror, lambda on: self.mirror.open_file(on, name))
@@ -142,45 +142,33 @@ class MirroredTier(TierWriter):
 
 
 class _TeeSink(ChunkSink):
-    """A data file into the primary's sink and a copy of each final piece to the peer's; the
-    bytes placed are the primary's (their crc32 is the file's: the peer checks it). A primary in
-    memory (memory-only snapshots) is sent from its file once final, by reference: the copy into
-    send buffers and the socket's copy were half the sender's work. The copy's failure is handed
-    to ``failed`` and ends the copy, never the file."""
+    """A data file into the primary's sink and each final piece to the peer's, sent from where
+    the primary placed it (their crc32 is the file's: the peer checks it). The copy's failure is
+    handed to ``failed`` and ends the copy, never the file."""
 
     def __init__(self, primary: ChunkSink, copy: SendingSink, failed: Callable[[BaseException], None]):
         super().__init__()
         self.direct = primary.direct
         self._primary, self._failed = primary, failed
         self._copy: SendingSink | None = copy
-        self._by_reference = primary.held_in is not None
 
     def room(self) -> int:
-        if self._copy is None or self._by_reference:
-            return self._primary.room()
-        return min(self._primary.room(), self._copy.room())
+        return self._primary.room() if self._copy is None else min(self._primary.room(), self._copy.room())
 
     def put(self, data: memoryview) -> memoryview:
         placed = self._primary.put(data)
-        if not self._by_reference:
-            self._on_copy(lambda copy: copy.put(data).release())
+        self._on_copy(lambda copy: copy.put(placed).release())
         return placed
 
     def replace(self, data: memoryview) -> memoryview:
         placed = self._primary.replace(data)
-        if not self._by_reference:
-            self._on_copy(lambda copy: copy.put(data).release())
+        self._on_copy(lambda copy: copy.put(placed).release())
         return placed
 
     def advance(self) -> None:
-        start = self._primary.position
+        self._on_copy(lambda copy: copy.advance())  # first: the primary may reuse its buffer after its advance
         self._primary.advance()
         self.position = self._primary.position
-        held, nbytes = self._primary.held_in, self.position - start
-        if held is None:
-            self._on_copy(lambda copy: copy.advance())
-        else:
-            self._on_copy(lambda copy: copy.put_held(held, start, nbytes))
 
     def finish(self) -> None:
         self._primary.finish()
@@ -189,7 +177,7 @@ class _TeeSink(ChunkSink):
     def close(self) -> None:
         try:
             if self._copy is not None:
-                self._copy.close()  # first: its sends may read the primary's file
+                self._copy.close()  # first: it holds a view of the primary's bytes
         finally:
             self._primary.close()
 

@@ -7,11 +7,9 @@ each writing thread has its own connection to it.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from swap_state.common.addresses import ListenAddress
 from swap_state.common.snapshot_errors import SnapshotError
@@ -19,13 +17,9 @@ from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
 from swap_state.server.snapshot.tiers.replica_wire import CONNECT_TIMEOUT_S, DATA_FRAME_BYTES, Connection, connect_to_peer
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
-from swap_state.server import _posix
-from swap_state.server.snapshot.writing.sink import ChunkSink, copy_piece
+from swap_state.server.snapshot.writing.sink import ChunkSink
 
 __all__ = ["ReplicaTier", "SendingSink"]
-
-SEND_BUFFERS = 3  # a data file's frame buffers: one fills while the others are sent
-SEND_BUFFER_BYTES = 2 << 20  # a frame sent (at most DATA_FRAME_BYTES): 6 MiB of buffers per rank sending
 
 
 @dataclasses.dataclass
@@ -133,101 +127,47 @@ class ReplicaTier(TierWriter):
 
 
 class SendingSink(ChunkSink):
-    """A data file streamed to the peer: pieces fill a frame-sized buffer and a full one is sent
-    by a thread of its own, so the writer waits on the network only while every buffer is in
-    flight (a network slower than the disk); bytes another sink holds in memory
-    (:meth:`put_held`) are sent from its file by reference instead. The peer checks the size at
-    ``end`` and the crc32 against the rank's files (``finish_rank``)."""
+    """A data file streamed to the peer: each piece is sent once final (:meth:`advance`), from
+    the bytes its caller placed, in the writer's thread. The piece was just copied and
+    checksummed, so the send reads it from the CPU's cache; a copy into send buffers and a
+    thread to send them cost the sender's one core more than the overlap won (docs/benchmarks.md,
+    "Pieces the cache holds"). A network slower than the disk paces the writer. The peer checks
+    the size at ``end`` and the crc32 against the rank's files (``finish_rank``)."""
 
     def __init__(self, conn: Connection, limiter: BandwidthLimiter, cancel: threading.Event):
         super().__init__()
         self._conn, self._limiter, self._cancel = conn, limiter, cancel
-        self._free = collections.deque(bytearray(SEND_BUFFER_BYTES) for _ in range(SEND_BUFFERS))
-        self._busy: collections.deque[tuple[bytearray | None, Future[None]]] = collections.deque()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-send")
-        self._current = self._free.popleft()
-        self._fill = 0
-        self._held: tuple[int, int, int] | None = None  # (fd, offset, bytes) not sent yet
+        self._piece: memoryview | None = None  # the last put, sent at advance
 
     def room(self) -> int:
-        return SEND_BUFFER_BYTES - self._fill
+        return DATA_FRAME_BYTES
 
     def put(self, data: memoryview) -> memoryview:
-        if data.nbytes > self.room():
-            raise ValueError(f"a piece of {data.nbytes} bytes does not fit the {self.room()} left")
-        self._send_held()
-        copy_piece(self._current, _posix.buffer_address(self._current), self._fill, data)
-        self._pending = data.nbytes
-        with memoryview(self._current) as whole:
-            return whole[self._fill : self._fill + data.nbytes]
+        """Keep a view of ``data`` (the caller's bytes stay where they are until :meth:`advance`)."""
+        if data.nbytes > DATA_FRAME_BYTES:
+            raise ValueError(f"a piece of {data.nbytes} bytes is over a data frame's {DATA_FRAME_BYTES}")
+        self._release()
+        self._piece, self._pending = data[:], data.nbytes
+        return data[:]
 
     def advance(self) -> None:
-        self._fill += self._pending
+        piece, self._piece = self._piece, None
+        if piece is None:
+            return
+        with piece:
+            if not self._limiter.acquire(piece.nbytes, self._cancel):
+                raise SnapshotError("the server is shutting down: the replica was abandoned")
+            self._conn.send_data(piece)
         self.position += self._pending
         self._pending = 0
-        if self._fill == SEND_BUFFER_BYTES:
-            self._submit()
-
-    def put_held(self, fd: int, offset: int, nbytes: int) -> None:
-        """The final bytes ``[offset, offset + nbytes)`` of ``fd`` (a sink's :attr:`held_in`) next:
-        sent from the file, frames of up to ``DATA_FRAME_BYTES``, no copy here."""
-        if self._fill:
-            self._submit()
-        while nbytes:
-            held = self._held
-            if held is not None and (held[0] != fd or held[1] + held[2] != offset or held[2] == DATA_FRAME_BYTES):
-                self._send_held()
-                held = None
-            start, size = (offset, 0) if held is None else held[1:]
-            more = min(nbytes, DATA_FRAME_BYTES - size)
-            self._held = (fd, start, size + more)
-            offset, nbytes, self.position = offset + more, nbytes - more, self.position + more
-
-    def _send_held(self) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            self._in_flight(None, self._pool.submit(self._send_file, *held))
-
-    def _submit(self) -> None:
-        self._in_flight(self._current, self._pool.submit(self._send_buffer, self._current, self._fill))
-        self._current, self._fill = self._free.popleft(), 0
-
-    def _in_flight(self, buffer: bytearray | None, future: Future[None]) -> None:
-        """Track a send; wait for the oldest while no buffer is free or too many are in flight."""
-        self._busy.append((buffer, future))
-        while self._busy and (not self._free or len(self._busy) > SEND_BUFFERS):
-            self._done(*self._busy.popleft())
-
-    def _done(self, buffer: bytearray | None, future: Future[None]) -> None:
-        future.result()
-        if buffer is not None:
-            self._free.append(buffer)
-
-    def _send_buffer(self, buffer: bytearray, nbytes: int) -> None:
-        self._pace(nbytes)
-        with memoryview(buffer) as whole, whole[:nbytes] as data:
-            self._conn.send_data(data)
-
-    def _send_file(self, fd: int, offset: int, nbytes: int) -> None:
-        self._pace(nbytes)
-        self._conn.send_file(fd, offset, nbytes)
-
-    def _pace(self, nbytes: int) -> None:
-        if not self._limiter.acquire(nbytes, self._cancel):
-            raise SnapshotError("the server is shutting down: the replica was abandoned")
 
     def finish(self) -> None:
-        if self._fill:
-            self._submit()
-        self._send_held()
-        while self._busy:
-            self._done(*self._busy.popleft())
         self._conn.request({"op": "end", "bytes": self.position})
 
     def close(self) -> None:
-        if any(not future.done() for _, future in self._busy):
-            self._conn.abort()  # a failed file: a send stuck on the peer returns now
-        self._pool.shutdown(wait=True)
-        self._busy.clear()
-        self._free.clear()  # the buffers go now, even while a traceback still holds the sink
-        self._current = bytearray(0)
+        self._release()
+
+    def _release(self) -> None:
+        piece, self._piece = self._piece, None
+        if piece is not None:
+            piece.release()

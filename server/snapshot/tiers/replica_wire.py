@@ -8,7 +8,6 @@ the measurement behind it: docs/replica_transport.md.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import hmac
 import json
@@ -92,19 +91,6 @@ class Connection:
             raise ValueError(f"a data frame holds at most {DATA_FRAME_BYTES} bytes")
         self._send(_DATA, data)
 
-    def send_file(self, fd: int, offset: int, nbytes: int) -> None:
-        """A data frame of ``fd``'s bytes ``[offset, offset + nbytes)``, sent by reference (no copy
-        here: the file's pages must not change until the peer has read them)."""
-        if nbytes > DATA_FRAME_BYTES:
-            raise ValueError(f"a data frame holds at most {DATA_FRAME_BYTES} bytes")
-        try:
-            self.sock.sendall(_HEADER.pack(_MAGIC, _DATA, nbytes))
-            sent = self.sock.sendfile(_Descriptor(fd), offset, nbytes)
-        except OSError as exc:
-            raise WireError(f"sending to replica peer {self.peer} failed: {exc}") from None
-        if sent != nbytes:
-            raise WireError(f"sending to replica peer {self.peer} failed: the file ended {nbytes - sent} bytes early")
-
     def request(self, message: dict[str, Any], data: bytes | memoryview | None = None) -> dict[str, Any]:
         """Send ``message`` (and ``data``), then the peer's answer; ReplicaRefused when it refused."""
         self.send(message)
@@ -177,16 +163,6 @@ class Connection:
                 done += got
         except OSError as exc:  # a timeout included
             raise WireError(f"receiving from replica peer {self.peer} failed: {exc}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Descriptor:
-    """A descriptor as ``socket.sendfile`` takes a file (it asks for ``fileno`` only)."""
-
-    fd: int
-
-    def fileno(self) -> int:
-        return self.fd
 
 
 def _proof(secret: bytes, role: bytes, sender_nonce: str, peer_nonce: str) -> str:

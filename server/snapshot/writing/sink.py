@@ -48,9 +48,6 @@ class ChunkSink(abc.ABC):
     """Whether the writer lets the stager copy before each chunk (its copies are what the trainer's
     next step waits for, and this sink's copies and sends compete with them); not an O_DIRECT
     sink's, whose pause would idle the disk."""
-    held_in: int | None = None
-    """A descriptor of a file in memory that holds every final byte at its position until the
-    file is removed: a copy may be sent from it by reference (``sendfile``), not from the pieces."""
 
     def __init__(self) -> None:
         self.position = 0  # file offset of the next put
@@ -104,15 +101,13 @@ class ChunkSink(abc.ABC):
 class BufferedSink(ChunkSink):
     """``pwrite`` from the caller's view straight into the page cache (no copy of its own),
     writeback started every ``_WRITEBACK_BYTES``; fsync at the end. A file in memory (tmpfs)
-    holds its final bytes (:attr:`held_in`); it may be a spare file, longer than what is
-    written: the end cuts it to size."""
+    may be a spare file, longer than what is written: the end cuts it to size."""
 
     def __init__(self, file: SnapshotFile):
         super().__init__()
         self.file = file  # owned: closed with the sink
         self._fd = file.fileno()
         self._kicked = 0  # file bytes [0, _kicked) have had writeback started
-        self.held_in = self._fd if file.in_memory else None
 
     def room(self) -> int:
         return 1 << 62
