@@ -46,11 +46,11 @@ def _place(sink: ChunkSink, data: memoryview) -> memoryview:
     return sink.put(data)
 
 
-# The most bytes of a chunk placed, checksummed (and sent to a replica peer) at once: each pass
-# after the placing then reads the piece from the CPU's cache, not from memory. Measured on the
-# 2-vCPU VM (docs/benchmarks.md, "Pieces the cache holds"): copy, crc32 and a loopback send of
-# 512 MiB took 0.22-0.24 CPU-s in 1 MiB pieces against 0.29-0.30 in 8 MiB ones.
-PIECE_BYTES = 1 << 20
+# The most bytes of a chunk placed, checksummed (and sent to a replica peer) at once: the passes
+# after the placing then read the piece from the CPU's cache, not from memory. Memory-only
+# replication of 512 MiB on the 2-vCPU VM, medians of 12 (docs/benchmarks.md, "Pieces the cache
+# holds"): 1.42 GB/s in 256 KiB pieces, 1.35 in 512 KiB, 1.23 in 1 MiB, about 1.0 in whole chunks.
+PIECE_BYTES = 256 << 10
 
 # Longest a writer pauses for one optimizer step of the trainer; a longer step (a trainer
 # killed mid-step) ends the pausing for the rest of the snapshot.
