@@ -56,7 +56,9 @@ class SnapshotSettings:
     replica_peers: str | None = None
     """The peers each durable snapshot is replicated to (``tcp://HOST:PORT,...``; None: none)."""
     replica_secret_file: pathlib.Path | None = None
-    """The secret the peers prove to each other."""
+    """The secret the peers prove to each other (None: mutual TLS alone)."""
+    replica_tls: tuple[pathlib.Path, pathlib.Path, pathlib.Path] | None = None
+    """(certificate chain, key, roots) of mutual TLS on the replica wire (None: none)."""
     replica_max_bandwidth: float | None = None
     """The cap on sending replicas in bytes/s (None: none)."""
 
@@ -149,11 +151,11 @@ class ServerConfig:
     gets it), so a lost host's state is restored from the peer's memory instead of the store;
     memory-only snapshots (a trainer's replica interval) go to this host's memory and the peer's
     alone. A peer that is down or full fails the replica, never the snapshot. Needs
-    --snapshot-dir and --replica-secret-file."""
+    --snapshot-dir, and --replica-secret-file or mutual TLS (--replica-tls-cert)."""
     replica_listen: str | None = _flag(None, metavar="tcp://HOST:PORT", example="tcp://0.0.0.0:7071")
     """Take replicas from the servers whose --replica-peers name this address, into memory set
     aside with --replica-size (files under --shm-dir, so a restarted server keeps them). Needs
-    --replica-secret-file and --replica-size."""
+    --replica-size, and --replica-secret-file or mutual TLS (--replica-tls-cert)."""
     replica_size: int = _flag(0, kind="size", example="96G")
     """Memory for the replicas peers send (besides --shm-size, which is the trainers'): the
     oldest replicas are evicted for newer ones, never a job's newest; a replica that does not
@@ -161,7 +163,18 @@ class ServerConfig:
     spares within it, for newer ones to be written over (dropped first when room is needed)."""
     replica_secret_file: pathlib.Path | None = _flag(None, metavar="FILE", example="/etc/swap-state/replica-secret")
     """A secret of at least 16 bytes (mode 0600) every replica peer holds: each side proves it
-    holds it before a byte is sent (HMAC, never the secret itself)."""
+    holds it before a byte is sent (HMAC, never the secret itself). The bytes then travel in
+    plaintext: on a network others share, add mutual TLS (--replica-tls-cert)."""
+    replica_tls_cert: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/peer.pem")
+    """This server's certificate chain on the replica wire: mutual TLS, with --replica-tls-key and
+    --replica-tls-ca. Each side of a replica connection presents one, the bytes are encrypted,
+    and a peer's must name the host in --replica-peers. With it --replica-secret-file is optional
+    (both: both are checked). Encrypting costs the sender's CPU: replication is slower."""
+    replica_tls_key: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/peer.key")
+    """The private key of --replica-tls-cert."""
+    replica_tls_ca: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/peers-ca.pem")
+    """The roots every replica peer's certificate must chain to (use a CA of servers only: any
+    certificate it signed may send replicas and read them)."""
     replica_max_bandwidth: int = _flag(0, kind="size", metavar="BYTES_PER_S", example="2G")
     """Upper bound for sending replicas to --replica-peers in bytes/s (a snapshot is sent while
     the disk persists it, so this paces its persisting too); 0 means unlimited."""
@@ -298,8 +311,12 @@ class ServerConfig:
              "--snapshot-store needs --snapshot-dir: snapshots become durable there first, then are uploaded"),
             (not self.replica_peers or self.snapshot_dir is not None,
              "--replica-peers needs --snapshot-dir: snapshots become durable there first, then are replicated"),
-            (not (self.replica_peers or self.replica_listen) or self.replica_secret_file is not None,
-             "--replica-peers and --replica-listen need --replica-secret-file (the secret every peer holds)"),
+            ((self.replica_tls_cert is None) == (self.replica_tls_key is None) == (self.replica_tls_ca is None),
+             "--replica-tls-cert, --replica-tls-key and --replica-tls-ca go together (mutual TLS)"),
+            (not (self.replica_peers or self.replica_listen) or self.replica_secret_file is not None
+             or self.replica_tls_cert is not None,
+             "--replica-peers and --replica-listen need --replica-secret-file (the secret every peer holds) "
+             "or mutual TLS (--replica-tls-cert, --replica-tls-key, --replica-tls-ca)"),
             (not self.replica_listen or self.replica_size > 0,
              "--replica-listen needs --replica-size: the memory the replicas may take, e.g. --replica-size 96G"),
             (self.replica_size >= 0 and self.replica_max_bandwidth >= 0,
@@ -331,7 +348,9 @@ class ServerConfig:
             model_copy_timeout_s=self.model_copy_timeout, direct_io=self.direct_io, store_uri=self.snapshot_store,
             store_timeout_s=self.snapshot_store_timeout, tenant_snapshot_quota=self.tenant_snapshot_quota,
             store_max_bandwidth=self.snapshot_store_max_bandwidth or None, replica_peers=self.replica_peers,
-            replica_secret_file=self.replica_secret_file, replica_max_bandwidth=self.replica_max_bandwidth or None)
+            replica_secret_file=self.replica_secret_file, replica_max_bandwidth=self.replica_max_bandwidth or None,
+            replica_tls=None if self.replica_tls_cert is None else (
+                self.replica_tls_cert, self.replica_tls_key, self.replica_tls_ca))  # type: ignore[arg-type]
 
     @property
     def cow_pool_bytes(self) -> int:

@@ -45,7 +45,7 @@ from swap_state.server.rpc.validation import validate_descriptor
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 from swap_state.server.snapshot.tiers.replica_receiver import ReplicaReceiver
-from swap_state.server.snapshot.tiers.replica_wire import read_secret
+from swap_state.server.snapshot.tiers.replica_wire import peer_credentials
 from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.snapshot.tiers.spares import SpareFiles
 
@@ -229,7 +229,7 @@ def _start_replica_receiver(config: ServerConfig, directory: SnapshotDirectory,
                             snapshots: SnapshotCoordinator | None) -> ReplicaReceiver:
     """``--replica-listen``: take peers' replicas into ``directory`` (memory)."""
     address = parse_address(config.replica_listen or "", "--replica-listen")
-    receiver = ReplicaReceiver(address, read_secret(config.replica_secret_file or pathlib.Path()), directory,
+    receiver = ReplicaReceiver(address, peer_credentials(config.snapshot_settings), directory,
                                config.replica_size, snapshots.job_owner if snapshots is not None else lambda job: None,
                                snapshots.held if snapshots is not None else None)
     try:

@@ -56,7 +56,7 @@ from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 from swap_state.server.snapshot.tiers.seam import StepPlan, TierWriter
 from swap_state.server.snapshot.tiers.replica import ReplicaTier
-from swap_state.server.snapshot.tiers.replica_wire import read_secret
+from swap_state.server.snapshot.tiers.replica_wire import peer_credentials
 from swap_state.server.snapshot.tiers.mirror import MirroredTier
 from swap_state.server.snapshot.tiers.replicate import ReplicaStates
 from swap_state.server.snapshot.tiers.store import StoreTier
@@ -131,13 +131,13 @@ class SnapshotCoordinator:
         self.memory, self.memory_tier = memory, None  # memory-only snapshots: here, mirrored to a peer
         self.replica_states, self._replica_tier, peers = None, None, []
         if settings.replica_peers:
-            addresses, secret = parse_peers(settings.replica_peers), read_secret(settings.replica_secret_file)
-            self._replica_tier = ReplicaTier(addresses, secret, BandwidthLimiter(settings.replica_max_bandwidth))
+            addresses, credentials = parse_peers(settings.replica_peers), peer_credentials(settings)
+            self._replica_tier = ReplicaTier(addresses, credentials, BandwidthLimiter(settings.replica_max_bandwidth))
             self.replica_states = ReplicaStates()
             self.tier = MirroredTier(self.directory, self._replica_tier, self.replica_states)
             if memory is not None:
                 self.memory_tier = MirroredTier(memory, self._replica_tier, self.replica_states)
-            peers = [PeerSnapshots(address, secret) for address in addresses]
+            peers = [PeerSnapshots(address, credentials) for address in addresses]
         mine = [self.local, *([memory.reader] if memory is not None else []), *([replicas] if replicas else [])]
         # What peers may read (never their own answers again), and what restores read from.
         self.held: SnapshotTier = HostSnapshots(mine) if len(mine) > 1 else self.local

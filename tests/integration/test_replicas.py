@@ -19,11 +19,12 @@ from swap_state.common.addresses import parse_address
 from swap_state.common.checksum import crc32
 from swap_state.common.retry import wait_until
 from swap_state.common.snapshot_format import INDEX_NAME, FileRecord, rank_data_name, rank_manifest_name
-from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES, ReplicaRefused, connect_to_peer
+from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES, PeerCredentials, ReplicaRefused, connect_to_peer
 
 from .test_server_metrics import _free_port
 from snapshot_kit import params_copy, reference, swap_state_cli
 
+from .certs import make_pair, write_pair
 from .workload import Workload, build, mismatches, remote, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -141,7 +142,7 @@ def _prepared_step(start_server, hosts_shm, tmp_path, job: str, nbytes: int):
     (the connection, the peer's shm directory)."""
     secret = _secret(tmp_path)
     _, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
-    conn = connect_to_peer(parse_address(address), pathlib.Path(secret).read_text().strip().encode())
+    conn = connect_to_peer(parse_address(address), PeerCredentials(pathlib.Path(secret).read_text().strip().encode()))
     conn.request({"op": "prepare", "job_id": job, "step": 1, "world_size": 1, "tenant": "", "keep": None,
                   "replace": False, "bytes": nbytes})
     return conn, peer_shm
@@ -173,8 +174,8 @@ def test_a_caller_without_the_secret_gets_nothing_and_cannot_make_it_allocate(st
         sock.settimeout(10)
         assert sock.recv(1) == b""  # closed, nothing read or allocated
     with pytest.raises(ReplicaRefused, match="does not hold"):
-        connect_to_peer(peer, b"not-the-secret-but-long-enough")
-    connect_to_peer(peer, pathlib.Path(secret).read_text().strip().encode()).close()  # still serving
+        connect_to_peer(peer, PeerCredentials(b"not-the-secret-but-long-enough"))
+    connect_to_peer(peer, PeerCredentials(pathlib.Path(secret).read_text().strip().encode())).close()  # still serving
 
 
 @pytest.mark.parametrize("where", ["beside_the_peer", "on_a_replacement_host"])
@@ -395,3 +396,41 @@ def test_memory_only_snapshots_in_a_row_are_written_over_the_pages_of_those_remo
         container.close()
     assert [len(seen) for seen in inodes.values()] == [2, 2], inodes  # two files, written over in turn
     assert _restore_latest(sender, "reused") == 5
+
+
+def test_peers_proving_themselves_by_mutual_tls_alone_replicate_and_refuse_a_stranger(start_server, hosts_shm,
+                                                                                       tmp_path):
+    """``--replica-tls-*`` instead of a shared secret: a snapshot is replicated over TLS byte for
+    byte and a new host restores it from the peer's memory; a server whose certificate another CA
+    signed is refused by the peer (logged there), its own snapshot durable all the same."""
+    pytest.importorskip("cryptography.x509", reason="needs cryptography (the dev extra)")
+    ca, other_ca = make_pair("replica peers' CA"), make_pair("someone else's CA")
+    roots = write_pair(tmp_path, "ca", ca)[0]
+
+    def host(name: str, issuer=ca, **settings):
+        (hosts_shm / name).mkdir()
+        cert, key = write_pair(tmp_path, name, make_pair(f"host {name}", issuer, server=True))
+        return start_server(snapshot_dir=tmp_path / f"{name}-snapshots", shm_dir=str(hosts_shm / name),
+                            replica_tls_cert=cert, replica_tls_key=key, replica_tls_ca=roots, **settings)
+
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    peer = host("b", replica_listen=address, replica_size="64M")
+    container, handle = _snapshot(host("a", replica_peers=address), "over-tls")
+    try:
+        assert handle.wait_replicated(timeout_s=60).replica_state == "replicated"
+        durable = pathlib.Path(handle.wait_durable(timeout_s=10).path)
+    finally:
+        container.close()
+    [replica] = (hosts_shm / "b").glob("swap-state-replicas-*/over-tls/step-*")
+    assert (replica / rank_data_name(0)).read_bytes() == (durable / rank_data_name(0)).read_bytes()
+    assert _restore_latest(host("c", replica_peers=address), "over-tls") == 3  # a's disk is not c's
+
+    container, handle = _snapshot(host("s", issuer=other_ca, replica_peers=address), "stranger")
+    try:
+        assert handle.wait_durable(timeout_s=60).state == "durable"
+        with pytest.raises(SwapStateError, match="mutual TLS failed"):
+            handle.wait_replicated(timeout_s=60)
+    finally:
+        container.close()
+    assert wait_until(lambda: "event=replica_connection_refused" in peer.log_text(), timeout_s=10)
+    assert not list((hosts_shm / "b").glob("swap-state-replicas-*/stranger"))

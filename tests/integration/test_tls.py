@@ -4,8 +4,6 @@ refused; the CLI takes the same files. Certificates made here with ``cryptograph
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import socket
 import subprocess
 import sys
@@ -16,32 +14,11 @@ from swap_state.client.errors import ServerUnavailableError
 from swap_state.client.remote.rpc import ClientConfig, SwapStateClient
 from swap_state.common.retry import wait_until
 
+from .certs import make_pair, write_pair
 from .workload import Workload, build, remote, train
 
 pytestmark = pytest.mark.integration
 x509 = pytest.importorskip("cryptography.x509", reason="needs cryptography (the dev extra)")
-
-
-def _pair(subject: str, issuer=None, server: bool = False):
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    issuer_name, issuer_key = (issuer[2], issuer[1]) if issuer else (name, key)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name).public_key(key.public_key())
-               .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True))
-    if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                                        critical=False)
-    cert = builder.sign(issuer_key, hashes.SHA256())
-    pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
-    return cert.public_bytes(serialization.Encoding.PEM), key, name, pem_key
 
 
 def _free_port() -> int:
@@ -53,13 +30,11 @@ def _free_port() -> int:
 @pytest.fixture
 def mtls(tmp_path, private_shm_dir):
     files = {}
-    ca = _pair("swap-state test CA")
-    other_ca = _pair("someone else's CA")
-    for name, pair in {"ca": ca, "server": _pair("server", ca, server=True), "client": _pair("trainer", ca),
-                       "stranger": _pair("stranger", other_ca)}.items():
-        (tmp_path / f"{name}.pem").write_bytes(pair[0])
-        (tmp_path / f"{name}.key").write_bytes(pair[3])
-        files[name] = (str(tmp_path / f"{name}.pem"), str(tmp_path / f"{name}.key"))
+    ca = make_pair("swap-state test CA")
+    other_ca = make_pair("someone else's CA")
+    for name, pair in {"ca": ca, "server": make_pair("server", ca, server=True), "client": make_pair("trainer", ca),
+                       "stranger": make_pair("stranger", other_ca)}.items():
+        files[name] = write_pair(tmp_path, name, pair)
     address = f"tcp://127.0.0.1:{_free_port()}"
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen(

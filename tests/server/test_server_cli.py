@@ -50,7 +50,8 @@ def test_help_explains_every_flag_with_an_example():
                 "--snapshot-store", "--snapshot-store-timeout", "--snapshot-store-max-bandwidth",
                 "--tls-cert", "--discard-segments", "--free-segments-on-stop",
                 "--tls-key", "--tls-client-ca", "--insecure", "--replica-peers", "--replica-listen",
-                "--replica-size", "--replica-secret-file", "--replica-max-bandwidth"}
+                "--replica-size", "--replica-secret-file", "--replica-tls-cert", "--replica-tls-key", "--replica-tls-ca",
+                "--replica-max-bandwidth"}
     assert {a.option_strings[0] for a in flags} == expected
     for action in flags:
         assert action.option_strings[0] in result.stdout

@@ -14,8 +14,9 @@ from swap_state.proto import swap_state_pb2 as pb
 from swap_state.common.addresses import parse_address as parse_listen
 from swap_state.common.server_config import ServerConfig
 from swap_state.common.sizes import parse_size
-from swap_state.common.errors import ConfigError
+from swap_state.common.errors import ConfigError, StartupError
 from swap_state.server.rpc.service import SwapStateService
+from swap_state.server.snapshot.tiers.replica_wire import peer_credentials
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -106,3 +107,17 @@ def test_config_defaults_and_rules(monkeypatch):
     ):
         with pytest.raises(ConfigError):
             ServerConfig(**bad)
+
+
+def test_replica_peers_prove_themselves_by_a_secret_or_mutual_tls(tmp_path):
+    base = dict(shm_size=1 << 30, snapshot_dir=tmp_path, replica_peers="tcp://host-b:7071")
+    with pytest.raises(ConfigError, match="--replica-secret-file .* or mutual TLS"):
+        ServerConfig(**base)
+    with pytest.raises(ConfigError, match="--replica-tls-cert, --replica-tls-key and --replica-tls-ca go together"):
+        ServerConfig(**base, replica_tls_cert=tmp_path / "peer.pem", replica_tls_key=tmp_path / "peer.key")
+    files = tuple(tmp_path / name for name in ("peer.pem", "peer.key", "ca.pem"))
+    settings = ServerConfig(**base, replica_tls_cert=files[0], replica_tls_key=files[1],
+                            replica_tls_ca=files[2]).snapshot_settings
+    assert settings.replica_tls == files and settings.replica_secret_file is None
+    with pytest.raises(StartupError, match="--replica-tls-cert .*peer.pem.*cannot load them"):
+        peer_credentials(settings)  # the files are not there

@@ -13,7 +13,7 @@ from swap_state.common.snapshot_errors import SnapshotCorruptError
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 from swap_state.server.snapshot.tiers.replica_receiver import ReplicaReceiver
-from swap_state.server.snapshot.tiers.replica_wire import connect_to_peer
+from swap_state.server.snapshot.tiers.replica_wire import PeerCredentials, connect_to_peer
 from swap_state.server.snapshot.tiers.seam import StepPlan
 from swap_state.server.snapshot.tiers.spares import SpareFiles, hold_for_reading
 
@@ -92,9 +92,9 @@ def test_a_peer_drops_its_spare_files_to_make_room_instead_of_refusing(tmp_path)
     directory.spares = SpareFiles(directory.root, 1 << 20)
     (tmp_path / "old").write_bytes(bytes(600_000))
     directory.spares.keep([tmp_path / "old"])
-    receiver = ReplicaReceiver(parse_address("tcp://127.0.0.1:0"), secret, directory, size=1 << 20)
+    receiver = ReplicaReceiver(parse_address("tcp://127.0.0.1:0"), PeerCredentials(secret), directory, size=1 << 20)
     port = receiver.start()
-    conn = connect_to_peer(parse_address(f"tcp://127.0.0.1:{port}"), secret)
+    conn = connect_to_peer(parse_address(f"tcp://127.0.0.1:{port}"), PeerCredentials(secret))
     try:
         assert receiver.held_bytes() == 600_000
         conn.request({"op": "prepare", "job_id": "job", "step": 1, "world_size": 1, "tenant": "", "keep": None,

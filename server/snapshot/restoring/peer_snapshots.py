@@ -14,7 +14,7 @@ from swap_state.common.snapshot_errors import SnapshotError, SnapshotNotFoundErr
 from swap_state.common.snapshot_format import SnapshotIndex
 from swap_state.common.snapshot_tier import SnapshotInfo, SnapshotTier
 from swap_state.server.logs import log_event
-from swap_state.server.snapshot.tiers.replica_wire import CONNECT_TIMEOUT_S, Connection, connect_to_peer
+from swap_state.server.snapshot.tiers.replica_wire import CONNECT_TIMEOUT_S, Connection, PeerCredentials, connect_to_peer
 
 __all__ = ["PeerSnapshots"]
 
@@ -27,8 +27,8 @@ class PeerSnapshots(SnapshotTier):
 
     where = "peer"
 
-    def __init__(self, peer: ListenAddress, secret: bytes):
-        self.peer, self._secret = peer, secret
+    def __init__(self, peer: ListenAddress, credentials: PeerCredentials):
+        self.peer, self._credentials = peer, credentials
         self.root = peer.url
         self._conn: Connection | None = None
         self._lock = threading.Lock()
@@ -69,7 +69,7 @@ class PeerSnapshots(SnapshotTier):
         with self._lock:
             try:
                 if self._conn is None:
-                    self._conn = connect_to_peer(self.peer, self._secret, CONNECT_TIMEOUT_S)
+                    self._conn = connect_to_peer(self.peer, self._credentials, CONNECT_TIMEOUT_S)
                 answer = self._conn.request(message)
                 if not data:
                     return answer

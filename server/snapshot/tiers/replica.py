@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from swap_state.common.addresses import ListenAddress
 from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
-from swap_state.server.snapshot.tiers.replica_wire import CONNECT_TIMEOUT_S, DATA_FRAME_BYTES, Connection, connect_to_peer
+from swap_state.server.snapshot.tiers.replica_wire import (
+    CONNECT_TIMEOUT_S, DATA_FRAME_BYTES, Connection, PeerCredentials, connect_to_peer)
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
 from swap_state.server.snapshot.writing.sink import ChunkSink
@@ -35,8 +36,9 @@ class _Remote:
 class ReplicaTier(TierWriter):
     """Steps written into a peer's memory (the seam's call order; thread-safe as it says)."""
 
-    def __init__(self, peers: Sequence[ListenAddress], secret: bytes, limiter: BandwidthLimiter | None = None):
-        self.peers, self._secret = tuple(peers), secret
+    def __init__(self, peers: Sequence[ListenAddress], credentials: PeerCredentials,
+                 limiter: BandwidthLimiter | None = None):
+        self.peers, self._credentials = tuple(peers), credentials
         self.root = ",".join(peer.url for peer in self.peers)
         self._limiter = limiter or BandwidthLimiter(None)
         self._cancel = threading.Event()
@@ -50,7 +52,7 @@ class ReplicaTier(TierWriter):
         why = []
         for peer in self.peers:
             try:
-                conn = connect_to_peer(peer, self._secret, CONNECT_TIMEOUT_S)
+                conn = connect_to_peer(peer, self._credentials, CONNECT_TIMEOUT_S)
             except SnapshotError as exc:
                 why.append(str(exc))
                 continue
@@ -73,7 +75,7 @@ class ReplicaTier(TierWriter):
         with remote.lock:
             conn = remote.connections.get(threading.get_ident())
         if conn is None:
-            conn = connect_to_peer(remote.peer, self._secret)
+            conn = connect_to_peer(remote.peer, self._credentials)
             conn.request({"op": "join", "token": remote.token})
             with remote.lock:
                 remote.connections[threading.get_ident()] = conn

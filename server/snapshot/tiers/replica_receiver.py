@@ -30,7 +30,7 @@ from swap_state.common.sizes import format_size
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 from swap_state.server.snapshot.tiers.replica_wire import (
-    DATA_FRAME_BYTES, IO_TIMEOUT_S, Connection, WireError, accept_sender)
+    DATA_FRAME_BYTES, IO_TIMEOUT_S, Connection, PeerCredentials, WireError, accept_sender)
 from swap_state.server.snapshot.tiers.seam import StepPlan, StepWrite
 
 __all__ = ["ReplicaReceiver"]
@@ -62,13 +62,13 @@ class _Step:
 class ReplicaReceiver:
     """Accepts replicas from peers into ``directory`` (in memory), at most ``size`` bytes."""
 
-    def __init__(self, listen: ListenAddress, secret: bytes, directory: SnapshotDirectory, size: int,
+    def __init__(self, listen: ListenAddress, credentials: PeerCredentials, directory: SnapshotDirectory, size: int,
                  job_owner: Callable[[str], str | None] = lambda job_id: None, host: SnapshotTier | None = None):
         """``job_owner(job)``: the tenant this server knows as the job's (its own snapshots), or
         None; ``host``: what peers may read (this host's snapshots and replicas; default: the replicas)."""
         self.listen, self.directory, self.size = listen, directory, size
         self.host = host or directory.reader
-        self._secret, self._job_owner = secret, job_owner
+        self._credentials, self._job_owner = credentials, job_owner
         self._steps: dict[str, _Step] = {}
         self._lock = threading.Lock()
         self._room = threading.Lock()  # held while room is made and reserved: two steps never take the same
@@ -115,9 +115,9 @@ class ReplicaReceiver:
                              name="replica-receive").start()
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
-        conn, step = Connection(sock, peer), None
+        conn, step = None, None
         try:
-            accept_sender(conn, self._secret)
+            conn = accept_sender(sock, peer, self._credentials)
             while not self._closed.is_set():
                 message = conn.receive()
                 try:
@@ -131,9 +131,12 @@ class ReplicaReceiver:
         except WireError as exc:
             if step is not None and "closed the connection" not in str(exc):
                 step.failed = step.failed or str(exc)
-            log_event(log, "replica_connection_ended", logging.DEBUG, peer=peer, why=str(exc))
+            if conn is None:  # not authenticated: worth an operator's look
+                log_event(log, "replica_connection_refused", logging.WARNING, peer=peer, detail=str(exc))
+            else:
+                log_event(log, "replica_connection_ended", logging.DEBUG, peer=peer, why=str(exc))
         finally:
-            conn.close()
+            (sock if conn is None else conn).close()
             self._slots.release()
 
     def _handle(self, conn: Connection, message: dict[str, Any], step: _Step | None) -> _Step | None:

@@ -1,5 +1,6 @@
-"""The replica tier's wire between two servers: one TCP connection per writing thread, a mutual
-HMAC handshake on the secret both hold (``--replica-secret-file``), then frames: a fixed header
+"""The replica tier's wire between two servers: one TCP connection per writing thread, mutual
+TLS where the flags give it (``--replica-tls-*``), a mutual HMAC handshake on the secret both
+hold where they give one (``--replica-secret-file``), then frames: a fixed header
 (magic, kind, length) and a JSON control message or raw data. Every frame is bounded before it
 is read, nothing is unpickled, every socket operation has a timeout. The chosen transport and
 the measurement behind it: docs/replica_transport.md.
@@ -8,6 +9,7 @@ the measurement behind it: docs/replica_transport.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -15,18 +17,20 @@ import os
 import pathlib
 import secrets
 import socket
+import ssl
 import stat
 import struct
 from typing import Any
 
 from swap_state.common.addresses import ListenAddress
 from swap_state.common.errors import StartupError
+from swap_state.common.server_config import SnapshotSettings
 from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import MAX_LAYOUT_BYTES
 from swap_state.server.tenants import read_secret_file
 
-__all__ = ["CONNECT_TIMEOUT_S", "Connection", "DATA_FRAME_BYTES", "ReplicaRefused", "WireError", "accept_sender", "connect_to_peer",
-           "read_secret"]
+__all__ = ["CONNECT_TIMEOUT_S", "Connection", "DATA_FRAME_BYTES", "PeerCredentials", "ReplicaRefused", "WireError",
+           "accept_sender", "connect_to_peer", "peer_credentials", "read_secret"]
 
 _MAGIC = b"SSR1"
 _HEADER = struct.Struct("!4sBQ")  # magic, kind, payload length
@@ -145,7 +149,7 @@ class Connection:
             self.sock.sendall(_HEADER.pack(_MAGIC, kind, len(payload)))
             self.sock.sendall(payload)
         except OSError as exc:
-            raise WireError(f"sending to replica peer {self.peer} failed: {exc}") from None
+            raise WireError(f"sending to replica peer {self.peer} failed: {_why(exc)}") from None
 
     def _exactly(self, nbytes: int) -> bytearray:
         buffer = bytearray(nbytes)
@@ -162,19 +166,64 @@ class Connection:
                     raise WireError(f"replica peer {self.peer} closed the connection")
                 done += got
         except OSError as exc:  # a timeout included
-            raise WireError(f"receiving from replica peer {self.peer} failed: {exc}") from None
+            raise WireError(f"receiving from replica peer {self.peer} failed: {_why(exc)}") from None
+
+
+def _why(exc: OSError) -> str:
+    """A broken connection's cause; a TLS one names the flags (with TLS 1.3 the peer's verdict on
+    this side's certificate arrives with its first message, not in the handshake)."""
+    if isinstance(exc, ssl.SSLError):
+        return f"{exc}: mutual TLS failed (--replica-tls-*: both sides' certificates and roots)"
+    return str(exc)
 
 
 def _proof(secret: bytes, role: bytes, sender_nonce: str, peer_nonce: str) -> str:
     return hmac.new(secret, b"|".join((role, sender_nonce.encode(), peer_nonce.encode())), hashlib.sha256).hexdigest()
 
 
-def connect_to_peer(peer: ListenAddress, secret: bytes, timeout_s: float = 10.0) -> Connection:
-    """A connection to ``peer`` after both proved they hold ``secret``; WireError / ReplicaRefused."""
+@dataclasses.dataclass(frozen=True)
+class PeerCredentials:
+    """What replica peers prove to each other: the shared secret (HMAC), mutual TLS, or both."""
+
+    secret: bytes | None = None
+    connecting: ssl.SSLContext | None = None  # mutual TLS as the side that connects
+    accepting: ssl.SSLContext | None = None  # and as the side that accepts
+
+
+def peer_credentials(settings: SnapshotSettings) -> PeerCredentials:
+    """The credentials the flags name (``--replica-secret-file``, ``--replica-tls-*``); StartupError."""
+    secret = read_secret(settings.replica_secret_file) if settings.replica_secret_file is not None else None
+    if settings.replica_tls is None:
+        return PeerCredentials(secret)
+    cert, key, roots = settings.replica_tls
+    contexts = []
+    for purpose in (ssl.PROTOCOL_TLS_CLIENT, ssl.PROTOCOL_TLS_SERVER):
+        context = ssl.SSLContext(purpose)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.verify_mode = ssl.CERT_REQUIRED  # both sides present a certificate the roots signed
+        try:
+            context.load_cert_chain(cert, key)
+            context.load_verify_locations(roots)
+        except (OSError, ssl.SSLError) as exc:
+            raise StartupError(f"--replica-tls-cert {cert}, --replica-tls-key {key}, --replica-tls-ca {roots}: "
+                               f"cannot load them: {exc}") from None
+        contexts.append(context)
+    return PeerCredentials(secret, *contexts)
+
+
+def connect_to_peer(peer: ListenAddress, credentials: PeerCredentials, timeout_s: float = 10.0) -> Connection:
+    """A connection to ``peer`` after both proved who they are; WireError / ReplicaRefused."""
     try:
         sock = socket.create_connection((peer.host, peer.port), timeout=timeout_s)
     except OSError as exc:
         raise WireError(f"cannot reach replica peer {peer.url}: {exc}") from None
+    if credentials.connecting is not None:
+        try:
+            sock = credentials.connecting.wrap_socket(sock, server_hostname=peer.host)
+        except (OSError, ssl.SSLError) as exc:  # CertificateError included
+            sock.close()
+            raise ReplicaRefused(f"replica peer {peer.url}: {exc}: mutual TLS failed (--replica-tls-*)",
+                                 "unauthenticated") from None
     conn = Connection(sock, peer.url)
     try:
         nonce = secrets.token_hex(16)
@@ -182,11 +231,12 @@ def connect_to_peer(peer: ListenAddress, secret: bytes, timeout_s: float = 10.0)
         challenge = conn.receive()
         if not challenge.get("ok"):
             raise ReplicaRefused(f"replica peer {peer.url} refused the connection: {challenge.get('error')}")
-        peer_nonce = str(challenge.get("nonce", ""))
-        if not hmac.compare_digest(str(challenge.get("proof", "")), _proof(secret, b"peer", nonce, peer_nonce)):
+        peer_nonce, secret = str(challenge.get("nonce", "")), credentials.secret
+        if secret is not None and not hmac.compare_digest(str(challenge.get("proof", "")),
+                                                          _proof(secret, b"peer", nonce, peer_nonce)):
             raise ReplicaRefused(f"replica peer {peer.url} does not hold this server's --replica-secret-file",
                                  "unauthenticated")
-        conn.request({"op": "auth", "proof": _proof(secret, b"sender", nonce, peer_nonce)})
+        conn.request({"op": "auth", "proof": _proof(secret, b"sender", nonce, peer_nonce) if secret else ""})
         conn.authenticated = True
     except BaseException:
         conn.close()
@@ -194,16 +244,35 @@ def connect_to_peer(peer: ListenAddress, secret: bytes, timeout_s: float = 10.0)
     return conn
 
 
-def accept_sender(conn: Connection, secret: bytes) -> None:
-    """The peer's side of the handshake; WireError (answered first) when the sender fails it."""
+def accept_sender(sock: socket.socket, peer: str, credentials: PeerCredentials) -> Connection:
+    """The peer's side of the handshake: the connection once the sender proved who it is;
+    WireError (answered first where the wire allows) when it did not."""
+    if credentials.accepting is not None:
+        sock.settimeout(IO_TIMEOUT_S)
+        try:
+            sock = credentials.accepting.wrap_socket(sock, server_side=True)
+        except (OSError, ssl.SSLError) as exc:
+            sock.close()
+            raise WireError(f"replica sender {peer}: {exc}: mutual TLS failed (--replica-tls-*)") from None
+    conn = Connection(sock, peer)
+    try:
+        _authenticate_sender(conn, credentials.secret)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _authenticate_sender(conn: Connection, secret: bytes | None) -> None:
     hello = conn.receive()
     if hello.get("op") != "hello" or hello.get("version") != _VERSION:
         conn.send({"ok": False, "reason": "version", "error": f"expected protocol version {_VERSION}"})
         raise WireError(f"replica sender {conn.peer} speaks another protocol: {str(hello)[:80]}")
     sender_nonce, nonce = str(hello.get("nonce", "")), secrets.token_hex(16)
-    conn.send({"ok": True, "nonce": nonce, "proof": _proof(secret, b"peer", sender_nonce, nonce)})
+    conn.send({"ok": True, "nonce": nonce, "proof": _proof(secret, b"peer", sender_nonce, nonce) if secret else ""})
     auth = conn.receive()
-    if not hmac.compare_digest(str(auth.get("proof", "")), _proof(secret, b"sender", sender_nonce, nonce)):
+    if secret is not None and not hmac.compare_digest(str(auth.get("proof", "")),
+                                                      _proof(secret, b"sender", sender_nonce, nonce)):
         conn.send({"ok": False, "reason": "unauthenticated", "error": "wrong --replica-secret-file"})
         raise WireError(f"replica sender {conn.peer} does not hold this server's --replica-secret-file")
     conn.authenticated = True
