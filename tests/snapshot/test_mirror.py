@@ -147,24 +147,21 @@ class _Wire:
         return {"ok": True}
 
 
-def test_a_piece_is_sent_once_final_from_the_bytes_as_they_are_then():
-    """A piece goes out at ``advance`` (after the writer's check), not at ``put``: a piece placed
-    again (``replace``: the trainer overwrote the source) is sent as replaced; a piece is never
-    over a data frame."""
+def test_a_piece_is_sent_as_it_was_put_once_final():
+    """A piece is copied when put, before the writer checks what it read (so the check covers
+    what is sent: the trainer may overwrite the segment right after the check), and sent at
+    ``advance``; a piece placed again (``replace``) is sent as replaced; never over a frame."""
     wire = _Wire()
     sink = SendingSink(wire, BandwidthLimiter(None), threading.Event())
-    try:
-        first, second = bytearray(b"a" * 100), bytearray(b"b" * 50)
-        sink.put(memoryview(first)).release()
-        first[:] = b"c" * 100  # the source changed before the check
-        assert wire.frames == []
-        sink.replace(memoryview(first)).release()
-        sink.advance()
-        sink.put(memoryview(second)).release()
-        sink.advance()
-        with pytest.raises(ValueError, match="over a data frame"):
-            sink.put(memoryview(bytearray(DATA_FRAME_BYTES + 1)))
-        sink.finish()
-    finally:
-        sink.close()
-    assert wire.frames == [b"c" * 100, b"b" * 50, {"op": "end", "bytes": 150}]
+    first, second = bytearray(b"a" * 100), bytearray(b"b" * 50)
+    sink.put(memoryview(first)).release()
+    first[:] = b"c" * 100  # the trainer's write, after the check
+    assert wire.frames == []
+    sink.advance()
+    sink.put(memoryview(second)).release()
+    sink.replace(memoryview(bytearray(b"d" * 50))).release()  # the check found it torn
+    sink.advance()
+    with pytest.raises(ValueError, match="over a data frame"):
+        sink.put(memoryview(bytearray(DATA_FRAME_BYTES + 1)))
+    sink.finish()
+    assert wire.frames == [b"a" * 100, b"d" * 50, {"op": "end", "bytes": 150}]

@@ -142,9 +142,9 @@ class MirroredTier(TierWriter):
 
 
 class _TeeSink(ChunkSink):
-    """A data file into the primary's sink and each final piece to the peer's, sent from where
-    the primary placed it (their crc32 is the file's: the peer checks it). The copy's failure is
-    handed to ``failed`` and ends the copy, never the file."""
+    """A data file into the primary's sink and each piece, as the primary placed it, to the
+    peer's (their crc32 is the file's: the peer checks it). The copy's failure is handed to
+    ``failed`` and ends the copy, never the file."""
 
     def __init__(self, primary: ChunkSink, copy: SendingSink, failed: Callable[[BaseException], None]):
         super().__init__()
@@ -166,8 +166,8 @@ class _TeeSink(ChunkSink):
         return placed
 
     def advance(self) -> None:
-        self._on_copy(lambda copy: copy.advance())  # first: the primary may reuse its buffer after its advance
         self._primary.advance()
+        self._on_copy(lambda copy: copy.advance())
         self.position = self._primary.position
 
     def finish(self) -> None:
@@ -177,7 +177,7 @@ class _TeeSink(ChunkSink):
     def close(self) -> None:
         try:
             if self._copy is not None:
-                self._copy.close()  # first: it holds a view of the primary's bytes
+                self._copy.close()
         finally:
             self._primary.close()
 

@@ -18,7 +18,8 @@ from swap_state.server.snapshot.tiers.replica_wire import (
     CONNECT_TIMEOUT_S, DATA_FRAME_BYTES, Connection, PeerCredentials, connect_to_peer)
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
-from swap_state.server.snapshot.writing.sink import ChunkSink
+from swap_state.server import _posix
+from swap_state.server.snapshot.writing.sink import ChunkSink, copy_piece
 
 __all__ = ["ReplicaTier", "SendingSink"]
 
@@ -129,47 +130,42 @@ class ReplicaTier(TierWriter):
 
 
 class SendingSink(ChunkSink):
-    """A data file streamed to the peer: each piece is sent once final (:meth:`advance`), from
-    the bytes its caller placed, in the writer's thread. The piece was just copied and
-    checksummed, so the send reads it from the CPU's cache; a copy into send buffers and a
-    thread to send them cost the sender's one core more than the overlap won (docs/benchmarks.md,
-    "Pieces the cache holds"). A network slower than the disk paces the writer. The peer checks
-    the size at ``end`` and the crc32 against the rank's files (``finish_rank``)."""
+    """A data file streamed to the peer: each piece is copied here when put, and sent once final
+    (:meth:`advance`), in the writer's thread. The copy is made before the writer checks what it
+    read, so the check covers it (a send from the segment after the check could read what the
+    trainer wrote since); the piece was just placed, so the copy and the send read it from the
+    CPU's cache. Send buffers filled for a thread of their own cost the sender's one core more
+    than the overlap won (docs/benchmarks.md, "Pieces the cache holds"). A network slower than
+    the disk paces the writer. The peer checks the size at ``end`` and the crc32 against the
+    rank's files (``finish_rank``)."""
 
     def __init__(self, conn: Connection, limiter: BandwidthLimiter, cancel: threading.Event):
         super().__init__()
         self._conn, self._limiter, self._cancel = conn, limiter, cancel
-        self._piece: memoryview | None = None  # the last put, sent at advance
+        self._piece = bytearray(0)  # grows to the largest piece (the writer's are 256 KiB)
 
     def room(self) -> int:
         return DATA_FRAME_BYTES
 
     def put(self, data: memoryview) -> memoryview:
-        """Keep a view of ``data`` (the caller's bytes stay where they are until :meth:`advance`)."""
         if data.nbytes > DATA_FRAME_BYTES:
             raise ValueError(f"a piece of {data.nbytes} bytes is over a data frame's {DATA_FRAME_BYTES}")
-        self._release()
-        self._piece, self._pending = data[:], data.nbytes
-        return data[:]
+        if data.nbytes > len(self._piece):
+            self._piece = bytearray(data.nbytes)
+        copy_piece(self._piece, _posix.buffer_address(self._piece), 0, data)
+        self._pending = data.nbytes
+        with memoryview(self._piece) as whole:
+            return whole[: data.nbytes]
 
     def advance(self) -> None:
-        piece, self._piece = self._piece, None
-        if piece is None:
+        if not self._pending:
             return
-        with piece:
-            if not self._limiter.acquire(piece.nbytes, self._cancel):
-                raise SnapshotError("the server is shutting down: the replica was abandoned")
+        if not self._limiter.acquire(self._pending, self._cancel):
+            raise SnapshotError("the server is shutting down: the replica was abandoned")
+        with memoryview(self._piece) as whole, whole[: self._pending] as piece:
             self._conn.send_data(piece)
         self.position += self._pending
         self._pending = 0
 
     def finish(self) -> None:
         self._conn.request({"op": "end", "bytes": self.position})
-
-    def close(self) -> None:
-        self._release()
-
-    def _release(self) -> None:
-        piece, self._piece = self._piece, None
-        if piece is not None:
-            piece.release()
