@@ -43,8 +43,7 @@ class SnapshotFile:
         ``spare``: the file exists, a removed step's, to be written over (:mod:`..tiers.spares`)."""
         self.path, self.direct = path, direct
         create = 0 if spare else os.O_CREAT | os.O_EXCL
-        # Readable too: a file in memory is mapped (MemorySink), which needs read and write.
-        self._fd: int | None = os.open(path, os.O_RDWR | create | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+        self._fd: int | None = os.open(path, os.O_WRONLY | create | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
         self.in_memory = _posix.in_memory(self._fd)  # on tmpfs: memory-only snapshots, replicas
 
     def fileno(self) -> int:
