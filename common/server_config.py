@@ -313,6 +313,8 @@ class ServerConfig:
              "--replica-peers needs --snapshot-dir: snapshots become durable there first, then are replicated"),
             ((self.replica_tls_cert is None) == (self.replica_tls_key is None) == (self.replica_tls_ca is None),
              "--replica-tls-cert, --replica-tls-key and --replica-tls-ca go together (mutual TLS)"),
+            (self.replica_tls_cert is None or self.replica_peers or self.replica_listen,
+             "--replica-tls-* apply to the replica wire: give --replica-peers or --replica-listen too"),
             (not (self.replica_peers or self.replica_listen) or self.replica_secret_file is not None
              or self.replica_tls_cert is not None,
              "--replica-peers and --replica-listen need --replica-secret-file (the secret every peer holds) "

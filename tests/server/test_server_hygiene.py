@@ -16,7 +16,7 @@ from swap_state.common.server_config import ServerConfig
 from swap_state.common.sizes import parse_size
 from swap_state.common.errors import ConfigError, StartupError
 from swap_state.server.rpc.service import SwapStateService
-from swap_state.server.snapshot.tiers.replica_wire import peer_credentials
+from swap_state.server.snapshot.tiers.replica_wire import PeerCredentials, peer_credentials
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -121,3 +121,11 @@ def test_replica_peers_prove_themselves_by_a_secret_or_mutual_tls(tmp_path):
     assert settings.replica_tls == files and settings.replica_secret_file is None
     with pytest.raises(StartupError, match="--replica-tls-cert .*peer.pem.*cannot load them"):
         peer_credentials(settings)  # the files are not there
+    files[1].write_text("a key others may read")
+    files[1].chmod(0o644)
+    with pytest.raises(StartupError, match="--replica-tls-key .* others may read: chmod 600"):
+        peer_credentials(settings)
+    with pytest.raises(ConfigError, match="--replica-tls-\\* apply to the replica wire"):
+        ServerConfig(shm_size=1 << 30, replica_tls_cert=files[0], replica_tls_key=files[1], replica_tls_ca=files[2])
+    with pytest.raises(ValueError, match="a secret or mutual TLS"):
+        PeerCredentials()  # a wire open to anyone

@@ -8,7 +8,6 @@ the measurement behind it: docs/replica_transport.md.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -81,11 +80,6 @@ class Connection:
 
     def close(self) -> None:
         self.sock.close()
-
-    def abort(self) -> None:
-        """End the connection now: a send or receive blocked in another thread fails at once."""
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
 
     def send(self, message: dict[str, Any]) -> None:
         self._send(_CONTROL, json.dumps(message, allow_nan=False).encode())
@@ -170,11 +164,18 @@ class Connection:
 
 
 def _why(exc: OSError) -> str:
-    """A broken connection's cause; a TLS one names the flags (with TLS 1.3 the peer's verdict on
-    this side's certificate arrives with its first message, not in the handshake)."""
-    if isinstance(exc, ssl.SSLError):
-        return f"{exc}: mutual TLS failed (--replica-tls-*: both sides' certificates and roots)"
-    return str(exc)
+    """A broken connection's cause; a refused certificate names the flags (with TLS 1.3 the peer's
+    verdict on this side's certificate arrives with its first message, not in the handshake)."""
+    return f"{exc}: {_TLS_REFUSED}" if _certificate_refused(exc) else str(exc)
+
+
+_TLS_REFUSED = "mutual TLS failed (--replica-tls-*: both sides' certificates and roots)"
+
+
+def _certificate_refused(exc: OSError) -> bool:
+    """Whether ``exc`` is a certificate this side or the peer refused (not a broken connection)."""
+    return isinstance(exc, ssl.SSLCertVerificationError) or (
+        isinstance(exc, ssl.SSLError) and any(word in str(exc.reason) for word in ("CERTIFICATE", "UNKNOWN_CA")))
 
 
 def _proof(secret: bytes, role: bytes, sender_nonce: str, peer_nonce: str) -> str:
@@ -189,6 +190,10 @@ class PeerCredentials:
     connecting: ssl.SSLContext | None = None  # mutual TLS as the side that connects
     accepting: ssl.SSLContext | None = None  # and as the side that accepts
 
+    def __post_init__(self) -> None:
+        if self.secret is None and (self.connecting is None or self.accepting is None):
+            raise ValueError("replica peers need a secret or mutual TLS: a wire open to anyone is never made")
+
 
 def peer_credentials(settings: SnapshotSettings) -> PeerCredentials:
     """The credentials the flags name (``--replica-secret-file``, ``--replica-tls-*``); StartupError."""
@@ -196,13 +201,19 @@ def peer_credentials(settings: SnapshotSettings) -> PeerCredentials:
     if settings.replica_tls is None:
         return PeerCredentials(secret)
     cert, key, roots = settings.replica_tls
+    if key.exists() and key.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise StartupError(f"--replica-tls-key {key} is a private key others may read: chmod 600 {key}")
+
+    def encrypted() -> str:
+        raise StartupError(f"--replica-tls-key {key} is encrypted: give the key unencrypted (mode 0600)")
+
     contexts = []
     for purpose in (ssl.PROTOCOL_TLS_CLIENT, ssl.PROTOCOL_TLS_SERVER):
         context = ssl.SSLContext(purpose)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.verify_mode = ssl.CERT_REQUIRED  # both sides present a certificate the roots signed
         try:
-            context.load_cert_chain(cert, key)
+            context.load_cert_chain(cert, key, password=encrypted)
             context.load_verify_locations(roots)
         except (OSError, ssl.SSLError) as exc:
             raise StartupError(f"--replica-tls-cert {cert}, --replica-tls-key {key}, --replica-tls-ca {roots}: "
@@ -220,11 +231,16 @@ def connect_to_peer(peer: ListenAddress, credentials: PeerCredentials, timeout_s
     if credentials.connecting is not None:
         try:
             sock = credentials.connecting.wrap_socket(sock, server_hostname=peer.host)
-        except (OSError, ssl.SSLError) as exc:  # CertificateError included
+        except OSError as exc:  # ssl.SSLError and CertificateError included
             sock.close()
-            raise ReplicaRefused(f"replica peer {peer.url}: {exc}: mutual TLS failed (--replica-tls-*)",
-                                 "unauthenticated") from None
-    conn = Connection(sock, peer.url)
+            if _certificate_refused(exc):
+                raise ReplicaRefused(f"replica peer {peer.url}: {exc}: {_TLS_REFUSED}", "unauthenticated") from None
+            raise WireError(f"cannot reach replica peer {peer.url} over TLS: {exc}") from None
+    try:
+        conn = Connection(sock, peer.url)
+    except OSError as exc:
+        sock.close()
+        raise WireError(f"cannot reach replica peer {peer.url}: {exc}") from None
     try:
         nonce = secrets.token_hex(16)
         conn.send({"op": "hello", "version": _VERSION, "nonce": nonce, "pid": os.getpid()})
@@ -251,14 +267,17 @@ def accept_sender(sock: socket.socket, peer: str, credentials: PeerCredentials) 
         sock.settimeout(IO_TIMEOUT_S)
         try:
             sock = credentials.accepting.wrap_socket(sock, server_side=True)
-        except (OSError, ssl.SSLError) as exc:
+        except OSError as exc:  # ssl.SSLError included
             sock.close()
-            raise WireError(f"replica sender {peer}: {exc}: mutual TLS failed (--replica-tls-*)") from None
-    conn = Connection(sock, peer)
+            raise WireError(f"replica sender {peer}: {_why(exc)}") from None
     try:
+        conn = Connection(sock, peer)
         _authenticate_sender(conn, credentials.secret)
+    except OSError as exc:
+        sock.close()
+        raise WireError(f"replica sender {peer}: {exc}") from None
     except BaseException:
-        conn.close()
+        sock.close()  # the TLS socket, when wrapped
         raise
     return conn
 
@@ -273,7 +292,7 @@ def _authenticate_sender(conn: Connection, secret: bytes | None) -> None:
     auth = conn.receive()
     if secret is not None and not hmac.compare_digest(str(auth.get("proof", "")),
                                                       _proof(secret, b"sender", sender_nonce, nonce)):
-        conn.send({"ok": False, "reason": "unauthenticated", "error": "wrong --replica-secret-file"})
+        conn.send({"ok": False, "reason": "unauthenticated", "error": "wrong or no --replica-secret-file"})
         raise WireError(f"replica sender {conn.peer} does not hold this server's --replica-secret-file")
     conn.authenticated = True
     conn.send({"ok": True})
