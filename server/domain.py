@@ -32,6 +32,7 @@ from swap_state.server.memory.arena import Segment
 from swap_state.server.memory.session import LivenessStream, Session
 from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.observability.metrics import SnapshotCounters
+from swap_state.server.snapshot.tiers.replica_receiver import ReplicaReceiver
 from swap_state.server.snapshot.coordinator import RankSnapshot, SnapshotCoordinator
 from swap_state.server.snapshot.group import SnapshotAlreadyFailed
 from swap_state.server.snapshot.restoring.restore import RestoreResult, restore
@@ -77,6 +78,7 @@ class StateServer:
         self.arena = registry.arena
         self.snapshots = snapshots
         self.snapshot_counters = SnapshotCounters()
+        self.replica_receiver: ReplicaReceiver | None = None  # --replica-listen's, for the metrics
         self._finishing: set[asyncio.Task[None]] = set()
 
     # -- tenancy ---------------------------------------------------------------------------

@@ -204,9 +204,11 @@ def _build_state(config: ServerConfig, listen: ListenAddress, gid: int | None,
                                                                         if s.job_id == job_id},
                                         replicas=replicas.reader if replicas is not None else None, memory=memory)
         undo.callback(snapshots.close)
+    state = StateServer(registry, snapshots)
     if replicas is not None:
-        undo.callback(_start_replica_receiver(config, replicas, snapshots).close)
-    return StateServer(registry, snapshots)
+        state.replica_receiver = _start_replica_receiver(config, replicas, snapshots)
+        undo.callback(state.replica_receiver.close)
+    return state
 
 
 def _memory_directory(config: ServerConfig, listen: ListenAddress, kind: str, flag: str) -> SnapshotDirectory:
@@ -288,7 +290,7 @@ async def _start_metrics(config: ServerConfig, service: SwapStateService, starte
         return None
     state = service.state
     collector = ServerCollector(state.arena, state.registry, service.counters,
-                                state.snapshot_counters, state.snapshots, started_at=started_at)
+                                state.snapshot_counters, state.snapshots, state.replica_receiver, started_at=started_at)
     metrics = MetricsServer(collector, config.metrics_host, config.metrics_port)
     try:
         await metrics.start()

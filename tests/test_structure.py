@@ -120,7 +120,7 @@ def test_modules_and_functions_fit():
     assert too_long == []
 
 
-RUNTIME_LINE_BUDGET = 20_474
+RUNTIME_LINE_BUDGET = 20_517
 """A ratchet on runtime code (client/, server/, common/, generated files aside): lowered as code
 goes, raised only with the reason written here. Issues 49 and 50 ask for 17,000 lines before the
 peer tier and 18,500 with it; after dead code and repeated docstrings were cut (about 700 lines)
@@ -144,10 +144,11 @@ while replicating 1.2-1.3x -> 1.01x); then 7 for ranges held in memory split int
 default 64 MiB chunk), a file being written never taken as a spare, and the store tier's finish
 split into the host's part and its publishing (the uploader's ``part_put`` flag gone); then 4 for
 a send from a buffer and one from a file as two methods, not one taking both's arguments.
-Lowered to 20,474 on 2026-12-07 (third session): the replica's send buffers, their thread and the
+Lowered to 20,474 on 2026-12-07 (third session), raised to 20,517: the replica's send buffers, their thread and the
 sends by reference went (-95: pieces sent from the writer's thread, one buffer), then mutual TLS
 on the replica wire came (+110: three flags, the credentials and their checks, the handshake on
-both sides, a refused certificate told from a broken connection)."""
+both sides, a refused certificate told from a broken connection); then 43 for the replicas'
+metrics (sent, failed, bytes; a peer's held bytes, received, refused connections): there were none)."""
 
 
 def test_runtime_code_stays_within_its_line_budget():

@@ -23,6 +23,7 @@ from swap_state.server.logs import log_event
 from swap_state.server.memory.session import Session, SessionState
 from swap_state.server.memory.sessions import SessionRegistry
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator, SnapshotStatus
+from swap_state.server.snapshot.tiers.replica_receiver import ReplicaReceiver
 
 __all__ = ["CONTENT_TYPE", "MetricsServer", "RpcCounters", "ServerCollector", "SnapshotCounters"]
 
@@ -107,6 +108,15 @@ _UPLOAD_COUNTERS = (
     ("swap_state_store_ranks_failed_total", "Snapshot ranks whose upload failed.", "ranks_failed"),
     ("swap_state_store_bytes_total", "Bytes uploaded to the --snapshot-store.", "bytes_stored"),
     ("swap_state_store_upload_seconds_total", "Seconds spent uploading snapshots.", "seconds"))
+_REPLICA_COUNTERS = (
+    ("swap_state_replicas_sent_total", "Snapshots replicated into a --replica-peers peer.", "replicated"),
+    ("swap_state_replicas_failed_total", "Snapshots whose replica failed (the snapshot stayed durable).", "failed"),
+    ("swap_state_replica_sent_bytes_total", "Bytes of the snapshots replicated.", "bytes"))
+_RECEIVER_COUNTERS = (
+    ("swap_state_replicas_received_total", "Replicas peers sent here (--replica-listen), complete.", "complete"),
+    ("swap_state_replica_received_bytes_total", "Bytes of the replicas received complete.", "bytes"),
+    ("swap_state_replica_connections_refused_total",
+     "Connections to --replica-listen refused: a wrong secret or certificate, or another protocol.", "refused"))
 _SUMMED = ("bytes_persisted", "cow_copies", "backpressure_waits", "backpressure_wait_seconds")
 
 
@@ -124,10 +134,11 @@ class ServerCollector(Collector):
     """Every family of the server, read from the live objects on every ``collect()``."""
 
     def __init__(self, arena: Arena, registry: SessionRegistry, counters: RpcCounters,
-                 snapshot_counters: SnapshotCounters, coordinator: SnapshotCoordinator | None, *,
-                 started_at: float) -> None:
+                 snapshot_counters: SnapshotCounters, coordinator: SnapshotCoordinator | None,
+                 receiver: ReplicaReceiver | None = None, *, started_at: float) -> None:
         self.arena, self.registry, self.counters = arena, registry, counters
         self.snapshot_counters, self.coordinator, self.started_at = snapshot_counters, coordinator, started_at
+        self.receiver = receiver
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("swap_state_up", "1 while the server serves.", 1)
@@ -167,6 +178,21 @@ class ServerCollector(Collector):
         if uploader is not None:
             for name, help_text, field in _UPLOAD_COUNTERS:
                 yield CounterMetricFamily(name, help_text, getattr(uploader.counters, field))
+        yield from self._replicas()
+
+    def _replicas(self) -> Iterator[Metric]:
+        """The replicas this server sends (--replica-peers) and those it holds (--replica-listen)."""
+        states = self.coordinator.replica_states if self.coordinator is not None else None
+        if states is not None:
+            for name, help_text, key in _REPLICA_COUNTERS:
+                yield CounterMetricFamily(name, help_text, states.counters[key])
+        if self.receiver is not None:
+            yield GaugeMetricFamily("swap_state_replica_size_bytes", "The --replica-size budget.", self.receiver.size)
+            yield GaugeMetricFamily("swap_state_replica_held_bytes",
+                                    "Bytes of --replica-size held: replicas, spares and those arriving.",
+                                    self.receiver.held_bytes())
+            for name, help_text, key in _RECEIVER_COUNTERS:
+                yield CounterMetricFamily(name, help_text, self.receiver.counters[key])
 
 
 class MetricsServer:

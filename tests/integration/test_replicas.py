@@ -21,7 +21,7 @@ from swap_state.common.retry import wait_until
 from swap_state.common.snapshot_format import INDEX_NAME, FileRecord, rank_data_name, rank_manifest_name
 from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES, PeerCredentials, ReplicaRefused, connect_to_peer
 
-from .test_server_metrics import _free_port
+from .test_server_metrics import _free_port, _scrape
 from snapshot_kit import params_copy, reference, swap_state_cli
 
 from .certs import make_pair, write_pair
@@ -47,12 +47,12 @@ def _secret(tmp_path: pathlib.Path, name: str = "secret", text: str = "a-replica
     return str(path)
 
 
-def _peer(start_server, hosts_shm, tmp_path, secret: str, size: str = "64M"):
+def _peer(start_server, hosts_shm, tmp_path, secret: str, size: str = "64M", **settings):
     """Host b: a server taking replicas; (server, its replica address, its shm directory)."""
     port, shm = _free_port(), hosts_shm / "b"
     shm.mkdir()
     server = start_server(snapshot_dir=tmp_path / "b-snapshots", shm_dir=str(shm), replica_listen=f"tcp://127.0.0.1:{port}",
-                          replica_size=size, replica_secret_file=secret)
+                          replica_size=size, replica_secret_file=secret, **settings)
     return server, f"tcp://127.0.0.1:{port}", shm
 
 
@@ -80,9 +80,10 @@ def _restore_latest(server, job: str) -> int:
 
 
 def test_a_snapshot_is_replicated_into_the_peers_memory_byte_for_byte(start_server, hosts_shm, tmp_path):
-    secret = _secret(tmp_path)
-    _, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret)
-    sender = _sender(start_server, hosts_shm, tmp_path, address, secret)
+    """...and both servers' metrics count it."""
+    secret, ports = _secret(tmp_path), (_free_port(), _free_port())
+    _, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, secret, metrics_port=f"127.0.0.1:{ports[0]}")
+    sender = _sender(start_server, hosts_shm, tmp_path, address, secret, metrics_port=f"127.0.0.1:{ports[1]}")
     container, handle = _snapshot(sender, "replicated")
     try:
         reply = handle.wait_replicated(timeout_s=60)
@@ -97,12 +98,23 @@ def test_a_snapshot_is_replicated_into_the_peers_memory_byte_for_byte(start_serv
     local = pathlib.Path(durable.path)
     for name in (rank_data_name(0), INDEX_NAME):
         assert (replicas[0] / name).read_bytes() == (local / name).read_bytes(), name
+    peer_metrics, sender_metrics = _scrape(ports[0]), _scrape(ports[1])
+    nbytes = sender_metrics["swap_state_replica_sent_bytes_total"]
+    assert sender_metrics["swap_state_replicas_sent_total"] == 1 and nbytes >= (local / rank_data_name(0)).stat().st_size
+    assert sender_metrics["swap_state_replicas_failed_total"] == 0
+    assert (peer_metrics["swap_state_replicas_received_total"], peer_metrics["swap_state_replica_received_bytes_total"]) \
+        == (1, nbytes)
+    assert nbytes <= peer_metrics["swap_state_replica_held_bytes"] <= peer_metrics["swap_state_replica_size_bytes"]
+    assert peer_metrics["swap_state_replica_connections_refused_total"] == 0
 
 
 def test_a_wrong_secret_fails_the_replica_not_the_snapshot(start_server, hosts_shm, tmp_path):
-    _, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, _secret(tmp_path))
+    """...counted on both sides."""
+    ports = (_free_port(), _free_port())
+    _, address, peer_shm = _peer(start_server, hosts_shm, tmp_path, _secret(tmp_path), metrics_port=f"127.0.0.1:{ports[0]}")
     sender = _sender(start_server, hosts_shm, tmp_path, address,
-                     _secret(tmp_path, "other", "another-secret-of-at-least-16-bytes"))
+                     _secret(tmp_path, "other", "another-secret-of-at-least-16-bytes"),
+                     metrics_port=f"127.0.0.1:{ports[1]}")
     container, handle = _snapshot(sender, "wrong-secret")
     try:
         assert handle.wait_durable(timeout_s=60).state == "durable"
@@ -111,6 +123,9 @@ def test_a_wrong_secret_fails_the_replica_not_the_snapshot(start_server, hosts_s
     finally:
         container.close()
     assert not list(peer_shm.glob("swap-state-replicas-*/wrong-secret/step-*"))
+    assert _scrape(ports[1])["swap_state_replicas_failed_total"] == 1
+    assert wait_until(lambda: _scrape(ports[0])["swap_state_replica_connections_refused_total"] >= 1, timeout_s=10)
+    assert _scrape(ports[0])["swap_state_replicas_received_total"] == 0
 
 
 def test_a_full_peer_refuses_and_says_which_flag(start_server, hosts_shm, tmp_path):

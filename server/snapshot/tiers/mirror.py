@@ -89,7 +89,8 @@ class MirroredTier(TierWriter):
         else:
             log_event(log, "snapshot_replicated", snapshot_id=index.snapshot_id, peer=str(replicated.path),
                       bytes=index.total_bytes, seconds=round(time.monotonic() - mirror.began, 3))
-            self.states.settle(index.job_id, index.step, "replicated", peer=str(replicated.path))
+            self.states.settle(index.job_id, index.step, "replicated", peer=str(replicated.path),
+                               nbytes=index.total_bytes)
         return result
 
     def discard(self, target: StepWrite) -> bool:

@@ -9,6 +9,7 @@ never a job's newest). One thread per connection; the sender's call order is the
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -70,6 +71,7 @@ class ReplicaReceiver:
         self.host = host or directory.reader
         self._credentials, self._job_owner = credentials, job_owner
         self._steps: dict[str, _Step] = {}
+        self.counters: collections.Counter[str] = collections.Counter()  # "complete", "bytes", "refused" (metrics)
         self._lock = threading.Lock()
         self._room = threading.Lock()  # held while room is made and reserved: two steps never take the same
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -132,6 +134,8 @@ class ReplicaReceiver:
             if step is not None and "closed the connection" not in str(exc):
                 step.failed = step.failed or str(exc)
             if conn is None:  # not authenticated: worth an operator's look
+                with self._lock:
+                    self.counters["refused"] += 1
                 log_event(log, "replica_connection_refused", logging.WARNING, peer=peer, detail=str(exc))
             else:
                 log_event(log, "replica_connection_ended", logging.DEBUG, peer=peer, why=str(exc))
@@ -337,6 +341,8 @@ class ReplicaReceiver:
         self.directory.empty_trash(result)
         log_event(log, "replica_complete", snapshot_id=index.snapshot_id, ranks=list(index.ranks),
                   bytes=index.total_bytes)
+        with self._lock:
+            self.counters.update(complete=1, bytes=index.total_bytes)
         conn.send({"ok": True, "path": str(result.path)})
 
     def _forget(self, step: _Step) -> None:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from swap_state.server.snapshot.status import SnapshotStatus
@@ -31,12 +32,17 @@ class ReplicaStates:
     def __init__(self) -> None:
         self._states: dict[tuple[str, int], ReplicaState] = {}
         self._cond = WatchedCondition()
+        self.counters: collections.Counter[str] = collections.Counter()  # "replicated", "failed", "bytes" (metrics)
 
     def start(self, job_id: str, step: int) -> None:
         self.settle(job_id, step, "replicating")
 
-    def settle(self, job_id: str, step: int, state: str, peer: str = "", error: str = "") -> None:
+    def settle(self, job_id: str, step: int, state: str, peer: str = "", error: str = "", nbytes: int = 0) -> None:
+        """``nbytes``: of a replicated step, for the metrics."""
         with self._cond:
+            if state != "replicating":
+                self.counters[state] += 1
+                self.counters["bytes"] += nbytes
             self._states.pop((job_id, step), None)  # re-inserted last: the newest stay
             self._states[(job_id, step)] = ReplicaState(state, peer, error)
             while len(self._states) > HISTORY:
