@@ -73,12 +73,13 @@ class SnapshotAsk:
 class StateServer:
     """Every operation of the SwapState service on the server's state, for a caller's tenant."""
 
-    def __init__(self, registry: SessionRegistry, snapshots: SnapshotCoordinator | None) -> None:
+    def __init__(self, registry: SessionRegistry, snapshots: SnapshotCoordinator | None,
+                 replica_receiver: ReplicaReceiver | None = None) -> None:
         self.registry = registry
         self.arena = registry.arena
         self.snapshots = snapshots
         self.snapshot_counters = SnapshotCounters()
-        self.replica_receiver: ReplicaReceiver | None = None  # --replica-listen's, for the metrics
+        self.replica_receiver = replica_receiver  # --replica-listen's, for the metrics
         self._finishing: set[asyncio.Task[None]] = set()
 
     # -- tenancy ---------------------------------------------------------------------------

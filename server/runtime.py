@@ -204,11 +204,10 @@ def _build_state(config: ServerConfig, listen: ListenAddress, gid: int | None,
                                                                         if s.job_id == job_id},
                                         replicas=replicas.reader if replicas is not None else None, memory=memory)
         undo.callback(snapshots.close)
-    state = StateServer(registry, snapshots)
-    if replicas is not None:
-        state.replica_receiver = _start_replica_receiver(config, replicas, snapshots)
-        undo.callback(state.replica_receiver.close)
-    return state
+    receiver = _start_replica_receiver(config, replicas, snapshots) if replicas is not None else None
+    if receiver is not None:
+        undo.callback(receiver.close)
+    return StateServer(registry, snapshots, receiver)
 
 
 def _memory_directory(config: ServerConfig, listen: ListenAddress, kind: str, flag: str) -> SnapshotDirectory:

@@ -70,6 +70,17 @@ def _snapshot(server, job: str):
     return container, container.snapshot()
 
 
+def _durable_not_replicated(server, job: str, why: str) -> None:
+    """A snapshot of ``job`` at ``server`` is durable, and its replica failed saying ``why``."""
+    container, handle = _snapshot(server, job)
+    try:
+        with pytest.raises(SwapStateError, match=why):
+            handle.wait_replicated(timeout_s=60)
+        assert handle.wait_durable(timeout_s=60).state == "durable"
+    finally:
+        container.close()
+
+
 def _restore_latest(server, job: str) -> int:
     """A new trainer of ``job`` at ``server`` restores its latest snapshot; the step."""
     container = remote(W, build(W), server.address, job)
@@ -115,13 +126,7 @@ def test_a_wrong_secret_fails_the_replica_not_the_snapshot(start_server, hosts_s
     sender = _sender(start_server, hosts_shm, tmp_path, address,
                      _secret(tmp_path, "other", "another-secret-of-at-least-16-bytes"),
                      metrics_port=f"127.0.0.1:{ports[1]}")
-    container, handle = _snapshot(sender, "wrong-secret")
-    try:
-        assert handle.wait_durable(timeout_s=60).state == "durable"
-        with pytest.raises(SwapStateError, match="does not hold this server's --replica-secret-file"):
-            handle.wait_replicated(timeout_s=60)
-    finally:
-        container.close()
+    _durable_not_replicated(sender, "wrong-secret", "does not hold this server's --replica-secret-file")
     assert not list(peer_shm.glob("swap-state-replicas-*/wrong-secret/step-*"))
     assert _scrape(ports[1])["swap_state_replicas_failed_total"] == 1
     assert wait_until(lambda: _scrape(ports[0])["swap_state_replica_connections_refused_total"] >= 1, timeout_s=10)
@@ -132,13 +137,7 @@ def test_a_full_peer_refuses_and_says_which_flag(start_server, hosts_shm, tmp_pa
     secret = _secret(tmp_path)
     _, address, _ = _peer(start_server, hosts_shm, tmp_path, secret, size="4K")
     sender = _sender(start_server, hosts_shm, tmp_path, address, secret)
-    container, handle = _snapshot(sender, "full")
-    try:
-        with pytest.raises(SwapStateError, match="raise --replica-size"):
-            handle.wait_replicated(timeout_s=60)
-        assert handle.wait_durable(timeout_s=10).state == "durable"
-    finally:
-        container.close()
+    _durable_not_replicated(sender, "full", "raise --replica-size")
 
 
 def test_a_peer_that_is_down_fails_the_replica_naming_it(start_server, hosts_shm, tmp_path):
@@ -440,12 +439,6 @@ def test_peers_proving_themselves_by_mutual_tls_alone_replicate_and_refuse_a_str
     assert (replica / rank_data_name(0)).read_bytes() == (durable / rank_data_name(0)).read_bytes()
     assert _restore_latest(host("c", replica_peers=address), "over-tls") == 3  # a's disk is not c's
 
-    container, handle = _snapshot(host("s", issuer=other_ca, replica_peers=address), "stranger")
-    try:
-        assert handle.wait_durable(timeout_s=60).state == "durable"
-        with pytest.raises(SwapStateError, match="mutual TLS failed"):
-            handle.wait_replicated(timeout_s=60)
-    finally:
-        container.close()
+    _durable_not_replicated(host("s", issuer=other_ca, replica_peers=address), "stranger", "mutual TLS failed")
     assert wait_until(lambda: "event=replica_connection_refused" in peer.log_text(), timeout_s=10)
     assert not list((hosts_shm / "b").glob("swap-state-replicas-*/stranger"))
