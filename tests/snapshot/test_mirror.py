@@ -100,7 +100,7 @@ class _RecordingPeer(_BrokenPeer):
             def room(self):
                 return 1 << 20
 
-            def put(self, data):
+            def put(self, data, stable=False):
                 if self.position and peer.staged_at_first_chunk is None:  # past the header
                     peer.staged_at_first_chunk = peer.header[Word.STAGED_UPTO]
                 self._pending = data.nbytes
@@ -150,7 +150,8 @@ class _Wire:
 def test_a_piece_is_sent_as_it_was_put_once_final():
     """A piece is copied when put, before the writer checks what it read (so the check covers
     what is sent: the trainer may overwrite the segment right after the check), and sent at
-    ``advance``; a piece placed again (``replace``) is sent as replaced; never over a frame."""
+    ``advance``; a piece placed again (``replace``) is sent as replaced; a stable piece (a slot's)
+    is sent from where it lies, uncopied, and let go once sent; never over a frame."""
     wire = _Wire()
     sink = SendingSink(wire, BandwidthLimiter(None), threading.Event())
     first, second = bytearray(b"a" * 100), bytearray(b"b" * 50)
@@ -161,7 +162,13 @@ def test_a_piece_is_sent_as_it_was_put_once_final():
     sink.put(memoryview(second)).release()
     sink.replace(memoryview(bytearray(b"d" * 50))).release()  # the check found it torn
     sink.advance()
+    slot = bytearray(b"e" * 30)
+    with memoryview(slot) as view:
+        sink.put(view, stable=True).release()  # a slot's bytes: sent from where they lie, not copied
+        slot[:] = b"f" * 30
+        sink.advance()
+    slot.extend(b"g")  # no view of it is left held: it may resize
     with pytest.raises(ValueError, match="over a data frame"):
         sink.put(memoryview(bytearray(DATA_FRAME_BYTES + 1)))
     sink.finish()
-    assert wire.frames == [b"a" * 100, b"d" * 50, {"op": "end", "bytes": 150}]
+    assert wire.frames == [b"a" * 100, b"d" * 50, b"f" * 30, {"op": "end", "bytes": 180}]

@@ -140,14 +140,14 @@ def test_a_chunk_in_pieces_overwritten_midway_is_finished_from_the_trainer_slot(
     real_place = snapshot_writer._place
     seen = {"pieces": 0, "done": False}
 
-    def place(sink, data):
+    def place(sink, data, stable):
         assert sink.direct
         if not seen["done"] and seg.header[Word.PERSISTED_UPTO] == victim.index:
             seen["pieces"] += 1
             if seen["pieces"] == 3:  # two pieces of the victim placed: the trainer overwrites it
                 seen["done"] = True
                 _overwrite_as_trainer(seg, victim)
-        return real_place(sink, data)
+        return real_place(sink, data, stable)
 
     monkeypatch.setattr(snapshot_writer, "_place", place)
     coordinator = make_coordinator()

@@ -152,7 +152,7 @@ def test_a_chunk_staged_while_the_writer_reads_it_is_rewritten_from_the_stager_s
     done = {"raced": False}
     at_victim = bytes(seg.mm[victim.offset : victim.offset + victim.nbytes])
 
-    def place(sink, data):
+    def place(sink, data, stable):
         if not done["raced"] and seg.header[Word.PERSISTED_UPTO] == victim.index and bytes(data) == at_victim:
             done["raced"] = True
             slot = seg.layout.cow_slots_offset + (victim.index % k) * seg.layout.chunk_bytes
@@ -163,7 +163,7 @@ def test_a_chunk_staged_while_the_writer_reads_it_is_rewritten_from_the_stager_s
             protector.close()
             seg.mm[victim.offset : victim.offset + victim.nbytes] = b"\xdd" * victim.nbytes
             data = memoryview(seg.mm)[victim.offset : victim.offset + victim.nbytes]  # torn
-        return real_place(sink, data)
+        return real_place(sink, data, stable)
 
     monkeypatch.setattr(snapshot_writer, "_place", place)
     coordinator = make_coordinator()

@@ -170,11 +170,11 @@ def test_snapshot_failing_midway_while_staging(make_segment, make_coordinator, m
     real_place = snapshot_writer._place
     written = {"n": 0}
 
-    def place(sink, data):
+    def place(sink, data, stable):
         written["n"] += 1
         if written["n"] > 40:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_place(sink, data)
+        return real_place(sink, data, stable)
 
     monkeypatch.setattr(snapshot_writer, "_place", place)
     handle = coordinator.start(seg.source("job", 2))

@@ -47,13 +47,13 @@ def test_chunk_overwritten_mid_read_is_rewritten_from_its_slot(make_segment, mak
 
     at_step_n_chunk = bytes(seg.mm[victim.offset : victim.offset + victim.nbytes])
 
-    def place(sink, data):
+    def place(sink, data, stable):
         assert sink.direct is direct
         if when == "during-write" and is_victim(data):
             state["done"] = True
             _overwrite_as_trainer(seg, victim)
             data = memoryview(seg.mm)[victim.offset : victim.offset + victim.nbytes]  # torn: new bytes
-        return real_place(sink, data)
+        return real_place(sink, data, stable)
 
     def crc(data, value=0):
         if when == "during-crc" and is_victim(data):

@@ -156,14 +156,14 @@ class _TeeSink(ChunkSink):
     def room(self) -> int:
         return self._primary.room() if self._copy is None else min(self._primary.room(), self._copy.room())
 
-    def put(self, data: memoryview) -> memoryview:
-        placed = self._primary.put(data)
-        self._on_copy(lambda copy: copy.put(placed).release())
+    def put(self, data: memoryview, stable: bool = False) -> memoryview:
+        placed = self._primary.put(data, stable)
+        self._on_copy(lambda copy: copy.put(placed, stable or self._primary.owns_placed).release())
         return placed
 
-    def replace(self, data: memoryview) -> memoryview:
-        placed = self._primary.replace(data)
-        self._on_copy(lambda copy: copy.put(placed).release())
+    def replace(self, data: memoryview, stable: bool = False) -> memoryview:
+        placed = self._primary.replace(data, stable)
+        self._on_copy(lambda copy: copy.put(placed, stable or self._primary.owns_placed).release())
         return placed
 
     def advance(self) -> None:

@@ -230,7 +230,7 @@ class _PutSink(ChunkSink):
     def room(self) -> int:
         return 1 << 62
 
-    def put(self, data: memoryview) -> memoryview:
+    def put(self, data: memoryview, stable: bool = False) -> memoryview:
         # A whole bytes block is held as it is; any other view is copied: its buffer is the caller's.
         self._held = data.obj if isinstance(data.obj, bytes) and data.nbytes == len(data.obj) else bytes(data)
         self._pending = data.nbytes

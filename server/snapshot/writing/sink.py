@@ -5,9 +5,9 @@ by :func:`open_sink`. Call order (the writer)::
 
     sink.write_all(header)                       # the file's first bytes
     for each piece of each chunk:                # a piece is at most sink.room() bytes
-        with sink.put(piece) as placed:          # placed at the sink's position, not final;
+        with sink.put(piece, stable) as placed:  # placed at the sink's position, not final;
             checksum.update(placed)              # the caller checksums the bytes as placed
-        [with sink.replace(other) as placed: ...]  # the same range, from another source
+        [with sink.replace(other, stable) as placed: ...]  # the same range, from another source
         sink.advance()                           # final: no buffer holding it goes to disk before
     sink.finish()                                # everything written and fsynced
     sink.close()                                 # on every path (a context manager)
@@ -44,6 +44,7 @@ class ChunkSink(abc.ABC):
     """The bytes of one data file, in order (the call order: the module docstring)."""
 
     direct: bool = False  # whether the bytes bypass the page cache (O_DIRECT)
+    owns_placed: bool = False  # whether what put returns is a copy of the sink's own, unchanged until advance
     stager_first: bool = True
     """Whether the writer lets the stager copy before each chunk (its copies are what the trainer's
     next step waits for, and this sink's copies and sends compete with them); not an O_DIRECT
@@ -58,16 +59,17 @@ class ChunkSink(abc.ABC):
         """The most bytes the next :meth:`put` takes."""
 
     @abc.abstractmethod
-    def put(self, data: memoryview) -> memoryview:
+    def put(self, data: memoryview, stable: bool = False) -> memoryview:
         """Place ``data`` (at most :meth:`room` bytes) at :attr:`position`, not final yet; the
         bytes as placed (what reaches the file), for the caller to checksum and release before
-        :meth:`advance`."""
+        :meth:`advance`. ``stable``: ``data`` keeps its bytes until :meth:`advance` (a stager's
+        or the trainer's slot does; the segment does not: the trainer may write it)."""
 
-    def replace(self, data: memoryview) -> memoryview:
+    def replace(self, data: memoryview, stable: bool = False) -> memoryview:
         """Place ``data`` over the last :meth:`put` (the same length); as :meth:`put`."""
         if data.nbytes != self._pending:
             raise ValueError("replace takes the length of the last put")
-        return self.put(data)
+        return self.put(data, stable)
 
     @abc.abstractmethod
     def advance(self) -> None:
@@ -87,7 +89,7 @@ class ChunkSink(abc.ABC):
             while done < view.nbytes:
                 size = min(self.room(), view.nbytes - done)
                 with view[done : done + size] as piece:
-                    self.put(piece).release()
+                    self.put(piece, stable=True).release()
                 self.advance()
                 done += size
 
@@ -112,7 +114,7 @@ class BufferedSink(ChunkSink):
     def room(self) -> int:
         return 1 << 62
 
-    def put(self, data: memoryview) -> memoryview:
+    def put(self, data: memoryview, stable: bool = False) -> memoryview:
         pwrite_all(self._fd, data, self.position)
         self._pending = data.nbytes
         return data[:]  # the caller's bytes as written; the caller's own view stays its own
@@ -137,7 +139,7 @@ class DirectSink(ChunkSink):
     writes the others. The last is written padded to a block, the file truncated back before
     the fsync. A write refused with EINVAL after the open is made buffered instead, logged once."""
 
-    direct, stager_first = True, False
+    direct, stager_first, owns_placed = True, False, True
 
     def __init__(self, file: SnapshotFile, direct_fd: int, bounce_bytes: int | None = None):
         super().__init__()
@@ -158,7 +160,7 @@ class DirectSink(ChunkSink):
     def room(self) -> int:
         return self._bounce - self._fill
 
-    def put(self, data: memoryview) -> memoryview:
+    def put(self, data: memoryview, stable: bool = False) -> memoryview:
         n = data.nbytes
         if n > self.room():
             raise ValueError(f"a piece of {n} bytes does not fit the {self.room()} left")

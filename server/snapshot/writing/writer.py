@@ -41,9 +41,9 @@ log = logging.getLogger(__name__)
 HOLD_MAX_S = 0.25  # how long a writer started with ``hold`` waits for RankWriter.go at most
 
 
-def _place(sink: ChunkSink, data: memoryview) -> memoryview:
+def _place(sink: ChunkSink, data: memoryview, stable: bool) -> memoryview:
     """``sink.put``: a module name, so that tests can race the trainer against the read."""
-    return sink.put(data)
+    return sink.put(data, stable)
 
 
 # The most bytes of a chunk placed, checksummed (and sent to a replica peer) at once: the passes
@@ -254,13 +254,14 @@ class RankWriter:
         done = 0
         while done < n:
             size, before = min(n - done, sink.room(), PIECE_BYTES), checksum.mark()
-            with view[source + done : source + done + size] as data, _place(sink, data) as placed:
+            # A slot's bytes stay until the chunk is persisted; the segment's are the trainer's to write.
+            with view[source + done : source + done + size] as data, _place(sink, data, source != chunk.offset) as placed:
                 checksum.update(placed)
             safe, slot = self._safe_source(chunk, source, stage_at)
             if safe != source:  # not charged to the limiter again: the trainer may be waiting
                 source, trainer_slot = safe, slot
                 checksum.rewind(before)
-                with view[source + done : source + done + size] as data, sink.replace(data) as placed:
+                with view[source + done : source + done + size] as data, sink.replace(data, True) as placed:
                     checksum.update(placed)
             sink.advance()
             done += size
