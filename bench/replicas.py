@@ -198,7 +198,8 @@ def host_loss_section(args, work: str, base, state: int) -> dict[str, Any]:
             handle.wait_replicated(WAIT_S)
             handle.wait_stored(WAIT_S)
             a.close()  # host a is lost
-            for where, host in (("replica", b), ("store", None)):
+            sources = [("replica", b), ("store", None)]
+            for where, host in sources if rep % 2 == 0 else sources[::-1]:  # neither always restarts first
                 fresh = host or _Host(work, "host-c", state, snapshot_store=store)
                 try:
                     attach, restore, first, restarted = _restart(fresh.address, base, job)

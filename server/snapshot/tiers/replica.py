@@ -131,14 +131,13 @@ class ReplicaTier(TierWriter):
 
 class SendingSink(ChunkSink):
     """A data file streamed to the peer: each piece is sent once final (:meth:`advance`), in the
-    writer's thread, from where it was put when that is stable (a slot, the primary's bounce
-    buffer), else from a copy made here when put. The copy is made before the writer checks what
-    it read, so the check covers it (a send from the segment after the check could read what the
-    trainer wrote since); the piece was just placed, so the copy and the send read it from the
-    CPU's cache. Sending from a slot without the copy: memory-only replication about 7% faster. Send buffers filled for a thread of their own cost the sender's one core more
-    than the overlap won (docs/benchmarks.md, "Pieces the cache holds"). A network slower than
-    the disk paces the writer. The peer checks the size at ``end`` and the crc32 against the
-    rank's files (``finish_rank``)."""
+    writer's thread, from where it was put when that holds still (a slot, a bounce buffer: the
+    sender's CPU a seventh less), else from a copy made when put, before the writer checks what
+    it read, so the check covers it (the trainer may write the segment right after the check).
+    The piece was just placed, so the copy and the send read it from the CPU's cache; send
+    buffers filled for a thread of their own cost the one core more than the overlap won
+    (docs/benchmarks.md, "Pieces the cache holds"). A network slower than the disk paces the
+    writer. The peer checks the size at ``end`` and the crc32 against the rank's files."""
 
     def __init__(self, conn: Connection, limiter: BandwidthLimiter, cancel: threading.Event):
         super().__init__()
