@@ -9,11 +9,15 @@ Hugging Face datasets: the same work in every run, and most of the suite's CPU. 
     python warm_start.py run SCRIPT ARG...        what ``python SCRIPT ARG...`` does, run in a
                                                   child forked from the server at
                                                   ``$SWAP_STATE_TEST_WARM_SOCKET``
+    python warm_start.py run -m MODULE ARG...     likewise ``python -m MODULE ARG...`` (torchrun)
 
 ``run`` hands its stdin, stdout and stderr, environment, working directory and argv to the
 server, which forks; the child takes them, starts its own session and runs SCRIPT as
 ``__main__`` (``runpy``), exactly as a fresh interpreter would, except that the MODULEs are
-already in ``sys.modules``. torchtitan itself is never imported by the server: the launchers
+already in ``sys.modules`` and a run that returns ends as a forked child should, with
+``os._exit`` once its threads are joined, its ``atexit`` functions run and its streams flushed:
+the interpreter's teardown of torch's modules (2 s a process on CI's machine, 40-60% of a
+short test run) is left out, and with it nothing the run asked for. torchtitan itself is never imported by the server: the launchers
 patch torch while they import it. ``run`` ends as the child did (its exit code, or killed by
 the same signal); if ``run`` dies, the server kills the child's session. Where no server
 answers, or the run's import-time environment (what the MODULEs read when imported: OpenMP's,
@@ -193,9 +197,11 @@ def become(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    script, *_ = request["argv"]
-    sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    argv = request["argv"]
+    if argv[0] == "-m":  # as ``python -m``: the working directory first on the path
+        sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
+    else:
+        sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
 
 
 def main() -> None:
@@ -207,7 +213,25 @@ def main() -> None:
     become(request)
     import runpy
 
-    runpy.run_path(request["argv"][0], run_name="__main__")
+    argv = request["argv"]
+    if argv[0] == "-m":
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(argv[0], run_name="__main__")
+    _end()
+
+
+def _end() -> None:
+    """What an interpreter's exit does that a run can ask for, then ``os._exit(0)``: a run that
+    raised (``SystemExit`` included) never gets here."""
+    import atexit
+    import threading
+
+    threading._shutdown()  # as the interpreter's exit: threading's own exit hooks (executors'), joins
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
