@@ -40,8 +40,9 @@ The trainer class is a subclass of ``torchtitan.train.Trainer`` that only observ
 
 Under torchrun with FSDP, gloo lacks the PREMUL_SUM reduction torchtitan's divide factor of
 1.0 asks for: FSDP is told to use SUM instead (:func:`sum_reductions_for_gloo`; multiplying by
-1.0 is exact). MoE models count tokens and permute them as the CPU can (:func:`moe_on_cpu`). Rank 0 does
-not sleep the 2 s ``train()`` ends with "for other ranks to complete" (:func:`no_final_sleep`).
+1.0 is exact). MoE models count tokens and permute them as the CPU can (:func:`moe_on_cpu`).
+Rank 0 does not sleep the 2 s ``train()`` ends with "for other ranks to complete"
+(:func:`no_final_sleep`).
 Nothing here edits torchtitan's files or changes numerics.
 """
 

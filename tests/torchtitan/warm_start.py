@@ -17,8 +17,8 @@ server, which forks; the child takes them, starts its own session and runs SCRIP
 already in ``sys.modules`` and a run that returns ends as a forked child should, with
 ``os._exit`` once its threads are joined, its ``atexit`` functions run and its streams flushed:
 the interpreter's teardown of torch's modules (2 s a process on CI's machine, 40-60% of a
-short test run) is left out, and with it nothing the run asked for. torchtitan itself is never imported by the server: the launchers
-patch torch while they import it. ``run`` ends as the child did (its exit code, or killed by
+short test run) is left out, and with it nothing the run asked for. torchtitan itself is never
+imported by the server: the launchers patch torch while they import it. ``run`` ends as the child did (its exit code, or killed by
 the same signal); if ``run`` dies, the server kills the child's session. Where no server
 answers, or the run's import-time environment (what the MODULEs read when imported: OpenMP's,
 torch's, Hugging Face's and Python's variables) differs from the server's, ``run`` executes
