@@ -157,12 +157,12 @@ class _TeeSink(ChunkSink):
         return self._primary.room() if self._copy is None else min(self._primary.room(), self._copy.room())
 
     def put(self, data: memoryview, stable: bool = False) -> memoryview:
-        placed = self._primary.put(data, stable)
-        self._on_copy(lambda copy: copy.put(placed, stable or self._primary.owns_placed).release())
-        return placed
+        return self._mirrored(self._primary.put(data, stable), stable)
 
     def replace(self, data: memoryview, stable: bool = False) -> memoryview:
-        placed = self._primary.replace(data, stable)
+        return self._mirrored(self._primary.replace(data, stable), stable)
+
+    def _mirrored(self, placed: memoryview, stable: bool) -> memoryview:  # stable: the source's, or the primary's own
         self._on_copy(lambda copy: copy.put(placed, stable or self._primary.owns_placed).release())
         return placed
 

@@ -254,14 +254,14 @@ class RankWriter:
         done = 0
         while done < n:
             size, before = min(n - done, sink.room(), PIECE_BYTES), checksum.mark()
-            # A slot's bytes stay until the chunk is persisted; the segment's are the trainer's to write.
-            with view[source + done : source + done + size] as data, _place(sink, data, source != chunk.offset) as placed:
+            stable = source != chunk.offset  # a slot holds until c is persisted; the trainer writes the segment
+            with view[source + done : source + done + size] as data, _place(sink, data, stable) as placed:
                 checksum.update(placed)
             safe, slot = self._safe_source(chunk, source, stage_at)
             if safe != source:  # not charged to the limiter again: the trainer may be waiting
                 source, trainer_slot = safe, slot
                 checksum.rewind(before)
-                with view[source + done : source + done + size] as data, sink.replace(data, True) as placed:
+                with view[source + done : source + done + size] as data, sink.replace(data, stable=True) as placed:
                     checksum.update(placed)
             sink.advance()
             done += size
