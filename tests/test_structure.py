@@ -120,7 +120,7 @@ def test_modules_and_functions_fit():
     assert too_long == []
 
 
-RUNTIME_LINE_BUDGET = 20_534
+RUNTIME_LINE_BUDGET = 20_539
 """A ratchet on runtime code (client/, server/, common/, generated files aside): lowered as code
 goes, raised only with the reason written here. Issues 49 and 50 ask for 17,000 lines before the
 peer tier and 18,500 with it; after dead code and repeated docstrings were cut (about 700 lines)
@@ -150,7 +150,8 @@ on the replica wire came (+110: three flags, the credentials and their checks, t
 both sides, a refused certificate told from a broken connection); then 43 for the replicas'
 metrics (sent, failed, bytes; a peer's held bytes, received, refused connections): there were none).
 Raised to 20,534 on 2026-12-07 (fourth session): a replica's piece sent from where it lies when
-that holds still, the sink told so by the writer (+17: the sender's CPU a seventh less)."""
+that holds still, the sink told so by the writer (+17: the sender's CPU a seventh less); then 5
+for a TLS peer that hangs up before its first answer, named as the certificate refusal it is."""
 
 
 def test_runtime_code_stays_within_its_line_budget():

@@ -10,7 +10,9 @@ import os
 import pathlib
 import shutil
 import socket
+import ssl
 import tempfile
+import threading
 
 import pytest
 
@@ -19,7 +21,8 @@ from swap_state.common.addresses import parse_address
 from swap_state.common.checksum import crc32
 from swap_state.common.retry import wait_until
 from swap_state.common.snapshot_format import INDEX_NAME, FileRecord, rank_data_name, rank_manifest_name
-from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES, PeerCredentials, ReplicaRefused, connect_to_peer
+from swap_state.server.snapshot.tiers.replica_wire import (DATA_FRAME_BYTES, PeerCredentials, ReplicaRefused, WireError,
+                                                            connect_to_peer)
 
 from .test_server_metrics import _free_port, _scrape
 from snapshot_kit import params_copy, reference, swap_state_cli
@@ -442,3 +445,27 @@ def test_peers_proving_themselves_by_mutual_tls_alone_replicate_and_refuse_a_str
     _durable_not_replicated(host("s", issuer=other_ca, replica_peers=address), "stranger", "mutual TLS failed")
     assert wait_until(lambda: "event=replica_connection_refused" in peer.log_text(), timeout_s=10)
     assert not list((hosts_shm / "b").glob("swap-state-replicas-*/stranger"))
+
+
+def test_a_tls_peer_that_hangs_up_before_its_first_answer_is_named_as_a_certificate_refusal(tmp_path):
+    """Over TLS 1.3 a peer refuses the sender's certificate after the handshake, and its close can
+    reach the sender before its alert (one CI run in four, beside other tests): the sender's error
+    names the ``--replica-tls-*`` flags all the same. Here the peer closes without a word."""
+    pytest.importorskip("cryptography.x509", reason="needs cryptography (the dev extra)")
+    ca = make_pair("replica peers' CA")
+    roots = write_pair(tmp_path, "ca", ca)[0]
+    accepting, connecting = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    accepting.load_cert_chain(*write_pair(tmp_path, "peer", make_pair("host b", ca, server=True)))
+    connecting.load_verify_locations(roots)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        def hang_up() -> None:
+            sock, _ = listener.accept()
+            accepting.wrap_socket(sock, server_side=True).close()  # the handshake, then no alert, no answer
+
+        peer = threading.Thread(target=hang_up, daemon=True)
+        peer.start()
+        address = parse_address(f"tcp://127.0.0.1:{listener.getsockname()[1]}")
+        with pytest.raises(WireError, match="mutual TLS failed") as refused:
+            connect_to_peer(address, PeerCredentials(None, connecting, accepting), timeout_s=10)
+        peer.join(timeout=10)
+    assert "--replica-tls-*" in str(refused.value)
