@@ -315,19 +315,20 @@ WARM = WarmStarts()
 
 def runner_argv(python: str, nproc: int, *, nnodes: int = 1, node_rank: int = 0,
                 master_port: int | None = None, warm: Sequence[str] = ()) -> list[str]:
-    """What runs a launcher: ``python`` itself for one rank; for several, torchrun (gloo on
-    the CPU), which runs the launcher once per rank; torchrun itself started ``warm``
-    (:meth:`WarmStarts.argv`: 2.5 s of imports less per launch). With ``nnodes`` above 1: node
+    """What runs a launcher script (its path and flags follow): ``python`` itself for one rank;
+    for several, torchrun (gloo on the CPU), which runs the script once per rank. Each started
+    ``warm`` (:meth:`WarmStarts.argv`: 2.5 s of imports less per launch), torchrun and the ranks
+    it starts alike. With ``nnodes`` above 1: node
     ``node_rank`` of a multi-node torchrun job (``nproc`` ranks on this node), meeting the
     others at the static rendezvous on 127.0.0.1:``master_port`` that node 0 serves."""
     if nnodes > 1:
         if master_port is None:
             raise ValueError("a multi-node torchrun needs the rendezvous port (master_port)")
         return [python, *warm, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
-                f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={master_port}"]
+                f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={master_port}", *warm]
     if nproc == 1:
-        return [python]
-    return [python, *warm, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        return [python, *warm]
+    return [python, *warm, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *warm]
 
 
 def free_port() -> int:
@@ -426,10 +427,9 @@ def launch(
     argvs, envs = [], []
     for node, host_env in enumerate(host_envs):
         node_env = {**run_env, **host_env}
-        warm = WARM.argv(sys.executable, node_env)
         argvs.append([*runner_argv(sys.executable, per_host, nnodes=len(host_envs), node_rank=node,
-                                   master_port=port, warm=warm),
-                      *warm, str(LAUNCHER),
+                                   master_port=port, warm=WARM.argv(sys.executable, node_env)),
+                      str(LAUNCHER),
                       *base_flags(assets, dump_folder, steps=steps), *flags])
         envs.append(node_env)
     argv = [arg for node_argv in argvs for arg in (*node_argv, "&")][:-1]  # what ran, as one line

@@ -187,8 +187,7 @@ def launch03(
     run_env = _for_titan03(launcher_env(assets, {LOSS_FILE_ENV: str(loss_file)}))
     run_env.setdefault("OMP_NUM_THREADS", rank_threads(nproc))
     run_env.update(env or {})
-    warm = WARM.argv(str(python), run_env)
-    argv = [*runner_argv(str(python), nproc, warm=warm), *warm, str(LAUNCHER03),
+    argv = [*runner_argv(str(python), nproc, warm=WARM.argv(str(python), run_env)), str(LAUNCHER03),
             *job_argv(assets, dump_folder, flags, steps)]
 
     returncode, wall = (groups or ProcessGroups()).run(argv, env=run_env, log_path=log_path, timeout=timeout)
