@@ -94,7 +94,6 @@ class SnapshotCoordinator:
             raise ValueError(f"keep_latest must be >= 2 or None (keep all), assemble_timeout_s > 0 and "
                              f"stage_threads >= 1: got {keep_latest}, {assemble_timeout_s}, {stage_threads}")
         self.settings = settings
-        self.tenant_snapshot_quota = settings.tenant_snapshot_quota
         self.stage_threads = stage_threads
         self.copy_policy = copy_policy or CopyBudgetPolicy()  # this coordinator records each snapshot's rate
         self.directory = SnapshotDirectory(snapshot_dir, settings.direct_io)  # where snapshots are written
@@ -179,14 +178,12 @@ class SnapshotCoordinator:
                 return group
             if group is None:
                 del self._groups[key]  # a fresh attempt at the step
-        holder = self._holding.get((source.job_id, source.rank))
-        if holder is not None:
+        if (holder := self._holding.get((source.job_id, source.rank))) is not None:
             raise SnapshotBusyError(f"rank {source.rank} of job {source.job_id} is still persisting "
                                f"{holder.snapshot_id}")
         if source.header[Word.SNAP_EPOCH] != 0:
             raise SnapshotBusyError("the segment is being snapshotted (SNAP_EPOCH is set)")
-        writing = source.header[Word.WRITING_STEP]
-        if writing:
+        if writing := source.header[Word.WRITING_STEP]:
             raise SnapshotBusyError(f"the trainer is writing step {writing - 1}; snapshot between steps, "
                                "after CommitStep")
         return group if group is not None else self._new_group(source)
@@ -194,8 +191,7 @@ class SnapshotCoordinator:
     def job_owner(self, job_id: str) -> str | None:
         """The tenant that owns ``job_id``'s snapshots: its newest one's here, else in the store
         (remembered: an owner does not change); None when neither has one or it is unreachable."""
-        snapshots = self.local.list(job_id)
-        if snapshots:
+        if snapshots := self.local.list(job_id):
             return snapshots[-1].index.tenant
         if self.stored is None:
             return None
@@ -214,7 +210,7 @@ class SnapshotCoordinator:
     def _new_group(self, source: SnapshotSource) -> SnapshotGroup:
         """Refused past ``--tenant-snapshot-quota`` (the tenant's snapshots here and this one,
         estimated from this rank's bytes); whose job it is the caller decided."""
-        quota = 0 if source.memory_only else self.tenant_snapshot_quota
+        quota = 0 if source.memory_only else self.settings.tenant_snapshot_quota
         mine = [i.bytes for i in self.local.list() if i.index.tenant == source.tenant] if quota else []
         held, new = sum(mine), sum(t.nbytes for t in source.layout.tensors) * source.expected_ranks
         if quota and held + new > quota:

@@ -64,10 +64,7 @@ class SnapshotGroup:
         the handle of a retry (the same run, nothing committed since), this group to join, or
         None (a new attempt, e.g. replacing a durable step it asks to); else raises."""
         with self.cond:
-            state = self.state
-            mine = self.handles.get(source.rank)
-            drained = self.discarded_done
-            error = self.error
+            state, mine, drained, error = self.state, self.handles.get(source.rank), self.discarded_done, self.error
             members = sorted(self.handles)
         if mine is not None and mine.is_retry(source) and state is not SnapshotState.FAILED:
             return mine
@@ -200,8 +197,7 @@ class RankSnapshot:
             return group.rank_errors.get(self.rank) or group.error
 
     def status(self) -> SnapshotStatus:
-        group = self._group
-        writer = self.writer
+        group, writer = self._group, self.writer
         cow_copies, bp_waits, bp_wait_ns = writer.counters()
         staged_chunks, staged_bytes, trainer_bytes = writer.server_counters()
         with group.cond:

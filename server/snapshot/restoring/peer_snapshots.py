@@ -21,7 +21,6 @@ __all__ = ["PeerSnapshots"]
 log = logging.getLogger(__name__)
 
 
-
 class PeerSnapshots(SnapshotTier):
     """One peer's complete snapshots of a job (its own and the replicas it holds), read remotely."""
 

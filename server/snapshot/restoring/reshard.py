@@ -70,9 +70,9 @@ def plan_tensor(target: TargetTensor, sources: Sequence[tuple[int, TensorRecord]
     return _plan_dtensor(target, ordered, itemsize, target_rank)
 
 
-def _nearest(holders: Sequence[tuple[int, TensorRecord]], target_rank: int) -> tuple[int, TensorRecord]:
-    """Which old rank holding the same bytes a new rank reads: its own, else one spread by rank."""
-    return next((pair for pair in holders if pair[0] == target_rank), holders[target_rank % len(holders)])
+def _nearest(holders: Sequence[tuple[int, TensorRecord]], target_rank: int | None) -> tuple[int, TensorRecord]:
+    """Which old rank holding the same bytes a new rank reads: its own, else one spread by rank (None: the first)."""
+    return next((pair for pair in holders if pair[0] == target_rank), holders[(target_rank or 0) % len(holders)])
 
 
 def ranks_needed(plan: Mapping[str, list[Piece]]) -> list[int]:
@@ -128,7 +128,7 @@ def _plan_plain(target: TargetTensor, ordered: Sequence[tuple[int, TensorRecord]
     if nbytes == 0:
         return []
     first_rank, first = ordered[0]
-    chosen = _nearest(ordered, target_rank) if target_rank is not None else (first_rank, first)
+    chosen = _nearest(ordered, target_rank)
     differing = next((pair for pair in ordered if pair[1].crc32 != first.crc32), None)
     if differing is not None:
         own = [pair for pair in ordered if pair[0] == target_rank]
@@ -155,18 +155,11 @@ def _plan_dtensor(target: TargetTensor, ordered: Sequence[tuple[int, TensorRecor
         assert record.global_offset is not None
         if math.prod(record.shape):
             boxes.setdefault((record.global_offset, record.shape), []).append((rank, record))
-    chosen: list[tuple[int, TensorRecord, Box]] = []
-    for box, holders in boxes.items():
-        rank, record = _nearest(holders, target_rank) if target_rank is not None else holders[0]
-        common = _intersect(box, target_box)
-        if common is not None:
-            chosen.append((rank, record, common))
+    chosen = [(*_nearest(holders, target_rank), common) for box, holders in boxes.items()
+              if (common := _intersect(box, target_box)) is not None]
     _check_tiling(target, chosen)
-    return [
-        Piece(rank, record, _runs(common, (record.global_offset, record.shape), target_box,
-                                  itemsize))
-        for rank, record, common in sorted(chosen, key=lambda item: item[0])
-    ]
+    return [Piece(rank, record, _runs(common, (record.global_offset, record.shape), target_box, itemsize))
+            for rank, record, common in sorted(chosen, key=lambda item: item[0])]
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
@@ -208,21 +201,14 @@ def _runs(common: Box, source: Box, target: Box, itemsize: int) -> tuple[Run, ..
     (s_off, s_shape), (t_off, t_shape) = source, target
     # Past dim k the common box spans whole rows of both local boxes, so each index prefix of
     # the dims before k is one contiguous range in both; k is the smallest such dim.
-    k = 0
-    for d in range(ndim - 1, 0, -1):
-        if not ext[d] == s_shape[d] == t_shape[d]:
-            k = d
-            break
+    k = next((d for d in range(ndim - 1, 0, -1) if not ext[d] == s_shape[d] == t_shape[d]), 0)
     s_strides, t_strides = _strides(s_shape), _strides(t_shape)
     nbytes = ext[k] * math.prod(ext[k + 1:]) * itemsize
     # Dims past k start at the local boxes' own origin (they are spanned whole): they add 0.
     s_base = (lo[k] - s_off[k]) * s_strides[k]
     t_base = (lo[k] - t_off[k]) * t_strides[k]
-    axes = [
-        [((i - s_off[d]) * s_strides[d], (i - t_off[d]) * t_strides[d])
-         for i in range(lo[d], lo[d] + ext[d])]
-        for d in range(k)
-    ]
+    axes = [[((i - s_off[d]) * s_strides[d], (i - t_off[d]) * t_strides[d]) for i in range(lo[d], lo[d] + ext[d])]
+            for d in range(k)]
     # The minimal k leaves no two runs adjacent in both boxes: each prefix is one copy.
     return tuple(Run((s_base + sum(p[0] for p in prefix)) * itemsize,
                      (t_base + sum(p[1] for p in prefix)) * itemsize, nbytes)

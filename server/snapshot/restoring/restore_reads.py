@@ -92,12 +92,8 @@ def stream_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted, deliv
     for rank, (manifest, reads) in wanted.items():
         tier.check_data_header(info, manifest)
         path = tier.local_file(info, manifest.data_file)
-        with contextlib.ExitStack() as stack:
-            if path is not None:
-                source: _LocalFile | _TierFile = stack.enter_context(_LocalFile(path, manifest))
-            else:
-                source = _TierFile(tier, info, manifest)
-            stream = stack.enter_context(_Stream(source, manifest, read_spans(manifest, reads, source.align)))
+        opened = _LocalFile(path, manifest) if path is not None else contextlib.nullcontext(_TierFile(tier, info, manifest))
+        with opened as source, _Stream(source, manifest, read_spans(manifest, reads, source.align)) as stream:
             stream.run(lambda name, *where: deliver((rank, name), *where))
 
 

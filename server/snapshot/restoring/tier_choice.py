@@ -25,14 +25,12 @@ log = logging.getLogger(__name__)
 def resolve_source(directory: SnapshotTier, stored: StoredSnapshots | None, snapshot_id: str, job_id: str | None,
                    rank: int, world_size: int) -> tuple[SnapshotTier, SnapshotInfo]:
     """The snapshot to restore and the tier it is read from (the module docstring's rule)."""
+    if stored is None:
+        return directory, directory.resolve(snapshot_id, job_id)
     try:
         local = directory.resolve(snapshot_id, job_id)
     except SnapshotNotFoundError:
-        if stored is None:
-            raise
         local = None
-    if stored is None:
-        return directory, local  # type: ignore[return-value]
     try:
         remote = stored.resolve(snapshot_id, job_id)
     except SnapshotNotFoundError as exc:
