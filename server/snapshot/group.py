@@ -1,8 +1,7 @@
-"""One snapshot as the coordinator tracks it: the group of ranks of a (job, step) on this
-server (:class:`SnapshotGroup`), which commits or fails together (a failed rank cancels the
-others, their partial files go), and each rank's :class:`RankSnapshot`, the handle the servicer
-holds (``status()``, ``wait()``, ``segment_released``, ``proceed()``, ``cancel()``).
-"""
+"""One snapshot as the coordinator tracks it: the group of ranks of a (job, step) on this server
+(:class:`SnapshotGroup`), which commits or fails together (a failed rank cancels the others, their partial files go),
+and each rank's :class:`RankSnapshot`, the handle the servicer holds (``status()``, ``wait()``, ``segment_released``,
+``proceed()``, ``cancel()``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""What a snapshot reports: :class:`SnapshotState` and :class:`SnapshotStatus`, one rank's view,
-field for field a ``SnapshotStatusReply`` (made in memory by :meth:`~.group.RankSnapshot.status`,
-from disk by :meth:`SnapshotStatus.from_disk`).
-"""
+"""What a snapshot reports: :class:`SnapshotState` and :class:`SnapshotStatus`, one rank's view, field for field a
+``SnapshotStatusReply`` (made in memory by :meth:`~.group.RankSnapshot.status`, from disk by
+:meth:`SnapshotStatus.from_disk`)."""
 
 from __future__ import annotations
 

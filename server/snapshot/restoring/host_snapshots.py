@@ -1,10 +1,8 @@
-"""What this host can read of each step, for Restore and ``latest``: its ``--snapshot-dir``, the
-replicas peers sent it (``--replica-listen``) and its peers' (``--replica-peers``), one snapshot
-per step with the ranks of all (each rank from the first that holds it; a copy of another
-attempt or tenant is not mixed in). So a lost host's ranks come back from a peer's memory
-beside the ranks on disk, at any world size, and ``latest`` is the newest step complete for
-the whole job (else the newest step).
-"""
+"""What this host can read of each step, for Restore and ``latest``: its ``--snapshot-dir``, the replicas peers sent it
+(``--replica-listen``) and its peers' (``--replica-peers``), one snapshot per step with the ranks of all (each rank from
+the first that holds it; a copy of another attempt or tenant is not mixed in). So a lost host's ranks come back from a
+peer's memory beside the ranks on disk, at any world size, and ``latest`` is the newest step complete for the whole job
+(else the newest step)."""
 
 from __future__ import annotations
 

@@ -383,10 +383,9 @@ class LayoutIndex:
         return json.dumps(doc, separators=(",", ":")).encode()
 
     def promoted(self, targets: Sequence[TargetTensor]) -> tuple[list[TargetTensor], LayoutIndex]:
-        """A plain tensor and a DTensor of the same global shape are the same tensor, whole (FSDP
-        at one world size, none at another): a plain target over a grid of its shape becomes
-        the whole box; plain old tensors of a DTensor target's global shape become whole
-        boxes only when every old rank holds the same bytes (crc32)."""
+        """A plain tensor and a DTensor of the same global shape are the same tensor, whole (FSDP at one world size,
+        none at another): a plain target over a grid of its shape becomes the whole box; plain old tensors of a DTensor
+        target's global shape become whole boxes only when every old rank holds the same bytes (crc32)."""
         out, promoted = [], {}
         for target in targets:
             found = self._tensors.get(target.name)
@@ -423,11 +422,10 @@ class LayoutIndex:
 
 
 def layout_part(manifests: Mapping[int, Sequence[TensorRecord]]) -> tuple[list, list[str], list[int]]:
-    """One host's ranks' part of the layout index (what :meth:`LayoutIndex.merged` merges):
-    ``(kinds, names, kind_of)``: each distinct list of per-rank entries ``[rank, dtype, shape,
-    nbytes, crc32, global_shape, global_offset]`` (a DTensor's crc32 left out: its box is its
-    identity), and per tensor name (sorted) the kind it is. Tensors cut alike are one kind, so
-    the part is small and ``names, kind_of`` are the same on every host of the same tensors."""
+    """One host's ranks' part of the layout index (what :meth:`LayoutIndex.merged` merges): ``(kinds, names, kind_of)``:
+    each distinct list of per-rank entries ``[rank, dtype, shape, nbytes, crc32, global_shape, global_offset]`` (a
+    DTensor's crc32 left out: its box is its identity), and per tensor name (sorted) the kind it is. Tensors cut alike
+    are one kind, so the part is small and ``names, kind_of`` are the same on every host of the same tensors."""
     holders: dict[str, list] = {}
     for rank in sorted(manifests):
         for r in manifests[rank]:

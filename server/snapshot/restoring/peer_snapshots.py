@@ -1,7 +1,6 @@
-"""A peer server's snapshots and replicas, read over the replica wire (``--replica-peers``): what a
-host that lost its own asks for before the store. Listed per job; every byte read is checked
-by the seam's reads against the index the peer sent (crc32 per tensor and file).
-"""
+"""A peer server's snapshots and replicas, read over the replica wire (``--replica-peers``): what a host that lost its
+own asks for before the store. Listed per job; every byte read is checked by the seam's reads against the index the peer
+sent (crc32 per tensor and file)."""
 
 from __future__ import annotations
 

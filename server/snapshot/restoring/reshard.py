@@ -1,10 +1,8 @@
-"""Plans the byte copies that reshard a snapshot to another world size (:func:`plan_tensor`): which
-old ranks' tensors to read (:class:`Piece`) and which byte ranges of them go where (:class:`Run`),
-a DTensor shard being the row-major box ``[global_offset, global_offset + shape)``. Pure Python.
-Rules: dtypes and global shapes match; replicas count once (the restoring rank's own, else one
-spread by rank); shards tile the target box exactly; a plain tensor is taken whole from one old
-rank, only when all hold the same bytes (crc32) or at the snapshot's own world size.
-"""
+"""Plans the byte copies that reshard a snapshot to another world size (:func:`plan_tensor`): which old ranks' tensors
+to read (:class:`Piece`) and which byte ranges of them go where (:class:`Run`), a DTensor shard being the row-major box
+``[global_offset, global_offset + shape)``. Pure Python. Rules: dtypes and global shapes match; replicas count once (the
+restoring rank's own, else one spread by rank); shards tile the target box exactly; a plain tensor is taken whole from
+one old rank, only when all hold the same bytes (crc32) or at the snapshot's own world size."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Restore: a durable snapshot into a session's segment, locally or from the store, at the
-snapshot's layout or resharded to another (planned from the step's ``layout.json``,
-:mod:`.layout_index`). One path: pick the tier (:mod:`.tier_choice`), plan, then read, verify and
-copy as it reads (:mod:`.restore_reads`), which keeps the restore at the disk's pace; a failed
-check leaves the segment's state as it was (:func:`_read_pieces`).
-"""
+"""Restore: a durable snapshot into a session's segment, locally or from the store, at the snapshot's layout or
+resharded to another (planned from the step's ``layout.json``, :mod:`.layout_index`). One path: pick the tier
+(:mod:`.tier_choice`), plan, then read, verify and copy as it reads (:mod:`.restore_reads`), which keeps the restore at
+the disk's pace; a failed check leaves the segment's state as it was (:func:`_read_pieces`)."""
 
 from __future__ import annotations
 
@@ -134,12 +132,11 @@ def restore(directory: SnapshotTier, snapshot_id: str, buffer, layout: SegmentLa
             reserve_staging: Callable[[int], ContextManager[bool]] | None = None,
             staging_free_bytes: Callable[[], int] | None = None, stored: StoredSnapshots | None = None,
             placement_json: str = "", may_read: Callable[[SnapshotInfo], None] | None = None) -> RestoreResult:
-    """Verify ``snapshot_id`` (``<job>/step-<N>``, or ``latest`` of ``job_id``) for ``rank`` against
-    ``layout``, then copy it into ``buffer`` (the writable mapped segment, not under a snapshot).
-    ``reserve_staging(nbytes)`` yields whether the budget holds the staged bytes (None: always);
-    ``placement_json`` is the rank's DTensor placement, needed to reshard; ``may_read(info)`` raises
-    (PermissionDeniedError) before anything is read. On any error the segment is untouched, unless
-    the trainer marked it being written (it held nothing to keep)."""
+    """Verify ``snapshot_id`` (``<job>/step-<N>``, or ``latest`` of ``job_id``) for ``rank`` against ``layout``, then
+    copy it into ``buffer`` (the writable mapped segment, not under a snapshot). ``reserve_staging(nbytes)`` yields
+    whether the budget holds the staged bytes (None: always); ``placement_json`` is the rank's DTensor placement, needed
+    to reshard; ``may_read(info)`` raises (PermissionDeniedError) before anything is read. On any error the segment is
+    untouched, unless the trainer marked it being written (it held nothing to keep)."""
     started = time.monotonic()
     with memoryview(buffer) as view:
         if view.nbytes < layout.size:
@@ -170,9 +167,8 @@ def restore(directory: SnapshotTier, snapshot_id: str, buffer, layout: SegmentLa
 
 def _store_copy(stored: StoredSnapshots | None, tier: SnapshotTier, info: SnapshotInfo,
                 failure: SnapshotError) -> tuple[SnapshotTier, SnapshotInfo]:
-    """After ``tier``'s copy of ``info`` failed (corrupt, gone, its peer lost): the store's copy of
-    the same step and attempt, logged; else ``failure`` again. Never an older step: every rank of
-    the job must restore the same one."""
+    """After ``tier``'s copy of ``info`` failed (corrupt, gone, its peer lost): the store's copy of the same step and
+    attempt, logged; else ``failure`` again. Never an older step: every rank of the job must restore the same one."""
     if stored is None or tier is stored:
         raise failure
     try:
@@ -234,11 +230,10 @@ def assemble(tier: SnapshotTier, info: SnapshotInfo, view: memoryview, layout: S
 def _read_pieces(tier: SnapshotTier, info: SnapshotInfo, manifests: Mapping[int, RankManifest],
                  plan: Mapping[str, list[Piece]], view: memoryview, layout: SegmentLayout, rank: int,
                  reserve_staging, staging_free_bytes, replaceable: bool) -> Kept:
-    """Every piece of ``plan`` read once, verified and copied into ``view`` as it is read; what
-    kept the segment's state safe meanwhile (:attr:`RestoreResult.kept`). ``replaceable``: the
-    segment holds nothing to keep (a failure zeroes the targets). Else the targets' bytes are
-    copied aside first (into the segment's copy slots, idle while no snapshot reads it, else into
-    memory the budget lends) and put back on a failure: either way the trainer finds its state
+    """Every piece of ``plan`` read once, verified and copied into ``view`` as it is read; what kept the segment's state
+    safe meanwhile (:attr:`RestoreResult.kept`). ``replaceable``: the segment holds nothing to keep (a failure zeroes
+    the targets). Else the targets' bytes are copied aside first (into the segment's copy slots, idle while no snapshot
+    reads it, else into memory the budget lends) and put back on a failure: either way the trainer finds its state
     untouched by a corrupt snapshot. Where neither holds them: verified first, then read again."""
     by_name = {t.name: t for t in layout.tensors}
     by_source = pieces_by_source(plan)

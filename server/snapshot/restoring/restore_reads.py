@@ -1,11 +1,9 @@
-"""Restore's reads: the byte ranges of source tensors a plan needs (:class:`TensorRead`, rounded
-out to the tensors' checksum blocks), streamed in file order, each block checked against its
-crc32 as its bytes pass (:func:`stream_tensors`); the caller decides where the bytes go. Ranges
-that meet in a file are read as one span, nothing between them. A local file is read with
-O_DIRECT (spans aligned to its 4 KiB), any other tier (an object store, a peer) by exact byte
-range; either by a reader thread, one read in flight, into a ring of buffers reused from restore
-to restore (a read into freshly touched memory is slower: docs/benchmarks.md).
-"""
+"""Restore's reads: the byte ranges of source tensors a plan needs (:class:`TensorRead`, rounded out to the tensors'
+checksum blocks), streamed in file order, each block checked against its crc32 as its bytes pass
+(:func:`stream_tensors`); the caller decides where the bytes go. Ranges that meet in a file are read as one span,
+nothing between them. A local file is read with O_DIRECT (spans aligned to its 4 KiB), any other tier (an object store,
+a peer) by exact byte range; either by a reader thread, one read in flight, into a ring of buffers reused from restore
+to restore (a read into freshly touched memory is slower: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -79,10 +77,9 @@ def plan_reads(plan: Mapping[str, Sequence[Piece]], manifests: Mapping[int, Rank
 
 
 Deliver = Callable[[tuple[int, str], int, int, int], None]
-"""``deliver(key, offset, address, nbytes)``: bytes ``[offset, offset + nbytes)`` of the source
-tensor ``key`` (source rank, name) are at ``address``, valid during the call only. A tensor's
-bytes come in ascending order; they are not yet verified (a block's checksum is checked after
-its last byte)."""
+"""``deliver(key, offset, address, nbytes)``: bytes ``[offset, offset + nbytes)`` of the source tensor ``key`` (source
+rank, name) are at ``address``, valid during the call only. A tensor's bytes come in ascending order; they are not yet
+verified (a block's checksum is checked after its last byte)."""
 
 
 def stream_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted, deliver: Deliver) -> None:
@@ -92,7 +89,7 @@ def stream_tensors(tier: SnapshotTier, info: SnapshotInfo, wanted: Wanted, deliv
     for rank, (manifest, reads) in wanted.items():
         tier.check_data_header(info, manifest)
         path = tier.local_file(info, manifest.data_file)
-        opened = _LocalFile(path, manifest) if path is not None else contextlib.nullcontext(_TierFile(tier, info, manifest))
+        opened = contextlib.nullcontext(_TierFile(tier, info, manifest)) if path is None else _LocalFile(path, manifest)
         with opened as source, _Stream(source, manifest, read_spans(manifest, reads, source.align)) as stream:
             stream.run(lambda name, *where: deliver((rank, name), *where))
 
@@ -176,10 +173,9 @@ class _Ring:
 
 
 class _TierFile:
-    """A file of a tier without one on this host's filesystem, by exact byte ranges. A source
-    of bytes for :class:`_Stream`, as :class:`_LocalFile`: :meth:`read` fills ``buffer`` (at
-    ``address``) from ``position`` unless the file ends first, or points into memory holding
-    them: (where they are, how many); reads are ``align``-aligned."""
+    """A file of a tier without one on this host's filesystem, by exact byte ranges. A source of bytes for
+    :class:`_Stream`, as :class:`_LocalFile`: :meth:`read` fills ``buffer`` (at ``address``) from ``position`` unless
+    the file ends first, or points into memory holding them: (where they are, how many); reads are ``align``-aligned."""
 
     align = 1
 
@@ -195,10 +191,9 @@ class _TierFile:
 
 
 class _LocalFile:
-    """A file on this host, read with O_DIRECT where its filesystem takes it, else buffered; a
-    file in memory (tmpfs: this host's memory-only snapshots, the replicas it holds) is mapped
-    and read where it lies, without a copy, held for reading so that no step written later reuses it.
-    """
+    """A file on this host, read with O_DIRECT where its filesystem takes it, else buffered; a file in memory (tmpfs:
+    this host's memory-only snapshots, the replicas it holds) is mapped and read where it lies, without a copy, held for
+    reading so that no step written later reuses it."""
 
     align = _ALIGN
 

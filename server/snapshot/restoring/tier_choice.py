@@ -1,9 +1,7 @@
-"""Which tier a snapshot is read from, for Restore (:func:`resolve_source`) and ListSnapshots'
-``latest`` (:func:`list_both_tiers`): the local ``--snapshot-dir`` when it holds the restoring rank
-at the job's world size, or every rank of its job; otherwise the ``--snapshot-store``. With a store,
-``latest`` is the newest step complete for the whole job in either tier, so every rank of a job
-resolves it to the same step.
-"""
+"""Which tier a snapshot is read from, for Restore (:func:`resolve_source`) and ListSnapshots' ``latest``
+(:func:`list_both_tiers`): the local ``--snapshot-dir`` when it holds the restoring rank at the job's world size, or
+every rank of its job; otherwise the ``--snapshot-store``. With a store, ``latest`` is the newest step complete for the
+whole job in either tier, so every rank of a job resolves it to the same step."""
 
 from __future__ import annotations
 
