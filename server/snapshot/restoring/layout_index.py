@@ -20,7 +20,8 @@ from swap_state.common.dtypes import DTYPE_ITEMSIZE
 from swap_state.common.snapshot_errors import SnapshotCorruptError, SnapshotLayoutMismatch
 from swap_state.common.snapshot_format import TensorRecord
 
-from swap_state.server.snapshot.restoring.reshard import Piece, TargetTensor, _check_box, _intersect, _runs, plan_tensor
+from swap_state.server.snapshot.restoring.reshard import (
+    Piece, TargetTensor, _check_box, _intersect, _runs, _strides, plan_tensor)
 
 __all__ = ["LAYOUT_FORMAT", "LayoutIndex", "Progression", "bind", "layout_part"]
 
@@ -180,12 +181,10 @@ class _Grid:
         target_box = (target.global_offset, target.shape)
         ranges = [range(s.count_at_most(lo) - 1, s.count_at_most(lo + n - 1))
                   for s, lo, n in zip(self.starts, target.global_offset, target.shape)]
-        widths = [len(s) for s in self.starts]
+        strides = _strides(tuple(len(s) for s in self.starts))  # of the cells, row-major
         pieces = []
         for coords in itertools.product(*ranges):
-            cell = 0
-            for i, width in zip(coords, widths):
-                cell = cell * width + i
+            cell = sum(i * stride for i, stride in zip(coords, strides))
             rank = self.owners.holder(cell, target_rank)
             if rank is None:
                 raise SnapshotLayoutMismatch(f"tensor {self.name}: no old rank holds its shard at {self.cell_box(cell)[0]}; "
@@ -310,12 +309,11 @@ class LayoutIndex:
         self.world_size = world_size if world_size is not None else max(manifests) + 1
         holders: dict[str, list[tuple[int, TensorRecord]]] = {}
         for rank in sorted(manifests):
-            seen: set[str] = set()
             for record in manifests[rank]:
-                if record.name in seen:
+                held = holders.setdefault(record.name, [])
+                if held and held[-1][0] == rank:  # ranks come in order: a name held twice by one is its last
                     raise SnapshotLayoutMismatch(f"tensor {record.name} appears twice in the manifest of old rank {rank}")
-                seen.add(record.name)
-                holders.setdefault(record.name, []).append((rank, record))
+                held.append((rank, record))
         self._tensors: dict[str, _Layout] = {name: _layout_of(name, pairs, self.world_size)
                                              for name, pairs in holders.items()}
 
@@ -362,8 +360,7 @@ class LayoutIndex:
         if doc.get("world_size") != world_size or not isinstance(doc.get("tensors"), list):
             raise ValueError(f"not the layout of {world_size} ranks")
         index = object.__new__(cls)
-        index.world_size = world_size
-        index._tensors = {}
+        index.world_size, index._tensors = world_size, {}
         for entry in doc["tensors"]:
             kind = next((_KINDS[key] for key in _KINDS if isinstance(entry, dict) and key in entry), None)
             if kind is None or not isinstance(entry.get("name"), str) or entry["name"] in index._tensors:
@@ -485,11 +482,9 @@ def _grid_of(name: str, pairs: list[tuple[int, TensorRecord]], world_size: int) 
     if len(boxes) != math.prod(len(s) for s in starts):
         return None  # not every combination of intervals is a shard
     where = [{start: i for i, start in enumerate(s)} for s in starts]
-    owners = [_ABSENT] * world_size
+    owners, strides = [_ABSENT] * world_size, _strides(tuple(len(s) for s in starts))
     for (offset, _), ranks in boxes.items():
-        cell = 0
-        for d, s in enumerate(starts):
-            cell = cell * len(s) + where[d][offset[d]]
+        cell = sum(where[d][start] * stride for d, (start, stride) in enumerate(zip(offset, strides)))
         for rank in ranks:
             owners[rank] = cell
     return _Grid(name, first.dtype, global_shape, tuple(Progression.of(s) for s in starts), Progression.of(owners))
