@@ -13,9 +13,8 @@ Call order (the servicer):
 4. Before unmapping a segment: ``handle.cancel(reason)``, ``handle.segment_released.wait()``.
 5. Server shutdown: ``coordinator.close()``.
 
-The ranks of a (job, step) on this server form a group that commits or fails together
-(:mod:`.group`); a multi-host job's server commits its own ranks'. Thread-safe.
-"""
+The ranks of a (job, step) on this server form a group that commits or fails together (:mod:`.group`); a multi-host
+job's server commits its own ranks'. Thread-safe."""
 
 from __future__ import annotations
 
@@ -436,9 +435,7 @@ class SnapshotCoordinator:
         statuses = []
         for group in groups:
             with group.cond:
-                if group.state is not SnapshotState.PERSISTING:
-                    continue
-                handles = list(group.handles.values())
+                handles = list(group.handles.values()) if group.state is SnapshotState.PERSISTING else []
             statuses.extend(h.status() for h in handles)
         return statuses
 

@@ -471,14 +471,10 @@ def _grid_of(name: str, pairs: list[tuple[int, TensorRecord]], world_size: int) 
     starts: list[list[int]] = []
     for d, size in enumerate(global_shape):
         intervals = sorted({(offset[d], shape[d]) for offset, shape in boxes})
-        end = 0
-        for start, length in intervals:
-            if start != end:
-                return None  # a gap or an overlap along this dimension
-            end = start + length
-        if end != size:
-            return None
-        starts.append([start for start, _ in intervals])
+        cuts = list(itertools.accumulate((length for _, length in intervals), initial=0))
+        if [start for start, _ in intervals] != cuts[:-1] or cuts[-1] != size:
+            return None  # a gap or an overlap along this dimension, or short of its end
+        starts.append(cuts[:-1])
     if len(boxes) != math.prod(len(s) for s in starts):
         return None  # not every combination of intervals is a shard
     where = [{start: i for i, start in enumerate(s)} for s in starts]
