@@ -276,9 +276,7 @@ class SnapshotCoordinator:
                           asked="all" if source.keep_all else source.keep_latest, kept=self.keep_latest,
                           detail="a tenant keeps at most the server's --keep-latest")
             return self.keep_latest
-        if source.keep_all:
-            return None
-        return max(self.keep_latest, source.keep_latest)
+        return None if source.keep_all else max(self.keep_latest, source.keep_latest)
 
     def _watch_assembly(self, group: SnapshotGroup, deadline: float) -> None:
         """Until every rank of ``group`` joined: fail it at ``deadline``, or as soon as a missing

@@ -410,8 +410,7 @@ class LayoutIndex:
             if target.name in names:
                 raise SnapshotLayoutMismatch(f"tensor {target.name} appears twice in the restoring rank's segment")
             names.add(target.name)
-        missing = sorted(names - self._tensors.keys())
-        if missing:
+        if missing := sorted(names - self._tensors.keys()):
             raise SnapshotLayoutMismatch(f"tensor {missing[0]} is in no rank of the snapshot "
                                          f"({len(missing)} such in all); restore into a job with the same "
                                          "model and optimizer state as the snapshot's")

@@ -115,16 +115,13 @@ def check_layout(info: SnapshotInfo, manifest: RankManifest, layout: SegmentLayo
 def _same_layout(own: RankManifest, layout: SegmentLayout, placement: SnapshotMetadata | None) -> bool:
     """The rank's own file is its segment: the same tensors (names, dtypes, shapes, order) and,
     where the trainer sent their placement, the same boxes of the same global tensors."""
+    pairs = zip(own.tensors, layout.tensors)
     if len(own.tensors) != len(layout.tensors) or any(
-        (t.name, t.dtype, tuple(t.shape)) != (s.name, s.dtype, tuple(s.shape)) for t, s in zip(own.tensors, layout.tensors)
-    ):
+            (t.name, t.dtype, tuple(t.shape)) != (s.name, s.dtype, tuple(s.shape)) for t, s in pairs):
         return False
     described = placement.tensors if placement is not None else {}
-    return all(
-        (meta := described.get(t.name)) is None
-        or (meta.global_shape, meta.global_offset) == (t.global_shape, t.global_offset)
-        for t in own.tensors
-    )
+    return all((meta := described.get(t.name)) is None
+               or (meta.global_shape, meta.global_offset) == (t.global_shape, t.global_offset) for t in own.tensors)
 
 
 def restore(directory: SnapshotTier, snapshot_id: str, buffer, layout: SegmentLayout, *, rank: int,
