@@ -306,8 +306,7 @@ class SnapshotCoordinator:
             return
         expected = f"world_size {group.world_size}"
         if group.local_world_size != group.world_size:
-            expected = (f"the {group.local_world_size} ranks expected on this server "
-                        f"(local_world_size; {expected})")
+            expected = f"the {group.local_world_size} ranks expected on this server (local_world_size; {expected})"
         group.fail(SnapshotFailedError(f"only ranks {joined} of {expected} started {group.snapshot_id} "
                                   f"within {self.assemble_timeout_s:g} s"))
 

@@ -80,10 +80,9 @@ class SnapshotGroup:
                 raise SnapshotBusyError(f"an earlier attempt at {self.snapshot_id} (another run, or before a "
                                    "retrained step) is still persisting")
             if self.local_world_size != source.expected_ranks:
-                raise SnapshotInvalid(f"{self.snapshot_id} was started with local_world_size "
-                                      f"{self.local_world_size} (ranks of the job on this server), rank "
-                                      f"{source.rank} attached with {source.expected_ranks}: all ranks of a "
-                                      "job on one server must agree")
+                raise SnapshotInvalid(f"{self.snapshot_id} was started with local_world_size {self.local_world_size} "
+                                      f"(ranks of the job on this server), rank {source.rank} attached with "
+                                      f"{source.expected_ranks}: all ranks of a job on one server must agree")
             if len(members) >= self.local_world_size:
                 raise SnapshotInvalid(f"{self.snapshot_id} already has its local_world_size "
                                       f"{self.local_world_size} ranks {members} on this server; rank "

@@ -81,9 +81,8 @@ def _check_source(target: TargetTensor, rank: int, record: TensorRecord, itemsiz
     """Dtype, kind (DTensor or plain), global shape and byte size of one source."""
     name = target.name
     if record.dtype != target.dtype:
-        raise SnapshotLayoutMismatch(f"tensor {name}: old rank {rank} saved it as {record.dtype} but the "
-                                     f"restoring segment has {target.dtype}; restore with the dtype the "
-                                     "snapshot was taken with")
+        raise SnapshotLayoutMismatch(f"tensor {name}: old rank {rank} saved it as {record.dtype} but the restoring "
+                                     f"segment has {target.dtype}; restore with the dtype the snapshot was taken with")
     if record.global_shape != target.global_shape:
         if record.global_shape is None or target.global_shape is None:
             kinds = ("a plain tensor", "a DTensor")
@@ -99,9 +98,8 @@ def _check_source(target: TargetTensor, rank: int, record: TensorRecord, itemsiz
                                      f"shape {record.shape} of {record.dtype}")
     if record.global_shape is None:
         if record.shape != target.shape:
-            raise SnapshotLayoutMismatch(f"tensor {name}: plain tensor of shape {record.shape} in old rank "
-                                         f"{rank} but {target.shape} in the restoring segment; the model "
-                                         "config must match")
+            raise SnapshotLayoutMismatch(f"tensor {name}: plain tensor of shape {record.shape} in old rank {rank} but "
+                                         f"{target.shape} in the restoring segment; the model config must match")
         return
     _check_box(name, f"old rank {rank}", record.global_shape, record.global_offset, record.shape)
 
@@ -109,9 +107,8 @@ def _check_source(target: TargetTensor, rank: int, record: TensorRecord, itemsiz
 def _check_box(name: str, where: str, global_shape: tuple[int, ...], offset: tuple[int, ...] | None,
                shape: tuple[int, ...]) -> None:
     if offset is None or len(offset) != len(shape) or len(shape) != len(global_shape):
-        raise SnapshotLayoutMismatch(f"tensor {name}: the DTensor shard of {where} has global shape "
-                                     f"{global_shape}, offset {offset} and local shape {shape}, which do "
-                                     "not describe a box")
+        raise SnapshotLayoutMismatch(f"tensor {name}: the DTensor shard of {where} has global shape {global_shape}, "
+                                     f"offset {offset} and local shape {shape}, which do not describe a box")
     if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(offset, shape, global_shape)):
         raise SnapshotLayoutMismatch(f"tensor {name}: the DTensor shard of {where} (offset {offset}, shape "
                                      f"{shape}) lies outside the global shape {global_shape}")
@@ -126,17 +123,13 @@ def _plan_plain(target: TargetTensor, ordered: Sequence[tuple[int, TensorRecord]
     if nbytes == 0:
         return []
     first_rank, first = ordered[0]
-    chosen = _nearest(ordered, target_rank)
     differing = next((pair for pair in ordered if pair[1].crc32 != first.crc32), None)
-    if differing is not None:
-        own = [pair for pair in ordered if pair[0] == target_rank]
-        if not (same_world and own):
-            raise SnapshotLayoutMismatch(f"tensor {target.name} is a plain (non-DTensor) tensor that "
-                                         f"differs between the snapshot's ranks ({first_rank} and "
-                                         f"{differing[0]}), so it cannot be resharded to another world "
-                                         "size; restore at the snapshot's world size")
-        chosen = own[0]
-    return [Piece(chosen[0], chosen[1], (Run(0, 0, nbytes),))]
+    if differing is not None and not (same_world and any(rank == target_rank for rank, _ in ordered)):
+        raise SnapshotLayoutMismatch(f"tensor {target.name} is a plain (non-DTensor) tensor that differs between the "
+                                     f"snapshot's ranks ({first_rank} and {differing[0]}), so it cannot be resharded "
+                                     "to another world size; restore at the snapshot's world size")
+    rank, record = _nearest(ordered, target_rank)  # the rank's own where they differ
+    return [Piece(rank, record, (Run(0, 0, nbytes),))]
 
 
 def _plan_dtensor(target: TargetTensor, ordered: Sequence[tuple[int, TensorRecord]], itemsize: int,
@@ -180,10 +173,9 @@ def _check_tiling(target: TargetTensor, chosen: Sequence[tuple[int, TensorRecord
     covered = sum(math.prod(box[1]) for _, _, box in chosen)
     wanted = math.prod(target.shape)
     if covered != wanted:
-        raise SnapshotLayoutMismatch(f"tensor {target.name}: the restoring rank's box (offset "
-                                     f"{target.global_offset}, shape {target.shape}) is not covered: the "
-                                     f"snapshot's shards hold {covered} of its {wanted} elements; check "
-                                     "that the snapshot holds every old rank")
+        raise SnapshotLayoutMismatch(f"tensor {target.name}: the restoring rank's box (offset {target.global_offset}, "
+                                     f"shape {target.shape}) is not covered: the snapshot's shards hold {covered} of "
+                                     f"its {wanted} elements; check that the snapshot holds every old rank")
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
