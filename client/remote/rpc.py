@@ -220,8 +220,6 @@ class SwapStateClient:
         """Until the channel is ready; nothing (a token, an Attach) goes to another user's socket."""
         timeout_s = timeout_s or self.config.connect_timeout_s
         path = self._socket_path
-        # No socket file fails after SOCKET_APPEAR_S (for a server started just before to make
-        # it), not the whole connect timeout.
         appear_s = min(SOCKET_APPEAR_S, self.config.connect_timeout_s)
         if path is not None and not wait_until(lambda: os.path.exists(path), timeout_s=appear_s, first_s=0.05):
             raise ServerUnavailableError(
@@ -320,49 +318,43 @@ class SnapshotHandle:
 
     def wait_durable(self, timeout_s: float = 600.0):
         """The status once durable (or stored); SnapshotFailedError if it failed, TimeoutError."""
-        return self._wait(timeout_s, stored=False)
+        return self._wait(timeout_s, "durable")
 
     def wait_stored(self, timeout_s: float = 600.0):
         """The status once this rank's files are in the ``--snapshot-store``; SwapStateError
         when the upload failed or there is no store; TimeoutError."""
-        return self._wait(timeout_s, stored=True)
+        return self._wait(timeout_s, "stored")
 
     def wait_replicated(self, timeout_s: float = 600.0):
         """The status once the snapshot is in a peer server's memory (its ``--replica-peers``);
         SwapStateError when its replica failed or the server has no peers; TimeoutError."""
+        return self._wait(timeout_s, "replicated")
+
+    def _wait(self, timeout_s: float, goal: str):
+        """Poll until ``goal``: durable, or past it the store's or the peer's (:data:`_TIERS`) state."""
+        tier, none = _TIERS.get(goal, ("", ""))
         deadline = time.monotonic() + timeout_s
-        self.wait_durable(timeout_s)
         while True:
             remaining = deadline - time.monotonic()
             reply = self.client.snapshot_status(self.snapshot_id, self.rank, max(0.0, min(remaining, 5.0)),
-                                                wait_replicated=True)
-            if reply.replica_state == "replicated":
-                return reply
-            if reply.replica_state in ("", "failed"):
-                why = reply.replica_error or "the server has no --replica-peers"
-                raise SwapStateError(f"snapshot {self.snapshot_id} is durable but not replicated: {why}")
-            if remaining <= 0:
-                raise TimeoutError(f"snapshot {self.snapshot_id} not replicated after {timeout_s}s")
-
-    def _wait(self, timeout_s: float, stored: bool):
-        deadline = time.monotonic() + timeout_s
-        goal = ("stored",) if stored else ("durable", "stored")
-        while True:
-            remaining = deadline - time.monotonic()
-            reply = self.status(wait_s=max(0.0, min(remaining, 5.0)), wait_stored=stored)
-            if reply.state in goal:
-                return reply
+                                                wait_stored=goal == "stored", wait_replicated=goal == "replicated")
             if reply.state == "failed":
                 raise SnapshotFailedError(f"snapshot {self.snapshot_id} failed: {reply.error}")
-            if stored and reply.state == "durable" and reply.store_state in ("", "failed"):
-                why = reply.store_error or "the server has no --snapshot-store"
-                raise SwapStateError(f"snapshot {self.snapshot_id} is durable but not stored: {why}")
+            if reply.state in ("durable", "stored"):
+                if not tier or getattr(reply, f"{tier}_state") == goal:
+                    return reply
+                if getattr(reply, f"{tier}_state") in ("", "failed"):
+                    why = getattr(reply, f"{tier}_error") or none
+                    raise SwapStateError(f"snapshot {self.snapshot_id} is durable but not {goal}: {why}")
             if remaining <= 0:
-                what = "stored" if stored else "durable"
-                done = reply.bytes_stored if stored else reply.bytes_persisted
-                raise TimeoutError(f"snapshot {self.snapshot_id} not {what} after {timeout_s}s "
+                done = reply.bytes_stored if goal == "stored" else reply.bytes_persisted
+                raise TimeoutError(f"snapshot {self.snapshot_id} not {goal} after {timeout_s}s "
                                    f"({done}/{reply.bytes_total} bytes)")
 
+
+#: Per goal of :meth:`SnapshotHandle._wait` past durable: its reply fields' prefix, what an empty state means.
+_TIERS = {"stored": ("store", "the server has no --snapshot-store"),
+          "replicated": ("replica", "the server has no --replica-peers")}
 
 #: What a trainer whose KeepAlive stream failed should do next, by the stream's status code.
 _LOST_NEXT = {
