@@ -56,10 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     snaps = sub.add_parser("snapshots", help="list durable snapshots, in the server's --snapshot-dir and its --snapshot-store")
     _add_server_args(snaps)
     snaps.add_argument("--job-id", default="", help="only this job (default: all)")
-    snaps.add_argument(
-        "snapshot", nargs="?", default="", metavar="SNAPSHOT", help="only this snapshot: an id such "
-        "as run1/step-1000 (or run1/step-000000001000) or run1/latest; step-1000 or latest with --job-id",
-    )  # fmt: skip
+    snaps.add_argument("snapshot", nargs="?", default="", metavar="SNAPSHOT", help="only this snapshot: an id such as "
+                       "run1/step-1000 (or run1/step-000000001000) or run1/latest; step-1000 or latest with --job-id")
     export = sub.add_parser("export", help="write a snapshot as a standard torch or DCP checkpoint, or a "
                             "snapshot-mode torchtitan checkpoint as a plain one")
     _add_export_arguments(export)
@@ -73,36 +71,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "snapshot", help="a snapshot directory (e.g. /snapshots/run1/step-1000: the step with or "
-        "without zero padding, here and in ids), or with --snapshot-dir or --snapshot-store an id "
-        "such as run1/step-1000 or run1/latest; with --format torchtitan a snapshot-mode "
-        "torchtitan checkpoint directory (e.g. outputs/checkpoint/step-1000)",
-    )  # fmt: skip
+    parser.add_argument("snapshot", help="a snapshot directory (e.g. /snapshots/run1/step-1000: the step with or "
+                        "without zero padding, here and in ids), or with --snapshot-dir or --snapshot-store an id such "
+                        "as run1/step-1000 or run1/latest; with --format torchtitan a snapshot-mode torchtitan "
+                        "checkpoint directory (e.g. outputs/checkpoint/step-1000)")
     parser.add_argument("out", help="output file (torch) or directory (dcp; torchtitan: must not exist yet)")
-    parser.add_argument(
-        "--format", choices=("torch", "dcp", "torchtitan"), default="torch",
-        help="torch: one torch.save file of the optimizer state; dcp: a DCP directory of it; "
-        "torchtitan: a plain torchtitan checkpoint (model, optimizer, small states) that "
-        "torchtitan without swap-state resumes from (default: torch)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--snapshot-dir", default=None, help="the --snapshot-dir of the server that took the snapshot "
-        "(with --format torchtitan: this or --snapshot-store is required; the embedded server's is "
-        "<job.dump_folder>/swap-state-snapshots)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--snapshot-store", default=None, metavar="URI",
-        help="read the snapshot from this snapshot store (the servers' --snapshot-store): "
-        "s3://BUCKET/PREFIX on any S3-compatible store (endpoint, region and credentials from the "
-        "standard AWS_* environment variables), file:///PATH or a PATH on a shared filesystem; "
-        "SNAPSHOT is then an id (with --format torchtitan the checkpoint names it). Every byte "
-        "read is verified. Not with --snapshot-dir",
-    )  # fmt: skip
-    parser.add_argument(
-        "--snapshot-store-timeout", type=float, default=STORE_TIMEOUT_S, metavar="SECONDS",
-        help=f"seconds one request to --snapshot-store may take, retries included (default: {STORE_TIMEOUT_S:g})",
-    )  # fmt: skip
+    parser.add_argument("--format", choices=("torch", "dcp", "torchtitan"), default="torch",
+                        help="torch: one torch.save file of the optimizer state; dcp: a DCP directory of it; "
+                        "torchtitan: a plain torchtitan checkpoint (model, optimizer, small states) that "
+                        "torchtitan without swap-state resumes from (default: torch)")
+    parser.add_argument("--snapshot-dir", default=None, help="the --snapshot-dir of the server that took the snapshot "
+                        "(with --format torchtitan: this or --snapshot-store is required; the embedded server's is "
+                        "<job.dump_folder>/swap-state-snapshots)")
+    parser.add_argument("--snapshot-store", default=None, metavar="URI",
+                        help="read the snapshot from this snapshot store (the servers' --snapshot-store): "
+                        "s3://BUCKET/PREFIX on any S3-compatible store (endpoint, region and credentials from the "
+                        "standard AWS_* environment variables), file:///PATH or a PATH on a shared filesystem; "
+                        "SNAPSHOT is then an id (with --format torchtitan the checkpoint names it). Every byte "
+                        "read is verified. Not with --snapshot-dir")
+    parser.add_argument("--snapshot-store-timeout", type=float, default=STORE_TIMEOUT_S, metavar="SECONDS",
+                        help="seconds one request to --snapshot-store may take, retries included "
+                        f"(default: {STORE_TIMEOUT_S:g})")
 
 
 def _one_line(exc: Exception, store: str | None) -> str:
@@ -138,9 +127,8 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"exported {args.snapshot} with snapshot {result.snapshot_id} (ranks {list(result.ranks)}: "
               f"{result.model_tensors} model tensors, {result.entries} optimizer entries) to {result.out} (torchtitan)")
         return 0
-    share = ""
-    if len(result.ranks) < result.world_size:
-        share = f", ranks {list(result.ranks)} of world_size {result.world_size}"
+    share = (f", ranks {list(result.ranks)} of world_size {result.world_size}"
+             if len(result.ranks) < result.world_size else "")
     print(f"exported {result.snapshot_id} ({result.tensors} tensors, {result.entries} entries{share}) to {result.out} "
           f"({result.format})")
     return 0
@@ -312,11 +300,10 @@ def _snapshots(args) -> int:
         reply = client.list_snapshots(ref.job_id if ref else args.job_id)
     snapshots = [s for s in reply.snapshots if ref is None or (s.latest if ref.latest else s.step == ref.step)]
     for snap in snapshots:
-        marker = " (latest)" if snap.latest else ""
         ranks = f"{snap.world_size} ranks"
         if snap.ranks and len(snap.ranks) < snap.world_size:
             ranks = f"ranks {','.join(map(str, snap.ranks))} of {snap.world_size}"
-        print(f"{snap.snapshot_id}\t{ranks}\t{_gib(snap.bytes)}\t{_where(snap)}{marker}")
+        print(f"{snap.snapshot_id}\t{ranks}\t{_gib(snap.bytes)}\t{_where(snap)}{' (latest)' if snap.latest else ''}")
     if reply.store_error:  # listed from this server's --snapshot-dir only: not "none"
         print(f"swap-state snapshots: the snapshot store could not be read, so only this server's own "
               f"snapshots are listed (the store may hold more, and newer): {reply.store_error}", file=sys.stderr)

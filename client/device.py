@@ -46,17 +46,10 @@ class NullStream:
     def query(self) -> bool:
         return True
 
-    def synchronize(self) -> None:
-        """Nothing to wait for."""
+    def synchronize(self, *stream_or_event: Any) -> None:
+        """Nothing to wait for, or to record."""
 
-    def record(self, stream: Any = None) -> None:
-        """Nothing to record."""
-
-    def wait_event(self, event: Any) -> None:
-        """Nothing to wait for."""
-
-    def wait_stream(self, stream: Any) -> None:
-        """Nothing to wait for."""
+    record = wait_event = wait_stream = synchronize
 
 
 NullEvent = NullStream

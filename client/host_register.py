@@ -37,8 +37,7 @@ REGISTER_CHUNK_BYTES = 32 << 30
 
 PAGE_SIZE = mmap.PAGESIZE  # registration pointers must be aligned to it
 
-# cudaHostRegisterPortable: the range counts as pinned for every CUDA context of the
-# process, not only the current one.
+# cudaHostRegisterPortable: the range counts as pinned for every CUDA context of the process, not only the current one.
 _CUDA_HOST_REGISTER_PORTABLE = 1
 # ACL_HOST_REGISTER_MAPPED: the only aclrtHostRegisterType.
 _ACL_HOST_REGISTER_MAPPED = 0
@@ -63,11 +62,10 @@ class HostRegistration:
 
 def page_chunks(ptr: int, nbytes: int, chunk_bytes: int = REGISTER_CHUNK_BYTES, page_size: int = PAGE_SIZE,
                 cuts: Sequence[int] = (), spans: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
-    """Split ``[ptr, ptr + nbytes)`` (page-aligned; size rounded up) into chunks of at most
-    ``chunk_bytes``. With ``spans`` (tensors' ``(offset, nbytes)``) or ``cuts`` (tensor starts),
-    a chunk ends only on a page boundary no tensor straddles, so one copy never spans two
-    registrations (how a driver treats that is not documented); a tensor over ``chunk_bytes``
-    gets a chunk of its own, over the limit."""
+    """Split ``[ptr, ptr + nbytes)`` (page-aligned; size rounded up) into chunks of at most ``chunk_bytes``. With
+    ``spans`` (tensors' ``(offset, nbytes)``) or ``cuts`` (tensor starts), a chunk ends only on a page boundary no
+    tensor straddles, so one copy never spans two registrations (how a driver treats that is not documented); a tensor
+    over ``chunk_bytes`` gets a chunk of its own, over the limit."""
     if ptr % page_size:
         raise ValueError(f"host pointer {ptr:#x} is not aligned to the {page_size}-byte page size; "
                          "DMA registration needs a page-aligned pointer (map the region with mmap)")
@@ -132,10 +130,8 @@ def _cuda_return_code(rc: Any) -> int:
     rc = int(rc)
     if rc == 0:
         return rc
-    clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
-    if clear is None:
-        library = _loaded_library("libcudart.so")
-        clear = None if library is None else library.cudaGetLastError
+    clear = (getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+             or getattr(_loaded_library("libcudart.so"), "cudaGetLastError", None))
     if clear is not None:
         clear()
     return rc
@@ -166,21 +162,16 @@ def locate_library(name: str, symbol: str, open_library: Callable[..., Any] = ct
 
 
 # -- Ascend through libascendcl ----------------------------------------------------------------
-_ACL_LIB: Any = None
-
-
+@functools.cache
 def _acl() -> Any:
-    global _ACL_LIB
-    if _ACL_LIB is None:
-        lib, where = locate_library("libascendcl.so", "aclrtHostRegister")
-        logger.debug("libascendcl from %s", where)
-        out = ctypes.POINTER(ctypes.c_void_p)
-        lib.aclrtHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, out]
-        lib.aclrtHostRegister.restype = ctypes.c_int
-        lib.aclrtHostUnregister.argtypes = [ctypes.c_void_p]
-        lib.aclrtHostUnregister.restype = ctypes.c_int
-        _ACL_LIB = lib
-    return _ACL_LIB
+    lib, where = locate_library("libascendcl.so", "aclrtHostRegister")
+    logger.debug("libascendcl from %s", where)
+    out = ctypes.POINTER(ctypes.c_void_p)
+    lib.aclrtHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, out]
+    lib.aclrtHostRegister.restype = ctypes.c_int
+    lib.aclrtHostUnregister.argtypes = [ctypes.c_void_p]
+    lib.aclrtHostUnregister.restype = ctypes.c_int
+    return lib
 
 
 def _acl_host_register(ptr: int, nbytes: int) -> int:

@@ -89,11 +89,10 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         return self.segment.resumed_step
 
     def snapshot(self, memory_only: bool = False) -> SnapshotHandle:
-        """Snapshot the last committed step on the server (between steps); returns once it is
-        consistent. A whole-state snapshot's model copy lands after (the next update waits). A
-        server restart is ridden through (``RemoteConfig.server_wait_s``), else
-        ServerUnavailableError: training may go on and snapshot later. ``memory_only``: kept in
-        the host's memory and a peer server's (``--replica-peers``), never on disk."""
+        """Snapshot the last committed step on the server (between steps); returns once it is consistent. A whole-state
+        snapshot's model copy lands after (the next update waits). A server restart is ridden through
+        (``RemoteConfig.server_wait_s``), else ServerUnavailableError: training may go on and snapshot later.
+        ``memory_only``: kept in the host's memory and a peer server's (``--replica-peers``), never on disk."""
         self.store.verify_kept_state()
         step = self.session.last_committed_step
         if step is None:
@@ -105,9 +104,8 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         super().step(*args, **kwargs)
 
     def _replica_snapshot(self) -> None:
-        """``RemoteConfig.replica_interval``: a memory-only snapshot of the last committed step as
-        the next begins (after any checkpoint of it); skipped while a snapshot reads the segment
-        (training never waits for one)."""
+        """``RemoteConfig.replica_interval``: a memory-only snapshot of the last committed step as the next begins
+        (after any checkpoint of it); skipped while a snapshot reads the segment (training never waits for one)."""
         interval, step = self.remote_config.replica_interval, self.session.last_committed_step
         if not interval or not step or step % interval:
             return
@@ -121,11 +119,8 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
 
     def restore(self, snapshot_id: str = "latest") -> int:
         """Replace the moments and steps with a durable snapshot's (server-verified); its step.
-
-        Args:
-            snapshot_id: ``"<job>/step-<N>"``, or ``"latest"``: the job's newest durable step
-                (local, or in the ``--snapshot-store``), at this or another world size and layout.
-        """
+        ``snapshot_id``: ``"<job>/step-<N>"``, or ``"latest"``: the job's newest durable step (local,
+        or in the ``--snapshot-store``), at this or another world size and layout."""
         return self.segment.restore(snapshot_id, self.snapshot_metadata(), self.store.apply_restored_metadata)
 
     def snapshot_metadata(self) -> str:
@@ -154,9 +149,8 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         return flat
 
     def checkpoint_reference(self, memory_only: bool = False) -> str:
-        """The id of a snapshot of the last committed step, taken now unless one exists ("" with
-        no committed step or torn state; ``memory_only``: see :meth:`snapshot`); returns once the
-        model's copy has landed."""
+        """The id of a snapshot of the last committed step, taken now unless one exists ("" with no committed step or
+        torn state; ``memory_only``: see :meth:`snapshot`); returns once the model's copy has landed."""
         step, handle = self.session.last_committed_step, self.segment.snapshot_handle
         if step is not None and (handle is None or handle.step != step) and self.segment.torn_step is None:
             handle = self.snapshot(memory_only)  # a restarting server is waited for (server_wait_s)
@@ -212,14 +206,9 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
         self.store.metadata.apply_saved_param_groups(state_dict)
 
     def wait_checkpoint_durable(self, timeout_s: float | None = None, stored: bool = False) -> None:
-        """Block until the snapshot the last snapshot-mode ``state_dict()`` referred to is
-        durable; raise if it failed. Call before the trainer exits: a detach ends a snapshot
-        still persisting.
-
-        Args:
-            timeout_s: how long to wait (None: ``RemoteConfig.backpressure_timeout_s``).
-            stored: wait until it is in the ``--snapshot-store`` too.
-        """
+        """Block until the snapshot the last snapshot-mode ``state_dict()`` referred to is durable (``stored``: in the
+        ``--snapshot-store`` too) for up to ``timeout_s`` (None: ``RemoteConfig.backpressure_timeout_s``); raise if it
+        failed. Call before the trainer exits: a detach ends a snapshot still persisting."""
         handle = self._checkpoint_snapshot
         if handle is None or self.segment.closed:
             return
@@ -236,11 +225,8 @@ class RemoteSwapOptimizersContainer(SwapOptimizersContainer):
 
     def close(self, keep: bool = False) -> None:
         """Detach, unmap, stop an embedded server; idempotent (also run at interpreter exit).
-
-        Args:
-            keep: keep the segment on the server for its ``--grace`` (a restarted trainer of
-                this job and rank reattaches to it); False frees it now.
-        """
+        ``keep``: keep the segment on the server for its ``--grace`` (a restarted trainer of this
+        job and rank reattaches to it); False frees it now."""
         if self.segment.closed:
             return
         try:

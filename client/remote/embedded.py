@@ -104,22 +104,20 @@ class EmbeddedServer:
         self.restarts = 0  # times the server was started again
 
     def start(self) -> EmbeddedServer:
-        cfg = self.config
         # A trainer killed with SIGKILL leaves its server's folder: the next start sweeps it.
         self.workdir = make_scratch_dir("swap-state-embedded-")
-        socket_path = os.path.join(self.workdir, "swap-state.sock")
-        self.snapshot_dir = os.path.abspath(os.path.expanduser(cfg.snapshot_dir or default_snapshot_dir()))
-        self.address = f"unix://{socket_path}"
+        self.snapshot_dir = os.path.abspath(os.path.expanduser(self.config.snapshot_dir or default_snapshot_dir()))
+        self.address = f"unix://{os.path.join(self.workdir, 'swap-state.sock')}"
         self._log_path = os.path.join(self.workdir, "server.log")
         try:  # a ConfigError names the flag; a failed start leaves no directory behind
-            server_config = cfg.server_config(self.address, self.snapshot_dir)
+            server_config = self.config.server_config(self.address, self.snapshot_dir)
             self._cmd = [sys.executable, "-m", "swap_state.server.cli", *config_to_argv(server_config)]
             atexit.register(self._stop_at_exit, os.getpid())
             self._launch()
         except BaseException:
             self.stop()
             raise
-        if cfg.auto_restart:
+        if self.config.auto_restart:
             threading.Thread(target=self._watch, name="swap-state-embedded-watchdog", daemon=True).start()
         return self
 
@@ -251,7 +249,7 @@ def make_scratch_dir(prefix: str, dir: str | None = None) -> str:
 def sweep_stale(prefix: str, dir: str | None = None) -> list[str]:
     """Remove this user's ``prefix*`` folders whose owner process is gone; returns them."""
     base = dir or tempfile.gettempdir()
-    removed = []
+    removed: list[str] = []
     try:
         names = [n for n in os.listdir(base) if n.startswith(prefix)]
     except OSError:
@@ -259,9 +257,8 @@ def sweep_stale(prefix: str, dir: str | None = None) -> list[str]:
     for name in names:
         path = os.path.join(base, name)
         try:
-            if os.lstat(path).st_uid != os.getuid() or os.path.islink(path) or not os.path.isdir(path):
-                continue
-            if _owner_alive(path):
+            if (os.lstat(path).st_uid != os.getuid() or os.path.islink(path) or not os.path.isdir(path)
+                    or _owner_alive(path)):
                 continue
         except OSError:
             continue
@@ -278,10 +275,9 @@ def _owner_alive(path: str) -> bool:
         return bool(os.listdir(path)) or time.time() - os.stat(path).st_mtime < OWNERLESS_GRACE_S
     except (OSError, ValueError):
         return True
-    if pid <= 0:
-        return True
     try:
-        os.kill(pid, 0)
+        if pid > 0:
+            os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process

@@ -161,11 +161,11 @@ class RemoteSegment:
         log.warning("dropping the swap-state optimizer state kept for job %s rank %d at step %s: %s; "
                     "training starts from a fresh optimizer state. Load a checkpoint (or use a new "
                     "job id) to continue a run", self.config.job_id, self.session.rank, self.resumed_step, why)
+        trainer = self.mapping.trainer
         self.mapping.before_write(0, list(self.views))
         for view in self.views.values():
             view.zero_()
-        self.mapping.trainer.end_write()
-        trainer = self.mapping.trainer
+        trainer.end_write()
         trainer.count_state_drop()
         trainer.set_fingerprint(UNKNOWN)
         trainer.withdraw_model()  # the model tensors were zeroed with the rest
@@ -195,14 +195,13 @@ class RemoteSegment:
             # The server persists one snapshot of a segment at a time: wait, then try once more.
             self.wait_for_persisting_snapshot(f"snapshot of step {step}")
             reply = self._send_snapshot(step, metadata_parts, memory_only)
-        handle = SnapshotHandle(reply.snapshot_id, step, self.session.rank, self.client)
         if not self._location_logged:
             self._location_logged = True
             job, embedded_dir = self.config.job_id, self.embedded and self.embedded.snapshot_dir
             log.info("first snapshot %s goes to %s", reply.snapshot_id, os.path.join(embedded_dir, str(job))
                      if embedded_dir else f"the --snapshot-dir of server {self.config.server} (folder {job})")
-        self.snapshot_handle = handle
-        return handle
+        self.snapshot_handle = SnapshotHandle(reply.snapshot_id, step, self.session.rank, self.client)
+        return self.snapshot_handle
 
     def _send_snapshot(self, step: int, metadata_parts: tuple[str, str, str], memory_only: bool) -> Any:
         ident, base, delta = metadata_parts
@@ -355,11 +354,10 @@ class RemoteSegment:
             self.mapping = None
 
 # -- the parameters' fingerprint ------------------------------------------------------------------
-# Written with each step's commit: a reattach uses kept moments only when the parameters are
-# those of the kept step. A 64-bit digest of up to SAMPLES_PER_TENSOR evenly spaced elements of
-# every parameter's local data, bit for bit (every step changes essentially every element); the
-# stride is an integer, as a float32 ``linspace`` rounds its last index out of range above 2^24
-# elements.
+# Written with each step's commit: a reattach uses kept moments only when the parameters are those of the kept step. A
+# 64-bit digest of up to SAMPLES_PER_TENSOR evenly spaced elements of every parameter's local data, bit for bit (every
+# step changes essentially every element); the stride is an integer, as a float32 ``linspace`` rounds its last index out
+# of range above 2^24 elements.
 
 SAMPLES_PER_TENSOR = 64
 UNKNOWN = 0

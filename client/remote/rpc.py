@@ -77,10 +77,9 @@ RIDES_THROUGH = frozenset({"Snapshot", "SnapshotStatus", "ListSnapshots", "Stats
 #: A detach that fails costs nothing but memory until the server's --grace: a trainer exiting
 #: while its server is gone for good waits this long at most, not server_wait_s.
 DETACH_WAIT_S = 5.0
-#: How long a missing unix socket may take to appear (a server started just before the trainer;
-#: a server in another container is waited for by its health check, not by this): short, so
-#: that a wrong path fails within seconds of the trainer's start (a trainer restarted beside a
-#: restarting server is the rarer case; its scheduler restarts it again).
+#: How long a missing unix socket may take to appear (a server started just before the trainer; a server in another
+#: container is waited for by its health check, not by this): short, so that a wrong path fails within seconds of the
+#: trainer's start (a trainer restarted beside a restarting server is the rarer case; its scheduler restarts it again).
 SOCKET_APPEAR_S = 1.5
 _POLLER_SETTLE_S = 0.25
 # grpc's channel backoff (2 min by default) and the keep-alive's stay short: a restarted
@@ -120,9 +119,8 @@ class ClientConfig:
     connect_timeout_s: float = 10.0
     """How long attach waits for an unreachable server before failing."""
     server_wait_s: float = 60.0
-    """How long a call in :data:`RIDES_THROUGH` (a snapshot, a wait on one, a listing, Stats, the
-    detach) is tried again while the server is unreachable (restarting); 0: it fails at once.
-    Steps never wait for the server."""
+    """How long a call in :data:`RIDES_THROUGH` (a snapshot, a wait on one, a listing, Stats, the detach) is tried again
+    while the server is unreachable (restarting); 0: it fails at once. Steps never wait for the server."""
 
 
 def _read_tls_files(config: ClientConfig) -> dict[str, bytes | None]:

@@ -75,8 +75,7 @@ class SegmentStore:
 
     def before_write(self, params: Sequence[torch.Tensor]) -> None:
         self.segment.check_not_torn()
-        # The step tensors change with every slice; the names are lazy: walked only while a
-        # snapshot persists.
+        # The step tensors change with every slice; the names are lazy: walked only while a snapshot persists.
         names_of = self._tensor_names
         names = itertools.chain((PARAM_STEPS, GROUP_STEPS), (n for p in params for n in names_of.get(p, ())))
         self.segment.mapping.before_write(self.current_step(), names)

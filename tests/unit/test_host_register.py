@@ -4,6 +4,7 @@ first, and the exactly sized registered buffer that unregisters with its last te
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 from typing import Any
 
@@ -156,7 +157,7 @@ def test_module_reads_acl_through_locate_library(monkeypatch: pytest.MonkeyPatch
         found.append((name, symbol))
         return Acl(), "the process's global symbols"
 
-    monkeypatch.setattr(host_register, "_ACL_LIB", None)
+    monkeypatch.setattr(host_register, "_acl", functools.cache(host_register._acl.__wrapped__))  # a fresh cache
     monkeypatch.setattr(host_register, "locate_library", locate)
     assert host_register._acl_host_unregister(PAGE_SIZE) == 0
     assert found == [("libascendcl.so", "aclrtHostRegister")]
