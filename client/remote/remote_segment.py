@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import time
@@ -84,9 +85,8 @@ class RemoteSegment:
         if self.mapping is not None:
             raise NotImplementedError("RemoteSwapOptimizersContainer allocates its segment once: every parameter "
                                       "and param group must exist when the container is built")
-        model_tensors = []
-        if snapshots_model(self.config):
-            model_tensors = plan_model_tensors(self.model_parts, params, self.config.model_state_dict)
+        model_tensors = (plan_model_tensors(self.model_parts, params, self.config.model_state_dict)
+                         if snapshots_model(self.config) else [])
         reply = self.session.allocate([*specs, *(t.spec() for t in model_tensors)])  # last: protocol step 5
         self._backend = backend
         self.mapping = SegmentMapping.open(reply.segment)
@@ -405,13 +405,10 @@ class ParamFingerprint:
                 key = (local.data_ptr(), local.dtype, local.numel(), local.device)
                 if key != self._keys[index]:
                     self._keys[index], self._views[index] = key, _samples(local)
-            by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
-            for view in self._views:
-                if view is not None:
-                    by_device.setdefault(view.device, {}).setdefault(view.dtype, []).append(view)
-            self._groups = [
-                [dtypes[dtype] for dtype in sorted(dtypes, key=str)]
-                for _, dtypes in sorted(by_device.items(), key=lambda item: str(item[0]))]
+            # A stable sort: within a group, the parameters' order.
+            views = sorted((v for v in self._views if v is not None), key=lambda v: (str(v.device), str(v.dtype)))
+            self._groups = [[list(same) for _, same in itertools.groupby(on_device, key=lambda v: v.dtype)]
+                            for _, on_device in itertools.groupby(views, key=lambda v: v.device)]
             self._pointers = pointers
         return self._groups
 

@@ -443,11 +443,9 @@ class RemoteSession:
 
     def _lose(self, code: grpc.StatusCode | None, why: str) -> None:
         """The server answered that it does not hold the session (any more)."""
-        after = ""
-        if self.server_gone():
-            after = (" after the server restarted: the new server did not adopt this session's "
-                     "segment (started with --discard-segments, or the segment failed its checks: "
-                     "see the server's log)")
+        after = (" after the server restarted: the new server did not adopt this session's segment (started with "
+                 "--discard-segments, or the segment failed its checks: see the server's log)"
+                 if self.server_gone() else "")
         self._lost = SessionLostError(f"lost the swap-state session {self.job_id}/rank {self.rank} at "
                                       f"{self.client.address}{after}: {why}; "
                                       f"{_LOST_NEXT.get(code, _LOST_NEXT[None])}", code)

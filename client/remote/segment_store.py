@@ -99,9 +99,8 @@ class SegmentStore:
 
     def publish_step(self, params_known: bool = True) -> int:
         """The group steps into the segment, then the segment's commit of the current step."""
-        group_steps = self.segment.views[GROUP_STEPS]
-        for index, group in enumerate(all_param_groups(self._optimizers)):
-            group_steps[index] = float(group.get(STEP_KEY, 0))
+        steps = [float(group.get(STEP_KEY, 0)) for group in all_param_groups(self._optimizers)]
+        self.segment.views[GROUP_STEPS].copy_(torch.tensor(steps))
         return self.segment.publish(self.current_step(), params_known)
 
     def verify_kept_state(self) -> None:
