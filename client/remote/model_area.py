@@ -94,8 +94,7 @@ def plan_model_tensors(model_parts: Sequence[nn.Module], params: Iterable[torch.
 
 def model_state_bytes(model_parts: Sequence[nn.Module], state_dict_of: StateDictOf | None = None) -> int:
     """Bytes the model tensors take in a segment, a page of slack each (for sizing)."""
-    tensors = plan_model_tensors(model_parts, (), state_dict_of)
-    return sum(t.local.numel() * t.local.element_size() + 4096 for t in tensors)
+    return sum(t.local.nbytes + 4096 for t in plan_model_tensors(model_parts, (), state_dict_of))
 
 
 class ModelArea:

@@ -37,7 +37,7 @@ from swap_state.client.optim.dtensor_utils import DTensor, unwrap_dtensor
 from swap_state.client.remote.config import (
     RemoteConfig, connect, embedded_world_size_hint, snapshot_retention, snapshots_model)
 from swap_state.client.remote.model_area import ModelArea, plan_model_tensors
-from swap_state.client.remote.rpc import RemoteSession, SnapshotHandle
+from swap_state.client.remote.rpc import SnapshotHandle
 from swap_state.client.remote.segment_mapping import SegmentMapping
 from swap_state.common.errors import InvalidRequestError
 from swap_state.common.names import parse_snapshot_id, snapshot_id_for
@@ -62,7 +62,6 @@ class RemoteSegment:
         """Attach (starting an embedded server when no address is configured)."""
         self.config = config
         self.model_parts = list(model_parts)
-        self.session: RemoteSession
         self.client, self.session, self.embedded = connect(config, model_parts, optimizer_kwargs)
         self.mapping: SegmentMapping | None = None
         self.views: dict[str, torch.Tensor] = {}  # the segment's tensors by name, while mapped
