@@ -181,10 +181,9 @@ class EmbeddedServer:
                     return False
             return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-        if wait_until(serving, timeout_s=self.config.start_timeout_s, first_s=0.01, max_s=0.05):
-            return
-        raise RuntimeError(f"embedded swap-state-server not serving after {self.config.start_timeout_s}s:\n"
-                           f"{self.log_text()}")
+        if not wait_until(serving, timeout_s=self.config.start_timeout_s, first_s=0.01, max_s=0.05):
+            raise RuntimeError(f"embedded swap-state-server not serving after {self.config.start_timeout_s}s:\n"
+                               f"{self.log_text()}")
 
     def log_text(self) -> str:
         if self._log_path and os.path.exists(self._log_path):

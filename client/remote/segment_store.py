@@ -114,9 +114,8 @@ class SegmentStore:
                 group[STEP_KEY] = _clone(step)
 
     def load_group_steps(self) -> None:
-        group_steps = self.segment.views[GROUP_STEPS]
-        for index, group in enumerate(all_param_groups(self._optimizers)):
-            group[STEP_KEY] = group_steps[index].clone()
+        for group, step in zip(all_param_groups(self._optimizers), self.segment.views[GROUP_STEPS]):
+            group[STEP_KEY] = step.clone()
 
     def apply_restored_metadata(self, metadata_json: str) -> None:
         """A restore's metadata into the live groups and the segment's step tensors."""
