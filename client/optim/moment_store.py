@@ -16,7 +16,7 @@ container's) and ``swap_state.client.remote.segment_store.SegmentStore`` (the se
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch.optim import Optimizer
@@ -49,8 +49,9 @@ class MomentStore(Protocol):
         """A load replaced the state."""
 
 
-class PinnedHostMemory:
-    """The moments in the trainer's pinned host memory (on a CPU-only process, plain memory)."""
+class PinnedHostMemory(MomentStore):
+    """The moments in the trainer's pinned host memory (on a CPU-only process, plain memory); the
+    step and load events are :class:`MomentStore`'s, which do nothing."""
 
     def __init__(self, backend: DeviceBackend):
         self._backend = backend
@@ -68,15 +69,3 @@ class PinnedHostMemory:
             tensors[STEP_KEY] = steps[index]
             cache[entry.param] = tensors
         return cache
-
-    def before_step(self) -> None:
-        pass
-
-    def before_write(self, params: Sequence[Any]) -> None:
-        pass
-
-    def after_step(self) -> None:
-        pass
-
-    def after_load(self) -> None:
-        pass
