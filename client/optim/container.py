@@ -55,10 +55,7 @@ class UnswappedOptimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        flat: dict[str, Any] = {}
-        for optimizer in self.optimizers:
-            flat.update(self.flat_state_dict(optimizer))
-        return flat
+        return {key: value for optimizer in self.optimizers for key, value in self.flat_state_dict(optimizer).items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         for optimizer in self.optimizers:

@@ -112,19 +112,18 @@ def host_cache_ready(host: Mapping[str, Any] | None, group: Mapping[str, Any], l
     return True
 
 
+@dataclass(eq=False)
 class HostCaches:
     """Builds, checks and installs the host caches (``cpu_states``) of ``optimizers`` and their placeholders
     (``device_states``); ``store`` allocates them."""
 
-    def __init__(self, store: Any, optimizers: Sequence[Optimizer], cpu_states: dict[torch.Tensor, HostCache],
-                 device_states: dict[torch.Tensor, dict[str, Any]], moment_dtype: torch.dtype | None):
-        self.store = store
-        self.optimizers = optimizers
-        self.cpu_states = cpu_states
-        self.device_states = device_states
-        self.moment_dtype = moment_dtype
-        self.epoch = 0
-        """Counts :meth:`install` calls (the step pipeline's plans are built against one)."""
+    store: Any
+    optimizers: Sequence[Optimizer]
+    cpu_states: dict[torch.Tensor, HostCache]
+    device_states: dict[torch.Tensor, dict[str, Any]]
+    moment_dtype: torch.dtype | None
+    epoch: int = 0
+    """Counts :meth:`install` calls (the step pipeline's plans are built against one)."""
 
     def entries(self, optimizer_index: int, model: nn.Module, optim: Optimizer,
                 pairs: Iterable[tuple[int, torch.Tensor]]) -> list[HostCacheEntry]:

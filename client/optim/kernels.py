@@ -127,8 +127,8 @@ def adam_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
         # CUDA one does, in three steps (upcast, update, ``copy_`` back rounding to nearest even).
         moments = (exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
         wide = [[moment.to(param.dtype) for moment, param in zip(kind, params)] for kind in moments]
-        update = {"group": group, "grad_scale": grad_scale, "found_inf": found_inf, "steps": steps}
-        adam_update(params, grads, *wide, state_steps, **update)
+        adam_update(params, grads, *wide, state_steps, group=group, grad_scale=grad_scale, found_inf=found_inf,
+                    steps=steps)
         for kind, values in zip(moments, wide):
             for moment, value in zip(kind, values):
                 moment.copy_(value)

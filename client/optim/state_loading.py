@@ -152,13 +152,8 @@ def _plan_group_load(index: FlatIndex, optim: Optimizer, group: dict[str, Any],
                      fqns: Mapping[torch.Tensor, tuple[str, ...]]) -> dict[str, Any]:
     """The checkpoint's hyperparameters for ``group``, from the first of its parameters found
     (a checkpoint may group differently; ``amsgrad`` is checked per parameter)."""
-    for param in group["params"]:
-        found = index.entries(PARAM_GROUPS_PREFIX, fqns.get(param, ()))
-        if found is not None:
-            break
-    else:
-        return {}
-    _, entries = found
+    found = (index.entries(PARAM_GROUPS_PREFIX, fqns.get(param, ())) for param in group["params"])
+    _, entries = next(filter(None, found), (None, {}))
     values = {key: clone_value(value) for key, value in entries.items() if key != "params"}
     if isinstance(optim, torch.optim.AdamW) and "decoupled_weight_decay" in values:
         values["decoupled_weight_decay"] = True  # as AdamW.__setstate__

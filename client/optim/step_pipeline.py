@@ -155,7 +155,6 @@ class StepPipeline:
             works.append(slice_work([planned.params[i] for i in indices], groups, local_params, local_grads, hosts))
         return works
 
-
     def _pipelined_update(self, optim: Optimizer, slices: list[SliceWork]) -> None:
         """Accelerator: update(k) || load(k+1) || offload(k); per slice k, the host waits for the
         offload of k-1 before it enqueues the load of k+1, so at most two slices hold buffers."""

@@ -135,16 +135,12 @@ def install_job_hooks() -> None:
     ``Trainer.__init__`` (it builds the optimizers inside: :data:`current_job_config`)."""
     import torchtitan.components.checkpoint as tt_checkpoint
 
-    manager = tt_checkpoint.CheckpointManager
-    _wrap_method(manager, "__init__", _checkpoint_manager_init)
-    _wrap_method(manager, "save", checkpointing.save)
-    _wrap_method(manager, "_save_last_step", checkpointing.save_last_step)
-    _wrap_method(manager, "dcp_load", checkpointing.dcp_load)
-    _wrap_method(manager, "_should_save", checkpointing.should_save)
-    _wrap_method(manager, "_purge_stale_checkpoints", checkpointing.purge_stale_checkpoints)
-    _wrap_method(manager, "_find_load_step", checkpointing.find_load_step)
-    _wrap_method(manager, "close", checkpointing.close)
-    _wrap_method(manager, "__del__", checkpointing.delete)
+    hooks = {"__init__": _checkpoint_manager_init, "save": checkpointing.save,
+             "_save_last_step": checkpointing.save_last_step, "dcp_load": checkpointing.dcp_load,
+             "_should_save": checkpointing.should_save, "_purge_stale_checkpoints": checkpointing.purge_stale_checkpoints,
+             "_find_load_step": checkpointing.find_load_step, "close": checkpointing.close, "__del__": checkpointing.delete}
+    for name, hook in hooks.items():
+        _wrap_method(tt_checkpoint.CheckpointManager, name, hook)
     trainer = getattr(sys.modules.get("torchtitan.train"), "Trainer", None)
     if isinstance(trainer, type):
         _wrap_method(trainer, "__init__", _trainer_init)
