@@ -377,7 +377,6 @@ def _report_durable(handles: list) -> None:
             print(f"snapshot {handle.snapshot_id} durable at {handle.wait_durable().path}")
         except ServerUnavailableError as e:
             print(f"snapshot {handle.snapshot_id}: not confirmed durable: {e}")
-            continue
         except (SnapshotNotFoundError, SnapshotFailedError) as e:
             # The server's words in the client error: after "NOT_FOUND: " and the like.
             text = str(e)

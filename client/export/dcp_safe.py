@@ -1,8 +1,7 @@
-"""Reading a DCP checkpoint without executing it: DCP's own reader unpickles ``.metadata`` with
-plain ``pickle`` and non-tensor entries with ``torch.load(weights_only=False)``, so a planted
-checkpoint runs whatever it names. Here only DCP's metadata classes and ``weights_only=True``
-loads pass; anything else is refused, naming what the file asked for (DCP has no such option).
-"""
+"""Reading a DCP checkpoint without executing it: DCP's own reader unpickles ``.metadata`` with plain ``pickle`` and
+non-tensor entries with ``torch.load(weights_only=False)``, so a planted checkpoint runs whatever it names. Here only
+DCP's metadata classes and ``weights_only=True`` loads pass; anything else is refused, naming what the file asked for
+(DCP has no such option)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""``swap-state export``: a snapshot as the seed's flat optimizer state dict (``state.<fqn>.<key>``
-global tensors, ``state.<fqn>.step``, ``param_groups.<fqn>.<hp>``), a ``torch.save`` file or a DCP
-directory, loadable without swap-state. Every read is checked by its
-:class:`~swap_state.common.snapshot_tier.SnapshotTier`; shards are assembled with every element
-covered, or the export is refused naming the ranks present (one host's snapshot of a multi-host job).
+"""``swap-state export``: a snapshot as the seed's flat optimizer state dict (``state.<fqn>.<key>`` global tensors,
+``state.<fqn>.step``, ``param_groups.<fqn>.<hp>``), a ``torch.save`` file or a DCP directory, loadable without
+swap-state. Every read is checked by its :class:`~swap_state.common.snapshot_tier.SnapshotTier`; shards are assembled
+with every element covered, or the export is refused naming the ranks present (one host's snapshot of a multi-host job).
 """
 
 from __future__ import annotations
@@ -132,12 +131,11 @@ class _Assembler:
 
 def locate(snapshot: str | os.PathLike[str], snapshot_dir: str | os.PathLike[str] | None = None,
            snapshot_store: str | None = None, timeout_s: float | None = None) -> list[Location]:
-    """Where the snapshot's ranks are: an id (or its URI there, as ``swap-state snapshots``
-    prints it) in the store ``snapshot_store``; an id under ``snapshot_dir`` itself or, as the
-    embedded servers of a multi-rank job keep them, in each ``rank-*`` directory below it; else
-    a snapshot directory ``<snapshot-dir>/<job>/step-<N>`` (the step in either spelling:
-    ``step-000000000025`` or ``step-25``) or ``<snapshot-dir>/<job>/latest``. ConfigError for a
-    URI that names no store."""
+    """Where the snapshot's ranks are: an id (or its URI there, as ``swap-state snapshots`` prints it) in the store
+    ``snapshot_store``; an id under ``snapshot_dir`` itself or, as the embedded servers of a multi-rank job keep them,
+    in each ``rank-*`` directory below it; else a snapshot directory ``<snapshot-dir>/<job>/step-<N>`` (the step in
+    either spelling: ``step-000000000025`` or ``step-25``) or ``<snapshot-dir>/<job>/latest``. ConfigError for a URI
+    that names no store."""
     if snapshot_dir is not None and snapshot_store is not None:
         raise ExportError(f"give one of --snapshot-dir and {STORE_FLAG}, not both")
     if snapshot_store is not None:

@@ -1,8 +1,7 @@
-"""``swap-state export --format torchtitan``: a snapshot-mode torchtitan checkpoint as a plain one,
-offline: the checkpoint's references (model and optimizer) resolved against the snapshot, written
-as a DCP checkpoint plain torchtitan loads (the model's state dict at the top level, ``optimizer``
-flat, the small states such as ``lr_scheduler`` copied as they are).
-"""
+"""``swap-state export --format torchtitan``: a snapshot-mode torchtitan checkpoint as a plain one, offline: the
+checkpoint's references (model and optimizer) resolved against the snapshot, written as a DCP checkpoint plain
+torchtitan loads (the model's state dict at the top level, ``optimizer`` flat, the small states such as ``lr_scheduler``
+copied as they are)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""``SwapOptimizersContainer``: torchtitan's container shape (one optimizer per model part, a flat
-FQN-keyed state dict) without torchtitan, whose Adam moments live in a moment store; composed of
-the host caches, the step pipeline and the state loader.
-"""
+"""``SwapOptimizersContainer``: torchtitan's container shape (one optimizer per model part, a flat FQN-keyed state dict)
+without torchtitan, whose Adam moments live in a moment store; composed of the host caches, the step pipeline and the
+state loader."""
 
 from __future__ import annotations
 

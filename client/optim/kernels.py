@@ -1,7 +1,6 @@
-"""Pure helpers of the swap optimizer: slice planning and the Adam/AdamW update calls, in the
-implementation a group's ``fused`` / ``foreach`` flags select as torch reads them, bit-identical to
-torch's. Adam's update is elementwise, so slice by slice gives the same bits as one call.
-"""
+"""Pure helpers of the swap optimizer: slice planning and the Adam/AdamW update calls, in the implementation a group's
+``fused`` / ``foreach`` flags select as torch reads them, bit-identical to torch's. Adam's update is elementwise, so
+slice by slice gives the same bits as one call."""
 
 from __future__ import annotations
 
@@ -35,13 +34,9 @@ def group_implementation(group: Mapping[str, Any]) -> str:
     fused, foreach = group.get("fused"), group.get("foreach")
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-    if fused:
-        return "fused"
-    if foreach:
-        return "foreach"
     if fused is None and foreach is None:
         return DEFAULT_IMPLEMENTATION
-    return "for-loop"
+    return "fused" if fused else "foreach" if foreach else "for-loop"
 
 
 def pin_default_implementation(group: dict[str, Any]) -> None:

@@ -1,7 +1,6 @@
-"""The swap step: per optimizer, ``swap_optimizer_times`` byte-balanced slices, each loaded (H2D),
-updated and offloaded (D2H) on three streams, so that slice k+1 loads while slice k updates;
-every step, even one that raises, ends with no copy in flight. On CPU the update runs in place.
-"""
+"""The swap step: per optimizer, ``swap_optimizer_times`` byte-balanced slices, each loaded (H2D), updated and offloaded
+(D2H) on three streams, so that slice k+1 loads while slice k updates; every step, even one that raises, ends with no
+copy in flight. On CPU the update runs in place."""
 
 from __future__ import annotations
 
@@ -95,10 +94,8 @@ class StepPipeline:
             params = [param for group in optim.param_groups for param in group["params"]]
             sizes = [unwrap_dtensor(p).numel() * p.element_size() for p in params]
             optim.param_to_group_map = groups = group_map(optim)  # type: ignore[attr-defined]
-            slices = []
-            for run in plan_slices(sizes, self._swap_times):
-                planned = [params[i] for i in run]
-                slices.append(plan_slice(planned, [groups[p] for p in planned], caches))
+            slices = [plan_slice([params[i] for i in run], [groups[params[i]] for i in run], caches)
+                      for run in plan_slices(sizes, self._swap_times)]
             self._plans[id(optim)] = cached = (key, slices)
         return cached[1]
 

@@ -85,9 +85,8 @@ def purge_stale_checkpoints(run: Callable[[], Any], manager: Any) -> Any:
 
 
 def find_load_step(run: Callable[..., int], manager: Any, folder: str = "") -> int:
-    """torchtitan's newest step, passing over memory-only folders whose snapshot is complete on
-    none of the places this host's server reads (both hosts lost, a server restarted without
-    it): rank 0 asks, every rank loads its answer."""
+    """torchtitan's newest step, passing over memory-only folders whose snapshot is complete on none of the places this
+    host's server reads (both hosts lost, a server restarted without it): rank 0 asks, every rank loads its answer."""
     step = run(folder)
     if folder or step <= 0 or not _replica_interval(manager) or not os.path.isfile(_marker(manager, step)):
         return step

@@ -1,7 +1,6 @@
-"""torchtitan 0.2.x custom config module (``--job.custom_config_module=swap_state.client.torchtitan_config``
-and ``swap_optimizer = true`` under ``[optimizer]``); importing it installs the ``build_optimizers``
-wrapper and the job hooks (docs/torchtitan.md).
-"""
+"""torchtitan 0.2.x custom config module (``--job.custom_config_module=swap_state.client.torchtitan_config`` and
+``swap_optimizer = true`` under ``[optimizer]``); importing it installs the ``build_optimizers`` wrapper and the job
+hooks (docs/torchtitan.md)."""
 
 # No "from __future__ import annotations": torchtitan merges these dataclasses by field type.
 from dataclasses import dataclass, field

@@ -1,8 +1,6 @@
-"""torchtitan 0.2 glue: the ``build_optimizers`` wrapper that builds a swap container on request,
-and the job hooks. Importing it patches nothing; the wrapper reads ``SwapOptimizersContainer`` and
-``_original_build_optimizers`` from :mod:`swap_state.client.swap_optimizer` at call time (the
-seed's tests patch them there).
-"""
+"""torchtitan 0.2 glue: the ``build_optimizers`` wrapper that builds a swap container on request, and the job hooks.
+Importing it patches nothing; the wrapper reads ``SwapOptimizersContainer`` and ``_original_build_optimizers`` from
+:mod:`swap_state.client.swap_optimizer` at call time (the seed's tests patch them there)."""
 
 from __future__ import annotations
 
@@ -137,8 +135,10 @@ def install_job_hooks() -> None:
 
     hooks = {"__init__": _checkpoint_manager_init, "save": checkpointing.save,
              "_save_last_step": checkpointing.save_last_step, "dcp_load": checkpointing.dcp_load,
-             "_should_save": checkpointing.should_save, "_purge_stale_checkpoints": checkpointing.purge_stale_checkpoints,
-             "_find_load_step": checkpointing.find_load_step, "close": checkpointing.close, "__del__": checkpointing.delete}
+             "_should_save": checkpointing.should_save,
+             "_purge_stale_checkpoints": checkpointing.purge_stale_checkpoints,
+             "_find_load_step": checkpointing.find_load_step, "close": checkpointing.close,
+             "__del__": checkpointing.delete}
     for name, hook in hooks.items():
         _wrap_method(tt_checkpoint.CheckpointManager, name, hook)
     trainer = getattr(sys.modules.get("torchtitan.train"), "Trainer", None)

@@ -53,31 +53,27 @@ class SwapSettings:
     """'local': pinned memory inside the trainer; 'remote': the host's swap-state-server."""
 
     swap_state_server: str = ""
-    """Server address (unix:///path or tcp://host:port). Empty: $SWAP_STATE_SERVER, else the
-    host's server when one answers at the default socket, else a private server started for
-    this trainer (the embedded default)."""
+    """Server address (unix:///path or tcp://host:port). Empty: $SWAP_STATE_SERVER, else the host's server when one
+    answers at the default socket, else a private server started for this trainer (the embedded default)."""
 
     swap_state_job_id: str = ""
     """Job id shared by all ranks of the run; a restarted trainer with the same job id and
     rank reattaches to its state. Empty: $SWAP_STATE_JOB_ID, else one chosen by rank 0."""
 
     swap_state_checkpoint: Literal["full", "snapshot"] = "full"
-    """'full': state_dict() returns the moments (seed format). 'snapshot': a checkpoint holds
-    references to a whole-state server-side snapshot of model and optimizer (needs
-    swap_optimizer_backend = "remote"; `swap-state export` makes a plain one). A load follows
-    the checkpoint: a plain one loads its tensors in either mode."""
+    """'full': state_dict() returns the moments (seed format). 'snapshot': a checkpoint holds references to a
+    whole-state server-side snapshot of model and optimizer (needs swap_optimizer_backend = "remote"; `swap-state
+    export` makes a plain one). A load follows the checkpoint: a plain one loads its tensors in either mode."""
 
     swap_state_server_wait_s: float = RemoteConfig.server_wait_s
-    """Seconds a save in 'snapshot' mode (and any snapshot, wait on one or listing) waits for an
-    unreachable swap-state server (restarting, being upgraded) before it fails naming the
-    address. Training steps never wait for it."""
+    """Seconds a save in 'snapshot' mode (and any snapshot, wait on one or listing) waits for an unreachable swap-state
+    server (restarting, being upgraded) before it fails naming the address. Training steps never wait for it."""
 
     swap_state_replica_interval: int = 0
-    """Every this many steps, between torchtitan's checkpoint.interval saves, a checkpoint whose
-    snapshot is memory-only: in this host's memory and a peer server's (--replica-peers), never
-    on the disk or store; torchtitan writes its small folder as usual. Needs
-    swap_state_checkpoint = 'snapshot' and a server with --replica-peers. A lost host costs at
-    most this many steps; 0: none."""
+    """Every this many steps, between torchtitan's checkpoint.interval saves, a checkpoint whose snapshot is
+    memory-only: in this host's memory and a peer server's (--replica-peers), never on the disk or store; torchtitan
+    writes its small folder as usual. Needs swap_state_checkpoint = 'snapshot' and a server with --replica-peers. A lost
+    host costs at most this many steps; 0: none."""
 
     @classmethod
     def of(cls, config: Any) -> "SwapSettings":
@@ -119,9 +115,7 @@ def snapshots_to_keep(keep_latest_k: int) -> int:
 
 def embedded_snapshot_dir(dump_folder: str | None) -> str | None:
     """``<dump_folder>/swap-state-snapshots`` (absolute); None without a dump folder."""
-    if not dump_folder:
-        return None
-    return os.path.join(os.path.abspath(os.path.expanduser(dump_folder)), SNAPSHOT_SUBDIR)
+    return os.path.join(os.path.abspath(os.path.expanduser(dump_folder)), SNAPSHOT_SUBDIR) if dump_folder else None
 
 
 def shared_job_id(configured: str) -> str:
