@@ -260,6 +260,5 @@ def export_snapshot(snapshot: str | os.PathLike[str], out: str | os.PathLike[str
     else:
         out_path.mkdir(parents=True, exist_ok=True)
         save_dcp(state, out_path)
-    info = read.info
-    return ExportResult(info.snapshot_id, out_path, format, len(read.optimizer), len(state), read.ranks,
-                        info.world_size)
+    return ExportResult(read.info.snapshot_id, out_path, format, len(read.optimizer), len(state), read.ranks,
+                        read.info.world_size)

@@ -256,7 +256,11 @@ def fqns_by_param(model: nn.Module) -> dict[torch.Tensor, tuple[str, ...]]:
     parameters are saved once and load from any alias."""
     names: dict[torch.Tensor, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(param, []).extend(_canonical_fqns(model, name))
+        fqns = _get_fqns(model, name)
+        if len(fqns) != 1:
+            raise NotImplementedError(f"parameter {name!r} maps to several FQNs {sorted(fqns)} (a flattened FSDP1 "
+                                      "parameter); the swap optimizer needs one parameter per FQN")
+        names.setdefault(param, []).extend(fqns)
     return {param: tuple(dict.fromkeys(fqns)) for param, fqns in names.items()}
 
 
@@ -269,11 +273,3 @@ def param_fqns(fqns: Mapping[torch.Tensor, tuple[str, ...]], param: torch.Tensor
         raise ValueError(f"a parameter{where} (shape {tuple(param.shape)}) is not in its model part; "
                          "swap optimizer state is keyed by parameter FQN")
     return names
-
-
-def _canonical_fqns(model: nn.Module, name: str) -> list[str]:
-    fqns = _get_fqns(model, name)
-    if len(fqns) != 1:
-        raise NotImplementedError(f"parameter {name!r} maps to several FQNs {sorted(fqns)} (a flattened FSDP1 "
-                                  "parameter); the swap optimizer needs one parameter per FQN")
-    return list(fqns)

@@ -264,8 +264,8 @@ def checked_slice(planned: SlicePlan, grads: list[Any]) -> tuple[list[int], list
             continue  # as torch: no gradient, no update, no step increment
         group = planned.groups[index]
         if grad.is_sparse:
-            sparse = "SwapOptimizersContainer does not support sparse gradients"
-            raise RuntimeError(f"{sparse}, please consider SparseAdam instead")
+            raise RuntimeError("SwapOptimizersContainer does not support sparse gradients, please consider "
+                               "SparseAdam instead")
         if group.get("differentiable", False):
             raise RuntimeError("SwapOptimizersContainer does not support differentiable=True")
         grad = grad_on_param_placements(param, grad)
