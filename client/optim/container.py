@@ -49,10 +49,6 @@ class UnswappedOptimizers:
         for optimizer in self.optimizers:
             optimizer.step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=set_to_none)
-
     def state_dict(self) -> dict[str, Any]:
         return {key: value for optimizer in self.optimizers for key, value in self.flat_state_dict(optimizer).items()}
 
@@ -157,9 +153,8 @@ class SwapOptimizersContainer(Optimizer):
         self.store.after_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for optimizer in self.optimizers:
+        for optimizer in self:  # the unswapped ones too
             optimizer.zero_grad(set_to_none=set_to_none)
-        self.unswapped.zero_grad(set_to_none)
 
     def __iter__(self) -> Iterator[Optimizer]:
         """Every optimizer, the unswapped ones last (torchtitan's LR schedulers iterate)."""

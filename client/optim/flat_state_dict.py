@@ -96,9 +96,7 @@ def state_step(cpu_states: Mapping[torch.Tensor, HostCache], group: Mapping[str,
     step = (cpu_states.get(param) or {}).get(STEP_KEY)
     if step is None:
         step = group.get(STEP_KEY, 0)
-    if isinstance(step, torch.Tensor):
-        return unwrap_dtensor(step).detach().cpu().clone()
-    return step_tensor(step)
+    return clone_value(step) if isinstance(step, torch.Tensor) else step_tensor(step)
 
 
 def tensor_for_state_dict(tensor: Any, like_param: Any = None) -> Any:

@@ -240,17 +240,16 @@ def match_model_template(state_dict: dict[str, Any], wrapper: Any, keys: Collect
             state_dict.update(ModelWrapper.state_dict(wrapper))
         return
     path = os.fspath(checkpoint_id)
+    export = f"`swap-state export --format torchtitan {path} OUT_DIR --snapshot-dir <the server's --snapshot-dir>`"
     if not isinstance(wrapper, SnapshotModelWrapper):
         raise ModelReferenceError(f"checkpoint {path} holds its model in a swap-state whole-state snapshot (key "
                                   f"{MODEL_REF_KEY!r}), not as tensors: load it with optimizer.swap_optimizer = true, "
                                   "swap_optimizer_backend = 'remote' and swap_state_checkpoint = 'snapshot', or turn "
-                                  "it into a plain torchtitan checkpoint with `swap-state export --format torchtitan "
-                                  f"{path} OUT_DIR --snapshot-dir <the server's --snapshot-dir>`")
+                                  f"it into a plain torchtitan checkpoint with {export}")
     if OPTIMIZER_KEY not in state_dict:
         raise ModelReferenceError(f"checkpoint {path} holds model and optimizer in one swap-state snapshot: the model "
                                   "cannot be loaded without the optimizer (checkpoint.exclude_from_loading names "
-                                  "'optimizer', or a model-only load); export it first with `swap-state export "
-                                  f"--format torchtitan {path} OUT_DIR --snapshot-dir <the server's --snapshot-dir>`")
+                                  f"'optimizer', or a model-only load); export it first with {export}")
     for key in ModelWrapper.state_dict(wrapper):  # the model's tensors: not in this checkpoint
         state_dict.pop(key, None)
     state_dict[MODEL_REF_KEY] = ""
