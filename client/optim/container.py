@@ -41,10 +41,6 @@ class UnswappedOptimizers:
     flat_state_dict: Callable[[Optimizer], dict[str, Any]] | None = None
     load_flat_state_dict: Callable[[Optimizer, Mapping[str, Any]], None] | None = None
 
-    @property
-    def params(self) -> list[Any]:
-        return [param for optimizer in self.optimizers for group in optimizer.param_groups for param in group["params"]]
-
     def step(self) -> None:
         for optimizer in self.optimizers:
             optimizer.step()
@@ -97,13 +93,9 @@ class SwapOptimizersContainer(Optimizer):
         self._in_container_step = False
         self._loading_keys: frozenset[str] | None = None  # the optimizer keys of a checkpoint being loaded
         self.model_parts = model_parts
-        self.optimizers = []
-        all_params: list[nn.Parameter] = []
-        for model in model_parts:
-            groups = (param_groups or _trainable_group)(model)
-            self.optimizers.append(optimizer_cls(groups, **optimizer_kwargs))
-            all_params.extend(param for group in groups for param in group["params"])
-        all_params.extend(self.unswapped.params)
+        build_groups = param_groups or _trainable_group
+        self.optimizers = [optimizer_cls(build_groups(model), **optimizer_kwargs) for model in model_parts]
+        all_params = [param for optim in self for group in optim.param_groups for param in group["params"]]
         # The container's own step hooks (LR schedulers, torchtitan's MoE load balancing).
         Optimizer.__init__(self, all_params, optimizer_kwargs)
         self._build_parts(store or PinnedHostMemory(self.device_backend), self.device_backend, pipeline)

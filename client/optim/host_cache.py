@@ -156,9 +156,7 @@ class HostCaches:
                                  f"{tuple(shape)}, got {tensor.device} {tensor.dtype} {tuple(tensor.shape)}")
             if not tensor.is_contiguous() or not has_data(tensor):
                 raise ValueError(f"host cache {entry.fqn!r}.{key} must be contiguous and have storage")
-        host: HostCache = {key: tensors[key] if key in entry.keys else None for key in MOMENT_KEYS}
-        host[STEP_KEY] = tensors[STEP_KEY]
-        return host
+        return {key: tensors[key] if key in entry.keys else None for key in MOMENT_KEYS} | {STEP_KEY: tensors[STEP_KEY]}
 
     def install(self, entries: Sequence[HostCacheEntry]) -> None:
         """Allocate, check (all first) and install caches for ``entries``, with placeholders."""

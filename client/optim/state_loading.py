@@ -1,10 +1,6 @@
-"""``load_state_dict`` of the swap optimizer: validate and plan everything, then commit.
-
-Call order: ``_plan_load`` (validate; the store allocates missing host caches) -> the store's
-``before_write(all params)`` -> ``_commit_load`` (copy in; dict-level state rolled back on
-an error) -> ``empty_cache()`` -> the store's ``after_load()``. Nothing live changes before
-``_commit_load``, so a bad checkpoint raises naming the key and leaves the container as it was.
-"""
+"""``load_state_dict`` of the swap optimizer: validate and plan everything (:meth:`StateLoader.load` says in which
+order), then commit. Nothing live changes before ``_commit_load``, so a bad checkpoint raises naming the key and leaves
+the container as it was."""
 
 from __future__ import annotations
 

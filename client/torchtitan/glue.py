@@ -124,8 +124,7 @@ def _trainer_init(run: Callable[..., Any], trainer: Any, job_config: Any, *args:
 def _checkpoint_manager_init(run: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> None:
     run(*args, **kwargs)
     bound = inspect.signature(run).bind(*args, **kwargs).arguments
-    config, optimizers = bound.get("checkpoint_config"), bound.get("optimizers")
-    checkpointing.attach(manager, config, optimizers, bound.get("model_parts"))
+    checkpointing.attach(manager, bound.get("checkpoint_config"), bound.get("optimizers"), bound.get("model_parts"))
 
 
 def install_job_hooks() -> None:
