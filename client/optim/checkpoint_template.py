@@ -28,8 +28,7 @@ OPTIMIZER_KEY = "optimizer"
 #: Keys of a snapshot-mode state dict (:mod:`swap_state.client.remote.container` writes them).
 SNAPSHOT_REF_KEY = "swap_state.snapshot_id"
 SNAPSHOT_JOB_KEY = "swap_state.job_id"
-#: The model's entry of a whole-state snapshot-mode checkpoint (top-level: torchtitan flattens
-#: the model's state dict).
+#: The model's entry of a whole-state snapshot-mode checkpoint (top-level: torchtitan flattens the model's state dict).
 MODEL_REF_KEY = "swap_state.model_snapshot_id"
 
 SNAPSHOT_CHECKPOINT_ERROR = (
