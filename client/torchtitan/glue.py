@@ -87,11 +87,9 @@ def install_build_optimizers_wrapper() -> None:
 
 def rebind_imported_model_specs() -> None:
     """Model packages imported before the wrapper captured the unwrapped builder: rebind."""
-    original = original_build_optimizers
-    wrapped = _tt_optimizer.build_optimizers
     for name, module in list(sys.modules.items()):
-        if name.startswith("torchtitan.") and getattr(module, "build_optimizers", None) is original:
-            module.build_optimizers = wrapped
+        if name.startswith("torchtitan.") and getattr(module, "build_optimizers", None) is original_build_optimizers:
+            module.build_optimizers = _tt_optimizer.build_optimizers
 
 
 # -- build_optimizers sees only the [optimizer] section: the rest of the job through idempotent wrappers
