@@ -46,19 +46,14 @@ class FlatIndex:
 
     def lookup(self, section: str, aliases: Sequence[str], key: str) -> tuple[str, Any] | None:
         """``(flat key, value)`` under the first alias that has ``key`` in ``section``, else None."""
-        for fqn in aliases:
-            entries = self.sections[section].get(fqn)
-            if entries is not None and key in entries:
-                return self._KEY_OF[section](fqn, key), entries[key]
-        return None
+        by_fqn = self.sections[section]
+        hits = ((self._KEY_OF[section](fqn, key), by_fqn[fqn][key]) for fqn in aliases if key in by_fqn.get(fqn, {}))
+        return next(hits, None)
 
     def entries(self, section: str, aliases: Sequence[str]) -> tuple[str, dict[str, Any]] | None:
         """``(alias, {key: value})`` of the first alias with entries in ``section``."""
-        for fqn in aliases:
-            entries = self.sections[section].get(fqn)
-            if entries:
-                return fqn, entries
-        return None
+        by_fqn = self.sections[section]
+        return next(((fqn, by_fqn[fqn]) for fqn in aliases if by_fqn.get(fqn)), None)
 
 
 def flat_state_dict(model_parts: Sequence[nn.Module], optimizers: Sequence[Optimizer],
