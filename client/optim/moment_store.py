@@ -65,7 +65,6 @@ class PinnedHostMemory(MomentStore):
         # The steps as one vector: a slice's steps are then incremented as one tensor.
         steps = backend.alloc_host((len(entries),), STEP_DTYPE)
         for index, entry in enumerate(entries):
-            tensors = {key: backend.alloc_host(entry.shape, entry.dtype) for key in entry.keys}
-            tensors[STEP_KEY] = steps[index]
-            cache[entry.param] = tensors
+            cache[entry.param] = {key: backend.alloc_host(entry.shape, entry.dtype) for key in entry.keys}
+            cache[entry.param][STEP_KEY] = steps[index]
         return cache
