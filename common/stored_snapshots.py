@@ -140,8 +140,7 @@ class StoredSnapshots(SnapshotTier):
             index = SnapshotIndex.parse(self.store.get(info.key), job_id, step)
         except FileNotFoundError:
             return None  # removed while listing: not cached
-        names = {rank_data_name(rank), rank_manifest_name(rank)}
-        if index is not None and (index.ranks != (rank,) or {r.name for r in index.files} != names):
+        if index is not None and (index.ranks != (rank,) or {r.name for r in index.files} != _rank_files([rank])):
             index = None
         with self._lock:
             self._markers[cache_key] = index
@@ -184,10 +183,10 @@ class StoredSnapshots(SnapshotTier):
         except SnapshotCorruptError:  # missing: a step being uploaded, or put before indexes
             return None
         index = SnapshotIndex.parse(raw, job_id, step)
-        names = set() if index is None else {record.name for record in index.files}
-        whole = index is not None and index.complete_job and all(
-            rank_data_name(r) in names and rank_manifest_name(r) in names for r in range(index.world_size))
-        return index if whole else None
+        if index is None or not index.complete_job or not (
+                _rank_files(range(index.world_size)) <= {record.name for record in index.files}):
+            return None
+        return index
 
     def complete_info(self, job_id: str, step: int, objects: list[ObjectInfo]) -> SnapshotInfo | None:
         """The step as one snapshot when its ``objects`` hold a marker of every rank; else None
@@ -210,13 +209,8 @@ class StoredSnapshots(SnapshotTier):
         log.warning("store_markers_read: %s of %s has no index and no host parts (written before them): reading its "
                     "%d markers", self.step_prefix(job_id, step), self.uri, len(named))
         markers = self.markers(job_id, step, named)
-        if len(markers) != len(named) or len({(m.world_size, m.attempt, m.tenant) for m in markers.values()}) != 1:
-            return None  # an invalid marker, or two attempts at the step (re-uploading, another world size)
-        world_size = markers[0].world_size
-        files = tuple(record for rank in sorted(markers) for record in markers[rank].files)
-        return self._info(SnapshotIndex(job_id, step, world_size, tuple(range(world_size)), files,
-                                        max(m.created_unix for m in markers.values()), markers[0].attempt,
-                                        tenant=markers[0].tenant))
+        index = _joined(job_id, step, first.world_size, [markers[rank] for rank in sorted(markers)])
+        return None if index is None else self._info(index)
 
     def host_parts(self, job_id: str, step: int, objects: list[ObjectInfo],
                    world_size: int) -> tuple[SnapshotIndex, list[dict]] | None:
@@ -236,18 +230,13 @@ class StoredSnapshots(SnapshotTier):
                 index = SnapshotIndex.from_json(doc)
             except (ValueError, RecursionError):
                 return None
-            names = {name for r in index.ranks for name in (rank_data_name(r), rank_manifest_name(r))}
             if (index.job_id, index.step, index.world_size, index.ranks[0], len(index.ranks)) != (
-                    job_id, step, world_size, first, count) or {f.name for f in index.files} != names:
+                    job_id, step, world_size, first, count) or {f.name for f in index.files} != _rank_files(index.ranks):
                 return None
             docs.append(doc)
             indexes.append(index)
-        ranks = sorted(r for index in indexes for r in index.ranks)
-        if ranks != list(range(world_size)) or len({(i.attempt, i.tenant) for i in indexes}) != 1:
-            return None
-        files = tuple(sorted((f for index in indexes for f in index.files), key=lambda f: f.rank))
-        return SnapshotIndex(job_id, step, world_size, tuple(ranks), files, max(i.created_unix for i in indexes),
-                             indexes[0].attempt, tenant=indexes[0].tenant), docs
+        joined = _joined(job_id, step, world_size, indexes)
+        return None if joined is None else (joined, docs)
 
     def get(self, key: str) -> bytes:
         """One object, whole (as :meth:`reading` says when it fails)."""
@@ -303,3 +292,20 @@ def _parts(objects: Iterable[ObjectInfo], world_size: int | None = None) -> dict
 
 def _markers_by_rank(objects: Iterable[ObjectInfo]) -> dict[int, ObjectInfo]:
     return {rank: info for info in objects if (rank := parse_marker_name(info.key.rsplit("/", 1)[-1])) is not None}
+
+
+def _rank_files(ranks: Iterable[int]) -> set[str]:
+    return {name for rank in ranks for name in (rank_data_name(rank), rank_manifest_name(rank))}
+
+
+def _joined(job_id: str, step: int, world_size: int, indexes: list[SnapshotIndex]) -> SnapshotIndex | None:
+    """The step's index from its markers' or hosts' parts' (in rank order) when they hold ranks
+    ``0..world_size-1`` once and agree on the world size, the attempt and the tenant; else None
+    (an invalid one, or two attempts at the step: re-uploading, another world size)."""
+    ranks = sorted(r for index in indexes for r in index.ranks)
+    if ranks != list(range(world_size)) or len({(i.world_size, i.attempt, i.tenant) for i in indexes}) != 1 or \
+            indexes[0].world_size != world_size:
+        return None
+    files = tuple(sorted((f for index in indexes for f in index.files), key=lambda f: f.rank))
+    return SnapshotIndex(job_id, step, world_size, tuple(ranks), files, max(i.created_unix for i in indexes),
+                         indexes[0].attempt, tenant=indexes[0].tenant)
