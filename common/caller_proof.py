@@ -1,8 +1,7 @@
-"""Who calls over a unix socket: a file the caller creates proves its uid to the server (grpc's
-Python server does not expose the peer's ``SO_PEERCRED``). In ``<socket>.callers`` (mode 1733:
-anyone may create, only the server may list or remove another's) a client creates an empty file
-of a secret random name (``O_EXCL``, 0600) and sends the name with every call; the server
-``lstat``\\ s it: a regular file with one link, its owner is the caller.
+"""Who calls over a unix socket: a file the caller creates proves its uid to the server (grpc's Python server does not
+expose the peer's ``SO_PEERCRED``). In ``<socket>.callers`` (mode 1733: anyone may create, only the server may list or
+remove another's) a client creates an empty file of a secret random name (``O_EXCL``, 0600) and sends the name with
+every call; the server ``lstat``\\ s it: a regular file with one link, its owner is the caller.
 """
 
 from __future__ import annotations

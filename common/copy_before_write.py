@@ -1,8 +1,7 @@
-"""The trainer's side of the copy-before-write protocol (:mod:`.segment`, steps 4 and 6), pure
-Python (the server's tests play the trainer with it). Called from the *one* thread that writes
-the segment (its header words have a single writer): :meth:`TrainerProtector.before_write` before
-each write into the tensor area (it may copy chunks or wait; one header word read when no
-snapshot is persisting), :meth:`~TrainerProtector.close` before unmapping.
+"""The trainer's side of the copy-before-write protocol (:mod:`.segment`, steps 4 and 6), pure Python (the server's
+tests play the trainer with it). Called from the *one* thread that writes the segment (its header words have a single
+writer): :meth:`TrainerProtector.before_write` before each write into the tensor area (it may copy chunks or wait; one
+header word read when no snapshot is persisting), :meth:`~TrainerProtector.close` before unmapping.
 """
 
 from __future__ import annotations
@@ -37,10 +36,9 @@ class TrainerProtector:
 
     def __init__(self, buffer, layout: SegmentLayout, *, header: SegmentHeader | TrainerHeader,
                  max_wait_s: float | None = None, server_gone: Callable[[], bool] | None = None):
-        """``buffer``: the whole segment, writable; ``header``: one over it; ``max_wait_s``:
-        BackPressureTimeout after waiting this long (None: no limit); ``server_gone()``: the
-        server is unreachable, so a wait for a slot gives the snapshot up instead (protocol
-        step 6)."""
+        """``buffer``: the whole segment, writable; ``header``: one over it; ``max_wait_s``: BackPressureTimeout after
+        waiting this long (None: no limit); ``server_gone()``: the server is unreachable, so a wait for a slot gives the
+        snapshot up instead (protocol step 6)."""
         self._view = memoryview(buffer)
         self.trainer = header if isinstance(header, TrainerHeader) else TrainerHeader(header)
         self.header = self.trainer.segment

@@ -1,9 +1,8 @@
-"""The snapshot store's transport (``--snapshot-store URI``, :class:`ObjectStore`): objects put
-whole or written in order, byte ranges read, keys listed. ``s3://bucket/prefix`` goes through
-obstore (chosen over s3fs: docs/benchmarks.md); a path or ``file://`` path on a filesystem every
-host mounts is written by hand, so that a reader on another host sees an object only whole.
-A missing object raises ``FileNotFoundError``; every other failure, an unreachable store
-included (never taken for an empty one), an ``OSError`` naming the store and the key.
+"""The snapshot store's transport (``--snapshot-store URI``, :class:`ObjectStore`): objects put whole or written in
+order, byte ranges read, keys listed. ``s3://bucket/prefix`` goes through obstore (chosen over s3fs:
+docs/benchmarks.md); a path or ``file://`` path on a filesystem every host mounts is written by hand, so that a reader
+on another host sees an object only whole. A missing object raises ``FileNotFoundError``; every other failure, an
+unreachable store included (never taken for an empty one), an ``OSError`` naming the store and the key.
 """
 
 from __future__ import annotations

@@ -145,8 +145,7 @@ the warning errs early)."""
 
 
 def copy_budget_needed(state_bytes: int, persist_bytes_per_s: float, fwd_bwd_s: float) -> int:
-    """Copy-slot bytes a pause-free snapshot needs: what the writer cannot persist during one
-    forward/backward."""
+    """Copy-slot bytes a pause-free snapshot needs: what the writer cannot persist during one forward/backward."""
     return max(0, int(state_bytes - persist_bytes_per_s * fwd_bwd_s))
 
 

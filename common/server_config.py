@@ -63,9 +63,8 @@ class SnapshotSettings:
     """The cap on sending replicas in bytes/s (None: none)."""
 
 EXIT_WITH_PARENT_ENV = "SWAP_STATE_EXIT_WITH_PARENT"
-"""Environment variable an embedded server is started with: the trainer's pid. The server then
-stops when the trainer dies (``prctl``, set by the server itself: unsafe between fork and exec
-in a process with threads)."""
+"""Environment variable an embedded server is started with: the trainer's pid. The server then stops when the trainer
+dies (``prctl``, set by the server itself: unsafe between fork and exec in a process with threads)."""
 
 FLAG = "swap_state.flag"
 """``dataclasses.field`` metadata key of a field that is a command-line flag: its :class:`Flag`."""
@@ -77,8 +76,7 @@ class Flag:
     with ``-`` for ``_``; help is the field's docstring, its default, then :attr:`example`."""
 
     example: str
-    """``--help``'s example: a value, or a command fragment when it starts with ``--``; ``" or "``
-    joins several."""
+    """``--help``'s example: a value, or a command fragment when it starts with ``--``; ``" or "`` joins several."""
     metavar: str | None = None
     """Placeholder in ``--help``; None: by kind and type (SIZE, SECONDS, PATH, N, ...)."""
     kind: str | None = None
@@ -124,21 +122,18 @@ class ServerConfig:
     """File holding a bearer token; clients must send 'authorization: Bearer <token>' or get
     UNAUTHENTICATED (the health service is exempt). Without it, no authentication."""
     tenants: pathlib.Path | None = _flag(None, metavar="FILE", example="/etc/swap-state/tenants")
-    """File of tenants, one per line: 'TENANT TOKEN' or 'TENANT TOKEN admin' (mode 0600). A
-    job, its sessions and snapshots belong to the tenant whose token created them; another
-    tenant's calls on them fail PERMISSION_DENIED, Stats and ListSnapshots show only the
-    caller's, an admin tenant reaches all. Instead of --token-file (one tenant). Without
-    either, on a unix socket, each caller's uid is its tenant (root and this server's user
-    are admins)."""
+    """File of tenants, one per line: 'TENANT TOKEN' or 'TENANT TOKEN admin' (mode 0600). A job, its sessions and
+    snapshots belong to the tenant whose token created them; another tenant's calls on them fail PERMISSION_DENIED,
+    Stats and ListSnapshots show only the caller's, an admin tenant reaches all. Instead of --token-file (one tenant).
+    Without either, on a unix socket, each caller's uid is its tenant (root and this server's user are admins)."""
     snapshot_dir: pathlib.Path | None = _flag(None, metavar="DIR", example="/ckpt/swap-state")
     """Directory for durable snapshots (safetensors + manifest per job and step); created if
     missing. Without it, snapshots are refused."""
     snapshot_store: str | None = _flag(None, metavar="URI", example="s3://ckpt-bucket/swap-state")
-    """A second snapshot tier every host reaches: s3://BUCKET/PREFIX on any S3-compatible
-    store (endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... and the AWS
-    config), or a path (file:///PATH) on a filesystem all hosts mount. Each durable snapshot is
-    uploaded in the background; a rank this server does not hold (a lost host's, one of
-    another world size) is restored from it. Needs --snapshot-dir."""
+    """A second snapshot tier every host reaches: s3://BUCKET/PREFIX on any S3-compatible store (endpoint and
+    credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... and the AWS config), or a path (file:///PATH) on a
+    filesystem all hosts mount. Each durable snapshot is uploaded in the background; a rank this server does not hold (a
+    lost host's, one of another world size) is restored from it. Needs --snapshot-dir."""
     snapshot_store_timeout: float = _flag(SnapshotSettings.store_timeout_s, kind="seconds", example="120")
     """Seconds one request to --snapshot-store may take, retries included, before the upload
     or restore fails naming the store."""
@@ -146,11 +141,10 @@ class ServerConfig:
     """Upper bound for uploads to --snapshot-store in bytes/s (size suffixes allowed), so that
     they leave the network to the training job's collectives; 0 means unlimited."""
     replica_peers: str | None = _flag(None, metavar="ADDR[,ADDR...]", example="tcp://host-b:7071")
-    """Send each snapshot, while the disk persists it, into the memory of a peer server on another
-    host (each ADDR as that peer gives it to --replica-listen; the first that takes a snapshot
-    gets it), so a lost host's state is restored from the peer's memory instead of the store;
-    memory-only snapshots (a trainer's replica interval) go to this host's memory and the peer's
-    alone. A peer that is down or full fails the replica, never the snapshot. Needs
+    """Send each snapshot, while the disk persists it, into the memory of a peer server on another host (each ADDR as
+    that peer gives it to --replica-listen; the first that takes a snapshot gets it), so a lost host's state is restored
+    from the peer's memory instead of the store; memory-only snapshots (a trainer's replica interval) go to this host's
+    memory and the peer's alone. A peer that is down or full fails the replica, never the snapshot. Needs
     --snapshot-dir, and --replica-secret-file or mutual TLS (--replica-tls-cert)."""
     replica_listen: str | None = _flag(None, metavar="tcp://HOST:PORT", example="tcp://0.0.0.0:7071")
     """Take replicas from the servers whose --replica-peers name this address, into memory set
@@ -183,16 +177,14 @@ class ServerConfig:
     the same job/rank to reattach."""
     metrics_port: int = _flag(0, kind="host_port", host_field="metrics_host", metavar="[HOST:]PORT",
                               example="9464 or 127.0.0.1:9464")
-    """Serve Prometheus metrics (text format) at http://HOST:PORT/metrics; 0 turns them off.
-    HOST defaults to 127.0.0.1 (this host only); 0.0.0.0:PORT lets a scraper on another host in
-    (the metrics name jobs, sizes and steps)."""
+    """Serve Prometheus metrics (text format) at http://HOST:PORT/metrics; 0 turns them off. HOST defaults to 127.0.0.1
+    (this host only); 0.0.0.0:PORT lets a scraper on another host in (the metrics name jobs, sizes and steps)."""
     metrics_host: str = "127.0.0.1"
     """Interface for the metrics endpoint: the HOST of ``--metrics-port HOST:PORT``."""
     log_level: LogLevel = _flag(LogLevel.INFO, kind="str", choices=tuple(LogLevel), example="debug")
     """Structured (key=value) log verbosity on stderr."""
     shm_dir: pathlib.Path = _flag(pathlib.Path("/dev/shm"), metavar="DIR", example="/dev/shm")
-    """Memory filesystem (tmpfs) for the segment files; the trainers must see the same
-    directory."""
+    """Memory filesystem (tmpfs) for the segment files; the trainers must see the same directory."""
     shm_group: str | None = _flag(None, metavar="GROUP", example="trainers")
     """Group (name or gid) given to segment files and the socket; segments become 0660 instead of
     0600 so trainers running as another user in that group can map them."""
@@ -201,10 +193,9 @@ class ServerConfig:
     this server. For a server run as root, which gives each caller's segment files to that
     caller (0600): --socket-group alone lets a group of users train, each on their own state."""
     discard_segments: bool = _flag(False, example="--discard-segments")
-    """At start, remove the segment files a previous server on this --listen left in
-    --shm-dir instead of adopting them: every trainer that was using them loses its state
-    (it must restore a snapshot). Without it, a server restarted after a crash or an upgrade
-    adopts them and its trainers lose nothing."""
+    """At start, remove the segment files a previous server on this --listen left in --shm-dir instead of adopting them:
+    every trainer that was using them loses its state (it must restore a snapshot). Without it, a server restarted after
+    a crash or an upgrade adopts them and its trainers lose nothing."""
     free_segments_on_stop: bool = _flag(False, example="--free-segments-on-stop")
     """On SIGTERM/SIGINT free every segment. Without it, the segments of every session the
     server holds (live ones, and orphaned ones within --grace) stay in --shm-dir for the next
@@ -215,13 +206,11 @@ class ServerConfig:
     """Host-wide copy-before-write pool in bytes that lets snapshots run while trainers keep
     stepping; split into per-session slots of --chunk-bytes and held back from --shm-size."""
     direct_io: DirectIO = _flag(SnapshotSettings.direct_io, kind="str", choices=tuple(DirectIO), example="off")
-    """Whether snapshot writes to --snapshot-dir bypass the page cache with O_DIRECT. writes: yes,
-    buffered (and logged) where the filesystem refuses O_DIRECT. off: buffered, for a filesystem
-    that serves O_DIRECT slowly (network filesystems may make each write a synchronous round
-    trip). Restores always read through the page cache."""
+    """Whether snapshot writes to --snapshot-dir bypass the page cache with O_DIRECT. writes: yes, buffered (and logged)
+    where the filesystem refuses O_DIRECT. off: buffered, for a filesystem that serves O_DIRECT slowly (network
+    filesystems may make each write a synchronous round trip). Restores always read through the page cache."""
     persist_max_bandwidth: int = _flag(0, kind="size", metavar="BYTES_PER_S", example="2G")
-    """Upper bound for snapshot writes to --snapshot-dir in bytes/s (size suffixes allowed);
-    0 means unlimited."""
+    """Upper bound for snapshot writes to --snapshot-dir in bytes/s (size suffixes allowed); 0 means unlimited."""
     stage_threads: int = _flag(SnapshotSettings.stage_threads, metavar="N", example="2")
     """Threads per persisting snapshot that copy chunks into spare slots ahead of the trainer,
     so it rarely copies or waits itself (a segment with fewer than 3 copy-before-write slots
@@ -231,18 +220,16 @@ class ServerConfig:
     model's parameters of the snapshot's step into its segment (it does so right after the
     step, overlapped with the next forward/backward) before the snapshot fails."""
     keep_latest: int = _flag(SnapshotSettings.keep_latest, metavar="K", example="3")
-    """Durable snapshots kept per job, at least 2: older ones are removed only after a newer one
-    is durable. A job may ask to keep more (torchtitan's keep_latest_k), except a tenant that is
-    not an admin: it keeps at most K."""
+    """Durable snapshots kept per job, at least 2: older ones are removed only after a newer one is durable. A job may
+    ask to keep more (torchtitan's keep_latest_k), except a tenant that is not an admin: it keeps at most K."""
     tenant_shm_quota: int = _flag(0, kind="size", example="16G")
     """Bytes of segments one tenant (--tenants; without it, all callers together) may hold
     on this server; an Allocate beyond it fails RESOURCE_EXHAUSTED naming this flag, and other
     tenants are unaffected. 0: no quota (--shm-size bounds all)."""
     tenant_snapshot_quota: int = _flag(SnapshotSettings.tenant_snapshot_quota, kind="size", example="500G")
-    """Bytes of snapshots one tenant may keep in --snapshot-dir: a snapshot that would take it
-    beyond is refused (RESOURCE_EXHAUSTED naming this flag) before a byte is written. Retention
-    removes old snapshots only after a new one is durable: allow (keep + 1) snapshots of a job.
-    0: no quota."""
+    """Bytes of snapshots one tenant may keep in --snapshot-dir: a snapshot that would take it beyond is refused
+    (RESOURCE_EXHAUSTED naming this flag) before a byte is written. Retention removes old snapshots only after a new one
+    is durable: allow (keep + 1) snapshots of a job. 0: no quota."""
     tls_cert: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/server.pem")
     """TLS certificate chain for --listen tcp://..."""
     tls_key: pathlib.Path | None = _flag(None, metavar="PEM", example="/etc/swap-state/server.key")
@@ -251,8 +238,7 @@ class ServerConfig:
     """Require a TLS client certificate signed by these roots (mutual TLS): only trainers holding
     one connect. Needs --tls-cert/--tls-key."""
     insecure: bool = _flag(False, example="--listen tcp://127.0.0.1:7070 --insecure")
-    """Allow --listen tcp://... without TLS (tokens and control messages in plaintext; bulk data
-    never crosses gRPC)."""
+    """Allow --listen tcp://... without TLS (tokens and control messages in plaintext; bulk data never crosses gRPC)."""
     mlock: bool = True
     """Try to mlock segments (best effort; a refusal is logged once, never fatal)."""
     keepalive_interval: float = 2.0

@@ -162,8 +162,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
-    """Declare every user flag on ``parser``; one not given leaves no attribute (the config's
-    default holds)."""
+    """Declare every user flag on ``parser``; one not given leaves no attribute (the config's default holds)."""
     for flag in user_flags():
         options: dict[str, Any] = {"dest": flag.name, "default": argparse.SUPPRESS, "help": flag.help()}
         if flag.kind == "switch":

@@ -1,8 +1,7 @@
-"""Every header word the server writes, in one place (a test fails when another module does): the
-server's side of the segment protocol (:mod:`.segment`). Callers: the arena at creation
-(:meth:`initialize`); a CommitStep RPC or a Restore (:meth:`record_commit`); the Snapshot call
-and the writer's release while no stager or writer runs (:meth:`open_snapshot`,
-:meth:`close_snapshot`); the writer thread (:meth:`persisted`, :meth:`free_slot`); the stager
+"""Every header word the server writes, in one place (a test fails when another module does): the server's side of the
+segment protocol (:mod:`.segment`). Callers: the arena at creation (:meth:`initialize`); a CommitStep RPC or a Restore
+(:meth:`record_commit`); the Snapshot call and the writer's release while no stager or writer runs
+(:meth:`open_snapshot`, :meth:`close_snapshot`); the writer thread (:meth:`persisted`, :meth:`free_slot`); the stager
 thread (:meth:`staged`).
 """
 

@@ -1,5 +1,4 @@
-"""Domain errors of snapshots and restore, each with its ``code`` and ``reason`` like
-:mod:`.errors`."""
+"""Domain errors of snapshots and restore, each with its ``code`` and ``reason`` like :mod:`.errors`."""
 
 from __future__ import annotations
 

@@ -141,8 +141,7 @@ def _object(value: Any, what: str) -> dict[str, Any]:
 
 
 def load_metadata_json(text: str, what: str = "metadata_json", max_bytes: int = MAX_METADATA_BYTES) -> dict[str, Any]:
-    """``text`` as a standard JSON object of at most ``max_bytes`` (empty: ``{}``); SnapshotInvalid
-    naming ``what``."""
+    """``text`` as a standard JSON object of at most ``max_bytes`` (empty: ``{}``); SnapshotInvalid naming ``what``."""
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > max_bytes:
         raise SnapshotInvalid(f"{what} is {size} bytes, more than the limit of {max_bytes}")

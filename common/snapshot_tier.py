@@ -1,7 +1,6 @@
-"""Where complete snapshots are read from: the tier seam (:class:`SnapshotTier`), what it lists
-(:class:`SnapshotInfo`), and :func:`reading_file`. The tiers: a snapshot directory
-(:class:`~.snapshot_reader.SnapshotReader`) and an object store
-(:class:`~.stored_snapshots.StoredSnapshots`).
+"""Where complete snapshots are read from: the tier seam (:class:`SnapshotTier`), what it lists (:class:`SnapshotInfo`),
+and :func:`reading_file`. The tiers: a snapshot directory (:class:`~.snapshot_reader.SnapshotReader`) and an object
+store (:class:`~.stored_snapshots.StoredSnapshots`).
 """
 
 from __future__ import annotations

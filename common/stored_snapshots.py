@@ -169,8 +169,7 @@ class StoredSnapshots(SnapshotTier):
         return infos
 
     def step_info(self, job_id: str, step: int) -> SnapshotInfo | None:
-        """The step as one snapshot when it is complete in the store (from its index, else its
-        markers), else None."""
+        """The step as one snapshot when it is complete in the store (from its index, else its markers), else None."""
         index = self.step_index(job_id, step)
         if index is not None:
             return self._info(index)
