@@ -177,8 +177,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    given = {flag.name: getattr(args, flag.name) for flag in user_flags() if hasattr(args, flag.name)}
-    return config_from_settings(given)
+    return config_from_settings({flag.name: getattr(args, flag.name) for flag in user_flags()
+                                 if hasattr(args, flag.name)})
 
 
 def setting_value(name: str, value: Any) -> Any:

@@ -440,17 +440,10 @@ class SnapshotIndex:
             raise ValueError("files must be a list")
         records = tuple(FileRecord.from_json(f) for f in files)
         present = set(ranks)
-        for record in records:
-            if record.rank not in present:
-                raise ValueError(f"file {record.name} belongs to rank {record.rank}, not in ranks")
-        return cls(
-            job_id=_str(raw.get("job_id"), "job_id"),
-            step=_int(raw.get("step"), "step"),
-            world_size=world_size,
-            ranks=ranks,
-            files=records,
-            created_unix=_float(raw.get("created_unix"), "created_unix"),
-            attempt=_int(raw.get("attempt", 1), "attempt", 1),  # absent before the store tier
-            layout=_layout_record(raw.get("layout")),
-            tenant=_str(raw.get("tenant", ""), "tenant"),  # absent before tenants
-        )
+        if stray := next((record for record in records if record.rank not in present), None):
+            raise ValueError(f"file {stray.name} belongs to rank {stray.rank}, not in ranks")
+        return cls(_str(raw.get("job_id"), "job_id"), _int(raw.get("step"), "step"), world_size, ranks, records,
+                   _float(raw.get("created_unix"), "created_unix"),
+                   attempt=_int(raw.get("attempt", 1), "attempt", 1),  # absent before the store tier
+                   layout=_layout_record(raw.get("layout")),
+                   tenant=_str(raw.get("tenant", ""), "tenant"))  # absent before tenants

@@ -61,13 +61,9 @@ class SnapshotReader(SnapshotTier):
             names = os.listdir(job_dir)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        found = []
-        for name in names:
-            step = parse_step_dir_name(name)
-            index = None if step is None else self.load_index(job_id, job_dir / name, step)
-            if index is not None:
-                found.append((step, job_dir / name, index))
-        return sorted(found, key=lambda item: item[0])
+        steps = sorted(((step, job_dir / name) for name in names if (step := parse_step_dir_name(name)) is not None),
+                       key=lambda item: item[0])
+        return [(step, path, index) for step, path in steps if (index := self.load_index(job_id, path, step))]
 
     def _latest_step(self, job_id: str, complete: Sequence[tuple[int, pathlib.Path, SnapshotIndex]]) -> int | None:
         """The pointer's step when it names a complete snapshot, else the highest step."""

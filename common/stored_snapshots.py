@@ -229,8 +229,9 @@ class StoredSnapshots(SnapshotTier):
                 index = SnapshotIndex.from_json(doc)
             except (ValueError, RecursionError):
                 return None
+            names = {f.name for f in index.files}
             if (index.job_id, index.step, index.world_size, index.ranks[0], len(index.ranks)) != (
-                    job_id, step, world_size, first, count) or {f.name for f in index.files} != _rank_files(index.ranks):
+                    job_id, step, world_size, first, count) or names != _rank_files(index.ranks):
                 return None
             docs.append(doc)
             indexes.append(index)
