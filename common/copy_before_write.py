@@ -92,7 +92,6 @@ class TrainerProtector:
         return sum(self.protect(chunk) for chunk in self.chunks[first:last] if chunk.offset + chunk.nbytes > offset)
 
     def before_write_tensor(self, tensor_index: int) -> int:
-        """Protect all chunks of one tensor of the layout."""
         tensor = self.layout.tensors[tensor_index]
         return self.before_write(tensor.offset, tensor.nbytes)
 

@@ -112,8 +112,7 @@ class ObjectStore(abc.ABC):
         return self.get_range(key, 0, size)
 
     def local_path(self, key: str) -> pathlib.Path | None:
-        """Where the object is on this host's filesystem (a reader may map it); None: only
-        :meth:`get_range` reads it."""
+        """Where the object is on this host's filesystem (a reader may map it); None: only :meth:`get_range` reads it."""
         return None
 
     def create_root(self) -> None:

@@ -51,11 +51,10 @@ own copy (``COW_EPOCH[c] = e`` first) or once ``PERSISTED_UPTO > c`` or ``STAGED
 a torn read is followed by ``COW_EPOCH[c] == e`` or by a clean stager copy, and step 3 checks
 both. A stager slot is reused for chunk c + k only after the writer is done with chunk c.
 
-Adoption by a server restarted on the same shm directory and address: ``DESCRIPTOR_BYTES`` of
-JSON (:class:`~.segment_descriptor.SegmentDescriptor`) lie at ``DESCRIPTOR_OFFSET`` (the
-layout's ``size``, outside what the trainer maps), ``LAYOUT_HASH`` holds the layout hash's first
-8 bytes, ``TRAINER_GENERATION`` the owning generation; :mod:`swap_state.server.memory.adopt`
-checks all of it and closes an epoch left open (never listed). No torch, no grpc.
+Adoption by a server restarted on the same shm directory and address: ``DESCRIPTOR_BYTES`` of JSON
+(:class:`~.segment_descriptor.SegmentDescriptor`) lie at ``DESCRIPTOR_OFFSET`` (the layout's ``size``, outside what the
+trainer maps), ``LAYOUT_HASH`` holds the layout hash's first 8 bytes, ``TRAINER_GENERATION`` the owning generation;
+:mod:`swap_state.server.memory.adopt` checks all of it and closes an epoch left open (never listed). No torch, no grpc.
 """
 
 from __future__ import annotations
@@ -140,8 +139,7 @@ def stager_slot_count(cow_slots: int) -> int:
 ASSUMED_PERSIST_BYTES_PER_S = 1e9
 """Persist bandwidth assumed until a snapshot was measured (what moves ``PERSISTED_UPTO``)."""
 ASSUMED_FWD_BWD_S = 0.1
-"""Forward + backward time assumed before the trainer's next optimizer step (short on purpose:
-the warning errs early)."""
+"""Forward + backward time assumed before the trainer's next optimizer step (short on purpose: the warning errs early)."""
 
 
 def copy_budget_needed(state_bytes: int, persist_bytes_per_s: float, fwd_bwd_s: float) -> int:

@@ -1,7 +1,6 @@
-"""A snapshot's ``metadata_json`` in two parts, so a snapshot costs the same at 60 or 6,000
-tensors: a *base* that does not change between a session's snapshots, sent once, and a
-*delta*, sent every time. The server expands them (in the writer, after the trainer's stall)
-into exactly the ``metadata_json`` the trainer would have sent whole.
+"""A snapshot's ``metadata_json`` in two parts, so a snapshot costs the same at 60 or 6,000 tensors: a *base* that does
+not change between a session's snapshots, sent once, and a *delta*, sent every time. The server expands them (in the
+writer, after the trainer's stall) into exactly the ``metadata_json`` the trainer would have sent whole.
 
 Base (the full schema's ``tensors`` and ``model_aliases``, plus)::
 

@@ -45,7 +45,6 @@ class SnapshotInfo:
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        """The ranks whose files this directory holds (a subset on one host of several)."""
         return self.index.ranks
 
     @property
@@ -104,7 +103,6 @@ class SnapshotTier(abc.ABC):
         return [str(info.path)]
 
     def size(self, info: SnapshotInfo, name: str) -> int:
-        """The size of the snapshot's file ``name`` (as :meth:`_size`)."""
         return self._size(info, name)
 
     def read_range(self, info: SnapshotInfo, name: str, offset: int, nbytes: int) -> bytes:

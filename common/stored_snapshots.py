@@ -12,12 +12,11 @@ Layout under the store's root (an :class:`~.object_store.ObjectStore`)::
     <job>/step-<N:012d>/snapshot.json             the step's index (all ranks' files and the layout's),
                                                   put once every rank's marker and host part is there
 
-A step is *complete* when the markers of every rank ``0..world_size-1`` are there and agree on
-the world size and the attempt, so a reader never sees a partial step nor one mixing two
-attempts (how hosts write it: ``swap_state.server.snapshot.tiers.store``). Nothing read is
-trusted: a marker must name its own job, step and rank. A step without its index is read from
-its hosts' parts (one read per host), the markers listed, not read; a step written before host
-parts, from every marker (logged: N reads).
+A step is *complete* when the markers of every rank ``0..world_size-1`` are there and agree on the world size and the
+attempt, so a reader never sees a partial step nor one mixing two attempts (how hosts write it:
+``swap_state.server.snapshot.tiers.store``). Nothing read is trusted: a marker must name its own job, step and rank. A
+step without its index is read from its hosts' parts (one read per host), the markers listed, not read; a step written
+before host parts, from every marker (logged: N reads).
 """
 
 from __future__ import annotations
