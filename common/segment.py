@@ -339,10 +339,8 @@ class SegmentHeader:
 
     def free_slot(self) -> int | None:
         """A free slot of the trainer's own (``[STAGE_SLOTS, COW_SLOTS)``), or None."""
-        for slot in range(min(self._all[Word.STAGE_SLOTS], self.cow_slots), self.cow_slots):
-            if self.slot_taken(slot) == self.slot_freed(slot):
-                return slot
-        return None
+        return next((slot for slot in range(min(self._all[Word.STAGE_SLOTS], self.cow_slots), self.cow_slots)
+                     if self.slot_taken(slot) == self.slot_freed(slot)), None)
 
     def release(self) -> None:
         self._all.release()

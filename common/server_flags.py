@@ -36,13 +36,9 @@ def field_docs(cls: type) -> dict[str, str]:
         return {}
     body = ast.parse(source).body[0]
     assert isinstance(body, ast.ClassDef)
-    docs: dict[str, str] = {}
-    for node, after in zip(body.body, body.body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
+    return {node.target.id: " ".join(after.value.value.split()) for node, after in zip(body.body, body.body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
 
 
 @dataclasses.dataclass(frozen=True)
