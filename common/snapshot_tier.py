@@ -1,6 +1,5 @@
-"""Where complete snapshots are read from: the tier seam (:class:`SnapshotTier`), what it lists (:class:`SnapshotInfo`),
-and :func:`reading_file`. The tiers: a snapshot directory (:class:`~.snapshot_reader.SnapshotReader`) and an object
-store (:class:`~.stored_snapshots.StoredSnapshots`).
+"""Where complete snapshots are read from: the tier seam (:class:`SnapshotTier`, a directory or an object store), what
+it lists (:class:`SnapshotInfo`), and :func:`reading_file`.
 """
 
 from __future__ import annotations
@@ -64,9 +63,8 @@ class SnapshotInfo:
 
 
 class SnapshotTier(abc.ABC):
-    """The complete snapshots of one place, read and checked: a directory
-    (:class:`SnapshotReader`) or an object store (:class:`~.stored_snapshots.StoredSnapshots`).
-    Call order::
+    """The complete snapshots of one place, read and checked: a directory (:class:`~.snapshot_reader.SnapshotReader`)
+    or an object store (:class:`~.stored_snapshots.StoredSnapshots`). Call order::
 
         info = tier.resolve(snapshot_id, job_id)      # or tier.list(job_id)
         tier.read_layout(info)                        # the step's layout index, when it has one
