@@ -1,9 +1,8 @@
-"""A step written into two tiers at once: :class:`MirroredTier` writes every byte into its
-primary tier (the ``--snapshot-dir``: its commit rule decides the step) and, while the disk
-persists, sends it to a peer's memory (the replica tier, ``--replica-peers``): the writer reads
-the segment once, one crc32 serves both. The mirror is a best effort: its failure (the peer
-down, full, killed mid-step) is recorded in the step's replica state, never raised, and the
-step stays durable here.
+"""A step written into two tiers at once: :class:`MirroredTier` writes every byte into its primary tier (the
+``--snapshot-dir``: its commit rule decides the step) and, while the disk persists, sends it to a peer's memory (the
+replica tier, ``--replica-peers``): the writer reads the segment once, one crc32 serves both. The mirror is a best
+effort: its failure (the peer down, full, killed mid-step) is recorded in the step's replica state, never raised, and
+the step stays durable here.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ class MirroredTier(TierWriter):
         target = self.primary.prepare(plan)
         with self._lock:
             self._mirrors[str(target.location)] = _Mirror(dataclasses.replace(plan, replace=True))
-        self.states.start(plan.job_id, plan.step)
+        self.states.settle(plan.job_id, plan.step, "replicating")
         return target
 
     def open_file(self, target: StepWrite, name: str) -> ChunkSink:
@@ -85,12 +84,17 @@ class MirroredTier(TierWriter):
             return result
         replicated = self._try(mirror, lambda on: self.mirror.finish(on, index, layout))
         if replicated is None:
-            self._settle_failed(mirror, index.snapshot_id)
-        else:
-            log_event(log, "snapshot_replicated", snapshot_id=index.snapshot_id, peer=str(replicated.path),
-                      bytes=index.total_bytes, seconds=round(time.monotonic() - mirror.began, 3))
-            self.states.settle(index.job_id, index.step, "replicated", peer=str(replicated.path),
-                               nbytes=index.total_bytes)
+            if mirror.target is not None:
+                self.mirror.discard(mirror.target)
+            log_event(log, "snapshot_replica_failed", logging.ERROR, snapshot_id=index.snapshot_id,
+                      peers=self.mirror.root, error=mirror.error)
+            self.states.settle(index.job_id, index.step, "failed",
+                               error=f"replicating {index.snapshot_id} to {self.mirror.root} failed: {mirror.error}. "
+                                     "It stays durable here; check the peers (--replica-peers)")
+            return result
+        log_event(log, "snapshot_replicated", snapshot_id=index.snapshot_id, peer=str(replicated.path),
+                  bytes=index.total_bytes, seconds=round(time.monotonic() - mirror.began, 3))
+        self.states.settle(index.job_id, index.step, "replicated", peer=str(replicated.path), nbytes=index.total_bytes)
         return result
 
     def discard(self, target: StepWrite) -> bool:
@@ -132,20 +136,10 @@ class MirroredTier(TierWriter):
         with self._lock:
             return self._mirrors.pop(str(target.location), None)
 
-    def _settle_failed(self, mirror: _Mirror, snapshot_id: str) -> None:
-        if mirror.target is not None:
-            self.mirror.discard(mirror.target)
-        log_event(log, "snapshot_replica_failed", logging.ERROR, snapshot_id=snapshot_id, peers=self.mirror.root,
-                  error=mirror.error)
-        self.states.settle(mirror.plan.job_id, mirror.plan.step, "failed",
-                           error=f"replicating {snapshot_id} to {self.mirror.root} failed: {mirror.error}. "
-                                 "It stays durable here; check the peers (--replica-peers)")
-
 
 class _TeeSink(ChunkSink):
-    """A data file into the primary's sink and each piece, as the primary placed it, to the
-    peer's (their crc32 is the file's: the peer checks it). The copy's failure is handed to
-    ``failed`` and ends the copy, never the file."""
+    """A data file into the primary's sink and each piece, as the primary placed it, to the peer's (their crc32 is the
+    file's: the peer checks it). The copy's failure is handed to ``failed`` and ends the copy, never the file."""
 
     def __init__(self, primary: ChunkSink, copy: SendingSink, failed: Callable[[BaseException], None]):
         super().__init__()

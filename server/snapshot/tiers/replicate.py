@@ -1,7 +1,6 @@
-"""The replica state of each snapshot this server sends to a peer (``--replica-peers``):
-``replicating`` from its start, then ``replicated`` (where) or ``failed`` (why), as
-:class:`~.mirror.MirroredTier` settles it. The RPCs read it (``annotate``) and wait for it
-(``wait_async``); only the newest ``HISTORY`` stay in memory.
+"""The replica state of each snapshot this server sends to a peer (``--replica-peers``): ``replicating`` from its start,
+then ``replicated`` (where) or ``failed`` (why), as :class:`~.mirror.MirroredTier` settles it. The RPCs read it
+(``annotate``) and wait for it (``wait_async``); only the newest ``HISTORY`` stay in memory.
 """
 
 from __future__ import annotations
@@ -12,9 +11,19 @@ import dataclasses
 from swap_state.server.snapshot.status import SnapshotStatus
 from swap_state.server.snapshot.waiting import WatchedCondition
 
-__all__ = ["ReplicaState", "ReplicaStates"]
+__all__ = ["HISTORY", "Recent", "ReplicaState", "ReplicaStates"]
 
-HISTORY = 256  # snapshots whose replica state stays in memory
+HISTORY = 256  # snapshots whose replica (or upload) state stays in memory
+
+
+class Recent(dict):
+    """A dict of the newest ``HISTORY`` entries: a key set is the newest, the oldest go past the limit."""
+
+    def __setitem__(self, key, value) -> None:
+        self.pop(key, None)  # re-inserted last (dicts keep insertion order)
+        super().__setitem__(key, value)
+        while len(self) > HISTORY:
+            del self[next(iter(self))]
 
 
 @dataclasses.dataclass
@@ -30,12 +39,9 @@ class ReplicaStates:
     """The replica states of this server's snapshots, by (job, step). Thread-safe."""
 
     def __init__(self) -> None:
-        self._states: dict[tuple[str, int], ReplicaState] = {}
+        self._states: Recent[tuple[str, int], ReplicaState] = Recent()
         self._cond = WatchedCondition()
         self.counters: collections.Counter[str] = collections.Counter()  # "replicated", "failed", "bytes" (metrics)
-
-    def start(self, job_id: str, step: int) -> None:
-        self.settle(job_id, step, "replicating")
 
     def settle(self, job_id: str, step: int, state: str, peer: str = "", error: str = "", nbytes: int = 0) -> None:
         """``nbytes``: of a replicated step, for the metrics."""
@@ -43,10 +49,7 @@ class ReplicaStates:
             if state != "replicating":
                 self.counters[state] += 1
                 self.counters["bytes"] += nbytes
-            self._states.pop((job_id, step), None)  # re-inserted last: the newest stay
             self._states[(job_id, step)] = ReplicaState(state, peer, error)
-            while len(self._states) > HISTORY:
-                del self._states[next(iter(self._states))]
             self._cond.notify_all()
 
     def state(self, job_id: str, step: int) -> ReplicaState | None:

@@ -1,11 +1,10 @@
-"""The second tier: each durable local snapshot's ranks uploaded to the store by one background worker
-(only the newest queued snapshot of a job; the skipped ones fail ``stored``, saying so), through the
-store's write seam (:class:`~.store.StoreTier`), each file's crc32 checked on the way, then the
-host's part; the step's index and retention (:meth:`~.store.StoreTier.publish`) by a second
-thread, so the next upload never waits for them. A failing store fails the upload, naming the URI; training goes on.
-Call order: ``SnapshotUploader(...)`` at start (it resumes unfinished uploads), ``submit`` after
-each local commit, ``status`` / ``wait_async`` from the RPCs, ``close`` at shutdown (the running
-upload is abandoned).
+"""The second tier: each durable local snapshot's ranks uploaded to the store by one background worker (only the newest
+queued snapshot of a job; the skipped ones fail ``stored``, saying so), through the store's write seam
+(:class:`~.store.StoreTier`), each file's crc32 checked on the way, then the host's part; the step's index and retention
+(:meth:`~.store.StoreTier.publish`) by a second thread, so the next upload never waits for them. A failing store fails
+the upload, naming the URI; training goes on. Call order: ``SnapshotUploader(...)`` at start (it resumes unfinished
+uploads), ``submit`` after each local commit, ``status`` / ``wait_async`` from the RPCs, ``close`` at shutdown (the
+running upload is abandoned).
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from swap_state.server.logs import log_event
 from swap_state.server.snapshot.restoring.layout_index import layout_part
 from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.replicate import HISTORY, Recent
 from swap_state.server.snapshot.tiers.seam import StepPlan, copy_rank
 from swap_state.server.snapshot.tiers.store import StoreTier
 from swap_state.server.snapshot.waiting import WatchedCondition
@@ -36,8 +36,6 @@ from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
 __all__ = ["StoreState", "UploadStatus", "UploadCounters", "SnapshotUploader", "HISTORY"]
 
 log = logging.getLogger(__name__)
-
-HISTORY = 256  # snapshots whose upload status stays in memory (older ones are answered from the store)
 
 
 class StoreState(str, enum.Enum):
@@ -77,7 +75,7 @@ class SnapshotUploader:
         self._local = local
         self._limiter = BandwidthLimiter(max_bandwidth)
         self._queue: queue.Queue[tuple[SnapshotInfo, int | None] | None] = queue.Queue()
-        self._statuses: dict[tuple[str, int], dict[int, UploadStatus]] = {}  # the last HISTORY
+        self._statuses: Recent[tuple[str, int], dict[int, UploadStatus]] = Recent()  # older: answered from the store
         self.counters = UploadCounters()
         self._cond = WatchedCondition()  # RPCs await uploads without holding a thread
         self._closed = threading.Event()
@@ -104,10 +102,7 @@ class SnapshotUploader:
     def submit(self, info: SnapshotInfo, keep: int | None) -> None:
         """Upload a durable local snapshot's ranks, then apply ``keep`` (None: keep all)."""
         with self._cond:
-            self._statuses.pop((info.job_id, info.step), None)
             self._statuses[(info.job_id, info.step)] = {rank: UploadStatus(StoreState.UPLOADING) for rank in info.ranks}
-            while len(self._statuses) > HISTORY:  # the oldest first (dicts keep insertion order)
-                del self._statuses[next(iter(self._statuses))]
             self._cond.notify_all()
         self._queue.put((info, keep))
 
@@ -145,10 +140,10 @@ class SnapshotUploader:
         """At start: each job's newest local snapshot not all in the store (a marker or its host part
         missing) is uploaded again; their ids."""
         pending = []
-        newest = {info.job_id: info for info in self._local.reader.list()}
-        for info in newest.values():
-            if set(info.ranks) - set(self.stored.step_markers(info.job_id, info.step, info.ranks)) or self.stored.store.size(
-                    self.stored.key(info.job_id, info.step, part_name(info.ranks[0], len(info.ranks), info.world_size))) is None:
+        for info in {info.job_id: info for info in self._local.reader.list()}.values():
+            part = self.stored.key(info.job_id, info.step, part_name(info.ranks[0], len(info.ranks), info.world_size))
+            if set(info.ranks) - set(self.stored.step_markers(info.job_id, info.step, info.ranks)) \
+                    or self.stored.store.size(part) is None:
                 self.submit(info, None)
                 pending.append(info.snapshot_id)
         return pending
@@ -203,15 +198,12 @@ class SnapshotUploader:
         with contextlib.suppress(queue.Empty):
             while True:
                 pending.append(self._queue.get_nowait())
-        kept = []
         for other in pending:
             if other is not None and other[0].job_id == item[0].job_id and other[0].step > item[0].step:
                 self._skip(item[0], other[0])
                 item = other
             else:
-                kept.append(other)
-        for other in kept:
-            self._queue.put(other)
+                self._queue.put(other)
         return item
 
     def _skip(self, info: SnapshotInfo, newer: SnapshotInfo) -> None:
