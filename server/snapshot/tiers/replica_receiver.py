@@ -1,10 +1,9 @@
-"""The peer's side of the replica tier: ``--replica-listen`` accepts the servers that hold the
-secret and writes each step they send through a :class:`~.directory.SnapshotDirectory` kept in
-memory (under ``--shm-dir``, so a restarted server finds its replicas), with its commit rule.
-Each file's size and crc32 are checked as it arrives and against the step's index before the
-step is complete; at most ``--replica-size`` bytes are held (oldest replicas evicted first,
-never a job's newest). One thread per connection; the sender's call order is the seam's
-(:class:`~.seam.TierWriter`), each call one message (:mod:`.replica`).
+"""The peer's side of the replica tier: ``--replica-listen`` accepts the servers that hold the secret and writes each
+step they send through a :class:`~.directory.SnapshotDirectory` kept in memory (under ``--shm-dir``, so a restarted
+server finds its replicas), with its commit rule. Each file's size and crc32 are checked as it arrives and against the
+step's index before the step is complete; at most ``--replica-size`` bytes are held (oldest replicas evicted first,
+never a job's newest). One thread per connection; the sender's call order is the seam's (:class:`~.seam.TierWriter`),
+each call one message (:mod:`.replica`).
 """
 
 from __future__ import annotations
@@ -217,7 +216,8 @@ class ReplicaReceiver:
             raise _Refusal("invalid", f"a malformed prepare: {exc}") from None
         if step < 0 or world_size < 1 or nbytes < 0:
             raise _Refusal("invalid", "step, world_size and bytes must be >= 0, >= 1, >= 0")
-        owner = self._owner(job_id)
+        replicas = self.directory.reader.list(job_id)
+        owner = replicas[-1].index.tenant if replicas else self._job_owner(job_id)
         if owner is not None and owner != tenant:
             raise _Refusal("permission_denied", f"job {job_id} belongs to another tenant on this peer")
         plan = StepPlan(job_id, step, world_size, (), tenant, keep, replace=bool(message.get("replace")))
@@ -228,10 +228,6 @@ class ReplicaReceiver:
                 self._steps[token] = state
         log_event(log, "replica_receiving", job_id=job_id, step=step, bytes=nbytes)
         return token, state
-
-    def _owner(self, job_id: str) -> str | None:
-        replicas = self.directory.reader.list(job_id)
-        return replicas[-1].index.tenant if replicas else self._job_owner(job_id)
 
     def _reserve(self, step: _Step, nbytes: int) -> None:
         """``nbytes`` more arrived for ``step``: past what its prepare declared (an estimate),
@@ -274,10 +270,9 @@ class ReplicaReceiver:
 
     @staticmethod
     def _file_name(step: _Step, name: Any) -> str:
-        ranks = range(step.target.plan.world_size)
         rank = name[5:10] if isinstance(name, str) and name.startswith("rank-") else ""
-        if not rank.isdigit() or int(rank) not in ranks or name not in (rank_data_name(int(rank)),
-                                                                          rank_manifest_name(int(rank))):
+        if not rank.isdigit() or int(rank) >= step.target.plan.world_size \
+                or name not in (rank_data_name(int(rank)), rank_manifest_name(int(rank))):
             raise _Refusal("invalid", f"{str(name)[:60]!r} is not a rank file of this step")
         if name in step.received:
             raise _Refusal("invalid", f"{name} was received already")
@@ -301,12 +296,8 @@ class ReplicaReceiver:
                 if refused is not None or step.failed:
                     continue
                 with memoryview(frame) as view:
-                    done = 0
-                    while done < view.nbytes:
-                        with view[done : done + sink.room()] as piece, sink.put(piece) as placed:
-                            value = crc32(placed, value)
-                            done += piece.nbytes
-                        sink.advance()
+                    for placed in sink.put_pieces(view):
+                        value = crc32(placed, value)
                 size += len(frame)
             if refused is not None:
                 raise refused

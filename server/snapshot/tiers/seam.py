@@ -9,7 +9,7 @@ import abc
 import dataclasses
 import pathlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from swap_state.common.checksum import crc32
 from swap_state.common.snapshot_errors import SnapshotCorruptError, SnapshotError
@@ -109,38 +109,28 @@ class TierWriter(abc.ABC):
 
 def copy_rank(source: SnapshotTier, info: SnapshotInfo, rank: int, tier: TierWriter, target: StepWrite,
               limiter: BandwidthLimiter, cancel: threading.Event, progress: Callable[[int], None]) -> int:
-    """Write one rank's files of a complete snapshot of ``source`` through ``tier``: the data file
-    in blocks (bounded memory), its size and crc32 checked against ``snapshot.json`` before the
-    last byte is final, then the manifest, checked, then :meth:`TierWriter.finish_rank`.
-    ``progress(bytes)``: the data file's bytes handed over so far. Returns the rank's bytes."""
+    """Write one rank's files of a complete snapshot of ``source`` through ``tier``: the data file in blocks
+    (bounded memory), each piece final (``advance``) only once the bytes so far can still match its size and crc32
+    in ``snapshot.json`` (a file that changed since its snapshot never completes), then the manifest, checked, then
+    :meth:`TierWriter.finish_rank`. ``progress(bytes)``: the data file's bytes handed over so far. Returns the
+    rank's bytes."""
     data, manifest = info.file(rank_data_name(rank)), info.file(rank_manifest_name(rank))
+    value = size = 0
     with tier.open_file(target, data.name) as sink:
-        _copy_file(source.read_blocks(info, data.name, COPY_BLOCK_BYTES), data, sink, info, limiter, cancel, progress)
+        for block in source.read_blocks(info, data.name, COPY_BLOCK_BYTES):
+            if not limiter.acquire(len(block), cancel):
+                raise SnapshotError("the server is shutting down: the copy was abandoned")
+            with memoryview(block) as view:
+                for placed in sink.put_pieces(view):
+                    value, size = crc32(placed, value), size + placed.nbytes
+                    if size > data.bytes or (size == data.bytes and value != data.crc32):
+                        _check(info, data, size, value)
+            progress(size)
+        _check(info, data, size, value)
+        sink.finish()
     tier.write_file(target, manifest.name, source.read_listed(info, manifest))
     tier.finish_rank(target, rank, (data, manifest))
     return data.bytes + manifest.bytes
-
-
-def _copy_file(blocks: Iterable[bytes], record: FileRecord, sink: ChunkSink, info: SnapshotInfo,
-               limiter: BandwidthLimiter, cancel: threading.Event, progress: Callable[[int], None]) -> None:
-    """``blocks`` into ``sink``; a block is final (``advance``) only once the bytes so far can
-    still match ``record``, so a file that changed since its snapshot never completes."""
-    value = size = 0
-    for block in blocks:
-        if not limiter.acquire(len(block), cancel):
-            raise SnapshotError("the server is shutting down: the copy was abandoned")
-        with memoryview(block) as view:
-            done = 0
-            while done < view.nbytes:
-                with view[done : done + sink.room()] as piece, sink.put(piece) as bytes_placed:
-                    value, placed = crc32(bytes_placed, value), piece.nbytes
-                done, size = done + placed, size + placed
-                if size > record.bytes or (size == record.bytes and value != record.crc32):
-                    _check(info, record, size, value)
-                sink.advance()
-        progress(size)
-    _check(info, record, size, value)
-    sink.finish()
 
 
 def _check(info: SnapshotInfo, record: FileRecord, size: int, value: int) -> None:

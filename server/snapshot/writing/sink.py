@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import errno
 import logging
 import mmap
 import os
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from swap_state.common.segment import align_up
@@ -40,15 +42,14 @@ WRITES_IN_FLIGHT = 2  # bounce buffers being written at once while the next one 
 _WRITEBACK_BYTES = 8 << 20  # the buffered sink starts the disk writeback of every this many bytes
 
 
-class ChunkSink(abc.ABC):
+class ChunkSink(contextlib.AbstractContextManager):
     """The bytes of one data file, in order (the call order: the module docstring)."""
 
     direct: bool = False  # whether the bytes bypass the page cache (O_DIRECT)
     owns_placed: bool = False  # whether what put returns is a copy of the sink's own, unchanged until advance
     stager_first: bool = True
-    """Whether the writer lets the stager copy before each chunk (its copies are what the trainer's
-    next step waits for, and this sink's copies and sends compete with them); not an O_DIRECT
-    sink's, whose pause would idle the disk."""
+    """Whether the writer lets the stager copy before each chunk (its copies are what the trainer's next step waits for,
+    and this sink's copies and sends compete with them); not an O_DIRECT sink's, whose pause would idle the disk."""
 
     def __init__(self) -> None:
         self.position = 0  # file offset of the next put
@@ -85,16 +86,18 @@ class ChunkSink(abc.ABC):
     def write_all(self, data: bytes) -> None:
         """``data`` at :attr:`position`, final (the safetensors header)."""
         with memoryview(data) as view:
-            done = 0
-            while done < view.nbytes:
-                size = min(self.room(), view.nbytes - done)
-                with view[done : done + size] as piece:
-                    self.put(piece, stable=True).release()
-                self.advance()
-                done += size
+            for _ in self.put_pieces(view, stable=True):
+                pass
 
-    def __enter__(self) -> ChunkSink:
-        return self
+    def put_pieces(self, data: memoryview, stable: bool = False) -> Iterator[memoryview]:
+        """Put ``data`` piece by piece (each at most :meth:`room`): each is yielded as placed, for
+        the caller to checksum (and check), and final (:meth:`advance`) when the next is asked for."""
+        done = 0
+        while done < data.nbytes:
+            with data[done : done + self.room()] as piece, self.put(piece, stable) as placed:
+                yield placed
+                done += piece.nbytes
+            self.advance()
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
@@ -123,7 +126,9 @@ class BufferedSink(ChunkSink):
         self.position += self._pending
         self._pending = 0
         if self.position - self._kicked >= _WRITEBACK_BYTES:
-            self.file.start_writeback(self._kicked, self.position - self._kicked)
+            # sync_file_range: the kernel starts writing these pages now, so the fsync at the end
+            # finds little left and the dirty pages of a big snapshot do not pile up.
+            _posix.start_writeback(self._fd, self._kicked, self.position - self._kicked)
             self._kicked = self.position
 
     def finish(self) -> None:
@@ -182,12 +187,16 @@ class DirectSink(ChunkSink):
         buffer, offset = self._current, self.position - self._fill
         self._busy.append((buffer, self._pool.submit(self._write, buffer, nbytes, offset)))
         if not self._free:
-            done, future = self._busy.popleft()
-            future.result()
-            self._free.append(done)
+            self._retire()
         self._current = self._free.popleft()
         self._address = _posix.buffer_address(self._current)
         self._fill = 0
+
+    def _retire(self) -> None:
+        """Wait for the oldest write in flight; its buffer is free again."""
+        buffer, future = self._busy.popleft()
+        future.result()
+        self._free.append(buffer)
 
     def _write(self, buffer: mmap.mmap, nbytes: int, offset: int) -> None:
         with memoryview(buffer) as whole, whole[:nbytes] as data:
@@ -212,9 +221,7 @@ class DirectSink(ChunkSink):
             self._current[self._fill : padded] = bytes(padded - self._fill)
             self._submit(padded)
         while self._busy:
-            buffer, future = self._busy.popleft()
-            future.result()
-            self._free.append(buffer)
+            self._retire()
         os.ftruncate(self.file.fileno(), self.position)  # the last block was written padded
         self.file.fsync()
 

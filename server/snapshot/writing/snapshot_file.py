@@ -5,6 +5,7 @@ Where they go, and the commit that publishes them: :class:`~swap_state.server.sn
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pathlib
@@ -21,8 +22,8 @@ DIR_MODE = 0o700
 
 def write_durable(path: pathlib.Path, data: bytes) -> None:
     """Create ``path`` (it must not exist), write ``data`` and fsync it."""
-    with SnapshotFile(path, direct=False) as file:
-        file.pwrite(data, 0)
+    with SnapshotFile(path, direct=False) as file, memoryview(data) as view:
+        pwrite_all(file.fileno(), view, 0)
         file.fsync()
 
 
@@ -34,7 +35,7 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
             done += os.pwrite(fd, rest, offset + done)
 
 
-class SnapshotFile:
+class SnapshotFile(contextlib.AbstractContextManager):
     """One new file of a partial snapshot directory (``O_EXCL``), open for writing; a context
     manager. Its bytes are durable once :meth:`fsync` returned."""
 
@@ -52,10 +53,9 @@ class SnapshotFile:
         return self._fd
 
     def open_direct(self) -> int | None:
-        """A second descriptor of this file with ``O_DIRECT`` (the caller closes it); None where
-        ``--direct-io`` or the filesystem refuses it (EINVAL: some network filesystems), and on
-        tmpfs (memory-only snapshots, replicas): it takes O_DIRECT since Linux 6.6, but its pages
-        are memory, so a bounce buffer would only add a copy."""
+        """A second descriptor of this file with ``O_DIRECT`` (the caller closes it); None where ``--direct-io`` or the
+        filesystem refuses it (EINVAL: some network filesystems), and on tmpfs (memory-only snapshots, replicas): it
+        takes O_DIRECT since Linux 6.6, but its pages are memory, so a bounce buffer would only add a copy."""
         flag = getattr(os, "O_DIRECT", 0)
         if not flag or not self.direct or self.in_memory:
             return None
@@ -66,15 +66,6 @@ class SnapshotFile:
                 return None
             raise
 
-    def pwrite(self, data: bytes | memoryview, offset: int) -> None:
-        with memoryview(data) as view:
-            pwrite_all(self.fileno(), view, offset)
-
-    def start_writeback(self, offset: int, nbytes: int) -> None:
-        # sync_file_range: the kernel starts writing these pages now, so the fsync at the end
-        # finds little left and the dirty pages of a big snapshot do not pile up.
-        _posix.start_writeback(self.fileno(), offset, nbytes)
-
     def fsync(self) -> None:
         os.fsync(self.fileno())
 
@@ -83,9 +74,6 @@ class SnapshotFile:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
-
-    def __enter__(self) -> SnapshotFile:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
