@@ -1,8 +1,7 @@
-"""The replica tier's writer: a step's files sent to a peer server's memory (``--replica-peers``)
-through the write seam, each call of :class:`~.seam.TierWriter` one message
-(:mod:`.replica_wire`); the peer (:mod:`.replica_receiver`) applies its directory's commit rule
-once every file arrived as its index lists it. The first peer that takes a step gets all of it;
-each writing thread has its own connection to it.
+"""The replica tier's writer: a step's files sent to a peer server's memory (``--replica-peers``) through the write
+seam, each call of :class:`~.seam.TierWriter` one message (:mod:`.replica_wire`); the peer (:mod:`.replica_receiver`)
+applies its directory's commit rule once every file arrived as its index lists it. The first peer that takes a step gets
+all of it; each writing thread has its own connection to it.
 """
 
 from __future__ import annotations
@@ -52,15 +51,13 @@ class ReplicaTier(TierWriter):
                    "tenant": plan.tenant, "keep": plan.keep, "replace": plan.replace, "bytes": plan.expected_bytes}
         why = []
         for peer in self.peers:
+            conn = None
             try:
                 conn = connect_to_peer(peer, self._credentials, CONNECT_TIMEOUT_S)
-            except SnapshotError as exc:
-                why.append(str(exc))
-                continue
-            try:
                 token = str(conn.request(message)["token"])
             except SnapshotError as exc:
-                conn.close()
+                if conn is not None:
+                    conn.close()
                 why.append(str(exc))
                 continue
             location = f"{peer.url}/{plan.job_id}/step-{plan.step}#{token[:8]}"
@@ -130,13 +127,11 @@ class ReplicaTier(TierWriter):
 
 
 class SendingSink(ChunkSink):
-    """A data file streamed to the peer: each piece is sent once final (:meth:`advance`), in the
-    writer's thread, from where it was put when that holds still (a slot, a bounce buffer: the
-    sender's CPU a seventh less), else from a copy made when put, before the writer checks what
-    it read, so the check covers it (the trainer may write the segment right after the check).
-    The piece was just placed, so the copy and the send read it from the CPU's cache; send
-    buffers filled for a thread of their own cost the one core more than the overlap won
-    (docs/benchmarks.md, "Pieces the cache holds"). A network slower than the disk paces the
+    """A data file streamed to the peer: each piece is sent once final (:meth:`advance`), in the writer's
+    thread, from where it was put when that holds still (a slot, a bounce buffer), else from a copy made
+    when put, before the writer checks what it read, so the check covers it (the trainer may write the
+    segment right after the check). The piece was just placed, so the copy and the send read it from the
+    CPU's cache (docs/benchmarks.md, "Pieces the cache holds"). A network slower than the disk paces the
     writer. The peer checks the size at ``end`` and the crc32 against the rank's files."""
 
     def __init__(self, conn: Connection, limiter: BandwidthLimiter, cancel: threading.Event):

@@ -1,9 +1,8 @@
-"""The replica tier's wire between two servers: one TCP connection per writing thread, mutual
-TLS where the flags give it (``--replica-tls-*``), a mutual HMAC handshake on the secret both
-hold where they give one (``--replica-secret-file``), then frames: a fixed header
-(magic, kind, length) and a JSON control message or raw data. Every frame is bounded before it
-is read, nothing is unpickled, every socket operation has a timeout. The chosen transport and
-the measurement behind it: docs/replica_transport.md.
+"""The replica tier's wire between two servers: one TCP connection per writing thread, mutual TLS where the flags give
+it (``--replica-tls-*``), a mutual HMAC handshake on the secret both hold where they give one
+(``--replica-secret-file``), then frames: a fixed header (magic, kind, length) and a JSON control message or raw data.
+Every frame is bounded before it is read, nothing is unpickled, every socket operation has a timeout. The chosen
+transport and the measurement behind it: docs/replica_transport.md.
 """
 
 from __future__ import annotations
@@ -47,11 +46,7 @@ class WireError(SnapshotError):
 
 
 class ReplicaRefused(SnapshotError):
-    """The peer answered with a refusal (``reason``: its machine-readable cause)."""
-
-    def __init__(self, message: str, reason: str = "refused"):
-        super().__init__(message)
-        self.why = reason
+    """The peer answered with a refusal."""
 
 
 def read_secret(path: pathlib.Path, flag: str = "--replica-secret-file") -> bytes:
@@ -96,8 +91,7 @@ class Connection:
             self.send_data(data)
         answer = self.receive()
         if not answer.get("ok"):
-            raise ReplicaRefused(f"replica peer {self.peer} refused {message.get('op')}: {answer.get('error')}",
-                                 str(answer.get("reason", "refused")))
+            raise ReplicaRefused(f"replica peer {self.peer} refused {message.get('op')}: {answer.get('error')}")
         return answer
 
     def receive(self) -> dict[str, Any]:
@@ -108,8 +102,7 @@ class Connection:
         return message
 
     def receive_frame(self, data_limit: int = DATA_FRAME_BYTES) -> dict[str, Any] | memoryview:
-        """The next frame: a control message, or data (at most ``data_limit`` bytes; valid until
-        the next receive)."""
+        """The next frame: a control message, or data (at most ``data_limit`` bytes; valid until the next receive)."""
         magic, kind, length = _HEADER.unpack(self._exactly(_HEADER.size))
         limits = {_CONTROL: _MAX_CONTROL_BYTES, _DATA: data_limit} if self.authenticated else {_CONTROL: 4096}
         limit = limits.get(kind, -1) if magic == _MAGIC else -1
@@ -234,7 +227,7 @@ def connect_to_peer(peer: ListenAddress, credentials: PeerCredentials, timeout_s
         except OSError as exc:  # ssl.SSLError and CertificateError included
             sock.close()
             if _certificate_refused(exc):
-                raise ReplicaRefused(f"replica peer {peer.url}: {exc}: {_TLS_REFUSED}", "unauthenticated") from None
+                raise ReplicaRefused(f"replica peer {peer.url}: {exc}: {_TLS_REFUSED}") from None
             raise WireError(f"cannot reach replica peer {peer.url} over TLS: {exc}") from None
     try:
         conn = Connection(sock, peer.url)
@@ -255,8 +248,7 @@ def connect_to_peer(peer: ListenAddress, credentials: PeerCredentials, timeout_s
         peer_nonce, secret = str(challenge.get("nonce", "")), credentials.secret
         if secret is not None and not hmac.compare_digest(str(challenge.get("proof", "")),
                                                           _proof(secret, b"peer", nonce, peer_nonce)):
-            raise ReplicaRefused(f"replica peer {peer.url} does not hold this server's --replica-secret-file",
-                                 "unauthenticated")
+            raise ReplicaRefused(f"replica peer {peer.url} does not hold this server's --replica-secret-file")
         conn.request({"op": "auth", "proof": _proof(secret, b"sender", nonce, peer_nonce) if secret else ""})
         conn.authenticated = True
     except BaseException:

@@ -1,17 +1,16 @@
-"""Data files of removed steps kept for new ones to be written over, in a directory in memory
-(this host's memory-only snapshots, the replicas it holds): on tmpfs a fresh page costs its
-allocation and zeroing (``pwrite`` into fresh pages ran at 3.0 GB/s here, over existing ones at
-3.5-4.3; replication a fifth faster: docs/benchmarks.md, "Replicas in a peer's memory").
+"""Data files of removed steps kept for new ones to be written over, in a directory in memory (this host's
+memory-only snapshots, the replicas it holds): on tmpfs a fresh page costs its allocation and zeroing
+(docs/benchmarks.md, "Replicas in a peer's memory").
 
-A restore that maps such a file, and the sink that writes it, hold a shared ``flock`` on it
-(:func:`hold_for_reading`); a file is taken for reuse only under an exclusive one, so none is
-written over while read or written.
+A restore that maps such a file, and the sink that writes it, hold a shared ``flock`` on it (:func:`hold_for_reading`);
+a file is taken for reuse only under an exclusive one, so none is written over while read or written.
 """
 
 from __future__ import annotations
 
 import collections
 import fcntl
+import itertools
 import os
 import pathlib
 import shutil
@@ -34,7 +33,7 @@ class SpareFiles:
         self.folder.mkdir(mode=0o700)
         self._files: collections.OrderedDict[pathlib.Path, int] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._count = 0
+        self._numbers = itertools.count(1)
 
     @property
     def bytes(self) -> int:
@@ -52,9 +51,7 @@ class SpareFiles:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: read or written now
-                with self._lock:
-                    self._count += 1
-                    spare = self.folder / f"{self._count}"
+                spare = self.folder / str(next(self._numbers))  # a count's next is atomic (the GIL)
                 os.rename(path, spare)
                 kept[spare] = os.fstat(fd).st_size
             except OSError:

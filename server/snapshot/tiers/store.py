@@ -1,12 +1,10 @@
-"""The store's writer (``--snapshot-store``): :class:`StoreTier`, the :class:`~.seam.TierWriter` of
-the layout :mod:`swap_state.common.stored_snapshots` reads. Commit rule: each host puts its ranks'
-objects, then each rank's marker, then its host part (its ranks' files and their part of the layout
-index); a host that then lists every rank's marker and every host's part (names only) creates the
-attempt's claim object and, only if it did, reads the parts (one per host) and puts ``layout.json``
-merged from them, then ``snapshot.json`` (the host that lists last sees every part, so a complete
-step gets its index). No host reads a marker or a manifest of another's. A step trained again: the
-index, the host's part and the rank's old marker go before its new data. Retention removes index and
-markers first.
+"""The store's writer (``--snapshot-store``): :class:`StoreTier`, the :class:`~.seam.TierWriter` of the layout
+:mod:`swap_state.common.stored_snapshots` reads. Commit rule: each host puts its ranks' objects, then each rank's
+marker, then its host part (its ranks' files and their part of the layout index); a host that then lists every rank's
+marker and every host's part (names only) creates the attempt's claim object and, only if it did, reads the parts (one
+per host) and puts ``layout.json`` merged from them, then ``snapshot.json`` (the host that lists last sees every part,
+so a complete step gets its index). No host reads a marker or a manifest of another's. A step trained again: the index,
+the host's part and the rank's old marker go before its new data. Retention removes index and markers first.
 """
 
 from __future__ import annotations
@@ -84,16 +82,14 @@ class StoreTier(TierWriter):
         self.store.put(self._key(plan, marker_name(rank)), dumps_json(marker.to_json()))
 
     def finish(self, target: StepWrite, index: SnapshotIndex, layout: bytes | None) -> CommitResult:
-        """The host's part (:meth:`put_part`, without its part of the layout index), then
-        :meth:`publish`. The uploader calls the two itself: the part on its thread (its ranks
-        count as stored from there), the rest on another."""
+        """The host's part (:meth:`put_part`, without its part of the layout index), then :meth:`publish`. The uploader
+        calls the two itself: the part on its thread (its ranks count as stored from there), the rest on another."""
         self.put_part(target.plan, None)
         return self.publish(target, index, layout)
 
     def publish(self, target: StepWrite, index: SnapshotIndex, layout: bytes | None) -> CommitResult:
-        """After the host's part: the step's index once every host's part is there (failing, the
-        step reads from the parts), then retention; both only warn: the ranks are stored with
-        their markers and part."""
+        """After the host's part: the step's index once every host's part is there (failing, the step reads from the
+        parts), then retention; both only warn: the ranks are stored with their markers and part."""
         plan, warnings = target.plan, []
         try:
             self.publish_step_index(plan.job_id, plan.step, plan.source.attempt if plan.source else 1,
@@ -111,9 +107,8 @@ class StoreTier(TierWriter):
         return CommitResult(target.location, tuple(warnings))
 
     def put_part(self, plan: StepPlan, part: tuple[list, list[str], list[int]] | None) -> None:
-        """The host's part, after its markers: its ranks' files as a SnapshotIndex, and their part
-        of the layout index (:func:`layout_part`: kinds here, tensor names in the ``layout-names``
-        object they share)."""
+        """The host's part, after its markers: its ranks' files as a SnapshotIndex, and their part of the layout index
+        (:func:`layout_part`: kinds here, tensor names in the ``layout-names`` object they share)."""
         source, ranks = plan.source, plan.ranks
         files = tuple(source.file(name) for r in ranks for name in (rank_data_name(r), rank_manifest_name(r)))
         doc = SnapshotIndex(plan.job_id, plan.step, plan.world_size, ranks, files, time.time(), source.attempt,
@@ -176,10 +171,7 @@ class StoreTier(TierWriter):
             return True
 
     def _retain(self, job_id: str, keep: int | None) -> None:
-        if keep is None:
-            return
-        complete = [info.step for info in self.stored.list(job_id)]
-        if not complete:
+        if keep is None or not (complete := [info.step for info in self.stored.list(job_id)]):
             return
         oldest_kept = complete[-keep:][0]
         for step in self.stored.steps(job_id):

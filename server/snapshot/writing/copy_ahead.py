@@ -1,8 +1,7 @@
-"""The server's stager: copies the chunks of one rank's snapshot into spare slots ahead of the
-trainer (protocol step 2 of :mod:`swap_state.common.segment`), so the trainer's next optimizer
-step finds them safe instead of copying them itself. One per :class:`~.writer.RankWriter`, in a
-thread of its own; the writer starts it, wakes it after every chunk and stops it before it
-releases the segment.
+"""The server's stager: copies the chunks of one rank's snapshot into spare slots ahead of the trainer (protocol step 2
+of :mod:`swap_state.common.segment`), so the trainer's next optimizer step finds them safe instead of copying them
+itself. One per :class:`~.writer.RankWriter`, in a thread of its own; the writer starts it, wakes it after every chunk
+and stops it before it releases the segment.
 """
 
 from __future__ import annotations
@@ -22,18 +21,16 @@ __all__ = ["Stager"]
 log = logging.getLogger(__name__)
 
 
-# Longest nap of a stager whose ring is full before it looks at PERSISTED_UPTO again (the
-# writer also wakes it after every chunk), and longest a writer waits, per chunk, for a busy
-# stager (Stager.yield_to).
+# Longest nap of a stager whose ring is full before it looks at PERSISTED_UPTO again (the writer also wakes it after
+# every chunk), and longest a writer waits, per chunk, for a busy stager (Stager.yield_to).
 _STAGE_WAIT_S = 0.005
 _YIELD_MAX_S = 0.5
 
 
 class Stager:
-    """A ring of ``slots`` slots: chunk c goes to slot ``c % slots`` once the writer is done with
-    chunk ``c - slots``, so the staged chunks are the ones right after the writer's, which the
-    trainer reaches first. ``threads`` threads copy (GIL released); ``STAGED_UPTO`` is stored
-    after each copied batch, by this thread only."""
+    """A ring of ``slots`` slots: chunk c goes to slot ``c % slots`` once the writer is done with chunk ``c - slots``,
+    so the staged chunks are the ones right after the writer's, which the trainer reaches first. ``threads`` threads
+    copy (GIL released); ``STAGED_UPTO`` is stored after each copied batch, by this thread only."""
 
     def __init__(self, writer: Any, slots: int, threads: int):
         # ``writer``: the :class:`~.writer.RankWriter` that owns it (not imported: it imports this).
@@ -71,9 +68,7 @@ class Stager:
             self.thread.join()
 
     def _copy(self, chunks) -> tuple[int, int]:
-        header = self.writer.source.header
-        layout = self.writer.source.layout
-        epoch = self.writer.epoch
+        header, layout, epoch = self.writer.source.header, self.writer.source.layout, self.writer.epoch
         copied = count = 0
         for chunk in chunks:
             if header.cow_epoch(chunk.index) == epoch:
@@ -86,10 +81,9 @@ class Stager:
         return copied, count
 
     def _run(self) -> None:
-        writer = self.writer
+        writer, chunks = self.writer, self.writer.chunks
         header = writer.source.header
         server_header = ServerHeader(header)  # the stager's one word: STAGED_UPTO
-        chunks = writer.chunks
         n, k = len(chunks), self.slots
         batch = 1 if self.threads == 1 else 4 * self.threads
         pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="stage") if self.threads > 1 else None

@@ -65,8 +65,7 @@ class SnapshotSource:
 
 
 def check_source(source: SnapshotSource) -> None:
-    """SnapshotInvalid unless the ids and numbers are sane and the segment's header and
-    buffer describe its layout."""
+    """SnapshotInvalid unless the ids and numbers are sane and the segment's header and buffer describe its layout."""
     validate_job_id(source.job_id, SnapshotInvalid)
     if not 1 <= source.world_size or not 0 <= source.rank < source.world_size:
         raise SnapshotInvalid(f"rank {source.rank} / world_size {source.world_size} is invalid")

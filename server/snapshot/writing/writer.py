@@ -17,7 +17,6 @@ import time
 
 from swap_state.common.segment import Chunk, Word, stager_slot_count
 from swap_state.common.server_config import SnapshotSettings
-
 from swap_state.common.checksum import BlockChecksum, crc32, crc32_combine
 from swap_state.common.snapshot_errors import SnapshotError, from_os_error
 from swap_state.common.snapshot_format import (
@@ -46,17 +45,15 @@ def _place(sink: ChunkSink, data: memoryview, stable: bool) -> memoryview:
     return sink.put(data, stable)
 
 
-# The most bytes of a chunk placed, checksummed (and sent to a replica peer) at once: the passes
-# after the placing then read the piece from the CPU's cache, not from memory. Memory-only
-# replication of 512 MiB on the 2-vCPU VM, medians of 12 (docs/benchmarks.md, "Pieces the cache
-# holds"): 1.42 GB/s in 256 KiB pieces, 1.35 in 512 KiB, 1.23 in 1 MiB, about 1.0 in whole chunks.
+# The most bytes of a chunk placed, checksummed (and sent to a replica peer) at once: the passes after the
+# placing then read the piece from the CPU's cache, not from memory (docs/benchmarks.md, "Pieces the cache holds").
 PIECE_BYTES = 256 << 10
 
-# Longest a writer pauses for one optimizer step of the trainer; a longer step (a trainer
-# killed mid-step) ends the pausing for the rest of the snapshot.
+# Longest a writer pauses for one optimizer step of the trainer; a longer step (a trainer killed mid-step)
+# ends the pausing for the rest of the snapshot.
 TRAINER_YIELD_MAX_S = 2.0
-# Most of its streaming time a writer spends paused for the trainer's steps: a trainer whose
-# steps leave little time between them delays durability by 2x at most.
+# Most of its streaming time a writer spends paused for the trainer's steps: a trainer whose steps leave
+# little time between them delays durability by 2x at most.
 TRAINER_YIELD_SHARE = 0.5
 
 
@@ -126,10 +123,9 @@ class RankWriter:
 
     def publish(self) -> None:
         """Make the snapshot consistent: after this the trainer may mutate the segment."""
-        # Every slot is freed first: a trainer that checked PERSISTED_UPTO <= c just before
-        # the server stored c + 1 takes a slot whose COW_EPOCH the server never sees, so never
-        # frees; such slots are reclaimed whenever no trainer can be taking one for a live
-        # epoch, i.e. before SNAP_EPOCH is published and after it is cleared.
+        # Every slot is freed first: a trainer that checked PERSISTED_UPTO <= c just before the server stored c + 1
+        # takes a slot whose COW_EPOCH the server never sees, so never frees; such slots are reclaimed whenever no
+        # trainer can be taking one for a live epoch, i.e. before SNAP_EPOCH is published and after it is cleared.
         self._header.open_snapshot(self.source.step, self.stage_slots, self.epoch, self.source.layout.cow_slots)
 
     def go(self) -> None:
@@ -231,11 +227,10 @@ class RankWriter:
         """Put ``chunk`` into ``sink``, piece by piece, into its tensor's ``checksum``, and publish
         ``PERSISTED_UPTO = c + 1``.
 
-        Why this stays exact: while chunk c is read, ``PERSISTED_UPTO <= c``, so the trainer
-        overwrites c only after its own copy into a slot with ``COW_EPOCH[c] = e`` stored first,
-        or after the stager published ``STAGED_UPTO > c`` (protocol steps 2 and 4). The first
-        source is the stager slot when already ``STAGED_UPTO > c``, else the segment. After each
-        piece is placed (and checksummed), :meth:`_safe_source` reads those words again:
+        Why this stays exact: while chunk c is read, ``PERSISTED_UPTO <= c``, so the trainer overwrites c only after its
+        own copy into a slot with ``COW_EPOCH[c] = e`` stored first, or after the stager published ``STAGED_UPTO > c``
+        (protocol steps 2 and 4). The first source is the stager slot when already ``STAGED_UPTO > c``, else the
+        segment. After each piece is placed (and checksummed), :meth:`_safe_source` reads those words again:
 
         - ``COW_EPOCH[c] == e``: the trainer's slot holds step N's bytes and this piece may be
           torn: it and the rest of the chunk are placed again from that slot (the checksum
