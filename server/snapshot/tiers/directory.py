@@ -90,10 +90,9 @@ class SnapshotDirectory(TierWriter):
         final = self.reader.job_dir(job_id) / step_dir_name(step)
         if self.reader.load_index(job_id, final, step) is not None:
             if not plan.replace:
-                raise SnapshotExistsError(f"snapshot {snapshot_id_for(job_id, step)} already exists at {final}, "
-                                     "from an earlier attempt at that step: use a new job id, or let the "
-                                     "snapshot replace it (SnapshotRequest.replace_existing; torchtitan's "
-                                     "glue does)")
+                raise SnapshotExistsError(f"snapshot {snapshot_id_for(job_id, step)} already exists at {final}, from "
+                                          "an earlier attempt at that step: use a new job id, or let the snapshot "
+                                          "replace it (SnapshotRequest.replace_existing; torchtitan's glue does)")
         elif os.path.lexists(final):
             # Not ours (we only ever publish complete snapshots there): refuse to touch it.
             raise SnapshotExistsError(f"{final} exists but is not a complete snapshot; remove it to snapshot "

@@ -168,10 +168,7 @@ class RankWriter:
         its optimizer step is bound by host memory bandwidth, which the writer's pwrite, crc32
         and writeback would share; persist during forward/backward instead."""
         header = self.source.header
-        if not self._trainer_yield or header[Word.STAGED_UPTO] < n_chunks:
-            return
-        writing = header[Word.WRITING_STEP]
-        if not writing:
+        if not self._trainer_yield or header[Word.STAGED_UPTO] < n_chunks or not (writing := header[Word.WRITING_STEP]):
             return
         began = time.monotonic()
         deadline = began + TRAINER_YIELD_MAX_S
