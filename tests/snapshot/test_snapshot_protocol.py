@@ -54,17 +54,18 @@ def test_backpressure_waits_until_server_reads_the_chunk(make_segment):
     seg = make_segment(cow_slots=0)
     _publish(seg, epoch=1)
     protector = TrainerProtector(seg.mm, seg.layout, header=seg.header)
+    read = threading.Event()
 
     def server_reads_chunk_zero():
-        time.sleep(0.1)
+        time.sleep(0.1)  # the trainer waits meanwhile; nothing below depends on how long
+        read.set()
         seg.header[Word.PERSISTED_UPTO] = 1
 
     threading.Thread(target=server_reads_chunk_zero).start()
-    started = time.monotonic()
     assert not protector.protect(seg.chunks[0])
-    assert time.monotonic() - started >= 0.09
+    assert read.is_set()  # it returned only once the server had read the chunk
     assert seg.header[Word.BP_WAITS] == 1
-    assert seg.header[Word.BP_WAIT_NS] >= 90_000_000
+    assert seg.header[Word.BP_WAIT_NS] > 0
     protector.close()
 
 
