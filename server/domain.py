@@ -1,14 +1,11 @@
-"""The server's state and the operations its RPCs need: :class:`StateServer`.
+"""The server's state and the operations its RPCs need: :class:`StateServer`, owner of the arena, the
+sessions, the snapshot coordinator (None without --snapshot-dir) and the tenancy rule. Blocking work runs in
+worker threads; waits for a writer or a group are awaited holding no thread (:mod:`.snapshot.waiting`), so
+waiting ranks never starve the executor.
 
-It owns the arena, the sessions, the snapshot coordinator (None without --snapshot-dir) and
-the tenancy rule; the servicer (:mod:`.rpc.service`) validates a request, hands the caller's
-tenant and the values to one method here and maps what comes back (or the domain error raised)
-to protobuf. Blocking work runs in worker threads; waits for a writer or a group are awaited
-holding no thread (:mod:`.snapshot.waiting`), so waiting ranks never starve the executor.
-
-Tenancy, decided here only: a job (its sessions and snapshots) belongs to the tenant that made
-it; a tenant may claim a job no other tenant holds (:meth:`Tenant.may_claim`) and reach what it
-or nobody owns, an admin everything (:meth:`Tenant.may_reach`).
+Tenancy, decided here only: a job (its sessions and snapshots) belongs to the tenant that made it; a tenant
+may claim a job no other tenant holds (:meth:`Tenant.may_claim`) and reach what it or nobody owns, an admin
+everything (:meth:`Tenant.may_reach`).
 """
 
 from __future__ import annotations
@@ -52,22 +49,14 @@ MAX_STATUS_WAIT_S = 60.0
 class SnapshotAsk:
     """What a Snapshot call asks for, besides its session."""
 
-    step: int
-    """The step to snapshot: the session's last committed one."""
-    metadata_base_id: str = ""
-    """The digest of the metadata base the delta applies to ("": no metadata)."""
-    metadata_base_json: str = ""
-    """The base itself, when sent along (else the one kept with the session)."""
-    metadata_delta_json: str = ""
-    """This step's part of the metadata."""
-    keep_latest: int = 0
-    """Durable snapshots the job asks to keep."""
-    keep_all: bool = False
-    """The job keeps every snapshot."""
-    replace_existing: bool = False
-    """A durable snapshot of this step from an earlier attempt is replaced."""
-    memory_only: bool = False
-    """Kept in this host's memory and a peer's, not on disk (``SnapshotRequest.memory_only``)."""
+    step: int  # the step to snapshot: the session's last committed one
+    metadata_base_id: str = ""  # the digest of the metadata base the delta applies to ("": no metadata)
+    metadata_base_json: str = ""  # the base itself, when sent along (else the one kept with the session)
+    metadata_delta_json: str = ""  # this step's part of the metadata
+    keep_latest: int = 0  # durable snapshots the job asks to keep
+    keep_all: bool = False  # the job keeps every snapshot
+    replace_existing: bool = False  # a durable snapshot of this step from an earlier attempt is replaced
+    memory_only: bool = False  # kept in this host's memory and a peer's, not on disk (``SnapshotRequest.memory_only``)
 
 
 class StateServer:

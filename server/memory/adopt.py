@@ -64,9 +64,7 @@ def adopt_segments(arena: Arena, validate: Validate) -> tuple[list[Adopted], lis
     runtime's, before it serves; each then ``registry.adopt``'d); the others, with the reason."""
     adopted: list[tuple[int, Adopted]] = []
     refused: list[Refused] = []
-    for entry in sorted(os.scandir(arena.shm_dir), key=lambda e: e.name):
-        if not entry.name.startswith(arena.prefix):
-            continue
+    for entry in sorted(_own_entries(arena), key=lambda e: e.name):
         try:
             adopted.append(_adopt_one(arena, entry.name, validate))
         except _NotAdoptable as e:
@@ -74,6 +72,11 @@ def adopt_segments(arena: Arena, validate: Validate) -> tuple[list[Adopted], lis
         except (OSError, ValueError) as e:  # mapping it failed (memory, a file changed meanwhile)
             refused.append(Refused(entry.path, f"cannot map it: {e}"))
     return _newest_per_rank(arena, adopted), refused
+
+
+def _own_entries(arena: Arena) -> list[os.DirEntry[str]]:
+    """The files of the shm directory named with this server's prefix."""
+    return [entry for entry in os.scandir(arena.shm_dir) if entry.name.startswith(arena.prefix)]
 
 
 def _newest_per_rank(arena: Arena, adopted: list[tuple[int, Adopted]]) -> list[Adopted]:
@@ -95,8 +98,7 @@ def _adopt_one(arena: Arena, name: str, validate: Validate) -> tuple[int, Adopte
     if match is None:
         raise _NotAdoptable("the name is not swap-state.<tag>.<session id>.<seq>")
     session_id, seq = match.group(1), int(match.group(2))
-    path = arena.shm_dir / name
-    with _open_own_file(path) as (fd, size, owner):
+    with _open_own_file(arena.shm_dir / name) as (fd, size, owner):
         words = _read_words(fd, size)
         raw, descriptor, specs = _read_descriptor(fd, size, words, validate)
         if owner != os.geteuid() and not (os.geteuid() == 0 and owner == tenant_uid(descriptor.tenant)):
@@ -122,9 +124,8 @@ def _adopt_one(arena: Arena, name: str, validate: Validate) -> tuple[int, Adopte
 def _open_own_file(path: os.PathLike) -> Iterator[tuple[int, int, int]]:
     """(fd, size, owner uid) of a regular file of this uid (to a root server, of any: the caller
     checks it is its tenant's), opened without following a link or blocking (a FIFO)."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise _NotAdoptable(f"cannot open it ({e.strerror}; a symbolic link?)") from None
     try:
@@ -189,12 +190,9 @@ def discard_segments(arena: Arena) -> tuple[int, int]:
     """Unlink the segment files a previous server with this tag left (``--discard-segments``):
     regular files of this uid only; (files, bytes). Called once no live server uses the tag."""
     removed = removed_bytes = 0
-    uid = os.geteuid()
-    for entry in os.scandir(arena.shm_dir):
-        if not entry.name.startswith(arena.prefix):
-            continue
+    for entry in _own_entries(arena):
         info = entry.stat(follow_symlinks=False)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(entry.path)

@@ -38,13 +38,12 @@ class RpcCounters:
     """Calls per (method, status code) and their total seconds, counted by the RPC boundary."""
 
     def __init__(self) -> None:
-        self.calls: dict[tuple[str, str], int] = {}
-        self.seconds: dict[str, float] = {}
+        self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.seconds: collections.Counter[str] = collections.Counter()
 
     def record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
-        key = (method, code.name)
-        self.calls[key] = self.calls.get(key, 0) + 1
-        self.seconds[method] = self.seconds.get(method, 0.0) + seconds
+        self.calls[(method, code.name)] += 1
+        self.seconds[method] += seconds
 
 
 # Every counter's name ends in ``_total``: prometheus_client stores a counter without the
@@ -222,10 +221,9 @@ class MetricsServer:
             if len(head) > _MAX_REQUEST_BYTES:
                 raise ValueError("request too large")
             method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
-            path = target.split("?", 1)[0]
             if method not in ("GET", "HEAD"):
                 status, data, ctype = "405 Method Not Allowed", b"only GET\n", "text/plain"
-            elif path != "/metrics":
+            elif target.split("?", 1)[0] != "/metrics":
                 status, data, ctype = "404 Not Found", b"try /metrics\n", "text/plain"
             else:
                 status, data, ctype = "200 OK", generate_latest(self._metrics), CONTENT_TYPE

@@ -84,9 +84,12 @@ def _as_caller(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethod
         async def run(request, context):  # type: ignore[misc]
             _CALLER.set(tenant)
             return await behaviour(request, context)
-    kind = ("stream_" if handler.request_streaming else "unary_") + (
-        "stream" if handler.response_streaming else "unary")
-    return handler._replace(**{kind: run})  # type: ignore[attr-defined]
+    return handler._replace(**{_kind(handler): run})  # type: ignore[attr-defined]
+
+
+def _kind(handler: grpc.RpcMethodHandler) -> str:
+    """``unary_unary``, ``unary_stream``, ``stream_unary`` or ``stream_stream``."""
+    return f"{'stream' if handler.request_streaming else 'unary'}_{'stream' if handler.response_streaming else 'unary'}"
 
 
 def _deny(handler: grpc.RpcMethodHandler, by_uid: bool) -> grpc.RpcMethodHandler:
@@ -107,10 +110,5 @@ def _deny(handler: grpc.RpcMethodHandler, by_uid: bool) -> grpc.RpcMethodHandler
         yield  # pragma: no cover - makes this an async generator
 
     # No request deserializer: the body of an unauthenticated call is never parsed.
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    make = getattr(grpc, f"{_kind(handler)}_rpc_method_handler")
     return make(deny_stream if handler.response_streaming else deny_unary)

@@ -31,13 +31,6 @@ def info_reply(local: SnapshotInfo | None, stored: SnapshotInfo | None, replica:
     would restore ``latest`` from says."""
     first = local or stored
     assert first is not None
-    reply = pb.SnapshotInfo(snapshot_id=first.snapshot_id, job_id=first.job_id, step=first.step,
-                            world_size=first.world_size, bytes=first.bytes, latest=first.latest,
-                            ranks=first.ranks, local_world_size=first.local_world_size)
-    if local is not None:
-        reply.local, reply.path = True, str(local.path)
-    if stored is not None:
-        reply.stored, reply.store_path = True, str(stored.path)
-    if replica is not None:
-        reply.replica_state, reply.replica_peer = replica.state, replica.peer
-    return reply
+    return reply_of(pb.SnapshotInfo, first, local=local is not None, path=str(local.path) if local else "",
+                    stored=stored is not None, store_path=str(stored.path) if stored else "",
+                    replica_state=replica.state if replica else "", replica_peer=replica.peer if replica else "")

@@ -145,19 +145,13 @@ class SwapStateService(pb_grpc.SwapStateServicer):
             sessions_adopted_total=registry.sessions_adopted, reconnects_total=registry.reconnects)
 
     def _session_stats(self, session: Session) -> pb.SessionStats:
-        segment = session.segment
+        segment, step = session.segment, session.last_committed_step
         slot_bytes, needed_bytes, warning = self.state.copy_budget_of(session)
-        return pb.SessionStats(session_id=session.session_id, job_id=session.job_id, rank=session.rank,
-                               world_size=session.world_size, local_world_size=session.local_world_size,
-                               generation=session.generation, state=session.state.value,
-                               segment_bytes=segment.file_bytes if segment else 0,
-                               model_bytes=segment.model_bytes if segment else 0,
-                               last_committed_step=session.last_committed_step or 0,
-                               has_committed_step=session.last_committed_step is not None,
-                               steps_committed=session.steps_committed,
-                               orphaned_seconds=self.state.registry.orphaned_seconds(session),
-                               copy_slot_bytes=slot_bytes, copy_budget_needed_bytes=needed_bytes,
-                               copy_budget_warning=warning, adopted=session.adopted)
+        return reply_of(pb.SessionStats, session, state=session.state.value, last_committed_step=step or 0,
+                        segment_bytes=segment.file_bytes if segment else 0, has_committed_step=step is not None,
+                        model_bytes=segment.model_bytes if segment else 0, copy_slot_bytes=slot_bytes,
+                        orphaned_seconds=self.state.registry.orphaned_seconds(session),
+                        copy_budget_needed_bytes=needed_bytes, copy_budget_warning=warning)
 
     @rpc_boundary
     async def Snapshot(self, request: pb.SnapshotRequest, context) -> pb.SnapshotReply:
@@ -172,9 +166,8 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     async def SnapshotStatus(self, request: pb.SnapshotStatusRequest, context) -> pb.SnapshotStatusReply:
         snapshot_id = validate_snapshot_id(request.snapshot_id, relative=False, latest=False)
         validate_snapshot_rank(request.rank)
-        status = await self.state.snapshot_status(caller(), snapshot_id, request.rank, request.wait_seconds,
-                                                  request.wait_stored, request.wait_replicated)
-        return status_reply(status)
+        return status_reply(await self.state.snapshot_status(caller(), snapshot_id, request.rank, request.wait_seconds,
+                                                             request.wait_stored, request.wait_replicated))
 
     @rpc_boundary
     async def ListSnapshots(self, request: pb.ListSnapshotsRequest, context) -> pb.ListSnapshotsReply:
@@ -186,6 +179,5 @@ class SwapStateService(pb_grpc.SwapStateServicer):
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreReply:
         validate_session(request.session_id, request.generation)  # a bad id first, whatever else
         snapshot_id = validate_snapshot_id(request.snapshot_id or "latest", relative=True, latest=True)
-        result = await self.state.restore(caller(), request.session_id, request.generation, snapshot_id,
-                                          request.metadata_json)
-        return reply_of(pb.RestoreReply, result)
+        return reply_of(pb.RestoreReply, await self.state.restore(caller(), request.session_id, request.generation,
+                                                                  snapshot_id, request.metadata_json))

@@ -25,10 +25,6 @@ __all__ = ["rpc_boundary", "status_for", "reason_metadata"]
 
 log = logging.getLogger(__name__)
 
-# grpc.aio raises this from context.abort(); it must pass through untouched.
-_AbortError: type[BaseException] = grpc.aio.AbortError
-
-
 def status_for(exc: SwapStateError) -> grpc.StatusCode:
     return grpc.StatusCode[exc.code]
 
@@ -52,7 +48,7 @@ def rpc_boundary(method: F) -> F:
         code: grpc.StatusCode | None = grpc.StatusCode.OK
         try:
             yield
-        except (_AbortError, asyncio.CancelledError, GeneratorExit):
+        except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):  # abort() raises AbortError
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:  # noqa: BLE001 - the boundary
