@@ -13,8 +13,6 @@ __all__ = ["CopyBudgetPolicy"]
 
 
 class CopyBudgetPolicy:
-    """Persist rate and forward/backward time of the memory rule (``CopyBudget``)."""
-
     def __init__(self, *, assumed_bytes_per_s: float = ASSUMED_PERSIST_BYTES_PER_S,
                  max_bandwidth: float | None = None, fwd_bwd_s: float = ASSUMED_FWD_BWD_S):
         self.assumed_bytes_per_s = assumed_bytes_per_s  # the persist rate until a snapshot measured one
@@ -28,8 +26,7 @@ class CopyBudgetPolicy:
         if bytes_per_s is None or bytes_per_s <= 0:
             return
         with self._lock:
-            old = self._measured
-            self._measured = bytes_per_s if old is None else 0.5 * old + 0.5 * bytes_per_s
+            self._measured = bytes_per_s if self._measured is None else 0.5 * self._measured + 0.5 * bytes_per_s
 
     def rate(self) -> tuple[float, bool]:
         """(bytes/s, measured) the rule uses now."""

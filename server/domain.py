@@ -125,7 +125,6 @@ class StateServer:
         await self.registry.detach(self.session(caller, session_id, generation), generation, keep=keep)
 
     def sessions_of(self, caller: Tenant) -> list[Session]:
-        """The sessions the caller may see."""
         return [s for s in self.registry.sessions if caller.may_reach(s.tenant)]
 
     def copy_budget_of(self, session: Session) -> tuple[int, int, str]:

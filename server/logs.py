@@ -58,8 +58,6 @@ def configure_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(LogfmtFormatter())
     root = logging.getLogger("swap_state")
-    for old in list(root.handlers):
-        root.removeHandler(old)
-    root.addHandler(handler)
+    root.handlers = [handler]  # replaces any earlier call's
     root.setLevel(level.upper())
     root.propagate = False

@@ -75,7 +75,6 @@ def adopt_segments(arena: Arena, validate: Validate) -> tuple[list[Adopted], lis
 
 
 def _own_entries(arena: Arena) -> list[os.DirEntry[str]]:
-    """The files of the shm directory named with this server's prefix."""
     return [entry for entry in os.scandir(arena.shm_dir) if entry.name.startswith(arena.prefix)]
 
 

@@ -64,9 +64,8 @@ def _model_share(layout: SegmentLayout) -> str:
     nbytes = model_bytes(layout.tensors)
     if not nbytes:
         return ""
-    return (f", of which {nbytes} bytes ({format_size(nbytes)}) are the model's parameters and "
-            "buffers (whole-state snapshots; RemoteConfig.snapshot_model=False or "
-            "swap_state_checkpoint='full' leaves them out),")
+    return (f", of which {nbytes} bytes ({format_size(nbytes)}) are the model's parameters and buffers (whole-state "
+            "snapshots; RemoteConfig.snapshot_model=False or swap_state_checkpoint='full' leaves them out),")
 
 
 class Segment:
@@ -256,14 +255,12 @@ class Arena:
             free = self._free()
             if charge > free:
                 self.allocation_failures += 1
-                raise BudgetExhaustedError(f"segment for {len(specs)} tensors needs {charge} bytes "
-                                        f"({format_size(charge)}, header and page padding included)"
-                                        f"{_model_share(layout)} but only {free} "
-                                        f"bytes ({format_size(free)}) are free of {self.total_bytes} bytes total "
-                                        f"(--shm-size {format_size(self.total_bytes)}; {self._tensor_used} bytes in "
-                                        f"{len(self._segments)} segments, {self.cow_reserve_bytes} bytes held for the "
-                                        "copy-before-write pool): requested "
-                                        f"{charge}, free {free}, total {self.total_bytes}")
+                raise BudgetExhaustedError(
+                    f"segment for {len(specs)} tensors needs {charge} bytes ({format_size(charge)}, header and page "
+                    f"padding included){_model_share(layout)} but only {free} bytes ({format_size(free)}) are free of "
+                    f"{self.total_bytes} bytes total (--shm-size {format_size(self.total_bytes)}; {self._tensor_used} "
+                    f"bytes in {len(self._segments)} segments, {self.cow_reserve_bytes} bytes held for the "
+                    f"copy-before-write pool): requested {charge}, free {free}, total {self.total_bytes}")
             held = self._tenant_used.get(tenant, 0)
             if self.tenant_quota and held + charge > self.tenant_quota:
                 self.allocation_failures += 1
@@ -323,11 +320,10 @@ class Arena:
             available = vfs.f_bavail * vfs.f_frsize
             log_event(log, "shm_full", logging.ERROR, shm_dir=self.shm_dir, requested=segment.size, available=available)
             raise BudgetExhaustedError(
-                f"{self.shm_dir} is full: could not commit {segment.size} bytes for a segment "
-                f"({available} bytes available on the filesystem, although the --shm-size budget "
-                "allowed it: something else uses that tmpfs). Raise `docker run --shm-size` / "
-                f"compose `shm_size`, or free {self.shm_dir}: requested {segment.size}, "
-                f"free {available}, total {self.total_bytes}") from None
+                f"{self.shm_dir} is full: could not commit {segment.size} bytes for a segment ({available} bytes "
+                "available on the filesystem, although the --shm-size budget allowed it: something else uses that "
+                f"tmpfs). Raise `docker run --shm-size` / compose `shm_size`, or free {self.shm_dir}: requested "
+                f"{segment.size}, free {available}, total {self.total_bytes}") from None
 
     def _lock_pages(self, segment: Segment) -> None:
         assert segment.buffer is not None

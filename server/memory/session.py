@@ -144,6 +144,5 @@ class FreedSession:
         """``the server freed the state of job J rank R 12.3 s ago (...): why (reason=...)``."""
         why = _WHY.get(self.reason, "it was freed").format(grace=self.grace)
         step = "" if self.last_committed_step is None else f", last committed step {self.last_committed_step}"
-        return (f"the server freed the state of job {self.job_id} rank {self.rank} "
-                f"{max(0.0, now - self.freed_at):.1f} s ago (session {self.session_id}{step}): "
-                f"{why} (reason={self.reason})")
+        return (f"the server freed the state of job {self.job_id} rank {self.rank} {max(0.0, now - self.freed_at):.1f} "
+                f"s ago (session {self.session_id}{step}): {why} (reason={self.reason})")

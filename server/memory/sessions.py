@@ -168,16 +168,16 @@ class SessionRegistry:
         if (session.awaiting_reconnect and not session.closed and session.segment is not None
                 and trainer_presence.held(session.segment.path)):
             left = max(0.0, self.grace - self.orphaned_seconds(session))
-            raise SessionLiveError(f"job {session.job_id} rank {session.rank} was live when the previous server "
-                              "stopped, and its trainer process still maps its segment: this server adopted its "
-                              f"state and keeps it for that trainer, which reconnects by itself, for another "
-                              f"{left:.0f} s (--grace). Another trainer of this job id and rank can attach once "
-                              "that one has ended; to run beside it, use another job id")
+            raise SessionLiveError(
+                f"job {session.job_id} rank {session.rank} was live when the previous server stopped, and its trainer "
+                "process still maps its segment: this server adopted its state and keeps it for that trainer, which "
+                f"reconnects by itself, for another {left:.0f} s (--grace). Another trainer of this job id and rank "
+                "can attach once that one has ended; to run beside it, use another job id")
         if session.state is SessionState.LIVE and not session.closed:
-            raise SessionLiveError(f"job {session.job_id} rank {session.rank} is attached and live (client pid "
-                              f"{session.client_pid} on {session.client_host or '?'}, generation "
-                              f"{session.generation}): another trainer with the same job id and rank? Stop that "
-                              "trainer first, or give this one another job id")
+            raise SessionLiveError(
+                f"job {session.job_id} rank {session.rank} is attached and live (client pid {session.client_pid} on "
+                f"{session.client_host or '?'}, generation {session.generation}): another trainer with the same job "
+                "id and rank? Stop that trainer first, or give this one another job id")
 
     def adopt(self, adopted: Adopted) -> Session:
         """A session rebuilt from a previous server's segment, orphaned until its trainer's stream is back."""
@@ -288,12 +288,12 @@ class SessionRegistry:
         session.closed = True
         self._end_streams(session, reason)
         self._sessions.pop(session.session_id, None)
-        if self._by_key.get((session.job_id, session.rank)) is session:
-            del self._by_key[(session.job_id, session.rank)]
+        key = (session.job_id, session.rank)
+        if self._by_key.get(key) is session:
+            del self._by_key[key]
         self._retired_commits += session.steps_committed
         self._retired_drops += session.kept_states_dropped
         if reason != "shutdown":
-            key = (session.job_id, session.rank)
             self._freed.pop(key, None)
             self._freed[key] = FreedSession(session.session_id, session.job_id, session.rank, reason,
                                             self._clock(), self.grace, session.last_committed_step)

@@ -67,11 +67,11 @@ def check_shm_dir(shm_dir: pathlib.Path, shm_size: int) -> int:
     vfs = os.statvfs(shm_dir)
     available = vfs.f_bavail * vfs.f_frsize
     if available < shm_size:
-        raise StartupError(f"{shm_dir} has {available} bytes ({format_size(available)}) available, less than "
-                           f"--shm-size {shm_size} bytes ({format_size(shm_size)}). Give the container a larger "
-                           f"shared-memory mount, e.g. `docker run --shm-size {_docker_size(shm_size)} ...` "
-                           "or `shm_size:` in the compose service (Kubernetes: a Memory emptyDir at /dev/shm with "
-                           "a sizeLimit), or lower --shm-size. The server never falls back to disk.")
+        raise StartupError(
+            f"{shm_dir} has {available} bytes ({format_size(available)}) available, less than --shm-size {shm_size} "
+            f"bytes ({format_size(shm_size)}). Give the container a larger shared-memory mount, e.g. `docker run "
+            f"--shm-size {_docker_size(shm_size)} ...` or `shm_size:` in the compose service (Kubernetes: a Memory "
+            "emptyDir at /dev/shm with a sizeLimit), or lower --shm-size. The server never falls back to disk.")
     if not os.access(shm_dir, os.W_OK | os.X_OK):
         raise StartupError(f"--shm-dir {shm_dir} is not writable by this user")
     return available

@@ -59,15 +59,13 @@ class CallerAuthInterceptor(grpc.aio.ServerInterceptor):
         if method.startswith(EXEMPT_PREFIXES):
             return await continuation(handler_call_details)
         tenant = self._tenants.tenant_of(handler_call_details.invocation_metadata)
-        if tenant is not None:
-            handler = await continuation(handler_call_details)
-            return None if handler is None else _as_caller(handler, tenant)
-        self.denied += 1
-        log_event(log, "unauthenticated", logging.WARNING, method=method, denied_total=self.denied)
+        if tenant is None:
+            self.denied += 1
+            log_event(log, "unauthenticated", logging.WARNING, method=method, denied_total=self.denied)
         handler = await continuation(handler_call_details)
         if handler is None:  # unknown method: let grpc answer UNIMPLEMENTED as usual
             return None
-        return _deny(handler, self._tenants.proofs is not None)
+        return _as_caller(handler, tenant) if tenant is not None else _deny(handler, self._tenants.proofs is not None)
 
 
 def _as_caller(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethodHandler:
@@ -88,7 +86,6 @@ def _as_caller(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethod
 
 
 def _kind(handler: grpc.RpcMethodHandler) -> str:
-    """``unary_unary``, ``unary_stream``, ``stream_unary`` or ``stream_stream``."""
     return f"{'stream' if handler.request_streaming else 'unary'}_{'stream' if handler.response_streaming else 'unary'}"
 
 

@@ -33,14 +33,10 @@ _OFFLOAD_TENSORS = 4096
 
 
 def segment_info(segment: Segment) -> pb.SegmentInfo:
-    layout = segment.layout
-    return pb.SegmentInfo(
-        path=str(segment.path), size=segment.size, header_bytes=layout.header_bytes,
-        tensors=[
-            pb.TensorPlacement(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset, nbytes=t.nbytes)
-            for t in layout.tensors],
-        chunk_bytes=layout.chunk_bytes, cow_slots=layout.cow_slots,
-        cow_slots_offset=layout.cow_slots_offset, layout_hash=segment.layout_hash)
+    tensors = [pb.TensorPlacement(name=t.name, dtype=t.dtype, shape=t.shape, offset=t.offset, nbytes=t.nbytes)
+               for t in segment.layout.tensors]
+    return reply_of(pb.SegmentInfo, segment.layout, path=str(segment.path), tensors=tensors,
+                    layout_hash=segment.layout_hash)
 
 
 async def _segment_info(segment: Segment) -> pb.SegmentInfo:
@@ -80,16 +76,12 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         session, reattached = await self.state.attach(
             caller(), request.job_id, request.rank, request.world_size, local_world_size=local_world_size,
             client_pid=request.client_pid, client_host=request.client_host)
-        reply = pb.AttachReply(
-            session_id=session.session_id, generation=session.generation, reattached=reattached,
-            has_segment=session.segment is not None,
-            has_committed_step=session.last_committed_step is not None,
-            last_committed_step=session.last_committed_step or 0,
-            keepalive_interval_ms=int(self.keepalive_interval * 1000),
-            previous_session="" if reattached else self.state.registry.why_no_state(request.job_id, request.rank))
-        if session.segment is not None:
-            reply.segment.CopyFrom(await _segment_info(session.segment))
-        return reply
+        segment, step = session.segment, session.last_committed_step
+        previous = "" if reattached else self.state.registry.why_no_state(request.job_id, request.rank)
+        return reply_of(pb.AttachReply, session, reattached=reattached, has_segment=segment is not None,
+                        has_committed_step=step is not None, last_committed_step=step or 0, previous_session=previous,
+                        keepalive_interval_ms=int(self.keepalive_interval * 1000),
+                        segment=await _segment_info(segment) if segment is not None else None)
 
     @rpc_boundary
     async def KeepAlive(self, request: pb.KeepAliveRequest, context):
