@@ -1,6 +1,5 @@
-"""``python -m swap_state.server.healthcheck --listen URI``: exit 0 when the server is SERVING,
-1 otherwise (message on stderr). For Docker/compose healthchecks and Kubernetes exec probes;
-the gRPC health service needs no token.
+"""``python -m swap_state.server.healthcheck --listen URI``: exit 0 when the server is SERVING, 1 otherwise (message on
+stderr). For Docker/compose healthchecks and Kubernetes exec probes; the gRPC health service needs no token.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""One trainer rank's session as the server holds it (:class:`Session`, its :class:`SessionState`,
-the :class:`LivenessStream` that keeps it live), and :class:`FreedSession`, what the registry
-remembers of one it freed, so a trainer that finds no state is told when and why.
-"""
+"""One trainer rank's session as the server holds it (:class:`Session`, its :class:`SessionState`, the
+:class:`LivenessStream` that keeps it live), and :class:`FreedSession`, what the registry remembers of one it freed, so
+a trainer that finds no state is told when and why."""
 
 from __future__ import annotations
 

@@ -179,7 +179,7 @@ class SessionRegistry:
                 f"{session.client_host or '?'}, generation {session.generation}): another trainer with the same job "
                 "id and rank? Stop that trainer first, or give this one another job id")
 
-    def adopt(self, adopted: Adopted) -> Session:
+    def adopt(self, adopted: Adopted) -> None:
         """A session rebuilt from a previous server's segment, orphaned until its trainer's stream is back."""
         d = adopted.descriptor
         session = Session(session_id=adopted.session_id, job_id=d.job_id, rank=d.rank, world_size=d.world_size,
@@ -193,7 +193,6 @@ class SessionRegistry:
         log_event(log, "session_adopted", **session._describe(), path=adopted.segment.path,
                   bytes=adopted.segment.file_bytes, last_committed_step=session.last_committed_step,
                   closed_snapshot_epoch=adopted.open_epoch)
-        return session
 
     async def detach(self, session: Session, generation: int, *, keep: bool) -> None:
         async with session.lock:
@@ -308,10 +307,9 @@ class SessionRegistry:
         log_event(log, "session_freed", **session._describe(), reason=reason, bytes=freed,
                   budget_used=self.arena.used_bytes)
 
-    async def reap(self) -> int:
-        """Orphan pending sessions past their stream deadline; free orphans past the grace; how many freed."""
+    async def reap(self) -> None:
+        """Orphan pending sessions past their stream deadline; free orphans past the grace."""
         now = self._clock()
-        freed = 0
         for session in list(self._sessions.values()):
             deadline = session.stream_deadline
             if session.state is SessionState.PENDING and deadline is not None and now >= deadline:
@@ -323,8 +321,6 @@ class SessionRegistry:
                     and not session.closed):
                 self.sessions_expired += 1
                 await self._remove(session, "grace_expired")
-                freed += 1
-        return freed
 
     async def _reap_forever(self) -> None:
         interval = min(0.5, max(0.02, min(self.grace, self.stream_wait) / 4))

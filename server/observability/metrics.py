@@ -1,7 +1,6 @@
-"""Prometheus metrics: collectors read the live domain objects at scrape time (no second
-bookkeeping that could drift), registered on a private registry (never the process-global
-one: embedded servers and tests do not collide), served by a tiny HTTP endpoint on the
-server's own event loop (``GET /metrics`` only; bounded request size and time).
+"""Prometheus metrics: collectors read the live domain objects at scrape time (no second bookkeeping that could drift),
+registered on a private registry (never the process-global one: embedded servers and tests do not collide), served by a
+tiny HTTP endpoint on the server's own event loop (``GET /metrics`` only; bounded request size and time).
 """
 
 from __future__ import annotations

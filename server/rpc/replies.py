@@ -1,5 +1,4 @@
-"""Protobuf replies of the domain's values, built at the boundary by the servicer
-(:mod:`.service`)."""
+"""Protobuf replies of the domain's values, built at the boundary by the servicer (:mod:`.service`)."""
 
 from __future__ import annotations
 

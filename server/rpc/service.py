@@ -1,10 +1,9 @@
 """The gRPC servicer: protobuf <-> domain, nothing else.
 
-Each method validates its request with :mod:`.validation` (the one place for bad input; the
-domain trusts what it gets), takes the caller's tenant the authentication resolved
-(:func:`.auth.caller`), calls one method of :class:`~swap_state.server.domain.StateServer` and
-builds the reply; :func:`~swap_state.server.rpc.statuses.rpc_boundary` maps the domain's errors
-to status codes.
+Each method validates its request with :mod:`.validation` (the one place for bad input; the domain trusts what it gets),
+takes the caller's tenant the authentication resolved (:func:`.auth.caller`), calls one method of
+:class:`~swap_state.server.domain.StateServer` and builds the reply;
+:func:`~swap_state.server.rpc.statuses.rpc_boundary` maps the domain's errors to status codes.
 """
 
 from __future__ import annotations

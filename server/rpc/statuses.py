@@ -45,11 +45,10 @@ def rpc_boundary(method: F) -> F:
     async def boundary(counters: RpcCounters, context: grpc.aio.ServicerContext):
         """Map what escapes the call to a status (abort() raises) and count the call."""
         started = time.perf_counter()
-        code: grpc.StatusCode | None = grpc.StatusCode.OK
         try:
             yield
         except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):  # abort() raises AbortError
-            code = grpc.StatusCode.CANCELLED
+            counters.record(name, grpc.StatusCode.CANCELLED, time.perf_counter() - started)
             raise
         except Exception as exc:  # noqa: BLE001 - the boundary
             refused = isinstance(exc, SwapStateError)
@@ -57,7 +56,6 @@ def rpc_boundary(method: F) -> F:
             # Counted before the status leaves: a client that reads the metrics as soon as
             # its call has failed must find the call counted.
             counters.record(name, status, time.perf_counter() - started)
-            code = None
             if refused:
                 log_event(log, "rpc_refused", logging.DEBUG, method=name, code=status.name, error=str(exc))
                 await context.abort(status, str(exc), trailing_metadata=reason_metadata(exc))
@@ -66,9 +64,8 @@ def rpc_boundary(method: F) -> F:
                       error=f"{type(exc).__name__}: {exc}", exc_info=exc)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (ref {ref}; see the server log)")
             raise AssertionError("unreachable")  # abort() raises
-        finally:
-            if code is not None:
-                counters.record(name, code, time.perf_counter() - started)
+        else:
+            counters.record(name, grpc.StatusCode.OK, time.perf_counter() - started)
 
     if inspect.isasyncgenfunction(method):
 

@@ -65,11 +65,10 @@ def validate_session(session_id: str, generation: int) -> None:
         raise InvalidRequestError("generation is required (the value Attach returned)")
 
 
-def validate_snapshot_rank(rank: int) -> int:
+def validate_snapshot_rank(rank: int) -> None:
     """A rank named without its world size (SnapshotStatus): at least in range."""
     if not 0 <= rank < MAX_WORLD_SIZE:
         raise InvalidRequestError(f"rank {rank} must be in [0, {MAX_WORLD_SIZE})")
-    return rank
 
 
 def validate_snapshot_id(snapshot_id: str, *, relative: bool, latest: bool) -> str:
@@ -83,16 +82,14 @@ def validate_snapshot_id(snapshot_id: str, *, relative: bool, latest: bool) -> s
     return f"{ref.job_id}/{name}" if "/" in snapshot_id else name
 
 
-def validate_step(step: int) -> int:
+def validate_step(step: int) -> None:
     if not 0 <= step <= MAX_STEP:
         raise InvalidRequestError(f"step {step} out of range [0, {MAX_STEP}]")
-    return step
 
 
-def validate_client_host(host: str) -> str:
+def validate_client_host(host: str) -> None:
     if len(host) > 255 or not host.isprintable():
         raise InvalidRequestError("client_host must be at most 255 printable characters")
-    return host
 
 
 def validate_tensor_specs(specs: Iterable[tuple[str, str, Sequence[int]]], *, max_tensors: int,
