@@ -242,14 +242,13 @@ def _start_replica_receiver(config: ServerConfig, directory: SnapshotDirectory,
     return receiver
 
 
-def _read_tenants(config: ServerConfig) -> Tenants:
+def _read_tenants(config: ServerConfig, listen: ListenAddress) -> Tenants:
     """``--tenants``, else ``--token-file``'s one token (one tenant with every right), else on
     a unix socket the caller's uid, else (tcp) one tenant."""
     if config.tenants is not None:
         return read_tenants_file(config.tenants)
     if config.token_file is not None:
         return Tenants({read_token_file(config.token_file): ANYONE})
-    listen = parse_address(config.listen)
     return Tenants(proofs=UidProofs(listen.path)) if listen.scheme == "unix" else Tenants()
 
 
@@ -302,7 +301,7 @@ async def _start_metrics(config: ServerConfig, service: SwapStateService, starte
 async def start_server(config: ServerConfig) -> RunningServer:
     """Start a server on ``config.listen`` (what a failed step leaves is undone); StartupError."""
     listen = parse_address(config.listen)
-    tenants = _read_tenants(config)
+    tenants = _read_tenants(config, listen)
     gid = _resolve_group(config.shm_group)
     socket_gid = _resolve_group(config.socket_group, "--socket-group") if config.socket_group else gid
     creds = _read_tls(config)

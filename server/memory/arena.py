@@ -39,9 +39,8 @@ __all__ = ["LOCAL_RANKS_HINT", "SEGMENT_PREFIX", "Arena", "Segment"]
 log = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "swap-state"
-# The cow pool is shared by the sessions of a host; a session takes at most
-# pool / min(world_size, LOCAL_RANKS_HINT) slots so that a typical 8-rank host leaves slots for
-# every rank, while a single-rank job gets the whole pool.
+# The cow pool is shared by the sessions of a host; a session takes at most pool / min(world_size, LOCAL_RANKS_HINT)
+# slots so that a typical 8-rank host leaves slots for every rank, while a single-rank job gets the whole pool.
 LOCAL_RANKS_HINT = 8
 _ZERO_BLOCK = bytes(1 << 20)
 _POPULATE_CHUNK = 256 << 20

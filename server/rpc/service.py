@@ -10,22 +10,48 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any, TypeVar
 
 from swap_state.proto import swap_state_pb2 as pb
 from swap_state.proto import swap_state_pb2_grpc as pb_grpc
 
+from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.server.domain import SnapshotAsk, StateServer
 from swap_state.server.memory.arena import Segment
 from swap_state.server.memory.session import Session
 from swap_state.server.observability.metrics import RpcCounters
 from swap_state.server.rpc.auth import caller
-from swap_state.server.rpc.replies import info_reply, reply_of, status_reply
 from swap_state.server.rpc.statuses import rpc_boundary
+from swap_state.server.snapshot.status import SnapshotStatus
 from swap_state.server.rpc.validation import (
     validate_client_host, validate_job_id, validate_local_world_size, validate_rank,
     validate_session, validate_snapshot_id, validate_snapshot_rank, validate_step, validate_tensor_specs)
 
 __all__ = ["SwapStateService", "segment_info"]
+
+R = TypeVar("R")
+
+
+def reply_of(reply: type[R], value: Any, **given: Any) -> R:
+    """A ``reply`` whose every field not ``given`` is ``value``'s attribute of the same name."""
+    fields = {f.name: getattr(value, f.name) for f in reply.DESCRIPTOR.fields if f.name not in given}  # type: ignore[attr-defined]
+    return reply(**fields, **given)
+
+
+def status_reply(status: SnapshotStatus) -> pb.SnapshotStatusReply:
+    return reply_of(pb.SnapshotStatusReply, status, state=status.state.value)
+
+
+def info_reply(local: SnapshotInfo | None, stored: SnapshotInfo | None, replica: Any = None) -> pb.SnapshotInfo:
+    """One listed snapshot: its local facts (path, this host's ranks) and where it is in the
+    store, and its replica's state (a ``ReplicaState``) if any; ``latest`` as the tier the server
+    would restore ``latest`` from says."""
+    first = local or stored
+    assert first is not None
+    return reply_of(pb.SnapshotInfo, first, local=local is not None, path=str(local.path) if local else "",
+                    stored=stored is not None, store_path=str(stored.path) if stored else "",
+                    replica_state=replica.state if replica else "", replica_peer=replica.peer if replica else "")
+
 
 # Building a reply for this many tensors takes long enough to do it off the loop.
 _OFFLOAD_TENSORS = 4096
