@@ -198,11 +198,10 @@ def _build_state(config: ServerConfig, listen: ListenAddress, gid: int | None,
     memory = _memory_directory(config, listen, "memory", "--replica-peers") if config.replica_peers else None
     snapshots = None
     if config.snapshot_dir is not None:
-        snapshots = SnapshotCoordinator(config.snapshot_dir, config.snapshot_settings, copy_policy=copy_policy,
-                                        committed_steps=lambda job_id: {s.rank: s.last_committed_step
-                                                                        for s in registry.sessions
-                                                                        if s.job_id == job_id},
-                                        replicas=replicas.reader if replicas is not None else None, memory=memory)
+        snapshots = SnapshotCoordinator(
+            config.snapshot_dir, config.snapshot_settings, copy_policy=copy_policy, memory=memory,
+            committed_steps=lambda job_id: {s.rank: s.last_committed_step for s in registry.sessions if s.job_id == job_id},
+            replicas=replicas.reader if replicas is not None else None)
         undo.callback(snapshots.close)
     receiver = _start_replica_receiver(config, replicas, snapshots) if replicas is not None else None
     if receiver is not None:

@@ -154,7 +154,6 @@ def read_tenants_file(path: pathlib.Path) -> Tenants:
         raise StartupError(f"--tenants {path} is owned by uid {info.st_uid}, not this server's user: "
                            f"chown {os.geteuid()} {path}")
     by_token: dict[str, Tenant] = {}
-    names: set[str] = set()
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
         if not words:
@@ -165,9 +164,8 @@ def read_tenants_file(path: pathlib.Path) -> Tenants:
         name, token = words[0], words[1]
         if not name.isprintable() or not token.isprintable() or len(token) < 16:
             raise StartupError(f"{where}: a tenant's token must be at least 16 printable characters")
-        if name in names or token in by_token:
+        if token in by_token or any(tenant.name == name for tenant in by_token.values()):
             raise StartupError(f"{where}: tenant {name!r} or its token is listed twice")
-        names.add(name)
         by_token[token] = Tenant(name, admin=len(words) == 3)
     if not by_token:
         raise StartupError(f"--tenants {path} lists no tenant")

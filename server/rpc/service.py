@@ -113,13 +113,11 @@ class SwapStateService(pb_grpc.SwapStateServicer):
         validate_session(request.session_id, request.generation)
         stream = self.state.open_stream(caller(), request.session_id, request.generation)
         try:
-            while True:
+            reason = None
+            while reason is None:
                 yield pb.KeepAliveEvent(server_time_ms=_now_ms())
                 reason = await stream.wait_end(self.keepalive_interval)
-                if reason is not None:
-                    # A last event says why, then the stream ends with OK.
-                    yield pb.KeepAliveEvent(server_time_ms=_now_ms(), notice=reason)
-                    return
+            yield pb.KeepAliveEvent(server_time_ms=_now_ms(), notice=reason)  # says why, then the stream ends with OK
         finally:
             self.state.registry.close_stream(stream)
 
