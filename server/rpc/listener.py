@@ -6,7 +6,6 @@ makes the check race-free; with it held, a socket file there is stale unless som
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -63,7 +62,7 @@ class SocketGuard:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 os.close(fd)
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                if isinstance(exc, BlockingIOError):  # EWOULDBLOCK: another process holds it
                     raise StartupError(
                         f"another swap-state-server is already running on unix://{self.path} "
                         f"(it holds {self.lock_path}); stop it first or pass another --listen") from None
