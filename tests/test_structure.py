@@ -120,7 +120,7 @@ def test_modules_and_functions_fit():
     assert too_long == []
 
 
-RUNTIME_LINE_BUDGET = 20_539
+RUNTIME_LINE_BUDGET = 20_075
 """A ratchet on runtime code (client/, server/, common/, generated files aside): lowered as code
 goes, raised only with the reason written here. Issues 49 and 50 ask for 17,000 lines before the
 peer tier and 18,500 with it; after dead code and repeated docstrings were cut (about 700 lines)
@@ -151,7 +151,10 @@ both sides, a refused certificate told from a broken connection); then 43 for th
 metrics (sent, failed, bytes; a peer's held bytes, received, refused connections): there were none).
 Raised to 20,534 on 2026-12-07 (fourth session): a replica's piece sent from where it lies when
 that holds still, the sink told so by the writer (+17: the sender's CPU a seventh less); then 5
-for a TLS peer that hangs up before its first answer, named as the certificate refusal it is."""
+for a TLS peer that hangs up before its first answer, named as the certificate refusal it is.
+Lowered to 20,075 on 2026-12-07 (sixth session): a pass over every room that kept each feature, check and message
+(-464: one poll loop for a snapshot's three waits, one piece loop for the sinks, one bounded history for the upload
+and replica states, one index join for the store's listings, forwarding helpers and restated docstrings gone)."""
 
 
 def test_runtime_code_stays_within_its_line_budget():
