@@ -10,7 +10,19 @@ import enum
 from swap_state.common.snapshot_format import RankManifest
 from swap_state.common.snapshot_tier import SnapshotInfo
 
-__all__ = ["SnapshotState", "SnapshotStatus"]
+__all__ = ["HISTORY", "Recent", "SnapshotState", "SnapshotStatus"]
+
+HISTORY = 256  # snapshots whose upload or replica state stays in memory (older: answered from the tiers)
+
+
+class Recent(dict):
+    """The newest ``HISTORY`` entries, a key set (``recent[key] = value``, the only write) being the newest."""
+
+    def __setitem__(self, key, value) -> None:
+        self.pop(key, None)  # re-inserted last (dicts keep insertion order)
+        super().__setitem__(key, value)
+        while len(self) > HISTORY:
+            del self[next(iter(self))]
 
 
 class SnapshotState(str, enum.Enum):

@@ -22,16 +22,25 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-class WatchedCondition(threading.Condition):
+class WatchedCondition:
     """A ``threading.Condition`` that coroutines can await (:meth:`until`) without holding a thread."""
 
     def __init__(self) -> None:
-        super().__init__()
+        self._cond = threading.Condition()
         self._watchers: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []  # each on its loop
+
+    def __enter__(self) -> bool:
+        return self._cond.__enter__()
+
+    def __exit__(self, *exc_info) -> None:
+        self._cond.__exit__(*exc_info)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
+        return self._cond.wait_for(predicate, timeout)
 
     def notify_all(self) -> None:
         """Wake the waiting threads, and the coroutines whose predicate holds now (under the lock)."""
-        super().notify_all()
+        self._cond.notify_all()
         waiting = []
         for predicate, future in self._watchers:
             if not predicate():
@@ -45,7 +54,7 @@ class WatchedCondition(threading.Condition):
         """Await ``predicate()`` (checked under the lock at each ``notify_all``), at most
         ``timeout`` seconds (None: no limit); False on timeout."""
         watcher = (predicate, asyncio.get_running_loop().create_future())
-        with self:
+        with self._cond:
             if predicate():
                 return True
             self._watchers.append(watcher)
@@ -55,7 +64,7 @@ class WatchedCondition(threading.Condition):
         except asyncio.TimeoutError:
             return False
         finally:
-            with self:
+            with self._cond:
                 if watcher in self._watchers:
                     self._watchers.remove(watcher)
 

@@ -318,9 +318,9 @@ def runner_argv(python: str, nproc: int, *, nnodes: int = 1, node_rank: int = 0,
     """What runs a launcher script (its path and flags follow): ``python`` itself for one rank;
     for several, torchrun (gloo on the CPU), which runs the script once per rank. Each started
     ``warm`` (:meth:`WarmStarts.argv`: 2.5 s of imports less per launch), torchrun and the ranks
-    it starts alike. With ``nnodes`` above 1: node
-    ``node_rank`` of a multi-node torchrun job (``nproc`` ranks on this node), meeting the
-    others at the static rendezvous on 127.0.0.1:``master_port`` that node 0 serves."""
+    it starts alike. With ``nnodes`` above 1: node ``node_rank`` of a multi-node torchrun job
+    (``nproc`` ranks on this node), meeting the others at the static rendezvous on
+    127.0.0.1:``master_port`` that node 0 serves."""
     if nnodes > 1:
         if master_port is None:
             raise ValueError("a multi-node torchrun needs the rendezvous port (master_port)")

@@ -236,12 +236,14 @@ def connect_to_peer(peer: ListenAddress, credentials: PeerCredentials, timeout_s
         raise WireError(f"cannot reach replica peer {peer.url}: {exc}") from None
     try:
         nonce = secrets.token_hex(16)
+        # Over TLS 1.3 the peer judges this side's certificate after the handshake, and its close can
+        # arrive before its alert: a hello cut short over TLS is named as the refusal it most likely is.
         try:
             conn.send({"op": "hello", "version": _VERSION, "nonce": nonce, "pid": os.getpid()})
             challenge = conn.receive()
-        except WireError as exc:  # over TLS 1.3 a peer judges this side's certificate after the
-            if credentials.connecting is None or _TLS_REFUSED in str(exc):  # handshake, and its close
-                raise  # can arrive before its alert: named as the refusal it most likely is
+        except WireError as exc:
+            if credentials.connecting is None or _TLS_REFUSED in str(exc):
+                raise
             raise WireError(f"{exc}; the peer ended TLS before its first answer: {_TLS_REFUSED}") from None
         if not challenge.get("ok"):
             raise ReplicaRefused(f"replica peer {peer.url} refused the connection: {challenge.get('error')}")

@@ -8,22 +8,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from swap_state.server.snapshot.status import SnapshotStatus
+from swap_state.server.snapshot.status import Recent, SnapshotStatus
 from swap_state.server.snapshot.waiting import WatchedCondition
 
-__all__ = ["HISTORY", "Recent", "ReplicaState", "ReplicaStates"]
-
-HISTORY = 256  # snapshots whose replica (or upload) state stays in memory
-
-
-class Recent(dict):
-    """A dict of the newest ``HISTORY`` entries: a key set is the newest, the oldest go past the limit."""
-
-    def __setitem__(self, key, value) -> None:
-        self.pop(key, None)  # re-inserted last (dicts keep insertion order)
-        super().__setitem__(key, value)
-        while len(self) > HISTORY:
-            del self[next(iter(self))]
+__all__ = ["ReplicaState", "ReplicaStates"]
 
 
 @dataclasses.dataclass

@@ -25,9 +25,8 @@ from swap_state.common.snapshot_tier import SnapshotInfo
 from swap_state.common.stored_snapshots import part_name
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.restoring.layout_index import layout_part
-from swap_state.server.snapshot.status import SnapshotState, SnapshotStatus
+from swap_state.server.snapshot.status import HISTORY, Recent, SnapshotState, SnapshotStatus
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
-from swap_state.server.snapshot.tiers.replicate import HISTORY, Recent
 from swap_state.server.snapshot.tiers.seam import StepPlan, copy_rank
 from swap_state.server.snapshot.tiers.store import StoreTier
 from swap_state.server.snapshot.waiting import WatchedCondition
