@@ -43,6 +43,7 @@ from swap_state.server.observability.metrics import MetricsServer, ServerCollect
 from swap_state.server.rpc.service import SwapStateService
 from swap_state.server.rpc.validation import validate_descriptor
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator
+from swap_state.server.snapshot.group import RankRun
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 from swap_state.server.snapshot.tiers.replica_receiver import ReplicaReceiver
 from swap_state.server.snapshot.tiers.replica_wire import peer_credentials
@@ -200,7 +201,8 @@ def _build_state(config: ServerConfig, listen: ListenAddress, gid: int | None,
     if config.snapshot_dir is not None:
         snapshots = SnapshotCoordinator(
             config.snapshot_dir, config.snapshot_settings, copy_policy=copy_policy, memory=memory,
-            committed_steps=lambda job_id: {s.rank: s.last_committed_step for s in registry.sessions if s.job_id == job_id},
+            job_ranks=lambda job_id: {s.rank: RankRun((s.session_id, s.generation), s.last_committed_step)
+                                      for s in registry.sessions if s.job_id == job_id},
             replicas=replicas.reader if replicas is not None else None)
         undo.callback(snapshots.close)
     receiver = _start_replica_receiver(config, replicas, snapshots) if replicas is not None else None

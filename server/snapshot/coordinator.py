@@ -46,7 +46,7 @@ from swap_state.common.stored_snapshots import StoredSnapshots
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.writing.bandwidth import BandwidthLimiter
-from swap_state.server.snapshot.group import RankSnapshot, SnapshotGroup
+from swap_state.server.snapshot.group import RankRun, RankSnapshot, SnapshotGroup
 from swap_state.server.snapshot.restoring.host_snapshots import HostSnapshots
 from swap_state.server.snapshot.restoring.layout_index import LayoutIndex
 from swap_state.server.snapshot.restoring.peer_snapshots import PeerSnapshots
@@ -68,7 +68,7 @@ __all__ = ["SnapshotSource", "SnapshotState", "SnapshotStatus", "RankSnapshot", 
 
 MEMORY_KEEP = 1  # a job's memory-only snapshots kept here: the newest (and, while one is written, the one before it)
 HISTORY = 64  # finished snapshots whose status stays in memory (older ones are answered from disk)
-ASSEMBLY_CHECK_S = 1.0  # how often a group waiting for ranks looks for one that moved past its step
+ASSEMBLY_CHECK_S = 1.0  # how often a group waiting for ranks looks for one that moved past its step or restarted
 
 
 class SnapshotCoordinator:
@@ -77,15 +77,15 @@ class SnapshotCoordinator:
     def __init__(self, snapshot_dir: str | os.PathLike[str], settings: SnapshotSettings = SnapshotSettings(), *,
                  assemble_timeout_s: float = 300.0, max_metadata_bytes: int = MAX_METADATA_BYTES,
                  clean_stale: bool = True, copy_policy: CopyBudgetPolicy | None = None,
-                 committed_steps: Callable[[str], dict[int, int | None]] | None = None,
+                 job_ranks: Callable[[str], dict[int, RankRun]] = lambda job_id: {},
                  replicas: SnapshotReader | None = None, memory: SnapshotDirectory | None = None):
         """``settings``: retention, writers, store (the server's flags).
         ``assemble_timeout_s``: fail when not all ``local_world_size`` ranks started by then.
         ``clean_stale``: remove a previous run's partial snapshots (False: a live server shares it).
         ``copy_policy``: the memory rule's inputs, shared with the arena, and the cap on all
         snapshot I/O (``--persist-max-bandwidth``).
-        ``committed_steps(job)``: the last committed step of each rank of ``job`` attached here
-        (a group waiting for a rank already past its step fails at once). ``replicas``: the
+        ``job_ranks(job)``: each rank of ``job`` attached here (a group waiting for a rank whose
+        trainer restarted, or is past its step, fails at once: that rank never joins it). ``replicas``: the
         replicas peers sent this server (``--replica-listen``), restored from beside its own.
         ``memory``: where memory-only snapshots are kept here (with ``--replica-peers``)."""
         keep_latest, stage_threads = settings.keep_latest, settings.stage_threads
@@ -140,7 +140,7 @@ class SnapshotCoordinator:
         # What peers may read (never their own answers again), and what restores read from.
         self.held: SnapshotTier = HostSnapshots(mine) if len(mine) > 1 else self.local
         self.host: SnapshotTier = HostSnapshots([*mine, *peers]) if len(mine) + len(peers) > 1 else self.local
-        self.committed_steps = committed_steps
+        self.job_ranks = job_ranks
         self._store_owners: dict[str, str] = {}  # job id -> tenant, as the store says
 
     def note_epoch(self, epoch: int) -> None:
@@ -227,6 +227,7 @@ class SnapshotCoordinator:
         plan = StepPlan(source.job_id, source.step, source.world_size, (), source.tenant, keep,
                         replace=source.replace_existing or source.memory_only, expected_bytes=new)
         group = SnapshotGroup(tier, tier.prepare(plan), source)
+        group.runs |= {rank: now.run for rank, now in self.job_ranks(source.job_id).items() if rank != source.rank}
         self._groups[(source.job_id, source.step)] = group
         finished = sorted((g.finished_monotonic, key) for key, g in self._groups.items()
                           if g.finished_monotonic is not None
@@ -280,21 +281,30 @@ class SnapshotCoordinator:
 
     def _watch_assembly(self, group: SnapshotGroup, deadline: float) -> None:
         """Until every rank of ``group`` joined: fail it at ``deadline``, or as soon as a missing
-        rank is seen past its step (checked every :data:`ASSEMBLY_CHECK_S`)."""
+        rank is seen past its step or restarted (checked every :data:`ASSEMBLY_CHECK_S`)."""
         group.timer = threading.Timer(max(0.0, min(ASSEMBLY_CHECK_S, deadline - time.monotonic())),
                                       self._check_assembly, (group, deadline))
         group.timer.daemon = True
         group.timer.start()
 
     def _check_assembly(self, group: SnapshotGroup, deadline: float) -> None:
+        ranks = self.job_ranks(group.job_id)
         with group.cond:
             if len(group.handles) == group.local_world_size or group.state is not SnapshotState.PERSISTING:
                 return
             joined = sorted(group.handles)
-        # A rank here that committed past the step never asks for it again: its Snapshot went to
-        # a server before a restart (or failed there). The group cannot complete: say so now.
-        passed = {rank: step for rank, step in (self.committed_steps(group.job_id) if self.committed_steps else {}).items()
-                  if rank not in joined and step is not None and step > group.step}
+            for rank, now in ranks.items():
+                group.runs.setdefault(rank, now.run)
+            waited = {rank: run for rank, run in group.runs.items() if rank not in joined}
+        # A missing rank never asks for the step when its trainer restarted (a new Attach: it retrains)
+        # or ended, nor when it committed past the step: its Snapshot went to a server before a restart
+        # (or failed there). The group cannot complete: say so now.
+        gone = sorted(rank for rank, run in waited.items() if rank not in ranks or ranks[rank].run != run)
+        if gone:
+            group.fail(group.restarted_error(gone[0]))
+            return
+        passed = {rank: now.last_committed_step for rank, now in ranks.items() if rank not in joined
+                  and now.last_committed_step is not None and now.last_committed_step > group.step}
         if passed:
             rank, step = min(passed.items())
             group.fail(SnapshotFailedError(f"rank {rank} of job {group.job_id} committed step {step} without snapshotting "

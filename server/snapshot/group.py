@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import NamedTuple
 
 from swap_state.common.names import snapshot_id_for
 from swap_state.common.segment import Word
@@ -21,7 +22,7 @@ from swap_state.server.snapshot.tiers.seam import CommitResult, StepWrite, TierW
 from swap_state.server.snapshot.waiting import WatchedCondition
 from swap_state.server.snapshot.writing.writer import RankResult, RankWriter
 
-__all__ = ["SnapshotAlreadyFailed", "SnapshotGroup", "RankSnapshot"]
+__all__ = ["RankRun", "SnapshotAlreadyFailed", "SnapshotGroup", "RankSnapshot"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,13 @@ log = logging.getLogger(__name__)
 class SnapshotAlreadyFailed(SnapshotFailedError):
     """A rank asked for a snapshot its group had already failed without it: not refused (the
     servicer answers with the snapshot's id), its status says failed, as every rank's does."""
+
+
+class RankRun(NamedTuple):
+    """A rank of a job attached to this server, as its session registry says."""
+
+    run: tuple[str, int]  # (session id, generation): which trainer; another one means it restarted
+    last_committed_step: int | None
 
 
 class SnapshotGroup:
@@ -56,6 +64,9 @@ class SnapshotGroup:
         self.discarded_done = False  # ... and they are gone
         self.replace = target.plan.replace  # at commit, replace an earlier attempt's durable snapshot
         self.timer: threading.Timer | None = None
+        self.runs: dict[int, tuple[str, int]] = {source.rank: source.run}
+        """The trainer (run) of each rank of the job here this group waits for: one whose run
+        changed restarted (a new Attach), and its retrained step never joins these files."""
         self.finished_monotonic: float | None = None
 
     def decide_start(self, source: SnapshotSource) -> SnapshotGroup | RankSnapshot | None:
@@ -65,6 +76,10 @@ class SnapshotGroup:
         with self.cond:
             state, mine, drained, error = self.state, self.handles.get(source.rank), self.discarded_done, self.error
             members = sorted(self.handles)
+            restarted = mine is None and self.runs.setdefault(source.rank, source.run) != source.run
+        if restarted and state is SnapshotState.PERSISTING:
+            self.fail(self.restarted_error(source.rank))  # the trainer it waited for is gone
+            return self.decide_start(source)
         if mine is not None and mine.is_retry(source) and state is not SnapshotState.FAILED:
             return mine
         if state is SnapshotState.DURABLE:
@@ -88,12 +103,18 @@ class SnapshotGroup:
                                       f"{self.local_world_size} ranks {members} on this server; rank "
                                       f"{source.rank} is one more: is local_world_size right for this host?")
             return self
-        if mine is None and self.world_size == source.world_size:
+        if mine is None and self.world_size == source.world_size and not restarted:
             # This rank missed the failed attempt: joining a new one alone would only time out.
             raise SnapshotAlreadyFailed(f"{self.snapshot_id} failed: {error}")
         if not drained:
             raise SnapshotBusyError(f"the failed attempt at {self.snapshot_id} is still being cleaned up")
         return None  # a participant retries, or another run starts: a fresh attempt
+
+    def restarted_error(self, rank: int) -> SnapshotFailedError:
+        """Why the group fails when the trainer of ``rank`` it waited for ended before joining."""
+        return SnapshotFailedError(f"rank {rank} of job {self.job_id} restarted (a new trainer attached, or its session "
+                                   f"ended) before it snapshotted step {self.step} on this server: {self.snapshot_id} "
+                                   "cannot complete")
 
     def missed_status(self, rank: int) -> SnapshotStatus | None:
         """A rank that never joined this group: failed with the group's error once it failed, else None."""

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from swap_state.client.errors import SnapshotFailedError
-from snapshot_kit import CHUNK, build_wide, moment_bytes, reference, tiny_tmpfs
+from swap_state.client.remote.rpc import SnapshotHandle
+from snapshot_kit import CHUNK, build_wide, moment_bytes, params_copy, reference, tiny_tmpfs
 
 from .workload import Workload, build, mismatches, remote, train
 
@@ -83,6 +84,44 @@ def test_a_group_split_by_a_restart_fails_within_seconds_on_the_successor(start_
         train(model1, second, W, range(4, 5))
         handles = [container.snapshot() for _, container in ranks]
         assert [h.wait_durable(timeout_s=60).state for h in handles] == ["durable", "durable"]
+    finally:
+        for _, container in ranks:
+            container.close()
+
+
+def test_a_job_restarted_mid_group_restores_within_seconds_and_resumes_bitwise(start_server):
+    """Both trainers are killed after rank 0 asked for the snapshot of step 3 and before rank 1
+    did (chaos found it). The restarted ranks' restore of ``latest`` waited for that snapshot,
+    which could never complete (the new rank 1 retrains), up to the 300 s assembly deadline.
+    Now rank 1's new Attach fails it: the restore takes seconds, and the job resumes bitwise."""
+    server = start_server()
+    ranks = _two_ranks(server, "restarted")
+    for model, container in ranks:
+        train(model, container, W, range(1, 3))
+    handles = [container.snapshot() for _, container in ranks]
+    assert [h.wait_durable(timeout_s=60).state for h in handles] == ["durable", "durable"]
+    at_2 = [params_copy(model) for model, _ in ranks]
+    for model, container in ranks:
+        train(model, container, W, range(3, 4))
+    pending = ranks[0][1].snapshot()  # rank 1's trainer dies before it asks for step 3
+    for _, container in ranks:
+        container.close(keep=True)  # what a killed trainer leaves: its session and segment, for --grace
+    ranks = _two_ranks(server, "restarted")
+    try:
+        assert [c.resumed_step for _, c in ranks] == [3, 3]
+        began = time.monotonic()
+        assert [c.restore("latest") for _, c in ranks] == [2, 2]
+        assert time.monotonic() - began < 30
+        status = SnapshotHandle(pending.snapshot_id, 3, 0, ranks[0][1].client).status()
+        assert status.state == "failed" and "rank 1 of job restarted restarted" in status.error
+        for (model, container), params in zip(ranks, at_2):
+            model.load_state_dict(params)
+            train(model, container, W, range(3, 5))
+        handles = [container.snapshot() for _, container in ranks]
+        assert [h.wait_durable(timeout_s=60).state for h in handles] == ["durable", "durable"]
+        ref_model, ref_opt = reference(W, build, 4)
+        for model, container in ranks:
+            assert mismatches(model, container, ref_model, ref_opt) == []
     finally:
         for _, container in ranks:
             container.close()

@@ -14,6 +14,8 @@ from snapshot_kit import metadata_for
 from swap_state.client.export.snapshot import ExportError, export_snapshot
 from swap_state.server.snapshot.restoring.restore import restore
 from swap_state.server.snapshot.coordinator import SnapshotCoordinator, SnapshotState
+from swap_state.server.snapshot.group import RankRun
+from swap_state.common.segment import Word
 from swap_state.common.snapshot_errors import SnapshotInvalid, SnapshotLayoutMismatch, SnapshotNotFoundError
 from swap_state.common.snapshot_format import INDEX_NAME, SnapshotIndex, rank_data_name
 
@@ -118,6 +120,60 @@ def test_a_missing_local_rank_times_out_naming_local_world_size(make_segment, ma
     assert status.state is SnapshotState.FAILED
     assert "only ranks [1] of the 2 ranks expected on this server (local_world_size" in status.error
     assert coordinator.local.list("job") == []
+
+
+def _runs(sessions: dict[int, tuple[str, int]]):
+    """``job_ranks`` for a coordinator: the ranks of "job" this server's registry holds, as ``sessions`` says now."""
+    return lambda job_id: {rank: RankRun(run, 4) for rank, run in sessions.items()} if job_id == "job" else {}
+
+
+def test_a_group_fails_at_once_when_a_rank_it_waits_for_restarts(make_segment, make_coordinator):
+    """Rank 1 was attached (run s1/1) when rank 2 began step 5; its trainer is killed and a new one
+    attaches (s1/2): the old trainer never asks for step 5, the new one retrains. The group fails
+    within seconds naming the restart, not at the 300 s assembly deadline (a restore waited on it)."""
+    sessions = {1: ("s1", 1), 2: ("s2", 1)}
+    coordinator = make_coordinator(job_ranks=_runs(sessions))
+    seg = make_segment("r2")
+    seg.fill(3)
+    handle = coordinator.start(seg.source("job", 5, rank=2, world_size=WORLD, local_world_size=2,
+                                          metadata_json=metadata_for(seg, step=5), session_id="s2", generation=1))
+    assert handle.wait(1.5).state is SnapshotState.PERSISTING  # rank 1 is only slow: the group waits
+    sessions[1] = ("s1", 2)
+    status = handle.wait(20)
+    assert status.state is SnapshotState.FAILED
+    assert "rank 1 of job job restarted (a new trainer attached, or its session ended) before it snapshotted step 5" \
+        in status.error
+    assert coordinator.local.list("job") == []
+
+
+def test_a_restarted_ranks_retrained_step_starts_afresh_never_joining_the_old_files(make_segment, make_coordinator):
+    """Both ranks' trainers restart after rank 2 alone began step 5, and retrain to step 5 faster
+    than the group's check: the new rank 1 is not added to the old attempt (its bytes are another
+    run's); that attempt fails, and the retrained step is a new one, durable with the new bytes."""
+    sessions = {1: ("s1", 1), 2: ("s2", 1)}
+    coordinator = make_coordinator(job_ranks=_runs(sessions))
+    segs = {rank: make_segment(f"r{rank}") for rank in LOCAL}
+    segs[2].fill(3)
+
+    def source(rank):
+        run = sessions[rank]
+        return segs[rank].source("job", 5, rank=rank, world_size=WORLD, local_world_size=2, session_id=run[0],
+                                 generation=run[1], metadata_json=metadata_for(segs[rank], step=5))
+
+    old = coordinator.start(source(2))
+    old.thread.join(20)  # rank 2's part is written; the group waits for rank 1
+    sessions.update({1: ("s1", 2), 2: ("s2", 2)})
+    contents = {rank: segs[rank].fill(50 + rank) for rank in LOCAL}
+    for seg in segs.values():
+        seg.header[Word.TRAINER_COMMITS] += 1  # retrained: commits since
+    handles = [coordinator.start(source(rank)) for rank in LOCAL]
+    assert "rank 1 of job job restarted" in old.wait(20).error
+    assert [h.wait(20).state for h in handles] == [SnapshotState.DURABLE] * 2
+    for rank in LOCAL:
+        target = make_segment(f"target{rank}")
+        restore(coordinator.local, "latest", target.mm, target.layout, header=target.header, job_id="job",
+                rank=rank, world_size=WORLD)
+        assert target.tensors() == contents[rank]
 
 
 def test_local_world_size_one_completes_alone(make_segment, make_coordinator):
