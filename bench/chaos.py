@@ -88,6 +88,8 @@ class Job:
     expected_exit: bool = False
     starts: list[int] = dataclasses.field(default_factory=list)
     floor: int = 0  # the step its next start must not be older than
+    since: float | None = None  # a fault's wall time, while waiting for the trainer's first step or start after it
+    back: dict[str, float] = dataclasses.field(default_factory=dict)  # its trainer's events after the fault, wall time
 
 
 class Chaos:
@@ -159,6 +161,10 @@ class Chaos:
         lines = job.progress.read_text().splitlines()
         for line in lines[job.lines_read:]:
             event = json.loads(line)
+            if job.since is not None and event["t"] >= job.since:
+                job.back.setdefault(event["event"], event["t"])
+                if event["event"] == "step" and "start" in job.back:
+                    job.back.setdefault("first step", event["t"])  # of the restarted trainer
             if event["event"] == "start":
                 job.starts.append(event["step"])
                 if event["step"] < job.floor:
@@ -246,17 +252,25 @@ class Chaos:
             if anon > MAX_ANON_RSS or fds > MAX_FDS:
                 self.violation(f"host {host.name}'s server holds {anon >> 20} MiB anonymous memory and {fds} fds")
 
-    def wait_recovered(self, jobs: list[Job], fault: str) -> None:
-        """Until each of ``jobs`` made a step after now (bounded by --stall-s)."""
-        began = time.monotonic()
-        marks = {job.name: job.step for job in jobs}
-        starts = {job.name: len(job.starts) for job in jobs}
+    def wait_recovered(self, jobs: list[Job], fault: str, since: float, restarted: bool = False) -> None:
+        """Until each of ``jobs`` made a step after ``since`` (the fault's wall time; ``restarted``: a step of the
+        trainer started after it), bounded by --stall-s. Timed by the trainers' own events, not by this loop,
+        whose checks (the bitwise verification of new snapshots) take seconds of their own."""
+        if not jobs:
+            return  # a host with no trainer left on it
+        began, mark = time.monotonic(), "first step" if restarted else "step"
+        for job in jobs:
+            job.since, job.back = since, {}
         while time.monotonic() - began < self.args.stall_s:
             self.check()
-            if all(job.step > marks[job.name] or len(job.starts) > starts[job.name] for job in jobs):
-                took = time.monotonic() - began
+            if all(mark in job.back for job in jobs):
+                took = max(job.back[mark] for job in jobs) - since
                 self.recoveries.append(took)
-                self.say(f"  recovered from {fault} in {took:.1f} s")
+                parts = {name: round(max(job.back[name] for job in jobs if name in job.back) - since, 1)
+                         for name in ("launched", "attached", "start") if any(name in job.back for job in jobs)}
+                self.say(f"  recovered from {fault} in {took:.1f} s (trainer events, s after the fault: {parts})")
+                for job in jobs:
+                    job.since = None
                 return
             time.sleep(0.2)
         self.violation(f"{', '.join(j.name for j in jobs)} not stepping {self.args.stall_s:g} s after {fault}")
@@ -266,19 +280,21 @@ class Chaos:
         self.faults[kind] = self.faults.get(kind, 0) + 1
         host = self.hosts[self.rng.choice(sorted(self.hosts))]
         on_host = [j for j in self.jobs.values() if j.host == host.name]
+        since = time.time()
         if kind == "trainer_kill":
             job = self.jobs[self.rng.choice(sorted(self.jobs))]
             self.say(f"fault: SIGKILL trainer {job.name} (at step {job.step})")
             self.check()
+            since = time.time()
             self.kill_job(job)
             self.start_job(job, self.newest_durable(job))
-            self.wait_recovered([job], kind)
+            self.wait_recovered([job], kind, since, restarted=True)
         elif kind in ("server_kill", "server_term"):
             self.say(f"fault: {'SIGKILL' if kind == 'server_kill' else 'SIGTERM'} host {host.name}'s server, a successor adopts")
             if kind == "server_kill":
                 host.server.kill()
             host.server.restart()
-            self.wait_recovered(on_host, kind)
+            self.wait_recovered(on_host, kind, since)
         elif kind == "host_loss":
             self.host_loss(host, on_host)
         elif kind == "disk_full":
@@ -298,6 +314,7 @@ class Chaos:
     def host_loss(self, host: Host, on_host: list[Job]) -> None:
         other = next(h for h in self.hosts.values() if h is not host)
         self.check()
+        since = time.time()
         stored = StoredSnapshots(PosixObjectStore(self.store))
         floors = {}
         for job in on_host:
@@ -324,7 +341,7 @@ class Chaos:
             job.host = other.name
             self.start_job(job, floors.get(job.name, 0))
         if on_host:
-            self.wait_recovered(on_host, "host_loss")
+            self.wait_recovered(on_host, "host_loss", since, restarted=True)
 
     def disk_full(self, host: Host, on_host: list[Job]) -> None:
         if not host.mounted:

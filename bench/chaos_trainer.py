@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-file", required=True, help="once this file exists, finish after the step")
     args = parser.parse_args(argv)
     progress = _Progress(args.progress)
+    progress("launched")  # Python and torch imported
     models = [build(args.job) for _ in range(args.ranks)]
     containers = []
     try:
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                                   server_wait_s=60.0, snapshot_replace_existing=True, rpc_timeout_s=10.0)
             containers.append(RemoteSwapOptimizersContainer([model], torch.optim.AdamW, {"lr": LR}, 2,
                                                             server=args.server, job_id=args.job, config=config))
+        progress("attached")
         start = _resume(containers, args.job, progress, wait_s=120.0)
         pending: list = []
         last = start
