@@ -6,7 +6,7 @@ into each other's memory (``--replica-peers``); three jobs train on them
 (:mod:`bench.chaos_trainer`: ``solo-a`` on host a, ``pair`` (two ranks in lockstep) and
 ``solo-b`` on host b), whole-state snapshots every 3 steps. A schedule drawn from the seed
 injects, one after another: trainer SIGKILLs, server SIGKILLs and SIGTERMs (a successor adopts
-the segments), a lost host (server killed, shm and snapshot dirs wiped, its jobs moved to the
+the segments), a host's server and trainers SIGKILLed at once (a container restart, its shm kept), a lost host (server killed, shm and snapshot dirs wiped, its jobs moved to the
 other host, resuming from the replicas in its memory or the store, whichever is newer), a full snapshot disk, a store outage and hostile
 clients. The invariants, checked as it runs (a violation is printed at once and fails the run):
 
@@ -58,7 +58,7 @@ from bench.util import free_port
 
 __all__ = ["main"]
 
-FAULTS = {"trainer_kill": 3, "server_kill": 2, "server_term": 2, "host_loss": 1, "disk_full": 1,
+FAULTS = {"trainer_kill": 3, "server_kill": 2, "server_term": 2, "host_restart": 1, "host_loss": 1, "disk_full": 1,
           "store_outage": 1, "hostile_client": 2}
 """Each fault kind and its weight in the draw."""
 MAX_ANON_RSS = 400 << 20  # a server's anonymous memory (its segments are shared memory)
@@ -295,6 +295,18 @@ class Chaos:
                 host.server.kill()
             host.server.restart()
             self.wait_recovered(on_host, kind, since)
+        elif kind == "host_restart":  # a container restarted: every process at once, its shm kept
+            self.say(f"fault: SIGKILL host {host.name}'s server and trainers {[j.name for j in on_host]} at once, "
+                     "the shm kept; a successor adopts, the trainers restart")
+            self.check()
+            since = time.time()
+            host.server.kill()
+            for job in on_host:
+                self.kill_job(job)
+            host.server.restart()
+            for job in on_host:
+                self.start_job(job, self.newest_durable(job))
+            self.wait_recovered(on_host, kind, since, restarted=True)
         elif kind == "host_loss":
             self.host_loss(host, on_host)
         elif kind == "disk_full":
