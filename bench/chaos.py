@@ -6,9 +6,11 @@ into each other's memory (``--replica-peers``); three jobs train on them
 (:mod:`bench.chaos_trainer`: ``solo-a`` on host a, ``pair`` (two ranks in lockstep) and
 ``solo-b`` on host b), whole-state snapshots every 3 steps. A schedule drawn from the seed
 injects, one after another: trainer SIGKILLs, server SIGKILLs and SIGTERMs (a successor adopts
-the segments), a host's server and trainers SIGKILLed at once (a container restart, its shm kept), a lost host (server killed, shm and snapshot dirs wiped, its jobs moved to the
-other host, resuming from the replicas in its memory or the store, whichever is newer), a full snapshot disk, a store outage and hostile
-clients. The invariants, checked as it runs (a violation is printed at once and fails the run):
+the segments), a host's server and trainers SIGKILLed at once (a container restart, its shm
+kept), a lost host (server killed, shm and snapshot dirs wiped, its jobs moved to the other host,
+resuming from the replicas in its memory or the store, whichever is newer), a full snapshot
+disk, a store outage and hostile clients. The invariants, checked as it runs (a violation is
+printed at once and fails the run):
 
 - no trainer dies (only the harness kills them) or stalls (a step within ``--stall-s``);
 - a trainer resumes at a step no older than the newest durable one known before its fault

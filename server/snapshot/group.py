@@ -112,9 +112,9 @@ class SnapshotGroup:
 
     def restarted_error(self, rank: int) -> SnapshotFailedError:
         """Why the group fails when the trainer of ``rank`` it waited for ended before joining."""
-        return SnapshotFailedError(f"rank {rank} of job {self.job_id} restarted (a new trainer attached, or its session "
-                                   f"ended) before it snapshotted step {self.step} on this server: {self.snapshot_id} "
-                                   "cannot complete")
+        return SnapshotFailedError(f"rank {rank} of job {self.job_id} restarted (a new trainer attached, or its "
+                                   f"session ended) before it snapshotted step {self.step} on this server: "
+                                   f"{self.snapshot_id} cannot complete")
 
     def missed_status(self, rank: int) -> SnapshotStatus | None:
         """A rank that never joined this group: failed with the group's error once it failed, else None."""
