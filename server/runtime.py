@@ -201,7 +201,8 @@ def _build_state(config: ServerConfig, listen: ListenAddress, gid: int | None,
     if config.snapshot_dir is not None:
         snapshots = SnapshotCoordinator(
             config.snapshot_dir, config.snapshot_settings, copy_policy=copy_policy, memory=memory,
-            job_ranks=lambda job_id: {s.rank: RankRun((s.session_id, s.generation), s.last_committed_step)
+            job_ranks=lambda job_id: {s.rank: RankRun((s.session_id, s.generation), s.last_committed_step,
+                                              (s.world_size, s.local_world_size or s.world_size))
                                       for s in registry.sessions if s.job_id == job_id},
             replicas=replicas.reader if replicas is not None else None)
         undo.callback(snapshots.close)

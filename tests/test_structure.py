@@ -120,7 +120,7 @@ def test_modules_and_functions_fit():
     assert too_long == []
 
 
-RUNTIME_LINE_BUDGET = 20_118
+RUNTIME_LINE_BUDGET = 20_150
 """A ratchet on runtime code (client/, server/, common/, generated files aside): lowered as code
 goes, raised only with the reason written here. Issues 49 and 50 ask for 17,000 lines before the
 peer tier and 18,500 with it; after dead code and repeated docstrings were cut (about 700 lines)
@@ -157,9 +157,9 @@ Lowered to 20,075 on 2026-12-07 (sixth session): a pass over every room that kep
 and replica states, one index join for the store's listings, forwarding helpers and restated docstrings gone); then 10 for the review's mends: WatchedCondition holds its
 Condition again instead of subclassing it (a subclass inherits ``notify``, which wakes no coroutine), and the replica
 hello's comment on lines of its own.
-Raised to 20,118 on 2026-12-07 (seventh session): a group fails as soon as a rank it waits for restarts (+33: each
-rank's run recorded, checked by the assembly poll and at a retrained step's start), where a restarted job's restore
-waited up to the 300 s assembly deadline (chaos seed 59)."""
+Raised to 20,150 on 2026-12-07 (seventh session): a group fails as soon as a rank it waits for restarts (+65: each
+rank's run and job shape recorded, checked by the assembly poll and at a retrained step's start, the old attempt failed
+outside the coordinator's lock), where a restarted job's restore waited up to the 300 s assembly deadline (seed 59)."""
 
 
 def test_runtime_code_stays_within_its_line_budget():

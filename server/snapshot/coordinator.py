@@ -69,6 +69,7 @@ __all__ = ["SnapshotSource", "SnapshotState", "SnapshotStatus", "RankSnapshot", 
 MEMORY_KEEP = 1  # a job's memory-only snapshots kept here: the newest (and, while one is written, the one before it)
 HISTORY = 64  # finished snapshots whose status stays in memory (older ones are answered from disk)
 ASSEMBLY_CHECK_S = 1.0  # how often a group waiting for ranks looks for one that moved past its step or restarted
+DISCARD_WAIT_S = 10.0  # how long a restarted rank's start waits for the old attempt's files to go
 
 
 class SnapshotCoordinator:
@@ -155,6 +156,12 @@ class SnapshotCoordinator:
         group failed before this rank came (its status says so: :meth:`wait_status`)."""
         check_source(source)
         with self._lock:
+            stale = self._groups.get((source.job_id, source.step))
+        if stale is not None and stale.outlived_by(source):
+            stale.fail(stale.restarted_error(source.rank))  # outside the lock: removing its files may reach a peer
+            with stale.cond:  # its writers see the cancel at once
+                stale.cond.wait_for(lambda: stale.discarded_done, DISCARD_WAIT_S)
+        with self._lock:
             if self._closed:
                 raise SnapshotBusyError("the snapshot coordinator is shut down")
             group = self._group_for(source)
@@ -227,7 +234,8 @@ class SnapshotCoordinator:
         plan = StepPlan(source.job_id, source.step, source.world_size, (), source.tenant, keep,
                         replace=source.replace_existing or source.memory_only, expected_bytes=new)
         group = SnapshotGroup(tier, tier.prepare(plan), source)
-        group.runs |= {rank: now.run for rank, now in self.job_ranks(source.job_id).items() if rank != source.rank}
+        ranks = self._ranks_here(source.job_id, (group.world_size, group.local_world_size)) or {}
+        group.runs |= {rank: now.run for rank, now in ranks.items() if rank != source.rank}
         self._groups[(source.job_id, source.step)] = group
         finished = sorted((g.finished_monotonic, key) for key, g in self._groups.items()
                           if g.finished_monotonic is not None
@@ -287,29 +295,21 @@ class SnapshotCoordinator:
         group.timer.daemon = True
         group.timer.start()
 
+    def _ranks_here(self, job_id: str, shape: tuple[int, int]) -> dict[int, RankRun] | None:
+        """The ranks of ``job_id`` attached here in a job of ``shape`` (world size, ranks here); None
+        when a session was freed under the read (read again at the next check)."""
+        try:
+            return {rank: now for rank, now in self.job_ranks(job_id).items() if now.shape == shape}
+        except (AttributeError, TypeError, ValueError):  # its header unmapped while read, off the loop
+            return None
+
     def _check_assembly(self, group: SnapshotGroup, deadline: float) -> None:
-        ranks = self.job_ranks(group.job_id)
+        ranks = self._ranks_here(group.job_id, (group.world_size, group.local_world_size))
         with group.cond:
             if len(group.handles) == group.local_world_size or group.state is not SnapshotState.PERSISTING:
                 return
             joined = sorted(group.handles)
-            for rank, now in ranks.items():
-                group.runs.setdefault(rank, now.run)
-            waited = {rank: run for rank, run in group.runs.items() if rank not in joined}
-        # A missing rank never asks for the step when its trainer restarted (a new Attach: it retrains)
-        # or ended, nor when it committed past the step: its Snapshot went to a server before a restart
-        # (or failed there). The group cannot complete: say so now.
-        gone = sorted(rank for rank, run in waited.items() if rank not in ranks or ranks[rank].run != run)
-        if gone:
-            group.fail(group.restarted_error(gone[0]))
-            return
-        passed = {rank: now.last_committed_step for rank, now in ranks.items() if rank not in joined
-                  and now.last_committed_step is not None and now.last_committed_step > group.step}
-        if passed:
-            rank, step = min(passed.items())
-            group.fail(SnapshotFailedError(f"rank {rank} of job {group.job_id} committed step {step} without snapshotting "
-                                      f"step {group.step} on this server (its request went to a server before a "
-                                      f"restart, or failed there): {group.snapshot_id} cannot complete"))
+        if ranks is not None and self._failed_for_a_rank(group, ranks, joined):
             return
         if time.monotonic() < deadline:
             self._watch_assembly(group, deadline)
@@ -319,6 +319,30 @@ class SnapshotCoordinator:
             expected = f"the {group.local_world_size} ranks expected on this server (local_world_size; {expected})"
         group.fail(SnapshotFailedError(f"only ranks {joined} of {expected} started {group.snapshot_id} "
                                   f"within {self.assemble_timeout_s:g} s"))
+
+    @staticmethod
+    def _failed_for_a_rank(group: SnapshotGroup, ranks: dict[int, RankRun], joined: list[int]) -> bool:
+        """Fail ``group`` if a rank it waits for never joins (``ranks``: the job's here now); whether it did."""
+        with group.cond:
+            for rank, now in ranks.items():
+                group.runs.setdefault(rank, now.run)
+            waited = {rank: run for rank, run in group.runs.items() if rank not in joined}
+        # A missing rank never asks for the step when its trainer restarted (a new Attach: it retrains)
+        # or ended, nor when it committed past the step: its Snapshot went to a server before a restart
+        # (or failed there). The group cannot complete: say so now.
+        gone = sorted(rank for rank, run in waited.items() if rank not in ranks or ranks[rank].run != run)
+        if gone:
+            group.fail(group.restarted_error(gone[0]))
+            return True
+        passed = {rank: now.last_committed_step for rank, now in ranks.items() if rank not in joined
+                  and now.last_committed_step is not None and now.last_committed_step > group.step}
+        if passed:
+            rank, step = min(passed.items())
+            group.fail(SnapshotFailedError(f"rank {rank} of job {group.job_id} committed step {step} without snapshotting "
+                                      f"step {group.step} on this server (its request went to a server before a "
+                                      f"restart, or failed there): {group.snapshot_id} cannot complete"))
+            return True
+        return False
 
     def _run(self, group: SnapshotGroup, handle: RankSnapshot) -> None:
         """A rank's thread: persist, then fail the group, or commit it when last."""

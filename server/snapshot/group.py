@@ -37,6 +37,7 @@ class RankRun(NamedTuple):
 
     run: tuple[str, int]  # (session id, generation): which trainer; another one means it restarted
     last_committed_step: int | None
+    shape: tuple[int, int]  # (world size, ranks of the job on this server): a session of another is another run's
 
 
 class SnapshotGroup:
@@ -77,9 +78,6 @@ class SnapshotGroup:
             state, mine, drained, error = self.state, self.handles.get(source.rank), self.discarded_done, self.error
             members = sorted(self.handles)
             restarted = mine is None and self.runs.setdefault(source.rank, source.run) != source.run
-        if restarted and state is SnapshotState.PERSISTING:
-            self.fail(self.restarted_error(source.rank))  # the trainer it waited for is gone
-            return self.decide_start(source)
         if mine is not None and mine.is_retry(source) and state is not SnapshotState.FAILED:
             return mine
         if state is SnapshotState.DURABLE:
@@ -109,6 +107,15 @@ class SnapshotGroup:
         if not drained:
             raise SnapshotBusyError(f"the failed attempt at {self.snapshot_id} is still being cleaned up")
         return None  # a participant retries, or another run starts: a fresh attempt
+
+    def outlived_by(self, source: SnapshotSource) -> bool:
+        """Whether ``source`` is a new trainer (run) of a rank this group still waits for: the one it
+        waited for never joins, and the new one's retrained step is not these files' (the caller fails
+        the group, outside the coordinator's lock)."""
+        with self.cond:
+            return (self.state is SnapshotState.PERSISTING and source.rank not in self.handles
+                    and len(self.handles) < self.local_world_size
+                    and self.runs.get(source.rank, source.run) != source.run)
 
     def restarted_error(self, rank: int) -> SnapshotFailedError:
         """Why the group fails when the trainer of ``rank`` it waited for ended before joining."""

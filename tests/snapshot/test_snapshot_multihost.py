@@ -122,15 +122,19 @@ def test_a_missing_local_rank_times_out_naming_local_world_size(make_segment, ma
     assert coordinator.local.list("job") == []
 
 
-def _runs(sessions: dict[int, tuple[str, int]]):
-    """``job_ranks`` for a coordinator: the ranks of "job" this server's registry holds, as ``sessions`` says now."""
-    return lambda job_id: {rank: RankRun(run, 4) for rank, run in sessions.items()} if job_id == "job" else {}
+def _runs(sessions: dict[int, tuple[str, int] | RankRun]):
+    """``job_ranks`` for a coordinator: the ranks of "job" this server's registry holds, as ``sessions`` says now
+    (a run: a session of this job's shape, world size 4 with 2 ranks here, at step 4)."""
+    return lambda job_id: {rank: now if isinstance(now, RankRun) else RankRun(now, 4, (WORLD, 2))
+                           for rank, now in sessions.items()} if job_id == "job" else {}
 
 
-def test_a_group_fails_at_once_when_a_rank_it_waits_for_restarts(make_segment, make_coordinator):
+@pytest.mark.parametrize("fault", ["restarted", "ended"])
+def test_a_group_fails_at_once_when_a_rank_it_waits_for_restarts_or_ends(make_segment, make_coordinator, fault):
     """Rank 1 was attached (run s1/1) when rank 2 began step 5; its trainer is killed and a new one
-    attaches (s1/2): the old trainer never asks for step 5, the new one retrains. The group fails
-    within seconds naming the restart, not at the 300 s assembly deadline (a restore waited on it)."""
+    attaches (s1/2), or its session ends: the old trainer never asks for step 5, a new one retrains.
+    The group fails within seconds naming it, not at the 300 s assembly deadline (a restore waited
+    on it)."""
     sessions = {1: ("s1", 1), 2: ("s2", 1)}
     coordinator = make_coordinator(job_ranks=_runs(sessions))
     seg = make_segment("r2")
@@ -138,12 +142,34 @@ def test_a_group_fails_at_once_when_a_rank_it_waits_for_restarts(make_segment, m
     handle = coordinator.start(seg.source("job", 5, rank=2, world_size=WORLD, local_world_size=2,
                                           metadata_json=metadata_for(seg, step=5), session_id="s2", generation=1))
     assert handle.wait(1.5).state is SnapshotState.PERSISTING  # rank 1 is only slow: the group waits
-    sessions[1] = ("s1", 2)
+    if fault == "restarted":
+        sessions[1] = ("s1", 2)
+    else:
+        del sessions[1]
     status = handle.wait(20)
     assert status.state is SnapshotState.FAILED
     assert "rank 1 of job job restarted (a new trainer attached, or its session ended) before it snapshotted step 5" \
         in status.error
     assert coordinator.local.list("job") == []
+
+
+def test_another_runs_leftover_session_neither_fails_a_group_nor_is_waited_for(make_segment, make_coordinator):
+    """Rank 3's session here is an earlier run's (world size 2: the job was re-placed), kept for its
+    --grace, at step 9: it is not this group's rank, though past its step; when its grace ends the
+    group still waits for rank 1, which then completes it."""
+    sessions = {1: ("s1", 1), 2: ("s2", 1), 3: RankRun(("old", 1), 9, (2, 2))}
+    coordinator = make_coordinator(job_ranks=_runs(sessions))
+    segs = {rank: make_segment(f"r{rank}") for rank in LOCAL}
+    handles = [coordinator.start(segs[2].source("job", 5, rank=2, world_size=WORLD, local_world_size=2,
+                                                metadata_json=metadata_for(segs[2], step=5), session_id="s2",
+                                                generation=1))]
+    assert handles[0].wait(1.5).state is SnapshotState.PERSISTING
+    del sessions[3]
+    assert handles[0].wait(1.5).state is SnapshotState.PERSISTING
+    handles.append(coordinator.start(segs[1].source("job", 5, rank=1, world_size=WORLD, local_world_size=2,
+                                                    metadata_json=metadata_for(segs[1], step=5), session_id="s1",
+                                                    generation=1)))
+    assert [h.wait(20).state for h in handles] == [SnapshotState.DURABLE] * 2
 
 
 def test_a_restarted_ranks_retrained_step_starts_afresh_never_joining_the_old_files(make_segment, make_coordinator):
