@@ -28,6 +28,15 @@ def _two_ranks(server, job: str, builder=build) -> list:
     return list(zip(models, containers))
 
 
+def _durable_and_plain_adamw(ranks: list, builder, step: int) -> None:
+    """Each rank's snapshot of ``step`` (its last committed) durable, and its state plain AdamW's there, bitwise."""
+    handles = [container.snapshot() for _, container in ranks]
+    assert [h.wait_durable(timeout_s=60).state for h in handles] == ["durable"] * len(ranks)
+    ref_model, ref_opt = reference(W, builder, step)
+    for model, container in ranks:
+        assert mismatches(model, container, ref_model, ref_opt) == []
+
+
 def test_a_rank_coming_after_its_group_failed_gets_a_failed_handle_not_a_raise(start_server, tmp_path):
     """The disk fills under rank 0's part of step 3; rank 1 asks for step 3 a second later: a
     handle, failed, like rank 0's (it used to raise, for that rank only). Once the disk has room
@@ -51,11 +60,7 @@ def test_a_rank_coming_after_its_group_failed_gets_a_failed_handle_not_a_raise(s
             assert remount.returncode == 0, remount.stderr
             for model, container in ranks:
                 train(model, container, W, range(4, 5))
-            handles = [container.snapshot() for _, container in ranks]
-            assert [h.wait_durable(timeout_s=60).state for h in handles] == ["durable", "durable"]
-            ref_model, ref_opt = reference(W, build_wide, 4)
-            for model, container in ranks:
-                assert mismatches(model, container, ref_model, ref_opt) == []
+            _durable_and_plain_adamw(ranks, build_wide, 4)
         finally:
             for _, container in ranks:
                 container.close()
@@ -117,11 +122,7 @@ def test_a_job_restarted_mid_group_restores_within_seconds_and_resumes_bitwise(s
         for (model, container), params in zip(ranks, at_2):
             model.load_state_dict(params)
             train(model, container, W, range(3, 5))
-        handles = [container.snapshot() for _, container in ranks]
-        assert [h.wait_durable(timeout_s=60).state for h in handles] == ["durable", "durable"]
-        ref_model, ref_opt = reference(W, build, 4)
-        for model, container in ranks:
-            assert mismatches(model, container, ref_model, ref_opt) == []
+        _durable_and_plain_adamw(ranks, build, 4)
     finally:
         for _, container in ranks:
             container.close()
