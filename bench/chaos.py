@@ -18,7 +18,8 @@ printed at once and fails the run):
 - every durable snapshot and replica found on a host holds plain AdamW's bytes of its step
   (model and moments, bitwise);
 - a job's newest durable step on a host never goes back (a lost host starts afresh);
-- recovery: every trainer a fault touched steps again within ``--stall-s``;
+- recovery: every trainer a fault touched steps again, and a snapshot it asks for after the fault
+  is durable, within ``--stall-s``;
 - each server's anonymous memory and open files stay bounded;
 - at the end, after every trainer detached, no segment is left in any shm directory.
 
@@ -92,6 +93,8 @@ class Job:
     floor: int = 0  # the step its next start must not be older than
     since: float | None = None  # a fault's wall time, while waiting for the trainer's first step or start after it
     back: dict[str, float] = dataclasses.field(default_factory=dict)  # its trainer's events after the fault, wall time
+    restarted: bool = False  # the fault restarts the trainer: only the new one's events count
+    first_snapshot: int | None = None  # the step of the first snapshot asked for after the fault
 
 
 class Chaos:
@@ -164,9 +167,7 @@ class Chaos:
         for line in lines[job.lines_read:]:
             event = json.loads(line)
             if job.since is not None and event["t"] >= job.since:
-                job.back.setdefault(event["event"], event["t"])
-                if event["event"] == "step" and "start" in job.back:
-                    job.back.setdefault("first step", event["t"])  # of the restarted trainer
+                self.note_after_fault(job, event)
             if event["event"] == "start":
                 job.starts.append(event["step"])
                 if event["step"] < job.floor:
@@ -254,28 +255,45 @@ class Chaos:
             if anon > MAX_ANON_RSS or fds > MAX_FDS:
                 self.violation(f"host {host.name}'s server holds {anon >> 20} MiB anonymous memory and {fds} fds")
 
+    @staticmethod
+    def note_after_fault(job: Job, event: dict[str, Any]) -> None:
+        """Record a trainer's event after the fault: the first of each kind, the first step of a restarted
+        trainer, and when a snapshot asked for after the fault became durable."""
+        kind, t = event["event"], event["t"]
+        job.back.setdefault(kind, t)
+        current = "start" in job.back or not job.restarted  # the trainer that runs after the fault
+        if kind == "step" and "start" in job.back:
+            job.back.setdefault("first step", t)
+        if kind == "snapshot" and current and job.first_snapshot is None:
+            job.first_snapshot = event["step"]
+        if kind == "durable" and job.first_snapshot is not None and event["step"] >= job.first_snapshot:
+            job.back.setdefault("durable again", t)
+
     def wait_recovered(self, jobs: list[Job], fault: str, since: float, restarted: bool = False) -> None:
         """Until each of ``jobs`` made a step after ``since`` (the fault's wall time; ``restarted``: a step of the
-        trainer started after it), bounded by --stall-s. Timed by the trainers' own events, not by this loop,
-        whose checks (the bitwise verification of new snapshots) take seconds of their own."""
+        trainer started after it) and a snapshot it asked for after it is durable, bounded by --stall-s. Timed
+        by the trainers' own events, not by this loop, whose checks (the bitwise verification of new snapshots)
+        take seconds of their own."""
         if not jobs:
             return  # a host with no trainer left on it
         began, mark = time.monotonic(), "first step" if restarted else "step"
         for job in jobs:
-            job.since, job.back = since, {}
+            job.since, job.back, job.restarted, job.first_snapshot = since, {}, restarted, None
         while time.monotonic() - began < self.args.stall_s:
             self.check()
-            if all(mark in job.back for job in jobs):
+            if all(mark in job.back and "durable again" in job.back for job in jobs):
                 took = max(job.back[mark] for job in jobs) - since
                 self.recoveries.append(took)
                 parts = {name: round(max(job.back[name] for job in jobs if name in job.back) - since, 1)
-                         for name in ("launched", "attached", "start") if any(name in job.back for job in jobs)}
+                         for name in ("launched", "attached", "start", "durable again")
+                         if any(name in job.back for job in jobs)}
                 self.say(f"  recovered from {fault} in {took:.1f} s (trainer events, s after the fault: {parts})")
                 for job in jobs:
                     job.since = None
                 return
             time.sleep(0.2)
-        self.violation(f"{', '.join(j.name for j in jobs)} not stepping {self.args.stall_s:g} s after {fault}")
+        self.violation(f"{', '.join(j.name for j in jobs)} not stepping, or no snapshot durable, {self.args.stall_s:g} s "
+                       f"after {fault}")
 
     # -- faults -----------------------------------------------------------------------------
     def inject(self, kind: str) -> None:
