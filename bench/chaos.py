@@ -300,7 +300,6 @@ class Chaos:
         self.faults[kind] = self.faults.get(kind, 0) + 1
         host = self.hosts[self.rng.choice(sorted(self.hosts))]
         on_host = [j for j in self.jobs.values() if j.host == host.name]
-        since = time.time()
         if kind == "trainer_kill":
             job = self.jobs[self.rng.choice(sorted(self.jobs))]
             self.say(f"fault: SIGKILL trainer {job.name} (at step {job.step})")
@@ -311,6 +310,7 @@ class Chaos:
             self.wait_recovered([job], kind, since, restarted=True)
         elif kind in ("server_kill", "server_term"):
             self.say(f"fault: {'SIGKILL' if kind == 'server_kill' else 'SIGTERM'} host {host.name}'s server, a successor adopts")
+            since = time.time()
             if kind == "server_kill":
                 host.server.kill()
             host.server.restart()

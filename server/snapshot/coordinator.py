@@ -234,15 +234,14 @@ class SnapshotCoordinator:
         plan = StepPlan(source.job_id, source.step, source.world_size, (), source.tenant, keep,
                         replace=source.replace_existing or source.memory_only, expected_bytes=new)
         group = SnapshotGroup(tier, tier.prepare(plan), source)
-        ranks = self._ranks_here(source.job_id, (group.world_size, group.local_world_size)) or {}
-        group.runs |= {rank: now.run for rank, now in ranks.items() if rank != source.rank}
         self._groups[(source.job_id, source.step)] = group
         finished = sorted((g.finished_monotonic, key) for key, g in self._groups.items()
                           if g.finished_monotonic is not None
                           and (g.state is SnapshotState.DURABLE or g.discarded_done))
         for _, key in finished[: max(0, len(finished) - HISTORY)]:
             del self._groups[key]
-        if group.local_world_size > 1:
+        if group.local_world_size > 1:  # the runs of the ranks it waits for, as they are now
+            group.note_runs(self._ranks_here(source.job_id, (group.world_size, group.local_world_size)) or {})
             self._watch_assembly(group, time.monotonic() + self.assemble_timeout_s)
         return group
 
@@ -296,20 +295,20 @@ class SnapshotCoordinator:
         group.timer.start()
 
     def _ranks_here(self, job_id: str, shape: tuple[int, int]) -> dict[int, RankRun] | None:
-        """The ranks of ``job_id`` attached here in a job of ``shape`` (world size, ranks here); None
-        when a session was freed under the read (read again at the next check)."""
+        """The ranks of ``job_id`` here in a job of ``shape`` (world size, ranks here); None: one freed mid-read."""
         try:
             return {rank: now for rank, now in self.job_ranks(job_id).items() if now.shape == shape}
         except (AttributeError, TypeError, ValueError):  # its header unmapped while read, off the loop
             return None
 
     def _check_assembly(self, group: SnapshotGroup, deadline: float) -> None:
-        ranks = self._ranks_here(group.job_id, (group.world_size, group.local_world_size))
         with group.cond:
             if len(group.handles) == group.local_world_size or group.state is not SnapshotState.PERSISTING:
                 return
             joined = sorted(group.handles)
-        if ranks is not None and self._failed_for_a_rank(group, ranks, joined):
+        ranks = self._ranks_here(group.job_id, (group.world_size, group.local_world_size))
+        if ranks is not None and (error := group.missing_for_good(ranks)) is not None:
+            group.fail(error)
             return
         if time.monotonic() < deadline:
             self._watch_assembly(group, deadline)
@@ -319,30 +318,6 @@ class SnapshotCoordinator:
             expected = f"the {group.local_world_size} ranks expected on this server (local_world_size; {expected})"
         group.fail(SnapshotFailedError(f"only ranks {joined} of {expected} started {group.snapshot_id} "
                                   f"within {self.assemble_timeout_s:g} s"))
-
-    @staticmethod
-    def _failed_for_a_rank(group: SnapshotGroup, ranks: dict[int, RankRun], joined: list[int]) -> bool:
-        """Fail ``group`` if a rank it waits for never joins (``ranks``: the job's here now); whether it did."""
-        with group.cond:
-            for rank, now in ranks.items():
-                group.runs.setdefault(rank, now.run)
-            waited = {rank: run for rank, run in group.runs.items() if rank not in joined}
-        # A missing rank never asks for the step when its trainer restarted (a new Attach: it retrains)
-        # or ended, nor when it committed past the step: its Snapshot went to a server before a restart
-        # (or failed there). The group cannot complete: say so now.
-        gone = sorted(rank for rank, run in waited.items() if rank not in ranks or ranks[rank].run != run)
-        if gone:
-            group.fail(group.restarted_error(gone[0]))
-            return True
-        passed = {rank: now.last_committed_step for rank, now in ranks.items() if rank not in joined
-                  and now.last_committed_step is not None and now.last_committed_step > group.step}
-        if passed:
-            rank, step = min(passed.items())
-            group.fail(SnapshotFailedError(f"rank {rank} of job {group.job_id} committed step {step} without snapshotting "
-                                      f"step {group.step} on this server (its request went to a server before a "
-                                      f"restart, or failed there): {group.snapshot_id} cannot complete"))
-            return True
-        return False
 
     def _run(self, group: SnapshotGroup, handle: RankSnapshot) -> None:
         """A rank's thread: persist, then fail the group, or commit it when last."""

@@ -117,6 +117,31 @@ class SnapshotGroup:
                     and len(self.handles) < self.local_world_size
                     and self.runs.get(source.rank, source.run) != source.run)
 
+    def note_runs(self, ranks: dict[int, RankRun]) -> None:
+        """Record the run of each of the job's ranks attached here (``ranks``) not seen before."""
+        with self.cond:
+            for rank, now in ranks.items():
+                self.runs.setdefault(rank, now.run)
+
+    def missing_for_good(self, ranks: dict[int, RankRun]) -> SnapshotFailedError | None:
+        """Why the group cannot complete, given the job's ranks here now (noted first); None if it still may."""
+        self.note_runs(ranks)
+        with self.cond:
+            waited = {rank: run for rank, run in self.runs.items() if rank not in self.handles}
+        # A missing rank never asks for the step when its trainer restarted (a new Attach: it retrains) or ended,
+        # nor when it committed past the step: its Snapshot went to a server before a restart (or failed there).
+        gone = sorted(rank for rank, run in waited.items() if rank not in ranks or ranks[rank].run != run)
+        if gone:
+            return self.restarted_error(gone[0])
+        passed = {rank: now.last_committed_step for rank, now in ranks.items() if rank in waited
+                  and now.last_committed_step is not None and now.last_committed_step > self.step}
+        if passed:
+            rank, step = min(passed.items())
+            return SnapshotFailedError(f"rank {rank} of job {self.job_id} committed step {step} without snapshotting "
+                                       f"step {self.step} on this server (its request went to a server before a "
+                                       f"restart, or failed there): {self.snapshot_id} cannot complete")
+        return None
+
     def restarted_error(self, rank: int) -> SnapshotFailedError:
         """Why the group fails when the trainer of ``rank`` it waited for ended before joining."""
         return SnapshotFailedError(f"rank {rank} of job {self.job_id} restarted (a new trainer attached, or its "
