@@ -5,7 +5,9 @@ writer nor the stager got there, and every race between the three ends with step
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 
 import pytest
@@ -13,7 +15,12 @@ from snapshot_kit import SPECS, Trainer, metadata_for
 
 from swap_state.common.copy_before_write import TrainerProtector
 from swap_state.common.segment import CopyBudget, Word, plan_segment, stager_slot_count
+from swap_state.common.addresses import parse_address
 from swap_state.common.snapshot_format import rank_data_name
+from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
+from swap_state.server.snapshot.tiers.replica_receiver import ReplicaReceiver
+from swap_state.server.snapshot.tiers.replica_wire import PeerCredentials
+from swap_state.server.snapshot.tiers.spares import SpareFiles
 from swap_state.server.copy_budget import CopyBudgetPolicy
 from swap_state.server.snapshot.writing import copy_ahead as snapshot_stager
 from swap_state.server.snapshot.writing import writer as snapshot_writer
@@ -36,6 +43,38 @@ def _exact(seg, status, at_step_n) -> None:
     assert status.state is SnapshotState.DURABLE, status.error
     assert _file_tensors(status.path + "/" + rank_data_name(0)) == at_step_n
     assert seg.header[Word.SNAP_EPOCH] == 0 and seg.slots_all_free()
+
+
+def _in_memory(directory: SnapshotDirectory) -> SnapshotDirectory:
+    """``directory`` made as the server makes a directory in memory (with its spare files)."""
+    directory.create_root()
+    directory.spares = SpareFiles(directory.root)
+    return directory
+
+
+@pytest.fixture
+def memory_only(make_coordinator, private_shm_dir, tmp_path):
+    """``make(**settings)``: a coordinator whose memory-only snapshots go to a directory in memory (/dev/shm) and to
+    a peer's (a replica receiver in this process, its directory the second item)."""
+    secret = tmp_path / "replica-secret"
+    secret.write_text("a-replica-secret-of-32-bytes-xyz")
+    secret.chmod(0o600)
+    peer_dir = _in_memory(SnapshotDirectory(os.path.join(private_shm_dir, "replicas")))
+    receiver = ReplicaReceiver(parse_address("tcp://127.0.0.1:0"), PeerCredentials(secret.read_bytes()), peer_dir,
+                               size=64 << 20)
+    peers = f"tcp://127.0.0.1:{receiver.start()}"
+    memory = _in_memory(SnapshotDirectory(os.path.join(private_shm_dir, "memory")))
+    yield (lambda **kwargs: make_coordinator(replica_peers=peers, replica_secret_file=secret, memory=memory,
+                                             **kwargs)), peer_dir
+    receiver.close()
+
+
+def _memory_only_exact(seg, coordinator, status, peer_dir, at_step_n) -> None:
+    """This host's memory-only copy and the peer's both hold step N's bytes."""
+    _exact(seg, status, at_step_n)
+    assert coordinator.replica_states.state("job", 5).state == "replicated"
+    [replica] = peer_dir.root.glob(f"job/*/{rank_data_name(0)}")
+    assert _file_tensors(str(replica)) == at_step_n
 
 
 def test_slot_split_leaves_the_trainer_a_fallback():
@@ -99,9 +138,13 @@ def test_a_segment_without_slots_to_spare_is_the_trainer_only_protocol(make_segm
     assert status.server_staged_chunks == 0 and status.cow_copies > 0
 
 
-def test_a_stager_copy_torn_by_the_trainer_loses_to_the_trainers_copy(make_segment, make_coordinator, monkeypatch):
+@pytest.mark.parametrize("into", ["slots", "file"])
+def test_a_stager_copy_torn_by_the_trainer_loses_to_the_trainers_copy(make_segment, make_coordinator, monkeypatch,
+                                                                      request, into):
     """The stager reads chunk c while the trainer, having copied c itself first (c was not yet
-    staged), overwrites it: the stager's slot holds torn bytes, the trainer's slot wins."""
+    staged), overwrites it: the stager's slot holds torn bytes, the trainer's slot wins. A memory-only
+    snapshot's stager copies into the file itself: the writer writes the trainer's copy over the torn one."""
+    memory_only = request.getfixturevalue("memory_only") if into == "file" else None
     seg = make_segment(specs=WIDE, cow_slots=8)
     at_step_n = seg.fill(seed=4)
     victim = seg.chunks[5]
@@ -118,23 +161,52 @@ def test_a_stager_copy_torn_by_the_trainer_loses_to_the_trainers_copy(make_segme
             assert protector.protect(victim)  # ... then the trainer copies and overwrites
             protector.close()
             seg.mm[victim.offset : victim.offset + victim.nbytes] = b"\xee" * victim.nbytes
+            # A writer that did not follow the stager would pass the chunk meanwhile, and the torn rest land over it
+            deadline = time.monotonic() + 1.0
+            while into == "file" and seg.header[Word.PERSISTED_UPTO] <= victim.index and time.monotonic() < deadline:
+                time.sleep(0.005)
             return real_memmove(dst + half, src + half, n - half)  # ... the rest is torn
         return real_memmove(dst, src, n)
 
     real_start = snapshot_stager.Stager.start
 
-    def start(self, segment):
+    def start(self, segment, places=None):
         source_address.append(snapshot_stager.buffer_address(segment))
-        real_start(self, segment)
+        assert (places is not None) == (into == "file")
+        real_start(self, segment, places)
 
     monkeypatch.setattr(snapshot_stager.Stager, "start", start)
     monkeypatch.setattr(snapshot_stager._posix, "memmove", memmove)
-    coordinator = make_coordinator(max_bandwidth=200_000)
-    status = coordinator.start(seg.source("job", 5)).wait(20)
+    coordinator = (memory_only[0] if memory_only else make_coordinator)(max_bandwidth=200_000)
+    status = coordinator.start(dataclasses.replace(seg.source("job", 5), memory_only=bool(memory_only))).wait(20)
     assert done["torn"]
-    _exact(seg, status, at_step_n)
+    if memory_only:  # the torn copy was in the file itself: the writer wrote the trainer's over it
+        _memory_only_exact(seg, coordinator, status, memory_only[1], at_step_n)
+    else:
+        _exact(seg, status, at_step_n)
     assert status.cow_copies == 1 and status.trainer_copied_bytes == victim.nbytes
     assert seg.mm[victim.offset : victim.offset + 1] == b"\xee"  # the trainer's write stands
+
+
+def test_a_memory_only_snapshot_staged_into_its_file_is_exact_while_the_trainer_steps(make_segment, memory_only):
+    """The stager copies every chunk into this host's file, the writer follows it checksumming and sending; the
+    trainer steps meanwhile, copying what the stager has not reached: both copies hold step N's bytes."""
+    make, peer_dir = memory_only
+    seg = make_segment(specs=WIDE, cow_slots=8)
+    at_step_n = seg.fill(seed=10)
+    coordinator = make(max_bandwidth=400_000)
+    handle = coordinator.start(dataclasses.replace(seg.source("job", 5), memory_only=True))
+    trainer = Trainer(seg, first_step=6, n_steps=3)
+    trainer.start()
+    status = handle.wait(20)
+    trainer.join(20)
+    assert trainer.error is None
+    _memory_only_exact(seg, coordinator, status, peer_dir, at_step_n)
+    assert seg.tensors() == trainer.expected_final()
+    state = sum(t.nbytes for t in seg.layout.tensors)
+    # No ring to wait for: each chunk staged, or copied by the trainer first (both, where the two raced)
+    assert status.server_staged_bytes + status.trainer_copied_bytes >= state
+    assert status.server_staged_bytes > 0
 
 
 def test_a_chunk_staged_while_the_writer_reads_it_is_rewritten_from_the_stager_slot(

@@ -13,7 +13,7 @@ from swap_state.common.snapshot_errors import SnapshotCorruptError
 from swap_state.common.snapshot_format import rank_data_name
 from swap_state.server.snapshot.tiers.directory import SnapshotDirectory
 from swap_state.server.snapshot.tiers.replica_receiver import ReplicaReceiver
-from swap_state.server.snapshot.tiers.replica_wire import PeerCredentials, connect_to_peer
+from swap_state.server.snapshot.tiers.replica_wire import PeerCredentials, ReplicaRefused, connect_to_peer
 from swap_state.server.snapshot.tiers.seam import StepPlan
 from swap_state.server.snapshot.tiers.spares import SpareFiles, hold_for_reading
 
@@ -84,25 +84,69 @@ def test_spares_stay_within_their_limit_oldest_dropped_first(tmp_path, limit, ke
     assert spares.bytes == 0 and _files(spares) == []
 
 
-def test_a_peer_drops_its_spare_files_to_make_room_instead_of_refusing(tmp_path):
-    """Spares count in --replica-size (they are memory) but never refuse a replica: they go first."""
-    secret = b"a-replica-secret-of-32-bytes-xyz"
-    directory = SnapshotDirectory(tmp_path / "replicas")
-    directory.create_root()
-    directory.spares = SpareFiles(directory.root, 1 << 20)
-    (tmp_path / "old").write_bytes(bytes(600_000))
-    directory.spares.keep([tmp_path / "old"])
-    receiver = ReplicaReceiver(parse_address("tcp://127.0.0.1:0"), PeerCredentials(secret), directory, size=1 << 20)
-    port = receiver.start()
-    conn = connect_to_peer(parse_address(f"tcp://127.0.0.1:{port}"), PeerCredentials(secret))
-    try:
-        assert receiver.held_bytes() == 600_000
-        conn.request({"op": "prepare", "job_id": "job", "step": 1, "world_size": 1, "tenant": "", "keep": None,
-                      "bytes": 600_000})
-        assert directory.spares.bytes == 0 and receiver.held_bytes() == 600_000
-    finally:
-        conn.close()
-        receiver.close()
+SECRET = b"a-replica-secret-of-32-bytes-xyz"
+
+
+@pytest.fixture
+def peer(tmp_path):
+    """``peer(spares={name: bytes}, spare_limit)``: (a replica receiver of 1 MiB, its directory, a connection to it)
+    with those spare files."""
+    made = []
+
+    def make(spares: dict[str, int], spare_limit: int = 1 << 20):
+        directory = SnapshotDirectory(tmp_path / "replicas")
+        directory.create_root()
+        directory.spares = SpareFiles(directory.root, spare_limit)
+        for name, size in spares.items():
+            (tmp_path / name).write_bytes(bytes(size))
+            directory.spares.keep([tmp_path / name])
+        receiver = ReplicaReceiver(parse_address("tcp://127.0.0.1:0"), PeerCredentials(SECRET), directory,
+                                   size=1 << 20)
+        port = receiver.start()
+        made.append(receiver)
+        conn = connect_to_peer(parse_address(f"tcp://127.0.0.1:{port}"), PeerCredentials(SECRET))
+        made.append(conn)
+        return receiver, directory, conn
+
+    yield make
+    for thing in reversed(made):
+        thing.close()
+
+
+def _prepare(conn, job_id: str, nbytes: int) -> dict:
+    return conn.request({"op": "prepare", "job_id": job_id, "step": 1, "world_size": 1, "tenant": "", "keep": None,
+                         "bytes": nbytes})
+
+
+def test_a_peer_writes_a_replica_over_its_spare_files_instead_of_dropping_them(peer, tmp_path):
+    """Spares count in --replica-size (they are memory) as the bytes of the replica that will be written over them:
+    fresh pages cost their zeroing, so they are not dropped for it."""
+    receiver, directory, conn = peer({"old": 600_000})
+    spare = os.stat(directory.spares.folder / os.listdir(directory.spares.folder)[0]).st_ino
+    assert receiver.held_bytes() == 600_000
+    _prepare(conn, "job", 600_000)
+    assert directory.spares.bytes == 600_000 and receiver.held_bytes() == 600_000  # the spare is the replica's
+    conn.send({"op": "open", "name": rank_data_name(0)})
+    conn.send_data(b"r" * 600_000)
+    conn.request({"op": "end", "bytes": 600_000})
+    [written] = directory.root.glob(f"job/*/{rank_data_name(0)}")
+    assert os.stat(written).st_ino == spare and directory.spares.bytes == 0
+
+
+def test_a_second_replica_finds_the_spares_counted_as_the_first_ones(peer):
+    receiver, directory, conn = peer({"old": 600_000})
+    _prepare(conn, "job", 600_000)
+    with pytest.raises(ReplicaRefused, match="replica_full|--replica-size"):
+        _prepare(conn, "other-job", 600_000)  # 600 KB over the spares and 600 KB fresh: over the 1 MiB
+    assert receiver.held_bytes() == 600_000
+
+
+def test_a_peer_drops_the_oldest_spares_beyond_what_fits_instead_of_refusing(peer):
+    """Spares past --replica-size (each removal adds some) never refuse a replica: the oldest go first."""
+    receiver, directory, conn = peer({"older": 500_000, "old": 500_000, "new": 400_000}, spare_limit=2 << 20)
+    assert receiver.held_bytes() == 1_400_000 > receiver.size
+    _prepare(conn, "job", 300_000)
+    assert receiver.held_bytes() == 900_000 and directory.spares.bytes == 900_000  # "older" went
 
 
 def test_a_file_still_being_written_is_never_taken(tmp_path):
@@ -115,3 +159,35 @@ def test_a_file_still_being_written_is_never_taken(tmp_path):
         sink.write_all(b"z" * 4096)
         directory.discard(target)
         assert _files(directory.spares) == []
+
+
+def _mapped_step(directory: SnapshotDirectory, step: int, data: bytes):
+    """As :func:`_step`, the bytes copied into the sink's mapping (as a memory-only snapshot's stager does);
+    (the step, its data file, the mapping)."""
+    target = directory.prepare(StepPlan("job", step, 1, (), "", keep=1))
+    with directory.open_file(target, rank_data_name(0)) as sink:
+        sink.map(len(data))
+        mapping = sink._mapped
+        mapping[:] = data
+        with sink.put_mapped(len(data)) as placed:
+            assert placed == data
+        sink.advance()
+        sink.finish()
+    return target, target.location / rank_data_name(0), mapping
+
+
+def test_a_files_mapping_is_kept_for_its_next_writer_and_let_go_once_the_file_is_removed(private_shm_dir):
+    directory = SnapshotDirectory(os.path.join(private_shm_dir, "memory"))
+    directory.create_root()
+    directory.spares = SpareFiles(directory.root)
+    first, path, mapping = _mapped_step(directory, 1, b"a" * 65536)
+    directory.discard(first)  # its writer's mapping does not keep the file from being a spare
+    assert directory.spares.bytes == 65536 and not mapping.closed
+    second, path, again = _mapped_step(directory, 2, b"b" * 65536)
+    assert again is mapping and path.read_bytes() == b"b" * 65536  # the same file, its pages mapped already
+    directory.discard(second)
+    _, path, third = _mapped_step(directory, 3, b"c" * 8192)  # another size: mapped anew
+    assert third is not mapping and mapping.closed and path.read_bytes() == b"c" * 8192
+    directory.spares.keep([path])
+    directory.spares.drop()  # the file is gone: so is its mapping (its memory is freed)
+    assert third.closed and directory.spares._mappings == {}

@@ -116,7 +116,7 @@ class SnapshotDirectory(TierWriter):
         file = SnapshotFile(path, direct=self.direct_writes, spare=spare)
         if self.spares is not None:  # never a spare while written (another rank's failure discards the step)
             fcntl.flock(file.fileno(), fcntl.LOCK_SH)
-        return open_sink(file)
+        return open_sink(file, self.spares)
 
     def write_file(self, target: StepWrite, name: str, data: bytes) -> None:
         write_durable(self._inside(target.location) / name, data)
@@ -188,6 +188,8 @@ class SnapshotDirectory(TierWriter):
         if self.spares is not None:
             self.spares.keep(sorted(path.glob("*.safetensors")))
         shutil.rmtree(path, ignore_errors=True)
+        if self.spares is not None:
+            self.spares.unmap_removed()
         return not path.exists()
 
     def empty_trash(self, commit: CommitResult) -> list[str]:

@@ -19,6 +19,7 @@ from swap_state.common.snapshot_errors import SnapshotError
 from swap_state.common.snapshot_format import FileRecord, SnapshotIndex
 from swap_state.server.logs import log_event
 from swap_state.server.snapshot.tiers.replica import ReplicaTier, SendingSink
+from swap_state.server.snapshot.tiers.replica_wire import DATA_FRAME_BYTES
 from swap_state.server.snapshot.tiers.replicate import ReplicaStates
 from swap_state.server.snapshot.tiers.seam import CommitResult, StepPlan, StepWrite, TierWriter
 from swap_state.server.snapshot.writing.sink import ChunkSink
@@ -59,14 +60,13 @@ class MirroredTier(TierWriter):
         return target
 
     def open_file(self, target: StepWrite, name: str) -> ChunkSink:
-        sink = self.primary.open_file(target, name)
-        try:
-            mirror = self._mirror(target)
-            copy = self._try(mirror, lambda on: self.mirror.open_file(on, name))
-        except BaseException:
-            sink.close()
-            raise
-        return sink if copy is None else _TeeSink(sink, copy, lambda exc: self._fail(mirror, exc))
+        """The primary's file now, the peer's with the first bytes: a lost peer takes seconds to give up on, and a
+        memory-only snapshot's stager starts copying once this returns."""
+        with self._lock:
+            mirror = self._mirrors[str(target.location)]
+        return _TeeSink(self.primary.open_file(target, name),
+                        lambda: self._try(self._mirror(target), lambda on: self.mirror.open_file(on, name)),
+                        lambda exc: self._fail(mirror, exc))
 
     def write_file(self, target: StepWrite, name: str, data: bytes) -> None:
         self.primary.write_file(target, name, data)
@@ -139,22 +139,32 @@ class MirroredTier(TierWriter):
 
 class _TeeSink(ChunkSink):
     """A data file into the primary's sink and each piece, as the primary placed it, to the peer's (their crc32 is the
-    file's: the peer checks it). The copy's failure is handed to ``failed`` and ends the copy, never the file."""
+    file's: the peer checks it), opened by ``open_copy`` with the first piece (None: the mirror failed). The copy's
+    failure is handed to ``failed`` and ends the copy, never the file."""
 
-    def __init__(self, primary: ChunkSink, copy: SendingSink, failed: Callable[[BaseException], None]):
+    def __init__(self, primary: ChunkSink, open_copy: Callable[[], SendingSink | None],
+                 failed: Callable[[BaseException], None]):
         super().__init__()
         self.direct = primary.direct
         self._primary, self._failed = primary, failed
-        self._copy: SendingSink | None = copy
+        self._open_copy: Callable[[], SendingSink | None] | None = open_copy
+        self._copy: SendingSink | None = None
 
     def room(self) -> int:
-        return self._primary.room() if self._copy is None else min(self._primary.room(), self._copy.room())
+        copying = self._copy is not None or self._open_copy is not None
+        return min(self._primary.room(), DATA_FRAME_BYTES) if copying else self._primary.room()
 
     def put(self, data: memoryview, stable: bool = False) -> memoryview:
         return self._mirrored(self._primary.put(data, stable), stable)
 
     def replace(self, data: memoryview, stable: bool = False) -> memoryview:
         return self._mirrored(self._primary.replace(data, stable), stable)
+
+    def map(self, nbytes: int) -> int | None:
+        return self._primary.map(nbytes)
+
+    def put_mapped(self, nbytes: int) -> memoryview:
+        return self._mirrored(self._primary.put_mapped(nbytes), stable=True)
 
     def _mirrored(self, placed: memoryview, stable: bool) -> memoryview:  # stable: the source's, or the primary's own
         self._on_copy(lambda copy: copy.put(placed, stable or self._primary.owns_placed).release())
@@ -177,6 +187,9 @@ class _TeeSink(ChunkSink):
             self._primary.close()
 
     def _on_copy(self, call: Callable[[SendingSink], object]) -> None:
+        if self._open_copy is not None:
+            open_copy, self._open_copy = self._open_copy, None
+            self._copy = open_copy()
         if self._copy is None:
             return
         try:

@@ -57,6 +57,7 @@ class _Step:
     received: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # name -> (bytes, crc32)
     failed: str = ""
     touched: float = dataclasses.field(default_factory=time.monotonic)
+    spares: int = 0  # of the spare files' bytes, those counted as this step's at prepare (written over by it)
 
 
 class ReplicaReceiver:
@@ -94,11 +95,17 @@ class ReplicaReceiver:
             self._sock.close()
 
     def held_bytes(self) -> int:
-        """Bytes of complete replicas, of steps being received (declared) and of spare files."""
+        """Bytes of complete replicas, of steps being received (declared) and of the spare files no such step will
+        write over."""
         with self._lock:
             receiving = sum(step.nbytes for step in self._steps.values())
-        spares = self.directory.spares.bytes if self.directory.spares is not None else 0
-        return receiving + spares + sum(info.bytes for info in self.directory.reader.list())
+        return receiving + self._free_spares() + sum(info.bytes for info in self.directory.reader.list())
+
+    def _free_spares(self) -> int:
+        """Bytes of spare files no step being received counted as its own (those count in its bytes)."""
+        with self._lock:
+            claimed = sum(step.spares for step in self._steps.values())
+        return max(0, self.directory.spares.bytes - claimed) if self.directory.spares is not None else 0
 
     def _accept(self) -> None:
         assert self._sock is not None
@@ -222,8 +229,8 @@ class ReplicaReceiver:
             raise _Refusal("permission_denied", f"job {job_id} belongs to another tenant on this peer")
         plan = StepPlan(job_id, step, world_size, (), tenant, keep, replace=bool(message.get("replace")))
         with self._room:
-            self._make_room(job_id, step, nbytes)
-            token, state = secrets.token_hex(16), _Step(self.directory.prepare(plan), nbytes)
+            spares = self._make_room(job_id, step, nbytes)
+            token, state = secrets.token_hex(16), _Step(self.directory.prepare(plan), nbytes, spares=spares)
             with self._lock:
                 self._steps[token] = state
         log_event(log, "replica_receiving", job_id=job_id, step=step, bytes=nbytes)
@@ -239,13 +246,19 @@ class ReplicaReceiver:
                 self._make_room(plan.job_id, plan.step, step.arrived - step.nbytes)
                 step.nbytes = step.arrived
 
-    def _make_room(self, job_id: str, step: int, nbytes: int) -> None:
-        """Drop the spare files, then evict the oldest replicas (never a job's newest) until
-        ``nbytes`` more fit; _Refusal else."""
+    def _make_room(self, job_id: str, step: int, nbytes: int) -> int:
+        """Room for ``nbytes`` more, written over spare files up to their bytes (no step counted those): drop the
+        spares beyond, then evict the oldest replicas (never a job's newest; their files become spares) until it fits;
+        the spare bytes counted as the new bytes' (written over, fresh memory costs a page's zeroing), or _Refusal."""
         self._drop_abandoned()
-        while self.held_bytes() + nbytes > self.size:
-            if self.directory.spares is not None and self.directory.spares.bytes:
-                self.directory.spares.drop()  # an evicted replica's files become spares: dropped next
+        spares = self.directory.spares
+        while True:
+            free, held = self._free_spares(), self.held_bytes()
+            reused = min(free, nbytes)
+            if held - reused + nbytes <= self.size:
+                return reused
+            if spares is not None and free > reused:  # keep what fits beside everything else, the oldest go first
+                spares.drop(down_to=spares.bytes - free + max(reused, self.size - (held - free)))
                 continue
             complete = self.directory.reader.list()
             newest = {info.job_id: info.step for info in complete}

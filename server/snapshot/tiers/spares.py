@@ -4,6 +4,11 @@ memory-only snapshots, the replicas it holds): on tmpfs a fresh page costs its a
 
 A restore that maps such a file, and the sink that writes it, hold a shared ``flock`` on it (:func:`hold_for_reading`);
 a file is taken for reuse only under an exclusive one, so none is written over while read or written.
+
+A sink's mapping of a file (:meth:`SpareFiles.mapping`) is kept while the file lives, whether listed in a step or
+spare: its next writer finds every page mapped already (mapping 512 MiB afresh cost about as much as the copy the
+mapping saves, docs/benchmarks.md "One copy of each byte on each host"). A removed file's mapping goes at the next
+:meth:`SpareFiles.unmap_removed`, which frees its memory.
 """
 
 from __future__ import annotations
@@ -11,12 +16,14 @@ from __future__ import annotations
 import collections
 import fcntl
 import itertools
+import mmap
 import os
 import pathlib
 import shutil
 import threading
 
 from swap_state.common.snapshot_errors import SnapshotCorruptError
+from swap_state.server import _posix
 
 __all__ = ["SPARE_DIR_NAME", "SpareFiles", "hold_for_reading"]
 
@@ -34,6 +41,48 @@ class SpareFiles:
         self._files: collections.OrderedDict[pathlib.Path, int] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
+        self._mappings: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}  # (device, inode): (a descriptor, mapping)
+
+    def mapping(self, fd: int, nbytes: int) -> mmap.mmap:
+        """``fd``'s file, ``nbytes`` long (its size), mapped shared and writable: the one kept for it where its size is
+        the same, else a new one (every page mapped now: one call, not a fault per page), kept until the file is
+        removed. Its writer has it alone (a file is never written twice at once)."""
+        self.unmap_removed()
+        info = os.fstat(fd)
+        key = (info.st_dev, info.st_ino)
+        with self._lock:
+            kept = self._mappings.get(key)
+        if kept is not None and len(kept[1]) == nbytes:
+            return kept[1]
+        # Its own open file description, not the sink's (mmap keeps a duplicate of the descriptor it is given): the
+        # sink's holds the shared flock that keeps the file from being taken as a spare, until the sink closes it.
+        own = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            mapping = mmap.mmap(own, nbytes)
+        except BaseException:
+            os.close(own)
+            raise
+        _posix.populate_write(_posix.buffer_address(mapping), nbytes)
+        with self._lock:
+            self._mappings[key] = (own, mapping)  # the descriptor tells when the file is gone
+        if kept is not None:
+            self._unmap([kept])
+        return mapping
+
+    def unmap_removed(self) -> None:
+        """Unmap the files removed since (unlinked: their memory is freed once unmapped)."""
+        with self._lock:
+            gone = [key for key, (fd, _) in self._mappings.items() if os.fstat(fd).st_nlink == 0]
+            removed = [self._mappings.pop(key) for key in gone]
+        self._unmap(removed)
+
+    def _unmap(self, kept: list[tuple[int, mmap.mmap]]) -> None:
+        for fd, mapping in kept:
+            os.close(fd)
+            try:
+                mapping.close()
+            except BufferError:  # a piece still held (a sink being closed): unmapped with its last view
+                pass
 
     @property
     def bytes(self) -> int:
@@ -67,13 +116,17 @@ class SpareFiles:
                 stale.append(self._files.popitem(last=False)[0])
         for path in stale:
             path.unlink(missing_ok=True)
+        self.unmap_removed()
 
-    def drop(self) -> None:
-        """Remove every spare (their memory is needed)."""
+    def drop(self, down_to: int = 0) -> None:
+        """Remove the oldest spares until at most ``down_to`` bytes of them are left (their memory is needed)."""
+        stale = []
         with self._lock:
-            stale, self._files = list(self._files), collections.OrderedDict()
+            while self._files and sum(self._files.values()) > down_to:
+                stale.append(self._files.popitem(last=False)[0])
         for path in stale:
             path.unlink(missing_ok=True)
+        self.unmap_removed()
 
     def take(self, path: pathlib.Path) -> bool:
         """Whether the largest spare now lies at ``path`` (renamed there), to be written over: its

@@ -2,6 +2,11 @@
 of :mod:`swap_state.common.segment`), so the trainer's next optimizer step finds them safe instead of copying them
 itself. One per :class:`~.writer.RankWriter`, in a thread of its own; the writer starts it, wakes it after every chunk
 and stops it before it releases the segment.
+
+A memory-only snapshot's stager copies each chunk straight into its place in the snapshot's file (mapped, in memory)
+instead of a slot: that copy is then both the trainer's safety and this host's copy of the snapshot, and the writer,
+which follows the stager, only checksums and sends it (one copy of the bytes where a slot and the file took two: the
+sender's CPU is what paces replication, docs/benchmarks.md "One copy of each byte on each host").
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ _YIELD_MAX_S = 0.5
 
 class Stager:
     """A ring of ``slots`` slots: chunk c goes to slot ``c % slots`` once the writer is done with chunk ``c - slots``,
-    so the staged chunks are the ones right after the writer's, which the trainer reaches first. ``threads`` threads
-    copy (GIL released); ``STAGED_UPTO`` is stored after each copied batch, by this thread only."""
+    so the staged chunks are the ones right after the writer's, which the trainer reaches first; or, started with the
+    file's places, every chunk to its place there, in order. ``threads`` threads copy (GIL released); ``STAGED_UPTO``
+    is stored after each copied batch, by this thread only."""
 
     def __init__(self, writer: Any, slots: int, threads: int):
         # ``writer``: the :class:`~.writer.RankWriter` that owns it (not imported: it imports this).
@@ -41,9 +47,11 @@ class Stager:
         self.thread: threading.Thread | None = None
         self.idle = threading.Event()  # set while it has nothing to copy: done, stopped, or its ring is full
         self._base = 0
+        self.places: list[int] | None = None  # each chunk's address in the snapshot's mapped file, or slots
 
-    def start(self, segment: memoryview) -> None:
-        self._base = buffer_address(segment)
+    def start(self, segment: memoryview, places: list[int] | None = None) -> None:
+        """Copy ``segment``'s chunks into the slots, or each to its address in ``places`` (the writer then follows)."""
+        self._base, self.places = buffer_address(segment), places
         self.idle.clear()
         self.thread = threading.Thread(target=self._run, name=f"{threading.current_thread().name}-stage", daemon=True)
         self.thread.start()
@@ -60,6 +68,17 @@ class Stager:
         if self.thread is not None and not self.idle.is_set():
             self.idle.wait(_YIELD_MAX_S)
 
+    def wait_staged(self, index: int) -> bool:
+        """Until chunk ``index`` is staged (True), or the stager ended first (False): a writer that follows it into
+        the file never writes a chunk the stager may still copy."""
+        header = self.writer.source.header
+        while header[Word.STAGED_UPTO] <= index:
+            if self.thread is None or not self.thread.is_alive():
+                return header[Word.STAGED_UPTO] > index
+            with self.progress:
+                self.progress.wait(_STAGE_WAIT_S)
+        return True
+
     def stop(self) -> None:
         """Stop and wait for the thread: no stager store or slot write happens after this."""
         self.stop_event.set()
@@ -73,9 +92,10 @@ class Stager:
         for chunk in chunks:
             if header.cow_epoch(chunk.index) == epoch:
                 continue  # the trainer copied it: its slot wins (protocol step 3)
-            slot = chunk.index % self.slots
-            _posix.memmove(self._base + layout.cow_slots_offset + slot * layout.chunk_bytes,
-                           self._base + chunk.offset, chunk.nbytes)
+            places = self.places
+            into = places[chunk.index] if places else self._base + layout.cow_slots_offset + (
+                chunk.index % self.slots) * layout.chunk_bytes
+            _posix.memmove(into, self._base + chunk.offset, chunk.nbytes)
             copied += chunk.nbytes
             count += 1
         return copied, count
@@ -93,7 +113,7 @@ class Stager:
                 persisted = header[Word.PERSISTED_UPTO]
                 if position < persisted:  # the writer is done with those (never the one it reads)
                     position = persisted
-                limit = min(n, persisted + k)  # the ring slots of [persisted, limit) are free
+                limit = n if self.places else min(n, persisted + k)  # the ring slots of [persisted, limit) are free
                 if not writer.model_published():
                     limit = min(limit, writer.model_from)  # protocol step 5
                 if position >= limit:
@@ -113,6 +133,8 @@ class Stager:
                 self.staged_bytes += nbytes
                 self.staged_chunks += copied
                 position = end
+                if self.places:
+                    self.wake()  # the writer follows
         except Exception as exc:  # staging is an optimisation: the trainer still copies itself
             log.warning("snapshot stager of %s stopped: %r", writer.source.job_id, exc)
         finally:

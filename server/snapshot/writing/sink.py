@@ -3,11 +3,13 @@ bounce buffers: buffered writes leave the pace to the kernel's writeback, and sa
 tensors without block alignment) or :class:`BufferedSink` (``pwrite`` into the page cache), chosen
 by :func:`open_sink`. Call order (the writer)::
 
+    [address = sink.map(size)]                   # a file in memory, mapped: another thread may copy into it
     sink.write_all(header)                       # the file's first bytes
     for each piece of each chunk:                # a piece is at most sink.room() bytes
         with sink.put(piece, stable) as placed:  # placed at the sink's position, not final;
             checksum.update(placed)              # the caller checksums the bytes as placed
         [with sink.replace(other, stable) as placed: ...]  # the same range, from another source
+        [or: with sink.put_mapped(n) as placed]  # the piece is in the mapping already
         sink.advance()                           # final: no buffer holding it goes to disk before
     sink.finish()                                # everything written and fsynced
     sink.close()                                 # on every path (a context manager)
@@ -28,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from swap_state.common.segment import align_up
 from swap_state.server import _posix
 from swap_state.server.logs import log_event
+from swap_state.server.snapshot.tiers.spares import SpareFiles
 from swap_state.server.snapshot.writing.snapshot_file import SnapshotFile, pwrite_all
 
 __all__ = ["BLOCK_BYTES", "BufferedSink", "ChunkSink", "DirectSink", "copy_piece", "open_sink"]
@@ -72,6 +75,15 @@ class ChunkSink(contextlib.AbstractContextManager):
             raise ValueError("replace takes the length of the last put")
         return self.put(data, stable)
 
+    def map(self, nbytes: int) -> int | None:
+        """The file, ``nbytes`` long, mapped for another thread to copy pieces into (the stager of a memory-only
+        snapshot), until :meth:`close`: the address of its first byte; None where the sink cannot (not in memory)."""
+        return None
+
+    def put_mapped(self, nbytes: int) -> memoryview:
+        """As :meth:`put`, of the ``nbytes`` at :attr:`position` that were copied into the :meth:`map` (a stable view)."""
+        raise NotImplementedError(f"{type(self).__name__} has no mapping")
+
     @abc.abstractmethod
     def advance(self) -> None:
         """The last :meth:`put` (or :meth:`replace`) is final."""
@@ -108,11 +120,31 @@ class BufferedSink(ChunkSink):
     writeback started every ``_WRITEBACK_BYTES``; fsync at the end. A file in memory (tmpfs)
     may be a spare file, longer than what is written: the end cuts it to size."""
 
-    def __init__(self, file: SnapshotFile):
+    def __init__(self, file: SnapshotFile, spares: SpareFiles | None = None):
         super().__init__()
         self.file = file  # owned: closed with the sink
         self._fd = file.fileno()
         self._kicked = 0  # file bytes [0, _kicked) have had writeback started
+        self._spares = spares  # where a file in memory is mapped (kept between snapshots)
+        self._mapped: mmap.mmap | None = None
+
+    def map(self, nbytes: int) -> int | None:
+        if self._spares is None:
+            return None
+        try:
+            os.ftruncate(self._fd, nbytes)  # a spare file may be longer
+            self._mapped = self._spares.mapping(self._fd, nbytes)
+        except OSError as exc:  # no /proc, the memory map's limit: pwrite, as before
+            log_event(log, "snapshot_file_unmapped", logging.WARNING, path=str(self.file.path), error=str(exc))
+            return None
+        return _posix.buffer_address(self._mapped)
+
+    def put_mapped(self, nbytes: int) -> memoryview:
+        if self._mapped is None:
+            raise ValueError("put_mapped before map")
+        self._pending = nbytes
+        with memoryview(self._mapped) as whole:
+            return whole[self.position : self.position + nbytes]
 
     def room(self) -> int:
         return 1 << 62
@@ -136,6 +168,7 @@ class BufferedSink(ChunkSink):
         self.file.fsync()
 
     def close(self) -> None:
+        self._mapped = None  # the spares' (kept for the file's next writer)
         self.file.close()
 
 
@@ -248,12 +281,13 @@ def copy_piece(buffer: mmap.mmap | bytearray, address: int, offset: int, data: m
         _posix.memmove(address + offset, _posix.buffer_address(data), data.nbytes)
 
 
-def open_sink(file: SnapshotFile) -> ChunkSink:
-    """A :class:`DirectSink` when ``file`` gives an O_DIRECT descriptor, else a :class:`BufferedSink`;
-    the sink owns ``file`` (closed with it, here when no sink could be made)."""
+def open_sink(file: SnapshotFile, spares: SpareFiles | None = None) -> ChunkSink:
+    """A :class:`DirectSink` when ``file`` gives an O_DIRECT descriptor, else a :class:`BufferedSink` (which maps
+    ``file`` where given the ``spares`` of its directory in memory); the sink owns ``file`` (closed with it, here when
+    no sink could be made)."""
     try:
         fd = file.open_direct()
-        return BufferedSink(file) if fd is None else DirectSink(file, fd)
+        return BufferedSink(file, spares) if fd is None else DirectSink(file, fd)
     except BaseException:
         file.close()
         raise

@@ -36,7 +36,8 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 class SnapshotFile(contextlib.AbstractContextManager):
-    """One new file of a partial snapshot directory (``O_EXCL``), open for writing; a context
+    """One new file of a partial snapshot directory (``O_EXCL``), open for writing (and reading: a file in memory
+    may be mapped, :meth:`.sink.BufferedSink.map`); a context
     manager. Its bytes are durable once :meth:`fsync` returned."""
 
     def __init__(self, path: pathlib.Path, direct: bool = True, spare: bool = False):
@@ -44,7 +45,7 @@ class SnapshotFile(contextlib.AbstractContextManager):
         ``spare``: the file exists, a removed step's, to be written over (:mod:`..tiers.spares`)."""
         self.path, self.direct = path, direct
         create = 0 if spare else os.O_CREAT | os.O_EXCL
-        self._fd: int | None = os.open(path, os.O_WRONLY | create | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+        self._fd: int | None = os.open(path, os.O_RDWR | create | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
         self.in_memory = _posix.in_memory(self._fd)  # on tmpfs: memory-only snapshots, replicas
 
     def fileno(self) -> int:

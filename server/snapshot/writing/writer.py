@@ -92,6 +92,7 @@ class RankWriter:
         self.stage_slots = stager_slot_count(source.layout.cow_slots)
         self.stager = Stager(self, self.stage_slots, settings.stage_threads) if self.stage_slots else None
         self._trainer_yield = self.stager is not None
+        self._in_file = False  # the stager copies into the file (a memory-only snapshot's): the writer follows it
         self.direct_io = False  # whether the data file was written with O_DIRECT (known once it is created)
         self._paused_s = 0.0  # time the writer paused for the trainer's steps (writer thread)
         self._stream_started = 0.0
@@ -207,7 +208,7 @@ class RankWriter:
         if chunk.index == self.model_from:
             self._wait_for_model()
         if self.stager is not None:
-            if sink.stager_first:
+            if sink.stager_first and not self._in_file:
                 self.stager.yield_to()
             self._yield_to_trainer(len(self.chunks))
         if not self.limiter.acquire(chunk.nbytes, self.cancel):
@@ -240,7 +241,9 @@ class RankWriter:
         """
         n, c = chunk.nbytes, chunk.index
         layout, ring = self.source.layout, self.stage_slots  # where the stager stages chunk c, if any
-        stage_at = layout.cow_slots_offset + (c % ring) * layout.chunk_bytes if ring else None
+        stage_at = layout.cow_slots_offset + (c % ring) * layout.chunk_bytes if ring and not self._in_file else None
+        if self._in_file and self.stager.wait_staged(c) and self.source.header.cow_epoch(c) != self.epoch:
+            return self._persist_staged(sink, chunk, checksum)  # else the trainer's slot, or the stager ended
         source = stage_at if stage_at is not None and c < self.source.header[Word.STAGED_UPTO] else chunk.offset
         trainer_slot: int | None = None
         done = 0
@@ -263,6 +266,17 @@ class RankWriter:
         self._header.persisted(c + 1)  # also frees the chunk's stager slot
         if self.stager is not None:
             self.stager.wake()
+
+    def _persist_staged(self, sink: ChunkSink, chunk: Chunk, checksum: BlockChecksum) -> None:
+        """``chunk``, which the stager copied into the file before the trainer wrote it (no ``COW_EPOCH`` of this
+        epoch once ``STAGED_UPTO`` passed it): checksummed and made final (sent) where it lies, piece by piece."""
+        done = 0
+        while done < chunk.nbytes:
+            with sink.put_mapped(min(chunk.nbytes - done, sink.room(), PIECE_BYTES)) as placed:
+                checksum.update(placed)
+                done += placed.nbytes
+            sink.advance()
+        self._header.persisted(chunk.index + 1)
 
     def _safe_source(self, chunk: Chunk, source: int, stage_at: int | None) -> tuple[int, int | None]:
         """After a piece of ``chunk`` was read from ``source``: (where its step-N bytes are now,
@@ -345,12 +359,15 @@ class RankWriter:
         segment = memoryview(self.source.buffer)
         with contextlib.ExitStack() as opened:
             try:
-                if self.stager is not None and not self.cancel.is_set():
+                into_file = self.stager is not None and self.source.memory_only
+                if self.stager is not None and not into_file and not self.cancel.is_set():
                     # Before the file: opening it may wait on a replica peer, and the trainer's
                     # next step must find its chunks staged meanwhile.
                     self.stager.start(segment)
                 sink = opened.enter_context(self.tier.open_file(self.target, name))
                 self.direct_io = sink.direct
+                if into_file and not self.cancel.is_set():
+                    self._start_stager_into(sink, segment, len(header))
                 sink.write_all(header)
                 crcs = self._stream(sink, segment)
             finally:
@@ -360,3 +377,16 @@ class RankWriter:
                 self.release_segment()
             sink.finish()
         return crcs
+
+    def _start_stager_into(self, sink: ChunkSink, segment: memoryview, header_bytes: int) -> None:
+        """A memory-only snapshot's stager: each chunk into its place in the file, mapped (into slots where the sink
+        cannot map it)."""
+        address = sink.map(header_bytes + sum(chunk.nbytes for chunk in self.chunks))
+        places = None
+        if address is not None:
+            places, address = [], address + header_bytes
+            for chunk in self.chunks:  # the file holds the chunks in order after the header
+                places.append(address)
+                address += chunk.nbytes
+        self._in_file = places is not None
+        self.stager.start(segment, places)
