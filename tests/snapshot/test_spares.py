@@ -167,7 +167,7 @@ def _mapped_step(directory: SnapshotDirectory, step: int, data: bytes):
     target = directory.prepare(StepPlan("job", step, 1, (), "", keep=1))
     with directory.open_file(target, rank_data_name(0)) as sink:
         sink.map(len(data))
-        mapping = sink._mapped
+        mapping = sink._mapped.obj
         mapping[:] = data
         with sink.put_mapped(len(data)) as placed:
             assert placed == data
@@ -191,3 +191,18 @@ def test_a_files_mapping_is_kept_for_its_next_writer_and_let_go_once_the_file_is
     directory.spares.keep([path])
     directory.spares.drop()  # the file is gone: so is its mapping (its memory is freed)
     assert third.closed and directory.spares._mappings == {}
+
+
+def test_a_file_removed_while_its_stager_copies_stays_mapped_until_its_sink_closes(private_shm_dir):
+    """Another rank's failure discards the step while this rank's stager copies into the file: the spares let the
+    mapping go, but it is unmapped only once the sink is closed (the stager's copies use its address)."""
+    directory = SnapshotDirectory(os.path.join(private_shm_dir, "memory"))
+    directory.create_root()
+    directory.spares = SpareFiles(directory.root)
+    target = directory.prepare(StepPlan("job", 1, 2, (), "", keep=1))
+    with directory.open_file(target, rank_data_name(0)) as sink:
+        sink.map(8192)
+        mapping = sink._mapped.obj
+        directory.discard(target)
+        assert directory.spares._mappings == {} and not mapping.closed
+        mapping[:] = b"s" * 8192  # where the stager would copy: still mapped

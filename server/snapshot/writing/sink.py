@@ -126,25 +126,27 @@ class BufferedSink(ChunkSink):
         self._fd = file.fileno()
         self._kicked = 0  # file bytes [0, _kicked) have had writeback started
         self._spares = spares  # where a file in memory is mapped (kept between snapshots)
-        self._mapped: mmap.mmap | None = None
+        # The mapping, held (an export) until closed: the file removed meanwhile (its step discarded), the spares let go
+        # of it but cannot unmap it under the stager's copies (mmap.close refuses while exported).
+        self._mapped: memoryview | None = None
 
     def map(self, nbytes: int) -> int | None:
         if self._spares is None:
             return None
         try:
             os.ftruncate(self._fd, nbytes)  # a spare file may be longer
-            self._mapped = self._spares.mapping(self._fd, nbytes)
+            mapping = self._spares.mapping(self._fd, nbytes)
         except OSError as exc:  # no /proc, the memory map's limit: pwrite, as before
             log_event(log, "snapshot_file_unmapped", logging.WARNING, path=str(self.file.path), error=str(exc))
             return None
-        return _posix.buffer_address(self._mapped)
+        self._mapped = memoryview(mapping)
+        return _posix.buffer_address(mapping)
 
     def put_mapped(self, nbytes: int) -> memoryview:
         if self._mapped is None:
             raise ValueError("put_mapped before map")
         self._pending = nbytes
-        with memoryview(self._mapped) as whole:
-            return whole[self.position : self.position + nbytes]
+        return self._mapped[self.position : self.position + nbytes]
 
     def room(self) -> int:
         return 1 << 62
@@ -168,7 +170,9 @@ class BufferedSink(ChunkSink):
         self.file.fsync()
 
     def close(self) -> None:
-        self._mapped = None  # the spares' (kept for the file's next writer)
+        mapped, self._mapped = self._mapped, None  # the mapping stays the spares' (kept for the file's next writer)
+        if mapped is not None:
+            mapped.release()
         self.file.close()
 
 
