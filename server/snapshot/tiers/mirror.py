@@ -151,8 +151,14 @@ class _TeeSink(ChunkSink):
         self._copy: SendingSink | None = None
 
     def room(self) -> int:
-        copying = self._copy is not None or self._open_copy is not None
-        return min(self._primary.room(), DATA_FRAME_BYTES) if copying else self._primary.room()
+        return min(self._primary.room(), DATA_FRAME_BYTES) if self._copying() else self._primary.room()
+
+    @property
+    def stager_first(self) -> bool:  # while the copy is sent, its sends compete with the stager too
+        return self._copying() or self._primary.stager_first
+
+    def _copying(self) -> bool:
+        return self._copy is not None or self._open_copy is not None
 
     def put(self, data: memoryview, stable: bool = False) -> memoryview:
         return self._mirrored(self._primary.put(data, stable), stable)
