@@ -125,28 +125,36 @@ def test_a_peer_writes_a_replica_over_its_spare_files_instead_of_dropping_them(p
     spare = os.stat(directory.spares.folder / os.listdir(directory.spares.folder)[0]).st_ino
     assert receiver.held_bytes() == 600_000
     _prepare(conn, "job", 600_000)
-    assert directory.spares.bytes == 600_000 and receiver.held_bytes() == 600_000  # the spare is the replica's
+    assert directory.spares.bytes == 600_000  # the replica's, to be written over
     conn.send({"op": "open", "name": rank_data_name(0)})
     conn.send_data(b"r" * 600_000)
     conn.request({"op": "end", "bytes": 600_000})
     [written] = directory.root.glob(f"job/*/{rank_data_name(0)}")
-    assert os.stat(written).st_ino == spare and directory.spares.bytes == 0
+    assert os.stat(written).st_ino == spare and directory.spares.bytes == 0 and receiver.held_bytes() == 600_000
 
 
-def test_a_second_replica_finds_the_spares_counted_as_the_first_ones(peer):
+def test_a_replica_arriving_beside_another_counts_no_spare_as_its_own(peer):
+    """Only a step arriving alone knows which spare its file takes: a second one counts every spare as memory."""
     receiver, directory, conn = peer({"old": 600_000})
     _prepare(conn, "job", 600_000)
-    with pytest.raises(ReplicaRefused, match="replica_full|--replica-size"):
-        _prepare(conn, "other-job", 600_000)  # 600 KB over the spares and 600 KB fresh: over the 1 MiB
-    assert receiver.held_bytes() == 600_000
+    with pytest.raises(ReplicaRefused, match="--replica-size"):
+        _prepare(conn, "other-job", 600_000)  # 1.2 MB however the spare is used: over the 1 MiB
+    assert receiver.held_bytes() == 600_000  # the spare dropped trying; the first step's bytes held
 
 
-def test_a_peer_drops_the_oldest_spares_beyond_what_fits_instead_of_refusing(peer):
-    """Spares past --replica-size (each removal adds some) never refuse a replica: the oldest go first."""
-    receiver, directory, conn = peer({"older": 500_000, "old": 500_000, "new": 400_000}, spare_limit=2 << 20)
-    assert receiver.held_bytes() == 1_400_000 > receiver.size
-    _prepare(conn, "job", 300_000)
-    assert receiver.held_bytes() == 900_000 and directory.spares.bytes == 900_000  # "older" went
+@pytest.mark.parametrize("spares, left", [({"a": 500_000, "b": 600_000, "c": 400_000}, 600_000),
+                                          ({"a": 300_000, "b": 300_000, "c": 300_000, "d": 300_000}, 300_000)])
+def test_a_peer_drops_the_spares_its_replica_is_not_written_over_instead_of_refusing(peer, spares, left):
+    """Spares past --replica-size never refuse a replica; the largest stays (the replica's file takes it), so the
+    memory its data file ends up with stays within the budget, whichever size the spares have."""
+    receiver, directory, conn = peer(spares, spare_limit=2 << 20)
+    assert receiver.held_bytes() > receiver.size
+    _prepare(conn, "job", 600_000)
+    assert directory.spares.bytes == left and receiver.held_bytes() - min(left, 600_000) <= receiver.size
+    conn.send({"op": "open", "name": rank_data_name(0)})
+    conn.send_data(b"r" * 600_000)
+    conn.request({"op": "end", "bytes": 600_000})
+    assert directory.spares.bytes == 0 and receiver.held_bytes() == 600_000 <= receiver.size
 
 
 def test_a_file_still_being_written_is_never_taken(tmp_path):
@@ -206,3 +214,16 @@ def test_a_file_removed_while_its_stager_copies_stays_mapped_until_its_sink_clos
         directory.discard(target)
         assert directory.spares._mappings == {} and not mapping.closed
         mapping[:] = b"s" * 8192  # where the stager would copy: still mapped
+
+
+def test_a_file_that_does_not_fit_its_tmpfs_is_not_mapped(small_tmpfs):
+    """Mapped without its blocks, a full tmpfs would kill the server (SIGBUS) at the stager's copy; it is refused at
+    the map instead, and the write then fails the snapshot with ENOSPC."""
+    directory = SnapshotDirectory(small_tmpfs / "memory")
+    directory.create_root()
+    directory.spares = SpareFiles(directory.root)
+    target = directory.prepare(StepPlan("job", 1, 1, (), "", keep=1))
+    with directory.open_file(target, rank_data_name(0)) as sink:
+        assert sink.map(4 << 20) is None  # 4 MiB on a 1 MiB tmpfs
+        with pytest.raises(OSError, match="No space left"):
+            sink.write_all(bytes(4 << 20))

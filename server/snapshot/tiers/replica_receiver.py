@@ -57,7 +57,6 @@ class _Step:
     received: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # name -> (bytes, crc32)
     failed: str = ""
     touched: float = dataclasses.field(default_factory=time.monotonic)
-    spares: int = 0  # of the spare files' bytes, those counted as this step's at prepare (written over by it)
 
 
 class ReplicaReceiver:
@@ -99,13 +98,8 @@ class ReplicaReceiver:
         write over."""
         with self._lock:
             receiving = sum(step.nbytes for step in self._steps.values())
-        return receiving + self._free_spares() + sum(info.bytes for info in self.directory.reader.list())
-
-    def _free_spares(self) -> int:
-        """Bytes of spare files no step being received counted as its own (those count in its bytes)."""
-        with self._lock:
-            claimed = sum(step.spares for step in self._steps.values())
-        return max(0, self.directory.spares.bytes - claimed) if self.directory.spares is not None else 0
+        spares = self.directory.spares.bytes if self.directory.spares is not None else 0
+        return receiving + spares + sum(info.bytes for info in self.directory.reader.list())
 
     def _accept(self) -> None:
         assert self._sock is not None
@@ -229,8 +223,8 @@ class ReplicaReceiver:
             raise _Refusal("permission_denied", f"job {job_id} belongs to another tenant on this peer")
         plan = StepPlan(job_id, step, world_size, (), tenant, keep, replace=bool(message.get("replace")))
         with self._room:
-            spares = self._make_room(job_id, step, nbytes)
-            token, state = secrets.token_hex(16), _Step(self.directory.prepare(plan), nbytes, spares=spares)
+            self._make_room(job_id, step, nbytes)
+            token, state = secrets.token_hex(16), _Step(self.directory.prepare(plan), nbytes)
             with self._lock:
                 self._steps[token] = state
         log_event(log, "replica_receiving", job_id=job_id, step=step, bytes=nbytes)
@@ -246,19 +240,20 @@ class ReplicaReceiver:
                 self._make_room(plan.job_id, plan.step, step.arrived - step.nbytes)
                 step.nbytes = step.arrived
 
-    def _make_room(self, job_id: str, step: int, nbytes: int) -> int:
-        """Room for ``nbytes`` more, written over spare files up to their bytes (no step counted those): drop the
-        spares beyond, then evict the oldest replicas (never a job's newest; their files become spares) until it fits;
-        the spare bytes counted as the new bytes' (written over, fresh memory costs a page's zeroing), or _Refusal."""
+    def _make_room(self, job_id: str, step: int, nbytes: int) -> None:
+        """Room for ``nbytes`` more; a step arriving alone counts the largest spare file as its own (its first data
+        file is written over it: fresh memory costs a page's zeroing). The other spares are dropped first, then that
+        one, then the oldest replicas evicted (never a job's newest; their files become spares); _Refusal else."""
         self._drop_abandoned()
         spares = self.directory.spares
         while True:
-            free, held = self._free_spares(), self.held_bytes()
-            reused = min(free, nbytes)
-            if held - reused + nbytes <= self.size:
-                return reused
-            if spares is not None and free > reused:  # keep what fits beside everything else, the oldest go first
-                spares.drop(down_to=spares.bytes - free + max(reused, self.size - (held - free)))
+            with self._lock:
+                alone = not self._steps
+            reused = min(spares.largest(), nbytes) if spares is not None and alone else 0
+            if self.held_bytes() - reused + nbytes <= self.size:
+                return
+            if spares is not None and spares.bytes:  # every other spare first, then the one written over
+                spares.drop(keep_largest=alone and spares.bytes > spares.largest())
                 continue
             complete = self.directory.reader.list()
             newest = {info.job_id: info.step for info in complete}

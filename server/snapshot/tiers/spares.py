@@ -118,12 +118,18 @@ class SpareFiles:
             path.unlink(missing_ok=True)
         self.unmap_removed()
 
-    def drop(self, down_to: int = 0) -> None:
-        """Remove the oldest spares until at most ``down_to`` bytes of them are left (their memory is needed)."""
-        stale = []
+    def largest(self) -> int:
+        """Bytes of the largest spare (the one :meth:`take` gives next), 0 without one."""
         with self._lock:
-            while self._files and sum(self._files.values()) > down_to:
-                stale.append(self._files.popitem(last=False)[0])
+            return max(self._files.values(), default=0)
+
+    def drop(self, keep_largest: bool = False) -> None:
+        """Remove every spare (their memory is needed), or every one but the largest."""
+        with self._lock:
+            largest = max(self._files, key=self._files.__getitem__, default=None) if keep_largest else None
+            stale = [path for path in self._files if path != largest]
+            for path in stale:
+                del self._files[path]
         for path in stale:
             path.unlink(missing_ok=True)
         self.unmap_removed()

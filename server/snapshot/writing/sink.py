@@ -135,8 +135,10 @@ class BufferedSink(ChunkSink):
             return None
         try:
             os.ftruncate(self._fd, nbytes)  # a spare file may be longer
+            # Every block now: a full tmpfs fails here (ENOSPC), not with SIGBUS in the stager's copy.
+            os.posix_fallocate(self._fd, 0, nbytes)
             mapping = self._spares.mapping(self._fd, nbytes)
-        except OSError as exc:  # no /proc, the memory map's limit: pwrite, as before
+        except OSError as exc:  # tmpfs full, no /proc, the memory map's limit: pwrite, which fails the snapshot cleanly
             log_event(log, "snapshot_file_unmapped", logging.WARNING, path=str(self.file.path), error=str(exc))
             return None
         self._mapped = memoryview(mapping)
