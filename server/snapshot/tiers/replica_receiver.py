@@ -94,8 +94,7 @@ class ReplicaReceiver:
             self._sock.close()
 
     def held_bytes(self) -> int:
-        """Bytes of complete replicas, of steps being received (declared) and of the spare files no such step will
-        write over."""
+        """Bytes of complete replicas, of steps being received (declared) and of spare files."""
         with self._lock:
             receiving = sum(step.nbytes for step in self._steps.values())
         spares = self.directory.spares.bytes if self.directory.spares is not None else 0

@@ -47,7 +47,6 @@ class SpareFiles:
         """``fd``'s file, ``nbytes`` long (its size), mapped shared and writable: the one kept for it where its size is
         the same, else a new one (every page mapped now: one call, not a fault per page), kept until the file is
         removed. Its writer has it alone (a file is never written twice at once)."""
-        self.unmap_removed()
         info = os.fstat(fd)
         key = (info.st_dev, info.st_ino)
         with self._lock:

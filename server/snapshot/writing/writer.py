@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import struct
 import threading
@@ -382,11 +383,8 @@ class RankWriter:
         """A memory-only snapshot's stager: each chunk into its place in the file, mapped (into slots where the sink
         cannot map it)."""
         address = sink.map(header_bytes + sum(chunk.nbytes for chunk in self.chunks))
-        places = None
-        if address is not None:
-            places, address = [], address + header_bytes
-            for chunk in self.chunks:  # the file holds the chunks in order after the header
-                places.append(address)
-                address += chunk.nbytes
-        self._in_file = places is not None
+        self._in_file = address is not None
+        # The file holds the chunks in order after the header.
+        places = list(itertools.accumulate((c.nbytes for c in self.chunks[:-1]), initial=address + header_bytes)) \
+            if address is not None else None
         self.stager.start(segment, places)
